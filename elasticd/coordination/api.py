@@ -1,0 +1,227 @@
+"""The coordination interface: what elasticd needs from etcd v3, and nothing more.
+
+Everything in elasticd talks to a :class:`Coordinator`, never to an etcd client library.
+Two implementations sit beside this file: :mod:`elasticd.coordination.etcd` (a real etcd v3
+server through ``etcd-sdk-python``) and :mod:`elasticd.coordination.memory` (an in-memory fake
+for unit tests). One contract test suite (``tests/unit/test_coordination_contract.py``) runs
+against both, so the fake cannot drift from the real thing.
+
+Keys and values are bytes on this interface; typed, versioned records live in
+:mod:`elasticd.coordination.records`.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+from typing import Callable, Sequence
+
+
+class CoordinationError(Exception):
+    """Base class of every error the coordination layer raises."""
+
+
+class Unavailable(CoordinationError):
+    """etcd could not be reached (every endpoint failed or timed out).
+
+    Callers treat this as transient: retry with backoff, keep what runs running.
+    """
+
+
+class LeaseLost(CoordinationError):
+    """The lease no longer exists on the server (it expired or was revoked)."""
+
+
+class Compacted(CoordinationError):
+    """A watch asked for a revision that etcd has already compacted away.
+
+    The watcher must re-list the prefix and watch from the listing's revision.
+    """
+
+    def __init__(self, compact_revision: int) -> None:
+        super().__init__(f"revision compacted up to {compact_revision}; re-list and re-watch")
+        self.compact_revision = compact_revision
+
+
+class AuthError(CoordinationError):
+    """etcd refused the credentials (user/password or TLS client certificate)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyValue:
+    """One key as stored, with etcd's bookkeeping.
+
+    Attributes:
+        key: full key, bytes.
+        value: stored bytes.
+        create_revision: revision of the put that created the key.
+        mod_revision: revision of the last put to the key (use it for compare-and-set).
+        version: number of puts since creation.
+        lease: id of the lease the key is bound to, 0 for none.
+    """
+
+    key: bytes
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    version: int = 1
+    lease: int = 0
+
+
+class EventType(enum.Enum):
+    PUT = "put"
+    DELETE = "delete"
+
+
+@dataclasses.dataclass(frozen=True)
+class WatchEvent:
+    """A change under a watched prefix.
+
+    For DELETE events ``kv.value`` is empty and ``prev`` holds the key as it was before the
+    delete (with its lease), when the server still had it.
+    """
+
+    type: EventType
+    kv: KeyValue
+    prev: KeyValue | None = None
+
+
+#: Watch callbacks receive a batch of events, or an error that ended the watch stream. After an
+#: error the implementation re-creates the watch from the next revision on its own; the error is
+#: delivered so that the caller knows events may have been delayed. A :class:`Compacted` error
+#: means events were lost: the caller must re-list.
+WatchCallback = Callable[[Sequence[WatchEvent] | CoordinationError], None]
+
+
+class Watch(abc.ABC):
+    """Handle on a running watch."""
+
+    @abc.abstractmethod
+    def cancel(self) -> None:
+        """Stops the watch; no callback runs after this returns."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Compare:
+    """One condition of a transaction, on ``mod_revision`` (0 means: key absent)."""
+
+    key: bytes
+    mod_revision: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Put:
+    key: bytes
+    value: bytes
+    lease: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Delete:
+    key: bytes
+
+
+Op = Put | Delete
+
+
+class Coordinator(abc.ABC):
+    """A strongly consistent key-value store with leases and watches (the etcd v3 model).
+
+    Every call takes at most the implementation's request timeout and raises
+    :class:`Unavailable` when the store cannot be reached.
+    """
+
+    # -- keys -----------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def get(self, key: bytes) -> KeyValue | None:
+        """Returns the key, or None when absent."""
+
+    @abc.abstractmethod
+    def get_prefix(self, prefix: bytes) -> tuple[list[KeyValue], int]:
+        """Returns every key under ``prefix`` sorted by key, and the store's revision."""
+
+    @abc.abstractmethod
+    def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
+        """Writes unconditionally; returns the new revision."""
+
+    @abc.abstractmethod
+    def delete(self, key: bytes) -> bool:
+        """Deletes one key; True when it existed."""
+
+    @abc.abstractmethod
+    def delete_prefix(self, prefix: bytes) -> int:
+        """Deletes every key under ``prefix``; returns how many."""
+
+    @abc.abstractmethod
+    def transaction(self, compares: Sequence[Compare], ops: Sequence[Op]) -> tuple[bool, int]:
+        """Applies ``ops`` atomically if every compare holds.
+
+        Returns:
+            (succeeded, revision after the transaction).
+        """
+
+    def create(self, key: bytes, value: bytes, lease: int = 0) -> bool:
+        """Writes only if the key is absent; True when written."""
+        ok, _ = self.transaction([Compare(key, 0)], [Put(key, value, lease)])
+        return ok
+
+    def compare_and_set(self, key: bytes, value: bytes, mod_revision: int, lease: int = 0) -> bool:
+        """Writes only if the key's mod_revision still equals ``mod_revision`` (0: absent)."""
+        ok, _ = self.transaction([Compare(key, mod_revision)], [Put(key, value, lease)])
+        return ok
+
+    # -- leases ---------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def grant_lease(self, ttl: int) -> int:
+        """Grants a lease of ``ttl`` seconds; returns its id."""
+
+    @abc.abstractmethod
+    def keep_alive(self, lease: int) -> float:
+        """Refreshes a lease once; returns the TTL granted.
+
+        Raises:
+            LeaseLost: the lease expired or was revoked.
+        """
+
+    @abc.abstractmethod
+    def revoke_lease(self, lease: int) -> None:
+        """Revokes a lease, deleting every key bound to it. A missing lease is not an error."""
+
+    # -- watches --------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def watch_prefix(self, prefix: bytes, callback: WatchCallback, start_revision: int) -> Watch:
+        """Calls ``callback`` with every change under ``prefix`` from ``start_revision`` on.
+
+        The watch survives server restarts and endpoint failover: it is re-created from the
+        revision after the last one delivered.
+        """
+
+    # -- housekeeping ---------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def revision(self) -> int:
+        """The store's current revision (a cheap liveness probe)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Releases connections and stops watches."""
+
+    def __enter__(self) -> "Coordinator":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def prefix_range_end(prefix: bytes) -> bytes:
+    """The etcd range end that selects every key starting with ``prefix``."""
+    end = bytearray(prefix)
+    for i in range(len(end) - 1, -1, -1):
+        if end[i] < 0xFF:
+            end[i] += 1
+            return bytes(end[: i + 1])
+    return b"\0"

@@ -1,0 +1,225 @@
+"""A private etcd server started from the ``etcd`` binary on PATH.
+
+Used three ways: by a lone ``elasticd`` started with no ``--etcd`` (it owns its etcd and stops
+it on exit), by the demo launcher, and by the tests. Where several daemons share one etcd (the
+demo, the tests), the launcher owns it, never one of the daemons, so that killing any daemon
+leaves coordination up.
+
+The server binds to 127.0.0.1 only, on free ports, with a temporary data directory and
+revision-based auto-compaction so that a long run does not grow etcd's database without bound.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from typing import Sequence
+
+ETCD_INSTALL_HINT = (
+    "no etcd binary on PATH: install one (Debian/Ubuntu: `apt-get install etcd-server`), "
+    "or point elasticd at a running cluster with --etcd HOST:PORT"
+)
+
+
+class EtcdNotFound(RuntimeError):
+    """The ``etcd`` binary is not installed."""
+
+
+class EtcdStartError(RuntimeError):
+    """etcd was started but did not become healthy."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the kernel picks it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def find_etcd(binary: str = "etcd") -> str:
+    path = shutil.which(binary)
+    if path is None:
+        raise EtcdNotFound(ETCD_INSTALL_HINT)
+    return path
+
+
+class EtcdMember:
+    """One etcd process (a single-node cluster, or one member of a loopback cluster)."""
+
+    def __init__(self, name: str, data_dir: str, client_port: int, peer_port: int,
+                 initial_cluster: str, binary: str, log_path: str) -> None:
+        self.name = name
+        self.data_dir = data_dir
+        self.client_port = client_port
+        self.peer_port = peer_port
+        self.initial_cluster = initial_cluster
+        self.binary = binary
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    def start(self) -> None:
+        """Starts (or restarts, keeping the data directory) the member."""
+        cmd = [
+            self.binary,
+            "--name", self.name,
+            "--data-dir", self.data_dir,
+            "--listen-client-urls", f"http://127.0.0.1:{self.client_port}",
+            "--advertise-client-urls", f"http://127.0.0.1:{self.client_port}",
+            "--listen-peer-urls", f"http://127.0.0.1:{self.peer_port}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_port}",
+            "--initial-cluster", self.initial_cluster,
+            "--initial-cluster-state", "new",
+            "--initial-cluster-token", f"elasticd-{os.getpid()}-{id(self)}",
+            # Keep etcd's history bounded however long the run: compact all but the last
+            # 10,000 revisions every 5 minutes (etcd 3.4 revision mode).
+            "--auto-compaction-mode", "revision",
+            "--auto-compaction-retention", "10000",
+            "--quota-backend-bytes", str(2 * 1024**3),
+            "--heartbeat-interval", "100",
+            "--election-timeout", "1000",
+            "--log-level", "warn",
+            "--logger", "zap",
+        ]
+        log = open(self.log_path, "ab")
+        try:
+            # A session of its own: a Ctrl-C aimed at the launcher's terminal must not reach
+            # etcd before the daemons have left cleanly.
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                                         start_new_session=True, env=_etcd_env())
+        finally:
+            log.close()
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            # A stopped (SIGSTOP) etcd ignores SIGTERM until continued.
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+
+def _etcd_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD")}
+    return env
+
+
+class EmbeddedEtcd:
+    """A loopback etcd cluster of one or more members, owned by whoever created it.
+
+    Args:
+        members: number of members (1, or 3 for tests that kill the leader).
+        data_dir: parent directory for member data; a temporary one by default, removed on stop.
+        binary: name or path of the etcd binary.
+    """
+
+    def __init__(self, members: int = 1, data_dir: str | None = None, binary: str = "etcd") -> None:
+        self.binary = find_etcd(binary)
+        self._own_dir = data_dir is None
+        self.dir = data_dir or tempfile.mkdtemp(prefix="elasticd-etcd-")
+        names = [f"etcd{i}" for i in range(members)]
+        ports = [(free_port(), free_port()) for _ in names]
+        initial = ",".join(f"{n}=http://127.0.0.1:{pp}" for n, (_, pp) in zip(names, ports))
+        self.members = [
+            EtcdMember(n, os.path.join(self.dir, n), cp, pp, initial, self.binary,
+                       os.path.join(self.dir, f"{n}.log"))
+            for n, (cp, pp) in zip(names, ports)
+        ]
+
+    @property
+    def endpoints(self) -> str:
+        """The ``--etcd`` value that reaches this cluster."""
+        return ",".join(m.endpoint for m in self.members)
+
+    def start(self, timeout: float = 20.0) -> "EmbeddedEtcd":
+        for m in self.members:
+            m.start()
+        self.wait_healthy(timeout)
+        return self
+
+    def wait_healthy(self, timeout: float = 20.0, members: Sequence[EtcdMember] | None = None) -> None:
+        """Waits until a write through every given member succeeds."""
+        from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endpoints
+
+        deadline = time.monotonic() + timeout
+        for m in members or self.members:
+            coord = EtcdCoordinator(EtcdSettings(parse_endpoints(m.endpoint), timeout=1.0))
+            try:
+                while True:
+                    if m.proc is not None and m.proc.poll() is not None:
+                        raise EtcdStartError(
+                            f"etcd {m.name} exited with {m.proc.returncode}; see {m.log_path}"
+                        )
+                    try:
+                        coord.put(b"/elasticd-health", b"ok")
+                        break
+                    except Exception:
+                        if time.monotonic() > deadline:
+                            raise EtcdStartError(
+                                f"etcd {m.name} not healthy after {timeout}s; see {m.log_path}"
+                            ) from None
+                        time.sleep(0.1)
+            finally:
+                coord.close()
+
+    def leader(self) -> EtcdMember:
+        """The member that currently leads (asked through the members' status API)."""
+        import pyetcd
+
+        for m in self.members:
+            if m.proc is None:
+                continue
+            c = pyetcd.MultiEndpointEtcd3Client(
+                [pyetcd.Endpoint("127.0.0.1", m.client_port, secure=False, time_retry=0.5)],
+                timeout=1.0, failover=True)
+            try:
+                st = c.status()
+                if st.leader is not None:
+                    for cand in self.members:
+                        if cand.name == st.leader.name:
+                            return cand
+            except Exception:
+                continue
+            finally:
+                c.close()
+        raise EtcdStartError("no etcd member reports a leader")
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.stop()
+        if self._own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> "EmbeddedEtcd":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,449 @@
+"""The :class:`Coordinator` on a real etcd v3 cluster, through ``etcd-sdk-python`` (``pyetcd``).
+
+Why this client and how its traps are avoided (FACTS.md):
+
+* The plain client marks an endpoint failed for 300 s after a single error and then refuses
+  every call ("Trying to use a failed node"). We always build a ``MultiEndpointEtcd3Client``
+  with ``failover=True`` and ``time_retry`` of half a second, and retry a call once per
+  endpoint before reporting :class:`Unavailable`.
+* A watch stream that dies delivers the error to its callback and is never re-created. Our
+  :class:`_ResilientWatch` re-creates it from the revision after the last event delivered, in
+  its own thread (re-creating from inside the client's callback thread would deadlock).
+* gRPC errors surface as the library's exceptions, or as raw ``grpc.RpcError`` for codes it
+  does not map; both are turned into this package's typed errors here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import Any, Callable, Sequence, TypeVar
+
+import grpc
+import pyetcd
+from pyetcd import exceptions as etcd_exc
+
+from elasticd.clock import Clock, SystemClock
+from elasticd.coordination.api import (
+    AuthError,
+    Compacted,
+    Compare,
+    Coordinator,
+    CoordinationError,
+    Delete,
+    EventType,
+    KeyValue,
+    LeaseLost,
+    Op,
+    Put,
+    Unavailable,
+    Watch,
+    WatchCallback,
+    WatchEvent,
+    prefix_range_end,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# gRPC keepalive pings find a dead TCP connection (a partitioned or frozen server) for watch
+# streams that would otherwise wait forever. etcd rejects pings more often than every 5 s
+# (--grpc-keepalive-min-time), so stay above that.
+_CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 3_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+_UNAVAILABLE_CODES = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+}
+_AUTH_CODES = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
+
+
+@dataclasses.dataclass(frozen=True)
+class EtcdSettings:
+    """How to reach and authenticate to etcd.
+
+    Attributes:
+        endpoints: ``(host, port)`` pairs; calls fail over between them.
+        timeout: seconds each request may take before the endpoint counts as unreachable.
+        user, password: etcd auth (both or neither).
+        ca_cert, cert, key: TLS files; ``ca_cert`` alone gives server-authenticated TLS,
+            with ``cert`` and ``key`` the client authenticates too.
+    """
+
+    endpoints: tuple[tuple[str, int], ...]
+    timeout: float = 1.0
+    user: str | None = None
+    password: str | None = None
+    ca_cert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+    @property
+    def secure(self) -> bool:
+        return self.ca_cert is not None
+
+    def describe(self) -> str:
+        scheme = "https" if self.secure else "http"
+        return ",".join(f"{scheme}://{h}:{p}" for h, p in self.endpoints)
+
+
+def parse_endpoints(text: str) -> tuple[tuple[str, int], ...]:
+    """Parses ``HOST:PORT[,HOST:PORT...]`` (an ``http://`` prefix is allowed).
+
+    Raises:
+        ValueError: with the offending part quoted.
+    """
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        for scheme in ("http://", "https://"):
+            if part.startswith(scheme):
+                part = part[len(scheme):]
+        host, sep, port = part.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{part!r} is not HOST:PORT")
+        out.append((host.strip("[]"), int(port)))
+    if not out:
+        raise ValueError("no endpoint given")
+    return tuple(out)
+
+
+def _to_kv(kv: Any) -> KeyValue:
+    return KeyValue(
+        key=bytes(kv.key),
+        value=bytes(kv.value),
+        create_revision=kv.create_revision,
+        mod_revision=kv.mod_revision,
+        version=kv.version,
+        lease=kv.lease,
+    )
+
+
+class EtcdCoordinator(Coordinator):
+    """A :class:`Coordinator` on an etcd v3 cluster."""
+
+    def __init__(self, settings: EtcdSettings, clock: Clock | None = None) -> None:
+        self.settings = settings
+        self.clock = clock or SystemClock()
+        self._lock = threading.Lock()
+        self._client: pyetcd.MultiEndpointEtcd3Client | None = None
+        self._watches: list[_ResilientWatch] = []
+        self._closed = False
+
+    # -- client lifecycle -----------------------------------------------------------------
+
+    def _build_client(self) -> pyetcd.MultiEndpointEtcd3Client:
+        s = self.settings
+        creds = None
+        if s.secure:
+            creds = pyetcd.MultiEndpointEtcd3Client.get_secure_creds(s.ca_cert, s.key, s.cert)
+        endpoints = [
+            pyetcd.Endpoint(h, p, secure=s.secure, creds=creds, time_retry=0.5,
+                            opts=_CHANNEL_OPTIONS)
+            for h, p in s.endpoints
+        ]
+        try:
+            return pyetcd.MultiEndpointEtcd3Client(
+                endpoints, timeout=s.timeout, user=s.user, password=s.password, failover=True
+            )
+        except Exception as exc:  # authentication happens in the constructor
+            for ep in endpoints:
+                ep.close()
+            raise self._translate(exc) from exc
+
+    def _get_client(self) -> pyetcd.MultiEndpointEtcd3Client:
+        with self._lock:
+            if self._closed:
+                raise CoordinationError("coordinator is closed")
+            if self._client is None:
+                self._client = self._build_client()
+            return self._client
+
+    def _reset_client(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # closing a broken channel may itself fail; nothing to save
+                pass
+
+    def _translate(self, exc: BaseException) -> CoordinationError:
+        where = self.settings.describe()
+        if isinstance(exc, CoordinationError):
+            return exc
+        if isinstance(exc, (etcd_exc.ConnectionFailedError, etcd_exc.NoServerAvailableError)):
+            return Unavailable(f"etcd at {where} is unreachable")
+        if isinstance(exc, etcd_exc.ConnectionTimeoutError):
+            return Unavailable(f"etcd at {where} did not answer within {self.settings.timeout}s")
+        if isinstance(exc, etcd_exc.RevisionCompactedError):
+            return Compacted(exc.compacted_revision)
+        if isinstance(exc, grpc.RpcError):
+            code = exc.code() if hasattr(exc, "code") else None
+            detail = exc.details() if hasattr(exc, "details") else str(exc)
+            if code in _UNAVAILABLE_CODES:
+                return Unavailable(f"etcd at {where} is unreachable ({detail})")
+            if code in _AUTH_CODES:
+                return AuthError(
+                    f"etcd at {where} refused our credentials ({detail}); check --etcd-user/"
+                    "--etcd-password or the TLS client certificate"
+                )
+            if code == grpc.StatusCode.NOT_FOUND and "lease" in (detail or ""):
+                return LeaseLost(detail)
+            return CoordinationError(f"etcd error {code}: {detail}")
+        if isinstance(exc, etcd_exc.Etcd3Exception):
+            return CoordinationError(f"etcd error: {exc!r}")
+        if isinstance(exc, ValueError) and "failed node" in str(exc):
+            return Unavailable(f"etcd at {where} is unreachable")
+        return CoordinationError(f"unexpected etcd client error: {exc!r}")
+
+    def _call(self, fn: Callable[[pyetcd.MultiEndpointEtcd3Client], T]) -> T:
+        """Runs ``fn`` with failover: one try per endpoint, and one re-authentication."""
+        attempts = len(self.settings.endpoints) + 1
+        last: CoordinationError | None = None
+        for _ in range(attempts):
+            client = self._get_client()
+            try:
+                return fn(client)
+            except Exception as exc:
+                err = self._translate(exc)
+                if isinstance(err, AuthError) and self.settings.user and last is None:
+                    # Simple auth tokens expire (5 min by default): log in again once.
+                    self._reset_client()
+                    last = err
+                    continue
+                if not isinstance(err, Unavailable):
+                    raise err from exc
+                last = err
+        assert last is not None
+        raise last
+
+    # -- keys -----------------------------------------------------------------------------
+
+    def get(self, key: bytes) -> KeyValue | None:
+        resp = self._call(lambda c: c.get_response(key))
+        return _to_kv(resp.kvs[0]) if resp.kvs else None
+
+    def get_prefix(self, prefix: bytes) -> tuple[list[KeyValue], int]:
+        resp = self._call(lambda c: c.get_prefix_response(prefix, sort_order="ascend"))
+        return [_to_kv(kv) for kv in resp.kvs], resp.header.revision
+
+    def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
+        try:
+            resp = self._call(lambda c: c.put(key, value, lease=lease or None))
+        except CoordinationError as exc:
+            raise self._lease_error(exc, lease) from exc
+        return resp.header.revision
+
+    def delete(self, key: bytes) -> bool:
+        return self._call(lambda c: c.delete(key))
+
+    def delete_prefix(self, prefix: bytes) -> int:
+        resp = self._call(lambda c: c.delete_prefix(prefix))
+        return resp.deleted
+
+    def transaction(self, compares: Sequence[Compare], ops: Sequence[Op]) -> tuple[bool, int]:
+        def run(c: pyetcd.MultiEndpointEtcd3Client) -> tuple[bool, int]:
+            t = c.transactions
+            cmp = [t.mod(x.key) == x.mod_revision for x in compares]
+            success = []
+            for op in ops:
+                if isinstance(op, Put):
+                    success.append(t.put(op.key, op.value, lease=op.lease or None))
+                elif isinstance(op, Delete):
+                    success.append(t.delete(op.key))
+            ok, responses = c.transaction(compare=cmp, success=success, failure=[])
+            revision = 0
+            for r in responses:
+                header = getattr(getattr(r, r.WhichOneof("response")), "header", None)
+                revision = max(revision, header.revision if header else 0)
+            if not revision:
+                revision = c.get_response(b"\0").header.revision
+            return ok, revision
+
+        try:
+            return self._call(run)
+        except CoordinationError as exc:
+            leases = [op.lease for op in ops if isinstance(op, Put) and op.lease]
+            raise self._lease_error(exc, leases[0] if leases else 0) from exc
+
+    @staticmethod
+    def _lease_error(exc: CoordinationError, lease: int) -> CoordinationError:
+        if lease and "lease not found" in str(exc):
+            return LeaseLost(f"lease {lease:x} not found")
+        return exc
+
+    # -- leases ---------------------------------------------------------------------------
+
+    def grant_lease(self, ttl: int) -> int:
+        return self._call(lambda c: c.lease(ttl)).id
+
+    def keep_alive(self, lease: int) -> float:
+        responses = self._call(lambda c: list(c.refresh_lease(lease)))
+        if not responses or responses[0].TTL <= 0:
+            raise LeaseLost(f"lease {lease:x} expired or was revoked")
+        return float(responses[0].TTL)
+
+    def revoke_lease(self, lease: int) -> None:
+        try:
+            self._call(lambda c: c.revoke_lease(lease))
+        except LeaseLost:
+            pass
+        except CoordinationError as exc:
+            if "not found" not in str(exc):
+                raise
+
+    # -- watches --------------------------------------------------------------------------
+
+    def watch_prefix(self, prefix: bytes, callback: WatchCallback, start_revision: int) -> Watch:
+        w = _ResilientWatch(self, prefix, callback, start_revision)
+        w.start()
+        with self._lock:
+            self._watches.append(w)
+        return w
+
+    def rewatch(self) -> None:
+        """Re-creates every watch (after an outage a stream may be silently stuck)."""
+        with self._lock:
+            watches = list(self._watches)
+        for w in watches:
+            w.restart()
+
+    def revision(self) -> int:
+        return self._call(lambda c: c.get_response(b"\0").header.revision)
+
+    def close(self) -> None:
+        with self._lock:
+            watches, self._watches = self._watches, []
+        for w in watches:
+            w.cancel()
+        with self._lock:
+            self._closed = True
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+
+class _ResilientWatch(Watch):
+    """A prefix watch that re-creates itself after the stream fails.
+
+    The next start revision is always ``last delivered revision + 1``, so no event is lost or
+    delivered twice across a reconnect (unless etcd compacted the gap: the callback then gets
+    :class:`Compacted` and must re-list).
+    """
+
+    def __init__(self, owner: EtcdCoordinator, prefix: bytes, callback: WatchCallback,
+                 start_revision: int) -> None:
+        self._owner = owner
+        self._prefix = prefix
+        self._callback = callback
+        self._next_revision = start_revision
+        self._lock = threading.Lock()
+        self._watch_id: int | None = None
+        self._client: Any = None
+        self._generation = 0
+        self._cancelled = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Creates the first stream synchronously, so errors reach the caller."""
+        self._create()
+        self._thread = threading.Thread(
+            target=self._maintain, name=f"watch:{self._prefix!r}", daemon=True
+        )
+        self._thread.start()
+
+    def _create(self) -> None:
+        with self._lock:
+            self._generation += 1
+            generation = self._generation
+            start = self._next_revision
+
+        def on_response(resp: Any) -> None:
+            self._on_response(generation, resp)
+
+        def run(c: Any) -> tuple[Any, int]:
+            return c, c.add_watch_prefix_callback(
+                self._prefix, on_response, start_revision=start or None, prev_kv=True
+            )
+
+        client, watch_id = self._owner._call(run)
+        with self._lock:
+            self._client, self._watch_id = client, watch_id
+
+    def _on_response(self, generation: int, resp: Any) -> None:
+        if self._cancelled.is_set():
+            return
+        with self._lock:
+            if generation != self._generation:
+                return  # a stream we already replaced
+        if isinstance(resp, BaseException):
+            err = self._owner._translate(resp)
+            if isinstance(err, Compacted):
+                # Events are gone: the caller re-lists; we continue from the compaction point.
+                with self._lock:
+                    self._next_revision = err.compact_revision
+            self._safe_callback(err)
+            self._wake.set()
+            return
+        events = []
+        for e in resp.events:
+            etype = EventType.PUT if isinstance(e, pyetcd.events.PutEvent) else EventType.DELETE
+            kv = _to_kv(e._event.kv)
+            prev = _to_kv(e._event.prev_kv) if e._event.HasField("prev_kv") else None
+            events.append(WatchEvent(etype, kv, prev))
+        if events:
+            with self._lock:
+                self._next_revision = max(self._next_revision, events[-1].kv.mod_revision + 1)
+            self._safe_callback(events)
+
+    def _safe_callback(self, arg: Any) -> None:
+        try:
+            self._callback(arg)
+        except Exception:  # a buggy callback must not kill the client's watch thread
+            log.exception("watch callback for %r raised", self._prefix)
+
+    def _maintain(self) -> None:
+        backoff = 0.1
+        while not self._cancelled.is_set():
+            self._wake.wait()
+            if self._cancelled.is_set():
+                return
+            self._wake.clear()
+            self._drop_stream()
+            while not self._cancelled.is_set():
+                try:
+                    self._create()
+                    backoff = 0.1
+                    break
+                except CoordinationError as exc:
+                    log.debug("re-creating watch on %r failed: %s", self._prefix, exc)
+                    self._cancelled.wait(backoff)
+                    backoff = min(backoff * 2, 2.0)
+
+    def _drop_stream(self) -> None:
+        with self._lock:
+            client, watch_id = self._client, self._watch_id
+            self._client = self._watch_id = None
+            self._generation += 1
+        if client is not None and watch_id is not None:
+            try:
+                client.cancel_watch(watch_id)
+            except Exception:  # the stream is already broken; nothing to cancel
+                pass
+
+    def restart(self) -> None:
+        self._wake.set()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+        self._wake.set()
+        self._drop_stream()

@@ -1,0 +1,95 @@
+"""The etcd keyspace, in one place.
+
+::
+
+    <prefix>/nodes/<node>                       node record, bound to the node's lease
+    <prefix>/events/<node>/<lease>/<kind>       cluster events (failure, departure, ...), bounded
+    <prefix>/jobs/<job>/spec                    job spec
+    <prefix>/jobs/<job>/rdzv/...                torchrun rendezvous state and store
+    <prefix>/jobs/<job>/placement               replica placement
+    <prefix>/jobs/<job>/ckpt/...                checkpoint commits
+
+Every value is a versioned record (:mod:`elasticd.coordination.records`), except the raw bytes
+torch's rendezvous stores under ``rdzv/``.
+"""
+
+from __future__ import annotations
+
+import re
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+def check_name(what: str, name: str) -> str:
+    """Validates a node or job name (it becomes part of etcd keys and file names).
+
+    Raises:
+        ValueError: quoting the bad name and saying what is allowed.
+    """
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise ValueError(
+            f"{what} {name!r} is not valid: use 1-63 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+def check_prefix(prefix: str) -> str:
+    if not prefix.startswith("/") or prefix.endswith("/") or "//" in prefix or len(prefix) < 2:
+        raise ValueError(
+            f"prefix {prefix!r} is not valid: it must start with '/', not end with '/', "
+            "e.g. /elasticd"
+        )
+    return prefix
+
+
+class Keyspace:
+    """Builds and parses the keys under one cluster prefix."""
+
+    def __init__(self, prefix: str = "/elasticd") -> None:
+        self.prefix = check_prefix(prefix)
+
+    def _k(self, *parts: str) -> bytes:
+        return "/".join((self.prefix, *parts)).encode()
+
+    # nodes
+    @property
+    def nodes(self) -> bytes:
+        return self._k("nodes", "")
+
+    def node(self, node: str) -> bytes:
+        return self._k("nodes", node)
+
+    def node_of(self, key: bytes) -> str:
+        return key[len(self.nodes):].decode()
+
+    # events
+    @property
+    def events(self) -> bytes:
+        return self._k("events", "")
+
+    def event(self, node: str, lease: int, kind: str) -> bytes:
+        return self._k("events", node, f"{lease:016x}", kind)
+
+    # jobs
+    @property
+    def jobs(self) -> bytes:
+        return self._k("jobs", "")
+
+    def job(self, job: str) -> bytes:
+        return self._k("jobs", job, "")
+
+    def job_spec(self, job: str) -> bytes:
+        return self._k("jobs", job, "spec")
+
+    def job_state(self, job: str) -> bytes:
+        return self._k("jobs", job, "state")
+
+    def job_rdzv(self, job: str) -> bytes:
+        return self._k("jobs", job, "rdzv", "")
+
+    def job_placement(self, job: str) -> bytes:
+        return self._k("jobs", job, "placement")
+
+    def job_ckpt(self, job: str) -> bytes:
+        return self._k("jobs", job, "ckpt", "")

@@ -1,0 +1,270 @@
+"""An in-memory :class:`Coordinator` for fast unit tests.
+
+It follows etcd's model closely enough that the same contract tests pass against it and a real
+server: one global revision, mod/create revisions per key, leases that expire on an injected
+clock, transactions on mod_revision, and watches that replay history from a start revision and
+report compaction. Several daemons in one test share one :class:`MemoryStore` through their own
+:class:`MemoryCoordinator` handles, the way several clients share one etcd server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Sequence
+
+from elasticd.clock import Clock, SystemClock
+from elasticd.coordination.api import (
+    Compacted,
+    Compare,
+    Coordinator,
+    CoordinationError,
+    Delete,
+    EventType,
+    KeyValue,
+    LeaseLost,
+    Op,
+    Put,
+    Unavailable,
+    Watch,
+    WatchCallback,
+    WatchEvent,
+)
+
+
+@dataclasses.dataclass
+class _Lease:
+    ttl: int
+    expires_at: float
+    keys: set[bytes] = dataclasses.field(default_factory=set)
+
+
+class _MemoryWatch(Watch):
+    def __init__(self, store: "MemoryStore", prefix: bytes, callback: WatchCallback) -> None:
+        self._store = store
+        self.prefix = prefix
+        self.callback = callback
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        with self._store._lock:
+            if self in self._store._watches:
+                self._store._watches.remove(self)
+
+
+class MemoryStore:
+    """The shared server state behind any number of :class:`MemoryCoordinator` clients."""
+
+    def __init__(self, clock: Clock | None = None) -> None:
+        self.clock = clock or SystemClock()
+        self._lock = threading.RLock()
+        self._kv: dict[bytes, KeyValue] = {}
+        self._leases: dict[int, _Lease] = {}
+        self._next_lease = 0x1000
+        self._revision = 1
+        self._compacted = 0
+        self._history: list[tuple[int, WatchEvent]] = []
+        self._watches: list[_MemoryWatch] = []
+        self.available = True
+
+    # -- fault injection ------------------------------------------------------------------
+
+    def set_available(self, available: bool) -> None:
+        """Simulates an outage: while False every client call raises :class:`Unavailable`."""
+        with self._lock:
+            self.available = available
+            watches = list(self._watches)
+        if not available:
+            for w in watches:
+                w.callback(Unavailable("memory store is down"))
+
+    def compact(self, revision: int) -> None:
+        with self._lock:
+            self._compacted = max(self._compacted, revision)
+            self._history = [(r, e) for r, e in self._history if r > revision]
+
+    def expire_leases(self) -> None:
+        """Expires every lease whose deadline passed on the store's clock."""
+        now = self.clock.monotonic()
+        with self._lock:
+            due = [lid for lid, lease in self._leases.items() if lease.expires_at <= now]
+            events = [e for lid in due for e in self._drop_lease(lid)]
+        self._dispatch(events)
+
+    # -- internals (call with the lock held) ----------------------------------------------
+
+    def _check(self) -> None:
+        if not self.available:
+            raise Unavailable("memory store is down")
+
+    def _drop_lease(self, lease_id: int) -> list[WatchEvent]:
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            return []
+        return [e for key in sorted(lease.keys) if (e := self._delete(key)) is not None]
+
+    def _put(self, key: bytes, value: bytes, lease: int) -> WatchEvent:
+        if lease and lease not in self._leases:
+            raise LeaseLost(f"lease {lease:x} not found")
+        self._revision += 1
+        old = self._kv.get(key)
+        if old is not None and old.lease and old.lease in self._leases:
+            self._leases[old.lease].keys.discard(key)
+        kv = KeyValue(
+            key=key,
+            value=value,
+            create_revision=old.create_revision if old else self._revision,
+            mod_revision=self._revision,
+            version=(old.version + 1) if old else 1,
+            lease=lease,
+        )
+        self._kv[key] = kv
+        if lease:
+            self._leases[lease].keys.add(key)
+        event = WatchEvent(EventType.PUT, kv, old)
+        self._history.append((self._revision, event))
+        return event
+
+    def _delete(self, key: bytes) -> WatchEvent | None:
+        old = self._kv.pop(key, None)
+        if old is None:
+            return None
+        self._revision += 1
+        if old.lease in self._leases:
+            self._leases[old.lease].keys.discard(key)
+        event = WatchEvent(
+            EventType.DELETE,
+            KeyValue(key=key, value=b"", create_revision=0, mod_revision=self._revision, version=0),
+            old,
+        )
+        self._history.append((self._revision, event))
+        return event
+
+    def _dispatch(self, events: list[WatchEvent]) -> None:
+        if not events:
+            return
+        with self._lock:
+            watches = list(self._watches)
+        for w in watches:
+            mine = [e for e in events if e.kv.key.startswith(w.prefix)]
+            if mine and not w.cancelled:
+                w.callback(mine)
+
+
+class MemoryCoordinator(Coordinator):
+    """One client of a :class:`MemoryStore`."""
+
+    def __init__(self, store: MemoryStore | None = None) -> None:
+        self.store = store or MemoryStore()
+        self._watches: list[_MemoryWatch] = []
+        self._closed = False
+
+    def _enter(self) -> None:
+        if self._closed:
+            raise CoordinationError("client is closed")
+        self.store.expire_leases()
+        self.store._check()
+
+    def get(self, key: bytes) -> KeyValue | None:
+        self._enter()
+        with self.store._lock:
+            return self.store._kv.get(key)
+
+    def get_prefix(self, prefix: bytes) -> tuple[list[KeyValue], int]:
+        self._enter()
+        with self.store._lock:
+            kvs = [kv for k, kv in self.store._kv.items() if k.startswith(prefix)]
+            return sorted(kvs, key=lambda kv: kv.key), self.store._revision
+
+    def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
+        self._enter()
+        with self.store._lock:
+            event = self.store._put(key, value, lease)
+        self.store._dispatch([event])
+        return event.kv.mod_revision
+
+    def delete(self, key: bytes) -> bool:
+        self._enter()
+        with self.store._lock:
+            event = self.store._delete(key)
+        self.store._dispatch([event] if event else [])
+        return event is not None
+
+    def delete_prefix(self, prefix: bytes) -> int:
+        self._enter()
+        with self.store._lock:
+            keys = [k for k in self.store._kv if k.startswith(prefix)]
+            events = [e for k in keys if (e := self.store._delete(k)) is not None]
+        self.store._dispatch(events)
+        return len(events)
+
+    def transaction(self, compares: Sequence[Compare], ops: Sequence[Op]) -> tuple[bool, int]:
+        self._enter()
+        events: list[WatchEvent] = []
+        with self.store._lock:
+            for c in compares:
+                kv = self.store._kv.get(c.key)
+                if (kv.mod_revision if kv else 0) != c.mod_revision:
+                    return False, self.store._revision
+            for op in ops:
+                if isinstance(op, Put) and op.lease and op.lease not in self.store._leases:
+                    raise LeaseLost(f"lease {op.lease:x} not found")
+            for op in ops:
+                if isinstance(op, Put):
+                    events.append(self.store._put(op.key, op.value, op.lease))
+                elif isinstance(op, Delete):
+                    if (e := self.store._delete(op.key)) is not None:
+                        events.append(e)
+            revision = self.store._revision
+        self.store._dispatch(events)
+        return True, revision
+
+    def grant_lease(self, ttl: int) -> int:
+        self._enter()
+        with self.store._lock:
+            self.store._next_lease += 1
+            lease_id = self.store._next_lease
+            self.store._leases[lease_id] = _Lease(ttl, self.store.clock.monotonic() + ttl)
+            return lease_id
+
+    def keep_alive(self, lease: int) -> float:
+        self._enter()
+        with self.store._lock:
+            entry = self.store._leases.get(lease)
+            if entry is None:
+                raise LeaseLost(f"lease {lease:x} not found")
+            entry.expires_at = self.store.clock.monotonic() + entry.ttl
+            return float(entry.ttl)
+
+    def revoke_lease(self, lease: int) -> None:
+        self._enter()
+        with self.store._lock:
+            events = self.store._drop_lease(lease)
+        self.store._dispatch(events)
+
+    def watch_prefix(self, prefix: bytes, callback: WatchCallback, start_revision: int) -> Watch:
+        self._enter()
+        with self.store._lock:
+            if start_revision and start_revision <= self.store._compacted:
+                raise Compacted(self.store._compacted)
+            replay = [
+                e for r, e in self.store._history
+                if r >= start_revision and e.kv.key.startswith(prefix)
+            ]
+            w = _MemoryWatch(self.store, prefix, callback)
+            self.store._watches.append(w)
+            self._watches.append(w)
+        if replay:
+            callback(replay)
+        return w
+
+    def revision(self) -> int:
+        self._enter()
+        with self.store._lock:
+            return self.store._revision
+
+    def close(self) -> None:
+        self._closed = True
+        for w in self._watches:
+            w.cancel()
