@@ -1,0 +1,1 @@
+"""Cluster membership: node records, failure detection, events."""

@@ -1,0 +1,160 @@
+"""Who is in the cluster, and what a disappearing node record means.
+
+This module decides and never does: it takes node records and their deletions (from the watch,
+or from a full re-listing), and returns :class:`Observation` values that the daemon acts on
+(writing events, counting metrics, restarting workers). Time comes in as an argument.
+
+What a deleted node record means:
+
+* the record said ``leaving``: the node left cleanly (it revoked its own lease);
+* this observer was itself cut off from etcd around that moment: *provisional* — etcd may have
+  expired every lease because it was paused or partitioned, not because the node died. The node
+  gets ``provisional_seconds`` to re-register; if it does, nothing is recorded; if not, its
+  failure is confirmed;
+* otherwise: the node failed (its lease expired).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+
+class NodeState(str, enum.Enum):
+    """A node's state in its own record.
+
+    UP → LEAVING (clean shutdown, lease revoked next) | FENCED (declared dead, or etcd gone for
+    longer than the outage grace: workers stopped) → UP (after re-registering).
+    """
+
+    UP = "up"
+    LEAVING = "leaving"
+    FENCED = "fenced"
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeRecord:
+    """What a daemon publishes about itself under ``<prefix>/nodes/<node>``."""
+
+    node: str
+    state: str
+    address: str
+    hostname: str
+    pid: int
+    incarnation: str
+    started_at: float
+    heartbeat_at: float
+    version: str
+    lease: int = 0
+    sentence: str = ""
+
+
+class ObservationKind(str, enum.Enum):
+    JOINED = "joined"
+    FAILED = "failed"
+    DEPARTED = "departed"
+    PROVISIONAL = "provisional"
+    REJOINED = "rejoined"  # a provisional expiry resolved by the node re-registering
+
+
+@dataclasses.dataclass(frozen=True)
+class Observation:
+    kind: ObservationKind
+    node: str
+    record: NodeRecord
+    detection_seconds: float | None = None
+    was_provisional: bool = False
+
+    def describe(self) -> str:
+        if self.kind is ObservationKind.FAILED:
+            return (f"{self.node} failed (lease {self.record.lease:x} expired, "
+                    f"{self.detection_seconds:.1f} s after its last heartbeat)")
+        if self.kind is ObservationKind.PROVISIONAL:
+            return f"{self.node}'s expiry is provisional: I was cut off from etcd"
+        if self.kind is ObservationKind.REJOINED:
+            return f"{self.node} re-registered after an etcd outage"
+        return f"{self.node} {self.kind.value}"
+
+
+@dataclasses.dataclass
+class _Pending:
+    record: NodeRecord
+    deadline: float
+    seen_at_wall: float
+
+
+class Membership:
+    """The set of live peers as seen by one node.
+
+    Args:
+        me: this node's id (its own record is tracked but never reported on).
+        provisional_seconds: how long a provisional expiry waits for the node to come back.
+    """
+
+    def __init__(self, me: str, provisional_seconds: float) -> None:
+        self.me = me
+        self.provisional_seconds = provisional_seconds
+        self.nodes: dict[str, NodeRecord] = {}
+        self.pending: dict[str, _Pending] = {}
+
+    def alive(self) -> list[str]:
+        return sorted(self.nodes)
+
+    def on_put(self, record: NodeRecord) -> list[Observation]:
+        previous = self.nodes.get(record.node)
+        self.nodes[record.node] = record
+        if record.node == self.me:
+            return []
+        if record.node in self.pending:
+            del self.pending[record.node]
+            return [Observation(ObservationKind.REJOINED, record.node, record)]
+        if previous is None or previous.lease != record.lease:
+            return [Observation(ObservationKind.JOINED, record.node, record)]
+        return []
+
+    def on_delete(self, node: str, prev: NodeRecord | None, now: float, wall: float,
+                  cut_off: bool) -> list[Observation]:
+        """A node record disappeared.
+
+        Args:
+            node: the node id from the key.
+            prev: the record as it was (from the watch's prev_kv, or our own copy).
+            now: monotonic time. wall: wall time (compared with the node's heartbeat stamp).
+            cut_off: whether this observer was cut off from etcd around now.
+        """
+        known = self.nodes.pop(node, None)
+        record = prev or known
+        if node == self.me or record is None:
+            return []
+        if record.state == NodeState.LEAVING.value:
+            return [Observation(ObservationKind.DEPARTED, node, record)]
+        if cut_off:
+            self.pending[node] = _Pending(record, now + self.provisional_seconds, wall)
+            return [Observation(ObservationKind.PROVISIONAL, node, record)]
+        return [self._failed(record, wall)]
+
+    def tick(self, now: float) -> list[Observation]:
+        """Confirms the provisional expiries whose grace ran out."""
+        out = []
+        for node, p in list(self.pending.items()):
+            if now >= p.deadline:
+                del self.pending[node]
+                out.append(self._failed(p.record, p.seen_at_wall, was_provisional=True))
+        return out
+
+    def reset(self, records: list[NodeRecord], now: float, wall: float,
+              cut_off: bool) -> list[Observation]:
+        """Reconciles with a full listing (after a reconnect, a compaction, or periodically)."""
+        out: list[Observation] = []
+        listed = {r.node: r for r in records}
+        for node in sorted(set(self.nodes) - set(listed)):
+            out += self.on_delete(node, None, now, wall, cut_off)
+        for record in records:
+            out += self.on_put(record)
+        return out
+
+    @staticmethod
+    def _failed(record: NodeRecord, wall: float, was_provisional: bool = False) -> Observation:
+        return Observation(ObservationKind.FAILED, record.node, record,
+                           detection_seconds=max(0.0, wall - record.heartbeat_at),
+                           was_provisional=was_provisional)

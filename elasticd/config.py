@@ -1,0 +1,234 @@
+"""The daemon's settings: defaults, a TOML file, ``ELASTICD_*`` environment variables and
+command-line flags, in increasing order of precedence, validated once at start.
+
+A bad value is a :class:`ConfigError` naming the setting, where it came from, what is wrong and
+what would be right; ``elasticd`` prints it on one line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import tomllib
+from typing import Any, Mapping
+
+from elasticd.coordination.etcd import EtcdSettings, parse_endpoints
+from elasticd.coordination.keys import check_name, check_prefix
+
+ENV_PREFIX = "ELASTICD_"
+
+
+class ConfigError(ValueError):
+    """A setting has a bad value; the message names it and says what to do."""
+
+
+def _hostport(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"{text!r} is not HOST:PORT (port 0 picks a free one)")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Everything an ``elasticd`` process is told.
+
+    Attributes:
+        node_id: this node's name in the cluster (default: the host name).
+        etcd: ``HOST:PORT[,HOST:PORT...]`` of the etcd cluster; empty starts a private etcd.
+        prefix: etcd key prefix of the cluster; daemons with the same prefix form one cluster.
+        listen: ``HOST:PORT`` of the HTTP endpoint (/metrics, /healthz, /status).
+        lease_ttl: seconds without a keep-alive after which etcd declares this node dead.
+        loop_interval: seconds between main-loop cycles when nothing happens.
+        heartbeat_interval: seconds between rewrites of the node record (0: lease_ttl).
+        etcd_timeout: seconds one etcd request may take.
+        outage_grace: seconds the node keeps its workers running while etcd is unreachable.
+        provisional_grace: seconds a peer's lease expiry, seen while this node was itself cut
+            off from etcd, stays provisional before it is recorded as a failure (0: 2 TTL + 2).
+        events_retention: number of cluster events kept in etcd.
+        etcd_user, etcd_password, etcd_ca_cert, etcd_cert, etcd_key: etcd auth and TLS.
+        log_level: DEBUG, INFO, WARNING or ERROR.
+    """
+
+    node_id: str = dataclasses.field(default_factory=lambda: socket.gethostname().split(".")[0])
+    etcd: str = ""
+    prefix: str = "/elasticd"
+    listen: str = "127.0.0.1:9400"
+    lease_ttl: int = 5
+    loop_interval: float = 1.0
+    heartbeat_interval: float = 0.0
+    etcd_timeout: float = 1.0
+    outage_grace: float = 30.0
+    provisional_grace: float = 0.0
+    events_retention: int = 1000
+    etcd_user: str = ""
+    etcd_password: str = ""
+    etcd_ca_cert: str = ""
+    etcd_cert: str = ""
+    etcd_key: str = ""
+    log_level: str = "INFO"
+
+    # -- derived --------------------------------------------------------------------------
+
+    @property
+    def listen_addr(self) -> tuple[str, int]:
+        return _hostport(self.listen)
+
+    @property
+    def heartbeat_seconds(self) -> float:
+        return self.heartbeat_interval or float(self.lease_ttl)
+
+    @property
+    def provisional_seconds(self) -> float:
+        return self.provisional_grace or 2.0 * self.lease_ttl + 2.0
+
+    def etcd_settings(self) -> EtcdSettings:
+        return EtcdSettings(
+            endpoints=parse_endpoints(self.etcd),
+            timeout=self.etcd_timeout,
+            user=self.etcd_user or None,
+            password=self.etcd_password or None,
+            ca_cert=self.etcd_ca_cert or None,
+            cert=self.etcd_cert or None,
+            key=self.etcd_key or None,
+        )
+
+    def redacted(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        if out["etcd_password"]:
+            out["etcd_password"] = "***"
+        return out
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    ftype = _FIELDS[name].type
+    try:
+        if ftype == "int":
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if ftype == "float":
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ValueError
+        return str(value)
+    except (TypeError, ValueError):
+        kind = {"int": "a whole number", "float": "a number"}.get(ftype, "a string")
+        raise ConfigError(f"{name} (from {source}): {value!r} is not {kind}") from None
+
+
+def _validate(s: Settings, sources: Mapping[str, str]) -> None:
+    def bad(name: str, why: str) -> ConfigError:
+        return ConfigError(f"{name} (from {sources.get(name, 'default')}): {why}")
+
+    try:
+        check_name("node_id", s.node_id)
+    except ValueError as exc:
+        raise bad("node_id", str(exc)) from None
+    try:
+        check_prefix(s.prefix)
+    except ValueError as exc:
+        raise bad("prefix", str(exc)) from None
+    if s.etcd:
+        try:
+            parse_endpoints(s.etcd)
+        except ValueError as exc:
+            raise bad("etcd", f"{exc}; expected HOST:PORT[,HOST:PORT...]") from None
+    try:
+        _hostport(s.listen)
+    except ValueError as exc:
+        raise bad("listen", str(exc)) from None
+    if not 2 <= s.lease_ttl <= 300:
+        raise bad("lease_ttl", f"{s.lease_ttl} is out of range: use 2 to 300 seconds")
+    if not 0.05 <= s.loop_interval <= 60:
+        raise bad("loop_interval", f"{s.loop_interval} is out of range: use 0.05 to 60 seconds")
+    if s.heartbeat_interval < 0:
+        raise bad("heartbeat_interval", "must be >= 0 (0 means: the lease TTL)")
+    if not 0.1 <= s.etcd_timeout <= s.lease_ttl:
+        raise bad("etcd_timeout", f"{s.etcd_timeout} must be between 0.1 s and lease_ttl "
+                  f"({s.lease_ttl} s), or a slow request would cost the lease")
+    if s.outage_grace < 0:
+        raise bad("outage_grace", "must be >= 0 seconds")
+    if s.provisional_grace < 0:
+        raise bad("provisional_grace", "must be >= 0 seconds (0 means: 2 x lease_ttl + 2)")
+    if not 10 <= s.events_retention <= 100_000:
+        raise bad("events_retention", f"{s.events_retention} is out of range: use 10 to 100000")
+    if bool(s.etcd_user) != bool(s.etcd_password):
+        raise bad("etcd_user", "etcd_user and etcd_password must be given together")
+    if bool(s.etcd_cert) != bool(s.etcd_key):
+        raise bad("etcd_cert", "etcd_cert and etcd_key must be given together")
+    if s.etcd_cert and not s.etcd_ca_cert:
+        raise bad("etcd_ca_cert", "a client certificate needs etcd_ca_cert too")
+    for name in ("etcd_ca_cert", "etcd_cert", "etcd_key"):
+        path = getattr(s, name)
+        if path and not os.path.isfile(path):
+            raise bad(name, f"file {path!r} does not exist")
+    if s.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise bad("log_level", f"{s.log_level!r}: use DEBUG, INFO, WARNING or ERROR")
+
+
+def load(
+    cli: Mapping[str, Any] | None = None,
+    config_file: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Settings:
+    """Builds validated settings from a TOML file, the environment and CLI values.
+
+    Args:
+        cli: values given on the command line (None values are ignored).
+        config_file: path of a TOML file with top-level keys named like the settings
+            (``node_id = "n1"``) or under an ``[elasticd]`` table.
+        environ: the environment (``ELASTICD_NODE_ID=n1``); ``os.environ`` by default.
+
+    Raises:
+        ConfigError: naming the first bad setting.
+    """
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+
+    config_file = config_file or environ.get(ENV_PREFIX + "CONFIG") or None
+    if config_file:
+        try:
+            with open(config_file, "rb") as fh:
+                doc = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"config: file {config_file!r} does not exist") from None
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"config: {config_file!r} is not valid TOML: {exc}") from None
+        table = doc.get("elasticd", doc)
+        if not isinstance(table, dict):
+            raise ConfigError(f"config: [elasticd] in {config_file!r} must be a table")
+        for key, value in table.items():
+            name = key.replace("-", "_")
+            if name not in _FIELDS:
+                raise ConfigError(f"{key} (from {config_file}): unknown setting; known: "
+                                  + ", ".join(sorted(_FIELDS)))
+            values[name] = _coerce(name, value, config_file)
+            sources[name] = config_file
+
+    for key, raw in environ.items():
+        if not key.startswith(ENV_PREFIX) or key == ENV_PREFIX + "CONFIG":
+            continue
+        name = key[len(ENV_PREFIX):].lower()
+        if name not in _FIELDS:
+            raise ConfigError(f"{key} (from environment): unknown setting; known: "
+                              + ", ".join(ENV_PREFIX + n.upper() for n in sorted(_FIELDS)))
+        values[name] = _coerce(name, raw, f"environment {key}")
+        sources[name] = f"environment {key}"
+
+    for name, value in (cli or {}).items():
+        if value is None:
+            continue
+        values[name] = _coerce(name, value, "--" + name.replace("_", "-"))
+        sources[name] = "--" + name.replace("_", "-")
+
+    settings = Settings(**values)
+    _validate(settings, sources)
+    return settings

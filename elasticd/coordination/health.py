@@ -1,0 +1,84 @@
+"""Whether etcd is reachable, as one node sees it, with outages as first-class periods.
+
+Every part that talks to etcd (the lease keeper, the main loop) reports each success and
+failure here. An outage starts at the first failure after a success and ends at the next
+success; it is logged once when it starts and once when it ends (never once per retry), counted
+in metrics, and remembered for a while, because a peer's lease expiry seen just after an outage
+may be the outage's doing rather than the peer's (see :mod:`elasticd.cluster.membership`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+from elasticd.clock import Clock, SystemClock
+
+log = logging.getLogger(__name__)
+
+
+class EtcdHealth:
+    """Thread-safe record of etcd reachability.
+
+    Args:
+        clock: injected time.
+        on_outage_start / on_outage_end: called once per outage (the second gets its length).
+    """
+
+    def __init__(self, clock: Clock | None = None,
+                 on_outage_start: Callable[[], None] = lambda: None,
+                 on_outage_end: Callable[[float], None] = lambda _s: None,
+                 describe: str = "etcd") -> None:
+        self._clock = clock or SystemClock()
+        self._lock = threading.Lock()
+        self._on_start = on_outage_start
+        self._on_end = on_outage_end
+        self._describe = describe
+        self.outage_since: float | None = None
+        self.last_outage_end: float | None = None
+        self.last_error = ""
+        self.outages = 0
+        self.reconnected = threading.Event()
+
+    @property
+    def up(self) -> bool:
+        with self._lock:
+            return self.outage_since is None
+
+    def failed(self, exc: BaseException) -> None:
+        now = self._clock.monotonic()
+        with self._lock:
+            self.last_error = str(exc)
+            if self.outage_since is not None:
+                return
+            self.outage_since = now
+            self.outages += 1
+        log.warning("%s unreachable: %s; retrying, workers keep running", self._describe, exc)
+        self._on_start()
+
+    def ok(self) -> None:
+        now = self._clock.monotonic()
+        with self._lock:
+            if self.outage_since is None:
+                return
+            length = now - self.outage_since
+            self.outage_since = None
+            self.last_outage_end = now
+        log.warning("%s reachable again after %.1f s", self._describe, length)
+        self.reconnected.set()
+        self._on_end(length)
+
+    def outage_seconds(self) -> float:
+        with self._lock:
+            if self.outage_since is None:
+                return 0.0
+            return self._clock.monotonic() - self.outage_since
+
+    def cut_off_within(self, window: float) -> bool:
+        """True when etcd is unreachable now or was within the last ``window`` seconds."""
+        now = self._clock.monotonic()
+        with self._lock:
+            if self.outage_since is not None:
+                return True
+            return self.last_outage_end is not None and now - self.last_outage_end <= window

@@ -1,0 +1,125 @@
+"""The node's lease: granted once, kept alive from a thread of its own, re-granted when lost.
+
+The keep-alive runs apart from the daemon's main loop so that a slow cycle never costs the lease.
+It refreshes every TTL/3, so that two refreshes in a row may fail (etcd busy, a leader election)
+before the lease expires. When the server says the lease is gone, the keeper grants a new one at
+once and queues the old id: the daemon decides (was I declared dead? then fence) before it binds
+its node record to the new lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+from elasticd.clock import Clock, SystemClock
+from elasticd.coordination.api import CoordinationError, Coordinator, LeaseLost, Unavailable
+from elasticd.coordination.health import EtcdHealth
+
+log = logging.getLogger(__name__)
+
+
+class LeaseKeeper:
+    """Keeps one lease alive; replaces it when the server lost it.
+
+    Args:
+        coord: the coordinator.
+        ttl: lease TTL in seconds.
+        health: shared record of etcd reachability (the keeper reports every attempt).
+        on_change: called (from the keeper's thread) when the lease was lost or replaced, so
+            that the main loop can wake up.
+        clock: injected time.
+    """
+
+    def __init__(self, coord: Coordinator, ttl: int, health: EtcdHealth,
+                 on_change: Callable[[], None] = lambda: None,
+                 clock: Clock | None = None, on_failure: Callable[[], None] = lambda: None) -> None:
+        self._coord = coord
+        self.ttl = ttl
+        self._health = health
+        self._on_change = on_change
+        self._on_failure = on_failure
+        self._clock = clock or SystemClock()
+        self._lock = threading.Lock()
+        self._lease: int | None = None
+        self._lost: list[int] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def interval(self) -> float:
+        return self.ttl / 3.0
+
+    @property
+    def lease(self) -> int | None:
+        with self._lock:
+            return self._lease
+
+    def take_lost(self) -> list[int]:
+        """Returns (and forgets) the ids of leases found lost since the last call."""
+        with self._lock:
+            lost, self._lost = self._lost, []
+            return lost
+
+    def grant(self) -> int:
+        """Grants the first lease synchronously (raises if etcd is unreachable)."""
+        lease = self._coord.grant_lease(self.ttl)
+        self._health.ok()
+        with self._lock:
+            self._lease = lease
+        return lease
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
+        self._thread.start()
+
+    def step(self) -> None:
+        """One keep-alive (or re-grant) attempt; the thread calls this every TTL/3."""
+        lease = self.lease
+        try:
+            if lease is None:
+                new = self._coord.grant_lease(self.ttl)
+                with self._lock:
+                    self._lease = new
+                self._health.ok()
+                log.info("granted new lease %x", new)
+                self._on_change()
+                return
+            self._coord.keep_alive(lease)
+            self._health.ok()
+        except LeaseLost:
+            self._health.ok()  # the server answered: etcd is up, our lease is not
+            self._on_failure()
+            log.warning("lease %x is gone (expired or revoked); granting a new one", lease)
+            with self._lock:
+                if self._lease == lease:
+                    self._lease = None
+                    self._lost.append(lease)
+            self._on_change()
+            self.step()
+        except Unavailable as exc:
+            self._on_failure()
+            self._health.failed(exc)
+        except CoordinationError as exc:
+            self._on_failure()
+            self._health.failed(exc)
+            log.warning("lease keep-alive failed: %s", exc)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = self._clock.monotonic()
+            self.step()
+            elapsed = self._clock.monotonic() - started
+            self._stop.wait(max(0.05, self.interval - elapsed))
+
+    def stop(self, revoke: bool = False) -> None:
+        """Stops the thread; with ``revoke`` also revokes the lease (a clean departure)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        lease = self.lease
+        if revoke and lease is not None:
+            self._coord.revoke_lease(lease)
+            with self._lock:
+                self._lease = None

@@ -1,0 +1,1 @@
+"""The per-node daemon: main loop, HTTP endpoint, process entry point."""

@@ -1,0 +1,478 @@
+"""The node daemon's main loop.
+
+Each cycle takes what happened since the last one (watch events on the node records, lease
+losses found by the keep-alive thread, the clock), decides what it means
+(:mod:`elasticd.cluster.membership`), acts on it (events in etcd, metrics, fencing), and returns
+one sentence saying what the node is doing — logged when it changes, shown in ``/status``, and
+asserted in tests ("no action: I am n1, 3 nodes alive").
+
+When etcd is unreachable the loop keeps cycling: it says so, keeps the node's workers running
+for ``outage_grace`` seconds, and fences itself (stops its workers) only after that. When etcd
+returns it re-watches, re-lists, and re-registers under the same node id.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+import uuid
+from typing import Any, Callable, Sequence
+
+import psutil
+
+import elasticd
+from elasticd.clock import Clock, SystemClock
+from elasticd.cluster.events import Event, EventLog
+from elasticd.cluster.membership import (
+    Membership,
+    NodeRecord,
+    NodeState,
+    Observation,
+    ObservationKind,
+)
+from elasticd.config import Settings
+from elasticd.coordination import records
+from elasticd.coordination.api import (
+    Compacted,
+    CoordinationError,
+    Coordinator,
+    EventType,
+    LeaseLost,
+    Unavailable,
+    WatchEvent,
+)
+from elasticd.coordination.health import EtcdHealth
+from elasticd.coordination.keys import Keyspace
+from elasticd.coordination.lease import LeaseKeeper
+from elasticd.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+NODE_KIND = "node"
+_RESYNC_SECONDS = 30.0
+
+FenceHook = Callable[[str], None]
+
+
+class NodeIdInUse(RuntimeError):
+    """Another live daemon holds this node id."""
+
+
+def decode_node(raw: bytes, key: bytes) -> NodeRecord:
+    return records.decode_dataclass(NodeRecord, raw, NODE_KIND, key)
+
+
+class Daemon:
+    """One node's daemon.
+
+    Args:
+        settings: validated settings.
+        coord: the coordinator (real etcd or the in-memory fake).
+        clock: injected time.
+        metrics: the metrics to update (a fresh registry by default).
+        http_address: the address peers and tools reach this node's HTTP endpoint at.
+    """
+
+    def __init__(self, settings: Settings, coord: Coordinator, clock: Clock | None = None,
+                 metrics: Metrics | None = None, http_address: str = "") -> None:
+        self.settings = settings
+        self.coord = coord
+        self.clock = clock or SystemClock()
+        self.metrics = metrics or Metrics()
+        self.keys = Keyspace(settings.prefix)
+        self.events = EventLog(coord, self.keys, settings.events_retention)
+        self.membership = Membership(settings.node_id, settings.provisional_seconds)
+        self.http_address = http_address
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.started_at = self.clock.wall()
+        self.fence_hooks: list[FenceHook] = []
+
+        self.health = EtcdHealth(self.clock, self._outage_started, self._outage_ended,
+                                 describe=f"etcd at {settings.etcd or 'embedded'}")
+        self._wake = threading.Event()
+        self._events: "queue.Queue[Sequence[WatchEvent] | CoordinationError]" = queue.Queue()
+        self.keeper = LeaseKeeper(coord, settings.lease_ttl, self.health,
+                                  on_change=self._wake.set, clock=self.clock,
+                                  on_failure=self.metrics.keepalive_failures.inc)
+        self.metrics.etcd_up.set(1)
+
+        self.state = NodeState.UP
+        self.registered_lease: int | None = None
+        self.sentence = "starting"
+        self._stop = threading.Event()
+        self._watch = None
+        self._need_resync = False
+        self._last_resync = 0.0
+        self._last_heartbeat = 0.0
+        self._last_cycle = self.clock.monotonic()
+        self._suspect: dict[int, float] = {}  # old lease -> until when to look for our failure
+        self._fenced_for = ""
+        self._notes: list[str] = []
+        self.cycles = 0
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def join(self) -> None:
+        """Grants the lease, registers the node and starts watching its peers.
+
+        Raises:
+            Unavailable: etcd cannot be reached (at start this is fatal: check --etcd).
+            NodeIdInUse: a live daemon elsewhere holds the same node id.
+        """
+        self.keeper.grant()
+        self._register(wait_for_id=True)
+        self._start_watch()
+        self.keeper.start()
+        self.sentence = f"joined the cluster as {self.settings.node_id}"
+        log.info("%s", self.sentence)
+
+    def run(self, on_cycle: Callable[["Daemon"], None] = lambda _d: None) -> None:
+        """Cycles until :meth:`request_stop`; ``on_cycle`` runs after each completed cycle."""
+        while not self._stop.is_set():
+            self.cycle()
+            on_cycle(self)
+            self._wait(self.settings.loop_interval)
+
+    def request_stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def leave(self) -> None:
+        """Leaves the cluster cleanly: record ``leaving``, a departure event, revoke the lease.
+
+        Peers see the departure at once and do not wait for a lease expiry. If etcd is
+        unreachable the lease simply expires and peers record a failure, which is the truth
+        as far as they can tell.
+        """
+        self.state = NodeState.LEAVING
+        lease = self.keeper.lease
+        try:
+            if lease is not None and self.registered_lease == lease:
+                self._put_record(lease)
+                self.events.record(Event("left", self.settings.node_id, lease, self.clock.wall(),
+                                         self.settings.node_id, "left the cluster cleanly"))
+            self.keeper.stop(revoke=True)
+        except CoordinationError as exc:
+            log.warning("could not leave cleanly (%s); peers will see the lease expire", exc)
+            self.keeper.stop()
+        self._close_watch()
+
+    def close(self) -> None:
+        self.keeper.stop()
+        self._close_watch()
+
+    # -- one cycle ------------------------------------------------------------------------
+
+    def cycle(self) -> str:
+        """Runs one cycle and returns its sentence."""
+        now = self.clock.monotonic()
+        self._notes = []
+        try:
+            self._handle_lost_leases()
+            self._drain_events(now)
+            if self._need_resync or now - self._last_resync >= _RESYNC_SECONDS:
+                self._resync(now)
+            self._act(self.membership.tick(now))
+            self._check_suspects(now)
+            if self.registered_lease is None and self.state is not NodeState.LEAVING:
+                self._register(wait_for_id=False)
+            elif now - self._last_heartbeat >= self.settings.heartbeat_seconds:
+                self._put_record(self.registered_lease)
+            sentence = self._describe()
+        except Unavailable as exc:
+            self.health.failed(exc)
+            sentence = self._describe_outage()
+        except (CoordinationError, NodeIdInUse) as exc:
+            log.warning("cycle failed: %s", exc)
+            sentence = f"cycle failed ({exc}); retrying"
+        if not self.health.up:
+            self._maybe_fence_for_outage()
+        self._finish_cycle(sentence)
+        return sentence
+
+    def _finish_cycle(self, sentence: str) -> None:
+        if sentence != self.sentence:
+            log.info("%s", sentence)
+        else:
+            log.debug("%s", sentence)
+        self.sentence = sentence
+        self.cycles += 1
+        self._last_cycle = self.clock.monotonic()
+        self.metrics.loop_cycles.inc()
+        self.metrics.loop_last_cycle.set(self.clock.wall())
+        self.metrics.nodes_alive.set(len(self.membership.nodes))
+        self.metrics.etcd_up.set(1 if self.health.up else 0)
+
+    def _describe(self) -> str:
+        me = self.settings.node_id
+        alive = len(self.membership.nodes)
+        if self._notes:
+            return "; ".join(self._notes) + f" ({alive} nodes alive)"
+        if self.membership.pending:
+            waiting = ", ".join(sorted(self.membership.pending))
+            return (f"waiting for {waiting} to re-register after an etcd outage "
+                    f"before recording a failure; I am {me}, {alive} nodes alive")
+        return f"no action: I am {me}, {alive} nodes alive"
+
+    def _describe_outage(self) -> str:
+        gone = self.health.outage_seconds()
+        left = self.settings.outage_grace - gone
+        if self.state is NodeState.FENCED:
+            return (f"etcd unreachable for {gone:.1f} s; fenced (workers stopped) after the "
+                    f"{self.settings.outage_grace:.0f} s grace; retrying")
+        return (f"etcd unreachable for {gone:.1f} s; keeping workers running for "
+                f"{max(0.0, left):.1f} s more; retrying")
+
+    # -- registration ---------------------------------------------------------------------
+
+    def _record(self, lease: int) -> NodeRecord:
+        return NodeRecord(
+            node=self.settings.node_id,
+            state=self.state.value,
+            address=self.http_address,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            incarnation=self.incarnation,
+            started_at=self.started_at,
+            heartbeat_at=self.clock.wall(),
+            version=elasticd.__version__,
+            lease=lease,
+            sentence=self.sentence,
+        )
+
+    def _put_record(self, lease: int | None) -> None:
+        if lease is None:
+            return
+        try:
+            self.coord.put(self.keys.node(self.settings.node_id),
+                           records.encode_dataclass(NODE_KIND, self._record(lease)), lease)
+            self.health.ok()
+            self._last_heartbeat = self.clock.monotonic()
+        except LeaseLost:
+            self.registered_lease = None  # the keeper will notice and re-grant
+
+    def _register(self, wait_for_id: bool) -> None:
+        """Creates this node's record bound to the current lease (only if the id is free)."""
+        lease = self.keeper.lease
+        if lease is None:
+            return
+        key = self.keys.node(self.settings.node_id)
+        deadline = self.clock.monotonic() + 2 * self.settings.lease_ttl + 1
+        while True:
+            value = records.encode_dataclass(NODE_KIND, self._record(lease))
+            if self.coord.create(key, value, lease):
+                break
+            existing = self.coord.get(key)
+            if existing is None:
+                continue
+            try:
+                other = decode_node(existing.value, existing.key)
+            except records.RecordError as exc:
+                log.warning("replacing unreadable record of this node: %s", exc)
+                self.coord.revoke_lease(existing.lease) if existing.lease else self.coord.delete(key)
+                continue
+            if other.incarnation == self.incarnation or self._is_dead_local(other):
+                # Our own earlier lease, or a crashed earlier daemon on this host: take over.
+                if existing.lease and existing.lease != lease:
+                    self.coord.revoke_lease(existing.lease)
+                else:
+                    self.coord.delete(key)
+                continue
+            if not wait_for_id or self.clock.monotonic() > deadline:
+                raise NodeIdInUse(
+                    f"node id {self.settings.node_id!r} is held by a live daemon "
+                    f"(host {other.hostname}, pid {other.pid}); give this node another "
+                    "--node-id, or stop the other daemon")
+            self.clock.sleep(0.25)
+        self.health.ok()
+        self.registered_lease = lease
+        self._last_heartbeat = self.clock.monotonic()
+        self.membership.nodes[self.settings.node_id] = self._record(lease)
+        if self.state is NodeState.FENCED:
+            self.state = NodeState.UP
+            self._put_record(lease)
+        self.events.record(Event("joined", self.settings.node_id, lease, self.clock.wall(),
+                                 self.settings.node_id, "registered"))
+        self._notes.append(f"registered as {self.settings.node_id} with lease {lease:x}")
+
+    @staticmethod
+    def _is_dead_local(other: NodeRecord) -> bool:
+        return other.hostname == socket.gethostname() and not psutil.pid_exists(other.pid)
+
+    # -- lease loss and fencing -----------------------------------------------------------
+
+    def _handle_lost_leases(self) -> None:
+        for old in self.keeper.take_lost():
+            self.metrics.leases_lost.inc()
+            if self.registered_lease == old:
+                self.registered_lease = None
+            self._suspect[old] = self.clock.monotonic() + self.settings.provisional_seconds + 2
+            self._notes.append(f"lost lease {old:x}")
+        self._check_suspects(self.clock.monotonic())
+
+    def _check_suspects(self, now: float) -> None:
+        """Looks for a failure recorded against one of our lost leases: if found, fence."""
+        for old, until in list(self._suspect.items()):
+            if self.events.exists(self.settings.node_id, old, "failed"):
+                del self._suspect[old]
+                self.fence(f"declared dead by peers (lease {old:x} expired)")
+            elif now > until:
+                del self._suspect[old]
+
+    def fence(self, reason: str) -> None:
+        """Stops everything this node runs for the cluster, before it rejoins."""
+        if self.state is NodeState.FENCED:
+            return
+        log.warning("fencing: %s; stopping workers", reason)
+        self.state = NodeState.FENCED
+        self._fenced_for = reason
+        self.metrics.fenced.inc()
+        for hook in self.fence_hooks:
+            try:
+                hook(reason)
+            except Exception:
+                log.exception("fence hook failed")
+        lease = self.registered_lease or self.keeper.lease
+        self._notes.append(f"fenced: {reason}")
+        try:
+            if lease is not None:
+                self.events.record(Event("fenced", self.settings.node_id, lease,
+                                         self.clock.wall(), self.settings.node_id, reason))
+        except CoordinationError:
+            pass  # etcd is gone; the fence itself is what matters
+
+    def _maybe_fence_for_outage(self) -> None:
+        if self.settings.outage_grace and self.health.outage_seconds() > self.settings.outage_grace:
+            self.fence(f"etcd unreachable for more than {self.settings.outage_grace:.0f} s")
+
+    def _outage_started(self) -> None:
+        self.metrics.etcd_outages.inc()
+        self.metrics.etcd_up.set(0)
+        self._wake.set()
+
+    def _outage_ended(self, seconds: float) -> None:
+        self.metrics.etcd_up.set(1)
+        self._need_resync = True
+        rewatch = getattr(self.coord, "rewatch", None)
+        if rewatch is not None:
+            rewatch()
+        self._wake.set()
+
+    # -- peers ----------------------------------------------------------------------------
+
+    def _start_watch(self) -> None:
+        kvs, revision = self.coord.get_prefix(self.keys.nodes)
+        now = self.clock.monotonic()
+        self._act(self.membership.reset(self._decode_all(kvs), now, self.clock.wall(), False))
+        self._last_resync = now
+        self._watch = self.coord.watch_prefix(self.keys.nodes, self._on_watch, revision + 1)
+
+    def _close_watch(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+
+    def _on_watch(self, batch: Sequence[WatchEvent] | CoordinationError) -> None:
+        self._events.put(batch)
+        self._wake.set()
+
+    def _decode_all(self, kvs: list[Any]) -> list[NodeRecord]:
+        out = []
+        for kv in kvs:
+            try:
+                out.append(decode_node(kv.value, kv.key))
+            except records.RecordError as exc:
+                log.warning("ignoring node record: %s", exc)
+        return out
+
+    def _drain_events(self, now: float) -> None:
+        cut_off = self.health.cut_off_within(self.settings.lease_ttl + 2 * self.settings.loop_interval + 1)
+        while True:
+            try:
+                batch = self._events.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(batch, Compacted):
+                self._need_resync = True
+                continue
+            if isinstance(batch, CoordinationError):
+                continue  # the watch re-creates itself; health is tracked by the keeper
+            for ev in batch:
+                node = self.keys.node_of(ev.kv.key)
+                if ev.type is EventType.PUT:
+                    try:
+                        self._act(self.membership.on_put(decode_node(ev.kv.value, ev.kv.key)))
+                    except records.RecordError as exc:
+                        log.warning("ignoring node record: %s", exc)
+                else:
+                    prev = None
+                    if ev.prev is not None:
+                        try:
+                            prev = decode_node(ev.prev.value, ev.prev.key)
+                        except records.RecordError:
+                            prev = None
+                    self._act(self.membership.on_delete(node, prev, now, self.clock.wall(), cut_off))
+
+    def _resync(self, now: float) -> None:
+        kvs, _ = self.coord.get_prefix(self.keys.nodes)
+        self.health.ok()
+        cut_off = self.health.cut_off_within(self.settings.lease_ttl + 2 * self.settings.loop_interval + 1)
+        self._act(self.membership.reset(self._decode_all(kvs), now, self.clock.wall(), cut_off))
+        self._need_resync = False
+        self._last_resync = now
+
+    def _act(self, observations: list[Observation]) -> None:
+        for ob in observations:
+            self._notes.append(ob.describe())
+            if ob.kind is ObservationKind.FAILED:
+                self.metrics.node_failures.inc()
+                if ob.detection_seconds is not None:
+                    self.metrics.detection_seconds.observe(ob.detection_seconds)
+                self.events.record(Event(
+                    "failed", ob.node, ob.record.lease, self.clock.wall(), self.settings.node_id,
+                    ob.describe(), {"detection_seconds": round(ob.detection_seconds or 0.0, 3),
+                                    "heartbeat_at": ob.record.heartbeat_at}))
+                if ob.was_provisional:
+                    self.metrics.provisional_expiries.labels("confirmed").inc()
+            elif ob.kind is ObservationKind.DEPARTED:
+                self.metrics.node_departures.inc()
+            elif ob.kind is ObservationKind.REJOINED:
+                self.metrics.provisional_expiries.labels("rejoined").inc()
+            log.info("observed: %s", ob.describe())
+
+    # -- waiting and status ---------------------------------------------------------------
+
+    def _wait(self, seconds: float) -> None:
+        if self._events.empty():
+            self._wake.wait(seconds)
+        self._wake.clear()
+
+    def healthy(self) -> bool:
+        """Whether the loop completed a cycle recently (what /healthz and the watchdog use)."""
+        limit = max(3 * self.settings.loop_interval, 2 * self.settings.etcd_timeout + 1)
+        return self.clock.monotonic() - self._last_cycle <= limit
+
+    def status(self) -> dict[str, Any]:
+        now = self.clock.wall()
+        return {
+            "node": self.settings.node_id,
+            "state": self.state.value,
+            "sentence": self.sentence,
+            "etcd_up": self.health.up,
+            "etcd_outage_seconds": round(self.health.outage_seconds(), 3),
+            "lease": f"{self.registered_lease:x}" if self.registered_lease else None,
+            "fenced_for": self._fenced_for or None,
+            "cycles": self.cycles,
+            "version": elasticd.__version__,
+            "prefix": self.settings.prefix,
+            "peers": [
+                {"node": r.node, "state": r.state, "address": r.address,
+                 "heartbeat_age_seconds": round(max(0.0, now - r.heartbeat_at), 3)}
+                for r in sorted(self.membership.nodes.values(), key=lambda r: r.node)
+                if r.node != self.settings.node_id
+            ],
+            "provisional": sorted(self.membership.pending),
+        }

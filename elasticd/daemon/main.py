@@ -1,0 +1,196 @@
+"""``elasticd``: the node daemon's command line.
+
+Settings come from flags, ``ELASTICD_*`` variables and a TOML file (``--config``); every bad
+value, an unreachable etcd, and a missing etcd binary end the process with one line on stderr
+saying what to do, and exit status 2. Without ``--etcd`` the daemon starts a private etcd on
+127.0.0.1 and stops it on exit (a single-node setup; several nodes need a shared etcd).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import sys
+import time
+from typing import Any, Sequence
+
+from elasticd import config
+from elasticd.coordination.api import AuthError, CoordinationError, Unavailable
+from elasticd.coordination.embedded import EmbeddedEtcd, EtcdNotFound, EtcdStartError
+from elasticd.coordination.etcd import EtcdCoordinator
+from elasticd.daemon.daemon import Daemon, NodeIdInUse
+from elasticd.daemon.http import StatusServer
+from elasticd.daemon.notify import Notifier
+
+log = logging.getLogger("elasticd")
+
+EXIT_USAGE = 2
+
+
+class Fatal(Exception):
+    """A start-up problem reported as one line and exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="elasticd",
+        description="Per-node daemon of an elasticd training cluster.",
+        epilog="Every flag also reads from ELASTICD_<NAME> (e.g. ELASTICD_NODE_ID) and from the "
+               "TOML file given with --config. Example: elasticd --node-id n1 "
+               "--etcd 10.0.0.5:2379 --listen 0.0.0.0:9400",
+    )
+    p.add_argument("--config", help="TOML file with settings (keys named like the flags)")
+    p.add_argument("--node-id", dest="node_id", help="this node's name (default: host name)")
+    p.add_argument("--etcd", help="HOST:PORT[,HOST:PORT...] of etcd; omit to start a private one")
+    p.add_argument("--prefix", help="etcd key prefix of the cluster (default /elasticd)")
+    p.add_argument("--listen", help="HOST:PORT for /metrics, /healthz, /status (port 0: any)")
+    p.add_argument("--lease-ttl", dest="lease_ttl", type=_number,
+                   help="seconds after which a silent node is declared dead (default 5)")
+    p.add_argument("--loop-interval", dest="loop_interval", type=_number,
+                   help="seconds between main loop cycles (default 1)")
+    p.add_argument("--heartbeat-interval", dest="heartbeat_interval", type=_number)
+    p.add_argument("--etcd-timeout", dest="etcd_timeout", type=_number)
+    p.add_argument("--outage-grace", dest="outage_grace", type=_number,
+                   help="seconds to keep workers running while etcd is unreachable (default 30)")
+    p.add_argument("--provisional-grace", dest="provisional_grace", type=_number)
+    p.add_argument("--events-retention", dest="events_retention", type=_number)
+    p.add_argument("--etcd-user", dest="etcd_user")
+    p.add_argument("--etcd-password", dest="etcd_password",
+                   help="prefer ELASTICD_ETCD_PASSWORD: flags are visible in ps")
+    p.add_argument("--etcd-ca-cert", dest="etcd_ca_cert")
+    p.add_argument("--etcd-cert", dest="etcd_cert")
+    p.add_argument("--etcd-key", dest="etcd_key")
+    p.add_argument("--log-level", dest="log_level")
+    return p
+
+
+def _number(text: str) -> str:
+    # Types are checked by config.load so that flags, env and file give the same message.
+    return text
+
+
+def _settings(args: argparse.Namespace) -> config.Settings:
+    cli = {k: v for k, v in vars(args).items() if k != "config"}
+    return config.load(cli, args.config)
+
+
+def _advertised(listen: str) -> str:
+    host, port = listen.rsplit(":", 1)
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = socket.getfqdn()
+    return f"{host}:{port}"
+
+
+def _connect(settings: config.Settings) -> EtcdCoordinator:
+    coord = EtcdCoordinator(settings.etcd_settings())
+    deadline = time.monotonic() + max(3.0, 3 * settings.etcd_timeout)
+    while True:
+        try:
+            coord.revision()
+            return coord
+        except AuthError as exc:
+            coord.close()
+            raise Fatal(str(exc)) from exc
+        except Unavailable as exc:
+            if time.monotonic() > deadline:
+                coord.close()
+                raise Fatal(
+                    f"{exc}: check --etcd (now {settings.etcd!r}) and that etcd is running "
+                    f"(etcdctl --endpoints {settings.etcd} endpoint health)") from exc
+            time.sleep(0.2)
+        except CoordinationError as exc:
+            coord.close()
+            raise Fatal(f"etcd at {settings.etcd}: {exc}") from exc
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        settings = _settings(args)
+    except config.ConfigError as exc:
+        raise Fatal(f"bad setting {exc}") from exc
+
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s {settings.node_id} %(name)s: %(message)s",
+    )
+    stop_requested = False
+
+    def on_term(signum: int, _frame: Any) -> None:
+        nonlocal stop_requested
+        stop_requested = True
+        if daemon is not None:
+            daemon.request_stop()
+
+    daemon: Daemon | None = None
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+
+    embedded: EmbeddedEtcd | None = None
+    if not settings.etcd:
+        try:
+            embedded = EmbeddedEtcd().start()
+        except EtcdNotFound as exc:
+            raise Fatal(str(exc)) from exc
+        except EtcdStartError as exc:
+            raise Fatal(f"could not start the private etcd: {exc}") from exc
+        log.info("started a private etcd at %s (data in %s); it stops with this daemon",
+                 embedded.endpoints, embedded.dir)
+        settings = config.Settings(**{**settings.__dict__, "etcd": embedded.endpoints})
+
+    notifier = Notifier()
+    coord = None
+    server = None
+    try:
+        coord = _connect(settings)
+        daemon = Daemon(settings, coord)
+        try:
+            server = StatusServer(settings.listen_addr, daemon.metrics.registry,
+                                  daemon.status, daemon.healthy)
+        except OSError as exc:
+            raise Fatal(f"listen: cannot serve HTTP on {settings.listen}: {exc.strerror}; "
+                        "pick another --listen address or port") from exc
+        daemon.http_address = _advertised(server.address)
+        server.start()
+        try:
+            daemon.join()
+        except NodeIdInUse as exc:
+            raise Fatal(str(exc)) from exc
+        except Unavailable as exc:
+            raise Fatal(f"{exc}: check --etcd and that etcd is running") from exc
+        log.info("serving /metrics, /healthz and /status on http://%s", server.address)
+        notifier.ready(daemon.sentence)
+        if stop_requested:
+            daemon.request_stop()
+
+        def on_cycle(d: Daemon) -> None:
+            notifier.watchdog()
+
+        daemon.run(on_cycle)
+        notifier.notify("STOPPING=1")
+        log.info("leaving the cluster")
+        daemon.leave()
+        return 0
+    finally:
+        if server is not None:
+            server.stop()
+        if coord is not None:
+            coord.close()
+        if embedded is not None:
+            embedded.stop()
+        notifier.close()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    try:
+        code = run(argv)
+    except Fatal as exc:
+        print(f"elasticd: error: {exc}", file=sys.stderr)
+        code = EXIT_USAGE
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

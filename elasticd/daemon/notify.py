@@ -1,0 +1,52 @@
+"""systemd's notify protocol (sd_notify), without libsystemd.
+
+With ``Type=notify`` systemd passes ``NOTIFY_SOCKET``; we send ``READY=1`` once the node has
+joined, ``WATCHDOG=1`` after each completed main-loop cycle (so a stalled loop stops the pings
+and systemd restarts the daemon), ``RELOADING=1`` on SIGHUP and ``STOPPING=1`` on shutdown.
+Without ``NOTIFY_SOCKET`` (no systemd, e.g. inside a Slurm allocation) every call is a no-op.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+
+class Notifier:
+    """Sends sd_notify datagrams to ``$NOTIFY_SOCKET`` if it is set."""
+
+    def __init__(self, path: str | None = None) -> None:
+        self.path = path if path is not None else os.environ.get("NOTIFY_SOCKET", "")
+        self._sock: socket.socket | None = None
+        if self.path:
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+
+    @property
+    def enabled(self) -> bool:
+        return self._sock is not None
+
+    def notify(self, message: str) -> bool:
+        if self._sock is None:
+            return False
+        addr = self.path
+        if addr.startswith("@"):  # abstract namespace socket
+            addr = "\0" + addr[1:]
+        try:
+            self._sock.sendto(message.encode(), addr)
+            return True
+        except OSError:
+            return False  # systemd went away; nothing useful to do about it here
+
+    def ready(self, status: str = "") -> None:
+        self.notify("READY=1" + (f"\nSTATUS={status}" if status else ""))
+
+    def watchdog(self) -> None:
+        self.notify("WATCHDOG=1")
+
+    def status(self, text: str) -> None:
+        self.notify(f"STATUS={text}")
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
