@@ -37,10 +37,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 
 from elasticd.coordination.api import Compare, Coordinator, Put, Unavailable
 from elasticd.coordination.keys import Keyspace, check_name
+from elasticd.coordination.rendezvous import BACKEND_NAME
 from elasticd.coordination.rendezvous_grace import OutageGrace
 
-#: Backend name; also the ``torchrun.handlers`` entry point and ``--rdzv-backend`` value.
-BACKEND_NAME = "etcd-v3"
 
 _MAGIC = b"EDRZ"
 _FORMAT = 1
