@@ -308,10 +308,16 @@ def seal(buf: Any, header: SnapshotHeader) -> SnapshotHeader:
     """
     view = byte_view(buf)
     sealed = dataclasses.replace(header, blocks=checksum_blocks(view, header.layout))
-    raw = encode_header(sealed)
+    write_header(view, sealed)
+    return sealed
+
+
+def write_header(buf: Any, header: SnapshotHeader) -> None:
+    """Writes a sealed header at the start of ``buf``: body first, preamble (magic) last."""
+    raw = encode_header(header)
+    view = byte_view(buf)
     view[PREAMBLE_SIZE : len(raw)] = raw[PREAMBLE_SIZE:]
     view[:PREAMBLE_SIZE] = raw[:PREAMBLE_SIZE]
-    return sealed
 
 
 def invalidate(buf: Any) -> None:

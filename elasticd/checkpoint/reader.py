@@ -55,6 +55,14 @@ def verify_block(header: SnapshotHeader, index: int, data: Any) -> None:
         )
 
 
+def verify_payload(buf: Any, header: SnapshotHeader) -> None:
+    """Checks every payload block of ``buf`` against ``header`` (raises CorruptSnapshot)."""
+    view = byte_view(buf)
+    for i in range(header.layout.num_blocks):
+        a, b = header.layout.block_range(i)
+        verify_block(header, i, view[a:b])
+
+
 _HEX16 = re.compile(r"[0-9a-f]{16}")
 
 
@@ -237,17 +245,15 @@ class SnapshotReader:
         self._view = byte_view(buf)
         self.header = parse_header(self._view, job=job, rank=rank, world_size=world_size, where=where)
         if verify:
-            self.verify()
+            verify_payload(self._view, self.header)
 
     @property
     def entries(self) -> Sequence[Entry]:
         return self.header.layout.entries
 
     def verify(self) -> None:
-        """Checks every payload block's checksum."""
-        for i in range(self.header.layout.num_blocks):
-            a, b = self.header.layout.block_range(i)
-            verify_block(self.header, i, self._view[a:b])
+        """Checks every payload block's checksum (raises CorruptSnapshot)."""
+        verify_payload(self._view, self.header)
 
     def raw(self, name: str) -> memoryview:
         """The entry's bytes, without a copy."""
