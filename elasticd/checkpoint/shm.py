@@ -1,0 +1,429 @@
+"""Daemon-owned shared memory that holds snapshots: double-buffered slots per (job, rank).
+
+The daemon, not the worker, owns the files (under ``/dev/shm/elasticd-<node>`` by default), so
+a snapshot survives the worker that wrote it, and a restarted daemon keeps every segment whose
+checksums verify (:meth:`SlotStore.scan`). Each (job, rank) has two slots: a snapshot is written
+into the one that does not hold the last complete snapshot, then sealed (header written last, see
+:func:`elasticd.checkpoint.format.seal`), so a crash mid-snapshot never costs the previous one.
+
+Slots are files sized on first use, grown when the state grows, allocated with ``fallocate``
+(a full tmpfs is then an error here rather than a SIGBUS in whoever writes) and pre-touched,
+because first writes into fresh tmpfs pages run ten times slower than memcpy (FACTS.md). A
+per-node cap bounds the bytes held; going over it raises :class:`OverBudget`, which the caller
+turns into a skipped snapshot, a warning and a metric. No torch here: this is daemon code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import threading
+from typing import Any, Callable
+
+import numpy as np
+
+from elasticd.checkpoint.format import SnapshotError, SnapshotHeader, invalidate, seal, write_header
+from elasticd.checkpoint.reader import SnapshotReader, verify_payload
+from elasticd.checkpoint.segment import PAGE, Segment, map_file
+
+__all__ = ["OverBudget", "ScanResult", "Slot", "SlotBusy", "SlotStore", "SlotStoreError",
+           "SnapshotView", "StaleSlot", "default_root", "map_file"]
+
+_JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_SEGMENT_RE = re.compile(r"(\d+)\.slot")
+
+
+class SlotStoreError(Exception):
+    """Base class of the slot store's errors."""
+
+
+class OverBudget(SlotStoreError):
+    """A reservation would take the node over its memory cap (or the filesystem is full).
+
+    Attributes:
+        needed: extra bytes the reservation needed.
+        held: bytes held at the time.
+        cap: the cap (None when the filesystem itself was full).
+    """
+
+    def __init__(self, message: str, needed: int = 0, held: int = 0, cap: int | None = None):
+        super().__init__(message)
+        self.needed, self.held, self.cap = needed, held, cap
+
+
+class SlotBusy(SlotStoreError):
+    """The only free slot is pinned by a reader (e.g. replication still sending it)."""
+
+
+class StaleSlot(SlotStoreError):
+    """``complete`` was given a slot that has since been reserved again or removed."""
+
+
+def default_root(node: str) -> str:
+    """Where a node's slots live unless configured otherwise."""
+    return f"/dev/shm/elasticd-{node}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """A reservation: write the snapshot's payload into ``buffer`` (or into ``path`` mapped by
+    another process), then hand it back to :meth:`SlotStore.complete`.
+
+    Attributes:
+        job, rank: whose snapshot this slot is for.
+        path: the file; it changes whenever the slot is re-allocated (grown), so a worker can
+            cache its own mapping keyed on the path.
+        capacity: the file's size in bytes (at least what was reserved).
+        buffer: the daemon's writable mapping of the whole file.
+        ticket: identifies this reservation.
+    """
+
+    job: str
+    rank: int
+    path: str
+    capacity: int
+    buffer: memoryview = dataclasses.field(repr=False)
+    ticket: int = 0
+
+
+@dataclasses.dataclass
+class _Pair:
+    segments: list[Segment | None] = dataclasses.field(default_factory=lambda: [None, None])
+    latest: int | None = None
+    reserved: int | None = None
+    next_serial: int = 0
+
+
+class SnapshotView:
+    """The latest complete snapshot of one (job, rank), read in place (no copy).
+
+    The bytes stay valid until the store reuses the slot, which happens at the second
+    :meth:`SlotStore.reserve` after this one was taken; a *pinned* view (``latest(pin=True)``)
+    prevents that until :meth:`release` (a reserve then raises :class:`SlotBusy`).
+    """
+
+    def __init__(self, store: "SlotStore", segment: Segment, pinned: bool, verify: bool):
+        self.header: SnapshotHeader = segment.header  # type: ignore[assignment]
+        self.path = segment.path
+        self.buffer = segment.view[: self.header.layout.total_size].toreadonly()
+        self._reader = SnapshotReader(self.buffer, verify=verify, where=segment.path)
+        self._store, self._segment, self._pinned = store, segment, pinned
+
+    def array(self, name: str) -> np.ndarray:
+        return self._reader.array(name)
+
+    def raw(self, name: str) -> memoryview:
+        return self._reader.raw(name)
+
+    def release(self) -> None:
+        if self._pinned:
+            self._pinned = False
+            self._store._unpin(self._segment)
+
+    def __enter__(self) -> "SnapshotView":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanResult:
+    """What :meth:`SlotStore.scan` found: kept snapshots as (job, rank, generation, step), and
+    the paths it removed with the reason."""
+
+    kept: list[tuple[str, int, int, int]]
+    removed: list[tuple[str, str]]
+
+
+class SlotStore:
+    """Double-buffered snapshot slots for every (job, rank) this node holds.
+
+    Args:
+        root: directory for the slot files (created, mode 0700); one per node.
+        cap_bytes: most bytes the slot files may take together; None for no cap.
+        file_mode: permission bits of slot files (workers of the job must be able to open them).
+    """
+
+    def __init__(self, root: str, *, cap_bytes: int | None = None, file_mode: int = 0o600):
+        if cap_bytes is not None and cap_bytes < 0:
+            raise ValueError(f"cap_bytes must be >= 0 or None, got {cap_bytes}")
+        self.root, self.cap_bytes, self.file_mode = root, cap_bytes, file_mode
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        self._pairs: dict[tuple[str, int], _Pair] = {}
+        self._lock = threading.Lock()
+        self._tickets = 0
+
+    # -- paths and allocation -------------------------------------------------------------
+
+    def _dir(self, job: str, rank: int) -> str:
+        if not isinstance(job, str) or not _JOB_RE.fullmatch(job):
+            raise ValueError(f"job name {job!r} must match {_JOB_RE.pattern}")
+        if type(rank) is not int or rank < 0:
+            raise ValueError(f"rank must be an integer >= 0, got {rank!r}")
+        return os.path.join(self.root, job, str(rank))
+
+    def _pair(self, job: str, rank: int) -> _Pair:
+        pair = self._pairs.get((job, rank))
+        if pair is None:
+            directory = self._dir(job, rank)
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+            serials = [int(m.group(1)) for n in os.listdir(directory)
+                       if (m := _SEGMENT_RE.fullmatch(n))]
+            pair = self._pairs[(job, rank)] = _Pair(next_serial=max(serials, default=-1) + 1)
+        return pair
+
+    def _allocate(self, job: str, rank: int, pair: _Pair, capacity: int) -> Segment:
+        path = os.path.join(self._dir(job, rank), f"{pair.next_serial}.slot")
+        pair.next_serial += 1
+        try:
+            return Segment.allocate(path, capacity, self.file_mode)
+        except OSError as exc:
+            raise OverBudget(f"cannot allocate {capacity} bytes in {self.root}: {exc}",
+                             capacity, self._held(), None) from exc
+
+    # -- the snapshot cycle ---------------------------------------------------------------
+
+    def reserve(self, job: str, rank: int, nbytes: int) -> Slot:
+        """Returns a free slot of at least ``nbytes`` for the next snapshot of (job, rank).
+
+        The slot holding the latest complete snapshot is never returned. On first use both slots
+        are allocated; a slot too small for ``nbytes`` is replaced by a bigger one (new path).
+
+        Raises:
+            OverBudget: the allocation would exceed ``cap_bytes`` (or the filesystem is full).
+            SlotBusy: the free slot is pinned by a reader.
+        """
+        if type(nbytes) is not int or nbytes <= 0:
+            raise ValueError(f"nbytes must be a positive integer, got {nbytes!r}")
+        capacity = -(-nbytes // PAGE) * PAGE
+        with self._lock:
+            pair = self._pair(job, rank)
+            index = 0 if pair.latest is None else 1 - pair.latest
+            other = 1 - index
+            current = pair.segments[index]
+            if current is not None and current.pins:
+                raise SlotBusy(f"{job} rank {rank}: free slot {current.path} is pinned by a reader")
+            grow = current is None or current.capacity < nbytes
+            # The other slot is allocated too if missing, so both exist pre-touched.
+            fill = pair.segments[other] is None
+            needed = (capacity if grow else 0) + (capacity if fill else 0)
+            freed = current.capacity if grow and current is not None else 0
+            held = self._held()
+            if self.cap_bytes is not None and held - freed + needed > self.cap_bytes:
+                raise OverBudget(
+                    f"{job} rank {rank}: snapshot of {nbytes} bytes needs {needed - freed} more "
+                    f"bytes of slots; {held} of the {self.cap_bytes}-byte cap are held",
+                    needed - freed, held, self.cap_bytes,
+                )
+            if grow:
+                if current is not None:
+                    current.destroy()
+                    pair.segments[index] = None
+                pair.segments[index] = current = self._allocate(job, rank, pair, capacity)
+            if fill:
+                pair.segments[other] = self._allocate(job, rank, pair, capacity)
+            invalidate(current.view)
+            current.header = None
+            self._tickets += 1
+            current.ticket = self._tickets
+            pair.reserved = index
+            return Slot(job, rank, current.path, current.capacity, current.view, current.ticket)
+
+    def complete(self, slot: Slot, header: SnapshotHeader) -> SnapshotHeader:
+        """Seals the snapshot written into ``slot``; it becomes (job, rank)'s latest.
+
+        If ``header.blocks`` is empty the payload checksums are computed here; if it holds
+        checksums (a replica received from a peer) the payload is verified against them.
+
+        Returns:
+            The sealed header.
+
+        Raises:
+            StaleSlot: the slot was reserved again, grown or removed since.
+            CorruptSnapshot: the payload does not match the given checksums.
+            ValueError: the header is for another job/rank or larger than the slot.
+        """
+        if (header.job, header.rank) != (slot.job, slot.rank):
+            raise ValueError(f"header for {header.job} rank {header.rank} given for a slot of "
+                             f"{slot.job} rank {slot.rank}")
+        if header.layout.total_size > slot.capacity:
+            raise ValueError(f"snapshot of {header.layout.total_size} bytes exceeds the "
+                             f"{slot.capacity}-byte slot")
+        with self._lock:
+            segment = self._reserved_segment(slot)
+        # Checksumming runs outside the lock: other ranks keep reserving meanwhile.
+        if header.blocks:
+            verify_payload(segment.view, header)
+            write_header(segment.view, header)
+            sealed = header
+        else:
+            sealed = seal(segment.view, header)
+        with self._lock:
+            # Re-checked: a new reservation of the same rank may have taken the slot meanwhile.
+            self._reserved_segment(slot)
+            pair = self._pairs[(slot.job, slot.rank)]
+            segment.header = sealed
+            pair.latest, pair.reserved = pair.segments.index(segment), None
+        return sealed
+
+    def _reserved_segment(self, slot: Slot) -> Segment:
+        pair = self._pairs.get((slot.job, slot.rank))
+        segment = None if pair is None or pair.reserved is None else pair.segments[pair.reserved]
+        if segment is None or segment.ticket != slot.ticket or segment.path != slot.path:
+            raise StaleSlot(f"{slot.job} rank {slot.rank}: slot {slot.path} is no longer reserved "
+                            "for this snapshot")
+        return segment
+
+    def latest(self, job: str, rank: int, *, pin: bool = False,
+               verify: bool = False) -> SnapshotView | None:
+        """The latest complete snapshot of (job, rank), or None.
+
+        Args:
+            pin: keep the slot from being reused until the view is released.
+            verify: re-check the payload checksums now (raises CorruptSnapshot).
+        """
+        with self._lock:
+            pair = self._pairs.get((job, rank))
+            if pair is None or pair.latest is None:
+                return None
+            segment = pair.segments[pair.latest]
+            assert segment is not None and segment.header is not None
+            if pin:
+                segment.pins += 1
+        try:
+            return SnapshotView(self, segment, pin, verify)
+        except SnapshotError:
+            if pin:
+                self._unpin(segment)
+            raise
+
+    def _unpin(self, segment: Segment) -> None:
+        with self._lock:
+            segment.pins = max(0, segment.pins - 1)
+
+    # -- housekeeping ---------------------------------------------------------------------
+
+    def _held(self) -> int:
+        return sum(s.capacity for p in self._pairs.values() for s in p.segments if s is not None)
+
+    def bytes_held(self) -> int:
+        """Bytes of slot files this store holds."""
+        with self._lock:
+            return self._held()
+
+    def holdings(self) -> list[tuple[str, int, int, int]]:
+        """(job, rank, generation, step) of every latest complete snapshot held."""
+        with self._lock:
+            out = []
+            for (job, rank), pair in sorted(self._pairs.items()):
+                seg = None if pair.latest is None else pair.segments[pair.latest]
+                if seg is not None and seg.header is not None:
+                    out.append((job, rank, seg.header.generation, seg.header.step))
+            return out
+
+    def remove(self, job: str, rank: int) -> None:
+        """Drops one (job, rank)'s slots (e.g. a replica this node no longer holds)."""
+        with self._lock:
+            pair = self._pairs.pop((job, rank), None)
+            for seg in pair.segments if pair else ():
+                if seg is not None:
+                    seg.destroy()
+            shutil.rmtree(self._dir(job, rank), ignore_errors=True)
+
+    def remove_job(self, job: str) -> None:
+        """Drops every slot of ``job`` and its directory."""
+        self._dir(job, 0)
+        with self._lock:
+            for key in [k for k in self._pairs if k[0] == job]:
+                for seg in self._pairs.pop(key).segments:
+                    if seg is not None:
+                        seg.destroy()
+            shutil.rmtree(os.path.join(self.root, job), ignore_errors=True)
+
+    def close(self, *, unlink: bool = True) -> None:
+        """Unmaps everything; with ``unlink`` (the default) also deletes every slot file and the
+        root directory. ``unlink=False`` leaves the files for a restarted daemon to :meth:`scan`."""
+        with self._lock:
+            for pair in self._pairs.values():
+                for seg in pair.segments:
+                    if seg is None:
+                        continue
+                    if unlink:
+                        seg.destroy()
+                    else:
+                        seg.unmap()
+            self._pairs.clear()
+        if unlink:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def scan(self) -> ScanResult:
+        """Adopts the slot files found under the root (a restarted daemon's first call).
+
+        Keeps every segment whose header and payload checksums verify and that sits in its own
+        job/rank directory (the two newest per rank); removes everything else.
+
+        Raises:
+            RuntimeError: the store is already in use.
+        """
+        kept: list[tuple[str, int, int, int]] = []
+        removed: list[tuple[str, str]] = []
+
+        def drop(path: str, why: str) -> None:
+            # Anything under the root that is not a verified slot goes: nothing may leak.
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            elif os.path.lexists(path):
+                os.unlink(path)
+            removed.append((path, why))
+
+        with self._lock:
+            if self._pairs:
+                raise RuntimeError("scan() must run before the store is used")
+            for job in sorted(os.listdir(self.root)):
+                job_dir = os.path.join(self.root, job)
+                if (not _JOB_RE.fullmatch(job) or os.path.islink(job_dir)
+                        or not os.path.isdir(job_dir)):
+                    drop(job_dir, "not a job directory")
+                    continue
+                for rank_name in sorted(os.listdir(job_dir)):
+                    rank_dir = os.path.join(job_dir, rank_name)
+                    if (not rank_name.isdigit() or str(int(rank_name)) != rank_name
+                            or os.path.islink(rank_dir) or not os.path.isdir(rank_dir)):
+                        drop(rank_dir, "not a rank directory")
+                        continue
+                    self._adopt(job, int(rank_name), rank_dir, drop, kept)
+                if not os.listdir(job_dir):
+                    os.rmdir(job_dir)
+        return ScanResult(kept, removed)
+
+    def _adopt(self, job: str, rank: int, rank_dir: str, drop: Callable[[str, str], None],
+               kept: list[tuple[str, int, int, int]]) -> None:
+        found: list[tuple[int, Segment]] = []
+        for name in sorted(os.listdir(rank_dir)):
+            path = os.path.join(rank_dir, name)
+            match = _SEGMENT_RE.fullmatch(name)
+            if not match or os.path.islink(path) or not os.path.isfile(path):
+                drop(path, "not a slot file")
+                continue
+            segment, why = Segment.open_verified(path, job, rank)
+            if segment is None:
+                drop(path, why)
+            else:
+                found.append((int(match.group(1)), segment))
+        if not found:
+            os.rmdir(rank_dir)
+            return
+        found.sort(key=lambda f: f[1].header.version(), reverse=True)  # type: ignore[union-attr]
+        for _, segment in found[2:]:
+            segment.destroy()
+            drop(segment.path, "older than the two newest snapshots of this rank")
+        pair = _Pair(next_serial=max(serial for serial, _ in found) + 1, latest=0)
+        for i, (_, segment) in enumerate(found[:2]):
+            pair.segments[i] = segment
+            h = segment.header
+            kept.append((job, rank, h.generation, h.step))  # type: ignore[union-attr]
+        self._pairs[(job, rank)] = pair
+

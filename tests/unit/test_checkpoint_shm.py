@@ -1,0 +1,256 @@
+"""The shared-memory slot store: double buffering, growth, the cap, pins, restart scan, cleanup.
+
+Runs on real tmpfs (a unique /dev/shm subdirectory per test, removed afterwards) because
+fallocate and page pre-touching behave differently there than on a disk filesystem.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+
+import numpy as np
+import pytest
+
+from elasticd.checkpoint.format import CorruptSnapshot, SnapshotHeader, TensorSpec, layout
+from elasticd.checkpoint.shm import PAGE, OverBudget, SlotBusy, SlotStore, StaleSlot
+
+
+@pytest.fixture
+def root():
+    path = f"/dev/shm/elasticd-test-{uuid.uuid4().hex[:12]}"
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def store(root):
+    s = SlotStore(root)
+    try:
+        yield s
+    finally:
+        s.close()
+    assert not os.path.exists(root), "close() must leave nothing behind"
+
+
+def arrays_for(step: int, n: int = 3000) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(step)
+    return {"w": rng.standard_normal(n).astype(np.float32), "step": np.array(step, np.int64)}
+
+
+def plan(job, rank, arrays, step, generation=0):
+    specs = [TensorSpec(k, str(v.dtype), v.shape) for k, v in arrays.items()]
+    lay = layout(specs, job=job, meta={"step": step}, block_size=4096)
+    return SnapshotHeader(job, step, generation, rank, 4, lay, {"step": step})
+
+
+def fill(buf, header, arrays) -> None:
+    for e in header.layout.entries:
+        buf[e.offset : e.offset + e.nbytes] = arrays[e.name].tobytes()
+
+
+def snapshot(store, job, rank, step, n=3000, generation=0):
+    arrays = arrays_for(step, n)
+    header = plan(job, rank, arrays, step, generation)
+    slot = store.reserve(job, rank, header.layout.total_size)
+    fill(slot.buffer, header, arrays)
+    return store.complete(slot, header), slot
+
+
+def assert_holds(store, job, rank, step, n=3000):
+    view = store.latest(job, rank, verify=True)
+    assert view is not None and view.header.step == step
+    for name, arr in arrays_for(step, n).items():
+        assert view.array(name).tobytes() == arr.tobytes()
+
+
+def files(root):
+    return sorted(os.path.relpath(os.path.join(d, f), root)
+                  for d, _, fs in os.walk(root) for f in fs)
+
+
+def test_reserve_complete_latest(store, root):
+    assert store.latest("job", 0) is None
+    header, slot = snapshot(store, "job", 0, step=1)
+    assert slot.capacity % PAGE == 0 and slot.capacity >= header.layout.total_size
+    assert_holds(store, "job", 0, 1)
+    # Both slots exist from the first use, pre-allocated.
+    assert files(root) == ["job/0/0.slot", "job/0/1.slot"]
+    assert store.bytes_held() == 2 * slot.capacity
+    assert store.holdings() == [("job", 0, 0, 1)]
+
+
+def test_double_buffering_never_overwrites_the_last_complete_snapshot(store):
+    _, first = snapshot(store, "job", 0, step=1)
+    slot = store.reserve("job", 0, first.capacity)
+    assert slot.path != first.path
+    slot.buffer[:] = b"\xab" * slot.capacity  # a worker dies halfway through step 2
+    assert_holds(store, "job", 0, 1)
+    # The crashed reservation is simply reused by the next one; the old ticket is stale.
+    again = store.reserve("job", 0, first.capacity)
+    assert again.path == slot.path
+    with pytest.raises(StaleSlot):
+        store.complete(slot, plan("job", 0, arrays_for(2), 2))
+    arrays = arrays_for(2)
+    header = plan("job", 0, arrays, 2)
+    fill(again.buffer, header, arrays)
+    store.complete(again, header)
+    assert_holds(store, "job", 0, 2)
+    third = store.reserve("job", 0, first.capacity)
+    assert third.path == first.path  # alternates, never the latest
+    third.buffer[:100] = bytes(100)
+    assert_holds(store, "job", 0, 2)
+
+
+def test_growth_replaces_the_free_slot_with_a_bigger_file(store, root):
+    _, small = snapshot(store, "job", 1, step=1, n=100)
+    held = store.bytes_held()
+    _, big = snapshot(store, "job", 1, step=2, n=50_000)
+    assert big.capacity > small.capacity and big.path not in (small.path,)
+    assert_holds(store, "job", 1, 2, n=50_000)
+    assert store.bytes_held() == held - small.capacity + big.capacity
+    _, big2 = snapshot(store, "job", 1, step=3, n=50_000)  # the other slot grows too
+    assert_holds(store, "job", 1, 3, n=50_000)
+    assert store.bytes_held() == big.capacity + big2.capacity
+    assert len(files(root)) == 2
+
+
+def test_cap_is_enforced_and_leaves_the_store_unchanged(root):
+    store = SlotStore(root, cap_bytes=5 * PAGE)
+    try:
+        snapshot(store, "job", 0, step=1, n=100)  # 2 slots of 2 pages (header page + data)
+        held = store.bytes_held()
+        assert held == 4 * PAGE
+        with pytest.raises(OverBudget, match="cap") as info:
+            store.reserve("job", 1, 100)
+        assert (info.value.held, info.value.cap) == (held, 5 * PAGE)
+        with pytest.raises(OverBudget):
+            store.reserve("job", 0, 10 * PAGE)  # growing the free slot would also exceed it
+        assert store.bytes_held() == held
+        assert_holds(store, "job", 0, 1, n=100)
+        snapshot(store, "job", 0, step=2, n=100)  # same size still fits
+    finally:
+        store.close()
+
+
+def test_pinned_view_blocks_reuse_until_released(store):
+    snapshot(store, "job", 0, step=1)
+    view = store.latest("job", 0, pin=True)
+    snapshot(store, "job", 0, step=2)  # goes to the other slot
+    with pytest.raises(SlotBusy):
+        store.reserve("job", 0, 100)
+    assert view.array("step") == 1
+    view.release()
+    with store.latest("job", 0, pin=True) as current:
+        assert current.header.step == 2
+    store.reserve("job", 0, 100)
+
+
+def test_replica_path_verifies_the_given_checksums(store):
+    source, _ = snapshot(store, "job", 0, step=4)
+    payload = bytes(store.latest("job", 0).buffer)
+    slot = store.reserve("job", 2, source.layout.total_size)
+    replica = dataclasses.replace(source, rank=2)
+    slot.buffer[: len(payload)] = payload
+    slot.buffer[source.layout.entries[0].offset] ^= 1
+    with pytest.raises(CorruptSnapshot, match="checksum"):
+        store.complete(slot, replica)
+    slot.buffer[source.layout.entries[0].offset] ^= 1
+    assert store.complete(slot, replica).blocks == source.blocks
+    assert store.latest("job", 2, verify=True).header.step == 4
+
+
+def test_bad_arguments_are_refused(store):
+    with pytest.raises(ValueError, match="job name"):
+        store.reserve("../etc", 0, 100)
+    with pytest.raises(ValueError, match="positive"):
+        store.reserve("job", 0, 0)
+    slot = store.reserve("job", 0, 8 * PAGE)
+    with pytest.raises(ValueError, match="slot of job rank 0"):
+        store.complete(slot, plan("job", 1, arrays_for(1), 1))
+    with pytest.raises(ValueError, match="exceeds"):
+        store.complete(slot, plan("job", 0, arrays_for(1, n=100_000), 1))
+
+
+def test_a_worker_process_writes_through_its_own_mapping(store):
+    arrays = arrays_for(9)
+    header = plan("job", 3, arrays, 9)
+    slot = store.reserve("job", 3, header.layout.total_size)
+    code = (
+        "import sys, numpy as np; from elasticd.checkpoint.shm import map_file\n"
+        "mm = map_file(sys.argv[1], int(sys.argv[2]))\n"
+        "w = np.random.default_rng(9).standard_normal(3000).astype(np.float32)\n"
+        "off = [int(x) for x in sys.argv[3:]]\n"
+        "mm[off[0]:off[0] + w.nbytes] = w.tobytes()\n"
+        "mm[off[1]:off[1] + 8] = np.array(9, np.int64).tobytes()\n"
+        "mm.close()\n"
+    )
+    offsets = [str(header.layout.entry(n).offset) for n in ("w", "step")]
+    subprocess.run([sys.executable, "-c", code, slot.path, str(slot.capacity), *offsets],
+                   check=True, timeout=60)
+    store.complete(slot, header)
+    assert_holds(store, "job", 3, 9)
+
+
+def test_restart_scan_keeps_verified_segments_and_removes_the_rest(root):
+    first = SlotStore(root)
+    snapshot(first, "job", 0, step=1)
+    snapshot(first, "job", 0, step=2)
+    rotten, corrupt = snapshot(first, "job", 1, step=5)
+    snapshot(first, "job", 2, step=3)
+    half = first.reserve("job", 2, 100)  # crashed mid-snapshot: invalidated, never sealed
+    first.close(unlink=False)
+    with open(corrupt.path, "r+b") as f:  # bit rot in rank 1's payload
+        f.seek(rotten.layout.entry("w").offset + 10)
+        f.write(b"\xff")
+    good = os.path.join(root, "job", "0", "1.slot")
+    with open(good, "rb") as f, open(os.path.join(root, "job", "0", "7.slot"), "wb") as g:
+        g.write(f.read()[:5000])  # truncated copy
+    with open(os.path.join(root, "junk.txt"), "w") as f:
+        f.write("x")
+    os.makedirs(os.path.join(root, "bad name!"))
+    os.makedirs(os.path.join(root, "job", "not-a-rank"))
+
+    second = SlotStore(root)
+    try:
+        result = second.scan()
+        assert sorted(result.kept) == [("job", 0, 0, 1), ("job", 0, 0, 2), ("job", 2, 0, 3)]
+        removed = {os.path.relpath(p, root): why for p, why in result.removed}
+        assert "checksum" in removed[os.path.relpath(corrupt.path, root)]
+        assert "magic" in removed[os.path.relpath(half.path, root)]
+        assert "short" in removed["job/0/7.slot"]
+        assert {"junk.txt", "bad name!", "job/not-a-rank"} <= set(removed)
+        assert files(root) == ["job/0/0.slot", "job/0/1.slot", "job/2/0.slot"]
+        assert_holds(second, "job", 0, 2)
+        assert_holds(second, "job", 2, 3)
+        assert second.latest("job", 1) is None
+        # The adopted pair keeps alternating: the next slot is the older snapshot's, not step 2's.
+        assert second.reserve("job", 0, 100).path.endswith("/0.slot")
+        assert_holds(second, "job", 0, 2)
+        snapshot(second, "job", 1, step=6)  # new files never collide with adopted ones
+        assert_holds(second, "job", 1, 6)
+    finally:
+        second.close()
+    assert not os.path.exists(root)
+
+
+def test_remove_and_remove_job_unlink_everything(store, root):
+    snapshot(store, "a", 0, step=1)
+    snapshot(store, "a", 1, step=1)
+    snapshot(store, "b", 0, step=1)
+    view = store.latest("a", 0)  # a live reader does not keep the files alive
+    store.remove("a", 1)
+    assert store.latest("a", 1) is None and not os.path.exists(os.path.join(root, "a", "1"))
+    store.remove_job("a")
+    assert not os.path.exists(os.path.join(root, "a"))
+    assert view.array("step") == 1  # the mapping lingers until the reader lets go
+    assert files(root) == ["b/0/0.slot", "b/0/1.slot"]
+    assert store.holdings() == [("b", 0, 0, 1)]
+    store.remove_job("b")
+    assert store.bytes_held() == 0 and files(root) == []
