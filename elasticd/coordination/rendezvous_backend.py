@@ -18,8 +18,9 @@ write this key runs code in every agent; etcd must require authentication (TLS c
 certificates or etcd users), see :mod:`elasticd.coordination.rendezvous`.
 
 Every call rides out etcd outages for the grace period (:mod:`.rendezvous_grace`). A write whose
-outcome is unknown (the connection broke after etcd applied it) is retried; if the retry finds
-our own bytes stored, it reports success, as the c10d backend does by comparing states.
+outcome is unknown (the connection broke after etcd applied it) is retried; when its compare
+then fails but our own bytes are stored, it reports success (the c10d backend, too, decides
+``has_set`` by comparing the stored state with its own).
 
 No TTL is put on the state: an etcd lease would need a keep-alive of its own. The state of a
 finished run stays until the run's keys are deleted, and a closed state refuses new agents with
@@ -35,7 +36,7 @@ import xxhash
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
-from elasticd.coordination.api import Compare, Coordinator, Put, Unavailable
+from elasticd.coordination.api import Compare, Coordinator, Put
 from elasticd.coordination.keys import Keyspace, check_name
 from elasticd.coordination.rendezvous import BACKEND_NAME
 from elasticd.coordination.rendezvous_grace import OutageGrace
@@ -145,22 +146,16 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         # torch's backends treat any falsy token as None: write only if no state exists.
         expected = int(token) if token else 0
         envelope = encode_state(state)
-        outcome_unknown = False
-
-        def attempt() -> tuple[bool, int]:
-            nonlocal outcome_unknown
-            try:
-                return self._coordinator.transaction([Compare(self.key, expected)],
-                                                     [Put(self.key, envelope)])
-            except Unavailable:
-                # etcd may have applied the write before the connection broke.
-                outcome_unknown = True
-                raise
-
-        ok, revision = self._grace.call(attempt, "writing the rendezvous state")
+        ok, revision = self._grace.call(
+            lambda: self._coordinator.transaction([Compare(self.key, expected)],
+                                                  [Put(self.key, envelope)]),
+            "writing the rendezvous state")
         if ok:
             return self._for_torch(state), revision, True
-        return self._current_state(written=envelope if outcome_unknown else None)
+        # The compare may have failed because etcd applied this very write before the reply
+        # was lost and the call was retried (here or inside the coordinator): finding our own
+        # bytes stored means the write took effect.
+        return self._current_state(written=envelope)
 
     def _current_state(self, written: bytes | None) -> tuple[bytes, Token, bool] | None:
         kv = self._grace.call(lambda: self._coordinator.get(self.key),
