@@ -64,6 +64,7 @@ DTYPES: dict[str, tuple[int, str | None]] = {
     "float8_e4m3fnuz": (1, None),
     "float8_e5m2fnuz": (1, None),
     "float8_e8m0fnu": (1, None),
+    "float4_e2m1fn_x2": (1, None),
 }
 
 

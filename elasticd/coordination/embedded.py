@@ -145,6 +145,7 @@ class EmbeddedEtcd:
         self.binary = find_etcd(binary)
         self._own_dir = data_dir is None
         self.dir = data_dir or tempfile.mkdtemp(prefix="elasticd-etcd-")
+        os.makedirs(self.dir, exist_ok=True)
         names = [f"etcd{i}" for i in range(members)]
         ports = [(free_port(), free_port()) for _ in names]
         initial = ",".join(f"{n}=http://127.0.0.1:{pp}" for n, (_, pp) in zip(names, ports))

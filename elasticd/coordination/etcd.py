@@ -51,10 +51,16 @@ T = TypeVar("T")
 # gRPC keepalive pings find a dead TCP connection (a partitioned or frozen server) for watch
 # streams that would otherwise wait forever. etcd rejects pings more often than every 5 s
 # (--grpc-keepalive-min-time), so stay above that.
+#
+# gRPC backs off reconnects exponentially up to 120 s by default, so a daemon would find a
+# restarted etcd only minutes later; cap the backoff at one second.
 _CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 3_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
 ]
 
 _UNAVAILABLE_CODES = {
@@ -181,7 +187,7 @@ class EtcdCoordinator(Coordinator):
             return exc
         if isinstance(exc, (etcd_exc.ConnectionFailedError, etcd_exc.NoServerAvailableError)):
             return Unavailable(f"etcd at {where} is unreachable")
-        if isinstance(exc, etcd_exc.ConnectionTimeoutError):
+        if isinstance(exc, (etcd_exc.ConnectionTimeoutError, etcd_exc.WatchTimedOut)):
             return Unavailable(f"etcd at {where} did not answer within {self.settings.timeout}s")
         if isinstance(exc, etcd_exc.RevisionCompactedError):
             return Compacted(exc.compacted_revision)
@@ -354,8 +360,13 @@ class _ResilientWatch(Watch):
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        """Creates the first stream synchronously, so errors reach the caller."""
-        self._create()
+        """Creates the first stream synchronously, so that errors other than an outage reach
+        the caller; during an outage the stream is created in the background when etcd returns.
+        """
+        try:
+            self._create()
+        except Unavailable:
+            self._wake.set()
         self._thread = threading.Thread(
             target=self._maintain, name=f"watch:{self._prefix!r}", daemon=True
         )

@@ -1,6 +1,7 @@
 """Versioned records stored in etcd.
 
-Every value elasticd writes is a JSON object with a schema version ``v`` and a ``kind``. A
+Every value elasticd writes is a JSON object with a schema version ``schema`` and a record type
+``record``, beside the record's own fields. A
 reader refuses, with a clear error, a record it cannot read: not JSON (corrupt), the wrong kind,
 or a newer schema than it knows (written by a newer elasticd: upgrade this node). JSON and not
 pickle: nothing read from etcd may run code.
@@ -30,13 +31,19 @@ class UnsupportedRecordVersion(RecordError):
 R = TypeVar("R")
 
 
+_ENVELOPE = ("schema", "record")
+
+
 def encode(kind: str, payload: dict[str, Any]) -> bytes:
-    body = {"v": SCHEMA_VERSION, "kind": kind, **payload}
+    clash = [k for k in _ENVELOPE if k in payload]
+    if clash:
+        raise ValueError(f"record fields {clash} are reserved for the envelope")
+    body = {"schema": SCHEMA_VERSION, "record": kind, **payload}
     return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
 
 
 def decode(raw: bytes, kind: str, key: bytes | str = b"?") -> dict[str, Any]:
-    """Returns the payload of a record of ``kind`` (without ``v`` and ``kind``).
+    """Returns the payload of a record of ``kind`` (without the envelope).
 
     Raises:
         CorruptRecord: not JSON, not an object, or another kind.
@@ -47,17 +54,17 @@ def decode(raw: bytes, kind: str, key: bytes | str = b"?") -> dict[str, Any]:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CorruptRecord(f"{where}: not a valid record ({exc.__class__.__name__}: {exc})") from exc
-    if not isinstance(body, dict) or not isinstance(body.get("v"), int):
+    if not isinstance(body, dict) or not isinstance(body.get("schema"), int):
         raise CorruptRecord(f"{where}: not a versioned elasticd record")
-    if body["v"] > SCHEMA_VERSION:
+    if body["schema"] > SCHEMA_VERSION:
         raise UnsupportedRecordVersion(
-            f"{where}: written with record schema v{body['v']}, this elasticd reads up to "
+            f"{where}: written with record schema v{body['schema']}, this elasticd reads up to "
             f"v{SCHEMA_VERSION}; upgrade elasticd on this node"
         )
-    if body.get("kind") != kind:
-        raise CorruptRecord(f"{where}: expected a {kind!r} record, found {body.get('kind')!r}")
-    body.pop("v")
-    body.pop("kind")
+    if body.get("record") != kind:
+        raise CorruptRecord(f"{where}: expected a {kind!r} record, found {body.get('record')!r}")
+    for k in _ENVELOPE:
+        body.pop(k)
     return body
 
 

@@ -123,8 +123,8 @@ class Daemon:
             NodeIdInUse: a live daemon elsewhere holds the same node id.
         """
         self.keeper.grant()
-        self._register(wait_for_id=True)
         self._start_watch()
+        self._register(wait_for_id=True)  # last: once our record is visible, we are in
         self.keeper.start()
         self.sentence = f"joined the cluster as {self.settings.node_id}"
         log.info("%s", self.sentence)
@@ -190,6 +190,7 @@ class Daemon:
             sentence = f"cycle failed ({exc}); retrying"
         if not self.health.up:
             self._maybe_fence_for_outage()
+            sentence = self._describe_outage()
         self._finish_cycle(sentence)
         return sentence
 

@@ -1,0 +1,170 @@
+"""Moving tensors into and out of a snapshot buffer, behind a small :class:`Copier` interface.
+
+The copy into shared memory is the only part of a snapshot the training loop may wait for, so
+it sits behind an interface with an asynchronous ``start``: the CPU implementation here copies
+with ``Tensor.copy_`` (optionally on a background thread, so it overlaps the next forward and
+backward), and a CUDA implementation can be added beside it that copies on a side stream into
+pinned memory and waits on that stream's event. Whoever drives it must call ``wait`` before the
+optimizer next mutates the state (e.g. from an optimizer step pre-hook). Worker side: imports
+torch. Nothing is pickled: bytes go straight from tensor storage into the buffer.
+"""
+
+from __future__ import annotations
+
+import abc
+import concurrent.futures
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from elasticd.checkpoint.format import Layout, TensorSpec, byte_view
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The format's name for a torch dtype (``torch.bfloat16`` -> ``"bfloat16"``)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:
+    """The :class:`TensorSpec` of ``tensor`` (raises ValueError for a dtype the format lacks)."""
+    return TensorSpec(name, dtype_name(tensor.dtype), tuple(tensor.shape))
+
+
+def _check(tensors: Sequence[torch.Tensor], lay: Layout, size: int) -> None:
+    if len(tensors) != len(lay.entries):
+        raise ValueError(f"{len(tensors)} tensors for a layout of {len(lay.entries)} entries")
+    if size < lay.total_size:
+        raise ValueError(f"buffer of {size} bytes is smaller than the layout's {lay.total_size}")
+    for t, e in zip(tensors, lay.entries):
+        if dtype_name(t.dtype) != e.dtype or tuple(t.shape) != e.shape:
+            raise ValueError(
+                f"tensor for {e.name!r} is {dtype_name(t.dtype)}{tuple(t.shape)}, the layout "
+                f"expects {e.dtype}{e.shape}: flatten the state again and recompute the layout"
+            )
+        if t.layout != torch.strided:
+            raise ValueError(f"tensor for {e.name!r} has layout {t.layout}; only dense tensors")
+
+
+def copy_into(tensors: Sequence[torch.Tensor], buffer: Any, lay: Layout) -> None:
+    """Copies ``tensors`` (in layout order) into ``buffer`` at the layout's offsets.
+
+    Args:
+        tensors: dense tensors of any dtype and strides (non-contiguous ones are packed).
+        buffer: a writable buffer of at least ``lay.total_size`` bytes (an mmap, a bytearray,
+            a slot's memoryview). The header region is left alone.
+        lay: from :func:`elasticd.checkpoint.format.layout` over the same tensors.
+    """
+    view = byte_view(buffer)
+    if view.readonly:
+        raise ValueError("copy_into needs a writable buffer")
+    _check(tensors, lay, len(view))
+    if lay.total_size == lay.data_offset:
+        return
+    # One uint8 tensor over the whole buffer; each entry is a typed view into it, so copy_
+    # writes straight into shared memory (no staging copy, no pickle).
+    dst = torch.frombuffer(view, dtype=torch.uint8, count=lay.total_size)
+    for t, e in zip(tensors, lay.entries):
+        if e.nbytes:
+            dst[e.offset : e.offset + e.nbytes].view(t.dtype).view(t.shape).copy_(t.detach())
+
+
+def read_tensors(buffer: Any, lay: Layout) -> list[torch.Tensor]:
+    """New CPU tensors holding copies of every entry of ``buffer`` (in layout order).
+
+    Copies, because the buffer is a slot that the store will reuse for a later snapshot and
+    ``Optimizer.load_state_dict`` keeps the tensors it is given.
+    """
+    view = byte_view(buffer)
+    if len(view) < lay.total_size:
+        raise ValueError(f"buffer of {len(view)} bytes is smaller than the layout's {lay.total_size}")
+    out = []
+    for e in lay.entries:
+        t = torch.empty(e.shape, dtype=getattr(torch, e.dtype))
+        if e.nbytes:
+            # Through numpy's byte view: works for read-only buffers and for dtypes numpy lacks.
+            t.reshape(-1).view(torch.uint8).numpy()[:] = np.frombuffer(
+                view, dtype=np.uint8, count=e.nbytes, offset=e.offset
+            )
+        out.append(t)
+    return out
+
+
+class CopyHandle(abc.ABC):
+    """A copy in flight."""
+
+    @abc.abstractmethod
+    def wait(self, timeout: float | None = None) -> None:
+        """Blocks until the copy is done; re-raises its error; TimeoutError after ``timeout``."""
+
+    @abc.abstractmethod
+    def done(self) -> bool:
+        """True once the copy has finished (successfully or not)."""
+
+
+class Copier(abc.ABC):
+    """Copies a flattened state into a snapshot buffer and back."""
+
+    @abc.abstractmethod
+    def start(self, tensors: Sequence[torch.Tensor], buffer: Any, lay: Layout) -> CopyHandle:
+        """Starts copying ``tensors`` into ``buffer``; the tensors must not change until
+        :meth:`CopyHandle.wait` returns."""
+
+    def copy(self, tensors: Sequence[torch.Tensor], buffer: Any, lay: Layout) -> None:
+        """Copies and waits."""
+        self.start(tensors, buffer, lay).wait()
+
+    def read(self, buffer: Any, lay: Layout) -> list[torch.Tensor]:
+        """Copies every entry out of ``buffer`` into new tensors (CPU here)."""
+        return read_tensors(buffer, lay)
+
+    def close(self) -> None:
+        """Releases threads or streams."""
+
+
+class _Done(CopyHandle):
+    def wait(self, timeout: float | None = None) -> None:
+        return None
+
+    def done(self) -> bool:
+        return True
+
+
+class _Future(CopyHandle):
+    def __init__(self, future: concurrent.futures.Future) -> None:
+        self._future = future
+
+    def wait(self, timeout: float | None = None) -> None:
+        try:
+            self._future.result(timeout)
+        except concurrent.futures.TimeoutError as exc:
+            raise TimeoutError(f"snapshot copy still running after {timeout} s") from exc
+
+    def done(self) -> bool:
+        return self._future.done()
+
+
+class CpuCopier(Copier):
+    """Copies host tensors with ``Tensor.copy_``.
+
+    Args:
+        background: copy on one background thread (``copy_`` releases the GIL), so that the
+            copy overlaps the next forward/backward; otherwise ``start`` copies before returning.
+    """
+
+    def __init__(self, background: bool = False) -> None:
+        self._pool = (
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="elasticd-copy")
+            if background else None
+        )
+
+    def start(self, tensors: Sequence[torch.Tensor], buffer: Any, lay: Layout) -> CopyHandle:
+        _check(tensors, lay, len(byte_view(buffer)))  # bad input fails here, not in the thread
+        if self._pool is None:
+            copy_into(tensors, buffer, lay)
+            return _Done()
+        return _Future(self._pool.submit(copy_into, list(tensors), buffer, lay))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)

@@ -1,0 +1,365 @@
+"""Flattening a training state into named tensors plus JSON meta, and restoring it exactly.
+
+A training script hands elasticd a dict such as ``{"model": model, "optim": opt, "sched": sched,
+"sampler": sampler, "rng": RNGState(), "epoch": 3}``. :func:`flatten` turns it into an ordered list
+of named tensors (``model/fc.weight``, ``optim/state/0/exp_avg``), which go into the snapshot's
+payload as raw bytes, and a JSON meta tree recording everything else: which object each top-level
+entry is, the structure of its state dict, and every non-tensor leaf with its exact Python type
+(tuple vs list, int dict keys, non-finite floats, numpy scalars and arrays). :func:`load_into`
+restores every object bitwise from the tensors and the meta. No pickle anywhere: a snapshot may
+come from a peer, and JSON cannot run code.
+
+Supported values: ``nn.Module`` (its state_dict, with the per-module version metadata), any
+``torch.optim.Optimizer``, ``ZeroRedundancyOptimizer`` (this rank's local shard plus the
+wrapper's param-group hyper-parameters, which its ``step`` copies over the shard's, FACTS.md),
+anything with ``state_dict``/``load_state_dict`` (LR schedulers, samplers, :class:`RNGState`),
+and plain values. Worker side: imports torch.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+import random
+from typing import Any, Mapping, MutableMapping
+
+import numpy as np
+import torch
+
+from elasticd.checkpoint.copier import dtype_name, read_tensors, spec_of
+from elasticd.checkpoint.format import DEFAULT_BLOCK_SIZE, Layout, SnapshotHeader, TensorSpec, layout
+
+META_VERSION = 1
+_NUMPY_KINDS = "biufc"  # numpy values whose bytes alone define them
+
+
+class StateError(Exception):
+    """Base class: a state could not be flattened or restored."""
+
+
+class UnsupportedValue(StateError, TypeError):
+    """A value in the state has no exact, pickle-free representation."""
+
+
+class StateMismatch(StateError):
+    """The snapshot does not fit the state it is loaded into (keys, kinds, shapes, version)."""
+
+
+class RNGState:
+    """The process's random generators as one stateful entry: put ``RNGState()`` in the state.
+
+    Covers torch's CPU generator, numpy's global (legacy) generator, python's ``random`` and,
+    when CUDA is initialised, every CUDA device's generator. Loaders with their own
+    ``torch.Generator`` must snapshot it themselves (FACTS.md: exact resume needs it).
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        kind, key, pos, has_gauss, cached = np.random.get_state()
+        version, internal, gauss_next = random.getstate()
+        out: dict[str, Any] = {
+            "torch": torch.get_rng_state(),
+            "numpy": {"kind": kind, "key": key, "pos": int(pos), "has_gauss": int(has_gauss),
+                      "cached_gaussian": float(cached)},
+            # 625 words as one int64 tensor rather than 625 JSON numbers in the header.
+            "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64),
+                       "gauss_next": gauss_next},
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            out["cuda"] = torch.cuda.get_rng_state_all()
+        return out
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        torch.set_rng_state(state["torch"])
+        n = state["numpy"]
+        np.random.set_state((n["kind"], n["key"], n["pos"], n["has_gauss"], n["cached_gaussian"]))
+        p = state["python"]
+        random.setstate((p["version"], tuple(int(x) for x in p["state"].tolist()), p["gauss_next"]))
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@functools.lru_cache(maxsize=1)
+def _zero_class() -> type | None:
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, torch.nn.Module):
+        return "module"
+    zero = _zero_class()
+    if zero is not None and isinstance(value, zero):
+        return "zero"
+    if isinstance(value, torch.optim.Optimizer):
+        return "optimizer"
+    if callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
+        return "stateful"
+    return "value"
+
+
+def _state_of(kind: str, value: Any) -> Any:
+    if kind == "zero":
+        # The shard holds this rank's optimizer state; the wrapper's groups hold the lr etc.
+        # that zero.step() copies onto the shard, and that a scheduler has been changing.
+        return {"shard": value.optim.state_dict(),
+                "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                 for g in value.param_groups]}
+    return value if kind == "value" else value.state_dict()
+
+
+@dataclasses.dataclass
+class FlatState:
+    """A flattened state: tensors in payload order, their names, and the JSON meta.
+
+    The tensors are the live ones (no copy): copy them into a snapshot buffer before the
+    optimizer next changes them.
+    """
+
+    names: list[str]
+    tensors: list[torch.Tensor]
+    meta: dict[str, Any]
+
+    def specs(self) -> list[TensorSpec]:
+        return [spec_of(n, t) for n, t in zip(self.names, self.tensors)]
+
+    def layout(self, job: str, block_size: int = DEFAULT_BLOCK_SIZE) -> Layout:
+        """The snapshot layout of this state for ``job`` (header reserve includes the meta)."""
+        return layout(self.specs(), job=job, meta=self.meta, block_size=block_size)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+class _Flattener:
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.tensors: list[torch.Tensor] = []
+        self._used: set[str] = set()
+
+    def _add(self, path: str, tensor: torch.Tensor) -> int:
+        if tensor.layout != torch.strided or tensor.is_quantized:
+            raise UnsupportedValue(f"{path}: only dense tensors can be snapshotted ({tensor.layout})")
+        spec_of(path, tensor)  # raises for a dtype the format does not know
+        name, n = path, 1
+        while name in self._used:  # "a/b" as a key and as a nested path would collide
+            n += 1
+            name = f"{path}~{n}"
+        self._used.add(name)
+        self.names.append(name)
+        self.tensors.append(tensor.detach())
+        return len(self.tensors) - 1
+
+    def encode(self, value: Any, path: str) -> Any:
+        t = type(value)
+        if isinstance(value, torch.Tensor):
+            return {"@": "tensor", "i": self._add(path, value)}
+        if isinstance(value, np.ndarray) and value.dtype.kind in _NUMPY_KINDS:
+            arr = np.ascontiguousarray(value)
+            raw = torch.from_numpy(arr.reshape(-1).view(np.uint8))
+            return {"@": "ndarray", "i": self._add(path, raw), "dtype": arr.dtype.str,
+                    "shape": list(arr.shape)}
+        if isinstance(value, np.generic) and value.dtype.kind in _NUMPY_KINDS:
+            return {"@": "npscalar", "dtype": value.dtype.str, "hex": value.tobytes().hex()}
+        if value is None or t in (bool, int, str):
+            return value
+        if t is float:
+            # JSON has no inf/nan; repr round-trips every finite float exactly.
+            return value if math.isfinite(value) else {"@": "float", "v": repr(value)}
+        if t is complex:
+            return {"@": "complex", "v": [self.encode(value.real, path), self.encode(value.imag, path)]}
+        if t is bytes:
+            return {"@": "bytes", "hex": value.hex()}
+        if t is list:
+            return [self.encode(v, f"{path}/{i}") for i, v in enumerate(value)]
+        if t is tuple:
+            return {"@": "tuple", "v": [self.encode(v, f"{path}/{i}") for i, v in enumerate(value)]}
+        if t is torch.Size:
+            return {"@": "size", "v": list(value)}
+        if t is torch.dtype:
+            return {"@": "dtype", "v": dtype_name(value)}
+        if t in (dict, collections.OrderedDict):
+            return self._encode_dict(value, path)
+        raise UnsupportedValue(
+            f"{path}: cannot snapshot a {t.__qualname__}; put plain values, tensors or objects "
+            "with state_dict()/load_state_dict() in the state"
+        )
+
+    def _encode_dict(self, value: dict, path: str) -> dict[str, Any]:
+        keys = []
+        for k in value:
+            if not (k is None or type(k) in (bool, int, float, str, tuple)):
+                raise UnsupportedValue(f"{path}: dict key {k!r} of type {type(k).__qualname__}")
+            keys.append(self.encode(k, path))
+        node = {"@": "odict" if type(value) is collections.OrderedDict else "dict", "k": keys,
+                "v": [self.encode(v, f"{path}/{k}") for k, v in value.items()]}
+        metadata = getattr(value, "_metadata", None)
+        if metadata is not None:  # nn.Module state dicts: per-module versions for migrations
+            node["meta"] = self.encode(metadata, f"{path}/_metadata")
+        return node
+
+
+def flatten(state: Mapping[str, Any]) -> FlatState:
+    """Splits ``state`` into tensors and JSON meta (see the module docstring for what it takes).
+
+    Raises:
+        UnsupportedValue: a value with no exact pickle-free form; the message gives its path.
+    """
+    f = _Flattener()
+    objects = []
+    for key, value in state.items():
+        if not isinstance(key, str):
+            raise UnsupportedValue(f"state keys must be strings, got {key!r}")
+        kind = _kind(value)
+        objects.append([key, kind, f.encode(_state_of(kind, value), key)])
+    return FlatState(f.names, f.tensors, {"v": META_VERSION, "objects": objects})
+
+
+class _Unflattener:
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def _tensor(self, index: Any) -> torch.Tensor:
+        if type(index) is not int or not 0 <= index < len(self.tensors):
+            raise StateError(f"tensor index {index!r} out of range ({len(self.tensors)} tensors)")
+        return self.tensors[index]
+
+    @staticmethod
+    def _np_dtype(name: Any) -> np.dtype:
+        dtype = np.dtype(str(name))
+        if dtype.kind not in _NUMPY_KINDS:  # never object/void views over raw bytes
+            raise StateError(f"numpy dtype {name!r} is not a plain numeric dtype")
+        return dtype
+
+    def decode(self, node: Any) -> Any:
+        t = type(node)
+        if node is None or t in (bool, int, float, str):
+            return node
+        if t is list:
+            return [self.decode(n) for n in node]
+        if t is not dict:
+            raise StateError(f"unexpected meta node {node!r:.60}")
+        tag = node.get("@")
+        if tag == "tensor":
+            return self._tensor(node["i"])
+        if tag in ("dict", "odict"):
+            keys, values = node["k"], node["v"]
+            if len(keys) != len(values):
+                raise StateError("dict node with unequal keys and values")
+            cls = collections.OrderedDict if tag == "odict" else dict
+            out = cls((self.decode(k), self.decode(v)) for k, v in zip(keys, values))
+            if "meta" in node:
+                out._metadata = self.decode(node["meta"])  # type: ignore[attr-defined]
+            return out
+        if tag == "tuple":
+            return tuple(self.decode(n) for n in node["v"])
+        if tag == "ndarray":
+            raw = self._tensor(node["i"]).numpy()
+            return raw.view(self._np_dtype(node["dtype"])).reshape(tuple(node["shape"]))
+        if tag == "npscalar":
+            return np.frombuffer(bytes.fromhex(node["hex"]), dtype=self._np_dtype(node["dtype"]))[0]
+        if tag == "float":
+            return float(node["v"])
+        if tag == "complex":
+            return complex(*(self.decode(n) for n in node["v"]))
+        if tag == "bytes":
+            return bytes.fromhex(node["hex"])
+        if tag == "size":
+            return torch.Size(node["v"])
+        if tag == "dtype":
+            dtype = getattr(torch, node["v"], None)
+            if not isinstance(dtype, torch.dtype):
+                raise StateError(f"unknown dtype {node['v']!r}")
+            return dtype
+        raise StateError(f"unknown meta tag {tag!r}")
+
+
+def _objects(tensors: list[torch.Tensor], meta: Mapping[str, Any]) -> list[tuple[str, str, Any]]:
+    version = meta.get("v") if isinstance(meta, Mapping) else None
+    if type(version) is not int:
+        raise StateMismatch("snapshot meta has no state version: not written by state.flatten")
+    if version > META_VERSION:
+        raise StateMismatch(f"snapshot state meta v{version} is newer than this elasticd's "
+                            f"v{META_VERSION}; upgrade the worker's elasticd")
+    decoder = _Unflattener(tensors)
+    try:
+        return [(str(key), str(kind), decoder.decode(node)) for key, kind, node in meta["objects"]]
+    except StateError:
+        raise
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise StateError(f"snapshot state meta is malformed: {exc.__class__.__name__}: {exc}") from exc
+
+
+def unflatten(tensors: list[torch.Tensor], meta: Mapping[str, Any]) -> dict[str, Any]:
+    """Rebuilds each top-level entry's saved state (state dicts, plain values) without loading
+    it into anything: ``{"model": OrderedDict(...), "epoch": 3, ...}``.
+
+    Raises:
+        StateMismatch: a newer meta version. StateError: malformed meta.
+    """
+    return {key: value for key, _, value in _objects(tensors, meta)}
+
+
+def load_into(state: MutableMapping[str, Any], tensors: list[torch.Tensor],
+              meta: Mapping[str, Any], *, strict: bool = True) -> None:
+    """Restores every entry of ``state`` in place from a flattened snapshot.
+
+    Objects are loaded through their own ``load_state_dict``; plain values are replaced in the
+    ``state`` mapping itself (read them back from it). ``tensors`` must be owned copies (e.g.
+    from :func:`elasticd.checkpoint.copier.read_tensors`): optimizers keep what they are given.
+
+    Args:
+        strict: the snapshot and ``state`` must have the same keys.
+
+    Raises:
+        StateMismatch: different keys, a different kind of object under a key, or an object
+            that refused its state (shapes, parameter groups); the message names the key.
+    """
+    objects = _objects(tensors, meta)
+    saved = [key for key, _, _ in objects]
+    if strict and set(saved) != set(state):
+        raise StateMismatch(
+            f"snapshot holds {sorted(set(saved) - set(state))} that the state lacks, and the "
+            f"state holds {sorted(set(state) - set(saved))} that the snapshot lacks"
+        )
+    for key, kind, value in objects:
+        if key not in state:
+            continue
+        target = state[key]
+        have = _kind(target)
+        if have != kind:
+            raise StateMismatch(f"state[{key!r}] is a {type(target).__qualname__} ({have}), the "
+                                f"snapshot holds a {kind}")
+        try:
+            if kind == "value":
+                state[key] = value
+            elif kind == "zero":
+                _load_zero(target, value)
+            else:
+                target.load_state_dict(value)
+        except StateError:
+            raise
+        except (RuntimeError, ValueError, KeyError, IndexError, TypeError) as exc:
+            raise StateMismatch(f"state[{key!r}] ({type(target).__qualname__}) refused the "
+                                f"snapshot: {exc}") from exc
+
+
+def _load_zero(zero: Any, saved: Mapping[str, Any]) -> None:
+    groups = saved["param_groups"]
+    if len(groups) != len(zero.param_groups):
+        raise StateMismatch(f"ZeroRedundancyOptimizer has {len(zero.param_groups)} param groups, "
+                            f"the snapshot {len(groups)}")
+    zero.optim.load_state_dict(saved["shard"])
+    for group, hyper in zip(zero.param_groups, groups):
+        group.update(hyper)
+
+
+def load_snapshot(state: MutableMapping[str, Any], buffer: Any, header: SnapshotHeader,
+                  *, strict: bool = True) -> None:
+    """Restores ``state`` from a snapshot in ``buffer`` (verified by the caller)."""
+    load_into(state, read_tensors(buffer, header.layout), header.meta, strict=strict)

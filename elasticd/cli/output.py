@@ -1,0 +1,51 @@
+"""One output function for every ``elasticctl`` command and format.
+
+``pretty`` is a plain aligned table for people; ``json`` is the same data with stable keys for
+scripts, and nothing decorative.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Sequence
+
+
+class Table:
+    """Columns as (header, key) pairs."""
+
+    def __init__(self, columns: Sequence[tuple[str, str]], max_width: int = 60) -> None:
+        self.columns = list(columns)
+        self.max_width = max_width
+
+    def _cell(self, value: Any) -> str:
+        if value is None:
+            return "-"
+        if isinstance(value, float):
+            return f"{value:.1f}"
+        text = str(value)
+        return text if len(text) <= self.max_width else text[: self.max_width - 1] + "…"
+
+    def render(self, rows: Sequence[dict[str, Any]]) -> str:
+        if not rows:
+            return "(none)"
+        cells = [[self._cell(r.get(k)) for _, k in self.columns] for r in rows]
+        heads = [h for h, _ in self.columns]
+        widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(heads)]
+        lines = ["  ".join(h.ljust(w) for h, w in zip(heads, widths)).rstrip()]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+        return "\n".join(lines)
+
+
+def emit(data: Any, fmt: str, pretty: "Table | Callable[[Any], str] | None" = None,
+         one_line: bool = False) -> str:
+    """Renders ``data`` (a list of row dicts, or a document) in ``fmt``.
+
+    Args:
+        pretty: a :class:`Table` for lists of rows, or a function rendering a document.
+        one_line: JSON on a single line (``--watch`` prints one document per line).
+    """
+    if fmt == "json" or pretty is None:
+        return json.dumps(data, indent=None if one_line else 2, sort_keys=True)
+    if isinstance(pretty, Table):
+        return pretty.render(data)
+    return pretty(data)

@@ -1,0 +1,231 @@
+"""A local multi-node cluster on one host: one etcd (owned here) and N daemon processes.
+
+The demo, the tests and the benchmarks all start clusters through this module, so that they
+exercise the same code an operator runs: every daemon is a separate ``elasticd`` process with
+its own node id, HTTP port (port 0: picked by the kernel, read back from its node record in
+etcd), log file and process group. etcd belongs to the launcher, never to one of the daemons,
+so that killing any node leaves coordination up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Callable, Sequence
+
+from elasticd.coordination import records
+from elasticd.coordination.embedded import EmbeddedEtcd
+from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endpoints
+from elasticd.coordination.keys import Keyspace
+
+
+class NodeProcess:
+    """One ``elasticd`` child process."""
+
+    def __init__(self, node_id: str, argv: list[str], log_path: str, env: dict[str, str]) -> None:
+        self.node_id = node_id
+        self.argv = argv
+        self.log_path = log_path
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+        self.address = ""
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as log:
+            # Own session: the node's whole process tree can be signalled as one group, the way
+            # a machine failure takes everything on it.
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=self.env,
+                                         start_new_session=True)
+        self.address = ""
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int, group: bool = False) -> None:
+        if self.running:
+            if group:
+                os.killpg(self.pid, sig)
+            else:
+                self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        """SIGKILL to the node's whole process group (daemon and everything it started)."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+    def terminate(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM, wait, then SIGKILL the group; returns the exit status."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.proc.pid, signal.SIGCONT)
+                self.proc.terminate()
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        code = self.proc.poll()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        return code
+
+    def http(self, path: str, timeout: float = 2.0, attempts: int = 3) -> Any:
+        """GETs ``path`` from the node's HTTP endpoint (JSON for /status, else text)."""
+        for attempt in range(attempts):
+            try:
+                with urllib.request.urlopen(f"http://{self.address}{path}", timeout=timeout) as resp:
+                    body = resp.read()
+                break
+            except urllib.error.URLError:
+                # One refused connect was seen once on a loaded machine; a second try tells a
+                # blip from a dead endpoint.
+                if attempt == attempts - 1 or not self.running:
+                    raise
+                time.sleep(0.2)
+        return json.loads(body) if path.startswith("/status") else body.decode()
+
+    def log_text(self) -> str:
+        with open(self.log_path, errors="replace") as fh:
+            return fh.read()
+
+
+class LocalCluster:
+    """An etcd and N daemons on this host.
+
+    Args:
+        nodes: node ids to start (e.g. ["n1", "n2", "n3"]).
+        workdir: where logs and etcd data go (a temporary directory by default).
+        lease_ttl: the daemons' lease TTL.
+        etcd_members: size of the etcd cluster the launcher owns.
+        etcd: endpoints of an existing etcd to use instead of starting one.
+        prefix: cluster key prefix.
+        extra_args: more ``elasticd`` flags for every node.
+    """
+
+    def __init__(self, nodes: Sequence[str], workdir: str | None = None, lease_ttl: int = 2,
+                 etcd_members: int = 1, etcd: str | None = None, prefix: str = "/elasticd",
+                 extra_args: Sequence[str] = (), loop_interval: float = 0.25,
+                 env: dict[str, str] | None = None) -> None:
+        self.workdir = workdir or tempfile.mkdtemp(prefix="elasticd-cluster-")
+        os.makedirs(self.workdir, exist_ok=True)
+        self.prefix = prefix
+        self.keys = Keyspace(prefix)
+        self.lease_ttl = lease_ttl
+        self.etcd_server: EmbeddedEtcd | None = None
+        if etcd is None:
+            self.etcd_server = EmbeddedEtcd(members=etcd_members,
+                                            data_dir=os.path.join(self.workdir, "etcd"))
+        self._etcd = etcd
+        self.extra_args = list(extra_args)
+        self.loop_interval = loop_interval
+        self.env = {**os.environ, **(env or {})}
+        self.nodes: dict[str, NodeProcess] = {n: self._make(n) for n in nodes}
+        self._coord: EtcdCoordinator | None = None
+
+    @property
+    def etcd(self) -> str:
+        return self._etcd or (self.etcd_server.endpoints if self.etcd_server else "")
+
+    def _make(self, node_id: str) -> NodeProcess:
+        argv = [sys.executable, "-m", "elasticd.daemon.main", "--node-id", node_id,
+                "--etcd", "{etcd}", "--prefix", self.prefix, "--listen", "127.0.0.1:0",
+                "--lease-ttl", str(self.lease_ttl), "--loop-interval", str(self.loop_interval),
+                *self.extra_args]
+        return NodeProcess(node_id, argv, os.path.join(self.workdir, f"{node_id}.log"), self.env)
+
+    def start(self, wait: bool = True, timeout: float = 30.0) -> "LocalCluster":
+        if self.etcd_server is not None and not any(m.proc for m in self.etcd_server.members):
+            self.etcd_server.start()
+        for n in self.nodes.values():
+            self.start_node(n.node_id, wait=False)
+        if wait:
+            self.wait_for(lambda: all(self.registered(n) for n in self.nodes), timeout,
+                          "every node registered")
+        return self
+
+    def start_node(self, node_id: str, wait: bool = True, timeout: float = 30.0) -> NodeProcess:
+        n = self.nodes.get(node_id) or self._make(node_id)
+        self.nodes[node_id] = n
+        n.argv = [a.replace("{etcd}", self.etcd) for a in n.argv]
+        n.start()
+        if wait:
+            self.wait_for(lambda: self.registered(node_id), timeout, f"{node_id} registered")
+        return n
+
+    # -- etcd views -----------------------------------------------------------------------
+
+    def coordinator(self) -> EtcdCoordinator:
+        if self._coord is None:
+            self._coord = EtcdCoordinator(EtcdSettings(parse_endpoints(self.etcd), timeout=1.0))
+        return self._coord
+
+    def node_records(self) -> dict[str, dict[str, Any]]:
+        kvs, _ = self.coordinator().get_prefix(self.keys.nodes)
+        return {self.keys.node_of(kv.key): records.decode(kv.value, "node", kv.key)
+                for kv in kvs}
+
+    def registered(self, node_id: str) -> bool:
+        """True when the node's current process has its record in etcd (address learnt)."""
+        n = self.nodes[node_id]
+        try:
+            rec = self.node_records().get(node_id)
+        except Exception:
+            return False
+        if rec is None or not n.running or rec["pid"] != n.pid:
+            return False
+        n.address = rec["address"]
+        return True
+
+    def events(self) -> list[dict[str, Any]]:
+        from elasticd.cluster.events import EventLog
+
+        return [e.__dict__ for e in EventLog(self.coordinator(), self.keys).list()]
+
+    @staticmethod
+    def wait_for(cond: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            value = cond()
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out after {timeout} s waiting for: {what}")
+            time.sleep(interval)
+
+    def stop(self) -> None:
+        """Stops every node (SIGTERM, then SIGKILL of its group) and the owned etcd."""
+        for n in self.nodes.values():
+            n.terminate()
+        if self._coord is not None:
+            self._coord.close()
+            self._coord = None
+        if self.etcd_server is not None:
+            self.etcd_server.stop()
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,260 @@
+"""Frames over one connected socket, with bounded reads and uncopied DATA.
+
+A :class:`Channel` reads a frame header into a fixed buffer and validates it before reading a
+byte of payload. Control payloads go into one buffer of ``Limits.max_control`` bytes allocated
+with the channel; DATA payloads are read with ``recv_into`` straight into memory the caller
+names (the sink's, later shared memory), checksummed there, and never copied on the way. Sends
+use ``sendmsg`` so a DATA frame's header and its chunk leave in one call without being joined.
+
+:func:`send_stream` and :func:`receive_stream` move one snapshot's bytes as DATA frames closed
+by PUT_END, for pushes and fetches alike. Socket failures surface as :class:`~elasticd.replication.api.ConnectionLost` (or
+:class:`~elasticd.replication.api.TransferTimeout`), protocol violations as
+:class:`~elasticd.replication.wire.ProtocolError`.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import time
+from typing import Any, Callable
+
+from elasticd.replication.api import ConnectionLost, RemoteError, TransferTimeout
+from elasticd.replication.messages import (
+    Error,
+    Message,
+    PutEnd,
+    data_prefix,
+    decode_payload,
+    encode_frame,
+)
+from elasticd.replication.wire import (
+    HEADER_SIZE,
+    OFFSET,
+    FrameHeader,
+    FrameType,
+    Limits,
+    MalformedFrame,
+    ProtocolError,
+    TruncatedFrame,
+    UnexpectedFrame,
+    parse_header,
+    verify,
+)
+
+#: Given (offset, length) of an incoming DATA chunk, returns the writable view of exactly that
+#: length where it must land, or raises ProtocolError when the range is not acceptable.
+Destination = Callable[[int, int], memoryview]
+
+
+class Channel:
+    """One end of a replication connection.
+
+    Args:
+        sock: a connected socket (plain or TLS); anything with ``recv_into`` and ``sendall``
+            works, which tests use to feed the reader arbitrary bytes.
+        limits: the largest payloads this end accepts.
+    """
+
+    def __init__(self, sock: Any, limits: Limits = Limits()) -> None:
+        self.sock = sock
+        self.limits = limits
+        self._head = memoryview(bytearray(HEADER_SIZE))
+        self._offset = memoryview(bytearray(OFFSET.size))
+        self._control = memoryview(bytearray(limits.max_control))
+        # TLS sockets have no sendmsg; fall back to one sendall per part there.
+        self._gather = isinstance(sock, socket.socket) and not isinstance(sock, ssl.SSLSocket)
+        self.bytes_received = 0
+        self.bytes_sent = 0
+
+    # -- sending ---------------------------------------------------------------------------
+
+    def send(self, msg: Message) -> None:
+        self._send(encode_frame(msg))
+
+    def send_data(self, offset: int, chunk: memoryview) -> None:
+        """Sends one DATA frame; ``chunk`` is read where it lies."""
+        self._send(data_prefix(offset, chunk), chunk)
+
+    def send_error(self, code: str, message: str) -> None:
+        """Best effort: tells the peer why the connection is about to close."""
+        try:
+            self.send(Error(code, message))
+        except ConnectionLost:
+            pass
+
+    def _send(self, *parts: Any) -> None:
+        try:
+            if not self._gather:
+                for part in parts:
+                    self.sock.sendall(part)
+            else:
+                views = [memoryview(p).cast("B") for p in parts]
+                while views:
+                    sent = self.sock.sendmsg(views)
+                    while sent:
+                        if sent >= len(views[0]):
+                            sent -= len(views.pop(0))
+                        else:
+                            views[0] = views[0][sent:]
+                            sent = 0
+        except socket.timeout as exc:
+            raise TransferTimeout(f"send blocked for {self._timeout()} s") from exc
+        except OSError as exc:
+            raise ConnectionLost(f"send failed: {exc}") from exc
+        self.bytes_sent += sum(memoryview(p).nbytes for p in parts)
+
+    # -- receiving -------------------------------------------------------------------------
+
+    def recv_header(self) -> FrameHeader:
+        """Reads and validates the next frame header.
+
+        Raises:
+            ConnectionLost: the peer closed cleanly between frames, or the socket failed.
+            ProtocolError: an invalid header, or a close in the middle of it.
+        """
+        self._recv_exactly(self._head, "a frame header", at_boundary=True)
+        return parse_header(self._head, self.limits)
+
+    def recv_message(self, header: FrameHeader) -> Message:
+        """Reads, verifies and decodes the payload of a control (non-DATA) frame."""
+        if header.type is FrameType.DATA:
+            raise UnexpectedFrame("DATA frame outside a transfer")
+        payload = self._control[: header.length]
+        self._recv_exactly(payload, f"a {header.type.name} payload")
+        verify(header, payload)
+        return decode_payload(header, payload)
+
+    def recv(self, *expected: type) -> Message:
+        """Reads the next control frame, which must be one of ``expected`` (any when empty).
+
+        Raises:
+            RemoteError: the peer sent ERROR (unless ``Error`` is expected).
+            UnexpectedFrame: another frame type.
+        """
+        msg = self.recv_message(self.recv_header())
+        if isinstance(msg, Error) and Error not in expected:
+            raise RemoteError(msg.code, msg.message)
+        if expected and not isinstance(msg, expected):
+            names = "/".join(t.TYPE.name for t in expected)
+            raise UnexpectedFrame(f"expected {names}, received {msg.TYPE.name}")
+        return msg
+
+    def recv_data_into(self, header: FrameHeader, destination: Destination) -> tuple[int, int]:
+        """Reads a DATA payload into the memory ``destination`` names and verifies it there.
+
+        Returns:
+            (offset, length) of the chunk.
+        """
+        if header.type is not FrameType.DATA:
+            raise UnexpectedFrame(f"expected DATA, received {header.type.name}")
+        self._recv_exactly(self._offset, "a DATA offset")
+        (offset,) = OFFSET.unpack(self._offset)
+        length = header.length - OFFSET.size
+        target = destination(offset, length)
+        if len(target) != length:
+            raise ProtocolError(f"destination for {length} bytes has {len(target)}")
+        self._recv_exactly(target, "a DATA chunk")
+        verify(header, self._offset, target)
+        return offset, length
+
+    def _recv_exactly(self, view: memoryview, what: str, at_boundary: bool = False) -> None:
+        got, need = 0, len(view)
+        while got < need:
+            try:
+                n = self.sock.recv_into(view[got:])
+            except socket.timeout as exc:
+                raise TransferTimeout(f"nothing received for {self._timeout()} s while "
+                                      f"waiting for {what}") from exc
+            except OSError as exc:
+                raise ConnectionLost(f"receive failed: {exc}") from exc
+            if not n:
+                if at_boundary and not got:
+                    raise ConnectionLost("peer closed the connection")
+                raise TruncatedFrame(f"connection closed after {got} of {need} bytes of {what}")
+            got += n
+        self.bytes_received += need
+
+    def _timeout(self) -> float | None:
+        gettimeout = getattr(self.sock, "gettimeout", None)
+        return gettimeout() if gettimeout else None
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    def linger_close(self, timeout: float = 1.0, limit: int = 16 << 20) -> None:
+        """Closes so that the peer can still read what was sent last (an ERROR frame).
+
+        Closing a TCP socket with unread input makes the kernel reset the connection, and a
+        reset can destroy the ERROR frame before the peer reads it; a peer that pipelines
+        DATA has plenty in flight. So: stop sending, read and drop what the peer still sends
+        (at most ``timeout`` seconds and ``limit`` bytes), then close.
+        """
+        if isinstance(self.sock, ssl.SSLSocket):  # TLS has its own close_notify
+            self.close()
+            return
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+            self.sock.settimeout(timeout)
+            scratch = memoryview(bytearray(64 << 10))
+            deadline, drained = time.monotonic() + timeout, 0
+            while drained < limit and time.monotonic() < deadline:
+                n = self.sock.recv_into(scratch)
+                if not n:
+                    break
+                drained += n
+        except OSError:
+            pass
+        self.close()
+
+
+def receive_stream(channel: Channel, total: int, target: memoryview) -> int:
+    """Reads DATA frames into ``target[0:total]`` up to PUT_END; returns the frame count.
+
+    Chunks must arrive in order and cover ``total`` bytes exactly.
+
+    Raises:
+        ProtocolError: out-of-order or out-of-range chunk, a count mismatch, a bad checksum.
+        ConnectionLost: the connection dropped or went idle mid-stream.
+    """
+    received = frames = 0
+
+    def destination(offset: int, length: int) -> memoryview:
+        if offset != received or offset + length > total:
+            raise MalformedFrame(f"DATA for bytes [{offset}, {offset + length}) does not "
+                                 f"continue at {received} within {total}")
+        return target[offset : offset + length]
+
+    while True:
+        header = channel.recv_header()
+        if header.type is FrameType.DATA:
+            received += channel.recv_data_into(header, destination)[1]
+            frames += 1
+            continue
+        end = channel.recv_message(header)
+        if not isinstance(end, PutEnd):
+            raise UnexpectedFrame(f"expected DATA or PUT_END, received {end.TYPE.name}")
+        if (end.total_bytes, end.frames) != (received, frames) or received != total:
+            raise MalformedFrame(f"PUT_END says {end.total_bytes} bytes in {end.frames} frames; "
+                                 f"received {received} in {frames}, expected {total}")
+        return frames
+
+
+def send_stream(channel: Channel, parts: tuple[memoryview, ...], chunk: int) -> int:
+    """Sends ``parts`` back to back as DATA frames of at most ``chunk`` bytes, then PUT_END.
+
+    Returns:
+        The frame count.
+    """
+    offset = frames = 0
+    for part in parts:
+        for i in range(0, len(part), chunk):
+            piece = part[i : i + chunk]
+            channel.send_data(offset, piece)
+            offset += len(piece)
+            frames += 1
+    channel.send(PutEnd(offset, frames))
+    return frames

@@ -1,0 +1,82 @@
+"""An in-process :class:`~elasticd.replication.api.Sink` for tests and benchmarks.
+
+It keeps the newest committed copy of each shard in a ``bytearray`` and records every
+begin/commit/abort, so tests can assert that a torn transfer was aborted and never committed.
+A byte budget bounds what it holds (committed plus in flight), as the shared-memory sink's will.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from elasticd.replication.api import NO_SPACE, Descriptor, Refused, Sink, Version
+
+
+class MemorySink(Sink):
+    """Snapshots in process memory.
+
+    Args:
+        capacity_bytes: most bytes held at once, committed and in flight; None for no limit.
+
+    Attributes:
+        events: ``(event, descriptor, reason)`` tuples in order, event one of
+            ``"begin"``, ``"commit"``, ``"abort"``.
+    """
+
+    def __init__(self, capacity_bytes: int | None = None) -> None:
+        super().__init__()
+        if capacity_bytes is not None and capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self.events: list[tuple[str, Descriptor, str]] = []
+        self._pending: dict[Descriptor, bytearray] = {}
+        self._held: dict[tuple[str, int], tuple[Descriptor, bytearray]] = {}
+        self._mem_lock = threading.Lock()  # allocate runs outside the base class's lock
+
+    @property
+    def bytes_held(self) -> int:
+        with self._mem_lock:
+            return sum(len(b) for b in self._pending.values()) + sum(
+                len(b) for _, b in self._held.values())
+
+    def allocate(self, d: Descriptor) -> memoryview:
+        with self._mem_lock:
+            used = sum(len(b) for b in self._pending.values())
+            used += sum(len(b) for _, b in self._held.values())
+            if self.capacity_bytes is not None and used + d.total_bytes > self.capacity_bytes:
+                raise Refused(NO_SPACE, f"{d.total_bytes} bytes offered, {used} of "
+                                        f"{self.capacity_bytes} in use")
+            buf = bytearray(d.total_bytes)
+            self._pending[d] = buf
+            self.events.append(("begin", d, ""))
+        return memoryview(buf)
+
+    def publish(self, d: Descriptor) -> None:
+        with self._mem_lock:
+            self._held[d.shard] = (d, self._pending.pop(d))
+            self.events.append(("commit", d, ""))
+
+    def discard(self, d: Descriptor, reason: str) -> None:
+        with self._mem_lock:
+            self._pending.pop(d, None)
+            self.events.append(("abort", d, reason))
+
+    def committed(self, job: str, owner_rank: int) -> Descriptor | None:
+        with self._mem_lock:
+            entry = self._held.get((job, owner_rank))
+        return entry[0] if entry else None
+
+    def lookup(self, job: str, owner_rank: int,
+               version: Version | None) -> tuple[Descriptor, memoryview] | None:
+        with self._mem_lock:
+            entry = self._held.get((job, owner_rank))
+        if entry is None or (version is not None and entry[0].version != tuple(version)):
+            return None
+        # Read-only: a fetch must never write into a committed copy.
+        return entry[0], memoryview(entry[1]).toreadonly()
+
+    def get(self, job: str, owner_rank: int) -> bytes | None:
+        """The committed bytes of a shard (a copy; for tests)."""
+        with self._mem_lock:
+            entry = self._held.get((job, owner_rank))
+        return bytes(entry[1]) if entry else None

@@ -1,0 +1,350 @@
+"""The replication protocol's typed frames: one dataclass per frame type, and whole-frame
+encoding and decoding.
+
+Each message knows its :class:`~elasticd.replication.wire.FrameType`, builds its payload and
+parses one, raising only :class:`~elasticd.replication.wire.ProtocolError` subclasses on bad
+input. DATA frames are the exception on the hot path: :func:`data_prefix` builds only their
+header and offset so the chunk itself is sent (and received, by the channel) where it lies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+from typing import Any, ClassVar, Union
+
+from elasticd.replication.api import Descriptor
+from elasticd.replication.wire import (
+    CHECKED,
+    HEADER_SIZE,
+    MAGIC,
+    MAX_NODE_ID,
+    NONCE_BYTES,
+    OFFSET,
+    PROOF_BYTES,
+    VERSION,
+    FrameHeader,
+    FrameType,
+    Limits,
+    MalformedFrame,
+    TruncatedFrame,
+    checksum,
+    parse_header,
+    verify,
+)
+
+
+
+def _node_id(raw: bytes) -> str:
+    try:
+        value = raw.decode()
+    except UnicodeDecodeError as exc:
+        raise MalformedFrame("node id is not UTF-8") from exc
+    if not value or not value.isprintable():
+        raise MalformedFrame(f"invalid node id {value!r:.80}")
+    return value
+
+
+def _encode_node_id(node_id: str) -> bytes:
+    raw = node_id.encode()
+    if not 0 < len(raw) <= MAX_NODE_ID or not node_id.isprintable():
+        raise ValueError(f"node id must be 1..{MAX_NODE_ID} printable bytes, got {node_id!r:.80}")
+    return raw
+
+
+def _exact(value: bytes, size: int) -> bytes:
+    if len(value) != size:
+        raise ValueError(f"expected {size} bytes, got {len(value)}")
+    return bytes(value)
+
+
+def _json(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def _object(payload: bytes | memoryview, what: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(bytes(payload))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise MalformedFrame(f"{what} payload is not JSON ({exc.__class__.__name__})") from exc
+    if not isinstance(obj, dict):
+        raise MalformedFrame(f"{what} payload is not a JSON object")
+    return obj
+
+
+def _str_field(obj: dict[str, Any], name: str, what: str) -> str:
+    value = obj.get(name)
+    if not isinstance(value, str):
+        raise MalformedFrame(f"{what}: {name} must be a string, got {value!r:.80}")
+    return value
+
+
+def _descriptor(obj: dict[str, Any], what: str) -> Descriptor:
+    fields = ("job", "owner_rank", "generation", "step", "total_bytes", "header_bytes")
+    try:
+        return Descriptor(**{f: obj[f] for f in fields})
+    except (KeyError, TypeError, ValueError) as exc:
+        raise MalformedFrame(f"{what}: invalid descriptor ({exc})") from exc
+
+
+def _descriptor_json(d: Descriptor) -> bytes:
+    return _json(dataclasses.asdict(d))
+
+
+_HELLO = struct.Struct(f"!{NONCE_BYTES}sIH")
+_CHALLENGE = struct.Struct(f"!{NONCE_BYTES}s{PROOF_BYTES}sIH")
+_PUT_END = struct.Struct("!QI")
+
+
+@dataclasses.dataclass(frozen=True)
+class Hello:
+    """Client's opening: who it is, its fresh nonce, the largest DATA frame it accepts."""
+
+    TYPE: ClassVar[FrameType] = FrameType.HELLO
+    node_id: str
+    nonce: bytes
+    max_frame: int
+
+    def payload(self) -> bytes:
+        raw = _encode_node_id(self.node_id)
+        return _HELLO.pack(_exact(self.nonce, NONCE_BYTES), self.max_frame, len(raw)) + raw
+
+    @classmethod
+    def parse(cls, p: memoryview) -> "Hello":
+        if len(p) < _HELLO.size:
+            raise MalformedFrame(f"HELLO payload of {len(p)} bytes is too short")
+        nonce, max_frame, n = _HELLO.unpack_from(p)
+        if len(p) != _HELLO.size + n:
+            raise MalformedFrame("HELLO node id length does not match the payload")
+        return cls(_node_id(bytes(p[_HELLO.size:])), nonce, max_frame)
+
+
+@dataclasses.dataclass(frozen=True)
+class Challenge:
+    """Server's answer: who it is, its fresh nonce, its proof, its DATA frame limit."""
+
+    TYPE: ClassVar[FrameType] = FrameType.CHALLENGE
+    node_id: str
+    nonce: bytes
+    proof: bytes
+    max_frame: int
+
+    def payload(self) -> bytes:
+        raw = _encode_node_id(self.node_id)
+        return _CHALLENGE.pack(_exact(self.nonce, NONCE_BYTES), _exact(self.proof, PROOF_BYTES),
+                               self.max_frame, len(raw)) + raw
+
+    @classmethod
+    def parse(cls, p: memoryview) -> "Challenge":
+        if len(p) < _CHALLENGE.size:
+            raise MalformedFrame(f"CHALLENGE payload of {len(p)} bytes is too short")
+        nonce, proof, max_frame, n = _CHALLENGE.unpack_from(p)
+        if len(p) != _CHALLENGE.size + n:
+            raise MalformedFrame("CHALLENGE node id length does not match the payload")
+        return cls(_node_id(bytes(p[_CHALLENGE.size:])), nonce, proof, max_frame)
+
+
+@dataclasses.dataclass(frozen=True)
+class Auth:
+    """Client's proof."""
+
+    TYPE: ClassVar[FrameType] = FrameType.AUTH
+    proof: bytes
+
+    def payload(self) -> bytes:
+        return _exact(self.proof, PROOF_BYTES)
+
+    @classmethod
+    def parse(cls, p: memoryview) -> "Auth":
+        if len(p) != PROOF_BYTES:
+            raise MalformedFrame(f"AUTH payload must be {PROOF_BYTES} bytes, got {len(p)}")
+        return cls(bytes(p))
+
+
+@dataclasses.dataclass(frozen=True)
+class PutBegin:
+    TYPE: ClassVar[FrameType] = FrameType.PUT_BEGIN
+    descriptor: Descriptor
+
+    def payload(self) -> bytes:
+        return _descriptor_json(self.descriptor)
+
+    @classmethod
+    def parse(cls, p: memoryview) -> "PutBegin":
+        return cls(_descriptor(_object(p, "PUT_BEGIN"), "PUT_BEGIN"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+    """A chunk at ``offset`` of the snapshot's bytes (streamed by :mod:`channel`, not built)."""
+
+    TYPE: ClassVar[FrameType] = FrameType.DATA
+    offset: int
+    chunk: memoryview
+
+    def payload(self) -> bytes:
+        return OFFSET.pack(self.offset) + bytes(self.chunk)
+
+    @classmethod
+    def parse(cls, p: memoryview) -> "Data":
+        if len(p) <= OFFSET.size:
+            raise MalformedFrame(f"DATA payload of {len(p)} bytes has no room for offset and data")
+        return cls(OFFSET.unpack_from(p)[0], p[OFFSET.size:])
+
+
+@dataclasses.dataclass(frozen=True)
+class PutEnd:
+    """End of a snapshot's DATA frames: how many bytes and frames were sent."""
+
+    TYPE: ClassVar[FrameType] = FrameType.PUT_END
+    total_bytes: int
+    frames: int
+
+    def payload(self) -> bytes:
+        return _PUT_END.pack(self.total_bytes, self.frames)
+
+    @classmethod
+    def parse(cls, p: memoryview) -> "PutEnd":
+        if len(p) != _PUT_END.size:
+            raise MalformedFrame(f"PUT_END payload must be {_PUT_END.size} bytes, got {len(p)}")
+        return cls(*_PUT_END.unpack(p))
+
+
+@dataclasses.dataclass(frozen=True)
+class Ack:
+    TYPE: ClassVar[FrameType] = FrameType.ACK
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def payload(self) -> bytes:
+        return _json(self.info)
+
+    @classmethod
+    def parse(cls, p: memoryview) -> "Ack":
+        return cls(_object(p, "ACK"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Nack:
+    """A refusal that leaves the connection usable (e.g. ``stale``)."""
+
+    TYPE: ClassVar[FrameType] = FrameType.NACK
+    reason: str
+    message: str = ""
+
+    def payload(self) -> bytes:
+        return _json({"reason": self.reason, "message": self.message})
+
+    @classmethod
+    def parse(cls, p: memoryview) -> "Nack":
+        obj = _object(p, "NACK")
+        return cls(_str_field(obj, "reason", "NACK"), _str_field(obj, "message", "NACK"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Fetch:
+    """Asks for a committed copy; ``generation``/``step`` both None means the newest."""
+
+    TYPE: ClassVar[FrameType] = FrameType.FETCH
+    job: str
+    owner_rank: int
+    generation: int | None = None
+    step: int | None = None
+
+    def payload(self) -> bytes:
+        return _json(dataclasses.asdict(self))
+
+    @classmethod
+    def parse(cls, p: memoryview) -> "Fetch":
+        obj = _object(p, "FETCH")
+        job = _str_field(obj, "job", "FETCH")
+        rank, gen, step = obj.get("owner_rank"), obj.get("generation"), obj.get("step")
+        ints = [v for v in (rank, gen, step) if v is not None]
+        if (rank is None or (gen is None) != (step is None)
+                or any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in ints)):
+            raise MalformedFrame("FETCH needs owner_rank and either both or neither of "
+                                 "generation and step, as integers >= 0")
+        return cls(job, rank, gen, step)
+
+
+@dataclasses.dataclass(frozen=True)
+class FetchReply:
+    TYPE: ClassVar[FrameType] = FrameType.FETCH_REPLY
+    descriptor: Descriptor
+
+    def payload(self) -> bytes:
+        return _descriptor_json(self.descriptor)
+
+    @classmethod
+    def parse(cls, p: memoryview) -> "FetchReply":
+        return cls(_descriptor(_object(p, "FETCH_REPLY"), "FETCH_REPLY"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Error:
+    """The sender is closing the connection because of ``code``."""
+
+    TYPE: ClassVar[FrameType] = FrameType.ERROR
+    code: str
+    message: str = ""
+
+    def payload(self) -> bytes:
+        return _json({"code": self.code, "message": self.message[:1000]})
+
+    @classmethod
+    def parse(cls, p: memoryview) -> "Error":
+        obj = _object(p, "ERROR")
+        return cls(_str_field(obj, "code", "ERROR"), _str_field(obj, "message", "ERROR"))
+
+
+Message = Union[Hello, Challenge, Auth, PutBegin, Data, PutEnd, Ack, Nack, Fetch, FetchReply,
+                Error]
+MESSAGES: dict[FrameType, Any] = {
+    cls.TYPE: cls
+    for cls in (Hello, Challenge, Auth, PutBegin, Data, PutEnd, Ack, Nack, Fetch, FetchReply,
+                Error)
+}
+
+
+def encode_frame(msg: Message) -> bytes:
+    """Header plus payload of ``msg``, ready to send."""
+    payload = msg.payload()
+    checked = CHECKED.pack(MAGIC, VERSION, msg.TYPE, 0, len(payload))
+    return checked + struct.pack("!Q", checksum(checked, payload)) + payload
+
+
+def data_prefix(offset: int, chunk: Any) -> bytes:
+    """Header and offset of a DATA frame carrying ``chunk``; send the chunk right after it.
+
+    Built apart from the chunk so that the chunk is sent from where it lies, uncopied.
+    """
+    off = OFFSET.pack(offset)
+    size = OFFSET.size + memoryview(chunk).nbytes
+    checked = CHECKED.pack(MAGIC, VERSION, FrameType.DATA, 0, size)
+    return checked + struct.pack("!Q", checksum(checked, off, chunk)) + off
+
+
+def decode_payload(header: FrameHeader, payload: memoryview) -> Message:
+    """Decodes a verified payload into its message."""
+    return MESSAGES[header.type].parse(payload)
+
+
+def decode_frame(buf: bytes | bytearray | memoryview, limits: Limits = Limits()) -> Message:
+    """Decodes exactly one whole frame held in memory (tests, tools).
+
+    Raises:
+        ProtocolError: whatever is wrong with it; nothing else.
+    """
+    view = memoryview(buf).cast("B")
+    if len(view) < HEADER_SIZE:
+        raise TruncatedFrame(f"{len(view)} bytes cannot hold a {HEADER_SIZE}-byte frame header")
+    header = parse_header(view[:HEADER_SIZE], limits)
+    payload = view[HEADER_SIZE:]
+    if len(payload) < header.length:
+        raise TruncatedFrame(f"{header.type.name} frame announces {header.length} bytes, "
+                             f"{len(payload)} present")
+    if len(payload) > header.length:
+        raise MalformedFrame(f"{len(payload) - header.length} bytes after a "
+                             f"{header.type.name} frame")
+    verify(header, payload)
+    return decode_payload(header, payload)

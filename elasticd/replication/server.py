@@ -1,0 +1,300 @@
+"""The replica server: accepts authenticated peer daemons and stores what they push.
+
+A :class:`ReplicaServer` listens for peer daemons, authenticates each connection
+(:mod:`elasticd.replication.auth`), and serves pushes and fetches on it, one thread per
+connection. Pushed bytes go straight from the socket into the memory a
+:class:`~elasticd.replication.api.Sink` hands out; a push is committed only after every DATA
+frame passed its checksum and the byte count matched, and anything else (a dropped connection,
+a corrupt frame, a timeout, a stop) aborts it.
+
+Memory is bounded: per connection, one control buffer of ``max_control`` bytes; DATA lands in
+the sink's memory, whose own budget applies; at most ``max_connections`` connections at once.
+A connection that sends nothing for ``idle_timeout`` seconds is closed. Socket timeouts run on
+the real clock; the injected clock only times transfers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import selectors
+import socket
+import ssl
+import threading
+from typing import Any
+
+from elasticd.clock import Clock, SystemClock
+from elasticd.replication.api import (
+    NOT_FOUND,
+    ConnectionLost,
+    Descriptor,
+    Refused,
+    Sink,
+    TransferTimeout,
+)
+from elasticd.replication.auth import AuthFailures, check_secret, server_handshake
+from elasticd.replication.channel import Channel, receive_stream, send_stream
+from elasticd.replication.messages import Ack, Fetch, FetchReply, Nack, PutBegin
+from elasticd.replication.wire import (
+    DEFAULT_MAX_CONTROL,
+    DEFAULT_MAX_FRAME,
+    OFFSET,
+    Limits,
+    ProtocolError,
+    UnexpectedFrame,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHUNK = 4 << 20
+
+
+@dataclasses.dataclass
+class ServerStats:
+    """Counters a metrics exporter reads (totals since start)."""
+
+    connections: int = 0
+    connections_rejected: int = 0
+    idle_timeouts: int = 0
+    pushes_committed: int = 0
+    pushes_refused: int = 0
+    pushes_aborted: int = 0
+    fetches: int = 0
+    bytes_received: int = 0
+    bytes_sent: int = 0
+
+
+class ReplicaServer:
+    """Accepts authenticated peers and stores what they push into ``sink``.
+
+    Args:
+        host, port: where to listen (port 0: any free port; see :attr:`address`).
+        secret: the cluster secret (at least 16 bytes).
+        node_id: this daemon's node id, told to clients.
+        sink: where received snapshots land and fetches read from.
+        max_frame: largest DATA payload accepted.
+        idle_timeout: seconds without a byte from a peer before its connection is closed.
+        handshake_timeout: seconds a new connection may take per handshake step.
+        max_connections: connections served at once; more are closed on accept.
+        ssl_context: server-side TLS context; None for plain TCP.
+        auth_failures: counter of rejected handshakes (a new one when None).
+        chunk_size: DATA chunk size when serving fetches.
+        clock: times transfers.
+    """
+
+    def __init__(self, host: str, port: int, secret: bytes, node_id: str, sink: Sink,
+                 max_frame: int = DEFAULT_MAX_FRAME, idle_timeout: float = 60.0, *,
+                 handshake_timeout: float = 10.0, max_connections: int = 64,
+                 max_control: int = DEFAULT_MAX_CONTROL,
+                 ssl_context: ssl.SSLContext | None = None,
+                 auth_failures: AuthFailures | None = None, chunk_size: int = DEFAULT_CHUNK,
+                 clock: Clock | None = None) -> None:
+        if idle_timeout <= 0 or handshake_timeout <= 0:
+            raise ValueError(f"timeouts must be > 0, got idle_timeout={idle_timeout}, "
+                             f"handshake_timeout={handshake_timeout}")
+        if max_connections < 1 or chunk_size < 1:
+            raise ValueError(f"max_connections and chunk_size must be >= 1, got "
+                             f"{max_connections}, {chunk_size}")
+        self._secret = check_secret(secret)
+        self.node_id = node_id
+        self.sink = sink
+        self.limits = Limits(max_frame, max_control)
+        self.idle_timeout = idle_timeout
+        self.handshake_timeout = handshake_timeout
+        self.max_connections = max_connections
+        self.ssl_context = ssl_context
+        self.auth_failures = auth_failures or AuthFailures()
+        self.chunk_size = chunk_size
+        self.clock = clock or SystemClock()
+        self.stats = ServerStats()
+        self._lock = threading.Lock()
+        self._connections: dict[threading.Thread, Any] = {}
+        self._stopping = False
+        self._listener = socket.create_server((host, port), backlog=max_connections)
+        self._listener.setblocking(False)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._thread = threading.Thread(target=self._accept_loop, daemon=True,
+                                        name=f"replica-accept-{node_id}")
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self._listener.getsockname()[:2]
+        return host, port
+
+    def start(self) -> "ReplicaServer":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stops accepting, closes every connection (aborting transfers) and joins threads."""
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+        self._wake_w.send(b"\0")
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self._selector.close()
+        for sock in (self._listener, self._wake_r, self._wake_w):
+            sock.close()
+        with self._lock:
+            connections = dict(self._connections)
+        for sock in connections.values():
+            try:  # wakes the connection's thread out of recv with end-of-file
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for thread in connections:
+            thread.join(timeout)
+
+    def __enter__(self) -> "ReplicaServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _bump(self, **counts: int) -> None:
+        with self._lock:
+            for name, n in counts.items():
+                setattr(self.stats, name, getattr(self.stats, name) + n)
+
+    # -- accepting -------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while True:
+            for key, _ in self._selector.select():
+                if key.fileobj is self._wake_r:
+                    return
+                try:
+                    sock, addr = self._listener.accept()
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError as exc:
+                    log.warning("replica server %s: accept failed: %s", self.node_id, exc)
+                    continue
+                peer = f"{addr[0]}:{addr[1]}"
+                with self._lock:
+                    full = len(self._connections) >= self.max_connections or self._stopping
+                    if not full:
+                        thread = threading.Thread(target=self._serve, args=(sock, peer),
+                                                  daemon=True, name=f"replica-conn-{peer}")
+                        self._connections[thread] = sock
+                        self.stats.connections += 1
+                if full:
+                    log.warning("replica server %s: refusing %s, %d connections open",
+                                self.node_id, peer, self.max_connections)
+                    self._bump(connections_rejected=1)
+                    sock.close()
+                else:
+                    thread.start()
+
+    # -- serving one connection ------------------------------------------------------------
+
+    def _serve(self, sock: socket.socket, peer: str) -> None:
+        me = threading.current_thread()
+        channel = Channel(sock, self.limits)
+        try:
+            sock.settimeout(self.handshake_timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                if self.ssl_context is not None:
+                    sock = self.ssl_context.wrap_socket(sock, server_side=True)
+                    with self._lock:
+                        self._connections[me] = sock
+                    channel = Channel(sock, self.limits)
+                hello = server_handshake(channel, self._secret, self.node_id)
+            except (ProtocolError, ssl.SSLError, ConnectionLost) as exc:
+                if isinstance(exc, ConnectionLost) and not channel.bytes_received:
+                    return  # connected and left without a word: a port probe, not a peer
+                # Anything else that does not end in a proven peer is a failed authentication,
+                # including a client that hangs up on our challenge (it holds another secret).
+                log.warning("replica server %s: rejected %s: %s", self.node_id, peer, exc)
+                self.auth_failures.record(peer, f"{type(exc).__name__}: {exc}")
+                if isinstance(exc, ProtocolError):
+                    channel.send_error("auth", "authentication failed")
+                    channel.linger_close()
+                return
+            sock.settimeout(self.idle_timeout)
+            while not self._stopping:
+                try:
+                    header = channel.recv_header()
+                except TransferTimeout:
+                    log.info("replica server %s: closing idle connection from %s",
+                             self.node_id, peer)
+                    self._bump(idle_timeouts=1)
+                    return
+                except ConnectionLost:
+                    return  # the peer hung up between requests: normal
+                msg = channel.recv_message(header)
+                if isinstance(msg, PutBegin):
+                    self._receive(channel, msg.descriptor, hello.node_id)
+                elif isinstance(msg, Fetch):
+                    self._serve_fetch(channel, msg, hello.max_frame)
+                else:
+                    raise UnexpectedFrame(f"expected PUT_BEGIN or FETCH, received "
+                                          f"{msg.TYPE.name}")
+        except ProtocolError as exc:
+            log.warning("replica server %s: protocol error from %s: %s", self.node_id, peer, exc)
+            channel.send_error("protocol", str(exc))
+            channel.linger_close()
+        except (ConnectionLost, OSError) as exc:
+            log.info("replica server %s: connection from %s ended: %s", self.node_id, peer, exc)
+        except Exception as exc:  # a sink bug must not take the server down
+            log.exception("replica server %s: serving %s failed", self.node_id, peer)
+            channel.send_error("internal", f"{type(exc).__name__}")
+        finally:
+            self._bump(bytes_received=channel.bytes_received, bytes_sent=channel.bytes_sent)
+            channel.close()
+            with self._lock:
+                self._connections.pop(me, None)
+
+    def _receive(self, channel: Channel, d: Descriptor, peer_id: str) -> None:
+        try:
+            target = self.sink.begin(d)
+        except Refused as exc:
+            self._bump(pushes_refused=1)
+            channel.send(Nack(exc.reason, exc.message))
+            return
+        started = self.clock.monotonic()
+        try:
+            channel.send(Ack({"ready": True}))
+            receive_stream(channel, d.total_bytes, target)
+        except BaseException as exc:
+            # Torn, corrupt or interrupted: the partial bytes must never become a copy. The
+            # view is dropped first so that a shared-memory sink may unmap or reuse it.
+            del target
+            self.sink.abort(d, f"{type(exc).__name__}: {exc}")
+            self._bump(pushes_aborted=1)
+            raise
+        del target
+        try:
+            self.sink.commit(d)
+        except Refused as exc:  # a newer version was committed meanwhile
+            self._bump(pushes_refused=1)
+            channel.send(Nack(exc.reason, exc.message))
+            return
+        self._bump(pushes_committed=1)
+        log.debug("replica server %s: committed rank %d %s from %s (%d bytes, %.3f s)",
+                  self.node_id, d.owner_rank, d.version, peer_id, d.total_bytes,
+                  self.clock.monotonic() - started)
+        channel.send(Ack({"bytes": d.total_bytes}))
+
+    def _serve_fetch(self, channel: Channel, req: Fetch, peer_max_frame: int) -> None:
+        version = None
+        if req.generation is not None and req.step is not None:  # both or neither, by parsing
+            version = (req.generation, req.step)
+        found = self.sink.read(req.job, req.owner_rank, version)
+        if found is None:
+            channel.send(Nack(NOT_FOUND, f"no committed copy of rank {req.owner_rank} "
+                                         f"{version or 'at any version'} of job {req.job!r}"))
+            return
+        d, view = found
+        try:
+            channel.send(FetchReply(d))
+            send_stream(channel, (view,), min(self.chunk_size, peer_max_frame - OFFSET.size))
+        finally:
+            self.sink.release(d)
+        self._bump(fetches=1)

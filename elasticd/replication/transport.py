@@ -1,0 +1,215 @@
+"""Daemon-to-daemon snapshot transfer over TCP: the client, and the transport's public names.
+
+A :class:`ReplicaClient` is one authenticated connection to a peer's
+:class:`~elasticd.replication.server.ReplicaServer`. It pushes a snapshot as a pipelined stream
+of DATA frames sent from where the bytes lie: one round trip opens the transfer (so a stale
+snapshot is refused before its bytes are sent), no chunk waits for an acknowledgement, and one
+ACK at the end says the peer verified every checksum and committed the copy. It fetches a
+committed copy straight into caller memory. Every send and receive is bounded by a timeout.
+
+The server lives in :mod:`elasticd.replication.server`; both are importable from here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import ssl
+import threading
+from typing import Any, Callable
+
+from elasticd.clock import Clock, SystemClock
+from elasticd.replication.api import (
+    ConnectionLost,
+    Descriptor,
+    Refused,
+    RemoteError,
+    ReplicationError,
+    Version,
+)
+from elasticd.replication.auth import check_secret, client_handshake
+from elasticd.replication.channel import Channel, receive_stream, send_stream
+from elasticd.replication.messages import Ack, Error, Fetch, FetchReply, Nack, PutBegin
+from elasticd.replication.server import DEFAULT_CHUNK, ReplicaServer, ServerStats
+from elasticd.replication.wire import (
+    DEFAULT_MAX_CONTROL,
+    DEFAULT_MAX_FRAME,
+    OFFSET,
+    Limits,
+    ProtocolError,
+)
+
+__all__ = ["DEFAULT_CHUNK", "PushResult", "ReplicaClient", "ReplicaServer", "ServerStats"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PushResult:
+    descriptor: Descriptor
+    frames: int
+    seconds: float
+
+
+class ReplicaClient:
+    """An authenticated connection to one peer's :class:`ReplicaServer`.
+
+    Not thread-safe for concurrent calls (they are serialised). After any error other than a
+    :class:`Refused` the connection is unusable: close it and connect again.
+    """
+
+    def __init__(self, channel: Channel, peer_id: str, peer_max_frame: int,
+                 clock: Clock | None = None) -> None:
+        self.channel = channel
+        self.peer_id = peer_id
+        self.peer_max_frame = peer_max_frame
+        self.clock = clock or SystemClock()
+        self._lock = threading.Lock()
+        self._broken: BaseException | None = None
+
+    @classmethod
+    def connect(cls, host: str, port: int, secret: bytes, node_id: str, *,
+                expected_peer: str | None = None, timeout: float = 30.0,
+                max_frame: int = DEFAULT_MAX_FRAME, max_control: int = DEFAULT_MAX_CONTROL,
+                ssl_context: ssl.SSLContext | None = None, server_hostname: str | None = None,
+                clock: Clock | None = None) -> "ReplicaClient":
+        """Connects and authenticates both ways.
+
+        Args:
+            timeout: seconds any single send or receive may block, here and later.
+            expected_peer: refuse a server announcing another node id.
+            ssl_context: client-side TLS context (``server_hostname`` defaults to ``host``).
+
+        Raises:
+            ConnectionLost: cannot connect.
+            AuthenticationFailed: either side failed to prove the secret.
+        """
+        secret = check_secret(secret)
+        limits = Limits(max_frame, max_control)
+        try:
+            sock: Any = socket.create_connection((host, port), timeout=timeout)
+        except OSError as exc:
+            raise ConnectionLost(f"cannot connect to replica server {host}:{port}: {exc}") from exc
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if ssl_context is not None:
+                sock = ssl_context.wrap_socket(sock, server_hostname=server_hostname or host)
+            channel = Channel(sock, limits)
+            challenge = client_handshake(channel, secret, node_id, expected_peer)
+        except BaseException:
+            sock.close()
+            raise
+        return cls(channel, challenge.node_id, challenge.max_frame, clock or SystemClock())
+
+    def push(self, descriptor: Descriptor, header: Any, payload: Any,
+             chunk_size: int = DEFAULT_CHUNK) -> PushResult:
+        """Sends one snapshot (``header`` then ``payload``, both bytes-like, sent uncopied).
+
+        Returns once the peer verified every chunk and committed the copy.
+
+        Raises:
+            Refused: the peer declined it (``stale``, ``exists``, ``no_space``...); the
+                connection stays usable.
+            ValueError: the descriptor's sizes do not match the buffers.
+            ReplicationError: anything else; the connection is then unusable.
+        """
+        head, body = memoryview(header).cast("B"), memoryview(payload).cast("B")
+        if (descriptor.header_bytes, descriptor.total_bytes) != (len(head), len(head) + len(body)):
+            raise ValueError(f"descriptor says {descriptor.header_bytes} + "
+                             f"{descriptor.total_bytes - descriptor.header_bytes} bytes, buffers "
+                             f"hold {len(head)} + {len(body)}")
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        chunk = min(chunk_size, self.peer_max_frame - OFFSET.size)
+
+        def run() -> PushResult:
+            started = self.clock.monotonic()
+            self.channel.send(PutBegin(descriptor))
+            self._expect_ack()
+            frames = send_stream(self.channel, (head, body), chunk)
+            self._expect_ack()
+            return PushResult(descriptor, frames, self.clock.monotonic() - started)
+
+        return self._call(run)
+
+    def fetch(self, job: str, owner_rank: int,
+              into: memoryview | bytearray | Callable[[Descriptor], Any],
+              version: Version | None = None) -> Descriptor:
+        """Reads a committed copy from the peer into caller memory.
+
+        Args:
+            into: a writable buffer of at least the snapshot's size, or a function given the
+                descriptor (sizes) that returns one.
+            version: (generation, step) wanted; None for the newest the peer holds.
+
+        Returns:
+            The descriptor of the bytes now in ``into[:descriptor.total_bytes]``.
+
+        Raises:
+            Refused: ``not_found``; the connection stays usable.
+            ReplicationError: anything else; the connection is then unusable.
+        """
+
+        def run() -> Descriptor:
+            gen, step = version if version is not None else (None, None)
+            self.channel.send(Fetch(job, owner_rank, gen, step))
+            reply = self.channel.recv(FetchReply, Nack)
+            if isinstance(reply, Nack):
+                raise Refused(reply.reason, reply.message)
+            assert isinstance(reply, FetchReply)
+            d = reply.descriptor
+            if d.shard != (job, owner_rank) or (version is not None and d.version != version):
+                raise ProtocolError(f"asked for rank {owner_rank} {version} of {job!r}, "
+                                    f"peer offers {d}")
+            target = memoryview(into(d) if callable(into) else into).cast("B")
+            if target.readonly or len(target) < d.total_bytes:
+                raise ReplicationError(f"fetch buffer of {len(target)} bytes (readonly="
+                                       f"{target.readonly}) cannot take {d.total_bytes}")
+            receive_stream(self.channel, d.total_bytes, target[: d.total_bytes])
+            return d
+
+        return self._call(run)
+
+    def _expect_ack(self) -> None:
+        reply = self.channel.recv(Ack, Nack)
+        if isinstance(reply, Nack):
+            raise Refused(reply.reason, reply.message)
+
+    def _call(self, run: Callable[[], Any]) -> Any:
+        with self._lock:
+            if self._broken is not None:
+                raise ConnectionLost(f"connection to {self.peer_id} is unusable after: "
+                                     f"{self._broken}")
+            try:
+                return run()
+            except Refused:
+                raise
+            except ConnectionLost as exc:
+                self._broken = exc
+                # The peer may have said why before closing (it reads on while it lingers).
+                remote = self._pending_error()
+                self.channel.close()
+                if remote is not None:
+                    raise remote from exc
+                raise
+            except BaseException as exc:
+                self._broken = exc
+                self.channel.close()
+                raise
+
+    def _pending_error(self) -> RemoteError | None:
+        try:
+            self.channel.sock.settimeout(0.5)
+            msg = self.channel.recv(Error)
+        except (ReplicationError, OSError):
+            return None
+        return RemoteError(msg.code, msg.message) if isinstance(msg, Error) else None
+
+    def close(self) -> None:
+        with self._lock:
+            self._broken = self._broken or ConnectionLost("closed")
+            self.channel.close()
+
+    def __enter__(self) -> "ReplicaClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,174 @@
+"""The replication protocol's framing: a fixed binary header in front of every payload.
+
+Every frame starts with a 20-byte header, network byte order::
+
+    magic "EDRP" (4) | version u8 | type u8 | flags u16 | payload length u32 | checksum u64
+
+The checksum is xxh3_64 over the first 12 header bytes followed by the payload, so a flipped
+type or length is caught as surely as a flipped payload byte (xxh3 runs at memory speed; it
+detects corruption, not attackers: :mod:`elasticd.replication.auth` handles those). A reader
+checks magic, version, type, flags and the length limit for that type *before* reading the
+payload, so a hostile or corrupt length never makes it allocate or wait for more than
+:class:`Limits` allows. Payloads are binary (``struct``) where they carry nonces or offsets and
+small JSON objects elsewhere (:mod:`elasticd.replication.messages`); never pickle.
+
+The frames, by conversation (``C`` client, ``S`` server):
+
+* handshake: C HELLO → S CHALLENGE → C AUTH → S ACK (or ERROR and close);
+* push: C PUT_BEGIN → S ACK | NACK, then C DATA… PUT_END → S ACK | NACK;
+* fetch: C FETCH → S FETCH_REPLY, DATA…, PUT_END | NACK;
+* ERROR from either side ends the connection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import struct
+from typing import Any
+
+import xxhash
+
+from elasticd.replication.api import ReplicationError
+
+MAGIC = b"EDRP"
+VERSION = 1
+HEADER = struct.Struct("!4sBBHIQ")
+HEADER_SIZE = HEADER.size
+CHECKED = struct.Struct("!4sBBHI")  # the header bytes the checksum covers
+OFFSET = struct.Struct("!Q")
+KNOWN_FLAGS = 0  # no flag is defined in version 1; a set bit means a newer peer
+NONCE_BYTES = 32
+PROOF_BYTES = 32
+MAX_NODE_ID = 255
+DEFAULT_MAX_FRAME = 8 << 20
+DEFAULT_MAX_CONTROL = 64 << 10
+MAX_FRAME_LIMIT = 2**32 - 1
+
+
+class ProtocolError(ReplicationError):
+    """The peer sent something this protocol does not allow."""
+
+
+class BadMagic(ProtocolError):
+    """The bytes do not start an elasticd replication frame."""
+
+
+class UnsupportedVersion(ProtocolError):
+    """The peer speaks another protocol version."""
+
+
+class UnknownFrameType(ProtocolError):
+    """The frame type is not one this version defines."""
+
+
+class UnknownFlags(ProtocolError):
+    """Flag bits this version does not define are set."""
+
+
+class FrameTooLarge(ProtocolError):
+    """A length field exceeds the configured limit for that frame type."""
+
+
+class ChecksumMismatch(ProtocolError):
+    """The frame's bytes do not match its checksum (corrupted in transit or in memory)."""
+
+
+class TruncatedFrame(ProtocolError):
+    """Fewer bytes than the frame needs (a buffer cut short, or a connection closed mid-frame)."""
+
+
+class MalformedFrame(ProtocolError):
+    """The payload does not decode as the frame type says."""
+
+
+class UnexpectedFrame(ProtocolError):
+    """A valid frame that is not allowed at this point of the conversation."""
+
+
+class FrameType(enum.IntEnum):
+    HELLO = 1
+    CHALLENGE = 2
+    AUTH = 3
+    PUT_BEGIN = 4
+    DATA = 5
+    PUT_END = 6
+    ACK = 7
+    NACK = 8
+    FETCH = 9
+    FETCH_REPLY = 10
+    ERROR = 11
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Largest payloads a reader accepts.
+
+    Attributes:
+        max_frame: largest DATA payload (8-byte offset plus chunk).
+        max_control: largest payload of any other frame.
+    """
+
+    max_frame: int = DEFAULT_MAX_FRAME
+    max_control: int = DEFAULT_MAX_CONTROL
+
+    def __post_init__(self) -> None:
+        if not OFFSET.size < self.max_frame <= MAX_FRAME_LIMIT:
+            raise ValueError(f"max_frame must be in ({OFFSET.size}, {MAX_FRAME_LIMIT}], "
+                             f"got {self.max_frame}")
+        if not 256 <= self.max_control <= self.max_frame:
+            raise ValueError(f"max_control must be in [256, max_frame], got {self.max_control}")
+
+
+@dataclasses.dataclass(frozen=True)
+class FrameHeader:
+    type: FrameType
+    flags: int
+    length: int
+    checksum: int
+    checked: bytes  # the 12 header bytes under the checksum
+
+
+def parse_header(raw: bytes | bytearray | memoryview, limits: Limits) -> FrameHeader:
+    """Validates a frame header before any of its payload is read.
+
+    Raises:
+        ProtocolError: bad magic, version, type or flags; a length over the limit.
+    """
+    if len(raw) != HEADER_SIZE:
+        raise TruncatedFrame(f"frame header is {HEADER_SIZE} bytes, got {len(raw)}")
+    magic, version, ftype, flags, length, checksum = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise BadMagic(f"frame starts with {magic!r}, expected {MAGIC!r}: not an elasticd "
+                       "replication peer, or the stream lost its framing")
+    if version != VERSION:
+        raise UnsupportedVersion(f"peer speaks replication protocol v{version}, this elasticd "
+                                 f"speaks v{VERSION}: run the same elasticd release on all nodes")
+    try:
+        kind = FrameType(ftype)
+    except ValueError as exc:
+        raise UnknownFrameType(f"unknown frame type {ftype} in protocol v{VERSION}") from exc
+    if flags & ~KNOWN_FLAGS:
+        raise UnknownFlags(f"{kind.name} frame has undefined flag bits {flags:#06x}")
+    limit = limits.max_frame if kind is FrameType.DATA else limits.max_control
+    if length > limit:
+        raise FrameTooLarge(f"{kind.name} frame announces {length} payload bytes, limit {limit}")
+    if kind is FrameType.DATA and length <= OFFSET.size:
+        raise MalformedFrame(f"DATA frame of {length} bytes has no room for offset and data")
+    return FrameHeader(kind, flags, length, checksum, bytes(raw[: CHECKED.size]))
+
+
+def checksum(checked: bytes, *parts: Any) -> int:
+    """xxh3_64 over the covered header bytes then the payload parts."""
+    h = xxhash.xxh3_64()
+    h.update(checked)
+    for part in parts:
+        h.update(part)
+    return h.intdigest()
+
+
+def verify(header: FrameHeader, *parts: Any) -> None:
+    """Raises :class:`ChecksumMismatch` unless ``parts`` are the payload ``header`` announced."""
+    if checksum(header.checked, *parts) != header.checksum:
+        raise ChecksumMismatch(f"{header.type.name} frame of {header.length} bytes fails its "
+                               "xxh3 checksum")
