@@ -160,10 +160,13 @@ class _Flattener:
         if isinstance(value, torch.Tensor):
             return {"@": "tensor", "i": self._add(path, value)}
         if isinstance(value, np.ndarray) and value.dtype.kind in _NUMPY_KINDS:
-            arr = np.ascontiguousarray(value)
-            raw = torch.from_numpy(arr.reshape(-1).view(np.uint8))
-            return {"@": "ndarray", "i": self._add(path, raw), "dtype": arr.dtype.str,
-                    "shape": list(arr.shape)}
+            # Flattened here rather than with ascontiguousarray, which turns 0-dim into 1-dim.
+            flat = np.ascontiguousarray(value.reshape(-1))
+            if not flat.flags.writeable:  # torch.from_numpy warns on read-only arrays
+                flat = flat.copy()
+            raw = torch.from_numpy(flat.view(np.uint8))
+            return {"@": "ndarray", "i": self._add(path, raw), "dtype": value.dtype.str,
+                    "shape": list(value.shape)}
         if isinstance(value, np.generic) and value.dtype.kind in _NUMPY_KINDS:
             return {"@": "npscalar", "dtype": value.dtype.str, "hex": value.tobytes().hex()}
         if value is None or t in (bool, int, str):
