@@ -1,0 +1,133 @@
+"""The etcd-v3 rendezvous' settings: --rdzv-conf parsing, the keep-alive window, the entry point."""
+
+from __future__ import annotations
+
+import datetime
+from importlib.metadata import entry_points
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from elasticd.coordination.rendezvous import (
+    create_rdzv_handler,
+    handler_creator,
+    keep_alive_settings,
+)
+from elasticd.coordination.rendezvous_config import PASSWORD_ENV, RendezvousConfig
+
+
+def params(endpoint: str = "127.0.0.1:2379", run_id: str = "job", **conf: str
+           ) -> RendezvousParameters:
+    return RendezvousParameters("etcd-v3", endpoint, run_id, 1, 2, **conf)
+
+
+def test_defaults():
+    cfg = RendezvousConfig.from_params(params("10.0.0.1:2379,10.0.0.2:2379"))
+    assert cfg.etcd.endpoints == (("10.0.0.1", 2379), ("10.0.0.2", 2379))
+    assert cfg.etcd.timeout == 2.0 and not cfg.etcd.secure and cfg.etcd.user is None
+    assert (cfg.key_prefix, cfg.grace_period, cfg.max_clock_skew) == ("/elasticd", 30.0, 2.0)
+    assert cfg.store_timeout == datetime.timedelta(seconds=60)
+    assert cfg.standby_fix is True
+
+
+def test_settings_from_rdzv_conf(tmp_path, monkeypatch):
+    monkeypatch.delenv(PASSWORD_ENV, raising=False)
+    files = {}
+    for name in ("ca.pem", "cert.pem", "key.pem"):
+        files[name] = tmp_path / name
+        files[name].write_text("x")
+    cfg = RendezvousConfig.from_params(params(
+        key_prefix="/prod", etcd_timeout="0.5", etcd_grace_period="10", max_clock_skew="0.5",
+        read_timeout="30", ca_cert=str(files["ca.pem"]), cert=str(files["cert.pem"]),
+        key=str(files["key.pem"]), user="trainer", password="s3cret", standby_fix="false"))
+    assert (cfg.key_prefix, cfg.grace_period, cfg.max_clock_skew) == ("/prod", 10.0, 0.5)
+    assert cfg.etcd.timeout == 0.5 and cfg.etcd.secure
+    assert (cfg.etcd.user, cfg.etcd.password) == ("trainer", "s3cret")
+    assert cfg.store_timeout == datetime.timedelta(seconds=30)
+    assert cfg.standby_fix is False
+
+
+def test_password_from_the_environment(monkeypatch):
+    monkeypatch.setenv(PASSWORD_ENV, "from-env")
+    cfg = RendezvousConfig.from_params(params(user="trainer"))
+    assert cfg.etcd.password == "from-env"
+
+
+@pytest.mark.parametrize("endpoint, conf, message", [
+    ("", {}, "needs --rdzv-endpoint"),
+    ("localhost", {}, "is not HOST:PORT"),
+    ("127.0.0.1:2379", {"etcd_grace_period": "-1"}, "etcd_grace_period='-1'"),
+    ("127.0.0.1:2379", {"etcd_grace_period": "soon"}, "not a number"),
+    ("127.0.0.1:2379", {"etcd_timeout": "0"}, "must be a positive"),
+    ("127.0.0.1:2379", {"key_prefix": "elasticd/"}, "prefix"),
+    ("127.0.0.1:2379", {"cert": "/c.pem"}, "cert and key go together"),
+    ("127.0.0.1:2379", {"ca_cert": "/nonexistent/ca.pem"}, "no such file"),
+    ("127.0.0.1:2379", {"user": "trainer"}, "needs both"),
+    ("127.0.0.1:2379", {"read_timeout": "0"}, "read_timeout"),
+])
+def test_bad_settings_are_refused_and_quoted(endpoint, conf, message, monkeypatch):
+    monkeypatch.delenv(PASSWORD_ENV, raising=False)
+    with pytest.raises(ValueError, match=message):
+        RendezvousConfig.from_params(params(endpoint, **conf))
+
+
+def test_bad_run_id_is_refused():
+    with pytest.raises(ValueError, match="--rdzv-id"):
+        RendezvousConfig.from_params(params(run_id="my job"))
+
+
+@pytest.mark.parametrize("conf, grace, skew, expected", [
+    ({}, 30, 2, (5, 8)),  # torch's 5 s interval; 40 s window > 30 + 2 + 5
+    ({}, 0, 0, (5, 3)),  # never fewer than 3 attempts (standby nodes, FACTS.md)
+    ({"keep_alive_interval": "1"}, 2, 1, (1, 5)),  # tuned for fast recovery: 5 s > 2 + 1 + 1
+    ({"keep_alive_interval": "1"}, 0.5, 0, (1, 3)),
+    ({"keep_alive_max_attempt": "2"}, 30, 2, (5, 2)),  # the user's choice stands (warned)
+])
+def test_keep_alive_window_outlasts_the_grace_period(conf, grace, skew, expected):
+    interval, attempts = keep_alive_settings(params(**conf), grace, skew)
+    assert (interval, attempts) == expected
+    if not conf.get("keep_alive_max_attempt"):
+        assert interval * attempts > grace + skew + interval
+        assert interval * attempts >= 3
+
+
+def test_a_short_user_window_is_warned_about(caplog):
+    keep_alive_settings(params(keep_alive_interval="1", keep_alive_max_attempt="2"), 30, 2)
+    assert "keep-alive window 2s" in caplog.text
+    assert "standby" in caplog.text
+
+
+@pytest.mark.parametrize("conf", [{"keep_alive_interval": "0"},
+                                  {"keep_alive_max_attempt": "-1"}])
+def test_bad_keep_alive_values_are_refused(conf):
+    with pytest.raises(ValueError, match="keep_alive"):
+        keep_alive_settings(params(**conf), 30, 2)
+
+
+def test_entry_point_returns_the_creator():
+    (ep,) = [e for e in entry_points(group="torchrun.handlers") if e.name == "etcd-v3"]
+    assert ep.load() is handler_creator
+    assert handler_creator() is create_rdzv_handler
+
+
+def test_torch_registry_knows_etcd_v3():
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    assert rendezvous_handler_registry._registry.get("etcd-v3") is create_rdzv_handler
+
+
+def test_creator_builds_torchs_handler_with_our_keep_alive_and_disables_store_sharing(
+        monkeypatch):
+    # No etcd needed: building the handler does not talk to it yet.
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    handler = create_rdzv_handler(params(etcd_grace_period="30"))
+    assert handler.get_backend() == "etcd-v3"
+    assert handler.settings.keep_alive_interval == datetime.timedelta(seconds=5)
+    assert handler.settings.keep_alive_max_attempt == 8
+    assert handler.use_agent_store is False  # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+
+
+def test_creator_keeps_an_explicit_store_sharing_choice(monkeypatch):
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")
+    handler = create_rdzv_handler(params())
+    assert handler.use_agent_store is True
