@@ -52,6 +52,10 @@ class LeaseKeeper:
         return self.ttl / 3.0
 
     @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
     def lease(self) -> int | None:
         with self._lock:
             return self._lease

@@ -245,9 +245,12 @@ class MemoryCoordinator(Coordinator):
 
     def watch_prefix(self, prefix: bytes, callback: WatchCallback, start_revision: int) -> Watch:
         self._enter()
+        compacted = None
         with self.store._lock:
             if start_revision and start_revision <= self.store._compacted:
-                raise Compacted(self.store._compacted)
+                # etcd reports this on the stream, not to the caller: so do we.
+                compacted = Compacted(self.store._compacted)
+                start_revision = self.store._revision + 1
             replay = [
                 e for r, e in self.store._history
                 if r >= start_revision and e.kv.key.startswith(prefix)
@@ -255,6 +258,8 @@ class MemoryCoordinator(Coordinator):
             w = _MemoryWatch(self.store, prefix, callback)
             self.store._watches.append(w)
             self._watches.append(w)
+        if compacted is not None:
+            callback(compacted)
         if replay:
             callback(replay)
         return w

@@ -115,17 +115,22 @@ class Daemon:
 
     # -- lifecycle ------------------------------------------------------------------------
 
-    def join(self) -> None:
+    def join(self, keep_alive_thread: bool = True) -> None:
         """Grants the lease, registers the node and starts watching its peers.
+
+        Args:
+            keep_alive_thread: start the keep-alive thread (tests on a fake clock drive
+                ``keeper.step()`` themselves).
 
         Raises:
             Unavailable: etcd cannot be reached (at start this is fatal: check --etcd).
             NodeIdInUse: a live daemon elsewhere holds the same node id.
         """
         self.keeper.grant()
+        if keep_alive_thread:
+            self.keeper.start()
         self._start_watch()
         self._register(wait_for_id=True)  # last: once our record is visible, we are in
-        self.keeper.start()
         self.sentence = f"joined the cluster as {self.settings.node_id}"
         log.info("%s", self.sentence)
 
@@ -195,11 +200,19 @@ class Daemon:
         return sentence
 
     def _finish_cycle(self, sentence: str) -> None:
-        if sentence != self.sentence:
+        changed = sentence != self.sentence
+        if changed:
             log.info("%s", sentence)
         else:
             log.debug("%s", sentence)
         self.sentence = sentence
+        if (changed and self.health.up and self.registered_lease is not None
+                and self.clock.monotonic() - self._last_heartbeat >= 1.0):
+            # Publish what we are doing for elasticctl, at most once a second.
+            try:
+                self._put_record(self.registered_lease)
+            except CoordinationError as exc:
+                self.health.failed(exc)
         self.cycles += 1
         self._last_cycle = self.clock.monotonic()
         self.metrics.loop_cycles.inc()
@@ -263,6 +276,11 @@ class Daemon:
         key = self.keys.node(self.settings.node_id)
         deadline = self.clock.monotonic() + 2 * self.settings.lease_ttl + 1
         while True:
+            if not self.keeper.running:
+                self.keeper.step()  # waiting for our id must not cost our own lease
+            lease = self.keeper.lease
+            if lease is None:
+                return
             value = records.encode_dataclass(NODE_KIND, self._record(lease))
             if self.coord.create(key, value, lease):
                 break

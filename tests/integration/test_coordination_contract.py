@@ -1,0 +1,255 @@
+"""One contract, two implementations: the in-memory fake and a real etcd server.
+
+Each scenario is written once in :class:`CoordinatorContract` and runs against both, so the fake
+that the fast unit tests rely on cannot drift from etcd's behaviour: stale revisions, lost
+leases, watches across a server restart, compaction, and corrupt values.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from elasticd.clock import FakeClock
+from elasticd.coordination import records
+from elasticd.coordination.api import (
+    Compacted,
+    Compare,
+    Delete,
+    EventType,
+    LeaseLost,
+    Put,
+    Unavailable,
+)
+from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
+from tests.conftest import connect
+
+
+class Collector:
+    def __init__(self):
+        self.items = []
+        self.cv = threading.Condition()
+
+    def __call__(self, batch):
+        with self.cv:
+            self.items.append(batch)
+            self.cv.notify_all()
+
+    def events(self):
+        return [e for b in self.items if not isinstance(b, Exception) for e in b]
+
+    def errors(self):
+        return [b for b in self.items if isinstance(b, Exception)]
+
+    def wait(self, pred, timeout=10):
+        deadline = time.monotonic() + timeout
+        with self.cv:
+            while not pred(self):
+                left = deadline - time.monotonic()
+                assert left > 0, f"timed out; got {self.items}"
+                self.cv.wait(left)
+
+
+class CoordinatorContract:
+    """Subclasses provide the fixtures ``coord`` and ``ctl`` (outage, expiry, compaction)."""
+
+    def test_put_get_prefix_and_revisions(self, coord, prefix):
+        p = prefix.encode()
+        r1 = coord.put(p + b"/a", b"1")
+        r2 = coord.put(p + b"/b", b"2")
+        assert r2 > r1
+        kv = coord.get(p + b"/a")
+        assert (kv.value, kv.mod_revision, kv.create_revision, kv.version) == (b"1", r1, r1, 1)
+        coord.put(p + b"/a", b"1b")
+        kv = coord.get(p + b"/a")
+        assert kv.version == 2 and kv.create_revision == r1 and kv.mod_revision > r2
+        kvs, rev = coord.get_prefix(p + b"/")
+        assert [k.key for k in kvs] == [p + b"/a", p + b"/b"] and rev >= kv.mod_revision
+        assert coord.get(p + b"/nope") is None
+        assert coord.delete(p + b"/a") and not coord.delete(p + b"/a")
+        assert coord.delete_prefix(p + b"/") == 1
+
+    def test_stale_revision_loses_compare_and_set(self, coord, prefix):
+        key = (prefix + "/cas").encode()
+        assert coord.create(key, b"v1")
+        assert not coord.create(key, b"again")
+        kv = coord.get(key)
+        assert coord.compare_and_set(key, b"v2", kv.mod_revision)
+        assert not coord.compare_and_set(key, b"v3", kv.mod_revision)  # stale
+        assert coord.get(key).value == b"v2"
+        ok, _ = coord.transaction([Compare(key, 0)], [Put(key, b"x")])
+        assert not ok
+        cur = coord.get(key).mod_revision
+        ok, rev = coord.transaction([Compare(key, cur)], [Delete(key), Put(key + b"2", b"y")])
+        assert ok and rev > cur
+        assert coord.get(key) is None and coord.get(key + b"2").value == b"y"
+
+    def test_lost_lease_deletes_keys_and_is_reported(self, coord, ctl, prefix):
+        key = (prefix + "/leased").encode()
+        lease = coord.grant_lease(2)
+        assert coord.keep_alive(lease) >= 1
+        coord.put(key, b"v", lease)
+        assert coord.get(key).lease == lease
+        ctl.let_leases_expire(2)
+        with pytest.raises(LeaseLost):
+            coord.keep_alive(lease)
+        assert coord.get(key) is None
+        with pytest.raises(LeaseLost):
+            coord.put(key, b"v", lease)
+        with pytest.raises(LeaseLost):
+            coord.transaction([], [Put(key, b"v", lease)])
+        coord.revoke_lease(lease)  # revoking a lost lease is not an error
+
+    def test_revoke_deletes_bound_keys_with_prev_in_watch(self, coord, prefix):
+        p = (prefix + "/w/").encode()
+        got = Collector()
+        w = coord.watch_prefix(p, got, coord.revision() + 1)
+        try:
+            lease = coord.grant_lease(10)
+            coord.put(p + b"n", b"rec", lease)
+            coord.revoke_lease(lease)
+            got.wait(lambda c: len(c.events()) >= 2)
+            put, delete = c = got.events()[:2]
+            assert put.type is EventType.PUT and put.kv.value == b"rec"
+            assert delete.type is EventType.DELETE and delete.prev.value == b"rec"
+            assert delete.prev.lease == lease
+        finally:
+            w.cancel()
+
+    def test_watch_replays_from_start_revision(self, coord, prefix):
+        p = (prefix + "/r/").encode()
+        r1 = coord.put(p + b"1", b"a")
+        coord.put(p + b"2", b"b")
+        got = Collector()
+        w = coord.watch_prefix(p, got, r1)
+        try:
+            got.wait(lambda c: len(c.events()) >= 2)
+            assert [e.kv.key for e in got.events()] == [p + b"1", p + b"2"]
+        finally:
+            w.cancel()
+
+    def test_watch_after_reconnect(self, coord, ctl, prefix):
+        p = (prefix + "/rc/").encode()
+        got = Collector()
+        w = coord.watch_prefix(p, got, coord.revision() + 1)
+        try:
+            coord.put(p + b"before", b"1")
+            got.wait(lambda c: len(c.events()) >= 1)
+            ctl.outage()
+            with pytest.raises(Unavailable):
+                coord.get(p + b"before")
+            got.wait(lambda c: len(c.errors()) >= 1)
+            ctl.restore()
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    coord.put(p + b"after", b"2")
+                    break
+                except Unavailable:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.1)
+            got.wait(lambda c: any(e.kv.key == p + b"after" for e in c.events()))
+            keys = [e.kv.key for e in got.events()]
+            assert keys.count(p + b"before") == 1  # nothing delivered twice
+        finally:
+            w.cancel()
+
+    def test_compacted_start_revision(self, coord, ctl, prefix):
+        p = (prefix + "/c/").encode()
+        r1 = coord.put(p + b"1", b"a")
+        r2 = coord.put(p + b"1", b"b")
+        ctl.compact(r2)
+        got = Collector()
+        w = coord.watch_prefix(p, got, r1)
+        try:
+            # Like etcd, the fake reports compaction to the callback, then keeps watching.
+            got.wait(lambda c: any(isinstance(e, Compacted) for e in c.errors()))
+            coord.put(p + b"2", b"c")
+            got.wait(lambda c: any(e.kv.key == p + b"2" for e in c.events()))
+        finally:
+            w.cancel()
+
+    def test_corrupt_value_is_refused_clearly(self, coord, prefix):
+        key = (prefix + "/nodes/x").encode()
+        coord.put(key, b"\x80not json")
+        with pytest.raises(records.CorruptRecord, match="not a valid record"):
+            records.decode(coord.get(key).value, "node", key)
+        coord.put(key, records.encode("event", {"a": 1}))
+        with pytest.raises(records.CorruptRecord, match="expected a 'node' record"):
+            records.decode(coord.get(key).value, "node", key)
+        coord.put(key, b'{"schema": 99, "record": "node"}')
+        with pytest.raises(records.UnsupportedRecordVersion, match="upgrade elasticd"):
+            records.decode(coord.get(key).value, "node", key)
+
+
+class MemoryControls:
+    def __init__(self, store: MemoryStore, clock: FakeClock):
+        self.store, self.clock = store, clock
+
+    def let_leases_expire(self, ttl):
+        self.clock.advance(ttl + 0.1)
+        self.store.expire_leases()
+
+    def outage(self):
+        self.store.set_available(False)
+
+    def restore(self):
+        self.store.set_available(True)
+
+    def compact(self, revision):
+        self.store.compact(revision)
+
+
+class TestMemoryCoordinator(CoordinatorContract):
+    @pytest.fixture
+    def ctl(self):
+        clock = FakeClock()
+        return MemoryControls(MemoryStore(clock), clock)
+
+    @pytest.fixture
+    def coord(self, ctl):
+        c = MemoryCoordinator(ctl.store)
+        yield c
+        c.close()
+
+
+class EtcdControls:
+    def __init__(self, server):
+        self.server = server
+
+    def let_leases_expire(self, ttl):
+        time.sleep(ttl + 1.0)  # etcd checks expiry every 500 ms (FACTS.md)
+
+    def outage(self):
+        self.server.members[0].kill()
+
+    def restore(self):
+        self.server.members[0].start()
+        self.server.wait_healthy()
+
+    def compact(self, revision):
+        import pyetcd
+
+        c = pyetcd.MultiEndpointEtcd3Client(
+            [pyetcd.Endpoint("127.0.0.1", self.server.members[0].client_port, secure=False,
+                             time_retry=0.5)], timeout=2, failover=True)
+        try:
+            c.compact(revision, physical=True)
+        finally:
+            c.close()
+
+
+@pytest.mark.etcd
+@pytest.mark.timeout(60)
+class TestEtcdCoordinator(CoordinatorContract):
+    @pytest.fixture
+    def ctl(self, private_etcd):
+        return EtcdControls(private_etcd)
+
+    @pytest.fixture
+    def coord(self, private_etcd):
+        c = connect(private_etcd)
+        yield c
+        c.close()

@@ -1,0 +1,170 @@
+"""The daemon's decisions end to end on the in-memory coordinator and a fake clock: fast and
+deterministic twins of the real-etcd tests in tests/integration/test_cluster_failures.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from elasticd.clock import FakeClock
+from elasticd.cluster.events import EventLog
+from elasticd.config import Settings
+from elasticd.coordination.keys import Keyspace
+from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
+from elasticd.daemon.daemon import Daemon, NodeIdInUse
+
+TTL = 2
+
+
+@pytest.fixture
+def world():
+    clock = FakeClock()
+    store = MemoryStore(clock)
+    daemons = {}
+
+    def start(node, **kw):
+        s = Settings(node_id=node, etcd="mem:1", lease_ttl=TTL, loop_interval=0.25,
+                     outage_grace=kw.pop("outage_grace", 30.0), **kw)
+        d = Daemon(s, MemoryCoordinator(store), clock=clock, http_address=f"{node}:1")
+        d.join(keep_alive_thread=False)
+        daemons[node] = d
+        return d
+
+    def tick(seconds=0.25, alive=None):
+        """Advances time; live daemons keep their leases and run a cycle."""
+        clock.advance(seconds)
+        for n, d in daemons.items():
+            if alive is None or n in alive:
+                d.keeper.step()
+        store.expire_leases()
+        return {n: d.cycle() for n, d in daemons.items() if alive is None or n in alive}
+
+    yield clock, store, start, tick, daemons
+    for d in daemons.values():
+        d.close()
+
+
+def events(store, kind=None):
+    return [e for e in EventLog(MemoryCoordinator(store), Keyspace("/elasticd")).list()
+            if kind is None or e.kind == kind]
+
+
+def test_failure_recorded_once_and_counted_by_each_survivor(world):
+    clock, store, start, tick, daemons = world
+    for n in ("n1", "n2", "n3"):
+        start(n)
+    sentences = tick()
+    assert sentences["n1"] == "n2 joined; n3 joined (3 nodes alive)" or "3 nodes alive" in sentences["n1"]
+    assert tick()["n1"] == "no action: I am n1, 3 nodes alive"
+    for _ in range(int(TTL / 0.25) + 2):  # n2 stops refreshing its lease
+        out = tick(alive={"n1", "n3"})
+    failed = events(store, "failed")
+    assert len(failed) == 1 and failed[0].node == "n2"
+    assert failed[0].data["detection_seconds"] >= TTL
+    for n in ("n1", "n3"):
+        assert daemons[n].metrics.node_failures._value.get() == 1
+        assert daemons[n].membership.alive() == sorted({"n1", "n3"})
+    assert tick(alive={"n1", "n3"})["n1"] == "no action: I am n1, 2 nodes alive"
+
+
+def test_clean_leave_is_a_departure(world):
+    clock, store, start, tick, daemons = world
+    start("n1"), start("n2")
+    tick()
+    daemons["n2"].leave()
+    del daemons["n2"]
+    out = tick()
+    assert "n2 departed" in out["n1"]
+    assert [e.kind for e in events(store) if e.node == "n2"] == ["joined", "left"]
+    assert daemons["n1"].metrics.node_departures._value.get() == 1
+
+
+def test_outage_expiring_every_lease_records_no_failure(world):
+    clock, store, start, tick, daemons = world
+    for n in ("n1", "n2", "n3"):
+        start(n)
+    tick()
+    store.set_available(False)
+    for _ in range(8):  # 2 s of outage: longer than the TTL
+        out = tick()
+    assert all("etcd unreachable" in s for s in out.values()), out
+    assert all(d.metrics.etcd_up._value.get() == 0 for d in daemons.values())
+    store.set_available(True)
+    store.expire_leases()  # what a resumed etcd does: every lease is past due
+    for _ in range(4 * TTL * 4):
+        out = tick()
+    assert not events(store, "failed"), events(store, "failed")
+    assert not events(store, "fenced")
+    assert all(d.membership.alive() == ["n1", "n2", "n3"] for d in daemons.values())
+    assert all(d.registered_lease is not None for d in daemons.values())
+    assert out["n1"] == "no action: I am n1, 3 nodes alive"
+    assert sum(d.metrics.provisional_expiries.labels("rejoined")._value.get()
+               for d in daemons.values()) > 0
+
+
+def test_long_outage_fences_after_grace(world):
+    clock, store, start, tick, daemons = world
+    d = start("n1", outage_grace=5.0)
+    fenced = []
+    d.fence_hooks.append(fenced.append)
+    store.set_available(False)
+    for _ in range(int(4.5 / 0.25)):
+        out = tick()
+    assert not fenced and "keeping workers running" in out["n1"]
+    for _ in range(4):
+        out = tick()
+    assert fenced == ["etcd unreachable for more than 5 s"]
+    assert "fenced" in out["n1"]
+    store.set_available(True)
+    for _ in range(4 * TTL):
+        out = tick()
+    assert d.state.value == "up" and d.registered_lease is not None
+
+
+def test_declared_dead_node_fences_before_rejoining(world):
+    clock, store, start, tick, daemons = world
+    start("n1"), start("n2")
+    tick()
+    fenced = []
+    daemons["n2"].fence_hooks.append(fenced.append)
+    for _ in range(int(TTL / 0.25) + 2):  # n2 frozen: no keep-alive, no cycle
+        tick(alive={"n1"})
+    assert [e.node for e in events(store, "failed")] == ["n2"]
+    out = tick()  # n2 thaws
+    assert fenced and "declared dead" in fenced[0]
+    assert [e.node for e in events(store, "fenced")] == ["n2"]
+    for _ in range(4):
+        out = tick()
+    assert daemons["n2"].state.value == "up"
+    assert daemons["n1"].membership.alive() == ["n1", "n2"]
+
+
+def test_same_node_id_twice_is_refused(world):
+    clock, store, start, tick, daemons = world
+    first = start("n1")
+
+    class KeepFirstAlive(FakeClock):
+        """While the newcomer waits for the id, the first holder keeps its lease."""
+
+        def sleep(self, seconds):
+            clock.advance(seconds)
+            first.keeper.step()
+
+        def monotonic(self):
+            return clock.monotonic()
+
+        def wall(self):
+            return clock.wall()
+
+    s = Settings(node_id="n1", etcd="mem:1", lease_ttl=TTL)
+    other = Daemon(s, MemoryCoordinator(store), clock=KeepFirstAlive())
+    other.incarnation = "other"
+    import elasticd.daemon.daemon as mod
+
+    orig = mod.Daemon._is_dead_local
+    mod.Daemon._is_dead_local = staticmethod(lambda rec: False)
+    try:
+        with pytest.raises(NodeIdInUse, match="give this node another --node-id"):
+            other.join(keep_alive_thread=False)
+    finally:
+        mod.Daemon._is_dead_local = orig
+        other.close()
