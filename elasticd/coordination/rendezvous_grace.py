@@ -89,7 +89,8 @@ class OutageGrace:
                 if waited >= self.grace_period:
                     raise EtcdUnavailableError(
                         f"etcd at {self.where} has been unreachable for {waited:.1f}s while "
-                        f"{what} ({attempts} attempts; etcd_grace_period is "
+                        f"{what} ({attempts} attempt{'s' if attempts > 1 else ''}; "
+                        f"etcd_grace_period is "
                         f"{self.grace_period:g}s): {exc}"
                     ) from exc
                 if attempts == 1:

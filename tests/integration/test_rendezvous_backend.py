@@ -24,6 +24,7 @@ from torch.distributed.elastic.utils import store as store_util
 
 from elasticd.clock import FakeClock
 from elasticd.coordination.api import AuthError, Unavailable
+from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endpoints
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
 from elasticd.coordination.rendezvous_backend import (
@@ -33,9 +34,13 @@ from elasticd.coordination.rendezvous_backend import (
 )
 from elasticd.coordination.rendezvous_grace import EtcdUnavailableError, OutageGrace
 from elasticd.coordination.rendezvous_store import EtcdV3Store
-from conftest import connect
 
 RUN_ID = "job-1"
+
+
+def connect(server, timeout: float = 1.0) -> EtcdCoordinator:
+    # Not imported from conftest: whether tests/ is a package decides how that would import.
+    return EtcdCoordinator(EtcdSettings(parse_endpoints(server.endpoints), timeout=timeout))
 
 
 # -- backend contract ---------------------------------------------------------------------
