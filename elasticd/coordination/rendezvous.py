@@ -33,7 +33,8 @@ Decisions, and why (numbers from FACTS.md):
   already set). It is read in the agent process, where this runs. By default, restarted workers
   reuse the rank-0 agent's TCPStore across restarts and can read the gloo addresses of dead
   workers ("Gloo connectFullMesh failed"): 5 of 9 recoveries failed that way, 4 of 4 worked with
-  the switch; it also keeps the job alive when the node hosting that store dies.
+  the switch. (Reading torch's code, sharing also makes non-zero ranks keep the first round's
+  store address, which points at a dead node once the rank-0 node is gone; not measured.)
 * **Standby livelock.** torch 2.13 restarts forever when a node is left waiting on a full round;
   the backend hands torch a state where such nodes wait in the redundancy list instead
   (:mod:`.rendezvous_standby`; ``standby_fix=false`` turns it off).
