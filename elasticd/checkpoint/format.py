@@ -264,18 +264,19 @@ def layout(
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
         raise ValueError(f"duplicate tensor names: {dup[:5]}")
-    offset, placed = 0, []
+    offsets, payload = [], 0
     for s in specs:
-        placed.append(Entry(s.name, s.dtype, tuple(s.shape), offset, s.nbytes))
-        offset = _align(offset + s.nbytes, ALIGNMENT)
-    payload = offset
+        offsets.append(payload)
+        payload = _align(payload + s.nbytes, ALIGNMENT)
     # Size the reserve with the widest values the header can hold, so any real header fits.
     big = 2**63 - 1
+    probe = Layout(tuple(Entry(s.name, s.dtype, tuple(s.shape), big, s.nbytes) for s in specs),
+                   big, big, block_size)
     nblocks = -(-payload // block_size)
-    probe = Layout(tuple(placed), big, big, block_size)
     body = _encode_body(SnapshotHeader(job, big, big, big, big, probe, meta or {}, (big,) * nblocks))
     data_offset = _align(PREAMBLE_SIZE + len(body) + 64, DATA_ALIGNMENT)
-    entries = tuple(dataclasses.replace(e, offset=e.offset + data_offset) for e in placed)
+    entries = tuple(Entry(s.name, s.dtype, tuple(s.shape), data_offset + off, s.nbytes)
+                    for s, off in zip(specs, offsets))
     return Layout(entries, data_offset, data_offset + payload, block_size)
 
 

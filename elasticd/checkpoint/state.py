@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import math
 import random
+import sys
 from typing import Any, Mapping, MutableMapping
 
 import numpy as np
@@ -80,13 +80,11 @@ class RNGState:
             torch.cuda.set_rng_state_all(state["cuda"])
 
 
-@functools.lru_cache(maxsize=1)
 def _zero_class() -> type | None:
-    if not torch.distributed.is_available():
-        return None
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    return ZeroRedundancyOptimizer
+    # Importing torch.distributed.optim costs ~1 s (it scripts functional optimizers); a state
+    # can only hold a ZeroRedundancyOptimizer if the script has imported it already.
+    module = sys.modules.get("torch.distributed.optim")
+    return getattr(module, "ZeroRedundancyOptimizer", None)
 
 
 def _kind(value: Any) -> str:
