@@ -24,6 +24,14 @@ from typing import Any, Callable
 
 import numpy as np
 
+from elasticd.checkpoint.api import (
+    OverBudget,
+    ScanResult,
+    Slot,
+    SlotBusy,
+    SlotStoreError,
+    StaleSlot,
+)
 from elasticd.checkpoint.format import SnapshotError, SnapshotHeader, invalidate, seal, write_header
 from elasticd.checkpoint.reader import SnapshotReader, verify_payload
 from elasticd.checkpoint.segment import PAGE, Segment, map_file
@@ -35,57 +43,9 @@ _JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _SEGMENT_RE = re.compile(r"(\d+)\.slot")
 
 
-class SlotStoreError(Exception):
-    """Base class of the slot store's errors."""
-
-
-class OverBudget(SlotStoreError):
-    """A reservation would take the node over its memory cap (or the filesystem is full).
-
-    Attributes:
-        needed: extra bytes the reservation needed.
-        held: bytes held at the time.
-        cap: the cap (None when the filesystem itself was full).
-    """
-
-    def __init__(self, message: str, needed: int = 0, held: int = 0, cap: int | None = None):
-        super().__init__(message)
-        self.needed, self.held, self.cap = needed, held, cap
-
-
-class SlotBusy(SlotStoreError):
-    """The only free slot is pinned by a reader (e.g. replication still sending it)."""
-
-
-class StaleSlot(SlotStoreError):
-    """``complete`` was given a slot that has since been reserved again or removed."""
-
-
 def default_root(node: str) -> str:
     """Where a node's slots live unless configured otherwise."""
     return f"/dev/shm/elasticd-{node}"
-
-
-@dataclasses.dataclass(frozen=True)
-class Slot:
-    """A reservation: write the snapshot's payload into ``buffer`` (or into ``path`` mapped by
-    another process), then hand it back to :meth:`SlotStore.complete`.
-
-    Attributes:
-        job, rank: whose snapshot this slot is for.
-        path: the file; it changes whenever the slot is re-allocated (grown), so a worker can
-            cache its own mapping keyed on the path.
-        capacity: the file's size in bytes (at least what was reserved).
-        buffer: the daemon's writable mapping of the whole file.
-        ticket: identifies this reservation.
-    """
-
-    job: str
-    rank: int
-    path: str
-    capacity: int
-    buffer: memoryview = dataclasses.field(repr=False)
-    ticket: int = 0
 
 
 @dataclasses.dataclass
@@ -127,15 +87,6 @@ class SnapshotView:
 
     def __exit__(self, *exc: Any) -> None:
         self.release()
-
-
-@dataclasses.dataclass(frozen=True)
-class ScanResult:
-    """What :meth:`SlotStore.scan` found: kept snapshots as (job, rank, generation, step), and
-    the paths it removed with the reason."""
-
-    kept: list[tuple[str, int, int, int]]
-    removed: list[tuple[str, str]]
 
 
 class SlotStore:
