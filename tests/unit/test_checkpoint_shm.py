@@ -254,3 +254,9 @@ def test_remove_and_remove_job_unlink_everything(store, root):
     assert store.holdings() == [("b", 0, 0, 1)]
     store.remove_job("b")
     assert store.bytes_held() == 0 and files(root) == []
+
+
+def test_daemon_side_modules_do_not_import_torch():
+    code = ("import sys, elasticd.checkpoint.shm, elasticd.checkpoint.reader, "
+            "elasticd.checkpoint.api; sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
