@@ -138,8 +138,8 @@ class Sink(abc.ABC):
     one of :meth:`commit` or :meth:`abort`; :meth:`read` and :meth:`release` around a fetch.
     They apply the version rule and keep track of transfers in flight; implementations provide
     the storage primitives below them (:meth:`allocate`, :meth:`publish`, :meth:`discard`,
-    :meth:`committed`, :meth:`lookup`) and need not be thread-safe on their own: the base class
-    serialises every call but :meth:`allocate`'s and :meth:`lookup`'s memory access.
+    :meth:`committed`, :meth:`lookup`). The base class calls every primitive under its own lock
+    except :meth:`allocate`, which may be slow (mapping memory) and must be thread-safe.
     """
 
     def __init__(self) -> None:

@@ -53,6 +53,12 @@ def _encode_node_id(node_id: str) -> bytes:
     return raw
 
 
+def _check_max_frame(max_frame: int, what: str) -> None:
+    # The peer sizes its DATA chunks from this: it must leave room for the offset and data.
+    if max_frame <= OFFSET.size:
+        raise MalformedFrame(f"{what} announces a DATA frame limit of {max_frame} bytes")
+
+
 def _exact(value: bytes, size: int) -> bytes:
     if len(value) != size:
         raise ValueError(f"expected {size} bytes, got {len(value)}")
@@ -117,6 +123,7 @@ class Hello:
         nonce, max_frame, n = _HELLO.unpack_from(p)
         if len(p) != _HELLO.size + n:
             raise MalformedFrame("HELLO node id length does not match the payload")
+        _check_max_frame(max_frame, "HELLO")
         return cls(_node_id(bytes(p[_HELLO.size:])), nonce, max_frame)
 
 
@@ -142,6 +149,7 @@ class Challenge:
         nonce, proof, max_frame, n = _CHALLENGE.unpack_from(p)
         if len(p) != _CHALLENGE.size + n:
             raise MalformedFrame("CHALLENGE node id length does not match the payload")
+        _check_max_frame(max_frame, "CHALLENGE")
         return cls(_node_id(bytes(p[_CHALLENGE.size:])), nonce, proof, max_frame)
 
 

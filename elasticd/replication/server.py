@@ -103,7 +103,7 @@ class ReplicaServer:
         self.handshake_timeout = handshake_timeout
         self.max_connections = max_connections
         self.ssl_context = ssl_context
-        self.auth_failures = auth_failures or AuthFailures()
+        self.auth_failures = AuthFailures() if auth_failures is None else auth_failures
         self.chunk_size = chunk_size
         self.clock = clock or SystemClock()
         self.stats = ServerStats()
@@ -112,6 +112,7 @@ class ReplicaServer:
         self._stopping = False
         self._listener = socket.create_server((host, port), backlog=max_connections)
         self._listener.setblocking(False)
+        self._address: tuple[str, int] = self._listener.getsockname()[:2]
         self._wake_r, self._wake_w = socket.socketpair()
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ)
@@ -121,8 +122,13 @@ class ReplicaServer:
 
     @property
     def address(self) -> tuple[str, int]:
-        host, port = self._listener.getsockname()[:2]
-        return host, port
+        """(host, port) the server listens on."""
+        return self._address
+
+    def snapshot_stats(self) -> ServerStats:
+        """A consistent copy of the counters."""
+        with self._lock:
+            return dataclasses.replace(self.stats)
 
     def start(self) -> "ReplicaServer":
         self._thread.start()

@@ -156,7 +156,8 @@ class ReplicaClient:
                 raise Refused(reply.reason, reply.message)
             assert isinstance(reply, FetchReply)
             d = reply.descriptor
-            if d.shard != (job, owner_rank) or (version is not None and d.version != version):
+            if d.shard != (job, owner_rank) or (version is not None
+                                                and d.version != tuple(version)):
                 raise ProtocolError(f"asked for rank {owner_rank} {version} of {job!r}, "
                                     f"peer offers {d}")
             target = memoryview(into(d) if callable(into) else into).cast("B")

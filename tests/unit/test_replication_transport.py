@@ -7,6 +7,7 @@ import shutil
 import socket
 import ssl
 import subprocess
+import sys
 import threading
 import time
 
@@ -365,3 +366,10 @@ def test_push_and_fetch_over_tls(make_server, clients, tls_contexts):
     with pytest.raises((ConnectionLost, ProtocolError)):
         clients(server)  # plain TCP to a TLS server
     wait_for(lambda: server.auth_failures.count == 1)
+
+
+def test_replication_does_not_import_torch():
+    code = ("import sys, elasticd.replication.transport, elasticd.replication.placement, "
+            "elasticd.replication.memory; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

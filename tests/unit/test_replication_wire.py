@@ -187,6 +187,7 @@ def test_truncated_and_trailing_frames():
         (Auth, b"short", "32 bytes"),
         (Hello, b"x" * 30, "too short"),
         (Hello, b"x" * 40, "does not match"),
+        (Hello, b"n" * 32 + b"\0\0\0\x08\0\x01a", "DATA frame limit of 8"),
         (PutEnd, b"\0" * 3, "12 bytes"),
         (Data, b"\0" * 8, "no room"),
     ],
