@@ -1,0 +1,1 @@
+"""Supervision of the node's torchrun agent and its workers: progress and hang detection."""

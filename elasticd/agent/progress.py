@@ -1,0 +1,248 @@
+"""Hang detection from workers' progress reports: pure decisions on an injected clock.
+
+Every worker reports the step it reached (:func:`elasticd.worker.progress`, one-way over the
+local API). A worker group is hung when a rank that has reported before makes no progress for
+``hang_timeout`` seconds — a collective waiting for a dead peer, a deadlock, a stuck data
+loader — or, optionally, when no rank reports at all within ``startup_timeout`` of a (re)start.
+:meth:`ProgressTracker.check` only says so, as a :class:`Hang` value; killing and restarting the
+group, and recording the reason, is the daemon's job.
+
+Progress means a *different* step or a new process for that rank, not only a larger step: a
+script may count steps per epoch, and a restarted worker resumes from an older step; neither is
+a hang. A report that repeats the same step is a sign of life but not progress.
+
+After :meth:`ProgressTracker.reset` (workers restarted), reports from the processes of the
+previous generation are ignored: one still in the socket when its sender was killed must not
+count as the new generation's first report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import threading
+from typing import Any, Callable
+
+from elasticd.clock import Clock
+from elasticd.daemon.local_api import RequestError
+
+__all__ = ["Hang", "HangKind", "ProgressTracker", "StalledRank", "progress_handler"]
+
+_MAX_RETIRED_PIDS = 4096
+
+
+class HangKind(str, enum.Enum):
+    """Why a group counts as hung (a low-cardinality value for metrics labels)."""
+
+    STALLED = "stalled"  # a rank that reported before has not progressed for hang_timeout
+    STARTUP = "startup"  # no rank reported within startup_timeout of the (re)start
+
+
+@dataclasses.dataclass(frozen=True)
+class StalledRank:
+    """One rank that has not progressed.
+
+    Attributes:
+        rank: the global rank.
+        last_step: the last step it reported.
+        pid: the process that reported it (None if not given).
+        seconds: how long since it last progressed.
+    """
+
+    rank: int
+    last_step: int
+    pid: int | None
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Hang:
+    """A hung worker group.
+
+    Attributes:
+        job: the job.
+        kind: stalled ranks or no start.
+        reason: a short sentence, e.g. ``"no progress for 30 s"`` or
+            ``"no progress since start"``.
+        seconds: the longest stall (or the time since the start).
+        ranks: the stalled ranks, by rank (empty for :attr:`HangKind.STARTUP`).
+    """
+
+    job: str
+    kind: HangKind
+    reason: str
+    seconds: float
+    ranks: tuple[StalledRank, ...] = ()
+
+    def __str__(self) -> str:
+        stalled = ", ".join(f"rank {r.rank} at step {r.last_step} for {r.seconds:.1f} s"
+                            for r in self.ranks[:8])
+        more = f" and {len(self.ranks) - 8} more" if len(self.ranks) > 8 else ""
+        detail = f": {stalled}{more}" if stalled else f" ({self.seconds:.1f} s)"
+        return f"job {self.job}: {self.reason}{detail}"
+
+
+@dataclasses.dataclass
+class _Rank:
+    step: int
+    pid: int | None
+    progressed_at: float
+    reported_at: float
+
+
+@dataclasses.dataclass
+class _Job:
+    started_at: float
+    ranks: dict[int, _Rank] = dataclasses.field(default_factory=dict)
+    retired_pids: set[int] = dataclasses.field(default_factory=set)
+
+
+class ProgressTracker:
+    """The last step of every rank of every job on this node, and whether a group is hung.
+
+    Thread-safe: reports arrive on the local API's connection threads, checks come from the
+    daemon's loop.
+
+    Args:
+        hang_timeout: seconds without progress of a rank that makes its group hung.
+        clock: injected time (only ``monotonic`` is used).
+        startup_timeout: seconds after :meth:`reset` within which some rank must report;
+            None switches the rule off (a job may take long to load its data).
+
+    Raises:
+        ValueError: a timeout is not positive.
+    """
+
+    def __init__(self, hang_timeout: float, clock: Clock,
+                 startup_timeout: float | None = None) -> None:
+        if not hang_timeout > 0:
+            raise ValueError(f"hang_timeout must be positive seconds, got {hang_timeout!r}")
+        if startup_timeout is not None and not startup_timeout > 0:
+            raise ValueError("startup_timeout must be positive seconds or None, got "
+                             f"{startup_timeout!r}")
+        self.hang_timeout = float(hang_timeout)
+        self.startup_timeout = None if startup_timeout is None else float(startup_timeout)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._jobs: dict[str, _Job] = {}
+
+    def report(self, job: str, rank: int, step: int, pid: int | None = None) -> bool:
+        """Records that ``rank`` of ``job`` reached ``step``.
+
+        Returns:
+            False when the report was ignored: it came from a process of the generation
+            before the last :meth:`reset`.
+        """
+        now = self._clock.monotonic()
+        with self._lock:
+            state = self._jobs.get(job)
+            if state is None:  # a report before any reset: the job started then
+                state = self._jobs[job] = _Job(started_at=now)
+            if pid is not None and pid in state.retired_pids:
+                return False
+            last = state.ranks.get(rank)
+            if last is None or last.step != step or last.pid != pid:
+                state.ranks[rank] = _Rank(step, pid, progressed_at=now, reported_at=now)
+            else:
+                last.reported_at = now
+            return True
+
+    def reset(self, job: str) -> None:
+        """Forgets ``job``'s ranks (its workers were restarted) and starts the start-up timer."""
+        now = self._clock.monotonic()
+        with self._lock:
+            old = self._jobs.get(job)
+            retired: set[int] = set()
+            if old is not None:
+                retired = {r.pid for r in old.ranks.values() if r.pid is not None}
+                if len(old.retired_pids) + len(retired) <= _MAX_RETIRED_PIDS:
+                    retired |= old.retired_pids
+            self._jobs[job] = _Job(started_at=now, retired_pids=retired)
+
+    def remove(self, job: str) -> None:
+        """Forgets ``job`` entirely (it ended on this node)."""
+        with self._lock:
+            self._jobs.pop(job, None)
+
+    def check(self, job: str) -> Hang | None:
+        """Returns the hang of ``job``'s worker group, or None while it progresses (or is
+        unknown). Pure: calling it again returns the same answer until something changes."""
+        now = self._clock.monotonic()
+        with self._lock:
+            state = self._jobs.get(job)
+            if state is None:
+                return None
+            if not state.ranks:
+                since = now - state.started_at
+                if self.startup_timeout is not None and since >= self.startup_timeout:
+                    return Hang(job, HangKind.STARTUP, "no progress since start", since)
+                return None
+            stalled = tuple(StalledRank(rank, r.step, r.pid, now - r.progressed_at)
+                            for rank, r in sorted(state.ranks.items())
+                            if now - r.progressed_at >= self.hang_timeout)
+        if not stalled:
+            return None
+        return Hang(job, HangKind.STALLED, f"no progress for {self.hang_timeout:g} s",
+                    max(r.seconds for r in stalled), stalled)
+
+    def last_step(self, job: str) -> int | None:
+        """The step every reporting rank of ``job`` has reached (the smallest last step), or
+        None before any report."""
+        with self._lock:
+            state = self._jobs.get(job)
+            if state is None or not state.ranks:
+                return None
+            return min(r.step for r in state.ranks.values())
+
+    def status(self, job: str) -> dict[str, Any]:
+        """A JSON-able summary for ``/status``: each rank's last step and how long ago it
+        progressed and reported, the job's last step and its longest stall."""
+        now = self._clock.monotonic()
+        with self._lock:
+            state = self._jobs.get(job)
+            ranks = [] if state is None else [
+                {"rank": rank, "step": r.step, "pid": r.pid,
+                 "seconds_since_progress": round(now - r.progressed_at, 3),
+                 "seconds_since_report": round(now - r.reported_at, 3)}
+                for rank, r in sorted(state.ranks.items())]
+            started = None if state is None else round(now - state.started_at, 3)
+        return {
+            "job": job,
+            "ranks": ranks,
+            "last_step": min((r["step"] for r in ranks), default=None),
+            "seconds_since_progress": max((r["seconds_since_progress"] for r in ranks),
+                                          default=None),
+            "seconds_since_start": started,
+            "hang_timeout_seconds": self.hang_timeout,
+            "startup_timeout_seconds": self.startup_timeout,
+        }
+
+
+def progress_handler(tracker: ProgressTracker,
+                     default_job: str | None = None) -> Callable[[dict[str, Any]], None]:
+    """The local API handler for ``progress`` messages (:meth:`DaemonClient.progress`).
+
+    The pid is the one the kernel reports for the connection (``_peer``), not the one the
+    message claims.
+
+    Args:
+        tracker: where reports go.
+        default_job: the job to file reports without a ``job`` under (a node runs one job).
+
+    Raises (from the handler):
+        RequestError: a field is missing or of the wrong type.
+    """
+    def handle(msg: dict[str, Any]) -> None:
+        job, rank, step = msg.get("job") or default_job, msg.get("rank"), msg.get("step")
+        if not isinstance(job, str):
+            raise RequestError("progress without a job (is ELASTICD_JOB set for the workers?)")
+        if not isinstance(rank, int) or isinstance(rank, bool):
+            raise RequestError(f"progress needs an integer rank, got {rank!r} (is RANK set, "
+                               "i.e. does the worker run under torchrun?)")
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise RequestError(f"progress needs an integer step, got {step!r}")
+        peer = msg.get("_peer") or {}
+        pid = peer.get("pid", msg.get("pid"))
+        tracker.report(job, rank, step, pid if isinstance(pid, int) else None)
+
+    return handle

@@ -1,0 +1,494 @@
+"""The daemon's local endpoint: a Unix-domain socket its node's training workers call.
+
+Workers report progress every step (hang detection), and ask for shared-memory checkpoint slots,
+announce finished snapshots and ask what to restore. The calls are tiny and frequent, so the
+channel is a Unix stream socket with length-prefixed JSON frames (:mod:`.local_wire`), one
+long-lived connection per worker process, and one thread per connection: a node runs a handful
+of workers, and a thread blocked in ``recv`` costs nothing while idle (the daemon must stay under
+2% of a core). Requests flagged ``"noreply"`` get no answer, so a progress report costs the
+worker one ``send`` and never waits for the daemon.
+
+Security: the socket file is created with mode 0o600 in a directory only the daemon can write,
+and every connection's peer credentials (``SO_PEERCRED``: pid, uid, gid, from the kernel, so
+unforgeable) are checked against the allowed uids before a byte is read. Handlers receive them
+as ``msg["_peer"]``, overwriting anything a client put there. Linux only (``SO_PEERCRED``).
+
+A handler's exception becomes an error reply and a log line, never a dead server; oversized or
+unparseable frames get an error reply when possible and close that connection only. No torch
+here: this is daemon code.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import os
+import socket
+import stat
+import struct
+import threading
+import time
+from typing import Any, Callable, Iterable, Mapping
+
+from elasticd.daemon.local_wire import (
+    DEFAULT_MAX_MESSAGE,
+    LENGTH,
+    FrameError,
+    check_length,
+    decode,
+    encode,
+)
+
+__all__ = ["Handler", "LocalApiError", "LocalServer", "RequestError", "SocketInUse",
+           "UnsafeSocketPath"]
+
+log = logging.getLogger(__name__)
+
+#: Takes the request (its fields plus ``"_peer": {"pid", "uid", "gid"}``) and returns the
+#: reply's fields (None for none; ``id`` and ``ok`` are the envelope's and get overwritten).
+#: Runs on the connection's thread: handlers must be thread-safe, and quick — a slow handler
+#: delays only its own worker's next call.
+Handler = Callable[[dict[str, Any]], "dict[str, Any] | None"]
+
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_MAX_UNIX_PATH = 107  # sun_path is 108 bytes including the terminating NUL
+_REJECT_LINGER = 1.0
+
+
+class LocalApiError(Exception):
+    """Base class of the local endpoint's start-up errors."""
+
+
+class SocketInUse(LocalApiError):
+    """A live process already serves the socket path (another daemon for this node?)."""
+
+
+class UnsafeSocketPath(LocalApiError):
+    """The socket path or its directory could let another user replace or plant the socket."""
+
+
+class RequestError(Exception):
+    """Raised by a handler to refuse a request: the message goes to the worker as the error.
+
+    Unlike any other exception, it is logged without a traceback: it is an expected answer
+    ("no slot for rank 3: over the memory cap"), not a bug in the daemon.
+    """
+
+
+class LocalServer:
+    """Serves ``handlers`` on a Unix stream socket at ``path``.
+
+    Args:
+        path: where to create the socket. Its directory must be owned by the daemon's user and
+            writable by nobody else; it is created (mode 0o711: others may traverse it to reach
+            the socket, not list or write it) when missing.
+        handlers: op name → handler.
+        max_message: the largest request body accepted, in bytes.
+        allowed_uids: uids whose processes may connect; default: the daemon's own uid only.
+            When given, exactly these (pass the daemon's own uid too if it should be allowed).
+            A daemon running as root that allows exactly one other uid (the job's user) gives
+            the socket file to that user, so mode 0o600 still lets its workers connect.
+        max_connections: further connections are refused with an error reply.
+        send_timeout: a worker that does not read its replies for this long is disconnected,
+            so it cannot pin a daemon thread forever.
+
+    Attributes:
+        counters: ``requests``, ``errors`` (error replies and failed one-way requests),
+            ``rejected`` (connections refused) and ``protocol_errors`` (connections closed for
+            a bad frame), for the daemon's metrics.
+
+    Raises:
+        ValueError: an argument is out of range.
+    """
+
+    def __init__(self, path: str, handlers: Mapping[str, Handler],
+                 max_message: int = DEFAULT_MAX_MESSAGE,
+                 allowed_uids: Iterable[int] | None = None,
+                 max_connections: int = 256, send_timeout: float = 10.0) -> None:
+        path = os.path.abspath(path)
+        if len(os.fsencode(path)) > _MAX_UNIX_PATH:
+            raise ValueError(f"socket path {path!r} is longer than the {_MAX_UNIX_PATH} bytes "
+                             "a Unix socket address holds; choose a shorter directory")
+        if max_message < 64:
+            raise ValueError(f"max_message must be at least 64 bytes, got {max_message!r}")
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, got {max_connections!r}")
+        if send_timeout <= 0:
+            raise ValueError(f"send_timeout must be positive, got {send_timeout!r}")
+        self._path = path
+        self._handlers = dict(handlers)
+        self._max_message = max_message
+        self._allowed = (frozenset({os.geteuid()}) if allowed_uids is None
+                         else frozenset(int(u) for u in allowed_uids))
+        self._max_connections = max_connections
+        self._send_timeout = send_timeout
+        self._listener: socket.socket | None = None
+        self._inode: tuple[int, int] | None = None
+        self._accept_thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._stopping = False
+        self._failures_logged: set[str] = set()
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    @property
+    def path(self) -> str:
+        """The socket's absolute path (what workers get as ``ELASTICD_SOCKET``)."""
+        return self._path
+
+    @property
+    def connections(self) -> int:
+        """Connections currently open."""
+        with self._lock:
+            return len(self._conns)
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Creates the socket and starts accepting connections.
+
+        Raises:
+            SocketInUse: a live process serves ``path``.
+            UnsafeSocketPath: ``path`` exists and is not a socket, or its directory is not
+                the daemon's own.
+            LocalApiError: the socket cannot be created.
+        """
+        if self._listener is not None:
+            raise LocalApiError("LocalServer.start() called twice")
+        self._prepare_directory()
+        self._remove_stale()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            # On Linux the socket file takes the socket inode's mode (minus the umask) at bind:
+            # set it first, so there is no moment where the file is more open than 0o600.
+            os.fchmod(listener.fileno(), 0o600)
+            listener.bind(self._path)
+            os.chmod(self._path, 0o600)
+            self._give_to_job_user()
+            listener.listen(64)
+            st = os.stat(self._path)
+        except OSError as exc:
+            listener.close()
+            raise LocalApiError(f"cannot create the local socket at {self._path}: {exc}") from exc
+        self._inode = (st.st_dev, st.st_ino)
+        self._listener = listener
+        self._accept_thread = threading.Thread(target=self._accept_loop, name="local-api-accept",
+                                               daemon=True)
+        self._accept_thread.start()
+        log.info("local API listening on %s (uids allowed: %s)", self._path,
+                 ", ".join(map(str, sorted(self._allowed))))
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Closes the listener and every connection, waits for their threads, unlinks the file.
+
+        Args:
+            timeout: how long to wait for each thread (a handler still running is not
+                interrupted; it is logged and left to finish on its own).
+        """
+        with self._lock:
+            if self._stopping or self._listener is None:
+                return
+            self._stopping = True
+            conns = list(self._conns)
+        # shutdown, not close: it wakes the threads blocked in accept()/recv() on Linux, and
+        # their file descriptors stay valid until the owning thread closes them.
+        _shutdown(self._listener)
+        for conn in conns:
+            _shutdown(conn)
+        if self._accept_thread is not None:
+            self._accept_thread.join(timeout)
+        self._listener.close()
+        with self._lock:
+            threads = list(self._conns.values())
+        for thread in threads:
+            thread.join(timeout)
+            if thread.is_alive():
+                log.warning("local API: %s still busy in a handler after stop()", thread.name)
+        self._unlink_own_socket()
+        log.info("local API on %s stopped", self._path)
+
+    def __enter__(self) -> "LocalServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- start-up checks ------------------------------------------------------------------
+
+    def _prepare_directory(self) -> None:
+        directory = os.path.dirname(self._path)
+        try:
+            os.makedirs(directory, mode=0o711, exist_ok=True)
+            st = os.stat(directory)
+        except OSError as exc:
+            raise LocalApiError(f"cannot create the socket directory {directory}: {exc}") from exc
+        me = os.geteuid()
+        if st.st_uid != me:
+            raise UnsafeSocketPath(
+                f"the socket directory {directory} belongs to uid {st.st_uid}, not to the "
+                f"daemon (uid {me}): its owner could replace the socket; use a directory of "
+                "the daemon's own, e.g. /run/elasticd")
+        if st.st_mode & 0o022:
+            raise UnsafeSocketPath(
+                f"the socket directory {directory} is writable by others (mode "
+                f"{stat.S_IMODE(st.st_mode):#o}): anyone could replace the socket; use a "
+                "directory only the daemon can write, e.g. /run/elasticd")
+        if (self._allowed - {me}) and not st.st_mode & 0o001:
+            log.warning("socket directory %s (mode %#o) cannot be traversed by uids %s; their "
+                        "workers will get 'permission denied'", directory,
+                        stat.S_IMODE(st.st_mode), sorted(self._allowed - {me}))
+
+    def _remove_stale(self) -> None:
+        try:
+            st = os.lstat(self._path)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(st.st_mode):
+            raise UnsafeSocketPath(f"{self._path} exists and is not a socket; refusing to "
+                                   "replace it")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(self._path)
+        except ConnectionRefusedError:
+            log.info("removing stale socket %s (nobody listens on it)", self._path)
+            os.unlink(self._path)
+            return
+        except FileNotFoundError:
+            return
+        except (BlockingIOError, TimeoutError) as exc:
+            # A full backlog: someone listens but does not accept fast enough — still live.
+            raise SocketInUse(f"{self._path} is served by a live process (its queue is full): "
+                              "is another elasticd running for this node?") from exc
+        except OSError as exc:
+            raise LocalApiError(f"cannot check the existing socket {self._path}: {exc}") from exc
+        else:
+            pid, uid, _gid = _CRED.unpack(probe.getsockopt(socket.SOL_SOCKET,
+                                                           socket.SO_PEERCRED, _CRED.size))
+            raise SocketInUse(f"{self._path} is served by a live process (pid {pid}, uid "
+                              f"{uid}): is another elasticd running for this node? Stop it, "
+                              "or give this daemon another socket path")
+        finally:
+            probe.close()
+
+    def _give_to_job_user(self) -> None:
+        others = self._allowed - {os.geteuid(), 0}
+        if os.geteuid() == 0 and len(others) == 1:
+            os.chown(self._path, next(iter(others)), -1)
+
+    def _unlink_own_socket(self) -> None:
+        # Only our own file: a successor daemon may already have replaced it.
+        try:
+            st = os.stat(self._path)
+            if (st.st_dev, st.st_ino) == self._inode:
+                os.unlink(self._path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("could not remove socket %s: %s", self._path, exc)
+
+    # -- connections ----------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                conn, _addr = self._listener.accept()
+            except OSError as exc:
+                if self._stopping:
+                    return
+                log.warning("local API: accept failed: %s", exc)
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    threading.Event().wait(0.1)  # out of descriptors: don't spin
+                continue
+            self._admit(conn)
+
+    def _admit(self, conn: socket.socket) -> None:
+        try:
+            pid, uid, gid = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                         _CRED.size))
+        except OSError as exc:
+            log.warning("local API: cannot read peer credentials (%s); closing", exc)
+            conn.close()
+            return
+        peer = {"pid": pid, "uid": uid, "gid": gid}
+        with self._lock:
+            if self._stopping:
+                conn.close()
+                return
+            if uid not in self._allowed:
+                reason = (f"uid {uid} may not use this elasticd (allowed: "
+                          f"{', '.join(map(str, sorted(self._allowed)))})")
+                target, name = self._reject, f"local-api-reject-{pid}"
+            elif len(self._conns) >= self._max_connections:
+                reason = f"too many connections to this elasticd ({self._max_connections})"
+                target, name = self._reject, f"local-api-reject-{pid}"
+            else:
+                reason = ""
+                target, name = self._serve, f"local-api-pid{pid}"
+            args = (conn, peer, reason) if reason else (conn, peer)
+            thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+            self._conns[conn] = thread
+        if reason:
+            self._count("rejected")
+            log.warning("local API: refused a connection from pid %d: %s", pid, reason)
+        thread.start()
+
+    def _reject(self, conn: socket.socket, peer: dict[str, int], reason: str) -> None:
+        try:
+            conn.settimeout(_REJECT_LINGER)
+            conn.sendall(encode({"id": None, "ok": False, "error": reason}))
+            # Linger until the client hangs up or a second passes: closing at once could make
+            # its pending write fail with EPIPE before it reads why it was refused.
+            conn.shutdown(socket.SHUT_WR)
+            deadline = time.monotonic() + _REJECT_LINGER
+            while time.monotonic() < deadline and conn.recv(4096):
+                pass
+        except OSError:
+            pass
+        finally:
+            self._forget(conn)
+
+    def _serve(self, conn: socket.socket, peer: dict[str, int]) -> None:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                        struct.pack("ll", int(self._send_timeout),
+                                    int(self._send_timeout % 1 * 1e6)))
+        rfile = conn.makefile("rb")
+        try:
+            while self._serve_one(conn, rfile, peer):
+                pass
+        except OSError as exc:
+            if not self._stopping:
+                log.info("local API: connection from pid %d lost: %s", peer["pid"], exc)
+        finally:
+            rfile.close()
+            self._forget(conn)
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self.counters[name] += 1
+
+    def _forget(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._conns.pop(conn, None)
+        conn.close()
+
+    def _serve_one(self, conn: socket.socket, rfile: Any, peer: dict[str, int]) -> bool:
+        """Reads and answers one request; False when the connection must close."""
+        head = rfile.read(LENGTH.size)
+        if len(head) < LENGTH.size:
+            if head:
+                self._protocol_error(conn, peer, "connection closed in a frame's length", False)
+            return False
+        (length,) = LENGTH.unpack(head)
+        try:
+            check_length(length, self._max_message)  # before reading or allocating the body
+        except FrameError as exc:
+            return self._protocol_error(conn, peer, str(exc), True)
+        body = rfile.read(length)
+        if len(body) < length:
+            return self._protocol_error(conn, peer, f"connection closed after {len(body)} of "
+                                        f"{length} bytes of a frame", False)
+        try:
+            msg = decode(body)
+        except FrameError as exc:
+            return self._protocol_error(conn, peer, str(exc), True)
+        return self._dispatch(conn, msg, peer)
+
+    def _protocol_error(self, conn: socket.socket, peer: dict[str, int], what: str,
+                        reply: bool) -> bool:
+        self._count("protocol_errors")
+        log.warning("local API: closing the connection from pid %d: %s", peer["pid"], what)
+        if reply:
+            self._send(conn, {"id": None, "ok": False,
+                              "error": f"{what}; closing the connection"})
+        return False
+
+    def _dispatch(self, conn: socket.socket, msg: dict[str, Any], peer: dict[str, int]) -> bool:
+        op, rid, noreply = msg.get("op"), msg.get("id"), msg.get("noreply", False)
+        rid_ok = isinstance(rid, int) and not isinstance(rid, bool)
+        if not isinstance(op, str) or not isinstance(noreply, bool) or not (rid_ok or noreply):
+            return self._protocol_error(
+                conn, peer, 'a request needs "op" (a string), "id" (an integer) and, if '
+                f'present, "noreply" (a boolean); got op={op!r} id={rid!r} '
+                f"noreply={noreply!r}", True)
+        self._count("requests")
+        msg["_peer"] = dict(peer)  # from the kernel: whatever the client claimed is replaced
+        reply = self._call(op, msg, peer, noreply)
+        if not noreply:
+            reply["id"] = rid
+            return self._send(conn, reply)
+        return True
+
+    def _call(self, op: str, msg: dict[str, Any], peer: dict[str, int],
+              noreply: bool) -> dict[str, Any]:
+        handler = self._handlers.get(op)
+        if handler is None:
+            return self._failed(op, peer, noreply, f"unknown op {op!r}; this daemon serves "
+                                f"{', '.join(sorted(self._handlers)) or 'nothing'}")
+        try:
+            result = handler(msg)
+        except RequestError as exc:
+            return self._failed(op, peer, noreply, str(exc) or type(exc).__name__)
+        except Exception as exc:  # noqa: BLE001 — a handler's bug must not kill the server
+            return self._failed(op, peer, noreply,
+                                f"{op} failed in the daemon: {type(exc).__name__}: {exc}",
+                                bug=True)
+        if result is None:
+            result = {}
+        if not isinstance(result, dict):
+            log.error("local API: handler for %r returned %s, not a dict", op,
+                      type(result).__name__)
+            return self._failed(op, peer, noreply, f"{op} failed in the daemon: its handler "
+                                f"returned a {type(result).__name__}")
+        return {**result, "ok": True}
+
+    def _failed(self, op: str, peer: dict[str, int], noreply: bool, error: str,
+                bug: bool = False) -> dict[str, Any]:
+        """Counts and logs a failed request; returns its error reply.
+
+        A handler's bug is logged with its traceback. One-way requests (progress, every step)
+        are logged once per op at warning level and at debug level after that.
+        """
+        self._count("errors")
+        with self._lock:
+            first = op not in self._failures_logged
+            self._failures_logged.add(op)
+        kind = "one-way " if noreply else ""
+        if noreply and not first:
+            log.debug("local API: one-way %r from pid %d failed: %s", op, peer["pid"], error,
+                      exc_info=bug)
+        elif bug:
+            log.error("local API: %s%r from pid %d failed: %s", kind, op, peer["pid"], error,
+                      exc_info=True)
+        elif noreply:
+            log.warning("local API: one-way %r from pid %d failed: %s (further failures of "
+                        "one-way %r are logged at debug level)", op, peer["pid"], error, op)
+        else:
+            log.debug("local API: %r from pid %d refused: %s", op, peer["pid"], error)
+        return {"ok": False, "error": error}
+
+    def _send(self, conn: socket.socket, reply: dict[str, Any]) -> bool:
+        try:
+            frame = encode(reply)
+        except FrameError as exc:
+            log.error("local API: reply %r is not JSON: %s", reply.get("id"), exc)
+            frame = encode({"id": reply.get("id"), "ok": False,
+                            "error": f"the daemon's reply could not be encoded: {exc}"})
+        try:
+            conn.sendall(frame)
+        except OSError as exc:
+            # Includes SO_SNDTIMEO expiring: a worker that stopped reading its replies.
+            if not self._stopping:
+                log.info("local API: cannot reply (%s); closing the connection", exc)
+            return False
+        return True
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed or never connected

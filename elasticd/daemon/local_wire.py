@@ -1,0 +1,74 @@
+"""Framing of the local channel between a node's daemon and its training workers.
+
+Both ends import this module: the daemon (:mod:`elasticd.daemon.local_api`) and every worker
+process (:mod:`elasticd.worker.client`). It therefore uses the standard library only — a worker
+must not pay for anything it does not need on every step.
+
+A frame is a 4-byte big-endian length followed by that many bytes of UTF-8 JSON, one object::
+
+    request  {"op": str, "id": int, ...fields}          (``"noreply": true`` → no answer; ``id``
+                                                         may then be left out)
+    reply    {"id": <request id>, "ok": true, ...result}
+             {"id": <request id or null>, "ok": false, "error": "what went wrong"}
+
+``op``, ``id``, ``noreply``, ``ok`` and ``error`` are the envelope's: other fields must use
+other names (``_peer`` too: the daemon sets it from the kernel's peer credentials). A reply with
+``"id": null`` answers no particular request: the daemon could not read one
+(oversized, malformed) or refuses the connection; it closes the connection right after.
+JSON rather than a binary layout: messages are a few dozen bytes, encoding costs a few µs,
+and an operator can read them with ``socat``. Never pickle: the daemon reads these bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+LENGTH = struct.Struct("!I")
+DEFAULT_MAX_MESSAGE = 1 << 20
+
+_encoder = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+class FrameError(ValueError):
+    """Bytes that are not a valid frame of this protocol."""
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    """Returns ``message`` as one frame (length prefix included).
+
+    Raises:
+        FrameError: ``message`` is not JSON-serialisable (e.g. a NaN or an object).
+    """
+    try:
+        body = _encoder.encode(message).encode()
+    except (TypeError, ValueError) as exc:
+        raise FrameError(f"message cannot be sent as JSON: {exc}") from exc
+    return LENGTH.pack(len(body)) + body
+
+
+def check_length(length: int, max_message: int) -> None:
+    """Raises :class:`FrameError` when a frame's announced length is not acceptable.
+
+    Called on the 4-byte prefix alone, before anything is read or allocated for the body.
+    """
+    if length == 0:
+        raise FrameError("empty frame (length 0); expected a JSON object")
+    if length > max_message:
+        raise FrameError(f"frame of {length} bytes is over the limit of {max_message} bytes")
+
+
+def decode(body: bytes) -> dict[str, Any]:
+    """Parses a frame's body into a JSON object.
+
+    Raises:
+        FrameError: not UTF-8, not JSON, or not an object.
+    """
+    try:
+        message = json.loads(body)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise FrameError(f"frame is not valid JSON: {exc}") from exc
+    if not isinstance(message, dict):
+        raise FrameError(f"frame holds a JSON {type(message).__name__}, expected an object")
+    return message

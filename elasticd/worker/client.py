@@ -1,0 +1,425 @@
+"""The worker's end of the local channel to its node's daemon.
+
+Every training process that elasticd launched (through torchrun) inherits ``ELASTICD_SOCKET``,
+the path of its daemon's Unix socket, and talks to it through a :class:`DaemonClient`: one
+long-lived connection per process, opened on first use and re-opened once per call when the
+daemon was restarted. Two kinds of calls:
+
+* :meth:`DaemonClient.call` — a request and its reply, with a timeout; the daemon's refusal is a
+  :class:`DaemonError`, a missing daemon a :class:`DaemonUnavailable`.
+* :meth:`DaemonClient.send` — one-way (``"noreply"``), for the hot path: a single non-blocking
+  ``send`` of a few dozen bytes. When the daemon is gone or behind, the message is dropped and
+  counted, never raised: a progress report must not stop training.
+
+Standard library only, and nothing imported from elasticd but the framing: this module is loaded
+into every worker. A process forked from a connected one (e.g. a DataLoader worker) opens its own
+connection rather than writing into its parent's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import select
+import socket
+import threading
+import time
+from typing import Any, Mapping
+
+from elasticd.daemon.local_wire import (
+    DEFAULT_MAX_MESSAGE,
+    LENGTH,
+    FrameError,
+    check_length,
+    decode,
+    encode,
+)
+
+__all__ = ["DaemonClient", "DaemonClientError", "DaemonError", "DaemonTimeout",
+           "DaemonUnavailable", "SOCKET_ENV", "WorkerIdentity"]
+
+log = logging.getLogger(__name__)
+
+SOCKET_ENV = "ELASTICD_SOCKET"
+JOB_ENV = "ELASTICD_JOB"
+_SEND_FLAGS = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
+_RECONNECT_BACKOFF = 1.0  # after a failed connect, one-way sends drop without retrying this long
+_CONNECT_TIMEOUT = 1.0
+
+
+class DaemonClientError(Exception):
+    """Base class of the errors a :class:`DaemonClient` raises."""
+
+
+class DaemonError(DaemonClientError):
+    """The daemon answered with an error.
+
+    Attributes:
+        op: the request's op.
+        error: the daemon's message.
+    """
+
+    def __init__(self, op: str, error: str) -> None:
+        super().__init__(f"elasticd refused {op!r}: {error}")
+        self.op, self.error = op, error
+
+
+class DaemonUnavailable(DaemonClientError):
+    """There is no daemon to talk to (``ELASTICD_SOCKET`` unset, or the daemon is gone)."""
+
+
+class DaemonTimeout(DaemonUnavailable):
+    """The daemon did not answer within the call's timeout."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerIdentity:
+    """Who this process is, as elasticd and torchrun told it through the environment.
+
+    Attributes:
+        job: ``ELASTICD_JOB``.
+        rank, local_rank, world_size, group_rank: torchrun's ``RANK``, ``LOCAL_RANK``,
+            ``WORLD_SIZE`` and ``GROUP_RANK`` (the node's rank).
+        restart_count: ``TORCHELASTIC_RESTART_COUNT``, how often the agent restarted workers.
+    """
+
+    job: str | None = None
+    rank: int | None = None
+    local_rank: int | None = None
+    world_size: int | None = None
+    group_rank: int | None = None
+    restart_count: int | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "WorkerIdentity":
+        """Reads the identity; variables that are unset stay None.
+
+        Raises:
+            ValueError: a variable is set to something that is not an integer.
+        """
+        env = os.environ if environ is None else environ
+
+        def number(name: str) -> int | None:
+            raw = env.get(name)
+            if raw is None or raw == "":
+                return None
+            try:
+                return int(raw)
+            except ValueError as exc:
+                raise ValueError(f"{name}={raw!r} is not an integer") from exc
+
+        return cls(job=env.get(JOB_ENV) or None, rank=number("RANK"),
+                   local_rank=number("LOCAL_RANK"), world_size=number("WORLD_SIZE"),
+                   group_rank=number("GROUP_RANK"),
+                   restart_count=number("TORCHELASTIC_RESTART_COUNT"))
+
+
+class DaemonClient:
+    """A connection to the node's daemon, shared by every thread of one worker process.
+
+    Args:
+        path: the daemon's socket.
+        identity: who this worker is (sent with progress reports).
+        timeout: default seconds a :meth:`call` waits for its reply.
+        max_message: the largest reply accepted, in bytes.
+
+    Attributes:
+        dropped: one-way messages dropped because the daemon was gone or behind.
+    """
+
+    def __init__(self, path: str, identity: WorkerIdentity = WorkerIdentity(),
+                 timeout: float = 10.0, max_message: int = DEFAULT_MAX_MESSAGE) -> None:
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout!r}")
+        self.path = path
+        self.identity = identity
+        self.timeout = timeout
+        self.max_message = max_message
+        self.dropped = 0
+        self._ids = itertools.count(1)
+        self._init_process_state()
+
+    def _init_process_state(self) -> None:
+        # Per process: a forked child must neither share its parent's connection nor inherit
+        # a lock some other parent thread held at the fork.
+        self._pid = os.getpid()
+        self._call_lock = threading.Lock()  # one call waits for its reply at a time
+        self._write_lock = threading.Lock()  # whole frames, and the connection's replacement
+        self._sock: socket.socket | None = None
+        self._poll: Any = None
+        self._rbuf = bytearray()
+        self._retry_at = 0.0
+        self._dropping = False
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None,
+                 timeout: float = 10.0) -> "DaemonClient":
+        """A client for the daemon named by ``ELASTICD_SOCKET``, with the worker's identity.
+
+        Raises:
+            DaemonUnavailable: ``ELASTICD_SOCKET`` is not set.
+            ValueError: a torchrun variable (``RANK``…) is not an integer.
+        """
+        env = os.environ if environ is None else environ
+        path = env.get(SOCKET_ENV)
+        if not path:
+            raise DaemonUnavailable(
+                f"{SOCKET_ENV} is not set: this process was not started by elasticd (run the "
+                f"job through elasticd, or point {SOCKET_ENV} at the node daemon's socket)")
+        return cls(path, WorkerIdentity.from_env(env), timeout=timeout)
+
+    # -- calls ----------------------------------------------------------------------------
+
+    def call(self, op: str, *, timeout: float | None = None, **fields: Any) -> dict[str, Any]:
+        """Sends a request and returns the reply's fields (without ``id`` and ``ok``).
+
+        A connection found broken while sending (the daemon restarted) is re-opened once and
+        the request sent again; one that breaks after the request went out is not, since the
+        daemon may have acted on it.
+
+        Args:
+            op: the operation.
+            timeout: seconds to wait for the reply (default: the client's); not sent.
+            **fields: the request's fields (JSON values).
+
+        Raises:
+            DaemonError: the daemon answered with an error.
+            DaemonTimeout: no reply in time.
+            DaemonUnavailable: no daemon at the socket, or it went away mid-call.
+            ValueError: ``fields`` cannot be encoded as JSON, or include ``noreply``.
+        """
+        if "noreply" in fields:
+            raise ValueError("call() waits for a reply; use send() for one-way messages")
+        wait = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + wait
+        rid = next(self._ids)
+        frame = encode({**fields, "op": op, "id": rid})
+        self._check_fork()
+        with self._call_lock:
+            sock = self._send_request(op, frame, deadline, wait)
+            reply = self._await_reply(sock, op, rid, deadline, wait)
+        if reply.get("ok") is not True:
+            raise DaemonError(op, str(reply.get("error", "no reason given")))
+        reply.pop("id", None)
+        reply.pop("ok", None)
+        return reply
+
+    def send(self, op: str, **fields: Any) -> bool:
+        """Sends a one-way message; never waits for the daemon and never raises if it is gone.
+
+        Returns:
+            True if the message was handed to the kernel, False if it was dropped (counted in
+            :attr:`dropped`).
+
+        Raises:
+            ValueError: ``fields`` cannot be encoded as JSON (a bug in the caller).
+        """
+        frame = encode({**fields, "op": op, "noreply": True})
+        self._check_fork()
+        # The write lock is held only for single non-blocking writes (and connects), so this
+        # waits microseconds at most; the bound is for the pathological case.
+        if not self._write_lock.acquire(timeout=0.05):
+            return self._dropped("another thread is stuck writing to the daemon")
+        try:
+            for attempt in (0, 1):
+                sock = self._sock
+                if sock is None:
+                    if time.monotonic() < self._retry_at:
+                        return self._dropped("the daemon was unreachable a moment ago")
+                    try:
+                        sock = self._connect(_CONNECT_TIMEOUT)
+                    except DaemonUnavailable as exc:
+                        self._retry_at = time.monotonic() + _RECONNECT_BACKOFF
+                        return self._dropped(str(exc))
+                try:
+                    sent = sock.send(frame, _SEND_FLAGS)
+                except BlockingIOError:
+                    return self._dropped("the daemon is not keeping up (socket buffer full)")
+                except OSError as exc:
+                    self._disconnect()
+                    if attempt == 0:
+                        continue  # the daemon restarted: one reconnect
+                    return self._dropped(f"connection to the daemon broke: {exc}")
+                if sent < len(frame) and not self._finish_write(sock, frame, sent,
+                                                                time.monotonic() + 1.0):
+                    self._disconnect()  # half a frame is out: this stream is unusable
+                    return self._dropped("the daemon stopped reading mid-message")
+                if self._dropping:
+                    self._dropping = False
+                    log.info("elasticd reachable again at %s (%d messages dropped so far)",
+                             self.path, self.dropped)
+                return True
+            return False  # not reached: the loop returns
+        finally:
+            self._write_lock.release()
+
+    def progress(self, step: int) -> bool:
+        """Reports that this worker reached ``step`` (one-way; see :meth:`send`)."""
+        ident = self.identity
+        return self.send("progress", step=int(step), rank=ident.rank,
+                         local_rank=ident.local_rank, pid=os.getpid(), job=ident.job)
+
+    def close(self) -> None:
+        """Closes the connection (the next call opens a new one)."""
+        with self._write_lock:
+            self._disconnect()
+
+    def __enter__(self) -> "DaemonClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _check_fork(self) -> None:
+        if os.getpid() != self._pid:
+            inherited = self._sock
+            self._init_process_state()
+            if inherited is not None:
+                inherited.close()  # only this process's copy: the parent keeps its connection
+
+    def _connect(self, timeout: float) -> socket.socket:
+        """Opens the connection (caller holds the write lock)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(max(timeout, 1e-3))
+        try:
+            sock.connect(self.path)
+        except FileNotFoundError as exc:
+            sock.close()
+            raise DaemonUnavailable(f"no elasticd socket at {self.path} ({SOCKET_ENV}): the "
+                                    "daemon is gone or has not started") from exc
+        except ConnectionRefusedError as exc:
+            sock.close()
+            raise DaemonUnavailable(f"nobody listens on {self.path} ({SOCKET_ENV}): the "
+                                    "elasticd daemon is gone") from exc
+        except PermissionError as exc:
+            sock.close()
+            raise DaemonUnavailable(f"permission denied on {self.path}: uid {os.geteuid()} "
+                                    "may not use this elasticd's socket") from exc
+        except OSError as exc:
+            sock.close()
+            raise DaemonUnavailable(f"cannot reach elasticd at {self.path}: {exc}") from exc
+        # Blocking mode from here on: one-way sends pass MSG_DONTWAIT and cost one syscall;
+        # calls wait in poll() with their own deadline.
+        sock.settimeout(None)
+        self._sock = sock
+        self._poll = select.poll()
+        self._poll.register(sock, select.POLLIN)
+        self._rbuf = bytearray()
+        return sock
+
+    def _disconnect(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+        self._sock, self._poll, self._rbuf = None, None, bytearray()
+
+    def _dropped(self, reason: str) -> bool:
+        self.dropped += 1
+        if not self._dropping:
+            self._dropping = True
+            log.warning("dropping one-way messages to elasticd (%s); training goes on, "
+                        "but the daemon cannot see this worker's progress", reason)
+        return False
+
+    def _send_request(self, op: str, frame: bytes, deadline: float,
+                      wait: float) -> socket.socket:
+        with self._write_lock:
+            for attempt in (0, 1):
+                sock = self._sock or self._connect(deadline - time.monotonic())
+                try:
+                    if self._finish_write(sock, frame, 0, deadline):
+                        return sock
+                except OSError as exc:
+                    self._disconnect()
+                    if attempt == 0:
+                        continue  # broken before the request went out: reconnect once
+                    raise DaemonUnavailable(f"connection to elasticd at {self.path} broke "
+                                            f"while sending {op!r}: {exc}") from exc
+                self._disconnect()  # part of the frame may be out: the stream is unusable
+                raise DaemonTimeout(f"elasticd at {self.path} did not take {op!r} within "
+                                    f"{wait:g} s")
+        raise AssertionError("unreachable")
+
+    def _finish_write(self, sock: socket.socket, frame: bytes, sent: int,
+                      deadline: float) -> bool:
+        """Writes ``frame[sent:]``; False when the deadline passes first. OSError propagates."""
+        view = memoryview(frame)
+        while sent < len(frame):
+            try:
+                sent += sock.send(view[sent:], _SEND_FLAGS)
+            except BlockingIOError:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                select.select([], [sock], [], left)
+        return True
+
+    def _await_reply(self, sock: socket.socket, op: str, rid: int, deadline: float,
+                     wait: float) -> dict[str, Any]:
+        while True:
+            msg = self._read_frame(sock, op, deadline, wait)
+            got = msg.get("id")
+            if got == rid:
+                return msg
+            if got is None:
+                # About the connection, not a request (refused, or a frame it could not read);
+                # the daemon closes it.
+                with self._write_lock:
+                    if self._sock is sock:
+                        self._disconnect()
+                raise DaemonError(op, str(msg.get("error", "connection refused")))
+            # Otherwise the late reply of an earlier call that timed out: skip it.
+
+    def _read_frame(self, sock: socket.socket, op: str, deadline: float,
+                    wait: float) -> dict[str, Any]:
+        buf = self._rbuf
+        while True:
+            if len(buf) >= LENGTH.size:
+                (length,) = LENGTH.unpack_from(buf)
+                try:
+                    check_length(length, self.max_message)
+                except FrameError as exc:
+                    self._lost(sock)
+                    raise DaemonUnavailable(f"elasticd sent a bad frame: {exc}") from exc
+                end = LENGTH.size + length
+                if len(buf) >= end:
+                    body = bytes(buf[LENGTH.size:end])
+                    del buf[:end]
+                    try:
+                        return decode(body)
+                    except FrameError as exc:
+                        self._lost(sock)
+                        raise DaemonUnavailable(f"elasticd sent a bad frame: {exc}") from exc
+            left = deadline - time.monotonic()
+            if left <= 0:
+                # The connection stays: the late reply is recognised by its id and skipped.
+                raise DaemonTimeout(f"elasticd at {self.path} did not answer {op!r} within "
+                                    f"{wait:g} s")
+            poller = self._poll
+            if poller is None:  # another thread found the connection broken
+                raise DaemonUnavailable(f"connection to elasticd at {self.path} was closed "
+                                        f"while waiting for {op!r}")
+            if not poller.poll(int(left * 1000) + 1):
+                continue
+            try:
+                chunk = sock.recv(65536, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                continue
+            except OSError as exc:
+                self._lost(sock)
+                raise DaemonUnavailable(f"connection to elasticd at {self.path} broke while "
+                                        f"waiting for {op!r}: {exc}") from exc
+            if not chunk:
+                self._lost(sock)
+                raise DaemonUnavailable(
+                    f"elasticd at {self.path} closed the connection before answering {op!r} "
+                    "(it may or may not have acted on it)")
+            buf += chunk
+
+    def _lost(self, sock: socket.socket) -> None:
+        with self._write_lock:
+            if self._sock is sock:
+                self._disconnect()
