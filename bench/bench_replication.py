@@ -6,7 +6,7 @@ prints GB/s and the ratio to the raw socket:
 
 * ``raw socket``: 4 MiB ``sendall`` / ``recv_into`` loops, nothing else (the ceiling);
 * ``raw + xxh3``: the same, plus xxh3_64 of every chunk on both ends (the cost of checking);
-* ``elasticd``: :class:`~elasticd.replication.transport.ReplicaClient.push` to a
+* ``elasticd push``: :class:`~elasticd.replication.transport.ReplicaClient.push` to a
   :class:`~elasticd.replication.server.ReplicaServer` (authenticated, framed, checksummed,
   committed into a sink whose memory is the preallocated buffer).
 
@@ -126,7 +126,7 @@ class RawSender:
         self.payload, self.chunk, self.check = payload, chunk, check
         self.pipe, child = mp.Pipe()
         self.proc = mp.get_context("fork").Process(
-            target=raw_receiver, args=(child, len(payload), chunk, repeat, check))
+            target=raw_receiver, args=(child, len(payload), chunk, repeat, check), daemon=True)
         self.proc.start()
         self.sock = socket.create_connection(("127.0.0.1", self.pipe.recv()))
 
@@ -147,7 +147,7 @@ class RawSender:
 
     def close(self) -> None:
         self.sock.close()
-        self.proc.join()
+        self.proc.join(10)
 
 
 class ElasticdSender:
@@ -157,7 +157,7 @@ class ElasticdSender:
         self.payload, self.chunk, self.step = payload, chunk, 0
         self.pipe, child = mp.Pipe()
         self.proc = mp.get_context("fork").Process(
-            target=elasticd_receiver, args=(child, len(payload), chunk))
+            target=elasticd_receiver, args=(child, len(payload), chunk), daemon=True)
         self.proc.start()
         port = self.pipe.recv()
         self.client = ReplicaClient.connect("127.0.0.1", port, SECRET, "sender",
@@ -183,7 +183,7 @@ class ElasticdSender:
     def close(self) -> None:
         self.client.close()
         self.pipe.send("stop")
-        self.proc.join()
+        self.proc.join(10)
 
 
 def main() -> None:
