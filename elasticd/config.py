@@ -48,6 +48,10 @@ class Settings:
             off from etcd, stays provisional before it is recorded as a failure (0: 2 TTL + 2).
         events_retention: number of cluster events kept in etcd.
         etcd_user, etcd_password, etcd_ca_cert, etcd_cert, etcd_key: etcd auth and TLS.
+        state_dir: where job logs and the daemon's local socket live.
+        agent_restarts: how often the daemon restarts a job's agent that died, with backoff.
+        stop_grace: seconds between SIGTERM and SIGKILL when stopping a job's processes.
+        rdzv_last_call: torchrun's last_call_timeout (seconds a complete round waits for more).
         log_level: DEBUG, INFO, WARNING or ERROR.
     """
 
@@ -67,6 +71,10 @@ class Settings:
     etcd_ca_cert: str = ""
     etcd_cert: str = ""
     etcd_key: str = ""
+    state_dir: str = ""
+    agent_restarts: int = 10
+    stop_grace: float = 10.0
+    rdzv_last_call: float = 1.0
     log_level: str = "INFO"
 
     # -- derived --------------------------------------------------------------------------
@@ -82,6 +90,14 @@ class Settings:
     @property
     def provisional_seconds(self) -> float:
         return self.provisional_grace or 2.0 * self.lease_ttl + 2.0
+
+    @property
+    def state_path(self) -> str:
+        if self.state_dir:
+            return self.state_dir
+        base = "/var/lib/elasticd" if os.geteuid() == 0 else os.path.expanduser(
+            "~/.local/state/elasticd")
+        return os.path.join(base, self.node_id)
 
     def etcd_settings(self) -> EtcdSettings:
         return EtcdSettings(
@@ -169,6 +185,12 @@ def _validate(s: Settings, sources: Mapping[str, str]) -> None:
         path = getattr(s, name)
         if path and not os.path.isfile(path):
             raise bad(name, f"file {path!r} does not exist")
+    if not 0 <= s.agent_restarts <= 1000:
+        raise bad("agent_restarts", f"{s.agent_restarts} is out of range: use 0 to 1000")
+    if not 0 <= s.stop_grace <= 600:
+        raise bad("stop_grace", f"{s.stop_grace} is out of range: use 0 to 600 seconds")
+    if not 0 < s.rdzv_last_call <= 600:
+        raise bad("rdzv_last_call", f"{s.rdzv_last_call}: use more than 0 and at most 600 s")
     if s.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise bad("log_level", f"{s.log_level!r}: use DEBUG, INFO, WARNING or ERROR")
 

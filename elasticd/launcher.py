@@ -29,8 +29,10 @@ from elasticd.coordination.keys import Keyspace
 class NodeProcess:
     """One ``elasticd`` child process."""
 
-    def __init__(self, node_id: str, argv: list[str], log_path: str, env: dict[str, str]) -> None:
+    def __init__(self, node_id: str, argv: list[str], log_path: str, env: dict[str, str],
+                 prefix: str = "/elasticd") -> None:
         self.node_id = node_id
+        self.prefix = prefix
         self.argv = argv
         self.log_path = log_path
         self.env = env
@@ -62,14 +64,27 @@ class NodeProcess:
             else:
                 self.proc.send_signal(sig)
 
+    def tagged(self) -> list[int]:
+        """Processes started for this node's jobs (agents, workers), found by their tag."""
+        from elasticd.agent.supervisor import tagged_pids
+
+        return tagged_pids(prefix=f"{self.prefix}:{self.node_id}:")
+
     def kill(self) -> None:
-        """SIGKILL to the node's whole process group (daemon and everything it started)."""
+        """What a machine failure does: SIGKILL to the daemon's process group and to every
+        process of its jobs (agents and workers live in sessions of their own)."""
         if self.proc is None:
             return
+        victims = self.tagged()
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        for pid in victims + self.tagged():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.proc.wait()
 
     def terminate(self, timeout: float = 15.0) -> int | None:
@@ -88,6 +103,11 @@ class NodeProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        for pid in self.tagged():  # whatever the daemon failed to stop
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.proc.wait()
         return code
 
@@ -152,8 +172,9 @@ class LocalCluster:
         argv = [sys.executable, "-m", "elasticd.daemon.main", "--node-id", node_id,
                 "--etcd", "{etcd}", "--prefix", self.prefix, "--listen", "127.0.0.1:0",
                 "--lease-ttl", str(self.lease_ttl), "--loop-interval", str(self.loop_interval),
-                *self.extra_args]
-        return NodeProcess(node_id, argv, os.path.join(self.workdir, f"{node_id}.log"), self.env)
+                "--state-dir", os.path.join(self.workdir, node_id), *self.extra_args]
+        return NodeProcess(node_id, argv, os.path.join(self.workdir, f"{node_id}.log"), self.env,
+                           self.prefix)
 
     def start(self, wait: bool = True, timeout: float = 30.0) -> "LocalCluster":
         if self.etcd_server is not None and not any(m.proc for m in self.etcd_server.members):

@@ -53,6 +53,13 @@ class Metrics:
         self.fenced = Counter(
             "elasticd_fenced_total",
             "Times this node found itself declared dead and fenced itself", registry=r)
+        self.worker_restarts = Counter(
+            "elasticd_worker_restarts_total",
+            "Worker group restarts this daemon caused or saw, by reason", ["reason"], registry=r)
+        for reason in ("peer_failed", "hang", "agent_died"):
+            self.worker_restarts.labels(reason)
+        self.job_running = Gauge(
+            "elasticd_job_running", "1 while this node runs a job's agent", registry=r)
         self.loop_cycles = Counter(
             "elasticd_loop_cycles_total", "Main loop cycles completed", registry=r)
         self.loop_last_cycle = Gauge(

@@ -14,6 +14,8 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
+from elasticd.agent.spec import JobSpecError
+from elasticd.cli import jobs as jobs_cli
 from elasticd.cli.output import Table, emit
 from elasticd.cluster.events import EventLog
 from elasticd.coordination import records
@@ -65,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     h = sub.add_parser("history", parents=[common], help="failures, departures, joins",
                        description="Cluster events, oldest first.")
     h.add_argument("--limit", type=int, default=50)
+    jobs_cli.add_parsers(sub, common)
     return p
 
 
@@ -148,6 +151,7 @@ COMMANDS: dict[str, tuple[Command, Table | Callable[[Any], str]]] = {
     "nodes": (cmd_nodes, NODE_TABLE),
     "status": (cmd_status, _status_pretty),
     "history": (cmd_history, EVENT_TABLE),
+    **jobs_cli.COMMANDS,
 }
 
 
@@ -165,6 +169,12 @@ def run(argv: Sequence[str] | None = None, out: Any = None) -> int:
             try:
                 text = emit(compute(args, coord, keys), args.format, pretty,
                             one_line=bool(args.watch))
+            except JobSpecError as exc:
+                print(f"elasticctl: error: {exc}", file=sys.stderr)
+                return EXIT_USAGE
+            except jobs_cli.CommandFailed as exc:
+                print(f"elasticctl: error: {exc}", file=sys.stderr)
+                return EXIT_FAILED
             except CoordinationError as exc:
                 print(f"elasticctl: error: {exc}", file=sys.stderr)
                 if not args.watch:

@@ -4,7 +4,9 @@
 
     <prefix>/nodes/<node>                       node record, bound to the node's lease
     <prefix>/events/<node>/<lease>/<kind>       cluster events (failure, departure, ...), bounded
-    <prefix>/jobs/<job>/spec                    job spec
+    <prefix>/jobs/<job>/spec                    job spec (written once by elasticctl submit)
+    <prefix>/jobs/<job>/control                 desired state: running | stopped
+    <prefix>/jobs/<job>/nodes/<node>            a node's view of the job, bound to its lease
     <prefix>/jobs/<job>/rdzv/...                torchrun rendezvous state and store
     <prefix>/jobs/<job>/placement               replica placement
     <prefix>/jobs/<job>/ckpt/...                checkpoint commits
@@ -82,8 +84,14 @@ class Keyspace:
     def job_spec(self, job: str) -> bytes:
         return self._k("jobs", job, "spec")
 
-    def job_state(self, job: str) -> bytes:
-        return self._k("jobs", job, "state")
+    def job_control(self, job: str) -> bytes:
+        return self._k("jobs", job, "control")
+
+    def job_nodes(self, job: str) -> bytes:
+        return self._k("jobs", job, "nodes", "")
+
+    def job_node(self, job: str, node: str) -> bytes:
+        return self._k("jobs", job, "nodes", node)
 
     def job_rdzv(self, job: str) -> bytes:
         return self._k("jobs", job, "rdzv", "")

@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 import psutil
 
 import elasticd
+from elasticd.agent.manager import JobManager
 from elasticd.clock import Clock, SystemClock
 from elasticd.cluster.events import Event, EventLog
 from elasticd.cluster.membership import (
@@ -98,6 +99,12 @@ class Daemon:
                                   on_change=self._wake.set, clock=self.clock,
                                   on_failure=self.metrics.keepalive_failures.inc)
         self.metrics.etcd_up.set(1)
+        self.jobs = JobManager(
+            settings.node_id, coord, self.keys, settings.etcd, settings.state_path, self.metrics,
+            lease=lambda: self.registered_lease or 0, extra_env=self.agent_env,
+            rdzv_conf=self.rdzv_conf(), agent_restarts=settings.agent_restarts,
+            stop_grace=settings.stop_grace, clock=self.clock)
+        self.fence_hooks.append(self.jobs.fence)
 
         self.state = NodeState.UP
         self.registered_lease: int | None = None
@@ -130,6 +137,7 @@ class Daemon:
         if keep_alive_thread:
             self.keeper.start()
         self._start_watch()
+        self.jobs.start_watch()
         self._register(wait_for_id=True)  # last: once our record is visible, we are in
         self.sentence = f"joined the cluster as {self.settings.node_id}"
         log.info("%s", self.sentence)
@@ -155,6 +163,10 @@ class Daemon:
         self.state = NodeState.LEAVING
         lease = self.keeper.lease
         try:
+            self.jobs.shutdown()  # while our lease still holds our job status
+        except CoordinationError as exc:
+            log.warning("could not publish the job's final status: %s", exc)
+        try:
             if lease is not None and self.registered_lease == lease:
                 self._put_record(lease)
                 self.events.record(Event("left", self.settings.node_id, lease, self.clock.wall(),
@@ -168,6 +180,21 @@ class Daemon:
     def close(self) -> None:
         self.keeper.stop()
         self._close_watch()
+        self.jobs.close()
+
+    def rdzv_conf(self) -> dict[str, str]:
+        """torchrun rendezvous settings for this cluster's agents, tuned for fast recovery."""
+        s = self.settings
+        return {
+            "last_call_timeout": f"{s.rdzv_last_call:g}",
+            "etcd_grace_period": f"{s.outage_grace:g}",
+            "etcd_timeout": f"{s.etcd_timeout:g}",
+            "join_timeout": "900",
+        }
+
+    def agent_env(self) -> dict[str, str]:
+        """Environment the daemon adds for a job's agent and workers."""
+        return {"ELASTICD_PREFIX": self.settings.prefix}
 
     # -- one cycle ------------------------------------------------------------------------
 
@@ -186,6 +213,10 @@ class Daemon:
                 self._register(wait_for_id=False)
             elif now - self._last_heartbeat >= self.settings.heartbeat_seconds:
                 self._put_record(self.registered_lease)
+            if self.state is NodeState.UP and self.registered_lease is not None:
+                self.jobs.step()
+                self._notes += self.jobs.notes
+            self.metrics.job_running.set(1 if self.jobs.supervisor is not None else 0)
             sentence = self._describe()
         except Unavailable as exc:
             self.health.failed(exc)
@@ -225,6 +256,8 @@ class Daemon:
         alive = len(self.membership.nodes)
         if self._notes:
             return "; ".join(self._notes) + f" ({alive} nodes alive)"
+        if self.jobs.job is not None:
+            return f"running job {self.jobs.job}: I am {me}, {alive} nodes alive"
         if self.membership.pending:
             waiting = ", ".join(sorted(self.membership.pending))
             return (f"waiting for {waiting} to re-register after an etcd outage "
@@ -448,6 +481,7 @@ class Daemon:
             self._notes.append(ob.describe())
             if ob.kind is ObservationKind.FAILED:
                 self.metrics.node_failures.inc()
+                self.jobs.on_peer_failed(ob.node)
                 if ob.detection_seconds is not None:
                     self.metrics.detection_seconds.observe(ob.detection_seconds)
                 self.events.record(Event(
@@ -494,4 +528,5 @@ class Daemon:
                 if r.node != self.settings.node_id
             ],
             "provisional": sorted(self.membership.pending),
+            "job": self.jobs.describe(),
         }

@@ -62,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--etcd-ca-cert", dest="etcd_ca_cert")
     p.add_argument("--etcd-cert", dest="etcd_cert")
     p.add_argument("--etcd-key", dest="etcd_key")
+    p.add_argument("--state-dir", dest="state_dir",
+                   help="job logs and the local socket (default /var/lib/elasticd/NODE as root)")
+    p.add_argument("--agent-restarts", dest="agent_restarts", type=_number)
+    p.add_argument("--stop-grace", dest="stop_grace", type=_number)
+    p.add_argument("--rdzv-last-call", dest="rdzv_last_call", type=_number)
     p.add_argument("--log-level", dest="log_level")
     return p
 

@@ -1,0 +1,332 @@
+"""Which job this node runs, and keeping its torchrun agent in the state the cluster wants.
+
+The manager follows the job specs and controls in etcd (``jobs/<job>/spec``, ``.../control``)
+through a watch, runs at most one job at a time (the oldest one that is wanted), publishes this
+node's view of it (``jobs/<job>/nodes/<node>``, bound to the node's lease, so a dead node's entry
+disappears with it), and acts:
+
+* start the agent when the job is wanted and this node can run it (same script hash, user
+  exists), restart it with backoff when it dies (a budget of ``agent_restarts``);
+* restart the workers at once when a peer that runs the job fails (proactive abort: a machine
+  that loses power sends no TCP reset, and gloo would wait minutes), or when the job hangs;
+* stop everything (agent and every tagged process) when the job is stopped, when the node fences
+  itself, and when the daemon shuts down.
+
+Stopping takes up to ``stop_grace`` seconds, so it runs in a thread of its own: the main loop
+keeps cycling (and keeps the watchdog fed) meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from typing import Any, Callable, Sequence
+
+from elasticd.agent.spec import JobControl, JobSpec, NodeJobStatus
+from elasticd.agent.supervisor import AgentSupervisor
+from elasticd.clock import Clock, SystemClock
+from elasticd.coordination import records
+from elasticd.coordination.api import CoordinationError, Coordinator, EventType, WatchEvent
+from elasticd.coordination.keys import Keyspace
+from elasticd.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+class JobManager:
+    """Runs this node's share of the cluster's jobs.
+
+    Args:
+        node_id: this node.
+        coord: the coordinator.
+        keys: the cluster keyspace.
+        etcd: endpoints handed to the agent's rendezvous.
+        state_dir: where per-job logs go (``<state_dir>/jobs/<job>/agent.log``).
+        metrics: the daemon's metrics.
+        lease: returns the node's current lease (0 when it has none).
+        extra_env: returns more environment for agents (e.g. the daemon's local socket).
+        rdzv_conf: torchrun rendezvous settings tuned for fast recovery.
+    """
+
+    def __init__(self, node_id: str, coord: Coordinator, keys: Keyspace, etcd: str,
+                 state_dir: str, metrics: Metrics, lease: Callable[[], int],
+                 extra_env: Callable[[], dict[str, str]] = dict,
+                 rdzv_conf: dict[str, str] | None = None, agent_restarts: int = 10,
+                 stop_grace: float = 10.0, clock: Clock | None = None) -> None:
+        self.node_id = node_id
+        self.coord = coord
+        self.keys = keys
+        self.etcd = etcd
+        self.state_dir = state_dir
+        self.metrics = metrics
+        self._lease = lease
+        self._extra_env = extra_env
+        self.rdzv_conf = rdzv_conf or {}
+        self.agent_restarts = agent_restarts
+        self.stop_grace = stop_grace
+        self.clock = clock or SystemClock()
+
+        self.specs: dict[str, tuple[int, JobSpec]] = {}  # job -> (create revision, spec)
+        self.controls: dict[str, JobControl] = {}
+        self.members: dict[str, set[str]] = {}  # job -> nodes with a live status entry
+        self._events: "queue.Queue[Sequence[WatchEvent] | Exception]" = queue.Queue()
+        self._watch = None
+        self._need_resync = True
+
+        self.job: str | None = None
+        self.supervisor: AgentSupervisor | None = None
+        self.status = NodeJobStatus(node=node_id, state="idle")
+        self._published: NodeJobStatus | None = None
+        self._failures = 0
+        self._next_start = 0.0
+        self._stopping: threading.Thread | None = None
+        self._finished: set[str] = set()  # jobs this node completed (exit 0) or gave up on
+        self._status_job: str | None = None
+        self.notes: list[str] = []
+
+    # -- etcd view ------------------------------------------------------------------------
+
+    def start_watch(self) -> None:
+        kvs, revision = self.coord.get_prefix(self.keys.jobs)
+        self._reset(kvs)
+        self._watch = self.coord.watch_prefix(self.keys.jobs, self._on_watch, revision + 1)
+
+    def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+
+    def _on_watch(self, batch: Any) -> None:
+        if isinstance(batch, Exception):
+            self._events.put(batch)
+            return
+        mine = [e for e in batch if self._kind(e.kv.key)[1] is not None]
+        if mine:
+            self._events.put(mine)
+
+    def _kind(self, key: bytes) -> tuple[str, str | None]:
+        """Splits ``<prefix>/jobs/<job>/<what>[/<node>]`` into (job, what) for the keys we
+        follow; ``what`` is None for the rest (the rendezvous keys)."""
+        rest = key[len(self.keys.jobs):].decode(errors="replace").split("/")
+        if len(rest) == 2 and rest[1] in ("spec", "control"):
+            return rest[0], rest[1]
+        if len(rest) == 3 and rest[1] == "nodes":
+            return rest[0], "nodes/" + rest[2]
+        return rest[0], None
+
+    def _reset(self, kvs: list[Any]) -> None:
+        self.specs.clear()
+        self.controls.clear()
+        self.members.clear()
+        for kv in kvs:
+            self._apply(EventType.PUT, kv.key, kv.value, kv.create_revision)
+        self._need_resync = False
+
+    def _apply(self, etype: EventType, key: bytes, value: bytes, create_revision: int) -> None:
+        job, what = self._kind(key)
+        if what is None:
+            return
+        try:
+            if what == "spec":
+                if etype is EventType.PUT:
+                    self.specs[job] = (create_revision, JobSpec.decode(value, key))
+                else:
+                    self.specs.pop(job, None)
+            elif what == "control":
+                if etype is EventType.PUT:
+                    self.controls[job] = JobControl.decode(value, key)
+                else:
+                    self.controls.pop(job, None)
+            else:
+                node = what.split("/", 1)[1]
+                nodes = self.members.setdefault(job, set())
+                if etype is EventType.PUT:
+                    st = NodeJobStatus.decode(value, key)
+                    if st.state in ("starting", "running", "restarting"):
+                        nodes.add(node)
+                    else:
+                        nodes.discard(node)
+                else:
+                    nodes.discard(node)
+        except records.RecordError as exc:
+            log.warning("ignoring job record: %s", exc)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                batch = self._events.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(batch, Exception):
+                self._need_resync = True
+                continue
+            for e in batch:
+                self._apply(e.type, e.kv.key, e.kv.value, e.kv.create_revision)
+
+    # -- decisions ------------------------------------------------------------------------
+
+    def wanted(self) -> str | None:
+        """The job this node should run: the oldest wanted job it has not finished."""
+        for job, (_, spec) in sorted(self.specs.items(), key=lambda kv: kv[1][0]):
+            control = self.controls.get(job)
+            if control is not None and control.desired != "running":
+                continue
+            if job in self._finished:
+                continue
+            return job
+        return None
+
+    def step(self) -> None:
+        """One cycle: follow etcd, start/stop/restart the agent, publish this node's status."""
+        self.notes = []
+        self._drain()
+        if self._need_resync:
+            kvs, _ = self.coord.get_prefix(self.keys.jobs)
+            self._reset(kvs)
+        if self._stopping is not None:
+            if self._stopping.is_alive():
+                self._publish()
+                return
+            self._stopping = None
+        wanted = self.wanted()
+        if self.job is not None and self.job != wanted:
+            self._stop_async(f"job {self.job} is no longer wanted here", "stopped")
+        elif wanted is not None and self.job is None:
+            self._start(wanted)
+        elif self.supervisor is not None:
+            self._check_agent()
+        self._publish()
+
+    def _start(self, job: str) -> None:
+        _, spec = self.specs[job]
+        now = self.clock.monotonic()
+        if now < self._next_start:
+            return
+        problem = spec.check_on_node()
+        if problem is not None:
+            self.status = NodeJobStatus(self.node_id, "refused", problem, at=self.clock.wall())
+            self._finished.add(job)
+            self.notes.append(f"refused job {job}: {problem}")
+            log.error("refusing job %s: %s", job, problem)
+            self._publish(job)
+            return
+        log_dir = os.path.join(self.state_dir, "jobs", job)
+        self.supervisor = AgentSupervisor(
+            spec, self.node_id, tag=f"{self.keys.prefix}:{self.node_id}:{job}", etcd=self.etcd,
+            prefix=self.keys.prefix, log_dir=log_dir, extra_env=self._extra_env(),
+            rdzv_conf=self.rdzv_conf, clock=self.clock)
+        self.job = self._status_job = job
+        pid = self.supervisor.start()
+        self.status = NodeJobStatus(self.node_id, "running", "agent started", agent_pid=pid,
+                                    agent_starts=1, log=self.supervisor.log_path,
+                                    at=self.clock.wall())
+        self.notes.append(f"started job {job} (agent pid {pid})")
+
+    def _check_agent(self) -> None:
+        sup = self.supervisor
+        assert sup is not None and self.job is not None
+        code = sup.poll()
+        if code is None:
+            return
+        if code == 0:
+            self.notes.append(f"job {self.job} finished on this node")
+            self._stop_async(f"job {self.job} succeeded", "succeeded")
+            self._finished.add(self.job)
+            return
+        self._failures += 1
+        self.metrics.worker_restarts.labels("agent_died").inc()
+        if self._failures > self.agent_restarts:
+            self.notes.append(f"job {self.job}: agent failed {self._failures} times; giving up")
+            self._finished.add(self.job)
+            self._stop_async(f"agent exited {code} too often", "failed")
+            return
+        backoff = min(30.0, 0.5 * 2 ** (self._failures - 1))
+        self.notes.append(f"job {self.job}: agent exited with {code}; restarting in "
+                          f"{backoff:.1f} s ({self._failures}/{self.agent_restarts})")
+        sup.stop(grace=1.0)  # leftovers of the dead agent, if any
+        self._next_start = self.clock.monotonic() + backoff
+        job = self.job
+        self.job, self.supervisor = None, None
+        self.status = NodeJobStatus(self.node_id, "restarting", f"agent exited with {code}",
+                                    agent_starts=sup.starts, log=sup.log_path,
+                                    at=self.clock.wall())
+        self._publish(job)
+
+    # -- actions from the daemon ----------------------------------------------------------
+
+    def on_peer_failed(self, node: str) -> None:
+        """A peer's lease expired: if it ran our job, restart our workers now."""
+        if self.job is None or self.supervisor is None:
+            return
+        if node not in self.members.get(self.job, set()) and node != "*":
+            return
+        n = self.supervisor.restart_workers(f"peer {node} failed")
+        self.metrics.worker_restarts.labels("peer_failed").inc()
+        self.notes.append(f"restarted {n} workers of {self.job}: peer {node} failed")
+
+    def on_hang(self, reason: str) -> None:
+        if self.supervisor is None:
+            return
+        n = self.supervisor.restart_workers(f"hang: {reason}")
+        self.metrics.worker_restarts.labels("hang").inc()
+        self.notes.append(f"restarted {n} workers of {self.job}: hang ({reason})")
+
+    def fence(self, reason: str) -> None:
+        """Stops everything at once (the node was declared dead)."""
+        if self.supervisor is not None:
+            self.supervisor.stop(grace=1.0)
+            self.notes.append(f"stopped job {self.job}: {reason}")
+            self.status = NodeJobStatus(self.node_id, "stopped", f"fenced: {reason}",
+                                        at=self.clock.wall())
+            self.job, self.supervisor = None, None
+
+    def shutdown(self) -> None:
+        """Stops the agent and waits (daemon exit)."""
+        if self._stopping is not None:
+            self._stopping.join()
+        if self.supervisor is not None:
+            job = self.job
+            self.supervisor.stop(self.stop_grace)
+            self.status = NodeJobStatus(self.node_id, "stopped", "daemon shut down",
+                                        at=self.clock.wall())
+            self._publish(job)
+            self.job, self.supervisor = None, None
+        self.close()
+
+    def _stop_async(self, why: str, final_state: str) -> None:
+        sup, job = self.supervisor, self.job
+        if sup is None:
+            self.job = None
+            return
+        self.status = NodeJobStatus(self.node_id, "stopping", why, agent_pid=sup.pid,
+                                    agent_starts=sup.starts, log=sup.log_path, at=self.clock.wall())
+        self._publish(job)
+
+        def run() -> None:
+            code = sup.stop(self.stop_grace)
+            self.status = NodeJobStatus(self.node_id, final_state, f"{why} (agent exit {code})",
+                                        agent_starts=sup.starts, log=sup.log_path,
+                                        at=self.clock.wall())
+            try:
+                self._publish(job)
+            except CoordinationError:
+                pass
+
+        self.job, self.supervisor = None, None
+        self._stopping = threading.Thread(target=run, name=f"stop-{job}", daemon=True)
+        self._stopping.start()
+
+    # -- status ---------------------------------------------------------------------------
+
+    def _publish(self, job: str | None = None) -> None:
+        job = job or self.job or self._status_job
+        lease = self._lease()
+        if job is None or not lease or self.status == self._published:
+            return
+        self.coord.put(self.keys.job_node(job, self.node_id), self.status.encode(), lease)
+        self._published = self.status
+
+    def describe(self) -> dict[str, Any]:
+        return {"job": self.job, **self.status.as_dict()}

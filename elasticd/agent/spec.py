@@ -1,0 +1,223 @@
+"""Job specs: what ``elasticctl submit`` stores and every daemon runs.
+
+A spec is validated where it is written (so nothing malformed ever reaches etcd) and checked
+again where it runs: the script's SHA-256 must match on every node, and the user must exist
+there. Jobs never run as root by accident: a spec submitted by root must name ``--user root``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import pwd
+import re
+import sys
+import time
+from typing import Any
+
+from elasticd.coordination import records
+from elasticd.coordination.keys import check_name
+
+KIND = "job_spec"
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Set by elasticd or torchrun for the workers; a job may not override them.
+RESERVED_ENV = ("ELASTICD_", "TORCHELASTIC_", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
+                "LOCAL_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE")
+
+
+class JobSpecError(ValueError):
+    """A job spec is malformed; the message says which field and what would be right."""
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """Parses ``N`` or ``MIN:MAX`` the way torchrun does, with a clear error."""
+    parts = text.split(":")
+    if len(parts) not in (1, 2) or not all(p.isdigit() for p in parts):
+        raise JobSpecError(f"--nnodes {text!r}: expected N or MIN:MAX, e.g. 2:3")
+    lo, hi = int(parts[0]), int(parts[-1])
+    if lo < 1 or hi < lo:
+        raise JobSpecError(f"--nnodes {text!r}: need 1 <= MIN <= MAX")
+    return lo, hi
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    """A training job.
+
+    Attributes:
+        name: job name (also torchrun's rendezvous id).
+        nnodes_min, nnodes_max: elastic range of nodes.
+        nproc_per_node: workers per node.
+        max_restarts: torchrun's ``--max-restarts`` (worker group restarts per agent).
+        script: absolute path of the training script (the same path on every node).
+        args: the script's arguments.
+        script_sha256: hash every node checks before it starts the job.
+        user: the user the agent and its workers run as.
+        cwd: working directory of the workers.
+        env: extra environment variables of the workers.
+        python: interpreter that runs torchrun and the script (it must have torch).
+        hang_timeout: seconds without progress before the worker group is restarted (0: off).
+        created_at: wall time of submission.
+    """
+
+    name: str
+    nnodes_min: int
+    nnodes_max: int
+    nproc_per_node: int
+    script: str
+    args: list[str]
+    script_sha256: str
+    user: str
+    cwd: str
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    python: str = sys.executable
+    max_restarts: int = 100
+    hang_timeout: float = 300.0
+    created_at: float = 0.0
+
+    def validate(self, check_files: bool = True) -> "JobSpec":
+        """Raises :class:`JobSpecError` on the first bad field."""
+        try:
+            check_name("job name", self.name)
+        except ValueError as exc:
+            raise JobSpecError(str(exc)) from None
+        if not 1 <= self.nnodes_min <= self.nnodes_max:
+            raise JobSpecError(f"nnodes {self.nnodes_min}:{self.nnodes_max}: need 1 <= MIN <= MAX")
+        if not 1 <= self.nproc_per_node <= 1024:
+            raise JobSpecError(f"--nproc-per-node {self.nproc_per_node}: use 1 to 1024")
+        if not 0 <= self.max_restarts <= 100_000:
+            raise JobSpecError(f"--max-restarts {self.max_restarts}: use 0 to 100000")
+        if self.hang_timeout < 0:
+            raise JobSpecError(f"--hang-timeout {self.hang_timeout}: must be >= 0 (0 turns it off)")
+        if not os.path.isabs(self.script):
+            raise JobSpecError(f"script {self.script!r}: must be an absolute path")
+        if not re.fullmatch(r"[0-9a-f]{64}", self.script_sha256):
+            raise JobSpecError("script_sha256: not a SHA-256 hex digest")
+        for k, v in self.env.items():
+            if not _ENV_NAME.match(k) or not isinstance(v, str):
+                raise JobSpecError(f"--env {k!r}: not a valid NAME=VALUE")
+            if k.startswith(RESERVED_ENV):
+                raise JobSpecError(f"--env {k}: set by elasticd or torchrun, not by a job")
+        try:
+            pwd.getpwnam(self.user)
+        except KeyError:
+            raise JobSpecError(f"--user {self.user!r}: no such user on this machine") from None
+        if check_files:
+            if not os.path.isfile(self.script):
+                raise JobSpecError(f"script {self.script!r}: no such file")
+            if not os.path.isdir(self.cwd):
+                raise JobSpecError(f"--cwd {self.cwd!r}: no such directory")
+            if not os.access(self.python, os.X_OK):
+                raise JobSpecError(f"--python {self.python!r}: not an executable")
+        return self
+
+    def check_on_node(self) -> str | None:
+        """What stops this node from running the job, or None (called by every daemon)."""
+        try:
+            self.validate(check_files=True)
+        except JobSpecError as exc:
+            return str(exc)
+        actual = sha256_file(self.script)
+        if actual != self.script_sha256:
+            return (f"script {self.script} differs on this node (sha256 {actual[:12]}…, "
+                    f"submitted {self.script_sha256[:12]}…): deploy the same file everywhere")
+        return None
+
+    def encode(self) -> bytes:
+        return records.encode_dataclass(KIND, self)
+
+    @classmethod
+    def decode(cls, raw: bytes, key: bytes | str = b"?") -> "JobSpec":
+        spec = records.decode_dataclass(cls, raw, KIND, key)
+        return spec
+
+    def torchrun_nnodes(self) -> str:
+        return f"{self.nnodes_min}:{self.nnodes_max}"
+
+
+def build(name: str, nnodes: str, nproc_per_node: int, script: str, args: list[str],
+          user: str | None = None, cwd: str | None = None, env: list[str] | None = None,
+          python: str | None = None, max_restarts: int = 100,
+          hang_timeout: float = 300.0) -> JobSpec:
+    """Builds and validates a spec from ``elasticctl submit`` arguments."""
+    lo, hi = parse_nnodes(nnodes)
+    script_abs = os.path.abspath(script)
+    if not os.path.isfile(script_abs):
+        raise JobSpecError(f"script {script!r}: no such file")
+    me = pwd.getpwuid(os.getuid()).pw_name
+    if user is None:
+        if os.getuid() == 0:
+            raise JobSpecError("submitting as root: name the user the job runs as with --user "
+                               "(--user root if you really mean it)")
+        user = me
+    envd: dict[str, str] = {}
+    for item in env or []:
+        k, sep, v = item.partition("=")
+        if not sep:
+            raise JobSpecError(f"--env {item!r}: expected NAME=VALUE")
+        envd[k] = v
+    spec = JobSpec(
+        name=name, nnodes_min=lo, nnodes_max=hi, nproc_per_node=nproc_per_node,
+        script=script_abs, args=list(args), script_sha256=sha256_file(script_abs), user=user,
+        cwd=os.path.abspath(cwd or os.getcwd()), env=envd, python=python or sys.executable,
+        max_restarts=max_restarts, hang_timeout=hang_timeout, created_at=time.time(),
+    )
+    return spec.validate()
+
+
+@dataclasses.dataclass(frozen=True)
+class JobControl:
+    """The desired state of a job, written by ``elasticctl``: ``running`` or ``stopped``."""
+
+    desired: str
+    at: float
+    by: str = ""
+
+    KIND = "job_control"
+
+    def encode(self) -> bytes:
+        return records.encode_dataclass(self.KIND, self)
+
+    @classmethod
+    def decode(cls, raw: bytes, key: bytes | str = b"?") -> "JobControl":
+        return records.decode_dataclass(cls, raw, cls.KIND, key)
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeJobStatus:
+    """One node's view of one job, under ``jobs/<job>/nodes/<node>`` (bound to its lease).
+
+    state: starting | running | restarting | stopping | stopped | succeeded | failed | refused.
+    """
+
+    node: str
+    state: str
+    detail: str = ""
+    agent_pid: int = 0
+    agent_starts: int = 0
+    worker_restarts: int = 0
+    world_size: int = 0
+    last_step: int = -1
+    log: str = ""
+    at: float = 0.0
+
+    KIND = "node_job_status"
+
+    def encode(self) -> bytes:
+        return records.encode_dataclass(self.KIND, self)
+
+    @classmethod
+    def decode(cls, raw: bytes, key: bytes | str = b"?") -> "NodeJobStatus":
+        return records.decode_dataclass(cls, raw, cls.KIND, key)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,219 @@
+"""Runs one torchrun elastic agent for one job on this node, and makes sure nothing outlives it.
+
+The agent runs in a session of its own. torchrun puts each worker in a session of its own too,
+so signalling the agent's process group does not reach the workers, and a killed agent leaves
+its workers training (FACTS.md). Every process started here therefore carries a tag in its
+environment (``ELASTICD_TAG``), inherited by the workers and anything they start; stopping means
+SIGTERM to the agent's group and to every tagged process, a grace period, then SIGKILL to
+whatever still carries the tag. Tagged processes are found by scanning ``/proc``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pwd
+import signal
+import subprocess
+import time
+from typing import Sequence
+
+from elasticd.agent.spec import JobSpec
+from elasticd.clock import Clock, SystemClock
+
+log = logging.getLogger(__name__)
+
+TAG_ENV = "ELASTICD_TAG"
+
+
+def tagged_pids(tag: str = "", prefix: str = "") -> list[int]:
+    """PIDs of live processes whose environment has ``ELASTICD_TAG=<tag>`` (or a tag starting
+    with ``prefix``)."""
+    needle = f"{TAG_ENV}={tag or prefix}".encode()
+    out = []
+    me = os.getpid()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as fh:
+                env = fh.read()
+            with open(f"/proc/{name}/stat", "rb") as fh:
+                state = fh.read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue  # gone, or not ours to read
+        if state == b"Z":
+            continue  # a zombie runs nothing; its parent reaps it
+        entries = env.split(b"\0")
+        if (needle in entries) if tag else any(e.startswith(needle) for e in entries):
+            out.append(int(name))
+    return out
+
+
+def _signal_all(pids: Sequence[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as fh:
+            return [int(x) for x in fh.read().split()]
+    except OSError:
+        return []
+
+
+class AgentSupervisor:
+    """One torchrun agent for ``spec`` on this node.
+
+    Args:
+        spec: the job.
+        node_id: this node.
+        tag: value of ``ELASTICD_TAG`` for everything started for this job on this node.
+        etcd: ``HOST:PORT,...`` for the agent's rendezvous.
+        prefix: cluster key prefix (the rendezvous lives under ``<prefix>/jobs/<job>/rdzv``).
+        log_dir: where the agent's log (with its workers' output) and torchrun's files go.
+        extra_env: more environment for the agent and workers (the daemon's socket, ...).
+        rdzv_conf: torchrun ``--rdzv-conf`` entries.
+    """
+
+    def __init__(self, spec: JobSpec, node_id: str, tag: str, etcd: str, prefix: str,
+                 log_dir: str, extra_env: dict[str, str] | None = None,
+                 rdzv_conf: dict[str, str] | None = None, clock: Clock | None = None) -> None:
+        self.spec = spec
+        self.node_id = node_id
+        self.tag = tag
+        self.etcd = etcd
+        self.prefix = prefix
+        self.log_dir = log_dir
+        self.extra_env = extra_env or {}
+        self.rdzv_conf = rdzv_conf or {}
+        self.clock = clock or SystemClock()
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    @property
+    def log_path(self) -> str:
+        return os.path.join(self.log_dir, "agent.log")
+
+    def argv(self) -> list[str]:
+        s = self.spec
+        conf = {"key_prefix": self.prefix, **self.rdzv_conf}
+        return [
+            s.python, "-m", "torch.distributed.run",
+            "--nnodes", s.torchrun_nnodes(),
+            "--nproc-per-node", str(s.nproc_per_node),
+            "--rdzv-backend", "etcd-v3",
+            "--rdzv-endpoint", self.etcd,
+            "--rdzv-id", s.name,
+            "--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items()),
+            "--max-restarts", str(s.max_restarts),
+            "--monitor-interval", "0.1",
+            "--log-dir", os.path.join(self.log_dir, "torchrun"),
+            s.script, *s.args,
+        ]
+
+    def env(self) -> dict[str, str]:
+        base = {k: v for k, v in os.environ.items()
+                if not k.startswith(("ELASTICD_", "TORCHELASTIC_", "NOTIFY_SOCKET"))}
+        user = pwd.getpwnam(self.spec.user)
+        base.update(HOME=user.pw_dir, USER=user.pw_name, LOGNAME=user.pw_name)
+        base.update(self.spec.env)
+        base.update(self.extra_env)
+        base.update({
+            TAG_ENV: self.tag,
+            "ELASTICD_NODE": self.node_id,
+            "ELASTICD_JOB": self.spec.name,
+            # Workers must not reuse the rank-0 agent's TCPStore across restarts (FACTS.md).
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            "PYTHONUNBUFFERED": "1",
+        })
+        return base
+
+    def start(self) -> int:
+        """Starts the agent; returns its pid."""
+        os.makedirs(self.log_dir, exist_ok=True)
+        user = pwd.getpwnam(self.spec.user)
+        as_other = user.pw_uid != os.getuid()
+        if as_other:
+            os.chown(self.log_dir, user.pw_uid, user.pw_gid)
+        with open(self.log_path, "ab") as out:
+            out.write(f"\n==== elasticd: starting agent for {self.spec.name} on {self.node_id} "
+                      f"at {time.strftime('%Y-%m-%dT%H:%M:%S')} ====\n".encode())
+            out.flush()
+            self.proc = subprocess.Popen(
+                self.argv(), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                cwd=self.spec.cwd, env=self.env(), start_new_session=True,
+                user=user.pw_uid if as_other else None, group=user.pw_gid if as_other else None,
+                extra_groups=[] if as_other else None,
+            )
+        self.starts += 1
+        log.info("started torchrun agent for %s (pid %d, log %s)", self.spec.name,
+                 self.proc.pid, self.log_path)
+        return self.proc.pid
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid if self.proc is not None else 0
+
+    def poll(self) -> int | None:
+        """None while the agent runs, else its exit status (negative: killed by a signal)."""
+        return None if self.proc is None else self.proc.poll()
+
+    def worker_pids(self) -> list[int]:
+        """The agent's worker processes (its direct children)."""
+        return _children(self.pid) if self.poll() is None else []
+
+    def restart_workers(self, reason: str) -> int:
+        """Kills the current workers so that the agent restarts them in a new rendezvous
+        round (proactive abort: waiting for gloo/NCCL to time out takes minutes)."""
+        pids = self.worker_pids()
+        log.warning("restarting workers of %s (%s): SIGKILL to %s", self.spec.name, reason, pids)
+        for pid in pids:
+            # Workers are session leaders (torchrun): their group holds whatever they started.
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                _signal_all([pid], signal.SIGKILL)
+        return len(pids)
+
+    def stop(self, grace: float = 10.0) -> int | None:
+        """Stops the agent and every tagged process: SIGTERM, ``grace`` seconds, SIGKILL.
+
+        Returns:
+            the agent's exit status, if it had one.
+        """
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        _signal_all(tagged_pids(self.tag), signal.SIGTERM)
+        deadline = self.clock.monotonic() + grace
+        while self.clock.monotonic() < deadline:
+            if (self.proc is None or self.proc.poll() is not None) and not tagged_pids(self.tag):
+                break
+            time.sleep(0.05)
+        left = tagged_pids(self.tag)
+        if left:
+            log.warning("SIGKILL to %d processes of %s still running after %.0f s",
+                        len(left), self.spec.name, grace)
+            if self.proc is not None and self.proc.poll() is None:
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            _signal_all(left, signal.SIGKILL)
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        # Reap-wait for the SIGKILLed (they are not our children: poll /proc).
+        end = self.clock.monotonic() + 5
+        while tagged_pids(self.tag) and self.clock.monotonic() < end:
+            time.sleep(0.05)
+        return self.proc.poll() if self.proc is not None else None

@@ -1,0 +1,180 @@
+"""``elasticctl`` job commands: submit, jobs, stop, logs.
+
+A submitted spec is validated in full before anything is written (bad nnodes, missing script,
+unknown user, unknown option: a one-line error, exit 2, nothing in etcd); spec and control are
+then written in one transaction, only if no job of that name exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from elasticd.agent import spec as jobspec
+from elasticd.agent.spec import JobControl, JobSpec, NodeJobStatus
+from elasticd.cli.output import Table
+from elasticd.coordination import records
+from elasticd.coordination.api import Compare, Coordinator, Put
+from elasticd.coordination.keys import Keyspace
+
+JOB_TABLE = Table([("JOB", "job"), ("WANTED", "desired"), ("NODES", "nnodes"),
+                   ("PROCS", "nproc_per_node"), ("RUNNING ON", "running_on"),
+                   ("SCRIPT", "script")])
+LOG_TABLE = Table([("NODE", "node"), ("STATE", "state"), ("HOST", "hostname"), ("LOG", "log")],
+                  max_width=120)
+
+
+class CommandFailed(Exception):
+    """The command could not do what was asked (exit 1)."""
+
+
+def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
+    s = sub.add_parser(
+        "submit", parents=[common], help="submit a training job",
+        description="Store a job spec in etcd; every daemon runs a torchrun agent for it.",
+        epilog="Example: elasticctl submit mnist --nnodes 2:3 --nproc-per-node 1 "
+               "--user train -- /opt/jobs/train.py --epochs 3")
+    s.add_argument("name")
+    s.add_argument("--nnodes", required=True, help="N or MIN:MAX nodes")
+    s.add_argument("--nproc-per-node", type=int, required=True)
+    s.add_argument("--max-restarts", type=int, default=100,
+                   help="torchrun --max-restarts (worker group restarts per agent)")
+    s.add_argument("--user", help="run as this user (required when submitting as root)")
+    s.add_argument("--cwd", help="workers' working directory (default: the current one)")
+    s.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
+    s.add_argument("--python", help="interpreter with torch (default: this one)")
+    s.add_argument("--hang-timeout", type=float, default=300.0,
+                   help="seconds without progress before workers restart (0: off)")
+    s.add_argument("script", help="training script, after --")
+    s.add_argument("args", nargs=argparse.REMAINDER)
+    sub.add_parser("jobs", parents=[common], help="jobs and where they run",
+                   description="Every job, its desired state, and each node's view of it.")
+    st = sub.add_parser("stop", parents=[common], help="stop a job everywhere",
+                        description="Mark a job stopped; every daemon stops its processes.")
+    st.add_argument("name")
+    st.add_argument("--force", action="store_true", help="do not ask")
+    st.add_argument("--wait", type=float, default=0, metavar="SECONDS",
+                    help="wait until no node runs it")
+    lg = sub.add_parser("logs", parents=[common], help="where a job's worker logs are",
+                        description="Per node: the file holding the agent's and workers' output.")
+    lg.add_argument("name")
+
+
+def _node_statuses(coord: Coordinator, keys: Keyspace, job: str) -> list[NodeJobStatus]:
+    kvs, _ = coord.get_prefix(keys.job_nodes(job))
+    out = []
+    for kv in kvs:
+        try:
+            out.append(NodeJobStatus.decode(kv.value, kv.key))
+        except records.RecordError:
+            continue
+    return out
+
+
+def cmd_submit(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> Any:
+    args_list = list(args.args)
+    if args_list[:1] == ["--"]:
+        args_list = args_list[1:]
+    spec = jobspec.build(args.name, args.nnodes, args.nproc_per_node, args.script, args_list,
+                         user=args.user, cwd=args.cwd, env=args.env, python=args.python,
+                         max_restarts=args.max_restarts, hang_timeout=args.hang_timeout)
+    control = JobControl("running", time.time(), "elasticctl")
+    ok, _ = coord.transaction(
+        [Compare(keys.job_spec(spec.name), 0)],
+        [Put(keys.job_spec(spec.name), spec.encode()),
+         Put(keys.job_control(spec.name), control.encode())])
+    if not ok:
+        raise CommandFailed(f"job {spec.name!r} already exists: stop it, or pick another name")
+    return {"job": spec.name, "submitted": True, "nnodes": spec.torchrun_nnodes(),
+            "nproc_per_node": spec.nproc_per_node, "script": spec.script,
+            "script_sha256": spec.script_sha256, "user": spec.user}
+
+
+def _jobs(coord: Coordinator, keys: Keyspace) -> list[dict[str, Any]]:
+    kvs, _ = coord.get_prefix(keys.jobs)
+    specs: dict[str, JobSpec] = {}
+    controls: dict[str, JobControl] = {}
+    for kv in kvs:
+        rest = kv.key[len(keys.jobs):].decode(errors="replace").split("/")
+        try:
+            if len(rest) == 2 and rest[1] == "spec":
+                specs[rest[0]] = JobSpec.decode(kv.value, kv.key)
+            elif len(rest) == 2 and rest[1] == "control":
+                controls[rest[0]] = JobControl.decode(kv.value, kv.key)
+        except records.RecordError:
+            continue
+    out = []
+    for name, spec in sorted(specs.items(), key=lambda kv: kv[1].created_at):
+        nodes = {st.node: st.as_dict() for st in _node_statuses(coord, keys, name)}
+        running = sorted(n for n, st in nodes.items() if st["state"] == "running")
+        out.append({
+            "job": name, "desired": controls[name].desired if name in controls else "running",
+            "nnodes": spec.torchrun_nnodes(), "nproc_per_node": spec.nproc_per_node,
+            "script": spec.script, "args": spec.args, "user": spec.user,
+            "submitted_at": spec.created_at, "running_on": ",".join(running) or "-",
+            "nodes": nodes,
+        })
+    return out
+
+
+def cmd_jobs(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> Any:
+    return _jobs(coord, keys)
+
+
+def cmd_stop(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> Any:
+    if coord.get(keys.job_spec(args.name)) is None:
+        raise CommandFailed(f"no job named {args.name!r} (see: elasticctl jobs)")
+    if not args.force:
+        import sys
+
+        if not sys.stdin.isatty():
+            raise CommandFailed(f"stopping {args.name!r} ends its training everywhere: "
+                                "add --force to confirm")
+        if input(f"stop job {args.name} on every node? [y/N] ").strip().lower() != "y":
+            raise CommandFailed("not stopped")
+    coord.put(keys.job_control(args.name),
+              JobControl("stopped", time.time(), "elasticctl").encode())
+    deadline = time.monotonic() + args.wait
+    while True:
+        running = [s.node for s in _node_statuses(coord, keys, args.name)
+                   if s.state in ("starting", "running", "restarting", "stopping")]
+        if not running or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    if running and args.wait:
+        raise CommandFailed(f"{args.name}: still running on {', '.join(running)} after "
+                            f"{args.wait:g} s")
+    return {"job": args.name, "desired": "stopped", "still_running_on": running}
+
+
+def cmd_logs(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> Any:
+    if coord.get(keys.job_spec(args.name)) is None:
+        raise CommandFailed(f"no job named {args.name!r} (see: elasticctl jobs)")
+    hosts = {}
+    nkvs, _ = coord.get_prefix(keys.nodes)
+    for kv in nkvs:
+        try:
+            hosts[keys.node_of(kv.key)] = records.decode(kv.value, "node", kv.key)["hostname"]
+        except (records.RecordError, KeyError):
+            continue
+    return [{"node": s.node, "state": s.state, "hostname": hosts.get(s.node, "?"), "log": s.log}
+            for s in _node_statuses(coord, keys, args.name)]
+
+
+def _submit_pretty(doc: dict[str, Any]) -> str:
+    return (f"submitted job {doc['job']}: {doc['nnodes']} nodes x {doc['nproc_per_node']} "
+            f"workers, {doc['script']} as {doc['user']}")
+
+
+def _stop_pretty(doc: dict[str, Any]) -> str:
+    left = doc["still_running_on"]
+    return f"job {doc['job']} stopped" + (f" (still stopping on {', '.join(left)})" if left else "")
+
+
+COMMANDS = {
+    "submit": (cmd_submit, _submit_pretty),
+    "jobs": (cmd_jobs, JOB_TABLE),
+    "stop": (cmd_stop, _stop_pretty),
+    "logs": (cmd_logs, LOG_TABLE),
+}

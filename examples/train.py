@@ -1,0 +1,94 @@
+"""A small deterministic training job for elasticd: DDP over gloo on CPU.
+
+The distributed setup order matters and is the one to copy: process group first, then the
+data loader with its sampler (which asks the process group for rank and world size), then the
+model wrapped in DDP. Each step reports progress to the node's daemon (hang detection); without
+a daemon the script runs unchanged.
+
+    torchrun --nproc-per-node 2 examples/train.py --steps 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+try:
+    from elasticd.worker import progress
+except ImportError:  # elasticd not installed where the job runs: no progress reports
+    def progress(step: int) -> None:
+        pass
+
+
+def make_data(n: int = 4096, dim: int = 32) -> TensorDataset:
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(n, dim, generator=g)
+    w = torch.randn(dim, 1, generator=g)
+    return TensorDataset(x, x @ w + 0.1 * torch.randn(n, 1, generator=g))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--step-time", type=float, default=0.05, help="extra seconds per step")
+    p.add_argument("--hang-rank", type=int, default=-1, help="this rank stops progressing...")
+    p.add_argument("--hang-at-step", type=int, default=-1, help="...at this step (first attempt)")
+    p.add_argument("--out", default="", help="rank 0 writes the final weights here")
+    args = p.parse_args()
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")  # 1. the process group
+    rank, world = dist.get_rank(), dist.get_world_size()
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    data = make_data()
+    sampler = DistributedSampler(data, shuffle=True, seed=0)  # 2. sampler, then loader
+    loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler,
+                        generator=torch.Generator().manual_seed(0))
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                                    torch.nn.Linear(64, 1)))  # 3. the wrapped model
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    print(f"start rank {rank} world {world} restart {restart} pid {os.getpid()}", flush=True)
+    step, epoch = 0, 0
+    while step < args.steps:
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            if step >= args.steps:
+                break
+            if rank == args.hang_rank and step == args.hang_at_step and restart == 0:
+                print(f"rank {rank} hangs at step {step}", flush=True)
+                time.sleep(3600)  # no progress; the other ranks block in all_reduce
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            step += 1
+            progress(step)
+            print(f"step {step} world {world} rank {rank} restart {restart} "
+                  f"loss {loss.item():.5f}", flush=True)
+            if args.step_time:
+                time.sleep(args.step_time)
+        epoch += 1
+
+    if rank == 0 and args.out:
+        os.makedirs(args.out, exist_ok=True)
+        torch.save({k: v.clone() for k, v in model.module.state_dict().items()},
+                   os.path.join(args.out, "final.pt"))
+    print(f"done rank {rank} world {world} steps {step}", flush=True)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # FACTS.md: avoids a rare SIGABRT after destroy_process_group
+
+
+if __name__ == "__main__":
+    sys.exit(main())
