@@ -218,8 +218,9 @@ class DaemonClient:
         """
         frame = encode({**fields, "op": op, "noreply": True})
         self._check_fork()
-        # The write lock is held only for single non-blocking writes (and connects), so this
-        # waits microseconds at most; the bound is for the pathological case.
+        # The write lock is held for one non-blocking write, so this usually waits
+        # microseconds; but a call() pushing a request into a full socket (a stuck daemon)
+        # holds it until its own timeout, and a progress report must not wait for that.
         if not self._write_lock.acquire(timeout=0.05):
             return self._dropped("another thread is stuck writing to the daemon")
         try:
