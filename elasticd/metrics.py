@@ -58,6 +58,21 @@ class Metrics:
             "Worker group restarts this daemon caused or saw, by reason", ["reason"], registry=r)
         for reason in ("peer_failed", "hang", "agent_died"):
             self.worker_restarts.labels(reason)
+        self.world_size = Gauge(
+            "elasticd_world_size", "World size of the job's current worker group on this node",
+            registry=r)
+        self.rendezvous_round = Gauge(
+            "elasticd_rendezvous_round",
+            "Worker generations this node's agent has started for the job (restarts + 1)",
+            registry=r)
+        self.rendezvous_seconds = Histogram(
+            "elasticd_rendezvous_seconds",
+            "From a worker group (re)start to its first progress report (rendezvous, process "
+            "group set-up and the first step)", buckets=(0.5, 1, 2, 3, 4, 5, 7.5, 10, 15, 20,
+                                                         30, 60, 120, 300), registry=r)
+        self.hangs = Counter(
+            "elasticd_hangs_detected_total", "Worker groups restarted for making no progress",
+            registry=r)
         self.job_running = Gauge(
             "elasticd_job_running", "1 while this node runs a job's agent", registry=r)
         self.loop_cycles = Counter(

@@ -18,12 +18,14 @@ keeps cycling (and keeps the watchdog fed) meanwhile.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
 import threading
 from typing import Any, Callable, Sequence
 
+from elasticd.agent.progress import ProgressTracker, progress_handler
 from elasticd.agent.spec import JobControl, JobSpec, NodeJobStatus
 from elasticd.agent.supervisor import AgentSupervisor
 from elasticd.clock import Clock, SystemClock
@@ -84,6 +86,11 @@ class JobManager:
         self._stopping: threading.Thread | None = None
         self._finished: set[str] = set()  # jobs this node completed (exit 0) or gave up on
         self._status_job: str | None = None
+        self.tracker: ProgressTracker | None = None
+        self._report: Callable[[dict[str, Any]], None] | None = None
+        self._restarted_at: float | None = None  # a worker group is (re)starting since then
+        self._generations = 0
+        self._lock = threading.Lock()  # progress arrives on the local API's threads
         self.notes: list[str] = []
 
     # -- etcd view ------------------------------------------------------------------------
@@ -218,17 +225,61 @@ class JobManager:
             prefix=self.keys.prefix, log_dir=log_dir, extra_env=self._extra_env(),
             rdzv_conf=self.rdzv_conf, clock=self.clock)
         self.job = self._status_job = job
+        self._new_generation()
         pid = self.supervisor.start()
         self.status = NodeJobStatus(self.node_id, "running", "agent started", agent_pid=pid,
                                     agent_starts=1, log=self.supervisor.log_path,
                                     at=self.clock.wall())
         self.notes.append(f"started job {job} (agent pid {pid})")
 
+    def _new_generation(self) -> None:
+        """A worker group is (re)starting: hang detection starts over for it."""
+        with self._lock:
+            assert self.job is not None
+            spec = self.specs[self.job][1]
+            if self.tracker is None and spec.hang_timeout > 0:
+                self.tracker = ProgressTracker(spec.hang_timeout, self.clock)
+                self._report = progress_handler(self.tracker, default_job=self.job)
+            if self.tracker is not None:
+                self.tracker.reset(self.job)
+            self._restarted_at = self.clock.monotonic()
+
+    def on_progress(self, msg: dict[str, Any]) -> None:
+        """A worker's progress report (from the local API; any thread)."""
+        with self._lock:
+            if self.job is None or msg.get("job", self.job) != self.job:
+                return
+            if self._report is not None:
+                self._report(msg)
+            world = msg.get("world_size")
+            if isinstance(world, int) and world > 0:
+                self.metrics.world_size.set(world)
+                if world != self.status.world_size:
+                    self.status = dataclasses.replace(self.status, world_size=world)
+            step = msg.get("step")
+            if isinstance(step, int) and step != self.status.last_step:
+                self.status = dataclasses.replace(self.status, last_step=step)
+            if self._restarted_at is not None:
+                self.metrics.rendezvous_seconds.observe(
+                    self.clock.monotonic() - self._restarted_at)
+                self._restarted_at = None
+                self._generations += 1
+                self.metrics.rendezvous_round.set(self._generations)
+
+    def progress_status(self) -> dict[str, Any]:
+        with self._lock:
+            if self.tracker is None or self.job is None:
+                return {}
+            return self.tracker.status(self.job)
+
     def _check_agent(self) -> None:
         sup = self.supervisor
         assert sup is not None and self.job is not None
         code = sup.poll()
         if code is None:
+            hang = self.tracker.check(self.job) if self.tracker is not None else None
+            if hang is not None:
+                self.on_hang(str(hang))
             return
         if code == 0:
             self.notes.append(f"job {self.job} finished on this node")
@@ -248,7 +299,7 @@ class JobManager:
         sup.stop(grace=1.0)  # leftovers of the dead agent, if any
         self._next_start = self.clock.monotonic() + backoff
         job = self.job
-        self.job, self.supervisor = None, None
+        self.job, self.supervisor, self.tracker, self._report = None, None, None, None
         self.status = NodeJobStatus(self.node_id, "restarting", f"agent exited with {code}",
                                     agent_starts=sup.starts, log=sup.log_path,
                                     at=self.clock.wall())
@@ -263,6 +314,7 @@ class JobManager:
         if node not in self.members.get(self.job, set()) and node != "*":
             return
         n = self.supervisor.restart_workers(f"peer {node} failed")
+        self._new_generation()
         self.metrics.worker_restarts.labels("peer_failed").inc()
         self.notes.append(f"restarted {n} workers of {self.job}: peer {node} failed")
 
@@ -270,7 +322,9 @@ class JobManager:
         if self.supervisor is None:
             return
         n = self.supervisor.restart_workers(f"hang: {reason}")
+        self._new_generation()
         self.metrics.worker_restarts.labels("hang").inc()
+        self.metrics.hangs.inc()
         self.notes.append(f"restarted {n} workers of {self.job}: hang ({reason})")
 
     def fence(self, reason: str) -> None:
@@ -314,7 +368,7 @@ class JobManager:
             except CoordinationError:
                 pass
 
-        self.job, self.supervisor = None, None
+        self.job, self.supervisor, self.tracker, self._report = None, None, None, None
         self._stopping = threading.Thread(target=run, name=f"stop-{job}", daemon=True)
         self._stopping.start()
 
@@ -329,4 +383,4 @@ class JobManager:
         self._published = self.status
 
     def describe(self) -> dict[str, Any]:
-        return {"job": self.job, **self.status.as_dict()}
+        return {"job": self.job, **self.status.as_dict(), "progress": self.progress_status()}

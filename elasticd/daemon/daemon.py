@@ -90,6 +90,7 @@ class Daemon:
         self.incarnation = uuid.uuid4().hex[:12]
         self.started_at = self.clock.wall()
         self.fence_hooks: list[FenceHook] = []
+        self.local_socket = ""  # path of the workers' channel to this daemon, once serving
 
         self.health = EtcdHealth(self.clock, self._outage_started, self._outage_ended,
                                  describe=f"etcd at {settings.etcd or 'embedded'}")
@@ -194,7 +195,14 @@ class Daemon:
 
     def agent_env(self) -> dict[str, str]:
         """Environment the daemon adds for a job's agent and workers."""
-        return {"ELASTICD_PREFIX": self.settings.prefix}
+        env = {"ELASTICD_PREFIX": self.settings.prefix}
+        if self.local_socket:
+            env["ELASTICD_SOCKET"] = self.local_socket
+        return env
+
+    def local_handlers(self) -> dict[str, Callable[[dict[str, Any]], Any]]:
+        """What workers may ask of this daemon over its local socket."""
+        return {"progress": self.jobs.on_progress}
 
     # -- one cycle ------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 import sys
@@ -22,6 +23,7 @@ from elasticd.coordination.embedded import EmbeddedEtcd, EtcdNotFound, EtcdStart
 from elasticd.coordination.etcd import EtcdCoordinator
 from elasticd.daemon.daemon import Daemon, NodeIdInUse
 from elasticd.daemon.http import StatusServer
+from elasticd.daemon.local_api import LocalApiError, LocalServer
 from elasticd.daemon.notify import Notifier
 
 log = logging.getLogger("elasticd")
@@ -148,6 +150,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     notifier = Notifier()
     coord = None
     server = None
+    local: LocalServer | None = None
     try:
         coord = _connect(settings)
         daemon = Daemon(settings, coord)
@@ -159,6 +162,15 @@ def run(argv: Sequence[str] | None = None) -> int:
                         "pick another --listen address or port") from exc
         daemon.http_address = _advertised(server.address)
         server.start()
+        try:
+            os.makedirs(settings.state_path, mode=0o755, exist_ok=True)
+            local = LocalServer(os.path.join(settings.state_path, "elasticd.sock"),
+                                daemon.local_handlers())
+            local.start()
+        except (OSError, ValueError, LocalApiError) as exc:
+            raise Fatal(f"state_dir: cannot serve the workers' socket in "
+                        f"{settings.state_path}: {exc}; pick another --state-dir") from exc
+        daemon.local_socket = local.path
         try:
             daemon.join()
         except NodeIdInUse as exc:
@@ -179,6 +191,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         daemon.leave()
         return 0
     finally:
+        if local is not None:
+            local.stop()
         if server is not None:
             server.stop()
         if coord is not None:

@@ -260,7 +260,8 @@ class DaemonClient:
         """Reports that this worker reached ``step`` (one-way; see :meth:`send`)."""
         ident = self.identity
         return self.send("progress", step=int(step), rank=ident.rank,
-                         local_rank=ident.local_rank, pid=os.getpid(), job=ident.job)
+                         local_rank=ident.local_rank, pid=os.getpid(), job=ident.job,
+                         world_size=ident.world_size, restart=ident.restart_count)
 
     def close(self) -> None:
         """Closes the connection (the next call opens a new one)."""

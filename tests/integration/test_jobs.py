@@ -130,3 +130,53 @@ def test_kill9_node_survivors_train_at_world_2_then_rejoin_at_3(cluster, victim)
     assert res.returncode == 0, res.stderr
     for n in cluster.nodes.values():
         assert not n.tagged(), f"{n.node_id} still runs processes of the stopped job"
+
+
+def job_status(cluster, node):
+    return cluster.nodes[node].http("/status")["job"]
+
+
+@pytest.mark.timeout(180)
+def test_kill9_of_the_agent_alone_takes_its_workers_and_the_job_recovers(cluster):
+    ctl(cluster.etcd, cluster.prefix, "submit", "job", "--nnodes", "2:3", "--nproc-per-node",
+        "1", "--user", "root", "--", TRAIN, "--steps", "100000", "--step-time", "0.02",
+        check=True)
+    cluster.wait_for(lambda: all(steps_at_world(agent_log(cluster, n, "job"), 3)
+                                 for n in cluster.nodes), 60, "training at world size 3")
+    agent_pid = job_status(cluster, "n2")["agent_pid"]
+    workers = [int(p) for p in open(f"/proc/{agent_pid}/task/{agent_pid}/children").read().split()]
+    assert workers
+    marks = {n: len(agent_log(cluster, n, "job")) for n in cluster.nodes}
+    os.kill(agent_pid, 9)
+    cluster.wait_for(lambda: not any(os.path.exists(f"/proc/{p}") for p in workers), 10,
+                     "the dead agent's workers gone")
+    cluster.wait_for(lambda: all(steps_at_world(agent_log(cluster, n, "job"), 3, marks[n])
+                                 for n in cluster.nodes), 90, "training again at world size 3")
+    assert job_status(cluster, "n2")["agent_starts"] >= 1
+    assert "elasticd_worker_restarts_total{reason=\"agent_died\"} 1.0" in \
+        cluster.nodes["n2"].http("/metrics")
+
+
+@pytest.mark.timeout(180)
+def test_hang_is_detected_and_the_job_restarted(tmp_path):
+    c = LocalCluster(["n1", "n2"], workdir=str(tmp_path), lease_ttl=TTL)
+    try:
+        c.start()
+        ctl(c.etcd, c.prefix, "submit", "hang", "--nnodes", "2", "--nproc-per-node", "1",
+            "--user", "root", "--hang-timeout", "4", "--", TRAIN, "--steps", "60",
+            "--step-time", "0.02", "--hang-rank", "1", "--hang-at-step", "20", check=True)
+
+        def restarted_and_progressing():
+            logs = [agent_log(c, n, "hang") for n in c.nodes]
+            return all(re.search(r"restart [1-9]\d* loss", t) for t in logs)
+
+        c.wait_for(restarted_and_progressing, 90, "workers restarted after the hang")
+        hangs = sum(float(line.split()[-1]) for n in c.nodes.values()
+                    for line in n.http("/metrics").splitlines()
+                    if line.startswith("elasticd_hangs_detected_total"))
+        assert hangs >= 1
+        assert any("hangs at step 20" in agent_log(c, n, "hang") for n in c.nodes)
+        c.wait_for(lambda: all("done rank" in agent_log(c, n, "hang") for n in c.nodes), 60,
+                   "the job finished after the restart")
+    finally:
+        c.stop()
