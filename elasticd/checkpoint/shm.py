@@ -228,19 +228,26 @@ class SlotStore:
                             "for this snapshot")
         return segment
 
-    def latest(self, job: str, rank: int, *, pin: bool = False,
-               verify: bool = False) -> SnapshotView | None:
+    def latest(self, job: str, rank: int, *, pin: bool = False, verify: bool = False,
+               version: tuple[int, int] | None = None) -> SnapshotView | None:
         """The latest complete snapshot of (job, rank), or None.
 
         Args:
             pin: keep the slot from being reused until the view is released.
             verify: re-check the payload checksums now (raises CorruptSnapshot).
+            version: the complete snapshot with this (generation, step) instead, which may be
+                the previous one (see :meth:`versions`); None when it is not held.
         """
         with self._lock:
             pair = self._pairs.get((job, rank))
             if pair is None or pair.latest is None:
                 return None
             segment = pair.segments[pair.latest]
+            if version is not None:
+                segment = next((s for s in pair.segments if s is not None and s.header
+                                is not None and s.header.version() == tuple(version)), None)
+                if segment is None:
+                    return None
             assert segment is not None and segment.header is not None
             if pin:
                 segment.pins += 1
@@ -250,6 +257,15 @@ class SlotStore:
             if pin:
                 self._unpin(segment)
             raise
+
+    def versions(self, job: str, rank: int) -> list[tuple[int, int]]:
+        """(generation, step) of every complete snapshot of (job, rank) held, newest first:
+        the latest and, until the next reserve takes its slot, the one before it."""
+        with self._lock:
+            pair = self._pairs.get((job, rank))
+            held = [] if pair is None else [s.header.version() for s in pair.segments
+                                            if s is not None and s.header is not None]
+        return sorted(held, reverse=True)
 
     def _unpin(self, segment: Segment) -> None:
         with self._lock:

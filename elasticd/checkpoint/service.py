@@ -1,0 +1,411 @@
+"""The daemon's checkpoint service: what workers call, over the local socket, to snapshot and
+restore.
+
+A worker asks for a slot (``ckpt_reserve``), copies its state into it, writes the unsealed
+header JSON into the slot's header area and says so (``ckpt_complete``); the service reads and
+validates that header, computes the xxh3 block checksums and seals the snapshot — on the
+daemon's thread, so checksums never stall the training loop. Over the memory cap a snapshot is
+skipped, never an error: the worker gets ``{"skip": true}``, the job is marked unprotected, one
+warning is logged per job and a counter goes up. At restore, workers list what is held
+(``ckpt_list``), open a snapshot read-only (``ckpt_open``: verified here first, pinned until
+``ckpt_release``) and report where they restored from (``ckpt_report``).
+
+When every local rank has completed a step, the step is offered to the :class:`Persister`.
+Slot files are handed to the job's user (the peer uid the local socket reports) when the daemon
+runs as root, so workers running as that user can map them. Daemon side: no torch.
+
+Ops (request fields → reply fields; errors are :class:`RequestError` replies):
+
+* ``ckpt_reserve`` job, rank, world_size, nbytes, [local_world_size] → path, capacity, ticket
+  | skip, reason
+* ``ckpt_complete`` job, rank, ticket, header_size, [stall_seconds] → generation, step, bytes
+* ``ckpt_list`` job, [rank], [world_size] → ram {rank: [[gen, step], ...]}, persisted
+  [[gen, step], ...], persist_root, progress [gen, step] | null
+* ``ckpt_open`` job, rank, generation, step → path, offset, size, pin
+* ``ckpt_release`` pin → {}
+* ``ckpt_report`` job, rank, source, seconds, steps_lost, bytes, generation, step, [refused]
+  → {}
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import os
+import threading
+from typing import Any, Callable, Protocol
+
+from elasticd.checkpoint.api import OverBudget, Slot, SlotBusy, StaleSlot
+from elasticd.checkpoint.format import PREAMBLE_SIZE, SnapshotError
+from elasticd.checkpoint.reader import _header_from_json
+from elasticd.checkpoint.shm import SlotStore
+from elasticd.clock import Clock, SystemClock
+from elasticd.daemon.local_api import RequestError
+from elasticd.persistence.persister import Flushed, Persister
+
+log = logging.getLogger(__name__)
+
+RESTORE_SOURCES = ("local", "peer", "persistent", "none")
+
+
+class CheckpointMetrics(Protocol):
+    """What the service tells the daemon's metrics (every method optional)."""
+
+    def snapshot_completed(self, job: str, rank: int, step: int, nbytes: int,
+                           stall_seconds: float) -> None: ...
+    def snapshot_skipped(self, job: str, reason: str) -> None: ...
+    def snapshot_refused(self, job: str, source: str) -> None: ...
+    def restored(self, job: str, source: str, seconds: float, steps_lost: int,
+                 nbytes: int) -> None: ...
+    def persisted(self, job: str, step: int, seconds: float, nbytes: int, ok: bool) -> None: ...
+
+
+@dataclasses.dataclass
+class _Job:
+    world_size: int = 0
+    local_world_size: int | None = None
+    uid: int | None = None
+    ranks: set[int] = dataclasses.field(default_factory=set)
+    slots: dict[int, Slot] = dataclasses.field(default_factory=dict)
+    nbytes: dict[int, int] = dataclasses.field(default_factory=dict)
+    unprotected: dict[int, str] = dataclasses.field(default_factory=dict)
+    warned: bool = False
+    progress: tuple[int, int] | None = None
+    offered: tuple[int, int] = (-1, -1)
+    refused: set[tuple[int, int, int]] = dataclasses.field(default_factory=set)
+    last_restore: dict[str, Any] | None = None
+
+
+def _get(msg: dict[str, Any], key: str, kind: type, default: Any = ...) -> Any:
+    value = msg.get(key, default)
+    if value is ...:
+        raise RequestError(f"request lacks {key!r}")
+    if value is default and default is not ...:
+        return value
+    if kind is float and type(value) is int:
+        value = float(value)
+    if type(value) is not kind or (kind is int and value < 0):
+        raise RequestError(f"{key!r} must be a {'non-negative ' if kind is int else ''}"
+                           f"{kind.__name__}, got {value!r:.60}")
+    return value
+
+
+class CheckpointService:
+    """Serves the checkpoint ops for one node.
+
+    Args:
+        store: the node's slot store (after :meth:`SlotStore.scan` on a restart).
+        node_id: this node, for log lines.
+        persist: the persistent tier's flusher, or None.
+        metrics_sink: optional :class:`CheckpointMetrics`.
+        clock: injected time.
+        pin_ttl: a read pin not released within this many seconds (its worker died) is dropped.
+    """
+
+    def __init__(self, store: SlotStore, node_id: str, persist: Persister | None = None,
+                 metrics_sink: Any = None, clock: Clock | None = None,
+                 pin_ttl: float = 600.0) -> None:
+        self.store, self.node_id, self.persist = store, node_id, persist
+        self.sink, self.clock, self.pin_ttl = metrics_sink, clock or SystemClock(), pin_ttl
+        self._lock = threading.Lock()
+        self._jobs: dict[str, _Job] = {}
+        self._pins: dict[int, tuple[Any, str, float]] = {}
+        self._next_pin = 0
+        self._granted: set[str] = set()
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=100)
+        if persist is not None and persist.on_flushed is None:
+            persist.on_flushed = self._on_flushed
+        for job, rank, gen, step in store.holdings():  # adopted after a daemon restart
+            record = self._job(job)
+            record.progress = max(record.progress or (gen, step), (gen, step))
+
+    def handlers(self) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
+        """Op name → handler, for :class:`~elasticd.daemon.local_api.LocalServer`."""
+        return {"ckpt_reserve": self._reserve, "ckpt_complete": self._complete,
+                "ckpt_list": self._list, "ckpt_open": self._open,
+                "ckpt_release": self._release, "ckpt_report": self._report}
+
+    def _job(self, job: str) -> _Job:
+        record = self._jobs.get(job)
+        if record is None:
+            record = self._jobs[job] = _Job()
+        return record
+
+    def _emit(self, method: str, *args: Any) -> None:
+        fn = getattr(self.sink, method, None)
+        if fn is not None:
+            try:
+                fn(*args)
+            except Exception:  # noqa: BLE001 — metrics must never fail a snapshot
+                log.exception("checkpoint metrics sink %s failed", method)
+
+    # -- snapshots ------------------------------------------------------------------------
+
+    def _reserve(self, msg: dict[str, Any]) -> dict[str, Any]:
+        job, rank = _get(msg, "job", str), _get(msg, "rank", int)
+        world, nbytes = _get(msg, "world_size", int), _get(msg, "nbytes", int)
+        local_world = _get(msg, "local_world_size", int, None)
+        if rank >= world:
+            raise RequestError(f"rank {rank} outside world size {world}")
+        uid = msg.get("_peer", {}).get("uid", msg.get("uid"))
+        self._sweep_pins()
+        with self._lock:
+            record = self._job(job)
+            if record.world_size != world:  # a new world: its local ranks are seen afresh
+                record.world_size, record.ranks = world, set()
+            record.ranks.add(rank)
+            record.local_world_size, record.uid = local_world, uid if type(uid) is int else None
+        try:
+            slot = self.store.reserve(job, rank, nbytes)
+        except OverBudget as exc:
+            return self._skip(job, rank, "over_budget", str(exc))
+        except SlotBusy as exc:
+            return self._skip(job, rank, "busy", str(exc))
+        except (ValueError, OSError) as exc:
+            raise RequestError(f"cannot reserve a slot: {exc}") from exc
+        self._grant(slot.path, record.uid)
+        with self._lock:
+            record.slots[rank] = slot
+            record.unprotected.pop(rank, None)
+        return {"path": slot.path, "capacity": slot.capacity, "ticket": slot.ticket}
+
+    def _skip(self, job: str, rank: int, reason: str, detail: str) -> dict[str, Any]:
+        with self._lock:
+            record = self._job(job)
+            self.counters[f"skipped_{reason}"] += 1
+            if reason == "over_budget":
+                record.unprotected[rank] = detail
+                warn, record.warned = not record.warned, True
+            else:
+                warn = False
+        if warn:
+            log.warning("job %s is UNPROTECTED on node %s: snapshot of rank %d skipped, over "
+                        "the memory cap (%s); training continues without in-RAM checkpoints "
+                        "(further skips of this job are counted, not logged)", job,
+                        self.node_id, rank, detail)
+        else:
+            log.debug("%s rank %d: snapshot skipped (%s): %s", job, rank, reason, detail)
+        self._emit("snapshot_skipped", job, reason)
+        return {"skip": True, "reason": f"{reason}: {detail}"}
+
+    def _grant(self, path: str, uid: int | None) -> None:
+        """Gives a slot file to the job's user; its directories become traversable only."""
+        if uid is None or uid == 0 or os.geteuid() != 0 or path in self._granted:
+            return
+        rank_dir = os.path.dirname(path)
+        for directory in (self.store.root, os.path.dirname(rank_dir), rank_dir):
+            os.chmod(directory, 0o711)
+        os.chown(path, uid, -1)
+        self._granted.add(path)
+
+    def _complete(self, msg: dict[str, Any]) -> dict[str, Any]:
+        job, rank = _get(msg, "job", str), _get(msg, "rank", int)
+        ticket, size = _get(msg, "ticket", int), _get(msg, "header_size", int)
+        stall = _get(msg, "stall_seconds", float, 0.0)
+        with self._lock:
+            record = self._jobs.get(job)
+            slot = None if record is None else record.slots.get(rank)
+        if slot is None or slot.ticket != ticket:
+            raise RequestError(f"{job} rank {rank}: ticket {ticket} is not the slot reserved")
+        if not 0 < size <= slot.capacity - PREAMBLE_SIZE:
+            raise RequestError(f"header_size {size} does not fit the slot")
+        where = f"{job} rank {rank} (slot {slot.path})"
+        try:
+            raw = json.loads(bytes(slot.buffer[PREAMBLE_SIZE : PREAMBLE_SIZE + size]))
+            header = _header_from_json(raw, PREAMBLE_SIZE + size, where)
+            if header.world_size != record.world_size:
+                raise RequestError(f"{where}: header says world size {header.world_size}, the "
+                                   f"reservation {record.world_size}")
+            sealed = self.store.complete(slot, dataclasses.replace(header, blocks=()))
+        except (ValueError, SnapshotError, StaleSlot) as exc:  # JSONDecodeError is a ValueError
+            raise RequestError(f"snapshot refused: {exc}") from exc
+        version, nbytes = sealed.version(), sealed.layout.total_size
+        with self._lock:
+            record.slots.pop(rank, None)
+            record.nbytes[rank] = nbytes
+            record.progress = max(record.progress or version, version)
+            self.counters["snapshots"] += 1
+        self._emit("snapshot_completed", job, rank, sealed.step, nbytes, stall)
+        self._maybe_persist(job, record, version)
+        return {"generation": sealed.generation, "step": sealed.step, "bytes": nbytes}
+
+    def _maybe_persist(self, job: str, record: _Job, version: tuple[int, int]) -> None:
+        if self.persist is None:
+            return
+        with self._lock:
+            ranks = sorted(record.ranks)
+            want = record.local_world_size or record.world_size
+            if len(ranks) < want or version <= record.offered:
+                return
+            if not all(version in self.store.versions(job, r) for r in ranks):
+                return
+            record.offered = version
+        if not self.persist.due(job, version[1]):
+            return
+        views = []
+        for r in ranks:
+            view = self.store.latest(job, r, pin=True, version=version)
+            if view is None:  # overwritten meanwhile: a newer step will be offered
+                for v in views:
+                    v.release()
+                return
+            views.append(view)
+        if not self.persist.submit(job, views, record.uid):
+            log.debug("%s step %s not persisted: the writer is busy", job, version)
+
+    def _on_flushed(self, flushed: Flushed) -> None:
+        self._emit("persisted", flushed.job, flushed.version[1], flushed.seconds,
+                   flushed.nbytes, not flushed.error)
+
+    # -- restore --------------------------------------------------------------------------
+
+    def _list(self, msg: dict[str, Any]) -> dict[str, Any]:
+        job = _get(msg, "job", str)
+        only = _get(msg, "rank", int, None)
+        world = _get(msg, "world_size", int, None)
+        ranks = sorted({r for j, r, _, _ in self.store.holdings() if j == job})
+        with self._lock:
+            record = self._jobs.get(job)
+            refused = set() if record is None else set(record.refused)
+            progress = None if record is None else record.progress
+        ram: dict[str, list[list[int]]] = {}
+        for r in ranks if only is None else [only]:
+            held = []
+            for version in self.store.versions(job, r):
+                if (r, *version) in refused:
+                    continue
+                view = self.store.latest(job, r, version=version)
+                if view is not None and (world is None or view.header.world_size == world):
+                    held.append(list(version))
+            ram[str(r)] = held
+        persisted: list[list[int]] = []
+        if self.persist is not None:
+            try:
+                persisted = [list(m.version()) for m in self.persist.steps(job)
+                             if world is None or m.world_size == world]
+            except OSError as exc:
+                log.warning("cannot list the persistent tier for %s: %s", job, exc)
+        return {"ram": ram, "persisted": persisted, "progress": progress and list(progress),
+                "persist_root": self.persist.root if self.persist else None}
+
+    def _open(self, msg: dict[str, Any]) -> dict[str, Any]:
+        job, rank = _get(msg, "job", str), _get(msg, "rank", int)
+        version = (_get(msg, "generation", int), _get(msg, "step", int))
+        self._sweep_pins()
+        try:
+            view = self.store.latest(job, rank, pin=True, verify=True, version=version)
+        except SnapshotError as exc:
+            with self._lock:
+                self._job(job).refused.add((rank, *version))
+                self.counters["refused"] += 1
+            log.error("REFUSED corrupt snapshot of %s rank %d step %s on node %s: %s", job,
+                      rank, version, self.node_id, exc)
+            self._emit("snapshot_refused", job, "local")
+            raise RequestError(f"refused: {exc}") from exc
+        if view is None:
+            raise RequestError(f"{job} rank {rank} step {version} is not held here")
+        with self._lock:
+            self._next_pin += 1
+            pin = self._next_pin
+            self._pins[pin] = (view, job, self.clock.monotonic())
+        return {"path": view.path, "offset": 0, "size": view.header.layout.total_size,
+                "pin": pin}
+
+    def _release(self, msg: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            entry = self._pins.pop(_get(msg, "pin", int), None)
+        if entry is not None:
+            entry[0].release()
+        return {}
+
+    def _sweep_pins(self) -> None:
+        now = self.clock.monotonic()
+        with self._lock:
+            old = [p for p, (_, _, t) in self._pins.items() if now - t > self.pin_ttl]
+            views = [self._pins.pop(p)[0] for p in old]
+        for view in views:
+            view.release()
+
+    def _report(self, msg: dict[str, Any]) -> dict[str, Any]:
+        job, rank, source = _get(msg, "job", str), _get(msg, "rank", int), msg.get("source")
+        if source not in RESTORE_SOURCES:
+            raise RequestError(f"source must be one of {RESTORE_SOURCES}, got {source!r:.40}")
+        seconds, lost = _get(msg, "seconds", float), _get(msg, "steps_lost", int)
+        nbytes = _get(msg, "bytes", int)
+        refused = [str(r)[:500] for r in msg.get("refused", []) if isinstance(r, str)][:16]
+        entry = {"job": job, "rank": rank, "source": source, "seconds": seconds,
+                 "steps_lost": lost, "bytes": nbytes, "generation": msg.get("generation"),
+                 "step": msg.get("step"), "refused": refused, "at": self.clock.wall()}
+        with self._lock:
+            self._job(job).last_restore = entry
+            self.history.append(entry)
+            self.counters[f"restores_{source}"] += 1
+        log.info("%s rank %d restored from %s: step %s, %.3f s, %d bytes, %d steps lost%s",
+                 job, rank, source, entry["step"], seconds, nbytes, lost,
+                 f"; refused: {'; '.join(refused)}" if refused else "")
+        for reason in refused:
+            if reason.startswith("persistent"):
+                self._emit("snapshot_refused", job, "persistent")
+        self._emit("restored", job, source, seconds, lost, nbytes)
+        return {}
+
+    # -- housekeeping and status ----------------------------------------------------------
+
+    def remove_job(self, job: str) -> None:
+        """Drops the job's slots, pins and records (its persisted steps stay)."""
+        with self._lock:
+            self._jobs.pop(job, None)
+            views = [self._pins.pop(p)[0] for p, (_, j, _) in list(self._pins.items())
+                     if j == job]
+        for view in views:
+            view.release()
+        self.store.remove_job(job)
+        self._granted = {p for p in self._granted if os.path.exists(p)}
+
+    def status(self) -> dict[str, Any]:
+        """Per job: each rank's latest (generation, step) held, bytes held, unprotected flag
+        and reason, newest persisted step, progress and the last restore."""
+        out: dict[str, Any] = {}
+        holdings = self.store.holdings()
+        with self._lock:
+            for job, record in sorted(self._jobs.items()):
+                ranks = {str(r): [g, s] for j, r, g, s in holdings if j == job}
+                persisted = self.persist.persisted(job) if self.persist else None
+                out[job] = {
+                    "ranks": ranks,
+                    "bytes": sum(record.nbytes.get(int(r), 0) for r in ranks),
+                    "unprotected": bool(record.unprotected),
+                    "unprotected_reason": next(iter(record.unprotected.values()), ""),
+                    "persisted": persisted and list(persisted),
+                    "progress": record.progress and list(record.progress),
+                    "last_restore": record.last_restore,
+                }
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        """Plain numbers for the daemon's metrics (see the module's recommended names)."""
+        status = self.status()
+        with self._lock:
+            counters = dict(self.counters)
+        steps = [s for job in status.values() for _, s in job["ranks"].values()]
+        persist = self.persist.stats() if self.persist else {}
+        return {
+            "snapshots_total": counters.get("snapshots", 0),
+            "snapshot_bytes": sum(job["bytes"] for job in status.values()),
+            "snapshot_step": min(steps) if steps else -1,
+            "replica_bytes_held": self.store.bytes_held(),
+            "skipped_over_budget_total": counters.get("skipped_over_budget", 0),
+            "skipped_busy_total": counters.get("skipped_busy", 0),
+            "refused_total": counters.get("refused", 0),
+            "unprotected_jobs": sum(job["unprotected"] for job in status.values()),
+            "restores_total": {s: counters.get(f"restores_{s}", 0) for s in RESTORE_SOURCES},
+            "persisted_step": max((j["persisted"][1] for j in status.values()
+                                   if j["persisted"]), default=-1),
+            "persist_seconds_last": persist.get("last_seconds", 0.0),
+            "persists_total": persist.get("flushed", 0),
+            "persists_failed_total": persist.get("failed", 0),
+            "persists_skipped_total": persist.get("skipped_busy", 0),
+        }

@@ -1,0 +1,60 @@
+"""How the worker-side checkpointer reaches the checkpoint service: a one-method interface.
+
+In production that is :class:`elasticd.worker.client.DaemonClient` over the daemon's Unix
+socket. :class:`InProcessTransport` calls a service's handlers directly in the same process —
+for unit tests, and for anything that wants the engine without a daemon — and pushes every
+request and reply through JSON exactly as the socket would, so a field that could not cross the
+real wire fails here too. Standard library only (no torch): both sides import it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable, Mapping, Protocol
+
+from elasticd.daemon.local_api import RequestError
+
+
+class Transport(Protocol):
+    """Sends one request to the daemon and returns its reply's fields.
+
+    Implementations raise an exception (any) when the daemon refuses the request or cannot
+    be reached; the checkpointer turns that into a skipped snapshot, never a training error.
+    """
+
+    def call(self, op: str, **fields: Any) -> dict[str, Any]: ...
+
+
+class TransportError(Exception):
+    """The in-process service refused a request (the message is the daemon's)."""
+
+
+class InProcessTransport:
+    """Calls ``handlers`` (e.g. ``CheckpointService.handlers()``) directly.
+
+    Args:
+        handlers: op name → handler, as served by the local socket.
+        uid: the peer uid the handlers see (default: this process's).
+    """
+
+    def __init__(self, handlers: Mapping[str, Callable[[dict[str, Any]], Any]],
+                 uid: int | None = None) -> None:
+        self.handlers = dict(handlers)
+        self.peer = {"pid": os.getpid(), "uid": os.geteuid() if uid is None else uid,
+                     "gid": os.getegid()}
+        self.calls: list[str] = []
+
+    def call(self, op: str, **fields: Any) -> dict[str, Any]:
+        fields.pop("timeout", None)  # DaemonClient's keyword, not a field
+        handler = self.handlers.get(op)
+        if handler is None:
+            raise TransportError(f"unknown op {op!r}")
+        self.calls.append(op)
+        msg = json.loads(json.dumps({**fields, "op": op}, allow_nan=False))
+        msg["_peer"] = dict(self.peer)
+        try:
+            reply = handler(msg)
+        except RequestError as exc:
+            raise TransportError(f"elasticd refused {op!r}: {exc}") from exc
+        return json.loads(json.dumps(reply or {}, allow_nan=False))

@@ -1,0 +1,241 @@
+"""The daemon's asynchronous flusher of complete snapshots to the persistent tier.
+
+The checkpoint service offers a step once every local rank has completed it; the persister
+decides whether it is due (every K steps, or T seconds after the last flush), and if so a single
+background thread copies this node's ranks out of shared memory into private buffers (the slots
+are pinned only for that memcpy, so the bytes cannot change under it), writes them to disk and
+completes the step's manifest when it can. The private buffers, one snapshot's worth per local
+rank, are kept between flushes and are daemon memory outside the slot store's cap. The
+queue is bounded: a step offered while the writer is still busy is skipped and counted, never
+queued without bound and never waited for — the training loop must not feel a slow disk.
+
+Several nodes flush the same step into a shared directory; :mod:`~elasticd.persistence.tier`
+makes that race-free. ``every_seconds`` is decided by each node's own clock, so on a multi-node
+job two nodes may pick different steps now and then; such a step stays incomplete and is pruned
+once a newer step is complete. ``every_steps`` is the same decision on every node. No torch.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import queue
+import threading
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from elasticd.clock import Clock, SystemClock
+from elasticd.persistence.tier import Manifest, Tier
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Flushed:
+    """What one flush did: passed to the ``on_flushed`` callback.
+
+    Attributes:
+        complete: the step is complete on disk (this node or another wrote the manifest).
+        error: why the flush failed ("" when it did not).
+    """
+
+    job: str
+    version: tuple[int, int]
+    ranks: tuple[int, ...]
+    nbytes: int
+    seconds: float
+    complete: bool
+    error: str = ""
+
+
+class Persister:
+    """Flushes complete snapshots to ``root`` in the background.
+
+    Args:
+        root: the persistent tier's directory.
+        keep: complete steps kept per job (older ones are pruned after each flush).
+        every_steps: flush steps that are multiples of this.
+        every_seconds: flush the first step offered this long after the previous flush.
+            With neither, every step offered is flushed (when the writer is free).
+        queue_size: flushes that may wait behind the one being written (their slots stay
+            pinned while they wait); further ones are skipped. 0: skip whenever busy.
+        node_id: recorded in the markers.
+        clock: injected time.
+        on_flushed: called on the writer thread after each flush (metrics, events).
+    """
+
+    def __init__(self, root: str, keep: int = 3, every_steps: int | None = None,
+                 every_seconds: float | None = None, *, queue_size: int = 0, node_id: str = "",
+                 clock: Clock | None = None,
+                 on_flushed: Callable[[Flushed], None] | None = None) -> None:
+        if type(keep) is not int or keep < 1:
+            raise ValueError(f"keep must be an integer >= 1, got {keep!r}")
+        if every_steps is not None and (type(every_steps) is not int or every_steps < 1):
+            raise ValueError(f"every_steps must be an integer >= 1 or None, got {every_steps!r}")
+        if every_seconds is not None and not every_seconds > 0:
+            raise ValueError(f"every_seconds must be > 0 or None, got {every_seconds!r}")
+        if type(queue_size) is not int or queue_size < 0:
+            raise ValueError(f"queue_size must be an integer >= 0, got {queue_size!r}")
+        self.tier = Tier(root, node_id)
+        self.root, self.keep = root, keep
+        self.every_steps, self.every_seconds = every_steps, every_seconds
+        self.clock = clock or SystemClock()
+        self.on_flushed = on_flushed
+        self.queue_size = queue_size
+        self._queue: "queue.Queue[Any]" = queue.Queue()  # bounded by _pending, in submit
+        self._lock = threading.Lock()
+        self._last_flush: dict[str, float] = {}
+        self._persisted: dict[str, tuple[int, int]] = {}
+        self._idle = threading.Condition(self._lock)
+        self._pending = 0
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.last_seconds = 0.0
+        self._buffers: list[np.ndarray] = []
+        self._thread = threading.Thread(target=self._run, name="elasticd-persist", daemon=True)
+        self._closed = False
+        self._thread.start()
+
+    # -- the service's side -------------------------------------------------------------
+
+    def due(self, job: str, step: int) -> bool:
+        """Whether a step of ``job`` should be flushed (the policy; nothing is reserved)."""
+        if self.every_steps is None and self.every_seconds is None:
+            return True
+        if self.every_steps is not None and step % self.every_steps == 0:
+            return True
+        if self.every_seconds is not None:
+            with self._lock:
+                last = self._last_flush.get(job)
+            return last is None or self.clock.monotonic() - last >= self.every_seconds
+        return False
+
+    def submit(self, job: str, views: Sequence[Any], uid: int | None = None) -> bool:
+        """Queues this node's ranks of one step for flushing.
+
+        Args:
+            views: pinned :class:`~elasticd.checkpoint.shm.SnapshotView` objects of the same
+                (generation, step), one per local rank. The persister releases them — at once
+                when the step is skipped, else after writing.
+            uid: owner to give the files to (the job's user) when the daemon runs as root.
+
+        Returns:
+            False when the writer is busy (the step is skipped and the views released).
+        """
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                if self._pending > self.queue_size:
+                    closed = None
+                else:
+                    self._queue.put_nowait((job, list(views), uid))
+                    self._pending += 1
+                    self._last_flush[job] = self.clock.monotonic()
+        if closed is not False:
+            for v in views:
+                v.release()
+            self.counters["skipped_busy" if closed is None else "skipped_closed"] += 1
+            return False
+        return True
+
+    def persisted(self, job: str) -> tuple[int, int] | None:
+        """The newest step of ``job`` this persister saw complete on disk."""
+        with self._lock:
+            return self._persisted.get(job)
+
+    def steps(self, job: str) -> list[Manifest]:
+        """Complete steps of ``job`` on disk, newest first (lists the directory)."""
+        found = self.tier.complete_steps(job)
+        if found:
+            self._note(job, found[0].version())
+        return found
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Waits until every queued flush is written; False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Finishes the queued flushes and stops the writer thread."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"flushed": self.counters["flushed"], "failed": self.counters["failed"],
+                    "skipped_busy": self.counters["skipped_busy"],
+                    "last_seconds": self.last_seconds,
+                    "buffer_bytes": sum(len(b) for b in self._buffers),
+                    "persisted": {j: list(v) for j, v in self._persisted.items()}}
+
+    # -- the writer thread ----------------------------------------------------------------
+
+    def _note(self, job: str, version: tuple[int, int]) -> None:
+        with self._lock:
+            if version > self._persisted.get(job, (-1, -1)):
+                self._persisted[job] = version
+
+    def _staging(self, index: int, size: int) -> np.ndarray:
+        """A private buffer per local rank, kept between flushes (pages already touched)."""
+        while len(self._buffers) <= index:
+            self._buffers.append(np.empty(0, np.uint8))
+        if len(self._buffers[index]) < size:
+            self._buffers[index] = np.empty(size, np.uint8)
+        return self._buffers[index]
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            try:
+                self._flush(*item)
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+    def _flush(self, job: str, views: list[Any], uid: int | None) -> None:
+        start = self.clock.monotonic()
+        version, ranks, nbytes, error, complete = (-1, -1), [], 0, "", False
+        try:
+            # Copy out at memory speed and let the slots go at once: a pin held for the whole
+            # disk write would make the worker's next-but-one snapshot find its slot busy.
+            copies = []
+            for i, view in enumerate(views):
+                size = view.header.layout.total_size
+                buf = self._staging(i, size)
+                np.copyto(buf[:size], np.frombuffer(view.buffer, np.uint8, size))
+                copies.append((view.header, buf[:size]))
+                view.release()
+            for header, buf in copies:
+                version = header.version()
+                record = self.tier.write_rank(header, buf, uid)
+                ranks.append(header.rank)
+                nbytes += record["bytes"]
+            self.tier.try_finish(job, version, uid)
+            complete = self.tier.manifest(job, version) is not None
+            if complete:
+                self._note(job, version)
+                self.tier.prune(job, self.keep)
+        except Exception as exc:  # noqa: BLE001 — a full disk must not kill the daemon
+            error = f"{type(exc).__name__}: {exc}"
+            log.warning("persist of %s step %s failed: %s", job, version, error)
+        finally:
+            for view in views:
+                view.release()
+        seconds = self.clock.monotonic() - start
+        with self._lock:
+            self.counters["failed" if error else "flushed"] += 1
+            self.last_seconds = seconds
+        if self.on_flushed is not None:
+            try:
+                self.on_flushed(Flushed(job, version, tuple(ranks), nbytes, seconds, complete,
+                                        error))
+            except Exception:  # noqa: BLE001
+                log.exception("persist callback failed")

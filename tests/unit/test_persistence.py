@@ -1,0 +1,263 @@
+"""The persistent tier: safetensors files standard tools read, atomic steps, keep-N, several
+writers racing on one step, and the asynchronous persister's skip-when-busy policy."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from elasticd.checkpoint.format import CorruptSnapshot, SnapshotHeader, TensorSpec, TruncatedSnapshot, layout
+from elasticd.persistence import safetensors_file
+from elasticd.persistence.persister import Persister
+from elasticd.persistence.tier import MANIFEST, Tier
+
+ARRAYS = {
+    "model/w": np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4),
+    "model/b16": np.arange(6, dtype=np.uint16),  # bfloat16 bit patterns
+    "optim/step": np.array(7, dtype=np.int64),
+    "empty": np.zeros((0, 3), dtype=np.float32),
+    "odd": np.arange(8, dtype=np.uint8),  # complex32: no safetensors dtype
+}
+DTYPES = {"model/b16": "bfloat16", "odd": "complex32"}
+
+
+def snapshot(job="job", rank=0, world=2, step=3, generation=0, arrays=ARRAYS):
+    specs = [TensorSpec(k, DTYPES.get(k, str(v.dtype)),
+                        (2,) if k == "odd" else v.shape) for k, v in arrays.items()]
+    lay = layout(specs, job=job, meta={})
+    buf = bytearray(lay.total_size)
+    for e in lay.entries:
+        buf[e.offset : e.offset + e.nbytes] = arrays[e.name].tobytes()
+    meta = {"v": 1, "objects": [["epoch", "value", 3]]}
+    return SnapshotHeader(job, step, generation, rank, world, lay, meta), buf
+
+
+class View:
+    """Stands in for a pinned SnapshotView."""
+
+    def __init__(self, header, buf):
+        self.header, self.buffer, self.released = header, memoryview(buf), 0
+
+    def release(self):
+        self.released += 1
+
+
+def test_rank_file_roundtrip_and_standard_readers(tmp_path):
+    header, buf = snapshot()
+    path = str(tmp_path / "rank-0.safetensors")
+    nbytes, digest = safetensors_file.write(path, header, buf)
+    assert os.path.getsize(path) == nbytes
+    snap = safetensors_file.read(path, expect_bytes=nbytes, expect_xxh3=digest)
+    assert (snap.job, snap.version(), snap.rank, snap.world_size) == ("job", (0, 3), 0, 2)
+    assert snap.meta == header.meta
+    assert [e.name for e in snap.layout.entries] == list(ARRAYS)
+    for e in snap.layout.entries:
+        assert bytes(snap.buffer[e.offset : e.offset + e.nbytes]) == ARRAYS[e.name].tobytes()
+    assert snap.layout.entry("odd").dtype == "complex32"
+
+    import safetensors.torch
+    import torch
+
+    loaded = safetensors.torch.load_file(path)  # no elasticd involved
+    assert loaded["model/b16"].dtype == torch.bfloat16
+    assert loaded["model/b16"].view(torch.uint16).tolist() == list(range(6))
+    assert torch.equal(loaded["model/w"], torch.from_numpy(ARRAYS["model/w"]))
+    assert loaded["optim/step"].item() == 7 and loaded["empty"].shape == (0, 3)
+    assert loaded["odd"].dtype == torch.uint8  # stored as bytes, true dtype in our metadata
+    with safetensors.safe_open(path, "np") as f:
+        info = json.loads(f.metadata()["elasticd"])
+    assert info["raw"] == {"odd": ["complex32", [2]]}
+
+
+def test_numpy_reader_loads_files_without_bfloat16(tmp_path):
+    import safetensors.numpy
+
+    arrays = {k: v for k, v in ARRAYS.items() if k not in DTYPES}
+    header, buf = snapshot(arrays=arrays)
+    path = str(tmp_path / "r.safetensors")
+    safetensors_file.write(path, header, buf)
+    loaded = safetensors.numpy.load_file(path)
+    assert np.array_equal(loaded["model/w"], arrays["model/w"])
+
+
+def test_altered_or_short_files_are_refused(tmp_path):
+    header, buf = snapshot()
+    path = str(tmp_path / "r.safetensors")
+    nbytes, digest = safetensors_file.write(path, header, buf)
+    with open(path, "r+b") as f:
+        f.seek(nbytes - 3)
+        f.write(b"\xff")
+    with pytest.raises(CorruptSnapshot, match="xxh3"):
+        safetensors_file.read(path, expect_bytes=nbytes, expect_xxh3=digest)
+    os.truncate(path, nbytes - 10)
+    with pytest.raises(TruncatedSnapshot):
+        safetensors_file.read(path, expect_bytes=nbytes, expect_xxh3=digest)
+    with pytest.raises(TruncatedSnapshot):
+        safetensors_file.read(path)  # no manifest record: the header itself tells
+    with pytest.raises(CorruptSnapshot):
+        safetensors_file.parse(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+
+
+def write_step(tier, step, ranks, world=2, generation=0):
+    for rank in ranks:
+        tier.write_rank(*snapshot(rank=rank, world=world, step=step, generation=generation))
+    return tier.try_finish("job", (generation, step))
+
+
+def test_step_is_complete_only_when_every_rank_is_written(tmp_path):
+    tier = Tier(str(tmp_path))
+    assert write_step(tier, 3, [0]) is False
+    assert tier.complete_steps("job") == []
+    assert write_step(tier, 3, [1]) is True
+    [m] = tier.complete_steps("job")
+    assert m.version() == (0, 3) and sorted(m.ranks) == [0, 1]
+    assert tier.read("job", (0, 3), 1).rank == 1
+    assert tier.try_finish("job", (0, 3)) is False  # created exactly once
+
+
+def test_crash_between_files_leaves_no_manifest(tmp_path, monkeypatch):
+    tier = Tier(str(tmp_path))
+    real = safetensors_file.write
+    calls = []
+
+    def crash_on_second(path, header, buf, mode=0o600):
+        calls.append(header.rank)
+        if len(calls) == 2:
+            with open(path, "wb") as f:
+                f.write(b"half")  # what a crash mid-write leaves
+            raise OSError("killed")
+        return real(path, header, buf, mode)
+
+    monkeypatch.setattr(safetensors_file, "write", crash_on_second)
+    with pytest.raises(OSError):
+        write_step(tier, 5, [0, 1])
+    directory = tier.step_dir("job", (0, 5))
+    names = sorted(os.listdir(directory))
+    assert MANIFEST not in names and "rank-1.json" not in names
+    assert "rank-1.safetensors" not in names  # only a temporary, never the final name
+    assert tier.complete_steps("job") == []
+    with pytest.raises(Exception, match="no complete persisted copy"):
+        tier.read("job", (0, 5), 0)
+
+
+def test_keep_n_newest_complete_and_prune_abandoned(tmp_path):
+    tier = Tier(str(tmp_path))
+    write_step(tier, 1, [0])  # abandoned: rank 1 never came
+    for step in (2, 3, 4, 5):
+        write_step(tier, step, [0, 1])
+    write_step(tier, 6, [0])  # in progress on another node: must survive
+    removed = tier.prune("job", keep=2)
+    assert sorted(removed) == [(0, 1), (0, 2), (0, 3)]
+    assert [m.version() for m in tier.complete_steps("job")] == [(0, 5), (0, 4)]
+    assert sorted(os.listdir(tier.job_dir("job"))) == ["step-0-4", "step-0-5", "step-0-6"]
+
+
+def test_generation_orders_steps(tmp_path):
+    tier = Tier(str(tmp_path))
+    write_step(tier, 9, [0, 1], generation=0)
+    write_step(tier, 4, [0, 1], generation=1)  # a restore fell back; step 9 is abandoned
+    assert [m.version() for m in tier.complete_steps("job")] == [(1, 4), (0, 9)]
+
+
+def test_concurrent_writers_create_one_manifest_per_step(tmp_path):
+    """Two nodes (each its own Tier) write their halves of the same steps at the same time."""
+    nodes = [Tier(str(tmp_path), node_id=f"n{i}") for i in range(2)]
+    steps = range(1, 31)
+    created = {n: [] for n in range(2)}
+    barrier = threading.Barrier(2)
+
+    def node(i):
+        for step in steps:
+            barrier.wait()
+            for rank in (2 * i, 2 * i + 1):
+                nodes[i].write_rank(*snapshot(rank=rank, world=4, step=step))
+            if nodes[i].try_finish("job", (0, step)):
+                created[i].append(step)
+
+    threads = [threading.Thread(target=node, args=(i,)) for i in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    winners = sorted(created[0] + created[1])
+    # Each step's manifest was created once; a step both missed would be completed on listing.
+    assert len(winners) == len(set(winners))
+    complete = nodes[0].complete_steps("job")
+    assert sorted(m.step for m in complete) == list(steps)
+    assert all(sorted(m.ranks) == [0, 1, 2, 3] for m in complete)
+    leftovers = [n for s in steps for n in os.listdir(nodes[0].step_dir("job", (0, s)))
+                 if n.endswith(".tmp")]
+    assert leftovers == []
+
+
+def test_listing_repairs_a_step_both_writers_missed(tmp_path):
+    tier = Tier(str(tmp_path))
+    for rank in (0, 1):  # markers written, but nobody saw both: no manifest yet
+        tier.write_rank(*snapshot(rank=rank, step=8))
+    assert tier.manifest("job", (0, 8)) is None
+    assert [m.version() for m in tier.complete_steps("job")] == [(0, 8)]
+
+
+def test_persister_flushes_in_background_and_skips_when_busy(tmp_path, monkeypatch):
+    flushed = []
+    persister = Persister(str(tmp_path), keep=2, on_flushed=flushed.append)
+    gate = threading.Event()
+    real = persister.tier.write_rank
+
+    def slow(header, buf, uid=None):
+        gate.wait(10)
+        return real(header, buf, uid)
+
+    monkeypatch.setattr(persister.tier, "write_rank", slow)
+    try:
+        first = [View(*snapshot(rank=r, step=2)) for r in (0, 1)]
+        assert persister.submit("job", first) is True
+        busy = [View(*snapshot(rank=r, step=3)) for r in (0, 1)]
+        assert persister.submit("job", busy) is False
+        assert [v.released for v in busy] == [1, 1]  # released at once when skipped
+        gate.set()
+        assert persister.flush(10)
+        assert all(v.released for v in first)
+        assert persister.persisted("job") == (0, 2)
+        assert flushed[0].complete and flushed[0].ranks == (0, 1) and not flushed[0].error
+        assert persister.stats()["skipped_busy"] == 1
+    finally:
+        gate.set()
+        persister.close()
+
+
+def test_persister_policy(tmp_path):
+    from elasticd.clock import FakeClock
+
+    clock = FakeClock()
+    p = Persister(str(tmp_path), every_steps=5, every_seconds=60, clock=clock)
+    try:
+        assert p.due("job", 10)
+        assert p.due("job", 3)  # nothing flushed yet: the time rule says go
+        assert p.submit("job", [View(*snapshot(rank=r, step=3)) for r in (0, 1)])
+        p.flush(10)
+        assert not p.due("job", 4) and p.due("job", 5)
+        clock.advance(61)
+        assert p.due("job", 6)
+    finally:
+        p.close()
+    with pytest.raises(ValueError, match="keep"):
+        Persister(str(tmp_path), keep=0)
+
+
+def test_failed_flush_is_reported_not_raised(tmp_path, monkeypatch):
+    flushed = []
+    p = Persister(str(tmp_path), on_flushed=flushed.append)
+    monkeypatch.setattr(p.tier, "write_rank", lambda *a: (_ for _ in ()).throw(OSError("full")))
+    try:
+        views = [View(*snapshot(rank=0, step=1))]
+        assert p.submit("job", views)
+        p.flush(10)
+        assert "full" in flushed[0].error and not flushed[0].complete
+        assert views[0].released and p.stats()["failed"] == 1
+    finally:
+        p.close()
