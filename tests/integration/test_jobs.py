@@ -180,3 +180,39 @@ def test_hang_is_detected_and_the_job_restarted(tmp_path):
                    "the job finished after the restart")
     finally:
         c.stop()
+
+
+@pytest.mark.timeout(240)
+def test_frozen_node_is_aborted_around_then_fences_and_rejoins(cluster):
+    """SIGSTOP of a whole node (daemon, agent, workers) looks like a partition or a hung
+    machine: no TCP reset reaches the peers, whose all_reduce would wait for gloo's timeout.
+    The survivors' daemons see the lease expire and restart their workers at once."""
+    ctl(cluster.etcd, cluster.prefix, "submit", "job", "--nnodes", "2:3", "--nproc-per-node",
+        "1", "--user", "root", "--", TRAIN, "--steps", "100000", "--step-time", "0.02",
+        check=True)
+    cluster.wait_for(lambda: all(steps_at_world(agent_log(cluster, n, "job"), 3)
+                                 for n in cluster.nodes), 60, "training at world size 3")
+    frozen = cluster.nodes["n2"]
+    pids = [frozen.pid] + frozen.tagged()
+    marks = {n: len(agent_log(cluster, n, "job")) for n in ("n1", "n3")}
+    stopped = time.monotonic()
+    for p in pids:
+        os.kill(p, 19)  # SIGSTOP
+    try:
+        cluster.wait_for(lambda: all(steps_at_world(agent_log(cluster, n, "job"), 2, marks[n])
+                                     for n in ("n1", "n3")), 90,
+                         "survivors training at world size 2")
+        print(f"frozen n2: survivors training at world size 2 after "
+              f"{time.monotonic() - stopped:.1f} s")
+    finally:
+        for p in pids:
+            try:
+                os.kill(p, 18)  # SIGCONT
+            except ProcessLookupError:
+                pass
+    cluster.wait_for(lambda: [e for e in cluster.events()
+                              if e["kind"] == "fenced" and e["node"] == "n2"], 30, "n2 fenced")
+    assert not any(os.path.exists(f"/proc/{p}") for p in pids[1:]), "fenced node's job survived"
+    marks = {n: len(agent_log(cluster, n, "job")) for n in cluster.nodes}
+    cluster.wait_for(lambda: all(steps_at_world(agent_log(cluster, n, "job"), 3, marks[n])
+                                 for n in cluster.nodes), 90, "back at world size 3")
