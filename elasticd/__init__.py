@@ -7,3 +7,27 @@ runs inside torchrun's agent and worker processes, where torch is already loaded
 """
 
 __version__ = "0.1.0"
+
+# The worker API, imported on first use: ``import elasticd`` must not import torch, because the
+# daemon imports elasticd and must stay small (FACTS.md: torch alone costs ~220 MB and 1.5 s).
+_LAZY = {
+    "Checkpointer": "elasticd.checkpoint.client",
+    "RestoreResult": "elasticd.checkpoint.client",
+    "RNGState": "elasticd.checkpoint.state",
+    "ElasticSampler": "elasticd.checkpoint.sampler",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'elasticd' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_LAZY))

@@ -1,0 +1,346 @@
+"""The training script's API: ``Checkpointer`` snapshots the whole training state every step
+into RAM owned by the node's daemon, and restores it after a restart.
+
+::
+
+    ckpt = elasticd.Checkpointer(every=1)
+    state = {"model": model, "optim": opt, "sampler": sampler, "rng": RNGState()}
+    step = ckpt.restore(state)          # after init_process_group; 0 on a fresh start
+    while step < total:
+        train_one_step()
+        step += 1
+        ckpt.save(step, state)
+
+``save`` does on the training thread only what cannot wait: it waits for the previous snapshot,
+flattens the state (no copy), asks the daemon for a slot and copies the tensors that the next
+forward pass could change (module buffers such as BatchNorm statistics, loose tensors). The rest
+— parameters and optimizer state, which only ``optimizer.step`` changes — is copied by a
+background thread while the next forward and backward run; a step pre-hook on every optimizer
+in the state waits for that copy before the optimizer mutates anything. The same thread then
+writes the header and asks the daemon to seal the snapshot (checksums are computed there).
+
+Nothing here ever raises into the training loop because of the daemon: a refused, skipped or
+failed snapshot is logged (once per kind) and counted. Without a daemon (``ELASTICD_SOCKET``
+unset) ``save`` does nothing and ``restore`` returns 0, after one warning — unless
+``persist_dir`` is given: then restore reads that persistent tier directly. Worker side.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import os
+import time
+from typing import Any, Mapping, MutableMapping
+
+import torch
+
+from elasticd.checkpoint import restore as _restore
+from elasticd.checkpoint.copier import Copier, CpuCopier, copy_into, dtype_name
+from elasticd.checkpoint.format import PREAMBLE_SIZE, Layout, TensorSpec, layout
+from elasticd.checkpoint.segment import map_file
+from elasticd.checkpoint.state import FlatState, _zero_class, flatten
+
+log = logging.getLogger("elasticd.checkpoint")
+
+__all__ = ["Checkpointer", "RestoreResult"]
+RestoreResult = _restore.RestoreResult
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), allow_nan=False)
+
+
+@dataclasses.dataclass
+class _Plan:
+    """A cached layout, valid while the tensors' names, dtypes and shapes stay the same."""
+
+    key: tuple
+    layout: Layout
+    prefix: str  # the header JSON without job/step/rank/meta, and without its closing brace
+    sync_mask: tuple[bool, ...] = ()
+    sync: Layout | None = None
+    rest: Layout | None = None
+    stale: bool = False
+
+    def split(self, mask: tuple[bool, ...]) -> None:
+        if mask != self.sync_mask or self.sync is None:
+            lay = self.layout
+            pick = lambda want: tuple(e for e, m in zip(lay.entries, mask) if m == want)  # noqa
+            self.sync = Layout(pick(True), lay.data_offset, lay.total_size, lay.block_size)
+            self.rest = Layout(pick(False), lay.data_offset, lay.total_size, lay.block_size)
+            self.sync_mask = mask
+
+
+class Checkpointer:
+    """Snapshots and restores a training state through the node's elasticd.
+
+    Args:
+        every: snapshot every this many steps (``save`` is a no-op on the others).
+        transport: how to reach the daemon (default: ``elasticd.worker``'s client from the
+            environment; None when ``ELASTICD_SOCKET`` is unset).
+        job, rank, world_size, local_world_size: default from the environment torchrun and
+            elasticd set (``ELASTICD_JOB``, ``RANK``, ...) or the initialised process group.
+        copier: moves tensors into the slot (default: a background-thread CPU copier).
+        persist_dir: the persistent tier to restore from when there is no daemon.
+        collective: how ranks agree at restore (default: the initialised process group).
+        timeout: seconds to wait for a copy before giving up on it.
+    """
+
+    def __init__(self, every: int = 1, *, transport: Any = ..., job: str | None = None,
+                 rank: int | None = None, world_size: int | None = None,
+                 local_world_size: int | None = None, copier: Copier | None = None,
+                 persist_dir: str | None = None, collective: Any = None,
+                 timeout: float = 300.0) -> None:
+        if type(every) is not int or every < 1:
+            raise ValueError(f"every must be an integer >= 1, got {every!r}")
+        self.every, self.persist_dir, self.timeout = every, persist_dir, timeout
+        if transport is ...:
+            transport = _default_transport()
+        self.transport = transport
+        dist = torch.distributed
+        grouped = dist.is_available() and dist.is_initialized()
+        env = os.environ
+        self.job = job or env.get("ELASTICD_JOB") or env.get("TORCHELASTIC_RUN_ID") or "default"
+        self.rank = rank if rank is not None else (
+            dist.get_rank() if grouped else int(env.get("RANK", 0)))
+        self.world_size = world_size if world_size is not None else (
+            dist.get_world_size() if grouped else int(env.get("WORLD_SIZE", 1)))
+        self.local_world_size = local_world_size if local_world_size is not None else int(
+            env.get("LOCAL_WORLD_SIZE", self.world_size))
+        self._collective = collective
+        self.copier = copier or CpuCopier(background=True)
+        self.generation = 0
+        self.last_restore: RestoreResult | None = None
+        self.stats = {"saves": 0, "skipped": 0, "failed": 0, "stall_seconds": 0.0,
+                      "hook_wait_seconds": 0.0}
+        self._plan: _Plan | None = None
+        self._maps: dict[str, Any] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="elasticd-seal")
+        self._copy: Any = None  # the copy in flight (CopyHandle)
+        self._done: concurrent.futures.Future | None = None  # its copy + seal
+        self._hooks: dict[int, Any] = {}
+        self._warned: set[str] = set()
+        self._hook_stall = 0.0
+
+    # -- restore --------------------------------------------------------------------------
+
+    def restore(self, state: MutableMapping[str, Any]) -> int:
+        """Loads the newest step every rank can load into ``state``; returns that step.
+
+        Call it on every rank, after ``init_process_group`` and after building every object
+        in ``state``. Returns 0 when there is nothing to restore.
+
+        Raises:
+            RestoreError: the agreed snapshot does not fit the state (on every rank).
+        """
+        if self.transport is None and not self.persist_dir:
+            self._warn_once("nodaemon", "ELASTICD_SOCKET is not set: not running under elasticd, "
+                            "so nothing is restored and snapshots are off")
+            return 0
+        self.wait()
+        collective = self._collective or (
+            _restore.TorchCollective() if torch.distributed.is_available()
+            and torch.distributed.is_initialized() else _restore.Solo())
+        sources = _restore.Sources(self.transport, self.job, self.rank, self.world_size,
+                                   self.persist_dir)
+        result = _restore.restore(state, sources, collective, time.perf_counter)
+        self.generation, self.last_restore = result.next_generation, result
+        self._call("ckpt_report", job=self.job, rank=self.rank, source=result.source,
+                   seconds=result.seconds, steps_lost=result.steps_lost, bytes=result.nbytes,
+                   generation=result.generation, step=result.step, refused=result.refused)
+        return result.step
+
+    # -- save -----------------------------------------------------------------------------
+
+    def save(self, step: int, state: Mapping[str, Any]) -> bool:
+        """Starts a snapshot of ``state`` as ``step`` (returns at once; see the module doc).
+
+        Returns:
+            True if a snapshot was started; False when skipped (not every K steps, no daemon,
+            over the daemon's memory cap, or any failure, which is logged).
+
+        Raises:
+            UnsupportedValue: ``state`` holds something that cannot be snapshotted (a bug in
+                the script, not a runtime failure).
+        """
+        if type(step) is not int or step < 0:
+            raise ValueError(f"step must be an integer >= 0, got {step!r}")
+        if self.transport is None:
+            self._warn_once("nodaemon", "ELASTICD_SOCKET is not set: not running under "
+                            "elasticd, so snapshots are off")
+            return False
+        if step % self.every:
+            return False
+        start = time.perf_counter()
+        self.wait()
+        flat = flatten(state)
+        self._hook(state)
+        plan = self._plan_for(flat)
+        plan.split(self._sync_mask(state, flat))
+        reply = self._call("ckpt_reserve", job=self.job, rank=self.rank,
+                           world_size=self.world_size, nbytes=plan.layout.total_size,
+                           local_world_size=self.local_world_size, step=step)
+        if reply is None or reply.get("skip"):
+            self.stats["skipped"] += 1
+            if reply is not None:
+                self._warn_once("skip", f"snapshot skipped by elasticd: {reply.get('reason')} "
+                                "(further skips are counted, not logged)")
+            return False
+        try:
+            buf = self._map(reply["path"], int(reply["capacity"]))
+            sync = [t for t, m in zip(flat.tensors, plan.sync_mask) if m]
+            rest = [t for t, m in zip(flat.tensors, plan.sync_mask) if not m]
+            copy_into(sync, buf, plan.sync)
+            self._copy = self.copier.start(rest, buf, plan.rest)
+        except Exception as exc:  # noqa: BLE001 — a slot we cannot use is a skipped snapshot
+            self._failed("copy", exc)
+            return False
+        stall = time.perf_counter() - start
+        self.stats["stall_seconds"] += stall
+        self._done = self._pool.submit(self._seal, self._copy, buf, plan, step, flat.meta,
+                                       reply["ticket"], stall)
+        return True
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Waits until the snapshot in flight is copied and sealed (errors are logged)."""
+        done, self._done = self._done, None
+        if done is not None:
+            try:
+                done.result(self.timeout if timeout is None else timeout)
+            except Exception as exc:  # noqa: BLE001
+                self._failed("seal", exc)
+
+    def close(self) -> None:
+        """Waits for the last snapshot, removes the optimizer hooks, unmaps the slots."""
+        self.wait()
+        for handle in self._hooks.values():
+            handle.remove()
+        self._hooks.clear()
+        self._pool.shutdown(wait=True)
+        self.copier.close()
+        for mm in self._maps.values():
+            try:
+                mm.close()
+            except BufferError:
+                pass
+        self._maps.clear()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _seal(self, copy: Any, buf: Any, plan: _Plan, step: int, meta: dict, ticket: int,
+              stall: float) -> None:
+        """On the background thread: waits for the copy, writes the header JSON, completes."""
+        copy.wait(self.timeout)
+        body = (plan.prefix + f',"job":{_json(self.job)},"step":{step},"generation":'
+                f'{self.generation},"rank":{self.rank},"world_size":{self.world_size},'
+                f'"meta":{_json(meta)}}}').encode()
+        if PREAMBLE_SIZE + len(body) > plan.layout.data_offset:
+            plan.stale = True  # the meta outgrew the header reserve: re-plan next time
+            raise RuntimeError(f"header of {len(body)} bytes outgrew its reserve; snapshot of "
+                               f"step {step} dropped")
+        view = memoryview(buf)
+        view[PREAMBLE_SIZE : PREAMBLE_SIZE + len(body)] = body
+        view.release()
+        hook_stall, self._hook_stall = self._hook_stall, 0.0
+        if self._call("ckpt_complete", job=self.job, rank=self.rank, ticket=ticket,
+                      header_size=len(body), stall_seconds=stall + hook_stall) is not None:
+            self.stats["saves"] += 1
+
+    def _plan_for(self, flat: FlatState) -> _Plan:
+        key = tuple((n, t.dtype, tuple(t.shape)) for n, t in zip(flat.names, flat.tensors))
+        plan = self._plan
+        if plan is not None and plan.key == key and not plan.stale:
+            return plan
+        specs = [TensorSpec(n, dtype_name(t.dtype), tuple(t.shape))
+                 for n, t in zip(flat.names, flat.tensors)]
+        # Room for the meta to grow between re-plans (counters, lr values, RNG positions).
+        meta_len = len(_json(flat.meta))
+        lay = layout(specs, job=self.job, meta={"m": flat.meta,
+                                                "pad": "_" * max(4096, meta_len // 2)})
+        head = {"data_offset": lay.data_offset, "total_size": lay.total_size,
+                "block_size": lay.block_size, "blocks": ["0" * 16] * lay.num_blocks,
+                "entries": [{"name": e.name, "dtype": e.dtype, "shape": list(e.shape),
+                             "offset": e.offset, "nbytes": e.nbytes} for e in lay.entries]}
+        self._plan = _Plan(key, lay, _json(head)[:-1])
+        return self._plan
+
+    @staticmethod
+    def _sync_mask(state: Mapping[str, Any], flat: FlatState) -> tuple[bool, ...]:
+        """True for tensors something other than ``optimizer.step`` may change next step."""
+        safe: set[tuple[int, int]] = set()
+        zero = _zero_class()
+        for value in state.values():
+            if isinstance(value, torch.nn.Module):
+                safe.update((p.data_ptr(), p.numel()) for p in value.parameters())
+            elif isinstance(value, torch.optim.Optimizer):
+                inner = value.optim if zero is not None and isinstance(value, zero) else value
+                for per_param in inner.state.values():
+                    safe.update((t.data_ptr(), t.numel()) for t in per_param.values()
+                                if isinstance(t, torch.Tensor))
+        return tuple((t.data_ptr(), t.numel()) not in safe for t in flat.tensors)
+
+    def _hook(self, state: Mapping[str, Any]) -> None:
+        for value in state.values():
+            if isinstance(value, torch.optim.Optimizer) and id(value) not in self._hooks:
+                self._hooks[id(value)] = value.register_step_pre_hook(self._before_step)
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        copy = self._copy
+        if copy is None or copy.done():
+            return
+        start = time.perf_counter()
+        try:
+            copy.wait(self.timeout)
+        except Exception as exc:  # noqa: BLE001 — the seal thread reports it
+            log.debug("elasticd: snapshot copy failed: %s", exc)
+        waited = time.perf_counter() - start
+        self._hook_stall += waited
+        self.stats["hook_wait_seconds"] += waited
+
+    def _map(self, path: str, capacity: int) -> Any:
+        mm = self._maps.get(path)
+        if mm is None or len(mm) != capacity:
+            if len(self._maps) >= 2:  # double buffering: keep the two most recent slots
+                old = self._maps.pop(next(iter(self._maps)))
+                try:
+                    old.close()
+                except BufferError:
+                    pass
+            mm = self._maps[path] = map_file(path, capacity, writable=True, populate=True)
+        return mm
+
+    def _call(self, op: str, **fields: Any) -> dict[str, Any] | None:
+        if self.transport is None:
+            return None
+        try:
+            return self.transport.call(op, **fields)
+        except Exception as exc:  # noqa: BLE001 — never an error in the training loop
+            self._failed(op, exc)
+            return None
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        self.stats["failed"] += 1
+        self._warn_once(f"fail-{what}", f"elasticd {what} failed: {exc} (training goes on; "
+                        "further failures of this kind are counted, not logged)")
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("elasticd: %s", message)
+
+
+def _default_transport() -> Any:
+    if not os.environ.get("ELASTICD_SOCKET"):
+        return None
+    import elasticd.worker
+
+    return elasticd.worker.default_client()

@@ -1,0 +1,241 @@
+"""Restore: every rank agrees on one (generation, step) that all of them can load, then loads it.
+
+Each rank lists what it can reach — the snapshots its daemon holds in RAM for it, and the
+complete steps of the persistent tier — and the ranks exchange those lists (a fixed-size int64
+``all_gather``: no pickle, unlike ``all_gather_object``). They try the common versions newest
+first: each rank fetches its shard (RAM first; a snapshot that fails verification is refused
+and the persistent copy of the same step used instead), and an ``all_reduce(MIN)`` of "I have
+it" decides; only when every rank has its bytes in hand does any rank load them into its
+state, so a failure never leaves a mix of steps. With nothing common, training starts fresh.
+
+Whatever is restored, new snapshots start a new generation above every generation seen, so
+snapshots of an abandoned timeline (written after the restored step, before the failure) never
+outrank or mix with the new ones. Worker side: imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any, Protocol
+
+import torch
+
+from elasticd.checkpoint.copier import read_tensors
+from elasticd.checkpoint.format import SnapshotError
+from elasticd.checkpoint.reader import SnapshotReader
+from elasticd.checkpoint.segment import map_file
+from elasticd.persistence.tier import Tier, TierError
+
+log = logging.getLogger("elasticd.checkpoint")
+
+Version = tuple[int, int]
+_NONE = (-1, -1)
+
+
+class RestoreError(RuntimeError):
+    """The agreed snapshot could not be loaded into the state on some rank (e.g. the model
+    changed shape since it was saved); raised on every rank together."""
+
+
+@dataclasses.dataclass
+class RestoreResult:
+    """What :meth:`Checkpointer.restore` did.
+
+    Attributes:
+        step: the step restored (0 for a fresh start).
+        generation: the restored snapshot's generation.
+        next_generation: the generation new snapshots carry.
+        source: "local" (this node's RAM), "persistent", or "none".
+        seconds, nbytes: time and bytes this rank spent restoring.
+        steps_lost: newest step any rank had reached (as far as known) minus ``step``.
+        refused: snapshots refused on the way, with the reason.
+    """
+
+    step: int = 0
+    generation: int = 0
+    next_generation: int = 0
+    source: str = "none"
+    seconds: float = 0.0
+    nbytes: int = 0
+    steps_lost: int = 0
+    refused: list[str] = dataclasses.field(default_factory=list)
+
+
+class Collective(Protocol):
+    """The two collectives restore needs (so tests can simulate ranks without torch.distributed)."""
+
+    def all_gather(self, rows: list[Version]) -> list[list[Version]]: ...
+    def all_true(self, flag: bool) -> bool: ...
+
+
+class Solo:
+    """One process, no process group."""
+
+    def all_gather(self, rows: list[Version]) -> list[list[Version]]:
+        return [list(rows)]
+
+    def all_true(self, flag: bool) -> bool:
+        return flag
+
+
+class TorchCollective:
+    """Over the default (already initialised) process group, with int64 tensors only."""
+
+    def __init__(self, group: Any = None, max_rows: int = 64) -> None:
+        import torch.distributed as dist
+
+        self.dist, self.group, self.max_rows = dist, group, max_rows
+        backend = dist.get_backend(group)
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
+                       else torch.device("cpu"))
+
+    def all_gather(self, rows: list[Version]) -> list[list[Version]]:
+        mine = torch.full((self.max_rows, 2), -1, dtype=torch.int64)
+        for i, row in enumerate(rows[: self.max_rows]):
+            mine[i, 0], mine[i, 1] = row
+        mine = mine.to(self.device)
+        out = [torch.empty_like(mine) for _ in range(self.dist.get_world_size(self.group))]
+        self.dist.all_gather(out, mine, group=self.group)
+        return [[(int(g), int(s)) for g, s in o.cpu().tolist()] for o in out]
+
+    def all_true(self, flag: bool) -> bool:
+        t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=self.device)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MIN, group=self.group)
+        return bool(t.item())
+
+
+@dataclasses.dataclass
+class _Fetched:
+    tensors: list[torch.Tensor]
+    meta: dict[str, Any]
+    source: str
+    nbytes: int
+
+
+class Sources:
+    """Where this rank can find its shards: the daemon (may be None) and the persistent tier."""
+
+    def __init__(self, transport: Any, job: str, rank: int, world_size: int,
+                 persist_dir: str | None = None) -> None:
+        self.transport, self.job, self.rank, self.world = transport, job, rank, world_size
+        self.persist_dir = persist_dir
+        self.ram: set[Version] = set()
+        self.persisted: set[Version] = set()
+        self.progress: Version | None = None
+
+    def discover(self) -> list[Version]:
+        """Asks the daemon (and lists the tier); returns every version reachable, newest first."""
+        if self.transport is not None:
+            try:
+                info = self.transport.call("ckpt_list", job=self.job, rank=self.rank,
+                                           world_size=self.world)
+                self.ram = {tuple(v) for v in info.get("ram", {}).get(str(self.rank), [])}
+                self.persisted = {tuple(v) for v in info.get("persisted", [])}
+                self.progress = tuple(info["progress"]) if info.get("progress") else None
+                self.persist_dir = self.persist_dir or info.get("persist_root")
+            except Exception as exc:  # noqa: BLE001 — no daemon: the tier may still help
+                log.warning("elasticd: cannot list snapshots held by the daemon (%s)", exc)
+        if self.persist_dir and not self.persisted:
+            try:
+                self.persisted = {m.version() for m in Tier(self.persist_dir).complete_steps(
+                    self.job) if m.world_size == self.world}
+            except (OSError, TierError) as exc:
+                log.warning("elasticd: cannot list the persistent tier %s: %s",
+                            self.persist_dir, exc)
+        return sorted(self.ram | self.persisted, reverse=True)
+
+    def fetch(self, version: Version, refused: list[str]) -> _Fetched | None:
+        """This rank's shard of ``version``, copied into new tensors, or None."""
+        if version in self.ram:
+            try:
+                return self._from_ram(version)
+            except Exception as exc:  # noqa: BLE001 — refused or vanished: try the next source
+                refused.append(f"local step {version}: {exc}")
+                log.error("elasticd: REFUSED the in-RAM snapshot of rank %d step %s: %s",
+                          self.rank, version, exc)
+        if version in self.persisted and self.persist_dir:
+            try:
+                snap = Tier(self.persist_dir).read(self.job, version, self.rank)
+                return _Fetched(read_tensors(snap.buffer, snap.layout), snap.meta, "persistent",
+                                snap.layout.total_size)
+            except (SnapshotError, TierError, OSError) as exc:
+                refused.append(f"persistent step {version}: {exc}")
+                log.error("elasticd: REFUSED the persisted snapshot of rank %d step %s: %s",
+                          self.rank, version, exc)
+        return None
+
+    def _from_ram(self, version: Version) -> _Fetched:
+        reply = self.transport.call("ckpt_open", job=self.job, rank=self.rank,
+                                    generation=version[0], step=version[1])
+        try:
+            mm = map_file(reply["path"], int(reply["offset"]) + int(reply["size"]),
+                          writable=False, populate=False)
+            try:
+                reader = SnapshotReader(memoryview(mm), job=self.job, rank=self.rank,
+                                        world_size=self.world, verify=False, where=reply["path"])
+                if reader.header.version() != version:  # the daemon verified this very slot
+                    raise SnapshotError(f"slot holds step {reader.header.version()}")
+                out = _Fetched(read_tensors(mm, reader.header.layout), reader.header.meta,
+                               "local", reader.header.layout.total_size)
+                del reader
+            finally:
+                try:
+                    mm.close()
+                except BufferError:  # a view is still referenced; unmapped when it goes
+                    pass
+            return out
+        finally:
+            try:
+                self.transport.call("ckpt_release", pin=reply["pin"])
+            except Exception as exc:  # noqa: BLE001 — the daemon drops stale pins itself
+                log.debug("elasticd: ckpt_release failed: %s", exc)
+
+
+def agree(sources: Sources, collective: Collective) -> tuple[list[Version], Version | None]:
+    """Versions every rank can reach (newest first) and the newest version any rank knows of."""
+    mine = sources.discover()
+    gathered = collective.all_gather([sources.progress or _NONE] + mine)
+    seen = [v for rows in gathered for v in rows if v != _NONE]
+    common = set.intersection(*({v for v in rows[1:] if v != _NONE} for rows in gathered))
+    return sorted(common, reverse=True), max(seen, default=None)
+
+
+def restore(state: Any, sources: Sources, collective: Collective, clock: Any) -> RestoreResult:
+    """Runs the whole protocol on this rank; see the module docstring.
+
+    Raises:
+        RestoreError: on every rank, when the agreed snapshot does not fit some rank's state.
+    """
+    from elasticd.checkpoint.state import StateError, load_into
+
+    start = clock()
+    result = RestoreResult()
+    common, seen = agree(sources, collective)
+    for version in common:
+        got = sources.fetch(version, result.refused)
+        if not collective.all_true(got is not None):
+            log.warning("elasticd: step %s is not loadable on every rank; trying an older one",
+                        version)
+            continue
+        assert got is not None
+        error = ""
+        try:
+            load_into(state, got.tensors, got.meta)
+        except StateError as exc:
+            error = str(exc)
+        if not collective.all_true(not error):
+            raise RestoreError(f"snapshot {version} could not be loaded on every rank"
+                               f"{': ' + error if error else ''}")
+        result.step, result.generation = version[1], version[0]
+        result.source, result.nbytes = got.source, got.nbytes
+        break
+    result.next_generation = seen[0] + 1 if seen is not None else 0
+    result.steps_lost = max(0, seen[1] - result.step) if seen is not None else 0
+    result.seconds = clock() - start
+    log.info("elasticd: rank %d (pid %d) restored step %d (generation %d) from %s in %.3f s, "
+             "%d bytes, %d steps lost; new snapshots use generation %d", sources.rank,
+             os.getpid(), result.step, result.generation, result.source, result.seconds,
+             result.nbytes, result.steps_lost, result.next_generation)
+    return result

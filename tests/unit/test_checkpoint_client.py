@@ -1,0 +1,338 @@
+"""The worker-side Checkpointer against a real CheckpointService through the in-process transport.
+
+Covers bitwise restore of model, optimizer, sampler, RNG and plain values; the overlap rules
+(the optimizer pre-hook waits for the background copy; module buffers, which the next forward
+changes, are copied before ``save`` returns); ranks agreeing on a common step; refusing a corrupt
+snapshot for the persistent copy; and that nothing the daemon does raises into training.
+Ranks are simulated with threads and a barrier-based collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+
+from elasticd.checkpoint.client import Checkpointer
+from elasticd.checkpoint.copier import CpuCopier, _Future, copy_into
+from elasticd.checkpoint.sampler import ElasticSampler
+from elasticd.checkpoint.service import CheckpointService
+from elasticd.checkpoint.shm import SlotStore
+from elasticd.checkpoint.state import RNGState
+from elasticd.checkpoint.transport import InProcessTransport
+from elasticd.persistence.persister import Persister
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture
+def root():
+    path = f"/dev/shm/elasticd-test-{uuid.uuid4().hex[:12]}"
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def service(root, tmp_path):
+    store = SlotStore(root)
+    persister = Persister(str(tmp_path / "persist"), keep=3)
+    svc = CheckpointService(store, "n1", persister)
+    try:
+        yield svc
+    finally:
+        persister.close()
+        store.close()
+
+
+def make_state(seed=0, world=1, rank=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8),
+                                torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    return {"model": model, "optim": opt, "sched": sched, "rng": RNGState(), "note": "x",
+            "sampler": ElasticSampler(64, rank=rank, world_size=world)}
+
+
+def train_step(state):
+    model, opt = state["model"], state["optim"]
+    loss = model(torch.randn(4, 6)).pow(2).sum()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    state["sched"].step()
+
+
+def capture(state):
+    """Deep copies of everything that must come back bitwise."""
+    return {"model": {k: v.clone() for k, v in state["model"].state_dict().items()},
+            "optim": [{k: v.clone() for k, v in s.items()}
+                      for s in state["optim"].state_dict()["state"].values()],
+            "lr": state["optim"].param_groups[0]["lr"],
+            "sched": state["sched"].state_dict(), "note": state["note"],
+            "sampler": state["sampler"].state_dict(), "rng": torch.get_rng_state()}
+
+
+def assert_same(state, ref, rng=True):
+    got = capture(state)
+    for k, v in ref["model"].items():
+        assert torch.equal(got["model"][k], v), k
+    for a, b in zip(got["optim"], ref["optim"], strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in b)
+    assert (got["lr"], got["sched"], got["note"], got["sampler"]) == \
+        (ref["lr"], ref["sched"], ref["note"], ref["sampler"])
+    assert not rng or torch.equal(got["rng"], ref["rng"])
+
+
+def test_save_then_restore_is_bitwise(service):
+    t = InProcessTransport(service.handlers())
+    state = make_state()
+    with Checkpointer(transport=t, job="j", rank=0, world_size=1) as ckpt:
+        assert ckpt.restore(state) == 0 and ckpt.last_restore.source == "none"
+        for step in range(1, 4):
+            train_step(state)
+            state["note"] = f"after {step}"
+            assert ckpt.save(step, state) is True
+        ckpt.wait()
+        ref = capture(state)
+        assert ckpt.stats["saves"] == 3 and ckpt.stats["failed"] == 0
+    fresh = make_state(seed=1)
+    with Checkpointer(transport=t, job="j", rank=0, world_size=1) as again:
+        assert again.restore(fresh) == 3
+        assert again.last_restore.source == "local" and again.last_restore.steps_lost == 0
+        assert again.generation == 1
+    assert_same(fresh, ref)
+    assert service.history[-1]["source"] == "local"
+
+
+class SlowCopier(CpuCopier):
+    """Starts copying only after ``delay``: the training thread races ahead meanwhile."""
+
+    def __init__(self, delay):
+        super().__init__(background=True)
+        self.delay = delay
+
+    def start(self, tensors, buffer, lay):
+        tensors = list(tensors)
+
+        def slow():
+            time.sleep(self.delay)
+            copy_into(tensors, buffer, lay)
+
+        return _Future(self._pool.submit(slow))
+
+
+def test_optimizer_waits_for_the_copy_and_buffers_are_copied_at_save(service):
+    t = InProcessTransport(service.handlers())
+    state = make_state()
+    with Checkpointer(transport=t, job="j", rank=0, world_size=1,
+                      copier=SlowCopier(0.3)) as ckpt:
+        train_step(state)
+        ref = capture(state)
+        assert ckpt.save(1, state)
+        # The next step starts at once: its forward updates BatchNorm's running stats and its
+        # optimizer step would change the parameters while the copy is still sleeping.
+        train_step(state)
+        assert ckpt.stats["hook_wait_seconds"] > 0.1
+        ckpt.wait()
+    fresh = make_state(seed=1)
+    with Checkpointer(transport=t, job="j", rank=0, world_size=1) as again:
+        assert again.restore(fresh) == 1
+    got = capture(fresh)
+    for k, v in ref["model"].items():
+        assert torch.equal(got["model"][k], v), k  # not the values of step 2
+    for a, b in zip(got["optim"], ref["optim"]):
+        assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+class ThreadRanks:
+    """all_gather / all_true for ranks that are threads of this process."""
+
+    def __init__(self, world):
+        self.barrier = threading.Barrier(world, timeout=30)
+        self.box = [None] * world
+
+    def rank(self, r):
+        outer = self
+
+        class One:
+            def all_gather(self, rows):
+                outer.box[r] = list(rows)
+                outer.barrier.wait()
+                out = list(outer.box)
+                outer.barrier.wait()
+                return out
+
+            def all_true(self, flag):
+                return all(self.all_gather([(int(flag), 0)])[i][0][0] for i in range(
+                    len(outer.box)))
+
+        return One()
+
+
+def run_ranks(world, fn):
+    errors, results = [], [None] * world
+
+    def body(r):
+        try:
+            results[r] = fn(r)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_ranks_restore_the_newest_step_all_of_them_hold(service):
+    t = InProcessTransport(service.handlers())
+    states = [make_state(seed=r, world=2, rank=r) for r in range(2)]
+    refs = {}
+    for r in range(2):
+        with Checkpointer(transport=t, job="j", rank=r, world_size=2) as ckpt:
+            for step in range(1, 4 if r == 0 else 3):  # rank 1 died before saving step 3
+                train_step(states[r])
+                ckpt.save(step, states[r])
+                ckpt.wait()
+                refs[(r, step)] = capture(states[r])
+    ranks = ThreadRanks(2)
+    fresh = [make_state(seed=9, world=2, rank=r) for r in range(2)]
+
+    def restore(r):
+        with Checkpointer(transport=t, job="j", rank=r, world_size=2,
+                          collective=ranks.rank(r)) as ckpt:
+            return ckpt.restore(fresh[r]), ckpt.last_restore
+
+    results = run_ranks(2, restore)
+    assert [step for step, _ in results] == [2, 2]  # never rank 0 at 3 and rank 1 at 2
+    assert all(res.steps_lost == 1 and res.next_generation == 1 for _, res in results)
+    for r in range(2):
+        # Both "ranks" share this process's RNG: restored by whichever loaded last.
+        assert_same(fresh[r], refs[(r, 2)], rng=False)
+
+
+def corrupt_ram(service, job, rank):
+    for version in service.store.versions(job, rank):
+        view = service.store.latest(job, rank, version=version)
+        with open(view.path, "r+b") as f:
+            f.seek(view.header.layout.total_size - 8)
+            f.write(b"\x55" * 8)
+
+
+def test_corrupt_ram_snapshot_is_refused_and_the_persisted_copy_used(service, caplog):
+    t = InProcessTransport(service.handlers())
+    state = make_state()
+    with Checkpointer(transport=t, job="j", rank=0, world_size=1) as ckpt:
+        for step in (1, 2, 3):
+            train_step(state)
+            ckpt.save(step, state)
+            ckpt.wait()
+            if step == 2:
+                ref = capture(state)
+            service.persist.flush(10)
+    shutil.rmtree(os.path.join(service.persist.root, "j", "step-0-3"))  # newest on disk: 2
+    corrupt_ram(service, "j", 0)
+    fresh = make_state(seed=1)
+    with caplog.at_level(logging.ERROR), \
+            Checkpointer(transport=t, job="j", rank=0, world_size=1) as again:
+        assert again.restore(fresh) == 2
+        res = again.last_restore
+    assert res.source == "persistent" and res.steps_lost == 1
+    assert any("REFUSED" in r.getMessage() for r in caplog.records)
+    # RAM step 3 (no persisted copy) and RAM step 2 (persisted copy used instead) refused.
+    assert [r.split(":")[0] for r in res.refused] == ["local step (0, 3)", "local step (0, 2)"]
+    assert all("checksum" in r for r in res.refused)
+    assert service.stats()["refused_total"] == 2
+    assert_same(fresh, ref)
+
+
+def test_restore_from_persist_dir_without_a_daemon(service):
+    t = InProcessTransport(service.handlers())
+    state = make_state()
+    with Checkpointer(transport=t, job="j", rank=0, world_size=1) as ckpt:
+        train_step(state)
+        ckpt.save(1, state)
+        ckpt.wait()
+    service.persist.flush(10)
+    ref = capture(state)
+    fresh = make_state(seed=1)
+    with Checkpointer(transport=None, job="j", rank=0, world_size=1,
+                      persist_dir=service.persist.root) as alone:
+        assert alone.restore(fresh) == 1 and alone.last_restore.source == "persistent"
+        assert alone.save(2, fresh) is False  # no daemon: snapshots are off
+    assert_same(fresh, ref)
+
+
+def test_without_daemon_save_and_restore_are_noops(caplog, monkeypatch):
+    monkeypatch.delenv("ELASTICD_SOCKET", raising=False)
+    state = make_state()
+    with caplog.at_level(logging.WARNING), Checkpointer(job="j", rank=0, world_size=1) as ckpt:
+        assert ckpt.restore(state) == 0
+        assert ckpt.save(1, state) is False and ckpt.save(2, state) is False
+    assert sum("ELASTICD_SOCKET is not set" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_daemon_failures_and_skips_never_raise(root, caplog):
+    class Broken:
+        def call(self, op, **fields):
+            raise ConnectionError("daemon gone")
+
+    state = make_state()
+    with caplog.at_level(logging.WARNING), Checkpointer(transport=Broken(), job="j", rank=0,
+                                                        world_size=1) as ckpt:
+        assert ckpt.restore(state) == 0
+        train_step(state)
+        assert ckpt.save(1, state) is False
+    store = SlotStore(root, cap_bytes=4096)
+    try:
+        t = InProcessTransport(CheckpointService(store, "n1").handlers())
+        with Checkpointer(transport=t, job="j", rank=0, world_size=1) as ckpt:
+            assert ckpt.save(1, state) is False and ckpt.save(2, state) is False
+            assert ckpt.stats["skipped"] == 2
+        assert sum("over_budget" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        store.close()
+
+
+def test_new_snapshots_after_restore_carry_a_new_generation(service):
+    t = InProcessTransport(service.handlers())
+    state = make_state()
+    with Checkpointer(transport=t, job="j", rank=0, world_size=1) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, state)
+            ckpt.wait()
+    with Checkpointer(transport=t, job="j", rank=0, world_size=1) as ckpt:
+        assert ckpt.restore(state) == 2
+        ckpt.save(3, state)
+        ckpt.wait()
+    assert t.call("ckpt_list", job="j")["ram"]["0"] == [[1, 3], [0, 2]]
+
+
+def test_growing_meta_replans_instead_of_corrupting(service):
+    t = InProcessTransport(service.handlers())
+    state = make_state()
+    with Checkpointer(transport=t, job="j", rank=0, world_size=1) as ckpt:
+        state["history"] = []
+        for step in (1, 2, 3):
+            state["history"] = list(range(3000 * step))  # the header's meta grows a lot
+            ckpt.save(step, state)
+            ckpt.wait()
+        assert ckpt.stats["failed"] == 1  # step 2 outgrew its header reserve: dropped
+    fresh = make_state()
+    fresh["history"] = []
+    with Checkpointer(transport=t, job="j", rank=0, world_size=1) as again:
+        assert again.restore(fresh) == 3
+    assert fresh["history"] == list(range(9000))
