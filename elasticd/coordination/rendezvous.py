@@ -24,11 +24,16 @@ Decisions, and why (numbers from FACTS.md):
   5 s interval and the defaults (30 s, 2 s) that is 8 attempts, a 40 s window. Never fewer
   than 3 attempts: with 2, a healthy participant's heartbeat is already ~2 s old when a round
   completes and standby nodes make the agents restart forever (measured; keep the window at
-  3 s or more). A user value shorter than the outage needs is kept, with a warning. The price:
-  plain torchrun notices a dead node only when its heartbeat expires, so after a node loss it
-  re-forms the round about one window later. Lower ``etcd_grace_period`` (and
-  ``keep_alive_interval``) for faster recovery at the cost of outage tolerance; the elasticd
-  daemon detects dead nodes through their etcd leases instead.
+  3 s or more). A user value shorter than the outage needs is kept, with a warning. On its own,
+  the long window would make recovery slow: torch notices a dead node only when its heartbeat
+  expires, so after a node loss the round re-forms about one window later (40+ s measured).
+* **Liveness by lease.** So dead nodes are found another way (:mod:`.rendezvous_liveness`):
+  every agent binds an alive key to an etcd lease of its own (``liveness_ttl``, default 3 s)
+  and the backend drops a node from the state torch sees once its key is gone, guarded against
+  the mass expiry an etcd outage causes. Survivors re-form the round seconds after a kill
+  instead of a window later. ``lease_liveness=false`` turns it off (then lower
+  ``etcd_grace_period`` and ``keep_alive_interval`` for faster recovery, at the cost of outage
+  tolerance).
 * **No shared agent TCPStore.** The creator sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (unless
   already set). It is read in the agent process, where this runs. By default, restarted workers
   reuse the rank-0 agent's TCPStore across restarts and can read the gloo addresses of dead
@@ -58,6 +63,8 @@ from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous.api import RendezvousHandler, RendezvousParameters
+
+    from elasticd.coordination.rendezvous_liveness import LeaseLiveness
 
 # torch and the modules that import it are imported inside create_rdzv_handler, not here:
 # importing torch's rendezvous package loads every torchrun.handlers entry point, this module
@@ -145,6 +152,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     from elasticd.coordination.rendezvous_backend import EtcdV3RendezvousBackend
     from elasticd.coordination.rendezvous_config import RendezvousConfig
     from elasticd.coordination.rendezvous_grace import OutageGrace
+    from elasticd.coordination.rendezvous_liveness import LeaseLiveness
     from elasticd.coordination.rendezvous_standby import ParkWaitingNodesWhenFull
     from elasticd.coordination.rendezvous_store import EtcdV3Store
 
@@ -157,13 +165,48 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     grace = OutageGrace(cfg.grace_period, where=cfg.etcd.describe())
     keyspace = Keyspace(cfg.key_prefix)
     state_filter = ParkWaitingNodesWhenFull(params.max_nodes) if cfg.standby_fix else None
-    backend = EtcdV3RendezvousBackend(coordinator, cfg.run_id, keyspace, grace, state_filter)
+    liveness = None
+    if cfg.lease_liveness:
+        liveness = LeaseLiveness(coordinator, keyspace.job_rdzv(cfg.run_id) + b"alive/",
+                                 ttl=cfg.liveness_ttl, confirm=cfg.liveness_confirm,
+                                 grace=grace)
+    backend = EtcdV3RendezvousBackend(coordinator, cfg.run_id, keyspace, grace, state_filter,
+                                      liveness)
     store = EtcdV3Store(coordinator, keyspace.job_rdzv(cfg.run_id) + b"store/",
                         timeout=cfg.store_timeout, grace=grace)
-    log.info("etcd-v3 rendezvous %r at %s%s: grace %gs, keep-alive %ds x %d", cfg.run_id,
-             cfg.etcd.describe(), cfg.key_prefix, cfg.grace_period, interval, attempts)
-    return create_handler(store, backend, _with_config(
+    log.info("etcd-v3 rendezvous %r at %s%s: grace %gs, keep-alive %ds x %d, lease liveness %s",
+             cfg.run_id, cfg.etcd.describe(), cfg.key_prefix, cfg.grace_period, interval,
+             attempts, f"TTL {cfg.liveness_ttl}s" if liveness else "off")
+    handler = create_handler(store, backend, _with_config(
         params, keep_alive_interval=interval, keep_alive_max_attempt=attempts))
+    if liveness is not None:
+        _bind_liveness(handler, liveness)
+    return handler
+
+
+def _bind_liveness(handler: RendezvousHandler, liveness: LeaseLiveness) -> None:
+    """Names the alive key after the handler's node and stops it when the handler shuts down.
+
+    The key is written lazily, by the backend's first call (``next_rendezvous``), so building a
+    handler does not talk to etcd. torchrun calls ``shutdown()`` when the agent finishes (not
+    after a signal); ``atexit`` covers the other exits; kill -9 leaves it to the lease's TTL.
+    """
+    try:
+        liveness.bind(handler._this_node)  # type: ignore[attr-defined]
+    except AttributeError as exc:
+        log.warning("torch's rendezvous handler has changed shape (%s); lease liveness is off, "
+                    "dead nodes leave after torch's heartbeat window", exc)
+        liveness.stop(revoke=False)
+        return
+    shutdown = handler.shutdown
+
+    def shutdown_then_stop_liveness() -> bool:
+        try:
+            return shutdown()
+        finally:
+            liveness.stop(revoke=True)
+
+    handler.shutdown = shutdown_then_stop_liveness  # type: ignore[method-assign]
 
 
 def handler_creator() -> Callable[[RendezvousParameters], RendezvousHandler]:

@@ -22,6 +22,11 @@ outcome is unknown (the connection broke after etcd applied it) is retried; when
 then fails but our own bytes are stored, it reports success (the c10d backend, too, decides
 ``has_set`` by comparing the stored state with its own).
 
+With lease liveness (:mod:`.rendezvous_liveness`), the backend writes this agent's alive key
+before its first state call, drops nodes whose alive keys are gone from every state it hands to
+torch (before the standby fix sees it), and reports calls that found etcd unreachable, which
+make the liveness check doubt what it reads for a while.
+
 No TTL is put on the state: an etcd lease would need a keep-alive of its own. The state of a
 finished run stays until the run's keys are deleted, and a closed state refuses new agents with
 the same run id: use a fresh ``--rdzv-id`` per job, or delete ``<prefix>/jobs/<run_id>/rdzv/``.
@@ -30,17 +35,21 @@ the same run id: use a fresh ``--rdzv-id`` per job, or delete ``<prefix>/jobs/<r
 from __future__ import annotations
 
 import struct
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import xxhash
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
-from elasticd.coordination.api import Compare, Coordinator, Put
+from elasticd.coordination.api import Compare, Coordinator, Put, Unavailable
 from elasticd.coordination.keys import Keyspace, check_name
 from elasticd.coordination.rendezvous import BACKEND_NAME
 from elasticd.coordination.rendezvous_grace import OutageGrace
 
+if TYPE_CHECKING:
+    from elasticd.coordination.rendezvous_liveness import LeaseLiveness
+
+T = TypeVar("T")
 
 _MAGIC = b"EDRZ"
 _FORMAT = 1
@@ -97,6 +106,8 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         grace: retry policy for etcd outages; by default 30 s of retries.
         state_filter: optional rewrite applied to every state handed to torch (the standby
             fix of :mod:`.rendezvous_standby`); the stored bytes are not changed by reading.
+        liveness: optional lease liveness (:mod:`.rendezvous_liveness`); its dead-node filter
+            runs before ``state_filter``.
 
     Raises:
         ValueError: an empty or invalid run id.
@@ -104,7 +115,8 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
 
     def __init__(self, coordinator: Coordinator, run_id: str, keyspace: Keyspace | None = None,
                  grace: OutageGrace | None = None,
-                 state_filter: StateFilter | None = None) -> None:
+                 state_filter: StateFilter | None = None,
+                 liveness: LeaseLiveness | None = None) -> None:
         if not run_id:
             raise ValueError("The run id must be a non-empty string.")
         check_name("rendezvous run id", run_id)
@@ -113,6 +125,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         self.key = self._keyspace.job_rdzv(run_id) + b"state"
         self._grace = grace or OutageGrace()
         self._filter = state_filter
+        self._liveness = liveness
 
     @property
     def name(self) -> str:
@@ -126,8 +139,8 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             RendezvousConnectionError: etcd unreachable for longer than the grace period.
             RendezvousStateError: the stored state is corrupt.
         """
-        kv = self._grace.call(lambda: self._coordinator.get(self.key),
-                              "reading the rendezvous state")
+        self._start_liveness()
+        kv = self._call(lambda: self._coordinator.get(self.key), "reading the rendezvous state")
         if kv is None:
             return None
         return self._for_torch(decode_state(kv.value, self.key)), kv.mod_revision
@@ -140,13 +153,14 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             RendezvousConnectionError: etcd unreachable for longer than the grace period.
             RendezvousStateError: the stored state is corrupt.
         """
+        self._start_liveness()
         if token and not _is_valid_token(token):
             # Not a token of ours: it cannot match, so the write fails (torch's semantics).
             return self._current_state(written=None)
         # torch's backends treat any falsy token as None: write only if no state exists.
         expected = int(token) if token else 0
         envelope = encode_state(state)
-        ok, revision = self._grace.call(
+        ok, revision = self._call(
             lambda: self._coordinator.transaction([Compare(self.key, expected)],
                                                   [Put(self.key, envelope)]),
             "writing the rendezvous state")
@@ -158,12 +172,37 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         return self._current_state(written=envelope)
 
     def _current_state(self, written: bytes | None) -> tuple[bytes, Token, bool] | None:
-        kv = self._grace.call(lambda: self._coordinator.get(self.key),
-                              "reading the rendezvous state")
+        kv = self._call(lambda: self._coordinator.get(self.key), "reading the rendezvous state")
         if kv is None:
             return None
         has_set = written is not None and kv.value == written
         return self._for_torch(decode_state(kv.value, self.key)), kv.mod_revision, has_set
 
+    def _start_liveness(self) -> None:
+        # The alive key exists before this agent can enter the state (see rendezvous_liveness).
+        if self._liveness is not None:
+            self._liveness.ensure_started()
+
+    def _call(self, fn: Callable[[], T], what: str) -> T:
+        """``fn`` through the outage grace; attempts that find etcd unreachable or slow are told
+        to the liveness check, whose reads are doubtful around an outage."""
+        if self._liveness is None:
+            return self._grace.call(fn, what)
+        liveness = self._liveness
+
+        def attempt() -> T:
+            start = self._grace.clock.monotonic()
+            try:
+                return fn()
+            except Unavailable as exc:
+                liveness.note_unreachable(exc)
+                raise
+            finally:
+                liveness.note_call_took(self._grace.clock.monotonic() - start)
+
+        return self._grace.call(attempt, what)
+
     def _for_torch(self, state: bytes) -> bytes:
+        if self._liveness is not None:
+            state = self._liveness.filter(state)
         return self._filter(state) if self._filter is not None else state

@@ -17,6 +17,11 @@ user, password         etcd authentication (password also from the environment  
                        variable ``ELASTICD_ETCD_PASSWORD``, which ``ps`` won't show)
 standby_fix            move wait-listed nodes of a full round to the redundancy    true
                        list (:mod:`.rendezvous_standby`)
+lease_liveness         drop a node from the rendezvous once its alive key, bound   true
+                       to its agent's etcd lease, is gone (:mod:`.rendezvous_liveness`)
+liveness_ttl           that lease's TTL, whole seconds (at least 2)                3
+liveness_confirm       seconds an alive key must stay absent before its node is    1
+                       dropped
 =====================  ==========================================================  ==========
 
 torch's own keys (``join_timeout``, ``last_call_timeout``, ``keep_alive_interval``, ...) are
@@ -34,6 +39,11 @@ from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 from elasticd.coordination.etcd import EtcdSettings, parse_endpoints
 from elasticd.coordination.keys import check_name, check_prefix
 from elasticd.coordination.rendezvous_grace import DEFAULT_GRACE_PERIOD
+from elasticd.coordination.rendezvous_liveness import (
+    DEFAULT_LIVENESS_CONFIRM,
+    DEFAULT_LIVENESS_TTL,
+    MIN_LIVENESS_TTL,
+)
 
 PASSWORD_ENV = "ELASTICD_ETCD_PASSWORD"
 DEFAULT_ETCD_TIMEOUT = 2.0
@@ -68,6 +78,10 @@ class RendezvousConfig:
         max_clock_skew: seconds the nodes' clocks may disagree.
         store_timeout: how long the store's ``get``/``wait`` block.
         standby_fix: whether to apply :class:`.rendezvous_standby.ParkWaitingNodesWhenFull`.
+        lease_liveness: whether to drop nodes whose alive key is gone
+            (:mod:`.rendezvous_liveness`).
+        liveness_ttl: TTL of the alive key's lease, whole seconds.
+        liveness_confirm: seconds an alive key must stay absent before its node is dropped.
     """
 
     run_id: str
@@ -77,6 +91,9 @@ class RendezvousConfig:
     max_clock_skew: float = DEFAULT_CLOCK_SKEW
     store_timeout: datetime.timedelta = datetime.timedelta(seconds=DEFAULT_READ_TIMEOUT)
     standby_fix: bool = True
+    lease_liveness: bool = True
+    liveness_ttl: int = DEFAULT_LIVENESS_TTL
+    liveness_confirm: float = DEFAULT_LIVENESS_CONFIRM
 
     @classmethod
     def from_params(cls, params: RendezvousParameters) -> "RendezvousConfig":
@@ -117,6 +134,19 @@ class RendezvousConfig:
             raise ValueError(f"rdzv-conf read_timeout={params.get('read_timeout')!r} must be "
                              "a positive integer")
         standby_fix = params.get_as_bool("standby_fix", True)
+        try:
+            lease_liveness = params.get_as_bool("lease_liveness", True)
+        except ValueError as exc:
+            raise ValueError(f"rdzv-conf lease_liveness={params.get('lease_liveness')!r} is not "
+                             "a boolean (true/false)") from exc
+        raw_ttl = params.get("liveness_ttl")
+        try:
+            liveness_ttl = DEFAULT_LIVENESS_TTL if raw_ttl in (None, "") else int(raw_ttl)
+        except (TypeError, ValueError):
+            liveness_ttl = 0
+        if liveness_ttl < MIN_LIVENESS_TTL:
+            raise ValueError(f"rdzv-conf liveness_ttl={raw_ttl!r} must be a whole number of "
+                             f"seconds, at least {MIN_LIVENESS_TTL} (etcd's minimum lease TTL)")
         return cls(
             run_id=params.run_id,
             etcd=EtcdSettings(
@@ -129,4 +159,7 @@ class RendezvousConfig:
             max_clock_skew=_seconds(params, "max_clock_skew", DEFAULT_CLOCK_SKEW),
             store_timeout=datetime.timedelta(seconds=read_timeout),
             standby_fix=bool(standby_fix),
+            lease_liveness=bool(lease_liveness),
+            liveness_ttl=liveness_ttl,
+            liveness_confirm=_seconds(params, "liveness_confirm", DEFAULT_LIVENESS_CONFIRM),
         )

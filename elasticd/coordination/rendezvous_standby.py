@@ -17,6 +17,9 @@ restart can admit it. ``num_nodes_waiting()`` then reads 0 for a full round. The
 deterministic, so every agent sees the same state; it reaches etcd with the next write of any
 agent, under the same fencing token.
 
+With lease liveness on, its dead-node filter runs first; participants it marked dead do not
+count toward a full round.
+
 This reads torch's private ``_RendezvousState`` (attributes ``complete``, ``closed``,
 ``participants``, ``wait_list``, ``redundancy_list``). If a future torch changes them, the state
 is passed through unchanged with one warning, and the livelock test in
@@ -28,6 +31,8 @@ from __future__ import annotations
 
 import logging
 import pickle
+
+from elasticd.coordination.rendezvous_liveness import is_marked_dead
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +61,11 @@ class ParkWaitingNodesWhenFull:
         except Exception:  # torch raises its own RendezvousStateError on these bytes
             return state_bits
         try:
+            # A participant that lease liveness just marked dead leaves when torch sanitizes
+            # this state: it does not fill a slot (the waiting node will take it).
+            live = [p for p in state.participants if not is_marked_dead(state, p)]
             stuck = (state.complete and not state.closed
-                     and len(state.participants) >= self.max_nodes and state.wait_list)
+                     and len(live) >= self.max_nodes and state.wait_list)
             if not stuck:
                 return state_bits
             log.info("round is complete and full: moving %d waiting node(s) to the redundancy "

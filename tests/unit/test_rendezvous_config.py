@@ -28,6 +28,7 @@ def test_defaults():
     assert (cfg.key_prefix, cfg.grace_period, cfg.max_clock_skew) == ("/elasticd", 30.0, 2.0)
     assert cfg.store_timeout == datetime.timedelta(seconds=60)
     assert cfg.standby_fix is True
+    assert (cfg.lease_liveness, cfg.liveness_ttl, cfg.liveness_confirm) == (True, 3, 1.0)
 
 
 def test_settings_from_rdzv_conf(tmp_path, monkeypatch):
@@ -39,12 +40,14 @@ def test_settings_from_rdzv_conf(tmp_path, monkeypatch):
     cfg = RendezvousConfig.from_params(params(
         key_prefix="/prod", etcd_timeout="0.5", etcd_grace_period="10", max_clock_skew="0.5",
         read_timeout="30", ca_cert=str(files["ca.pem"]), cert=str(files["cert.pem"]),
-        key=str(files["key.pem"]), user="trainer", password="s3cret", standby_fix="false"))
+        key=str(files["key.pem"]), user="trainer", password="s3cret", standby_fix="false",
+        lease_liveness="false", liveness_ttl="5", liveness_confirm="0"))
     assert (cfg.key_prefix, cfg.grace_period, cfg.max_clock_skew) == ("/prod", 10.0, 0.5)
     assert cfg.etcd.timeout == 0.5 and cfg.etcd.secure
     assert (cfg.etcd.user, cfg.etcd.password) == ("trainer", "s3cret")
     assert cfg.store_timeout == datetime.timedelta(seconds=30)
     assert cfg.standby_fix is False
+    assert (cfg.lease_liveness, cfg.liveness_ttl, cfg.liveness_confirm) == (False, 5, 0.0)
 
 
 def test_password_from_the_environment(monkeypatch):
@@ -64,6 +67,10 @@ def test_password_from_the_environment(monkeypatch):
     ("127.0.0.1:2379", {"ca_cert": "/nonexistent/ca.pem"}, "no such file"),
     ("127.0.0.1:2379", {"user": "trainer"}, "needs both"),
     ("127.0.0.1:2379", {"read_timeout": "0"}, "read_timeout"),
+    ("127.0.0.1:2379", {"liveness_ttl": "1"}, "liveness_ttl='1'.*at least 2"),
+    ("127.0.0.1:2379", {"liveness_ttl": "2.5"}, "liveness_ttl='2.5'"),
+    ("127.0.0.1:2379", {"liveness_confirm": "-1"}, "liveness_confirm='-1'"),
+    ("127.0.0.1:2379", {"lease_liveness": "maybe"}, "lease_liveness='maybe'"),
 ])
 def test_bad_settings_are_refused_and_quoted(endpoint, conf, message, monkeypatch):
     monkeypatch.delenv(PASSWORD_ENV, raising=False)
@@ -131,3 +138,19 @@ def test_creator_keeps_an_explicit_store_sharing_choice(monkeypatch):
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")
     handler = create_rdzv_handler(params())
     assert handler.use_agent_store is True
+
+
+def test_creator_binds_lease_liveness_to_torchs_node_without_talking_to_etcd():
+    # The alive key is written by the backend's first call, not when the handler is built.
+    handler = create_rdzv_handler(params(etcd_grace_period="0"))
+    liveness = handler._state_holder._backend._liveness
+    node = handler._this_node
+    assert liveness.me == f"{node.addr}_{node.pid}_{node.local_id}"
+    assert liveness.keeper.key.endswith(b"/jobs/job/rdzv/alive/" + liveness.me.encode())
+    assert not liveness.active
+    liveness.stop()
+
+
+def test_creator_without_lease_liveness():
+    handler = create_rdzv_handler(params(lease_liveness="false"))
+    assert handler._state_holder._backend._liveness is None
