@@ -139,6 +139,7 @@ class Checkpointer:
         if self.transport is None and not self.persist_dir:
             self._warn_once("nodaemon", "ELASTICD_SOCKET is not set: not running under elasticd, "
                             "so nothing is restored and snapshots are off")
+            self.last_restore = RestoreResult()
             return 0
         self.wait()
         collective = self._collective or (
