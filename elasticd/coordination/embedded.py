@@ -52,7 +52,8 @@ class EtcdMember:
     """One etcd process (a single-node cluster, or one member of a loopback cluster)."""
 
     def __init__(self, name: str, data_dir: str, client_port: int, peer_port: int,
-                 initial_cluster: str, binary: str, log_path: str) -> None:
+                 initial_cluster: str, binary: str, log_path: str,
+                 tls: tuple[str, str, str] | None = None) -> None:
         self.name = name
         self.data_dir = data_dir
         self.client_port = client_port
@@ -60,6 +61,7 @@ class EtcdMember:
         self.initial_cluster = initial_cluster
         self.binary = binary
         self.log_path = log_path
+        self.tls = tls  # (ca, cert, key): clients must present a certificate signed by ca
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -68,12 +70,13 @@ class EtcdMember:
 
     def start(self) -> None:
         """Starts (or restarts, keeping the data directory) the member."""
+        scheme = "https" if self.tls else "http"
         cmd = [
             self.binary,
             "--name", self.name,
             "--data-dir", self.data_dir,
-            "--listen-client-urls", f"http://127.0.0.1:{self.client_port}",
-            "--advertise-client-urls", f"http://127.0.0.1:{self.client_port}",
+            "--listen-client-urls", f"{scheme}://127.0.0.1:{self.client_port}",
+            "--advertise-client-urls", f"{scheme}://127.0.0.1:{self.client_port}",
             "--listen-peer-urls", f"http://127.0.0.1:{self.peer_port}",
             "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_port}",
             "--initial-cluster", self.initial_cluster,
@@ -89,6 +92,10 @@ class EtcdMember:
             "--log-level", "warn",
             "--logger", "zap",
         ]
+        if self.tls:
+            ca, cert, key = self.tls
+            cmd += ["--trusted-ca-file", ca, "--cert-file", cert, "--key-file", key,
+                    "--client-cert-auth"]
         log = open(self.log_path, "ab")
         try:
             # A session of its own: a Ctrl-C aimed at the launcher's terminal must not reach
@@ -141,7 +148,9 @@ class EmbeddedEtcd:
         binary: name or path of the etcd binary.
     """
 
-    def __init__(self, members: int = 1, data_dir: str | None = None, binary: str = "etcd") -> None:
+    def __init__(self, members: int = 1, data_dir: str | None = None, binary: str = "etcd",
+                 tls: tuple[str, str, str] | None = None,
+                 client_tls: tuple[str, str, str] | None = None) -> None:
         self.binary = find_etcd(binary)
         self._own_dir = data_dir is None
         self.dir = data_dir or tempfile.mkdtemp(prefix="elasticd-etcd-")
@@ -151,9 +160,10 @@ class EmbeddedEtcd:
         initial = ",".join(f"{n}=http://127.0.0.1:{pp}" for n, (_, pp) in zip(names, ports))
         self.members = [
             EtcdMember(n, os.path.join(self.dir, n), cp, pp, initial, self.binary,
-                       os.path.join(self.dir, f"{n}.log"))
+                       os.path.join(self.dir, f"{n}.log"), tls)
             for n, (cp, pp) in zip(names, ports)
         ]
+        self.client_tls = client_tls  # (ca, cert, key) the launcher's own health checks use
 
     @property
     def endpoints(self) -> str:
@@ -171,8 +181,10 @@ class EmbeddedEtcd:
         from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endpoints
 
         deadline = time.monotonic() + timeout
+        ca, cert, key = self.client_tls or (None, None, None)
         for m in members or self.members:
-            coord = EtcdCoordinator(EtcdSettings(parse_endpoints(m.endpoint), timeout=1.0))
+            coord = EtcdCoordinator(EtcdSettings(parse_endpoints(m.endpoint), timeout=1.0,
+                                                 ca_cert=ca, cert=cert, key=key))
             try:
                 while True:
                     if m.proc is not None and m.proc.poll() is not None:

@@ -69,6 +69,9 @@ _UNAVAILABLE_CODES = {
     grpc.StatusCode.CANCELLED,
 }
 _AUTH_CODES = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
+# etcd answers some auth failures with INVALID_ARGUMENT (a wrong password; no user at all when
+# auth is enabled).
+_AUTH_MESSAGES = ("authentication failed", "user name is empty", "invalid auth token")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,13 +159,18 @@ class EtcdCoordinator(Coordinator):
             for h, p in s.endpoints
         ]
         try:
-            return pyetcd.MultiEndpointEtcd3Client(
+            client = pyetcd.MultiEndpointEtcd3Client(
                 endpoints, timeout=s.timeout, user=s.user, password=s.password, failover=True
             )
         except Exception as exc:  # authentication happens in the constructor
             for ep in endpoints:
                 ep.close()
             raise self._translate(exc) from exc
+        if not s.secure:
+            # gRPC refuses call credentials on a plaintext channel ("insufficient security
+            # level"); the auth token also travels as request metadata, which is enough.
+            client.call_credentials = None
+        return client
 
     def _get_client(self) -> pyetcd.MultiEndpointEtcd3Client:
         with self._lock:
@@ -196,7 +204,7 @@ class EtcdCoordinator(Coordinator):
             detail = exc.details() if hasattr(exc, "details") else str(exc)
             if code in _UNAVAILABLE_CODES:
                 return Unavailable(f"etcd at {where} is unreachable ({detail})")
-            if code in _AUTH_CODES:
+            if code in _AUTH_CODES or any(m in (detail or "") for m in _AUTH_MESSAGES):
                 return AuthError(
                     f"etcd at {where} refused our credentials ({detail}); check --etcd-user/"
                     "--etcd-password or the TLS client certificate"
