@@ -83,7 +83,8 @@ class Checkpointer:
             environment; None when ``ELASTICD_SOCKET`` is unset).
         job, rank, world_size, local_world_size: default from the environment torchrun and
             elasticd set (``ELASTICD_JOB``, ``RANK``, ...) or the initialised process group.
-        copier: moves tensors into the slot (default: a background-thread CPU copier).
+        copier: moves tensors into the slot (default: a background-thread CPU copier; pass
+            :class:`~elasticd.checkpoint.cuda_copier.CudaCopier` for a model on the GPU).
         persist_dir: the persistent tier to restore from when there is no daemon.
         collective: how ranks agree at restore (default: the initialised process group).
         timeout: seconds to wait for a copy before giving up on it.
@@ -297,6 +298,10 @@ class Checkpointer:
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         copy = self._copy
         if copy is None or copy.done():
+            return
+        fence = getattr(copy, "before_mutation", None)
+        if fence is not None:  # GPU: the compute stream waits on the copy's event, not the host
+            fence()
             return
         start = time.perf_counter()
         try:
