@@ -13,6 +13,7 @@ returns it re-watches, re-lists, and re-registers under the same node id.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -149,6 +150,27 @@ class Daemon:
             self.cycle()
             on_cycle(self)
             self._wait(self.settings.loop_interval)
+
+    #: Settings that take effect only when the daemon restarts.
+    RESTART_SETTINGS = ("node_id", "etcd", "prefix", "listen", "lease_ttl", "state_dir",
+                        "etcd_user", "etcd_password", "etcd_ca_cert", "etcd_cert", "etcd_key",
+                        "etcd_timeout")
+
+    def apply_settings(self, new: Settings) -> list[str]:
+        """Applies reloadable settings (SIGHUP); returns the changed ones that need a restart."""
+        restart = [n for n in self.RESTART_SETTINGS
+                   if getattr(new, n) != getattr(self.settings, n)]
+        keep = {n: getattr(self.settings, n) for n in self.RESTART_SETTINGS}
+        self.settings = dataclasses.replace(new, **keep)
+        self.membership.provisional_seconds = self.settings.provisional_seconds
+        self.events.retention = self.settings.events_retention
+        self.jobs.agent_restarts = self.settings.agent_restarts
+        self.jobs.stop_grace = self.settings.stop_grace
+        self.jobs.rdzv_conf = self.rdzv_conf()
+        return restart
+
+    def wake(self) -> None:
+        self._wake.set()
 
     def request_stop(self) -> None:
         self._stop.set()

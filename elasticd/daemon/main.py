@@ -112,6 +112,21 @@ def _connect(settings: config.Settings) -> EtcdCoordinator:
             raise Fatal(f"etcd at {settings.etcd}: {exc}") from exc
 
 
+def _reload(daemon: Daemon, args: argparse.Namespace) -> None:
+    """SIGHUP: re-reads the settings from the same sources and applies what can change live."""
+    try:
+        new = _settings(args)
+    except config.ConfigError as exc:
+        log.error("reload refused, keeping the running settings: bad setting %s", exc)
+        return
+    if not new.etcd:
+        new = config.Settings(**{**new.__dict__, "etcd": daemon.settings.etcd})
+    logging.getLogger().setLevel(new.log_level.upper())
+    needs_restart = daemon.apply_settings(new)
+    log.info("reloaded settings%s", f"; restart needed for: {', '.join(needs_restart)}"
+             if needs_restart else "")
+
+
 def run(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -131,9 +146,18 @@ def run(argv: Sequence[str] | None = None) -> int:
         if daemon is not None:
             daemon.request_stop()
 
+    reload_requested = False
+
+    def on_hup(signum: int, _frame: Any) -> None:
+        nonlocal reload_requested
+        reload_requested = True
+        if daemon is not None:
+            daemon.wake()
+
     daemon: Daemon | None = None
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
+    signal.signal(signal.SIGHUP, on_hup)
 
     embedded: EmbeddedEtcd | None = None
     if not settings.etcd:
@@ -183,6 +207,14 @@ def run(argv: Sequence[str] | None = None) -> int:
             daemon.request_stop()
 
         def on_cycle(d: Daemon) -> None:
+            nonlocal reload_requested
+            if reload_requested:
+                reload_requested = False
+                notifier.notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
+                _reload(d, args)
+                notifier.ready(d.sentence)
+            # Only after a completed cycle: a stalled loop stops the pings and systemd's
+            # watchdog restarts the daemon.
             notifier.watchdog()
 
         daemon.run(on_cycle)
