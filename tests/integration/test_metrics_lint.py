@@ -1,0 +1,61 @@
+"""The /metrics endpoint follows Prometheus' rules (promtool on a live scrape), and every metric
+the code defines is documented in the README's metrics table (and nothing documented is gone)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from elasticd.metrics import Metrics
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def defined_metric_names() -> set[str]:
+    names = set()
+    for metric in Metrics().registry.collect():
+        name = metric.name
+        if metric.type == "counter":
+            name += "_total"
+        elif metric.type == "info":
+            name += "_info"
+        names.add(name)
+    return names
+
+
+def documented_metric_names() -> set[str]:
+    text = open(os.path.join(REPO, "README.md")).read()
+    section = text.split("## Metrics", 1)[1].split("\n## ", 1)[0]
+    return {m.group(1) for m in re.finditer(r"^\| `(elasticd_[a-z0-9_]+)", section, re.M)}
+
+
+def test_every_metric_is_documented_and_vice_versa():
+    defined = defined_metric_names()
+    documented = documented_metric_names()
+    assert defined - documented == set(), "undocumented metrics"
+    assert documented - defined == set(), "documented metrics that do not exist"
+
+
+@pytest.mark.etcd
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="needs promtool (prometheus)")
+def test_promtool_accepts_a_live_scrape(tmp_path):
+    from elasticd.launcher import LocalCluster
+
+    c = LocalCluster(["m1", "m2"], workdir=str(tmp_path), lease_ttl=2)
+    try:
+        c.start()
+        c.nodes["m2"].kill()
+        c.wait_for(lambda: [e for e in c.events() if e["kind"] == "failed"], 10, "failure")
+        scrape = c.nodes["m1"].http("/metrics")
+    finally:
+        c.stop()
+    res = subprocess.run(["promtool", "check", "metrics"], input=scrape, capture_output=True,
+                         text=True, timeout=30)
+    assert res.returncode == 0 and not res.stdout.strip() and not res.stderr.strip(), (
+        res.stdout, res.stderr)
+    assert "elasticd_failure_detection_seconds_bucket" in scrape
