@@ -55,6 +55,14 @@ A false drop costs little: a dropped participant keeps training (nobody restarts
 restarts workers only for nodes in the wait list) and rejoins at the next re-rendezvous; a
 dropped waiting node re-adds itself at its next sync.
 
+Measured (plain torchrun, 3 nodes, ``--nnodes 2:3``, default settings but
+``last_call_timeout=1``, ``tests/integration/test_rendezvous_liveness.py``): after kill -9 of a
+node, the survivors trained at world size 2 after 8.9-9.5 s (39.9 s with ``lease_liveness=false``).
+Of those, about 4.5 s went to finding the node dead (key gone ~3 s after the kill, dropped ~1.4 s
+later), 1.3 s to the new round (``last_call_timeout``), and 3.4 s to starting the new workers.
+The same 3 agents rode out a 8 s etcd SIGSTOP without a drop or a restart, and with rule 3
+disabled (and ``liveness_confirm=0``) they dropped each other in 2 of 2 runs.
+
 Choosing the TTL: detection takes TTL + up to 0.5 s (etcd's expiry tick) + ``liveness_confirm``
 + up to one read period. A shorter TTL finds dead nodes sooner but evicts a live agent whose
 keep-alives stall (a busy machine, an etcd fsync stall, one timed-out request of

@@ -210,6 +210,28 @@ def test_survivors_train_again_seconds_after_a_node_is_killed(etcd, prefix, tmp_
 
 
 @pytest.mark.etcd
+@pytest.mark.timeout(120)
+def test_an_agent_stopped_by_sigterm_revokes_its_alive_key(etcd, prefix, tmp_path):
+    # torchrun does not shut the handler down after a signal; atexit revokes the lease, so the
+    # key is gone when the process is, not a TTL later.
+    cluster = Cluster(etcd, prefix, tmp_path)
+    nodes = [f"node{i}" for i in range(NODES)]
+    try:
+        cluster.start()
+        cluster.wait_until(lambda: cluster.training_at(NODES, nodes), 90, "three nodes training")
+        assert len(cluster.alive_keys()) == NODES
+        agent = cluster.procs["node2"]
+        cluster.killed = {"node2"}
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=60)
+        keys = cluster.alive_keys()
+        assert len(keys) == NODES - 1, cluster.texts()
+        assert str(agent.pid).encode() not in b" ".join(keys)
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.etcd
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(not os.environ.get("ELASTICD_MEASURE_BASELINE"),
                     reason="a measurement (~1 min), not a test: set ELASTICD_MEASURE_BASELINE=1")

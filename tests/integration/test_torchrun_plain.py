@@ -91,6 +91,8 @@ def test_two_torchrun_nodes_meet_through_etcd_v3(etcd, etcd_client, prefix, tmp_
     assert state.closed and state.complete and len(state.participants) == 2
     store_keys = [kv.key for kv in etcd_client.get_prefix(rdzv + b"store/")[0]]
     assert rdzv + b"store/torch.rendezvous." + run_id.encode() + b".0/MASTER_ADDR" in store_keys
+    # Each agent revoked its liveness lease on shutdown: no alive key waits out its TTL.
+    assert etcd_client.get_prefix(rdzv + b"alive/")[0] == []
 
 
 @pytest.mark.etcd
