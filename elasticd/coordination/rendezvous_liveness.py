@@ -9,13 +9,14 @@ the dead participant, about one window later (FACTS.md: 40+ s).
 
 Here every agent also proves it is alive through etcd itself:
 
-* **Alive key** (:mod:`.rendezvous_alive_key`). Each agent grants a lease of ``liveness_ttl`` seconds (default 3), keeps it
-  alive from a daemon thread every TTL/3 (re-granting and re-writing when it was lost), and binds
-  ``<prefix>/jobs/<run_id>/rdzv/alive/<node-id>`` to it, where ``<node-id>`` is torch's
-  ``_NodeDesc`` of the agent (``addr_pid_localid``). The key is written before the agent's first
-  read or write of the rendezvous state, so no node enters the state before its key exists. The
-  lease is revoked (the key deleted) when the handler shuts down or the agent exits; after kill -9
-  it expires TTL (+ up to 0.5 s, etcd's expiry tick) after the last keep-alive.
+* **Alive key** (:mod:`.rendezvous_alive_key`). Each agent grants a lease of ``liveness_ttl``
+  seconds (default 3), keeps it alive from a daemon thread every TTL/3 (re-granting and
+  re-writing when it was lost), and binds ``<prefix>/jobs/<run_id>/rdzv/alive/<node-id>`` to it,
+  where ``<node-id>`` is torch's ``_NodeDesc`` of the agent (``addr_pid_localid``). The key is
+  written before the agent's first read or write of the rendezvous state, so no node enters the
+  state before its key exists. The lease is revoked (the key deleted) when the handler shuts down
+  or the agent exits; after kill -9 it expires TTL (+ up to 0.5 s, etcd's expiry tick) after the
+  last keep-alive.
 * **Dropping.** Whenever the backend hands torch a state, it first reads every alive key (one
   ``get_prefix``, *after* the state read, so a node's key is always older than its entry) and
   sets the heartbeat of each dead node far in the past, so that torch's own ``_sanitize`` drops it
@@ -51,16 +52,16 @@ What is left to torch's window: a node of an agent that never wrote a key (``lea
 off on that node), after 2 x TTL when others have liveness on, so give every node the same
 ``--rdzv-conf``; and every node while etcd itself is unreachable (no read, no judgement).
 
-A false drop costs little: a dropped participant keeps training (nobody restarts for it, torch
-restarts workers only for nodes in the wait list) and rejoins at the next re-rendezvous; a
-dropped waiting node re-adds itself at its next sync.
+A false drop costs little: a dropped participant keeps training (torch restarts workers for
+nodes in the wait list, not for departures) and rejoins at the next re-rendezvous; a dropped
+waiting node re-adds itself at its next sync.
 
 Measured (plain torchrun, 3 nodes, ``--nnodes 2:3``, default settings but
 ``last_call_timeout=1``, ``tests/integration/test_rendezvous_liveness.py``): after kill -9 of a
 node, the survivors trained at world size 2 after 8.9-9.5 s (39.9 s with ``lease_liveness=false``).
 Of those, about 4.5 s went to finding the node dead (key gone ~3 s after the kill, dropped ~1.4 s
 later), 1.3 s to the new round (``last_call_timeout``), and 3.4 s to starting the new workers.
-The same 3 agents rode out a 8 s etcd SIGSTOP without a drop or a restart, and with rule 3
+The same 3 agents rode out an 8 s etcd SIGSTOP without a drop or a restart, and with rule 3
 disabled (and ``liveness_confirm=0``) they dropped each other in 2 of 2 runs.
 
 Choosing the TTL: detection takes TTL + up to 0.5 s (etcd's expiry tick) + ``liveness_confirm``
@@ -69,7 +70,7 @@ keep-alives stall (a busy machine, an etcd fsync stall, one timed-out request of
 ``etcd_timeout``) for longer than the TTL. 3 s survives two missed keep-alives in a row; etcd
 refuses to go below about 2 s anyway (its minimum TTL is 1.5 election timeouts, rounded up).
 
-This module does not import torch: it reads torch's private state (``participants``,
+This module needs none of torch's classes: it reads torch's private state (``participants``,
 ``wait_list``, ``redundancy_list``, ``last_heartbeats``; ``_NodeDesc`` fields ``addr``,
 ``pid``, ``local_id``) by attribute; if torch changes them, the state passes unchanged with one
 warning, and torch's heartbeat window takes over. Unpickling here adds no exposure: torch
