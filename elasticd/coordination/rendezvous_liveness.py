@@ -57,7 +57,7 @@ nodes in the wait list, not for departures) and rejoins at the next re-rendezvou
 waiting node re-adds itself at its next sync.
 
 Measured (plain torchrun, 3 nodes, ``--nnodes 2:3``, default settings but
-``last_call_timeout=1``, ``tests/integration/test_rendezvous_liveness.py``): after kill -9 of a
+``last_call_timeout=1``, ``tests/integration/test_torchrun_liveness.py``): after kill -9 of a
 node, the survivors trained at world size 2 after 8.9-9.5 s (39.9 s with ``lease_liveness=false``).
 Of those, about 4.5 s went to finding the node dead (key gone ~3 s after the kill, dropped ~1.4 s
 later), 1.3 s to the new round (``last_call_timeout``), and 3.4 s to starting the new workers.
