@@ -1,0 +1,152 @@
+"""Builds elasticd's Grafana dashboards (JSON) from the panel lists below.
+
+    python grafana/build.py          # rewrites grafana/dashboards/*.json
+
+The committed JSON must equal what this script generates (tests/integration/test_dashboards.py
+checks it), so edit the panels here, not the JSON. Every query uses an ``elasticd_`` metric and
+is run against a real Prometheus by that test.
+
+Grafana's own builder library (grafana-foundation-sdk) ships one release per Grafana version
+under unusual version strings; for two dashboards of plain time series and stat panels a
+hundred lines of our own keep the dependency list short.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+
+
+def panel(title: str, exprs: list[tuple[str, str]], kind: str = "timeseries", unit: str = "",
+          description: str = "", recovery: bool = False) -> dict[str, Any]:
+    """One panel; ``exprs`` are (PromQL, legend) pairs. ``recovery`` marks panels that must
+    show a non-zero value after a failure (the dashboard test checks it)."""
+    return {
+        "type": kind, "title": title, "description": description, "datasource": DATASOURCE,
+        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        "targets": [{"refId": chr(65 + i), "expr": e, "legendFormat": legend,
+                     "datasource": DATASOURCE} for i, (e, legend) in enumerate(exprs)],
+        "elasticd": {"recovery": recovery},
+    }
+
+
+Q = "[$__rate_interval]"
+R = "[$__range]"
+
+OVERVIEW = [
+    ("Cluster health", [
+        panel("Nodes alive", [("max(elasticd_nodes_alive)", "nodes")], "stat"),
+        panel("etcd reachable (worst node)", [("min(elasticd_etcd_up)", "etcd up")], "stat"),
+        panel("World size", [("max(elasticd_world_size)", "world size")], "stat"),
+        panel("Nodes running a job", [("sum(elasticd_job_running)", "nodes")], "stat"),
+        panel("etcd outages", [(f"sum(increase(elasticd_etcd_outages_total{R}))", "outages")],
+              "stat"),
+        panel("Lease keep-alive failures",
+              [(f"sum(rate(elasticd_lease_keepalive_failures_total{Q}))", "failures/s")],
+              unit="ops"),
+    ]),
+    ("Recovery", [
+        panel("Node failures detected", [
+            (f"max(increase(elasticd_node_failures_detected_total{R}))", "failures")], "stat",
+              recovery=True, description="Failures seen (each survivor counts each one)."),
+        panel("Failure detection latency", [
+            ("histogram_quantile(0.5, sum by (le) "
+             f"(increase(elasticd_failure_detection_seconds_bucket{R})))", "p50"),
+            ("histogram_quantile(0.99, sum by (le) "
+             f"(increase(elasticd_failure_detection_seconds_bucket{R})))", "p99")],
+              unit="s", recovery=True),
+        panel("Worker restarts by reason", [
+            (f"sum by (reason) (increase(elasticd_worker_restarts_total{R}))", "{{reason}}")],
+              recovery=True),
+        panel("Rendezvous (restart to first step)", [
+            ("histogram_quantile(0.5, sum by (le) "
+             f"(increase(elasticd_rendezvous_seconds_bucket{R})))", "p50"),
+            ("histogram_quantile(0.99, sum by (le) "
+             f"(increase(elasticd_rendezvous_seconds_bucket{R})))", "p99")], unit="s",
+              recovery=True),
+        panel("Hangs detected", [(f"sum(increase(elasticd_hangs_detected_total{R}))", "hangs")],
+              "stat"),
+        panel("Fencings", [(f"sum(increase(elasticd_fenced_total{R}))", "fenced")], "stat"),
+    ]),
+]
+
+NODE = [
+    ("Node", [
+        panel("Peers alive (this node's view)",
+              [('elasticd_nodes_alive{instance=~"$instance"}', "{{instance}}")]),
+        panel("etcd reachable", [('elasticd_etcd_up{instance=~"$instance"}', "{{instance}}")]),
+        panel("Main loop cycles per second",
+              [(f'rate(elasticd_loop_cycles_total{{instance=~"$instance"}}{Q})',
+                "{{instance}}")], unit="ops"),
+        panel("Seconds since the last loop cycle",
+              [('time() - elasticd_loop_last_cycle_timestamp_seconds{instance=~"$instance"}',
+                "{{instance}}")], unit="s"),
+        panel("Leases lost", [(f'increase(elasticd_leases_lost_total{{instance=~"$instance"}}{R})',
+                               "{{instance}}")], "stat"),
+        panel("Job running", [('elasticd_job_running{instance=~"$instance"}', "{{instance}}")]),
+        panel("World size", [('elasticd_world_size{instance=~"$instance"}', "{{instance}}")]),
+        panel("Worker generations", [('elasticd_rendezvous_round{instance=~"$instance"}',
+                                      "{{instance}}")]),
+        panel("Version", [('elasticd_build_info{instance=~"$instance"}', "{{version}}")],
+              "table"),
+    ]),
+]
+
+
+def dashboard(uid: str, title: str, rows: list[tuple[str, list[dict]]],
+              instance_var: bool) -> dict[str, Any]:
+    panels, y, pid = [], 0, 1
+    for row_title, row in rows:
+        panels.append({"type": "row", "title": row_title, "id": pid, "collapsed": False,
+                       "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}})
+        pid, y = pid + 1, y + 1
+        for i, p in enumerate(row):
+            w = 8 if p["type"] != "stat" else 4
+            x = (i * w) % 24
+            panels.append({**p, "id": pid, "gridPos": {"h": 6 if p["type"] == "stat" else 8,
+                                                       "w": w, "x": x, "y": y + (i * w) // 24 * 8}})
+            pid += 1
+        y += ((len(row) * 8) // 24 + 1) * 8
+    templating = [{"name": "datasource", "type": "datasource", "query": "prometheus",
+                   "label": "Data source"}]
+    if instance_var:
+        templating.append({"name": "instance", "type": "query", "datasource": DATASOURCE,
+                           "query": "label_values(elasticd_build_info, instance)",
+                           "refresh": 2, "includeAll": True, "multi": True,
+                           "label": "Node (instance)"})
+    return {"uid": uid, "title": title, "tags": ["elasticd"], "timezone": "browser",
+            "schemaVersion": 39, "version": 1, "refresh": "10s",
+            "time": {"from": "now-1h", "to": "now"}, "editable": True,
+            "templating": {"list": templating}, "panels": panels}
+
+
+def build() -> dict[str, dict[str, Any]]:
+    return {
+        "elasticd-overview.json": dashboard("elasticd-overview", "elasticd: cluster overview",
+                                            OVERVIEW, instance_var=False),
+        "elasticd-node.json": dashboard("elasticd-node", "elasticd: node", NODE,
+                                        instance_var=True),
+    }
+
+
+def render(doc: dict[str, Any]) -> str:
+    return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+
+
+def main() -> int:
+    out = os.path.join(HERE, "dashboards")
+    os.makedirs(out, exist_ok=True)
+    for name, doc in build().items():
+        with open(os.path.join(out, name), "w") as fh:
+            fh.write(render(doc))
+        print(f"wrote grafana/dashboards/{name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
