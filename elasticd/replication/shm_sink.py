@@ -1,0 +1,267 @@
+"""Peer replicas in daemon-owned shared memory: the :class:`~elasticd.replication.api.Sink` a
+node's :class:`~elasticd.replication.server.ReplicaServer` stores into.
+
+Replicas live in a :class:`~elasticd.checkpoint.shm.SlotStore` of their own, so they get the
+same pre-touched, double-buffered slots as local snapshots, and a restarted daemon adopts the
+ones whose checksums verify (:meth:`SlotStore.scan`). The store is separate from the local one
+(a sibling directory, :func:`replica_root`) rather than a namespace inside it because a slot's
+directory must be named for the job and rank its header carries (the store checks both when a
+snapshot completes and at a restart scan), and the local store's scan deletes anything under its
+root it does not recognise. Keeping them apart also keeps the checkpoint service's listing of a
+job's local ranks free of other nodes' shards.
+
+One node-wide memory cap counts both stores: given ``cap_bytes`` and the local store, the sink
+keeps the local store's ``cap_bytes`` at the cap minus the replica bytes held, and allocates a
+replica only within the cap minus the local bytes held. Whoever asks first gets the room: a
+local snapshot over the cap is skipped by the checkpoint service (unprotected), a replica over
+it is refused with ``no_space`` (the owner counts a failed push).
+
+Received bytes land straight in the slot (no copy). Before a copy is published its snapshot
+header is parsed and every payload block is checked against the header's xxh3 checksums (the
+transport's per-frame checksums only prove that the wire did not alter the bytes, not that the
+sender's copy was intact). Fetches are served from the replicas and, for shards this node
+owns, from its local snapshots. The version rule of the base class refuses stale and duplicate
+copies; :meth:`ShmSink.set_floor` also refuses every copy of an abandoned generation. Daemon
+side: no torch.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+
+from elasticd.checkpoint.api import OverBudget, Slot, SlotBusy, StaleSlot
+from elasticd.checkpoint.format import SnapshotError
+from elasticd.checkpoint.reader import parse_header
+from elasticd.checkpoint.shm import SlotStore, SnapshotView
+from elasticd.replication.api import (
+    IN_PROGRESS,
+    NO_SPACE,
+    STALE,
+    Descriptor,
+    Refused,
+    Sink,
+    Version,
+)
+
+log = logging.getLogger(__name__)
+
+#: A received copy failed its snapshot checksums (or its header did not match its descriptor).
+CORRUPT = "corrupt"
+#: The descriptor names something the store cannot hold (e.g. a job name it refuses).
+INVALID = "invalid"
+
+REPLICA_SUFFIX = "+replicas"
+
+
+def replica_root(local_root: str) -> str:
+    """Where a node keeps peer replicas, beside its local slots (``+`` is never part of a node
+    name, so this cannot be another node's local root)."""
+    return local_root.rstrip("/") + REPLICA_SUFFIX
+
+
+def _pinned(store: SlotStore, job: str, rank: int, version: Version | None) -> SnapshotView | None:
+    try:
+        return store.latest(job, rank, pin=True, version=version)
+    except (SnapshotError, ValueError):
+        return None
+
+
+def descriptor_of(view: SnapshotView) -> Descriptor:
+    """The transfer descriptor of a complete snapshot held in a slot."""
+    h = view.header
+    return Descriptor.for_snapshot(h.job, h.rank, h.generation, h.step, h.layout.data_offset,
+                                   h.layout.total_size - h.layout.data_offset)
+
+
+class ShmSink(Sink):
+    """Stores peer replicas in ``store``.
+
+    Args:
+        store: the replica slot store (scanned first on a daemon restart; its copies are
+            adopted as held).
+        local: the node's local slot store, whose bytes count against ``cap_bytes`` too.
+        cap_bytes: node-wide cap on local plus replica slot bytes; None for no cap.
+    """
+
+    def __init__(self, store: SlotStore, *, local: SlotStore | None = None,
+                 cap_bytes: int | None = None) -> None:
+        super().__init__()
+        if cap_bytes is not None and cap_bytes < 0:
+            raise ValueError(f"cap_bytes must be >= 0 or None, got {cap_bytes}")
+        self.store, self.local, self.cap_bytes = store, local, cap_bytes
+        self.counters: collections.Counter[str] = collections.Counter()
+        self._mem = threading.Lock()  # allocate runs outside the base class's lock
+        self._pending: dict[Descriptor, Slot] = {}
+        self._held: dict[tuple[str, int], Descriptor] = {}
+        self._reading: dict[Descriptor, list[SnapshotView]] = {}
+        self._floors: dict[str, int] = {}
+        self._budget_lock = threading.Lock()
+        for job, rank, _, _ in store.holdings():
+            view = store.latest(job, rank)
+            if view is not None:
+                self._held[(job, rank)] = descriptor_of(view)
+        self._update_local_cap()
+
+    # -- generations ------------------------------------------------------------------------
+
+    def set_floor(self, job: str, generation: int) -> None:
+        """Refuses, from now on, every copy of ``job`` older than ``generation`` (a fallback
+        to an older persisted step abandoned the timelines below it)."""
+        with self._mem:
+            self._floors[job] = max(self._floors.get(job, 0), generation)
+
+    def floor(self, job: str) -> int:
+        with self._mem:
+            return self._floors.get(job, 0)
+
+    # -- storage primitives -----------------------------------------------------------------
+
+    def allocate(self, d: Descriptor) -> memoryview:
+        with self._mem:
+            floor = self._floors.get(d.job, 0)
+            if d.generation < floor:
+                self.counters["refused_abandoned"] += 1
+                raise Refused(STALE, f"generation {d.generation} of {d.job} was abandoned "
+                                     f"(current generation {floor})")
+            # A shard has two slots, one of which holds its newest copy: a second transfer of
+            # the same shard would be handed the same free slot and the two would tear it.
+            if any(p.shard == d.shard for p in self._pending):
+                raise Refused(IN_PROGRESS, f"another copy of rank {d.owner_rank} is being "
+                                           "received")
+            self._pending[d] = None  # type: ignore[assignment]  # claims the shard
+        try:
+            slot = self._reserve(d)
+        except BaseException:
+            with self._mem:
+                self._pending.pop(d, None)
+            raise
+        with self._mem:
+            self._pending[d] = slot
+        return slot.buffer[: d.total_bytes]
+
+    def _reserve(self, d: Descriptor) -> Slot:
+        try:
+            with self._budget_lock:
+                if self.cap_bytes is None or self.local is None:
+                    self.store.cap_bytes = self.cap_bytes
+                    return self.store.reserve(d.job, d.owner_rank, d.total_bytes)
+                # Hold room for the worst case against local reservations first, then read
+                # what the local store holds: any local reservation either finished before
+                # that read (and is counted) or sees the lowered cap.
+                worst = 2 * d.total_bytes + (8 << 10)
+                self.local.cap_bytes = max(0, self.cap_bytes - self.store.bytes_held() - worst)
+                try:
+                    self.store.cap_bytes = max(0, self.cap_bytes - self.local.bytes_held())
+                    return self.store.reserve(d.job, d.owner_rank, d.total_bytes)
+                finally:
+                    self._update_local_cap_locked()
+        except OverBudget as exc:
+            self.counters["refused_no_space"] += 1
+            raise Refused(NO_SPACE, str(exc)) from exc
+        except SlotBusy as exc:
+            raise Refused(IN_PROGRESS, str(exc)) from exc
+        except ValueError as exc:
+            raise Refused(INVALID, str(exc)) from exc
+
+    def _update_local_cap(self) -> None:
+        with self._budget_lock:
+            self._update_local_cap_locked()
+
+    def _update_local_cap_locked(self) -> None:
+        if self.cap_bytes is not None and self.local is not None:
+            self.local.cap_bytes = max(0, self.cap_bytes - self.store.bytes_held())
+
+    def publish(self, d: Descriptor) -> None:
+        # Runs under the base class's lock, so verification delays other transfers' begin and
+        # commit by one pass over this copy (~26 GB/s); it is what makes the copy count.
+        with self._mem:
+            slot = self._pending.pop(d)
+        where = f"replica of {d.job} rank {d.owner_rank} {d.version}"
+        try:
+            header = parse_header(slot.buffer, job=d.job, rank=d.owner_rank, where=where)
+            if header.version() != d.version or header.layout.total_size != d.total_bytes:
+                raise SnapshotError(f"{where}: header says {header.version()} of "
+                                    f"{header.layout.total_size} bytes, the transfer "
+                                    f"{d.version} of {d.total_bytes}")
+            self.store.complete(slot, header)  # verifies every block, rewrites the same header
+        except (SnapshotError, StaleSlot, ValueError) as exc:
+            self.counters["refused_corrupt"] += 1
+            log.error("REFUSED corrupt %s: %s", where, exc)
+            raise Refused(CORRUPT, str(exc)) from exc
+        with self._mem:
+            self._held[d.shard] = d
+            self.counters["committed"] += 1
+
+    def discard(self, d: Descriptor, reason: str) -> None:
+        with self._mem:
+            self._pending.pop(d, None)  # the slot stays reserved; the next reserve reuses it
+            self.counters["aborted"] += 1
+        log.info("replica of %s rank %d %s dropped: %s", d.job, d.owner_rank, d.version, reason)
+
+    def committed(self, job: str, owner_rank: int) -> Descriptor | None:
+        with self._mem:
+            return self._held.get((job, owner_rank))
+
+    def lookup(self, job: str, owner_rank: int,
+               version: Version | None) -> tuple[Descriptor, memoryview] | None:
+        # The owner's own snapshot is served too: otherwise only m - 1 of the m copies of a
+        # shard could be fetched by a node that takes over the rank while its owner lives.
+        view = _pinned(self.store, job, owner_rank, version)
+        if self.local is not None:
+            mine = _pinned(self.local, job, owner_rank, version)
+            if view is None or (mine is not None and mine.header.version() > view.header.version()):
+                view, mine = mine, view
+            if mine is not None:
+                mine.release()
+        if view is None:
+            return None
+        d = descriptor_of(view)
+        with self._mem:
+            self._reading.setdefault(d, []).append(view)
+        return d, view.buffer
+
+    def release(self, d: Descriptor) -> None:
+        with self._mem:
+            views = self._reading.get(d)
+            view = views.pop() if views else None
+            if views is not None and not views:
+                del self._reading[d]
+        if view is not None:
+            view.release()
+
+    # -- housekeeping -----------------------------------------------------------------------
+
+    def versions(self, job: str, owner_rank: int) -> list[Version]:
+        """Every complete copy of a shard held (newest first: the latest and the one before)."""
+        try:
+            return self.store.versions(job, owner_rank)
+        except ValueError:
+            return []
+
+    def holdings(self) -> list[Descriptor]:
+        """The newest copy of every shard held."""
+        with self._mem:
+            return sorted(self._held.values(), key=lambda d: (d.job, d.owner_rank))
+
+    def bytes_held(self) -> int:
+        return self.store.bytes_held()
+
+    def drop(self, job: str, owner_rank: int) -> None:
+        """Frees a shard's replica (e.g. one the placement no longer asks this node to hold)."""
+        with self._lock, self._mem:
+            if any(p.shard == (job, owner_rank) for p in self._pending):
+                return  # being received: the next placement change will drop it
+            self._held.pop((job, owner_rank), None)
+            self.store.remove(job, owner_rank)
+        self._update_local_cap()
+
+    def remove_job(self, job: str) -> None:
+        """Frees every replica of ``job`` (the job ended)."""
+        with self._lock, self._mem:
+            for shard in [s for s in self._held if s[0] == job]:
+                del self._held[shard]
+            self._floors.pop(job, None)
+            self.store.remove_job(job)
+        self._update_local_cap()

@@ -1,0 +1,318 @@
+"""The replication service end to end on one host: simulated nodes (own shared-memory
+directories, own replica server on 127.0.0.1, own Replicator) on the in-memory coordinator.
+
+Killing a node deletes its directories, so a shard fetched afterwards can only have come over
+the replication transport; the tests also count the bytes the fetching side received.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from elasticd.checkpoint.shm import SlotBusy
+from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
+from elasticd.replication.commit import committed_key, decode_committed, read_committed
+from elasticd.replication.placement import decode_placement
+from elasticd.replication.replicator import ShardLost
+from elasticd.replication.shm_sink import ShmSink
+from tests.replication_nodes import JOB, Cluster
+
+THREE = {"n1": [0, 1], "n2": [2, 3], "n3": [4, 5]}
+FOUR = {"n1": [0, 1], "n2": [2, 3], "n3": [4, 5], "n4": [6, 7]}
+
+
+@pytest.fixture
+def make_cluster():
+    clusters: list[Cluster] = []
+
+    def make(n: int, m: int = 2, **kw) -> Cluster:
+        store = MemoryStore()
+        cluster = Cluster(lambda: MemoryCoordinator(store), n, m, **kw)
+        clusters.append(cluster)
+        return cluster
+
+    yield make
+    for cluster in clusters:
+        cluster.close()
+        assert not os.path.exists(cluster.base)
+    leftover = [t.name for t in threading.enumerate()
+                if t.name.startswith(("replica-", "replicator-"))]
+    assert not leftover, leftover
+
+
+def snapshot_all(cluster: Cluster, ranks: dict[str, list[int]], step: int,
+                 generation: int = 0) -> dict[int, bytes]:
+    world = sum(len(r) for r in ranks.values())
+    out = {}
+    for name, rs in ranks.items():
+        for rank in rs:
+            out[rank] = cluster[name].snapshot(rank, step, generation, world)
+    return out
+
+
+def committed(cluster: Cluster):
+    return read_committed(cluster.coords[0], cluster.keys, JOB)
+
+
+def into_buffer(size: int = 1 << 20) -> bytearray:
+    return bytearray(size)
+
+
+def test_placement_is_published_once_by_compare_and_set(make_cluster):
+    cluster = make_cluster(3)
+    cluster.set_membership(["n1", "n2", "n3"], THREE, round=1)
+    kv = cluster.coords[0].get(cluster.keys.job_placement(JOB))
+    assert kv.version == 1, "exactly one node wrote the placement"
+    placement = decode_placement(kv.value)
+    assert placement.holders["n2"] == ("n2", "n3") and placement.round == 1
+    cluster.set_membership(["n1", "n2"], {"n1": [0, 1], "n2": [2, 3]}, round=2)
+    kv = cluster.coords[0].get(cluster.keys.job_placement(JOB))
+    assert kv.version == 2 and decode_placement(kv.value).nodes == ("n1", "n2")
+
+
+def test_push_commit_then_restore_a_dead_nodes_shards_from_a_peer(make_cluster):
+    cluster = make_cluster(3)
+    cluster.set_membership(["n1", "n2", "n3"], THREE, round=1)
+    originals = snapshot_all(cluster, THREE, step=1)
+    cluster.wait_idle()
+    record = committed(cluster)
+    assert record is not None and record.version == (0, 1)
+    assert record.ranks == (0, 1, 2, 3, 4, 5)
+    assert record.holders[2] == ("n2", "n3") and record.holders[5] == ("n3", "n1")
+    for node in cluster.live():
+        assert node.replicator.stats()["committed_step"] == 1
+        assert node.replicator.stats()["sync_lag_steps"] == 0
+    # n1 runs ahead on one rank: nothing newer can commit, and its lag says so.
+    cluster["n1"].snapshot(0, 2)
+    cluster.wait_idle()
+    assert committed(cluster).version == (0, 1)
+    assert cluster["n1"].replicator.stats()["sync_lag_steps"] == 1
+
+    cluster.kill("n2")
+    n1 = cluster["n1"].replicator
+    for rank in (2, 3):
+        buf = into_buffer()
+        before = n1.stats()["fetch_bytes_total"]
+        result = n1.fetch(JOB, rank, (0, 1), buf)
+        assert result.holder == "n3"
+        assert bytes(buf[: result.descriptor.total_bytes]) == originals[rank]
+        assert result.wire_bytes >= len(originals[rank])
+        assert n1.stats()["fetch_bytes_total"] - before == result.wire_bytes
+        assert result.attempts[0][0] == "n2"  # the dead owner was tried first and skipped
+    # A holder's own memory needs no transport.
+    own = cluster["n3"].replicator.fetch(JOB, 2, (0, 1), into_buffer())
+    assert own.holder == "n3" and own.wire_bytes == 0
+
+
+def test_a_corrupt_copy_is_refused_and_another_holder_used(make_cluster):
+    cluster = make_cluster(3)
+    cluster.set_membership(["n1", "n2", "n3"], THREE, round=1)
+    originals = snapshot_all(cluster, THREE, step=1)
+    cluster.wait_idle()
+    # Rank 2's copies: n2's own snapshot (served by its replica server) and n3's replica.
+    owner_view = cluster["n2"].local.latest(JOB, 2)
+    offset = owner_view.header.layout.entries[0].offset + 1000
+    with open(owner_view.path, "r+b") as f:  # a bit flip in the owner's memory
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x10]))
+    n1 = cluster["n1"].replicator
+    buf = into_buffer()
+    result = n1.fetch(JOB, 2, (0, 1), buf)
+    assert result.holder == "n3"
+    assert result.attempts[0][0] == "n2" and result.attempts[0][1].startswith("corrupt")
+    assert bytes(buf[: result.descriptor.total_bytes]) == originals[2]
+    assert n1.stats()["fetch_failures_total"]["corrupt"] == 1
+
+    replica = cluster["n3"].sink.store.latest(JOB, 2)
+    with open(replica.path, "r+b") as f:
+        f.seek(offset)
+        f.write(b"\xff\xff")
+    with pytest.raises(ShardLost) as info:
+        n1.fetch(JOB, 2, (0, 1), into_buffer())
+    reasons = dict(info.value.attempts)
+    assert reasons["n2"].startswith("corrupt") and reasons["n3"].startswith("corrupt")
+
+
+def test_both_nodes_of_a_group_dead_reports_the_shard_lost(make_cluster):
+    cluster = make_cluster(4)
+    names = ["n1", "n2", "n3", "n4"]
+    cluster.set_membership(names, FOUR, round=1)
+    originals = snapshot_all(cluster, FOUR, step=3)
+    cluster.wait_idle()
+    assert committed(cluster).version == (0, 3)
+    assert committed(cluster).holders[0] == ("n1", "n2")
+    cluster.kill("n1")
+    cluster.kill("n2")
+    n3 = cluster["n3"].replicator
+    for rank in (0, 1, 2, 3):
+        with pytest.raises(ShardLost) as info:
+            n3.fetch(JOB, rank, (0, 3), into_buffer())
+        assert {h for h, _ in info.value.attempts} == {"n1", "n2"}
+    assert n3.stats()["fetch_failures_total"]["lost"] == 4
+    # The other group's shards are still there (n3 holds n4's in its own memory).
+    buf = into_buffer()
+    result = n3.fetch(JOB, 6, (0, 3), buf)
+    assert result.holder == "n3" and bytes(buf[: result.descriptor.total_bytes]) == originals[6]
+
+
+class SlowSink(ShmSink):
+    """Holds every transfer of rank 0 until ``gate`` opens: a peer that cannot keep up."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.gate = threading.Event()
+        self.started = threading.Event()
+
+    def allocate(self, d):
+        if d.owner_rank == 0:
+            self.started.set()
+            self.gate.wait(15)
+        return super().allocate(d)
+
+
+def test_a_slow_peer_makes_intermediate_steps_skipped_not_queued(make_cluster):
+    cluster = make_cluster(2, sink_cls=SlowSink)
+    ranks = {"n1": [0, 1], "n2": [2, 3]}
+    cluster.set_membership(["n1", "n2"], ranks, round=1)
+    n1, n2 = cluster["n1"], cluster["n2"]
+    n1.snapshot(0, 1, world=4)
+    assert n2.sink.started.wait(5)  # the push of rank 0 is stuck at the peer
+    for step in range(1, 6):  # rank 1 snapshots five times meanwhile
+        n1.snapshot(1, step, world=4)
+    backlog = n1.replicator.status()["backlog"]
+    assert backlog == {"n2": 1}, "one pending push per shard, whatever the peer's speed"
+    # The stuck push pins the slot it sends, so the owner's next-but-one snapshot of rank 0
+    # is skipped by the store rather than tearing the bytes in flight.
+    n1.snapshot(0, 2, world=4)
+    with pytest.raises(SlotBusy):
+        n1.snapshot(0, 3, world=4)
+    n2.sink.gate.set()
+    cluster.wait_idle()
+    assert n1.replicator.stats()["replication_skipped_total"] == 4
+    assert n2.sink.committed(JOB, 1).version == (0, 5)
+    assert n2.sink.committed(JOB, 0).version == (0, 2)
+    pushes = n1.replicator.stats()["replication_pushes_total"]
+    assert pushes == 3, "rank 0 twice, rank 1 once (its newest step)"
+
+
+def test_stale_duplicate_and_abandoned_pushes_never_replace_a_newer_copy(make_cluster):
+    cluster = make_cluster(2)
+    ranks = {"n1": [0], "n2": [1]}
+    cluster.set_membership(["n1", "n2"], ranks, round=1)
+    n1, n2 = cluster["n1"], cluster["n2"]
+    data5 = n1.snapshot(0, 5, world=2)
+    cluster.wait_idle()
+    assert n2.sink.committed(JOB, 0).version == (0, 5)
+    # The same version again (a retried push) and an older one are not taken.
+    n1.replicator.on_local_snapshot(JOB, 0, (0, 5))
+    n1.replicator.on_local_snapshot(JOB, 0, (0, 4))
+    n2.sink.set_floor(JOB, 1)
+    n1.snapshot(0, 6, world=2)  # a step of the abandoned generation 0
+    cluster.wait_idle()
+    assert n2.sink.committed(JOB, 0).version == (0, 5)
+    assert n1.replicator.stats()["replication_failures_total"] == {"stale": 1}
+    got = bytearray(1 << 20)
+    d = n2.replicator.fetch(JOB, 0, (0, 5), got).descriptor
+    assert bytes(got[: d.total_bytes]) == data5
+    # The new generation wins even at a lower step.
+    n1.replicator.start_generation(JOB, 1)
+    n1.snapshot(0, 3, generation=1, world=2)
+    n1.replicator.on_local_snapshot(JOB, 0, (0, 7))  # late notice from the old timeline
+    cluster.wait_idle()
+    assert n2.sink.committed(JOB, 0).version == (1, 3)
+
+
+def test_the_commit_record_never_goes_backwards_and_ignores_abandoned_generations(make_cluster):
+    cluster = make_cluster(2)
+    ranks = {"n1": [0], "n2": [1]}
+    cluster.set_membership(["n1", "n2"], ranks, round=1)
+    n1, n2 = cluster["n1"], cluster["n2"]
+    for step in (1, 2):
+        n1.snapshot(0, step, world=2)
+        n2.snapshot(1, step, world=2)
+        cluster.wait_idle()
+        assert committed(cluster).version == (0, step)
+    revisions = []
+    cluster.coords[0].watch_prefix(committed_key(cluster.keys, JOB),
+                                   lambda ev: revisions.extend(ev), 0)
+    # A fallback: generation 1 restarts at step 1, below the committed step 2.
+    for node in (n1, n2):
+        node.replicator.start_generation(JOB, 1)
+    n1.snapshot(0, 1, generation=1, world=2)
+    n2.snapshot(1, 1, generation=1, world=2)
+    cluster.wait_idle()
+    assert committed(cluster).version == (1, 1)
+    values = [decode_committed(e.kv.value).version for e in revisions]
+    assert values == sorted(values), f"commit went backwards: {values}"
+    assert n1.replicator.stats()["sync_lag_steps"] == 0
+
+
+def test_rereplication_restores_m_copies_after_a_node_dies(make_cluster):
+    cluster = make_cluster(3)
+    cluster.set_membership(["n1", "n2", "n3"], THREE, round=1)
+    originals = snapshot_all(cluster, THREE, step=4)
+    cluster.wait_idle()
+    cluster.kill("n3")
+    survivors = {"n1": [0, 1], "n2": [2, 3]}
+    cluster.set_membership(["n1", "n2"], survivors, round=2)
+    cluster.wait_idle()
+    record = committed(cluster)
+    assert record.version == (0, 4)
+    for rank in range(6):
+        assert len(set(record.holders[rank]) & {"n1", "n2"}) == 2, record.holders
+    assert cluster["n1"].replicator.stats()["under_replicated_shards"] == 0
+    # n3's shards were held by n1 only; n2 now has them, byte-identical, in its replica store.
+    for rank in (4, 5):
+        view = cluster["n2"].sink.store.latest(JOB, rank, verify=True)
+        assert bytes(view.buffer) == originals[rank]
+    assert cluster["n1"].replicator.stats()["rereplications_total"] == 2
+    assert cluster["n2"].replicator.stats()["rereplications_total"] == 2
+
+
+def test_drain_hands_every_copy_over_before_leaving(make_cluster):
+    cluster = make_cluster(3)
+    cluster.set_membership(["n1", "n2", "n3"], THREE, round=1)
+    originals = snapshot_all(cluster, THREE, step=2)
+    cluster.wait_idle()
+    report = cluster["n1"].replicator.drain(timeout=20)
+    assert report[JOB]["complete"] and report[JOB]["version"] == [0, 2]
+    assert sorted(report[JOB]["pushed"]) == [(0, "n3"), (1, "n3"), (4, "n2"), (5, "n2")]
+    record = committed(cluster)
+    for rank in range(6):
+        holders = record.holders[rank]
+        assert "n1" not in holders and len(holders) == 2, record.holders
+    cluster.kill("n1")
+    n2 = cluster["n2"].replicator
+    for rank in (0, 1, 4, 5):
+        buf = into_buffer()
+        result = n2.fetch(JOB, rank, (0, 2), buf)
+        assert bytes(buf[: result.descriptor.total_bytes]) == originals[rank]
+
+
+def test_replicas_no_longer_wanted_are_freed_after_the_next_commit(make_cluster):
+    cluster = make_cluster(4)
+    names = ["n1", "n2", "n3", "n4"]
+    cluster.set_membership(names, FOUR, round=1)
+    snapshot_all(cluster, FOUR, step=1)
+    cluster.wait_idle()
+    assert {d.owner_rank for d in cluster["n2"].sink.holdings()} == {0, 1}
+    # n2 leaves cleanly (after a drain); the new round regroups [n1, n3] and ranks move.
+    cluster["n2"].replicator.drain(timeout=20)
+    cluster.kill("n2")
+    ranks = {"n1": [0, 1], "n3": [2, 3], "n4": [4, 5]}
+    cluster.set_membership(["n1", "n3", "n4"], ranks, round=2)
+    cluster.wait_idle()
+    snapshot_all(cluster, ranks, step=2)
+    cluster.wait_idle()
+    assert committed(cluster).version == (0, 2)
+    time.sleep(0.1)
+    cluster.wait_idle()
+    held = {d.owner_rank for d in cluster["n3"].sink.holdings()}
+    wanted = {0, 1}  # ring n1 -> n3 -> n4 -> n1: n3 holds n1's ranks of the new round
+    assert held == wanted, held
