@@ -82,6 +82,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import os
 import pickle
 import socket
 import threading
@@ -268,6 +269,7 @@ class LeaseLiveness:
         self._stopped = False
         self._announced: set[str] = set()
         self._warned_shape = False
+        self._pid = os.getpid()
 
     def bind(self, node: Any) -> None:
         """Names this agent: torch's ``_NodeDesc`` of its handler.
@@ -316,6 +318,8 @@ class LeaseLiveness:
 
     def stop(self, revoke: bool = True) -> None:
         """Stops the keep-alive thread and (by default) revokes the lease. Idempotent."""
+        if os.getpid() != self._pid:
+            return  # a forked child exiting (atexit is inherited): the lease is the parent's
         with self._lock:
             if self._stopped:
                 return

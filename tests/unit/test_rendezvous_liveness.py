@@ -404,6 +404,15 @@ def test_a_short_pause_that_expires_only_some_leases_drops_nobody(trio, server, 
     assert a.participants() == {a.node, b.node, c.node}
 
 
+def test_a_forked_child_does_not_revoke_its_parents_lease(trio, server, monkeypatch):
+    a = trio[0]
+    monkeypatch.setattr("os.getpid", lambda: -1)  # atexit runs in a forked child too
+    a.liveness.stop()
+    monkeypatch.undo()
+    assert a.liveness.active
+    assert MemoryCoordinator(server).get(ALIVE + node_id(a.node).encode()) is not None
+
+
 def test_liveness_off_when_stopped_and_the_key_is_revoked(trio, server):
     a = trio[0]
     a.liveness.stop()
