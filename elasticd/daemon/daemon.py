@@ -213,6 +213,10 @@ class Daemon:
             "etcd_grace_period": f"{s.outage_grace:g}",
             "etcd_timeout": f"{s.etcd_timeout:g}",
             "join_timeout": "900",
+            # A dead participant leaves the round when its agent's etcd lease expires (the
+            # node's TTL), not after torch's long keep-alive window (see rendezvous.py).
+            "liveness_ttl": str(max(2, s.lease_ttl)),
+            "liveness_confirm": "0.5",
         }
 
     def agent_env(self) -> dict[str, str]:
