@@ -115,8 +115,11 @@ class Checkpointer:
         self.copier = copier or CpuCopier(background=True)
         self.generation = 0
         self.last_restore: RestoreResult | None = None
+        #: Totals: ``stall_seconds`` (in save), ``hook_wait_seconds`` (optimizer pre-hooks),
+        #: ``copy_seconds`` (background copy after save returned), ``seal_seconds`` (header
+        #: and the daemon's checksums, on the background thread).
         self.stats = {"saves": 0, "skipped": 0, "failed": 0, "stall_seconds": 0.0,
-                      "hook_wait_seconds": 0.0}
+                      "hook_wait_seconds": 0.0, "copy_seconds": 0.0, "seal_seconds": 0.0}
         self._plan: _Plan | None = None
         self._maps: dict[str, Any] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="elasticd-seal")
@@ -178,13 +181,18 @@ class Checkpointer:
             return False
         start = time.perf_counter()
         self.wait()
+        # The slot request travels while the state is flattened: the same size as last time,
+        # unless flattening finds the state grew (then it is asked for again).
+        known = self._plan
+        early = None if known is None or known.stale else self._pool.submit(
+            self._reserve, known.layout.total_size, step)
         flat = flatten(state)
         self._hook(state)
-        plan = self._plan_for(flat)
-        plan.split(self._sync_mask(state, flat))
-        reply = self._call("ckpt_reserve", job=self.job, rank=self.rank,
-                           world_size=self.world_size, nbytes=plan.layout.total_size,
-                           local_world_size=self.local_world_size, step=step)
+        plan = self._plan_for(flat, state)
+        reply = early.result() if early is not None else None
+        if early is None or (reply is not None and not reply.get("skip")
+                             and int(reply["capacity"]) < plan.layout.total_size):
+            reply = self._reserve(plan.layout.total_size, step)
         if reply is None or reply.get("skip"):
             self.stats["skipped"] += 1
             if reply is not None:
@@ -200,10 +208,11 @@ class Checkpointer:
         except Exception as exc:  # noqa: BLE001 — a slot we cannot use is a skipped snapshot
             self._failed("copy", exc)
             return False
-        stall = time.perf_counter() - start
+        copied_from = time.perf_counter()
+        stall = copied_from - start
         self.stats["stall_seconds"] += stall
         self._done = self._pool.submit(self._seal, self._copy, buf, plan, step, flat.meta,
-                                       reply["ticket"], stall)
+                                       reply["ticket"], stall, copied_from)
         return True
 
     def wait(self, timeout: float | None = None) -> None:
@@ -238,10 +247,17 @@ class Checkpointer:
 
     # -- internals ------------------------------------------------------------------------
 
+    def _reserve(self, nbytes: int, step: int) -> dict[str, Any] | None:
+        return self._call("ckpt_reserve", job=self.job, rank=self.rank,
+                          world_size=self.world_size, nbytes=nbytes,
+                          local_world_size=self.local_world_size, step=step)
+
     def _seal(self, copy: Any, buf: Any, plan: _Plan, step: int, meta: dict, ticket: int,
-              stall: float) -> None:
+              stall: float, copied_from: float) -> None:
         """On the background thread: waits for the copy, writes the header JSON, completes."""
         copy.wait(self.timeout)
+        sealing = time.perf_counter()
+        self.stats["copy_seconds"] += sealing - copied_from
         body = (plan.prefix + f',"job":{_json(self.job)},"step":{step},"generation":'
                 f'{self.generation},"rank":{self.rank},"world_size":{self.world_size},'
                 f'"meta":{_json(meta)}}}').encode()
@@ -256,8 +272,9 @@ class Checkpointer:
         if self._call("ckpt_complete", job=self.job, rank=self.rank, ticket=ticket,
                       header_size=len(body), stall_seconds=stall + hook_stall) is not None:
             self.stats["saves"] += 1
+        self.stats["seal_seconds"] += time.perf_counter() - sealing
 
-    def _plan_for(self, flat: FlatState) -> _Plan:
+    def _plan_for(self, flat: FlatState, state: Mapping[str, Any]) -> _Plan:
         key = tuple((n, t.dtype, tuple(t.shape)) for n, t in zip(flat.names, flat.tensors))
         plan = self._plan
         if plan is not None and plan.key == key and not plan.stale:
@@ -273,22 +290,29 @@ class Checkpointer:
                 "entries": [{"name": e.name, "dtype": e.dtype, "shape": list(e.shape),
                              "offset": e.offset, "nbytes": e.nbytes} for e in lay.entries]}
         self._plan = _Plan(key, lay, _json(head)[:-1])
+        self._plan.split(self._sync_mask(state, flat.names))
         return self._plan
 
     @staticmethod
-    def _sync_mask(state: Mapping[str, Any], flat: FlatState) -> tuple[bool, ...]:
-        """True for tensors something other than ``optimizer.step`` may change next step."""
-        safe: set[tuple[int, int]] = set()
+    def _sync_mask(state: Mapping[str, Any], names: list[str]) -> tuple[bool, ...]:
+        """True for tensors something other than ``optimizer.step`` may change next step.
+
+        Decided by name, once per plan: a module's parameters and an optimizer's per-parameter
+        state are safe to copy in the background; module buffers (BatchNorm statistics change
+        in the next forward), and anything else in the state, are copied before save returns.
+        """
+        safe: set[str] = set()
+        prefixes: list[str] = []
         zero = _zero_class()
-        for value in state.values():
+        for key, value in state.items():
             if isinstance(value, torch.nn.Module):
-                safe.update((p.data_ptr(), p.numel()) for p in value.parameters())
+                safe.update(f"{key}/{n}" for n, _ in
+                            value.named_parameters(remove_duplicate=False))
             elif isinstance(value, torch.optim.Optimizer):
-                inner = value.optim if zero is not None and isinstance(value, zero) else value
-                for per_param in inner.state.values():
-                    safe.update((t.data_ptr(), t.numel()) for t in per_param.values()
-                                if isinstance(t, torch.Tensor))
-        return tuple((t.data_ptr(), t.numel()) not in safe for t in flat.tensors)
+                is_zero = zero is not None and isinstance(value, zero)
+                prefixes.append(f"{key}/shard/state/" if is_zero else f"{key}/state/")
+        starts = tuple(prefixes)
+        return tuple(not (n in safe or n.startswith(starts)) for n in names)
 
     def _hook(self, state: Mapping[str, Any]) -> None:
         for value in state.values():

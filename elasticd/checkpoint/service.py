@@ -35,7 +35,7 @@ import json
 import logging
 import os
 import threading
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 from elasticd.checkpoint.api import OverBudget, Slot, SlotBusy, StaleSlot
 from elasticd.checkpoint.format import PREAMBLE_SIZE, SnapshotError
@@ -43,24 +43,10 @@ from elasticd.checkpoint.reader import _header_from_json
 from elasticd.checkpoint.shm import SlotStore
 from elasticd.clock import Clock, SystemClock
 from elasticd.daemon.local_api import RequestError
+from elasticd.checkpoint.telemetry import RESTORE_SOURCES
 from elasticd.persistence.persister import Flushed, Persister
 
 log = logging.getLogger(__name__)
-
-RESTORE_SOURCES = ("local", "peer", "persistent", "none")
-
-
-class CheckpointMetrics(Protocol):
-    """What the service tells the daemon's metrics (every method optional)."""
-
-    def snapshot_completed(self, job: str, rank: int, step: int, nbytes: int,
-                           stall_seconds: float) -> None: ...
-    def snapshot_skipped(self, job: str, reason: str) -> None: ...
-    def snapshot_refused(self, job: str, source: str) -> None: ...
-    def restored(self, job: str, source: str, seconds: float, steps_lost: int,
-                 nbytes: int) -> None: ...
-    def persisted(self, job: str, step: int, seconds: float, nbytes: int, ok: bool) -> None: ...
-
 
 @dataclasses.dataclass
 class _Job:
@@ -99,7 +85,7 @@ class CheckpointService:
         store: the node's slot store (after :meth:`SlotStore.scan` on a restart).
         node_id: this node, for log lines.
         persist: the persistent tier's flusher, or None.
-        metrics_sink: optional :class:`CheckpointMetrics`.
+        metrics_sink: optional :class:`~elasticd.checkpoint.telemetry.CheckpointMetrics`.
         clock: injected time.
         pin_ttl: a read pin not released within this many seconds (its worker died) is dropped.
     """
@@ -386,7 +372,8 @@ class CheckpointService:
         return out
 
     def stats(self) -> dict[str, Any]:
-        """Plain numbers for the daemon's metrics (see the module's recommended names)."""
+        """Plain numbers for the daemon's metrics (:data:`~elasticd.checkpoint.telemetry.
+        RECOMMENDED` names the metrics they feed)."""
         status = self.status()
         with self._lock:
             counters = dict(self.counters)

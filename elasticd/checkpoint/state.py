@@ -134,6 +134,9 @@ class FlatState:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
 
+_KNOWN_DTYPES: set[torch.dtype] = set()
+
+
 class _Flattener:
     def __init__(self) -> None:
         self.names: list[str] = []
@@ -143,7 +146,9 @@ class _Flattener:
     def _add(self, path: str, tensor: torch.Tensor) -> int:
         if tensor.layout != torch.strided or tensor.is_quantized:
             raise UnsupportedValue(f"{path}: only dense tensors can be snapshotted ({tensor.layout})")
-        spec_of(path, tensor)  # raises for a dtype the format does not know
+        if tensor.dtype not in _KNOWN_DTYPES:  # checked once per dtype: flatten runs every step
+            spec_of(path, tensor)  # raises for a dtype the format does not know
+            _KNOWN_DTYPES.add(tensor.dtype)
         name, n = path, 1
         while name in self._used:  # "a/b" as a key and as a nested path would collide
             n += 1

@@ -19,20 +19,19 @@ import uuid
 import numpy as np
 import pytest
 
-from elasticd.checkpoint.format import PREAMBLE_SIZE, SnapshotHeader, TensorSpec, _header_json, layout
+from elasticd.checkpoint.format import (
+    PREAMBLE_SIZE,
+    SnapshotHeader,
+    TensorSpec,
+    _header_json,
+    layout,
+)
 from elasticd.checkpoint.service import CheckpointService
 from elasticd.checkpoint.shm import SlotStore
+from elasticd.checkpoint.telemetry import RecordingSink as Sink
 from elasticd.checkpoint.transport import InProcessTransport, TransportError
 from elasticd.persistence.persister import Persister
 from elasticd.persistence.tier import Tier
-
-
-class Sink:
-    def __init__(self):
-        self.events = []
-
-    def __getattr__(self, name):
-        return lambda *args: self.events.append((name, *args))
 
 
 @pytest.fixture
@@ -277,7 +276,8 @@ def test_restarted_service_adopts_progress_from_scanned_slots(root):
 
 
 def test_daemon_side_modules_do_not_import_torch():
-    code = ("import sys, elasticd, elasticd.checkpoint.service, elasticd.checkpoint.transport, "
-            "elasticd.persistence.persister, elasticd.persistence.tier; "
-            "sys.exit('torch' in sys.modules)")
+    modules = ["elasticd", "elasticd.checkpoint.service", "elasticd.checkpoint.transport",
+               "elasticd.checkpoint.telemetry", "elasticd.persistence.persister",
+               "elasticd.persistence.tier"]
+    code = f"import sys, {', '.join(modules)}; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

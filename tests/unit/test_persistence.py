@@ -10,7 +10,13 @@ import threading
 import numpy as np
 import pytest
 
-from elasticd.checkpoint.format import CorruptSnapshot, SnapshotHeader, TensorSpec, TruncatedSnapshot, layout
+from elasticd.checkpoint.format import (
+    CorruptSnapshot,
+    SnapshotHeader,
+    TensorSpec,
+    TruncatedSnapshot,
+    layout,
+)
 from elasticd.persistence import safetensors_file
 from elasticd.persistence.persister import Persister
 from elasticd.persistence.tier import MANIFEST, Tier
