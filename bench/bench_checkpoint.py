@@ -1,0 +1,189 @@
+"""Training throughput with a snapshot every step, through the real socket and service.
+
+A reference job — an MLP of ``--layers`` Linear(``--width``, ``--width``) layers with Adam,
+batch ``--batch``, ``--threads`` torch threads, one process — trains in interleaved blocks of
+``--steps`` steps, ``--rounds`` times, in three modes:
+
+* ``off``: no checkpointing (the baseline);
+* ``overlap``: ``elasticd.Checkpointer`` every step, the copy on a background thread
+  overlapping the next forward/backward (the default);
+* ``sync``: the same with the copy done inside ``save`` (what a non-overlapped snapshot costs).
+
+The daemon side (SlotStore + CheckpointService behind a LocalServer on a Unix socket) runs in a
+separate process, as the real daemon does, so sealing (xxh3) uses its own core. Per mode it
+reports the mean step time, the throughput cost against ``off`` and, per snapshot, the time the
+loop waited in ``save`` (stall) and in the optimizer pre-hook, the background copy and the seal.
+The memcpy of the same bytes into pre-touched memory is measured in the same run as a baseline.
+Run under ``flock /tmp/elasticd-cpu.lock`` on shared machines::
+
+    python bench/bench_checkpoint.py --layers 48 --width 384 --batch 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+
+def serve(sockdir: str, shm: str) -> None:
+    """The daemon half (no torch): serves the checkpoint ops until stdin closes."""
+    from elasticd.checkpoint.service import CheckpointService
+    from elasticd.checkpoint.shm import SlotStore
+    from elasticd.daemon.local_api import LocalServer
+
+    store = SlotStore(shm)
+    server = LocalServer(os.path.join(sockdir, "d.sock"),
+                         CheckpointService(store, "bench").handlers())
+    server.start()
+    print("READY", flush=True)
+    sys.stdin.read()
+    server.stop()
+    store.close()
+
+
+def run(args: argparse.Namespace) -> dict:
+    import numpy as np
+    import torch
+
+    from elasticd.checkpoint.client import Checkpointer
+    from elasticd.checkpoint.copier import CpuCopier
+    from elasticd.worker.client import DaemonClient
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(args.layers):
+        layers += [torch.nn.Linear(args.width, args.width), torch.nn.Tanh()]
+    model = torch.nn.Sequential(*layers)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    x = torch.randn(args.batch, args.width)
+    state = {"model": model, "optim": opt}
+
+    def step() -> None:
+        loss = model(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    step()  # Adam's state exists from here on
+    nbytes = sum(t.numel() * t.element_size() for t in
+                 list(model.state_dict().values()) + [v for s in opt.state.values()
+                                                      for v in s.values()])
+    ntensors = len(model.state_dict()) + sum(len(s) for s in opt.state.values())
+    src = np.ones(nbytes, np.uint8)
+    dst = np.empty(nbytes, np.uint8)
+    dst[::4096] = 1
+    memcpy = min(_timed(lambda: np.copyto(dst, src)) for _ in range(5))
+
+    sockdir = tempfile.mkdtemp(prefix="edb-")
+    shm = f"/dev/shm/elasticd-bench-{uuid.uuid4().hex[:8]}"
+    daemon = subprocess.Popen([sys.executable, __file__, "--serve", sockdir, shm],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert daemon.stdout.readline().strip() == "READY"
+        client = DaemonClient(os.path.join(sockdir, "d.sock"), timeout=60)
+        ckpts = {"overlap": Checkpointer(transport=client, job="bench", rank=0, world_size=1),
+                 "sync": Checkpointer(transport=client, job="bench", rank=0, world_size=1,
+                                      copier=CpuCopier(background=False))}
+        for mode in ckpts.values():  # warm-up: slots allocated, mappings made, layouts cached
+            for i in range(2):
+                step()
+                mode.save(i + 1, state)
+            mode.wait()
+            for k in mode.stats:
+                mode.stats[k] = 0
+        times: dict[str, list[float]] = {m: [] for m in ("off", "overlap", "sync")}
+        n = 0
+        for _ in range(args.rounds):
+            for mode in times:
+                ckpt = ckpts.get(mode)
+                for _ in range(args.steps):
+                    t0 = time.perf_counter()
+                    step()
+                    n += 1
+                    if ckpt is not None:
+                        ckpt.save(n, state)
+                    times[mode].append(time.perf_counter() - t0)
+                if ckpt is not None:
+                    ckpt.wait()
+        for ckpt in ckpts.values():
+            ckpt.close()
+        client.close()
+    finally:
+        daemon.stdin.close()
+        daemon.wait(30)
+        shutil.rmtree(sockdir, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+
+    base = statistics.fmean(times["off"])
+    result = {"state_bytes": nbytes, "tensors": ntensors, "threads": args.threads,
+              "batch": args.batch, "layers": args.layers, "width": args.width,
+              "steps_per_mode": len(times["off"]), "memcpy_seconds": memcpy, "modes": {}}
+    for mode, ts in times.items():
+        row = {"step_seconds_mean": statistics.fmean(ts), "step_seconds_median":
+               statistics.median(ts), "throughput_cost": statistics.fmean(ts) / base - 1}
+        if mode in ckpts:
+            s, saves = ckpts[mode].stats, max(1, ckpts[mode].stats["saves"])
+            row.update(saves=s["saves"], skipped=s["skipped"], failed=s["failed"],
+                       **{f"{k}_per_snapshot": s[k] / saves for k in
+                          ("stall_seconds", "hook_wait_seconds", "copy_seconds",
+                           "seal_seconds")})
+        result["modes"][mode] = row
+    return result
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def report(r: dict) -> None:
+    mib = r["state_bytes"] / 2**20
+    print(f"reference job: MLP {r['layers']} x Linear({r['width']}, {r['width']}) + Adam, "
+          f"batch {r['batch']}, {r['threads']} torch thread(s); state {mib:.0f} MiB in "
+          f"{r['tensors']} tensors; {r['steps_per_mode']} steps per mode, interleaved")
+    print(f"memcpy of the state into pre-touched memory: {r['memcpy_seconds'] * 1e3:.1f} ms "
+          f"({r['state_bytes'] / r['memcpy_seconds'] / 1e9:.1f} GB/s)")
+    print(f"{'mode':<8} {'step ms':>8} {'cost':>7} {'stall ms':>9} {'hook ms':>8} "
+          f"{'copy ms':>8} {'seal ms':>8}")
+    for mode, row in r["modes"].items():
+        extra = ("" if "saves" not in row else
+                 f" {row['stall_seconds_per_snapshot'] * 1e3:>9.2f}"
+                 f" {row['hook_wait_seconds_per_snapshot'] * 1e3:>8.2f}"
+                 f" {row['copy_seconds_per_snapshot'] * 1e3:>8.2f}"
+                 f" {row['seal_seconds_per_snapshot'] * 1e3:>8.2f}")
+        print(f"{mode:<8} {row['step_seconds_mean'] * 1e3:>8.1f} "
+              f"{row['throughput_cost']:>+7.1%}{extra}")
+
+
+def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--serve":
+        serve(sys.argv[2], sys.argv[3])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--width", type=int, default=384)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=10, help="steps per block")
+    parser.add_argument("--rounds", type=int, default=4, help="blocks per mode, interleaved")
+    parser.add_argument("--json", default=None, help="also write the figures here")
+    args = parser.parse_args()
+    result = run(args)
+    report(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
