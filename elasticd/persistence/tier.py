@@ -273,6 +273,9 @@ class Tier:
                     log.warning("persistent tier: cannot remove %s: %s", directory, exc)
                 continue
             shutil.rmtree(trash, ignore_errors=True)
+        for name in os.listdir(self.job_dir(job)):  # a pruner that crashed mid-delete
+            if name.startswith(".trash-"):
+                shutil.rmtree(os.path.join(self.job_dir(job), name), ignore_errors=True)
         return victims
 
     def remove_job(self, job: str) -> None:

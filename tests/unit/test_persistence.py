@@ -156,6 +156,7 @@ def test_keep_n_newest_complete_and_prune_abandoned(tmp_path):
     for step in (2, 3, 4, 5):
         write_step(tier, step, [0, 1])
     write_step(tier, 6, [0])  # in progress on another node: must survive
+    os.makedirs(os.path.join(tier.job_dir("job"), ".trash-dead", "x"))  # a crashed pruner's
     removed = tier.prune("job", keep=2)
     assert sorted(removed) == [(0, 1), (0, 2), (0, 3)]
     assert [m.version() for m in tier.complete_steps("job")] == [(0, 5), (0, 4)]
