@@ -16,8 +16,8 @@ runs as root, so workers running as that user can map them. Daemon side: no torc
 
 Ops (request fields → reply fields; errors are :class:`RequestError` replies):
 
-* ``ckpt_reserve`` job, rank, world_size, nbytes, [local_world_size] → path, capacity, ticket
-  | skip, reason
+* ``ckpt_reserve`` job, rank, world_size, nbytes, [local_world_size], [step] → path, capacity,
+  ticket | skip, reason
 * ``ckpt_complete`` job, rank, ticket, header_size, [stall_seconds] → generation, step, bytes
 * ``ckpt_list`` job, [rank], [world_size] → ram {rank: [[gen, step], ...]}, persisted
   [[gen, step], ...], persist_root, progress [gen, step] | null
