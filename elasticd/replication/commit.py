@@ -1,4 +1,4 @@
-"""When a step is committed, and how that is recorded in etcd.
+"""When a step is committed, and the records the replication layer keeps in etcd.
 
 Each daemon records, for the ranks it owns, which snapshot versions reached ``m`` verified
 copies (its own plus an acknowledgement from each of its ``m - 1`` placement peers), in one
@@ -14,7 +14,9 @@ any number of daemons may race to record the same or different commits. Keys, un
     committed           record "ckpt_committed": {generation, step, ranks: [rank, ...],
                         holders: {"<rank>": [node, ...]}, m, round, at}
 
-Both are overwritten in place, so etcd's footprint does not grow with the run's length.
+Both are overwritten in place, so etcd's footprint does not grow with the run's length. The
+placement (``Keyspace.job_placement(job)``, record "placement") is published here too
+(:func:`publish_placement`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from elasticd.coordination import records
 from elasticd.coordination.api import Compare, Coordinator, Put
 from elasticd.coordination.keys import Keyspace
 from elasticd.replication.api import ReplicationError, Version
-from elasticd.replication.placement import Placement
+from elasticd.replication.placement import Placement, decode_placement, encode_placement
 
 log = logging.getLogger(__name__)
 
@@ -246,3 +248,34 @@ def update_holders(coord: Coordinator, keys: Keyspace, job: str, version: Versio
         if ok:
             return new
     raise CommitConflict(f"committed record of {job} changed under {attempts} attempts")
+
+
+def publish_placement(coord: Coordinator, keys: Keyspace, job: str, placement: Placement,
+                      attempts: int = 8) -> bool:
+    """Records ``placement`` unless the record already holds it or a newer round's.
+
+    Every daemon of a round computes the same placement and calls this; the compare-and-set
+    makes exactly one of them write it (the others find it equal). Round 0 means "unknown":
+    such a record is replaced by any different placement.
+
+    Returns:
+        True when this call wrote the record.
+
+    Raises:
+        coordination errors: etcd unreachable and such.
+    """
+    key, raw = keys.job_placement(job), encode_placement(placement)
+    for _ in range(attempts):
+        kv = coord.get(key)
+        if kv is not None:
+            if kv.value == raw:
+                return False
+            try:
+                current = decode_placement(kv.value, key).round
+            except records.RecordError:
+                current = -1
+            if current > placement.round or current == placement.round != 0:
+                return False  # a newer round's, or this round's written by another node
+        if coord.compare_and_set(key, raw, kv.mod_revision if kv else 0):
+            return True
+    return False

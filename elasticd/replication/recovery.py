@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from elasticd.checkpoint.format import SnapshotError
 from elasticd.checkpoint.reader import parse_header, verify_payload
+from elasticd.checkpoint.shm import SlotStore
 from elasticd.clock import Clock
 from elasticd.replication.api import (
     NOT_FOUND,
@@ -30,6 +31,7 @@ from elasticd.replication.api import (
 from elasticd.replication.commit import Committed
 from elasticd.replication.lanes import Connections, NoAddress
 from elasticd.replication.placement import Placement
+from elasticd.replication.shm_sink import descriptor_of, pinned_view
 
 log = logging.getLogger(__name__)
 
@@ -194,3 +196,34 @@ def under_replicated(committed: Committed | None, placement: Placement | None) -
     members = set(placement.nodes)
     return sum(1 for r in committed.ranks
                if len([h for h in committed.holders.get(r, ()) if h in members]) < placement.m)
+
+
+def unwanted_replicas(committed: Committed, placement: Placement, me: str,
+                      held: Iterable[int]) -> list[int]:
+    """Ranks among ``held`` (replicas this node holds) that it may free: neither the current
+    placement nor the committed record asks this node to hold them. Nothing is unwanted while
+    the placement's ranks are unknown. Replicas of ranks this node now owns are unwanted: its
+    local store holds those."""
+    if not any(placement.ranks.values()):
+        return []
+    wanted = {r for o in placement.held_by(me) for r in placement.ranks[o]}
+    mine = set(placement.ranks.get(me, ()))
+    wanted |= {r for r, hs in committed.holders.items() if me in hs and r not in mine}
+    return sorted(set(held) - wanted)
+
+
+def copy_own(stores: Sequence[SlotStore], job: str, rank: int, version: Version | None,
+             sized: Callable[[Descriptor], Any]) -> Descriptor | None:
+    """Copies a shard this node holds (in the first of ``stores`` that has it) into the buffer
+    ``sized`` returns; None when no store has it. A :data:`LocalRead` for :func:`fetch_shard`."""
+    for store in stores:
+        view = pinned_view(store, job, rank, version)
+        if view is None:
+            continue
+        try:
+            d = descriptor_of(view)
+            memoryview(sized(d)).cast("B")[: d.total_bytes] = view.buffer
+            return d
+        finally:
+            view.release()
+    return None

@@ -61,7 +61,9 @@ def replica_root(local_root: str) -> str:
     return local_root.rstrip("/") + REPLICA_SUFFIX
 
 
-def _pinned(store: SlotStore, job: str, rank: int, version: Version | None) -> SnapshotView | None:
+def pinned_view(store: SlotStore, job: str, rank: int,
+                version: Version | None) -> SnapshotView | None:
+    """A pinned view of a complete snapshot (``version``, or the newest), or None."""
     try:
         return store.latest(job, rank, pin=True, version=version)
     except (SnapshotError, ValueError):
@@ -208,9 +210,9 @@ class ShmSink(Sink):
                version: Version | None) -> tuple[Descriptor, memoryview] | None:
         # The owner's own snapshot is served too: otherwise only m - 1 of the m copies of a
         # shard could be fetched by a node that takes over the rank while its owner lives.
-        view = _pinned(self.store, job, owner_rank, version)
+        view = pinned_view(self.store, job, owner_rank, version)
         if self.local is not None:
-            mine = _pinned(self.local, job, owner_rank, version)
+            mine = pinned_view(self.local, job, owner_rank, version)
             if view is None or (mine is not None and mine.header.version() > view.header.version()):
                 view, mine = mine, view
             if mine is not None:

@@ -1,0 +1,275 @@
+"""What this node knows about commits: per job, the placement in force, each local rank's
+acknowledged and fully replicated versions, and the committed step.
+
+A :class:`CommitTracker` turns peer acknowledgements into ``m``-copy versions, records them in
+etcd (one record per node, :mod:`elasticd.replication.commit`), commits when every rank of the
+job has a common version, and learns commits made by other nodes through a watch on the commit
+record. It also holds the retention gate: a rank's next push waits (up to ``commit_wait``
+seconds, real time) until its previous fully replicated version is committed, because a holder
+keeps only a shard's two newest copies and a third push would evict the committed one; after
+the wait it goes ahead and the wait is counted, since nodes that replicated different steps
+would otherwise wait for each other forever.
+
+``lock`` guards the job states and is never held while calling etcd: the in-memory coordinator
+runs watch callbacks on the writer's thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from elasticd.clock import Clock
+from elasticd.coordination import records
+from elasticd.coordination.api import CoordinationError, Coordinator, EventType, Watch
+from elasticd.coordination.keys import Keyspace
+from elasticd.replication.api import Version
+from elasticd.replication.commit import (
+    KEEP_VERSIONS,
+    CommitConflict,
+    Committed,
+    Replicated,
+    committed_key,
+    decide,
+    decode_committed,
+    encode_replicated,
+    read_committed,
+    read_progress,
+    record_commit,
+    replicated_key,
+)
+from elasticd.replication.placement import Placement
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class JobState:
+    """One job as this node sees it (guarded by :attr:`CommitTracker.lock`).
+
+    Attributes:
+        placement, previous: the placement in force and the one before it.
+        floor: lowest generation that still counts (raised by a fallback).
+        committed: the commit record last seen.
+        committed_at_change: the committed version when the placement last changed.
+        acked: per local rank and version, the peers that acknowledged a verified copy.
+        replicated: per local rank, versions with ``m`` copies, newest first.
+        latest: per local rank, the newest local snapshot notified.
+        gen_base: per generation, the step before its first local snapshot (for sync lag).
+    """
+
+    placement: Placement | None = None
+    previous: Placement | None = None
+    floor: int = 0
+    committed: Committed | None = None
+    committed_at_change: Version | None = None
+    acked: dict[int, dict[Version, set[str]]] = dataclasses.field(default_factory=dict)
+    replicated: dict[int, list[Version]] = dataclasses.field(default_factory=dict)
+    latest: dict[int, Version] = dataclasses.field(default_factory=dict)
+    gen_base: dict[int, int] = dataclasses.field(default_factory=dict)
+    watch: Watch | None = None
+
+
+class CommitTracker:
+    """Counts copies and commits steps for one node.
+
+    Args:
+        submit: runs a function in the background (the replicator's pool).
+        on_advance: called (in the background) with a job whose commit moved past the one in
+            force when its placement last changed.
+    """
+
+    def __init__(self, node_id: str, coord: Coordinator, keys: Keyspace, clock: Clock,
+                 submit: Callable[..., None], on_advance: Callable[[str], None],
+                 commit_wait: float = 2.0) -> None:
+        self.node_id, self.coord, self.keys, self.clock = node_id, coord, keys, clock
+        self.commit_wait = commit_wait
+        self._submit, self._advance = submit, on_advance
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
+        self.jobs: dict[str, JobState] = {}
+        self.closing = False
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    def _on_advance(self, job: str) -> None:
+        self._submit(self._advance, job)
+
+    def state(self, job: str) -> JobState:
+        """The job's state, created if new (call with :attr:`lock` held)."""
+        return self.jobs.setdefault(job, JobState())
+
+    def start_generation(self, job: str, generation: int) -> None:
+        """Versions of generations below ``generation`` stop counting (and stop gating)."""
+        with self.cond:
+            st = self.state(job)
+            st.floor = max(st.floor, generation)
+            for rank in list(st.replicated):
+                st.replicated[rank] = [v for v in st.replicated[rank] if v[0] >= st.floor]
+            st.latest = {r: v for r, v in st.latest.items() if v[0] >= st.floor}
+            self.cond.notify_all()
+
+    def is_acked(self, job: str, rank: int, version: Version, peer: str) -> bool:
+        """True when ``peer`` already holds ``version`` of ``rank``, or the version no longer
+        counts (an abandoned generation, a forgotten job)."""
+        with self.lock:
+            st = self.jobs.get(job)
+            return st is None or version[0] < st.floor or peer in st.acked.get(
+                rank, {}).get(version, ())
+
+    def gate(self, job: str, rank: int) -> None:
+        """Waits until the rank's previous fully replicated version is committed (see the
+        module doc); real time, since it is a bound on waiting, not a measurement."""
+        deadline = time.monotonic() + self.commit_wait
+        with self.cond:
+            while not self.closing:
+                st = self.jobs.get(job)
+                last = (st.replicated.get(rank) or [None])[0] if st else None
+                if last is None or (st.committed is not None and st.committed.version >= last):
+                    return
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self.counters["gate_timeouts"] += 1  # under the lock already
+                    return
+                self.cond.wait(remaining)
+
+    def on_ack(self, job: str, rank: int, version: Version, peer: str) -> None:
+        with self.lock:
+            st = self.jobs.get(job)
+            if st is None or st.placement is None:
+                return
+            acked = st.acked.setdefault(rank, {}).setdefault(version, set())
+            acked.add(peer)
+            if not set(st.placement.peers_of(self.node_id)) <= acked:
+                return
+        self.on_replicated(job, rank, version)
+
+    def on_replicated(self, job: str, rank: int, version: Version) -> None:
+        """``rank`` has ``m`` copies of ``version``: record it, and commit if every rank has."""
+        with self.lock:
+            st = self.jobs.get(job)
+            if st is None or st.placement is None or version in st.replicated.get(rank, ()):
+                return
+            versions = sorted({version, *st.replicated.get(rank, ())}, reverse=True)
+            st.replicated[rank] = versions[:KEEP_VERSIONS]
+            oldest = st.replicated[rank][-1]
+            st.acked[rank] = {v: s for v, s in st.acked.get(rank, {}).items() if v >= oldest}
+            mine = st.placement.ranks.get(self.node_id, ())
+            # A version can commit only once all of this node's ranks have it.
+            if mine and not all(version in st.replicated.get(r, ()) for r in mine):
+                return
+            record = Replicated(
+                self.node_id, st.placement.round,
+                {r: tuple(st.replicated[r]) for r in (mine or st.replicated) if r in st.replicated},
+                {r: st.placement.holders[self.node_id] for r in (mine or st.replicated)},
+                self.clock.wall())
+        try:
+            self.coord.put(replicated_key(self.keys, job, self.node_id), encode_replicated(record))
+        except CoordinationError as exc:
+            self.etcd_error("record replicated versions", exc)
+            return
+        self.try_commit(job)
+
+    def try_commit(self, job: str) -> None:
+        with self.lock:
+            st = self.jobs.get(job)
+            if st is None or st.placement is None:
+                return
+            placement, floor, committed = st.placement, st.floor, st.committed
+        try:
+            candidate = decide(placement, read_progress(self.coord, self.keys, job),
+                               floor=floor, now=self.clock.wall())
+            if candidate is None or (committed and candidate.version <= committed.version):
+                return
+            written, current = record_commit(self.coord, self.keys, job, candidate)
+        except (CoordinationError, CommitConflict) as exc:
+            self.etcd_error("record the commit", exc)
+            return
+        if written:
+            self.counters["commits"] += 1
+            log.info("%s: committed step %d (generation %d), %d ranks with %d copies each", job,
+                     current.step, current.generation, len(current.ranks), current.m)
+        self.learn(job, current)
+
+    def learn(self, job: str, committed: Committed) -> None:
+        with self.cond:
+            st = self.jobs.get(job)
+            if st is None:
+                return
+            old = st.committed
+            if old is not None and (committed.version < old.version or committed == old):
+                return
+            st.committed = committed
+            advanced = st.committed_at_change is None or committed.version > st.committed_at_change
+            self.cond.notify_all()
+        if advanced and (old is None or committed.version > old.version):
+            self._on_advance(job)
+
+    def watch(self, job: str) -> None:
+        key = committed_key(self.keys, job)
+        try:
+            kvs, revision = self.coord.get_prefix(key)
+            for kv in kvs:
+                if kv.key == key:
+                    self.learn(job, decode_committed(kv.value, key))
+            watch = self.coord.watch_prefix(key, functools.partial(self._on_watch, job),
+                                            revision + 1)
+        except (CoordinationError, records.RecordError) as exc:
+            self.etcd_error("watch the committed record", exc)
+            return
+        with self.lock:
+            st = self.jobs.get(job)
+            if st is not None and st.watch is None and not self.closing:
+                st.watch, watch = watch, None
+        if watch is not None:
+            watch.cancel()
+
+    def _on_watch(self, job: str, events: Any) -> None:
+        if isinstance(events, CoordinationError):
+            self._submit(self.reread, job)  # events may have been missed: read it again
+            return
+        key = committed_key(self.keys, job)
+        for event in events:
+            if event.type is EventType.PUT and event.kv.key == key:
+                try:
+                    self.learn(job, decode_committed(event.kv.value, key))
+                except records.RecordError as exc:
+                    log.error("unreadable committed record of %s: %s", job, exc)
+
+    def reread(self, job: str) -> None:
+        try:
+            committed = read_committed(self.coord, self.keys, job)
+        except CoordinationError as exc:
+            self.etcd_error("read the committed record", exc)
+            return
+        if committed is not None:
+            self.learn(job, committed)
+
+    def sync_lag(self, st: _Job) -> int:
+        if not st.latest:
+            return 0
+        latest = max(st.latest.values())
+        c = st.committed
+        if c is not None and c.generation == latest[0]:
+            return max(0, latest[1] - c.step)
+        if c is not None and c.generation > latest[0]:
+            return 0
+        return latest[1] - st.gen_base.get(latest[0], latest[1] - 1)
+
+    def etcd_error(self, what: str, exc: Exception) -> None:
+        with self.lock:
+            self.counters["etcd_errors"] += 1
+        log.warning("replicator %s: cannot %s: %s", self.node_id, what, exc)
+
+    def close(self) -> None:
+        """Wakes every gate and cancels the watches."""
+        with self.cond:
+            self.closing = True
+            watches = [st.watch for st in self.jobs.values() if st.watch is not None]
+            self.cond.notify_all()
+        for watch in watches:
+            watch.cancel()
