@@ -150,6 +150,11 @@ def fetch_shard(job: str, rank: int, version: Version | None, into: Any, *, me: 
             connections.discard(holder)
             attempts.append((holder, f"unreachable: {exc}"))
             continue
+        except BaseException:
+            # ``into`` failed (e.g. no room): the connection is unusable mid-stream.
+            if holder != me:
+                connections.discard(holder)
+            raise
         if attempts:
             log.warning("%s rank %d %s fetched from %s after: %s", job, rank, d.version,
                         holder, "; ".join(f"{h}: {r}" for h, r in attempts))
@@ -227,3 +232,24 @@ def copy_own(stores: Sequence[SlotStore], job: str, rank: int, version: Version 
         finally:
             view.release()
     return None
+
+
+def fetch_into_store(fetch: Callable[..., FetchResult], store: SlotStore, job: str, rank: int,
+                     version: Version | None) -> FetchResult:
+    """Runs ``fetch`` (:meth:`Replicator.fetch`) into a slot reserved in ``store`` and completes
+    it, so the shard becomes that store's latest snapshot of (job, rank).
+
+    Raises:
+        ShardLost: from ``fetch``. OverBudget, SlotBusy: the store has no room.
+    """
+    slots: list[Any] = []
+
+    def into(d: Descriptor) -> memoryview:
+        slots.append(store.reserve(job, rank, d.total_bytes))
+        return slots[-1].buffer
+
+    result = fetch(job, rank, version, into)
+    slot = slots[-1]
+    header = parse_header(slot.buffer, job=job, rank=rank, where=f"{job} rank {rank} fetched")
+    store.complete(slot, header)  # verified once more as it becomes a local snapshot
+    return result

@@ -44,6 +44,7 @@ from elasticd.replication.recovery import (
     FetchResult,
     ShardLost,
     copy_own,
+    fetch_into_store,
     fetch_shard,
     holder_order,
     repair_plan,
@@ -163,9 +164,7 @@ class Replicator:
         except CoordinationError as exc:
             self.tracker.etcd_error("read the committed record", exc)
             return
-        with self.tracker.lock:
-            st = self.tracker.jobs.get(job)
-            placement = st.placement if st else None
+        placement = self.tracker.view(job)[0]
         if committed is None or placement is None:
             return
         self.tracker.learn(job, committed)
@@ -186,9 +185,7 @@ class Replicator:
 
     def _set_holders(self, job: str, version: Version, added: dict[int, list[str]],
                      drop: tuple[str, ...]) -> None:
-        with self.tracker.lock:
-            st = self.tracker.jobs.get(job)
-            placement, committed = (st.placement, st.committed) if st else (None, None)
+        placement, committed = self.tracker.view(job)
         if placement is None or committed is None or committed.version != tuple(version):
             return
         members = set(placement.nodes) - set(drop)
@@ -211,9 +208,7 @@ class Replicator:
         report: dict[str, dict[str, Any]] = {}
         for job in list(self.tracker.jobs):
             self.tracker.reread(job)
-            with self.tracker.lock:
-                st = self.tracker.jobs[job]
-                placement, committed = st.placement, st.committed
+            placement, committed = self.tracker.view(job)
             if placement is None or committed is None:
                 continue
             plan = repair_plan(committed, placement, self.node_id,
@@ -245,9 +240,7 @@ class Replicator:
     def _collect(self, job: str) -> None:
         """Frees replicas the current placement no longer asks this node to hold, once a step
         was committed under it (until then they may be what restores a dead node's ranks)."""
-        with self.tracker.lock:
-            st = self.tracker.jobs.get(job)
-            placement, committed = (st.placement, st.committed) if st else (None, None)
+        placement, committed = self.tracker.view(job)
         if self.sink is None or placement is None or committed is None:
             return
         for rank in unwanted_replicas(committed, placement, self.node_id,
@@ -268,9 +261,10 @@ class Replicator:
             st = self.tracker.jobs.get(job) or JobState()
             committed, placements = st.committed, (st.placement, st.previous)
         holders = holder_order(job, rank, version, self.node_id, committed, placements)
+        own = functools.partial(copy_own, self._own_stores())
         try:
             result = fetch_shard(job, rank, version, into, me=self.node_id, holders=holders,
-                                 connections=self._connections, local=functools.partial(copy_own, self._own_stores()), clock=self.clock)
+                                 connections=self._connections, local=own, clock=self.clock)
         except ShardLost as exc:
             with self.tracker.lock:
                 self.fetch_failures["lost"] += 1
@@ -283,6 +277,12 @@ class Replicator:
             for _, reason in result.attempts:
                 self.fetch_failures[reason.split(":")[0]] += 1
         return result
+
+    def fetch_to_local(self, job: str, rank: int, version: Version | None) -> FetchResult:
+        """Fetches a shard into this node's local store (for a rank it now hosts), where the
+        worker's usual ``ckpt_list``/``ckpt_open`` find it. Raises: ShardLost; OverBudget or
+        SlotBusy when the local store has no room."""
+        return fetch_into_store(self.fetch, self.store, job, rank, version)
 
     def _own_stores(self) -> list[SlotStore]:
         return [self.store] + ([self.sink.store] if self.sink is not None else [])
@@ -379,9 +379,9 @@ class Replicator:
     def remove_job(self, job: str) -> None:
         """Forgets a finished job and frees its replicas here."""
         with self.tracker.lock:
-            st = self.tracker.jobs.pop(job, None)
-        if st is not None and st.watch is not None:
-            st.watch.cancel()
+            watch = getattr(self.tracker.jobs.pop(job, None), "watch", None)
+        if watch is not None:
+            watch.cancel()
         if self.sink is not None:
             self.sink.remove_job(job)
 

@@ -103,6 +103,12 @@ class CommitTracker:
         """The job's state, created if new (call with :attr:`lock` held)."""
         return self.jobs.setdefault(job, JobState())
 
+    def view(self, job: str) -> tuple[Placement | None, Committed | None]:
+        """The job's placement and commit record in force (None, None for an unknown job)."""
+        with self.lock:
+            st = self.jobs.get(job)
+            return (st.placement, st.committed) if st else (None, None)
+
     def start_generation(self, job: str, generation: int) -> None:
         """Versions of generations below ``generation`` stop counting (and stop gating)."""
         with self.cond:

@@ -316,3 +316,27 @@ def test_replicas_no_longer_wanted_are_freed_after_the_next_commit(make_cluster)
     held = {d.owner_rank for d in cluster["n3"].sink.holdings()}
     wanted = {0, 1}  # ring n1 -> n3 -> n4 -> n1: n3 holds n1's ranks of the new round
     assert held == wanted, held
+
+
+def test_a_dead_owners_shard_is_fetched_into_the_local_store_of_its_new_host(make_cluster):
+    cluster = make_cluster(3)
+    cluster.set_membership(["n1", "n2", "n3"], THREE, round=1)
+    originals = snapshot_all(cluster, THREE, step=6)
+    cluster.wait_idle()
+    cluster.kill("n3")
+    # Rank 4 now runs on n2 (which never held it): the daemon pulls it into its local slots,
+    # where the worker's usual local restore finds it.
+    result = cluster["n2"].replicator.fetch_to_local(JOB, 4, (0, 6))
+    assert result.holder == "n1" and result.wire_bytes >= len(originals[4])
+    view = cluster["n2"].local.latest(JOB, 4, verify=True)
+    assert view.header.version() == (0, 6) and bytes(view.buffer) == originals[4]
+
+
+def test_the_daemon_side_of_replication_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, elasticd.replication.replicator, elasticd.replication.shm_sink, "
+            "elasticd.replication.recovery; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
