@@ -52,6 +52,13 @@ class Settings:
         agent_restarts: how often the daemon restarts a job's agent that died, with backoff.
         stop_grace: seconds between SIGTERM and SIGKILL when stopping a job's processes.
         rdzv_last_call: torchrun's last_call_timeout (seconds a complete round waits for more).
+        shm_dir: directory (tmpfs) of the daemon-owned checkpoint slots (default
+            /dev/shm/elasticd-<node_id>).
+        memory_cap_mib: cap on checkpoint RAM (local snapshots and peer replicas) on this node;
+            a snapshot over it is skipped with a warning (0: no cap).
+        persist_dir: the persistent tier (a shared filesystem); empty: none.
+        persist_every_steps, persist_every_seconds: how often a complete step is flushed.
+        persist_keep: complete steps kept on the persistent tier per job.
         log_level: DEBUG, INFO, WARNING or ERROR.
     """
 
@@ -75,6 +82,12 @@ class Settings:
     agent_restarts: int = 10
     stop_grace: float = 10.0
     rdzv_last_call: float = 1.0
+    shm_dir: str = ""
+    memory_cap_mib: int = 0
+    persist_dir: str = ""
+    persist_every_steps: int = 0
+    persist_every_seconds: float = 0.0
+    persist_keep: int = 3
     log_level: str = "INFO"
 
     # -- derived --------------------------------------------------------------------------
@@ -98,6 +111,10 @@ class Settings:
         base = "/var/lib/elasticd" if os.geteuid() == 0 else os.path.expanduser(
             "~/.local/state/elasticd")
         return os.path.join(base, self.node_id)
+
+    @property
+    def shm_path(self) -> str:
+        return self.shm_dir or f"/dev/shm/elasticd-{self.node_id}"
 
     def etcd_settings(self) -> EtcdSettings:
         return EtcdSettings(
@@ -191,6 +208,15 @@ def _validate(s: Settings, sources: Mapping[str, str]) -> None:
         raise bad("stop_grace", f"{s.stop_grace} is out of range: use 0 to 600 seconds")
     if not 0 < s.rdzv_last_call <= 600:
         raise bad("rdzv_last_call", f"{s.rdzv_last_call}: use more than 0 and at most 600 s")
+    if s.memory_cap_mib < 0:
+        raise bad("memory_cap_mib", "must be >= 0 (0: no cap)")
+    if s.persist_every_steps < 0 or s.persist_every_seconds < 0:
+        raise bad("persist_every_steps", "persist_every_steps/seconds must be >= 0")
+    if not 1 <= s.persist_keep <= 1000:
+        raise bad("persist_keep", f"{s.persist_keep}: use 1 to 1000")
+    if s.persist_dir and not os.path.isdir(s.persist_dir):
+        raise bad("persist_dir", f"{s.persist_dir!r} is not a directory: create it (on a "
+                  "filesystem every node mounts) or leave persist_dir empty")
     if s.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise bad("log_level", f"{s.log_level!r}: use DEBUG, INFO, WARNING or ERROR")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,6 +39,7 @@ class NodeProcess:
         self.env = env
         self.proc: subprocess.Popen | None = None
         self.address = ""
+        self.shm_dir = ""
 
     def start(self) -> None:
         with open(self.log_path, "ab") as log:
@@ -86,6 +88,8 @@ class NodeProcess:
             except ProcessLookupError:
                 pass
         self.proc.wait()
+        if self.shm_dir:
+            shutil.rmtree(self.shm_dir, ignore_errors=True)
 
     def terminate(self, timeout: float = 15.0) -> int | None:
         """SIGTERM, wait, then SIGKILL the group; returns the exit status."""
@@ -161,6 +165,9 @@ class LocalCluster:
         self.extra_args = list(extra_args)
         self.loop_interval = loop_interval
         self.env = {**os.environ, **(env or {})}
+        # Each simulated node's checkpoint RAM: its own tmpfs directory, deleted when the node
+        # is killed (a dead machine's RAM is gone) and when the cluster stops.
+        self.shm_root = tempfile.mkdtemp(prefix="elasticd-test-", dir="/dev/shm")
         self.nodes: dict[str, NodeProcess] = {n: self._make(n) for n in nodes}
         self._coord: EtcdCoordinator | None = None
 
@@ -172,9 +179,12 @@ class LocalCluster:
         argv = [sys.executable, "-m", "elasticd.daemon.main", "--node-id", node_id,
                 "--etcd", "{etcd}", "--prefix", self.prefix, "--listen", "127.0.0.1:0",
                 "--lease-ttl", str(self.lease_ttl), "--loop-interval", str(self.loop_interval),
-                "--state-dir", os.path.join(self.workdir, node_id), *self.extra_args]
-        return NodeProcess(node_id, argv, os.path.join(self.workdir, f"{node_id}.log"), self.env,
-                           self.prefix)
+                "--state-dir", os.path.join(self.workdir, node_id),
+                "--shm-dir", os.path.join(self.shm_root, node_id), *self.extra_args]
+        n = NodeProcess(node_id, argv, os.path.join(self.workdir, f"{node_id}.log"), self.env,
+                        self.prefix)
+        n.shm_dir = os.path.join(self.shm_root, node_id)
+        return n
 
     def start(self, wait: bool = True, timeout: float = 30.0) -> "LocalCluster":
         if self.etcd_server is not None and not any(m.proc for m in self.etcd_server.members):
@@ -244,6 +254,7 @@ class LocalCluster:
             self._coord = None
         if self.etcd_server is not None:
             self.etcd_server.stop()
+        shutil.rmtree(self.shm_root, ignore_errors=True)
 
     def __enter__(self) -> "LocalCluster":
         return self.start()

@@ -15,6 +15,43 @@ import elasticd
 DETECTION_BUCKETS = (0.5, 1, 2, 3, 4, 5, 7.5, 10, 15, 20, 30, 45, 60, 120)
 
 
+class CheckpointSink:
+    """Turns the checkpoint service's events into metrics (elasticd.checkpoint.telemetry)."""
+
+    def __init__(self, metrics: "Metrics") -> None:
+        self.m = metrics
+
+    def snapshot_completed(self, job: str, rank: int, step: int, nbytes: int,
+                           stall_seconds: float) -> None:
+        self.m.snapshots.inc()
+        self.m.snapshot_stall_seconds.observe(stall_seconds)
+
+    def snapshot_skipped(self, job: str, reason: str) -> None:
+        self.m.snapshots_skipped.labels(reason).inc()
+
+    def snapshot_refused(self, job: str, source: str) -> None:
+        self.m.snapshots_refused.labels(source).inc()
+
+    def restored(self, job: str, source: str, seconds: float, steps_lost: int,
+                 nbytes: int) -> None:
+        self.m.restores.labels(source).inc()
+        self.m.restore_seconds.labels(source).observe(seconds)
+        self.m.restore_steps_lost.set(steps_lost)
+
+    def persisted(self, job: str, step: int, seconds: float, nbytes: int, ok: bool) -> None:
+        self.m.persists.labels("ok" if ok else "failed").inc()
+        if ok:
+            self.m.persist_seconds.observe(seconds)
+
+    def update(self, stats: dict) -> None:
+        """Gauges from CheckpointService.stats(), once per main-loop cycle."""
+        self.m.snapshot_bytes.set(stats["snapshot_bytes"])
+        self.m.snapshot_step.set(stats["snapshot_step"])
+        self.m.replica_bytes_held.set(stats["replica_bytes_held"])
+        self.m.jobs_unprotected.set(stats["unprotected_jobs"])
+        self.m.persisted_step.set(stats["persisted_step"])
+
+
 class Metrics:
     """The daemon's metrics, registered in their own registry."""
 
@@ -75,6 +112,55 @@ class Metrics:
             registry=r)
         self.job_running = Gauge(
             "elasticd_job_running", "1 while this node runs a job's agent", registry=r)
+        # -- checkpoints (fed by elasticd.checkpoint.service through CheckpointSink) ---------
+        self.snapshot_stall_seconds = Histogram(
+            "elasticd_snapshot_stall_seconds",
+            "Time the training loop waited for one snapshot (save and optimizer hook)",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5),
+            registry=r)
+        self.snapshots = Counter("elasticd_snapshots_total",
+                                 "Snapshots sealed in this node's RAM", registry=r)
+        self.snapshot_bytes = Gauge("elasticd_snapshot_bytes",
+                                    "Bytes of the latest snapshot of every local rank", registry=r)
+        self.snapshot_step = Gauge("elasticd_snapshot_step",
+                                   "Newest step every local rank holds in RAM", registry=r)
+        self.snapshots_skipped = Counter(
+            "elasticd_snapshots_skipped_total",
+            "Snapshots skipped, by reason (over_budget: the memory cap; busy: slot pinned)",
+            ["reason"], registry=r)
+        for reason in ("over_budget", "busy"):
+            self.snapshots_skipped.labels(reason)
+        self.jobs_unprotected = Gauge(
+            "elasticd_jobs_unprotected", "Jobs whose last snapshot was skipped over budget",
+            registry=r)
+        self.snapshots_refused = Counter(
+            "elasticd_snapshots_refused_total",
+            "Corrupt or truncated snapshots refused at restore, by source", ["source"],
+            registry=r)
+        self.replica_bytes_held = Gauge(
+            "elasticd_replica_bytes_held", "Bytes of shared-memory slots this node holds",
+            registry=r)
+        self.persisted_step = Gauge("elasticd_persisted_step",
+                                    "Newest step complete on the persistent tier", registry=r)
+        self.persist_seconds = Histogram(
+            "elasticd_persist_seconds", "Time to flush this node's ranks of one step",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120), registry=r)
+        self.persists = Counter("elasticd_persists_total",
+                                "Flushes to the persistent tier, by outcome", ["outcome"],
+                                registry=r)
+        for outcome in ("ok", "failed"):
+            self.persists.labels(outcome)
+        self.restores = Counter("elasticd_restores_total", "Worker restores, by source",
+                                ["source"], registry=r)
+        self.restore_seconds = Histogram(
+            "elasticd_restore_seconds", "Time one worker took to restore, by source", ["source"],
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=r)
+        for source in ("local", "peer", "persistent", "none"):
+            self.restores.labels(source)
+            self.snapshots_refused.labels(source)
+            self.restore_seconds.labels(source)
+        self.restore_steps_lost = Gauge("elasticd_restore_steps_lost",
+                                        "Steps lost at the last restore", registry=r)
         self.loop_cycles = Counter(
             "elasticd_loop_cycles_total", "Main loop cycles completed", registry=r)
         self.loop_last_cycle = Gauge(

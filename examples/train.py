@@ -1,9 +1,11 @@
-"""A small deterministic training job for elasticd: DDP over gloo on CPU.
+"""A small deterministic training job for elasticd: DDP over gloo on CPU, checkpointed every
+step into the node daemon's RAM.
 
 The distributed setup order matters and is the one to copy: process group first, then the
 data loader with its sampler (which asks the process group for rank and world size), then the
-model wrapped in DDP. Each step reports progress to the node's daemon (hang detection); without
-a daemon the script runs unchanged.
+model wrapped in DDP, then ``restore``. Each step is snapshotted (the copy overlaps the next
+step) and reported to the daemon (hang detection); without a daemon the script runs unchanged
+and starts from step 0 after a restart.
 
     torchrun --nproc-per-node 2 examples/train.py --steps 50
 """
@@ -18,13 +20,10 @@ import time
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
-try:
-    from elasticd.worker import progress
-except ImportError:  # elasticd not installed where the job runs: no progress reports
-    def progress(step: int) -> None:
-        pass
+import elasticd
+from elasticd.worker import progress
 
 
 def make_data(n: int = 4096, dim: int = 32) -> TensorDataset:
@@ -51,17 +50,27 @@ def main() -> int:
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
     data = make_data()
-    sampler = DistributedSampler(data, shuffle=True, seed=0)  # 2. sampler, then loader
+    # 2. the sampler (its position in the epoch is checkpointed), then the loader
+    sampler = elasticd.ElasticSampler(len(data), shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler,
                         generator=torch.Generator().manual_seed(0))
     model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
                                     torch.nn.Linear(64, 1)))  # 3. the wrapped model
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
-    print(f"start rank {rank} world {world} restart {restart} pid {os.getpid()}", flush=True)
-    step, epoch = 0, 0
+    # 4. restore: the newest step every rank holds (daemon RAM, a peer, or the disk tier)
+    state = {"model": model, "optim": opt, "sampler": sampler, "rng": elasticd.RNGState(),
+             "epoch": 0}
+    ckpt = elasticd.Checkpointer(every=1)
+    step = ckpt.restore(state)
+    epoch = state["epoch"]
+    r = ckpt.last_restore
+    print(f"start rank {rank} world {world} restart {restart} pid {os.getpid()} "
+          f"restored step {step} from {r.source if r else 'none'} "
+          f"in {r.seconds if r else 0:.3f} s, steps lost {r.steps_lost if r else 0}", flush=True)
     while step < args.steps:
         sampler.set_epoch(epoch)
+        state["epoch"] = epoch
         for x, y in loader:
             if step >= args.steps:
                 break
@@ -73,6 +82,7 @@ def main() -> int:
             loss.backward()
             opt.step()
             step += 1
+            ckpt.save(step, state)
             progress(step)
             print(f"step {step} world {world} rank {rank} restart {restart} "
                   f"loss {loss.item():.5f}", flush=True)
@@ -80,6 +90,7 @@ def main() -> int:
                 time.sleep(args.step_time)
         epoch += 1
 
+    ckpt.close()
     if rank == 0 and args.out:
         os.makedirs(args.out, exist_ok=True)
         torch.save({k: v.clone() for k, v in model.module.state_dict().items()},

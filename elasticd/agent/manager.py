@@ -87,6 +87,7 @@ class JobManager:
         self._finished: set[str] = set()  # jobs this node completed (exit 0) or gave up on
         self._status_job: str | None = None
         self.tracker: ProgressTracker | None = None
+        self.on_job_end: list[Callable[[str], None]] = []  # called with the job's name
         self._report: Callable[[dict[str, Any]], None] | None = None
         self._restarted_at: float | None = None  # a worker group is (re)starting since then
         self._generations = 0
@@ -360,6 +361,12 @@ class JobManager:
 
         def run() -> None:
             code = sup.stop(self.stop_grace)
+            if final_state in ("stopped", "succeeded", "failed"):
+                for hook in self.on_job_end:
+                    try:
+                        hook(job)
+                    except Exception:
+                        log.exception("job-end hook failed for %s", job)
             self.status = NodeJobStatus(self.node_id, final_state, f"{why} (agent exit {code})",
                                         agent_starts=sup.starts, log=sup.log_path,
                                         at=self.clock.wall())

@@ -92,6 +92,7 @@ class Daemon:
         self.started_at = self.clock.wall()
         self.fence_hooks: list[FenceHook] = []
         self.local_socket = ""  # path of the workers' channel to this daemon, once serving
+        self.checkpoints: Any = None  # elasticd.checkpoint.service.CheckpointService
 
         self.health = EtcdHealth(self.clock, self._outage_started, self._outage_ended,
                                  describe=f"etcd at {settings.etcd or 'embedded'}")
@@ -226,9 +227,20 @@ class Daemon:
             env["ELASTICD_SOCKET"] = self.local_socket
         return env
 
+    def attach_checkpoints(self, service: Any) -> None:
+        """Serves the checkpoint service to workers; a finished job's slots are freed."""
+        from elasticd.metrics import CheckpointSink
+
+        self.checkpoints = service
+        self._ckpt_sink = CheckpointSink(self.metrics)
+        self.jobs.on_job_end.append(service.remove_job)
+
     def local_handlers(self) -> dict[str, Callable[[dict[str, Any]], Any]]:
         """What workers may ask of this daemon over its local socket."""
-        return {"progress": self.jobs.on_progress}
+        handlers: dict[str, Callable[[dict[str, Any]], Any]] = {"progress": self.jobs.on_progress}
+        if self.checkpoints is not None:
+            handlers.update(self.checkpoints.handlers())
+        return handlers
 
     # -- one cycle ------------------------------------------------------------------------
 
@@ -251,6 +263,8 @@ class Daemon:
                 self.jobs.step()
                 self._notes += self.jobs.notes
             self.metrics.job_running.set(1 if self.jobs.supervisor is not None else 0)
+            if self.checkpoints is not None:
+                self._ckpt_sink.update(self.checkpoints.stats())
             sentence = self._describe()
         except Unavailable as exc:
             self.health.failed(exc)
@@ -563,4 +577,5 @@ class Daemon:
             ],
             "provisional": sorted(self.membership.pending),
             "job": self.jobs.describe(),
+            "checkpoints": self.checkpoints.status() if self.checkpoints is not None else None,
         }

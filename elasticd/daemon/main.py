@@ -69,6 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--agent-restarts", dest="agent_restarts", type=_number)
     p.add_argument("--stop-grace", dest="stop_grace", type=_number)
     p.add_argument("--rdzv-last-call", dest="rdzv_last_call", type=_number)
+    p.add_argument("--shm-dir", dest="shm_dir",
+                   help="tmpfs directory of checkpoint slots (default /dev/shm/elasticd-NODE)")
+    p.add_argument("--memory-cap-mib", dest="memory_cap_mib", type=_number)
+    p.add_argument("--persist-dir", dest="persist_dir",
+                   help="persistent checkpoint tier (shared filesystem); empty: none")
+    p.add_argument("--persist-every-steps", dest="persist_every_steps", type=_number)
+    p.add_argument("--persist-every-seconds", dest="persist_every_seconds", type=_number)
+    p.add_argument("--persist-keep", dest="persist_keep", type=_number)
     p.add_argument("--log-level", dest="log_level")
     return p
 
@@ -110,6 +118,35 @@ def _connect(settings: config.Settings) -> EtcdCoordinator:
         except CoordinationError as exc:
             coord.close()
             raise Fatal(f"etcd at {settings.etcd}: {exc}") from exc
+
+
+def _checkpoint_service(settings: config.Settings, daemon: Daemon) -> "Any":
+    """The daemon-owned checkpoint slots, the persistent tier and the service workers call."""
+    from elasticd.checkpoint.service import CheckpointService
+    from elasticd.checkpoint.shm import SlotStore
+    from elasticd.metrics import CheckpointSink
+    from elasticd.persistence.persister import Persister
+
+    cap = settings.memory_cap_mib * 2**20 or None
+    try:
+        store = SlotStore(settings.shm_path, cap_bytes=cap)
+        kept = store.scan()
+    except OSError as exc:
+        raise Fatal(f"shm_dir: cannot use {settings.shm_path} for checkpoint slots: {exc}; "
+                    "pick another --shm-dir on a tmpfs") from exc
+    if kept.kept or kept.removed:
+        log.info("checkpoint slots after restart: kept %d verified, removed %d",
+                 len(kept.kept), len(kept.removed))
+    persister = None
+    if settings.persist_dir:
+        persister = Persister(settings.persist_dir, keep=settings.persist_keep,
+                              every_steps=settings.persist_every_steps or None,
+                              every_seconds=settings.persist_every_seconds or None,
+                              node_id=settings.node_id)
+    service = CheckpointService(store, settings.node_id, persister,
+                                metrics_sink=CheckpointSink(daemon.metrics))
+    daemon.attach_checkpoints(service)
+    return service
 
 
 def _reload(daemon: Daemon, args: argparse.Namespace) -> None:
@@ -186,6 +223,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                         "pick another --listen address or port") from exc
         daemon.http_address = _advertised(server.address)
         server.start()
+        checkpoints = _checkpoint_service(settings, daemon)
         try:
             os.makedirs(settings.state_path, mode=0o755, exist_ok=True)
             local = LocalServer(os.path.join(settings.state_path, "elasticd.sock"),
@@ -225,6 +263,11 @@ def run(argv: Sequence[str] | None = None) -> int:
     finally:
         if local is not None:
             local.stop()
+        if daemon is not None and daemon.checkpoints is not None:
+            # Slots stay in shared memory: a restarted daemon adopts those that verify.
+            if daemon.checkpoints.persist is not None:
+                daemon.checkpoints.persist.close()
+            daemon.checkpoints.store.close(unlink=False)
         if server is not None:
             server.stop()
         if coord is not None:

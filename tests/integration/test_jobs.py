@@ -216,3 +216,36 @@ def test_frozen_node_is_aborted_around_then_fences_and_rejoins(cluster):
     marks = {n: len(agent_log(cluster, n, "job")) for n in cluster.nodes}
     cluster.wait_for(lambda: all(steps_at_world(agent_log(cluster, n, "job"), 3, marks[n])
                                  for n in cluster.nodes), 90, "back at world size 3")
+
+
+RESTORED_RE = re.compile(r"restored step (\d+) from (\w+) in [\d.]+ s, steps lost (\d+)")
+
+
+@pytest.mark.timeout(180)
+def test_worker_crash_restores_from_the_daemons_ram(cluster):
+    """kill -9 of one worker: torchrun restarts the group at the same world size and every rank
+    restores the newest step all ranks hold from its daemon's shared memory."""
+    ctl(cluster.etcd, cluster.prefix, "submit", "job", "--nnodes", "3", "--nproc-per-node",
+        "1", "--user", "root", "--", TRAIN, "--steps", "100000", "--step-time", "0.02",
+        check=True)
+    cluster.wait_for(lambda: all(len(steps_at_world(agent_log(cluster, n, "job"), 3)) > 30
+                                 for n in cluster.nodes), 90, "30 steps at world size 3")
+    st = job_status(cluster, "n2")
+    worker = int(open(f"/proc/{st['agent_pid']}/task/{st['agent_pid']}/children").read().split()[0])
+    marks = {n: len(agent_log(cluster, n, "job")) for n in cluster.nodes}
+    last = max(s for _, s in steps_at_world(agent_log(cluster, "n2", "job"), 3))
+    os.kill(worker, 9)
+
+    def restored():
+        found = [RESTORED_RE.search(agent_log(cluster, n, "job"), marks[n]) for n in cluster.nodes]
+        return all(found) and found
+
+    found = cluster.wait_for(restored, 90, "every rank restored")
+    steps = {int(m.group(1)) for m in found}
+    assert len(steps) == 1, "ranks restored different steps"
+    step = steps.pop()
+    assert step >= last - 1  # at most the step in flight is lost
+    assert {m.group(2) for m in found} == {"local"}
+    metrics = cluster.nodes["n1"].http("/metrics")
+    assert 'elasticd_restores_total{source="local"} 1.0' in metrics
+    assert float(re.search(r"^elasticd_snapshots_total (\S+)", metrics, re.M).group(1)) > 30
