@@ -59,6 +59,12 @@ class Settings:
         persist_dir: the persistent tier (a shared filesystem); empty: none.
         persist_every_steps, persist_every_seconds: how often a complete step is flushed.
         persist_keep: complete steps kept on the persistent tier per job.
+        cluster_secret: shared secret authenticating daemon-to-daemon replication (at least
+            16 characters; prefer ELASTICD_CLUSTER_SECRET or cluster_secret_file). Without a
+            secret, peer replication is off.
+        cluster_secret_file: file holding the secret (first line).
+        replication_listen: HOST:PORT of the replication server (port 0: any free port).
+        replicas: copies of each rank's snapshot, its own included (m; 1 turns peers off).
         log_level: DEBUG, INFO, WARNING or ERROR.
     """
 
@@ -88,6 +94,10 @@ class Settings:
     persist_every_steps: int = 0
     persist_every_seconds: float = 0.0
     persist_keep: int = 3
+    cluster_secret: str = ""
+    cluster_secret_file: str = ""
+    replication_listen: str = "0.0.0.0:9401"
+    replicas: int = 2
     log_level: str = "INFO"
 
     # -- derived --------------------------------------------------------------------------
@@ -113,6 +123,20 @@ class Settings:
         return os.path.join(base, self.node_id)
 
     @property
+    def secret(self) -> bytes:
+        """The cluster secret (from the setting or its file); empty when replication is off."""
+        if self.cluster_secret:
+            return self.cluster_secret.encode()
+        if self.cluster_secret_file:
+            with open(self.cluster_secret_file, "rb") as fh:
+                return fh.readline().strip()
+        return b""
+
+    @property
+    def replication_addr(self) -> tuple[str, int]:
+        return _hostport(self.replication_listen)
+
+    @property
     def shm_path(self) -> str:
         return self.shm_dir or f"/dev/shm/elasticd-{self.node_id}"
 
@@ -129,8 +153,9 @@ class Settings:
 
     def redacted(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        if out["etcd_password"]:
-            out["etcd_password"] = "***"
+        for secret in ("etcd_password", "cluster_secret"):
+            if out[secret]:
+                out[secret] = "***"
         return out
 
 
@@ -217,6 +242,21 @@ def _validate(s: Settings, sources: Mapping[str, str]) -> None:
     if s.persist_dir and not os.path.isdir(s.persist_dir):
         raise bad("persist_dir", f"{s.persist_dir!r} is not a directory: create it (on a "
                   "filesystem every node mounts) or leave persist_dir empty")
+    if s.cluster_secret_file and not os.path.isfile(s.cluster_secret_file):
+        raise bad("cluster_secret_file", f"file {s.cluster_secret_file!r} does not exist")
+    try:
+        secret = s.secret
+    except OSError as exc:
+        raise bad("cluster_secret_file", f"cannot read it: {exc.strerror}") from None
+    if secret and len(secret) < 16:
+        raise bad("cluster_secret", "too short: use at least 16 random characters "
+                  "(e.g. `openssl rand -hex 32`)")
+    try:
+        _hostport(s.replication_listen)
+    except ValueError as exc:
+        raise bad("replication_listen", str(exc)) from None
+    if not 1 <= s.replicas <= 8:
+        raise bad("replicas", f"{s.replicas}: use 1 to 8 copies (2 is the usual)")
     if s.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise bad("log_level", f"{s.log_level!r}: use DEBUG, INFO, WARNING or ERROR")
 

@@ -73,6 +73,7 @@ class JobManager:
         self.specs: dict[str, tuple[int, JobSpec]] = {}  # job -> (create revision, spec)
         self.controls: dict[str, JobControl] = {}
         self.members: dict[str, set[str]] = {}  # job -> nodes with a live status entry
+        self.statuses: dict[str, dict[str, NodeJobStatus]] = {}  # job -> node -> status
         self._events: "queue.Queue[Sequence[WatchEvent] | Exception]" = queue.Queue()
         self._watch = None
         self._need_resync = True
@@ -128,6 +129,7 @@ class JobManager:
         self.specs.clear()
         self.controls.clear()
         self.members.clear()
+        self.statuses.clear()
         for kv in kvs:
             self._apply(EventType.PUT, kv.key, kv.value, kv.create_revision)
         self._need_resync = False
@@ -150,8 +152,11 @@ class JobManager:
             else:
                 node = what.split("/", 1)[1]
                 nodes = self.members.setdefault(job, set())
+                if etype is EventType.DELETE:
+                    self.statuses.get(job, {}).pop(node, None)
                 if etype is EventType.PUT:
                     st = NodeJobStatus.decode(value, key)
+                    self.statuses.setdefault(job, {})[node] = st
                     if st.state in ("starting", "running", "restarting"):
                         nodes.add(node)
                     else:
@@ -244,6 +249,7 @@ class JobManager:
             if self.tracker is not None:
                 self.tracker.reset(self.job)
             self._restarted_at = self.clock.monotonic()
+            self.status = dataclasses.replace(self.status, ranks=[])
 
     def on_progress(self, msg: dict[str, Any]) -> None:
         """A worker's progress report (from the local API; any thread)."""
@@ -256,7 +262,11 @@ class JobManager:
             if isinstance(world, int) and world > 0:
                 self.metrics.world_size.set(world)
                 if world != self.status.world_size:
-                    self.status = dataclasses.replace(self.status, world_size=world)
+                    self.status = dataclasses.replace(self.status, world_size=world, ranks=[])
+            rank = msg.get("rank")
+            if isinstance(rank, int) and rank not in self.status.ranks:
+                self.status = dataclasses.replace(self.status,
+                                                  ranks=sorted([*self.status.ranks, rank]))
             step = msg.get("step")
             if isinstance(step, int) and step != self.status.last_step:
                 self.status = dataclasses.replace(self.status, last_step=step)
@@ -266,6 +276,20 @@ class JobManager:
                 self._restarted_at = None
                 self._generations += 1
                 self.metrics.rendezvous_round.set(self._generations)
+
+    def round_ranks(self) -> dict[str, list[int]]:
+        """The current worker group's nodes and their global ranks, once every node of it has
+        published them (they agree on the world size and the ranks add up to it)."""
+        if self.job is None:
+            return {}
+        sts = dict(self.statuses.get(self.job, {}))
+        sts[self.node_id] = self.status
+        world = self.status.world_size
+        group = {n: st.ranks for n, st in sts.items()
+                 if st.state == "running" and st.world_size == world and st.ranks}
+        if not world or sorted(r for rs in group.values() for r in rs) != list(range(world)):
+            return {}
+        return group
 
     def progress_status(self) -> dict[str, Any]:
         with self._lock:
@@ -384,7 +408,12 @@ class JobManager:
     def _publish(self, job: str | None = None) -> None:
         job = job or self.job or self._status_job
         lease = self._lease()
-        if job is None or not lease or self.status == self._published:
+        # The step moves every training step: publish it with the next real change (or the
+        # daemon's heartbeat), not one etcd write per step.
+        same = (self._published is not None and
+                dataclasses.replace(self.status, last_step=0, at=0) ==
+                dataclasses.replace(self._published, last_step=0, at=0))
+        if job is None or not lease or same:
             return
         self.coord.put(self.keys.job_node(job, self.node_id), self.status.encode(), lease)
         self._published = self.status

@@ -209,6 +209,7 @@ class NodeJobStatus:
     last_step: int = -1
     log: str = ""
     at: float = 0.0
+    ranks: list[int] = dataclasses.field(default_factory=list)  # this node's global ranks
 
     KIND = "node_job_status"
 

@@ -47,6 +47,7 @@ class NodeRecord:
     version: str
     lease: int = 0
     sentence: str = ""
+    replication: str = ""  # HOST:PORT of the node's replica server ("" when off)
 
 
 class ObservationKind(str, enum.Enum):

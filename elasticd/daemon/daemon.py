@@ -93,6 +93,11 @@ class Daemon:
         self.fence_hooks: list[FenceHook] = []
         self.local_socket = ""  # path of the workers' channel to this daemon, once serving
         self.checkpoints: Any = None  # elasticd.checkpoint.service.CheckpointService
+        self.replicator: Any = None  # elasticd.replication.replicator.Replicator
+        self._replica_server: Any = None
+        self._replica_store: Any = None
+        self.replication_address = ""
+        self._membership_key: Any = None
 
         self.health = EtcdHealth(self.clock, self._outage_started, self._outage_ended,
                                  describe=f"etcd at {settings.etcd or 'embedded'}")
@@ -235,6 +240,46 @@ class Daemon:
         self._ckpt_sink = CheckpointSink(self.metrics)
         self.jobs.on_job_end.append(service.remove_job)
 
+    def attach_replication(self, replicator: Any, server: Any, replica_store: Any) -> None:
+        self.replicator, self._replica_server = replicator, server
+        self._replica_store = replica_store
+        host, port = server.address[:2] if isinstance(server.address, tuple) else \
+            server.address.rsplit(":", 1)
+        if host in ("", "0.0.0.0", "::"):
+            host = socket.getfqdn()
+        self.replication_address = f"{host}:{port}"
+        self.jobs.on_job_end.append(replicator.remove_job)
+
+    def close_replication(self) -> None:
+        if self.replicator is not None:
+            self.replicator.close()
+            self._replica_server.stop()
+            self._replica_store.close(unlink=False)
+
+    def peer_replication_address(self, node: str) -> tuple[str, int] | None:
+        """Where ``node``'s replica server listens, from its node record."""
+        rec = self.membership.nodes.get(node)
+        if rec is None or not rec.replication:
+            return None
+        host, _, port = rec.replication.rpartition(":")
+        return host, int(port)
+
+    def _update_replication(self) -> None:
+        """Tells the replicator the job's current round: the nodes that run it, in rank
+        order, with their ranks (as each node publishes them in its job status)."""
+        job = self.jobs.job
+        if self.replicator is None or job is None:
+            return
+        ranks = self.jobs.round_ranks()
+        if not ranks or self.settings.node_id not in ranks:
+            return
+        nodes = sorted(ranks, key=lambda n: min(ranks[n]))
+        key = (job, tuple((n, tuple(ranks[n])) for n in nodes))
+        if key != self._membership_key:
+            self._membership_key = key
+            self.replicator.set_membership(job, nodes, {n: list(ranks[n]) for n in nodes})
+            self._notes.append(f"replica placement for {len(nodes)} nodes")
+
     def local_handlers(self) -> dict[str, Callable[[dict[str, Any]], Any]]:
         """What workers may ask of this daemon over its local socket."""
         handlers: dict[str, Callable[[dict[str, Any]], Any]] = {"progress": self.jobs.on_progress}
@@ -265,6 +310,7 @@ class Daemon:
             self.metrics.job_running.set(1 if self.jobs.supervisor is not None else 0)
             if self.checkpoints is not None:
                 self._ckpt_sink.update(self.checkpoints.stats())
+            self._update_replication()
             sentence = self._describe()
         except Unavailable as exc:
             self.health.failed(exc)
@@ -336,6 +382,7 @@ class Daemon:
             version=elasticd.__version__,
             lease=lease,
             sentence=self.sentence,
+            replication=self.replication_address,
         )
 
     def _put_record(self, lease: int | None) -> None:

@@ -77,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--persist-every-steps", dest="persist_every_steps", type=_number)
     p.add_argument("--persist-every-seconds", dest="persist_every_seconds", type=_number)
     p.add_argument("--persist-keep", dest="persist_keep", type=_number)
+    p.add_argument("--cluster-secret-file", dest="cluster_secret_file",
+                   help="file with the replication secret (or env ELASTICD_CLUSTER_SECRET)")
+    p.add_argument("--replication-listen", dest="replication_listen",
+                   help="HOST:PORT of the replication server (default 0.0.0.0:9401)")
+    p.add_argument("--replicas", dest="replicas", type=_number,
+                   help="copies of each snapshot, its own included (default 2)")
     p.add_argument("--log-level", dest="log_level")
     return p
 
@@ -143,10 +149,43 @@ def _checkpoint_service(settings: config.Settings, daemon: Daemon) -> "Any":
                               every_steps=settings.persist_every_steps or None,
                               every_seconds=settings.persist_every_seconds or None,
                               node_id=settings.node_id)
+    replicator = _replicator(settings, daemon, store, cap)
+    kwargs = {"replicator": replicator} if replicator is not None else {}
     service = CheckpointService(store, settings.node_id, persister,
-                                metrics_sink=CheckpointSink(daemon.metrics))
+                                metrics_sink=CheckpointSink(daemon.metrics), **kwargs)
     daemon.attach_checkpoints(service)
     return service
+
+
+def _replicator(settings: config.Settings, daemon: Daemon, store: "Any",
+                cap: int | None) -> "Any":
+    """Peer replication, when a cluster secret is configured (else None)."""
+    secret = settings.secret
+    if not secret or settings.replicas < 2:
+        log.info("peer replication off (%s)", "no cluster secret" if not secret else "replicas=1")
+        return None
+    from elasticd.checkpoint.shm import SlotStore
+    from elasticd.replication.replicator import Replicator
+    from elasticd.replication.server import ReplicaServer
+    from elasticd.replication.shm_sink import ShmSink, replica_root
+
+    replicas = SlotStore(replica_root(settings.shm_path))
+    replicas.scan()
+    sink = ShmSink(replicas, local=store, cap_bytes=cap)
+    host, port = settings.replication_addr
+    try:
+        server = ReplicaServer(host, port, secret, settings.node_id, sink)
+        server.start()
+    except OSError as exc:
+        raise Fatal(f"replication_listen: cannot listen on {settings.replication_listen}: "
+                    f"{exc.strerror}; pick another --replication-listen") from exc
+    rep = Replicator(settings.node_id, daemon.coord, daemon.keys, store, secret,
+                     m=settings.replicas, peers_address=daemon.peer_replication_address,
+                     sink=sink)
+    daemon.attach_replication(rep, server, replicas)
+    log.info("replicating snapshots to %d peers; replication server on %s",
+             settings.replicas - 1, server.address)
+    return rep
 
 
 def _reload(daemon: Daemon, args: argparse.Namespace) -> None:
@@ -267,6 +306,7 @@ def run(argv: Sequence[str] | None = None) -> int:
             # Slots stay in shared memory: a restarted daemon adopts those that verify.
             if daemon.checkpoints.persist is not None:
                 daemon.checkpoints.persist.close()
+            daemon.close_replication()
             daemon.checkpoints.store.close(unlink=False)
         if server is not None:
             server.stop()
