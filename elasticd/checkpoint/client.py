@@ -155,7 +155,8 @@ class Checkpointer:
         self.generation, self.last_restore = result.next_generation, result
         self._call("ckpt_report", job=self.job, rank=self.rank, source=result.source,
                    seconds=result.seconds, steps_lost=result.steps_lost, bytes=result.nbytes,
-                   generation=result.generation, step=result.step, refused=result.refused)
+                   generation=result.generation, step=result.step, refused=result.refused,
+                   next_generation=result.next_generation)
         return result.step
 
     # -- save -----------------------------------------------------------------------------

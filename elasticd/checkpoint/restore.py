@@ -1,12 +1,25 @@
 """Restore: every rank agrees on one (generation, step) that all of them can load, then loads it.
 
-Each rank lists what it can reach — the snapshots its daemon holds in RAM for it, and the
-complete steps of the persistent tier — and the ranks exchange those lists (a fixed-size int64
-``all_gather``: no pickle, unlike ``all_gather_object``). They try the common versions newest
-first: each rank fetches its shard (RAM first; a snapshot that fails verification is refused
-and the persistent copy of the same step used instead), and an ``all_reduce(MIN)`` of "I have
-it" decides; only when every rank has its bytes in hand does any rank load them into its
-state, so a failure never leaves a mix of steps. With nothing common, training starts fresh.
+Each rank lists what it can reach — the snapshots its daemon holds in RAM for it, the complete
+steps of the persistent tier, and the step the daemons committed (every rank's shard held by
+``m`` daemons, so reachable from a peer's RAM after a node died) — and the ranks exchange those
+lists (a fixed-size int64 ``all_gather``: no pickle, unlike ``all_gather_object``). The
+candidates are the versions every rank holds plus the committed version; they are tried newest
+first, so a newer step every rank still has locally wins over an older committed one. Each rank
+fetches its shard (its own RAM first; then, for a committed version, ``ckpt_fetch``, which
+copies it from a peer's RAM into this node's store; a snapshot that fails verification is
+refused and another copy, or the persistent one of the same step, used instead), and an
+``all_reduce(MIN)`` of "I have it" decides; only when every rank has its bytes in hand does any
+rank load them into its state, so a failure never leaves a mix of steps. With nothing common,
+training starts fresh.
+
+After a shrink (a node died and the job continues with fewer ranks), the committed version of
+the larger world is still a candidate when the state is replicated across ranks (data
+parallel: every rank's model and optimizer are identical): new rank ``r`` loads old rank
+``r``'s shard; the sampler's position is global, so it carries over. A state sharded across
+ranks (a ``ZeroRedundancyOptimizer``) cannot be restored at another world size: that is
+logged and restore falls back to what the current world size has (the persistent tier, or a
+fresh start).
 
 Whatever is restored, new snapshots start a new generation above every generation seen, so
 snapshots of an abandoned timeline (written after the restored step, before the failure) never
@@ -47,10 +60,13 @@ class RestoreResult:
         step: the step restored (0 for a fresh start).
         generation: the restored snapshot's generation.
         next_generation: the generation new snapshots carry.
-        source: "local" (this node's RAM), "persistent", or "none".
+        source: "local" (this node's RAM), "peer" (bytes copied from another node's RAM, or a
+            replica of another node's shard held here), "persistent", or "none".
         seconds, nbytes: time and bytes this rank spent restoring.
         steps_lost: newest step any rank had reached (as far as known) minus ``step``.
-        refused: snapshots refused on the way, with the reason.
+        refused: snapshots refused (or lost) on the way, with the reason.
+        saved_world_size: the world size the restored snapshot was taken at (differs from the
+            current one after a shrink); 0 for a fresh start.
     """
 
     step: int = 0
@@ -61,6 +77,7 @@ class RestoreResult:
     nbytes: int = 0
     steps_lost: int = 0
     refused: list[str] = dataclasses.field(default_factory=list)
+    saved_world_size: int = 0
 
 
 class Collective(Protocol):
@@ -124,6 +141,10 @@ class Sources:
         self.ram: set[Version] = set()
         self.persisted: set[Version] = set()
         self.progress: Version | None = None
+        self.committed: Version | None = None
+        self.committed_world = 0
+        #: Versions worth asking the daemon to fetch from peers (the committed ones).
+        self.fetchable: set[Version] = set()
 
     def discover(self) -> list[Version]:
         """Asks the daemon (and lists the tier); returns every version reachable, newest first."""
@@ -137,6 +158,7 @@ class Sources:
                 self.persist_dir = self.persist_dir or info.get("persist_root")
             except Exception as exc:  # noqa: BLE001 — no daemon: the tier may still help
                 log.warning("elasticd: cannot list snapshots held by the daemon (%s)", exc)
+            self._discover_committed()
         if self.persist_dir and not self.persisted:
             try:
                 self.persisted = {m.version() for m in Tier(self.persist_dir).complete_steps(
@@ -146,16 +168,48 @@ class Sources:
                             self.persist_dir, exc)
         return sorted(self.ram | self.persisted, reverse=True)
 
-    def fetch(self, version: Version, refused: list[str]) -> _Fetched | None:
-        """This rank's shard of ``version``, copied into new tensors, or None."""
-        if version in self.ram:
+    def _discover_committed(self) -> None:
+        try:
+            info = self.transport.call("ckpt_committed", job=self.job)
+        except Exception as exc:  # noqa: BLE001 — an older daemon, or etcd trouble: local only
+            log.info("elasticd: no committed step from the daemon (%s)", exc)
+            return
+        ranks = info.get("ranks") if isinstance(info, dict) else None
+        if info.get("committed", ...) is None or not isinstance(ranks, list) or not ranks:
+            return
+        try:
+            self.committed = (int(info["generation"]), int(info["step"]))
+            self.committed_world = max(int(r) for r in ranks) + 1
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("elasticd: ignoring a malformed committed step %r: %s", info, exc)
+            self.committed, self.committed_world = None, 0
+
+    def fetch(self, version: Version, refused: list[str],
+              world: int | None = None) -> _Fetched | None:
+        """This rank's shard of ``version``, copied into new tensors, or None.
+
+        Args:
+            world: the world size ``version`` was saved at (default: the current one); after
+                a shrink, this rank loads the shard the same rank had in that larger world.
+        """
+        world = self.world if world is None else world
+        if world == self.world and version in self.ram:
             try:
-                return self._from_ram(version)
+                return self._from_daemon("ckpt_open", version, world, refused)
             except Exception as exc:  # noqa: BLE001 — refused or vanished: try the next source
                 refused.append(f"local step {version}: {exc}")
                 log.error("elasticd: REFUSED the in-RAM snapshot of rank %d step %s: %s",
                           self.rank, version, exc)
-        if version in self.persisted and self.persist_dir:
+        if version in self.fetchable and self.transport is not None:
+            try:
+                got = self._from_daemon("ckpt_fetch", version, world, refused)
+                if got is not None:
+                    return got
+            except Exception as exc:  # noqa: BLE001 — no copy reachable: try the next source
+                refused.append(f"peer step {version}: {exc}")
+                log.error("elasticd: cannot fetch rank %d step %s from a peer: %s",
+                          self.rank, version, exc)
+        if world == self.world and version in self.persisted and self.persist_dir:
             try:
                 snap = Tier(self.persist_dir).read(self.job, version, self.rank)
                 return _Fetched(read_tensors(snap.buffer, snap.layout), snap.meta, "persistent",
@@ -166,19 +220,28 @@ class Sources:
                           self.rank, version, exc)
         return None
 
-    def _from_ram(self, version: Version) -> _Fetched:
-        reply = self.transport.call("ckpt_open", job=self.job, rank=self.rank,
+    def _from_daemon(self, op: str, version: Version, world: int,
+                     refused: list[str]) -> _Fetched | None:
+        """Maps the slot ``op`` (``ckpt_open`` or ``ckpt_fetch``) points at and copies it out;
+        None when the daemon says every copy is lost."""
+        reply = self.transport.call(op, job=self.job, rank=self.rank,
                                     generation=version[0], step=version[1])
+        if reply.get("lost"):
+            refused.append(f"peer step {version}: lost ({reply.get('reason', '')})")
+            log.error("elasticd: rank %d step %s is lost in every peer's RAM: %s", self.rank,
+                      version, reply.get("reason", ""))
+            return None
+        source = "peer" if reply.get("source") == "peer" else "local"
         try:
             mm = map_file(reply["path"], int(reply["offset"]) + int(reply["size"]),
                           writable=False, populate=False)
             try:
                 reader = SnapshotReader(memoryview(mm), job=self.job, rank=self.rank,
-                                        world_size=self.world, verify=False, where=reply["path"])
+                                        world_size=world, verify=False, where=reply["path"])
                 if reader.header.version() != version:  # the daemon verified this very slot
                     raise SnapshotError(f"slot holds step {reader.header.version()}")
                 out = _Fetched(read_tensors(mm, reader.header.layout), reader.header.meta,
-                               "local", reader.header.layout.total_size)
+                               source, reader.header.layout.total_size)
                 del reader
             finally:
                 try:
@@ -193,13 +256,72 @@ class Sources:
                 log.debug("elasticd: ckpt_release failed: %s", exc)
 
 
-def agree(sources: Sources, collective: Collective) -> tuple[list[Version], Version | None]:
-    """Versions every rank can reach (newest first) and the newest version any rank knows of."""
+def sharded_reason(state: Any) -> str:
+    """Why ``state`` cannot be restored from a snapshot of another world size ("" if it can).
+
+    Only state replicated across ranks can: the new rank ``r`` loads old rank ``r``'s shard,
+    which is everybody's state only when every rank's state is the same.
+    """
+    from elasticd.checkpoint.state import _zero_class
+
+    zero = _zero_class()
+    if zero is None or not hasattr(state, "items"):
+        return ""
+    for key, value in state.items():
+        if isinstance(value, zero):
+            return (f"state[{key!r}] is a ZeroRedundancyOptimizer, whose state is sharded "
+                    "across ranks")
+    return ""
+
+
+# Rows every rank sends ahead of its versions: its progress, the committed version it was told
+# of, and (world size of that committed version, 1 if its state is replicated across ranks).
+_HEAD = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Agreement:
+    """What the ranks agreed to try.
+
+    Attributes:
+        candidates: (version, world size it was saved at), newest first.
+        seen: the newest version any rank knows of, or None.
+    """
+
+    candidates: list[tuple[Version, int]]
+    seen: Version | None
+
+
+def agree(sources: Sources, collective: Collective, state: Any = None) -> Agreement:
+    """The versions to try on every rank (identical on all of them) and the newest seen."""
     mine = sources.discover()
-    gathered = collective.all_gather([sources.progress or _NONE] + mine)
-    seen = [v for rows in gathered for v in rows if v != _NONE]
-    common = set.intersection(*({v for v in rows[1:] if v != _NONE} for rows in gathered))
-    return sorted(common, reverse=True), max(seen, default=None)
+    reason = sharded_reason(state) if state is not None else ""
+    head = [sources.progress or _NONE, sources.committed or _NONE,
+            (sources.committed_world or -1, 0 if reason else 1)]
+    gathered = collective.all_gather(head + mine)
+    seen = [v for rows in gathered for v in rows[:2] + rows[_HEAD:] if v != _NONE]
+    common = set.intersection(*({v for v in rows[_HEAD:] if v != _NONE} for rows in gathered))
+    candidates = {v: sources.world for v in common}
+    replicated = all(rows[2][1] == 1 for rows in gathered)
+    committed = {(rows[1], rows[2][0]) for rows in gathered if rows[1] != _NONE}
+    sources.fetchable = {v for v, _ in committed}
+    for version, world in sorted(committed, reverse=True):
+        if version in candidates:
+            continue
+        if world == sources.world:
+            candidates[version] = world
+        elif world < sources.world:
+            log.warning("elasticd: committed step %s was saved by %d ranks, fewer than the %d "
+                        "now: the new ranks would have no state; not restoring it", version,
+                        world, sources.world)
+        elif not replicated:
+            log.warning("elasticd: committed step %s was saved by %d ranks and %d remain, but "
+                        "%s: it cannot be restored at the new world size; falling back",
+                        version, world, sources.world, reason or "some rank's state is sharded")
+        else:
+            candidates[version] = world
+    ordered = sorted(candidates.items(), reverse=True)
+    return Agreement(ordered, max(seen, default=None))
 
 
 def restore(state: Any, sources: Sources, collective: Collective, clock: Any) -> RestoreResult:
@@ -212,9 +334,10 @@ def restore(state: Any, sources: Sources, collective: Collective, clock: Any) ->
 
     start = clock()
     result = RestoreResult()
-    common, seen = agree(sources, collective)
-    for version in common:
-        got = sources.fetch(version, result.refused)
+    agreed = agree(sources, collective, state)
+    seen = agreed.seen
+    for version, world in agreed.candidates:
+        got = sources.fetch(version, result.refused, world)
         if not collective.all_true(got is not None):
             log.warning("elasticd: step %s is not loadable on every rank; trying an older one",
                         version)
@@ -230,6 +353,11 @@ def restore(state: Any, sources: Sources, collective: Collective, clock: Any) ->
                                f"{': ' + error if error else ''}")
         result.step, result.generation = version[1], version[0]
         result.source, result.nbytes = got.source, got.nbytes
+        result.saved_world_size = world
+        if world != sources.world:
+            log.warning("elasticd: rank %d restored step %s saved by %d ranks into a world of "
+                        "%d (the state is replicated: rank %d's shard)", sources.rank, version,
+                        world, sources.world, sources.rank)
         break
     result.next_generation = seen[0] + 1 if seen is not None else 0
     result.steps_lost = max(0, seen[1] - result.step) if seen is not None else 0

@@ -20,11 +20,22 @@ Ops (request fields → reply fields; errors are :class:`RequestError` replies):
   ticket | skip, reason
 * ``ckpt_complete`` job, rank, ticket, header_size, [stall_seconds] → generation, step, bytes
 * ``ckpt_list`` job, [rank], [world_size] → ram {rank: [[gen, step], ...]}, persisted
-  [[gen, step], ...], persist_root, progress [gen, step] | null
+  [[gen, step], ...], persist_root, progress [gen, step] | null, replicas {rank: [[gen, step],
+  ...]} (copies of other nodes' shards held here; empty without a replicator)
 * ``ckpt_open`` job, rank, generation, step → path, offset, size, pin
 * ``ckpt_release`` pin → {}
-* ``ckpt_report`` job, rank, source, seconds, steps_lost, bytes, generation, step, [refused]
-  → {}
+* ``ckpt_report`` job, rank, source, seconds, steps_lost, bytes, generation, step, [refused],
+  [next_generation] → {}
+* ``ckpt_committed`` job → generation, step, ranks | committed: null (no replicator, nothing
+  committed yet, or etcd unreadable)
+* ``ckpt_fetch`` job, rank, generation, step → path, offset, size, pin (as ``ckpt_open``),
+  source "local" | "peer", wire_bytes, holder | lost: true, reason. Makes a shard (possibly of
+  another node's rank, after that node died) available in this node's store, fetching it from
+  the peers that hold copies when it is not here.
+
+With a :class:`~elasticd.replication.replicator.Replicator`, every completed snapshot is
+handed to it (``on_local_snapshot``) for replication to peers, and a restore that opens a new
+generation (``ckpt_report`` with ``next_generation``) tells it (``start_generation``).
 """
 
 from __future__ import annotations
@@ -37,7 +48,7 @@ import os
 import threading
 from typing import Any, Callable
 
-from elasticd.checkpoint.api import OverBudget, Slot, SlotBusy, StaleSlot
+from elasticd.checkpoint.api import OverBudget, Slot, SlotBusy, SlotStoreError, StaleSlot
 from elasticd.checkpoint.format import PREAMBLE_SIZE, SnapshotError
 from elasticd.checkpoint.reader import _header_from_json
 from elasticd.checkpoint.shm import SlotStore
@@ -45,6 +56,7 @@ from elasticd.clock import Clock, SystemClock
 from elasticd.daemon.local_api import RequestError
 from elasticd.checkpoint.telemetry import RESTORE_SOURCES
 from elasticd.persistence.persister import Flushed, Persister
+from elasticd.replication.recovery import ShardLost
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +74,10 @@ class _Job:
     offered: tuple[int, int] = (-1, -1)
     refused: set[tuple[int, int, int]] = dataclasses.field(default_factory=set)
     last_restore: dict[str, Any] | None = None
+    # Shards (rank, generation, step) that reached this store from a peer: still "peer" when
+    # a rank opens them again after the fetch.
+    fetched: set[tuple[int, int, int]] = dataclasses.field(default_factory=set)
+    generation_started: int = -1
 
 
 def _get(msg: dict[str, Any], key: str, kind: type, default: Any = ...) -> Any:
@@ -88,12 +104,16 @@ class CheckpointService:
         metrics_sink: optional :class:`~elasticd.checkpoint.telemetry.CheckpointMetrics`.
         clock: injected time.
         pin_ttl: a read pin not released within this many seconds (its worker died) is dropped.
+        replicator: the node's :class:`~elasticd.replication.replicator.Replicator`, or None
+            (no peer replication: ``ckpt_committed`` says nothing is committed and
+            ``ckpt_fetch`` finds only what this node holds).
     """
 
     def __init__(self, store: SlotStore, node_id: str, persist: Persister | None = None,
                  metrics_sink: Any = None, clock: Clock | None = None,
-                 pin_ttl: float = 600.0) -> None:
+                 pin_ttl: float = 600.0, replicator: Any = None) -> None:
         self.store, self.node_id, self.persist = store, node_id, persist
+        self.replicator = replicator
         self.sink, self.clock, self.pin_ttl = metrics_sink, clock or SystemClock(), pin_ttl
         self._lock = threading.Lock()
         self._jobs: dict[str, _Job] = {}
@@ -112,7 +132,8 @@ class CheckpointService:
         """Op name → handler, for :class:`~elasticd.daemon.local_api.LocalServer`."""
         return {"ckpt_reserve": self._reserve, "ckpt_complete": self._complete,
                 "ckpt_list": self._list, "ckpt_open": self._open,
-                "ckpt_release": self._release, "ckpt_report": self._report}
+                "ckpt_release": self._release, "ckpt_report": self._report,
+                "ckpt_committed": self._committed, "ckpt_fetch": self._fetch}
 
     def _job(self, job: str) -> _Job:
         record = self._jobs.get(job)
@@ -215,8 +236,19 @@ class CheckpointService:
             record.progress = max(record.progress or version, version)
             self.counters["snapshots"] += 1
         self._emit("snapshot_completed", job, rank, sealed.step, nbytes, stall)
+        self._replicate(job, rank, version)
         self._maybe_persist(job, record, version)
         return {"generation": sealed.generation, "step": sealed.step, "bytes": nbytes}
+
+    def _replicate(self, job: str, rank: int, version: tuple[int, int]) -> None:
+        if self.replicator is None:
+            return
+        try:
+            self.replicator.on_local_snapshot(job, rank, version)
+        except Exception:  # noqa: BLE001 — the snapshot is sealed; replication must not fail it
+            self.counters["replicate_failed"] += 1
+            log.exception("%s rank %d step %s: handing the snapshot to replication failed",
+                          job, rank, version)
 
     def _maybe_persist(self, job: str, record: _Job, version: tuple[int, int]) -> None:
         if self.persist is None:
@@ -275,7 +307,21 @@ class CheckpointService:
             except OSError as exc:
                 log.warning("cannot list the persistent tier for %s: %s", job, exc)
         return {"ram": ram, "persisted": persisted, "progress": progress and list(progress),
-                "persist_root": self.persist.root if self.persist else None}
+                "persist_root": self.persist.root if self.persist else None,
+                "replicas": self._replicas(job, only)}
+
+    def _replicas(self, job: str, only: int | None) -> dict[str, list[list[int]]]:
+        """Versions of other nodes' shards this node holds as replicas (informational)."""
+        sink = getattr(self.replicator, "sink", None)
+        if sink is None:
+            return {}
+        try:
+            ranks = sorted({d.owner_rank for d in sink.holdings() if d.job == job})
+            return {str(r): [list(v) for v in sink.versions(job, r)]
+                    for r in ranks if only is None or r == only}
+        except Exception as exc:  # noqa: BLE001 — a listing must not fail over replicas
+            log.warning("cannot list the replicas of %s held here: %s", job, exc)
+            return {}
 
     def _open(self, msg: dict[str, Any]) -> dict[str, Any]:
         job, rank = _get(msg, "job", str), _get(msg, "rank", int)
@@ -299,6 +345,53 @@ class CheckpointService:
             self._pins[pin] = (view, job, self.clock.monotonic())
         return {"path": view.path, "offset": 0, "size": view.header.layout.total_size,
                 "pin": pin}
+
+    def _committed(self, msg: dict[str, Any]) -> dict[str, Any]:
+        job = _get(msg, "job", str)
+        if self.replicator is None:
+            return {"committed": None}
+        try:
+            committed = self.replicator.committed(job)
+        except Exception as exc:  # noqa: BLE001 — etcd trouble: workers restore from what is local
+            log.warning("cannot read the committed step of %s: %s", job, exc)
+            return {"committed": None}
+        if committed is None:
+            return {"committed": None}
+        return {"generation": committed.generation, "step": committed.step,
+                "ranks": sorted(committed.ranks)}
+
+    def _fetch(self, msg: dict[str, Any]) -> dict[str, Any]:
+        job, rank = _get(msg, "job", str), _get(msg, "rank", int)
+        version = (_get(msg, "generation", int), _get(msg, "step", int))
+        key = (rank, *version)
+        with self._lock:
+            record = self._jobs.get(job)
+            refused = record is not None and key in record.refused
+            was_fetched = record is not None and key in record.fetched
+        source, wire_bytes, holder = "local", 0, self.node_id
+        if refused or version not in self.store.versions(job, rank):
+            if self.replicator is None:
+                return {"lost": True, "reason": "not held here and no peer replication"}
+            try:
+                result = self.replicator.fetch_to_local(job, rank, version)
+            except ShardLost as exc:
+                return {"lost": True, "reason": str(exc)[:500]}
+            except (SlotStoreError, SnapshotError, ValueError, OSError) as exc:  # no room, or torn
+                raise RequestError(f"cannot fetch {job} rank {rank} step {version} here: "
+                                   f"{exc}") from exc
+            with self._lock:
+                record = self._job(job)
+                record.refused.discard(key)  # the bad copy was replaced by a verified one
+                record.fetched.add(key)
+                self.counters["fetches"] += 1
+            source, wire_bytes, holder = "peer", int(result.wire_bytes), result.holder
+            log.info("%s rank %d step %s fetched from %s into node %s (%d bytes on the wire)",
+                     job, rank, version, holder, self.node_id, wire_bytes)
+        elif was_fetched:
+            source = "peer"
+        reply = self._open({"job": job, "rank": rank, "generation": version[0],
+                            "step": version[1]})
+        return {**reply, "source": source, "wire_bytes": wire_bytes, "holder": holder}
 
     def _release(self, msg: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
@@ -325,10 +418,22 @@ class CheckpointService:
         entry = {"job": job, "rank": rank, "source": source, "seconds": seconds,
                  "steps_lost": lost, "bytes": nbytes, "generation": msg.get("generation"),
                  "step": msg.get("step"), "refused": refused, "at": self.clock.wall()}
+        start_gen = _get(msg, "next_generation", int, None)
         with self._lock:
-            self._job(job).last_restore = entry
+            record = self._job(job)
+            record.last_restore = entry
             self.history.append(entry)
             self.counters[f"restores_{source}"] += 1
+            if start_gen is not None and start_gen > record.generation_started:
+                record.generation_started = start_gen
+            else:
+                start_gen = None  # another local rank already told the replicator
+        if start_gen is not None and self.replicator is not None:
+            try:
+                self.replicator.start_generation(job, start_gen)
+            except Exception:  # noqa: BLE001 — a report must not fail over replication
+                log.exception("%s: starting generation %d in replication failed", job,
+                              start_gen)
         log.info("%s rank %d restored from %s: step %s, %.3f s, %d bytes, %d steps lost%s",
                  job, rank, source, entry["step"], seconds, nbytes, lost,
                  f"; refused: {'; '.join(refused)}" if refused else "")

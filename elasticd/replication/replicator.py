@@ -33,6 +33,7 @@ from elasticd.coordination.keys import Keyspace
 from elasticd.replication.api import Version
 from elasticd.replication.commit import (
     CommitConflict,
+    Committed,
     publish_placement,
     read_committed,
     update_holders,
@@ -277,6 +278,17 @@ class Replicator:
             for _, reason in result.attempts:
                 self.fetch_failures[reason.split(":")[0]] += 1
         return result
+
+    def committed(self, job: str) -> Committed | None:
+        """The job's committed record as etcd holds it now, or None (none yet, or unreadable).
+
+        Read from etcd rather than the tracker's cache: after a failure the restarted workers
+        must see the commit another node recorded, even before this node's watch caught up.
+
+        Raises:
+            CoordinationError: etcd could not be read.
+        """
+        return read_committed(self.coord, self.keys, job)
 
     def fetch_to_local(self, job: str, rank: int, version: Version | None) -> FetchResult:
         """Fetches a shard into this node's local store (for a rank it now hosts), where the
