@@ -1,0 +1,294 @@
+"""Restore from a peer's RAM: the checkpoint service's replication hooks (``ckpt_committed``,
+``ckpt_fetch``, ``on_local_snapshot``, ``start_generation``) and the worker choosing the
+committed step, also after the world shrank.
+
+The replicator is an in-process fake whose ``fetch_to_local`` runs the real
+:func:`~elasticd.replication.recovery.fetch_into_store` over another node's slot store (the
+"peer's RAM"), so a fetched shard is a real, verified snapshot in the local store. Ranks are
+threads of this process (the collective of ``test_checkpoint_client``); slots live in unique
+/dev/shm directories removed afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from elasticd.checkpoint.client import Checkpointer
+from elasticd.checkpoint.reader import SnapshotReader
+from elasticd.checkpoint.service import CheckpointService
+from elasticd.checkpoint.shm import SlotStore
+from elasticd.checkpoint.transport import InProcessTransport
+from elasticd.replication.commit import Committed
+from elasticd.replication.recovery import FetchResult, ShardLost, copy_own, fetch_into_store
+from tests.unit.test_checkpoint_client import (
+    ThreadRanks,
+    assert_same,
+    capture,
+    make_state,
+    run_ranks,
+    train_step,
+)
+from tests.unit.test_checkpoint_service import write_snapshot
+
+torch.set_num_threads(1)
+
+
+class FakeReplicator:
+    """Records what the service tells it; fetches from ``peer`` (another node's store)."""
+
+    def __init__(self, local: SlotStore, peer: SlotStore) -> None:
+        self.local, self.peer = local, peer
+        self.snapshots: list[tuple[str, int, tuple[int, int]]] = []
+        self.generations: list[tuple[str, int]] = []
+        self.fetches: list[tuple[str, int, tuple[int, int]]] = []
+        self.record: Committed | None = None
+        self.fail_snapshots = False
+
+    def on_local_snapshot(self, job, rank, version):
+        self.snapshots.append((job, rank, version))
+        if self.fail_snapshots:
+            raise RuntimeError("replication is broken")
+
+    def committed(self, job):
+        return self.record
+
+    def start_generation(self, job, generation):
+        self.generations.append((job, generation))
+
+    def fetch(self, job, rank, version, into):
+        d = copy_own([self.peer], job, rank, version, into)
+        if d is None:
+            raise ShardLost(job, rank, version, [("n2", "not held")])
+        return FetchResult("n2", d, d.total_bytes, 0.001)
+
+    def fetch_to_local(self, job, rank, version):
+        self.fetches.append((job, rank, version))
+        return fetch_into_store(self.fetch, self.local, job, rank, version)
+
+
+def commit(generation, step, world):
+    return Committed(generation, step, tuple(range(world)),
+                     {r: ("n1", "n2") for r in range(world)})
+
+
+@pytest.fixture
+def nodes():
+    """(service of n1 with a fake replicator, n1's transport, n2's service and transport)."""
+    roots = [f"/dev/shm/elasticd-test-{uuid.uuid4().hex[:12]}" for _ in range(2)]
+    local, peer = SlotStore(roots[0]), SlotStore(roots[1])
+    rep = FakeReplicator(local, peer)
+    svc = CheckpointService(local, "n1", replicator=rep)
+    other = CheckpointService(peer, "n2")
+    try:
+        yield svc, InProcessTransport(svc.handlers()), other, InProcessTransport(
+            other.handlers())
+    finally:
+        local.close()
+        peer.close()
+        for root in roots:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def read_w(reply, job, rank):
+    with open(reply["path"], "rb") as f:
+        f.seek(reply["offset"])
+        return SnapshotReader(f.read(reply["size"]), job=job, rank=rank).array("w")
+
+
+# -- service ------------------------------------------------------------------------------
+
+
+def test_every_completed_snapshot_is_handed_to_the_replicator(nodes):
+    svc, t, _, _ = nodes
+    write_snapshot(t, "job", 0, step=1)
+    write_snapshot(t, "job", 1, step=1)
+    assert svc.replicator.snapshots == [("job", 0, (0, 1)), ("job", 1, (0, 1))]
+    svc.replicator.fail_snapshots = True  # replication trouble never fails the worker's call
+    done, _ = write_snapshot(t, "job", 0, step=2)
+    assert done["step"] == 2 and svc.counters["replicate_failed"] == 1
+
+
+def test_committed_reports_the_record_or_null(nodes):
+    svc, t, _, _ = nodes
+    assert t.call("ckpt_committed", job="job") == {"committed": None}
+    svc.replicator.record = commit(1, 7, 3)
+    assert t.call("ckpt_committed", job="job") == {"generation": 1, "step": 7,
+                                                   "ranks": [0, 1, 2]}
+    svc.replicator.committed = lambda job: (_ for _ in ()).throw(OSError("etcd down"))
+    assert t.call("ckpt_committed", job="job") == {"committed": None}
+    alone = CheckpointService(svc.store, "n1")  # no replicator: nothing is ever committed
+    assert InProcessTransport(alone.handlers()).call("ckpt_committed", job="job") == \
+        {"committed": None}
+
+
+def test_fetch_of_a_shard_held_here_is_local(nodes):
+    svc, t, _, _ = nodes
+    _, data = write_snapshot(t, "job", 0, step=3)
+    reply = t.call("ckpt_fetch", job="job", rank=0, generation=0, step=3)
+    assert reply["source"] == "local" and reply["wire_bytes"] == 0
+    assert np.array_equal(read_w(reply, "job", 0), data)
+    t.call("ckpt_release", pin=reply["pin"])
+    assert svc.replicator.fetches == []
+
+
+def test_fetch_of_a_dead_nodes_shard_comes_from_the_peer(nodes):
+    svc, t, _, t2 = nodes
+    _, data = write_snapshot(t2, "job", 2, step=4, world=3)  # in n2's RAM only
+    reply = t.call("ckpt_fetch", job="job", rank=2, generation=0, step=4)
+    assert reply["source"] == "peer" and reply["wire_bytes"] > 0 and reply["holder"] == "n2"
+    assert np.array_equal(read_w(reply, "job", 2), data)
+    t.call("ckpt_release", pin=reply["pin"])
+    assert svc.replicator.fetches == [("job", 2, (0, 4))]
+    assert (0, 4) in svc.store.versions("job", 2)  # now a snapshot of this node's store
+    again = t.call("ckpt_fetch", job="job", rank=2, generation=0, step=4)
+    assert again["source"] == "peer"  # the bytes still came from a peer
+    t.call("ckpt_release", pin=again["pin"])
+    assert len(svc.replicator.fetches) == 1
+
+
+def test_fetch_of_a_shard_no_one_holds_is_lost(nodes):
+    svc, t, _, _ = nodes
+    reply = t.call("ckpt_fetch", job="job", rank=5, generation=0, step=1)
+    assert reply["lost"] is True and "not held" in reply["reason"]
+    alone = InProcessTransport(CheckpointService(svc.store, "n1").handlers())
+    assert alone.call("ckpt_fetch", job="job", rank=5, generation=0, step=1)["lost"] is True
+
+
+def test_list_reports_replicas_held(nodes):
+    svc, t, _, _ = nodes
+
+    class Sink:
+        def holdings(self):
+            return [type("D", (), {"job": "job", "owner_rank": 4})()]
+
+        def versions(self, job, rank):
+            return [(0, 5), (0, 4)]
+
+    assert t.call("ckpt_list", job="job")["replicas"] == {}
+    svc.replicator.sink = Sink()
+    assert t.call("ckpt_list", job="job")["replicas"] == {"4": [[0, 5], [0, 4]]}
+
+
+def test_report_with_a_new_generation_starts_it_once(nodes):
+    svc, t, _, _ = nodes
+    for rank in (0, 1):
+        t.call("ckpt_report", job="job", rank=rank, source="peer", seconds=0.1, steps_lost=1,
+               bytes=10, generation=0, step=2, next_generation=1)
+    assert svc.replicator.generations == [("job", 1)]
+    assert svc.stats()["restores_total"]["peer"] == 2
+
+
+# -- worker -------------------------------------------------------------------------------
+
+
+def save_old_world(t1, t2, world, steps):
+    """Old world of ``world`` ranks: rank 0 on n1 (t1), the others on n3, whose replicas are
+    in n2's RAM (t2). Returns each rank's captured state per step."""
+    refs = {}
+    for r in range(world):
+        state = make_state(seed=10 + r, world=world, rank=r)
+        with Checkpointer(transport=t1 if r == 0 else t2, job="j", rank=r,
+                          world_size=world) as ckpt:
+            for step in range(1, steps[r] + 1):
+                train_step(state)
+                state["sampler"].consumed = 4 * world * step  # the global position
+                ckpt.save(step, state)
+                ckpt.wait()
+                refs[(r, step)] = capture(state)
+    return refs
+
+
+def test_after_a_shrink_ranks_restore_the_committed_step_from_a_peer(nodes):
+    svc, t, _, t2 = nodes
+    # Rank 0 reached step 3; the dead node's ranks reached step 2, which was committed.
+    refs = save_old_world(t, t2, 3, steps=[3, 2, 2])
+    svc.replicator.record = commit(0, 2, 3)
+    ranks = ThreadRanks(2)
+    fresh = [make_state(seed=99, world=2, rank=r) for r in range(2)]
+
+    def restore(r):
+        with Checkpointer(transport=t, job="j", rank=r, world_size=2,
+                          collective=ranks.rank(r)) as ckpt:
+            return ckpt.restore(fresh[r]), ckpt.last_restore
+
+    results = run_ranks(2, restore)
+    assert [step for step, _ in results] == [2, 2]
+    (_, r0), (_, r1) = results
+    assert r0.source == "local" and r1.source == "peer"  # rank 1's shard was only in n2
+    assert all(r.saved_world_size == 3 and r.steps_lost == 1 and r.next_generation == 1
+               for r in (r0, r1))
+    for r in range(2):  # new rank r holds old rank r's state (identical under DDP)
+        assert_same(fresh[r], refs[(r, 2)], rng=False)
+    assert svc.replicator.fetches == [("j", 1, (0, 2))]
+    assert svc.replicator.generations == [("j", 1)]
+    assert {e["source"] for e in svc.history} == {"local", "peer"}
+
+
+def test_a_newer_step_every_rank_holds_beats_the_committed_one(nodes):
+    svc, t, _, _ = nodes
+    refs = save_old_world(t, t, 2, steps=[3, 3])
+    svc.replicator.record = commit(0, 2, 2)
+    ranks = ThreadRanks(2)
+    fresh = [make_state(seed=99, world=2, rank=r) for r in range(2)]
+
+    def restore(r):
+        with Checkpointer(transport=t, job="j", rank=r, world_size=2,
+                          collective=ranks.rank(r)) as ckpt:
+            return ckpt.restore(fresh[r]), ckpt.last_restore
+
+    results = run_ranks(2, restore)
+    assert [(s, res.source, res.steps_lost) for s, res in results] == [(3, "local", 0)] * 2
+    assert svc.replicator.fetches == []
+    assert_same(fresh[1], refs[(1, 3)], rng=False)
+
+
+def test_same_world_restores_a_lost_nodes_rank_from_the_peer(nodes):
+    svc, t, _, t2 = nodes
+    refs = save_old_world(t, t2, 2, steps=[3, 2])  # rank 1's node died; a standby replaced it
+    svc.replicator.record = commit(0, 2, 2)
+    ranks = ThreadRanks(2)
+    fresh = [make_state(seed=99, world=2, rank=r) for r in range(2)]
+
+    def restore(r):
+        with Checkpointer(transport=t, job="j", rank=r, world_size=2,
+                          collective=ranks.rank(r)) as ckpt:
+            return ckpt.restore(fresh[r]), ckpt.last_restore
+
+    results = run_ranks(2, restore)
+    assert [(s, res.source) for s, res in results] == [(2, "local"), (2, "peer")]
+    assert results[1][1].saved_world_size == 2
+    assert_same(fresh[1], refs[(1, 2)], rng=False)
+
+
+def test_sharded_state_is_not_restored_at_another_world_size(nodes, monkeypatch, caplog):
+    svc, t, _, t2 = nodes
+    save_old_world(t, t2, 3, steps=[2, 2, 2])
+    svc.replicator.record = commit(0, 2, 3)
+
+    class Zero(torch.optim.SGD):
+        """Stands in for ZeroRedundancyOptimizer (which needs a process group)."""
+
+    import elasticd.checkpoint.state as state_mod
+
+    monkeypatch.setattr(state_mod, "_zero_class", lambda: Zero)
+    ranks = ThreadRanks(2)
+    fresh = [make_state(seed=99, world=2, rank=r) for r in range(2)]
+    for s in fresh:
+        s["zero"] = Zero(s["model"].parameters(), lr=0.1)
+
+    def restore(r):
+        with Checkpointer(transport=t, job="j", rank=r, world_size=2,
+                          collective=ranks.rank(r)) as ckpt:
+            return ckpt.restore(fresh[r]), ckpt.last_restore
+
+    with caplog.at_level(logging.WARNING, logger="elasticd.checkpoint"):
+        results = run_ranks(2, restore)
+    assert [(s, res.source) for s, res in results] == [(0, "none")] * 2
+    assert "ZeroRedundancyOptimizer" in caplog.text
+    assert svc.replicator.fetches == []
