@@ -369,7 +369,11 @@ class CheckpointService:
             refused = record is not None and key in record.refused
             was_fetched = record is not None and key in record.fetched
         source, wire_bytes, holder = "local", 0, self.node_id
-        if refused or version not in self.store.versions(job, rank):
+        try:
+            held = version in self.store.versions(job, rank)
+        except ValueError as exc:  # a job name the store cannot hold
+            raise RequestError(str(exc)) from exc
+        if refused or not held:
             if self.replicator is None:
                 return {"lost": True, "reason": "not held here and no peer replication"}
             try:
