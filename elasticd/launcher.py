@@ -88,8 +88,9 @@ class NodeProcess:
             except ProcessLookupError:
                 pass
         self.proc.wait()
-        if self.shm_dir:
+        if self.shm_dir:  # the machine's RAM is gone: its snapshots and its peers' replicas
             shutil.rmtree(self.shm_dir, ignore_errors=True)
+            shutil.rmtree(self.shm_dir + "+replicas", ignore_errors=True)
 
     def terminate(self, timeout: float = 15.0) -> int | None:
         """SIGTERM, wait, then SIGKILL the group; returns the exit status."""
@@ -151,7 +152,7 @@ class LocalCluster:
     def __init__(self, nodes: Sequence[str], workdir: str | None = None, lease_ttl: int = 2,
                  etcd_members: int = 1, etcd: str | None = None, prefix: str = "/elasticd",
                  extra_args: Sequence[str] = (), loop_interval: float = 0.25,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, replication: bool = False) -> None:
         self.workdir = workdir or tempfile.mkdtemp(prefix="elasticd-cluster-")
         os.makedirs(self.workdir, exist_ok=True)
         self.prefix = prefix
@@ -165,6 +166,10 @@ class LocalCluster:
         self.extra_args = list(extra_args)
         self.loop_interval = loop_interval
         self.env = {**os.environ, **(env or {})}
+        if replication:
+            # Peer replicas over loopback, authenticated with a per-cluster secret.
+            self.env["ELASTICD_CLUSTER_SECRET"] = os.urandom(16).hex()
+            self.extra_args += ["--replication-listen", "127.0.0.1:0"]
         # Each simulated node's checkpoint RAM: its own tmpfs directory, deleted when the node
         # is killed (a dead machine's RAM is gone) and when the cluster stops.
         self.shm_root = tempfile.mkdtemp(prefix="elasticd-test-", dir="/dev/shm")

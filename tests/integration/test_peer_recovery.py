@@ -1,0 +1,68 @@
+"""The heart of the product: kill -9 a whole node (its RAM deleted with it) and the survivors
+restore the last committed step, the dead node's ranks from a peer's RAM."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from elasticd.launcher import LocalCluster
+
+pytestmark = [pytest.mark.etcd]
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TRAIN = os.path.join(REPO, "examples", "train.py")
+STEP_RE = re.compile(r"step (\d+) world (\d+) rank (\d+) restart")
+RESTORED_RE = re.compile(r"restored step (\d+) from (\w+) in [\d.]+ s, steps lost (\d+)")
+
+
+def agent_log(c, node):
+    p = os.path.join(c.workdir, node, "jobs", "job", "agent.log")
+    return open(p, errors="replace").read() if os.path.exists(p) else ""
+
+
+def steps(text, world, after=0):
+    return [int(m.group(1)) for m in STEP_RE.finditer(text, after) if int(m.group(2)) == world]
+
+
+@pytest.mark.timeout(240)
+def test_kill9_node_survivors_restore_from_peer_ram(tmp_path):
+    c = LocalCluster(["n1", "n2", "n3"], workdir=str(tmp_path), lease_ttl=2, replication=True)
+    try:
+        c.start()
+        env = {**os.environ, "ELASTICD_ETCD": c.etcd, "ELASTICD_PREFIX": c.prefix}
+        subprocess.run([sys.executable, "-m", "elasticd.cli.main", "submit", "job", "--nnodes",
+                        "2:3", "--nproc-per-node", "1", "--user", "root", "--", TRAIN,
+                        "--steps", "100000", "--step-time", "0.05"], env=env, check=True,
+                       capture_output=True, timeout=60)
+        c.wait_for(lambda: all(len(steps(agent_log(c, n), 3)) > 40 for n in c.nodes), 120,
+                   "40 steps at world size 3")
+        committed = c.wait_for(lambda: c.coordinator().get(
+            c.keys.job_ckpt("job") + b"committed"), 60, "a committed step")
+        assert committed is not None
+        marks = {n: len(agent_log(c, n)) for n in ("n1", "n3")}
+        c.nodes["n2"].kill()
+        assert not os.path.exists(c.nodes["n2"].shm_dir)
+
+        def restored():
+            found = [RESTORED_RE.search(agent_log(c, n), marks[n]) for n in ("n1", "n3")]
+            return all(found) and found
+
+        found = c.wait_for(restored, 120, "survivors restored")
+        got = {(int(m.group(1)), m.group(2), int(m.group(3))) for m in found}
+        print("restores:", got)
+        assert len({s for s, _, _ in got}) == 1, "ranks restored different steps"
+        step = next(iter(got))[0]
+        assert step > 30, "restored from scratch instead of the committed step"
+        assert any(src == "peer" for _, src, _ in got), got
+        c.wait_for(lambda: all(steps(agent_log(c, n), 2, marks[n]) for n in ("n1", "n3")), 60,
+                   "training again at world size 2")
+        metrics = "".join(c.nodes[n].http("/metrics") for n in ("n1", "n3"))
+        assert re.search(r'elasticd_restores_total\{source="peer"\} [1-9]', metrics)
+    finally:
+        c.stop()
