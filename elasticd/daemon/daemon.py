@@ -625,5 +625,6 @@ class Daemon:
             "provisional": sorted(self.membership.pending),
             "job": self.jobs.describe(),
             "checkpoints": self.checkpoints.status() if self.checkpoints is not None else None,
-            "replication": self.replicator.status() if self.replicator is not None else None,
+            "replication": ({**self.replicator.status(), "round_ranks": self.jobs.round_ranks()}
+                            if self.replicator is not None else None),
         }
