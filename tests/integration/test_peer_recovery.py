@@ -45,12 +45,16 @@ def test_kill9_node_survivors_restore_from_peer_ram(tmp_path):
         committed = c.wait_for(lambda: c.coordinator().get(
             c.keys.job_ckpt("job") + b"committed"), 60, "a committed step")
         assert committed is not None
-        marks = {n: len(agent_log(c, n)) for n in ("n1", "n3")}
-        c.nodes["n2"].kill()
-        assert not os.path.exists(c.nodes["n2"].shm_dir)
+        # Kill the node holding rank 0: after the shrink to 2 ranks, new rank r loads old rank
+        # r's shard, so old rank 0's shard can only come from its replica in a peer's RAM.
+        victim = next(n for n in c.nodes if c.nodes[n].http("/status")["job"]["ranks"] == [0])
+        survivors = [n for n in c.nodes if n != victim]
+        marks = {n: len(agent_log(c, n)) for n in survivors}
+        c.nodes[victim].kill()
+        assert not os.path.exists(c.nodes[victim].shm_dir)
 
         def restored():
-            found = [RESTORED_RE.search(agent_log(c, n), marks[n]) for n in ("n1", "n3")]
+            found = [RESTORED_RE.search(agent_log(c, n), marks[n]) for n in survivors]
             return all(found) and found
 
         found = c.wait_for(restored, 120, "survivors restored")
@@ -60,9 +64,9 @@ def test_kill9_node_survivors_restore_from_peer_ram(tmp_path):
         step = next(iter(got))[0]
         assert step > 30, "restored from scratch instead of the committed step"
         assert any(src == "peer" for _, src, _ in got), got
-        c.wait_for(lambda: all(steps(agent_log(c, n), 2, marks[n]) for n in ("n1", "n3")), 60,
+        c.wait_for(lambda: all(steps(agent_log(c, n), 2, marks[n]) for n in survivors), 60,
                    "training again at world size 2")
-        metrics = "".join(c.nodes[n].http("/metrics") for n in ("n1", "n3"))
+        metrics = "".join(c.nodes[n].http("/metrics") for n in survivors)
         assert re.search(r'elasticd_restores_total\{source="peer"\} [1-9]', metrics)
     finally:
         c.stop()
