@@ -311,6 +311,11 @@ def run(argv: Sequence[str] | None = None) -> int:
                 daemon.checkpoints.persist.close()
             daemon.close_replication()
             daemon.checkpoints.store.close(unlink=False)
+            for path in (settings.shm_path, settings.shm_path + "+replicas"):
+                try:
+                    os.rmdir(path)  # only when empty: kept slots wait for the next start
+                except OSError:
+                    pass
         if server is not None:
             server.stop()
         if coord is not None:

@@ -91,6 +91,7 @@ def test_notify_ready_watchdog_reload_stopping(etcd, prefix, tmp_path):
         [sys.executable, "-m", "elasticd.daemon.main", "--node-id", "sd1", "--etcd",
          etcd.endpoints, "--prefix", prefix, "--listen", "127.0.0.1:0", "--lease-ttl", "2",
          "--loop-interval", "0.2", "--state-dir", str(tmp_path / "state"),
+         "--shm-dir", str(tmp_path / "shm"),
          "--config", str(cfg)],
         env={**os.environ, "NOTIFY_SOCKET": str(tmp_path / "notify.sock")},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
