@@ -465,12 +465,18 @@ class Daemon:
         for old, until in list(self._suspect.items()):
             if self.events.exists(self.settings.node_id, old, "failed"):
                 del self._suspect[old]
-                self.fence(f"declared dead by peers (lease {old:x} expired)")
+                self.fence(f"declared dead by peers (lease {old:x} expired)", lease=old)
             elif now > until:
                 del self._suspect[old]
 
-    def fence(self, reason: str) -> None:
-        """Stops everything this node runs for the cluster, before it rejoins."""
+    def fence(self, reason: str, lease: int | None = None) -> None:
+        """Stops everything this node runs for the cluster, before it rejoins.
+
+        Args:
+            reason: why, for the log, the event and /status.
+            lease: the lease the fencing is about (the one peers declared dead); the event is
+                recorded against it, else against the current lease if there is one.
+        """
         if self.state is NodeState.FENCED:
             return
         log.warning("fencing: %s; stopping workers", reason)
@@ -482,7 +488,8 @@ class Daemon:
                 hook(reason)
             except Exception:
                 log.exception("fence hook failed")
-        lease = self.registered_lease or self.keeper.lease
+        # The keeper thread may not have granted a new lease yet: the old one names this fence.
+        lease = lease or self.registered_lease or self.keeper.lease
         self._notes.append(f"fenced: {reason}")
         try:
             if lease is not None:
