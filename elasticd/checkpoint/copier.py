@@ -130,7 +130,9 @@ class _Done(CopyHandle):
         return True
 
 
-class _Future(CopyHandle):
+class FutureHandle(CopyHandle):
+    """A copy running on an executor (shared by the CPU and CUDA copiers)."""
+
     def __init__(self, future: concurrent.futures.Future) -> None:
         self._future = future
 
@@ -163,7 +165,7 @@ class CpuCopier(Copier):
         if self._pool is None:
             copy_into(tensors, buffer, lay)
             return _Done()
-        return _Future(self._pool.submit(copy_into, list(tensors), buffer, lay))
+        return FutureHandle(self._pool.submit(copy_into, list(tensors), buffer, lay))
 
     def close(self) -> None:
         if self._pool is not None:

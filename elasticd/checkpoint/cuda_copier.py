@@ -26,7 +26,7 @@ from typing import Any, Iterator, Protocol, Sequence
 import numpy as np
 import torch
 
-from elasticd.checkpoint.copier import Copier, CopyHandle, _check
+from elasticd.checkpoint.copier import Copier, CopyHandle, FutureHandle, _check
 from elasticd.checkpoint.format import ALIGNMENT, Layout, byte_view
 
 
@@ -83,24 +83,16 @@ def _runs(lay: Layout) -> Iterator[tuple[int, int]]:
         yield start, end
 
 
-class CudaCopyHandle(CopyHandle):
+class CudaCopyHandle(FutureHandle):
     """A snapshot copy in flight on the side stream, then into the slot."""
 
     def __init__(self, api: DeviceApi, event: Any, future: concurrent.futures.Future) -> None:
-        self._api, self.event, self._future = api, event, future
+        super().__init__(future)
+        self._api, self.event = api, event
 
     def before_mutation(self) -> None:
         """Orders the compute stream after the copies (device-side; the host does not wait)."""
         self._api.current_stream().wait_event(self.event)
-
-    def wait(self, timeout: float | None = None) -> None:
-        try:
-            self._future.result(timeout)
-        except concurrent.futures.TimeoutError as exc:
-            raise TimeoutError(f"snapshot copy still running after {timeout} s") from exc
-
-    def done(self) -> bool:
-        return self._future.done()
 
 
 class CudaCopier(Copier):

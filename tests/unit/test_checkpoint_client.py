@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from elasticd.checkpoint.client import Checkpointer
-from elasticd.checkpoint.copier import CpuCopier, _Future, copy_into
+from elasticd.checkpoint.copier import CpuCopier, FutureHandle, copy_into
 from elasticd.checkpoint.sampler import ElasticSampler
 from elasticd.checkpoint.service import CheckpointService
 from elasticd.checkpoint.shm import SlotStore
@@ -127,7 +127,7 @@ class SlowCopier(CpuCopier):
             time.sleep(self.delay)
             copy_into(tensors, buffer, lay)
 
-        return _Future(self._pool.submit(slow))
+        return FutureHandle(self._pool.submit(slow))
 
 
 def test_optimizer_waits_for_the_copy_and_buffers_are_copied_at_save(service):
