@@ -160,6 +160,10 @@ class _Flattener:
 
     def encode(self, value: Any, path: str) -> Any:
         t = type(value)
+        # Plain leaves first: they are most of the calls (param-group ids, hyper-parameters,
+        # dict keys), and flatten runs on the training thread every step.
+        if t is int or t is str or t is bool or value is None:
+            return value
         if isinstance(value, torch.Tensor):
             return {"@": "tensor", "i": self._add(path, value)}
         if isinstance(value, np.ndarray) and value.dtype.kind in _NUMPY_KINDS:
@@ -172,8 +176,6 @@ class _Flattener:
                     "shape": list(value.shape)}
         if isinstance(value, np.generic) and value.dtype.kind in _NUMPY_KINDS:
             return {"@": "npscalar", "dtype": value.dtype.str, "hex": value.tobytes().hex()}
-        if value is None or t in (bool, int, str):
-            return value
         if t is float:
             # JSON has no inf/nan; repr round-trips every finite float exactly.
             return value if math.isfinite(value) else {"@": "float", "v": repr(value)}
