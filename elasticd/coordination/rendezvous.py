@@ -153,6 +153,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     from elasticd.coordination.rendezvous_config import RendezvousConfig
     from elasticd.coordination.rendezvous_grace import OutageGrace
     from elasticd.coordination.rendezvous_liveness import LeaseLiveness
+    from elasticd.coordination.rendezvous_poll import set_poll_interval
     from elasticd.coordination.rendezvous_standby import ParkWaitingNodesWhenFull
     from elasticd.coordination.rendezvous_store import EtcdV3Store
 
@@ -176,11 +177,12 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
                         timeout=cfg.store_timeout, grace=grace)
     log.info("etcd-v3 rendezvous %r at %s%s: grace %gs, keep-alive %ds x %d, lease liveness %s",
              cfg.run_id, cfg.etcd.describe(), cfg.key_prefix, cfg.grace_period, interval,
-             attempts, f"TTL {cfg.liveness_ttl}s" if liveness else "off")
+             attempts, f"TTL {cfg.liveness_ttl}s" if liveness else "off", cfg.poll_interval)
     handler = create_handler(store, backend, _with_config(
         params, keep_alive_interval=interval, keep_alive_max_attempt=attempts))
     if liveness is not None:
         _bind_liveness(handler, liveness)
+    set_poll_interval(handler, cfg.poll_interval)
     return handler
 
 

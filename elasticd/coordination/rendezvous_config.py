@@ -22,6 +22,8 @@ lease_liveness         drop a node from the rendezvous once its alive key, bound
 liveness_ttl           that lease's TTL, whole seconds (at least 2)                3
 liveness_confirm       seconds an alive key must stay absent before its node is    1
                        dropped
+poll_interval          seconds between state reads while a rendezvous waits for    1
+                       other nodes (torch's poll; :mod:`.rendezvous_poll`)
 =====================  ==========================================================  ==========
 
 torch's own keys (``join_timeout``, ``last_call_timeout``, ``keep_alive_interval``, ...) are
@@ -49,6 +51,8 @@ PASSWORD_ENV = "ELASTICD_ETCD_PASSWORD"
 DEFAULT_ETCD_TIMEOUT = 2.0
 DEFAULT_CLOCK_SKEW = 2.0
 DEFAULT_READ_TIMEOUT = 60
+#: Below this, waiting agents would read the whole rendezvous state from etcd in a busy loop.
+MIN_POLL_INTERVAL = 0.05
 
 
 def _seconds(params: RendezvousParameters, key: str, default: float,
@@ -82,6 +86,7 @@ class RendezvousConfig:
             (:mod:`.rendezvous_liveness`).
         liveness_ttl: TTL of the alive key's lease, whole seconds.
         liveness_confirm: seconds an alive key must stay absent before its node is dropped.
+        poll_interval: seconds between state reads while a rendezvous waits.
     """
 
     run_id: str
@@ -94,6 +99,7 @@ class RendezvousConfig:
     lease_liveness: bool = True
     liveness_ttl: int = DEFAULT_LIVENESS_TTL
     liveness_confirm: float = DEFAULT_LIVENESS_CONFIRM
+    poll_interval: float = 1.0
 
     @classmethod
     def from_params(cls, params: RendezvousParameters) -> "RendezvousConfig":
@@ -147,6 +153,10 @@ class RendezvousConfig:
         if liveness_ttl < MIN_LIVENESS_TTL:
             raise ValueError(f"rdzv-conf liveness_ttl={raw_ttl!r} must be a whole number of "
                              f"seconds, at least {MIN_LIVENESS_TTL} (etcd's minimum lease TTL)")
+        poll_interval = _seconds(params, "poll_interval", 1.0, allow_zero=False)
+        if not MIN_POLL_INTERVAL <= poll_interval <= 1.0:
+            raise ValueError(f"rdzv-conf poll_interval={params.get('poll_interval')!r} must be "
+                             f"between {MIN_POLL_INTERVAL} and 1 second (torch's own poll)")
         return cls(
             run_id=params.run_id,
             etcd=EtcdSettings(
@@ -162,4 +172,5 @@ class RendezvousConfig:
             lease_liveness=bool(lease_liveness),
             liveness_ttl=liveness_ttl,
             liveness_confirm=_seconds(params, "liveness_confirm", DEFAULT_LIVENESS_CONFIRM),
+            poll_interval=poll_interval,
         )

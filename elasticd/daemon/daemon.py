@@ -223,6 +223,9 @@ class Daemon:
             # node's TTL), not after torch's long keep-alive window (see rendezvous.py).
             "liveness_ttl": str(max(2, s.lease_ttl)),
             "liveness_confirm": "0.5",
+            # Waiting agents read the state 4 times a second instead of torch's once: the
+            # re-rendezvous after a failure waits on 3-4 such reads (rendezvous_poll.py).
+            "poll_interval": "0.25",
         }
 
     def agent_env(self) -> dict[str, str]:

@@ -71,6 +71,9 @@ def test_password_from_the_environment(monkeypatch):
     ("127.0.0.1:2379", {"liveness_ttl": "2.5"}, "liveness_ttl='2.5'"),
     ("127.0.0.1:2379", {"liveness_confirm": "-1"}, "liveness_confirm='-1'"),
     ("127.0.0.1:2379", {"lease_liveness": "maybe"}, "lease_liveness='maybe'"),
+    ("127.0.0.1:2379", {"poll_interval": "0"}, "poll_interval='0'"),
+    ("127.0.0.1:2379", {"poll_interval": "0.01"}, "poll_interval='0.01'.*between"),
+    ("127.0.0.1:2379", {"poll_interval": "2"}, "poll_interval='2'.*between"),
 ])
 def test_bad_settings_are_refused_and_quoted(endpoint, conf, message, monkeypatch):
     monkeypatch.delenv(PASSWORD_ENV, raising=False)
@@ -154,3 +157,31 @@ def test_creator_binds_lease_liveness_to_torchs_node_without_talking_to_etcd():
 def test_creator_without_lease_liveness():
     handler = create_rdzv_handler(params(lease_liveness="false"))
     assert handler._state_holder._backend._liveness is None
+
+
+def test_poll_interval_shortens_torchs_poll_and_cache_only(monkeypatch):
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    from elasticd.coordination.rendezvous_poll import _PollDelay
+
+    slept: list[float] = []
+    original = dr._delay
+    monkeypatch.setattr(dr, "_delay", lambda seconds: slept.append(seconds))
+    handler = create_rdzv_handler(params(poll_interval="0.25", lease_liveness="false"))
+    assert handler._state_holder._cache_duration == 0.25
+    assert isinstance(dr._delay, _PollDelay)
+    dr._delay.original = slept.append  # what torch's delay would have slept
+    dr._delay._sleep = lambda s: slept.append(("poll", s))
+    dr._delay(1)  # the executor's SYNC poll
+    dr._delay((0, 0.3))  # the start-up skew: torch's own
+    assert slept == [("poll", 0.25), (0, 0.3)]
+    monkeypatch.setattr(dr, "_delay", original)
+
+
+def test_default_poll_interval_leaves_torch_alone(monkeypatch):
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    original = dr._delay
+    handler = create_rdzv_handler(params(lease_liveness="false"))
+    assert dr._delay is original
+    assert handler._state_holder._cache_duration == 1
