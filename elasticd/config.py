@@ -52,6 +52,8 @@ class Settings:
         agent_restarts: how often the daemon restarts a job's agent that died, with backoff.
         stop_grace: seconds between SIGTERM and SIGKILL when stopping a job's processes.
         rdzv_last_call: torchrun's last_call_timeout (seconds a complete round waits for more).
+        worker_start: "warm" (a per-job zygote that imported torch forks each worker:
+            elasticd/agent/zygote.py) or "cold" (torchrun starts a new interpreter per worker).
         shm_dir: directory (tmpfs) of the daemon-owned checkpoint slots (default
             /dev/shm/elasticd-<node_id>).
         memory_cap_mib: cap on checkpoint RAM (local snapshots and peer replicas) on this node;
@@ -88,6 +90,7 @@ class Settings:
     agent_restarts: int = 10
     stop_grace: float = 10.0
     rdzv_last_call: float = 1.0
+    worker_start: str = "warm"
     shm_dir: str = ""
     memory_cap_mib: int = 0
     persist_dir: str = ""
@@ -231,6 +234,8 @@ def _validate(s: Settings, sources: Mapping[str, str]) -> None:
         raise bad("agent_restarts", f"{s.agent_restarts} is out of range: use 0 to 1000")
     if not 0 <= s.stop_grace <= 600:
         raise bad("stop_grace", f"{s.stop_grace} is out of range: use 0 to 600 seconds")
+    if s.worker_start not in ("warm", "cold"):
+        raise bad("worker_start", f"{s.worker_start!r}: use warm or cold")
     if not 0 < s.rdzv_last_call <= 600:
         raise bad("rdzv_last_call", f"{s.rdzv_last_call}: use more than 0 and at most 600 s")
     if s.memory_cap_mib < 0:

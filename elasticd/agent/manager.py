@@ -50,13 +50,15 @@ class JobManager:
         lease: returns the node's current lease (0 when it has none).
         extra_env: returns more environment for agents (e.g. the daemon's local socket).
         rdzv_conf: torchrun rendezvous settings tuned for fast recovery.
+        warm_workers: start workers from a zygote (:mod:`elasticd.agent.zygote`).
     """
 
     def __init__(self, node_id: str, coord: Coordinator, keys: Keyspace, etcd: str,
                  state_dir: str, metrics: Metrics, lease: Callable[[], int],
                  extra_env: Callable[[], dict[str, str]] = dict,
                  rdzv_conf: dict[str, str] | None = None, agent_restarts: int = 10,
-                 stop_grace: float = 10.0, clock: Clock | None = None) -> None:
+                 stop_grace: float = 10.0, warm_workers: bool = False,
+                 clock: Clock | None = None) -> None:
         self.node_id = node_id
         self.coord = coord
         self.keys = keys
@@ -68,6 +70,7 @@ class JobManager:
         self.rdzv_conf = rdzv_conf or {}
         self.agent_restarts = agent_restarts
         self.stop_grace = stop_grace
+        self.warm_workers = warm_workers
         self.clock = clock or SystemClock()
 
         self.specs: dict[str, tuple[int, JobSpec]] = {}  # job -> (create revision, spec)
@@ -229,7 +232,7 @@ class JobManager:
         self.supervisor = AgentSupervisor(
             spec, self.node_id, tag=f"{self.keys.prefix}:{self.node_id}:{job}", etcd=self.etcd,
             prefix=self.keys.prefix, log_dir=log_dir, extra_env=self._extra_env(),
-            rdzv_conf=self.rdzv_conf, clock=self.clock)
+            rdzv_conf=self.rdzv_conf, warm=self.warm_workers, clock=self.clock)
         self.job = self._status_job = job
         self._new_generation()
         pid = self.supervisor.start()

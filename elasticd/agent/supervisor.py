@@ -19,6 +19,7 @@ import time
 from typing import Sequence
 
 from elasticd.agent.spec import JobSpec
+from elasticd.agent.zygote import ZYGOTE_ENV
 from elasticd.clock import Clock, SystemClock
 
 log = logging.getLogger(__name__)
@@ -78,11 +79,14 @@ class AgentSupervisor:
         log_dir: where the agent's log (with its workers' output) and torchrun's files go.
         extra_env: more environment for the agent and workers (the daemon's socket, ...).
         rdzv_conf: torchrun ``--rdzv-conf`` entries.
+        warm: start a zygote beside the agent and have torchrun hand each worker to it
+            (:mod:`elasticd.agent.zygote`: no torch import on the recovery path).
     """
 
     def __init__(self, spec: JobSpec, node_id: str, tag: str, etcd: str, prefix: str,
                  log_dir: str, extra_env: dict[str, str] | None = None,
-                 rdzv_conf: dict[str, str] | None = None, clock: Clock | None = None) -> None:
+                 rdzv_conf: dict[str, str] | None = None, warm: bool = False,
+                 clock: Clock | None = None) -> None:
         self.spec = spec
         self.node_id = node_id
         self.tag = tag
@@ -93,6 +97,8 @@ class AgentSupervisor:
         self.rdzv_conf = rdzv_conf or {}
         self.clock = clock or SystemClock()
         self.proc: subprocess.Popen | None = None
+        self.zygote: subprocess.Popen | None = None
+        self.warm = warm
         self.starts = 0
 
     @property
@@ -113,6 +119,7 @@ class AgentSupervisor:
             "--max-restarts", str(s.max_restarts),
             "--monitor-interval", "0.1",
             "--log-dir", os.path.join(self.log_dir, "torchrun"),
+            *(["--module", "elasticd.agent.warm_start"] if self.warm else []),
             s.script, *s.args,
         ]
 
@@ -131,7 +138,15 @@ class AgentSupervisor:
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
             "PYTHONUNBUFFERED": "1",
         })
+        if self.warm:
+            base[ZYGOTE_ENV] = self.zygote_name
         return base
+
+    @property
+    def zygote_name(self) -> str:
+        # Abstract socket names are host-wide: the daemon's pid and the start count make it
+        # unique among daemons and agent restarts on this host.
+        return f"{self.tag}:{os.getpid()}:{self.starts}"
 
     def start(self) -> int:
         """Starts the agent; returns its pid."""
@@ -144,12 +159,18 @@ class AgentSupervisor:
             out.write(f"\n==== elasticd: starting agent for {self.spec.name} on {self.node_id} "
                       f"at {time.strftime('%Y-%m-%dT%H:%M:%S')} ====\n".encode())
             out.flush()
+            ids = dict(user=user.pw_uid if as_other else None,
+                       group=user.pw_gid if as_other else None,
+                       extra_groups=[] if as_other else None)
+            env = self.env()
+            if self.warm:  # first: it imports torch while torchrun does its rendezvous
+                self.zygote = subprocess.Popen(
+                    [self.spec.python, "-m", "elasticd.agent.zygote", self.zygote_name],
+                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    cwd=self.spec.cwd, env=env, start_new_session=True, **ids)
             self.proc = subprocess.Popen(
                 self.argv(), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                cwd=self.spec.cwd, env=self.env(), start_new_session=True,
-                user=user.pw_uid if as_other else None, group=user.pw_gid if as_other else None,
-                extra_groups=[] if as_other else None,
-            )
+                cwd=self.spec.cwd, env=env, start_new_session=True, **ids)
         self.starts += 1
         log.info("started torchrun agent for %s (pid %d, log %s)", self.spec.name,
                  self.proc.pid, self.log_path)
@@ -216,4 +237,9 @@ class AgentSupervisor:
         end = self.clock.monotonic() + 5
         while tagged_pids(self.tag) and self.clock.monotonic() < end:
             time.sleep(0.05)
+        if self.zygote is not None:  # our child: reap it
+            try:
+                self.zygote.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                pass
         return self.proc.poll() if self.proc is not None else None

@@ -111,7 +111,8 @@ class Daemon:
             settings.node_id, coord, self.keys, settings.etcd, settings.state_path, self.metrics,
             lease=lambda: self.registered_lease or 0, extra_env=self.agent_env,
             rdzv_conf=self.rdzv_conf(), agent_restarts=settings.agent_restarts,
-            stop_grace=settings.stop_grace, clock=self.clock)
+            stop_grace=settings.stop_grace, warm_workers=settings.worker_start == "warm",
+            clock=self.clock)
         self.fence_hooks.append(self.jobs.fence)
 
         self.state = NodeState.UP

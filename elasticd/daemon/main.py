@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--agent-restarts", dest="agent_restarts", type=_number)
     p.add_argument("--stop-grace", dest="stop_grace", type=_number)
     p.add_argument("--rdzv-last-call", dest="rdzv_last_call", type=_number)
+    p.add_argument("--worker-start", dest="worker_start", choices=("warm", "cold"),
+                   help="warm: fork workers from a process that imported torch already "
+                        "(default); cold: a new interpreter per worker")
     p.add_argument("--shm-dir", dest="shm_dir",
                    help="tmpfs directory of checkpoint slots (default /dev/shm/elasticd-NODE)")
     p.add_argument("--memory-cap-mib", dest="memory_cap_mib", type=_number)

@@ -1,0 +1,243 @@
+"""Warm worker starts: a process that has imported torch already forks each new worker.
+
+After a failure, every surviving node restarts its workers, and on this machine a new Python
+worker spends 2-4 s importing torch before it runs a line of the script (measured: the largest
+part of a kill -9 recovery once the dead node is dropped and the round completes). The zygote
+pays that once per job and node, before it is needed:
+
+* The supervisor starts ``python -m elasticd.agent.zygote NAME`` beside the agent, with the
+  agent's user, environment (the job's tag included) and working directory. It listens on the
+  abstract Unix socket ``NAME`` *first*, then imports torch and the modules training scripts
+  use, then accepts: a worker that connects early waits in the backlog instead of failing.
+* torchrun runs :mod:`elasticd.agent.warm_start` as each worker (``--module``): a few
+  milliseconds of Python that send the zygote the script, its arguments, the worker's
+  environment and working directory, and its stdin/stdout/stderr (``SCM_RIGHTS``).
+* The zygote forks. The child starts a session of its own, takes those descriptors, that
+  environment and directory, reseeds Python's and numpy's global generators (a fresh
+  interpreter would not share its parent's), and runs the script as ``__main__``.
+* The zygote reports the child's pid, then its exit status, to the waiting ``warm_start``,
+  which exits the same way (the same code, or the same signal). Signals sent to ``warm_start``
+  (torchrun's SIGTERM) are forwarded to the child. When ``warm_start`` dies without a word
+  (SIGKILL: torchrun's or the daemon's proactive abort), its connection closes and the zygote
+  SIGKILLs the child's whole process group: no worker outlives the process torchrun watches.
+
+Only the zygote's own user (or root) may connect (``SO_PEERCRED``): the socket runs code as that
+user. If anything fails before the script starts (no zygote, a refused connection), warm_start
+falls back to exec-ing the script in a fresh interpreter, so the job runs either way, cold.
+
+What a forked worker shares with the zygote: the hash seed of ``str`` (``PYTHONHASHSEED`` is
+fixed per interpreter) and whatever the preloaded modules did at import. Agent side: the
+zygote imports torch; the daemon never imports this module's :func:`serve`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import sys
+import threading
+import traceback
+from typing import Any
+
+#: Environment variable with the zygote's socket name, set for the agent and its workers.
+ZYGOTE_ENV = "ELASTICD_ZYGOTE"
+#: What the zygote imports before it accepts (what a training script is about to import).
+PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch.utils.data",
+           "torch.distributed.optim", "numpy", "elasticd.checkpoint.client",
+           "elasticd.checkpoint.sampler", "elasticd.worker")
+MAX_REQUEST = 4 << 20  # argv + environment; a bigger request is refused
+_LEN = struct.Struct("!I")
+
+
+def address(name: str) -> str:
+    """The abstract socket address for ``name`` (no file: nothing to clean up or leak)."""
+    return "\0elasticd-zygote-" + name
+
+
+def send_msg(sock: socket.socket, msg: dict[str, Any], fds: list[int] = ()) -> None:
+    body = json.dumps(msg, separators=(",", ":")).encode()
+    data = _LEN.pack(len(body)) + body
+    if fds:
+        socket.send_fds(sock, [data], list(fds))
+    else:
+        sock.sendall(data)
+
+
+def recv_msg(sock: socket.socket, max_fds: int = 0) -> tuple[dict[str, Any] | None, list[int]]:
+    """One length-prefixed JSON message (None at EOF) and the descriptors sent with it."""
+    fds: list[int] = []
+    buf = b""
+    while len(buf) < _LEN.size:
+        if max_fds and not fds:
+            chunk, got, _flags, _addr = socket.recv_fds(sock, _LEN.size - len(buf), max_fds)
+            fds += got
+        else:
+            chunk = sock.recv(_LEN.size - len(buf))
+        if not chunk:
+            return None, fds
+        buf += chunk
+    (size,) = _LEN.unpack(buf)
+    if size > MAX_REQUEST:
+        raise ValueError(f"message of {size} bytes is over the {MAX_REQUEST}-byte limit")
+    body = bytearray()
+    while len(body) < size:
+        chunk = sock.recv(min(1 << 20, size - len(body)))
+        if not chunk:
+            return None, fds
+        body += chunk
+    return json.loads(body), fds
+
+
+def peer_allowed(peer_uid: int, my_uid: int) -> bool:
+    """Only this zygote's user, or root, may have code run as that user."""
+    return peer_uid in (my_uid, 0)
+
+
+# -- the zygote --------------------------------------------------------------------------
+
+
+def serve(name: str) -> int:
+    """Listens on ``name``, preloads, then forks a worker for every request until killed."""
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(address(name))
+    server.listen(64)
+    for module in PRELOAD:
+        try:
+            __import__(module)
+        except Exception as exc:  # noqa: BLE001 — a module the script may not need
+            print(f"elasticd zygote: preloading {module} failed: {exc}", file=sys.stderr)
+    print(f"elasticd zygote {name}: ready (pid {os.getpid()})", file=sys.stderr, flush=True)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    while True:
+        conn, _ = server.accept()
+        try:
+            _start(conn)
+        except Exception as exc:  # noqa: BLE001 — one bad request must not end the zygote
+            print(f"elasticd zygote: request refused: {exc}", file=sys.stderr, flush=True)
+            conn.close()
+
+
+def _start(conn: socket.socket) -> None:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    if not peer_allowed(uid, os.getuid()):
+        raise PermissionError(f"uid {uid} may not start workers as uid {os.getuid()}")
+    request, fds = recv_msg(conn, max_fds=3)
+    if request is None or len(fds) != 3:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError("incomplete request (need argv, env, cwd and 3 descriptors)")
+    pid = os.fork()
+    if pid == 0:  # the worker; never returns
+        conn.close()
+        _run_child(request, fds)
+    for fd in fds:
+        os.close(fd)
+    send_msg(conn, {"pid": pid})
+    threading.Thread(target=_watch, args=(conn, pid), daemon=True,
+                     name=f"zygote-watch-{pid}").start()
+
+
+def _watch(conn: socket.socket, pid: int) -> None:
+    """Reports the child's exit; kills the child if its warm_start goes away first."""
+    orphaned = False
+    while True:
+        ready, _, _ = select.select([conn], [], [], 0.05)
+        if ready and not orphaned:
+            try:
+                data = conn.recv(4096)
+            except OSError:
+                data = b""
+            if not data:  # warm_start died (SIGKILL): its worker must not outlive it
+                orphaned = True
+                _kill_group(pid)
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+    if not orphaned:
+        result = ({"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status)
+                  else {"exit": os.waitstatus_to_exitcode(status)})
+        try:
+            send_msg(conn, result)
+        except OSError:
+            pass
+    conn.close()
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _run_child(request: dict[str, Any], fds: list[int]) -> None:
+    code = 1
+    try:
+        os.setsid()  # the child's group holds whatever it starts; killed as one
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
+        code = run_script(request["argv"], request["env"], request["cwd"])
+    except BaseException:  # noqa: BLE001 — report anything, then leave without cleanup
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(code)
+
+
+def run_script(argv: list[str], env: dict[str, str], cwd: str) -> int:
+    """Runs ``argv[0]`` as ``__main__`` in this process, as ``python -u`` would; returns the
+    exit code."""
+    import random
+    import runpy
+
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+    random.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as exc:
+        if exc.code is None:
+            return 0
+        if isinstance(exc.code, int):
+            return exc.code & 0xFF
+        print(exc.code, file=sys.stderr)
+        return 1
+    except BaseException:  # noqa: BLE001 — as the interpreter does: traceback, exit 1
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m elasticd.agent.zygote NAME", file=sys.stderr)
+        return 2
+    return serve(args[0])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

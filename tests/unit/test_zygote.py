@@ -1,0 +1,128 @@
+"""Warm worker starts: a real zygote (torch imported) forks workers for warm_start clients."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from elasticd.agent.zygote import ZYGOTE_ENV, peer_allowed
+
+SCRIPT = """
+import os, random, sys, time
+print("argv", sys.argv[1:], "env", os.environ.get("FOO"), "cwd", os.getcwd(), "name", __name__,
+      "torch-preloaded", "torch" in sys.modules, "random", random.random(), flush=True)
+mode = sys.argv[1]
+if mode == "sleep":
+    with open(sys.argv[2], "w") as fh:
+        fh.write(str(os.getpid()))
+    time.sleep(60)
+if mode == "raise":
+    raise RuntimeError("boom in the script")
+sys.exit(int(mode))
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory):
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    log = tmp_path_factory.mktemp("zygote") / "zygote.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "elasticd.agent.zygote", name],
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield name
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "job.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+def warm(name: str, script, *args: str, **kw) -> subprocess.Popen:
+    env = {**os.environ, ZYGOTE_ENV: name, "FOO": kw.pop("foo", "bar")}
+    return subprocess.Popen([sys.executable, "-m", "elasticd.agent.warm_start", str(script), *args],
+                            env=env, cwd=kw.pop("cwd", None), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, **kw)
+
+
+def test_the_worker_runs_the_script_with_its_argv_env_cwd_and_exit_code(zygote, script, tmp_path):
+    first = warm(zygote, script, "3", cwd=str(tmp_path))
+    out, err = first.communicate(timeout=60)
+    assert first.returncode == 3, err
+    assert f"argv ['3'] env bar cwd {tmp_path} name __main__ torch-preloaded True" in out
+    second = warm(zygote, script, "0", foo="baz", cwd="/")
+    out2, err2 = second.communicate(timeout=30)
+    assert second.returncode == 0, err2
+    assert "env baz cwd / " in out2 and "torch-preloaded True" in out2
+    # Each fork reseeds Python's generator, as a fresh interpreter would.
+    assert out.split("random ")[1] != out2.split("random ")[1]
+
+
+def test_a_script_that_raises_exits_1_with_its_traceback(zygote, script):
+    p = warm(zygote, script, "raise")
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 1
+    assert "RuntimeError: boom in the script" in err
+
+
+def test_sigterm_is_forwarded_and_mirrored(zygote, script, tmp_path):
+    pidfile = tmp_path / "pid"
+    p = warm(zygote, script, "sleep", str(pidfile))
+    deadline = time.monotonic() + 30
+    while not pidfile.exists() or not pidfile.read_text():
+        assert time.monotonic() < deadline and p.poll() is None
+        time.sleep(0.05)
+    child = int(pidfile.read_text())
+    assert child != p.pid and _alive(child)
+    p.send_signal(signal.SIGTERM)
+    p.wait(timeout=10)
+    assert p.returncode == -signal.SIGTERM
+    assert not _alive(child)
+
+
+def test_sigkill_of_the_stand_in_kills_the_worker(zygote, script, tmp_path):
+    pidfile = tmp_path / "pid"
+    p = warm(zygote, script, "sleep", str(pidfile))
+    deadline = time.monotonic() + 30
+    while not pidfile.exists() or not pidfile.read_text():
+        assert time.monotonic() < deadline and p.poll() is None
+        time.sleep(0.05)
+    child = int(pidfile.read_text())
+    p.kill()
+    p.wait(timeout=10)
+    deadline = time.monotonic() + 5
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child), "the worker outlived the process torchrun watches"
+
+
+def test_without_a_zygote_the_script_starts_cold(script):
+    p = warm(f"missing-{uuid.uuid4().hex[:8]}", script, "4")
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 4
+    assert "unreachable" in err and "starting" in err
+    assert "argv ['4']" in out
+
+
+def test_only_the_zygotes_user_or_root_may_connect():
+    assert peer_allowed(1000, 1000) and peer_allowed(0, 1000)
+    assert not peer_allowed(1001, 1000)
