@@ -10,7 +10,7 @@ torchrun), and measures the time until every survivor logs a training step at wo
   (``last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3``, worker store sharing
   off with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), ``--max-restarts 100``.
 
-    .venv/bin/python bench/bench_recovery.py --runs 20 --baseline-runs 9 \\
+    .venv/bin/python bench/bench_recovery.py --runs 20 --cold-runs 6 --baseline-runs 9 \\
         --out bench/results/recovery.json
 """
 
@@ -58,9 +58,9 @@ def _wait(cond, timeout: float, interval: float = 0.05) -> float | None:
     return None
 
 
-def run_elasticd(victim: str, ttl: int, timeout: float) -> dict:
+def run_elasticd(victim: str, ttl: int, timeout: float, extra_args: tuple = ()) -> dict:
     with tempfile.TemporaryDirectory(prefix="elasticd-bench-") as d:
-        c = LocalCluster(["n1", "n2", "n3"], workdir=d, lease_ttl=ttl)
+        c = LocalCluster(["n1", "n2", "n3"], workdir=d, lease_ttl=ttl, extra_args=extra_args)
         try:
             c.start()
             env = {**os.environ, "ELASTICD_ETCD": c.etcd, "ELASTICD_PREFIX": c.prefix}
@@ -150,19 +150,25 @@ def main() -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=6, help="elasticd runs")
     p.add_argument("--baseline-runs", type=int, default=3, help="plain torchrun runs")
+    p.add_argument("--cold-runs", type=int, default=0,
+                   help="elasticd runs with --worker-start cold (new interpreters, as torchrun)")
     p.add_argument("--ttl", type=int, default=2)
     p.add_argument("--timeout", type=float, default=60.0,
                    help="seconds after the kill before a run counts as not recovered")
     p.add_argument("--out", default="bench/results/recovery.json")
     args = p.parse_args()
     victims = ["n1", "n2", "n3"]
-    elastic, plain = [], []
-    for i in range(max(args.runs, args.baseline_runs)):
+    elastic, plain, cold = [], [], []
+    for i in range(max(args.runs, args.baseline_runs, args.cold_runs)):
         v = victims[i % 3]
         if i < args.runs:
             r = run_elasticd(v, args.ttl, args.timeout)
             elastic.append(r)
             print(f"elasticd run {i + 1}: kill -9 {v}: {r}", flush=True)
+        if i < args.cold_runs:
+            r = run_elasticd(v, args.ttl, args.timeout, ("--worker-start", "cold"))
+            cold.append(r)
+            print(f"elasticd cold run {i + 1}: kill -9 {v}: {r}", flush=True)
         if i < args.baseline_runs:
             r = run_torchrun(v, args.timeout)
             plain.append(r)
@@ -175,6 +181,7 @@ def main() -> int:
         "lease_ttl_seconds": args.ttl,
         "target_seconds": args.ttl + 3,
         "elasticd": {**summarize(elastic), "detail": elastic},
+        "elasticd_cold_workers": {**summarize(cold), "detail": cold},
         "baseline_plain_torchrun_tuned": {**summarize(plain), "detail": plain},
     }
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
@@ -182,7 +189,8 @@ def main() -> int:
         json.dump(result, fh, indent=2)
     print(json.dumps({k: v for k, v in result.items() if k not in ("elasticd",
           "baseline_plain_torchrun_tuned")} | {"elasticd": summarize(elastic),
-          "plain_torchrun": summarize(plain)}, indent=2))
+          "elasticd_cold_workers": summarize(cold), "plain_torchrun": summarize(plain)},
+          indent=2))
     return 0
 
 
