@@ -46,6 +46,21 @@ def test_alert_rules_pass_promtool():
         assert res.returncode == 0, res.stdout + res.stderr
 
 
+def test_every_alert_is_explained_in_the_operations_doc():
+    import re
+
+    rules = open(os.path.join(REPO, "grafana", "prometheus", "elasticd.rules.yml")).read()
+    tests = open(os.path.join(REPO, "grafana", "prometheus", "elasticd.rules.test.yml")).read()
+    doc = open(os.path.join(REPO, "docs", "operations.md")).read()
+    alerts = re.findall(r"^\s*- alert: (\w+)", rules, re.M)
+    assert len(alerts) >= 10
+    section = doc.split("## 9. Alerts", 1)[1]
+    missing = [a for a in alerts if f"| `{a}` |" not in section]
+    assert not missing, f"alerts without an entry in docs/operations.md: {missing}"
+    untested = [a for a in alerts if f"alertname: {a}\n" not in tests]
+    assert not untested, f"alerts without a promtool test: {untested}"
+
+
 def panels():
     for name, doc in dashboards.build().items():
         for p in doc["panels"]:
