@@ -7,12 +7,37 @@ end in ``_total``, no high-cardinality labels (no step, no peer id). Each daemon
 
 from __future__ import annotations
 
+import collections
+import logging
+import threading
+from typing import Any, Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 import elasticd
 
+log = logging.getLogger(__name__)
+
 # Failure detection is bounded below by the lease TTL (2 s in tests, 5-30 s in production).
 DETECTION_BUCKETS = (0.5, 1, 2, 3, 4, 5, 7.5, 10, 15, 20, 30, 45, 60, 120)
+# One push of one rank's snapshot: a few KiB in tests (ms), 256 MiB took 0.07 s and 1 GiB
+# ~0.3 s over loopback (bench/results/peer_restore.json, 3.8 GB/s), a multi-GiB shard over a
+# real network several seconds.
+REPLICATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
+                       10, 30, 60)
+
+#: Label values of elasticd_replication_failures_total: the pusher's own reasons, then the
+#: refusal codes a peer's sink sends (elasticd.replication.api); anything else is "other"
+#: (a peer's code is never used as a label unchecked: it would be unbounded cardinality).
+PUSH_FAILURE_REASONS = ("unreachable", "no_address", "connection", "remote", "source_missing",
+                        "rereplication", "stale", "in_progress", "no_space", "other")
+#: Label values of elasticd_replica_fetch_failures_total (elasticd.replication.recovery).
+FETCH_FAILURE_REASONS = ("missing", "corrupt", "unreachable", "no_address", "lost", "other")
+#: Label values of elasticd_replication_connections_rejected_total.
+REJECT_REASONS = ("auth", "version", "tls")
+#: Label values of elasticd_replica_pushes_received_total (the replica server's outcomes).
+RECEIVED_OUTCOMES = ("committed", "refused", "aborted")
 
 
 class CheckpointSink:
@@ -47,7 +72,7 @@ class CheckpointSink:
         """Gauges from CheckpointService.stats(), once per main-loop cycle."""
         self.m.snapshot_bytes.set(stats["snapshot_bytes"])
         self.m.snapshot_step.set(stats["snapshot_step"])
-        self.m.replica_bytes_held.set(stats["replica_bytes_held"])
+        self.m.local_slot_bytes.set(stats["replica_bytes_held"])  # the local store's slots
         self.m.jobs_unprotected.set(stats["unprotected_jobs"])
         self.m.persisted_step.set(stats["persisted_step"])
 
@@ -137,8 +162,9 @@ class Metrics:
             "elasticd_snapshots_refused_total",
             "Corrupt or truncated snapshots refused at restore, by source", ["source"],
             registry=r)
-        self.replica_bytes_held = Gauge(
-            "elasticd_replica_bytes_held", "Bytes of shared-memory slots this node holds",
+        self.local_slot_bytes = Gauge(
+            "elasticd_local_slot_bytes",
+            "Bytes of shared-memory slot files holding this node's own ranks' snapshots",
             registry=r)
         self.persisted_step = Gauge("elasticd_persisted_step",
                                     "Newest step complete on the persistent tier", registry=r)
@@ -161,8 +187,140 @@ class Metrics:
             self.restore_seconds.labels(source)
         self.restore_steps_lost = Gauge("elasticd_restore_steps_lost",
                                         "Steps lost at the last restore", registry=r)
+        # -- replication (pushes timed by ReplicationSink; totals read by the collector) --------
+        self.replication_seconds = Histogram(
+            "elasticd_replication_seconds",
+            "Time one push of a rank's snapshot to a peer took (sent, verified and stored)",
+            buckets=REPLICATION_BUCKETS, registry=r)
+        self.replication_rejected = Counter(
+            "elasticd_replication_connections_rejected_total",
+            "Connections to this node's replica server rejected before any data, by reason "
+            "(auth: no proof of the cluster secret or a replayed handshake; version: another "
+            "wire protocol version; tls)", ["reason"], registry=r)
+        for reason in REJECT_REASONS:
+            self.replication_rejected.labels(reason)
+        self.replication = ReplicationCollector()
+        r.register(self.replication)
         self.loop_cycles = Counter(
             "elasticd_loop_cycles_total", "Main loop cycles completed", registry=r)
         self.loop_last_cycle = Gauge(
             "elasticd_loop_last_cycle_timestamp_seconds",
             "Wall time of the last completed main loop cycle", registry=r)
+
+
+class ReplicationSink:
+    """Turns replication events into metrics: timed pushes (from the replicator's pusher) and
+    rejected connections (the replica server's ``AuthFailures`` callback)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.m = metrics
+
+    def pushed(self, seconds: float, nbytes: int) -> None:
+        self.m.replication_seconds.observe(seconds)
+
+    def rejected(self, peer: str, reason: str) -> None:
+        """``reason`` is the server's text, ``"ExceptionName: message"``."""
+        kind = reason.split(":", 1)[0]
+        label = ("version" if kind == "UnsupportedVersion"
+                 else "tls" if kind.startswith("SSL") else "auth")
+        self.m.replication_rejected.labels(label).inc()
+
+
+class ReplicationCollector:
+    """Exports the replicator's and the replica server's totals and gauges at scrape time.
+
+    Before :meth:`attach` (replication off) every family is exported with zeros, so that the
+    dashboards and alert rules see the same series on every node.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats: Callable[[], dict[str, Any]] | None = None
+        self._server: Callable[[], Any] | None = None
+
+    def attach(self, stats: Callable[[], dict[str, Any]], server_stats: Callable[[], Any]) -> None:
+        """``stats``: ``Replicator.stats``; ``server_stats``: ``ReplicaServer.snapshot_stats``."""
+        with self._lock:
+            self._stats, self._server = stats, server_stats
+
+    def describe(self) -> list[Metric]:
+        return list(self._families({}, None))
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            stats_fn, server_fn = self._stats, self._server
+        try:
+            stats = stats_fn() if stats_fn is not None else {}
+            server = server_fn() if server_fn is not None else None
+        except Exception:  # noqa: BLE001 — a scrape must not fail for one part; zeros would
+            # make counters look reset, so these families are left out of this scrape instead.
+            log.exception("reading replication statistics for /metrics failed")
+            return
+        yield from self._families(stats, server)
+
+    @staticmethod
+    def _families(st: dict[str, Any], server: Any) -> Iterator[Metric]:
+        def counter(name: str, doc: str, value: float) -> Metric:
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], value)
+            return c
+
+        def gauge(name: str, doc: str, value: float) -> Metric:
+            return GaugeMetricFamily(name, doc, value=value)
+
+        def by_label(name: str, doc: str, label: str, values: tuple[str, ...],
+                     counts: dict[str, int]) -> Metric:
+            folded: collections.Counter[str] = collections.Counter()
+            for key, n in counts.items():
+                folded[key.replace(" ", "_") if key.replace(" ", "_") in values else "other"] += n
+            c = CounterMetricFamily(name, doc, labels=[label])
+            for v in values:
+                c.add_metric([v], folded.get(v, 0))
+            return c
+
+        yield counter("elasticd_replication_bytes", "Bytes of snapshots pushed to peers",
+                      st.get("replication_bytes_total", 0))
+        yield by_label("elasticd_replication_failures",
+                       "Snapshot pushes to peers that failed, by reason", "reason",
+                       PUSH_FAILURE_REASONS, st.get("replication_failures_total", {}))
+        yield counter("elasticd_replication_skipped",
+                      "Intermediate steps not pushed because a newer snapshot replaced them in "
+                      "a peer's lane (replication never queues without bound)",
+                      st.get("replication_skipped_total", 0))
+        yield counter("elasticd_replication_commits",
+                      "Steps this node recorded as committed (every rank has m verified copies)",
+                      st.get("commits_total", 0))
+        yield gauge("elasticd_committed_step",
+                    "Newest committed step of this node's job (-1: none yet)",
+                    st.get("committed_step", -1))
+        yield gauge("elasticd_sync_lag_steps",
+                    "Newest local snapshot step minus the committed step: the steps a failure "
+                    "now would lose", st.get("sync_lag_steps", 0))
+        yield gauge("elasticd_shards_unprotected",
+                    "Ranks whose committed snapshot has fewer than m copies on current members",
+                    st.get("under_replicated_shards", 0))
+        yield gauge("elasticd_replica_bytes_held",
+                    "Bytes of other nodes' snapshots (replicas) this node holds in shared memory",
+                    st.get("replica_bytes_held", 0))
+        yield counter("elasticd_rereplications",
+                      "Committed shards this node copied to a new holder after a membership "
+                      "change", st.get("rereplications_total", 0))
+        yield counter("elasticd_replica_fetches",
+                      "Shards fetched for a restore (from a peer, or this node's own copy)",
+                      st.get("fetches_total", 0))
+        yield counter("elasticd_replica_fetch_bytes", "Bytes of shards fetched for restores",
+                      st.get("fetch_bytes_total", 0))
+        yield by_label("elasticd_replica_fetch_failures",
+                       "Holders that could not give a shard at restore, by reason (lost: no "
+                       "holder had an intact copy)", "reason", FETCH_FAILURE_REASONS,
+                       st.get("fetch_failures_total", {}))
+        received = CounterMetricFamily(
+            "elasticd_replica_pushes_received",
+            "Snapshot pushes this node's replica server received, by outcome (aborted: torn, "
+            "corrupt or interrupted, nothing stored)", labels=["outcome"])
+        for outcome in RECEIVED_OUTCOMES:
+            received.add_metric([outcome], getattr(server, f"pushes_{outcome}", 0))
+        yield received
+        yield counter("elasticd_replica_bytes_received",
+                      "Bytes this node's replica server received from peers",
+                      getattr(server, "bytes_received", 0))

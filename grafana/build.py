@@ -72,6 +72,55 @@ OVERVIEW = [
         panel("Hangs detected", [(f"sum(increase(elasticd_hangs_detected_total{R}))", "hangs")],
               "stat"),
         panel("Fencings", [(f"sum(increase(elasticd_fenced_total{R}))", "fenced")], "stat"),
+        panel("Restores by source", [
+            (f"sum by (source) (increase(elasticd_restores_total{R}))", "{{source}}")],
+              recovery=True, description="Worker restores: local RAM, a peer's RAM, the "
+              "persistent tier (alerted), none (fresh start)."),
+        panel("Restore time by source (p99)", [
+            ("histogram_quantile(0.99, sum by (le, source) "
+             f"(increase(elasticd_restore_seconds_bucket{R})))", "{{source}}")], unit="s"),
+        panel("Steps lost at the last restore", [
+            ("max(elasticd_restore_steps_lost)", "steps")], "stat",
+              description="Equals the sync lag at the failure."),
+        panel("Shards fetched from holders", [
+            (f"sum(increase(elasticd_replica_fetches_total{R}))", "fetches")], "stat",
+              recovery=True),
+        panel("Holders that failed a fetch", [
+            (f"sum by (reason) (increase(elasticd_replica_fetch_failures_total{R}))",
+             "{{reason}}")], description="missing, corrupt (checksum), unreachable; lost: "
+              "no holder had an intact copy (persistent tier used)."),
+    ]),
+    ("Sync (in-RAM snapshots and their replicas)", [
+        panel("Committed step", [("max(elasticd_committed_step)", "committed"),
+                                 ("max(elasticd_persisted_step)", "persisted")], "stat",
+              description="Every rank has m verified copies of the committed step."),
+        panel("Sync lag (worst node)", [("max(elasticd_sync_lag_steps)", "steps")],
+              description="Newest local snapshot minus committed step: what a failure now "
+              "would lose."),
+        panel("Ranks with fewer than m copies", [("max(elasticd_shards_unprotected)", "ranks")],
+              "stat"),
+        panel("Replication throughput", [
+            (f"sum(rate(elasticd_replication_bytes_total{Q}))", "pushed"),
+            (f"sum(rate(elasticd_replica_bytes_received_total{Q}))", "received")], unit="Bps"),
+        panel("Push time (one rank's snapshot to one peer)", [
+            ("histogram_quantile(0.5, sum by (le) "
+             f"(rate(elasticd_replication_seconds_bucket{Q})))", "p50"),
+            ("histogram_quantile(0.99, sum by (le) "
+             f"(rate(elasticd_replication_seconds_bucket{Q})))", "p99")], unit="s"),
+        panel("Replication failures by reason", [
+            (f"sum by (reason) (increase(elasticd_replication_failures_total{R}))",
+             "{{reason}}")]),
+        panel("Intermediate steps skipped", [
+            (f"sum(rate(elasticd_replication_skipped_total{Q}))", "skipped/s")], unit="ops"),
+        panel("Snapshot stall (training loop wait, p99)", [
+            ("histogram_quantile(0.99, sum by (le) "
+             f"(rate(elasticd_snapshot_stall_seconds_bucket{Q})))", "p99")], unit="s"),
+        panel("Shared memory held (all nodes)", [
+            ("sum(elasticd_local_slot_bytes)", "own snapshots"),
+            ("sum(elasticd_replica_bytes_held)", "replicas")], unit="bytes"),
+        panel("Replica connections rejected", [
+            (f"sum by (reason) (increase(elasticd_replication_connections_rejected_total{R}))",
+             "{{reason}}")]),
     ]),
 ]
 
@@ -94,6 +143,50 @@ NODE = [
                                       "{{instance}}")]),
         panel("Version", [('elasticd_build_info{instance=~"$instance"}', "{{version}}")],
               "table"),
+    ]),
+    ("Sync", [
+        panel("Snapshot, committed and persisted step", [
+            ('elasticd_snapshot_step{instance=~"$instance"}', "{{instance}} snapshot"),
+            ('elasticd_committed_step{instance=~"$instance"}', "{{instance}} committed"),
+            ('elasticd_persisted_step{instance=~"$instance"}', "{{instance}} persisted")]),
+        panel("Sync lag", [('elasticd_sync_lag_steps{instance=~"$instance"}', "{{instance}}")]),
+        panel("Ranks with fewer than m copies",
+              [('elasticd_shards_unprotected{instance=~"$instance"}', "{{instance}}")]),
+        panel("Shared memory held", [
+            ('elasticd_local_slot_bytes{instance=~"$instance"}', "{{instance}} own snapshots"),
+            ('elasticd_replica_bytes_held{instance=~"$instance"}', "{{instance}} replicas")],
+              unit="bytes", description="Budget: (1 + m-1) x state per node; see "
+              "docs/operations.md."),
+        panel("Bytes pushed and received", [
+            (f'rate(elasticd_replication_bytes_total{{instance=~"$instance"}}{Q})',
+             "{{instance}} pushed"),
+            (f'rate(elasticd_replica_bytes_received_total{{instance=~"$instance"}}{Q})',
+             "{{instance}} received")], unit="Bps"),
+        panel("Push time p99", [
+            ("histogram_quantile(0.99, sum by (le, instance) "
+             f'(rate(elasticd_replication_seconds_bucket{{instance=~"$instance"}}{Q})))',
+             "{{instance}}")], unit="s"),
+        panel("Push failures by reason", [
+            (f'sum by (instance, reason) (increase(elasticd_replication_failures_total'
+             f'{{instance=~"$instance"}}{R}))', "{{instance}} {{reason}}")]),
+        panel("Pushes received by outcome", [
+            (f'sum by (instance, outcome) (increase(elasticd_replica_pushes_received_total'
+             f'{{instance=~"$instance"}}{R}))', "{{instance}} {{outcome}}")]),
+        panel("Connections rejected by reason", [
+            (f'sum by (instance, reason) (increase('
+             f'elasticd_replication_connections_rejected_total{{instance=~"$instance"}}{R}))',
+             "{{instance}} {{reason}}")]),
+        panel("Restores by source", [
+            (f'sum by (instance, source) (increase(elasticd_restores_total'
+             f'{{instance=~"$instance"}}{R}))', "{{instance}} {{source}}")], recovery=True),
+        panel("Restore time p99 by source", [
+            ("histogram_quantile(0.99, sum by (le, instance, source) "
+             f'(increase(elasticd_restore_seconds_bucket{{instance=~"$instance"}}{R})))',
+             "{{instance}} {{source}}")], unit="s"),
+        panel("Snapshot stall p99", [
+            ("histogram_quantile(0.99, sum by (le, instance) "
+             f'(rate(elasticd_snapshot_stall_seconds_bucket{{instance=~"$instance"}}{Q})))',
+             "{{instance}}")], unit="s"),
     ]),
 ]
 

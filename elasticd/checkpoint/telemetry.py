@@ -37,8 +37,8 @@ RECOMMENDED: dict[str, tuple[str, str, str]] = {
     "elasticd_snapshots_refused_total": (
         "counter", "Corrupt or truncated snapshots refused at restore, by source",
         "sink.snapshot_refused(source)"),
-    "elasticd_replica_bytes_held": ("gauge", "Bytes of shared-memory slots this node holds",
-                                    "stats()['replica_bytes_held']"),
+    "elasticd_local_slot_bytes": ("gauge", "Bytes of shared-memory slot files holding this "
+                                  "node's own ranks' snapshots", "stats()['replica_bytes_held']"),
     "elasticd_persisted_step": ("gauge", "Newest step complete on the persistent tier",
                                 "stats()['persisted_step']"),
     "elasticd_persist_seconds": ("histogram", "Time to flush this node's ranks of one step",

@@ -253,6 +253,10 @@ class Daemon:
             host = socket.getfqdn()
         self.replication_address = f"{host}:{port}"
         self.jobs.on_job_end.append(replicator.remove_job)
+        from elasticd.metrics import ReplicationSink
+
+        replicator.pusher.on_push = ReplicationSink(self.metrics).pushed
+        self.metrics.replication.attach(replicator.stats, server.snapshot_stats)
 
     def close_replication(self) -> None:
         if self.replicator is not None:

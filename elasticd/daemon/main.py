@@ -168,6 +168,8 @@ def _replicator(settings: config.Settings, daemon: Daemon, store: "Any",
         log.info("peer replication off (%s)", "no cluster secret" if not secret else "replicas=1")
         return None
     from elasticd.checkpoint.shm import SlotStore
+    from elasticd.metrics import ReplicationSink
+    from elasticd.replication.auth import AuthFailures
     from elasticd.replication.replicator import Replicator
     from elasticd.replication.server import ReplicaServer
     from elasticd.replication.shm_sink import ShmSink, replica_root
@@ -177,7 +179,8 @@ def _replicator(settings: config.Settings, daemon: Daemon, store: "Any",
     sink = ShmSink(replicas, local=store, cap_bytes=cap)
     host, port = settings.replication_addr
     try:
-        server = ReplicaServer(host, port, secret, settings.node_id, sink)
+        server = ReplicaServer(host, port, secret, settings.node_id, sink,
+                               auth_failures=AuthFailures(ReplicationSink(daemon.metrics).rejected))
         server.start()
     except OSError as exc:
         raise Fatal(f"replication_listen: cannot listen on {settings.replication_listen}: "

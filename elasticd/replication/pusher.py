@@ -16,6 +16,7 @@ import collections
 import concurrent.futures
 import logging
 import threading
+from typing import Callable
 
 from elasticd.checkpoint.shm import SlotStore, SnapshotView
 from elasticd.replication.api import EXISTS, ConnectionLost, Refused, ReplicationError
@@ -44,6 +45,8 @@ class Pusher:
         self._lock = threading.Lock()
         self.counters: collections.Counter[str] = collections.Counter()
         self.failures: collections.Counter[str] = collections.Counter()
+        #: Called with (seconds, bytes) after each acknowledged push (the daemon's metrics).
+        self.on_push: Callable[[float, int], None] | None = None
 
     def submit(self, peer: str, task: Task) -> bool:
         return self.lanes.submit(peer, task)
@@ -114,6 +117,8 @@ class Pusher:
                 self.counters["pushes"] += 1
                 self.counters["push_bytes"] += d.total_bytes
                 self.counters["push_micros"] += int(result.seconds * 1e6)
+            if self.on_push is not None:
+                self.on_push(result.seconds, d.total_bytes)
             return True
         return False
 

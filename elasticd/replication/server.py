@@ -42,6 +42,7 @@ from elasticd.replication.wire import (
     Limits,
     ProtocolError,
     UnexpectedFrame,
+    UnsupportedVersion,
 )
 
 log = logging.getLogger(__name__)
@@ -219,7 +220,11 @@ class ReplicaServer:
                 # including a client that hangs up on our challenge (it holds another secret).
                 log.warning("replica server %s: rejected %s: %s", self.node_id, peer, exc)
                 self.auth_failures.record(peer, f"{type(exc).__name__}: {exc}")
-                if isinstance(exc, ProtocolError):
+                if isinstance(exc, UnsupportedVersion):
+                    # Says which version this end speaks, so the other side's log is clear too.
+                    channel.send_error("version", str(exc))
+                    channel.linger_close()
+                elif isinstance(exc, ProtocolError):
                     channel.send_error("auth", "authentication failed")
                     channel.linger_close()
                 return

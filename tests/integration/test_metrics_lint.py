@@ -1,5 +1,6 @@
-"""The /metrics endpoint follows Prometheus' rules (promtool on a live scrape), and every metric
-the code defines is documented in the README's metrics table (and nothing documented is gone)."""
+"""The /metrics endpoint follows Prometheus' rules (promtool on a live scrape), every metric
+the code defines is documented in the README's metrics table (and nothing documented is gone),
+and the dashboards and alert rules use no metric the code does not define."""
 
 from __future__ import annotations
 
@@ -38,6 +39,24 @@ def test_every_metric_is_documented_and_vice_versa():
     documented = documented_metric_names()
     assert defined - documented == set(), "undocumented metrics"
     assert documented - defined == set(), "documented metrics that do not exist"
+
+
+def used_metric_names(*paths: str) -> dict[str, set[str]]:
+    """Metric names in the given files (series suffixes of histograms removed)."""
+    out: dict[str, set[str]] = {}
+    for path in paths:
+        for name in re.findall(r"\belasticd_[a-z0-9_]+", open(os.path.join(REPO, path)).read()):
+            out.setdefault(re.sub(r"_(bucket|count|sum)$", "", name), set()).add(path)
+    return out
+
+
+def test_dashboards_and_alert_rules_use_only_defined_metrics():
+    used = used_metric_names("grafana/dashboards/elasticd-overview.json",
+                             "grafana/dashboards/elasticd-node.json",
+                             "grafana/prometheus/elasticd.rules.yml")
+    unknown = {n: sorted(p) for n, p in used.items() if n not in defined_metric_names()}
+    assert not unknown, f"metrics used but not defined in elasticd/metrics.py: {unknown}"
+    assert len(used) > 30  # the pattern found the queries at all
 
 
 @pytest.mark.etcd
