@@ -88,16 +88,19 @@ class Checkpointer:
         persist_dir: the persistent tier to restore from when there is no daemon.
         collective: how ranks agree at restore (default: the initialised process group).
         timeout: seconds to wait for a copy before giving up on it.
+        replicated: more state entries that must be identical on every rank after a restore
+            (DDP-wrapped modules are checked always); a mismatch raises ``ReplicaMismatch``.
     """
 
     def __init__(self, every: int = 1, *, transport: Any = ..., job: str | None = None,
                  rank: int | None = None, world_size: int | None = None,
                  local_world_size: int | None = None, copier: Copier | None = None,
                  persist_dir: str | None = None, collective: Any = None,
-                 timeout: float = 300.0) -> None:
+                 timeout: float = 300.0, replicated: tuple[str, ...] = ()) -> None:
         if type(every) is not int or every < 1:
             raise ValueError(f"every must be an integer >= 1, got {every!r}")
         self.every, self.persist_dir, self.timeout = every, persist_dir, timeout
+        self.replicated = tuple(replicated)
         if transport is ...:
             transport = _default_transport()
         self.transport = transport
@@ -151,7 +154,8 @@ class Checkpointer:
             and torch.distributed.is_initialized() else _restore.Solo())
         sources = _restore.Sources(self.transport, self.job, self.rank, self.world_size,
                                    self.persist_dir)
-        result = _restore.restore(state, sources, collective, time.perf_counter)
+        result = _restore.restore(state, sources, collective, time.perf_counter,
+                                  _restore.replicated_keys(state, self.replicated))
         self.generation, self.last_restore = result.next_generation, result
         self._call("ckpt_report", job=self.job, rank=self.rank, source=result.source,
                    seconds=result.seconds, steps_lost=result.steps_lost, bytes=result.nbytes,

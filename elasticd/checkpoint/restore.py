@@ -52,6 +52,56 @@ class RestoreError(RuntimeError):
     changed shape since it was saved); raised on every rank together."""
 
 
+class ReplicaMismatch(RestoreError):
+    """State that must be identical on every rank (a data-parallel model) differs after the
+    restore: continuing would train diverged replicas in silence. Raised on every rank."""
+
+
+def replicated_keys(state: Any, extra: Any = ()) -> list[str]:
+    """Entries of ``state`` that every rank holds identically: DDP-wrapped modules (DDP keeps
+    its replicas equal, so equality after a restore is a real invariant) plus ``extra``."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    keys = [k for k, v in state.items() if isinstance(v, DistributedDataParallel)]
+    return keys + [k for k in extra if k in state and k not in keys]
+
+
+def state_digest(value: Any) -> int:
+    """xxh3-64 over the names, dtypes, shapes and bytes of ``value``'s state-dict tensors."""
+    import xxhash
+
+    h = xxhash.xxh3_64()
+    sd = value.state_dict() if hasattr(value, "state_dict") else value
+    for name, t in sd.items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).reshape(-1).numpy().data if t.numel() else b"")
+    return h.intdigest()
+
+
+def check_replicas_agree(state: Any, keys: list[str], collective: "Collective") -> None:
+    """Compares the digests of ``keys`` across ranks (one all_gather of int64 pairs).
+
+    Raises:
+        ReplicaMismatch: on every rank, naming the entries that differ.
+    """
+    if not keys:
+        return
+    rows = []
+    for key in keys:
+        d = state_digest(state[key])
+        rows.append((d >> 32, d & 0xFFFFFFFF))
+    gathered = collective.all_gather(rows)
+    differ = [key for i, key in enumerate(keys) if len({g[i] for g in gathered}) > 1]
+    if differ:
+        raise ReplicaMismatch(
+            f"after the restore, {', '.join(differ)} differ across ranks although they must be "
+            "identical (data-parallel replicas): refusing to train diverged copies. Check that "
+            "every rank builds the same model and that no rank restored another job's snapshot")
+
+
 @dataclasses.dataclass
 class RestoreResult:
     """What :meth:`Checkpointer.restore` did.
@@ -324,11 +374,17 @@ def agree(sources: Sources, collective: Collective, state: Any = None) -> Agreem
     return Agreement(ordered, max(seen, default=None))
 
 
-def restore(state: Any, sources: Sources, collective: Collective, clock: Any) -> RestoreResult:
+def restore(state: Any, sources: Sources, collective: Collective, clock: Any,
+            replicated: list[str] = ()) -> RestoreResult:
     """Runs the whole protocol on this rank; see the module docstring.
+
+    Args:
+        replicated: entries that must be identical on every rank; compared by checksum
+            after a restore (:func:`check_replicas_agree`).
 
     Raises:
         RestoreError: on every rank, when the agreed snapshot does not fit some rank's state.
+        ReplicaMismatch: on every rank, when ``replicated`` entries differ after it.
     """
     from elasticd.checkpoint.state import StateError, load_into
 
@@ -359,6 +415,8 @@ def restore(state: Any, sources: Sources, collective: Collective, clock: Any) ->
                         "%d (the state is replicated: rank %d's shard)", sources.rank, version,
                         world, sources.world, sources.rank)
         break
+    if result.source != "none":
+        check_replicas_agree(state, list(replicated), collective)
     result.next_generation = seen[0] + 1 if seen is not None else 0
     result.steps_lost = max(0, seen[1] - result.step) if seen is not None else 0
     result.seconds = clock() - start

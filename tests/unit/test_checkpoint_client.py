@@ -9,6 +9,7 @@ Ranks are simulated with threads and a barrier-based collective.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import shutil
@@ -336,3 +337,33 @@ def test_growing_meta_replans_instead_of_corrupting(service):
     with Checkpointer(transport=t, job="j", rank=0, world_size=1) as again:
         assert again.restore(fresh) == 3
     assert fresh["history"] == list(range(9000))
+
+
+def test_replicated_state_that_differs_across_ranks_after_restore_is_refused_on_every_rank():
+    from elasticd.checkpoint.restore import ReplicaMismatch, check_replicas_agree, state_digest
+
+    ranks = ThreadRanks(2)
+    same = torch.nn.Linear(4, 2)
+    models = [same, copy.deepcopy(same)]
+    run_ranks(2, lambda r: check_replicas_agree({"model": models[r]}, ["model"], ranks.rank(r)))
+    with torch.no_grad():
+        models[1].bias[0] += 1e-6  # one rank's replica drifted by one ulp-ish value
+    assert state_digest(models[0]) != state_digest(models[1])
+    outcomes = []
+
+    def check(r):
+        try:
+            check_replicas_agree({"model": models[r], "other": 1}, ["model"], ranks.rank(r))
+        except ReplicaMismatch as exc:
+            outcomes.append(str(exc))
+
+    run_ranks(2, check)
+    assert len(outcomes) == 2 and all("model differ across ranks" in o for o in outcomes)
+
+
+def test_ddp_modules_are_checked_by_default_and_extra_keys_on_request():
+    from elasticd.checkpoint.restore import replicated_keys
+
+    state = {"model": torch.nn.Linear(2, 2), "optim": None, "step": 3}
+    assert replicated_keys(state) == []  # a bare module may be a model-parallel shard
+    assert replicated_keys(state, ("model", "missing")) == ["model"]
