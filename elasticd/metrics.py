@@ -321,6 +321,10 @@ class ReplicationCollector:
         for outcome in RECEIVED_OUTCOMES:
             received.add_metric([outcome], getattr(server, f"pushes_{outcome}", 0))
         yield received
+        yield counter("elasticd_replica_protocol_errors",
+                      "Connections from authenticated peers closed for breaking the protocol "
+                      "(malformed or corrupt frames; what they sent is not stored)",
+                      getattr(server, "protocol_errors", 0))
         yield counter("elasticd_replica_bytes_received",
                       "Bytes this node's replica server received from peers",
                       getattr(server, "bytes_received", 0))

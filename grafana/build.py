@@ -172,6 +172,9 @@ NODE = [
         panel("Pushes received by outcome", [
             (f'sum by (instance, outcome) (increase(elasticd_replica_pushes_received_total'
              f'{{instance=~"$instance"}}{R}))', "{{instance}} {{outcome}}")]),
+        panel("Protocol errors from authenticated peers", [
+            (f'increase(elasticd_replica_protocol_errors_total{{instance=~"$instance"}}{R})',
+             "{{instance}}")]),
         panel("Connections rejected by reason", [
             (f'sum by (instance, reason) (increase('
              f'elasticd_replication_connections_rejected_total{{instance=~"$instance"}}{R}))',

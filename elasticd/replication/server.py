@@ -60,6 +60,7 @@ class ServerStats:
     pushes_committed: int = 0
     pushes_refused: int = 0
     pushes_aborted: int = 0
+    protocol_errors: int = 0  # authenticated peers that broke the protocol (connection closed)
     fetches: int = 0
     bytes_received: int = 0
     bytes_sent: int = 0
@@ -249,6 +250,7 @@ class ReplicaServer:
                                           f"{msg.TYPE.name}")
         except ProtocolError as exc:
             log.warning("replica server %s: protocol error from %s: %s", self.node_id, peer, exc)
+            self._bump(protocol_errors=1)
             channel.send_error("protocol", str(exc))
             channel.linger_close()
         except (ConnectionLost, OSError) as exc:

@@ -38,7 +38,7 @@ def test_attached_statistics_are_read_at_scrape_time():
     m = Metrics()
     stats = dict(STATS)
     server = SimpleNamespace(pushes_committed=5, pushes_refused=1, pushes_aborted=2,
-                             bytes_received=999)
+                             bytes_received=999, protocol_errors=3)
     m.replication.attach(lambda: stats, lambda: server)
     got = samples(m)
     assert got[("elasticd_replication_bytes_total", ())] == 4096
@@ -53,6 +53,7 @@ def test_attached_statistics_are_read_at_scrape_time():
     assert got[("elasticd_replica_fetch_failures_total", (("reason", "no_address"),))] == 1
     assert got[("elasticd_replica_pushes_received_total", (("outcome", "aborted"),))] == 2
     assert got[("elasticd_replica_bytes_received_total", ())] == 999
+    assert got[("elasticd_replica_protocol_errors_total", ())] == 3
     stats["committed_step"] = 42  # the next scrape sees the new value
     assert samples(m)[("elasticd_committed_step", ())] == 42
 

@@ -291,6 +291,7 @@ def test_corrupt_chunk_aborts_with_an_error(make_server):
     reply = channel.recv(Error)
     assert isinstance(reply, Error) and reply.code == "protocol" and "checksum" in reply.message
     wait_for(lambda: [e[0] for e in sink.events] == ["begin", "abort"])
+    wait_for(lambda: server.snapshot_stats().protocol_errors == 1)
     client.close()
 
 
