@@ -41,6 +41,8 @@ def main() -> int:
     p.add_argument("--hang-rank", type=int, default=-1, help="this rank stops progressing...")
     p.add_argument("--hang-at-step", type=int, default=-1, help="...at this step (first attempt)")
     p.add_argument("--out", default="", help="rank 0 writes the final weights here")
+    p.add_argument("--hidden", type=int, default=64,
+                   help="hidden width (state size: bench/bench_peer_timeline.py uses ~1.3M)")
     args = p.parse_args()
 
     torch.manual_seed(0)
@@ -54,8 +56,8 @@ def main() -> int:
     sampler = elasticd.ElasticSampler(len(data), shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler,
                         generator=torch.Generator().manual_seed(0))
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
-                                    torch.nn.Linear(64, 1)))  # 3. the wrapped model
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(32, args.hidden), torch.nn.ReLU(),
+                                    torch.nn.Linear(args.hidden, 1)))  # 3. the wrapped model
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
     # 4. restore: the newest step every rank holds (daemon RAM, a peer, or the disk tier)
