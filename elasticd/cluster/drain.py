@@ -165,6 +165,8 @@ class Drainer:
         shortfall: per job, the ranks of the committed step that have fewer than ``m``
             copies without this node (as etcd says now); empty when the hand-off is complete.
         stop_wait: seconds to wait for the workers to stop once held.
+        read_interval: seconds between reads of the drain record (a drain starts within
+            this plus one loop cycle; kept apart from the loop's pace to spare etcd).
         clock: injected time (stamps records; waits are on its monotonic clock).
     """
 
@@ -174,12 +176,14 @@ class Drainer:
                  hold: Callable[[str | None], None], job_stopped: Callable[[], bool],
                  record_event: Callable[[str, str, dict[str, Any]], None],
                  shortfall: Callable[[], dict[str, list[int]]] = dict,
-                 stop_wait: float = 30.0, clock: Clock | None = None) -> None:
+                 stop_wait: float = 30.0, read_interval: float = 1.0,
+                 clock: Clock | None = None) -> None:
         self.node_id, self.coord, self.keys = node_id, coord, keys
         self.quiesce, self.resume, self.handoff = quiesce, resume, handoff
         self.hold, self.job_stopped, self.record_event = hold, job_stopped, record_event
         self.shortfall = shortfall
-        self.stop_wait = stop_wait
+        self.stop_wait, self.read_interval = stop_wait, read_interval
+        self._next_read = 0.0
         self.clock = clock or SystemClock()
         self.held = False
         self.state = ""  # last seen state of this node's record ("" when none)
@@ -190,6 +194,10 @@ class Drainer:
     def step(self) -> str | None:
         """One main-loop cycle: follows this node's drain record. Returns a note when
         something changed. Raises: CoordinationError (the cycle reports it)."""
+        now = self.clock.monotonic()
+        if now < self._next_read:
+            return None
+        self._next_read = now + self.read_interval
         try:
             rec = read(self.coord, self.keys, self.node_id)
         except records.RecordError as exc:

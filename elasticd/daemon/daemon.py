@@ -370,7 +370,7 @@ class Daemon:
             elif now - self._last_heartbeat >= self.settings.heartbeat_seconds:
                 self._put_record(self.registered_lease)
             if self.state is NodeState.UP and self.registered_lease is not None:
-                note = self.drainer.step()
+                note = self.drainer.step() if self.health.up else None
                 if note:
                     self._notes.append(note)
                 self.jobs.step()

@@ -61,7 +61,8 @@ class Parts:
 def make(parts, coord, keys):
     return drain.Drainer("n3", coord, keys, quiesce=parts.quiesce, resume=parts.resume,
                          handoff=parts.handoff, hold=parts.hold, job_stopped=parts.stopped,
-                         record_event=parts.event, shortfall=parts.shortfall, stop_wait=5)
+                         record_event=parts.event, shortfall=parts.shortfall, stop_wait=5,
+                         read_interval=0)
 
 
 @pytest.fixture
