@@ -1,7 +1,12 @@
 """SIGTERM to a daemon running a job: the workers stop only after their snapshot in flight is
 sealed (new ones are refused meanwhile), the node leaves with its lease revoked (a ``left``
 event, its record gone at once rather than after a TTL), and the daemon exits 0 with no
-process of the job left."""
+process of the job left.
+
+Limit: with the pause before the stop removed, this test failed only 1 run in 9 here (a torn
+slot): torchrun's own SIGTERM handling usually outlasts a 0.1 s copy. It checks the property
+end to end; the pause itself (refuse new snapshots, wait for the one in flight) is pinned by
+tests/unit/test_drainer.py::test_quiesce_refuses_new_snapshots_and_waits_for_the_one_in_flight."""
 
 from __future__ import annotations
 
