@@ -97,6 +97,8 @@ class JobManager:
         self._generations = 0
         self._lock = threading.Lock()  # progress arrives on the local API's threads
         self.notes: list[str] = []
+        self.hold = ""  # why this node runs no job for now (a drain), or ""
+        self._group_restart: int | None = None  # the workers' TORCHELASTIC_RESTART_COUNT
 
     # -- etcd view ------------------------------------------------------------------------
 
@@ -184,7 +186,10 @@ class JobManager:
     # -- decisions ------------------------------------------------------------------------
 
     def wanted(self) -> str | None:
-        """The job this node should run: the oldest wanted job it has not finished."""
+        """The job this node should run: the oldest wanted job it has not finished (none
+        while the node is held out of jobs, e.g. drained)."""
+        if self.hold:
+            return None
         for job, (_, spec) in sorted(self.specs.items(), key=lambda kv: kv[1][0]):
             control = self.controls.get(job)
             if control is not None and control.desired != "running":
@@ -208,7 +213,10 @@ class JobManager:
             self._stopping = None
         wanted = self.wanted()
         if self.job is not None and self.job != wanted:
-            self._stop_async(f"job {self.job} is no longer wanted here", "stopped")
+            if self.hold:
+                self._stop_async(f"node {self.hold}", "drained")
+            else:
+                self._stop_async(f"job {self.job} is no longer wanted here", "stopped")
         elif wanted is not None and self.job is None:
             self._start(wanted)
         elif self.supervisor is not None:
@@ -253,6 +261,7 @@ class JobManager:
                 self.tracker.reset(self.job)
             self._restarted_at = self.clock.monotonic()
             self.status = dataclasses.replace(self.status, ranks=[])
+            self._group_restart = None  # ranks were reset here; a new agent counts from 0
 
     def on_progress(self, msg: dict[str, Any]) -> None:
         """A worker's progress report (from the local API; any thread)."""
@@ -266,6 +275,14 @@ class JobManager:
                 self.metrics.world_size.set(world)
                 if world != self.status.world_size:
                     self.status = dataclasses.replace(self.status, world_size=world, ranks=[])
+            restart = msg.get("restart")
+            if isinstance(restart, int) and (self._group_restart is None
+                                             or restart > self._group_restart):
+                # The agent restarted its workers on its own (a peer left the job cleanly,
+                # e.g. drained): a new group whose ranks may have moved between nodes.
+                if self._group_restart is not None:
+                    self.status = dataclasses.replace(self.status, ranks=[])
+                self._group_restart = restart
             rank = msg.get("rank")
             if isinstance(rank, int) and rank not in self.status.ranks:
                 self.status = dataclasses.replace(self.status,
@@ -311,8 +328,8 @@ class JobManager:
             return
         if code == 0:
             self.notes.append(f"job {self.job} finished on this node")
+            self._finished.add(self.job)  # before _stop_async, which forgets self.job
             self._stop_async(f"job {self.job} succeeded", "succeeded")
-            self._finished.add(self.job)
             return
         self._failures += 1
         self.metrics.worker_restarts.labels("agent_died").inc()
@@ -364,6 +381,11 @@ class JobManager:
                                         at=self.clock.wall())
             self.job, self.supervisor = None, None
 
+    def idle(self) -> bool:
+        """True when this node runs no job and no stop is under way."""
+        stopping = self._stopping
+        return self.supervisor is None and (stopping is None or not stopping.is_alive())
+
     def shutdown(self) -> None:
         """Stops the agent and waits (daemon exit)."""
         if self._stopping is not None:
@@ -388,7 +410,7 @@ class JobManager:
 
         def run() -> None:
             code = sup.stop(self.stop_grace)
-            if final_state in ("stopped", "succeeded", "failed"):
+            if final_state in ("stopped", "succeeded", "failed", "drained"):
                 for hook in self.on_job_end:
                     try:
                         hook(job)

@@ -196,7 +196,8 @@ class JobControl:
 class NodeJobStatus:
     """One node's view of one job, under ``jobs/<job>/nodes/<node>`` (bound to its lease).
 
-    state: starting | running | restarting | stopping | stopped | succeeded | failed | refused.
+    state: starting | running | restarting | stopping | stopped | succeeded | failed | refused
+            | drained (the node was drained: ``elasticctl drain``).
     """
 
     node: str

@@ -46,6 +46,7 @@ import json
 import logging
 import os
 import threading
+import time
 from typing import Any, Callable
 
 from elasticd.checkpoint.api import OverBudget, Slot, SlotBusy, SlotStoreError, StaleSlot
@@ -122,6 +123,10 @@ class CheckpointService:
         self._granted: set[str] = set()
         self.counters: collections.Counter[str] = collections.Counter()
         self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=100)
+        #: Called with each restore report (after it is logged), e.g. to record an event.
+        self.on_restore: list[Callable[[dict[str, Any]], None]] = []
+        self._paused = ""  # why new snapshots are refused (a drain, a clean exit), or ""
+        self._reserving = 0  # reservations between the pause check and their slot's record
         if persist is not None and persist.on_flushed is None:
             persist.on_flushed = self._on_flushed
         for job, rank, gen, step in store.holdings():  # adopted after a daemon restart
@@ -160,6 +165,19 @@ class CheckpointService:
         uid = msg.get("_peer", {}).get("uid", msg.get("uid"))
         self._sweep_pins()
         with self._lock:
+            if self._paused:
+                self.counters["skipped_paused"] += 1
+                return {"skip": True, "reason": f"paused: {self._paused}"}
+            self._reserving += 1
+        try:
+            return self._reserve_slot(job, rank, world, nbytes, local_world, uid)
+        finally:
+            with self._lock:
+                self._reserving -= 1
+
+    def _reserve_slot(self, job: str, rank: int, world: int, nbytes: int,
+                      local_world: int | None, uid: Any) -> dict[str, Any]:
+        with self._lock:
             record = self._job(job)
             if record.world_size != world:  # a new world: its local ranks are seen afresh
                 record.world_size, record.ranks = world, set()
@@ -178,6 +196,28 @@ class CheckpointService:
             record.slots[rank] = slot
             record.unprotected.pop(rank, None)
         return {"path": slot.path, "capacity": slot.capacity, "ticket": slot.ticket}
+
+    def quiesce(self, timeout: float, why: str = "the node is draining") -> bool:
+        """Refuses new snapshots (workers get ``skip``) and waits up to ``timeout`` seconds
+        (real time) for those in flight to complete, so that workers stopped next leave a
+        complete snapshot behind. Returns True when none is left in flight."""
+        with self._lock:
+            self._paused = why
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                busy = self._reserving + sum(len(r.slots) for r in self._jobs.values())
+            if not busy:
+                return True
+            if time.monotonic() >= deadline:
+                log.warning("%d snapshots still in flight after %.1f s; going on", busy, timeout)
+                return False
+            time.sleep(0.02)
+
+    def resume(self) -> None:
+        """Accepts snapshots again (after :meth:`quiesce`)."""
+        with self._lock:
+            self._paused = ""
 
     def _skip(self, job: str, rank: int, reason: str, detail: str) -> dict[str, Any]:
         with self._lock:
@@ -445,6 +485,11 @@ class CheckpointService:
             if reason.startswith("persistent"):
                 self._emit("snapshot_refused", job, "persistent")
         self._emit("restored", job, source, seconds, lost, nbytes)
+        for hook in self.on_restore:
+            try:
+                hook(entry)
+            except Exception:  # noqa: BLE001 — a report must not fail over a hook
+                log.exception("restore hook failed")
         return {}
 
     # -- housekeeping and status ----------------------------------------------------------

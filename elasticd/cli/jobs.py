@@ -13,6 +13,7 @@ from typing import Any
 
 from elasticd.agent import spec as jobspec
 from elasticd.agent.spec import JobControl, JobSpec, NodeJobStatus
+from elasticd.cli.errors import CommandFailed, confirm
 from elasticd.cli.output import Table
 from elasticd.coordination import records
 from elasticd.coordination.api import Compare, Coordinator, Put
@@ -23,10 +24,6 @@ JOB_TABLE = Table([("JOB", "job"), ("WANTED", "desired"), ("NODES", "nnodes"),
                    ("SCRIPT", "script")])
 LOG_TABLE = Table([("NODE", "node"), ("STATE", "state"), ("HOST", "hostname"), ("LOG", "log")],
                   max_width=120)
-
-
-class CommandFailed(Exception):
-    """The command could not do what was asked (exit 1)."""
 
 
 def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -49,15 +46,21 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     s.add_argument("script", help="training script, after --")
     s.add_argument("args", nargs=argparse.REMAINDER)
     sub.add_parser("jobs", parents=[common], help="jobs and where they run",
-                   description="Every job, its desired state, and each node's view of it.")
+                   description="Every job, its desired state, and each node's view of it.",
+                   epilog="Example: elasticctl jobs --watch 2")
     st = sub.add_parser("stop", parents=[common], help="stop a job everywhere",
-                        description="Mark a job stopped; every daemon stops its processes.")
+                        description="Mark a job stopped; every daemon stops its processes.",
+                        epilog="Examples:\n  elasticctl stop mnist --force --wait 60\n"
+                               "Without --force it asks on a terminal and refuses in a "
+                               "script (exit 2).",
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     st.add_argument("name")
     st.add_argument("--force", action="store_true", help="do not ask")
     st.add_argument("--wait", type=float, default=0, metavar="SECONDS",
                     help="wait until no node runs it")
     lg = sub.add_parser("logs", parents=[common], help="where a job's worker logs are",
-                        description="Per node: the file holding the agent's and workers' output.")
+                        description="Per node: the file holding the agent's and workers' output.",
+                        epilog="Example: elasticctl logs mnist --format json")
     lg.add_argument("name")
 
 
@@ -125,14 +128,8 @@ def cmd_jobs(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> An
 def cmd_stop(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> Any:
     if coord.get(keys.job_spec(args.name)) is None:
         raise CommandFailed(f"no job named {args.name!r} (see: elasticctl jobs)")
-    if not args.force:
-        import sys
-
-        if not sys.stdin.isatty():
-            raise CommandFailed(f"stopping {args.name!r} ends its training everywhere: "
-                                "add --force to confirm")
-        if input(f"stop job {args.name} on every node? [y/N] ").strip().lower() != "y":
-            raise CommandFailed("not stopped")
+    confirm(f"stop job {args.name} on every node?",
+            f"stopping {args.name!r} ends its training everywhere", args.force)
     coord.put(keys.job_control(args.name),
               JobControl("stopped", time.time(), "elasticctl").encode())
     deadline = time.monotonic() + args.wait

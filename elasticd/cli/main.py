@@ -1,9 +1,11 @@
 """``elasticctl``: look at and drive an elasticd cluster through etcd.
 
 Every command shares ``--format pretty|json`` (one output function for both; JSON carries stable
-keys and nothing decorative) and ``--watch SECONDS`` (refresh until interrupted; with JSON one
-document per line). Exit status: 0 success, 1 the operation failed (etcd unreachable, not
-found), 2 bad usage.
+keys and nothing decorative, documented in docs/elasticctl.md) and, where re-reading makes
+sense, ``--watch SECONDS`` (refresh until interrupted; with JSON one document per line).
+Destructive commands (stop, drain) need ``--force`` in scripts and ask on a terminal. Exit
+status (:mod:`elasticd.cli.errors`): 0 success, 1 the operation failed, 2 bad usage or input,
+3 etcd unreachable.
 """
 
 from __future__ import annotations
@@ -15,20 +17,39 @@ import time
 from typing import Any, Callable, Sequence
 
 from elasticd.agent.spec import JobSpecError
+from elasticd.cli import drain as drain_cli
 from elasticd.cli import jobs as jobs_cli
+from elasticd.cli import replicas as replicas_cli
+from elasticd.cli.errors import (
+    EXIT_ETCD,
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    CommandFailed,
+    UsageError,
+)
 from elasticd.cli.output import Table, emit
+from elasticd.cluster import drain
 from elasticd.cluster.events import EventLog
 from elasticd.coordination import records
-from elasticd.coordination.api import CoordinationError
+from elasticd.coordination.api import CoordinationError, Unavailable
 from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endpoints
 from elasticd.coordination.keys import Keyspace, check_prefix
 from elasticd.daemon.daemon import decode_node
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+#: Commands that change something: ``--watch`` would repeat them, so it is refused.
+NOT_WATCHABLE = ("submit", "stop", "drain")
 
+EPILOG = """\
+Examples:
+  elasticctl --etcd 10.0.0.5:2379 nodes
+  elasticctl status --format json
+  elasticctl history --watch 2
+  elasticctl placement mnist
+  elasticctl drain n3 --force
 
-class UsageError(Exception):
-    pass
+Exit status: 0 ok, 1 the operation failed, 2 bad usage or input (also: a destructive command
+without --force in a script), 3 etcd unreachable. JSON keys: docs/elasticctl.md."""
 
 
 def _env(name: str, default: str = "") -> str:
@@ -56,18 +77,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(
         prog="elasticctl", description="Inspect and drive an elasticd cluster.",
-        epilog="Examples:\n  elasticctl --etcd 10.0.0.5:2379 nodes\n"
-               "  elasticctl status --format json\n  elasticctl history --watch 2",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    raw = argparse.RawDescriptionHelpFormatter
     sub.add_parser("nodes", parents=[common], help="live nodes and their state",
-                   description="List the live nodes (those holding a lease).")
+                   description="List the live nodes (those holding a lease) and any drain.",
+                   epilog="Example: elasticctl nodes --watch 1", formatter_class=raw)
     sub.add_parser("status", parents=[common], help="cluster summary",
-                   description="Nodes, what each is doing, and recent events.")
-    h = sub.add_parser("history", parents=[common], help="failures, departures, joins",
-                       description="Cluster events, oldest first.")
-    h.add_argument("--limit", type=int, default=50)
+                   description="Nodes, what each is doing, and recent events.",
+                   epilog="Example: elasticctl status --format json", formatter_class=raw)
+    h = sub.add_parser("history", parents=[common], help="failures, recoveries, departures",
+                       description="Cluster events, oldest first: failures with their "
+                                   "detection time, recoveries with their source, restore "
+                                   "and recovery time and steps lost, joins, departures, "
+                                   "drains, fencings.",
+                       epilog="Examples:\n  elasticctl history --limit 20\n"
+                              "  elasticctl history --kind failed,recovered --format json",
+                       formatter_class=raw)
+    h.add_argument("--limit", type=int, default=50, help="newest N events (default 50)")
+    h.add_argument("--kind", default="", help="only these kinds, comma-separated")
     jobs_cli.add_parsers(sub, common)
+    replicas_cli.add_parsers(sub, common)
+    drain_cli.add_parsers(sub, common)
     return p
 
 
@@ -90,13 +121,18 @@ def _connect(args: argparse.Namespace) -> tuple[EtcdCoordinator, Keyspace]:
 
 def _nodes(coord: EtcdCoordinator, keys: Keyspace) -> list[dict[str, Any]]:
     kvs, _ = coord.get_prefix(keys.nodes)
+    drains = drain.read_all(coord, keys)
     now = time.time()
     out = []
     for kv in kvs:
+        node = keys.node_of(kv.key)
+        d = drains.get(node)
         try:
             r = decode_node(kv.value, kv.key)
         except records.RecordError as exc:
-            out.append({"node": keys.node_of(kv.key), "state": "unreadable", "address": "",
+            out.append({"node": node, "state": "unreadable", "address": "", "hostname": "",
+                        "pid": 0, "lease": "", "version": "", "heartbeat_age_seconds": None,
+                        "up_seconds": None, "sentence": "", "drain": d.state if d else None,
                         "error": str(exc)})
             continue
         out.append({
@@ -104,24 +140,50 @@ def _nodes(coord: EtcdCoordinator, keys: Keyspace) -> list[dict[str, Any]]:
             "pid": r.pid, "lease": f"{r.lease:x}", "version": r.version,
             "heartbeat_age_seconds": round(max(0.0, now - r.heartbeat_at), 3),
             "up_seconds": round(max(0.0, now - r.started_at), 3),
-            "sentence": r.sentence,
+            "sentence": r.sentence, "drain": d.state if d else None,
         })
     return out
 
 
-NODE_TABLE = Table([("NODE", "node"), ("STATE", "state"), ("ADDRESS", "address"),
-                    ("HEARTBEAT", "heartbeat_age_seconds"), ("DOING", "sentence")])
-EVENT_TABLE = Table([("WHEN", "at_iso"), ("NODE", "node"), ("EVENT", "kind"), ("BY", "by"),
-                     ("DETAIL", "detail")])
+NODE_TABLE = Table([("NODE", "node"), ("STATE", "state"), ("DRAIN", "drain"),
+                    ("ADDRESS", "address"), ("HEARTBEAT", "heartbeat_age_seconds"),
+                    ("DOING", "sentence")])
+EVENT_TABLE = Table([("WHEN", "at_iso"), ("NODE", "node"), ("EVENT", "kind"),
+                     ("DETECT S", "detection_seconds"), ("SOURCE", "source"),
+                     ("RESTORE S", "restore_seconds"), ("RECOVERY S", "recovery_seconds"),
+                     ("LOST", "steps_lost"), ("DETAIL", "detail")])
+
+#: Events after which a recovery counts as recovering from them.
+_DISRUPTIONS = ("failed", "left", "drained", "fenced")
+#: A recovery further than this from the last disruption is not attributed to it.
+_RECOVERY_WINDOW = 600.0
 
 
-def _events(coord: EtcdCoordinator, keys: Keyspace, limit: int) -> list[dict[str, Any]]:
+def _events(coord: EtcdCoordinator, keys: Keyspace, limit: int,
+            kinds: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """Events, oldest first, each with the same keys. For ``failed``: detection_seconds; for
+    ``recovered`` (one per restored rank): source, steps_lost, restore_seconds, and
+    recovery_seconds, from the disruption before it (failure, departure, drain) recorded
+    by the cluster to the restore's end."""
     out = []
-    for e in EventLog(coord, keys).list()[-limit:]:
-        out.append({"at": e.at, "at_iso": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(e.at)),
-                    "node": e.node, "kind": e.kind, "lease": f"{e.lease:x}", "by": e.by,
-                    "detail": e.detail, "data": e.data})
-    return out
+    last_disruption: float | None = None
+    for e in EventLog(coord, keys).list():
+        d = e.data or {}
+        row = {"at": e.at, "at_iso": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(e.at)),
+               "node": e.node, "kind": e.kind, "lease": f"{e.lease:x}", "by": e.by,
+               "detail": e.detail, "data": d, "job": d.get("job"), "rank": d.get("rank"),
+               "step": d.get("step"), "detection_seconds": d.get("detection_seconds"),
+               "source": d.get("source"), "steps_lost": d.get("steps_lost"),
+               "restore_seconds": d.get("seconds") if e.kind == "recovered" else None,
+               "recovery_seconds": None}
+        if e.kind in _DISRUPTIONS:
+            last_disruption = e.at
+        elif (e.kind == "recovered" and last_disruption is not None
+              and 0 <= e.at - last_disruption <= _RECOVERY_WINDOW):
+            row["recovery_seconds"] = round(e.at - last_disruption, 3)
+        if not kinds or e.kind in kinds:
+            out.append(row)
+    return out[-limit:] if limit > 0 else out
 
 
 def _status_pretty(doc: dict[str, Any]) -> str:
@@ -141,7 +203,10 @@ def cmd_status(args: argparse.Namespace, coord: EtcdCoordinator, keys: Keyspace)
 
 
 def cmd_history(args: argparse.Namespace, coord: EtcdCoordinator, keys: Keyspace) -> Any:
-    return _events(coord, keys, args.limit)
+    if args.limit < 1:
+        raise UsageError(f"--limit {args.limit} must be at least 1")
+    kinds = [k.strip() for k in args.kind.split(",") if k.strip()]
+    return _events(coord, keys, args.limit, kinds)
 
 
 Command = Callable[[argparse.Namespace, EtcdCoordinator, Keyspace], Any]
@@ -152,33 +217,42 @@ COMMANDS: dict[str, tuple[Command, Table | Callable[[Any], str]]] = {
     "status": (cmd_status, _status_pretty),
     "history": (cmd_history, EVENT_TABLE),
     **jobs_cli.COMMANDS,
+    **replicas_cli.COMMANDS,
+    **drain_cli.COMMANDS,
 }
 
 
 def run(argv: Sequence[str] | None = None, out: Any = None) -> int:
     out = out or sys.stdout
     args = build_parser().parse_args(argv)
+
+    def fail(code: int, exc: Exception) -> int:
+        print(f"elasticctl: error: {exc}", file=sys.stderr)
+        return code
+
+    if args.watch is not None and (args.command in NOT_WATCHABLE or args.watch <= 0):
+        return fail(EXIT_USAGE, UsageError(
+            f"--watch does not apply to {args.command} (it changes the cluster)"
+            if args.command in NOT_WATCHABLE else "--watch needs a positive number of seconds"))
     try:
         coord, keys = _connect(args)
     except UsageError as exc:
-        print(f"elasticctl: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return fail(EXIT_USAGE, exc)
     compute, pretty = COMMANDS[args.command]
     try:
         while True:
             try:
                 text = emit(compute(args, coord, keys), args.format, pretty,
                             one_line=bool(args.watch))
-            except JobSpecError as exc:
-                print(f"elasticctl: error: {exc}", file=sys.stderr)
-                return EXIT_USAGE
-            except jobs_cli.CommandFailed as exc:
-                print(f"elasticctl: error: {exc}", file=sys.stderr)
-                return EXIT_FAILED
+            except (JobSpecError, UsageError) as exc:
+                return fail(EXIT_USAGE, exc)
+            except CommandFailed as exc:
+                return fail(EXIT_FAILED, exc)
             except CoordinationError as exc:
-                print(f"elasticctl: error: {exc}", file=sys.stderr)
+                code = EXIT_ETCD if isinstance(exc, Unavailable) else EXIT_FAILED
                 if not args.watch:
-                    return EXIT_FAILED
+                    return fail(code, exc)
+                print(f"elasticctl: error: {exc}", file=sys.stderr)
                 text = ""
             if args.watch and args.format == "pretty" and out.isatty():
                 out.write("\033[H\033[2J")

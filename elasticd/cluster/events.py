@@ -26,13 +26,17 @@ class Event:
     """One thing that happened to a node.
 
     Attributes:
-        kind: failed | left | joined | fenced | rejoined.
+        kind: failed | left | joined | fenced | rejoined | recovered (a rank restored after a
+            failure: data has job, rank, source, seconds, steps_lost, step) | drained |
+            drain_failed.
         node: the node it happened to.
         lease: the node's lease at the time (hex in keys).
         at: wall time when it was recorded.
         by: the node that recorded it.
         detail: one human sentence.
         data: kind-specific numbers (e.g. ``detection_seconds``).
+        instance: tells apart events of a kind that happen more than once per lease
+            (recoveries, drains); part of the key, empty for once-per-lease kinds.
     """
 
     kind: str
@@ -42,6 +46,7 @@ class Event:
     by: str
     detail: str = ""
     data: dict[str, Any] = dataclasses.field(default_factory=dict)
+    instance: str = ""
 
 
 class EventLog:
@@ -54,7 +59,8 @@ class EventLog:
 
     def record(self, event: Event) -> bool:
         """Records ``event`` unless the same (node, lease, kind) already is; True if written."""
-        key = self._keys.event(event.node, event.lease, event.kind)
+        kind = f"{event.kind}@{event.instance}" if event.instance else event.kind
+        key = self._keys.event(event.node, event.lease, kind)
         written = self._coord.create(key, records.encode_dataclass(KIND, event))
         if written:
             self.trim()

@@ -4,6 +4,7 @@
 
     <prefix>/nodes/<node>                       node record, bound to the node's lease
     <prefix>/events/<node>/<lease>/<kind>       cluster events (failure, departure, ...), bounded
+    <prefix>/drain/<node>                       drain request and its progress (elasticctl drain)
     <prefix>/jobs/<job>/spec                    job spec (written once by elasticctl submit)
     <prefix>/jobs/<job>/control                 desired state: running | stopped
     <prefix>/jobs/<job>/nodes/<node>            a node's view of the job, bound to its lease
@@ -72,6 +73,14 @@ class Keyspace:
 
     def event(self, node: str, lease: int, kind: str) -> bytes:
         return self._k("events", node, f"{lease:016x}", kind)
+
+    # drains
+    @property
+    def drains(self) -> bytes:
+        return self._k("drain", "")
+
+    def drain(self, node: str) -> bytes:
+        return self._k("drain", node)
 
     # jobs
     @property

@@ -27,6 +27,7 @@ import psutil
 import elasticd
 from elasticd.agent.manager import JobManager
 from elasticd.clock import Clock, SystemClock
+from elasticd.cluster.drain import Drainer
 from elasticd.cluster.events import Event, EventLog
 from elasticd.cluster.membership import (
     Membership,
@@ -114,6 +115,11 @@ class Daemon:
             stop_grace=settings.stop_grace, warm_workers=settings.worker_start == "warm",
             clock=self.clock)
         self.fence_hooks.append(self.jobs.fence)
+        self.drainer = Drainer(
+            settings.node_id, coord, self.keys, quiesce=self._quiesce, resume=self._resume,
+            handoff=self._handoff, hold=self._hold, job_stopped=self.jobs.idle,
+            record_event=self._record_event, shortfall=self._shortfall, stop_wait=settings.stop_grace + 10,
+            clock=self.clock)
 
         self.state = NodeState.UP
         self.registered_lease: int | None = None
@@ -192,10 +198,15 @@ class Daemon:
         """
         self.state = NodeState.LEAVING
         lease = self.keeper.lease
+        # Workers stop after their snapshot in flight (new ones refused), then our replicas
+        # go to peers so the committed step keeps m copies without us (both bounded:
+        # systemd's TimeoutStopSec must cover them plus the stop grace).
+        self.drainer.before_leave()
         try:
             self.jobs.shutdown()  # while our lease still holds our job status
         except CoordinationError as exc:
             log.warning("could not publish the job's final status: %s", exc)
+        self.drainer.handoff_before_leave()
         try:
             if lease is not None and self.registered_lease == lease:
                 self._put_record(lease)
@@ -242,6 +253,7 @@ class Daemon:
 
         self.checkpoints = service
         self._ckpt_sink = CheckpointSink(self.metrics)
+        service.on_restore.append(self._record_recovery)
         self.jobs.on_job_end.append(service.remove_job)
 
     def attach_replication(self, replicator: Any, server: Any, replica_store: Any) -> None:
@@ -288,6 +300,59 @@ class Daemon:
             self.replicator.set_membership(job, nodes, {n: list(ranks[n]) for n in nodes})
             self._notes.append(f"replica placement for {len(nodes)} nodes")
 
+    # -- drain (elasticd.cluster.drain) and recoveries ------------------------------------
+
+    def _quiesce(self, timeout: float) -> bool:
+        return self.checkpoints.quiesce(timeout) if self.checkpoints is not None else True
+
+    def _resume(self) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints.resume()
+
+    def _handoff(self, timeout: float, progress: Any = None) -> dict[str, Any]:
+        if self.replicator is None:
+            return {}
+        # Our pushes in flight may still commit a step: let them land first (bounded).
+        self.replicator.wait_idle(min(5.0, timeout))
+        return self.replicator.drain(timeout, progress)
+
+    def _shortfall(self) -> dict[str, list[int]]:
+        if self.replicator is None:
+            return {}
+        out = {}
+        for job in list(self.replicator.tracker.jobs):
+            c = self.replicator.committed(job)
+            short = [] if c is None else [
+                r for r in c.ranks
+                if len([h for h in c.holders.get(r, ()) if h != self.settings.node_id]) < c.m]
+            if short:
+                out[job] = short
+        return out
+
+    def _hold(self, reason: str | None) -> None:
+        self.jobs.hold = reason or ""
+        self.wake()
+
+    def _record_event(self, kind: str, detail: str, data: dict[str, Any]) -> None:
+        lease = self.registered_lease or self.keeper.lease or 0
+        try:
+            self.events.record(Event(kind, self.settings.node_id, lease, self.clock.wall(),
+                                     self.settings.node_id, detail, data,
+                                     instance=f"{self.clock.wall():.6f}"))
+        except CoordinationError as exc:
+            log.warning("could not record the %s event: %s", kind, exc)
+
+    def _record_recovery(self, report: dict[str, Any]) -> None:
+        """A worker restored (``ckpt_report``): a ``recovered`` event for elasticctl history."""
+        if report.get("source") in (None, "none"):
+            return  # a first start with nothing to restore is no recovery
+        r = report
+        self._record_event(
+            "recovered", f"{r['job']} rank {r['rank']} restored step {r['step']} from "
+            f"{r['source']} in {r['seconds']:.3f} s, {r['steps_lost']} steps lost",
+            {k: r.get(k) for k in ("job", "rank", "source", "seconds", "steps_lost", "bytes",
+                                   "generation", "step")})
+
     def local_handlers(self) -> dict[str, Callable[[dict[str, Any]], Any]]:
         """What workers may ask of this daemon over its local socket."""
         handlers: dict[str, Callable[[dict[str, Any]], Any]] = {"progress": self.jobs.on_progress}
@@ -313,6 +378,9 @@ class Daemon:
             elif now - self._last_heartbeat >= self.settings.heartbeat_seconds:
                 self._put_record(self.registered_lease)
             if self.state is NodeState.UP and self.registered_lease is not None:
+                note = self.drainer.step() if self.health.up else None
+                if note:
+                    self._notes.append(note)
                 self.jobs.step()
                 self._notes += self.jobs.notes
             self.metrics.job_running.set(1 if self.jobs.supervisor is not None else 0)
@@ -639,6 +707,7 @@ class Daemon:
             ],
             "provisional": sorted(self.membership.pending),
             "job": self.jobs.describe(),
+            "drain": self.drainer.state or None,
             "checkpoints": self.checkpoints.status() if self.checkpoints is not None else None,
             "replication": ({**self.replicator.status(), "round_ranks": self.jobs.round_ranks()}
                             if self.replicator is not None else None),

@@ -201,12 +201,19 @@ class Replicator:
         if current is not None:
             self.tracker.learn(job, current)
 
-    def drain(self, timeout: float = 120.0) -> dict[str, dict[str, Any]]:
+    def drain(self, timeout: float = 120.0,
+              on_progress: Any = None) -> dict[str, dict[str, Any]]:
         """Hands this node's copies of every committed step to other members, so that each
         rank keeps ``m`` copies without this node; blocks until done or ``timeout`` (real
-        time). Returns per job: version, pushed and failed (rank, target) pairs, complete."""
+        time). Returns per job: version, pushed and failed (rank, target) pairs, complete.
+
+        Args:
+            on_progress: called ``(done, failed, planned)`` as copies land (``elasticctl
+                drain`` shows it).
+        """
         deadline = time.monotonic() + timeout
         report: dict[str, dict[str, Any]] = {}
+        done_n = failed_n = planned_n = 0
         for job in list(self.tracker.jobs):
             self.tracker.reread(job)
             placement, committed = self.tracker.view(job)
@@ -220,6 +227,9 @@ class Replicator:
                 self.pusher.submit(target, Task(job, rank, committed.version, exact=True,
                                                 done=done))
                 futures.append((rank, target, done))
+            planned_n += len(futures)
+            if on_progress is not None:
+                on_progress(done_n, failed_n, planned_n)
             pushed, failed = [], []
             for rank, target, done in futures:
                 try:
@@ -227,6 +237,9 @@ class Replicator:
                 except concurrent.futures.TimeoutError:
                     ok = False
                 (pushed if ok else failed).append((rank, target))
+                done_n, failed_n = done_n + bool(ok), failed_n + (not ok)
+                if on_progress is not None:
+                    on_progress(done_n, failed_n, planned_n)
             added: dict[int, list[str]] = {}
             for rank, target in pushed:
                 added.setdefault(rank, []).append(target)
@@ -261,6 +274,13 @@ class Replicator:
         with self.tracker.lock:
             st = self.tracker.jobs.get(job) or JobState()
             committed, placements = st.committed, (st.placement, st.previous)
+        if committed is None or (version is not None and committed.version != tuple(version)):
+            # A node new to the job (a standby taking a drained or dead node's slot) has no
+            # placement or commit of its own yet: the committed record names the holders.
+            try:
+                committed = read_committed(self.coord, self.keys, job) or committed
+            except (CoordinationError, records.RecordError) as exc:
+                log.warning("%s: cannot read the committed record for a fetch: %s", job, exc)
         holders = holder_order(job, rank, version, self.node_id, committed, placements)
         own = functools.partial(copy_own, self._own_stores())
         try:
@@ -304,6 +324,7 @@ class Replicator:
     def status(self) -> dict[str, Any]:
         """Per job: placement, committed step and holders, local progress, sync lag."""
         backlog = self.pusher.lanes.backlog()
+        held = self.sink.bytes_held() if self.sink is not None else 0
         with self.tracker.lock:
             out: dict[str, Any] = {}
             for job, st in sorted(self.tracker.jobs.items()):
@@ -319,7 +340,8 @@ class Replicator:
                     "under_replicated": under_replicated(c, p),
                     "generation_floor": st.floor,
                 }
-            return {"node": self.node_id, "jobs": out, "backlog": backlog}
+            return {"node": self.node_id, "jobs": out, "backlog": backlog,
+                    "replica_bytes_held": held}
 
     def stats(self) -> dict[str, Any]:
         """Plain numbers for the daemon's metrics (a node runs one job: maxima over jobs)."""

@@ -1,0 +1,246 @@
+"""``elasticctl placement`` and ``elasticctl checkpoints``: where each rank's snapshot lives.
+
+Both read the replication records in etcd (``jobs/<job>/placement``, ``ckpt/committed``,
+``ckpt/replicated/<node>``: docs/replication.md) and the live node records; ``checkpoints``
+also asks each live node's ``/status`` (its HTTP address is in its node record) for the bytes
+it holds and its persisted step, and says ``null`` for a node it cannot reach.
+
+A rank is *under-replicated* when fewer than ``m`` live nodes hold a copy of the committed step
+(a holder died and re-replication has not finished, or there are fewer than ``m`` nodes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import urllib.request
+from typing import Any
+
+from elasticd.cli.errors import CommandFailed, UsageError
+from elasticd.cli.output import Table
+from elasticd.coordination import records
+from elasticd.coordination.api import Coordinator
+from elasticd.coordination.keys import Keyspace, check_name
+from elasticd.replication.commit import (
+    Committed,
+    decode_committed,
+    decode_replicated,
+    replicated_prefix,
+)
+from elasticd.replication.placement import Placement, decode_placement
+
+PLACEMENT_EPILOG = """\
+Examples:
+  elasticctl placement                 # the only job, or name one
+  elasticctl placement mnist --format json
+  elasticctl placement --watch 2       # follow re-replication after a failure"""
+
+CHECKPOINTS_EPILOG = """\
+Examples:
+  elasticctl checkpoints
+  elasticctl checkpoints mnist --format json"""
+
+
+def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("placement", parents=[common], help="who holds whose snapshot",
+                       description="Per rank: owner node, holder nodes, newest versions "
+                                   "held; flags ranks held by fewer than m live copies.",
+                       epilog=PLACEMENT_EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("job", nargs="?", help="job name (default: the only job)")
+    c = sub.add_parser("checkpoints", parents=[common], help="committed and persisted steps",
+                       description="The committed (generation, step), per-rank versions with "
+                                   "m copies, the persisted step and the bytes each node holds.",
+                       epilog=CHECKPOINTS_EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    c.add_argument("job", nargs="?", help="job name (default: the only job)")
+
+
+def pick_job(coord: Coordinator, keys: Keyspace, job: str | None) -> str:
+    """The job named, or the only one there is.
+
+    Raises:
+        UsageError: a bad name, or several jobs and none named.
+        CommandFailed: no such job, or no job at all.
+    """
+    kvs, _ = coord.get_prefix(keys.jobs)
+    names = sorted({kv.key[len(keys.jobs):].decode(errors="replace").split("/")[0]
+                    for kv in kvs if kv.key.endswith(b"/spec")})
+    if job is not None:
+        try:
+            check_name("job", job)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
+        if job not in names:
+            raise CommandFailed(f"no job named {job!r} (see: elasticctl jobs)")
+        return job
+    if not names:
+        raise CommandFailed("no job submitted yet (see: elasticctl submit --help)")
+    if len(names) > 1:
+        raise UsageError(f"several jobs ({', '.join(names)}): name one")
+    return names[0]
+
+
+def live_nodes(coord: Coordinator, keys: Keyspace) -> dict[str, dict[str, Any]]:
+    kvs, _ = coord.get_prefix(keys.nodes)
+    out = {}
+    for kv in kvs:
+        try:
+            out[keys.node_of(kv.key)] = records.decode(kv.value, "node", kv.key)
+        except records.RecordError:
+            out[keys.node_of(kv.key)] = {}
+    return out
+
+
+def _read(coord: Coordinator, keys: Keyspace, job: str) -> tuple[
+        Placement | None, Committed | None, dict[str, Any]]:
+    kv = coord.get(keys.job_placement(job))
+    placement = decode_placement(kv.value, kv.key) if kv is not None else None
+    kv = coord.get(keys.job_ckpt(job) + b"committed")
+    committed = decode_committed(kv.value, kv.key) if kv is not None else None
+    kvs, _ = coord.get_prefix(replicated_prefix(keys, job))
+    replicated = {}
+    for kv in kvs:
+        try:
+            r = decode_replicated(kv.value, kv.key)
+        except records.RecordError:
+            continue
+        replicated[r.node] = r
+    return placement, committed, replicated
+
+
+def _ver(v: Any) -> list[int] | None:
+    return [int(v[0]), int(v[1])] if v is not None else None
+
+
+def cmd_placement(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> Any:
+    job = pick_job(coord, keys, args.job)
+    try:
+        placement, committed, replicated = _read(coord, keys, job)
+    except records.RecordError as exc:
+        raise CommandFailed(f"{job}: unreadable replication record: {exc}") from exc
+    alive = set(live_nodes(coord, keys))
+    m = placement.m if placement else (committed.m if committed else 0)
+    ranks = sorted(set(committed.ranks if committed else ())
+                   | {r for rs in (placement.ranks.values() if placement else ()) for r in rs})
+    rows = []
+    for rank in ranks:
+        owner, holders = None, []
+        if placement is not None:
+            try:
+                owner = placement.owner_of(rank)
+                holders = list(placement.holders_of_rank(rank))
+            except KeyError:
+                pass
+        committed_holders = list(committed.holders.get(rank, ())) if committed else []
+        live_copies = [h for h in committed_holders if h in alive]
+        newest = None
+        if owner in replicated and rank in replicated[owner].versions:
+            vs = replicated[owner].versions[rank]
+            newest = _ver(vs[0]) if vs else None
+        rows.append({
+            "rank": rank, "owner": owner, "holders": holders,
+            "committed_holders": committed_holders, "live_copies": len(live_copies),
+            "newest_replicated": newest,
+            "under_replicated": committed is not None and len(live_copies) < m,
+        })
+    under = [r["rank"] for r in rows if r["under_replicated"]]
+    return {
+        "job": job, "m": m, "strategy": placement.strategy if placement else None,
+        "round": placement.round if placement else None,
+        "nodes": list(placement.nodes) if placement else [],
+        "describe": placement.describe() if placement else "no placement published yet",
+        "committed": _ver(committed.version) if committed else None,
+        "ranks": rows, "under_replicated_ranks": under,
+    }
+
+
+PLACEMENT_TABLE = Table([("RANK", "rank"), ("OWNER", "owner"), ("HOLDERS", "holders_text"),
+                         ("COMMITTED COPIES ON", "committed_text"), ("LIVE", "live_copies"),
+                         ("NEWEST", "newest_replicated"), ("UNDER-REPLICATED", "under_flag")])
+
+
+def _placement_pretty(doc: dict[str, Any]) -> str:
+    rows = [{**r, "under_flag": "YES" if r["under_replicated"] else "",
+             "holders_text": ",".join(r["holders"]) or "-",
+             "committed_text": ",".join(r["committed_holders"]) or "-"} for r in doc["ranks"]]
+    head = f"job {doc['job']}: {doc['describe']}; committed step {doc['committed'] or '-'}"
+    tail = (f"\n{len(doc['under_replicated_ranks'])} ranks held by fewer than m={doc['m']} "
+            f"live copies: {doc['under_replicated_ranks']}" if doc["under_replicated_ranks"]
+            else f"\nevery rank of the committed step has m={doc['m']} live copies"
+            if doc["committed"] else "\nnothing committed yet")
+    return head + "\n\n" + PLACEMENT_TABLE.render(rows) + tail
+
+
+def _node_status(address: str, timeout: float) -> dict[str, Any] | None:
+    if not address:
+        return None
+    try:
+        with urllib.request.urlopen(f"http://{address}/status", timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except (OSError, ValueError):
+        return None
+
+
+def cmd_checkpoints(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> Any:
+    job = pick_job(coord, keys, args.job)
+    try:
+        placement, committed, replicated = _read(coord, keys, job)
+    except records.RecordError as exc:
+        raise CommandFailed(f"{job}: unreadable replication record: {exc}") from exc
+    ranks = []
+    for node, rep in sorted(replicated.items()):
+        for rank, versions in sorted(rep.versions.items()):
+            ranks.append({"rank": rank, "owner": node,
+                          "versions": [_ver(v) for v in versions],
+                          "holders": list(rep.holders.get(rank, ()))})
+    ranks.sort(key=lambda r: r["rank"])
+    nodes = []
+    persisted: list[int] | None = None
+    for node, rec in sorted(live_nodes(coord, keys).items()):
+        st = _node_status(rec.get("address", ""), min(2.0, args.etcd_timeout))
+        if st is None:
+            nodes.append({"node": node, "reachable": False, "snapshot_bytes": None,
+                          "replica_bytes": None, "persisted": None, "latest_local": None})
+            continue
+        ck = (st.get("checkpoints") or {}).get(job) or {}
+        rep = st.get("replication") or {}
+        mine = (rep.get("jobs") or {}).get(job) or {}
+        p = _ver(ck.get("persisted"))
+        if p is not None and (persisted is None or p > persisted):
+            persisted = p
+        nodes.append({"node": node, "reachable": True, "snapshot_bytes": ck.get("bytes"),
+                      "replica_bytes": rep.get("replica_bytes_held"), "persisted": p,
+                      "latest_local": ck.get("progress")})
+    return {
+        "job": job,
+        "committed": None if committed is None else {
+            "generation": committed.generation, "step": committed.step, "m": committed.m,
+            "at": committed.at, "ranks": list(committed.ranks)},
+        "placement": placement.describe() if placement else None,
+        "ranks": ranks, "persisted": persisted, "nodes": nodes,
+    }
+
+
+RANKS_TABLE = Table([("RANK", "rank"), ("OWNER", "owner"), ("VERSIONS WITH m COPIES", "versions"),
+                     ("HOLDERS", "holders")])
+NODES_TABLE = Table([("NODE", "node"), ("SNAPSHOT BYTES", "snapshot_bytes"),
+                     ("REPLICA BYTES", "replica_bytes"), ("LATEST LOCAL", "latest_local"),
+                     ("PERSISTED", "persisted")])
+
+
+def _checkpoints_pretty(doc: dict[str, Any]) -> str:
+    c = doc["committed"]
+    when = time.strftime("%H:%M:%S", time.localtime(c["at"])) if c else ""
+    head = (f"job {doc['job']}: committed generation {c['generation']} step {c['step']} "
+            f"(m={c['m']}, at {when})" if c else f"job {doc['job']}: nothing committed yet")
+    head += f"; persisted step {doc['persisted'] or '-'}"
+    return head + "\n\n" + RANKS_TABLE.render(doc["ranks"]) + "\n\n" + NODES_TABLE.render(
+        doc["nodes"])
+
+
+COMMANDS = {
+    "placement": (cmd_placement, _placement_pretty),
+    "checkpoints": (cmd_checkpoints, _checkpoints_pretty),
+}

@@ -1,0 +1,350 @@
+"""Draining a node: hand its checkpoint replicas to others, then leave the job cleanly.
+
+``elasticctl drain NODE`` writes a request to ``<prefix>/drain/<node>``; the daemon of NODE sees
+it (each main-loop cycle reads the key) and runs the drain in a thread of its own, so the loop
+keeps cycling and the watchdog keeps being fed. It writes its progress into the same record,
+which the CLI polls:
+
+1. ``snapshot``: new snapshots are refused and the one in flight is waited for (bounded), so the
+   workers never stop in the middle of a copy;
+2. ``replicas``: every committed step gets ``m`` copies without this node
+   (:meth:`~elasticd.replication.replicator.Replicator.drain`), copies counted as they land;
+3. ``stopping``: the node stops running jobs (its workers get SIGTERM, then SIGKILL after the stop
+   grace); the job goes on at the remaining nodes, or a standby takes the free slot.
+
+States (``DrainRecord.state``): requested → draining → drained | failed. A drained node stays out
+of every job until the record is deleted (``elasticctl drain --undo NODE``). A failed drain (the
+replicas could not be handed off in time) does not take the node out: it keeps training and
+snapshotting, and the record says why, so an operator may retry or stop the daemon knowing the
+committed step may be under-replicated.
+
+A daemon's SIGTERM does the same first two steps with fixed bounds (:meth:`Drainer.before_leave`)
+before it stops its workers and revokes its lease.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from elasticd.clock import Clock, SystemClock
+from elasticd.coordination import records
+from elasticd.coordination.api import Compare, CoordinationError, Coordinator, Put
+from elasticd.coordination.keys import Keyspace
+
+log = logging.getLogger(__name__)
+
+KIND = "drain"
+STATES = ("requested", "draining", "drained", "failed")
+FINAL = ("drained", "failed")
+#: Progress entries kept in a drain record.
+LOG_LIMIT = 40
+
+
+@dataclasses.dataclass(frozen=True)
+class DrainRecord:
+    """A drain request and its progress, as stored in etcd.
+
+    Attributes:
+        node: the node to drain.
+        state: requested | draining | drained | failed.
+        requested_at: wall time of the request.
+        by: who asked (``elasticctl@host``).
+        timeout: seconds the daemon may spend handing off replicas.
+        phase: the step running now: snapshot | replicas | stopping | done.
+        detail: one human sentence about where the drain is.
+        copies_done, copies_failed, copies_planned: replica hand-off progress.
+        updated_at: wall time of the last progress write.
+        jobs: what the hand-off did per job (version, complete, pushed/failed counts).
+        log: the progress so far, ``[at, state, phase, detail]`` oldest first (bounded), so a
+            reader polling slower than the drain moves still sees every step.
+    """
+
+    node: str
+    state: str = "requested"
+    requested_at: float = 0.0
+    by: str = ""
+    timeout: float = 120.0
+    phase: str = ""
+    detail: str = ""
+    copies_done: int = 0
+    copies_failed: int = 0
+    copies_planned: int = 0
+    updated_at: float = 0.0
+    jobs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    log: list[list[Any]] = dataclasses.field(default_factory=list)
+
+    def encode(self) -> bytes:
+        return records.encode_dataclass(KIND, self)
+
+    @staticmethod
+    def decode(raw: bytes, key: bytes | str = b"?") -> "DrainRecord":
+        rec = records.decode_dataclass(DrainRecord, raw, KIND, key)
+        if rec.state not in STATES:
+            raise records.CorruptRecord(f"{key!r}: unknown drain state {rec.state!r}")
+        return rec
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def read(coord: Coordinator, keys: Keyspace, node: str) -> DrainRecord | None:
+    """The node's drain record, or None. Raises: CoordinationError, records.RecordError."""
+    kv = coord.get(keys.drain(node))
+    return None if kv is None else DrainRecord.decode(kv.value, kv.key)
+
+
+def read_all(coord: Coordinator, keys: Keyspace) -> dict[str, DrainRecord]:
+    """Every readable drain record by node (unreadable ones are skipped with a warning)."""
+    kvs, _ = coord.get_prefix(keys.drains)
+    out = {}
+    for kv in kvs:
+        try:
+            rec = DrainRecord.decode(kv.value, kv.key)
+        except records.RecordError as exc:
+            log.warning("skipping drain record: %s", exc)
+            continue
+        out[rec.node] = rec
+    return out
+
+
+def request(coord: Coordinator, keys: Keyspace, node: str, timeout: float, by: str,
+            now: float) -> DrainRecord:
+    """Writes a drain request unless one is under way or done; returns the record in force.
+
+    A failed drain is replaced by the new request (a retry).
+    """
+    new = DrainRecord(node, "requested", now, by, timeout, "", "waiting for the daemon",
+                      updated_at=now, log=[[round(now, 3), "requested", "",
+                                            "waiting for the daemon"]])
+    key = keys.drain(node)
+    for _ in range(5):
+        kv = coord.get(key)
+        if kv is None:
+            if coord.create(key, new.encode()):
+                return new
+            continue
+        old = DrainRecord.decode(kv.value, kv.key)
+        if old.state != "failed":
+            return old
+        ok, _ = coord.transaction([Compare(key, kv.mod_revision)], [Put(key, new.encode())])
+        if ok:
+            return new
+    raise CoordinationError(f"{key.decode()}: the drain record kept changing; retry")
+
+
+def undo(coord: Coordinator, keys: Keyspace, node: str) -> DrainRecord | None:
+    """Deletes the node's drain record (it may run jobs again); returns what was there."""
+    kv = coord.get(keys.drain(node))
+    if kv is None:
+        return None
+    coord.delete(keys.drain(node))
+    try:
+        return DrainRecord.decode(kv.value, kv.key)
+    except records.RecordError:
+        return None
+
+
+class Drainer:
+    """Runs this node's drains (``elasticctl drain``) and the hand-off before a clean exit.
+
+    Args:
+        node_id: this node.
+        coord, keys: etcd and the cluster keyspace.
+        quiesce: refuse new snapshots and wait (at most the given seconds) for those in
+            flight; returns True when none is left.
+        resume: accept snapshots again.
+        handoff: hands this node's replicas off (``Replicator.drain``-like: timeout and a
+            progress callback ``(done, failed, planned)``); returns the per-job report.
+        hold: takes this node out of its jobs with a reason, or back in with None.
+        job_stopped: True once no job of this node has processes left.
+        record_event: records a cluster event (kind, detail, data).
+        shortfall: per job, the ranks of the committed step that have fewer than ``m``
+            copies without this node (as etcd says now); empty when the hand-off is complete.
+        stop_wait: seconds to wait for the workers to stop once held.
+        read_interval: seconds between reads of the drain record (a drain starts within
+            this plus one loop cycle; kept apart from the loop's pace to spare etcd).
+        clock: injected time (stamps records; waits are on its monotonic clock).
+    """
+
+    def __init__(self, node_id: str, coord: Coordinator, keys: Keyspace, *,
+                 quiesce: Callable[[float], bool], resume: Callable[[], None],
+                 handoff: Callable[..., dict[str, Any]] | None,
+                 hold: Callable[[str | None], None], job_stopped: Callable[[], bool],
+                 record_event: Callable[[str, str, dict[str, Any]], None],
+                 shortfall: Callable[[], dict[str, list[int]]] = dict,
+                 stop_wait: float = 30.0, read_interval: float = 1.0,
+                 clock: Clock | None = None) -> None:
+        self.node_id, self.coord, self.keys = node_id, coord, keys
+        self.quiesce, self.resume, self.handoff = quiesce, resume, handoff
+        self.hold, self.job_stopped, self.record_event = hold, job_stopped, record_event
+        self.shortfall = shortfall
+        self.stop_wait, self.read_interval = stop_wait, read_interval
+        self._next_read = 0.0
+        self.clock = clock or SystemClock()
+        self.held = False
+        self.state = ""  # last seen state of this node's record ("" when none)
+        self._thread: threading.Thread | None = None
+
+    # -- main loop --------------------------------------------------------------------------
+
+    def step(self) -> str | None:
+        """One main-loop cycle: follows this node's drain record. Returns a note when
+        something changed. Raises: CoordinationError (the cycle reports it)."""
+        now = self.clock.monotonic()
+        if now < self._next_read:
+            return None
+        self._next_read = now + self.read_interval
+        try:
+            rec = read(self.coord, self.keys, self.node_id)
+        except records.RecordError as exc:
+            log.warning("ignoring the drain record: %s", exc)
+            return None
+        if self._thread is not None and self._thread.is_alive():
+            return None
+        self._thread = None
+        if rec is None:
+            self.state = ""
+            if self.held:
+                self.held = False
+                self.hold(None)
+                self.resume()
+                return "undrained: may run jobs again"
+            return None
+        changed = rec.state != self.state
+        self.state = rec.state
+        if rec.state == "requested" or (rec.state == "draining" and not self.held):
+            # "draining" with no thread here: a previous daemon died mid-drain; start over.
+            self._thread = threading.Thread(target=self._run, args=(rec,),
+                                            name="drain", daemon=True)
+            self._thread.start()
+            return f"draining (asked by {rec.by})"
+        if rec.state == "drained" and not self.held:
+            self.held = True  # e.g. after a daemon restart: stay out until undone
+            self.hold("drained")
+            return "drained: staying out of jobs until undrained"
+        return f"drain {rec.state}" if changed else None
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -- the drain --------------------------------------------------------------------------
+
+    def _write(self, rec: DrainRecord, **changes: Any) -> DrainRecord:
+        now = self.clock.wall()
+        rec = dataclasses.replace(rec, updated_at=now, **changes)
+        entry = [round(now, 3), rec.state, rec.phase, rec.detail]
+        if not rec.log or rec.log[-1][1:] != entry[1:]:
+            rec = dataclasses.replace(rec, log=[*rec.log, entry][-LOG_LIMIT:])
+        try:
+            self.coord.put(self.keys.drain(self.node_id), rec.encode())
+        except CoordinationError as exc:
+            log.warning("could not publish drain progress: %s", exc)
+        return rec
+
+    def _run(self, rec: DrainRecord) -> None:
+        started = self.clock.monotonic()
+        try:
+            self._drain(rec, started)
+        except Exception as exc:  # noqa: BLE001 — a drain thread must report, never vanish
+            log.exception("drain failed")
+            self._fail(rec, f"drain failed: {exc}", started)
+
+    def _drain(self, rec: DrainRecord, started: float) -> None:
+        deadline = started + rec.timeout
+        rec = self._write(rec, state="draining", phase="snapshot",
+                          detail="waiting for the snapshot in flight; new ones refused")
+        log.info("drain requested by %s: waiting for the snapshot in flight", rec.by)
+        self.quiesce(min(10.0, max(0.0, deadline - self.clock.monotonic())))
+        jobs: dict[str, Any] = {}
+        if self.handoff is not None:
+            rec = self._write(rec, phase="replicas", detail="handing replicas off to peers")
+            last = [0.0]
+
+            def progress(done: int, failed: int, planned: int) -> None:
+                nonlocal rec
+                if self.clock.monotonic() - last[0] >= 0.2 or done + failed == planned:
+                    last[0] = self.clock.monotonic()
+                    rec = self._write(rec, copies_done=done, copies_failed=failed,
+                                      copies_planned=planned,
+                                      detail=f"handed off {done} of {planned} copies")
+
+            done = failed = 0
+            while True:
+                report = self.handoff(max(0.0, deadline - self.clock.monotonic()), progress)
+                for job, r in report.items():
+                    jobs[job] = {"version": r["version"], "complete": r["complete"],
+                                 "pushed": len(r["pushed"]), "failed": len(r["failed"])}
+                    done, failed = done + len(r["pushed"]), failed + len(r["failed"])
+                rec = self._write(rec, copies_done=done, copies_failed=failed,
+                                  copies_planned=done + failed, jobs=jobs)
+                # A step snapshotted before the pause may commit after the hand-off, with
+                # this node among its holders: hand that one off too.
+                short = self.shortfall()
+                if failed or not short or self.clock.monotonic() >= deadline:
+                    break
+                rec = self._write(rec, detail=f"a newer step committed: handing it off too "
+                                              f"({short})")
+                time.sleep(0.2)
+            if failed or short:
+                what = (f"{failed} replica copies could not be handed off" if failed else
+                        f"ranks still short of copies without this node: {short}")
+                self._fail(rec, f"{what} within {rec.timeout:g} s; the node keeps running "
+                           "its job", started)
+                return
+        rec = self._write(rec, phase="stopping", detail="stopping this node's workers")
+        self.held = True
+        self.hold("drained")
+        end = self.clock.monotonic() + self.stop_wait
+        while not self.job_stopped():
+            if self.clock.monotonic() > end:
+                self._fail(rec, f"workers still running {self.stop_wait:g} s after the stop",
+                           started)
+                return
+            time.sleep(0.1)
+        seconds = round(self.clock.monotonic() - started, 3)
+        self._write(rec, state="drained", phase="done",
+                    detail=f"drained in {seconds:g} s: replicas handed off, workers stopped")
+        self.state = "drained"
+        self.record_event("drained", f"drained in {seconds:g} s (asked by {rec.by})",
+                          {"seconds": seconds, "copies": rec.copies_done, "jobs": jobs})
+        log.info("drained in %.1f s; staying out of jobs until undrained", seconds)
+
+    def _fail(self, rec: DrainRecord, why: str, started: float) -> None:
+        log.error("drain failed: %s", why)
+        if self.held:
+            self.held = False
+            self.hold(None)
+        self.resume()
+        self._write(rec, state="failed", phase="done", detail=why)
+        self.state = "failed"
+        self.record_event("drain_failed", why,
+                          {"seconds": round(self.clock.monotonic() - started, 3)})
+
+    # -- clean exit -------------------------------------------------------------------------
+
+    def before_leave(self, snapshot_wait: float = 5.0) -> bool:
+        """SIGTERM: lets the snapshot in flight finish (bounded) and refuses new ones, so the
+        workers stop with a complete snapshot. Returns True when none was left in flight."""
+        if self.busy:
+            self.join(snapshot_wait)
+        return self.quiesce(snapshot_wait)
+
+    def handoff_before_leave(self, timeout: float = 15.0) -> dict[str, Any]:
+        """SIGTERM, workers stopped: hands replicas off (bounded) so the committed step keeps
+        ``m`` copies after this node is gone. Returns the report ({} without replication)."""
+        if self.handoff is None:
+            return {}
+        try:
+            return self.handoff(timeout, None)
+        except Exception:  # noqa: BLE001 — leaving must go on
+            log.exception("handing replicas off before leaving failed")
+            return {}
