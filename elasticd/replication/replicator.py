@@ -261,6 +261,13 @@ class Replicator:
         with self.tracker.lock:
             st = self.tracker.jobs.get(job) or JobState()
             committed, placements = st.committed, (st.placement, st.previous)
+        if committed is None or (version is not None and committed.version != tuple(version)):
+            # A node that was in no round of the job yet (a standby taking over a dead node's
+            # rank) has no cached record and would know no holder: ask etcd.
+            try:
+                committed = self.committed(job) or committed
+            except CoordinationError as exc:
+                self.tracker.etcd_error("read the committed record", exc)
         holders = holder_order(job, rank, version, self.node_id, committed, placements)
         own = functools.partial(copy_own, self._own_stores())
         try:
