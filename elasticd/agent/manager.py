@@ -308,8 +308,8 @@ class JobManager:
             return
         if code == 0:
             self.notes.append(f"job {self.job} finished on this node")
+            self._finished.add(self.job)  # before _stop_async, which forgets self.job
             self._stop_async(f"job {self.job} succeeded", "succeeded")
-            self._finished.add(self.job)
             return
         self._failures += 1
         self.metrics.worker_restarts.labels("agent_died").inc()

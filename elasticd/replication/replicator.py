@@ -262,12 +262,12 @@ class Replicator:
             st = self.tracker.jobs.get(job) or JobState()
             committed, placements = st.committed, (st.placement, st.previous)
         if committed is None or (version is not None and committed.version != tuple(version)):
-            # A node that was in no round of the job yet (a standby taking over a dead node's
-            # rank) has no cached record and would know no holder: ask etcd.
+            # A node new to the job (a standby taking a drained or dead node's slot) has no
+            # placement or commit of its own yet: the committed record names the holders.
             try:
-                committed = self.committed(job) or committed
-            except CoordinationError as exc:
-                self.tracker.etcd_error("read the committed record", exc)
+                committed = read_committed(self.coord, self.keys, job) or committed
+            except (CoordinationError, records.RecordError) as exc:
+                log.warning("%s: cannot read the committed record for a fetch: %s", job, exc)
         holders = holder_order(job, rank, version, self.node_id, committed, placements)
         own = functools.partial(copy_own, self._own_stores())
         try:

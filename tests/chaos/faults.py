@@ -90,8 +90,9 @@ class FaultPlan:
         copy of their shards is gone."""
         return self._add("kill_group", "", at_step, after)
 
-    def restart_node(self, node: str, at_step: int | None = None, after: float = 0.0):
-        """Starts the node's daemon again (a replacement with empty RAM after a kill)."""
+    def restart_node(self, node: str = "", at_step: int | None = None, after: float = 0.0):
+        """Starts the node's daemon again (a replacement with empty RAM after a kill); with no
+        node, every node the previous fault hit."""
         return self._add("restart_node", node, at_step, after)
 
     def kill_etcd_leader(self, at_step: int | None = None, after: float = 0.0):
@@ -235,8 +236,10 @@ class Injector:
         return list(group), f"killed replica group {list(group)} of {placement.groups}", None
 
     def _restart_node(self, f: Fault):
-        self.cluster.restart_node(f.node)
-        return [f.node], "daemon started again", None
+        nodes = [f.node] if f.node else list(self.records[-1].targets)
+        for node in nodes:
+            self.cluster.restart_node(node)
+        return nodes, "daemon started again", None
 
     def _kill_etcd_leader(self, f: Fault):
         leader = self.cluster.etcd_server.leader()

@@ -207,6 +207,7 @@ class ChaosCluster:
         self.out_dir = os.path.join(self.workdir, "out")
         args = list(shape.daemon_args)
         if self.persist_dir:
+            os.makedirs(self.persist_dir)  # the shared filesystem every node mounts
             args += ["--persist-dir", self.persist_dir, "--persist-every-steps",
                      str(shape.persist_every), "--persist-keep", "1000"]
         self.cluster = LocalCluster(list(shape.nodes), workdir=self.workdir,
@@ -343,6 +344,18 @@ class ChaosCluster:
                     for path in glob.glob(os.path.join(root, "**", "*"), recursive=True):
                         self.shm_seen.add(path)
 
+    def scrape(self, path: str) -> dict[str, Any]:
+        """``path`` from every running node's HTTP endpoint (nodes that fail to answer are
+        left out)."""
+        out = {}
+        for node_id, n in self.cluster.nodes.items():
+            if n.running and (n.address or self.cluster.registered(node_id)):
+                try:
+                    out[node_id] = n.http(path)
+                except OSError:
+                    pass
+        return out
+
     def finished(self) -> bool:
         """Every rank of one world printed ``done`` with the job's last step."""
         done = collections.defaultdict(set)
@@ -366,9 +379,10 @@ class ChaosCluster:
             finished_at = time.time()
             lingering = self._wait_agents_gone(30.0)
             history = self.commit_history()
+            metrics = self.scrape("/metrics")
             left = self.stop()
             return Outcome(self, plan, self.injector.records, history, lingering, left,
-                           started, finished_at)
+                           started, finished_at, metrics)
         except BaseException:
             print(self.diagnostics(), flush=True)
             raise
@@ -390,7 +404,12 @@ class ChaosCluster:
             return {n: pids for n, node in self.cluster.nodes.items()
                     if (pids := node.tagged())}
 
-        sleep_until(lambda: not remaining(), timeout, 0.2)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            sleep_until(lambda: not remaining(), deadline - time.monotonic(), 0.2)
+            # ... and stay gone: a daemon that starts the finished job again is a failure too.
+            if not sleep_until(remaining, 3.0, 0.2):
+                return {}
         return remaining()
 
     def commit_history(self, timeout: float = 10.0) -> list[dict[str, Any]]:
@@ -542,8 +561,10 @@ class Outcome:
 
     def __init__(self, cc: ChaosCluster, plan: FaultPlan, faults: list[FaultRecord],
                  commits: list[dict[str, Any]], lingering: dict[str, list[int]],
-                 left: dict[str, Any], started: float, finished: float) -> None:
+                 left: dict[str, Any], started: float, finished: float,
+                 metrics: dict[str, str] | None = None) -> None:
         self.cc, self.plan, self.faults, self.commits = cc, plan, faults, commits
+        self.metrics = metrics or {}  # node -> its /metrics text when the job had ended
         self.lingering, self.left = lingering, left
         self.seconds = finished - started
         self.starts = [RankStart(e.node, e.fields[0], e.fields[1], e.fields[3], e.fields[4],
@@ -619,6 +640,14 @@ class Outcome:
         return "\n".join(lines)
 
     # -- checks -----------------------------------------------------------------------------
+
+    def log_text(self, node: str) -> str:
+        """Everything the node's agent and workers printed."""
+        try:
+            with open(self.cc.agent_log(node), errors="replace") as fh:
+                return fh.read()
+        except FileNotFoundError:
+            return ""
 
     def assert_finished(self) -> None:
         final = self.attempts[-1]
@@ -730,13 +759,18 @@ class Outcome:
     def assert_all(self, sources: Iterable[set[str]], reference: str | None = None) -> None:
         """The checks every scenario makes (``reference``: the failure-free run's weights,
         where the world size never dropped)."""
-        self.assert_finished()
-        self.assert_sources(*sources)
-        self.assert_steps_lost()
-        self.assert_samples_exactly_once()
-        self.assert_nothing_left()
+        checks = [self.assert_finished, lambda: self.assert_sources(*sources),
+                  self.assert_steps_lost, self.assert_samples_exactly_once,
+                  self.assert_nothing_left]
         if reference is not None:
-            self.assert_bitwise_equal(reference)
+            checks.append(lambda: self.assert_bitwise_equal(reference))
+        failed = []
+        for check in checks:  # all of them: one run shows every way it went wrong
+            try:
+                check()
+            except AssertionError as exc:
+                failed.append(str(exc).split("\nchaos outcome")[0])
+        assert not failed, "\n".join(["chaos checks failed:", *failed, self.summary()])
 
 
 # -- the failure-free reference -------------------------------------------------------------
