@@ -380,6 +380,7 @@ class ChaosCluster:
             lingering = self._wait_agents_gone(30.0)
             history = self.commit_history()
             metrics = self.scrape("/metrics")
+            self.events = self.cluster.events()
             left = self.stop()
             return Outcome(self, plan, self.injector.records, history, lingering, left,
                            started, finished_at, metrics)
@@ -565,6 +566,7 @@ class Outcome:
                  metrics: dict[str, str] | None = None) -> None:
         self.cc, self.plan, self.faults, self.commits = cc, plan, faults, commits
         self.metrics = metrics or {}  # node -> its /metrics text when the job had ended
+        self.events = getattr(cc, "events", [])  # the cluster's event log (failed, left, ...)
         self.lingering, self.left = lingering, left
         self.seconds = finished - started
         self.starts = [RankStart(e.node, e.fields[0], e.fields[1], e.fields[3], e.fields[4],

@@ -1,0 +1,31 @@
+"""A node leaves and comes back: SIGTERM (a clean departure: the standby takes its place), and a
+node killed then restarted (the job shrinks to two nodes, then grows back to three)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.chaos.faults import FaultPlan
+from tests.chaos.harness import ChaosCluster, Shape
+
+pytestmark = [pytest.mark.etcd, pytest.mark.chaos, pytest.mark.timeout(300)]
+
+
+def test_sigterm_node_leaves_cleanly_and_the_standby_takes_over(tmp_path, reference):
+    shape = Shape()
+    out = ChaosCluster(tmp_path, shape).run(FaultPlan().sigterm_node("n2", at_step=20))
+    out.assert_all(sources=[{"local", "peer"}], reference=reference(shape))
+    assert out.cc.node("n2").proc.returncode == 0, "the daemon did not exit cleanly on SIGTERM"
+    assert any(e["kind"] == "left" and e["node"] == "n2" for e in out.events), (
+        "n2's departure was not recorded as such")
+    assert not any(e["kind"] == "failed" and e["node"] == "n2" for e in out.events), (
+        "a clean departure was recorded as a failure")
+
+
+def test_node_rejoins_and_the_world_size_comes_back(tmp_path):
+    # The state is replicated across ranks (no ZeRO), so it restores at another world size.
+    shape = Shape(standby=(), nnodes="2:3", zero=False)
+    plan = FaultPlan().kill_node("n3", at_step=15).restart_node("n3", at_step=30)
+    out = ChaosCluster(tmp_path, shape).run(plan)
+    out.assert_all(sources=[{"local", "peer"}, {"local", "peer"}])
+    assert [a.world for a in out.attempts] == [3, 2, 3], [a.world for a in out.attempts]
