@@ -89,7 +89,8 @@ class Shape:
         match bit for bit: the same job on exactly ``max_world`` nodes."""
         nodes = tuple(f"n{i + 1}" for i in range(self.max_world))
         return dataclasses.replace(self, nodes=nodes, standby=(), persist_every=0,
-                                   etcd_members=1, nnodes=f"{self.max_world}:{self.max_world}")
+                                   etcd_members=1, nnodes=f"{self.max_world}:{self.max_world}",
+                                   step_time=0.05)  # the weights do not depend on it
 
 
 # -- what the workers print ---------------------------------------------------------------
