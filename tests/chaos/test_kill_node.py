@@ -14,4 +14,5 @@ pytestmark = [pytest.mark.etcd, pytest.mark.chaos, pytest.mark.timeout(300)]
 def test_kill9_node_standby_takes_over_from_peer_ram(tmp_path, reference):
     shape = Shape()
     out = ChaosCluster(tmp_path, shape).run(FaultPlan().kill_node("n2", at_step=20))
-    out.assert_all(sources=[{"peer", "local"}], reference=reference(shape))
+    out.assert_all(sources=[{"peer", "local"}], reference=reference(shape),
+                   must={"peer"})

@@ -17,6 +17,7 @@ def test_sigstop_daemon_is_aborted_around_and_fences(tmp_path, reference):
     shape = Shape(step_time=0.1)
     plan = FaultPlan().pause_daemon("n2", seconds=3 * shape.lease_ttl, at_step=15)
     out = ChaosCluster(tmp_path, shape).run(plan)
-    out.assert_all(sources=[{"local", "peer"}], reference=reference(shape))
+    out.assert_all(sources=[{"local", "peer"}], reference=reference(shape),
+                   must={"peer"})
     kinds = {(e["kind"], e["node"]) for e in out.events}
     assert ("failed", "n2") in kinds and ("fenced", "n2") in kinds, kinds
