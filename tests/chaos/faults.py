@@ -289,7 +289,8 @@ class Injector:
 
     def _drain(self, f: Fault):
         out = subprocess.run([sys.executable, "-m", "elasticd.cli.main", "drain", f.node,
-                              "--etcd", self.cluster.etcd, "--prefix", self.cluster.prefix],
+                              "--force", "--etcd", self.cluster.etcd, "--prefix",
+                              self.cluster.prefix],
                              capture_output=True, text=True, timeout=60)
         if out.returncode != 0:
             raise RuntimeError(f"elasticctl drain {f.node} exited {out.returncode}: "
