@@ -13,6 +13,7 @@ and starts from step 0 after a restart.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -33,6 +34,41 @@ def make_data(n: int = 4096, dim: int = 32) -> TensorDataset:
     return TensorDataset(x, x @ w + 0.1 * torch.randn(n, 1, generator=g))
 
 
+class Indexed(torch.utils.data.Dataset):
+    """``dataset`` whose items also carry their index (for ``--sample-log``)."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int):
+        return (*self.dataset[i], i)
+
+
+def _sample_log(directory: str, rank: int, world: int):
+    """A function that records one step's sample indices, or None without ``directory``.
+
+    Each worker process appends to a file of its own. Records carry an attempt id that every
+    rank of this process group shares (rank 0's start time, broadcast), so that a reader can
+    tell which attempt's steps were kept: for each step, the latest attempt that ran it.
+    """
+    if not directory:
+        return None
+    os.makedirs(directory, exist_ok=True)
+    attempt = torch.tensor([time.time_ns()], dtype=torch.int64)
+    dist.broadcast(attempt, 0)
+    fh = open(os.path.join(directory, f"samples-{attempt.item()}-rank{rank}-{os.getpid()}.jsonl"),
+              "a", buffering=1)
+
+    def record(step: int, epoch: int, indices: list[int]) -> None:
+        fh.write(json.dumps({"attempt": attempt.item(), "rank": rank, "world": world,
+                             "step": step, "epoch": epoch, "indices": indices}) + "\n")
+
+    return record
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--steps", type=int, default=200)
@@ -43,6 +79,11 @@ def main() -> int:
     p.add_argument("--out", default="", help="rank 0 writes the final weights here")
     p.add_argument("--hidden", type=int, default=64,
                    help="hidden width (state size: bench/bench_peer_timeline.py uses ~1.3M)")
+    p.add_argument("--zero", action="store_true",
+                   help="ZeroRedundancyOptimizer: optimizer state sharded across ranks")
+    p.add_argument("--sample-log", default="",
+                   help="directory where each worker appends the sample indices of every step "
+                        "(JSON lines; the chaos tests check every sample is seen exactly once)")
     args = p.parse_args()
 
     torch.manual_seed(0)
@@ -52,13 +93,24 @@ def main() -> int:
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
     data = make_data()
+    if args.sample_log:
+        data = Indexed(data)  # batches carry their sample indices
     # 2. the sampler (its position in the epoch is checkpointed), then the loader
     sampler = elasticd.ElasticSampler(len(data), shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler,
                         generator=torch.Generator().manual_seed(0))
+    # 3. the wrapped model. find_unused_parameters=True keeps DDP's gradient buckets in one
+    # order for the whole run (otherwise they are rebuilt after the first iteration, a resumed
+    # process sums gradients in another order and drifts ~1e-7 from an uninterrupted run).
     model = DDP(torch.nn.Sequential(torch.nn.Linear(32, args.hidden), torch.nn.ReLU(),
-                                    torch.nn.Linear(args.hidden, 1)))  # 3. the wrapped model
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+                                    torch.nn.Linear(args.hidden, 1)), find_unused_parameters=True)
+    if args.zero:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD,
+                                      lr=0.01, momentum=0.9)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
     # 4. restore: the newest step every rank holds (daemon RAM, a peer, or the disk tier)
     state = {"model": model, "optim": opt, "sampler": sampler, "rng": elasticd.RNGState(),
@@ -70,10 +122,11 @@ def main() -> int:
     print(f"start rank {rank} world {world} restart {restart} pid {os.getpid()} "
           f"restored step {step} from {r.source if r else 'none'} "
           f"in {r.seconds if r else 0:.3f} s, steps lost {r.steps_lost if r else 0}", flush=True)
+    samples = _sample_log(args.sample_log, rank, world)
     while step < args.steps:
         sampler.set_epoch(epoch)
         state["epoch"] = epoch
-        for x, y in loader:
+        for x, y, *index in loader:
             if step >= args.steps:
                 break
             if rank == args.hang_rank and step == args.hang_at_step and restart == 0:
@@ -84,6 +137,8 @@ def main() -> int:
             loss.backward()
             opt.step()
             step += 1
+            if samples is not None:
+                samples(step, epoch, index[0].tolist())
             ckpt.save(step, state)
             progress(step)
             print(f"step {step} world {world} rank {rank} restart {restart} "

@@ -53,7 +53,7 @@ class EtcdMember:
 
     def __init__(self, name: str, data_dir: str, client_port: int, peer_port: int,
                  initial_cluster: str, binary: str, log_path: str,
-                 tls: tuple[str, str, str] | None = None) -> None:
+                 tls: tuple[str, str, str] | None = None, cluster_token: str = "") -> None:
         self.name = name
         self.data_dir = data_dir
         self.client_port = client_port
@@ -62,6 +62,9 @@ class EtcdMember:
         self.binary = binary
         self.log_path = log_path
         self.tls = tls  # (ca, cert, key): clients must present a certificate signed by ca
+        # Every member of one cluster must share the token (it seeds the cluster ID): with a
+        # token per member, three members formed three clusters that refused each other.
+        self.cluster_token = cluster_token or f"elasticd-{os.getpid()}-{id(self)}"
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -81,7 +84,7 @@ class EtcdMember:
             "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_port}",
             "--initial-cluster", self.initial_cluster,
             "--initial-cluster-state", "new",
-            "--initial-cluster-token", f"elasticd-{os.getpid()}-{id(self)}",
+            "--initial-cluster-token", self.cluster_token,
             # Keep etcd's history bounded however long the run: compact all but the last
             # 10,000 revisions every 5 minutes (etcd 3.4 revision mode).
             "--auto-compaction-mode", "revision",
@@ -158,9 +161,10 @@ class EmbeddedEtcd:
         names = [f"etcd{i}" for i in range(members)]
         ports = [(free_port(), free_port()) for _ in names]
         initial = ",".join(f"{n}=http://127.0.0.1:{pp}" for n, (_, pp) in zip(names, ports))
+        token = f"elasticd-{os.getpid()}-{id(self)}"
         self.members = [
             EtcdMember(n, os.path.join(self.dir, n), cp, pp, initial, self.binary,
-                       os.path.join(self.dir, f"{n}.log"), tls)
+                       os.path.join(self.dir, f"{n}.log"), tls, token)
             for n, (cp, pp) in zip(names, ports)
         ]
         self.client_tls = client_tls  # (ca, cert, key) the launcher's own health checks use

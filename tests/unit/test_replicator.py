@@ -332,6 +332,21 @@ def test_a_dead_owners_shard_is_fetched_into_the_local_store_of_its_new_host(mak
     assert view.header.version() == (0, 6) and bytes(view.buffer) == originals[4]
 
 
+def test_a_node_new_to_the_job_fetches_from_the_committed_records_holders(make_cluster):
+    """A standby that was in no round of the job (no placement, no cached commit) takes over
+    a dead node's rank: it finds the holders in etcd's committed record."""
+    cluster = make_cluster(4)
+    cluster.set_membership(["n1", "n2", "n3"], THREE, round=1)
+    originals = snapshot_all(cluster, THREE, step=3)
+    cluster.wait_idle()
+    assert committed(cluster).version == (0, 3)
+    cluster.kill("n2")
+    result = cluster["n4"].replicator.fetch_to_local(JOB, 2, (0, 3))
+    assert result.holder == "n3" and result.wire_bytes >= len(originals[2])
+    view = cluster["n4"].local.latest(JOB, 2, verify=True)
+    assert view.header.version() == (0, 3) and bytes(view.buffer) == originals[2]
+
+
 def test_the_daemon_side_of_replication_does_not_import_torch():
     import subprocess
     import sys

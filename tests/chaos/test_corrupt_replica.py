@@ -1,0 +1,20 @@
+"""A replica corrupted in a peer's memory: the owner dies, the only other copy of its shard has
+a flipped byte. It is detected by its checksum and never loaded; the persistent tier is used."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.chaos.faults import FaultPlan
+from tests.chaos.harness import ChaosCluster, Shape
+
+pytestmark = [pytest.mark.etcd, pytest.mark.chaos, pytest.mark.timeout(300)]
+
+
+def test_corrupt_replica_is_refused_and_the_tier_used(tmp_path, reference):
+    shape = Shape(persist_every=5)
+    plan = FaultPlan().kill_node("n2", at_step=22).corrupt_replicas("n2")
+    out = ChaosCluster(tmp_path, shape).run(plan)
+    out.assert_all(sources=[{"persistent"}], reference=reference(shape))
+    text = "".join(out.log_text(n) for n in out.cc.nodes)
+    assert "checksum" in text, "no worker reported the checksum mismatch"

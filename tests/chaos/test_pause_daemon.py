@@ -1,0 +1,23 @@
+"""SIGSTOP of one daemon for longer than its lease TTL (its agent and workers keep running): the
+peers declare the node dead and restart their workers at once (proactive abort), the standby
+takes its place; when the daemon wakes up it finds itself declared dead and fences: it stops
+its own workers before it rejoins, so that no stale worker keeps training."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.chaos.faults import FaultPlan
+from tests.chaos.harness import ChaosCluster, Shape
+
+pytestmark = [pytest.mark.etcd, pytest.mark.chaos, pytest.mark.timeout(300)]
+
+
+def test_sigstop_daemon_is_aborted_around_and_fences(tmp_path, reference):
+    shape = Shape(step_time=0.1)
+    plan = FaultPlan().pause_daemon("n2", seconds=3 * shape.lease_ttl, at_step=15)
+    out = ChaosCluster(tmp_path, shape).run(plan)
+    out.assert_all(sources=[{"local", "peer"}], reference=reference(shape),
+                   must={"peer"})
+    kinds = {(e["kind"], e["node"]) for e in out.events}
+    assert ("failed", "n2") in kinds and ("fenced", "n2") in kinds, kinds
