@@ -102,8 +102,9 @@ def main() -> int:
     # 3. the wrapped model. find_unused_parameters=True keeps DDP's gradient buckets in one
     # order for the whole run (otherwise they are rebuilt after the first iteration, a resumed
     # process sums gradients in another order and drifts ~1e-7 from an uninterrupted run).
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(32, args.hidden), torch.nn.ReLU(),
-                                    torch.nn.Linear(args.hidden, 1)), find_unused_parameters=True)
+    net = torch.nn.Sequential(torch.nn.Linear(32, args.hidden), torch.nn.ReLU(),
+                              torch.nn.Linear(args.hidden, 1))
+    model = DDP(net, find_unused_parameters=True)
     if args.zero:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
