@@ -104,9 +104,10 @@ def db(m: dict[tuple[str, str], float]) -> dict[str, float]:
 class Window:
     """etcd counters between two scrapes."""
 
-    def __init__(self, url: str, etcd_pid: int) -> None:
+    def __init__(self, url: str, pids: tuple[int, ...]) -> None:
+        """``pids``: etcd's, then the simulator's processes."""
         self.url = url
-        self.procs = [psutil.Process(etcd_pid), psutil.Process()]
+        self.procs = [psutil.Process(p) for p in pids]
         self.c0 = [self._cpu(p) for p in self.procs]
         self.t0, self.m0 = time.monotonic(), scrape(url)
 
@@ -125,7 +126,8 @@ class Window:
         cpu = [(self._cpu(p) - c) / seconds * 100 for p, c in zip(self.procs, self.c0)]
         return {"seconds": round(seconds, 2),
                 "etcd_cpu_percent_of_core": round(cpu[0], 1),
-                "simulator_cpu_percent_of_core": round(cpu[1], 1),
+                "agents_cpu_percent_of_core": round(cpu[1], 1),
+                "sessions_cpu_percent_of_core": round(sum(cpu[2:]), 1),
                 "requests_per_second": round(sum(by.values()), 1),
                 "requests_per_second_by_method": by,
                 "db_bytes_end": d1["db_bytes"], "db_in_use_bytes_end": d1["db_in_use_bytes"],
@@ -309,14 +311,15 @@ class Agent:
 # -- one node count ----------------------------------------------------------------------------
 
 
-def run_size(n: int, etcd: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, Any]:
-    url = f"http://{etcd.members[0].endpoint.split('://')[-1]}/metrics"
-    pid = etcd.members[0].proc.pid
-    settings = EtcdSettings(parse_endpoints(etcd.endpoints), timeout=10.0)
-    coords = [EtcdCoordinator(settings) for _ in range(a.clients)]
-    keys = Keyspace(f"/scale{n}")
-    result: dict[str, Any] = {"nodes": n}
-    deleted: dict[str, float] = {}
+def sessions_process(conn: Any, endpoints: str, prefix: str, n: int, ttl: int,
+                     record_bytes: int, clients: int) -> None:
+    """The N node sessions and the watcher, in a process of their own, so that the simulated
+    agents' CPU use cannot starve the keep-alives (real daemons and agents are separate
+    processes on separate machines). Commands arrive on ``conn``."""
+    settings = EtcdSettings(parse_endpoints(endpoints), timeout=10.0)
+    coords = [EtcdCoordinator(settings) for _ in range(clients)]
+    keys = Keyspace(prefix)
+    deleted: dict[str, list[float]] = {}
 
     def on_event(events: Any) -> None:
         if isinstance(events, Exception):
@@ -324,18 +327,78 @@ def run_size(n: int, etcd: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, Any
         now = time.monotonic()
         for ev in events:
             if ev.type == EventType.DELETE:
-                deleted.setdefault(keys.node_of(ev.kv.key), now)
+                deleted.setdefault(keys.node_of(ev.kv.key), []).append(now)
 
     watch = coords[0].watch_prefix(keys.nodes, on_event, coords[0].revision() + 1)
-    sessions = Sessions(coords, keys, n, a.ttl, a.record_bytes)
+    sessions = Sessions(coords, keys, n, ttl, record_bytes)
+    conn.send(sessions.start())
+    try:
+        while True:
+            cmd, arg = conn.recv()
+            if cmd == "lost":
+                conn.send(sessions.leases_lost)
+            elif cmd == "kill":  # arg: (victims, seconds to spread the kills over)
+                count, spread = arg
+                victims = random.sample(sessions.names, min(count, n))
+                kills = {}
+                for v in victims:
+                    time.sleep(random.uniform(0.2, max(0.3, spread / len(victims))))
+                    kills[v] = sessions.kill(v)
+
+                def seen(v: str) -> float | None:  # the first delete after the kill
+                    return next((t for t in deleted.get(v, []) if t >= kills[v][0]), None)
+
+                deadline = time.monotonic() + ttl + 10
+                while any(seen(v) is None for v in victims) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                found = [v for v in victims if seen(v) is not None]
+                from_kill = [seen(v) - kills[v][0] for v in found]
+                from_refresh = [seen(v) - kills[v][1] for v in found]
+                conn.send({
+                    "victims": len(victims), "detected": len(found), "lease_ttl_seconds": ttl,
+                    "median_seconds_from_kill": _med(from_kill),
+                    "max_seconds_from_kill": round(max(from_kill), 3) if from_kill else None,
+                    "median_seconds_from_last_keepalive": _med(from_refresh),
+                    "max_seconds_from_last_keepalive": round(max(from_refresh), 3)
+                    if from_refresh else None})
+            elif cmd == "stop":
+                break
+    finally:
+        sessions.stop()
+        watch.cancel()
+        try:
+            coords[0].delete_prefix(keys.prefix.encode() + b"/")
+        except Exception:  # noqa: BLE001
+            pass
+        for c in coords:
+            c.close()
+        conn.send({"leases_lost": sessions.leases_lost, "errors": sessions.errors,
+                   "first_error": sessions.first_error})
+
+
+def run_size(n: int, etcd: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, Any]:
+    import multiprocessing as mp
+
+    url = f"http://{etcd.members[0].endpoint.split('://')[-1]}/metrics"
+    settings = EtcdSettings(parse_endpoints(etcd.endpoints), timeout=10.0)
+    coords = [EtcdCoordinator(settings) for _ in range(a.clients)]
+    keys = Keyspace(f"/scale{n}")
+    result: dict[str, Any] = {"nodes": n}
+    conn, child = mp.Pipe()
+    proc = mp.get_context("fork").Process(
+        target=sessions_process, args=(child, etcd.endpoints, keys.prefix, n, a.ttl,
+                                       a.record_bytes, a.clients), daemon=True)
+    pids = (etcd.members[0].proc.pid, os.getpid())
     agents: list[Agent] = []
     try:
         # 1. sessions alone
-        w = Window(url, pid)
-        result["sessions_start_seconds"] = round(sessions.start(), 3)
+        w = Window(url, pids)
+        proc.start()
+        pids = (*pids, proc.pid)
+        result["sessions_start_seconds"] = round(conn.recv(), 3)
         result["sessions_start"] = w.close()
         time.sleep(min(2.0, a.ttl))  # keep-alive threads in their rhythm
-        w = Window(url, pid)
+        w = Window(url, pids)
         time.sleep(a.idle_window)
         result["sessions_only"] = w.close()
         result["sessions_only"]["intended_requests_per_second"] = round(n * (3 + 1) / a.ttl, 1)
@@ -353,7 +416,8 @@ def run_size(n: int, etcd: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, Any
         for i in range(n):
             backend = CountingBackend(stats, lock, coords[i % len(coords)], f"scale{n}", keys)
             agents.append(Agent(i, backend, rs))
-        w = Window(url, pid)
+        lost_before_rdzv = _ask(conn, "lost")
+        w = Window(url, pids)
         start = time.monotonic()
         threads = [threading.Thread(target=ag.join, args=(start, start + a.join_timeout),
                                     daemon=True) for ag in agents]
@@ -363,6 +427,7 @@ def run_size(n: int, etcd: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, Any
             t.join(a.join_timeout + 30)
         rdzv_seconds = time.monotonic() - start
         joined = [ag.joined_at for ag in agents if ag.joined_at is not None]
+        lost_in_rdzv = _ask(conn, "lost")
         errors = sorted({ag.error for ag in agents if ag.error})
         state_key = keys.job_rdzv(f"scale{n}") + b"state"
         kv = coords[0].get(state_key)
@@ -377,6 +442,8 @@ def run_size(n: int, etcd: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, Any
             "bytes_written": stats["write_bytes"], "bytes_read": stats["read_bytes"],
             "state_bytes_stored": len(kv.value) if kv else None,
             "state_bytes_per_node": round(len(kv.value) / n, 1) if kv else None,
+            "max_participants_seen": max(len(ag.holder.state.participants) for ag in agents),
+            "session_leases_lost_meanwhile": lost_in_rdzv - lost_before_rdzv,
             "etcd": w.close()}
         if len(joined) < n:
             # The simulator could not finish the join storm in time: write the complete round
@@ -388,24 +455,26 @@ def run_size(n: int, etcd: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, Any
         for k in stats:
             stats[k] = 0
         latencies: list[float] = []
-        w = Window(url, pid)
+        lost_before_steady = _ask(conn, "lost")
+        w = Window(url, pids)
         until = time.monotonic() + a.window
         threads = [threading.Thread(target=ag.steady, args=(until, a.keep_alive_interval,
                                                            latencies), daemon=True)
                    for ag in agents]
         for t in threads:
             t.start()
-        victims = random.sample(sessions.names, min(a.victims, n))
-        kills = {}
-        for v in victims:
-            time.sleep(random.uniform(0.2, max(0.3, (a.window - a.ttl - 2) / len(victims))))
-            kills[v] = sessions.kill(v)
+        conn.send(("kill", (a.victims, a.window - a.ttl - 2)))
         for t in threads:
             t.join(a.window + 60)
         steady = w.close()
+        # 4. detection: the sessions process reports once the victims' records are gone
+        result["detection"] = conn.recv()
+        lost_after_steady = _ask(conn, "lost")
         kv = coords[0].get(state_key)
         state = kv.value if kv else b""
-        ages = _heartbeat_ages(state)
+        st = _decode(state)
+        now = datetime.datetime.now(datetime.timezone.utc)
+        ages = [(now - t).total_seconds() for t in st.last_heartbeats.values()] if st else []
         intended = n / a.keep_alive_interval
         steady.update({
             "heartbeats_intended_per_second": round(intended, 1),
@@ -418,37 +487,59 @@ def run_size(n: int, etcd: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, Any
             "heartbeat_latency_p50_seconds": _pct(latencies, 50),
             "heartbeat_latency_p99_seconds": _pct(latencies, 99),
             "oldest_heartbeat_age_seconds_at_end": round(max(ages), 2) if ages else None,
+            "participants_at_end": len(st.participants) if st else 0,
+            "state_bytes": len(state),
+            "state_bytes_per_node": round(len(state) / n, 1),
+            "session_leases_lost_meanwhile": lost_after_steady - lost_before_steady,
             "agent_errors": sorted({ag.error for ag in agents if ag.error})[:3],
         })
         result["steady"] = steady
-        # 4. detection (the watcher may still be catching up with the last victims)
-        deadline = time.monotonic() + a.ttl + 10
-        while len([v for v in victims if v in deleted]) < len(victims):
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        from_kill = [deleted[v] - kills[v][0] for v in victims if v in deleted]
-        from_refresh = [deleted[v] - kills[v][1] for v in victims if v in deleted]
-        result["detection"] = {
-            "victims": len(victims), "detected": len(from_kill), "lease_ttl_seconds": a.ttl,
-            "median_seconds_from_kill": _med(from_kill),
-            "max_seconds_from_kill": round(max(from_kill), 3) if from_kill else None,
-            "median_seconds_from_last_keepalive": _med(from_refresh),
-            "max_seconds_from_last_keepalive": round(max(from_refresh), 3) if from_refresh
-            else None}
-        result["sessions_leases_lost"] = sessions.leases_lost
-        result["sessions_keepalive_errors"] = sessions.errors
-        result["sessions_first_error"] = sessions.first_error
+        result["write_cost"] = _write_cost(coords[0], keys, f"scale{n}", st)
         return result
     finally:
-        sessions.stop()
-        watch.cancel()
-        try:
-            coords[0].delete_prefix(keys.prefix.encode() + b"/")
-        except Exception:  # noqa: BLE001
-            pass
+        if proc.pid is not None:
+            conn.send(("stop", None))
+            if conn.poll(60):
+                result["sessions"] = conn.recv()
+            proc.join(30)
         for c in coords:
             c.close()
+
+
+def _write_cost(coord: EtcdCoordinator, keys: Keyspace, run_id: str, st: Any,
+                repeat: int = 20) -> dict[str, Any]:
+    """What one uncontended state write costs at this N: torch's pickle.dumps plus the
+    compare-and-set, and the pickle.loads every reader pays. With agents on separate machines,
+    one successful write per (pickle + CAS + unpickle) is the most the round can make, since
+    each success invalidates every other writer's token."""
+    if st is None:
+        return {}
+    backend = EtcdV3RendezvousBackend(coord, run_id, keys)
+    dumps, loads, cas = [], [], []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        blob = pickle.dumps(st)
+        t1 = time.perf_counter()
+        pickle.loads(blob)
+        t2 = time.perf_counter()
+        token = backend.get_state()[1]
+        t3 = time.perf_counter()
+        backend.set_state(blob, token)
+        t4 = time.perf_counter()
+        dumps.append(t1 - t0)
+        loads.append(t2 - t1)
+        cas.append(t4 - t3)
+    per_write = statistics.median(dumps) + statistics.median(loads) + statistics.median(cas)
+    return {"state_bytes": len(blob), "pickle_dumps_ms": round(statistics.median(dumps) * 1e3, 3),
+            "pickle_loads_ms": round(statistics.median(loads) * 1e3, 3),
+            "cas_write_ms": round(statistics.median(cas) * 1e3, 3),
+            "max_successful_writes_per_second": round(1 / per_write, 1)}
+
+
+def _ask(conn: Any, cmd: str) -> Any:
+    """Asks the sessions process a question and returns its answer."""
+    conn.send((cmd, None))
+    return conn.recv()
 
 
 def _seed_complete_round(agents: list[Agent], coord: EtcdCoordinator, keys: Keyspace,
@@ -474,14 +565,14 @@ def _seed_complete_round(agents: list[Agent], coord: EtcdCoordinator, keys: Keys
         ag.holder.sync()
 
 
-def _heartbeat_ages(state_with_envelope: bytes) -> list[float]:
+def _decode(state_with_envelope: bytes) -> Any:
+    """torch's rendezvous state from the stored envelope (our own etcd and our own writes: the
+    pickle is trusted here)."""
     from elasticd.coordination.rendezvous_backend import decode_state
 
     if not state_with_envelope:
-        return []
-    st = pickle.loads(decode_state(state_with_envelope))  # our own etcd, our own writes
-    now = datetime.datetime.now(datetime.timezone.utc)
-    return [(now - t).total_seconds() for t in st.last_heartbeats.values()]
+        return None
+    return pickle.loads(decode_state(state_with_envelope))
 
 
 def _pct(xs: list[float], p: int) -> float | None:
@@ -522,7 +613,7 @@ def main() -> int:
     if not sizes or min(sizes) < 2 or a.clients < 1 or a.ttl < 1:
         p.error("need node counts >= 2, --clients >= 1 and --ttl >= 1")
     if a.window < a.ttl + 3:
-        p.error(f"--window must exceed --ttl + 3 s so that killed sessions expire inside it")
+        p.error("--window must exceed --ttl + 3 s so that killed sessions expire inside it")
 
     random.seed(0)
     etcd = EmbeddedEtcd(1).start()
@@ -537,7 +628,7 @@ def main() -> int:
             rd, st = r["rendezvous"], r.get("steady", {})
             print(f"N={n:5d}: rendezvous {rd['seconds_all_joined']} s "
                   f"({rd['state_writes']} writes, {rd['cas_conflicts']} conflicts, state "
-                  f"{rd['state_bytes_stored']} B); steady {st.get('requests_per_second')} req/s, "
+                  f"{st.get('state_bytes')} B); steady {st.get('requests_per_second')} req/s, "
                   f"db +{st.get('db_growth_bytes_per_second')} B/s; detection "
                   f"{r.get('detection', {}).get('median_seconds_from_kill')} s "
                   f"[{r['simulation_seconds']} s]", flush=True)
@@ -548,7 +639,8 @@ def main() -> int:
         "command": "python bench/scale_sim.py " + " ".join(sys.argv[1:]),
         "machine": {"cores": os.cpu_count(), "python": platform.python_version(),
                     "platform": platform.platform()},
-        "etcd": "single member, loopback, default settings (no auto-compaction)",
+        "etcd": ("single member on loopback, started as elasticd embeds it (EmbeddedEtcd: "
+                 "revision auto-compaction keeping 10000 revisions, 2 GiB quota, no defrag)"),
         "parameters": {k: v for k, v in vars(a).items() if k != "out"},
         "seconds": round(time.monotonic() - started, 1),
         "runs": runs,
