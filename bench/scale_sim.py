@@ -437,6 +437,8 @@ def run_size(n: int, etcd: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, Any
             "wall_seconds": round(rdzv_seconds, 3), "joined": len(joined), "errors": errors[:3],
             "state_reads": stats["reads"], "state_writes": stats["writes"],
             "cas_conflicts": stats["conflicts"],
+            "successful_writes_per_second": round(
+                (stats["writes"] - stats["conflicts"]) / rdzv_seconds, 1),
             "conflicts_per_successful_write": round(
                 stats["conflicts"] / max(1, stats["writes"] - stats["conflicts"]), 2),
             "bytes_written": stats["write_bytes"], "bytes_read": stats["read_bytes"],
@@ -445,6 +447,9 @@ def run_size(n: int, etcd: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, Any
             "max_participants_seen": max(len(ag.holder.state.participants) for ag in agents),
             "session_leases_lost_meanwhile": lost_in_rdzv - lost_before_rdzv,
             "etcd": w.close()}
+        # One uncontended write of the complete round's state, on a key of its own.
+        result["write_cost"] = _write_cost(coords[0], keys, f"scale{n}-cost",
+                                           _complete_round(agents))
         if len(joined) < n:
             # The simulator could not finish the join storm in time: write the complete round
             # the agents would have reached, so that the steady state is still measured at N.
@@ -494,7 +499,6 @@ def run_size(n: int, etcd: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, Any
             "agent_errors": sorted({ag.error for ag in agents if ag.error})[:3],
         })
         result["steady"] = steady
-        result["write_cost"] = _write_cost(coords[0], keys, f"scale{n}", st)
         return result
     finally:
         if proc.pid is not None:
@@ -512,8 +516,6 @@ def _write_cost(coord: EtcdCoordinator, keys: Keyspace, run_id: str, st: Any,
     compare-and-set, and the pickle.loads every reader pays. With agents on separate machines,
     one successful write per (pickle + CAS + unpickle) is the most the round can make, since
     each success invalidates every other writer's token."""
-    if st is None:
-        return {}
     backend = EtcdV3RendezvousBackend(coord, run_id, keys)
     dumps, loads, cas = [], [], []
     for _ in range(repeat):
@@ -522,7 +524,8 @@ def _write_cost(coord: EtcdCoordinator, keys: Keyspace, run_id: str, st: Any,
         t1 = time.perf_counter()
         pickle.loads(blob)
         t2 = time.perf_counter()
-        token = backend.get_state()[1]
+        current = backend.get_state()
+        token = current[1] if current else None
         t3 = time.perf_counter()
         backend.set_state(blob, token)
         t4 = time.perf_counter()
@@ -542,16 +545,24 @@ def _ask(conn: Any, cmd: str) -> Any:
     return conn.recv()
 
 
-def _seed_complete_round(agents: list[Agent], coord: EtcdCoordinator, keys: Keyspace,
-                         run_id: str) -> None:
-    """Stores round 1, complete, with every agent a participant and a fresh heartbeat."""
+def _complete_round(agents: list[Agent]) -> Any:
+    """torch's state of a complete round 1 with every agent a participant, heartbeats now."""
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
 
     st = _RendezvousState()
     st.round, st.complete = 1, True
     now = datetime.datetime.now(datetime.timezone.utc)
     st.participants = {ag.node: i for i, ag in enumerate(agents)}
-    st.last_heartbeats = {ag.node: now for ag in agents}
+    # Distinct timestamps, as real heartbeats are (pickle would store one shared object once).
+    st.last_heartbeats = {ag.node: now - datetime.timedelta(microseconds=i)
+                          for i, ag in enumerate(agents)}
+    return st
+
+
+def _seed_complete_round(agents: list[Agent], coord: EtcdCoordinator, keys: Keyspace,
+                         run_id: str) -> None:
+    """Stores round 1, complete, with every agent a participant and a fresh heartbeat."""
+    st = _complete_round(agents)
     backend = EtcdV3RendezvousBackend(coord, run_id, keys)
     token = None
     for _ in range(100):
