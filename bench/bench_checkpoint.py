@@ -7,13 +7,18 @@ batch ``--batch``, ``--threads`` torch threads, one process — trains in interl
 * ``off``: no checkpointing (the baseline);
 * ``overlap``: ``elasticd.Checkpointer`` every step, the copy on a background thread
   overlapping the next forward/backward (the default);
-* ``sync``: the same with the copy done inside ``save`` (what a non-overlapped snapshot costs).
+* ``sync``: the same with the copy done inside ``save`` (what a non-overlapped snapshot costs);
+* ``replicated`` (with ``--replicate``): ``overlap`` against a second daemon that also pushes
+  every snapshot to a peer daemon (m=2) over the real replication transport on loopback.
 
 The daemon side (SlotStore + CheckpointService behind a LocalServer on a Unix socket) runs in a
 separate process, as the real daemon does, so sealing (xxh3) uses its own core. Per mode it
 reports the mean step time, the throughput cost against ``off`` and, per snapshot, the time the
 loop waited in ``save`` (stall) and in the optimizer pre-hook, the background copy and the seal.
 The memcpy of the same bytes into pre-touched memory is measured in the same run as a baseline.
+With ``--replicate`` it also reports the CPU seconds the daemon side (both daemons and the peer)
+spent per GiB snapshotted, with and without replication: the difference is what replication
+costs.
 Run under ``flock /tmp/elasticd-cpu.lock`` on shared machines::
 
     python bench/bench_checkpoint.py --layers 48 --width 384 --batch 256
@@ -33,19 +38,61 @@ import time
 import uuid
 
 
-def serve(sockdir: str, shm: str) -> None:
-    """The daemon half (no torch): serves the checkpoint ops until stdin closes."""
+SECRET = b"bench-secret-0123456789abcdef"
+
+
+def _peer(conn, root: str) -> None:
+    """A peer daemon's replica half: a ReplicaServer storing into its own slot store."""
+    from elasticd.checkpoint.shm import SlotStore
+    from elasticd.replication.shm_sink import ShmSink
+    from elasticd.replication.transport import ReplicaServer
+
+    store = SlotStore(root)
+    server = ReplicaServer("127.0.0.1", 0, SECRET, "peer", ShmSink(store)).start()
+    conn.send(server.address)
+    conn.recv()  # until the daemon half is done
+    server.stop()
+    store.close()
+
+
+def serve(sockdir: str, shm: str, replicate: bool = False) -> None:
+    """The daemon half (no torch): serves the checkpoint ops until stdin closes. With
+    ``replicate``, a peer process holds a replica of every snapshot (m=2); at the end the
+    replicator's counters are printed as one JSON line."""
+    import multiprocessing as mp
+
     from elasticd.checkpoint.service import CheckpointService
     from elasticd.checkpoint.shm import SlotStore
     from elasticd.daemon.local_api import LocalServer
 
     store = SlotStore(shm)
+    replicator = peer = pipe = None
+    if replicate:
+        from elasticd.coordination.keys import Keyspace
+        from elasticd.coordination.memory import MemoryCoordinator
+        from elasticd.replication.replicator import Replicator
+
+        pipe, child = mp.Pipe()
+        peer = mp.get_context("fork").Process(target=_peer, args=(child, shm + "-peer"))
+        peer.start()
+        address = pipe.recv()
+        replicator = Replicator("local", MemoryCoordinator(), Keyspace("/bench"), store, SECRET,
+                                m=2, peers_address=lambda n: address if n == "peer" else None,
+                                commit_wait=0.0)
+        replicator.set_membership("bench", ["local", "peer"], {"local": [0], "peer": []})
     server = LocalServer(os.path.join(sockdir, "d.sock"),
-                         CheckpointService(store, "bench").handlers())
+                         CheckpointService(store, "bench", replicator=replicator).handlers())
     server.start()
-    print("READY", flush=True)
+    print(f"READY {peer.pid if peer else 0}", flush=True)
     sys.stdin.read()
     server.stop()
+    if replicator is not None:
+        replicator.wait_idle(60)
+        print(json.dumps(replicator.stats()), flush=True)
+        replicator.close()
+        pipe.send("stop")
+        peer.join(30)
+        shutil.rmtree(shm + "-peer", ignore_errors=True)
     store.close()
 
 
@@ -83,16 +130,34 @@ def run(args: argparse.Namespace) -> dict:
     dst[::4096] = 1
     memcpy = min(_timed(lambda: np.copyto(dst, src)) for _ in range(5))
 
-    sockdir = tempfile.mkdtemp(prefix="edb-")
-    shm = f"/dev/shm/elasticd-bench-{uuid.uuid4().hex[:8]}"
-    daemon = subprocess.Popen([sys.executable, __file__, "--serve", sockdir, shm],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    import psutil
+
+    tag = uuid.uuid4().hex[:8]
+    daemons: dict[str, tuple[subprocess.Popen, str, str]] = {}
+    rep_stats: dict = {}
+    cpu: dict[str, float] = {}
     try:
-        assert daemon.stdout.readline().strip() == "READY"
-        client = DaemonClient(os.path.join(sockdir, "d.sock"), timeout=60)
-        ckpts = {"overlap": Checkpointer(transport=client, job="bench", rank=0, world_size=1),
-                 "sync": Checkpointer(transport=client, job="bench", rank=0, world_size=1,
-                                      copier=CpuCopier(background=False))}
+        clients, procs = {}, {}
+        for kind in ["plain", "replicated"] if args.replicate else ["plain"]:
+            sockdir = tempfile.mkdtemp(prefix="edb-")
+            shm = f"/dev/shm/elasticd-bench-{tag}-{kind}"
+            argv = [sys.executable, __file__, "--serve", sockdir, shm] + (
+                ["replicate"] if kind == "replicated" else [])
+            daemon = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      text=True)
+            daemons[kind] = (daemon, sockdir, shm)
+            ready, _, peer_pid = daemon.stdout.readline().strip().partition(" ")
+            assert ready == "READY", ready
+            procs[kind] = [psutil.Process(daemon.pid)] + (
+                [psutil.Process(int(peer_pid))] if int(peer_pid) else [])
+            clients[kind] = DaemonClient(os.path.join(sockdir, "d.sock"), timeout=60)
+        ckpts = {"overlap": Checkpointer(transport=clients["plain"], job="bench", rank=0,
+                                         world_size=1),
+                 "sync": Checkpointer(transport=clients["plain"], job="bench", rank=0,
+                                      world_size=1, copier=CpuCopier(background=False))}
+        if args.replicate:
+            ckpts["replicated"] = Checkpointer(transport=clients["replicated"], job="bench",
+                                               rank=0, world_size=1)
         for mode in ckpts.values():  # warm-up: slots allocated, mappings made, layouts cached
             for i in range(2):
                 step()
@@ -100,7 +165,12 @@ def run(args: argparse.Namespace) -> dict:
             mode.wait()
             for k in mode.stats:
                 mode.stats[k] = 0
-        times: dict[str, list[float]] = {m: [] for m in ("off", "overlap", "sync")}
+        times: dict[str, list[float]] = {m: [] for m in ["off", *ckpts]}
+
+        def cpu_seconds(kind: str) -> float:
+            return sum(t.user + t.system for t in (p.cpu_times() for p in procs[kind]))
+
+        cpu0 = {kind: cpu_seconds(kind) for kind in procs}
         n = 0
         for _ in range(args.rounds):
             for mode in times:
@@ -114,14 +184,19 @@ def run(args: argparse.Namespace) -> dict:
                     times[mode].append(time.perf_counter() - t0)
                 if ckpt is not None:
                     ckpt.wait()
+        time.sleep(0.5)  # the last seals and pushes
+        cpu = {kind: cpu_seconds(kind) - cpu0[kind] for kind in procs}
         for ckpt in ckpts.values():
             ckpt.close()
-        client.close()
+        for client in clients.values():
+            client.close()
     finally:
-        daemon.stdin.close()
-        daemon.wait(30)
-        shutil.rmtree(sockdir, ignore_errors=True)
-        shutil.rmtree(shm, ignore_errors=True)
+        for kind, (daemon, sockdir, shm) in daemons.items():
+            out, _ = daemon.communicate(timeout=90)
+            if kind == "replicated" and out.strip():
+                rep_stats = json.loads(out.strip().splitlines()[-1])
+            shutil.rmtree(sockdir, ignore_errors=True)
+            shutil.rmtree(shm, ignore_errors=True)
 
     base = statistics.fmean(times["off"])
     result = {"state_bytes": nbytes, "tensors": ntensors, "threads": args.threads,
@@ -137,6 +212,24 @@ def run(args: argparse.Namespace) -> dict:
                           ("stall_seconds", "hook_wait_seconds", "copy_seconds",
                            "seal_seconds")})
         result["modes"][mode] = row
+    gib = nbytes / 2**30
+    plain_saves = sum(ckpts[m].stats["saves"] for m in ("overlap", "sync"))
+    result["daemon_cpu_seconds_per_gib_snapshotted"] = cpu["plain"] / (plain_saves * gib)
+    if args.replicate:
+        saves = ckpts["replicated"].stats["saves"]
+        pushed = rep_stats.get("replication_bytes_total", 0)
+        result["replication"] = {
+            "pushes": rep_stats.get("replication_pushes_total"),
+            "bytes_pushed": pushed,
+            "skipped": rep_stats.get("replication_skipped_total"),
+            "failures": rep_stats.get("replication_failures_total"),
+            "commits": rep_stats.get("commits_total"),
+            # Both daemons (owner and peer) count: sealing, pushing and receiving.
+            "daemon_cpu_seconds_per_gib_snapshotted": cpu["replicated"] / (saves * gib),
+            "cpu_seconds_per_gib_replicated": (
+                (cpu["replicated"] - result["daemon_cpu_seconds_per_gib_snapshotted"]
+                 * saves * gib) / (pushed / 2**30) if pushed else None),
+        }
     return result
 
 
@@ -153,7 +246,7 @@ def report(r: dict) -> None:
           f"{r['tensors']} tensors; {r['steps_per_mode']} steps per mode, interleaved")
     print(f"memcpy of the state into pre-touched memory: {r['memcpy_seconds'] * 1e3:.1f} ms "
           f"({r['state_bytes'] / r['memcpy_seconds'] / 1e9:.1f} GB/s)")
-    print(f"{'mode':<8} {'step ms':>8} {'cost':>7} {'stall ms':>9} {'hook ms':>8} "
+    print(f"{'mode':<10} {'step ms':>8} {'cost':>7} {'stall ms':>9} {'hook ms':>8} "
           f"{'copy ms':>8} {'seal ms':>8}")
     for mode, row in r["modes"].items():
         extra = ("" if "saves" not in row else
@@ -161,13 +254,16 @@ def report(r: dict) -> None:
                  f" {row['hook_wait_seconds_per_snapshot'] * 1e3:>8.2f}"
                  f" {row['copy_seconds_per_snapshot'] * 1e3:>8.2f}"
                  f" {row['seal_seconds_per_snapshot'] * 1e3:>8.2f}")
-        print(f"{mode:<8} {row['step_seconds_mean'] * 1e3:>8.1f} "
+        print(f"{mode:<10} {row['step_seconds_mean'] * 1e3:>8.1f} "
               f"{row['throughput_cost']:>+7.1%}{extra}")
+    print(f"daemon CPU per GiB snapshotted: {r['daemon_cpu_seconds_per_gib_snapshotted']:.3f} s")
+    if "replication" in r:
+        print("replication:", json.dumps(r["replication"]))
 
 
 def main() -> None:
-    if len(sys.argv) == 4 and sys.argv[1] == "--serve":
-        serve(sys.argv[2], sys.argv[3])
+    if len(sys.argv) in (4, 5) and sys.argv[1] == "--serve":
+        serve(sys.argv[2], sys.argv[3], replicate=len(sys.argv) == 5)
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=48)
@@ -176,6 +272,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--steps", type=int, default=10, help="steps per block")
     parser.add_argument("--rounds", type=int, default=4, help="blocks per mode, interleaved")
+    parser.add_argument("--replicate", action="store_true",
+                        help="add the mode whose daemon replicates every snapshot to a peer")
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args()
     result = run(args)

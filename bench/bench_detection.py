@@ -20,8 +20,8 @@ import time
 from elasticd.launcher import LocalCluster
 
 
-def one_run(ttl: int, victim: str, workdir: str) -> float:
-    cluster = LocalCluster(["n1", "n2", "n3"], workdir=workdir, lease_ttl=ttl)
+def one_run(ttl: int, victim: str, workdir: str, nodes: int = 3) -> float:
+    cluster = LocalCluster([f"n{i + 1}" for i in range(nodes)], workdir=workdir, lease_ttl=ttl)
     try:
         cluster.start()
         time.sleep(1.0 + (hash(workdir) % 1000) / 1000 * ttl / 3)  # random keep-alive phase
@@ -39,13 +39,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--ttl", type=int, default=2)
+    p.add_argument("--nodes", type=int, default=3, help="daemons (one is killed), at least 2")
     p.add_argument("--out", default="bench/results/detection.json")
     args = p.parse_args()
     latencies = []
     for i in range(args.runs):
-        victim = ["n1", "n2", "n3"][i % 3]
+        victim = f"n{i % args.nodes + 1}"
         with tempfile.TemporaryDirectory(prefix="elasticd-bench-") as d:
-            lat = one_run(args.ttl, victim, d)
+            lat = one_run(args.ttl, victim, d, args.nodes)
         latencies.append(lat)
         print(f"run {i + 1}: killed {victim}, failure recorded after {lat:.3f} s", flush=True)
     result = {
@@ -54,6 +55,7 @@ def main() -> int:
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "platform": platform.platform()},
         "lease_ttl_seconds": args.ttl,
+        "nodes": args.nodes,
         "baseline": {"name": "lease TTL", "seconds": args.ttl},
         "target_seconds": args.ttl + 1,
         "runs": len(latencies),

@@ -36,12 +36,13 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--seconds", type=float, default=60)
     p.add_argument("--ttl", type=int, default=5)
+    p.add_argument("--nodes", type=int, default=3, help="idle daemons")
     p.add_argument("--loop-interval", type=float, default=1.0)
     p.add_argument("--out", default="bench/results/idle.json")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="elasticd-bench-") as d:
-        cluster = LocalCluster(["n1", "n2", "n3"], workdir=d, lease_ttl=args.ttl,
-                               loop_interval=args.loop_interval)
+        cluster = LocalCluster([f"n{i + 1}" for i in range(args.nodes)], workdir=d,
+                               lease_ttl=args.ttl, loop_interval=args.loop_interval)
         bare = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
         try:
             cluster.start()
@@ -54,7 +55,7 @@ def main() -> int:
             bare.kill()
             bare.wait()
             cluster.stop()
-    daemons = s[:3]
+    daemons = s[: args.nodes]
     result = {
         "benchmark": "idle_daemon",
         "command": "bench/bench_idle.py " + " ".join(sys.argv[1:]),
@@ -64,7 +65,7 @@ def main() -> int:
         "daemons": daemons,
         "daemon_rss_mib_max": max(x["rss_mib"] for x in daemons),
         "daemon_cpu_percent_max": max(x["cpu_percent_of_core"] for x in daemons),
-        "baselines": {"etcd": s[3], "bare_python_interpreter": s[4]},
+        "baselines": {"etcd": s[-2], "bare_python_interpreter": s[-1]},
         "targets": {"rss_mib": 150, "cpu_percent_of_core": 2},
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -3,12 +3,18 @@
 Each run starts 3 "nodes" on this host training examples/train.py (DDP, gloo, 1 worker per
 node, ``--nnodes 2:3``), waits until all train at world size 3, kills one node's every process
 with SIGKILL (rotating n1, n2, n3: n1 is the first started, the c10d store host for plain
-torchrun), and measures the time until every survivor logs a training step at world size 2.
+torchrun), and measures the time until every survivor logs a training step at world size 2,
+and the steps lost: the last step logged before the kill minus the step the survivors resumed
+from (read from their restarted workers' ``start ... restored step S`` lines).
 
-* elasticd: 3 daemons on one etcd, the job submitted with elasticctl.
+* elasticd: 3 daemons on one etcd, replication on (m=2; ``--no-replication`` turns it off), the
+  job submitted with elasticctl; examples/train.py snapshots every step. The steps lost the
+  restore itself reported are recorded beside the measured ones.
 * plain torchrun (the baseline): c10d rendezvous on the first node, tuned as in FACTS.md
   (``last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3``, worker store sharing
-  off with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), ``--max-restarts 100``.
+  off with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), ``--max-restarts 100``, training
+  bench/train_disk.py: the same model and data with a torch.save checkpoint every
+  ``--disk-every`` steps. The kill comes at a random point between checkpoints.
 
     .venv/bin/python bench/bench_recovery.py --runs 20 --cold-runs 6 --baseline-runs 9 \\
         --out bench/results/recovery.json
@@ -20,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import re
 import signal
 import socket
@@ -33,7 +40,9 @@ from elasticd.launcher import LocalCluster
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "examples", "train.py")
+TRAIN_DISK = os.path.join(REPO, "bench", "train_disk.py")
 STEP_RE = re.compile(rb"step (\d+) world (\d+) rank")
+RESTORED_RE = re.compile(rb"restored step (\d+) from (\w+)(?: in [\d.]+ s, steps lost (\d+))?")
 TRAIN_ARGS = ["--steps", "1000000", "--step-time", "0.02"]
 
 
@@ -49,6 +58,30 @@ def _at_world(path: str, world: int, after: int = 0) -> bool:
     return any(int(m.group(2)) == world for m in STEP_RE.finditer(_read(path), after))
 
 
+def _last_step(paths) -> int:
+    """The highest step any of these logs reached so far."""
+    return max((int(m.group(1)) for p in paths for m in STEP_RE.finditer(_read(p))), default=0)
+
+
+def _kill_phase() -> float:
+    """Seconds to wait before the kill: a random point, so a disk checkpoint every N steps is
+    hit at a random phase."""
+    return random.uniform(1.0, 2.5)
+
+
+def _resumed(logs: dict[str, str], marks: dict[str, int], killed_at_step: int) -> dict:
+    """Where the survivors' restarted workers resumed: step, source, steps lost."""
+    found = [RESTORED_RE.search(_read(p), marks[n]) for n, p in logs.items()]
+    found = [m for m in found if m]
+    if not found:
+        return {"resumed_step": None}
+    step = min(int(m.group(1)) for m in found)
+    reported = [int(m.group(3)) for m in found if m.group(3) is not None]
+    return {"resumed_step": step, "sources": sorted({m.group(2).decode() for m in found}),
+            "steps_lost": max(0, killed_at_step - step),
+            "steps_lost_reported": max(reported) if reported else None}
+
+
 def _wait(cond, timeout: float, interval: float = 0.05) -> float | None:
     start = time.monotonic()
     while time.monotonic() - start < timeout:
@@ -58,26 +91,39 @@ def _wait(cond, timeout: float, interval: float = 0.05) -> float | None:
     return None
 
 
-def run_elasticd(victim: str, ttl: int, timeout: float, extra_args: tuple = ()) -> dict:
+def _names(count: int) -> list[str]:
+    return [f"n{i + 1}" for i in range(count)]
+
+
+def run_elasticd(victim: str, ttl: int, timeout: float, replication: bool = True,
+                 nodes: int = 3, extra_args: tuple = ()) -> dict:
+    full = nodes
     with tempfile.TemporaryDirectory(prefix="elasticd-bench-") as d:
-        c = LocalCluster(["n1", "n2", "n3"], workdir=d, lease_ttl=ttl, extra_args=extra_args)
+        c = LocalCluster(_names(nodes), workdir=d, lease_ttl=ttl, replication=replication,
+                         extra_args=extra_args)
         try:
             c.start()
             env = {**os.environ, "ELASTICD_ETCD": c.etcd, "ELASTICD_PREFIX": c.prefix}
             subprocess.run([sys.executable, "-m", "elasticd.cli.main", "submit", "job",
-                            "--nnodes", "2:3", "--nproc-per-node", "1", "--user", "root",
+                            "--nnodes", f"{full - 1}:{full}", "--nproc-per-node", "1",
+                            "--user", "root",
                             "--", TRAIN, *TRAIN_ARGS], env=env, check=True,
                            capture_output=True, timeout=60)
             logs = {n: os.path.join(d, n, "jobs", "job", "agent.log") for n in c.nodes}
-            if _wait(lambda: all(_at_world(p, 3) for p in logs.values()), 120) is None:
-                return {"victim": victim, "recovered": False, "error": "never reached world 3"}
-            time.sleep(1.0)
+            if _wait(lambda: all(_at_world(p, full) for p in logs.values()), 120) is None:
+                return {"victim": victim, "recovered": False,
+                        "error": f"never reached world {full}"}
+            time.sleep(_kill_phase())
             survivors = [n for n in c.nodes if n != victim]
             marks = {n: len(_read(logs[n])) for n in survivors}
             c.nodes[victim].kill()
-            t = _wait(lambda: all(_at_world(logs[n], 2, marks[n]) for n in survivors), timeout)
+            at_step = _last_step(logs.values())
+            t = _wait(lambda: all(_at_world(logs[n], full - 1, marks[n]) for n in survivors),
+                      timeout)
             leftovers = len(c.nodes[victim].tagged())
             return {"victim": victim, "recovered": t is not None, "seconds": t,
+                    "killed_at_step": at_step,
+                    **_resumed({n: logs[n] for n in survivors}, marks, at_step),
                     "leftover_processes": leftovers}
         finally:
             c.stop()
@@ -103,34 +149,51 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def run_torchrun(victim: str, timeout: float) -> dict:
+def run_torchrun(victim: str, timeout: float, every: int = 10, nodes: int = 3) -> dict:
+    full = nodes
     port = _free_port()
     procs: dict[str, subprocess.Popen] = {}
     with tempfile.TemporaryDirectory(prefix="torchrun-bench-") as d:
         env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-        logs = {n: os.path.join(d, f"{n}.log") for n in ("n1", "n2", "n3")}
+        logs = {n: os.path.join(d, f"{n}.log") for n in _names(nodes)}
         try:
-            for n in ("n1", "n2", "n3"):
+            for n in _names(nodes):
                 with open(logs[n], "wb") as out:
                     procs[n] = subprocess.Popen(
-                        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2:3",
+                        [sys.executable, "-m", "torch.distributed.run", "--nnodes",
+                         f"{full - 1}:{full}",
                          "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                          "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench",
                          "--rdzv-conf",
                          "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3",
                          "--max-restarts", "100", "--monitor-interval", "0.1",
-                         "--log-dir", os.path.join(d, f"tr-{n}"), TRAIN, *TRAIN_ARGS],
+                         "--log-dir", os.path.join(d, f"tr-{n}"), TRAIN_DISK,
+                         "--ckpt-dir", d, "--every", str(every), *TRAIN_ARGS],
                         stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
                 if n == "n1":
                     time.sleep(1.0)  # n1 hosts the c10d store
-            if _wait(lambda: all(_at_world(p, 3) for p in logs.values()), 120) is None:
-                return {"victim": victim, "recovered": False, "error": "never reached world 3"}
-            time.sleep(1.0)
+            if _wait(lambda: all(_at_world(p, full) for p in logs.values()), 120) is None:
+                return {"victim": victim, "recovered": False,
+                        "error": f"never reached world {full}"}
+            time.sleep(_kill_phase())
             survivors = [n for n in procs if n != victim]
             marks = {n: len(_read(logs[n])) for n in survivors}
             _kill_tree(procs[victim])
-            t = _wait(lambda: all(_at_world(logs[n], 2, marks[n]) for n in survivors), timeout)
-            return {"victim": victim, "recovered": t is not None, "seconds": t}
+            at_step = _last_step(logs.values())
+
+            def trained() -> bool:
+                return all(_at_world(logs[n], full - 1, marks[n]) for n in survivors)
+
+            # Killing the c10d store host ends the job (FACTS.md): stop waiting once every
+            # survivor has exited.
+            t = _wait(lambda: trained() or all(procs[n].poll() is not None for n in survivors),
+                      timeout)
+            if t is not None and not trained():
+                t = None
+            return {"victim": victim, "recovered": t is not None, "seconds": t,
+                    "survivors_exited": all(procs[n].poll() is not None for n in survivors),
+                    "killed_at_step": at_step,
+                    **_resumed({n: logs[n] for n in survivors}, marks, at_step)}
         finally:
             for p in procs.values():
                 if p.poll() is None:
@@ -139,7 +202,10 @@ def run_torchrun(victim: str, timeout: float) -> dict:
 
 def summarize(runs: list[dict]) -> dict:
     ok = [r["seconds"] for r in runs if r["recovered"]]
+    lost = [r["steps_lost"] for r in runs if r["recovered"] and r.get("steps_lost") is not None]
     return {"runs": len(runs), "recovered": len(ok),
+            "median_steps_lost": statistics.median(lost) if lost else None,
+            "max_steps_lost": max(lost) if lost else None,
             "median_seconds": round(statistics.median(ok), 2) if ok else None,
             "worst_seconds": round(max(ok), 2) if ok else None,
             "best_seconds": round(min(ok), 2) if ok else None}
@@ -155,30 +221,42 @@ def main() -> int:
     p.add_argument("--ttl", type=int, default=2)
     p.add_argument("--timeout", type=float, default=60.0,
                    help="seconds after the kill before a run counts as not recovered")
+    p.add_argument("--nodes", type=int, default=3, help="nodes (one worker each); one is killed")
+    p.add_argument("--disk-every", type=int, default=10,
+                   help="the baseline's torch.save checkpoint interval (steps)")
+    p.add_argument("--no-replication", action="store_true",
+                   help="elasticd without peer replication (local RAM only)")
     p.add_argument("--out", default="bench/results/recovery.json")
     args = p.parse_args()
-    victims = ["n1", "n2", "n3"]
+    if args.nodes < 2:
+        p.error(f"--nodes must be at least 2 (one is killed), got {args.nodes}")
+    victims = _names(args.nodes)
     elastic, plain, cold = [], [], []
     for i in range(max(args.runs, args.baseline_runs, args.cold_runs)):
-        v = victims[i % 3]
+        v = victims[i % len(victims)]
         if i < args.runs:
-            r = run_elasticd(v, args.ttl, args.timeout)
+            r = run_elasticd(v, args.ttl, args.timeout, not args.no_replication, args.nodes)
             elastic.append(r)
             print(f"elasticd run {i + 1}: kill -9 {v}: {r}", flush=True)
         if i < args.cold_runs:
-            r = run_elasticd(v, args.ttl, args.timeout, ("--worker-start", "cold"))
+            r = run_elasticd(v, args.ttl, args.timeout, not args.no_replication, args.nodes,
+                             ("--worker-start", "cold"))
             cold.append(r)
             print(f"elasticd cold run {i + 1}: kill -9 {v}: {r}", flush=True)
         if i < args.baseline_runs:
-            r = run_torchrun(v, args.timeout)
+            r = run_torchrun(v, args.timeout, args.disk_every, args.nodes)
             plain.append(r)
             print(f"torchrun run {i + 1}: kill -9 {v}: {r}", flush=True)
     result = {
         "benchmark": "recovery_kill9_node",
         "command": "bench/bench_recovery.py " + " ".join(sys.argv[1:]),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-        "job": "examples/train.py, 3 nodes x 1 worker, --nnodes 2:3, gloo CPU, 20 ms steps",
+        "job": f"examples/train.py, {args.nodes} nodes x 1 worker, --nnodes "
+               f"{args.nodes - 1}:{args.nodes}, gloo CPU, 20 ms steps",
+        "nodes": args.nodes,
         "lease_ttl_seconds": args.ttl,
+        "replication": not args.no_replication,
+        "baseline_disk_checkpoint_every_steps": args.disk_every,
         "target_seconds": args.ttl + 3,
         "elasticd": {**summarize(elastic), "detail": elastic},
         "elasticd_cold_workers": {**summarize(cold), "detail": cold},

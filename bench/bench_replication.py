@@ -21,6 +21,7 @@ machines::
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import socket
 import statistics
@@ -191,6 +192,7 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=1024, help="MiB per transfer")
     parser.add_argument("--chunk-mib", type=int, default=4, help="chunk size in MiB")
     parser.add_argument("--repeat", type=int, default=3, help="transfers per variant (median)")
+    parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args()
     size, chunk = args.mib << 20, args.chunk_mib << 20
 
@@ -219,6 +221,7 @@ def main() -> None:
           f"median of {args.repeat} (interleaved)")
     print(f"{'variant':<22} {'GB/s':>7} {'vs raw':>7} {'CPU s/GiB':>10}  intact")
     base = None
+    figures = {}
     for name, rows in results.items():
         seconds = statistics.median(r[0] for r in rows)
         cpu = statistics.median(r[1] for r in rows) / (size / 2**30)
@@ -226,6 +229,12 @@ def main() -> None:
         rate = size / seconds / 1e9
         base = base or rate
         print(f"{name:<22} {rate:>7.2f} {rate / base:>7.0%} {cpu:>10.2f}  {intact}")
+        figures[name] = {"seconds": seconds, "gb_per_s": rate, "cpu_seconds_per_gib": cpu,
+                         "intact": intact}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"bytes": size, "chunk_bytes": chunk, "repeat": args.repeat,
+                       "variants": figures}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ machines::
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import tempfile
@@ -119,6 +120,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs per figure (median)")
     parser.add_argument("--root", default=None, help="slot store directory (default: /dev/shm)")
     parser.add_argument("--disk-dir", default=tempfile.gettempdir(), help="torch.save target")
+    parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args()
 
     state = make_state(args.size_mib << 20, args.tensors)
@@ -138,6 +140,11 @@ def main() -> None:
     for name, seconds in rows:
         rate = nbytes / seconds
         print(f"{name:<32} {seconds:>9.4f} {rate / 1e9:>7.2f} {rate / base:>9.0%}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"state_bytes": nbytes, "tensors": len(state), "repeat": args.repeat,
+                       "torch_threads": torch.get_num_threads(),
+                       "seconds": {name: seconds for name, seconds in rows}}, f, indent=1)
 
 
 if __name__ == "__main__":
