@@ -632,7 +632,14 @@ class Outcome:
             step = steps.pop()
             restored_at = min(s.seen for s in a.starts.values())
             reached = max(b.last_step for b in self.attempts[:i])
-            committed = [c["step"] for c in self.commits if c["at"] < restored_at]
+            # The restoring attempt's own commits carry a newer generation; with warm worker
+            # starts its first one can land before this harness sees the restore line, so a
+            # commit counts as "in force" only if its generation is no newer than the one in
+            # force when the last fault before the restore fired.
+            fired = [f for f in self.faults if f.at < restored_at and f.committed]
+            gen = fired[-1].committed[0] if fired else None
+            committed = [c["step"] for c in self.commits if c["at"] < restored_at
+                         and (gen is None or c["generation"] <= gen)]
             out.append(Recovery(a, step, {r: s.source for r, s in a.starts.items()},
                                 {r: s.lost for r, s in a.starts.items()}, reached,
                                 committed[-1] if committed else None,
