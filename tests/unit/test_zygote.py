@@ -36,6 +36,15 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _worker_pid(p: subprocess.Popen, pidfile) -> int:
+    """The forked worker's pid, once its script has written it."""
+    deadline = time.monotonic() + 30
+    while not pidfile.exists() or not pidfile.read_text():
+        assert time.monotonic() < deadline and p.poll() is None
+        time.sleep(0.05)
+    return int(pidfile.read_text())
+
+
 @pytest.fixture(scope="module")
 def zygote(tmp_path_factory):
     name = f"test-{uuid.uuid4().hex[:8]}"
@@ -87,11 +96,7 @@ def test_a_script_that_raises_exits_1_with_its_traceback(zygote, script):
 def test_sigterm_is_forwarded_and_mirrored(zygote, script, tmp_path):
     pidfile = tmp_path / "pid"
     p = warm(zygote, script, "sleep", str(pidfile))
-    deadline = time.monotonic() + 30
-    while not pidfile.exists() or not pidfile.read_text():
-        assert time.monotonic() < deadline and p.poll() is None
-        time.sleep(0.05)
-    child = int(pidfile.read_text())
+    child = _worker_pid(p, pidfile)
     assert child != p.pid and _alive(child)
     p.send_signal(signal.SIGTERM)
     p.wait(timeout=10)
@@ -102,11 +107,7 @@ def test_sigterm_is_forwarded_and_mirrored(zygote, script, tmp_path):
 def test_sigkill_of_the_stand_in_kills_the_worker(zygote, script, tmp_path):
     pidfile = tmp_path / "pid"
     p = warm(zygote, script, "sleep", str(pidfile))
-    deadline = time.monotonic() + 30
-    while not pidfile.exists() or not pidfile.read_text():
-        assert time.monotonic() < deadline and p.poll() is None
-        time.sleep(0.05)
-    child = int(pidfile.read_text())
+    child = _worker_pid(p, pidfile)
     p.kill()
     p.wait(timeout=10)
     deadline = time.monotonic() + 5
