@@ -104,6 +104,7 @@ class SlotStore:
         self.root, self.cap_bytes, self.file_mode = root, cap_bytes, file_mode
         os.makedirs(root, mode=0o700, exist_ok=True)
         self._pairs: dict[tuple[str, int], _Pair] = {}
+        self._kept: dict[str, tuple[int, int]] = {}
         self._lock = threading.Lock()
         self._tickets = 0
 
@@ -137,11 +138,28 @@ class SlotStore:
 
     # -- the snapshot cycle ---------------------------------------------------------------
 
+    def keep(self, job: str, version: tuple[int, int] | None) -> None:
+        """Names ``job``'s committed (generation, step): :meth:`reserve` then overwrites a newer,
+        uncommitted copy rather than the committed one while it can (see there). None forgets it.
+
+        Without this, a rank whose commits stall (a peer paused, draining or slow) would evict
+        the committed step with its second newer snapshot, and the step every holder agreed on
+        would be gone from this node.
+        """
+        with self._lock:
+            if version is None:
+                self._kept.pop(job, None)
+            else:
+                self._kept[job] = (int(version[0]), int(version[1]))
+
     def reserve(self, job: str, rank: int, nbytes: int) -> Slot:
         """Returns a free slot of at least ``nbytes`` for the next snapshot of (job, rank).
 
-        The slot holding the latest complete snapshot is never returned. On first use both slots
-        are allocated; a slot too small for ``nbytes`` is replaced by a bigger one (new path).
+        The slot holding the latest complete snapshot is not returned, except when the other
+        slot holds the version named by :meth:`keep` and the latest is a newer one no reader
+        pins: then the newer copy is the one overwritten (the kept one becomes the latest until
+        this snapshot completes). On first use both slots are allocated; a slot too small for
+        ``nbytes`` is replaced by a bigger one (new path).
 
         Raises:
             OverBudget: the allocation would exceed ``cap_bytes`` (or the filesystem is full).
@@ -153,6 +171,9 @@ class SlotStore:
         with self._lock:
             pair = self._pair(job, rank)
             index = 0 if pair.latest is None else 1 - pair.latest
+            if self._keeps_other(job, pair, index):
+                index = pair.latest  # type: ignore[assignment]
+                pair.latest = 1 - index
             other = 1 - index
             current = pair.segments[index]
             if current is not None and current.pins:
@@ -182,6 +203,17 @@ class SlotStore:
             current.ticket = self._tickets
             pair.reserved = index
             return Slot(job, rank, current.path, current.capacity, current.view, current.ticket)
+
+    def _keeps_other(self, job: str, pair: _Pair, index: int) -> bool:
+        """Whether slot ``index`` holds the kept version and the latest slot a newer, unpinned
+        copy that may be overwritten instead (call with the lock held)."""
+        kept = self._kept.get(job)
+        if kept is None or pair.latest is None:
+            return False
+        free, latest = pair.segments[index], pair.segments[pair.latest]
+        return (free is not None and free.header is not None and free.header.version() == kept
+                and latest is not None and latest.header is not None and latest.pins == 0
+                and latest.header.version() > kept)
 
     def complete(self, slot: Slot, header: SnapshotHeader) -> SnapshotHeader:
         """Seals the snapshot written into ``slot``; it becomes (job, rank)'s latest.
@@ -304,6 +336,7 @@ class SlotStore:
         """Drops every slot of ``job`` and its directory."""
         self._dir(job, 0)
         with self._lock:
+            self._kept.pop(job, None)
             for key in [k for k in self._pairs if k[0] == job]:
                 for seg in self._pairs.pop(key).segments:
                     if seg is not None:

@@ -280,6 +280,7 @@ class Drainer:
             done = failed = 0
             while True:
                 report = self.handoff(max(0.0, deadline - self.clock.monotonic()), progress)
+                failed = 0  # a failed copy is retried next round; only the last round's count
                 for job, r in report.items():
                     jobs[job] = {"version": r["version"], "complete": r["complete"],
                                  "pushed": len(r["pushed"]), "failed": len(r["failed"])}
@@ -287,13 +288,16 @@ class Drainer:
                 rec = self._write(rec, copies_done=done, copies_failed=failed,
                                   copies_planned=done + failed, jobs=jobs)
                 # A step snapshotted before the pause may commit after the hand-off, with
-                # this node among its holders: hand that one off too.
+                # this node among its holders: hand that one off too. A copy that failed (the
+                # target was busy receiving, or the commit moved on under the push) is tried
+                # again until the deadline rather than failing the drain at once.
                 short = self.shortfall()
-                if failed or not short or self.clock.monotonic() >= deadline:
+                if (not failed and not short) or self.clock.monotonic() >= deadline:
                     break
-                rec = self._write(rec, detail=f"a newer step committed: handing it off too "
-                                              f"({short})")
-                time.sleep(0.2)
+                why = (f"{failed} copies failed: trying again" if failed else
+                       f"a newer step committed: handing it off too ({short})")
+                rec = self._write(rec, detail=why)
+                time.sleep(0.2 if not failed else 0.5)
             if failed or short:
                 what = (f"{failed} replica copies could not be handed off" if failed else
                         f"ranks still short of copies without this node: {short}")

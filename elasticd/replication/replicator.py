@@ -99,7 +99,7 @@ class Replicator:
         self._connections = Connections(node_id, secret, peers_address, timeout=timeout,
                                         ssl_context=ssl_context, clock=self.clock)
         self.tracker = CommitTracker(node_id, coord, keys, self.clock, self._submit,
-                                     self._collect, commit_wait)
+                                     self._collect, commit_wait, on_commit=self._keep)
         self.pusher = Pusher(store, sink, self._connections, self._executor, self.tracker)
 
     # -- membership, generations, snapshots ------------------------------------------------
@@ -250,6 +250,12 @@ class Replicator:
             log.info("%s: drained %d copies of step %d from %s (%d failed)", job, len(pushed),
                      committed.step, self.node_id, len(failed))
         return report
+
+    def _keep(self, job: str, version: Version) -> None:
+        """A step committed: this node's slots keep that copy over newer uncommitted ones, so a
+        stalled commit (a paused or draining peer) cannot evict it (``SlotStore.keep``)."""
+        for store in self._own_stores():
+            store.keep(job, version)
 
     def _collect(self, job: str) -> None:
         """Frees replicas the current placement no longer asks this node to hold, once a step

@@ -86,9 +86,10 @@ class CommitTracker:
 
     def __init__(self, node_id: str, coord: Coordinator, keys: Keyspace, clock: Clock,
                  submit: Callable[..., None], on_advance: Callable[[str], None],
-                 commit_wait: float = 2.0) -> None:
+                 commit_wait: float = 2.0,
+                 on_commit: Callable[[str, Version], None] | None = None) -> None:
         self.node_id, self.coord, self.keys, self.clock = node_id, coord, keys, clock
-        self.commit_wait = commit_wait
+        self.commit_wait, self._on_commit = commit_wait, on_commit
         self._submit, self._advance = submit, on_advance
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
@@ -212,6 +213,8 @@ class CommitTracker:
             st.committed = committed
             advanced = st.committed_at_change is None or committed.version > st.committed_at_change
             self.cond.notify_all()
+        if self._on_commit is not None and (old is None or committed.version > old.version):
+            self._on_commit(job, committed.version)
         if advanced and (old is None or committed.version > old.version):
             self._on_advance(job)
 

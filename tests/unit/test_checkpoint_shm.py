@@ -108,6 +108,35 @@ def test_double_buffering_never_overwrites_the_last_complete_snapshot(store):
     assert_holds(store, "job", 0, 2)
 
 
+def test_a_kept_committed_copy_outlives_newer_uncommitted_ones(store):
+    # Step 1 is committed; the commit then stalls (a peer paused or draining) while this rank
+    # keeps snapshotting: steps 2, 3, 4 take turns in the other slot and step 1 stays.
+    snapshot(store, "job", 0, step=1)
+    store.keep("job", (0, 1))
+    for step in (2, 3, 4):
+        snapshot(store, "job", 0, step=step)
+        assert store.versions("job", 0) == [(0, step), (0, 1)]
+        assert_holds(store, "job", 0, step)
+    # While the newer copy is being overwritten the kept one is the latest complete snapshot.
+    slot = store.reserve("job", 0, 100)
+    slot.buffer[:100] = bytes(100)
+    assert_holds(store, "job", 0, 1)
+    assert store.latest("job", 0, version=(0, 1)) is not None
+    # A reader pinning the newer copy: the kept one is reused rather than waiting (no skip).
+    snapshot(store, "job", 0, step=5)
+    with store.latest("job", 0, pin=True):
+        snapshot(store, "job", 0, step=6)
+    assert store.versions("job", 0) == [(0, 6), (0, 5)]
+    # A new commit moves the kept version; None forgets it and plain alternation resumes.
+    store.keep("job", (0, 6))
+    snapshot(store, "job", 0, step=7)
+    snapshot(store, "job", 0, step=8)
+    assert store.versions("job", 0) == [(0, 8), (0, 6)]
+    store.keep("job", None)
+    snapshot(store, "job", 0, step=9)
+    assert store.versions("job", 0) == [(0, 9), (0, 8)]
+
+
 def test_growth_replaces_the_free_slot_with_a_bigger_file(store, root):
     _, small = snapshot(store, "job", 1, step=1, n=100)
     held = store.bytes_held()
