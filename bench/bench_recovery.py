@@ -18,6 +18,17 @@ from (read from their restarted workers' ``start ... restored step S`` lines).
 
     .venv/bin/python bench/bench_recovery.py --runs 20 --cold-runs 6 --baseline-runs 9 \\
         --out bench/results/recovery.json
+
+``--fault`` measures the faults that send no TCP reset, with the same clock and the same
+bound: ``freeze`` SIGSTOPs every process of the node (daemon, agent, workers: a hung machine,
+or one cut off the network — nothing it holds answers and no connection is closed), and
+``stop-daemon`` SIGSTOPs its daemon alone (its agent and workers keep running). The frozen
+processes are SIGKILLed once the run is measured. Results committed from::
+
+    .venv/bin/python bench/bench_recovery.py --fault freeze --runs 9 --baseline-runs 3 \\
+        --out bench/results/recovery_freeze.json
+    .venv/bin/python bench/bench_recovery.py --fault stop-daemon --runs 9 --baseline-runs 0 \\
+        --out bench/results/recovery_stop_daemon.json
 """
 
 from __future__ import annotations
@@ -95,8 +106,29 @@ def _names(count: int) -> list[str]:
     return [f"n{i + 1}" for i in range(count)]
 
 
+FAULTS = ("kill", "freeze", "stop-daemon")
+
+
+def _signal_all(pids, sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _strike(node, fault: str) -> None:
+    """Applies ``fault`` to a LocalCluster node (see the module doc)."""
+    if fault == "kill":
+        node.kill()
+    elif fault == "freeze":
+        _signal_all([node.pid, *node.tagged()], signal.SIGSTOP)
+    else:
+        _signal_all([node.pid], signal.SIGSTOP)
+
+
 def run_elasticd(victim: str, ttl: int, timeout: float, replication: bool = True,
-                 nodes: int = 3, extra_args: tuple = ()) -> dict:
+                 nodes: int = 3, extra_args: tuple = (), fault: str = "kill") -> dict:
     full = nodes
     with tempfile.TemporaryDirectory(prefix="elasticd-bench-") as d:
         c = LocalCluster(_names(nodes), workdir=d, lease_ttl=ttl, replication=replication,
@@ -116,10 +148,12 @@ def run_elasticd(victim: str, ttl: int, timeout: float, replication: bool = True
             time.sleep(_kill_phase())
             survivors = [n for n in c.nodes if n != victim]
             marks = {n: len(_read(logs[n])) for n in survivors}
-            c.nodes[victim].kill()
+            _strike(c.nodes[victim], fault)
             at_step = _last_step(logs.values())
             t = _wait(lambda: all(_at_world(logs[n], full - 1, marks[n]) for n in survivors),
                       timeout)
+            if fault != "kill":
+                c.nodes[victim].kill()  # SIGKILL ends stopped processes too
             leftovers = len(c.nodes[victim].tagged())
             return {"victim": victim, "recovered": t is not None, "seconds": t,
                     "killed_at_step": at_step,
@@ -135,21 +169,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL an agent's group and its workers' groups (they have sessions of their own)."""
+def _kill_tree(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """Signals an agent's group and its workers' groups (they have sessions of their own);
+    with SIGKILL, waits for the agent."""
     try:
         kids = open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()
     except OSError:
         kids = []
     for pid in [proc.pid, *map(int, kids)]:
         try:
-            os.killpg(pid, signal.SIGKILL)
+            os.killpg(pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
-    proc.wait()
+    if sig == signal.SIGKILL:
+        proc.wait()
 
 
-def run_torchrun(victim: str, timeout: float, every: int = 10, nodes: int = 3) -> dict:
+def run_torchrun(victim: str, timeout: float, every: int = 10, nodes: int = 3,
+                 fault: str = "kill") -> dict:
     full = nodes
     port = _free_port()
     procs: dict[str, subprocess.Popen] = {}
@@ -178,7 +215,9 @@ def run_torchrun(victim: str, timeout: float, every: int = 10, nodes: int = 3) -
             time.sleep(_kill_phase())
             survivors = [n for n in procs if n != victim]
             marks = {n: len(_read(logs[n])) for n in survivors}
-            _kill_tree(procs[victim])
+            # No daemon here: "stop-daemon" has no plain-torchrun counterpart; "freeze" stops
+            # the agent and its workers.
+            _kill_tree(procs[victim], signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
             at_step = _last_step(logs.values())
 
             def trained() -> bool:
@@ -226,8 +265,13 @@ def main() -> int:
                    help="the baseline's torch.save checkpoint interval (steps)")
     p.add_argument("--no-replication", action="store_true",
                    help="elasticd without peer replication (local RAM only)")
+    p.add_argument("--fault", choices=FAULTS, default="kill",
+                   help="kill: SIGKILL the node; freeze: SIGSTOP all its processes; "
+                        "stop-daemon: SIGSTOP its daemon only")
     p.add_argument("--out", default="bench/results/recovery.json")
     args = p.parse_args()
+    if args.fault == "stop-daemon" and args.baseline_runs:
+        p.error("--fault stop-daemon has no plain torchrun baseline: pass --baseline-runs 0")
     if args.nodes < 2:
         p.error(f"--nodes must be at least 2 (one is killed), got {args.nodes}")
     victims = _names(args.nodes)
@@ -235,20 +279,23 @@ def main() -> int:
     for i in range(max(args.runs, args.baseline_runs, args.cold_runs)):
         v = victims[i % len(victims)]
         if i < args.runs:
-            r = run_elasticd(v, args.ttl, args.timeout, not args.no_replication, args.nodes)
+            r = run_elasticd(v, args.ttl, args.timeout, not args.no_replication, args.nodes,
+                             fault=args.fault)
             elastic.append(r)
-            print(f"elasticd run {i + 1}: kill -9 {v}: {r}", flush=True)
+            print(f"elasticd run {i + 1}: {args.fault} {v}: {r}", flush=True)
         if i < args.cold_runs:
             r = run_elasticd(v, args.ttl, args.timeout, not args.no_replication, args.nodes,
-                             ("--worker-start", "cold"))
+                             ("--worker-start", "cold"), fault=args.fault)
             cold.append(r)
-            print(f"elasticd cold run {i + 1}: kill -9 {v}: {r}", flush=True)
+            print(f"elasticd cold run {i + 1}: {args.fault} {v}: {r}", flush=True)
         if i < args.baseline_runs:
-            r = run_torchrun(v, args.timeout, args.disk_every, args.nodes)
+            r = run_torchrun(v, args.timeout, args.disk_every, args.nodes, args.fault)
             plain.append(r)
-            print(f"torchrun run {i + 1}: kill -9 {v}: {r}", flush=True)
+            print(f"torchrun run {i + 1}: {args.fault} {v}: {r}", flush=True)
     result = {
-        "benchmark": "recovery_kill9_node",
+        "benchmark": "recovery_kill9_node" if args.fault == "kill" else
+                     f"recovery_{args.fault.replace('-', '_')}_node",
+        "fault": args.fault,
         "command": "bench/bench_recovery.py " + " ".join(sys.argv[1:]),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "job": f"examples/train.py, {args.nodes} nodes x 1 worker, --nnodes "

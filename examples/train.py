@@ -64,7 +64,8 @@ def _sample_log(directory: str, rank: int, world: int):
 
     def record(step: int, epoch: int, indices: list[int]) -> None:
         fh.write(json.dumps({"attempt": attempt.item(), "rank": rank, "world": world,
-                             "step": step, "epoch": epoch, "indices": indices}) + "\n")
+                             "step": step, "epoch": epoch, "t": round(time.time(), 4),
+                             "indices": indices}) + "\n")
 
     return record
 

@@ -255,7 +255,8 @@ class Checkpointer:
     def _reserve(self, nbytes: int, step: int) -> dict[str, Any] | None:
         return self._call("ckpt_reserve", job=self.job, rank=self.rank,
                           world_size=self.world_size, nbytes=nbytes,
-                          local_world_size=self.local_world_size, step=step)
+                          local_world_size=self.local_world_size, step=step,
+                          generation=self.generation)
 
     def _seal(self, copy: Any, buf: Any, plan: _Plan, step: int, meta: dict, ticket: int,
               stall: float, copied_from: float) -> None:

@@ -13,13 +13,14 @@ refused and another copy, or the persistent one of the same step, used instead),
 rank load them into its state, so a failure never leaves a mix of steps. With nothing common,
 training starts fresh.
 
-After a shrink (a node died and the job continues with fewer ranks), the committed version of
-the larger world is still a candidate when the state is replicated across ranks (data
-parallel: every rank's model and optimizer are identical): new rank ``r`` loads old rank
-``r``'s shard; the sampler's position is global, so it carries over. A state sharded across
-ranks (a ``ZeroRedundancyOptimizer``) cannot be restored at another world size: that is
-logged and restore falls back to what the current world size has (the persistent tier, or a
-fresh start).
+After a shrink (a node died and the job continues with fewer ranks) or a grow (a node joined),
+the committed version of the other world is still a candidate when the state is replicated
+across ranks (data parallel: every rank's model and optimizer are identical): new rank ``r``
+loads old rank ``r``'s shard, and a rank beyond the old world loads old rank ``r % old``'s
+(so after a grow the new ranks start with a copy of an old rank's RNG states too); the
+sampler's position is global, so it carries over. A state sharded across ranks (a
+``ZeroRedundancyOptimizer``) cannot be restored at another world size: that is logged and
+restore falls back to what the current world size has (the persistent tier, or a fresh start).
 
 Whatever is restored, new snapshots start a new generation above every generation seen, so
 snapshots of an abandoned timeline (written after the restored step, before the failure) never
@@ -239,8 +240,8 @@ class Sources:
         """This rank's shard of ``version``, copied into new tensors, or None.
 
         Args:
-            world: the world size ``version`` was saved at (default: the current one); after
-                a shrink, this rank loads the shard the same rank had in that larger world.
+            world: the world size ``version`` was saved at (default: the current one); at
+                another world size this rank loads old rank ``rank % world``'s shard.
         """
         world = self.world if world is None else world
         if world == self.world and version in self.ram:
@@ -252,7 +253,8 @@ class Sources:
                           self.rank, version, exc)
         if version in self.fetchable and self.transport is not None:
             try:
-                got = self._from_daemon("ckpt_fetch", version, world, refused)
+                got = self._from_daemon("ckpt_fetch", version, world, refused,
+                                        self.rank % world)
                 if got is not None:
                     return got
             except Exception as exc:  # noqa: BLE001 — no copy reachable: try the next source
@@ -270,15 +272,17 @@ class Sources:
                           self.rank, version, exc)
         return None
 
-    def _from_daemon(self, op: str, version: Version, world: int,
-                     refused: list[str]) -> _Fetched | None:
+    def _from_daemon(self, op: str, version: Version, world: int, refused: list[str],
+                     rank: int | None = None) -> _Fetched | None:
         """Maps the slot ``op`` (``ckpt_open`` or ``ckpt_fetch``) points at and copies it out;
-        None when the daemon says every copy is lost."""
-        reply = self.transport.call(op, job=self.job, rank=self.rank,
+        None when the daemon says every copy is lost. ``rank``: whose shard (default: this
+        rank's; another one's after a grow)."""
+        rank = self.rank if rank is None else rank
+        reply = self.transport.call(op, job=self.job, rank=rank,
                                     generation=version[0], step=version[1])
         if reply.get("lost"):
             refused.append(f"peer step {version}: lost ({reply.get('reason', '')})")
-            log.error("elasticd: rank %d step %s is lost in every peer's RAM: %s", self.rank,
+            log.error("elasticd: rank %d step %s is lost in every peer's RAM: %s", rank,
                       version, reply.get("reason", ""))
             return None
         source = "peer" if reply.get("source") == "peer" else "local"
@@ -286,7 +290,7 @@ class Sources:
             mm = map_file(reply["path"], int(reply["offset"]) + int(reply["size"]),
                           writable=False, populate=False)
             try:
-                reader = SnapshotReader(memoryview(mm), job=self.job, rank=self.rank,
+                reader = SnapshotReader(memoryview(mm), job=self.job, rank=rank,
                                         world_size=world, verify=False, where=reply["path"])
                 if reader.header.version() != version:  # the daemon verified this very slot
                     raise SnapshotError(f"slot holds step {reader.header.version()}")
@@ -358,18 +362,12 @@ def agree(sources: Sources, collective: Collective, state: Any = None) -> Agreem
     for version, world in sorted(committed, reverse=True):
         if version in candidates:
             continue
-        if world == sources.world:
+        if world == sources.world or replicated:
             candidates[version] = world
-        elif world < sources.world:
-            log.warning("elasticd: committed step %s was saved by %d ranks, fewer than the %d "
-                        "now: the new ranks would have no state; not restoring it", version,
-                        world, sources.world)
-        elif not replicated:
-            log.warning("elasticd: committed step %s was saved by %d ranks and %d remain, but "
+        else:
+            log.warning("elasticd: committed step %s was saved by %d ranks and %d run now, but "
                         "%s: it cannot be restored at the new world size; falling back",
                         version, world, sources.world, reason or "some rank's state is sharded")
-        else:
-            candidates[version] = world
     ordered = sorted(candidates.items(), reverse=True)
     return Agreement(ordered, max(seen, default=None))
 
@@ -413,7 +411,7 @@ def restore(state: Any, sources: Sources, collective: Collective, clock: Any,
         if world != sources.world:
             log.warning("elasticd: rank %d restored step %s saved by %d ranks into a world of "
                         "%d (the state is replicated: rank %d's shard)", sources.rank, version,
-                        world, sources.world, sources.rank)
+                        world, sources.world, sources.rank % world)
         break
     if result.source != "none":
         check_replicas_agree(state, list(replicated), collective)

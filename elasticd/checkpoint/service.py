@@ -117,6 +117,10 @@ class CheckpointService:
         self.replicator = replicator
         self.sink, self.clock, self.pin_ttl = metrics_sink, clock or SystemClock(), pin_ttl
         self._lock = threading.Lock()
+        # One fetch per shard at a time: after a grow two local ranks may ask for the same old
+        # rank's shard, and two transfers into one slot would tear it.
+        self._fetching: collections.defaultdict[tuple[str, int], threading.Lock] = (
+            collections.defaultdict(threading.Lock))
         self._jobs: dict[str, _Job] = {}
         self._pins: dict[int, tuple[Any, str, float]] = {}
         self._next_pin = 0
@@ -163,8 +167,14 @@ class CheckpointService:
         if rank >= world:
             raise RequestError(f"rank {rank} outside world size {world}")
         uid = msg.get("_peer", {}).get("uid", msg.get("uid"))
+        step, gen = _get(msg, "step", int, None), _get(msg, "generation", int, None)
         self._sweep_pins()
         with self._lock:
+            if step is not None and gen is not None:
+                # The step is reached once its snapshot is asked for, taken or not: a rank
+                # killed before the snapshot completes must still count it as lost.
+                record = self._job(job)
+                record.progress = max(record.progress or (gen, step), (gen, step))
             if self._paused:
                 self.counters["skipped_paused"] += 1
                 return {"skip": True, "reason": f"paused: {self._paused}"}
@@ -383,8 +393,12 @@ class CheckpointService:
             self._next_pin += 1
             pin = self._next_pin
             self._pins[pin] = (view, job, self.clock.monotonic())
+            record = self._jobs.get(job)
+            # A shard an earlier (aborted) restore round fetched from a peer is in the local
+            # store now, but it still came from the peer: say so, or recoveries get mislabelled.
+            fetched = record is not None and (rank, *version) in record.fetched
         return {"path": view.path, "offset": 0, "size": view.header.layout.total_size,
-                "pin": pin}
+                "pin": pin, "source": "peer" if fetched else "local"}
 
     def _committed(self, msg: dict[str, Any]) -> dict[str, Any]:
         job = _get(msg, "job", str)
@@ -402,6 +416,12 @@ class CheckpointService:
 
     def _fetch(self, msg: dict[str, Any]) -> dict[str, Any]:
         job, rank = _get(msg, "job", str), _get(msg, "rank", int)
+        with self._lock:
+            shard_lock = self._fetching[(job, rank)]
+        with shard_lock:
+            return self._fetch_one(job, rank, msg)
+
+    def _fetch_one(self, job: str, rank: int, msg: dict[str, Any]) -> dict[str, Any]:
         version = (_get(msg, "generation", int), _get(msg, "step", int))
         key = (rank, *version)
         with self._lock:

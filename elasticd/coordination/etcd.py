@@ -135,6 +135,14 @@ def _to_kv(kv: Any) -> KeyValue:
     )
 
 
+def _foreign(exc: BaseException) -> bool:
+    """Whether ``exc`` is no etcd error but torch's: its agent raises ``SignalException`` from
+    its SIGTERM handler wherever the thread is, often inside a client call here. Anything the
+    client itself raises, known or not, is still reported as a CoordinationError."""
+    module = type(exc).__module__ or ""
+    return module == "torch" or module.startswith("torch.")
+
+
 class EtcdCoordinator(Coordinator):
     """A :class:`Coordinator` on an etcd v3 cluster."""
 
@@ -219,7 +227,14 @@ class EtcdCoordinator(Coordinator):
         return CoordinationError(f"unexpected etcd client error: {exc!r}")
 
     def _call(self, fn: Callable[[pyetcd.MultiEndpointEtcd3Client], T]) -> T:
-        """Runs ``fn`` with failover: one try per endpoint, and one re-authentication."""
+        """Runs ``fn`` with failover: one try per endpoint, and one re-authentication.
+
+        An exception from outside the client's world passes through unchanged: torch's agent
+        turns SIGTERM into a ``SignalException`` raised from its signal handler wherever the
+        thread is, often inside an etcd call here; reported as an etcd error, the agent took it
+        for a rendezvous failure and closed the rendezvous for every node (CI: a drained node's
+        agent ended the whole job this way).
+        """
         attempts = len(self.settings.endpoints) + 1
         last: CoordinationError | None = None
         for _ in range(attempts):
@@ -227,6 +242,8 @@ class EtcdCoordinator(Coordinator):
             try:
                 return fn(client)
             except Exception as exc:
+                if _foreign(exc):
+                    raise
                 err = self._translate(exc)
                 if isinstance(err, AuthError) and self.settings.user and last is None:
                     # Simple auth tokens expire (5 min by default): log in again once.

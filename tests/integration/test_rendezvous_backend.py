@@ -541,3 +541,30 @@ def test_add_whose_reply_was_lost_is_not_applied_twice():
     assert store.add("n", 1) == 2
     assert store.get("n") == b"2"
     assert coordinator.get_prefix(b"/e/jobs/j/rdzv/store-adds/")[0] == []
+
+
+@pytest.mark.etcd
+def test_sigterm_inside_an_etcd_call_reaches_torchs_agent_as_a_signal(etcd, prefix):
+    # torch's agent raises SignalException from its SIGTERM handler wherever the thread is. Seen
+    # in CI: raised inside a backend read, it came out as EtcdUnavailableError, the agent took it
+    # for a rendezvous failure and closed the rendezvous, ending the job on every node.
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    coord = connect(etcd)
+    try:
+        backend = EtcdV3RendezvousBackend(coord, RUN_ID, Keyspace(prefix), OutageGrace(1.0))
+        real = coord._get_client()
+
+        class Interrupted:
+            def __getattr__(self, name):
+                def call(*args, **kwargs):
+                    raise SignalException("Process 1 got signal: 15", signal.SIGTERM)
+                return call
+
+        coord._client = Interrupted()
+        with pytest.raises(SignalException):
+            backend.get_state()
+        coord._client = real
+        assert backend.get_state() is None  # an ordinary read works again
+    finally:
+        coord.close()

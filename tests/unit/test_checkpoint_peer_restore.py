@@ -149,6 +149,11 @@ def test_fetch_of_a_dead_nodes_shard_comes_from_the_peer(nodes):
     again = t.call("ckpt_fetch", job="job", rank=2, generation=0, step=4)
     assert again["source"] == "peer"  # the bytes still came from a peer
     t.call("ckpt_release", pin=again["pin"])
+    # A later restore round opens it as a local snapshot (ckpt_open): still from the peer
+    # (CI once saw such a recovery reported "local").
+    opened = t.call("ckpt_open", job="job", rank=2, generation=0, step=4)
+    assert opened["source"] == "peer"
+    t.call("ckpt_release", pin=opened["pin"])
     assert len(svc.replicator.fetches) == 1
 
 
@@ -292,3 +297,26 @@ def test_sharded_state_is_not_restored_at_another_world_size(nodes, monkeypatch,
     assert [(s, res.source) for s, res in results] == [(0, "none")] * 2
     assert "ZeroRedundancyOptimizer" in caplog.text
     assert svc.replicator.fetches == []
+
+
+def test_after_a_grow_the_new_rank_restores_a_copy_of_an_old_ranks_shard(nodes):
+    # A node rejoined: the step committed by 2 ranks is restored by 3 (before, the new rank
+    # "would have no state" and the whole job started over from step 0).
+    svc, t, _, t2 = nodes
+    refs = save_old_world(t, t2, 2, steps=[2, 2])  # rank 1's shard only in n2's RAM
+    svc.replicator.record = commit(0, 2, 2)
+    ranks = ThreadRanks(3)
+    fresh = [make_state(seed=99, world=3, rank=r) for r in range(3)]
+
+    def restore(r):
+        with Checkpointer(transport=t, job="j", rank=r, world_size=3,
+                          collective=ranks.rank(r)) as ckpt:
+            return ckpt.restore(fresh[r]), ckpt.last_restore
+
+    results = run_ranks(3, restore)
+    assert [step for step, _ in results] == [2, 2, 2]
+    assert all(res.saved_world_size == 2 and res.next_generation == 1 for _, res in results)
+    for r in range(3):  # new rank 2 holds old rank 0's state (identical under DDP)
+        assert_same(fresh[r], refs[(r % 2, 2)], rng=False)
+    assert fresh[2]["sampler"].consumed == 4 * 2 * 2  # the global position carried over
+    assert ("j", 1, (0, 2)) in svc.replicator.fetches

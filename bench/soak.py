@@ -1,0 +1,197 @@
+"""Soak: a long job with a random node killed (SIGKILL: daemon, agent, workers, its RAM) and
+restarted at a fixed interval; reports how much of the wall time went into steps that were kept.
+
+It runs the chaos harness's cluster (tests/chaos/harness.py: a 3-member etcd on loopback, three
+daemons as separate processes, replication m=2, examples/train.py under torchrun on CPU with
+``--nnodes 2:3``, the optimizer state replicated so the job shrinks to two nodes and grows back
+to three) for ``--minutes``. Every ``--every`` seconds a node chosen at random (seeded) is
+killed; it is restarted ``--down`` seconds later and rejoins. At the end it reports, from what
+the workers wrote (never from what the soak expected):
+
+* the effective training time ratio: time spent on steps that were kept (each kept step's
+  duration on the attempt that kept it; a step re-run after a restore counts once, on its last
+  run) over the wall time from the job's first step to its last;
+* the same ratio for the failure-free stretch before the first kill (the baseline: what the
+  job gets with snapshots every step and no failure), and the failure-free step time;
+* the steps lost (newest step reached before each restart minus the step restored), each
+  restart's downtime (fault to the next attempt's first step) and restore source;
+* checks: every restart restored one step on every rank, the kept steps run 1..N with no gap,
+  no sample of an epoch seen twice, and nothing (process, /dev/shm file) left behind.
+
+Not in CI (10 minutes). The committed result came from:
+
+    flock /tmp/elasticd-cpu.lock .venv/bin/python bench/soak.py --minutes 10 --every 120 \\
+        --down 20 --out bench/results/soak.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # the chaos harness lives under tests/
+
+from tests.chaos.faults import FaultPlan, Injector  # noqa: E402
+from tests.chaos.harness import ChaosCluster, Outcome, Shape  # noqa: E402
+
+SAMPLES_PER_EPOCH = 4096  # examples/train.py make_data()
+
+
+def plan_faults(minutes: float, every: float, down: float, nodes: list[str],
+                rng: random.Random) -> tuple[FaultPlan, list[str]]:
+    """A kill every ``every`` seconds (the first after ``every``), each node restarted ``down``
+    seconds after its kill; no kill later than ``every`` before the end."""
+    plan, victims, t = FaultPlan(), [], every
+    while t + min(every, 60.0) <= minutes * 60:
+        node = rng.choice(nodes)
+        victims.append(node)
+        plan.kill_node(node, after=every if not victims[:-1] else every - down)
+        plan.restart_node(node, after=down)
+        t += every
+    return plan, victims
+
+
+def step_times(records: list[dict[str, Any]]) -> dict[tuple[int, int], float]:
+    """(attempt, step) -> wall time rank 0 logged it."""
+    return {(r["attempt"], r["step"]): r["t"] for r in records if r["rank"] == 0}
+
+
+def analyse(out: Outcome, first_fault_at: float | None) -> dict[str, Any]:
+    all_records = [r for a in out.attempts for r in a.records]
+    times = step_times(all_records)
+    kept = [r for r in out.kept_records() if r["rank"] == 0]
+    kept_steps = sorted(r["step"] for r in kept)
+    start = min(r["t"] for r in all_records)
+    end = max(r["t"] for r in all_records)
+    kept_seconds = 0.0
+    for r in kept:  # a step's duration: since the same attempt's previous step
+        prev = times.get((r["attempt"], r["step"] - 1))
+        if prev is not None:
+            kept_seconds += r["t"] - prev
+    # Baseline: the failure-free stretch before the first kill, measured the same way.
+    first = out.attempts[0]
+    base = sorted((r["step"], r["t"]) for r in first.records if r["rank"] == 0
+                  and (first_fault_at is None or r["t"] < first_fault_at))
+    base_durations = [b[1] - a[1] for a, b in zip(base, base[1:])]
+    restarts = []
+    for rec in out.recoveries:
+        first_step = min((r["t"] for r in rec.attempt.records), default=None)
+        fired = [f for f in out.faults if first_step is None or f.at < first_step]
+        cause = fired[-1] if fired else None
+        restarts.append({
+            "world": rec.attempt.world, "restored_step": rec.step, "reached": rec.reached,
+            "steps_lost": rec.true_lost, "sources": sorted(set(rec.sources.values())),
+            "cause": cause.fault.describe() if cause else None,
+            "downtime_s": round(first_step - cause.at, 3) if cause and first_step else None,
+            "reported_lost": sorted(set(rec.reported_lost.values())),
+        })
+    by_epoch: dict[int, list[int]] = collections.defaultdict(list)
+    for r in out.kept_records():
+        by_epoch[r["epoch"]] += r["indices"]
+    dup_epochs = [e for e, ix in by_epoch.items() if len(ix) != len(set(ix))]
+    short_epochs = [e for e, ix in by_epoch.items()
+                    if e != max(by_epoch) and sorted(ix) != list(range(SAMPLES_PER_EPOCH))]
+    return {
+        "wall_s": round(end - start, 1),
+        "kept_step_seconds": round(kept_seconds, 1),
+        "effective_ratio": round(kept_seconds / (end - start), 4),
+        "baseline_ratio_failure_free": (round(sum(base_durations) / (base[-1][1] - base[0][1]),
+                                              4) if len(base) > 1 else None),
+        "baseline_step_s": round(statistics.median(base_durations), 4) if base_durations
+        else None,
+        "steps_kept": len(kept_steps),
+        "steps_run": len({(r["attempt"], r["step"]) for r in all_records if r["rank"] == 0}),
+        "steps_lost": sum(r["steps_lost"] for r in restarts),
+        "restarts": restarts,
+        "checks": {
+            "kept_steps_contiguous": kept_steps == list(range(1, len(kept_steps) + 1)),
+            "reported_lost_matches": all(r["reported_lost"] == [r["steps_lost"]]
+                                         for r in restarts),
+            "no_sample_twice": not dup_epochs,
+            "complete_epochs_whole": not short_epochs,
+            "nothing_left": not out.left["processes"] and not out.left["shm"]
+            and not out.left["etcd"],
+        },
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--every", type=float, default=120.0, help="seconds between kills")
+    p.add_argument("--down", type=float, default=20.0,
+                   help="seconds a killed node stays down before its daemon restarts")
+    p.add_argument("--step-time", type=float, default=0.1, help="extra seconds per step")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out", default="", help="write the result as JSON here")
+    args = p.parse_args()
+    if not 0 < args.down < args.every:
+        p.error("need 0 < --down < --every")
+
+    nodes = ["n1", "n2", "n3"]
+    plan, victims = plan_faults(args.minutes, args.every, args.down, nodes,
+                                random.Random(args.seed))
+    shape = Shape(nodes=tuple(nodes), standby=(), nnodes="2:3", zero=False, steps=10_000_000,
+                  step_time=args.step_time)
+    workdir = tempfile.mkdtemp(prefix="elasticd-soak-")
+    cc = ChaosCluster(workdir, shape, job="soak")
+    print(f"soak: {args.minutes:g} min, kills of {victims} every {args.every:g} s "
+          f"(down {args.down:g} s); logs in {workdir}", flush=True)
+    try:
+        cc.start()
+        began = time.time()
+        injector = cc.injector = Injector(cc, plan)
+        next_report = began + 30
+        while time.time() < began + args.minutes * 60:
+            cc.poll()
+            injector.tick(cc.logs.max_step)
+            if time.time() >= next_report:
+                next_report += 30
+                print(f"  {time.time() - began:5.0f} s: step {cc.logs.max_step}, faults fired "
+                      f"{len(injector.records)}/{len(plan)}", flush=True)
+            time.sleep(0.1)
+        injector.undo_all()
+        finished = time.time()
+        history = cc.commit_history()
+        left = cc.stop()
+        out = Outcome(cc, plan, injector.records, history, {}, left, began, finished)
+    except BaseException:
+        print(cc.diagnostics(), flush=True)
+        raise
+    finally:
+        if not cc._stopped:
+            cc.stop()
+    kills = [f for f in injector.records if f.fault.kind == "kill_node"]
+    result = analyse(out, kills[0].at if kills else None)
+    result.update({
+        "command": " ".join([os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]]),
+        "params": vars(args), "kills": victims, "faults_fired": len(injector.records),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                    "platform": platform.platform()},
+        "workdir": workdir,
+    })
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(text + "\n")
+    ok = all(result["checks"].values()) and result["faults_fired"] == len(plan)
+    print(f"soak: effective training time ratio {result['effective_ratio']:.1%} "
+          f"(failure-free stretch: {result['baseline_ratio_failure_free']}), "
+          f"{result['steps_lost']} steps lost over {len(result['restarts'])} restarts; "
+          f"checks {'passed' if ok else 'FAILED: ' + str(result['checks'])}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
