@@ -43,6 +43,9 @@ Decisions, and why (numbers from FACTS.md):
 * **Standby livelock.** torch 2.13 restarts forever when a node is left waiting on a full round;
   the backend hands torch a state where such nodes wait in the redundancy list instead
   (:mod:`.rendezvous_standby`; ``standby_fix=false`` turns it off).
+* **No needless last call.** A re-rendezvous whose participants already include every agent
+  with an alive key ends its ``last_call_timeout`` at once: after a failure the survivors are
+  all there is (``close_last_call=false`` turns it off; :mod:`.rendezvous_liveness`).
 
 Security: torch unpickles the rendezvous state read from etcd, so whoever can write
 ``<prefix>/jobs/*/rdzv/`` runs code in every agent. Run etcd with authentication: TLS client
@@ -170,7 +173,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     if cfg.lease_liveness:
         liveness = LeaseLiveness(coordinator, keyspace.job_rdzv(cfg.run_id) + b"alive/",
                                  ttl=cfg.liveness_ttl, confirm=cfg.liveness_confirm,
-                                 grace=grace)
+                                 grace=grace, close_last_call=cfg.close_last_call)
     backend = EtcdV3RendezvousBackend(coordinator, cfg.run_id, keyspace, grace, state_filter,
                                       liveness)
     store = EtcdV3Store(coordinator, keyspace.job_rdzv(cfg.run_id) + b"store/",

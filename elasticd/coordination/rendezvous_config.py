@@ -24,6 +24,9 @@ liveness_confirm       seconds an alive key must stay absent before its node is 
                        dropped
 poll_interval          seconds between state reads while a rendezvous waits for    1
                        other nodes (torch's poll; :mod:`.rendezvous_poll`)
+close_last_call        end a re-rendezvous' ``last_call_timeout`` at once when     true
+                       every live agent (alive key) has joined (needs
+                       ``lease_liveness``)
 =====================  ==========================================================  ==========
 
 torch's own keys (``join_timeout``, ``last_call_timeout``, ``keep_alive_interval``, ...) are
@@ -87,6 +90,7 @@ class RendezvousConfig:
         liveness_ttl: TTL of the alive key's lease, whole seconds.
         liveness_confirm: seconds an alive key must stay absent before its node is dropped.
         poll_interval: seconds between state reads while a rendezvous waits.
+        close_last_call: end a re-rendezvous' last call once every live agent joined.
     """
 
     run_id: str
@@ -100,6 +104,7 @@ class RendezvousConfig:
     liveness_ttl: int = DEFAULT_LIVENESS_TTL
     liveness_confirm: float = DEFAULT_LIVENESS_CONFIRM
     poll_interval: float = 1.0
+    close_last_call: bool = True
 
     @classmethod
     def from_params(cls, params: RendezvousParameters) -> "RendezvousConfig":
@@ -145,6 +150,11 @@ class RendezvousConfig:
         except ValueError as exc:
             raise ValueError(f"rdzv-conf lease_liveness={params.get('lease_liveness')!r} is not "
                              "a boolean (true/false)") from exc
+        try:
+            close_last_call = params.get_as_bool("close_last_call", True)
+        except ValueError as exc:
+            raise ValueError(f"rdzv-conf close_last_call={params.get('close_last_call')!r} is "
+                             "not a boolean (true/false)") from exc
         raw_ttl = params.get("liveness_ttl")
         try:
             liveness_ttl = DEFAULT_LIVENESS_TTL if raw_ttl in (None, "") else int(raw_ttl)
@@ -173,4 +183,5 @@ class RendezvousConfig:
             liveness_ttl=liveness_ttl,
             liveness_confirm=_seconds(params, "liveness_confirm", DEFAULT_LIVENESS_CONFIRM),
             poll_interval=poll_interval,
+            close_last_call=bool(close_last_call),
         )

@@ -243,6 +243,8 @@ class LeaseLiveness:
         grace: outage grace for establishing the key (its clock is used throughout).
         background: run the keep-alive thread; unit tests pass False and call
             ``keeper.step()`` themselves, on a fake clock.
+        close_last_call: end a re-rendezvous' last call once every agent with an alive key
+            has joined it (:meth:`_close_last_call`).
 
     Raises:
         ValueError: a prefix not ending in ``/``, or a TTL below :data:`MIN_LIVENESS_TTL`.
@@ -250,7 +252,8 @@ class LeaseLiveness:
 
     def __init__(self, coordinator: Coordinator, alive_prefix: bytes,
                  ttl: int = DEFAULT_LIVENESS_TTL, confirm: float = DEFAULT_LIVENESS_CONFIRM,
-                 grace: OutageGrace | None = None, background: bool = True) -> None:
+                 grace: OutageGrace | None = None, background: bool = True,
+                 close_last_call: bool = True) -> None:
         if not alive_prefix.endswith(b"/"):
             raise ValueError(f"alive key prefix {alive_prefix!r} must end with '/'")
         if ttl < MIN_LIVENESS_TTL:
@@ -270,6 +273,8 @@ class LeaseLiveness:
         self._announced: set[str] = set()
         self._warned_shape = False
         self._pid = os.getpid()
+        #: End a re-rendezvous' last call once every live agent joined (see _close_last_call).
+        self.close_last_call = close_last_call
 
     def bind(self, node: Any) -> None:
         """Names this agent: torch's ``_NodeDesc`` of its handler.
@@ -354,9 +359,7 @@ class LeaseLiveness:
             return state_bits
         if not by_id:
             return state_bits
-        dead = self._dead(by_id)
-        if not dead:
-            return state_bits
+        dead, alive = self._dead(by_id)
         for name in sorted(dead):
             state.last_heartbeats[by_id[name]] = DEAD_HEARTBEAT
             if name not in self._announced:
@@ -364,18 +367,49 @@ class LeaseLiveness:
                 log.warning("lease liveness: the alive key of node %s has been gone for %.1fs; "
                             "dropping it from the rendezvous", name,
                             self.judge.missing_for(name) or 0.0)
-        return pickle.dumps(state)
+        closed = self.close_last_call and self._close_last_call(state, dead, alive)
+        return pickle.dumps(state) if dead or closed else state_bits
 
-    def _dead(self, by_id: dict[str, Any]) -> set[str]:
+    def _close_last_call(self, state: Any, dead: set[str], alive: set[str]) -> bool:
+        """Ends the last call of a re-rendezvous at once when every live agent already joined.
+
+        torch keeps a round that has ``min_nodes`` open for ``last_call_timeout`` in case more
+        nodes come. After a failure the survivors are all there is: when every agent whose
+        alive key exists is a participant, nobody else can come, so the deadline is moved to
+        now (saves the whole last call, 1 s by default). Only for rounds after the first (at a
+        job's start, agents start at different times and a late one may not have written its
+        key yet) and only while this agent trusts its view of etcd. A node that arrives anyway
+        joins the next round, as it would after a last call.
+        """
+        try:
+            deadline = state.deadline
+            if (state.complete or state.closed or state.round < 1 or deadline is None
+                    or not alive or not self.judge.trusted):
+                return False
+            now = datetime.now(timezone.utc)
+            if deadline <= now:
+                return False
+            joined = {node_id(p) for p in state.participants} - dead
+            if not alive <= joined:
+                return False
+            state.deadline = now
+        except (AttributeError, TypeError):  # another torch: leave its last call alone
+            return False
+        log.info("every live agent has joined round %d (%d nodes): ending its last call now",
+                 state.round, len(joined))
+        return True
+
+    def _dead(self, by_id: dict[str, Any]) -> tuple[set[str], set[str]]:
+        """(ids judged dead, ids whose alive key exists); nobody dead when etcd cannot say."""
         start = self._clock.monotonic()
         try:
             kvs, _ = self._coordinator.get_prefix(self.prefix)
         except CoordinationError as exc:
             self.judge.distrust(f"reading the alive keys failed: {exc}")
-            return set()
+            return set(), set()
         # Served after a stall? Leases may have expired for the stall's sake.
         self.note_call_took(self._clock.monotonic() - start)
         alive = {kv.key[len(self.prefix):].decode(errors="replace") for kv in kvs}
         if self.me not in alive and self.keeper is not None:
             self.keeper.request_rewrite()
-        return self.judge.judge(by_id.keys(), alive, self.me)
+        return self.judge.judge(by_id.keys(), alive, self.me), alive

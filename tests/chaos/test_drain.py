@@ -25,7 +25,9 @@ def _has_drain() -> bool:
 @pytest.mark.skipif(not _has_drain(), reason="elasticctl has no drain command yet (it is being "
                     "built on branch ops); this scenario runs once it is merged")
 def test_drain_node_standby_takes_over_from_peers(tmp_path, reference):
-    shape = Shape()
+    # 150 steps: elasticctl drain (a new interpreter) returns seconds after the drain starts;
+    # with 50 steps CI once saw the job end before the drained node's workers stopped.
+    shape = Shape(steps=150)
     out = ChaosCluster(tmp_path, shape).run(FaultPlan().drain("n2", at_step=20))
     out.assert_all(sources=[{"local", "peer"}], reference=reference(shape),
                    must={"peer"})

@@ -491,3 +491,58 @@ def test_a_slow_backend_call_raises_doubt(server, clock):
     backend.get_state()
     assert not liveness.judge.trusted
     liveness.stop()
+
+
+def _open_round(agents: list[Agent], joined: list[Agent], round_: int,
+                last_call: float = 30.0) -> None:
+    """Writes an open round ``round_`` that ``joined`` entered, its last call running."""
+    state = _RendezvousState()
+    state.round = round_
+    now = datetime.datetime.now(datetime.timezone.utc)
+    state.deadline = now + datetime.timedelta(seconds=last_call)
+    for agent in joined:
+        state.participants[agent.node] = 0
+        state.last_heartbeats[agent.node] = now
+    current = agents[0].backend.get_state()
+    written = agents[0].backend.set_state(pickle.dumps(state), current[1] if current else None)
+    assert written is not None and written[2], "the test's round was not written"
+
+
+def _deadline(agent: Agent) -> datetime.datetime:
+    agent.holder.sync()
+    return agent.holder.state.deadline
+
+
+def test_a_rerendezvous_every_live_agent_joined_ends_its_last_call_at_once(trio, clock):
+    a, b, c = trio
+    _open_round(trio, [a, b, c], round_=1)
+    assert _deadline(a) <= datetime.datetime.now(datetime.timezone.utc)
+
+
+def test_the_last_call_runs_while_a_live_agent_has_not_joined(trio, clock):
+    a, b, c = trio  # c is alive (its key exists) but not in the round yet: it may still come
+    _open_round(trio, [a, b], round_=1)
+    assert _deadline(a) > datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(
+        seconds=20)
+
+
+def test_after_a_death_the_survivors_round_closes_once_the_dead_key_is_gone(trio, clock):
+    a, b, c = trio
+    _tick([a, b], clock, TTL + 1.5)  # c was killed: its lease expired, its key is gone
+    _open_round(trio, [a, b], round_=2)
+    assert _deadline(a) <= datetime.datetime.now(datetime.timezone.utc)
+
+
+def test_the_first_round_keeps_its_last_call(trio, clock):
+    # At a job's start the agents come up at different times; a late one may have no key yet.
+    a, b, c = trio
+    _open_round(trio, [a, b, c], round_=0)
+    assert _deadline(a) > datetime.datetime.now(datetime.timezone.utc)
+
+
+def test_close_last_call_off_keeps_torchs_behaviour(trio, clock):
+    a, b, c = trio
+    for agent in trio:
+        agent.liveness.close_last_call = False
+    _open_round(trio, [a, b, c], round_=1)
+    assert _deadline(a) > datetime.datetime.now(datetime.timezone.utc)

@@ -53,6 +53,12 @@ def zygote(tmp_path_factory):
         proc = subprocess.Popen([sys.executable, "-m", "elasticd.agent.zygote", name],
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
+        # Wait until it listens: a worker asking before the bind falls back to a cold start
+        # (CI once saw the first test get an interpreter without torch preloaded).
+        deadline = time.monotonic() + 60
+        while b"ready" not in log.read_bytes():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
         yield name
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
