@@ -11,8 +11,9 @@ the workers wrote (never from what the soak expected):
 * the effective training time ratio: time spent on steps that were kept (each kept step's
   duration on the attempt that kept it; a step re-run after a restore counts once, on its last
   run) over the wall time from the job's first step to its last;
-* the same ratio for the failure-free stretch before the first kill (the baseline: what the
-  job gets with snapshots every step and no failure), and the failure-free step time;
+* the baseline: steps per second in the failure-free stretch before the first kill (world 3,
+  snapshots every step), beside the kept steps per wall second of the whole soak (their ratio
+  is the goodput; a world of 2 steps at another speed, so it is not the time ratio);
 * the steps lost (newest step reached before each restart minus the step restored), each
   restart's downtime (fault to the next attempt's first step) and restore source;
 * checks: every restart restored one step on every rank, the kept steps run 1..N with no gap,
@@ -78,11 +79,13 @@ def analyse(out: Outcome, first_fault_at: float | None) -> dict[str, Any]:
         prev = times.get((r["attempt"], r["step"] - 1))
         if prev is not None:
             kept_seconds += r["t"] - prev
-    # Baseline: the failure-free stretch before the first kill, measured the same way.
+    # Baseline: the failure-free stretch before the first kill (world 3, snapshots every
+    # step): its steps per second, against the kept steps per wall second of the whole soak.
     first = out.attempts[0]
     base = sorted((r["step"], r["t"]) for r in first.records if r["rank"] == 0
                   and (first_fault_at is None or r["t"] < first_fault_at))
     base_durations = [b[1] - a[1] for a, b in zip(base, base[1:])]
+    base_rate = (len(base) - 1) / (base[-1][1] - base[0][1]) if len(base) > 1 else None
     restarts = []
     for rec in out.recoveries:
         first_step = min((r["t"] for r in rec.attempt.records), default=None)
@@ -105,10 +108,12 @@ def analyse(out: Outcome, first_fault_at: float | None) -> dict[str, Any]:
         "wall_s": round(end - start, 1),
         "kept_step_seconds": round(kept_seconds, 1),
         "effective_ratio": round(kept_seconds / (end - start), 4),
-        "baseline_ratio_failure_free": (round(sum(base_durations) / (base[-1][1] - base[0][1]),
-                                              4) if len(base) > 1 else None),
+        "baseline_steps_per_s_failure_free": round(base_rate, 3) if base_rate else None,
         "baseline_step_s": round(statistics.median(base_durations), 4) if base_durations
         else None,
+        "kept_steps_per_s": round(len(kept_steps) / (end - start), 3),
+        "goodput_vs_failure_free": (round(len(kept_steps) / (end - start) / base_rate, 4)
+                                    if base_rate else None),
         "steps_kept": len(kept_steps),
         "steps_run": len({(r["attempt"], r["step"]) for r in all_records if r["rank"] == 0}),
         "steps_lost": sum(r["steps_lost"] for r in restarts),
@@ -186,8 +191,8 @@ def main() -> int:
         with open(args.out, "w") as fh:
             fh.write(text + "\n")
     ok = all(result["checks"].values()) and result["faults_fired"] == len(plan)
-    print(f"soak: effective training time ratio {result['effective_ratio']:.1%} "
-          f"(failure-free stretch: {result['baseline_ratio_failure_free']}), "
+    print(f"soak: effective training time ratio {result['effective_ratio']:.1%}, kept steps "
+          f"per second {result['goodput_vs_failure_free']} of the failure-free stretch's, "
           f"{result['steps_lost']} steps lost over {len(result['restarts'])} restarts; "
           f"checks {'passed' if ok else 'FAILED: ' + str(result['checks'])}")
     return 0 if ok else 1
