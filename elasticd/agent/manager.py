@@ -194,10 +194,21 @@ class JobManager:
             control = self.controls.get(job)
             if control is not None and control.desired != "running":
                 continue
-            if job in self._finished:
+            if job in self._finished or self.succeeded_on(job):
                 continue
             return job
         return None
+
+    def succeeded_on(self, job: str) -> list[str]:
+        """Other nodes whose agent finished ``job`` with success.
+
+        The job is over for this node too: torch closes the rendezvous when an agent
+        succeeds, and a standby's agent (or one restarting) then exits with an error
+        (RendezvousClosedError, or torch 2.13's AttributeError on a graceful exit) that is no
+        reason to start it again.
+        """
+        return sorted(n for n, st in self.statuses.get(job, {}).items()
+                      if n != self.node_id and st.state == "succeeded")
 
     def step(self) -> None:
         """One cycle: follow etcd, start/stop/restart the agent, publish this node's status."""
@@ -211,6 +222,7 @@ class JobManager:
                 self._publish()
                 return
             self._stopping = None
+        self._finish_if_done_elsewhere()
         wanted = self.wanted()
         if self.job is not None and self.job != wanted:
             if self.hold:
@@ -222,6 +234,31 @@ class JobManager:
         elif self.supervisor is not None:
             self._check_agent()
         self._publish()
+
+    def _finish_if_done_elsewhere(self) -> None:
+        """A job this node was about to restart (its agent died) succeeded on peers meanwhile:
+        record it as finished here too rather than leave it 'restarting'."""
+        job = self._status_job
+        if self.job is not None or job is None or job in self._finished:
+            return
+        done = self.succeeded_on(job)
+        if not done or self.status.state != "restarting":
+            return
+        self._finished.add(job)
+        self.status = NodeJobStatus(self.node_id, "succeeded",
+                                    f"job succeeded on {', '.join(done)}",
+                                    agent_starts=self.status.agent_starts, log=self.status.log,
+                                    at=self.clock.wall())
+        self.notes.append(f"job {job} succeeded on {', '.join(done)}; not restarting it here")
+        self._job_ended(job)
+
+    def _job_ended(self, job: str) -> None:
+        """Runs the job-end hooks (shared memory and replicas of the job are freed)."""
+        for hook in self.on_job_end:
+            try:
+                hook(job)
+            except Exception:
+                log.exception("job-end hook failed for %s", job)
 
     def _start(self, job: str) -> None:
         _, spec = self.specs[job]
@@ -331,6 +368,13 @@ class JobManager:
             self._finished.add(self.job)  # before _stop_async, which forgets self.job
             self._stop_async(f"job {self.job} succeeded", "succeeded")
             return
+        done = self.succeeded_on(self.job)
+        if done:
+            self.notes.append(f"job {self.job} succeeded on {', '.join(done)}; this node's "
+                              f"agent exited {code}")
+            self._finished.add(self.job)
+            self._stop_async(f"job {self.job} succeeded on {', '.join(done)}", "succeeded")
+            return
         self._failures += 1
         self.metrics.worker_restarts.labels("agent_died").inc()
         if self._failures > self.agent_restarts:
@@ -411,11 +455,7 @@ class JobManager:
         def run() -> None:
             code = sup.stop(self.stop_grace)
             if final_state in ("stopped", "succeeded", "failed", "drained"):
-                for hook in self.on_job_end:
-                    try:
-                        hook(job)
-                    except Exception:
-                        log.exception("job-end hook failed for %s", job)
+                self._job_ended(job)
             self.status = NodeJobStatus(self.node_id, final_state, f"{why} (agent exit {code})",
                                         agent_starts=sup.starts, log=sup.log_path,
                                         at=self.clock.wall())

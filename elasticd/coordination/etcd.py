@@ -50,14 +50,17 @@ T = TypeVar("T")
 
 # gRPC keepalive pings find a dead TCP connection (a partitioned or frozen server) for watch
 # streams that would otherwise wait forever. etcd rejects pings more often than every 5 s
-# (--grpc-keepalive-min-time), so stay above that.
+# (--grpc-keepalive-min-time), so stay above that, and it rejects pings on a connection with no
+# open call at all (its enforcement policy has PermitWithoutStream false): after two such pings
+# it sends GOAWAY "too_many_pings" and drops the connection, failing whatever call was starting
+# on it (seen in a torchrun agent, whose client holds no watch). So ping only during calls.
 #
 # gRPC backs off reconnects exponentially up to 120 s by default, so a daemon would find a
 # restarted etcd only minutes later; cap the backoff at one second.
 _CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 3_000),
-    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.keepalive_permit_without_calls", 0),
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1_000),
@@ -68,6 +71,11 @@ _UNAVAILABLE_CODES = {
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.CANCELLED,
 }
+# While etcd elects a leader it answers some requests with code UNKNOWN and the text of a
+# server-side timeout ("context deadline exceeded", seen on a lease keep-alive after kill -9 of
+# the leader) rather than UNAVAILABLE: retry those like an unreachable etcd.
+_TRANSIENT_MESSAGES = ("context deadline exceeded", "context canceled", "leader changed",
+                       "no leader", "request timed out", "server stopped")
 _AUTH_CODES = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
 # etcd answers some auth failures with INVALID_ARGUMENT (a wrong password; no user at all when
 # auth is enabled).
@@ -210,7 +218,9 @@ class EtcdCoordinator(Coordinator):
         if isinstance(exc, grpc.RpcError):
             code = exc.code() if hasattr(exc, "code") else None
             detail = exc.details() if hasattr(exc, "details") else str(exc)
-            if code in _UNAVAILABLE_CODES:
+            if code in _UNAVAILABLE_CODES or (
+                    code == grpc.StatusCode.UNKNOWN
+                    and any(m in (detail or "") for m in _TRANSIENT_MESSAGES)):
                 return Unavailable(f"etcd at {where} is unreachable ({detail})")
             if code in _AUTH_CODES or any(m in (detail or "") for m in _AUTH_MESSAGES):
                 return AuthError(

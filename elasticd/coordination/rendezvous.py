@@ -46,6 +46,9 @@ Decisions, and why (numbers from FACTS.md):
 * **No needless last call.** A re-rendezvous whose participants already include every agent
   with an alive key ends its ``last_call_timeout`` at once: after a failure the survivors are
   all there is (``close_last_call=false`` turns it off; :mod:`.rendezvous_liveness`).
+* **Restartable agents.** torch closes the rendezvous for good when an agent ends, also with
+  an error. elasticd's daemons pass ``close_on_failure=false``: an agent that fails leaves the
+  rendezvous open, so the agent its daemon restarts (and every other node's) can join again.
 
 Security: torch unpickles the rendezvous state read from etcd, so whoever can write
 ``<prefix>/jobs/*/rdzv/`` runs code in every agent. Run etcd with authentication: TLS client
@@ -62,6 +65,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
@@ -183,18 +187,18 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
              attempts, f"TTL {cfg.liveness_ttl}s" if liveness else "off", cfg.poll_interval)
     handler = create_handler(store, backend, _with_config(
         params, keep_alive_interval=interval, keep_alive_max_attempt=attempts))
-    if liveness is not None:
-        _bind_liveness(handler, liveness)
+    if liveness is not None and not _bind_liveness(handler, liveness):
+        liveness = None
+    _wrap_shutdown(handler, liveness, cfg.close_on_failure)
     set_poll_interval(handler, cfg.poll_interval)
     return handler
 
 
-def _bind_liveness(handler: RendezvousHandler, liveness: LeaseLiveness) -> None:
-    """Names the alive key after the handler's node and stops it when the handler shuts down.
+def _bind_liveness(handler: RendezvousHandler, liveness: LeaseLiveness) -> bool:
+    """Names the alive key after the handler's node (the key is written lazily, by the
+    backend's first call, so building a handler does not talk to etcd).
 
-    The key is written lazily, by the backend's first call (``next_rendezvous``), so building a
-    handler does not talk to etcd. torchrun calls ``shutdown()`` when the agent finishes (not
-    after a signal); ``atexit`` covers the other exits; kill -9 leaves it to the lease's TTL.
+    Returns False when torch's handler has changed shape (liveness is then off).
     """
     try:
         liveness.bind(handler._this_node)  # type: ignore[attr-defined]
@@ -202,16 +206,44 @@ def _bind_liveness(handler: RendezvousHandler, liveness: LeaseLiveness) -> None:
         log.warning("torch's rendezvous handler has changed shape (%s); lease liveness is off, "
                     "dead nodes leave after torch's heartbeat window", exc)
         liveness.stop(revoke=False)
-        return
+        return False
+    return True
+
+
+def _wrap_shutdown(handler: RendezvousHandler, liveness: LeaseLiveness | None,
+                   close_on_failure: bool) -> None:
+    """Makes ``handler.shutdown()`` stop the liveness lease, and close the rendezvous only
+    when the agent succeeded unless ``close_on_failure``.
+
+    torchrun calls ``shutdown()`` from a ``finally`` when the agent finishes (not after a
+    signal; ``atexit`` covers the other exits, kill -9 leaves the alive key to its lease's
+    TTL), whether its run succeeded or raised. torch then closes the rendezvous for good: every
+    agent that joins it later, under the same run id, gets ``RendezvousClosedError``. For
+    plain torchrun that ends a failed job everywhere, as intended; under elasticd's daemons,
+    which restart an agent that died, one agent's error (an etcd call that failed during a
+    leader election, say) closed the rendezvous and every restarted agent of every node
+    failed on it until the daemons gave up (CI: the etcd-leader chaos scenario). The agent is
+    failing when ``shutdown()`` runs while an exception propagates: in that ``finally``,
+    ``sys.exc_info()`` holds it (a success returns through the same ``finally`` with none).
+    """
     shutdown = handler.shutdown
 
-    def shutdown_then_stop_liveness() -> bool:
+    def shutdown_unless_restartable() -> bool:
         try:
+            failing = sys.exc_info()[0] is not None
+            if failing and not close_on_failure:
+                stop = getattr(handler, "_stop_heartbeats", None)
+                if stop is not None:
+                    stop()
+                log.info("agent ends with an error: leaving rendezvous %r open for its restart "
+                         "(close_on_failure=false)", handler.get_run_id())
+                return True
             return shutdown()
         finally:
-            liveness.stop(revoke=True)
+            if liveness is not None:
+                liveness.stop(revoke=True)
 
-    handler.shutdown = shutdown_then_stop_liveness  # type: ignore[method-assign]
+    handler.shutdown = shutdown_unless_restartable  # type: ignore[method-assign]
 
 
 def handler_creator() -> Callable[[RendezvousParameters], RendezvousHandler]:

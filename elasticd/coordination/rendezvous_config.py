@@ -27,6 +27,9 @@ poll_interval          seconds between state reads while a rendezvous waits for 
 close_last_call        end a re-rendezvous' ``last_call_timeout`` at once when     true
                        every live agent (alive key) has joined (needs
                        ``lease_liveness``)
+close_on_failure       close the rendezvous when this agent ends with an error     true
+                       (torch's behaviour: every other agent then ends too);
+                       elasticd's daemons set false, since they restart agents
 =====================  ==========================================================  ==========
 
 torch's own keys (``join_timeout``, ``last_call_timeout``, ``keep_alive_interval``, ...) are
@@ -91,6 +94,7 @@ class RendezvousConfig:
         liveness_confirm: seconds an alive key must stay absent before its node is dropped.
         poll_interval: seconds between state reads while a rendezvous waits.
         close_last_call: end a re-rendezvous' last call once every live agent joined.
+        close_on_failure: close the rendezvous when the agent ends with an error.
     """
 
     run_id: str
@@ -105,6 +109,7 @@ class RendezvousConfig:
     liveness_confirm: float = DEFAULT_LIVENESS_CONFIRM
     poll_interval: float = 1.0
     close_last_call: bool = True
+    close_on_failure: bool = True
 
     @classmethod
     def from_params(cls, params: RendezvousParameters) -> "RendezvousConfig":
@@ -155,6 +160,11 @@ class RendezvousConfig:
         except ValueError as exc:
             raise ValueError(f"rdzv-conf close_last_call={params.get('close_last_call')!r} is "
                              "not a boolean (true/false)") from exc
+        try:
+            close_on_failure = params.get_as_bool("close_on_failure", True)
+        except ValueError as exc:
+            raise ValueError(f"rdzv-conf close_on_failure={params.get('close_on_failure')!r} "
+                             "is not a boolean (true/false)") from exc
         raw_ttl = params.get("liveness_ttl")
         try:
             liveness_ttl = DEFAULT_LIVENESS_TTL if raw_ttl in (None, "") else int(raw_ttl)
@@ -184,4 +194,5 @@ class RendezvousConfig:
             liveness_confirm=_seconds(params, "liveness_confirm", DEFAULT_LIVENESS_CONFIRM),
             poll_interval=poll_interval,
             close_last_call=bool(close_last_call),
+            close_on_failure=bool(close_on_failure),
         )

@@ -238,6 +238,9 @@ class Daemon:
             # Waiting agents read the state 4 times a second instead of torch's once: the
             # re-rendezvous after a failure waits on 3-4 such reads (rendezvous_poll.py).
             "poll_interval": "0.25",
+            # The daemon restarts an agent that died: its error must not close the
+            # rendezvous for every node (rendezvous.py, "Restartable agents").
+            "close_on_failure": "false",
         }
 
     def agent_env(self) -> dict[str, str]:

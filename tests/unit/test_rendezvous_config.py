@@ -74,6 +74,7 @@ def test_password_from_the_environment(monkeypatch):
     ("127.0.0.1:2379", {"poll_interval": "0"}, "poll_interval='0'"),
     ("127.0.0.1:2379", {"poll_interval": "0.01"}, "poll_interval='0.01'.*between"),
     ("127.0.0.1:2379", {"poll_interval": "2"}, "poll_interval='2'.*between"),
+    ("127.0.0.1:2379", {"close_on_failure": "perhaps"}, "close_on_failure='perhaps'"),
 ])
 def test_bad_settings_are_refused_and_quoted(endpoint, conf, message, monkeypatch):
     monkeypatch.delenv(PASSWORD_ENV, raising=False)
@@ -185,3 +186,35 @@ def test_default_poll_interval_leaves_torch_alone(monkeypatch):
     handler = create_rdzv_handler(params(lease_liveness="false"))
     assert dr._delay is original
     assert handler._state_holder._cache_duration == 1
+
+
+def _end_agent(handler, failing: bool) -> None:
+    """Calls ``handler.shutdown()`` the way torch's launch_agent does: from a ``finally``,
+    with the run's exception propagating when it failed."""
+    try:
+        try:
+            if failing:
+                raise RuntimeError("the workers failed")
+        except RuntimeError:
+            raise
+        finally:
+            handler.shutdown()
+    except RuntimeError:
+        pass
+
+
+@pytest.mark.parametrize("close_on_failure, failing, closes", [
+    ("true", False, True),
+    ("true", True, True),     # torch's behaviour: a failed agent ends the job everywhere
+    ("false", False, True),   # a job that succeeded is over for the standby nodes too
+    ("false", True, False),   # the daemon restarts the agent: leave the rendezvous open
+])
+def test_a_failing_agent_leaves_the_rendezvous_open_when_told(close_on_failure, failing, closes):
+    handler = create_rdzv_handler(params(lease_liveness="false",
+                                         close_on_failure=close_on_failure))
+    calls: list[str] = []
+    handler._close = lambda: calls.append("close")
+    handler._stop_heartbeats = lambda: calls.append("stop heartbeats")
+    _end_agent(handler, failing)
+    assert ("close" in calls) is closes, calls
+    assert "stop heartbeats" in calls
