@@ -59,6 +59,16 @@ def _signal_all(pids: Sequence[int], sig: int) -> None:
             pass
 
 
+def kill_workers(pids: Sequence[int]) -> None:
+    """SIGKILLs torchrun workers and whatever they started: each is a session leader, so its
+    process group holds its children."""
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            _signal_all([pid], signal.SIGKILL)
+
+
 def _children(pid: int) -> list[int]:
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as fh:
@@ -193,12 +203,7 @@ class AgentSupervisor:
         round (proactive abort: waiting for gloo/NCCL to time out takes minutes)."""
         pids = self.worker_pids()
         log.warning("restarting workers of %s (%s): SIGKILL to %s", self.spec.name, reason, pids)
-        for pid in pids:
-            # Workers are session leaders (torchrun): their group holds whatever they started.
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                _signal_all([pid], signal.SIGKILL)
+        kill_workers(pids)
         return len(pids)
 
     def stop(self, grace: float = 10.0) -> int | None:

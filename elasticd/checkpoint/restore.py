@@ -11,7 +11,8 @@ copies it from a peer's RAM into this node's store; a snapshot that fails verifi
 refused and another copy, or the persistent one of the same step, used instead), and an
 ``all_reduce(MIN)`` of "I have it" decides; only when every rank has its bytes in hand does any
 rank load them into its state, so a failure never leaves a mix of steps. With nothing common,
-training starts fresh.
+training starts fresh. A rank whose daemon does not answer cannot say what it holds, so then
+the restore fails on every rank (:class:`DaemonUnreachable`) rather than start fresh.
 
 After a shrink (a node died and the job continues with fewer ranks) or a grow (a node joined),
 the committed version of the other world is still a candidate when the state is replicated
@@ -41,6 +42,7 @@ from elasticd.checkpoint.format import SnapshotError
 from elasticd.checkpoint.reader import SnapshotReader
 from elasticd.checkpoint.segment import map_file
 from elasticd.persistence.tier import Tier, TierError
+from elasticd.worker.client import DaemonUnavailable
 
 log = logging.getLogger("elasticd.checkpoint")
 
@@ -51,6 +53,13 @@ _NONE = (-1, -1)
 class RestoreError(RuntimeError):
     """The agreed snapshot could not be loaded into the state on some rank (e.g. the model
     changed shape since it was saved); raised on every rank together."""
+
+
+class DaemonUnreachable(RestoreError):
+    """Some rank's daemon did not answer (frozen, or dead without its workers): the ranks
+    cannot know what it holds, and must not start over from an older step or from scratch
+    while a newer one is committed. Raised on every rank, so the whole group fails this
+    attempt; the agent restarts it, by when that node has been fenced or its daemon is back."""
 
 
 class ReplicaMismatch(RestoreError):
@@ -196,6 +205,8 @@ class Sources:
         self.committed_world = 0
         #: Versions worth asking the daemon to fetch from peers (the committed ones).
         self.fetchable: set[Version] = set()
+        #: Why this rank's daemon could not be asked (it did not answer), or "".
+        self.unreachable = ""
 
     def discover(self) -> list[Version]:
         """Asks the daemon (and lists the tier); returns every version reachable, newest first."""
@@ -207,7 +218,11 @@ class Sources:
                 self.persisted = {tuple(v) for v in info.get("persisted", [])}
                 self.progress = tuple(info["progress"]) if info.get("progress") else None
                 self.persist_dir = self.persist_dir or info.get("persist_root")
-            except Exception as exc:  # noqa: BLE001 — no daemon: the tier may still help
+            except DaemonUnavailable as exc:
+                self.unreachable = str(exc)
+                log.error("elasticd: rank %d cannot reach its daemon: %s", self.rank, exc)
+                return []
+            except Exception as exc:  # noqa: BLE001 — it refused: the tier may still help
                 log.warning("elasticd: cannot list snapshots held by the daemon (%s)", exc)
             self._discover_committed()
         if self.persist_dir and not self.persisted:
@@ -247,6 +262,8 @@ class Sources:
         if world == self.world and version in self.ram:
             try:
                 return self._from_daemon("ckpt_open", version, world, refused)
+            except DaemonUnavailable as exc:
+                return self._silent(version, exc)
             except Exception as exc:  # noqa: BLE001 — refused or vanished: try the next source
                 refused.append(f"local step {version}: {exc}")
                 log.error("elasticd: REFUSED the in-RAM snapshot of rank %d step %s: %s",
@@ -257,6 +274,8 @@ class Sources:
                                         self.rank % world)
                 if got is not None:
                     return got
+            except DaemonUnavailable as exc:
+                return self._silent(version, exc)
             except Exception as exc:  # noqa: BLE001 — no copy reachable: try the next source
                 refused.append(f"peer step {version}: {exc}")
                 log.error("elasticd: cannot fetch rank %d step %s from a peer: %s",
@@ -271,6 +290,12 @@ class Sources:
                 log.error("elasticd: REFUSED the persisted snapshot of rank %d step %s: %s",
                           self.rank, version, exc)
         return None
+
+    def _silent(self, version: Version, exc: Exception) -> None:
+        """The daemon did not answer: not a refusal of ``version`` (see :func:`restore`)."""
+        self.unreachable = str(exc)
+        log.error("elasticd: rank %d: the daemon did not answer while restoring step %s: %s",
+                  self.rank, version, exc)
 
     def _from_daemon(self, op: str, version: Version, world: int, refused: list[str],
                      rank: int | None = None) -> _Fetched | None:
@@ -329,8 +354,9 @@ def sharded_reason(state: Any) -> str:
 
 
 # Rows every rank sends ahead of its versions: its progress, the committed version it was told
-# of, and (world size of that committed version, 1 if its state is replicated across ranks).
-_HEAD = 3
+# of, (world size of that committed version, 1 if its state is replicated across ranks), and
+# (1 if its daemon did not answer, 0).
+_HEAD = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,8 +377,17 @@ def agree(sources: Sources, collective: Collective, state: Any = None) -> Agreem
     mine = sources.discover()
     reason = sharded_reason(state) if state is not None else ""
     head = [sources.progress or _NONE, sources.committed or _NONE,
-            (sources.committed_world or -1, 0 if reason else 1)]
+            (sources.committed_world or -1, 0 if reason else 1),
+            (1 if sources.unreachable else 0, 0)]
     gathered = collective.all_gather(head + mine)
+    silent = [rank for rank, rows in enumerate(gathered) if rows[3][0] == 1]
+    if silent:
+        raise DaemonUnreachable(
+            f"the elasticd daemon of rank(s) {', '.join(map(str, silent))} does not answer"
+            f"{' (' + sources.unreachable + ')' if sources.unreachable else ''}: restoring "
+            "without it could start over from an older step than the committed one, so this "
+            "attempt fails on every rank and the agent starts another once that node is fenced "
+            "or its daemon answers again")
     seen = [v for rows in gathered for v in rows[:2] + rows[_HEAD:] if v != _NONE]
     common = set.intersection(*({v for v in rows[_HEAD:] if v != _NONE} for rows in gathered))
     candidates = {v: sources.world for v in common}
@@ -392,6 +427,13 @@ def restore(state: Any, sources: Sources, collective: Collective, clock: Any,
     seen = agreed.seen
     for version, world in agreed.candidates:
         got = sources.fetch(version, result.refused, world)
+        if not collective.all_true(not sources.unreachable):
+            # A daemon that does not answer a fetch may still hold the step: trying older
+            # ones would end, in the worst case, in a fresh start while it is committed.
+            raise DaemonUnreachable(
+                f"a rank's elasticd daemon did not answer while fetching step {version}"
+                f"{' (' + sources.unreachable + ')' if sources.unreachable else ''}: this "
+                "attempt fails on every rank and the agent starts another")
         if not collective.all_true(got is not None):
             log.warning("elasticd: step %s is not loadable on every rank; trying an older one",
                         version)

@@ -156,14 +156,14 @@ class SlotStore:
         """Returns a free slot of at least ``nbytes`` for the next snapshot of (job, rank).
 
         The slot holding the latest complete snapshot is not returned, except when the other
-        slot holds the version named by :meth:`keep` and the latest is a newer one no reader
-        pins: then the newer copy is the one overwritten (the kept one becomes the latest until
-        this snapshot completes). On first use both slots are allocated; a slot too small for
+        slot holds the version named by :meth:`keep` and the latest is a newer one: then the
+        newer copy is the one overwritten (the kept one becomes the latest until this snapshot
+        completes), or, while a reader pins it, the snapshot is refused (SlotBusy). On first use both slots are allocated; a slot too small for
         ``nbytes`` is replaced by a bigger one (new path).
 
         Raises:
             OverBudget: the allocation would exceed ``cap_bytes`` (or the filesystem is full).
-            SlotBusy: the free slot is pinned by a reader.
+            SlotBusy: the free slot is pinned by a reader, or the kept version would have to go.
         """
         if type(nbytes) is not int or nbytes <= 0:
             raise ValueError(f"nbytes must be a positive integer, got {nbytes!r}")
@@ -172,6 +172,15 @@ class SlotStore:
             pair = self._pair(job, rank)
             index = 0 if pair.latest is None else 1 - pair.latest
             if self._keeps_other(job, pair, index):
+                newer = pair.segments[pair.latest]  # type: ignore[index]
+                if newer is not None and newer.pins:
+                    # A reader (a push to a peer that stopped answering) holds the newer copy:
+                    # skip this snapshot rather than evict the committed one, the only copy of
+                    # it on this node (bench: SIGSTOP of a peer's daemon; the restore then had
+                    # the committed step nowhere reachable and started over from step 0).
+                    raise SlotBusy(f"{job} rank {rank}: the free slot holds the committed step "
+                                   f"{self._kept.get(job)} and the newer copy is pinned by a "
+                                   "reader; this snapshot is skipped")
                 index = pair.latest  # type: ignore[assignment]
                 pair.latest = 1 - index
             other = 1 - index
@@ -205,14 +214,14 @@ class SlotStore:
             return Slot(job, rank, current.path, current.capacity, current.view, current.ticket)
 
     def _keeps_other(self, job: str, pair: _Pair, index: int) -> bool:
-        """Whether slot ``index`` holds the kept version and the latest slot a newer, unpinned
-        copy that may be overwritten instead (call with the lock held)."""
+        """Whether slot ``index`` holds the kept version and the latest slot a newer copy, to
+        be overwritten instead unless a reader pins it (call with the lock held)."""
         kept = self._kept.get(job)
         if kept is None or pair.latest is None:
             return False
         free, latest = pair.segments[index], pair.segments[pair.latest]
         return (free is not None and free.header is not None and free.header.version() == kept
-                and latest is not None and latest.header is not None and latest.pins == 0
+                and latest is not None and latest.header is not None
                 and latest.header.version() > kept)
 
     def complete(self, slot: Slot, header: SnapshotHeader) -> SnapshotHeader:

@@ -46,6 +46,9 @@ Decisions, and why (numbers from FACTS.md):
 * **No needless last call.** A re-rendezvous whose participants already include every agent
   with an alive key ends its ``last_call_timeout`` at once: after a failure the survivors are
   all there is (``close_last_call=false`` turns it off; :mod:`.rendezvous_liveness`).
+* **Fencing for a silent daemon.** Under a daemon, the agent fences its own node when the
+  node's record is gone from etcd and the daemon does not answer locally (a frozen daemon
+  cannot fence for itself; :mod:`elasticd.agent.daemon_watch`).
 * **Restartable agents.** torch closes the rendezvous for good when an agent ends, also with
   an error. elasticd's daemons pass ``close_on_failure=false``: an agent that fails leaves the
   rendezvous open, so the agent its daemon restarts (and every other node's) can join again.
@@ -191,7 +194,44 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
         liveness = None
     _wrap_shutdown(handler, liveness, cfg.close_on_failure)
     set_poll_interval(handler, cfg.poll_interval)
+    _watch_daemon(coordinator, keyspace, liveness)
     return handler
+
+
+def _restart_own_workers(dead: list[str]) -> None:
+    """A participant of this agent's complete round died after the round formed: kill this
+    agent's workers (its children) so that torch restarts them into a new round, as the
+    daemon's proactive abort does when a node's lease expires (see
+    ``LeaseLiveness._broken_round``)."""
+    from elasticd.agent.supervisor import _children, kill_workers
+
+    pids = _children(os.getpid())
+    log.warning("participant(s) %s of this round are dead: restarting this node's workers %s",
+                ", ".join(dead), pids)
+    kill_workers(pids)
+
+
+def _watch_daemon(coordinator: object, keyspace: object,
+                  liveness: LeaseLiveness | None) -> None:
+    """Under an elasticd daemon (it sets ``ELASTICD_NODE``, ``ELASTICD_SOCKET`` and
+    ``ELASTICD_TAG``), starts the watch that fences this node for a daemon that was declared
+    dead and is silent (:mod:`elasticd.agent.daemon_watch`), and restarts this node's workers
+    when a participant of their round dies after it formed. Plain torchrun: nothing."""
+    from elasticd.agent.daemon_watch import DaemonWatch, fence_agent, ping_daemon
+    from elasticd.agent.supervisor import TAG_ENV
+
+    node, sock, tag = (os.environ.get(k) for k in ("ELASTICD_NODE", "ELASTICD_SOCKET", TAG_ENV))
+    if not (node and sock and tag):
+        return
+    if liveness is not None:
+        liveness.on_round_broken = _restart_own_workers
+    revoke = (lambda: liveness.stop(revoke=True)) if liveness is not None else (lambda: None)
+    watch = DaemonWatch(coordinator, keyspace.node(node),  # type: ignore[attr-defined]
+                        ping=ping_daemon(sock, timeout=1.0), fence=fence_agent(tag, revoke),
+                        absent_for=0.5, interval=0.5)
+    watch.start()
+    log.info("watching daemon of node %s (record %s, socket %s)", node,
+             watch.node_key.decode(errors="replace"), sock)
 
 
 def _bind_liveness(handler: RendezvousHandler, liveness: LeaseLiveness) -> bool:

@@ -87,7 +87,7 @@ import pickle
 import socket
 import threading
 from datetime import datetime, timezone
-from typing import Any, Collection
+from typing import Any, Callable, Collection
 from urllib.parse import quote
 
 from elasticd.clock import Clock, SystemClock
@@ -275,6 +275,10 @@ class LeaseLiveness:
         self._pid = os.getpid()
         #: End a re-rendezvous' last call once every live agent joined (see _close_last_call).
         self.close_last_call = close_last_call
+        #: Called with the ids of participants of this agent's complete round found dead
+        #: (see :meth:`_broken_round`); None: nothing is done about them.
+        self.on_round_broken: Callable[[list[str]], None] | None = None
+        self._broken_seen: set[tuple[int, str]] = set()
 
     def bind(self, node: Any) -> None:
         """Names this agent: torch's ``_NodeDesc`` of its handler.
@@ -367,8 +371,36 @@ class LeaseLiveness:
                 log.warning("lease liveness: the alive key of node %s has been gone for %.1fs; "
                             "dropping it from the rendezvous", name,
                             self.judge.missing_for(name) or 0.0)
+        broken = self._broken_round(state, dead)
+        if broken and self.on_round_broken is not None:
+            self.on_round_broken(broken)
         closed = self.close_last_call and self._close_last_call(state, dead, alive)
         return pickle.dumps(state) if dead or closed else state_bits
+
+    def _broken_round(self, state: Any, dead: set[str]) -> list[str]:
+        """Participants of the complete round this agent is in that are now dead (each
+        reported once per round).
+
+        torch restarts a worker group for nodes that wait to join, not for participants that
+        leave: it counts on the group's collectives failing. Workers that are still starting
+        (waiting in ``init_process_group`` for the dead node's ranks) wait out gloo's timeout
+        instead, 30 minutes by default. Seen after SIGSTOP of a daemon: its agent joined the
+        survivors' round, then fenced itself, and the survivors' new workers waited for it.
+        """
+        if not dead:
+            return []
+        try:
+            if not state.complete:
+                return []
+            members = {node_id(p) for p in state.participants}
+            round_ = int(state.round)
+        except (AttributeError, TypeError, ValueError):
+            return []
+        if self.me not in members:
+            return []
+        new = sorted(n for n in dead & members if (round_, n) not in self._broken_seen)
+        self._broken_seen.update((round_, n) for n in new)
+        return new
 
     def _close_last_call(self, state: Any, dead: set[str], alive: set[str]) -> bool:
         """Ends the last call of a re-rendezvous at once when every live agent already joined.

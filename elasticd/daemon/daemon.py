@@ -358,7 +358,11 @@ class Daemon:
 
     def local_handlers(self) -> dict[str, Callable[[dict[str, Any]], Any]]:
         """What workers may ask of this daemon over its local socket."""
-        handlers: dict[str, Callable[[dict[str, Any]], Any]] = {"progress": self.jobs.on_progress}
+        handlers: dict[str, Callable[[dict[str, Any]], Any]] = {
+            "progress": self.jobs.on_progress,
+            # The agent's daemon watch asks whether this daemon still answers.
+            "ping": lambda msg: {"node": self.settings.node_id},
+        }
         if self.checkpoints is not None:
             handlers.update(self.checkpoints.handlers())
         return handlers

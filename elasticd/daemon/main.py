@@ -9,6 +9,7 @@ saying what to do, and exit status 2. Without ``--etcd`` the daemon starts a pri
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
@@ -243,6 +244,9 @@ def run(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
     signal.signal(signal.SIGHUP, on_hup)
+    # `kill -USR1 <pid>` writes every thread's stack to stderr (the journal under systemd):
+    # how to see where a stuck daemon waits without stopping it.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     embedded: EmbeddedEtcd | None = None
     if not settings.etcd:

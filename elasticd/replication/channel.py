@@ -197,6 +197,13 @@ class Channel:
         except OSError:
             pass
 
+    def shutdown(self) -> None:
+        """Ends both directions at once: a recv or send blocked in another thread returns."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
     def linger_close(self, timeout: float = 1.0, limit: int = 16 << 20) -> None:
         """Closes so that the peer can still read what was sent last (an ERROR frame).
 

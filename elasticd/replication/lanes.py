@@ -83,13 +83,18 @@ class Connections:
 
     def get(self, peer: str) -> tuple[ReplicaClient, bool]:
         """Raises: NoAddress, ConnectionLost, AuthenticationFailed."""
+        # The address book is the membership: a peer that left it (declared dead, or gone)
+        # loses its pooled connection too. A frozen peer's socket stays open, and a fetch over
+        # it waited for the whole timeout while the restoring workers gave up (bench: SIGSTOP
+        # of a daemon, survivors restarted from step 0).
+        address = self.addresses(peer)
+        if address is None:
+            self.discard(peer)
+            raise NoAddress(f"no replica server address known for node {peer!r}")
         with self._lock:
             client = self._clients.get(peer)
         if client is not None:
             return client, True
-        address = self.addresses(peer)
-        if address is None:
-            raise NoAddress(f"no replica server address known for node {peer!r}")
         client = ReplicaClient.connect(address[0], address[1], self._secret, self.node_id,
                                        expected_peer=peer, timeout=self.timeout,
                                        ssl_context=self.ssl_context, clock=self.clock)

@@ -205,8 +205,16 @@ class ReplicaClient:
         return RemoteError(msg.code, msg.message) if isinstance(msg, Error) else None
 
     def close(self) -> None:
+        """Closes the connection without waiting for a call in flight on another thread.
+
+        That call may be waiting on a peer that stopped answering (frozen: its socket stays
+        open) for up to the whole timeout; closing first shuts the socket down, which ends
+        that wait with ConnectionLost at once, and only then takes the lock. (A fetch that had
+        to drop a frozen peer's pooled connection waited 30 s here for a push's ack.)
+        """
+        self._broken = self._broken or ConnectionLost("closed")
+        self.channel.shutdown()
         with self._lock:
-            self._broken = self._broken or ConnectionLost("closed")
             self.channel.close()
 
     def __enter__(self) -> "ReplicaClient":

@@ -122,11 +122,15 @@ def test_a_kept_committed_copy_outlives_newer_uncommitted_ones(store):
     slot.buffer[:100] = bytes(100)
     assert_holds(store, "job", 0, 1)
     assert store.latest("job", 0, version=(0, 1)) is not None
-    # A reader pinning the newer copy: the kept one is reused rather than waiting (no skip).
+    # A reader pinning the newer copy (a push to a peer that stopped answering): the snapshot
+    # is refused rather than evict the committed copy, the only one this node has.
     snapshot(store, "job", 0, step=5)
     with store.latest("job", 0, pin=True):
-        snapshot(store, "job", 0, step=6)
-    assert store.versions("job", 0) == [(0, 6), (0, 5)]
+        with pytest.raises(SlotBusy, match="committed step"):
+            store.reserve("job", 0, 100)
+        assert store.versions("job", 0) == [(0, 5), (0, 1)]
+    snapshot(store, "job", 0, step=6)  # released: the newer copy's slot is reused
+    assert store.versions("job", 0) == [(0, 6), (0, 1)]
     # A new commit moves the kept version; None forgets it and plain alternation resumes.
     store.keep("job", (0, 6))
     snapshot(store, "job", 0, step=7)

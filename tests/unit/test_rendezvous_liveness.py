@@ -546,3 +546,36 @@ def test_close_last_call_off_keeps_torchs_behaviour(trio, clock):
         agent.liveness.close_last_call = False
     _open_round(trio, [a, b, c], round_=1)
     assert _deadline(a) > datetime.datetime.now(datetime.timezone.utc)
+
+
+def test_a_dead_participant_of_my_complete_round_is_reported_once(trio, clock):
+    # The workers of a round may still be starting (waiting for the dead node's ranks in
+    # init_process_group): torch does not restart them for a departure; the callback does.
+    a, b, c = trio
+    broken: list[list[str]] = []
+    a.liveness.on_round_broken = broken.append
+    _tick([a, b], clock, TTL + 0.5)
+    a.participants()
+    assert broken == []  # absent once: not yet judged dead
+    _tick([a, b], clock, 1.0)
+    a.participants()
+    assert broken == [[node_id(c.node)]]
+    _tick([a, b], clock, 1.0)
+    a.participants()
+    assert broken == [[node_id(c.node)]]  # once per round
+
+
+def test_a_dead_node_outside_my_round_breaks_nothing(server, clock):
+    a, b, c = (Agent(server, clock, i) for i in range(3))
+    _complete_round([a, b], clock)
+    c.backend.get_state()  # c waits beside the round; then dies
+    for agent in (a, b, c):
+        agent.participants()
+    broken: list[list[str]] = []
+    a.liveness.on_round_broken = broken.append
+    _tick([a, b], clock, TTL + 1.5)
+    a.participants()
+    a.participants()
+    assert broken == []
+    for agent in (a, b, c):
+        agent.liveness.stop()

@@ -200,6 +200,9 @@ class Recorder:
     def gettimeout(self):
         return self.sock.gettimeout()
 
+    def shutdown(self, how: int) -> None:
+        self.sock.shutdown(how)
+
     def close(self) -> None:
         self.sock.close()
 
@@ -374,3 +377,32 @@ def test_replication_does_not_import_torch():
             "elasticd.replication.memory; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_close_does_not_wait_for_a_call_stuck_on_a_silent_peer():
+    # A frozen peer keeps its socket open and never answers: a push waiting for its ack held
+    # the client's lock, and dropping the connection (the peer was declared dead) waited for
+    # the whole timeout. close() shuts the socket down first, which ends that wait.
+    from elasticd.replication.channel import Channel
+    from elasticd.replication.transport import ConnectionLost, ReplicaClient
+
+    mine, silent = socket.socketpair()
+    client = ReplicaClient(Channel(mine), "n3", 1 << 20)
+    errors: list[BaseException] = []
+
+    def waiting_for_an_ack():
+        try:
+            client._call(client._expect_ack)
+        except BaseException as exc:  # noqa: BLE001 — recorded for the assertion
+            errors.append(exc)
+
+    t = threading.Thread(target=waiting_for_an_ack)
+    t.start()
+    time.sleep(0.2)  # the call is now blocked in recv
+    started = time.monotonic()
+    client.close()
+    t.join(5)
+    silent.close()
+    assert not t.is_alive()
+    assert time.monotonic() - started < 2.0
+    assert errors and isinstance(errors[0], ConnectionLost), errors

@@ -355,3 +355,24 @@ def test_the_daemon_side_of_replication_does_not_import_torch():
             "elasticd.replication.recovery; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_peer_gone_from_the_address_book_loses_its_pooled_connection():
+    # A frozen peer's socket stays open: reusing it for a fetch waited for the whole timeout.
+    from elasticd.replication.lanes import Connections, NoAddress
+
+    class Pooled:
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    book = {"n2": ("127.0.0.1", 1)}
+    conns = Connections("n1", b"s" * 32, book.get)
+    pooled = Pooled()
+    conns._clients["n2"] = pooled
+    assert conns.get("n2") == (pooled, True)
+    del book["n2"]  # declared dead: the membership forgot it
+    with pytest.raises(NoAddress, match="n2"):
+        conns.get("n2")
+    assert pooled.closed and "n2" not in conns._clients

@@ -1,0 +1,144 @@
+"""In the torchrun agent: stop this node's job when its daemon was declared dead and is silent.
+
+A daemon that learns it was declared dead (its lease expired, so the peers have restarted their
+workers without it) fences its node: it stops the agent and the workers before it rejoins. A
+daemon that is frozen (SIGSTOP, a debugger, a stuck page fault) or killed on its own cannot, and
+its agent and workers run on: the agent joins the survivors' next rendezvous round, and the
+restore of that round has a rank whose daemon does not answer (bench: SIGSTOP of one daemon,
+with ``--nnodes 2:3``, made every recovery start over from step 0 before the restore learned
+to refuse that; it now fails the attempt instead, see
+:class:`~elasticd.checkpoint.restore.DaemonUnreachable`). So the agent fences for its daemon.
+
+Rule (:meth:`DaemonWatch.tick`, on the agent's monotonic clock): fence when the node's record
+(``<prefix>/nodes/<node>``, bound to the daemon's lease) has been absent from etcd in every
+successful read for ``absent_for`` seconds (0.5 under a daemon), *and* the daemon then does not answer a ping on its
+local socket within a second. Either alone is normal for a while: every record vanishes
+for a moment after an etcd outage longer than the lease TTL (each daemon re-grants and
+re-registers within a heartbeat), and a busy daemon can answer late. A failed etcd read forgets
+the absence (no judgement from a doubtful view). A wrong fence costs one agent restart: a live
+daemon sees its agent exit and starts it again.
+
+Fencing kills every process carrying this job's tag on this node (workers, the warm-start
+zygote) with SIGKILL, revokes the agent's rendezvous alive key (so the survivors drop this node
+at once rather than after its TTL) and ends the agent with :data:`FENCED_EXIT`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from typing import Callable
+
+from elasticd.clock import Clock, SystemClock
+from elasticd.coordination.api import CoordinationError, Coordinator
+
+log = logging.getLogger(__name__)
+
+#: The agent's exit code after it fenced its node (EX_TEMPFAIL: try again later).
+FENCED_EXIT = 75
+
+
+class DaemonWatch:
+    """Decides, every ``interval`` seconds, whether this agent must fence its node.
+
+    Args:
+        coordinator: the agent's etcd connection.
+        node_key: the node's record, bound to the daemon's lease.
+        ping: True when the daemon answers on its local socket in time.
+        fence: called once, with the reason, when the rule holds (normally does not return).
+        absent_for: seconds the record must stay absent before the daemon is pinged.
+        interval: seconds between etcd reads.
+        clock: time source.
+    """
+
+    def __init__(self, coordinator: Coordinator, node_key: bytes, ping: Callable[[], bool],
+                 fence: Callable[[str], None], absent_for: float = 1.0,
+                 interval: float = 0.5, clock: Clock | None = None) -> None:
+        self._coordinator = coordinator
+        self.node_key = node_key
+        self._ping = ping
+        self._fence = fence
+        self.absent_for = absent_for
+        self.interval = interval
+        self._clock = clock or SystemClock()
+        self._absent_since: float | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def tick(self) -> str | None:
+        """One read of the record; returns why to fence, or None."""
+        now = self._clock.monotonic()
+        try:
+            present = self._coordinator.get(self.node_key) is not None
+        except CoordinationError:
+            self._absent_since = None
+            return None
+        if present:
+            self._absent_since = None
+            return None
+        if self._absent_since is None:
+            self._absent_since = now
+        absent = now - self._absent_since
+        if absent < self.absent_for or self._ping():
+            return None
+        return (f"this node's record {self.node_key.decode(errors='replace')} has been gone "
+                f"from etcd for {absent:.1f} s (its daemon was declared dead) and the daemon "
+                "does not answer on its local socket")
+
+    def run(self) -> None:
+        while not self._stop.wait(self.interval):
+            reason = self.tick()
+            if reason is not None:
+                self._fence(reason)
+                return
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.run, name="elasticd-daemon-watch",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def ping_daemon(socket_path: str, timeout: float) -> Callable[[], bool]:
+    """A ping of the daemon at ``socket_path``: any answer, an error included, means alive."""
+    from elasticd.worker.client import DaemonClient, DaemonError, DaemonUnavailable, WorkerIdentity
+
+    def ping() -> bool:
+        client = DaemonClient(socket_path, WorkerIdentity(), timeout=timeout)
+        try:
+            client.call("ping")
+            return True
+        except DaemonError:
+            return True  # it answered (a daemon that predates "ping" refuses it)
+        except DaemonUnavailable:
+            return False
+        finally:
+            client.close()
+
+    return ping
+
+
+def fence_agent(tag: str, revoke: Callable[[], None]) -> Callable[[str], None]:
+    """The fence: SIGKILL every other process tagged ``tag``, ``revoke`` the alive key, exit."""
+    from elasticd.agent.supervisor import tagged_pids
+
+    def fence(reason: str) -> None:
+        log.error("elasticd: %s: fencing this node, killing its workers and ending the agent",
+                  reason)
+        for pid in tagged_pids(tag):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            revoke()
+        except Exception as exc:  # noqa: BLE001 — the alive key then expires with its TTL
+            log.warning("elasticd: could not revoke the rendezvous alive key: %s", exc)
+        logging.shutdown()
+        os._exit(FENCED_EXIT)
+
+    return fence
