@@ -34,6 +34,7 @@ processes are SIGKILLed once the run is measured. Results committed from::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -127,10 +128,19 @@ def _strike(node, fault: str) -> None:
         _signal_all([node.pid], signal.SIGSTOP)
 
 
+def _workdir(prefix: str, keep: str | None):
+    """A temporary work directory, or with ``keep`` one left under it (logs to read later)."""
+    if keep:
+        os.makedirs(keep, exist_ok=True)
+        return contextlib.nullcontext(tempfile.mkdtemp(prefix=prefix, dir=keep))
+    return tempfile.TemporaryDirectory(prefix=prefix)
+
+
 def run_elasticd(victim: str, ttl: int, timeout: float, replication: bool = True,
-                 nodes: int = 3, extra_args: tuple = (), fault: str = "kill") -> dict:
+                 nodes: int = 3, extra_args: tuple = (), fault: str = "kill",
+                 keep: str | None = None) -> dict:
     full = nodes
-    with tempfile.TemporaryDirectory(prefix="elasticd-bench-") as d:
+    with _workdir("elasticd-bench-", keep) as d:
         c = LocalCluster(_names(nodes), workdir=d, lease_ttl=ttl, replication=replication,
                          extra_args=extra_args)
         try:
@@ -268,24 +278,30 @@ def main() -> int:
     p.add_argument("--fault", choices=FAULTS, default="kill",
                    help="kill: SIGKILL the node; freeze: SIGSTOP all its processes; "
                         "stop-daemon: SIGSTOP its daemon only")
+    p.add_argument("--victims", metavar="N1,N2",
+                   help="nodes to strike, in turn (default: every node, n1 first)")
+    p.add_argument("--keep", metavar="DIR",
+                   help="keep each elasticd run's work directory (logs) under DIR")
     p.add_argument("--out", default="bench/results/recovery.json")
     args = p.parse_args()
     if args.fault == "stop-daemon" and args.baseline_runs:
         p.error("--fault stop-daemon has no plain torchrun baseline: pass --baseline-runs 0")
     if args.nodes < 2:
         p.error(f"--nodes must be at least 2 (one is killed), got {args.nodes}")
-    victims = _names(args.nodes)
+    victims = args.victims.split(",") if args.victims else _names(args.nodes)
+    if not set(victims) <= set(_names(args.nodes)):
+        p.error(f"--victims {args.victims!r}: nodes are {','.join(_names(args.nodes))}")
     elastic, plain, cold = [], [], []
     for i in range(max(args.runs, args.baseline_runs, args.cold_runs)):
         v = victims[i % len(victims)]
         if i < args.runs:
             r = run_elasticd(v, args.ttl, args.timeout, not args.no_replication, args.nodes,
-                             fault=args.fault)
+                             fault=args.fault, keep=args.keep)
             elastic.append(r)
             print(f"elasticd run {i + 1}: {args.fault} {v}: {r}", flush=True)
         if i < args.cold_runs:
             r = run_elasticd(v, args.ttl, args.timeout, not args.no_replication, args.nodes,
-                             ("--worker-start", "cold"), fault=args.fault)
+                             ("--worker-start", "cold"), fault=args.fault, keep=args.keep)
             cold.append(r)
             print(f"elasticd cold run {i + 1}: {args.fault} {v}: {r}", flush=True)
         if i < args.baseline_runs:
