@@ -194,8 +194,8 @@ class JobManager:
             control = self.controls.get(job)
             if control is not None and control.desired != "running":
                 continue
-            if job in self._finished or self.succeeded_on(job):
-                continue
+            if job in self._finished or (job != self.job and self.succeeded_on(job)):
+                continue  # a running agent here ends on its own (see _check_agent)
             return job
         return None
 

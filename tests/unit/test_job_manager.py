@@ -61,3 +61,11 @@ def test_a_node_restarting_its_agent_records_the_peers_success_instead(env):
     assert NodeJobStatus.decode(kvs[0].value).state == "succeeded"
     mgr.step()  # and stays finished: nothing is started again
     assert mgr.job is None and ended == ["job"]
+
+
+def test_a_running_agent_is_not_stopped_because_a_peer_finished_first(env):
+    coord, keys, mgr, lease = env
+    mgr.job = "job"  # as if this node's agent were running the job
+    _peer(coord, keys, lease, "n2", "succeeded")
+    mgr._drain()
+    assert mgr.wanted() == "job"
