@@ -48,6 +48,7 @@ import sys
 import tempfile
 import time
 
+from elasticd.agent.supervisor import signal_all
 from elasticd.launcher import LocalCluster
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -110,22 +111,14 @@ def _names(count: int) -> list[str]:
 FAULTS = ("kill", "freeze", "stop-daemon")
 
 
-def _signal_all(pids, sig: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-
-
 def _strike(node, fault: str) -> None:
     """Applies ``fault`` to a LocalCluster node (see the module doc)."""
     if fault == "kill":
         node.kill()
     elif fault == "freeze":
-        _signal_all([node.pid, *node.tagged()], signal.SIGSTOP)
+        signal_all([node.pid, *node.tagged()], signal.SIGSTOP)
     else:
-        _signal_all([node.pid], signal.SIGSTOP)
+        signal_all([node.pid], signal.SIGSTOP)
 
 
 def _workdir(prefix: str, keep: str | None):

@@ -11,8 +11,9 @@ to refuse that; it now fails the attempt instead, see
 
 Rule (:meth:`DaemonWatch.tick`, on the agent's monotonic clock): fence when the node's record
 (``<prefix>/nodes/<node>``, bound to the daemon's lease) has been absent from etcd in every
-successful read for ``absent_for`` seconds (0.5 under a daemon), *and* the daemon then does not answer a ping on its
-local socket within a second. Either alone is normal for a while: every record vanishes
+successful read for ``absent_for`` seconds (0.5 under a daemon, read every 0.5 s), *and*
+the daemon then does not answer a ping on its local socket within a second (it answers in
+about a millisecond when alive). Either alone is normal for a while: every record vanishes
 for a moment after an etcd outage longer than the lease TTL (each daemon re-grants and
 re-registers within a heartbeat), and a busy daemon can answer late. A failed etcd read forgets
 the absence (no judgement from a doubtful view). A wrong fence costs one agent restart: a live
@@ -124,16 +125,12 @@ def ping_daemon(socket_path: str, timeout: float) -> Callable[[], bool]:
 
 def fence_agent(tag: str, revoke: Callable[[], None]) -> Callable[[str], None]:
     """The fence: SIGKILL every other process tagged ``tag``, ``revoke`` the alive key, exit."""
-    from elasticd.agent.supervisor import tagged_pids
+    from elasticd.agent.supervisor import signal_all, tagged_pids
 
     def fence(reason: str) -> None:
         log.error("elasticd: %s: fencing this node, killing its workers and ending the agent",
                   reason)
-        for pid in tagged_pids(tag):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        signal_all(tagged_pids(tag), signal.SIGKILL)
         try:
             revoke()
         except Exception as exc:  # noqa: BLE001 — the alive key then expires with its TTL

@@ -51,7 +51,8 @@ def tagged_pids(tag: str = "", prefix: str = "") -> list[int]:
     return out
 
 
-def _signal_all(pids: Sequence[int], sig: int) -> None:
+def signal_all(pids: Sequence[int], sig: int) -> None:
+    """Sends ``sig`` to each of ``pids`` that still exists (and is ours to signal)."""
     for pid in pids:
         try:
             os.kill(pid, sig)
@@ -66,10 +67,11 @@ def kill_workers(pids: Sequence[int]) -> None:
         try:
             os.killpg(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
-            _signal_all([pid], signal.SIGKILL)
+            signal_all([pid], signal.SIGKILL)
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
+    """The direct children of ``pid`` (of its main thread, which starts torchrun's workers)."""
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as fh:
             return [int(x) for x in fh.read().split()]
@@ -196,7 +198,7 @@ class AgentSupervisor:
 
     def worker_pids(self) -> list[int]:
         """The agent's worker processes (its direct children)."""
-        return _children(self.pid) if self.poll() is None else []
+        return children(self.pid) if self.poll() is None else []
 
     def restart_workers(self, reason: str) -> int:
         """Kills the current workers so that the agent restarts them in a new rendezvous
@@ -217,7 +219,7 @@ class AgentSupervisor:
                 os.killpg(self.proc.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-        _signal_all(tagged_pids(self.tag), signal.SIGTERM)
+        signal_all(tagged_pids(self.tag), signal.SIGTERM)
         deadline = self.clock.monotonic() + grace
         while self.clock.monotonic() < deadline:
             if (self.proc is None or self.proc.poll() is not None) and not tagged_pids(self.tag):
@@ -232,7 +234,7 @@ class AgentSupervisor:
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            _signal_all(left, signal.SIGKILL)
+            signal_all(left, signal.SIGKILL)
         if self.proc is not None:
             try:
                 self.proc.wait(timeout=5)

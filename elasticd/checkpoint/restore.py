@@ -291,6 +291,10 @@ class Sources:
                           self.rank, version, exc)
         return None
 
+    def why_unreachable(self) -> str:
+        """`` (why this rank's daemon did not answer)``, or "" when it did."""
+        return f" ({self.unreachable})" if self.unreachable else ""
+
     def _silent(self, version: Version, exc: Exception) -> None:
         """The daemon did not answer: not a refusal of ``version`` (see :func:`restore`)."""
         self.unreachable = str(exc)
@@ -384,7 +388,7 @@ def agree(sources: Sources, collective: Collective, state: Any = None) -> Agreem
     if silent:
         raise DaemonUnreachable(
             f"the elasticd daemon of rank(s) {', '.join(map(str, silent))} does not answer"
-            f"{' (' + sources.unreachable + ')' if sources.unreachable else ''}: restoring "
+            f"{sources.why_unreachable()}: restoring "
             "without it could start over from an older step than the committed one, so this "
             "attempt fails on every rank and the agent starts another once that node is fenced "
             "or its daemon answers again")
@@ -432,7 +436,7 @@ def restore(state: Any, sources: Sources, collective: Collective, clock: Any,
             # ones would end, in the worst case, in a fresh start while it is committed.
             raise DaemonUnreachable(
                 f"a rank's elasticd daemon did not answer while fetching step {version}"
-                f"{' (' + sources.unreachable + ')' if sources.unreachable else ''}: this "
+                f"{sources.why_unreachable()}: this "
                 "attempt fails on every rank and the agent starts another")
         if not collective.all_true(got is not None):
             log.warning("elasticd: step %s is not loadable on every rank; trying an older one",

@@ -158,7 +158,8 @@ class SlotStore:
         The slot holding the latest complete snapshot is not returned, except when the other
         slot holds the version named by :meth:`keep` and the latest is a newer one: then the
         newer copy is the one overwritten (the kept one becomes the latest until this snapshot
-        completes), or, while a reader pins it, the snapshot is refused (SlotBusy). On first use both slots are allocated; a slot too small for
+        completes), or, while a reader pins it, the snapshot is refused (SlotBusy). On first
+        use both slots are allocated; a slot too small for
         ``nbytes`` is replaced by a bigger one (new path).
 
         Raises:

@@ -203,9 +203,9 @@ def _restart_own_workers(dead: list[str]) -> None:
     agent's workers (its children) so that torch restarts them into a new round, as the
     daemon's proactive abort does when a node's lease expires (see
     ``LeaseLiveness._broken_round``)."""
-    from elasticd.agent.supervisor import _children, kill_workers
+    from elasticd.agent.supervisor import children, kill_workers
 
-    pids = _children(os.getpid())
+    pids = children(os.getpid())
     log.warning("participant(s) %s of this round are dead: restarting this node's workers %s",
                 ", ".join(dead), pids)
     kill_workers(pids)

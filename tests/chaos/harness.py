@@ -40,6 +40,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable
 
+from elasticd.agent.supervisor import children
 from elasticd.launcher import LocalCluster, NodeProcess
 from tests.chaos.faults import FaultPlan, FaultRecord, Injector, sleep_until
 
@@ -171,14 +172,6 @@ def _proc_shm_paths(pid: int) -> set[str]:
     return found
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as fh:
-            return [int(p) for p in fh.read().split()]
-    except OSError:
-        return []
-
-
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as fh:
@@ -264,7 +257,7 @@ class ChaosCluster:
 
     def worker_pids(self, node: str) -> list[int]:
         st = self.job_statuses().get(node, {})
-        return _children(st["agent_pid"]) if st.get("agent_pid") else []
+        return children(st["agent_pid"]) if st.get("agent_pid") else []
 
     def placement(self):
         from elasticd.replication.placement import decode_placement

@@ -566,16 +566,26 @@ def test_a_dead_participant_of_my_complete_round_is_reported_once(trio, clock):
 
 
 def test_a_dead_node_outside_my_round_breaks_nothing(server, clock):
+    # c waits beside a complete round of a and b (wait list), then dies: it is dropped, but
+    # the round a and b train in lost nobody, so their workers stay.
     a, b, c = (Agent(server, clock, i) for i in range(3))
     _complete_round([a, b], clock)
-    c.backend.get_state()  # c waits beside the round; then dies
+    raw, token = a.backend.get_state()
+    state = pickle.loads(raw)
+    state.wait_list.add(c.node)
+    state.last_heartbeats[c.node] = datetime.datetime.now(datetime.timezone.utc)
+    c.backend.get_state()  # c writes its alive key
+    assert a.backend.set_state(pickle.dumps(state), token)[2]
     for agent in (a, b, c):
-        agent.participants()
+        agent.holder.sync()
+    assert c.node in a.holder.state.wait_list
     broken: list[list[str]] = []
     a.liveness.on_round_broken = broken.append
-    _tick([a, b], clock, TTL + 1.5)
-    a.participants()
-    a.participants()
-    assert broken == []
+    _tick([a, b], clock, TTL + 0.5)
+    a.holder.sync()
+    _tick([a, b], clock, 1.0)
+    a.holder.sync()
+    assert c.node not in a.holder.state.wait_list  # judged dead and dropped ...
+    assert broken == []  # ... without breaking a's round
     for agent in (a, b, c):
         agent.liveness.stop()
