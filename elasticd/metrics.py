@@ -151,9 +151,10 @@ class Metrics:
                                    "Newest step every local rank holds in RAM", registry=r)
         self.snapshots_skipped = Counter(
             "elasticd_snapshots_skipped_total",
-            "Snapshots skipped, by reason (over_budget: the memory cap; busy: slot pinned)",
+            "Snapshots skipped, by reason (over_budget: the memory cap; busy: slot pinned; "
+            "commit_pending: both slots hold copies awaiting or holding the commit)",
             ["reason"], registry=r)
-        for reason in ("over_budget", "busy"):
+        for reason in ("over_budget", "busy", "commit_pending"):
             self.snapshots_skipped.labels(reason)
         self.jobs_unprotected = Gauge(
             "elasticd_jobs_unprotected", "Jobs whose last snapshot was skipped over budget",

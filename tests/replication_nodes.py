@@ -90,6 +90,7 @@ class Cluster:
         self.nodes: dict[str, Node] = {}
         self.coords: list[Coordinator] = []
         replicator_kw.setdefault("commit_wait", 0.5)
+        replicator_kw.setdefault("withdraw_after", 0.5)
         replicator_kw.setdefault("timeout", 10.0)
         for i in range(1, n + 1):
             name = f"n{i}"

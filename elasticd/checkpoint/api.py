@@ -33,6 +33,20 @@ class SlotBusy(SlotStoreError):
     """The only free slot is pinned by a reader (e.g. replication still sending it)."""
 
 
+class CommitPending(SlotBusy):
+    """Both slots of a rank hold copies that must stay: the committed step and a newer copy a
+    peer acknowledged, which may still be committed. The snapshot is skipped until that copy is
+    committed or withdrawn (:meth:`SlotStore.unprotect`).
+
+    Attributes:
+        version: the acknowledged copy in the way, (generation, step).
+    """
+
+    def __init__(self, message: str, version: tuple[int, int]):
+        super().__init__(message)
+        self.version = version
+
+
 class StaleSlot(SlotStoreError):
     """``complete`` was given a slot that has since been reserved again or removed."""
 

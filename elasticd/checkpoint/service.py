@@ -49,7 +49,14 @@ import threading
 import time
 from typing import Any, Callable
 
-from elasticd.checkpoint.api import OverBudget, Slot, SlotBusy, SlotStoreError, StaleSlot
+from elasticd.checkpoint.api import (
+    CommitPending,
+    OverBudget,
+    Slot,
+    SlotBusy,
+    SlotStoreError,
+    StaleSlot,
+)
 from elasticd.checkpoint.format import PREAMBLE_SIZE, SnapshotError
 from elasticd.checkpoint.reader import _header_from_json
 from elasticd.checkpoint.shm import SlotStore
@@ -180,13 +187,15 @@ class CheckpointService:
                 return {"skip": True, "reason": f"paused: {self._paused}"}
             self._reserving += 1
         try:
-            return self._reserve_slot(job, rank, world, nbytes, local_world, uid)
+            return self._reserve_slot(job, rank, world, nbytes, local_world, uid,
+                                      None if step is None or gen is None else (gen, step))
         finally:
             with self._lock:
                 self._reserving -= 1
 
     def _reserve_slot(self, job: str, rank: int, world: int, nbytes: int,
-                      local_world: int | None, uid: Any) -> dict[str, Any]:
+                      local_world: int | None, uid: Any,
+                      version: tuple[int, int] | None = None) -> dict[str, Any]:
         with self._lock:
             record = self._job(job)
             if record.world_size != world:  # a new world: its local ranks are seen afresh
@@ -197,6 +206,10 @@ class CheckpointService:
             slot = self.store.reserve(job, rank, nbytes)
         except OverBudget as exc:
             return self._skip(job, rank, "over_budget", str(exc))
+        except CommitPending as exc:
+            if self.replicator is not None:
+                self.replicator.on_commit_pending(job, exc.version, skipped=version)
+            return self._skip(job, rank, "commit_pending", str(exc))
         except SlotBusy as exc:
             return self._skip(job, rank, "busy", str(exc))
         except (ValueError, OSError) as exc:
@@ -560,6 +573,7 @@ class CheckpointService:
             "replica_bytes_held": self.store.bytes_held(),
             "skipped_over_budget_total": counters.get("skipped_over_budget", 0),
             "skipped_busy_total": counters.get("skipped_busy", 0),
+            "skipped_commit_pending_total": counters.get("skipped_commit_pending", 0),
             "refused_total": counters.get("refused", 0),
             "unprotected_jobs": sum(job["unprotected"] for job in status.values()),
             "restores_total": {s: counters.get(f"restores_{s}", 0) for s in RESTORE_SOURCES},

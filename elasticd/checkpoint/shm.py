@@ -25,6 +25,7 @@ from typing import Any, Callable
 import numpy as np
 
 from elasticd.checkpoint.api import (
+    CommitPending,
     OverBudget,
     ScanResult,
     Slot,
@@ -36,7 +37,7 @@ from elasticd.checkpoint.format import SnapshotError, SnapshotHeader, invalidate
 from elasticd.checkpoint.reader import SnapshotReader, verify_payload
 from elasticd.checkpoint.segment import PAGE, Segment, map_file
 
-__all__ = ["OverBudget", "ScanResult", "Slot", "SlotBusy", "SlotStore", "SlotStoreError",
+__all__ = ["CommitPending", "OverBudget", "ScanResult", "Slot", "SlotBusy", "SlotStore", "SlotStoreError",
            "SnapshotView", "StaleSlot", "default_root", "map_file"]
 
 _JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -54,6 +55,8 @@ class _Pair:
     latest: int | None = None
     reserved: int | None = None
     next_serial: int = 0
+    # Versions a peer acknowledged, which may be committed (see SlotStore.protect).
+    protected: set[tuple[int, int]] = dataclasses.field(default_factory=set)
 
 
 class SnapshotView:
@@ -105,6 +108,7 @@ class SlotStore:
         os.makedirs(root, mode=0o700, exist_ok=True)
         self._pairs: dict[tuple[str, int], _Pair] = {}
         self._kept: dict[str, tuple[int, int]] = {}
+        self._floors: dict[str, int] = {}
         self._lock = threading.Lock()
         self._tickets = 0
 
@@ -139,8 +143,8 @@ class SlotStore:
     # -- the snapshot cycle ---------------------------------------------------------------
 
     def keep(self, job: str, version: tuple[int, int] | None) -> None:
-        """Names ``job``'s committed (generation, step): :meth:`reserve` then overwrites a newer,
-        uncommitted copy rather than the committed one while it can (see there). None forgets it.
+        """Names ``job``'s committed (generation, step): :meth:`reserve` never overwrites it,
+        nor a newer copy marked by :meth:`protect`. None forgets it.
 
         Without this, a rank whose commits stall (a peer paused, draining or slow) would evict
         the committed step with its second newer snapshot, and the step every holder agreed on
@@ -149,22 +153,76 @@ class SlotStore:
         with self._lock:
             if version is None:
                 self._kept.pop(job, None)
-            else:
-                self._kept[job] = (int(version[0]), int(version[1]))
+                return
+            kept = self._kept[job] = (int(version[0]), int(version[1]))
+            for (j, _), pair in self._pairs.items():
+                if j == job:
+                    pair.protected = {v for v in pair.protected if v > kept}
+
+    def set_floor(self, job: str, generation: int) -> None:
+        """Copies of ``job`` below ``generation`` belong to an abandoned timeline (a restore
+        opened a new generation): they can never be committed, so they lose any protection."""
+        with self._lock:
+            floor = self._floors[job] = max(self._floors.get(job, 0), int(generation))
+            for (j, _), pair in self._pairs.items():
+                if j == job:
+                    pair.protected = {v for v in pair.protected if v[0] >= floor}
+
+    def protect(self, job: str, rank: int, version: tuple[int, int]) -> bool:
+        """Marks a held copy as one that may be committed (a peer acknowledged a copy of it):
+        :meth:`reserve` then refuses to overwrite it (:class:`CommitPending`) until it is
+        committed (:meth:`keep`), abandoned (:meth:`set_floor`) or withdrawn
+        (:meth:`unprotect`). This is what keeps a committed step's every named holder holding
+        it: the commit is decided in etcd from acknowledgements, after the fact.
+
+        Returns:
+            False when the copy is no longer held here (it must not be counted as a copy).
+        """
+        version = (int(version[0]), int(version[1]))
+        with self._lock:
+            pair = self._pairs.get((job, rank))
+            if pair is None or not any(s is not None and s.header is not None
+                                       and s.header.version() == version for s in pair.segments):
+                return False
+            if self._protects(job, pair, version, assume=True):
+                pair.protected.add(version)
+            return True
+
+    def unprotect(self, job: str, rank: int | None, version: tuple[int, int]) -> None:
+        """The copy (of ``rank``, or of every rank of ``job`` for None) was withdrawn from
+        commit or superseded: it may be overwritten again."""
+        version = (int(version[0]), int(version[1]))
+        with self._lock:
+            for (j, r), pair in self._pairs.items():
+                if j == job and rank in (None, r):
+                    pair.protected.discard(version)
+
+    def _protects(self, job: str, pair: _Pair, version: tuple[int, int],
+                  assume: bool = False) -> bool:
+        """Whether ``version`` must stay (call with the lock held): it is the kept one, or a
+        protected copy newer than it and not of an abandoned generation."""
+        kept = self._kept.get(job)
+        if version == kept:
+            return True
+        if not assume and version not in pair.protected:
+            return False
+        return (kept is None or version > kept) and version[0] >= self._floors.get(job, 0)
 
     def reserve(self, job: str, rank: int, nbytes: int) -> Slot:
         """Returns a free slot of at least ``nbytes`` for the next snapshot of (job, rank).
 
         The slot holding the latest complete snapshot is not returned, except when the other
-        slot holds the version named by :meth:`keep` and the latest is a newer one: then the
-        newer copy is the one overwritten (the kept one becomes the latest until this snapshot
-        completes), or, while a reader pins it, the snapshot is refused (SlotBusy). On first
-        use both slots are allocated; a slot too small for
+        slot holds a copy that must stay (the version named by :meth:`keep`, or one marked by
+        :meth:`protect`) and the latest may go: then the latest is overwritten (the other one
+        becomes the latest until this snapshot completes). When both must stay the snapshot is
+        refused (:class:`CommitPending`); when the slot to reuse is pinned by a reader, too
+        (:class:`SlotBusy`). On first use both slots are allocated; a slot too small for
         ``nbytes`` is replaced by a bigger one (new path).
 
         Raises:
             OverBudget: the allocation would exceed ``cap_bytes`` (or the filesystem is full).
-            SlotBusy: the free slot is pinned by a reader, or the kept version would have to go.
+            CommitPending: both slots hold copies that must stay.
+            SlotBusy: the slot to reuse is pinned by a reader.
         """
         if type(nbytes) is not int or nbytes <= 0:
             raise ValueError(f"nbytes must be a positive integer, got {nbytes!r}")
@@ -172,8 +230,16 @@ class SlotStore:
         with self._lock:
             pair = self._pair(job, rank)
             index = 0 if pair.latest is None else 1 - pair.latest
-            if self._keeps_other(job, pair, index):
-                newer = pair.segments[pair.latest]  # type: ignore[index]
+            if self._stays(job, pair, index):
+                if pair.latest is None or self._stays(job, pair, pair.latest):
+                    held = [s.header.version() for s in pair.segments if s is not None
+                            and s.header is not None and s.header.version() != self._kept.get(job)]
+                    pending = min(held, default=self._kept.get(job) or (0, 0))
+                    raise CommitPending(
+                        f"{job} rank {rank}: both slots hold copies that must stay (committed "
+                        f"{self._kept.get(job)}, acknowledged {pending} not yet committed); "
+                        "this snapshot is skipped", pending)
+                newer = pair.segments[pair.latest]
                 if newer is not None and newer.pins:
                     # A reader (a push to a peer that stopped answering) holds the newer copy:
                     # skip this snapshot rather than evict the committed one, the only copy of
@@ -182,7 +248,7 @@ class SlotStore:
                     raise SlotBusy(f"{job} rank {rank}: the free slot holds the committed step "
                                    f"{self._kept.get(job)} and the newer copy is pinned by a "
                                    "reader; this snapshot is skipped")
-                index = pair.latest  # type: ignore[assignment]
+                index = pair.latest
                 pair.latest = 1 - index
             other = 1 - index
             current = pair.segments[index]
@@ -207,6 +273,8 @@ class SlotStore:
                 pair.segments[index] = current = self._allocate(job, rank, pair, capacity)
             if fill:
                 pair.segments[other] = self._allocate(job, rank, pair, capacity)
+            if current.header is not None:
+                pair.protected.discard(current.header.version())
             invalidate(current.view)
             current.header = None
             self._tickets += 1
@@ -214,16 +282,12 @@ class SlotStore:
             pair.reserved = index
             return Slot(job, rank, current.path, current.capacity, current.view, current.ticket)
 
-    def _keeps_other(self, job: str, pair: _Pair, index: int) -> bool:
-        """Whether slot ``index`` holds the kept version and the latest slot a newer copy, to
-        be overwritten instead unless a reader pins it (call with the lock held)."""
-        kept = self._kept.get(job)
-        if kept is None or pair.latest is None:
-            return False
-        free, latest = pair.segments[index], pair.segments[pair.latest]
-        return (free is not None and free.header is not None and free.header.version() == kept
-                and latest is not None and latest.header is not None
-                and latest.header.version() > kept)
+    def _stays(self, job: str, pair: _Pair, index: int) -> bool:
+        """Whether slot ``index`` holds a complete copy that must not be overwritten (call with
+        the lock held)."""
+        segment = pair.segments[index]
+        return (segment is not None and segment.header is not None
+                and self._protects(job, pair, segment.header.version()))
 
     def complete(self, slot: Slot, header: SnapshotHeader) -> SnapshotHeader:
         """Seals the snapshot written into ``slot``; it becomes (job, rank)'s latest.
@@ -347,6 +411,7 @@ class SlotStore:
         self._dir(job, 0)
         with self._lock:
             self._kept.pop(job, None)
+            self._floors.pop(job, None)
             for key in [k for k in self._pairs if k[0] == job]:
                 for seg in self._pairs.pop(key).segments:
                     if seg is not None:

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 #: Restore sources, the values of the ``source`` label.
 RESTORE_SOURCES = ("local", "peer", "persistent", "none")
 #: Why a snapshot was skipped, the values of the ``reason`` label.
-SKIP_REASONS = ("over_budget", "busy")
+SKIP_REASONS = ("over_budget", "busy", "commit_pending")
 
 #: metric name -> (type, help, where the value comes from).
 RECOMMENDED: dict[str, tuple[str, str, str]] = {
@@ -31,7 +31,8 @@ RECOMMENDED: dict[str, tuple[str, str, str]] = {
                                "stats()['snapshot_step']"),
     "elasticd_snapshots_skipped_total": (
         "counter", "Snapshots skipped, by reason (over_budget: the memory cap; busy: slot "
-        "pinned by a reader)", "sink.snapshot_skipped(reason)"),
+        "pinned by a reader; commit_pending: both slots hold copies awaiting or holding the "
+        "commit)", "sink.snapshot_skipped(reason)"),
     "elasticd_jobs_unprotected": ("gauge", "Jobs whose last snapshot was skipped over budget",
                                   "stats()['unprotected_jobs']"),
     "elasticd_snapshots_refused_total": (

@@ -3,16 +3,27 @@
 Each daemon records, for the ranks it owns, which snapshot versions reached ``m`` verified
 copies (its own plus an acknowledgement from each of its ``m - 1`` placement peers), in one
 record per node. A version is *committed* when every rank of the job has it: :func:`decide`
-computes that from the records alone (a pure function), and :func:`record_commit` writes it with
-a compare-and-set transaction that never moves the committed (generation, step) backwards, so
-any number of daemons may race to record the same or different commits. Keys, under
+computes that from the records alone (a pure function), and :func:`commit_step` writes it with
+a transaction that never moves the committed (generation, step) backwards, so any number of
+daemons may race to record the same or different commits.
+
+A version in a node's record may be *withdrawn* (:func:`withdraw`): a rank's two slots cannot
+hold the committed step, an acknowledged newer one and the next snapshot, so an owner whose
+acknowledged version waits too long for its commit takes it back before overwriting it. The
+withdrawal bumps the node's fence key, and :func:`commit_step`'s transaction requires every
+owner's fence to be unchanged since the records were read: a commit decided from a record that
+still listed the withdrawn version cannot land after the withdrawal. (Without this a step could
+be committed naming a holder that had already overwritten its copy.) Keys, under
 ``Keyspace.job_ckpt(job)``::
 
     replicated/<node>   record "ckpt_replicated": {node, round, ranks: {"<rank>":
                         {"versions": [[generation, step], ...] newest first (at most
-                        KEEP_VERSIONS), "holders": [node, ...]}}, at}
+                        KEEP_VERSIONS), "holders": [node, ...]}}, at, [skipped: versions
+                        a local rank skipped, so they can never commit; newest first]}
     committed           record "ckpt_committed": {generation, step, ranks: [rank, ...],
                         holders: {"<rank>": [node, ...]}, m, round, at}
+    fence/<node>        record "ckpt_fence": {node, withdrawn: [[generation, step], ...], at};
+                        only its mod_revision matters (changed by every withdrawal)
 
 Both are overwritten in place, so etcd's footprint does not grow with the run's length. The
 placement (``Keyspace.job_placement(job)``, record "placement") is published here too
@@ -35,8 +46,11 @@ log = logging.getLogger(__name__)
 
 COMMITTED_KIND = "ckpt_committed"
 REPLICATED_KIND = "ckpt_replicated"
+FENCE_KIND = "ckpt_fence"
 #: Versions each node lists per rank: enough to find a common one among nodes a few steps apart.
 KEEP_VERSIONS = 4
+#: Skipped versions each node lists (the newest), for peers waiting on one of them.
+KEEP_SKIPPED = 8
 
 
 class CommitConflict(ReplicationError):
@@ -53,6 +67,10 @@ def replicated_prefix(keys: Keyspace, job: str) -> bytes:
 
 def replicated_key(keys: Keyspace, job: str, node: str) -> bytes:
     return replicated_prefix(keys, job) + node.encode()
+
+
+def fence_key(keys: Keyspace, job: str, node: str) -> bytes:
+    return keys.job_ckpt(job) + b"fence/" + node.encode()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,13 +97,15 @@ class Committed:
 
 @dataclasses.dataclass(frozen=True)
 class Replicated:
-    """One node's record: per owned rank, versions with ``m`` copies (newest first), holders."""
+    """One node's record: per owned rank, versions with ``m`` copies (newest first), holders;
+    and the versions one of its ranks skipped (newest first), which can never be committed."""
 
     node: str
     round: int
     versions: Mapping[int, tuple[Version, ...]]
     holders: Mapping[int, tuple[str, ...]]
     at: float = 0.0
+    skipped: tuple[Version, ...] = ()
 
 
 def encode_committed(c: Committed) -> bytes:
@@ -109,10 +129,13 @@ def decode_committed(raw: bytes, key: bytes | str = b"?") -> Committed:
 
 
 def encode_replicated(r: Replicated) -> bytes:
-    return records.encode(REPLICATED_KIND, {
+    body: dict[str, Any] = {
         "node": r.node, "round": r.round, "at": r.at,
         "ranks": {str(k): {"versions": [list(v) for v in r.versions[k][:KEEP_VERSIONS]],
-                           "holders": list(r.holders.get(k, ()))} for k in sorted(r.versions)}})
+                           "holders": list(r.holders.get(k, ()))} for k in sorted(r.versions)}}
+    if r.skipped:
+        body["skipped"] = [list(v) for v in r.skipped[:KEEP_SKIPPED]]
+    return records.encode(REPLICATED_KIND, body)
 
 
 def decode_replicated(raw: bytes, key: bytes | str = b"?") -> Replicated:
@@ -123,8 +146,9 @@ def decode_replicated(raw: bytes, key: bytes | str = b"?") -> Replicated:
         for rank, entry in body["ranks"].items():
             versions[int(rank)] = tuple((_int(g), _int(s)) for g, s in entry["versions"])
             holders[int(rank)] = tuple(_str(n) for n in entry.get("holders", ()))
+        skipped = tuple((_int(g), _int(s)) for g, s in body.get("skipped", ()))
         return Replicated(_str(body["node"]), _int(body.get("round", 0)), versions, holders,
-                          float(body.get("at", 0.0)))
+                          float(body.get("at", 0.0)), skipped)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise records.CorruptRecord(f"{key!r}: invalid replicated record ({exc})") from exc
 
@@ -178,30 +202,104 @@ def read_committed(coord: Coordinator, keys: Keyspace, job: str) -> Committed | 
         return None
 
 
-def read_progress(coord: Coordinator, keys: Keyspace, job: str) -> dict[str, Replicated]:
-    """Every node's replicated record for ``job`` (unreadable ones are logged and skipped)."""
-    kvs, _ = coord.get_prefix(replicated_prefix(keys, job))
-    out = {}
+@dataclasses.dataclass(frozen=True)
+class CommitState:
+    """The job's commit records as one range read saw them.
+
+    Attributes:
+        committed_revision: mod_revision of the committed record (0: absent).
+        fences: per node, the mod_revision of its fence key (absent: never withdrew).
+    """
+
+    progress: Mapping[str, Replicated]
+    committed: Committed | None
+    committed_revision: int
+    fences: Mapping[str, int]
+
+
+def read_state(coord: Coordinator, keys: Keyspace, job: str) -> CommitState:
+    """Every commit record of ``job`` in one read (unreadable ones are logged and skipped)."""
+    kvs, _ = coord.get_prefix(keys.job_ckpt(job))
+    c_key, r_prefix = committed_key(keys, job), replicated_prefix(keys, job)
+    f_prefix = keys.job_ckpt(job) + b"fence/"
+    progress: dict[str, Replicated] = {}
+    fences: dict[str, int] = {}
+    committed, revision = None, 0
     for kv in kvs:
         try:
-            rec = decode_replicated(kv.value, kv.key)
+            if kv.key == c_key:
+                revision = kv.mod_revision
+                committed = decode_committed(kv.value, kv.key)
+            elif kv.key.startswith(r_prefix):
+                rec = decode_replicated(kv.value, kv.key)
+                progress[rec.node] = rec
+            elif kv.key.startswith(f_prefix):
+                fences[kv.key[len(f_prefix):].decode(errors="replace")] = kv.mod_revision
         except records.RecordError as exc:
-            log.error("ignoring a replicated record of %s: %s", job, exc)
-            continue
-        out[rec.node] = rec
-    return out
+            log.error("ignoring a commit record of %s: %s", job, exc)
+    return CommitState(progress, committed, revision, fences)
+
+
+def commit_step(coord: Coordinator, keys: Keyspace, job: str, placement: Placement, *,
+                floor: int = 0, now: float = 0.0,
+                attempts: int = 16) -> tuple[bool, Committed | None]:
+    """Decides (:func:`decide`) and records the newest version every rank has with ``m``
+    copies, unless the record already holds it or a newer one. The write is conditional on
+    the committed record and every owner's fence being as read, so it never lands after a
+    withdrawal it did not see; on a conflict the decision is made again from fresh records.
+
+    Returns:
+        (written, the record now in force or None).
+
+    Raises:
+        CommitConflict: the records changed under every one of ``attempts`` tries.
+        coordination errors: etcd unreachable and such (the caller counts and retries later).
+    """
+    key = committed_key(keys, job)
+    owners = sorted(n for n, rs in placement.ranks.items() if rs)
+    for _ in range(attempts):
+        state = read_state(coord, keys, job)
+        current = state.committed
+        new = decide(placement, state.progress, floor=floor, now=now)
+        if new is None or (current is not None and new.version <= current.version):
+            return False, current
+        compares = [Compare(key, state.committed_revision)]
+        compares += [Compare(fence_key(keys, job, n), state.fences.get(n, 0)) for n in owners]
+        ok, _ = coord.transaction(compares, [Put(key, encode_committed(new))])
+        if ok:
+            return True, new
+    raise CommitConflict(f"commit records of {job} changed under {attempts} attempts")
+
+
+def withdraw(coord: Coordinator, keys: Keyspace, job: str, record: Replicated,
+             withdrawn: Iterable[Version], now: float = 0.0) -> Committed | None:
+    """Writes ``record`` (this node's, without the withdrawn versions) and bumps the node's
+    fence in one transaction, then returns the committed record in force afterwards.
+
+    From then on no commit decided from the earlier record can land (see
+    :func:`commit_step`). A withdrawn version may have been committed just before: the caller
+    compares it with the returned record and keeps its copy if so.
+
+    Raises:
+        coordination errors: nothing was withdrawn (the copy must then stay).
+    """
+    body = {"node": record.node, "withdrawn": sorted(list(v) for v in withdrawn), "at": now}
+    coord.transaction([], [Put(fence_key(keys, job, record.node), records.encode(FENCE_KIND, body)),
+                           Put(replicated_key(keys, job, record.node), encode_replicated(record))])
+    return read_committed(coord, keys, job)
 
 
 def record_commit(coord: Coordinator, keys: Keyspace, job: str, new: Committed,
                   attempts: int = 16) -> tuple[bool, Committed]:
-    """Writes ``new`` unless the record already holds the same or a newer version.
+    """Writes ``new`` unless the record already holds the same or a newer version (no fence
+    check: for tools and tests that set a commit directly; daemons use :func:`commit_step`).
 
     Returns:
         (written, the record now in force).
 
     Raises:
         CommitConflict: the record changed under every one of ``attempts`` compare-and-sets.
-        coordination errors: etcd unreachable and such (the caller counts and retries later).
+        coordination errors: etcd unreachable and such.
     """
     key = committed_key(keys, job)
     for _ in range(attempts):

@@ -76,14 +76,18 @@ class Replicator:
         workers: pool threads (lanes run one per thread while they have work).
         commit_wait: seconds a push waits for the previous version's commit (see
             :mod:`elasticd.replication.tracker`).
+        withdraw_after: seconds an acknowledged version that keeps a local snapshot from its
+            slot may wait for its commit before this node withdraws it (the snapshots skipped
+            meanwhile count as ``commit_pending``).
         timeout: seconds any single network send or receive may block.
     """
 
     def __init__(self, node_id: str, coord: Coordinator, keys: Keyspace, store: SlotStore,
                  secret: bytes, m: int = 2, clock: Clock | None = None,
                  peers_address: AddressBook = lambda node: None, *,
-                 sink: ShmSink | None = None, workers: int = 4, commit_wait: float = 2.0,
-                 timeout: float = 30.0, ssl_context: ssl.SSLContext | None = None) -> None:
+                 sink: ShmSink | None = None, workers: int = 6, commit_wait: float = 2.0,
+                 timeout: float = 30.0, ssl_context: ssl.SSLContext | None = None,
+                 withdraw_after: float = 1.0) -> None:
         if m < 1 or workers < 1 or commit_wait < 0:
             raise ValueError(f"need m >= 1, workers >= 1, commit_wait >= 0; got m={m}, "
                              f"workers={workers}, commit_wait={commit_wait}")
@@ -99,8 +103,17 @@ class Replicator:
         self._connections = Connections(node_id, secret, peers_address, timeout=timeout,
                                         ssl_context=ssl_context, clock=self.clock)
         self.tracker = CommitTracker(node_id, coord, keys, self.clock, self._submit,
-                                     self._collect, commit_wait, on_commit=self._keep)
+                                     self._collect, commit_wait, on_commit=self._keep,
+                                     withdraw_after=withdraw_after)
         self.pusher = Pusher(store, sink, self._connections, self._executor, self.tracker)
+        self.pusher.on_protected = self._follow
+        # Acknowledged versions of local ranks followed until committed or withdrawn (see
+        # _follow), when each was first acknowledged, and those a local snapshot waits on.
+        self._resolving: set[tuple[str, Version]] = set()
+        self._since: dict[tuple[str, Version], float] = {}
+        self._blocked: set[tuple[str, Version]] = set()
+        if sink is not None:
+            sink.on_pending = self.tracker.reread
 
     # -- membership, generations, snapshots ------------------------------------------------
 
@@ -134,6 +147,8 @@ class Replicator:
         """A fallback to an older persisted step opened ``generation``: copies and commits of
         older generations never count again (this node's sink refuses them too)."""
         self.tracker.start_generation(job, generation)
+        for store in self._own_stores():
+            store.set_floor(job, generation)
         if self.sink is not None:
             self.sink.set_floor(job, generation)
 
@@ -154,8 +169,59 @@ class Replicator:
         peers = placement.peers_of(self.node_id)
         for peer in peers:
             self.pusher.submit(peer, Task(job, rank, version))
-        if not peers:  # m = 1: the owner's copy is all there is
+        if not peers and self.store.protect(job, rank, version):
+            # m = 1: the owner's copy is all there is, and it must stay until committed.
+            self._follow(job, version)
             self._submit(self.tracker.on_replicated, job, rank, version)
+
+    def on_commit_pending(self, job: str, version: Version,
+                          skipped: Version | None = None) -> None:
+        """A local snapshot (of ``skipped``, when known) was skipped because ``version``
+        (acknowledged, not yet committed) holds the slot it needs: publishes the skip, and
+        resolves ``version`` (its commit, else its withdrawal ``withdraw_after`` seconds after
+        its acknowledgement), after which the slot is reused. Returns at once."""
+        if skipped is not None:
+            self._submit(self.tracker.on_skipped, job, skipped)
+        self._follow(job, version, blocked=True)
+
+    def _follow(self, job: str, version: Version, blocked: bool = False) -> None:
+        """Follows an acknowledged version of a local rank in the background (one follower
+        per version) from its first acknowledgement: started then rather than when a snapshot
+        is blocked, so that a version a peer skipped is withdrawn before this node's next
+        step, and two nodes waiting on each other's skipped steps realign at once."""
+        key = (job, (int(version[0]), int(version[1])))
+        with self.tracker.lock:
+            if blocked:
+                self._blocked.add(key)
+            self._since.setdefault(key, time.monotonic())
+            if key in self._resolving:
+                return
+            self._resolving.add(key)
+        # Not counted by wait_idle: a version waiting for a commit that may never come is not
+        # work in progress.
+        self._submit(self._resolve, *key, track=False)
+
+    def _resolve(self, job: str, version: Version) -> None:
+        key = (job, version)
+        with self.tracker.lock:
+            since = self._since.get(key, time.monotonic())
+        free = None
+        try:
+            free = self.tracker.resolve_pending(job, version, since,
+                                                lambda: key in self._blocked)
+            if free:
+                self.store.unprotect(job, None, version)
+        finally:
+            with self.tracker.lock:
+                self._resolving.discard(key)
+                if free is not None:
+                    self._blocked.discard(key)
+                    self._since.pop(key, None)
+
+    def awaiting_commit(self, job: str) -> list[Version]:
+        """Acknowledged versions of local ranks followed until committed or withdrawn."""
+        with self.tracker.lock:
+            return sorted(v for j, v in self._resolving if j == job)
 
     # -- re-replication, drain, garbage ---------------------------------------------------
 
@@ -345,6 +411,7 @@ class Replicator:
                     "sync_lag": self.tracker.sync_lag(st),
                     "under_replicated": under_replicated(c, p),
                     "generation_floor": st.floor,
+                    "awaiting_commit": sorted(list(v) for j, v in self._resolving if j == job),
                 }
             return {"node": self.node_id, "jobs": out, "backlog": backlog,
                     "replica_bytes_held": held}
@@ -377,13 +444,15 @@ class Replicator:
             "fetch_seconds_total": c.get("fetch_micros", 0) / 1e6,
             "fetch_failures_total": fetch_failures,
             "etcd_errors_total": c.get("etcd_errors", 0),
+            "withdrawals_total": c.get("withdrawals", 0),
         }
 
-    def _submit(self, fn: Any, *args: Any) -> None:
+    def _submit(self, fn: Any, *args: Any, track: bool = True) -> None:
+        """Runs ``fn(*args)`` on the pool; ``track``: :meth:`wait_idle` waits for it."""
         with self._idle:
             if self._closing:
                 return
-            self._busy += 1
+            self._busy += track
 
         def run() -> None:
             try:
@@ -392,14 +461,14 @@ class Replicator:
                 log.exception("replicator %s: %s failed", self.node_id, fn.__name__)
             finally:
                 with self._idle:
-                    self._busy -= 1
+                    self._busy -= track
                     self._idle.notify_all()
 
         try:
             self._executor.submit(run)
         except RuntimeError:  # shut down meanwhile
             with self._idle:
-                self._busy -= 1
+                self._busy -= track
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
         """Blocks (real time) until no push, commit or repair is pending; False on timeout."""

@@ -30,8 +30,9 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+from typing import Callable
 
-from elasticd.checkpoint.api import OverBudget, Slot, SlotBusy, StaleSlot
+from elasticd.checkpoint.api import CommitPending, OverBudget, Slot, SlotBusy, StaleSlot
 from elasticd.checkpoint.format import SnapshotError
 from elasticd.checkpoint.reader import parse_header
 from elasticd.checkpoint.shm import SlotStore, SnapshotView
@@ -100,6 +101,8 @@ class ShmSink(Sink):
         self._reading: dict[Descriptor, list[SnapshotView]] = {}
         self._floors: dict[str, int] = {}
         self._budget_lock = threading.Lock()
+        #: Called with a job to bring its committed version up to date (see :meth:`_reserve`).
+        self.on_pending: Callable[[str], None] | None = None
         for job, rank, _, _ in store.holdings():
             view = store.latest(job, rank)
             if view is not None:
@@ -145,6 +148,26 @@ class ShmSink(Sink):
 
     def _reserve(self, d: Descriptor) -> Slot:
         try:
+            return self._reserve_once(d)
+        except CommitPending as exc:
+            if d.version <= exc.version:
+                raise Refused(IN_PROGRESS, str(exc)) from exc
+            # A newer copy exists, so its sender resolved the acknowledged one in the way: it
+            # was committed (this node's watch may not have said so yet: ask etcd) or withdrawn
+            # by its owner, who makes no newer snapshot until one or the other happened.
+            if self.on_pending is not None:
+                self.on_pending(d.job)
+            try:
+                return self._reserve_once(d)
+            except CommitPending as again:
+                if d.version <= again.version:
+                    raise Refused(IN_PROGRESS, str(again)) from again
+                self.store.unprotect(d.job, d.owner_rank, again.version)
+                self.counters["superseded_pending"] += 1
+                return self._reserve_once(d)
+
+    def _reserve_once(self, d: Descriptor) -> Slot:
+        try:
             with self._budget_lock:
                 if self.cap_bytes is None or self.local is None:
                     self.store.cap_bytes = self.cap_bytes
@@ -162,6 +185,8 @@ class ShmSink(Sink):
         except OverBudget as exc:
             self.counters["refused_no_space"] += 1
             raise Refused(NO_SPACE, str(exc)) from exc
+        except CommitPending:
+            raise  # handled by _reserve
         except SlotBusy as exc:
             raise Refused(IN_PROGRESS, str(exc)) from exc
         except ValueError as exc:
@@ -188,6 +213,8 @@ class ShmSink(Sink):
                                     f"{header.layout.total_size} bytes, the transfer "
                                     f"{d.version} of {d.total_bytes}")
             self.store.complete(slot, header)  # verifies every block, rewrites the same header
+            # The acknowledgement that follows may make it committed: it stays until then.
+            self.store.protect(d.job, d.owner_rank, d.version)
         except (SnapshotError, StaleSlot, ValueError) as exc:
             self.counters["refused_corrupt"] += 1
             log.error("REFUSED corrupt %s: %s", where, exc)

@@ -10,8 +10,15 @@ keeps only a shard's two newest copies and a third push would evict the committe
 the wait it goes ahead and the wait is counted, since nodes that replicated different steps
 would otherwise wait for each other forever.
 
+An acknowledged version stays in both holders' slots until it is committed, abandoned or
+*withdrawn* (:meth:`CommitTracker.resolve_pending`): a rank whose two slots hold the committed
+step and an acknowledged newer one skips snapshots until then, and when the commit does not
+come within ``withdraw_after`` this node takes the version back from its record, behind a fence
+that no commit decided from the older record can pass (:func:`~elasticd.replication.commit.withdraw`).
+
 ``lock`` guards the job states and is never held while calling etcd: the in-memory coordinator
-runs watch callbacks on the writer's thread.
+runs watch callbacks on the writer's thread. ``_record_lock`` serialises this node's record
+writes (held across the etcd call), so a withdrawal is never overwritten by an older record.
 """
 
 from __future__ import annotations
@@ -30,18 +37,19 @@ from elasticd.coordination.api import CoordinationError, Coordinator, EventType,
 from elasticd.coordination.keys import Keyspace
 from elasticd.replication.api import Version
 from elasticd.replication.commit import (
+    KEEP_SKIPPED,
     KEEP_VERSIONS,
     CommitConflict,
     Committed,
     Replicated,
+    commit_step,
     committed_key,
-    decide,
     decode_committed,
     encode_replicated,
     read_committed,
-    read_progress,
-    record_commit,
+    read_state,
     replicated_key,
+    withdraw,
 )
 from elasticd.replication.placement import Placement
 
@@ -61,6 +69,8 @@ class JobState:
         replicated: per local rank, versions with ``m`` copies, newest first.
         latest: per local rank, the newest local snapshot notified.
         gen_base: per generation, the step before its first local snapshot (for sync lag).
+        withdrawn: versions taken back from this node's record; never recorded again.
+        skipped: versions a local rank skipped (newest first), published in the record.
     """
 
     placement: Placement | None = None
@@ -72,6 +82,8 @@ class JobState:
     replicated: dict[int, list[Version]] = dataclasses.field(default_factory=dict)
     latest: dict[int, Version] = dataclasses.field(default_factory=dict)
     gen_base: dict[int, int] = dataclasses.field(default_factory=dict)
+    withdrawn: set[Version] = dataclasses.field(default_factory=set)
+    skipped: list[Version] = dataclasses.field(default_factory=list)
     watch: Watch | None = None
 
 
@@ -82,17 +94,22 @@ class CommitTracker:
         submit: runs a function in the background (the replicator's pool).
         on_advance: called (in the background) with a job whose commit moved past the one in
             force when its placement last changed.
+        withdraw_after: seconds an acknowledged version that blocks a local snapshot may wait
+            for its commit before it is withdrawn (:meth:`resolve_pending`).
     """
 
     def __init__(self, node_id: str, coord: Coordinator, keys: Keyspace, clock: Clock,
                  submit: Callable[..., None], on_advance: Callable[[str], None],
                  commit_wait: float = 2.0,
-                 on_commit: Callable[[str, Version], None] | None = None) -> None:
+                 on_commit: Callable[[str, Version], None] | None = None,
+                 withdraw_after: float = 1.0) -> None:
         self.node_id, self.coord, self.keys, self.clock = node_id, coord, keys, clock
         self.commit_wait, self._on_commit = commit_wait, on_commit
+        self.withdraw_after = withdraw_after
         self._submit, self._advance = submit, on_advance
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
+        self._record_lock = threading.Lock()
         self.jobs: dict[str, JobState] = {}
         self.closing = False
         self.counters: collections.Counter[str] = collections.Counter()
@@ -157,44 +174,153 @@ class CommitTracker:
 
     def on_replicated(self, job: str, rank: int, version: Version) -> None:
         """``rank`` has ``m`` copies of ``version``: record it, and commit if every rank has."""
-        with self.lock:
-            st = self.jobs.get(job)
-            if st is None or st.placement is None or version in st.replicated.get(rank, ()):
+        with self._record_lock:
+            with self.lock:
+                st = self.jobs.get(job)
+                if (st is None or st.placement is None or version in st.withdrawn
+                        or version in st.replicated.get(rank, ())):
+                    return
+                versions = sorted({version, *st.replicated.get(rank, ())}, reverse=True)
+                st.replicated[rank] = versions[:KEEP_VERSIONS]
+                oldest = st.replicated[rank][-1]
+                st.acked[rank] = {v: s for v, s in st.acked.get(rank, {}).items() if v >= oldest}
+                mine = st.placement.ranks.get(self.node_id, ())
+                # A version can commit only once all of this node's ranks have it.
+                if mine and not all(version in st.replicated.get(r, ()) for r in mine):
+                    return
+                record = self._record(st)
+            try:
+                self.coord.put(replicated_key(self.keys, job, self.node_id),
+                               encode_replicated(record))
+            except CoordinationError as exc:
+                self.etcd_error("record replicated versions", exc)
                 return
-            versions = sorted({version, *st.replicated.get(rank, ())}, reverse=True)
-            st.replicated[rank] = versions[:KEEP_VERSIONS]
-            oldest = st.replicated[rank][-1]
-            st.acked[rank] = {v: s for v, s in st.acked.get(rank, {}).items() if v >= oldest}
-            mine = st.placement.ranks.get(self.node_id, ())
-            # A version can commit only once all of this node's ranks have it.
-            if mine and not all(version in st.replicated.get(r, ()) for r in mine):
-                return
-            record = Replicated(
-                self.node_id, st.placement.round,
-                {r: tuple(st.replicated[r]) for r in (mine or st.replicated) if r in st.replicated},
-                {r: st.placement.holders[self.node_id] for r in (mine or st.replicated)},
-                self.clock.wall())
-        try:
-            self.coord.put(replicated_key(self.keys, job, self.node_id), encode_replicated(record))
-        except CoordinationError as exc:
-            self.etcd_error("record replicated versions", exc)
-            return
         self.try_commit(job)
+
+    def _record(self, st: JobState) -> Replicated:
+        """This node's record as the job state says (call with :attr:`lock` held)."""
+        assert st.placement is not None
+        mine = st.placement.ranks.get(self.node_id, ())
+        return Replicated(
+            self.node_id, st.placement.round,
+            {r: tuple(st.replicated[r]) for r in (mine or st.replicated) if r in st.replicated},
+            {r: st.placement.holders[self.node_id] for r in (mine or st.replicated)},
+            self.clock.wall(), tuple(st.skipped[:KEEP_SKIPPED]))
+
+    def on_skipped(self, job: str, version: Version) -> None:
+        """A local rank skipped the snapshot of ``version`` (a commit was pending): publishes
+        it, so that a peer whose acknowledged copy of it waits for a commit withdraws that copy
+        at once instead of after ``withdraw_after`` (see :meth:`resolve_pending`)."""
+        version = (int(version[0]), int(version[1]))
+        with self._record_lock:
+            with self.lock:
+                st = self.jobs.get(job)
+                if st is None or st.placement is None or version in st.skipped:
+                    return
+                st.skipped = sorted({version, *st.skipped}, reverse=True)[:KEEP_SKIPPED]
+                record = self._record(st)
+            try:
+                self.coord.put(replicated_key(self.keys, job, self.node_id),
+                               encode_replicated(record))
+            except CoordinationError as exc:
+                self.etcd_error("record a skipped version", exc)
+
+    def resolve_pending(self, job: str, version: Version, since: float,
+                        blocked: Callable[[], bool]) -> bool | None:
+        """Follows an acknowledged, not yet committed ``version`` of this node's ranks (its
+        copies stay in their slots meanwhile) until it is committed, or withdrawn from this
+        node's record (see the module doc): at once when another owner's record shows it can
+        no longer commit (:meth:`_hopeless`), or ``withdraw_after`` seconds (real time) after
+        ``since`` when a local snapshot is ``blocked`` by it.
+
+        Returns:
+            True when the copy may be overwritten (withdrawn, abandoned or older than the
+            commit); False when it must stay (committed, or etcd could not be told); None when
+            it is still pending but nothing waits for its slot (the caller follows it again
+            when something does).
+        """
+        version = (int(version[0]), int(version[1]))
+        while True:
+            with self.cond:
+                st = self.jobs.get(job)
+                if st is None or version[0] < st.floor:
+                    return True
+                if st.committed is not None and st.committed.version >= version:
+                    return st.committed.version != version
+                if self.closing:
+                    return False
+                placement = st.placement
+            remaining = since + self.withdraw_after - time.monotonic()
+            if placement is not None and self._hopeless(job, version, placement):
+                break
+            if remaining <= 0:
+                if blocked():
+                    break
+                return None
+            with self.cond:
+                self.cond.wait(min(remaining, 0.1))
+        with self._record_lock:
+            with self.lock:
+                st = self.jobs.get(job)
+                if st is None or st.placement is None:
+                    return True
+                st.withdrawn.add(version)
+                for r in st.replicated:
+                    st.replicated[r] = [v for v in st.replicated[r] if v != version]
+                record = self._record(st)
+            try:
+                committed = withdraw(self.coord, self.keys, job, record, [version],
+                                     self.clock.wall())
+            except (CoordinationError, records.RecordError) as exc:
+                # Whether the withdrawal landed is unknown: the copy stays (a later skip asks
+                # again; withdrawing twice is harmless).
+                self.etcd_error("withdraw an uncommitted version", exc)
+                return False
+        if committed is not None:
+            self.learn(job, committed)
+            if committed.version == version:
+                return False  # committed just before the withdrawal: it is the kept copy now
+        with self.lock:
+            self.counters["withdrawals"] += 1
+        log.info("%s: withdrew step %d (generation %d) from %s's record: not committed (other "
+                 "ranks skipped it, or %.1f s passed); its slot is reused", job, version[1],
+                 version[0], self.node_id, self.withdraw_after)
+        return True
+
+    def _hopeless(self, job: str, version: Version, placement: Placement) -> bool:
+        """Whether another owner's record shows ``version`` can no longer be committed: one
+        of its ranks skipped it, or lists a newer version but not this one. Waiting for the
+        commit is then pointless, and withdrawing at once lets the nodes realign: two nodes
+        each waiting on a step the other skipped would otherwise take turns skipping steps."""
+        try:
+            progress = read_state(self.coord, self.keys, job).progress
+        except (CoordinationError, records.RecordError):
+            return False
+        for owner, ranks in placement.ranks.items():
+            record = progress.get(owner)
+            if owner == self.node_id or record is None:
+                continue
+            if version in record.skipped:
+                return True
+            for rank in ranks:
+                versions = record.versions.get(rank, ())
+                if versions and max(versions) > version and version not in versions:
+                    return True
+        return False
 
     def try_commit(self, job: str) -> None:
         with self.lock:
             st = self.jobs.get(job)
             if st is None or st.placement is None:
                 return
-            placement, floor, committed = st.placement, st.floor, st.committed
+            placement, floor = st.placement, st.floor
         try:
-            candidate = decide(placement, read_progress(self.coord, self.keys, job),
-                               floor=floor, now=self.clock.wall())
-            if candidate is None or (committed and candidate.version <= committed.version):
-                return
-            written, current = record_commit(self.coord, self.keys, job, candidate)
+            written, current = commit_step(self.coord, self.keys, job, placement, floor=floor,
+                                           now=self.clock.wall())
         except (CoordinationError, CommitConflict) as exc:
             self.etcd_error("record the commit", exc)
+            return
+        if current is None:
             return
         if written:
             self.counters["commits"] += 1

@@ -629,8 +629,17 @@ class Outcome:
             # starts its first one can land before this harness sees the restore line, so a
             # commit counts as "in force" only if its generation is no newer than the one in
             # force when the last fault before the restore fired.
+            # A restart with no fault since the previous attempt started (a node rejoined):
+            # the generation in force is the previous attempt's, the oldest one committing
+            # between its start and this restore.
+            before = min(s.seen for s in self.attempts[i - 1].starts.values())
             fired = [f for f in self.faults if f.at < restored_at and f.committed]
-            gen = fired[-1].committed[0] if fired else None
+            if fired and fired[-1].at >= before:
+                gen = fired[-1].committed[0]
+            else:
+                window = [c["generation"] for c in self.commits
+                          if before <= c["at"] < restored_at]
+                gen = min(window) if window else fired[-1].committed[0] if fired else None
             committed = [c["step"] for c in self.commits if c["at"] < restored_at
                          and (gen is None or c["generation"] <= gen)]
             out.append(Recovery(a, step, {r: s.source for r, s in a.starts.items()},

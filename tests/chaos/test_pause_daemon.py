@@ -24,3 +24,16 @@ def test_sigstop_daemon_is_aborted_around_and_fences(tmp_path, reference):
                    must={"peer"})
     kinds = {(e["kind"], e["node"]) for e in out.events}
     assert ("failed", "n2") in kinds and ("fenced", "n2") in kinds, kinds
+
+
+def test_sigstop_daemon_without_standby_restores_the_committed_step(tmp_path):
+    # No standby, so the job shrinks to the two live nodes and restores every shard of the
+    # paused node from the one peer that holds it. This run once restored step 0 (a "fresh
+    # start"): a step was committed naming a holder that had overwritten its copy (the commit
+    # race, docs/replication.md); assert_steps_lost checks the committed step is restored.
+    shape = Shape(standby=(), nnodes="2:3", zero=False, steps=60, step_time=0.1)
+    plan = FaultPlan().pause_daemon("n2", seconds=3 * shape.lease_ttl, at_step=15)
+    out = ChaosCluster(tmp_path, shape).run(plan)
+    # Two recoveries: the shrink to two nodes, and the grow when n2 comes back. Whether a
+    # survivor keeps its rank (local) or takes the paused node's (peer) is torch's choice.
+    out.assert_all(sources=[{"local", "peer"}, {"local", "peer"}])

@@ -17,7 +17,14 @@ import numpy as np
 import pytest
 
 from elasticd.checkpoint.format import CorruptSnapshot, SnapshotHeader, TensorSpec, layout
-from elasticd.checkpoint.shm import PAGE, OverBudget, SlotBusy, SlotStore, StaleSlot
+from elasticd.checkpoint.shm import (
+    PAGE,
+    CommitPending,
+    OverBudget,
+    SlotBusy,
+    SlotStore,
+    StaleSlot,
+)
 
 
 @pytest.fixture
@@ -139,6 +146,46 @@ def test_a_kept_committed_copy_outlives_newer_uncommitted_ones(store):
     store.keep("job", None)
     snapshot(store, "job", 0, step=9)
     assert store.versions("job", 0) == [(0, 9), (0, 8)]
+
+
+def test_an_acknowledged_copy_stays_until_committed_withdrawn_or_abandoned(store):
+    # Step 1 is committed and a peer acknowledged step 2, which may still be committed (the
+    # commit is decided in etcd afterwards): neither slot may be reused, the snapshot is skipped.
+    snapshot(store, "job", 0, step=1)
+    store.keep("job", (0, 1))
+    snapshot(store, "job", 0, step=2)
+    assert store.protect("job", 0, (0, 2))
+    with pytest.raises(CommitPending) as info:
+        store.reserve("job", 0, 100)
+    assert info.value.version == (0, 2)
+    assert store.versions("job", 0) == [(0, 2), (0, 1)]
+    assert_holds(store, "job", 0, 2)
+    # Withdrawn from commit: it may go; the committed copy still stays.
+    store.unprotect("job", 0, (0, 2))
+    snapshot(store, "job", 0, step=3)
+    assert store.versions("job", 0) == [(0, 3), (0, 1)]
+    # Committed: the kept version moves, and the old committed copy is the one reused.
+    assert store.protect("job", 0, (0, 3))
+    store.keep("job", (0, 3))
+    snapshot(store, "job", 0, step=4)
+    assert store.versions("job", 0) == [(0, 4), (0, 3)]
+    # Of an abandoned generation (a restore opened generation 1): it can never commit.
+    assert store.protect("job", 0, (0, 4))
+    with pytest.raises(CommitPending):
+        store.reserve("job", 0, 100)
+    store.set_floor("job", 1)
+    snapshot(store, "job", 0, step=5, generation=1)
+    assert store.versions("job", 0) == [(1, 5), (0, 3)]
+    # A copy no longer held cannot be protected (its acknowledgement must not count).
+    assert not store.protect("job", 0, (0, 4))
+    # Nothing committed yet: two acknowledged copies both stay, the older one is reported.
+    snapshot(store, "new", 0, step=1)
+    snapshot(store, "new", 0, step=2)
+    assert store.protect("new", 0, (0, 1)) and store.protect("new", 0, (0, 2))
+    with pytest.raises(CommitPending) as info:
+        store.reserve("new", 0, 100)
+    assert info.value.version == (0, 1)
+    assert isinstance(info.value, SlotBusy)  # callers that only know SlotBusy skip it too
 
 
 def test_growth_replaces_the_free_slot_with_a_bigger_file(store, root):

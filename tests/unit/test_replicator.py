@@ -13,10 +13,24 @@ import time
 
 import pytest
 
-from elasticd.checkpoint.shm import SlotBusy
+from elasticd.checkpoint.shm import CommitPending, SlotBusy
+from elasticd.coordination.api import Compare, Put
+from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
-from elasticd.replication.commit import committed_key, decode_committed, read_committed
-from elasticd.replication.placement import decode_placement
+from elasticd.replication.commit import (
+    Replicated,
+    commit_step,
+    committed_key,
+    decide,
+    decode_committed,
+    encode_replicated,
+    fence_key,
+    read_committed,
+    read_state,
+    replicated_key,
+    withdraw,
+)
+from elasticd.replication.placement import compute_placement, decode_placement
 from elasticd.replication.replicator import ShardLost
 from elasticd.replication.shm_sink import ShmSink
 from tests.replication_nodes import JOB, Cluster
@@ -251,6 +265,124 @@ def test_the_commit_record_never_goes_backwards_and_ignores_abandoned_generation
     values = [decode_committed(e.kv.value).version for e in revisions]
     assert values == sorted(values), f"commit went backwards: {values}"
     assert n1.replicator.stats()["sync_lag_steps"] == 0
+
+
+def wait_for(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def snapshot_as_service(node, rank: int, step: int, world: int = 2) -> bool:
+    """What the checkpoint service does with a snapshot: skip it when the store says a commit
+    is pending, and have the replicator resolve the copy in the way. True when it was taken."""
+    try:
+        node.snapshot(rank, step, world=world)
+        return True
+    except CommitPending as exc:
+        node.replicator.on_commit_pending(JOB, exc.version)
+        return False
+
+
+def assert_every_named_holder_holds_the_commit(cluster: Cluster) -> None:
+    c = committed(cluster)
+    for rank in c.ranks:
+        for name in c.holders[rank]:
+            node = cluster[name]
+            held = (node.local.latest(JOB, rank, version=c.version)
+                    or node.sink.store.latest(JOB, rank, version=c.version))
+            assert held is not None, f"{name} is named a holder of rank {rank} {c.version} " \
+                f"but holds {node.local.versions(JOB, rank) or node.sink.versions(JOB, rank)}"
+
+
+def test_a_step_is_never_committed_naming_a_holder_that_overwrote_it(make_cluster):
+    # The race this guards (seen in a chaos run: a restore fell back to step 0): step 2 of
+    # rank 0 is acknowledged by n2, then overwritten on n1 by step 3 while step 1 stays as the
+    # committed copy; n2's rank 1 catches up with step 2, which commits naming n1 as a holder
+    # of rank 0, whose copy is gone. Now n1 skips step 3 instead, withdraws step 2 after
+    # withdraw_after, and only then reuses its slot; step 2 can no longer commit.
+    cluster = make_cluster(2)  # withdraw_after 0.5 s
+    ranks = {"n1": [0], "n2": [1]}
+    cluster.set_membership(["n1", "n2"], ranks, round=1)
+    n1, n2 = cluster["n1"], cluster["n2"]
+    n1.snapshot(0, 1, world=2)
+    n2.snapshot(1, 1, world=2)
+    cluster.wait_idle()
+    assert committed(cluster).version == (0, 1)
+    n1.snapshot(0, 2, world=2)  # acknowledged by n2; n2's own step 2 is late
+    cluster.wait_idle()
+    assert not snapshot_as_service(n1, 0, 3), "both slots hold copies that must stay"
+    assert n1.local.versions(JOB, 0) == [(0, 2), (0, 1)]
+    # withdraw_after passes: step 2 is withdrawn from n1's record, its slot may be reused.
+    wait_for(lambda: not n1.replicator.awaiting_commit(JOB))
+    assert n1.replicator.stats()["withdrawals_total"] == 1
+    assert snapshot_as_service(n1, 0, 3)
+    cluster.wait_idle()
+    # n2's replica of rank 0 step 2 was superseded by step 3 (its owner withdrew step 2).
+    assert n2.sink.counters["superseded_pending"] == 1
+    assert n2.sink.versions(JOB, 0) == [(0, 3), (0, 1)]
+    n2.snapshot(1, 2, world=2)  # late: step 2 of rank 1 reaches its two copies
+    cluster.wait_idle()
+    assert committed(cluster).version == (0, 1), "a withdrawn step was committed"
+    assert_every_named_holder_holds_the_commit(cluster)
+    # n2's acknowledged step 2 can never commit either (n1's record lists step 3, not 2): n2
+    # withdraws it at once rather than after withdraw_after, so its step 3 is not skipped.
+    started = time.monotonic()
+    wait_for(lambda: not n2.replicator.awaiting_commit(JOB))
+    assert time.monotonic() - started < 0.4
+    assert n2.replicator.stats()["withdrawals_total"] == 1
+    assert snapshot_as_service(n2, 1, 3)
+    cluster.wait_idle()
+    assert committed(cluster).version == (0, 3)
+    assert_every_named_holder_holds_the_commit(cluster)
+
+
+def test_an_acknowledged_step_committed_while_its_owner_waits_is_kept(make_cluster):
+    cluster = make_cluster(2, withdraw_after=10.0)
+    ranks = {"n1": [0], "n2": [1]}
+    cluster.set_membership(["n1", "n2"], ranks, round=1)
+    n1, n2 = cluster["n1"], cluster["n2"]
+    n1.snapshot(0, 1, world=2)
+    n2.snapshot(1, 1, world=2)
+    cluster.wait_idle()
+    assert committed(cluster).version == (0, 1)
+    n1.snapshot(0, 2, world=2)
+    cluster.wait_idle()
+    assert not snapshot_as_service(n1, 0, 3)  # step 2 waits for its commit, for 10 s
+    n2.snapshot(1, 2, world=2)
+    cluster.wait_idle()
+    assert committed(cluster).version == (0, 2)
+    wait_for(lambda: not n1.replicator.awaiting_commit(JOB))
+    assert n1.replicator.stats()["withdrawals_total"] == 0
+    assert_every_named_holder_holds_the_commit(cluster)
+    assert snapshot_as_service(n1, 0, 3)  # the slot of step 1, no longer committed, is reused
+    assert n1.local.versions(JOB, 0) == [(0, 3), (0, 2)]
+
+
+def test_a_withdrawal_fences_a_commit_decided_from_the_older_record():
+    # Another node read n1's record while it still listed step 2, then n1 withdrew step 2:
+    # that node's commit transaction must fail, and its retry decides from the new record.
+    store = MemoryStore()
+    coord = MemoryCoordinator(store)
+    keys = Keyspace("/t")
+    placement = compute_placement(["n1", "n2"], {"n1": [0], "n2": [1]}, 2, 1)
+
+    def record(node, rank, *versions):
+        return Replicated(node, 1, {rank: tuple(versions)}, {rank: (node,)})
+
+    coord.put(replicated_key(keys, "j", "n1"), encode_replicated(record("n1", 0, (0, 2), (0, 1))))
+    coord.put(replicated_key(keys, "j", "n2"), encode_replicated(record("n2", 1, (0, 2), (0, 1))))
+    stale = read_state(coord, keys, "j")
+    assert decide(placement, stale.progress).version == (0, 2)
+    withdraw(coord, keys, "j", record("n1", 0, (0, 1)), [(0, 2)])
+    fence = Compare(fence_key(keys, "j", "n1"), stale.fences.get("n1", 0))
+    ok, _ = coord.transaction([Compare(committed_key(keys, "j"), 0), fence],
+                              [Put(committed_key(keys, "j"), b"x")])
+    assert not ok, "a commit decided before the withdrawal landed after it"
+    written, now = commit_step(coord, keys, "j", placement)
+    assert written and now.version == (0, 1)
+    coord.close()
 
 
 def test_rereplication_restores_m_copies_after_a_node_dies(make_cluster):
