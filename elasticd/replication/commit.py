@@ -19,7 +19,8 @@ be committed naming a holder that had already overwritten its copy.) Keys, under
     replicated/<node>   record "ckpt_replicated": {node, round, ranks: {"<rank>":
                         {"versions": [[generation, step], ...] newest first (at most
                         KEEP_VERSIONS), "holders": [node, ...]}}, at, [skipped: versions
-                        a local rank skipped, so they can never commit; newest first]}
+                        a local rank skipped or the node withdrew, so they can never commit;
+                        newest first]}
     committed           record "ckpt_committed": {generation, step, ranks: [rank, ...],
                         holders: {"<rank>": [node, ...]}, m, round, at}
     fence/<node>        record "ckpt_fence": {node, withdrawn: [[generation, step], ...], at};
@@ -98,7 +99,8 @@ class Committed:
 @dataclasses.dataclass(frozen=True)
 class Replicated:
     """One node's record: per owned rank, versions with ``m`` copies (newest first), holders;
-    and the versions one of its ranks skipped (newest first), which can never be committed."""
+    and the versions one of its ranks skipped or the node withdrew (newest first), which can
+    never be committed."""
 
     node: str
     round: int

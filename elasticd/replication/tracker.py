@@ -70,7 +70,8 @@ class JobState:
         latest: per local rank, the newest local snapshot notified.
         gen_base: per generation, the step before its first local snapshot (for sync lag).
         withdrawn: versions taken back from this node's record; never recorded again.
-        skipped: versions a local rank skipped (newest first), published in the record.
+        skipped: versions a local rank skipped or this node withdrew (newest first), published
+            in the record: they can never be committed.
     """
 
     placement: Placement | None = None
@@ -265,6 +266,8 @@ class CommitTracker:
                 if st is None or st.placement is None:
                     return True
                 st.withdrawn.add(version)
+                # Published like a skipped version: a peer waiting on this step stops waiting.
+                st.skipped = sorted({version, *st.skipped}, reverse=True)[:KEEP_SKIPPED]
                 for r in st.replicated:
                     st.replicated[r] = [v for v in st.replicated[r] if v != version]
                 record = self._record(st)
@@ -289,7 +292,8 @@ class CommitTracker:
 
     def _hopeless(self, job: str, version: Version, placement: Placement) -> bool:
         """Whether another owner's record shows ``version`` can no longer be committed: one
-        of its ranks skipped it, or lists a newer version but not this one. Waiting for the
+        of its ranks skipped it (or the owner withdrew it), or it lists a newer version, or
+        skipped or withdrew one, without having this one. Waiting for the
         commit is then pointless, and withdrawing at once lets the nodes realign: two nodes
         each waiting on a step the other skipped would otherwise take turns skipping steps."""
         try:
@@ -304,7 +308,8 @@ class CommitTracker:
                 return True
             for rank in ranks:
                 versions = record.versions.get(rank, ())
-                if versions and max(versions) > version and version not in versions:
+                newest = max((*versions, *record.skipped), default=None)
+                if newest is not None and newest > version and version not in versions:
                     return True
         return False
 

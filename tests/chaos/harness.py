@@ -626,22 +626,13 @@ class Outcome:
             restored_at = min(s.seen for s in a.starts.values())
             reached = max(b.last_step for b in self.attempts[:i])
             # The restoring attempt's own commits carry a newer generation; with warm worker
-            # starts its first one can land before this harness sees the restore line, so a
-            # commit counts as "in force" only if its generation is no newer than the one in
-            # force when the last fault before the restore fired.
-            # A restart with no fault since the previous attempt started (a node rejoined):
-            # the generation in force is the previous attempt's, the oldest one committing
-            # between its start and this restore.
-            before = min(s.seen for s in self.attempts[i - 1].starts.values())
-            fired = [f for f in self.faults if f.at < restored_at and f.committed]
-            if fired and fired[-1].at >= before:
-                gen = fired[-1].committed[0]
-            else:
-                window = [c["generation"] for c in self.commits
-                          if before <= c["at"] < restored_at]
-                gen = min(window) if window else fired[-1].committed[0] if fired else None
+            # starts its first one can land before this harness sees the restore line, so the
+            # commits in force are those before it of a generation older than the first one
+            # made after it (the restoring attempt's).
+            later = [c["generation"] for c in self.commits if c["at"] >= restored_at]
+            limit = later[0] - 1 if later else None
             committed = [c["step"] for c in self.commits if c["at"] < restored_at
-                         and (gen is None or c["generation"] <= gen)]
+                         and (limit is None or c["generation"] <= limit)]
             out.append(Recovery(a, step, {r: s.source for r, s in a.starts.items()},
                                 {r: s.lost for r, s in a.starts.items()}, reached,
                                 committed[-1] if committed else None,

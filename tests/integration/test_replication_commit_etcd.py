@@ -1,6 +1,6 @@
 """The commit record's compare-and-set transaction against a real etcd: racing writers never
 move the committed (generation, step) backwards, and holder updates apply only to the version
-still committed."""
+still committed; a withdrawal fences off a commit decided from the record before it."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 from elasticd.coordination.keys import Keyspace
 from elasticd.replication.commit import read_committed, record_commit, update_holders
 from tests.unit.test_replication_commit import committed, race
+from tests.unit.test_replicator import withdrawal_fences_a_stale_commit
 
 pytestmark = pytest.mark.etcd
 
@@ -27,3 +28,7 @@ def test_commit_transaction_on_real_etcd(etcd_client, prefix):
 
 def test_racing_commit_writers_on_real_etcd(etcd_client, prefix):
     race(etcd_client, Keyspace(prefix), job="race")
+
+
+def test_a_withdrawal_fences_a_stale_commit_on_real_etcd(etcd_client, prefix):
+    withdrawal_fences_a_stale_commit(etcd_client, Keyspace(prefix))

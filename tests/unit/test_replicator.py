@@ -360,29 +360,38 @@ def test_an_acknowledged_step_committed_while_its_owner_waits_is_kept(make_clust
     assert n1.local.versions(JOB, 0) == [(0, 3), (0, 2)]
 
 
-def test_a_withdrawal_fences_a_commit_decided_from_the_older_record():
-    # Another node read n1's record while it still listed step 2, then n1 withdrew step 2:
-    # that node's commit transaction must fail, and its retry decides from the new record.
-    store = MemoryStore()
-    coord = MemoryCoordinator(store)
-    keys = Keyspace("/t")
+def withdrawal_fences_a_stale_commit(coord, keys: Keyspace, job: str = "j") -> None:
+    """Another node read n1's record while it still listed step 2, then n1 withdrew step 2:
+    that node's commit transaction must fail, and a fresh decision sees the new record."""
     placement = compute_placement(["n1", "n2"], {"n1": [0], "n2": [1]}, 2, 1)
 
     def record(node, rank, *versions):
         return Replicated(node, 1, {rank: tuple(versions)}, {rank: (node,)})
 
-    coord.put(replicated_key(keys, "j", "n1"), encode_replicated(record("n1", 0, (0, 2), (0, 1))))
-    coord.put(replicated_key(keys, "j", "n2"), encode_replicated(record("n2", 1, (0, 2), (0, 1))))
-    stale = read_state(coord, keys, "j")
+    coord.put(replicated_key(keys, job, "n1"), encode_replicated(record("n1", 0, (0, 2), (0, 1))))
+    coord.put(replicated_key(keys, job, "n2"), encode_replicated(record("n2", 1, (0, 2), (0, 1))))
+    stale = read_state(coord, keys, job)
     assert decide(placement, stale.progress).version == (0, 2)
-    withdraw(coord, keys, "j", record("n1", 0, (0, 1)), [(0, 2)])
-    fence = Compare(fence_key(keys, "j", "n1"), stale.fences.get("n1", 0))
-    ok, _ = coord.transaction([Compare(committed_key(keys, "j"), 0), fence],
-                              [Put(committed_key(keys, "j"), b"x")])
+    assert withdraw(coord, keys, job, record("n1", 0, (0, 1)), [(0, 2)]) is None
+    fence = Compare(fence_key(keys, job, "n1"), stale.fences.get("n1", 0))
+    ok, _ = coord.transaction([Compare(committed_key(keys, job), stale.committed_revision), fence],
+                              [Put(committed_key(keys, job), b"x")])
     assert not ok, "a commit decided before the withdrawal landed after it"
-    written, now = commit_step(coord, keys, "j", placement)
+    written, now = commit_step(coord, keys, job, placement)
     assert written and now.version == (0, 1)
-    coord.close()
+    # A withdrawal right after a commit of the same step: the record says it is committed.
+    coord.put(replicated_key(keys, job, "n1"), encode_replicated(record("n1", 0, (0, 3), (0, 1))))
+    coord.put(replicated_key(keys, job, "n2"), encode_replicated(record("n2", 1, (0, 3), (0, 1))))
+    assert commit_step(coord, keys, job, placement)[1].version == (0, 3)
+    assert withdraw(coord, keys, job, record("n1", 0, (0, 1)), [(0, 3)]).version == (0, 3)
+
+
+def test_a_withdrawal_fences_a_commit_decided_from_the_older_record():
+    coord = MemoryCoordinator(MemoryStore())
+    try:
+        withdrawal_fences_a_stale_commit(coord, Keyspace("/t"))
+    finally:
+        coord.close()
 
 
 def test_rereplication_restores_m_copies_after_a_node_dies(make_cluster):
