@@ -38,7 +38,7 @@ from typing import Any, Mapping, MutableMapping
 import torch
 
 from elasticd.checkpoint import restore as _restore
-from elasticd.checkpoint.copier import Copier, CpuCopier, copy_into, dtype_name
+from elasticd.checkpoint.copier import Copier, CpuCopier, copy_into, dtype_name, forget_views
 from elasticd.checkpoint.format import PREAMBLE_SIZE, Layout, TensorSpec, layout
 from elasticd.checkpoint.segment import map_file
 from elasticd.checkpoint.state import FlatState, _zero_class, flatten
@@ -238,6 +238,7 @@ class Checkpointer:
         self._pool.shutdown(wait=True)
         self.copier.close()
         for mm in self._maps.values():
+            forget_views(mm)
             try:
                 mm.close()
             except BufferError:
@@ -281,7 +282,7 @@ class Checkpointer:
         self.stats["seal_seconds"] += time.perf_counter() - sealing
 
     def _plan_for(self, flat: FlatState, state: Mapping[str, Any]) -> _Plan:
-        key = tuple((n, t.dtype, tuple(t.shape)) for n, t in zip(flat.names, flat.tensors))
+        key = tuple((n, t.dtype, t.shape) for n, t in zip(flat.names, flat.tensors))
         plan = self._plan
         if plan is not None and plan.key == key and not plan.stale:
             return plan
@@ -347,6 +348,7 @@ class Checkpointer:
         if mm is None or len(mm) != capacity:
             if len(self._maps) >= 2:  # double buffering: keep the two most recent slots
                 old = self._maps.pop(next(iter(self._maps)))
+                forget_views(old)
                 try:
                     old.close()
                 except BufferError:

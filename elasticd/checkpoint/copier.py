@@ -12,13 +12,19 @@ torch. Nothing is pickled: bytes go straight from tensor storage into the buffer
 from __future__ import annotations
 
 import abc
+import collections
 import concurrent.futures
+import threading
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 from elasticd.checkpoint.format import Layout, TensorSpec, byte_view
+
+
+_VIEWS_KEPT = 4  # two slots x (copied in save, copied in the background)
+_views_lock = threading.Lock()
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -36,14 +42,34 @@ def _check(tensors: Sequence[torch.Tensor], lay: Layout, size: int) -> None:
         raise ValueError(f"{len(tensors)} tensors for a layout of {len(lay.entries)} entries")
     if size < lay.total_size:
         raise ValueError(f"buffer of {size} bytes is smaller than the layout's {lay.total_size}")
-    for t, e in zip(tensors, lay.entries):
-        if dtype_name(t.dtype) != e.dtype or tuple(t.shape) != e.shape:
+    strided = torch.strided
+    for t, e, (dtype, shape) in zip(tensors, lay.entries, _expected(lay)):
+        if t.dtype is not dtype or t.shape != shape:
             raise ValueError(
                 f"tensor for {e.name!r} is {dtype_name(t.dtype)}{tuple(t.shape)}, the layout "
                 f"expects {e.dtype}{e.shape}: flatten the state again and recompute the layout"
             )
-        if t.layout != torch.strided:
+        if t.layout != strided:
             raise ValueError(f"tensor for {e.name!r} has layout {t.layout}; only dense tensors")
+
+
+_expected_cache: collections.OrderedDict[int, tuple[Layout, list[tuple[torch.dtype, Any]]]] = (
+    collections.OrderedDict())
+
+
+def _expected(lay: Layout) -> list[tuple[torch.dtype, Any]]:
+    """(torch dtype, shape) per entry of ``lay``, kept for the most recent layouts: this check
+    runs on the training thread every step, and dtype names are slow to compare."""
+    with _views_lock:
+        hit = _expected_cache.get(id(lay))
+        if hit is not None and hit[0] is lay:
+            return hit[1]
+    out = [(getattr(torch, e.dtype), torch.Size(e.shape)) for e in lay.entries]
+    with _views_lock:
+        _expected_cache[id(lay)] = (lay, out)
+        while len(_expected_cache) > _VIEWS_KEPT:
+            _expected_cache.popitem(last=False)
+    return out
 
 
 def copy_into(tensors: Sequence[torch.Tensor], buffer: Any, lay: Layout) -> None:
@@ -61,12 +87,49 @@ def copy_into(tensors: Sequence[torch.Tensor], buffer: Any, lay: Layout) -> None
     _check(tensors, lay, len(view))
     if lay.total_size == lay.data_offset:
         return
-    # One uint8 tensor over the whole buffer; each entry is a typed view into it, so copy_
-    # writes straight into shared memory (no staging copy, no pickle).
+    dsts = _views(buffer, view, lay)
+    srcs = [t for t, e in zip(tensors, lay.entries) if e.nbytes]
+    if not srcs:
+        return
+    # One call for every tensor: it runs without the GIL, where a loop of copy_ calls took the
+    # GIL hundreds of times per snapshot from the thread running forward and backward.
+    with torch.no_grad():
+        torch._foreach_copy_(dsts, srcs)
+
+
+_views_cache: collections.OrderedDict[tuple[int, int], tuple[Any, Layout, list[torch.Tensor]]] = (
+    collections.OrderedDict())
+
+
+def _views(buffer: Any, view: memoryview, lay: Layout) -> list[torch.Tensor]:
+    """The typed destination tensors of ``lay``'s non-empty entries in ``buffer``: one uint8
+    tensor over the buffer, a typed view per entry (writes go straight into shared memory).
+
+    Built once per (buffer, layout) and kept for the most recent few: building them is most of
+    the Python time of a snapshot. The cache holds the buffer and layout, so their ids are not
+    reused while cached.
+    """
+    key = (id(buffer), id(lay))
+    with _views_lock:
+        hit = _views_cache.get(key)
+        if hit is not None:
+            _views_cache.move_to_end(key)
+            return hit[2]
     dst = torch.frombuffer(view, dtype=torch.uint8, count=lay.total_size)
-    for t, e in zip(tensors, lay.entries):
-        if e.nbytes:
-            dst[e.offset : e.offset + e.nbytes].view(t.dtype).view(t.shape).copy_(t.detach())
+    views = [dst[e.offset : e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape)
+             for e in lay.entries if e.nbytes]
+    with _views_lock:
+        _views_cache[key] = (buffer, lay, views)
+        while len(_views_cache) > _VIEWS_KEPT:
+            _views_cache.popitem(last=False)
+    return views
+
+
+def forget_views(buffer: Any) -> None:
+    """Drops the cached views of ``buffer`` (before unmapping it)."""
+    with _views_lock:
+        for key in [k for k, v in _views_cache.items() if v[0] is buffer]:
+            del _views_cache[key]
 
 
 def read_tensors(buffer: Any, lay: Layout) -> list[torch.Tensor]:

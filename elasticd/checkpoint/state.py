@@ -155,7 +155,8 @@ class _Flattener:
             name = f"{path}~{n}"
         self._used.add(name)
         self.names.append(name)
-        self.tensors.append(tensor.detach())
+        # state_dict() tensors are detached already; detach() makes a new tensor object.
+        self.tensors.append(tensor.detach() if tensor.requires_grad else tensor)
         return len(self.tensors) - 1
 
     def encode(self, value: Any, path: str) -> Any:

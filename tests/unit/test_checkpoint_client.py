@@ -114,6 +114,27 @@ def test_save_then_restore_is_bitwise(service):
     assert service.history[-1]["source"] == "local"
 
 
+def test_a_state_of_only_parameters_and_optimizer_state_saves_and_restores(service):
+    # Nothing to copy inside save (no buffers, no loose tensors): one copy list is empty.
+    t = InProcessTransport(service.handlers())
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with Checkpointer(transport=t, job="p", rank=0, world_size=1) as ckpt:
+        for step in (1, 2):
+            model(torch.randn(2, 5)).sum().backward()
+            opt.step()
+            assert ckpt.save(step, {"model": model, "optim": opt})
+        ckpt.wait()
+        assert ckpt.stats["saves"] == 2 and ckpt.stats["failed"] == 0
+    other = torch.nn.Linear(5, 3)
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
+    with Checkpointer(transport=t, job="p", rank=0, world_size=1) as again:
+        assert again.restore({"model": other, "optim": other_opt}) == 2
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 other.state_dict().values()))
+
+
 class SlowCopier(CpuCopier):
     """Starts copying only after ``delay``: the training thread races ahead meanwhile."""
 
