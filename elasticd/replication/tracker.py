@@ -190,13 +190,19 @@ class CommitTracker:
                 if mine and not all(version in st.replicated.get(r, ()) for r in mine):
                     return
                 record = self._record(st)
-            try:
-                self.coord.put(replicated_key(self.keys, job, self.node_id),
-                               encode_replicated(record))
-            except CoordinationError as exc:
-                self.etcd_error("record replicated versions", exc)
+            if not self._put_record(job, record, "record replicated versions"):
                 return
         self.try_commit(job)
+
+    def _put_record(self, job: str, record: Replicated, what: str) -> bool:
+        """Writes this node's record (call with ``_record_lock`` held); False on an etcd error
+        (counted and logged)."""
+        try:
+            self.coord.put(replicated_key(self.keys, job, self.node_id), encode_replicated(record))
+        except CoordinationError as exc:
+            self.etcd_error(what, exc)
+            return False
+        return True
 
     def _record(self, st: JobState) -> Replicated:
         """This node's record as the job state says (call with :attr:`lock` held)."""
@@ -220,11 +226,7 @@ class CommitTracker:
                     return
                 st.skipped = sorted({version, *st.skipped}, reverse=True)[:KEEP_SKIPPED]
                 record = self._record(st)
-            try:
-                self.coord.put(replicated_key(self.keys, job, self.node_id),
-                               encode_replicated(record))
-            except CoordinationError as exc:
-                self.etcd_error("record a skipped version", exc)
+            self._put_record(job, record, "record a skipped version")
 
     def resolve_pending(self, job: str, version: Version, since: float,
                         blocked: Callable[[], bool]) -> bool | None:

@@ -296,22 +296,28 @@ def assert_every_named_holder_holds_the_commit(cluster: Cluster) -> None:
                 f"but holds {node.local.versions(JOB, rank) or node.sink.versions(JOB, rank)}"
 
 
+def step_2_of_n1_pending(make_cluster, **kw):
+    """Two nodes, one rank each; step 1 committed; n1's step 2 acknowledged by n2, n2's own
+    step 2 not taken yet (late: its daemon paused, say)."""
+    cluster = make_cluster(2, **kw)
+    cluster.set_membership(["n1", "n2"], {"n1": [0], "n2": [1]}, round=1)
+    n1, n2 = cluster["n1"], cluster["n2"]
+    n1.snapshot(0, 1, world=2)
+    n2.snapshot(1, 1, world=2)
+    cluster.wait_idle()
+    assert committed(cluster).version == (0, 1)
+    n1.snapshot(0, 2, world=2)
+    cluster.wait_idle()
+    return cluster, n1, n2
+
+
 def test_a_step_is_never_committed_naming_a_holder_that_overwrote_it(make_cluster):
     # The race this guards (seen in a chaos run: a restore fell back to step 0): step 2 of
     # rank 0 is acknowledged by n2, then overwritten on n1 by step 3 while step 1 stays as the
     # committed copy; n2's rank 1 catches up with step 2, which commits naming n1 as a holder
     # of rank 0, whose copy is gone. Now n1 skips step 3 instead, withdraws step 2 after
     # withdraw_after, and only then reuses its slot; step 2 can no longer commit.
-    cluster = make_cluster(2)  # withdraw_after 0.5 s
-    ranks = {"n1": [0], "n2": [1]}
-    cluster.set_membership(["n1", "n2"], ranks, round=1)
-    n1, n2 = cluster["n1"], cluster["n2"]
-    n1.snapshot(0, 1, world=2)
-    n2.snapshot(1, 1, world=2)
-    cluster.wait_idle()
-    assert committed(cluster).version == (0, 1)
-    n1.snapshot(0, 2, world=2)  # acknowledged by n2; n2's own step 2 is late
-    cluster.wait_idle()
+    cluster, n1, n2 = step_2_of_n1_pending(make_cluster)  # withdraw_after 0.5 s
     assert not snapshot_as_service(n1, 0, 3), "both slots hold copies that must stay"
     assert n1.local.versions(JOB, 0) == [(0, 2), (0, 1)]
     # withdraw_after passes: step 2 is withdrawn from n1's record, its slot may be reused.
@@ -339,16 +345,7 @@ def test_a_step_is_never_committed_naming_a_holder_that_overwrote_it(make_cluste
 
 
 def test_an_acknowledged_step_committed_while_its_owner_waits_is_kept(make_cluster):
-    cluster = make_cluster(2, withdraw_after=10.0)
-    ranks = {"n1": [0], "n2": [1]}
-    cluster.set_membership(["n1", "n2"], ranks, round=1)
-    n1, n2 = cluster["n1"], cluster["n2"]
-    n1.snapshot(0, 1, world=2)
-    n2.snapshot(1, 1, world=2)
-    cluster.wait_idle()
-    assert committed(cluster).version == (0, 1)
-    n1.snapshot(0, 2, world=2)
-    cluster.wait_idle()
+    cluster, n1, n2 = step_2_of_n1_pending(make_cluster, withdraw_after=10.0)
     assert not snapshot_as_service(n1, 0, 3)  # step 2 waits for its commit, for 10 s
     n2.snapshot(1, 2, world=2)
     cluster.wait_idle()
