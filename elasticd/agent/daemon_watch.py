@@ -10,14 +10,16 @@ to refuse that; it now fails the attempt instead, see
 :class:`~elasticd.checkpoint.restore.DaemonUnreachable`). So the agent fences for its daemon.
 
 Rule (:meth:`DaemonWatch.tick`, on the agent's monotonic clock): fence when the node's record
-(``<prefix>/nodes/<node>``, bound to the daemon's lease) has been absent from etcd in every
-successful read for ``absent_for`` seconds (0.5 under a daemon, read every 0.5 s), *and*
-the daemon then does not answer a ping on its local socket within a second (it answers in
-about a millisecond when alive). Either alone is normal for a while: every record vanishes
-for a moment after an etcd outage longer than the lease TTL (each daemon re-grants and
+(``<prefix>/nodes/<node>``, bound to the daemon's lease) is absent from etcd in a successful
+read (read every 0.25 s under a daemon), *and* the daemon has not answered a ping on its local
+socket for ``silent_for`` seconds (1 s; it is pinged every 0.25 s by a thread of its own, and
+answers in about a millisecond when alive). Either alone is normal for a while: every record
+vanishes for a moment after an etcd outage longer than the lease TTL (each daemon re-grants and
 re-registers within a heartbeat), and a busy daemon can answer late. A failed etcd read forgets
 the absence (no judgement from a doubtful view). A wrong fence costs one agent restart: a live
-daemon sees its agent exit and starts it again.
+daemon sees its agent exit and starts it again. Because a frozen daemon has been silent since
+it froze, a lease TTL before its record goes, the fence follows the record's deletion by one
+read (the first version waited for the record to stay gone, then pinged: 1.5 s more).
 
 Fencing kills every process carrying this job's tag on this node (workers, the warm-start
 zygote) with SIGKILL, revokes the agent's rendezvous alive key (so the survivors drop this node
@@ -49,24 +51,40 @@ class DaemonWatch:
         node_key: the node's record, bound to the daemon's lease.
         ping: True when the daemon answers on its local socket in time.
         fence: called once, with the reason, when the rule holds (normally does not return).
-        absent_for: seconds the record must stay absent before the daemon is pinged.
+        absent_for: seconds the record must stay absent (0: one read showing it gone).
         interval: seconds between etcd reads.
+        silent_for: seconds without an answer to a ping that make the daemon silent.
+        ping_interval: seconds between pings (by the pinger thread, :meth:`probe`).
         clock: time source.
     """
 
     def __init__(self, coordinator: Coordinator, node_key: bytes, ping: Callable[[], bool],
-                 fence: Callable[[str], None], absent_for: float = 1.0,
-                 interval: float = 0.5, clock: Clock | None = None) -> None:
+                 fence: Callable[[str], None], absent_for: float = 0.0,
+                 interval: float = 0.25, silent_for: float = 1.0, ping_interval: float = 0.25,
+                 clock: Clock | None = None) -> None:
         self._coordinator = coordinator
         self.node_key = node_key
         self._ping = ping
         self._fence = fence
-        self.absent_for = absent_for
-        self.interval = interval
+        self.absent_for, self.interval = absent_for, interval
+        self.silent_for, self.ping_interval = silent_for, ping_interval
         self._clock = clock or SystemClock()
         self._absent_since: float | None = None
+        # The daemon started this agent just now: it counts as having answered.
+        self._answered = self._clock.monotonic()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
+
+    def probe(self) -> bool:
+        """One ping of the daemon; an answer resets its silence. Returns whether it answered."""
+        if self._ping():
+            self._answered = self._clock.monotonic()
+            return True
+        return False
+
+    def silence(self) -> float:
+        """Seconds since the daemon last answered a ping."""
+        return self._clock.monotonic() - self._answered
 
     def tick(self) -> str | None:
         """One read of the record; returns why to fence, or None."""
@@ -81,12 +99,12 @@ class DaemonWatch:
             return None
         if self._absent_since is None:
             self._absent_since = now
-        absent = now - self._absent_since
-        if absent < self.absent_for or self._ping():
+        absent, silent = now - self._absent_since, self.silence()
+        if absent < self.absent_for or silent < self.silent_for:
             return None
-        return (f"this node's record {self.node_key.decode(errors='replace')} has been gone "
-                f"from etcd for {absent:.1f} s (its daemon was declared dead) and the daemon "
-                "does not answer on its local socket")
+        return (f"this node's record {self.node_key.decode(errors='replace')} is gone from "
+                f"etcd (its daemon was declared dead) and the daemon has not answered on its "
+                f"local socket for {silent:.1f} s")
 
     def run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -95,10 +113,16 @@ class DaemonWatch:
                 self._fence(reason)
                 return
 
+    def _pinger(self) -> None:
+        while not self._stop.wait(self.ping_interval):
+            self.probe()
+
     def start(self) -> None:
-        self._thread = threading.Thread(target=self.run, name="elasticd-daemon-watch",
-                                        daemon=True)
-        self._thread.start()
+        for target, name in ((self.run, "elasticd-daemon-watch"),
+                             (self._pinger, "elasticd-daemon-ping")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
 
     def stop(self) -> None:
         self._stop.set()

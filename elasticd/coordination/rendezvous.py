@@ -228,7 +228,7 @@ def _watch_daemon(coordinator: object, keyspace: object,
     revoke = (lambda: liveness.stop(revoke=True)) if liveness is not None else (lambda: None)
     watch = DaemonWatch(coordinator, keyspace.node(node),  # type: ignore[attr-defined]
                         ping=ping_daemon(sock, timeout=1.0), fence=fence_agent(tag, revoke),
-                        absent_for=0.5, interval=0.5)
+                        absent_for=0.0, interval=0.25, silent_for=1.0, ping_interval=0.25)
     watch.start()
     log.info("watching daemon of node %s (record %s, socket %s)", node,
              watch.node_key.decode(errors="replace"), sock)

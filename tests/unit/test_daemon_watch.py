@@ -1,5 +1,5 @@
-"""The agent's watch over its daemon: fence only when the node's record is gone from etcd for a
-while *and* the daemon does not answer; never judge from a failed etcd read."""
+"""The agent's watch over its daemon: fence only when the node's record is gone from etcd *and*
+the daemon has not answered a ping for a while; never judge from a failed etcd read."""
 
 from __future__ import annotations
 
@@ -16,20 +16,18 @@ KEY = b"/t/nodes/n1"
 
 
 class Env:
+    """The watch on a fake clock: each step pings once, then reads the record once."""
+
     def __init__(self):
         self.coord = MemoryCoordinator()
         self.clock = FakeClock()
         self.answers = True
-        self.pings = 0
-        self.watch = DaemonWatch(self.coord, KEY, ping=self.ping, fence=lambda r: None,
-                                 absent_for=1.0, clock=self.clock)
+        self.watch = DaemonWatch(self.coord, KEY, ping=lambda: self.answers,
+                                 fence=lambda r: None, silent_for=1.0, clock=self.clock)
 
-    def ping(self) -> bool:
-        self.pings += 1
-        return self.answers
-
-    def tick(self, after: float = 0.5):
+    def tick(self, after: float = 0.25):
         self.clock.sleep(after)
+        self.watch.probe()
         return self.watch.tick()
 
 
@@ -41,38 +39,45 @@ def env():
 def test_a_present_record_never_fences(env):
     env.coord.put(KEY, b"{}")
     env.answers = False
-    assert all(env.tick() is None for _ in range(10))
-    assert env.pings == 0
+    assert all(env.tick() is None for _ in range(20))
+    assert env.watch.silence() >= 4.0
 
 
-def test_a_gone_record_and_a_silent_daemon_fence_after_the_delay(env):
+def test_a_gone_record_and_a_daemon_silent_for_a_second_fence(env):
     env.answers = False
-    assert env.tick() is None  # absence starts
-    assert env.tick() is None and env.pings == 0  # 0.5 s: too short to ask
+    assert [env.tick() for _ in range(3)] == [None] * 3  # silent for 0.75 s only
     reason = env.tick()  # 1.0 s
-    assert reason is not None and "declared dead" in reason and "does not answer" in reason
+    assert reason is not None and "declared dead" in reason and "not answered" in reason
 
 
-def test_a_daemon_that_answers_is_left_in_charge(env):
-    for _ in range(10):
-        assert env.tick() is None
-    assert env.pings > 0
-
-
-def test_the_record_coming_back_resets_the_absence(env):
-    env.answers = False
-    env.tick()
-    env.tick()
+def test_a_daemon_frozen_before_its_record_went_is_fenced_at_the_first_read(env):
+    # Frozen at t0, its lease expires a TTL later: by then it has long been silent.
     env.coord.put(KEY, b"{}")
-    assert env.tick() is None
+    env.answers = False
+    assert all(env.tick() is None for _ in range(8))  # 2 s: the record is still there
     env.coord.delete(KEY)
-    assert env.tick() is None and env.tick() is None  # 0.5 s of absence only
     assert env.tick() is not None
 
 
-def test_a_failed_read_forgets_the_absence(env, monkeypatch):
+def test_a_daemon_that_answers_is_left_in_charge(env):
+    for _ in range(20):
+        assert env.tick() is None
+
+
+def test_a_daemon_answering_again_resets_its_silence(env):
     env.answers = False
     env.tick()
+    env.tick()
+    env.answers = True
+    assert env.tick() is None
+    env.answers = False
+    assert [env.tick() for _ in range(3)] == [None] * 3
+    assert env.tick() is not None
+
+
+def test_a_failed_read_never_fences(env, monkeypatch):
+    env.answers = False
+    env.watch.absent_for = 0.5
     env.tick()
     real_get = env.coord.get
 
@@ -80,9 +85,10 @@ def test_a_failed_read_forgets_the_absence(env, monkeypatch):
         raise Unavailable("etcd is unreachable")
 
     monkeypatch.setattr(env.coord, "get", unreachable)
-    assert env.tick() is None
+    assert all(env.tick() is None for _ in range(8))
     monkeypatch.setattr(env.coord, "get", real_get)
-    assert env.tick() is None and env.tick() is None  # counted afresh
+    # The absence is counted afresh after the failed reads.
+    assert env.tick() is None and env.tick() is None
     assert env.tick() is not None
 
 
