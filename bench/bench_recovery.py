@@ -22,13 +22,17 @@ from (read from their restarted workers' ``start ... restored step S`` lines).
 ``--fault`` measures the faults that send no TCP reset, with the same clock and the same
 bound: ``freeze`` SIGSTOPs every process of the node (daemon, agent, workers: a hung machine,
 or one cut off the network — nothing it holds answers and no connection is closed), and
-``stop-daemon`` SIGSTOPs its daemon alone (its agent and workers keep running). The frozen
-processes are SIGKILLed once the run is measured. Results committed from::
+``stop-daemon`` SIGSTOPs its daemon alone (its agent and workers keep running), and
+``partition`` drops every packet of the node's processes, both ways (cgroup v2 + eBPF, as the
+chaos suite's partition: root only; the local API's Unix socket keeps working). The frozen or
+cut-off processes are SIGKILLed once the run is measured. Results committed from::
 
     .venv/bin/python bench/bench_recovery.py --fault freeze --runs 9 --baseline-runs 3 \\
         --out bench/results/recovery_freeze.json
     .venv/bin/python bench/bench_recovery.py --fault stop-daemon --runs 9 --baseline-runs 0 \\
         --out bench/results/recovery_stop_daemon.json
+    .venv/bin/python bench/bench_recovery.py --fault partition --runs 9 --baseline-runs 0 \\
+        --out bench/results/recovery_partition.json
 """
 
 from __future__ import annotations
@@ -108,15 +112,35 @@ def _names(count: int) -> list[str]:
     return [f"n{i + 1}" for i in range(count)]
 
 
-FAULTS = ("kill", "freeze", "stop-daemon")
+FAULTS = ("kill", "freeze", "stop-daemon", "partition")
 
 
-def _strike(node, fault: str) -> None:
+def _partitions(c: LocalCluster, fault: str) -> dict:
+    """With ``--fault partition``: each node's cgroup (tests/chaos/partition.py: cgroup v2 +
+    eBPF, root), its daemon added right after it started (its agent and workers inherit it)."""
+    if fault != "partition":
+        return {}
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests.chaos.partition import Partition, available
+
+    why = available()
+    if why:
+        raise SystemExit(f"--fault partition needs cgroup v2 and eBPF: {why}")
+    cuts = {}
+    for name, node in c.nodes.items():
+        cuts[name] = Partition(name)
+        cuts[name].add(node.pid)
+    return cuts
+
+
+def _strike(node, fault: str, cut=None) -> None:
     """Applies ``fault`` to a LocalCluster node (see the module doc)."""
     if fault == "kill":
         node.kill()
     elif fault == "freeze":
         signal_all([node.pid, *node.tagged()], signal.SIGSTOP)
+    elif fault == "partition":
+        cut.cut()
     else:
         signal_all([node.pid], signal.SIGSTOP)
 
@@ -136,8 +160,11 @@ def run_elasticd(victim: str, ttl: int, timeout: float, replication: bool = True
     with _workdir("elasticd-bench-", keep) as d:
         c = LocalCluster(_names(nodes), workdir=d, lease_ttl=ttl, replication=replication,
                          extra_args=extra_args)
+        cuts: dict = {}
         try:
-            c.start()
+            c.start(wait=False)
+            cuts = _partitions(c, fault)
+            c.wait_for(lambda: all(c.registered(n) for n in c.nodes), 30, "every node registered")
             env = {**os.environ, "ELASTICD_ETCD": c.etcd, "ELASTICD_PREFIX": c.prefix}
             subprocess.run([sys.executable, "-m", "elasticd.cli.main", "submit", "job",
                             "--nnodes", f"{full - 1}:{full}", "--nproc-per-node", "1",
@@ -151,7 +178,7 @@ def run_elasticd(victim: str, ttl: int, timeout: float, replication: bool = True
             time.sleep(_kill_phase())
             survivors = [n for n in c.nodes if n != victim]
             marks = {n: len(_read(logs[n])) for n in survivors}
-            _strike(c.nodes[victim], fault)
+            _strike(c.nodes[victim], fault, cuts.get(victim))
             at_step = _last_step(logs.values())
             t = _wait(lambda: all(_at_world(logs[n], full - 1, marks[n]) for n in survivors),
                       timeout)
@@ -164,6 +191,8 @@ def run_elasticd(victim: str, ttl: int, timeout: float, replication: bool = True
                     "leftover_processes": leftovers}
         finally:
             c.stop()
+            for cut in cuts.values():
+                cut.remove()
 
 
 def _free_port() -> int:
@@ -277,8 +306,9 @@ def main() -> int:
                    help="keep each elasticd run's work directory (logs) under DIR")
     p.add_argument("--out", default="bench/results/recovery.json")
     args = p.parse_args()
-    if args.fault == "stop-daemon" and args.baseline_runs:
-        p.error("--fault stop-daemon has no plain torchrun baseline: pass --baseline-runs 0")
+    if args.fault in ("stop-daemon", "partition") and args.baseline_runs:
+        p.error(f"--fault {args.fault} has no plain torchrun baseline here: pass "
+                "--baseline-runs 0")
     if args.nodes < 2:
         p.error(f"--nodes must be at least 2 (one is killed), got {args.nodes}")
     victims = args.victims.split(",") if args.victims else _names(args.nodes)

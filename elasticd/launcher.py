@@ -82,11 +82,19 @@ class NodeProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        for pid in victims + self.tagged():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        # Again until none is left: a live node may be forking (an agent restarting its
+        # workers, the warm-start zygote) while it is killed, and a child forked after a
+        # listing would survive it (seen in the partition benchmark).
+        deadline = time.monotonic() + 5.0
+        pids = victims + self.tagged()
+        while pids and time.monotonic() < deadline:
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.02)
+            pids = self.tagged()
         self.proc.wait()
         if self.shm_dir:  # the machine's RAM is gone: its snapshots and its peers' replicas
             shutil.rmtree(self.shm_dir, ignore_errors=True)
