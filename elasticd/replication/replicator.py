@@ -322,6 +322,11 @@ class Replicator:
         stalled commit (a paused or draining peer) cannot evict it (``SlotStore.keep``)."""
         for store in self._own_stores():
             store.keep(job, version)
+        with self.tracker.lock:  # versions at or below the commit need no following any more
+            for key in [k for k in self._since if k[0] == job and k[1] <= tuple(version)]:
+                if key not in self._resolving:
+                    self._since.pop(key, None)
+                    self._blocked.discard(key)
 
     def _collect(self, job: str) -> None:
         """Frees replicas the current placement no longer asks this node to hold, once a step

@@ -344,6 +344,8 @@ class CommitTracker:
             if old is not None and (committed.version < old.version or committed == old):
                 return
             st.committed = committed
+            # A withdrawn version at or below the commit can never count again anyway.
+            st.withdrawn = {v for v in st.withdrawn if v > committed.version}
             advanced = st.committed_at_change is None or committed.version > st.committed_at_change
             self.cond.notify_all()
         if self._on_commit is not None and (old is None or committed.version > old.version):

@@ -514,3 +514,23 @@ def test_a_peer_gone_from_the_address_book_loses_its_pooled_connection():
     with pytest.raises(NoAddress, match="n2"):
         conns.get("n2")
     assert pooled.closed and "n2" not in conns._clients
+
+
+def test_followed_versions_are_forgotten_once_committed(make_cluster):
+    # Every acknowledged version is followed until committed or withdrawn. One that nothing
+    # waits on and that commits only after withdraw_after (0.5 s) stops being followed
+    # undecided; its commit must still clear what was kept about it (a run lasts weeks).
+    cluster = make_cluster(2)
+    cluster.set_membership(["n1", "n2"], {"n1": [0], "n2": [1]}, round=1)
+    n1, n2 = cluster["n1"], cluster["n2"]
+    n1.snapshot(0, 1, world=2)
+    cluster.wait_idle()
+    assert n1.replicator.awaiting_commit(JOB) == [(0, 1)]
+    wait_for(lambda: not n1.replicator.awaiting_commit(JOB))  # withdraw_after passes
+    assert n1.replicator._since, "followed undecided: still remembered"
+    n2.snapshot(1, 1, world=2)
+    cluster.wait_idle()
+    assert committed(cluster).version == (0, 1)
+    for node in (n1, n2):
+        wait_for(lambda: not node.replicator.awaiting_commit(JOB))
+        assert not node.replicator._since and not node.replicator._blocked
