@@ -37,8 +37,8 @@ from elasticd.checkpoint.format import SnapshotError, SnapshotHeader, invalidate
 from elasticd.checkpoint.reader import SnapshotReader, verify_payload
 from elasticd.checkpoint.segment import PAGE, Segment, map_file
 
-__all__ = ["CommitPending", "OverBudget", "ScanResult", "Slot", "SlotBusy", "SlotStore", "SlotStoreError",
-           "SnapshotView", "StaleSlot", "default_root", "map_file"]
+__all__ = ["CommitPending", "OverBudget", "ScanResult", "Slot", "SlotBusy", "SlotStore",
+           "SlotStoreError", "SnapshotView", "StaleSlot", "default_root", "map_file"]
 
 _JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _SEGMENT_RE = re.compile(r"(\d+)\.slot")
@@ -155,18 +155,14 @@ class SlotStore:
                 self._kept.pop(job, None)
                 return
             kept = self._kept[job] = (int(version[0]), int(version[1]))
-            for (j, _), pair in self._pairs.items():
-                if j == job:
-                    pair.protected = {v for v in pair.protected if v > kept}
+            self._drop_protection(job, None, lambda v: v <= kept)
 
     def set_floor(self, job: str, generation: int) -> None:
         """Copies of ``job`` below ``generation`` belong to an abandoned timeline (a restore
         opened a new generation): they can never be committed, so they lose any protection."""
         with self._lock:
             floor = self._floors[job] = max(self._floors.get(job, 0), int(generation))
-            for (j, _), pair in self._pairs.items():
-                if j == job:
-                    pair.protected = {v for v in pair.protected if v[0] >= floor}
+            self._drop_protection(job, None, lambda v: v[0] < floor)
 
     def protect(self, job: str, rank: int, version: tuple[int, int]) -> bool:
         """Marks a held copy as one that may be committed (a peer acknowledged a copy of it):
@@ -193,9 +189,15 @@ class SlotStore:
         commit or superseded: it may be overwritten again."""
         version = (int(version[0]), int(version[1]))
         with self._lock:
-            for (j, r), pair in self._pairs.items():
-                if j == job and rank in (None, r):
-                    pair.protected.discard(version)
+            self._drop_protection(job, rank, lambda v: v == version)
+
+    def _drop_protection(self, job: str, rank: int | None,
+                         drop: Callable[[tuple[int, int]], bool]) -> None:
+        """Unprotects the versions ``drop`` picks, of ``rank`` or of every rank of ``job``
+        (call with the lock held)."""
+        for (j, r), pair in self._pairs.items():
+            if j == job and rank in (None, r):
+                pair.protected = {v for v in pair.protected if not drop(v)}
 
     def _protects(self, job: str, pair: _Pair, version: tuple[int, int],
                   assume: bool = False) -> bool:

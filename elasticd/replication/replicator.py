@@ -147,8 +147,7 @@ class Replicator:
         """A fallback to an older persisted step opened ``generation``: copies and commits of
         older generations never count again (this node's sink refuses them too)."""
         self.tracker.start_generation(job, generation)
-        for store in self._own_stores():
-            store.set_floor(job, generation)
+        self.store.set_floor(job, generation)
         if self.sink is not None:
             self.sink.set_floor(job, generation)
 

@@ -116,6 +116,7 @@ class ShmSink(Sink):
         to an older persisted step abandoned the timelines below it)."""
         with self._mem:
             self._floors[job] = max(self._floors.get(job, 0), generation)
+        self.store.set_floor(job, generation)  # its copies below lose their protection too
 
     def floor(self, job: str) -> int:
         with self._mem:

@@ -243,6 +243,7 @@ class CommitTracker:
             when something does).
         """
         version = (int(version[0]), int(version[1]))
+        waited = False
         while True:
             with self.cond:
                 st = self.jobs.get(job)
@@ -254,7 +255,9 @@ class CommitTracker:
                     return False
                 placement = st.placement
             remaining = since + self.withdraw_after - time.monotonic()
-            if placement is not None and self._hopeless(job, version, placement):
+            # Records are read only after a first wait: most versions commit within it, so
+            # the common case (a step every few ms) costs no etcd read per acknowledgement.
+            if waited and placement is not None and self._hopeless(job, version, placement):
                 break
             if remaining <= 0:
                 if blocked():
@@ -262,6 +265,7 @@ class CommitTracker:
                 return None
             with self.cond:
                 self.cond.wait(min(remaining, 0.1))
+            waited = True
         with self._record_lock:
             with self.lock:
                 st = self.jobs.get(job)
