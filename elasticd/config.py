@@ -8,6 +8,7 @@ what would be right; ``elasticd`` prints it on one line and exits with status 2.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import socket
 import tomllib
@@ -175,13 +176,20 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         if ftype == "float":
             if isinstance(value, bool):
                 raise ValueError
-            return float(value)
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise ValueError
-        return str(value)
+            number = float(value)
+        else:
+            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+                raise ValueError
+            return str(value)
     except (TypeError, ValueError):
         kind = {"int": "a whole number", "float": "a number"}.get(ftype, "a string")
         raise ConfigError(f"{name} (from {source}): {value!r} is not {kind}") from None
+    if not math.isfinite(number):
+        # nan passes every range check (each comparison is False) and inf makes timers that
+        # never fire: refused here, for flags, environment and file alike.
+        raise ConfigError(f"{name} (from {source}): {value!r} is not a finite number: give "
+                          f"seconds, e.g. {_FIELDS[name].default:g} (the default)")
+    return number
 
 
 def _validate(s: Settings, sources: Mapping[str, str]) -> None:
