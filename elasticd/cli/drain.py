@@ -17,6 +17,7 @@ import sys
 import time
 from typing import Any
 
+from elasticd.cli import options
 from elasticd.cli.errors import CommandFailed, UsageError, confirm
 from elasticd.cluster import drain
 from elasticd.coordination import records
@@ -46,7 +47,8 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     d.add_argument("node")
     d.add_argument("--force", action="store_true", help="do not ask")
-    d.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",
+    d.add_argument("--timeout", type=options.seconds(1, 86400, 120), default=120.0,
+                   metavar="SECONDS",
                    help="seconds the node may spend handing off replicas (default 120)")
     what = d.add_mutually_exclusive_group()
     what.add_argument("--undo", action="store_true",
@@ -74,8 +76,6 @@ def cmd_drain(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> A
         node = check_name("node", args.node)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
-    if not 0 < args.timeout <= 86400:
-        raise UsageError(f"--timeout {args.timeout:g} is out of range: use 1 to 86400 seconds")
     try:
         if args.status:
             return _doc(drain.read(coord, keys, node), node, time.time())

@@ -13,6 +13,7 @@ from typing import Any
 
 from elasticd.agent import spec as jobspec
 from elasticd.agent.spec import JobControl, JobSpec, NodeJobStatus
+from elasticd.cli import options
 from elasticd.cli.errors import CommandFailed, confirm
 from elasticd.cli.output import Table
 from elasticd.coordination import records
@@ -41,7 +42,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     s.add_argument("--cwd", help="workers' working directory (default: the current one)")
     s.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
     s.add_argument("--python", help="interpreter with torch (default: this one)")
-    s.add_argument("--hang-timeout", type=float, default=300.0,
+    s.add_argument("--hang-timeout", type=options.finite("seconds"), default=300.0,
                    help="seconds without progress before workers restart (0: off)")
     s.add_argument("script", help="training script, after --")
     s.add_argument("args", nargs=argparse.REMAINDER)
@@ -56,7 +57,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     st.add_argument("name")
     st.add_argument("--force", action="store_true", help="do not ask")
-    st.add_argument("--wait", type=float, default=0, metavar="SECONDS",
+    st.add_argument("--wait", type=options.seconds(0, 86400, 0), default=0, metavar="SECONDS",
                     help="wait until no node runs it")
     lg = sub.add_parser("logs", parents=[common], help="where a job's worker logs are",
                         description="Per node: the file holding the agent's and workers' output.",

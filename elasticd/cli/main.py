@@ -11,7 +11,6 @@ status (:mod:`elasticd.cli.errors`): 0 success, 1 the operation failed, 2 bad us
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from typing import Any, Callable, Sequence
@@ -19,6 +18,7 @@ from typing import Any, Callable, Sequence
 from elasticd.agent.spec import JobSpecError
 from elasticd.cli import drain as drain_cli
 from elasticd.cli import jobs as jobs_cli
+from elasticd.cli import options
 from elasticd.cli import replicas as replicas_cli
 from elasticd.cli.errors import (
     EXIT_ETCD,
@@ -28,6 +28,7 @@ from elasticd.cli.errors import (
     CommandFailed,
     UsageError,
 )
+from elasticd.cli.options import Parser
 from elasticd.cli.output import Table, emit
 from elasticd.cluster import drain
 from elasticd.cluster.events import EventLog
@@ -52,32 +53,12 @@ Exit status: 0 ok, 1 the operation failed, 2 bad usage or input (also: a destruc
 without --force in a script), 3 etcd unreachable. JSON keys: docs/elasticctl.md."""
 
 
-def _env(name: str, default: str = "") -> str:
-    return os.environ.get("ELASTICD_" + name.upper(), default)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    g = common.add_argument_group("cluster")
-    g.add_argument("--etcd", default=_env("etcd"),
-                   help="HOST:PORT[,HOST:PORT...] of etcd (env ELASTICD_ETCD)")
-    g.add_argument("--prefix", default=_env("prefix", "/elasticd"),
-                   help="cluster key prefix (env ELASTICD_PREFIX, default /elasticd)")
-    g.add_argument("--etcd-user", default=_env("etcd_user"))
-    g.add_argument("--etcd-password", default=_env("etcd_password"),
-                   help="prefer the env ELASTICD_ETCD_PASSWORD")
-    g.add_argument("--etcd-ca-cert", default=_env("etcd_ca_cert"))
-    g.add_argument("--etcd-cert", default=_env("etcd_cert"))
-    g.add_argument("--etcd-key", default=_env("etcd_key"))
-    g.add_argument("--etcd-timeout", type=float, default=2.0)
-    o = common.add_argument_group("output")
-    o.add_argument("--format", choices=("pretty", "json"), default="pretty")
-    o.add_argument("--watch", type=float, metavar="SECONDS",
-                   help="refresh every SECONDS until interrupted")
-
-    p = argparse.ArgumentParser(
-        prog="elasticctl", description="Inspect and drive an elasticd cluster.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common = Parser(add_help=False)
+    options.add_shared(common, after_command=True)
+    p = Parser(prog="elasticctl", description="Inspect and drive an elasticd cluster.",
+               epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    options.add_shared(p, after_command=False)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     raw = argparse.RawDescriptionHelpFormatter
     sub.add_parser("nodes", parents=[common], help="live nodes and their state",
@@ -94,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog="Examples:\n  elasticctl history --limit 20\n"
                               "  elasticctl history --kind failed,recovered --format json",
                        formatter_class=raw)
-    h.add_argument("--limit", type=int, default=50, help="newest N events (default 50)")
+    h.add_argument("--limit", type=options.whole(1, 100_000, "events"), default=50,
+                   help="newest N events (default 50)")
     h.add_argument("--kind", default="", help="only these kinds, comma-separated")
     jobs_cli.add_parsers(sub, common)
     replicas_cli.add_parsers(sub, common)
@@ -112,6 +94,7 @@ def _connect(args: argparse.Namespace) -> tuple[EtcdCoordinator, Keyspace]:
         raise UsageError(str(exc)) from exc
     if bool(args.etcd_user) != bool(args.etcd_password):
         raise UsageError("--etcd-user and --etcd-password go together")
+    options.check_tls_files(args)
     settings = EtcdSettings(endpoints, timeout=args.etcd_timeout,
                             user=args.etcd_user or None, password=args.etcd_password or None,
                             ca_cert=args.etcd_ca_cert or None, cert=args.etcd_cert or None,
@@ -203,8 +186,6 @@ def cmd_status(args: argparse.Namespace, coord: EtcdCoordinator, keys: Keyspace)
 
 
 def cmd_history(args: argparse.Namespace, coord: EtcdCoordinator, keys: Keyspace) -> Any:
-    if args.limit < 1:
-        raise UsageError(f"--limit {args.limit} must be at least 1")
     kinds = [k.strip() for k in args.kind.split(",") if k.strip()]
     return _events(coord, keys, args.limit, kinds)
 
@@ -223,49 +204,64 @@ COMMANDS: dict[str, tuple[Command, Table | Callable[[Any], str]]] = {
 
 
 def run(argv: Sequence[str] | None = None, out: Any = None) -> int:
+    """Runs one command; returns its exit status. Every error is one line on stderr."""
     out = out or sys.stdout
-    args = build_parser().parse_args(argv)
-
-    def fail(code: int, exc: Exception) -> int:
-        print(f"elasticctl: error: {exc}", file=sys.stderr)
-        return code
-
-    if args.watch is not None and (args.command in NOT_WATCHABLE or args.watch <= 0):
-        return fail(EXIT_USAGE, UsageError(
-            f"--watch does not apply to {args.command} (it changes the cluster)"
-            if args.command in NOT_WATCHABLE else "--watch needs a positive number of seconds"))
+    args = options.resolve(build_parser().parse_args(argv))
+    if args.watch is not None and args.command in NOT_WATCHABLE:
+        return _fail(EXIT_USAGE, f"--watch does not apply to {args.command} (it changes the "
+                                 "cluster): drop --watch")
     try:
         coord, keys = _connect(args)
     except UsageError as exc:
-        return fail(EXIT_USAGE, exc)
-    compute, pretty = COMMANDS[args.command]
+        return _fail(EXIT_USAGE, exc)
     try:
-        while True:
-            try:
-                text = emit(compute(args, coord, keys), args.format, pretty,
-                            one_line=bool(args.watch))
-            except (JobSpecError, UsageError) as exc:
-                return fail(EXIT_USAGE, exc)
-            except CommandFailed as exc:
-                return fail(EXIT_FAILED, exc)
-            except CoordinationError as exc:
-                code = EXIT_ETCD if isinstance(exc, Unavailable) else EXIT_FAILED
-                if not args.watch:
-                    return fail(code, exc)
-                print(f"elasticctl: error: {exc}", file=sys.stderr)
-                text = ""
-            if args.watch and args.format == "pretty" and out.isatty():
-                out.write("\033[H\033[2J")
-            if text:
-                out.write(text + "\n")
-                out.flush()
-            if not args.watch:
-                return EXIT_OK
-            time.sleep(args.watch)
+        return _loop(args, coord, keys, out)
     except KeyboardInterrupt:
         return EXIT_OK
+    except Exception as exc:  # a bug: still one line, and the command line to report
+        return _fail(EXIT_FAILED, f"unexpected {type(exc).__name__}: {exc} (a bug in "
+                                  f"elasticctl; please report it with the command line)")
     finally:
         coord.close()
+
+
+def _fail(code: int, why: object) -> int:
+    print(f"elasticctl: error: {why}", file=sys.stderr)
+    return code
+
+
+def _etcd_error(args: argparse.Namespace, exc: CoordinationError) -> tuple[int, str]:
+    """The exit status and the one line for an etcd error, with what to check."""
+    if not isinstance(exc, Unavailable):
+        return EXIT_FAILED, str(exc)
+    return EXIT_ETCD, (f"{exc}: check --etcd (now {args.etcd}) and that etcd is running "
+                       f"(etcdctl --endpoints {args.etcd} endpoint health)")
+
+
+def _loop(args: argparse.Namespace, coord: EtcdCoordinator, keys: Keyspace, out: Any) -> int:
+    compute, pretty = COMMANDS[args.command]
+    while True:
+        try:
+            text = emit(compute(args, coord, keys), args.format, pretty,
+                        one_line=bool(args.watch))
+        except (JobSpecError, UsageError) as exc:
+            return _fail(EXIT_USAGE, exc)
+        except CommandFailed as exc:
+            return _fail(EXIT_FAILED, exc)
+        except CoordinationError as exc:
+            code, why = _etcd_error(args, exc)
+            if not args.watch:
+                return _fail(code, why)
+            _fail(code, why)  # --watch goes on: etcd may come back
+            text = ""
+        if args.watch and args.format == "pretty" and out.isatty():
+            out.write("\033[H\033[2J")
+        if text:
+            out.write(text + "\n")
+            out.flush()
+        if not args.watch:
+            return EXIT_OK
+        time.sleep(args.watch)
 
 
 def main() -> None:
