@@ -1,8 +1,9 @@
 """``elasticctl``: look at and drive an elasticd cluster through etcd.
 
-Every command shares ``--format pretty|json`` (one output function for both; JSON carries stable
-keys and nothing decorative, documented in docs/elasticctl.md) and, where re-reading makes
-sense, ``--watch SECONDS`` (refresh until interrupted; with JSON one document per line).
+Every command shares the cluster options and ``--format pretty|json`` (one output function for
+both; JSON carries stable keys and nothing decorative, documented in docs/elasticctl.md) and,
+where re-reading makes sense, ``--watch SECONDS`` (refresh until interrupted; with JSON one
+document per line); they go before or after the command (:mod:`elasticd.cli.options`).
 Destructive commands (stop, drain) need ``--force`` in scripts and ask on a terminal. Exit
 status (:mod:`elasticd.cli.errors`): 0 success, 1 the operation failed, 2 bad usage or input,
 3 etcd unreachable.
@@ -49,8 +50,9 @@ Examples:
   elasticctl placement mnist
   elasticctl drain n3 --force
 
-Exit status: 0 ok, 1 the operation failed, 2 bad usage or input (also: a destructive command
-without --force in a script), 3 etcd unreachable. JSON keys: docs/elasticctl.md."""
+The cluster and output options go before or after the command. Exit status: 0 ok, 1 the
+operation failed, 2 bad usage or input (also: a destructive command without --force in a
+script), 3 etcd unreachable. JSON keys: docs/elasticctl.md."""
 
 
 def build_parser() -> argparse.ArgumentParser:
