@@ -236,8 +236,10 @@ def _etcd_error(args: argparse.Namespace, exc: CoordinationError) -> tuple[int, 
     """The exit status and the one line for an etcd error, with what to check."""
     if not isinstance(exc, Unavailable):
         return EXIT_FAILED, str(exc)
+    tls = (" and, with TLS, that etcd serves https with a certificate --etcd-ca-cert signed"
+           if args.etcd_ca_cert else "")
     return EXIT_ETCD, (f"{exc}: check --etcd (now {args.etcd}) and that etcd is running "
-                       f"(etcdctl --endpoints {args.etcd} endpoint health)")
+                       f"(etcdctl --endpoints {args.etcd} endpoint health){tls}")
 
 
 def _loop(args: argparse.Namespace, coord: EtcdCoordinator, keys: Keyspace, out: Any) -> int:

@@ -41,10 +41,16 @@ DEFAULTS: dict[str, Any] = {"etcd_timeout": 2.0, "format": "pretty", "watch": No
 
 ETCD_TIMEOUT_RANGE = (0.1, 600.0)
 WATCH_RANGE = (0.1, 86400.0)
-#: The TLS files and what each must hold (for the message when one cannot be read).
-TLS_FILES = {"etcd_ca_cert": "the CA certificate (PEM) that signed etcd's server certificate",
-             "etcd_cert": "this client's certificate (PEM)",
-             "etcd_key": "the private key (PEM) of --etcd-cert"}
+#: The TLS files: what each must hold (for the message), its PEM kind and the line it needs.
+TLS_FILES = {
+    "etcd_ca_cert": ("the CA certificate (PEM) that signed etcd's server certificate",
+                     "certificate", b"-----BEGIN CERTIFICATE-----"),
+    "etcd_cert": ("this client's certificate (PEM)", "certificate",
+                  b"-----BEGIN CERTIFICATE-----"),
+    "etcd_key": ("the private key (PEM) of --etcd-cert", "private key", b"PRIVATE KEY-----"),
+}
+#: Larger than any certificate chain or key file elasticd is given.
+_PEM_MAX = 1 << 20
 
 
 class Parser(argparse.ArgumentParser):
@@ -176,13 +182,17 @@ def check_tls_files(args: argparse.Namespace) -> None:
     if args.etcd_cert and not args.etcd_ca_cert:
         raise UsageError("--etcd-cert needs --etcd-ca-cert too: give the CA certificate that "
                          "signed etcd's server certificate")
-    for dest, what in TLS_FILES.items():
+    for dest, (what, kind, marker) in TLS_FILES.items():
         path = getattr(args, dest)
         if not path:
             continue
         try:
             with open(path, "rb") as fh:
-                fh.read(1)
+                head = fh.read(_PEM_MAX)
         except OSError as exc:
             why = (exc.strerror or str(exc)).lower()
             raise UsageError(f"{where(dest)} {path!r}: {why}: give the path of {what}") from exc
+        if marker not in head:
+            # gRPC would print its own multi-line errors and then fail to connect.
+            raise UsageError(f"{where(dest)} {path!r}: not a PEM {kind}: give the path of "
+                             f"{what}")

@@ -99,19 +99,38 @@ def test_history_pretty_columns_hold_what_json_holds(etcd, etcd_client, prefix):
     assert [r["recovery_seconds"] for r in doc if r["kind"] == "recovered"] == [3.5, 4.0]
 
 
-def test_missing_tls_file_is_one_line_exit_2(etcd, tmp_path):
+def _self_signed(tmp_path):
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                    "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=elasticctl-test"],
+                   check=True, capture_output=True, timeout=30)
+    return str(cert), str(key)
+
+
+def test_unusable_tls_files_are_one_line(etcd, tmp_path):
     res = ctl("nodes", "--etcd", etcd.endpoints, "--etcd-ca-cert", "/nonexistent")
     one_line_error(res, 2, "--etcd-ca-cert '/nonexistent': no such file",
                    "give the path of the CA certificate")
     res = ctl("--etcd", etcd.endpoints, "nodes", env={"ELASTICD_ETCD_CA_CERT": str(tmp_path)})
     one_line_error(res, 2, f"ELASTICD_ETCD_CA_CERT {str(tmp_path)!r}: is a directory")
-    ca = tmp_path / "ca.pem"
-    ca.write_text("not a certificate\n")
-    res = ctl("nodes", "--etcd", etcd.endpoints, "--etcd-ca-cert", str(ca), "--etcd-cert",
-              str(ca))
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    # gRPC printed four lines of its own for this one before the CLI's error
+    res = ctl("nodes", "--etcd", etcd.endpoints, "--etcd-ca-cert", str(garbage))
+    one_line_error(res, 2, f"--etcd-ca-cert {str(garbage)!r}: not a PEM certificate")
+    cert, key = _self_signed(tmp_path)
+    res = ctl("nodes", "--etcd", etcd.endpoints, "--etcd-ca-cert", cert, "--etcd-cert", cert)
     one_line_error(res, 2, "--etcd-cert and --etcd-key go together")
-    res = ctl("nodes", "--etcd", etcd.endpoints, "--etcd-cert", str(ca), "--etcd-key", str(ca))
+    res = ctl("nodes", "--etcd", etcd.endpoints, "--etcd-cert", cert, "--etcd-key", key)
     one_line_error(res, 2, "--etcd-cert needs --etcd-ca-cert")
+    res = ctl("nodes", "--etcd", etcd.endpoints, "--etcd-ca-cert", cert, "--etcd-cert", cert,
+              "--etcd-key", cert)
+    one_line_error(res, 2, f"--etcd-key {cert!r}: not a PEM private key")
+    # Good files, but this etcd speaks plain http: unreachable over TLS, and said so.
+    res = ctl("nodes", "--etcd", etcd.endpoints, "--etcd-ca-cert", cert, "--etcd-cert", cert,
+              "--etcd-key", key, "--etcd-timeout", "1")
+    one_line_error(res, 3, "check --etcd", "--etcd-ca-cert signed")
 
 
 @pytest.mark.parametrize("value,needle", [

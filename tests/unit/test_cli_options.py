@@ -107,7 +107,7 @@ def test_tls_file_checks_name_where_the_path_came_from(tmp_path):
                                                  "no such file"):
         options.check_tls_files(a)
     ca = tmp_path / "ca.pem"
-    ca.write_text("x")
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
     a = _args(["nodes", "--etcd-ca-cert", str(ca), "--etcd-cert", str(ca)],
               {"ELASTICD_ETCD_KEY": str(tmp_path)})
     with pytest.raises(options.UsageError, match="ELASTICD_ETCD_KEY .*: is a directory"):
