@@ -12,6 +12,7 @@ status (:mod:`elasticd.cli.errors`): 0 success, 1 the operation failed, 2 bad us
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Any, Callable, Sequence
@@ -219,6 +220,11 @@ def run(argv: Sequence[str] | None = None, out: Any = None) -> int:
     try:
         return _loop(args, coord, keys, out)
     except KeyboardInterrupt:
+        return EXIT_OK
+    except BrokenPipeError:
+        # The reader stopped reading (`elasticctl history --watch 2 | head`): as with ^C, no
+        # error; stdout is pointed at /dev/null so the interpreter's last flush cannot fail.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
     except Exception as exc:  # a bug: still one line, and the command line to report
         return _fail(EXIT_FAILED, f"unexpected {type(exc).__name__}: {exc} (a bug in "

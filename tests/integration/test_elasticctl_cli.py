@@ -163,3 +163,22 @@ def test_usage_errors_are_one_line_exit_2():
     one_line_error(ctl("--etcd", "127.0.0.1:9", "nodez"), 2, "invalid choice: 'nodez'")
     one_line_error(ctl("stop", "j", "--watch", "1", "--etcd", "127.0.0.1:9"), 2,
                    "--watch does not apply to stop")
+
+
+def test_reader_closing_the_pipe_ends_watch_quietly(etcd, prefix):
+    """``elasticctl nodes --watch 0.1 | head -1``: exit 0, nothing on stderr."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICD_")}
+    proc = subprocess.Popen([sys.executable, "-m", "elasticd.cli.main", "nodes", "--watch",
+                             "0.1", "--format", "json", "--etcd", etcd.endpoints, "--prefix",
+                             prefix], env=base, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline().strip() == "[]"
+        proc.stdout.close()
+        assert proc.wait(timeout=20) == 0
+        assert proc.stderr.read() == ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
