@@ -90,13 +90,19 @@ def build_parser() -> argparse.ArgumentParser:
 def _connect(args: argparse.Namespace) -> tuple[EtcdCoordinator, Keyspace]:
     if not args.etcd:
         raise UsageError("no etcd endpoint: pass --etcd HOST:PORT or set ELASTICD_ETCD")
+    where = args.sources.get
     try:
         endpoints = parse_endpoints(args.etcd)
+    except ValueError as exc:
+        raise UsageError(f"{where('etcd')}: {exc}: give HOST:PORT[,HOST:PORT...] of etcd, "
+                         "e.g. 10.0.0.5:2379") from exc
+    try:
         keys = Keyspace(check_prefix(args.prefix))
     except ValueError as exc:
-        raise UsageError(str(exc)) from exc
+        raise UsageError(f"{where('prefix')}: {exc}") from exc
     if bool(args.etcd_user) != bool(args.etcd_password):
-        raise UsageError("--etcd-user and --etcd-password go together")
+        raise UsageError("--etcd-user and --etcd-password go together: give both (the "
+                         "password best as ELASTICD_ETCD_PASSWORD) or neither")
     options.check_tls_files(args)
     settings = EtcdSettings(endpoints, timeout=args.etcd_timeout,
                             user=args.etcd_user or None, password=args.etcd_password or None,

@@ -7,6 +7,7 @@ covered too: ``nan``, ``inf`` and words are refused in one line with exit status
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 
@@ -112,3 +113,24 @@ def test_tls_file_checks_name_where_the_path_came_from(tmp_path):
               {"ELASTICD_ETCD_KEY": str(tmp_path)})
     with pytest.raises(options.UsageError, match="ELASTICD_ETCD_KEY .*: is a directory"):
         options.check_tls_files(a)
+
+
+@pytest.mark.parametrize("argv,env,needle", [
+    (["nodes"], {}, "no etcd endpoint: pass --etcd HOST:PORT or set ELASTICD_ETCD"),
+    (["nodes", "--etcd", "nohost"], {}, "--etcd: 'nohost' is not HOST:PORT: give HOST:PORT"),
+    (["nodes"], {"ELASTICD_ETCD": "a:1", "ELASTICD_PREFIX": "bad"},
+     "ELASTICD_PREFIX: prefix 'bad' is not valid"),
+    (["--etcd-user", "u", "nodes", "--etcd", "a:1"], {},
+     "--etcd-user and --etcd-password go together: give both"),
+    (["--etcd", "a:1", "stop", "j", "--watch", "1"], {}, "--watch does not apply to stop"),
+])
+def test_usage_errors_before_etcd_is_asked(monkeypatch, capsys, argv, env, needle):
+    from elasticd.cli.main import run
+
+    for name in [k for k in os.environ if k.startswith("ELASTICD_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert run(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("elasticctl: error: ") and needle in lines[0]
