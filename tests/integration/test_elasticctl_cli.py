@@ -41,8 +41,7 @@ def one_line_error(res, code: int, *needles: str) -> str:
     return lines[0]
 
 
-def test_cluster_flags_before_and_after_the_command(etcd, etcd_client, prefix):
-    etcd_client.put(f"{prefix}/drain/x".encode(), b"")  # the prefix exists; no node is alive
+def test_cluster_flags_before_and_after_the_command(etcd, prefix):
     ep = etcd.endpoints
     before = ctl("--etcd", ep, "--prefix", prefix, "--format", "json", "nodes")
     after = ctl("nodes", "--etcd", ep, "--prefix", prefix, "--format", "json")
@@ -50,7 +49,7 @@ def test_cluster_flags_before_and_after_the_command(etcd, etcd_client, prefix):
     from_env = ctl("nodes", "--format", "json", env={"ELASTICD_ETCD": ep,
                                                      "ELASTICD_PREFIX": prefix})
     for res in (before, after, mixed, from_env):
-        assert res.returncode == 0, res.stderr
+        assert res.returncode == 0 and res.stderr == "", res.stderr
         assert json.loads(res.stdout) == []
     # A flag overrides the environment; after the command it overrides one before it.
     res = ctl("--etcd", "127.0.0.1:9", "status", "--etcd", ep, "--prefix", prefix,
@@ -182,3 +181,35 @@ def test_reader_closing_the_pipe_ends_watch_quietly(etcd, prefix):
             proc.kill()
             proc.wait()
         proc.stderr.close()
+
+
+def _readme_examples() -> list[list[str]]:
+    """The commands of README's elasticctl block, as argv lists (comments dropped)."""
+    with open(os.path.join(REPO, "README.md")) as fh:
+        text = fh.read()
+    block = text.split("\n## elasticctl\n", 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
+    return [line.split("#", 1)[0].split()[1:] for line in block.splitlines()
+            if line.startswith("elasticctl ")]
+
+
+def test_readme_examples_run_as_written(etcd, prefix):
+    """Each README example against a real etcd (its address put in for 10.0.0.5:2379, the
+    prefix from the environment, --watch run once): exit 0, or 1 with one line where the
+    example names a job or node this empty cluster lacks."""
+    examples = _readme_examples()
+    assert any(argv[:2] == ["--etcd", "10.0.0.5:2379"] for argv in examples), examples
+    ran = 0
+    for argv in examples:
+        if "--undo" in argv or "--force" in argv:
+            continue  # they change the cluster; drain is exercised in test_drain.py
+        argv = [etcd.endpoints if a == "10.0.0.5:2379" else a for a in argv]
+        watch = argv.index("--watch") if "--watch" in argv else None
+        if watch is not None:
+            del argv[watch:watch + 2]
+        res = ctl(*argv, env={"ELASTICD_ETCD": etcd.endpoints, "ELASTICD_PREFIX": prefix})
+        if argv[0] in ("placement", "checkpoints"):
+            one_line_error(res, 1, "no job named 'mnist'", "elasticctl jobs")
+        else:
+            assert res.returncode == 0 and res.stderr == "", (argv, res.stderr)
+        ran += 1
+    assert ran >= 5
