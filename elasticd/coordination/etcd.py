@@ -357,6 +357,15 @@ class EtcdCoordinator(Coordinator):
         for w in watches:
             w.restart()
 
+    def reset_watches(self) -> None:
+        # From the revision read now, not "whenever the stream is re-created": a caller that
+        # re-lists right after this call then misses nothing in between.
+        current = self.revision()
+        with self._lock:
+            watches = list(self._watches)
+        for w in watches:
+            w.restart(from_revision=current + 1)
+
     def revision(self) -> int:
         return self._call(lambda c: c.get_response(b"\0").header.revision)
 
@@ -486,7 +495,12 @@ class _ResilientWatch(Watch):
             except Exception:  # the stream is already broken; nothing to cancel
                 pass
 
-    def restart(self) -> None:
+    def restart(self, from_revision: int = 0) -> None:
+        """Re-creates the stream: from the revision after the last one delivered, or from
+        ``from_revision`` (see :meth:`Coordinator.reset_watches`)."""
+        if from_revision:
+            with self._lock:
+                self._next_revision = from_revision
         self._wake.set()
 
     def cancel(self) -> None:
