@@ -94,9 +94,9 @@ class Incarnation:
         if known is None:
             return None  # the first look (a new cluster, or this daemon's start)
         if seen is None:
-            reason = "the cluster key it wrote is gone"
+            reason = "the cluster's incarnation key is gone"
         else:
-            reason = "another daemon found the cluster key gone and wrote it anew"
+            reason = "another daemon found the incarnation key gone and wrote it anew"
         if went_back:
             reason += f" (revisions went back to {revision})"
         return DataLoss(reason, first)
