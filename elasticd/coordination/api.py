@@ -213,8 +213,13 @@ class Coordinator(abc.ABC):
     # -- housekeeping ---------------------------------------------------------------------
 
     @abc.abstractmethod
-    def revision(self) -> int:
-        """The store's current revision (a cheap liveness probe)."""
+    def revision(self, probe: bytes = b"\0") -> int:
+        """The store's current revision (a cheap liveness probe).
+
+        Args:
+            probe: the key read to learn it: with etcd auth, pass one under the prefix the
+                credentials may read (a role limited to its prefix may read no other key).
+        """
 
     @abc.abstractmethod
     def close(self) -> None:

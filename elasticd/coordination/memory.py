@@ -292,7 +292,7 @@ class MemoryCoordinator(Coordinator):
             for w in self._watches:
                 w.resume_from = 0
 
-    def revision(self) -> int:
+    def revision(self, probe: bytes = b"\0") -> int:
         self._enter()
         with self.store._lock:
             return self.store._revision

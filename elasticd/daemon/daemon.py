@@ -40,6 +40,7 @@ from elasticd.cluster.membership import (
 from elasticd.config import Settings
 from elasticd.coordination import records
 from elasticd.coordination.api import (
+    AuthError,
     Compacted,
     CoordinationError,
     Coordinator,
@@ -400,7 +401,9 @@ class Daemon:
                 self._ckpt_sink.update(self.checkpoints.stats())
             self._update_replication()
             sentence = self._describe()
-        except Unavailable as exc:
+        except (Unavailable, AuthError) as exc:
+            # Refused credentials are an outage too (after an etcd data loss the users are
+            # gone until re-created): one line, the workers kept for the outage grace.
             self.health.failed(exc)
             sentence = self._describe_outage()
         except (CoordinationError, NodeIdInUse) as exc:
