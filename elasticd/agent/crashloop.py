@@ -105,7 +105,7 @@ def failure_summary(text: str, limit: int = 300) -> str:
     found = ""
     in_traceback = False
     for line in text.splitlines():
-        bare = re.sub(r"^\[[^\]]*\]:?\s*", "", line)  # torchrun's --tee rank prefix
+        bare = re.sub(r"^\[[^\]]*\]: ?", "", line)  # torchrun's rank prefix (--tee)
         if bare.startswith("Traceback (most recent call last):"):
             in_traceback = True
             continue
