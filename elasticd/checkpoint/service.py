@@ -622,9 +622,10 @@ class CheckpointService:
                     seconds=0.0 if record.first_snapshot_at is None
                     else now - record.first_snapshot_at)
                 verdict = assess(view, self.lag_limit, self.grace)
-                if verdict != record.protection:
-                    changes.append((job, record.protection, verdict))
-                    record.protection = verdict
+                old = record.protection
+                if (verdict and verdict.reason) != (old and old.reason):
+                    changes.append((job, old, verdict))  # logged once per change of reason
+                record.protection = verdict
         for job, old, new in changes:
             if new is not None:
                 log.warning("job %s is %s (node %s)", job, new, self.node_id)
