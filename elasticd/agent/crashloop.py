@@ -20,6 +20,10 @@ __all__ = ["LoopState", "after_restart", "attempts", "failure_summary", "verdict
 
 Version = tuple[int, int]  # (generation, step)
 
+#: A job that neither checkpoints nor reports progress gives no step to judge by: an attempt
+#: that ran this long before failing is not counted as part of a loop.
+BLIND_ATTEMPT_SECONDS = 600.0
+
 
 @dataclasses.dataclass(frozen=True)
 class LoopState:
@@ -36,11 +40,16 @@ class LoopState:
     failure: str = ""
 
 
-def after_restart(state: LoopState, committed: Version | None, failure: str) -> LoopState:
-    """The worker group restarted (``failure`` says why); ``committed`` is the newest committed
-    step now. An attempt that committed a newer step than any before resets the count."""
+def after_restart(state: LoopState, committed: Version | None, failure: str,
+                  seconds: float = 0.0) -> LoopState:
+    """The worker group restarted (``failure`` says why) after its attempt ran ``seconds``;
+    ``committed`` is the newest committed step now (None: none known). An attempt that
+    committed a newer step than any before resets the count, and so does a long one of a job
+    that gives no step at all (:data:`BLIND_ATTEMPT_SECONDS`)."""
     if committed is not None and (state.best is None or committed > state.best):
         return LoopState(committed, 0, failure)
+    if committed is None and state.best is None and seconds >= BLIND_ATTEMPT_SECONDS:
+        return LoopState(None, 0, failure)
     return LoopState(state.best, state.restarts + 1, failure)
 
 

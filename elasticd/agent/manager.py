@@ -119,6 +119,7 @@ class JobManager:
         self._log_mark = 0  # agent log size at the last restart seen
         self._restart_cause = ""  # why the daemon itself restarted the workers, if it did
         self._best_step = -1  # the newest step reported for the job (fallback watermark)
+        self._attempt_at = 0.0  # when the current worker group attempt started (monotonic)
 
     # -- etcd view ------------------------------------------------------------------------
 
@@ -327,6 +328,7 @@ class JobManager:
         self._new_generation()
         pid = self.supervisor.start()
         self._log_mark = self._log_size()
+        self._attempt_at = self.clock.monotonic()
         self.status = NodeJobStatus(self.node_id, "running", "agent started", agent_pid=pid,
                                     agent_starts=1, log=self.supervisor.log_path,
                                     at=self.clock.wall())
@@ -475,7 +477,10 @@ class JobManager:
         committed = self.committed(job)
         if committed is None and self._best_step >= 0:
             committed = (0, self._best_step)
-        self._loop = crashloop.after_restart(self._loop, committed, failure)
+        now = self.clock.monotonic()
+        self._loop = crashloop.after_restart(self._loop, committed, failure,
+                                             now - self._attempt_at)
+        self._attempt_at = now
 
     def _crash_looping(self) -> bool:
         """Fails the job everywhere when it crash-loops; returns True if it did."""

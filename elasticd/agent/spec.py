@@ -85,7 +85,7 @@ class JobSpec:
     max_restarts: int = 100
     hang_timeout: float = 300.0
     created_at: float = 0.0
-    crash_loop_restarts: int = 3
+    crash_loop_restarts: int = 5
 
     def validate(self, check_files: bool = True) -> "JobSpec":
         """Raises :class:`JobSpecError` on the first bad field."""
@@ -153,7 +153,7 @@ class JobSpec:
 def build(name: str, nnodes: str, nproc_per_node: int, script: str, args: list[str],
           user: str | None = None, cwd: str | None = None, env: list[str] | None = None,
           python: str | None = None, max_restarts: int = 100,
-          hang_timeout: float = 300.0, crash_loop_restarts: int = 3) -> JobSpec:
+          hang_timeout: float = 300.0, crash_loop_restarts: int = 5) -> JobSpec:
     """Builds and validates a spec from ``elasticctl submit`` arguments."""
     lo, hi = parse_nnodes(nnodes)
     script_abs = os.path.abspath(script)

@@ -44,7 +44,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     s.add_argument("--python", help="interpreter with torch (default: this one)")
     s.add_argument("--hang-timeout", type=float, default=300.0,
                    help="seconds without progress before workers restart (0: off)")
-    s.add_argument("--crash-loop-restarts", type=int, default=3, metavar="N",
+    s.add_argument("--crash-loop-restarts", type=int, default=5, metavar="N",
                    help="stop the job as failed after N worker group restarts in a row with "
                         "no new committed step (0: never)")
     s.add_argument("script", help="training script, after --")

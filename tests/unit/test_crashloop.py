@@ -77,3 +77,13 @@ def test_attempts_reads_the_newest_agents_restart_count(tmp_path):
     os.makedirs(os.path.join(d, "job_new2", "attempt_2", "0"))
     assert crashloop.attempts(d, known) == 2
     assert crashloop.attempts(os.path.join(d, "missing"), set()) == -1
+
+
+def test_a_job_that_gives_no_step_counts_only_short_attempts():
+    state = LoopState()
+    for _ in range(4):
+        state = after_restart(state, None, "x", seconds=crashloop.BLIND_ATTEMPT_SECONDS + 1)
+    assert state.restarts == 0 and verdict(state, 3) is None
+    for _ in range(3):
+        state = after_restart(state, None, "x", seconds=5)
+    assert verdict(state, 3) is not None
