@@ -68,6 +68,8 @@ class Settings:
         cluster_secret_file: file holding the secret (first line).
         replication_listen: HOST:PORT of the replication server (port 0: any free port).
         replicas: copies of each rank's snapshot, its own included (m; 1 turns peers off).
+        unprotected_lag_steps: a job whose committed step lags its newest snapshot by more
+            steps than this shows as UNPROTECTED (commit_lag).
         log_level: DEBUG, INFO, WARNING or ERROR.
     """
 
@@ -102,6 +104,7 @@ class Settings:
     cluster_secret_file: str = ""
     replication_listen: str = "0.0.0.0:9401"
     replicas: int = 2
+    unprotected_lag_steps: int = 100
     log_level: str = "INFO"
 
     # -- derived --------------------------------------------------------------------------
@@ -270,6 +273,8 @@ def _validate(s: Settings, sources: Mapping[str, str]) -> None:
         raise bad("replication_listen", str(exc)) from None
     if not 1 <= s.replicas <= 8:
         raise bad("replicas", f"{s.replicas}: use 1 to 8 copies (2 is the usual)")
+    if not 1 <= s.unprotected_lag_steps <= 10_000_000:
+        raise bad("unprotected_lag_steps", f"{s.unprotected_lag_steps}: use 1 to 10000000 steps")
     if s.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise bad("log_level", f"{s.log_level!r}: use DEBUG, INFO, WARNING or ERROR")
 

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 import elasticd
+from elasticd.checkpoint.protection import REASONS as UNPROTECTED_REASONS
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,8 @@ class CheckpointSink:
         self.m.snapshot_bytes.set(stats["snapshot_bytes"])
         self.m.snapshot_step.set(stats["snapshot_step"])
         self.m.local_slot_bytes.set(stats["replica_bytes_held"])  # the local store's slots
-        self.m.jobs_unprotected.set(stats["unprotected_jobs"])
+        for reason, count in stats["unprotected_jobs"].items():
+            self.m.jobs_unprotected.labels(reason).set(count)
         self.m.persisted_step.set(stats["persisted_step"])
 
 
@@ -135,6 +137,10 @@ class Metrics:
             "From a worker group (re)start to its first progress report (rendezvous, process "
             "group set-up and the first step)", buckets=(0.5, 1, 2, 3, 4, 5, 7.5, 10, 15, 20,
                                                          30, 60, 120, 300), registry=r)
+        self.crash_loops = Counter(
+            "elasticd_crash_loops_total",
+            "Jobs this node stopped as failed: worker groups restarted crash_loop_restarts "
+            "times in a row without a new committed step", registry=r)
         self.hangs = Counter(
             "elasticd_hangs_detected_total", "Worker groups restarted for making no progress",
             registry=r)
@@ -160,8 +166,11 @@ class Metrics:
         for reason in ("over_budget", "busy", "commit_pending"):
             self.snapshots_skipped.labels(reason)
         self.jobs_unprotected = Gauge(
-            "elasticd_jobs_unprotected", "Jobs whose last snapshot was skipped over budget",
-            registry=r)
+            "elasticd_jobs_unprotected",
+            "Jobs a node failure now would set back further than it should, by reason "
+            "(snapshots_failing, no_placement, commit_lag)", ["reason"], registry=r)
+        for reason in UNPROTECTED_REASONS:
+            self.jobs_unprotected.labels(reason)
         self.snapshots_refused = Counter(
             "elasticd_snapshots_refused_total",
             "Corrupt or truncated snapshots refused at restore, by source", ["source"],

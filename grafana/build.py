@@ -71,6 +71,10 @@ OVERVIEW = [
               recovery=True),
         panel("Hangs detected", [(f"sum(increase(elasticd_hangs_detected_total{R}))", "hangs")],
               "stat"),
+        panel("Jobs failed in a crash loop", [
+            (f"sum(increase(elasticd_crash_loops_total{R}))", "jobs")], "stat",
+              description="Worker groups restarted crash_loop_restarts times in a row with no "
+              "new committed step: the job was stopped as failed (alerted)."),
         panel("Fencings", [(f"sum(increase(elasticd_fenced_total{R}))", "fenced")], "stat"),
         panel("Restores by source", [
             (f"sum by (source) (increase(elasticd_restores_total{R}))", "{{source}}")],
@@ -99,6 +103,10 @@ OVERVIEW = [
               "would lose."),
         panel("Ranks with fewer than m copies", [("max(elasticd_shards_unprotected)", "ranks")],
               "stat"),
+        panel("Jobs UNPROTECTED by reason", [
+            ("max by (reason) (elasticd_jobs_unprotected)", "{{reason}}")],
+              description="snapshots_failing, no_placement, commit_lag: a node failure now "
+              "would set the job back further than it should (alerted after 1 min)."),
         panel("Replication throughput", [
             (f"sum(rate(elasticd_replication_bytes_total{Q}))", "pushed"),
             (f"sum(rate(elasticd_replica_bytes_received_total{Q}))", "received")], unit="Bps"),

@@ -10,7 +10,14 @@ disappears with it), and acts:
 * restart the workers at once when a peer that runs the job fails (proactive abort: a machine
   that loses power sends no TCP reset, and gloo would wait minutes), or when the job hangs;
 * stop everything (agent and every tagged process) when the job is stopped, when the node fences
-  itself, and when the daemon shuts down.
+  itself, and when the daemon shuts down;
+* stop the job as ``failed`` on every node when its worker groups crash-loop: restarts in a row
+  (torchrun's and the daemon's) with no new committed step (:mod:`elasticd.agent.crashloop`):
+  the node that sees it writes ``desired: failed`` and the reason into the job's control.
+
+Workers report progress (``progress`` messages, and a Checkpointer's ``register`` and slot
+requests, forwarded by the checkpoint service) to :meth:`JobManager.on_progress`: the ranks it
+learns are what replica placement is computed from (:meth:`JobManager.round_ranks`).
 
 Stopping takes up to ``stop_grace`` seconds, so it runs in a thread of its own: the main loop
 keeps cycling (and keeps the watchdog fed) meanwhile.
@@ -25,6 +32,7 @@ import queue
 import threading
 from typing import Any, Callable, Sequence
 
+from elasticd.agent import crashloop
 from elasticd.agent.progress import ProgressTracker, progress_handler
 from elasticd.agent.spec import JobControl, JobSpec, NodeJobStatus
 from elasticd.agent.supervisor import AgentSupervisor
@@ -104,6 +112,19 @@ class JobManager:
         self.notes: list[str] = []
         self.hold = ""  # why this node runs no job for now (a drain), or ""
         self._group_restart: int | None = None  # the workers' TORCHELASTIC_RESTART_COUNT
+        #: The job's newest committed (generation, step) (the daemon's replication view);
+        #: None without replication: the newest step reported is used then.
+        self.committed: Callable[[str], tuple[int, int] | None] = lambda job: None
+        #: Records a cluster event (kind, detail, data): set by the daemon.
+        self.record_event: Callable[[str, str, dict[str, Any]], None] = lambda *a: None
+        self._loop = crashloop.LoopState()
+        self._loop_job: str | None = None
+        self._attempt = 0  # the agent's worker group attempt (torchrun's restart count)
+        self._runs_known: set[str] = set()  # torchrun run directories of earlier agents
+        self._log_mark = 0  # agent log size at the last restart seen
+        self._restart_cause = ""  # why the daemon itself restarted the workers, if it did
+        self._best_step = -1  # the newest step reported for the job (fallback watermark)
+        self._attempt_at = 0.0  # when the current worker group attempt started (monotonic)
 
     # -- etcd view ------------------------------------------------------------------------
 
@@ -248,9 +269,14 @@ class JobManager:
             self._stopping = None
         self._finish_if_done_elsewhere()
         wanted = self.wanted()
+        self._fail_if_failed()
         if self.job is not None and self.job != wanted:
+            control = self.controls.get(self.job)
             if self.hold:
                 self._stop_async(f"node {self.hold}", "drained")
+            elif control is not None and control.desired == "failed":
+                self._finished.add(self.job)
+                self._stop_async(control.reason or f"job {self.job} failed", "failed")
             else:
                 self._stop_async(f"job {self.job} is no longer wanted here", "stopped")
         elif wanted is not None and self.job is None:
@@ -276,6 +302,22 @@ class JobManager:
         self.notes.append(f"job {job} succeeded on {', '.join(done)}; not restarting it here")
         self._job_ended(job)
 
+    def _fail_if_failed(self) -> None:
+        """A job this node was about to restart (its agent died) was failed meanwhile (a crash
+        loop seen here or elsewhere): record it as failed here too."""
+        job = self._status_job
+        if self.job is not None or job is None or job in self._finished:
+            return
+        control = self.controls.get(job)
+        if control is None or control.desired != "failed" or self.status.state != "restarting":
+            return
+        self._finished.add(job)
+        self.status = NodeJobStatus(self.node_id, "failed", control.reason,
+                                    agent_starts=self.status.agent_starts, log=self.status.log,
+                                    at=self.clock.wall())
+        self.notes.append(f"job {job} failed: {control.reason}")
+        self._job_ended(job)
+
     def _job_ended(self, job: str) -> None:
         """Runs the job-end hooks (shared memory and replicas of the job are freed)."""
         for hook in self.on_job_end:
@@ -298,6 +340,10 @@ class JobManager:
             self._publish(job)
             return
         log_dir = os.path.join(self.state_dir, "jobs", job)
+        if self._loop_job != job:
+            self._loop, self._loop_job, self._best_step = crashloop.LoopState(), job, -1
+        self._runs_known = crashloop.runs(os.path.join(log_dir, "torchrun"))
+        self._attempt = 0
         self.supervisor = AgentSupervisor(
             spec, self.node_id, tag=f"{self.keys.prefix}:{self.node_id}:{job}", etcd=self.etcd,
             prefix=self.keys.prefix, log_dir=log_dir, extra_env=self._extra_env(),
@@ -305,6 +351,8 @@ class JobManager:
         self.job = self._status_job = job
         self._new_generation()
         pid = self.supervisor.start()
+        self._log_mark = self._log_size()
+        self._attempt_at = self.clock.monotonic()
         self.status = NodeJobStatus(self.node_id, "running", "agent started", agent_pid=pid,
                                     agent_starts=1, log=self.supervisor.log_path,
                                     at=self.clock.wall())
@@ -329,7 +377,7 @@ class JobManager:
         with self._lock:
             if self.job is None or msg.get("job", self.job) != self.job:
                 return
-            if self._report is not None:
+            if self._report is not None and "step" in msg:  # a register may carry no step
                 self._report(msg)
             world = msg.get("world_size")
             if isinstance(world, int) and world > 0:
@@ -351,6 +399,8 @@ class JobManager:
             step = msg.get("step")
             if isinstance(step, int) and step != self.status.last_step:
                 self.status = dataclasses.replace(self.status, last_step=step)
+            if isinstance(step, int):
+                self._best_step = max(self._best_step, step)
             if self._restarted_at is not None:
                 self.metrics.rendezvous_seconds.observe(
                     self.clock.monotonic() - self._restarted_at)
@@ -383,6 +433,14 @@ class JobManager:
         assert sup is not None and self.job is not None
         code = sup.poll()
         if code is None:
+            attempt = crashloop.attempts(os.path.join(sup.log_dir, "torchrun"), self._runs_known)
+            if attempt > self._attempt:
+                # torchrun restarted the worker group (its restart count went up).
+                for _ in range(attempt - self._attempt):
+                    self._restart_seen()
+                self._attempt = attempt
+                if self._crash_looping():
+                    return
             hang = self.tracker.check(self.job) if self.tracker is not None else None
             if hang is not None:
                 self.on_hang(str(hang))
@@ -401,6 +459,9 @@ class JobManager:
             return
         self._failures += 1
         self.metrics.worker_restarts.labels("agent_died").inc()
+        self._restart_seen(f"agent exited with {code}")
+        if self._crash_looping():
+            return
         if self._failures > self.agent_restarts:
             self.notes.append(f"job {self.job}: agent failed {self._failures} times; giving up")
             self._finished.add(self.job)
@@ -417,6 +478,56 @@ class JobManager:
                                     agent_starts=sup.starts, log=sup.log_path,
                                     at=self.clock.wall())
         self._publish(job)
+
+    # -- crash loops ----------------------------------------------------------------------
+
+    def _log_size(self) -> int:
+        try:
+            return os.path.getsize(self.supervisor.log_path) if self.supervisor else 0
+        except OSError:
+            return 0
+
+    def _restart_seen(self, fallback: str = "") -> None:
+        """A worker group restart (torchrun's, or the daemon's of a dead agent): counts it."""
+        sup, job = self.supervisor, self.job
+        if sup is None or job is None:
+            return
+        size = self._log_size()
+        text = crashloop.read_tail(sup.log_path, max(0, min(65536, size - self._log_mark)))
+        self._log_mark = size
+        failure = (self._restart_cause or crashloop.failure_summary(text) or fallback
+                   or "a worker exited without a Python traceback (see elasticctl logs)")
+        self._restart_cause = ""
+        committed = self.committed(job)
+        if committed is None and self._best_step >= 0:
+            committed = (0, self._best_step)
+        now = self.clock.monotonic()
+        self._loop = crashloop.after_restart(self._loop, committed, failure,
+                                             now - self._attempt_at)
+        self._attempt_at = now
+
+    def _crash_looping(self) -> bool:
+        """Fails the job everywhere when it crash-loops; returns True if it did."""
+        job = self.job
+        if job is None or job not in self.specs:
+            return False
+        reason = crashloop.verdict(self._loop, self.specs[job][1].crash_loop_restarts)
+        if reason is None:
+            return False
+        log.error("job %s: %s; stopping it on every node", job, reason)
+        self.metrics.crash_loops.inc()
+        self.notes.append(f"job {job} failed: {reason}")
+        try:
+            self.coord.put(self.keys.job_control(job),
+                           JobControl("failed", self.clock.wall(), self.node_id,
+                                      reason).encode())
+        except CoordinationError as exc:
+            log.warning("could not mark job %s failed in etcd: %s", job, exc)
+        self.record_event("job_failed", f"{job}: {reason}",
+                          {"job": job, "reason": reason, "restarts": self._loop.restarts})
+        self._finished.add(job)
+        self._stop_async(reason, "failed")
+        return True
 
     # -- actions from the daemon ----------------------------------------------------------
 
@@ -435,6 +546,7 @@ class JobManager:
         if self.supervisor is None:
             return
         n = self.supervisor.restart_workers(f"hang: {reason}")
+        self._restart_cause = f"hang: {reason}"
         self._new_generation()
         self.metrics.worker_restarts.labels("hang").inc()
         self.metrics.hangs.inc()
@@ -506,6 +618,13 @@ class JobManager:
             return
         self.coord.put(self.keys.job_node(job, self.node_id), self.status.encode(), lease)
         self._published = self.status
+
+    def set_unprotected(self, text: str) -> None:
+        """What the checkpoint service says of the job's protection ("" while protected),
+        published with the node's job status (``elasticctl jobs``)."""
+        with self._lock:
+            if text != self.status.unprotected:
+                self.status = dataclasses.replace(self.status, unprotected=text)
 
     def describe(self) -> dict[str, Any]:
         return {"job": self.job, **self.status.as_dict(), "progress": self.progress_status()}

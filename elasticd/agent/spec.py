@@ -67,6 +67,8 @@ class JobSpec:
         python: interpreter that runs torchrun and the script (it must have torch).
         hang_timeout: seconds without progress before the worker group is restarted (0: off).
         created_at: wall time of submission.
+        crash_loop_restarts: worker group restarts in a row without a new committed step
+            after which the job is stopped as failed (0: never; :mod:`elasticd.agent.crashloop`).
     """
 
     name: str
@@ -83,6 +85,7 @@ class JobSpec:
     max_restarts: int = 100
     hang_timeout: float = 300.0
     created_at: float = 0.0
+    crash_loop_restarts: int = 5
 
     def validate(self, check_files: bool = True) -> "JobSpec":
         """Raises :class:`JobSpecError` on the first bad field."""
@@ -96,6 +99,9 @@ class JobSpec:
             raise JobSpecError(f"--nproc-per-node {self.nproc_per_node}: use 1 to 1024")
         if not 0 <= self.max_restarts <= 100_000:
             raise JobSpecError(f"--max-restarts {self.max_restarts}: use 0 to 100000")
+        if not 0 <= self.crash_loop_restarts <= 100_000:
+            raise JobSpecError(f"--crash-loop-restarts {self.crash_loop_restarts}: use 0 (off) "
+                               "to 100000")
         if self.hang_timeout < 0:
             raise JobSpecError(f"--hang-timeout {self.hang_timeout}: must be >= 0 (0 turns it off)")
         if not os.path.isabs(self.script):
@@ -147,7 +153,7 @@ class JobSpec:
 def build(name: str, nnodes: str, nproc_per_node: int, script: str, args: list[str],
           user: str | None = None, cwd: str | None = None, env: list[str] | None = None,
           python: str | None = None, max_restarts: int = 100,
-          hang_timeout: float = 300.0) -> JobSpec:
+          hang_timeout: float = 300.0, crash_loop_restarts: int = 5) -> JobSpec:
     """Builds and validates a spec from ``elasticctl submit`` arguments."""
     lo, hi = parse_nnodes(nnodes)
     script_abs = os.path.abspath(script)
@@ -170,17 +176,20 @@ def build(name: str, nnodes: str, nproc_per_node: int, script: str, args: list[s
         script=script_abs, args=list(args), script_sha256=sha256_file(script_abs), user=user,
         cwd=os.path.abspath(cwd or os.getcwd()), env=envd, python=python or sys.executable,
         max_restarts=max_restarts, hang_timeout=hang_timeout, created_at=time.time(),
+        crash_loop_restarts=crash_loop_restarts,
     )
     return spec.validate()
 
 
 @dataclasses.dataclass(frozen=True)
 class JobControl:
-    """The desired state of a job, written by ``elasticctl``: ``running`` or ``stopped``."""
+    """The desired state of a job: ``running`` or ``stopped`` (written by ``elasticctl``), or
+    ``failed`` (written by a daemon that found the job crash-looping; ``reason`` says why)."""
 
     desired: str
     at: float
     by: str = ""
+    reason: str = ""
 
     KIND = "job_control"
 
@@ -211,6 +220,7 @@ class NodeJobStatus:
     log: str = ""
     at: float = 0.0
     ranks: list[int] = dataclasses.field(default_factory=list)  # this node's global ranks
+    unprotected: str = ""  # "UNPROTECTED: <why>" while a node failure would lose too much
 
     KIND = "node_job_status"
 

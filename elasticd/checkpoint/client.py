@@ -19,6 +19,13 @@ background thread while the next forward and backward run; a step pre-hook on ev
 in the state waits for that copy before the optimizer mutates anything. The same thread then
 writes the header and asks the daemon to seal the snapshot (checksums are computed there).
 
+The Checkpointer makes the job protected by itself: it tells the daemon its job, rank, local
+rank, world size and torchrun's restart count when it starts and after every restore
+(``register``), and every ``save`` counts as a progress report (the daemon reads it from the
+slot request), so placement, replication and hang detection need nothing else from the script.
+While the daemon says the job is unprotected (no placement, the commit lagging, snapshots
+failing; in its replies), a warning is logged at most once a minute.
+
 Nothing here ever raises into the training loop because of the daemon: a refused, skipped or
 failed snapshot is logged (once per kind) and counted. Without a daemon (``ELASTICD_SOCKET``
 unset) ``save`` does nothing and ``restore`` returns 0, after one warning — unless
@@ -47,6 +54,7 @@ log = logging.getLogger("elasticd.checkpoint")
 
 __all__ = ["Checkpointer", "RestoreResult"]
 RestoreResult = _restore.RestoreResult
+_UNPROTECTED_EVERY = 60.0  # seconds between two warnings that the job is still unprotected
 
 
 def _json(value: Any) -> str:
@@ -131,6 +139,9 @@ class Checkpointer:
         self._hooks: dict[int, Any] = {}
         self._warned: set[str] = set()
         self._hook_stall = 0.0
+        self._unprotected = ""  # what the daemon last said, "" while protected
+        self._unprotected_warned_at: float | None = None
+        self._register()
 
     # -- restore --------------------------------------------------------------------------
 
@@ -161,7 +172,39 @@ class Checkpointer:
                    seconds=result.seconds, steps_lost=result.steps_lost, bytes=result.nbytes,
                    generation=result.generation, step=result.step, refused=result.refused,
                    next_generation=result.next_generation)
+        self._register(result.step)
         return result.step
+
+    def _register(self, step: int | None = None) -> None:
+        """Tells the daemon who this worker is (it places replicas by the group's ranks)."""
+        if self.transport is None:
+            return
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+        local_rank = os.environ.get("LOCAL_RANK", "")
+        fields: dict[str, Any] = {"job": self.job, "rank": self.rank,
+                                  "world_size": self.world_size}
+        if restart.isdigit():
+            fields["restart"] = int(restart)
+        if local_rank.isdigit():
+            fields["local_rank"] = int(local_rank)
+        if step is not None:
+            fields["step"] = step
+        self._heard(self._call("register", **fields))
+
+    def _heard(self, reply: dict[str, Any] | None) -> None:
+        """Warns (at most once a minute) while the daemon says the job is unprotected."""
+        if reply is None:
+            return
+        said = reply.get("unprotected") or ""
+        now = time.monotonic()
+        if said and (said != self._unprotected or self._unprotected_warned_at is None
+                     or now - self._unprotected_warned_at >= _UNPROTECTED_EVERY):
+            log.warning("elasticd: job %s rank %d: %s", self.job, self.rank, said)
+            self._unprotected_warned_at = now
+        elif not said and self._unprotected:
+            log.warning("elasticd: job %s rank %d is protected again", self.job, self.rank)
+            self._unprotected_warned_at = None
+        self._unprotected = said
 
     # -- save -----------------------------------------------------------------------------
 
@@ -254,10 +297,12 @@ class Checkpointer:
     # -- internals ------------------------------------------------------------------------
 
     def _reserve(self, nbytes: int, step: int) -> dict[str, Any] | None:
-        return self._call("ckpt_reserve", job=self.job, rank=self.rank,
-                          world_size=self.world_size, nbytes=nbytes,
-                          local_world_size=self.local_world_size, step=step,
-                          generation=self.generation)
+        reply = self._call("ckpt_reserve", job=self.job, rank=self.rank,
+                           world_size=self.world_size, nbytes=nbytes,
+                           local_world_size=self.local_world_size, step=step,
+                           generation=self.generation)
+        self._heard(reply)
+        return reply
 
     def _seal(self, copy: Any, buf: Any, plan: _Plan, step: int, meta: dict, ticket: int,
               stall: float, copied_from: float) -> None:

@@ -28,6 +28,9 @@ Ops (request fields → reply fields; errors are :class:`RequestError` replies):
   [next_generation] → {}
 * ``ckpt_committed`` job → generation, step, ranks | committed: null (no replicator, nothing
   committed yet, or etcd unreadable)
+* ``register`` job, rank, world_size, [local_rank], [restart], [step] → node, unprotected
+  (a worker's Checkpointer says who it is, when it starts and after each restore: the daemon
+  learns the group's ranks from it, for placement, as from a progress report)
 * ``ckpt_fetch`` job, rank, generation, step → path, offset, size, pin (as ``ckpt_open``),
   source "local" | "peer", wire_bytes, holder | lost: true, reason. Makes a shard (possibly of
   another node's rank, after that node died) available in this node's store, fetching it from
@@ -36,6 +39,12 @@ Ops (request fields → reply fields; errors are :class:`RequestError` replies):
 With a :class:`~elasticd.replication.replicator.Replicator`, every completed snapshot is
 handed to it (``on_local_snapshot``) for replication to peers, and a restore that opens a new
 generation (``ckpt_report`` with ``next_generation``) tells it (``start_generation``).
+
+A ``ckpt_reserve`` with a step, and a ``register``, count as the worker's progress report: they
+go to :attr:`CheckpointService.on_progress` (hang detection, the group's ranks), so a script
+that checkpoints needs no :func:`elasticd.worker.progress` call. Each job's protection is
+assessed every daemon cycle (:mod:`elasticd.checkpoint.protection`); ``ckpt_reserve`` and
+``register`` replies carry ``unprotected`` (the reason) while it lasts, so workers warn too.
 """
 
 from __future__ import annotations
@@ -58,6 +67,7 @@ from elasticd.checkpoint.api import (
     StaleSlot,
 )
 from elasticd.checkpoint.format import PREAMBLE_SIZE, SnapshotError
+from elasticd.checkpoint.protection import REASONS, JobView, Unprotected, assess
 from elasticd.checkpoint.reader import _header_from_json
 from elasticd.checkpoint.shm import SlotStore
 from elasticd.clock import Clock, SystemClock
@@ -76,8 +86,10 @@ class _Job:
     ranks: set[int] = dataclasses.field(default_factory=set)
     slots: dict[int, Slot] = dataclasses.field(default_factory=dict)
     nbytes: dict[int, int] = dataclasses.field(default_factory=dict)
-    unprotected: dict[int, str] = dataclasses.field(default_factory=dict)
+    failing: dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> last failure
     warned: bool = False
+    first_snapshot_at: float | None = None  # monotonic
+    protection: Unprotected | None = None
     progress: tuple[int, int] | None = None
     offered: tuple[int, int] = (-1, -1)
     refused: set[tuple[int, int, int]] = dataclasses.field(default_factory=set)
@@ -115,13 +127,22 @@ class CheckpointService:
         replicator: the node's :class:`~elasticd.replication.replicator.Replicator`, or None
             (no peer replication: ``ckpt_committed`` says nothing is committed and
             ``ckpt_fetch`` finds only what this node holds).
+        lag_limit: steps the committed step may lag the newest snapshot before the job counts
+            as unprotected.
+        grace: seconds after a job's first snapshot here before a missing placement or
+            commit counts as unprotected.
     """
 
     def __init__(self, store: SlotStore, node_id: str, persist: Persister | None = None,
                  metrics_sink: Any = None, clock: Clock | None = None,
-                 pin_ttl: float = 600.0, replicator: Any = None) -> None:
+                 pin_ttl: float = 600.0, replicator: Any = None, lag_limit: int = 100,
+                 grace: float = 10.0) -> None:
         self.store, self.node_id, self.persist = store, node_id, persist
         self.replicator = replicator
+        self.lag_limit, self.grace = lag_limit, grace
+        #: Called with each progress-like message (``register``, ``ckpt_reserve`` with a
+        #: step): job, rank, world_size, [step], [restart], [local_rank], _peer.
+        self.on_progress: list[Callable[[dict[str, Any]], None]] = []
         self.sink, self.clock, self.pin_ttl = metrics_sink, clock or SystemClock(), pin_ttl
         self._lock = threading.Lock()
         # One fetch per shard at a time: after a grow two local ranks may ask for the same old
@@ -149,7 +170,8 @@ class CheckpointService:
         return {"ckpt_reserve": self._reserve, "ckpt_complete": self._complete,
                 "ckpt_list": self._list, "ckpt_open": self._open,
                 "ckpt_release": self._release, "ckpt_report": self._report,
-                "ckpt_committed": self._committed, "ckpt_fetch": self._fetch}
+                "ckpt_committed": self._committed, "ckpt_fetch": self._fetch,
+                "register": self._register}
 
     def _job(self, job: str) -> _Job:
         record = self._jobs.get(job)
@@ -175,6 +197,9 @@ class CheckpointService:
             raise RequestError(f"rank {rank} outside world size {world}")
         uid = msg.get("_peer", {}).get("uid", msg.get("uid"))
         step, gen = _get(msg, "step", int, None), _get(msg, "generation", int, None)
+        if step is not None:
+            self._progress({"job": job, "rank": rank, "world_size": world, "step": step,
+                            "_peer": msg.get("_peer")})
         self._sweep_pins()
         with self._lock:
             if step is not None and gen is not None:
@@ -187,11 +212,34 @@ class CheckpointService:
                 return {"skip": True, "reason": f"paused: {self._paused}"}
             self._reserving += 1
         try:
-            return self._reserve_slot(job, rank, world, nbytes, local_world, uid,
-                                      None if step is None or gen is None else (gen, step))
+            reply = self._reserve_slot(job, rank, world, nbytes, local_world, uid,
+                                       None if step is None or gen is None else (gen, step))
         finally:
             with self._lock:
                 self._reserving -= 1
+        warning = self.unprotected(job)
+        return {**reply, "unprotected": warning} if warning else reply
+
+    def _progress(self, msg: dict[str, Any]) -> None:
+        for hook in self.on_progress:
+            try:
+                hook(msg)
+            except Exception:  # noqa: BLE001 — a snapshot must not fail over a progress hook
+                log.exception("progress hook failed")
+
+    def _register(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """A worker's Checkpointer says who it is (at its start and after each restore)."""
+        job, rank = _get(msg, "job", str), _get(msg, "rank", int)
+        world = _get(msg, "world_size", int)
+        if rank >= world:
+            raise RequestError(f"rank {rank} outside world size {world}")
+        report = {"job": job, "rank": rank, "world_size": world, "_peer": msg.get("_peer")}
+        for key in ("local_rank", "restart", "step"):
+            value = _get(msg, key, int, None)
+            if value is not None:
+                report[key] = value
+        self._progress(report)
+        return {"node": self.node_id, "unprotected": self.unprotected(job) or None}
 
     def _reserve_slot(self, job: str, rank: int, world: int, nbytes: int,
                       local_world: int | None, uid: Any,
@@ -217,7 +265,8 @@ class CheckpointService:
         self._grant(slot.path, record.uid)
         with self._lock:
             record.slots[rank] = slot
-            record.unprotected.pop(rank, None)
+            if record.failing.get(rank, "").startswith("over the memory cap"):
+                record.failing.pop(rank, None)
         return {"path": slot.path, "capacity": slot.capacity, "ticket": slot.ticket}
 
     def quiesce(self, timeout: float, why: str = "the node is draining") -> bool:
@@ -247,17 +296,18 @@ class CheckpointService:
             record = self._job(job)
             self.counters[f"skipped_{reason}"] += 1
             if reason == "over_budget":
-                record.unprotected[rank] = detail
+                record.failing[rank] = f"over the memory cap ({detail})"
                 warn, record.warned = not record.warned, True
             else:
                 warn = False
         if warn:
-            log.warning("job %s is UNPROTECTED on node %s: snapshot of rank %d skipped, over "
-                        "the memory cap (%s); training continues without in-RAM checkpoints "
-                        "(further skips of this job are counted, not logged)", job,
-                        self.node_id, rank, detail)
+            log.warning("job %s on node %s: snapshot of rank %d skipped, over the memory cap "
+                        "(%s); training continues without in-RAM checkpoints (further skips "
+                        "of this job are counted, not logged)", job, self.node_id, rank, detail)
         else:
             log.debug("%s rank %d: snapshot skipped (%s): %s", job, rank, reason, detail)
+        if reason == "over_budget":
+            self.assess()  # failing snapshots count at once, not at the next daemon cycle
         self._emit("snapshot_skipped", job, reason)
         return {"skip": True, "reason": f"{reason}: {detail}"}
 
@@ -291,10 +341,15 @@ class CheckpointService:
                                    f"reservation {record.world_size}")
             sealed = self.store.complete(slot, dataclasses.replace(header, blocks=()))
         except (ValueError, SnapshotError, StaleSlot) as exc:  # JSONDecodeError is a ValueError
+            with self._lock:
+                record.failing[rank] = f"rank {rank}'s snapshot refused: {str(exc)[:200]}"
             raise RequestError(f"snapshot refused: {exc}") from exc
         version, nbytes = sealed.version(), sealed.layout.total_size
         with self._lock:
             record.slots.pop(rank, None)
+            record.failing.pop(rank, None)
+            if record.first_snapshot_at is None:
+                record.first_snapshot_at = self.clock.monotonic()
             record.nbytes[rank] = nbytes
             record.progress = max(record.progress or version, version)
             self.counters["snapshots"] += 1
@@ -538,9 +593,51 @@ class CheckpointService:
         self.store.remove_job(job)
         self._granted = {p for p in self._granted if os.path.exists(p)}
 
+    def unprotected(self, job: str | None) -> str:
+        """``UNPROTECTED: <detail>`` while ``job`` is unprotected on this node, else ""."""
+        with self._lock:
+            record = self._jobs.get(job) if job is not None else None
+            verdict = None if record is None else record.protection
+        return str(verdict) if verdict is not None else ""
+
+    def assess(self) -> None:
+        """Re-assesses every job's protection (once per daemon cycle); logs each change."""
+        try:
+            replication = self.replicator.status()["jobs"] if self.replicator else {}
+        except Exception:  # noqa: BLE001 — status must not fail over replication
+            log.exception("cannot read the replication status")
+            replication = {}
+        now = self.clock.monotonic()
+        changes = []
+        with self._lock:
+            for job, record in self._jobs.items():
+                rep = replication.get(job) or {}
+                committed = rep.get("committed")
+                view = JobView(
+                    failing=next(iter(record.failing.values()), ""), newest=record.progress,
+                    replicated=self.replicator is not None,
+                    placement=bool(rep.get("placement")),
+                    committed=tuple(committed) if committed else None,
+                    lag=int(rep.get("sync_lag") or 0),
+                    seconds=0.0 if record.first_snapshot_at is None
+                    else now - record.first_snapshot_at)
+                verdict = assess(view, self.lag_limit, self.grace)
+                old = record.protection
+                if (verdict and verdict.reason) != (old and old.reason):
+                    changes.append((job, old, verdict))  # logged once per change of reason
+                record.protection = verdict
+        for job, old, new in changes:
+            if new is not None:
+                log.warning("job %s is %s (node %s)", job, new, self.node_id)
+            else:
+                log.warning("job %s is protected again on node %s (was: %s)", job,
+                            self.node_id, old.detail if old else "")
+
     def status(self) -> dict[str, Any]:
-        """Per job: each rank's latest (generation, step) held, bytes held, unprotected flag
-        and reason, newest persisted step, progress and the last restore."""
+        """Per job: each rank's latest (generation, step) held, bytes held, unprotected flag,
+        reason (a metrics label) and detail, newest persisted step, progress and the last
+        restore (protection re-assessed first)."""
+        self.assess()
         out: dict[str, Any] = {}
         holdings = self.store.holdings()
         with self._lock:
@@ -550,8 +647,9 @@ class CheckpointService:
                 out[job] = {
                     "ranks": ranks,
                     "bytes": sum(record.nbytes.get(int(r), 0) for r in ranks),
-                    "unprotected": bool(record.unprotected),
-                    "unprotected_reason": next(iter(record.unprotected.values()), ""),
+                    "unprotected": record.protection is not None,
+                    "unprotected_reason": record.protection.detail if record.protection else "",
+                    "unprotected_kind": record.protection.reason if record.protection else "",
                     "persisted": persisted and list(persisted),
                     "progress": record.progress and list(record.progress),
                     "last_restore": record.last_restore,
@@ -575,7 +673,9 @@ class CheckpointService:
             "skipped_busy_total": counters.get("skipped_busy", 0),
             "skipped_commit_pending_total": counters.get("skipped_commit_pending", 0),
             "refused_total": counters.get("refused", 0),
-            "unprotected_jobs": sum(job["unprotected"] for job in status.values()),
+            "unprotected_jobs": {reason: sum(job["unprotected_kind"] == reason
+                                             for job in status.values())
+                                 for reason in REASONS},
             "restores_total": {s: counters.get(f"restores_{s}", 0) for s in RESTORE_SOURCES},
             "persisted_step": max((j["persisted"][1] for j in status.values()
                                    if j["persisted"]), default=-1),

@@ -33,8 +33,9 @@ RECOMMENDED: dict[str, tuple[str, str, str]] = {
         "counter", "Snapshots skipped, by reason (over_budget: the memory cap; busy: slot "
         "pinned by a reader; commit_pending: both slots hold copies awaiting or holding the "
         "commit)", "sink.snapshot_skipped(reason)"),
-    "elasticd_jobs_unprotected": ("gauge", "Jobs whose last snapshot was skipped over budget",
-                                  "stats()['unprotected_jobs']"),
+    "elasticd_jobs_unprotected": (
+        "gauge", "Jobs a node failure now would set back further than it should, by reason "
+        "(snapshots_failing, no_placement, commit_lag)", "stats()['unprotected_jobs'][reason]"),
     "elasticd_snapshots_refused_total": (
         "counter", "Corrupt or truncated snapshots refused at restore, by source",
         "sink.snapshot_refused(source)"),

@@ -22,7 +22,8 @@ from elasticd.coordination.keys import Keyspace
 
 JOB_TABLE = Table([("JOB", "job"), ("WANTED", "desired"), ("NODES", "nnodes"),
                    ("PROCS", "nproc_per_node"), ("RUNNING ON", "running_on"),
-                   ("SCRIPT", "script")])
+                   ("SCRIPT", "script"), ("PROTECTION / REASON", "protection")],
+                  max_width=160)
 LOG_TABLE = Table([("NODE", "node"), ("STATE", "state"), ("HOST", "hostname"), ("LOG", "log")],
                   max_width=120)
 
@@ -44,6 +45,9 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     s.add_argument("--python", help="interpreter with torch (default: this one)")
     s.add_argument("--hang-timeout", type=options.finite("seconds"), default=300.0,
                    help="seconds without progress before workers restart (0: off)")
+    s.add_argument("--crash-loop-restarts", type=int, default=5, metavar="N",
+                   help="stop the job as failed after N worker group restarts in a row with "
+                        "no new committed step (0: never)")
     s.add_argument("script", help="training script, after --")
     s.add_argument("args", nargs=argparse.REMAINDER)
     sub.add_parser("jobs", parents=[common], help="jobs and where they run",
@@ -82,7 +86,8 @@ def cmd_submit(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> 
         args_list = args_list[1:]
     spec = jobspec.build(args.name, args.nnodes, args.nproc_per_node, args.script, args_list,
                          user=args.user, cwd=args.cwd, env=args.env, python=args.python,
-                         max_restarts=args.max_restarts, hang_timeout=args.hang_timeout)
+                         max_restarts=args.max_restarts, hang_timeout=args.hang_timeout,
+                         crash_loop_restarts=args.crash_loop_restarts)
     control = JobControl("running", time.time(), "elasticctl")
     ok, _ = coord.transaction(
         [Compare(keys.job_spec(spec.name), 0)],
@@ -112,14 +117,26 @@ def _jobs(coord: Coordinator, keys: Keyspace) -> list[dict[str, Any]]:
     for name, spec in sorted(specs.items(), key=lambda kv: kv[1].created_at):
         nodes = {st.node: st.as_dict() for st in _node_statuses(coord, keys, name)}
         running = sorted(n for n, st in nodes.items() if st["state"] == "running")
+        control = controls.get(name)
         out.append({
-            "job": name, "desired": controls[name].desired if name in controls else "running",
+            "job": name, "desired": control.desired if control else "running",
+            "reason": control.reason if control else "",
+            "protection": _protection(nodes, control),
             "nnodes": spec.torchrun_nnodes(), "nproc_per_node": spec.nproc_per_node,
             "script": spec.script, "args": spec.args, "user": spec.user,
             "submitted_at": spec.created_at, "running_on": ",".join(running) or "-",
             "nodes": nodes,
         })
     return out
+
+
+def _protection(nodes: dict[str, dict[str, Any]], control: JobControl | None) -> str:
+    """One cell: why the job failed, the nodes where it is unprotected and why, or "ok"."""
+    if control is not None and control.desired == "failed":
+        return control.reason or "failed"
+    bad = [f"{n}: {st['unprotected'].removeprefix('UNPROTECTED: ')}"
+           for n, st in sorted(nodes.items()) if st.get("unprotected")]
+    return "UNPROTECTED: " + "; ".join(bad) if bad else "ok"
 
 
 def cmd_jobs(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> Any:

@@ -212,7 +212,8 @@ def cmd_checkpoints(args: argparse.Namespace, coord: Coordinator, keys: Keyspace
             persisted = p
         nodes.append({"node": node, "reachable": True, "snapshot_bytes": ck.get("bytes"),
                       "replica_bytes": rep.get("replica_bytes_held"), "persisted": p,
-                      "latest_local": ck.get("progress")})
+                      "latest_local": ck.get("progress"),
+                      "unprotected": ck.get("unprotected_reason") or None})
     return {
         "job": job,
         "committed": None if committed is None else {
@@ -220,6 +221,7 @@ def cmd_checkpoints(args: argparse.Namespace, coord: Coordinator, keys: Keyspace
             "at": committed.at, "ranks": list(committed.ranks)},
         "placement": placement.describe() if placement else None,
         "ranks": ranks, "persisted": persisted, "nodes": nodes,
+        "unprotected": {n["node"]: n["unprotected"] for n in nodes if n.get("unprotected")},
     }
 
 
@@ -236,6 +238,8 @@ def _checkpoints_pretty(doc: dict[str, Any]) -> str:
     head = (f"job {doc['job']}: committed generation {c['generation']} step {c['step']} "
             f"(m={c['m']}, at {when})" if c else f"job {doc['job']}: nothing committed yet")
     head += f"; persisted step {doc['persisted'] or '-'}"
+    for node, why in sorted(doc["unprotected"].items()):
+        head += f"\nUNPROTECTED on {node}: {why}"
     return head + "\n\n" + RANKS_TABLE.render(doc["ranks"]) + "\n\n" + NODES_TABLE.render(
         doc["nodes"])
 

@@ -120,6 +120,8 @@ class Daemon:
             stop_grace=settings.stop_grace, warm_workers=settings.worker_start == "warm",
             clock=self.clock, before_resync=self._look_for_data_loss)
         self.fence_hooks.append(self.jobs.fence)
+        self.jobs.committed = self._committed_step  # crash-loop detection
+        self.jobs.record_event = self._record_event
         self.drainer = Drainer(
             settings.node_id, coord, self.keys, quiesce=self._quiesce, resume=self._resume,
             handoff=self._handoff, hold=self._hold, job_stopped=self.jobs.idle,
@@ -263,6 +265,8 @@ class Daemon:
         self.checkpoints = service
         self._ckpt_sink = CheckpointSink(self.metrics)
         service.on_restore.append(self._record_recovery)
+        # A Checkpointer's register and slot requests are progress reports (ranks, hangs).
+        service.on_progress.append(self.jobs.on_progress)
         self.jobs.on_job_end.append(service.remove_job)
 
     def attach_replication(self, replicator: Any, server: Any, replica_store: Any) -> None:
@@ -310,6 +314,13 @@ class Daemon:
             self._notes.append(f"replica placement for {len(nodes)} nodes")
 
     # -- drain (elasticd.cluster.drain) and recoveries ------------------------------------
+
+    def _committed_step(self, job: str) -> tuple[int, int] | None:
+        """The job's newest committed (generation, step) as replication last saw it."""
+        if self.replicator is None:
+            return None
+        c = (self.replicator.status()["jobs"].get(job) or {}).get("committed")
+        return (int(c[0]), int(c[1])) if c else None
 
     def _quiesce(self, timeout: float) -> bool:
         return self.checkpoints.quiesce(timeout) if self.checkpoints is not None else True
@@ -394,6 +405,8 @@ class Daemon:
                 note = self.drainer.step() if self.health.up else None
                 if note:
                     self._notes.append(note)
+                if self.checkpoints is not None:
+                    self.jobs.set_unprotected(self.checkpoints.unprotected(self.jobs.job))
                 self.jobs.step()
                 self._notes += self.jobs.notes
             self.metrics.job_running.set(1 if self.jobs.supervisor is not None else 0)

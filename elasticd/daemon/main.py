@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HOST:PORT of the replication server (default 0.0.0.0:9401)")
     p.add_argument("--replicas", dest="replicas", type=_number,
                    help="copies of each snapshot, its own included (default 2)")
+    p.add_argument("--unprotected-lag-steps", dest="unprotected_lag_steps", type=_number,
+                   help="commit lag in steps past which a job shows UNPROTECTED (default 100)")
     p.add_argument("--log-level", dest="log_level")
     return p
 
@@ -158,7 +160,8 @@ def _checkpoint_service(settings: config.Settings, daemon: Daemon) -> "Any":
     replicator = _replicator(settings, daemon, store, cap)
     kwargs = {"replicator": replicator} if replicator is not None else {}
     service = CheckpointService(store, settings.node_id, persister,
-                                metrics_sink=CheckpointSink(daemon.metrics), **kwargs)
+                                metrics_sink=CheckpointSink(daemon.metrics),
+                                lag_limit=settings.unprotected_lag_steps, **kwargs)
     daemon.attach_checkpoints(service)
     return service
 

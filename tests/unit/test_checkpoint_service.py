@@ -137,10 +137,13 @@ def test_over_budget_skips_warns_once_and_marks_unprotected(root, caplog):
         assert len(warnings) == 1
         assert service.status()["big"]["unprotected"] is True
         assert service.stats()["skipped_over_budget_total"] == 3
-        assert service.stats()["unprotected_jobs"] == 1
+        assert service.stats()["unprotected_jobs"] == {
+            "snapshots_failing": 1, "no_placement": 0, "commit_lag": 0}
+        assert "over the memory cap" in service.unprotected("big")
         assert sink.events.count(("snapshot_skipped", "big", "over_budget")) == 3
         write_snapshot(t, "big", 0, 4, world=1, n=1000)  # fits: protected again
         assert service.status()["big"]["unprotected"] is False
+        assert service.unprotected("big") == ""
     finally:
         store.close()
 

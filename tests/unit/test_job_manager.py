@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
 
 from elasticd.agent.manager import JobManager
-from elasticd.agent.spec import JobSpec, NodeJobStatus
+from elasticd.agent.spec import JobControl, JobSpec, NodeJobStatus
 from elasticd.clock import FakeClock
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.memory import MemoryCoordinator
@@ -69,3 +70,68 @@ def test_a_running_agent_is_not_stopped_because_a_peer_finished_first(env):
     _peer(coord, keys, lease, "n2", "succeeded")
     mgr._drain()
     assert mgr.wanted() == "job"
+
+
+class StandInAgent:
+    """A running agent as the manager sees it: its log and torchrun's attempt directories."""
+
+    def __init__(self, log_dir):
+        self.log_dir = str(log_dir)
+        self.log_path = os.path.join(self.log_dir, "agent.log")
+        self.pid, self.starts, self.stopped = 0, 1, False
+        os.makedirs(os.path.join(self.log_dir, "torchrun", "job_x1", "attempt_0"))
+        open(self.log_path, "w").close()
+
+    def poll(self):
+        return 0 if self.stopped else None
+
+    def stop(self, grace=0.0):
+        self.stopped = True
+        return 0
+
+    def fail_attempt(self, n, line):
+        with open(self.log_path, "a") as fh:
+            fh.write(f"Traceback (most recent call last):\n  File \"t.py\"\n{line}\n")
+        os.makedirs(os.path.join(self.log_dir, "torchrun", "job_x1", f"attempt_{n}"))
+
+
+def test_restarts_without_a_new_commit_fail_the_job_with_the_workers_exception(env, tmp_path):
+    coord, keys, mgr, lease = env
+    events = []
+    mgr.record_event = lambda kind, detail, data: events.append((kind, detail))
+    committed = [(0, 29)]
+    mgr.committed = lambda job: committed[-1]
+    mgr._drain()
+    mgr.job = mgr._status_job = "job"
+    mgr.supervisor = agent = StandInAgent(tmp_path / "agent")
+    mgr._runs_known = set()
+    mgr.status = NodeJobStatus("n1", "running", "agent started")
+    limit = mgr.specs["job"][1].crash_loop_restarts
+    for attempt in range(1, limit + 2):
+        agent.fail_attempt(attempt, "RuntimeError: boom at step 30")
+        mgr.step()
+        if mgr.job is None:
+            break
+    # The first restart followed progress (step 29 committed); `limit` more did not.
+    assert attempt == limit + 1
+    control = JobControl.decode(coord.get(keys.job_control("job")).value)
+    assert control.desired == "failed" and control.by == "n1"
+    assert control.reason.endswith("last failure: RuntimeError: boom at step 30")
+    assert events and events[0][0] == "job_failed"
+    assert mgr.metrics.crash_loops._value.get() == 1
+    mgr._stopping.join(5)
+    assert mgr.status.state == "failed" and "boom at step 30" in mgr.status.detail
+
+
+def test_a_job_failed_elsewhere_stops_here_as_failed(env, tmp_path):
+    coord, keys, mgr, lease = env
+    mgr._drain()
+    mgr.job = mgr._status_job = "job"
+    mgr.supervisor = StandInAgent(tmp_path / "agent")
+    mgr._runs_known = set()
+    coord.put(keys.job_control("job"), JobControl("failed", 0.0, "n2", "crash loop: x").encode())
+    mgr._drain()
+    mgr.step()
+    mgr._stopping.join(5)
+    assert mgr.status.state == "failed" and "crash loop: x" in mgr.status.detail
+    assert mgr.wanted() is None

@@ -1,0 +1,75 @@
+"""Crash-loop detection on real daemons, agents and workers: a worker that raises the same
+exception at step 30 every time stops the job as ``failed`` on every node, with that exception
+as the reason (elasticctl jobs, /status, an event, a metric), after crash_loop_restarts
+restarts in a row without a new committed step, within a bounded time, leaving nothing
+running."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from elasticd.launcher import LocalCluster
+
+pytestmark = [pytest.mark.etcd]
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "crash_at_step.py")
+REASON = "RuntimeError: boom at step 30"
+
+
+def ctl(c: LocalCluster, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "ELASTICD_ETCD": c.etcd, "ELASTICD_PREFIX": c.prefix}
+    return subprocess.run([sys.executable, "-m", "elasticd.cli.main", *args], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.timeout(180)
+def test_the_same_exception_every_time_fails_the_job_everywhere_with_its_reason(tmp_path):
+    c = LocalCluster(["n1", "n2"], workdir=str(tmp_path), lease_ttl=2, replication=True)
+    try:
+        c.start()
+        res = ctl(c, "submit", "loop", "--nnodes", "2", "--nproc-per-node", "1", "--user",
+                  "root", "--crash-loop-restarts", "2", "--", WORKER, "30")
+        assert res.returncode == 0, res.stderr
+        started = time.monotonic()
+
+        def failed_everywhere():
+            jobs = json.loads(ctl(c, "jobs", "--format", "json").stdout)
+            nodes = jobs[0]["nodes"] if jobs else {}
+            return (jobs and jobs[0]["desired"] == "failed" and len(nodes) == 2
+                    and all(st["state"] == "failed" for st in nodes.values()) and jobs[0])
+
+        job = c.wait_for(failed_everywhere, 150, "the job failed on both nodes", interval=0.5)
+        took = time.monotonic() - started
+        print(f"failed after {took:.1f} s: {job['reason']}")
+        assert job["reason"].startswith("crash loop: 2 worker group restarts in a row")
+        assert job["reason"].endswith(REASON), job["reason"]
+        assert job["protection"] == job["reason"]
+        assert all(REASON in st["detail"] for st in job["nodes"].values()), job["nodes"]
+        pretty = ctl(c, "jobs").stdout
+        assert "failed" in pretty and REASON in pretty, pretty
+
+        events = [e for e in c.events() if e["kind"] == "job_failed"]
+        assert events and REASON in events[0]["detail"]
+        decided = events[0]["node"]
+        metrics = c.nodes[decided].http("/metrics")
+        assert re.search(r"^elasticd_crash_loops_total 1\.0$", metrics, re.M)
+        for n in c.nodes.values():
+            st = n.http("/status")["job"]
+            assert st["state"] == "failed" and REASON in st["detail"]
+        # Nothing left running, and no attempt beyond the few the limit allows.
+        c.wait_for(lambda: not any(n.tagged() for n in c.nodes.values()), 30,
+                   "no process of the job left")
+        attempts = []
+        for node in c.nodes:
+            base = os.path.join(str(tmp_path), node, "jobs", "loop", "torchrun")
+            attempts += [a for run in os.listdir(base) for a in os.listdir(os.path.join(base, run))]
+        assert len(attempts) <= 2 * 6, attempts
+    finally:
+        c.stop()
