@@ -16,13 +16,16 @@ injected clock only times transfers.
 Anyone who reaches the port can open connections, so those that have not proved the secret yet
 never take an authenticated peer's place: they have their own cap, the whole handshake must
 finish within ``handshake_timeout`` (not each receive: a byte every few seconds does not keep a
-connection alive), and when the pending cap is full the oldest pending connection is dropped
-for the newcomer. A flood of idle connections therefore cannot keep a peer out: a peer's
-handshake takes a round trip or two, and only a newer connection can displace it.
+connection alive), and when the pending cap is full a newcomer displaces the oldest pending
+connection of the source address holding the most. A flood from one address therefore only
+ever displaces its own connections: a peer, which has one handshake pending for a round trip
+or two, gets in however fast the flood reconnects. (Many addresses each holding as many
+pending handshakes as a peer could still displace it; the total deadline bounds each try.)
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import selectors
@@ -126,8 +129,8 @@ class ReplicaServer:
         self.stats = ServerStats()
         self._lock = threading.Lock()
         self._connections: dict[threading.Thread, Any] = {}
-        # Connections still in their handshake: thread -> real-clock deadline.
-        self._pending: dict[threading.Thread, float] = {}
+        # Connections still in their handshake: thread -> (real-clock deadline, source host).
+        self._pending: dict[threading.Thread, tuple[float, str]] = {}
         self._authenticated = 0
         self._stopping = False
         self._listener = socket.create_server((host, port), backlog=max_connections)
@@ -198,41 +201,48 @@ class ReplicaServer:
                 except OSError as exc:
                     log.warning("replica server %s: accept failed: %s", self.node_id, exc)
                     continue
-                self._admit(sock, f"{addr[0]}:{addr[1]}")
+                self._admit(sock, addr[0], f"{addr[0]}:{addr[1]}")
 
-    def _admit(self, sock: socket.socket, peer: str) -> None:
-        """Starts serving a new connection as pending; displaces the oldest when full."""
+    def _admit(self, sock: socket.socket, host: str, peer: str) -> None:
+        """Starts serving a new connection as pending, displacing one when the cap is full."""
         victim = None
         with self._lock:
             if self._stopping:
                 sock.close()
                 return
             if len(self._pending) >= self.max_pending:
-                oldest = min(self._pending, key=self._pending.__getitem__)
-                del self._pending[oldest]
-                victim = self._connections.get(oldest)
+                displaced = self._displaced()
+                del self._pending[displaced]
+                victim = self._connections.get(displaced)
                 self.stats.pending_evicted += 1
             thread = threading.Thread(target=self._serve, args=(sock, peer), daemon=True,
                                       name=f"replica-conn-{peer}")
             self._connections[thread] = sock
-            self._pending[thread] = time.monotonic() + self.handshake_timeout
+            self._pending[thread] = (time.monotonic() + self.handshake_timeout, host)
             self.stats.connections += 1
         if victim is not None:
-            log.warning("replica server %s: %d handshakes pending, dropping the oldest for %s",
+            log.debug("replica server %s: %d handshakes pending, displacing one for %s",
                         self.node_id, self.max_pending, peer)
             _shutdown(victim)
         thread.start()
+
+    def _displaced(self) -> threading.Thread:
+        """The pending connection a newcomer replaces: the oldest of the busiest source."""
+        per_source = collections.Counter(host for _, host in self._pending.values())
+        most = max(per_source.values())
+        return min((t for t, (_, host) in self._pending.items() if per_source[host] == most),
+                   key=lambda t: self._pending[t][0])
 
     def _expire_handshakes(self) -> float | None:
         """Ends handshakes past their deadline; returns seconds until the next one is due."""
         now = time.monotonic()
         with self._lock:
-            expired = [t for t, due in self._pending.items() if due <= now]
+            expired = [t for t, (due, _) in self._pending.items() if due <= now]
             for thread in expired:
                 del self._pending[thread]
             self.stats.handshake_timeouts += len(expired)
             socks = [self._connections[t] for t in expired if t in self._connections]
-            nearest = min(self._pending.values(), default=None)
+            nearest = min((due for due, _ in self._pending.values()), default=None)
         for sock in socks:
             _shutdown(sock)  # its thread's receive returns, and it records the failure
         return None if nearest is None else max(0.0, nearest - now)
