@@ -17,24 +17,24 @@ Anyone who reaches the port can open connections, so those that have not proved 
 never take an authenticated peer's place: they have their own cap, the whole handshake must
 finish within ``handshake_timeout`` (not each receive: a byte every few seconds does not keep a
 connection alive), and when the pending cap is full a newcomer displaces the oldest pending
-connection of the source address holding the most. A flood from one address therefore only
-ever displaces its own connections: a peer, which has one handshake pending for a round trip
-or two, gets in however fast the flood reconnects. (Many addresses each holding as many
-pending handshakes as a peer could still displace it; the total deadline bounds each try.)
+connection of the source address holding the most (:mod:`elasticd.admission`). A flood from
+one address therefore only ever displaces its own connections: a peer, which has one handshake
+pending for a round trip or two, gets in however fast the flood reconnects. (Many addresses
+each holding as few pending handshakes as a peer could still displace it; the total deadline
+bounds each try.)
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import selectors
 import socket
 import ssl
 import threading
-import time
 from typing import Any
 
+from elasticd.admission import Admission
 from elasticd.clock import Clock, SystemClock
 from elasticd.replication.api import (
     NOT_FOUND,
@@ -129,8 +129,8 @@ class ReplicaServer:
         self.stats = ServerStats()
         self._lock = threading.Lock()
         self._connections: dict[threading.Thread, Any] = {}
-        # Connections still in their handshake: thread -> (real-clock deadline, source host).
-        self._pending: dict[threading.Thread, tuple[float, str]] = {}
+        # Connections still in their handshake (keyed by their thread).
+        self._pending = Admission(max_pending, handshake_timeout)
         self._authenticated = 0
         self._stopping = False
         self._listener = socket.create_server((host, port), backlog=max_connections)
@@ -147,6 +147,11 @@ class ReplicaServer:
     def address(self) -> tuple[str, int]:
         """(host, port) the server listens on."""
         return self._address
+
+    @property
+    def pending_handshakes(self) -> int:
+        """Connections admitted and not yet authenticated."""
+        return len(self._pending)
 
     def snapshot_stats(self) -> ServerStats:
         """A consistent copy of the counters."""
@@ -210,15 +215,13 @@ class ReplicaServer:
             if self._stopping:
                 sock.close()
                 return
-            if len(self._pending) >= self.max_pending:
-                displaced = self._displaced()
-                del self._pending[displaced]
-                victim = self._connections.get(displaced)
-                self.stats.pending_evicted += 1
             thread = threading.Thread(target=self._serve, args=(sock, peer), daemon=True,
                                       name=f"replica-conn-{peer}")
+            displaced = self._pending.admit(thread, host)
+            if displaced is not None:
+                victim = self._connections.get(displaced)
+                self.stats.pending_evicted += 1
             self._connections[thread] = sock
-            self._pending[thread] = (time.monotonic() + self.handshake_timeout, host)
             self.stats.connections += 1
         if victim is not None:
             log.debug("replica server %s: %d handshakes pending, displacing one for %s",
@@ -226,31 +229,20 @@ class ReplicaServer:
             _shutdown(victim)
         thread.start()
 
-    def _displaced(self) -> threading.Thread:
-        """The pending connection a newcomer replaces: the oldest of the busiest source."""
-        per_source = collections.Counter(host for _, host in self._pending.values())
-        most = max(per_source.values())
-        return min((t for t, (_, host) in self._pending.items() if per_source[host] == most),
-                   key=lambda t: self._pending[t][0])
-
     def _expire_handshakes(self) -> float | None:
         """Ends handshakes past their deadline; returns seconds until the next one is due."""
-        now = time.monotonic()
+        expired, wait = self._pending.expire()
         with self._lock:
-            expired = [t for t, (due, _) in self._pending.items() if due <= now]
-            for thread in expired:
-                del self._pending[thread]
             self.stats.handshake_timeouts += len(expired)
             socks = [self._connections[t] for t in expired if t in self._connections]
-            nearest = min((due for due, _ in self._pending.values()), default=None)
         for sock in socks:
             _shutdown(sock)  # its thread's receive returns, and it records the failure
-        return None if nearest is None else max(0.0, nearest - now)
+        return wait
 
     def _authenticated_slot(self, me: threading.Thread) -> str | None:
         """Moves ``me`` from pending to authenticated; the reason when it may not."""
         with self._lock:
-            if self._pending.pop(me, None) is None:
+            if not self._pending.release(me):
                 return "handshake deadline passed, or displaced by a newer connection"
             if self._stopping:
                 return "stopping"
@@ -289,7 +281,7 @@ class ReplicaServer:
                 if authenticated:  # lost while sending the ACK: a peer that went away
                     return
                 with self._lock:
-                    cut = self._pending.pop(me, None) is None  # deadline or displaced
+                    cut = not self._pending.release(me)  # deadline or displaced
                     if self._stopping:
                         return
                 if cut:
@@ -351,7 +343,7 @@ class ReplicaServer:
             channel.close()
             with self._lock:
                 self._connections.pop(me, None)
-                self._pending.pop(me, None)
+                self._pending.release(me)
                 self._authenticated -= authenticated
 
     def _receive(self, channel: Channel, d: Descriptor, peer_id: str) -> None:
