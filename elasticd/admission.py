@@ -20,9 +20,10 @@ socket timeouts it works beside.
 from __future__ import annotations
 
 import collections
+import socket
 import threading
 import time
-from typing import Callable, Hashable
+from typing import Any, Callable, Hashable
 
 
 class Admission:
@@ -81,3 +82,12 @@ class Admission:
             self.expired += len(gone)
             nearest = min((due for due, _ in self._held.values()), default=None)
         return gone, None if nearest is None else max(0.0, nearest - now)
+
+
+def shut(sock: Any) -> None:
+    """Ends a displaced or expired connection: its thread's blocked read returns end-of-file
+    and the thread closes the socket (closing it from here could race a reused descriptor)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

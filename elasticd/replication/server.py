@@ -34,7 +34,7 @@ import ssl
 import threading
 from typing import Any
 
-from elasticd.admission import Admission
+from elasticd.admission import Admission, shut
 from elasticd.clock import Clock, SystemClock
 from elasticd.replication.api import (
     NOT_FOUND,
@@ -177,7 +177,7 @@ class ReplicaServer:
         with self._lock:
             connections = dict(self._connections)
         for sock in connections.values():
-            _shutdown(sock)
+            shut(sock)
         for thread in connections:
             thread.join(timeout)
 
@@ -226,7 +226,7 @@ class ReplicaServer:
         if victim is not None:
             log.debug("replica server %s: %d handshakes pending, displacing one for %s",
                         self.node_id, self.max_pending, peer)
-            _shutdown(victim)
+            shut(victim)
         thread.start()
 
     def _expire_handshakes(self) -> float | None:
@@ -236,7 +236,7 @@ class ReplicaServer:
             self.stats.handshake_timeouts += len(expired)
             socks = [self._connections[t] for t in expired if t in self._connections]
         for sock in socks:
-            _shutdown(sock)  # its thread's receive returns, and it records the failure
+            shut(sock)  # its thread's receive returns, and it records the failure
         return wait
 
     def _authenticated_slot(self, me: threading.Thread) -> str | None:
@@ -394,10 +394,3 @@ class ReplicaServer:
             self.sink.release(d)
         self._bump(fetches=1)
 
-
-def _shutdown(sock: Any) -> None:
-    """Wakes the thread blocked on ``sock`` with end-of-file (the thread then closes it)."""
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
