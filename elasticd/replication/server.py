@@ -133,7 +133,8 @@ class ReplicaServer:
         self._pending = Admission(max_pending, handshake_timeout)
         self._authenticated = 0
         self._stopping = False
-        self._listener = socket.create_server((host, port), backlog=max_connections)
+        self._listener = socket.create_server((host, port),
+                                              backlog=max_connections + max_pending)
         self._listener.setblocking(False)
         self._address: tuple[str, int] = self._listener.getsockname()[:2]
         self._wake_r, self._wake_w = socket.socketpair()

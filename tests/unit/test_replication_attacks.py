@@ -141,7 +141,7 @@ def test_relay_rewriting_a_data_frame_is_refused_and_counted():
 
 
 def attack(srv: ReplicaServer) -> socket.socket:
-    return socket.create_connection(srv.address, timeout=1, source_address=("127.0.0.2", 0))
+    return socket.create_connection(srv.address, timeout=5, source_address=("127.0.0.2", 0))
 
 
 def test_slowloris_of_unauthenticated_connections_does_not_keep_a_peer_out():
