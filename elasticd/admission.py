@@ -64,7 +64,7 @@ class Admission:
             return victim
 
     def release(self, key: Hashable) -> bool:
-        """Lets ``key`` go (done, or trusted now); False when it was already displaced or expired."""
+        """Lets ``key`` go (done, or trusted now); False if already displaced or expired."""
         with self._lock:
             return self._held.pop(key, None) is not None
 

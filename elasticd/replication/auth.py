@@ -75,7 +75,7 @@ def transcript(hello: Hello, challenge: Challenge, version: int = VERSION) -> by
 
 
 def proof(keys: SessionKeys, role: bytes, transcript_bytes: bytes) -> bytes:
-    """HMAC-SHA256 of one side's role and the handshake transcript, under the session's proof key."""
+    """HMAC-SHA256 of a role and the handshake transcript, under the session's proof key."""
     return hmac.new(keys.proof_key, role + b"\0" + transcript_bytes, hashlib.sha256).digest()
 
 

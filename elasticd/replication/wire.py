@@ -88,7 +88,7 @@ class TruncatedFrame(ProtocolError):
 
 
 class ForgedFrame(ProtocolError):
-    """A sealed frame fails its tag: altered, replayed, reordered, or not from the session's peer."""
+    """A sealed frame fails its tag: altered, replayed, reordered, or not from the peer."""
 
 
 class UnsealedFrame(ProtocolError):
