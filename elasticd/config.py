@@ -11,6 +11,7 @@ import dataclasses
 import math
 import os
 import socket
+import stat
 import tomllib
 from typing import Any, Mapping
 
@@ -22,6 +23,54 @@ ENV_PREFIX = "ELASTICD_"
 
 class ConfigError(ValueError):
     """A setting has a bad value; the message names it and says what to do."""
+
+
+#: The cluster secret's minimum length: 128 bits. A passive observer of a handshake can test
+#: guesses offline (docs/security.md), so only the secret's size stands in the way.
+MIN_SECRET_BYTES = 16
+
+
+class SecretFileError(ValueError):
+    """The cluster secret file is missing, not a file, too open, or unreadable."""
+
+
+def read_secret_file(path: str) -> bytes:
+    """Reads the cluster secret (first line, stripped) after checking the file itself.
+
+    Refused: a missing path, a directory or other non-file, a file that group or others may
+    access (anyone who reads it can join the cluster and forge replicas), and one owned by
+    another user than the daemon's or root (its owner could change the secret).
+
+    Raises:
+        SecretFileError: one line saying what is wrong and what to do.
+    """
+    try:
+        # Symbolic links are followed (secrets mounted by orchestrators are links); the checks
+        # apply to the file reached. O_NONBLOCK: a FIFO planted there must not hang the start.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise SecretFileError(f"file {path!r} does not exist") from None
+    except OSError as exc:
+        raise SecretFileError(f"cannot read {path!r}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise SecretFileError(f"{path!r} is a directory: point cluster_secret_file at the "
+                                  "file holding the secret")
+        if not stat.S_ISREG(st.st_mode):
+            raise SecretFileError(f"{path!r} is not a regular file")
+        if st.st_mode & 0o077:
+            raise SecretFileError(f"{path!r} is accessible by group or others (mode "
+                                  f"{stat.S_IMODE(st.st_mode):04o}): run `chmod 600 {path}`")
+        if st.st_uid not in (0, os.geteuid()):
+            raise SecretFileError(f"{path!r} is owned by uid {st.st_uid}, not by the daemon's "
+                                  f"user (uid {os.geteuid()}) or root: chown it")
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            return fh.readline().strip()
+    except OSError as exc:
+        raise SecretFileError(f"cannot read {path!r}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
 
 
 def _hostport(text: str) -> tuple[str, int]:
@@ -135,8 +184,7 @@ class Settings:
         if self.cluster_secret:
             return self.cluster_secret.encode()
         if self.cluster_secret_file:
-            with open(self.cluster_secret_file, "rb") as fh:
-                return fh.readline().strip()
+            return read_secret_file(self.cluster_secret_file)
         return b""
 
     @property
@@ -258,14 +306,14 @@ def _validate(s: Settings, sources: Mapping[str, str]) -> None:
     if s.persist_dir and not os.path.isdir(s.persist_dir):
         raise bad("persist_dir", f"{s.persist_dir!r} is not a directory: create it (on a "
                   "filesystem every node mounts) or leave persist_dir empty")
-    if s.cluster_secret_file and not os.path.isfile(s.cluster_secret_file):
-        raise bad("cluster_secret_file", f"file {s.cluster_secret_file!r} does not exist")
     try:
         secret = s.secret
-    except OSError as exc:
-        raise bad("cluster_secret_file", f"cannot read it: {exc.strerror}") from None
-    if secret and len(secret) < 16:
-        raise bad("cluster_secret", "too short: use at least 16 random characters "
+    except SecretFileError as exc:
+        raise bad("cluster_secret_file", str(exc)) from None
+    if secret and len(secret) < MIN_SECRET_BYTES:
+        name = "cluster_secret" if s.cluster_secret else "cluster_secret_file"
+        raise bad(name, f"the secret is {len(secret) * 8} bits, fewer than "
+                  f"{MIN_SECRET_BYTES * 8}: use at least {MIN_SECRET_BYTES} random bytes "
                   "(e.g. `openssl rand -hex 32`)")
     try:
         _hostport(s.replication_listen)

@@ -1,22 +1,29 @@
-"""Mutual challenge–response authentication of replication peers from a cluster secret.
+"""Mutual challenge–response authentication of replication peers, and the session keys.
 
-Both daemons prove they know the secret without sending it, and each proof is bound to this
-very connection, so recorded bytes are worthless later::
+Both daemons prove they know the cluster secret without sending it; the client proves first,
+and the server says nothing derived from the secret until that proof has verified::
 
-    C → S  HELLO(client id, Nc)               Nc, Ns: 32 fresh bytes from os.urandom
-    S → C  CHALLENGE(server id, Ns, Ps)       Ps = HMAC(secret, "server" | ids | Nc | Ns | v)
-    C → S  AUTH(Pc)                           Pc = HMAC(secret, "client" | ids | Nc | Ns | v)
-    S → C  ACK                                (or ERROR "auth", then close)
+    C → S  HELLO(client id, Nc, limit)       Nc, Ns: 32 fresh bytes from os.urandom
+    S → C  CHALLENGE(server id, Ns, limit)   independent of the secret
+    C → S  AUTH(Pc)                          Pc = HMAC(Kp, "client" | transcript)
+    S → C  ACK, sealed under K_sc            (or ERROR "auth", unsealed, then close)
 
-The role in the MAC stops one side's proof from being reflected back as the other's; the
-server's fresh ``Ns`` makes a replayed client conversation fail; the client's fresh ``Nc``
-does the same for a replayed server. Proofs are compared with ``hmac.compare_digest``.
+``K_cs, K_sc, Kp = HKDF-SHA256(secret, salt=Nc|Ns, info=SHA-256(transcript))`` where the
+transcript is the HELLO and CHALLENGE payloads (ids, nonces, limits) and the protocol version.
+The server's ACK is its proof: only a holder of the secret can seal a frame under ``K_sc``.
+From then on every frame each way is sealed (:mod:`elasticd.replication.seal`), so the
+authentication covers the whole connection, not only its start.
 
-This authenticates peers; it does not encrypt. For confidentiality, pass an
-``ssl.SSLContext`` to the server and client (TLS wraps the socket before the handshake
-above, which still runs inside it so that a certificate alone does not admit a peer). The proofs
-are not bound to the TLS session, so the TLS context must verify certificates to stop a
-man in the middle.
+Why this order: were the server to prove first (protocol v1), anyone who reaches the port gets,
+from one connection, a value to test secret guesses against offline. Now such a caller gets a
+CHALLENGE that any server would send and, for a wrong AUTH, a constant ERROR. A passive observer
+of a legitimate handshake still sees ``Pc``, a function of the secret and public values: that is
+inherent to any challenge–response without a PAKE, which is why the secret must be at least 128
+random bits (the daemon refuses a shorter one, :func:`check_secret`).
+
+The role in the MAC stops a proof being reflected back; the server's fresh ``Ns`` makes a
+replayed client conversation fail; the client's fresh ``Nc`` does the same for a replayed
+server. Proofs are compared with ``hmac.compare_digest``.
 """
 
 from __future__ import annotations
@@ -30,11 +37,11 @@ from typing import Callable
 
 from elasticd.replication.api import RemoteError
 from elasticd.replication.channel import Channel
-from elasticd.replication.messages import Ack, Auth, Challenge, Hello
-from elasticd.replication.wire import NONCE_BYTES, VERSION, ProtocolError
+from elasticd.replication.messages import Ack, Auth, Challenge, Error, Hello
+from elasticd.replication.seal import FrameKey, SessionKeys
+from elasticd.replication.wire import NONCE_BYTES, VERSION, ForgedFrame, ProtocolError
 
 CLIENT = b"client"
-SERVER = b"server"
 MIN_SECRET_BYTES = 16
 _DOMAIN = b"elasticd-replication-auth\0"
 
@@ -58,15 +65,18 @@ def new_nonce() -> bytes:
     return os.urandom(NONCE_BYTES)
 
 
-def proof(secret: bytes, role: bytes, client_id: str, server_id: str,
-          client_nonce: bytes, server_nonce: bytes, version: int = VERSION) -> bytes:
-    """HMAC-SHA256 of one side's view of the handshake (fields length-prefixed: unambiguous)."""
-    mac = hmac.new(secret, _DOMAIN, hashlib.sha256)
-    for field in (role, client_id.encode(), server_id.encode(), client_nonce, server_nonce):
-        mac.update(struct.pack("!H", len(field)))
-        mac.update(field)
-    mac.update(struct.pack("!B", version))
-    return mac.digest()
+def transcript(hello: Hello, challenge: Challenge, version: int = VERSION) -> bytes:
+    """The handshake's public values, length-prefixed (unambiguous), that keys and proofs bind."""
+    out = bytearray(_DOMAIN)
+    for field in (hello.payload(), challenge.payload()):
+        out += struct.pack("!I", len(field)) + field
+    out += struct.pack("!B", version)
+    return bytes(out)
+
+
+def proof(keys: SessionKeys, role: bytes, transcript_bytes: bytes) -> bytes:
+    """HMAC-SHA256 of a role and the handshake transcript, under the session's proof key."""
+    return hmac.new(keys.proof_key, role + b"\0" + transcript_bytes, hashlib.sha256).digest()
 
 
 class AuthFailures:
@@ -100,35 +110,58 @@ def client_handshake(channel: Channel, secret: bytes, node_id: str,
                      expected_peer: str | None = None) -> Challenge:
     """Runs the client side; returns the server's CHALLENGE (its node id and frame limit).
 
+    On return the channel seals and opens every frame with the session keys.
+
     Raises:
-        AuthenticationFailed: the server's proof is wrong, it is not ``expected_peer``, or it
-            rejected ours.
+        AuthenticationFailed: the server rejected our proof, failed to prove itself, or is
+            not ``expected_peer``.
         ProtocolError, ConnectionLost: as the channel raises them.
     """
-    nonce = new_nonce()
-    channel.send(Hello(node_id, nonce, channel.limits.max_frame))
+    hello = Hello(node_id, new_nonce(), channel.limits.max_frame)
+    channel.send(hello)
     challenge = channel.recv(Challenge)
     assert isinstance(challenge, Challenge)
-    if challenge.nonce == nonce:
+    if challenge.nonce == hello.nonce:
         raise AuthenticationFailed("server echoed our nonce: a reflection attempt")
-    expected = proof(secret, SERVER, node_id, challenge.node_id, nonce, challenge.nonce)
-    if not hmac.compare_digest(expected, challenge.proof):
-        raise AuthenticationFailed(f"server {challenge.node_id!r} did not prove knowledge of the "
-                                   "cluster secret (different secrets, or not an elasticd peer)")
     if expected_peer is not None and challenge.node_id != expected_peer:
+        # Before our proof: a server that is not the peer we meant gets nothing from us.
         raise AuthenticationFailed(f"connected to {challenge.node_id!r}, expected "
                                    f"{expected_peer!r}")
-    channel.send(Auth(proof(secret, CLIENT, node_id, challenge.node_id, nonce, challenge.nonce)))
+    seen = transcript(hello, challenge)
+    keys = SessionKeys(secret, hello.nonce, challenge.nonce, seen)
+    channel.send(Auth(proof(keys, CLIENT, seen)))
+    channel.send_key = FrameKey(keys.client_to_server)
+    header = channel.recv_header()
+    if not header.sealed:
+        # Only a rejection may come unsealed (the server then holds no session with us).
+        msg = channel.recv_message(header)
+        reason = f"{msg.code}: {msg.message}" if isinstance(msg, Error) else msg.TYPE.name
+        raise AuthenticationFailed(f"server {challenge.node_id!r} rejected our proof ({reason}): "
+                                   "different cluster secrets?")
+    channel.recv_key = FrameKey(keys.server_to_client)
     try:
-        channel.recv(Ack)
-    except RemoteError as exc:  # the server's ERROR "auth" before it closes
-        raise AuthenticationFailed(f"server {challenge.node_id!r} rejected our proof: "
-                                   f"{exc}") from exc
+        msg = channel.recv_message(header)
+    except ForgedFrame as exc:
+        raise AuthenticationFailed(f"server {challenge.node_id!r} did not prove knowledge of the "
+                                   "cluster secret (not an elasticd peer, or a relay)") from exc
+    if isinstance(msg, Error):  # authenticated, but turned away (e.g. busy)
+        raise RemoteError(msg.code, msg.message)
+    if not isinstance(msg, Ack):
+        raise AuthenticationFailed(f"server {challenge.node_id!r} answered our proof with "
+                                   f"{msg.TYPE.name}")
     return challenge
 
 
-def server_handshake(channel: Channel, secret: bytes, node_id: str) -> Hello:
+def server_handshake(channel: Channel, secret: bytes, node_id: str,
+                     admit: Callable[[], str | None] | None = None) -> Hello | None:
     """Runs the server side; returns the client's HELLO (its node id and frame limit).
+
+    Nothing sent before the client's proof verifies depends on the secret. On return the
+    channel seals and opens every frame with the session keys.
+
+    Args:
+        admit: called once the client has proved itself; a reason string turns it away with
+            a sealed ERROR "busy" (the function then returns None).
 
     Raises:
         AuthenticationFailed: the client's proof is wrong (the caller counts it, sends ERROR
@@ -137,15 +170,20 @@ def server_handshake(channel: Channel, secret: bytes, node_id: str) -> Hello:
     """
     hello = channel.recv(Hello)
     assert isinstance(hello, Hello)
-    nonce = new_nonce()
-    channel.send(Challenge(node_id, nonce,
-                           proof(secret, SERVER, hello.node_id, node_id, hello.nonce, nonce),
-                           channel.limits.max_frame))
+    challenge = Challenge(node_id, new_nonce(), channel.limits.max_frame)
+    channel.send(challenge)
     auth = channel.recv(Auth)
     assert isinstance(auth, Auth)
-    expected = proof(secret, CLIENT, hello.node_id, node_id, hello.nonce, nonce)
-    if not hmac.compare_digest(expected, auth.proof):
+    seen = transcript(hello, challenge)
+    keys = SessionKeys(secret, hello.nonce, challenge.nonce, seen)
+    if not hmac.compare_digest(proof(keys, CLIENT, seen), auth.proof):
         raise AuthenticationFailed(f"client {hello.node_id!r} did not prove knowledge of the "
                                    "cluster secret")
+    channel.send_key = FrameKey(keys.server_to_client)
+    channel.recv_key = FrameKey(keys.client_to_server)
+    refused = admit() if admit is not None else None
+    if refused is not None:
+        channel.send(Error("busy", refused))
+        return None
     channel.send(Ack({"node_id": node_id}))
     return hello

@@ -3,8 +3,13 @@
 A :class:`Channel` reads a frame header into a fixed buffer and validates it before reading a
 byte of payload. Control payloads go into one buffer of ``Limits.max_control`` bytes allocated
 with the channel; DATA payloads are read with ``recv_into`` straight into memory the caller
-names (the sink's, later shared memory), checksummed there, and never copied on the way. Sends
-use ``sendmsg`` so a DATA frame's header and its chunk leave in one call without being joined.
+names (the sink's, later shared memory), checked there as each piece arrives, and never copied
+on the way. Sends use ``sendmsg`` so a DATA frame's header and its chunk leave in one call
+without being joined.
+
+Once the handshake sets :attr:`Channel.send_key` and :attr:`Channel.recv_key`, every frame each
+way is sealed and opened with them (:mod:`elasticd.replication.seal`), and an unsealed frame is
+refused: from then on nothing a relay alters, replays or reorders is accepted.
 
 :func:`send_stream` and :func:`receive_stream` move one snapshot's bytes as DATA frames closed
 by PUT_END, for pushes and fetches alike. Socket failures surface as :class:`~elasticd.replication.api.ConnectionLost` (or
@@ -29,7 +34,10 @@ from elasticd.replication.messages import (
     data_prefix,
     decode_payload,
     encode_frame,
+    frame_opener,
+    open_payload,
 )
+from elasticd.replication.seal import FrameKey
 from elasticd.replication.wire import (
     HEADER_SIZE,
     OFFSET,
@@ -42,7 +50,6 @@ from elasticd.replication.wire import (
     TruncatedFrame,
     UnexpectedFrame,
     parse_header,
-    verify,
 )
 
 #: Given (offset, length) of an incoming DATA chunk, returns the writable view of exactly that
@@ -69,15 +76,18 @@ class Channel:
         self._gather = isinstance(sock, socket.socket) and not isinstance(sock, ssl.SSLSocket)
         self.bytes_received = 0
         self.bytes_sent = 0
+        #: Seal outgoing / open incoming frames with these once authenticated (None before).
+        self.send_key: FrameKey | None = None
+        self.recv_key: FrameKey | None = None
 
     # -- sending ---------------------------------------------------------------------------
 
     def send(self, msg: Message) -> None:
-        self._send(encode_frame(msg))
+        self._send(encode_frame(msg, self.send_key))
 
     def send_data(self, offset: int, chunk: memoryview) -> None:
-        """Sends one DATA frame; ``chunk`` is read where it lies."""
-        self._send(data_prefix(offset, chunk), chunk)
+        """Sends one DATA frame; ``chunk`` is read (and tagged) where it lies."""
+        self._send(data_prefix(offset, chunk, self.send_key), chunk)
 
     def send_error(self, code: str, message: str) -> None:
         """Best effort: tells the peer why the connection is about to close."""
@@ -125,7 +135,7 @@ class Channel:
             raise UnexpectedFrame("DATA frame outside a transfer")
         payload = self._control[: header.length]
         self._recv_exactly(payload, f"a {header.type.name} payload")
-        verify(header, payload)
+        open_payload(header, self.recv_key, payload)
         return decode_payload(header, payload)
 
     def recv(self, *expected: type) -> Message:
@@ -151,18 +161,25 @@ class Channel:
         """
         if header.type is not FrameType.DATA:
             raise UnexpectedFrame(f"expected DATA, received {header.type.name}")
+        # Checked before a byte of it is stored: an unsealed DATA frame after the handshake is
+        # refused here.
+        opener = frame_opener(header, self.recv_key)
         self._recv_exactly(self._offset, "a DATA offset")
         (offset,) = OFFSET.unpack(self._offset)
         length = header.length - OFFSET.size
         target = destination(offset, length)
         if len(target) != length:
             raise ProtocolError(f"destination for {length} bytes has {len(target)}")
-        # Hash each piece as it arrives, while the kernel's copy is still in cache: a second
-        # pass over a 4 MiB chunk would read it back from memory.
-        hasher = xxhash.xxh3_64(header.checked)
+        # Check each piece as it arrives, while the kernel's copy is still in cache: a second
+        # pass over a 4 MiB chunk would read it back from memory. The bytes land in the
+        # destination before their tag is checked; a failed check aborts the whole transfer,
+        # so nothing unverified is ever committed.
+        hasher: Any = opener if opener is not None else xxhash.xxh3_128(header.checked)
         hasher.update(self._offset)
         self._recv_exactly(target, "a DATA chunk", hasher=hasher)
-        if hasher.intdigest() != header.checksum:
+        if opener is not None:
+            opener.check(header, f" at offset {offset}")
+        elif hasher.digest() != header.check:
             raise ChecksumMismatch(f"DATA frame of {header.length} bytes at offset {offset} "
                                    "fails its xxh3 checksum")
         return offset, length

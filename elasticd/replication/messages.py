@@ -5,6 +5,8 @@ Each message knows its :class:`~elasticd.replication.wire.FrameType`, builds its
 parses one, raising only :class:`~elasticd.replication.wire.ProtocolError` subclasses on bad
 input. DATA frames are the exception on the hot path: :func:`data_prefix` builds only their
 header and offset so the chunk itself is sent (and received, by the channel) where it lies.
+Given the direction's :class:`~elasticd.replication.seal.FrameKey`, both seal the frame (a GMAC
+tag in place of the checksum); without one (the handshake) they checksum it.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import struct
 from typing import Any, ClassVar, Union
 
 from elasticd.replication.api import Descriptor
+from elasticd.replication.seal import FrameKey
 from elasticd.replication.wire import (
     CHECKED,
+    FLAG_SEALED,
     HEADER_SIZE,
     MAGIC,
     MAX_NODE_ID,
@@ -29,6 +33,8 @@ from elasticd.replication.wire import (
     Limits,
     MalformedFrame,
     TruncatedFrame,
+    ForgedFrame,
+    UnsealedFrame,
     checksum,
     parse_header,
     verify,
@@ -99,7 +105,7 @@ def _descriptor_json(d: Descriptor) -> bytes:
 
 
 _HELLO = struct.Struct(f"!{NONCE_BYTES}sIH")
-_CHALLENGE = struct.Struct(f"!{NONCE_BYTES}s{PROOF_BYTES}sIH")
+_CHALLENGE = struct.Struct(f"!{NONCE_BYTES}sIH")
 _PUT_END = struct.Struct("!QI")
 
 
@@ -129,28 +135,31 @@ class Hello:
 
 @dataclasses.dataclass(frozen=True)
 class Challenge:
-    """Server's answer: who it is, its fresh nonce, its proof, its DATA frame limit."""
+    """Server's answer: who it is, its fresh nonce, its DATA frame limit.
+
+    Nothing in it depends on the cluster secret: the server proves itself only after the
+    client has (its first sealed frame), so a caller without the secret learns nothing to test
+    guesses against.
+    """
 
     TYPE: ClassVar[FrameType] = FrameType.CHALLENGE
     node_id: str
     nonce: bytes
-    proof: bytes
     max_frame: int
 
     def payload(self) -> bytes:
         raw = _encode_node_id(self.node_id)
-        return _CHALLENGE.pack(_exact(self.nonce, NONCE_BYTES), _exact(self.proof, PROOF_BYTES),
-                               self.max_frame, len(raw)) + raw
+        return _CHALLENGE.pack(_exact(self.nonce, NONCE_BYTES), self.max_frame, len(raw)) + raw
 
     @classmethod
     def parse(cls, p: memoryview) -> "Challenge":
         if len(p) < _CHALLENGE.size:
             raise MalformedFrame(f"CHALLENGE payload of {len(p)} bytes is too short")
-        nonce, proof, max_frame, n = _CHALLENGE.unpack_from(p)
+        nonce, max_frame, n = _CHALLENGE.unpack_from(p)
         if len(p) != _CHALLENGE.size + n:
             raise MalformedFrame("CHALLENGE node id length does not match the payload")
         _check_max_frame(max_frame, "CHALLENGE")
-        return cls(_node_id(bytes(p[_CHALLENGE.size:])), nonce, proof, max_frame)
+        return cls(_node_id(bytes(p[_CHALLENGE.size:])), nonce, max_frame)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,22 +323,26 @@ MESSAGES: dict[FrameType, Any] = {
 }
 
 
-def encode_frame(msg: Message) -> bytes:
-    """Header plus payload of ``msg``, ready to send."""
+def _check(ftype: FrameType, size: int, key: FrameKey | None, *parts: Any) -> bytes:
+    """The 12 covered header bytes and the check: sealed under ``key``, else a checksum."""
+    checked = CHECKED.pack(MAGIC, VERSION, ftype, FLAG_SEALED if key else 0, size)
+    return checked + (key.seal(checked, *parts) if key else checksum(checked, *parts))
+
+
+def encode_frame(msg: Message, key: FrameKey | None = None) -> bytes:
+    """Header plus payload of ``msg``, ready to send (sealed as the next frame of ``key``)."""
     payload = msg.payload()
-    checked = CHECKED.pack(MAGIC, VERSION, msg.TYPE, 0, len(payload))
-    return checked + struct.pack("!Q", checksum(checked, payload)) + payload
+    return _check(msg.TYPE, len(payload), key, payload) + payload
 
 
-def data_prefix(offset: int, chunk: Any) -> bytes:
+def data_prefix(offset: int, chunk: Any, key: FrameKey | None = None) -> bytes:
     """Header and offset of a DATA frame carrying ``chunk``; send the chunk right after it.
 
-    Built apart from the chunk so that the chunk is sent from where it lies, uncopied.
+    Built apart from the chunk so that the chunk is sent from where it lies, uncopied (the tag
+    reads it there too).
     """
     off = OFFSET.pack(offset)
-    size = OFFSET.size + memoryview(chunk).nbytes
-    checked = CHECKED.pack(MAGIC, VERSION, FrameType.DATA, 0, size)
-    return checked + struct.pack("!Q", checksum(checked, off, chunk)) + off
+    return _check(FrameType.DATA, OFFSET.size + memoryview(chunk).nbytes, key, off, chunk) + off
 
 
 def decode_payload(header: FrameHeader, payload: memoryview) -> Message:
@@ -337,8 +350,9 @@ def decode_payload(header: FrameHeader, payload: memoryview) -> Message:
     return MESSAGES[header.type].parse(payload)
 
 
-def decode_frame(buf: bytes | bytearray | memoryview, limits: Limits = Limits()) -> Message:
-    """Decodes exactly one whole frame held in memory (tests, tools).
+def decode_frame(buf: bytes | bytearray | memoryview, limits: Limits = Limits(),
+                 key: FrameKey | None = None) -> Message:
+    """Decodes exactly one whole frame held in memory (tests, tools); sealed ones need ``key``.
 
     Raises:
         ProtocolError: whatever is wrong with it; nothing else.
@@ -354,5 +368,47 @@ def decode_frame(buf: bytes | bytearray | memoryview, limits: Limits = Limits())
     if len(payload) > header.length:
         raise MalformedFrame(f"{len(payload) - header.length} bytes after a "
                              f"{header.type.name} frame")
-    verify(header, payload)
+    open_payload(header, key, payload)
     return decode_payload(header, payload)
+
+
+def open_payload(header: FrameHeader, key: FrameKey | None, *parts: Any) -> None:
+    """Checks a whole frame's payload: its tag under ``key`` when sealed, else its checksum.
+
+    Raises:
+        UnsealedFrame: sealed without a key, or unsealed where a key is in force.
+        ForgedFrame, ChecksumMismatch: the bytes are not what was sent.
+    """
+    opener = frame_opener(header, key)
+    if opener is None:
+        verify(header, *parts)
+        return
+    for part in parts:
+        opener.update(part)
+    opener.check(header)
+
+
+def frame_opener(header: FrameHeader, key: FrameKey | None) -> "FrameCheck | None":
+    """Starts checking a sealed frame (None for an unsealed one, checked by its checksum)."""
+    if header.sealed != (key is not None):
+        raise UnsealedFrame(
+            f"{header.type.name} frame without a tag after the handshake" if key else
+            f"{header.type.name} frame sealed before any session key exists")
+    if key is None:
+        return None
+    return FrameCheck(key.opener(header.check), header.checked)
+
+
+class FrameCheck:
+    """The tag check of one sealed frame, fed its payload as it arrives."""
+
+    def __init__(self, opener: Any, checked: bytes) -> None:
+        self._opener = opener
+        opener.update(checked)
+        self.update = opener.update
+
+    def check(self, header: FrameHeader, where: str = "") -> None:
+        if not self._opener.verify():
+            raise ForgedFrame(f"{header.type.name} frame of {header.length} bytes{where} fails "
+                              "its authentication tag: altered, replayed or reordered in "
+                              "transit, or not sent by the authenticated peer")

@@ -8,9 +8,20 @@ frame passed its checksum and the byte count matched, and anything else (a dropp
 a corrupt frame, a timeout, a stop) aborts it.
 
 Memory is bounded: per connection, one control buffer of ``max_control`` bytes; DATA lands in
-the sink's memory, whose own budget applies; at most ``max_connections`` connections at once.
-A connection that sends nothing for ``idle_timeout`` seconds is closed. Socket timeouts run on
-the real clock; the injected clock only times transfers.
+the sink's memory, whose own budget applies; at most ``max_connections`` authenticated peers
+and ``max_pending`` connections still in their handshake at once. A connection that sends
+nothing for ``idle_timeout`` seconds is closed. Socket timeouts run on the real clock; the
+injected clock only times transfers.
+
+Anyone who reaches the port can open connections, so those that have not proved the secret yet
+never take an authenticated peer's place: they have their own cap, the whole handshake must
+finish within ``handshake_timeout`` (not each receive: a byte every few seconds does not keep a
+connection alive), and when the pending cap is full a newcomer displaces the oldest pending
+connection of the source address holding the most (:mod:`elasticd.admission`). A flood from
+one address therefore only ever displaces its own connections: a peer, which has one handshake
+pending for a round trip or two, gets in however fast the flood reconnects. (Many addresses
+each holding as few pending handshakes as a peer could still displace it; the total deadline
+bounds each try.)
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ import ssl
 import threading
 from typing import Any
 
+from elasticd.admission import Admission, shut
 from elasticd.clock import Clock, SystemClock
 from elasticd.replication.api import (
     NOT_FOUND,
@@ -55,7 +67,9 @@ class ServerStats:
     """Counters a metrics exporter reads (totals since start)."""
 
     connections: int = 0
-    connections_rejected: int = 0
+    connections_rejected: int = 0  # authenticated peers over max_connections, or stopping
+    handshake_timeouts: int = 0  # not authenticated within handshake_timeout
+    pending_evicted: int = 0  # handshakes dropped for a newer connection (pending cap full)
     idle_timeouts: int = 0
     pushes_committed: int = 0
     pushes_refused: int = 0
@@ -76,8 +90,11 @@ class ReplicaServer:
         sink: where received snapshots land and fetches read from.
         max_frame: largest DATA payload accepted.
         idle_timeout: seconds without a byte from a peer before its connection is closed.
-        handshake_timeout: seconds a new connection may take per handshake step.
-        max_connections: connections served at once; more are closed on accept.
+        handshake_timeout: seconds a new connection may take for its whole handshake.
+        max_connections: authenticated peers served at once; more are refused after their
+            handshake.
+        max_pending: connections in their handshake at once; a new one beyond it displaces
+            the oldest.
         ssl_context: server-side TLS context; None for plain TCP.
         auth_failures: counter of rejected handshakes (a new one when None).
         chunk_size: DATA chunk size when serving fetches.
@@ -87,16 +104,16 @@ class ReplicaServer:
     def __init__(self, host: str, port: int, secret: bytes, node_id: str, sink: Sink,
                  max_frame: int = DEFAULT_MAX_FRAME, idle_timeout: float = 60.0, *,
                  handshake_timeout: float = 10.0, max_connections: int = 64,
-                 max_control: int = DEFAULT_MAX_CONTROL,
+                 max_pending: int = 32, max_control: int = DEFAULT_MAX_CONTROL,
                  ssl_context: ssl.SSLContext | None = None,
                  auth_failures: AuthFailures | None = None, chunk_size: int = DEFAULT_CHUNK,
                  clock: Clock | None = None) -> None:
         if idle_timeout <= 0 or handshake_timeout <= 0:
             raise ValueError(f"timeouts must be > 0, got idle_timeout={idle_timeout}, "
                              f"handshake_timeout={handshake_timeout}")
-        if max_connections < 1 or chunk_size < 1:
-            raise ValueError(f"max_connections and chunk_size must be >= 1, got "
-                             f"{max_connections}, {chunk_size}")
+        if max_connections < 1 or max_pending < 1 or chunk_size < 1:
+            raise ValueError(f"max_connections, max_pending and chunk_size must be >= 1, got "
+                             f"{max_connections}, {max_pending}, {chunk_size}")
         self._secret = check_secret(secret)
         self.node_id = node_id
         self.sink = sink
@@ -104,6 +121,7 @@ class ReplicaServer:
         self.idle_timeout = idle_timeout
         self.handshake_timeout = handshake_timeout
         self.max_connections = max_connections
+        self.max_pending = max_pending
         self.ssl_context = ssl_context
         self.auth_failures = AuthFailures() if auth_failures is None else auth_failures
         self.chunk_size = chunk_size
@@ -111,8 +129,12 @@ class ReplicaServer:
         self.stats = ServerStats()
         self._lock = threading.Lock()
         self._connections: dict[threading.Thread, Any] = {}
+        # Connections still in their handshake (keyed by their thread).
+        self._pending = Admission(max_pending, handshake_timeout)
+        self._authenticated = 0
         self._stopping = False
-        self._listener = socket.create_server((host, port), backlog=max_connections)
+        self._listener = socket.create_server((host, port),
+                                              backlog=max_connections + max_pending)
         self._listener.setblocking(False)
         self._address: tuple[str, int] = self._listener.getsockname()[:2]
         self._wake_r, self._wake_w = socket.socketpair()
@@ -126,6 +148,11 @@ class ReplicaServer:
     def address(self) -> tuple[str, int]:
         """(host, port) the server listens on."""
         return self._address
+
+    @property
+    def pending_handshakes(self) -> int:
+        """Connections admitted and not yet authenticated."""
+        return len(self._pending)
 
     def snapshot_stats(self) -> ServerStats:
         """A consistent copy of the counters."""
@@ -151,10 +178,7 @@ class ReplicaServer:
         with self._lock:
             connections = dict(self._connections)
         for sock in connections.values():
-            try:  # wakes the connection's thread out of recv with end-of-file
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            shut(sock)
         for thread in connections:
             thread.join(timeout)
 
@@ -173,7 +197,7 @@ class ReplicaServer:
 
     def _accept_loop(self) -> None:
         while True:
-            for key, _ in self._selector.select():
+            for key, _ in self._selector.select(self._expire_handshakes()):
                 if key.fileobj is self._wake_r:
                     return
                 try:
@@ -183,27 +207,65 @@ class ReplicaServer:
                 except OSError as exc:
                     log.warning("replica server %s: accept failed: %s", self.node_id, exc)
                     continue
-                peer = f"{addr[0]}:{addr[1]}"
-                with self._lock:
-                    full = len(self._connections) >= self.max_connections or self._stopping
-                    if not full:
-                        thread = threading.Thread(target=self._serve, args=(sock, peer),
-                                                  daemon=True, name=f"replica-conn-{peer}")
-                        self._connections[thread] = sock
-                        self.stats.connections += 1
-                if full:
-                    log.warning("replica server %s: refusing %s, %d connections open",
-                                self.node_id, peer, self.max_connections)
-                    self._bump(connections_rejected=1)
-                    sock.close()
-                else:
-                    thread.start()
+                self._admit(sock, addr[0], f"{addr[0]}:{addr[1]}")
+
+    def _admit(self, sock: socket.socket, host: str, peer: str) -> None:
+        """Starts serving a new connection as pending, displacing one when the cap is full."""
+        victim = None
+        with self._lock:
+            if self._stopping:
+                sock.close()
+                return
+            thread = threading.Thread(target=self._serve, args=(sock, peer), daemon=True,
+                                      name=f"replica-conn-{peer}")
+            displaced = self._pending.admit(thread, host)
+            if displaced is not None:
+                victim = self._connections.get(displaced)
+                self.stats.pending_evicted += 1
+            self._connections[thread] = sock
+            self.stats.connections += 1
+        if victim is not None:
+            log.debug("replica server %s: %d handshakes pending, displacing one for %s",
+                        self.node_id, self.max_pending, peer)
+            shut(victim)
+        thread.start()
+
+    def _expire_handshakes(self) -> float | None:
+        """Ends handshakes past their deadline; returns seconds until the next one is due."""
+        expired, wait = self._pending.expire()
+        with self._lock:
+            self.stats.handshake_timeouts += len(expired)
+            socks = [self._connections[t] for t in expired if t in self._connections]
+        for sock in socks:
+            shut(sock)  # its thread's receive returns, and it records the failure
+        return wait
+
+    def _authenticated_slot(self, me: threading.Thread) -> str | None:
+        """Moves ``me`` from pending to authenticated; the reason when it may not."""
+        with self._lock:
+            if not self._pending.release(me):
+                return "handshake deadline passed, or displaced by a newer connection"
+            if self._stopping:
+                return "stopping"
+            if self._authenticated >= self.max_connections:
+                self.stats.connections_rejected += 1
+                return f"{self.max_connections} peers connected"
+            self._authenticated += 1
+            return None
 
     # -- serving one connection ------------------------------------------------------------
 
     def _serve(self, sock: socket.socket, peer: str) -> None:
         me = threading.current_thread()
         channel = Channel(sock, self.limits)
+        authenticated = False
+
+        def admit() -> str | None:
+            nonlocal authenticated
+            refused = self._authenticated_slot(me)
+            authenticated = refused is None
+            return refused
+
         try:
             sock.settimeout(self.handshake_timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -211,10 +273,24 @@ class ReplicaServer:
                 if self.ssl_context is not None:
                     sock = self.ssl_context.wrap_socket(sock, server_side=True)
                     with self._lock:
-                        self._connections[me] = sock
+                        if me in self._connections:
+                            self._connections[me] = sock
                     channel = Channel(sock, self.limits)
-                hello = server_handshake(channel, self._secret, self.node_id)
-            except (ProtocolError, ssl.SSLError, ConnectionLost) as exc:
+                hello = server_handshake(channel, self._secret, self.node_id,
+                                         admit=admit)
+            except (ProtocolError, ssl.SSLError, ConnectionLost, OSError) as exc:
+                if authenticated:  # lost while sending the ACK: a peer that went away
+                    return
+                with self._lock:
+                    cut = not self._pending.release(me)  # deadline or displaced
+                    if self._stopping:
+                        return
+                if cut:
+                    self.auth_failures.record(peer, f"HandshakeDeadline: not authenticated "
+                                                    f"within {self.handshake_timeout} s")
+                    return
+                if isinstance(exc, OSError) and not isinstance(exc, ssl.SSLError):
+                    return
                 if isinstance(exc, ConnectionLost) and not channel.bytes_received:
                     return  # connected and left without a word: a port probe, not a peer
                 # Anything else that does not end in a proven peer is a failed authentication,
@@ -228,6 +304,11 @@ class ReplicaServer:
                 elif isinstance(exc, ProtocolError):
                     channel.send_error("auth", "authentication failed")
                     channel.linger_close()
+                return
+            if hello is None:
+                log.warning("replica server %s: turned away authenticated %s (over %d peers, "
+                            "past its handshake deadline, or stopping)", self.node_id, peer,
+                            self.max_connections)
                 return
             sock.settimeout(self.idle_timeout)
             while not self._stopping:
@@ -263,6 +344,8 @@ class ReplicaServer:
             channel.close()
             with self._lock:
                 self._connections.pop(me, None)
+                self._pending.release(me)
+                self._authenticated -= authenticated
 
     def _receive(self, channel: Channel, d: Descriptor, peer_id: str) -> None:
         try:
@@ -311,3 +394,4 @@ class ReplicaServer:
         finally:
             self.sink.release(d)
         self._bump(fetches=1)
+

@@ -1,20 +1,27 @@
 """The replication protocol's framing: a fixed binary header in front of every payload.
 
-Every frame starts with a 20-byte header, network byte order::
+Every frame starts with a 28-byte header, network byte order::
 
-    magic "EDRP" (4) | version u8 | type u8 | flags u16 | payload length u32 | checksum u64
+    magic "EDRP" (4) | version u8 | type u8 | flags u16 | payload length u32 | check (16)
 
-The checksum is xxh3_64 over the first 12 header bytes followed by the payload, so a flipped
-type or length is caught as surely as a flipped payload byte (xxh3 runs at memory speed; it
-detects corruption, not attackers: :mod:`elasticd.replication.auth` handles those). A reader
-checks magic, version, type, flags and the length limit for that type *before* reading the
-payload, so a hostile or corrupt length never makes it allocate or wait for more than
+The check covers the first 12 header bytes followed by the payload, so a flipped type or length
+is caught as surely as a flipped payload byte. What it is depends on the SEALED flag:
+
+* sealed (every frame after the handshake, both ways): an AES-GMAC tag under the direction's
+  session key and the frame's sequence number (:mod:`elasticd.replication.seal`). It stops an
+  attacker, not just corruption: a relay that alters, replays, reorders or drops a frame and
+  recomputes a checksum is refused.
+* unsealed (the handshake only, before any key exists): xxh3_128, which detects corruption.
+  The handshake's content is bound by the keys and proofs derived from it.
+
+A reader checks magic, version, type, flags and the length limit for that type *before* reading
+the payload, so a hostile or corrupt length never makes it allocate or wait for more than
 :class:`Limits` allows. Payloads are binary (``struct``) where they carry nonces or offsets and
 small JSON objects elsewhere (:mod:`elasticd.replication.messages`); never pickle.
 
 The frames, by conversation (``C`` client, ``S`` server):
 
-* handshake: C HELLO → S CHALLENGE → C AUTH → S ACK (or ERROR and close);
+* handshake: C HELLO → S CHALLENGE → C AUTH → S ACK, sealed (or ERROR unsealed, and close);
 * push: C PUT_BEGIN → S ACK | NACK, then C DATA… PUT_END → S ACK | NACK;
 * fetch: C FETCH → S FETCH_REPLY, DATA…, PUT_END | NACK;
 * ERROR from either side ends the connection.
@@ -32,12 +39,14 @@ import xxhash
 from elasticd.replication.api import ReplicationError
 
 MAGIC = b"EDRP"
-VERSION = 1
-HEADER = struct.Struct("!4sBBHIQ")
+VERSION = 2  # 2: client proves first; frames sealed with per-direction session keys
+CHECK_BYTES = 16
+HEADER = struct.Struct(f"!4sBBHI{CHECK_BYTES}s")
 HEADER_SIZE = HEADER.size
 CHECKED = struct.Struct("!4sBBHI")  # the header bytes the checksum covers
 OFFSET = struct.Struct("!Q")
-KNOWN_FLAGS = 0  # no flag is defined in version 1; a set bit means a newer peer
+FLAG_SEALED = 0x0001  # the check is the session's GMAC tag, not a checksum
+KNOWN_FLAGS = FLAG_SEALED  # any other set bit means a newer peer
 NONCE_BYTES = 32
 PROOF_BYTES = 32
 MAX_NODE_ID = 255
@@ -76,6 +85,14 @@ class ChecksumMismatch(ProtocolError):
 
 class TruncatedFrame(ProtocolError):
     """Fewer bytes than the frame needs (a buffer cut short, or a connection closed mid-frame)."""
+
+
+class ForgedFrame(ProtocolError):
+    """A sealed frame fails its tag: altered, replayed, reordered, or not from the peer."""
+
+
+class UnsealedFrame(ProtocolError):
+    """A frame without a tag where the session requires one, or with one before keys exist."""
 
 
 class MalformedFrame(ProtocolError):
@@ -125,8 +142,12 @@ class FrameHeader:
     type: FrameType
     flags: int
     length: int
-    checksum: int
-    checked: bytes  # the 12 header bytes under the checksum
+    check: bytes  # checksum (unsealed) or tag (sealed)
+    checked: bytes  # the 12 header bytes under the check
+
+    @property
+    def sealed(self) -> bool:
+        return bool(self.flags & FLAG_SEALED)
 
 
 def parse_header(raw: bytes | bytearray | memoryview, limits: Limits) -> FrameHeader:
@@ -137,7 +158,7 @@ def parse_header(raw: bytes | bytearray | memoryview, limits: Limits) -> FrameHe
     """
     if len(raw) != HEADER_SIZE:
         raise TruncatedFrame(f"frame header is {HEADER_SIZE} bytes, got {len(raw)}")
-    magic, version, ftype, flags, length, checksum = HEADER.unpack(raw)
+    magic, version, ftype, flags, length, check = HEADER.unpack(raw)
     if magic != MAGIC:
         raise BadMagic(f"frame starts with {magic!r}, expected {MAGIC!r}: not an elasticd "
                        "replication peer, or the stream lost its framing")
@@ -155,20 +176,23 @@ def parse_header(raw: bytes | bytearray | memoryview, limits: Limits) -> FrameHe
         raise FrameTooLarge(f"{kind.name} frame announces {length} payload bytes, limit {limit}")
     if kind is FrameType.DATA and length <= OFFSET.size:
         raise MalformedFrame(f"DATA frame of {length} bytes has no room for offset and data")
-    return FrameHeader(kind, flags, length, checksum, bytes(raw[: CHECKED.size]))
+    return FrameHeader(kind, flags, length, check, bytes(raw[: CHECKED.size]))
 
 
-def checksum(checked: bytes, *parts: Any) -> int:
-    """xxh3_64 over the covered header bytes then the payload parts."""
-    h = xxhash.xxh3_64()
+def checksum(checked: bytes, *parts: Any) -> bytes:
+    """xxh3_128 over the covered header bytes then the payload parts (unsealed frames)."""
+    h = xxhash.xxh3_128()
     h.update(checked)
     for part in parts:
         h.update(part)
-    return h.intdigest()
+    return h.digest()
 
 
 def verify(header: FrameHeader, *parts: Any) -> None:
-    """Raises :class:`ChecksumMismatch` unless ``parts`` are the payload ``header`` announced."""
-    if checksum(header.checked, *parts) != header.checksum:
+    """Raises :class:`ChecksumMismatch` unless ``parts`` are the payload ``header`` announced.
+
+    For unsealed frames only; sealed ones are opened with their session key (the channel).
+    """
+    if checksum(header.checked, *parts) != header.check:
         raise ChecksumMismatch(f"{header.type.name} frame of {header.length} bytes fails its "
                                "xxh3 checksum")

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from elasticd.agent.spec import NodeJobStatus
 from elasticd.launcher import LocalCluster
 
 pytestmark = [pytest.mark.etcd]
@@ -136,6 +137,12 @@ def job_status(cluster, node):
     return cluster.nodes[node].http("/status")["job"]
 
 
+def agent_pid(cluster, node, job="job"):
+    """The agent's pid, from the node's record in etcd (/status over HTTP leaves it out)."""
+    kv = cluster.coordinator().get(cluster.keys.job_node(job, node))
+    return NodeJobStatus.decode(kv.value, kv.key).agent_pid
+
+
 @pytest.mark.timeout(180)
 def test_kill9_of_the_agent_alone_takes_its_workers_and_the_job_recovers(cluster):
     ctl(cluster.etcd, cluster.prefix, "submit", "job", "--nnodes", "2:3", "--nproc-per-node",
@@ -143,11 +150,11 @@ def test_kill9_of_the_agent_alone_takes_its_workers_and_the_job_recovers(cluster
         check=True)
     cluster.wait_for(lambda: all(steps_at_world(agent_log(cluster, n, "job"), 3)
                                  for n in cluster.nodes), 60, "training at world size 3")
-    agent_pid = job_status(cluster, "n2")["agent_pid"]
-    workers = [int(p) for p in open(f"/proc/{agent_pid}/task/{agent_pid}/children").read().split()]
+    pid = agent_pid(cluster, "n2")
+    workers = [int(p) for p in open(f"/proc/{pid}/task/{pid}/children").read().split()]
     assert workers
     marks = {n: len(agent_log(cluster, n, "job")) for n in cluster.nodes}
-    os.kill(agent_pid, 9)
+    os.kill(pid, 9)
     cluster.wait_for(lambda: not any(os.path.exists(f"/proc/{p}") for p in workers), 10,
                      "the dead agent's workers gone")
     cluster.wait_for(lambda: all(steps_at_world(agent_log(cluster, n, "job"), 3, marks[n])
@@ -241,8 +248,8 @@ def test_worker_crash_restores_from_the_daemons_ram(cluster):
         check=True)
     cluster.wait_for(lambda: all(len(steps_at_world(agent_log(cluster, n, "job"), 3)) > 30
                                  for n in cluster.nodes), 90, "30 steps at world size 3")
-    st = job_status(cluster, "n2")
-    worker = int(open(f"/proc/{st['agent_pid']}/task/{st['agent_pid']}/children").read().split()[0])
+    pid = agent_pid(cluster, "n2")
+    worker = int(open(f"/proc/{pid}/task/{pid}/children").read().split()[0])
     marks = {n: len(agent_log(cluster, n, "job")) for n in cluster.nodes}
     last = max(s for _, s in steps_at_world(agent_log(cluster, "n2", "job"), 3))
     os.kill(worker, 9)

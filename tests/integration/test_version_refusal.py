@@ -45,7 +45,7 @@ def with_version(frame: bytes, version: int) -> bytes:
     magic, _, ftype, flags, length = CHECKED.unpack(frame[: CHECKED.size])
     checked = CHECKED.pack(magic, version, ftype, flags, length)
     payload = frame[HEADER_SIZE:]
-    return checked + struct.pack("!Q", checksum(checked, payload)) + payload
+    return checked + checksum(checked, payload) + payload
 
 
 def recv_frame(sock: socket.socket) -> bytes:

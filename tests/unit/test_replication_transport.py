@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -27,7 +28,17 @@ from elasticd.replication.api import (
 from elasticd.replication.auth import AuthenticationFailed, AuthFailures, client_handshake
 from elasticd.replication.channel import Channel
 from elasticd.replication.memory import MemorySink
-from elasticd.replication.messages import Ack, Error, PutBegin, PutEnd, data_prefix
+from elasticd.replication.messages import (
+    Ack,
+    Auth,
+    Challenge,
+    Error,
+    Hello,
+    PutBegin,
+    PutEnd,
+    data_prefix,
+)
+from elasticd.replication.seal import FrameKey
 from elasticd.replication.wire import ProtocolError
 from elasticd.replication.transport import ReplicaClient, ReplicaServer
 
@@ -171,10 +182,37 @@ def test_wrong_secret_is_rejected_counted_and_stores_nothing(make_server, client
     wait_for(lambda: server.auth_failures.count == 1)
     assert seen and seen[0].startswith("127.0.0.1:")
     assert sink.events == []
-    # The other direction: a server without the secret cannot pass itself off as a peer.
-    impostor = make_server(secret=b"impostor-secret-0123456789")
-    with pytest.raises(AuthenticationFailed, match="did not prove"):
-        clients(impostor)
+    # The other direction: a server without the secret cannot pass itself off as a peer,
+    # even one that accepts any proof (it cannot seal its ACK under the session key).
+    with impostor_server() as address:
+        with pytest.raises(AuthenticationFailed, match="did not prove"):
+            ReplicaClient.connect(*address, SECRET, "node-a", timeout=10.0)
+
+
+@contextlib.contextmanager
+def impostor_server():
+    """A server that answers HELLO, takes any AUTH and seals its ACK under a key of its own."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        sock, _ = listener.accept()
+        with sock:
+            channel = Channel(sock)
+            channel.recv(Hello)
+            channel.send(Challenge("node-b", os.urandom(32), 8 << 20))
+            channel.recv(Auth)
+            channel.send_key = FrameKey(os.urandom(32))
+            channel.send(Ack({"node_id": "node-b"}))
+            sock.settimeout(5)
+            sock.recv(1)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[:2]
+    finally:
+        thread.join(10)
+        listener.close()
 
 
 def test_expected_peer_is_checked(make_server, clients):
@@ -286,13 +324,13 @@ def test_corrupt_chunk_aborts_with_an_error(make_server):
     client = open_push(server, d)
     channel = client.channel
     corrupt = bytearray(header)
-    prefix = data_prefix(0, corrupt)
-    corrupt[0] ^= 1  # flipped after the checksum was computed: corrupted in transit
+    prefix = data_prefix(0, corrupt, channel.send_key)
+    corrupt[0] ^= 1  # flipped after the tag was computed: corrupted in transit
     channel.sock.sendall(prefix + corrupt)
     channel.send_data(len(header), memoryview(payload))
     channel.send(PutEnd(d.total_bytes, 2))
     reply = channel.recv(Error)
-    assert isinstance(reply, Error) and reply.code == "protocol" and "checksum" in reply.message
+    assert isinstance(reply, Error) and reply.code == "protocol" and "tag" in reply.message
     wait_for(lambda: [e[0] for e in sink.events] == ["begin", "abort"])
     wait_for(lambda: server.snapshot_stats().protocol_errors == 1)
     client.close()
@@ -324,7 +362,7 @@ def test_idle_connection_is_closed(make_server, clients):
 def test_connections_over_the_limit_are_refused(make_server, clients):
     server = make_server(max_connections=1)
     first = clients(server)
-    with pytest.raises((ConnectionLost, AuthenticationFailed)):
+    with pytest.raises(RemoteError, match="busy"):
         clients(server)
     wait_for(lambda: server.stats.connections_rejected == 1)
     first.push(*snapshot(step=1, size=100))

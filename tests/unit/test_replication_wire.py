@@ -43,13 +43,14 @@ from elasticd.replication.wire import (
     UnknownFlags,
     UnknownFrameType,
     UnsupportedVersion,
+    VERSION,
     checksum,
 )
 
 D = Descriptor("job-a", 3, 1, 42, 1000, 100)
 MESSAGES = [
     Hello("node-1", b"n" * 32, 8 << 20),
-    Challenge("node-2", b"s" * 32, b"p" * 32, 4 << 20),
+    Challenge("node-2", b"s" * 32, 4 << 20),
     Auth(b"q" * 32),
     PutBegin(D),
     PutEnd(1000, 3),
@@ -91,7 +92,7 @@ def reseal(frame: bytearray, fix_length: bool = False) -> bytes:
     if fix_length:
         frame[8:12] = struct.pack("!I", len(frame) - HEADER_SIZE)
     head = bytes(frame[: CHECKED.size])
-    frame[CHECKED.size : HEADER_SIZE] = struct.pack("!Q", checksum(head, frame[HEADER_SIZE:]))
+    frame[CHECKED.size : HEADER_SIZE] = checksum(head, frame[HEADER_SIZE:])
     return bytes(frame)
 
 
@@ -151,11 +152,11 @@ def _header(frame: bytes, **fields) -> bytearray:
     "fields,error,needle",
     [
         (dict(magic=b"HTTP"), BadMagic, "not an elasticd replication peer"),
-        (dict(version=2), UnsupportedVersion, "v2"),
+        (dict(version=1), UnsupportedVersion, "v1"),
         (dict(ftype=99), UnknownFrameType, "99"),
-        (dict(flags=1), UnknownFlags, "0x0001"),
+        (dict(flags=2), UnknownFlags, "0x0002"),
         (dict(length=1 << 20), FrameTooLarge, "limit 65536"),
-        (dict(check=1), ChecksumMismatch, "checksum"),
+        (dict(check=b"\1" * 16), ChecksumMismatch, "checksum"),
     ],
 )
 def test_header_rejections_are_typed_and_say_what(fields, error, needle):
@@ -193,16 +194,16 @@ def test_truncated_and_trailing_frames():
     ],
 )
 def test_payload_rejections(msg_type, payload, needle):
-    checked = CHECKED.pack(b"EDRP", 1, msg_type.TYPE, 0, len(payload))
-    frame = checked + struct.pack("!Q", checksum(checked, payload)) + payload
+    checked = CHECKED.pack(b"EDRP", VERSION, msg_type.TYPE, 0, len(payload))
+    frame = checked + checksum(checked, payload) + payload
     with pytest.raises(MalformedFrame, match=needle):
         decode_frame(frame)
 
 
 def test_huge_length_is_rejected_before_reading_it():
-    # A DATA header announcing 4 GiB: the reader must refuse it having read 20 bytes only.
-    checked = CHECKED.pack(b"EDRP", 1, 5, 0, 2**32 - 1)
-    fake = FakeSocket(checked + b"\0" * 8 + b"payload that must not be read")
+    # A DATA header announcing 4 GiB: the reader must refuse it having read the header only.
+    checked = CHECKED.pack(b"EDRP", VERSION, 5, 0, 2**32 - 1)
+    fake = FakeSocket(checked + b"\0" * 16 + b"payload that must not be read")
     with pytest.raises(FrameTooLarge, match="DATA frame announces 4294967295"):
         Channel(fake, Limits(max_frame=1 << 20)).recv_header()
     assert fake.pos == HEADER_SIZE

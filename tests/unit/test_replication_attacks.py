@@ -1,0 +1,222 @@
+"""Hostile networks against the replica transport, over real loopback sockets.
+
+Threat model (docs/security.md): anyone who reaches the replication port, and any relay on the
+path, is hostile; peers holding the cluster secret are trusted. Each test plays one attacker:
+a relay that rewrites a DATA frame and recomputes its checksum, a flood of connections that
+never finish their handshake, and a caller without the secret fishing for a value to test
+guesses against offline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+import pytest
+
+from elasticd.replication import auth
+from elasticd.replication.api import Descriptor
+from elasticd.replication.auth import AuthFailures
+from elasticd.replication.channel import Channel
+from elasticd.replication.memory import MemorySink
+from elasticd.replication.messages import Auth, Challenge, Error, Hello, decode_frame
+from elasticd.replication.transport import ReplicaClient, ReplicaServer
+from elasticd.replication.wire import CHECKED, HEADER, HEADER_SIZE, FrameType, checksum
+
+SECRET = b"cluster-secret-0123456789abcdef"
+MiB = 1 << 20
+
+
+def wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def server(sink=None, secret=SECRET, **kw):
+    srv = ReplicaServer("127.0.0.1", 0, secret, "node-b", sink or MemorySink(),
+                        idle_timeout=10.0, **kw).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def read_exactly(sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            raise EOFError(f"closed after {len(out)} of {n} bytes")
+        out += chunk
+    return bytes(out)
+
+
+class RewritingRelay:
+    """A TCP relay between client and server that parses frames client→server and rewrites
+    the first byte of the ``nth`` DATA payload, recomputing the frame's checksum the way an
+    attacker who knows the wire format would. Server→client bytes pass untouched."""
+
+    def __init__(self, target: tuple[str, int], nth: int = 1) -> None:
+        self.target, self.nth = target, nth
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = self.listener.getsockname()[:2]
+        self.rewritten = 0
+        self.threads: list[threading.Thread] = []
+        self.socks: list[socket.socket] = []
+        accept = threading.Thread(target=self._accept, daemon=True)
+        accept.start()
+        self.threads.append(accept)
+
+    def _accept(self) -> None:
+        client, _ = self.listener.accept()
+        upstream = socket.create_connection(self.target)
+        self.socks += [client, upstream]
+        for fn, args in ((self._client_to_server, (client, upstream)),
+                         (self._pipe, (upstream, client))):
+            t = threading.Thread(target=fn, args=args, daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def _client_to_server(self, src: socket.socket, dst: socket.socket) -> None:
+        seen = 0
+        with contextlib.suppress(OSError, EOFError):
+            while True:
+                head = read_exactly(src, HEADER_SIZE)
+                magic, version, ftype, flags, length, check = HEADER.unpack(head)
+                payload = bytearray(read_exactly(src, length))
+                if ftype == FrameType.DATA:
+                    seen += 1
+                    if seen == self.nth:
+                        payload[8] ^= 0xFF  # the first byte after the offset: the data
+                        check = checksum(head[: CHECKED.size], payload)
+                        self.rewritten += 1
+                dst.sendall(HEADER.pack(magic, version, ftype, flags, length, check) + payload)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        for sock in self.socks:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        self.listener.close()
+        for t in self.threads:
+            t.join(10)
+        for sock in self.socks:
+            sock.close()
+
+
+def test_relay_rewriting_a_data_frame_is_refused_and_counted():
+    sink = MemorySink()
+    with server(sink) as srv:
+        relay = RewritingRelay(srv.address, nth=2)
+        try:
+            client = ReplicaClient.connect(*relay.address, SECRET, "node-a", timeout=10.0)
+            header = b"{}".ljust(64)
+            payload = bytes(range(256)) * 4096  # 1 MiB
+            d = Descriptor.for_snapshot("job", 0, 0, 1, len(header), len(payload))
+            with pytest.raises(Exception) as refused:
+                client.push(d, header, payload, chunk_size=256 << 10)
+            client.close()
+        finally:
+            relay.close()
+        assert relay.rewritten == 1
+        assert "tag" in str(refused.value)  # the server said why before closing
+        wait_for(lambda: srv.snapshot_stats().protocol_errors == 1)
+        assert sink.get("job", 0) is None
+        assert [e[0] for e in sink.events] == ["begin", "abort"]
+        assert srv.snapshot_stats().pushes_committed == 0
+
+
+def attack(srv: ReplicaServer) -> socket.socket:
+    return socket.create_connection(srv.address, timeout=5, source_address=("127.0.0.2", 0))
+
+
+def test_slowloris_of_unauthenticated_connections_does_not_keep_a_peer_out():
+    failures = AuthFailures()
+    # The defaults (64 peers, 32 pending handshakes), a short handshake deadline.
+    with server(handshake_timeout=1.5, auth_failures=failures) as srv:
+        stop = threading.Event()
+        attackers: list[socket.socket] = []
+
+        def trickle() -> None:
+            # 70 connections from another address than the peer's, each sending one byte of
+            # a HELLO header every 0.2 s (far within any per-receive timeout), reopened at once
+            # whenever the server drops one.
+            while not stop.is_set():
+                for i, sock in enumerate(attackers):
+                    try:
+                        sock.send(b"E")
+                    except OSError:
+                        sock.close()
+                        with contextlib.suppress(OSError):
+                            attackers[i] = attack(srv)
+                stop.wait(0.2)
+
+        for _ in range(70):
+            attackers.append(attack(srv))
+        flood = threading.Thread(target=trickle, daemon=True)
+        flood.start()
+        try:
+            # The peer connects in the middle of the flood, more than once, and gets in.
+            for step in range(3):
+                client = ReplicaClient.connect(*srv.address, SECRET, "node-a", timeout=10.0)
+                d = Descriptor.for_snapshot("job", 0, 0, step + 1, 2, 10)
+                client.push(d, b"{}", b"0123456789")
+                client.close()
+        finally:
+            stop.set()
+            flood.join(10)
+            for sock in attackers:
+                sock.close()
+        stats = srv.snapshot_stats()
+        assert stats.pushes_committed == 3
+        assert stats.pending_evicted > 0 and failures.count > 0
+        # One connection trickling a byte every 0.2 s (never idle for a whole receive timeout)
+        # is cut at the deadline of the whole handshake.
+        with attack(srv) as slow:
+            wait_for(lambda: srv.pending_handshakes == 1)  # the flood's are gone
+            cut = False
+            deadline = time.monotonic() + 10
+            while not cut and time.monotonic() < deadline:
+                try:
+                    slow.send(b"E")
+                    time.sleep(0.2)  # the attacker's pace, not a wait for a condition
+                except OSError:
+                    cut = True
+            assert cut
+        wait_for(lambda: srv.snapshot_stats().handshake_timeouts >= 1)
+
+
+def test_a_client_that_never_proves_learns_nothing_derived_from_the_secret(monkeypatch):
+    # Same nonces, different secrets: were anything the server sends before the client's
+    # proof derived from the secret, the two conversations would differ.
+    monkeypatch.setattr(auth, "new_nonce", lambda: b"\x07" * 32)
+    conversations = []
+    for secret in (SECRET, b"another-secret-0123456789abcdef"):
+        with server(secret=secret) as srv, socket.create_connection(srv.address, 5) as sock:
+            sock.settimeout(5)
+            channel = Channel(sock)
+            channel.send(Hello("guesser", b"\x01" * 32, 8 << 20))
+            head = read_exactly(sock, HEADER_SIZE)
+            first = head + read_exactly(sock, HEADER.unpack(head)[4])
+            assert isinstance(decode_frame(first), Challenge)
+            channel.send(Auth(b"\0" * 32))  # a guess
+            rest = bytearray()
+            while chunk := sock.recv(4096):
+                rest += chunk
+            assert isinstance(decode_frame(rest), Error)
+            conversations.append((first, bytes(rest)))
+    assert conversations[0] == conversations[1]
