@@ -92,8 +92,9 @@ log = logging.getLogger(__name__)
 #: torch's defaults for the same rdzv-conf keys (dynamic_rendezvous.RendezvousTimeout).
 DEFAULT_JOIN_TIMEOUT = 600.0
 DEFAULT_LAST_CALL_TIMEOUT = 30.0
-#: While a rendezvous waits: re-list the mirror this often, seconds (the watch's safety net).
-RELIST_INTERVAL = 5.0
+#: While a rendezvous waits: re-list the mirror this often, seconds (the watch's safety net;
+#: a lost lease or a watch error re-lists at once, so this only bounds what nothing signals).
+RELIST_INTERVAL = 30.0
 #: A node that is not the expected closer of a closable round writes it after this many seconds
 #: (plus up to as much again, at random): the expected closer may have died.
 CLOSER_BACKOFF = 1.0
@@ -287,8 +288,10 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         #: Called with the ids of members of this node's current round once they are gone
         #: (confirmed). Under a daemon, restarts this node's workers (see rendezvous.py).
         self.on_round_broken: Callable[[list[str]], None] | None = None
-        #: Per round this node joined: (round, seconds in next_rendezvous). For benches.
+        #: Per round this node joined: (round, seconds in next_rendezvous until it saw the
+        #: round), and the monotonic time it last saw one. For benches and logs.
         self.rounds: list[tuple[int, float]] = []
+        self.seen_at = 0.0
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -477,7 +480,8 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
             with mirror.cond:
                 if mirror.version == seen and not self._relist.is_set():
                     mirror.cond.wait(wait)
-        took = self._clock.monotonic() - started
+        self.seen_at = self._clock.monotonic()
+        took = self.seen_at - started
         self.rounds.append((last.round, took))
         log.info("node %s is rank %d of %d in round %d of rendezvous %r (%.2fs)", self.me, rank,
                  len(last.members), last.round, self._run_id, took)
