@@ -47,6 +47,7 @@ import pickle
 import platform
 import random
 import re
+import signal
 import statistics
 import sys
 import threading
@@ -799,6 +800,9 @@ def main() -> int:
     a.out = a.out or ("bench/results/scale_native.json" if a.handler == "native"
                       else "bench/results/scale.json")
     random.seed(0)
+    # A SIGTERM (timeout(1), a CI limit) unwinds through the finally blocks: etcd and the
+    # agent processes are stopped, not orphaned.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     etcd = EmbeddedEtcd(1).start()
     runs = []
     started = time.monotonic()

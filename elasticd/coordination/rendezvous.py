@@ -311,15 +311,20 @@ def __getattr__(name: str) -> object:
 NATIVE_BACKEND_NAME = "etcd-v3-native"
 
 
-def native_handler_creator() -> Callable[[RendezvousParameters], RendezvousHandler]:
+def native_handler_creator(name: str = NATIVE_BACKEND_NAME
+                           ) -> Callable[[RendezvousParameters], RendezvousHandler]:
     """The ``torchrun.handlers`` entry point of elasticd's own handler
-    (:mod:`.rendezvous_handler`: per-node keys, no pickle), registered as etcd-v3-native."""
+    (:mod:`.rendezvous_handler`: per-node keys, no pickle), registered as etcd-v3-native.
+
+    Args:
+        name: what the handler's ``get_backend()`` returns: the entry point's name.
+    """
 
     def create(params: RendezvousParameters) -> RendezvousHandler:
         # Imported here, not at the top: see the note on imports above.
         from elasticd.coordination.rendezvous_handler import create_handler
 
-        handler = create_handler(params, NATIVE_BACKEND_NAME)
+        handler = create_handler(params, name)
         _watch_daemon_native(handler)
         return handler
 
