@@ -25,11 +25,15 @@ The rules, for the next round ``t`` after the last closed round ``t - 1`` with m
   grow): as soon as every one of them has joined, so no last call; the live nodes of the job are
   then all in. With none (a job's first round, or every member gone): after ``last_call``
   seconds from the moment ``min`` was reached, so late starters get in.
-* **Ranks.** Survivors of ``M`` first, in their order in ``M`` (a survivor's rank never moves
-  past another survivor's, so its snapshot stays local when ranks shift down), then newcomers by
-  the revision that created their record (arrival order), ties by node id. The first ``max`` are
-  the round; the rest stay spares, and the next round takes them in that order, so a spare
-  replaces a failed node and the world size stays.
+* **Ranks.** A survivor of ``M`` keeps its rank when that rank still exists in the new round,
+  so the snapshot it holds for that rank stays local. The free places, lowest first, go to the
+  survivors whose rank no longer exists (in their order in ``M``), then to newcomers by the
+  revision that created their record (arrival order), ties by node id. When the highest ranks
+  were lost this is plain order-keeping; when a middle rank was lost, only the displaced top
+  ranks move, rather than every rank above the hole (each of which would lose its local
+  snapshot). At most ``max`` form the round; the rest stay spares, and the next round takes
+  them in that order, so a spare replaces a failed node (taking its rank) and the world size
+  stays.
 * **Waiting** (``num_nodes_waiting``, asked by each agent while its workers train): members of
   the current round that came back to re-rendezvous, plus waiting non-members when the round has
   room (fewer than ``max`` of its members alive). A full round's spares wait silently; they are
@@ -151,16 +155,33 @@ def joined(nodes: Mapping[str, NodeRecord], last: RoundRecord | None) -> list[st
 
 
 def order(candidates: Iterable[str], nodes: Mapping[str, NodeRecord],
-          last: RoundRecord | None) -> list[str]:
-    """Rank order of ``candidates``: survivors of ``last`` in their old order, then newcomers
-    by arrival (creation revision), ties by id."""
+          last: RoundRecord | None, size: int | None = None) -> list[str]:
+    """Rank order of ``candidates``; the first ``size`` (all by default) form the round.
+
+    A survivor of ``last`` keeps its rank when that rank still exists (``< size``), so the
+    snapshot it holds for that rank stays local. The other places, lowest first, go to the
+    survivors whose rank no longer exists, in their old order, then to newcomers by arrival
+    (creation revision), ties by id; whoever is left over is a spare. Survivors keep their
+    relative order whenever the ranks lost are the highest ones.
+    """
     pool = set(candidates)
+    size = len(pool) if size is None else min(size, len(pool))
     previous = last.members if last is not None else ()
-    survivors = [m for m in previous if m in pool]
-    kept = set(survivors)
-    newcomers = sorted((n for n in pool if n not in kept),
+    slots: list[str | None] = [None] * size
+    displaced = []
+    for rank, m in enumerate(previous):
+        if m not in pool:
+            continue
+        if rank < size:
+            slots[rank] = m
+        else:
+            displaced.append(m)
+    placed = set(previous) & pool
+    newcomers = sorted((n for n in pool if n not in placed),
                        key=lambda n: (nodes[n].revision if n in nodes else 0, n))
-    return survivors + newcomers
+    rest = iter(displaced + newcomers)
+    ranked = [s if s is not None else next(rest) for s in slots]
+    return ranked + list(rest)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +219,7 @@ def decide_close(nodes: Mapping[str, NodeRecord], last: RoundRecord | None,
                                    f"{last.round if last else '-'} still training")
     if len(candidates) < min_nodes:
         return CloseDecision(None, f"{len(candidates)} of at least {min_nodes} nodes joined")
-    ranked = order(candidates, nodes, last)
+    ranked = order(candidates, nodes, last, max_nodes)
     if len(ranked) >= max_nodes or live_members:
         return CloseDecision(tuple(ranked[:max_nodes]))
     if last_call_over:

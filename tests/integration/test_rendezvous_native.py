@@ -146,9 +146,9 @@ def test_a_spare_waits_silently_then_replaces_a_dead_member_without_a_last_call(
     by_rank[0].stop()  # rank 0 dies
     survivor = by_rank[1]
     info = results(cluster.join(survivor))[0]
-    assert info.rank == 0 and info.world_size == 2
+    assert info.rank == 1 and info.world_size == 2  # the survivor keeps its rank ...
     spare_info = futures[nodes.index(spare)].result(timeout=TIMEOUT)
-    assert spare_info.rank == 1 and spare_info.world_size == 2
+    assert spare_info.rank == 0 and spare_info.world_size == 2  # ... the spare takes rank 0
 
 
 def test_a_spare_joining_during_a_failure_neither_hangs_nor_kills_the_job(cluster):

@@ -58,11 +58,17 @@ def test_after_a_failure_the_round_closes_once_every_live_member_joined_without_
     assert decide_close(live, last, 1, 3, last_call_over=False).members == ("a", "b")
 
 
-def test_ranks_keep_the_survivors_order_then_newcomers_by_arrival():
+def test_survivors_keep_their_ranks_and_the_holes_fill_by_order_then_arrival():
     last = RoundRecord(4, ("c", "a", "d", "b"))
     live = nodes(("a", 5, 9), ("b", 5, 1), ("c", 5, 3), ("z", 0, 20), ("y", 0, 15))
-    assert order(joined(live, last), live, last) == ["c", "a", "b", "y", "z"]
-    assert decide_close(live, last, 1, 4, False).members == ("c", "a", "b", "y")
+    # d (rank 2) died: the first newcomer takes its rank, every survivor keeps its own.
+    assert order(joined(live, last), live, last, 4) == ["c", "a", "y", "b", "z"]
+    assert decide_close(live, last, 1, 4, False).members == ("c", "a", "y", "b")
+    # Without newcomers the round shrinks: the survivor whose rank is gone takes the hole.
+    del live["y"], live["z"]
+    assert decide_close(live, last, 1, 4, False).members == ("c", "a", "b")
+    # The highest rank lost: everyone keeps rank and order.
+    assert order(["c", "a", "d"], live | nodes(("d", 5, 2)), last) == ["c", "a", "d"]
     assert closer(("c", "a")) == "c"
 
 
