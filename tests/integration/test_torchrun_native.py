@@ -120,3 +120,42 @@ def test_a_spare_replaces_a_killed_node_and_training_resumes(etcd, prefix, tmp_p
     assert lines == ["ALLREDUCE rank=0 world=2 sum=3 share_store=False",
                      "ALLREDUCE rank=1 world=2 sum=3 share_store=False"], "\n\n".join(texts)
     print(f"kill -> survivors done (6 s of training after the re-rendezvous): {took:.1f}s")
+
+
+@pytest.mark.etcd
+@pytest.mark.timeout(150)
+def test_an_etcd_pause_past_the_ttl_with_a_spare_drops_nobody_and_restarts_nothing(
+        private_etcd, prefix, tmp_path):
+    # When etcd resumes after 2 x TTL it expires every lease at once; each agent re-grants and
+    # re-writes its record. A member absent meanwhile must not count as gone, or the waiting
+    # spare would look admissible and every member would restart into a new round.
+    run_id = f"pause-{uuid.uuid4().hex[:8]}"
+    member = private_etcd.members[0]
+    client = _connect(private_etcd)
+    started = [_start(private_etcd, prefix, run_id, "2:2", n, tmp_path, "2", "14")
+               for n in range(3)]
+    by_pid = {p.pid: (p, o) for p, o in started}
+    try:
+        deadline = time.monotonic() + 60
+        while (rnd := _round(client, prefix, run_id)) is None:
+            assert time.monotonic() < deadline, "no round formed"
+            time.sleep(0.1)
+        members = [by_pid[int(m.split("_")[1])] for m in rnd["members"]]
+        time.sleep(1.0)
+        member.signal(signal.SIGSTOP)
+        try:
+            time.sleep(2 * 2 + 1)  # 2 x liveness_ttl, and then some
+        finally:
+            member.signal(signal.SIGCONT)
+        codes = [p.wait(timeout=100) for p, _ in members]
+        final = _round(client, prefix, run_id)
+    finally:
+        member.signal(signal.SIGCONT)
+        client.close()
+        for p, _ in started:
+            _kill_group(p)
+    texts = [o.read_text() for _, o in members]
+    assert codes == [0, 0], "\n\n".join(texts)
+    assert final["round"] == 0, f"a new round formed: {final}"
+    assert not any("will restart worker group" in t for t in texts), "\n\n".join(texts)
+    assert sum("sum=3" in t for t in texts) == 2, "\n\n".join(texts)
