@@ -58,6 +58,26 @@ def _round(client: EtcdCoordinator, prefix: str, run_id: str) -> dict | None:
     return None if kv is None else json.loads(kv.value)
 
 
+def _first_round(client: EtcdCoordinator, prefix: str, run_id: str,
+                 timeout: float = 60.0) -> dict:
+    """The first round's record, once some agent wrote it."""
+    deadline = time.monotonic() + timeout
+    while (rnd := _round(client, prefix, run_id)) is None:
+        assert time.monotonic() < deadline, f"no round formed within {timeout}s"
+        time.sleep(0.1)
+    return rnd
+
+
+def _assert_trained_at_world_2(codes: list[int], nodes: list[tuple]) -> None:
+    """Both nodes exited 0 and their workers all-reduced as ranks 0 and 1 of 2, each
+    hosting its own TCPStore (no agent store shared)."""
+    texts = [o.read_text() for _, o in nodes]
+    assert codes == [0, 0], "\n\n".join(texts)
+    lines = sorted(ln for t in texts for ln in t.splitlines() if ln.startswith("ALLREDUCE"))
+    assert lines == ["ALLREDUCE rank=0 world=2 sum=3 share_store=False",
+                     "ALLREDUCE rank=1 world=2 sum=3 share_store=False"], "\n\n".join(texts)
+
+
 def _connect(server) -> EtcdCoordinator:
     return EtcdCoordinator(EtcdSettings(parse_endpoints(server.endpoints), timeout=1.0))
 
@@ -72,11 +92,7 @@ def test_two_plain_torchrun_nodes_train_on_the_native_handler(etcd, prefix, tmp_
     finally:
         for p, _ in started:
             _kill_group(p)
-    texts = [o.read_text() for _, o in started]
-    assert codes == [0, 0], "\n\n".join(texts)
-    lines = sorted(ln for t in texts for ln in t.splitlines() if ln.startswith("ALLREDUCE"))
-    assert lines == ["ALLREDUCE rank=0 world=2 sum=3 share_store=False",
-                     "ALLREDUCE rank=1 world=2 sum=3 share_store=False"], "\n\n".join(texts)
+    _assert_trained_at_world_2(codes, started)
     client = _connect(etcd)
     try:
         native = Keyspace(prefix).job_rdzv(run_id) + b"native/"
@@ -97,10 +113,7 @@ def test_a_spare_replaces_a_killed_node_and_training_resumes(etcd, prefix, tmp_p
     started = [_start(etcd, prefix, run_id, "2:2", n, tmp_path, "2", "6") for n in range(3)]
     by_pid = {p.pid: (p, o) for p, o in started}
     try:
-        deadline = time.monotonic() + 60
-        while (rnd := _round(client, prefix, run_id)) is None:
-            assert time.monotonic() < deadline, "no round formed"
-            time.sleep(0.1)
+        rnd = _first_round(client, prefix, run_id)
         pids = [int(m.split("_")[1]) for m in rnd["members"]]
         [spare_pid] = set(by_pid) - set(pids)
         time.sleep(1.0)  # let the first round's workers start training
@@ -114,11 +127,7 @@ def test_a_spare_replaces_a_killed_node_and_training_resumes(etcd, prefix, tmp_p
         client.close()
         for p, _ in started:
             _kill_group(p)
-    texts = [o.read_text() for _, o in survivors]
-    assert codes == [0, 0], "\n\n".join(texts)
-    lines = sorted(ln for t in texts for ln in t.splitlines() if ln.startswith("ALLREDUCE"))
-    assert lines == ["ALLREDUCE rank=0 world=2 sum=3 share_store=False",
-                     "ALLREDUCE rank=1 world=2 sum=3 share_store=False"], "\n\n".join(texts)
+    _assert_trained_at_world_2(codes, survivors)
     print(f"kill -> survivors done (6 s of training after the re-rendezvous): {took:.1f}s")
 
 
@@ -136,10 +145,7 @@ def test_an_etcd_pause_past_the_ttl_with_a_spare_drops_nobody_and_restarts_nothi
                for n in range(3)]
     by_pid = {p.pid: (p, o) for p, o in started}
     try:
-        deadline = time.monotonic() + 60
-        while (rnd := _round(client, prefix, run_id)) is None:
-            assert time.monotonic() < deadline, "no round formed"
-            time.sleep(0.1)
+        rnd = _first_round(client, prefix, run_id)
         members = [by_pid[int(m.split("_")[1])] for m in rnd["members"]]
         time.sleep(1.0)
         member.signal(signal.SIGSTOP)
