@@ -131,9 +131,8 @@ def test_a_newcomer_is_waiting_and_the_regrown_round_keeps_the_survivors_ranks(c
     assert a.num_nodes_waiting() == 0
 
 
-def test_a_spare_waits_silently_then_replaces_a_dead_member_without_a_last_call(cluster):
-    # A last call of 60 s would make this test time out: after a failure there is none.
-    nodes = [cluster.node(2, 2, last_call_timeout="60") for _ in range(3)]
+def test_a_spare_waits_silently_then_replaces_a_dead_member(cluster):
+    nodes = [cluster.node(2, 2) for _ in range(3)]
     futures = cluster.join(*nodes)
     done, pending = concurrent.futures.wait(futures, timeout=TIMEOUT,
                                             return_when=concurrent.futures.FIRST_COMPLETED)
@@ -149,6 +148,17 @@ def test_a_spare_waits_silently_then_replaces_a_dead_member_without_a_last_call(
     assert info.rank == 1 and info.world_size == 2  # the survivor keeps its rank ...
     spare_info = futures[nodes.index(spare)].result(timeout=TIMEOUT)
     assert spare_info.rank == 0 and spare_info.world_size == 2  # ... the spare takes rank 0
+
+
+def test_after_a_failure_the_round_closes_once_every_live_node_joined_without_last_call(
+        cluster):
+    # Below max, a job's first round would wait out the 60 s last call (longer than this
+    # test's timeouts); after a failure the survivors are all there is.
+    nodes = [cluster.node(1, 3, last_call_timeout="60") for _ in range(3)]
+    results(cluster.join(*nodes))  # max reached: closes at once
+    nodes[1].stop()
+    infos = results(cluster.join(nodes[0], nodes[2]))
+    assert sorted(i.rank for i in infos) == [0, 1] and {i.world_size for i in infos} == {2}
 
 
 def test_a_spare_joining_during_a_failure_neither_hangs_nor_kills_the_job(cluster):
