@@ -305,3 +305,48 @@ def __getattr__(name: str) -> object:
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+#: The etcd-native handler's entry point name, beside etcd-v3 until it replaces it.
+NATIVE_BACKEND_NAME = "etcd-v3-native"
+
+
+def native_handler_creator(name: str = NATIVE_BACKEND_NAME
+                           ) -> Callable[[RendezvousParameters], RendezvousHandler]:
+    """The ``torchrun.handlers`` entry point of elasticd's own handler
+    (:mod:`.rendezvous_handler`: per-node keys, no pickle), registered as etcd-v3-native.
+
+    Args:
+        name: what the handler's ``get_backend()`` returns: the entry point's name.
+    """
+
+    def create(params: RendezvousParameters) -> RendezvousHandler:
+        # Imported here, not at the top: see the note on imports above.
+        from elasticd.coordination.rendezvous_handler import create_handler
+
+        handler = create_handler(params, name)
+        _watch_daemon_native(handler)
+        return handler
+
+    return create
+
+
+def _watch_daemon_native(handler: object) -> None:
+    """Under a daemon, as :func:`_watch_daemon` for torch's handler: restart this node's
+    workers when a member of their round is gone, and fence the node for a silent daemon."""
+    from elasticd.agent.daemon_watch import DaemonWatch, fence_agent, ping_daemon
+    from elasticd.agent.supervisor import TAG_ENV
+    from elasticd.coordination.keys import Keyspace
+
+    node, sock, tag = (os.environ.get(k) for k in ("ELASTICD_NODE", "ELASTICD_SOCKET", TAG_ENV))
+    if not (node and sock and tag):
+        return
+    handler.on_round_broken = _restart_own_workers  # type: ignore[attr-defined]
+    prefix = os.environ.get("ELASTICD_PREFIX", "/elasticd")
+    watch = DaemonWatch(handler._coord, Keyspace(prefix).node(node),  # type: ignore[attr-defined]
+                        ping=ping_daemon(sock, timeout=1.0),
+                        fence=fence_agent(tag, handler.stop),  # type: ignore[attr-defined]
+                        absent_for=0.0, interval=0.25, silent_for=1.0, ping_interval=0.25)
+    watch.start()
+    log.info("watching daemon of node %s (record %s, socket %s)", node,
+             watch.node_key.decode(errors="replace"), sock)

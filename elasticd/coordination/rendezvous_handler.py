@@ -1,0 +1,637 @@
+"""elasticd's own torch ``RendezvousHandler`` on etcd v3: per-node keys, one CAS per round.
+
+torch's dynamic rendezvous keeps every participant in one pickled blob that every heartbeat
+rewrites whole and every agent re-reads: quadratic traffic, compare-and-set storms, and code
+execution for whoever can write the key (docs/scale.md). This handler implements torch's
+interface (``torch/distributed/elastic/rendezvous/api.py``) on its own keys instead:
+
+* **Joining** writes one JSON record, ``<rdzv>/native/nodes/<node>``, bound to the agent's own
+  etcd lease. The lease *is* the heartbeat: it is kept alive every TTL/3 and nothing is
+  rewritten on a timer. The record is rewritten only to ask for a new round, or when the lease
+  was lost and re-granted (an etcd outage past the TTL).
+* **Closing** a round is one compare-and-set on the small ``<rdzv>/native/round`` key, written by
+  the node that will be rank 0 (others after a back-off, in case it died). The decisions (when a
+  round may close, rank order, what counts as waiting) are the pure functions of
+  :mod:`.rendezvous_rounds`.
+* **Watching**, not polling: each handler mirrors ``<rdzv>/native/`` through one etcd watch.
+  ``num_nodes_waiting()``, which torch's agent calls every monitor interval while the workers
+  train, reads that mirror and makes no etcd request. While a rendezvous waits, the mirror is
+  re-listed every few seconds as a safety net (a watch resumed after an etcd data loss delivers
+  nothing: FACTS.md), and at once after a watch error or a lost lease.
+* **Outage grace.** Every write retries for ``etcd_grace_period`` on an unreachable etcd
+  (:mod:`.rendezvous_grace`); the watch re-creates itself. ``num_nodes_waiting`` never fails.
+* **Provisional expiry.** An etcd paused past the TTL expires every lease when it resumes; each
+  agent re-grants and re-writes its record within a keep-alive period. A member whose record is
+  absent counts as gone only after ``liveness_confirm`` seconds, and only while this agent
+  trusts its view: after its own keep-alive failed, its lease was lost or its watch broke, it
+  counts nobody as gone for 2 x TTL.
+* **Store.** ``next_rendezvous`` returns the etcd-backed store of :mod:`.rendezvous_store` under
+  a per-round prefix (torch's ``torch.rendezvous.<run>.<round>``). ``use_agent_store`` is False:
+  workers host their own TCPStore at the rank-0 node's address and a free port, as with
+  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (FACTS.md: sharing the agent's store across restarts
+  let workers read dead peers' addresses).
+
+The rdzv-conf keys of :mod:`.rendezvous_config` keep their meaning where they still apply
+(``key_prefix``, ``etcd_timeout``, ``etcd_grace_period``, TLS/auth, ``read_timeout``,
+``liveness_ttl`` as this lease's TTL, ``liveness_confirm``, ``close_on_failure``), plus torch's
+``join_timeout`` and ``last_call_timeout``; the keys of torch's state machine and of its fixes
+(``keep_alive_*``, ``standby_fix``, ``lease_liveness``, ``close_last_call``, ``poll_interval``)
+are accepted and ignored. No pickle is read or written.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import random
+import socket
+import sys
+import threading
+from typing import Callable
+from urllib.parse import quote
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStateError,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+)
+
+from elasticd.clock import Clock, SystemClock
+from elasticd.coordination.api import (
+    Compacted,
+    Compare,
+    CoordinationError,
+    Coordinator,
+    EventType,
+    KeyValue,
+    Put,
+    WatchEvent,
+)
+from elasticd.coordination.health import EtcdHealth
+from elasticd.coordination.lease import LeaseKeeper
+from elasticd.coordination.rendezvous_grace import OutageGrace
+from elasticd.coordination.rendezvous_rounds import (
+    NodeRecord,
+    RecordError,
+    RoundRecord,
+    closer,
+    decide_close,
+    next_round,
+    num_waiting,
+)
+from elasticd.coordination.rendezvous_store import EtcdV3Store
+
+log = logging.getLogger(__name__)
+
+#: torch's defaults for the same rdzv-conf keys (dynamic_rendezvous.RendezvousTimeout).
+DEFAULT_JOIN_TIMEOUT = 600.0
+DEFAULT_LAST_CALL_TIMEOUT = 30.0
+#: While a rendezvous waits: re-list the mirror this often, seconds (the watch's safety net;
+#: a lost lease or a watch error re-lists at once, so this only bounds what nothing signals).
+RELIST_INTERVAL = 30.0
+#: A node that is not the expected closer of a closable round writes it after this many seconds
+#: (plus up to as much again, at random): the expected closer may have died.
+CLOSER_BACKOFF = 1.0
+
+
+def node_id(addr: str, pid: int, local_id: int) -> str:
+    """A node's id: its address, agent pid and handler count, percent-quoted into one key
+    element (an IPv6 address or an odd host name stays one element)."""
+    return quote(f"{addr}_{pid}_{local_id}", safe="")
+
+
+class _Mirror:
+    """This handler's copy of ``<rdzv>/native/``, fed by the watch; one lock and condition.
+
+    Attributes:
+        nodes: live node records by id.
+        round: the last closed round, or None.
+        round_revision: the round key's ``mod_revision`` (0: absent), for the CAS.
+        round_error: why the stored round record was refused, if it was.
+        closed: whether the rendezvous is closed.
+        revision: the etcd revision this mirror reflects.
+        absent_since: monotonic time each member of ``round`` was first seen absent.
+    """
+
+    def __init__(self, prefix: bytes, clock: Clock) -> None:
+        self.prefix = prefix
+        self.nodes_prefix = prefix + b"nodes/"
+        self.round_key = prefix + b"round"
+        self.closed_key = prefix + b"closed"
+        self._clock = clock
+        self.cond = threading.Condition()
+        self.nodes: dict[str, NodeRecord] = {}
+        self.round: RoundRecord | None = None
+        self.round_revision = 0
+        self.round_error = ""
+        self.closed = False
+        self.revision = 0
+        self.absent_since: dict[str, float] = {}
+        #: Bumped by every change, so a waiter sleeps only if nothing changed since it looked.
+        self.version = 0
+        self._warned: set[bytes] = set()
+
+    def load(self, kvs: list[KeyValue], revision: int) -> None:
+        """Replaces the mirror by a full listing."""
+        with self.cond:
+            self.nodes, self.round, self.round_revision, self.closed = {}, None, 0, False
+            self.round_error = ""
+            for kv in kvs:
+                self._put(kv)
+            self.revision = revision
+            now = self._clock.monotonic()
+            for m in self.round.members if self.round else ():
+                if m not in self.nodes:
+                    self.absent_since.setdefault(m, now)
+                else:
+                    self.absent_since.pop(m, None)
+            self.version += 1
+            self.cond.notify_all()
+
+    def apply(self, events: list[WatchEvent]) -> None:
+        with self.cond:
+            for e in events:
+                if e.kv.mod_revision <= self.revision:
+                    continue  # already in a listing that raced the watch
+                if e.type is EventType.PUT:
+                    self._put(e.kv)
+                else:
+                    self._delete(e.kv.key)
+                self.revision = e.kv.mod_revision
+            self.version += 1
+            self.cond.notify_all()
+
+    def set_round(self, kv: KeyValue) -> None:
+        """Takes this node's own write of the round key before the watch brings it (without
+        moving :attr:`revision`: events before it may still be on their way)."""
+        with self.cond:
+            self._put(kv)
+            self.version += 1
+            self.cond.notify_all()
+
+    def _put(self, kv: KeyValue) -> None:
+        if kv.key.startswith(self.nodes_prefix):
+            name = kv.key[len(self.nodes_prefix):].decode(errors="replace")
+            try:
+                rec = NodeRecord.decode(kv.value, kv.create_revision)
+            except RecordError as exc:
+                if kv.key not in self._warned:
+                    self._warned.add(kv.key)
+                    log.warning("ignoring node record %s: %s", kv.key.decode(errors="replace"),
+                                exc)
+                return
+            self.nodes[name] = rec
+            self.absent_since.pop(name, None)
+        elif kv.key == self.round_key:
+            if kv.mod_revision < self.round_revision:
+                return  # older than what this node wrote itself
+            try:
+                self.round = RoundRecord.decode(kv.value)
+                self.round_error = ""
+            except RecordError as exc:
+                self.round, self.round_error = None, str(exc)
+            self.round_revision = kv.mod_revision
+            now = self._clock.monotonic()
+            members = set(self.round.members) if self.round else set()
+            self.absent_since = {m: t for m, t in self.absent_since.items() if m in members}
+            for m in members - self.nodes.keys():
+                self.absent_since.setdefault(m, now)
+        elif kv.key == self.closed_key:
+            self.closed = True
+
+    def _delete(self, key: bytes) -> None:
+        if key.startswith(self.nodes_prefix):
+            name = key[len(self.nodes_prefix):].decode(errors="replace")
+            self.nodes.pop(name, None)
+            if self.round is not None and name in self.round.members:
+                self.absent_since.setdefault(name, self._clock.monotonic())
+        elif key == self.round_key:
+            self.round, self.round_revision, self.round_error = None, 0, ""
+        elif key == self.closed_key:
+            self.closed = False
+
+
+class EtcdNativeRendezvousHandler(RendezvousHandler):
+    """torch's ``RendezvousHandler`` on per-node etcd keys (see the module docstring).
+
+    Args:
+        coordinator: the etcd connection (owned: closed by :meth:`shutdown`).
+        prefix: the rendezvous' key directory, ``<prefix>/jobs/<run_id>/rdzv/``.
+        run_id: ``--rdzv-id``.
+        min_nodes, max_nodes: ``--nnodes MIN:MAX``.
+        addr: this node's address (``--local-addr`` or the host name).
+        backend_name: what :meth:`get_backend` returns (the entry point's name).
+        grace: retry policy for etcd outages.
+        ttl: the agent lease's TTL, whole seconds.
+        confirm: seconds a member's record must be absent before it counts as gone.
+        join_timeout: seconds ``next_rendezvous`` waits for a round that includes this node
+            (not while it is the spare of a full, running round).
+        last_call: seconds a job's first round stays open after ``min`` nodes joined.
+        store_timeout: how long the store's ``get``/``wait`` block.
+        close_on_failure: whether :meth:`shutdown` during an exception closes the rendezvous.
+        clock: time source for the lease, trust and absences.
+
+    Raises:
+        ValueError: bad sizes.
+    """
+
+    _count = 0
+    _count_lock = threading.Lock()
+
+    def __init__(self, coordinator: Coordinator, prefix: bytes, run_id: str, min_nodes: int,
+                 max_nodes: int, addr: str, backend_name: str, grace: OutageGrace | None = None,
+                 ttl: int = 3, confirm: float = 1.0,
+                 join_timeout: float = DEFAULT_JOIN_TIMEOUT,
+                 last_call: float = DEFAULT_LAST_CALL_TIMEOUT,
+                 store_timeout: datetime.timedelta | None = None,
+                 close_on_failure: bool = True, clock: Clock | None = None) -> None:
+        if not 1 <= min_nodes <= max_nodes:
+            raise ValueError(f"--nnodes {min_nodes}:{max_nodes}: need 1 <= MIN <= MAX")
+        with self._count_lock:
+            EtcdNativeRendezvousHandler._count += 1
+            local_id = EtcdNativeRendezvousHandler._count
+        self._coord = coordinator
+        self._run_id = run_id
+        self._min, self._max = min_nodes, max_nodes
+        self.addr = addr
+        self.me = node_id(addr, os.getpid(), local_id)
+        self._backend = backend_name
+        self._grace = grace or OutageGrace()
+        self._clock = clock or SystemClock()
+        self._ttl = ttl
+        self._confirm = confirm
+        self._join_timeout = join_timeout
+        self._last_call = last_call
+        self._close_on_failure = close_on_failure
+        self._mirror = _Mirror(prefix + b"native/", self._clock)
+        self._store = EtcdV3Store(coordinator, prefix + b"store/", timeout=store_timeout,
+                                  grace=self._grace)
+        self._store_prefix = prefix + b"store/"
+        self._keeper = LeaseKeeper(coordinator, ttl, EtcdHealth(describe="etcd (rendezvous)"),
+                                   on_change=self._lease_changed, clock=self._clock,
+                                   on_failure=lambda: self._distrust("etcd call failed"))
+        self._lock = threading.Lock()
+        self._record: NodeRecord | None = None
+        self._watch = None
+        self._started = False
+        self._stopped = False
+        self._relist = threading.Event()
+        self._untrusted_until = float("-inf")
+        self._backoff = CLOSER_BACKOFF
+        self._reported_gone: set[tuple[int, str]] = set()
+        #: Called with the ids of members of this node's current round once they are gone
+        #: (confirmed). Under a daemon, restarts this node's workers (see rendezvous.py).
+        self.on_round_broken: Callable[[list[str]], None] | None = None
+        #: Per round this node joined: (round, seconds in next_rendezvous until it saw the
+        #: round), and the monotonic time it last saw one. For benches and logs.
+        self.rounds: list[tuple[int, float]] = []
+        self.seen_at = 0.0
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        """Grants the lease, lists the mirror and starts the watch (first call only)."""
+        if self._started:
+            return
+        self._grace.call(self._keeper.grant, "granting the rendezvous lease")
+        self._keeper.start()
+        self._relist_now(initial=True)
+        self._started = True
+
+    def _relist_now(self, initial: bool = False, patient: bool = True) -> None:
+        """Re-lists the mirror; re-creates the watch when etcd's revision went back.
+
+        Args:
+            initial: the first listing (the watch starts after it).
+            patient: retry through an outage for the grace period; else try once.
+        """
+        def get() -> tuple[list[KeyValue], int]:
+            return self._coord.get_prefix(self._mirror.prefix)
+
+        kvs, revision = self._grace.call(get, "listing the rendezvous") if patient else get()
+        wiped = revision < self._mirror.revision
+        self._mirror.load(kvs, revision)
+        if initial or wiped or self._watch is None:
+            if wiped:
+                log.warning("etcd's revision went back (%d < %d): its data was lost; watching "
+                            "the rendezvous afresh", revision, self._mirror.revision)
+            if self._watch is not None:
+                self._watch.cancel()
+            def watch() -> object:
+                return self._coord.watch_prefix(self._mirror.prefix, self._on_watch,
+                                                revision + 1)
+
+            self._watch = self._grace.call(watch, "watching the rendezvous") if patient \
+                else watch()
+
+    def _on_watch(self, batch: object) -> None:
+        if isinstance(batch, CoordinationError):
+            if not isinstance(batch, Compacted):
+                self._distrust(f"rendezvous watch: {batch}")
+            self._relist.set()
+            with self._mirror.cond:
+                self._mirror.cond.notify_all()
+            return
+        self._mirror.apply(list(batch))  # type: ignore[arg-type]
+
+    def _lease_changed(self) -> None:
+        """The keeper lost or replaced the lease: re-write this node's record under the new
+        one (a provisional rejoin), and re-list (the watch may have missed the outage)."""
+        lease = self._keeper.lease
+        self._relist.set()
+        if lease is None:
+            self._distrust("the rendezvous lease was lost")
+            return
+        with self._lock:
+            record = self._record
+        if record is None or self._stopped:
+            return
+        try:
+            self._coord.put(self._node_key(), record.encode(), lease=lease)
+            log.info("rendezvous lease re-granted: node record %s re-written", self.me)
+        except CoordinationError as exc:  # the keeper retries and calls us again
+            log.warning("could not re-write node record %s: %s", self.me, exc)
+
+    def _distrust(self, reason: str) -> None:
+        until = self._clock.monotonic() + 2 * self._ttl
+        if self._untrusted_until < self._clock.monotonic():
+            log.info("rendezvous: counting no member as gone for %ds (%s)", 2 * self._ttl,
+                     reason)
+        self._untrusted_until = max(self._untrusted_until, until)
+
+    def _node_key(self) -> bytes:
+        return self._mirror.nodes_prefix + self.me.encode()
+
+    def _write_record(self, target: int) -> None:
+        record = NodeRecord(self.me, target, self.addr)
+        with self._lock:
+            self._record = record
+
+        def put() -> int:
+            lease = self._keeper.lease
+            if lease is None:  # lost just now: the keeper re-grants and re-writes
+                lease = self._keeper.grant()
+            return self._coord.put(self._node_key(), record.encode(), lease=lease)
+
+        self._grace.call(put, "writing this node's rendezvous record")
+
+    # -- torch's interface ----------------------------------------------------------------
+
+    def get_backend(self) -> str:
+        return self._backend
+
+    @property
+    def use_agent_store(self) -> bool:
+        """False: workers host their own TCPStore (see the module docstring)."""
+        return False
+
+    def get_run_id(self) -> str:
+        return self._run_id
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """Joins the next round and blocks until a round that includes this node closes.
+
+        Raises:
+            RendezvousClosedError: the rendezvous is closed.
+            RendezvousTimeoutError: no round took this node within ``join_timeout`` (a spare of
+                a full running round waits without limit).
+            RendezvousStateError: the stored round record is not one this code reads.
+            RendezvousConnectionError: etcd unreachable for longer than the grace period.
+        """
+        started = self._clock.monotonic()
+        self._start()
+        mirror = self._mirror
+        with mirror.cond:
+            if mirror.closed:
+                raise RendezvousClosedError(f"rendezvous {self._run_id!r} is closed")
+            target = next_round(mirror.round)
+        self._write_record(target)
+        log.info("node %s joins round %d of rendezvous %r", self.me, target, self._run_id)
+        deadline = started + self._join_timeout
+        min_since: float | None = None
+        closable_since: float | None = None
+        last_list = self._clock.monotonic()
+        spare = False
+        while True:
+            now = self._clock.monotonic()
+            if self._relist.is_set() or now - last_list >= RELIST_INTERVAL:
+                self._relist.clear()
+                self._relist_now()
+                last_list = now
+            with mirror.cond:
+                if mirror.closed:
+                    raise RendezvousClosedError(f"rendezvous {self._run_id!r} is closed")
+                if mirror.round_error:
+                    raise RendezvousStateError(
+                        f"rendezvous {self._run_id!r}: {mirror.round_error}; delete "
+                        f"{mirror.round_key.decode(errors='replace')} to start afresh")
+                last, revision = mirror.round, mirror.round_revision
+                nodes, seen = dict(mirror.nodes), mirror.version
+                if last is not None and last.round >= target:
+                    rank = last.rank_of(self.me)
+                    if rank is not None:
+                        break
+                    # A round closed without this node: wait for the next one.
+                    spare = len(last.members) >= self._max
+                    log.info("round %d closed without node %s (%d members): waiting as %s",
+                             last.round, self.me, len(last.members),
+                             "a spare" if spare else "a late node")
+                    target, min_since, closable_since = last.round + 1, None, None
+                    continue
+                if self.me not in nodes:  # our record is not in the mirror yet
+                    decision = None
+                else:
+                    decision = decide_close(
+                        nodes, last, self._min, self._max,
+                        last_call_over=min_since is not None
+                        and now - min_since >= self._last_call)
+                    if decision.last_call and min_since is None:
+                        min_since = now
+                    elif not decision.last_call and decision.members is None:
+                        min_since = None
+            if decision is not None and decision.members is not None:
+                first = closer(decision.members) == self.me
+                if closable_since is None:
+                    closable_since = now
+                    self._backoff = CLOSER_BACKOFF * (1 + random.random())
+                if first or now - closable_since >= self._backoff:
+                    self._close_round(target, decision.members, revision)
+                    continue
+            else:
+                closable_since = None
+            if not spare and now >= deadline:
+                raise RendezvousTimeoutError(
+                    f"node {self.me} was not admitted to rendezvous {self._run_id!r} within "
+                    f"join_timeout={self._join_timeout:g}s "
+                    f"({decision.wait_for if decision else 'record not seen yet'})")
+            wait = RELIST_INTERVAL
+            if min_since is not None:
+                wait = min(wait, max(0.01, min_since + self._last_call - now))
+            if closable_since is not None:
+                wait = min(wait, max(0.01, closable_since + self._backoff - now))
+            if not spare:
+                wait = min(wait, max(0.01, deadline - now))
+            with mirror.cond:
+                if mirror.version == seen and not self._relist.is_set():
+                    mirror.cond.wait(wait)
+        self.seen_at = self._clock.monotonic()
+        took = self.seen_at - started
+        self.rounds.append((last.round, took))
+        log.info("node %s is rank %d of %d in round %d of rendezvous %r (%.2fs)", self.me, rank,
+                 len(last.members), last.round, self._run_id, took)
+        store = dist.PrefixStore(f"torch.rendezvous.{self._run_id}.{last.round}", self._store)
+        info = RendezvousStoreInfo.build(rank, store, local_addr=self.addr)
+        return RendezvousInfo(store, rank, len(last.members), info)
+
+    def _close_round(self, number: int, members: tuple[str, ...], revision: int) -> None:
+        record = RoundRecord(number, members, closed_by=self.me)
+        ok, new_revision = self._grace.call(
+            lambda: self._coord.transaction([Compare(self._mirror.round_key, revision)],
+                                            [Put(self._mirror.round_key, record.encode())]),
+            "closing a rendezvous round")
+        if not ok:
+            # Lost the race (or our retried write landed): the watch brings the winner.
+            self._relist.set()
+            return
+        log.info("node %s closed round %d with %d node(s)", self.me, number, len(members))
+        self._mirror.set_round(KeyValue(self._mirror.round_key, record.encode(),
+                                        create_revision=new_revision, mod_revision=new_revision))
+        if number >= 2:  # no agent reads the store of a round two behind
+            old = self._store_prefix + f"torch.rendezvous.{self._run_id}.{number - 2}/".encode()
+            try:
+                self._coord.delete_prefix(old)
+            except CoordinationError as exc:
+                log.debug("could not delete the store of round %d: %s", number - 2, exc)
+
+    def gone_members(self) -> list[str]:
+        """Members of the current round whose records have been absent for ``confirm``
+        seconds while this node trusted its view (empty while it does not)."""
+        now = self._clock.monotonic()
+        if now < self._untrusted_until:
+            return []
+        with self._mirror.cond:
+            return sorted(n for n, t in self._mirror.absent_since.items()
+                          if now - t >= self._confirm and n not in self._mirror.nodes)
+
+    def num_nodes_waiting(self) -> int:
+        """Nodes waiting to enter: rejoining members, and waiting nodes when the round has
+        room. From the watch's mirror: no etcd request, so an outage cannot fail it."""
+        if self._relist.is_set() and self._started and not self._stopped:
+            self._relist.clear()
+            try:  # once, without the grace: this call must not block the agent's monitor
+                self._relist_now(patient=False)
+            except CoordinationError as exc:
+                self._relist.set()
+                log.debug("re-listing the rendezvous failed (%s); the mirror stands", exc)
+        gone = self.gone_members()
+        with self._mirror.cond:
+            nodes, current = dict(self._mirror.nodes), self._mirror.round
+        if current is not None and gone and self.on_round_broken is not None \
+                and self.me in current.members:
+            new = [g for g in gone if (current.round, g) not in self._reported_gone]
+            if new:
+                self._reported_gone.update((current.round, g) for g in new)
+                self.on_round_broken(new)
+        return num_waiting(nodes, current, self._max, gone)
+
+    def is_closed(self) -> bool:
+        with self._mirror.cond:
+            if self._started:
+                return self._mirror.closed
+        return self._grace.call(lambda: self._coord.get(self._mirror.closed_key),
+                                "reading whether the rendezvous is closed") is not None
+
+    def set_closed(self) -> None:
+        self._grace.call(lambda: self._coord.put(self._mirror.closed_key, b'{"v":1}'),
+                         "closing the rendezvous")
+        with self._mirror.cond:
+            self._mirror.closed = True
+            self._mirror.cond.notify_all()
+
+    def shutdown(self) -> bool:
+        """Leaves: revokes the lease (deleting this node's record) and closes the rendezvous,
+        unless this agent is ending with an error and ``close_on_failure`` is off (a daemon
+        restarts it: one agent's error must not end every node's).
+
+        Returns:
+            True when the rendezvous was closed or deliberately left open, False when etcd
+            could not be reached to close it.
+        """
+        failing = sys.exc_info()[0] is not None
+        closed = True
+        try:
+            if failing and not self._close_on_failure:
+                log.info("agent ends with an error: leaving rendezvous %r open for its restart "
+                         "(close_on_failure=false)", self._run_id)
+            else:
+                try:
+                    self.set_closed()
+                except Exception as exc:  # noqa: BLE001 - torch's handler also returns False
+                    log.warning("could not close rendezvous %r: %s", self._run_id, exc)
+                    closed = False
+        finally:
+            self.stop()
+        return closed
+
+    def stop(self) -> None:
+        """Revokes the lease and stops the watch, without closing the rendezvous."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._watch is not None:
+            self._watch.cancel()
+        try:
+            self._keeper.stop(revoke=self._started)
+        except CoordinationError as exc:
+            log.warning("could not revoke the rendezvous lease (it expires in %ds): %s",
+                        self._ttl, exc)
+
+
+def create_handler(params: RendezvousParameters, backend_name: str,
+                   coordinator: Coordinator | None = None) -> EtcdNativeRendezvousHandler:
+    """Builds the handler from torchrun's parameters.
+
+    Args:
+        params: ``--rdzv-endpoint``, ``--rdzv-id``, ``--nnodes`` and ``--rdzv-conf``.
+        backend_name: the entry point's name.
+        coordinator: an existing connection (tests); by default one to ``--rdzv-endpoint``.
+
+    Raises:
+        ValueError: a bad endpoint or rdzv-conf value (quoted).
+    """
+    from elasticd.coordination.etcd import EtcdCoordinator
+    from elasticd.coordination.keys import Keyspace
+    from elasticd.coordination.rendezvous_config import RendezvousConfig
+
+    cfg = RendezvousConfig.from_params(params)
+    join_timeout = _positive(params, "join_timeout", DEFAULT_JOIN_TIMEOUT)
+    last_call = _positive(params, "last_call_timeout", DEFAULT_LAST_CALL_TIMEOUT, zero=True)
+    coordinator = coordinator or EtcdCoordinator(cfg.etcd)
+    grace = OutageGrace(cfg.grace_period, where=cfg.etcd.describe())
+    addr = params.local_addr or socket.getfqdn()
+    return EtcdNativeRendezvousHandler(
+        coordinator, Keyspace(cfg.key_prefix).job_rdzv(cfg.run_id), cfg.run_id,
+        params.min_nodes, params.max_nodes, addr, backend_name, grace=grace,
+        ttl=cfg.liveness_ttl, confirm=cfg.liveness_confirm, join_timeout=join_timeout,
+        last_call=last_call, store_timeout=cfg.store_timeout,
+        close_on_failure=cfg.close_on_failure)
+
+
+def _positive(params: RendezvousParameters, key: str, default: float, zero: bool = False
+              ) -> float:
+    raw = params.get(key)
+    if raw in (None, ""):
+        return default
+    try:
+        value = float(raw)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"rdzv-conf {key}={raw!r} is not a number of seconds") from exc
+    if not (value > 0 or (zero and value == 0)):
+        raise ValueError(f"rdzv-conf {key}={raw!r} must be a positive number of seconds")
+    return value

@@ -1,0 +1,257 @@
+"""The round decisions of elasticd's own rendezvous, as pure functions on plain data.
+
+The etcd-native rendezvous (:mod:`elasticd.coordination.rendezvous_handler`) keeps, per run,
+one small key per node and one round key, instead of torch's single pickled blob::
+
+    <prefix>/jobs/<run_id>/rdzv/native/nodes/<node>   a node's join record, bound to its lease
+    <prefix>/jobs/<run_id>/rdzv/native/round          the last closed round: number and members
+    <prefix>/jobs/<run_id>/rdzv/native/closed         present once the rendezvous is closed
+
+A node joins by (re)writing its own record with the round it wants (``target``); its lease is
+its heartbeat, so nothing is rewritten on a timer. Whoever sees that the next round can close
+writes the round key by one compare-and-set on its ``mod_revision``: one writer wins, the rest
+read the result. Everything here decides from a snapshot of those keys (what a node's watch
+mirrors) and does no I/O, so it is tested alone (``tests/unit/test_rendezvous_rounds.py``).
+
+The rules, for the next round ``t`` after the last closed round ``t - 1`` with members ``M``:
+
+* **Joined.** A live node has joined round ``t`` when it is not a member of ``M`` (a newcomer or
+  a spare: it waits for whatever round comes next) or its record asks for a round ``>= t`` (a
+  member that came back to re-rendezvous). A member of ``M`` still asking for ``t - 1`` is
+  training.
+* **When to close.** Never below ``min`` joined nodes, nor while a live member of ``M`` has not
+  joined (its workers are about to fail and come back; closing without it would split the job).
+  At ``max`` joined, at once. With live members of ``M`` (a re-rendezvous after a failure or a
+  grow): as soon as every one of them has joined, so no last call; the live nodes of the job are
+  then all in. With none (a job's first round, or every member gone): after ``last_call``
+  seconds from the moment ``min`` was reached, so late starters get in.
+* **Ranks.** A survivor of ``M`` keeps its rank when that rank still exists in the new round,
+  so the snapshot it holds for that rank stays local. The free places, lowest first, go to the
+  survivors whose rank no longer exists (in their order in ``M``), then to newcomers by the
+  revision that created their record (arrival order), ties by node id. When the highest ranks
+  were lost this is plain order-keeping; when a middle rank was lost, only the displaced top
+  ranks move, rather than every rank above the hole (each of which would lose its local
+  snapshot). At most ``max`` form the round; the rest stay spares, and the next round takes
+  them in that order, so a spare replaces a failed node (taking its rank) and the world size
+  stays.
+* **Waiting** (``num_nodes_waiting``, asked by each agent while its workers train): members of
+  the current round that came back to re-rendezvous, plus waiting non-members when the round has
+  room (fewer than ``max`` of its members alive). A full round's spares wait silently; they are
+  not a reason to restart anybody. A member counts as gone only once its record has been absent
+  for ``confirm`` seconds while this node trusts its view of etcd (an etcd paused past the TTL
+  expires every lease at once; see :class:`~elasticd.coordination.rendezvous_handler`).
+
+Records are JSON with a schema version; nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Iterable, Mapping
+
+#: Schema version of the node and round records.
+SCHEMA = 1
+
+
+class RecordError(ValueError):
+    """A stored record is not one this code reads (corrupt, foreign, or a newer schema)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeRecord:
+    """One node's join record (value of ``native/nodes/<node>``).
+
+    Attributes:
+        node: the node id (also the key's last element).
+        target: the round this node waits to join.
+        addr: the node's address, for logs and the workers' ``MASTER_ADDR`` when rank 0.
+        revision: the etcd revision that created the key (arrival order); 0 when not stored.
+    """
+
+    node: str
+    target: int
+    addr: str = ""
+    revision: int = 0
+
+    def encode(self) -> bytes:
+        return json.dumps({"v": SCHEMA, "node": self.node, "target": self.target,
+                           "addr": self.addr}, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes, revision: int = 0) -> "NodeRecord":
+        """Raises:
+            RecordError: not a node record of this schema.
+        """
+        data = _load(raw, "node record")
+        try:
+            return cls(node=str(data["node"]), target=int(data["target"]),
+                       addr=str(data.get("addr", "")), revision=revision)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RecordError(f"node record {raw[:80]!r} lacks node/target: {exc}") from exc
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundRecord:
+    """The last closed round (value of ``native/round``).
+
+    Attributes:
+        round: its number (0 for a job's first round).
+        members: node ids in rank order.
+        closed_by: the node that closed it (for logs).
+    """
+
+    round: int
+    members: tuple[str, ...]
+    closed_by: str = ""
+
+    def encode(self) -> bytes:
+        return json.dumps({"v": SCHEMA, "round": self.round, "members": list(self.members),
+                           "closed_by": self.closed_by}, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "RoundRecord":
+        """Raises:
+            RecordError: not a round record of this schema.
+        """
+        data = _load(raw, "round record")
+        try:
+            members = tuple(str(m) for m in data["members"])
+            return cls(round=int(data["round"]), members=members,
+                       closed_by=str(data.get("closed_by", "")))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RecordError(f"round record {raw[:80]!r} lacks round/members: {exc}") from exc
+
+    def rank_of(self, node: str) -> int | None:
+        try:
+            return self.members.index(node)
+        except ValueError:
+            return None
+
+
+def _load(raw: bytes, what: str) -> dict:
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RecordError(f"{what} {raw[:80]!r} is not JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise RecordError(f"{what} {raw[:80]!r} is not a JSON object")
+    if data.get("v") != SCHEMA:
+        raise RecordError(f"{what} has schema {data.get('v')!r}; this elasticd reads schema "
+                          f"{SCHEMA}: run the same elasticd version on every node")
+    return data
+
+
+def next_round(last: RoundRecord | None) -> int:
+    """The number of the round after ``last`` (0 when no round closed yet)."""
+    return 0 if last is None else last.round + 1
+
+
+def joined(nodes: Mapping[str, NodeRecord], last: RoundRecord | None) -> list[str]:
+    """Live nodes that have joined the next round (see the module docstring), unordered."""
+    t = next_round(last)
+    members = set(last.members) if last is not None else set()
+    return [n for n, rec in nodes.items() if n not in members or rec.target >= t]
+
+
+def order(candidates: Iterable[str], nodes: Mapping[str, NodeRecord],
+          last: RoundRecord | None, size: int | None = None) -> list[str]:
+    """Rank order of ``candidates``; the first ``size`` (all by default) form the round.
+
+    A survivor of ``last`` keeps its rank when that rank still exists (``< size``), so the
+    snapshot it holds for that rank stays local. The other places, lowest first, go to the
+    survivors whose rank no longer exists, in their old order, then to newcomers by arrival
+    (creation revision), ties by id; whoever is left over is a spare. Survivors keep their
+    relative order whenever the ranks lost are the highest ones.
+    """
+    pool = set(candidates)
+    size = len(pool) if size is None else min(size, len(pool))
+    previous = last.members if last is not None else ()
+    slots: list[str | None] = [None] * size
+    displaced = []
+    for rank, m in enumerate(previous):
+        if m not in pool:
+            continue
+        if rank < size:
+            slots[rank] = m
+        else:
+            displaced.append(m)
+    placed = set(previous) & pool
+    newcomers = sorted((n for n in pool if n not in placed),
+                       key=lambda n: (nodes[n].revision if n in nodes else 0, n))
+    rest = iter(displaced + newcomers)
+    ranked = [s if s is not None else next(rest) for s in slots]
+    return ranked + list(rest)
+
+
+@dataclasses.dataclass(frozen=True)
+class CloseDecision:
+    """What a node should do about the next round, given its view.
+
+    Attributes:
+        members: the round to write (rank order) when it may close now, else None.
+        wait_for: why not, for logs (e.g. "2 live members still training").
+        last_call: True when the round may close once the last call is over, counted from
+            when ``min`` joined were first seen (the caller keeps that time).
+    """
+
+    members: tuple[str, ...] | None
+    wait_for: str = ""
+    last_call: bool = False
+
+
+def decide_close(nodes: Mapping[str, NodeRecord], last: RoundRecord | None,
+                 min_nodes: int, max_nodes: int, last_call_over: bool) -> CloseDecision:
+    """Whether the next round can close now, and with whom.
+
+    Args:
+        nodes: live node records (those whose key exists), by node id.
+        last: the last closed round, or None.
+        min_nodes, max_nodes: torchrun's ``--nnodes MIN:MAX``.
+        last_call_over: whether ``last_call`` seconds have passed since this node first saw
+            ``min`` joined (only consulted when no member of ``last`` is alive).
+    """
+    candidates = joined(nodes, last)
+    live_members = [m for m in (last.members if last else ()) if m in nodes]
+    training = [m for m in live_members if nodes[m].target < next_round(last)]
+    if training:
+        return CloseDecision(None, f"{len(training)} live member(s) of round "
+                                   f"{last.round if last else '-'} still training")
+    if len(candidates) < min_nodes:
+        return CloseDecision(None, f"{len(candidates)} of at least {min_nodes} nodes joined")
+    ranked = order(candidates, nodes, last, max_nodes)
+    if len(ranked) >= max_nodes or live_members:
+        return CloseDecision(tuple(ranked[:max_nodes]))
+    if last_call_over:
+        return CloseDecision(tuple(ranked))
+    return CloseDecision(None, f"{len(ranked)} nodes joined (min {min_nodes}, max {max_nodes}): "
+                               "last call", last_call=True)
+
+
+def closer(members: tuple[str, ...]) -> str:
+    """The node expected to write a closable round: its first member. Others write it only
+    after a back-off, in case that node died (one compare-and-set per round, not N)."""
+    return members[0]
+
+
+def num_waiting(nodes: Mapping[str, NodeRecord], current: RoundRecord | None,
+                max_nodes: int, gone: Iterable[str] = ()) -> int:
+    """``num_nodes_waiting`` for a member of ``current`` (see the module docstring).
+
+    Args:
+        nodes: live node records.
+        current: the last closed round.
+        max_nodes: torchrun's ``--nnodes`` maximum.
+        gone: members of ``current`` whose records have been absent long enough, while this
+            node trusted its view, to count as dead. A member absent but not yet confirmed is
+            counted as alive (provisional expiry).
+    """
+    if current is None:
+        return len(nodes)
+    members = set(current.members)
+    dead = set(gone) & members
+    rejoining = sum(1 for m in members if m in nodes and nodes[m].target > current.round)
+    alive_members = len(members - dead)
+    room = max_nodes - alive_members
+    outsiders = sum(1 for n in nodes if n not in members)
+    return rejoining + (min(outsiders, room) if room > 0 else 0)

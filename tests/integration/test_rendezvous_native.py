@@ -1,0 +1,232 @@
+"""Contract of elasticd's own rendezvous handler: what torch's elastic agent relies on.
+
+Each test runs on the in-memory fake Coordinator and on the real etcd (the ``etcd`` fixture).
+Several handlers in one process stand for the agents of several nodes; each has its own
+connection, lease and watch. "A node dies" is its handler stopping without closing the
+rendezvous: its lease is revoked, as etcd does TTL seconds after kill -9 (one test waits for a
+real expiry). The agent calls are those of ``torch/distributed/elastic/agent/server/api.py``:
+``next_rendezvous`` (then the store), ``num_nodes_waiting`` while workers train,
+``is_closed``/``set_closed``, ``get_run_id``, ``use_agent_store`` and ``shutdown``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+import uuid
+
+import pytest
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousParameters,
+    RendezvousStateError,
+    RendezvousTimeoutError,
+)
+
+from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endpoints
+from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
+from elasticd.coordination.rendezvous import NATIVE_BACKEND_NAME
+from elasticd.coordination.rendezvous_handler import EtcdNativeRendezvousHandler, create_handler
+
+TIMEOUT = 20.0
+
+
+class Cluster:
+    """Makes handlers ("nodes") of one rendezvous on one backend, and stops them all."""
+
+    def __init__(self, kind: str, server: object | None, prefix: str) -> None:
+        self.kind, self.server, self.prefix = kind, server, prefix
+        self.store = MemoryStore()
+        self.run_id = f"r-{uuid.uuid4().hex[:8]}"
+        self.handlers: list[EtcdNativeRendezvousHandler] = []
+        self.pool = concurrent.futures.ThreadPoolExecutor(8)
+
+    def connect(self):
+        if self.kind == "memory":
+            return MemoryCoordinator(self.store)
+        return EtcdCoordinator(EtcdSettings(parse_endpoints(self.server.endpoints), timeout=1.0))
+
+    def node(self, min_nodes: int, max_nodes: int, **conf: str) -> EtcdNativeRendezvousHandler:
+        conf = {"key_prefix": self.prefix, "join_timeout": "30", "last_call_timeout": "0.5",
+                "liveness_ttl": "2", "liveness_confirm": "0.5", **conf}
+        params = RendezvousParameters(NATIVE_BACKEND_NAME, "127.0.0.1:1", self.run_id,
+                                      min_nodes, max_nodes, local_addr="127.0.0.1", **conf)
+        handler = create_handler(params, NATIVE_BACKEND_NAME, coordinator=self.connect())
+        self.handlers.append(handler)
+        return handler
+
+    def join(self, *handlers):
+        """Starts next_rendezvous on each handler in a thread; returns the futures."""
+        return [self.pool.submit(h.next_rendezvous) for h in handlers]
+
+    def close(self) -> None:
+        for h in self.handlers:
+            h.stop()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for h in self.handlers:
+            h._coord.close()
+
+
+@pytest.fixture(params=["memory", pytest.param("etcd", marks=pytest.mark.etcd)])
+def cluster(request, prefix):
+    server = request.getfixturevalue("etcd") if request.param == "etcd" else None
+    c = Cluster(request.param, server, prefix)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def wait_until(predicate, what: str, timeout: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout}s: {what}")
+        time.sleep(0.02)
+
+
+def results(futures):
+    return [f.result(timeout=TIMEOUT) for f in futures]
+
+
+def test_two_nodes_meet_share_a_store_and_learn_the_workers_bootstrap_address(cluster):
+    a, b = cluster.node(2, 2), cluster.node(2, 2)
+    assert a.get_backend() == NATIVE_BACKEND_NAME and a.get_run_id() == cluster.run_id
+    assert a.use_agent_store is False and a.me != b.me
+    ia, ib = results(cluster.join(a, b))
+    assert sorted([ia.rank, ib.rank]) == [0, 1] and ia.world_size == ib.world_size == 2
+    ia.store.set("k", b"from-a")
+    assert ib.store.get("k") == b"from-a"
+    assert ia.bootstrap_store_info == ib.bootstrap_store_info
+    assert ia.bootstrap_store_info.master_addr == "127.0.0.1"
+    assert a.num_nodes_waiting() == b.num_nodes_waiting() == 0
+    assert not a.is_closed()
+
+
+def test_set_closed_reaches_every_node_and_refuses_new_rounds(cluster):
+    a, b = cluster.node(1, 2), cluster.node(1, 2)
+    results(cluster.join(a, b))
+    a.set_closed()
+    wait_until(b.is_closed, "b sees the rendezvous closed")
+    with pytest.raises(RendezvousClosedError):
+        b.next_rendezvous()
+    late = cluster.node(1, 2)
+    assert late.is_closed()
+    with pytest.raises(RendezvousClosedError):
+        late.next_rendezvous()
+
+
+def test_a_newcomer_is_waiting_and_the_regrown_round_keeps_the_survivors_ranks(cluster):
+    a, b = cluster.node(2, 3), cluster.node(2, 3)
+    first = {h.me: i.rank for h, i in zip((a, b), results(cluster.join(a, b)))}
+    c = cluster.node(2, 3)
+    pending = cluster.join(c)
+    wait_until(lambda: a.num_nodes_waiting() == 1 and b.num_nodes_waiting() == 1,
+               "members see the newcomer waiting")
+    infos = results(cluster.join(a, b) + pending)
+    ranks = {h.me: i.rank for h, i in zip((a, b, c), infos)}
+    assert [i.world_size for i in infos] == [3, 3, 3]
+    assert ranks[c.me] == 2 and {ranks[a.me], ranks[b.me]} == {0, 1}
+    assert (ranks[a.me] < ranks[b.me]) == (first[a.me] < first[b.me])
+    assert a.num_nodes_waiting() == 0
+
+
+def test_a_spare_waits_silently_then_replaces_a_dead_member(cluster):
+    nodes = [cluster.node(2, 2) for _ in range(3)]
+    futures = cluster.join(*nodes)
+    done, pending = concurrent.futures.wait(futures, timeout=TIMEOUT,
+                                            return_when=concurrent.futures.FIRST_COMPLETED)
+    wait_until(lambda: sum(f.done() for f in futures) == 2, "two nodes form the round")
+    members = [h for h, f in zip(nodes, futures) if f.done()]
+    [spare] = [h for h, f in zip(nodes, futures) if not f.done()]
+    for h in members:
+        assert h.num_nodes_waiting() == 0  # a full round's spare is no reason to restart
+    by_rank = sorted(members, key=lambda h: futures[nodes.index(h)].result().rank)
+    by_rank[0].stop()  # rank 0 dies
+    survivor = by_rank[1]
+    info = results(cluster.join(survivor))[0]
+    assert info.rank == 1 and info.world_size == 2  # the survivor keeps its rank ...
+    spare_info = futures[nodes.index(spare)].result(timeout=TIMEOUT)
+    assert spare_info.rank == 0 and spare_info.world_size == 2  # ... the spare takes rank 0
+
+
+def test_after_a_failure_the_round_closes_once_every_live_node_joined_without_last_call(
+        cluster):
+    # Below max, a job's first round would wait out the 60 s last call (longer than this
+    # test's timeouts); after a failure the survivors are all there is.
+    nodes = [cluster.node(1, 3, last_call_timeout="60") for _ in range(3)]
+    results(cluster.join(*nodes))  # max reached: closes at once
+    nodes[1].stop()
+    infos = results(cluster.join(nodes[0], nodes[2]))
+    assert sorted(i.rank for i in infos) == [0, 1] and {i.world_size for i in infos} == {2}
+
+
+def test_a_spare_joining_during_a_failure_neither_hangs_nor_kills_the_job(cluster):
+    nodes = [cluster.node(2, 3) for _ in range(3)]
+    results(cluster.join(*nodes))
+    nodes[2].stop()  # a member dies ...
+    late = cluster.node(2, 3)
+    # ... and the survivors come back while a new node arrives.
+    futures = cluster.join(nodes[0], nodes[1], late)
+    done, _ = concurrent.futures.wait(futures[:2], timeout=TIMEOUT)
+    assert len(done) == 2
+    infos = [f.result() for f in futures[:2]]
+    if not futures[2].done():  # the new node missed that round: it is waiting, with room
+        wait_until(lambda: nodes[0].num_nodes_waiting() == 1, "the late node is waiting")
+        infos = results(cluster.join(nodes[0], nodes[1]))
+    infos.append(futures[2].result(timeout=TIMEOUT))
+    assert sorted(i.rank for i in infos) == [0, 1, 2]
+    assert {i.world_size for i in infos} == {3}
+
+
+def test_a_member_that_restarts_alone_makes_the_others_re_rendezvous(cluster):
+    a, b = cluster.node(2, 2), cluster.node(2, 2)
+    results(cluster.join(a, b))
+    pending = cluster.join(a)  # a's workers failed: it re-rendezvous, b's still run
+    wait_until(lambda: b.num_nodes_waiting() == 1, "b sees a waiting")
+    infos = results(cluster.join(b) + pending)
+    assert sorted(i.rank for i in infos) == [0, 1]
+
+
+def test_shutdown_removes_the_node_and_closes_unless_failing_and_restartable(cluster):
+    a, b = cluster.node(1, 2), cluster.node(1, 2, close_on_failure="false")
+    results(cluster.join(a, b))
+    try:
+        raise RuntimeError("the agent fails")
+    except RuntimeError:
+        assert b.shutdown() is True
+    wait_until(lambda: b.me not in a._mirror.nodes, "b's record is gone")
+    assert not a.is_closed()
+    assert a.shutdown() is True
+    watcher = cluster.node(1, 2)
+    assert watcher.is_closed()
+
+
+def test_join_timeout_and_a_foreign_round_record_are_reported(cluster):
+    lonely = cluster.node(2, 2, join_timeout="1")
+    with pytest.raises(RendezvousTimeoutError, match="join_timeout"):
+        lonely.next_rendezvous()
+    lonely.stop()
+    bad = cluster.node(1, 1)
+    coord = cluster.connect()
+    try:
+        coord.put(bad._mirror.round_key, b"\x80\x04pickle")
+        with pytest.raises(RendezvousStateError, match="not JSON"):
+            bad.next_rendezvous()
+    finally:
+        coord.close()
+
+
+@pytest.mark.etcd
+def test_a_killed_node_leaves_when_its_lease_expires(etcd, prefix):
+    cluster = Cluster("etcd", etcd, prefix)
+    try:
+        a, b = cluster.node(1, 2), cluster.node(1, 2)
+        results(cluster.join(a, b))
+        b._keeper.stop(revoke=False)  # kill -9: no more keep-alives, nothing revoked
+        b._watch.cancel()
+        wait_until(lambda: a.gone_members() == [b.me], "b counted as gone after its TTL")
+        info = results(cluster.join(a))[0]
+        assert info.world_size == 1
+    finally:
+        cluster.close()

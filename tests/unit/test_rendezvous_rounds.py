@@ -1,0 +1,96 @@
+"""The etcd-native rendezvous' round decisions (:mod:`elasticd.coordination.rendezvous_rounds`),
+alone: records, when a round closes, rank order, spares, what counts as waiting."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from elasticd.coordination.rendezvous_rounds import (
+    SCHEMA,
+    NodeRecord,
+    RecordError,
+    RoundRecord,
+    closer,
+    decide_close,
+    joined,
+    num_waiting,
+    order,
+)
+
+
+def nodes(*specs: tuple[str, int, int]) -> dict[str, NodeRecord]:
+    """{id: record} from (id, target, creation revision)."""
+    return {n: NodeRecord(n, t, revision=r) for n, t, r in specs}
+
+
+def test_records_are_versioned_json_and_refuse_anything_else():
+    rec = NodeRecord("a", 3, "10.0.0.1")
+    assert NodeRecord.decode(rec.encode(), revision=7) == NodeRecord("a", 3, "10.0.0.1", 7)
+    rnd = RoundRecord(2, ("b", "a"), "b")
+    assert RoundRecord.decode(rnd.encode()) == rnd
+    assert b'"v":%d' % SCHEMA in rnd.encode()
+    for bad in (pickle.dumps({"v": 1}), b"[]", b'{"v": 99, "round": 1, "members": []}',
+                b'{"v": 1, "round": "x"}'):
+        with pytest.raises(RecordError):
+            RoundRecord.decode(bad)
+    with pytest.raises(RecordError, match="schema 2"):
+        NodeRecord.decode(b'{"v": 2, "node": "a", "target": 0}')
+
+
+def test_first_round_closes_at_max_at_once_and_at_min_only_after_the_last_call():
+    two = nodes(("a", 0, 5), ("b", 0, 4))
+    assert decide_close(two, None, 2, 2, last_call_over=False).members == ("b", "a")
+    waiting = decide_close(two, None, 2, 3, last_call_over=False)
+    assert waiting.members is None and waiting.last_call
+    assert decide_close(two, None, 2, 3, last_call_over=True).members == ("b", "a")
+    assert decide_close(nodes(("a", 0, 5)), None, 2, 3, True).members is None
+
+
+def test_after_a_failure_the_round_closes_once_every_live_member_joined_without_last_call():
+    last = RoundRecord(0, ("a", "b", "c"))
+    # c died (its record is gone); a has joined round 1, b still trains.
+    live = nodes(("a", 1, 1), ("b", 0, 2))
+    d = decide_close(live, last, 1, 3, last_call_over=False)
+    assert d.members is None and "still training" in d.wait_for
+    live["b"] = NodeRecord("b", 1, revision=2)
+    assert decide_close(live, last, 1, 3, last_call_over=False).members == ("a", "b")
+
+
+def test_survivors_keep_their_ranks_and_the_holes_fill_by_order_then_arrival():
+    last = RoundRecord(4, ("c", "a", "d", "b"))
+    live = nodes(("a", 5, 9), ("b", 5, 1), ("c", 5, 3), ("z", 0, 20), ("y", 0, 15))
+    # d (rank 2) died: the first newcomer takes its rank, every survivor keeps its own.
+    assert order(joined(live, last), live, last, 4) == ["c", "a", "y", "b", "z"]
+    assert decide_close(live, last, 1, 4, False).members == ("c", "a", "y", "b")
+    # Without newcomers the round shrinks: the survivor whose rank is gone takes the hole.
+    del live["y"], live["z"]
+    assert decide_close(live, last, 1, 4, False).members == ("c", "a", "b")
+    # The highest rank lost: everyone keeps rank and order.
+    assert order(["c", "a", "d"], live | nodes(("d", 5, 2)), last) == ["c", "a", "d"]
+    assert closer(("c", "a")) == "c"
+
+
+def test_a_spare_replaces_a_failed_member_and_never_closes_a_round_alone():
+    last = RoundRecord(0, ("a", "b", "c"))
+    spare = ("s", 1, 10)
+    # Full round training, spare waiting: no round, even with min=1 and the last call over.
+    live = nodes(("a", 0, 1), ("b", 0, 2), ("c", 0, 3), spare)
+    assert decide_close(live, last, 1, 3, last_call_over=True).members is None
+    assert num_waiting(live, last, 3) == 0
+    # c dies; a and b come back: the spare takes the third place.
+    live = nodes(("a", 1, 1), ("b", 1, 2), spare)
+    assert decide_close(live, last, 3, 3, False).members == ("a", "b", "s")
+
+
+def test_waiting_counts_rejoining_members_and_newcomers_only_when_there_is_room():
+    last = RoundRecord(2, ("a", "b"))
+    assert num_waiting(nodes(("a", 2, 1), ("b", 2, 2)), last, 3) == 0
+    assert num_waiting(nodes(("a", 2, 1), ("b", 3, 2)), last, 3) == 1  # b re-rendezvous
+    assert num_waiting(nodes(("a", 2, 1), ("b", 2, 2), ("n", 0, 3)), last, 3) == 1
+    assert num_waiting(nodes(("a", 2, 1), ("b", 2, 2), ("n", 0, 3)), last, 2) == 0  # spare
+    # b's record is gone: provisionally alive (no room) until confirmed gone.
+    assert num_waiting(nodes(("a", 2, 1), ("n", 0, 3)), last, 2) == 0
+    assert num_waiting(nodes(("a", 2, 1), ("n", 0, 3)), last, 2, gone=["b"]) == 1
+    assert num_waiting(nodes(("n", 0, 3)), None, 2) == 1
