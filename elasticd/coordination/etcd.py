@@ -306,7 +306,10 @@ class EtcdCoordinator(Coordinator):
                 header = getattr(getattr(r, r.WhichOneof("response")), "header", None)
                 revision = max(revision, header.revision if header else 0)
             if not revision:
-                revision = c.get_response(b"\0").header.revision
+                # A key of the transaction's own: a user limited to one prefix (a job's
+                # agent) may not read b"\0".
+                probe = (list(compares) or list(ops))[0].key if (compares or ops) else b"\0"
+                revision = c.get_response(probe).header.revision
             return ok, revision
 
         try:
@@ -359,6 +362,12 @@ class EtcdCoordinator(Coordinator):
 
     def revision(self) -> int:
         return self._call(lambda c: c.get_response(b"\0").header.revision)
+
+    def auth_call(self, method: str, request: Any) -> Any:
+        """Calls one of etcd's Auth RPCs (``UserAdd``, ``RoleGrantPermission``, ...) with this
+        client's credentials (managing users needs etcd's root role)."""
+        return self._call(lambda c: getattr(c.authstub, method)(
+            request, c.timeout, credentials=c.call_credentials, metadata=c.metadata))
 
     def close(self) -> None:
         with self._lock:

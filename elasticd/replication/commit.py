@@ -125,7 +125,7 @@ def decode_committed(raw: bytes, key: bytes | str = b"?") -> Committed:
         holders = {int(r): tuple(_str(n) for n in hs) for r, hs in body["holders"].items()}
         return Committed(_int(body["generation"]), _int(body["step"]), ranks, holders,
                          _int(body.get("m", 2)), _int(body.get("round", 0)),
-                         float(body.get("at", 0.0)))
+                         records.finite(body.get("at", 0.0), "at"))
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise records.CorruptRecord(f"{key!r}: invalid committed record ({exc})") from exc
 
@@ -234,6 +234,9 @@ def read_state(coord: Coordinator, keys: Keyspace, job: str) -> CommitState:
                 committed = decode_committed(kv.value, kv.key)
             elif kv.key.startswith(r_prefix):
                 rec = decode_replicated(kv.value, kv.key)
+                if rec.node != kv.key[len(r_prefix):].decode(errors="replace"):
+                    # One node's record may not speak for another.
+                    raise records.CorruptRecord(f"{kv.key!r}: names node {rec.node[:70]!r}")
                 progress[rec.node] = rec
             elif kv.key.startswith(f_prefix):
                 fences[kv.key[len(f_prefix):].decode(errors="replace")] = kv.mod_revision
