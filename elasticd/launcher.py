@@ -155,12 +155,15 @@ class LocalCluster:
         etcd: endpoints of an existing etcd to use instead of starting one.
         prefix: cluster key prefix.
         extra_args: more ``elasticd`` flags for every node.
+        etcd_client: credentials of the launcher's own etcd client (``EtcdSettings`` fields:
+            user, password, ca_cert, cert, key), for a secured etcd.
     """
 
     def __init__(self, nodes: Sequence[str], workdir: str | None = None, lease_ttl: int = 2,
                  etcd_members: int = 1, etcd: str | None = None, prefix: str = "/elasticd",
                  extra_args: Sequence[str] = (), loop_interval: float = 0.25,
-                 env: dict[str, str] | None = None, replication: bool = False) -> None:
+                 env: dict[str, str] | None = None, replication: bool = False,
+                 etcd_client: dict[str, str] | None = None) -> None:
         self.workdir = workdir or tempfile.mkdtemp(prefix="elasticd-cluster-")
         os.makedirs(self.workdir, exist_ok=True)
         self.prefix = prefix
@@ -171,6 +174,7 @@ class LocalCluster:
             self.etcd_server = EmbeddedEtcd(members=etcd_members,
                                             data_dir=os.path.join(self.workdir, "etcd"))
         self._etcd = etcd
+        self.etcd_client = dict(etcd_client or {})
         self.extra_args = list(extra_args)
         self.loop_interval = loop_interval
         self.env = {**os.environ, **(env or {})}
@@ -226,7 +230,8 @@ class LocalCluster:
 
     def coordinator(self) -> EtcdCoordinator:
         if self._coord is None:
-            self._coord = EtcdCoordinator(EtcdSettings(parse_endpoints(self.etcd), timeout=1.0))
+            self._coord = EtcdCoordinator(EtcdSettings(parse_endpoints(self.etcd), timeout=1.0,
+                                                       **self.etcd_client))
         return self._coord
 
     def node_records(self) -> dict[str, dict[str, Any]]:
