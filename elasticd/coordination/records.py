@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import json
 import math
+import threading
 import types
 import typing
 from typing import Any, Type, TypeVar
@@ -48,6 +49,7 @@ class Complaints:
 
     def __init__(self, logger: Any, limit: int = 20_000) -> None:
         self._log = logger
+        self._lock = threading.Lock()  # watch callbacks and worker threads report too
         self._seen: dict[tuple[bytes, int], None] = {}
         self.limit = limit
         self.count = 0  # distinct bad records seen
@@ -59,12 +61,13 @@ class Complaints:
             True when it logged.
         """
         ident = (key if isinstance(key, bytes) else key.encode(), hash(value))
-        if ident in self._seen:
-            return False
-        self._seen[ident] = None
-        if len(self._seen) > self.limit:
-            del self._seen[next(iter(self._seen))]
-        self.count += 1
+        with self._lock:
+            if ident in self._seen:
+                return False
+            self._seen[ident] = None
+            if len(self._seen) > self.limit:
+                del self._seen[next(iter(self._seen))]
+            self.count += 1
         self._log.warning(message, *args)
         return True
 

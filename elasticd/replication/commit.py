@@ -45,6 +45,10 @@ from elasticd.replication.placement import Placement, decode_placement, encode_p
 
 log = logging.getLogger(__name__)
 
+#: Unreadable commit records are re-read every decision: each is logged once (shared with the
+#: tracker's watch, which reads the same records).
+complaints = records.Complaints(log)
+
 COMMITTED_KIND = "ckpt_committed"
 REPLICATED_KIND = "ckpt_replicated"
 FENCE_KIND = "ckpt_fence"
@@ -200,7 +204,7 @@ def read_committed(coord: Coordinator, keys: Keyspace, job: str) -> Committed | 
     try:
         return decode_committed(kv.value, kv.key)
     except records.RecordError as exc:
-        log.error("ignoring the committed record of %s: %s", job, exc)
+        complaints.warn(kv.key, kv.value, "ignoring the committed record of %s: %s", job, exc)
         return None
 
 
@@ -241,7 +245,7 @@ def read_state(coord: Coordinator, keys: Keyspace, job: str) -> CommitState:
             elif kv.key.startswith(f_prefix):
                 fences[kv.key[len(f_prefix):].decode(errors="replace")] = kv.mod_revision
         except records.RecordError as exc:
-            log.error("ignoring a commit record of %s: %s", job, exc)
+            complaints.warn(kv.key, kv.value, "ignoring a commit record of %s: %s", job, exc)
     return CommitState(progress, committed, revision, fences)
 
 
