@@ -1,7 +1,8 @@
 """An etcd fuzz in CI: about a thousand malformed writes over every key kind the daemons read,
 while three daemons run a real training job (bench/fuzz_etcd.py runs ten thousand). No daemon
 exits, /healthz stays 200, the job keeps training, and a bad record costs at most one warning
-(none more in a quiet period after)."""
+(records read every cycle log nothing more in a quiet period after; the resync that re-reads
+every node record is covered in tests/unit/test_hostile_records.py)."""
 
 from __future__ import annotations
 
@@ -41,4 +42,4 @@ def test_daemons_survive_a_thousand_malformed_records(tmp_path):
     assert result["step_at_end"] > result["step_after_fuzz"] >= result["step_before"]
     for node, lines in result["bad_record_warnings"].items():
         assert 0 < lines <= result["count"], (node, lines)
-    assert result["bad_record_warnings_after_quiet"] == result["bad_record_warnings"]
+    assert result["logged_in_quiet"] == {}  # nothing read every cycle is logged again
