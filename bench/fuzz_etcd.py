@@ -77,8 +77,20 @@ def templates(nodes: list[str]) -> dict[str, dict[str, Any]]:
     }
 
 
-_WRONG = ["soon", "1", True, False, None, [], {}, [1, "a"], {"a": None}, -1, 2**70, 1.5,
-          "x" * 3000, "\n", "../..", 1e308]
+def wrong_for(rng: random.Random, value: Any) -> Any:
+    """A value of another JSON type than ``value`` (so the record is malformed for sure, not
+    merely odd: an odd but well-formed record is a request, e.g. a drain)."""
+    if isinstance(value, bool):
+        pool: list[Any] = ["soon", 1, None, [], {}]
+    elif isinstance(value, (int, float)):
+        pool = ["soon", "1", True, None, [], {"a": 1}, [1, "a"]]
+    elif isinstance(value, str):
+        pool = [1, 1.5, True, None, [], {}, ["x"]]
+    elif isinstance(value, list):
+        pool = ["soon", 1, {}, None, [None, {"a": []}]]
+    else:
+        pool = ["soon", 1, [], None, True]
+    return rng.choice(pool)
 
 
 def malformed(rng: random.Random, kind: str, body: dict[str, Any], other_node: str) -> bytes:
@@ -96,29 +108,25 @@ def malformed(rng: random.Random, kind: str, body: dict[str, Any], other_node: s
         return json.dumps({"schema": rng.choice(["1", 1.0, None, 99, True]), "record": kind,
                            **b}).encode()
     if choice == 4:
-        field = rng.choice(sorted(b))
-        return (json.dumps({"schema": 1, "record": kind, **b})
-                .replace(json.dumps(field) + ":", json.dumps(field) + ": NaN, \"_\":", 1)
-                .encode())
+        field = rng.choice(sorted(k for k, v in b.items() if isinstance(v, (int, float))))
+        b[field] = 0.0  # replaced by a non-finite number below
+        text = json.dumps({"schema": 1, "record": kind, **b})
+        bad = rng.choice(["NaN", "Infinity", "-Infinity"])
+        return text.replace(f'"{field}": 0.0', f'"{field}": {bad}', 1).encode()
+    if choice == 6:
+        return b"[" * rng.choice([10, 5000, 100_000])
+    if choice == 8:
+        return b""
+    if choice == 9:
+        return json.dumps([1, 2, 3]).encode()
     if choice == 5:
         del b[rng.choice(sorted(b))]
-    elif choice == 6:
-        return b"[" * rng.choice([10, 5000, 100_000])
     elif choice == 7 and ("node" in b or "name" in b):
         b["node" if "node" in b else "name"] = other_node  # names another node / job
-        field = rng.choice(sorted(b))
-        b[field] = rng.choice(_WRONG)
-    elif choice == 8:
-        return b""
-    elif choice == 9:
-        return json.dumps([1, 2, 3]).encode()
-    else:
-        for _ in range(rng.randrange(1, 3)):
-            field = rng.choice(sorted(b))
-            wrong = rng.choice(_WRONG)
-            if type(wrong) is type(b[field]) and wrong == b[field]:
-                wrong = "soon"
-            b[field] = wrong
+    # ... and at least one field of the wrong type (distinct fields: a second wrong value for
+    # the same field could be right again).
+    for field in rng.sample(sorted(b), rng.randrange(1, 3)):
+        b[field] = wrong_for(rng, b[field])
     return json.dumps({"schema": 1, "record": kind, **b}).encode()
 
 

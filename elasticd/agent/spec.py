@@ -234,9 +234,17 @@ class JobControl:
     def encode(self) -> bytes:
         return records.encode_dataclass(self.KIND, self)
 
+    #: What ``desired`` may say; anything else is a malformed record (ignored), not a stop.
+    DESIRED = ("running", "stopped", "failed")
+
     @classmethod
     def decode(cls, raw: bytes, key: bytes | str = b"?") -> "JobControl":
-        return records.decode_dataclass(cls, raw, cls.KIND, key)
+        """Raises: records.RecordError (malformed, or an unknown desired state)."""
+        control = records.decode_dataclass(cls, raw, cls.KIND, key)
+        if control.desired not in cls.DESIRED:
+            raise records.CorruptRecord(f"{records.where_of(key)}: unknown desired state "
+                                        f"{control.desired[:40]!r}")
+        return control
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,6 +268,9 @@ class NodeJobStatus:
     ranks: list[int] = dataclasses.field(default_factory=list)  # this node's global ranks
 
     KIND = "node_job_status"
+    #: Every state a node publishes (``idle`` before its first job).
+    STATES = ("idle", "starting", "running", "restarting", "stopping", "stopped", "succeeded",
+              "failed", "refused", "drained")
 
     def encode(self) -> bytes:
         return records.encode_dataclass(self.KIND, self)
@@ -274,6 +285,9 @@ class NodeJobStatus:
             records.RecordError: malformed, or about another node.
         """
         st = records.decode_dataclass(cls, raw, cls.KIND, key)
+        if st.state not in cls.STATES:
+            raise records.CorruptRecord(f"{records.where_of(key)}: unknown job state "
+                                        f"{st.state[:40]!r}")
         if node is not None and st.node != node:
             raise records.CorruptRecord(f"{records.where_of(key)}: the status names node "
                                         f"{st.node[:70]!r}, its key {node!r}")

@@ -154,7 +154,7 @@ def decode_replicated(raw: bytes, key: bytes | str = b"?") -> Replicated:
             holders[int(rank)] = tuple(_str(n) for n in entry.get("holders", ()))
         skipped = tuple((_int(g), _int(s)) for g, s in body.get("skipped", ()))
         return Replicated(_str(body["node"]), _int(body.get("round", 0)), versions, holders,
-                          float(body.get("at", 0.0)), skipped)
+                          records.finite(body.get("at", 0.0), "at"), skipped)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise records.CorruptRecord(f"{key!r}: invalid replicated record ({exc})") from exc
 

@@ -253,3 +253,44 @@ def test_an_interpreter_the_job_user_cannot_run_refuses_the_job(tmp_path):
     assert mgr.status.state == "refused"
     assert "nobody cannot execute the interpreter" in mgr.status.detail
     mgr.close()
+
+
+def test_every_value_the_etcd_fuzz_writes_is_refused_by_its_decoder():
+    """bench/fuzz_etcd.py must write malformed records only: an odd but well-formed one is a
+    request (a drain, a stop), not an attack on the decoder."""
+    import importlib.util
+    import random
+
+    from elasticd.cluster.drain import DrainRecord
+    from elasticd.cluster.events import Event
+    from elasticd.cluster.membership import NodeRecord
+    from elasticd.agent.spec import JobControl
+    from elasticd.replication.commit import decode_committed, decode_replicated
+    from elasticd.replication.placement import decode_placement
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "fuzz_etcd.py")
+    mod_spec = importlib.util.spec_from_file_location("fuzz_etcd", path)
+    fuzz = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(fuzz)
+    decoders = {
+        "node": lambda raw: NodeRecord.decode(raw, b"k", "n1"),
+        "job_spec": lambda raw: JobSpec.decode(raw, b"k", "j"),
+        "job_control": lambda raw: JobControl.decode(raw, b"k"),
+        "node_job_status": lambda raw: NodeJobStatus.decode(raw, b"k", "n1"),
+        "drain": lambda raw: DrainRecord.decode(raw, b"k", "n1"),
+        "placement": lambda raw: decode_placement(raw, b"k"),
+        "ckpt_committed": lambda raw: decode_committed(raw, b"k"),
+        "ckpt_replicated": lambda raw: decode_replicated(raw, b"k"),
+        "ckpt_fence": None,  # never decoded: only its revision counts
+        "event": lambda raw: records.decode_dataclass(Event, raw, "event", b"k"),
+    }
+    bodies = fuzz.templates(["n1", "n2", "n3"])
+    for kind, decode in decoders.items():
+        if decode is None:
+            continue
+        decode(records.encode(kind, bodies[kind]))  # the template itself reads
+        rng = random.Random(kind)
+        for _ in range(300):
+            raw = fuzz.malformed(rng, kind, bodies[kind], "n2")
+            with pytest.raises(records.RecordError):
+                decode(raw)
