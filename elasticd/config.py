@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pwd
 import socket
 import sys
 import tomllib
@@ -307,8 +308,6 @@ def _validate(s: Settings, sources: Mapping[str, str]) -> None:
 
 
 def _validate_job_policy(s: Settings, bad: Any) -> None:
-    import pwd
-
     from elasticd.agent.policy import split_list
 
     for user in split_list(s.job_users):

@@ -203,6 +203,7 @@ class Daemon:
         self.jobs.agent_restarts = self.settings.agent_restarts
         self.jobs.stop_grace = self.settings.stop_grace
         self.jobs.rdzv_conf = self.rdzv_conf()
+        self.jobs.policy = self.settings.job_policy()  # for the next job start
         return restart
 
     def wake(self) -> None:

@@ -219,10 +219,20 @@ def test_the_node_policy_refuses_what_etcd_asks_for(tmp_path, over, needle):
 
 
 def test_the_node_policy_from_settings():
-    s = Settings(node_id="n1", job_users="nobody", job_env_allow="PYTHONHASHSEED")
+    from elasticd.config import ConfigError, load
+
+    s = load({"node_id": "n1", "job_users": "nobody", "job_env_allow": "PYTHONHASHSEED"},
+             environ={})
     p = s.job_policy()
     assert p.users == ("nobody",) and p.python == sys.executable
     assert p.env_allow == ("PYTHONHASHSEED",)
+    for bad, needle in ((("job_users", "no-such-user-x"), "no such user"),
+                        (("job_python", "python3"), "absolute path"),
+                        (("job_env_allow", "LD_$"), "pattern"),
+                        (("agent_etcd_users", "maybe"), "auto, on or off"),
+                        (("agent_etcd_cert", "/nonexistent.pem"), "together")):
+        with pytest.raises(ConfigError, match=needle):
+            load({"node_id": "n1", bad[0]: bad[1]}, environ={})
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user (CI is root)")
