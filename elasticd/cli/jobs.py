@@ -125,11 +125,15 @@ def _jobs(coord: Coordinator, keys: Keyspace) -> list[dict[str, Any]]:
     for name, spec in sorted(specs.items(), key=lambda kv: kv[1].created_at):
         nodes = {st.node: st.as_dict() for st in _node_statuses(coord, keys, name)}
         running = sorted(n for n, st in nodes.items() if st["state"] == "running")
+        refused = sorted(n for n, st in nodes.items() if st["state"] == "refused")
+        where = ",".join(running) or "-"
+        if not running and refused:  # each node's policy decides: say why, once
+            where = f"refused on {','.join(refused)}: {nodes[refused[0]]['detail']}"
         out.append({
             "job": name, "desired": controls[name].desired if name in controls else "running",
             "nnodes": spec.torchrun_nnodes(), "nproc_per_node": spec.nproc_per_node,
             "script": spec.script, "args": spec.args, "user": spec.user,
-            "submitted_at": spec.created_at, "running_on": ",".join(running) or "-",
+            "submitted_at": spec.created_at, "running_on": where,
             "nodes": nodes,
         })
     return out

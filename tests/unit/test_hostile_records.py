@@ -304,3 +304,20 @@ def test_every_value_the_etcd_fuzz_writes_is_refused_by_its_decoder():
             raw = fuzz.malformed(rng, kind, bodies[kind], "n2")
             with pytest.raises(records.RecordError):
                 decode(raw)
+
+
+def test_elasticctl_jobs_shows_a_refused_job_and_why(tmp_path):
+    from elasticd.cli.jobs import _jobs
+
+    coord = MemoryCoordinator()
+    lease = coord.grant_lease(10)
+    body = json.loads(spec(tmp_path, name="bad").encode())
+    body["nnodes_min"] = "1"
+    coord.put(KEYS.job_spec("bad"), json.dumps(body).encode())
+    coord.put(KEYS.job_spec("root"), spec(tmp_path, name="root", user="root").encode())
+    coord.put(KEYS.job_node("root", "n1"), NodeJobStatus("n1", "refused", JobPolicy().check(
+        spec(tmp_path, user="root"))).encode(), lease)
+    rows = {r["job"]: r for r in _jobs(coord, KEYS)}
+    assert rows["bad"]["running_on"].startswith("refused: unreadable job spec")
+    assert "nnodes_min" in rows["bad"]["refused"]
+    assert rows["root"]["running_on"].startswith("refused on n1: runs as root")
