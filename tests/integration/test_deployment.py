@@ -116,8 +116,16 @@ def test_root_daemons_secured_etcd_unprivileged_job_survives_kill_9():
             return [int(m.group(1)) for m in STEP_RE.finditer(log(n), after)
                     if int(m.group(2)) == world]
 
-        cluster.wait_for(lambda: all(steps(n, 3) for n in cluster.nodes), 120,
-                         "the job training at world 3 as " + JOB_USER)
+        try:
+            cluster.wait_for(lambda: all(steps(n, 3) for n in cluster.nodes), 120,
+                             "the job training at world 3 as " + JOB_USER)
+        except TimeoutError:
+            tails = {n: log(n).splitlines()[-12:] for n in cluster.nodes}
+            said = {n: [ln for ln in node.log_text().splitlines()
+                        if re.search(r"refus|ERROR|denied|cannot", ln)][-6:]
+                    for n, node in cluster.nodes.items()}
+            pytest.fail(f"the job did not train at world 3 as {JOB_USER}: agent logs {tails}; "
+                        f"daemons said {said}")
         committed_key = cluster.keys.job_ckpt("job") + b"committed"
         cluster.wait_for(lambda: cluster.coordinator().get(committed_key) is not None, 60,
                          "a snapshot replicated to peers (a committed step)")
