@@ -101,16 +101,24 @@ def check_access_as(user: str, python: str, script: str, cwd: str) -> str | None
                   (5, os.access(cwd, os.X_OK)))
         code = next((c for c, ok in checks if not ok), 0)
     else:
-        try:
-            code = subprocess.run(
-                ["/bin/sh", "-c", _ACCESS_CHECK, "sh", python, script, cwd],
-                user=pw.pw_uid, group=pw.pw_gid,
-                extra_groups=os.getgrouplist(pw.pw_name, pw.pw_gid),
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                cwd="/", env={"PATH": "/usr/bin:/bin"}, timeout=10).returncode
-        except (OSError, subprocess.SubprocessError) as exc:
-            return f"could not check the job's files as {user}: {exc}"
+        code = -1
+        # A check killed by a signal says nothing about the files (one was seen to die of
+        # SIGSEGV under a busy daemon once): try again, a few times.
+        for _ in range(3):
+            try:
+                code = subprocess.run(
+                    ["/bin/sh", "-c", _ACCESS_CHECK, "sh", python, script, cwd],
+                    user=pw.pw_uid, group=pw.pw_gid,
+                    extra_groups=os.getgrouplist(pw.pw_name, pw.pw_gid),
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL, cwd="/", env={"PATH": "/usr/bin:/bin"},
+                    timeout=10).returncode
+            except (OSError, subprocess.SubprocessError) as exc:
+                return f"could not check the job's files as {user}: {exc}"
+            if code >= 0:
+                break
     if code == 0:
         return None
-    why = _ACCESS_PROBLEM.get(code, "cannot use the job's files (check exit {code})")
+    why = _ACCESS_PROBLEM.get(code, "could not be checked against the job's files (check exit "
+                              "{code})")
     return f"user {user} " + why.format(code=code, **paths)
