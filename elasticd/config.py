@@ -10,10 +10,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import pwd
 import socket
 import stat
+import sys
 import tomllib
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:
+    from elasticd.agent.policy import JobPolicy
 
 from elasticd.coordination.etcd import EtcdSettings, parse_endpoints
 from elasticd.coordination.keys import check_name, check_prefix
@@ -120,6 +125,20 @@ class Settings:
         unprotected_lag_steps: a job whose committed step lags its newest snapshot by more
             steps than this shows as UNPROTECTED (commit_lag).
         log_level: DEBUG, INFO, WARNING or ERROR.
+        job_users: users jobs may run as on this node, comma-separated (empty: any user but
+            root; ``*``: any user, root too); part of the node's job policy
+            (elasticd/agent/policy.py).
+        job_python: the only interpreter a job may name (empty: the daemon's own).
+        job_env_allow: environment variables (names or ``fnmatch`` patterns, comma-separated)
+            a job may set although they are refused by default (``LD_*``, ``PYTHON*``,
+            ``BASH_ENV``, ``ENV``).
+        agent_etcd_users: ``auto`` (on when the daemon authenticates to etcd) or ``on``: each
+            node creates, per job, an etcd user of its own whose role may write only the job's
+            rendezvous prefix, and hands it to the job's agent; ``off``: agents get no etcd
+            credentials (an etcd without authentication).
+        agent_etcd_cert, agent_etcd_key: a TLS client certificate for agents, when etcd asks
+            clients for one; its common name must not be an etcd user with permissions (the
+            job's user can read it).
     """
 
     node_id: str = dataclasses.field(default_factory=lambda: socket.gethostname().split(".")[0])
@@ -155,6 +174,12 @@ class Settings:
     replicas: int = 2
     unprotected_lag_steps: int = 100
     log_level: str = "INFO"
+    job_users: str = ""
+    job_python: str = ""
+    job_env_allow: str = ""
+    agent_etcd_users: str = "auto"
+    agent_etcd_cert: str = ""
+    agent_etcd_key: str = ""
 
     # -- derived --------------------------------------------------------------------------
 
@@ -205,6 +230,21 @@ class Settings:
             cert=self.etcd_cert or None,
             key=self.etcd_key or None,
         )
+
+    def job_policy(self) -> "JobPolicy":
+        """The node's job policy from ``job_users``, ``job_python`` and ``job_env_allow``."""
+        from elasticd.agent.policy import JobPolicy, split_list
+
+        return JobPolicy(users=split_list(self.job_users),
+                         python=self.job_python or sys.executable,
+                         env_allow=split_list(self.job_env_allow))
+
+    @property
+    def agent_users_on(self) -> bool:
+        """Whether agents get per-job etcd users (``agent_etcd_users``)."""
+        if self.agent_etcd_users == "auto":
+            return bool(self.etcd and (self.etcd_user or self.etcd_cert))
+        return self.agent_etcd_users == "on"
 
     def redacted(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -325,6 +365,37 @@ def _validate(s: Settings, sources: Mapping[str, str]) -> None:
         raise bad("unprotected_lag_steps", f"{s.unprotected_lag_steps}: use 1 to 10000000 steps")
     if s.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise bad("log_level", f"{s.log_level!r}: use DEBUG, INFO, WARNING or ERROR")
+    _validate_job_policy(s, bad)
+
+
+def _validate_job_policy(s: Settings, bad: Any) -> None:
+    from elasticd.agent.policy import split_list
+
+    for user in split_list(s.job_users):
+        if user == "*":
+            continue
+        try:
+            pwd.getpwnam(user)
+        except (KeyError, ValueError):
+            raise bad("job_users", f"{user!r}: no such user on this machine") from None
+    if s.job_python and (not os.path.isabs(s.job_python)
+                         or not os.access(s.job_python, os.X_OK)):
+        raise bad("job_python", f"{s.job_python!r} is not an absolute path to an executable "
+                  "(the python that has torch and elasticd)")
+    for pattern in split_list(s.job_env_allow):
+        if not all(c.isalnum() or c in "_*?" for c in pattern):
+            raise bad("job_env_allow", f"{pattern!r}: expected NAME or a pattern like LD_*")
+    if s.agent_etcd_users not in ("auto", "on", "off"):
+        raise bad("agent_etcd_users", f"{s.agent_etcd_users!r}: use auto, on or off")
+    if s.agent_etcd_users == "on" and not s.etcd:
+        raise bad("agent_etcd_users", "on needs an external etcd (--etcd) whose users the "
+                  "daemon may manage")
+    if bool(s.agent_etcd_cert) != bool(s.agent_etcd_key):
+        raise bad("agent_etcd_cert", "agent_etcd_cert and agent_etcd_key must be given together")
+    for name in ("agent_etcd_cert", "agent_etcd_key"):
+        path = getattr(s, name)
+        if path and not os.path.isfile(path):
+            raise bad(name, f"file {path!r} does not exist")
 
 
 def load(

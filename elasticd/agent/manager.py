@@ -5,8 +5,13 @@ through a watch, runs at most one job at a time (the oldest one that is wanted),
 node's view of it (``jobs/<job>/nodes/<node>``, bound to the node's lease, so a dead node's entry
 disappears with it), and acts:
 
-* start the agent when the job is wanted and this node can run it (same script hash, user
-  exists), restart it with backoff when it dies (a budget of ``agent_restarts``);
+* start the agent when the job is wanted and this node can run it (its spec reads, the node's
+  :class:`~elasticd.agent.policy.JobPolicy` allows it, the same script hash, the user exists
+  and can use the files), restart it with backoff when it dies (a budget of
+  ``agent_restarts``);
+* refuse a job it cannot run, with the reason, in ``jobs/<job>/nodes/<node>`` and ``/status``:
+  a spec that does not read (records are written by whoever may write to etcd: a malformed one
+  costs that job, never the daemon), or one the node's policy or files rule out;
 * restart the workers at once when a peer that runs the job fails (proactive abort: a machine
   that loses power sends no TCP reset, and gloo would wait minutes), or when the job hangs;
 * stop everything (agent and every tagged process) when the job is stopped, when the node fences
@@ -29,17 +34,25 @@ import dataclasses
 import logging
 import os
 import queue
+import subprocess
 import threading
 from typing import Any, Callable, Sequence
 
 from elasticd.agent import crashloop
+from elasticd.agent.policy import JobPolicy
 from elasticd.agent.progress import ProgressTracker, progress_handler
 from elasticd.agent.spec import JobControl, JobSpec, NodeJobStatus
 from elasticd.agent.supervisor import AgentSupervisor
 from elasticd.clock import Clock, SystemClock
 from elasticd.coordination import records
-from elasticd.coordination.api import CoordinationError, Coordinator, EventType, WatchEvent
-from elasticd.coordination.keys import Keyspace
+from elasticd.coordination.api import (
+    AuthError,
+    CoordinationError,
+    Coordinator,
+    EventType,
+    WatchEvent,
+)
+from elasticd.coordination.keys import Keyspace, check_name
 from elasticd.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -62,6 +75,10 @@ class JobManager:
         before_resync: called before every full re-list of the jobs (the daemon looks there
             whether etcd lost its data, and if so has the specs written again first: specs
             that vanished with the data must not stop the job).
+        policy: what this node agrees to run (:class:`JobPolicy`).
+        credentials: called with a job's spec before its agent starts; returns the extra
+            rendezvous settings and environment that give the agent its own etcd credentials
+            (:mod:`elasticd.coordination.agent_credentials`), or raises to refuse the start.
     """
 
     def __init__(self, node_id: str, coord: Coordinator, keys: Keyspace, etcd: str,
@@ -70,7 +87,10 @@ class JobManager:
                  rdzv_conf: dict[str, str] | None = None, agent_restarts: int = 10,
                  stop_grace: float = 10.0, warm_workers: bool = False,
                  clock: Clock | None = None,
-                 before_resync: Callable[[], Any] = lambda: None) -> None:
+                 before_resync: Callable[[], Any] = lambda: None,
+                 policy: JobPolicy | None = None,
+                 credentials: Callable[[JobSpec], tuple[dict[str, str], dict[str, str]]]
+                 | None = None) -> None:
         self.node_id = node_id
         self.coord = coord
         self.keys = keys
@@ -85,8 +105,13 @@ class JobManager:
         self.warm_workers = warm_workers
         self.clock = clock or SystemClock()
         self._before_resync = before_resync
+        self.policy = policy or JobPolicy()
+        self.credentials = credentials
+        self.complaints = records.Complaints(log)
 
         self.specs: dict[str, tuple[int, JobSpec]] = {}  # job -> (create revision, spec)
+        # Jobs whose spec does not read: job -> (create revision, why). Each is refused.
+        self.bad_specs: dict[str, tuple[int, str]] = {}
         self.controls: dict[str, JobControl] = {}
         self.members: dict[str, set[str]] = {}  # job -> nodes with a live status entry
         self.statuses: dict[str, dict[str, NodeJobStatus]] = {}  # job -> node -> status
@@ -166,16 +191,24 @@ class JobManager:
 
     def _kind(self, key: bytes) -> tuple[str, str | None]:
         """Splits ``<prefix>/jobs/<job>/<what>[/<node>]`` into (job, what) for the keys we
-        follow; ``what`` is None for the rest (the rendezvous keys)."""
-        rest = key[len(self.keys.jobs):].decode(errors="replace").split("/")
-        if len(rest) == 2 and rest[1] in ("spec", "control"):
-            return rest[0], rest[1]
-        if len(rest) == 3 and rest[1] == "nodes":
-            return rest[0], "nodes/" + rest[2]
-        return rest[0], None
+        follow; ``what`` is None for the rest (the rendezvous keys, and any key whose job or
+        node name is not valid: ``jobs/../spec`` is no job)."""
+        try:
+            job, what, rest = self.keys.job_key(key)
+        except ValueError:
+            return "", None
+        if what in ("spec", "control") and not rest:
+            return job, what
+        if what == "nodes" and "/" not in rest:
+            try:
+                return job, "nodes/" + check_name("node id in key", rest)
+            except ValueError:
+                return job, None
+        return job, None
 
     def _reset(self, kvs: list[Any]) -> None:
         self.specs.clear()
+        self.bad_specs.clear()
         self.controls.clear()
         self.members.clear()
         self.statuses.clear()
@@ -189,31 +222,30 @@ class JobManager:
             return
         try:
             if what == "spec":
+                self.specs.pop(job, None)
+                self.bad_specs.pop(job, None)
                 if etype is EventType.PUT:
-                    self.specs[job] = (create_revision, JobSpec.decode(value, key))
-                else:
-                    self.specs.pop(job, None)
+                    try:
+                        self.specs[job] = (create_revision, JobSpec.decode(value, key, job))
+                    except records.RecordError as exc:
+                        self.bad_specs[job] = (create_revision, f"unreadable job spec: {exc}")
+                        raise
             elif what == "control":
+                self.controls.pop(job, None)
                 if etype is EventType.PUT:
                     self.controls[job] = JobControl.decode(value, key)
-                else:
-                    self.controls.pop(job, None)
             else:
                 node = what.split("/", 1)[1]
                 nodes = self.members.setdefault(job, set())
-                if etype is EventType.DELETE:
-                    self.statuses.get(job, {}).pop(node, None)
+                self.statuses.get(job, {}).pop(node, None)
+                nodes.discard(node)
                 if etype is EventType.PUT:
-                    st = NodeJobStatus.decode(value, key)
+                    st = NodeJobStatus.decode(value, key, node)
                     self.statuses.setdefault(job, {})[node] = st
                     if st.state in ("starting", "running", "restarting"):
                         nodes.add(node)
-                    else:
-                        nodes.discard(node)
-                else:
-                    nodes.discard(node)
         except records.RecordError as exc:
-            log.warning("ignoring job record: %s", exc)
+            self.complaints.warn(key, value, "ignoring job record: %s", exc)
 
     def _drain(self) -> None:
         while True:
@@ -231,10 +263,13 @@ class JobManager:
 
     def wanted(self) -> str | None:
         """The job this node should run: the oldest wanted job it has not finished (none
-        while the node is held out of jobs, e.g. drained)."""
+        while the node is held out of jobs, e.g. drained). A job whose spec does not read
+        is wanted too, to be refused (:meth:`_start`)."""
         if self.hold:
             return None
-        for job, (_, spec) in sorted(self.specs.items(), key=lambda kv: kv[1][0]):
+        jobs = [(rev, job) for job, (rev, _) in self.specs.items()]
+        jobs += [(rev, job) for job, (rev, _) in self.bad_specs.items()]
+        for _, job in sorted(jobs):
             control = self.controls.get(job)
             if control is not None and control.desired != "running":
                 continue
@@ -242,6 +277,11 @@ class JobManager:
                 continue  # a running agent here ends on its own (see _check_agent)
             return job
         return None
+
+    def refused(self) -> dict[str, str]:
+        """Jobs whose spec this node cannot read, with why (for /status; at most 20)."""
+        bad = sorted(self.bad_specs.items(), key=lambda kv: kv[1][0])[-20:]
+        return {job: why for job, (_, why) in bad}
 
     def succeeded_on(self, job: str) -> list[str]:
         """Other nodes whose agent finished ``job`` with success.
@@ -270,7 +310,13 @@ class JobManager:
         self._finish_if_done_elsewhere()
         wanted = self.wanted()
         self._fail_if_failed()
-        if self.job is not None and self.job != wanted:
+        if self.job is not None and self.job in self.bad_specs:
+            why = self.bad_specs[self.job][1]
+            self._finished.add(self.job)
+            self.notes.append(f"refused job {self.job}: {why}")
+            log.error("stopping job %s: %s", self.job, why)
+            self._stop_async(why, "refused")
+        elif self.job is not None and self.job != wanted:
             control = self.controls.get(self.job)
             if self.hold:
                 self._stop_async(f"node {self.hold}", "drained")
@@ -327,30 +373,48 @@ class JobManager:
                 log.exception("job-end hook failed for %s", job)
 
     def _start(self, job: str) -> None:
-        _, spec = self.specs[job]
         now = self.clock.monotonic()
         if now < self._next_start:
             return
-        problem = spec.check_on_node()
+        if job in self.bad_specs:
+            self._refuse(job, self.bad_specs[job][1])
+            return
+        _, spec = self.specs[job]
+        try:
+            problem = spec.check_on_node(self.policy)
+            extra_conf, extra_env = (self.credentials(spec) if self.credentials is not None
+                                     and problem is None else ({}, {}))
+        except AuthError as exc:
+            problem = (f"cannot give its agent etcd credentials ({exc}): the daemons' etcd "
+                       "user needs etcd's root role, or set agent_etcd_users = off")
+        except CoordinationError:
+            raise  # etcd trouble: the cycle reports it and the start is tried again
+        except Exception as exc:  # noqa: BLE001 — whatever the spec holds, refuse, not crash
+            problem = f"cannot check the job on this node: {exc}"
         if problem is not None:
-            self.status = NodeJobStatus(self.node_id, "refused", problem, at=self.clock.wall())
-            self._finished.add(job)
-            self.notes.append(f"refused job {job}: {problem}")
-            log.error("refusing job %s: %s", job, problem)
-            self._publish(job)
+            self._refuse(job, problem)
             return
         log_dir = os.path.join(self.state_dir, "jobs", job)
         if self._loop_job != job:
             self._loop, self._loop_job, self._best_step = crashloop.LoopState(), job, -1
         self._runs_known = crashloop.runs(os.path.join(log_dir, "torchrun"))
         self._attempt = 0
-        self.supervisor = AgentSupervisor(
+        supervisor = AgentSupervisor(
             spec, self.node_id, tag=f"{self.keys.prefix}:{self.node_id}:{job}", etcd=self.etcd,
-            prefix=self.keys.prefix, log_dir=log_dir, extra_env=self._extra_env(),
-            rdzv_conf=self.rdzv_conf, warm=self.warm_workers, clock=self.clock)
+            prefix=self.keys.prefix, log_dir=log_dir,
+            extra_env={**self._extra_env(), **extra_env},
+            rdzv_conf={**self.rdzv_conf, **extra_conf}, warm=self.warm_workers, clock=self.clock)
+        try:
+            pid = supervisor.start()
+        except (OSError, subprocess.SubprocessError) as exc:
+            # e.g. the job's user may not run the interpreter after all (PermissionError
+            # from exec): this job cannot run here; the daemon goes on.
+            supervisor.stop(grace=1.0)
+            self._refuse(job, f"cannot start its agent: {exc}")
+            return
+        self.supervisor = supervisor
         self.job = self._status_job = job
         self._new_generation()
-        pid = self.supervisor.start()
         self._log_mark = self._log_size()
         self._attempt_at = self.clock.monotonic()
         self.status = NodeJobStatus(self.node_id, "running", "agent started", agent_pid=pid,
@@ -358,11 +422,19 @@ class JobManager:
                                     at=self.clock.wall())
         self.notes.append(f"started job {job} (agent pid {pid})")
 
+    def _refuse(self, job: str, problem: str) -> None:
+        self.status = NodeJobStatus(self.node_id, "refused", problem, at=self.clock.wall())
+        self._status_job = job
+        self._finished.add(job)
+        self.notes.append(f"refused job {job}: {problem}")
+        log.error("refusing job %s: %s", job, problem)
+        self._publish(job)
+
     def _new_generation(self) -> None:
         """A worker group is (re)starting: hang detection starts over for it."""
         with self._lock:
-            assert self.job is not None
-            spec = self.specs[self.job][1]
+            assert self.job is not None and self.supervisor is not None
+            spec = self.supervisor.spec
             if self.tracker is None and spec.hang_timeout > 0:
                 self.tracker = ProgressTracker(spec.hang_timeout, self.clock)
                 self._report = progress_handler(self.tracker, default_job=self.job)
@@ -590,7 +662,7 @@ class JobManager:
 
         def run() -> None:
             code = sup.stop(self.stop_grace)
-            if final_state in ("stopped", "succeeded", "failed", "drained"):
+            if final_state in ("stopped", "succeeded", "failed", "drained", "refused"):
                 self._job_ended(job)
             self.status = NodeJobStatus(self.node_id, final_state, f"{why} (agent exit {code})",
                                         agent_starts=sup.starts, log=sup.log_path,
@@ -627,4 +699,5 @@ class JobManager:
                 self.status = dataclasses.replace(self.status, unprotected=text)
 
     def describe(self) -> dict[str, Any]:
-        return {"job": self.job, **self.status.as_dict(), "progress": self.progress_status()}
+        return {"job": self.job, **self.status.as_dict(), "progress": self.progress_status(),
+                "refused_specs": self.refused()}

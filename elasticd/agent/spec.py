@@ -1,8 +1,12 @@
 """Job specs: what ``elasticctl submit`` stores and every daemon runs.
 
 A spec is validated where it is written (so nothing malformed ever reaches etcd) and checked
-again where it runs: the script's SHA-256 must match on every node, and the user must exist
-there. Jobs never run as root by accident: a spec submitted by root must name ``--user root``.
+again where it is read and where it runs: anyone who may write to etcd may write a spec, so
+decoding checks every field's type and value, and the name inside against the key's, and each
+node applies its own :class:`~elasticd.agent.policy.JobPolicy` (allowed users, the pinned
+interpreter, refused environment variables), checks the files as the job's user, and checks the
+script's SHA-256. Jobs never run as root by accident: a spec submitted by root must name
+``--user``.
 """
 
 from __future__ import annotations
@@ -16,11 +20,12 @@ import sys
 import time
 from typing import Any
 
+from elasticd.agent.policy import JobPolicy, check_access_as
 from elasticd.coordination import records
 from elasticd.coordination.keys import check_name
 
 KIND = "job_spec"
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Set by elasticd or torchrun for the workers; a job may not override them.
 RESERVED_ENV = ("ELASTICD_", "TORCHELASTIC_", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
                 "LOCAL_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE")
@@ -89,6 +94,22 @@ class JobSpec:
 
     def validate(self, check_files: bool = True) -> "JobSpec":
         """Raises :class:`JobSpecError` on the first bad field."""
+        self.check_fields()
+        try:
+            pwd.getpwnam(self.user)
+        except KeyError:
+            raise JobSpecError(f"--user {self.user!r}: no such user on this machine") from None
+        if check_files:
+            if not os.path.isfile(self.script):
+                raise JobSpecError(f"script {self.script!r}: no such file")
+            if not os.path.isdir(self.cwd):
+                raise JobSpecError(f"--cwd {self.cwd!r}: no such directory")
+            if not os.access(self.python, os.X_OK):
+                raise JobSpecError(f"--python {self.python!r}: not an executable")
+        return self
+
+    def check_fields(self) -> "JobSpec":
+        """The checks that need nothing from this machine. Raises :class:`JobSpecError`."""
         try:
             check_name("job name", self.name)
         except ValueError as exc:
@@ -109,30 +130,39 @@ class JobSpec:
         if not re.fullmatch(r"[0-9a-f]{64}", self.script_sha256):
             raise JobSpecError("script_sha256: not a SHA-256 hex digest")
         for k, v in self.env.items():
-            if not _ENV_NAME.match(k) or not isinstance(v, str):
+            if not _ENV_NAME.fullmatch(k) or not isinstance(v, str):
                 raise JobSpecError(f"--env {k!r}: not a valid NAME=VALUE")
             if k.startswith(RESERVED_ENV):
                 raise JobSpecError(f"--env {k}: set by elasticd or torchrun, not by a job")
-        try:
-            pwd.getpwnam(self.user)
-        except KeyError:
-            raise JobSpecError(f"--user {self.user!r}: no such user on this machine") from None
-        if check_files:
-            if not os.path.isfile(self.script):
-                raise JobSpecError(f"script {self.script!r}: no such file")
-            if not os.path.isdir(self.cwd):
-                raise JobSpecError(f"--cwd {self.cwd!r}: no such directory")
-            if not os.access(self.python, os.X_OK):
-                raise JobSpecError(f"--python {self.python!r}: not an executable")
+        for what, path in (("--python", self.python), ("--cwd", self.cwd)):
+            if not os.path.isabs(path) or "\0" in path:
+                raise JobSpecError(f"{what} {path!r}: must be an absolute path")
+        if "\0" in self.script or any("\0" in a for a in self.args) or \
+                any("\0" in v for v in self.env.values()):
+            raise JobSpecError("the script, its arguments and --env values may not hold NUL")
+        if not self.user or "\0" in self.user:
+            raise JobSpecError(f"--user {self.user!r}: not a user name")
         return self
 
-    def check_on_node(self) -> str | None:
-        """What stops this node from running the job, or None (called by every daemon)."""
+    def check_on_node(self, policy: JobPolicy | None = None) -> str | None:
+        """What stops this node from running the job, or None (called by every daemon).
+
+        Args:
+            policy: the node's job policy (:class:`JobPolicy`'s defaults when None).
+        """
         try:
             self.validate(check_files=True)
         except JobSpecError as exc:
             return str(exc)
-        actual = sha256_file(self.script)
+        problem = (policy or JobPolicy()).check(self)
+        if problem is None:
+            problem = check_access_as(self.user, self.python, self.script, self.cwd)
+        if problem is not None:
+            return problem
+        try:
+            actual = sha256_file(self.script)
+        except OSError as exc:
+            return f"script {self.script}: cannot read it ({exc.strerror})"
         if actual != self.script_sha256:
             return (f"script {self.script} differs on this node (sha256 {actual[:12]}…, "
                     f"submitted {self.script_sha256[:12]}…): deploy the same file everywhere")
@@ -142,8 +172,25 @@ class JobSpec:
         return records.encode_dataclass(KIND, self)
 
     @classmethod
-    def decode(cls, raw: bytes, key: bytes | str = b"?") -> "JobSpec":
+    def decode(cls, raw: bytes, key: bytes | str = b"?", job: str | None = None) -> "JobSpec":
+        """Reads a spec, checking each field's type and value.
+
+        Args:
+            job: the job its key names; the spec must name the same one.
+
+        Raises:
+            records.CorruptRecord: malformed, a bad value, or another job's name.
+            records.UnsupportedRecordVersion: written by a newer elasticd.
+        """
         spec = records.decode_dataclass(cls, raw, KIND, key)
+        where = records.where_of(key)
+        if job is not None and spec.name != job:
+            raise records.CorruptRecord(f"{where}: the spec names job {spec.name[:70]!r}, its "
+                                        f"key {job!r}")
+        try:
+            spec.check_fields()
+        except JobSpecError as exc:
+            raise records.CorruptRecord(f"{where}: {exc}") from None
         return spec
 
     def torchrun_nnodes(self) -> str:
@@ -196,9 +243,17 @@ class JobControl:
     def encode(self) -> bytes:
         return records.encode_dataclass(self.KIND, self)
 
+    #: What ``desired`` may say; anything else is a malformed record (ignored), not a stop.
+    DESIRED = ("running", "stopped", "failed")
+
     @classmethod
     def decode(cls, raw: bytes, key: bytes | str = b"?") -> "JobControl":
-        return records.decode_dataclass(cls, raw, cls.KIND, key)
+        """Raises: records.RecordError (malformed, or an unknown desired state)."""
+        control = records.decode_dataclass(cls, raw, cls.KIND, key)
+        if control.desired not in cls.DESIRED:
+            raise records.CorruptRecord(f"{records.where_of(key)}: unknown desired state "
+                                        f"{control.desired[:40]!r}")
+        return control
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,13 +278,30 @@ class NodeJobStatus:
     unprotected: str = ""  # "UNPROTECTED: <why>" while a node failure would lose too much
 
     KIND = "node_job_status"
+    #: Every state a node publishes (``idle`` before its first job).
+    STATES = ("idle", "starting", "running", "restarting", "stopping", "stopped", "succeeded",
+              "failed", "refused", "drained")
 
     def encode(self) -> bytes:
         return records.encode_dataclass(self.KIND, self)
 
     @classmethod
-    def decode(cls, raw: bytes, key: bytes | str = b"?") -> "NodeJobStatus":
-        return records.decode_dataclass(cls, raw, cls.KIND, key)
+    def decode(cls, raw: bytes, key: bytes | str = b"?",
+               node: str | None = None) -> "NodeJobStatus":
+        """Reads a node's job status; with ``node`` (the node its key names), the status must
+        be about that node.
+
+        Raises:
+            records.RecordError: malformed, or about another node.
+        """
+        st = records.decode_dataclass(cls, raw, cls.KIND, key)
+        if st.state not in cls.STATES:
+            raise records.CorruptRecord(f"{records.where_of(key)}: unknown job state "
+                                        f"{st.state[:40]!r}")
+        if node is not None and st.node != node:
+            raise records.CorruptRecord(f"{records.where_of(key)}: the status names node "
+                                        f"{st.node[:70]!r}, its key {node!r}")
+        return st
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

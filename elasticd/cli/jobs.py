@@ -73,8 +73,9 @@ def _node_statuses(coord: Coordinator, keys: Keyspace, job: str) -> list[NodeJob
     kvs, _ = coord.get_prefix(keys.job_nodes(job))
     out = []
     for kv in kvs:
+        node = kv.key[len(keys.job_nodes(job)):].decode(errors="replace")
         try:
-            out.append(NodeJobStatus.decode(kv.value, kv.key))
+            out.append(NodeJobStatus.decode(kv.value, kv.key, node))
         except records.RecordError:
             continue
     return out
@@ -104,27 +105,44 @@ def _jobs(coord: Coordinator, keys: Keyspace) -> list[dict[str, Any]]:
     kvs, _ = coord.get_prefix(keys.jobs)
     specs: dict[str, JobSpec] = {}
     controls: dict[str, JobControl] = {}
+    bad: dict[str, str] = {}  # job -> why its spec does not read (every daemon refuses it)
     for kv in kvs:
-        rest = kv.key[len(keys.jobs):].decode(errors="replace").split("/")
         try:
-            if len(rest) == 2 and rest[1] == "spec":
-                specs[rest[0]] = JobSpec.decode(kv.value, kv.key)
-            elif len(rest) == 2 and rest[1] == "control":
-                controls[rest[0]] = JobControl.decode(kv.value, kv.key)
-        except records.RecordError:
-            continue
+            job, what, rest = keys.job_key(kv.key)
+        except ValueError:
+            continue  # no valid job name: no daemon takes it for a job either
+        try:
+            if what == "spec" and not rest:
+                specs[job] = JobSpec.decode(kv.value, kv.key, job)
+            elif what == "control" and not rest:
+                controls[job] = JobControl.decode(kv.value, kv.key)
+        except records.RecordError as exc:
+            if what == "spec":
+                bad[job] = f"unreadable job spec: {exc}"
     out = []
+    for name, why in sorted(bad.items()):
+        nodes = {st.node: st.as_dict() for st in _node_statuses(coord, keys, name)}
+        out.append({
+            "job": name, "desired": controls[name].desired if name in controls else "running",
+            "nnodes": "-", "nproc_per_node": "-", "script": "", "args": [], "user": "",
+            "submitted_at": 0.0, "running_on": f"refused: {why}", "refused": why,
+            "reason": why, "protection": "-", "nodes": nodes,
+        })
     for name, spec in sorted(specs.items(), key=lambda kv: kv[1].created_at):
         nodes = {st.node: st.as_dict() for st in _node_statuses(coord, keys, name)}
         running = sorted(n for n, st in nodes.items() if st["state"] == "running")
         control = controls.get(name)
+        refused = sorted(n for n, st in nodes.items() if st["state"] == "refused")
+        where = ",".join(running) or "-"
+        if not running and refused:  # each node's policy decides: say why, once
+            where = f"refused on {','.join(refused)}: {nodes[refused[0]]['detail']}"
         out.append({
             "job": name, "desired": control.desired if control else "running",
             "reason": control.reason if control else "",
             "protection": _protection(nodes, control),
             "nnodes": spec.torchrun_nnodes(), "nproc_per_node": spec.nproc_per_node,
             "script": spec.script, "args": spec.args, "user": spec.user,
-            "submitted_at": spec.created_at, "running_on": ",".join(running) or "-",
+            "submitted_at": spec.created_at, "running_on": where,
             "nodes": nodes,
         })
     return out
@@ -171,7 +189,7 @@ def cmd_logs(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> An
     for kv in nkvs:
         try:
             hosts[keys.node_of(kv.key)] = records.decode(kv.value, "node", kv.key)["hostname"]
-        except (records.RecordError, KeyError):
+        except (records.RecordError, KeyError, ValueError):
             continue
     return [{"node": s.node, "state": s.state, "hostname": hosts.get(s.node, "?"), "log": s.log}
             for s in _node_statuses(coord, keys, args.name)]

@@ -117,10 +117,10 @@ def _nodes(coord: EtcdCoordinator, keys: Keyspace) -> list[dict[str, Any]]:
     now = time.time()
     out = []
     for kv in kvs:
-        node = keys.node_of(kv.key)
+        node = records.where_of(kv.key[len(keys.nodes):])
         d = drains.get(node)
         try:
-            r = decode_node(kv.value, kv.key)
+            r = decode_node(kv.value, kv.key, keys)
         except records.RecordError as exc:
             out.append({"node": node, "state": "unreadable", "address": "", "hostname": "",
                         "pid": 0, "lease": "", "version": "", "heartbeat_age_seconds": None,

@@ -87,9 +87,13 @@ def live_nodes(coord: Coordinator, keys: Keyspace) -> dict[str, dict[str, Any]]:
     out = {}
     for kv in kvs:
         try:
-            out[keys.node_of(kv.key)] = records.decode(kv.value, "node", kv.key)
+            node = keys.node_of(kv.key)
+        except ValueError:
+            continue
+        try:
+            out[node] = records.decode(kv.value, "node", kv.key)
         except records.RecordError:
-            out[keys.node_of(kv.key)] = {}
+            out[node] = {}
     return out
 
 

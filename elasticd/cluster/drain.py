@@ -33,7 +33,7 @@ from typing import Any, Callable
 from elasticd.clock import Clock, SystemClock
 from elasticd.coordination import records
 from elasticd.coordination.api import Compare, CoordinationError, Coordinator, Put
-from elasticd.coordination.keys import Keyspace
+from elasticd.coordination.keys import Keyspace, check_name
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +81,22 @@ class DrainRecord:
         return records.encode_dataclass(KIND, self)
 
     @staticmethod
-    def decode(raw: bytes, key: bytes | str = b"?") -> "DrainRecord":
+    def decode(raw: bytes, key: bytes | str = b"?", node: str | None = None) -> "DrainRecord":
+        """Reads a drain record (about ``node``, the node its key names, when given).
+
+        Raises:
+            records.RecordError: malformed, a bad value, or about another node.
+        """
         rec = records.decode_dataclass(DrainRecord, raw, KIND, key)
+        where = records.where_of(key)
         if rec.state not in STATES:
-            raise records.CorruptRecord(f"{key!r}: unknown drain state {rec.state!r}")
+            raise records.CorruptRecord(f"{where}: unknown drain state {rec.state[:40]!r}")
+        if node is not None and rec.node != node:
+            raise records.CorruptRecord(f"{where}: the record names node {rec.node[:70]!r}, "
+                                        f"its key {node!r}")
+        if not 0 <= rec.timeout <= 86_400:
+            raise records.CorruptRecord(f"{where}: timeout {rec.timeout} out of range "
+                                        "(0 to 86400 s)")
         return rec
 
     def as_dict(self) -> dict[str, Any]:
@@ -94,7 +106,7 @@ class DrainRecord:
 def read(coord: Coordinator, keys: Keyspace, node: str) -> DrainRecord | None:
     """The node's drain record, or None. Raises: CoordinationError, records.RecordError."""
     kv = coord.get(keys.drain(node))
-    return None if kv is None else DrainRecord.decode(kv.value, kv.key)
+    return None if kv is None else DrainRecord.decode(kv.value, kv.key, node)
 
 
 def read_all(coord: Coordinator, keys: Keyspace) -> dict[str, DrainRecord]:
@@ -103,8 +115,9 @@ def read_all(coord: Coordinator, keys: Keyspace) -> dict[str, DrainRecord]:
     out = {}
     for kv in kvs:
         try:
-            rec = DrainRecord.decode(kv.value, kv.key)
-        except records.RecordError as exc:
+            node = check_name("node id in key", kv.key[len(keys.drains):].decode(errors="replace"))
+            rec = DrainRecord.decode(kv.value, kv.key, node)
+        except (ValueError, records.RecordError) as exc:
             log.warning("skipping drain record: %s", exc)
             continue
         out[rec.node] = rec
@@ -188,6 +201,7 @@ class Drainer:
         self.held = False
         self.state = ""  # last seen state of this node's record ("" when none)
         self._thread: threading.Thread | None = None
+        self.complaints = records.Complaints(log)
 
     # -- main loop --------------------------------------------------------------------------
 
@@ -201,7 +215,8 @@ class Drainer:
         try:
             rec = read(self.coord, self.keys, self.node_id)
         except records.RecordError as exc:
-            log.warning("ignoring the drain record: %s", exc)
+            self.complaints.warn(b"drain", str(exc).encode(), "ignoring the drain record: %s",
+                                 exc)
             return None
         if self._thread is not None and self._thread.is_alive():
             return None

@@ -19,6 +19,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from elasticd.coordination import records
+
+KIND = "node"
+
 
 class NodeState(str, enum.Enum):
     """A node's state in its own record.
@@ -48,6 +52,36 @@ class NodeRecord:
     lease: int = 0
     sentence: str = ""
     replication: str = ""  # HOST:PORT of the node's replica server ("" when off)
+
+    def encode(self) -> bytes:
+        return records.encode_dataclass(KIND, self)
+
+    @classmethod
+    def decode(cls, raw: bytes, key: bytes | str, node: str | None = None) -> "NodeRecord":
+        """Reads a node record, checking its fields' types and values.
+
+        Args:
+            raw, key: the stored value and its key (for messages).
+            node: the node the key names; the record must name the same one (a record under
+                ``nodes/n1x`` claiming to be ``n1`` is refused).
+
+        Raises:
+            records.CorruptRecord: malformed, or about another node than its key.
+            records.UnsupportedRecordVersion: written by a newer elasticd.
+        """
+        rec = records.decode_dataclass(cls, raw, KIND, key)
+        where = records.where_of(key)
+        if node is not None and rec.node != node:
+            raise records.CorruptRecord(f"{where}: the record names node {rec.node!r}, its key "
+                                        f"{node!r}")
+        if rec.pid < 0 or rec.lease < 0:
+            raise records.CorruptRecord(f"{where}: negative pid or lease")
+        if rec.replication:
+            _, sep, port = rec.replication.rpartition(":")
+            if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+                raise records.CorruptRecord(f"{where}: replication address "
+                                            f"{rec.replication[:60]!r} is not HOST:PORT")
+        return rec
 
 
 class ObservationKind(str, enum.Enum):

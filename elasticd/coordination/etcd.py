@@ -378,6 +378,12 @@ class EtcdCoordinator(Coordinator):
     def revision(self, probe: bytes = b"\0") -> int:
         return self._call(lambda c: c.get_response(probe).header.revision)
 
+    def auth_call(self, method: str, request: Any) -> Any:
+        """Calls one of etcd's Auth RPCs (``UserAdd``, ``RoleGrantPermission``, ...) with this
+        client's credentials (managing users needs etcd's root role)."""
+        return self._call(lambda c: getattr(c.authstub, method)(
+            request, c.timeout, credentials=c.call_credentials, metadata=c.metadata))
+
     def close(self) -> None:
         with self._lock:
             watches, self._watches = self._watches, []

@@ -15,13 +15,16 @@
 
 Every value is a versioned record (:mod:`elasticd.coordination.records`), except the raw bytes
 torch's rendezvous stores under ``rdzv/``.
+
+Names read back out of keys are not trusted (anyone who may write to etcd picks them): they are
+validated with a full match, so ``jobs/../spec`` or a name ending in a newline is no job.
 """
 
 from __future__ import annotations
 
 import re
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 
 
 def check_name(what: str, name: str) -> str:
@@ -30,7 +33,7 @@ def check_name(what: str, name: str) -> str:
     Raises:
         ValueError: quoting the bad name and saying what is allowed.
     """
-    if not isinstance(name, str) or not NAME_RE.match(name):
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise ValueError(
             f"{what} {name!r} is not valid: use 1-63 letters, digits, '.', '_' or '-', "
             "starting with a letter or digit"
@@ -69,7 +72,12 @@ class Keyspace:
         return self._k("nodes", node)
 
     def node_of(self, key: bytes) -> str:
-        return key[len(self.nodes):].decode()
+        """The node a ``nodes/<node>`` key names.
+
+        Raises:
+            ValueError: not a valid node name (e.g. ``nodes/a/b``, a trailing newline).
+        """
+        return check_name("node id in key", key[len(self.nodes):].decode(errors="replace"))
 
     # events
     @property
@@ -115,3 +123,15 @@ class Keyspace:
 
     def job_ckpt(self, job: str) -> bytes:
         return self._k("jobs", job, "ckpt", "")
+
+    def job_key(self, key: bytes) -> tuple[str, str, str]:
+        """Splits ``<prefix>/jobs/<job>/<what>[/<rest>]`` into (job, what, rest).
+
+        Raises:
+            ValueError: not under ``jobs/``, or the job name is not valid.
+        """
+        if not key.startswith(self.jobs):
+            raise ValueError(f"{key!r} is not a job key")
+        job, _, tail = key[len(self.jobs):].decode(errors="replace").partition("/")
+        what, _, rest = tail.partition("/")
+        return check_name("job name in key", job), what, rest

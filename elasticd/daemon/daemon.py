@@ -66,8 +66,19 @@ class NodeIdInUse(RuntimeError):
     """Another live daemon holds this node id."""
 
 
-def decode_node(raw: bytes, key: bytes) -> NodeRecord:
-    return records.decode_dataclass(NodeRecord, raw, NODE_KIND, key)
+def decode_node(raw: bytes, key: bytes, keys: Keyspace | None = None) -> NodeRecord:
+    """A node record, which must name the node its key names when ``keys`` is given.
+
+    Raises:
+        records.RecordError: malformed, about another node, or under a key that names no node.
+    """
+    node = None
+    if keys is not None:
+        try:
+            node = keys.node_of(key)
+        except ValueError as exc:
+            raise records.CorruptRecord(f"{records.where_of(key)}: {exc}") from None
+    return NodeRecord.decode(raw, key, node)
 
 
 class Daemon:
@@ -113,12 +124,17 @@ class Daemon:
                                   on_change=self._wake.set, clock=self.clock,
                                   on_failure=self.metrics.keepalive_failures.inc)
         self.metrics.etcd_up.set(1)
+        self.agent_credentials = self._agent_credentials()
         self.jobs = JobManager(
             settings.node_id, coord, self.keys, settings.etcd, settings.state_path, self.metrics,
             lease=lambda: self.registered_lease or 0, extra_env=self.agent_env,
             rdzv_conf=self.rdzv_conf(), agent_restarts=settings.agent_restarts,
             stop_grace=settings.stop_grace, warm_workers=settings.worker_start == "warm",
-            clock=self.clock, before_resync=self._look_for_data_loss)
+            clock=self.clock, before_resync=self._look_for_data_loss,
+            policy=settings.job_policy(),
+            credentials=self.agent_credentials.issue if self.agent_credentials else None)
+        if self.agent_credentials is not None:
+            self.jobs.on_job_end.append(self.agent_credentials.withdraw)
         self.fence_hooks.append(self.jobs.fence)
         self.jobs.committed = self._committed_step  # crash-loop detection
         self.jobs.record_event = self._record_event
@@ -141,6 +157,7 @@ class Daemon:
         self._fenced_for = ""
         self._notes: list[str] = []
         self.cycles = 0
+        self.complaints = records.Complaints(log)  # bad records, each logged once
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -188,6 +205,7 @@ class Daemon:
         self.jobs.agent_restarts = self.settings.agent_restarts
         self.jobs.stop_grace = self.settings.stop_grace
         self.jobs.rdzv_conf = self.rdzv_conf()
+        self.jobs.policy = self.settings.job_policy()  # for the next job start
         return restart
 
     def wake(self) -> None:
@@ -250,6 +268,21 @@ class Daemon:
             # rendezvous for every node (rendezvous.py, "Restartable agents").
             "close_on_failure": "false",
         }
+
+    def _agent_credentials(self) -> Any:
+        """What gives agents their own etcd credentials and TLS files (None: nothing to give,
+        e.g. the embedded etcd)."""
+        s = self.settings
+        if not s.etcd or not hasattr(self.coord, "auth_call"):
+            return None
+        if not (s.agent_users_on or s.etcd_ca_cert):
+            return None
+        from elasticd.coordination.agent_credentials import AgentCredentials
+
+        return AgentCredentials(self.coord, self.keys, s.node_id,
+                                os.path.join(s.state_path, "agent-etcd"), ca_cert=s.etcd_ca_cert,
+                                agent_cert=s.agent_etcd_cert, agent_key=s.agent_etcd_key,
+                                users=s.agent_users_on)
 
     def agent_env(self) -> dict[str, str]:
         """Environment the daemon adds for a job's agent and workers."""
@@ -422,6 +455,12 @@ class Daemon:
         except (CoordinationError, NodeIdInUse) as exc:
             log.warning("cycle failed: %s", exc)
             sentence = f"cycle failed ({exc}); retrying"
+        except Exception as exc:  # noqa: BLE001 — one bad record must not end the daemon
+            # Records are decoded with type checks; this is the net under a check missed:
+            # the daemon keeps its node in the cluster (and /healthz answering) and says so.
+            sentence = f"cycle failed ({exc.__class__.__name__}: {exc}); retrying"
+            if self.complaints.warn(b"cycle", repr(exc).encode(), "%s", sentence):
+                log.exception("cycle failed")
         if not self.health.up:
             self._maybe_fence_for_outage()
             sentence = self._describe_outage()
@@ -520,10 +559,11 @@ class Daemon:
             if existing is None:
                 continue
             try:
-                other = decode_node(existing.value, existing.key)
+                other = decode_node(existing.value, existing.key, self.keys)
             except records.RecordError as exc:
+                # Its lease may be anyone's (whoever wrote it chose it): delete, never revoke.
                 log.warning("replacing unreadable record of this node: %s", exc)
-                self.coord.revoke_lease(existing.lease) if existing.lease else self.coord.delete(key)
+                self.coord.delete(key)
                 continue
             if other.incarnation == self.incarnation or self._is_dead_local(other):
                 # Our own earlier lease, or a crashed earlier daemon on this host: take over.
@@ -641,11 +681,18 @@ class Daemon:
     def _decode_all(self, kvs: list[Any]) -> list[NodeRecord]:
         out = []
         for kv in kvs:
-            try:
-                out.append(decode_node(kv.value, kv.key))
-            except records.RecordError as exc:
-                log.warning("ignoring node record: %s", exc)
+            rec = self._decode_node(kv.key, kv.value)
+            if rec is not None:
+                out.append(rec)
         return out
+
+    def _decode_node(self, key: bytes, value: bytes) -> NodeRecord | None:
+        """A peer's record, or None (a bad one is logged once and ignored)."""
+        try:
+            return decode_node(value, key, self.keys)
+        except records.RecordError as exc:
+            self.complaints.warn(key, value, "ignoring node record: %s", exc)
+            return None
 
     def _drain_events(self, now: float) -> None:
         cut_off = self.health.cut_off_within(self.settings.lease_ttl + 2 * self.settings.loop_interval + 1)
@@ -664,20 +711,19 @@ class Daemon:
                 self._need_resync = True
                 continue
             for ev in batch:
-                node = self.keys.node_of(ev.kv.key)
                 if ev.type is EventType.PUT:
-                    try:
-                        self._act(self.membership.on_put(decode_node(ev.kv.value, ev.kv.key)))
-                    except records.RecordError as exc:
-                        log.warning("ignoring node record: %s", exc)
-                else:
-                    prev = None
-                    if ev.prev is not None:
-                        try:
-                            prev = decode_node(ev.prev.value, ev.prev.key)
-                        except records.RecordError:
-                            prev = None
-                    self._act(self.membership.on_delete(node, prev, now, self.clock.wall(), cut_off))
+                    rec = self._decode_node(ev.kv.key, ev.kv.value)
+                    if rec is not None:
+                        self._act(self.membership.on_put(rec))
+                    continue
+                try:
+                    node = self.keys.node_of(ev.kv.key)
+                except ValueError:
+                    continue  # never a node: its record was ignored when it was written
+                prev = None
+                if ev.prev is not None:
+                    prev = self._decode_node(ev.prev.key, ev.prev.value)
+                self._act(self.membership.on_delete(node, prev, now, self.clock.wall(), cut_off))
 
     def _resync(self, now: float) -> None:
         if self._look_for_data_loss():

@@ -45,6 +45,10 @@ from elasticd.replication.placement import Placement, decode_placement, encode_p
 
 log = logging.getLogger(__name__)
 
+#: Unreadable commit records are re-read every decision: each is logged once (shared with the
+#: tracker's watch, which reads the same records).
+complaints = records.Complaints(log)
+
 COMMITTED_KIND = "ckpt_committed"
 REPLICATED_KIND = "ckpt_replicated"
 FENCE_KIND = "ckpt_fence"
@@ -125,7 +129,7 @@ def decode_committed(raw: bytes, key: bytes | str = b"?") -> Committed:
         holders = {int(r): tuple(_str(n) for n in hs) for r, hs in body["holders"].items()}
         return Committed(_int(body["generation"]), _int(body["step"]), ranks, holders,
                          _int(body.get("m", 2)), _int(body.get("round", 0)),
-                         float(body.get("at", 0.0)))
+                         records.finite(body.get("at", 0.0), "at"))
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise records.CorruptRecord(f"{key!r}: invalid committed record ({exc})") from exc
 
@@ -150,7 +154,7 @@ def decode_replicated(raw: bytes, key: bytes | str = b"?") -> Replicated:
             holders[int(rank)] = tuple(_str(n) for n in entry.get("holders", ()))
         skipped = tuple((_int(g), _int(s)) for g, s in body.get("skipped", ()))
         return Replicated(_str(body["node"]), _int(body.get("round", 0)), versions, holders,
-                          float(body.get("at", 0.0)), skipped)
+                          records.finite(body.get("at", 0.0), "at"), skipped)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise records.CorruptRecord(f"{key!r}: invalid replicated record ({exc})") from exc
 
@@ -200,7 +204,7 @@ def read_committed(coord: Coordinator, keys: Keyspace, job: str) -> Committed | 
     try:
         return decode_committed(kv.value, kv.key)
     except records.RecordError as exc:
-        log.error("ignoring the committed record of %s: %s", job, exc)
+        complaints.warn(kv.key, kv.value, "ignoring the committed record of %s: %s", job, exc)
         return None
 
 
@@ -234,11 +238,14 @@ def read_state(coord: Coordinator, keys: Keyspace, job: str) -> CommitState:
                 committed = decode_committed(kv.value, kv.key)
             elif kv.key.startswith(r_prefix):
                 rec = decode_replicated(kv.value, kv.key)
+                if rec.node != kv.key[len(r_prefix):].decode(errors="replace"):
+                    # One node's record may not speak for another.
+                    raise records.CorruptRecord(f"{kv.key!r}: names node {rec.node[:70]!r}")
                 progress[rec.node] = rec
             elif kv.key.startswith(f_prefix):
                 fences[kv.key[len(f_prefix):].decode(errors="replace")] = kv.mod_revision
         except records.RecordError as exc:
-            log.error("ignoring a commit record of %s: %s", job, exc)
+            complaints.warn(kv.key, kv.value, "ignoring a commit record of %s: %s", job, exc)
     return CommitState(progress, committed, revision, fences)
 
 

@@ -393,6 +393,8 @@ def _placement_from(body: dict[str, Any]) -> Placement:
     for owner, hs in holders.items():
         if len(hs) != m or hs[0] != owner or len(set(hs)) != m or not set(hs) <= set(nodes):
             raise ValueError(f"owner {owner!r} needs {m} distinct member holders, itself first")
+    if not isinstance(body["groups"], list):
+        raise TypeError(f"groups must be a list, got {body['groups']!r:.40}")
     groups = tuple(tuple(_strs(g)) for g in body["groups"])
     return Placement(nodes, ranks, m, requested_m, body["strategy"], groups,
                      {o: holders[o] for o in nodes}, rnd)

@@ -43,6 +43,7 @@ from elasticd.replication.commit import (
     Committed,
     Replicated,
     commit_step,
+    complaints,
     committed_key,
     decode_committed,
     encode_replicated,
@@ -396,7 +397,8 @@ class CommitTracker:
                 try:
                     self.learn(job, decode_committed(event.kv.value, key))
                 except records.RecordError as exc:
-                    log.error("unreadable committed record of %s: %s", job, exc)
+                    complaints.warn(event.kv.key, event.kv.value,
+                                         "unreadable committed record of %s: %s", job, exc)
 
     def reread(self, job: str) -> None:
         try:

@@ -1,0 +1,326 @@
+"""An etcd fuzz: malformed writes over every key kind the daemons read, while they run a job.
+
+Three daemons run a real 3-node training job with peer replication; this script then writes
+(and sometimes deletes) ``--count`` malformed records under every key kind a daemon reads — node
+records, job specs of other jobs, the running job's control, node statuses, placement and
+checkpoint-commit records, drain requests, events, and keys whose names are no valid node or job
+(``jobs/../spec``, ``nodes/n1\\n``, ``nodes/a/b``) — and records what it saw: whether a daemon
+exited, every ``/healthz`` answer that was not 200, the job's step before and after, and how many
+warnings each daemon logged about bad records (each bad record should cost at most one).
+
+The running job's own spec is not fuzzed here (tests/unit/test_hostile_records.py corrupts it
+to see the job refused). Malformed means malformed: a well-formed record that asks for something
+(a drain, a stop) is an operator's request, not an attack on the decoder.
+
+    .venv/bin/python bench/fuzz_etcd.py --count 10000 --out bench/results/fuzz_etcd.json
+
+tests/integration/test_etcd_fuzz.py runs the same with a shorter count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Callable
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(REPO, "examples", "train.py")
+JOB = "fuzzed"
+STEP_RE = re.compile(rb"\bstep (\d+) world (\d+)")
+# What daemons log about a record they ignore (daemon, job manager, drainer, commit records).
+BAD_RECORD_RE = re.compile(r"ignoring node record|ignoring job record|ignoring the drain record|"
+                           r"ignoring a commit record|ignoring the committed record|"
+                           r"unreadable committed record")
+PER_CYCLE_RE = re.compile(r"ignoring node record|ignoring job record|ignoring the drain record")
+
+
+def templates(nodes: list[str]) -> dict[str, dict[str, Any]]:
+    """A well-formed record of each kind (the fuzz breaks them)."""
+    n = nodes[0]
+    return {
+        "node": {"node": n, "state": "up", "address": "127.0.0.1:1", "hostname": "h",
+                 "pid": 1, "incarnation": "x", "started_at": 1.0, "heartbeat_at": 1.0,
+                 "version": "0", "lease": 1, "sentence": "", "replication": "127.0.0.1:2"},
+        "job_spec": {"name": "j", "nnodes_min": 1, "nnodes_max": 1, "nproc_per_node": 1,
+                     "script": TRAIN, "args": [], "script_sha256": "0" * 64, "user": "nobody",
+                     "cwd": "/", "env": {}, "python": sys.executable, "max_restarts": 1,
+                     "hang_timeout": 1.0, "created_at": 1.0},
+        "job_control": {"desired": "running", "at": 1.0, "by": "x"},
+        "node_job_status": {"node": n, "state": "running", "detail": "", "agent_pid": 1,
+                            "agent_starts": 1, "worker_restarts": 0, "world_size": 3,
+                            "last_step": 1, "log": "", "at": 1.0, "ranks": [0]},
+        "drain": {"node": n, "state": "requested", "requested_at": 1.0, "by": "x",
+                  "timeout": 10.0, "phase": "", "detail": "", "copies_done": 0,
+                  "copies_failed": 0, "copies_planned": 0, "updated_at": 1.0, "jobs": {},
+                  "log": []},
+        "placement": {"nodes": nodes, "ranks": {x: [i] for i, x in enumerate(nodes)}, "m": 2,
+                      "requested_m": 2, "strategy": "group", "groups": [nodes],
+                      "holders": {x: [x, nodes[(i + 1) % len(nodes)]]
+                                  for i, x in enumerate(nodes)}, "round": 1},
+        "ckpt_committed": {"generation": 1, "step": 1, "ranks": [0], "holders": {"0": [n]},
+                           "m": 2, "round": 1, "at": 1.0},
+        "ckpt_replicated": {"node": n, "round": 1, "at": 1.0,
+                            "ranks": {"0": {"versions": [[1, 1]], "holders": [n]}}},
+        "ckpt_fence": {"node": n, "withdrawn": [], "at": 1.0},
+        "event": {"kind": "failed", "node": n, "lease": 1, "at": 1.0, "by": n, "detail": "",
+                  "data": {}, "instance": ""},
+    }
+
+
+def wrong_for(rng: random.Random, value: Any) -> Any:
+    """A value of another JSON type than ``value`` (so the record is malformed for sure, not
+    merely odd: an odd but well-formed record is a request, e.g. a drain)."""
+    if isinstance(value, bool):
+        pool: list[Any] = ["soon", 1, None, [], {}]
+    elif isinstance(value, (int, float)):
+        pool = ["soon", "1", True, None, [], {"a": 1}, [1, "a"]]
+    elif isinstance(value, str):
+        pool = [1, 1.5, True, None, [], {}, ["x"]]
+    elif isinstance(value, list):
+        pool = ["soon", 1, {}, None, [None, {"a": []}]]
+    else:
+        pool = ["soon", 1, [], None, True]
+    return rng.choice(pool)
+
+
+def malformed(rng: random.Random, kind: str, body: dict[str, Any], other_node: str) -> bytes:
+    """One malformed value of ``kind`` (a broken copy of ``body``)."""
+    b = dict(body)
+    choice = rng.randrange(12)
+    if choice == 0:
+        return bytes(rng.randrange(256) for _ in range(rng.randrange(0, 64)))
+    if choice == 1:
+        raw = json.dumps({"schema": 1, "record": kind, **b}).encode()
+        return raw[: rng.randrange(len(raw))]
+    if choice == 2:
+        return json.dumps({"schema": 1, "record": "other", **b}).encode()
+    if choice == 3:
+        return json.dumps({"schema": rng.choice(["1", 1.0, None, 99, True]), "record": kind,
+                           **b}).encode()
+    if choice == 4:
+        field = rng.choice(sorted(k for k, v in b.items() if isinstance(v, (int, float))))
+        b[field] = 0.0  # replaced by a non-finite number below
+        text = json.dumps({"schema": 1, "record": kind, **b})
+        bad = rng.choice(["NaN", "Infinity", "-Infinity"])
+        return text.replace(f'"{field}": 0.0', f'"{field}": {bad}', 1).encode()
+    if choice == 6:
+        return b"[" * rng.choice([10, 5000, 100_000])
+    if choice == 8:
+        return b""
+    if choice == 9:
+        return json.dumps([1, 2, 3]).encode()
+    if choice == 5:
+        del b[rng.choice(sorted(b))]
+    elif choice == 7 and ("node" in b or "name" in b):
+        b["node" if "node" in b else "name"] = other_node  # names another node / job
+    # ... and at least one field of the wrong type (distinct fields: a second wrong value for
+    # the same field could be right again).
+    for field in rng.sample(sorted(b), rng.randrange(1, 3)):
+        b[field] = wrong_for(rng, b[field])
+    return json.dumps({"schema": 1, "record": kind, **b}).encode()
+
+
+def key_for(rng: random.Random, kind: str, prefix: str, nodes: list[str], i: int) -> bytes:
+    """A key of ``kind`` the daemons read (never the running job's spec, never a live node's
+    own record or job status: those are bound to leases and rewritten only on change)."""
+    fz = f"fz{i % 97}"
+    odd = rng.choice([fz, f"{nodes[0]}x", f"{nodes[0]}\n", "..", "a/b", "", "é"])
+    node = rng.choice([fz, fz, odd])
+    j = f"{prefix}/jobs/{JOB}"
+    if kind == "node":
+        return f"{prefix}/nodes/{node}".encode()
+    if kind == "job_spec":
+        return f"{prefix}/jobs/{rng.choice([fz, '..', 'x/y', fz + chr(10)])}/spec".encode()
+    if kind == "job_control":
+        return f"{j}/control".encode()
+    if kind == "node_job_status":
+        return f"{j}/nodes/{node}".encode()
+    if kind == "drain":
+        return f"{prefix}/drain/{rng.choice(nodes + [node])}".encode()
+    if kind == "placement":
+        return f"{j}/placement".encode()
+    if kind == "ckpt_committed":
+        return f"{j}/ckpt/committed".encode()
+    if kind == "ckpt_replicated":
+        return f"{j}/ckpt/replicated/{rng.choice([node, nodes[0] + 'x'])}".encode()
+    if kind == "ckpt_fence":
+        return f"{j}/ckpt/fence/{node}".encode()
+    return f"{prefix}/events/{node}/{rng.randrange(2**32):016x}/failed".encode()
+
+
+def fuzz(coord: Any, prefix: str, nodes: list[str], count: int, seed: int = 0,
+         stop: Callable[[], bool] = lambda: False) -> dict[str, int]:
+    """Writes ``count`` malformed records (about one in ten a delete of an earlier key);
+    returns the writes per kind."""
+    rng = random.Random(seed)
+    bodies = templates(nodes)
+    kinds = sorted(bodies)
+    done: dict[str, int] = {k: 0 for k in kinds}
+    written: list[bytes] = []
+    for i in range(count):
+        if stop():
+            break
+        kind = kinds[i % len(kinds)]
+        if written and rng.random() < 0.1:
+            coord.delete(written.pop(rng.randrange(len(written))))
+        key = key_for(rng, kind, prefix, nodes, i)
+        coord.put(key, malformed(rng, kind, bodies[kind], rng.choice(nodes)))
+        written.append(key)
+        done[kind] += 1
+    return done
+
+
+class HealthWatch:
+    """Polls each daemon's /healthz while the fuzz runs; keeps every answer that is not 200."""
+
+    def __init__(self, cluster: Any, interval: float = 0.5) -> None:
+        self.cluster, self.interval = cluster, interval
+        self.bad: list[str] = []
+        self.polls = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for n in self.cluster.nodes.values():
+                try:
+                    with urllib.request.urlopen(f"http://{n.address}/healthz", timeout=5) as r:
+                        code = r.status
+                except urllib.error.HTTPError as exc:
+                    code = exc.code
+                except OSError as exc:
+                    code = f"error {exc}"
+                self.polls += 1
+                if code != 200:
+                    self.bad.append(f"{n.node_id}: {code}")
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> "HealthWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def last_step(cluster: Any) -> int:
+    """The newest step any node's workers logged."""
+    best = -1
+    for n in cluster.nodes:
+        path = os.path.join(cluster.workdir, n, "jobs", JOB, "agent.log")
+        try:
+            with open(path, "rb") as fh:
+                best = max([best] + [int(m.group(1)) for m in STEP_RE.finditer(fh.read())])
+        except FileNotFoundError:
+            pass
+    return best
+
+
+def bad_record_lines(cluster: Any, text: bool = False) -> dict[str, Any]:
+    """Per node, how many warnings about bad records its log holds (or the lines)."""
+    out: dict[str, Any] = {}
+    for n in cluster.nodes.values():
+        lines = [ln for ln in n.log_text().splitlines() if BAD_RECORD_RE.search(ln)]
+        out[n.node_id] = lines if text else len(lines)
+    return out
+
+
+def submit(cluster: Any, user: str = "root") -> None:
+    res = subprocess.run(
+        [sys.executable, "-m", "elasticd.cli.main", "submit", JOB, "--nnodes",
+         str(len(cluster.nodes)), "--nproc-per-node", "1", "--user", user, "--", TRAIN,
+         "--steps", "100000", "--step-time", "0.05"],
+        env={**os.environ, "ELASTICD_ETCD": cluster.etcd, "ELASTICD_PREFIX": cluster.prefix},
+        capture_output=True, text=True, timeout=60)
+    if res.returncode != 0:
+        raise RuntimeError(f"submit failed: {res.stderr.strip()}")
+
+
+def run(cluster: Any, count: int, seed: int = 0, quiet: float = 3.0) -> dict[str, Any]:
+    """Fuzzes a started cluster running :data:`JOB`; returns what was seen."""
+    names = sorted(cluster.nodes)
+    cluster.wait_for(lambda: last_step(cluster) >= 5, 120, "the job training")
+    before_step = last_step(cluster)
+    started = time.monotonic()
+    with HealthWatch(cluster) as health:
+        writes = fuzz(cluster.coordinator(), cluster.prefix, names, count, seed,
+                      stop=lambda: not all(n.running for n in cluster.nodes.values()))
+        fuzz_seconds = time.monotonic() - started
+        # Let the daemons take in the last writes (the count stops growing), then a quiet
+        # period: nothing more logged (a bad record costs one warning, not one per cycle).
+        logged, end = bad_record_lines(cluster), time.monotonic() + 20
+        while time.monotonic() < end:
+            time.sleep(1.0)
+            now = bad_record_lines(cluster)
+            if now == logged:
+                break
+            logged = now
+        step_after_fuzz = last_step(cluster)
+        cluster.wait_for(lambda: last_step(cluster) > step_after_fuzz, 60, "training goes on")
+        time.sleep(quiet)
+        lines = bad_record_lines(cluster, text=True)
+        logged_after_quiet = {n: len(ls) for n, ls in lines.items()}
+        # Records read every cycle (node records, job records, this node's drain record) must
+        # log nothing new; commit records are read when the replicator needs them, so a bad
+        # one may first be read (and logged, once) late.
+        late = {n: [ln for ln in ls[logged[n]:] if PER_CYCLE_RE.search(ln)][:5]
+                for n, ls in lines.items()}
+        late = {n: ls for n, ls in late.items() if ls}
+    return {
+        "count": sum(writes.values()),
+        "writes_per_kind": writes,
+        "fuzz_seconds": round(fuzz_seconds, 2),
+        "daemons_exited": sorted(n.node_id for n in cluster.nodes.values() if not n.running),
+        "healthz_polls": health.polls,
+        "healthz_not_200": health.bad,
+        "step_before": before_step,
+        "step_after_fuzz": step_after_fuzz,
+        "step_at_end": last_step(cluster),
+        "bad_record_warnings": logged,
+        "bad_record_warnings_after_quiet": logged_after_quiet,
+        "logged_in_quiet": late,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--count", type=int, default=10_000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--user", default="root", help="the job's user (--user of submit)")
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    from elasticd.launcher import LocalCluster
+
+    cluster = LocalCluster(["n1", "n2", "n3"], workdir=tempfile.mkdtemp(prefix="fuzz-etcd-"),
+                           replication=True)
+    try:
+        cluster.start()
+        submit(cluster, args.user)
+        result = run(cluster, args.count, args.seed)
+    finally:
+        cluster.stop()
+    result["command"] = " ".join(["bench/fuzz_etcd.py", *sys.argv[1:]])
+    print("logs in", cluster.workdir, file=sys.stderr)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(text + "\n")
+    ok = (not result["daemons_exited"] and not result["healthz_not_200"]
+          and result["step_at_end"] > result["step_after_fuzz"] > result["step_before"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

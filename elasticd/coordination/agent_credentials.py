@@ -1,0 +1,170 @@
+"""etcd credentials of a job's torchrun agent: its own user, allowed only its job's rendezvous.
+
+The daemon's etcd user may write the whole cluster prefix (every node record, every job spec):
+handing it to an agent, which runs as the job's unprivileged user (and whose workers run the
+job's code), would give that user the cluster. And until the rendezvous stops unpickling state
+read from etcd, whoever may write a job's rendezvous prefix can run code in every agent of that
+job. So each agent gets credentials of its own, limited to its job:
+
+* per (job, node), an etcd user ``elasticd-agent.<tag>.<job>.<node>`` with a random password
+  that never leaves this node (no secret is stored in etcd; a restarted daemon sets a new one);
+* the role ``elasticd-rdzv.<tag>.<job>``: read and write ``<prefix>/jobs/<job>/rdzv/`` only;
+* the role ``elasticd-node.<tag>.<node>``: read ``<prefix>/nodes/<node>`` only (the agent's
+  daemon watch, :mod:`elasticd.agent.daemon_watch`, reads its node's record);
+
+``<tag>`` is a hash of the cluster prefix, so clusters sharing an etcd do not share roles. The
+daemon needs etcd's ``root`` role to manage users (docs/operations.md). The password reaches the
+agent in its environment (``ELASTICD_ETCD_PASSWORD``, read by
+:mod:`elasticd.coordination.rendezvous_config`; ``/proc/<pid>/environ`` is readable by the
+process' owner and root only), never in argv; the user name and TLS file paths travel in
+``--rdzv-conf``. TLS files the agent needs (the CA, and an agent client certificate when etcd
+asks for one) are copied into a root-owned directory, each readable by the job's user only.
+This node's user is deleted when the job ends here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pwd
+import secrets
+import shutil
+from typing import Any
+
+from elasticd.coordination.api import CoordinationError, prefix_range_end
+from elasticd.coordination.keys import Keyspace
+
+log = logging.getLogger(__name__)
+
+#: Variable holding the agent's etcd password (the rendezvous reads it).
+PASSWORD_ENV = "ELASTICD_ETCD_PASSWORD"
+
+
+class AgentCredentials:
+    """Issues and withdraws the etcd credentials of this node's agents.
+
+    Args:
+        coord: the daemon's etcd connection (an :class:`EtcdCoordinator` whose user has
+            etcd's root role).
+        keys: the cluster keyspace.
+        node_id: this node.
+        files_dir: a root-owned directory for the TLS files handed to agents.
+        ca_cert: the CA that signed etcd's server certificate ("" for plaintext etcd).
+        agent_cert, agent_key: a client certificate for agents ("" when etcd asks for none).
+        users: create per-job etcd users (False: TLS files only, for an etcd without auth).
+    """
+
+    def __init__(self, coord: Any, keys: Keyspace, node_id: str, files_dir: str,
+                 ca_cert: str = "", agent_cert: str = "", agent_key: str = "",
+                 users: bool = True) -> None:
+        self.coord, self.keys, self.node_id = coord, keys, node_id
+        self.files_dir = files_dir
+        self.ca_cert, self.agent_cert, self.agent_key = ca_cert, agent_cert, agent_key
+        self.users = users
+        self.tag = hashlib.sha256(keys.prefix.encode()).hexdigest()[:8]
+
+    def user_name(self, job: str) -> str:
+        return f"elasticd-agent.{self.tag}.{job}.{self.node_id}"
+
+    def job_role(self, job: str) -> str:
+        return f"elasticd-rdzv.{self.tag}.{job}"
+
+    def node_role(self) -> str:
+        return f"elasticd-node.{self.tag}.{self.node_id}"
+
+    def issue(self, spec: Any) -> tuple[dict[str, str], dict[str, str]]:
+        """Creates (or renews) this node's credentials for ``spec``'s agent.
+
+        Returns:
+            (extra ``--rdzv-conf`` entries, extra environment) for the agent.
+
+        Raises:
+            CoordinationError: etcd refused (e.g. the daemon's user lacks the root role).
+            OSError: the TLS files could not be written.
+        """
+        conf: dict[str, str] = {}
+        env: dict[str, str] = {}
+        if self.ca_cert or self.agent_cert:
+            conf.update(self._files(spec.name, spec.user))
+        if self.users:
+            user, password = self.user_name(spec.name), secrets.token_urlsafe(24)
+            self._ensure_user(user, password)
+            self._ensure_role(self.job_role(spec.name), self.keys.job_rdzv(spec.name),
+                              prefix=True, write=True)
+            self._ensure_role(self.node_role(), self.keys.node(self.node_id),
+                              prefix=False, write=False)
+            for role in (self.job_role(spec.name), self.node_role()):
+                self._auth("UserGrantRole", "AuthUserGrantRoleRequest", user=user, role=role)
+            conf["user"] = user
+            env[PASSWORD_ENV] = password
+        return conf, env
+
+    def withdraw(self, job: str) -> None:
+        """Deletes this node's etcd user for ``job`` and its TLS files (the job ended here)."""
+        shutil.rmtree(os.path.join(self.files_dir, job), ignore_errors=True)
+        if not self.users:
+            return
+        try:
+            self._auth("UserDelete", "AuthUserDeleteRequest", name=self.user_name(job))
+        except CoordinationError as exc:
+            if "not found" not in str(exc):
+                log.warning("could not delete the etcd user of %s's agent: %s", job, exc)
+
+    # -- etcd users and roles -----------------------------------------------------------------
+
+    def _auth(self, method: str, request: str, **fields: Any) -> Any:
+        from pyetcd import etcdrpc
+
+        return self.coord.auth_call(method, getattr(etcdrpc, request)(**fields))
+
+    def _ensure_user(self, user: str, password: str) -> None:
+        try:
+            self._auth("UserAdd", "AuthUserAddRequest", name=user, password=password)
+        except CoordinationError as exc:
+            if "already exists" not in str(exc):
+                raise
+            self._auth("UserChangePassword", "AuthUserChangePasswordRequest", name=user,
+                       password=password)
+
+    def _ensure_role(self, role: str, key: bytes, prefix: bool, write: bool) -> None:
+        from pyetcd.etcdrpc import auth_pb2
+
+        try:
+            self._auth("RoleAdd", "AuthRoleAddRequest", name=role)
+        except CoordinationError as exc:
+            if "already exists" not in str(exc):
+                raise
+        perm = auth_pb2.Permission(
+            permType=auth_pb2.Permission.READWRITE if write else auth_pb2.Permission.READ,
+            key=key, range_end=prefix_range_end(key) if prefix else b"")
+        self._auth("RoleGrantPermission", "AuthRoleGrantPermissionRequest", name=role,
+                   perm=perm)
+
+    # -- TLS files ------------------------------------------------------------------------------
+
+    def _files(self, job: str, user: str) -> dict[str, str]:
+        """Copies the agent's TLS files, each readable by the job's user only, into a fresh
+        root-owned directory (no one else can have planted anything there)."""
+        pw = pwd.getpwnam(user)
+        os.makedirs(self.files_dir, mode=0o711, exist_ok=True)
+        d = os.path.join(self.files_dir, job)
+        shutil.rmtree(d, ignore_errors=True)
+        os.mkdir(d, 0o711)
+        out = {}
+        for name, src in (("ca_cert", self.ca_cert), ("cert", self.agent_cert),
+                          ("key", self.agent_key)):
+            if not src:
+                continue
+            with open(src, "rb") as fh:
+                data = fh.read()
+            path = os.path.join(d, name + ".pem")
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o400)
+            try:
+                os.write(fd, data)
+                if os.geteuid() == 0:
+                    os.fchown(fd, pw.pw_uid, pw.pw_gid)
+            finally:
+                os.close(fd)
+            out[name] = path
+        return out

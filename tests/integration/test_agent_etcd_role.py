@@ -1,0 +1,144 @@
+"""Agents on an etcd with authentication: each gets an etcd user of its own whose role may
+write only its job's rendezvous prefix (issue 13, finding 8). Real etcd with auth enabled, real
+daemons, real torchrun agents."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from elasticd.agent.spec import JobSpec
+from elasticd.coordination.agent_credentials import PASSWORD_ENV, AgentCredentials
+from elasticd.coordination.api import AuthError
+from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endpoints
+from elasticd.coordination.keys import Keyspace
+from elasticd.launcher import LocalCluster
+
+pytestmark = [pytest.mark.etcd]
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TRAIN = os.path.join(REPO, "examples", "train.py")
+ROOT = {"user": "root", "password": "rootpw"}
+
+
+def etcdctl(endpoint, *args):
+    res = subprocess.run(["etcdctl", "--endpoints", endpoint, *args],
+                         env={**os.environ, "ETCDCTL_API": "3"}, capture_output=True, text=True,
+                         timeout=30)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+@pytest.fixture
+def auth_etcd(private_etcd):
+    """etcd with authentication on; the daemons log in as root (they manage agents' users)."""
+    ep = private_etcd.members[0].endpoint
+    etcdctl(ep, "user", "add", "root", "--new-user-password", ROOT["password"])
+    etcdctl(ep, "auth", "enable")
+    return private_etcd
+
+
+def client(server, **creds):
+    return EtcdCoordinator(EtcdSettings(parse_endpoints(server.endpoints), timeout=2.0, **creds))
+
+
+@pytest.mark.timeout(60)
+def test_the_agents_role_can_write_nothing_outside_its_rendezvous_prefix(auth_etcd, tmp_path):
+    keys = Keyspace("/elasticd")
+    root = client(auth_etcd, **ROOT)
+    creds = AgentCredentials(root, keys, "n1", str(tmp_path / "files"))
+    spec = JobSpec(name="j1", nnodes_min=1, nnodes_max=1, nproc_per_node=1, script=TRAIN,
+                   args=[], script_sha256="0" * 64, user="nobody", cwd=str(tmp_path))
+    root.put(keys.node("n1"), b"node record")
+    root.put(keys.job_spec("j1"), b"spec")
+    conf, env = creds.issue(spec)
+    assert conf == {"user": creds.user_name("j1")} and set(env) == {PASSWORD_ENV}
+    again_conf, again_env = creds.issue(spec)  # a restarted daemon: same user, new password
+    assert again_conf == conf and again_env != env
+    agent = client(auth_etcd, user=conf["user"], password=again_env[PASSWORD_ENV])
+    try:
+        # What the rendezvous does: read/write/compare-and-set its keys, a lease for its
+        # alive key, and read its node's record (the daemon watch).
+        rdzv = keys.job_rdzv("j1")
+        agent.put(rdzv + b"state", b"1")
+        assert agent.create(rdzv + b"store/k", b"v") and not agent.create(rdzv + b"store/k", b"v")
+        lease = agent.grant_lease(5)
+        agent.put(rdzv + b"alive/n1", b"", lease)
+        assert agent.get_prefix(rdzv)[0]
+        assert agent.get(keys.node("n1")).value == b"node record"
+        agent.revoke_lease(lease)
+        outside_writes = [keys.job_spec("j1"), keys.job_control("j1"), keys.job_node("j1", "n1"),
+                          keys.job_placement("j1"), keys.job_ckpt("j1") + b"committed",
+                          keys.job_rdzv("j2") + b"state", keys.job("j1")[:-1] + b"rdzvx",
+                          keys.node("n1"), keys.node("n2"), keys.drain("n1"),
+                          keys.events + b"n1/0/failed", b"/other"]
+        for key in outside_writes:
+            with pytest.raises(AuthError):
+                agent.put(key, b"x")
+            with pytest.raises(AuthError):
+                agent.delete(key)
+        for key in (keys.job_spec("j1"), keys.node("n2"), keys.jobs):
+            with pytest.raises(AuthError):
+                agent.get(key)
+        with pytest.raises(AuthError):
+            agent.get_prefix(keys.jobs)
+        with pytest.raises(AuthError):  # no user management either
+            AgentCredentials(agent, keys, "n1", str(tmp_path / "x")).issue(
+                JobSpec(**{**spec.__dict__, "name": "j2"}))
+    finally:
+        agent.close()
+    creds.withdraw("j1")  # the job ended here: its user is gone
+    gone = client(auth_etcd, user=conf["user"], password=again_env[PASSWORD_ENV])
+    with pytest.raises(AuthError):
+        gone.get(rdzv + b"state")
+    gone.close()
+    root.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_job_rendezvouses_on_an_etcd_with_authentication(auth_etcd, tmp_path):
+    """On main the agents got no credentials (rdzv_conf() had none and ELASTICD_* was
+    stripped): every rendezvous was refused and the job never trained."""
+    env = {"ELASTICD_ETCD_USER": "root", "ELASTICD_ETCD_PASSWORD": ROOT["password"]}
+    cluster = LocalCluster(["n1", "n2"], workdir=str(tmp_path), etcd=auth_etcd.endpoints,
+                           env=env, etcd_client=ROOT)
+    try:
+        cluster.start()
+        res = subprocess.run(
+            [sys.executable, "-m", "elasticd.cli.main", "submit", "job", "--nnodes", "2",
+             "--nproc-per-node", "1", "--user", "root", "--", TRAIN, "--steps", "400"],
+            env={**os.environ, **env, "ELASTICD_ETCD": cluster.etcd,
+                 "ELASTICD_PREFIX": cluster.prefix},
+            capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+
+        def logs():
+            out = {}
+            for n in ("n1", "n2"):
+                try:
+                    with open(tmp_path / n / "jobs" / "job" / "agent.log", errors="replace") as f:
+                        out[n] = f.read()
+                except FileNotFoundError:
+                    out[n] = ""
+            return out
+
+        cluster.wait_for(lambda: all(re.search(r"step \d+ world 2", t) for t in logs().values()),
+                         90, "both nodes training at world 2")
+        # The agent logged in as its own user; its password is in no process' argv.
+        agents = [pid for node in cluster.nodes.values() for pid in node.tagged()
+                  if b"torch.distributed.run" in open(f"/proc/{pid}/cmdline", "rb").read()]
+        assert agents
+        for pid in agents:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read()
+            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            assert b"user=elasticd-agent." in argv
+            password = [e for e in environ if e.startswith(PASSWORD_ENV.encode() + b"=")]
+            assert len(password) == 1 and password[0].split(b"=", 1)[1] not in argv
+            assert ROOT["password"].encode() not in b"".join(environ)  # not the daemon's
+    finally:
+        cluster.stop()
