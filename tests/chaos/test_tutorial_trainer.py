@@ -3,7 +3,8 @@
 mid-epoch, the agent restarts the group and every rank restores from its daemon's RAM.
 
 The Trainer probes its loader (``len(next(iter(loader))[0])``) before ``set_epoch`` every
-epoch. Counting only the steps that were kept (for each step, the last attempt that ran it),
+epoch; the kill lands at the end of an epoch (the restored epoch has nothing left: the probe
+must still get a batch and the loop none) or mid-epoch. Counting only the steps that were kept (for each step, the last attempt that ran it),
 every rank trains exactly DistributedSampler's indices of every epoch, in order — each sample
 once, plus DistributedSampler's one padded repeat (91 samples on 2 ranks) — and the job ends
 after the one restart the kill caused (no crash loop at an epoch boundary). The same with
@@ -34,21 +35,24 @@ def expected(epoch: int, rank: int) -> list[int]:
     return list(d)
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_tutorial_trainer_trains_every_sample_once_across_a_worker_kill(tmp_path, workers):
+@pytest.mark.parametrize("workers,kill_at", [
+    (0, BATCHES),  # at the end of epoch 0: the restore lands at or just after the boundary
+    (2, BATCHES + 5),  # mid epoch 1, loader workers prefetching
+])
+def test_tutorial_trainer_trains_every_sample_once_across_a_worker_kill(tmp_path, workers,
+                                                                        kill_at):
     shape = Shape(nodes=("n1", "n2"), standby=(), nnodes="2:2", steps=EPOCHS * BATCHES,
                   step_time=0.15, zero=False, etcd_members=1)
     cc = ChaosCluster(tmp_path, shape, train=TRAINER,
                       train_args=("--epochs", str(EPOCHS), "--batch-size", str(BATCH),
                                   "--dataset-size", str(N), "--workers", str(workers)))
-    # Mid epoch 1: the first epoch boundary (and its probe) is behind, two are ahead.
-    out = cc.run(FaultPlan().kill_worker("n2", at_step=BATCHES + 5), timeout=120)
+    out = cc.run(FaultPlan().kill_worker("n2", at_step=kill_at), timeout=120)
 
     assert len(out.attempts) == 2, f"one kill, one restart expected:\n{out.summary()}"
     out.assert_sources({"local"})
     out.assert_steps_lost()
     out.assert_nothing_left()
-    assert out.recoveries[0].step > BATCHES, out.summary()  # it resumed mid-epoch 1
+    assert out.recoveries[0].step >= kill_at, out.summary()
 
     kept = out.kept_records()
     assert sorted({r["step"] for r in kept}) == list(range(1, EPOCHS * BATCHES + 1))
