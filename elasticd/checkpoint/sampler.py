@@ -16,10 +16,10 @@ hand, every index drawn counts.
 Every use pattern of ``DistributedSampler`` works; the differences:
 
 * Iterating again within an epoch starts from the epoch's start in this process (the restored
-  position after a restore) and the position is the furthest any of the epoch's iterators got:
-  an iterator abandoned after one batch (the pytorch/examples Trainer probes the loader with
-  ``len(next(iter(loader))[0])`` before ``set_epoch``) moves nothing; the training loop after it
-  gets the probed batch again.
+  position after a restore), and the position is that of the iterator drawn from last: one
+  abandoned after a batch or a few (the pytorch/examples Trainer probes the loader with
+  ``len(next(iter(loader))[0])`` before ``set_epoch``) moves nothing once the training loop
+  draws; the loop gets the probed batches again.
 * Once an epoch's samples have all been trained, a new iterator without ``set_epoch`` serves
   the same epoch again, as ``DistributedSampler`` does.
 * Restored exactly at the end of epoch E: iterators before ``set_epoch(E)`` serve epoch E again
@@ -85,7 +85,8 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         self._rank, self._world = rank, num_replicas if num_replicas is not None else world_size
         self.epoch = 0
         self._start = 0  # where this process's pass over the epoch starts (0, or restored)
-        self._iters: list[_Iterator] = []  # the iterators of that pass, oldest first
+        self._active: _Iterator | None = None  # the pass's iterator the loop drew from last
+        self._pass = 0  # which pass the iterators belong to (older ones count no more)
         self._restored: int | None = None  # position load_state_dict set, until training goes on
         self._serve_rest = False  # set_epoch re-entered the restored epoch: serve its rest
         self._repeats_restored = False  # this pass repeats an epoch restored as complete
@@ -96,7 +97,7 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
     @property
     def consumed(self) -> int:
         """Samples of the epoch the whole job has trained (all ranks together)."""
-        done = max((it.consumed() for it in self._iters), default=0)
+        done = self._active.consumed() if self._active is not None else 0
         return min(self.dataset_len, self._start + done)
 
     @consumed.setter
@@ -151,7 +152,8 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         self._restored, self._serve_rest = self._start, False
 
     def _new_pass(self, start: int) -> None:
-        self._start, self._iters, self._repeats_restored = start, [], False
+        self._start, self._active, self._repeats_restored = start, None, False
+        self._pass += 1
 
     def _warn(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -213,11 +215,7 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         elif self._serve_rest:
             self._serve_rest, self._restored = False, None
         mine, covered = self._share(start, rank, world)
-        for it in self._iters:
-            it.demote()
-        it = _Iterator(self, mine, covered, self.dataset_len - start, world)
-        self._iters.append(it)
-        return it
+        return _Iterator(self, mine, covered, self.dataset_len - start, world)
 
     def __len__(self) -> int:
         rank, world = self._where()
@@ -227,23 +225,21 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
 class _Iterator:
     """One iterator over a rank's share, counting what the training loop received of it.
 
-    Its first ``next`` comes from whoever draws: a ``DataLoader`` iterator (found on the call
-    stack) is then watched — the batches it returned to the loop are what counts, whatever
-    its workers prefetched. The newest iterator keeps that loader iterator alive so that its
-    final count can still be read; older ones hold it weakly (an abandoned probe's workers
-    shut down when it is collected) and keep the last count seen.
+    Its first ``next`` comes from whoever draws. A ``DataLoader`` iterator (found on the call
+    stack) then reports to it each batch it returns to the loop and its end (see
+    :func:`_watch`): that is what counts, whatever its workers prefetched. Drawn by hand,
+    each index drawn counts.
     """
 
     def __init__(self, sampler: ElasticSampler, indices: list[int], covered: int, to_end: int,
                  world: int) -> None:
         self.sampler, self.indices, self.covered, self.to_end, self.world = (
             sampler, indices, covered, to_end, world)
+        self.pass_id = sampler._pass
         self.drawn = 0
-        self.trained = 0  # this rank's indices the loop received (last seen)
-        self.done = False
-        self.bound = self.frozen = False
-        self.loader: weakref.ref | None = None
-        self.keep: Any = None  # the newest iterator's strong reference to its loader iterator
+        self.returned = 0  # batches the loader returned to the loop from this iterator
+        self.ended = False  # the loader told the loop it has no more
+        self.bound = self.watched = self.unwatched_first = False
         self.batch, self.drop = 1, False
 
     def __iter__(self) -> "_Iterator":
@@ -252,10 +248,18 @@ class _Iterator:
     def __next__(self) -> int:
         if not self.bound:
             self._bind(sys._getframe(1))
+            self.touch()  # the loop's new iterator (the loader's own reports follow)
+        elif not self.watched:
+            self.touch()
         if self.drawn >= len(self.indices):
             raise StopIteration
         self.drawn += 1
         return self.indices[self.drawn - 1]
+
+    def touch(self) -> None:
+        """The loop drew from this iterator last: the position is its."""
+        if self.pass_id == self.sampler._pass:
+            self.sampler._active = self
 
     def _bind(self, frame: Any) -> None:
         self.bound = True
@@ -271,6 +275,14 @@ class _Iterator:
             frame = frame.f_back
         else:
             return
+        if "_next_data" not in vars(owner):
+            # Drawn from inside the loader's own (not yet watched) _next_data: without
+            # workers the first batch is fetched that way, and it goes to the loop.
+            while frame is not None and frame.f_locals.get("self") is owner:
+                if frame.f_code.co_name == "_next_data":
+                    self.unwatched_first = True
+                    break
+                frame = frame.f_back
         index_sampler = owner._index_sampler
         if index_sampler is self.sampler:
             pass  # batch_size=None: each item the loader returns is one index
@@ -282,45 +294,56 @@ class _Iterator:
                                    "batch_sampler is not its own; the position counts the "
                                    "indices drawn, which its workers prefetch ahead of training")
             return
-        for other in self.sampler._iters:
-            if other is not self and other.loader is not None and other.loader() is owner:
-                other.freeze()  # persistent workers: the same loader iterator, a new pass
-        self.loader, self.keep = weakref.ref(owner), owner
-
-    def demote(self) -> None:
-        self.observe()
-        self.keep = None
-
-    def freeze(self) -> None:
-        self.observe()
-        self.frozen, self.keep, self.loader = True, None, None
-
-    def observe(self) -> int:
-        """This rank's indices the training loop has received, as last seen."""
-        if self.done:
-            return self.trained
-        total = len(self.indices)
-        if self.frozen:
-            return self.trained
-        if self.loader is None:  # drawn by hand (or through a batch sampler of the user's)
-            self.trained, self.done = self.drawn, self.drawn >= total
-            return self.trained
-        owner = self.loader()
-        if owner is None:
-            return self.trained
-        returned = owner._num_yielded
-        self.trained = max(self.trained, min(returned * self.batch, self.drawn))
-        batches = total // self.batch if self.drop else math.ceil(total / self.batch)
-        if self.drawn >= total and returned >= batches:
-            self.done, self.trained = True, total
-        return self.trained
+        self.watched = _watch(owner, self)
 
     def consumed(self) -> int:
         """Positions of the epoch the whole job has trained from this pass's start."""
-        self.observe()
-        if self.done:
+        total = len(self.indices)
+        if self.watched:
+            returned = self.returned + (self.unwatched_first and self.drawn > 0)
+            trained = min(returned * self.batch, self.drawn)
+            batches = total // self.batch if self.drop else math.ceil(total / self.batch)
+            done = self.ended or (self.drawn >= total and returned >= batches)
+        else:
+            trained, done = self.drawn, self.drawn >= total
+        if done:
             return self.to_end  # the dropped tail (drop_last) goes with the epoch's end
-        return min(self.covered, self.trained * self.world)
+        return min(self.covered, trained * self.world)
+
+
+def _watch(loader_iter: Any, it: _Iterator) -> bool:
+    """Makes ``loader_iter`` report to ``it`` each batch it returns to the loop, and its end.
+
+    The DataLoader iterator's ``_next_data`` (one call per batch ``__next__`` returns, in the
+    main process, whatever the workers) is wrapped on the instance, once; with persistent
+    workers the same iterator serves every epoch and reports to the newest ``_Iterator``.
+    The wrapper holds the loader iterator weakly, so that an abandoned one is freed (and its
+    workers shut down) at once. Returns False where torch has no such method.
+    """
+    loader_iter._elasticd_iterator = it
+    if "_next_data" in vars(loader_iter):
+        return True
+    fn = getattr(type(loader_iter), "_next_data", None)
+    if fn is None:
+        return False
+    ref = weakref.ref(loader_iter)
+
+    def _next_data() -> Any:
+        owner = ref()
+        assert owner is not None  # it is the one calling
+        target = owner._elasticd_iterator
+        try:
+            data = fn(owner)
+        except StopIteration:
+            target.ended = True
+            target.touch()
+            raise
+        target.returned += 1
+        target.touch()
+        return data
+
+    loader_iter._next_data = _next_data
+    return True
 
 
 def _length(dataset: Any) -> int:

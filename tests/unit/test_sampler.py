@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import weakref
 
 import pytest
 import torch
@@ -191,7 +192,38 @@ def test_position_counts_batches_returned_not_prefetched(workers):
     first = iter(dl)  # a probe: abandoned after one batch
     next(first)
     del first
-    assert s.consumed == 12
+    next(it)  # the loop goes on
+    assert s.consumed == 16
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_position_follows_the_iterator_the_loop_draws_from(workers):
+    """A warm-up that draws 3 batches and is abandoned, then the loop: the position is the
+    loop's (not the warm-up's). A probe inside the loop: the loop's position is kept."""
+    s = ElasticSampler(40, rank=0, world_size=2, seed=3)
+    dl = DataLoader(Data(40), batch_size=2, sampler=s, num_workers=workers)
+    warm = iter(dl)
+    for _ in range(3):
+        next(warm)
+    loop = iter(dl)
+    next(loop)
+    assert s.state_dict()["consumed"] == 4  # 1 batch of 2 on 2 ranks, not 3
+    gone = weakref.ref(warm)
+    del warm
+    assert gone() is None  # freed at once (its workers shut down): the sampler holds none
+    next(loop)
+    assert next(iter(dl)).tolist() == reference(40, 2, seed=3)[0][:2]  # probe: epoch start
+    third = next(loop)
+    assert third.tolist() == reference(40, 2, seed=3)[0][4:6]
+    assert s.state_dict()["consumed"] == 12
+
+
+def test_a_new_iterator_every_step_does_not_pile_up():
+    s = ElasticSampler(1000, rank=0, world_size=1)
+    dl = DataLoader(Data(1000), batch_size=10, sampler=s)
+    for _ in range(50):
+        next(iter(dl))  # the same first batch each time, as with DistributedSampler
+    assert s.consumed == 10
 
 
 def test_persistent_workers_and_loader_drop_last_reach_the_epoch_end():
