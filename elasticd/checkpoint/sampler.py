@@ -1,73 +1,139 @@
-"""A distributed sampler whose position is part of the checkpoint, and survives a new world size.
+"""A drop-in for torch's ``DistributedSampler`` whose position is part of the checkpoint, and
+survives a new world size.
 
-torch's ``DistributedSampler`` fixes each rank's share of an epoch when the epoch starts, so a
-job that restarts mid-epoch — worse, with another number of ranks — either repeats or skips
-samples. :class:`ElasticSampler` keeps, instead, the epoch and how many samples the whole job
-has consumed in it. Every epoch has one permutation (seeded by ``seed + epoch``, independent of
-the world size); at ``__iter__`` the sampler reads the current rank and world size and serves
-the rest of that permutation strided by rank. After a restart at any world size, the remaining
-samples are exactly the ones not yet seen: every sample of the epoch is seen exactly once.
+``DistributedSampler`` fixes each rank's share of an epoch when the epoch starts, so a job that
+restarts mid-epoch — worse, with another number of ranks — repeats or skips samples.
+:class:`ElasticSampler` serves the same indices (one permutation per epoch seeded by
+``seed + epoch``, strided by rank, padded or trimmed as ``DistributedSampler`` does), and keeps
+in its ``state_dict`` the epoch and how many samples of it the whole job has trained. After a
+restore, at any world size, the loader serves exactly the rest of the epoch.
 
-The count advances on its own as indices are drawn (exact with ``num_workers=0``, where the
-DataLoader draws one batch at a time), or explicitly with :meth:`advance` — required when
-DataLoader workers prefetch ahead of training, since drawn is then not yet trained on. The
-first call to ``advance`` switches automatic counting off. Put the sampler in the checkpointed
-state; create it after ``init_process_group``. Worker side.
+What counts as trained is what the training loop received: each iterator finds the
+``DataLoader`` iterator that draws from it and counts the batches that loader returned to the
+loop (not the indices its workers prefetched), so ``num_workers > 0`` is exact. Iterated by
+hand, every index drawn counts.
+
+Every use pattern of ``DistributedSampler`` works; the differences:
+
+* Iterating again within an epoch starts from the epoch's start in this process (the restored
+  position after a restore), and the position is that of the iterator drawn from last: one
+  abandoned after a batch or a few (the pytorch/examples Trainer probes the loader with
+  ``len(next(iter(loader))[0])`` before ``set_epoch``) moves nothing once the training loop
+  draws; the loop gets the probed batches again.
+* Once an epoch's samples have all been trained, a new iterator without ``set_epoch`` serves
+  the same epoch again, as ``DistributedSampler`` does.
+* Restored exactly at the end of epoch E: iterators before ``set_epoch(E)`` serve epoch E again
+  (so the Trainer's probe gets a batch); ``set_epoch(E)`` then makes the next iterator serve
+  E's rest, which is empty. A script that never calls ``set_epoch`` trains E again there, with a
+  warning at its next checkpoint. A probe placed *after* ``set_epoch(E)`` meets that empty rest
+  (``StopIteration``): probe before ``set_epoch``, as the tutorial does, or not at all.
+* ``len()`` is what the next iterator serves: ``DistributedSampler``'s ``num_samples`` at an
+  epoch's start, the rest after a mid-epoch restore.
+* ``pad=False`` (not in ``DistributedSampler``): no sample repeated at an epoch's end; the last
+  round is short, so ranks may draw one sample fewer — their batch counts must still agree for
+  DDP (e.g. 4096 samples, 3 ranks, batches of 32: 43 batches each).
+* The loader must return batches in order (``in_order=True``, the default), and built by the
+  ``DataLoader`` from ``batch_size`` (a custom ``batch_sampler`` wrapping this sampler is counted
+  by the indices drawn, which prefetching runs ahead of).
+
+Put the sampler in the checkpointed state; create it after ``init_process_group``. Worker side.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import sys
+import weakref
 from typing import Any, Iterator
 
 import torch
+
+log = logging.getLogger(__name__)
+
+_FRAMES_UP = 8  # how far up to look for the DataLoader iterator that draws from a new iterator
 
 
 class ElasticSampler(torch.utils.data.Sampler[int]):
     """Indices of one rank's share of the rest of the current epoch.
 
     Args:
-        dataset_len: number of samples.
+        dataset: the dataset (anything with ``len()``) or its length.
+        num_replicas: world size; defaults to torch.distributed's (1 without a group).
+        rank: this rank; defaults to torch.distributed's (0 without a group).
         shuffle: a fresh permutation per epoch (else 0..n-1 in order).
         seed: the permutation's seed (``seed + epoch``); the same on every rank.
         drop_last: drop the epoch's tail that does not fill one sample per rank, so that every
-            rank draws the same count (those samples are not seen that epoch). Otherwise the
-            last round is short: some ranks draw one sample fewer, and none is seen twice.
-        rank, world_size: override torch.distributed's (e.g. in tests, or without a group).
+            rank draws the same count (those samples are not seen that epoch).
+        world_size: another name for ``num_replicas``.
+        pad: with ``drop_last`` False, repeat the epoch's first samples so that every rank
+            draws the same count, as ``DistributedSampler`` does (at most ``world - 1`` repeats
+            an epoch). False: no repeat, and the last round is short.
     """
 
-    def __init__(self, dataset_len: int, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False, *, rank: int | None = None,
-                 world_size: int | None = None) -> None:
-        if type(dataset_len) is not int or dataset_len < 0:
-            raise ValueError(f"dataset_len must be an integer >= 0, got {dataset_len!r}")
-        self.dataset_len, self.shuffle, self.seed, self.drop_last = (
-            dataset_len, shuffle, seed, drop_last)
-        self._rank, self._world = rank, world_size
+    def __init__(self, dataset: Any, num_replicas: int | None = None, rank: int | None = None,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False, *,
+                 world_size: int | None = None, pad: bool = True) -> None:
+        n = dataset if type(dataset) is int else _length(dataset)
+        if n < 0:
+            raise ValueError(f"dataset length must be >= 0, got {n!r}")
+        if num_replicas is not None and world_size is not None and num_replicas != world_size:
+            raise ValueError(f"num_replicas={num_replicas} and world_size={world_size} differ; "
+                             "give one of them")
+        self.dataset_len, self.shuffle, self.seed, self.drop_last, self.pad = (
+            n, shuffle, seed, drop_last, pad)
+        self._rank, self._world = rank, num_replicas if num_replicas is not None else world_size
         self.epoch = 0
-        self.consumed = 0  # samples drawn by all ranks together in this epoch
-        self._manual = False
-        self._iter_start = 0
+        self._start = 0  # where this process's pass over the epoch starts (0, or restored)
+        self._active: _Iterator | None = None  # the pass's iterator the loop drew from last
+        self._pass = 0  # which pass the iterators belong to (older ones count no more)
+        self._restored: int | None = None  # position load_state_dict set, until training goes on
+        self._serve_rest = False  # set_epoch re-entered the restored epoch: serve its rest
+        self._repeats_restored = False  # this pass repeats an epoch restored as complete
+        self._warned: set[str] = set()
 
     # -- position -------------------------------------------------------------------------
 
-    def set_epoch(self, epoch: int) -> None:
-        """Moves to ``epoch``; its position restarts at 0 unless it is already the current
-        one (so that calling it again after a restore keeps the restored position)."""
-        if epoch != self.epoch:
-            self.epoch, self.consumed = epoch, 0
+    @property
+    def consumed(self) -> int:
+        """Samples of the epoch the whole job has trained (all ranks together)."""
+        done = self._active.consumed() if self._active is not None else 0
+        return min(self.dataset_len, self._start + done)
 
-    def advance(self, samples: int) -> None:
-        """Records that the job consumed ``samples`` more samples (all ranks together);
-        turns automatic counting off."""
-        if not self._manual:
-            # What automatic counting added for the current iterator was drawn, not trained.
-            self._manual, self.consumed = True, self._iter_start
-        self.consumed = min(self.dataset_len, self.consumed + int(samples))
+    @consumed.setter
+    def consumed(self, value: int) -> None:
+        self._new_pass(int(value))
+        self._restored = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Moves to ``epoch`` and its start; on the epoch a restore left the sampler in, keeps
+        the restored position instead (so that the training loop, calling it again after a
+        restore, resumes mid-epoch), and drops what iterators drew before."""
+        epoch = int(epoch)
+        if epoch != self.epoch:
+            if self._restored is not None and epoch < self.epoch:
+                self._warn("back", f"ElasticSampler: set_epoch({epoch}) after restoring epoch "
+                           f"{self.epoch}: epochs {epoch}..{self.epoch - 1} are trained again; "
+                           "keep the epoch in the checkpointed state and resume from it")
+            self.epoch, self._restored, self._serve_rest = epoch, None, False
+            self._new_pass(0)
+        elif self._restored is not None:
+            self._new_pass(self._restored)
+            self._serve_rest = True
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed,
-                "dataset_len": self.dataset_len, "shuffle": self.shuffle,
-                "manual": self._manual}
+        position = self.consumed
+        if self._restored is not None and position > self._start:
+            # Training goes on from the restore: set_epoch no longer returns to it.
+            if self._repeats_restored:
+                self._warn("repeat", f"ElasticSampler: epoch {self.epoch} was complete in the "
+                           "restored checkpoint and the loader was iterated again without "
+                           f"set_epoch({self.epoch}) first: this pass trains epoch "
+                           f"{self.epoch} again, as DistributedSampler would. Call "
+                           "sampler.set_epoch(epoch) before each epoch's loop")
+            self._restored = None
+        return {"epoch": self.epoch, "consumed": position, "seed": self.seed,
+                "dataset_len": self.dataset_len, "shuffle": self.shuffle}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores the position.
@@ -79,9 +145,20 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         for key in ("dataset_len", "seed", "shuffle"):
             if state.get(key, getattr(self, key)) != getattr(self, key):
                 raise ValueError(f"sampler state has {key}={state[key]!r}, this sampler "
-                                 f"{getattr(self, key)!r}")
-        self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
-        self._manual = bool(state.get("manual", False))
+                                 f"{getattr(self, key)!r}: build the sampler as the job "
+                                 "that saved it did")
+        self.epoch = int(state["epoch"])
+        self._new_pass(min(self.dataset_len, int(state["consumed"])))
+        self._restored, self._serve_rest = self._start, False
+
+    def _new_pass(self, start: int) -> None:
+        self._start, self._active, self._repeats_restored = start, None, False
+        self._pass += 1
+
+    def _warn(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message)
 
     # -- iteration ------------------------------------------------------------------------
 
@@ -97,32 +174,182 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
             raise ValueError(f"rank {rank} outside world size {world}")
         return rank, world
 
-    def _remaining(self, world: int) -> list[int]:
-        if self.shuffle:
-            g = torch.Generator()
-            g.manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.dataset_len, generator=g).tolist()
-        else:
-            order = list(range(self.dataset_len))
-        rest = order[self.consumed :]
+    def _next_start(self) -> tuple[int, bool]:
+        """Where the next iterator starts, and whether that begins a new pass."""
+        if self._serve_rest:
+            return self._start, False
+        if self.consumed >= self.dataset_len:
+            # The epoch is all trained: another pass over it, as DistributedSampler serves
+            # when set_epoch is not called.
+            return 0, True
+        return self._start, False
+
+    def _order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.dataset_len))
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.dataset_len, generator=g).tolist()
+
+    def _share(self, start: int, rank: int, world: int) -> tuple[list[int], int]:
+        """This rank's indices of the epoch from ``start``, and how many positions of the
+        epoch they cover for the whole job (padding excluded)."""
+        order = self._order()
+        rest = order[start:]
         if self.drop_last:
             rest = rest[: len(rest) - len(rest) % world]
-        return rest
+        covered = len(rest)
+        if self.pad and not self.drop_last and len(rest) % world:
+            # DistributedSampler's padding: the epoch's first samples again.
+            missing = world - len(rest) % world
+            rest += (order * math.ceil(missing / len(order)))[:missing]
+        return rest[rank::world], covered
 
     def __iter__(self) -> Iterator[int]:
         rank, world = self._where()
-        rest = self._remaining(world)
-        mine = rest[rank::world]
-        start = self._iter_start = self.consumed
-        for i, index in enumerate(mine):
-            if not self._manual:
-                # Round i is complete on every rank once each drew its i-th index (the short
-                # last round counts only the ranks that have one).
-                self.consumed = start + min(len(rest), (i + 1) * world)
-            yield index
-        if not self._manual:
-            self.consumed = start + len(rest) if not self.drop_last else self.dataset_len
+        start, fresh = self._next_start()
+        if fresh:
+            repeats = self._restored is not None
+            self._new_pass(start)
+            self._repeats_restored = repeats
+        elif self._serve_rest:
+            self._serve_rest, self._restored = False, None
+        mine, covered = self._share(start, rank, world)
+        return _Iterator(self, mine, covered, self.dataset_len - start, world)
 
     def __len__(self) -> int:
         rank, world = self._where()
-        return len(self._remaining(world)[rank::world])
+        return len(self._share(self._next_start()[0], rank, world)[0])
+
+
+class _Iterator:
+    """One iterator over a rank's share, counting what the training loop received of it.
+
+    Its first ``next`` comes from whoever draws. A ``DataLoader`` iterator (found on the call
+    stack) then reports to it each batch it returns to the loop and its end (see
+    :func:`_watch`): that is what counts, whatever its workers prefetched. Drawn by hand,
+    each index drawn counts.
+    """
+
+    def __init__(self, sampler: ElasticSampler, indices: list[int], covered: int, to_end: int,
+                 world: int) -> None:
+        self.sampler, self.indices, self.covered, self.to_end, self.world = (
+            sampler, indices, covered, to_end, world)
+        self.pass_id = sampler._pass
+        self.drawn = 0
+        self.returned = 0  # batches the loader returned to the loop from this iterator
+        self.ended = False  # the loader told the loop it has no more
+        self.bound = self.watched = self.unwatched_first = False
+        self.batch, self.drop = 1, False
+
+    def __iter__(self) -> "_Iterator":
+        return self
+
+    def __next__(self) -> int:
+        if not self.bound:
+            self._bind(sys._getframe(1))
+            self.touch()  # the loop's new iterator (the loader's own reports follow)
+        elif not self.watched:
+            self.touch()
+        if self.drawn >= len(self.indices):
+            raise StopIteration
+        self.drawn += 1
+        return self.indices[self.drawn - 1]
+
+    def touch(self) -> None:
+        """The loop drew from this iterator last: the position is its."""
+        if self.pass_id == self.sampler._pass:
+            self.sampler._active = self
+
+    def _bind(self, frame: Any) -> None:
+        self.bound = True
+        from torch.utils.data.dataloader import _BaseDataLoaderIter
+        from torch.utils.data.sampler import BatchSampler
+
+        for _ in range(_FRAMES_UP):
+            if frame is None:
+                return
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, _BaseDataLoaderIter):
+                break
+            frame = frame.f_back
+        else:
+            return
+        if "_next_data" not in vars(owner):
+            # Drawn from inside the loader's own (not yet watched) _next_data: without
+            # workers the first batch is fetched that way, and it goes to the loop.
+            while frame is not None and frame.f_locals.get("self") is owner:
+                if frame.f_code.co_name == "_next_data":
+                    self.unwatched_first = True
+                    break
+                frame = frame.f_back
+        index_sampler = owner._index_sampler
+        if index_sampler is self.sampler:
+            pass  # batch_size=None: each item the loader returns is one index
+        elif isinstance(index_sampler, BatchSampler) and index_sampler.sampler is self.sampler:
+            self.batch, self.drop = index_sampler.batch_size, index_sampler.drop_last
+        else:
+            if getattr(owner, "_num_workers", 0):
+                self.sampler._warn("batch_sampler", "ElasticSampler: the DataLoader's "
+                                   "batch_sampler is not its own; the position counts the "
+                                   "indices drawn, which its workers prefetch ahead of training")
+            return
+        self.watched = _watch(owner, self)
+
+    def consumed(self) -> int:
+        """Positions of the epoch the whole job has trained from this pass's start."""
+        total = len(self.indices)
+        if self.watched:
+            returned = self.returned + (self.unwatched_first and self.drawn > 0)
+            trained = min(returned * self.batch, self.drawn)
+            batches = total // self.batch if self.drop else math.ceil(total / self.batch)
+            done = self.ended or (self.drawn >= total and returned >= batches)
+        else:
+            trained, done = self.drawn, self.drawn >= total
+        if done:
+            return self.to_end  # the dropped tail (drop_last) goes with the epoch's end
+        return min(self.covered, trained * self.world)
+
+
+def _watch(loader_iter: Any, it: _Iterator) -> bool:
+    """Makes ``loader_iter`` report to ``it`` each batch it returns to the loop, and its end.
+
+    The DataLoader iterator's ``_next_data`` (one call per batch ``__next__`` returns, in the
+    main process, whatever the workers) is wrapped on the instance, once; with persistent
+    workers the same iterator serves every epoch and reports to the newest ``_Iterator``.
+    The wrapper holds the loader iterator weakly, so that an abandoned one is freed (and its
+    workers shut down) at once. Returns False where torch has no such method.
+    """
+    loader_iter._elasticd_iterator = it
+    if "_next_data" in vars(loader_iter):
+        return True
+    fn = getattr(type(loader_iter), "_next_data", None)
+    if fn is None:
+        return False
+    ref = weakref.ref(loader_iter)
+
+    def _next_data() -> Any:
+        owner = ref()
+        assert owner is not None  # it is the one calling
+        target = owner._elasticd_iterator
+        try:
+            data = fn(owner)
+        except StopIteration:
+            target.ended = True
+            target.touch()
+            raise
+        target.returned += 1
+        target.touch()
+        return data
+
+    loader_iter._next_data = _next_data
+    return True
+
+
+def _length(dataset: Any) -> int:
+    try:
+        n = len(dataset)
+    except TypeError as exc:
+        raise TypeError(f"ElasticSampler needs a dataset with len() or its length, got "
+                        f"{type(dataset).__name__}") from exc
+    return n

@@ -190,11 +190,16 @@ class ChaosCluster:
             sample logs, the final weights).
         shape: the cluster and the job.
         job: the job's name.
+        train, train_args: the job's script and its own arguments (examples/train.py).
     """
 
     def __init__(self, workdir: str, shape: Shape, job: str = "chaos",
-                 partitions: bool = False) -> None:
+                 partitions: bool = False, train: str = TRAIN,
+                 train_args: tuple[str, ...] = ()) -> None:
         self.partitions = partitions
+        # Another script prints the same lines and writes the same sample logs (it is given
+        # --steps, --step-time, --sample-log and --out).
+        self.train, self.train_args = train, tuple(train_args)
         self.workdir = str(workdir)
         self.shape = shape
         self.job = job
@@ -312,7 +317,7 @@ class ChaosCluster:
             self._enclose(node)
         self.cluster.wait_for(lambda: all(self.cluster.registered(n) for n in self.cluster.nodes),
                               30, "every node registered")
-        argv = [TRAIN, "--steps", str(self.shape.steps), "--step-time",
+        argv = [self.train, *self.train_args, "--steps", str(self.shape.steps), "--step-time",
                 str(self.shape.step_time), "--sample-log", self.samples_dir, "--out",
                 self.out_dir]
         if self.shape.zero:
