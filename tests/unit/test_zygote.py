@@ -50,8 +50,9 @@ def zygote(tmp_path_factory):
     name = f"test-{uuid.uuid4().hex[:8]}"
     log = tmp_path_factory.mktemp("zygote") / "zygote.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "elasticd.agent.zygote", name],
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-P", "-m", "elasticd.agent.zygote"],
+                                env={**os.environ, ZYGOTE_ENV: name}, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
     try:
         # Wait until it listens: a worker asking before the bind falls back to a cold start
         # (CI once saw the first test get an interpreter without torch preloaded).
