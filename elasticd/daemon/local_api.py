@@ -257,8 +257,8 @@ class LocalServer:
         if (self._binding is not None or self._allowed - {me}) and not st.st_mode & 0o001:
             log.warning("socket directory %s (mode %#o) cannot be traversed by uids %s; their "
                         "workers will get 'permission denied'", directory,
-                        stat.S_IMODE(st.st_mode),
-                        "other than the daemon's" if self._binding else sorted(self._allowed - {me}))
+                        stat.S_IMODE(st.st_mode), "other than the daemon's"
+                        if self._binding else sorted(self._allowed - {me}))
 
     def _remove_stale(self) -> None:
         try:
@@ -351,7 +351,6 @@ class LocalServer:
                 return
             if reason:
                 target, name = self._reject, f"local-api-reject-{pid}"
-                self._rejecting += 1
             elif len(self._conns) >= self._max_connections:
                 reason = f"too many connections to this elasticd ({self._max_connections})"
                 target, name = self._reject, f"local-api-reject-{pid}"
@@ -360,6 +359,8 @@ class LocalServer:
                 if caller is not None:
                     self._callers[conn] = caller
                     peer["job"] = caller.job
+            if reason:
+                self._rejecting += 1  # until _reject() is done with it
             args = (conn, peer, reason) if reason else (conn, peer)
             thread = threading.Thread(target=target, args=args, name=name, daemon=True)
             self._conns[conn] = thread
