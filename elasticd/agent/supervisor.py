@@ -23,11 +23,11 @@ from elasticd.agent.job_files import open_job_log
 from elasticd.agent.spec import JobSpec
 from elasticd.agent.zygote import ZYGOTE_ENV, ZYGOTE_PID_ENV
 from elasticd.clock import Clock, SystemClock
-from elasticd.daemon.local_binding import JobScope
+from elasticd.daemon.local_binding import TAG_ENV, JobScope
 
 log = logging.getLogger(__name__)
 
-TAG_ENV = "ELASTICD_TAG"
+__all__ = ["TAG_ENV", "AgentSupervisor", "children", "kill_workers", "signal_all", "tagged_pids"]
 
 
 def tagged_pids(tag: str = "", prefix: str = "") -> list[int]:

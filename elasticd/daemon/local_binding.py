@@ -31,8 +31,9 @@ import os
 import threading
 from typing import Any, Callable
 
-__all__ = ["BOUND_WRITES", "CallerBinding", "Caller", "JobScope", "Refused"]
+__all__ = ["BOUND_WRITES", "CallerBinding", "Caller", "JobScope", "Refused", "TAG_ENV"]
 
+#: What every process the daemon starts for a job carries in its environment (its tag).
 TAG_ENV = "ELASTICD_TAG"
 #: Ops that write on behalf of one rank: bound to the first rank a connection uses.
 BOUND_WRITES = frozenset({"ckpt_reserve", "ckpt_complete", "ckpt_report", "progress",
