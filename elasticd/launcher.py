@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import shutil
 import signal
 import subprocess
@@ -27,15 +28,14 @@ from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endp
 from elasticd.coordination.keys import Keyspace
 
 #: The account the demo, the tests and the benchmarks run their jobs as, as an operator would
-#: (``elasticctl submit --user``): an existing unprivileged account on every Linux system, so
-#: nothing is added to a newcomer's machine. The daemons run as root.
-JOB_USER = "nobody"
+#: (``elasticctl submit --user``): as root, ``nobody``, an existing unprivileged account on every
+#: Linux system, so nothing is added to a newcomer's machine; otherwise the launcher's own user
+#: (a daemon that is not root can run jobs as its own user only).
+JOB_USER = "nobody" if os.geteuid() == 0 else pwd.getpwuid(os.geteuid()).pw_name
 
 
 def job_writable(path: str, user: str = JOB_USER) -> str:
     """Creates ``path`` (a directory a job writes: its output, its sample log) for ``user``."""
-    import pwd
-
     os.makedirs(path, exist_ok=True)
     entry = pwd.getpwnam(user)
     if os.geteuid() == 0:
