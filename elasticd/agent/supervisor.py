@@ -27,7 +27,22 @@ from elasticd.daemon.local_binding import TAG_ENV, JobScope
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TAG_ENV", "AgentSupervisor", "children", "kill_workers", "signal_all", "tagged_pids"]
+# ``python -m MODULE ARGS`` without the working directory on sys.path, as ``-P`` does on Python
+# 3.11+, but for any Python a job names: the job's working directory is not the daemon's to
+# trust, and a torch/ planted there must not run in the agent or the zygote. (-c puts "" first
+# on sys.path; it is dropped before anything is imported.) Not inherited: torchrun starts each
+# worker as a new interpreter, whose script directory comes first on sys.path as usual.
+_SAFE_MODULE = ("import sys; del sys.path[0]; del sys.argv[0]; import runpy; "
+                "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
+
+
+def safe_module(python: str, module: str, *args: str) -> list[str]:
+    """argv that runs ``module`` as ``python -m`` would, with the working directory off
+    sys.path."""
+    return [python, "-c", _SAFE_MODULE, module, *args]
+
+__all__ = ["TAG_ENV", "AgentSupervisor", "children", "kill_workers", "safe_module",
+           "signal_all", "tagged_pids"]
 
 
 def tagged_pids(tag: str = "", prefix: str = "") -> list[int]:
@@ -125,11 +140,8 @@ class AgentSupervisor:
     def argv(self) -> list[str]:
         s = self.spec
         conf = {"key_prefix": self.prefix, **self.rdzv_conf}
-        return [
-            # -P: a torch/ or elasticd/ planted in the job's working directory must not run
-            # in the agent. Not inherited: torchrun starts each worker as a new interpreter,
-            # whose script directory comes first on sys.path as usual.
-            s.python, "-P", "-m", "torch.distributed.run",
+        return safe_module(
+            s.python, "torch.distributed.run",
             "--nnodes", s.torchrun_nnodes(),
             "--nproc-per-node", str(s.nproc_per_node),
             "--rdzv-backend", "etcd-v3",
@@ -141,7 +153,7 @@ class AgentSupervisor:
             "--log-dir", os.path.join(self.log_dir, "torchrun"),
             *(["--module", "elasticd.agent.warm_start"] if self.warm else []),
             s.script, *s.args,
-        ]
+        )
 
     def env(self) -> dict[str, str]:
         base = {k: v for k, v in os.environ.items()
@@ -183,11 +195,10 @@ class AgentSupervisor:
             self.zygote_name = secrets.token_hex(16) if self.warm else ""
             env = self.env()
             if self.warm:  # first: it imports torch while torchrun does its rendezvous
-                # -P: the job's working directory must not shadow torch or elasticd here;
-                # the name travels in the environment (readable by the job's user and root
+                # The name travels in the environment (readable by the job's user and root
                 # only), never in argv, which every local user can read.
                 self.zygote = subprocess.Popen(
-                    [self.spec.python, "-P", "-m", "elasticd.agent.zygote"],
+                    safe_module(self.spec.python, "elasticd.agent.zygote"),
                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     cwd=self.spec.cwd, env=env, start_new_session=True, **ids)
                 env[ZYGOTE_PID_ENV] = str(self.zygote.pid)

@@ -2,12 +2,12 @@
 
 ``python -m elasticd.agent.warm_start SCRIPT ARGS...`` (torchrun's ``--module``) connects to the
 job's zygote (:mod:`elasticd.agent.zygote`, named by ``ELASTICD_ZYGOTE``), sends it the script,
-the arguments, this process's environment (torchrun's ``RANK``, ``MASTER_ADDR``, ...) and working
-directory, and its stdin/stdout/stderr — once the kernel says the server runs as this worker's
-user (and is the zygote's pid, ``ELASTICD_ZYGOTE_PID``) — then stands in for the forked worker: it forwards the
-signals torchrun sends, and exits with the worker's code or dies of the worker's signal. If it
-dies itself (SIGKILL), the zygote kills the worker. Without a reachable zygote it execs the
-script in a fresh interpreter (a cold start), so the job runs either way.
+the arguments, this process's environment (torchrun's ``RANK``, ``MASTER_ADDR``, ...) and
+working directory, and its stdin/stdout/stderr — once the kernel says the server runs as this
+worker's user (and is the zygote's pid, ``ELASTICD_ZYGOTE_PID``) — then stands in for the forked
+worker: it forwards the signals torchrun sends, and exits with the worker's code or dies of the
+worker's signal. If it dies itself (SIGKILL), the zygote kills the worker. Without a reachable
+zygote it execs the script in a fresh interpreter (a cold start), so the job runs either way.
 
 Imports nothing heavy: this process starts on the recovery path.
 """

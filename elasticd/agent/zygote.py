@@ -5,10 +5,11 @@ worker spends 2-4 s importing torch before it runs a line of the script (measure
 part of a kill -9 recovery once the dead node is dropped and the round completes). The zygote
 pays that once per job and node, before it is needed:
 
-* The supervisor starts ``python -P -m elasticd.agent.zygote`` beside the agent, with the
-  agent's user, environment (the job's tag included) and working directory. It listens on the
-  abstract Unix socket named by ``ELASTICD_ZYGOTE`` *first*, then imports torch and the modules training scripts
-  use, then accepts: a worker that connects early waits in the backlog instead of failing.
+* The supervisor starts ``elasticd.agent.zygote`` (as ``python -m`` would, without the working
+  directory on ``sys.path``) beside the agent, with the agent's user, environment (the job's tag
+  included) and working directory. It listens on the abstract Unix socket named by
+  ``ELASTICD_ZYGOTE`` *first*, then imports torch and the modules training scripts use, then
+  accepts: a worker that connects early waits in the backlog instead of failing.
 * torchrun runs :mod:`elasticd.agent.warm_start` as each worker (``--module``): a few
   milliseconds of Python that send the zygote the script, its arguments, the worker's
   environment and working directory, and its stdin/stdout/stderr (``SCM_RIGHTS``).
@@ -26,8 +27,9 @@ user. The other way round, a worker hands its argv, environment (the job's secre
 only to a server running as its own user (and with the pid in ``ELASTICD_ZYGOTE_PID``, when
 set): abstract socket names are host-wide, and any local user may bind a free one first. The
 name is random per agent start and travels in the environment (readable by the job's user and
-root only), never in argv (``ps`` shows argv to everyone), so nobody else can bind it first. If anything fails before the script starts (no zygote, a refused connection), warm_start
-falls back to exec-ing the script in a fresh interpreter, so the job runs either way, cold.
+root only), never in argv (``ps`` shows argv to everyone), so nobody else can bind it first. If
+anything fails before the script starts (no zygote, a refused connection), warm_start falls back
+to exec-ing the script in a fresh interpreter, so the job runs either way, cold.
 
 What a forked worker shares with the zygote: the hash seed of ``str`` (``PYTHONHASHSEED`` is
 fixed per interpreter) and whatever the preloaded modules did at import. Agent side: the
@@ -235,12 +237,8 @@ def run_script(argv: list[str], env: dict[str, str], cwd: str) -> int:
     os.environ.update(env)
     sys.argv = list(argv)
     # As ``python script.py`` would: the script's directory first on sys.path. The zygote runs
-    # with -P (its sys.path[0] is the standard library, not a directory to replace).
-    script_dir = os.path.dirname(os.path.abspath(argv[0]))
-    if sys.flags.safe_path:
-        sys.path.insert(0, script_dir)
-    else:
-        sys.path[0] = script_dir
+    # without the working directory on sys.path (supervisor.safe_module): nothing to replace.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
     random.seed()
     numpy = sys.modules.get("numpy")
     if numpy is not None:
@@ -267,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     name = os.environ.get(ZYGOTE_ENV, "")
     if args or not name:
         # Not in argv: ps shows argv to every local user, who could bind the name first.
-        print(f"usage: {ZYGOTE_ENV}=NAME python -P -m elasticd.agent.zygote", file=sys.stderr)
+        print(f"usage: {ZYGOTE_ENV}=NAME python -m elasticd.agent.zygote", file=sys.stderr)
         return 2
     return serve(name)
 

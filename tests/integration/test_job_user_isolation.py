@@ -110,7 +110,7 @@ def test_a_job_user_cannot_make_the_daemon_write_through_a_planted_agent_log(
     assert "second run wrote to the log" in open(log).read()
 
 
-def test_a_planted_torch_in_the_cwd_runs_in_neither_agent_nor_zygote_and_the_script_imports_beside_it(  # noqa: E501
+def test_planted_torch_in_the_cwd_runs_in_neither_agent_nor_zygote_scripts_import_beside_them(
         place, job_user, etcd, prefix):
     cwd = place / "cwd"
     (cwd / "torch").mkdir(parents=True)

@@ -1,5 +1,5 @@
 """What the job's user may plant in its log directory: the daemon follows none of it (issue 13,
-finding 1; the end-to-end case with a real agent is in tests/integration/test_job_user_isolation.py)."""
+finding 1; with a real agent: tests/integration/test_job_user_isolation.py)."""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ import uuid
 
 import pytest
 
+from elasticd.agent.supervisor import safe_module
 from elasticd.agent.zygote import ZYGOTE_ENV, peer_allowed
 
 SCRIPT = """
@@ -50,7 +51,7 @@ def zygote(tmp_path_factory):
     name = f"test-{uuid.uuid4().hex[:8]}"
     log = tmp_path_factory.mktemp("zygote") / "zygote.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-P", "-m", "elasticd.agent.zygote"],
+        proc = subprocess.Popen(safe_module(sys.executable, "elasticd.agent.zygote"),
                                 env={**os.environ, ZYGOTE_ENV: name}, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
