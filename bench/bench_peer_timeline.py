@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 
-from elasticd.launcher import LocalCluster
+from elasticd.launcher import JOB_USER, LocalCluster
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "examples", "train.py")
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> dict:
             c.start()
             env = {**os.environ, "ELASTICD_ETCD": c.etcd, "ELASTICD_PREFIX": c.prefix}
             subprocess.run([sys.executable, "-m", "elasticd.cli.main", "submit", "job",
-                            "--nnodes", "2:3", "--nproc-per-node", "1", "--user", "root", "--",
+                            "--nnodes", "2:3", "--nproc-per-node", "1", "--user", JOB_USER, "--",
                             TRAIN, "--steps", "100000", "--step-time", str(args.step_time),
                             "--hidden", str(hidden)],
                            env=env, check=True, capture_output=True, timeout=60)

@@ -53,7 +53,7 @@ import tempfile
 import time
 
 from elasticd.agent.supervisor import signal_all
-from elasticd.launcher import LocalCluster
+from elasticd.launcher import JOB_USER, LocalCluster
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "examples", "train.py")
@@ -168,7 +168,7 @@ def run_elasticd(victim: str, ttl: int, timeout: float, replication: bool = True
             env = {**os.environ, "ELASTICD_ETCD": c.etcd, "ELASTICD_PREFIX": c.prefix}
             subprocess.run([sys.executable, "-m", "elasticd.cli.main", "submit", "job",
                             "--nnodes", f"{full - 1}:{full}", "--nproc-per-node", "1",
-                            "--user", "root",
+                            "--user", JOB_USER,
                             "--", TRAIN, *TRAIN_ARGS], env=env, check=True,
                            capture_output=True, timeout=60)
             logs = {n: os.path.join(d, n, "jobs", "job", "agent.log") for n in c.nodes}

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 
-from elasticd.launcher import LocalCluster
+from elasticd.launcher import JOB_USER, LocalCluster
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN = os.path.join(os.path.dirname(HERE), "examples", "train.py")
@@ -50,7 +50,7 @@ def main() -> int:
         c.start()
         env = {**os.environ, "ELASTICD_ETCD": c.etcd, "ELASTICD_PREFIX": c.prefix}
         subprocess.run([sys.executable, "-m", "elasticd.cli.main", "submit", "job", "--nnodes",
-                        "3:3", "--nproc-per-node", "1", "--user", "root", "--", TRAIN,
+                        "3:3", "--nproc-per-node", "1", "--user", JOB_USER, "--", TRAIN,
                         "--steps", "100000", "--step-time", "0.05"], env=env, check=True,
                        capture_output=True, timeout=60)
         c.wait_for(lambda: all(value(c.nodes[n].http("/metrics"), "elasticd_committed_step")

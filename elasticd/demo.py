@@ -19,7 +19,7 @@ import tempfile
 import time
 
 from elasticd.cli.main import EVENT_TABLE, NODE_TABLE
-from elasticd.launcher import LocalCluster
+from elasticd.launcher import JOB_USER, LocalCluster
 
 TRAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
                      "train.py")
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         print(NODE_TABLE.render(d.rows()), flush=True)
         env = {**os.environ, "ELASTICD_ETCD": cluster.etcd, "ELASTICD_PREFIX": cluster.prefix}
         subprocess.run([sys.executable, "-m", "elasticd.cli.main", "submit", "demo",
-                        "--nnodes", "2:3", "--nproc-per-node", "1", "--user", "root", "--",
+                        "--nnodes", "2:3", "--nproc-per-node", "1", "--user", JOB_USER, "--",
                         TRAIN, "--steps", "100000", "--step-time", "0.05"],
                        env=env, check=True, capture_output=True, timeout=60)
         d.say("submitted job 'demo' (examples/train.py: DDP over gloo, one worker per node, "

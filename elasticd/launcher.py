@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import shutil
 import signal
 import subprocess
@@ -25,6 +26,41 @@ from elasticd.coordination import records
 from elasticd.coordination.embedded import EmbeddedEtcd
 from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endpoints
 from elasticd.coordination.keys import Keyspace
+
+#: The account the demo, the tests and the benchmarks run their jobs as, as an operator would
+#: (``elasticctl submit --user``): as root, ``nobody``, an existing unprivileged account on every
+#: Linux system, so nothing is added to a newcomer's machine; otherwise the launcher's own user
+#: (a daemon that is not root can run jobs as its own user only).
+JOB_USER = "nobody" if os.geteuid() == 0 else pwd.getpwuid(os.geteuid()).pw_name
+
+
+def job_writable(path: str, user: str = JOB_USER) -> str:
+    """Creates ``path`` (a directory a job writes: its output, its sample log) for ``user``."""
+    os.makedirs(path, exist_ok=True)
+    entry = pwd.getpwnam(user)
+    if os.geteuid() == 0:
+        os.chown(path, entry.pw_uid, entry.pw_gid)
+    reachable(os.path.dirname(os.path.abspath(path)))
+    return path
+
+
+def reachable(path: str) -> None:
+    """Lets other users traverse (not list) ``path`` and its ancestors that are ours.
+
+    A job runs as another user than the launcher: it must reach the daemon's socket, its slot
+    files and its output under a private temporary directory (``mkdtemp`` and pytest make them
+    0700).
+    """
+    path = os.path.abspath(path)
+    me = os.geteuid()
+    while True:
+        st = os.stat(path)
+        if st.st_uid == me and not st.st_mode & 0o001:
+            os.chmod(path, (st.st_mode & 0o7777) | 0o011)
+        parent = os.path.dirname(path)
+        if parent == path:
+            return
+        path = parent
 
 
 class NodeProcess:
@@ -178,10 +214,6 @@ class LocalCluster:
         self.extra_args = list(extra_args)
         self.loop_interval = loop_interval
         self.env = {**os.environ, **(env or {})}
-        # The demo, tests and benchmarks still submit jobs as root; the daemons refuse root
-        # jobs by default (elasticd/agent/policy.py). Goes once they submit as an
-        # unprivileged user.
-        self.env.setdefault("ELASTICD_JOB_USERS", "*")
         if replication:
             # Peer replicas over loopback, authenticated with a per-cluster secret.
             self.env["ELASTICD_CLUSTER_SECRET"] = os.urandom(16).hex()
@@ -189,6 +221,10 @@ class LocalCluster:
         # Each simulated node's checkpoint RAM: its own tmpfs directory, deleted when the node
         # is killed (a dead machine's RAM is gone) and when the cluster stops.
         self.shm_root = tempfile.mkdtemp(prefix="elasticd-test-", dir="/dev/shm")
+        # The job runs as JOB_USER: it reaches the daemons' sockets under the workdir and
+        # (until slots are handed over as descriptors) its slot files under the shm root.
+        reachable(self.workdir)
+        reachable(self.shm_root)
         self.nodes: dict[str, NodeProcess] = {n: self._make(n) for n in nodes}
         self._coord: EtcdCoordinator | None = None
 

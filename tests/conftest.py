@@ -22,6 +22,40 @@ PYTHON = sys.executable
 _counter = itertools.count()
 
 
+_TEST_ROOT = "/tmp/elasticd-tests"
+_KEEP_SECONDS = 6 * 3600
+
+
+def pytest_configure(config):
+    """As root, ``tmp_path`` lives under a directory the jobs' user can traverse.
+
+    Jobs run as ``elasticd.launcher.JOB_USER`` while the daemons run as root: that user must
+    reach the daemons' sockets and write its outputs under the test's directories. pytest's
+    own root (``/tmp/pytest-of-root``) is 0700, and every pytest session on the machine resets
+    it to 0700, so it cannot simply be opened. Each session gets its own 0711 directory under
+    a root-owned 0711 root instead; those of sessions older than a few hours are removed.
+    """
+    if config.option.basetemp is not None or os.geteuid() != 0:
+        return
+    import shutil
+    import stat
+    import tempfile
+    import time
+
+    os.makedirs(_TEST_ROOT, mode=0o711, exist_ok=True)
+    st = os.lstat(_TEST_ROOT)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+        raise pytest.UsageError(f"{_TEST_ROOT} is not a root-owned directory only root can "
+                                "write; remove it")
+    os.chmod(_TEST_ROOT, 0o711)
+    for name in os.listdir(_TEST_ROOT):
+        old = os.path.join(_TEST_ROOT, name)
+        if time.time() - os.lstat(old).st_mtime > _KEEP_SECONDS:
+            shutil.rmtree(old, ignore_errors=True)
+    config.option.basetemp = tempfile.mkdtemp(prefix="run-", dir=_TEST_ROOT)
+    os.chmod(config.option.basetemp, 0o711)
+
+
 @pytest.fixture(scope="session")
 def etcd():
     """A single-member etcd shared by the whole session (tests isolate by prefix)."""

@@ -13,18 +13,36 @@ from __future__ import annotations
 import logging
 import os
 import pwd
+import secrets
 import signal
 import subprocess
 import time
 from typing import Sequence
 
+from elasticd.agent.job_files import open_job_log
 from elasticd.agent.spec import JobSpec
-from elasticd.agent.zygote import ZYGOTE_ENV
+from elasticd.agent.zygote import ZYGOTE_ENV, ZYGOTE_PID_ENV
 from elasticd.clock import Clock, SystemClock
+from elasticd.daemon.local_binding import TAG_ENV, JobScope
 
 log = logging.getLogger(__name__)
 
-TAG_ENV = "ELASTICD_TAG"
+# ``python -m MODULE ARGS`` without the working directory on sys.path, as ``-P`` does on Python
+# 3.11+, but for any Python a job names: the job's working directory is not the daemon's to
+# trust, and a torch/ planted there must not run in the agent or the zygote. (-c puts "" first
+# on sys.path; it is dropped before anything is imported.) Not inherited: torchrun starts each
+# worker as a new interpreter, whose script directory comes first on sys.path as usual.
+_SAFE_MODULE = ("import sys; del sys.path[0]; del sys.argv[0]; import runpy; "
+                "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
+
+
+def safe_module(python: str, module: str, *args: str) -> list[str]:
+    """argv that runs ``module`` as ``python -m`` would, with the working directory off
+    sys.path."""
+    return [python, "-c", _SAFE_MODULE, module, *args]
+
+__all__ = ["TAG_ENV", "AgentSupervisor", "children", "kill_workers", "safe_module",
+           "signal_all", "tagged_pids"]
 
 
 def tagged_pids(tag: str = "", prefix: str = "") -> list[int]:
@@ -112,6 +130,8 @@ class AgentSupervisor:
         self.zygote: subprocess.Popen | None = None
         self.warm = warm
         self.starts = 0
+        self.zygote_name = ""  # a fresh unguessable name per start (see start())
+        self.uid = -1  # the job's uid, once started
 
     @property
     def log_path(self) -> str:
@@ -120,8 +140,8 @@ class AgentSupervisor:
     def argv(self) -> list[str]:
         s = self.spec
         conf = {"key_prefix": self.prefix, **self.rdzv_conf}
-        return [
-            s.python, "-m", "torch.distributed.run",
+        return safe_module(
+            s.python, "torch.distributed.run",
             "--nnodes", s.torchrun_nnodes(),
             "--nproc-per-node", str(s.nproc_per_node),
             "--rdzv-backend", "etcd-v3",
@@ -133,7 +153,7 @@ class AgentSupervisor:
             "--log-dir", os.path.join(self.log_dir, "torchrun"),
             *(["--module", "elasticd.agent.warm_start"] if self.warm else []),
             s.script, *s.args,
-        ]
+        )
 
     def env(self) -> dict[str, str]:
         base = {k: v for k, v in os.environ.items()
@@ -154,32 +174,34 @@ class AgentSupervisor:
             base[ZYGOTE_ENV] = self.zygote_name
         return base
 
-    @property
-    def zygote_name(self) -> str:
-        # Abstract socket names are host-wide: the daemon's pid and the start count make it
-        # unique among daemons and agent restarts on this host.
-        return f"{self.tag}:{os.getpid()}:{self.starts}"
-
     def start(self) -> int:
-        """Starts the agent; returns its pid."""
-        os.makedirs(self.log_dir, exist_ok=True)
+        """Starts the agent; returns its pid.
+
+        Raises:
+            OSError: the log directory or its ``agent.log`` cannot be opened safely.
+        """
         user = pwd.getpwnam(self.spec.user)
+        self.uid = user.pw_uid
         as_other = user.pw_uid != os.getuid()
-        if as_other:
-            os.chown(self.log_dir, user.pw_uid, user.pw_gid)
-        with open(self.log_path, "ab") as out:
+        fd = open_job_log(self.log_dir, "agent.log", user.pw_uid if as_other else None,
+                          user.pw_gid)
+        with os.fdopen(fd, "ab") as out:
             out.write(f"\n==== elasticd: starting agent for {self.spec.name} on {self.node_id} "
                       f"at {time.strftime('%Y-%m-%dT%H:%M:%S')} ====\n".encode())
             out.flush()
             ids = dict(user=user.pw_uid if as_other else None,
                        group=user.pw_gid if as_other else None,
                        extra_groups=[] if as_other else None)
+            self.zygote_name = secrets.token_hex(16) if self.warm else ""
             env = self.env()
             if self.warm:  # first: it imports torch while torchrun does its rendezvous
+                # The name travels in the environment (readable by the job's user and root
+                # only), never in argv, which every local user can read.
                 self.zygote = subprocess.Popen(
-                    [self.spec.python, "-m", "elasticd.agent.zygote", self.zygote_name],
+                    safe_module(self.spec.python, "elasticd.agent.zygote"),
                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     cwd=self.spec.cwd, env=env, start_new_session=True, **ids)
+                env[ZYGOTE_PID_ENV] = str(self.zygote.pid)
             self.proc = subprocess.Popen(
                 self.argv(), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 cwd=self.spec.cwd, env=env, start_new_session=True, **ids)
@@ -191,6 +213,13 @@ class AgentSupervisor:
     @property
     def pid(self) -> int:
         return self.proc.pid if self.proc is not None else 0
+
+    def scope(self) -> JobScope | None:
+        """The job as the daemon's local socket admits it (None before the agent starts)."""
+        if self.proc is None:
+            return None
+        roots = (self.proc.pid,) + ((self.zygote.pid,) if self.zygote is not None else ())
+        return JobScope(job=self.spec.name, uid=self.uid, tag=self.tag, roots=roots)
 
     def poll(self) -> int | None:
         """None while the agent runs, else its exit status (negative: killed by a signal)."""

@@ -2,11 +2,12 @@
 
 ``python -m elasticd.agent.warm_start SCRIPT ARGS...`` (torchrun's ``--module``) connects to the
 job's zygote (:mod:`elasticd.agent.zygote`, named by ``ELASTICD_ZYGOTE``), sends it the script,
-the arguments, this process's environment (torchrun's ``RANK``, ``MASTER_ADDR``, ...) and working
-directory, and its stdin/stdout/stderr, then stands in for the forked worker: it forwards the
-signals torchrun sends, and exits with the worker's code or dies of the worker's signal. If it
-dies itself (SIGKILL), the zygote kills the worker. Without a reachable zygote it execs the
-script in a fresh interpreter (a cold start), so the job runs either way.
+the arguments, this process's environment (torchrun's ``RANK``, ``MASTER_ADDR``, ...) and
+working directory, and its stdin/stdout/stderr — once the kernel says the server runs as this
+worker's user (and is the zygote's pid, ``ELASTICD_ZYGOTE_PID``) — then stands in for the forked
+worker: it forwards the signals torchrun sends, and exits with the worker's code or dies of the
+worker's signal. If it dies itself (SIGKILL), the zygote kills the worker. Without a reachable
+zygote it execs the script in a fresh interpreter (a cold start), so the job runs either way.
 
 Imports nothing heavy: this process starts on the recovery path.
 """
@@ -18,7 +19,15 @@ import signal
 import socket
 import sys
 
-from elasticd.agent.zygote import ZYGOTE_ENV, address, recv_msg, send_msg
+from elasticd.agent.zygote import (
+    ZYGOTE_ENV,
+    ZYGOTE_PID_ENV,
+    address,
+    peer_credentials,
+    recv_msg,
+    send_msg,
+    server_trusted,
+)
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
@@ -38,9 +47,16 @@ def main(argv: list[str] | None = None) -> int:
     name = os.environ.get(ZYGOTE_ENV)
     if not name:
         _cold(args, f"{ZYGOTE_ENV} is not set")
+    expected = os.environ.get(ZYGOTE_PID_ENV, "")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(address(name))
+        # Before a byte of argv or environment: is this the job's zygote, or a squatter?
+        pid, uid, _gid = peer_credentials(sock)
+        why = server_trusted(pid, uid, os.getuid(), int(expected) if expected.isdigit() else None)
+        if why:
+            sock.close()
+            _cold(args, f"zygote {name!r} refused: {why}")
         send_msg(sock, {"argv": args, "env": dict(os.environ), "cwd": os.getcwd()}, [0, 1, 2])
         reply, _ = recv_msg(sock)
     except (OSError, ValueError) as exc:

@@ -5,10 +5,11 @@ worker spends 2-4 s importing torch before it runs a line of the script (measure
 part of a kill -9 recovery once the dead node is dropped and the round completes). The zygote
 pays that once per job and node, before it is needed:
 
-* The supervisor starts ``python -m elasticd.agent.zygote NAME`` beside the agent, with the
-  agent's user, environment (the job's tag included) and working directory. It listens on the
-  abstract Unix socket ``NAME`` *first*, then imports torch and the modules training scripts
-  use, then accepts: a worker that connects early waits in the backlog instead of failing.
+* The supervisor starts ``elasticd.agent.zygote`` (as ``python -m`` would, without the working
+  directory on ``sys.path``) beside the agent, with the agent's user, environment (the job's tag
+  included) and working directory. It listens on the abstract Unix socket named by
+  ``ELASTICD_ZYGOTE`` *first*, then imports torch and the modules training scripts use, then
+  accepts: a worker that connects early waits in the backlog instead of failing.
 * torchrun runs :mod:`elasticd.agent.warm_start` as each worker (``--module``): a few
   milliseconds of Python that send the zygote the script, its arguments, the worker's
   environment and working directory, and its stdin/stdout/stderr (``SCM_RIGHTS``).
@@ -22,8 +23,13 @@ pays that once per job and node, before it is needed:
   SIGKILLs the child's whole process group: no worker outlives the process torchrun watches.
 
 Only the zygote's own user (or root) may connect (``SO_PEERCRED``): the socket runs code as that
-user. If anything fails before the script starts (no zygote, a refused connection), warm_start
-falls back to exec-ing the script in a fresh interpreter, so the job runs either way, cold.
+user. The other way round, a worker hands its argv, environment (the job's secrets) and stdio
+only to a server running as its own user (and with the pid in ``ELASTICD_ZYGOTE_PID``, when
+set): abstract socket names are host-wide, and any local user may bind a free one first. The
+name is random per agent start and travels in the environment (readable by the job's user and
+root only), never in argv (``ps`` shows argv to everyone), so nobody else can bind it first. If
+anything fails before the script starts (no zygote, a refused connection), warm_start falls back
+to exec-ing the script in a fresh interpreter, so the job runs either way, cold.
 
 What a forked worker shares with the zygote: the hash seed of ``str`` (``PYTHONHASHSEED`` is
 fixed per interpreter) and whatever the preloaded modules did at import. Agent side: the
@@ -45,6 +51,8 @@ from typing import Any
 
 #: Environment variable with the zygote's socket name, set for the agent and its workers.
 ZYGOTE_ENV = "ELASTICD_ZYGOTE"
+#: Environment variable with the zygote's pid, set for the agent and its workers.
+ZYGOTE_PID_ENV = "ELASTICD_ZYGOTE_PID"
 #: What the zygote imports before it accepts (what a training script is about to import).
 PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch.utils.data",
            "torch.distributed.optim", "numpy", "elasticd.checkpoint.client",
@@ -97,6 +105,26 @@ def peer_allowed(peer_uid: int, my_uid: int) -> bool:
     return peer_uid in (my_uid, 0)
 
 
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the other end, from the kernel (``SO_PEERCRED``)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)
+
+
+def server_trusted(pid: int, uid: int, my_uid: int, expected_pid: int | None) -> str:
+    """Why a worker must not hand itself to the server ``pid``/``uid`` ("" when it may).
+
+    The zygote runs as the job's user, as the worker does: a server of any other uid (root
+    included: the daemon never runs a zygote as root for a non-root job) is someone who bound
+    the name first.
+    """
+    if uid != my_uid:
+        return f"its server runs as uid {uid}, not as this worker's uid {my_uid}"
+    if expected_pid is not None and pid != expected_pid:
+        return f"its server is pid {pid}, not the job's zygote (pid {expected_pid})"
+    return ""
+
+
 # -- the zygote --------------------------------------------------------------------------
 
 
@@ -122,8 +150,7 @@ def serve(name: str) -> int:
 
 
 def _start(conn: socket.socket) -> None:
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
+    _pid, uid, _gid = peer_credentials(conn)
     if not peer_allowed(uid, os.getuid()):
         raise PermissionError(f"uid {uid} may not start workers as uid {os.getuid()}")
     request, fds = recv_msg(conn, max_fds=3)
@@ -209,7 +236,9 @@ def run_script(argv: list[str], env: dict[str, str], cwd: str) -> int:
     os.environ.clear()
     os.environ.update(env)
     sys.argv = list(argv)
-    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+    # As ``python script.py`` would: the script's directory first on sys.path. The zygote runs
+    # without the working directory on sys.path (supervisor.safe_module): nothing to replace.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
     random.seed()
     numpy = sys.modules.get("numpy")
     if numpy is not None:
@@ -233,10 +262,12 @@ def run_script(argv: list[str], env: dict[str, str], cwd: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m elasticd.agent.zygote NAME", file=sys.stderr)
+    name = os.environ.get(ZYGOTE_ENV, "")
+    if args or not name:
+        # Not in argv: ps shows argv to every local user, who could bind the name first.
+        print(f"usage: {ZYGOTE_ENV}=NAME python -m elasticd.agent.zygote", file=sys.stderr)
         return 2
-    return serve(args[0])
+    return serve(name)
 
 
 if __name__ == "__main__":

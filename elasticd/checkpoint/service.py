@@ -465,6 +465,10 @@ class CheckpointService:
             # A shard an earlier (aborted) restore round fetched from a peer is in the local
             # store now, but it still came from the peer: say so, or recoveries get mislabelled.
             fetched = record is not None and (rank, *version) in record.fetched
+        # Until slots are handed over as descriptors: a slot not reserved by this caller (one
+        # fetched from a peer, or another rank's after a resize) must be readable by the job's
+        # user too. The local socket binds the caller to this job.
+        self._grant(view.path, msg.get("_peer", {}).get("uid"))
         return {"path": view.path, "offset": 0, "size": view.header.layout.total_size,
                 "pin": pin, "source": "peer" if fetched else "local"}
 
@@ -522,7 +526,7 @@ class CheckpointService:
         elif was_fetched:
             source = "peer"
         reply = self._open({"job": job, "rank": rank, "generation": version[0],
-                            "step": version[1]})
+                            "step": version[1], "_peer": msg.get("_peer", {})})
         return {**reply, "source": source, "wire_bytes": wire_bytes, "holder": holder}
 
     def _release(self, msg: dict[str, Any]) -> dict[str, Any]:

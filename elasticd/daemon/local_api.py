@@ -8,10 +8,15 @@ of workers, and a thread blocked in ``recv`` costs nothing while idle (the daemo
 2% of a core). Requests flagged ``"noreply"`` get no answer, so a progress report costs the
 worker one ``send`` and never waits for the daemon.
 
-Security: the socket file is created with mode 0o600 in a directory only the daemon can write,
-and every connection's peer credentials (``SO_PEERCRED``: pid, uid, gid, from the kernel, so
-unforgeable) are checked against the allowed uids before a byte is read. Handlers receive them
-as ``msg["_peer"]``, overwriting anything a client put there. Linux only (``SO_PEERCRED``).
+Security: the socket file is created in a directory only the daemon can write, and every
+connection's peer credentials (``SO_PEERCRED``: pid, uid, gid, from the kernel, so unforgeable)
+are checked before a byte is read. Without a binding, against a fixed set of uids (the socket
+file is then 0o600). With a :class:`~elasticd.daemon.local_binding.CallerBinding` (the daemon's
+case), the socket file is 0o666 so the running job's user can connect, the binding admits only
+the daemon's uid and the processes of the running job, and every request is held to its
+connection's job and rank (:mod:`.local_binding`). Handlers receive the credentials as
+``msg["_peer"]`` (with ``"job"``, the job a bound connection belongs to), overwriting anything a
+client put there. Linux only (``SO_PEERCRED``).
 
 A handler's exception becomes an error reply and a log line, never a dead server; oversized or
 unparseable frames get an error reply when possible and close that connection only. No torch
@@ -31,6 +36,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Mapping
 
+from elasticd.daemon.local_binding import Caller, CallerBinding, Refused
 from elasticd.daemon.local_wire import (
     DEFAULT_MAX_MESSAGE,
     LENGTH,
@@ -54,6 +60,10 @@ Handler = Callable[[dict[str, Any]], "dict[str, Any] | None"]
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _MAX_UNIX_PATH = 107  # sun_path is 108 bytes including the terminating NUL
 _REJECT_LINGER = 1.0
+# Refusals explained at once (each lingers up to _REJECT_LINGER on a thread); beyond that,
+# refused connections are closed without a word, so that a local user who is refused cannot
+# fill the connection cap the job's workers need.
+_MAX_REJECTING = 8
 
 
 class LocalApiError(Exception):
@@ -90,6 +100,8 @@ class LocalServer:
             A daemon running as root that allows exactly one other uid (the job's user) gives
             the socket file to that user, so mode 0o600 still lets its workers connect.
         max_connections: further connections are refused with an error reply.
+        binding: admits and binds callers instead of ``allowed_uids`` (which it overrides):
+            the daemon's uid and the running job's processes, each held to its job and rank.
         send_timeout: a worker that does not read its replies for this long is disconnected,
             so it cannot pin a daemon thread forever.
 
@@ -105,7 +117,8 @@ class LocalServer:
     def __init__(self, path: str, handlers: Mapping[str, Handler],
                  max_message: int = DEFAULT_MAX_MESSAGE,
                  allowed_uids: Iterable[int] | None = None,
-                 max_connections: int = 256, send_timeout: float = 10.0) -> None:
+                 max_connections: int = 256, send_timeout: float = 10.0,
+                 binding: CallerBinding | None = None) -> None:
         path = os.path.abspath(path)
         if len(os.fsencode(path)) > _MAX_UNIX_PATH:
             raise ValueError(f"socket path {path!r} is longer than the {_MAX_UNIX_PATH} bytes "
@@ -122,6 +135,9 @@ class LocalServer:
         self._allowed = (frozenset({os.geteuid()}) if allowed_uids is None
                          else frozenset(int(u) for u in allowed_uids))
         self._max_connections = max_connections
+        self._binding = binding
+        self._callers: dict[socket.socket, Caller] = {}
+        self._rejecting = 0
         self._send_timeout = send_timeout
         self._listener: socket.socket | None = None
         self._inode: tuple[int, int] | None = None
@@ -162,9 +178,11 @@ class LocalServer:
         try:
             # On Linux the socket file takes the socket inode's mode (minus the umask) at bind:
             # set it first, so there is no moment where the file is more open than 0o600.
-            os.fchmod(listener.fileno(), 0o600)
+            # With a binding, any uid may connect and the binding refuses all but the job's.
+            mode = 0o600 if self._binding is None else 0o666
+            os.fchmod(listener.fileno(), mode)
             listener.bind(self._path)
-            os.chmod(self._path, 0o600)
+            os.chmod(self._path, mode)
             self._give_to_job_user()
             listener.listen(64)
             st = os.stat(self._path)
@@ -176,8 +194,9 @@ class LocalServer:
         self._accept_thread = threading.Thread(target=self._accept_loop, name="local-api-accept",
                                                daemon=True)
         self._accept_thread.start()
-        log.info("local API listening on %s (uids allowed: %s)", self._path,
-                 ", ".join(map(str, sorted(self._allowed))))
+        log.info("local API listening on %s (%s)", self._path,
+                 "the daemon's uid and the running job's processes" if self._binding else
+                 "uids allowed: " + ", ".join(map(str, sorted(self._allowed))))
 
     def stop(self, timeout: float = 2.0) -> None:
         """Closes the listener and every connection, waits for their threads, unlinks the file.
@@ -235,10 +254,11 @@ class LocalServer:
                 f"the socket directory {directory} is writable by others (mode "
                 f"{stat.S_IMODE(st.st_mode):#o}): anyone could replace the socket; use a "
                 "directory only the daemon can write, e.g. /run/elasticd")
-        if (self._allowed - {me}) and not st.st_mode & 0o001:
+        if (self._binding is not None or self._allowed - {me}) and not st.st_mode & 0o001:
             log.warning("socket directory %s (mode %#o) cannot be traversed by uids %s; their "
                         "workers will get 'permission denied'", directory,
-                        stat.S_IMODE(st.st_mode), sorted(self._allowed - {me}))
+                        stat.S_IMODE(st.st_mode), "other than the daemon's"
+                        if self._binding else sorted(self._allowed - {me}))
 
     def _remove_stale(self) -> None:
         try:
@@ -275,7 +295,7 @@ class LocalServer:
 
     def _give_to_job_user(self) -> None:
         others = self._allowed - {os.geteuid(), 0}
-        if os.geteuid() == 0 and len(others) == 1:
+        if self._binding is None and os.geteuid() == 0 and len(others) == 1:
             os.chown(self._path, next(iter(others)), -1)
 
     def _unlink_own_socket(self) -> None:
@@ -314,20 +334,33 @@ class LocalServer:
             conn.close()
             return
         peer = {"pid": pid, "uid": uid, "gid": gid}
+        caller, reason = None, ""
+        if self._binding is not None:
+            try:
+                caller = self._binding.admit(pid, uid)
+            except Refused as exc:
+                reason = str(exc)
+        elif uid not in self._allowed:
+            reason = (f"uid {uid} may not use this elasticd (allowed: "
+                      f"{', '.join(map(str, sorted(self._allowed)))})")
         with self._lock:
-            if self._stopping:
+            if self._stopping or (reason and self._rejecting >= _MAX_REJECTING):
                 conn.close()
+                if reason:
+                    self.counters["rejected"] += 1
                 return
-            if uid not in self._allowed:
-                reason = (f"uid {uid} may not use this elasticd (allowed: "
-                          f"{', '.join(map(str, sorted(self._allowed)))})")
+            if reason:
                 target, name = self._reject, f"local-api-reject-{pid}"
             elif len(self._conns) >= self._max_connections:
                 reason = f"too many connections to this elasticd ({self._max_connections})"
                 target, name = self._reject, f"local-api-reject-{pid}"
             else:
-                reason = ""
                 target, name = self._serve, f"local-api-pid{pid}"
+                if caller is not None:
+                    self._callers[conn] = caller
+                    peer["job"] = caller.job
+            if reason:
+                self._rejecting += 1  # until _reject() is done with it
             args = (conn, peer, reason) if reason else (conn, peer)
             thread = threading.Thread(target=target, args=args, name=name, daemon=True)
             self._conns[conn] = thread
@@ -349,6 +382,8 @@ class LocalServer:
         except OSError:
             pass
         finally:
+            with self._lock:
+                self._rejecting -= 1
             self._forget(conn)
 
     def _serve(self, conn: socket.socket, peer: dict[str, int]) -> None:
@@ -373,6 +408,7 @@ class LocalServer:
     def _forget(self, conn: socket.socket) -> None:
         with self._lock:
             self._conns.pop(conn, None)
+            self._callers.pop(conn, None)
         conn.close()
 
     def _serve_one(self, conn: socket.socket, rfile: Any, peer: dict[str, int]) -> bool:
@@ -416,11 +452,31 @@ class LocalServer:
                 f"noreply={noreply!r}", True)
         self._count("requests")
         msg["_peer"] = dict(peer)  # from the kernel: whatever the client claimed is replaced
-        reply = self._call(op, msg, peer, noreply)
+        reply = self._bound_call(conn, op, msg, peer, noreply)
         if not noreply:
             reply["id"] = rid
             return self._send(conn, reply)
         return True
+
+    def _bound_call(self, conn: socket.socket, op: str, msg: dict[str, Any],
+                    peer: dict[str, Any], noreply: bool) -> dict[str, Any]:
+        """:meth:`_call`, once the connection's binding allows the request."""
+        with self._lock:
+            caller = self._callers.get(conn)
+        if caller is None or self._binding is None:
+            return self._call(op, msg, peer, noreply)
+        try:
+            self._binding.check(caller, op, msg)
+        except Refused as exc:
+            self._count("refused_requests")
+            caller.refusals += 1
+            if caller.refusals == 1:  # one line per connection: a loop must not flood the log
+                log.warning("local API: refused %r from pid %d (uid %d): %s", op, caller.pid,
+                            caller.uid, exc)
+            return self._failed(op, peer, noreply, str(exc))
+        reply = self._call(op, msg, peer, noreply)
+        self._binding.replied(caller, op, reply)
+        return reply
 
     def _call(self, op: str, msg: dict[str, Any], peer: dict[str, int],
               noreply: bool) -> dict[str, Any]:

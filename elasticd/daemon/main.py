@@ -26,6 +26,7 @@ from elasticd.coordination.keys import Keyspace
 from elasticd.daemon.daemon import Daemon, NodeIdInUse
 from elasticd.daemon.http import StatusServer
 from elasticd.daemon.local_api import LocalApiError, LocalServer
+from elasticd.daemon.local_binding import CallerBinding, JobScope
 from elasticd.daemon.notify import Notifier
 
 log = logging.getLogger("elasticd")
@@ -109,6 +110,12 @@ def _advertised(listen: str) -> str:
     if host in ("", "0.0.0.0", "::", "[::]"):
         host = socket.getfqdn()
     return f"{host}:{port}"
+
+
+def _job_scope(daemon: Daemon) -> JobScope | None:
+    """The job running on this node now, as the local socket admits it (any thread)."""
+    supervisor = daemon.jobs.supervisor
+    return None if supervisor is None else supervisor.scope()
 
 
 def _connect(settings: config.Settings) -> EtcdCoordinator:
@@ -283,8 +290,10 @@ def run(argv: Sequence[str] | None = None) -> int:
         checkpoints = _checkpoint_service(settings, daemon)
         try:
             os.makedirs(settings.state_path, mode=0o755, exist_ok=True)
+            # The running job's processes may use the socket too, each bound to its job/rank.
+            binding = CallerBinding(lambda: _job_scope(daemon))
             local = LocalServer(os.path.join(settings.state_path, "elasticd.sock"),
-                                daemon.local_handlers())
+                                daemon.local_handlers(), binding=binding)
             local.start()
         except (OSError, ValueError, LocalApiError) as exc:
             raise Fatal(f"state_dir: cannot serve the workers' socket in "

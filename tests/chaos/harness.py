@@ -32,6 +32,7 @@ import dataclasses
 import glob
 import json
 import os
+import pwd
 import re
 import signal
 import subprocess
@@ -41,7 +42,7 @@ import time
 from typing import Any, Callable, Iterable
 
 from elasticd.agent.supervisor import children
-from elasticd.launcher import LocalCluster, NodeProcess
+from elasticd.launcher import JOB_USER, LocalCluster, NodeProcess, job_writable
 from tests.chaos.faults import FaultPlan, FaultRecord, Injector, sleep_until
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -172,6 +173,17 @@ def _proc_shm_paths(pid: int) -> set[str]:
     return found
 
 
+def _real_uid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("Uid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as fh:
@@ -204,8 +216,9 @@ class ChaosCluster:
         self.shape = shape
         self.job = job
         self.persist_dir = os.path.join(self.workdir, "persist") if shape.persist_every else ""
-        self.samples_dir = os.path.join(self.workdir, "samples")
-        self.out_dir = os.path.join(self.workdir, "out")
+        # The job runs as JOB_USER: what its workers write must be that user's.
+        self.samples_dir = job_writable(os.path.join(self.workdir, "samples"))
+        self.out_dir = job_writable(os.path.join(self.workdir, "out"))
         args = list(shape.daemon_args)
         if self.persist_dir:
             os.makedirs(self.persist_dir)  # the shared filesystem every node mounts
@@ -217,6 +230,7 @@ class ChaosCluster:
         self.logs = LogWatcher(self.agent_log)
         self.shm_seen: set[str] = set()
         self.pids_seen: dict[int, str] = {}  # pid -> node (daemons, agents, workers)
+        self.job_uids: set[int] = set()  # real uids the job's processes ran as
         self._last_scan = 0.0
         self._stopped = False
         self.injector: Injector | None = None
@@ -324,7 +338,7 @@ class ChaosCluster:
             argv.append("--zero")
         out = subprocess.run(
             [sys.executable, "-m", "elasticd.cli.main", "submit", self.job, "--nnodes",
-             self.shape.nnodes, "--nproc-per-node", "1", "--user", "root", "--max-restarts",
+             self.shape.nnodes, "--nproc-per-node", "1", "--user", JOB_USER, "--max-restarts",
              "100", "--", *argv],
             env={**os.environ, "ELASTICD_ETCD": self.etcd, "ELASTICD_PREFIX": self.prefix},
             capture_output=True, text=True, timeout=60)
@@ -358,7 +372,9 @@ class ChaosCluster:
         """Remembers every process of every node and every /dev/shm file they use."""
         self._last_scan = time.monotonic()
         for node_id, n in self.cluster.nodes.items():
-            pids = ([n.pid] if n.running else []) + n.tagged()
+            tagged = n.tagged()
+            self.job_uids |= {uid for uid in map(_real_uid, tagged) if uid is not None}
+            pids = ([n.pid] if n.running else []) + tagged
             for pid in pids:
                 self.pids_seen.setdefault(pid, node_id)
                 self.shm_seen |= _proc_shm_paths(pid)
@@ -773,6 +789,12 @@ class Outcome:
             f"epoch {epochs[-1]}: the samples seen are not the start of its permutation "
             "(some were skipped)")
 
+    def assert_ran_as_job_user(self) -> None:
+        want = pwd.getpwnam(JOB_USER).pw_uid
+        assert self.cc.job_uids == {want}, (
+            f"the job's processes ran as uids {sorted(self.cc.job_uids)}, not only as "
+            f"{JOB_USER} ({want})")
+
     def assert_nothing_left(self) -> None:
         assert not self.lingering, (
             f"processes still running after the job ended: {self.lingering}")
@@ -799,7 +821,7 @@ class Outcome:
         where the world size never dropped; ``sources``, ``must``: see assert_sources)."""
         checks = [self.assert_finished, lambda: self.assert_sources(*sources, must=must),
                   self.assert_steps_lost, self.assert_samples_exactly_once,
-                  self.assert_nothing_left]
+                  self.assert_nothing_left, self.assert_ran_as_job_user]
         if reference is not None:
             checks.append(lambda: self.assert_bitwise_equal(reference))
         failed = []

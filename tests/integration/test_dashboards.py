@@ -19,7 +19,7 @@ import urllib.request
 import pytest
 
 from elasticd.coordination.embedded import free_port
-from elasticd.launcher import LocalCluster
+from elasticd.launcher import JOB_USER, LocalCluster
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "grafana"))
@@ -127,7 +127,7 @@ def test_every_panel_returns_data_from_a_real_prometheus(tmp_path):
                    "prometheus scraping all three daemons")
         env = {**os.environ, "ELASTICD_ETCD": c.etcd, "ELASTICD_PREFIX": c.prefix}
         subprocess.run([sys.executable, "-m", "elasticd.cli.main", "submit", "job", "--nnodes",
-                        "2:3", "--nproc-per-node", "1", "--user", "root", "--", TRAIN,
+                        "2:3", "--nproc-per-node", "1", "--user", JOB_USER, "--", TRAIN,
                         "--steps", "100000", "--step-time", "0.05"], env=env, check=True,
                        capture_output=True, timeout=60)
         c.wait_for(lambda: len(prom.query("elasticd_world_size == 3")["data"]["result"]) == 3,

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from elasticd.launcher import LocalCluster
+from elasticd.launcher import JOB_USER, LocalCluster
 from elasticd.replication.commit import decode_committed
 
 pytestmark = [pytest.mark.etcd]
@@ -57,7 +57,7 @@ def cluster(tmp_path_factory):
     try:
         c.start()
         res = ctl(c, "submit", "job", "--nnodes", "3:3", "--nproc-per-node", "1", "--user",
-                  "root", "--", TRAIN, "--steps", str(STEPS), "--step-time", "0.05")
+                  JOB_USER, "--", TRAIN, "--steps", str(STEPS), "--step-time", "0.05")
         assert res.returncode == 0, res.stderr
         yield c
     finally:
@@ -165,7 +165,7 @@ def test_every_command_prints_valid_json_with_the_documented_keys(cluster, tmp_p
         "logs": ["logs", "job"], "placement": ["placement", "job"],
         "checkpoints": ["checkpoints", "job"], "drain": ["drain", node, "--status"],
         "submit": ["submit", "other", "--nnodes", "1", "--nproc-per-node", "1", "--user",
-                   "root", "--", TRAIN, "--steps", "1"],
+                   JOB_USER, "--", TRAIN, "--steps", "1"],
         "stop": ["stop", "other", "--force"],
     }
     assert set(runs) | {"drain"} >= set(keys) and set(keys) >= set(runs), (

@@ -19,7 +19,7 @@ import sys
 import pytest
 
 from elasticd.checkpoint.shm import SlotStore
-from elasticd.launcher import LocalCluster
+from elasticd.launcher import JOB_USER, LocalCluster
 
 pytestmark = [pytest.mark.etcd]
 
@@ -39,7 +39,7 @@ def test_sigterm_stops_workers_after_their_snapshot_and_revokes_the_lease(tmp_pa
         c.start()
         env = {**os.environ, "ELASTICD_ETCD": c.etcd, "ELASTICD_PREFIX": c.prefix}
         subprocess.run([sys.executable, "-m", "elasticd.cli.main", "submit", "big", "--nnodes",
-                        "1", "--nproc-per-node", "1", "--user", "root", "--", WORKER, "160"],
+                        "1", "--nproc-per-node", "1", "--user", JOB_USER, "--", WORKER, "160"],
                        env=env, check=True, capture_output=True, timeout=60)
         c.wait_for(lambda: len(STEP_RE.findall(agent_log(c, "g1"))) > 20, 120, "20 steps")
         node = c.nodes["g1"]

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from elasticd.agent.spec import NodeJobStatus
-from elasticd.launcher import LocalCluster
+from elasticd.launcher import JOB_USER, LocalCluster
 
 pytestmark = [pytest.mark.etcd]
 
@@ -45,7 +45,7 @@ def ctl(etcd, prefix, *args, check=False):
 ])
 def test_malformed_job_spec_is_refused_and_nothing_written(etcd, etcd_client, prefix, args,
                                                            needle):
-    res = ctl(etcd.endpoints, prefix, "submit", "bad", "--user", "root", *args)
+    res = ctl(etcd.endpoints, prefix, "submit", "bad", "--user", JOB_USER, *args)
     assert res.returncode == 2, (res.stdout, res.stderr)
     assert needle in res.stderr
     assert len(res.stderr.strip().splitlines()) <= 3  # argparse prints usage + error
@@ -94,7 +94,7 @@ def cluster(tmp_path):
 @pytest.mark.parametrize("victim", ["n1", "n3"])
 def test_kill9_node_survivors_train_at_world_2_then_rejoin_at_3(cluster, victim):
     ctl(cluster.etcd, cluster.prefix, "submit", "job", "--nnodes", "2:3", "--nproc-per-node",
-        "1", "--user", "root", "--", TRAIN, "--steps", "100000", "--step-time", "0.02",
+        "1", "--user", JOB_USER, "--", TRAIN, "--steps", "100000", "--step-time", "0.02",
         check=True)
     cluster.wait_for(lambda: all(steps_at_world(agent_log(cluster, n, "job"), 3)
                                  for n in cluster.nodes), 60, "training at world size 3")
@@ -146,7 +146,7 @@ def agent_pid(cluster, node, job="job"):
 @pytest.mark.timeout(180)
 def test_kill9_of_the_agent_alone_takes_its_workers_and_the_job_recovers(cluster):
     ctl(cluster.etcd, cluster.prefix, "submit", "job", "--nnodes", "2:3", "--nproc-per-node",
-        "1", "--user", "root", "--", TRAIN, "--steps", "100000", "--step-time", "0.02",
+        "1", "--user", JOB_USER, "--", TRAIN, "--steps", "100000", "--step-time", "0.02",
         check=True)
     cluster.wait_for(lambda: all(steps_at_world(agent_log(cluster, n, "job"), 3)
                                  for n in cluster.nodes), 60, "training at world size 3")
@@ -170,7 +170,7 @@ def test_hang_is_detected_and_the_job_restarted(tmp_path):
     try:
         c.start()
         ctl(c.etcd, c.prefix, "submit", "hang", "--nnodes", "2", "--nproc-per-node", "1",
-            "--user", "root", "--hang-timeout", "4", "--", TRAIN, "--steps", "60",
+            "--user", JOB_USER, "--hang-timeout", "4", "--", TRAIN, "--steps", "60",
             "--step-time", "0.02", "--hang-rank", "1", "--hang-at-step", "20", check=True)
 
         def restarted_and_progressing():
@@ -195,7 +195,7 @@ def test_frozen_node_is_aborted_around_then_fences_and_rejoins(cluster):
     machine: no TCP reset reaches the peers, whose all_reduce would wait for gloo's timeout.
     The survivors' daemons see the lease expire and restart their workers at once."""
     ctl(cluster.etcd, cluster.prefix, "submit", "job", "--nnodes", "2:3", "--nproc-per-node",
-        "1", "--user", "root", "--", TRAIN, "--steps", "100000", "--step-time", "0.02",
+        "1", "--user", JOB_USER, "--", TRAIN, "--steps", "100000", "--step-time", "0.02",
         check=True)
     cluster.wait_for(lambda: all(steps_at_world(agent_log(cluster, n, "job"), 3)
                                  for n in cluster.nodes), 60, "training at world size 3")
@@ -244,7 +244,7 @@ def test_worker_crash_restores_from_the_daemons_ram(cluster):
     """kill -9 of one worker: torchrun restarts the group at the same world size and every rank
     restores the newest step all ranks hold from its daemon's shared memory."""
     ctl(cluster.etcd, cluster.prefix, "submit", "job", "--nnodes", "3", "--nproc-per-node",
-        "1", "--user", "root", "--", TRAIN, "--steps", "100000", "--step-time", "0.02",
+        "1", "--user", JOB_USER, "--", TRAIN, "--steps", "100000", "--step-time", "0.02",
         check=True)
     cluster.wait_for(lambda: all(len(steps_at_world(agent_log(cluster, n, "job"), 3)) > 30
                                  for n in cluster.nodes), 90, "30 steps at world size 3")

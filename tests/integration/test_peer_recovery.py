@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from elasticd.launcher import LocalCluster
+from elasticd.launcher import JOB_USER, LocalCluster
 
 pytestmark = [pytest.mark.etcd]
 
@@ -37,7 +37,7 @@ def test_kill9_node_survivors_restore_from_peer_ram(tmp_path):
         c.start()
         env = {**os.environ, "ELASTICD_ETCD": c.etcd, "ELASTICD_PREFIX": c.prefix}
         subprocess.run([sys.executable, "-m", "elasticd.cli.main", "submit", "job", "--nnodes",
-                        "2:3", "--nproc-per-node", "1", "--user", "root", "--", TRAIN,
+                        "2:3", "--nproc-per-node", "1", "--user", JOB_USER, "--", TRAIN,
                         "--steps", "100000", "--step-time", "0.05"], env=env, check=True,
                        capture_output=True, timeout=60)
         c.wait_for(lambda: all(len(steps(agent_log(c, n), 3)) > 40 for n in c.nodes), 120,

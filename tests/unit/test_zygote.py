@@ -11,6 +11,7 @@ import uuid
 
 import pytest
 
+from elasticd.agent.supervisor import safe_module
 from elasticd.agent.zygote import ZYGOTE_ENV, peer_allowed
 
 SCRIPT = """
@@ -50,8 +51,9 @@ def zygote(tmp_path_factory):
     name = f"test-{uuid.uuid4().hex[:8]}"
     log = tmp_path_factory.mktemp("zygote") / "zygote.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "elasticd.agent.zygote", name],
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(safe_module(sys.executable, "elasticd.agent.zygote"),
+                                env={**os.environ, ZYGOTE_ENV: name}, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
     try:
         # Wait until it listens: a worker asking before the bind falls back to a cold start
         # (CI once saw the first test get an interpreter without torch preloaded).

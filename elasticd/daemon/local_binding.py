@@ -1,0 +1,186 @@
+"""Who may use the daemon's local socket, and for what: each connection bound to its caller.
+
+The daemon runs as root; a job runs as its own (unprivileged) user. That user's workers must
+reach the daemon (progress reports, checkpoint slots), so the socket admits more than root —
+and each request must then be held to what its caller is:
+
+* a connection is admitted when the kernel's peer credentials (``SO_PEERCRED``) name the
+  daemon's own uid, or the uid of the job running on this node *and* a pid that is a process of
+  that job: its environment carries the job's ``ELASTICD_TAG`` and it descends from the job's
+  torchrun agent or zygote (parentage is the kernel's: a process of the same uid that is not
+  part of the job cannot claim it). Anyone else is refused before a byte is read.
+* a connection from a process of the job is bound to that job: a request naming another job is
+  refused (one that names none is given the job's name), and when the running job changes, the
+  old job's connections are refused from then on.
+* the writing ops (``ckpt_reserve``, ``ckpt_complete``, ``ckpt_report``, ``progress``,
+  ``register``) are bound to the first rank the connection used: a worker writes its own rank's
+  slots and reports, not another's. Reads (``ckpt_list``, ``ckpt_open``, ``ckpt_fetch``,
+  ``ckpt_committed``) reach any rank of the caller's job (after a resize a rank restores
+  another's old shard); ``ckpt_release`` releases only pins this connection was given.
+* a process of the daemon's own uid outside any job (an operator's tool, a test) is not bound.
+
+The same uid is one principal to the kernel (ptrace, signals): the pid check keeps other
+programs of the job's user and leftovers of an earlier job from acting for the job, it is not a
+wall between processes of one user. Linux only (``/proc``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from typing import Any, Callable
+
+__all__ = ["BOUND_WRITES", "CallerBinding", "Caller", "JobScope", "Refused", "TAG_ENV"]
+
+#: What every process the daemon starts for a job carries in its environment (its tag).
+TAG_ENV = "ELASTICD_TAG"
+#: Ops that write on behalf of one rank: bound to the first rank a connection uses.
+BOUND_WRITES = frozenset({"ckpt_reserve", "ckpt_complete", "ckpt_report", "progress",
+                          "register"})
+_PINNING = frozenset({"ckpt_open", "ckpt_fetch"})
+_MAX_DEPTH = 64  # parent links followed from a caller up to the job's agent or zygote
+
+
+class Refused(Exception):
+    """A connection or request the caller may not make; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class JobScope:
+    """The job running on this node, as the daemon started it.
+
+    Attributes:
+        job: its name.
+        uid: the uid its processes run as.
+        tag: its ``ELASTICD_TAG`` value.
+        roots: pids every process of the job descends from (the agent, the zygote).
+    """
+
+    job: str
+    uid: int
+    tag: str
+    roots: tuple[int, ...]
+
+
+@dataclasses.dataclass
+class Caller:
+    """What one connection is bound to.
+
+    Attributes:
+        pid, uid: the kernel's credentials of the connecting process.
+        job: the job it belongs to; None for an unbound caller of the daemon's own uid.
+        rank: the rank its writing ops are bound to, once it used one.
+        pins: read pins given to this connection (the only ones it may release).
+        refusals: requests of this connection refused so far.
+    """
+
+    pid: int
+    uid: int
+    job: str | None
+    rank: int | None = None
+    pins: set[int] = dataclasses.field(default_factory=set)
+    refusals: int = 0
+
+
+class CallerBinding:
+    """Admits connections and checks every request against its connection's :class:`Caller`.
+
+    Args:
+        scope: returns the job running on this node now, or None.
+        daemon_uid: the daemon's own uid (its processes outside a job are not bound).
+        proc: the proc filesystem's mount point (tests point it elsewhere).
+    """
+
+    def __init__(self, scope: Callable[[], JobScope | None], daemon_uid: int | None = None,
+                 proc: str = "/proc") -> None:
+        self._scope = scope
+        self.daemon_uid = os.geteuid() if daemon_uid is None else daemon_uid
+        self._proc = proc
+        self._lock = threading.Lock()
+
+    def admit(self, pid: int, uid: int) -> Caller:
+        """The caller a new connection from ``pid``/``uid`` is bound to.
+
+        Raises:
+            Refused: neither the daemon's uid nor a process of the running job.
+        """
+        scope = self._scope()
+        if scope is not None and (uid == scope.uid or uid == self.daemon_uid):
+            why = self._not_of_job(pid, scope)
+            if not why:
+                return Caller(pid, uid, scope.job)
+            if uid != self.daemon_uid:
+                raise Refused(f"pid {pid} (uid {uid}) is not a process of job {scope.job}: "
+                              f"{why}")
+        if uid == self.daemon_uid:
+            return Caller(pid, uid, None)
+        if scope is None:
+            raise Refused(f"uid {uid} may not use this elasticd: no job runs here")
+        raise Refused(f"uid {uid} may not use this elasticd: job {scope.job} runs as uid "
+                      f"{scope.uid}")
+
+    def check(self, caller: Caller, op: str, msg: dict[str, Any]) -> None:
+        """Holds ``msg`` to what ``caller`` may do; fills in its job when it names none.
+
+        Raises:
+            Refused: the request reaches outside the caller's job or rank, or its job ended.
+        """
+        if caller.job is None:
+            return
+        scope = self._scope()
+        if scope is None or scope.job != caller.job:
+            raise Refused(f"job {caller.job} no longer runs on this node; this connection "
+                          "is closed to it")
+        job = msg.setdefault("job", caller.job)
+        if job != caller.job:
+            raise Refused(f"this connection belongs to job {caller.job}, not {job!r:.80}")
+        if op in BOUND_WRITES:
+            rank = msg.get("rank")
+            if type(rank) is int:
+                with self._lock:
+                    if caller.rank is None:
+                        caller.rank = rank
+                if rank != caller.rank:
+                    raise Refused(f"this connection writes for rank {caller.rank} of "
+                                  f"{caller.job}, not rank {rank}")
+        elif op == "ckpt_release":
+            pin = msg.get("pin")
+            with self._lock:
+                mine = pin in caller.pins
+                caller.pins.discard(pin)
+            if not mine:
+                raise Refused(f"pin {pin!r:.40} was not given to this connection")
+
+    def replied(self, caller: Caller, op: str, reply: dict[str, Any]) -> None:
+        """Notes what a successful reply gave the connection (read pins)."""
+        if op in _PINNING and reply.get("ok") and type(reply.get("pin")) is int:
+            with self._lock:
+                caller.pins.add(reply["pin"])
+
+    def _not_of_job(self, pid: int, scope: JobScope) -> str:
+        """Why ``pid`` is not a process of ``scope``'s job ("" when it is)."""
+        if pid <= 0:
+            return "the kernel gave no pid (another pid namespace?)"
+        try:
+            with open(f"{self._proc}/{pid}/environ", "rb") as fh:
+                entries = fh.read().split(b"\0")
+        except OSError as exc:
+            return f"cannot read its environment ({exc.strerror})"
+        if f"{TAG_ENV}={scope.tag}".encode() not in entries:
+            return f"it does not carry the job's {TAG_ENV}"
+        current = pid
+        for _ in range(_MAX_DEPTH):
+            if current in scope.roots:
+                return ""
+            current = self._parent(current)
+            if current <= 1:
+                break
+        return "it does not descend from the job's agent or zygote"
+
+    def _parent(self, pid: int) -> int:
+        try:
+            with open(f"{self._proc}/{pid}/stat", "rb") as fh:
+                return int(fh.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return 0
