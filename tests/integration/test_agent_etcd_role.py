@@ -17,7 +17,7 @@ from elasticd.coordination.agent_credentials import PASSWORD_ENV, AgentCredentia
 from elasticd.coordination.api import AuthError
 from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endpoints
 from elasticd.coordination.keys import Keyspace
-from elasticd.launcher import LocalCluster
+from elasticd.launcher import JOB_USER, LocalCluster
 
 pytestmark = [pytest.mark.etcd]
 
@@ -111,7 +111,7 @@ def test_a_job_rendezvouses_on_an_etcd_with_authentication(auth_etcd, tmp_path):
         cluster.start()
         res = subprocess.run(
             [sys.executable, "-m", "elasticd.cli.main", "submit", "job", "--nnodes", "2",
-             "--nproc-per-node", "1", "--user", "root", "--", TRAIN, "--steps", "400"],
+             "--nproc-per-node", "1", "--user", JOB_USER, "--", TRAIN, "--steps", "400"],
             env={**os.environ, **env, "ELASTICD_ETCD": cluster.etcd,
                  "ELASTICD_PREFIX": cluster.prefix},
             capture_output=True, text=True, timeout=60)

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from elasticd.launcher import LocalCluster
+from elasticd.launcher import JOB_USER, LocalCluster
 
 pytestmark = [pytest.mark.etcd]
 
@@ -35,7 +35,7 @@ def test_the_same_exception_every_time_fails_the_job_everywhere_with_its_reason(
     try:
         c.start()
         res = ctl(c, "submit", "loop", "--nnodes", "2", "--nproc-per-node", "1", "--user",
-                  "root", "--crash-loop-restarts", "2", "--", WORKER, "30")
+                  JOB_USER, "--crash-loop-restarts", "2", "--", WORKER, "30")
         assert res.returncode == 0, res.stderr
         started = time.monotonic()
 

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from elasticd.launcher import LocalCluster
+from elasticd.launcher import JOB_USER, LocalCluster
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ALLOWED = {"Checkpointer", "ElasticSampler", "RNGState"}  # elasticd.<name>
@@ -84,7 +84,7 @@ def test_the_snippet_as_a_job_survives_kill9_of_rank0s_node_from_a_peers_ram(tmp
     try:
         c.start()
         res = ctl(c, "submit", "tiny", "--nnodes", "2:3", "--nproc-per-node", "1", "--user",
-                  "root", "--", str(script))
+                  JOB_USER, "--", str(script))
         assert res.returncode == 0, res.stderr
 
         def committed():
