@@ -40,7 +40,7 @@ import torch
 from elasticd.checkpoint import restore as _restore
 from elasticd.checkpoint.copier import Copier, CpuCopier, copy_into, dtype_name, forget_views
 from elasticd.checkpoint.format import PREAMBLE_SIZE, Layout, TensorSpec, layout
-from elasticd.checkpoint.segment import map_file
+from elasticd.checkpoint.segment import map_fd
 from elasticd.checkpoint.state import FlatState, _zero_class, flatten
 
 log = logging.getLogger("elasticd.checkpoint")
@@ -197,6 +197,8 @@ class Checkpointer:
         reply = early.result() if early is not None else None
         if early is None or (reply is not None and not reply.get("skip")
                              and int(reply["capacity"]) < plan.layout.total_size):
+            if reply is not None:
+                _restore.close_fds(reply)  # too small: given up for a bigger slot
             reply = self._reserve(plan.layout.total_size, step)
         if reply is None or reply.get("skip"):
             self.stats["skipped"] += 1
@@ -205,7 +207,7 @@ class Checkpointer:
                                 "(further skips are counted, not logged)")
             return False
         try:
-            buf = self._map(reply["path"], int(reply["capacity"]))
+            buf = self._map(reply)
             sync = [t for t, m in zip(flat.tensors, plan.sync_mask) if m]
             rest = [t for t, m in zip(flat.tensors, plan.sync_mask) if not m]
             copy_into(sync, buf, plan.sync)
@@ -343,18 +345,28 @@ class Checkpointer:
         self._hook_stall += waited
         self.stats["hook_wait_seconds"] += waited
 
-    def _map(self, path: str, capacity: int) -> Any:
-        mm = self._maps.get(path)
-        if mm is None or len(mm) != capacity:
-            if len(self._maps) >= 2:  # double buffering: keep the two most recent slots
-                old = self._maps.pop(next(iter(self._maps)))
-                forget_views(old)
-                try:
-                    old.close()
-                except BufferError:
-                    pass
-            mm = self._maps[path] = map_file(path, capacity, writable=True, populate=True)
-        return mm
+    def _map(self, reply: dict[str, Any]) -> Any:
+        """The worker's mapping of the slot a ``ckpt_reserve`` reply handed over.
+
+        The slot comes as a descriptor of the file the daemon created (never re-opened by
+        path); the two most recent slots stay mapped, recognised by the file's identity, so a
+        save maps nothing new once both slots are known.
+        """
+        with _restore.handed_fd(reply) as fd:
+            capacity = int(reply["capacity"])
+            st = os.fstat(fd)
+            key = (st.st_dev, st.st_ino)
+            mm = self._maps.get(key)
+            if mm is None or len(mm) != capacity:
+                if len(self._maps) >= 2:  # double buffering: keep the two most recent slots
+                    old = self._maps.pop(next(iter(self._maps)))
+                    forget_views(old)
+                    try:
+                        old.close()
+                    except BufferError:
+                        pass
+                mm = self._maps[key] = map_fd(fd, capacity, writable=True, populate=True)
+            return mm
 
     def _call(self, op: str, **fields: Any) -> dict[str, Any] | None:
         if self.transport is None:

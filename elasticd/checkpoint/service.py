@@ -11,18 +11,22 @@ warning is logged per job and a counter goes up. At restore, workers list what i
 ``ckpt_release``) and report where they restored from (``ckpt_report``).
 
 When every local rank has completed a step, the step is offered to the :class:`Persister`.
-Slot files are handed to the job's user (the peer uid the local socket reports) when the daemon
-runs as root, so workers running as that user can map them. Daemon side: no torch.
+Slot files stay the daemon's (0600 in its 0700 shm dir): a worker never opens one by path, it
+maps the descriptor that comes with the reply (``_fds``, passed over the local socket with
+``SCM_RIGHTS``): read-write for ``ckpt_reserve``, read-only for ``ckpt_open`` and
+``ckpt_fetch`` — the very file the daemon verified, whatever the path names by then, and the
+same way whichever uid the job runs as. Daemon side: no torch.
 
 Ops (request fields → reply fields; errors are :class:`RequestError` replies):
 
 * ``ckpt_reserve`` job, rank, world_size, nbytes, [local_world_size], [step] → path, capacity,
-  ticket | skip, reason
+  ticket, and the slot's descriptor (read-write) | skip, reason
 * ``ckpt_complete`` job, rank, ticket, header_size, [stall_seconds] → generation, step, bytes
 * ``ckpt_list`` job, [rank], [world_size] → ram {rank: [[gen, step], ...]}, persisted
   [[gen, step], ...], persist_root, progress [gen, step] | null, replicas {rank: [[gen, step],
   ...]} (copies of other nodes' shards held here; empty without a replicator)
-* ``ckpt_open`` job, rank, generation, step → path, offset, size, pin
+* ``ckpt_open`` job, rank, generation, step → path, offset, size, pin, and the slot's
+  descriptor (read-only)
 * ``ckpt_release`` pin → {}
 * ``ckpt_report`` job, rank, source, seconds, steps_lost, bytes, generation, step, [refused],
   [next_generation] → {}
@@ -44,7 +48,6 @@ import collections
 import dataclasses
 import json
 import logging
-import os
 import threading
 import time
 from typing import Any, Callable
@@ -131,7 +134,6 @@ class CheckpointService:
         self._jobs: dict[str, _Job] = {}
         self._pins: dict[int, tuple[Any, str, float]] = {}
         self._next_pin = 0
-        self._granted: set[str] = set()
         self.counters: collections.Counter[str] = collections.Counter()
         self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=100)
         #: Called with each restore report (after it is logged), e.g. to record an event.
@@ -214,11 +216,16 @@ class CheckpointService:
             return self._skip(job, rank, "busy", str(exc))
         except (ValueError, OSError) as exc:
             raise RequestError(f"cannot reserve a slot: {exc}") from exc
-        self._grant(slot.path, record.uid)
+        try:
+            fd = self.store.descriptor(slot)
+        except (StaleSlot, OSError) as exc:  # a newer reservation of this rank took it
+            raise RequestError(f"cannot hand over the slot: {exc}") from exc
         with self._lock:
             record.slots[rank] = slot
             record.unprotected.pop(rank, None)
-        return {"path": slot.path, "capacity": slot.capacity, "ticket": slot.ticket}
+        # "path" stays as the slot's name (logs, and the worker's mapping cache key).
+        return {"path": slot.path, "capacity": slot.capacity, "ticket": slot.ticket,
+                "_fds": [fd]}
 
     def quiesce(self, timeout: float, why: str = "the node is draining") -> bool:
         """Refuses new snapshots (workers get ``skip``) and waits up to ``timeout`` seconds
@@ -260,16 +267,6 @@ class CheckpointService:
             log.debug("%s rank %d: snapshot skipped (%s): %s", job, rank, reason, detail)
         self._emit("snapshot_skipped", job, reason)
         return {"skip": True, "reason": f"{reason}: {detail}"}
-
-    def _grant(self, path: str, uid: int | None) -> None:
-        """Gives a slot file to the job's user; its directories become traversable only."""
-        if uid is None or uid == 0 or os.geteuid() != 0 or path in self._granted:
-            return
-        rank_dir = os.path.dirname(path)
-        for directory in (self.store.root, os.path.dirname(rank_dir), rank_dir):
-            os.chmod(directory, 0o711)
-        os.chown(path, uid, -1)
-        self._granted.add(path)
 
     def _complete(self, msg: dict[str, Any]) -> dict[str, Any]:
         job, rank = _get(msg, "job", str), _get(msg, "rank", int)
@@ -402,6 +399,12 @@ class CheckpointService:
             raise RequestError(f"refused: {exc}") from exc
         if view is None:
             raise RequestError(f"{job} rank {rank} step {version} is not held here")
+        try:
+            fd = view.descriptor()
+        except OSError as exc:
+            view.release()
+            raise RequestError(f"cannot hand over {job} rank {rank} step {version}: "
+                               f"{exc}") from exc
         with self._lock:
             self._next_pin += 1
             pin = self._next_pin
@@ -411,7 +414,7 @@ class CheckpointService:
             # store now, but it still came from the peer: say so, or recoveries get mislabelled.
             fetched = record is not None and (rank, *version) in record.fetched
         return {"path": view.path, "offset": 0, "size": view.header.layout.total_size,
-                "pin": pin, "source": "peer" if fetched else "local"}
+                "pin": pin, "source": "peer" if fetched else "local", "_fds": [fd]}
 
     def _committed(self, msg: dict[str, Any]) -> dict[str, Any]:
         job = _get(msg, "job", str)
@@ -536,7 +539,6 @@ class CheckpointService:
         for view in views:
             view.release()
         self.store.remove_job(job)
-        self._granted = {p for p in self._granted if os.path.exists(p)}
 
     def status(self) -> dict[str, Any]:
         """Per job: each rank's latest (generation, step) held, bytes held, unprotected flag
