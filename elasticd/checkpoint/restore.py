@@ -286,7 +286,7 @@ class Sources:
                 snap = Tier(self.persist_dir).read(self.job, version, self.rank)
                 return _Fetched(read_tensors(snap.buffer, snap.layout), snap.meta, "persistent",
                                 snap.layout.total_size)
-            except (SnapshotError, TierError, OSError) as exc:
+            except (SnapshotError, TierError, OSError, ValueError) as exc:
                 refused.append(f"persistent step {version}: {exc}")
                 log.error("elasticd: REFUSED the persisted snapshot of rank %d step %s: %s",
                           self.rank, version, exc)

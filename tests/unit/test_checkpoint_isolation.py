@@ -33,6 +33,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="CI runs as root: thes
                                 "to act as a second uid")  # never skipped in CI
 
 ROOT_ONLY = 0o700
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture
@@ -56,11 +57,12 @@ def _exists(lookup, key) -> bool:
 
 
 def run_as(uid: int, code: str, *args: str, stdin: bytes = b"") -> dict:
-    """Runs ``code`` (Python, standard library only) as ``uid``; returns the JSON it prints."""
+    """Runs ``code`` (Python) as ``uid``; returns the JSON it prints last."""
     proc = subprocess.run(
         ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", sys.executable,
          "-c", textwrap.dedent(code), *args], input=stdin, capture_output=True, cwd="/",
-        timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": os.getcwd()})
+        timeout=120, env={"PATH": "/usr/bin:/bin", "HOME": "/nonexistent",
+                          "PYTHONPATH": REPO})
     assert proc.returncode == 0, proc.stderr.decode()
     return json.loads(proc.stdout.decode().splitlines()[-1])
 
@@ -258,6 +260,109 @@ def _header_of(raw: bytes) -> SnapshotHeader:
     from elasticd.checkpoint.reader import parse_header
 
     return parse_header(memoryview(raw), job="job", rank=0, where="test")
+
+
+# -- a job running as its own user, end to end through the daemon's socket --------------------
+
+WORKER = """
+    import json, os, sys
+    import torch
+    from elasticd.checkpoint.client import Checkpointer
+    from elasticd.worker.client import DaemonClient
+
+    def open_fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    client = DaemonClient(sys.argv[1])
+    state = {"w": torch.zeros(4096)}
+    with Checkpointer(transport=client, job="ja", rank=0, world_size=1,
+                      local_world_size=1) as ckpt:
+        assert ckpt.restore(state) == 0
+        fds = []
+        for step in range(1, 21):
+            state["w"].fill_(float(step))
+            assert ckpt.save(step, state)
+            ckpt.wait()
+            fds.append(open_fds())
+        stats = dict(ckpt.stats)
+    fresh = {"w": torch.zeros(4096)}
+    with Checkpointer(transport=client, job="ja", rank=0, world_size=1,
+                      local_world_size=1) as ckpt:
+        step = ckpt.restore(fresh)
+        source = ckpt.last_restore.source
+    print(json.dumps({"uid": os.geteuid(), "step": step, "source": source,
+                      "w": float(fresh["w"].min()), "saves": stats["saves"],
+                      "failed": stats["failed"], "fds": [fds[1], fds[-1]]}))
+"""
+
+
+def test_a_job_running_as_another_uid_snapshots_and_restores_through_descriptors(users):
+    from elasticd.daemon.local_api import LocalServer
+
+    uid = users[0]
+    root = f"/dev/shm/elasticd-test-e2e-{uuid.uuid4().hex[:12]}"
+    sockdir = tempfile.mkdtemp(prefix="elasticd-test-sock-")
+    os.chmod(sockdir, 0o711)
+    store = SlotStore(root)
+    server = LocalServer(os.path.join(sockdir, "d.sock"), CheckpointService(store, "n1")
+                         .handlers(), allowed_uids={os.geteuid(), uid})
+    server.start()
+    try:
+        out = run_as(uid, WORKER, server.path)
+        assert out["uid"] == uid
+        assert (out["saves"], out["failed"]) == (20, 0)
+        assert (out["step"], out["source"], out["w"]) == (20, "local", 20.0)
+        assert out["fds"][0] == out["fds"][1], "descriptors leak per save"
+        assert store.versions("ja", 0)[0] == (0, 20)
+        owners = {os.lstat(os.path.join(d, n)).st_uid for d, dirs, names in os.walk(root)
+                  for n in dirs + names}
+        assert owners == {os.geteuid()}  # nothing handed to the job's user but descriptors
+        assert stat.S_IMODE(os.stat(root).st_mode) == ROOT_ONLY
+    finally:
+        server.stop()
+        store.close()
+        shutil.rmtree(sockdir, ignore_errors=True)
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_descriptors_of_late_and_one_way_replies_are_closed_on_both_sides(tmp_path):
+    import threading
+
+    from elasticd.daemon.local_api import LocalServer
+    from elasticd.worker.client import DaemonClient, DaemonTimeout
+
+    target = tmp_path / "file"
+    target.write_bytes(b"payload")
+    gate = threading.Event()
+
+    def give(msg):
+        if msg.get("wait"):
+            gate.wait(10)
+        return {"n": msg.get("n", 0), "_fds": [os.open(target, os.O_RDONLY)]}
+
+    before = _open_fds()
+    server = LocalServer(str(tmp_path / "s.sock"), {"give": give})
+    server.start()
+    client = DaemonClient(server.path)
+    try:
+        with pytest.raises(DaemonTimeout):
+            client.call("give", wait=True, timeout=0.2)
+        gate.set()
+        reply = client.call("give", n=2)  # the late reply, with its descriptor, comes first
+        assert reply["n"] == 2 and len(reply["_fds"]) == 1
+        assert os.pread(reply["_fds"][0], 7, 0) == b"payload"
+        os.close(reply["_fds"][0])
+        assert client.send("give", n=3)  # one-way: the daemon has nobody to hand it to
+        last = client.call("give", n=4)
+        assert last["n"] == 4
+        os.close(last["_fds"][0])
+    finally:
+        client.close()
+        server.stop()
+    assert _open_fds() == before
 
 
 # -- the persistent tier -------------------------------------------------------------------
