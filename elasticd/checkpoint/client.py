@@ -189,8 +189,9 @@ class Checkpointer:
         # The slot request travels while the state is flattened: the same size as last time,
         # unless flattening finds the state grew (then it is asked for again).
         known = self._plan
+        mapped = [list(key) for key in self._maps]  # the daemon sends no descriptor for these
         early = None if known is None or known.stale else self._pool.submit(
-            self._reserve, known.layout.total_size, step)
+            self._reserve, known.layout.total_size, step, mapped)
         flat = flatten(state)
         self._hook(state)
         plan = self._plan_for(flat, state)
@@ -199,7 +200,7 @@ class Checkpointer:
                              and int(reply["capacity"]) < plan.layout.total_size):
             if reply is not None:
                 _restore.close_fds(reply)  # too small: given up for a bigger slot
-            reply = self._reserve(plan.layout.total_size, step)
+            reply = self._reserve(plan.layout.total_size, step, mapped)
         if reply is None or reply.get("skip"):
             self.stats["skipped"] += 1
             if reply is not None:
@@ -255,11 +256,11 @@ class Checkpointer:
 
     # -- internals ------------------------------------------------------------------------
 
-    def _reserve(self, nbytes: int, step: int) -> dict[str, Any] | None:
+    def _reserve(self, nbytes: int, step: int, mapped: list[list[int]]) -> dict[str, Any] | None:
         return self._call("ckpt_reserve", job=self.job, rank=self.rank,
                           world_size=self.world_size, nbytes=nbytes,
                           local_world_size=self.local_world_size, step=step,
-                          generation=self.generation)
+                          generation=self.generation, mapped=mapped)
 
     def _seal(self, copy: Any, buf: Any, plan: _Plan, step: int, meta: dict, ticket: int,
               stall: float, copied_from: float) -> None:
@@ -349,11 +350,19 @@ class Checkpointer:
         """The worker's mapping of the slot a ``ckpt_reserve`` reply handed over.
 
         The slot comes as a descriptor of the file the daemon created (never re-opened by
-        path); the two most recent slots stay mapped, recognised by the file's identity, so a
-        save maps nothing new once both slots are known.
+        path); the two most recent slots stay mapped, keyed on the file's identity (device,
+        inode), which the reservation names (``file``): for a file this worker says it still
+        maps, the daemon sends no descriptor, so a save maps nothing new once both slots are
+        known.
         """
+        capacity = int(reply["capacity"])
+        if not reply.get("_fds"):
+            mm = self._maps.get(tuple(reply.get("file") or ()))
+            if mm is None or len(mm) != capacity:
+                raise RuntimeError("the daemon handed over no descriptor for a slot this "
+                                   "worker does not map")
+            return mm
         with _restore.handed_fd(reply) as fd:
-            capacity = int(reply["capacity"])
             st = os.fstat(fd)
             key = (st.st_dev, st.st_ino)
             mm = self._maps.get(key)

@@ -74,6 +74,8 @@ class Segment:
     def __init__(self, path: str, name: str, capacity: int, mm: mmap.mmap, fd: int) -> None:
         self.path, self.capacity, self._mm, self._fd = path, capacity, mm, fd
         self.name = name  # relative to the store's root descriptor
+        st = os.fstat(fd)
+        self.identity = (st.st_dev, st.st_ino)  # what a worker's cached mapping is keyed on
         self.view = memoryview(mm)
         self.header: SnapshotHeader | None = None
         self.pins = 0

@@ -19,8 +19,10 @@ same way whichever uid the job runs as. Daemon side: no torch.
 
 Ops (request fields → reply fields; errors are :class:`RequestError` replies):
 
-* ``ckpt_reserve`` job, rank, world_size, nbytes, [local_world_size], [step] → path, capacity,
-  ticket, and the slot's descriptor (read-write) | skip, reason
+* ``ckpt_reserve`` job, rank, world_size, nbytes, [local_world_size], [step], [mapped
+  [[dev, ino], ...]] → path, capacity, ticket, file [dev, ino], and the slot's descriptor
+  (read-write) unless ``file`` is one of the ``mapped`` files the worker still maps | skip,
+  reason
 * ``ckpt_complete`` job, rank, ticket, header_size, [stall_seconds] → generation, step, bytes
 * ``ckpt_list`` job, [rank], [world_size] → ram {rank: [[gen, step], ...]}, persisted
   [[gen, step], ...], persist_root, progress [gen, step] | null, replicas {rank: [[gen, step],
@@ -103,6 +105,16 @@ def _get(msg: dict[str, Any], key: str, kind: type, default: Any = ...) -> Any:
         raise RequestError(f"{key!r} must be a {'non-negative ' if kind is int else ''}"
                            f"{kind.__name__}, got {value!r:.60}")
     return value
+
+
+def _mapped(msg: dict[str, Any]) -> set[tuple[int, int]]:
+    """The ``mapped`` field of a reservation: (device, inode) pairs; anything else is ignored
+    (the worker then simply gets a descriptor)."""
+    value = msg.get("mapped")
+    if not isinstance(value, list):
+        return set()
+    return {(p[0], p[1]) for p in value[:8] if isinstance(p, list) and len(p) == 2
+            and all(type(v) is int for v in p)}
 
 
 class CheckpointService:
@@ -190,14 +202,16 @@ class CheckpointService:
             self._reserving += 1
         try:
             return self._reserve_slot(job, rank, world, nbytes, local_world, uid,
-                                      None if step is None or gen is None else (gen, step))
+                                      None if step is None or gen is None else (gen, step),
+                                      _mapped(msg))
         finally:
             with self._lock:
                 self._reserving -= 1
 
     def _reserve_slot(self, job: str, rank: int, world: int, nbytes: int,
                       local_world: int | None, uid: Any,
-                      version: tuple[int, int] | None = None) -> dict[str, Any]:
+                      version: tuple[int, int] | None = None,
+                      mapped: set[tuple[int, int]] = frozenset()) -> dict[str, Any]:
         with self._lock:
             record = self._job(job)
             if record.world_size != world:  # a new world: its local ranks are seen afresh
@@ -217,15 +231,17 @@ class CheckpointService:
         except (ValueError, OSError) as exc:
             raise RequestError(f"cannot reserve a slot: {exc}") from exc
         try:
-            fd = self.store.descriptor(slot)
+            identity, fd = self.store.handover(slot, mapped)
         except (StaleSlot, OSError) as exc:  # a newer reservation of this rank took it
             raise RequestError(f"cannot hand over the slot: {exc}") from exc
         with self._lock:
             record.slots[rank] = slot
             record.unprotected.pop(rank, None)
-        # "path" stays as the slot's name (logs, and the worker's mapping cache key).
-        return {"path": slot.path, "capacity": slot.capacity, "ticket": slot.ticket,
-                "_fds": [fd]}
+        reply = {"path": slot.path, "capacity": slot.capacity, "ticket": slot.ticket,
+                 "file": list(identity)}
+        if fd is not None:
+            reply["_fds"] = [fd]
+        return reply
 
     def quiesce(self, timeout: float, why: str = "the node is draining") -> bool:
         """Refuses new snapshots (workers get ``skip``) and waits up to ``timeout`` seconds

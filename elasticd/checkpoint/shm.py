@@ -416,15 +416,20 @@ class SlotStore:
             pair.latest, pair.reserved = pair.segments.index(segment), None
         return sealed
 
-    def descriptor(self, slot: Slot) -> int:
-        """A new read-write descriptor of a reserved slot's file, for the worker that writes
-        the snapshot (the caller closes it).
+    def handover(self, slot: Slot,
+                 mapped: set[tuple[int, int]] = frozenset()) -> tuple[tuple[int, int], int | None]:
+        """What a worker needs to write into a reserved slot: the file's identity (device,
+        inode) and a new read-write descriptor of it (the caller closes it) — or None instead
+        when the identity is in ``mapped``, the files the worker says it still maps (from a
+        descriptor handed over before), which spares a descriptor per snapshot.
 
         Raises:
             StaleSlot: the slot was reserved again, grown or removed since.
         """
         with self._lock:
-            return self._reserved_segment(slot).descriptor(writable=True)
+            segment = self._reserved_segment(slot)
+            fd = None if segment.identity in mapped else segment.descriptor(writable=True)
+            return segment.identity, fd
 
     def _reserved_segment(self, slot: Slot) -> Segment:
         pair = self._pairs.get((slot.job, slot.rank))

@@ -324,6 +324,30 @@ def test_a_job_running_as_another_uid_snapshots_and_restores_through_descriptors
         shutil.rmtree(sockdir, ignore_errors=True)
 
 
+def test_a_reservation_sends_no_descriptor_for_a_slot_the_worker_still_maps():
+    root = f"/dev/shm/elasticd-test-mapped-{uuid.uuid4().hex[:12]}"
+    store = SlotStore(root)
+    try:
+        t = InProcessTransport(CheckpointService(store, "n1").handlers())
+        seen = []
+        for _ in range(4):  # two slots, alternating
+            reply = t.call("ckpt_reserve", job="j", rank=0, world_size=1, nbytes=5000,
+                           mapped=seen)
+            for fd in reply.pop("_fds", ()):
+                st = os.fstat(fd)
+                os.close(fd)
+                assert [st.st_dev, st.st_ino] == reply["file"]
+                seen.append(reply["file"])
+            assert reply["file"] in seen
+        assert len(seen) == 2  # one descriptor per slot file, none after
+        again = t.call("ckpt_reserve", job="j", rank=0, world_size=1, nbytes=5000,
+                       mapped=[[0, 1], "junk"])
+        assert len(again["_fds"]) == 1  # a worker that maps nothing gets one again
+        _drop_fds(again)
+    finally:
+        store.close()
+
+
 def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
