@@ -92,6 +92,9 @@ class Metrics:
             "elasticd_etcd_up", "1 when the last etcd request succeeded, else 0", registry=r)
         self.etcd_outages = Counter(
             "elasticd_etcd_outages_total", "Periods during which etcd was unreachable", registry=r)
+        self.etcd_data_losses = Counter(
+            "elasticd_etcd_data_losses_total",
+            "Times this node found that etcd had lost its data (restarted empty)", registry=r)
         self.keepalive_failures = Counter(
             "elasticd_lease_keepalive_failures_total",
             "Lease keep-alive attempts that failed (etcd unreachable or lease lost)", registry=r)

@@ -51,6 +51,9 @@ class JobManager:
         extra_env: returns more environment for agents (e.g. the daemon's local socket).
         rdzv_conf: torchrun rendezvous settings tuned for fast recovery.
         warm_workers: start workers from a zygote (:mod:`elasticd.agent.zygote`).
+        before_resync: called before every full re-list of the jobs (the daemon looks there
+            whether etcd lost its data, and if so has the specs written again first: specs
+            that vanished with the data must not stop the job).
     """
 
     def __init__(self, node_id: str, coord: Coordinator, keys: Keyspace, etcd: str,
@@ -58,7 +61,8 @@ class JobManager:
                  extra_env: Callable[[], dict[str, str]] = dict,
                  rdzv_conf: dict[str, str] | None = None, agent_restarts: int = 10,
                  stop_grace: float = 10.0, warm_workers: bool = False,
-                 clock: Clock | None = None) -> None:
+                 clock: Clock | None = None,
+                 before_resync: Callable[[], Any] = lambda: None) -> None:
         self.node_id = node_id
         self.coord = coord
         self.keys = keys
@@ -72,6 +76,7 @@ class JobManager:
         self.stop_grace = stop_grace
         self.warm_workers = warm_workers
         self.clock = clock or SystemClock()
+        self._before_resync = before_resync
 
         self.specs: dict[str, tuple[int, JobSpec]] = {}  # job -> (create revision, spec)
         self.controls: dict[str, JobControl] = {}
@@ -103,6 +108,7 @@ class JobManager:
     # -- etcd view ------------------------------------------------------------------------
 
     def start_watch(self) -> None:
+        self._before_resync()
         kvs, revision = self.coord.get_prefix(self.keys.jobs)
         self._reset(kvs)
         self._watch = self.coord.watch_prefix(self.keys.jobs, self._on_watch, revision + 1)
@@ -119,6 +125,23 @@ class JobManager:
         mine = [e for e in batch if self._kind(e.kv.key)[1] is not None]
         if mine:
             self._events.put(mine)
+
+    def republish(self) -> int:
+        """etcd lost its data: writes again every job spec and control this node follows
+        (create only: another node may have done it already), oldest first so that the order
+        in which jobs are wanted stays, and this node's status entry at the next publish.
+        The caller re-watches; the next step re-lists. Returns the specs this call wrote.
+        A job stopped on purpose stays stopped: its control says so."""
+        written = 0
+        for job, (_, spec) in sorted(self.specs.items(), key=lambda kv: kv[1][0]):
+            if self.coord.create(self.keys.job_spec(job), spec.encode()):
+                written += 1
+            control = self.controls.get(job)
+            if control is not None:
+                self.coord.create(self.keys.job_control(job), control.encode())
+        self._published = None  # our status entry went with the data
+        self._need_resync = True
+        return written
 
     def _kind(self, key: bytes) -> tuple[str, str | None]:
         """Splits ``<prefix>/jobs/<job>/<what>[/<node>]`` into (job, what) for the keys we
@@ -215,6 +238,7 @@ class JobManager:
         self.notes = []
         self._drain()
         if self._need_resync:
+            self._before_resync()
             kvs, _ = self.coord.get_prefix(self.keys.jobs)
             self._reset(kvs)
         if self._stopping is not None:

@@ -200,11 +200,26 @@ class Coordinator(abc.ABC):
         revision after the last one delivered.
         """
 
+    @abc.abstractmethod
+    def reset_watches(self) -> None:
+        """Re-creates every watch from the store's current revision.
+
+        For after etcd lost its data (restarted on an empty data directory): its revisions
+        restart near 1, so a watch resumed from the old cluster's next revision would deliver
+        nothing until the new cluster's revision passes that number. Events between the loss
+        and the reset are not replayed: callers re-list what they follow.
+        """
+
     # -- housekeeping ---------------------------------------------------------------------
 
     @abc.abstractmethod
-    def revision(self) -> int:
-        """The store's current revision (a cheap liveness probe)."""
+    def revision(self, probe: bytes = b"\0") -> int:
+        """The store's current revision (a cheap liveness probe).
+
+        Args:
+            probe: the key read to learn it: with etcd auth, pass one under the prefix the
+                credentials may read (a role limited to its prefix may read no other key).
+        """
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -225,7 +225,9 @@ class EtcdCoordinator(Coordinator):
             if code in _AUTH_CODES or any(m in (detail or "") for m in _AUTH_MESSAGES):
                 return AuthError(
                     f"etcd at {where} refused our credentials ({detail}); check --etcd-user/"
-                    "--etcd-password or the TLS client certificate"
+                    "--etcd-password or the TLS client certificate (after an etcd data loss "
+                    "its users and roles are gone too: create them again, see "
+                    "docs/operations.md 'etcd data loss')"
                 )
             if code == grpc.StatusCode.NOT_FOUND and "lease" in (detail or ""):
                 return LeaseLost(detail)
@@ -306,7 +308,10 @@ class EtcdCoordinator(Coordinator):
                 header = getattr(getattr(r, r.WhichOneof("response")), "header", None)
                 revision = max(revision, header.revision if header else 0)
             if not revision:
-                revision = c.get_response(b"\0").header.revision
+                # A failed compare returns no responses: read the revision from a key of the
+                # transaction's own (with etcd auth, our role may read nothing else).
+                probe = compares[0].key if compares else ops[0].key if ops else b"\0"
+                revision = c.get_response(probe).header.revision
             return ok, revision
 
         try:
@@ -357,8 +362,21 @@ class EtcdCoordinator(Coordinator):
         for w in watches:
             w.restart()
 
-    def revision(self) -> int:
-        return self._call(lambda c: c.get_response(b"\0").header.revision)
+    def reset_watches(self) -> None:
+        # From the revision read now, not "whenever the stream is re-created": a caller that
+        # re-lists right after this call then misses nothing in between.
+        with self._lock:
+            watches = list(self._watches)
+        if not watches:
+            return
+        # Read the revision through a watched key: with etcd auth, our role may read nothing
+        # outside the prefixes we watch.
+        current = self.revision(watches[0].prefix)
+        for w in watches:
+            w.restart(from_revision=current + 1)
+
+    def revision(self, probe: bytes = b"\0") -> int:
+        return self._call(lambda c: c.get_response(probe).header.revision)
 
     def close(self) -> None:
         with self._lock:
@@ -486,7 +504,16 @@ class _ResilientWatch(Watch):
             except Exception:  # the stream is already broken; nothing to cancel
                 pass
 
-    def restart(self) -> None:
+    @property
+    def prefix(self) -> bytes:
+        return self._prefix
+
+    def restart(self, from_revision: int = 0) -> None:
+        """Re-creates the stream: from the revision after the last one delivered, or from
+        ``from_revision`` (see :meth:`Coordinator.reset_watches`)."""
+        if from_revision:
+            with self._lock:
+                self._next_revision = from_revision
         self._wake.set()
 
     def cancel(self) -> None:

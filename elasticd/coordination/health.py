@@ -14,6 +14,7 @@ import threading
 from typing import Callable
 
 from elasticd.clock import Clock, SystemClock
+from elasticd.coordination.api import AuthError
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class EtcdHealth:
         self.outage_since: float | None = None
         self.last_outage_end: float | None = None
         self.last_error = ""
+        self._said = ""  # the kind of failure this outage's last line reported
         self.outages = 0
         self.reconnected = threading.Event()
 
@@ -47,15 +49,22 @@ class EtcdHealth:
             return self.outage_since is None
 
     def failed(self, exc: BaseException) -> None:
+        """Records a failed call: one line per outage, and one more if its kind changes
+        (etcd back but refusing our credentials, as after a data loss, needs another fix)."""
         now = self._clock.monotonic()
+        what = "refuses our credentials" if isinstance(exc, AuthError) else "unreachable"
         with self._lock:
             self.last_error = str(exc)
-            if self.outage_since is not None:
+            started = self.outage_since is None
+            if started:
+                self.outage_since = now
+                self.outages += 1
+            elif what == self._said:
                 return
-            self.outage_since = now
-            self.outages += 1
-        log.warning("%s unreachable: %s; retrying, workers keep running", self._describe, exc)
-        self._on_start()
+            self._said = what
+        log.warning("%s %s: %s; retrying, workers keep running", self._describe, what, exc)
+        if started:
+            self._on_start()
 
     def ok(self) -> None:
         now = self._clock.monotonic()

@@ -2,6 +2,7 @@
 
 ::
 
+    <prefix>/cluster                            the cluster's incarnation (etcd data loss)
     <prefix>/nodes/<node>                       node record, bound to the node's lease
     <prefix>/events/<node>/<lease>/<kind>       cluster events (failure, departure, ...), bounded
     <prefix>/drain/<node>                       drain request and its progress (elasticctl drain)
@@ -54,6 +55,10 @@ class Keyspace:
 
     def _k(self, *parts: str) -> bytes:
         return "/".join((self.prefix, *parts)).encode()
+
+    @property
+    def cluster(self) -> bytes:
+        return self._k("cluster")
 
     # nodes
     @property

@@ -14,7 +14,13 @@ import threading
 from typing import Callable
 
 from elasticd.clock import Clock, SystemClock
-from elasticd.coordination.api import CoordinationError, Coordinator, LeaseLost, Unavailable
+from elasticd.coordination.api import (
+    AuthError,
+    CoordinationError,
+    Coordinator,
+    LeaseLost,
+    Unavailable,
+)
 from elasticd.coordination.health import EtcdHealth
 
 log = logging.getLogger(__name__)
@@ -102,7 +108,7 @@ class LeaseKeeper:
                     self._lost.append(lease)
             self._on_change()
             self.step()
-        except Unavailable as exc:
+        except (Unavailable, AuthError) as exc:  # the health logs it once per outage
             self._on_failure()
             self._health.failed(exc)
         except CoordinationError as exc:

@@ -45,6 +45,9 @@ class _MemoryWatch(Watch):
         self.prefix = prefix
         self.callback = callback
         self.cancelled = False
+        # Events below this revision are not delivered: a watch resumed from an older
+        # cluster's revision after a wipe (see MemoryStore.wipe).
+        self.resume_from = 0
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -78,6 +81,24 @@ class MemoryStore:
         if not available:
             for w in watches:
                 w.callback(Unavailable("memory store is down"))
+
+    def wipe(self) -> None:
+        """Simulates etcd restarted on an empty data directory: every key and lease is gone
+        and revisions restart at 1. Each watch sees the stream break (``Unavailable``) and is
+        then stuck, as a real one resumed from the old cluster's next revision is: it delivers
+        nothing until the new revisions pass the old ones (FACTS.md), unless reset
+        (:meth:`MemoryCoordinator.reset_watches`)."""
+        with self._lock:
+            old = self._revision
+            self._kv.clear()
+            self._leases.clear()
+            self._history.clear()
+            self._revision, self._compacted = 1, 0
+            watches = list(self._watches)
+            for w in watches:
+                w.resume_from = old + 1
+        for w in watches:
+            w.callback(Unavailable("memory store restarted"))
 
     def compact(self, revision: int) -> None:
         with self._lock:
@@ -147,7 +168,8 @@ class MemoryStore:
         with self._lock:
             watches = list(self._watches)
         for w in watches:
-            mine = [e for e in events if e.kv.key.startswith(w.prefix)]
+            mine = [e for e in events if e.kv.key.startswith(w.prefix)
+                    and e.kv.mod_revision >= w.resume_from]
             if mine and not w.cancelled:
                 w.callback(mine)
 
@@ -264,7 +286,13 @@ class MemoryCoordinator(Coordinator):
             callback(replay)
         return w
 
-    def revision(self) -> int:
+    def reset_watches(self) -> None:
+        self._enter()
+        with self.store._lock:
+            for w in self._watches:
+                w.resume_from = 0
+
+    def revision(self, probe: bytes = b"\0") -> int:
         self._enter()
         with self.store._lock:
             return self.store._revision

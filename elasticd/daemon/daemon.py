@@ -29,6 +29,7 @@ from elasticd.agent.manager import JobManager
 from elasticd.clock import Clock, SystemClock
 from elasticd.cluster.drain import Drainer
 from elasticd.cluster.events import Event, EventLog
+from elasticd.cluster.incarnation import DataLoss, Incarnation
 from elasticd.cluster.membership import (
     Membership,
     NodeRecord,
@@ -39,6 +40,7 @@ from elasticd.cluster.membership import (
 from elasticd.config import Settings
 from elasticd.coordination import records
 from elasticd.coordination.api import (
+    AuthError,
     Compacted,
     CoordinationError,
     Coordinator,
@@ -90,6 +92,9 @@ class Daemon:
         self.membership = Membership(settings.node_id, settings.provisional_seconds)
         self.http_address = http_address
         self.incarnation = uuid.uuid4().hex[:12]
+        # The cluster's incarnation in etcd: how a daemon recognises that etcd lost its data.
+        self.cluster_incarnation = Incarnation(coord, self.keys, settings.node_id, self.clock)
+        self._looked_at_cycle = -1  # the cycle that last looked for an etcd data loss
         self.started_at = self.clock.wall()
         self.fence_hooks: list[FenceHook] = []
         self.local_socket = ""  # path of the workers' channel to this daemon, once serving
@@ -113,7 +118,7 @@ class Daemon:
             lease=lambda: self.registered_lease or 0, extra_env=self.agent_env,
             rdzv_conf=self.rdzv_conf(), agent_restarts=settings.agent_restarts,
             stop_grace=settings.stop_grace, warm_workers=settings.worker_start == "warm",
-            clock=self.clock)
+            clock=self.clock, before_resync=self._look_for_data_loss)
         self.fence_hooks.append(self.jobs.fence)
         self.drainer = Drainer(
             settings.node_id, coord, self.keys, quiesce=self._quiesce, resume=self._resume,
@@ -149,6 +154,7 @@ class Daemon:
             NodeIdInUse: a live daemon elsewhere holds the same node id.
         """
         self.keeper.grant()
+        self.cluster_incarnation.check()  # the first look: writes the key on a new cluster
         if keep_alive_thread:
             self.keeper.start()
         self._start_watch()
@@ -395,7 +401,9 @@ class Daemon:
                 self._ckpt_sink.update(self.checkpoints.stats())
             self._update_replication()
             sentence = self._describe()
-        except Unavailable as exc:
+        except (Unavailable, AuthError) as exc:
+            # Refused credentials are an outage too (after an etcd data loss the users are
+            # gone until re-created): one line, the workers kept for the outage grace.
             self.health.failed(exc)
             sentence = self._describe_outage()
         except (CoordinationError, NodeIdInUse) as exc:
@@ -536,6 +544,7 @@ class Daemon:
 
     def _handle_lost_leases(self) -> None:
         for old in self.keeper.take_lost():
+            self._need_resync = True  # a lease found gone: etcd may have lost its data
             self.metrics.leases_lost.inc()
             if self.registered_lease == old:
                 self.registered_lease = None
@@ -636,7 +645,11 @@ class Daemon:
                 self._need_resync = True
                 continue
             if isinstance(batch, CoordinationError):
-                continue  # the watch re-creates itself; health is tracked by the keeper
+                # The watch re-creates itself, from the revision after the last event; if etcd
+                # came back empty that revision is in the old cluster's past and the stream
+                # stays silent: re-list (which also looks for a data loss).
+                self._need_resync = True
+                continue
             for ev in batch:
                 node = self.keys.node_of(ev.kv.key)
                 if ev.type is EventType.PUT:
@@ -654,12 +667,57 @@ class Daemon:
                     self._act(self.membership.on_delete(node, prev, now, self.clock.wall(), cut_off))
 
     def _resync(self, now: float) -> None:
-        kvs, _ = self.coord.get_prefix(self.keys.nodes)
+        if self._look_for_data_loss():
+            return  # the recovery re-listed
+        kvs, revision = self.coord.get_prefix(self.keys.nodes)
+        if self.cluster_incarnation.observe(revision) and self._look_for_data_loss(again=True):
+            return
         self.health.ok()
         cut_off = self.health.cut_off_within(self.settings.lease_ttl + 2 * self.settings.loop_interval + 1)
         self._act(self.membership.reset(self._decode_all(kvs), now, self.clock.wall(), cut_off))
         self._need_resync = False
         self._last_resync = now
+
+    # -- etcd data loss ----------------------------------------------------------------------
+
+    def _look_for_data_loss(self, again: bool = False) -> bool:
+        """Looks (at most once a cycle, unless ``again``) whether etcd lost its data, and
+        recovers if so. Returns True when it did. Coordination errors propagate."""
+        if self._looked_at_cycle == self.cycles and not again:
+            return False
+        self._looked_at_cycle = self.cycles
+        loss = self.cluster_incarnation.check()
+        if loss is None:
+            return False
+        self._recover_from_data_loss(loss)
+        return True
+
+    def _recover_from_data_loss(self, loss: DataLoss) -> None:
+        """etcd came back empty: keys, leases and watch positions are gone. Nobody failed for
+        it: every peer is given the provisional grace to re-register (as after an outage),
+        watches restart from the new cluster's revision, and what this node holds is written
+        again (its records, the job specs and controls it follows, the replicas' records)."""
+        specs = self.jobs.republish()
+        log.error("etcd lost its data (%s): re-listing and re-watching, re-publishing this "
+                  "node's records and %d job spec(s); no node is declared failed for it",
+                  loss.reason, specs)
+        self.metrics.etcd_data_losses.inc()
+        self.coord.reset_watches()
+        now = self.clock.monotonic()
+        kvs, revision = self.coord.get_prefix(self.keys.nodes)
+        self.cluster_incarnation.observe(revision)
+        self._suspect.clear()  # failed events against our old leases went with the data
+        self._act(self.membership.reset(self._decode_all(kvs), now, self.clock.wall(), True))
+        self._need_resync, self._last_resync = False, now
+        if self.registered_lease is not None:
+            self._put_record(self.registered_lease)  # LeaseLost: re-registered this cycle
+        if self.replicator is not None:
+            self.replicator.republish()
+        self._notes.append(f"etcd lost its data ({loss.reason}); re-published {specs} job "
+                           "spec(s)")
+        if loss.first:
+            self._record_event("etcd_data_lost", f"etcd lost its data: {loss.reason}",
+                               {"specs_republished": specs})
 
     def _act(self, observations: list[Observation]) -> None:
         for ob in observations:

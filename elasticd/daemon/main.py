@@ -22,6 +22,7 @@ from elasticd import config
 from elasticd.coordination.api import AuthError, CoordinationError, Unavailable
 from elasticd.coordination.embedded import EmbeddedEtcd, EtcdNotFound, EtcdStartError
 from elasticd.coordination.etcd import EtcdCoordinator
+from elasticd.coordination.keys import Keyspace
 from elasticd.daemon.daemon import Daemon, NodeIdInUse
 from elasticd.daemon.http import StatusServer
 from elasticd.daemon.local_api import LocalApiError, LocalServer
@@ -113,7 +114,8 @@ def _connect(settings: config.Settings) -> EtcdCoordinator:
     deadline = time.monotonic() + max(3.0, 3 * settings.etcd_timeout)
     while True:
         try:
-            coord.revision()
+            # Probe under our prefix: a role limited to it may read no other key.
+            coord.revision(Keyspace(settings.prefix).cluster)
             return coord
         except AuthError as exc:
             coord.close()

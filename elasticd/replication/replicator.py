@@ -36,6 +36,7 @@ from elasticd.replication.commit import (
     Committed,
     publish_placement,
     read_committed,
+    record_commit,
     update_holders,
 )
 from elasticd.replication.lanes import AddressBook, Connections, Task
@@ -142,6 +143,22 @@ class Replicator:
         if old is not None:
             self._submit(self._rereplicate, job)
         return placement
+
+    def republish(self) -> None:
+        """etcd lost its data: writes again, for every job, the placement in force, the
+        newest commit this node knows (only if no newer one was written meanwhile) and this
+        node's replicated record, so that commits go on and a restore finds what is held."""
+        with self.tracker.lock:
+            jobs = [(job, st.placement, st.committed) for job, st in self.tracker.jobs.items()]
+        for job, placement, committed in jobs:
+            try:
+                if placement is not None:
+                    publish_placement(self.coord, self.keys, job, placement)
+                if committed is not None:
+                    record_commit(self.coord, self.keys, job, committed)
+            except (CoordinationError, CommitConflict) as exc:
+                self.tracker.etcd_error("write its records again after etcd lost its data", exc)
+            self.tracker.republish_record(job)
 
     def start_generation(self, job: str, generation: int) -> None:
         """A fallback to an older persisted step opened ``generation``: copies and commits of

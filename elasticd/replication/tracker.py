@@ -194,6 +194,16 @@ class CommitTracker:
                 return
         self.try_commit(job)
 
+    def republish_record(self, job: str) -> None:
+        """Writes this node's record again (etcd lost it with its data)."""
+        with self._record_lock:
+            with self.lock:
+                st = self.jobs.get(job)
+                if st is None or st.placement is None:
+                    return
+                record = self._record(st)
+            self._put_record(job, record, "write its record again")
+
     def _put_record(self, job: str, record: Replicated, what: str) -> bool:
         """Writes this node's record (call with ``_record_lock`` held); False on an etcd error
         (counted and logged)."""

@@ -18,6 +18,7 @@ import dataclasses
 import glob
 import mmap
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,7 +29,8 @@ if TYPE_CHECKING:
     from tests.chaos.harness import ChaosCluster
 
 KINDS = ("kill_worker", "kill_node", "kill_group", "restart_node", "kill_etcd_leader",
-         "pause_etcd", "pause_daemon", "partition", "corrupt_replicas", "sigterm_node", "drain")
+         "pause_etcd", "pause_daemon", "partition", "corrupt_replicas", "sigterm_node", "drain",
+         "wipe_etcd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +104,12 @@ class FaultPlan:
     def pause_etcd(self, seconds: float, at_step: int | None = None, after: float = 0.0):
         """SIGSTOP of every etcd member for ``seconds``, then SIGCONT."""
         return self._add("pause_etcd", "", at_step, after, seconds)
+
+    def wipe_etcd(self, at_step: int | None = None, after: float = 0.0):
+        """Stops every etcd member, deletes its data directory and starts it again on the same
+        ports and cluster token: etcd comes back empty (revisions restart near 1), as after an
+        operator's restore-from-nothing."""
+        return self._add("wipe_etcd", "", at_step, after)
 
     def pause_daemon(self, node: str, seconds: float, at_step: int | None = None,
                      after: float = 0.0):
@@ -257,6 +265,16 @@ class Injector:
                 m.signal(signal.SIGCONT)
 
         return [m.name for m in members], "SIGSTOP to every etcd member", undo
+
+    def _wipe_etcd(self, f: Fault):
+        server = self.cluster.etcd_server
+        for m in server.members:
+            m.kill()
+            shutil.rmtree(m.data_dir, ignore_errors=True)
+        for m in server.members:
+            m.start()
+        server.wait_healthy(30)
+        return [m.name for m in server.members], "etcd killed, data deleted, started empty", None
 
     def _pause_daemon(self, f: Fault):
         node = self.cluster.node(f.node)

@@ -168,3 +168,70 @@ def test_same_node_id_twice_is_refused(world):
     finally:
         mod.Daemon._is_dead_local = orig
         other.close()
+
+
+def _submit(store, name="job"):
+    """A job spec and control as elasticctl submit writes them."""
+    from elasticd.agent.spec import JobControl, JobSpec
+
+    coord, keys = MemoryCoordinator(store), Keyspace("/elasticd")
+    spec = JobSpec(name=name, nnodes_min=2, nnodes_max=3, nproc_per_node=1,
+                   script="/bin/true", args=[], script_sha256="0" * 64, user="nobody",
+                   cwd="/tmp")
+    coord.put(keys.job_spec(name), spec.encode())
+    coord.put(keys.job_control(name), JobControl("running", 1.0, "test").encode())
+
+
+def test_etcd_wiped_every_daemon_recovers_without_failures(world):
+    clock, store, start, tick, daemons = world
+    for n in ("n1", "n2", "n3"):
+        start(n)
+    _submit(store)
+    _submit(store, "stopped-job")
+    from elasticd.agent.spec import JobControl
+
+    MemoryCoordinator(store).put(Keyspace("/elasticd").job_control("stopped-job"),
+                                 JobControl("stopped", 1.0, "test").encode())
+    for d in daemons.values():
+        d.jobs._start = lambda job: None  # no agent here: only what the daemons believe
+    for _ in range(4):
+        tick()
+    assert all(set(d.jobs.specs) == {"job", "stopped-job"} for d in daemons.values())
+
+    store.wipe()  # etcd back on an empty data dir: keys, leases and watch positions gone
+    out = {}
+    for _ in range(4 * TTL * 4):  # two TTLs and more
+        out = tick()
+    assert not events(store, "failed") and not events(store, "fenced"), events(store)
+    lost = events(store, "etcd_data_lost")
+    assert len(lost) == 1, lost
+    assert all(d.metrics.etcd_data_losses._value.get() == 1 for d in daemons.values())
+    assert all(d.membership.alive() == ["n1", "n2", "n3"] for d in daemons.values())
+    assert all(d.registered_lease is not None for d in daemons.values())
+    # The specs are back, and the stopped job stays stopped.
+    for d in daemons.values():
+        assert set(d.jobs.specs) == {"job", "stopped-job"}, d.jobs.specs
+        assert d.jobs.controls["stopped-job"].desired == "stopped"
+        assert d.jobs.wanted() == "job"
+    assert out["n1"] == "no action: I am n1, 3 nodes alive", out
+    # A watch keeps working after the recovery: a new node is seen by everyone.
+    start("n4")
+    out = tick()
+    assert all("n4" in d.membership.alive() for d in daemons.values())
+
+
+def test_a_job_stopped_before_the_wipe_is_not_brought_back(world):
+    clock, store, start, tick, daemons = world
+    start("n1"), start("n2")
+    _submit(store)
+    for d in daemons.values():
+        d.jobs._start = lambda job: None
+    tick()
+    MemoryCoordinator(store).delete(Keyspace("/elasticd").job_spec("job"))  # removed on purpose
+    tick()
+    assert all(not d.jobs.specs for d in daemons.values())
+    store.wipe()
+    for _ in range(4 * TTL * 4):
+        tick()
+    assert all(not d.jobs.specs for d in daemons.values())
+    assert MemoryCoordinator(store).get(Keyspace("/elasticd").job_spec("job")) is None

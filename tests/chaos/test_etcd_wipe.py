@@ -1,0 +1,85 @@
+"""etcd restarted on an empty data directory during training (an operator restoring etcd from
+nothing, or a disk lost with its member): every key is gone, revisions restart near 1, and the
+cluster id may stay the same. The daemons must recognise it, re-publish what they hold (their
+records, the job spec) and keep the job going: nobody declared failed or fenced for it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.chaos.faults import FaultPlan
+from tests.chaos.harness import ChaosCluster, Shape
+
+pytestmark = [pytest.mark.etcd, pytest.mark.chaos, pytest.mark.timeout(300)]
+
+LOST_LINE = "etcd lost its data"
+
+
+class _WatchedCluster(ChaosCluster):
+    """Records, after the wipe, when every daemon first saw every peer in its /status, and what
+    ``elasticctl jobs`` said while the job trained on."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.all_seen_at: dict[str, float] = {}
+        self.jobs_after: list[dict] | None = None
+        self._next_look = 0.0
+
+    def _tick(self) -> bool:
+        super()._tick()
+        faults = self.injector.records if self.injector is not None else []
+        if not faults or time.monotonic() < self._next_look:
+            return True
+        self._next_look = time.monotonic() + 0.1
+        nodes = set(self.nodes)
+        for node, status in self.scrape("/status").items():
+            peers = {p["node"] for p in status.get("peers", [])}
+            if peers >= nodes - {node} and node not in self.all_seen_at:
+                self.all_seen_at[node] = time.time()
+        if self.jobs_after is None and len(self.all_seen_at) == len(nodes):
+            out = subprocess.run(
+                [sys.executable, "-m", "elasticd.cli.main", "jobs", "--format", "json",
+                 "--etcd", self.etcd, "--prefix", self.prefix],
+                capture_output=True, text=True, timeout=30)
+            if out.returncode == 0:
+                self.jobs_after = json.loads(out.stdout)
+        return True
+
+
+def test_etcd_wiped_during_training_the_job_goes_on(tmp_path):
+    shape = Shape(nodes=("n1", "n2", "n3"), standby=(), nnodes="2:3", steps=120,
+                  step_time=0.1, etcd_members=1)
+    cc = _WatchedCluster(tmp_path, shape)
+    out = cc.run(FaultPlan().wipe_etcd(at_step=40), timeout=200)
+    wipe = out.faults[0]
+    back = wipe.at  # the fault returns once etcd is healthy again: measure from its end
+    print(f"etcd back at {back:.2f}; every peer seen at "
+          f"{ {n: round(t - back, 2) for n, t in cc.all_seen_at.items()} }")
+
+    out.assert_finished()
+    out.assert_samples_exactly_once()
+    out.assert_nothing_left()
+    # Every daemon sees every peer again within a lease TTL (plus the fault's own end).
+    assert set(cc.all_seen_at) == set(shape.nodes), cc.all_seen_at
+    slow = {n: t - back for n, t in cc.all_seen_at.items()
+            if t - back > shape.lease_ttl + 3.0}
+    assert not slow, f"daemons that saw every peer only late after etcd's return: {slow}"
+    # The job survived the loss of its keys: elasticctl shows it, still wanted.
+    assert cc.jobs_after is not None, "elasticctl jobs never answered after the wipe"
+    mine = [j for j in cc.jobs_after if j["job"] == cc.job]
+    assert mine and mine[0]["desired"] == "running", cc.jobs_after
+    # Nobody declared failed, nobody fenced, and the loss said once by each daemon, once as
+    # an event.
+    assert not [e for e in out.events if e["kind"] in ("failed", "fenced")], out.events
+    lost_events = [e for e in out.events if e["kind"] == "etcd_data_lost"]
+    assert len(lost_events) == 1, out.events
+    for node in shape.nodes:
+        with open(tmp_path / f"{node}.log", errors="replace") as fh:
+            text = fh.read()
+        assert text.count(LOST_LINE) == 1, f"{node}: {text.count(LOST_LINE)} '{LOST_LINE}' lines"
+        assert "fencing:" not in text, f"{node} fenced itself"
