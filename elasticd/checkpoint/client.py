@@ -47,7 +47,7 @@ import torch
 from elasticd.checkpoint import restore as _restore
 from elasticd.checkpoint.copier import Copier, CpuCopier, copy_into, dtype_name, forget_views
 from elasticd.checkpoint.format import PREAMBLE_SIZE, Layout, TensorSpec, layout
-from elasticd.checkpoint.segment import map_file
+from elasticd.checkpoint.segment import map_fd
 from elasticd.checkpoint.state import FlatState, _zero_class, flatten
 
 log = logging.getLogger("elasticd.checkpoint")
@@ -232,15 +232,18 @@ class Checkpointer:
         # The slot request travels while the state is flattened: the same size as last time,
         # unless flattening finds the state grew (then it is asked for again).
         known = self._plan
+        mapped = [list(key) for key in self._maps]  # the daemon sends no descriptor for these
         early = None if known is None or known.stale else self._pool.submit(
-            self._reserve, known.layout.total_size, step)
+            self._reserve, known.layout.total_size, step, mapped)
         flat = flatten(state)
         self._hook(state)
         plan = self._plan_for(flat, state)
         reply = early.result() if early is not None else None
         if early is None or (reply is not None and not reply.get("skip")
                              and int(reply["capacity"]) < plan.layout.total_size):
-            reply = self._reserve(plan.layout.total_size, step)
+            if reply is not None:
+                _restore.close_fds(reply)  # too small: given up for a bigger slot
+            reply = self._reserve(plan.layout.total_size, step, mapped)
         if reply is None or reply.get("skip"):
             self.stats["skipped"] += 1
             if reply is not None:
@@ -248,7 +251,7 @@ class Checkpointer:
                                 "(further skips are counted, not logged)")
             return False
         try:
-            buf = self._map(reply["path"], int(reply["capacity"]))
+            buf = self._map(reply)
             sync = [t for t, m in zip(flat.tensors, plan.sync_mask) if m]
             rest = [t for t, m in zip(flat.tensors, plan.sync_mask) if not m]
             copy_into(sync, buf, plan.sync)
@@ -296,11 +299,11 @@ class Checkpointer:
 
     # -- internals ------------------------------------------------------------------------
 
-    def _reserve(self, nbytes: int, step: int) -> dict[str, Any] | None:
+    def _reserve(self, nbytes: int, step: int, mapped: list[list[int]]) -> dict[str, Any] | None:
         reply = self._call("ckpt_reserve", job=self.job, rank=self.rank,
                            world_size=self.world_size, nbytes=nbytes,
                            local_world_size=self.local_world_size, step=step,
-                           generation=self.generation)
+                           generation=self.generation, mapped=mapped)
         self._heard(reply)
         return reply
 
@@ -388,18 +391,36 @@ class Checkpointer:
         self._hook_stall += waited
         self.stats["hook_wait_seconds"] += waited
 
-    def _map(self, path: str, capacity: int) -> Any:
-        mm = self._maps.get(path)
-        if mm is None or len(mm) != capacity:
-            if len(self._maps) >= 2:  # double buffering: keep the two most recent slots
-                old = self._maps.pop(next(iter(self._maps)))
-                forget_views(old)
-                try:
-                    old.close()
-                except BufferError:
-                    pass
-            mm = self._maps[path] = map_file(path, capacity, writable=True, populate=True)
-        return mm
+    def _map(self, reply: dict[str, Any]) -> Any:
+        """The worker's mapping of the slot a ``ckpt_reserve`` reply handed over.
+
+        The slot comes as a descriptor of the file the daemon created (never re-opened by
+        path); the two most recent slots stay mapped, keyed on the file's identity (device,
+        inode), which the reservation names (``file``): for a file this worker says it still
+        maps, the daemon sends no descriptor, so a save maps nothing new once both slots are
+        known.
+        """
+        capacity = int(reply["capacity"])
+        if not reply.get("_fds"):
+            mm = self._maps.get(tuple(reply.get("file") or ()))
+            if mm is None or len(mm) != capacity:
+                raise RuntimeError("the daemon handed over no descriptor for a slot this "
+                                   "worker does not map")
+            return mm
+        with _restore.handed_fd(reply) as fd:
+            st = os.fstat(fd)
+            key = (st.st_dev, st.st_ino)
+            mm = self._maps.get(key)
+            if mm is None or len(mm) != capacity:
+                if len(self._maps) >= 2:  # double buffering: keep the two most recent slots
+                    old = self._maps.pop(next(iter(self._maps)))
+                    forget_views(old)
+                    try:
+                        old.close()
+                    except BufferError:
+                        pass
+                mm = self._maps[key] = map_fd(fd, capacity, writable=True, populate=True)
+            return mm
 
     def _call(self, op: str, **fields: Any) -> dict[str, Any] | None:
         if self.transport is None:

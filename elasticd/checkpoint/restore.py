@@ -30,17 +30,18 @@ outrank or mix with the new ones. Worker side: imports torch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
 import torch
 
 from elasticd.checkpoint.copier import read_tensors
 from elasticd.checkpoint.format import SnapshotError
 from elasticd.checkpoint.reader import SnapshotReader
-from elasticd.checkpoint.segment import map_file
+from elasticd.checkpoint.segment import map_fd
 from elasticd.persistence.tier import Tier, TierError
 from elasticd.worker.client import DaemonUnavailable
 
@@ -285,7 +286,7 @@ class Sources:
                 snap = Tier(self.persist_dir).read(self.job, version, self.rank)
                 return _Fetched(read_tensors(snap.buffer, snap.layout), snap.meta, "persistent",
                                 snap.layout.total_size)
-            except (SnapshotError, TierError, OSError) as exc:
+            except (SnapshotError, TierError, OSError, ValueError) as exc:
                 refused.append(f"persistent step {version}: {exc}")
                 log.error("elasticd: REFUSED the persisted snapshot of rank %d step %s: %s",
                           self.rank, version, exc)
@@ -316,8 +317,9 @@ class Sources:
             return None
         source = "peer" if reply.get("source") == "peer" else "local"
         try:
-            mm = map_file(reply["path"], int(reply["offset"]) + int(reply["size"]),
-                          writable=False, populate=False)
+            with handed_fd(reply) as fd:  # the file the daemon verified, not what a path names
+                mm = map_fd(fd, int(reply["offset"]) + int(reply["size"]), writable=False,
+                            populate=False)
             try:
                 reader = SnapshotReader(memoryview(mm), job=self.job, rank=rank,
                                         world_size=world, verify=False, where=reply["path"])
@@ -337,6 +339,31 @@ class Sources:
                 self.transport.call("ckpt_release", pin=reply["pin"])
             except Exception as exc:  # noqa: BLE001 — the daemon drops stale pins itself
                 log.debug("elasticd: ckpt_release failed: %s", exc)
+
+
+def close_fds(reply: dict[str, Any]) -> None:
+    """Closes the descriptors a daemon reply handed over (a reply that will not be used)."""
+    for fd in reply.pop("_fds", None) or ():
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def handed_fd(reply: dict[str, Any]) -> Iterator[int]:
+    """The one descriptor a daemon reply handed over (a slot file), closed on leaving; any
+    other descriptor in the reply is closed too.
+
+    Raises:
+        RuntimeError: the reply carries no descriptor, or several.
+    """
+    fds = reply.pop("_fds", None) or []
+    try:
+        if len(fds) != 1:
+            raise RuntimeError(f"the daemon handed over {len(fds)} descriptors for the slot, "
+                               "not 1 (an elasticd older than this worker?)")
+        yield fds[0]
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def sharded_reason(state: Any) -> str:

@@ -4,13 +4,19 @@
 file and memory work. Pages are reserved with ``fallocate`` so that a full tmpfs is an error at
 allocation rather than a SIGBUS in whichever process first writes the page, and pre-touched,
 because first writes into fresh tmpfs pages run ten times slower than memcpy (FACTS.md).
-Daemon side: no torch.
+
+Every file is created and opened relative to a directory descriptor the store verified, with
+``O_NOFOLLOW``, and a segment keeps its descriptor open: a worker is handed a descriptor of the
+very file the daemon verified (:meth:`Segment.descriptor`, passed over the local socket) and maps
+it with :func:`map_fd`, so nothing a path could be swapped to is ever mapped.
+Daemon side (and :func:`map_fd` in workers): no torch.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import stat
 
 import numpy as np
 
@@ -18,77 +24,109 @@ from elasticd.checkpoint.format import SnapshotError, SnapshotHeader
 from elasticd.checkpoint.reader import parse_header, verify_payload
 
 PAGE = mmap.PAGESIZE
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def map_file(path: str, size: int, *, writable: bool = True, populate: bool = True) -> mmap.mmap:
-    """Maps a slot file, e.g. in the worker process that writes a snapshot into it.
+def map_fd(fd: int, size: int, *, writable: bool = True, populate: bool = True) -> mmap.mmap:
+    """Maps a slot file from its descriptor (the caller keeps and closes ``fd``).
 
     Args:
-        path: the slot file (``Slot.path``).
-        size: bytes to map (``Slot.capacity``).
+        fd: the slot file, as the daemon handed it over (``ckpt_reserve`` read-write,
+            ``ckpt_open``/``ckpt_fetch`` read-only).
+        size: bytes to map (``capacity``, or ``offset + size``).
         writable: map read-write (the worker writing a snapshot) or read-only.
         populate: pre-fault the mapping (MAP_POPULATE), so the first snapshot through a fresh
             mapping does not take one page fault per 4 KiB while the training loop waits.
+
+    Raises:
+        ValueError: ``fd`` is not a regular file of at least ``size`` bytes.
     """
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size < size:
+        raise ValueError(f"descriptor {fd} is not a slot file of {size} bytes (a "
+                         f"{stat.filemode(st.st_mode)} of {st.st_size} bytes)")
     flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-    fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+    return mmap.mmap(fd, size, flags=flags, prot=prot)
+
+
+def map_file(path: str, size: int, *, writable: bool = True, populate: bool = True) -> mmap.mmap:
+    """Maps a slot file by path (tools and tests run by the daemon's user; workers get a
+    descriptor and use :func:`map_fd`)."""
+    fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | _OPEN_FLAGS)
     try:
-        return mmap.mmap(fd, size, flags=flags, prot=prot)
+        return map_fd(fd, size, writable=writable, populate=populate)
     finally:
         os.close(fd)
 
 
 class Segment:
-    """A slot file and the daemon's mapping of it.
+    """A slot file, its descriptor and the daemon's mapping of it.
 
     Attributes:
-        path, capacity: the file and its size.
+        path, capacity: the file (for messages and as the slot's identity) and its size.
         view: writable memoryview of the whole mapping.
         header: the sealed header of the complete snapshot it holds, or None.
         pins: readers that asked to keep it from being reused.
         ticket: the reservation currently writing into it (0 for none).
     """
 
-    def __init__(self, path: str, capacity: int, mm: mmap.mmap) -> None:
-        self.path, self.capacity, self._mm = path, capacity, mm
+    def __init__(self, path: str, name: str, capacity: int, mm: mmap.mmap, fd: int) -> None:
+        self.path, self.capacity, self._mm, self._fd = path, capacity, mm, fd
+        self.name = name  # relative to the store's root descriptor
+        st = os.fstat(fd)
+        self.identity = (st.st_dev, st.st_ino)  # what a worker's cached mapping is keyed on
         self.view = memoryview(mm)
         self.header: SnapshotHeader | None = None
         self.pins = 0
         self.ticket = 0
 
     @classmethod
-    def allocate(cls, path: str, capacity: int, mode: int = 0o600) -> "Segment":
-        """Creates ``path`` (which must not exist) with ``capacity`` bytes reserved and touched.
+    def allocate(cls, dir_fd: int, name: str, path: str, capacity: int,
+                 mode: int = 0o600) -> "Segment":
+        """Creates ``name`` relative to the directory ``dir_fd`` (it must not exist) with
+        ``capacity`` bytes reserved and touched; ``path`` is what it is called in messages.
 
         Raises:
             OSError: the file exists, or no room (ENOSPC); nothing is left behind.
         """
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, mode,
+                     dir_fd=dir_fd)
         try:
             os.posix_fallocate(fd, 0, capacity)
             mm = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED)
         except OSError:
-            os.unlink(path)
-            raise
-        finally:
             os.close(fd)
+            os.unlink(name, dir_fd=dir_fd)
+            raise
         # A write per page: the kernel allocates and zeroes it now, not during a snapshot.
         np.frombuffer(mm, dtype=np.uint8)[::PAGE] = 0
-        return cls(path, capacity, mm)
+        return cls(path, name, capacity, mm, fd)
 
     @classmethod
-    def open_verified(cls, path: str, job: str, rank: int) -> tuple["Segment | None", str]:
-        """Maps an existing slot file and checks that it holds a complete, intact snapshot of
-        (job, rank): header and every payload checksum.
+    def open_verified(cls, dir_fd: int, name: str, path: str, job: str,
+                      rank: int) -> tuple["Segment | None", str]:
+        """Maps an existing slot file and checks that it is the daemon's own (a regular file
+        owned by this uid, with no other link and no group or other write) holding a complete,
+        intact snapshot of (job, rank): header and every payload checksum.
 
         Returns:
             (segment, "") when good; (None, why) otherwise (the file is left for the caller).
         """
-        size = os.path.getsize(path)
-        if size == 0:
-            return None, "empty file"
-        mm = map_file(path, size, populate=False)
+        try:
+            fd = os.open(name, os.O_RDWR | _OPEN_FLAGS, dir_fd=dir_fd)
+        except OSError as exc:
+            return None, f"cannot open: {exc.strerror}"
+        try:
+            st = os.fstat(fd)
+            why = _foreign(st)
+            if why or st.st_size == 0:
+                os.close(fd)
+                return None, why or "empty file"
+            mm = map_fd(fd, st.st_size, populate=False)
+        except (OSError, ValueError) as exc:
+            os.close(fd)
+            return None, f"cannot map: {exc}"
         view = memoryview(mm)
         reason, header = "", None
         try:
@@ -99,13 +137,26 @@ class Segment:
         view.release()
         if reason:
             mm.close()
+            os.close(fd)
             return None, reason
-        segment = cls(path, size, mm)
+        segment = cls(path, name, st.st_size, mm, fd)
         segment.header = header
         return segment, ""
 
+    def descriptor(self, writable: bool) -> int:
+        """A new descriptor of this very file, for a worker (the caller closes it): read-write
+        for a reservation, read-only (a new open file description through ``/proc/self/fd``,
+        which names the open file, not a path) for a restore."""
+        if writable:
+            return os.dup(self._fd)
+        return os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_CLOEXEC)
+
     def unmap(self) -> None:
-        """Drops the daemon's mapping. Pages a reader still maps stay until it lets go."""
+        """Drops the daemon's mapping and descriptor. Pages a reader still maps stay until it
+        lets go."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         try:
             self.view.release()
             self._mm.close()
@@ -113,10 +164,23 @@ class Segment:
             # Someone still holds a view; the mapping goes when they drop it.
             pass
 
-    def destroy(self) -> None:
-        """Unlinks the file and unmaps it."""
+    def destroy(self, dir_fd: int) -> None:
+        """Unlinks the file (its name relative to ``dir_fd``, the store's root) and unmaps it."""
         try:
-            os.unlink(self.path)
+            os.unlink(self.name, dir_fd=dir_fd)
         except FileNotFoundError:
             pass
         self.unmap()
+
+
+def _foreign(st: os.stat_result) -> str:
+    """Why a file is not one the daemon made itself ("" when it is)."""
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"owned by uid {st.st_uid}, not the daemon's"
+    if st.st_nlink != 1:
+        return f"has {st.st_nlink} links"
+    if st.st_mode & 0o022:
+        return f"writable by others (mode {stat.S_IMODE(st.st_mode):#o})"
+    return ""

@@ -11,18 +11,24 @@ warning is logged per job and a counter goes up. At restore, workers list what i
 ``ckpt_release``) and report where they restored from (``ckpt_report``).
 
 When every local rank has completed a step, the step is offered to the :class:`Persister`.
-Slot files are handed to the job's user (the peer uid the local socket reports) when the daemon
-runs as root, so workers running as that user can map them. Daemon side: no torch.
+Slot files stay the daemon's (0600 in its 0700 shm dir): a worker never opens one by path, it
+maps the descriptor that comes with the reply (``_fds``, passed over the local socket with
+``SCM_RIGHTS``): read-write for ``ckpt_reserve``, read-only for ``ckpt_open`` and
+``ckpt_fetch`` — the very file the daemon verified, whatever the path names by then, and the
+same way whichever uid the job runs as. Daemon side: no torch.
 
 Ops (request fields → reply fields; errors are :class:`RequestError` replies):
 
-* ``ckpt_reserve`` job, rank, world_size, nbytes, [local_world_size], [step] → path, capacity,
-  ticket | skip, reason
+* ``ckpt_reserve`` job, rank, world_size, nbytes, [local_world_size], [step], [mapped
+  [[dev, ino], ...]] → path, capacity, ticket, file [dev, ino], and the slot's descriptor
+  (read-write) unless ``file`` is one of the ``mapped`` files the worker still maps | skip,
+  reason
 * ``ckpt_complete`` job, rank, ticket, header_size, [stall_seconds] → generation, step, bytes
 * ``ckpt_list`` job, [rank], [world_size] → ram {rank: [[gen, step], ...]}, persisted
   [[gen, step], ...], persist_root, progress [gen, step] | null, replicas {rank: [[gen, step],
   ...]} (copies of other nodes' shards held here; empty without a replicator)
-* ``ckpt_open`` job, rank, generation, step → path, offset, size, pin
+* ``ckpt_open`` job, rank, generation, step → path, offset, size, pin, and the slot's
+  descriptor (read-only)
 * ``ckpt_release`` pin → {}
 * ``ckpt_report`` job, rank, source, seconds, steps_lost, bytes, generation, step, [refused],
   [next_generation] → {}
@@ -53,7 +59,6 @@ import collections
 import dataclasses
 import json
 import logging
-import os
 import threading
 import time
 from typing import Any, Callable
@@ -114,6 +119,16 @@ def _get(msg: dict[str, Any], key: str, kind: type, default: Any = ...) -> Any:
     return value
 
 
+def _mapped(msg: dict[str, Any]) -> set[tuple[int, int]]:
+    """The ``mapped`` field of a reservation: (device, inode) pairs; anything else is ignored
+    (the worker then simply gets a descriptor)."""
+    value = msg.get("mapped")
+    if not isinstance(value, list):
+        return set()
+    return {(p[0], p[1]) for p in value[:8] if isinstance(p, list) and len(p) == 2
+            and all(type(v) is int for v in p)}
+
+
 class CheckpointService:
     """Serves the checkpoint ops for one node.
 
@@ -152,7 +167,6 @@ class CheckpointService:
         self._jobs: dict[str, _Job] = {}
         self._pins: dict[int, tuple[Any, str, float]] = {}
         self._next_pin = 0
-        self._granted: set[str] = set()
         self.counters: collections.Counter[str] = collections.Counter()
         self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=100)
         #: Called with each restore report (after it is logged), e.g. to record an event.
@@ -213,7 +227,8 @@ class CheckpointService:
             self._reserving += 1
         try:
             reply = self._reserve_slot(job, rank, world, nbytes, local_world, uid,
-                                       None if step is None or gen is None else (gen, step))
+                                       None if step is None or gen is None else (gen, step),
+                                       _mapped(msg))
         finally:
             with self._lock:
                 self._reserving -= 1
@@ -243,7 +258,8 @@ class CheckpointService:
 
     def _reserve_slot(self, job: str, rank: int, world: int, nbytes: int,
                       local_world: int | None, uid: Any,
-                      version: tuple[int, int] | None = None) -> dict[str, Any]:
+                      version: tuple[int, int] | None = None,
+                      mapped: set[tuple[int, int]] = frozenset()) -> dict[str, Any]:
         with self._lock:
             record = self._job(job)
             if record.world_size != world:  # a new world: its local ranks are seen afresh
@@ -262,12 +278,19 @@ class CheckpointService:
             return self._skip(job, rank, "busy", str(exc))
         except (ValueError, OSError) as exc:
             raise RequestError(f"cannot reserve a slot: {exc}") from exc
-        self._grant(slot.path, record.uid)
+        try:
+            identity, fd = self.store.handover(slot, mapped)
+        except (StaleSlot, OSError) as exc:  # a newer reservation of this rank took it
+            raise RequestError(f"cannot hand over the slot: {exc}") from exc
         with self._lock:
             record.slots[rank] = slot
             if record.failing.get(rank, "").startswith("over the memory cap"):
                 record.failing.pop(rank, None)
-        return {"path": slot.path, "capacity": slot.capacity, "ticket": slot.ticket}
+        reply = {"path": slot.path, "capacity": slot.capacity, "ticket": slot.ticket,
+                 "file": list(identity)}
+        if fd is not None:
+            reply["_fds"] = [fd]
+        return reply
 
     def quiesce(self, timeout: float, why: str = "the node is draining") -> bool:
         """Refuses new snapshots (workers get ``skip``) and waits up to ``timeout`` seconds
@@ -310,16 +333,6 @@ class CheckpointService:
             self.assess()  # failing snapshots count at once, not at the next daemon cycle
         self._emit("snapshot_skipped", job, reason)
         return {"skip": True, "reason": f"{reason}: {detail}"}
-
-    def _grant(self, path: str, uid: int | None) -> None:
-        """Gives a slot file to the job's user; its directories become traversable only."""
-        if uid is None or uid == 0 or os.geteuid() != 0 or path in self._granted:
-            return
-        rank_dir = os.path.dirname(path)
-        for directory in (self.store.root, os.path.dirname(rank_dir), rank_dir):
-            os.chmod(directory, 0o711)
-        os.chown(path, uid, -1)
-        self._granted.add(path)
 
     def _complete(self, msg: dict[str, Any]) -> dict[str, Any]:
         job, rank = _get(msg, "job", str), _get(msg, "rank", int)
@@ -457,6 +470,12 @@ class CheckpointService:
             raise RequestError(f"refused: {exc}") from exc
         if view is None:
             raise RequestError(f"{job} rank {rank} step {version} is not held here")
+        try:
+            fd = view.descriptor()
+        except OSError as exc:
+            view.release()
+            raise RequestError(f"cannot hand over {job} rank {rank} step {version}: "
+                               f"{exc}") from exc
         with self._lock:
             self._next_pin += 1
             pin = self._next_pin
@@ -465,12 +484,8 @@ class CheckpointService:
             # A shard an earlier (aborted) restore round fetched from a peer is in the local
             # store now, but it still came from the peer: say so, or recoveries get mislabelled.
             fetched = record is not None and (rank, *version) in record.fetched
-        # Until slots are handed over as descriptors: a slot not reserved by this caller (one
-        # fetched from a peer, or another rank's after a resize) must be readable by the job's
-        # user too. The local socket binds the caller to this job.
-        self._grant(view.path, msg.get("_peer", {}).get("uid"))
         return {"path": view.path, "offset": 0, "size": view.header.layout.total_size,
-                "pin": pin, "source": "peer" if fetched else "local"}
+                "pin": pin, "source": "peer" if fetched else "local", "_fds": [fd]}
 
     def _committed(self, msg: dict[str, Any]) -> dict[str, Any]:
         job = _get(msg, "job", str)
@@ -595,7 +610,6 @@ class CheckpointService:
         for view in views:
             view.release()
         self.store.remove_job(job)
-        self._granted = {p for p in self._granted if os.path.exists(p)}
 
     def unprotected(self, job: str | None) -> str:
         """``UNPROTECTED: <detail>`` while ``job`` is unprotected on this node, else ""."""

@@ -2,7 +2,13 @@
 
 The daemon, not the worker, owns the files (under ``/dev/shm/elasticd-<node>`` by default), so
 a snapshot survives the worker that wrote it, and a restarted daemon keeps every segment whose
-checksums verify (:meth:`SlotStore.scan`). Each (job, rank) has two slots: a snapshot is written
+checksums verify (:meth:`SlotStore.scan`). That name is predictable and ``/dev/shm`` is writable
+by every local user, so the root is checked at every start (:func:`claim_root`): it must be a
+directory (not a symlink) of the daemon's own, writable by nobody else, and is made 0700;
+anything else found there — a tree another user created first, with a crafted snapshot in it —
+is moved aside unread and a fresh root made exclusively. Every directory and file below it is
+then created and opened relative to the root's descriptor with ``O_NOFOLLOW``, and workers never
+open a slot by path: the daemon hands them a descriptor of the file it verified. Each (job, rank) has two slots: a snapshot is written
 into the one that does not hold the last complete snapshot, then sealed (header written last, see
 :func:`elasticd.checkpoint.format.seal`), so a crash mid-snapshot never costs the previous one.
 
@@ -16,10 +22,14 @@ turns into a skipped snapshot, a warning and a metric. No torch here: this is da
 from __future__ import annotations
 
 import dataclasses
+import errno
+import logging
 import os
 import re
 import shutil
+import stat
 import threading
+import uuid
 from typing import Any, Callable
 
 import numpy as np
@@ -35,11 +45,15 @@ from elasticd.checkpoint.api import (
 )
 from elasticd.checkpoint.format import SnapshotError, SnapshotHeader, invalidate, seal, write_header
 from elasticd.checkpoint.reader import SnapshotReader, verify_payload
-from elasticd.checkpoint.segment import PAGE, Segment, map_file
+from elasticd.checkpoint.segment import PAGE, Segment, map_fd, map_file
 
 __all__ = ["CommitPending", "OverBudget", "ScanResult", "Slot", "SlotBusy", "SlotStore",
-           "SlotStoreError", "SnapshotView", "StaleSlot", "default_root", "map_file"]
+           "SlotStoreError", "SnapshotView", "StaleSlot", "claim_root", "default_root",
+           "map_fd", "map_file"]
 
+log = logging.getLogger(__name__)
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _SEGMENT_RE = re.compile(r"(\d+)\.slot")
 
@@ -47,6 +61,66 @@ _SEGMENT_RE = re.compile(r"(\d+)\.slot")
 def default_root(node: str) -> str:
     """Where a node's slots live unless configured otherwise."""
     return f"/dev/shm/elasticd-{node}"
+
+
+def _foreign_dir(st: os.stat_result) -> str:
+    """Why a directory is not one only the daemon controls ("" when it is)."""
+    if not stat.S_ISDIR(st.st_mode):
+        return "not a directory"
+    if st.st_uid != os.geteuid():
+        return f"owned by uid {st.st_uid}, not by the daemon (uid {os.geteuid()})"
+    if st.st_mode & 0o022:
+        return f"writable by other users (mode {stat.S_IMODE(st.st_mode):#o})"
+    return ""
+
+
+def claim_root(root: str, attempts: int = 3) -> int:
+    """Returns a descriptor of ``root``, a directory of the daemon's own with mode 0700.
+
+    An existing root is used when it is a real directory owned by the daemon's uid and
+    writable by nobody else (a restarted daemon's, whose slots :meth:`SlotStore.scan` then
+    verifies); anything else at that name (a symlink, a file, another user's or a
+    world-writable directory) is renamed aside to ``<root>.foreign-<random>`` unread, with a
+    warning, and a new root is created exclusively.
+
+    Raises:
+        SlotStoreError: the name could not be claimed (someone keeps re-creating it), or the
+            foreign entry could not be moved aside.
+        OSError: the parent directory cannot be created or read.
+    """
+    root = os.path.abspath(root)
+    os.makedirs(os.path.dirname(root), mode=0o755, exist_ok=True)
+    why = ""
+    for _ in range(attempts):
+        try:
+            os.mkdir(root, 0o700)
+        except FileExistsError:
+            pass
+        try:
+            fd = os.open(root, _DIR_FLAGS)
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
+                raise
+            fd, why = -1, "a symlink or not a directory"
+        if fd >= 0:
+            why = _foreign_dir(os.fstat(fd))
+            if not why:
+                os.fchmod(fd, 0o700)
+                return fd
+            os.close(fd)
+        aside = f"{root}.foreign-{uuid.uuid4().hex[:12]}"
+        try:
+            os.rename(root, aside)  # renames the entry itself, never what a symlink names
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise SlotStoreError(f"shm dir {root} is {why} and cannot be moved aside ({exc}); "
+                                 "remove it, or pick another --shm-dir") from exc
+        log.warning("shm dir %s was %s: moved it aside to %s unread (nothing in it is used; "
+                    "remove it once inspected) and created a new one", root, why, aside)
+    raise SlotStoreError(f"shm dir {root} is {why} again after {attempts} attempts to move it "
+                         "aside: another user keeps re-creating it; pick another --shm-dir in "
+                         "a directory only root can write")
 
 
 @dataclasses.dataclass
@@ -80,6 +154,10 @@ class SnapshotView:
     def raw(self, name: str) -> memoryview:
         return self._reader.raw(name)
 
+    def descriptor(self) -> int:
+        """A new read-only descriptor of the slot file (for a worker; the caller closes it)."""
+        return self._segment.descriptor(writable=False)
+
     def release(self) -> None:
         if self._pinned:
             self._pinned = False
@@ -104,8 +182,8 @@ class SlotStore:
     def __init__(self, root: str, *, cap_bytes: int | None = None, file_mode: int = 0o600):
         if cap_bytes is not None and cap_bytes < 0:
             raise ValueError(f"cap_bytes must be >= 0 or None, got {cap_bytes}")
-        self.root, self.cap_bytes, self.file_mode = root, cap_bytes, file_mode
-        os.makedirs(root, mode=0o700, exist_ok=True)
+        self.root, self.cap_bytes, self.file_mode = os.path.abspath(root), cap_bytes, file_mode
+        self._fd = claim_root(self.root)
         self._pairs: dict[tuple[str, int], _Pair] = {}
         self._kept: dict[str, tuple[int, int]] = {}
         self._floors: dict[str, int] = {}
@@ -115,27 +193,37 @@ class SlotStore:
     # -- paths and allocation -------------------------------------------------------------
 
     def _dir(self, job: str, rank: int) -> str:
+        """(job, rank)'s directory, relative to the root."""
         if not isinstance(job, str) or not _JOB_RE.fullmatch(job):
             raise ValueError(f"job name {job!r} must match {_JOB_RE.pattern}")
         if type(rank) is not int or rank < 0:
             raise ValueError(f"rank must be an integer >= 0, got {rank!r}")
-        return os.path.join(self.root, job, str(rank))
+        return f"{job}/{rank}"
 
     def _pair(self, job: str, rank: int) -> _Pair:
         pair = self._pairs.get((job, rank))
         if pair is None:
             directory = self._dir(job, rank)
-            os.makedirs(directory, mode=0o700, exist_ok=True)
-            serials = [int(m.group(1)) for n in os.listdir(directory)
-                       if (m := _SEGMENT_RE.fullmatch(n))]
+            for name in (job, directory):
+                try:
+                    os.mkdir(name, 0o700, dir_fd=self._fd)
+                except FileExistsError:
+                    pass
+            fd = os.open(directory, _DIR_FLAGS, dir_fd=self._fd)
+            try:
+                serials = [int(m.group(1)) for n in os.listdir(fd)
+                           if (m := _SEGMENT_RE.fullmatch(n))]
+            finally:
+                os.close(fd)
             pair = self._pairs[(job, rank)] = _Pair(next_serial=max(serials, default=-1) + 1)
         return pair
 
     def _allocate(self, job: str, rank: int, pair: _Pair, capacity: int) -> Segment:
-        path = os.path.join(self._dir(job, rank), f"{pair.next_serial}.slot")
+        name = f"{self._dir(job, rank)}/{pair.next_serial}.slot"
         pair.next_serial += 1
         try:
-            return Segment.allocate(path, capacity, self.file_mode)
+            return Segment.allocate(self._fd, name, os.path.join(self.root, name), capacity,
+                                    self.file_mode)
         except OSError as exc:
             raise OverBudget(f"cannot allocate {capacity} bytes in {self.root}: {exc}",
                              capacity, self._held(), None) from exc
@@ -270,7 +358,7 @@ class SlotStore:
                 )
             if grow:
                 if current is not None:
-                    current.destroy()
+                    current.destroy(self._fd)
                     pair.segments[index] = None
                 pair.segments[index] = current = self._allocate(job, rank, pair, capacity)
             if fill:
@@ -327,6 +415,21 @@ class SlotStore:
             segment.header = sealed
             pair.latest, pair.reserved = pair.segments.index(segment), None
         return sealed
+
+    def handover(self, slot: Slot,
+                 mapped: set[tuple[int, int]] = frozenset()) -> tuple[tuple[int, int], int | None]:
+        """What a worker needs to write into a reserved slot: the file's identity (device,
+        inode) and a new read-write descriptor of it (the caller closes it) — or None instead
+        when the identity is in ``mapped``, the files the worker says it still maps (from a
+        descriptor handed over before), which spares a descriptor per snapshot.
+
+        Raises:
+            StaleSlot: the slot was reserved again, grown or removed since.
+        """
+        with self._lock:
+            segment = self._reserved_segment(slot)
+            fd = None if segment.identity in mapped else segment.descriptor(writable=True)
+            return segment.identity, fd
 
     def _reserved_segment(self, slot: Slot) -> Segment:
         pair = self._pairs.get((slot.job, slot.rank))
@@ -405,8 +508,8 @@ class SlotStore:
             pair = self._pairs.pop((job, rank), None)
             for seg in pair.segments if pair else ():
                 if seg is not None:
-                    seg.destroy()
-            shutil.rmtree(self._dir(job, rank), ignore_errors=True)
+                    seg.destroy(self._fd)
+            shutil.rmtree(self._dir(job, rank), ignore_errors=True, dir_fd=self._fd)
 
     def remove_job(self, job: str) -> None:
         """Drops every slot of ``job`` and its directory."""
@@ -417,8 +520,8 @@ class SlotStore:
             for key in [k for k in self._pairs if k[0] == job]:
                 for seg in self._pairs.pop(key).segments:
                     if seg is not None:
-                        seg.destroy()
-            shutil.rmtree(os.path.join(self.root, job), ignore_errors=True)
+                        seg.destroy(self._fd)
+            shutil.rmtree(job, ignore_errors=True, dir_fd=self._fd)
 
     def close(self, *, unlink: bool = True) -> None:
         """Unmaps everything; with ``unlink`` (the default) also deletes every slot file and the
@@ -429,18 +532,31 @@ class SlotStore:
                     if seg is None:
                         continue
                     if unlink:
-                        seg.destroy()
+                        seg.destroy(self._fd)
                     else:
                         seg.unmap()
             self._pairs.clear()
-        if unlink:
-            shutil.rmtree(self.root, ignore_errors=True)
+            fd, self._fd = self._fd, -1
+        if fd < 0:
+            return
+        try:
+            if unlink:
+                for name in os.listdir(fd):
+                    _remove(fd, name)
+                if _same_file(os.fstat(fd), self.root):  # not a successor's root
+                    os.rmdir(self.root)
+        except OSError as exc:
+            log.warning("cannot remove the shm dir %s: %s", self.root, exc)
+        finally:
+            os.close(fd)
 
     def scan(self) -> ScanResult:
         """Adopts the slot files found under the root (a restarted daemon's first call).
 
-        Keeps every segment whose header and payload checksums verify and that sits in its own
-        job/rank directory (the two newest per rank); removes everything else.
+        Keeps every segment that is the daemon's own file (see
+        :meth:`~elasticd.checkpoint.segment.Segment.open_verified`), whose header and payload
+        checksums verify and that sits in its own job/rank directory (the two newest per rank);
+        removes everything else. Nothing is followed through a symlink.
 
         Raises:
             RuntimeError: the store is already in use.
@@ -448,55 +564,51 @@ class SlotStore:
         kept: list[tuple[str, int, int, int]] = []
         removed: list[tuple[str, str]] = []
 
-        def drop(path: str, why: str) -> None:
+        def drop(name: str, why: str) -> None:
             # Anything under the root that is not a verified slot goes: nothing may leak.
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
-            elif os.path.lexists(path):
-                os.unlink(path)
-            removed.append((path, why))
+            _remove(self._fd, name)
+            removed.append((os.path.join(self.root, name), why))
 
         with self._lock:
             if self._pairs:
                 raise RuntimeError("scan() must run before the store is used")
-            for job in sorted(os.listdir(self.root)):
-                job_dir = os.path.join(self.root, job)
-                if (not _JOB_RE.fullmatch(job) or os.path.islink(job_dir)
-                        or not os.path.isdir(job_dir)):
-                    drop(job_dir, "not a job directory")
+            for job in sorted(os.listdir(self._fd)):
+                if not _JOB_RE.fullmatch(job) or _dir_problem(self._fd, job):
+                    drop(job, "not a job directory")
                     continue
-                for rank_name in sorted(os.listdir(job_dir)):
-                    rank_dir = os.path.join(job_dir, rank_name)
+                for rank_name in sorted(_listdir(self._fd, job)):
+                    rel = f"{job}/{rank_name}"
                     if (not rank_name.isdigit() or str(int(rank_name)) != rank_name
-                            or os.path.islink(rank_dir) or not os.path.isdir(rank_dir)):
-                        drop(rank_dir, "not a rank directory")
+                            or _dir_problem(self._fd, rel)):
+                        drop(rel, "not a rank directory")
                         continue
-                    self._adopt(job, int(rank_name), rank_dir, drop, kept)
-                if not os.listdir(job_dir):
-                    os.rmdir(job_dir)
+                    self._adopt(job, int(rank_name), rel, drop, kept)
+                if not _listdir(self._fd, job):
+                    os.rmdir(job, dir_fd=self._fd)
         return ScanResult(kept, removed)
 
     def _adopt(self, job: str, rank: int, rank_dir: str, drop: Callable[[str, str], None],
                kept: list[tuple[str, int, int, int]]) -> None:
         found: list[tuple[int, Segment]] = []
-        for name in sorted(os.listdir(rank_dir)):
-            path = os.path.join(rank_dir, name)
+        for name in sorted(_listdir(self._fd, rank_dir)):
+            rel = f"{rank_dir}/{name}"
             match = _SEGMENT_RE.fullmatch(name)
-            if not match or os.path.islink(path) or not os.path.isfile(path):
-                drop(path, "not a slot file")
+            if not match:
+                drop(rel, "not a slot file")
                 continue
-            segment, why = Segment.open_verified(path, job, rank)
+            segment, why = Segment.open_verified(self._fd, rel, os.path.join(self.root, rel),
+                                                 job, rank)
             if segment is None:
-                drop(path, why)
+                drop(rel, why)
             else:
                 found.append((int(match.group(1)), segment))
         if not found:
-            os.rmdir(rank_dir)
+            os.rmdir(rank_dir, dir_fd=self._fd)
             return
         found.sort(key=lambda f: f[1].header.version(), reverse=True)  # type: ignore[union-attr]
         for _, segment in found[2:]:
-            segment.destroy()
-            drop(segment.path, "older than the two newest snapshots of this rank")
+            segment.unmap()
+            drop(segment.name, "older than the two newest snapshots of this rank")
         pair = _Pair(next_serial=max(serial for serial, _ in found) + 1, latest=0)
         for i, (_, segment) in enumerate(found[:2]):
             pair.segments[i] = segment
@@ -504,3 +616,44 @@ class SlotStore:
             kept.append((job, rank, h.generation, h.step))  # type: ignore[union-attr]
         self._pairs[(job, rank)] = pair
 
+
+def _listdir(dir_fd: int, rel: str) -> list[str]:
+    """Names in ``rel`` (relative to ``dir_fd``, never through a symlink)."""
+    fd = os.open(rel, _DIR_FLAGS, dir_fd=dir_fd)
+    try:
+        return os.listdir(fd)
+    finally:
+        os.close(fd)
+
+
+def _dir_problem(dir_fd: int, rel: str) -> str:
+    """Why ``rel`` is not a directory of the daemon's own ("" when it is)."""
+    try:
+        fd = os.open(rel, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        return exc.strerror or "cannot open"
+    try:
+        return _foreign_dir(os.fstat(fd))
+    finally:
+        os.close(fd)
+
+
+def _remove(dir_fd: int, rel: str) -> None:
+    """Removes ``rel`` (relative to ``dir_fd``): a tree without following symlinks, or one
+    entry."""
+    try:
+        st = os.stat(rel, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(rel, dir_fd=dir_fd)
+    else:
+        os.unlink(rel, dir_fd=dir_fd)
+
+
+def _same_file(st: os.stat_result, path: str) -> bool:
+    try:
+        other = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (other.st_dev, other.st_ino)

@@ -4,7 +4,8 @@ In production that is :class:`elasticd.worker.client.DaemonClient` over the daem
 socket. :class:`InProcessTransport` calls a service's handlers directly in the same process —
 for unit tests, and for anything that wants the engine without a daemon — and pushes every
 request and reply through JSON exactly as the socket would, so a field that could not cross the
-real wire fails here too. Standard library only (no torch): both sides import it.
+real wire fails here too; descriptors a reply hands over (``"_fds"``) are duplicated for the
+caller and the handler's copies closed, as passing them over the socket does. Standard library only (no torch): both sides import it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import os
 from typing import Any, Callable, Mapping, Protocol
 
-from elasticd.daemon.local_api import RequestError
+from elasticd.daemon.local_api import RequestError, close_fds
 
 
 class Transport(Protocol):
@@ -57,4 +58,12 @@ class InProcessTransport:
             reply = handler(msg)
         except RequestError as exc:
             raise TransportError(f"elasticd refused {op!r}: {exc}") from exc
-        return json.loads(json.dumps(reply or {}, allow_nan=False))
+        reply = dict(reply or {})
+        handed = reply.pop("_fds", [])
+        try:
+            out = json.loads(json.dumps(reply, allow_nan=False))
+            if handed:
+                out["_fds"] = [os.dup(fd) for fd in handed]
+        finally:
+            close_fds(handed)
+        return out

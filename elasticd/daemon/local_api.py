@@ -18,6 +18,12 @@ connection's job and rank (:mod:`.local_binding`). Handlers receive the credenti
 ``msg["_peer"]`` (with ``"job"``, the job a bound connection belongs to), overwriting anything a
 client put there. Linux only (``SO_PEERCRED``).
 
+A reply may carry open file descriptors: a handler puts them in ``"_fds"`` (a list of ints it
+hands over), and the reply goes out in one ``sendmsg`` with them as ``SCM_RIGHTS`` ancillary
+data and ``"nfds"`` (their count) in the JSON; the daemon closes its copies once sent, or when
+the reply cannot be sent. This is how a worker gets the very slot file the daemon verified
+(:mod:`elasticd.checkpoint.service`) rather than re-opening a path.
+
 A handler's exception becomes an error reply and a log line, never a dead server; oversized or
 unparseable frames get an error reply when possible and close that connection only. No torch
 here: this is daemon code.
@@ -25,6 +31,7 @@ here: this is daemon code.
 
 from __future__ import annotations
 
+import array
 import collections
 import errno
 import logging
@@ -47,12 +54,13 @@ from elasticd.daemon.local_wire import (
 )
 
 __all__ = ["Handler", "LocalApiError", "LocalServer", "RequestError", "SocketInUse",
-           "UnsafeSocketPath"]
+           "UnsafeSocketPath", "close_fds"]
 
 log = logging.getLogger(__name__)
 
 #: Takes the request (its fields plus ``"_peer": {"pid", "uid", "gid"}``) and returns the
-#: reply's fields (None for none; ``id`` and ``ok`` are the envelope's and get overwritten).
+#: reply's fields (None for none; ``id`` and ``ok`` are the envelope's and get overwritten;
+#: ``_fds``, a list of descriptors, is passed to the worker and closed here).
 #: Runs on the connection's thread: handlers must be thread-safe, and quick — a slow handler
 #: delays only its own worker's next call.
 Handler = Callable[[dict[str, Any]], "dict[str, Any] | None"]
@@ -494,6 +502,8 @@ class LocalServer:
                                 bug=True)
         if result is None:
             result = {}
+        if isinstance(result, dict) and noreply:
+            close_fds(result.pop("_fds", ()))  # nobody to hand them to
         if not isinstance(result, dict):
             log.error("local API: handler for %r returned %s, not a dict", op,
                       type(result).__name__)
@@ -527,20 +537,41 @@ class LocalServer:
         return {"ok": False, "error": error}
 
     def _send(self, conn: socket.socket, reply: dict[str, Any]) -> bool:
+        fds = list(reply.pop("_fds", ()))
         try:
-            frame = encode(reply)
-        except FrameError as exc:
-            log.error("local API: reply %r is not JSON: %s", reply.get("id"), exc)
-            frame = encode({"id": reply.get("id"), "ok": False,
-                            "error": f"the daemon's reply could not be encoded: {exc}"})
+            if fds:
+                reply["nfds"] = len(fds)
+            try:
+                frame = encode(reply)
+            except FrameError as exc:
+                log.error("local API: reply %r is not JSON: %s", reply.get("id"), exc)
+                fds = close_fds(fds)
+                frame = encode({"id": reply.get("id"), "ok": False,
+                                "error": f"the daemon's reply could not be encoded: {exc}"})
+            try:
+                sent = 0
+                if fds:  # the descriptors travel with the frame's first bytes
+                    sent = conn.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                                   array.array("i", fds).tobytes())])
+                conn.sendall(memoryview(frame)[sent:])
+            except OSError as exc:
+                # Includes SO_SNDTIMEO expiring: a worker that stopped reading its replies.
+                if not self._stopping:
+                    log.info("local API: cannot reply (%s); closing the connection", exc)
+                return False
+            return True
+        finally:
+            close_fds(fds)
+
+
+def close_fds(fds: Iterable[int]) -> list[int]:
+    """Closes every descriptor (errors ignored: they are ours to drop); returns []."""
+    for fd in fds:
         try:
-            conn.sendall(frame)
-        except OSError as exc:
-            # Includes SO_SNDTIMEO expiring: a worker that stopped reading its replies.
-            if not self._stopping:
-                log.info("local API: cannot reply (%s); closing the connection", exc)
-            return False
-        return True
+            os.close(fd)
+        except OSError:
+            pass
+    return []
 
 
 def _shutdown(sock: socket.socket) -> None:

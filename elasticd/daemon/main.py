@@ -144,7 +144,7 @@ def _connect(settings: config.Settings) -> EtcdCoordinator:
 def _checkpoint_service(settings: config.Settings, daemon: Daemon) -> "Any":
     """The daemon-owned checkpoint slots, the persistent tier and the service workers call."""
     from elasticd.checkpoint.service import CheckpointService
-    from elasticd.checkpoint.shm import SlotStore
+    from elasticd.checkpoint.shm import SlotStore, SlotStoreError
     from elasticd.metrics import CheckpointSink
     from elasticd.persistence.persister import Persister
 
@@ -152,7 +152,7 @@ def _checkpoint_service(settings: config.Settings, daemon: Daemon) -> "Any":
     try:
         store = SlotStore(settings.shm_path, cap_bytes=cap)
         kept = store.scan()
-    except OSError as exc:
+    except (OSError, SlotStoreError) as exc:
         raise Fatal(f"shm_dir: cannot use {settings.shm_path} for checkpoint slots: {exc}; "
                     "pick another --shm-dir on a tmpfs") from exc
     if kept.kept or kept.removed:
@@ -180,15 +180,19 @@ def _replicator(settings: config.Settings, daemon: Daemon, store: "Any",
     if not secret or settings.replicas < 2:
         log.info("peer replication off (%s)", "no cluster secret" if not secret else "replicas=1")
         return None
-    from elasticd.checkpoint.shm import SlotStore
+    from elasticd.checkpoint.shm import SlotStore, SlotStoreError
     from elasticd.metrics import ReplicationSink
     from elasticd.replication.auth import AuthFailures
     from elasticd.replication.replicator import Replicator
     from elasticd.replication.server import ReplicaServer
     from elasticd.replication.shm_sink import ShmSink, replica_root
 
-    replicas = SlotStore(replica_root(settings.shm_path))
-    replicas.scan()
+    try:
+        replicas = SlotStore(replica_root(settings.shm_path))
+        replicas.scan()
+    except (OSError, SlotStoreError) as exc:
+        raise Fatal(f"shm_dir: cannot use {replica_root(settings.shm_path)} for peer replicas: "
+                    f"{exc}; pick another --shm-dir on a tmpfs") from exc
     sink = ShmSink(replicas, local=store, cap_bytes=cap)
     host, port = settings.replication_addr
     try:

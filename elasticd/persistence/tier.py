@@ -7,7 +7,17 @@
                                          /manifest.json          written last: the step is complete
 
 Every file appears atomically (written to a unique temporary name, fsynced, renamed, the
-directory fsynced), so a reader never sees half a file and a crash leaves only temporaries.
+directory fsynced), so a reader never sees half a file and a crash leaves only temporaries; a
+new job or step directory is fsynced into its parent, so a step is not lost with its directory
+entry after a power cut.
+
+The daemon may run as root and write for a job running as another user, so it never writes
+where that user could: job and step directories are the daemon's own (mode 0755: step names are
+not secret), created and opened relative to their parent's descriptor with ``O_NOFOLLOW`` and
+refused (:class:`TierError`) when they are anyone else's; files are created there and only then
+given to the job's user (0600, ``lchown`` relative to the directory descriptor), so that user —
+and no other job's — can read them back at restore. A manifest whose fields have the wrong type
+is ignored like an unreadable one (the restore falls back), never an exception.
 Several nodes write the ranks of one step into the same directory on a shared filesystem; each
 writes only its own ranks' files and markers. Whoever then sees every rank's marker writes the
 manifest — through ``link()`` of a complete temporary file, which fails with EEXIST for all but
@@ -23,6 +33,7 @@ sees it whole or not at all. No torch here.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -30,8 +41,9 @@ import logging
 import os
 import re
 import shutil
+import stat
 import uuid
-from typing import Any
+from typing import Any, Iterator
 
 from elasticd.checkpoint.format import CorruptSnapshot, SnapshotHeader
 from elasticd.persistence import safetensors_file
@@ -45,6 +57,9 @@ MANIFEST_VERSION = 1
 _STEP_RE = re.compile(r"step-(\d+)-(\d+)")
 _MARKER_RE = re.compile(r"rank-(\d+)\.json")
 _JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_XXH3_RE = re.compile(r"[0-9a-f]{16}")
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_DIR_MODE = 0o755
 
 
 class TierError(Exception):
@@ -65,16 +80,67 @@ class Manifest:
         return (self.generation, self.step)
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def _step_name(version: tuple[int, int]) -> str:
+    return f"step-{int(version[0])}-{int(version[1])}"
+
+
+def _tmp_name(name: str) -> str:
+    return f".{name}.{uuid.uuid4().hex[:12]}.tmp"
+
+
+def _in(dir_fd: int, name: str) -> str:
+    """A path to ``name`` inside the directory open as ``dir_fd`` (through the descriptor,
+    never re-walking the directory's own path)."""
+    return f"/proc/self/fd/{dir_fd}/{name}"
+
+
+def _own_dir(parent_fd: int, name: str, where: str) -> int:
+    """Opens the daemon's own directory ``name`` in ``parent_fd``, creating it (and fsyncing
+    it into the parent) when missing.
+
+    Raises:
+        TierError: it is a symlink, or not the daemon's (owned by another uid, or writable by
+            others): a job user could redirect what is written there.
+    """
+    created = False
     try:
-        os.fsync(fd)
-    finally:
+        os.mkdir(name, _DIR_MODE, dir_fd=parent_fd)
+        created = True
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise TierError(f"{where} is not a directory (a symlink?); refusing to write "
+                            "there: remove it") from exc
+        raise
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
         os.close(fd)
+        raise TierError(f"{where} belongs to uid {st.st_uid} with mode "
+                        f"{stat.S_IMODE(st.st_mode):#o}, not to the daemon (uid {os.geteuid()}) "
+                        "alone: refusing to write there (its owner could redirect the write); "
+                        "chown -R it to the daemon's user or move it away")
+    if created:
+        os.fsync(parent_fd)
+    return fd
 
 
-def _tmp_name(directory: str, name: str) -> str:
-    return os.path.join(directory, f".{name}.{uuid.uuid4().hex[:12]}.tmp")
+def _give(dir_fd: int, name: str, uid: int | None) -> None:
+    """Gives a file the daemon just created in its own directory to the job's user, so the
+    job's workers can read it back (never through a symlink)."""
+    if uid is not None and os.geteuid() == 0 and uid != 0:
+        os.chown(name, uid, -1, dir_fd=dir_fd, follow_symlinks=False)
+
+
+def _valid_record(record: Any, rank: int) -> bool:
+    """Whether a marker or manifest rank record has the fields a read needs, typed."""
+    return (isinstance(record, dict) and type(record.get("rank")) is int
+            and record["rank"] == rank and type(record.get("world_size")) is int
+            and type(record.get("bytes")) is int and record["bytes"] >= 0
+            and isinstance(record.get("xxh3_64"), str) and bool(_XXH3_RE.fullmatch(
+                record["xxh3_64"])) and isinstance(record.get("file"), str))
 
 
 def _write_json(path: str, obj: Any, mode: int) -> None:
@@ -106,35 +172,49 @@ class Tier:
         return os.path.join(self.root, job)
 
     def step_dir(self, job: str, version: tuple[int, int]) -> str:
-        return os.path.join(self.job_dir(job), f"step-{int(version[0])}-{int(version[1])}")
+        return os.path.join(self.job_dir(job), _step_name(version))
+
+    @contextlib.contextmanager
+    def _writable_step(self, job: str, version: tuple[int, int]) -> Iterator[int]:
+        """A descriptor of the step's directory, created when missing, verified the daemon's
+        own along with the job's (see :func:`_own_dir`)."""
+        self.job_dir(job)  # validates the name
+        root = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            job_fd = _own_dir(root, job, self.job_dir(job))
+        finally:
+            os.close(root)
+        try:
+            step_fd = _own_dir(job_fd, _step_name(version), self.step_dir(job, version))
+        finally:
+            os.close(job_fd)
+        try:
+            yield step_fd
+        finally:
+            os.close(step_fd)
 
     # -- writing --------------------------------------------------------------------------
 
     def write_rank(self, header: SnapshotHeader, buffer: Any, uid: int | None = None) -> dict:
         """Writes one rank's snapshot and its marker; returns the marker's record."""
-        directory = self.step_dir(header.job, header.version())
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        self._give(self.job_dir(header.job), uid)
-        self._give(directory, uid)
-        name = f"rank-{header.rank}.safetensors"
-        tmp = _tmp_name(directory, name)
-        nbytes, digest = safetensors_file.write(tmp, header, buffer, self.file_mode)
-        self._give(tmp, uid)
-        os.rename(tmp, os.path.join(directory, name))
-        record = {"rank": header.rank, "file": name, "bytes": nbytes, "xxh3_64": f"{digest:016x}",
-                  "world_size": header.world_size, "generation": header.generation,
-                  "step": header.step, "node": self.node_id}
-        tmp = _tmp_name(directory, f"rank-{header.rank}.json")
-        _write_json(tmp, record, self.file_mode)
-        self._give(tmp, uid)
-        # The marker goes after the data file: a marker always names a complete file.
-        os.rename(tmp, os.path.join(directory, f"rank-{header.rank}.json"))
-        _fsync_dir(directory)
+        with self._writable_step(header.job, header.version()) as fd:
+            name = f"rank-{header.rank}.safetensors"
+            tmp = _tmp_name(name)
+            nbytes, digest = safetensors_file.write(_in(fd, tmp), header, buffer,
+                                                    self.file_mode)
+            _give(fd, tmp, uid)
+            os.rename(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
+            record = {"rank": header.rank, "file": name, "bytes": nbytes,
+                      "xxh3_64": f"{digest:016x}", "world_size": header.world_size,
+                      "generation": header.generation, "step": header.step,
+                      "node": self.node_id}
+            tmp = _tmp_name(f"rank-{header.rank}.json")
+            _write_json(_in(fd, tmp), record, self.file_mode)
+            _give(fd, tmp, uid)
+            # The marker goes after the data file: a marker always names a complete file.
+            os.rename(tmp, f"rank-{header.rank}.json", src_dir_fd=fd, dst_dir_fd=fd)
+            os.fsync(fd)
         return record
-
-    def _give(self, path: str, uid: int | None) -> None:
-        if uid is not None and os.geteuid() == 0 and uid != 0:
-            os.chown(path, uid, -1)
 
     def try_finish(self, job: str, version: tuple[int, int], uid: int | None = None) -> bool:
         """Writes the step's manifest if every rank's marker is there and nobody has yet.
@@ -142,8 +222,13 @@ class Tier:
         Returns:
             True if this call created the manifest.
         """
-        directory = self.step_dir(job, version)
-        markers = self._markers(directory)
+        if not os.path.isdir(self.step_dir(job, version)):
+            return False
+        with self._writable_step(job, version) as fd:
+            return self._finish(fd, job, version, uid)
+
+    def _finish(self, fd: int, job: str, version: tuple[int, int], uid: int | None) -> bool:
+        markers = self._markers(fd, self.step_dir(job, version))
         if not markers:
             return False
         world = {m["world_size"] for m in markers.values()}
@@ -153,37 +238,35 @@ class Tier:
                     "generation": int(version[0]), "step": int(version[1]),
                     "world_size": len(markers),
                     "ranks": [markers[r] for r in sorted(markers)]}
-        tmp = _tmp_name(directory, MANIFEST)
-        _write_json(tmp, manifest, self.file_mode)
-        self._give(tmp, uid)
+        tmp = _tmp_name(MANIFEST)
+        _write_json(_in(fd, tmp), manifest, self.file_mode)
+        _give(fd, tmp, uid)
         try:
-            os.link(tmp, os.path.join(directory, MANIFEST))
+            os.link(tmp, MANIFEST, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
         except FileExistsError:
             return False
         finally:
-            os.unlink(tmp)
-        _fsync_dir(directory)
+            os.unlink(tmp, dir_fd=fd)
+        os.fsync(fd)
         return True
 
-    def _markers(self, directory: str) -> dict[int, dict[str, Any]]:
+    def _markers(self, fd: int, directory: str) -> dict[int, dict[str, Any]]:
         out = {}
-        try:
-            names = os.listdir(directory)
-        except FileNotFoundError:
-            return out
-        for name in names:
+        for name in os.listdir(fd):
             match = _MARKER_RE.fullmatch(name)
             if not match:
                 continue
             try:
-                with open(os.path.join(directory, name), "rb") as f:
+                marker = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                with open(marker, "rb") as f:
                     record = json.loads(f.read())
             except (OSError, ValueError) as exc:
                 log.warning("persistent tier: unreadable marker %s/%s: %s", directory, name, exc)
                 continue
-            if isinstance(record, dict) and record.get("rank") == int(match.group(1)) \
-                    and type(record.get("world_size")) is int:
+            if _valid_record(record, int(match.group(1))):
                 out[int(match.group(1))] = record
+            else:
+                log.warning("persistent tier: ignoring malformed marker %s/%s", directory, name)
         return out
 
     # -- reading --------------------------------------------------------------------------
@@ -205,9 +288,13 @@ class Tier:
             ranks = {int(r["rank"]): r for r in raw["ranks"]}
             m = Manifest(raw["job"], int(raw["generation"]), int(raw["step"]),
                          int(raw["world_size"]), ranks)
+            bad = [r for r, record in ranks.items() if not _valid_record(record, r)]
+            if bad:
+                raise ValueError(f"rank record(s) {bad} lack an integer bytes, a 16-digit hex "
+                                 "xxh3_64 or a file name")
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             log.warning("persistent tier: ignoring unreadable manifest %s: %s", path, exc)
             return None
         if raw.get("format") != MANIFEST_FORMAT or m.version() != tuple(version) \
@@ -226,11 +313,18 @@ class Tier:
         out = []
         for version in self._versions(job):
             m = self.manifest(job, version)
-            if m is None and repair and self.try_finish(job, version):
+            if m is None and repair and self._repair(job, version):
                 m = self.manifest(job, version)
             if m is not None:
                 out.append(m)
         return out
+
+    def _repair(self, job: str, version: tuple[int, int]) -> bool:
+        try:
+            return self.try_finish(job, version)
+        except (OSError, TierError) as exc:  # e.g. a worker, which may not write here
+            log.debug("persistent tier: cannot complete %s step %s here: %s", job, version, exc)
+            return False
 
     def read(self, job: str, version: tuple[int, int], rank: int) -> PersistedSnapshot:
         """Reads and verifies one rank of a complete step.

@@ -7,6 +7,9 @@ daemon was restarted. Two kinds of calls:
 
 * :meth:`DaemonClient.call` — a request and its reply, with a timeout; the daemon's refusal is a
   :class:`DaemonError`, a missing daemon a :class:`DaemonUnavailable`.
+  A reply may hand over open file descriptors (a checkpoint slot the daemon verified):
+  they arrive as ``SCM_RIGHTS`` with the reply's first bytes and are returned, open, in
+  ``reply["_fds"]`` — the caller owns and closes them.
 * :meth:`DaemonClient.send` — one-way (``"noreply"``), for the hot path: a single non-blocking
   ``send`` of a few dozen bytes. When the daemon is gone or behind, the message is dropped and
   counted, never raised: a progress report must not stop training.
@@ -18,6 +21,8 @@ connection rather than writing into its parent's.
 
 from __future__ import annotations
 
+import array
+import collections
 import dataclasses
 import itertools
 import logging
@@ -47,6 +52,8 @@ JOB_ENV = "ELASTICD_JOB"
 _SEND_FLAGS = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
 _RECONNECT_BACKOFF = 1.0  # after a failed connect, one-way sends drop without retrying this long
 _CONNECT_TIMEOUT = 1.0
+_MAX_FDS = 8  # descriptors one read may carry (a reply carries at most one today)
+_RECV_FLAGS = socket.MSG_DONTWAIT | getattr(socket, "MSG_CMSG_CLOEXEC", 0)
 
 
 class DaemonClientError(Exception):
@@ -150,6 +157,7 @@ class DaemonClient:
         self._sock: socket.socket | None = None
         self._poll: Any = None
         self._rbuf = bytearray()
+        self._fds: collections.deque[int] = collections.deque()  # received, not yet claimed
         self._retry_at = 0.0
         self._dropping = False
 
@@ -173,7 +181,8 @@ class DaemonClient:
     # -- calls ----------------------------------------------------------------------------
 
     def call(self, op: str, *, timeout: float | None = None, **fields: Any) -> dict[str, Any]:
-        """Sends a request and returns the reply's fields (without ``id`` and ``ok``).
+        """Sends a request and returns the reply's fields (without ``id`` and ``ok``); file
+        descriptors the daemon handed over are in ``"_fds"`` (open: the caller closes them).
 
         A connection found broken while sending (the daemon restarted) is re-opened once and
         the request sent again; one that breaks after the request went out is not, since the
@@ -317,6 +326,8 @@ class DaemonClient:
         if self._sock is not None:
             self._sock.close()
         self._sock, self._poll, self._rbuf = None, None, bytearray()
+        _close_all(self._fds)
+        self._fds.clear()
 
     def _dropped(self, reason: str) -> bool:
         self.dropped += 1
@@ -366,6 +377,7 @@ class DaemonClient:
             got = msg.get("id")
             if got == rid:
                 return msg
+            _close_all(msg.pop("_fds", ()))
             if got is None:
                 # About the connection, not a request (refused, or a frame it could not read);
                 # the daemon closes it.
@@ -391,7 +403,7 @@ class DaemonClient:
                     body = bytes(buf[LENGTH.size:end])
                     del buf[:end]
                     try:
-                        return decode(body)
+                        return self._claim_fds(decode(body))
                     except FrameError as exc:
                         self._lost(sock)
                         raise DaemonUnavailable(f"elasticd sent a bad frame: {exc}") from exc
@@ -407,13 +419,23 @@ class DaemonClient:
             if not poller.poll(int(left * 1000) + 1):
                 continue
             try:
-                chunk = sock.recv(65536, socket.MSG_DONTWAIT)
+                chunk, ancillary, flags, _ = sock.recvmsg(
+                    65536, socket.CMSG_SPACE(_MAX_FDS * _FD.itemsize), _RECV_FLAGS)
             except BlockingIOError:
                 continue
             except OSError as exc:
                 self._lost(sock)
                 raise DaemonUnavailable(f"connection to elasticd at {self.path} broke while "
                                         f"waiting for {op!r}: {exc}") from exc
+            for level, kind, data in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds = array.array("i")
+                    fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+                    self._fds.extend(fds)
+            if flags & socket.MSG_CTRUNC:
+                self._lost(sock)  # some descriptors were dropped: replies cannot be matched
+                raise DaemonUnavailable(f"elasticd at {self.path} sent more descriptors than "
+                                        "one read takes")
             if not chunk:
                 self._lost(sock)
                 raise DaemonUnavailable(
@@ -421,7 +443,34 @@ class DaemonClient:
                     "(it may or may not have acted on it)")
             buf += chunk
 
+    def _claim_fds(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Moves the descriptors a frame announces (``nfds``) from the received queue into
+        ``msg["_fds"]``: they arrived with the frame's first bytes, so they are first in line.
+
+        Raises:
+            FrameError: the frame announces descriptors that did not arrive.
+        """
+        count = msg.pop("nfds", 0)
+        if not count:
+            return msg
+        if type(count) is not int or not 0 < count <= len(self._fds):
+            raise FrameError(f"the reply announces {count!r} descriptors; "
+                             f"{len(self._fds)} arrived")
+        msg["_fds"] = [self._fds.popleft() for _ in range(count)]
+        return msg
+
     def _lost(self, sock: socket.socket) -> None:
         with self._write_lock:
             if self._sock is sock:
                 self._disconnect()
+
+
+_FD = array.array("i")
+
+
+def _close_all(fds: Any) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass

@@ -253,15 +253,26 @@ def test_remove_job_deletes_slots_and_pins(env, root):
     assert service.store.holdings() == [("kept", 0, 0, 1)]
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root")
-def test_slots_are_given_to_the_job_user(env, root):
+def test_slots_stay_the_daemons_and_come_as_descriptors(env, root):
     service, _, _ = env
     t = InProcessTransport(service.handlers(), uid=4321)
     reply = t.call("ckpt_reserve", job="job", rank=0, world_size=1, nbytes=5000)
-    assert os.stat(reply["path"]).st_uid == 4321
+    [fd] = reply["_fds"]
+    try:
+        held, named = os.fstat(fd), os.stat(reply["path"])
+        assert (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino)
+        assert os.get_blocking(fd) and os.O_RDWR & _flags(fd) == os.O_RDWR
+    finally:
+        os.close(fd)
+    assert named.st_uid == os.geteuid() and stat.S_IMODE(named.st_mode) == 0o600
     for directory in (root, os.path.join(root, "job"), os.path.join(root, "job", "0")):
         st = os.stat(directory)
-        assert st.st_uid == 0 and stat.S_IMODE(st.st_mode) == 0o711
+        assert st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o700
+
+
+def _flags(fd):
+    with open(f"/proc/self/fdinfo/{fd}") as f:
+        return int(next(line for line in f if line.startswith("flags:")).split()[1], 8)
 
 
 def test_restarted_service_adopts_progress_from_scanned_slots(root):

@@ -268,3 +268,46 @@ def test_failed_flush_is_reported_not_raised(tmp_path, monkeypatch):
         assert views[0].released and p.stats()["failed"] == 1
     finally:
         p.close()
+
+
+@pytest.mark.parametrize("field,value", [("bytes", "lots"), ("xxh3_64", 12),
+                                         ("xxh3_64", "not-hex-at-all!!"), ("file", None)])
+def test_a_malformed_manifest_makes_the_restore_fall_back_not_crash(tmp_path, field, value):
+    pytest.importorskip("torch")  # the worker's restore; installed in CI
+    from elasticd.checkpoint.restore import Sources
+
+    tier = Tier(str(tmp_path))
+    header, buf = snapshot(world=1)
+    tier.write_rank(header, buf)
+    assert tier.try_finish("job", header.version())
+    path = os.path.join(tier.step_dir("job", header.version()), MANIFEST)
+    with open(path) as f:
+        raw = json.load(f)
+    raw["ranks"][0][field] = value
+    os.unlink(path)
+    with open(path, "w") as f:
+        json.dump(raw, f)
+    sources = Sources(None, "job", 0, 1, str(tmp_path))
+    sources.persisted = {header.version()}  # listed just before the manifest went bad
+    refused: list[str] = []
+    assert sources.fetch(header.version(), refused) is None  # raised on the worker before
+    assert len(refused) == 1 and refused[0].startswith("persistent step (0, 3)")
+    assert tier.manifest("job", header.version()) is None  # nor listed as complete
+
+
+def test_new_job_and_step_directories_are_fsynced_into_their_parents(tmp_path, monkeypatch):
+    synced: list[str] = []
+    real = os.fsync
+
+    def spy(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    tier = Tier(str(tmp_path / "tier"))
+    header, buf = snapshot(world=1)
+    tier.write_rank(header, buf)
+    for directory in (str(tmp_path / "tier"), tier.job_dir("job"),
+                      tier.step_dir("job", header.version())):
+        assert directory in synced, synced
+    assert synced.index(str(tmp_path / "tier")) < synced.index(tier.job_dir("job"))
