@@ -33,6 +33,8 @@ import urllib.error
 import urllib.request
 from typing import Any, Callable
 
+from elasticd.launcher import JOB_USER
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "examples", "train.py")
 JOB = "fuzzed"
@@ -236,7 +238,7 @@ def bad_record_lines(cluster: Any, text: bool = False) -> dict[str, Any]:
     return out
 
 
-def submit(cluster: Any, user: str = "root") -> None:
+def submit(cluster: Any, user: str = JOB_USER) -> None:
     res = subprocess.run(
         [sys.executable, "-m", "elasticd.cli.main", "submit", JOB, "--nnodes",
          str(len(cluster.nodes)), "--nproc-per-node", "1", "--user", user, "--", TRAIN,
@@ -297,7 +299,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--count", type=int, default=10_000)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--user", default="root", help="the job's user (--user of submit)")
+    p.add_argument("--user", default=JOB_USER, help="the job's user (--user of submit; "
+                   "default: nobody under root, else yourself)")
     p.add_argument("--out", default="")
     args = p.parse_args()
     from elasticd.launcher import LocalCluster

@@ -15,6 +15,10 @@ def test_corrupt_replica_is_refused_and_the_tier_used(tmp_path, reference):
     shape = Shape(persist_every=5)
     plan = FaultPlan().kill_node("n2", at_step=22).corrupt_replicas("n2")
     out = ChaosCluster(tmp_path, shape).run(plan)
-    out.assert_all(sources=[{"persistent"}], reference=reference(shape))
+    # The dead node's shard comes from the tier. The survivors' shards of the same step may
+    # come from RAM (theirs, or a peer's when torch gave a survivor another rank) when the
+    # committed step is the persisted one: one step on every rank either way.
+    out.assert_all(sources=[{"persistent", "peer", "local"}], must=["persistent"],
+                   reference=reference(shape))
     text = "".join(out.log_text(n) for n in out.cc.nodes)
     assert "checksum" in text, "no worker reported the checksum mismatch"

@@ -98,7 +98,7 @@ def test_root_daemons_secured_etcd_unprivileged_job_survives_kill_9():
         res = subprocess.run(
             [sys.executable, "-m", "elasticd.cli.main", "submit", "job", "--nnodes", "2:3",
              "--nproc-per-node", "1", "--user", JOB_USER, "--cwd", workdir, "--", TRAIN,
-             "--steps", "100000", "--step-time", "0.05", "--zero"],
+             "--steps", "100000", "--step-time", "0.05"],
             env={**os.environ, **env, "ELASTICD_ETCD": cluster.etcd,
                  "ELASTICD_PREFIX": cluster.prefix},
             capture_output=True, text=True, timeout=60)
