@@ -772,7 +772,9 @@ class Daemon:
             self._put_record(self.registered_lease)  # LeaseLost: re-registered this cycle
         if self.replicator is not None:
             self.replicator.republish()
-        self._notes.append(f"etcd lost its data ({loss.reason}); re-published {specs} job "
+        # Not the log line's words again: the cycle sentence is logged too, and the loss is
+        # said once.
+        self._notes.append(f"recovered from an etcd data loss; re-published {specs} job "
                            "spec(s)")
         if loss.first:
             self._record_event("etcd_data_lost", f"etcd lost its data: {loss.reason}",

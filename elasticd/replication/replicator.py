@@ -157,7 +157,7 @@ class Replicator:
                 if committed is not None:
                     record_commit(self.coord, self.keys, job, committed)
             except (CoordinationError, CommitConflict) as exc:
-                self.tracker.etcd_error("write its records again after etcd lost its data", exc)
+                self.tracker.etcd_error("write its records again after an etcd data loss", exc)
             self.tracker.republish_record(job)
 
     def start_generation(self, job: str, generation: int) -> None:

@@ -52,10 +52,10 @@ class _WatchedCluster(ChaosCluster):
 
 
 def test_etcd_wiped_during_training_the_job_goes_on(tmp_path):
-    shape = Shape(nodes=("n1", "n2", "n3"), standby=(), nnodes="2:3", steps=120,
+    shape = Shape(nodes=("n1", "n2", "n3"), standby=(), nnodes="2:3", steps=150,
                   step_time=0.1, etcd_members=1)
     cc = _WatchedCluster(tmp_path, shape)
-    out = cc.run(FaultPlan().wipe_etcd(at_step=40), timeout=200)
+    out = cc.run(FaultPlan().wipe_etcd(at_step=80), timeout=200)
     wipe = out.faults[0]
     back = wipe.at  # the fault returns once etcd is healthy again: measure from its end
     print(f"etcd back at {back:.2f}; every peer seen at "
