@@ -21,6 +21,7 @@ import pytest
 from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endpoints
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.rendezvous import NATIVE_BACKEND_NAME
+from tests.integration.test_torchrun_plain import _kill_group
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "allreduce.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -43,14 +44,6 @@ def _start(server, prefix: str, run_id: str, nnodes: str, node: int, tmp_path,
         ], stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True, env=env)
     return proc, out
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
 
 
 def _round(client: EtcdCoordinator, prefix: str, run_id: str) -> dict | None:
