@@ -167,10 +167,20 @@ class NodeProcess:
                 with urllib.request.urlopen(f"http://{self.address}{path}", timeout=timeout) as resp:
                     body = resp.read()
                 break
-            except urllib.error.URLError:
+            except urllib.error.URLError as exc:
                 # One refused connect was seen once on a loaded machine; a second try tells a
                 # blip from a dead endpoint.
-                if attempt == attempts - 1 or not self.running:
+                if not self.running:
+                    # Say why: a refused connect alone left a CI failure unexplained.
+                    code = self.proc.returncode if self.proc is not None else None
+                    try:
+                        tail = self.log_text().splitlines()[-15:]
+                    except OSError:
+                        tail = []
+                    raise urllib.error.URLError(
+                        f"{exc.reason}: daemon {self.node_id} is not running (exit code "
+                        f"{code}); its log ends: {tail}") from exc
+                if attempt == attempts - 1:
                     raise
                 time.sleep(0.2)
         return json.loads(body) if path.startswith("/status") else body.decode()

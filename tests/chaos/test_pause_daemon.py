@@ -31,7 +31,9 @@ def test_sigstop_daemon_without_standby_restores_the_committed_step(tmp_path):
     # paused node from the one peer that holds it. This run once restored step 0 (a "fresh
     # start"): a step was committed naming a holder that had overwritten its copy (the commit
     # race, docs/replication.md); assert_steps_lost checks the committed step is restored.
-    shape = Shape(standby=(), nnodes="2:3", zero=False, steps=60, step_time=0.1)
+    # 150 steps: the grow when n2 returns (6 s pause, then its rejoin) must come before the
+    # job's end; at 60 steps the faster recovery let the job finish at world 2 first.
+    shape = Shape(standby=(), nnodes="2:3", zero=False, steps=150, step_time=0.1)
     plan = FaultPlan().pause_daemon("n2", seconds=3 * shape.lease_ttl, at_step=15)
     out = ChaosCluster(tmp_path, shape).run(plan)
     # Two recoveries: the shrink to two nodes, and the grow when n2 comes back. Whether a
