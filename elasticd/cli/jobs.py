@@ -11,11 +11,11 @@ import argparse
 import time
 from typing import Any
 
-from elasticd.agent import spec as jobspec
-from elasticd.agent.spec import JobControl, JobSpec, NodeJobStatus
 from elasticd.cli import options
 from elasticd.cli.errors import CommandFailed, confirm
 from elasticd.cli.output import Table
+from elasticd.cluster import jobspec
+from elasticd.cluster.jobspec import JobControl, JobSpec, NodeJobStatus
 from elasticd.coordination import records
 from elasticd.coordination.api import Compare, Coordinator, Put
 from elasticd.coordination.keys import Keyspace

@@ -29,7 +29,7 @@ from elasticd.checkpoint.format import (
 from elasticd.checkpoint.service import CheckpointService
 from elasticd.checkpoint.shm import SlotStore
 from elasticd.checkpoint.telemetry import RecordingSink as Sink
-from elasticd.checkpoint.transport import InProcessTransport, TransportError
+from elasticd.local.transport import InProcessTransport, TransportError
 from elasticd.persistence.persister import Persister
 from elasticd.persistence.tier import Tier
 
@@ -290,7 +290,7 @@ def test_restarted_service_adopts_progress_from_scanned_slots(root):
 
 
 def test_daemon_side_modules_do_not_import_torch():
-    modules = ["elasticd", "elasticd.checkpoint.service", "elasticd.checkpoint.transport",
+    modules = ["elasticd", "elasticd.checkpoint.service", "elasticd.local.transport",
                "elasticd.checkpoint.telemetry", "elasticd.persistence.persister",
                "elasticd.persistence.tier"]
     code = f"import sys, {', '.join(modules)}; sys.exit('torch' in sys.modules)"
