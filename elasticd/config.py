@@ -22,11 +22,12 @@ if TYPE_CHECKING:
 
 from elasticd.coordination.etcd import EtcdSettings, parse_endpoints
 from elasticd.coordination.keys import check_name, check_prefix
+from elasticd.errors import ElasticdError
 
 ENV_PREFIX = "ELASTICD_"
 
 
-class ConfigError(ValueError):
+class ConfigError(ElasticdError, ValueError):
     """A setting has a bad value; the message names it and says what to do."""
 
 
@@ -35,7 +36,7 @@ class ConfigError(ValueError):
 MIN_SECRET_BYTES = 16
 
 
-class SecretFileError(ValueError):
+class SecretFileError(ElasticdError, ValueError):
     """The cluster secret file is missing, not a file, too open, or unreadable."""
 
 

@@ -34,8 +34,7 @@ PUSH_FAILURE_REASONS = ("unreachable", "no_address", "connection", "remote", "so
                         "rereplication", "stale", "in_progress", "no_space", "other")
 #: Label values of elasticd_replica_fetch_failures_total (elasticd.replication.recovery).
 FETCH_FAILURE_REASONS = ("missing", "corrupt", "unreachable", "no_address", "lost", "other")
-#: Label values of elasticd_jobs_unprotected (elasticd.checkpoint.protection.REASONS: metrics
-#: imports no domain module, tests/unit/test_protection.py checks that they agree).
+#: Label values of elasticd_jobs_unprotected (checkpoint.protection.REASONS; a test compares).
 UNPROTECTED_REASONS = ("snapshots_failing", "no_placement", "commit_lag")
 #: Label values of elasticd_replication_connections_rejected_total.
 REJECT_REASONS = ("auth", "version", "tls")

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from elasticd.errors import ElasticdError
 
-class SlotStoreError(Exception):
+
+class SlotStoreError(ElasticdError):
     """Base class of the slot store's errors."""
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from elasticd.cli import options
 from elasticd.cli.errors import CommandFailed, confirm
 from elasticd.cli.output import Table
+from elasticd.cli.replicas import live_nodes
 from elasticd.cluster import jobspec
 from elasticd.cluster.jobspec import JobControl, JobSpec, NodeJobStatus
 from elasticd.coordination import records
@@ -184,14 +185,9 @@ def cmd_stop(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> An
 def cmd_logs(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> Any:
     if coord.get(keys.job_spec(args.name)) is None:
         raise CommandFailed(f"no job named {args.name!r} (see: elasticctl jobs)")
-    hosts = {}
-    nkvs, _ = coord.get_prefix(keys.nodes)
-    for kv in nkvs:
-        try:
-            hosts[keys.node_of(kv.key)] = records.decode(kv.value, "node", kv.key)["hostname"]
-        except (records.RecordError, KeyError, ValueError):
-            continue
-    return [{"node": s.node, "state": s.state, "hostname": hosts.get(s.node, "?"), "log": s.log}
+    nodes = live_nodes(coord, keys)
+    return [{"node": s.node, "state": s.state,
+             "hostname": nodes.get(s.node, {}).get("hostname", "?"), "log": s.log}
             for s in _node_statuses(coord, keys, args.name)]
 
 

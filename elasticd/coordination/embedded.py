@@ -20,17 +20,19 @@ import tempfile
 import time
 from typing import Sequence
 
+from elasticd.errors import ElasticdError
+
 ETCD_INSTALL_HINT = (
     "no etcd binary on PATH: install one (Debian/Ubuntu: `apt-get install etcd-server`), "
     "or point elasticd at a running cluster with --etcd HOST:PORT"
 )
 
 
-class EtcdNotFound(RuntimeError):
+class EtcdNotFound(ElasticdError, RuntimeError):
     """The ``etcd`` binary is not installed."""
 
 
-class EtcdStartError(RuntimeError):
+class EtcdStartError(ElasticdError, RuntimeError):
     """etcd was started but did not become healthy."""
 
 

@@ -53,6 +53,7 @@ from elasticd.coordination.api import (
 from elasticd.coordination.health import EtcdHealth
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.lease import LeaseKeeper
+from elasticd.errors import ElasticdError
 from elasticd.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ _RESYNC_SECONDS = 30.0
 FenceHook = Callable[[str], None]
 
 
-class NodeIdInUse(RuntimeError):
+class NodeIdInUse(ElasticdError, RuntimeError):
     """Another live daemon holds this node id."""
 
 

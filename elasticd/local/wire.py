@@ -1,5 +1,4 @@
-"""Framing of the local channel between a node's daemon and its training workers, and the
-error a handler raises to refuse a request.
+"""The local channel between a node's daemon and its workers: framing, and the request error.
 
 Both ends import this module: the daemon (:mod:`elasticd.daemon.local_api`) and every worker
 process (:mod:`elasticd.worker.client`). It therefore uses the standard library only — a worker
@@ -27,13 +26,15 @@ import os
 import struct
 from typing import Any, Iterable
 
+from elasticd.errors import ElasticdError
+
 LENGTH = struct.Struct("!I")
 DEFAULT_MAX_MESSAGE = 1 << 20
 
 _encoder = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
-class FrameError(ValueError):
+class FrameError(ElasticdError, ValueError):
     """Bytes that are not a valid frame of this protocol."""
 
 
@@ -76,7 +77,7 @@ def decode(body: bytes) -> dict[str, Any]:
     return message
 
 
-class RequestError(Exception):
+class RequestError(ElasticdError):
     """Raised by a handler to refuse a request: the message goes to the worker as the error.
 
     Unlike any other exception, it is logged without a traceback: it is an expected answer

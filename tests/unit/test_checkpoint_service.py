@@ -28,10 +28,21 @@ from elasticd.checkpoint.format import (
 )
 from elasticd.checkpoint.service import CheckpointService
 from elasticd.checkpoint.shm import SlotStore
-from elasticd.checkpoint.telemetry import RecordingSink as Sink
 from elasticd.local.transport import InProcessTransport, TransportError
 from elasticd.persistence.persister import Persister
 from elasticd.persistence.tier import Tier
+
+
+class Sink:
+    """A metrics sink that keeps every event as a tuple."""
+
+    def __init__(self):
+        self.events = []
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return lambda *args: self.events.append((name, *args))
 
 
 @pytest.fixture
