@@ -5,7 +5,7 @@ The service never defines Prometheus objects itself (every metric lives in
 for histograms and labelled counters) and offers plain numbers through
 ``CheckpointService.stats()`` (for gauges and totals a custom collector reads at scrape time).
 :data:`RECOMMENDED` lists the metrics to define, with their type and where the value comes
-from. No labels carry a job, step or rank: a node runs one job at a time (DESIGN.md), and
+from. No labels carry a job, step or rank: a node runs one job at a time (docs/architecture.md, "Jobs"), and
 per-step labels would explode cardinality. No torch.
 """
 
