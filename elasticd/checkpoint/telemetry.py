@@ -4,8 +4,9 @@ The service never defines Prometheus objects itself (every metric lives in
 :mod:`elasticd.metrics`): it calls an optional sink with events (:class:`CheckpointMetrics`,
 for histograms and labelled counters) and offers plain numbers through
 ``CheckpointService.stats()`` (for gauges and totals a custom collector reads at scrape time).
-No labels carry a job, step or rank: a node runs one job at a time, and per-step labels would
-explode cardinality. No torch.
+The metric names are defined once, there. No labels carry a job, step or rank: a node runs one
+job at a time (docs/architecture.md, "Jobs"), and per-step labels would explode cardinality.
+No torch.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Protocol
 
 #: Restore sources, the values of the ``source`` label.
 RESTORE_SOURCES = ("local", "peer", "persistent", "none")
+#: Why a snapshot was skipped, the values of the ``reason`` label.
+SKIP_REASONS = ("over_budget", "busy", "commit_pending")
 
 
 class CheckpointMetrics(Protocol):
