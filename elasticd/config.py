@@ -22,12 +22,11 @@ if TYPE_CHECKING:
 
 from elasticd.coordination.etcd import EtcdSettings, parse_endpoints
 from elasticd.coordination.keys import check_name, check_prefix
-from elasticd.errors import ElasticdError
 
 ENV_PREFIX = "ELASTICD_"
 
 
-class ConfigError(ElasticdError, ValueError):
+class ConfigError(ValueError):
     """A setting has a bad value; the message names it and says what to do."""
 
 
@@ -36,7 +35,7 @@ class ConfigError(ElasticdError, ValueError):
 MIN_SECRET_BYTES = 16
 
 
-class SecretFileError(ElasticdError, ValueError):
+class SecretFileError(ValueError):
     """The cluster secret file is missing, not a file, too open, or unreadable."""
 
 

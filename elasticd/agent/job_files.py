@@ -18,8 +18,6 @@ import logging
 import os
 import stat
 
-from elasticd.errors import ElasticdError
-
 log = logging.getLogger(__name__)
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -30,7 +28,7 @@ _APPEND_FLAGS = (os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.
 _ATTEMPTS = 3
 
 
-class UnsafeJobFile(ElasticdError, OSError):
+class UnsafeJobFile(OSError):
     """The job's directory or file could not be opened without following the job user's links."""
 
 

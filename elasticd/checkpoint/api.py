@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from elasticd.errors import ElasticdError
 
-
-class SlotStoreError(ElasticdError):
+class SlotStoreError(Exception):
     """Base class of the slot store's errors."""
 
 

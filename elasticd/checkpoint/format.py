@@ -28,8 +28,6 @@ from typing import Any, Iterable
 
 import xxhash
 
-from elasticd.errors import ElasticdError
-
 MAGIC = b"ELSDSNAP"
 FORMAT_VERSION = 1
 _PREAMBLE = struct.Struct("<8sIIQ")
@@ -70,7 +68,7 @@ DTYPES: dict[str, tuple[int, str | None]] = {
 }
 
 
-class SnapshotError(ElasticdError):
+class SnapshotError(Exception):
     """Base class: these bytes are not a usable snapshot. The message says what is wrong."""
 
 

@@ -42,7 +42,6 @@ from elasticd.checkpoint.copier import read_tensors
 from elasticd.checkpoint.format import SnapshotError
 from elasticd.checkpoint.reader import SnapshotReader
 from elasticd.checkpoint.segment import map_fd
-from elasticd.errors import ElasticdError
 from elasticd.persistence.tier import Tier, TierError
 from elasticd.worker.client import DaemonUnavailable
 
@@ -52,7 +51,7 @@ Version = tuple[int, int]
 _NONE = (-1, -1)
 
 
-class RestoreError(ElasticdError, RuntimeError):
+class RestoreError(RuntimeError):
     """The agreed snapshot could not be loaded into the state on some rank (e.g. the model
     changed shape since it was saved); raised on every rank together."""
 

@@ -30,13 +30,12 @@ import torch
 
 from elasticd.checkpoint.copier import dtype_name, read_tensors, spec_of
 from elasticd.checkpoint.format import DEFAULT_BLOCK_SIZE, Layout, SnapshotHeader, TensorSpec, layout
-from elasticd.errors import ElasticdError
 
 META_VERSION = 1
 _NUMPY_KINDS = "biufc"  # numpy values whose bytes alone define them
 
 
-class StateError(ElasticdError):
+class StateError(Exception):
     """Base class: a state could not be flattened or restored."""
 
 

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import sys
 
-from elasticd.errors import ElasticdError
-
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ETCD = 0, 1, 2, 3
 
 
-class CommandFailed(ElasticdError):
+class CommandFailed(Exception):
     """The command could not do what was asked (exit 1)."""
 
 
-class UsageError(ElasticdError):
+class UsageError(Exception):
     """Bad usage or input (exit 2)."""
 
 

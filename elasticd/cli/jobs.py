@@ -143,8 +143,7 @@ def _jobs(coord: Coordinator, keys: Keyspace) -> list[dict[str, Any]]:
             "protection": _protection(nodes, control),
             "nnodes": spec.torchrun_nnodes(), "nproc_per_node": spec.nproc_per_node,
             "script": spec.script, "args": spec.args, "user": spec.user,
-            "submitted_at": spec.created_at, "running_on": where,
-            "nodes": nodes,
+            "submitted_at": spec.created_at, "running_on": where, "nodes": nodes,
         })
     return out
 

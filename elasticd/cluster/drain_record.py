@@ -81,9 +81,6 @@ class DrainRecord:
                                         "(0 to 86400 s)")
         return rec
 
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 def read(coord: Coordinator, keys: Keyspace, node: str) -> DrainRecord | None:
     """The node's drain record, or None. Raises: CoordinationError, records.RecordError."""

@@ -22,7 +22,6 @@ from typing import Any
 
 from elasticd.coordination import records
 from elasticd.coordination.keys import check_name
-from elasticd.errors import ElasticdError
 
 KIND = "job_spec"
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -31,7 +30,7 @@ RESERVED_ENV = ("ELASTICD_", "TORCHELASTIC_", "MASTER_ADDR", "MASTER_PORT", "RAN
                 "LOCAL_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE")
 
 
-class JobSpecError(ElasticdError, ValueError):
+class JobSpecError(ValueError):
     """A job spec is malformed; the message says which field and what would be right."""
 
 

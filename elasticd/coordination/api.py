@@ -17,10 +17,8 @@ import dataclasses
 import enum
 from typing import Callable, Sequence
 
-from elasticd.errors import ElasticdError
 
-
-class CoordinationError(ElasticdError):
+class CoordinationError(Exception):
     """Base class of every error the coordination layer raises."""
 
 

@@ -20,19 +20,17 @@ import tempfile
 import time
 from typing import Sequence
 
-from elasticd.errors import ElasticdError
-
 ETCD_INSTALL_HINT = (
     "no etcd binary on PATH: install one (Debian/Ubuntu: `apt-get install etcd-server`), "
     "or point elasticd at a running cluster with --etcd HOST:PORT"
 )
 
 
-class EtcdNotFound(ElasticdError, RuntimeError):
+class EtcdNotFound(RuntimeError):
     """The ``etcd`` binary is not installed."""
 
 
-class EtcdStartError(ElasticdError, RuntimeError):
+class EtcdStartError(RuntimeError):
     """etcd was started but did not become healthy."""
 
 

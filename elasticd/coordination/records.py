@@ -24,12 +24,10 @@ import types
 import typing
 from typing import Any, Type, TypeVar
 
-from elasticd.errors import ElasticdError
-
 SCHEMA_VERSION = 1
 
 
-class RecordError(ElasticdError, ValueError):
+class RecordError(ValueError):
     """A stored record could not be read."""
 
 

@@ -53,7 +53,6 @@ from elasticd.coordination.api import (
 from elasticd.coordination.health import EtcdHealth
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.lease import LeaseKeeper
-from elasticd.errors import ElasticdError
 from elasticd.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -64,7 +63,7 @@ _RESYNC_SECONDS = 30.0
 FenceHook = Callable[[str], None]
 
 
-class NodeIdInUse(ElasticdError, RuntimeError):
+class NodeIdInUse(RuntimeError):
     """Another live daemon holds this node id."""
 
 

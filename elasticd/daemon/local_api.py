@@ -44,7 +44,6 @@ import time
 from typing import Any, Callable, Iterable, Mapping
 
 from elasticd.daemon.local_binding import Caller, CallerBinding, Refused
-from elasticd.errors import ElasticdError
 from elasticd.local.wire import (
     DEFAULT_MAX_MESSAGE,
     LENGTH,
@@ -76,7 +75,7 @@ _REJECT_LINGER = 1.0
 _MAX_REJECTING = 8
 
 
-class LocalApiError(ElasticdError):
+class LocalApiError(Exception):
     """Base class of the local endpoint's start-up errors."""
 
 

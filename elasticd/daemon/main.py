@@ -28,14 +28,13 @@ from elasticd.daemon.http import StatusServer
 from elasticd.daemon.local_api import LocalApiError, LocalServer
 from elasticd.daemon.local_binding import CallerBinding, JobScope
 from elasticd.daemon.notify import Notifier
-from elasticd.errors import ElasticdError
 
 log = logging.getLogger("elasticd")
 
 EXIT_USAGE = 2
 
 
-class Fatal(ElasticdError):
+class Fatal(Exception):
     """A start-up problem reported as one line and exit status 2."""
 
 

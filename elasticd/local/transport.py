@@ -14,7 +14,6 @@ import json
 import os
 from typing import Any, Callable, Mapping, Protocol
 
-from elasticd.errors import ElasticdError
 from elasticd.local.wire import RequestError, close_fds
 
 
@@ -28,7 +27,7 @@ class Transport(Protocol):
     def call(self, op: str, **fields: Any) -> dict[str, Any]: ...
 
 
-class TransportError(ElasticdError):
+class TransportError(Exception):
     """The in-process service refused a request (the message is the daemon's)."""
 
 

@@ -26,15 +26,13 @@ import os
 import struct
 from typing import Any, Iterable
 
-from elasticd.errors import ElasticdError
-
 LENGTH = struct.Struct("!I")
 DEFAULT_MAX_MESSAGE = 1 << 20
 
 _encoder = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
-class FrameError(ElasticdError, ValueError):
+class FrameError(ValueError):
     """Bytes that are not a valid frame of this protocol."""
 
 
@@ -77,7 +75,7 @@ def decode(body: bytes) -> dict[str, Any]:
     return message
 
 
-class RequestError(ElasticdError):
+class RequestError(Exception):
     """Raised by a handler to refuse a request: the message goes to the worker as the error.
 
     Unlike any other exception, it is logged without a traceback: it is an expected answer

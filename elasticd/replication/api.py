@@ -15,8 +15,6 @@ import abc
 import dataclasses
 import threading
 
-from elasticd.errors import ElasticdError
-
 #: Reasons a sink (and so a NACK) gives for refusing a transfer.
 STALE = "stale"  # a newer (generation, step) is already committed for that shard
 EXISTS = "exists"  # exactly this (generation, step) is already committed (e.g. a retried push)
@@ -27,7 +25,7 @@ NOT_FOUND = "not_found"  # fetch: no such committed snapshot
 MAX_JOB_NAME = 256
 
 
-class ReplicationError(ElasticdError):
+class ReplicationError(Exception):
     """Base class of every error the replication layer raises."""
 
 

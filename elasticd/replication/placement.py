@@ -26,7 +26,6 @@ from fractions import Fraction
 from typing import Any, Iterable, Mapping, Sequence
 
 from elasticd.coordination import records
-from elasticd.errors import ElasticdError
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +38,7 @@ MIXED = "mixed"
 MAX_ENUMERATED_COMPONENT = 20
 
 
-class PlacementError(ElasticdError, ValueError):
+class PlacementError(ValueError):
     """A membership or replication factor from which no placement can be built."""
 
 

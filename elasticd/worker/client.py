@@ -14,9 +14,9 @@ daemon was restarted. Two kinds of calls:
   ``send`` of a few dozen bytes. When the daemon is gone or behind, the message is dropped and
   counted, never raised: a progress report must not stop training.
 
-Standard library only, and nothing imported from elasticd but the framing and the error root:
-this module is loaded into every worker. A process forked from a connected one (e.g. a
-DataLoader worker) opens its own connection rather than writing into its parent's.
+Standard library only, and nothing imported from elasticd but the framing: this module is loaded
+into every worker. A process forked from a connected one (e.g. a DataLoader worker) opens its own
+connection rather than writing into its parent's.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import threading
 import time
 from typing import Any, Mapping
 
-from elasticd.errors import ElasticdError
 from elasticd.local.wire import (
     DEFAULT_MAX_MESSAGE,
     LENGTH,
@@ -57,7 +56,7 @@ _MAX_FDS = 8  # descriptors one read may carry (a reply carries at most one toda
 _RECV_FLAGS = socket.MSG_DONTWAIT | getattr(socket, "MSG_CMSG_CLOEXEC", 0)
 
 
-class DaemonClientError(ElasticdError):
+class DaemonClientError(Exception):
     """Base class of the errors a :class:`DaemonClient` raises."""
 
 
