@@ -13,7 +13,8 @@ prints GB/s and the ratio to the raw socket:
   authenticated with AES-GMAC under the session key, committed into a sink whose memory is the
   preallocated buffer). Its GMAC passes run on a helper thread beside the socket copy
   (elasticd/replication/overlap.py); the ``raw + GMAC`` baseline runs them inline, so the two
-  side by side show what the overlap buys.
+  side by side show what the overlap buys; ``elasticd push, GMAC inline`` is the same push
+  with the overlap switched off (``channel.OVERLAP``), for the same comparison on the product.
 
 Where the time goes is printed too: CPU seconds per GiB on each side, and the GMAC pass alone
 on one core (a 4 MiB buffer tagged in a loop, in this process, in the same run).
@@ -40,6 +41,7 @@ import time
 
 import xxhash
 
+from elasticd.replication import channel
 from elasticd.replication.api import Descriptor, Sink, Version
 from elasticd.replication.seal import FrameKey
 from elasticd.replication.transport import ReplicaClient, ReplicaServer
@@ -124,7 +126,8 @@ def raw_receiver(conn, size: int, chunk: int, repeat: int, check: str) -> None:
                 conn.send((cpu, xxhash.xxh3_64_intdigest(buf)))
 
 
-def elasticd_receiver(conn, size: int, chunk: int) -> None:
+def elasticd_receiver(conn, size: int, chunk: int, overlap: bool) -> None:
+    channel.OVERLAP = overlap
     sink = PreallocatedSink(size + len(HEADER))
     server = ReplicaServer("127.0.0.1", 0, SECRET, "receiver", sink, max_frame=chunk + 64,
                            chunk_size=chunk).start()
@@ -177,13 +180,14 @@ class RawSender:
 
 
 class ElasticdSender:
-    """A ReplicaClient pushing successive steps to a ReplicaServer in the child."""
+    """A ReplicaClient pushing successive steps to a ReplicaServer in the child; ``overlap``
+    says whether both ends run the GMAC pass beside the copy (the product) or inline."""
 
-    def __init__(self, payload: memoryview, chunk: int) -> None:
-        self.payload, self.chunk, self.step = payload, chunk, 0
+    def __init__(self, payload: memoryview, chunk: int, overlap: bool = True) -> None:
+        self.payload, self.chunk, self.step, self.overlap = payload, chunk, 0, overlap
         self.pipe, child = mp.Pipe()
         self.proc = mp.get_context("fork").Process(
-            target=elasticd_receiver, args=(child, len(payload), chunk), daemon=True)
+            target=elasticd_receiver, args=(child, len(payload), chunk, overlap), daemon=True)
         self.proc.start()
         port = self.pipe.recv()
         self.client = ReplicaClient.connect("127.0.0.1", port, SECRET, "sender",
@@ -197,6 +201,7 @@ class ElasticdSender:
     def transfer(self) -> tuple[float, float, float, int]:
         self.step += 1
         d = Descriptor.for_snapshot("bench", 0, 0, self.step, len(HEADER), len(self.payload))
+        channel.OVERLAP = self.overlap
         cpu = time.process_time()
         start = time.perf_counter()
         self.client.push(d, HEADER, self.payload, chunk_size=self.chunk)
@@ -236,6 +241,7 @@ def main() -> None:
         "raw socket": RawSender(payload, chunk, args.repeat, check=""),
         "raw + xxh3 per chunk": RawSender(payload, chunk, args.repeat, check="xxh3"),
         "raw + GMAC per chunk": RawSender(payload, chunk, args.repeat, check="gmac"),
+        "elasticd push, GMAC inline": ElasticdSender(payload, chunk, overlap=False),
         "elasticd push": ElasticdSender(payload, chunk),
     }
     results: dict[str, list[tuple[float, float, float, int]]] = {name: [] for name in senders}
@@ -252,7 +258,7 @@ def main() -> None:
     gib = size / 2**30
     print(f"loopback, {args.mib} MiB per transfer, {args.chunk_mib} MiB chunks, "
           f"median of {args.repeat} (interleaved)")
-    print(f"{'variant':<22} {'GB/s':>7} {'vs raw':>7} {'CPU s/GiB':>10} {'sender':>7} "
+    print(f"{'variant':<27} {'GB/s':>7} {'vs raw':>7} {'CPU s/GiB':>10} {'sender':>7} "
           f"{'receiver':>8}  intact")
     base = None
     figures = {}
@@ -264,7 +270,7 @@ def main() -> None:
         intact = all(r[3] == expected for r in rows)
         rate = size / seconds / 1e9
         base = base or rate
-        print(f"{name:<22} {rate:>7.2f} {rate / base:>7.0%} {cpu:>10.2f} {send_cpu:>7.2f} "
+        print(f"{name:<27} {rate:>7.2f} {rate / base:>7.0%} {cpu:>10.2f} {send_cpu:>7.2f} "
               f"{recv_cpu:>8.2f}  {intact}")
         figures[name] = {"seconds": seconds, "gb_per_s": rate, "cpu_seconds_per_gib": cpu,
                          "sender_cpu_seconds_per_gib": send_cpu,

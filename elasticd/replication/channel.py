@@ -323,7 +323,7 @@ def send_stream(channel: Channel, parts: tuple[memoryview, ...], chunk: int) -> 
         for i in range(0, len(part), chunk):
             pieces.append((offset, part[i : i + chunk]))
             offset += len(pieces[-1][1])
-    if channel.send_key is None or len(pieces) < 2:
+    if channel.send_key is None or len(pieces) < 2 or not OVERLAP:
         for at, piece in pieces:
             channel.send_data(at, piece)
     else:
@@ -345,5 +345,10 @@ def send_stream(channel: Channel, parts: tuple[memoryview, ...], chunk: int) -> 
     return len(pieces)
 
 
+#: Whether streams run the GMAC pass on a helper thread (overlap.py) or inline; a switch for
+#: the benchmark, which measures both in one run (bench/bench_replication.py).
+OVERLAP = True
+
+
 def _helper(wanted: bool, name: str) -> contextlib.AbstractContextManager[Any]:
-    return Helper(name) if wanted else contextlib.nullcontext()
+    return Helper(name) if wanted and OVERLAP else contextlib.nullcontext()

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from elasticd.replication import channel as channel_module
 from elasticd.replication.channel import Channel, receive_stream, send_stream
 from elasticd.replication.overlap import Helper
 from elasticd.replication.seal import FrameKey
@@ -80,7 +81,9 @@ def helpers_alive() -> list[str]:
 PAYLOAD = bytes(i * 7 % 251 for i in range(20 * CHUNK + 123))
 
 
-def test_a_stream_sealed_and_checked_on_helpers_arrives_intact():
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_stream_sealed_and_checked_on_helpers_arrives_intact(overlap, monkeypatch):
+    monkeypatch.setattr(channel_module, "OVERLAP", overlap)  # False: inline, as the bench compares
     data = sealed_stream(PAYLOAD)
     target = bytearray(len(PAYLOAD))
     assert receive_stream(receiver(data), len(PAYLOAD), memoryview(target)) == 21
