@@ -345,9 +345,11 @@ def send_stream(channel: Channel, parts: tuple[memoryview, ...], chunk: int) -> 
     return len(pieces)
 
 
-#: Whether streams run the GMAC pass on a helper thread (overlap.py) or inline; a switch for
-#: the benchmark, which measures both in one run (bench/bench_replication.py).
-OVERLAP = True
+#: Whether streams run the GMAC pass on a helper thread beside the copy (overlap.py) instead
+#: of inline. Off: on the 2-core machine measured (bench/bench_replication.py, which runs both
+#: in one run) the helper made pushes 8-20% slower and cost 0.1-0.3 CPU s/GiB more, since
+#: both cores were already busy with the two ends' copies (docs/replication.md).
+OVERLAP = False
 
 
 def _helper(wanted: bool, name: str) -> contextlib.AbstractContextManager[Any]:

@@ -8,6 +8,11 @@ socket calls release it while the kernel copies, so the pass can run on this thr
 stream's own thread is in the kernel: the sender tags frame ``n + 1`` while frame ``n`` is
 being sent, the receiver checks frame ``n`` while frame ``n + 1`` arrives.
 
+Switched off by default (``channel.OVERLAP``): on the 2-core machine measured, both cores were
+already busy with the two ends' copies, and the helper made pushes 8-20% slower for 0.1-0.3 CPU
+s/GiB more (thread hand-offs, cross-core cache traffic). ``bench/bench_replication.py`` runs
+both ways in one run, so a machine with idle cores can show whether it pays there.
+
 Nothing about what is checked changes, only where: the sender still seals every frame, in
 order, under its sequence number before sending it; the receiver still checks every frame, in
 order, under its sequence number, stops the stream at the next frame boundary once a check

@@ -1,10 +1,12 @@
 """The GMAC pass on a helper thread beside the socket copy (elasticd/replication/overlap.py).
 
-The helper moves where a stream's frames are sealed and checked, never whether: these tests
-hold the checks to what they were on the stream's own thread (every frame checked in order, a
-forged frame refused, nothing accepted before every check has run), that no helper outlives
-its stream, and that the installed ``cryptography`` releases the GIL while it authenticates
-(without that the helper would run in turn with the copy, not beside it).
+Streams run the pass inline by default (``channel.OVERLAP``; measured faster on 2 cores) and
+on a helper when switched on. The helper moves where frames are sealed and checked, never
+whether: these tests, run both ways, hold the checks to what they are on the stream's thread
+(every frame checked in order, a forged or replayed frame refused, nothing accepted before
+every check has run), check that no helper outlives its stream, and that the installed
+``cryptography`` releases the GIL while it authenticates (without that the helper would run
+in turn with the copy, not beside it).
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ PAYLOAD = bytes(i * 7 % 251 for i in range(20 * CHUNK + 123))
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_a_stream_sealed_and_checked_on_helpers_arrives_intact(overlap, monkeypatch):
-    monkeypatch.setattr(channel_module, "OVERLAP", overlap)  # False: inline, as the bench compares
+    monkeypatch.setattr(channel_module, "OVERLAP", overlap)  # False: inline, the default
     data = sealed_stream(PAYLOAD)
     target = bytearray(len(PAYLOAD))
     assert receive_stream(receiver(data), len(PAYLOAD), memoryview(target)) == 21
@@ -91,8 +93,10 @@ def test_a_stream_sealed_and_checked_on_helpers_arrives_intact(overlap, monkeypa
     assert helpers_alive() == []
 
 
+@pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("nth", [0, 9, 20])
-def test_a_forged_frame_anywhere_in_the_stream_is_refused(nth):
+def test_a_forged_frame_anywhere_in_the_stream_is_refused(nth, overlap, monkeypatch):
+    monkeypatch.setattr(channel_module, "OVERLAP", overlap)
     data = bytearray(sealed_stream(PAYLOAD))
     start = [pos for pos, ftype in frame_starts(data) if ftype == FrameType.DATA][nth]
     data[start + HEADER_SIZE + OFFSET.size + 5] ^= 0x01  # one data bit, tag left as it was
@@ -101,8 +105,10 @@ def test_a_forged_frame_anywhere_in_the_stream_is_refused(nth):
     assert helpers_alive() == []
 
 
-def test_a_frame_replayed_from_an_earlier_stream_is_refused():
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_frame_replayed_from_an_earlier_stream_is_refused(overlap, monkeypatch):
     """Same offset, same bytes, a valid tag: but made under another sequence number."""
+    monkeypatch.setattr(channel_module, "OVERLAP", overlap)
     sender = Channel(Recorder())
     sender.send_key = FrameKey(KEY)
     send_stream(sender, (memoryview(PAYLOAD),), CHUNK)
