@@ -2,8 +2,8 @@
 
 Tagging a 4 MiB DATA frame (AES-GMAC, :mod:`elasticd.replication.seal`) costs a pass over its
 bytes at ~6.5 GB/s on one core here, while a loopback socket moves ~2.7 GB/s. Done on the
-thread that sends or receives, the two add up, and authenticated replication ran at 0.55x a raw
-socket. ``cryptography`` releases the GIL while it hashes a buffer of 2 KiB or more and the
+thread that sends or receives, the two add up (docs/replication.md, "Authenticated
+throughput"). ``cryptography`` releases the GIL while it hashes a buffer of 2 KiB or more and the
 socket calls release it while the kernel copies, so the pass can run on this thread while the
 stream's own thread is in the kernel: the sender tags frame ``n + 1`` while frame ``n`` is
 being sent, the receiver checks frame ``n`` while frame ``n + 1`` arrives.
