@@ -95,6 +95,20 @@ class JobState:
     watch: Watch | None = None
 
 
+def apply_actions(book: CommitBook, job: str, actions: Actions,
+                  stores: Mapping[Holder, SlotStore]) -> None:
+    """Places, then lets go, the retentions ``actions`` asks of ``stores``, telling ``book``
+    which copies were still held."""
+    for r in actions.retain:
+        store = stores.get(r.holder)
+        held = store is not None and store.retain(job, r.rank, r.version)
+        if r.rank is not None:
+            book.retained(r.holder, r.rank, r.version, held)
+    for r in actions.release:
+        if r.holder in stores:
+            stores[r.holder].release_retained(job, r.rank, r.version)
+
+
 class CommitTracker:
     """Counts copies and commits steps for one node.
 
@@ -132,16 +146,9 @@ class CommitTracker:
         return st
 
     def _perform(self, job: str, actions: Actions) -> None:
-        """Places and lets go the retentions the commit book asked for (call with :attr:`lock`
-        held, so that two events' actions never interleave), and starts a follower."""
-        for r in actions.retain:
-            store = self.stores.get(r.holder)
-            held = store is not None and store.retain(job, r.rank, r.version)
-            if r.rank is not None:
-                self.state(job).book.retained(r.holder, r.rank, r.version, held)
-        for r in actions.release:
-            if r.holder in self.stores:
-                self.stores[r.holder].release_retained(job, r.rank, r.version)
+        """Performs the commit book's actions (call with :attr:`lock` held, so that two
+        events' actions never interleave), and starts a follower."""
+        apply_actions(self.state(job).book, job, actions, self.stores)
         if actions.follow is not None:
             # Not counted by wait_idle: a version waiting for a commit that may never come is
             # not work in progress.
