@@ -273,9 +273,9 @@ class SlotStore:
 
         The slot holding the latest complete snapshot is not returned, except when the other
         slot holds a copy that must stay (:meth:`retain`) and the latest may go: then the latest
-        is overwritten (the other one becomes the latest until this snapshot completes). When both must stay the snapshot is
-        refused (:class:`CommitPending`); when the slot to reuse is pinned by a reader, too
-        (:class:`SlotBusy`). On first use both slots are allocated; a slot too small for
+        is overwritten (the other one becomes the latest until this snapshot completes). When
+        both must stay the snapshot is refused (:class:`CommitPending`); when the slot to reuse
+        is pinned by a reader, too (:class:`SlotBusy`). On first use both slots are allocated; a slot too small for
         ``nbytes`` is replaced by a bigger one (new path).
 
         Raises:
@@ -297,8 +297,8 @@ class SlotStore:
                     pending = min(held, default=min(everywhere, default=(0, 0)))
                     raise CommitPending(
                         f"{job} rank {rank}: both slots hold copies that must stay (committed "
-                        f"{max(everywhere, default=None)}, acknowledged {pending} not yet committed); "
-                        "this snapshot is skipped", pending)
+                        f"{max(everywhere, default=None)}, acknowledged {pending} not yet "
+                        "committed); this snapshot is skipped", pending)
                 newer = pair.segments[pair.latest]
                 if newer is not None and newer.pins:
                     # A reader (a push to a peer that stopped answering) holds the newer copy:

@@ -34,35 +34,31 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Callable
 
 from elasticd.replication.api import Version
 
 
 class Phase(enum.Enum):
-    """Where a version stands on this node."""
+    """Where a version stands on this node (ACKED: a copy landed, its retention asked for;
+    PROTECTED: a copy is retained, the version may be committed)."""
 
-    ACKED = "acked"  # a copy landed; its retention was asked for
-    PROTECTED = "protected"  # a copy is retained: the version may be committed
-    COMMITTED = "committed"
-    WITHDRAWN = "withdrawn"
-    ABANDONED = "abandoned"
+    ACKED, PROTECTED, COMMITTED, WITHDRAWN, ABANDONED = range(5)
 
 
 class Holder(enum.Enum):
-    """Which of this node's slot stores a copy is in."""
+    """Which of this node's slot stores a copy is in: its own ranks', or peers' replicas."""
 
-    LOCAL = "local"  # this node's own ranks
-    REPLICA = "replica"  # peers' ranks, held for them
+    LOCAL, REPLICA = "local", "replica"
 
 
 class Verdict(enum.Enum):
-    """What the follower of an acknowledged local version does next (:meth:`CommitBook.verdict`)."""
+    """What the follower of an acknowledged local version does next: KEEP (committed: it is the
+    committed copy), REUSE (withdrawn, abandoned or older than the commit), WAIT (for the commit,
+    until :meth:`CommitBook.deadline`), IDLE (undecided, but nothing waits for its slot: stop
+    following until something does), WITHDRAW (take it back from this node's record)."""
 
-    KEEP = "keep"  # committed: the copy stays as the committed one
-    REUSE = "reuse"  # decided otherwise (withdrawn, abandoned, older than the commit)
-    WAIT = "wait"  # undecided: wait for the commit (until :meth:`CommitBook.deadline`)
-    IDLE = "idle"  # undecided, but nothing waits for its slot: stop following until something does
-    WITHDRAW = "withdraw"  # take it back from this node's record (then :meth:`CommitBook.withdrawn`)
+    KEEP, REUSE, WAIT, IDLE, WITHDRAW = range(5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,14 +109,10 @@ class CommitBook:
 
     def phase(self, version: Version) -> Phase:
         """Where ``version`` stands (a version never seen counts as abandoned)."""
-        entry = self.entries.get(version)
-        if entry is not None:
+        if (entry := self.entries.get(version)) is not None:
             return entry.phase
-        if version == self.committed:
-            return Phase.COMMITTED
-        if version in self.withdrawn:
-            return Phase.WITHDRAWN
-        return Phase.ABANDONED
+        return (Phase.COMMITTED if version == self.committed else
+                Phase.WITHDRAWN if version in self.withdrawn else Phase.ABANDONED)
 
     def _decided(self, version: Version) -> bool:
         return (version[0] < self.floor or version in self.withdrawn
@@ -152,12 +144,9 @@ class CommitBook:
     def retained(self, holder: Holder, rank: int, version: Version, held: bool) -> None:
         """The store placed the retention asked by :meth:`landed` (``held``), or found the copy
         gone already (it then does not count)."""
-        entry = self.entries.get(version)
-        if entry is None:
-            return
-        if held:
+        if (entry := self.entries.get(version)) is not None and held:
             entry.phase = Phase.PROTECTED
-        else:
+        elif entry is not None:
             entry.copies.discard((holder, rank))
 
     def blocked(self, version: Version, now: float) -> Actions:
@@ -180,16 +169,14 @@ class CommitBook:
             actions.release += [Retention(h, None, self.committed) for h in Holder]
         self.committed = version
         self.withdrawn = {v for v in self.withdrawn if v > version}
-        self._drop(lambda v: v <= version, actions)
-        return actions
+        return self._drop(lambda v: v <= version, actions)
 
     def abandon_below(self, generation: int) -> Actions:
         """A restore opened ``generation``: copies of older generations can never commit."""
-        actions = Actions()
-        if generation > self.floor:
-            self.floor = generation
-            self._drop(lambda v: v[0] < generation, actions)
-        return actions
+        if generation <= self.floor:
+            return Actions()
+        self.floor = generation
+        return self._drop(lambda v: v[0] < generation, Actions())
 
     def superseded(self, holder: Holder, rank: int, version: Version) -> Actions:
         """A newer copy of ``rank`` arrived while ``version`` still held a slot: its owner
@@ -204,29 +191,27 @@ class CommitBook:
 
     def withdrawing(self, version: Version) -> None:
         """This node is about to take ``version`` back from its record: from now on it is
-        never recorded again (its copies stay until :meth:`withdrawn`)."""
+        never recorded again (its copies stay until :meth:`withdrawn_landed`)."""
         self.withdrawn.add(version)
 
     def withdrawn_landed(self, version: Version) -> Actions:
         """The withdrawal landed and found ``version`` not committed: no commit of it can land
         any more, so every copy of it goes."""
-        actions = Actions()
-        self._drop(lambda v: v == version, actions)
-        return actions
+        return self._drop(lambda v: v == version, Actions())
 
     def withdraw_failed(self, version: Version, now: float) -> None:
         """Whether the withdrawal landed is unknown: the copies stay, and the version is
         followed again only when a snapshot is blocked by it again."""
-        entry = self.entries.get(version)
-        if entry is not None:
+        if (entry := self.entries.get(version)) is not None:
             entry.following = entry.blocked = False
             entry.since = now
 
-    def _drop(self, which, actions: Actions) -> None:
+    def _drop(self, which: Callable[[Version], bool], actions: Actions) -> Actions:
+        """Forgets the entries ``which`` picks and lets their copies go."""
         for version in [v for v in self.entries if which(v)]:
-            entry = self.entries.pop(version)
             actions.release += [Retention(h, r, version) for h, r in sorted(
-                entry.copies, key=lambda c: (c[0].value, c[1]))]
+                self.entries.pop(version).copies, key=lambda c: (c[0].value, c[1]))]
+        return actions
 
     # -- the follower ----------------------------------------------------------------------
 

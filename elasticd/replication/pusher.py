@@ -20,7 +20,6 @@ from typing import Callable
 
 from elasticd.checkpoint.shm import SlotStore, SnapshotView
 from elasticd.replication.api import EXISTS, ConnectionLost, Refused, ReplicationError
-from elasticd.replication.commit_state import Holder
 from elasticd.replication.lanes import Connections, Lanes, NoAddress, Task, resolve
 from elasticd.replication.shm_sink import ShmSink, descriptor_of, pinned_view
 from elasticd.replication.tracker import CommitTracker
@@ -70,7 +69,7 @@ class Pusher:
             if ok:
                 # Acknowledged, so it may be committed: from now on its slot is not reused
                 # until it is decided. Done while pinned, so the copy is still here.
-                self.tracker.on_landed(task.job, Holder.LOCAL, task.rank, version)
+                self.tracker.on_landed(task.job, task.rank, version)
         finally:
             view.release()
         if ok:

@@ -108,9 +108,10 @@ class Replicator:
         self.tracker = CommitTracker(node_id, coord, keys, self.clock, self._submit,
                                      self._collect, commit_wait, withdraw_after, stores)
         self.pusher = Pusher(store, sink, self._connections, self._executor, self.tracker)
+        self.awaiting_commit = self.tracker.awaiting_commit
         if sink is not None:
             sink.on_pending = self.tracker.reread
-            sink.on_landed = lambda job, rank, v: self.tracker.on_landed(job, Holder.REPLICA, rank, v)
+            sink.on_landed = functools.partial(self.tracker.on_landed, holder=Holder.REPLICA)
             sink.on_superseded = self.tracker.on_superseded
 
     # -- membership, generations, snapshots ------------------------------------------------
@@ -170,7 +171,7 @@ class Replicator:
         version = (int(version[0]), int(version[1]))
         with self.tracker.lock:
             st = self.tracker.state(job)
-            if version[0] < st.floor or (rank in st.latest and version <= st.latest[rank]):
+            if version[0] < st.book.floor or (rank in st.latest and version <= st.latest[rank]):
                 return
             st.latest[rank] = version
             st.gen_base.setdefault(version[0], version[1] - 1)
@@ -183,7 +184,7 @@ class Replicator:
             self.pusher.submit(peer, Task(job, rank, version))
         if not peers:
             # m = 1: the owner's copy is all there is, and it must stay until committed.
-            self.tracker.on_landed(job, Holder.LOCAL, rank, version)
+            self.tracker.on_landed(job, rank, version)
             self._submit(self.tracker.on_replicated, job, rank, version)
 
     def on_commit_pending(self, job: str, version: Version,
@@ -195,10 +196,6 @@ class Replicator:
         if skipped is not None:
             self._submit(self.tracker.on_skipped, job, skipped)
         self.tracker.on_blocked(job, version)
-
-    def awaiting_commit(self, job: str) -> list[Version]:
-        """Acknowledged versions of local ranks followed until committed or withdrawn."""
-        return self.tracker.awaiting_commit(job)
 
     # -- re-replication, drain, garbage ---------------------------------------------------
 
@@ -381,7 +378,7 @@ class Replicator:
                     "replicated": {str(r): [list(v) for v in vs] for r, vs in st.replicated.items()},
                     "sync_lag": self.tracker.sync_lag(st),
                     "under_replicated": under_replicated(c, p),
-                    "generation_floor": st.floor,
+                    "generation_floor": st.book.floor,
                     "awaiting_commit": [list(v) for v in st.book.awaiting()],
                 }
             return {"node": self.node_id, "jobs": out, "backlog": backlog,

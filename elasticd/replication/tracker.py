@@ -69,7 +69,6 @@ class JobState:
 
     Attributes:
         placement, previous: the placement in force and the one before it.
-        floor: lowest generation that still counts (raised by a fallback).
         committed: the commit record last seen.
         committed_at_change: the committed version when the placement last changed.
         acked: per local rank and version, the peers that acknowledged a verified copy.
@@ -83,7 +82,6 @@ class JobState:
 
     placement: Placement | None = None
     previous: Placement | None = None
-    floor: int = 0
     committed: Committed | None = None
     committed_at_change: Version | None = None
     acked: dict[int, dict[Version, set[str]]] = dataclasses.field(default_factory=dict)
@@ -154,27 +152,27 @@ class CommitTracker:
             # not work in progress.
             self._submit(self._follow, job, actions.follow, track=False)
 
-    def on_landed(self, job: str, holder: Holder, rank: int, version: Version) -> None:
+    def _event(self, job: str, event: Callable[[CommitBook], Actions]) -> None:
+        """Feeds an event to the job's commit book and performs its actions."""
+        with self.lock:
+            self._perform(job, event(self.state(job).book))
+
+    def on_landed(self, job: str, rank: int, version: Version,
+                  holder: Holder = Holder.LOCAL) -> None:
         """A copy that may be committed is here (a local snapshot a peer acknowledged, the
         only copy with ``m = 1``, or a peer's replica): it stays until its version is decided.
         Call it before the copy is counted anywhere, while it is sure to be held."""
-        version = (int(version[0]), int(version[1]))
-        with self.lock:
-            st = self.state(job)
-            self._perform(job, st.book.landed(holder, rank, version, self.clock.monotonic()))
+        v, now = (int(version[0]), int(version[1])), self.clock.monotonic()
+        self._event(job, lambda book: book.landed(holder, rank, v, now))
 
     def on_superseded(self, job: str, rank: int, version: Version) -> None:
         """A newer replica of ``rank`` arrived while ``version`` still held its slot."""
-        with self.lock:
-            st = self.state(job)
-            self._perform(job, st.book.superseded(Holder.REPLICA, rank, tuple(version)))
+        self._event(job, lambda book: book.superseded(Holder.REPLICA, rank, tuple(version)))
 
     def on_blocked(self, job: str, version: Version) -> None:
         """A local snapshot was skipped: ``version`` holds the slot it needs."""
-        version = (int(version[0]), int(version[1]))
-        with self.lock:
-            st = self.state(job)
-            self._perform(job, st.book.blocked(version, self.clock.monotonic()))
+        v, now = (int(version[0]), int(version[1])), self.clock.monotonic()
+        self._event(job, lambda book: book.blocked(v, now))
 
     def awaiting_commit(self, job: str) -> list[Version]:
         """Acknowledged versions of local ranks followed until committed or withdrawn."""
@@ -193,10 +191,9 @@ class CommitTracker:
         with self.cond:
             st = self.state(job)
             self._perform(job, st.book.abandon_below(generation))
-            st.floor = max(st.floor, generation)
             for rank in list(st.replicated):
-                st.replicated[rank] = [v for v in st.replicated[rank] if v[0] >= st.floor]
-            st.latest = {r: v for r, v in st.latest.items() if v[0] >= st.floor}
+                st.replicated[rank] = [v for v in st.replicated[rank] if v[0] >= st.book.floor]
+            st.latest = {r: v for r, v in st.latest.items() if v[0] >= st.book.floor}
             self.cond.notify_all()
 
     def is_acked(self, job: str, rank: int, version: Version, peer: str) -> bool:
@@ -204,7 +201,7 @@ class CommitTracker:
         counts (an abandoned generation, a forgotten job)."""
         with self.lock:
             st = self.jobs.get(job)
-            return st is None or version[0] < st.floor or peer in st.acked.get(
+            return st is None or version[0] < st.book.floor or peer in st.acked.get(
                 rank, {}).get(version, ())
 
     def gate(self, job: str, rank: int) -> None:
@@ -236,44 +233,43 @@ class CommitTracker:
 
     def on_replicated(self, job: str, rank: int, version: Version) -> None:
         """``rank`` has ``m`` copies of ``version``: record it, and commit if every rank has."""
-        with self._record_lock:
-            with self.lock:
-                st = self.jobs.get(job)
-                if (st is None or st.placement is None or not st.book.recordable(version)
-                        or version in st.replicated.get(rank, ())):
-                    return
-                versions = sorted({version, *st.replicated.get(rank, ())}, reverse=True)
-                st.replicated[rank] = versions[:KEEP_VERSIONS]
-                oldest = st.replicated[rank][-1]
-                st.acked[rank] = {v: s for v, s in st.acked.get(rank, {}).items() if v >= oldest}
-                mine = st.placement.ranks.get(self.node_id, ())
-                # A version can commit only once all of this node's ranks have it.
-                if mine and not all(version in st.replicated.get(r, ()) for r in mine):
-                    return
-                record = self._record(st)
-            if not self._put_record(job, record, "record replicated versions"):
-                return
-        self.try_commit(job)
+
+        def add(st: JobState) -> bool:
+            if not st.book.recordable(version) or version in st.replicated.get(rank, ()):
+                return False
+            versions = sorted({version, *st.replicated.get(rank, ())}, reverse=True)
+            st.replicated[rank] = versions[:KEEP_VERSIONS]
+            oldest = st.replicated[rank][-1]
+            st.acked[rank] = {v: s for v, s in st.acked.get(rank, {}).items() if v >= oldest}
+            mine = st.placement.ranks.get(self.node_id, ())  # type: ignore[union-attr]
+            # A version can commit only once all of this node's ranks have it.
+            return not mine or all(version in st.replicated.get(r, ()) for r in mine)
+
+        if self._write_record(job, "record replicated versions", add):
+            self.try_commit(job)
 
     def republish_record(self, job: str) -> None:
         """Writes this node's record again (etcd lost it with its data)."""
+        self._write_record(job, "write its record again")
+
+    def _write_record(self, job: str, what: str,
+                      change: Callable[[JobState], bool] = lambda st: True) -> bool:
+        """Applies ``change`` to the job's state (with a placement) and, unless it says False,
+        writes this node's record, serialised with every other record write. False when
+        nothing was written (an etcd error is counted and logged)."""
         with self._record_lock:
             with self.lock:
                 st = self.jobs.get(job)
-                if st is None or st.placement is None:
-                    return
+                if st is None or st.placement is None or not change(st):
+                    return False
                 record = self._record(st)
-            self._put_record(job, record, "write its record again")
-
-    def _put_record(self, job: str, record: Replicated, what: str) -> bool:
-        """Writes this node's record (call with ``_record_lock`` held); False on an etcd error
-        (counted and logged)."""
-        try:
-            self.coord.put(replicated_key(self.keys, job, self.node_id), encode_replicated(record))
-        except CoordinationError as exc:
-            self.etcd_error(what, exc)
-            return False
-        return True
+            try:
+                self.coord.put(replicated_key(self.keys, job, self.node_id),
+                               encode_replicated(record))
+            except CoordinationError as exc:
+                self.etcd_error(what, exc)
+                return False
+            return True
 
     def _record(self, st: JobState) -> Replicated:
         """This node's record as the job state says (call with :attr:`lock` held)."""
@@ -288,16 +284,16 @@ class CommitTracker:
     def on_skipped(self, job: str, version: Version) -> None:
         """A local rank skipped the snapshot of ``version`` (a commit was pending): publishes
         it, so that a peer whose acknowledged copy of it waits for a commit withdraws that copy
-        at once instead of after ``withdraw_after`` (see :meth:`resolve_pending`)."""
+        at once instead of after ``withdraw_after`` (see :meth:`_follow`)."""
         version = (int(version[0]), int(version[1]))
-        with self._record_lock:
-            with self.lock:
-                st = self.jobs.get(job)
-                if st is None or st.placement is None or version in st.skipped:
-                    return
-                st.skipped = sorted({version, *st.skipped}, reverse=True)[:KEEP_SKIPPED]
-                record = self._record(st)
-            self._put_record(job, record, "record a skipped version")
+
+        def add(st: JobState) -> bool:
+            if version in st.skipped:
+                return False
+            st.skipped = sorted({version, *st.skipped}, reverse=True)[:KEEP_SKIPPED]
+            return True
+
+        self._write_record(job, "record a skipped version", add)
 
     def _follow(self, job: str, version: Version) -> None:
         """Follows an acknowledged, not yet committed local ``version`` (its copies stay in
@@ -389,7 +385,7 @@ class CommitTracker:
             st = self.jobs.get(job)
             if st is None or st.placement is None:
                 return
-            placement, floor = st.placement, st.floor
+            placement, floor = st.placement, st.book.floor
         try:
             written, current = commit_step(self.coord, self.keys, job, placement, floor=floor,
                                            now=self.clock.wall())
