@@ -164,7 +164,9 @@ class CommitBook:
         holder), the previous commit and every version at or below it let go."""
         if self.committed is not None and version <= self.committed:
             return Actions()
-        actions = Actions(retain=[Retention(h, None, version) for h in Holder])
+        # A commit of an abandoned generation is retained nowhere (see abandon_below).
+        live = version[0] >= self.floor
+        actions = Actions(retain=[Retention(h, None, version) for h in Holder if live])
         if self.committed is not None:
             actions.release += [Retention(h, None, self.committed) for h in Holder]
         self.committed = version
@@ -172,11 +174,17 @@ class CommitBook:
         return self._drop(lambda v: v <= version, actions)
 
     def abandon_below(self, generation: int) -> Actions:
-        """A restore opened ``generation``: copies of older generations can never commit."""
+        """A restore opened ``generation``: copies of older generations can never commit, and
+        the commit of one is restored no more. Its copies go too: a holder that retained it
+        while the owner (which had not learned it) did not would have one slot fewer for the
+        owner's undecided versions than the owner assumes, and let go of one that may commit."""
         if generation <= self.floor:
             return Actions()
         self.floor = generation
-        return self._drop(lambda v: v[0] < generation, Actions())
+        actions = Actions()
+        if self.committed is not None and self.committed[0] < generation:
+            actions.release = [Retention(h, None, self.committed) for h in Holder]
+        return self._drop(lambda v: v[0] < generation, actions)
 
     def superseded(self, holder: Holder, rank: int, version: Version) -> Actions:
         """A newer copy of ``rank`` arrived while ``version`` still held a slot: its owner
