@@ -65,19 +65,19 @@ class PreallocatedSink(Sink):
     def __init__(self, size: int) -> None:
         super().__init__()
         self.buf = touched(size)
-        self.held: Descriptor | None = None
+        self._held: Descriptor | None = None
 
     def allocate(self, d: Descriptor) -> memoryview:
         return memoryview(self.buf)[: d.total_bytes]
 
     def publish(self, d: Descriptor) -> None:
-        self.held = d
+        self._held = d
 
     def discard(self, d: Descriptor, reason: str) -> None:
         pass
 
     def held(self, job: str, owner_rank: int) -> Descriptor | None:
-        return self.held
+        return self._held
 
     def lookup(self, job: str, owner_rank: int,
                version: Version | None) -> tuple[Descriptor, memoryview] | None:
