@@ -75,7 +75,7 @@ from elasticd.checkpoint.protection import REASONS, JobView, Unprotected, assess
 from elasticd.checkpoint.reader import _header_from_json
 from elasticd.checkpoint.shm import SlotStore
 from elasticd.clock import Clock, SystemClock
-from elasticd.daemon.local_api import RequestError
+from elasticd.local.wire import RequestError
 from elasticd.checkpoint.telemetry import RESTORE_SOURCES
 from elasticd.persistence.persister import Flushed, Persister
 from elasticd.replication.recovery import ShardLost
@@ -673,8 +673,8 @@ class CheckpointService:
         return out
 
     def stats(self) -> dict[str, Any]:
-        """Plain numbers for the daemon's metrics (:data:`~elasticd.checkpoint.telemetry.
-        RECOMMENDED` names the metrics they feed)."""
+        """Plain numbers for the daemon's metrics (:mod:`elasticd.metrics` reads them at
+        scrape time)."""
         status = self.status()
         with self._lock:
             counters = dict(self.counters)

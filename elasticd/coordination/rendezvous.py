@@ -9,7 +9,7 @@ from ``--rdzv-endpoint`` and ``--rdzv-conf`` (see :mod:`.rendezvous_config`), th
 to torch's own ``dynamic_rendezvous.create_handler``: the rendezvous algorithm is torch's; only
 where the state lives is ours. Both live under ``<prefix>/jobs/<run_id>/rdzv/``.
 
-Decisions, and why (numbers from FACTS.md):
+Decisions, and why (numbers from docs/facts.md):
 
 * **Outage grace.** Every backend and store call retries on an unreachable etcd for
   ``etcd_grace_period`` seconds (default 30) before raising ``RendezvousConnectionError``,

@@ -5,7 +5,7 @@ every ``keep_alive_interval``, is older than ``keep_alive_interval * keep_alive_
 The etcd-v3 backend keeps that window long (40 s by default) so that an etcd outage inside the
 grace period does not evict healthy nodes (:mod:`elasticd.coordination.rendezvous`). The price
 was slow recovery: after kill -9 of a node, the survivors wait in the wait list until torch drops
-the dead participant, about one window later (FACTS.md: 40+ s).
+the dead participant, about one window later (docs/facts.md: 40+ s).
 
 Here every agent also proves it is alive through etcd itself:
 

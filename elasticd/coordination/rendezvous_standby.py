@@ -1,6 +1,6 @@
 """A fix for torch 2.13's standby-node livelock, applied to the state the backend hands torch.
 
-The livelock (FACTS.md): with a standby node (``--nnodes N:N`` and N+1 agents), a worker crash
+The livelock (docs/facts.md): with a standby node (``--nnodes N:N`` and N+1 agents), a worker crash
 on one node sends that node into the *wait list* of the next round. The standby leaves the
 redundancy list for the wait list too, the others see nodes waiting and restart, and all N+1
 agents race for N slots. The loser is left in the wait list of a round that is complete and

@@ -33,7 +33,7 @@ import threading
 from typing import Any, Mapping
 
 from elasticd.clock import SYSTEM_CLOCK
-from elasticd.daemon.local_wire import (
+from elasticd.local.wire import (
     DEFAULT_MAX_MESSAGE,
     LENGTH,
     FrameError,

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from elasticd.agent.spec import JobSpec
+from elasticd.cluster.jobspec import JobSpec
 from elasticd.agent.supervisor import TAG_ENV, AgentSupervisor, tagged_pids
 from elasticd.clock import FakeClock
 

@@ -89,7 +89,7 @@ def test_bad_run_id_is_refused():
 
 @pytest.mark.parametrize("conf, grace, skew, expected", [
     ({}, 30, 2, (5, 8)),  # torch's 5 s interval; 40 s window > 30 + 2 + 5
-    ({}, 0, 0, (5, 3)),  # never fewer than 3 attempts (standby nodes, FACTS.md)
+    ({}, 0, 0, (5, 3)),  # never fewer than 3 attempts (standby nodes, docs/facts.md)
     ({"keep_alive_interval": "1"}, 2, 1, (1, 5)),  # tuned for fast recovery: 5 s > 2 + 1 + 1
     ({"keep_alive_interval": "1"}, 0.5, 0, (1, 3)),
     ({"keep_alive_max_attempt": "2"}, 30, 2, (5, 2)),  # the user's choice stands (warned)
