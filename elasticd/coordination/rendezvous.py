@@ -24,10 +24,10 @@ Decisions, and why (numbers from FACTS.md and docs/scale.md):
 * **No shared agent TCPStore.** ``use_agent_store`` is False: restarted workers host their own
   TCPStore at the rank-0 node. Sharing the agent's store across restarts let workers read the
   gloo addresses of dead workers ("Gloo connectFullMesh failed": 5 of 9 recoveries failed).
-* **Fencing for a silent daemon.** Under a daemon, the agent fences its own node when the
-  node's record is gone from etcd and the daemon does not answer locally (a frozen daemon
-  cannot fence for itself; :mod:`elasticd.agent.daemon_watch`), and restarts its workers when
-  a member of their round is gone.
+* **A node's duties under a daemon** (fencing itself for a silent daemon, restarting its
+  workers when a member of their round is gone) are added by :mod:`elasticd.agent.torchrun`,
+  through which the daemons start torchrun, with :data:`on_handler_created`: this module
+  imports nothing from ``elasticd.agent``.
 * **Restartable agents.** torch's agent closes the rendezvous for good when it ends, also with
   an error. elasticd's daemons pass ``close_on_failure=false``: an agent that fails leaves the
   rendezvous open, so the agent its daemon restarts (and every other node's) can join again.
@@ -46,21 +46,22 @@ imported first (torch then logs a warning and leaves etcd-v3 unregistered).
 
 from __future__ import annotations
 
-import logging
-import os
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous.api import RendezvousHandler, RendezvousParameters
 
-log = logging.getLogger(__name__)
-
-__all__ = ["BACKEND_NAME", "NATIVE_BACKEND_NAME", "handler_creator", "native_handler_creator"]
+__all__ = ["BACKEND_NAME", "NATIVE_BACKEND_NAME", "handler_creator", "native_handler_creator",
+           "on_handler_created"]
 
 #: Backend name: the entry point's name, and what the handler's get_backend() returns.
 BACKEND_NAME = "etcd-v3"
 #: The same handler's former name (registered too, so that existing command lines still run).
 NATIVE_BACKEND_NAME = "etcd-v3-native"
+#: Called with every handler this process creates, before torch uses it. elasticd's daemons
+#: start the agent through :mod:`elasticd.agent.torchrun`, which adds a node's duties here;
+#: plain torchrun adds nothing.
+on_handler_created: list[Callable[[RendezvousHandler], None]] = []
 
 
 def handler_creator(name: str = BACKEND_NAME
@@ -75,7 +76,8 @@ def handler_creator(name: str = BACKEND_NAME
         from elasticd.coordination.rendezvous_handler import create_handler
 
         handler = create_handler(params, name)
-        _watch_daemon(handler)
+        for hook in on_handler_created:
+            hook(handler)
         return handler
 
     return create
@@ -84,38 +86,3 @@ def handler_creator(name: str = BACKEND_NAME
 def native_handler_creator() -> Callable[[RendezvousParameters], RendezvousHandler]:
     """The ``etcd-v3-native`` entry point: the same handler under its former name."""
     return handler_creator(NATIVE_BACKEND_NAME)
-
-
-def _restart_own_workers(dead: list[str]) -> None:
-    """A member of this agent's round is gone: kill this agent's workers (its children) so
-    that torch restarts them into a new round, as the daemon's proactive abort does when a
-    node's lease expires."""
-    from elasticd.agent.supervisor import children, kill_workers
-
-    pids = children(os.getpid())
-    log.warning("member(s) %s of this round are gone: restarting this node's workers %s",
-                ", ".join(dead), pids)
-    kill_workers(pids)
-
-
-def _watch_daemon(handler: object) -> None:
-    """Under an elasticd daemon (it sets ``ELASTICD_NODE``, ``ELASTICD_SOCKET`` and
-    ``ELASTICD_TAG``): restart this node's workers when a member of their round is gone, and
-    fence this node for a daemon that was declared dead and is silent. Plain torchrun:
-    nothing."""
-    from elasticd.agent.daemon_watch import DaemonWatch, fence_agent, ping_daemon
-    from elasticd.agent.supervisor import TAG_ENV
-    from elasticd.coordination.keys import Keyspace
-
-    node, sock, tag = (os.environ.get(k) for k in ("ELASTICD_NODE", "ELASTICD_SOCKET", TAG_ENV))
-    if not (node and sock and tag):
-        return
-    handler.on_round_broken = _restart_own_workers  # type: ignore[attr-defined]
-    prefix = os.environ.get("ELASTICD_PREFIX", "/elasticd")
-    watch = DaemonWatch(handler._coord, Keyspace(prefix).node(node),  # type: ignore[attr-defined]
-                        ping=ping_daemon(sock, timeout=1.0),
-                        fence=fence_agent(tag, handler.stop),  # type: ignore[attr-defined]
-                        absent_for=0.0, interval=0.25, silent_for=1.0, ping_interval=0.25)
-    watch.start()
-    log.info("watching daemon of node %s (record %s, socket %s)", node,
-             watch.node_key.decode(errors="replace"), sock)
