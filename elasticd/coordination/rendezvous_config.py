@@ -21,6 +21,10 @@ liveness_confirm       seconds a round member's record must stay absent before  
 join_timeout           seconds ``next_rendezvous`` waits to be admitted (torch's)  600
 last_call_timeout      seconds a job's first round stays open after ``min`` nodes  30
                        joined, for late starters (torch's)
+grow                   when a node that returns or is added enters a running       immediate
+                       round: ``immediate`` (everybody stops once for it) or
+                       ``at-failure`` (it waits as a spare until the next round
+                       that forms anyway, e.g. after a failure)
 close_on_failure       close the rendezvous when this agent ends with an error     true
                        (torch's behaviour: every other agent then ends too);
                        elasticd's daemons set false, since they restart agents
@@ -41,6 +45,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 from elasticd.coordination.etcd import EtcdSettings, parse_endpoints
 from elasticd.coordination.keys import check_name, check_prefix
 from elasticd.coordination.rendezvous_grace import DEFAULT_GRACE_PERIOD
+from elasticd.coordination.rendezvous_rounds import GROW_POLICIES
 
 PASSWORD_ENV = "ELASTICD_ETCD_PASSWORD"
 DEFAULT_ETCD_TIMEOUT = 2.0
@@ -88,6 +93,7 @@ class RendezvousConfig:
         liveness_confirm: seconds a member's record must stay absent before it counts as gone.
         join_timeout: seconds ``next_rendezvous`` waits to be admitted.
         last_call: seconds a first round stays open after ``min`` nodes joined.
+        grow: the grow policy (:data:`~.rendezvous_rounds.GROW_POLICIES`).
         close_on_failure: close the rendezvous when the agent ends with an error.
         ignored: the :data:`IGNORED_KEYS` that were given.
     """
@@ -101,6 +107,7 @@ class RendezvousConfig:
     liveness_confirm: float = DEFAULT_LIVENESS_CONFIRM
     join_timeout: float = DEFAULT_JOIN_TIMEOUT
     last_call: float = DEFAULT_LAST_CALL_TIMEOUT
+    grow: str = "immediate"
     close_on_failure: bool = True
     ignored: tuple[str, ...] = ()
 
@@ -147,6 +154,9 @@ class RendezvousConfig:
         except ValueError as exc:
             raise ValueError(f"rdzv-conf close_on_failure={params.get('close_on_failure')!r} "
                              "is not a boolean (true/false)") from exc
+        grow = params.get("grow") or "immediate"
+        if grow not in GROW_POLICIES:
+            raise ValueError(f"rdzv-conf grow={grow!r}: use one of {', '.join(GROW_POLICIES)}")
         raw_ttl = params.get("liveness_ttl")
         try:
             liveness_ttl = DEFAULT_LIVENESS_TTL if raw_ttl in (None, "") else int(raw_ttl)
@@ -170,6 +180,7 @@ class RendezvousConfig:
             join_timeout=_seconds(params, "join_timeout", DEFAULT_JOIN_TIMEOUT,
                                   allow_zero=False),
             last_call=_seconds(params, "last_call_timeout", DEFAULT_LAST_CALL_TIMEOUT),
+            grow=grow,
             close_on_failure=bool(close_on_failure),
             ignored=tuple(k for k in IGNORED_KEYS if params.get(k) not in (None, "")),
         )

@@ -234,6 +234,7 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
             (not while it is the spare of a full, running round).
         last_call: seconds a job's first round stays open after ``min`` nodes joined.
         store_timeout: how long the store's ``get``/``wait`` block.
+        grow: the grow policy for nodes beyond a running round (:mod:`.rendezvous_rounds`).
         close_on_failure: whether :meth:`shutdown` during an exception closes the rendezvous.
         clock: time source for the lease, trust and absences.
 
@@ -249,7 +250,7 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
                  ttl: int = 3, confirm: float = 1.0,
                  join_timeout: float = DEFAULT_JOIN_TIMEOUT,
                  last_call: float = DEFAULT_LAST_CALL_TIMEOUT,
-                 store_timeout: datetime.timedelta | None = None,
+                 store_timeout: datetime.timedelta | None = None, grow: str = "immediate",
                  close_on_failure: bool = True, clock: Clock | None = None) -> None:
         if not 1 <= min_nodes <= max_nodes:
             raise ValueError(f"--nnodes {min_nodes}:{max_nodes}: need 1 <= MIN <= MAX")
@@ -269,6 +270,7 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         self._join_timeout = join_timeout
         self._last_call = last_call
         self._close_on_failure = close_on_failure
+        self._grow = grow
         self._mirror = _Mirror(prefix + b"native/", self._clock)
         self._store = EtcdV3Store(coordinator, prefix + b"store/", timeout=store_timeout,
                                   grace=self._grace)
@@ -538,7 +540,7 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
             if new:
                 self._reported_gone.update((current.round, g) for g in new)
                 self.on_round_broken(new)
-        return num_waiting(nodes, current, self._max, gone)
+        return num_waiting(nodes, current, self._max, gone, self._grow)
 
     def is_closed(self) -> bool:
         with self._mirror.cond:
@@ -619,5 +621,5 @@ def create_handler(params: RendezvousParameters, backend_name: str,
         coordinator, Keyspace(cfg.key_prefix).job_rdzv(cfg.run_id), cfg.run_id,
         params.min_nodes, params.max_nodes, addr, backend_name, grace=grace,
         ttl=cfg.liveness_ttl, confirm=cfg.liveness_confirm, join_timeout=cfg.join_timeout,
-        last_call=cfg.last_call, store_timeout=cfg.store_timeout,
+        last_call=cfg.last_call, store_timeout=cfg.store_timeout, grow=cfg.grow,
         close_on_failure=cfg.close_on_failure)

@@ -230,3 +230,22 @@ def test_a_killed_node_leaves_when_its_lease_expires(etcd, prefix):
         assert info.world_size == 1
     finally:
         cluster.close()
+
+
+def test_with_grow_at_failure_a_newcomer_waits_silently_and_enters_at_the_next_failure(
+        cluster):
+    a, b, c = (cluster.node(1, 3, grow="at-failure") for _ in range(3))
+    results(cluster.join(a, b, c))  # max reached: round 0 closes with all three
+    c.stop()  # c dies: the survivors re-form at world 2 (a failure, no newcomer yet)
+    results(cluster.join(a, b))
+    d = cluster.node(1, 3, grow="at-failure")
+    pending = cluster.join(d)
+    wait_until(lambda: d.me in a._mirror.nodes and d.me in b._mirror.nodes,
+               "the members see the newcomer's record")
+    assert a.num_nodes_waiting() == b.num_nodes_waiting() == 0  # no stop to let it in
+    assert not pending[0].done()
+    b.stop()  # the next failure: the newcomer enters the round that forms for it anyway
+    wait_until(lambda: a.num_nodes_waiting() == 1, "a sees b gone and the newcomer waiting")
+    infos = results(cluster.join(a) + pending)
+    assert [i.world_size for i in infos] == [2, 2]
+    assert sorted(i.rank for i in infos) == [0, 1]

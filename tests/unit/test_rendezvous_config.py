@@ -28,7 +28,7 @@ def test_defaults():
     assert cfg.store_timeout == datetime.timedelta(seconds=60)
     assert (cfg.liveness_ttl, cfg.liveness_confirm) == (3, 1.0)
     assert (cfg.join_timeout, cfg.last_call, cfg.close_on_failure) == (600.0, 30.0, True)
-    assert cfg.ignored == ()
+    assert (cfg.grow, cfg.ignored) == ("immediate", ())
 
 
 def test_settings_from_rdzv_conf(tmp_path, monkeypatch):
@@ -41,13 +41,14 @@ def test_settings_from_rdzv_conf(tmp_path, monkeypatch):
         key_prefix="/prod", etcd_timeout="0.5", etcd_grace_period="10", read_timeout="30",
         ca_cert=str(files["ca.pem"]), cert=str(files["cert.pem"]), key=str(files["key.pem"]),
         user="trainer", password="s3cret", liveness_ttl="5", liveness_confirm="0",
-        join_timeout="60", last_call_timeout="0", close_on_failure="false"))
+        join_timeout="60", last_call_timeout="0", close_on_failure="false", grow="at-failure"))
     assert (cfg.key_prefix, cfg.grace_period) == ("/prod", 10.0)
     assert cfg.etcd.timeout == 0.5 and cfg.etcd.secure
     assert (cfg.etcd.user, cfg.etcd.password) == ("trainer", "s3cret")
     assert cfg.store_timeout == datetime.timedelta(seconds=30)
     assert (cfg.liveness_ttl, cfg.liveness_confirm) == (5, 0.0)
     assert (cfg.join_timeout, cfg.last_call, cfg.close_on_failure) == (60.0, 0.0, False)
+    assert cfg.grow == "at-failure"
 
 
 def test_password_from_the_environment(monkeypatch):
@@ -71,6 +72,7 @@ def test_password_from_the_environment(monkeypatch):
     ("127.0.0.1:2379", {"liveness_ttl": "2.5"}, "liveness_ttl='2.5'"),
     ("127.0.0.1:2379", {"liveness_confirm": "-1"}, "liveness_confirm='-1'"),
     ("127.0.0.1:2379", {"join_timeout": "0"}, "join_timeout='0'.*positive"),
+    ("127.0.0.1:2379", {"grow": "sometimes"}, "grow='sometimes': use one of immediate"),
     ("127.0.0.1:2379", {"last_call_timeout": "-1"}, "last_call_timeout='-1'"),
     ("127.0.0.1:2379", {"close_on_failure": "perhaps"}, "close_on_failure='perhaps'"),
 ])
@@ -110,3 +112,40 @@ def test_the_entry_points_register_elasticds_own_handler():
         assert handler.get_backend() == name
         assert handler.use_agent_store is False
         handler.stop()
+
+
+def test_the_creator_hands_every_handler_to_the_hooks_and_the_daemons_hook_needs_a_daemon(
+        monkeypatch):
+    # elasticd.agent.torchrun (how daemons start torchrun) hooks in a node's duties; the
+    # rendezvous plugin itself imports no agent code.
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    from elasticd.agent import torchrun
+    from elasticd.coordination import rendezvous
+
+    watches = []
+
+    class RecordingWatch:
+        def __init__(self, coordinator, node_key, **kwargs):
+            self.node_key = node_key
+            watches.append(self)
+
+        def start(self):
+            self.started = True
+
+    monkeypatch.setattr(torchrun, "DaemonWatch", RecordingWatch)
+    monkeypatch.setattr(rendezvous, "on_handler_created", [torchrun.attach])
+    for var in ("ELASTICD_NODE", "ELASTICD_SOCKET", "ELASTICD_TAG"):
+        monkeypatch.delenv(var, raising=False)
+    plain = rendezvous_handler_registry.create_handler(params())
+    assert plain.on_round_broken is None and watches == []  # plain torchrun: nothing
+    plain.stop()
+    monkeypatch.setenv("ELASTICD_NODE", "n1")
+    monkeypatch.setenv("ELASTICD_SOCKET", "/nonexistent/elasticd.sock")
+    monkeypatch.setenv("ELASTICD_TAG", "/elasticd:n1:job")
+    monkeypatch.setenv("ELASTICD_PREFIX", "/p")
+    handler = rendezvous_handler_registry.create_handler(params())
+    assert handler.on_round_broken is torchrun.restart_own_workers
+    [watch] = watches
+    assert watch.started and watch.node_key == b"/p/nodes/n1"
+    handler.stop()
