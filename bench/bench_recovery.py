@@ -10,7 +10,7 @@ from (read from their restarted workers' ``start ... restored step S`` lines).
 * elasticd: 3 daemons on one etcd, replication on (m=2; ``--no-replication`` turns it off), the
   job submitted with elasticctl; examples/train.py snapshots every step. The steps lost the
   restore itself reported are recorded beside the measured ones.
-* plain torchrun (the baseline): c10d rendezvous on the first node, tuned as in FACTS.md
+* plain torchrun (the baseline): c10d rendezvous on the first node, tuned as in docs/facts.md
   (``last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3``, worker store sharing
   off with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), ``--max-restarts 100``, training
   bench/train_disk.py: the same model and data with a torch.save checkpoint every
@@ -255,7 +255,7 @@ def run_torchrun(victim: str, timeout: float, every: int = 10, nodes: int = 3,
             def trained() -> bool:
                 return all(_at_world(logs[n], full - 1, marks[n]) for n in survivors)
 
-            # Killing the c10d store host ends the job (FACTS.md): stop waiting once every
+            # Killing the c10d store host ends the job (docs/facts.md): stop waiting once every
             # survivor has exited.
             t = _wait(lambda: trained() or all(procs[n].poll() is not None for n in survivors),
                       timeout)

@@ -733,7 +733,7 @@ def run_size_native(n: int, etcd: EmbeddedEtcd, a: argparse.Namespace) -> dict[s
         st["simulator_cpu_percent_of_core"] = st.pop("sessions_cpu_percent_of_core")
         result["steady"] = st
         # 3. one agent killed; the others re-rendezvous at once (their workers' collectives
-        # fail within a fraction of a second of a kill -9: FACTS.md)
+        # fail within a fraction of a second of a kill -9: docs/facts.md)
         victim = parts[0][0]
         pipes[0].send(("kill", victim))
         killed_at = pipes[0].recv()

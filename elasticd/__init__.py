@@ -9,7 +9,7 @@ runs inside torchrun's agent and worker processes, where torch is already loaded
 __version__ = "0.1.0"
 
 # The worker API, imported on first use: ``import elasticd`` must not import torch, because the
-# daemon imports elasticd and must stay small (FACTS.md: torch alone costs ~220 MB and 1.5 s).
+# daemon imports elasticd and must stay small (docs/facts.md: torch alone costs ~220 MB and 1.5 s).
 _LAZY = {
     "Checkpointer": "elasticd.checkpoint.client",
     "RestoreResult": "elasticd.checkpoint.client",

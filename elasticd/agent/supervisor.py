@@ -2,7 +2,7 @@
 
 The agent runs in a session of its own. torchrun puts each worker in a session of its own too,
 so signalling the agent's process group does not reach the workers, and a killed agent leaves
-its workers training (FACTS.md). Every process started here therefore carries a tag in its
+its workers training (docs/facts.md). Every process started here therefore carries a tag in its
 environment (``ELASTICD_TAG``), inherited by the workers and anything they start; stopping means
 SIGTERM to the agent's group and to every tagged process, a grace period, then SIGKILL to
 whatever still carries the tag. Tagged processes are found by scanning ``/proc``.
@@ -166,7 +166,7 @@ class AgentSupervisor:
             TAG_ENV: self.tag,
             "ELASTICD_NODE": self.node_id,
             "ELASTICD_JOB": self.spec.name,
-            # Workers must not reuse the rank-0 agent's TCPStore across restarts (FACTS.md).
+            # Workers must not reuse the rank-0 agent's TCPStore across restarts (docs/facts.md).
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
             "PYTHONUNBUFFERED": "1",
         })

@@ -3,7 +3,7 @@
 :class:`~elasticd.checkpoint.shm.SlotStore` decides which segment holds what; this module does the
 file and memory work. Pages are reserved with ``fallocate`` so that a full tmpfs is an error at
 allocation rather than a SIGBUS in whichever process first writes the page, and pre-touched,
-because first writes into fresh tmpfs pages run ten times slower than memcpy (FACTS.md).
+because first writes into fresh tmpfs pages run ten times slower than memcpy (docs/facts.md).
 
 Every file is created and opened relative to a directory descriptor the store verified, with
 ``O_NOFOLLOW``, and a segment keeps its descriptor open: a worker is handed a descriptor of the

@@ -675,8 +675,8 @@ class CheckpointService:
         return out
 
     def stats(self) -> dict[str, Any]:
-        """Plain numbers for the daemon's metrics (:data:`~elasticd.checkpoint.telemetry.
-        RECOMMENDED` names the metrics they feed)."""
+        """Plain numbers for the daemon's metrics (:mod:`elasticd.metrics` reads them at
+        scrape time)."""
         status = self.status()
         with self._lock:
             counters = dict(self.counters)

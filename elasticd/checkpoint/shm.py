@@ -14,7 +14,7 @@ into the one that does not hold the last complete snapshot, then sealed (header 
 
 Slots are files sized on first use, grown when the state grows, allocated with ``fallocate``
 (a full tmpfs is then an error here rather than a SIGBUS in whoever writes) and pre-touched,
-because first writes into fresh tmpfs pages run ten times slower than memcpy (FACTS.md). A
+because first writes into fresh tmpfs pages run ten times slower than memcpy (docs/facts.md). A
 per-node cap bounds the bytes held; going over it raises :class:`OverBudget`, which the caller
 turns into a skipped snapshot, a warning and a metric. No torch here: this is daemon code.
 """

@@ -11,7 +11,7 @@ come from a peer, and JSON cannot run code.
 
 Supported values: ``nn.Module`` (its state_dict, with the per-module version metadata), any
 ``torch.optim.Optimizer``, ``ZeroRedundancyOptimizer`` (this rank's local shard plus the
-wrapper's param-group hyper-parameters, which its ``step`` copies over the shard's, FACTS.md),
+wrapper's param-group hyper-parameters, which its ``step`` copies over the shard's, docs/facts.md),
 anything with ``state_dict``/``load_state_dict`` (LR schedulers, samplers, :class:`RNGState`),
 and plain values. Worker side: imports torch.
 """
@@ -52,7 +52,7 @@ class RNGState:
 
     Covers torch's CPU generator, numpy's global (legacy) generator, python's ``random`` and,
     when CUDA is initialised, every CUDA device's generator. Loaders with their own
-    ``torch.Generator`` must snapshot it themselves (FACTS.md: exact resume needs it).
+    ``torch.Generator`` must snapshot it themselves (docs/facts.md: exact resume needs it).
     """
 
     def state_dict(self) -> dict[str, Any]:

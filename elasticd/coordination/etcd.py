@@ -1,6 +1,6 @@
 """The :class:`Coordinator` on a real etcd v3 cluster, through ``etcd-sdk-python`` (``pyetcd``).
 
-Why this client and how its traps are avoided (FACTS.md):
+Why this client and how its traps are avoided (docs/facts.md):
 
 * The plain client marks an endpoint failed for 300 s after a single error and then refuses
   every call ("Trying to use a failed node"). We always build a ``MultiEndpointEtcd3Client``

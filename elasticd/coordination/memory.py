@@ -86,7 +86,7 @@ class MemoryStore:
         """Simulates etcd restarted on an empty data directory: every key and lease is gone
         and revisions restart at 1. Each watch sees the stream break (``Unavailable``) and is
         then stuck, as a real one resumed from the old cluster's next revision is: it delivers
-        nothing until the new revisions pass the old ones (FACTS.md), unless reset
+        nothing until the new revisions pass the old ones (docs/facts.md), unless reset
         (:meth:`MemoryCoordinator.reset_watches`)."""
         with self._lock:
             old = self._revision

@@ -11,7 +11,7 @@ pickle (the round rules are in :mod:`.rendezvous_rounds`). Everything lives unde
 ``<prefix>/jobs/<run_id>/rdzv/``. The same handler is also registered as ``etcd-v3-native``,
 the name it had before it replaced torch's dynamic rendezvous behind ``etcd-v3``.
 
-Decisions, and why (numbers from FACTS.md and docs/scale.md):
+Decisions, and why (numbers from docs/facts.md and docs/scale.md):
 
 * **Outage grace.** Every etcd write retries on an unreachable etcd for ``etcd_grace_period``
   seconds (default 30) before raising ``RendezvousConnectionError``, because torch's agent ends

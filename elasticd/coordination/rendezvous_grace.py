@@ -2,7 +2,7 @@
 
 torch's elastic agent treats any error from its rendezvous backend as fatal: an exception in
 ``num_nodes_waiting()``, which the agent polls every few seconds while the workers train, ends
-the agent and its workers (FACTS.md). A backend that must not kill healthy training when etcd is
+the agent and its workers (docs/facts.md). A backend that must not kill healthy training when etcd is
 briefly unreachable therefore retries *inside* each call. :class:`OutageGrace` is that retry
 loop: it repeats a call that raised :class:`~elasticd.coordination.api.Unavailable`, with
 capped exponential backoff, for up to a grace period, and then raises

@@ -17,7 +17,7 @@ interface (``torch/distributed/elastic/rendezvous/api.py``) on its own keys inst
   ``num_nodes_waiting()``, which torch's agent calls every monitor interval while the workers
   train, reads that mirror and makes no etcd request. While a rendezvous waits, the mirror is
   re-listed every few seconds as a safety net (a watch resumed after an etcd data loss delivers
-  nothing: FACTS.md), and at once after a watch error or a lost lease.
+  nothing: docs/facts.md), and at once after a watch error or a lost lease.
 * **Outage grace.** Every write retries for ``etcd_grace_period`` on an unreachable etcd
   (:mod:`.rendezvous_grace`); the watch re-creates itself. ``num_nodes_waiting`` never fails.
 * **Provisional expiry.** An etcd paused past the TTL expires every lease when it resumes; each
@@ -28,7 +28,7 @@ interface (``torch/distributed/elastic/rendezvous/api.py``) on its own keys inst
 * **Store.** ``next_rendezvous`` returns the etcd-backed store of :mod:`.rendezvous_store` under
   a per-round prefix (torch's ``torch.rendezvous.<run>.<round>``). ``use_agent_store`` is False:
   workers host their own TCPStore at the rank-0 node's address and a free port, as with
-  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (FACTS.md: sharing the agent's store across restarts
+  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (docs/facts.md: sharing the agent's store across restarts
   let workers read dead peers' addresses).
 
 Registered as torchrun's ``etcd-v3`` backend (:mod:`elasticd.coordination.rendezvous`). Its

@@ -220,7 +220,7 @@ class EtcdControls:
         self.server = server
 
     def let_leases_expire(self, ttl):
-        time.sleep(ttl + 1.0)  # etcd checks expiry every 500 ms (FACTS.md)
+        time.sleep(ttl + 1.0)  # etcd checks expiry every 500 ms (docs/facts.md)
 
     def outage(self):
         self.server.members[0].kill()

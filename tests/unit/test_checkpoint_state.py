@@ -38,7 +38,7 @@ from elasticd.checkpoint.state import (
 @pytest.fixture(autouse=True)
 def one_thread():
     before = torch.get_num_threads()
-    torch.set_num_threads(1)  # FACTS.md: bitwise equality needs a fixed thread count
+    torch.set_num_threads(1)  # docs/facts.md: bitwise equality needs a fixed thread count
     try:
         yield
     finally:

@@ -4,7 +4,7 @@ Usage: ``torchrun ... allreduce.py EXPECTED_WORLD_SIZE [SECONDS]``. Each rank co
 rank + 1, so the sum is n(n+1)/2. With SECONDS, it keeps all-reducing (10 a second) for that
 long before reporting, to stand for a job that trains through some event. It exits with ``os._exit(0)`` after tearing down the process group: about
 1 in 13 short jobs otherwise died with SIGABRT ("terminate called without an active exception")
-after ``destroy_process_group()`` (FACTS.md).
+after ``destroy_process_group()`` (docs/facts.md).
 """
 
 import os

@@ -7,7 +7,7 @@ FAULT ("none", "drop": empty the job's RAM, "corrupt": flip payload bytes in its
 kills itself with SIGKILL. Rank 0 fails in the next all_reduce and torchrun restarts both.
 At the end each rank writes its model and optimizer state to OUT_DIR/final-rank<r>.safetensors.
 
-Bitwise-exact resume (FACTS.md): one thread, no dropout, a sampler whose position is in the
+Bitwise-exact resume (docs/facts.md): one thread, no dropout, a sampler whose position is in the
 state, RNG states in the state, gradients averaged by explicit all_reduce (no DDP bucket
 rebuild), and ``os._exit(0)`` after tearing down the process group.
 """

@@ -45,7 +45,7 @@ def main() -> None:
               f"pid={os.getpid()} t={time.time():.3f}", flush=True)
         time.sleep(0.1)
     dist.destroy_process_group()
-    os._exit(0)  # FACTS.md: avoids the occasional SIGABRT after destroy_process_group()
+    os._exit(0)  # docs/facts.md: avoids the occasional SIGABRT after destroy_process_group()
 
 
 if __name__ == "__main__":
