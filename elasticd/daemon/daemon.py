@@ -257,6 +257,7 @@ class Daemon:
             "etcd_grace_period": f"{s.outage_grace:g}",
             "etcd_timeout": f"{s.etcd_timeout:g}",
             "join_timeout": "900",
+            "grow": s.rdzv_grow,
             # A dead node leaves the round when its agent's etcd lease expires (the node's
             # TTL): the join record is bound to that lease (rendezvous_handler.py).
             "liveness_ttl": str(max(2, s.lease_ttl)),

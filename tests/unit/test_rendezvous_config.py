@@ -149,3 +149,13 @@ def test_the_creator_hands_every_handler_to_the_hooks_and_the_daemons_hook_needs
     [watch] = watches
     assert watch.started and watch.node_key == b"/p/nodes/n1"
     handler.stop()
+
+
+def test_the_daemons_grow_setting_reaches_its_agents_rendezvous():
+    from elasticd.config import load
+    from elasticd.daemon.daemon import Daemon
+
+    for grow in ("immediate", "at-failure"):
+        settings = load({"rdzv_grow": grow}, None, {})
+        conf = Daemon.rdzv_conf(type("D", (), {"settings": settings})())
+        assert RendezvousConfig.from_params(params(**conf)).grow == grow
