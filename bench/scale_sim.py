@@ -782,7 +782,7 @@ def main() -> int:
                         "the complete round is written directly and the steady state measured")
     p.add_argument("--handler", choices=("torch", "native"), default="torch",
                    help="torch: torch's dynamic rendezvous on the etcd-v3 backend; native: "
-                        "elasticd's own handler (etcd-v3-native), agents over --procs processes")
+                        "elasticd's own handler (etcd-v3), agents over --procs processes")
     p.add_argument("--procs", type=int, default=4,
                    help="processes the native handler's simulated agents are spread over")
     p.add_argument("--out", default=None,
