@@ -69,7 +69,7 @@ class PreallocatedSink(Sink):
     def discard(self, d: Descriptor, reason: str) -> None:
         pass
 
-    def committed(self, job: str, owner_rank: int) -> Descriptor | None:
+    def held(self, job: str, owner_rank: int) -> Descriptor | None:
         return self.held
 
     def lookup(self, job: str, owner_rank: int,

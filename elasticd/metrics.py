@@ -16,7 +16,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 import elasticd
-from elasticd.checkpoint.protection import REASONS as UNPROTECTED_REASONS
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +34,8 @@ PUSH_FAILURE_REASONS = ("unreachable", "no_address", "connection", "remote", "so
                         "rereplication", "stale", "in_progress", "no_space", "other")
 #: Label values of elasticd_replica_fetch_failures_total (elasticd.replication.recovery).
 FETCH_FAILURE_REASONS = ("missing", "corrupt", "unreachable", "no_address", "lost", "other")
+#: Label values of elasticd_jobs_unprotected (checkpoint.protection.REASONS; a test compares).
+UNPROTECTED_REASONS = ("snapshots_failing", "no_placement", "commit_lag")
 #: Label values of elasticd_replication_connections_rejected_total.
 REJECT_REASONS = ("auth", "version", "tls")
 #: Label values of elasticd_replica_pushes_received_total (the replica server's outcomes).

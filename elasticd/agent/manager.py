@@ -41,9 +41,9 @@ from typing import Any, Callable, Sequence
 from elasticd.agent import crashloop
 from elasticd.agent.policy import JobPolicy
 from elasticd.agent.progress import ProgressTracker, progress_handler
-from elasticd.agent.spec import JobControl, JobSpec, NodeJobStatus
 from elasticd.agent.supervisor import AgentSupervisor
 from elasticd.clock import Clock, SystemClock
+from elasticd.cluster.jobspec import JobControl, JobSpec, NodeJobStatus
 from elasticd.coordination import records
 from elasticd.coordination.api import (
     AuthError,
@@ -381,7 +381,7 @@ class JobManager:
             return
         _, spec = self.specs[job]
         try:
-            problem = spec.check_on_node(self.policy)
+            problem = self.policy.check_on_node(spec)
             extra_conf, extra_env = (self.credentials(spec) if self.credentials is not None
                                      and problem is None else ({}, {}))
         except AuthError as exc:

@@ -11,7 +11,7 @@ settings (``job_users``, ``job_python``, ``job_env_allow``), never in etcd:
   choosing (``LD_*``, ``PYTHON*``, ``BASH_ENV``, ``ENV``) are refused unless allowed by name;
 * the files: checked as the job's user (who must be able to run the interpreter, read the
   script and enter the working directory), not as root;
-* the script's SHA-256 (:meth:`~elasticd.agent.spec.JobSpec.check_on_node`) as before.
+* the script's SHA-256 (:meth:`JobPolicy.check_on_node`) as before.
 """
 
 from __future__ import annotations
@@ -22,10 +22,8 @@ import os
 import pwd
 import subprocess
 import sys
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from elasticd.agent.spec import JobSpec
+from elasticd.cluster.jobspec import JobSpec, JobSpecError, sha256_file
 
 #: Environment variables a job may not set unless the node allows them by name.
 DENIED_ENV = ("LD_*", "PYTHON*", "BASH_ENV", "ENV")
@@ -56,7 +54,7 @@ class JobPolicy:
     python: str = sys.executable
     env_allow: tuple[str, ...] = ()
 
-    def check(self, spec: "JobSpec") -> str | None:
+    def check(self, spec: JobSpec) -> str | None:
         """Why this node refuses ``spec``, or None. Reads no file."""
         if "*" in self.users:
             pass
@@ -75,6 +73,26 @@ class JobPolicy:
                     and not any(fnmatch.fnmatchcase(name, p) for p in self.env_allow)):
                 return (f"--env {name} is refused on this node (it can make the interpreter "
                         "run other code); the daemons' job_env_allow setting may allow it")
+        return None
+
+    def check_on_node(self, spec: JobSpec) -> str | None:
+        """What stops this node from running ``spec``, or None (called by every daemon)."""
+        try:
+            spec.validate(check_files=True)
+        except JobSpecError as exc:
+            return str(exc)
+        problem = self.check(spec)
+        if problem is None:
+            problem = check_access_as(spec.user, spec.python, spec.script, spec.cwd)
+        if problem is not None:
+            return problem
+        try:
+            actual = sha256_file(spec.script)
+        except OSError as exc:
+            return f"script {spec.script}: cannot read it ({exc.strerror})"
+        if actual != spec.script_sha256:
+            return (f"script {spec.script} differs on this node (sha256 {actual[:12]}…, "
+                    f"submitted {spec.script_sha256[:12]}…): deploy the same file everywhere")
         return None
 
 

@@ -24,7 +24,7 @@ import threading
 from typing import Any, Callable
 
 from elasticd.clock import Clock
-from elasticd.daemon.local_api import RequestError
+from elasticd.local.wire import RequestError
 
 __all__ = ["Hang", "HangKind", "ProgressTracker", "StalledRank", "progress_handler"]
 

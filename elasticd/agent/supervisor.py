@@ -20,9 +20,9 @@ import time
 from typing import Sequence
 
 from elasticd.agent.job_files import open_job_log
-from elasticd.agent.spec import JobSpec
 from elasticd.agent.zygote import ZYGOTE_ENV, ZYGOTE_PID_ENV
 from elasticd.clock import Clock, SystemClock
+from elasticd.cluster.jobspec import JobSpec
 from elasticd.daemon.local_binding import TAG_ENV, JobScope
 
 log = logging.getLogger(__name__)

@@ -76,7 +76,7 @@ from elasticd.checkpoint.protection import REASONS, JobView, Unprotected, assess
 from elasticd.checkpoint.reader import _header_from_json
 from elasticd.checkpoint.shm import SlotStore
 from elasticd.clock import Clock, SystemClock
-from elasticd.daemon.local_api import RequestError
+from elasticd.local.wire import RequestError
 from elasticd.checkpoint.telemetry import RESTORE_SOURCES
 from elasticd.persistence.persister import Flushed, Persister
 from elasticd.replication.recovery import ShardLost

@@ -129,8 +129,8 @@ class _Pair:
     latest: int | None = None
     reserved: int | None = None
     next_serial: int = 0
-    # Versions a peer acknowledged, which may be committed (see SlotStore.protect).
-    protected: set[tuple[int, int]] = dataclasses.field(default_factory=set)
+    # Versions that must stay (see SlotStore.retain).
+    retained: set[tuple[int, int]] = dataclasses.field(default_factory=set)
 
 
 class SnapshotView:
@@ -185,8 +185,7 @@ class SlotStore:
         self.root, self.cap_bytes, self.file_mode = os.path.abspath(root), cap_bytes, file_mode
         self._fd = claim_root(self.root)
         self._pairs: dict[tuple[str, int], _Pair] = {}
-        self._kept: dict[str, tuple[int, int]] = {}
-        self._floors: dict[str, int] = {}
+        self._retained: dict[str, set[tuple[int, int]]] = {}  # job-wide (see retain)
         self._lock = threading.Lock()
         self._tickets = 0
 
@@ -230,83 +229,53 @@ class SlotStore:
 
     # -- the snapshot cycle ---------------------------------------------------------------
 
-    def keep(self, job: str, version: tuple[int, int] | None) -> None:
-        """Names ``job``'s committed (generation, step): :meth:`reserve` never overwrites it,
-        nor a newer copy marked by :meth:`protect`. None forgets it.
-
-        Without this, a rank whose commits stall (a peer paused, draining or slow) would evict
-        the committed step with its second newer snapshot, and the step every holder agreed on
-        would be gone from this node.
-        """
-        with self._lock:
-            if version is None:
-                self._kept.pop(job, None)
-                return
-            kept = self._kept[job] = (int(version[0]), int(version[1]))
-            self._drop_protection(job, None, lambda v: v <= kept)
-
-    def set_floor(self, job: str, generation: int) -> None:
-        """Copies of ``job`` below ``generation`` belong to an abandoned timeline (a restore
-        opened a new generation): they can never be committed, so they lose any protection."""
-        with self._lock:
-            floor = self._floors[job] = max(self._floors.get(job, 0), int(generation))
-            self._drop_protection(job, None, lambda v: v[0] < floor)
-
-    def protect(self, job: str, rank: int, version: tuple[int, int]) -> bool:
-        """Marks a held copy as one that may be committed (a peer acknowledged a copy of it):
-        :meth:`reserve` then refuses to overwrite it (:class:`CommitPending`) until it is
-        committed (:meth:`keep`), abandoned (:meth:`set_floor`) or withdrawn
-        (:meth:`unprotect`). This is what keeps a committed step's every named holder holding
-        it: the commit is decided in etcd from acknowledgements, after the fact.
+    def retain(self, job: str, rank: int | None, version: tuple[int, int]) -> bool:
+        """Marks a held copy of ``version`` (of ``rank``, or of every rank of ``job`` for None,
+        now and later) as one that must stay: :meth:`reserve` refuses to overwrite it
+        (:class:`CommitPending`) until :meth:`release_retained`. Which copies must stay is the
+        commit protocol's decision (:mod:`elasticd.replication.commit_state`), not the store's.
 
         Returns:
-            False when the copy is no longer held here (it must not be counted as a copy).
+            False when ``rank``'s copy is not held here (nothing was marked).
         """
         version = (int(version[0]), int(version[1]))
         with self._lock:
+            if rank is None:
+                self._retained.setdefault(job, set()).add(version)
+                return True
             pair = self._pairs.get((job, rank))
             if pair is None or not any(s is not None and s.header is not None
                                        and s.header.version() == version for s in pair.segments):
                 return False
-            if self._protects(job, pair, version, assume=True):
-                pair.protected.add(version)
+            pair.retained.add(version)
             return True
 
-    def unprotect(self, job: str, rank: int | None, version: tuple[int, int]) -> None:
-        """The copy (of ``rank``, or of every rank of ``job`` for None) was withdrawn from
-        commit or superseded: it may be overwritten again."""
+    def release_retained(self, job: str, rank: int | None, version: tuple[int, int]) -> None:
+        """Undoes :meth:`retain` (with the same ``rank``): the copy may be overwritten again."""
         version = (int(version[0]), int(version[1]))
         with self._lock:
-            self._drop_protection(job, rank, lambda v: v == version)
+            if rank is None:
+                self._retained.get(job, set()).discard(version)
+            elif (pair := self._pairs.get((job, rank))) is not None:
+                pair.retained.discard(version)
 
-    def _drop_protection(self, job: str, rank: int | None,
-                         drop: Callable[[tuple[int, int]], bool]) -> None:
-        """Unprotects the versions ``drop`` picks, of ``rank`` or of every rank of ``job``
-        (call with the lock held)."""
-        for (j, r), pair in self._pairs.items():
-            if j == job and rank in (None, r):
-                pair.protected = {v for v in pair.protected if not drop(v)}
-
-    def _protects(self, job: str, pair: _Pair, version: tuple[int, int],
-                  assume: bool = False) -> bool:
-        """Whether ``version`` must stay (call with the lock held): it is the kept one, or a
-        protected copy newer than it and not of an abandoned generation."""
-        kept = self._kept.get(job)
-        if version == kept:
-            return True
-        if not assume and version not in pair.protected:
-            return False
-        return (kept is None or version > kept) and version[0] >= self._floors.get(job, 0)
+    def retained(self, job: str) -> dict[int | None, set[tuple[int, int]]]:
+        """The versions retained, per rank (None: for every rank of the job)."""
+        with self._lock:
+            out: dict[int | None, set[tuple[int, int]]] = {
+                r: set(p.retained) for (j, r), p in self._pairs.items() if j == job and p.retained}
+            if self._retained.get(job):
+                out[None] = set(self._retained[job])
+            return out
 
     def reserve(self, job: str, rank: int, nbytes: int) -> Slot:
         """Returns a free slot of at least ``nbytes`` for the next snapshot of (job, rank).
 
         The slot holding the latest complete snapshot is not returned, except when the other
-        slot holds a copy that must stay (the version named by :meth:`keep`, or one marked by
-        :meth:`protect`) and the latest may go: then the latest is overwritten (the other one
-        becomes the latest until this snapshot completes). When both must stay the snapshot is
-        refused (:class:`CommitPending`); when the slot to reuse is pinned by a reader, too
-        (:class:`SlotBusy`). On first use both slots are allocated; a slot too small for
+        slot holds a copy that must stay (:meth:`retain`) and the latest may go: then the latest
+        is overwritten (the other one becomes the latest until this snapshot completes). When
+        both must stay the snapshot is refused (:class:`CommitPending`); when the slot to reuse
+        is pinned by a reader, too (:class:`SlotBusy`). On first use both slots are allocated; a slot too small for
         ``nbytes`` is replaced by a bigger one (new path).
 
         Raises:
@@ -321,23 +290,24 @@ class SlotStore:
             pair = self._pair(job, rank)
             index = 0 if pair.latest is None else 1 - pair.latest
             if self._stays(job, pair, index):
+                everywhere = self._retained.get(job, set())
                 if pair.latest is None or self._stays(job, pair, pair.latest):
                     held = [s.header.version() for s in pair.segments if s is not None
-                            and s.header is not None and s.header.version() != self._kept.get(job)]
-                    pending = min(held, default=self._kept.get(job) or (0, 0))
+                            and s.header is not None and s.header.version() not in everywhere]
+                    pending = min(held, default=min(everywhere, default=(0, 0)))
                     raise CommitPending(
                         f"{job} rank {rank}: both slots hold copies that must stay (committed "
-                        f"{self._kept.get(job)}, acknowledged {pending} not yet committed); "
-                        "this snapshot is skipped", pending)
+                        f"{max(everywhere, default=None)}, acknowledged {pending} not yet "
+                        "committed); this snapshot is skipped", pending)
                 newer = pair.segments[pair.latest]
                 if newer is not None and newer.pins:
                     # A reader (a push to a peer that stopped answering) holds the newer copy:
                     # skip this snapshot rather than evict the committed one, the only copy of
                     # it on this node (bench: SIGSTOP of a peer's daemon; the restore then had
                     # the committed step nowhere reachable and started over from step 0).
-                    raise SlotBusy(f"{job} rank {rank}: the free slot holds the committed step "
-                                   f"{self._kept.get(job)} and the newer copy is pinned by a "
-                                   "reader; this snapshot is skipped")
+                    raise SlotBusy(f"{job} rank {rank}: the free slot holds a copy that must "
+                                   "stay and the newer copy is pinned by a reader; this "
+                                   "snapshot is skipped")
                 index = pair.latest
                 pair.latest = 1 - index
             other = 1 - index
@@ -364,7 +334,7 @@ class SlotStore:
             if fill:
                 pair.segments[other] = self._allocate(job, rank, pair, capacity)
             if current.header is not None:
-                pair.protected.discard(current.header.version())
+                pair.retained.discard(current.header.version())
             invalidate(current.view)
             current.header = None
             self._tickets += 1
@@ -376,8 +346,10 @@ class SlotStore:
         """Whether slot ``index`` holds a complete copy that must not be overwritten (call with
         the lock held)."""
         segment = pair.segments[index]
-        return (segment is not None and segment.header is not None
-                and self._protects(job, pair, segment.header.version()))
+        if segment is None or segment.header is None:
+            return False
+        version = segment.header.version()
+        return version in pair.retained or version in self._retained.get(job, ())
 
     def complete(self, slot: Slot, header: SnapshotHeader) -> SnapshotHeader:
         """Seals the snapshot written into ``slot``; it becomes (job, rank)'s latest.
@@ -515,8 +487,7 @@ class SlotStore:
         """Drops every slot of ``job`` and its directory."""
         self._dir(job, 0)
         with self._lock:
-            self._kept.pop(job, None)
-            self._floors.pop(job, None)
+            self._retained.pop(job, None)
             for key in [k for k in self._pairs if k[0] == job]:
                 for seg in self._pairs.pop(key).segments:
                     if seg is not None:

@@ -11,7 +11,7 @@ No torch.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 #: Restore sources, the values of the ``source`` label.
 RESTORE_SOURCES = ("local", "peer", "persistent", "none")
@@ -29,15 +29,3 @@ class CheckpointMetrics(Protocol):
     def restored(self, job: str, source: str, seconds: float, steps_lost: int,
                  nbytes: int) -> None: ...
     def persisted(self, job: str, step: int, seconds: float, nbytes: int, ok: bool) -> None: ...
-
-
-class RecordingSink:
-    """A sink that keeps every event as a tuple, for tests."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[Any, ...]] = []
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return lambda *args: self.events.append((name, *args))

@@ -1,7 +1,7 @@
 """``elasticctl drain NODE``: take a node out of its jobs without losing a committed step.
 
-Writes the request (:mod:`elasticd.cluster.drain`), then polls the record the node's daemon
-updates and prints each change of progress on stderr (stdout keeps the final document, so
+Writes the request (:mod:`elasticd.cluster.drain_record`), then polls the record the node's
+daemon updates and prints each change of progress on stderr (stdout keeps the final document, so
 ``--format json`` stays one JSON value). Exit 0 once the node is drained; 1 when the drain
 failed, the node died or left meanwhile, or it did not finish in time (the daemon goes on:
 look again with ``elasticctl drain --status NODE``). A drained node runs no job until
@@ -19,7 +19,7 @@ from typing import Any
 
 from elasticd.cli import options
 from elasticd.cli.errors import CommandFailed, UsageError, confirm
-from elasticd.cluster import drain
+from elasticd.cluster import drain_record
 from elasticd.coordination import records
 from elasticd.coordination.api import Coordinator
 from elasticd.coordination.keys import Keyspace, check_name
@@ -58,12 +58,12 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
                       help="write the request and exit without following it")
 
 
-def _doc(rec: drain.DrainRecord | None, node: str, now: float) -> dict[str, Any]:
+def _doc(rec: drain_record.DrainRecord | None, node: str, now: float) -> dict[str, Any]:
     if rec is None:
         return {"node": node, "state": "none", "phase": "", "detail": "not drained",
                 "seconds": 0.0, "copies_done": 0, "copies_failed": 0, "copies_planned": 0,
                 "jobs": {}, "requested_at": None, "by": ""}
-    end = rec.updated_at if rec.state in drain.FINAL else now
+    end = rec.updated_at if rec.state in drain_record.FINAL else now
     return {"node": rec.node, "state": rec.state, "phase": rec.phase, "detail": rec.detail,
             "seconds": round(max(0.0, end - rec.requested_at), 3),
             "copies_done": rec.copies_done, "copies_failed": rec.copies_failed,
@@ -78,9 +78,9 @@ def cmd_drain(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> A
         raise UsageError(str(exc)) from exc
     try:
         if args.status:
-            return _doc(drain.read(coord, keys, node), node, time.time())
+            return _doc(drain_record.read(coord, keys, node), node, time.time())
         if args.undo:
-            old = drain.undo(coord, keys, node)
+            old = drain_record.undo(coord, keys, node)
             return {**_doc(None, node, time.time()), "undone": old is not None,
                     "previous_state": old.state if old else "none"}
     except records.RecordError as exc:
@@ -90,7 +90,7 @@ def cmd_drain(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> A
     confirm(f"drain {node}: hand off its replicas and stop its workers?",
             f"draining {node!r} stops its workers", args.force)
     by = f"{getpass.getuser()}@{socket.gethostname()}"
-    rec = drain.request(coord, keys, node, args.timeout, by, time.time())
+    rec = drain_record.request(coord, keys, node, args.timeout, by, time.time())
     if args.no_wait:
         return _doc(rec, node, time.time())
     return _follow(coord, keys, node, args.timeout + STOP_MARGIN)
@@ -101,7 +101,7 @@ def _follow(coord: Coordinator, keys: Keyspace, node: str, wait: float) -> dict[
     deadline = time.monotonic() + wait
     shown: set[tuple[Any, ...]] = set()  # progress entries printed
     while True:
-        rec = drain.read(coord, keys, node)
+        rec = drain_record.read(coord, keys, node)
         if rec is None:
             raise CommandFailed(f"the drain record of {node} was removed (drain --undo?)")
         for at, state, phase, detail in rec.log:

@@ -11,11 +11,12 @@ import argparse
 import time
 from typing import Any
 
-from elasticd.agent import spec as jobspec
-from elasticd.agent.spec import JobControl, JobSpec, NodeJobStatus
 from elasticd.cli import options
 from elasticd.cli.errors import CommandFailed, confirm
 from elasticd.cli.output import Table
+from elasticd.cli.replicas import live_nodes
+from elasticd.cluster import jobspec
+from elasticd.cluster.jobspec import JobControl, JobSpec, NodeJobStatus
 from elasticd.coordination import records
 from elasticd.coordination.api import Compare, Coordinator, Put
 from elasticd.coordination.keys import Keyspace
@@ -142,8 +143,7 @@ def _jobs(coord: Coordinator, keys: Keyspace) -> list[dict[str, Any]]:
             "protection": _protection(nodes, control),
             "nnodes": spec.torchrun_nnodes(), "nproc_per_node": spec.nproc_per_node,
             "script": spec.script, "args": spec.args, "user": spec.user,
-            "submitted_at": spec.created_at, "running_on": where,
-            "nodes": nodes,
+            "submitted_at": spec.created_at, "running_on": where, "nodes": nodes,
         })
     return out
 
@@ -184,14 +184,9 @@ def cmd_stop(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> An
 def cmd_logs(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> Any:
     if coord.get(keys.job_spec(args.name)) is None:
         raise CommandFailed(f"no job named {args.name!r} (see: elasticctl jobs)")
-    hosts = {}
-    nkvs, _ = coord.get_prefix(keys.nodes)
-    for kv in nkvs:
-        try:
-            hosts[keys.node_of(kv.key)] = records.decode(kv.value, "node", kv.key)["hostname"]
-        except (records.RecordError, KeyError, ValueError):
-            continue
-    return [{"node": s.node, "state": s.state, "hostname": hosts.get(s.node, "?"), "log": s.log}
+    nodes = live_nodes(coord, keys)
+    return [{"node": s.node, "state": s.state,
+             "hostname": nodes.get(s.node, {}).get("hostname", "?"), "log": s.log}
             for s in _node_statuses(coord, keys, args.name)]
 
 

@@ -17,7 +17,6 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
-from elasticd.agent.spec import JobSpecError
 from elasticd.cli import drain as drain_cli
 from elasticd.cli import jobs as jobs_cli
 from elasticd.cli import options
@@ -32,13 +31,14 @@ from elasticd.cli.errors import (
 )
 from elasticd.cli.options import Parser
 from elasticd.cli.output import Table, emit
-from elasticd.cluster import drain
+from elasticd.cluster import drain_record
 from elasticd.cluster.events import EventLog
+from elasticd.cluster.jobspec import JobSpecError
+from elasticd.cluster.membership import decode_node
 from elasticd.coordination import records
 from elasticd.coordination.api import CoordinationError, Unavailable
 from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endpoints
 from elasticd.coordination.keys import Keyspace, check_prefix
-from elasticd.daemon.daemon import decode_node
 
 #: Commands that change something: ``--watch`` would repeat them, so it is refused.
 NOT_WATCHABLE = ("submit", "stop", "drain")
@@ -113,7 +113,7 @@ def _connect(args: argparse.Namespace) -> tuple[EtcdCoordinator, Keyspace]:
 
 def _nodes(coord: EtcdCoordinator, keys: Keyspace) -> list[dict[str, Any]]:
     kvs, _ = coord.get_prefix(keys.nodes)
-    drains = drain.read_all(coord, keys)
+    drains = drain_record.read_all(coord, keys)
     now = time.time()
     out = []
     for kv in kvs:

@@ -24,6 +24,7 @@ from elasticd.coordination.api import Coordinator
 from elasticd.coordination.keys import Keyspace, check_name
 from elasticd.replication.commit import (
     Committed,
+    committed_key,
     decode_committed,
     decode_replicated,
     replicated_prefix,
@@ -43,18 +44,16 @@ Examples:
 
 
 def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
-    p = sub.add_parser("placement", parents=[common], help="who holds whose snapshot",
-                       description="Per rank: owner node, holder nodes, newest versions "
-                                   "held; flags ranks held by fewer than m live copies.",
-                       epilog=PLACEMENT_EPILOG,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("job", nargs="?", help="job name (default: the only job)")
-    c = sub.add_parser("checkpoints", parents=[common], help="committed and persisted steps",
-                       description="The committed (generation, step), per-rank versions with "
-                                   "m copies, the persisted step and the bytes each node holds.",
-                       epilog=CHECKPOINTS_EPILOG,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    c.add_argument("job", nargs="?", help="job name (default: the only job)")
+    for name, what, description, epilog in (
+            ("placement", "who holds whose snapshot", "Per rank: owner node, holder nodes, "
+             "newest versions held; flags ranks held by fewer than m live copies.",
+             PLACEMENT_EPILOG),
+            ("checkpoints", "committed and persisted steps", "The committed (generation, "
+             "step), per-rank versions with m copies, the persisted step and the bytes each "
+             "node holds.", CHECKPOINTS_EPILOG)):
+        p = sub.add_parser(name, parents=[common], help=what, description=description,
+                           epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("job", nargs="?", help="job name (default: the only job)")
 
 
 def pick_job(coord: Coordinator, keys: Keyspace, job: str | None) -> str:
@@ -101,7 +100,7 @@ def _read(coord: Coordinator, keys: Keyspace, job: str) -> tuple[
         Placement | None, Committed | None, dict[str, Any]]:
     kv = coord.get(keys.job_placement(job))
     placement = decode_placement(kv.value, kv.key) if kv is not None else None
-    kv = coord.get(keys.job_ckpt(job) + b"committed")
+    kv = coord.get(committed_key(keys, job))
     committed = decode_committed(kv.value, kv.key) if kv is not None else None
     kvs, _ = coord.get_prefix(replicated_prefix(keys, job))
     replicated = {}

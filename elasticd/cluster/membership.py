@@ -20,6 +20,7 @@ import dataclasses
 import enum
 
 from elasticd.coordination import records
+from elasticd.coordination.keys import Keyspace
 
 KIND = "node"
 
@@ -82,6 +83,21 @@ class NodeRecord:
                 raise records.CorruptRecord(f"{where}: replication address "
                                             f"{rec.replication[:60]!r} is not HOST:PORT")
         return rec
+
+
+def decode_node(raw: bytes, key: bytes, keys: Keyspace | None = None) -> NodeRecord:
+    """A node record, which must name the node its key names when ``keys`` is given.
+
+    Raises:
+        records.RecordError: malformed, about another node, or under a key that names no node.
+    """
+    node = None
+    if keys is not None:
+        try:
+            node = keys.node_of(key)
+        except ValueError as exc:
+            raise records.CorruptRecord(f"{records.where_of(key)}: {exc}") from None
+    return NodeRecord.decode(raw, key, node)
 
 
 class ObservationKind(str, enum.Enum):

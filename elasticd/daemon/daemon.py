@@ -36,6 +36,7 @@ from elasticd.cluster.membership import (
     NodeState,
     Observation,
     ObservationKind,
+    decode_node,
 )
 from elasticd.config import Settings
 from elasticd.coordination import records
@@ -64,21 +65,6 @@ FenceHook = Callable[[str], None]
 
 class NodeIdInUse(RuntimeError):
     """Another live daemon holds this node id."""
-
-
-def decode_node(raw: bytes, key: bytes, keys: Keyspace | None = None) -> NodeRecord:
-    """A node record, which must name the node its key names when ``keys`` is given.
-
-    Raises:
-        records.RecordError: malformed, about another node, or under a key that names no node.
-    """
-    node = None
-    if keys is not None:
-        try:
-            node = keys.node_of(key)
-        except ValueError as exc:
-            raise records.CorruptRecord(f"{records.where_of(key)}: {exc}") from None
-    return NodeRecord.decode(raw, key, node)
 
 
 class Daemon:

@@ -2,7 +2,7 @@
 
 Workers report progress every step (hang detection), and ask for shared-memory checkpoint slots,
 announce finished snapshots and ask what to restore. The calls are tiny and frequent, so the
-channel is a Unix stream socket with length-prefixed JSON frames (:mod:`.local_wire`), one
+channel is a Unix stream socket with length-prefixed JSON frames (:mod:`elasticd.local.wire`), one
 long-lived connection per worker process, and one thread per connection: a node runs a handful
 of workers, and a thread blocked in ``recv`` costs nothing while idle (the daemon must stay under
 2% of a core). Requests flagged ``"noreply"`` get no answer, so a progress report costs the
@@ -44,17 +44,18 @@ import time
 from typing import Any, Callable, Iterable, Mapping
 
 from elasticd.daemon.local_binding import Caller, CallerBinding, Refused
-from elasticd.daemon.local_wire import (
+from elasticd.local.wire import (
     DEFAULT_MAX_MESSAGE,
     LENGTH,
     FrameError,
+    RequestError,
     check_length,
+    close_fds,
     decode,
     encode,
 )
 
-__all__ = ["Handler", "LocalApiError", "LocalServer", "RequestError", "SocketInUse",
-           "UnsafeSocketPath", "close_fds"]
+__all__ = ["Handler", "LocalApiError", "LocalServer", "SocketInUse", "UnsafeSocketPath"]
 
 log = logging.getLogger(__name__)
 
@@ -84,14 +85,6 @@ class SocketInUse(LocalApiError):
 
 class UnsafeSocketPath(LocalApiError):
     """The socket path or its directory could let another user replace or plant the socket."""
-
-
-class RequestError(Exception):
-    """Raised by a handler to refuse a request: the message goes to the worker as the error.
-
-    Unlike any other exception, it is logged without a traceback: it is an expected answer
-    ("no slot for rank 3: over the memory cap"), not a bug in the daemon.
-    """
 
 
 class LocalServer:
@@ -562,16 +555,6 @@ class LocalServer:
             return True
         finally:
             close_fds(fds)
-
-
-def close_fds(fds: Iterable[int]) -> list[int]:
-    """Closes every descriptor (errors ignored: they are ours to drop); returns []."""
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    return []
 
 
 def _shutdown(sock: socket.socket) -> None:

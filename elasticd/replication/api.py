@@ -16,11 +16,11 @@ import dataclasses
 import threading
 
 #: Reasons a sink (and so a NACK) gives for refusing a transfer.
-STALE = "stale"  # a newer (generation, step) is already committed for that shard
-EXISTS = "exists"  # exactly this (generation, step) is already committed (e.g. a retried push)
+STALE = "stale"  # a newer (generation, step) is already held for that shard
+EXISTS = "exists"  # exactly this (generation, step) is already held (e.g. a retried push)
 IN_PROGRESS = "in_progress"  # the same version is being received on another connection
 NO_SPACE = "no_space"  # the sink's memory budget cannot take it
-NOT_FOUND = "not_found"  # fetch: no such committed snapshot
+NOT_FOUND = "not_found"  # fetch: no such held snapshot
 
 MAX_JOB_NAME = 256
 
@@ -117,7 +117,7 @@ class Descriptor:
 
 
 def check_version(held: Version | None, incoming: Version) -> None:
-    """The version rule every sink applies, at begin and again at commit.
+    """The version rule every sink applies, at begin and again when the copy landed.
 
     Raises:
         Refused: :data:`STALE` when ``incoming`` is older than ``held``; :data:`EXISTS` when it
@@ -135,10 +135,10 @@ class Sink(abc.ABC):
     """Where received snapshots land, and where fetches read them from.
 
     The transport calls the public methods: :meth:`begin` (get the writable memory), then exactly
-    one of :meth:`commit` or :meth:`abort`; :meth:`read` and :meth:`release` around a fetch.
+    one of :meth:`landed` or :meth:`abort`; :meth:`read` and :meth:`release` around a fetch.
     They apply the version rule and keep track of transfers in flight; implementations provide
     the storage primitives below them (:meth:`allocate`, :meth:`publish`, :meth:`discard`,
-    :meth:`committed`, :meth:`lookup`). The base class calls every primitive under its own lock
+    :meth:`held`, :meth:`lookup`). The base class calls every primitive under its own lock
     except :meth:`allocate`, which may be slow (mapping memory) and must be thread-safe.
     """
 
@@ -155,7 +155,7 @@ class Sink(abc.ABC):
             Refused: stale version, same version already in flight, or no space.
         """
         with self._lock:
-            held = self.committed(d.job, d.owner_rank)
+            held = self.held(d.job, d.owner_rank)
             check_version(held.version if held else None, d.version)
             if any(f.shard == d.shard and f.version == d.version for f in self._in_flight):
                 raise Refused(IN_PROGRESS, f"{d.version} of rank {d.owner_rank} is already "
@@ -173,18 +173,18 @@ class Sink(abc.ABC):
                              f"(readonly={view.readonly}) for {d.total_bytes}")
         return view
 
-    def commit(self, d: Descriptor) -> None:
+    def landed(self, d: Descriptor) -> None:
         """Makes a fully received, verified ``d`` the shard's current copy.
 
         Raises:
-            Refused: :data:`STALE` when a newer version was committed while ``d`` was in
+            Refused: :data:`STALE` when a newer version landed while ``d`` was in
                 flight; ``d`` is then discarded.
         """
         with self._lock:
             if d not in self._in_flight:
-                raise ReplicationError(f"commit of {d} which is not in flight")
+                raise ReplicationError(f"landed {d} which is not in flight")
             self._in_flight.discard(d)
-            held = self.committed(d.job, d.owner_rank)
+            held = self.held(d.job, d.owner_rank)
             try:
                 check_version(held.version if held else None, d.version)
             except Refused as exc:
@@ -201,7 +201,7 @@ class Sink(abc.ABC):
 
     def read(self, job: str, owner_rank: int,
              version: Version | None = None) -> tuple[Descriptor, memoryview] | None:
-        """The committed snapshot of a shard (the newest when ``version`` is None), or None.
+        """The held snapshot of a shard (the newest when ``version`` is None), or None.
 
         The caller must call :meth:`release` when done with the view.
         """
@@ -227,7 +227,7 @@ class Sink(abc.ABC):
 
     @abc.abstractmethod
     def publish(self, d: Descriptor) -> None:
-        """Makes the allocated bytes of ``d`` the committed copy of its shard (replacing and
+        """Makes the allocated bytes of ``d`` the held copy of its shard (replacing and
         freeing any older one)."""
 
     @abc.abstractmethod
@@ -235,10 +235,10 @@ class Sink(abc.ABC):
         """Frees the memory allocated for an in-flight ``d``."""
 
     @abc.abstractmethod
-    def committed(self, job: str, owner_rank: int) -> Descriptor | None:
-        """The descriptor of the shard's newest committed copy, or None."""
+    def held(self, job: str, owner_rank: int) -> Descriptor | None:
+        """The descriptor of the shard's newest held copy, or None."""
 
     @abc.abstractmethod
     def lookup(self, job: str, owner_rank: int,
                version: Version | None) -> tuple[Descriptor, memoryview] | None:
-        """A committed copy (the newest when ``version`` is None), or None."""
+        """A held copy (the newest when ``version`` is None), or None."""

@@ -1,8 +1,8 @@
 """An in-process :class:`~elasticd.replication.api.Sink` for tests and benchmarks.
 
-It keeps the newest committed copy of each shard in a ``bytearray`` and records every
-begin/commit/abort, so tests can assert that a torn transfer was aborted and never committed.
-A byte budget bounds what it holds (committed plus in flight), as the shared-memory sink's will.
+It keeps the newest held copy of each shard in a ``bytearray`` and records every
+begin/landed/abort, so tests can assert that a torn transfer was aborted and never landed.
+A byte budget bounds what it holds (held plus in flight), as the shared-memory sink's will.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ class MemorySink(Sink):
     """Snapshots in process memory.
 
     Args:
-        capacity_bytes: most bytes held at once, committed and in flight; None for no limit.
+        capacity_bytes: most bytes held at once, held and in flight; None for no limit.
 
     Attributes:
         events: ``(event, descriptor, reason)`` tuples in order, event one of
-            ``"begin"``, ``"commit"``, ``"abort"``.
+            ``"begin"``, ``"landed"``, ``"abort"``.
     """
 
     def __init__(self, capacity_bytes: int | None = None) -> None:
@@ -54,14 +54,14 @@ class MemorySink(Sink):
     def publish(self, d: Descriptor) -> None:
         with self._mem_lock:
             self._held[d.shard] = (d, self._pending.pop(d))
-            self.events.append(("commit", d, ""))
+            self.events.append(("landed", d, ""))
 
     def discard(self, d: Descriptor, reason: str) -> None:
         with self._mem_lock:
             self._pending.pop(d, None)
             self.events.append(("abort", d, reason))
 
-    def committed(self, job: str, owner_rank: int) -> Descriptor | None:
+    def held(self, job: str, owner_rank: int) -> Descriptor | None:
         with self._mem_lock:
             entry = self._held.get((job, owner_rank))
         return entry[0] if entry else None
@@ -72,11 +72,11 @@ class MemorySink(Sink):
             entry = self._held.get((job, owner_rank))
         if entry is None or (version is not None and entry[0].version != tuple(version)):
             return None
-        # Read-only: a fetch must never write into a committed copy.
+        # Read-only: a fetch must never write into a held copy.
         return entry[0], memoryview(entry[1]).toreadonly()
 
     def get(self, job: str, owner_rank: int) -> bytes | None:
-        """The committed bytes of a shard (a copy; for tests)."""
+        """The held bytes of a shard (a copy; for tests)."""
         with self._mem_lock:
             entry = self._held.get((job, owner_rank))
         return bytes(entry[1]) if entry else None

@@ -47,9 +47,6 @@ class Pusher:
         self.failures: collections.Counter[str] = collections.Counter()
         #: Called with (seconds, bytes) after each acknowledged push (the daemon's metrics).
         self.on_push: Callable[[float, int], None] | None = None
-        #: Called with (job, version) once a local snapshot's copy was acknowledged (and its
-        #: slot protected until the version is committed or withdrawn).
-        self.on_protected: Callable[[str, tuple[int, int]], None] | None = None
 
     def submit(self, peer: str, task: Task) -> bool:
         return self.lanes.submit(peer, task)
@@ -71,12 +68,10 @@ class Pusher:
             ok = not done and self._send(peer, view)
             if ok:
                 # Acknowledged, so it may be committed: from now on its slot is not reused
-                # until it is (or is withdrawn). Done while pinned, so the copy is still here.
-                self.store.protect(task.job, task.rank, version)
+                # until it is decided. Done while pinned, so the copy is still here.
+                self.tracker.on_landed(task.job, task.rank, version)
         finally:
             view.release()
-        if ok and self.on_protected is not None:
-            self.on_protected(task.job, version)
         if ok:
             self.tracker.on_ack(task.job, task.rank, version, peer)
 

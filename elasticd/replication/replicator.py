@@ -10,8 +10,7 @@ holder fallback, repair plans). The daemon tells it the rendezvous round's membe
 (:meth:`~Replicator.set_membership`); the checkpoint service tells it each completed local
 snapshot (:meth:`~Replicator.on_local_snapshot`).
 
-Time: the injected clock times transfers and stamps records; waits (the retention gate, drain
-and idle timeouts) are bounds on real time.
+Time: the injected clock times transfers, stamps records and bounds every wait.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ import functools
 import logging
 import ssl
 import threading
-import time
 from typing import Any
 
 from elasticd.checkpoint.shm import SlotStore
@@ -39,6 +37,7 @@ from elasticd.replication.commit import (
     record_commit,
     update_holders,
 )
+from elasticd.replication.commit_state import Holder
 from elasticd.replication.lanes import AddressBook, Connections, Task
 from elasticd.replication.placement import compute_placement, encode_placement
 from elasticd.replication.pusher import Pusher
@@ -103,18 +102,17 @@ class Replicator:
             workers, thread_name_prefix=f"replicator-{node_id}")
         self._connections = Connections(node_id, secret, peers_address, timeout=timeout,
                                         ssl_context=ssl_context, clock=self.clock)
+        stores = {Holder.LOCAL: store}
+        if sink is not None:
+            stores[Holder.REPLICA] = sink.store
         self.tracker = CommitTracker(node_id, coord, keys, self.clock, self._submit,
-                                     self._collect, commit_wait, on_commit=self._keep,
-                                     withdraw_after=withdraw_after)
+                                     self._collect, commit_wait, withdraw_after, stores)
         self.pusher = Pusher(store, sink, self._connections, self._executor, self.tracker)
-        self.pusher.on_protected = self._follow
-        # Acknowledged versions of local ranks followed until committed or withdrawn (see
-        # _follow), when each was first acknowledged, and those a local snapshot waits on.
-        self._resolving: set[tuple[str, Version]] = set()
-        self._since: dict[tuple[str, Version], float] = {}
-        self._blocked: set[tuple[str, Version]] = set()
+        self.awaiting_commit = self.tracker.awaiting_commit
         if sink is not None:
             sink.on_pending = self.tracker.reread
+            sink.on_landed = functools.partial(self.tracker.on_landed, holder=Holder.REPLICA)
+            sink.on_superseded = self.tracker.on_superseded
 
     # -- membership, generations, snapshots ------------------------------------------------
 
@@ -164,7 +162,6 @@ class Replicator:
         """A fallback to an older persisted step opened ``generation``: copies and commits of
         older generations never count again (this node's sink refuses them too)."""
         self.tracker.start_generation(job, generation)
-        self.store.set_floor(job, generation)
         if self.sink is not None:
             self.sink.set_floor(job, generation)
 
@@ -174,7 +171,7 @@ class Replicator:
         version = (int(version[0]), int(version[1]))
         with self.tracker.lock:
             st = self.tracker.state(job)
-            if version[0] < st.floor or (rank in st.latest and version <= st.latest[rank]):
+            if version[0] < st.book.floor or (rank in st.latest and version <= st.latest[rank]):
                 return
             st.latest[rank] = version
             st.gen_base.setdefault(version[0], version[1] - 1)
@@ -185,9 +182,9 @@ class Replicator:
         peers = placement.peers_of(self.node_id)
         for peer in peers:
             self.pusher.submit(peer, Task(job, rank, version))
-        if not peers and self.store.protect(job, rank, version):
+        if not peers:
             # m = 1: the owner's copy is all there is, and it must stay until committed.
-            self._follow(job, version)
+            self.tracker.on_landed(job, rank, version)
             self._submit(self.tracker.on_replicated, job, rank, version)
 
     def on_commit_pending(self, job: str, version: Version,
@@ -198,46 +195,7 @@ class Replicator:
         its acknowledgement), after which the slot is reused. Returns at once."""
         if skipped is not None:
             self._submit(self.tracker.on_skipped, job, skipped)
-        self._follow(job, version, blocked=True)
-
-    def _follow(self, job: str, version: Version, blocked: bool = False) -> None:
-        """Follows an acknowledged version of a local rank in the background (one follower
-        per version) from its first acknowledgement: started then rather than when a snapshot
-        is blocked, so that a version a peer skipped is withdrawn before this node's next
-        step, and two nodes waiting on each other's skipped steps realign at once."""
-        key = (job, (int(version[0]), int(version[1])))
-        with self.tracker.lock:
-            if blocked:
-                self._blocked.add(key)
-            self._since.setdefault(key, time.monotonic())
-            if key in self._resolving:
-                return
-            self._resolving.add(key)
-        # Not counted by wait_idle: a version waiting for a commit that may never come is not
-        # work in progress.
-        self._submit(self._resolve, *key, track=False)
-
-    def _resolve(self, job: str, version: Version) -> None:
-        key = (job, version)
-        with self.tracker.lock:
-            since = self._since.get(key, time.monotonic())
-        free = None
-        try:
-            free = self.tracker.resolve_pending(job, version, since,
-                                                lambda: key in self._blocked)
-            if free:
-                self.store.unprotect(job, None, version)
-        finally:
-            with self.tracker.lock:
-                self._resolving.discard(key)
-                if free is not None:
-                    self._blocked.discard(key)
-                    self._since.pop(key, None)
-
-    def awaiting_commit(self, job: str) -> list[Version]:
-        """Acknowledged versions of local ranks followed until committed or withdrawn."""
-        with self.tracker.lock:
-            return sorted(v for j, v in self._resolving if j == job)
+        self.tracker.on_blocked(job, version)
 
     # -- re-replication, drain, garbage ---------------------------------------------------
 
@@ -293,7 +251,7 @@ class Replicator:
             on_progress: called ``(done, failed, planned)`` as copies land (``elasticctl
                 drain`` shows it).
         """
-        deadline = time.monotonic() + timeout
+        deadline = self.clock.monotonic() + timeout
         report: dict[str, dict[str, Any]] = {}
         done_n = failed_n = planned_n = 0
         for job in list(self.tracker.jobs):
@@ -315,7 +273,7 @@ class Replicator:
             pushed, failed = [], []
             for rank, target, done in futures:
                 try:
-                    ok = done.result(max(0.0, deadline - time.monotonic()))
+                    ok = done.result(max(0.0, deadline - self.clock.monotonic()))
                 except concurrent.futures.TimeoutError:
                     ok = False
                 (pushed if ok else failed).append((rank, target))
@@ -332,17 +290,6 @@ class Replicator:
             log.info("%s: drained %d copies of step %d from %s (%d failed)", job, len(pushed),
                      committed.step, self.node_id, len(failed))
         return report
-
-    def _keep(self, job: str, version: Version) -> None:
-        """A step committed: this node's slots keep that copy over newer uncommitted ones, so a
-        stalled commit (a paused or draining peer) cannot evict it (``SlotStore.keep``)."""
-        for store in self._own_stores():
-            store.keep(job, version)
-        with self.tracker.lock:  # versions at or below the commit need no following any more
-            for key in [k for k in self._since if k[0] == job and k[1] <= tuple(version)]:
-                if key not in self._resolving:
-                    self._since.pop(key, None)
-                    self._blocked.discard(key)
 
     def _collect(self, job: str) -> None:
         """Frees replicas the current placement no longer asks this node to hold, once a step
@@ -431,8 +378,8 @@ class Replicator:
                     "replicated": {str(r): [list(v) for v in vs] for r, vs in st.replicated.items()},
                     "sync_lag": self.tracker.sync_lag(st),
                     "under_replicated": under_replicated(c, p),
-                    "generation_floor": st.floor,
-                    "awaiting_commit": sorted(list(v) for j, v in self._resolving if j == job),
+                    "generation_floor": st.book.floor,
+                    "awaiting_commit": [list(v) for v in st.book.awaiting()],
                 }
             return {"node": self.node_id, "jobs": out, "backlog": backlog,
                     "replica_bytes_held": held}
@@ -493,14 +440,14 @@ class Replicator:
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
         """Blocks (real time) until no push, commit or repair is pending; False on timeout."""
-        deadline = time.monotonic() + timeout
+        deadline = self.clock.monotonic() + timeout
         lanes = self.pusher.lanes
-        while time.monotonic() < deadline:
-            if not lanes.wait_idle(max(0.0, deadline - time.monotonic())):
+        while self.clock.monotonic() < deadline:
+            if not lanes.wait_idle(max(0.0, deadline - self.clock.monotonic())):
                 return False
             with self._idle:
                 if not self._idle.wait_for(lambda: self._busy == 0,
-                                           max(0.0, deadline - time.monotonic())):
+                                           max(0.0, deadline - self.clock.monotonic())):
                     return False
             if lanes.wait_idle(0):  # background work may have queued pushes meanwhile
                 return True

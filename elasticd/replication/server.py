@@ -367,7 +367,7 @@ class ReplicaServer:
             raise
         del target
         try:
-            self.sink.commit(d)
+            self.sink.landed(d)
         except Refused as exc:  # a newer version was committed meanwhile
             self._bump(pushes_refused=1)
             channel.send(Nack(exc.reason, exc.message))

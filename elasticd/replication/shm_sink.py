@@ -103,6 +103,11 @@ class ShmSink(Sink):
         self._budget_lock = threading.Lock()
         #: Called with a job to bring its committed version up to date (see :meth:`_reserve`).
         self.on_pending: Callable[[str], None] | None = None
+        #: Called with (job, rank, version) when a replica landed, which may be committed: the
+        #: commit protocol retains it (see :mod:`elasticd.replication.commit_state`).
+        self.on_landed: Callable[[str, int, Version], None] | None = None
+        #: Called with (job, rank, version) when a newer replica needs the slot of that version.
+        self.on_superseded: Callable[[str, int, Version], None] | None = None
         for job, rank, _, _ in store.holdings():
             view = store.latest(job, rank)
             if view is not None:
@@ -116,7 +121,6 @@ class ShmSink(Sink):
         to an older persisted step abandoned the timelines below it)."""
         with self._mem:
             self._floors[job] = max(self._floors.get(job, 0), generation)
-        self.store.set_floor(job, generation)  # its copies below lose their protection too
 
     def floor(self, job: str) -> int:
         with self._mem:
@@ -163,7 +167,8 @@ class ShmSink(Sink):
             except CommitPending as again:
                 if d.version <= again.version:
                     raise Refused(IN_PROGRESS, str(again)) from again
-                self.store.unprotect(d.job, d.owner_rank, again.version)
+                if self.on_superseded is not None:
+                    self.on_superseded(d.job, d.owner_rank, again.version)
                 self.counters["superseded_pending"] += 1
                 return self._reserve_once(d)
 
@@ -215,7 +220,8 @@ class ShmSink(Sink):
                                     f"{d.version} of {d.total_bytes}")
             self.store.complete(slot, header)  # verifies every block, rewrites the same header
             # The acknowledgement that follows may make it committed: it stays until then.
-            self.store.protect(d.job, d.owner_rank, d.version)
+            if self.on_landed is not None:
+                self.on_landed(d.job, d.owner_rank, d.version)
         except (SnapshotError, StaleSlot, ValueError) as exc:
             self.counters["refused_corrupt"] += 1
             log.error("REFUSED corrupt %s: %s", where, exc)
@@ -230,7 +236,7 @@ class ShmSink(Sink):
             self.counters["aborted"] += 1
         log.info("replica of %s rank %d %s dropped: %s", d.job, d.owner_rank, d.version, reason)
 
-    def committed(self, job: str, owner_rank: int) -> Descriptor | None:
+    def held(self, job: str, owner_rank: int) -> Descriptor | None:
         with self._mem:
             return self._held.get((job, owner_rank))
 

@@ -10,15 +10,20 @@ keeps only a shard's two newest copies and a third push would evict the committe
 the wait it goes ahead and the wait is counted, since nodes that replicated different steps
 would otherwise wait for each other forever.
 
-An acknowledged version stays in both holders' slots until it is committed, abandoned or
-*withdrawn* (:meth:`CommitTracker.resolve_pending`): a rank whose two slots hold the committed
-step and an acknowledged newer one skips snapshots until then, and when the commit does not
-come within ``withdraw_after`` this node takes the version back from its record, behind a fence
-that no commit decided from the older record can pass (:func:`~elasticd.replication.commit.withdraw`).
+Which copies stay in their slots is decided per job by a
+:class:`~elasticd.replication.commit_state.CommitBook` (acked -> protected -> committed |
+withdrawn | abandoned); the tracker feeds it the events and performs its actions on the slot
+stores, under ``lock``, so that the actions of two events never interleave. An acknowledged
+local version is *followed* (:meth:`CommitTracker._follow`) until it is decided: a rank whose two
+slots hold the committed step and an acknowledged newer one skips snapshots until then, and
+when the commit does not come within ``withdraw_after`` this node takes the version back from
+its record, behind a fence that no commit decided from the older record can pass
+(:func:`~elasticd.replication.commit.withdraw`).
 
 ``lock`` guards the job states and is never held while calling etcd: the in-memory coordinator
-runs watch callbacks on the writer's thread. ``_record_lock`` serialises this node's record
-writes (held across the etcd call), so a withdrawal is never overwritten by an older record.
+runs watch callbacks on the writer's thread (it is held across the slot stores' calls, which
+take only their own lock). ``_record_lock`` serialises this node's record writes (held across
+the etcd call), so a withdrawal is never overwritten by an older record.
 """
 
 from __future__ import annotations
@@ -28,14 +33,15 @@ import dataclasses
 import functools
 import logging
 import threading
-import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
+from elasticd.checkpoint.shm import SlotStore
 from elasticd.clock import Clock
 from elasticd.coordination import records
 from elasticd.coordination.api import CoordinationError, Coordinator, EventType, Watch
 from elasticd.coordination.keys import Keyspace
 from elasticd.replication.api import Version
+from elasticd.replication.commit_state import Actions, CommitBook, Holder, Verdict
 from elasticd.replication.commit import (
     KEEP_SKIPPED,
     KEEP_VERSIONS,
@@ -63,30 +69,42 @@ class JobState:
 
     Attributes:
         placement, previous: the placement in force and the one before it.
-        floor: lowest generation that still counts (raised by a fallback).
         committed: the commit record last seen.
         committed_at_change: the committed version when the placement last changed.
         acked: per local rank and version, the peers that acknowledged a verified copy.
         replicated: per local rank, versions with ``m`` copies, newest first.
         latest: per local rank, the newest local snapshot notified.
         gen_base: per generation, the step before its first local snapshot (for sync lag).
-        withdrawn: versions taken back from this node's record; never recorded again.
+        book: which copies stay, and the versions followed until decided.
         skipped: versions a local rank skipped or this node withdrew (newest first), published
             in the record: they can never be committed.
     """
 
     placement: Placement | None = None
     previous: Placement | None = None
-    floor: int = 0
     committed: Committed | None = None
     committed_at_change: Version | None = None
     acked: dict[int, dict[Version, set[str]]] = dataclasses.field(default_factory=dict)
     replicated: dict[int, list[Version]] = dataclasses.field(default_factory=dict)
     latest: dict[int, Version] = dataclasses.field(default_factory=dict)
     gen_base: dict[int, int] = dataclasses.field(default_factory=dict)
-    withdrawn: set[Version] = dataclasses.field(default_factory=set)
+    book: CommitBook = dataclasses.field(default_factory=lambda: CommitBook(0.0))
     skipped: list[Version] = dataclasses.field(default_factory=list)
     watch: Watch | None = None
+
+
+def apply_actions(book: CommitBook, job: str, actions: Actions,
+                  stores: Mapping[Holder, SlotStore]) -> None:
+    """Places, then lets go, the retentions ``actions`` asks of ``stores``, telling ``book``
+    which copies were still held."""
+    for r in actions.retain:
+        store = stores.get(r.holder)
+        held = store is not None and store.retain(job, r.rank, r.version)
+        if r.rank is not None:
+            book.retained(r.holder, r.rank, r.version, held)
+    for r in actions.release:
+        if r.holder in stores:
+            stores[r.holder].release_retained(job, r.rank, r.version)
 
 
 class CommitTracker:
@@ -97,17 +115,16 @@ class CommitTracker:
         on_advance: called (in the background) with a job whose commit moved past the one in
             force when its placement last changed.
         withdraw_after: seconds an acknowledged version that blocks a local snapshot may wait
-            for its commit before it is withdrawn (:meth:`resolve_pending`).
+            for its commit before it is withdrawn (:meth:`_follow`).
+        stores: the slot stores the commit book's retentions are placed in.
     """
 
     def __init__(self, node_id: str, coord: Coordinator, keys: Keyspace, clock: Clock,
                  submit: Callable[..., None], on_advance: Callable[[str], None],
-                 commit_wait: float = 2.0,
-                 on_commit: Callable[[str, Version], None] | None = None,
-                 withdraw_after: float = 1.0) -> None:
+                 commit_wait: float = 2.0, withdraw_after: float = 1.0,
+                 stores: Mapping[Holder, SlotStore] = {}) -> None:
         self.node_id, self.coord, self.keys, self.clock = node_id, coord, keys, clock
-        self.commit_wait, self._on_commit = commit_wait, on_commit
-        self.withdraw_after = withdraw_after
+        self.commit_wait, self.withdraw_after, self.stores = commit_wait, withdraw_after, stores
         self._submit, self._advance = submit, on_advance
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
@@ -121,7 +138,47 @@ class CommitTracker:
 
     def state(self, job: str) -> JobState:
         """The job's state, created if new (call with :attr:`lock` held)."""
-        return self.jobs.setdefault(job, JobState())
+        st = self.jobs.get(job)
+        if st is None:
+            st = self.jobs[job] = JobState(book=CommitBook(self.withdraw_after))
+        return st
+
+    def _perform(self, job: str, actions: Actions) -> None:
+        """Performs the commit book's actions (call with :attr:`lock` held, so that two
+        events' actions never interleave), and starts a follower."""
+        apply_actions(self.state(job).book, job, actions, self.stores)
+        if actions.follow is not None:
+            # Not counted by wait_idle: a version waiting for a commit that may never come is
+            # not work in progress.
+            self._submit(self._follow, job, actions.follow, track=False)
+
+    def _event(self, job: str, event: Callable[[CommitBook], Actions]) -> None:
+        """Feeds an event to the job's commit book and performs its actions."""
+        with self.lock:
+            self._perform(job, event(self.state(job).book))
+
+    def on_landed(self, job: str, rank: int, version: Version,
+                  holder: Holder = Holder.LOCAL) -> None:
+        """A copy that may be committed is here (a local snapshot a peer acknowledged, the
+        only copy with ``m = 1``, or a peer's replica): it stays until its version is decided.
+        Call it before the copy is counted anywhere, while it is sure to be held."""
+        v, now = (int(version[0]), int(version[1])), self.clock.monotonic()
+        self._event(job, lambda book: book.landed(holder, rank, v, now))
+
+    def on_superseded(self, job: str, rank: int, version: Version) -> None:
+        """A newer replica of ``rank`` arrived while ``version`` still held its slot."""
+        self._event(job, lambda book: book.superseded(Holder.REPLICA, rank, tuple(version)))
+
+    def on_blocked(self, job: str, version: Version) -> None:
+        """A local snapshot was skipped: ``version`` holds the slot it needs."""
+        v, now = (int(version[0]), int(version[1])), self.clock.monotonic()
+        self._event(job, lambda book: book.blocked(v, now))
+
+    def awaiting_commit(self, job: str) -> list[Version]:
+        """Acknowledged versions of local ranks followed until committed or withdrawn."""
+        with self.lock:
+            st = self.jobs.get(job)
+            return st.book.awaiting() if st else []
 
     def view(self, job: str) -> tuple[Placement | None, Committed | None]:
         """The job's placement and commit record in force (None, None for an unknown job)."""
@@ -133,10 +190,10 @@ class CommitTracker:
         """Versions of generations below ``generation`` stop counting (and stop gating)."""
         with self.cond:
             st = self.state(job)
-            st.floor = max(st.floor, generation)
+            self._perform(job, st.book.abandon_below(generation))
             for rank in list(st.replicated):
-                st.replicated[rank] = [v for v in st.replicated[rank] if v[0] >= st.floor]
-            st.latest = {r: v for r, v in st.latest.items() if v[0] >= st.floor}
+                st.replicated[rank] = [v for v in st.replicated[rank] if v[0] >= st.book.floor]
+            st.latest = {r: v for r, v in st.latest.items() if v[0] >= st.book.floor}
             self.cond.notify_all()
 
     def is_acked(self, job: str, rank: int, version: Version, peer: str) -> bool:
@@ -144,20 +201,20 @@ class CommitTracker:
         counts (an abandoned generation, a forgotten job)."""
         with self.lock:
             st = self.jobs.get(job)
-            return st is None or version[0] < st.floor or peer in st.acked.get(
+            return st is None or version[0] < st.book.floor or peer in st.acked.get(
                 rank, {}).get(version, ())
 
     def gate(self, job: str, rank: int) -> None:
         """Waits until the rank's previous fully replicated version is committed (see the
-        module doc); real time, since it is a bound on waiting, not a measurement."""
-        deadline = time.monotonic() + self.commit_wait
+        module doc)."""
+        deadline = self.clock.monotonic() + self.commit_wait
         with self.cond:
             while not self.closing:
                 st = self.jobs.get(job)
                 last = (st.replicated.get(rank) or [None])[0] if st else None
                 if last is None or (st.committed is not None and st.committed.version >= last):
                     return
-                remaining = deadline - time.monotonic()
+                remaining = deadline - self.clock.monotonic()
                 if remaining <= 0:
                     self.counters["gate_timeouts"] += 1  # under the lock already
                     return
@@ -176,44 +233,43 @@ class CommitTracker:
 
     def on_replicated(self, job: str, rank: int, version: Version) -> None:
         """``rank`` has ``m`` copies of ``version``: record it, and commit if every rank has."""
-        with self._record_lock:
-            with self.lock:
-                st = self.jobs.get(job)
-                if (st is None or st.placement is None or version in st.withdrawn
-                        or version in st.replicated.get(rank, ())):
-                    return
-                versions = sorted({version, *st.replicated.get(rank, ())}, reverse=True)
-                st.replicated[rank] = versions[:KEEP_VERSIONS]
-                oldest = st.replicated[rank][-1]
-                st.acked[rank] = {v: s for v, s in st.acked.get(rank, {}).items() if v >= oldest}
-                mine = st.placement.ranks.get(self.node_id, ())
-                # A version can commit only once all of this node's ranks have it.
-                if mine and not all(version in st.replicated.get(r, ()) for r in mine):
-                    return
-                record = self._record(st)
-            if not self._put_record(job, record, "record replicated versions"):
-                return
-        self.try_commit(job)
+
+        def add(st: JobState) -> bool:
+            if not st.book.recordable(version) or version in st.replicated.get(rank, ()):
+                return False
+            versions = sorted({version, *st.replicated.get(rank, ())}, reverse=True)
+            st.replicated[rank] = versions[:KEEP_VERSIONS]
+            oldest = st.replicated[rank][-1]
+            st.acked[rank] = {v: s for v, s in st.acked.get(rank, {}).items() if v >= oldest}
+            mine = st.placement.ranks.get(self.node_id, ())  # type: ignore[union-attr]
+            # A version can commit only once all of this node's ranks have it.
+            return not mine or all(version in st.replicated.get(r, ()) for r in mine)
+
+        if self._write_record(job, "record replicated versions", add):
+            self.try_commit(job)
 
     def republish_record(self, job: str) -> None:
         """Writes this node's record again (etcd lost it with its data)."""
+        self._write_record(job, "write its record again")
+
+    def _write_record(self, job: str, what: str,
+                      change: Callable[[JobState], bool] = lambda st: True) -> bool:
+        """Applies ``change`` to the job's state (with a placement) and, unless it says False,
+        writes this node's record, serialised with every other record write. False when
+        nothing was written (an etcd error is counted and logged)."""
         with self._record_lock:
             with self.lock:
                 st = self.jobs.get(job)
-                if st is None or st.placement is None:
-                    return
+                if st is None or st.placement is None or not change(st):
+                    return False
                 record = self._record(st)
-            self._put_record(job, record, "write its record again")
-
-    def _put_record(self, job: str, record: Replicated, what: str) -> bool:
-        """Writes this node's record (call with ``_record_lock`` held); False on an etcd error
-        (counted and logged)."""
-        try:
-            self.coord.put(replicated_key(self.keys, job, self.node_id), encode_replicated(record))
-        except CoordinationError as exc:
-            self.etcd_error(what, exc)
-            return False
-        return True
+            try:
+                self.coord.put(replicated_key(self.keys, job, self.node_id),
+                               encode_replicated(record))
+            except CoordinationError as exc:
+                self.etcd_error(what, exc)
+                return False
+            return True
 
     def _record(self, st: JobState) -> Replicated:
         """This node's record as the job state says (call with :attr:`lock` held)."""
@@ -228,61 +284,53 @@ class CommitTracker:
     def on_skipped(self, job: str, version: Version) -> None:
         """A local rank skipped the snapshot of ``version`` (a commit was pending): publishes
         it, so that a peer whose acknowledged copy of it waits for a commit withdraws that copy
-        at once instead of after ``withdraw_after`` (see :meth:`resolve_pending`)."""
+        at once instead of after ``withdraw_after`` (see :meth:`_follow`)."""
         version = (int(version[0]), int(version[1]))
-        with self._record_lock:
-            with self.lock:
-                st = self.jobs.get(job)
-                if st is None or st.placement is None or version in st.skipped:
-                    return
-                st.skipped = sorted({version, *st.skipped}, reverse=True)[:KEEP_SKIPPED]
-                record = self._record(st)
-            self._put_record(job, record, "record a skipped version")
 
-    def resolve_pending(self, job: str, version: Version, since: float,
-                        blocked: Callable[[], bool]) -> bool | None:
-        """Follows an acknowledged, not yet committed ``version`` of this node's ranks (its
-        copies stay in their slots meanwhile) until it is committed, or withdrawn from this
-        node's record (see the module doc): at once when another owner's record shows it can
-        no longer commit (:meth:`_hopeless`), or ``withdraw_after`` seconds (real time) after
-        ``since`` when a local snapshot is ``blocked`` by it.
+        def add(st: JobState) -> bool:
+            if version in st.skipped:
+                return False
+            st.skipped = sorted({version, *st.skipped}, reverse=True)[:KEEP_SKIPPED]
+            return True
 
-        Returns:
-            True when the copy may be overwritten (withdrawn, abandoned or older than the
-            commit); False when it must stay (committed, or etcd could not be told); None when
-            it is still pending but nothing waits for its slot (the caller follows it again
-            when something does).
-        """
-        version = (int(version[0]), int(version[1]))
-        waited = False
+        self._write_record(job, "record a skipped version", add)
+
+    def _follow(self, job: str, version: Version) -> None:
+        """Follows an acknowledged, not yet committed local ``version`` (its copies stay in
+        their slots meanwhile) until the commit book decides it: committed, abandoned, or to be
+        withdrawn from this node's record (see the module doc) at once when another owner's
+        record shows it can no longer commit (:meth:`_hopeless`), or ``withdraw_after`` after
+        its first acknowledgement when a local snapshot is blocked by it. Started at the first
+        acknowledgement rather than when a snapshot is blocked, so that a version a peer
+        skipped is withdrawn before this node's next step, and two nodes waiting on each
+        other's skipped steps realign at once."""
+        hopeless = False
         while True:
             with self.cond:
                 st = self.jobs.get(job)
-                if st is None or version[0] < st.floor:
-                    return True
-                if st.committed is not None and st.committed.version >= version:
-                    return st.committed.version != version
-                if self.closing:
-                    return False
+                if st is None or self.closing:
+                    return
+                verdict = st.book.verdict(version, self.clock.monotonic(), hopeless)
+                if verdict is not Verdict.WAIT:
+                    break
                 placement = st.placement
-            remaining = since + self.withdraw_after - time.monotonic()
+                self.cond.wait(min(st.book.deadline(version) - self.clock.monotonic(), 0.1))
             # Records are read only after a first wait: most versions commit within it, so
             # the common case (a step every few ms) costs no etcd read per acknowledgement.
-            if waited and placement is not None and self._hopeless(job, version, placement):
-                break
-            if remaining <= 0:
-                if blocked():
-                    break
-                return None
-            with self.cond:
-                self.cond.wait(min(remaining, 0.1))
-            waited = True
+            hopeless = placement is not None and self._hopeless(job, version, placement)
+        if verdict is Verdict.WITHDRAW:
+            self._withdraw(job, version)
+
+    def _withdraw(self, job: str, version: Version) -> None:
         with self._record_lock:
             with self.lock:
                 st = self.jobs.get(job)
-                if st is None or st.placement is None:
-                    return True
-                st.withdrawn.add(version)
+                if st is None:
+                    return
+                st.book.withdrawing(version)
+                if st.placement is None:
+                    self._perform(job, st.book.withdrawn_landed(version))
+                    return
                 # Published like a skipped version: a peer waiting on this step stops waiting.
                 st.skipped = sorted({version, *st.skipped}, reverse=True)[:KEEP_SKIPPED]
                 for r in st.replicated:
@@ -295,17 +343,19 @@ class CommitTracker:
                 # Whether the withdrawal landed is unknown: the copy stays (a later skip asks
                 # again; withdrawing twice is harmless).
                 self.etcd_error("withdraw an uncommitted version", exc)
-                return False
+                with self.lock:
+                    st.book.withdraw_failed(version, self.clock.monotonic())
+                return
         if committed is not None:
             self.learn(job, committed)
             if committed.version == version:
-                return False  # committed just before the withdrawal: it is the kept copy now
+                return  # committed just before the withdrawal: it is the kept copy now
         with self.lock:
+            self._perform(job, st.book.withdrawn_landed(version))
             self.counters["withdrawals"] += 1
         log.info("%s: withdrew step %d (generation %d) from %s's record: not committed (other "
                  "ranks skipped it, or %.1f s passed); its slot is reused", job, version[1],
                  version[0], self.node_id, self.withdraw_after)
-        return True
 
     def _hopeless(self, job: str, version: Version, placement: Placement) -> bool:
         """Whether another owner's record shows ``version`` can no longer be committed: one
@@ -335,7 +385,7 @@ class CommitTracker:
             st = self.jobs.get(job)
             if st is None or st.placement is None:
                 return
-            placement, floor = st.placement, st.floor
+            placement, floor = st.placement, st.book.floor
         try:
             written, current = commit_step(self.coord, self.keys, job, placement, floor=floor,
                                            now=self.clock.wall())
@@ -359,12 +409,11 @@ class CommitTracker:
             if old is not None and (committed.version < old.version or committed == old):
                 return
             st.committed = committed
-            # A withdrawn version at or below the commit can never count again anyway.
-            st.withdrawn = {v for v in st.withdrawn if v > committed.version}
+            # This node's slots keep the committed copy over newer uncommitted ones, so a
+            # stalled commit (a paused or draining peer) cannot evict it.
+            self._perform(job, st.book.commit(committed.version))
             advanced = st.committed_at_change is None or committed.version > st.committed_at_change
             self.cond.notify_all()
-        if self._on_commit is not None and (old is None or committed.version > old.version):
-            self._on_commit(job, committed.version)
         if advanced and (old is None or committed.version > old.version):
             self._on_advance(job)
 

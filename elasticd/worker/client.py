@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Any, Mapping
 
-from elasticd.daemon.local_wire import (
+from elasticd.local.wire import (
     DEFAULT_MAX_MESSAGE,
     LENGTH,
     FrameError,

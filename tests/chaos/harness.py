@@ -262,7 +262,7 @@ class ChaosCluster:
 
     def job_statuses(self) -> dict[str, dict[str, Any]]:
         """Every node's published view of the job (``jobs/<job>/nodes/<node>``)."""
-        from elasticd.agent.spec import NodeJobStatus
+        from elasticd.cluster.jobspec import NodeJobStatus
 
         kvs, _ = self.cluster.coordinator().get_prefix(self.cluster.keys.job_nodes(self.job))
         out = {}

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from elasticd.agent.spec import JobSpec
+from elasticd.cluster.jobspec import JobSpec
 from elasticd.coordination.agent_credentials import PASSWORD_ENV, AgentCredentials
 from elasticd.coordination.api import AuthError
 from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endpoints

@@ -18,9 +18,9 @@ import time
 
 import pytest
 
-from elasticd.agent.spec import JobSpec, sha256_file
 from elasticd.agent.supervisor import AgentSupervisor
 from elasticd.agent.zygote import ZYGOTE_ENV
+from elasticd.cluster.jobspec import JobSpec, sha256_file
 from elasticd.launcher import reachable
 from tests.users import temporary_user
 

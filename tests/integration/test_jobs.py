@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from elasticd.agent.spec import NodeJobStatus
+from elasticd.cluster.jobspec import NodeJobStatus
 from elasticd.launcher import JOB_USER, LocalCluster
 
 pytestmark = [pytest.mark.etcd]

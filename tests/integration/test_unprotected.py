@@ -23,15 +23,15 @@ import uuid
 
 import pytest
 
-from elasticd.agent.spec import JobControl, JobSpec, NodeJobStatus
 from elasticd.checkpoint.service import CheckpointService
 from elasticd.checkpoint.shm import SlotStore
-from elasticd.checkpoint.transport import InProcessTransport
 from elasticd.clock import FakeClock
+from elasticd.cluster.jobspec import JobControl, JobSpec, NodeJobStatus
 from elasticd.config import Settings
 from elasticd.coordination.keys import Keyspace
 from elasticd.daemon.daemon import Daemon
 from elasticd.daemon.http import StatusServer
+from elasticd.local.transport import InProcessTransport
 from tests.conftest import connect
 from tests.unit.test_checkpoint_service import write_snapshot
 from tests.unit.test_protection import FakeReplicator

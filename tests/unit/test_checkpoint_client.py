@@ -26,7 +26,7 @@ from elasticd.checkpoint.sampler import ElasticSampler
 from elasticd.checkpoint.service import CheckpointService
 from elasticd.checkpoint.shm import SlotStore
 from elasticd.checkpoint.state import RNGState
-from elasticd.checkpoint.transport import InProcessTransport
+from elasticd.local.transport import InProcessTransport
 from elasticd.persistence.persister import Persister
 
 torch.set_num_threads(1)

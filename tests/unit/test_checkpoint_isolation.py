@@ -25,7 +25,7 @@ import pytest
 from elasticd.checkpoint.format import SnapshotHeader, TensorSpec, layout
 from elasticd.checkpoint.service import CheckpointService
 from elasticd.checkpoint.shm import SlotStore
-from elasticd.checkpoint.transport import InProcessTransport
+from elasticd.local.transport import InProcessTransport
 from elasticd.persistence.tier import Tier, TierError
 from elasticd.replication.shm_sink import replica_root
 

@@ -23,7 +23,7 @@ from elasticd.checkpoint.client import Checkpointer
 from elasticd.checkpoint.reader import SnapshotReader
 from elasticd.checkpoint.service import CheckpointService
 from elasticd.checkpoint.shm import SlotStore
-from elasticd.checkpoint.transport import InProcessTransport
+from elasticd.local.transport import InProcessTransport
 from elasticd.replication.commit import Committed
 from elasticd.replication.recovery import FetchResult, ShardLost, copy_own, fetch_into_store
 from tests.unit.test_checkpoint_client import (

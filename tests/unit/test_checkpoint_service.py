@@ -28,10 +28,21 @@ from elasticd.checkpoint.format import (
 )
 from elasticd.checkpoint.service import CheckpointService
 from elasticd.checkpoint.shm import SlotStore
-from elasticd.checkpoint.telemetry import RecordingSink as Sink
-from elasticd.checkpoint.transport import InProcessTransport, TransportError
+from elasticd.local.transport import InProcessTransport, TransportError
 from elasticd.persistence.persister import Persister
 from elasticd.persistence.tier import Tier
+
+
+class Sink:
+    """A metrics sink that keeps every event as a tuple."""
+
+    def __init__(self):
+        self.events = []
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return lambda *args: self.events.append((name, *args))
 
 
 @pytest.fixture
@@ -290,7 +301,7 @@ def test_restarted_service_adopts_progress_from_scanned_slots(root):
 
 
 def test_daemon_side_modules_do_not_import_torch():
-    modules = ["elasticd", "elasticd.checkpoint.service", "elasticd.checkpoint.transport",
+    modules = ["elasticd", "elasticd.checkpoint.service", "elasticd.local.transport",
                "elasticd.checkpoint.telemetry", "elasticd.persistence.persister",
                "elasticd.persistence.tier"]
     code = f"import sys, {', '.join(modules)}; sys.exit('torch' in sys.modules)"

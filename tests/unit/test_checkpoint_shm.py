@@ -115,73 +115,63 @@ def test_double_buffering_never_overwrites_the_last_complete_snapshot(store):
     assert_holds(store, "job", 0, 2)
 
 
-def test_a_kept_committed_copy_outlives_newer_uncommitted_ones(store):
-    # Step 1 is committed; the commit then stalls (a peer paused or draining) while this rank
-    # keeps snapshotting: steps 2, 3, 4 take turns in the other slot and step 1 stays.
+def test_a_copy_retained_for_every_rank_outlives_newer_ones(store):
+    # Step 1 is committed (retained job-wide); the commit then stalls (a peer paused or
+    # draining) while this rank keeps snapshotting: steps 2, 3, 4 take turns in the other slot.
     snapshot(store, "job", 0, step=1)
-    store.keep("job", (0, 1))
+    assert store.retain("job", None, (0, 1))
     for step in (2, 3, 4):
         snapshot(store, "job", 0, step=step)
         assert store.versions("job", 0) == [(0, step), (0, 1)]
         assert_holds(store, "job", 0, step)
-    # While the newer copy is being overwritten the kept one is the latest complete snapshot.
+    # While the newer copy is being overwritten the retained one is the latest complete one.
     slot = store.reserve("job", 0, 100)
     slot.buffer[:100] = bytes(100)
     assert_holds(store, "job", 0, 1)
     assert store.latest("job", 0, version=(0, 1)) is not None
     # A reader pinning the newer copy (a push to a peer that stopped answering): the snapshot
-    # is refused rather than evict the committed copy, the only one this node has.
+    # is refused rather than evict the retained copy, the only one this node has.
     snapshot(store, "job", 0, step=5)
     with store.latest("job", 0, pin=True):
-        with pytest.raises(SlotBusy, match="committed step"):
+        with pytest.raises(SlotBusy, match="must stay"):
             store.reserve("job", 0, 100)
         assert store.versions("job", 0) == [(0, 5), (0, 1)]
     snapshot(store, "job", 0, step=6)  # released: the newer copy's slot is reused
     assert store.versions("job", 0) == [(0, 6), (0, 1)]
-    # A new commit moves the kept version; None forgets it and plain alternation resumes.
-    store.keep("job", (0, 6))
+    # Another version retained, the first let go: plain alternation around the new one.
+    store.retain("job", None, (0, 6))
+    store.release_retained("job", None, (0, 1))
     snapshot(store, "job", 0, step=7)
     snapshot(store, "job", 0, step=8)
     assert store.versions("job", 0) == [(0, 8), (0, 6)]
-    store.keep("job", None)
+    store.release_retained("job", None, (0, 6))
     snapshot(store, "job", 0, step=9)
     assert store.versions("job", 0) == [(0, 9), (0, 8)]
+    assert store.retained("job") == {}
 
 
-def test_an_acknowledged_copy_stays_until_committed_withdrawn_or_abandoned(store):
-    # Step 1 is committed and a peer acknowledged step 2, which may still be committed (the
-    # commit is decided in etcd afterwards): neither slot may be reused, the snapshot is skipped.
+def test_two_retained_copies_refuse_the_next_snapshot_until_one_is_released(store):
+    # Step 1 retained for every rank (committed), step 2 of rank 0 too (acknowledged, may be
+    # committed): neither slot may be reused, the snapshot is skipped.
     snapshot(store, "job", 0, step=1)
-    store.keep("job", (0, 1))
+    store.retain("job", None, (0, 1))
     snapshot(store, "job", 0, step=2)
-    assert store.protect("job", 0, (0, 2))
+    assert store.retain("job", 0, (0, 2))
+    assert store.retained("job") == {0: {(0, 2)}, None: {(0, 1)}}
     with pytest.raises(CommitPending) as info:
         store.reserve("job", 0, 100)
     assert info.value.version == (0, 2)
     assert store.versions("job", 0) == [(0, 2), (0, 1)]
     assert_holds(store, "job", 0, 2)
-    # Withdrawn from commit: it may go; the committed copy still stays.
-    store.unprotect("job", 0, (0, 2))
+    store.release_retained("job", 0, (0, 2))
     snapshot(store, "job", 0, step=3)
     assert store.versions("job", 0) == [(0, 3), (0, 1)]
-    # Committed: the kept version moves, and the old committed copy is the one reused.
-    assert store.protect("job", 0, (0, 3))
-    store.keep("job", (0, 3))
-    snapshot(store, "job", 0, step=4)
-    assert store.versions("job", 0) == [(0, 4), (0, 3)]
-    # Of an abandoned generation (a restore opened generation 1): it can never commit.
-    assert store.protect("job", 0, (0, 4))
-    with pytest.raises(CommitPending):
-        store.reserve("job", 0, 100)
-    store.set_floor("job", 1)
-    snapshot(store, "job", 0, step=5, generation=1)
-    assert store.versions("job", 0) == [(1, 5), (0, 3)]
-    # A copy no longer held cannot be protected (its acknowledgement must not count).
-    assert not store.protect("job", 0, (0, 4))
-    # Nothing committed yet: two acknowledged copies both stay, the older one is reported.
+    # A copy no longer held cannot be retained (its acknowledgement must not count).
+    assert not store.retain("job", 0, (0, 2))
+    # Two copies of one rank retained: the older one is reported.
     snapshot(store, "new", 0, step=1)
     snapshot(store, "new", 0, step=2)
-    assert store.protect("new", 0, (0, 1)) and store.protect("new", 0, (0, 2))
+    assert store.retain("new", 0, (0, 1)) and store.retain("new", 0, (0, 2))
     with pytest.raises(CommitPending) as info:
         store.reserve("new", 0, 100)
     assert info.value.version == (0, 1)

@@ -24,7 +24,7 @@ from elasticd.checkpoint.cuda_copier import CudaCopier, _runs
 from elasticd.checkpoint.format import Layout, TensorSpec, layout
 from elasticd.checkpoint.service import CheckpointService
 from elasticd.checkpoint.shm import SlotStore
-from elasticd.checkpoint.transport import InProcessTransport
+from elasticd.local.transport import InProcessTransport
 
 
 class FakeStream:

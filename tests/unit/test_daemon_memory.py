@@ -172,7 +172,7 @@ def test_same_node_id_twice_is_refused(world):
 
 def _submit(store, name="job"):
     """A job spec and control as elasticctl submit writes them."""
-    from elasticd.agent.spec import JobControl, JobSpec
+    from elasticd.cluster.jobspec import JobControl, JobSpec
 
     coord, keys = MemoryCoordinator(store), Keyspace("/elasticd")
     spec = JobSpec(name=name, nnodes_min=2, nnodes_max=3, nproc_per_node=1,
@@ -188,7 +188,7 @@ def test_etcd_wiped_every_daemon_recovers_without_failures(world):
         start(n)
     _submit(store)
     _submit(store, "stopped-job")
-    from elasticd.agent.spec import JobControl
+    from elasticd.cluster.jobspec import JobControl
 
     MemoryCoordinator(store).put(Keyspace("/elasticd").job_control("stopped-job"),
                                  JobControl("stopped", 1.0, "test").encode())

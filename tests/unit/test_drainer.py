@@ -12,10 +12,10 @@ import pytest
 
 from elasticd.checkpoint.service import CheckpointService
 from elasticd.checkpoint.shm import SlotStore
-from elasticd.checkpoint.transport import InProcessTransport
-from elasticd.cluster import drain
+from elasticd.cluster import drain, drain_record
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
+from elasticd.local.transport import InProcessTransport
 
 
 class Parts:
@@ -76,7 +76,7 @@ def etcd():
 def run_until_final(d, coord, keys, timeout=10):
     d.step()
     d.join(timeout)
-    return drain.read(coord, keys, "n3")
+    return drain_record.read(coord, keys, "n3")
 
 
 def test_drain_pauses_hands_off_then_holds_and_records(etcd):
@@ -84,7 +84,7 @@ def test_drain_pauses_hands_off_then_holds_and_records(etcd):
     parts = Parts()
     d = make(parts, coord, keys)
     assert d.step() is None  # no request: nothing happens
-    drain.request(coord, keys, "n3", 30, "op@host", time.time())
+    drain_record.request(coord, keys, "n3", 30, "op@host", time.time())
     rec = run_until_final(d, coord, keys)
     assert rec.state == "drained" and rec.phase == "done"
     assert parts.calls == ["quiesce", "handoff", "hold:drained"]  # in this order
@@ -93,8 +93,8 @@ def test_drain_pauses_hands_off_then_holds_and_records(etcd):
     assert phases[:4] == ["", "snapshot", "replicas", "replicas"] and phases[-1] == "done"
     assert [k for k, _ in parts.events] == ["drained"]
     # a re-request while drained changes nothing; undo lets the node back in
-    assert drain.request(coord, keys, "n3", 30, "op", time.time()).state == "drained"
-    drain.undo(coord, keys, "n3")
+    assert drain_record.request(coord, keys, "n3", 30, "op", time.time()).state == "drained"
+    drain_record.undo(coord, keys, "n3")
     assert d.step() == "undrained: may run jobs again"
     assert parts.calls[-2:] == ["hold:None", "resume"] and parts.held == ""
 
@@ -103,21 +103,21 @@ def test_failed_handoff_keeps_the_node_running(etcd):
     coord, keys = etcd
     parts = Parts(failed_copies=1)
     d = make(parts, coord, keys)
-    drain.request(coord, keys, "n3", 2, "op", time.time())
+    drain_record.request(coord, keys, "n3", 2, "op", time.time())
     rec = run_until_final(d, coord, keys)
     assert rec.state == "failed" and "could not be handed off within 2 s" in rec.detail
     assert parts.calls.count("handoff") > 1  # retried until the deadline, not failed at once
     assert "hold:drained" not in parts.calls and parts.calls[-1] == "resume"
     assert [k for k, _ in parts.events] == ["drain_failed"]
     # a new request after a failure starts a new drain
-    assert drain.request(coord, keys, "n3", 30, "op", time.time()).state == "requested"
+    assert drain_record.request(coord, keys, "n3", 30, "op", time.time()).state == "requested"
 
 
 def test_a_step_committed_after_the_handoff_is_handed_off_too(etcd):
     coord, keys = etcd
     parts = Parts(short=[{"job": [1]}, {}])
     d = make(parts, coord, keys)
-    drain.request(coord, keys, "n3", 30, "op", time.time())
+    drain_record.request(coord, keys, "n3", 30, "op", time.time())
     rec = run_until_final(d, coord, keys)
     assert rec.state == "drained"
     assert parts.calls.count("handoff") == 2
@@ -125,7 +125,7 @@ def test_a_step_committed_after_the_handoff_is_handed_off_too(etcd):
 
 def test_a_drained_node_stays_out_after_a_daemon_restart(etcd):
     coord, keys = etcd
-    drain.request(coord, keys, "n3", 30, "op", time.time())
+    drain_record.request(coord, keys, "n3", 30, "op", time.time())
     run_until_final(make(Parts(), coord, keys), coord, keys)
     parts = Parts()  # a new daemon process
     assert make(parts, coord, keys).step() == "drained: staying out of jobs until undrained"
@@ -134,9 +134,9 @@ def test_a_drained_node_stays_out_after_a_daemon_restart(etcd):
 
 def test_bad_records_are_refused_clearly(etcd):
     coord, keys = etcd
-    coord.put(keys.drain("n3"), drain.DrainRecord("n3", state="bogus").encode())
-    with pytest.raises(drain.records.CorruptRecord, match="unknown drain state"):
-        drain.read(coord, keys, "n3")
+    coord.put(keys.drain("n3"), drain_record.DrainRecord("n3", state="bogus").encode())
+    with pytest.raises(drain_record.records.CorruptRecord, match="unknown drain state"):
+        drain_record.read(coord, keys, "n3")
 
 
 def test_quiesce_refuses_new_snapshots_and_waits_for_the_one_in_flight():
@@ -172,7 +172,7 @@ def test_a_copy_that_failed_once_is_tried_again(etcd):
     coord, keys = etcd
     parts = Parts(failed_copies=1, failed_rounds=1)
     d = make(parts, coord, keys)
-    drain.request(coord, keys, "n3", 30, "op", time.time())
+    drain_record.request(coord, keys, "n3", 30, "op", time.time())
     rec = run_until_final(d, coord, keys)
     assert rec.state == "drained", rec.detail
     assert parts.calls.count("handoff") == 2

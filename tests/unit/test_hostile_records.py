@@ -16,9 +16,9 @@ import pytest
 
 from elasticd.agent.manager import JobManager
 from elasticd.agent.policy import JobPolicy
-from elasticd.agent.spec import JobSpec, NodeJobStatus, sha256_file
 from elasticd.clock import FakeClock
 from elasticd.cluster.events import EventLog
+from elasticd.cluster.jobspec import JobSpec, NodeJobStatus, sha256_file
 from elasticd.config import Settings
 from elasticd.coordination import records
 from elasticd.coordination.keys import Keyspace, check_name
@@ -122,7 +122,6 @@ def test_the_running_jobs_spec_corrupted_refuses_it(world, tmp_path, monkeypatch
     monkeypatch.setattr("elasticd.agent.supervisor.AgentSupervisor.stop",
                         lambda self, grace=0: 0)
     monkeypatch.setattr("elasticd.agent.policy.check_access_as", lambda *a: None)
-    monkeypatch.setattr("elasticd.agent.spec.check_access_as", lambda *a: None)
     coord = MemoryCoordinator(store)
     coord.put(KEYS.job_spec("job"), spec(tmp_path, user="root").encode())
     tick()
@@ -271,10 +270,10 @@ def test_every_value_the_etcd_fuzz_writes_is_refused_by_its_decoder():
     import importlib.util
     import random
 
-    from elasticd.cluster.drain import DrainRecord
+    from elasticd.cluster.drain_record import DrainRecord
     from elasticd.cluster.events import Event
     from elasticd.cluster.membership import NodeRecord
-    from elasticd.agent.spec import JobControl
+    from elasticd.cluster.jobspec import JobControl
     from elasticd.replication.commit import decode_committed, decode_replicated
     from elasticd.replication.placement import decode_placement
 

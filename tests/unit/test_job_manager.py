@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from elasticd.agent.manager import JobManager
-from elasticd.agent.spec import JobControl, JobSpec, NodeJobStatus
 from elasticd.clock import FakeClock
+from elasticd.cluster.jobspec import JobControl, JobSpec, NodeJobStatus
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.memory import MemoryCoordinator
 from elasticd.metrics import Metrics

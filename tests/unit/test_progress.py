@@ -6,7 +6,7 @@ import pytest
 
 from elasticd.agent.progress import Hang, HangKind, ProgressTracker, StalledRank, progress_handler
 from elasticd.clock import FakeClock
-from elasticd.daemon.local_api import RequestError
+from elasticd.local.wire import RequestError
 
 JOB = "job-1"
 

@@ -10,12 +10,12 @@ import uuid
 
 import pytest
 
-from elasticd.checkpoint.protection import JobView, assess
+from elasticd.checkpoint.protection import REASONS, JobView, assess
 from elasticd.checkpoint.service import CheckpointService
 from elasticd.checkpoint.shm import SlotStore
-from elasticd.checkpoint.transport import InProcessTransport
 from elasticd.clock import FakeClock
-from elasticd.metrics import CheckpointSink, Metrics
+from elasticd.local.transport import InProcessTransport
+from elasticd.metrics import UNPROTECTED_REASONS, CheckpointSink, Metrics
 from tests.unit.test_checkpoint_service import write_snapshot
 
 OK = JobView(newest=(0, 50), replicated=True, placement=True, committed=(0, 49), lag=1,
@@ -37,6 +37,10 @@ def test_assess(view, reason):
     assert (verdict.reason if verdict else None) == reason
     if verdict:
         assert str(verdict).startswith("UNPROTECTED: ")
+
+
+def test_the_metric_labels_every_reason():
+    assert UNPROTECTED_REASONS == REASONS  # metrics imports no domain module: a copy
 
 
 class FakeReplicator:

@@ -63,7 +63,7 @@ def test_a_pushed_snapshot_lands_in_a_slot_verified_and_byte_identical(node):
     held = replicas.latest(JOB, 3, verify=True)
     assert bytes(held.buffer) == data
     assert held.path.startswith(replicas.root)  # in the replica store, not the local one
-    assert sink.committed(JOB, 3).version == (0, 7)
+    assert sink.held(JOB, 3).version == (0, 7)
     assert client.channel.bytes_sent >= len(data)  # server byte counts land at hang-up
 
 
@@ -83,10 +83,10 @@ def test_stale_duplicate_and_abandoned_copies_are_refused(node):
     with pytest.raises(Refused) as info:
         push(client, sender, 0, 6)  # newer step, but of an abandoned generation
     assert info.value.reason == STALE
-    assert sink.committed(JOB, 0).version == (0, 5)
+    assert sink.held(JOB, 0).version == (0, 5)
     write_snapshot(sender, 0, 1, generation=1)
     push(client, sender, 0, 1, generation=1)
-    assert sink.committed(JOB, 0).version == (1, 1)
+    assert sink.held(JOB, 0).version == (1, 1)
 
 
 def test_a_copy_failing_its_snapshot_checksums_is_refused_and_the_old_one_kept(node):
@@ -100,11 +100,11 @@ def test_a_copy_failing_its_snapshot_checksums_is_refused_and_the_old_one_kept(n
         # Intact on the wire (frame checksums pass), corrupt as a snapshot.
         push(client, sender, 1, 2, corrupt_at=offset)
     assert info.value.reason == CORRUPT
-    assert sink.committed(JOB, 1).version == (0, 1)
+    assert sink.held(JOB, 1).version == (0, 1)
     assert bytes(replicas.latest(JOB, 1, verify=True).buffer) == good
     assert sink.counters["refused_corrupt"] == 1
     push(client, sender, 1, 2)  # the connection is still usable and the real copy lands
-    assert sink.committed(JOB, 1).version == (0, 2)
+    assert sink.held(JOB, 1).version == (0, 2)
 
 
 def test_one_transfer_per_shard_at_a_time(node):
@@ -139,7 +139,7 @@ def test_one_cap_counts_local_snapshots_and_replicas(root):
         target = sink.begin(d)
         target[:] = view.buffer
         del target
-        sink.commit(d)
+        sink.landed(d)
         # Now the replicas hold the room: the local store may only use what is left.
         assert local.cap_bytes == (1 << 20) - replicas.bytes_held()
         with pytest.raises(OverBudget):
@@ -185,12 +185,12 @@ def test_a_restarted_daemon_adopts_verified_replicas(root):
         target = sink.begin(d)
         target[:] = view.buffer
         del target
-        sink.commit(d)
+        sink.landed(d)
         replicas.close(unlink=False)
         again = SlotStore(replica_root(os.path.join(root, "r")))
         assert again.scan().kept == [(JOB, 4, 0, 3)]
         adopted = ShmSink(again)
-        assert adopted.committed(JOB, 4).version == (0, 3)
+        assert adopted.held(JOB, 4).version == (0, 3)
         with pytest.raises(Refused) as info:
             adopted.begin(d)
         assert info.value.reason == EXISTS

@@ -102,7 +102,7 @@ def test_push_arrives_intact_and_is_committed(make_server, clients):
     result = client.push(d, header, memoryview(payload), chunk_size=MiB)
     assert result.frames == 1 + 4  # the header, then 3 MiB + 123 bytes in 1 MiB chunks
     assert sink.get(JOB, 0) == header + payload
-    assert [e[0] for e in sink.events] == ["begin", "commit"]
+    assert [e[0] for e in sink.events] == ["begin", "landed"]
     assert server.stats.pushes_committed == 1 and client.peer_id == "node-b"
 
 
@@ -147,7 +147,7 @@ def test_stale_and_duplicate_versions_are_refused(make_server, clients):
     client.push(*snapshot(step=0, generation=1))  # a new timeline wins over a higher step
     with pytest.raises(Refused, match="stale"):
         client.push(*snapshot(step=9, generation=0))
-    assert sink.committed(JOB, 0).version == (1, 0)
+    assert sink.held(JOB, 0).version == (1, 0)
     assert server.stats.pushes_refused == 3 and server.stats.pushes_committed == 2
 
 
@@ -156,11 +156,11 @@ def test_late_older_transfer_cannot_replace_a_newer_commit():
     older, newer = snapshot(step=4)[0], snapshot(step=5)[0]
     sink.begin(older)
     sink.begin(newer)
-    sink.commit(newer)
+    sink.landed(newer)
     with pytest.raises(Refused) as refused:
-        sink.commit(older)
+        sink.landed(older)
     assert refused.value.reason == STALE
-    assert sink.committed(JOB, 0) == newer and not sink.in_flight()
+    assert sink.held(JOB, 0) == newer and not sink.in_flight()
     assert ("abort", older, STALE) in sink.events
 
 
@@ -288,7 +288,7 @@ def test_replay_test_detects_reused_nonces(make_server, monkeypatch):
     recorded = record_a_push(make_server())
     sink = MemorySink()
     replay(make_server(sink), recorded)
-    assert [e[0] for e in sink.events] == ["begin", "commit"]
+    assert [e[0] for e in sink.events] == ["begin", "landed"]
 
 
 def open_push(server: ReplicaServer, d: Descriptor) -> ReplicaClient:

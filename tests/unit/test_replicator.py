@@ -209,8 +209,8 @@ def test_a_slow_peer_makes_intermediate_steps_skipped_not_queued(make_cluster):
     n2.sink.gate.set()
     cluster.wait_idle()
     assert n1.replicator.stats()["replication_skipped_total"] == 4
-    assert n2.sink.committed(JOB, 1).version == (0, 5)
-    assert n2.sink.committed(JOB, 0).version == (0, 2)
+    assert n2.sink.held(JOB, 1).version == (0, 5)
+    assert n2.sink.held(JOB, 0).version == (0, 2)
     pushes = n1.replicator.stats()["replication_pushes_total"]
     assert pushes == 3, "rank 0 twice, rank 1 once (its newest step)"
 
@@ -222,14 +222,14 @@ def test_stale_duplicate_and_abandoned_pushes_never_replace_a_newer_copy(make_cl
     n1, n2 = cluster["n1"], cluster["n2"]
     data5 = n1.snapshot(0, 5, world=2)
     cluster.wait_idle()
-    assert n2.sink.committed(JOB, 0).version == (0, 5)
+    assert n2.sink.held(JOB, 0).version == (0, 5)
     # The same version again (a retried push) and an older one are not taken.
     n1.replicator.on_local_snapshot(JOB, 0, (0, 5))
     n1.replicator.on_local_snapshot(JOB, 0, (0, 4))
     n2.sink.set_floor(JOB, 1)
     n1.snapshot(0, 6, world=2)  # a step of the abandoned generation 0
     cluster.wait_idle()
-    assert n2.sink.committed(JOB, 0).version == (0, 5)
+    assert n2.sink.held(JOB, 0).version == (0, 5)
     assert n1.replicator.stats()["replication_failures_total"] == {"stale": 1}
     got = bytearray(1 << 20)
     d = n2.replicator.fetch(JOB, 0, (0, 5), got).descriptor
@@ -239,7 +239,7 @@ def test_stale_duplicate_and_abandoned_pushes_never_replace_a_newer_copy(make_cl
     n1.snapshot(0, 3, generation=1, world=2)
     n1.replicator.on_local_snapshot(JOB, 0, (0, 7))  # late notice from the old timeline
     cluster.wait_idle()
-    assert n2.sink.committed(JOB, 0).version == (1, 3)
+    assert n2.sink.held(JOB, 0).version == (1, 3)
 
 
 def test_the_commit_record_never_goes_backwards_and_ignores_abandoned_generations(make_cluster):
@@ -265,6 +265,11 @@ def test_the_commit_record_never_goes_backwards_and_ignores_abandoned_generation
     values = [decode_committed(e.kv.value).version for e in revisions]
     assert values == sorted(values), f"commit went backwards: {values}"
     assert n1.replicator.stats()["sync_lag_steps"] == 0
+
+
+def book(node):
+    """The node's commit book of the job (what it retains and follows)."""
+    return node.replicator.tracker.jobs[JOB].book
 
 
 def wait_for(condition, timeout: float = 10.0) -> None:
@@ -336,7 +341,6 @@ def test_a_step_is_never_committed_naming_a_holder_that_overwrote_it(make_cluste
     # withdraws it at once, so its step 3 is not skipped. Nothing waits on that slot, so the
     # timeout cannot be what withdrew it (an unblocked version is never withdrawn on time).
     wait_for(lambda: not n2.replicator.awaiting_commit(JOB))
-    assert (JOB, (0, 2)) not in n2.replicator._blocked
     assert n2.replicator.stats()["withdrawals_total"] == 1
     assert snapshot_as_service(n2, 1, 3)
     cluster.wait_idle()
@@ -527,10 +531,11 @@ def test_followed_versions_are_forgotten_once_committed(make_cluster):
     cluster.wait_idle()
     assert n1.replicator.awaiting_commit(JOB) == [(0, 1)]
     wait_for(lambda: not n1.replicator.awaiting_commit(JOB))  # withdraw_after passes
-    assert n1.replicator._since, "followed undecided: still remembered"
+    assert book(n1).entries, "followed undecided: still remembered"
     n2.snapshot(1, 1, world=2)
     cluster.wait_idle()
     assert committed(cluster).version == (0, 1)
     for node in (n1, n2):
         wait_for(lambda: not node.replicator.awaiting_commit(JOB))
-        assert not node.replicator._since and not node.replicator._blocked
+        assert not book(node).entries, "a committed version is still remembered"
+        assert node.local.retained(JOB) == {None: {(0, 1)}}, "only the commit stays retained"

@@ -3,10 +3,10 @@
 A spec is validated where it is written (so nothing malformed ever reaches etcd) and checked
 again where it is read and where it runs: anyone who may write to etcd may write a spec, so
 decoding checks every field's type and value, and the name inside against the key's, and each
-node applies its own :class:`~elasticd.agent.policy.JobPolicy` (allowed users, the pinned
-interpreter, refused environment variables), checks the files as the job's user, and checks the
-script's SHA-256. Jobs never run as root by accident: a spec submitted by root must name
-``--user``.
+node applies its own policy (:meth:`elasticd.agent.policy.JobPolicy.check_on_node`: allowed
+users, the pinned interpreter, refused environment variables, the files checked as the job's
+user, the script's SHA-256). Jobs never run as root by accident: a spec submitted by root must
+name ``--user``. The CLI and the daemon both read specs: this module imports neither.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import sys
 import time
 from typing import Any
 
-from elasticd.agent.policy import JobPolicy, check_access_as
 from elasticd.coordination import records
 from elasticd.coordination.keys import check_name
 
@@ -143,30 +142,6 @@ class JobSpec:
         if not self.user or "\0" in self.user:
             raise JobSpecError(f"--user {self.user!r}: not a user name")
         return self
-
-    def check_on_node(self, policy: JobPolicy | None = None) -> str | None:
-        """What stops this node from running the job, or None (called by every daemon).
-
-        Args:
-            policy: the node's job policy (:class:`JobPolicy`'s defaults when None).
-        """
-        try:
-            self.validate(check_files=True)
-        except JobSpecError as exc:
-            return str(exc)
-        problem = (policy or JobPolicy()).check(self)
-        if problem is None:
-            problem = check_access_as(self.user, self.python, self.script, self.cwd)
-        if problem is not None:
-            return problem
-        try:
-            actual = sha256_file(self.script)
-        except OSError as exc:
-            return f"script {self.script}: cannot read it ({exc.strerror})"
-        if actual != self.script_sha256:
-            return (f"script {self.script} differs on this node (sha256 {actual[:12]}…, "
-                    f"submitted {self.script_sha256[:12]}…): deploy the same file everywhere")
-        return None
 
     def encode(self) -> bytes:
         return records.encode_dataclass(KIND, self)

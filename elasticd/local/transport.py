@@ -14,7 +14,7 @@ import json
 import os
 from typing import Any, Callable, Mapping, Protocol
 
-from elasticd.daemon.local_api import RequestError, close_fds
+from elasticd.local.wire import RequestError, close_fds
 
 
 class Transport(Protocol):

@@ -1,4 +1,4 @@
-"""Framing of the local channel between a node's daemon and its training workers.
+"""The local channel between a node's daemon and its workers: framing, and the request error.
 
 Both ends import this module: the daemon (:mod:`elasticd.daemon.local_api`) and every worker
 process (:mod:`elasticd.worker.client`). It therefore uses the standard library only — a worker
@@ -22,8 +22,9 @@ and an operator can read them with ``socat``. Never pickle: the daemon reads the
 from __future__ import annotations
 
 import json
+import os
 import struct
-from typing import Any
+from typing import Any, Iterable
 
 LENGTH = struct.Struct("!I")
 DEFAULT_MAX_MESSAGE = 1 << 20
@@ -72,3 +73,21 @@ def decode(body: bytes) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise FrameError(f"frame holds a JSON {type(message).__name__}, expected an object")
     return message
+
+
+class RequestError(Exception):
+    """Raised by a handler to refuse a request: the message goes to the worker as the error.
+
+    Unlike any other exception, it is logged without a traceback: it is an expected answer
+    ("no slot for rank 3: over the memory cap"), not a bug in the daemon.
+    """
+
+
+def close_fds(fds: Iterable[int]) -> list[int]:
+    """Closes every descriptor (errors ignored: they are ours to drop); returns []."""
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    return []

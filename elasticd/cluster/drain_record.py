@@ -1,0 +1,140 @@
+"""A node's drain record: the request ``elasticctl drain NODE`` writes to
+``<prefix>/drain/<node>``, and the progress the node's daemon writes into it
+(:class:`elasticd.cluster.drain.Drainer`).
+
+States (``DrainRecord.state``): requested → draining → drained | failed. A drained node stays
+out of every job until the record is deleted (``elasticctl drain --undo NODE``). The CLI and
+the daemon both use this module: it imports neither.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from elasticd.coordination import records
+from elasticd.coordination.api import Compare, CoordinationError, Coordinator, Put
+from elasticd.coordination.keys import Keyspace, check_name
+
+log = logging.getLogger(__name__)
+
+KIND = "drain"
+STATES = ("requested", "draining", "drained", "failed")
+FINAL = ("drained", "failed")
+#: Progress entries kept in a drain record.
+LOG_LIMIT = 40
+
+
+@dataclasses.dataclass(frozen=True)
+class DrainRecord:
+    """A drain request and its progress, as stored in etcd.
+
+    Attributes:
+        node: the node to drain.
+        state: requested | draining | drained | failed.
+        requested_at: wall time of the request.
+        by: who asked (``elasticctl@host``).
+        timeout: seconds the daemon may spend handing off replicas.
+        phase: the step running now: snapshot | replicas | stopping | done.
+        detail: one human sentence about where the drain is.
+        copies_done, copies_failed, copies_planned: replica hand-off progress.
+        updated_at: wall time of the last progress write.
+        jobs: what the hand-off did per job (version, complete, pushed/failed counts).
+        log: the progress so far, ``[at, state, phase, detail]`` oldest first (bounded), so a
+            reader polling slower than the drain moves still sees every step.
+    """
+
+    node: str
+    state: str = "requested"
+    requested_at: float = 0.0
+    by: str = ""
+    timeout: float = 120.0
+    phase: str = ""
+    detail: str = ""
+    copies_done: int = 0
+    copies_failed: int = 0
+    copies_planned: int = 0
+    updated_at: float = 0.0
+    jobs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    log: list[list[Any]] = dataclasses.field(default_factory=list)
+
+    def encode(self) -> bytes:
+        return records.encode_dataclass(KIND, self)
+
+    @staticmethod
+    def decode(raw: bytes, key: bytes | str = b"?", node: str | None = None) -> "DrainRecord":
+        """Reads a drain record (about ``node``, the node its key names, when given).
+
+        Raises:
+            records.RecordError: malformed, a bad value, or about another node.
+        """
+        rec = records.decode_dataclass(DrainRecord, raw, KIND, key)
+        where = records.where_of(key)
+        if rec.state not in STATES:
+            raise records.CorruptRecord(f"{where}: unknown drain state {rec.state[:40]!r}")
+        if node is not None and rec.node != node:
+            raise records.CorruptRecord(f"{where}: the record names node {rec.node[:70]!r}, "
+                                        f"its key {node!r}")
+        if not 0 <= rec.timeout <= 86_400:
+            raise records.CorruptRecord(f"{where}: timeout {rec.timeout} out of range "
+                                        "(0 to 86400 s)")
+        return rec
+
+
+def read(coord: Coordinator, keys: Keyspace, node: str) -> DrainRecord | None:
+    """The node's drain record, or None. Raises: CoordinationError, records.RecordError."""
+    kv = coord.get(keys.drain(node))
+    return None if kv is None else DrainRecord.decode(kv.value, kv.key, node)
+
+
+def read_all(coord: Coordinator, keys: Keyspace) -> dict[str, DrainRecord]:
+    """Every readable drain record by node (unreadable ones are skipped with a warning)."""
+    kvs, _ = coord.get_prefix(keys.drains)
+    out = {}
+    for kv in kvs:
+        try:
+            node = check_name("node id in key", kv.key[len(keys.drains):].decode(errors="replace"))
+            rec = DrainRecord.decode(kv.value, kv.key, node)
+        except (ValueError, records.RecordError) as exc:
+            log.warning("skipping drain record: %s", exc)
+            continue
+        out[rec.node] = rec
+    return out
+
+
+def request(coord: Coordinator, keys: Keyspace, node: str, timeout: float, by: str,
+            now: float) -> DrainRecord:
+    """Writes a drain request unless one is under way or done; returns the record in force.
+
+    A failed drain is replaced by the new request (a retry).
+    """
+    new = DrainRecord(node, "requested", now, by, timeout, "", "waiting for the daemon",
+                      updated_at=now, log=[[round(now, 3), "requested", "",
+                                            "waiting for the daemon"]])
+    key = keys.drain(node)
+    for _ in range(5):
+        kv = coord.get(key)
+        if kv is None:
+            if coord.create(key, new.encode()):
+                return new
+            continue
+        old = DrainRecord.decode(kv.value, kv.key)
+        if old.state != "failed":
+            return old
+        ok, _ = coord.transaction([Compare(key, kv.mod_revision)], [Put(key, new.encode())])
+        if ok:
+            return new
+    raise CoordinationError(f"{key.decode()}: the drain record kept changing; retry")
+
+
+def undo(coord: Coordinator, keys: Keyspace, node: str) -> DrainRecord | None:
+    """Deletes the node's drain record (it may run jobs again); returns what was there."""
+    kv = coord.get(keys.drain(node))
+    if kv is None:
+        return None
+    coord.delete(keys.drain(node))
+    try:
+        return DrainRecord.decode(kv.value, kv.key)
+    except records.RecordError:
+        return None

@@ -1,0 +1,244 @@
+"""The commit protocol of one job on one node, as pure decisions: which copies stay.
+
+A step is committed in etcd from the nodes' records of acknowledged copies
+(:mod:`elasticd.replication.commit`), after the fact: by the time a node learns of a commit,
+every copy the record names must still be there. So a copy that may be committed is *retained*
+(its slot is not reused) from the moment it lands, and let go only once the protocol decided
+its version. Each version of the job on this node moves through :class:`Phase`::
+
+    ACKED --(copy retained)--> PROTECTED --+--> COMMITTED  (the job's committed copy)
+                                           +--> WITHDRAWN  (taken back from this node's record)
+                                           +--> ABANDONED  (a newer commit, or a generation
+                                                            below the floor: can never commit)
+
+:class:`CommitBook` takes the events (a copy landed, a local snapshot is blocked, a commit was
+learned, a generation abandoned, a withdrawal landed) and answers with :class:`Actions`: the
+retentions to place or let go, the version to start following. It does no I/O, takes no lock
+and reads no clock (the caller passes ``now``); the caller performs the actions, under the same
+lock as the event, so that no other event's actions interleave.
+
+Invariants (tested over every order of events in ``tests/unit/test_commit_state.py``):
+
+* Every holder a committed version names holds it: a copy is retained from its landing (before
+  any record names it) until its version is committed (it is then retained, job-wide, as the
+  committed copy until a newer commit), abandoned, or withdrawn, and a withdrawal is acted on
+  only after it landed in etcd behind a fence no commit decided from the older record passes.
+* Nothing is retained for good: once a commit at or above a version is learned, or a floor above
+  its generation, or its withdrawal, neither a retention of it nor any bookkeeping about it is
+  left (undecided versions are the only entries, and the committed copy the only job-wide
+  retention).
+* A version once withdrawn here is never recorded again (:meth:`CommitBook.recordable`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Callable
+
+from elasticd.replication.api import Version
+
+
+class Phase(enum.Enum):
+    """Where a version stands on this node (ACKED: a copy landed, its retention asked for;
+    PROTECTED: a copy is retained, the version may be committed)."""
+
+    ACKED, PROTECTED, COMMITTED, WITHDRAWN, ABANDONED = range(5)
+
+
+class Holder(enum.Enum):
+    """Which of this node's slot stores a copy is in: its own ranks', or peers' replicas."""
+
+    LOCAL, REPLICA = "local", "replica"
+
+
+class Verdict(enum.Enum):
+    """What the follower of an acknowledged local version does next: KEEP (committed: it is the
+    committed copy), REUSE (withdrawn, abandoned or older than the commit), WAIT (for the commit,
+    until :meth:`CommitBook.deadline`), IDLE (undecided, but nothing waits for its slot: stop
+    following until something does), WITHDRAW (take it back from this node's record)."""
+
+    KEEP, REUSE, WAIT, IDLE, WITHDRAW = range(5)
+
+
+@dataclasses.dataclass(frozen=True)
+class Retention:
+    """One copy (or, with ``rank`` None, every rank's copy) of a version that must stay."""
+
+    holder: Holder
+    rank: int | None
+    version: Version
+
+
+@dataclasses.dataclass
+class Actions:
+    """What the caller performs for an event: ``retain`` first, then ``release`` (so that a
+    copy is never unretained between two commits), then starts following ``follow``."""
+
+    retain: list[Retention] = dataclasses.field(default_factory=list)
+    release: list[Retention] = dataclasses.field(default_factory=list)
+    follow: Version | None = None
+
+
+@dataclasses.dataclass
+class _Entry:
+    """An undecided version: its copies here, when it was first acknowledged, whether a local
+    snapshot waits for its slot, whether a follower runs."""
+
+    phase: Phase
+    since: float
+    copies: set[tuple[Holder, int]] = dataclasses.field(default_factory=set)
+    blocked: bool = False
+    following: bool = False
+
+
+class CommitBook:
+    """The commit state of one job on one node.
+
+    Args:
+        withdraw_after: seconds an acknowledged local version that blocks a snapshot may wait
+            for its commit before it is withdrawn.
+    """
+
+    def __init__(self, withdraw_after: float) -> None:
+        self.withdraw_after = withdraw_after
+        self.committed: Version | None = None
+        self.floor = 0
+        self.entries: dict[Version, _Entry] = {}
+        self.withdrawn: set[Version] = set()
+
+    def phase(self, version: Version) -> Phase:
+        """Where ``version`` stands (a version never seen counts as abandoned)."""
+        if (entry := self.entries.get(version)) is not None:
+            return entry.phase
+        return (Phase.COMMITTED if version == self.committed else
+                Phase.WITHDRAWN if version in self.withdrawn else Phase.ABANDONED)
+
+    def _decided(self, version: Version) -> bool:
+        return (version[0] < self.floor or version in self.withdrawn
+                or (self.committed is not None and version <= self.committed))
+
+    def recordable(self, version: Version) -> bool:
+        """Whether ``version`` may still be put in this node's record (never once withdrawn)."""
+        return version not in self.withdrawn
+
+    def awaiting(self) -> list[Version]:
+        """Local versions followed until committed or withdrawn."""
+        return sorted(v for v, e in self.entries.items() if e.following)
+
+    # -- events ----------------------------------------------------------------------------
+
+    def landed(self, holder: Holder, rank: int, version: Version, now: float) -> Actions:
+        """A copy that may be committed is here: a local snapshot a peer acknowledged (or the
+        owner's only copy, with ``m = 1``), or a peer's replica received. Retain it, and follow
+        a local version."""
+        if self._decided(version):
+            return Actions()  # older than the commit or abandoned; the commit itself is retained
+        entry = self.entries.setdefault(version, _Entry(Phase.ACKED, now))
+        entry.copies.add((holder, rank))
+        follow = holder is Holder.LOCAL and not entry.following
+        entry.following = entry.following or follow
+        return Actions(retain=[Retention(holder, rank, version)],
+                       follow=version if follow else None)
+
+    def retained(self, holder: Holder, rank: int, version: Version, held: bool) -> None:
+        """The store placed the retention asked by :meth:`landed` (``held``), or found the copy
+        gone already (it then does not count)."""
+        if (entry := self.entries.get(version)) is not None and held:
+            entry.phase = Phase.PROTECTED
+        elif entry is not None:
+            entry.copies.discard((holder, rank))
+
+    def blocked(self, version: Version, now: float) -> Actions:
+        """A local snapshot was skipped because ``version`` holds the slot it needs."""
+        if self._decided(version):
+            return Actions()
+        entry = self.entries.setdefault(version, _Entry(Phase.ACKED, now))
+        entry.blocked = True
+        follow = not entry.following
+        entry.following = True
+        return Actions(follow=version if follow else None)
+
+    def commit(self, version: Version) -> Actions:
+        """A commit of ``version`` was learned: it is retained job-wide (any rank, either
+        holder), the previous commit and every version at or below it let go."""
+        if self.committed is not None and version <= self.committed:
+            return Actions()
+        # A commit of an abandoned generation is retained nowhere (see abandon_below).
+        live = version[0] >= self.floor
+        actions = Actions(retain=[Retention(h, None, version) for h in Holder if live])
+        if self.committed is not None:
+            actions.release += [Retention(h, None, self.committed) for h in Holder]
+        self.committed = version
+        self.withdrawn = {v for v in self.withdrawn if v > version}
+        return self._drop(lambda v: v <= version, actions)
+
+    def abandon_below(self, generation: int) -> Actions:
+        """A restore opened ``generation``: copies of older generations can never commit, and
+        the commit of one is restored no more. Its copies go too: a holder that retained it
+        while the owner (which had not learned it) did not would have one slot fewer for the
+        owner's undecided versions than the owner assumes, and let go of one that may commit."""
+        if generation <= self.floor:
+            return Actions()
+        self.floor = generation
+        actions = Actions()
+        if self.committed is not None and self.committed[0] < generation:
+            actions.release = [Retention(h, None, self.committed) for h in Holder]
+        return self._drop(lambda v: v[0] < generation, actions)
+
+    def superseded(self, holder: Holder, rank: int, version: Version) -> Actions:
+        """A newer copy of ``rank`` arrived while ``version`` still held a slot: its owner
+        decided it (committed, which this node's learning then says, or withdrew it)."""
+        entry = self.entries.get(version)
+        if entry is None or (holder, rank) not in entry.copies:
+            return Actions()
+        entry.copies.discard((holder, rank))
+        if not entry.copies and not entry.following:
+            del self.entries[version]
+        return Actions(release=[Retention(holder, rank, version)])
+
+    def withdrawing(self, version: Version) -> None:
+        """This node is about to take ``version`` back from its record: from now on it is
+        never recorded again (its copies stay until :meth:`withdrawn_landed`)."""
+        self.withdrawn.add(version)
+
+    def withdrawn_landed(self, version: Version) -> Actions:
+        """The withdrawal landed and found ``version`` not committed: no commit of it can land
+        any more, so every copy of it goes."""
+        return self._drop(lambda v: v == version, Actions())
+
+    def withdraw_failed(self, version: Version, now: float) -> None:
+        """Whether the withdrawal landed is unknown: the copies stay, and the version is
+        followed again only when a snapshot is blocked by it again."""
+        if (entry := self.entries.get(version)) is not None:
+            entry.following = entry.blocked = False
+            entry.since = now
+
+    def _drop(self, which: Callable[[Version], bool], actions: Actions) -> Actions:
+        """Forgets the entries ``which`` picks and lets their copies go."""
+        for version in [v for v in self.entries if which(v)]:
+            actions.release += [Retention(h, r, version) for h, r in sorted(
+                self.entries.pop(version).copies, key=lambda c: (c[0].value, c[1]))]
+        return actions
+
+    # -- the follower ----------------------------------------------------------------------
+
+    def verdict(self, version: Version, now: float, hopeless: bool = False) -> Verdict:
+        """What the follower of ``version`` does now; ``hopeless``: another owner's record
+        shows it can no longer be committed. IDLE also ends the following."""
+        entry = self.entries.get(version)
+        if entry is None:
+            return Verdict.KEEP if version == self.committed else Verdict.REUSE
+        if hopeless:
+            return Verdict.WITHDRAW
+        if now < self.deadline(version):
+            return Verdict.WAIT
+        if entry.blocked:
+            return Verdict.WITHDRAW
+        entry.following = False
+        return Verdict.IDLE
+
+    def deadline(self, version: Version) -> float:
+        """When an undecided ``version`` that blocks a snapshot is withdrawn."""
+        entry = self.entries.get(version)
+        return float("-inf") if entry is None else entry.since + self.withdraw_after

@@ -1,0 +1,331 @@
+"""What users and operators depend on, written out literally so that a change shows as a diff.
+
+The public names ``import elasticd`` and ``import elasticd.worker`` offer, every Prometheus
+metric the daemon registers (read from the registry a real :class:`Daemon` builds), the etcd
+key layout (every key :class:`Keyspace` builds, and where ``elasticctl`` finds the replication
+records), ``elasticctl``'s commands and options (from its argparse parser) and the keys of each
+command's ``--format json`` document (the real commands run on the in-memory coordinator). A
+refactoring must leave all of this as it is; a deliberate change edits the literal here, in the
+same commit, where a reviewer sees it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import types
+from typing import Any
+
+import pytest
+
+import elasticd
+import elasticd.worker
+from elasticd.cli import main as cli
+from elasticd.cli import options
+from elasticd.clock import FakeClock
+from elasticd.cluster.events import Event, EventLog
+from elasticd.config import Settings
+from elasticd.coordination.keys import Keyspace
+from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
+from elasticd.daemon.daemon import Daemon
+from elasticd.daemon.http import StatusServer
+
+# -- Python names -------------------------------------------------------------------------------
+
+ELASTICD_NAMES = ["Checkpointer", "ElasticSampler", "RNGState", "RestoreResult"]
+WORKER_ALL = ["DaemonClient", "DaemonClientError", "DaemonError", "DaemonTimeout",
+              "DaemonUnavailable", "WorkerIdentity", "default_client", "progress"]
+
+
+def test_import_elasticd_offers_the_same_names():
+    names = [n for n in dir(elasticd) if not n.startswith("_")
+             and not isinstance(getattr(elasticd, n), types.ModuleType)]  # submodules: imports
+    assert names == ELASTICD_NAMES
+    assert not hasattr(elasticd, "__all__")
+    assert elasticd.__version__ == "0.1.0"
+    assert all(isinstance(getattr(elasticd, n), type) for n in ELASTICD_NAMES)
+    assert sorted(elasticd.worker.__all__) == WORKER_ALL
+    assert all(hasattr(elasticd.worker, n) for n in WORKER_ALL)
+
+
+# -- metrics ------------------------------------------------------------------------------------
+
+#: Exposed name -> (type, label names).
+METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "elasticd_build_info": ("info", ("version",)),
+    "elasticd_committed_step": ("gauge", ()),
+    "elasticd_crash_loops_total": ("counter", ()),
+    "elasticd_etcd_data_losses_total": ("counter", ()),
+    "elasticd_etcd_outages_total": ("counter", ()),
+    "elasticd_etcd_up": ("gauge", ()),
+    "elasticd_failure_detection_seconds": ("histogram", ()),
+    "elasticd_fenced_total": ("counter", ()),
+    "elasticd_hangs_detected_total": ("counter", ()),
+    "elasticd_job_running": ("gauge", ()),
+    "elasticd_jobs_unprotected": ("gauge", ("reason",)),
+    "elasticd_lease_keepalive_failures_total": ("counter", ()),
+    "elasticd_leases_lost_total": ("counter", ()),
+    "elasticd_local_slot_bytes": ("gauge", ()),
+    "elasticd_loop_cycles_total": ("counter", ()),
+    "elasticd_loop_last_cycle_timestamp_seconds": ("gauge", ()),
+    "elasticd_node_departures_total": ("counter", ()),
+    "elasticd_node_failures_detected_total": ("counter", ()),
+    "elasticd_nodes_alive": ("gauge", ()),
+    "elasticd_persist_seconds": ("histogram", ()),
+    "elasticd_persisted_step": ("gauge", ()),
+    "elasticd_persists_total": ("counter", ("outcome",)),
+    "elasticd_provisional_expiries_total": ("counter", ("outcome",)),
+    "elasticd_rendezvous_round": ("gauge", ()),
+    "elasticd_rendezvous_seconds": ("histogram", ()),
+    "elasticd_replica_bytes_held": ("gauge", ()),
+    "elasticd_replica_bytes_received_total": ("counter", ()),
+    "elasticd_replica_fetch_bytes_total": ("counter", ()),
+    "elasticd_replica_fetch_failures_total": ("counter", ("reason",)),
+    "elasticd_replica_fetches_total": ("counter", ()),
+    "elasticd_replica_protocol_errors_total": ("counter", ()),
+    "elasticd_replica_pushes_received_total": ("counter", ("outcome",)),
+    "elasticd_replication_bytes_total": ("counter", ()),
+    "elasticd_replication_commits_total": ("counter", ()),
+    "elasticd_replication_connections_rejected_total": ("counter", ("reason",)),
+    "elasticd_replication_failures_total": ("counter", ("reason",)),
+    "elasticd_replication_seconds": ("histogram", ()),
+    "elasticd_replication_skipped_total": ("counter", ()),
+    "elasticd_rereplications_total": ("counter", ()),
+    "elasticd_restore_seconds": ("histogram", ("source",)),
+    "elasticd_restore_steps_lost": ("gauge", ()),
+    "elasticd_restores_total": ("counter", ("source",)),
+    "elasticd_shards_unprotected": ("gauge", ()),
+    "elasticd_snapshot_bytes": ("gauge", ()),
+    "elasticd_snapshot_stall_seconds": ("histogram", ()),
+    "elasticd_snapshot_step": ("gauge", ()),
+    "elasticd_snapshots_refused_total": ("counter", ("source",)),
+    "elasticd_snapshots_skipped_total": ("counter", ("reason",)),
+    "elasticd_snapshots_total": ("counter", ()),
+    "elasticd_sync_lag_steps": ("gauge", ()),
+    "elasticd_worker_restarts_total": ("counter", ("reason",)),
+    "elasticd_world_size": ("gauge", ()),
+}
+
+
+def _exposed(family: Any) -> str:
+    suffix = {"counter": "_total", "info": "_info"}.get(family.type, "")
+    return family.name + suffix
+
+
+def test_every_metric_the_daemon_registers():
+    settings = Settings(node_id="n1", etcd="mem:1")
+    daemon = Daemon(settings, MemoryCoordinator(MemoryStore(FakeClock())), clock=FakeClock())
+    try:
+        got = {}
+        for family in daemon.metrics.registry.collect():
+            labels = {k for s in family.samples for k in s.labels if k != "le"}
+            got[_exposed(family)] = (family.type, tuple(sorted(labels)))
+    finally:
+        daemon.close()
+    assert got == METRICS
+
+
+# -- etcd keys ----------------------------------------------------------------------------------
+
+KEYS = {
+    "cluster": "/elasticd/cluster",
+    "nodes": "/elasticd/nodes/",
+    "node": "/elasticd/nodes/n1",
+    "events": "/elasticd/events/",
+    "event": "/elasticd/events/n1/0000000000001a2b/failed",
+    "drains": "/elasticd/drain/",
+    "drain": "/elasticd/drain/n1",
+    "jobs": "/elasticd/jobs/",
+    "job": "/elasticd/jobs/j/",
+    "job_spec": "/elasticd/jobs/j/spec",
+    "job_control": "/elasticd/jobs/j/control",
+    "job_nodes": "/elasticd/jobs/j/nodes/",
+    "job_node": "/elasticd/jobs/j/nodes/n1",
+    "job_rdzv": "/elasticd/jobs/j/rdzv/",
+    "job_placement": "/elasticd/jobs/j/placement",
+    "job_ckpt": "/elasticd/jobs/j/ckpt/",
+}
+
+
+def test_etcd_key_layout():
+    k = Keyspace("/elasticd")
+    built = {
+        "cluster": k.cluster, "nodes": k.nodes, "node": k.node("n1"), "events": k.events,
+        "event": k.event("n1", 0x1A2B, "failed"), "drains": k.drains, "drain": k.drain("n1"),
+        "jobs": k.jobs, "job": k.job("j"), "job_spec": k.job_spec("j"),
+        "job_control": k.job_control("j"), "job_nodes": k.job_nodes("j"),
+        "job_node": k.job_node("j", "n1"), "job_rdzv": k.job_rdzv("j"),
+        "job_placement": k.job_placement("j"), "job_ckpt": k.job_ckpt("j"),
+    }
+    builders = {n for n in dir(Keyspace) if not n.startswith("_")} - {"node_of", "job_key"}
+    assert builders == set(built), "a key builder was added or removed: pin it here"
+    assert {n: v.decode() for n, v in built.items()} == KEYS
+    assert k.node_of(b"/elasticd/nodes/n1") == "n1"
+    assert k.job_key(b"/elasticd/jobs/j/nodes/n1") == ("j", "nodes", "n1")
+    assert Keyspace("/other").node("n1") == b"/other/nodes/n1"
+
+
+# -- elasticctl ---------------------------------------------------------------------------------
+
+#: The options every command takes (before or after it).
+SHARED_OPTIONS = ["--etcd", "--etcd-ca-cert", "--etcd-cert", "--etcd-key", "--etcd-password",
+                  "--etcd-timeout", "--etcd-user", "--format", "--help", "--prefix", "--watch", "-h"]
+#: Command -> its own options and positionals (``-h`` and the shared ones left out).
+COMMANDS = {
+    "nodes": [],
+    "status": [],
+    "history": ["--kind", "--limit"],
+    "submit": [
+        "--crash-loop-restarts", "--cwd", "--env", "--hang-timeout", "--max-restarts", "--nnodes",
+        "--nproc-per-node", "--python", "--user", "args", "name", "script"],
+    "jobs": [],
+    "stop": ["--force", "--wait", "name"],
+    "logs": ["name"],
+    "placement": ["job"],
+    "checkpoints": ["job"],
+    "drain": ["--force", "--no-wait", "--status", "--timeout", "--undo", "node"],
+}
+
+
+def _options(parser: argparse.ArgumentParser) -> list[str]:
+    return sorted(opt if a.option_strings else a.dest for a in parser._actions
+                  for opt in (a.option_strings or [a.dest]))
+
+
+def test_elasticctl_commands_and_options():
+    parser = cli.build_parser()
+    shared = _options(parser)
+    assert [o for o in shared if o != "command"] == SHARED_OPTIONS
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    got = {name: [o for o in _options(p) if o not in shared] for name, p in sub.choices.items()}
+    assert got == COMMANDS
+    assert sorted(cli.COMMANDS) == sorted(got)
+
+
+#: Replication records where ``elasticctl placement`` and ``checkpoints`` look for them.
+REPLICATION_RECORDS = {
+    b"/elasticd/jobs/j/placement":
+        b'{"groups":[["n1"]],"holders":{"n1":["n1"]},"m":1,"nodes":["n1"],"ranks":{"n1":[0]},'
+        b'"record":"placement","requested_m":1,"round":1,"schema":1,"strategy":"group"}',
+    b"/elasticd/jobs/j/ckpt/committed":
+        b'{"at":1.5,"generation":1,"holders":{"0":["n1"]},"m":1,"ranks":[0],'
+        b'"record":"ckpt_committed","round":1,"schema":1,"step":40}',
+    b"/elasticd/jobs/j/ckpt/replicated/n1":
+        b'{"at":1.5,"node":"n1","ranks":{"0":{"holders":["n1"],"versions":[[1,40]]}},'
+        b'"record":"ckpt_replicated","round":1,"schema":1}',
+}
+
+#: A node's view of job ``j``, as a daemon writes it.
+NODE_JOB_STATUS = (
+    b'{"agent_pid":0,"agent_starts":0,"at":0.0,"detail":"ok","last_step":-1,"log":"",'
+    b'"node":"n1","ranks":[0],"record":"node_job_status","schema":1,"state":"running",'
+    b'"unprotected":"","worker_restarts":0,"world_size":0}')
+
+#: Command -> the paths of its JSON document's values (``[]``: each element of a list; an
+#: event's ``data`` is the event's own, not descended into).
+JSON_KEYS = {
+    "submit":
+        "job nnodes nproc_per_node script script_sha256 submitted user",
+    "jobs": (
+        "[].args [].desired [].job [].nnodes [].nodes.n1.agent_pid [].nodes.n1.agent_starts "
+        "[].nodes.n1.at [].nodes.n1.detail [].nodes.n1.last_step [].nodes.n1.log "
+        "[].nodes.n1.node [].nodes.n1.ranks [].nodes.n1.state [].nodes.n1.unprotected "
+        "[].nodes.n1.worker_restarts [].nodes.n1.world_size [].nproc_per_node [].protection "
+        "[].reason [].running_on [].script [].submitted_at [].user"),
+    "logs":
+        "[].hostname [].log [].node [].state",
+    "nodes": (
+        "[].address [].drain [].heartbeat_age_seconds [].hostname [].lease [].node [].pid "
+        "[].sentence [].state [].up_seconds [].version"),
+    "status": (
+        "etcd nodes[].address nodes[].drain nodes[].heartbeat_age_seconds nodes[].hostname "
+        "nodes[].lease nodes[].node nodes[].pid nodes[].sentence nodes[].state "
+        "nodes[].up_seconds nodes[].version nodes_alive prefix recent_events[].at "
+        "recent_events[].at_iso recent_events[].by recent_events[].data "
+        "recent_events[].detail recent_events[].detection_seconds recent_events[].job "
+        "recent_events[].kind recent_events[].lease recent_events[].node recent_events[].rank "
+        "recent_events[].recovery_seconds recent_events[].restore_seconds "
+        "recent_events[].source recent_events[].step recent_events[].steps_lost"),
+    "history": (
+        "[].at [].at_iso [].by [].data [].detail [].detection_seconds [].job [].kind [].lease "
+        "[].node [].rank [].recovery_seconds [].restore_seconds [].source [].step "
+        "[].steps_lost"),
+    "placement": (
+        "committed describe job m nodes ranks[].committed_holders ranks[].holders "
+        "ranks[].live_copies ranks[].newest_replicated ranks[].owner ranks[].rank "
+        "ranks[].under_replicated round strategy under_replicated_ranks"),
+    "checkpoints": (
+        "committed.at committed.generation committed.m committed.ranks committed.step job "
+        "nodes[].latest_local nodes[].node nodes[].persisted nodes[].reachable "
+        "nodes[].replica_bytes nodes[].snapshot_bytes nodes[].unprotected persisted placement "
+        "ranks[].holders ranks[].owner ranks[].rank ranks[].versions unprotected"),
+    "drain n1 --no-wait": (
+        "by copies_done copies_failed copies_planned detail jobs node phase requested_at "
+        "seconds state"),
+    "drain n1 --status": (
+        "by copies_done copies_failed copies_planned detail jobs node phase requested_at "
+        "seconds state"),
+    "drain n1 --undo": (
+        "by copies_done copies_failed copies_planned detail jobs node phase previous_state "
+        "requested_at seconds state undone"),
+    "stop":
+        "desired job still_running_on",
+}
+
+
+def _paths(doc: Any, at: str = "") -> list[str]:
+    if isinstance(doc, dict) and doc and not at.endswith("data"):
+        return sorted(p for k, v in doc.items() for p in _paths(v, f"{at}.{k}" if at else k))
+    if isinstance(doc, list) and doc and all(isinstance(v, dict) for v in doc):
+        return sorted({p for v in doc for p in _paths(v, at + "[]")})
+    return [at]
+
+
+@pytest.fixture
+def cluster():
+    """One live daemon (serving /status on loopback) on the in-memory coordinator."""
+    clock = FakeClock(1_000.0)
+    store = MemoryStore(clock)
+    coord = MemoryCoordinator(store)
+    daemon = Daemon(Settings(node_id="n1", etcd="mem:1"), coord, clock=clock)
+    server = StatusServer(("127.0.0.1", 0), daemon.metrics.registry, daemon.status, lambda: True)
+    server.start()
+    daemon.http_address = server.address
+    daemon.join(keep_alive_thread=False)
+    try:
+        yield coord
+    finally:
+        server.stop()
+        daemon.close()
+
+
+def test_elasticctl_json_keys(cluster, tmp_path):
+    coord, keys = cluster, Keyspace("/elasticd")
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    EventLog(coord, keys).record(Event("failed", "n2", 7, 1_000.0, "n1", "n2 failed",
+                                       {"detection_seconds": 2.5}))
+    EventLog(coord, keys).record(Event("recovered", "n1", 7, 1_001.0, "n1", "restored",
+                                       {"job": "j", "rank": 0, "source": "peer", "seconds": 0.5,
+                                        "steps_lost": 1, "step": 40}, instance="1"))
+    for key, value in REPLICATION_RECORDS.items():
+        coord.put(key, value)
+    lines = [
+        ["submit", "j", "--nnodes", "1:2", "--nproc-per-node", "1", "--user", "nobody",
+         "--cwd", str(tmp_path), str(script), "--", "--epochs", "1"],
+        ["jobs"], ["logs", "j"], ["nodes"], ["status"], ["history"], ["placement", "j"],
+        ["checkpoints", "j"], ["drain", "n1", "--no-wait", "--force"],
+        ["drain", "n1", "--status"], ["drain", "n1", "--undo"], ["stop", "j", "--force"],
+    ]
+    got = {}
+    for line in lines:
+        if line == ["jobs"]:
+            coord.put(b"/elasticd/jobs/j/nodes/n1", NODE_JOB_STATUS)
+        args = options.resolve(cli.build_parser().parse_args(
+            [*line[:1], "--format", "json", "--etcd", "127.0.0.1:2379", *line[1:]]))
+        out = io.StringIO()
+        assert cli._loop(args, coord, keys, out) == 0, line
+        name = " ".join(line[:3] if line[0] == "drain" else line[:1])
+        got[name] = " ".join(_paths(json.loads(out.getvalue())))
+    assert got == JSON_KEYS
