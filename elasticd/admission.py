@@ -22,8 +22,9 @@ from __future__ import annotations
 import collections
 import socket
 import threading
-import time
 from typing import Any, Callable, Hashable
+
+from elasticd.clock import SYSTEM_CLOCK
 
 
 class Admission:
@@ -36,7 +37,7 @@ class Admission:
     """
 
     def __init__(self, cap: int, deadline: float,
-                 now: Callable[[], float] = time.monotonic) -> None:
+                 now: Callable[[], float] = SYSTEM_CLOCK.monotonic) -> None:
         if cap < 1 or deadline <= 0:
             raise ValueError(f"admission needs cap >= 1 and deadline > 0, got {cap}, {deadline}")
         self.cap, self.deadline, self._now = cap, deadline, now

@@ -1,14 +1,16 @@
 """Injected time.
 
 Everything that waits, times out or stamps a record takes a :class:`Clock`, so that tests can
-drive time with :class:`FakeClock` instead of patching ``time``.
+drive time with :class:`FakeClock` instead of patching ``time``. This is the only module that
+imports ``time`` (``tests/unit/test_clock.py`` checks it): code with no injection point (the CLI,
+code inside a worker or an agent) uses :data:`SYSTEM_CLOCK`.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Protocol
+from typing import Callable, Protocol
 
 
 class Clock(Protocol):
@@ -20,8 +22,34 @@ class Clock(Protocol):
     def wall(self) -> float:
         """Seconds since the epoch (for records other nodes read)."""
 
+    def perf_counter(self) -> float:
+        """Seconds on the finest clock there is (for measured durations)."""
+
     def sleep(self, seconds: float) -> None:
         """Blocks for ``seconds``."""
+
+    def wait(self, cond: Callable[[], bool], timeout: float, interval: float = 0.05,
+             wake: threading.Event | None = None) -> bool:
+        """Polls ``cond`` until it holds or ``timeout`` seconds pass; returns its last answer.
+
+        Args:
+            cond: the condition; called at once, then every ``interval`` seconds.
+            timeout: seconds to wait at most.
+            interval: seconds between polls.
+            wake: an event that, when set, cuts the pause between two polls short (the real
+                clock waits on it instead of sleeping).
+        """
+
+
+def _poll(clock: Clock, cond: Callable[[], bool], timeout: float, interval: float,
+          pause: Callable[[float], object]) -> bool:
+    deadline = clock.monotonic() + timeout
+    while not cond():
+        left = deadline - clock.monotonic()
+        if left <= 0:
+            return False
+        pause(min(interval, left))
+    return True
 
 
 class SystemClock:
@@ -33,16 +61,28 @@ class SystemClock:
     def wall(self) -> float:
         return time.time()
 
+    def perf_counter(self) -> float:
+        return time.perf_counter()
+
     def sleep(self, seconds: float) -> None:
         if seconds > 0:
             time.sleep(seconds)
+
+    def wait(self, cond: Callable[[], bool], timeout: float, interval: float = 0.05,
+             wake: threading.Event | None = None) -> bool:
+        return _poll(self, cond, timeout, interval, self.sleep if wake is None else wake.wait)
+
+
+#: The real clock, for code with no injection point.
+SYSTEM_CLOCK = SystemClock()
 
 
 class FakeClock:
     """A clock that moves only when told to.
 
-    ``sleep`` advances the clock instead of blocking, so code under test that sleeps in a loop
-    runs instantly and deterministically.
+    ``sleep`` advances the clock instead of blocking, and so does ``wait`` between its polls,
+    so code under test that sleeps or waits in a loop runs instantly and deterministically and
+    a loop that waits for something that never comes ends by its timeout.
     """
 
     def __init__(self, start: float = 1_000.0, wall_offset: float = 1.7e9) -> None:
@@ -58,9 +98,21 @@ class FakeClock:
         with self._lock:
             return self._now + self._wall_offset
 
+    def perf_counter(self) -> float:
+        return self.monotonic()
+
     def sleep(self, seconds: float) -> None:
         self.advance(max(0.0, seconds))
+
+    def wait(self, cond: Callable[[], bool], timeout: float, interval: float = 0.05,
+             wake: threading.Event | None = None) -> bool:
+        return _poll(self, cond, timeout, interval, self.sleep)
 
     def advance(self, seconds: float) -> None:
         with self._lock:
             self._now += seconds
+
+
+def format_local(at: float, fmt: str = "%Y-%m-%dT%H:%M:%S") -> str:
+    """``at`` (seconds since the epoch) as local time in ``fmt`` (``time.strftime``'s codes)."""
+    return time.strftime(fmt, time.localtime(at))

@@ -16,9 +16,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
 from elasticd.cli.main import EVENT_TABLE, NODE_TABLE
+from elasticd.clock import SYSTEM_CLOCK
 from elasticd.launcher import JOB_USER, LocalCluster
 
 TRAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
@@ -30,10 +30,10 @@ RESTORED_RE = re.compile(r"restored step (\d+) from (\w+) in ([\d.]+) s, steps l
 class Demo:
     def __init__(self, cluster: LocalCluster) -> None:
         self.c = cluster
-        self.t0 = time.monotonic()
+        self.t0 = SYSTEM_CLOCK.monotonic()
 
     def say(self, text: str) -> None:
-        print(f"[{time.monotonic() - self.t0:6.2f} s] {text}", flush=True)
+        print(f"[{SYSTEM_CLOCK.monotonic() - self.t0:6.2f} s] {text}", flush=True)
 
     def log(self, node: str) -> str:
         p = os.path.join(self.c.workdir, node, "jobs", "demo", "agent.log")
@@ -44,7 +44,7 @@ class Demo:
                 if world is None or int(m.group(2)) == world]
 
     def rows(self) -> list[dict]:
-        now = time.time()
+        now = SYSTEM_CLOCK.wall()
         return [{**r, "heartbeat_age_seconds": round(now - r["heartbeat_at"], 1)}
                 for r in self.c.node_records().values()]
 
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             if s // 10 != last // 10:
                 d.say(f"training at world size 3: step {s}")
                 last = s
-            time.sleep(0.2)
+            SYSTEM_CLOCK.sleep(0.2)
         committed = cluster.coordinator().get(cluster.keys.job_ckpt("demo") + b"committed")
         survivors = [n for n in names if n != args.victim]
         marks = {n: len(d.log(n)) for n in survivors}
@@ -93,18 +93,18 @@ def main(argv: list[str] | None = None) -> int:
         victim = cluster.nodes[args.victim]
         d.say(f"kill -9 {args.victim}: its daemon, agent and worker, and its RAM (snapshots and "
               f"the replicas it held) — training was at step {max(before.values())}")
-        killed = time.monotonic()
-        killed_wall = time.time()
+        killed = SYSTEM_CLOCK.monotonic()
+        killed_wall = SYSTEM_CLOCK.wall()
         victim.kill()
 
         seen: dict[str, float] = {}
         restores: dict[str, re.Match] = {}
         first_step: dict[str, float] = {}
-        deadline = time.monotonic() + 120
-        while len(first_step) < len(survivors) and time.monotonic() < deadline:
+        deadline = SYSTEM_CLOCK.monotonic() + 120
+        while len(first_step) < len(survivors) and SYSTEM_CLOCK.monotonic() < deadline:
             if "failed" not in seen and any(e["kind"] == "failed" and e["node"] == args.victim
                                             for e in cluster.events()):
-                seen["failed"] = time.monotonic()
+                seen["failed"] = SYSTEM_CLOCK.monotonic()
                 d.say(f"failure of {args.victim} recorded {seen['failed'] - killed:.2f} s after "
                       "the kill (its lease expired); survivors restart their workers at once")
             for n in survivors:
@@ -113,15 +113,15 @@ def main(argv: list[str] | None = None) -> int:
                     d.say(f"{n}: rank restored step {m.group(1)} from {m.group(2)} RAM in "
                           f"{float(m.group(3)) * 1000:.0f} ms, steps lost {m.group(4)}")
                 if n not in first_step and d.steps(n, 2, marks[n]):
-                    first_step[n] = time.monotonic()
+                    first_step[n] = SYSTEM_CLOCK.monotonic()
                     d.say(f"{n}: training again at world size 2 "
                           f"({first_step[n] - killed:.2f} s after the kill)")
-            time.sleep(0.05)
+            SYSTEM_CLOCK.sleep(0.05)
         if len(first_step) < len(survivors):
             d.say("the survivors did not train again within 120 s: see the logs")
             args.keep = True
             return 1
-        time.sleep(2)
+        SYSTEM_CLOCK.sleep(2)
         after = {n: max(d.steps(n, 2, marks[n])) for n in survivors}
         print("\ntimeline (kill at 0.00 s):")
         print(f"  failure detected     {seen.get('failed', float('nan')) - killed:6.2f} s")
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             step = json.loads(committed.value)["step"]
             print(f"  (newest committed step when the node was killed: {step} or later)")
         print("\nevents:\n" + EVENT_TABLE.render(
-            [{**e, "at_iso": time.strftime("%H:%M:%S", time.localtime(e["at"]))}
+            [{**e, "at_iso": format_local(e["at"], "%H:%M:%S")}
              for e in cluster.events() if e["at"] >= killed_wall - 60]), flush=True)
         print(f"\nmetrics: http://{cluster.nodes[survivors[0]].address}/metrics "
               f"(elasticd_restores_total, elasticd_failure_detection_seconds, ...)")

@@ -17,11 +17,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from typing import Any, Callable, Sequence
 
+from elasticd.clock import SYSTEM_CLOCK
 from elasticd.coordination import records
 from elasticd.coordination.embedded import EmbeddedEtcd
 from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endpoints
@@ -121,15 +121,15 @@ class NodeProcess:
         # Again until none is left: a live node may be forking (an agent restarting its
         # workers, the warm-start zygote) while it is killed, and a child forked after a
         # listing would survive it (seen in the partition benchmark).
-        deadline = time.monotonic() + 5.0
+        deadline = SYSTEM_CLOCK.monotonic() + 5.0
         pids = victims + self.tagged()
-        while pids and time.monotonic() < deadline:
+        while pids and SYSTEM_CLOCK.monotonic() < deadline:
             for pid in pids:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            time.sleep(0.02)
+            SYSTEM_CLOCK.sleep(0.02)
             pids = self.tagged()
         self.proc.wait()
         if self.shm_dir:  # the machine's RAM is gone: its snapshots and its peers' replicas
@@ -182,7 +182,7 @@ class NodeProcess:
                         f"{code}); its log ends: {tail}") from exc
                 if attempt == attempts - 1:
                     raise
-                time.sleep(0.2)
+                SYSTEM_CLOCK.sleep(0.2)
         return json.loads(body) if path.startswith("/status") else body.decode()
 
     def log_text(self) -> str:
@@ -309,14 +309,14 @@ class LocalCluster:
 
     @staticmethod
     def wait_for(cond: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-        deadline = time.monotonic() + timeout
+        deadline = SYSTEM_CLOCK.monotonic() + timeout
         while True:
             value = cond()
             if value:
                 return value
-            if time.monotonic() > deadline:
+            if SYSTEM_CLOCK.monotonic() > deadline:
                 raise TimeoutError(f"timed out after {timeout} s waiting for: {what}")
-            time.sleep(interval)
+            SYSTEM_CLOCK.sleep(interval)
 
     def stop(self) -> None:
         """Stops every node (SIGTERM, then SIGKILL of its group) and the owned etcd."""

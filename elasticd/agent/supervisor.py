@@ -16,12 +16,11 @@ import pwd
 import secrets
 import signal
 import subprocess
-import time
 from typing import Sequence
 
 from elasticd.agent.job_files import open_job_log
 from elasticd.agent.zygote import ZYGOTE_ENV, ZYGOTE_PID_ENV
-from elasticd.clock import Clock, SystemClock
+from elasticd.clock import Clock, SystemClock, format_local
 from elasticd.cluster.jobspec import JobSpec
 from elasticd.daemon.local_binding import TAG_ENV, JobScope
 
@@ -187,7 +186,7 @@ class AgentSupervisor:
                           user.pw_gid)
         with os.fdopen(fd, "ab") as out:
             out.write(f"\n==== elasticd: starting agent for {self.spec.name} on {self.node_id} "
-                      f"at {time.strftime('%Y-%m-%dT%H:%M:%S')} ====\n".encode())
+                      f"at {format_local(self.clock.wall())} ====\n".encode())
             out.flush()
             ids = dict(user=user.pw_uid if as_other else None,
                        group=user.pw_gid if as_other else None,
@@ -249,11 +248,8 @@ class AgentSupervisor:
             except ProcessLookupError:
                 pass
         signal_all(tagged_pids(self.tag), signal.SIGTERM)
-        deadline = self.clock.monotonic() + grace
-        while self.clock.monotonic() < deadline:
-            if (self.proc is None or self.proc.poll() is not None) and not tagged_pids(self.tag):
-                break
-            time.sleep(0.05)
+        self.clock.wait(lambda: ((self.proc is None or self.proc.poll() is not None)
+                                 and not tagged_pids(self.tag)), grace)
         left = tagged_pids(self.tag)
         if left:
             log.warning("SIGKILL to %d processes of %s still running after %.0f s",
@@ -270,9 +266,7 @@ class AgentSupervisor:
             except subprocess.TimeoutExpired:
                 pass
         # Reap-wait for the SIGKILLed (they are not our children: poll /proc).
-        end = self.clock.monotonic() + 5
-        while tagged_pids(self.tag) and self.clock.monotonic() < end:
-            time.sleep(0.05)
+        self.clock.wait(lambda: not tagged_pids(self.tag), 5)
         if self.zygote is not None:  # our child: reap it
             try:
                 self.zygote.wait(timeout=1)

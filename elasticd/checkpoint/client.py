@@ -39,7 +39,6 @@ import dataclasses
 import json
 import logging
 import os
-import time
 from typing import Any, Mapping, MutableMapping
 
 import torch
@@ -49,6 +48,7 @@ from elasticd.checkpoint.copier import Copier, CpuCopier, copy_into, dtype_name,
 from elasticd.checkpoint.format import PREAMBLE_SIZE, Layout, TensorSpec, layout
 from elasticd.checkpoint.segment import map_fd
 from elasticd.checkpoint.state import FlatState, _zero_class, flatten
+from elasticd.clock import SYSTEM_CLOCK
 
 log = logging.getLogger("elasticd.checkpoint")
 
@@ -165,7 +165,7 @@ class Checkpointer:
             and torch.distributed.is_initialized() else _restore.Solo())
         sources = _restore.Sources(self.transport, self.job, self.rank, self.world_size,
                                    self.persist_dir)
-        result = _restore.restore(state, sources, collective, time.perf_counter,
+        result = _restore.restore(state, sources, collective, SYSTEM_CLOCK.perf_counter,
                                   _restore.replicated_keys(state, self.replicated))
         self.generation, self.last_restore = result.next_generation, result
         self._call("ckpt_report", job=self.job, rank=self.rank, source=result.source,
@@ -196,7 +196,7 @@ class Checkpointer:
         if reply is None:
             return
         said = reply.get("unprotected") or ""
-        now = time.monotonic()
+        now = SYSTEM_CLOCK.monotonic()
         if said and (said != self._unprotected or self._unprotected_warned_at is None
                      or now - self._unprotected_warned_at >= _UNPROTECTED_EVERY):
             log.warning("elasticd: job %s rank %d: %s", self.job, self.rank, said)
@@ -227,7 +227,7 @@ class Checkpointer:
             return False
         if step % self.every:
             return False
-        start = time.perf_counter()
+        start = SYSTEM_CLOCK.perf_counter()
         self.wait()
         # The slot request travels while the state is flattened: the same size as last time,
         # unless flattening finds the state grew (then it is asked for again).
@@ -259,7 +259,7 @@ class Checkpointer:
         except Exception as exc:  # noqa: BLE001 — a slot we cannot use is a skipped snapshot
             self._failed("copy", exc)
             return False
-        copied_from = time.perf_counter()
+        copied_from = SYSTEM_CLOCK.perf_counter()
         stall = copied_from - start
         self.stats["stall_seconds"] += stall
         self._done = self._pool.submit(self._seal, self._copy, buf, plan, step, flat.meta,
@@ -311,7 +311,7 @@ class Checkpointer:
               stall: float, copied_from: float) -> None:
         """On the background thread: waits for the copy, writes the header JSON, completes."""
         copy.wait(self.timeout)
-        sealing = time.perf_counter()
+        sealing = SYSTEM_CLOCK.perf_counter()
         self.stats["copy_seconds"] += sealing - copied_from
         body = (plan.prefix + f',"job":{_json(self.job)},"step":{step},"generation":'
                 f'{self.generation},"rank":{self.rank},"world_size":{self.world_size},'
@@ -327,7 +327,7 @@ class Checkpointer:
         if self._call("ckpt_complete", job=self.job, rank=self.rank, ticket=ticket,
                       header_size=len(body), stall_seconds=stall + hook_stall) is not None:
             self.stats["saves"] += 1
-        self.stats["seal_seconds"] += time.perf_counter() - sealing
+        self.stats["seal_seconds"] += SYSTEM_CLOCK.perf_counter() - sealing
 
     def _plan_for(self, flat: FlatState, state: Mapping[str, Any]) -> _Plan:
         key = tuple((n, t.dtype, t.shape) for n, t in zip(flat.names, flat.tensors))
@@ -382,12 +382,12 @@ class Checkpointer:
         if fence is not None:  # GPU: the compute stream waits on the copy's event, not the host
             fence()
             return
-        start = time.perf_counter()
+        start = SYSTEM_CLOCK.perf_counter()
         try:
             copy.wait(self.timeout)
         except Exception as exc:  # noqa: BLE001 — the seal thread reports it
             log.debug("elasticd: snapshot copy failed: %s", exc)
-        waited = time.perf_counter() - start
+        waited = SYSTEM_CLOCK.perf_counter() - start
         self._hook_stall += waited
         self.stats["hook_wait_seconds"] += waited
 

@@ -60,7 +60,6 @@ import dataclasses
 import json
 import logging
 import threading
-import time
 from typing import Any, Callable
 
 from elasticd.checkpoint.api import (
@@ -294,20 +293,19 @@ class CheckpointService:
 
     def quiesce(self, timeout: float, why: str = "the node is draining") -> bool:
         """Refuses new snapshots (workers get ``skip``) and waits up to ``timeout`` seconds
-        (real time) for those in flight to complete, so that workers stopped next leave a
-        complete snapshot behind. Returns True when none is left in flight."""
+        for those in flight to complete, so that workers stopped next leave a complete
+        snapshot behind. Returns True when none is left in flight."""
         with self._lock:
             self._paused = why
-        deadline = time.monotonic() + timeout
-        while True:
+
+        def busy() -> int:
             with self._lock:
-                busy = self._reserving + sum(len(r.slots) for r in self._jobs.values())
-            if not busy:
-                return True
-            if time.monotonic() >= deadline:
-                log.warning("%d snapshots still in flight after %.1f s; going on", busy, timeout)
-                return False
-            time.sleep(0.02)
+                return self._reserving + sum(len(r.slots) for r in self._jobs.values())
+
+        if self.clock.wait(lambda: not busy(), timeout, 0.02):
+            return True
+        log.warning("%d snapshots still in flight after %.1f s; going on", busy(), timeout)
+        return False
 
     def resume(self) -> None:
         """Accepts snapshots again (after :meth:`quiesce`)."""

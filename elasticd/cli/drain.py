@@ -14,11 +14,11 @@ import argparse
 import getpass
 import socket
 import sys
-import time
 from typing import Any
 
 from elasticd.cli import options
 from elasticd.cli.errors import CommandFailed, UsageError, confirm
+from elasticd.clock import SYSTEM_CLOCK
 from elasticd.cluster import drain_record
 from elasticd.coordination import records
 from elasticd.coordination.api import Coordinator
@@ -78,10 +78,10 @@ def cmd_drain(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> A
         raise UsageError(str(exc)) from exc
     try:
         if args.status:
-            return _doc(drain_record.read(coord, keys, node), node, time.time())
+            return _doc(drain_record.read(coord, keys, node), node, SYSTEM_CLOCK.wall())
         if args.undo:
             old = drain_record.undo(coord, keys, node)
-            return {**_doc(None, node, time.time()), "undone": old is not None,
+            return {**_doc(None, node, SYSTEM_CLOCK.wall()), "undone": old is not None,
                     "previous_state": old.state if old else "none"}
     except records.RecordError as exc:
         raise CommandFailed(f"unreadable drain record of {node}: {exc}") from exc
@@ -90,15 +90,15 @@ def cmd_drain(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> A
     confirm(f"drain {node}: hand off its replicas and stop its workers?",
             f"draining {node!r} stops its workers", args.force)
     by = f"{getpass.getuser()}@{socket.gethostname()}"
-    rec = drain_record.request(coord, keys, node, args.timeout, by, time.time())
+    rec = drain_record.request(coord, keys, node, args.timeout, by, SYSTEM_CLOCK.wall())
     if args.no_wait:
-        return _doc(rec, node, time.time())
+        return _doc(rec, node, SYSTEM_CLOCK.wall())
     return _follow(coord, keys, node, args.timeout + STOP_MARGIN)
 
 
 def _follow(coord: Coordinator, keys: Keyspace, node: str, wait: float) -> dict[str, Any]:
     """Polls the drain record, printing each change on stderr, until a final state."""
-    deadline = time.monotonic() + wait
+    deadline = SYSTEM_CLOCK.monotonic() + wait
     shown: set[tuple[Any, ...]] = set()  # progress entries printed
     while True:
         rec = drain_record.read(coord, keys, node)
@@ -111,17 +111,17 @@ def _follow(coord: Coordinator, keys: Keyspace, node: str, wait: float) -> dict[
                       f"{' / ' + phase if phase else ''}: {detail}", file=sys.stderr,
                       flush=True)
         if rec.state == "drained":
-            return _doc(rec, node, time.time())
+            return _doc(rec, node, SYSTEM_CLOCK.wall())
         if rec.state == "failed":
             raise CommandFailed(f"drain of {node} failed: {rec.detail}")
         if coord.get(keys.node(node)) is None:
             raise CommandFailed(f"node {node} left or died before its drain finished "
                                 f"(last: {rec.state} / {rec.phase}: {rec.detail})")
-        if time.monotonic() > deadline:
+        if SYSTEM_CLOCK.monotonic() > deadline:
             raise CommandFailed(f"drain of {node} not finished after {wait:g} s (now "
                                 f"{rec.state} / {rec.phase}: {rec.detail}); it goes on: "
                                 f"elasticctl drain {node} --status")
-        time.sleep(0.2)
+        SYSTEM_CLOCK.sleep(0.2)
 
 
 def _pretty(doc: dict[str, Any]) -> str:

@@ -8,13 +8,13 @@ then written in one transaction, only if no job of that name exists.
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Any
 
 from elasticd.cli import options
 from elasticd.cli.errors import CommandFailed, confirm
 from elasticd.cli.output import Table
 from elasticd.cli.replicas import live_nodes
+from elasticd.clock import SYSTEM_CLOCK
 from elasticd.cluster import jobspec
 from elasticd.cluster.jobspec import JobControl, JobSpec, NodeJobStatus
 from elasticd.coordination import records
@@ -90,7 +90,7 @@ def cmd_submit(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> 
                          user=args.user, cwd=args.cwd, env=args.env, python=args.python,
                          max_restarts=args.max_restarts, hang_timeout=args.hang_timeout,
                          crash_loop_restarts=args.crash_loop_restarts)
-    control = JobControl("running", time.time(), "elasticctl")
+    control = JobControl("running", SYSTEM_CLOCK.wall(), "elasticctl")
     ok, _ = coord.transaction(
         [Compare(keys.job_spec(spec.name), 0)],
         [Put(keys.job_spec(spec.name), spec.encode()),
@@ -167,14 +167,14 @@ def cmd_stop(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> An
     confirm(f"stop job {args.name} on every node?",
             f"stopping {args.name!r} ends its training everywhere", args.force)
     coord.put(keys.job_control(args.name),
-              JobControl("stopped", time.time(), "elasticctl").encode())
-    deadline = time.monotonic() + args.wait
+              JobControl("stopped", SYSTEM_CLOCK.wall(), "elasticctl").encode())
+    deadline = SYSTEM_CLOCK.monotonic() + args.wait
     while True:
         running = [s.node for s in _node_statuses(coord, keys, args.name)
                    if s.state in ("starting", "running", "restarting", "stopping")]
-        if not running or time.monotonic() >= deadline:
+        if not running or SYSTEM_CLOCK.monotonic() >= deadline:
             break
-        time.sleep(0.2)
+        SYSTEM_CLOCK.sleep(0.2)
     if running and args.wait:
         raise CommandFailed(f"{args.name}: still running on {', '.join(running)} after "
                             f"{args.wait:g} s")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from typing import Any, Callable, Sequence
 
 from elasticd.cli import drain as drain_cli
@@ -31,6 +30,7 @@ from elasticd.cli.errors import (
 )
 from elasticd.cli.options import Parser
 from elasticd.cli.output import Table, emit
+from elasticd.clock import SYSTEM_CLOCK, format_local
 from elasticd.cluster import drain_record
 from elasticd.cluster.events import EventLog
 from elasticd.cluster.jobspec import JobSpecError
@@ -114,7 +114,7 @@ def _connect(args: argparse.Namespace) -> tuple[EtcdCoordinator, Keyspace]:
 def _nodes(coord: EtcdCoordinator, keys: Keyspace) -> list[dict[str, Any]]:
     kvs, _ = coord.get_prefix(keys.nodes)
     drains = drain_record.read_all(coord, keys)
-    now = time.time()
+    now = SYSTEM_CLOCK.wall()
     out = []
     for kv in kvs:
         node = records.where_of(kv.key[len(keys.nodes):])
@@ -161,7 +161,7 @@ def _events(coord: EtcdCoordinator, keys: Keyspace, limit: int,
     last_disruption: float | None = None
     for e in EventLog(coord, keys).list():
         d = e.data or {}
-        row = {"at": e.at, "at_iso": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(e.at)),
+        row = {"at": e.at, "at_iso": format_local(e.at, "%Y-%m-%dT%H:%M:%S"),
                "node": e.node, "kind": e.kind, "lease": f"{e.lease:x}", "by": e.by,
                "detail": e.detail, "data": d, "job": d.get("job"), "rank": d.get("rank"),
                "step": d.get("step"), "detection_seconds": d.get("detection_seconds"),
@@ -277,7 +277,7 @@ def _loop(args: argparse.Namespace, coord: EtcdCoordinator, keys: Keyspace, out:
             out.flush()
         if not args.watch:
             return EXIT_OK
-        time.sleep(args.watch)
+        SYSTEM_CLOCK.sleep(args.watch)
 
 
 def main() -> None:

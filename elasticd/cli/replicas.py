@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 import urllib.request
 from typing import Any
 
 from elasticd.cli.errors import CommandFailed, UsageError
 from elasticd.cli.output import Table
+from elasticd.clock import format_local
 from elasticd.coordination import records
 from elasticd.coordination.api import Coordinator
 from elasticd.coordination.keys import Keyspace, check_name
@@ -237,7 +237,7 @@ NODES_TABLE = Table([("NODE", "node"), ("SNAPSHOT BYTES", "snapshot_bytes"),
 
 def _checkpoints_pretty(doc: dict[str, Any]) -> str:
     c = doc["committed"]
-    when = time.strftime("%H:%M:%S", time.localtime(c["at"])) if c else ""
+    when = format_local(c["at"], "%H:%M:%S") if c else ""
     head = (f"job {doc['job']}: committed generation {c['generation']} step {c['step']} "
             f"(m={c['m']}, at {when})" if c else f"job {doc['job']}: nothing committed yet")
     head += f"; persisted step {doc['persisted'] or '-'}"

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import time
 from typing import Any, Callable
 
 from elasticd.clock import Clock, SystemClock
@@ -189,7 +188,7 @@ class Drainer:
                 why = (f"{failed} copies failed: trying again" if failed else
                        f"a newer step committed: handing it off too ({short})")
                 rec = self._write(rec, detail=why)
-                time.sleep(0.2 if not failed else 0.5)
+                self.clock.sleep(0.2 if not failed else 0.5)
             if failed or short:
                 what = (f"{failed} replica copies could not be handed off" if failed else
                         f"ranks still short of copies without this node: {short}")
@@ -199,13 +198,10 @@ class Drainer:
         rec = self._write(rec, phase="stopping", detail="stopping this node's workers")
         self.held = True
         self.hold("drained")
-        end = self.clock.monotonic() + self.stop_wait
-        while not self.job_stopped():
-            if self.clock.monotonic() > end:
-                self._fail(rec, f"workers still running {self.stop_wait:g} s after the stop",
-                           started)
-                return
-            time.sleep(0.1)
+        if not self.clock.wait(self.job_stopped, self.stop_wait, 0.1):
+            self._fail(rec, f"workers still running {self.stop_wait:g} s after the stop",
+                       started)
+            return
         seconds = round(self.clock.monotonic() - started, 3)
         self._write(rec, state="drained", phase="done",
                     detail=f"drained in {seconds:g} s: replicas handed off, workers stopped")

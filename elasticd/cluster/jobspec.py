@@ -17,9 +17,9 @@ import os
 import pwd
 import re
 import sys
-import time
 from typing import Any
 
+from elasticd.clock import SYSTEM_CLOCK
 from elasticd.coordination import records
 from elasticd.coordination.keys import check_name
 
@@ -197,7 +197,7 @@ def build(name: str, nnodes: str, nproc_per_node: int, script: str, args: list[s
         name=name, nnodes_min=lo, nnodes_max=hi, nproc_per_node=nproc_per_node,
         script=script_abs, args=list(args), script_sha256=sha256_file(script_abs), user=user,
         cwd=os.path.abspath(cwd or os.getcwd()), env=envd, python=python or sys.executable,
-        max_restarts=max_restarts, hang_timeout=hang_timeout, created_at=time.time(),
+        max_restarts=max_restarts, hang_timeout=hang_timeout, created_at=SYSTEM_CLOCK.wall(),
         crash_loop_restarts=crash_loop_restarts,
     )
     return spec.validate()

@@ -17,8 +17,9 @@ import signal
 import socket
 import subprocess
 import tempfile
-import time
 from typing import Sequence
+
+from elasticd.clock import Clock, SystemClock
 
 ETCD_INSTALL_HINT = (
     "no etcd binary on PATH: install one (Debian/Ubuntu: `apt-get install etcd-server`), "
@@ -149,11 +150,13 @@ class EmbeddedEtcd:
         members: number of members (1, or 3 for tests that kill the leader).
         data_dir: parent directory for member data; a temporary one by default, removed on stop.
         binary: name or path of the etcd binary.
+        clock: injected time (the wait for a healthy cluster).
     """
 
     def __init__(self, members: int = 1, data_dir: str | None = None, binary: str = "etcd",
                  tls: tuple[str, str, str] | None = None,
-                 client_tls: tuple[str, str, str] | None = None) -> None:
+                 client_tls: tuple[str, str, str] | None = None,
+                 clock: Clock | None = None) -> None:
         self.binary = find_etcd(binary)
         self._own_dir = data_dir is None
         self.dir = data_dir or tempfile.mkdtemp(prefix="elasticd-etcd-")
@@ -168,6 +171,7 @@ class EmbeddedEtcd:
             for n, (cp, pp) in zip(names, ports)
         ]
         self.client_tls = client_tls  # (ca, cert, key) the launcher's own health checks use
+        self.clock = clock or SystemClock()
 
     @property
     def endpoints(self) -> str:
@@ -184,7 +188,7 @@ class EmbeddedEtcd:
         """Waits until a write through every given member succeeds."""
         from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endpoints
 
-        deadline = time.monotonic() + timeout
+        deadline = self.clock.monotonic() + timeout
         ca, cert, key = self.client_tls or (None, None, None)
         for m in members or self.members:
             coord = EtcdCoordinator(EtcdSettings(parse_endpoints(m.endpoint), timeout=1.0,
@@ -199,11 +203,11 @@ class EmbeddedEtcd:
                         coord.put(b"/elasticd-health", b"ok")
                         break
                     except Exception:
-                        if time.monotonic() > deadline:
+                        if self.clock.monotonic() > deadline:
                             raise EtcdStartError(
                                 f"etcd {m.name} not healthy after {timeout}s; see {m.log_path}"
                             ) from None
-                        time.sleep(0.1)
+                        self.clock.sleep(0.1)
             finally:
                 coord.close()
 

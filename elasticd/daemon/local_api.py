@@ -40,9 +40,9 @@ import socket
 import stat
 import struct
 import threading
-import time
 from typing import Any, Callable, Iterable, Mapping
 
+from elasticd.clock import Clock, SystemClock
 from elasticd.daemon.local_binding import Caller, CallerBinding, Refused
 from elasticd.local.wire import (
     DEFAULT_MAX_MESSAGE,
@@ -105,6 +105,7 @@ class LocalServer:
             the daemon's uid and the running job's processes, each held to its job and rank.
         send_timeout: a worker that does not read its replies for this long is disconnected,
             so it cannot pin a daemon thread forever.
+        clock: injected time (how long a refused caller is given to read why).
 
     Attributes:
         counters: ``requests``, ``errors`` (error replies and failed one-way requests),
@@ -119,7 +120,7 @@ class LocalServer:
                  max_message: int = DEFAULT_MAX_MESSAGE,
                  allowed_uids: Iterable[int] | None = None,
                  max_connections: int = 256, send_timeout: float = 10.0,
-                 binding: CallerBinding | None = None) -> None:
+                 binding: CallerBinding | None = None, clock: Clock | None = None) -> None:
         path = os.path.abspath(path)
         if len(os.fsencode(path)) > _MAX_UNIX_PATH:
             raise ValueError(f"socket path {path!r} is longer than the {_MAX_UNIX_PATH} bytes "
@@ -140,6 +141,7 @@ class LocalServer:
         self._callers: dict[socket.socket, Caller] = {}
         self._rejecting = 0
         self._send_timeout = send_timeout
+        self.clock = clock or SystemClock()
         self._listener: socket.socket | None = None
         self._inode: tuple[int, int] | None = None
         self._accept_thread: threading.Thread | None = None
@@ -377,8 +379,8 @@ class LocalServer:
             # Linger until the client hangs up or a second passes: closing at once could make
             # its pending write fail with EPIPE before it reads why it was refused.
             conn.shutdown(socket.SHUT_WR)
-            deadline = time.monotonic() + _REJECT_LINGER
-            while time.monotonic() < deadline and conn.recv(4096):
+            deadline = self.clock.monotonic() + _REJECT_LINGER
+            while self.clock.monotonic() < deadline and conn.recv(4096):
                 pass
         except OSError:
             pass

@@ -15,10 +15,10 @@ import os
 import signal
 import socket
 import sys
-import time
 from typing import Any, Sequence
 
 from elasticd import config
+from elasticd.clock import SYSTEM_CLOCK
 from elasticd.coordination.api import AuthError, CoordinationError, Unavailable
 from elasticd.coordination.embedded import EmbeddedEtcd, EtcdNotFound, EtcdStartError
 from elasticd.coordination.etcd import EtcdCoordinator
@@ -124,7 +124,7 @@ def _job_scope(daemon: Daemon) -> JobScope | None:
 
 def _connect(settings: config.Settings) -> EtcdCoordinator:
     coord = EtcdCoordinator(settings.etcd_settings())
-    deadline = time.monotonic() + max(3.0, 3 * settings.etcd_timeout)
+    deadline = SYSTEM_CLOCK.monotonic() + max(3.0, 3 * settings.etcd_timeout)
     while True:
         try:
             # Probe under our prefix: a role limited to it may read no other key.
@@ -134,12 +134,12 @@ def _connect(settings: config.Settings) -> EtcdCoordinator:
             coord.close()
             raise Fatal(str(exc)) from exc
         except Unavailable as exc:
-            if time.monotonic() > deadline:
+            if SYSTEM_CLOCK.monotonic() > deadline:
                 coord.close()
                 raise Fatal(
                     f"{exc}: check --etcd (now {settings.etcd!r}) and that etcd is running "
                     f"(etcdctl --endpoints {settings.etcd} endpoint health)") from exc
-            time.sleep(0.2)
+            SYSTEM_CLOCK.sleep(0.2)
         except CoordinationError as exc:
             coord.close()
             raise Fatal(f"etcd at {settings.etcd}: {exc}") from exc
@@ -322,7 +322,8 @@ def run(argv: Sequence[str] | None = None) -> int:
             nonlocal reload_requested
             if reload_requested:
                 reload_requested = False
-                notifier.notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
+                usec = int(d.clock.monotonic() * 1e6)
+                notifier.notify(f"RELOADING=1\nMONOTONIC_USEC={usec}")
                 _reload(d, args)
                 notifier.ready(d.sentence)
             # Only after a completed cycle: a stalled loop stops the pings and systemd's

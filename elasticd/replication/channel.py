@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import socket
 import ssl
-import time
 from typing import Any, Callable
 
 import xxhash
 
+from elasticd.clock import SYSTEM_CLOCK
 from elasticd.replication.api import ConnectionLost, RemoteError, TransferTimeout
 from elasticd.replication.messages import (
     Error,
@@ -236,8 +236,8 @@ class Channel:
             self.sock.shutdown(socket.SHUT_WR)
             self.sock.settimeout(timeout)
             scratch = memoryview(bytearray(64 << 10))
-            deadline, drained = time.monotonic() + timeout, 0
-            while drained < limit and time.monotonic() < deadline:
+            deadline, drained = SYSTEM_CLOCK.monotonic() + timeout, 0
+            while drained < limit and SYSTEM_CLOCK.monotonic() < deadline:
                 n = self.sock.recv_into(scratch)
                 if not n:
                     break

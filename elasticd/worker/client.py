@@ -30,9 +30,9 @@ import os
 import select
 import socket
 import threading
-import time
 from typing import Any, Mapping
 
+from elasticd.clock import SYSTEM_CLOCK
 from elasticd.local.wire import (
     DEFAULT_MAX_MESSAGE,
     LENGTH,
@@ -202,7 +202,7 @@ class DaemonClient:
         if "noreply" in fields:
             raise ValueError("call() waits for a reply; use send() for one-way messages")
         wait = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + wait
+        deadline = SYSTEM_CLOCK.monotonic() + wait
         rid = next(self._ids)
         frame = encode({**fields, "op": op, "id": rid})
         self._check_fork()
@@ -236,12 +236,12 @@ class DaemonClient:
             for attempt in (0, 1):
                 sock = self._sock
                 if sock is None:
-                    if time.monotonic() < self._retry_at:
+                    if SYSTEM_CLOCK.monotonic() < self._retry_at:
                         return self._dropped("the daemon was unreachable a moment ago")
                     try:
                         sock = self._connect(_CONNECT_TIMEOUT)
                     except DaemonUnavailable as exc:
-                        self._retry_at = time.monotonic() + _RECONNECT_BACKOFF
+                        self._retry_at = SYSTEM_CLOCK.monotonic() + _RECONNECT_BACKOFF
                         return self._dropped(str(exc))
                 try:
                     sent = sock.send(frame, _SEND_FLAGS)
@@ -253,7 +253,7 @@ class DaemonClient:
                         continue  # the daemon restarted: one reconnect
                     return self._dropped(f"connection to the daemon broke: {exc}")
                 if sent < len(frame) and not self._finish_write(sock, frame, sent,
-                                                                time.monotonic() + 1.0):
+                                                                SYSTEM_CLOCK.monotonic() + 1.0):
                     self._disconnect()  # half a frame is out: this stream is unusable
                     return self._dropped("the daemon stopped reading mid-message")
                 if self._dropping:
@@ -341,7 +341,7 @@ class DaemonClient:
                       wait: float) -> socket.socket:
         with self._write_lock:
             for attempt in (0, 1):
-                sock = self._sock or self._connect(deadline - time.monotonic())
+                sock = self._sock or self._connect(deadline - SYSTEM_CLOCK.monotonic())
                 try:
                     if self._finish_write(sock, frame, 0, deadline):
                         return sock
@@ -364,7 +364,7 @@ class DaemonClient:
             try:
                 sent += sock.send(view[sent:], _SEND_FLAGS)
             except BlockingIOError:
-                left = deadline - time.monotonic()
+                left = deadline - SYSTEM_CLOCK.monotonic()
                 if left <= 0:
                     return False
                 select.select([], [sock], [], left)
@@ -407,7 +407,7 @@ class DaemonClient:
                     except FrameError as exc:
                         self._lost(sock)
                         raise DaemonUnavailable(f"elasticd sent a bad frame: {exc}") from exc
-            left = deadline - time.monotonic()
+            left = deadline - SYSTEM_CLOCK.monotonic()
             if left <= 0:
                 # The connection stays: the late reply is recognised by its id and skipped.
                 raise DaemonTimeout(f"elasticd at {self.path} did not answer {op!r} within "

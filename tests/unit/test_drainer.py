@@ -12,6 +12,7 @@ import pytest
 
 from elasticd.checkpoint.service import CheckpointService
 from elasticd.checkpoint.shm import SlotStore
+from elasticd.clock import FakeClock
 from elasticd.cluster import drain, drain_record
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
@@ -177,3 +178,61 @@ def test_a_copy_that_failed_once_is_tried_again(etcd):
     assert rec.state == "drained", rec.detail
     assert parts.calls.count("handoff") == 2
     assert (rec.copies_done, rec.copies_failed) == (5, 0)
+
+
+# -- on a fake clock: every wait ends by its timeout -----------------------------------------
+# Each of these hung before the waits went through the injected clock (a real sleep against a
+# fake deadline that never moves); the pytest timeout turns such a hang into a failure.
+
+
+def _drain_on(clock, parts, coord, keys, timeout):
+    d = drain.Drainer("n3", coord, keys, quiesce=parts.quiesce, resume=parts.resume,
+                      handoff=parts.handoff, hold=parts.hold, job_stopped=parts.stopped,
+                      record_event=parts.event, shortfall=parts.shortfall, stop_wait=30,
+                      read_interval=0, clock=clock)
+    drain_record.request(coord, keys, "n3", timeout, "op", clock.wall())
+    d.step()
+    d.join()
+    return drain_record.read(coord, keys, "n3")
+
+
+@pytest.mark.timeout(10)
+def test_on_a_fake_clock_workers_that_never_stop_fail_the_drain_by_its_stop_wait(etcd):
+    coord, keys = etcd
+    clock = FakeClock()
+    parts = Parts()
+    parts.stopped = lambda: False  # the workers never stop
+    start = clock.monotonic()
+    rec = _drain_on(clock, parts, coord, keys, 60)
+    assert rec.state == "failed" and "workers still running 30 s after the stop" in rec.detail
+    assert clock.monotonic() - start >= 30
+    assert parts.calls[-1] == "resume" and parts.held == ""
+
+
+@pytest.mark.timeout(10)
+def test_on_a_fake_clock_copies_that_keep_failing_fail_the_drain_by_its_timeout(etcd):
+    coord, keys = etcd
+    clock = FakeClock()
+    parts = Parts(failed_copies=1)
+    start = clock.monotonic()
+    rec = _drain_on(clock, parts, coord, keys, 60)
+    assert rec.state == "failed" and "could not be handed off within 60 s" in rec.detail
+    assert 60 <= clock.monotonic() - start < 61
+    assert parts.calls.count("handoff") > 100  # retried every 0.5 fake seconds
+
+
+@pytest.mark.timeout(10)
+def test_on_a_fake_clock_quiesce_gives_up_by_its_timeout():
+    root = f"/dev/shm/elasticd-test-{uuid.uuid4().hex[:12]}"
+    store = SlotStore(root)
+    clock = FakeClock()
+    service = CheckpointService(store, "n1", clock=clock)
+    t = InProcessTransport(service.handlers())
+    try:
+        assert "ticket" in t.call("ckpt_reserve", job="j", rank=0, world_size=1, nbytes=4096)
+        start = clock.monotonic()
+        assert service.quiesce(60.0) is False  # the snapshot in flight never completes
+        assert clock.monotonic() - start == pytest.approx(60.0)
+    finally:
+        store.close()
+        shutil.rmtree(root, ignore_errors=True)
