@@ -70,7 +70,7 @@ from elasticd.coordination.api import EventType, LeaseLost
 from elasticd.coordination.embedded import EmbeddedEtcd
 from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endpoints
 from elasticd.coordination.keys import Keyspace
-from elasticd.coordination.rendezvous_backend import EtcdV3RendezvousBackend
+from torch_etcd_backend import EtcdV3RendezvousBackend  # noqa: E402 — bench/, beside this file
 
 METRIC_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([0-9.eE+-]+|NaN)$")
 
@@ -588,7 +588,7 @@ def _seed_complete_round(agents: list[Agent], coord: EtcdCoordinator, keys: Keys
 def _decode(state_with_envelope: bytes) -> Any:
     """torch's rendezvous state from the stored envelope (our own etcd and our own writes: the
     pickle is trusted here)."""
-    from elasticd.coordination.rendezvous_backend import decode_state
+    from torch_etcd_backend import decode_state
 
     if not state_with_envelope:
         return None
@@ -629,7 +629,7 @@ def native_agents_process(conn: Any, endpoints: str, prefix: str, run_id: str,
     rdzv = Keyspace(prefix).job_rdzv(run_id)
     agents = {i: EtcdNativeRendezvousHandler(
         coords[k % clients], rdzv, run_id, min_nodes, n, f"10.0.{i // 250}.{i % 250}",
-        "etcd-v3-native", grace=OutageGrace(30.0), ttl=ttl, confirm=1.0, join_timeout=300,
+        "etcd-v3", grace=OutageGrace(30.0), ttl=ttl, confirm=1.0, join_timeout=300,
         last_call=1.0) for k, i in enumerate(indices)}
     pool = concurrent.futures.ThreadPoolExecutor(len(indices))
     conn.send("ready")
@@ -782,7 +782,7 @@ def main() -> int:
                         "the complete round is written directly and the steady state measured")
     p.add_argument("--handler", choices=("torch", "native"), default="torch",
                    help="torch: torch's dynamic rendezvous on the etcd-v3 backend; native: "
-                        "elasticd's own handler (etcd-v3-native), agents over --procs processes")
+                        "elasticd's own handler (etcd-v3), agents over --procs processes")
     p.add_argument("--procs", type=int, default=4,
                    help="processes the native handler's simulated agents are spread over")
     p.add_argument("--out", default=None,

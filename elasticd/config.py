@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 from elasticd.coordination.etcd import EtcdSettings, parse_endpoints
 from elasticd.coordination.keys import check_name, check_prefix
+from elasticd.coordination.rendezvous_rounds import GROW_POLICIES
 
 ENV_PREFIX = "ELASTICD_"
 
@@ -107,6 +108,9 @@ class Settings:
         agent_restarts: how often the daemon restarts a job's agent that died, with backoff.
         stop_grace: seconds between SIGTERM and SIGKILL when stopping a job's processes.
         rdzv_last_call: torchrun's last_call_timeout (seconds a complete round waits for more).
+        rdzv_grow: when a node that returns or is added enters a running job: "immediate"
+            (every node stops once to let it in) or "at-failure" (it waits as a spare and
+            enters at the next failure, with no extra stop); the rendezvous' ``grow`` key.
         worker_start: "warm" (a per-job zygote that imported torch forks each worker:
             elasticd/agent/zygote.py) or "cold" (torchrun starts a new interpreter per worker).
         shm_dir: directory (tmpfs) of the daemon-owned checkpoint slots (default
@@ -161,6 +165,7 @@ class Settings:
     agent_restarts: int = 10
     stop_grace: float = 10.0
     rdzv_last_call: float = 1.0
+    rdzv_grow: str = "immediate"
     worker_start: str = "warm"
     shm_dir: str = ""
     memory_cap_mib: int = 0
@@ -337,6 +342,8 @@ def _validate(s: Settings, sources: Mapping[str, str]) -> None:
         raise bad("worker_start", f"{s.worker_start!r}: use warm or cold")
     if not 0 < s.rdzv_last_call <= 600:
         raise bad("rdzv_last_call", f"{s.rdzv_last_call}: use more than 0 and at most 600 s")
+    if s.rdzv_grow not in GROW_POLICIES:
+        raise bad("rdzv_grow", f"{s.rdzv_grow!r}: use {' or '.join(GROW_POLICIES)}")
     if s.memory_cap_mib < 0:
         raise bad("memory_cap_mib", "must be >= 0 (0: no cap)")
     if s.persist_every_steps < 0 or s.persist_every_seconds < 0:

@@ -140,7 +140,7 @@ class AgentSupervisor:
         s = self.spec
         conf = {"key_prefix": self.prefix, **self.rdzv_conf}
         return safe_module(
-            s.python, "torch.distributed.run",
+            s.python, "elasticd.agent.torchrun",  # torch.distributed.run, plus a node's duties
             "--nnodes", s.torchrun_nnodes(),
             "--nproc-per-node", str(s.nproc_per_node),
             "--rdzv-backend", "etcd-v3",

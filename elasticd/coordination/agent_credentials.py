@@ -2,9 +2,9 @@
 
 The daemon's etcd user may write the whole cluster prefix (every node record, every job spec):
 handing it to an agent, which runs as the job's unprivileged user (and whose workers run the
-job's code), would give that user the cluster. And until the rendezvous stops unpickling state
-read from etcd, whoever may write a job's rendezvous prefix can run code in every agent of that
-job. So each agent gets credentials of its own, limited to its job:
+job's code), would give that user the cluster, and whoever may write a job's rendezvous prefix
+can disturb that job's rounds (no longer run code: the rendezvous reads JSON, not pickle). So
+each agent gets credentials of its own, limited to its job:
 
 * per (job, node), an etcd user ``elasticd-agent.<tag>.<job>.<node>`` with a random password
   that never leaves this node (no secret is stored in etcd; a restarted daemon sets a new one);

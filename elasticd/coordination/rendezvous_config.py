@@ -1,8 +1,8 @@
 """The ``--rdzv-endpoint`` and ``--rdzv-conf`` settings of the etcd-v3 rendezvous, parsed once.
 
 torchrun hands every ``--rdzv-conf key=value`` to the handler creator as strings in
-``RendezvousParameters.config``. :class:`RendezvousConfig` reads the keys this backend adds to
-torch's own, validates them and quotes any bad value:
+``RendezvousParameters.config``. :class:`RendezvousConfig` reads the keys elasticd's rendezvous
+handler (:mod:`.rendezvous_handler`) understands, validates them and quotes any bad value:
 
 =====================  ==========================================================  ==========
 key                    meaning                                                     default
@@ -10,30 +10,28 @@ key                    meaning                                                  
 key_prefix             cluster key prefix in etcd                                  /elasticd
 etcd_timeout           seconds one etcd request may take                           2
 etcd_grace_period      seconds each call retries while etcd is unreachable         30
-max_clock_skew         seconds the nodes' wall clocks may differ                   2
 read_timeout           seconds the store's get/wait block (as torch's c10d)         60
 ca_cert, cert, key     TLS: CA bundle; client certificate and its key              none
 user, password         etcd authentication (password also from the environment     none
                        variable ``ELASTICD_ETCD_PASSWORD``, which ``ps`` won't show)
-standby_fix            move wait-listed nodes of a full round to the redundancy    true
-                       list (:mod:`.rendezvous_standby`)
-lease_liveness         drop a node from the rendezvous once its alive key, bound   true
-                       to its agent's etcd lease, is gone (:mod:`.rendezvous_liveness`)
-liveness_ttl           that lease's TTL, whole seconds (at least 2)                3
-liveness_confirm       seconds an alive key must stay absent before its node is    1
-                       dropped
-poll_interval          seconds between state reads while a rendezvous waits for    1
-                       other nodes (torch's poll; :mod:`.rendezvous_poll`)
-close_last_call        end a re-rendezvous' ``last_call_timeout`` at once when     true
-                       every live agent (alive key) has joined (needs
-                       ``lease_liveness``)
+liveness_ttl           TTL of the agent's etcd lease, whole seconds (at least 2):  3
+                       a node's join record lives as long as that lease
+liveness_confirm       seconds a round member's record must stay absent before     1
+                       it counts as gone
+join_timeout           seconds ``next_rendezvous`` waits to be admitted (torch's)  600
+last_call_timeout      seconds a job's first round stays open after ``min`` nodes  30
+                       joined, for late starters (torch's)
+grow                   when a node that returns or is added enters a running       immediate
+                       round: ``immediate`` (everybody stops once for it) or
+                       ``at-failure`` (it waits as a spare until the next round
+                       that forms anyway, e.g. after a failure)
 close_on_failure       close the rendezvous when this agent ends with an error     true
                        (torch's behaviour: every other agent then ends too);
                        elasticd's daemons set false, since they restart agents
 =====================  ==========================================================  ==========
 
-torch's own keys (``join_timeout``, ``last_call_timeout``, ``keep_alive_interval``, ...) are
-read by torch; :mod:`elasticd.coordination.rendezvous` may fill in the keep-alive ones.
+The keys of torch's dynamic rendezvous and of the fixes elasticd once applied to it
+(:data:`IGNORED_KEYS`) are accepted and ignored, so that an older command line still runs.
 """
 
 from __future__ import annotations
@@ -47,18 +45,23 @@ from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 from elasticd.coordination.etcd import EtcdSettings, parse_endpoints
 from elasticd.coordination.keys import check_name, check_prefix
 from elasticd.coordination.rendezvous_grace import DEFAULT_GRACE_PERIOD
-from elasticd.coordination.rendezvous_liveness import (
-    DEFAULT_LIVENESS_CONFIRM,
-    DEFAULT_LIVENESS_TTL,
-    MIN_LIVENESS_TTL,
-)
+from elasticd.coordination.rendezvous_rounds import GROW_POLICIES
 
 PASSWORD_ENV = "ELASTICD_ETCD_PASSWORD"
 DEFAULT_ETCD_TIMEOUT = 2.0
-DEFAULT_CLOCK_SKEW = 2.0
 DEFAULT_READ_TIMEOUT = 60
-#: Below this, waiting agents would read the whole rendezvous state from etcd in a busy loop.
-MIN_POLL_INTERVAL = 0.05
+#: The agent lease's TTL (rdzv-conf ``liveness_ttl``), and etcd's minimum.
+DEFAULT_LIVENESS_TTL = 3
+MIN_LIVENESS_TTL = 2
+DEFAULT_LIVENESS_CONFIRM = 1.0
+#: torch's defaults for the same rdzv-conf keys (dynamic_rendezvous.RendezvousTimeout).
+DEFAULT_JOIN_TIMEOUT = 600.0
+DEFAULT_LAST_CALL_TIMEOUT = 30.0
+#: Keys of torch's dynamic rendezvous (heartbeats in a shared state) and of elasticd's former
+#: fixes to it; the lease-based handler has no use for them.
+IGNORED_KEYS = ("keep_alive_interval", "keep_alive_max_attempt", "close_timeout",
+                "heartbeat", "max_clock_skew", "standby_fix", "lease_liveness",
+                "close_last_call", "poll_interval")
 
 
 def _seconds(params: RendezvousParameters, key: str, default: float,
@@ -84,32 +87,29 @@ class RendezvousConfig:
         run_id: the rendezvous id (``--rdzv-id``); it names the job in the keyspace.
         etcd: how to reach and authenticate to etcd.
         key_prefix: cluster key prefix.
-        grace_period: seconds each backend/store call rides out an etcd outage.
-        max_clock_skew: seconds the nodes' clocks may disagree.
+        grace_period: seconds each call rides out an etcd outage.
         store_timeout: how long the store's ``get``/``wait`` block.
-        standby_fix: whether to apply :class:`.rendezvous_standby.ParkWaitingNodesWhenFull`.
-        lease_liveness: whether to drop nodes whose alive key is gone
-            (:mod:`.rendezvous_liveness`).
-        liveness_ttl: TTL of the alive key's lease, whole seconds.
-        liveness_confirm: seconds an alive key must stay absent before its node is dropped.
-        poll_interval: seconds between state reads while a rendezvous waits.
-        close_last_call: end a re-rendezvous' last call once every live agent joined.
+        liveness_ttl: TTL of the agent's lease, whole seconds.
+        liveness_confirm: seconds a member's record must stay absent before it counts as gone.
+        join_timeout: seconds ``next_rendezvous`` waits to be admitted.
+        last_call: seconds a first round stays open after ``min`` nodes joined.
+        grow: the grow policy (:data:`~.rendezvous_rounds.GROW_POLICIES`).
         close_on_failure: close the rendezvous when the agent ends with an error.
+        ignored: the :data:`IGNORED_KEYS` that were given.
     """
 
     run_id: str
     etcd: EtcdSettings
     key_prefix: str = "/elasticd"
     grace_period: float = DEFAULT_GRACE_PERIOD
-    max_clock_skew: float = DEFAULT_CLOCK_SKEW
     store_timeout: datetime.timedelta = datetime.timedelta(seconds=DEFAULT_READ_TIMEOUT)
-    standby_fix: bool = True
-    lease_liveness: bool = True
     liveness_ttl: int = DEFAULT_LIVENESS_TTL
     liveness_confirm: float = DEFAULT_LIVENESS_CONFIRM
-    poll_interval: float = 1.0
-    close_last_call: bool = True
+    join_timeout: float = DEFAULT_JOIN_TIMEOUT
+    last_call: float = DEFAULT_LAST_CALL_TIMEOUT
+    grow: str = "immediate"
     close_on_failure: bool = True
+    ignored: tuple[str, ...] = ()
 
     @classmethod
     def from_params(cls, params: RendezvousParameters) -> "RendezvousConfig":
@@ -149,22 +149,14 @@ class RendezvousConfig:
         if read_timeout is None or read_timeout <= 0:
             raise ValueError(f"rdzv-conf read_timeout={params.get('read_timeout')!r} must be "
                              "a positive integer")
-        standby_fix = params.get_as_bool("standby_fix", True)
-        try:
-            lease_liveness = params.get_as_bool("lease_liveness", True)
-        except ValueError as exc:
-            raise ValueError(f"rdzv-conf lease_liveness={params.get('lease_liveness')!r} is not "
-                             "a boolean (true/false)") from exc
-        try:
-            close_last_call = params.get_as_bool("close_last_call", True)
-        except ValueError as exc:
-            raise ValueError(f"rdzv-conf close_last_call={params.get('close_last_call')!r} is "
-                             "not a boolean (true/false)") from exc
         try:
             close_on_failure = params.get_as_bool("close_on_failure", True)
         except ValueError as exc:
             raise ValueError(f"rdzv-conf close_on_failure={params.get('close_on_failure')!r} "
                              "is not a boolean (true/false)") from exc
+        grow = params.get("grow") or "immediate"
+        if grow not in GROW_POLICIES:
+            raise ValueError(f"rdzv-conf grow={grow!r}: use one of {', '.join(GROW_POLICIES)}")
         raw_ttl = params.get("liveness_ttl")
         try:
             liveness_ttl = DEFAULT_LIVENESS_TTL if raw_ttl in (None, "") else int(raw_ttl)
@@ -173,10 +165,6 @@ class RendezvousConfig:
         if liveness_ttl < MIN_LIVENESS_TTL:
             raise ValueError(f"rdzv-conf liveness_ttl={raw_ttl!r} must be a whole number of "
                              f"seconds, at least {MIN_LIVENESS_TTL} (etcd's minimum lease TTL)")
-        poll_interval = _seconds(params, "poll_interval", 1.0, allow_zero=False)
-        if not MIN_POLL_INTERVAL <= poll_interval <= 1.0:
-            raise ValueError(f"rdzv-conf poll_interval={params.get('poll_interval')!r} must be "
-                             f"between {MIN_POLL_INTERVAL} and 1 second (torch's own poll)")
         return cls(
             run_id=params.run_id,
             etcd=EtcdSettings(
@@ -186,13 +174,13 @@ class RendezvousConfig:
             ),
             key_prefix=check_prefix(params.get("key_prefix", "/elasticd")),
             grace_period=_seconds(params, "etcd_grace_period", DEFAULT_GRACE_PERIOD),
-            max_clock_skew=_seconds(params, "max_clock_skew", DEFAULT_CLOCK_SKEW),
             store_timeout=datetime.timedelta(seconds=read_timeout),
-            standby_fix=bool(standby_fix),
-            lease_liveness=bool(lease_liveness),
             liveness_ttl=liveness_ttl,
             liveness_confirm=_seconds(params, "liveness_confirm", DEFAULT_LIVENESS_CONFIRM),
-            poll_interval=poll_interval,
-            close_last_call=bool(close_last_call),
+            join_timeout=_seconds(params, "join_timeout", DEFAULT_JOIN_TIMEOUT,
+                                  allow_zero=False),
+            last_call=_seconds(params, "last_call_timeout", DEFAULT_LAST_CALL_TIMEOUT),
+            grow=grow,
             close_on_failure=bool(close_on_failure),
+            ignored=tuple(k for k in IGNORED_KEYS if params.get(k) not in (None, "")),
         )

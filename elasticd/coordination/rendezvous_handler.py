@@ -31,12 +31,10 @@ interface (``torch/distributed/elastic/rendezvous/api.py``) on its own keys inst
   ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (docs/facts.md: sharing the agent's store across restarts
   let workers read dead peers' addresses).
 
-The rdzv-conf keys of :mod:`.rendezvous_config` keep their meaning where they still apply
-(``key_prefix``, ``etcd_timeout``, ``etcd_grace_period``, TLS/auth, ``read_timeout``,
-``liveness_ttl`` as this lease's TTL, ``liveness_confirm``, ``close_on_failure``), plus torch's
-``join_timeout`` and ``last_call_timeout``; the keys of torch's state machine and of its fixes
-(``keep_alive_*``, ``standby_fix``, ``lease_liveness``, ``close_last_call``, ``poll_interval``)
-are accepted and ignored. No pickle is read or written.
+Registered as torchrun's ``etcd-v3`` backend (:mod:`elasticd.coordination.rendezvous`). Its
+rdzv-conf keys are those of :mod:`.rendezvous_config` (``liveness_ttl`` is this lease's TTL);
+the keys of torch's dynamic rendezvous (``keep_alive_*``, ...) are accepted and ignored. No
+pickle is read or written.
 """
 
 from __future__ import annotations
@@ -75,6 +73,11 @@ from elasticd.coordination.api import (
 )
 from elasticd.coordination.health import EtcdHealth
 from elasticd.coordination.lease import LeaseKeeper
+from elasticd.coordination.rendezvous_config import (
+    DEFAULT_JOIN_TIMEOUT,
+    DEFAULT_LAST_CALL_TIMEOUT,
+    RendezvousConfig,
+)
 from elasticd.coordination.rendezvous_grace import OutageGrace
 from elasticd.coordination.rendezvous_rounds import (
     NodeRecord,
@@ -89,9 +92,6 @@ from elasticd.coordination.rendezvous_store import EtcdV3Store
 
 log = logging.getLogger(__name__)
 
-#: torch's defaults for the same rdzv-conf keys (dynamic_rendezvous.RendezvousTimeout).
-DEFAULT_JOIN_TIMEOUT = 600.0
-DEFAULT_LAST_CALL_TIMEOUT = 30.0
 #: While a rendezvous waits: re-list the mirror this often, seconds (the watch's safety net;
 #: a lost lease or a watch error re-lists at once, so this only bounds what nothing signals).
 RELIST_INTERVAL = 30.0
@@ -234,6 +234,7 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
             (not while it is the spare of a full, running round).
         last_call: seconds a job's first round stays open after ``min`` nodes joined.
         store_timeout: how long the store's ``get``/``wait`` block.
+        grow: the grow policy for nodes beyond a running round (:mod:`.rendezvous_rounds`).
         close_on_failure: whether :meth:`shutdown` during an exception closes the rendezvous.
         clock: time source for the lease, trust and absences.
 
@@ -249,7 +250,7 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
                  ttl: int = 3, confirm: float = 1.0,
                  join_timeout: float = DEFAULT_JOIN_TIMEOUT,
                  last_call: float = DEFAULT_LAST_CALL_TIMEOUT,
-                 store_timeout: datetime.timedelta | None = None,
+                 store_timeout: datetime.timedelta | None = None, grow: str = "immediate",
                  close_on_failure: bool = True, clock: Clock | None = None) -> None:
         if not 1 <= min_nodes <= max_nodes:
             raise ValueError(f"--nnodes {min_nodes}:{max_nodes}: need 1 <= MIN <= MAX")
@@ -269,6 +270,7 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         self._join_timeout = join_timeout
         self._last_call = last_call
         self._close_on_failure = close_on_failure
+        self._grow = grow
         self._mirror = _Mirror(prefix + b"native/", self._clock)
         self._store = EtcdV3Store(coordinator, prefix + b"store/", timeout=store_timeout,
                                   grace=self._grace)
@@ -538,7 +540,7 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
             if new:
                 self._reported_gone.update((current.round, g) for g in new)
                 self.on_round_broken(new)
-        return num_waiting(nodes, current, self._max, gone)
+        return num_waiting(nodes, current, self._max, gone, self._grow)
 
     def is_closed(self) -> bool:
         with self._mirror.cond:
@@ -607,31 +609,17 @@ def create_handler(params: RendezvousParameters, backend_name: str,
     """
     from elasticd.coordination.etcd import EtcdCoordinator
     from elasticd.coordination.keys import Keyspace
-    from elasticd.coordination.rendezvous_config import RendezvousConfig
 
     cfg = RendezvousConfig.from_params(params)
-    join_timeout = _positive(params, "join_timeout", DEFAULT_JOIN_TIMEOUT)
-    last_call = _positive(params, "last_call_timeout", DEFAULT_LAST_CALL_TIMEOUT, zero=True)
+    if cfg.ignored:
+        log.info("rdzv-conf %s: ignored (settings of torch's dynamic rendezvous; this one "
+                 "keeps liveness by lease)", ", ".join(cfg.ignored))
     coordinator = coordinator or EtcdCoordinator(cfg.etcd)
     grace = OutageGrace(cfg.grace_period, where=cfg.etcd.describe())
     addr = params.local_addr or socket.getfqdn()
     return EtcdNativeRendezvousHandler(
         coordinator, Keyspace(cfg.key_prefix).job_rdzv(cfg.run_id), cfg.run_id,
         params.min_nodes, params.max_nodes, addr, backend_name, grace=grace,
-        ttl=cfg.liveness_ttl, confirm=cfg.liveness_confirm, join_timeout=join_timeout,
-        last_call=last_call, store_timeout=cfg.store_timeout,
+        ttl=cfg.liveness_ttl, confirm=cfg.liveness_confirm, join_timeout=cfg.join_timeout,
+        last_call=cfg.last_call, store_timeout=cfg.store_timeout, grow=cfg.grow,
         close_on_failure=cfg.close_on_failure)
-
-
-def _positive(params: RendezvousParameters, key: str, default: float, zero: bool = False
-              ) -> float:
-    raw = params.get(key)
-    if raw in (None, ""):
-        return default
-    try:
-        value = float(raw)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"rdzv-conf {key}={raw!r} is not a number of seconds") from exc
-    if not (value > 0 or (zero and value == 0)):
-        raise ValueError(f"rdzv-conf {key}={raw!r} must be a positive number of seconds")
-    return value

@@ -37,7 +37,10 @@ The rules, for the next round ``t`` after the last closed round ``t - 1`` with m
 * **Waiting** (``num_nodes_waiting``, asked by each agent while its workers train): members of
   the current round that came back to re-rendezvous, plus waiting non-members when the round has
   room (fewer than ``max`` of its members alive). A full round's spares wait silently; they are
-  not a reason to restart anybody. A member counts as gone only once its record has been absent
+  not a reason to restart anybody. The grow policy decides what room a newcomer may take:
+  ``immediate`` (any: a node that returns or is added stops everybody once to enter) or
+  ``at-failure`` (only a dead member's: it waits as a spare, and the next round that forms for
+  another reason, a failure or a member's restart, takes it in with no extra stop). A member counts as gone only once its record has been absent
   for ``confirm`` seconds while this node trusts its view of etcd (an etcd paused past the TTL
   expires every lease at once; see :class:`~elasticd.coordination.rendezvous_handler`).
 
@@ -52,6 +55,8 @@ from typing import Iterable, Mapping
 
 #: Schema version of the node and round records.
 SCHEMA = 1
+#: Grow policies (rdzv-conf ``grow``; see the module docstring).
+GROW_POLICIES = ("immediate", "at-failure")
 
 
 class RecordError(ValueError):
@@ -235,7 +240,7 @@ def closer(members: tuple[str, ...]) -> str:
 
 
 def num_waiting(nodes: Mapping[str, NodeRecord], current: RoundRecord | None,
-                max_nodes: int, gone: Iterable[str] = ()) -> int:
+                max_nodes: int, gone: Iterable[str] = (), grow: str = "immediate") -> int:
     """``num_nodes_waiting`` for a member of ``current`` (see the module docstring).
 
     Args:
@@ -245,6 +250,8 @@ def num_waiting(nodes: Mapping[str, NodeRecord], current: RoundRecord | None,
         gone: members of ``current`` whose records have been absent long enough, while this
             node trusted its view, to count as dead. A member absent but not yet confirmed is
             counted as alive (provisional expiry).
+        grow: the grow policy: ``immediate``, or ``at-failure`` (newcomers wait for a dead
+            member's place).
     """
     if current is None:
         return len(nodes)
@@ -252,6 +259,7 @@ def num_waiting(nodes: Mapping[str, NodeRecord], current: RoundRecord | None,
     dead = set(gone) & members
     rejoining = sum(1 for m in members if m in nodes and nodes[m].target > current.round)
     alive_members = len(members - dead)
-    room = max_nodes - alive_members
+    room = max_nodes - alive_members if grow == "immediate" else min(
+        len(dead), max_nodes - alive_members)
     outsiders = sum(1 for n in nodes if n not in members)
     return rejoining + (min(outsiders, room) if room > 0 else 0)

@@ -243,13 +243,11 @@ class Daemon:
             "etcd_grace_period": f"{s.outage_grace:g}",
             "etcd_timeout": f"{s.etcd_timeout:g}",
             "join_timeout": "900",
-            # A dead participant leaves the round when its agent's etcd lease expires (the
-            # node's TTL), not after torch's long keep-alive window (see rendezvous.py).
+            "grow": s.rdzv_grow,
+            # A dead node leaves the round when its agent's etcd lease expires (the node's
+            # TTL): the join record is bound to that lease (rendezvous_handler.py).
             "liveness_ttl": str(max(2, s.lease_ttl)),
             "liveness_confirm": "0.5",
-            # Waiting agents read the state 4 times a second instead of torch's once: the
-            # re-rendezvous after a failure waits on 3-4 such reads (rendezvous_poll.py).
-            "poll_interval": "0.25",
             # The daemon restarts an agent that died: its error must not close the
             # rendezvous for every node (rendezvous.py, "Restartable agents").
             "close_on_failure": "false",

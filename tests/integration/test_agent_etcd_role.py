@@ -131,7 +131,7 @@ def test_a_job_rendezvouses_on_an_etcd_with_authentication(auth_etcd, tmp_path):
                          90, "both nodes training at world 2")
         # The agent logged in as its own user; its password is in no process' argv.
         agents = [pid for node in cluster.nodes.values() for pid in node.tagged()
-                  if b"torch.distributed.run" in open(f"/proc/{pid}/cmdline", "rb").read()]
+                  if b"elasticd.agent.torchrun" in open(f"/proc/{pid}/cmdline", "rb").read()]
         assert agents
         for pid in agents:
             argv = open(f"/proc/{pid}/cmdline", "rb").read()

@@ -25,7 +25,7 @@ from torch.distributed.elastic.rendezvous.api import (
 
 from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endpoints
 from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
-from elasticd.coordination.rendezvous import NATIVE_BACKEND_NAME
+from elasticd.coordination.rendezvous import BACKEND_NAME
 from elasticd.coordination.rendezvous_handler import EtcdNativeRendezvousHandler, create_handler
 
 TIMEOUT = 20.0
@@ -49,9 +49,9 @@ class Cluster:
     def node(self, min_nodes: int, max_nodes: int, **conf: str) -> EtcdNativeRendezvousHandler:
         conf = {"key_prefix": self.prefix, "join_timeout": "30", "last_call_timeout": "0.5",
                 "liveness_ttl": "2", "liveness_confirm": "0.5", **conf}
-        params = RendezvousParameters(NATIVE_BACKEND_NAME, "127.0.0.1:1", self.run_id,
+        params = RendezvousParameters(BACKEND_NAME, "127.0.0.1:1", self.run_id,
                                       min_nodes, max_nodes, local_addr="127.0.0.1", **conf)
-        handler = create_handler(params, NATIVE_BACKEND_NAME, coordinator=self.connect())
+        handler = create_handler(params, BACKEND_NAME, coordinator=self.connect())
         self.handlers.append(handler)
         return handler
 
@@ -91,7 +91,7 @@ def results(futures):
 
 def test_two_nodes_meet_share_a_store_and_learn_the_workers_bootstrap_address(cluster):
     a, b = cluster.node(2, 2), cluster.node(2, 2)
-    assert a.get_backend() == NATIVE_BACKEND_NAME and a.get_run_id() == cluster.run_id
+    assert a.get_backend() == BACKEND_NAME and a.get_run_id() == cluster.run_id
     assert a.use_agent_store is False and a.me != b.me
     ia, ib = results(cluster.join(a, b))
     assert sorted([ia.rank, ib.rank]) == [0, 1] and ia.world_size == ib.world_size == 2
@@ -230,3 +230,22 @@ def test_a_killed_node_leaves_when_its_lease_expires(etcd, prefix):
         assert info.world_size == 1
     finally:
         cluster.close()
+
+
+def test_with_grow_at_failure_a_newcomer_waits_silently_and_enters_at_the_next_failure(
+        cluster):
+    a, b, c = (cluster.node(1, 3, grow="at-failure") for _ in range(3))
+    results(cluster.join(a, b, c))  # max reached: round 0 closes with all three
+    c.stop()  # c dies: the survivors re-form at world 2 (a failure, no newcomer yet)
+    results(cluster.join(a, b))
+    d = cluster.node(1, 3, grow="at-failure")
+    pending = cluster.join(d)
+    wait_until(lambda: d.me in a._mirror.nodes and d.me in b._mirror.nodes,
+               "the members see the newcomer's record")
+    assert a.num_nodes_waiting() == b.num_nodes_waiting() == 0  # no stop to let it in
+    assert not pending[0].done()
+    b.stop()  # the next failure: the newcomer enters the round that forms for it anyway
+    wait_until(lambda: a.num_nodes_waiting() == 1, "a sees b gone and the newcomer waiting")
+    infos = results(cluster.join(a) + pending)
+    assert [i.world_size for i in infos] == [2, 2]
+    assert sorted(i.rank for i in infos) == [0, 1]

@@ -19,8 +19,6 @@ PACKAGE = pathlib.Path(elasticd.__file__).parent
 ALLOWED = {
     "clock.py",
 }
-#: Issue 17: the etcd-native rendezvous replaces this code now (any of these may import time).
-ALLOWED_WHILE_REPLACED = "coordination/rendezvous*.py"
 
 
 def _imports_time(tree: ast.AST) -> list[int]:
@@ -47,14 +45,13 @@ def test_the_check_sees_every_form_of_import():
 def test_no_module_but_clock_imports_time():
     modules = sorted(PACKAGE.rglob("*.py"))
     assert len(modules) > 50  # the package was found
-    replaced = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.glob(ALLOWED_WHILE_REPLACED)}
     found, importing = {}, set()
     for path in modules:
         name = path.relative_to(PACKAGE).as_posix()
         lines = _imports_time(ast.parse(path.read_text(), str(path)))
         if lines:
             importing.add(name)
-            if name not in ALLOWED | replaced:
+            if name not in ALLOWED:
                 found[name] = lines
     assert not found, (f"these modules import time: {found}; take a Clock (elasticd/clock.py) "
                        "instead, or SYSTEM_CLOCK where nothing injects one")

@@ -35,6 +35,7 @@ def test_defaults_derive():
     ({"etcd_ca_cert": "/nonexistent.pem"}, {}, "does not exist"),
     ({}, {"ELASTICD_BOGUS": "1"}, "ELASTICD_BOGUS (from environment): unknown setting"),
     ({"etcd_timeout": "9"}, {}, "etcd_timeout"),
+    ({}, {"ELASTICD_RDZV_GROW": "sometimes"}, "rdzv_grow (from environment ELASTICD_RDZV_GROW)"),
 ])
 def test_bad_values_name_the_setting(cli, env, needle):
     with pytest.raises(ConfigError) as exc:

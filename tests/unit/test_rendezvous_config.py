@@ -1,34 +1,34 @@
-"""The etcd-v3 rendezvous' settings: --rdzv-conf parsing, the keep-alive window, the entry point."""
+"""The etcd-v3 rendezvous' settings: --rdzv-conf parsing, and the entry point."""
 
 from __future__ import annotations
 
 import datetime
+import logging
 from importlib.metadata import entry_points
 
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from elasticd.coordination.rendezvous import (
-    create_rdzv_handler,
-    handler_creator,
-    keep_alive_settings,
-)
+from elasticd.coordination.memory import MemoryCoordinator
+from elasticd.coordination.rendezvous import handler_creator, native_handler_creator
 from elasticd.coordination.rendezvous_config import PASSWORD_ENV, RendezvousConfig
+from elasticd.coordination.rendezvous_handler import EtcdNativeRendezvousHandler, create_handler
 
 
-def params(endpoint: str = "127.0.0.1:2379", run_id: str = "job", **conf: str
-           ) -> RendezvousParameters:
-    return RendezvousParameters("etcd-v3", endpoint, run_id, 1, 2, **conf)
+def params(endpoint: str = "127.0.0.1:2379", run_id: str = "job", backend: str = "etcd-v3",
+           **conf: str) -> RendezvousParameters:
+    return RendezvousParameters(backend, endpoint, run_id, 1, 2, **conf)
 
 
 def test_defaults():
     cfg = RendezvousConfig.from_params(params("10.0.0.1:2379,10.0.0.2:2379"))
     assert cfg.etcd.endpoints == (("10.0.0.1", 2379), ("10.0.0.2", 2379))
     assert cfg.etcd.timeout == 2.0 and not cfg.etcd.secure and cfg.etcd.user is None
-    assert (cfg.key_prefix, cfg.grace_period, cfg.max_clock_skew) == ("/elasticd", 30.0, 2.0)
+    assert (cfg.key_prefix, cfg.grace_period) == ("/elasticd", 30.0)
     assert cfg.store_timeout == datetime.timedelta(seconds=60)
-    assert cfg.standby_fix is True
-    assert (cfg.lease_liveness, cfg.liveness_ttl, cfg.liveness_confirm) == (True, 3, 1.0)
+    assert (cfg.liveness_ttl, cfg.liveness_confirm) == (3, 1.0)
+    assert (cfg.join_timeout, cfg.last_call, cfg.close_on_failure) == (600.0, 30.0, True)
+    assert (cfg.grow, cfg.ignored) == ("immediate", ())
 
 
 def test_settings_from_rdzv_conf(tmp_path, monkeypatch):
@@ -38,16 +38,17 @@ def test_settings_from_rdzv_conf(tmp_path, monkeypatch):
         files[name] = tmp_path / name
         files[name].write_text("x")
     cfg = RendezvousConfig.from_params(params(
-        key_prefix="/prod", etcd_timeout="0.5", etcd_grace_period="10", max_clock_skew="0.5",
-        read_timeout="30", ca_cert=str(files["ca.pem"]), cert=str(files["cert.pem"]),
-        key=str(files["key.pem"]), user="trainer", password="s3cret", standby_fix="false",
-        lease_liveness="false", liveness_ttl="5", liveness_confirm="0"))
-    assert (cfg.key_prefix, cfg.grace_period, cfg.max_clock_skew) == ("/prod", 10.0, 0.5)
+        key_prefix="/prod", etcd_timeout="0.5", etcd_grace_period="10", read_timeout="30",
+        ca_cert=str(files["ca.pem"]), cert=str(files["cert.pem"]), key=str(files["key.pem"]),
+        user="trainer", password="s3cret", liveness_ttl="5", liveness_confirm="0",
+        join_timeout="60", last_call_timeout="0", close_on_failure="false", grow="at-failure"))
+    assert (cfg.key_prefix, cfg.grace_period) == ("/prod", 10.0)
     assert cfg.etcd.timeout == 0.5 and cfg.etcd.secure
     assert (cfg.etcd.user, cfg.etcd.password) == ("trainer", "s3cret")
     assert cfg.store_timeout == datetime.timedelta(seconds=30)
-    assert cfg.standby_fix is False
-    assert (cfg.lease_liveness, cfg.liveness_ttl, cfg.liveness_confirm) == (False, 5, 0.0)
+    assert (cfg.liveness_ttl, cfg.liveness_confirm) == (5, 0.0)
+    assert (cfg.join_timeout, cfg.last_call, cfg.close_on_failure) == (60.0, 0.0, False)
+    assert cfg.grow == "at-failure"
 
 
 def test_password_from_the_environment(monkeypatch):
@@ -70,10 +71,9 @@ def test_password_from_the_environment(monkeypatch):
     ("127.0.0.1:2379", {"liveness_ttl": "1"}, "liveness_ttl='1'.*at least 2"),
     ("127.0.0.1:2379", {"liveness_ttl": "2.5"}, "liveness_ttl='2.5'"),
     ("127.0.0.1:2379", {"liveness_confirm": "-1"}, "liveness_confirm='-1'"),
-    ("127.0.0.1:2379", {"lease_liveness": "maybe"}, "lease_liveness='maybe'"),
-    ("127.0.0.1:2379", {"poll_interval": "0"}, "poll_interval='0'"),
-    ("127.0.0.1:2379", {"poll_interval": "0.01"}, "poll_interval='0.01'.*between"),
-    ("127.0.0.1:2379", {"poll_interval": "2"}, "poll_interval='2'.*between"),
+    ("127.0.0.1:2379", {"join_timeout": "0"}, "join_timeout='0'.*positive"),
+    ("127.0.0.1:2379", {"grow": "sometimes"}, "grow='sometimes': use one of immediate"),
+    ("127.0.0.1:2379", {"last_call_timeout": "-1"}, "last_call_timeout='-1'"),
     ("127.0.0.1:2379", {"close_on_failure": "perhaps"}, "close_on_failure='perhaps'"),
 ])
 def test_bad_settings_are_refused_and_quoted(endpoint, conf, message, monkeypatch):
@@ -87,134 +87,75 @@ def test_bad_run_id_is_refused():
         RendezvousConfig.from_params(params(run_id="my job"))
 
 
-@pytest.mark.parametrize("conf, grace, skew, expected", [
-    ({}, 30, 2, (5, 8)),  # torch's 5 s interval; 40 s window > 30 + 2 + 5
-    ({}, 0, 0, (5, 3)),  # never fewer than 3 attempts (standby nodes, docs/facts.md)
-    ({"keep_alive_interval": "1"}, 2, 1, (1, 5)),  # tuned for fast recovery: 5 s > 2 + 1 + 1
-    ({"keep_alive_interval": "1"}, 0.5, 0, (1, 3)),
-    ({"keep_alive_max_attempt": "2"}, 30, 2, (5, 2)),  # the user's choice stands (warned)
-])
-def test_keep_alive_window_outlasts_the_grace_period(conf, grace, skew, expected):
-    interval, attempts = keep_alive_settings(params(**conf), grace, skew)
-    assert (interval, attempts) == expected
-    if not conf.get("keep_alive_max_attempt"):
-        assert interval * attempts > grace + skew + interval
-        assert interval * attempts >= 3
+def test_keys_of_torchs_dynamic_rendezvous_are_accepted_ignored_and_logged(caplog):
+    # An older command line (or elasticd's former daemon settings) still runs.
+    conf = {"keep_alive_interval": "1", "keep_alive_max_attempt": "3", "poll_interval": "0.25",
+            "standby_fix": "true", "lease_liveness": "true", "close_last_call": "true"}
+    cfg = RendezvousConfig.from_params(params(**conf))
+    assert sorted(cfg.ignored) == sorted(conf)
+    with caplog.at_level(logging.INFO, logger="elasticd.coordination.rendezvous_handler"):
+        handler = create_handler(params(**conf), "etcd-v3", coordinator=MemoryCoordinator())
+    handler.stop()
+    assert "keep_alive_interval" in caplog.text and "ignored" in caplog.text
 
 
-def test_a_short_user_window_is_warned_about(caplog):
-    keep_alive_settings(params(keep_alive_interval="1", keep_alive_max_attempt="2"), 30, 2)
-    assert "keep-alive window 2s" in caplog.text
-    assert "standby" in caplog.text
-
-
-@pytest.mark.parametrize("conf", [{"keep_alive_interval": "0"},
-                                  {"keep_alive_max_attempt": "-1"}])
-def test_bad_keep_alive_values_are_refused(conf):
-    with pytest.raises(ValueError, match="keep_alive"):
-        keep_alive_settings(params(**conf), 30, 2)
-
-
-def test_entry_point_returns_the_creator():
-    (ep,) = [e for e in entry_points(group="torchrun.handlers") if e.name == "etcd-v3"]
-    assert ep.load() is handler_creator
-    assert handler_creator() is create_rdzv_handler
-
-
-def test_torch_registry_knows_etcd_v3():
+def test_the_entry_points_register_elasticds_own_handler():
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
-    assert rendezvous_handler_registry._registry.get("etcd-v3") is create_rdzv_handler
+    eps = {e.name: e for e in entry_points(group="torchrun.handlers")}
+    assert eps["etcd-v3"].load() is handler_creator
+    assert eps["etcd-v3-native"].load() is native_handler_creator
+    for name in ("etcd-v3", "etcd-v3-native"):
+        # No etcd needed: building the handler does not talk to it yet.
+        handler = rendezvous_handler_registry.create_handler(params(backend=name))
+        assert isinstance(handler, EtcdNativeRendezvousHandler)
+        assert handler.get_backend() == name
+        assert handler.use_agent_store is False
+        handler.stop()
 
 
-def test_creator_builds_torchs_handler_with_our_keep_alive_and_disables_store_sharing(
+def test_the_creator_hands_every_handler_to_the_hooks_and_the_daemons_hook_needs_a_daemon(
         monkeypatch):
-    # No etcd needed: building the handler does not talk to it yet.
-    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
-    handler = create_rdzv_handler(params(etcd_grace_period="30"))
-    assert handler.get_backend() == "etcd-v3"
-    assert handler.settings.keep_alive_interval == datetime.timedelta(seconds=5)
-    assert handler.settings.keep_alive_max_attempt == 8
-    assert handler.use_agent_store is False  # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    # elasticd.agent.torchrun (how daemons start torchrun) hooks in a node's duties; the
+    # rendezvous plugin itself imports no agent code.
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    from elasticd.agent import torchrun
+    from elasticd.coordination import rendezvous
+
+    watches = []
+
+    class RecordingWatch:
+        def __init__(self, coordinator, node_key, **kwargs):
+            self.node_key = node_key
+            watches.append(self)
+
+        def start(self):
+            self.started = True
+
+    monkeypatch.setattr(torchrun, "DaemonWatch", RecordingWatch)
+    monkeypatch.setattr(rendezvous, "on_handler_created", [torchrun.attach])
+    for var in ("ELASTICD_NODE", "ELASTICD_SOCKET", "ELASTICD_TAG"):
+        monkeypatch.delenv(var, raising=False)
+    plain = rendezvous_handler_registry.create_handler(params())
+    assert plain.on_round_broken is None and watches == []  # plain torchrun: nothing
+    plain.stop()
+    monkeypatch.setenv("ELASTICD_NODE", "n1")
+    monkeypatch.setenv("ELASTICD_SOCKET", "/nonexistent/elasticd.sock")
+    monkeypatch.setenv("ELASTICD_TAG", "/elasticd:n1:job")
+    monkeypatch.setenv("ELASTICD_PREFIX", "/p")
+    handler = rendezvous_handler_registry.create_handler(params())
+    assert handler.on_round_broken is torchrun.restart_own_workers
+    [watch] = watches
+    assert watch.started and watch.node_key == b"/p/nodes/n1"
+    handler.stop()
 
 
-def test_creator_keeps_an_explicit_store_sharing_choice(monkeypatch):
-    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")
-    handler = create_rdzv_handler(params())
-    assert handler.use_agent_store is True
+def test_the_daemons_grow_setting_reaches_its_agents_rendezvous():
+    from elasticd.config import load
+    from elasticd.daemon.daemon import Daemon
 
-
-def test_creator_binds_lease_liveness_to_torchs_node_without_talking_to_etcd():
-    # The alive key is written by the backend's first call, not when the handler is built.
-    handler = create_rdzv_handler(params(etcd_grace_period="0"))
-    liveness = handler._state_holder._backend._liveness
-    node = handler._this_node
-    assert liveness.me == f"{node.addr}_{node.pid}_{node.local_id}"
-    assert liveness.keeper.key.endswith(b"/jobs/job/rdzv/alive/" + liveness.me.encode())
-    assert not liveness.active
-    liveness.stop()
-
-
-def test_creator_without_lease_liveness():
-    handler = create_rdzv_handler(params(lease_liveness="false"))
-    assert handler._state_holder._backend._liveness is None
-
-
-def test_poll_interval_shortens_torchs_poll_and_cache_only(monkeypatch):
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
-
-    from elasticd.coordination.rendezvous_poll import _PollDelay
-
-    slept: list[float] = []
-    original = dr._delay
-    monkeypatch.setattr(dr, "_delay", lambda seconds: slept.append(seconds))
-    handler = create_rdzv_handler(params(poll_interval="0.25", lease_liveness="false"))
-    assert handler._state_holder._cache_duration == 0.25
-    assert isinstance(dr._delay, _PollDelay)
-    dr._delay.original = slept.append  # what torch's delay would have slept
-    dr._delay._sleep = lambda s: slept.append(("poll", s))
-    dr._delay(1)  # the executor's SYNC poll
-    dr._delay((0, 0.3))  # the start-up skew: torch's own
-    assert slept == [("poll", 0.25), (0, 0.3)]
-    monkeypatch.setattr(dr, "_delay", original)
-
-
-def test_default_poll_interval_leaves_torch_alone(monkeypatch):
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
-
-    original = dr._delay
-    handler = create_rdzv_handler(params(lease_liveness="false"))
-    assert dr._delay is original
-    assert handler._state_holder._cache_duration == 1
-
-
-def _end_agent(handler, failing: bool) -> None:
-    """Calls ``handler.shutdown()`` the way torch's launch_agent does: from a ``finally``,
-    with the run's exception propagating when it failed."""
-    try:
-        try:
-            if failing:
-                raise RuntimeError("the workers failed")
-        except RuntimeError:
-            raise
-        finally:
-            handler.shutdown()
-    except RuntimeError:
-        pass
-
-
-@pytest.mark.parametrize("close_on_failure, failing, closes", [
-    ("true", False, True),
-    ("true", True, True),     # torch's behaviour: a failed agent ends the job everywhere
-    ("false", False, True),   # a job that succeeded is over for the standby nodes too
-    ("false", True, False),   # the daemon restarts the agent: leave the rendezvous open
-])
-def test_a_failing_agent_leaves_the_rendezvous_open_when_told(close_on_failure, failing, closes):
-    handler = create_rdzv_handler(params(lease_liveness="false",
-                                         close_on_failure=close_on_failure))
-    calls: list[str] = []
-    handler._close = lambda: calls.append("close")
-    handler._stop_heartbeats = lambda: calls.append("stop heartbeats")
-    _end_agent(handler, failing)
-    assert ("close" in calls) is closes, calls
-    assert "stop heartbeats" in calls
+    for grow in ("immediate", "at-failure"):
+        settings = load({"rdzv_grow": grow}, None, {})
+        conf = Daemon.rdzv_conf(type("D", (), {"settings": settings})())
+        assert RendezvousConfig.from_params(params(**conf)).grow == grow

@@ -94,3 +94,15 @@ def test_waiting_counts_rejoining_members_and_newcomers_only_when_there_is_room(
     assert num_waiting(nodes(("a", 2, 1), ("n", 0, 3)), last, 2) == 0
     assert num_waiting(nodes(("a", 2, 1), ("n", 0, 3)), last, 2, gone=["b"]) == 1
     assert num_waiting(nodes(("n", 0, 3)), None, 2) == 1
+
+
+def test_grow_at_failure_lets_a_newcomer_in_only_in_a_dead_members_place():
+    last = RoundRecord(2, ("a", "b"))
+    live = nodes(("a", 2, 1), ("b", 2, 2), ("n", 0, 3))
+    assert num_waiting(live, last, 3, grow="immediate") == 1  # room: grow now
+    assert num_waiting(live, last, 3, grow="at-failure") == 0  # wait for a failure
+    del live["b"]
+    assert num_waiting(live, last, 3, gone=["b"], grow="at-failure") == 1
+    # The round after the failure takes it in, up to max.
+    live["a"] = NodeRecord("a", 3, revision=1)
+    assert decide_close(live, last, 1, 3, last_call_over=False).members == ("a", "n")

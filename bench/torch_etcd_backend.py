@@ -1,4 +1,8 @@
-"""torch's ``RendezvousBackend`` on etcd v3: the shared rendezvous state and its fencing token.
+"""torch's ``RendezvousBackend`` on etcd v3, kept as the baseline of ``scale_sim.py --handler torch``.
+
+Until elasticd's own handler (:mod:`elasticd.coordination.rendezvous_handler`) replaced it behind
+``--rdzv-backend etcd-v3``, this backend held torch's dynamic-rendezvous state in etcd; the scale
+study measures torch's design on it (docs/scale.md). Not shipped in the package.
 
 torch's dynamic rendezvous keeps the whole state of a rendezvous (round, participants, wait and
 redundancy lists, heartbeats) in one opaque blob and needs only two operations from a backend:
@@ -13,19 +17,7 @@ by this backend raises ``RendezvousStateError``.
 
 The value is wrapped in a small envelope (magic, format version, xxh3 checksum) because etcd v3
 stores raw bytes: without it a truncated or foreign value would reach ``pickle.loads`` in torch.
-The checksum detects corruption, not an attacker: torch unpickles the state, so anyone who can
-write this key runs code in every agent; etcd must require authentication (TLS client
-certificates or etcd users), see :mod:`elasticd.coordination.rendezvous`.
-
-Every call rides out etcd outages for the grace period (:mod:`.rendezvous_grace`). A write whose
-outcome is unknown (the connection broke after etcd applied it) is retried; when its compare
-then fails but our own bytes are stored, it reports success (the c10d backend, too, decides
-``has_set`` by comparing the stored state with its own).
-
-With lease liveness (:mod:`.rendezvous_liveness`), the backend writes this agent's alive key
-before its first state call, drops nodes whose alive keys are gone from every state it hands to
-torch (before the standby fix sees it), and reports calls that found etcd unreachable, which
-make the liveness check doubt what it reads for a while.
+The checksum detects corruption, not an attacker: torch unpickles the state.
 
 No TTL is put on the state: an etcd lease would need a keep-alive of its own. The state of a
 finished run stays until the run's keys are deleted, and a closed state refuses new agents with
@@ -35,28 +27,21 @@ the same run id: use a fresh ``--rdzv-id`` per job, or delete ``<prefix>/jobs/<r
 from __future__ import annotations
 
 import struct
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import Any
 
 import xxhash
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
-from elasticd.coordination.api import Compare, Coordinator, Put, Unavailable
+from elasticd.coordination.api import Compare, Coordinator, Put
 from elasticd.coordination.keys import Keyspace, check_name
-from elasticd.coordination.rendezvous import BACKEND_NAME
 from elasticd.coordination.rendezvous_grace import OutageGrace
 
-if TYPE_CHECKING:
-    from elasticd.coordination.rendezvous_liveness import LeaseLiveness
-
-T = TypeVar("T")
+BACKEND_NAME = "etcd-v3"
 
 _MAGIC = b"EDRZ"
 _FORMAT = 1
 _HEADER = struct.Struct(">4sBQ")  # magic, format version, xxh3_64 of the payload
-
-#: Rewrites a state read from etcd before torch sees it (see :mod:`.rendezvous_standby`).
-StateFilter = Callable[[bytes], bytes]
 
 
 def encode_state(state: bytes) -> bytes:
@@ -104,19 +89,13 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         run_id: the rendezvous (torchrun ``--rdzv-id``); it names the job in the keyspace.
         keyspace: the cluster's key prefix.
         grace: retry policy for etcd outages; by default 30 s of retries.
-        state_filter: optional rewrite applied to every state handed to torch (the standby
-            fix of :mod:`.rendezvous_standby`); the stored bytes are not changed by reading.
-        liveness: optional lease liveness (:mod:`.rendezvous_liveness`); its dead-node filter
-            runs before ``state_filter``.
 
     Raises:
         ValueError: an empty or invalid run id.
     """
 
     def __init__(self, coordinator: Coordinator, run_id: str, keyspace: Keyspace | None = None,
-                 grace: OutageGrace | None = None,
-                 state_filter: StateFilter | None = None,
-                 liveness: LeaseLiveness | None = None) -> None:
+                 grace: OutageGrace | None = None) -> None:
         if not run_id:
             raise ValueError("The run id must be a non-empty string.")
         check_name("rendezvous run id", run_id)
@@ -124,8 +103,6 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         self._keyspace = keyspace or Keyspace()
         self.key = self._keyspace.job_rdzv(run_id) + b"state"
         self._grace = grace or OutageGrace()
-        self._filter = state_filter
-        self._liveness = liveness
 
     @property
     def name(self) -> str:
@@ -139,11 +116,10 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             RendezvousConnectionError: etcd unreachable for longer than the grace period.
             RendezvousStateError: the stored state is corrupt.
         """
-        self._start_liveness()
-        kv = self._call(lambda: self._coordinator.get(self.key), "reading the rendezvous state")
+        kv = self._grace.call(lambda: self._coordinator.get(self.key), "reading the rendezvous state")
         if kv is None:
             return None
-        return self._for_torch(decode_state(kv.value, self.key)), kv.mod_revision
+        return decode_state(kv.value, self.key), kv.mod_revision
 
     def set_state(self, state: bytes, token: Token | None = None
                   ) -> tuple[bytes, Token, bool] | None:
@@ -153,56 +129,26 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             RendezvousConnectionError: etcd unreachable for longer than the grace period.
             RendezvousStateError: the stored state is corrupt.
         """
-        self._start_liveness()
         if token and not _is_valid_token(token):
             # Not a token of ours: it cannot match, so the write fails (torch's semantics).
             return self._current_state(written=None)
         # torch's backends treat any falsy token as None: write only if no state exists.
         expected = int(token) if token else 0
         envelope = encode_state(state)
-        ok, revision = self._call(
+        ok, revision = self._grace.call(
             lambda: self._coordinator.transaction([Compare(self.key, expected)],
                                                   [Put(self.key, envelope)]),
             "writing the rendezvous state")
         if ok:
-            return self._for_torch(state), revision, True
+            return state, revision, True
         # The compare may have failed because etcd applied this very write before the reply
         # was lost and the call was retried (here or inside the coordinator): finding our own
         # bytes stored means the write took effect.
         return self._current_state(written=envelope)
 
     def _current_state(self, written: bytes | None) -> tuple[bytes, Token, bool] | None:
-        kv = self._call(lambda: self._coordinator.get(self.key), "reading the rendezvous state")
+        kv = self._grace.call(lambda: self._coordinator.get(self.key), "reading the rendezvous state")
         if kv is None:
             return None
         has_set = written is not None and kv.value == written
-        return self._for_torch(decode_state(kv.value, self.key)), kv.mod_revision, has_set
-
-    def _start_liveness(self) -> None:
-        # The alive key exists before this agent can enter the state (see rendezvous_liveness).
-        if self._liveness is not None:
-            self._liveness.ensure_started()
-
-    def _call(self, fn: Callable[[], T], what: str) -> T:
-        """``fn`` through the outage grace; attempts that find etcd unreachable or slow are told
-        to the liveness check, whose reads are doubtful around an outage."""
-        if self._liveness is None:
-            return self._grace.call(fn, what)
-        liveness = self._liveness
-
-        def attempt() -> T:
-            start = self._grace.clock.monotonic()
-            try:
-                return fn()
-            except Unavailable as exc:
-                liveness.note_unreachable(exc)
-                raise
-            finally:
-                liveness.note_call_took(self._grace.clock.monotonic() - start)
-
-        return self._grace.call(attempt, what)
-
-    def _for_torch(self, state: bytes) -> bytes:
-        if self._liveness is not None:
-            state = self._liveness.filter(state)
-        return self._filter(state) if self._filter is not None else state
+        return decode_state(kv.value, self.key), kv.mod_revision, has_set

@@ -1,10 +1,10 @@
-"""Contract tests of the etcd-v3 rendezvous backend and store, on a real etcd and on the fake.
+"""Contract tests of the etcd-v3 rendezvous' store and its outage grace, on a real etcd and on
+the fake.
 
-The backend contract mirrors torch's ``RendezvousBackendTestMixin`` (stale token, None token,
-invalid token, corrupt state, get after set) plus the fencing property itself (two writers
-holding the same token: exactly one wins). Each contract runs against a real etcd (``etcd``
-marker) and against :class:`MemoryCoordinator`, so the fake cannot drift. The outage tests
-pause a private etcd with SIGSTOP.
+The store contract is what torch's agent and workers ask of a ``torch.distributed.Store``
+(TCPStore's semantics). It runs against a real etcd (``etcd`` marker) and against
+:class:`MemoryCoordinator`, so the fake cannot drift. The outage tests pause a private etcd with
+SIGSTOP.
 """
 
 from __future__ import annotations
@@ -16,10 +16,7 @@ import time
 
 import pytest
 import torch.distributed as dist
-from torch.distributed.elastic.rendezvous.api import (
-    RendezvousConnectionError,
-    RendezvousStateError,
-)
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from torch.distributed.elastic.utils import store as store_util
 
 from elasticd.clock import FakeClock
@@ -27,11 +24,6 @@ from elasticd.coordination.api import AuthError, Unavailable
 from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endpoints
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
-from elasticd.coordination.rendezvous_backend import (
-    EtcdV3RendezvousBackend,
-    decode_state,
-    encode_state,
-)
 from elasticd.coordination.rendezvous_grace import EtcdUnavailableError, OutageGrace
 from elasticd.coordination.rendezvous_store import EtcdV3Store
 
@@ -41,155 +33,6 @@ RUN_ID = "job-1"
 def connect(server, timeout: float = 1.0) -> EtcdCoordinator:
     # Not imported from conftest: whether tests/ is a package decides how that would import.
     return EtcdCoordinator(EtcdSettings(parse_endpoints(server.endpoints), timeout=timeout))
-
-
-# -- backend contract ---------------------------------------------------------------------
-
-
-class BackendContract:
-    """Subclasses provide the ``coordinator`` fixture."""
-
-    @pytest.fixture
-    def keyspace(self, prefix):
-        return Keyspace(prefix)
-
-    @pytest.fixture
-    def backend(self, coordinator, keyspace):
-        return EtcdV3RendezvousBackend(coordinator, RUN_ID, keyspace, OutageGrace(1.0))
-
-    def test_name_is_etcd_v3(self, backend):
-        assert backend.name == "etcd-v3"
-
-    def test_state_lives_under_the_jobs_rdzv_prefix(self, backend, coordinator, keyspace):
-        backend.set_state(b"x")
-        assert backend.key == keyspace.job_rdzv(RUN_ID) + b"state"
-        assert coordinator.get(backend.key) is not None
-
-    def test_get_state_returns_backend_state(self, backend):
-        backend.set_state(b"x")
-        result = backend.get_state()
-        assert result is not None
-        state, token = result
-        assert state == b"x"
-        assert token is not None
-
-    def test_get_state_returns_none_if_backend_state_does_not_exist(self, backend):
-        assert backend.get_state() is None
-
-    def test_token_is_the_keys_mod_revision(self, backend, coordinator):
-        _, token, _ = backend.set_state(b"x")
-        assert token == coordinator.get(backend.key).mod_revision
-        assert backend.get_state()[1] == token
-
-    @pytest.mark.parametrize("raw", [
-        b"non_base64",  # torch's own corruption case
-        b"",
-        encode_state(b"payload")[:-1],  # truncated: checksum mismatch
-        encode_state(b"payload")[:5],  # shorter than the header
-    ])
-    def test_get_state_raises_error_if_backend_state_is_corrupt(self, backend, coordinator,
-                                                                raw):
-        coordinator.put(backend.key, raw)
-        with pytest.raises(RendezvousStateError, match="corrupt"):
-            backend.get_state()
-
-    def test_get_state_refuses_an_unknown_format_version(self, backend, coordinator):
-        raw = bytearray(encode_state(b"payload"))
-        raw[4] = 99
-        coordinator.put(backend.key, bytes(raw))
-        with pytest.raises(RendezvousStateError, match="format 99"):
-            backend.get_state()
-
-    def test_set_state_raises_error_if_stored_state_is_corrupt(self, backend, coordinator):
-        coordinator.put(backend.key, b"garbage")
-        with pytest.raises(RendezvousStateError):
-            backend.set_state(b"y", 1)
-
-    def test_set_state_sets_backend_state_if_it_does_not_exist(self, backend):
-        state, token, has_set = backend.set_state(b"x")
-        assert state == b"x"
-        assert token is not None
-        assert has_set is True
-
-    def test_set_state_sets_backend_state_if_token_is_current(self, backend):
-        _, token1, has_set1 = backend.set_state(b"x")
-        state2, token2, has_set2 = backend.set_state(b"y", token1)
-        assert state2 == b"y"
-        assert token1 != token2
-        assert has_set1 and has_set2
-        assert backend.get_state() == (b"y", token2)
-
-    def test_set_state_returns_current_backend_state_if_token_is_old(self, backend):
-        _, token1, _ = backend.set_state(b"x")
-        state2, token2, _ = backend.set_state(b"y", token1)
-        state3, token3, has_set = backend.set_state(b"z", token1)
-        assert (state3, token3, has_set) == (state2, token2, False)
-        assert backend.get_state() == (b"y", token2)
-
-    def test_set_state_returns_current_backend_state_if_token_is_none(self, backend):
-        state1, token1, _ = backend.set_state(b"x")
-        state2, token2, has_set = backend.set_state(b"y")
-        assert (state2, token2, has_set) == (state1, token1, False)
-
-    @pytest.mark.parametrize("token", ["invalid", b"5", 1.5, True, object()])
-    def test_set_state_returns_current_backend_state_if_token_is_invalid(self, backend, token):
-        state1, token1, _ = backend.set_state(b"x")
-        state2, token2, has_set = backend.set_state(b"y", token=token)
-        assert (state2, token2, has_set) == (state1, token1, False)
-
-    def test_set_state_with_a_token_returns_none_once_the_state_is_gone(self, backend,
-                                                                        coordinator):
-        _, token, _ = backend.set_state(b"x")
-        coordinator.delete(backend.key)
-        assert backend.set_state(b"y", token) is None
-
-    def test_only_one_of_two_writers_with_the_same_token_wins(self, coordinator, keyspace):
-        a = EtcdV3RendezvousBackend(coordinator, RUN_ID, keyspace)
-        b = EtcdV3RendezvousBackend(coordinator, RUN_ID, keyspace)
-        _, token, _ = a.set_state(b"base")
-        results = {}
-        barrier = threading.Barrier(2)
-
-        def write(name, backend):
-            barrier.wait()
-            results[name] = backend.set_state(name.encode(), token)
-
-        threads = [threading.Thread(target=write, args=(n, be)) for n, be in (("a", a), ("b", b))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(10)
-        wins = [n for n, (_, _, ok) in results.items() if ok]
-        assert len(wins) == 1
-        loser = "b" if wins == ["a"] else "a"
-        # The loser is handed the winner's state and token.
-        assert results[loser][:2] == results[wins[0]][:2] == a.get_state()
-
-    def test_state_filter_rewrites_what_torch_sees_not_what_is_stored(self, coordinator,
-                                                                      keyspace):
-        backend = EtcdV3RendezvousBackend(coordinator, RUN_ID, keyspace,
-                                          state_filter=lambda s: s.upper())
-        assert backend.set_state(b"x")[0] == b"X"
-        assert backend.get_state()[0] == b"X"
-        assert decode_state(coordinator.get(backend.key).value) == b"x"
-
-    @pytest.mark.parametrize("run_id", ["", "a/b", "has space"])
-    def test_bad_run_id_is_refused(self, coordinator, run_id):
-        with pytest.raises(ValueError):
-            EtcdV3RendezvousBackend(coordinator, run_id)
-
-
-class TestBackendOnMemory(BackendContract):
-    @pytest.fixture
-    def coordinator(self):
-        return MemoryCoordinator()
-
-
-@pytest.mark.etcd
-class TestBackendOnEtcd(BackendContract):
-    @pytest.fixture
-    def coordinator(self, etcd_client):
-        return etcd_client
 
 
 # -- store contract -----------------------------------------------------------------------
@@ -370,20 +213,21 @@ def _down_memory(heal_after: float) -> tuple[MemoryCoordinator, HealingClock]:
     return coordinator, clock
 
 
-def test_backend_rides_out_an_outage_shorter_than_the_grace_period():
+def test_a_write_rides_out_an_outage_shorter_than_the_grace_period():
     coordinator, clock = _down_memory(heal_after=20)
-    backend = EtcdV3RendezvousBackend(coordinator, RUN_ID, grace=OutageGrace(30, clock=clock))
+    store = EtcdV3Store(coordinator, b"/e/jobs/j/rdzv/store/", grace=OutageGrace(30, clock=clock))
     start = clock.monotonic()
-    assert backend.set_state(b"x")[2] is True
+    store.set("k", b"x")
     assert 20 <= clock.monotonic() - start < 22
+    assert store.get("k") == b"x"
 
 
-def test_backend_fails_after_the_grace_period():
+def test_a_write_fails_after_the_grace_period():
     coordinator, clock = _down_memory(heal_after=1e9)
-    backend = EtcdV3RendezvousBackend(coordinator, RUN_ID, grace=OutageGrace(30, clock=clock))
+    store = EtcdV3Store(coordinator, b"/e/jobs/j/rdzv/store/", grace=OutageGrace(30, clock=clock))
     start = clock.monotonic()
     with pytest.raises(RendezvousConnectionError, match="etcd_grace_period is 30s") as info:
-        backend.get_state()
+        store.set("k", b"x")
     assert isinstance(info.value.__cause__, Unavailable)
     assert 30 <= clock.monotonic() - start < 31
 
@@ -433,9 +277,9 @@ def test_real_etcd_pause_is_ridden_out_then_fails_after_grace(private_etcd, pref
     member = private_etcd.members[0]
     coordinator = connect(private_etcd, timeout=0.5)
     try:
-        backend = EtcdV3RendezvousBackend(coordinator, RUN_ID, Keyspace(prefix),
-                                          OutageGrace(3.0, where=private_etcd.endpoints))
-        _, token, _ = backend.set_state(b"before")
+        store = EtcdV3Store(coordinator, Keyspace(prefix).job_rdzv(RUN_ID) + b"store/",
+                            grace=OutageGrace(3.0, where=private_etcd.endpoints))
+        store.set("k", b"before")
 
         # A 1.5 s pause: the call blocks through it and succeeds.
         member.signal(signal.SIGSTOP)
@@ -443,14 +287,13 @@ def test_real_etcd_pause_is_ridden_out_then_fails_after_grace(private_etcd, pref
         try:
             start = time.monotonic()
             resume.start()
-            state, token2, has_set = backend.set_state(b"during", token)
+            store.set("k", b"during")
             elapsed = time.monotonic() - start
         finally:
             resume.cancel()
             member.signal(signal.SIGCONT)
-        assert (state, has_set) == (b"during", True)
         assert 1.0 <= elapsed < 3.0
-        assert backend.get_state() == (b"during", token2)
+        assert store.get("k") == b"during"
 
         # A pause longer than the grace period: a clear error after about 3 s.
         member.signal(signal.SIGSTOP)
@@ -458,13 +301,13 @@ def test_real_etcd_pause_is_ridden_out_then_fails_after_grace(private_etcd, pref
             start = time.monotonic()
             with pytest.raises(RendezvousConnectionError,
                                match="unreachable for .* etcd_grace_period is 3s"):
-                backend.get_state()
+                store.set("k", b"late")
             elapsed = time.monotonic() - start
         finally:
             member.signal(signal.SIGCONT)
         # Up to one in-flight attempt (2 tries x 0.5 s request timeout) past the grace period.
         assert 3.0 <= elapsed < 5.0
-        assert backend.get_state() == (b"during", token2)  # and all is well afterwards
+        assert store.get("k") in (b"during", b"late")  # and all is well afterwards
     finally:
         coordinator.close()
 
@@ -522,16 +365,6 @@ class LosesReplyOnce(MemoryCoordinator):
         return result
 
 
-def test_set_state_whose_reply_was_lost_reports_success():
-    coordinator = LosesReplyOnce()
-    backend = EtcdV3RendezvousBackend(coordinator, RUN_ID, grace=OutageGrace(5, clock=FakeClock()))
-    _, token, _ = backend.set_state(b"x")
-    coordinator.lose_next_reply = True
-    state, token2, has_set = backend.set_state(b"y", token)
-    assert (state, has_set) == (b"y", True)
-    assert backend.get_state() == (b"y", token2)
-
-
 def test_add_whose_reply_was_lost_is_not_applied_twice():
     coordinator = LosesReplyOnce()
     store = EtcdV3Store(coordinator, b"/e/jobs/j/rdzv/store/",
@@ -546,13 +379,14 @@ def test_add_whose_reply_was_lost_is_not_applied_twice():
 @pytest.mark.etcd
 def test_sigterm_inside_an_etcd_call_reaches_torchs_agent_as_a_signal(etcd, prefix):
     # torch's agent raises SignalException from its SIGTERM handler wherever the thread is. Seen
-    # in CI: raised inside a backend read, it came out as EtcdUnavailableError, the agent took it
+    # in CI: raised inside a rendezvous read, it came out as EtcdUnavailableError, the agent took it
     # for a rendezvous failure and closed the rendezvous, ending the job on every node.
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     coord = connect(etcd)
     try:
-        backend = EtcdV3RendezvousBackend(coord, RUN_ID, Keyspace(prefix), OutageGrace(1.0))
+        store = EtcdV3Store(coord, Keyspace(prefix).job_rdzv(RUN_ID) + b"store/",
+                            grace=OutageGrace(1.0))
         real = coord._get_client()
 
         class Interrupted:
@@ -563,8 +397,8 @@ def test_sigterm_inside_an_etcd_call_reaches_torchs_agent_as_a_signal(etcd, pref
 
         coord._client = Interrupted()
         with pytest.raises(SignalException):
-            backend.get_state()
+            store.check(["k"])
         coord._client = real
-        assert backend.get_state() is None  # an ordinary read works again
+        assert store.check(["k"]) is False  # an ordinary read works again
     finally:
         coord.close()

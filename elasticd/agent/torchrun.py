@@ -1,0 +1,63 @@
+"""torchrun as an elasticd daemon starts it: the agent plus a node's duties under a daemon.
+
+``python -m elasticd.agent.torchrun ARGS`` runs ``python -m torch.distributed.run ARGS`` after
+adding, to every ``etcd-v3`` rendezvous handler the agent creates
+(:mod:`elasticd.coordination.rendezvous`), what a node's agent owes its daemon:
+
+* **Restart into a new round.** When a member of this node's round is gone (its lease expired),
+  kill this node's workers so that torch restarts them into a new round at once, as the
+  daemon's proactive abort does, instead of waiting for a collective to time out.
+* **Fencing for a silent daemon.** When the node's record is gone from etcd and the daemon does
+  not answer locally, kill the workers, revoke the agent's rendezvous lease and exit: a frozen
+  daemon cannot fence for itself (:mod:`.daemon_watch`).
+
+The rendezvous plugin knows nothing of daemons (the coordination layer imports no agent code);
+plain torchrun runs it without any of this.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import runpy
+
+from elasticd.agent.daemon_watch import DaemonWatch, fence_agent, ping_daemon
+from elasticd.agent.supervisor import TAG_ENV, children, kill_workers
+from elasticd.coordination import rendezvous
+from elasticd.coordination.keys import Keyspace
+
+log = logging.getLogger(__name__)
+
+
+def restart_own_workers(dead: list[str]) -> None:
+    """A member of this agent's round is gone: kill this agent's workers (its children)."""
+    pids = children(os.getpid())
+    log.warning("member(s) %s of this round are gone: restarting this node's workers %s",
+                ", ".join(dead), pids)
+    kill_workers(pids)
+
+
+def attach(handler: object) -> None:
+    """Gives a rendezvous handler this node's duties, when a daemon runs the agent (it sets
+    ``ELASTICD_NODE``, ``ELASTICD_SOCKET`` and ``ELASTICD_TAG``)."""
+    node, sock, tag = (os.environ.get(k) for k in ("ELASTICD_NODE", "ELASTICD_SOCKET", TAG_ENV))
+    if not (node and sock and tag):
+        return
+    handler.on_round_broken = restart_own_workers  # type: ignore[attr-defined]
+    prefix = os.environ.get("ELASTICD_PREFIX", "/elasticd")
+    watch = DaemonWatch(handler._coord, Keyspace(prefix).node(node),  # type: ignore[attr-defined]
+                        ping=ping_daemon(sock, timeout=1.0),
+                        fence=fence_agent(tag, handler.stop),  # type: ignore[attr-defined]
+                        absent_for=0.0, interval=0.25, silent_for=1.0, ping_interval=0.25)
+    watch.start()
+    log.info("watching daemon of node %s (record %s, socket %s)", node,
+             watch.node_key.decode(errors="replace"), sock)
+
+
+def main() -> None:
+    rendezvous.on_handler_created.append(attach)
+    runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()
