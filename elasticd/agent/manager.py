@@ -33,10 +33,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import queue
 import subprocess
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from elasticd.agent import crashloop
 from elasticd.agent.policy import JobPolicy
@@ -50,9 +49,9 @@ from elasticd.coordination.api import (
     CoordinationError,
     Coordinator,
     EventType,
-    WatchEvent,
 )
 from elasticd.coordination.keys import Keyspace, check_name
+from elasticd.coordination.watch_feed import WatchFeed
 from elasticd.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -115,8 +114,7 @@ class JobManager:
         self.controls: dict[str, JobControl] = {}
         self.members: dict[str, set[str]] = {}  # job -> nodes with a live status entry
         self.statuses: dict[str, dict[str, NodeJobStatus]] = {}  # job -> node -> status
-        self._events: "queue.Queue[Sequence[WatchEvent] | Exception]" = queue.Queue()
-        self._watch = None
+        self._feed = WatchFeed(keep=lambda e: self._kind(e.kv.key)[1] is not None)
         self._need_resync = True
 
         self.job: str | None = None
@@ -157,20 +155,10 @@ class JobManager:
         self._before_resync()
         kvs, revision = self.coord.get_prefix(self.keys.jobs)
         self._reset(kvs)
-        self._watch = self.coord.watch_prefix(self.keys.jobs, self._on_watch, revision + 1)
+        self._feed.start(self.coord, self.keys.jobs, revision + 1)
 
     def close(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            self._watch = None
-
-    def _on_watch(self, batch: Any) -> None:
-        if isinstance(batch, Exception):
-            self._events.put(batch)
-            return
-        mine = [e for e in batch if self._kind(e.kv.key)[1] is not None]
-        if mine:
-            self._events.put(mine)
+        self._feed.close()
 
     def republish(self) -> int:
         """etcd lost its data: writes again every job spec and control this node follows
@@ -248,16 +236,10 @@ class JobManager:
             self.complaints.warn(key, value, "ignoring job record: %s", exc)
 
     def _drain(self) -> None:
-        while True:
-            try:
-                batch = self._events.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(batch, Exception):
-                self._need_resync = True
-                continue
-            for e in batch:
-                self._apply(e.type, e.kv.key, e.kv.value, e.kv.create_revision)
+        events, stale = self._feed.take()
+        self._need_resync |= stale
+        for e in events:
+            self._apply(e.type, e.kv.key, e.kv.value, e.kv.create_revision)
 
     # -- decisions ------------------------------------------------------------------------
 

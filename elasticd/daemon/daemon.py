@@ -16,11 +16,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import queue
 import socket
 import threading
 import uuid
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import psutil
 
@@ -42,18 +41,17 @@ from elasticd.config import Settings
 from elasticd.coordination import records
 from elasticd.coordination.api import (
     AuthError,
-    Compacted,
     CoordinationError,
     Coordinator,
     EventType,
     LeaseLost,
     Unavailable,
-    WatchEvent,
 )
 from elasticd.coordination.health import EtcdHealth
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.lease import LeaseKeeper
-from elasticd.metrics import Metrics
+from elasticd.coordination.watch_feed import WatchFeed
+from elasticd.metrics import CheckpointSink, Metrics
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +65,15 @@ class NodeIdInUse(RuntimeError):
     """Another live daemon holds this node id."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Replication:
+    """Peer replication as the daemon uses it: the replicator (its server and slots are the
+    node builder's, :mod:`elasticd.daemon.node`) and the address peers push to."""
+
+    replicator: Any  # elasticd.replication.replicator.Replicator
+    address: str
+
+
 class Daemon:
     """One node's daemon.
 
@@ -76,17 +83,24 @@ class Daemon:
         clock: injected time.
         metrics: the metrics to update (a fresh registry by default).
         http_address: the address peers and tools reach this node's HTTP endpoint at.
+        membership: the cluster view (a fresh one by default; the node builder shares it
+            with the replicator, which finds peers' replica servers in it).
+        checkpoints: the checkpoint service served to workers, if any.
+        replication: peer replication, if on.
     """
 
     def __init__(self, settings: Settings, coord: Coordinator, clock: Clock | None = None,
-                 metrics: Metrics | None = None, http_address: str = "") -> None:
+                 metrics: Metrics | None = None, http_address: str = "", *,
+                 membership: Membership | None = None, checkpoints: Any = None,
+                 replication: Replication | None = None) -> None:
         self.settings = settings
         self.coord = coord
         self.clock = clock or SystemClock()
         self.metrics = metrics or Metrics()
         self.keys = Keyspace(settings.prefix)
         self.events = EventLog(coord, self.keys, settings.events_retention)
-        self.membership = Membership(settings.node_id, settings.provisional_seconds)
+        self.membership = membership or Membership(settings.node_id,
+                                                   settings.provisional_seconds)
         self.http_address = http_address
         self.incarnation = uuid.uuid4().hex[:12]
         # The cluster's incarnation in etcd: how a daemon recognises that etcd lost its data.
@@ -95,17 +109,15 @@ class Daemon:
         self.started_at = self.clock.wall()
         self.fence_hooks: list[FenceHook] = []
         self.local_socket = ""  # path of the workers' channel to this daemon, once serving
-        self.checkpoints: Any = None  # elasticd.checkpoint.service.CheckpointService
-        self.replicator: Any = None  # elasticd.replication.replicator.Replicator
-        self._replica_server: Any = None
-        self._replica_store: Any = None
-        self.replication_address = ""
+        self.checkpoints: Any = checkpoints  # elasticd.checkpoint.service.CheckpointService
+        self.replicator: Any = replication.replicator if replication else None
+        self.replication_address = replication.address if replication else ""
         self._membership_key: Any = None
 
         self.health = EtcdHealth(self.clock, self._outage_started, self._outage_ended,
                                  describe=f"etcd at {settings.etcd or 'embedded'}")
         self._wake = threading.Event()
-        self._events: "queue.Queue[Sequence[WatchEvent] | CoordinationError]" = queue.Queue()
+        self._feed = WatchFeed(wake=self._wake.set)
         self.keeper = LeaseKeeper(coord, settings.lease_ttl, self.health,
                                   on_change=self._wake.set, clock=self.clock,
                                   on_failure=self.metrics.keepalive_failures.inc)
@@ -124,6 +136,14 @@ class Daemon:
         self.fence_hooks.append(self.jobs.fence)
         self.jobs.committed = self._committed_step  # crash-loop detection
         self.jobs.record_event = self._record_event
+        if checkpoints is not None:
+            self._ckpt_sink = CheckpointSink(self.metrics)
+            checkpoints.on_restore.append(self._record_recovery)
+            # A Checkpointer's register and slot requests are progress reports (ranks, hangs).
+            checkpoints.on_progress.append(self.jobs.on_progress)
+            self.jobs.on_job_end.append(checkpoints.remove_job)
+        if self.replicator is not None:
+            self.jobs.on_job_end.append(self.replicator.remove_job)
         self.drainer = Drainer(
             settings.node_id, coord, self.keys, quiesce=self._quiesce, resume=self._resume,
             handoff=self._handoff, hold=self._hold, job_stopped=self.jobs.idle,
@@ -134,7 +154,6 @@ class Daemon:
         self.registered_lease: int | None = None
         self.sentence = "starting"
         self._stop = threading.Event()
-        self._watch = None
         self._need_resync = False
         self._last_resync = 0.0
         self._last_heartbeat = 0.0
@@ -228,11 +247,11 @@ class Daemon:
         except CoordinationError as exc:
             log.warning("could not leave cleanly (%s); peers will see the lease expire", exc)
             self.keeper.stop()
-        self._close_watch()
+        self._feed.close()
 
     def close(self) -> None:
         self.keeper.stop()
-        self._close_watch()
+        self._feed.close()
         self.jobs.close()
 
     def rdzv_conf(self) -> dict[str, str]:
@@ -276,45 +295,6 @@ class Daemon:
         if self.local_socket:
             env["ELASTICD_SOCKET"] = self.local_socket
         return env
-
-    def attach_checkpoints(self, service: Any) -> None:
-        """Serves the checkpoint service to workers; a finished job's slots are freed."""
-        from elasticd.metrics import CheckpointSink
-
-        self.checkpoints = service
-        self._ckpt_sink = CheckpointSink(self.metrics)
-        service.on_restore.append(self._record_recovery)
-        # A Checkpointer's register and slot requests are progress reports (ranks, hangs).
-        service.on_progress.append(self.jobs.on_progress)
-        self.jobs.on_job_end.append(service.remove_job)
-
-    def attach_replication(self, replicator: Any, server: Any, replica_store: Any) -> None:
-        self.replicator, self._replica_server = replicator, server
-        self._replica_store = replica_store
-        host, port = server.address[:2] if isinstance(server.address, tuple) else \
-            server.address.rsplit(":", 1)
-        if host in ("", "0.0.0.0", "::"):
-            host = socket.getfqdn()
-        self.replication_address = f"{host}:{port}"
-        self.jobs.on_job_end.append(replicator.remove_job)
-        from elasticd.metrics import ReplicationSink
-
-        replicator.pusher.on_push = ReplicationSink(self.metrics).pushed
-        self.metrics.replication.attach(replicator.stats, server.snapshot_stats)
-
-    def close_replication(self) -> None:
-        if self.replicator is not None:
-            self.replicator.close()
-            self._replica_server.stop()
-            self._replica_store.close(unlink=False)
-
-    def peer_replication_address(self, node: str) -> tuple[str, int] | None:
-        """Where ``node``'s replica server listens, from its node record."""
-        rec = self.membership.nodes.get(node)
-        if rec is None or not rec.replication:
-            return None
-        host, _, port = rec.replication.rpartition(":")
-        return host, int(port)
 
     def _update_replication(self) -> None:
         """Tells the replicator the job's current round: the nodes that run it, in rank
@@ -653,16 +633,7 @@ class Daemon:
         now = self.clock.monotonic()
         self._act(self.membership.reset(self._decode_all(kvs), now, self.clock.wall(), False))
         self._last_resync = now
-        self._watch = self.coord.watch_prefix(self.keys.nodes, self._on_watch, revision + 1)
-
-    def _close_watch(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            self._watch = None
-
-    def _on_watch(self, batch: Sequence[WatchEvent] | CoordinationError) -> None:
-        self._events.put(batch)
-        self._wake.set()
+        self._feed.start(self.coord, self.keys.nodes, revision + 1)
 
     def _decode_all(self, kvs: list[Any]) -> list[NodeRecord]:
         out = []
@@ -682,34 +653,25 @@ class Daemon:
 
     def _drain_events(self, now: float) -> None:
         cut_off = self.health.cut_off_within(self.settings.lease_ttl + 2 * self.settings.loop_interval + 1)
-        while True:
+        events, stale = self._feed.take()
+        # A broken watch re-creates itself, from the revision after the last event; if etcd
+        # came back empty that revision is in the old cluster's past and the stream stays
+        # silent: re-list (which also looks for a data loss).
+        self._need_resync |= stale
+        for ev in events:
+            if ev.type is EventType.PUT:
+                rec = self._decode_node(ev.kv.key, ev.kv.value)
+                if rec is not None:
+                    self._act(self.membership.on_put(rec))
+                continue
             try:
-                batch = self._events.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(batch, Compacted):
-                self._need_resync = True
-                continue
-            if isinstance(batch, CoordinationError):
-                # The watch re-creates itself, from the revision after the last event; if etcd
-                # came back empty that revision is in the old cluster's past and the stream
-                # stays silent: re-list (which also looks for a data loss).
-                self._need_resync = True
-                continue
-            for ev in batch:
-                if ev.type is EventType.PUT:
-                    rec = self._decode_node(ev.kv.key, ev.kv.value)
-                    if rec is not None:
-                        self._act(self.membership.on_put(rec))
-                    continue
-                try:
-                    node = self.keys.node_of(ev.kv.key)
-                except ValueError:
-                    continue  # never a node: its record was ignored when it was written
-                prev = None
-                if ev.prev is not None:
-                    prev = self._decode_node(ev.prev.key, ev.prev.value)
-                self._act(self.membership.on_delete(node, prev, now, self.clock.wall(), cut_off))
+                node = self.keys.node_of(ev.kv.key)
+            except ValueError:
+                continue  # never a node: its record was ignored when it was written
+            prev = None
+            if ev.prev is not None:
+                prev = self._decode_node(ev.prev.key, ev.prev.value)
+            self._act(self.membership.on_delete(node, prev, now, self.clock.wall(), cut_off))
 
     def _resync(self, now: float) -> None:
         if self._look_for_data_loss():
@@ -789,7 +751,7 @@ class Daemon:
     # -- waiting and status ---------------------------------------------------------------
 
     def _wait(self, seconds: float) -> None:
-        if self._events.empty():
+        if self._feed.empty():
             self._wake.wait(seconds)
         self._wake.clear()
 
