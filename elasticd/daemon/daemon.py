@@ -16,54 +16,34 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import socket
 import threading
 import uuid
 from typing import Any, Callable
-
-import psutil
 
 import elasticd
 from elasticd.agent.manager import JobManager
 from elasticd.clock import Clock, SystemClock
 from elasticd.cluster.drain import Drainer
 from elasticd.cluster.events import Event, EventLog
-from elasticd.cluster.incarnation import DataLoss, Incarnation
-from elasticd.cluster.membership import (
-    Membership,
-    NodeRecord,
-    NodeState,
-    Observation,
-    ObservationKind,
-    decode_node,
-)
+from elasticd.cluster.incarnation import Incarnation
+from elasticd.cluster.membership import (Membership, NodeRecord, NodeState, Observation,
+                                         ObservationKind, decode_node)
 from elasticd.config import Settings
 from elasticd.coordination import records
-from elasticd.coordination.api import (
-    AuthError,
-    CoordinationError,
-    Coordinator,
-    EventType,
-    LeaseLost,
-    Unavailable,
-)
+from elasticd.coordination.api import (AuthError, CoordinationError, Coordinator, EventType,
+                                       Unavailable)
 from elasticd.coordination.health import EtcdHealth
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.lease import LeaseKeeper
 from elasticd.coordination.watch_feed import WatchFeed
+from elasticd.daemon.data_loss import DataLossRecovery
+from elasticd.daemon.fencing import FenceHook, Fencing
+from elasticd.daemon.registration import NodeIdInUse, Registration
 from elasticd.metrics import CheckpointSink, Metrics
 
 log = logging.getLogger(__name__)
 
-NODE_KIND = "node"
 _RESYNC_SECONDS = 30.0
-
-FenceHook = Callable[[str], None]
-
-
-class NodeIdInUse(RuntimeError):
-    """Another live daemon holds this node id."""
-
 
 @dataclasses.dataclass(frozen=True)
 class Replication:
@@ -74,7 +54,7 @@ class Replication:
     address: str
 
 
-class Daemon:
+class Daemon(Registration, Fencing, DataLossRecovery):
     """One node's daemon.
 
     Args:
@@ -467,165 +447,6 @@ class Daemon:
                     f"before recording a failure; I am {me}, {alive} nodes alive")
         return f"no action: I am {me}, {alive} nodes alive"
 
-    def _describe_outage(self) -> str:
-        gone = self.health.outage_seconds()
-        left = self.settings.outage_grace - gone
-        if self.state is NodeState.FENCED:
-            return (f"etcd unreachable for {gone:.1f} s; fenced (workers stopped) after the "
-                    f"{self.settings.outage_grace:.0f} s grace; retrying")
-        return (f"etcd unreachable for {gone:.1f} s; keeping workers running for "
-                f"{max(0.0, left):.1f} s more; retrying")
-
-    # -- registration ---------------------------------------------------------------------
-
-    def _record(self, lease: int) -> NodeRecord:
-        return NodeRecord(
-            node=self.settings.node_id,
-            state=self.state.value,
-            address=self.http_address,
-            hostname=socket.gethostname(),
-            pid=os.getpid(),
-            incarnation=self.incarnation,
-            started_at=self.started_at,
-            heartbeat_at=self.clock.wall(),
-            version=elasticd.__version__,
-            lease=lease,
-            sentence=self.sentence,
-            replication=self.replication_address,
-        )
-
-    def _put_record(self, lease: int | None) -> None:
-        if lease is None:
-            return
-        try:
-            self.coord.put(self.keys.node(self.settings.node_id),
-                           records.encode_dataclass(NODE_KIND, self._record(lease)), lease)
-            self.health.ok()
-            self._last_heartbeat = self.clock.monotonic()
-        except LeaseLost:
-            self.registered_lease = None  # the keeper will notice and re-grant
-
-    def _register(self, wait_for_id: bool) -> None:
-        """Creates this node's record bound to the current lease (only if the id is free)."""
-        lease = self.keeper.lease
-        if lease is None:
-            return
-        key = self.keys.node(self.settings.node_id)
-        deadline = self.clock.monotonic() + 2 * self.settings.lease_ttl + 1
-        while True:
-            if not self.keeper.running:
-                self.keeper.step()  # waiting for our id must not cost our own lease
-            lease = self.keeper.lease
-            if lease is None:
-                return
-            value = records.encode_dataclass(NODE_KIND, self._record(lease))
-            if self.coord.create(key, value, lease):
-                break
-            existing = self.coord.get(key)
-            if existing is None:
-                continue
-            try:
-                other = decode_node(existing.value, existing.key, self.keys)
-            except records.RecordError as exc:
-                # Its lease may be anyone's (whoever wrote it chose it): delete, never revoke.
-                log.warning("replacing unreadable record of this node: %s", exc)
-                self.coord.delete(key)
-                continue
-            if other.incarnation == self.incarnation or self._is_dead_local(other):
-                # Our own earlier lease, or a crashed earlier daemon on this host: take over.
-                if existing.lease and existing.lease != lease:
-                    self.coord.revoke_lease(existing.lease)
-                else:
-                    self.coord.delete(key)
-                continue
-            if not wait_for_id or self.clock.monotonic() > deadline:
-                raise NodeIdInUse(
-                    f"node id {self.settings.node_id!r} is held by a live daemon "
-                    f"(host {other.hostname}, pid {other.pid}); give this node another "
-                    "--node-id, or stop the other daemon")
-            self.clock.sleep(0.25)
-        self.health.ok()
-        self.registered_lease = lease
-        self._last_heartbeat = self.clock.monotonic()
-        self.membership.nodes[self.settings.node_id] = self._record(lease)
-        if self.state is NodeState.FENCED:
-            self.state = NodeState.UP
-            self._put_record(lease)
-        self.events.record(Event("joined", self.settings.node_id, lease, self.clock.wall(),
-                                 self.settings.node_id, "registered"))
-        self._notes.append(f"registered as {self.settings.node_id} with lease {lease:x}")
-
-    @staticmethod
-    def _is_dead_local(other: NodeRecord) -> bool:
-        return other.hostname == socket.gethostname() and not psutil.pid_exists(other.pid)
-
-    # -- lease loss and fencing -----------------------------------------------------------
-
-    def _handle_lost_leases(self) -> None:
-        for old in self.keeper.take_lost():
-            self._need_resync = True  # a lease found gone: etcd may have lost its data
-            self.metrics.leases_lost.inc()
-            if self.registered_lease == old:
-                self.registered_lease = None
-            self._suspect[old] = self.clock.monotonic() + self.settings.provisional_seconds + 2
-            self._notes.append(f"lost lease {old:x}")
-        self._check_suspects(self.clock.monotonic())
-
-    def _check_suspects(self, now: float) -> None:
-        """Looks for a failure recorded against one of our lost leases: if found, fence."""
-        for old, until in list(self._suspect.items()):
-            if self.events.exists(self.settings.node_id, old, "failed"):
-                del self._suspect[old]
-                self.fence(f"declared dead by peers (lease {old:x} expired)", lease=old)
-            elif now > until:
-                del self._suspect[old]
-
-    def fence(self, reason: str, lease: int | None = None) -> None:
-        """Stops everything this node runs for the cluster, before it rejoins.
-
-        Args:
-            reason: why, for the log, the event and /status.
-            lease: the lease the fencing is about (the one peers declared dead); the event is
-                recorded against it, else against the current lease if there is one.
-        """
-        if self.state is NodeState.FENCED:
-            return
-        log.warning("fencing: %s; stopping workers", reason)
-        self.state = NodeState.FENCED
-        self._fenced_for = reason
-        self.metrics.fenced.inc()
-        for hook in self.fence_hooks:
-            try:
-                hook(reason)
-            except Exception:
-                log.exception("fence hook failed")
-        # The keeper thread may not have granted a new lease yet: the old one names this fence.
-        lease = lease or self.registered_lease or self.keeper.lease
-        self._notes.append(f"fenced: {reason}")
-        try:
-            if lease is not None:
-                self.events.record(Event("fenced", self.settings.node_id, lease,
-                                         self.clock.wall(), self.settings.node_id, reason))
-        except CoordinationError:
-            pass  # etcd is gone; the fence itself is what matters
-
-    def _maybe_fence_for_outage(self) -> None:
-        if self.settings.outage_grace and self.health.outage_seconds() > self.settings.outage_grace:
-            self.fence(f"etcd unreachable for more than {self.settings.outage_grace:.0f} s")
-
-    def _outage_started(self) -> None:
-        self.metrics.etcd_outages.inc()
-        self.metrics.etcd_up.set(0)
-        self._wake.set()
-
-    def _outage_ended(self, seconds: float) -> None:
-        self.metrics.etcd_up.set(1)
-        self._need_resync = True
-        rewatch = getattr(self.coord, "rewatch", None)
-        if rewatch is not None:
-            rewatch()
-        self._wake.set()
-
     # -- peers ----------------------------------------------------------------------------
 
     def _start_watch(self) -> None:
@@ -684,49 +505,6 @@ class Daemon:
         self._act(self.membership.reset(self._decode_all(kvs), now, self.clock.wall(), cut_off))
         self._need_resync = False
         self._last_resync = now
-
-    # -- etcd data loss ----------------------------------------------------------------------
-
-    def _look_for_data_loss(self, again: bool = False) -> bool:
-        """Looks (at most once a cycle, unless ``again``) whether etcd lost its data, and
-        recovers if so. Returns True when it did. Coordination errors propagate."""
-        if self._looked_at_cycle == self.cycles and not again:
-            return False
-        self._looked_at_cycle = self.cycles
-        loss = self.cluster_incarnation.check()
-        if loss is None:
-            return False
-        self._recover_from_data_loss(loss)
-        return True
-
-    def _recover_from_data_loss(self, loss: DataLoss) -> None:
-        """etcd came back empty: keys, leases and watch positions are gone. Nobody failed for
-        it: every peer is given the provisional grace to re-register (as after an outage),
-        watches restart from the new cluster's revision, and what this node holds is written
-        again (its records, the job specs and controls it follows, the replicas' records)."""
-        specs = self.jobs.republish()
-        log.error("etcd lost its data (%s): re-listing and re-watching, re-publishing this "
-                  "node's records and %d job spec(s); no node is declared failed for it",
-                  loss.reason, specs)
-        self.metrics.etcd_data_losses.inc()
-        self.coord.reset_watches()
-        now = self.clock.monotonic()
-        kvs, revision = self.coord.get_prefix(self.keys.nodes)
-        self.cluster_incarnation.observe(revision)
-        self._suspect.clear()  # failed events against our old leases went with the data
-        self._act(self.membership.reset(self._decode_all(kvs), now, self.clock.wall(), True))
-        self._need_resync, self._last_resync = False, now
-        if self.registered_lease is not None:
-            self._put_record(self.registered_lease)  # LeaseLost: re-registered this cycle
-        if self.replicator is not None:
-            self.replicator.republish()
-        # Not the log line's words again: the cycle sentence is logged too, and the loss is
-        # said once.
-        self._notes.append(f"recovered from an etcd data loss; re-published {specs} job "
-                           "spec(s)")
-        if loss.first:
-            self._record_event("etcd_data_lost", f"etcd lost its data: {loss.reason}",
-                               {"specs_republished": specs})
 
     def _act(self, observations: list[Observation]) -> None:
         for ob in observations:
