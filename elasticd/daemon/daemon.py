@@ -45,15 +45,6 @@ log = logging.getLogger(__name__)
 
 _RESYNC_SECONDS = 30.0
 
-@dataclasses.dataclass(frozen=True)
-class Replication:
-    """Peer replication as the daemon uses it: the replicator (its server and slots are the
-    node builder's, :mod:`elasticd.daemon.node`) and the address peers push to."""
-
-    replicator: Any  # elasticd.replication.replicator.Replicator
-    address: str
-
-
 class Daemon(Registration, Fencing, DataLossRecovery):
     """One node's daemon.
 
@@ -66,13 +57,15 @@ class Daemon(Registration, Fencing, DataLossRecovery):
         membership: the cluster view (a fresh one by default; the node builder shares it
             with the replicator, which finds peers' replica servers in it).
         checkpoints: the checkpoint service served to workers, if any.
-        replication: peer replication, if on.
+        replicator: peer replication, if on (its server and slots are the node builder's,
+            :mod:`elasticd.daemon.node`).
+        replication_address: where peers reach this node's replica server.
     """
 
     def __init__(self, settings: Settings, coord: Coordinator, clock: Clock | None = None,
                  metrics: Metrics | None = None, http_address: str = "", *,
                  membership: Membership | None = None, checkpoints: Any = None,
-                 replication: Replication | None = None) -> None:
+                 replicator: Any = None, replication_address: str = "") -> None:
         self.settings = settings
         self.coord = coord
         self.clock = clock or SystemClock()
@@ -90,8 +83,8 @@ class Daemon(Registration, Fencing, DataLossRecovery):
         self.fence_hooks: list[FenceHook] = []
         self.local_socket = ""  # path of the workers' channel to this daemon, once serving
         self.checkpoints: Any = checkpoints  # elasticd.checkpoint.service.CheckpointService
-        self.replicator: Any = replication.replicator if replication else None
-        self.replication_address = replication.address if replication else ""
+        self.replicator: Any = replicator  # elasticd.replication.replicator.Replicator
+        self.replication_address = replication_address
         self._membership_key: Any = None
 
         self.health = EtcdHealth(self.clock, self._outage_started, self._outage_ended,

@@ -24,10 +24,11 @@ from elasticd.coordination.api import AuthError, CoordinationError, Unavailable
 from elasticd.coordination.embedded import EmbeddedEtcd, EtcdNotFound, EtcdStartError
 from elasticd.coordination.etcd import EtcdCoordinator
 from elasticd.coordination.keys import Keyspace
-from elasticd.daemon.daemon import Daemon, NodeIdInUse, Replication
+from elasticd.daemon.daemon import Daemon
 from elasticd.daemon.http import StatusServer
 from elasticd.daemon.local_api import LocalApiError, LocalServer
 from elasticd.daemon.local_binding import CallerBinding, JobScope
+from elasticd.daemon.registration import NodeIdInUse
 from elasticd.metrics import CheckpointSink, Metrics, ReplicationSink
 
 log = logging.getLogger("elasticd")
@@ -85,10 +86,10 @@ class Node:
         coord = self._connect()
         metrics = Metrics()
         membership = Membership(self.settings.node_id, self.settings.provisional_seconds)
-        service, replication = self._checkpoints(coord, metrics, membership)
+        service, replicator, address = self._checkpoints(coord, metrics, membership)
         daemon = self.daemon = Daemon(self.settings, coord, metrics=metrics,
                                       membership=membership, checkpoints=service,
-                                      replication=replication)
+                                      replicator=replicator, replication_address=address)
         self._serve_http(daemon)
         self._serve_local(daemon)
         try:
@@ -142,7 +143,7 @@ class Node:
                 raise Fatal(f"etcd at {settings.etcd}: {exc}") from exc
 
     def _checkpoints(self, coord: EtcdCoordinator, metrics: Metrics,
-                     membership: Membership) -> tuple[Any, Replication | None]:
+                     membership: Membership) -> tuple[Any, Any, str]:
         """The daemon-owned checkpoint slots, the persistent tier, peer replication and the
         service workers call."""
         from elasticd.checkpoint.service import CheckpointService
@@ -169,25 +170,26 @@ class Node:
                                   every_steps=settings.persist_every_steps or None,
                                   every_seconds=settings.persist_every_seconds or None,
                                   node_id=settings.node_id)
-        replication = self._replication(coord, metrics, membership, store, cap)
+        replicator, address = self._replication(coord, metrics, membership, store, cap)
         if persister is not None:
             # Stopped before replication, as the service that feeds it is done.
             self._teardown.append(persister.close)
-        kwargs = {"replicator": replication.replicator} if replication is not None else {}
+        kwargs = {"replicator": replicator} if replicator is not None else {}
         service = CheckpointService(store, settings.node_id, persister,
                                     metrics_sink=CheckpointSink(metrics),
                                     lag_limit=settings.unprotected_lag_steps, **kwargs)
-        return service, replication
+        return service, replicator, address
 
     def _replication(self, coord: EtcdCoordinator, metrics: Metrics, membership: Membership,
-                     store: Any, cap: int | None) -> Replication | None:
-        """Peer replication, when a cluster secret is configured (else None)."""
+                     store: Any, cap: int | None) -> tuple[Any, str]:
+        """Peer replication and its address, when a cluster secret is configured (else None,
+        "")."""
         settings = self.settings
         secret = settings.secret
         if not secret or settings.replicas < 2:
             log.info("peer replication off (%s)",
                      "no cluster secret" if not secret else "replicas=1")
-            return None
+            return None, ""
         from elasticd.checkpoint.shm import SlotStore, SlotStoreError
         from elasticd.replication.auth import AuthFailures
         from elasticd.replication.replicator import Replicator
@@ -222,7 +224,7 @@ class Node:
         bound = address[:2] if isinstance(address, tuple) else address.rsplit(":", 1)
         log.info("replicating snapshots to %d peers; replication server on %s",
                  settings.replicas - 1, address)
-        return Replication(rep, advertised(*bound))
+        return rep, advertised(*bound)
 
     def _serve_http(self, daemon: Daemon) -> None:
         settings = self.settings
