@@ -146,8 +146,6 @@ def run(argv: Sequence[str] | None = None) -> int:
     node = Node(settings)
     try:
         daemon = node.build()
-        assert node.http is not None
-        log.info("serving /metrics, /healthz and /status on http://%s", node.http.address)
         notifier.ready(daemon.sentence)
         if stop_requested:
             daemon.request_stop()

@@ -71,9 +71,7 @@ class Node:
     def __init__(self, settings: config.Settings, commit_wait: float = COMMIT_WAIT) -> None:
         self.settings = settings
         self.commit_wait = commit_wait
-        self.daemon: Daemon | None = None
         self.http: StatusServer | None = None
-        self.local: LocalServer | None = None
         self._teardown: list[Callable[[], None]] = []  # what close() undoes, last first
 
     def build(self) -> Daemon:
@@ -87,7 +85,7 @@ class Node:
         metrics = Metrics()
         membership = Membership(self.settings.node_id, self.settings.provisional_seconds)
         service, replicator, address = self._checkpoints(coord, metrics, membership)
-        daemon = self.daemon = Daemon(self.settings, coord, metrics=metrics,
+        daemon = Daemon(self.settings, coord, metrics=metrics,
                                       membership=membership, checkpoints=service,
                                       replicator=replicator, replication_address=address)
         self._serve_http(daemon)
@@ -98,6 +96,7 @@ class Node:
             raise Fatal(str(exc)) from exc
         except Unavailable as exc:
             raise Fatal(f"{exc}: check --etcd and that etcd is running") from exc
+        log.info("serving /metrics, /healthz and /status on http://%s", self.http.address)
         return daemon
 
     def close(self) -> None:
@@ -259,7 +258,6 @@ class Node:
             raise Fatal(f"state_dir: cannot serve the workers' socket in "
                         f"{settings.state_path}: {exc}; pick another --state-dir") from exc
         daemon.local_socket = local.path
-        self.local = local
 
     def _remove_empty_shm_dirs(self) -> None:
         for path in (self.settings.shm_path, self.settings.shm_path + "+replicas"):
