@@ -33,32 +33,26 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import queue
 import subprocess
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from elasticd.agent import crashloop
+from elasticd.agent.job_records import JobRecords
 from elasticd.agent.policy import JobPolicy
 from elasticd.agent.progress import ProgressTracker, progress_handler
 from elasticd.agent.supervisor import AgentSupervisor
 from elasticd.clock import Clock, SystemClock
 from elasticd.cluster.jobspec import JobControl, JobSpec, NodeJobStatus
 from elasticd.coordination import records
-from elasticd.coordination.api import (
-    AuthError,
-    CoordinationError,
-    Coordinator,
-    EventType,
-    WatchEvent,
-)
-from elasticd.coordination.keys import Keyspace, check_name
+from elasticd.coordination.api import AuthError, CoordinationError, Coordinator
+from elasticd.coordination.keys import Keyspace
 from elasticd.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
 
-class JobManager:
+class JobManager(JobRecords):
     """Runs this node's share of the cluster's jobs.
 
     Args:
@@ -109,15 +103,7 @@ class JobManager:
         self.credentials = credentials
         self.complaints = records.Complaints(log)
 
-        self.specs: dict[str, tuple[int, JobSpec]] = {}  # job -> (create revision, spec)
-        # Jobs whose spec does not read: job -> (create revision, why). Each is refused.
-        self.bad_specs: dict[str, tuple[int, str]] = {}
-        self.controls: dict[str, JobControl] = {}
-        self.members: dict[str, set[str]] = {}  # job -> nodes with a live status entry
-        self.statuses: dict[str, dict[str, NodeJobStatus]] = {}  # job -> node -> status
-        self._events: "queue.Queue[Sequence[WatchEvent] | Exception]" = queue.Queue()
-        self._watch = None
-        self._need_resync = True
+        JobRecords.__init__(self)
 
         self.job: str | None = None
         self.supervisor: AgentSupervisor | None = None
@@ -150,114 +136,6 @@ class JobManager:
         self._restart_cause = ""  # why the daemon itself restarted the workers, if it did
         self._best_step = -1  # the newest step reported for the job (fallback watermark)
         self._attempt_at = 0.0  # when the current worker group attempt started (monotonic)
-
-    # -- etcd view ------------------------------------------------------------------------
-
-    def start_watch(self) -> None:
-        self._before_resync()
-        kvs, revision = self.coord.get_prefix(self.keys.jobs)
-        self._reset(kvs)
-        self._watch = self.coord.watch_prefix(self.keys.jobs, self._on_watch, revision + 1)
-
-    def close(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            self._watch = None
-
-    def _on_watch(self, batch: Any) -> None:
-        if isinstance(batch, Exception):
-            self._events.put(batch)
-            return
-        mine = [e for e in batch if self._kind(e.kv.key)[1] is not None]
-        if mine:
-            self._events.put(mine)
-
-    def republish(self) -> int:
-        """etcd lost its data: writes again every job spec and control this node follows
-        (create only: another node may have done it already), oldest first so that the order
-        in which jobs are wanted stays, and this node's status entry at the next publish.
-        The caller re-watches; the next step re-lists. Returns the specs this call wrote.
-        A job stopped on purpose stays stopped: its control says so."""
-        written = 0
-        for job, (_, spec) in sorted(self.specs.items(), key=lambda kv: kv[1][0]):
-            if self.coord.create(self.keys.job_spec(job), spec.encode()):
-                written += 1
-            control = self.controls.get(job)
-            if control is not None:
-                self.coord.create(self.keys.job_control(job), control.encode())
-        self._published = None  # our status entry went with the data
-        self._need_resync = True
-        return written
-
-    def _kind(self, key: bytes) -> tuple[str, str | None]:
-        """Splits ``<prefix>/jobs/<job>/<what>[/<node>]`` into (job, what) for the keys we
-        follow; ``what`` is None for the rest (the rendezvous keys, and any key whose job or
-        node name is not valid: ``jobs/../spec`` is no job)."""
-        try:
-            job, what, rest = self.keys.job_key(key)
-        except ValueError:
-            return "", None
-        if what in ("spec", "control") and not rest:
-            return job, what
-        if what == "nodes" and "/" not in rest:
-            try:
-                return job, "nodes/" + check_name("node id in key", rest)
-            except ValueError:
-                return job, None
-        return job, None
-
-    def _reset(self, kvs: list[Any]) -> None:
-        self.specs.clear()
-        self.bad_specs.clear()
-        self.controls.clear()
-        self.members.clear()
-        self.statuses.clear()
-        for kv in kvs:
-            self._apply(EventType.PUT, kv.key, kv.value, kv.create_revision)
-        self._need_resync = False
-
-    def _apply(self, etype: EventType, key: bytes, value: bytes, create_revision: int) -> None:
-        job, what = self._kind(key)
-        if what is None:
-            return
-        try:
-            if what == "spec":
-                self.specs.pop(job, None)
-                self.bad_specs.pop(job, None)
-                if etype is EventType.PUT:
-                    try:
-                        self.specs[job] = (create_revision, JobSpec.decode(value, key, job))
-                    except records.RecordError as exc:
-                        self.bad_specs[job] = (create_revision, f"unreadable job spec: {exc}")
-                        raise
-            elif what == "control":
-                self.controls.pop(job, None)
-                if etype is EventType.PUT:
-                    self.controls[job] = JobControl.decode(value, key)
-            else:
-                node = what.split("/", 1)[1]
-                nodes = self.members.setdefault(job, set())
-                self.statuses.get(job, {}).pop(node, None)
-                nodes.discard(node)
-                if etype is EventType.PUT:
-                    st = NodeJobStatus.decode(value, key, node)
-                    self.statuses.setdefault(job, {})[node] = st
-                    if st.state in ("starting", "running", "restarting"):
-                        nodes.add(node)
-        except records.RecordError as exc:
-            self.complaints.warn(key, value, "ignoring job record: %s", exc)
-
-    def _drain(self) -> None:
-        while True:
-            try:
-                batch = self._events.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(batch, Exception):
-                self._need_resync = True
-                continue
-            for e in batch:
-                self._apply(e.type, e.kv.key, e.kv.value, e.kv.create_revision)
 
     # -- decisions ------------------------------------------------------------------------
 

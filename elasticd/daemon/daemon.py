@@ -16,58 +16,36 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import queue
-import socket
 import threading
 import uuid
-from typing import Any, Callable, Sequence
-
-import psutil
+from typing import Any, Callable
 
 import elasticd
 from elasticd.agent.manager import JobManager
 from elasticd.clock import Clock, SystemClock
 from elasticd.cluster.drain import Drainer
 from elasticd.cluster.events import Event, EventLog
-from elasticd.cluster.incarnation import DataLoss, Incarnation
-from elasticd.cluster.membership import (
-    Membership,
-    NodeRecord,
-    NodeState,
-    Observation,
-    ObservationKind,
-    decode_node,
-)
+from elasticd.cluster.incarnation import Incarnation
+from elasticd.cluster.membership import (Membership, NodeRecord, NodeState, Observation,
+                                         ObservationKind, decode_node)
 from elasticd.config import Settings
 from elasticd.coordination import records
-from elasticd.coordination.api import (
-    AuthError,
-    Compacted,
-    CoordinationError,
-    Coordinator,
-    EventType,
-    LeaseLost,
-    Unavailable,
-    WatchEvent,
-)
+from elasticd.coordination.api import (AuthError, CoordinationError, Coordinator, EventType,
+                                       Unavailable)
 from elasticd.coordination.health import EtcdHealth
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.lease import LeaseKeeper
-from elasticd.metrics import Metrics
+from elasticd.coordination.watch_feed import WatchFeed
+from elasticd.daemon.data_loss import DataLossRecovery
+from elasticd.daemon.fencing import FenceHook, Fencing
+from elasticd.daemon.registration import NodeIdInUse, Registration
+from elasticd.metrics import CheckpointSink, Metrics
 
 log = logging.getLogger(__name__)
 
-NODE_KIND = "node"
 _RESYNC_SECONDS = 30.0
 
-FenceHook = Callable[[str], None]
-
-
-class NodeIdInUse(RuntimeError):
-    """Another live daemon holds this node id."""
-
-
-class Daemon:
+class Daemon(Registration, Fencing, DataLossRecovery):
     """One node's daemon.
 
     Args:
@@ -76,17 +54,26 @@ class Daemon:
         clock: injected time.
         metrics: the metrics to update (a fresh registry by default).
         http_address: the address peers and tools reach this node's HTTP endpoint at.
+        membership: the cluster view (a fresh one by default; the node builder shares it
+            with the replicator, which finds peers' replica servers in it).
+        checkpoints: the checkpoint service served to workers, if any.
+        replicator: peer replication, if on (its server and slots are the node builder's,
+            :mod:`elasticd.daemon.node`).
+        replication_address: where peers reach this node's replica server.
     """
 
     def __init__(self, settings: Settings, coord: Coordinator, clock: Clock | None = None,
-                 metrics: Metrics | None = None, http_address: str = "") -> None:
+                 metrics: Metrics | None = None, http_address: str = "", *,
+                 membership: Membership | None = None, checkpoints: Any = None,
+                 replicator: Any = None, replication_address: str = "") -> None:
         self.settings = settings
         self.coord = coord
         self.clock = clock or SystemClock()
         self.metrics = metrics or Metrics()
         self.keys = Keyspace(settings.prefix)
         self.events = EventLog(coord, self.keys, settings.events_retention)
-        self.membership = Membership(settings.node_id, settings.provisional_seconds)
+        self.membership = membership or Membership(settings.node_id,
+                                                   settings.provisional_seconds)
         self.http_address = http_address
         self.incarnation = uuid.uuid4().hex[:12]
         # The cluster's incarnation in etcd: how a daemon recognises that etcd lost its data.
@@ -95,17 +82,15 @@ class Daemon:
         self.started_at = self.clock.wall()
         self.fence_hooks: list[FenceHook] = []
         self.local_socket = ""  # path of the workers' channel to this daemon, once serving
-        self.checkpoints: Any = None  # elasticd.checkpoint.service.CheckpointService
-        self.replicator: Any = None  # elasticd.replication.replicator.Replicator
-        self._replica_server: Any = None
-        self._replica_store: Any = None
-        self.replication_address = ""
+        self.checkpoints: Any = checkpoints  # elasticd.checkpoint.service.CheckpointService
+        self.replicator: Any = replicator  # elasticd.replication.replicator.Replicator
+        self.replication_address = replication_address
         self._membership_key: Any = None
 
         self.health = EtcdHealth(self.clock, self._outage_started, self._outage_ended,
                                  describe=f"etcd at {settings.etcd or 'embedded'}")
         self._wake = threading.Event()
-        self._events: "queue.Queue[Sequence[WatchEvent] | CoordinationError]" = queue.Queue()
+        self._feed = WatchFeed(wake=self._wake.set)
         self.keeper = LeaseKeeper(coord, settings.lease_ttl, self.health,
                                   on_change=self._wake.set, clock=self.clock,
                                   on_failure=self.metrics.keepalive_failures.inc)
@@ -124,6 +109,14 @@ class Daemon:
         self.fence_hooks.append(self.jobs.fence)
         self.jobs.committed = self._committed_step  # crash-loop detection
         self.jobs.record_event = self._record_event
+        if checkpoints is not None:
+            self._ckpt_sink = CheckpointSink(self.metrics)
+            checkpoints.on_restore.append(self._record_recovery)
+            # A Checkpointer's register and slot requests are progress reports (ranks, hangs).
+            checkpoints.on_progress.append(self.jobs.on_progress)
+            self.jobs.on_job_end.append(checkpoints.remove_job)
+        if self.replicator is not None:
+            self.jobs.on_job_end.append(self.replicator.remove_job)
         self.drainer = Drainer(
             settings.node_id, coord, self.keys, quiesce=self._quiesce, resume=self._resume,
             handoff=self._handoff, hold=self._hold, job_stopped=self.jobs.idle,
@@ -134,7 +127,6 @@ class Daemon:
         self.registered_lease: int | None = None
         self.sentence = "starting"
         self._stop = threading.Event()
-        self._watch = None
         self._need_resync = False
         self._last_resync = 0.0
         self._last_heartbeat = 0.0
@@ -228,11 +220,11 @@ class Daemon:
         except CoordinationError as exc:
             log.warning("could not leave cleanly (%s); peers will see the lease expire", exc)
             self.keeper.stop()
-        self._close_watch()
+        self._feed.close()
 
     def close(self) -> None:
         self.keeper.stop()
-        self._close_watch()
+        self._feed.close()
         self.jobs.close()
 
     def rdzv_conf(self) -> dict[str, str]:
@@ -274,45 +266,6 @@ class Daemon:
         if self.local_socket:
             env["ELASTICD_SOCKET"] = self.local_socket
         return env
-
-    def attach_checkpoints(self, service: Any) -> None:
-        """Serves the checkpoint service to workers; a finished job's slots are freed."""
-        from elasticd.metrics import CheckpointSink
-
-        self.checkpoints = service
-        self._ckpt_sink = CheckpointSink(self.metrics)
-        service.on_restore.append(self._record_recovery)
-        # A Checkpointer's register and slot requests are progress reports (ranks, hangs).
-        service.on_progress.append(self.jobs.on_progress)
-        self.jobs.on_job_end.append(service.remove_job)
-
-    def attach_replication(self, replicator: Any, server: Any, replica_store: Any) -> None:
-        self.replicator, self._replica_server = replicator, server
-        self._replica_store = replica_store
-        host, port = server.address[:2] if isinstance(server.address, tuple) else \
-            server.address.rsplit(":", 1)
-        if host in ("", "0.0.0.0", "::"):
-            host = socket.getfqdn()
-        self.replication_address = f"{host}:{port}"
-        self.jobs.on_job_end.append(replicator.remove_job)
-        from elasticd.metrics import ReplicationSink
-
-        replicator.pusher.on_push = ReplicationSink(self.metrics).pushed
-        self.metrics.replication.attach(replicator.stats, server.snapshot_stats)
-
-    def close_replication(self) -> None:
-        if self.replicator is not None:
-            self.replicator.close()
-            self._replica_server.stop()
-            self._replica_store.close(unlink=False)
-
-    def peer_replication_address(self, node: str) -> tuple[str, int] | None:
-        """Where ``node``'s replica server listens, from its node record."""
-        rec = self.membership.nodes.get(node)
-        if rec is None or not rec.replication:
-            return None
-        host, _, port = rec.replication.rpartition(":")
-        return host, int(port)
 
     def _update_replication(self) -> None:
         """Tells the replicator the job's current round: the nodes that run it, in rank
@@ -485,165 +438,6 @@ class Daemon:
                     f"before recording a failure; I am {me}, {alive} nodes alive")
         return f"no action: I am {me}, {alive} nodes alive"
 
-    def _describe_outage(self) -> str:
-        gone = self.health.outage_seconds()
-        left = self.settings.outage_grace - gone
-        if self.state is NodeState.FENCED:
-            return (f"etcd unreachable for {gone:.1f} s; fenced (workers stopped) after the "
-                    f"{self.settings.outage_grace:.0f} s grace; retrying")
-        return (f"etcd unreachable for {gone:.1f} s; keeping workers running for "
-                f"{max(0.0, left):.1f} s more; retrying")
-
-    # -- registration ---------------------------------------------------------------------
-
-    def _record(self, lease: int) -> NodeRecord:
-        return NodeRecord(
-            node=self.settings.node_id,
-            state=self.state.value,
-            address=self.http_address,
-            hostname=socket.gethostname(),
-            pid=os.getpid(),
-            incarnation=self.incarnation,
-            started_at=self.started_at,
-            heartbeat_at=self.clock.wall(),
-            version=elasticd.__version__,
-            lease=lease,
-            sentence=self.sentence,
-            replication=self.replication_address,
-        )
-
-    def _put_record(self, lease: int | None) -> None:
-        if lease is None:
-            return
-        try:
-            self.coord.put(self.keys.node(self.settings.node_id),
-                           records.encode_dataclass(NODE_KIND, self._record(lease)), lease)
-            self.health.ok()
-            self._last_heartbeat = self.clock.monotonic()
-        except LeaseLost:
-            self.registered_lease = None  # the keeper will notice and re-grant
-
-    def _register(self, wait_for_id: bool) -> None:
-        """Creates this node's record bound to the current lease (only if the id is free)."""
-        lease = self.keeper.lease
-        if lease is None:
-            return
-        key = self.keys.node(self.settings.node_id)
-        deadline = self.clock.monotonic() + 2 * self.settings.lease_ttl + 1
-        while True:
-            if not self.keeper.running:
-                self.keeper.step()  # waiting for our id must not cost our own lease
-            lease = self.keeper.lease
-            if lease is None:
-                return
-            value = records.encode_dataclass(NODE_KIND, self._record(lease))
-            if self.coord.create(key, value, lease):
-                break
-            existing = self.coord.get(key)
-            if existing is None:
-                continue
-            try:
-                other = decode_node(existing.value, existing.key, self.keys)
-            except records.RecordError as exc:
-                # Its lease may be anyone's (whoever wrote it chose it): delete, never revoke.
-                log.warning("replacing unreadable record of this node: %s", exc)
-                self.coord.delete(key)
-                continue
-            if other.incarnation == self.incarnation or self._is_dead_local(other):
-                # Our own earlier lease, or a crashed earlier daemon on this host: take over.
-                if existing.lease and existing.lease != lease:
-                    self.coord.revoke_lease(existing.lease)
-                else:
-                    self.coord.delete(key)
-                continue
-            if not wait_for_id or self.clock.monotonic() > deadline:
-                raise NodeIdInUse(
-                    f"node id {self.settings.node_id!r} is held by a live daemon "
-                    f"(host {other.hostname}, pid {other.pid}); give this node another "
-                    "--node-id, or stop the other daemon")
-            self.clock.sleep(0.25)
-        self.health.ok()
-        self.registered_lease = lease
-        self._last_heartbeat = self.clock.monotonic()
-        self.membership.nodes[self.settings.node_id] = self._record(lease)
-        if self.state is NodeState.FENCED:
-            self.state = NodeState.UP
-            self._put_record(lease)
-        self.events.record(Event("joined", self.settings.node_id, lease, self.clock.wall(),
-                                 self.settings.node_id, "registered"))
-        self._notes.append(f"registered as {self.settings.node_id} with lease {lease:x}")
-
-    @staticmethod
-    def _is_dead_local(other: NodeRecord) -> bool:
-        return other.hostname == socket.gethostname() and not psutil.pid_exists(other.pid)
-
-    # -- lease loss and fencing -----------------------------------------------------------
-
-    def _handle_lost_leases(self) -> None:
-        for old in self.keeper.take_lost():
-            self._need_resync = True  # a lease found gone: etcd may have lost its data
-            self.metrics.leases_lost.inc()
-            if self.registered_lease == old:
-                self.registered_lease = None
-            self._suspect[old] = self.clock.monotonic() + self.settings.provisional_seconds + 2
-            self._notes.append(f"lost lease {old:x}")
-        self._check_suspects(self.clock.monotonic())
-
-    def _check_suspects(self, now: float) -> None:
-        """Looks for a failure recorded against one of our lost leases: if found, fence."""
-        for old, until in list(self._suspect.items()):
-            if self.events.exists(self.settings.node_id, old, "failed"):
-                del self._suspect[old]
-                self.fence(f"declared dead by peers (lease {old:x} expired)", lease=old)
-            elif now > until:
-                del self._suspect[old]
-
-    def fence(self, reason: str, lease: int | None = None) -> None:
-        """Stops everything this node runs for the cluster, before it rejoins.
-
-        Args:
-            reason: why, for the log, the event and /status.
-            lease: the lease the fencing is about (the one peers declared dead); the event is
-                recorded against it, else against the current lease if there is one.
-        """
-        if self.state is NodeState.FENCED:
-            return
-        log.warning("fencing: %s; stopping workers", reason)
-        self.state = NodeState.FENCED
-        self._fenced_for = reason
-        self.metrics.fenced.inc()
-        for hook in self.fence_hooks:
-            try:
-                hook(reason)
-            except Exception:
-                log.exception("fence hook failed")
-        # The keeper thread may not have granted a new lease yet: the old one names this fence.
-        lease = lease or self.registered_lease or self.keeper.lease
-        self._notes.append(f"fenced: {reason}")
-        try:
-            if lease is not None:
-                self.events.record(Event("fenced", self.settings.node_id, lease,
-                                         self.clock.wall(), self.settings.node_id, reason))
-        except CoordinationError:
-            pass  # etcd is gone; the fence itself is what matters
-
-    def _maybe_fence_for_outage(self) -> None:
-        if self.settings.outage_grace and self.health.outage_seconds() > self.settings.outage_grace:
-            self.fence(f"etcd unreachable for more than {self.settings.outage_grace:.0f} s")
-
-    def _outage_started(self) -> None:
-        self.metrics.etcd_outages.inc()
-        self.metrics.etcd_up.set(0)
-        self._wake.set()
-
-    def _outage_ended(self, seconds: float) -> None:
-        self.metrics.etcd_up.set(1)
-        self._need_resync = True
-        rewatch = getattr(self.coord, "rewatch", None)
-        if rewatch is not None:
-            rewatch()
-        self._wake.set()
-
     # -- peers ----------------------------------------------------------------------------
 
     def _start_watch(self) -> None:
@@ -651,16 +445,7 @@ class Daemon:
         now = self.clock.monotonic()
         self._act(self.membership.reset(self._decode_all(kvs), now, self.clock.wall(), False))
         self._last_resync = now
-        self._watch = self.coord.watch_prefix(self.keys.nodes, self._on_watch, revision + 1)
-
-    def _close_watch(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            self._watch = None
-
-    def _on_watch(self, batch: Sequence[WatchEvent] | CoordinationError) -> None:
-        self._events.put(batch)
-        self._wake.set()
+        self._feed.start(self.coord, self.keys.nodes, revision + 1)
 
     def _decode_all(self, kvs: list[Any]) -> list[NodeRecord]:
         out = []
@@ -680,34 +465,25 @@ class Daemon:
 
     def _drain_events(self, now: float) -> None:
         cut_off = self.health.cut_off_within(self.settings.lease_ttl + 2 * self.settings.loop_interval + 1)
-        while True:
+        events, stale = self._feed.take()
+        # A broken watch re-creates itself, from the revision after the last event; if etcd
+        # came back empty that revision is in the old cluster's past and the stream stays
+        # silent: re-list (which also looks for a data loss).
+        self._need_resync |= stale
+        for ev in events:
+            if ev.type is EventType.PUT:
+                rec = self._decode_node(ev.kv.key, ev.kv.value)
+                if rec is not None:
+                    self._act(self.membership.on_put(rec))
+                continue
             try:
-                batch = self._events.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(batch, Compacted):
-                self._need_resync = True
-                continue
-            if isinstance(batch, CoordinationError):
-                # The watch re-creates itself, from the revision after the last event; if etcd
-                # came back empty that revision is in the old cluster's past and the stream
-                # stays silent: re-list (which also looks for a data loss).
-                self._need_resync = True
-                continue
-            for ev in batch:
-                if ev.type is EventType.PUT:
-                    rec = self._decode_node(ev.kv.key, ev.kv.value)
-                    if rec is not None:
-                        self._act(self.membership.on_put(rec))
-                    continue
-                try:
-                    node = self.keys.node_of(ev.kv.key)
-                except ValueError:
-                    continue  # never a node: its record was ignored when it was written
-                prev = None
-                if ev.prev is not None:
-                    prev = self._decode_node(ev.prev.key, ev.prev.value)
-                self._act(self.membership.on_delete(node, prev, now, self.clock.wall(), cut_off))
+                node = self.keys.node_of(ev.kv.key)
+            except ValueError:
+                continue  # never a node: its record was ignored when it was written
+            prev = None
+            if ev.prev is not None:
+                prev = self._decode_node(ev.prev.key, ev.prev.value)
+            self._act(self.membership.on_delete(node, prev, now, self.clock.wall(), cut_off))
 
     def _resync(self, now: float) -> None:
         if self._look_for_data_loss():
@@ -720,49 +496,6 @@ class Daemon:
         self._act(self.membership.reset(self._decode_all(kvs), now, self.clock.wall(), cut_off))
         self._need_resync = False
         self._last_resync = now
-
-    # -- etcd data loss ----------------------------------------------------------------------
-
-    def _look_for_data_loss(self, again: bool = False) -> bool:
-        """Looks (at most once a cycle, unless ``again``) whether etcd lost its data, and
-        recovers if so. Returns True when it did. Coordination errors propagate."""
-        if self._looked_at_cycle == self.cycles and not again:
-            return False
-        self._looked_at_cycle = self.cycles
-        loss = self.cluster_incarnation.check()
-        if loss is None:
-            return False
-        self._recover_from_data_loss(loss)
-        return True
-
-    def _recover_from_data_loss(self, loss: DataLoss) -> None:
-        """etcd came back empty: keys, leases and watch positions are gone. Nobody failed for
-        it: every peer is given the provisional grace to re-register (as after an outage),
-        watches restart from the new cluster's revision, and what this node holds is written
-        again (its records, the job specs and controls it follows, the replicas' records)."""
-        specs = self.jobs.republish()
-        log.error("etcd lost its data (%s): re-listing and re-watching, re-publishing this "
-                  "node's records and %d job spec(s); no node is declared failed for it",
-                  loss.reason, specs)
-        self.metrics.etcd_data_losses.inc()
-        self.coord.reset_watches()
-        now = self.clock.monotonic()
-        kvs, revision = self.coord.get_prefix(self.keys.nodes)
-        self.cluster_incarnation.observe(revision)
-        self._suspect.clear()  # failed events against our old leases went with the data
-        self._act(self.membership.reset(self._decode_all(kvs), now, self.clock.wall(), True))
-        self._need_resync, self._last_resync = False, now
-        if self.registered_lease is not None:
-            self._put_record(self.registered_lease)  # LeaseLost: re-registered this cycle
-        if self.replicator is not None:
-            self.replicator.republish()
-        # Not the log line's words again: the cycle sentence is logged too, and the loss is
-        # said once.
-        self._notes.append(f"recovered from an etcd data loss; re-published {specs} job "
-                           "spec(s)")
-        if loss.first:
-            self._record_event("etcd_data_lost", f"etcd lost its data: {loss.reason}",
-                               {"specs_republished": specs})
 
     def _act(self, observations: list[Observation]) -> None:
         for ob in observations:
@@ -787,7 +520,7 @@ class Daemon:
     # -- waiting and status ---------------------------------------------------------------
 
     def _wait(self, seconds: float) -> None:
-        if self._events.empty():
+        if self._feed.empty():
             self._wake.wait(seconds)
         self._wake.clear()
 

@@ -11,31 +11,18 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import logging
-import os
 import signal
-import socket
 import sys
 from typing import Any, Sequence
 
 from elasticd import config
-from elasticd.clock import SYSTEM_CLOCK
-from elasticd.coordination.api import AuthError, CoordinationError, Unavailable
-from elasticd.coordination.embedded import EmbeddedEtcd, EtcdNotFound, EtcdStartError
-from elasticd.coordination.etcd import EtcdCoordinator
-from elasticd.coordination.keys import Keyspace
-from elasticd.daemon.daemon import Daemon, NodeIdInUse
-from elasticd.daemon.http import StatusServer
-from elasticd.daemon.local_api import LocalApiError, LocalServer
-from elasticd.daemon.local_binding import CallerBinding, JobScope
+from elasticd.daemon.daemon import Daemon
+from elasticd.daemon.node import Fatal, Node
 from elasticd.daemon.notify import Notifier
 
 log = logging.getLogger("elasticd")
 
 EXIT_USAGE = 2
-
-
-class Fatal(Exception):
-    """A start-up problem reported as one line and exit status 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,115 +96,6 @@ def _settings(args: argparse.Namespace) -> config.Settings:
     return config.load(cli, args.config)
 
 
-def _advertised(listen: str) -> str:
-    host, port = listen.rsplit(":", 1)
-    if host in ("", "0.0.0.0", "::", "[::]"):
-        host = socket.getfqdn()
-    return f"{host}:{port}"
-
-
-def _job_scope(daemon: Daemon) -> JobScope | None:
-    """The job running on this node now, as the local socket admits it (any thread)."""
-    supervisor = daemon.jobs.supervisor
-    return None if supervisor is None else supervisor.scope()
-
-
-def _connect(settings: config.Settings) -> EtcdCoordinator:
-    coord = EtcdCoordinator(settings.etcd_settings())
-    deadline = SYSTEM_CLOCK.monotonic() + max(3.0, 3 * settings.etcd_timeout)
-    while True:
-        try:
-            # Probe under our prefix: a role limited to it may read no other key.
-            coord.revision(Keyspace(settings.prefix).cluster)
-            return coord
-        except AuthError as exc:
-            coord.close()
-            raise Fatal(str(exc)) from exc
-        except Unavailable as exc:
-            if SYSTEM_CLOCK.monotonic() > deadline:
-                coord.close()
-                raise Fatal(
-                    f"{exc}: check --etcd (now {settings.etcd!r}) and that etcd is running "
-                    f"(etcdctl --endpoints {settings.etcd} endpoint health)") from exc
-            SYSTEM_CLOCK.sleep(0.2)
-        except CoordinationError as exc:
-            coord.close()
-            raise Fatal(f"etcd at {settings.etcd}: {exc}") from exc
-
-
-def _checkpoint_service(settings: config.Settings, daemon: Daemon) -> "Any":
-    """The daemon-owned checkpoint slots, the persistent tier and the service workers call."""
-    from elasticd.checkpoint.service import CheckpointService
-    from elasticd.checkpoint.shm import SlotStore, SlotStoreError
-    from elasticd.metrics import CheckpointSink
-    from elasticd.persistence.persister import Persister
-
-    cap = settings.memory_cap_mib * 2**20 or None
-    try:
-        store = SlotStore(settings.shm_path, cap_bytes=cap)
-        kept = store.scan()
-    except (OSError, SlotStoreError) as exc:
-        raise Fatal(f"shm_dir: cannot use {settings.shm_path} for checkpoint slots: {exc}; "
-                    "pick another --shm-dir on a tmpfs") from exc
-    if kept.kept or kept.removed:
-        log.info("checkpoint slots after restart: kept %d verified, removed %d",
-                 len(kept.kept), len(kept.removed))
-    persister = None
-    if settings.persist_dir:
-        persister = Persister(settings.persist_dir, keep=settings.persist_keep,
-                              every_steps=settings.persist_every_steps or None,
-                              every_seconds=settings.persist_every_seconds or None,
-                              node_id=settings.node_id)
-    replicator = _replicator(settings, daemon, store, cap)
-    kwargs = {"replicator": replicator} if replicator is not None else {}
-    service = CheckpointService(store, settings.node_id, persister,
-                                metrics_sink=CheckpointSink(daemon.metrics),
-                                lag_limit=settings.unprotected_lag_steps, **kwargs)
-    daemon.attach_checkpoints(service)
-    return service
-
-
-def _replicator(settings: config.Settings, daemon: Daemon, store: "Any",
-                cap: int | None) -> "Any":
-    """Peer replication, when a cluster secret is configured (else None)."""
-    secret = settings.secret
-    if not secret or settings.replicas < 2:
-        log.info("peer replication off (%s)", "no cluster secret" if not secret else "replicas=1")
-        return None
-    from elasticd.checkpoint.shm import SlotStore, SlotStoreError
-    from elasticd.metrics import ReplicationSink
-    from elasticd.replication.auth import AuthFailures
-    from elasticd.replication.replicator import Replicator
-    from elasticd.replication.server import ReplicaServer
-    from elasticd.replication.shm_sink import ShmSink, replica_root
-
-    try:
-        replicas = SlotStore(replica_root(settings.shm_path))
-        replicas.scan()
-    except (OSError, SlotStoreError) as exc:
-        raise Fatal(f"shm_dir: cannot use {replica_root(settings.shm_path)} for peer replicas: "
-                    f"{exc}; pick another --shm-dir on a tmpfs") from exc
-    sink = ShmSink(replicas, local=store, cap_bytes=cap)
-    host, port = settings.replication_addr
-    try:
-        server = ReplicaServer(host, port, secret, settings.node_id, sink,
-                               auth_failures=AuthFailures(ReplicationSink(daemon.metrics).rejected))
-        server.start()
-    except OSError as exc:
-        raise Fatal(f"replication_listen: cannot listen on {settings.replication_listen}: "
-                    f"{exc.strerror}; pick another --replication-listen") from exc
-    # commit_wait=0: with the retention gate on, nodes that fell out of step pushed different
-    # steps and never found a common one to commit (seen with 50 ms steps); pushing the newest
-    # snapshot as soon as a lane is free keeps every node on the same recent steps.
-    rep = Replicator(settings.node_id, daemon.coord, daemon.keys, store, secret,
-                     m=settings.replicas, peers_address=daemon.peer_replication_address,
-                     sink=sink, commit_wait=0.0)
-    daemon.attach_replication(rep, server, replicas)
-    log.info("replicating snapshots to %d peers; replication server on %s",
-             settings.replicas - 1, server.address)
-    return rep
-
-
 def _reload(daemon: Daemon, args: argparse.Namespace) -> None:
     """SIGHUP: re-reads the settings from the same sources and applies what can change live."""
     try:
@@ -268,52 +146,10 @@ def run(argv: Sequence[str] | None = None) -> int:
     # how to see where a stuck daemon waits without stopping it.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 
-    embedded: EmbeddedEtcd | None = None
-    if not settings.etcd:
-        try:
-            embedded = EmbeddedEtcd().start()
-        except EtcdNotFound as exc:
-            raise Fatal(str(exc)) from exc
-        except EtcdStartError as exc:
-            raise Fatal(f"could not start the private etcd: {exc}") from exc
-        log.info("started a private etcd at %s (data in %s); it stops with this daemon",
-                 embedded.endpoints, embedded.dir)
-        settings = config.Settings(**{**settings.__dict__, "etcd": embedded.endpoints})
-
     notifier = Notifier()
-    coord = None
-    server = None
-    local: LocalServer | None = None
+    node = Node(settings)
     try:
-        coord = _connect(settings)
-        daemon = Daemon(settings, coord)
-        try:
-            server = StatusServer(settings.listen_addr, daemon.metrics.registry,
-                                  daemon.status, daemon.healthy)
-        except OSError as exc:
-            raise Fatal(f"listen: cannot serve HTTP on {settings.listen}: {exc.strerror}; "
-                        "pick another --listen address or port") from exc
-        daemon.http_address = _advertised(server.address)
-        server.start()
-        checkpoints = _checkpoint_service(settings, daemon)
-        try:
-            os.makedirs(settings.state_path, mode=0o755, exist_ok=True)
-            # The running job's processes may use the socket too, each bound to its job/rank.
-            binding = CallerBinding(lambda: _job_scope(daemon))
-            local = LocalServer(os.path.join(settings.state_path, "elasticd.sock"),
-                                daemon.local_handlers(), binding=binding)
-            local.start()
-        except (OSError, ValueError, LocalApiError) as exc:
-            raise Fatal(f"state_dir: cannot serve the workers' socket in "
-                        f"{settings.state_path}: {exc}; pick another --state-dir") from exc
-        daemon.local_socket = local.path
-        try:
-            daemon.join()
-        except NodeIdInUse as exc:
-            raise Fatal(str(exc)) from exc
-        except Unavailable as exc:
-            raise Fatal(f"{exc}: check --etcd and that etcd is running") from exc
-        log.info("serving /metrics, /healthz and /status on http://%s", server.address)
+        daemon = node.build()
         notifier.ready(daemon.sentence)
         if stop_requested:
             daemon.request_stop()
@@ -336,25 +172,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         daemon.leave()
         return 0
     finally:
-        if local is not None:
-            local.stop()
-        if daemon is not None and daemon.checkpoints is not None:
-            # Slots stay in shared memory: a restarted daemon adopts those that verify.
-            if daemon.checkpoints.persist is not None:
-                daemon.checkpoints.persist.close()
-            daemon.close_replication()
-            daemon.checkpoints.store.close(unlink=False)
-            for path in (settings.shm_path, settings.shm_path + "+replicas"):
-                try:
-                    os.rmdir(path)  # only when empty: kept slots wait for the next start
-                except OSError:
-                    pass
-        if server is not None:
-            server.stop()
-        if coord is not None:
-            coord.close()
-        if embedded is not None:
-            embedded.stop()
+        node.close()
         notifier.close()
 
 

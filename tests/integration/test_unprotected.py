@@ -75,10 +75,9 @@ def node(etcd, prefix, tmp_path):
                           healthy=lambda: True)
     settings = Settings(node_id="n1", etcd=etcd.endpoints, prefix=prefix, lease_ttl=5,
                         loop_interval=0.25, state_dir=str(tmp_path / "state"))
-    daemon = Daemon(settings, coord, http_address=server.address)
+    daemon = Daemon(settings, coord, http_address=server.address, checkpoints=service)
     server._registry = daemon.metrics.registry
     server.start()
-    daemon.attach_checkpoints(service)
     daemon.join()
     daemon.jobs.job = daemon.jobs._status_job = "j"  # as if its agent ran the job here
     daemon.jobs.supervisor = StandInAgent(str(tmp_path / "agent"))
