@@ -70,14 +70,14 @@ class CheckpointSink:
         if ok:
             self.m.persist_seconds.observe(seconds)
 
-    def update(self, stats: dict) -> None:
-        """Gauges from CheckpointService.stats(), once per main-loop cycle."""
-        self.m.snapshot_bytes.set(stats["snapshot_bytes"])
-        self.m.snapshot_step.set(stats["snapshot_step"])
-        self.m.local_slot_bytes.set(stats["replica_bytes_held"])  # the local store's slots
-        for reason, count in stats["unprotected_jobs"].items():
+    def update(self, stats: Any) -> None:
+        """Gauges from ``CheckpointService.stats()`` (a ``CheckpointStats``), once per cycle."""
+        self.m.snapshot_bytes.set(stats.snapshot_bytes)
+        self.m.snapshot_step.set(stats.snapshot_step)
+        self.m.local_slot_bytes.set(stats.local_slot_bytes)
+        for reason, count in stats.unprotected_jobs.items():
             self.m.jobs_unprotected.labels(reason).set(count)
-        self.m.persisted_step.set(stats["persisted_step"])
+        self.m.persisted_step.set(stats.persisted_step)
 
 
 class Metrics:

@@ -65,7 +65,7 @@ from elasticd.checkpoint.service_records import JobRecord
 from elasticd.checkpoint.service_restores import RestoreOps
 from elasticd.checkpoint.service_snapshots import SnapshotOps
 from elasticd.checkpoint.shm import SlotStore
-from elasticd.checkpoint.telemetry import RESTORE_SOURCES
+from elasticd.checkpoint.telemetry import RESTORE_SOURCES, CheckpointStats
 from elasticd.clock import Clock, SystemClock
 from elasticd.persistence.persister import Persister
 
@@ -219,31 +219,29 @@ class CheckpointService(SnapshotOps, RestoreOps):
                 }
         return out
 
-    def stats(self) -> dict[str, Any]:
-        """Plain numbers for the daemon's metrics (:mod:`elasticd.metrics` reads them at
-        scrape time)."""
+    def stats(self) -> CheckpointStats:
+        """Plain numbers for the daemon's metrics (:mod:`elasticd.metrics` sets its gauges
+        from them once per daemon cycle)."""
         status = self.status()
         with self._lock:
             counters = dict(self.counters)
         steps = [s for job in status.values() for _, s in job["ranks"].values()]
         persist = self.persist.stats() if self.persist else {}
-        return {
-            "snapshots_total": counters.get("snapshots", 0),
-            "snapshot_bytes": sum(job["bytes"] for job in status.values()),
-            "snapshot_step": min(steps) if steps else -1,
-            "replica_bytes_held": self.store.bytes_held(),
-            "skipped_over_budget_total": counters.get("skipped_over_budget", 0),
-            "skipped_busy_total": counters.get("skipped_busy", 0),
-            "skipped_commit_pending_total": counters.get("skipped_commit_pending", 0),
-            "refused_total": counters.get("refused", 0),
-            "unprotected_jobs": {reason: sum(job["unprotected_kind"] == reason
-                                             for job in status.values())
-                                 for reason in REASONS},
-            "restores_total": {s: counters.get(f"restores_{s}", 0) for s in RESTORE_SOURCES},
-            "persisted_step": max((j["persisted"][1] for j in status.values()
-                                   if j["persisted"]), default=-1),
-            "persist_seconds_last": persist.get("last_seconds", 0.0),
-            "persists_total": persist.get("flushed", 0),
-            "persists_failed_total": persist.get("failed", 0),
-            "persists_skipped_total": persist.get("skipped_busy", 0),
-        }
+        return CheckpointStats(
+            snapshots_total=counters.get("snapshots", 0),
+            snapshot_bytes=sum(job["bytes"] for job in status.values()),
+            snapshot_step=min(steps) if steps else -1,
+            local_slot_bytes=self.store.bytes_held(),
+            skipped_over_budget_total=counters.get("skipped_over_budget", 0),
+            skipped_busy_total=counters.get("skipped_busy", 0),
+            skipped_commit_pending_total=counters.get("skipped_commit_pending", 0),
+            refused_total=counters.get("refused", 0),
+            unprotected_jobs={reason: sum(job["unprotected_kind"] == reason
+                                          for job in status.values()) for reason in REASONS},
+            restores_total={s: counters.get(f"restores_{s}", 0) for s in RESTORE_SOURCES},
+            persisted_step=max((j["persisted"][1] for j in status.values() if j["persisted"]),
+                               default=-1),
+            persist_seconds_last=persist.get("last_seconds", 0.0),
+            persists_total=persist.get("flushed", 0),
+            persists_failed_total=persist.get("failed", 0),
+            persists_skipped_total=persist.get("skipped_busy", 0))
