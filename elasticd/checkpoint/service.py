@@ -17,30 +17,10 @@ maps the descriptor that comes with the reply (``_fds``, passed over the local s
 ``ckpt_fetch`` — the very file the daemon verified, whatever the path names by then, and the
 same way whichever uid the job runs as. Daemon side: no torch.
 
-Ops (request fields → reply fields; errors are :class:`RequestError` replies):
-
-* ``ckpt_reserve`` job, rank, world_size, nbytes, [local_world_size], [step], [mapped
-  [[dev, ino], ...]] → path, capacity, ticket, file [dev, ino], and the slot's descriptor
-  (read-write) unless ``file`` is one of the ``mapped`` files the worker still maps | skip,
-  reason
-* ``ckpt_complete`` job, rank, ticket, header_size, [stall_seconds] → generation, step, bytes
-* ``ckpt_list`` job, [rank], [world_size] → ram {rank: [[gen, step], ...]}, persisted
-  [[gen, step], ...], persist_root, progress [gen, step] | null, replicas {rank: [[gen, step],
-  ...]} (copies of other nodes' shards held here; empty without a replicator)
-* ``ckpt_open`` job, rank, generation, step → path, offset, size, pin, and the slot's
-  descriptor (read-only)
-* ``ckpt_release`` pin → {}
-* ``ckpt_report`` job, rank, source, seconds, steps_lost, bytes, generation, step, [refused],
-  [next_generation] → {}
-* ``ckpt_committed`` job → generation, step, ranks | committed: null (no replicator, nothing
-  committed yet, or etcd unreadable)
-* ``register`` job, rank, world_size, [local_rank], [restart], [step] → node, unprotected
-  (a worker's Checkpointer says who it is, when it starts and after each restore: the daemon
-  learns the group's ranks from it, for placement, as from a progress report)
-* ``ckpt_fetch`` job, rank, generation, step → path, offset, size, pin (as ``ckpt_open``),
-  source "local" | "peer", wire_bytes, holder | lost: true, reason. Makes a shard (possibly of
-  another node's rank, after that node died) available in this node's store, fetching it from
-  the peers that hold copies when it is not here.
+Ops, request fields → reply fields, errors :class:`RequestError` replies: the snapshot side's
+in :mod:`~elasticd.checkpoint.service_snapshots`, the restore side's (and the read pins) in
+:mod:`~elasticd.checkpoint.service_restores`; both keep their per-job state in one
+:class:`~elasticd.checkpoint.service_records.JobRecord` under the service's lock.
 
 With a :class:`~elasticd.replication.replicator.Replicator`, every completed snapshot is
 handed to it (``on_local_snapshot``) for replication to peers, and a restore that opens a new
@@ -150,10 +130,7 @@ class CheckpointService(SnapshotOps, RestoreOps):
         """Drops the job's slots, pins and records (its persisted steps stay)."""
         with self._lock:
             self._jobs.pop(job, None)
-            views = [self._pins.pop(p)[0] for p, (_, j, _) in list(self._pins.items())
-                     if j == job]
-        for view in views:
-            view.release()
+        self._sweep_pins(job)
         self.store.remove_job(job)
 
     def unprotected(self, job: str | None) -> str:

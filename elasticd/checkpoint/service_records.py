@@ -1,19 +1,17 @@
-"""What the checkpoint service remembers per job, and how it reads a request's fields.
-
-Both sides of the service (:mod:`~elasticd.checkpoint.service_snapshots`, the snapshot side,
-and :mod:`~elasticd.checkpoint.service_restores`, the restore side) keep their per-job state in
-one :class:`JobRecord` under the service's lock, and check every field a worker sends with
-:func:`request_field`, so that bad input becomes one :class:`RequestError` reply.
-"""
+"""What the checkpoint service remembers per job (both its sides, under its lock), and the
+check of each field a worker sends (:func:`param`: bad input is one :class:`RequestError`)."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import logging
+from typing import Any, Callable
 
 from elasticd.checkpoint.api import Slot
 from elasticd.checkpoint.protection import Unprotected
 from elasticd.local.wire import RequestError
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -40,7 +38,7 @@ class JobRecord:
     generation_started: int = -1
 
 
-def request_field(msg: dict[str, Any], key: str, kind: type, default: Any = ...) -> Any:
+def param(msg: dict[str, Any], key: str, kind: type, default: Any = ...) -> Any:
     """``msg[key]``, checked to be a ``kind`` (an int: non-negative); ``default`` when absent."""
     value = msg.get(key, default)
     if value is ...:
@@ -54,3 +52,12 @@ def request_field(msg: dict[str, Any], key: str, kind: type, default: Any = ...)
                            f"{kind.__name__}, got {value!r:.60}")
     return value
 
+
+def call_hooks(hooks: list[Callable[[dict[str, Any]], None]], what: str,
+               msg: dict[str, Any]) -> None:
+    """Calls each hook with ``msg``; one that fails is logged: an op never fails over a hook."""
+    for hook in hooks:
+        try:
+            hook(msg)
+        except Exception:  # noqa: BLE001 — see above
+            log.exception("%s hook failed", what)

@@ -1,10 +1,21 @@
-"""The restore side of the checkpoint service: ``ckpt_list``, ``ckpt_open``, ``ckpt_fetch``,
-``ckpt_release``, ``ckpt_committed`` and ``ckpt_report``, and the read pins they hold.
+"""The restore side of the checkpoint service (a mixin of
+:class:`~elasticd.checkpoint.service.CheckpointService`, whose state it shares), and the read
+pins its replies hold until ``ckpt_release`` or ``pin_ttl``.
 
-A mixin of :class:`~elasticd.checkpoint.service.CheckpointService`, whose state it shares; the
-ops are described there. A snapshot opened for a worker is verified first and pinned (its slot
-is not reused) until the worker releases it or :attr:`pin_ttl` passes; a shard not held here is
-fetched from the peers that hold copies, through the replicator.
+* ``ckpt_list`` job, [rank], [world_size] → ram {rank: [[gen, step], ...]}, persisted
+  [[gen, step], ...], persist_root, progress [gen, step] | null, replicas {rank: [[gen, step],
+  ...]} (copies of other nodes' shards held here; empty without a replicator)
+* ``ckpt_open`` job, rank, generation, step → path, offset, size, pin, and the slot's
+  descriptor (read-only)
+* ``ckpt_fetch`` job, rank, generation, step → path, offset, size, pin (as ``ckpt_open``),
+  source "local" | "peer", wire_bytes, holder | lost: true, reason. Makes a shard (possibly of
+  another node's rank, after that node died) available in this node's store, fetching it from
+  the peers that hold copies when it is not here.
+* ``ckpt_release`` pin → {}
+* ``ckpt_committed`` job → generation, step, ranks | committed: null (no replicator, nothing
+  committed yet, or etcd unreadable)
+* ``ckpt_report`` job, rank, source, seconds, steps_lost, bytes, generation, step, [refused],
+  [next_generation] → {}
 """
 
 from __future__ import annotations
@@ -14,7 +25,7 @@ from typing import Any
 
 from elasticd.checkpoint.api import SlotStoreError
 from elasticd.checkpoint.format import SnapshotError
-from elasticd.checkpoint.service_records import request_field
+from elasticd.checkpoint.service_records import call_hooks, param
 from elasticd.checkpoint.telemetry import RESTORE_SOURCES
 from elasticd.local.wire import RequestError
 from elasticd.replication.recovery import ShardLost
@@ -26,9 +37,9 @@ class RestoreOps:
     """The restore-side ops of :class:`~elasticd.checkpoint.service.CheckpointService`."""
 
     def _list(self, msg: dict[str, Any]) -> dict[str, Any]:
-        job = request_field(msg, "job", str)
-        only = request_field(msg, "rank", int, None)
-        world = request_field(msg, "world_size", int, None)
+        job = param(msg, "job", str)
+        only = param(msg, "rank", int, None)
+        world = param(msg, "world_size", int, None)
         ranks = sorted({r for j, r, _, _ in self.store.holdings() if j == job})
         with self._lock:
             record = self._jobs.get(job)
@@ -69,8 +80,8 @@ class RestoreOps:
             return {}
 
     def _open(self, msg: dict[str, Any]) -> dict[str, Any]:
-        job, rank = request_field(msg, "job", str), request_field(msg, "rank", int)
-        version = (request_field(msg, "generation", int), request_field(msg, "step", int))
+        job, rank = param(msg, "job", str), param(msg, "rank", int)
+        version = (param(msg, "generation", int), param(msg, "step", int))
         self._sweep_pins()
         try:
             view = self.store.latest(job, rank, pin=True, verify=True, version=version)
@@ -102,7 +113,7 @@ class RestoreOps:
                 "pin": pin, "source": "peer" if fetched else "local", "_fds": [fd]}
 
     def _committed(self, msg: dict[str, Any]) -> dict[str, Any]:
-        job = request_field(msg, "job", str)
+        job = param(msg, "job", str)
         if self.replicator is None:
             return {"committed": None}
         try:
@@ -116,14 +127,14 @@ class RestoreOps:
                 "ranks": sorted(committed.ranks)}
 
     def _fetch(self, msg: dict[str, Any]) -> dict[str, Any]:
-        job, rank = request_field(msg, "job", str), request_field(msg, "rank", int)
+        job, rank = param(msg, "job", str), param(msg, "rank", int)
         with self._lock:
             shard_lock = self._fetching[(job, rank)]
         with shard_lock:
             return self._fetch_one(job, rank, msg)
 
     def _fetch_one(self, job: str, rank: int, msg: dict[str, Any]) -> dict[str, Any]:
-        version = (request_field(msg, "generation", int), request_field(msg, "step", int))
+        version = (param(msg, "generation", int), param(msg, "step", int))
         key = (rank, *version)
         with self._lock:
             record = self._jobs.get(job)
@@ -160,30 +171,31 @@ class RestoreOps:
 
     def _release(self, msg: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
-            entry = self._pins.pop(request_field(msg, "pin", int), None)
+            entry = self._pins.pop(param(msg, "pin", int), None)
         if entry is not None:
             entry[0].release()
         return {}
 
-    def _sweep_pins(self) -> None:
+    def _sweep_pins(self, job: str | None = None) -> None:
+        """Drops the pins older than ``pin_ttl`` (their worker died), or all of ``job``'s."""
         now = self.clock.monotonic()
         with self._lock:
-            old = [p for p, (_, _, t) in self._pins.items() if now - t > self.pin_ttl]
-            views = [self._pins.pop(p)[0] for p in old]
+            views = [self._pins.pop(p)[0] for p, (_, j, t) in list(self._pins.items())
+                     if (j == job if job is not None else now - t > self.pin_ttl)]
         for view in views:
             view.release()
 
     def _report(self, msg: dict[str, Any]) -> dict[str, Any]:
-        job, rank, source = request_field(msg, "job", str), request_field(msg, "rank", int), msg.get("source")
+        job, rank, source = param(msg, "job", str), param(msg, "rank", int), msg.get("source")
         if source not in RESTORE_SOURCES:
             raise RequestError(f"source must be one of {RESTORE_SOURCES}, got {source!r:.40}")
-        seconds, lost = request_field(msg, "seconds", float), request_field(msg, "steps_lost", int)
-        nbytes = request_field(msg, "bytes", int)
+        seconds, lost = param(msg, "seconds", float), param(msg, "steps_lost", int)
+        nbytes = param(msg, "bytes", int)
         refused = [str(r)[:500] for r in msg.get("refused", []) if isinstance(r, str)][:16]
         entry = {"job": job, "rank": rank, "source": source, "seconds": seconds,
                  "steps_lost": lost, "bytes": nbytes, "generation": msg.get("generation"),
                  "step": msg.get("step"), "refused": refused, "at": self.clock.wall()}
-        start_gen = request_field(msg, "next_generation", int, None)
+        start_gen = param(msg, "next_generation", int, None)
         with self._lock:
             record = self._job(job)
             record.last_restore = entry
@@ -206,9 +218,5 @@ class RestoreOps:
             if reason.startswith("persistent"):
                 self._emit("snapshot_refused", job, "persistent")
         self._emit("restored", job, source, seconds, lost, nbytes)
-        for hook in self.on_restore:
-            try:
-                hook(entry)
-            except Exception:  # noqa: BLE001 — a report must not fail over a hook
-                log.exception("restore hook failed")
+        call_hooks(self.on_restore, "restore", entry)
         return {}

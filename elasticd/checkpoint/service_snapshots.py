@@ -1,10 +1,15 @@
-"""The snapshot side of the checkpoint service: ``ckpt_reserve``, ``ckpt_complete``,
-``register``, and what a completed snapshot sets off (replication to peers, persistence).
+"""The snapshot side of the checkpoint service (a mixin of
+:class:`~elasticd.checkpoint.service.CheckpointService`, whose state it shares), and what a
+completed snapshot sets off: replication to peers, persistence.
 
-A mixin of :class:`~elasticd.checkpoint.service.CheckpointService`, whose state (the lock, the
-job records, the store, the replicator and the persister) it shares; the ops are described
-there. Over the memory cap, while paused or while a commit is pending a snapshot is skipped,
-never an error.
+* ``ckpt_reserve`` job, rank, world_size, nbytes, [local_world_size], [step], [mapped
+  [[dev, ino], ...]] → path, capacity, ticket, file [dev, ino], and the slot's descriptor
+  (read-write) unless ``file`` is one of the ``mapped`` files the worker still maps | skip,
+  reason
+* ``ckpt_complete`` job, rank, ticket, header_size, [stall_seconds] → generation, step, bytes
+* ``register`` job, rank, world_size, [local_rank], [restart], [step] → node, unprotected
+  (a worker's Checkpointer says who it is, when it starts and after each restore: the daemon
+  learns the group's ranks from it, for placement, as from a progress report)
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import Any
 from elasticd.checkpoint.api import CommitPending, OverBudget, SlotBusy, StaleSlot
 from elasticd.checkpoint.format import PREAMBLE_SIZE, SnapshotError
 from elasticd.checkpoint.reader import _header_from_json
-from elasticd.checkpoint.service_records import JobRecord, request_field
+from elasticd.checkpoint.service_records import JobRecord, call_hooks, param
 from elasticd.local.wire import RequestError
 from elasticd.persistence.persister import Flushed
 
@@ -38,16 +43,16 @@ class SnapshotOps:
     """The snapshot-side ops of :class:`~elasticd.checkpoint.service.CheckpointService`."""
 
     def _reserve(self, msg: dict[str, Any]) -> dict[str, Any]:
-        job, rank = request_field(msg, "job", str), request_field(msg, "rank", int)
-        world, nbytes = request_field(msg, "world_size", int), request_field(msg, "nbytes", int)
-        local_world = request_field(msg, "local_world_size", int, None)
+        job, rank = param(msg, "job", str), param(msg, "rank", int)
+        world, nbytes = param(msg, "world_size", int), param(msg, "nbytes", int)
+        local_world = param(msg, "local_world_size", int, None)
         if rank >= world:
             raise RequestError(f"rank {rank} outside world size {world}")
         uid = msg.get("_peer", {}).get("uid", msg.get("uid"))
-        step, gen = request_field(msg, "step", int, None), request_field(msg, "generation", int, None)
+        step, gen = param(msg, "step", int, None), param(msg, "generation", int, None)
         if step is not None:
-            self._progress({"job": job, "rank": rank, "world_size": world, "step": step,
-                            "_peer": msg.get("_peer")})
+            call_hooks(self.on_progress, "progress", {"job": job, "rank": rank, "world_size": world,
+                                                      "step": step, "_peer": msg.get("_peer")})
         self._sweep_pins()
         with self._lock:
             if step is not None and gen is not None:
@@ -69,25 +74,18 @@ class SnapshotOps:
         warning = self.unprotected(job)
         return {**reply, "unprotected": warning} if warning else reply
 
-    def _progress(self, msg: dict[str, Any]) -> None:
-        for hook in self.on_progress:
-            try:
-                hook(msg)
-            except Exception:  # noqa: BLE001 — a snapshot must not fail over a progress hook
-                log.exception("progress hook failed")
-
     def _register(self, msg: dict[str, Any]) -> dict[str, Any]:
         """A worker's Checkpointer says who it is (at its start and after each restore)."""
-        job, rank = request_field(msg, "job", str), request_field(msg, "rank", int)
-        world = request_field(msg, "world_size", int)
+        job, rank = param(msg, "job", str), param(msg, "rank", int)
+        world = param(msg, "world_size", int)
         if rank >= world:
             raise RequestError(f"rank {rank} outside world size {world}")
         report = {"job": job, "rank": rank, "world_size": world, "_peer": msg.get("_peer")}
         for key in ("local_rank", "restart", "step"):
-            value = request_field(msg, key, int, None)
+            value = param(msg, key, int, None)
             if value is not None:
                 report[key] = value
-        self._progress(report)
+        call_hooks(self.on_progress, "progress", report)
         return {"node": self.node_id, "unprotected": self.unprotected(job) or None}
 
     def _reserve_slot(self, job: str, rank: int, world: int, nbytes: int,
@@ -168,9 +166,9 @@ class SnapshotOps:
         return {"skip": True, "reason": f"{reason}: {detail}"}
 
     def _complete(self, msg: dict[str, Any]) -> dict[str, Any]:
-        job, rank = request_field(msg, "job", str), request_field(msg, "rank", int)
-        ticket, size = request_field(msg, "ticket", int), request_field(msg, "header_size", int)
-        stall = request_field(msg, "stall_seconds", float, 0.0)
+        job, rank = param(msg, "job", str), param(msg, "rank", int)
+        ticket, size = param(msg, "ticket", int), param(msg, "header_size", int)
+        stall = param(msg, "stall_seconds", float, 0.0)
         with self._lock:
             record = self._jobs.get(job)
             slot = None if record is None else record.slots.get(rank)

@@ -84,9 +84,6 @@ class SnapshotView:
     def array(self, name: str) -> np.ndarray:
         return self._reader.array(name)
 
-    def raw(self, name: str) -> memoryview:
-        return self._reader.raw(name)
-
     def descriptor(self) -> int:
         """A new read-only descriptor of the slot file (for a worker; the caller closes it)."""
         return self._segment.descriptor(writable=False)
@@ -407,13 +404,17 @@ class SlotStore:
                     out.append((job, rank, seg.header.generation, seg.header.step))
             return out
 
+    def _drop(self, keys: list[tuple[str, int]]) -> None:
+        """Forgets these (job, rank)s and deletes their slot files (call with the lock held)."""
+        for key in keys:
+            for seg in self._pairs.pop(key).segments if key in self._pairs else ():
+                if seg is not None:
+                    seg.destroy(self._fd)
+
     def remove(self, job: str, rank: int) -> None:
         """Drops one (job, rank)'s slots (e.g. a replica this node no longer holds)."""
         with self._lock:
-            pair = self._pairs.pop((job, rank), None)
-            for seg in pair.segments if pair else ():
-                if seg is not None:
-                    seg.destroy(self._fd)
+            self._drop([(job, rank)])
             shutil.rmtree(self._dir(job, rank), ignore_errors=True, dir_fd=self._fd)
 
     def remove_job(self, job: str) -> None:
@@ -421,10 +422,7 @@ class SlotStore:
         self._dir(job, 0)
         with self._lock:
             self._retained.pop(job, None)
-            for key in [k for k in self._pairs if k[0] == job]:
-                for seg in self._pairs.pop(key).segments:
-                    if seg is not None:
-                        seg.destroy(self._fd)
+            self._drop([k for k in self._pairs if k[0] == job])
             shutil.rmtree(job, ignore_errors=True, dir_fd=self._fd)
 
     def close(self, *, unlink: bool = True) -> None:
