@@ -11,7 +11,13 @@ prints GB/s and the ratio to the raw socket:
 * ``elasticd push``: :class:`~elasticd.replication.transport.ReplicaClient.push` to a
   :class:`~elasticd.replication.server.ReplicaServer` (handshake, then every frame framed and
   authenticated with AES-GMAC under the session key, committed into a sink whose memory is the
-  preallocated buffer).
+  preallocated buffer), with the GMAC pass inline as the product runs it;
+* ``elasticd push, GMAC helper``: the same with the pass on a helper thread beside the socket
+  copy (``channel.OVERLAP``, elasticd/replication/overlap.py), to show what overlapping buys
+  (on 2 busy cores: nothing; it costs more CPU).
+
+Where the time goes is printed too: CPU seconds per GiB on each side, and the GMAC pass alone
+on one core (a 4 MiB buffer tagged in a loop, in this process, in the same run).
 
 The target: ``elasticd push`` >= 0.8x ``raw socket`` (printed last, with the ratio).
 
@@ -35,6 +41,7 @@ import time
 
 import xxhash
 
+from elasticd.replication import channel
 from elasticd.replication.api import Descriptor, Sink, Version
 from elasticd.replication.seal import FrameKey
 from elasticd.replication.transport import ReplicaClient, ReplicaServer
@@ -58,19 +65,19 @@ class PreallocatedSink(Sink):
     def __init__(self, size: int) -> None:
         super().__init__()
         self.buf = touched(size)
-        self.held: Descriptor | None = None
+        self._held: Descriptor | None = None
 
     def allocate(self, d: Descriptor) -> memoryview:
         return memoryview(self.buf)[: d.total_bytes]
 
     def publish(self, d: Descriptor) -> None:
-        self.held = d
+        self._held = d
 
     def discard(self, d: Descriptor, reason: str) -> None:
         pass
 
     def held(self, job: str, owner_rank: int) -> Descriptor | None:
-        return self.held
+        return self._held
 
     def lookup(self, job: str, owner_rank: int,
                version: Version | None) -> tuple[Descriptor, memoryview] | None:
@@ -119,7 +126,8 @@ def raw_receiver(conn, size: int, chunk: int, repeat: int, check: str) -> None:
                 conn.send((cpu, xxhash.xxh3_64_intdigest(buf)))
 
 
-def elasticd_receiver(conn, size: int, chunk: int) -> None:
+def elasticd_receiver(conn, size: int, chunk: int, overlap: bool) -> None:
+    channel.OVERLAP = overlap
     sink = PreallocatedSink(size + len(HEADER))
     server = ReplicaServer("127.0.0.1", 0, SECRET, "receiver", sink, max_frame=chunk + 64,
                            chunk_size=chunk).start()
@@ -149,7 +157,7 @@ class RawSender:
         self.proc.start()
         self.sock = socket.create_connection(("127.0.0.1", self.pipe.recv()))
 
-    def transfer(self) -> tuple[float, float, int]:
+    def transfer(self) -> tuple[float, float, float, int]:
         cpu = time.process_time()
         start = time.perf_counter()
         for off in range(0, len(self.payload), self.chunk):
@@ -164,7 +172,7 @@ class RawSender:
         seconds = time.perf_counter() - start
         sender_cpu = time.process_time() - cpu
         receiver_cpu, digest = self.pipe.recv()
-        return seconds, sender_cpu + receiver_cpu, digest
+        return seconds, sender_cpu, receiver_cpu, digest
 
     def close(self) -> None:
         self.sock.close()
@@ -172,13 +180,15 @@ class RawSender:
 
 
 class ElasticdSender:
-    """A ReplicaClient pushing successive steps to a ReplicaServer in the child."""
+    """A ReplicaClient pushing successive steps to a ReplicaServer in the child; ``overlap``
+    says whether both ends run the GMAC pass on a helper beside the copy or inline (the
+    product's default, ``channel.OVERLAP``)."""
 
-    def __init__(self, payload: memoryview, chunk: int) -> None:
-        self.payload, self.chunk, self.step = payload, chunk, 0
+    def __init__(self, payload: memoryview, chunk: int, overlap: bool = channel.OVERLAP) -> None:
+        self.payload, self.chunk, self.step, self.overlap = payload, chunk, 0, overlap
         self.pipe, child = mp.Pipe()
         self.proc = mp.get_context("fork").Process(
-            target=elasticd_receiver, args=(child, len(payload), chunk), daemon=True)
+            target=elasticd_receiver, args=(child, len(payload), chunk, overlap), daemon=True)
         self.proc.start()
         port = self.pipe.recv()
         self.client = ReplicaClient.connect("127.0.0.1", port, SECRET, "sender",
@@ -189,9 +199,10 @@ class ElasticdSender:
         self.pipe.send("probe")
         return self.pipe.recv()
 
-    def transfer(self) -> tuple[float, float, int]:
+    def transfer(self) -> tuple[float, float, float, int]:
         self.step += 1
         d = Descriptor.for_snapshot("bench", 0, 0, self.step, len(HEADER), len(self.payload))
+        channel.OVERLAP = self.overlap
         cpu = time.process_time()
         start = time.perf_counter()
         self.client.push(d, HEADER, self.payload, chunk_size=self.chunk)
@@ -199,7 +210,7 @@ class ElasticdSender:
         sender_cpu = time.process_time() - cpu
         receiver_cpu, digest = self._probe()
         used, self.receiver_cpu = receiver_cpu - self.receiver_cpu, receiver_cpu
-        return seconds, sender_cpu + used, digest
+        return seconds, sender_cpu, used, digest
 
     def close(self) -> None:
         self.client.close()
@@ -213,7 +224,12 @@ def main() -> None:
     parser.add_argument("--chunk-mib", type=int, default=4, help="chunk size in MiB")
     parser.add_argument("--repeat", type=int, default=3, help="transfers per variant (median)")
     parser.add_argument("--json", default=None, help="also write the figures here")
+    parser.add_argument("--primitives", action="store_true",
+                        help="only time the candidate frame authenticators on one core")
     args = parser.parse_args()
+    if args.primitives:
+        primitives(args.chunk_mib << 20)
+        return
     size, chunk = args.mib << 20, args.chunk_mib << 20
 
     source = touched(size)
@@ -226,9 +242,10 @@ def main() -> None:
         "raw socket": RawSender(payload, chunk, args.repeat, check=""),
         "raw + xxh3 per chunk": RawSender(payload, chunk, args.repeat, check="xxh3"),
         "raw + GMAC per chunk": RawSender(payload, chunk, args.repeat, check="gmac"),
+        "elasticd push, GMAC helper": ElasticdSender(payload, chunk, overlap=True),
         "elasticd push": ElasticdSender(payload, chunk),
     }
-    results: dict[str, list[tuple[float, float, int]]] = {name: [] for name in senders}
+    results: dict[str, list[tuple[float, float, float, int]]] = {name: [] for name in senders}
     try:
         # Interleaved, so that noise from other work on the machine hits every variant alike.
         for _ in range(args.repeat):
@@ -237,28 +254,75 @@ def main() -> None:
     finally:
         for sender in senders.values():
             sender.close()
+    gmac_alone = gmac_rate(payload[:chunk])
 
+    gib = size / 2**30
     print(f"loopback, {args.mib} MiB per transfer, {args.chunk_mib} MiB chunks, "
           f"median of {args.repeat} (interleaved)")
-    print(f"{'variant':<22} {'GB/s':>7} {'vs raw':>7} {'CPU s/GiB':>10}  intact")
+    print(f"{'variant':<27} {'GB/s':>7} {'vs raw':>7} {'CPU s/GiB':>10} {'sender':>7} "
+          f"{'receiver':>8}  intact")
     base = None
     figures = {}
     for name, rows in results.items():
         seconds = statistics.median(r[0] for r in rows)
-        cpu = statistics.median(r[1] for r in rows) / (size / 2**30)
-        intact = all(r[2] == expected for r in rows)
+        send_cpu = statistics.median(r[1] for r in rows) / gib
+        recv_cpu = statistics.median(r[2] for r in rows) / gib
+        cpu = statistics.median(r[1] + r[2] for r in rows) / gib
+        intact = all(r[3] == expected for r in rows)
         rate = size / seconds / 1e9
         base = base or rate
-        print(f"{name:<22} {rate:>7.2f} {rate / base:>7.0%} {cpu:>10.2f}  {intact}")
+        print(f"{name:<27} {rate:>7.2f} {rate / base:>7.0%} {cpu:>10.2f} {send_cpu:>7.2f} "
+              f"{recv_cpu:>8.2f}  {intact}")
         figures[name] = {"seconds": seconds, "gb_per_s": rate, "cpu_seconds_per_gib": cpu,
-                         "intact": intact}
+                         "sender_cpu_seconds_per_gib": send_cpu,
+                         "receiver_cpu_seconds_per_gib": recv_cpu, "intact": intact}
+    print(f"GMAC pass alone, one core, {args.chunk_mib} MiB buffer: {gmac_alone:.2f} GB/s "
+          f"({1 / gmac_alone / 1.073741824:.2f} CPU s/GiB per side)")
     ratio = figures["elasticd push"]["gb_per_s"] / figures["raw socket"]["gb_per_s"]
     print(f"elasticd push (every frame authenticated) / raw socket: {ratio:.2f} "
           f"(target >= 0.80: {'met' if ratio >= 0.8 else 'NOT met'})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bytes": size, "chunk_bytes": chunk, "repeat": args.repeat,
-                       "variants": figures}, f, indent=1)
+                       "variants": figures, "gmac_one_core_gb_per_s": gmac_alone,
+                       "push_vs_raw": ratio}, f, indent=1)
+
+
+def primitives(size: int) -> None:
+    """GB/s (CPU time, one core) of each candidate authenticator over one ``size`` buffer."""
+    import hashlib
+    import hmac
+
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    from cryptography.hazmat.primitives.poly1305 import Poly1305
+
+    buf = memoryview(touched(size))
+    key, nonce, out = bytes(range(32)), bytes(12), {}
+    candidates = {
+        "HMAC-SHA256": lambda: hmac.new(key, buf, "sha256").digest(),
+        "keyed BLAKE2b": lambda: hashlib.blake2b(buf, key=key).digest(),
+        "AES-GCM (encrypting, new output buffer)": lambda: AESGCM(key).encrypt(nonce, buf, None),
+        "Poly1305": lambda: Poly1305.generate_tag(key, buf),
+        "GMAC (as the transport seals a frame)": lambda: FrameKey(key).seal(buf),
+        "xxh3_64 (unkeyed, for scale)": lambda: xxhash.xxh3_64_intdigest(buf),
+    }
+    for name, fn in candidates.items():
+        done, start = 0, time.process_time()
+        while time.process_time() - start < 0.5:
+            fn()
+            done += size
+        out[name] = done / (time.process_time() - start) / 1e9
+        print(f"{name:<42} {out[name]:6.2f} GB/s")
+
+
+def gmac_rate(buf: memoryview, seconds: float = 0.5) -> float:
+    """GB/s of the GMAC pass alone on this thread (CPU time), as the transport runs it."""
+    key = FrameKey(GMAC_KEY)
+    done, start = 0, time.process_time()
+    while time.process_time() - start < seconds:
+        key.seal(buf)
+        done += len(buf)
+    return done / (time.process_time() - start) / 1e9
 
 
 if __name__ == "__main__":

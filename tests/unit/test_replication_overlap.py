@@ -1,0 +1,177 @@
+"""The GMAC pass on a helper thread beside the socket copy (elasticd/replication/overlap.py).
+
+Streams run the pass inline by default (``channel.OVERLAP``; measured faster on 2 cores) and
+on a helper when switched on. The helper moves where frames are sealed and checked, never
+whether: these tests, run both ways, hold the checks to what they are on the stream's thread
+(every frame checked in order, a forged or replayed frame refused, nothing accepted before
+every check has run), check that no helper outlives its stream, and that the installed
+``cryptography`` releases the GIL while it authenticates (without that the helper would run
+in turn with the copy, not beside it).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+
+from elasticd.replication import channel as channel_module
+from elasticd.replication.channel import Channel, receive_stream, send_stream
+from elasticd.replication.overlap import Helper
+from elasticd.replication.seal import FrameKey
+from elasticd.replication.wire import HEADER, HEADER_SIZE, OFFSET, ForgedFrame, FrameType
+
+KEY = bytes(range(32))
+CHUNK = 64 << 10
+HELPERS = ("elasticd-seal", "elasticd-verify")
+
+
+class Recorder:
+    """A sending end that keeps every byte (not a socket: one sendall per part)."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def sendall(self, part) -> None:
+        self.data += part
+
+
+class Replay:
+    """A receiving end that serves recorded bytes."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data, self.pos = memoryview(data), 0
+
+    def recv_into(self, view) -> int:
+        n = min(len(view), len(self.data) - self.pos, 48 << 10)  # several pieces per frame
+        view[:n] = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return n
+
+
+def sealed_stream(payload: bytes) -> bytes:
+    sender = Channel(Recorder())
+    sender.send_key = FrameKey(KEY)
+    frames = send_stream(sender, (memoryview(payload),), CHUNK)
+    assert frames == -(-len(payload) // CHUNK)
+    assert sender.send_key.sequence == frames + 1  # every DATA frame and PUT_END, in order
+    return bytes(sender.sock.data)
+
+
+def receiver(data: bytes) -> Channel:
+    channel = Channel(Replay(data))
+    channel.recv_key = FrameKey(KEY)
+    return channel
+
+
+def frame_starts(data: bytes) -> list[tuple[int, int]]:
+    """(offset in the stream, type) of each frame."""
+    out, pos = [], 0
+    while pos < len(data):
+        _, _, ftype, _, length, _ = HEADER.unpack(data[pos : pos + HEADER_SIZE])
+        out.append((pos, ftype))
+        pos += HEADER_SIZE + length
+    return out
+
+
+def helpers_alive() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name in HELPERS]
+
+
+PAYLOAD = bytes(i * 7 % 251 for i in range(20 * CHUNK + 123))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_stream_sealed_and_checked_on_helpers_arrives_intact(overlap, monkeypatch):
+    monkeypatch.setattr(channel_module, "OVERLAP", overlap)  # False: inline, the default
+    data = sealed_stream(PAYLOAD)
+    target = bytearray(len(PAYLOAD))
+    assert receive_stream(receiver(data), len(PAYLOAD), memoryview(target)) == 21
+    assert bytes(target) == PAYLOAD
+    assert helpers_alive() == []
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("nth", [0, 9, 20])
+def test_a_forged_frame_anywhere_in_the_stream_is_refused(nth, overlap, monkeypatch):
+    monkeypatch.setattr(channel_module, "OVERLAP", overlap)
+    data = bytearray(sealed_stream(PAYLOAD))
+    start = [pos for pos, ftype in frame_starts(data) if ftype == FrameType.DATA][nth]
+    data[start + HEADER_SIZE + OFFSET.size + 5] ^= 0x01  # one data bit, tag left as it was
+    with pytest.raises(ForgedFrame, match=f"at offset {nth * CHUNK} fails its authentication"):
+        receive_stream(receiver(bytes(data)), len(PAYLOAD), memoryview(bytearray(len(PAYLOAD))))
+    assert helpers_alive() == []
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_frame_replayed_from_an_earlier_stream_is_refused(overlap, monkeypatch):
+    """Same offset, same bytes, a valid tag: but made under another sequence number."""
+    monkeypatch.setattr(channel_module, "OVERLAP", overlap)
+    sender = Channel(Recorder())
+    sender.send_key = FrameKey(KEY)
+    send_stream(sender, (memoryview(PAYLOAD),), CHUNK)
+    first = bytes(sender.sock.data)
+    send_stream(sender, (memoryview(PAYLOAD),), CHUNK)
+    second = bytes(sender.sock.data[len(first) :])
+    (a, _), (b, _) = frame_starts(first)[3:5]
+    (c, _), (d, _) = frame_starts(second)[3:5]
+    replayed = second[:c] + first[a:b] + second[d:]
+    channel = receiver(first + replayed)
+    target = memoryview(bytearray(len(PAYLOAD)))
+    assert receive_stream(channel, len(PAYLOAD), target) == 21
+    with pytest.raises(ForgedFrame, match=f"at offset {3 * CHUNK} fails"):
+        receive_stream(channel, len(PAYLOAD), target)
+    assert helpers_alive() == []
+
+
+def test_the_helper_runs_calls_in_order_and_hands_back_the_first_failure():
+    ran: list[int] = []
+
+    def fail(n: int) -> None:
+        raise ValueError(f"call {n} failed")
+
+    with Helper("elasticd-verify") as helper:
+        for n in range(5):
+            helper.submit(ran.append, n)
+        helper.wait()
+        assert ran == [0, 1, 2, 3, 4]
+        helper.submit(fail, 5)
+        helper.submit(ran.append, 6)  # skipped: a stream stops at its first failure
+        with pytest.raises(ValueError, match="call 5 failed"):
+            helper.wait()
+        with pytest.raises(ValueError, match="call 5 failed"):
+            helper.raise_failure()
+    assert ran == [0, 1, 2, 3, 4]
+    assert helpers_alive() == []
+
+
+def test_cryptography_releases_the_gil_while_it_authenticates():
+    """With forced switches made rare, another thread runs only while this one is in a call
+    that releases the GIL: if tagging held it, the counter below could never move."""
+    ticks = [0]
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            ticks[0] += 1
+            stop.wait(0.0005)  # blocks without the GIL; waking needs it back
+
+    buf = memoryview(bytearray(8 << 20))
+    key = FrameKey(KEY)
+    old = sys.getswitchinterval()
+    thread = threading.Thread(target=tick, daemon=True)
+    try:
+        sys.setswitchinterval(30.0)
+        thread.start()
+        deadline, moved = time.monotonic() + 20.0, 0
+        while moved == 0 and time.monotonic() < deadline:
+            start = ticks[0]
+            key.seal(buf)
+            moved = ticks[0] - start
+    finally:
+        sys.setswitchinterval(old)
+        stop.set()
+        thread.join(10)
+    assert moved > 0, "the GMAC pass holds the GIL: upgrade cryptography"
