@@ -27,6 +27,7 @@ Run under ``flock /tmp/elasticd-cpu.lock`` on shared machines::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -88,7 +89,7 @@ def serve(sockdir: str, shm: str, replicate: bool = False) -> None:
     server.stop()
     if replicator is not None:
         replicator.wait_idle(60)
-        print(json.dumps(replicator.stats()), flush=True)
+        print(json.dumps(dataclasses.asdict(replicator.stats())), flush=True)
         replicator.close()
         pipe.send("stop")
         peer.join(30)

@@ -58,8 +58,8 @@ def main() -> None:
         stats = [cluster[n].replicator.stats() for n in ("n1", "n2")]
         print(f"{a.steps} steps of {a.step_ms} ms: committed step "
               f"{committed.step if committed else None}, commits "
-              f"{sum(s['commits_total'] for s in stats)}, withdrawals "
-              f"{[s['withdrawals_total'] for s in stats]}, snapshots taken {taken}")
+              f"{sum(s.commits_total for s in stats)}, withdrawals "
+              f"{[s.withdrawals_total for s in stats]}, snapshots taken {taken}")
     finally:
         cluster.close()
 

@@ -70,14 +70,14 @@ class CheckpointSink:
         if ok:
             self.m.persist_seconds.observe(seconds)
 
-    def update(self, stats: dict) -> None:
-        """Gauges from CheckpointService.stats(), once per main-loop cycle."""
-        self.m.snapshot_bytes.set(stats["snapshot_bytes"])
-        self.m.snapshot_step.set(stats["snapshot_step"])
-        self.m.local_slot_bytes.set(stats["replica_bytes_held"])  # the local store's slots
-        for reason, count in stats["unprotected_jobs"].items():
+    def update(self, stats: Any) -> None:
+        """Gauges from ``CheckpointService.stats()`` (a ``CheckpointStats``), once per cycle."""
+        self.m.snapshot_bytes.set(stats.snapshot_bytes)
+        self.m.snapshot_step.set(stats.snapshot_step)
+        self.m.local_slot_bytes.set(stats.local_slot_bytes)
+        for reason, count in stats.unprotected_jobs.items():
             self.m.jobs_unprotected.labels(reason).set(count)
-        self.m.persisted_step.set(stats["persisted_step"])
+        self.m.persisted_step.set(stats.persisted_step)
 
 
 class Metrics:
@@ -249,22 +249,22 @@ class ReplicationCollector:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._stats: Callable[[], dict[str, Any]] | None = None
+        self._stats: Callable[[], Any] | None = None
         self._server: Callable[[], Any] | None = None
 
-    def attach(self, stats: Callable[[], dict[str, Any]], server_stats: Callable[[], Any]) -> None:
+    def attach(self, stats: Callable[[], Any], server_stats: Callable[[], Any]) -> None:
         """``stats``: ``Replicator.stats``; ``server_stats``: ``ReplicaServer.snapshot_stats``."""
         with self._lock:
             self._stats, self._server = stats, server_stats
 
     def describe(self) -> list[Metric]:
-        return list(self._families({}, None))
+        return list(self._families(None, None))
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
             stats_fn, server_fn = self._stats, self._server
         try:
-            stats = stats_fn() if stats_fn is not None else {}
+            stats = stats_fn() if stats_fn is not None else None
             server = server_fn() if server_fn is not None else None
         except Exception:  # noqa: BLE001 — a scrape must not fail for one part; zeros would
             # make counters look reset, so these families are left out of this scrape instead.
@@ -273,7 +273,8 @@ class ReplicationCollector:
         yield from self._families(stats, server)
 
     @staticmethod
-    def _families(st: dict[str, Any], server: Any) -> Iterator[Metric]:
+    def _families(st: Any, server: Any) -> Iterator[Metric]:
+        """``st``: a ``ReplicationStats`` (None before :meth:`attach`: the initial values)."""
         def counter(name: str, doc: str, value: float) -> Metric:
             c = CounterMetricFamily(name, doc)
             c.add_metric([], value)
@@ -293,41 +294,41 @@ class ReplicationCollector:
             return c
 
         yield counter("elasticd_replication_bytes", "Bytes of snapshots pushed to peers",
-                      st.get("replication_bytes_total", 0))
+                      getattr(st, "replication_bytes_total", 0))
         yield by_label("elasticd_replication_failures",
                        "Snapshot pushes to peers that failed, by reason", "reason",
-                       PUSH_FAILURE_REASONS, st.get("replication_failures_total", {}))
+                       PUSH_FAILURE_REASONS, getattr(st, "replication_failures_total", {}))
         yield counter("elasticd_replication_skipped",
                       "Intermediate steps not pushed because a newer snapshot replaced them in "
                       "a peer's lane (replication never queues without bound)",
-                      st.get("replication_skipped_total", 0))
+                      getattr(st, "replication_skipped_total", 0))
         yield counter("elasticd_replication_commits",
                       "Steps this node recorded as committed (every rank has m verified copies)",
-                      st.get("commits_total", 0))
+                      getattr(st, "commits_total", 0))
         yield gauge("elasticd_committed_step",
                     "Newest committed step of this node's job (-1: none yet)",
-                    st.get("committed_step", -1))
+                    getattr(st, "committed_step", -1))
         yield gauge("elasticd_sync_lag_steps",
                     "Newest local snapshot step minus the committed step: the steps a failure "
-                    "now would lose", st.get("sync_lag_steps", 0))
+                    "now would lose", getattr(st, "sync_lag_steps", 0))
         yield gauge("elasticd_shards_unprotected",
                     "Ranks whose committed snapshot has fewer than m copies on current members",
-                    st.get("under_replicated_shards", 0))
+                    getattr(st, "under_replicated_shards", 0))
         yield gauge("elasticd_replica_bytes_held",
                     "Bytes of other nodes' snapshots (replicas) this node holds in shared memory",
-                    st.get("replica_bytes_held", 0))
+                    getattr(st, "replica_bytes_held", 0))
         yield counter("elasticd_rereplications",
                       "Committed shards this node copied to a new holder after a membership "
-                      "change", st.get("rereplications_total", 0))
+                      "change", getattr(st, "rereplications_total", 0))
         yield counter("elasticd_replica_fetches",
                       "Shards fetched for a restore (from a peer, or this node's own copy)",
-                      st.get("fetches_total", 0))
+                      getattr(st, "fetches_total", 0))
         yield counter("elasticd_replica_fetch_bytes", "Bytes of shards fetched for restores",
-                      st.get("fetch_bytes_total", 0))
+                      getattr(st, "fetch_bytes_total", 0))
         yield by_label("elasticd_replica_fetch_failures",
                        "Holders that could not give a shard at restore, by reason (lost: no "
                        "holder had an intact copy)", "reason", FETCH_FAILURE_REASONS,
-                       st.get("fetch_failures_total", {}))
+                       getattr(st, "fetch_failures_total", {}))
         received = CounterMetricFamily(
             "elasticd_replica_pushes_received",
             "Snapshot pushes this node's replica server received, by outcome (aborted: torn, "

@@ -2,13 +2,9 @@
 
 The daemon, not the worker, owns the files (under ``/dev/shm/elasticd-<node>`` by default), so
 a snapshot survives the worker that wrote it, and a restarted daemon keeps every segment whose
-checksums verify (:meth:`SlotStore.scan`). That name is predictable and ``/dev/shm`` is writable
-by every local user, so the root is checked at every start (:func:`claim_root`): it must be a
-directory (not a symlink) of the daemon's own, writable by nobody else, and is made 0700;
-anything else found there — a tree another user created first, with a crafted snapshot in it —
-is moved aside unread and a fresh root made exclusively. Every directory and file below it is
-then created and opened relative to the root's descriptor with ``O_NOFOLLOW``, and workers never
-open a slot by path: the daemon hands them a descriptor of the file it verified. Each (job, rank) has two slots: a snapshot is written
+checksums verify (:meth:`SlotStore.scan`). The root is claimed and walked safely
+(:mod:`elasticd.checkpoint.shm_root`), and workers never open a slot by path: the daemon hands
+them a descriptor of the file it verified. Each (job, rank) has two slots: a snapshot is written
 into the one that does not hold the last complete snapshot, then sealed (header written last, see
 :func:`elasticd.checkpoint.format.seal`), so a crash mid-snapshot never costs the previous one.
 
@@ -18,18 +14,14 @@ because first writes into fresh tmpfs pages run ten times slower than memcpy (do
 per-node cap bounds the bytes held; going over it raises :class:`OverBudget`, which the caller
 turns into a skipped snapshot, a warning and a metric. No torch here: this is daemon code.
 """
-
 from __future__ import annotations
 
 import dataclasses
-import errno
 import logging
 import os
 import re
 import shutil
-import stat
 import threading
-import uuid
 from typing import Any, Callable
 
 import numpy as np
@@ -46,81 +38,22 @@ from elasticd.checkpoint.api import (
 from elasticd.checkpoint.format import SnapshotError, SnapshotHeader, invalidate, seal, write_header
 from elasticd.checkpoint.reader import SnapshotReader, verify_payload
 from elasticd.checkpoint.segment import PAGE, Segment, map_fd, map_file
+from elasticd.checkpoint.shm_root import (
+    DIR_FLAGS,
+    claim_root,
+    dir_problem,
+    listdir_at,
+    remove_at,
+    same_file,
+)
 
-__all__ = ["CommitPending", "OverBudget", "ScanResult", "Slot", "SlotBusy", "SlotStore",
-           "SlotStoreError", "SnapshotView", "StaleSlot", "claim_root", "default_root",
-           "map_fd", "map_file"]
+__all__ = ["PAGE", "CommitPending", "OverBudget", "ScanResult", "Slot", "SlotBusy", "SlotStore",
+           "SlotStoreError", "SnapshotView", "StaleSlot", "map_fd", "map_file"]
 
 log = logging.getLogger(__name__)
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _SEGMENT_RE = re.compile(r"(\d+)\.slot")
-
-
-def default_root(node: str) -> str:
-    """Where a node's slots live unless configured otherwise."""
-    return f"/dev/shm/elasticd-{node}"
-
-
-def _foreign_dir(st: os.stat_result) -> str:
-    """Why a directory is not one only the daemon controls ("" when it is)."""
-    if not stat.S_ISDIR(st.st_mode):
-        return "not a directory"
-    if st.st_uid != os.geteuid():
-        return f"owned by uid {st.st_uid}, not by the daemon (uid {os.geteuid()})"
-    if st.st_mode & 0o022:
-        return f"writable by other users (mode {stat.S_IMODE(st.st_mode):#o})"
-    return ""
-
-
-def claim_root(root: str, attempts: int = 3) -> int:
-    """Returns a descriptor of ``root``, a directory of the daemon's own with mode 0700.
-
-    An existing root is used when it is a real directory owned by the daemon's uid and
-    writable by nobody else (a restarted daemon's, whose slots :meth:`SlotStore.scan` then
-    verifies); anything else at that name (a symlink, a file, another user's or a
-    world-writable directory) is renamed aside to ``<root>.foreign-<random>`` unread, with a
-    warning, and a new root is created exclusively.
-
-    Raises:
-        SlotStoreError: the name could not be claimed (someone keeps re-creating it), or the
-            foreign entry could not be moved aside.
-        OSError: the parent directory cannot be created or read.
-    """
-    root = os.path.abspath(root)
-    os.makedirs(os.path.dirname(root), mode=0o755, exist_ok=True)
-    why = ""
-    for _ in range(attempts):
-        try:
-            os.mkdir(root, 0o700)
-        except FileExistsError:
-            pass
-        try:
-            fd = os.open(root, _DIR_FLAGS)
-        except OSError as exc:
-            if exc.errno not in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
-                raise
-            fd, why = -1, "a symlink or not a directory"
-        if fd >= 0:
-            why = _foreign_dir(os.fstat(fd))
-            if not why:
-                os.fchmod(fd, 0o700)
-                return fd
-            os.close(fd)
-        aside = f"{root}.foreign-{uuid.uuid4().hex[:12]}"
-        try:
-            os.rename(root, aside)  # renames the entry itself, never what a symlink names
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            raise SlotStoreError(f"shm dir {root} is {why} and cannot be moved aside ({exc}); "
-                                 "remove it, or pick another --shm-dir") from exc
-        log.warning("shm dir %s was %s: moved it aside to %s unread (nothing in it is used; "
-                    "remove it once inspected) and created a new one", root, why, aside)
-    raise SlotStoreError(f"shm dir {root} is {why} again after {attempts} attempts to move it "
-                         "aside: another user keeps re-creating it; pick another --shm-dir in "
-                         "a directory only root can write")
 
 
 @dataclasses.dataclass
@@ -150,9 +83,6 @@ class SnapshotView:
 
     def array(self, name: str) -> np.ndarray:
         return self._reader.array(name)
-
-    def raw(self, name: str) -> memoryview:
-        return self._reader.raw(name)
 
     def descriptor(self) -> int:
         """A new read-only descriptor of the slot file (for a worker; the caller closes it)."""
@@ -208,7 +138,7 @@ class SlotStore:
                     os.mkdir(name, 0o700, dir_fd=self._fd)
                 except FileExistsError:
                     pass
-            fd = os.open(directory, _DIR_FLAGS, dir_fd=self._fd)
+            fd = os.open(directory, DIR_FLAGS, dir_fd=self._fd)
             try:
                 serials = [int(m.group(1)) for n in os.listdir(fd)
                            if (m := _SEGMENT_RE.fullmatch(n))]
@@ -474,13 +404,17 @@ class SlotStore:
                     out.append((job, rank, seg.header.generation, seg.header.step))
             return out
 
+    def _drop(self, keys: list[tuple[str, int]]) -> None:
+        """Forgets these (job, rank)s and deletes their slot files (call with the lock held)."""
+        for key in keys:
+            for seg in self._pairs.pop(key).segments if key in self._pairs else ():
+                if seg is not None:
+                    seg.destroy(self._fd)
+
     def remove(self, job: str, rank: int) -> None:
         """Drops one (job, rank)'s slots (e.g. a replica this node no longer holds)."""
         with self._lock:
-            pair = self._pairs.pop((job, rank), None)
-            for seg in pair.segments if pair else ():
-                if seg is not None:
-                    seg.destroy(self._fd)
+            self._drop([(job, rank)])
             shutil.rmtree(self._dir(job, rank), ignore_errors=True, dir_fd=self._fd)
 
     def remove_job(self, job: str) -> None:
@@ -488,10 +422,7 @@ class SlotStore:
         self._dir(job, 0)
         with self._lock:
             self._retained.pop(job, None)
-            for key in [k for k in self._pairs if k[0] == job]:
-                for seg in self._pairs.pop(key).segments:
-                    if seg is not None:
-                        seg.destroy(self._fd)
+            self._drop([k for k in self._pairs if k[0] == job])
             shutil.rmtree(job, ignore_errors=True, dir_fd=self._fd)
 
     def close(self, *, unlink: bool = True) -> None:
@@ -513,8 +444,8 @@ class SlotStore:
         try:
             if unlink:
                 for name in os.listdir(fd):
-                    _remove(fd, name)
-                if _same_file(os.fstat(fd), self.root):  # not a successor's root
+                    remove_at(fd, name)
+                if same_file(os.fstat(fd), self.root):  # not a successor's root
                     os.rmdir(self.root)
         except OSError as exc:
             log.warning("cannot remove the shm dir %s: %s", self.root, exc)
@@ -537,31 +468,31 @@ class SlotStore:
 
         def drop(name: str, why: str) -> None:
             # Anything under the root that is not a verified slot goes: nothing may leak.
-            _remove(self._fd, name)
+            remove_at(self._fd, name)
             removed.append((os.path.join(self.root, name), why))
 
         with self._lock:
             if self._pairs:
                 raise RuntimeError("scan() must run before the store is used")
             for job in sorted(os.listdir(self._fd)):
-                if not _JOB_RE.fullmatch(job) or _dir_problem(self._fd, job):
+                if not _JOB_RE.fullmatch(job) or dir_problem(self._fd, job):
                     drop(job, "not a job directory")
                     continue
-                for rank_name in sorted(_listdir(self._fd, job)):
+                for rank_name in sorted(listdir_at(self._fd, job)):
                     rel = f"{job}/{rank_name}"
                     if (not rank_name.isdigit() or str(int(rank_name)) != rank_name
-                            or _dir_problem(self._fd, rel)):
+                            or dir_problem(self._fd, rel)):
                         drop(rel, "not a rank directory")
                         continue
                     self._adopt(job, int(rank_name), rel, drop, kept)
-                if not _listdir(self._fd, job):
+                if not listdir_at(self._fd, job):
                     os.rmdir(job, dir_fd=self._fd)
         return ScanResult(kept, removed)
 
     def _adopt(self, job: str, rank: int, rank_dir: str, drop: Callable[[str, str], None],
                kept: list[tuple[str, int, int, int]]) -> None:
         found: list[tuple[int, Segment]] = []
-        for name in sorted(_listdir(self._fd, rank_dir)):
+        for name in sorted(listdir_at(self._fd, rank_dir)):
             rel = f"{rank_dir}/{name}"
             match = _SEGMENT_RE.fullmatch(name)
             if not match:
@@ -586,45 +517,3 @@ class SlotStore:
             h = segment.header
             kept.append((job, rank, h.generation, h.step))  # type: ignore[union-attr]
         self._pairs[(job, rank)] = pair
-
-
-def _listdir(dir_fd: int, rel: str) -> list[str]:
-    """Names in ``rel`` (relative to ``dir_fd``, never through a symlink)."""
-    fd = os.open(rel, _DIR_FLAGS, dir_fd=dir_fd)
-    try:
-        return os.listdir(fd)
-    finally:
-        os.close(fd)
-
-
-def _dir_problem(dir_fd: int, rel: str) -> str:
-    """Why ``rel`` is not a directory of the daemon's own ("" when it is)."""
-    try:
-        fd = os.open(rel, _DIR_FLAGS, dir_fd=dir_fd)
-    except OSError as exc:
-        return exc.strerror or "cannot open"
-    try:
-        return _foreign_dir(os.fstat(fd))
-    finally:
-        os.close(fd)
-
-
-def _remove(dir_fd: int, rel: str) -> None:
-    """Removes ``rel`` (relative to ``dir_fd``): a tree without following symlinks, or one
-    entry."""
-    try:
-        st = os.stat(rel, dir_fd=dir_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(rel, dir_fd=dir_fd)
-    else:
-        os.unlink(rel, dir_fd=dir_fd)
-
-
-def _same_file(st: os.stat_result, path: str) -> bool:
-    try:
-        other = os.stat(path, follow_symlinks=False)
-    except OSError:
-        return False
-    return (st.st_dev, st.st_ino) == (other.st_dev, other.st_ino)

@@ -3,7 +3,7 @@
 The service never defines Prometheus objects itself (every metric lives in
 :mod:`elasticd.metrics`): it calls an optional sink with events (:class:`CheckpointMetrics`,
 for histograms and labelled counters) and offers plain numbers through
-``CheckpointService.stats()`` (for gauges and totals a custom collector reads at scrape time).
+``CheckpointService.stats()``, a :class:`CheckpointStats` (for gauges, once per daemon cycle).
 The metric names are defined once, there. No labels carry a job, step or rank: a node runs one
 job at a time (docs/architecture.md, "Jobs"), and per-step labels would explode cardinality.
 No torch.
@@ -11,6 +11,7 @@ No torch.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
 
 #: Restore sources, the values of the ``source`` label.
@@ -29,3 +30,28 @@ class CheckpointMetrics(Protocol):
     def restored(self, job: str, source: str, seconds: float, steps_lost: int,
                  nbytes: int) -> None: ...
     def persisted(self, job: str, step: int, seconds: float, nbytes: int, ok: bool) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointStats:
+    """What ``CheckpointService.stats()`` returns: totals since start and current gauges.
+
+    ``local_slot_bytes`` is the bytes of this node's own slot files (its ranks' snapshots), not
+    the copies of other nodes' shards held here (the replicator's ``replica_bytes_held``).
+    """
+
+    snapshots_total: int = 0
+    snapshot_bytes: int = 0  # of the latest snapshot of each local rank held
+    snapshot_step: int = -1  # oldest latest step over the local ranks; -1: none
+    local_slot_bytes: int = 0
+    skipped_over_budget_total: int = 0
+    skipped_busy_total: int = 0
+    skipped_commit_pending_total: int = 0
+    refused_total: int = 0
+    unprotected_jobs: dict[str, int] = dataclasses.field(default_factory=dict)  # by reason
+    restores_total: dict[str, int] = dataclasses.field(default_factory=dict)  # by source
+    persisted_step: int = -1
+    persist_seconds_last: float = 0.0
+    persists_total: int = 0
+    persists_failed_total: int = 0
+    persists_skipped_total: int = 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 import ssl
@@ -58,6 +59,32 @@ from elasticd.replication.tracker import CommitTracker, JobState
 log = logging.getLogger(__name__)
 
 __all__ = ["FetchResult", "Replicator", "ShardLost"]
+
+
+@dataclasses.dataclass
+class ReplicationStats:
+    """What :meth:`Replicator.stats` returns for the daemon's metrics: totals since start and
+    gauges (a node runs one job: maxima over jobs). ``replica_bytes_held`` is the bytes of other
+    nodes' shards held here, not this node's own slots (``CheckpointStats.local_slot_bytes``)."""
+
+    replication_pushes_total: int = 0
+    replication_bytes_total: int = 0
+    replication_seconds_total: float = 0.0
+    replication_failures_total: dict[str, int] = dataclasses.field(default_factory=dict)
+    replication_skipped_total: int = 0
+    replication_commit_wait_timeouts_total: int = 0
+    commits_total: int = 0
+    committed_step: int = -1
+    sync_lag_steps: int = 0
+    under_replicated_shards: int = 0
+    replica_bytes_held: int = 0
+    rereplications_total: int = 0
+    fetches_total: int = 0
+    fetch_bytes_total: int = 0
+    fetch_seconds_total: float = 0.0
+    fetch_failures_total: dict[str, int] = dataclasses.field(default_factory=dict)
+    etcd_errors_total: int = 0
+    withdrawals_total: int = 0
 
 
 class Replicator:
@@ -384,8 +411,8 @@ class Replicator:
             return {"node": self.node_id, "jobs": out, "backlog": backlog,
                     "replica_bytes_held": held}
 
-    def stats(self) -> dict[str, Any]:
-        """Plain numbers for the daemon's metrics (a node runs one job: maxima over jobs)."""
+    def stats(self) -> ReplicationStats:
+        """Plain numbers for the daemon's metrics (see :class:`ReplicationStats`)."""
         with self.tracker.lock:
             c = self.counters + self.tracker.counters
             jobs = list(self.tracker.jobs.values())
@@ -394,26 +421,25 @@ class Replicator:
             under = sum(under_replicated(st.committed, st.placement) for st in jobs)
             fetch_failures = dict(self.fetch_failures)
         pushed, failures = self.pusher.snapshot()
-        return {
-            "replication_pushes_total": pushed.get("pushes", 0),
-            "replication_bytes_total": pushed.get("push_bytes", 0),
-            "replication_seconds_total": pushed.get("push_micros", 0) / 1e6,
-            "replication_failures_total": failures,
-            "replication_skipped_total": self.pusher.lanes.skipped,
-            "replication_commit_wait_timeouts_total": c.get("gate_timeouts", 0),
-            "commits_total": c.get("commits", 0),
-            "committed_step": max(committed, default=-1),
-            "sync_lag_steps": max(lags, default=0),
-            "under_replicated_shards": under,
-            "replica_bytes_held": self.sink.bytes_held() if self.sink is not None else 0,
-            "rereplications_total": c.get("rereplications", 0),
-            "fetches_total": c.get("fetches", 0),
-            "fetch_bytes_total": c.get("fetch_bytes", 0),
-            "fetch_seconds_total": c.get("fetch_micros", 0) / 1e6,
-            "fetch_failures_total": fetch_failures,
-            "etcd_errors_total": c.get("etcd_errors", 0),
-            "withdrawals_total": c.get("withdrawals", 0),
-        }
+        return ReplicationStats(
+            replication_pushes_total=pushed.get("pushes", 0),
+            replication_bytes_total=pushed.get("push_bytes", 0),
+            replication_seconds_total=pushed.get("push_micros", 0) / 1e6,
+            replication_failures_total=failures,
+            replication_skipped_total=self.pusher.lanes.skipped,
+            replication_commit_wait_timeouts_total=c.get("gate_timeouts", 0),
+            commits_total=c.get("commits", 0),
+            committed_step=max(committed, default=-1),
+            sync_lag_steps=max(lags, default=0),
+            under_replicated_shards=under,
+            replica_bytes_held=self.sink.bytes_held() if self.sink is not None else 0,
+            rereplications_total=c.get("rereplications", 0),
+            fetches_total=c.get("fetches", 0),
+            fetch_bytes_total=c.get("fetch_bytes", 0),
+            fetch_seconds_total=c.get("fetch_micros", 0) / 1e6,
+            fetch_failures_total=fetch_failures,
+            etcd_errors_total=c.get("etcd_errors", 0),
+            withdrawals_total=c.get("withdrawals", 0))
 
     def _submit(self, fn: Any, *args: Any, track: bool = True) -> None:
         """Runs ``fn(*args)`` on the pool; ``track``: :meth:`wait_idle` waits for it."""

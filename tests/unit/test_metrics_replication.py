@@ -9,6 +9,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from elasticd.metrics import Metrics, ReplicationSink
+from elasticd.replication.replicator import ReplicationStats
 
 
 def samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
@@ -17,13 +18,13 @@ def samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
-STATS = {
-    "replication_bytes_total": 4096, "replication_skipped_total": 3, "commits_total": 7,
-    "replication_failures_total": {"unreachable": 2, "no_space": 1, "a peer's new code": 5},
-    "committed_step": 41, "sync_lag_steps": 2, "under_replicated_shards": 1,
-    "replica_bytes_held": 1 << 20, "rereplications_total": 4, "fetches_total": 2,
-    "fetch_bytes_total": 2048, "fetch_failures_total": {"no address": 1, "corrupt": 1},
-}
+STATS = dict(
+    replication_bytes_total=4096, replication_skipped_total=3, commits_total=7,
+    replication_failures_total={"unreachable": 2, "no_space": 1, "a peer's new code": 5},
+    committed_step=41, sync_lag_steps=2, under_replicated_shards=1,
+    replica_bytes_held=1 << 20, rereplications_total=4, fetches_total=2,
+    fetch_bytes_total=2048, fetch_failures_total={"no address": 1, "corrupt": 1},
+)
 
 
 def test_before_attach_every_family_is_exported_with_its_initial_value():
@@ -36,7 +37,7 @@ def test_before_attach_every_family_is_exported_with_its_initial_value():
 
 def test_attached_statistics_are_read_at_scrape_time():
     m = Metrics()
-    stats = dict(STATS)
+    stats = ReplicationStats(**STATS)
     server = SimpleNamespace(pushes_committed=5, pushes_refused=1, pushes_aborted=2,
                              bytes_received=999, protocol_errors=3)
     m.replication.attach(lambda: stats, lambda: server)
@@ -54,7 +55,7 @@ def test_attached_statistics_are_read_at_scrape_time():
     assert got[("elasticd_replica_pushes_received_total", (("outcome", "aborted"),))] == 2
     assert got[("elasticd_replica_bytes_received_total", ())] == 999
     assert got[("elasticd_replica_protocol_errors_total", ())] == 3
-    stats["committed_step"] = 42  # the next scrape sees the new value
+    stats.committed_step = 42  # the next scrape sees the new value
     assert samples(m)[("elasticd_committed_step", ())] == 42
 
 

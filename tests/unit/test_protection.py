@@ -151,3 +151,13 @@ def test_the_worker_registers_and_warns_at_most_once_a_minute(caplog, monkeypatc
         ckpt._register(9)
         assert "protected again" in caplog.records[-1].getMessage()
     ckpt.close()
+
+
+def test_local_slot_gauge_is_this_nodes_own_slots(setup):
+    service, t, _, _, _ = setup
+    metrics = Metrics()
+    write_snapshot(t, "j", 0, 1, world=1)
+    CheckpointSink(metrics).update(service.stats())
+    held = service.store.bytes_held()
+    assert held > 0 and service.stats().local_slot_bytes == held
+    assert metrics.registry.get_sample_value("elasticd_local_slot_bytes") == held

@@ -98,24 +98,24 @@ def test_push_commit_then_restore_a_dead_nodes_shards_from_a_peer(make_cluster):
     assert record.ranks == (0, 1, 2, 3, 4, 5)
     assert record.holders[2] == ("n2", "n3") and record.holders[5] == ("n3", "n1")
     for node in cluster.live():
-        assert node.replicator.stats()["committed_step"] == 1
-        assert node.replicator.stats()["sync_lag_steps"] == 0
+        assert node.replicator.stats().committed_step == 1
+        assert node.replicator.stats().sync_lag_steps == 0
     # n1 runs ahead on one rank: nothing newer can commit, and its lag says so.
     cluster["n1"].snapshot(0, 2)
     cluster.wait_idle()
     assert committed(cluster).version == (0, 1)
-    assert cluster["n1"].replicator.stats()["sync_lag_steps"] == 1
+    assert cluster["n1"].replicator.stats().sync_lag_steps == 1
 
     cluster.kill("n2")
     n1 = cluster["n1"].replicator
     for rank in (2, 3):
         buf = into_buffer()
-        before = n1.stats()["fetch_bytes_total"]
+        before = n1.stats().fetch_bytes_total
         result = n1.fetch(JOB, rank, (0, 1), buf)
         assert result.holder == "n3"
         assert bytes(buf[: result.descriptor.total_bytes]) == originals[rank]
         assert result.wire_bytes >= len(originals[rank])
-        assert n1.stats()["fetch_bytes_total"] - before == result.wire_bytes
+        assert n1.stats().fetch_bytes_total - before == result.wire_bytes
         assert result.attempts[0][0] == "n2"  # the dead owner was tried first and skipped
     # A holder's own memory needs no transport.
     own = cluster["n3"].replicator.fetch(JOB, 2, (0, 1), into_buffer())
@@ -141,7 +141,7 @@ def test_a_corrupt_copy_is_refused_and_another_holder_used(make_cluster):
     assert result.holder == "n3"
     assert result.attempts[0][0] == "n2" and result.attempts[0][1].startswith("corrupt")
     assert bytes(buf[: result.descriptor.total_bytes]) == originals[2]
-    assert n1.stats()["fetch_failures_total"]["corrupt"] == 1
+    assert n1.stats().fetch_failures_total["corrupt"] == 1
 
     replica = cluster["n3"].sink.store.latest(JOB, 2)
     with open(replica.path, "r+b") as f:
@@ -168,7 +168,7 @@ def test_both_nodes_of_a_group_dead_reports_the_shard_lost(make_cluster):
         with pytest.raises(ShardLost) as info:
             n3.fetch(JOB, rank, (0, 3), into_buffer())
         assert {h for h, _ in info.value.attempts} == {"n1", "n2"}
-    assert n3.stats()["fetch_failures_total"]["lost"] == 4
+    assert n3.stats().fetch_failures_total["lost"] == 4
     # The other group's shards are still there (n3 holds n4's in its own memory).
     buf = into_buffer()
     result = n3.fetch(JOB, 6, (0, 3), buf)
@@ -208,10 +208,10 @@ def test_a_slow_peer_makes_intermediate_steps_skipped_not_queued(make_cluster):
         n1.snapshot(0, 3, world=4)
     n2.sink.gate.set()
     cluster.wait_idle()
-    assert n1.replicator.stats()["replication_skipped_total"] == 4
+    assert n1.replicator.stats().replication_skipped_total == 4
     assert n2.sink.held(JOB, 1).version == (0, 5)
     assert n2.sink.held(JOB, 0).version == (0, 2)
-    pushes = n1.replicator.stats()["replication_pushes_total"]
+    pushes = n1.replicator.stats().replication_pushes_total
     assert pushes == 3, "rank 0 twice, rank 1 once (its newest step)"
 
 
@@ -230,7 +230,7 @@ def test_stale_duplicate_and_abandoned_pushes_never_replace_a_newer_copy(make_cl
     n1.snapshot(0, 6, world=2)  # a step of the abandoned generation 0
     cluster.wait_idle()
     assert n2.sink.held(JOB, 0).version == (0, 5)
-    assert n1.replicator.stats()["replication_failures_total"] == {"stale": 1}
+    assert n1.replicator.stats().replication_failures_total == {"stale": 1}
     got = bytearray(1 << 20)
     d = n2.replicator.fetch(JOB, 0, (0, 5), got).descriptor
     assert bytes(got[: d.total_bytes]) == data5
@@ -264,7 +264,7 @@ def test_the_commit_record_never_goes_backwards_and_ignores_abandoned_generation
     assert committed(cluster).version == (1, 1)
     values = [decode_committed(e.kv.value).version for e in revisions]
     assert values == sorted(values), f"commit went backwards: {values}"
-    assert n1.replicator.stats()["sync_lag_steps"] == 0
+    assert n1.replicator.stats().sync_lag_steps == 0
 
 
 def book(node):
@@ -327,7 +327,7 @@ def test_a_step_is_never_committed_naming_a_holder_that_overwrote_it(make_cluste
     assert n1.local.versions(JOB, 0) == [(0, 2), (0, 1)]
     # withdraw_after passes: step 2 is withdrawn from n1's record, its slot may be reused.
     wait_for(lambda: not n1.replicator.awaiting_commit(JOB))
-    assert n1.replicator.stats()["withdrawals_total"] == 1
+    assert n1.replicator.stats().withdrawals_total == 1
     assert snapshot_as_service(n1, 0, 3)
     cluster.wait_idle()
     # n2's replica of rank 0 step 2 was superseded by step 3 (its owner withdrew step 2).
@@ -341,7 +341,7 @@ def test_a_step_is_never_committed_naming_a_holder_that_overwrote_it(make_cluste
     # withdraws it at once, so its step 3 is not skipped. Nothing waits on that slot, so the
     # timeout cannot be what withdrew it (an unblocked version is never withdrawn on time).
     wait_for(lambda: not n2.replicator.awaiting_commit(JOB))
-    assert n2.replicator.stats()["withdrawals_total"] == 1
+    assert n2.replicator.stats().withdrawals_total == 1
     assert snapshot_as_service(n2, 1, 3)
     cluster.wait_idle()
     assert committed(cluster).version == (0, 3)
@@ -355,7 +355,7 @@ def test_an_acknowledged_step_committed_while_its_owner_waits_is_kept(make_clust
     cluster.wait_idle()
     assert committed(cluster).version == (0, 2)
     wait_for(lambda: not n1.replicator.awaiting_commit(JOB))
-    assert n1.replicator.stats()["withdrawals_total"] == 0
+    assert n1.replicator.stats().withdrawals_total == 0
     assert_every_named_holder_holds_the_commit(cluster)
     assert snapshot_as_service(n1, 0, 3)  # the slot of step 1, no longer committed, is reused
     assert n1.local.versions(JOB, 0) == [(0, 3), (0, 2)]
@@ -408,13 +408,13 @@ def test_rereplication_restores_m_copies_after_a_node_dies(make_cluster):
     assert record.version == (0, 4)
     for rank in range(6):
         assert len(set(record.holders[rank]) & {"n1", "n2"}) == 2, record.holders
-    assert cluster["n1"].replicator.stats()["under_replicated_shards"] == 0
+    assert cluster["n1"].replicator.stats().under_replicated_shards == 0
     # n3's shards were held by n1 only; n2 now has them, byte-identical, in its replica store.
     for rank in (4, 5):
         view = cluster["n2"].sink.store.latest(JOB, rank, verify=True)
         assert bytes(view.buffer) == originals[rank]
-    assert cluster["n1"].replicator.stats()["rereplications_total"] == 2
-    assert cluster["n2"].replicator.stats()["rereplications_total"] == 2
+    assert cluster["n1"].replicator.stats().rereplications_total == 2
+    assert cluster["n2"].replicator.stats().rereplications_total == 2
 
 
 def test_drain_hands_every_copy_over_before_leaving(make_cluster):

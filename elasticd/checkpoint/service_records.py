@@ -1,0 +1,63 @@
+"""What the checkpoint service remembers per job (both its sides, under its lock), and the
+check of each field a worker sends (:func:`param`: bad input is one :class:`RequestError`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable
+
+from elasticd.checkpoint.api import Slot
+from elasticd.checkpoint.protection import Unprotected
+from elasticd.local.wire import RequestError
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class JobRecord:
+    """One job's checkpoint state on this node."""
+
+    world_size: int = 0
+    local_world_size: int | None = None
+    uid: int | None = None
+    ranks: set[int] = dataclasses.field(default_factory=set)
+    slots: dict[int, Slot] = dataclasses.field(default_factory=dict)
+    nbytes: dict[int, int] = dataclasses.field(default_factory=dict)
+    failing: dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> last failure
+    warned: bool = False
+    first_snapshot_at: float | None = None  # monotonic
+    protection: Unprotected | None = None
+    progress: tuple[int, int] | None = None
+    offered: tuple[int, int] = (-1, -1)
+    refused: set[tuple[int, int, int]] = dataclasses.field(default_factory=set)
+    last_restore: dict[str, Any] | None = None
+    # Shards (rank, generation, step) that reached this store from a peer: still "peer" when
+    # a rank opens them again after the fetch.
+    fetched: set[tuple[int, int, int]] = dataclasses.field(default_factory=set)
+    generation_started: int = -1
+
+
+def param(msg: dict[str, Any], key: str, kind: type, default: Any = ...) -> Any:
+    """``msg[key]``, checked to be a ``kind`` (an int: non-negative); ``default`` when absent."""
+    value = msg.get(key, default)
+    if value is ...:
+        raise RequestError(f"request lacks {key!r}")
+    if value is default and default is not ...:
+        return value
+    if kind is float and type(value) is int:
+        value = float(value)
+    if type(value) is not kind or (kind is int and value < 0):
+        raise RequestError(f"{key!r} must be a {'non-negative ' if kind is int else ''}"
+                           f"{kind.__name__}, got {value!r:.60}")
+    return value
+
+
+def call_hooks(hooks: list[Callable[[dict[str, Any]], None]], what: str,
+               msg: dict[str, Any]) -> None:
+    """Calls each hook with ``msg``; one that fails is logged: an op never fails over a hook."""
+    for hook in hooks:
+        try:
+            hook(msg)
+        except Exception:  # noqa: BLE001 — see above
+            log.exception("%s hook failed", what)

@@ -1,0 +1,222 @@
+"""The restore side of the checkpoint service (a mixin of
+:class:`~elasticd.checkpoint.service.CheckpointService`, whose state it shares), and the read
+pins its replies hold until ``ckpt_release`` or ``pin_ttl``.
+
+* ``ckpt_list`` job, [rank], [world_size] → ram {rank: [[gen, step], ...]}, persisted
+  [[gen, step], ...], persist_root, progress [gen, step] | null, replicas {rank: [[gen, step],
+  ...]} (copies of other nodes' shards held here; empty without a replicator)
+* ``ckpt_open`` job, rank, generation, step → path, offset, size, pin, and the slot's
+  descriptor (read-only)
+* ``ckpt_fetch`` job, rank, generation, step → path, offset, size, pin (as ``ckpt_open``),
+  source "local" | "peer", wire_bytes, holder | lost: true, reason. Makes a shard (possibly of
+  another node's rank, after that node died) available in this node's store, fetching it from
+  the peers that hold copies when it is not here.
+* ``ckpt_release`` pin → {}
+* ``ckpt_committed`` job → generation, step, ranks | committed: null (no replicator, nothing
+  committed yet, or etcd unreadable)
+* ``ckpt_report`` job, rank, source, seconds, steps_lost, bytes, generation, step, [refused],
+  [next_generation] → {}
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from elasticd.checkpoint.api import SlotStoreError
+from elasticd.checkpoint.format import SnapshotError
+from elasticd.checkpoint.service_records import call_hooks, param
+from elasticd.checkpoint.telemetry import RESTORE_SOURCES
+from elasticd.local.wire import RequestError
+from elasticd.replication.recovery import ShardLost
+
+log = logging.getLogger(__name__)
+
+
+class RestoreOps:
+    """The restore-side ops of :class:`~elasticd.checkpoint.service.CheckpointService`."""
+
+    def _list(self, msg: dict[str, Any]) -> dict[str, Any]:
+        job = param(msg, "job", str)
+        only = param(msg, "rank", int, None)
+        world = param(msg, "world_size", int, None)
+        ranks = sorted({r for j, r, _, _ in self.store.holdings() if j == job})
+        with self._lock:
+            record = self._jobs.get(job)
+            refused = set() if record is None else set(record.refused)
+            progress = None if record is None else record.progress
+        ram: dict[str, list[list[int]]] = {}
+        for r in ranks if only is None else [only]:
+            held = []
+            for version in self.store.versions(job, r):
+                if (r, *version) in refused:
+                    continue
+                view = self.store.latest(job, r, version=version)
+                if view is not None and (world is None or view.header.world_size == world):
+                    held.append(list(version))
+            ram[str(r)] = held
+        persisted: list[list[int]] = []
+        if self.persist is not None:
+            try:
+                persisted = [list(m.version()) for m in self.persist.steps(job)
+                             if world is None or m.world_size == world]
+            except OSError as exc:
+                log.warning("cannot list the persistent tier for %s: %s", job, exc)
+        return {"ram": ram, "persisted": persisted, "progress": progress and list(progress),
+                "persist_root": self.persist.root if self.persist else None,
+                "replicas": self._replicas(job, only)}
+
+    def _replicas(self, job: str, only: int | None) -> dict[str, list[list[int]]]:
+        """Versions of other nodes' shards this node holds as replicas (informational)."""
+        sink = getattr(self.replicator, "sink", None)
+        if sink is None:
+            return {}
+        try:
+            ranks = sorted({d.owner_rank for d in sink.holdings() if d.job == job})
+            return {str(r): [list(v) for v in sink.versions(job, r)]
+                    for r in ranks if only is None or r == only}
+        except Exception as exc:  # noqa: BLE001 — a listing must not fail over replicas
+            log.warning("cannot list the replicas of %s held here: %s", job, exc)
+            return {}
+
+    def _open(self, msg: dict[str, Any]) -> dict[str, Any]:
+        job, rank = param(msg, "job", str), param(msg, "rank", int)
+        version = (param(msg, "generation", int), param(msg, "step", int))
+        self._sweep_pins()
+        try:
+            view = self.store.latest(job, rank, pin=True, verify=True, version=version)
+        except SnapshotError as exc:
+            with self._lock:
+                self._job(job).refused.add((rank, *version))
+                self.counters["refused"] += 1
+            log.error("REFUSED corrupt snapshot of %s rank %d step %s on node %s: %s", job,
+                      rank, version, self.node_id, exc)
+            self._emit("snapshot_refused", job, "local")
+            raise RequestError(f"refused: {exc}") from exc
+        if view is None:
+            raise RequestError(f"{job} rank {rank} step {version} is not held here")
+        try:
+            fd = view.descriptor()
+        except OSError as exc:
+            view.release()
+            raise RequestError(f"cannot hand over {job} rank {rank} step {version}: "
+                               f"{exc}") from exc
+        with self._lock:
+            self._next_pin += 1
+            pin = self._next_pin
+            self._pins[pin] = (view, job, self.clock.monotonic())
+            record = self._jobs.get(job)
+            # A shard an earlier (aborted) restore round fetched from a peer is in the local
+            # store now, but it still came from the peer: say so, or recoveries get mislabelled.
+            fetched = record is not None and (rank, *version) in record.fetched
+        return {"path": view.path, "offset": 0, "size": view.header.layout.total_size,
+                "pin": pin, "source": "peer" if fetched else "local", "_fds": [fd]}
+
+    def _committed(self, msg: dict[str, Any]) -> dict[str, Any]:
+        job = param(msg, "job", str)
+        if self.replicator is None:
+            return {"committed": None}
+        try:
+            committed = self.replicator.committed(job)
+        except Exception as exc:  # noqa: BLE001 — etcd trouble: workers restore from what is local
+            log.warning("cannot read the committed step of %s: %s", job, exc)
+            return {"committed": None}
+        if committed is None:
+            return {"committed": None}
+        return {"generation": committed.generation, "step": committed.step,
+                "ranks": sorted(committed.ranks)}
+
+    def _fetch(self, msg: dict[str, Any]) -> dict[str, Any]:
+        job, rank = param(msg, "job", str), param(msg, "rank", int)
+        with self._lock:
+            shard_lock = self._fetching[(job, rank)]
+        with shard_lock:
+            return self._fetch_one(job, rank, msg)
+
+    def _fetch_one(self, job: str, rank: int, msg: dict[str, Any]) -> dict[str, Any]:
+        version = (param(msg, "generation", int), param(msg, "step", int))
+        key = (rank, *version)
+        with self._lock:
+            record = self._jobs.get(job)
+            refused = record is not None and key in record.refused
+            was_fetched = record is not None and key in record.fetched
+        source, wire_bytes, holder = "local", 0, self.node_id
+        try:
+            held = version in self.store.versions(job, rank)
+        except ValueError as exc:  # a job name the store cannot hold
+            raise RequestError(str(exc)) from exc
+        if refused or not held:
+            if self.replicator is None:
+                return {"lost": True, "reason": "not held here and no peer replication"}
+            try:
+                result = self.replicator.fetch_to_local(job, rank, version)
+            except ShardLost as exc:
+                return {"lost": True, "reason": str(exc)[:500]}
+            except (SlotStoreError, SnapshotError, ValueError, OSError) as exc:  # no room, or torn
+                raise RequestError(f"cannot fetch {job} rank {rank} step {version} here: "
+                                   f"{exc}") from exc
+            with self._lock:
+                record = self._job(job)
+                record.refused.discard(key)  # the bad copy was replaced by a verified one
+                record.fetched.add(key)
+                self.counters["fetches"] += 1
+            source, wire_bytes, holder = "peer", int(result.wire_bytes), result.holder
+            log.info("%s rank %d step %s fetched from %s into node %s (%d bytes on the wire)",
+                     job, rank, version, holder, self.node_id, wire_bytes)
+        elif was_fetched:
+            source = "peer"
+        reply = self._open({"job": job, "rank": rank, "generation": version[0],
+                            "step": version[1], "_peer": msg.get("_peer", {})})
+        return {**reply, "source": source, "wire_bytes": wire_bytes, "holder": holder}
+
+    def _release(self, msg: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            entry = self._pins.pop(param(msg, "pin", int), None)
+        if entry is not None:
+            entry[0].release()
+        return {}
+
+    def _sweep_pins(self, job: str | None = None) -> None:
+        """Drops the pins older than ``pin_ttl`` (their worker died), or all of ``job``'s."""
+        now = self.clock.monotonic()
+        with self._lock:
+            views = [self._pins.pop(p)[0] for p, (_, j, t) in list(self._pins.items())
+                     if (j == job if job is not None else now - t > self.pin_ttl)]
+        for view in views:
+            view.release()
+
+    def _report(self, msg: dict[str, Any]) -> dict[str, Any]:
+        job, rank, source = param(msg, "job", str), param(msg, "rank", int), msg.get("source")
+        if source not in RESTORE_SOURCES:
+            raise RequestError(f"source must be one of {RESTORE_SOURCES}, got {source!r:.40}")
+        seconds, lost = param(msg, "seconds", float), param(msg, "steps_lost", int)
+        nbytes = param(msg, "bytes", int)
+        refused = [str(r)[:500] for r in msg.get("refused", []) if isinstance(r, str)][:16]
+        entry = {"job": job, "rank": rank, "source": source, "seconds": seconds,
+                 "steps_lost": lost, "bytes": nbytes, "generation": msg.get("generation"),
+                 "step": msg.get("step"), "refused": refused, "at": self.clock.wall()}
+        start_gen = param(msg, "next_generation", int, None)
+        with self._lock:
+            record = self._job(job)
+            record.last_restore = entry
+            self.history.append(entry)
+            self.counters[f"restores_{source}"] += 1
+            if start_gen is not None and start_gen > record.generation_started:
+                record.generation_started = start_gen
+            else:
+                start_gen = None  # another local rank already told the replicator
+        if start_gen is not None and self.replicator is not None:
+            try:
+                self.replicator.start_generation(job, start_gen)
+            except Exception:  # noqa: BLE001 — a report must not fail over replication
+                log.exception("%s: starting generation %d in replication failed", job,
+                              start_gen)
+        log.info("%s rank %d restored from %s: step %s, %.3f s, %d bytes, %d steps lost%s",
+                 job, rank, source, entry["step"], seconds, nbytes, lost,
+                 f"; refused: {'; '.join(refused)}" if refused else "")
+        for reason in refused:
+            if reason.startswith("persistent"):
+                self._emit("snapshot_refused", job, "persistent")
+        self._emit("restored", job, source, seconds, lost, nbytes)
+        call_hooks(self.on_restore, "restore", entry)
+        return {}

@@ -1,0 +1,241 @@
+"""The snapshot side of the checkpoint service (a mixin of
+:class:`~elasticd.checkpoint.service.CheckpointService`, whose state it shares), and what a
+completed snapshot sets off: replication to peers, persistence.
+
+* ``ckpt_reserve`` job, rank, world_size, nbytes, [local_world_size], [step], [mapped
+  [[dev, ino], ...]] → path, capacity, ticket, file [dev, ino], and the slot's descriptor
+  (read-write) unless ``file`` is one of the ``mapped`` files the worker still maps | skip,
+  reason
+* ``ckpt_complete`` job, rank, ticket, header_size, [stall_seconds] → generation, step, bytes
+* ``register`` job, rank, world_size, [local_rank], [restart], [step] → node, unprotected
+  (a worker's Checkpointer says who it is, when it starts and after each restore: the daemon
+  learns the group's ranks from it, for placement, as from a progress report)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from typing import Any
+
+from elasticd.checkpoint.api import CommitPending, OverBudget, SlotBusy, StaleSlot
+from elasticd.checkpoint.format import PREAMBLE_SIZE, SnapshotError
+from elasticd.checkpoint.reader import _header_from_json
+from elasticd.checkpoint.service_records import JobRecord, call_hooks, param
+from elasticd.local.wire import RequestError
+from elasticd.persistence.persister import Flushed
+
+log = logging.getLogger(__name__)
+
+
+def _mapped(msg: dict[str, Any]) -> set[tuple[int, int]]:
+    """The ``mapped`` field of a reservation: (device, inode) pairs; anything else is ignored
+    (the worker then simply gets a descriptor)."""
+    value = msg.get("mapped")
+    if not isinstance(value, list):
+        return set()
+    return {(p[0], p[1]) for p in value[:8] if isinstance(p, list) and len(p) == 2
+            and all(type(v) is int for v in p)}
+
+
+class SnapshotOps:
+    """The snapshot-side ops of :class:`~elasticd.checkpoint.service.CheckpointService`."""
+
+    def _reserve(self, msg: dict[str, Any]) -> dict[str, Any]:
+        job, rank = param(msg, "job", str), param(msg, "rank", int)
+        world, nbytes = param(msg, "world_size", int), param(msg, "nbytes", int)
+        local_world = param(msg, "local_world_size", int, None)
+        if rank >= world:
+            raise RequestError(f"rank {rank} outside world size {world}")
+        uid = msg.get("_peer", {}).get("uid", msg.get("uid"))
+        step, gen = param(msg, "step", int, None), param(msg, "generation", int, None)
+        if step is not None:
+            call_hooks(self.on_progress, "progress", {"job": job, "rank": rank, "world_size": world,
+                                                      "step": step, "_peer": msg.get("_peer")})
+        self._sweep_pins()
+        with self._lock:
+            if step is not None and gen is not None:
+                # The step is reached once its snapshot is asked for, taken or not: a rank
+                # killed before the snapshot completes must still count it as lost.
+                record = self._job(job)
+                record.progress = max(record.progress or (gen, step), (gen, step))
+            if self._paused:
+                self.counters["skipped_paused"] += 1
+                return {"skip": True, "reason": f"paused: {self._paused}"}
+            self._reserving += 1
+        try:
+            reply = self._reserve_slot(job, rank, world, nbytes, local_world, uid,
+                                       None if step is None or gen is None else (gen, step),
+                                       _mapped(msg))
+        finally:
+            with self._lock:
+                self._reserving -= 1
+        warning = self.unprotected(job)
+        return {**reply, "unprotected": warning} if warning else reply
+
+    def _register(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """A worker's Checkpointer says who it is (at its start and after each restore)."""
+        job, rank = param(msg, "job", str), param(msg, "rank", int)
+        world = param(msg, "world_size", int)
+        if rank >= world:
+            raise RequestError(f"rank {rank} outside world size {world}")
+        report = {"job": job, "rank": rank, "world_size": world, "_peer": msg.get("_peer")}
+        for key in ("local_rank", "restart", "step"):
+            value = param(msg, key, int, None)
+            if value is not None:
+                report[key] = value
+        call_hooks(self.on_progress, "progress", report)
+        return {"node": self.node_id, "unprotected": self.unprotected(job) or None}
+
+    def _reserve_slot(self, job: str, rank: int, world: int, nbytes: int,
+                      local_world: int | None, uid: Any,
+                      version: tuple[int, int] | None = None,
+                      mapped: set[tuple[int, int]] = frozenset()) -> dict[str, Any]:
+        with self._lock:
+            record = self._job(job)
+            if record.world_size != world:  # a new world: its local ranks are seen afresh
+                record.world_size, record.ranks = world, set()
+            record.ranks.add(rank)
+            record.local_world_size, record.uid = local_world, uid if type(uid) is int else None
+        try:
+            slot = self.store.reserve(job, rank, nbytes)
+        except OverBudget as exc:
+            return self._skip(job, rank, "over_budget", str(exc))
+        except CommitPending as exc:
+            if self.replicator is not None:
+                self.replicator.on_commit_pending(job, exc.version, skipped=version)
+            return self._skip(job, rank, "commit_pending", str(exc))
+        except SlotBusy as exc:
+            return self._skip(job, rank, "busy", str(exc))
+        except (ValueError, OSError) as exc:
+            raise RequestError(f"cannot reserve a slot: {exc}") from exc
+        try:
+            identity, fd = self.store.handover(slot, mapped)
+        except (StaleSlot, OSError) as exc:  # a newer reservation of this rank took it
+            raise RequestError(f"cannot hand over the slot: {exc}") from exc
+        with self._lock:
+            record.slots[rank] = slot
+            if record.failing.get(rank, "").startswith("over the memory cap"):
+                record.failing.pop(rank, None)
+        reply = {"path": slot.path, "capacity": slot.capacity, "ticket": slot.ticket,
+                 "file": list(identity)}
+        if fd is not None:
+            reply["_fds"] = [fd]
+        return reply
+
+    def quiesce(self, timeout: float, why: str = "the node is draining") -> bool:
+        """Refuses new snapshots (workers get ``skip``) and waits up to ``timeout`` seconds
+        for those in flight to complete, so that workers stopped next leave a complete
+        snapshot behind. Returns True when none is left in flight."""
+        with self._lock:
+            self._paused = why
+
+        def busy() -> int:
+            with self._lock:
+                return self._reserving + sum(len(r.slots) for r in self._jobs.values())
+
+        if self.clock.wait(lambda: not busy(), timeout, 0.02):
+            return True
+        log.warning("%d snapshots still in flight after %.1f s; going on", busy(), timeout)
+        return False
+
+    def resume(self) -> None:
+        """Accepts snapshots again (after :meth:`quiesce`)."""
+        with self._lock:
+            self._paused = ""
+
+    def _skip(self, job: str, rank: int, reason: str, detail: str) -> dict[str, Any]:
+        with self._lock:
+            record = self._job(job)
+            self.counters[f"skipped_{reason}"] += 1
+            if reason == "over_budget":
+                record.failing[rank] = f"over the memory cap ({detail})"
+                warn, record.warned = not record.warned, True
+            else:
+                warn = False
+        if warn:
+            log.warning("job %s on node %s: snapshot of rank %d skipped, over the memory cap "
+                        "(%s); training continues without in-RAM checkpoints (further skips "
+                        "of this job are counted, not logged)", job, self.node_id, rank, detail)
+        else:
+            log.debug("%s rank %d: snapshot skipped (%s): %s", job, rank, reason, detail)
+        if reason == "over_budget":
+            self.assess()  # failing snapshots count at once, not at the next daemon cycle
+        self._emit("snapshot_skipped", job, reason)
+        return {"skip": True, "reason": f"{reason}: {detail}"}
+
+    def _complete(self, msg: dict[str, Any]) -> dict[str, Any]:
+        job, rank = param(msg, "job", str), param(msg, "rank", int)
+        ticket, size = param(msg, "ticket", int), param(msg, "header_size", int)
+        stall = param(msg, "stall_seconds", float, 0.0)
+        with self._lock:
+            record = self._jobs.get(job)
+            slot = None if record is None else record.slots.get(rank)
+        if slot is None or slot.ticket != ticket:
+            raise RequestError(f"{job} rank {rank}: ticket {ticket} is not the slot reserved")
+        if not 0 < size <= slot.capacity - PREAMBLE_SIZE:
+            raise RequestError(f"header_size {size} does not fit the slot")
+        where = f"{job} rank {rank} (slot {slot.path})"
+        try:
+            raw = json.loads(bytes(slot.buffer[PREAMBLE_SIZE : PREAMBLE_SIZE + size]))
+            header = _header_from_json(raw, PREAMBLE_SIZE + size, where)
+            if header.world_size != record.world_size:
+                raise RequestError(f"{where}: header says world size {header.world_size}, the "
+                                   f"reservation {record.world_size}")
+            sealed = self.store.complete(slot, dataclasses.replace(header, blocks=()))
+        except (ValueError, SnapshotError, StaleSlot) as exc:  # JSONDecodeError is a ValueError
+            with self._lock:
+                record.failing[rank] = f"rank {rank}'s snapshot refused: {str(exc)[:200]}"
+            raise RequestError(f"snapshot refused: {exc}") from exc
+        version, nbytes = sealed.version(), sealed.layout.total_size
+        with self._lock:
+            record.slots.pop(rank, None)
+            record.failing.pop(rank, None)
+            if record.first_snapshot_at is None:
+                record.first_snapshot_at = self.clock.monotonic()
+            record.nbytes[rank] = nbytes
+            record.progress = max(record.progress or version, version)
+            self.counters["snapshots"] += 1
+        self._emit("snapshot_completed", job, rank, sealed.step, nbytes, stall)
+        self._replicate(job, rank, version)
+        self._maybe_persist(job, record, version)
+        return {"generation": sealed.generation, "step": sealed.step, "bytes": nbytes}
+
+    def _replicate(self, job: str, rank: int, version: tuple[int, int]) -> None:
+        if self.replicator is None:
+            return
+        try:
+            self.replicator.on_local_snapshot(job, rank, version)
+        except Exception:  # noqa: BLE001 — the snapshot is sealed; replication must not fail it
+            self.counters["replicate_failed"] += 1
+            log.exception("%s rank %d step %s: handing the snapshot to replication failed",
+                          job, rank, version)
+
+    def _maybe_persist(self, job: str, record: JobRecord, version: tuple[int, int]) -> None:
+        if self.persist is None:
+            return
+        with self._lock:
+            ranks = sorted(record.ranks)
+            want = record.local_world_size or record.world_size
+            if len(ranks) < want or version <= record.offered:
+                return
+            if not all(version in self.store.versions(job, r) for r in ranks):
+                return
+            record.offered = version
+        if not self.persist.due(job, version[1]):
+            return
+        views = []
+        for r in ranks:
+            view = self.store.latest(job, r, pin=True, version=version)
+            if view is None:  # overwritten meanwhile: a newer step will be offered
+                for v in views:
+                    v.release()
+                return
+            views.append(view)
+        if not self.persist.submit(job, views, record.uid):
+            log.debug("%s step %s not persisted: the writer is busy", job, version)
+
+    def _on_flushed(self, flushed: Flushed) -> None:
+        self._emit("persisted", flushed.job, flushed.version[1], flushed.seconds,
+                   flushed.nbytes, not flushed.error)
