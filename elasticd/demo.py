@@ -18,7 +18,7 @@ import sys
 import tempfile
 
 from elasticd.cli.main import EVENT_TABLE, NODE_TABLE
-from elasticd.clock import SYSTEM_CLOCK
+from elasticd.clock import SYSTEM_CLOCK, format_local
 from elasticd.launcher import JOB_USER, LocalCluster
 
 TRAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",

@@ -40,7 +40,7 @@ from elasticd.replication.commit import (
 )
 from elasticd.replication.commit_state import Holder
 from elasticd.replication.lanes import AddressBook, Connections, Task
-from elasticd.replication.placement import compute_placement, encode_placement
+from elasticd.replication.placement import Placement, compute_placement, encode_placement
 from elasticd.replication.pusher import Pusher
 from elasticd.replication.recovery import (
     FetchResult,

@@ -361,7 +361,7 @@ class ReplicaServer:
         except BaseException as exc:
             # Torn, corrupt or interrupted: the partial bytes must never become a copy. The
             # view is dropped first so that a shared-memory sink may unmap or reuse it.
-            del target
+            target = None
             self.sink.abort(d, f"{type(exc).__name__}: {exc}")
             self._bump(pushes_aborted=1)
             raise

@@ -458,7 +458,7 @@ class CommitTracker:
         if committed is not None:
             self.learn(job, committed)
 
-    def sync_lag(self, st: _Job) -> int:
+    def sync_lag(self, st: JobState) -> int:
         if not st.latest:
             return 0
         latest = max(st.latest.values())
