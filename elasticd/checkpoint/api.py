@@ -40,11 +40,14 @@ class CommitPending(SlotBusy):
 
     Attributes:
         version: the acknowledged copy in the way, (generation, step).
+        held: every copy held for the rank that is not the commit (``version`` among them).
     """
 
-    def __init__(self, message: str, version: tuple[int, int]):
+    def __init__(self, message: str, version: tuple[int, int],
+                 held: tuple[tuple[int, int], ...] = ()):
         super().__init__(message)
         self.version = version
+        self.held = held
 
 
 class StaleSlot(SlotStoreError):

@@ -228,7 +228,7 @@ class SlotStore:
                     raise CommitPending(
                         f"{job} rank {rank}: both slots hold copies that must stay (committed "
                         f"{max(everywhere, default=None)}, acknowledged {pending} not yet "
-                        "committed); this snapshot is skipped", pending)
+                        "committed); this snapshot is skipped", pending, tuple(held))
                 newer = pair.segments[pair.latest]
                 if newer is not None and newer.pins:
                     # A reader (a push to a peer that stopped answering) holds the newer copy:

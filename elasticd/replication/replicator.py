@@ -140,6 +140,7 @@ class Replicator:
             sink.on_pending = self.tracker.reread
             sink.on_landed = functools.partial(self.tracker.on_landed, holder=Holder.REPLICA)
             sink.on_superseded = self.tracker.on_superseded
+            sink.never_committed = self.tracker.never_committed
 
     # -- membership, generations, snapshots ------------------------------------------------
 

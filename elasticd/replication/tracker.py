@@ -449,6 +449,17 @@ class CommitTracker:
                     complaints.warn(event.kv.key, event.kv.value,
                                          "unreadable committed record of %s: %s", job, exc)
 
+    def never_committed(self, job: str, versions: list[Version]) -> set[Version]:
+        """Those of ``versions`` some node's record lists as skipped or withdrawn (none when
+        etcd cannot say: the caller then keeps every copy)."""
+        try:
+            progress = read_state(self.coord, self.keys, job).progress
+        except (CoordinationError, records.RecordError) as exc:
+            self.etcd_error("read the replicated records", exc)
+            return set()
+        dead = {tuple(v) for record in progress.values() for v in record.skipped}
+        return {v for v in versions if tuple(v) in dead}
+
     def reread(self, job: str) -> None:
         try:
             committed = read_committed(self.coord, self.keys, job)

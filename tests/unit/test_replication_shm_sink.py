@@ -198,3 +198,35 @@ def test_a_restarted_daemon_adopts_verified_replicas(root):
     finally:
         sender.close()
         replicas.close()
+
+
+@pytest.mark.parametrize("withdrawn", [{(0, 2)}, set()])
+def test_with_two_undecided_copies_only_one_the_records_call_withdrawn_is_let_go(node, withdrawn):
+    # Both replica slots of rank 0 hold copies that may be committed, (0,1) and (0,2); the
+    # owner withdrew (0,2) and pushes (0,3). Letting go of the older, as the sink once did,
+    # loses (0,1), which the records can still commit: the sink asks the records, and without
+    # an answer it refuses the push rather than guess.
+    sender, _, replicas, sink, _, client = node
+    superseded, asked = [], []
+    sink.on_superseded = lambda job, rank, v: (superseded.append(v),
+                                               replicas.release_retained(job, rank, v))
+    sink.never_committed = lambda job, versions: (asked.append(list(versions)),
+                                                  withdrawn & set(versions))[1]
+    for step in (1, 2):
+        write_snapshot(sender, 0, step)
+        push(client, sender, 0, step)
+        assert replicas.retain(JOB, 0, (0, step))
+    write_snapshot(sender, 0, 3)
+    if withdrawn:
+        push(client, sender, 0, 3)
+        assert superseded == [(0, 2)]
+        assert sink.held(JOB, 0).version == (0, 3)
+    else:
+        with pytest.raises(Refused) as info:
+            push(client, sender, 0, 3)
+        assert info.value.reason == IN_PROGRESS
+        assert superseded == []
+    assert asked == [[(0, 1), (0, 2)]]
+    view = replicas.latest(JOB, 0, version=(0, 1))
+    assert view is not None, "the copy that may still be committed was let go"
+    view.release()
