@@ -108,9 +108,9 @@ class ShmSink(Sink):
         self.on_landed: Callable[[str, int, Version], None] | None = None
         #: Called with (job, rank, version) when a newer replica needs the slot of that version.
         self.on_superseded: Callable[[str, int, Version], None] | None = None
-        #: Called with (job, versions): those of them a node's record says can never be
-        #: committed (skipped or withdrawn); see :meth:`_reserve`.
-        self.never_committed: Callable[[str, list[Version]], set[Version]] | None = None
+        #: Called with (job, rank, versions): those of them the rank's owner's record says can
+        #: never be committed (skipped or withdrawn); see :meth:`_resolved`.
+        self.never_committed: Callable[[str, int, list[Version]], set[Version]] | None = None
         for job, rank, _, _ in store.holdings():
             view = store.latest(job, rank)
             if view is not None:
@@ -180,12 +180,13 @@ class ShmSink(Sink):
         """Which undecided copy in the way of ``d`` its owner resolved. With one, that one
         (the other slot holds the commit). With two, the owner withdrew one of them before it
         could snapshot ``d``, but the other may still be committed from the records: only
-        the records say which (a withdrawal is published with the version), so a copy is let
-        go only when they say it can never be committed."""
+        the owner's record says which (a withdrawal is published with the version), so a copy
+        is let go only when it says that copy can never be committed."""
         undecided = sorted(v for v in pending.held if v < d.version)
         if len(undecided) <= 1:
             return pending.version
-        dead = self.never_committed(d.job, undecided) if self.never_committed else set()
+        dead = (self.never_committed(d.job, d.owner_rank, undecided)
+                if self.never_committed else set())
         if not dead:
             raise Refused(IN_PROGRESS, f"rank {d.owner_rank}: copies {undecided} may both still "
                                        "be committed; retry after the owner's record says which "

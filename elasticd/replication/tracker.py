@@ -449,15 +449,24 @@ class CommitTracker:
                     complaints.warn(event.kv.key, event.kv.value,
                                          "unreadable committed record of %s: %s", job, exc)
 
-    def never_committed(self, job: str, versions: list[Version]) -> set[Version]:
-        """Those of ``versions`` some node's record lists as skipped or withdrawn (none when
-        etcd cannot say: the caller then keeps every copy)."""
+    def never_committed(self, job: str, rank: int, versions: list[Version]) -> set[Version]:
+        """Those of ``versions`` the record of ``rank``'s owner (in the placement in force)
+        lists as skipped or withdrawn: the owner publishes a withdrawal with its fence, before
+        it reuses the slot. No other node's record counts (a stale or hostile one must not
+        make this node let go of a copy), and none when etcd cannot say: the caller then keeps
+        every copy."""
+        with self.lock:
+            placement = self.state(job).placement
+        owner = next((n for n, ranks in placement.ranks.items() if rank in ranks),
+                     None) if placement is not None else None
+        if owner is None:
+            return set()
         try:
-            progress = read_state(self.coord, self.keys, job).progress
+            record = read_state(self.coord, self.keys, job).progress.get(owner)
         except (CoordinationError, records.RecordError) as exc:
             self.etcd_error("read the replicated records", exc)
             return set()
-        dead = {tuple(v) for record in progress.values() for v in record.skipped}
+        dead = set(record.skipped) if record is not None else set()
         return {v for v in versions if tuple(v) in dead}
 
     def reread(self, job: str) -> None:

@@ -155,13 +155,12 @@ class CommitProtocol(RuleBasedStateMachine):
             if pending is not None:
                 if version <= pending:
                     return
-                # ShmSink._resolved: with two undecided copies in the way, only one a record
-                # lists as withdrawn may go (the owner's withdrawal is published with it).
+                # ShmSink._resolved: with two undecided copies in the way, only one the
+                # owner's record lists as withdrawn may go (published with the withdrawal).
                 undecided = sorted(v for v in replicas.slots[owner.rank]
                                    if v < version and v not in replicas.everywhere)
                 if len(undecided) > 1:
-                    dead = {v for v in undecided if any(v in n.book.withdrawn
-                                                        for n in self.nodes)}
+                    dead = {v for v in undecided if v in owner.book.withdrawn}
                     if not dead:
                         return  # refused: the owner retries
                     pending = max(dead)

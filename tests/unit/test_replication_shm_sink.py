@@ -210,8 +210,8 @@ def test_with_two_undecided_copies_only_one_the_records_call_withdrawn_is_let_go
     superseded, asked = [], []
     sink.on_superseded = lambda job, rank, v: (superseded.append(v),
                                                replicas.release_retained(job, rank, v))
-    sink.never_committed = lambda job, versions: (asked.append(list(versions)),
-                                                  withdrawn & set(versions))[1]
+    sink.never_committed = lambda job, rank, versions: (asked.append((rank, list(versions))),
+                                                        withdrawn & set(versions))[1]
     for step in (1, 2):
         write_snapshot(sender, 0, step)
         push(client, sender, 0, step)
@@ -226,7 +226,7 @@ def test_with_two_undecided_copies_only_one_the_records_call_withdrawn_is_let_go
             push(client, sender, 0, 3)
         assert info.value.reason == IN_PROGRESS
         assert superseded == []
-    assert asked == [[(0, 1), (0, 2)]]
+    assert asked == [(0, [(0, 1), (0, 2)])]
     view = replicas.latest(JOB, 0, version=(0, 1))
     assert view is not None, "the copy that may still be committed was let go"
     view.release()

@@ -539,3 +539,19 @@ def test_followed_versions_are_forgotten_once_committed(make_cluster):
         wait_for(lambda: not node.replicator.awaiting_commit(JOB))
         assert not book(node).entries, "a committed version is still remembered"
         assert node.local.retained(JOB) == {None: {(0, 1)}}, "only the commit stays retained"
+
+
+def test_only_the_owners_record_says_a_copy_can_never_be_committed(make_cluster):
+    # A sink with two undecided copies of a rank lets go of one only when the rank's owner
+    # lists it as skipped or withdrawn; another node's record (stale or hostile) does not
+    # count, and nor does an owner's record that does not list it.
+    cluster = make_cluster(3)
+    cluster.set_membership(["n1", "n2", "n3"], THREE, round=1)
+    coord, tracker = cluster.coords[0], cluster["n3"].replicator.tracker
+    for node, skipped in (("n1", ((0, 7),)), ("n2", ((0, 8),))):
+        coord.put(replicated_key(cluster.keys, JOB, node), encode_replicated(
+            Replicated(node, 1, {}, {}, 0.0, skipped)))
+    assert tracker.never_committed(JOB, 0, [(0, 7), (0, 8)]) == {(0, 7)}  # rank 0: n1's
+    assert tracker.never_committed(JOB, 2, [(0, 7), (0, 8)]) == {(0, 8)}  # rank 2: n2's
+    assert tracker.never_committed(JOB, 4, [(0, 7), (0, 8)]) == set()  # n3 lists neither
+    assert tracker.never_committed(JOB, 9, [(0, 7)]) == set()  # no owner in the placement
