@@ -106,6 +106,31 @@ class DaemonWatch:
                 f"etcd (its daemon was declared dead) and the daemon has not answered on its "
                 f"local socket for {silent:.1f} s")
 
+    def settle(self, timeout: float) -> str:
+        """Before this node's agent joins a rendezvous round: fences now if the rule holds;
+        while the daemon is silent, waits up to ``timeout`` seconds for it to answer or for the
+        rule to hold. A node that joins a round and is fenced right after has closed that round
+        with a member that never starts: the survivors' agents wait on it in torch's rank
+        assignment (CI: a SIGSTOP of one daemon re-formed the job only after 60 s).
+
+        Returns:
+            "answering"; "silent" when the daemon stayed silent for ``timeout`` with its record
+            present (the join goes ahead: a wrong fence costs more than a late one); "fenced"
+            when the fence given returned (only in tests: the real one ends the process).
+        """
+        deadline = self._clock.monotonic() + timeout
+        while True:
+            self.probe()
+            reason = self.tick()
+            if reason is not None:
+                self._fence(reason)
+                return "fenced"
+            if self.silence() < self.silent_for:
+                return "answering"
+            if self._clock.monotonic() >= deadline:
+                return "silent"
+            self._clock.sleep(self.interval)
+
     def run(self) -> None:
         while not self._stop.wait(self.interval):
             reason = self.tick()

@@ -9,7 +9,8 @@ adding, to every ``etcd-v3`` rendezvous handler the agent creates
   daemon's proactive abort does, instead of waiting for a collective to time out.
 * **Fencing for a silent daemon.** When the node's record is gone from etcd and the daemon does
   not answer locally, kill the workers, revoke the agent's rendezvous lease and exit: a frozen
-  daemon cannot fence for itself (:mod:`.daemon_watch`).
+  daemon cannot fence for itself (:mod:`.daemon_watch`). The same rule is checked before the
+  agent joins a round (the join gate), so a node about to fence does not enter a new round.
 
 The rendezvous plugin knows nothing of daemons (the coordination layer imports no agent code);
 plain torchrun runs it without any of this.
@@ -49,6 +50,10 @@ def attach(handler: object) -> None:
                         ping=ping_daemon(sock, timeout=1.0),
                         fence=fence_agent(tag, handler.stop),  # type: ignore[attr-defined]
                         absent_for=0.0, interval=0.25, silent_for=1.0, ping_interval=0.25)
+    # Silent daemon: settle before joining, for up to a lease TTL and a second (its record
+    # is gone by then if it is frozen, and the rule holds).
+    handler.join_gate = lambda: watch.settle(  # type: ignore[attr-defined]
+        handler._ttl + 1.0)  # type: ignore[attr-defined]
     watch.start()
     log.info("watching daemon of node %s (record %s, socket %s)", node,
              watch.node_key.decode(errors="replace"), sock)

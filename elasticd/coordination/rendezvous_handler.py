@@ -29,7 +29,11 @@ interface (``torch/distributed/elastic/rendezvous/api.py``) on its own keys inst
   a per-round prefix (torch's ``torch.rendezvous.<run>.<round>``). ``use_agent_store`` is False:
   workers host their own TCPStore at the rank-0 node's address and a free port, as with
   ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (docs/facts.md: sharing the agent's store across restarts
-  let workers read dead peers' addresses).
+  let workers read dead peers' addresses). A blocking wait in the store ends at once when a
+  member of the round is gone (confirmed): torch's rank assignment waits for what the agent
+  of rank 0 writes, and a member that left after the round closed never writes it.
+* **Join gate.** ``join_gate``, when set, runs before this node writes its join record; under
+  a daemon it fences a node whose daemon was declared dead before it can enter a round.
 
 Registered as torchrun's ``etcd-v3`` backend (:mod:`elasticd.coordination.rendezvous`). Its
 rdzv-conf keys are those of :mod:`.rendezvous_config` (``liveness_ttl`` is this lease's TTL);
@@ -273,7 +277,7 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         self._grow = grow
         self._mirror = _Mirror(prefix + b"native/", self._clock)
         self._store = EtcdV3Store(coordinator, prefix + b"store/", timeout=store_timeout,
-                                  grace=self._grace)
+                                  grace=self._grace, abort=self._round_left)
         self._store_prefix = prefix + b"store/"
         self._keeper = LeaseKeeper(coordinator, ttl, EtcdHealth(describe="etcd (rendezvous)"),
                                    on_change=self._lease_changed, clock=self._clock,
@@ -290,6 +294,9 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         #: Called with the ids of members of this node's current round once they are gone
         #: (confirmed). Under a daemon, restarts this node's workers (see rendezvous.py).
         self.on_round_broken: Callable[[list[str]], None] | None = None
+        #: Called before this node writes its join record; may block, or end the process.
+        #: Under a daemon, fences a node whose daemon was declared dead (see rendezvous.py).
+        self.join_gate: Callable[[], object] | None = None
         #: Per round this node joined: (round, seconds in next_rendezvous until it saw the
         #: round), and the monotonic time it last saw one. For benches and logs.
         self.rounds: list[tuple[int, float]] = []
@@ -413,6 +420,8 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
             if mirror.closed:
                 raise RendezvousClosedError(f"rendezvous {self._run_id!r} is closed")
             target = next_round(mirror.round)
+        if self.join_gate is not None:
+            self.join_gate()
         self._write_record(target)
         log.info("node %s joins round %d of rendezvous %r", self.me, target, self._run_id)
         deadline = started + self._join_timeout
@@ -510,6 +519,20 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
                 self._coord.delete_prefix(old)
             except CoordinationError as exc:
                 log.debug("could not delete the store of round %d: %s", number - 2, exc)
+
+    def _round_left(self) -> str | None:
+        """Why a blocking wait in the store can stop now: a member of the round this node is
+        in is gone (confirmed), so what it was to write (torch's rank assignment, written by
+        the agent of rank 0) will never come. The agent then fails at once and is restarted
+        into a new round, instead of after the store's timeout (60 s)."""
+        if not self._started or self._stopped:
+            return None
+        gone = self.gone_members()
+        with self._mirror.cond:
+            current = self._mirror.round
+        if not gone or current is None or self.me not in current.members:
+            return None
+        return f"member(s) {', '.join(gone)} of round {current.round} left the rendezvous"
 
     def gone_members(self) -> list[str]:
         """Members of the current round whose records have been absent for ``confirm``

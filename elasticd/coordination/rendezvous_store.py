@@ -30,7 +30,7 @@ import datetime
 import logging
 import random
 import uuid
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch.distributed as dist
 
@@ -61,6 +61,9 @@ class EtcdV3Store(dist.Store):
         timeout: how long ``get``/``wait`` block for missing keys; the c10d default if None.
         grace: retry policy for etcd outages (its clock also times waits and polls).
         min_poll, max_poll: first and longest pause, seconds, between polls for missing keys.
+        abort: asked at every poll of a blocking wait; a reason (not None) ends the wait at
+            once with ``DistStoreError`` (the handler's: a member of the round left, so the
+            key it was to write will never come).
 
     Raises:
         ValueError: a key prefix that does not end in ``/``.
@@ -68,7 +71,8 @@ class EtcdV3Store(dist.Store):
 
     def __init__(self, coordinator: Coordinator, key_prefix: bytes,
                  timeout: datetime.timedelta | None = None, grace: OutageGrace | None = None,
-                 min_poll: float = 0.005, max_poll: float = 0.1) -> None:
+                 min_poll: float = 0.005, max_poll: float = 0.1,
+                 abort: Callable[[], str | None] | None = None) -> None:
         super().__init__()  # required by the pybind trampoline
         if not key_prefix.endswith(b"/"):
             raise ValueError(f"store key prefix {key_prefix!r} must end with '/'")
@@ -80,6 +84,7 @@ class EtcdV3Store(dist.Store):
         self._clock = self._grace.clock
         self._min_poll = min_poll
         self._max_poll = max_poll
+        self.abort = abort
         if timeout is not None:
             self.set_timeout(timeout)
 
@@ -98,7 +103,8 @@ class EtcdV3Store(dist.Store):
         """Returns the keys' values once all exist.
 
         Raises:
-            DistStoreError: some key was still missing after ``timeout`` (0: wait forever).
+            DistStoreError: some key was still missing after ``timeout`` (0: wait forever), or
+                :attr:`abort` gave a reason to stop waiting.
         """
         timeout = self.timeout if timeout is None else timeout
         seconds = timeout.total_seconds()
@@ -113,11 +119,16 @@ class EtcdV3Store(dist.Store):
                         found[i] = value
             if len(found) == len(keys):
                 return [found[i] for i in range(len(keys))]
+            missing_keys = [str(k) for i, k in enumerate(keys) if i not in found]
+            reason = self.abort() if self.abort is not None else None
+            if reason is not None:
+                raise dist.DistStoreError(
+                    f"gave up waiting for keys {missing_keys} in the etcd store "
+                    f"{self.prefix.decode(errors='replace')}: {reason}")
             now = self._clock.monotonic()
             if deadline is not None and now >= deadline:
-                missing = [str(k) for i, k in enumerate(keys) if i not in found]
                 raise dist.DistStoreError(
-                    f"timed out after {seconds:g}s waiting for keys {missing} in the etcd "
+                    f"timed out after {seconds:g}s waiting for keys {missing_keys} in the etcd "
                     f"store {self.prefix.decode(errors='replace')}"
                 )
             self._clock.sleep(pause if deadline is None else min(pause, deadline - now))

@@ -20,7 +20,8 @@ be committed naming a holder that had already overwritten its copy.) Keys, under
                         {"versions": [[generation, step], ...] newest first (at most
                         KEEP_VERSIONS), "holders": [node, ...]}}, at, [skipped: versions
                         a local rank skipped or the node withdrew, so they can never commit;
-                        newest first]}
+                        newest first], [withdrawn: the versions the node withdrew, newest
+                        first, kept apart so that skips do not push them out of the list]}
     committed           record "ckpt_committed": {generation, step, ranks: [rank, ...],
                         holders: {"<rank>": [node, ...]}, m, round, at}
     fence/<node>        record "ckpt_fence": {node, withdrawn: [[generation, step], ...], at};
@@ -56,6 +57,11 @@ FENCE_KIND = "ckpt_fence"
 KEEP_VERSIONS = 4
 #: Skipped versions each node lists (the newest), for peers waiting on one of them.
 KEEP_SKIPPED = 8
+#: Withdrawn versions each node lists (the newest). Apart from the skipped ones: an owner
+#: blocked by a pending commit skips a snapshot every step, and those skips pushed a withdrawal
+#: out of the skipped list before a holder of the withdrawn copy asked about it; the holder then
+#: refused every later copy of the rank (chaos run: no commit for 50 steps, then step 0).
+KEEP_WITHDRAWN = 8
 
 
 class CommitConflict(ReplicationError):
@@ -112,6 +118,11 @@ class Replicated:
     holders: Mapping[int, tuple[str, ...]]
     at: float = 0.0
     skipped: tuple[Version, ...] = ()
+    withdrawn: tuple[Version, ...] = ()
+
+    def never_committed(self) -> set[Version]:
+        """The versions this record says can never be committed (skipped or withdrawn)."""
+        return {*self.skipped, *self.withdrawn}
 
 
 def encode_committed(c: Committed) -> bytes:
@@ -141,6 +152,8 @@ def encode_replicated(r: Replicated) -> bytes:
                            "holders": list(r.holders.get(k, ()))} for k in sorted(r.versions)}}
     if r.skipped:
         body["skipped"] = [list(v) for v in r.skipped[:KEEP_SKIPPED]]
+    if r.withdrawn:
+        body["withdrawn"] = [list(v) for v in r.withdrawn[:KEEP_WITHDRAWN]]
     return records.encode(REPLICATED_KIND, body)
 
 
@@ -153,8 +166,9 @@ def decode_replicated(raw: bytes, key: bytes | str = b"?") -> Replicated:
             versions[int(rank)] = tuple((_int(g), _int(s)) for g, s in entry["versions"])
             holders[int(rank)] = tuple(_str(n) for n in entry.get("holders", ()))
         skipped = tuple((_int(g), _int(s)) for g, s in body.get("skipped", ()))
+        withdrawn = tuple((_int(g), _int(s)) for g, s in body.get("withdrawn", ()))
         return Replicated(_str(body["node"]), _int(body.get("round", 0)), versions, holders,
-                          records.finite(body.get("at", 0.0), "at"), skipped)
+                          records.finite(body.get("at", 0.0), "at"), skipped, withdrawn)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise records.CorruptRecord(f"{key!r}: invalid replicated record ({exc})") from exc
 

@@ -44,6 +44,7 @@ from elasticd.replication.api import Version
 from elasticd.replication.commit_state import Actions, CommitBook, Holder, Verdict
 from elasticd.replication.commit import (
     KEEP_SKIPPED,
+    KEEP_WITHDRAWN,
     KEEP_VERSIONS,
     CommitConflict,
     Committed,
@@ -78,6 +79,8 @@ class JobState:
         book: which copies stay, and the versions followed until decided.
         skipped: versions a local rank skipped or this node withdrew (newest first), published
             in the record: they can never be committed.
+        withdrawn: versions this node withdrew (newest first), published apart (see
+            :data:`~elasticd.replication.commit.KEEP_WITHDRAWN`).
     """
 
     placement: Placement | None = None
@@ -90,6 +93,7 @@ class JobState:
     gen_base: dict[int, int] = dataclasses.field(default_factory=dict)
     book: CommitBook = dataclasses.field(default_factory=lambda: CommitBook(0.0))
     skipped: list[Version] = dataclasses.field(default_factory=list)
+    withdrawn: list[Version] = dataclasses.field(default_factory=list)
     watch: Watch | None = None
 
 
@@ -279,7 +283,8 @@ class CommitTracker:
             self.node_id, st.placement.round,
             {r: tuple(st.replicated[r]) for r in (mine or st.replicated) if r in st.replicated},
             {r: st.placement.holders[self.node_id] for r in (mine or st.replicated)},
-            self.clock.wall(), tuple(st.skipped[:KEEP_SKIPPED]))
+            self.clock.wall(), tuple(st.skipped[:KEEP_SKIPPED]),
+            tuple(st.withdrawn[:KEEP_WITHDRAWN]))
 
     def on_skipped(self, job: str, version: Version) -> None:
         """A local rank skipped the snapshot of ``version`` (a commit was pending): publishes
@@ -333,6 +338,7 @@ class CommitTracker:
                     return
                 # Published like a skipped version: a peer waiting on this step stops waiting.
                 st.skipped = sorted({version, *st.skipped}, reverse=True)[:KEEP_SKIPPED]
+                st.withdrawn = sorted({version, *st.withdrawn}, reverse=True)[:KEEP_WITHDRAWN]
                 for r in st.replicated:
                     st.replicated[r] = [v for v in st.replicated[r] if v != version]
                 record = self._record(st)
@@ -371,11 +377,12 @@ class CommitTracker:
             record = progress.get(owner)
             if owner == self.node_id or record is None:
                 continue
-            if version in record.skipped:
+            dead = record.never_committed()
+            if version in dead:
                 return True
             for rank in ranks:
                 versions = record.versions.get(rank, ())
-                newest = max((*versions, *record.skipped), default=None)
+                newest = max((*versions, *dead), default=None)
                 if newest is not None and newest > version and version not in versions:
                     return True
         return False
@@ -466,7 +473,7 @@ class CommitTracker:
         except (CoordinationError, records.RecordError) as exc:
             self.etcd_error("read the replicated records", exc)
             return set()
-        dead = set(record.skipped) if record is not None else set()
+        dead = record.never_committed() if record is not None else set()
         return {v for v in versions if tuple(v) in dead}
 
     def reread(self, job: str) -> None:

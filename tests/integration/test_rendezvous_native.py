@@ -16,6 +16,7 @@ import time
 import uuid
 
 import pytest
+from torch.distributed import DistStoreError
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
     RendezvousParameters,
@@ -186,6 +187,33 @@ def test_a_member_that_restarts_alone_makes_the_others_re_rendezvous(cluster):
     wait_until(lambda: b.num_nodes_waiting() == 1, "b sees a waiting")
     infos = results(cluster.join(b) + pending)
     assert sorted(i.rank for i in infos) == [0, 1]
+
+
+def test_a_member_fenced_after_the_round_closed_ends_the_others_rank_assignment_at_once(
+        cluster):
+    # CI: a SIGSTOPped daemon's agent joined a round, then fenced itself before writing
+    # torch's rank assignment (its agent was rank 0); the others waited the store's 60 s.
+    a, b, c = cluster.node(2, 3), cluster.node(2, 3), cluster.node(2, 3)
+    infos = dict(zip((a, b, c), results(cluster.join(a, b, c))))
+    rank0 = next(h for h, i in infos.items() if i.rank == 0)
+    waiter = next(h for h in (a, b, c) if h is not rank0)
+    rank0.stop()  # the fence revokes the agent's lease: its record goes
+    started = time.monotonic()
+    with pytest.raises(DistStoreError, match="left the rendezvous"):
+        infos[waiter].store.get("torchelastic/assigned_ranks/1")
+    took = time.monotonic() - started
+    assert took < 10, took  # confirm (0.5 s) and a poll, not the store's 60 s timeout
+    # the survivors then meet in a new round without it
+    rest = [h for h in (a, b, c) if h is not rank0]
+    assert [i.world_size for i in results(cluster.join(*rest))] == [2, 2]
+
+
+def test_the_join_gate_runs_before_the_node_record_is_written(cluster):
+    a = cluster.node(1, 1)
+    seen = []
+    a.join_gate = lambda: seen.append(a.me in a._mirror.nodes)
+    results(cluster.join(a))
+    assert seen == [False]
 
 
 def test_shutdown_removes_the_node_and_closes_unless_failing_and_restartable(cluster):

@@ -92,6 +92,66 @@ def test_a_failed_read_never_fences(env, monkeypatch):
     assert env.tick() is not None
 
 
+class Settling:
+    """The join gate: ``settle`` on a fake clock whose sleeps run ``during`` (the world moving
+    while the agent waits), with a fence that records its reason."""
+
+    def __init__(self, env):
+        self.env, self.fenced, self.during = env, [], None
+        env.watch._fence = self.fenced.append
+        real_sleep = env.clock.sleep
+
+        def sleep(seconds):
+            real_sleep(seconds)
+            if self.during is not None:
+                self.during(env.clock.monotonic())
+
+        env.clock.sleep = sleep
+
+
+def test_settle_fences_before_the_join_when_the_rule_holds(env):
+    s = Settling(env)
+    env.answers = False
+    env.clock.sleep(1.5)  # frozen 1.5 s ago; its record expired
+    assert env.watch.settle(timeout=3.0) == "fenced"
+    assert len(s.fenced) == 1 and "declared dead" in s.fenced[0]
+
+
+def test_settle_lets_an_answering_daemon_join_at_once(env):
+    s = Settling(env)
+    env.coord.put(KEY, b"{}")
+    start = env.clock.monotonic()
+    assert env.watch.settle(timeout=3.0) == "answering"
+    assert env.clock.monotonic() == start and s.fenced == []
+
+
+def test_settle_waits_for_a_silent_daemon_to_answer_or_its_record_to_go(env):
+    s = Settling(env)
+    env.coord.put(KEY, b"{}")
+    env.answers = False
+    env.clock.sleep(1.2)  # silent, but its record is still there: no fence yet
+    s.during = lambda now: env.coord.delete(KEY) if now >= env.watch._answered + 2.0 else None
+    assert env.watch.settle(timeout=3.0) == "fenced"
+    assert env.clock.monotonic() - env.watch._answered >= 2.0
+    # a daemon that answers again while the agent waits: the join goes ahead
+    env.coord.put(KEY, b"{}")
+    env.watch._answered = env.clock.monotonic() - 1.5
+    s.during = lambda now: setattr(env, "answers", True)
+    assert env.watch.settle(timeout=3.0) == "answering" and len(s.fenced) == 1
+
+
+def test_settle_gives_up_after_its_timeout_and_joins(env):
+    # A daemon silent with its record present (a wedged socket, not a frozen daemon): a late
+    # join, never a hang.
+    s = Settling(env)
+    env.coord.put(KEY, b"{}")
+    env.answers = False
+    env.clock.sleep(1.2)
+    start = env.clock.monotonic()
+    assert env.watch.settle(timeout=3.0) == "silent"
+    assert 3.0 <= env.clock.monotonic() - start <= 3.0 + env.watch.interval and s.fenced == []
+
+
 def test_ping_tells_a_silent_socket_from_a_live_one(tmp_path):
     path = str(tmp_path / "d.sock")
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

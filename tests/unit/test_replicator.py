@@ -18,6 +18,7 @@ from elasticd.coordination.api import Compare, Put
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
 from elasticd.replication.commit import (
+    KEEP_SKIPPED,
     Replicated,
     commit_step,
     committed_key,
@@ -555,3 +556,23 @@ def test_only_the_owners_record_says_a_copy_can_never_be_committed(make_cluster)
     assert tracker.never_committed(JOB, 2, [(0, 7), (0, 8)]) == {(0, 8)}  # rank 2: n2's
     assert tracker.never_committed(JOB, 4, [(0, 7), (0, 8)]) == set()  # n3 lists neither
     assert tracker.never_committed(JOB, 9, [(0, 7)]) == set()  # no owner in the placement
+
+
+def test_a_withdrawal_stays_in_the_owners_record_however_many_steps_it_skips_after(
+        make_cluster):
+    # Chaos run: an owner withdrew a version, then skipped a snapshot every step while its
+    # other copy waited; the skips pushed the withdrawal out of its record (8 entries), and the
+    # peer holding both undecided copies refused every later copy of the rank: no commit for 50
+    # steps, then a restore from step 0.
+    cluster = make_cluster(2)
+    cluster.set_membership(["n1", "n2"], {"n1": [0], "n2": [1]}, round=1)
+    n1, n2 = cluster["n1"], cluster["n2"]
+    n1.snapshot(0, 1, world=2)  # acknowledged by n2, never committed (rank 1 has no step 1)
+    cluster.wait_idle()
+    n1.replicator.on_commit_pending(JOB, (0, 1), skipped=(0, 2))
+    wait_for(lambda: n1.replicator.tracker.counters["withdrawals"] == 1)
+    for step in range(3, 3 + 2 * KEEP_SKIPPED):
+        n1.replicator.tracker.on_skipped(JOB, (0, step))
+    record = read_state(cluster.coords[0], cluster.keys, JOB).progress["n1"]
+    assert (0, 1) not in record.skipped and record.withdrawn == ((0, 1),)
+    assert n2.replicator.tracker.never_committed(JOB, 0, [(0, 1)]) == {(0, 1)}
