@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 from elasticd.coordination.etcd import EtcdSettings, parse_endpoints
 from elasticd.coordination.keys import check_name, check_prefix
-from elasticd.coordination.rendezvous_rounds import GROW_POLICIES
+from elasticd.coordination.rendezvous_rounds import GROW_POLICIES, check_grow
 
 ENV_PREFIX = "ELASTICD_"
 
@@ -109,8 +109,10 @@ class Settings:
         stop_grace: seconds between SIGTERM and SIGKILL when stopping a job's processes.
         rdzv_last_call: torchrun's last_call_timeout (seconds a complete round waits for more).
         rdzv_grow: when a node that returns or is added enters a running job: "immediate"
-            (every node stops once to let it in) or "at-failure" (it waits as a spare and
-            enters at the next failure, with no extra stop); the rendezvous' ``grow`` key.
+            (every node stops once to let it in), "at-failure" (it waits as a spare and
+            enters at the next failure, with no extra stop) or "interval:MIN" (as at-failure,
+            and at most once every MIN minutes, at a committed step, it enters at once); the
+            rendezvous' ``grow`` key.
         worker_start: "warm" (a per-job zygote that imported torch forks each worker:
             elasticd/agent/zygote.py) or "cold" (torchrun starts a new interpreter per worker).
         shm_dir: directory (tmpfs) of the daemon-owned checkpoint slots (default
@@ -342,8 +344,10 @@ def _validate(s: Settings, sources: Mapping[str, str]) -> None:
         raise bad("worker_start", f"{s.worker_start!r}: use warm or cold")
     if not 0 < s.rdzv_last_call <= 600:
         raise bad("rdzv_last_call", f"{s.rdzv_last_call}: use more than 0 and at most 600 s")
-    if s.rdzv_grow not in GROW_POLICIES:
-        raise bad("rdzv_grow", f"{s.rdzv_grow!r}: use {' or '.join(GROW_POLICIES)}")
+    try:
+        check_grow(s.rdzv_grow)
+    except ValueError as exc:
+        raise bad("rdzv_grow", str(exc)) from None
     if s.memory_cap_mib < 0:
         raise bad("memory_cap_mib", "must be >= 0 (0: no cap)")
     if s.persist_every_steps < 0 or s.persist_every_seconds < 0:

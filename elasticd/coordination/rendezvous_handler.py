@@ -34,6 +34,11 @@ interface (``torch/distributed/elastic/rendezvous/api.py``) on its own keys inst
   of rank 0 writes, and a member that left after the round closed never writes it.
 * **Join gate.** ``join_gate``, when set, runs before this node writes its join record; under
   a daemon it fences a node whose daemon was declared dead before it can enter a round.
+* **Commit gate.** Under the ``interval:MIN`` grow policy a newcomer takes free room only while
+  the job is at a committed step. ``commit_gate``, when set, says whether it is (under a
+  daemon, from a watch on the job's replication records: :mod:`elasticd.agent.commit_watch`);
+  this layer cannot read those records itself. Unset (plain torchrun: no daemon, no commit
+  records), the interval alone decides.
 
 Registered as torchrun's ``etcd-v3`` backend (:mod:`elasticd.coordination.rendezvous`). Its
 rdzv-conf keys are those of :mod:`.rendezvous_config` (``liveness_ttl`` is this lease's TTL);
@@ -89,6 +94,8 @@ from elasticd.coordination.rendezvous_rounds import (
     RoundRecord,
     closer,
     decide_close,
+    grew_at,
+    grow_interval,
     next_round,
     num_waiting,
 )
@@ -275,6 +282,7 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         self._last_call = last_call
         self._close_on_failure = close_on_failure
         self._grow = grow
+        self._grow_interval = grow_interval(grow)
         self._mirror = _Mirror(prefix + b"native/", self._clock)
         self._store = EtcdV3Store(coordinator, prefix + b"store/", timeout=store_timeout,
                                   grace=self._grace, abort=self._round_left)
@@ -297,6 +305,9 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         #: Called before this node writes its join record; may block, or end the process.
         #: Under a daemon, fences a node whose daemon was declared dead (see rendezvous.py).
         self.join_gate: Callable[[], object] | None = None
+        #: Whether the job is at a committed step now (``interval:MIN`` grow policy only);
+        #: called from ``num_nodes_waiting``, so it must answer without blocking.
+        self.commit_gate: Callable[[], bool] | None = None
         #: Per round this node joined: (round, seconds in next_rendezvous until it saw the
         #: round), and the monotonic time it last saw one. For benches and logs.
         self.rounds: list[tuple[int, float]] = []
@@ -501,7 +512,10 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         return RendezvousInfo(store, rank, len(last.members), info)
 
     def _close_round(self, number: int, members: tuple[str, ...], revision: int) -> None:
-        record = RoundRecord(number, members, closed_by=self.me)
+        with self._mirror.cond:
+            last = self._mirror.round
+        record = RoundRecord(number, members, closed_by=self.me,
+                             grew_at=grew_at(members, last, self._clock.wall()))
         ok, new_revision = self._grace.call(
             lambda: self._coord.transaction([Compare(self._mirror.round_key, revision)],
                                             [Put(self._mirror.round_key, record.encode())]),
@@ -563,7 +577,20 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
             if new:
                 self._reported_gone.update((current.round, g) for g in new)
                 self.on_round_broken(new)
-        return num_waiting(nodes, current, self._max, gone, self._grow)
+        return num_waiting(nodes, current, self._max, gone, self._grow,
+                           now=self._clock.wall(), at_commit=self._at_commit(current))
+
+    def _at_commit(self, current: RoundRecord | None) -> bool:
+        """The commit gate's answer, asked only when it can matter (``interval:MIN``, the
+        interval over). A gate that fails answers no: the newcomer waits for the next ask."""
+        if self.commit_gate is None or self._grow_interval is None or current is None \
+                or self._clock.wall() - current.grew_at < self._grow_interval:
+            return True
+        try:
+            return bool(self.commit_gate())
+        except Exception as exc:  # noqa: BLE001 - the agent's monitor loop must go on
+            log.warning("commit gate failed (%s): not growing now", exc)
+            return False
 
     def is_closed(self) -> bool:
         with self._mirror.cond:
