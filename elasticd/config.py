@@ -97,7 +97,10 @@ class Settings:
         listen: ``HOST:PORT`` of the HTTP endpoint (/metrics, /healthz, /status).
         lease_ttl: seconds without a keep-alive after which etcd declares this node dead.
         loop_interval: seconds between main-loop cycles when nothing happens.
-        heartbeat_interval: seconds between rewrites of the node record (0: lease_ttl).
+        heartbeat_interval: seconds between rewrites of the node record on a timer; 0 (the
+            default): none, the record is written on a state change only and the lease (kept
+            alive every TTL/3) carries liveness. A positive value keeps ``heartbeat_at`` fresh
+            for tools that read the record's age, at N/interval etcd writes per second.
         etcd_timeout: seconds one etcd request may take.
         outage_grace: seconds the node keeps its workers running while etcd is unreachable.
         provisional_grace: seconds a peer's lease expiry, seen while this node was itself cut
@@ -196,7 +199,9 @@ class Settings:
 
     @property
     def heartbeat_seconds(self) -> float:
-        return self.heartbeat_interval or float(self.lease_ttl)
+        """Seconds between timed rewrites of the node record; 0: no timer (the lease is the
+        heartbeat)."""
+        return self.heartbeat_interval
 
     @property
     def provisional_seconds(self) -> float:
@@ -316,7 +321,8 @@ def _validate(s: Settings, sources: Mapping[str, str]) -> None:
     if not 0.05 <= s.loop_interval <= 60:
         raise bad("loop_interval", f"{s.loop_interval} is out of range: use 0.05 to 60 seconds")
     if s.heartbeat_interval < 0:
-        raise bad("heartbeat_interval", "must be >= 0 (0 means: the lease TTL)")
+        raise bad("heartbeat_interval", "must be >= 0 (0: no timed rewrite, the lease "
+                  "carries liveness)")
     if not 0.1 <= s.etcd_timeout <= s.lease_ttl:
         raise bad("etcd_timeout", f"{s.etcd_timeout} must be between 0.1 s and lease_ttl "
                   f"({s.lease_ttl} s), or a slow request would cost the lease")

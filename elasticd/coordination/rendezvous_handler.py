@@ -15,9 +15,11 @@ interface (``torch/distributed/elastic/rendezvous/api.py``) on its own keys inst
   :mod:`.rendezvous_rounds`.
 * **Watching**, not polling: each handler mirrors ``<rdzv>/native/`` through one etcd watch.
   ``num_nodes_waiting()``, which torch's agent calls every monitor interval while the workers
-  train, reads that mirror and makes no etcd request. While a rendezvous waits, the mirror is
-  re-listed every few seconds as a safety net (a watch resumed after an etcd data loss delivers
-  nothing: docs/facts.md), and at once after a watch error or a lost lease.
+  train, reads that mirror and makes no etcd request. The mirror is re-listed only when the
+  watch cannot be trusted: at once after a watch error or a lost or replaced lease. That covers
+  an etcd data loss (a watch resumed from the old revision delivers nothing: docs/facts.md),
+  since a wiped etcd knows no lease and the keeper finds its own gone within TTL/3; so there
+  is no periodic re-list.
 * **Outage grace.** Every write retries for ``etcd_grace_period`` on an unreachable etcd
   (:mod:`.rendezvous_grace`); the watch re-creates itself. ``num_nodes_waiting`` never fails.
 * **Provisional expiry.** An etcd paused past the TTL expires every lease when it resumes; each
@@ -103,9 +105,9 @@ from elasticd.coordination.rendezvous_store import EtcdV3Store
 
 log = logging.getLogger(__name__)
 
-#: While a rendezvous waits: re-list the mirror this often, seconds (the watch's safety net;
-#: a lost lease or a watch error re-lists at once, so this only bounds what nothing signals).
-RELIST_INTERVAL = 30.0
+#: While a rendezvous waits, look again at least this often, seconds (a wake-up bound, not a
+#: re-list: the mirror is re-listed only after a watch error or a lost lease).
+WAKE_INTERVAL = 30.0
 #: A node that is not the expected closer of a closable round writes it after this many seconds
 #: (plus up to as much again, at random): the expected closer may have died.
 CLOSER_BACKOFF = 1.0
@@ -438,14 +440,12 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         deadline = started + self._join_timeout
         min_since: float | None = None
         closable_since: float | None = None
-        last_list = self._clock.monotonic()
         spare = False
         while True:
             now = self._clock.monotonic()
-            if self._relist.is_set() or now - last_list >= RELIST_INTERVAL:
+            if self._relist.is_set():
                 self._relist.clear()
                 self._relist_now()
-                last_list = now
             with mirror.cond:
                 if mirror.closed:
                     raise RendezvousClosedError(f"rendezvous {self._run_id!r} is closed")
@@ -492,7 +492,7 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
                     f"node {self.me} was not admitted to rendezvous {self._run_id!r} within "
                     f"join_timeout={self._join_timeout:g}s "
                     f"({decision.wait_for if decision else 'record not seen yet'})")
-            wait = RELIST_INTERVAL
+            wait = WAKE_INTERVAL
             if min_since is not None:
                 wait = min(wait, max(0.01, min_since + self._last_call - now))
             if closable_since is not None:

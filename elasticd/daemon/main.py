@@ -42,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds after which a silent node is declared dead (default 5)")
     p.add_argument("--loop-interval", dest="loop_interval", type=_number,
                    help="seconds between main loop cycles (default 1)")
-    p.add_argument("--heartbeat-interval", dest="heartbeat_interval", type=_number)
+    p.add_argument("--heartbeat-interval", dest="heartbeat_interval", type=_number,
+                   help="seconds between timed rewrites of the node record (default 0: none; "
+                        "the lease carries liveness)")
     p.add_argument("--etcd-timeout", dest="etcd_timeout", type=_number)
     p.add_argument("--outage-grace", dest="outage_grace", type=_number,
                    help="seconds to keep workers running while etcd is unreachable (default 30)")
