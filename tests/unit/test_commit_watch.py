@@ -3,9 +3,11 @@ the rule alone, and the watch that keeps it current on the in-memory coordinator
 
 from __future__ import annotations
 
+import threading
 import time
 
 from elasticd.agent.commit_watch import CommitWatch, at_committed_step
+from elasticd.coordination.api import CoordinationError
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
 from elasticd.replication.commit import (
@@ -59,5 +61,32 @@ def test_the_watch_follows_commits_and_replication_records():
         assert watch.state() == ((0, 4), {"n1": (0, 4)})
         writer.delete(committed_key(KEYS, "job"))
         wait_until(lambda: not watch())
+    finally:
+        watch.stop()
+
+
+def test_after_a_watch_error_the_gate_says_no_until_the_records_are_listed_again():
+    store = MemoryStore()
+    writer, reader = MemoryCoordinator(store), MemoryCoordinator(store)
+    writer.put(replicated_key(KEYS, "job", "n1"), replicated("n1", (0, 3)))
+    writer.put(committed_key(KEYS, "job"), encode_committed(Committed(0, 3, (0,), {0: ("n1",)})))
+    watch = CommitWatch(reader, KEYS, "job")
+    watch.start()
+    try:
+        assert watch()
+        listed, release = [], threading.Event()
+        real = reader.get_prefix
+
+        def slow_listing(prefix):
+            listed.append(prefix)
+            release.wait(5)
+            return real(prefix)
+
+        reader.get_prefix = slow_listing
+        watch._on_watch(CoordinationError("watch broke"))  # as the watch thread reports it
+        wait_until(lambda: listed)  # re-listing, in a thread of its own
+        assert not watch()  # a doubtful view: no growing on it
+        release.set()
+        wait_until(watch)
     finally:
         watch.stop()
