@@ -752,7 +752,8 @@ def run_size_native(n: int, etcd: EmbeddedEtcd, a: argparse.Namespace) -> dict[s
         for c in pipes:
             try:
                 c.send(("stop",))
-                c.recv()
+                if c.poll(15):  # a process still busy joining (a saturated run) is killed
+                    c.recv()
             except (OSError, EOFError):
                 pass
         for p in children:
@@ -804,8 +805,32 @@ def main() -> int:
     # agent processes are stopped, not orphaned.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     etcd = EmbeddedEtcd(1).start()
-    runs = []
+    runs: list[dict[str, Any]] = []
     started = time.monotonic()
+
+    def write(unfinished: str = "") -> None:
+        # After every size, so that a size that never finishes (the simulator saturating its
+        # cores, then a timeout) does not take the figures of the smaller ones with it.
+        result = {
+            "benchmark": "scale_sim",
+            "command": "python bench/scale_sim.py " + " ".join(sys.argv[1:]),
+            "machine": {"cores": os.cpu_count(), "python": platform.python_version(),
+                        "platform": platform.platform()},
+            "etcd": ("single member on loopback, started as elasticd embeds it (EmbeddedEtcd: "
+                     "revision auto-compaction keeping 10000 revisions, 2 GiB quota, no "
+                     "defrag)"),
+            "parameters": {k: v for k, v in vars(a).items() if k != "out"},
+            "seconds": round(time.monotonic() - started, 1),
+            "runs": runs,
+        }
+        if unfinished:
+            result["unfinished"] = unfinished
+        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+            f.write("\n")
+
+    n = 0
     try:
         for n in sizes:
             t0 = time.monotonic()
@@ -819,6 +844,7 @@ def main() -> int:
                       f"{st['requests_per_node_per_second']} req/node/s; kill -> re-formed "
                       f"{fl['seconds_kill_to_round_reformed']} s (TTL {a.ttl}) "
                       f"[{r['simulation_seconds']} s]", flush=True)
+                write()
                 continue
             r = run_size(n, etcd, a)
             r["simulation_seconds"] = round(time.monotonic() - t0, 1)
@@ -830,23 +856,12 @@ def main() -> int:
                   f"db +{st.get('db_growth_bytes_per_second')} B/s; detection "
                   f"{r.get('detection', {}).get('median_seconds_from_kill')} s "
                   f"[{r['simulation_seconds']} s]", flush=True)
+            write()
+    except BaseException as exc:
+        write(f"N={n}: {exc!r} after {time.monotonic() - started:.0f} s")
+        raise
     finally:
         etcd.stop()
-    result = {
-        "benchmark": "scale_sim",
-        "command": "python bench/scale_sim.py " + " ".join(sys.argv[1:]),
-        "machine": {"cores": os.cpu_count(), "python": platform.python_version(),
-                    "platform": platform.platform()},
-        "etcd": ("single member on loopback, started as elasticd embeds it (EmbeddedEtcd: "
-                 "revision auto-compaction keeping 10000 revisions, 2 GiB quota, no defrag)"),
-        "parameters": {k: v for k, v in vars(a).items() if k != "out"},
-        "seconds": round(time.monotonic() - started, 1),
-        "runs": runs,
-    }
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(result, f, indent=1)
-        f.write("\n")
     return 0
 
 

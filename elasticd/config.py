@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 from elasticd.coordination.etcd import EtcdSettings, parse_endpoints
 from elasticd.coordination.keys import check_name, check_prefix
-from elasticd.coordination.rendezvous_rounds import GROW_POLICIES
+from elasticd.coordination.rendezvous_rounds import GROW_POLICIES, check_grow
 
 ENV_PREFIX = "ELASTICD_"
 
@@ -97,7 +97,10 @@ class Settings:
         listen: ``HOST:PORT`` of the HTTP endpoint (/metrics, /healthz, /status).
         lease_ttl: seconds without a keep-alive after which etcd declares this node dead.
         loop_interval: seconds between main-loop cycles when nothing happens.
-        heartbeat_interval: seconds between rewrites of the node record (0: lease_ttl).
+        heartbeat_interval: seconds between rewrites of the node record on a timer; 0 (the
+            default): none, the record is written on a state change only and the lease (kept
+            alive every TTL/3) carries liveness. A positive value keeps ``heartbeat_at`` fresh
+            for tools that read the record's age, at N/interval etcd writes per second.
         etcd_timeout: seconds one etcd request may take.
         outage_grace: seconds the node keeps its workers running while etcd is unreachable.
         provisional_grace: seconds a peer's lease expiry, seen while this node was itself cut
@@ -109,8 +112,10 @@ class Settings:
         stop_grace: seconds between SIGTERM and SIGKILL when stopping a job's processes.
         rdzv_last_call: torchrun's last_call_timeout (seconds a complete round waits for more).
         rdzv_grow: when a node that returns or is added enters a running job: "immediate"
-            (every node stops once to let it in) or "at-failure" (it waits as a spare and
-            enters at the next failure, with no extra stop); the rendezvous' ``grow`` key.
+            (every node stops once to let it in), "at-failure" (it waits as a spare and
+            enters at the next failure, with no extra stop) or "interval:MIN" (as at-failure,
+            and at most once every MIN minutes, at a committed step, it enters at once); the
+            rendezvous' ``grow`` key.
         worker_start: "warm" (a per-job zygote that imported torch forks each worker:
             elasticd/agent/zygote.py) or "cold" (torchrun starts a new interpreter per worker).
         shm_dir: directory (tmpfs) of the daemon-owned checkpoint slots (default
@@ -194,7 +199,9 @@ class Settings:
 
     @property
     def heartbeat_seconds(self) -> float:
-        return self.heartbeat_interval or float(self.lease_ttl)
+        """Seconds between timed rewrites of the node record; 0: no timer (the lease is the
+        heartbeat)."""
+        return self.heartbeat_interval
 
     @property
     def provisional_seconds(self) -> float:
@@ -314,7 +321,8 @@ def _validate(s: Settings, sources: Mapping[str, str]) -> None:
     if not 0.05 <= s.loop_interval <= 60:
         raise bad("loop_interval", f"{s.loop_interval} is out of range: use 0.05 to 60 seconds")
     if s.heartbeat_interval < 0:
-        raise bad("heartbeat_interval", "must be >= 0 (0 means: the lease TTL)")
+        raise bad("heartbeat_interval", "must be >= 0 (0: no timed rewrite, the lease "
+                  "carries liveness)")
     if not 0.1 <= s.etcd_timeout <= s.lease_ttl:
         raise bad("etcd_timeout", f"{s.etcd_timeout} must be between 0.1 s and lease_ttl "
                   f"({s.lease_ttl} s), or a slow request would cost the lease")
@@ -342,8 +350,10 @@ def _validate(s: Settings, sources: Mapping[str, str]) -> None:
         raise bad("worker_start", f"{s.worker_start!r}: use warm or cold")
     if not 0 < s.rdzv_last_call <= 600:
         raise bad("rdzv_last_call", f"{s.rdzv_last_call}: use more than 0 and at most 600 s")
-    if s.rdzv_grow not in GROW_POLICIES:
-        raise bad("rdzv_grow", f"{s.rdzv_grow!r}: use {' or '.join(GROW_POLICIES)}")
+    try:
+        check_grow(s.rdzv_grow)
+    except ValueError as exc:
+        raise bad("rdzv_grow", str(exc)) from None
     if s.memory_cap_mib < 0:
         raise bad("memory_cap_mib", "must be >= 0 (0: no cap)")
     if s.persist_every_steps < 0 or s.persist_every_seconds < 0:

@@ -116,7 +116,9 @@ class Metrics:
             self.provisional_expiries.labels(outcome)
         self.detection_seconds = Histogram(
             "elasticd_failure_detection_seconds",
-            "From a failed peer's last heartbeat record to this node's detection of its expiry",
+            "From a failed peer's last sign of life this node can date (its record's last "
+            "write, or one lease TTL before its expiry if later) to this node's detection of "
+            "its expiry",
             buckets=DETECTION_BUCKETS, registry=r)
         self.fenced = Counter(
             "elasticd_fenced_total",

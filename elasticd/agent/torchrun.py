@@ -11,6 +11,8 @@ adding, to every ``etcd-v3`` rendezvous handler the agent creates
   not answer locally, kill the workers, revoke the agent's rendezvous lease and exit: a frozen
   daemon cannot fence for itself (:mod:`.daemon_watch`). The same rule is checked before the
   agent joins a round (the join gate), so a node about to fence does not enter a new round.
+* **Commit gate.** Under the ``interval:MIN`` grow policy, tell the handler whether the job is
+  at a committed step (:mod:`.commit_watch`): a newcomer enters only then.
 
 The rendezvous plugin knows nothing of daemons (the coordination layer imports no agent code);
 plain torchrun runs it without any of this.
@@ -22,6 +24,7 @@ import logging
 import os
 import runpy
 
+from elasticd.agent.commit_watch import CommitWatch
 from elasticd.agent.daemon_watch import DaemonWatch, fence_agent, ping_daemon
 from elasticd.agent.supervisor import TAG_ENV, children, kill_workers
 from elasticd.coordination import rendezvous
@@ -55,6 +58,11 @@ def attach(handler: object) -> None:
     handler.join_gate = lambda: watch.settle(  # type: ignore[attr-defined]
         handler._ttl + 1.0)  # type: ignore[attr-defined]
     watch.start()
+    if str(getattr(handler, "_grow", "")).startswith("interval:"):
+        commits = CommitWatch(handler._coord, Keyspace(prefix),  # type: ignore[attr-defined]
+                              handler.get_run_id())  # type: ignore[attr-defined]
+        commits.start()
+        handler.commit_gate = commits  # type: ignore[attr-defined]
     log.info("watching daemon of node %s (record %s, socket %s)", node,
              watch.node_key.decode(errors="replace"), sock)
 

@@ -138,7 +138,7 @@ def _nodes(coord: EtcdCoordinator, keys: Keyspace) -> list[dict[str, Any]]:
 
 
 NODE_TABLE = Table([("NODE", "node"), ("STATE", "state"), ("DRAIN", "drain"),
-                    ("ADDRESS", "address"), ("HEARTBEAT", "heartbeat_age_seconds"),
+                    ("ADDRESS", "address"), ("UPDATED", "heartbeat_age_seconds"),
                     ("DOING", "sentence")])
 EVENT_TABLE = Table([("WHEN", "at_iso"), ("NODE", "node"), ("EVENT", "kind"),
                      ("DETECT S", "detection_seconds"), ("SOURCE", "source"),

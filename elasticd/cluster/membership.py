@@ -140,11 +140,17 @@ class Membership:
     Args:
         me: this node's id (its own record is tracked but never reported on).
         provisional_seconds: how long a provisional expiry waits for the node to come back.
+        lease_ttl: the nodes' lease TTL, seconds: a failed node's last keep-alive came at most
+            this long before its record went, so a detection time counts from no earlier
+            (a record is not rewritten on a timer: its ``heartbeat_at`` may be much older).
+            None: count from ``heartbeat_at``.
     """
 
-    def __init__(self, me: str, provisional_seconds: float) -> None:
+    def __init__(self, me: str, provisional_seconds: float,
+                 lease_ttl: float | None = None) -> None:
         self.me = me
         self.provisional_seconds = provisional_seconds
+        self.lease_ttl = lease_ttl
         self.nodes: dict[str, NodeRecord] = {}
         self.pending: dict[str, _Pending] = {}
 
@@ -204,8 +210,10 @@ class Membership:
             out += self.on_put(record)
         return out
 
-    @staticmethod
-    def _failed(record: NodeRecord, wall: float, was_provisional: bool = False) -> Observation:
+    def _failed(self, record: NodeRecord, wall: float,
+                was_provisional: bool = False) -> Observation:
+        since = max(0.0, wall - record.heartbeat_at)
+        if self.lease_ttl is not None:
+            since = min(since, self.lease_ttl)
         return Observation(ObservationKind.FAILED, record.node, record,
-                           detection_seconds=max(0.0, wall - record.heartbeat_at),
-                           was_provisional=was_provisional)
+                           detection_seconds=since, was_provisional=was_provisional)

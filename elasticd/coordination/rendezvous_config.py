@@ -22,9 +22,11 @@ join_timeout           seconds ``next_rendezvous`` waits to be admitted (torch's
 last_call_timeout      seconds a job's first round stays open after ``min`` nodes  30
                        joined, for late starters (torch's)
 grow                   when a node that returns or is added enters a running       immediate
-                       round: ``immediate`` (everybody stops once for it) or
+                       round: ``immediate`` (everybody stops once for it),
                        ``at-failure`` (it waits as a spare until the next round
-                       that forms anyway, e.g. after a failure)
+                       that forms anyway, e.g. after a failure) or
+                       ``interval:MIN`` (as at-failure, and at most once every
+                       MIN minutes, at a committed step, it enters at once)
 close_on_failure       close the rendezvous when this agent ends with an error     true
                        (torch's behaviour: every other agent then ends too);
                        elasticd's daemons set false, since they restart agents
@@ -45,7 +47,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 from elasticd.coordination.etcd import EtcdSettings, parse_endpoints
 from elasticd.coordination.keys import check_name, check_prefix
 from elasticd.coordination.rendezvous_grace import DEFAULT_GRACE_PERIOD
-from elasticd.coordination.rendezvous_rounds import GROW_POLICIES
+from elasticd.coordination.rendezvous_rounds import check_grow
 
 PASSWORD_ENV = "ELASTICD_ETCD_PASSWORD"
 DEFAULT_ETCD_TIMEOUT = 2.0
@@ -154,9 +156,10 @@ class RendezvousConfig:
         except ValueError as exc:
             raise ValueError(f"rdzv-conf close_on_failure={params.get('close_on_failure')!r} "
                              "is not a boolean (true/false)") from exc
-        grow = params.get("grow") or "immediate"
-        if grow not in GROW_POLICIES:
-            raise ValueError(f"rdzv-conf grow={grow!r}: use one of {', '.join(GROW_POLICIES)}")
+        try:
+            grow = check_grow(params.get("grow") or "immediate")
+        except ValueError as exc:
+            raise ValueError(f"rdzv-conf {exc}") from exc
         raw_ttl = params.get("liveness_ttl")
         try:
             liveness_ttl = DEFAULT_LIVENESS_TTL if raw_ttl in (None, "") else int(raw_ttl)

@@ -15,9 +15,11 @@ interface (``torch/distributed/elastic/rendezvous/api.py``) on its own keys inst
   :mod:`.rendezvous_rounds`.
 * **Watching**, not polling: each handler mirrors ``<rdzv>/native/`` through one etcd watch.
   ``num_nodes_waiting()``, which torch's agent calls every monitor interval while the workers
-  train, reads that mirror and makes no etcd request. While a rendezvous waits, the mirror is
-  re-listed every few seconds as a safety net (a watch resumed after an etcd data loss delivers
-  nothing: docs/facts.md), and at once after a watch error or a lost lease.
+  train, reads that mirror and makes no etcd request. The mirror is re-listed only when the
+  watch cannot be trusted: at once after a watch error or a lost or replaced lease. That covers
+  an etcd data loss (a watch resumed from the old revision delivers nothing: docs/facts.md),
+  since a wiped etcd knows no lease and the keeper finds its own gone within TTL/3; so there
+  is no periodic re-list.
 * **Outage grace.** Every write retries for ``etcd_grace_period`` on an unreachable etcd
   (:mod:`.rendezvous_grace`); the watch re-creates itself. ``num_nodes_waiting`` never fails.
 * **Provisional expiry.** An etcd paused past the TTL expires every lease when it resumes; each
@@ -34,6 +36,11 @@ interface (``torch/distributed/elastic/rendezvous/api.py``) on its own keys inst
   of rank 0 writes, and a member that left after the round closed never writes it.
 * **Join gate.** ``join_gate``, when set, runs before this node writes its join record; under
   a daemon it fences a node whose daemon was declared dead before it can enter a round.
+* **Commit gate.** Under the ``interval:MIN`` grow policy a newcomer takes free room only while
+  the job is at a committed step. ``commit_gate``, when set, says whether it is (under a
+  daemon, from a watch on the job's replication records: :mod:`elasticd.agent.commit_watch`);
+  this layer cannot read those records itself. Unset (plain torchrun: no daemon, no commit
+  records), the interval alone decides.
 
 Registered as torchrun's ``etcd-v3`` backend (:mod:`elasticd.coordination.rendezvous`). Its
 rdzv-conf keys are those of :mod:`.rendezvous_config` (``liveness_ttl`` is this lease's TTL);
@@ -89,6 +96,8 @@ from elasticd.coordination.rendezvous_rounds import (
     RoundRecord,
     closer,
     decide_close,
+    grew_at,
+    grow_interval,
     next_round,
     num_waiting,
 )
@@ -96,9 +105,9 @@ from elasticd.coordination.rendezvous_store import EtcdV3Store
 
 log = logging.getLogger(__name__)
 
-#: While a rendezvous waits: re-list the mirror this often, seconds (the watch's safety net;
-#: a lost lease or a watch error re-lists at once, so this only bounds what nothing signals).
-RELIST_INTERVAL = 30.0
+#: While a rendezvous waits, look again at least this often, seconds (a wake-up bound, not a
+#: re-list: the mirror is re-listed only after a watch error or a lost lease).
+WAKE_INTERVAL = 30.0
 #: A node that is not the expected closer of a closable round writes it after this many seconds
 #: (plus up to as much again, at random): the expected closer may have died.
 CLOSER_BACKOFF = 1.0
@@ -275,6 +284,7 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         self._last_call = last_call
         self._close_on_failure = close_on_failure
         self._grow = grow
+        self._grow_interval = grow_interval(grow)
         self._mirror = _Mirror(prefix + b"native/", self._clock)
         self._store = EtcdV3Store(coordinator, prefix + b"store/", timeout=store_timeout,
                                   grace=self._grace, abort=self._round_left)
@@ -297,6 +307,9 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         #: Called before this node writes its join record; may block, or end the process.
         #: Under a daemon, fences a node whose daemon was declared dead (see rendezvous.py).
         self.join_gate: Callable[[], object] | None = None
+        #: Whether the job is at a committed step now (``interval:MIN`` grow policy only);
+        #: called from ``num_nodes_waiting``, so it must answer without blocking.
+        self.commit_gate: Callable[[], bool] | None = None
         #: Per round this node joined: (round, seconds in next_rendezvous until it saw the
         #: round), and the monotonic time it last saw one. For benches and logs.
         self.rounds: list[tuple[int, float]] = []
@@ -427,14 +440,12 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         deadline = started + self._join_timeout
         min_since: float | None = None
         closable_since: float | None = None
-        last_list = self._clock.monotonic()
         spare = False
         while True:
             now = self._clock.monotonic()
-            if self._relist.is_set() or now - last_list >= RELIST_INTERVAL:
+            if self._relist.is_set():
                 self._relist.clear()
                 self._relist_now()
-                last_list = now
             with mirror.cond:
                 if mirror.closed:
                     raise RendezvousClosedError(f"rendezvous {self._run_id!r} is closed")
@@ -481,7 +492,7 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
                     f"node {self.me} was not admitted to rendezvous {self._run_id!r} within "
                     f"join_timeout={self._join_timeout:g}s "
                     f"({decision.wait_for if decision else 'record not seen yet'})")
-            wait = RELIST_INTERVAL
+            wait = WAKE_INTERVAL
             if min_since is not None:
                 wait = min(wait, max(0.01, min_since + self._last_call - now))
             if closable_since is not None:
@@ -501,7 +512,10 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         return RendezvousInfo(store, rank, len(last.members), info)
 
     def _close_round(self, number: int, members: tuple[str, ...], revision: int) -> None:
-        record = RoundRecord(number, members, closed_by=self.me)
+        with self._mirror.cond:
+            last = self._mirror.round
+        record = RoundRecord(number, members, closed_by=self.me,
+                             grew_at=grew_at(members, last, self._clock.wall()))
         ok, new_revision = self._grace.call(
             lambda: self._coord.transaction([Compare(self._mirror.round_key, revision)],
                                             [Put(self._mirror.round_key, record.encode())]),
@@ -563,7 +577,20 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
             if new:
                 self._reported_gone.update((current.round, g) for g in new)
                 self.on_round_broken(new)
-        return num_waiting(nodes, current, self._max, gone, self._grow)
+        return num_waiting(nodes, current, self._max, gone, self._grow,
+                           now=self._clock.wall(), at_commit=self._at_commit(current))
+
+    def _at_commit(self, current: RoundRecord | None) -> bool:
+        """The commit gate's answer, asked only when it can matter (``interval:MIN``, the
+        interval over). A gate that fails answers no: the newcomer waits for the next ask."""
+        if self.commit_gate is None or self._grow_interval is None or current is None \
+                or self._clock.wall() - current.grew_at < self._grow_interval:
+            return True
+        try:
+            return bool(self.commit_gate())
+        except Exception as exc:  # noqa: BLE001 - the agent's monitor loop must go on
+            log.warning("commit gate failed (%s): not growing now", exc)
+            return False
 
     def is_closed(self) -> bool:
         with self._mirror.cond:

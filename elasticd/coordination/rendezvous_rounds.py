@@ -40,7 +40,17 @@ The rules, for the next round ``t`` after the last closed round ``t - 1`` with m
   not a reason to restart anybody. The grow policy decides what room a newcomer may take:
   ``immediate`` (any: a node that returns or is added stops everybody once to enter) or
   ``at-failure`` (only a dead member's: it waits as a spare, and the next round that forms for
-  another reason, a failure or a member's restart, takes it in with no extra stop). A member counts as gone only once its record has been absent
+  another reason, a failure or a member's restart, takes it in with no extra stop) or
+  ``interval:MIN`` (as ``at-failure``, and besides, once at least MIN minutes have passed since
+  the last round that grew the job closed, or since its first round, any room, but only while
+  the job is at a committed step: the stop then loses only the steps since that commit). The
+  round record carries the wall-clock time of the last round that grew the job (``grew_at``,
+  set by its closer), so every member, a restarted agent included, counts the interval from the
+  same moment (clock skew between nodes shifts it by the skew, seconds against minutes).
+  Whether the job is at a committed step is the caller's to say (``at_commit``): the
+  replication records live outside this layer (see the handler's ``commit_gate``).
+
+A member counts as gone only once its record has been absent
   for ``confirm`` seconds while this node trusts its view of etcd (an etcd paused past the TTL
   expires every lease at once; see :class:`~elasticd.coordination.rendezvous_handler`).
 
@@ -51,12 +61,48 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Iterable, Mapping
 
 #: Schema version of the node and round records.
 SCHEMA = 1
-#: Grow policies (rdzv-conf ``grow``; see the module docstring).
-GROW_POLICIES = ("immediate", "at-failure")
+#: Grow policies (rdzv-conf ``grow``; see the module docstring); ``interval:MIN`` takes a
+#: number of minutes.
+GROW_POLICIES = ("immediate", "at-failure", "interval:MIN")
+_INTERVAL = "interval:"
+
+
+def check_grow(policy: str) -> str:
+    """Validates a grow policy and returns it normalized (``interval:MIN`` with MIN as given).
+
+    Raises:
+        ValueError: not a policy; one line that quotes it and names the choices.
+    """
+    text = str(policy).strip()
+    if text in ("immediate", "at-failure"):
+        return text
+    if text.startswith(_INTERVAL):
+        raw = text[len(_INTERVAL):]
+        try:
+            minutes = float(raw)
+        except ValueError:
+            minutes = float("nan")
+        if minutes >= 0 and minutes != float("inf"):  # refuses NaN, negatives, junk
+            return _INTERVAL + raw.strip()
+        raise ValueError(f"grow policy {policy!r}: MIN in interval:MIN must be a finite "
+                         f"number of minutes >= 0")
+    raise ValueError(f"grow policy {policy!r}: use immediate, at-failure or interval:MIN "
+                     f"(MIN minutes, e.g. interval:30)")
+
+
+def grow_interval(policy: str) -> float | None:
+    """Seconds of an ``interval:MIN`` policy; None for the other policies.
+
+    Raises:
+        ValueError: not a valid policy (see :func:`check_grow`).
+    """
+    text = check_grow(policy)
+    return float(text[len(_INTERVAL):]) * 60.0 if text.startswith(_INTERVAL) else None
 
 
 class RecordError(ValueError):
@@ -104,15 +150,21 @@ class RoundRecord:
         round: its number (0 for a job's first round).
         members: node ids in rank order.
         closed_by: the node that closed it (for logs).
+        grew_at: wall-clock time the last round that grew the job closed (this one, or the
+            job's first round, or a later one with more members than the round before it), by
+            its closer's clock; 0 when unknown (a record written before this field), which
+            counts as long ago. The ``interval:MIN`` grow policy counts from it.
     """
 
     round: int
     members: tuple[str, ...]
     closed_by: str = ""
+    grew_at: float = 0.0
 
     def encode(self) -> bytes:
         return json.dumps({"v": SCHEMA, "round": self.round, "members": list(self.members),
-                           "closed_by": self.closed_by}, separators=(",", ":")).encode()
+                           "closed_by": self.closed_by, "grew_at": self.grew_at},
+                          separators=(",", ":")).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> "RoundRecord":
@@ -122,8 +174,11 @@ class RoundRecord:
         data = _load(raw, "round record")
         try:
             members = tuple(str(m) for m in data["members"])
+            grew_at = float(data.get("grew_at", 0.0))
+            if not math.isfinite(grew_at):
+                raise ValueError(f"grew_at {grew_at!r} is not finite")
             return cls(round=int(data["round"]), members=members,
-                       closed_by=str(data.get("closed_by", "")))
+                       closed_by=str(data.get("closed_by", "")), grew_at=grew_at)
         except (KeyError, TypeError, ValueError) as exc:
             raise RecordError(f"round record {raw[:80]!r} lacks round/members: {exc}") from exc
 
@@ -239,8 +294,17 @@ def closer(members: tuple[str, ...]) -> str:
     return members[0]
 
 
+def grew_at(members: tuple[str, ...], last: RoundRecord | None, now: float) -> float:
+    """``grew_at`` of a round of ``members`` closing at wall time ``now`` after ``last``: now
+    when it is the job's first round or has more members than ``last``, else ``last``'s."""
+    if last is None or len(members) > len(last.members):
+        return now
+    return last.grew_at
+
+
 def num_waiting(nodes: Mapping[str, NodeRecord], current: RoundRecord | None,
-                max_nodes: int, gone: Iterable[str] = (), grow: str = "immediate") -> int:
+                max_nodes: int, gone: Iterable[str] = (), grow: str = "immediate",
+                now: float = 0.0, at_commit: bool = True) -> int:
     """``num_nodes_waiting`` for a member of ``current`` (see the module docstring).
 
     Args:
@@ -250,8 +314,11 @@ def num_waiting(nodes: Mapping[str, NodeRecord], current: RoundRecord | None,
         gone: members of ``current`` whose records have been absent long enough, while this
             node trusted its view, to count as dead. A member absent but not yet confirmed is
             counted as alive (provisional expiry).
-        grow: the grow policy: ``immediate``, or ``at-failure`` (newcomers wait for a dead
-            member's place).
+        grow: the grow policy: ``immediate``, ``at-failure`` (newcomers wait for a dead
+            member's place) or ``interval:MIN`` (as ``at-failure``, and any room once MIN
+            minutes passed since ``current.grew_at`` while ``at_commit``).
+        now: wall-clock time (``interval:MIN`` only).
+        at_commit: whether the job is at a committed step (``interval:MIN`` only).
     """
     if current is None:
         return len(nodes)
@@ -259,7 +326,9 @@ def num_waiting(nodes: Mapping[str, NodeRecord], current: RoundRecord | None,
     dead = set(gone) & members
     rejoining = sum(1 for m in members if m in nodes and nodes[m].target > current.round)
     alive_members = len(members - dead)
-    room = max_nodes - alive_members if grow == "immediate" else min(
-        len(dead), max_nodes - alive_members)
+    interval = grow_interval(grow)
+    any_room = grow == "immediate" or (
+        interval is not None and at_commit and now - current.grew_at >= interval)
+    room = max_nodes - alive_members if any_room else min(len(dead), max_nodes - alive_members)
     outsiders = sum(1 for n in nodes if n not in members)
     return rejoining + (min(outsiders, room) if room > 0 else 0)

@@ -43,7 +43,6 @@ from elasticd.metrics import CheckpointSink, Metrics
 
 log = logging.getLogger(__name__)
 
-_RESYNC_SECONDS = 30.0
 
 class Daemon(Registration, Fencing, DataLossRecovery):
     """One node's daemon.
@@ -73,7 +72,8 @@ class Daemon(Registration, Fencing, DataLossRecovery):
         self.keys = Keyspace(settings.prefix)
         self.events = EventLog(coord, self.keys, settings.events_retention)
         self.membership = membership or Membership(settings.node_id,
-                                                   settings.provisional_seconds)
+                                                   settings.provisional_seconds,
+                                                   settings.lease_ttl)
         self.http_address = http_address
         self.incarnation = uuid.uuid4().hex[:12]
         # The cluster's incarnation in etcd: how a daemon recognises that etcd lost its data.
@@ -130,6 +130,8 @@ class Daemon(Registration, Fencing, DataLossRecovery):
         self._need_resync = False
         self._last_resync = 0.0
         self._last_heartbeat = 0.0
+        self._rewrite_record = False
+        self._published_sentence = ""
         self._last_cycle = self.clock.monotonic()
         self._suspect: dict[int, float] = {}  # old lease -> until when to look for our failure
         self._fenced_for = ""
@@ -363,13 +365,23 @@ class Daemon(Registration, Fencing, DataLossRecovery):
         try:
             self._handle_lost_leases()
             self._drain_events(now)
-            if self._need_resync or now - self._last_resync >= _RESYNC_SECONDS:
+            # No periodic re-list: the watch is trusted until it says otherwise (an error
+            # batch), a lease is found lost, or an outage ends; each of these also comes with
+            # an etcd data loss (a wiped etcd knows none of our leases), and _resync looks
+            # for one first (a watch resumed from the old revision would deliver nothing).
+            if self._need_resync:
                 self._resync(now)
             self._act(self.membership.tick(now))
             self._check_suspects(now)
             if self.registered_lease is None and self.state is not NodeState.LEAVING:
                 self._register(wait_for_id=False)
-            elif now - self._last_heartbeat >= self.settings.heartbeat_seconds:
+            elif self._rewrite_record or (
+                    self.settings.heartbeat_seconds
+                    and now - self._last_heartbeat >= self.settings.heartbeat_seconds):
+                # Our record went while our lease lives (deleted by hand, or etcd restored
+                # from a snapshot without it): write it again at once. Liveness is the lease;
+                # no timed rewrite unless heartbeat_interval asks for one.
+                self._rewrite_record = False
                 self._put_record(self.registered_lease)
             if self.state is NodeState.UP and self.registered_lease is not None:
                 note = self.drainer.step() if self.health.up else None
@@ -411,9 +423,12 @@ class Daemon(Registration, Fencing, DataLossRecovery):
         else:
             log.debug("%s", sentence)
         self.sentence = sentence
-        if (changed and self.health.up and self.registered_lease is not None
+        if (sentence != self._published_sentence and self.health.up
+                and self.registered_lease is not None
                 and self.clock.monotonic() - self._last_heartbeat >= 1.0):
-            # Publish what we are doing for elasticctl, at most once a second.
+            # Publish what we are doing for elasticctl, at most once a second; a change that
+            # came within that second goes out at the next cycle after it (no timed rewrite
+            # would publish it later).
             try:
                 self._put_record(self.registered_lease)
             except CoordinationError as exc:
@@ -480,6 +495,8 @@ class Daemon(Registration, Fencing, DataLossRecovery):
                 node = self.keys.node_of(ev.kv.key)
             except ValueError:
                 continue  # never a node: its record was ignored when it was written
+            if node == self.settings.node_id and self.state is not NodeState.LEAVING:
+                self._rewrite_record = True
             prev = None
             if ev.prev is not None:
                 prev = self._decode_node(ev.prev.key, ev.prev.value)

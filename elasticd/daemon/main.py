@@ -42,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds after which a silent node is declared dead (default 5)")
     p.add_argument("--loop-interval", dest="loop_interval", type=_number,
                    help="seconds between main loop cycles (default 1)")
-    p.add_argument("--heartbeat-interval", dest="heartbeat_interval", type=_number)
+    p.add_argument("--heartbeat-interval", dest="heartbeat_interval", type=_number,
+                   help="seconds between timed rewrites of the node record (default 0: none; "
+                        "the lease carries liveness)")
     p.add_argument("--etcd-timeout", dest="etcd_timeout", type=_number)
     p.add_argument("--outage-grace", dest="outage_grace", type=_number,
                    help="seconds to keep workers running while etcd is unreachable (default 30)")
@@ -59,10 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--agent-restarts", dest="agent_restarts", type=_number)
     p.add_argument("--stop-grace", dest="stop_grace", type=_number)
     p.add_argument("--rdzv-last-call", dest="rdzv_last_call", type=_number)
-    p.add_argument("--rdzv-grow", dest="rdzv_grow", choices=config.GROW_POLICIES,
+    # Checked by config.load (interval:MIN takes a number), as for the other settings.
+    p.add_argument("--rdzv-grow", dest="rdzv_grow", metavar="|".join(config.GROW_POLICIES),
                    help="immediate: a returning or added node enters at once (every node "
                         "stops once; default); at-failure: it waits as a spare for the next "
-                        "failure")
+                        "failure; interval:MIN: as at-failure, and at most once every MIN "
+                        "minutes, at a committed step, it enters at once")
     p.add_argument("--worker-start", dest="worker_start", choices=("warm", "cold"),
                    help="warm: fork workers from a process that imported torch already "
                         "(default); cold: a new interpreter per worker")

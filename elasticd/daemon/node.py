@@ -83,7 +83,8 @@ class Node:
         self._start_etcd()
         coord = self._connect()
         metrics = Metrics()
-        membership = Membership(self.settings.node_id, self.settings.provisional_seconds)
+        membership = Membership(self.settings.node_id, self.settings.provisional_seconds,
+                                self.settings.lease_ttl)
         service, replicator, address = self._checkpoints(coord, metrics, membership)
         daemon = Daemon(self.settings, coord, metrics=metrics,
                                       membership=membership, checkpoints=service,

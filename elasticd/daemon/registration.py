@@ -1,7 +1,9 @@
-"""This node's record in etcd: registering under its id, and the heartbeat that rewrites it.
+"""This node's record in etcd: registering under its id, and writing it again when it changes.
 
 The record (``<prefix>/nodes/<node>``) is bound to the node's lease: peers see the node die
-when the lease expires. Registering creates it only if the id is free; a record left by this
+when the lease expires. The lease's keep-alive is the heartbeat: the record is written when
+the node's state or sentence changes (at most once a second), when it went missing while the
+lease lives, and on a timer only if ``heartbeat_interval`` asks for one. Registering creates it only if the id is free; a record left by this
 daemon's earlier lease, or by a crashed daemon on this host, is taken over; one held by a live
 daemon elsewhere is refused (:class:`NodeIdInUse`).
 """
@@ -54,6 +56,7 @@ class Registration:
     replication_address: str
     sentence: str
     _last_heartbeat: float
+    _published_sentence: str
     _notes: list[str]
 
     def _record(self, lease: int) -> NodeRecord:
@@ -76,10 +79,12 @@ class Registration:
         if lease is None:
             return
         try:
+            record = self._record(lease)
             self.coord.put(self.keys.node(self.settings.node_id),
-                           records.encode_dataclass(NODE_KIND, self._record(lease)), lease)
+                           records.encode_dataclass(NODE_KIND, record), lease)
             self.health.ok()
             self._last_heartbeat = self.clock.monotonic()
+            self._published_sentence = record.sentence
         except LeaseLost:
             self.registered_lease = None  # the keeper will notice and re-grant
 
@@ -125,6 +130,7 @@ class Registration:
         self.health.ok()
         self.registered_lease = lease
         self._last_heartbeat = self.clock.monotonic()
+        self._published_sentence = self.sentence
         self.membership.nodes[self.settings.node_id] = self._record(lease)
         if self.state is NodeState.FENCED:
             self.state = NodeState.UP

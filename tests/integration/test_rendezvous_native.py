@@ -277,3 +277,33 @@ def test_with_grow_at_failure_a_newcomer_waits_silently_and_enters_at_the_next_f
     infos = results(cluster.join(a) + pending)
     assert [i.world_size for i in infos] == [2, 2]
     assert sorted(i.rank for i in infos) == [0, 1]
+
+
+def test_with_grow_interval_a_newcomer_enters_only_after_the_interval_at_a_committed_step(
+        cluster):
+    grow = "interval:0.03"  # 1.8 s
+    a, b = cluster.node(1, 4, grow=grow), cluster.node(1, 4, grow=grow)
+    committed = {"now": False}
+    for h in (a, b):
+        h.commit_gate = lambda: committed["now"]
+    results(cluster.join(a, b))
+    closed_at = time.monotonic()
+    c = cluster.node(1, 4, grow=grow)
+    pending = cluster.join(c)
+    wait_until(lambda: c.me in a._mirror.nodes and c.me in b._mirror.nodes,
+               "the members see the newcomer's record")
+    assert a.num_nodes_waiting() == b.num_nodes_waiting() == 0  # within the interval
+    assert time.monotonic() - closed_at < 1.8, "the check above came too late to mean much"
+    time.sleep(max(0.0, closed_at + 1.9 - time.monotonic()))
+    assert a.num_nodes_waiting() == 0  # the interval is over, but not at a committed step
+    committed["now"] = True
+    assert a.num_nodes_waiting() == b.num_nodes_waiting() == 1
+    infos = results(cluster.join(a, b) + pending)
+    assert [i.world_size for i in infos] == [3, 3, 3]
+    # That round grew the job: the interval starts again for the next newcomer.
+    d = cluster.node(1, 4, grow=grow)
+    pending = cluster.join(d)
+    wait_until(lambda: d.me in a._mirror.nodes, "a sees the next newcomer")
+    assert a.num_nodes_waiting() == 0
+    wait_until(lambda: a.num_nodes_waiting() == 1, "the next interval ends")
+    results(cluster.join(a, b, c) + pending)

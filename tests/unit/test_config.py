@@ -19,7 +19,7 @@ def test_precedence_file_env_flags(tmp_path):
 
 def test_defaults_derive():
     s = load({}, None, {})
-    assert s.heartbeat_seconds == s.lease_ttl == 5
+    assert s.lease_ttl == 5 and s.heartbeat_seconds == 0  # no timed rewrite: the lease
     assert s.provisional_seconds == 12.0
     assert s.etcd == ""
 
@@ -36,6 +36,9 @@ def test_defaults_derive():
     ({}, {"ELASTICD_BOGUS": "1"}, "ELASTICD_BOGUS (from environment): unknown setting"),
     ({"etcd_timeout": "9"}, {}, "etcd_timeout"),
     ({}, {"ELASTICD_RDZV_GROW": "sometimes"}, "rdzv_grow (from environment ELASTICD_RDZV_GROW)"),
+    ({"rdzv_grow": "interval:inf"}, {}, "rdzv_grow (from --rdzv-grow): grow policy "
+                                        "'interval:inf': MIN in interval:MIN must be a finite"),
+    ({}, {"ELASTICD_RDZV_GROW": "interval:-1"}, "'interval:-1': MIN in interval:MIN"),
 ])
 def test_bad_values_name_the_setting(cli, env, needle):
     with pytest.raises(ConfigError) as exc:

@@ -8,6 +8,7 @@ import pytest
 from elasticd.clock import FakeClock
 from elasticd.cluster.events import EventLog
 from elasticd.config import Settings
+from elasticd.coordination.api import CoordinationError
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
 from elasticd.daemon.daemon import Daemon, NodeIdInUse
@@ -235,3 +236,39 @@ def test_a_job_stopped_before_the_wipe_is_not_brought_back(world):
         tick()
     assert all(not d.jobs.specs for d in daemons.values())
     assert MemoryCoordinator(store).get(Keyspace("/elasticd").job_spec("job")) is None
+
+
+def test_the_lease_is_the_heartbeat_and_the_watch_is_trusted_until_it_says_otherwise(world):
+    clock, store, start, tick, daemons = world
+    start("n1"), start("n2")
+    for _ in range(8):  # settles: the "joined" sentence gives way to "no action", published
+        tick()
+    n1 = daemons["n1"]
+    peek = MemoryCoordinator(store)
+    key = Keyspace("/elasticd").node("n1")
+    written = peek.get(key).mod_revision
+    listings = []
+    real_get_prefix = n1.coord.get_prefix
+
+    def counting_get_prefix(prefix):
+        if prefix == n1.keys.nodes:
+            listings.append(prefix)
+        return real_get_prefix(prefix)
+
+    n1.coord.get_prefix = counting_get_prefix
+    for _ in range(int(120 / 0.25)):  # two minutes, sixty TTLs
+        out = tick()
+    assert out["n1"] == "no action: I am n1, 2 nodes alive"
+    assert peek.get(key).mod_revision == written, "the node record was rewritten on a timer"
+    assert listings == [], "the node records were re-listed with nothing to distrust"
+    # A watch error (what a resumed watch after a data loss may be): re-list at once.
+    n1._feed.put(CoordinationError("watch broke"))
+    tick()
+    assert listings == [n1.keys.nodes]
+    # Our own record deleted while our lease lives: written again at once, same lease (as the
+    # timed rewrite did; the peers count the deletion as a failure either way).
+    lease = peek.get(key).lease
+    peek.delete(key)
+    tick(), tick()  # the deletion seen, the record written; then its put seen
+    assert peek.get(key) is not None and peek.get(key).lease == lease
+    assert n1.membership.alive() == ["n1", "n2"]

@@ -72,7 +72,12 @@ def test_password_from_the_environment(monkeypatch):
     ("127.0.0.1:2379", {"liveness_ttl": "2.5"}, "liveness_ttl='2.5'"),
     ("127.0.0.1:2379", {"liveness_confirm": "-1"}, "liveness_confirm='-1'"),
     ("127.0.0.1:2379", {"join_timeout": "0"}, "join_timeout='0'.*positive"),
-    ("127.0.0.1:2379", {"grow": "sometimes"}, "grow='sometimes': use one of immediate"),
+    ("127.0.0.1:2379", {"grow": "sometimes"},
+     "grow policy 'sometimes': use immediate, at-failure or interval:MIN"),
+    ("127.0.0.1:2379", {"grow": "interval:nan"}, "'interval:nan': MIN in interval:MIN"),
+    ("127.0.0.1:2379", {"grow": "interval:-5"}, "'interval:-5': MIN in interval:MIN"),
+    ("127.0.0.1:2379", {"grow": "interval:soon"}, "'interval:soon': MIN in interval:MIN"),
+    ("127.0.0.1:2379", {"grow": "interval:"}, "'interval:': MIN in interval:MIN"),
     ("127.0.0.1:2379", {"last_call_timeout": "-1"}, "last_call_timeout='-1'"),
     ("127.0.0.1:2379", {"close_on_failure": "perhaps"}, "close_on_failure='perhaps'"),
 ])
@@ -155,7 +160,7 @@ def test_the_daemons_grow_setting_reaches_its_agents_rendezvous():
     from elasticd.config import load
     from elasticd.daemon.daemon import Daemon
 
-    for grow in ("immediate", "at-failure"):
+    for grow in ("immediate", "at-failure", "interval:30"):
         settings = load({"rdzv_grow": grow}, None, {})
         conf = Daemon.rdzv_conf(type("D", (), {"settings": settings})())
         assert RendezvousConfig.from_params(params(**conf)).grow == grow

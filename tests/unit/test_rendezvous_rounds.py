@@ -12,8 +12,11 @@ from elasticd.coordination.rendezvous_rounds import (
     NodeRecord,
     RecordError,
     RoundRecord,
+    check_grow,
     closer,
     decide_close,
+    grew_at,
+    grow_interval,
     joined,
     num_waiting,
     order,
@@ -106,3 +109,51 @@ def test_grow_at_failure_lets_a_newcomer_in_only_in_a_dead_members_place():
     # The round after the failure takes it in, up to max.
     live["a"] = NodeRecord("a", 3, revision=1)
     assert decide_close(live, last, 1, 3, last_call_over=False).members == ("a", "n")
+
+
+@pytest.mark.parametrize("policy, seconds", [
+    ("immediate", None), ("at-failure", None), ("interval:30", 1800.0), ("interval:0.5", 30.0),
+    ("interval:0", 0.0), (" interval: 2 ", 120.0)])
+def test_grow_policies_parse(policy, seconds):
+    assert grow_interval(policy) == seconds
+    assert check_grow(policy).startswith(policy.strip()[:9])
+
+
+@pytest.mark.parametrize("policy", ["interval:nan", "interval:-1", "interval:inf", "interval:",
+                                    "interval:ten", "interval", "sometimes", "", "Immediate"])
+def test_bad_grow_policies_are_refused_in_one_quoted_line(policy):
+    with pytest.raises(ValueError) as exc:
+        check_grow(policy)
+    assert repr(policy) in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_a_round_that_grows_the_job_restarts_the_interval_and_the_others_carry_it():
+    assert grew_at(("a", "b"), None, 100.0) == 100.0  # the job's first round
+    first = RoundRecord(0, ("a", "b"), grew_at=100.0)
+    assert grew_at(("a", "b", "c"), first, 200.0) == 200.0  # grew
+    assert grew_at(("a",), first, 200.0) == 100.0  # shrank after a failure
+    assert grew_at(("a", "c"), first, 200.0) == 100.0  # a spare replaced a dead member
+    assert RoundRecord.decode(first.encode()) == first
+    # A record from before the field counts as grown long ago.
+    old = b'{"v":1,"round":3,"members":["a"],"closed_by":"a"}'
+    assert RoundRecord.decode(old).grew_at == 0.0
+    with pytest.raises(RecordError):
+        RoundRecord.decode(b'{"v":1,"round":3,"members":["a"],"grew_at":NaN}')
+
+
+def test_grow_interval_admits_a_newcomer_once_min_minutes_passed_and_at_a_committed_step():
+    last = RoundRecord(2, ("a", "b"), grew_at=1_000.0)
+    live = nodes(("a", 2, 1), ("b", 2, 2), ("n", 0, 3))
+    policy = "interval:10"  # 600 s
+    # Within the interval: as at-failure, the newcomer waits silently.
+    assert num_waiting(live, last, 3, grow=policy, now=1_000.0 + 599.0) == 0
+    # Past it, but not at a committed step: still waiting.
+    assert num_waiting(live, last, 3, grow=policy, now=1_000.0 + 600.0, at_commit=False) == 0
+    # Past it and at a committed step: it is let in (everybody stops once).
+    assert num_waiting(live, last, 3, grow=policy, now=1_000.0 + 600.0, at_commit=True) == 1
+    # Room is still bounded by max.
+    assert num_waiting(live, last, 2, grow=policy, now=10_000.0) == 0
+    # Within the interval a dead member's place is taken at once, as with at-failure.
+    del live["b"]
+    assert num_waiting(live, last, 3, gone=["b"], grow=policy, now=1_001.0,
+                       at_commit=False) == 1

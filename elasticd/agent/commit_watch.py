@@ -1,0 +1,185 @@
+"""In the torchrun agent: whether the job is at a committed step, for the ``interval:MIN`` grow.
+
+Under the ``interval:MIN`` grow policy a node that returns or is added enters a running job
+(every node stops once to let it in) only "at a committed step": when the stop loses nothing
+that was already safe elsewhere. The workers resume from the job's committed step
+(:mod:`elasticd.replication.commit`), so a stop right after a commit loses only the steps since
+that commit, while a stop just before the next commit loses a whole snapshot interval and the
+replication work that was about to complete.
+
+The rule (:func:`at_committed_step`): the job is at a committed step when its committed version
+is at least the newest version any node's replication record lists (each node lists, for the
+ranks it owns, the versions that reached ``m`` verified copies). Once every rank has a newer
+version the commit follows at once, so the rule holds from a commit until the first rank's
+next snapshot is replicated: a window of about one snapshot interval less the replication
+time, once per commit. Without a committed record it does not hold (nothing to resume from
+but step 0: growing then would throw the run away).
+
+:class:`CommitWatch` mirrors ``Keyspace.job_ckpt(job)`` through one etcd watch (listing first,
+again after a watch error), so the rendezvous handler's ``commit_gate``, asked from
+``num_nodes_waiting`` every monitor interval, answers from memory with no etcd request. The
+rendezvous plugin may import only the coordination layer; :mod:`.torchrun` passes this gate in,
+as it does the join gate.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Iterable, Mapping
+
+from elasticd.clock import Clock, SystemClock
+from elasticd.coordination import records
+from elasticd.coordination.api import CoordinationError, Coordinator, EventType, KeyValue
+from elasticd.coordination.keys import Keyspace
+from elasticd.replication.api import Version
+from elasticd.replication.commit import (
+    committed_key,
+    decode_committed,
+    decode_replicated,
+    replicated_prefix,
+)
+
+log = logging.getLogger(__name__)
+
+
+def at_committed_step(committed: Version | None, newest: Iterable[Version]) -> bool:
+    """Whether the job is at a committed step (see the module docstring).
+
+    Args:
+        committed: the job's committed (generation, step), or None.
+        newest: each node's newest replicated version.
+    """
+    if committed is None:
+        return False
+    return all(v <= committed for v in newest)
+
+
+class CommitWatch:
+    """The job's committed version and each node's newest replicated version, kept by a watch.
+
+    Args:
+        coordinator: the agent's etcd connection (not owned).
+        keys: the cluster's keyspace.
+        job: the job's name (its rendezvous id).
+        clock: time source (the pause between re-list attempts).
+    """
+
+    def __init__(self, coordinator: Coordinator, keys: Keyspace, job: str,
+                 clock: Clock | None = None) -> None:
+        self._coord = coordinator
+        self._clock = clock or SystemClock()
+        self._prefix = keys.job_ckpt(job)
+        self._committed_key = committed_key(keys, job)
+        self._replicated = replicated_prefix(keys, job)
+        self._job = job
+        self._lock = threading.Lock()
+        self._committed: Version | None = None
+        self._newest: dict[str, Version] = {}
+        self._revision = 0
+        #: False until listed, and from a watch error until the re-list: the gate says no.
+        self._fresh = False
+        self._relisting = False
+        self._watch = None
+        self._stopped = False
+
+    def start(self) -> None:
+        """Lists the records and starts the watch; on an unreachable etcd, keeps trying in a
+        thread (the gate says no meanwhile)."""
+        try:
+            self._relist()
+        except CoordinationError as exc:
+            log.info("commit watch of %s: etcd unreachable (%s); retrying", self._job, exc)
+            with self._lock:
+                self._relisting = True
+            threading.Thread(target=self._relist_patiently, name="commit-watch-relist",
+                             daemon=True).start()
+
+    def stop(self) -> None:
+        self._stopped = True
+        if self._watch is not None:
+            self._watch.cancel()
+
+    def __call__(self) -> bool:
+        """The gate: whether the job is at a committed step, from memory (False while the
+        mirror is not known to be current)."""
+        with self._lock:
+            if not self._fresh:
+                return False
+            return at_committed_step(self._committed, self._newest.values())
+
+    def state(self) -> tuple[Version | None, Mapping[str, Version]]:
+        """The committed version and each node's newest replicated version (for tests, logs)."""
+        with self._lock:
+            return self._committed, dict(self._newest)
+
+    def _relist(self) -> None:
+        kvs, revision = self._coord.get_prefix(self._prefix)
+        with self._lock:
+            self._committed, self._newest = None, {}
+            for kv in kvs:
+                self._put(kv)
+            went_back = revision < self._revision
+            self._revision = revision
+        if self._watch is None or went_back:
+            # After an etcd data loss a watch resumed from the old revision delivers nothing.
+            if self._watch is not None:
+                self._watch.cancel()
+            self._watch = self._coord.watch_prefix(self._prefix, self._on_watch, revision + 1)
+        with self._lock:
+            self._fresh = True
+            self._relisting = False
+
+    def _on_watch(self, batch: object) -> None:
+        if isinstance(batch, Exception):
+            with self._lock:
+                self._fresh = False
+                if self._relisting or self._stopped:
+                    return
+                self._relisting = True
+            threading.Thread(target=self._relist_patiently, name="commit-watch-relist",
+                             daemon=True).start()
+            return
+        with self._lock:
+            for e in batch:  # type: ignore[attr-defined]
+                if e.kv.mod_revision <= self._revision:
+                    continue  # already in the listing
+                if e.type is EventType.PUT:
+                    self._put(e.kv)
+                else:
+                    self._delete(e.kv.key)
+                self._revision = e.kv.mod_revision
+
+    def _relist_patiently(self) -> None:
+        delay = 0.25
+        while not self._stopped:
+            try:
+                self._relist()
+                return
+            except CoordinationError as exc:
+                log.debug("re-listing the commit records of %s failed: %s", self._job, exc)
+            self._clock.sleep(delay)
+            delay = min(2 * delay, 5.0)
+
+    def _put(self, kv: KeyValue) -> None:
+        try:
+            if kv.key == self._committed_key:
+                self._committed = decode_committed(kv.value, kv.key).version
+            elif kv.key.startswith(self._replicated):
+                node = kv.key[len(self._replicated):].decode(errors="replace")
+                rec = decode_replicated(kv.value, kv.key)
+                if rec.node != node:  # one node's record may not speak for another
+                    raise records.CorruptRecord(f"{kv.key!r}: names node {rec.node[:70]!r}")
+                versions = [v for vs in rec.versions.values() for v in vs]
+                if versions:
+                    self._newest[node] = max(versions)
+                else:
+                    self._newest.pop(node, None)
+        except records.RecordError as exc:
+            log.debug("commit watch: ignoring %r: %s", kv.key, exc)
+
+    def _delete(self, key: bytes) -> None:
+        if key == self._committed_key:
+            self._committed = None
+        elif key.startswith(self._replicated):
+            self._newest.pop(key[len(self._replicated):].decode(errors="replace"), None)

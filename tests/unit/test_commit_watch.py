@@ -1,0 +1,92 @@
+"""The agent's commit gate for the ``interval:MIN`` grow policy (:mod:`elasticd.agent.commit_watch`):
+the rule alone, and the watch that keeps it current on the in-memory coordinator."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from elasticd.agent.commit_watch import CommitWatch, at_committed_step
+from elasticd.coordination.api import CoordinationError
+from elasticd.coordination.keys import Keyspace
+from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
+from elasticd.replication.commit import (
+    Committed,
+    Replicated,
+    committed_key,
+    encode_committed,
+    encode_replicated,
+    replicated_key,
+)
+
+KEYS = Keyspace("/t")
+
+
+def test_the_job_is_at_a_committed_step_when_no_node_has_a_newer_version():
+    assert not at_committed_step(None, [])  # nothing committed: growing would restart at 0
+    assert at_committed_step((0, 5), [(0, 5), (0, 4)])
+    assert not at_committed_step((0, 5), [(0, 5), (0, 6)])  # a rank's next step replicated
+    assert at_committed_step((1, 2), [(0, 9)])  # an older generation's record
+
+
+def wait_until(predicate, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "not in time"
+        time.sleep(0.01)
+
+
+def replicated(node: str, *versions: tuple[int, int]) -> bytes:
+    return encode_replicated(Replicated(node, 0, {0: versions}, {0: (node,)}))
+
+
+def test_the_watch_follows_commits_and_replication_records():
+    store = MemoryStore()
+    writer, reader = MemoryCoordinator(store), MemoryCoordinator(store)
+    watch = CommitWatch(reader, KEYS, "job")
+    watch.start()
+    try:
+        assert not watch()  # no commit yet
+        writer.put(replicated_key(KEYS, "job", "n1"), replicated("n1", (0, 3), (0, 2)))
+        writer.put(committed_key(KEYS, "job"),
+                   encode_committed(Committed(0, 3, (0,), {0: ("n1",)})))
+        wait_until(watch)
+        writer.put(replicated_key(KEYS, "job", "n1"), replicated("n1", (0, 4), (0, 3)))
+        wait_until(lambda: not watch())  # step 4 replicated, not committed yet
+        # A record that speaks for another node is ignored.
+        writer.put(replicated_key(KEYS, "job", "n2"), replicated("n1", (0, 9)))
+        writer.put(committed_key(KEYS, "job"),
+                   encode_committed(Committed(0, 4, (0,), {0: ("n1",)})))
+        wait_until(watch)
+        assert watch.state() == ((0, 4), {"n1": (0, 4)})
+        writer.delete(committed_key(KEYS, "job"))
+        wait_until(lambda: not watch())
+    finally:
+        watch.stop()
+
+
+def test_after_a_watch_error_the_gate_says_no_until_the_records_are_listed_again():
+    store = MemoryStore()
+    writer, reader = MemoryCoordinator(store), MemoryCoordinator(store)
+    writer.put(replicated_key(KEYS, "job", "n1"), replicated("n1", (0, 3)))
+    writer.put(committed_key(KEYS, "job"), encode_committed(Committed(0, 3, (0,), {0: ("n1",)})))
+    watch = CommitWatch(reader, KEYS, "job")
+    watch.start()
+    try:
+        assert watch()
+        listed, release = [], threading.Event()
+        real = reader.get_prefix
+
+        def slow_listing(prefix):
+            listed.append(prefix)
+            release.wait(5)
+            return real(prefix)
+
+        reader.get_prefix = slow_listing
+        watch._on_watch(CoordinationError("watch broke"))  # as the watch thread reports it
+        wait_until(lambda: listed)  # re-listing, in a thread of its own
+        assert not watch()  # a doubtful view: no growing on it
+        release.set()
+        wait_until(watch)
+    finally:
+        watch.stop()
