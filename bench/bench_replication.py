@@ -6,17 +6,20 @@ prints GB/s and the ratio to the raw socket:
 
 * ``raw socket``: 4 MiB ``sendall`` / ``recv_into`` loops, nothing else (the ceiling);
 * ``raw + xxh3``: the same, plus xxh3_64 of every chunk on both ends (the cost of checking);
-* ``raw + GMAC``: the same, plus an AES-GMAC tag of every chunk made and checked (the cost of
-  the primitive alone, keys and nonces as the transport uses them);
+* ``raw + Poly1305``: the same, plus a ChaCha20-Poly1305 tag of every chunk made and checked
+  (the cost of the primitive alone, keys and nonces as the transport uses them);
+* ``raw + GMAC (v2)``: the same with protocol v2's AES-GMAC tag instead, to compare the two
+  primitives on the same socket in the same run;
 * ``elasticd push``: :class:`~elasticd.replication.transport.ReplicaClient.push` to a
   :class:`~elasticd.replication.server.ReplicaServer` (handshake, then every frame framed and
-  authenticated with AES-GMAC under the session key, committed into a sink whose memory is the
-  preallocated buffer), with the GMAC pass inline as the product runs it;
-* ``elasticd push, GMAC helper``: the same with the pass on a helper thread beside the socket
+  authenticated with ChaCha20-Poly1305 under the session key, committed into a sink whose memory
+  is the preallocated buffer), with the tag pass inline as the product runs it;
+* ``elasticd push, MAC helper``: the same with the pass on a helper thread beside the socket
   copy (``channel.OVERLAP``, elasticd/replication/overlap.py), to show what overlapping buys
-  (on 2 busy cores: nothing; it costs more CPU).
+  (nothing since protocol v3: cryptography's Poly1305 holds the GIL; on 2 busy cores it did
+  not pay with GMAC either).
 
-Where the time goes is printed too: CPU seconds per GiB on each side, and the GMAC pass alone
+Where the time goes is printed too: CPU seconds per GiB on each side, and the tag pass alone
 on one core (a 4 MiB buffer tagged in a loop, in this process, in the same run).
 
 The target: ``elasticd push`` >= 0.8x ``raw socket`` (printed last, with the ratio).
@@ -47,9 +50,56 @@ from elasticd.replication.seal import FrameKey
 from elasticd.replication.transport import ReplicaClient, ReplicaServer
 
 SECRET = b"bench-secret-0123456789abcdef"
-GMAC_KEY = bytes(range(32))  # the raw + GMAC baseline's fixed key (both ends build it)
+MAC_KEY = bytes(range(32))  # the raw + Poly1305 baseline's fixed key (both ends build it)
 PAGE = 4096
 HEADER = b"{}".ljust(64, b" ")
+
+
+class GmacKey:
+    """Protocol v2's frame tag (AES-GMAC: AES-GCM, the frame as associated data), kept here
+    only to measure it beside v3's ChaCha20-Poly1305 on the same socket in the same run."""
+
+    def __init__(self, key: bytes) -> None:
+        from cryptography.hazmat.primitives.ciphers import algorithms
+
+        self._algorithm, self._sequence = algorithms.AES(key), 0
+
+    def _mode(self, tag: bytes | None = None):
+        from cryptography.hazmat.primitives.ciphers import modes
+
+        self._sequence += 1
+        return modes.GCM(struct.pack("!IQ", 0, self._sequence), tag)
+
+    def seal(self, *parts) -> bytes:
+        from cryptography.hazmat.primitives.ciphers import Cipher
+
+        encryptor = Cipher(self._algorithm, self._mode()).encryptor()
+        for part in parts:
+            encryptor.authenticate_additional_data(part)
+        encryptor.finalize()
+        return encryptor.tag
+
+    def opener(self, tag: bytes):
+        from cryptography.exceptions import InvalidTag
+        from cryptography.hazmat.primitives.ciphers import Cipher
+
+        decryptor = Cipher(self._algorithm, self._mode(tag)).decryptor()
+
+        class Opener:
+            update = decryptor.authenticate_additional_data
+
+            @staticmethod
+            def verify() -> bool:
+                try:
+                    decryptor.finalize()
+                except InvalidTag:
+                    return False
+                return True
+
+        return Opener()
+
+
+KEYS = {"mac": FrameKey, "gmac": GmacKey}  # the per-chunk tags a raw variant can add
 
 
 def touched(size: int) -> bytearray:
@@ -100,8 +150,8 @@ def recv_exactly(sock: socket.socket, view: memoryview, feed=None) -> None:
 
 def raw_receiver(conn, size: int, chunk: int, repeat: int, check: str) -> None:
     buf = memoryview(touched(size))
-    digest = bytearray(16 if check == "gmac" else 8)
-    key = FrameKey(GMAC_KEY)
+    digest = bytearray(16 if check in KEYS else 8)
+    key = KEYS.get(check, FrameKey)(MAC_KEY)
     with socket.create_server(("127.0.0.1", 0)) as listener:
         conn.send(listener.getsockname()[1])
         sock, _ = listener.accept()
@@ -112,7 +162,7 @@ def raw_receiver(conn, size: int, chunk: int, repeat: int, check: str) -> None:
                     part = buf[off : off + chunk]
                     if check:
                         recv_exactly(sock, memoryview(digest))
-                    if check == "gmac":
+                    if check in KEYS:
                         opener = key.opener(bytes(digest))
                         recv_exactly(sock, part, opener.update)
                         if not opener.verify():
@@ -145,12 +195,12 @@ def elasticd_receiver(conn, size: int, chunk: int, overlap: bool) -> None:
 
 
 class RawSender:
-    """One connection to a raw receiver; ``check`` ("", "xxh3" or "gmac") adds a checksum or
+    """One connection to a raw receiver; ``check`` ("", "xxh3", "mac" or "gmac") adds a checksum or
     tag per chunk, made by the sender and checked by the receiver."""
 
     def __init__(self, payload: memoryview, chunk: int, repeat: int, check: str) -> None:
         self.payload, self.chunk, self.check = payload, chunk, check
-        self.key = FrameKey(GMAC_KEY)
+        self.key = KEYS.get(check, FrameKey)(MAC_KEY)
         self.pipe, child = mp.Pipe()
         self.proc = mp.get_context("fork").Process(
             target=raw_receiver, args=(child, len(payload), chunk, repeat, check), daemon=True)
@@ -162,7 +212,7 @@ class RawSender:
         start = time.perf_counter()
         for off in range(0, len(self.payload), self.chunk):
             part = self.payload[off : off + self.chunk]
-            if self.check == "gmac":
+            if self.check in KEYS:
                 self.sock.sendall(self.key.seal(part))
             elif self.check:
                 self.sock.sendall(struct.pack("!Q", xxhash.xxh3_64_intdigest(part)))
@@ -181,7 +231,7 @@ class RawSender:
 
 class ElasticdSender:
     """A ReplicaClient pushing successive steps to a ReplicaServer in the child; ``overlap``
-    says whether both ends run the GMAC pass on a helper beside the copy or inline (the
+    says whether both ends run the tag pass on a helper beside the copy or inline (the
     product's default, ``channel.OVERLAP``)."""
 
     def __init__(self, payload: memoryview, chunk: int, overlap: bool = channel.OVERLAP) -> None:
@@ -241,8 +291,9 @@ def main() -> None:
     senders = {
         "raw socket": RawSender(payload, chunk, args.repeat, check=""),
         "raw + xxh3 per chunk": RawSender(payload, chunk, args.repeat, check="xxh3"),
-        "raw + GMAC per chunk": RawSender(payload, chunk, args.repeat, check="gmac"),
-        "elasticd push, GMAC helper": ElasticdSender(payload, chunk, overlap=True),
+        "raw + Poly1305 per chunk": RawSender(payload, chunk, args.repeat, check="mac"),
+        "raw + GMAC per chunk (v2)": RawSender(payload, chunk, args.repeat, check="gmac"),
+        "elasticd push, MAC helper": ElasticdSender(payload, chunk, overlap=True),
         "elasticd push": ElasticdSender(payload, chunk),
     }
     results: dict[str, list[tuple[float, float, float, int]]] = {name: [] for name in senders}
@@ -254,7 +305,7 @@ def main() -> None:
     finally:
         for sender in senders.values():
             sender.close()
-    gmac_alone = gmac_rate(payload[:chunk])
+    mac_alone = mac_rate(payload[:chunk])
 
     gib = size / 2**30
     print(f"loopback, {args.mib} MiB per transfer, {args.chunk_mib} MiB chunks, "
@@ -276,15 +327,15 @@ def main() -> None:
         figures[name] = {"seconds": seconds, "gb_per_s": rate, "cpu_seconds_per_gib": cpu,
                          "sender_cpu_seconds_per_gib": send_cpu,
                          "receiver_cpu_seconds_per_gib": recv_cpu, "intact": intact}
-    print(f"GMAC pass alone, one core, {args.chunk_mib} MiB buffer: {gmac_alone:.2f} GB/s "
-          f"({1 / gmac_alone / 1.073741824:.2f} CPU s/GiB per side)")
+    print(f"Poly1305 pass alone, one core, {args.chunk_mib} MiB buffer: {mac_alone:.2f} GB/s "
+          f"({1 / mac_alone / 1.073741824:.2f} CPU s/GiB per side)")
     ratio = figures["elasticd push"]["gb_per_s"] / figures["raw socket"]["gb_per_s"]
     print(f"elasticd push (every frame authenticated) / raw socket: {ratio:.2f} "
           f"(target >= 0.80: {'met' if ratio >= 0.8 else 'NOT met'})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bytes": size, "chunk_bytes": chunk, "repeat": args.repeat,
-                       "variants": figures, "gmac_one_core_gb_per_s": gmac_alone,
+                       "variants": figures, "mac_one_core_gb_per_s": mac_alone,
                        "push_vs_raw": ratio}, f, indent=1)
 
 
@@ -293,17 +344,29 @@ def primitives(size: int) -> None:
     import hashlib
     import hmac
 
-    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
     from cryptography.hazmat.primitives.poly1305 import Poly1305
 
     buf = memoryview(touched(size))
     key, nonce, out = bytes(range(32)), bytes(12), {}
+
+    def gmac() -> bytes:  # protocol v2's frame tag: AES-GCM, the frame as associated data
+        encryptor = Cipher(algorithms.AES(key), modes.GCM(nonce)).encryptor()
+        encryptor.authenticate_additional_data(buf)
+        encryptor.finalize()
+        return encryptor.tag
+
     candidates = {
         "HMAC-SHA256": lambda: hmac.new(key, buf, "sha256").digest(),
         "keyed BLAKE2b": lambda: hashlib.blake2b(buf, key=key).digest(),
         "AES-GCM (encrypting, new output buffer)": lambda: AESGCM(key).encrypt(nonce, buf, None),
-        "Poly1305": lambda: Poly1305.generate_tag(key, buf),
-        "GMAC (as the transport seals a frame)": lambda: FrameKey(key).seal(buf),
+        "AES-GMAC (AESGCM, empty plaintext)": lambda: AESGCM(key).encrypt(nonce, b"", buf),
+        "AES-GMAC (protocol v2's frame tag)": gmac,
+        "ChaCha20-Poly1305 (AEAD, empty plaintext)":
+            lambda: ChaCha20Poly1305(key).encrypt(nonce, b"", buf),
+        "Poly1305 (one-shot)": lambda: Poly1305.generate_tag(key, buf),
+        "ChaCha20-Poly1305 (as the transport seals)": lambda: FrameKey(key).seal(buf),
         "xxh3_64 (unkeyed, for scale)": lambda: xxhash.xxh3_64_intdigest(buf),
     }
     for name, fn in candidates.items():
@@ -312,12 +375,12 @@ def primitives(size: int) -> None:
             fn()
             done += size
         out[name] = done / (time.process_time() - start) / 1e9
-        print(f"{name:<42} {out[name]:6.2f} GB/s")
+        print(f"{name:<44} {out[name]:6.2f} GB/s")
 
 
-def gmac_rate(buf: memoryview, seconds: float = 0.5) -> float:
-    """GB/s of the GMAC pass alone on this thread (CPU time), as the transport runs it."""
-    key = FrameKey(GMAC_KEY)
+def mac_rate(buf: memoryview, seconds: float = 0.5) -> float:
+    """GB/s of the tag pass alone on this thread (CPU time), as the transport runs it."""
+    key = FrameKey(MAC_KEY)
     done, start = 0, time.process_time()
     while time.process_time() - start < seconds:
         key.seal(buf)

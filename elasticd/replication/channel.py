@@ -345,10 +345,11 @@ def send_stream(channel: Channel, parts: tuple[memoryview, ...], chunk: int) -> 
     return len(pieces)
 
 
-#: Whether streams run the GMAC pass on a helper thread beside the copy (overlap.py) instead
-#: of inline. Off: on the 2-core machine measured (bench/bench_replication.py, which runs both
-#: in one run) the helper made pushes 8-20% slower and cost 0.1-0.3 CPU s/GiB more, since
-#: both cores were already busy with the two ends' copies (docs/replication.md).
+#: Whether streams run the tag pass on a helper thread (overlap.py) instead of inline. Off: on
+#: the 2-core machine measured (bench/bench_replication.py, which runs both in one run) the
+#: helper made pushes slower for more CPU, both cores being busy with the two ends' copies;
+#: and cryptography's Poly1305 (protocol v3) holds the GIL, so it cannot overlap the copy
+#: (docs/replication.md).
 OVERLAP = False
 
 

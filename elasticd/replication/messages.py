@@ -5,8 +5,8 @@ Each message knows its :class:`~elasticd.replication.wire.FrameType`, builds its
 parses one, raising only :class:`~elasticd.replication.wire.ProtocolError` subclasses on bad
 input. DATA frames are the exception on the hot path: :func:`data_prefix` builds only their
 header and offset so the chunk itself is sent (and received, by the channel) where it lies.
-Given the direction's :class:`~elasticd.replication.seal.FrameKey`, both seal the frame (a GMAC
-tag in place of the checksum); without one (the handshake) they checksum it.
+Given the direction's :class:`~elasticd.replication.seal.FrameKey`, both seal the frame (a
+ChaCha20-Poly1305 tag in place of the checksum); without one (the handshake) they checksum it.
 """
 
 from __future__ import annotations

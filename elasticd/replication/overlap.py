@@ -1,17 +1,18 @@
 """A helper thread that runs a stream's authentication pass beside its socket copy.
 
-Tagging a 4 MiB DATA frame (AES-GMAC, :mod:`elasticd.replication.seal`) costs a pass over its
-bytes at ~6.5 GB/s on one core here, while a loopback socket moves ~2.7 GB/s. Done on the
-thread that sends or receives, the two add up (docs/replication.md, "Authenticated
-throughput"). ``cryptography`` releases the GIL while it hashes a buffer of 2 KiB or more and the
-socket calls release it while the kernel copies, so the pass can run on this thread while the
-stream's own thread is in the kernel: the sender tags frame ``n + 1`` while frame ``n`` is
-being sent, the receiver checks frame ``n`` while frame ``n + 1`` arrives.
+Tagging a 4 MiB DATA frame (ChaCha20-Poly1305, :mod:`elasticd.replication.seal`) costs a pass
+over its bytes at ~5.5 GB/s on one core here, while a loopback socket moves ~2.4 GB/s. Done on
+the thread that sends or receives, the two add up (docs/replication.md, "Authenticated
+throughput"). The helper runs the pass on its own thread so that the sender could tag frame
+``n + 1`` while frame ``n`` is being sent, and the receiver check frame ``n`` while frame
+``n + 1`` arrives. That overlaps only if the tagging call releases the GIL: protocol v2's
+AES-GMAC did, but ``cryptography``'s Poly1305 (protocol v3) holds it, so today the helper runs
+in turn with the copy rather than beside it.
 
-Switched off by default (``channel.OVERLAP``): on the 2-core machine measured, both cores were
-already busy with the two ends' copies, and the helper made pushes 8-20% slower for 0.1-0.3 CPU
-s/GiB more (thread hand-offs, cross-core cache traffic). ``bench/bench_replication.py`` runs
-both ways in one run, so a machine with idle cores can show whether it pays there.
+Switched off by default (``channel.OVERLAP``): even with GMAC, on the 2-core machine measured,
+both cores were already busy with the two ends' copies, and the helper made pushes 8-20% slower
+for 0.1-0.3 CPU s/GiB more (thread hand-offs, cross-core cache traffic).
+``bench/bench_replication.py`` runs both ways in one run.
 
 Nothing about what is checked changes, only where: the sender still seals every frame, in
 order, under its sequence number before sending it; the receiver still checks every frame, in

@@ -1,45 +1,60 @@
 """Per-frame authentication of a replication connection: session keys and frame tags.
 
 After the handshake (:mod:`elasticd.replication.auth`) every frame, control and DATA alike,
-carries a 16-byte AES-GMAC tag instead of a checksum: AES-GCM with the frame's 12 header bytes
-and its payload as associated data and nothing to encrypt. The keys come from HKDF-SHA256 over
-the cluster secret, salted with both sides' fresh nonces and bound to the handshake transcript,
-one key per direction; the GCM nonce of a frame is its sequence number in that direction. So:
+carries a 16-byte ChaCha20-Poly1305 tag (RFC 8439) instead of a checksum: the AEAD with nothing
+to encrypt and the frame's 12 header bytes and its payload as associated data, i.e. Poly1305
+under a one-time key that ChaCha20 derives from the direction's key and the frame's nonce. The
+keys come from HKDF-SHA256 over the cluster secret, salted with both sides' fresh nonces and
+bound to the handshake transcript, one key per direction; the nonce of a frame is its sequence
+number in that direction. So:
 
 * a frame altered in flight (any header or payload bit) fails its tag;
 * a frame replayed, dropped, reordered or moved to the other direction or another connection
   fails too, because its tag was made under another nonce or key;
-* nonces never repeat under a key: a counter per direction, and the connection is refused
-  before it could wrap (2**64 frames).
+* nonces never repeat under a key (so no Poly1305 key is ever used twice): a counter per
+  direction, and the connection is refused before it could wrap (2**64 frames).
 
-GMAC rather than HMAC because it is the fastest keyed authenticator a maintained binding offers
-here (one core, 4 MiB: GMAC ~6.5 GB/s, Poly1305 5.9, HMAC-SHA256 1.4; docs/replication.md). The
-tag is fed piece by piece as bytes arrive (``authenticate_additional_data`` streams), so DATA is
-still received straight into its destination and checked there, uncopied; streams run the pass
-on a helper thread beside the socket copy (:mod:`elasticd.replication.overlap`), which works
-because ``cryptography`` releases the GIL while it authenticates. It authenticates; it does not
-encrypt (see docs/replication.md for the confidentiality choice).
+The tag is exactly ``ChaCha20Poly1305(key).encrypt(nonce, b"", frame)`` (a test checks it
+against the library's AEAD); it is computed here from its two library parts, ChaCha20 for the
+one-time key and streaming Poly1305, because a frame's bytes lie in several buffers (header,
+offset, the chunk where it lies) and arrive piece by piece: the one-shot AEAD would need them
+joined, a copy of every chunk. So DATA is still received straight into its destination and
+checked there, uncopied.
+
+Why this primitive: it is the fastest keyed authenticator a maintained binding offers here,
+if not by much. One core, 4 MiB frames (``python bench/bench_replication.py --primitives`` and
+docs/replication.md): Poly1305 0.20 CPU s/GiB over a cached frame and 0.27-0.31 over frames
+read from memory, AES-GMAC (protocol v2) 0.20-0.22 and 0.29-0.35, HMAC-SHA256 0.7. One
+difference:
+``cryptography``'s Poly1305 holds the GIL while it hashes (its AES-GCM released it), so the
+optional helper thread of :mod:`elasticd.replication.overlap` cannot run the pass beside the
+socket copy any more; it was off by default and measured slower anyway. It authenticates; it
+does not encrypt (see docs/replication.md for the confidentiality choice).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import struct
 from typing import Any
 
-from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 TAG_BYTES = 16
-KEY_BYTES = 32  # AES-256
+KEY_BYTES = 32  # ChaCha20
 _MAX_FRAMES = 2**64 - 1
-_INFO = b"elasticd-replication-v2 session keys\0"
+_INFO = b"elasticd-replication-v3 session keys\0"
+_ONE_TIME_KEY = bytes(32)  # ChaCha20 block 0 over zeros: the frame's Poly1305 key (RFC 8439 2.6)
+_PAD = bytes(16)
+_LENGTHS = struct.Struct("<QQ")
 
 
 class FrameKey:
-    """One direction of a connection: an AES key and the sequence number of the next frame.
+    """One direction of a connection: a ChaCha20 key and the sequence number of the next frame.
 
     The sender and the receiver of that direction each hold one, built from the same key, and
     advance in step: frame ``n`` is sealed and opened under nonce ``n``.
@@ -48,7 +63,7 @@ class FrameKey:
     def __init__(self, key: bytes) -> None:
         if len(key) != KEY_BYTES:
             raise ValueError(f"frame key must be {KEY_BYTES} bytes, got {len(key)}")
-        self._algorithm = algorithms.AES(key)
+        self._key = bytes(key)
         self._sequence = 0
 
     @property
@@ -56,42 +71,57 @@ class FrameKey:
         """Frames sealed or opened so far."""
         return self._sequence
 
-    def _nonce(self) -> bytes:
+    def _next(self) -> "Tagger":
         if self._sequence >= _MAX_FRAMES:
             raise OverflowError("frame sequence exhausted: reconnect for fresh keys")
-        nonce = struct.pack("!IQ", 0, self._sequence)
+        # ChaCha20's 16-byte nonce here is RFC 8439's block counter (0: the key block) and
+        # then its 96-bit nonce, the frame's sequence number.
+        nonce = struct.pack("<IIQ", 0, 0, self._sequence)
         self._sequence += 1
-        return nonce
+        one_time = Cipher(algorithms.ChaCha20(self._key, nonce), mode=None).encryptor()
+        return Tagger(one_time.update(_ONE_TIME_KEY))
 
     def seal(self, *parts: Any) -> bytes:
         """The tag of the next frame, whose bytes are ``parts`` (read where they lie)."""
-        encryptor = Cipher(self._algorithm, modes.GCM(self._nonce())).encryptor()
+        tagger = self._next()
         for part in parts:
-            encryptor.authenticate_additional_data(part)
-        encryptor.finalize()
-        return encryptor.tag
+            tagger.update(part)
+        return tagger.tag()
 
     def opener(self, tag: bytes) -> "Opener":
         """Starts checking the next frame against ``tag``; feed its bytes, then verify."""
-        return Opener(Cipher(self._algorithm, modes.GCM(self._nonce(), tag)).decryptor())
+        return Opener(self._next(), tag)
+
+
+class Tagger:
+    """RFC 8439's Poly1305 over associated data alone (the AEAD with an empty plaintext)."""
+
+    def __init__(self, one_time_key: bytes) -> None:
+        self._mac = Poly1305(one_time_key)
+        self._length = 0
+
+    def update(self, part: Any) -> None:
+        view = memoryview(part)
+        self._mac.update(view)
+        self._length += view.nbytes
+
+    def tag(self) -> bytes:
+        self._mac.update(_PAD[: -self._length % 16])
+        self._mac.update(_LENGTHS.pack(self._length, 0))
+        return self._mac.finalize()
 
 
 class Opener:
     """Checks one incoming frame: ``update`` with its bytes in order, then ``verify``."""
 
-    def __init__(self, decryptor: Any) -> None:
-        self._decryptor = decryptor
-
-    def update(self, part: Any) -> None:
-        self._decryptor.authenticate_additional_data(part)
+    def __init__(self, tagger: Tagger, tag: bytes) -> None:
+        self._tagger = tagger
+        self._expected = bytes(tag)
+        self.update = tagger.update
 
     def verify(self) -> bool:
         """True when the bytes fed are exactly the frame its sender sealed, at this position."""
-        try:
-            self._decryptor.finalize()
-        except InvalidTag:
-            return False
-        return True
+        return hmac.compare_digest(self._tagger.tag(), self._expected)
 
 
 class SessionKeys:
@@ -106,7 +136,7 @@ class SessionKeys:
 
     Attributes:
         proof_key: keys the HMAC proofs of the handshake.
-        client_to_server, server_to_client: the AES keys of each direction.
+        client_to_server, server_to_client: the ChaCha20 keys of each direction.
     """
 
     def __init__(self, secret: bytes, client_nonce: bytes, server_nonce: bytes,

@@ -7,8 +7,9 @@ Every frame starts with a 28-byte header, network byte order::
 The check covers the first 12 header bytes followed by the payload, so a flipped type or length
 is caught as surely as a flipped payload byte. What it is depends on the SEALED flag:
 
-* sealed (every frame after the handshake, both ways): an AES-GMAC tag under the direction's
-  session key and the frame's sequence number (:mod:`elasticd.replication.seal`). It stops an
+* sealed (every frame after the handshake, both ways): a ChaCha20-Poly1305 tag (RFC 8439,
+  the frame as associated data) under the direction's session key and the frame's sequence
+  number (:mod:`elasticd.replication.seal`). It stops an
   attacker, not just corruption: a relay that alters, replays, reorders or drops a frame and
   recomputes a checksum is refused.
 * unsealed (the handshake only, before any key exists): xxh3_128, which detects corruption.
@@ -39,13 +40,13 @@ import xxhash
 from elasticd.replication.api import ReplicationError
 
 MAGIC = b"EDRP"
-VERSION = 2  # 2: client proves first; frames sealed with per-direction session keys
+VERSION = 3  # 2: client proves first, frames sealed (AES-GMAC); 3: tags are ChaCha20-Poly1305
 CHECK_BYTES = 16
 HEADER = struct.Struct(f"!4sBBHI{CHECK_BYTES}s")
 HEADER_SIZE = HEADER.size
 CHECKED = struct.Struct("!4sBBHI")  # the header bytes the checksum covers
 OFFSET = struct.Struct("!Q")
-FLAG_SEALED = 0x0001  # the check is the session's GMAC tag, not a checksum
+FLAG_SEALED = 0x0001  # the check is the session's Poly1305 tag, not a checksum
 KNOWN_FLAGS = FLAG_SEALED  # any other set bit means a newer peer
 NONCE_BYTES = 32
 PROOF_BYTES = 32

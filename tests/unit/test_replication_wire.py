@@ -153,6 +153,8 @@ def _header(frame: bytes, **fields) -> bytearray:
     [
         (dict(magic=b"HTTP"), BadMagic, "not an elasticd replication peer"),
         (dict(version=1), UnsupportedVersion, "v1"),
+        (dict(version=2), UnsupportedVersion, "peer speaks replication protocol v2, this "
+                                              "elasticd speaks v3"),  # v2 (GMAC tags): refused
         (dict(ftype=99), UnknownFrameType, "99"),
         (dict(flags=2), UnknownFlags, "0x0002"),
         (dict(length=1 << 20), FrameTooLarge, "limit 65536"),
