@@ -34,6 +34,13 @@ from tests.unit.test_checkpoint_peer_restore import FakeReplicator, commit
 DIMS = (7, 5, 11, 4, 3)  # Linear(7, 5), Linear(5, 11), ...: rows 5, 11, 4, 3 over 2 and 3 ranks
 
 
+class Replicator(FakeReplicator):
+    """The fake replicator, with the status the service's protection check reads."""
+
+    def status(self):
+        return {"jobs": {}}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -98,11 +105,20 @@ def _rank_main(rank, world, port, sockets, out_dir, phase):
         model, opt = _build()
         state = {"model": model, "optim": opt, "epoch": 1}
         client = DaemonClient(sockets[rank])
+        if phase == "first":  # a Partial DTensor (values awaiting a sum) has no bytes to store
+            from torch.distributed.tensor import DTensor, Partial
+
+            mesh = next(model.parameters()).device_mesh
+            bad = DTensor.from_local(torch.ones(2), mesh, [Partial()], run_check=False)
+            with Checkpointer(transport=client, job="bad", rank=rank, world_size=world) as c:
+                with pytest.raises(UnsupportedValue, match="x: a DTensor placed Partial"):
+                    c.save(1, {"x": bad})
         ckpt = Checkpointer(transport=client, job="j", rank=rank, world_size=world)
         start = 0
         if phase != "first":  # a new world restores the old one's committed step
             step = ckpt.restore(state)
-            assert step == 3 and ckpt.last_restore.saved_world_size != world
+            assert step == {"shrink": 3, "grow": 6}[phase]
+            assert ckpt.last_restore.saved_world_size != world
             assert ckpt.last_restore.steps_lost >= 0
             ref_model, ref_opt = _build()
             ref = get_state_dict(ref_model, ref_opt)
@@ -113,8 +129,8 @@ def _rank_main(rank, world, port, sockets, out_dir, phase):
             _assert_bitwise(_local(model, opt), _local(ref_model, ref_opt),
                             f"{phase} rank {rank} against dcp.load")
             with open(os.path.join(out_dir, f"{phase}-{rank}.source"), "w") as f:
-                f.write(ckpt.last_restore.source)
-            start = 3
+                f.write(f"{ckpt.last_restore.source} {ckpt.generation}")
+            start = step
         for step in range(start + 1, start + 4):
             _train(model, opt, step, rank)
             assert ckpt.save(step, state)
@@ -141,9 +157,10 @@ def daemons():
     roots = [f"/dev/shm/elasticd-test-{uuid.uuid4().hex[:12]}" for _ in range(2)]
     sockdir = tempfile.mkdtemp(prefix="elasticd-shard-")
     stores = [SlotStore(r) for r in roots]
-    rep = FakeReplicator(stores[0], stores[1])
+    rep = Replicator(stores[0], stores[1])
     services = [CheckpointService(stores[0], "n1", replicator=rep),
-                CheckpointService(stores[1], "n2")]
+                CheckpointService(stores[1], "n2",
+                                  replicator=Replicator(stores[1], stores[0]))]
     servers = [LocalServer(os.path.join(sockdir, f"n{i + 1}.sock"), s.handlers())
                for i, s in enumerate(services)]
     for server in servers:
@@ -168,12 +185,24 @@ def test_fsdp2_state_restores_bitwise_and_reshards_3_to_2_to_3_like_dcp(daemons)
     # World 3: ranks 0 and 1 on n1, rank 2 on n2 (its shard is only in n2's RAM).
     mp.spawn(_rank_main, args=(3, _free_port(), [n1, n1, n2], out_dir, "first"), nprocs=3)
     assert {j for j, *_ in services[1].store.holdings()} == {"j"}
+    assert all(s.status()["bad"]["unprotected_kind"] == "snapshots_failing" for s in services)
     # n2 died; the step saved by all 3 ranks was committed. Two ranks on n1 reshard it.
     services[0].replicator.record = commit(0, 3, 3)
     mp.spawn(_rank_main, args=(2, _free_port(), [n1, n1], out_dir, "shrink"), nprocs=2)
-    sources = [open(os.path.join(out_dir, f"shrink-{r}.source")).read() for r in range(2)]
-    assert sources == ["local", "peer"]  # new rank 1 needed old rank 2's rows, held by n2
-    assert ("j", 2, (0, 3)) in services[0].replicator.fetches
+    sources = [open(os.path.join(out_dir, f"shrink-{r}.source")).read().split()
+               for r in range(2)]
+    assert [s for s, _ in sources] == ["local", "peer"]  # new rank 1 needed old rank 2's rows
+    assert ("j", 2, (0, 3)) in services[0].replicator.fetches  # ... held by n2 only
+    # n2 rejoined: 3 ranks reshard the step the 2 committed; the new rank 2, on n2, fetches
+    # old ranks 0 and 1's snapshots from n1.
+    generation = int(sources[0][1])
+    for s in services:
+        s.replicator.record = commit(generation, 6, 2)
+    mp.spawn(_rank_main, args=(3, _free_port(), [n1, n1, n2], out_dir, "grow"), nprocs=3)
+    sources = [open(os.path.join(out_dir, f"grow-{r}.source")).read().split()[0]
+               for r in range(3)]
+    assert sources == ["local", "local", "peer"]
+    assert {f[1] for f in services[1].replicator.fetches} == {0, 1}
 
 
 def test_an_unsnapshottable_state_is_an_error_at_the_first_save_and_unprotects_the_job(
@@ -199,3 +228,25 @@ def test_an_unsnapshottable_state_is_an_error_at_the_first_save_and_unprotects_t
     finally:
         store.close()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_chunks_follow_torch_chunk_and_assembly_covers_every_element():
+    from elasticd.checkpoint.shards import Resharder, ShardMismatch, _chunk_1d, old_box
+
+    for size in range(0, 13):
+        for parts in range(1, 5):
+            want = [(int(c[0]), len(c)) if len(c) else None
+                    for c in torch.arange(size).chunk(parts)]
+            got = [_chunk_1d(size, parts, i) for i in range(parts)]
+            assert [g for g in got if g[1]] == [w for w in want if w], (size, parts)
+    node = {"shape": [5, 7], "placements": ["S0"], "mesh": [3]}
+    assert [old_box(node, q) for q in range(3)] == [((0, 0), (2, 7)), ((2, 0), (2, 7)),
+                                                    ((4, 0), (1, 7))]
+    assert old_box({**node, "mesh": [2, 2]}, 0) is None  # several mesh dims: ask each rank
+    full = torch.arange(35.0).view(5, 7)
+    chunks = [(old_box(node, q), full[old_box(node, q)[0][0]:][:old_box(node, q)[1][0]])
+              for q in range(3)]
+    got = Resharder._assemble("w", ((3, 0), (2, 7)), chunks, torch.float32)
+    assert torch.equal(got, full[3:5])
+    with pytest.raises(ShardMismatch, match="hold 7 of the 14"):
+        Resharder._assemble("w", ((3, 0), (2, 7)), chunks[2:], torch.float32)
