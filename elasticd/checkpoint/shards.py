@@ -76,6 +76,7 @@ def _placements(names: Sequence[str]) -> tuple[Any, ...]:
 
 
 _box_cache: dict[tuple[Any, ...], Box] = {}
+_names_cache: dict[tuple[Any, ...], list[str]] = {}
 
 
 def local_box(shape: Sequence[int], mesh: Any, placements: Sequence[Any]) -> Box:
@@ -101,13 +102,17 @@ def describe(path: str, dtensor: Any) -> tuple[torch.Tensor, dict[str, Any]]:
             the chunk its placement says (padded).
     """
     mesh, placements = dtensor.device_mesh, dtensor.placements
-    names = [_placement_name(path, p) for p in placements]
+    names = _names_cache.get(placements)
+    if names is None:  # flatten runs every step: name each placement tuple once
+        names = [_placement_name(path, p) for p in placements]
+        _names_cache[placements] = names
     local = dtensor._local_tensor
     offsets, shape = local_box(dtensor.shape, mesh, placements)
     if tuple(local.shape) != shape:
         raise UnsupportedShard(f"{path}: the DTensor's local tensor is {tuple(local.shape)}, "
                                f"not the {shape} chunk its placements {names} give")
-    return local, {"shape": list(dtensor.shape), "offsets": list(offsets), "placements": names,
+    return local, {"shape": list(dtensor.shape), "offsets": list(offsets),
+                   "placements": list(names),
                    "mesh": list(mesh.shape), "dims": list(mesh.mesh_dim_names or ())}
 
 
