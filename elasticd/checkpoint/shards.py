@@ -76,7 +76,6 @@ def _placements(names: Sequence[str]) -> tuple[Any, ...]:
 
 
 _box_cache: dict[tuple[Any, ...], Box] = {}
-_names_cache: dict[tuple[Any, ...], list[str]] = {}
 
 
 def local_box(shape: Sequence[int], mesh: Any, placements: Sequence[Any]) -> Box:
@@ -94,26 +93,34 @@ def local_box(shape: Sequence[int], mesh: Any, placements: Sequence[Any]) -> Box
     return box
 
 
+_node_cache: dict[tuple[Any, ...], tuple[dict[str, Any], tuple[int, ...]]] = {}
+
+
 def describe(path: str, dtensor: Any) -> tuple[torch.Tensor, dict[str, Any]]:
-    """This rank's local tensor of ``dtensor`` (no copy) and the meta a later world needs.
+    """This rank's local tensor of ``dtensor`` (no copy) and the meta a later world needs
+    (shared between calls for the same layout: do not modify it).
 
     Raises:
         UnsupportedShard: a placement elasticd does not store, or a local tensor that is not
             the chunk its placement says (padded).
     """
-    mesh, placements = dtensor.device_mesh, dtensor.placements
-    names = _names_cache.get(placements)
-    if names is None:  # flatten runs every step: name each placement tuple once
-        names = [_placement_name(path, p) for p in placements]
-        _names_cache[placements] = names
     local = dtensor._local_tensor
-    offsets, shape = local_box(dtensor.shape, mesh, placements)
-    if tuple(local.shape) != shape:
+    key = (dtensor.shape, dtensor.device_mesh, dtensor.placements)
+    hit = _node_cache.get(key)
+    if hit is None:  # flatten runs every step: each layout is worked out once
+        mesh, placements = key[1], key[2]
+        names = [_placement_name(path, p) for p in placements]
+        offsets, shape = local_box(dtensor.shape, mesh, placements)
+        node = {"shape": list(dtensor.shape), "offsets": list(offsets), "placements": names,
+                "mesh": list(mesh.shape), "dims": list(mesh.mesh_dim_names or ())}
+        if len(_node_cache) > 4096:
+            _node_cache.clear()
+        hit = _node_cache[key] = (node, shape)
+    if tuple(local.shape) != hit[1]:
         raise UnsupportedShard(f"{path}: the DTensor's local tensor is {tuple(local.shape)}, "
-                               f"not the {shape} chunk its placements {names} give")
-    return local, {"shape": list(dtensor.shape), "offsets": list(offsets),
-                   "placements": list(names),
-                   "mesh": list(mesh.shape), "dims": list(mesh.mesh_dim_names or ())}
+                               f"not the {hit[1]} chunk its placements "
+                               f"{hit[0]['placements']} give")
+    return local, hit[0]
 
 
 def nodes(meta: Any) -> Iterator[dict[str, Any]]:
