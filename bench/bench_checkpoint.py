@@ -19,6 +19,9 @@ The memcpy of the same bytes into pre-touched memory is measured in the same run
 With ``--replicate`` it also reports the CPU seconds the daemon side (both daemons and the peer)
 spent per GiB snapshotted, with and without replication: the difference is what replication
 costs.
+With ``--fsdp`` the model is sharded with FSDP2 (``fully_shard`` per layer, a one-rank gloo
+group: DTensor parameters and Adam state), so the snapshot goes through the sharded path
+(local shards plus their layout in the meta); the ``off`` baseline is the same FSDP2 model.
 Run under ``flock /tmp/elasticd-cpu.lock`` on shared machines::
 
     python bench/bench_checkpoint.py --layers 48 --width 384 --batch 256
@@ -111,6 +114,21 @@ def run(args: argparse.Namespace) -> dict:
     for _ in range(args.layers):
         layers += [torch.nn.Linear(args.width, args.width), torch.nn.Tanh()]
     model = torch.nn.Sequential(*layers)
+    if args.fsdp:
+        import socket
+
+        import torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=1)
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     x = torch.randn(args.batch, args.width)
     state = {"model": model, "optim": opt}
@@ -199,8 +217,13 @@ def run(args: argparse.Namespace) -> dict:
             shutil.rmtree(sockdir, ignore_errors=True)
             shutil.rmtree(shm, ignore_errors=True)
 
+    if args.fsdp:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
     base = statistics.fmean(times["off"])
     result = {"state_bytes": nbytes, "tensors": ntensors, "threads": args.threads,
+              "fsdp": args.fsdp,
               "batch": args.batch, "layers": args.layers, "width": args.width,
               "steps_per_mode": len(times["off"]), "memcpy_seconds": memcpy, "modes": {}}
     for mode, ts in times.items():
@@ -242,7 +265,8 @@ def _timed(fn) -> float:
 
 def report(r: dict) -> None:
     mib = r["state_bytes"] / 2**20
-    print(f"reference job: MLP {r['layers']} x Linear({r['width']}, {r['width']}) + Adam, "
+    kind = "FSDP2 (1 rank) " if r.get("fsdp") else ""
+    print(f"reference job: {kind}MLP {r['layers']} x Linear({r['width']}, {r['width']}) + Adam, "
           f"batch {r['batch']}, {r['threads']} torch thread(s); state {mib:.0f} MiB in "
           f"{r['tensors']} tensors; {r['steps_per_mode']} steps per mode, interleaved")
     print(f"memcpy of the state into pre-touched memory: {r['memcpy_seconds'] * 1e3:.1f} ms "
@@ -276,6 +300,8 @@ def main() -> None:
     parser.add_argument("--replicate", action="store_true",
                         help="add the mode whose daemon replicates every snapshot to a peer")
     parser.add_argument("--json", default=None, help="also write the figures here")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="shard the model with FSDP2 (one-rank gloo group): DTensor state")
     args = parser.parse_args()
     result = run(args)
     report(result)

@@ -27,7 +27,13 @@ While the daemon says the job is unprotected (no placement, the commit lagging, 
 failing; in its replies), a warning is logged at most once a minute.
 
 Nothing here ever raises into the training loop because of the daemon: a refused, skipped or
-failed snapshot is logged (once per kind) and counted. Without a daemon (``ELASTICD_SOCKET``
+failed snapshot is logged (once per kind) and counted. A state that cannot be snapshotted at all
+(a value with no exact form, a tensor subclass, a DTensor placement elasticd does not store) is
+different: the first ``save`` raises ``UnsupportedValue`` with the reason (even when that step is
+not one to snapshot), and the daemon is told, so the job shows as unprotected everywhere
+(``/status``, ``elasticctl``, ``elasticd_jobs_unprotected{reason="snapshots_failing"}``).
+Sharded state (FSDP2's DTensors) is snapshotted without gathering: each rank stores its local
+shards with their global layout (:mod:`elasticd.checkpoint.shards`). Without a daemon (``ELASTICD_SOCKET``
 unset) ``save`` does nothing and ``restore`` returns 0, after one warning — unless
 ``persist_dir`` is given: then restore reads that persistent tier directly. Worker side.
 """
@@ -47,7 +53,7 @@ from elasticd.checkpoint import restore as _restore
 from elasticd.checkpoint.copier import Copier, CpuCopier, copy_into, dtype_name, forget_views
 from elasticd.checkpoint.format import PREAMBLE_SIZE, Layout, TensorSpec, layout
 from elasticd.checkpoint.segment import map_fd
-from elasticd.checkpoint.state import FlatState, _zero_class, flatten
+from elasticd.checkpoint.state import FlatState, UnsupportedValue, _zero_class, flatten
 from elasticd.clock import SYSTEM_CLOCK
 
 log = logging.getLogger("elasticd.checkpoint")
@@ -141,6 +147,7 @@ class Checkpointer:
         self._hook_stall = 0.0
         self._unprotected = ""  # what the daemon last said, "" while protected
         self._unprotected_warned_at: float | None = None
+        self._state_checked = False  # the first save flattens the state whatever its step
         self._register()
 
     # -- restore --------------------------------------------------------------------------
@@ -175,7 +182,7 @@ class Checkpointer:
         self._register(result.step)
         return result.step
 
-    def _register(self, step: int | None = None) -> None:
+    def _register(self, step: int | None = None, unsnapshottable: str = "") -> None:
         """Tells the daemon who this worker is (it places replicas by the group's ranks)."""
         if self.transport is None:
             return
@@ -189,7 +196,22 @@ class Checkpointer:
             fields["local_rank"] = int(local_rank)
         if step is not None:
             fields["step"] = step
+        if unsnapshottable:
+            fields["unsnapshottable"] = unsnapshottable[:1000]
         self._heard(self._call("register", **fields))
+
+    def _flatten(self, state: Mapping[str, Any]) -> FlatState:
+        """Flattens ``state``; a state that cannot be snapshotted is reported to the daemon
+        (the job is unprotected) and raised."""
+        try:
+            flat = flatten(state)
+        except UnsupportedValue as exc:
+            log.error("elasticd: job %s rank %d: the training state cannot be snapshotted, so "
+                      "the job is NOT protected: %s", self.job, self.rank, exc)
+            self._register(unsnapshottable=str(exc))
+            raise
+        self._state_checked = True
+        return flat
 
     def _heard(self, reply: dict[str, Any] | None) -> None:
         """Warns (at most once a minute) while the daemon says the job is unprotected."""
@@ -217,7 +239,8 @@ class Checkpointer:
 
         Raises:
             UnsupportedValue: ``state`` holds something that cannot be snapshotted (a bug in
-                the script, not a runtime failure).
+                the script, not a runtime failure); checked at the first call whatever the
+                step, and the daemon told (the job shows as unprotected).
         """
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be an integer >= 0, got {step!r}")
@@ -226,6 +249,8 @@ class Checkpointer:
                             "elasticd, so snapshots are off")
             return False
         if step % self.every:
+            if not self._state_checked:
+                self._flatten(state)
             return False
         start = SYSTEM_CLOCK.perf_counter()
         self.wait()
@@ -235,7 +260,14 @@ class Checkpointer:
         mapped = [list(key) for key in self._maps]  # the daemon sends no descriptor for these
         early = None if known is None or known.stale else self._pool.submit(
             self._reserve, known.layout.total_size, step, mapped)
-        flat = flatten(state)
+        try:
+            flat = self._flatten(state)
+        except UnsupportedValue:
+            if early is not None:
+                reply = early.result()
+                if reply is not None:
+                    _restore.close_fds(reply)
+            raise
         self._hook(state)
         plan = self._plan_for(flat, state)
         reply = early.result() if early is not None else None

@@ -41,7 +41,8 @@ class JobView:
 
     Attributes:
         failing: why this node's last snapshot of some rank failed (skipped over the memory
-            cap, refused), or "" when its snapshots succeed.
+            cap, refused), or why a rank's training state cannot be snapshotted at all (its
+            worker's first save raised and said so), or "" when its snapshots succeed.
         newest: the newest (generation, step) snapshotted here, or None before any.
         replicated: peer replication is on (a cluster secret and ``replicas`` >= 2).
         placement: a replica placement for the job's current group is known.

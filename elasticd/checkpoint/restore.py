@@ -190,6 +190,11 @@ class _Fetched:
     meta: dict[str, Any]
     source: str
     nbytes: int
+    names: list[str] = dataclasses.field(default_factory=list)
+    #: The other old ranks' snapshots this rank's new shards need (sharded state).
+    others: list["_Fetched"] = dataclasses.field(default_factory=list)
+    #: Why the sharded state cannot be placed into this state ("" when it can).
+    error: str = ""
 
 
 class Sources:
@@ -285,12 +290,63 @@ class Sources:
             try:
                 snap = Tier(self.persist_dir).read(self.job, version, self.rank)
                 return _Fetched(read_tensors(snap.buffer, snap.layout), snap.meta, "persistent",
-                                snap.layout.total_size)
+                                snap.layout.total_size, [e.name for e in snap.layout.entries])
             except (SnapshotError, TierError, OSError, ValueError) as exc:
                 refused.append(f"persistent step {version}: {exc}")
                 log.error("elasticd: REFUSED the persisted snapshot of rank %d step %s: %s",
                           self.rank, version, exc)
         return None
+
+    def fetch_rank(self, version: Version, rank: int, refused: list[str],
+                   world: int) -> _Fetched | None:
+        """Old rank ``rank``'s snapshot of ``version`` (saved by ``world`` ranks), for the
+        shards of this rank's new local tensors: from this node's RAM, else copied from a
+        peer's (``ckpt_fetch`` does both), else the persistent tier; None when none has it."""
+        if self.transport is not None:
+            try:
+                got = self._from_daemon("ckpt_fetch", version, world, refused, rank)
+                if got is not None:
+                    return got
+            except DaemonUnavailable as exc:
+                return self._silent(version, exc)
+            except Exception as exc:  # noqa: BLE001 — not reachable: try the persistent tier
+                refused.append(f"rank {rank} step {version}: {exc}")
+                log.error("elasticd: cannot fetch rank %d step %s: %s", rank, version, exc)
+        if self.persist_dir:
+            try:
+                snap = Tier(self.persist_dir).read(self.job, version, rank)
+                if snap.world_size == world:
+                    return _Fetched(read_tensors(snap.buffer, snap.layout), snap.meta,
+                                    "persistent", snap.layout.total_size,
+                                    [e.name for e in snap.layout.entries])
+            except (SnapshotError, TierError, OSError, ValueError) as exc:
+                refused.append(f"persistent rank {rank} step {version}: {exc}")
+        return None
+
+    def fetch_shards(self, got: _Fetched, version: Version, refused: list[str], world: int,
+                     state: Any) -> _Fetched | None:
+        """Adds to ``got`` (old rank ``rank % world``'s snapshot) the other old ranks'
+        snapshots that this rank's new shards need; the same code at every world size (at
+        the same one, and on the same mesh, none). None when one of them is not reachable."""
+        from elasticd.checkpoint import shards
+
+        if next(shards.nodes(got.meta), None) is None:
+            return got
+        base = self.rank % world
+        try:
+            need = shards.needed_ranks(got.meta, world, base, shards.live_meshes(state))
+        except shards.ShardError as exc:
+            got.error = str(exc)  # reported at the load, together on every rank
+            return got
+        for rank in need[1:]:
+            other = self.fetch_rank(version, rank, refused, world)
+            if other is None:
+                return None
+            got.others.append(other)
+            got.nbytes += other.nbytes
+            if other.source == "peer":
+                got.source = "peer"
+        return got
 
     def why_unreachable(self) -> str:
         """`` (why this rank's daemon did not answer)``, or "" when it did."""
@@ -325,8 +381,9 @@ class Sources:
                                         world_size=world, verify=False, where=reply["path"])
                 if reader.header.version() != version:  # the daemon verified this very slot
                     raise SnapshotError(f"slot holds step {reader.header.version()}")
-                out = _Fetched(read_tensors(mm, reader.header.layout), reader.header.meta,
-                               source, reader.header.layout.total_size)
+                lay = reader.header.layout
+                out = _Fetched(read_tensors(mm, lay), reader.header.meta, source,
+                               lay.total_size, [e.name for e in lay.entries])
                 del reader
             finally:
                 try:
@@ -458,6 +515,8 @@ def restore(state: Any, sources: Sources, collective: Collective, clock: Any,
     seen = agreed.seen
     for version, world in agreed.candidates:
         got = sources.fetch(version, result.refused, world)
+        if got is not None:
+            got = sources.fetch_shards(got, version, result.refused, world, state)
         if not collective.all_true(not sources.unreachable):
             # A daemon that does not answer a fetch may still hold the step: trying older
             # ones would end, in the worst case, in a fresh start while it is committed.
@@ -470,9 +529,11 @@ def restore(state: Any, sources: Sources, collective: Collective, clock: Any,
                         version)
             continue
         assert got is not None
-        error = ""
+        error = got.error
         try:
-            load_into(state, got.tensors, got.meta)
+            if not error:
+                load_into(state, got.tensors, got.meta, names=got.names,
+                          others=[(o.names, o.tensors, o.meta) for o in got.others])
         except StateError as exc:
             error = str(exc)
         if not collective.all_true(not error):
@@ -483,8 +544,10 @@ def restore(state: Any, sources: Sources, collective: Collective, clock: Any,
         result.saved_world_size = world
         if world != sources.world:
             log.warning("elasticd: rank %d restored step %s saved by %d ranks into a world of "
-                        "%d (the state is replicated: rank %d's shard)", sources.rank, version,
-                        world, sources.world, sources.rank % world)
+                        "%d (old rank %d's snapshot%s)", sources.rank, version, world,
+                        sources.world, sources.rank % world,
+                        f" and {len(got.others)} more: resharded" if got.others
+                        else ": the state is replicated")
         break
     if result.source != "none":
         check_replicas_agree(state, list(replicated), collective)

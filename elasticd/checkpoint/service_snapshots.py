@@ -7,9 +7,11 @@ completed snapshot sets off: replication to peers, persistence.
   (read-write) unless ``file`` is one of the ``mapped`` files the worker still maps | skip,
   reason
 * ``ckpt_complete`` job, rank, ticket, header_size, [stall_seconds] → generation, step, bytes
-* ``register`` job, rank, world_size, [local_rank], [restart], [step] → node, unprotected
-  (a worker's Checkpointer says who it is, when it starts and after each restore: the daemon
-  learns the group's ranks from it, for placement, as from a progress report)
+* ``register`` job, rank, world_size, [local_rank], [restart], [step], [unsnapshottable] →
+  node, unprotected (a worker's Checkpointer says who it is, when it starts and after each
+  restore: the daemon learns the group's ranks from it, for placement, as from a progress
+  report; ``unsnapshottable`` says why its state cannot be snapshotted at all, which makes the
+  job unprotected, reason ``snapshots_failing``, until a snapshot of that rank completes)
 """
 
 from __future__ import annotations
@@ -86,6 +88,14 @@ class SnapshotOps:
             if value is not None:
                 report[key] = value
         call_hooks(self.on_progress, "progress", report)
+        why = param(msg, "unsnapshottable", str, None)
+        if why:
+            with self._lock:
+                self._job(job).failing[rank] = (f"rank {rank}'s training state cannot be "
+                                                f"snapshotted: {why[:300]}")
+            log.error("job %s rank %d on node %s: the training state cannot be snapshotted, so "
+                      "the job is unprotected: %s", job, rank, self.node_id, why[:300])
+            self.assess()  # at once, not at the next daemon cycle
         return {"node": self.node_id, "unprotected": self.unprotected(job) or None}
 
     def _reserve_slot(self, job: str, rank: int, world: int, nbytes: int,

@@ -23,11 +23,12 @@ import dataclasses
 import math
 import random
 import sys
-from typing import Any, Mapping, MutableMapping
+from typing import Any, Mapping, MutableMapping, Sequence
 
 import numpy as np
 import torch
 
+from elasticd.checkpoint import shards
 from elasticd.checkpoint.copier import dtype_name, read_tensors, spec_of
 from elasticd.checkpoint.format import DEFAULT_BLOCK_SIZE, Layout, SnapshotHeader, TensorSpec, layout
 
@@ -165,8 +166,10 @@ class _Flattener:
         # dict keys), and flatten runs on the training thread every step.
         if t is int or t is str or t is bool or value is None:
             return value
-        if isinstance(value, torch.Tensor):
+        if t is torch.Tensor or t is torch.nn.Parameter:
             return {"@": "tensor", "i": self._add(path, value)}
+        if isinstance(value, torch.Tensor):
+            return self._subclass(value, path)
         if isinstance(value, np.ndarray) and value.dtype.kind in _NUMPY_KINDS:
             # Flattened here rather than with ascontiguousarray, which turns 0-dim into 1-dim.
             flat = np.ascontiguousarray(value.reshape(-1))
@@ -199,6 +202,20 @@ class _Flattener:
             "with state_dict()/load_state_dict() in the state"
         )
 
+    def _subclass(self, value: torch.Tensor, path: str) -> dict[str, Any]:
+        dtensor = shards.dtensor_class()
+        if dtensor is not None and isinstance(value, dtensor):
+            try:
+                local, node = shards.describe(path, value)
+            except shards.UnsupportedShard as exc:
+                raise UnsupportedValue(str(exc)) from exc
+            return {"@": "dtensor", "i": self._add(path, local), **node}
+        # A subclass's storage is not its value (DTensor before this, lazy, quantised or
+        # wrapper tensors): copying its bytes would snapshot something else, or fail later.
+        raise UnsupportedValue(
+            f"{path}: cannot snapshot a {type(value).__qualname__} (a tensor subclass): only "
+            "plain tensors and DTensors (FSDP2) are stored")
+
     def _encode_dict(self, value: dict, path: str) -> dict[str, Any]:
         keys = []
         for k in value:
@@ -230,8 +247,9 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
 
 
 class _Unflattener:
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
+    def __init__(self, tensors: list[torch.Tensor], dtensors: Any = None) -> None:
         self.tensors = tensors
+        self.dtensors = dtensors  # builds a DTensor from its node (shards.Resharder)
 
     def _tensor(self, index: Any) -> torch.Tensor:
         if type(index) is not int or not 0 <= index < len(self.tensors):
@@ -256,6 +274,15 @@ class _Unflattener:
         tag = node.get("@")
         if tag == "tensor":
             return self._tensor(node["i"])
+        if tag == "dtensor":
+            self._tensor(node.get("i"))
+            if self.dtensors is None:
+                raise StateError("the snapshot holds sharded tensors (DTensor): restore it into "
+                                 "a state (load_into), not with unflatten")
+            try:
+                return self.dtensors(node)
+            except shards.ShardError as exc:
+                raise StateMismatch(str(exc)) from exc
         if tag in ("dict", "odict"):
             keys, values = node["k"], node["v"]
             if len(keys) != len(values):
@@ -288,14 +315,15 @@ class _Unflattener:
         raise StateError(f"unknown meta tag {tag!r}")
 
 
-def _objects(tensors: list[torch.Tensor], meta: Mapping[str, Any]) -> list[tuple[str, str, Any]]:
+def _objects(tensors: list[torch.Tensor], meta: Mapping[str, Any],
+             dtensors: Any = None) -> list[tuple[str, str, Any]]:
     version = meta.get("v") if isinstance(meta, Mapping) else None
     if type(version) is not int:
         raise StateMismatch("snapshot meta has no state version: not written by state.flatten")
     if version > META_VERSION:
         raise StateMismatch(f"snapshot state meta v{version} is newer than this elasticd's "
                             f"v{META_VERSION}; upgrade the worker's elasticd")
-    decoder = _Unflattener(tensors)
+    decoder = _Unflattener(tensors, dtensors)
     try:
         return [(str(key), str(kind), decoder.decode(node)) for key, kind, node in meta["objects"]]
     except StateError:
@@ -315,21 +343,39 @@ def unflatten(tensors: list[torch.Tensor], meta: Mapping[str, Any]) -> dict[str,
 
 
 def load_into(state: MutableMapping[str, Any], tensors: list[torch.Tensor],
-              meta: Mapping[str, Any], *, strict: bool = True) -> None:
+              meta: Mapping[str, Any], *, strict: bool = True,
+              others: Sequence[tuple[Sequence[str], list[torch.Tensor], Any]] = (),
+              names: Sequence[str] = ()) -> None:
     """Restores every entry of ``state`` in place from a flattened snapshot.
 
     Objects are loaded through their own ``load_state_dict``; plain values are replaced in the
     ``state`` mapping itself (read them back from it). ``tensors`` must be owned copies (e.g.
     from :func:`elasticd.checkpoint.copier.read_tensors`): optimizers keep what they are given.
 
+    Sharded tensors (DTensor) are rebuilt on the live state's device mesh: each rank's new
+    local shard is assembled from the saved shards that cover it (:mod:`.shards`), this
+    snapshot's and ``others``', so a snapshot of another world size loads too.
+
     Args:
         strict: the snapshot and ``state`` must have the same keys.
+        others: (tensor names, tensors, meta) of the other old ranks' snapshots this rank's new
+            shards need (:func:`elasticd.checkpoint.shards.needed_ranks`).
+        names: this snapshot's tensor names (to find the same tensors in ``others``).
 
     Raises:
-        StateMismatch: different keys, a different kind of object under a key, or an object
-            that refused its state (shapes, parameter groups); the message names the key.
+        StateMismatch: different keys, a different kind of object under a key, an object
+            that refused its state (shapes, parameter groups), or saved shards that do not
+            cover this rank's new ones; the message names the key.
     """
-    objects = _objects(tensors, meta)
+    resharder = None
+
+    def dtensor(node: Mapping[str, Any]) -> Any:
+        nonlocal resharder
+        if resharder is None:
+            resharder = shards.Resharder(state, [(names, tensors, meta), *others])
+        return resharder(node)
+
+    objects = _objects(tensors, meta, dtensor)
     saved = [key for key, _, _ in objects]
     if strict and set(saved) != set(state):
         raise StateMismatch(

@@ -1,0 +1,294 @@
+"""Sharded tensors (DTensor: FSDP2's parameters and optimizer state) in snapshots, and their
+restore at any world size.
+
+Saving gathers nothing: each rank stores its DTensors' local tensors (``_local_tensor``, never
+``full_tensor()``) and, in the snapshot's JSON meta, what a later world needs to place them: the
+global shape, the placements, the device mesh's shape and dimension names, and the shard's
+offsets. The chunk model is DCP's (``torch.distributed.checkpoint``'s ``ChunkStorageMetadata``):
+a shard is the box ``[offsets, offsets + local shape)`` of the global tensor, computed here as
+DCP computes it (``compute_local_shape_and_global_offset``); FSDP2 shards dim 0 unevenly, so the
+last ranks may hold fewer rows, or none.
+
+Restoring is one code path for every world size (:class:`Resharder`): the new rank computes the
+box it must hold on the live device mesh, the old ranks whose boxes intersect it
+(:func:`needed_ranks`, from the saved layout alone, so only those snapshots are fetched), and
+copies each intersection out of the old shards into its new local tensor. At the same world
+size the one intersecting box is its own, and the saved tensor is used as is. Placements other
+than ``Shard(d)`` and ``Replicate()`` (``Partial``, the strided shards of FSDP2 over tensor
+parallelism) are refused at the first save with the reason (:class:`UnsupportedValue`). Worker
+side: imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape)
+
+
+class ShardError(Exception):
+    """Base: the sharded part of a snapshot cannot be saved or placed into this state."""
+
+
+class UnsupportedShard(ShardError, TypeError):
+    """A DTensor whose placement elasticd cannot snapshot (the message says which and why)."""
+
+
+class ShardMismatch(ShardError):
+    """The saved shards do not fit the live state (no matching mesh, rows not held)."""
+
+
+def dtensor_class() -> type | None:
+    """DTensor, if the script imported it (only then can a state hold one; importing it
+    costs time a script without sharding should not pay)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def _placement_name(path: str, placement: Any) -> str:
+    from torch.distributed.tensor import Replicate, Shard
+
+    if type(placement) is Shard:  # not _StridedShard (FSDP2 over TP): its rows interleave
+        return f"S{placement.dim}"
+    if type(placement) is Replicate:
+        return "R"
+    raise UnsupportedShard(
+        f"{path}: a DTensor placed {placement!r} cannot be snapshotted (elasticd stores "
+        "Shard(d) and Replicate() placements; Partial values need a reduction first)")
+
+
+def _placements(names: Sequence[str]) -> tuple[Any, ...]:
+    from torch.distributed.tensor import Replicate, Shard
+
+    out = []
+    for name in names:
+        if name == "R":
+            out.append(Replicate())
+        elif isinstance(name, str) and name[:1] == "S" and name[1:].isdigit():
+            out.append(Shard(int(name[1:])))
+        else:
+            raise ShardMismatch(f"unknown placement {name!r} in the snapshot")
+    return tuple(out)
+
+
+_box_cache: dict[tuple[Any, ...], Box] = {}
+
+
+def local_box(shape: Sequence[int], mesh: Any, placements: Sequence[Any]) -> Box:
+    """(offsets, local shape) of this rank's chunk of a tensor of global ``shape`` (DCP's)."""
+    key = (tuple(shape), mesh, tuple(placements))
+    box = _box_cache.get(key)
+    if box is None:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local, offsets = compute_local_shape_and_global_offset(torch.Size(shape), mesh,
+                                                               placements)
+        box = _box_cache[key] = (tuple(int(o) for o in offsets), tuple(int(s) for s in local))
+        if len(_box_cache) > 4096:  # meshes of finished process groups
+            _box_cache.clear()
+    return box
+
+
+_node_cache: dict[tuple[Any, ...], tuple[dict[str, Any], tuple[int, ...]]] = {}
+
+
+def describe(path: str, dtensor: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+    """This rank's local tensor of ``dtensor`` (no copy) and the meta a later world needs
+    (shared between calls for the same layout: do not modify it).
+
+    Raises:
+        UnsupportedShard: a placement elasticd does not store, or a local tensor that is not
+            the chunk its placement says (padded).
+    """
+    local = dtensor._local_tensor
+    key = (dtensor.shape, dtensor.device_mesh, dtensor.placements)
+    hit = _node_cache.get(key)
+    if hit is None:  # flatten runs every step: each layout is worked out once
+        mesh, placements = key[1], key[2]
+        names = [_placement_name(path, p) for p in placements]
+        offsets, shape = local_box(dtensor.shape, mesh, placements)
+        node = {"shape": list(dtensor.shape), "offsets": list(offsets), "placements": names,
+                "mesh": list(mesh.shape), "dims": list(mesh.mesh_dim_names or ())}
+        if len(_node_cache) > 4096:
+            _node_cache.clear()
+        hit = _node_cache[key] = (node, shape)
+    if tuple(local.shape) != hit[1]:
+        raise UnsupportedShard(f"{path}: the DTensor's local tensor is {tuple(local.shape)}, "
+                               f"not the {hit[1]} chunk its placements "
+                               f"{hit[0]['placements']} give")
+    return local, hit[0]
+
+
+def nodes(meta: Any) -> Iterator[dict[str, Any]]:
+    """Every ``dtensor`` node of a state meta tree."""
+    stack = [meta]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if node.get("@") == "dtensor":
+                yield node
+            else:
+                stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+
+
+def live_meshes(state: Mapping[str, Any]) -> list[Any]:
+    """The distinct device meshes of the DTensors in ``state``'s modules and optimizers."""
+    cls = dtensor_class()
+    if cls is None:
+        return []
+    found: list[Any] = []
+    for value in state.values():
+        if isinstance(value, torch.nn.Module):
+            tensors: Any = [*value.parameters(), *value.buffers()]
+        elif isinstance(value, torch.optim.Optimizer):
+            tensors = [p for g in value.param_groups for p in g["params"]]
+        else:
+            continue
+        for t in tensors:
+            if isinstance(t, cls) and t.device_mesh not in found:
+                found.append(t.device_mesh)
+    return found
+
+
+def mesh_for(node: Mapping[str, Any], meshes: Sequence[Any]) -> Any:
+    """The live mesh a saved DTensor goes onto: the one of the same dimensions (names).
+
+    Raises:
+        ShardMismatch: none, or several that cannot be told apart.
+    """
+    dims = tuple(node.get("dims") or ())
+    ndim = len(node.get("mesh") or ())
+    fit = [m for m in meshes if m.ndim == ndim and tuple(m.mesh_dim_names or ()) == dims]
+    if len(fit) != 1:
+        raise ShardMismatch(
+            f"the snapshot holds DTensors on a {ndim}-dimensional device mesh {list(dims)}, "
+            f"and the state has {len(fit)} such meshes: build (fully_shard) the model and "
+            "optimizer before restoring")
+    return fit[0]
+
+
+def _chunk_1d(size: int, parts: int, index: int) -> tuple[int, int]:
+    """(offset, length) of ``torch.chunk``'s part ``index`` of ``size`` (what Shard uses)."""
+    full = -(-size // parts) if parts else 0
+    start = min(index * full, size)
+    return start, max(0, min(size, start + full) - start)
+
+
+def old_box(node: Mapping[str, Any], rank: int) -> Box | None:
+    """The box old rank ``rank`` held, from the saved layout (a 1-dim mesh), or None when it
+    cannot be computed without that rank's own meta (a mesh of several dimensions)."""
+    mesh = node["mesh"]
+    if len(mesh) != 1:
+        return None
+    offsets, shape = [0] * len(node["shape"]), list(node["shape"])
+    for name in node["placements"]:
+        if name != "R":
+            dim = int(name[1:])
+            offsets[dim], shape[dim] = _chunk_1d(shape[dim], mesh[0], rank)
+    return tuple(offsets), tuple(shape)
+
+
+def _overlap(a: Box, b: Box) -> Box | None:
+    offsets, shape = [], []
+    for ao, asz, bo, bsz in zip(a[0], a[1], b[0], b[1]):
+        lo, hi = max(ao, bo), min(ao + asz, bo + bsz)
+        if hi <= lo:
+            return None
+        offsets.append(lo)
+        shape.append(hi - lo)
+    return tuple(offsets), tuple(shape)
+
+
+def needed_ranks(meta: Any, old_world: int, base: int, meshes: Sequence[Any]) -> list[int]:
+    """The old ranks whose snapshots the new local shards need (``base`` first: its snapshot
+    also holds this rank's unsharded state). A mesh of several dimensions: every old rank.
+
+    Raises:
+        ShardMismatch: no live mesh fits a saved DTensor.
+    """
+    need = {base}
+    for node in nodes(meta):
+        mesh = mesh_for(node, meshes)
+        target = local_box(node["shape"], mesh, _placements(node["placements"]))
+        if not math.prod(target[1]):
+            continue
+        boxes = {}
+        for q in [base, *range(old_world)]:
+            box = old_box(node, q)
+            if box is None:
+                return list(dict.fromkeys([base, *range(old_world)]))
+            boxes.setdefault(box, q)  # a replicated box: the first holder, base preferred
+        need.update(q for box, q in boxes.items() if _overlap(box, target) is not None)
+    return [base, *sorted(need - {base})]
+
+
+class Resharder:
+    """Builds each saved DTensor's new local shard on the live mesh from the old shards.
+
+    Args:
+        state: the live state (its modules' and optimizers' meshes).
+        pieces: (tensor names, tensors, meta) of each fetched old snapshot, the base one
+            (whose meta tree is being loaded) first.
+    """
+
+    def __init__(self, state: Mapping[str, Any],
+                 pieces: Sequence[tuple[Sequence[str], Sequence[torch.Tensor], Any]]) -> None:
+        self.meshes = live_meshes(state)
+        self.base_names = pieces[0][0]
+        self.base_tensors = pieces[0][1]
+        # name -> [(box, tensor)] over every old snapshot after the base one
+        self.others: dict[str, list[tuple[Box, torch.Tensor]]] = {}
+        for names, tensors, meta in pieces[1:]:
+            for node in nodes(meta):
+                t = tensors[node["i"]]
+                self.others.setdefault(names[node["i"]], []).append(
+                    ((tuple(node["offsets"]), tuple(t.shape)), t))
+
+    def __call__(self, node: Mapping[str, Any]) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        try:
+            i, shape = node["i"], [int(s) for s in node["shape"]]
+            mine = self.base_tensors[i]
+            saved = ((tuple(int(o) for o in node["offsets"]), tuple(mine.shape)), mine)
+            placements = _placements(node["placements"])
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise ShardMismatch(f"malformed dtensor node: {exc}") from exc
+        mesh = mesh_for(node, self.meshes)
+        target = local_box(shape, mesh, placements)
+        name = self.base_names[i] if self.base_names else str(i)
+        local = self._assemble(name, target, [saved, *self.others.get(name, [])], mine.dtype)
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(local, mesh, placements, run_check=False,
+                                  shape=torch.Size(shape), stride=stride)
+
+    @staticmethod
+    def _assemble(name: str, target: Box, chunks: list[tuple[Box, torch.Tensor]],
+                  dtype: torch.dtype) -> torch.Tensor:
+        for box, t in chunks:
+            if box == target:  # the same world (or the same rows): the saved copy as it is
+                return t
+        out = torch.empty(target[1], dtype=dtype)
+        covered, seen = 0, set()
+        for box, t in chunks:
+            if box in seen or t.dtype != dtype:
+                continue
+            seen.add(box)
+            part = _overlap(box, target)
+            if part is None:
+                continue
+            dst = tuple(slice(o - to, o - to + n) for o, n, to in zip(part[0], part[1],
+                                                                      target[0]))
+            src = tuple(slice(o - bo, o - bo + n) for o, n, bo in zip(part[0], part[1], box[0]))
+            out[dst] = t[src]
+            covered += math.prod(part[1])
+        if covered != math.prod(target[1]):
+            raise ShardMismatch(f"{name}: the shards fetched hold {covered} of the "
+                                f"{math.prod(target[1])} elements this rank needs")
+        return out

@@ -1,0 +1,252 @@
+"""Sharded training state (FSDP2: DTensor parameters and Adam state) snapshotted without
+gathering, restored bitwise at the same world size, and resharded 3 → 2 → 3 against
+``torch.distributed.checkpoint``.
+
+Real torch everywhere: ranks are processes spawned here (``torch.multiprocessing``, gloo on
+127.0.0.1) running ``fully_shard`` on layers whose sizes 3 and 2 do not divide (uneven shards,
+a rank holding no rows); the daemons are two real :class:`CheckpointService` behind real
+:class:`LocalServer` sockets in this process, node n1 with the in-process replicator of
+``test_checkpoint_peer_restore`` fetching from node n2's store (a peer's RAM). The reference a
+resharded restore must equal is what ``dcp.load`` gives at the new world size from a
+``dcp.save(get_state_dict(...))`` the old world wrote at the same step: never elasticd's own
+bytes, so the check can fail.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import uuid
+
+import pytest
+import torch
+
+from elasticd.checkpoint.client import Checkpointer
+from elasticd.checkpoint.service import CheckpointService
+from elasticd.checkpoint.shm import SlotStore
+from elasticd.checkpoint.state import UnsupportedValue
+from elasticd.local.transport import InProcessTransport
+from tests.unit.test_checkpoint_peer_restore import FakeReplicator, commit
+
+DIMS = (7, 5, 11, 4, 3)  # Linear(7, 5), Linear(5, 11), ...: rows 5, 11, 4, 3 over 2 and 3 ranks
+
+
+class Replicator(FakeReplicator):
+    """The fake replicator, with the status the service's protection check reads."""
+
+    def status(self):
+        return {"jobs": {}}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _build():
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    layers = []
+    for a, b in zip(DIMS, DIMS[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.Tanh()]
+    model = torch.nn.Sequential(*layers[:-1])
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    return model, opt
+
+
+def _train(model, opt, step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    model(torch.randn(4, DIMS[0], generator=g)).pow(2).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _local(model, opt):
+    """Every local shard (and Adam's step) by name, cloned."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    out = {f"model/{k}": v.to_local().clone() for k, v in msd.items()}
+    for fqn, st in osd["state"].items():
+        for k, v in st.items():
+            out[f"optim/{fqn}/{k}"] = (v.to_local() if hasattr(v, "to_local") else v).clone()
+    return out
+
+
+def _assert_bitwise(got, want, what):
+    assert got.keys() == want.keys(), what
+    for name, t in want.items():
+        g = got[name]
+        assert g.dtype == t.dtype and g.shape == t.shape, f"{what}: {name} {g.shape} {t.shape}"
+        assert torch.equal(g.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), \
+            f"{what}: {name} differs"
+
+
+def _rank_main(rank, world, port, sockets, out_dir, phase):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from elasticd.worker.client import DaemonClient
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        model, opt = _build()
+        state = {"model": model, "optim": opt, "epoch": 1}
+        client = DaemonClient(sockets[rank])
+        if phase == "first":  # a Partial DTensor (values awaiting a sum) has no bytes to store
+            from torch.distributed.tensor import DTensor, Partial
+
+            mesh = next(model.parameters()).device_mesh
+            bad = DTensor.from_local(torch.ones(2), mesh, [Partial()], run_check=False)
+            with Checkpointer(transport=client, job="bad", rank=rank, world_size=world) as c:
+                with pytest.raises(UnsupportedValue, match="x: a DTensor placed Partial"):
+                    c.save(1, {"x": bad})
+        ckpt = Checkpointer(transport=client, job="j", rank=rank, world_size=world)
+        start = 0
+        if phase != "first":  # a new world restores the old one's committed step
+            step = ckpt.restore(state)
+            assert step == {"shrink": 3, "grow": 6}[phase]
+            assert ckpt.last_restore.saved_world_size != world
+            assert ckpt.last_restore.steps_lost >= 0
+            ref_model, ref_opt = _build()
+            ref = get_state_dict(ref_model, ref_opt)
+            dcp.load({"model": ref[0], "optim": ref[1]},
+                     checkpoint_id=os.path.join(out_dir, f"dcp-{phase}"))
+            set_state_dict(ref_model, ref_opt, model_state_dict=ref[0],
+                           optim_state_dict=ref[1])
+            _assert_bitwise(_local(model, opt), _local(ref_model, ref_opt),
+                            f"{phase} rank {rank} against dcp.load")
+            with open(os.path.join(out_dir, f"{phase}-{rank}.source"), "w") as f:
+                f.write(f"{ckpt.last_restore.source} {ckpt.generation}")
+            start = step
+        for step in range(start + 1, start + 4):
+            _train(model, opt, step, rank)
+            assert ckpt.save(step, state)
+            ckpt.wait()
+        msd, osd = get_state_dict(model, opt)
+        nxt = "shrink" if phase == "first" else "grow"
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(out_dir, f"dcp-{nxt}"))
+        want = _local(model, opt)
+        _train(model, opt, start + 4, rank)  # a step whose snapshot is lost
+        assert not torch.equal(_local(model, opt)["model/0.weight"], want["model/0.weight"])
+        assert ckpt.restore(state) == start + 3  # the same world, from this node's RAM
+        assert ckpt.last_restore.source == "local"
+        _assert_bitwise(_local(model, opt), want, f"{phase} rank {rank} same-world restore")
+        ckpt.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def daemons():
+    """Two nodes' checkpoint services on real sockets; n1 fetches from n2's store."""
+    from elasticd.daemon.local_api import LocalServer
+
+    roots = [f"/dev/shm/elasticd-test-{uuid.uuid4().hex[:12]}" for _ in range(2)]
+    sockdir = tempfile.mkdtemp(prefix="elasticd-shard-")
+    stores = [SlotStore(r) for r in roots]
+    rep = Replicator(stores[0], stores[1])
+    services = [CheckpointService(stores[0], "n1", replicator=rep),
+                CheckpointService(stores[1], "n2",
+                                  replicator=Replicator(stores[1], stores[0]))]
+    servers = [LocalServer(os.path.join(sockdir, f"n{i + 1}.sock"), s.handlers())
+               for i, s in enumerate(services)]
+    for server in servers:
+        server.start()
+    try:
+        yield services, [s.path for s in servers], sockdir
+    finally:
+        for server in servers:
+            server.stop()
+        for store in stores:
+            store.close()
+        for root in roots:
+            shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(sockdir, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_fsdp2_state_restores_bitwise_and_reshards_3_to_2_to_3_like_dcp(daemons):
+    import torch.multiprocessing as mp
+
+    services, (n1, n2), out_dir = daemons
+    # World 3: ranks 0 and 1 on n1, rank 2 on n2 (its shard is only in n2's RAM).
+    mp.spawn(_rank_main, args=(3, _free_port(), [n1, n1, n2], out_dir, "first"), nprocs=3)
+    assert {j for j, *_ in services[1].store.holdings()} == {"j"}
+    assert all(s.status()["bad"]["unprotected_kind"] == "snapshots_failing" for s in services)
+    # n2 died; the step saved by all 3 ranks was committed. Two ranks on n1 reshard it.
+    services[0].replicator.record = commit(0, 3, 3)
+    mp.spawn(_rank_main, args=(2, _free_port(), [n1, n1], out_dir, "shrink"), nprocs=2)
+    sources = [open(os.path.join(out_dir, f"shrink-{r}.source")).read().split()
+               for r in range(2)]
+    assert [s for s, _ in sources] == ["local", "peer"]  # new rank 1 needed old rank 2's rows
+    assert ("j", 2, (0, 3)) in services[0].replicator.fetches  # ... held by n2 only
+    # n2 rejoined: 3 ranks reshard the step the 2 committed; the new rank 2, on n2, fetches
+    # old ranks 0 and 1's snapshots from n1.
+    generation = int(sources[0][1])
+    for s in services:
+        s.replicator.record = commit(generation, 6, 2)
+    mp.spawn(_rank_main, args=(3, _free_port(), [n1, n1, n2], out_dir, "grow"), nprocs=3)
+    sources = [open(os.path.join(out_dir, f"grow-{r}.source")).read().split()[0]
+               for r in range(3)]
+    assert sources == ["local", "local", "peer"]
+    assert {f[1] for f in services[1].replicator.fetches} == {0, 1}
+
+
+def test_an_unsnapshottable_state_is_an_error_at_the_first_save_and_unprotects_the_job(
+        tmp_path, caplog):
+    root = f"/dev/shm/elasticd-test-{uuid.uuid4().hex[:12]}"
+    store = SlotStore(root)
+    svc = CheckpointService(store, "n1")
+    try:
+        t = InProcessTransport(svc.handlers())
+        lazy = torch.nn.LazyLinear(3)  # its weight is an UninitializedParameter
+        state = {"model": lazy, "optim": torch.optim.SGD(lazy.parameters(), lr=0.1)}
+        with Checkpointer(every=10, transport=t, job="j", rank=0, world_size=1) as ckpt:
+            with caplog.at_level(logging.ERROR, logger="elasticd.checkpoint"):
+                with pytest.raises(UnsupportedValue, match="model/weight.*UninitializedParameter"):
+                    ckpt.save(1, state)  # not a step to snapshot: checked all the same
+        assert "cannot be snapshotted" in caplog.text
+        status = svc.status()["j"]
+        assert status["unprotected"] and status["unprotected_kind"] == "snapshots_failing"
+        assert "UninitializedParameter" in status["unprotected_reason"]
+        assert svc.stats().unprotected_jobs["snapshots_failing"] == 1
+        assert "cannot be snapshotted" in svc.unprotected("j")
+        assert store.versions("j", 0) == []
+    finally:
+        store.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_chunks_follow_torch_chunk_and_assembly_covers_every_element():
+    from elasticd.checkpoint.shards import Resharder, ShardMismatch, _chunk_1d, old_box
+
+    for size in range(0, 13):
+        for parts in range(1, 5):
+            want = [(int(c[0]), len(c)) if len(c) else None
+                    for c in torch.arange(size).chunk(parts)]
+            got = [_chunk_1d(size, parts, i) for i in range(parts)]
+            assert [g for g in got if g[1]] == [w for w in want if w], (size, parts)
+    node = {"shape": [5, 7], "placements": ["S0"], "mesh": [3]}
+    assert [old_box(node, q) for q in range(3)] == [((0, 0), (2, 7)), ((2, 0), (2, 7)),
+                                                    ((4, 0), (1, 7))]
+    assert old_box({**node, "mesh": [2, 2]}, 0) is None  # several mesh dims: ask each rank
+    full = torch.arange(35.0).view(5, 7)
+    chunks = [(old_box(node, q), full[old_box(node, q)[0][0]:][:old_box(node, q)[1][0]])
+              for q in range(3)]
+    got = Resharder._assemble("w", ((3, 0), (2, 7)), chunks, torch.float32)
+    assert torch.equal(got, full[3:5])
+    with pytest.raises(ShardMismatch, match="hold 7 of the 14"):
+        Resharder._assemble("w", ((3, 0), (2, 7)), chunks[2:], torch.float32)
