@@ -13,7 +13,9 @@ the workers wrote (never from what the soak expected):
   run) over the wall time from the job's first step to its last;
 * the baseline: steps per second in the failure-free stretch before the first kill (world 3,
   snapshots every step), beside the kept steps per wall second of the whole soak (their ratio
-  is the goodput; a world of 2 steps at another speed, so it is not the time ratio);
+  is the step goodput; a world of 2 steps at another speed, so it is not the time ratio), and
+  the same in samples (every rank's batch of each kept step: the goodput the job sees, which
+  counts running at a smaller world size as slower);
 * the steps lost (newest step reached before each restart minus the step restored), each
   restart's downtime (fault to the next attempt's first step) and restore source;
 * checks: every restart restored one step on every rank, the kept steps run 1..N with no gap,
@@ -86,6 +88,12 @@ def analyse(out: Outcome, first_fault_at: float | None) -> dict[str, Any]:
                   and (first_fault_at is None or r["t"] < first_fault_at))
     base_durations = [b[1] - a[1] for a, b in zip(base, base[1:])]
     base_rate = (len(base) - 1) / (base[-1][1] - base[0][1]) if len(base) > 1 else None
+    # Goodput in samples (every rank's batch of a kept step): a step at world 2 trains two
+    # batches, at world 3 three, so running smaller counts as slower, as it is for the job.
+    base_steps = {b[0] for b in base[1:]}
+    base_samples = sum(len(r["indices"]) for r in first.records if r["step"] in base_steps)
+    base_samples_rate = base_samples / (base[-1][1] - base[0][1]) if len(base) > 1 else None
+    kept_samples = sum(len(r["indices"]) for r in out.kept_records())
     restarts = []
     for rec in out.recoveries:
         first_step = min((r["t"] for r in rec.attempt.records), default=None)
@@ -114,6 +122,12 @@ def analyse(out: Outcome, first_fault_at: float | None) -> dict[str, Any]:
         "kept_steps_per_s": round(len(kept_steps) / (end - start), 3),
         "goodput_vs_failure_free": (round(len(kept_steps) / (end - start) / base_rate, 4)
                                     if base_rate else None),
+        "baseline_samples_per_s_failure_free": (round(base_samples_rate, 2)
+                                                if base_samples_rate else None),
+        "kept_samples_per_s": round(kept_samples / (end - start), 2),
+        "goodput_samples_vs_failure_free": (round(kept_samples / (end - start)
+                                                  / base_samples_rate, 4)
+                                            if base_samples_rate else None),
         "steps_kept": len(kept_steps),
         "steps_run": len({(r["attempt"], r["step"]) for r in all_records if r["rank"] == 0}),
         "steps_lost": sum(r["steps_lost"] for r in restarts),
