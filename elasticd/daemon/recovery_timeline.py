@@ -1,0 +1,218 @@
+"""Writing each recovery's timeline (:mod:`elasticd.cluster.timeline`), once per failure.
+
+**One writer.** When a peer that runs the job fails, every survivor computes the same writer
+from the job statuses in etcd: the lowest node id among the job's other nodes that ran workers
+(:meth:`~elasticd.agent.manager.JobManager.recovery_writer`). Only that daemon follows the
+recovery, so N nodes do not write N copies; and the record's key,
+``events/<failed node>/<lease>/timeline@<job>``, is created only if absent, so two daemons whose
+views differed still store one. Should the writer die too, the failure has no timeline.
+
+**What it notes, as it happens** (on whichever thread brings it, wall time): its own proactive
+abort, every round close its job watch delivers (:meth:`TimelineRecorder.on_round_closed`), its
+workers' restores and the first step a worker of the new group reports (a worker pid not seen
+before the failure, a step past the restored one). The ``failed`` event and every node's
+``recovered`` events are read from etcd when the record is assembled.
+
+**When it writes:** at the first cycle after that first step, or, when no first step comes
+within ``give_up`` seconds, with what was seen (the missing moments stay missing). A failure of
+another node of the job while a recovery is under way joins it (the same recovery goes on
+without that node too). The writer observes each phase in ``elasticd_recovery_phase_seconds``
+and sets ``elasticd_last_recovery_phase_seconds`` (NaN for a missing phase).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import threading
+from typing import Any, Callable
+
+from elasticd.clock import Clock
+from elasticd.cluster import timeline
+from elasticd.cluster.events import KIND as EVENT_KIND
+from elasticd.cluster.events import Event, EventLog
+from elasticd.coordination import records
+from elasticd.coordination.api import CoordinationError, Coordinator
+from elasticd.coordination.keys import Keyspace
+from elasticd.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+#: Worker pids remembered per job between failures (a long job's restarts stay bounded).
+_MAX_PIDS = 4096
+
+
+@dataclasses.dataclass
+class _Recovery:
+    """What the writer has seen of one recovery so far."""
+
+    job: str
+    failed: list[str]
+    lease: int
+    detected_at: float  # this node's own detection (the failed event's is preferred)
+    aborted_at: float | None
+    started: float  # monotonic, for give_up
+    old_pids: set[int]
+    restored_step: int | None = None
+    first_step_at: float | None = None
+
+
+class TimelineRecorder:
+    """Follows the recoveries this node writes the timeline of.
+
+    Args:
+        node_id: this node.
+        coord, keys: where the events are.
+        events: the event log the record goes to.
+        metrics: the daemon's metrics.
+        clock: injected time.
+        lease_ttl: the lease TTL (places the failure before its detection).
+        give_up: seconds after which a recovery with no first step is written as it is.
+    """
+
+    def __init__(self, node_id: str, coord: Coordinator, keys: Keyspace, events: EventLog,
+                 metrics: Metrics, clock: Clock, lease_ttl: Callable[[], float],
+                 give_up: float = 600.0) -> None:
+        self.node_id, self.coord, self.keys, self.events = node_id, coord, keys, events
+        self.metrics, self.clock, self.lease_ttl, self.give_up = metrics, clock, lease_ttl, give_up
+        self._lock = threading.Lock()  # progress and restores arrive on the local API's threads
+        self._open: dict[str, _Recovery] = {}
+        self._closes: dict[str, collections.deque[float]] = {}
+        self._pids: dict[str, set[int]] = {}  # worker pids seen since the last failure
+        self.complaints = records.Complaints(log)
+        self.written: list[timeline.Timeline] = []  # the last few written (status, tests)
+
+    # -- what happens (any thread) ------------------------------------------------------------
+
+    def on_failure(self, job: str, node: str, lease: int, writer: bool,
+                   aborted: bool) -> None:
+        """A node of ``job`` failed (main loop). ``writer``: this node writes its timeline;
+        ``aborted``: this node just killed its workers."""
+        now = self.clock.wall()
+        with self._lock:
+            pids = self._pids.pop(job, set())
+            rec = self._open.get(job)
+            if rec is not None and rec.first_step_at is None:
+                # A failure during a recovery: the same recovery goes on without it too.
+                if node not in rec.failed:
+                    rec.failed.append(node)
+                rec.aborted_at = now if aborted else rec.aborted_at
+                rec.old_pids |= pids
+                rec.restored_step = None
+                return
+        if rec is not None:
+            self._finish(rec)  # its first step came, the cycle that writes it not yet
+        if not writer:
+            return
+        with self._lock:
+            self._open[job] = _Recovery(job, [node], lease, now, now if aborted else None,
+                                        self.clock.monotonic(), pids)
+
+    def on_round_closed(self, job: str) -> None:
+        """The job's watch delivered a new rendezvous round record (the watch thread)."""
+        now = self.clock.wall()
+        with self._lock:
+            self._closes.setdefault(job, collections.deque(maxlen=16)).append(now)
+
+    def on_progress(self, msg: dict[str, Any]) -> None:
+        """A worker's progress report (a step, a register, a slot request; any thread)."""
+        peer = msg.get("_peer") if isinstance(msg.get("_peer"), dict) else {}
+        job, step = msg.get("job", peer.get("job")), msg.get("step")
+        pid = peer.get("pid", msg.get("pid"))  # the kernel's word, when there is one
+        if not isinstance(job, str) or type(pid) is not int:
+            return
+        with self._lock:
+            rec = self._open.get(job)
+            if rec is None:
+                pids = self._pids.setdefault(job, set())
+                if len(pids) < _MAX_PIDS:
+                    pids.add(pid)
+                return
+            if (rec.first_step_at is not None or pid in rec.old_pids or type(step) is not int
+                    or (rec.restored_step is not None and step <= rec.restored_step)):
+                return  # an old worker's last words, or a new one not past its restore yet
+            rec.first_step_at = self.clock.wall()
+
+    def on_restore(self, report: dict[str, Any]) -> None:
+        """A local worker restored (``ckpt_report``): its step is not a training step."""
+        job, step = report.get("job"), report.get("step")
+        with self._lock:
+            rec = self._open.get(job) if isinstance(job, str) else None
+            if rec is not None and type(step) is int:
+                rec.restored_step = max(step, rec.restored_step if rec.restored_step is not None
+                                        else step)
+
+    # -- the main loop ------------------------------------------------------------------------
+
+    def step(self) -> str | None:
+        """Writes the recoveries that are over; returns a note for the cycle's sentence."""
+        now = self.clock.monotonic()
+        with self._lock:
+            due = [r for r in self._open.values()
+                   if r.first_step_at is not None or now - r.started >= self.give_up]
+        notes = [self._finish(r) for r in due]
+        return "; ".join(n for n in notes if n) or None
+
+    def _finish(self, rec: _Recovery) -> str | None:
+        try:
+            tl = self._assemble(rec)
+            stored = self.events.record(Event(
+                timeline.KIND, rec.failed[0], rec.lease, self.clock.wall(), self.node_id,
+                tl.describe(), tl.as_dict(), instance=rec.job))
+        except CoordinationError as exc:
+            if self.clock.monotonic() - rec.started < self.give_up + 60:
+                log.warning("could not write the timeline of %s's recovery yet: %s", rec.job,
+                            exc)
+                return None  # the next cycle tries again
+            stored, tl = False, None
+        with self._lock:
+            if self._open.get(rec.job) is rec:
+                del self._open[rec.job]
+        if tl is None:
+            return None
+        self._observe(tl)
+        self.written = [*self.written[-9:], tl]
+        log.info("%s%s", tl.describe(), "" if stored else " (already recorded by another node)")
+        return f"recovery timeline of {rec.job} written" if stored else None
+
+    def _assemble(self, rec: _Recovery) -> timeline.Timeline:
+        detected_at, detection = rec.detected_at, None
+        failed = self._failed_event(rec.failed[0], rec.lease)
+        if failed is not None:
+            detected_at = failed.at
+            d = (failed.data or {}).get("detection_seconds")
+            detection = float(d) if records.check_type(d, float) is None else None
+        restores = []
+        for e in self.events.list():
+            if e.kind == "recovered" and isinstance(e.data, dict):
+                r = timeline.restore_of(e.data, e.at)
+                if r is not None:
+                    restores.append(r)
+        with self._lock:
+            closes = list(self._closes.get(rec.job, ()))
+            aborted, first = rec.aborted_at, rec.first_step_at
+        return timeline.assemble(job=rec.job, failed=rec.failed, detected_at=detected_at,
+                                 detection_seconds=detection, lease_ttl=self.lease_ttl(),
+                                 aborted_at=aborted, round_closed=closes, restores=restores,
+                                 first_step_at=first)
+
+    def _failed_event(self, node: str, lease: int) -> Event | None:
+        key = self.keys.event(node, lease, "failed")
+        kv = self.coord.get(key)
+        if kv is None:
+            return None
+        try:
+            return records.decode_dataclass(Event, kv.value, EVENT_KIND, key)
+        except records.RecordError as exc:
+            self.complaints.warn(key, kv.value, "ignoring the failed event: %s", exc)
+            return None
+
+    def _observe(self, tl: timeline.Timeline) -> None:
+        for phase, seconds in tl.phases().items():
+            if seconds is not None:
+                self.metrics.recovery_phase_seconds.labels(phase).observe(seconds)
+            self.metrics.last_recovery_phase_seconds.labels(phase).set(
+                math.nan if seconds is None else seconds)
+        self.metrics.last_recovery_timestamp.set(tl.first_step_at or tl.detected_at)
