@@ -141,9 +141,9 @@ class Timeline:
 
 def assemble(*, job: str, failed: Iterable[str], detected_at: float,
              detection_seconds: float | None, lease_ttl: float | None,
-             aborted_at: float | None = None, round_closed: Iterable[float] = (),
+             aborted: Iterable[float] = (), round_closed: Iterable[float] = (),
              restores: Iterable[RankRestore] = (),
-             first_step_at: float | None = None) -> Timeline:
+             first_steps: Iterable[float] = ()) -> Timeline:
     """Builds one recovery's timeline from what was seen (pure).
 
     Args:
@@ -152,16 +152,23 @@ def assemble(*, job: str, failed: Iterable[str], detected_at: float,
         detected_at: the ``failed`` event's time.
         detection_seconds: the ``failed`` event's age of the dead node's last heartbeat record.
         lease_ttl: the lease TTL (the failure is placed at most this long before detection).
-        aborted_at: when the writer's workers were killed (None: it had none to kill).
-        round_closed: every time the writer saw a round of the job close; the first at or
-            after the failure counts (earlier ones are the rounds before it).
-        restores: rank restores (``recovered`` events) of any job and time; those of ``job``
-            that started at or after the failure and ended by the first step count.
-        first_step_at: the new group's first step, as the writer saw it.
+        aborted: every time the writer's workers were killed (by its daemon or its agent).
+        round_closed: every time the writer saw a round of the job close.
+        first_steps: every time a new group of the writer's workers made its first step.
+        restores: rank restores (``recovered`` events) of any job and time.
+
+    Of each, the first at or after the failure counts (earlier ones belong to the recoveries
+    before it); restores count when they are ``job``'s, started at or after the failure and
+    ended by the first step.
     """
     bounds = [x for x in (detection_seconds, lease_ttl) if x is not None and x >= 0]
     failure_at = detected_at - min(bounds) if bounds else None
     since = failure_at if failure_at is not None else detected_at
+
+    def first(times: Iterable[float]) -> float | None:
+        return min((t for t in times if t >= since), default=None)
+
+    aborted_at, first_step_at = first(aborted), first(first_steps)
     closes = sorted(t for t in round_closed if t >= since)
     mine = [r for r in restores if r.job == job and r.at - r.seconds >= since
             and (first_step_at is None or r.at <= first_step_at)]

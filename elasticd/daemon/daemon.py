@@ -355,12 +355,21 @@ class Daemon(Registration, Fencing, DataLossRecovery):
         self.jobs.on_progress(msg)
         self.timeline.on_progress(msg)
 
+    def _workers_aborted(self, msg: dict[str, Any]) -> dict[str, Any]:
+        job = msg.get("job", self.jobs.job)
+        if isinstance(job, str) and job == self.jobs.job:
+            self.timeline.on_abort(job)
+        return {}
+
     def local_handlers(self) -> dict[str, Callable[[dict[str, Any]], Any]]:
         """What workers may ask of this daemon over its local socket."""
         handlers: dict[str, Callable[[dict[str, Any]], Any]] = {
             "progress": self._on_progress,
             # The agent's daemon watch asks whether this daemon still answers.
             "ping": lambda msg: {"node": self.settings.node_id},
+            # The agent killed its workers (a member of its round is gone): a moment of the
+            # recovery's timeline. The job is the connection's (local_binding.py).
+            "workers_aborted": self._workers_aborted,
         }
         if self.checkpoints is not None:
             handlers.update(self.checkpoints.handlers())

@@ -7,11 +7,14 @@ recovery, so N nodes do not write N copies; and the record's key,
 ``events/<failed node>/<lease>/timeline@<job>``, is created only if absent, so two daemons whose
 views differed still store one. Should the writer die too, the failure has no timeline.
 
-**What it notes, as it happens** (on whichever thread brings it, wall time): its own proactive
-abort, every round close its job watch delivers (:meth:`TimelineRecorder.on_round_closed`), its
-workers' restores and the first step a worker of the new group reports (a worker pid not seen
-before the failure, a step past the restored one). The ``failed`` event and every node's
-``recovered`` events are read from etcd when the record is assembled.
+**What it notes, as it happens** (on whichever thread brings it, wall time, whether or not a
+recovery is open: the agent may act before this daemon's watch reports the failure): each
+abort of its workers (its own proactive abort, or its agent's, which kills them when a member
+of its round is gone and says so over the local socket: ``workers_aborted``), every round
+close its job watch delivers (:meth:`TimelineRecorder.on_round_closed`), its workers' restores
+and the first step each new group reports (a worker pid not seen before the abort, a step past
+the restored one). The ``failed`` event and every node's ``recovered`` events are read from
+etcd when the record is assembled.
 
 **When it writes:** at the first cycle after that first step, or, when no first step comes
 within ``give_up`` seconds, with what was seen (the missing moments stay missing). A failure of
@@ -46,17 +49,34 @@ _MAX_PIDS = 4096
 
 @dataclasses.dataclass
 class _Recovery:
-    """What the writer has seen of one recovery so far."""
+    """A recovery this node writes the timeline of."""
 
     job: str
     failed: list[str]
     lease: int
     detected_at: float  # this node's own detection (the failed event's is preferred)
-    aborted_at: float | None
     started: float  # monotonic, for give_up
-    old_pids: set[int]
-    restored_step: int | None = None
-    first_step_at: float | None = None
+
+
+@dataclasses.dataclass
+class _Moments:
+    """What this node saw of a job's worker groups, whoever is recovering (wall times).
+
+    The moments are kept whether or not a recovery is open: the agent may abort the workers,
+    and a round may close, before this daemon's watch reports the failure.
+    """
+
+    aborts: collections.deque = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=16))
+    closes: collections.deque = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=16))
+    first_steps: collections.deque = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=16))
+    pids: set = dataclasses.field(default_factory=set)  # workers since the last abort
+    last_group: set = dataclasses.field(default_factory=set)  # ... in the group before
+    stale: set = dataclasses.field(default_factory=set)  # aborted workers' pids
+    restored_step: int | None = None  # the newest step this group restored here
+    stepped: bool = True  # the group since the last abort made its first step
 
 
 class TimelineRecorder:
@@ -79,10 +99,17 @@ class TimelineRecorder:
         self.metrics, self.clock, self.lease_ttl, self.give_up = metrics, clock, lease_ttl, give_up
         self._lock = threading.Lock()  # progress and restores arrive on the local API's threads
         self._open: dict[str, _Recovery] = {}
-        self._closes: dict[str, collections.deque[float]] = {}
-        self._pids: dict[str, set[int]] = {}  # worker pids seen since the last failure
+        self._jobs: dict[str, _Moments] = {}
         self.complaints = records.Complaints(log)
         self.written: list[timeline.Timeline] = []  # the last few written (status, tests)
+
+    def _job(self, job: str) -> _Moments:
+        m = self._jobs.get(job)
+        if m is None:
+            if len(self._jobs) >= 64:  # one job runs at a time: forget the oldest
+                del self._jobs[next(iter(self._jobs))]
+            m = self._jobs[job] = _Moments()
+        return m
 
     # -- what happens (any thread) ------------------------------------------------------------
 
@@ -90,31 +117,38 @@ class TimelineRecorder:
                    aborted: bool) -> None:
         """A node of ``job`` failed (main loop). ``writer``: this node writes its timeline;
         ``aborted``: this node just killed its workers."""
-        now = self.clock.wall()
+        if aborted:
+            self.on_abort(job)
         with self._lock:
-            pids = self._pids.pop(job, set())
             rec = self._open.get(job)
-            if rec is not None and rec.first_step_at is None:
+            if rec is not None and not self._due(rec):
                 # A failure during a recovery: the same recovery goes on without it too.
                 if node not in rec.failed:
                     rec.failed.append(node)
-                rec.aborted_at = now if aborted else rec.aborted_at
-                rec.old_pids |= pids
-                rec.restored_step = None
                 return
         if rec is not None:
             self._finish(rec)  # its first step came, the cycle that writes it not yet
-        if not writer:
-            return
+        if writer:
+            with self._lock:
+                self._open[job] = _Recovery(job, [node], lease, self.clock.wall(),
+                                            self.clock.monotonic())
+
+    def on_abort(self, job: str) -> None:
+        """The job's workers on this node were killed (by this daemon, or by its agent, which
+        reports it: ``workers_aborted``); the group that follows is a new one."""
+        now = self.clock.wall()
         with self._lock:
-            self._open[job] = _Recovery(job, [node], lease, now, now if aborted else None,
-                                        self.clock.monotonic(), pids)
+            m = self._job(job)
+            m.aborts.append(now)
+            m.stale = m.last_group | m.pids
+            m.last_group, m.pids = m.pids, set()
+            m.restored_step, m.stepped = None, False
 
     def on_round_closed(self, job: str) -> None:
         """The job's watch delivered a new rendezvous round record (the watch thread)."""
         now = self.clock.wall()
         with self._lock:
-            self._closes.setdefault(job, collections.deque(maxlen=16)).append(now)
+            self._job(job).closes.append(now)
 
     def on_progress(self, msg: dict[str, Any]) -> None:
         """A worker's progress report (a step, a register, a slot request; any thread)."""
@@ -123,26 +157,27 @@ class TimelineRecorder:
         pid = peer.get("pid", msg.get("pid"))  # the kernel's word, when there is one
         if not isinstance(job, str) or type(pid) is not int:
             return
+        now = self.clock.wall()
         with self._lock:
-            rec = self._open.get(job)
-            if rec is None:
-                pids = self._pids.setdefault(job, set())
-                if len(pids) < _MAX_PIDS:
-                    pids.add(pid)
-                return
-            if (rec.first_step_at is not None or pid in rec.old_pids or type(step) is not int
-                    or (rec.restored_step is not None and step <= rec.restored_step)):
-                return  # an old worker's last words, or a new one not past its restore yet
-            rec.first_step_at = self.clock.wall()
+            m = self._job(job)
+            if pid in m.stale:
+                return  # an aborted worker's last words
+            if len(m.pids) < _MAX_PIDS:
+                m.pids.add(pid)
+            if (not m.stepped and type(step) is int
+                    and (m.restored_step is None or step > m.restored_step)):
+                m.first_steps.append(now)  # a new worker past its restore
+                m.stepped = True
 
     def on_restore(self, report: dict[str, Any]) -> None:
         """A local worker restored (``ckpt_report``): its step is not a training step."""
         job, step = report.get("job"), report.get("step")
+        if not isinstance(job, str) or type(step) is not int:
+            return
         with self._lock:
-            rec = self._open.get(job) if isinstance(job, str) else None
-            if rec is not None and type(step) is int:
-                rec.restored_step = max(step, rec.restored_step if rec.restored_step is not None
-                                        else step)
+            m = self._job(job)
+            m.restored_step = max(step, m.restored_step if m.restored_step is not None
+                                  else step)
 
     # -- the main loop ------------------------------------------------------------------------
 
@@ -151,9 +186,16 @@ class TimelineRecorder:
         now = self.clock.monotonic()
         with self._lock:
             due = [r for r in self._open.values()
-                   if r.first_step_at is not None or now - r.started >= self.give_up]
+                   if self._due(r) or now - r.started >= self.give_up]
         notes = [self._finish(r) for r in due]
         return "; ".join(n for n in notes if n) or None
+
+    def _due(self, rec: _Recovery) -> bool:
+        """The job trained again since the failure was detected (under the lock)."""
+        m = self._jobs.get(rec.job)
+        # The failure is placed at most a lease TTL before its detection (cluster/timeline.py).
+        return (m is not None and bool(m.first_steps)
+                and m.first_steps[-1] >= rec.detected_at - self.lease_ttl())
 
     def _finish(self, rec: _Recovery) -> str | None:
         try:
@@ -191,12 +233,12 @@ class TimelineRecorder:
                 if r is not None:
                     restores.append(r)
         with self._lock:
-            closes = list(self._closes.get(rec.job, ()))
-            aborted, first = rec.aborted_at, rec.first_step_at
+            m = self._job(rec.job)
+            aborts, closes, steps = list(m.aborts), list(m.closes), list(m.first_steps)
         return timeline.assemble(job=rec.job, failed=rec.failed, detected_at=detected_at,
                                  detection_seconds=detection, lease_ttl=self.lease_ttl(),
-                                 aborted_at=aborted, round_closed=closes, restores=restores,
-                                 first_step_at=first)
+                                 aborted=aborts, round_closed=closes, restores=restores,
+                                 first_steps=steps)
 
     def _failed_event(self, node: str, lease: int) -> Event | None:
         key = self.keys.event(node, lease, "failed")

@@ -323,9 +323,9 @@ def test_elasticctl_json_keys(cluster, tmp_path):
                                        {"job": "j", "rank": 0, "source": "peer", "seconds": 0.5,
                                         "steps_lost": 1, "step": 40}, instance="1"))
     tl = timeline.assemble(job="j", failed=["n2"], detected_at=1_000.0, detection_seconds=2.5,
-                           lease_ttl=2.0, aborted_at=1_000.01, round_closed=[1_000.5],
+                           lease_ttl=2.0, aborted=[1_000.01], round_closed=[1_000.5],
                            restores=[timeline.RankRestore("j", 1_001.0, 0.5, "peer", 10, 40)],
-                           first_step_at=1_001.2)
+                           first_steps=[1_001.2])
     EventLog(coord, keys).record(Event("timeline", "n2", 7, 1_001.5, "n1", tl.describe(),
                                        tl.as_dict(), instance="j"))
     for key, value in REPLICATION_RECORDS.items():

@@ -35,9 +35,10 @@ def _restore(at: float, seconds: float = 0.1, source: str = "peer", job: str = "
 
 def _full(**over) -> timeline.Timeline:
     args = dict(job="j", failed=["n2"], detected_at=T0 + 2.3, detection_seconds=3.1,
-                lease_ttl=2.0, aborted_at=T0 + 2.31, round_closed=[T0 - 50, T0 + 2.9],
+                lease_ttl=2.0, aborted=[T0 - 51, T0 + 2.31, T0 + 2.5],
+                round_closed=[T0 - 50, T0 + 2.9],
                 restores=[_restore(T0 + 3.9, 0.2, "local"), _restore(T0 + 3.95, 0.3, "peer")],
-                first_step_at=T0 + 4.2)
+                first_steps=[T0 - 49, T0 + 4.2])
     args.update(over)
     return timeline.assemble(**args)
 
@@ -49,7 +50,8 @@ def test_phases_are_measured_between_the_moments_and_add_up_to_the_total():
     assert t.phases() == {"detect": 2.0, "abort": 0.01, "rendezvous": 0.59, "start": 0.75,
                           "restore": 0.3, "first_step": 0.25}
     assert t.failure_at == T0 + 0.3  # the lease TTL, not the older heartbeat record
-    assert t.round_closed_at == T0 + 2.9  # the round before the failure is not this one's
+    # The moments of the recovery before this failure are not this one's.
+    assert (t.aborted_at, t.round_closed_at) == (T0 + 2.31, T0 + 2.9)
     assert t.total == 3.9 == pytest.approx(sum(t.phases().values()))
     assert (t.restore_source, t.restore_bytes, t.ranks_restored, t.step) == ("local+peer",
                                                                             2000, 2, 40)
@@ -62,13 +64,13 @@ def test_a_fresher_heartbeat_record_places_the_failure_closer():
 
 
 def test_a_moment_not_seen_is_missing_with_both_its_phases_never_invented():
-    t = _full(aborted_at=None)
+    t = _full(aborted=[])
     assert t.aborted_at is None
     p = t.phases()
     assert p["abort"] is None and p["rendezvous"] is None
     assert p["detect"] == 2.0 and p["start"] == 0.75
     assert t.total == 3.9  # failure and first step are known
-    t = _full(first_step_at=None, restores=[])
+    t = _full(first_steps=[], restores=[])
     assert t.total is None and t.restore_started_at is None and t.ranks_restored == 0
     assert t.phases()["restore"] is None and t.restore_source == ""
 
@@ -152,10 +154,10 @@ def _fail(clock, events, node="n2", lease=0x2B, detection=3.0):
                         {"detection_seconds": detection}))
 
 
-def _recover(clock, rec, events, old_pid=11, new_pid=22):
+def _recover(clock, rec, events, new_pid=22):
     """What the writer sees of a recovery after its detection, 0.01 s apart and more."""
     clock.advance(0.01)
-    rec.on_progress({"job": "j", "step": 41, "_peer": {"pid": old_pid}})  # old worker's last
+    rec.on_progress({"job": "j", "step": 41, "_peer": {"pid": 11}})  # an old worker's last
     clock.advance(0.5)
     rec.on_round_closed("j")
     clock.advance(0.7)
@@ -203,6 +205,7 @@ def test_a_second_writer_with_another_view_stores_no_second_copy(env):
     _recover(clock, a, events)
     for rec in (b, other):
         rec.on_progress({"job": "j", "step": 41, "_peer": {"pid": 33}})
+        assert other.step() is None
     assert a.step() == "recovery timeline of j written"
     assert b.step() is None and other.step() is None
     assert [e.by for e in events.list() if e.kind == timeline.KIND] == ["n1"]
@@ -226,6 +229,24 @@ def test_a_recovery_that_never_trains_again_is_written_with_what_was_seen(env):
         "elasticd_last_recovery_phase_seconds", {"phase": "abort"}))
 
 
+def test_the_agents_abort_before_the_daemon_saw_the_failure_counts(env):
+    clock, coord, keys, events, recorder = env
+    rec = recorder()
+    rec.on_progress({"job": "j", "step": 39, "_peer": {"pid": 11}})
+    _fail(clock, events)  # recorded by another node; this one's watch is slower
+    clock.advance(0.1)
+    rec.on_abort("j")  # the agent's workers_aborted
+    rec.on_round_closed("j")
+    clock.advance(0.2)
+    rec.on_failure("j", "n2", 0x2B, writer=True, aborted=False)  # it found none to kill
+    _recover(clock, rec, events)
+    rec.step()
+    [stored] = [e for e in events.list() if e.kind == timeline.KIND]
+    t = timeline.decode(stored.data)
+    assert t.aborted_at == t.detected_at + 0.1 and t.overlapped == []
+    assert t.phases()["abort"] == 0.1 and t.phases()["rendezvous"] == 0.0
+
+
 def test_a_failure_during_a_recovery_joins_it(env):
     clock, coord, keys, events, recorder = env
     rec = recorder()
@@ -238,7 +259,8 @@ def test_a_failure_during_a_recovery_joins_it(env):
     [stored] = [e for e in events.list() if e.kind == timeline.KIND]
     t = timeline.decode(stored.data)
     assert t.failed == ["n2", "n3"] and stored.node == "n2"
-    assert t.phases()["abort"] == 1.0  # the second abort: the first group never trained
+    assert t.phases()["abort"] == 0.0  # the first abort; the group it started never trained
+    assert t.phases()["rendezvous"] == 1.51
 
 
 def test_a_forged_failed_event_costs_only_its_detection(env, caplog):
@@ -309,7 +331,7 @@ def _history(coord, *argv):
 
 def test_history_shows_each_phase_in_both_formats(env):
     clock, coord, keys, events, recorder = env
-    t = _full(aborted_at=None)
+    t = _full(aborted=[])
     events.record(Event(timeline.KIND, "n2", 0x2B, T0 + 5, "n1", t.describe(), t.as_dict(),
                         instance="j"))
     [row] = json.loads(_history(coord, "--format", "json"))
@@ -345,3 +367,22 @@ def test_every_phase_reads_in_the_table_even_from_an_old_or_partial_record(env):
     events.record(Event(timeline.KIND, "n2", 0x2B, T0 + 5, "n1", "x", t.as_dict(),
                         instance="j"))
     assert "recoveries" in _history(coord, "--kind", "timeline")
+
+
+def test_the_agents_report_of_its_abort_reaches_the_timeline():
+    from elasticd.config import Settings
+    from elasticd.daemon.daemon import Daemon
+
+    clock = FakeClock()
+    daemon = Daemon(Settings(node_id="n1", etcd="mem:1"),
+                    MemoryCoordinator(MemoryStore(clock)), clock=clock)
+    try:
+        aborted = daemon.local_handlers()["workers_aborted"]
+        daemon.jobs.job = "j"
+        assert aborted({"job": "other", "workers": 1}) == {}  # not the job running here
+        assert aborted({"job": "j", "workers": 1}) == {}
+        assert list(daemon.timeline._jobs["j"].aborts) == [clock.wall()]
+        assert "other" not in daemon.timeline._jobs
+    finally:
+        daemon.jobs.job = None
+        daemon.close()
