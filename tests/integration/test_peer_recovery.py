@@ -101,3 +101,9 @@ def check_timeline(c, victim, killed, trained, step):
     assert t.total == pytest.approx(sum(t.phases().values()), abs=0.01)
     time.sleep(1.5)  # every survivor's loop has seen the first step: still one record
     assert len(records()) == 1
+    env = {**os.environ, "ELASTICD_ETCD": c.etcd, "ELASTICD_PREFIX": c.prefix}
+    shown = subprocess.run([sys.executable, "-m", "elasticd.cli.main", "history", "--kind",
+                            "failed,recovered,timeline"], env=env, capture_output=True,
+                           text=True, timeout=30)
+    print("elasticctl history:\n" + shown.stdout + shown.stderr)
+    assert shown.returncode == 0 and "recoveries (seconds per phase" in shown.stdout
