@@ -500,16 +500,16 @@ class JobManager(JobRecords):
     def recovery_writer(self, failed: str) -> str | None:
         """The node that writes the timeline of the job's recovery from ``failed``'s failure
         (:mod:`elasticd.daemon.recovery_timeline`): the lowest node id among the job's other
-        nodes that ran workers (ranks in their published status), else among its other nodes.
-        Every survivor computes it from the same statuses in etcd. Call it before
-        :meth:`on_peer_failed`, which forgets this node's ranks."""
+        nodes that ran workers (ranks, or a step, in their published status: a worker group
+        restart empties the ranks for a moment, a step stays), else among its other nodes (a
+        spare never ran any). Every survivor computes it from the same statuses in etcd."""
         if self.job is None:
             return None
         sts = dict(self.statuses.get(self.job, {}))
         sts[self.node_id] = self.status
         live = {n: st for n, st in sts.items()
                 if n != failed and (n in self.members.get(self.job, set()) or n == self.node_id)}
-        ran = [n for n, st in live.items() if st.ranks]
+        ran = [n for n, st in live.items() if st.ranks or st.last_step >= 0]
         return min(ran or live, default=None)
 
     def on_hang(self, reason: str) -> None:

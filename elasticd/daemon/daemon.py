@@ -358,7 +358,7 @@ class Daemon(Registration, Fencing, DataLossRecovery):
     def _workers_aborted(self, msg: dict[str, Any]) -> dict[str, Any]:
         job = msg.get("job", self.jobs.job)
         if isinstance(job, str) and job == self.jobs.job:
-            self.timeline.on_abort(job)
+            self.timeline.on_abort(job, "agent")
         return {}
 
     def local_handlers(self) -> dict[str, Callable[[dict[str, Any]], Any]]:

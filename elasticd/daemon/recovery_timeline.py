@@ -2,10 +2,13 @@
 
 **One writer.** When a peer that runs the job fails, every survivor computes the same writer
 from the job statuses in etcd: the lowest node id among the job's other nodes that ran workers
-(:meth:`~elasticd.agent.manager.JobManager.recovery_writer`). Only that daemon follows the
-recovery, so N nodes do not write N copies; and the record's key,
+(:meth:`~elasticd.agent.manager.JobManager.recovery_writer`). That daemon writes the record
+as soon as the job trained again, so N nodes do not write N copies; and the record's key,
 ``events/<failed node>/<lease>/timeline@<job>``, is created only if absent, so two daemons whose
-views differed still store one. Should the writer die too, the failure has no timeline.
+views differed still store one. The other survivors follow it too, as stand-ins: one that
+finds no record ``STAND_IN_WAIT`` seconds after the job trained again (the writer died too, or
+the views of who writes differed) writes its own. Only the node that stored the record observes
+the metrics.
 
 **What it notes, as it happens** (on whichever thread brings it, wall time, whether or not a
 recovery is open: the agent may act before this daemon's watch reports the failure): each
@@ -45,6 +48,9 @@ log = logging.getLogger(__name__)
 
 #: Worker pids remembered per job between failures (a long job's restarts stay bounded).
 _MAX_PIDS = 4096
+#: Seconds the other survivors wait after the job trained again before writing the timeline
+#: themselves (the writer may have died too, or the views of who writes differed).
+STAND_IN_WAIT = 10.0
 
 
 @dataclasses.dataclass
@@ -56,6 +62,8 @@ class _Recovery:
     lease: int
     detected_at: float  # this node's own detection (the failed event's is preferred)
     started: float  # monotonic, for give_up
+    writer: bool  # False: the stand-in, in case the writer died too
+    due_since: float | None = None  # monotonic: when the job trained again (the stand-in)
 
 
 @dataclasses.dataclass
@@ -128,15 +136,17 @@ class TimelineRecorder:
                 return
         if rec is not None:
             self._finish(rec)  # its first step came, the cycle that writes it not yet
-        if writer:
-            with self._lock:
-                self._open[job] = _Recovery(job, [node], lease, self.clock.wall(),
-                                            self.clock.monotonic())
+        with self._lock:
+            self._open[job] = _Recovery(job, [node], lease, self.clock.wall(),
+                                        self.clock.monotonic(), writer)
+        log.info("%s: following the recovery from %s's failure (%s)", job, node,
+                 "writer of its timeline" if writer else "stand-in for its writer")
 
-    def on_abort(self, job: str) -> None:
+    def on_abort(self, job: str, by: str = "daemon") -> None:
         """The job's workers on this node were killed (by this daemon, or by its agent, which
         reports it: ``workers_aborted``); the group that follows is a new one."""
         now = self.clock.wall()
+        log.info("%s: workers aborted by the %s (a moment of the recovery's timeline)", job, by)
         with self._lock:
             m = self._job(job)
             m.aborts.append(now)
@@ -168,6 +178,7 @@ class TimelineRecorder:
                     and (m.restored_step is None or step > m.restored_step)):
                 m.first_steps.append(now)  # a new worker past its restore
                 m.stepped = True
+                log.info("%s: first step %d of a new worker group (pid %d)", job, step, pid)
 
     def on_restore(self, report: dict[str, Any]) -> None:
         """A local worker restored (``ckpt_report``): its step is not a training step."""
@@ -184,9 +195,15 @@ class TimelineRecorder:
     def step(self) -> str | None:
         """Writes the recoveries that are over; returns a note for the cycle's sentence."""
         now = self.clock.monotonic()
+        due = []
         with self._lock:
-            due = [r for r in self._open.values()
-                   if self._due(r) or now - r.started >= self.give_up]
+            for r in self._open.values():
+                if self._due(r) and r.due_since is None:
+                    r.due_since = now
+                if r.due_since is not None and (r.writer or now - r.due_since >= STAND_IN_WAIT):
+                    due.append(r)
+                elif now - r.started >= self.give_up + (0 if r.writer else STAND_IN_WAIT):
+                    due.append(r)
         notes = [self._finish(r) for r in due]
         return "; ".join(n for n in notes if n) or None
 
@@ -212,12 +229,13 @@ class TimelineRecorder:
         with self._lock:
             if self._open.get(rec.job) is rec:
                 del self._open[rec.job]
-        if tl is None:
-            return None
+        if tl is None or not stored:
+            return None  # the writer (or another stand-in) recorded it
         self._observe(tl)
         self.written = [*self.written[-9:], tl]
-        log.info("%s%s", tl.describe(), "" if stored else " (already recorded by another node)")
-        return f"recovery timeline of {rec.job} written" if stored else None
+        log.info("%s%s", tl.describe(), "" if rec.writer else " (written by a stand-in: the "
+                 "writer did not within %g s)" % STAND_IN_WAIT)
+        return f"recovery timeline of {rec.job} written"
 
     def _assemble(self, rec: _Recovery) -> timeline.Timeline:
         detected_at, detection = rec.detected_at, None

@@ -83,7 +83,13 @@ def check_timeline(c, victim, killed, trained, step):
     def records():
         return [e for e in c.events() if e["kind"] == timeline.KIND]
 
-    [event] = c.wait_for(records, 15, "the recovery's timeline in etcd")
+    try:
+        [event] = c.wait_for(records, 15, "the recovery's timeline in etcd")
+    except TimeoutError:
+        for n in c.nodes:
+            print(n, [line for line in c.nodes[n].log_text().splitlines()
+                      if "timeline" in line or "aborted" in line or "first step" in line])
+        raise
     assert event["node"] == victim and event["instance"] == "job", event
     t = timeline.decode(event["data"])
     print("timeline:", t.describe(), "kill -> training again seen by the test:",

@@ -208,8 +208,28 @@ def test_a_second_writer_with_another_view_stores_no_second_copy(env):
         assert other.step() is None
     assert a.step() == "recovery timeline of j written"
     assert b.step() is None and other.step() is None
+    clock.advance(11)  # the stand-in's wait: it finds the record there
+    assert other.step() is None
     assert [e.by for e in events.list() if e.kind == timeline.KIND] == ["n1"]
-    assert other.written == []
+    assert other.written == [] and b.written == []
+    assert other.metrics.registry.get_sample_value(  # only the node that stored it observes
+        "elasticd_recovery_phase_seconds_count", {"phase": "detect"}) == 0
+
+
+def test_a_stand_in_writes_when_the_writer_did_not(env):
+    clock, coord, keys, events, recorder = env
+    rec = recorder("n3")
+    rec.on_progress({"job": "j", "step": 39, "_peer": {"pid": 11}})  # the old group
+    _fail(clock, events)
+    rec.on_failure("j", "n2", 0x2B, writer=False, aborted=True)
+    _recover(clock, rec, events)
+    assert rec.step() is None
+    clock.advance(9)
+    assert rec.step() is None
+    clock.advance(1.5)
+    assert rec.step() == "recovery timeline of j written"
+    [stored] = [e for e in events.list() if e.kind == timeline.KIND]
+    assert stored.by == "n3" and timeline.decode(stored.data).total == 3.51
 
 
 def test_a_recovery_that_never_trains_again_is_written_with_what_was_seen(env):
@@ -297,13 +317,19 @@ def manager(tmp_path):
 
 def test_the_writer_is_the_lowest_surviving_node_that_ran_workers(manager):
     coord, keys, mgr, lease = manager
-    for node, ranks in (("n1", [0]), ("n2", [1]), ("n0", [])):  # n0: a spare
+    # n0: a spare; n1: its workers just restarted (ranks emptied, its steps stay)
+    for node, ranks, step in (("n1", [], 40), ("n2", [1], 40), ("n0", [], -1)):
         coord.put(keys.job_node("job", node),
-                  NodeJobStatus(node, "running", ranks=ranks).encode(), lease)
+                  NodeJobStatus(node, "running", ranks=ranks, last_step=step).encode(), lease)
     mgr._drain()
     mgr.job, mgr.status = "job", NodeJobStatus("n3", "running", ranks=[2])
     assert mgr.recovery_writer("n2") == "n1"
     assert mgr.recovery_writer("n1") == "n2"
+    coord.delete(keys.job_node("job", "n1"))
+    coord.delete(keys.job_node("job", "n2"))
+    mgr._drain()
+    mgr.status = NodeJobStatus("n3", "running")
+    assert mgr.recovery_writer("n2") == "n0"  # no node ran workers: a spare writes
     mgr.job = None
     assert mgr.recovery_writer("n1") is None
 
