@@ -158,24 +158,22 @@ def assemble(*, job: str, failed: Iterable[str], detected_at: float,
         restores: rank restores (``recovered`` events) of any job and time.
 
     Of each, the first at or after the failure counts (earlier ones belong to the recoveries
-    before it); restores count when they are ``job``'s, started at or after the failure and
-    ended by the first step.
+    before it), and of the first steps the first after the round closed (or the abort); restores
+    count when they are ``job``'s, started at or after the failure and ended by the first step.
     """
     bounds = [x for x in (detection_seconds, lease_ttl) if x is not None and x >= 0]
     failure_at = detected_at - min(bounds) if bounds else None
     since = failure_at if failure_at is not None else detected_at
 
-    def first(times: Iterable[float]) -> float | None:
-        return min((t for t in times if t >= since), default=None)
-
-    aborted_at, first_step_at = first(aborted), first(first_steps)
-    closes = sorted(t for t in round_closed if t >= since)
+    aborted_at, closed_at = first_after(aborted, since), first_after(round_closed, since)
+    # A new group steps after its round closed: an older step is the group before's.
+    first_step_at = first_after(first_steps, closed_at or aborted_at or since)
     mine = [r for r in restores if r.job == job and r.at - r.seconds >= since
             and (first_step_at is None or r.at <= first_step_at)]
     steps = [r.step for r in mine if r.step is not None]
     raw = {
         "failure": failure_at, "detected": detected_at, "aborted": aborted_at,
-        "round_closed": closes[0] if closes else None,
+        "round_closed": closed_at,
         "restore_started": min((r.at - r.seconds for r in mine), default=None),
         "restore_finished": max((r.at for r in mine), default=None),
         "first_step": first_step_at,
@@ -193,6 +191,11 @@ def assemble(*, job: str, failed: Iterable[str], detected_at: float,
                     restore_source="+".join(sorted({r.source for r in mine})),
                     restore_bytes=sum(r.nbytes for r in mine), ranks_restored=len(mine),
                     step=max(steps) if steps else None, overlapped=overlapped)
+
+
+def first_after(times: Iterable[float], since: float) -> float | None:
+    """The earliest of ``times`` at or after ``since``."""
+    return min((t for t in times if t >= since), default=None)
 
 
 def restore_of(data: Mapping[str, Any], at: float) -> RankRestore | None:

@@ -15,8 +15,8 @@ recovery is open: the agent may act before this daemon's watch reports the failu
 abort of its workers (its own proactive abort, or its agent's, which kills them when a member
 of its round is gone and says so over the local socket: ``workers_aborted``), every round
 close its job watch delivers (:meth:`TimelineRecorder.on_round_closed`), its workers' restores
-and the first step each new group reports (a worker pid not seen before the abort, a step past
-the restored one). The ``failed`` event and every node's ``recovered`` events are read from
+and each worker's first step (the first step a worker pid reports past the step its node
+restored last: an old worker's last words are not a first step). The ``failed`` event and every node's ``recovered`` events are read from
 etcd when the record is assembled.
 
 **When it writes:** at the first cycle after that first step, or, when no first step comes
@@ -70,8 +70,9 @@ class _Recovery:
 class _Moments:
     """What this node saw of a job's worker groups, whoever is recovering (wall times).
 
-    The moments are kept whether or not a recovery is open: the agent may abort the workers,
-    and a round may close, before this daemon's watch reports the failure.
+    The moments are kept whether or not a recovery is open: the workers may die (gloo sees the
+    dead peer's connection reset), the agent abort them and a round close, before this
+    daemon's watch reports the failure.
     """
 
     aborts: collections.deque = dataclasses.field(
@@ -80,11 +81,8 @@ class _Moments:
         default_factory=lambda: collections.deque(maxlen=16))
     first_steps: collections.deque = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=16))
-    pids: set = dataclasses.field(default_factory=set)  # workers since the last abort
-    last_group: set = dataclasses.field(default_factory=set)  # ... in the group before
-    stale: set = dataclasses.field(default_factory=set)  # aborted workers' pids
-    restored_step: int | None = None  # the newest step this group restored here
-    stepped: bool = True  # the group since the last abort made its first step
+    stepped: set = dataclasses.field(default_factory=set)  # pids past their first step
+    restored_step: int | None = None  # the step the newest local restore loaded
 
 
 class TimelineRecorder:
@@ -144,15 +142,11 @@ class TimelineRecorder:
 
     def on_abort(self, job: str, by: str = "daemon") -> None:
         """The job's workers on this node were killed (by this daemon, or by its agent, which
-        reports it: ``workers_aborted``); the group that follows is a new one."""
+        reports it: ``workers_aborted``)."""
         now = self.clock.wall()
         log.info("%s: workers aborted by the %s (a moment of the recovery's timeline)", job, by)
         with self._lock:
-            m = self._job(job)
-            m.aborts.append(now)
-            m.stale = m.last_group | m.pids
-            m.last_group, m.pids = m.pids, set()
-            m.restored_step, m.stepped = None, False
+            self._job(job).aborts.append(now)
 
     def on_round_closed(self, job: str) -> None:
         """The job's watch delivered a new rendezvous round record (the watch thread)."""
@@ -170,15 +164,15 @@ class TimelineRecorder:
         now = self.clock.wall()
         with self._lock:
             m = self._job(job)
-            if pid in m.stale:
-                return  # an aborted worker's last words
-            if len(m.pids) < _MAX_PIDS:
-                m.pids.add(pid)
-            if (not m.stepped and type(step) is int
-                    and (m.restored_step is None or step > m.restored_step)):
-                m.first_steps.append(now)  # a new worker past its restore
-                m.stepped = True
-                log.info("%s: first step %d of a new worker group (pid %d)", job, step, pid)
+            if pid in m.stepped or type(step) is not int:
+                return  # a worker already counted (an old one's last words too), or no step
+            if m.restored_step is not None and step <= m.restored_step:
+                return  # a new worker's register: at its restored step, not past it
+            if len(m.stepped) >= _MAX_PIDS:
+                m.stepped.clear()
+            m.stepped.add(pid)
+            m.first_steps.append(now)  # a worker's first step past its restore
+        log.info("%s: first step %d of worker pid %d", job, step, pid)
 
     def on_restore(self, report: dict[str, Any]) -> None:
         """A local worker restored (``ckpt_report``): its step is not a training step."""
@@ -186,9 +180,7 @@ class TimelineRecorder:
         if not isinstance(job, str) or type(step) is not int:
             return
         with self._lock:
-            m = self._job(job)
-            m.restored_step = max(step, m.restored_step if m.restored_step is not None
-                                  else step)
+            self._job(job).restored_step = step
 
     # -- the main loop ------------------------------------------------------------------------
 
@@ -210,9 +202,14 @@ class TimelineRecorder:
     def _due(self, rec: _Recovery) -> bool:
         """The job trained again since the failure was detected (under the lock)."""
         m = self._jobs.get(rec.job)
-        # The failure is placed at most a lease TTL before its detection (cluster/timeline.py).
-        return (m is not None and bool(m.first_steps)
-                and m.first_steps[-1] >= rec.detected_at - self.lease_ttl())
+        if m is None:
+            return False
+        # The failure is placed at most a lease TTL before its detection, and the new group
+        # steps after its round closed (cluster/timeline.py).
+        since = rec.detected_at - self.lease_ttl()
+        anchor = (timeline.first_after(m.closes, since) or timeline.first_after(m.aborts, since)
+                  or since)
+        return timeline.first_after(m.first_steps, anchor) is not None
 
     def _finish(self, rec: _Recovery) -> str | None:
         try:

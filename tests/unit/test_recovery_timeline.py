@@ -174,6 +174,7 @@ def test_the_writer_records_one_timeline_per_failure_and_observes_each_phase(env
     clock, coord, keys, events, recorder = env
     rec = recorder()
     rec.on_progress({"job": "j", "step": 39, "_peer": {"pid": 11}})  # the old group
+    clock.advance(0.1)
     _fail(clock, events)
     rec.on_failure("j", "n2", 0x2B, writer=True, aborted=True)
     assert rec.step() is None  # no first step yet
