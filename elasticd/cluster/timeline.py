@@ -12,7 +12,9 @@ it happens, and the phases between them::
   event's age of the dead node's last heartbeat record when that is newer, else the lease TTL
   (error about ±TTL/3 either way).
 * **detected**: the ``failed`` event (its ``at``, written by the first observer).
-* **workers aborted**: the writer's daemon killed its workers (proactive abort).
+* **workers aborted**: the writer's workers were killed or died: its daemon's proactive abort,
+  its agent's (its rendezvous saw the dead member go), or a worker's exit (on one host, kill -9
+  resets the dead node's connections and gloo fails the survivors' workers at once).
 * **round closed**: the writer's daemon saw the rendezvous round record written (its watch).
 * **restore started / finished**: the first rank's restore start and the last rank's end (the
   ``recovered`` events every node writes per restored rank), with their sources and bytes.
@@ -152,7 +154,9 @@ def assemble(*, job: str, failed: Iterable[str], detected_at: float,
         detected_at: the ``failed`` event's time.
         detection_seconds: the ``failed`` event's age of the dead node's last heartbeat record.
         lease_ttl: the lease TTL (the failure is placed at most this long before detection).
-        aborted: every time the writer's workers were killed (by its daemon or its agent).
+        aborted: every time the writer's workers were killed or died (its daemon's or its
+            agent's abort, a worker's exit); these count from a lease TTL before the failure,
+            as the failure's place is an estimate and a peer's death can kill them at once.
         round_closed: every time the writer saw a round of the job close.
         first_steps: every time a new group of the writer's workers made its first step.
         restores: rank restores (``recovered`` events) of any job and time.
@@ -165,7 +169,8 @@ def assemble(*, job: str, failed: Iterable[str], detected_at: float,
     failure_at = detected_at - min(bounds) if bounds else None
     since = failure_at if failure_at is not None else detected_at
 
-    aborted_at, closed_at = first_after(aborted, since), first_after(round_closed, since)
+    aborted_at = first_after(aborted, since - (lease_ttl or 0.0))
+    closed_at = first_after(round_closed, since)
     # A new group steps after its round closed: an older step is the group before's.
     first_step_at = first_after(first_steps, closed_at or aborted_at or since)
     mine = [r for r in restores if r.job == job and r.at - r.seconds >= since

@@ -148,6 +148,18 @@ class TimelineRecorder:
         with self._lock:
             self._job(job).aborts.append(now)
 
+    def on_connection_closed(self, conn: dict[str, Any]) -> None:
+        """A local connection ended (``{"pid", "job"}``, the local API's thread). A worker
+        that trained (it reported a step) and whose connection ends has died or ended: when
+        a peer's death kills it (gloo sees the connection reset), it is the first abort."""
+        job, pid = conn.get("job"), conn.get("pid")
+        with self._lock:
+            m = self._jobs.get(job) if isinstance(job, str) else None
+            if m is None or pid not in m.stepped:
+                return
+            m.stepped.discard(pid)
+        self.on_abort(job, f"exit of worker pid {pid}")
+
     def on_round_closed(self, job: str) -> None:
         """The job's watch delivered a new rendezvous round record (the watch thread)."""
         now = self.clock.wall()

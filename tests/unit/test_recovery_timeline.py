@@ -413,3 +413,34 @@ def test_the_agents_report_of_its_abort_reaches_the_timeline():
     finally:
         daemon.jobs.job = None
         daemon.close()
+
+
+def test_a_trained_workers_exit_is_an_abort_and_the_local_api_reports_it(env, tmp_path):
+    import os
+    import time
+
+    from elasticd.daemon.local_api import LocalServer
+    from elasticd.worker.client import DaemonClient, WorkerIdentity
+
+    clock, coord, keys, events, recorder = env
+    rec = recorder()
+    server = LocalServer(str(tmp_path / "d.sock"), {"progress": rec.on_progress})
+    server.on_close.append(lambda conn: rec.on_connection_closed({**conn, "job": "j"}))
+    server.start()
+    try:
+        client = DaemonClient(server.path, WorkerIdentity(), timeout=1.0)
+        client.send("progress", job="j", step=5)
+        deadline = time.monotonic() + 5
+        while not rec._jobs.get("j") or not rec._jobs["j"].stepped:
+            assert time.monotonic() < deadline, "the progress never arrived"
+            time.sleep(0.01)
+        assert rec._jobs["j"].stepped == {os.getpid()} and not rec._jobs["j"].aborts
+        client.close()  # as when the worker dies
+        while not rec._jobs["j"].aborts:
+            assert time.monotonic() < deadline, "the close was not reported"
+            time.sleep(0.01)
+    finally:
+        server.stop()
+    rec.on_connection_closed({"pid": 999999, "job": "j"})  # never trained: not an abort
+    rec.on_connection_closed({"pid": 1, "job": None})
+    assert len(rec._jobs["j"].aborts) == 1
