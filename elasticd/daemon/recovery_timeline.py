@@ -82,6 +82,7 @@ class _Moments:
     first_steps: collections.deque = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=16))
     stepped: set = dataclasses.field(default_factory=set)  # pids past their first step
+    closed: set = dataclasses.field(default_factory=set)  # ... whose connection ended
     restored_step: int | None = None  # the step the newest local restore loaded
 
 
@@ -155,9 +156,11 @@ class TimelineRecorder:
         job, pid = conn.get("job"), conn.get("pid")
         with self._lock:
             m = self._jobs.get(job) if isinstance(job, str) else None
-            if m is None or pid not in m.stepped:
-                return
-            m.stepped.discard(pid)
+            if m is None or pid not in m.stepped or pid in m.closed:
+                return  # not a worker that trained, or its second connection
+            if len(m.closed) >= _MAX_PIDS:
+                m.closed.clear()
+            m.closed.add(pid)
         self.on_abort(job, f"exit of worker pid {pid}")
 
     def on_round_closed(self, job: str) -> None:
