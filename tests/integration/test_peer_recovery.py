@@ -3,6 +3,7 @@ restore the last committed step, the dead node's ranks from a peer's RAM."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -50,6 +51,7 @@ def test_kill9_node_survivors_restore_from_peer_ram(tmp_path):
         victim = next(n for n in c.nodes if c.nodes[n].http("/status")["job"]["ranks"] == [0])
         survivors = [n for n in c.nodes if n != victim]
         marks = {n: len(agent_log(c, n)) for n in survivors}
+        committed = c.coordinator().get(c.keys.job_ckpt("job") + b"committed")
         killed = time.time()
         c.nodes[victim].kill()
         assert not os.path.exists(c.nodes[victim].shm_dir)
@@ -63,7 +65,10 @@ def test_kill9_node_survivors_restore_from_peer_ram(tmp_path):
         print("restores:", got)
         assert len({s for s, _, _ in got}) == 1, "ranks restored different steps"
         step = next(iter(got))[0]
-        assert step > 30, "restored from scratch instead of the committed step"
+        # The step committed when the node died (or a newer one committed before the
+        # survivors noticed): a busy machine lets the commit lag more than 10 steps behind.
+        assert step >= json.loads(committed.value)["step"] > 0, \
+            "restored from scratch instead of the committed step"
         assert any(src == "peer" for _, src, _ in got), got
         c.wait_for(lambda: all(steps(agent_log(c, n), 2, marks[n]) for n in survivors), 60,
                    "training again at world size 2")
