@@ -17,8 +17,10 @@ import subprocess
 import sys
 import tempfile
 
-from elasticd.cli.main import EVENT_TABLE, NODE_TABLE
+from elasticd.cli.main import EVENT_TABLE, NODE_TABLE, TIMELINE_TABLE, timeline_rows
 from elasticd.clock import SYSTEM_CLOCK, format_local
+from elasticd.cluster import timeline
+from elasticd.coordination import records
 from elasticd.launcher import JOB_USER, LocalCluster
 
 TRAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
@@ -138,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\nevents:\n" + EVENT_TABLE.render(
             [{**e, "at_iso": format_local(e["at"], "%H:%M:%S")}
              for e in cluster.events() if e["at"] >= killed_wall - 60]), flush=True)
+        print_timeline(cluster.events(), killed_wall,
+                       min(first_step.values()) - killed)
         print(f"\nmetrics: http://{cluster.nodes[survivors[0]].address}/metrics "
               f"(elasticd_restores_total, elasticd_failure_detection_seconds, ...)")
         print(f"worker logs: {os.path.join(workdir, '<node>', 'jobs', 'demo', 'agent.log')}"
@@ -150,6 +154,25 @@ def main(argv: list[str] | None = None) -> int:
         else:
             shutil.rmtree(workdir, ignore_errors=True)
         d.say("done: every daemon, worker and etcd stopped")
+
+
+def print_timeline(events: list[dict], killed_wall: float, measured: float) -> None:
+    """The recovery's timeline as ``elasticctl history`` shows it, beside the demo's own
+    measure of kill -> training again (the first survivor's first step line)."""
+    rows = []
+    for e in events:
+        if e["kind"] == timeline.KIND and e["at"] >= killed_wall:
+            try:
+                t = timeline.decode(e["data"])
+            except records.RecordError:
+                continue
+            rows.append({"at_iso": format_local(e["at"], "%H:%M:%S"), "timeline": t.summary()})
+    if not rows:
+        print("\n(no recovery timeline recorded yet)")
+        return
+    print("\nrecovery timeline (seconds per phase, from the failure to the first step):\n"
+          + TIMELINE_TABLE.render(timeline_rows(rows)))
+    print(f"  measured here: kill -> training again {measured:.2f} s")
 
 
 if __name__ == "__main__":

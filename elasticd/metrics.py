@@ -24,6 +24,10 @@ DETECTION_BUCKETS = (0.5, 1, 2, 3, 4, 5, 7.5, 10, 15, 20, 30, 45, 60, 120)
 # One push of one rank's snapshot: a few KiB in tests (ms), 256 MiB took 0.07 s and 1 GiB
 # ~0.3 s over loopback (bench/results/peer_restore.json, 3.8 GB/s), a multi-GiB shard over a
 # real network several seconds.
+# One phase of a recovery (elasticd.cluster.timeline): from a few ms (an abort, a restore from
+# local RAM) to the lease TTL (detection) and minutes (a restore from disk, a slow rendezvous).
+RECOVERY_PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 7.5, 10, 20, 30,
+                          60, 120, 300)
 REPLICATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
                        10, 30, 60)
 
@@ -32,6 +36,9 @@ REPLICATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 #: (a peer's code is never used as a label unchecked: it would be unbounded cardinality).
 PUSH_FAILURE_REASONS = ("unreachable", "no_address", "connection", "remote", "source_missing",
                         "rereplication", "stale", "in_progress", "no_space", "other")
+#: Label values of elasticd_recovery_phase_seconds (elasticd.cluster.timeline.PHASES; a test
+#: compares: metrics imports no domain module).
+RECOVERY_PHASES = ("detect", "abort", "rendezvous", "start", "restore", "first_step")
 #: Label values of elasticd_replica_fetch_failures_total (elasticd.replication.recovery).
 FETCH_FAILURE_REASONS = ("missing", "corrupt", "unreachable", "no_address", "lost", "other")
 #: Label values of elasticd_jobs_unprotected (checkpoint.protection.REASONS; a test compares).
@@ -140,6 +147,24 @@ class Metrics:
             "From a worker group (re)start to its first progress report (rendezvous, process "
             "group set-up and the first step)", buckets=(0.5, 1, 2, 3, 4, 5, 7.5, 10, 15, 20,
                                                          30, 60, 120, 300), registry=r)
+        # -- recovery timelines (written by one node per failure: daemon/recovery_timeline.py)
+        self.recovery_phase_seconds = Histogram(
+            "elasticd_recovery_phase_seconds",
+            "Seconds of each phase of a recovery from a node's failure to the first step "
+            "(detect, abort, rendezvous, start, restore, first_step); observed once per "
+            "recovery, by the node that writes its timeline", ["phase"],
+            buckets=RECOVERY_PHASE_BUCKETS, registry=r)
+        self.last_recovery_phase_seconds = Gauge(
+            "elasticd_last_recovery_phase_seconds",
+            "Each phase of the last recovery whose timeline this node wrote (NaN: not seen)",
+            ["phase"], registry=r)
+        self.last_recovery_timestamp = Gauge(
+            "elasticd_last_recovery_timestamp_seconds",
+            "When the last recovery whose timeline this node wrote trained again (0: none)",
+            registry=r)
+        for phase in RECOVERY_PHASES:
+            self.recovery_phase_seconds.labels(phase)
+            self.last_recovery_phase_seconds.labels(phase).set(float("nan"))
         self.crash_loops = Counter(
             "elasticd_crash_loops_total",
             "Jobs this node stopped as failed: worker groups restarted crash_loop_restarts "

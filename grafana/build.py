@@ -69,6 +69,23 @@ OVERVIEW = [
             ("histogram_quantile(0.99, sum by (le) "
              f"(increase(elasticd_rendezvous_seconds_bucket{R})))", "p99")], unit="s",
               recovery=True),
+        panel("Recovery phases (p50, p99)", [
+            ("histogram_quantile(0.5, sum by (le, phase) "
+             f"(increase(elasticd_recovery_phase_seconds_bucket{R})))", "p50 {{phase}}"),
+            ("histogram_quantile(0.99, sum by (le, phase) "
+             f"(increase(elasticd_recovery_phase_seconds_bucket{R})))", "p99 {{phase}}")],
+              "bargauge", unit="s", recovery=True,
+              description="Where recoveries spend their time, from a node's failure to the "
+              "first step: detect, abort (workers killed), rendezvous (round closed), start "
+              "(workers up, restore begun), restore, first_step. One observation per "
+              "recovery; elasticctl history shows each one's timeline."),
+        panel("Last recovery by phase", [
+            ("max by (phase) (elasticd_last_recovery_phase_seconds and on (instance) "
+             "(elasticd_last_recovery_timestamp_seconds == "
+             "scalar(max(elasticd_last_recovery_timestamp_seconds))))", "{{phase}}")],
+              "bargauge", unit="s", recovery=True,
+              description="The phases of the newest recovery (from the node that wrote its "
+              "timeline); a phase not seen is empty."),
         panel("Hangs detected", [(f"sum(increase(elasticd_hangs_detected_total{R}))", "hangs")],
               "stat"),
         panel("Jobs failed in a crash loop", [

@@ -35,7 +35,10 @@ class JobRecords:
         self.controls: dict[str, JobControl] = {}
         self.members: dict[str, set[str]] = {}  # job -> nodes with a live status entry
         self.statuses: dict[str, dict[str, NodeJobStatus]] = {}  # job -> node -> status
-        self._feed = WatchFeed(keep=lambda e: self._kind(e.kv.key)[1] is not None)
+        #: Called with the job's name when its watch delivers a new rendezvous round record
+        #: (on the watch thread: the moment matters, the next cycle may be a second away).
+        self.on_round_closed: Callable[[str], None] = lambda job: None
+        self._feed = WatchFeed(keep=self._keep)
         self._need_resync = True
 
     def start_watch(self) -> None:
@@ -63,6 +66,24 @@ class JobRecords:
         self._published = None  # our status entry went with the data
         self._need_resync = True
         return written
+
+    def _keep(self, event: Any) -> bool:
+        """Whether the loop wants a watch event; a round record is only noted."""
+        job, what = self._kind(event.kv.key)
+        if what is not None:
+            return True
+        if event.type is EventType.PUT and self._is_round(event.kv.key):
+            self.on_round_closed(job)
+        return False
+
+    def _is_round(self, key: bytes) -> bool:
+        """``jobs/<job>/rdzv/native/round``: the record one compare-and-set writes to close a
+        rendezvous round (elasticd.coordination.rendezvous_handler)."""
+        try:
+            _, what, rest = self.keys.job_key(key)
+        except ValueError:
+            return False
+        return what == "rdzv" and rest == "native/round"
 
     def _kind(self, key: bytes) -> tuple[str, str | None]:
         """Splits ``<prefix>/jobs/<job>/<what>[/<node>]`` into (job, what) for the keys we

@@ -481,16 +481,36 @@ class JobManager(JobRecords):
 
     # -- actions from the daemon ----------------------------------------------------------
 
-    def on_peer_failed(self, node: str) -> None:
-        """A peer's lease expired: if it ran our job, restart our workers now."""
+    def on_peer_failed(self, node: str) -> int | None:
+        """A peer's lease expired: if it ran our job, restart our workers now.
+
+        Returns:
+            how many workers were killed; None when the peer did not run our job.
+        """
         if self.job is None or self.supervisor is None:
-            return
+            return None
         if node not in self.members.get(self.job, set()) and node != "*":
-            return
+            return None
         n = self.supervisor.restart_workers(f"peer {node} failed")
         self._new_generation()
         self.metrics.worker_restarts.labels("peer_failed").inc()
         self.notes.append(f"restarted {n} workers of {self.job}: peer {node} failed")
+        return n
+
+    def recovery_writer(self, failed: str) -> str | None:
+        """The node that writes the timeline of the job's recovery from ``failed``'s failure
+        (:mod:`elasticd.daemon.recovery_timeline`): the lowest node id among the job's other
+        nodes that ran workers (ranks, or a step, in their published status: a worker group
+        restart empties the ranks for a moment, a step stays), else among its other nodes (a
+        spare never ran any). Every survivor computes it from the same statuses in etcd."""
+        if self.job is None:
+            return None
+        sts = dict(self.statuses.get(self.job, {}))
+        sts[self.node_id] = self.status
+        live = {n: st for n, st in sts.items()
+                if n != failed and (n in self.members.get(self.job, set()) or n == self.node_id)}
+        ran = [n for n, st in live.items() if st.ranks or st.last_step >= 0]
+        return min(ran or live, default=None)
 
     def on_hang(self, reason: str) -> None:
         if self.supervisor is None:

@@ -20,6 +20,7 @@ plain torchrun runs it without any of this.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import runpy
@@ -33,12 +34,21 @@ from elasticd.coordination.keys import Keyspace
 log = logging.getLogger(__name__)
 
 
-def restart_own_workers(dead: list[str]) -> None:
-    """A member of this agent's round is gone: kill this agent's workers (its children)."""
+def restart_own_workers(dead: list[str], sock: str = "") -> None:
+    """A member of this agent's round is gone: kill this agent's workers (its children), and
+    tell the daemon at ``sock`` when (the abort is a moment of the recovery's timeline)."""
     pids = children(os.getpid())
     log.warning("member(s) %s of this round are gone: restarting this node's workers %s",
                 ", ".join(dead), pids)
     kill_workers(pids)
+    if sock and pids:
+        from elasticd.worker.client import DaemonClient, WorkerIdentity
+
+        client = DaemonClient(sock, WorkerIdentity(), timeout=1.0)
+        try:  # one-way: the daemon may be the one that is gone
+            client.send("workers_aborted", workers=len(pids), gone=dead[:16])
+        finally:
+            client.close()
 
 
 def attach(handler: object) -> None:
@@ -47,7 +57,8 @@ def attach(handler: object) -> None:
     node, sock, tag = (os.environ.get(k) for k in ("ELASTICD_NODE", "ELASTICD_SOCKET", TAG_ENV))
     if not (node and sock and tag):
         return
-    handler.on_round_broken = restart_own_workers  # type: ignore[attr-defined]
+    handler.on_round_broken = functools.partial(  # type: ignore[attr-defined]
+        restart_own_workers, sock=sock)
     prefix = os.environ.get("ELASTICD_PREFIX", "/elasticd")
     watch = DaemonWatch(handler._coord, Keyspace(prefix).node(node),  # type: ignore[attr-defined]
                         ping=ping_daemon(sock, timeout=1.0),

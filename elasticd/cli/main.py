@@ -12,6 +12,7 @@ status (:mod:`elasticd.cli.errors`): 0 success, 1 the operation failed, 2 bad us
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from typing import Any, Callable, Sequence
@@ -31,7 +32,7 @@ from elasticd.cli.errors import (
 from elasticd.cli.options import Parser
 from elasticd.cli.output import Table, emit
 from elasticd.clock import SYSTEM_CLOCK, format_local
-from elasticd.cluster import drain_record
+from elasticd.cluster import drain_record, timeline
 from elasticd.cluster.events import EventLog
 from elasticd.cluster.jobspec import JobSpecError
 from elasticd.cluster.membership import decode_node
@@ -39,6 +40,8 @@ from elasticd.coordination import records
 from elasticd.coordination.api import CoordinationError, Unavailable
 from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endpoints
 from elasticd.coordination.keys import Keyspace, check_prefix
+
+log = logging.getLogger(__name__)
 
 #: Commands that change something: ``--watch`` would repeat them, so it is refused.
 NOT_WATCHABLE = ("submit", "stop", "drain")
@@ -73,10 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     h = sub.add_parser("history", parents=[common], help="failures, recoveries, departures",
                        description="Cluster events, oldest first: failures with their "
                                    "detection time, recoveries with their source, restore "
-                                   "and recovery time and steps lost, joins, departures, "
-                                   "drains, fencings.",
+                                   "and recovery time and steps lost, each recovery's "
+                                   "timeline (seconds per phase from the failure to the "
+                                   "first step), joins, departures, drains, fencings.",
                        epilog="Examples:\n  elasticctl history --limit 20\n"
-                              "  elasticctl history --kind failed,recovered --format json",
+                              "  elasticctl history --kind failed,recovered --format json\n"
+                              "  elasticctl history --kind timeline",
                        formatter_class=raw)
     h.add_argument("--limit", type=options.whole(1, 100_000, "events"), default=50,
                    help="newest N events (default 50)")
@@ -145,6 +150,14 @@ EVENT_TABLE = Table([("WHEN", "at_iso"), ("NODE", "node"), ("EVENT", "kind"),
                      ("RESTORE S", "restore_seconds"), ("RECOVERY S", "recovery_seconds"),
                      ("LOST", "steps_lost"), ("DETAIL", "detail")])
 
+#: A recovery's timeline, one row per ``timeline`` event (``history`` prints it below the events).
+TIMELINE_TABLE = Table([("WHEN", "at_iso"), ("JOB", "job"), ("FAILED", "failed"),
+                        *((p.upper().replace("_", " "), p) for p in timeline.PHASES),
+                        ("TOTAL", "total"), ("SOURCE", "source"), ("BYTES", "bytes"),
+                        ("STEP", "step")])
+#: Unreadable timelines, each reported once (``--watch`` reads them again and again).
+_complaints = records.Complaints(log)
+
 #: Events after which a recovery counts as recovering from them.
 _DISRUPTIONS = ("failed", "left", "drained", "fenced")
 #: A recovery further than this from the last disruption is not attributed to it.
@@ -156,7 +169,10 @@ def _events(coord: EtcdCoordinator, keys: Keyspace, limit: int,
     """Events, oldest first, each with the same keys. For ``failed``: detection_seconds; for
     ``recovered`` (one per restored rank): source, steps_lost, restore_seconds, and
     recovery_seconds, from the disruption before it (failure, departure, drain) recorded
-    by the cluster to the restore's end."""
+    by the cluster to the restore's end. For ``timeline`` (one per failure and job, see
+    :mod:`elasticd.cluster.timeline`): ``timeline`` (its phases, moments, restore source and
+    bytes), with detection_seconds its detect phase, recovery_seconds its total (failure to
+    first step), source its restores' sources and step the step restored."""
     out = []
     last_disruption: float | None = None
     for e in EventLog(coord, keys).list():
@@ -167,7 +183,9 @@ def _events(coord: EtcdCoordinator, keys: Keyspace, limit: int,
                "step": d.get("step"), "detection_seconds": d.get("detection_seconds"),
                "source": d.get("source"), "steps_lost": d.get("steps_lost"),
                "restore_seconds": d.get("seconds") if e.kind == "recovered" else None,
-               "recovery_seconds": None}
+               "recovery_seconds": None, "timeline": None}
+        if e.kind == timeline.KIND:
+            _add_timeline(row, e.data, f"the timeline of {e.node}'s failure ({e.instance})")
         if e.kind in _DISRUPTIONS:
             last_disruption = e.at
         elif (e.kind == "recovered" and last_disruption is not None
@@ -176,6 +194,57 @@ def _events(coord: EtcdCoordinator, keys: Keyspace, limit: int,
         if not kinds or e.kind in kinds:
             out.append(row)
     return out[-limit:] if limit > 0 else out
+
+
+def _add_timeline(row: dict[str, Any], data: Any, where: str) -> None:
+    """Fills a ``timeline`` event's row; one that does not read is left out, with a warning."""
+    try:
+        t = timeline.decode(data, where)
+    except records.RecordError as exc:
+        _complaints.warn(where, repr(data).encode(), "elasticctl: ignoring %s", exc)
+        row.update(job=None, step=None, source=None)
+        return
+    summary = t.summary()
+    row.update(timeline=summary, job=t.job, step=t.step, source=summary["restore_source"],
+               detection_seconds=summary["phases"]["detect"],
+               recovery_seconds=summary["total_seconds"])
+
+
+def _seconds(value: float | None) -> str | None:
+    return None if value is None else f"{value:.2f}"
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def timeline_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of :data:`TIMELINE_TABLE` for the ``timeline`` events among ``rows``."""
+    out = []
+    for r in rows:
+        t = r.get("timeline")
+        if not t:
+            continue
+        out.append({"at_iso": r["at_iso"], "job": t["job"], "failed": ",".join(t["failed"]),
+                    **{p: _seconds(s) for p, s in t["phases"].items()},
+                    "total": _seconds(t["total_seconds"]), "source": t["restore_source"],
+                    "bytes": _size(t["restore_bytes"]) if t["ranks_restored"] else None,
+                    "step": t["step"]})
+    return out
+
+
+def history_pretty(rows: Sequence[dict[str, Any]]) -> str:
+    """The events, then each recovery's phases (seconds; ``-``: not seen)."""
+    text = EVENT_TABLE.render(rows)
+    recoveries = timeline_rows(rows)
+    if recoveries:
+        text += ("\n\nrecoveries (seconds per phase, from the failure to the first step):\n"
+                 + TIMELINE_TABLE.render(recoveries))
+    return text
 
 
 def _status_pretty(doc: dict[str, Any]) -> str:
@@ -205,7 +274,7 @@ Command = Callable[[argparse.Namespace, EtcdCoordinator, Keyspace], Any]
 COMMANDS: dict[str, tuple[Command, Table | Callable[[Any], str]]] = {
     "nodes": (cmd_nodes, NODE_TABLE),
     "status": (cmd_status, _status_pretty),
-    "history": (cmd_history, EVENT_TABLE),
+    "history": (cmd_history, history_pretty),
     **jobs_cli.COMMANDS,
     **replicas_cli.COMMANDS,
     **drain_cli.COMMANDS,

@@ -38,6 +38,7 @@ from elasticd.coordination.lease import LeaseKeeper
 from elasticd.coordination.watch_feed import WatchFeed
 from elasticd.daemon.data_loss import DataLossRecovery
 from elasticd.daemon.fencing import FenceHook, Fencing
+from elasticd.daemon.recovery_timeline import TimelineRecorder
 from elasticd.daemon.registration import NodeIdInUse, Registration
 from elasticd.metrics import CheckpointSink, Metrics
 
@@ -109,11 +110,18 @@ class Daemon(Registration, Fencing, DataLossRecovery):
         self.fence_hooks.append(self.jobs.fence)
         self.jobs.committed = self._committed_step  # crash-loop detection
         self.jobs.record_event = self._record_event
+        # Each recovery's timeline, written by one node (daemon/recovery_timeline.py).
+        self.timeline = TimelineRecorder(settings.node_id, coord, self.keys, self.events,
+                                         self.metrics, self.clock,
+                                         lambda: float(self.settings.lease_ttl))
+        self.jobs.on_round_closed = self.timeline.on_round_closed
         if checkpoints is not None:
             self._ckpt_sink = CheckpointSink(self.metrics)
             checkpoints.on_restore.append(self._record_recovery)
+            checkpoints.on_restore.append(self.timeline.on_restore)
             # A Checkpointer's register and slot requests are progress reports (ranks, hangs).
             checkpoints.on_progress.append(self.jobs.on_progress)
+            checkpoints.on_progress.append(self.timeline.on_progress)
             self.jobs.on_job_end.append(checkpoints.remove_job)
         if self.replicator is not None:
             self.jobs.on_job_end.append(self.replicator.remove_job)
@@ -345,12 +353,25 @@ class Daemon(Registration, Fencing, DataLossRecovery):
             {k: r.get(k) for k in ("job", "rank", "source", "seconds", "steps_lost", "bytes",
                                    "generation", "step")})
 
+    def _on_progress(self, msg: dict[str, Any]) -> None:
+        self.jobs.on_progress(msg)
+        self.timeline.on_progress(msg)
+
+    def _workers_aborted(self, msg: dict[str, Any]) -> dict[str, Any]:
+        job = msg.get("job", self.jobs.job)
+        if isinstance(job, str) and job == self.jobs.job:
+            self.timeline.on_abort(job, "agent")
+        return {}
+
     def local_handlers(self) -> dict[str, Callable[[dict[str, Any]], Any]]:
         """What workers may ask of this daemon over its local socket."""
         handlers: dict[str, Callable[[dict[str, Any]], Any]] = {
-            "progress": self.jobs.on_progress,
+            "progress": self._on_progress,
             # The agent's daemon watch asks whether this daemon still answers.
             "ping": lambda msg: {"node": self.settings.node_id},
+            # The agent killed its workers (a member of its round is gone): a moment of the
+            # recovery's timeline. The job is the connection's (local_binding.py).
+            "workers_aborted": self._workers_aborted,
         }
         if self.checkpoints is not None:
             handlers.update(self.checkpoints.handlers())
@@ -391,6 +412,9 @@ class Daemon(Registration, Fencing, DataLossRecovery):
                     self.jobs.set_unprotected(self.checkpoints.unprotected(self.jobs.job))
                 self.jobs.step()
                 self._notes += self.jobs.notes
+                note = self.timeline.step()
+                if note:
+                    self._notes.append(note)
             self.metrics.job_running.set(1 if self.jobs.supervisor is not None else 0)
             if self.checkpoints is not None:
                 self._ckpt_sink.update(self.checkpoints.stats())
@@ -519,7 +543,11 @@ class Daemon(Registration, Fencing, DataLossRecovery):
             self._notes.append(ob.describe())
             if ob.kind is ObservationKind.FAILED:
                 self.metrics.node_failures.inc()
-                self.jobs.on_peer_failed(ob.node)
+                job, writer = self.jobs.job, self.jobs.recovery_writer(ob.node)
+                aborted = self.jobs.on_peer_failed(ob.node)
+                if job is not None and aborted is not None:
+                    self.timeline.on_failure(job, ob.node, ob.record.lease,
+                                             writer == self.settings.node_id, aborted > 0)
                 if ob.detection_seconds is not None:
                     self.metrics.detection_seconds.observe(ob.detection_seconds)
                 self.events.record(Event(

@@ -141,6 +141,9 @@ class LocalServer:
         self._callers: dict[socket.socket, Caller] = {}
         self._rejecting = 0
         self._send_timeout = send_timeout
+        #: Called with ``{"pid", "job"}`` when a connection ends (its process closed it or
+        #: died): a worker's death is a moment of a recovery (daemon/recovery_timeline.py).
+        self.on_close: list[Callable[[dict[str, Any]], None]] = []
         self.clock = clock or SystemClock()
         self._listener: socket.socket | None = None
         self._inode: tuple[int, int] | None = None
@@ -402,7 +405,14 @@ class LocalServer:
                 log.info("local API: connection from pid %d lost: %s", peer["pid"], exc)
         finally:
             rfile.close()
+            with self._lock:
+                caller = self._callers.get(conn)
             self._forget(conn)
+            for hook in self.on_close:
+                try:
+                    hook({"pid": peer.get("pid"), "job": caller.job if caller else None})
+                except Exception:  # noqa: BLE001 — a hook must not take the server down
+                    log.exception("local API: a connection-close hook failed")
 
     def _count(self, name: str) -> None:
         with self._lock:

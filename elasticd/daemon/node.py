@@ -253,6 +253,7 @@ class Node:
             # The running job's processes may use the socket too, each bound to its job/rank.
             local = LocalServer(os.path.join(settings.state_path, "elasticd.sock"),
                                 daemon.local_handlers(), binding=CallerBinding(job_scope))
+            local.on_close.append(daemon.timeline.on_connection_closed)
             self._teardown.append(local.stop)
             local.start()
         except (OSError, ValueError, LocalApiError) as exc:

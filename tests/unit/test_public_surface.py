@@ -24,6 +24,7 @@ import elasticd.worker
 from elasticd.cli import main as cli
 from elasticd.cli import options
 from elasticd.clock import FakeClock
+from elasticd.cluster import timeline
 from elasticd.cluster.events import Event, EventLog
 from elasticd.config import Settings
 from elasticd.coordination.keys import Keyspace
@@ -64,6 +65,8 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "elasticd_hangs_detected_total": ("counter", ()),
     "elasticd_job_running": ("gauge", ()),
     "elasticd_jobs_unprotected": ("gauge", ("reason",)),
+    "elasticd_last_recovery_phase_seconds": ("gauge", ("phase",)),
+    "elasticd_last_recovery_timestamp_seconds": ("gauge", ()),
     "elasticd_lease_keepalive_failures_total": ("counter", ()),
     "elasticd_leases_lost_total": ("counter", ()),
     "elasticd_local_slot_bytes": ("gauge", ()),
@@ -76,6 +79,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "elasticd_persisted_step": ("gauge", ()),
     "elasticd_persists_total": ("counter", ("outcome",)),
     "elasticd_provisional_expiries_total": ("counter", ("outcome",)),
+    "elasticd_recovery_phase_seconds": ("histogram", ("phase",)),
     "elasticd_rendezvous_round": ("gauge", ()),
     "elasticd_rendezvous_seconds": ("histogram", ()),
     "elasticd_replica_bytes_held": ("gauge", ()),
@@ -222,6 +226,13 @@ NODE_JOB_STATUS = (
     b'"node":"n1","ranks":[0],"record":"node_job_status","schema":1,"state":"running",'
     b'"unprotected":"","worker_restarts":0,"world_size":0}')
 
+#: A ``timeline`` event's ``timeline`` object in ``history`` and ``status`` (null for others).
+TIMELINE_KEYS = (
+    "failed job marks.aborted marks.detected marks.failure marks.first_step "
+    "marks.restore_finished marks.restore_started marks.round_closed overlapped phases.abort "
+    "phases.detect phases.first_step phases.rendezvous phases.restore phases.start "
+    "ranks_restored restore_bytes restore_source step total_seconds").split()
+
 #: Command -> the paths of its JSON document's values (``[]``: each element of a list; an
 #: event's ``data`` is the event's own, not descended into).
 JSON_KEYS = {
@@ -246,11 +257,13 @@ JSON_KEYS = {
         "recent_events[].detail recent_events[].detection_seconds recent_events[].job "
         "recent_events[].kind recent_events[].lease recent_events[].node recent_events[].rank "
         "recent_events[].recovery_seconds recent_events[].restore_seconds "
-        "recent_events[].source recent_events[].step recent_events[].steps_lost"),
+        "recent_events[].source recent_events[].step recent_events[].steps_lost "
+        "recent_events[].timeline"
+        + "".join(f" recent_events[].timeline.{k}" for k in TIMELINE_KEYS)),
     "history": (
         "[].at [].at_iso [].by [].data [].detail [].detection_seconds [].job [].kind [].lease "
         "[].node [].rank [].recovery_seconds [].restore_seconds [].source [].step "
-        "[].steps_lost"),
+        "[].steps_lost [].timeline" + "".join(f" [].timeline.{k}" for k in TIMELINE_KEYS)),
     "placement": (
         "committed describe job m nodes ranks[].committed_holders ranks[].holders "
         "ranks[].live_copies ranks[].newest_replicated ranks[].owner ranks[].rank "
@@ -309,6 +322,12 @@ def test_elasticctl_json_keys(cluster, tmp_path):
     EventLog(coord, keys).record(Event("recovered", "n1", 7, 1_001.0, "n1", "restored",
                                        {"job": "j", "rank": 0, "source": "peer", "seconds": 0.5,
                                         "steps_lost": 1, "step": 40}, instance="1"))
+    tl = timeline.assemble(job="j", failed=["n2"], detected_at=1_000.0, detection_seconds=2.5,
+                           lease_ttl=2.0, aborted=[1_000.01], round_closed=[1_000.5],
+                           restores=[timeline.RankRestore("j", 1_001.0, 0.5, "peer", 10, 40)],
+                           first_steps=[1_001.2])
+    EventLog(coord, keys).record(Event("timeline", "n2", 7, 1_001.5, "n1", tl.describe(),
+                                       tl.as_dict(), instance="j"))
     for key, value in REPLICATION_RECORDS.items():
         coord.put(key, value)
     lines = [

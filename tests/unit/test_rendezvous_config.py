@@ -150,7 +150,8 @@ def test_the_creator_hands_every_handler_to_the_hooks_and_the_daemons_hook_needs
     monkeypatch.setenv("ELASTICD_TAG", "/elasticd:n1:job")
     monkeypatch.setenv("ELASTICD_PREFIX", "/p")
     handler = rendezvous_handler_registry.create_handler(params())
-    assert handler.on_round_broken is torchrun.restart_own_workers
+    assert handler.on_round_broken.func is torchrun.restart_own_workers
+    assert handler.on_round_broken.keywords == {"sock": "/nonexistent/elasticd.sock"}
     [watch] = watches
     assert watch.started and watch.node_key == b"/p/nodes/n1"
     handler.stop()

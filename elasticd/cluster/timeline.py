@@ -1,0 +1,246 @@
+"""A recovery's timeline: where the seconds from a node's failure to training again went.
+
+One record per failure (per job): the moments the recovery passed through, each measured where
+it happens, and the phases between them::
+
+    failure ─detect─▶ detected ─abort─▶ workers aborted ─rendezvous─▶ round closed
+        ─start─▶ restore started ─restore─▶ restore finished ─first_step─▶ first step
+
+* **failure**: not observable (a dead machine sends nothing). The dead node kept its lease alive
+  every TTL/3 until it died and etcd expires a lease TTL after the last keep-alive, so the
+  failure is placed ``min(detection_seconds, lease_ttl)`` before the detection: the failed
+  event's age of the dead node's last heartbeat record when that is newer, else the lease TTL
+  (error about ±TTL/3 either way).
+* **detected**: the ``failed`` event (its ``at``, written by the first observer).
+* **workers aborted**: the writer's workers were killed or died: its daemon's proactive abort,
+  its agent's (its rendezvous saw the dead member go), or a worker's exit (on one host, kill -9
+  resets the dead node's connections and gloo fails the survivors' workers at once).
+* **round closed**: the writer's daemon saw the rendezvous round record written (its watch).
+* **restore started / finished**: the first rank's restore start and the last rank's end (the
+  ``recovered`` events every node writes per restored rank), with their sources and bytes.
+* **first step**: the writer's first worker of the new group reported a step past the restored
+  one.
+
+A moment that was not seen is missing (None), and so are the two phases beside it: nothing is
+invented. A moment that came before the one preceding it (the agents' rendezvous may notice a
+dead peer before the daemon's watch does) is moved up to it and named in ``overlapped``: its
+phase took no time of its own. So the phases, when none is missing, add up to ``total``.
+
+:func:`assemble` is the pure assembly, :func:`decode` reads a stored one back with type checks
+(a record anyone who may write to etcd could have forged). The daemon that writes it is
+:mod:`elasticd.daemon.recovery_timeline`; it is stored as an event of kind ``timeline``
+(:mod:`elasticd.cluster.events`), so the event log's retention bounds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from typing import Any, Iterable, Mapping
+
+from elasticd.coordination import records
+
+#: The event kind a timeline is stored as.
+KIND = "timeline"
+
+#: The moments, in order (attributes ``<mark>_at`` of :class:`Timeline`).
+MARKS = ("failure", "detected", "aborted", "round_closed", "restore_started",
+         "restore_finished", "first_step")
+#: The phases, in order: phase i runs from ``MARKS[i]`` to ``MARKS[i + 1]``. These are the
+#: values of the ``phase`` label of ``elasticd_recovery_phase_seconds``.
+PHASES = ("detect", "abort", "rendezvous", "start", "restore", "first_step")
+
+
+@dataclasses.dataclass(frozen=True)
+class RankRestore:
+    """One rank's restore, as its node recorded it (a ``recovered`` event).
+
+    Attributes:
+        job: the job.
+        at: wall time the restore ended (its node's clock).
+        seconds: how long it took (the worker's own measure).
+        source: local | peer | persistent.
+        nbytes: bytes restored.
+        step: the step restored, if known.
+    """
+
+    job: str
+    at: float
+    seconds: float
+    source: str
+    nbytes: int = 0
+    step: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+    """One recovery (all times are wall-clock seconds; None: not seen).
+
+    Attributes:
+        job: the job that recovered.
+        failed: the node(s) whose failure it recovered from, first the one it is keyed by.
+        failure_at, detected_at, aborted_at, round_closed_at, restore_started_at,
+            restore_finished_at, first_step_at: the moments (module docstring).
+        restore_source: the restores' sources joined with ``+`` (``local+peer``), or "".
+        restore_bytes: bytes restored by every rank together.
+        ranks_restored: ranks whose restore is counted.
+        step: the step restored (the newest, if ranks differ), or None.
+        overlapped: moments moved up to the one before them (module docstring).
+    """
+
+    job: str
+    failed: list[str]
+    failure_at: float | None
+    detected_at: float
+    aborted_at: float | None = None
+    round_closed_at: float | None = None
+    restore_started_at: float | None = None
+    restore_finished_at: float | None = None
+    first_step_at: float | None = None
+    restore_source: str = ""
+    restore_bytes: int = 0
+    ranks_restored: int = 0
+    step: int | None = None
+    overlapped: list[str] = dataclasses.field(default_factory=list)
+
+    def marks(self) -> list[float | None]:
+        return [getattr(self, f"{m}_at") for m in MARKS]
+
+    def phases(self) -> dict[str, float | None]:
+        """Seconds per phase (None when a moment at either end is missing)."""
+        m = self.marks()
+        return {name: (None if m[i] is None or m[i + 1] is None else round(m[i + 1] - m[i], 3))
+                for i, name in enumerate(PHASES)}
+
+    @property
+    def total(self) -> float | None:
+        """Failure to first step (None until both are known)."""
+        if self.failure_at is None or self.first_step_at is None:
+            return None
+        return round(self.first_step_at - self.failure_at, 3)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The stored form (an event's ``data``)."""
+        return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        """One sentence for the event log."""
+        parts = [f"{n} {'-' if s is None else f'{s:.2f}'}" for n, s in self.phases().items()]
+        total = "unfinished" if self.total is None else f"{self.total:.2f} s"
+        return (f"{self.job} recovered from {', '.join(self.failed)}'s failure: {total} "
+                f"({', '.join(parts)})")
+
+    def summary(self) -> dict[str, Any]:
+        """What ``elasticctl history`` shows of it (JSON)."""
+        return {"job": self.job, "failed": list(self.failed), "phases": self.phases(),
+                "total_seconds": self.total,
+                "marks": {m: v for m, v in zip(MARKS, self.marks())},
+                "restore_source": self.restore_source or None,
+                "restore_bytes": self.restore_bytes, "ranks_restored": self.ranks_restored,
+                "step": self.step, "overlapped": list(self.overlapped)}
+
+
+def assemble(*, job: str, failed: Iterable[str], detected_at: float,
+             detection_seconds: float | None, lease_ttl: float | None,
+             aborted: Iterable[float] = (), round_closed: Iterable[float] = (),
+             restores: Iterable[RankRestore] = (),
+             first_steps: Iterable[float] = ()) -> Timeline:
+    """Builds one recovery's timeline from what was seen (pure).
+
+    Args:
+        job: the job.
+        failed: the failed node(s), the record's key first.
+        detected_at: the ``failed`` event's time.
+        detection_seconds: the ``failed`` event's age of the dead node's last heartbeat record.
+        lease_ttl: the lease TTL (the failure is placed at most this long before detection).
+        aborted: every time the writer's workers were killed or died (its daemon's or its
+            agent's abort, a worker's exit); these count from a lease TTL before the failure,
+            as the failure's place is an estimate and a peer's death can kill them at once.
+        round_closed: every time the writer saw a round of the job close.
+        first_steps: every time a new group of the writer's workers made its first step.
+        restores: rank restores (``recovered`` events) of any job and time.
+
+    Of each, the first at or after the failure counts (earlier ones belong to the recoveries
+    before it), and of the first steps the first after the round closed (or the abort); restores
+    count when they are ``job``'s, started at or after the failure and ended by the first step.
+    """
+    bounds = [x for x in (detection_seconds, lease_ttl) if x is not None and x >= 0]
+    failure_at = detected_at - min(bounds) if bounds else None
+    since = failure_at if failure_at is not None else detected_at
+
+    aborted_at = first_after(aborted, since - (lease_ttl or 0.0))
+    closed_at = first_after(round_closed, since)
+    # A new group steps after its round closed: an older step is the group before's.
+    first_step_at = first_after(first_steps, closed_at or aborted_at or since)
+    mine = [r for r in restores if r.job == job and r.at - r.seconds >= since
+            and (first_step_at is None or r.at <= first_step_at)]
+    steps = [r.step for r in mine if r.step is not None]
+    raw = {
+        "failure": failure_at, "detected": detected_at, "aborted": aborted_at,
+        "round_closed": closed_at,
+        "restore_started": min((r.at - r.seconds for r in mine), default=None),
+        "restore_finished": max((r.at for r in mine), default=None),
+        "first_step": first_step_at,
+    }
+    marks, overlapped, latest = {}, [], None
+    for name in MARKS:
+        t = raw[name]
+        if t is not None and latest is not None and t < latest:
+            t = latest
+            overlapped.append(name)
+        if t is not None:
+            latest = t
+        marks[f"{name}_at"] = None if t is None else round(t, 3)
+    return Timeline(job=job, failed=list(failed), **marks,
+                    restore_source="+".join(sorted({r.source for r in mine})),
+                    restore_bytes=sum(r.nbytes for r in mine), ranks_restored=len(mine),
+                    step=max(steps) if steps else None, overlapped=overlapped)
+
+
+def first_after(times: Iterable[float], since: float) -> float | None:
+    """The earliest of ``times`` at or after ``since``."""
+    return min((t for t in times if t >= since), default=None)
+
+
+def restore_of(data: Mapping[str, Any], at: float) -> RankRestore | None:
+    """A ``recovered`` event's data as a :class:`RankRestore` (None when it does not read:
+    such events are written by any node, and read with type checks)."""
+    job, seconds, source = data.get("job"), data.get("seconds"), data.get("source")
+    nbytes, step = data.get("bytes", 0), data.get("step")
+    if (not isinstance(job, str) or not isinstance(source, str)
+            or records.check_type(seconds, float) is not None or seconds < 0
+            or records.check_type(nbytes, int) is not None
+            or records.check_type(step, int | None) is not None):
+        return None
+    return RankRestore(job, at, float(seconds), source, nbytes, step)
+
+
+def decode(data: Any, where: str = "timeline") -> Timeline:
+    """Reads a stored timeline (an event's ``data``), checking every field's type and that the
+    moments are in order.
+
+    Raises:
+        records.CorruptRecord: naming the first problem.
+    """
+    if not isinstance(data, dict):
+        raise records.CorruptRecord(f"{where}: not an object")
+    hints = typing.get_type_hints(Timeline)
+    values = {}
+    for f in dataclasses.fields(Timeline):
+        if f.name not in data:
+            continue
+        problem = records.check_type(data[f.name], hints[f.name])
+        if problem is not None:
+            raise records.CorruptRecord(f"{where}: field {f.name!r} {problem}")
+        values[f.name] = data[f.name]
+    try:
+        t = Timeline(**values)
+    except TypeError as exc:
+        raise records.CorruptRecord(f"{where}: incomplete ({exc})") from exc
+    present = [v for v in t.marks() if v is not None]
+    if any(b < a for a, b in zip(present, present[1:])) or not all(map(math.isfinite, present)):
+        raise records.CorruptRecord(f"{where}: its moments are not in order")
+    if not t.failed or t.restore_bytes < 0 or t.ranks_restored < 0:
+        raise records.CorruptRecord(f"{where}: no failed node, or a negative count")
+    return t

@@ -1,0 +1,446 @@
+"""A recovery's timeline: its pure assembly, reading it back from hostile data, the daemon side
+that writes it once per failure (in-memory etcd, fake clock), and ``elasticctl history``."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import logging
+import math
+import sys
+
+import pytest
+
+from elasticd.agent.manager import JobManager
+from elasticd.cli import main as cli
+from elasticd.cli import options
+from elasticd.clock import FakeClock
+from elasticd.cluster import timeline
+from elasticd.cluster.events import Event, EventLog
+from elasticd.cluster.jobspec import JobSpec, NodeJobStatus
+from elasticd.coordination import records
+from elasticd.coordination.keys import Keyspace
+from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
+from elasticd.daemon.recovery_timeline import TimelineRecorder
+from elasticd.metrics import RECOVERY_PHASES, Metrics
+
+T0 = 1_700_000_000.0
+
+
+def _restore(at: float, seconds: float = 0.1, source: str = "peer", job: str = "j",
+             nbytes: int = 1000, step: int | None = 40) -> timeline.RankRestore:
+    return timeline.RankRestore(job, at, seconds, source, nbytes, step)
+
+
+def _full(**over) -> timeline.Timeline:
+    args = dict(job="j", failed=["n2"], detected_at=T0 + 2.3, detection_seconds=3.1,
+                lease_ttl=2.0, aborted=[T0 - 51, T0 + 2.31, T0 + 2.5],
+                round_closed=[T0 - 50, T0 + 2.9],
+                restores=[_restore(T0 + 3.9, 0.2, "local"), _restore(T0 + 3.95, 0.3, "peer")],
+                first_steps=[T0 - 49, T0 + 4.2])
+    args.update(over)
+    return timeline.assemble(**args)
+
+
+# -- assembly -------------------------------------------------------------------------------
+
+def test_phases_are_measured_between_the_moments_and_add_up_to_the_total():
+    t = _full()
+    assert t.phases() == {"detect": 2.0, "abort": 0.01, "rendezvous": 0.59, "start": 0.75,
+                          "restore": 0.3, "first_step": 0.25}
+    assert t.failure_at == T0 + 0.3  # the lease TTL, not the older heartbeat record
+    # The moments of the recovery before this failure are not this one's.
+    assert (t.aborted_at, t.round_closed_at) == (T0 + 2.31, T0 + 2.9)
+    assert t.total == 3.9 == pytest.approx(sum(t.phases().values()))
+    assert (t.restore_source, t.restore_bytes, t.ranks_restored, t.step) == ("local+peer",
+                                                                            2000, 2, 40)
+    assert t.overlapped == []
+    assert "j recovered from n2's failure: 3.90 s" in t.describe()
+
+
+def test_a_fresher_heartbeat_record_places_the_failure_closer():
+    assert _full(detection_seconds=1.5).phases()["detect"] == 1.5
+
+
+def test_a_moment_not_seen_is_missing_with_both_its_phases_never_invented():
+    t = _full(aborted=[])
+    assert t.aborted_at is None
+    p = t.phases()
+    assert p["abort"] is None and p["rendezvous"] is None
+    assert p["detect"] == 2.0 and p["start"] == 0.75
+    assert t.total == 3.9  # failure and first step are known
+    t = _full(first_steps=[], restores=[])
+    assert t.total is None and t.restore_started_at is None and t.ranks_restored == 0
+    assert t.phases()["restore"] is None and t.restore_source == ""
+
+
+def test_a_moment_before_the_one_preceding_it_is_moved_up_and_named():
+    # The agents' rendezvous noticed the dead peer before the daemon's watch did.
+    t = _full(round_closed=[T0 + 2.2])
+    assert t.round_closed_at == t.aborted_at == T0 + 2.31
+    assert t.overlapped == ["round_closed"]
+    assert t.phases()["rendezvous"] == 0.0
+    marks = [m for m in t.marks() if m is not None]
+    assert marks == sorted(marks)
+    assert t.total == pytest.approx(sum(t.phases().values()))
+
+
+def test_only_this_jobs_restores_of_this_recovery_count():
+    t = _full(restores=[_restore(T0 + 3.9, 0.2, "local"),
+                        _restore(T0 + 3.9, 0.2, "peer", job="other"),  # another job
+                        _restore(T0 - 10.0, 0.2, "peer"),  # an earlier recovery
+                        _restore(T0 + 9.0, 0.2, "persistent")])  # after the first step
+    assert (t.restore_source, t.ranks_restored) == ("local", 1)
+    assert t.restore_started_at == T0 + 3.7 and t.restore_finished_at == T0 + 3.9
+
+
+# -- reading it back --------------------------------------------------------------------------
+
+def test_a_stored_timeline_reads_back():
+    t = _full()
+    stored = json.loads(json.dumps(t.as_dict()))
+    assert timeline.decode(stored) == t
+
+
+@pytest.mark.parametrize("change", [
+    {"detected_at": "soon"}, {"failed": "n2"}, {"failed": []}, {"first_step_at": True},
+    {"restore_bytes": -1}, {"step": 1.5}, {"overlapped": [3]},
+    {"first_step_at": T0 - 100},  # out of order
+])
+def test_a_forged_timeline_is_refused_with_the_reason(change):
+    data = {**_full().as_dict(), **change}
+    with pytest.raises(records.CorruptRecord):
+        timeline.decode(data)
+
+
+def test_a_timeline_without_its_detection_or_not_an_object_is_refused():
+    data = _full().as_dict()
+    del data["detected_at"]
+    for bad in (data, [], "x", None):
+        with pytest.raises(records.CorruptRecord):
+            timeline.decode(bad)
+
+
+def test_a_restore_event_that_does_not_read_is_left_out():
+    good = {"job": "j", "seconds": 0.2, "source": "peer", "bytes": 10, "step": 3}
+    assert timeline.restore_of(good, T0) == timeline.RankRestore("j", T0, 0.2, "peer", 10, 3)
+    for change in ({"job": 1}, {"seconds": "x"}, {"seconds": -1}, {"bytes": 1.5},
+                   {"step": "7"}, {"source": None}):
+        assert timeline.restore_of({**good, **change}, T0) is None
+
+
+def test_the_metric_labels_are_the_phases():
+    assert RECOVERY_PHASES == timeline.PHASES
+
+
+# -- the writer (daemon side) -------------------------------------------------------------------
+
+@pytest.fixture
+def env():
+    clock = FakeClock(1_000.0, wall_offset=T0 - 1_000.0)
+    coord = MemoryCoordinator(MemoryStore(clock))
+    keys = Keyspace("/t")
+    events = EventLog(coord, keys)
+
+    def recorder(node: str = "n1") -> TimelineRecorder:
+        return TimelineRecorder(node, coord, keys, events, Metrics(), clock, lambda: 2.0)
+
+    return clock, coord, keys, events, recorder
+
+
+def _fail(clock, events, node="n2", lease=0x2B, detection=3.0):
+    events.record(Event("failed", node, lease, clock.wall(), "n3", "n2 failed",
+                        {"detection_seconds": detection}))
+
+
+def _recover(clock, rec, events, new_pid=22):
+    """What the writer sees of a recovery after its detection, 0.01 s apart and more."""
+    clock.advance(0.01)
+    rec.on_progress({"job": "j", "step": 41, "_peer": {"pid": 11}})  # an old worker's last
+    clock.advance(0.5)
+    rec.on_round_closed("j")
+    clock.advance(0.7)
+    rec.on_restore({"job": "j", "rank": 0, "step": 40})
+    events.record(Event("recovered", "n1", 1, clock.wall(), "n1", "restored",
+                        {"job": "j", "rank": 0, "source": "peer", "seconds": 0.2,
+                         "steps_lost": 1, "bytes": 4096, "step": 40}, instance="a"))
+    rec.on_progress({"job": "j", "step": 40, "_peer": {"pid": new_pid}})  # its register
+    clock.advance(0.3)
+    rec.on_progress({"job": "j", "step": 41, "_peer": {"pid": new_pid}})  # the first step
+
+
+def test_the_writer_records_one_timeline_per_failure_and_observes_each_phase(env):
+    clock, coord, keys, events, recorder = env
+    rec = recorder()
+    rec.on_progress({"job": "j", "step": 39, "_peer": {"pid": 11}})  # the old group
+    clock.advance(0.1)
+    _fail(clock, events)
+    rec.on_failure("j", "n2", 0x2B, writer=True, aborted=True)
+    assert rec.step() is None  # no first step yet
+    _recover(clock, rec, events)
+    assert rec.step() == "recovery timeline of j written"
+    assert rec.step() is None  # once
+    [stored] = [e for e in events.list() if e.kind == timeline.KIND]
+    assert (stored.node, stored.lease, stored.by, stored.instance) == ("n2", 0x2B, "n1", "j")
+    t = timeline.decode(stored.data)
+    assert t.phases() == {"detect": 2.0, "abort": 0.0, "rendezvous": 0.51, "start": 0.5,
+                          "restore": 0.2, "first_step": 0.3}
+    assert t.total == 3.51 and t.restore_source == "peer" and t.step == 40
+    metrics = rec.metrics
+    count = {p: metrics.registry.get_sample_value("elasticd_recovery_phase_seconds_count",
+                                                  {"phase": p}) for p in timeline.PHASES}
+    assert count == {p: 1.0 for p in timeline.PHASES}
+    assert metrics.registry.get_sample_value("elasticd_last_recovery_phase_seconds",
+                                             {"phase": "first_step"}) == 0.3
+    assert metrics.registry.get_sample_value(
+        "elasticd_last_recovery_timestamp_seconds") == t.first_step_at
+
+
+def test_a_second_writer_with_another_view_stores_no_second_copy(env):
+    clock, coord, keys, events, recorder = env
+    a, b, other = recorder("n1"), recorder("n3"), recorder("n4")
+    _fail(clock, events)
+    for rec, writer in ((a, True), (b, True), (other, False)):
+        rec.on_failure("j", "n2", 0x2B, writer=writer, aborted=True)
+    _recover(clock, a, events)
+    for rec in (b, other):
+        rec.on_progress({"job": "j", "step": 41, "_peer": {"pid": 33}})
+        assert other.step() is None
+    assert a.step() == "recovery timeline of j written"
+    assert b.step() is None and other.step() is None
+    clock.advance(11)  # the stand-in's wait: it finds the record there
+    assert other.step() is None
+    assert [e.by for e in events.list() if e.kind == timeline.KIND] == ["n1"]
+    assert other.written == [] and b.written == []
+    assert other.metrics.registry.get_sample_value(  # only the node that stored it observes
+        "elasticd_recovery_phase_seconds_count", {"phase": "detect"}) == 0
+
+
+def test_a_stand_in_writes_when_the_writer_did_not(env):
+    clock, coord, keys, events, recorder = env
+    rec = recorder("n3")
+    rec.on_progress({"job": "j", "step": 39, "_peer": {"pid": 11}})  # the old group
+    _fail(clock, events)
+    rec.on_failure("j", "n2", 0x2B, writer=False, aborted=True)
+    _recover(clock, rec, events)
+    assert rec.step() is None
+    clock.advance(9)
+    assert rec.step() is None
+    clock.advance(1.5)
+    assert rec.step() == "recovery timeline of j written"
+    [stored] = [e for e in events.list() if e.kind == timeline.KIND]
+    assert stored.by == "n3" and timeline.decode(stored.data).total == 3.51
+
+
+def test_a_recovery_that_never_trains_again_is_written_with_what_was_seen(env):
+    clock, coord, keys, events, recorder = env
+    rec = recorder()
+    _fail(clock, events)
+    rec.on_failure("j", "n2", 0x2B, writer=True, aborted=False)
+    clock.advance(599)
+    assert rec.step() is None
+    clock.advance(2)
+    rec.step()
+    [stored] = [e for e in events.list() if e.kind == timeline.KIND]
+    t = timeline.decode(stored.data)
+    assert t.aborted_at is None and t.round_closed_at is None and t.first_step_at is None
+    assert t.total is None and t.phases()["detect"] == 2.0
+    assert math.isnan(rec.metrics.registry.get_sample_value(
+        "elasticd_last_recovery_phase_seconds", {"phase": "abort"}))
+
+
+def test_the_agents_abort_before_the_daemon_saw_the_failure_counts(env):
+    clock, coord, keys, events, recorder = env
+    rec = recorder()
+    rec.on_progress({"job": "j", "step": 39, "_peer": {"pid": 11}})
+    _fail(clock, events)  # recorded by another node; this one's watch is slower
+    clock.advance(0.1)
+    rec.on_abort("j")  # the agent's workers_aborted
+    rec.on_round_closed("j")
+    clock.advance(0.2)
+    rec.on_failure("j", "n2", 0x2B, writer=True, aborted=False)  # it found none to kill
+    _recover(clock, rec, events)
+    rec.step()
+    [stored] = [e for e in events.list() if e.kind == timeline.KIND]
+    t = timeline.decode(stored.data)
+    assert t.aborted_at == t.detected_at + 0.1 and t.overlapped == []
+    assert t.phases()["abort"] == 0.1 and t.phases()["rendezvous"] == 0.0
+
+
+def test_a_failure_during_a_recovery_joins_it(env):
+    clock, coord, keys, events, recorder = env
+    rec = recorder()
+    _fail(clock, events)
+    rec.on_failure("j", "n2", 0x2B, writer=True, aborted=True)
+    clock.advance(1.0)
+    rec.on_failure("j", "n3", 0x3C, writer=True, aborted=True)
+    _recover(clock, rec, events, new_pid=44)
+    rec.step()
+    [stored] = [e for e in events.list() if e.kind == timeline.KIND]
+    t = timeline.decode(stored.data)
+    assert t.failed == ["n2", "n3"] and stored.node == "n2"
+    assert t.phases()["abort"] == 0.0  # the first abort; the group it started never trained
+    assert t.phases()["rendezvous"] == 1.51
+
+
+def test_a_forged_failed_event_costs_only_its_detection(env, caplog):
+    clock, coord, keys, events, recorder = env
+    coord.put(keys.event("n2", 0x2B, "failed"), b'{"schema":1,"record":"event","kind":3}')
+    rec = recorder()
+    rec.on_failure("j", "n2", 0x2B, writer=True, aborted=True)
+    _recover(clock, rec, events)
+    with caplog.at_level(logging.WARNING):
+        rec.step()
+    assert "ignoring the failed event" in caplog.text
+    [stored] = [e for e in events.list() if e.kind == timeline.KIND]
+    t = timeline.decode(stored.data)
+    assert t.detected_at == T0 and t.phases()["detect"] == 2.0  # its own detection, the TTL
+
+
+# -- who writes, and the round closes the job watch sees -----------------------------------
+
+@pytest.fixture
+def manager(tmp_path):
+    coord = MemoryCoordinator()
+    keys = Keyspace("/t")
+    lease = coord.grant_lease(10)
+    spec = JobSpec(name="job", nnodes_min=2, nnodes_max=3, nproc_per_node=1,
+                   script=sys.executable, args=[], script_sha256="0" * 64, user="root",
+                   cwd=str(tmp_path))
+    coord.put(keys.job_spec("job"), spec.encode())
+    mgr = JobManager("n3", coord, keys, etcd="127.0.0.1:1", state_dir=str(tmp_path),
+                     metrics=Metrics(), lease=lambda: lease, clock=FakeClock())
+    mgr.start_watch()
+    yield coord, keys, mgr, lease
+    mgr.close()
+
+
+def test_the_writer_is_the_lowest_surviving_node_that_ran_workers(manager):
+    coord, keys, mgr, lease = manager
+    # n0: a spare; n1: its workers just restarted (ranks emptied, its steps stay)
+    for node, ranks, step in (("n1", [], 40), ("n2", [1], 40), ("n0", [], -1)):
+        coord.put(keys.job_node("job", node),
+                  NodeJobStatus(node, "running", ranks=ranks, last_step=step).encode(), lease)
+    mgr._drain()
+    mgr.job, mgr.status = "job", NodeJobStatus("n3", "running", ranks=[2])
+    assert mgr.recovery_writer("n2") == "n1"
+    assert mgr.recovery_writer("n1") == "n2"
+    coord.delete(keys.job_node("job", "n1"))
+    coord.delete(keys.job_node("job", "n2"))
+    mgr._drain()
+    mgr.status = NodeJobStatus("n3", "running")
+    assert mgr.recovery_writer("n2") == "n0"  # no node ran workers: a spare writes
+    mgr.job = None
+    assert mgr.recovery_writer("n1") is None
+
+
+def test_a_round_record_is_noted_as_it_arrives_and_not_queued(manager):
+    coord, keys, mgr, lease = manager
+    seen = []
+    mgr.on_round_closed = seen.append
+    coord.put(keys.job_rdzv("job") + b"native/round", b"{}")
+    coord.put(keys.job_rdzv("job") + b"native/nodes/a", b"{}")  # a join: not a close
+    coord.put(keys.job_rdzv("job") + b"store/x", b"{}")
+    assert seen == ["job"]
+    assert mgr._feed.empty()
+
+
+# -- elasticctl history -----------------------------------------------------------------------
+
+def _history(coord, *argv):
+    args = options.resolve(cli.build_parser().parse_args(
+        ["history", "--etcd", "127.0.0.1:2379", *argv]))
+    out = io.StringIO()
+    assert cli._loop(args, coord, Keyspace("/t"), out) == 0
+    return out.getvalue()
+
+
+def test_history_shows_each_phase_in_both_formats(env):
+    clock, coord, keys, events, recorder = env
+    t = _full(aborted=[])
+    events.record(Event(timeline.KIND, "n2", 0x2B, T0 + 5, "n1", t.describe(), t.as_dict(),
+                        instance="j"))
+    [row] = json.loads(_history(coord, "--format", "json"))
+    assert row["kind"] == "timeline" and row["job"] == "j" and row["step"] == 40
+    assert row["timeline"]["phases"] == t.phases()
+    assert row["timeline"]["marks"]["aborted"] is None
+    assert row["recovery_seconds"] == t.total == 3.9
+    assert row["detection_seconds"] == 2.0 and row["source"] == "local+peer"
+    text = _history(coord)
+    table = text.split("recoveries (seconds per phase, from the failure to the first step):\n")[1]
+    head, line = table.splitlines()
+    assert head.split() == ["WHEN", "JOB", "FAILED", "DETECT", "ABORT", "RENDEZVOUS", "START",
+                            "RESTORE", "FIRST", "STEP", "TOTAL", "SOURCE", "BYTES", "STEP"]
+    assert line.split()[1:] == ["j", "n2", "2.00", "-", "-", "0.75", "0.30", "0.25", "3.90",
+                                "local+peer", "2.0", "KiB", "40"]
+
+
+def test_history_ignores_a_forged_timeline_with_one_warning(env, caplog):
+    clock, coord, keys, events, recorder = env
+    bad = {**_full().as_dict(), "first_step_at": "never"}
+    events.record(Event(timeline.KIND, "n2", 0x2B, T0 + 5, "n1", "forged", bad, instance="j"))
+    with caplog.at_level(logging.WARNING):
+        [row] = json.loads(_history(coord, "--format", "json"))
+        _history(coord)
+    assert row["timeline"] is None and row["job"] is None
+    assert caplog.text.count("ignoring the timeline of n2's failure") == 1
+    assert "recoveries" not in _history(coord)
+
+
+def test_every_phase_reads_in_the_table_even_from_an_old_or_partial_record(env):
+    clock, coord, keys, events, recorder = env
+    t = dataclasses.replace(_full(), restore_source="", ranks_restored=0, restore_bytes=0)
+    events.record(Event(timeline.KIND, "n2", 0x2B, T0 + 5, "n1", "x", t.as_dict(),
+                        instance="j"))
+    assert "recoveries" in _history(coord, "--kind", "timeline")
+
+
+def test_the_agents_report_of_its_abort_reaches_the_timeline():
+    from elasticd.config import Settings
+    from elasticd.daemon.daemon import Daemon
+
+    clock = FakeClock()
+    daemon = Daemon(Settings(node_id="n1", etcd="mem:1"),
+                    MemoryCoordinator(MemoryStore(clock)), clock=clock)
+    try:
+        aborted = daemon.local_handlers()["workers_aborted"]
+        daemon.jobs.job = "j"
+        assert aborted({"job": "other", "workers": 1}) == {}  # not the job running here
+        assert aborted({"job": "j", "workers": 1}) == {}
+        assert list(daemon.timeline._jobs["j"].aborts) == [clock.wall()]
+        assert "other" not in daemon.timeline._jobs
+    finally:
+        daemon.jobs.job = None
+        daemon.close()
+
+
+def test_a_trained_workers_exit_is_an_abort_and_the_local_api_reports_it(env, tmp_path):
+    import os
+    import time
+
+    from elasticd.daemon.local_api import LocalServer
+    from elasticd.worker.client import DaemonClient, WorkerIdentity
+
+    clock, coord, keys, events, recorder = env
+    rec = recorder()
+    server = LocalServer(str(tmp_path / "d.sock"), {"progress": rec.on_progress})
+    server.on_close.append(lambda conn: rec.on_connection_closed({**conn, "job": "j"}))
+    server.start()
+    try:
+        client = DaemonClient(server.path, WorkerIdentity(), timeout=1.0)
+        client.send("progress", job="j", step=5)
+        deadline = time.monotonic() + 5
+        while not rec._jobs.get("j") or not rec._jobs["j"].stepped:
+            assert time.monotonic() < deadline, "the progress never arrived"
+            time.sleep(0.01)
+        assert rec._jobs["j"].stepped == {os.getpid()} and not rec._jobs["j"].aborts
+        client.close()  # as when the worker dies
+        while not rec._jobs["j"].aborts:
+            assert time.monotonic() < deadline, "the close was not reported"
+            time.sleep(0.01)
+    finally:
+        server.stop()
+    rec.on_connection_closed({"pid": 999999, "job": "j"})  # never trained: not an abort
+    rec.on_connection_closed({"pid": 1, "job": None})
+    assert len(rec._jobs["j"].aborts) == 1
