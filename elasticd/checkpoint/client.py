@@ -278,7 +278,7 @@ class Checkpointer:
             reply = self._reserve(plan.layout.total_size, step, mapped)
         if reply is None or reply.get("skip"):
             self.stats["skipped"] += 1
-            if reply is not None:
+            if reply is not None and not reply.get("grid"):  # a grid skip is routine
                 self._warn_once("skip", f"snapshot skipped by elasticd: {reply.get('reason')} "
                                 "(further skips are counted, not logged)")
             return False

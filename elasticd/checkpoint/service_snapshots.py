@@ -108,6 +108,15 @@ class SnapshotOps:
                 record.world_size, record.ranks = world, set()
             record.ranks.add(rank)
             record.local_world_size, record.uid = local_world, uid if type(uid) is int else None
+        grid_of = getattr(self.replicator, "snapshot_grid", None)
+        grid = grid_of(job) if grid_of is not None and version is not None else 1
+        if grid > 1 and version is not None and version[1] % grid:
+            # Off the job's snapshot grid: the nodes meet on common steps to commit
+            # (replication/commit.py, Grid). Routine: no warning, not a failure.
+            with self._lock:
+                self.counters["skipped_grid"] += 1
+            return {"skip": True, "grid": grid,
+                    "reason": f"off the snapshot grid (every {grid} steps while commits lag)"}
         try:
             slot = self.store.reserve(job, rank, nbytes)
         except OverBudget as exc:

@@ -215,6 +215,11 @@ class Replicator:
             self.tracker.on_landed(job, rank, version)
             self._submit(self.tracker.on_replicated, job, rank, version)
 
+    def snapshot_grid(self, job: str) -> int:
+        """Local snapshots of ``job`` are taken only at multiples of this step count (see
+        :class:`~elasticd.replication.commit.Grid`)."""
+        return self.tracker.grid(job)
+
     def on_commit_pending(self, job: str, version: Version,
                           skipped: Version | None = None) -> None:
         """A local snapshot (of ``skipped``, when known) was skipped because ``version``

@@ -44,6 +44,11 @@ from elasticd.replication.api import Version
 from elasticd.replication.commit_state import Actions, CommitBook, Holder, Verdict
 from elasticd.replication.commit import (
     KEEP_SKIPPED,
+    Grid,
+    decode_grid,
+    grid_key,
+    relax_grid,
+    widen_grid,
     KEEP_WITHDRAWN,
     KEEP_VERSIONS,
     CommitConflict,
@@ -81,6 +86,7 @@ class JobState:
             in the record: they can never be committed.
         withdrawn: versions this node withdrew (newest first), published apart (see
             :data:`~elasticd.replication.commit.KEEP_WITHDRAWN`).
+        grid: the job's snapshot grid as last seen (:class:`~elasticd.replication.commit.Grid`).
     """
 
     placement: Placement | None = None
@@ -94,6 +100,7 @@ class JobState:
     book: CommitBook = dataclasses.field(default_factory=lambda: CommitBook(0.0))
     skipped: list[Version] = dataclasses.field(default_factory=list)
     withdrawn: list[Version] = dataclasses.field(default_factory=list)
+    grid: Grid = dataclasses.field(default_factory=Grid)
     watch: Watch | None = None
 
 
@@ -177,6 +184,34 @@ class CommitTracker:
         """A local snapshot was skipped: ``version`` holds the slot it needs."""
         v, now = (int(version[0]), int(version[1])), self.clock.monotonic()
         self._event(job, lambda book: book.blocked(v, now))
+
+    def grid(self, job: str) -> int:
+        """Local snapshots of ``job`` are taken only at multiples of this step count (the
+        job's :class:`~elasticd.replication.commit.Grid`, followed by the commit watch)."""
+        with self.lock:
+            st = self.jobs.get(job)
+            return st.grid.grid if st is not None else 1
+
+    def _learn_grid(self, job: str, kv: Any) -> None:
+        try:
+            grid = decode_grid(kv.value, kv.key) if kv is not None else Grid()
+        except records.RecordError as exc:
+            complaints.warn(kv.key, kv.value, "unreadable grid record of %s: %s", job, exc)
+            return
+        with self.lock:
+            st = self.jobs.get(job)
+            if st is None or st.grid == grid:
+                return
+            old, st.grid = st.grid, grid
+        log.info("%s: snapshot grid %d -> %d steps (%s)", job, old.grid, grid.grid,
+                 "nodes snapshotted different steps" if grid.grid > old.grid
+                 else "commits kept up")
+
+    def _grid_write(self, what: str, write: Callable[[], Any]) -> None:
+        try:
+            write()
+        except (CoordinationError, records.RecordError) as exc:
+            self.etcd_error(what, exc)
 
     def awaiting_commit(self, job: str) -> list[Version]:
         """Acknowledged versions of local ranks followed until committed or withdrawn."""
@@ -359,6 +394,8 @@ class CommitTracker:
         with self.lock:
             self._perform(job, st.book.withdrawn_landed(version))
             self.counters["withdrawals"] += 1
+        self._grid_write("widen the snapshot grid",
+                         lambda: widen_grid(self.coord, self.keys, job, version))
         log.info("%s: withdrew step %d (generation %d) from %s's record: not committed (other "
                  "ranks skipped it, or %.1f s passed); its slot is reused", job, version[1],
                  version[0], self.node_id, self.withdraw_after)
@@ -423,6 +460,9 @@ class CommitTracker:
             self.cond.notify_all()
         if advanced and (old is None or committed.version > old.version):
             self._on_advance(job)
+        if st.grid.grid > 1 and (old is None or committed.version > old.version):
+            self._submit(self._grid_write, "relax the snapshot grid",
+                         lambda: relax_grid(self.coord, self.keys, job, committed.version))
 
     def watch(self, job: str) -> None:
         key = committed_key(self.keys, job)
@@ -431,6 +471,8 @@ class CommitTracker:
             for kv in kvs:
                 if kv.key == key:
                     self.learn(job, decode_committed(kv.value, key))
+                elif kv.key == grid_key(self.keys, job):
+                    self._learn_grid(job, kv)
             watch = self.coord.watch_prefix(key, functools.partial(self._on_watch, job),
                                             revision + 1)
         except (CoordinationError, records.RecordError) as exc:
@@ -449,7 +491,9 @@ class CommitTracker:
             return
         key = committed_key(self.keys, job)
         for event in events:
-            if event.type is EventType.PUT and event.kv.key == key:
+            if event.kv.key == grid_key(self.keys, job):
+                self._learn_grid(job, event.kv if event.type is EventType.PUT else None)
+            elif event.type is EventType.PUT and event.kv.key == key:
                 try:
                     self.learn(job, decode_committed(event.kv.value, key))
                 except records.RecordError as exc:

@@ -306,3 +306,30 @@ def test_daemon_side_modules_do_not_import_torch():
                "elasticd.persistence.tier"]
     code = f"import sys, {', '.join(modules)}; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_off_the_snapshot_grid_a_reservation_is_skipped_quietly(env, caplog):
+    # When commits lag, the job's grid (replication/commit.py, Grid) makes every node snapshot
+    # the same steps. Off the grid a reservation is a routine skip: no warning, no failure.
+    service, t, sink = env
+
+    class Grid:
+        grid = 4
+
+        def snapshot_grid(self, job):
+            return self.grid
+
+        def status(self):
+            return {"jobs": {}}
+
+    service.replicator = Grid()
+    ask = dict(job="job", rank=0, world_size=2, nbytes=4096, local_world_size=2, generation=0)
+    with caplog.at_level(logging.WARNING):
+        off = t.call("ckpt_reserve", step=6, **ask)
+    assert off["skip"] and off["grid"] == 4 and "grid" in off["reason"]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert service.counters["skipped_grid"] == 1 and not service.unprotected("job")
+    on = t.call("ckpt_reserve", step=8, **ask)
+    assert not on.get("skip") and on["capacity"] >= 4096
+    Grid.grid = 1
+    assert not t.call("ckpt_reserve", step=9, **ask).get("skip")

@@ -13,7 +13,15 @@ from elasticd.coordination import records
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.memory import MemoryCoordinator
 from elasticd.replication.commit import (
+    GRID_RELAX,
+    MAX_GRID,
     Committed,
+    Grid,
+    decode_grid,
+    encode_grid,
+    grid_key,
+    relax_grid,
+    widen_grid,
     Replicated,
     committed_key,
     decide,
@@ -142,3 +150,32 @@ def test_update_holders_only_while_the_version_is_current():
     record_commit(coord, KEYS, "j", committed(0, 6))
     got = update_holders(coord, KEYS, "j", (0, 5), {0: ["x"]}, now=4.0)
     assert got.version == (0, 6) and got.holders[0] == ("a", "b")
+
+
+def test_the_snapshot_grid_widens_once_per_divergence_and_relaxes_when_commits_keep_up():
+    coord, keys = MemoryCoordinator(), Keyspace("/t")
+
+    def stored():
+        kv = coord.get(grid_key(keys, "j"))
+        return decode_grid(kv.value) if kv else Grid()
+
+    assert stored() == Grid(1, (0, 0))  # none stored: every step
+    assert widen_grid(coord, keys, "j", (0, 12)) == Grid(2, (0, 12))
+    # the other nodes' withdrawals of the same divergence (versions up to 12) change nothing
+    assert widen_grid(coord, keys, "j", (0, 12)) is None
+    assert widen_grid(coord, keys, "j", (0, 11)) is None and stored().grid == 2
+    assert widen_grid(coord, keys, "j", (0, 16)) == Grid(4, (0, 16))  # diverged again
+    assert relax_grid(coord, keys, "j", (0, 16 + GRID_RELAX * 4 - 4)) is None  # too soon
+    assert relax_grid(coord, keys, "j", (0, 16 + GRID_RELAX * 4)) == Grid(2, (0, 48))
+    assert relax_grid(coord, keys, "j", (1, 3)) == Grid(1, (1, 3))  # a new generation
+    assert relax_grid(coord, keys, "j", (1, 500)) is None  # every step already
+    for step in range(100, 100 + 10 * MAX_GRID, MAX_GRID):
+        widen_grid(coord, keys, "j", (1, step))
+    assert stored().grid == MAX_GRID
+    # a hostile or corrupt record is refused on read and replaced on the next change
+    for bad in (encode_grid(Grid(3, (0, 1))), encode_grid(Grid(MAX_GRID * 2, (0, 1))),
+                b"junk"):
+        with pytest.raises(records.CorruptRecord):
+            decode_grid(bad)
+    coord.put(grid_key(keys, "j"), b"junk")
+    assert widen_grid(coord, keys, "j", (2, 1)) == Grid(2, (2, 1))

@@ -576,3 +576,5 @@ def test_a_withdrawal_stays_in_the_owners_record_however_many_steps_it_skips_aft
     record = read_state(cluster.coords[0], cluster.keys, JOB).progress["n1"]
     assert (0, 1) not in record.skipped and record.withdrawn == ((0, 1),)
     assert n2.replicator.tracker.never_committed(JOB, 0, [(0, 1)]) == {(0, 1)}
+    # the withdrawal widened the job's snapshot grid, and every node follows it
+    wait_for(lambda: n1.replicator.snapshot_grid(JOB) == n2.replicator.snapshot_grid(JOB) == 2)
