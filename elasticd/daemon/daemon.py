@@ -136,7 +136,6 @@ class Daemon(Registration, Fencing, DataLossRecovery):
         self.sentence = "starting"
         self._stop = threading.Event()
         self._need_resync = False
-        self._last_resync = 0.0
         self._last_heartbeat = 0.0
         self._rewrite_record = False
         self._published_sentence = ""
@@ -483,7 +482,6 @@ class Daemon(Registration, Fencing, DataLossRecovery):
         kvs, revision = self.coord.get_prefix(self.keys.nodes)
         now = self.clock.monotonic()
         self._act(self.membership.reset(self._decode_all(kvs), now, self.clock.wall(), False))
-        self._last_resync = now
         self._feed.start(self.coord, self.keys.nodes, revision + 1)
 
     def _decode_all(self, kvs: list[Any]) -> list[NodeRecord]:
@@ -536,7 +534,6 @@ class Daemon(Registration, Fencing, DataLossRecovery):
         cut_off = self.health.cut_off_within(self.settings.lease_ttl + 2 * self.settings.loop_interval + 1)
         self._act(self.membership.reset(self._decode_all(kvs), now, self.clock.wall(), cut_off))
         self._need_resync = False
-        self._last_resync = now
 
     def _act(self, observations: list[Observation]) -> None:
         for ob in observations:

@@ -38,7 +38,6 @@ class DataLossRecovery:
     _looked_at_cycle: int
     _suspect: dict[int, float]
     _need_resync: bool
-    _last_resync: float
     _notes: list[str]
     _act: Callable[[list[Observation]], None]
     _decode_all: Callable[[list[Any]], list[NodeRecord]]
@@ -73,7 +72,7 @@ class DataLossRecovery:
         self.cluster_incarnation.observe(revision)
         self._suspect.clear()  # failed events against our old leases went with the data
         self._act(self.membership.reset(self._decode_all(kvs), now, self.clock.wall(), True))
-        self._need_resync, self._last_resync = False, now
+        self._need_resync = False
         if self.registered_lease is not None:
             self._put_record(self.registered_lease)  # LeaseLost: re-registered this cycle
         if self.replicator is not None:

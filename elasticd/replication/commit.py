@@ -218,6 +218,15 @@ class Grid:
     grid: int = 1
     since: Version = (0, 0)
 
+    def relaxed(self, committed: Version) -> "Grid | None":
+        """The halved grid once ``committed`` is :data:`GRID_RELAX` grid periods past
+        ``since`` (or in a newer generation), else None."""
+        if self.grid == 1 or tuple(committed) <= self.since:
+            return None
+        if committed[0] == self.since[0] and committed[1] - self.since[1] < GRID_RELAX * self.grid:
+            return None
+        return Grid(self.grid // 2, tuple(committed))  # type: ignore[arg-type]
+
 
 def encode_grid(g: Grid) -> bytes:
     return records.encode(GRID_KIND, {"grid": g.grid, "since": list(g.since)})
@@ -271,14 +280,7 @@ def widen_grid(coord: Coordinator, keys: Keyspace, job: str, withdrawn: Version)
 def relax_grid(coord: Coordinator, keys: Keyspace, job: str, committed: Version) -> Grid | None:
     """``committed`` was committed: halves the grid once it has held for :data:`GRID_RELAX`
     grid periods with no widening. Raises coordination errors."""
-    def change(g: Grid) -> Grid | None:
-        if g.grid == 1 or tuple(committed) <= g.since:
-            return None
-        if committed[0] == g.since[0] and committed[1] - g.since[1] < GRID_RELAX * g.grid:
-            return None
-        return Grid(g.grid // 2, tuple(committed))  # type: ignore[arg-type]
-
-    return _change_grid(coord, keys, job, change)
+    return _change_grid(coord, keys, job, lambda g: g.relaxed(committed))
 
 
 def decide(placement: Placement, progress: Mapping[str, Replicated], *, floor: int = 0,

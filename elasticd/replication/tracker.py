@@ -460,7 +460,10 @@ class CommitTracker:
             self.cond.notify_all()
         if advanced and (old is None or committed.version > old.version):
             self._on_advance(job)
-        if st.grid.grid > 1 and (old is None or committed.version > old.version):
+        # Read and written only when the grid this node follows is due to halve: not once per
+        # commit (commits come every few steps on a fast job).
+        if (old is None or committed.version > old.version) and \
+                st.grid.relaxed(committed.version) is not None:
             self._submit(self._grid_write, "relax the snapshot grid",
                          lambda: relax_grid(self.coord, self.keys, job, committed.version))
 
