@@ -216,18 +216,25 @@ def bench_replication(a: argparse.Namespace, tmp: str) -> tuple[dict, list[dict]
     v = raw["data"]["variants"]
     e, r, x = v["elasticd push"], v["raw socket"], v["raw + xxh3 per chunk"]
     g, old = v["raw + Poly1305 per chunk"], v["raw + GMAC per chunk (v2)"]
+    inline = v["elasticd push, tagged inline"]
     return raw, [
         figure("replication", f"replication throughput, loopback, {a.size_mib} MiB in 4 MiB "
-               "chunks (every frame authenticated, ChaCha20-Poly1305)", e["gb_per_s"], "GB/s",
+               "chunks (every frame authenticated; blocks carry ChaCha20-Poly1305 tags made at "
+               "seal time, protocol v4)", e["gb_per_s"], "GB/s",
                [("raw socket, recv_into a preallocated buffer", r["gb_per_s"]),
+                ("elasticd push with every frame tagged on the way (protocol v3)",
+                 inline["gb_per_s"]),
                 ("raw socket + xxh3 per chunk", x["gb_per_s"]),
                 ("raw socket + Poly1305 per chunk, inline", g["gb_per_s"]),
                 ("raw socket + AES-GMAC per chunk (protocol v2's tag), inline",
                  old["gb_per_s"])],
                target=">= 80% of raw socket"),
-        figure("replication", "CPU per GiB replicated (sender + receiver)",
+        figure("replication", "CPU per GiB replicated (sender + receiver; the seal's block "
+               f"tags, {raw['data']['seal_block_tags_cpu_seconds_per_gib']:.2f} s/GiB once per "
+               "snapshot, not included)",
                e["cpu_seconds_per_gib"], "CPU s/GiB",
                [("raw socket", r["cpu_seconds_per_gib"]),
+                ("elasticd push, tagged on the way (v3)", inline["cpu_seconds_per_gib"]),
                 ("raw socket + xxh3", x["cpu_seconds_per_gib"]),
                 ("raw socket + Poly1305, inline", g["cpu_seconds_per_gib"]),
                 ("raw socket + AES-GMAC (v2), inline", old["cpu_seconds_per_gib"])],

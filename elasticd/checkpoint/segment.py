@@ -17,6 +17,7 @@ from __future__ import annotations
 import mmap
 import os
 import stat
+from typing import Any
 
 import numpy as np
 
@@ -78,6 +79,8 @@ class Segment:
         self.identity = (st.st_dev, st.st_ino)  # what a worker's cached mapping is keyed on
         self.view = memoryview(mm)
         self.header: SnapshotHeader | None = None
+        #: What the store's tagger made for the sealed snapshot (replication's block tags).
+        self.tags: Any = None
         self.pins = 0
         self.ticket = 0
 

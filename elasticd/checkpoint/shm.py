@@ -76,6 +76,7 @@ class SnapshotView:
 
     def __init__(self, store: "SlotStore", segment: Segment, pinned: bool, verify: bool):
         self.header: SnapshotHeader = segment.header  # type: ignore[assignment]
+        self.tags = segment.tags  # what the store's tagger made at seal time, or None
         self.path = segment.path
         self.buffer = segment.view[: self.header.layout.total_size].toreadonly()
         self._reader = SnapshotReader(self.buffer, verify=verify, where=segment.path)
@@ -118,6 +119,10 @@ class SlotStore:
         self._retained: dict[str, set[tuple[int, int]]] = {}  # job-wide (see retain)
         self._lock = threading.Lock()
         self._tickets = 0
+        #: Called at each local seal with the slot's memory and its payload blocks' ranges;
+        #: what it returns rides along as ``SnapshotView.tags`` (replication sets it: the
+        #: block tags that spare a push the pass over the bytes, seal.py's BlockTags).
+        self.tagger: Callable[[memoryview, list[tuple[int, int]]], Any] | None = None
 
     # -- paths and allocation -------------------------------------------------------------
 
@@ -266,7 +271,7 @@ class SlotStore:
             if current.header is not None:
                 pair.retained.discard(current.header.version())
             invalidate(current.view)
-            current.header = None
+            current.header, current.tags = None, None
             self._tickets += 1
             current.ticket = self._tickets
             pair.reserved = index
@@ -304,17 +309,22 @@ class SlotStore:
         with self._lock:
             segment = self._reserved_segment(slot)
         # Checksumming runs outside the lock: other ranks keep reserving meanwhile.
+        tags = None
         if header.blocks:
             verify_payload(segment.view, header)
             write_header(segment.view, header)
             sealed = header
         else:
             sealed = seal(segment.view, header)
+            if self.tagger is not None:
+                lay = sealed.layout
+                tags = self.tagger(segment.view,
+                                   [lay.block_range(i) for i in range(lay.num_blocks)])
         with self._lock:
             # Re-checked: a new reservation of the same rank may have taken the slot meanwhile.
             self._reserved_segment(slot)
             pair = self._pairs[(slot.job, slot.rank)]
-            segment.header = sealed
+            segment.header, segment.tags = sealed, tags
             pair.latest, pair.reserved = pair.segments.index(segment), None
         return sealed
 

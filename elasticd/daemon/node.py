@@ -193,6 +193,7 @@ class Node:
         from elasticd.checkpoint.shm import SlotStore, SlotStoreError
         from elasticd.replication.auth import AuthFailures
         from elasticd.replication.replicator import Replicator
+        from elasticd.replication.seal import BlockTagger
         from elasticd.replication.server import ReplicaServer
         from elasticd.replication.shm_sink import ShmSink, replica_root
 
@@ -218,6 +219,8 @@ class Node:
                          peers_address=functools.partial(peer_address, membership),
                          sink=sink, commit_wait=self.commit_wait)
         self._teardown.append(rep.close)
+        # Local snapshots get their block tags as they are sealed, so a push only sends.
+        store.tagger = BlockTagger(secret).tag
         rep.pusher.on_push = ReplicationSink(metrics).pushed
         metrics.replication.attach(rep.stats, server.snapshot_stats)
         address = server.address

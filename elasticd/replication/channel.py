@@ -38,12 +38,15 @@ from elasticd.replication.messages import (
     encode_frame,
     frame_opener,
     open_payload,
+    pretagged_prefix,
 )
 from elasticd.replication.overlap import Helper
-from elasticd.replication.seal import FrameKey
+from elasticd.replication.seal import BlockTags, FrameKey, Opener, one_time_tagger
 from elasticd.replication.wire import (
     HEADER_SIZE,
     OFFSET,
+    PRETAG,
+    ForgedFrame,
     FrameHeader,
     FrameType,
     ChecksumMismatch,
@@ -74,6 +77,7 @@ class Channel:
         self.limits = limits
         self._head = memoryview(bytearray(HEADER_SIZE))
         self._offset = memoryview(bytearray(OFFSET.size))
+        self._pretag = memoryview(bytearray(PRETAG.size))
         self._control = memoryview(bytearray(limits.max_control))
         # TLS sockets have no sendmsg; fall back to one sendall per part there.
         self._gather = isinstance(sock, socket.socket) and not isinstance(sock, ssl.SSLSocket)
@@ -82,6 +86,9 @@ class Channel:
         #: Seal outgoing / open incoming frames with these once authenticated (None before).
         self.send_key: FrameKey | None = None
         self.recv_key: FrameKey | None = None
+        #: The block key of the snapshot being received, when its PUT_BEGIN announced
+        #: pretagged DATA (set and cleared by the server around one push).
+        self.block_key: bytes | None = None
 
     # -- sending ---------------------------------------------------------------------------
 
@@ -100,6 +107,14 @@ class Channel:
     def send_prefixed(self, prefix: bytes, chunk: memoryview) -> None:
         """Sends a DATA frame whose prefix :meth:`data_prefix` made."""
         self._send(prefix, chunk)
+
+    def send_pretagged(self, offset: int, tag: bytes, chunk: memoryview) -> None:
+        """Sends a pretagged DATA frame: ``chunk`` with the block tag made when it was sealed
+        (the session tag covers the frame's header, offset and that tag; the chunk is not
+        read here, only sent)."""
+        if self.send_key is None:
+            raise ValueError("pretagged DATA needs an authenticated session")
+        self._send(pretagged_prefix(offset, len(chunk), tag, self.send_key), chunk)
 
     def send_error(self, code: str, message: str) -> None:
         """Best effort: tells the peer why the connection is about to close."""
@@ -186,6 +201,8 @@ class Channel:
         opener = frame_opener(header, self.recv_key)
         if helper is not None:
             helper.raise_failure()
+        if header.pretagged:
+            return self._recv_pretagged(header, opener, destination)
         self._recv_exactly(self._offset, "a DATA offset")
         (offset,) = OFFSET.unpack(self._offset)
         length = header.length - OFFSET.size
@@ -209,6 +226,26 @@ class Channel:
         elif hasher.digest() != header.check:
             raise ChecksumMismatch(f"DATA frame of {header.length} bytes at offset {offset} "
                                    "fails its xxh3 checksum")
+        return offset, length
+
+    def _recv_pretagged(self, header: FrameHeader, session: Any,
+                        destination: Destination) -> tuple[int, int]:
+        if self.block_key is None:
+            raise UnexpectedFrame("pretagged DATA in a transfer whose PUT_BEGIN gave no tag salt")
+        # The offset and block tag are authenticated (session tag) before the chunk is read.
+        self._recv_exactly(self._pretag, "a DATA offset and block tag")
+        session.update(self._pretag)
+        session.check(header)
+        offset, tag = PRETAG.unpack(self._pretag)
+        length = header.length - PRETAG.size
+        target = destination(offset, length)
+        if len(target) != length:
+            raise ProtocolError(f"destination for {length} bytes has {len(target)}")
+        block = Opener(one_time_tagger(self.block_key, offset), tag)
+        self._recv_exactly(target, "a DATA chunk", feed=block.update)
+        if not block.verify():
+            raise ForgedFrame(f"DATA chunk of {length} bytes at offset {offset} fails its block "
+                              "tag: altered in transit, or not the snapshot its owner sealed")
         return offset, length
 
     def _recv_exactly(self, view: memoryview, what: str, at_boundary: bool = False,
@@ -312,8 +349,13 @@ def receive_stream(channel: Channel, total: int, target: memoryview) -> int:
     return frames
 
 
-def send_stream(channel: Channel, parts: tuple[memoryview, ...], chunk: int) -> int:
+def send_stream(channel: Channel, parts: tuple[memoryview, ...], chunk: int,
+                tags: BlockTags | None = None) -> int:
     """Sends ``parts`` back to back as DATA frames of at most ``chunk`` bytes, then PUT_END.
+
+    Args:
+        tags: block tags made at seal time (the receiver was given their salt): a piece that
+            is exactly one tagged block goes pretagged, any other is tagged here.
 
     Returns:
         The frame count.
@@ -323,7 +365,14 @@ def send_stream(channel: Channel, parts: tuple[memoryview, ...], chunk: int) -> 
         for i in range(0, len(part), chunk):
             pieces.append((offset, part[i : i + chunk]))
             offset += len(pieces[-1][1])
-    if channel.send_key is None or len(pieces) < 2 or not OVERLAP:
+    if tags is not None and channel.send_key is not None:
+        for at, piece in pieces:
+            tag = tags.tag_at(at, len(piece))
+            if tag is not None:
+                channel.send_pretagged(at, tag, piece)
+            else:
+                channel.send_data(at, piece)
+    elif channel.send_key is None or len(pieces) < 2 or not OVERLAP:
         for at, piece in pieces:
             channel.send_data(at, piece)
     else:

@@ -17,15 +17,17 @@ import struct
 from typing import Any, ClassVar, Union
 
 from elasticd.replication.api import Descriptor
-from elasticd.replication.seal import FrameKey
+from elasticd.replication.seal import SALT_BYTES, TAG_BYTES, FrameKey
 from elasticd.replication.wire import (
     CHECKED,
+    FLAG_PRETAGGED,
     FLAG_SEALED,
     HEADER_SIZE,
     MAGIC,
     MAX_NODE_ID,
     NONCE_BYTES,
     OFFSET,
+    PRETAG,
     PROOF_BYTES,
     VERSION,
     FrameHeader,
@@ -181,15 +183,28 @@ class Auth:
 
 @dataclasses.dataclass(frozen=True)
 class PutBegin:
+    """Announces a push; ``tag_salt`` when (some of) its DATA frames come pretagged."""
+
     TYPE: ClassVar[FrameType] = FrameType.PUT_BEGIN
     descriptor: Descriptor
+    tag_salt: bytes | None = None
 
     def payload(self) -> bytes:
-        return _descriptor_json(self.descriptor)
+        obj = dataclasses.asdict(self.descriptor)
+        if self.tag_salt is not None:
+            obj["tag_salt"] = _exact(self.tag_salt, SALT_BYTES).hex()
+        return _json(obj)
 
     @classmethod
     def parse(cls, p: memoryview) -> "PutBegin":
-        return cls(_descriptor(_object(p, "PUT_BEGIN"), "PUT_BEGIN"))
+        obj = _object(p, "PUT_BEGIN")
+        salt = obj.get("tag_salt")
+        if salt is not None:
+            try:
+                salt = _exact(bytes.fromhex(salt), SALT_BYTES)
+            except (TypeError, ValueError) as exc:
+                raise MalformedFrame(f"PUT_BEGIN: invalid tag_salt ({exc})") from exc
+        return cls(_descriptor(obj, "PUT_BEGIN"), salt)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,6 +358,18 @@ def data_prefix(offset: int, chunk: Any, key: FrameKey | None = None) -> bytes:
     """
     off = OFFSET.pack(offset)
     return _check(FrameType.DATA, OFFSET.size + memoryview(chunk).nbytes, key, off, chunk) + off
+
+
+def pretagged_prefix(offset: int, length: int, tag: bytes, key: FrameKey) -> bytes:
+    """Header, offset and block tag of a pretagged DATA frame of ``length`` chunk bytes.
+
+    The session tag covers only these bytes: the chunk is covered by its block tag, made when
+    the snapshot was sealed (wire.py), so nothing here reads the chunk.
+    """
+    pretag = PRETAG.pack(offset, _exact(tag, TAG_BYTES))
+    checked = CHECKED.pack(MAGIC, VERSION, FrameType.DATA, FLAG_SEALED | FLAG_PRETAGGED,
+                           PRETAG.size + length)
+    return checked + key.seal(checked, pretag) + pretag
 
 
 def decode_payload(header: FrameHeader, payload: memoryview) -> Message:

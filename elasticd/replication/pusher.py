@@ -102,7 +102,8 @@ class Pusher:
                 self.fail("unreachable")
                 return False
             try:
-                result = client.push(d, buf[: d.header_bytes], buf[d.header_bytes : d.total_bytes])
+                result = client.push(d, buf[: d.header_bytes], buf[d.header_bytes : d.total_bytes],
+                                     tags=view.tags)
             except Refused as exc:
                 if exc.reason == EXISTS:
                     return True  # the peer already holds this very version, verified

@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import struct
-from typing import Any
+from typing import Any, Iterable
 
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
@@ -48,6 +49,8 @@ TAG_BYTES = 16
 KEY_BYTES = 32  # ChaCha20
 _MAX_FRAMES = 2**64 - 1
 _INFO = b"elasticd-replication-v3 session keys\0"
+_BLOCK_INFO = b"elasticd-replication-v4 snapshot block tags\0"
+SALT_BYTES = 16
 _ONE_TIME_KEY = bytes(32)  # ChaCha20 block 0 over zeros: the frame's Poly1305 key (RFC 8439 2.6)
 _PAD = bytes(16)
 _LENGTHS = struct.Struct("<QQ")
@@ -74,12 +77,8 @@ class FrameKey:
     def _next(self) -> "Tagger":
         if self._sequence >= _MAX_FRAMES:
             raise OverflowError("frame sequence exhausted: reconnect for fresh keys")
-        # ChaCha20's 16-byte nonce here is RFC 8439's block counter (0: the key block) and
-        # then its 96-bit nonce, the frame's sequence number.
-        nonce = struct.pack("<IIQ", 0, 0, self._sequence)
         self._sequence += 1
-        one_time = Cipher(algorithms.ChaCha20(self._key, nonce), mode=None).encryptor()
-        return Tagger(one_time.update(_ONE_TIME_KEY))
+        return one_time_tagger(self._key, self._sequence - 1)
 
     def seal(self, *parts: Any) -> bytes:
         """The tag of the next frame, whose bytes are ``parts`` (read where they lie)."""
@@ -91,6 +90,14 @@ class FrameKey:
     def opener(self, tag: bytes) -> "Opener":
         """Starts checking the next frame against ``tag``; feed its bytes, then verify."""
         return Opener(self._next(), tag)
+
+
+def one_time_tagger(key: bytes, nonce: int) -> "Tagger":
+    """Poly1305 under the one-time key ChaCha20 derives from ``key`` and the 64-bit ``nonce``."""
+    # ChaCha20's 16-byte nonce here is RFC 8439's block counter (0: the key block) and then
+    # its 96-bit nonce, which holds ``nonce``.
+    chacha = Cipher(algorithms.ChaCha20(key, struct.pack("<IIQ", 0, 0, nonce)), mode=None)
+    return Tagger(chacha.encryptor().update(_ONE_TIME_KEY))
 
 
 class Tagger:
@@ -147,3 +154,66 @@ class SessionKeys:
         self.proof_key = okm[:KEY_BYTES]
         self.client_to_server = okm[KEY_BYTES : 2 * KEY_BYTES]
         self.server_to_client = okm[2 * KEY_BYTES :]
+
+
+class BlockTags:
+    """The tags of a snapshot's payload blocks, made once when the snapshot is sealed.
+
+    A push then sends each block with its tag already made (protocol v4's pretagged DATA,
+    :mod:`elasticd.replication.wire`): the pass over the bytes that authenticates them is paid
+    once per snapshot, on the daemon's seal thread, instead of on every push's critical path,
+    where it bounded the sender at 0.6x a raw socket. The receiver still checks every block.
+
+    The key of one snapshot is HKDF over the cluster secret salted with :attr:`salt` (16
+    random bytes drawn at seal time and sent in PUT_BEGIN), so that only holders of the secret
+    can make or check a tag, and no two snapshots share a key; a block's tag is the
+    ChaCha20-Poly1305 tag (empty plaintext, the block as associated data) under that key with
+    the block's byte offset as nonce, so a block moved to another offset fails too.
+
+    Attributes:
+        salt: the snapshot's salt.
+        tags: ``{offset: (length, tag)}``, one per block.
+    """
+
+    def __init__(self, salt: bytes, tags: dict[int, tuple[int, bytes]]) -> None:
+        self.salt, self.tags = salt, tags
+
+    def tag_at(self, offset: int, length: int) -> bytes | None:
+        """The tag made for exactly the bytes ``[offset, offset + length)``, if any."""
+        found = self.tags.get(offset)
+        return found[1] if found is not None and found[0] == length else None
+
+
+class BlockTagger:
+    """Makes and checks :class:`BlockTags` under the cluster secret."""
+
+    def __init__(self, secret: bytes) -> None:
+        self._secret = bytes(secret)
+
+    def key(self, salt: bytes) -> bytes:
+        """The block key of the snapshot salted with ``salt``."""
+        if len(salt) != SALT_BYTES:
+            raise ValueError(f"block tag salt must be {SALT_BYTES} bytes, got {len(salt)}")
+        return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=salt,
+                    info=_BLOCK_INFO).derive(self._secret)
+
+    def tag(self, buf: Any, ranges: Iterable[tuple[int, int]], base: int = 0) -> BlockTags:
+        """Tags the blocks ``[start, end)`` of a snapshot under a fresh salt.
+
+        Args:
+            buf: the snapshot's bytes from offset ``base`` on.
+            ranges: the blocks, as offsets in the snapshot (the pushes' DATA offsets).
+        """
+        view = memoryview(buf).cast("B")
+        salt = os.urandom(SALT_BYTES)
+        key = self.key(salt)
+        tags = {}
+        for start, end in ranges:
+            tagger = one_time_tagger(key, start)
+            tagger.update(view[start - base : end - base])
+            tags[start] = (end - start, tagger.tag())
+        return BlockTags(salt, tags)
+
+    def opener(self, key: bytes, offset: int, tag: bytes) -> Opener:
+        """Starts checking the block at ``offset`` of the snapshot whose block key is ``key``."""
+        return Opener(one_time_tagger(key, offset), tag)

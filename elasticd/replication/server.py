@@ -45,6 +45,7 @@ from elasticd.replication.api import (
     TransferTimeout,
 )
 from elasticd.replication.auth import AuthFailures, check_secret, server_handshake
+from elasticd.replication.seal import BlockTagger
 from elasticd.replication.channel import Channel, receive_stream, send_stream
 from elasticd.replication.messages import Ack, Fetch, FetchReply, Nack, PutBegin
 from elasticd.replication.wire import (
@@ -115,6 +116,7 @@ class ReplicaServer:
             raise ValueError(f"max_connections, max_pending and chunk_size must be >= 1, got "
                              f"{max_connections}, {max_pending}, {chunk_size}")
         self._secret = check_secret(secret)
+        self._blocks = BlockTagger(self._secret)
         self.node_id = node_id
         self.sink = sink
         self.limits = Limits(max_frame, max_control)
@@ -323,7 +325,12 @@ class ReplicaServer:
                     return  # the peer hung up between requests: normal
                 msg = channel.recv_message(header)
                 if isinstance(msg, PutBegin):
-                    self._receive(channel, msg.descriptor, hello.node_id)
+                    channel.block_key = (self._blocks.key(msg.tag_salt)
+                                         if msg.tag_salt is not None else None)
+                    try:
+                        self._receive(channel, msg.descriptor, hello.node_id)
+                    finally:
+                        channel.block_key = None
                 elif isinstance(msg, Fetch):
                     self._serve_fetch(channel, msg, hello.max_frame)
                 else:

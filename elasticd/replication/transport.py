@@ -30,6 +30,7 @@ from elasticd.replication.api import (
 from elasticd.replication.auth import check_secret, client_handshake
 from elasticd.replication.channel import Channel, receive_stream, send_stream
 from elasticd.replication.messages import Ack, Error, Fetch, FetchReply, Nack, PutBegin
+from elasticd.replication.seal import BlockTags
 from elasticd.replication.server import DEFAULT_CHUNK, ReplicaServer, ServerStats
 from elasticd.replication.wire import (
     DEFAULT_MAX_CONTROL,
@@ -100,10 +101,14 @@ class ReplicaClient:
         return cls(channel, challenge.node_id, challenge.max_frame, clock or SystemClock())
 
     def push(self, descriptor: Descriptor, header: Any, payload: Any,
-             chunk_size: int = DEFAULT_CHUNK) -> PushResult:
+             chunk_size: int = DEFAULT_CHUNK, tags: BlockTags | None = None) -> PushResult:
         """Sends one snapshot (``header`` then ``payload``, both bytes-like, sent uncopied).
 
         Returns once the peer verified every chunk and committed the copy.
+
+        Args:
+            tags: the snapshot's block tags, made when it was sealed: the blocks they cover
+                go pretagged (not read here, only sent); the rest are tagged as they go.
 
         Raises:
             Refused: the peer declined it (``stale``, ``exists``, ``no_space``...); the
@@ -122,9 +127,9 @@ class ReplicaClient:
 
         def run() -> PushResult:
             started = self.clock.monotonic()
-            self.channel.send(PutBegin(descriptor))
+            self.channel.send(PutBegin(descriptor, tags.salt if tags is not None else None))
             self._expect_ack()
-            frames = send_stream(self.channel, (head, body), chunk)
+            frames = send_stream(self.channel, (head, body), chunk, tags)
             self._expect_ack()
             return PushResult(descriptor, frames, self.clock.monotonic() - started)
 

@@ -15,6 +15,14 @@ is caught as surely as a flipped payload byte. What it is depends on the SEALED 
 * unsealed (the handshake only, before any key exists): xxh3_128, which detects corruption.
   The handshake's content is bound by the keys and proofs derived from it.
 
+A sealed DATA frame may also be PRETAGGED (v4): its payload is offset (8) | block tag (16) |
+chunk, the session tag covers the 12 header bytes, the offset and the block tag, and the
+block tag covers the chunk under the snapshot's block key (:class:`~elasticd.replication.seal.
+BlockTags`: made once when the snapshot was sealed, keyed by the cluster secret and the salt
+its PUT_BEGIN carries). So every frame is still authenticated, the chunk by a tag that was
+not made on the push's critical path; a relay that alters the chunk fails the block tag, one
+that alters, replays or reorders the frame fails the session tag.
+
 A reader checks magic, version, type, flags and the length limit for that type *before* reading
 the payload, so a hostile or corrupt length never makes it allocate or wait for more than
 :class:`Limits` allows. Payloads are binary (``struct``) where they carry nonces or offsets and
@@ -40,14 +48,17 @@ import xxhash
 from elasticd.replication.api import ReplicationError
 
 MAGIC = b"EDRP"
-VERSION = 3  # 2: client proves first, frames sealed (AES-GMAC); 3: tags are ChaCha20-Poly1305
+VERSION = 4  # 2: client proves first, frames sealed (AES-GMAC); 3: tags are ChaCha20-Poly1305;
+# 4: pretagged DATA (block tags made at seal time)
 CHECK_BYTES = 16
 HEADER = struct.Struct(f"!4sBBHI{CHECK_BYTES}s")
 HEADER_SIZE = HEADER.size
 CHECKED = struct.Struct("!4sBBHI")  # the header bytes the checksum covers
 OFFSET = struct.Struct("!Q")
 FLAG_SEALED = 0x0001  # the check is the session's Poly1305 tag, not a checksum
-KNOWN_FLAGS = FLAG_SEALED  # any other set bit means a newer peer
+FLAG_PRETAGGED = 0x0002  # DATA only: the chunk carries its own block tag (see PRETAG)
+KNOWN_FLAGS = FLAG_SEALED | FLAG_PRETAGGED  # any other set bit means a newer peer
+PRETAG = struct.Struct("!Q16s")  # a pretagged DATA frame's offset and block tag
 NONCE_BYTES = 32
 PROOF_BYTES = 32
 MAX_NODE_ID = 255
@@ -150,6 +161,10 @@ class FrameHeader:
     def sealed(self) -> bool:
         return bool(self.flags & FLAG_SEALED)
 
+    @property
+    def pretagged(self) -> bool:
+        return bool(self.flags & FLAG_PRETAGGED)
+
 
 def parse_header(raw: bytes | bytearray | memoryview, limits: Limits) -> FrameHeader:
     """Validates a frame header before any of its payload is read.
@@ -177,6 +192,13 @@ def parse_header(raw: bytes | bytearray | memoryview, limits: Limits) -> FrameHe
         raise FrameTooLarge(f"{kind.name} frame announces {length} payload bytes, limit {limit}")
     if kind is FrameType.DATA and length <= OFFSET.size:
         raise MalformedFrame(f"DATA frame of {length} bytes has no room for offset and data")
+    if flags & FLAG_PRETAGGED:
+        if kind is not FrameType.DATA or not flags & FLAG_SEALED:
+            raise UnknownFlags(f"{kind.name} frame is marked pretagged, which only a sealed "
+                               "DATA frame may be")
+        if length <= PRETAG.size:
+            raise MalformedFrame(f"pretagged DATA frame of {length} bytes has no room for "
+                                 "offset, block tag and data")
     return FrameHeader(kind, flags, length, check, bytes(raw[: CHECKED.size]))
 
 

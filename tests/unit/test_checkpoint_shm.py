@@ -236,6 +236,34 @@ def test_replica_path_verifies_the_given_checksums(store):
     assert store.latest("job", 2, verify=True).header.step == 4
 
 
+def test_the_tagger_runs_at_each_local_seal_and_its_result_rides_with_the_view(store):
+    calls = []
+
+    def tagger(view, ranges):
+        calls.append((len(view), ranges))
+        return ("tags", len(calls))
+
+    store.tagger = tagger
+    header, _ = snapshot(store, "job", 0, step=1, n=3000)
+    lay = header.layout
+    assert calls[0][1] == [lay.block_range(i) for i in range(lay.num_blocks)]
+    assert lay.num_blocks == 3  # 12 KB of payload in 4 KiB blocks
+    assert store.latest("job", 0).tags == ("tags", 1)
+    snapshot(store, "job", 0, step=2)
+    assert store.latest("job", 0).tags == ("tags", 2)
+    # A replica arrives with its checksums and is only verified: nothing to tag.
+    payload = bytes(store.latest("job", 0).buffer)
+    slot = store.reserve("job", 3, header.layout.total_size)
+    slot.buffer[: len(payload)] = payload
+    source = store.latest("job", 0).header
+    store.complete(slot, dataclasses.replace(source, rank=3))
+    assert len(calls) == 2 and store.latest("job", 3).tags is None
+    # The slot of step 1 is reserved again for step 3: its old tags go with its old bytes.
+    slot = store.reserve("job", 0, header.layout.total_size)
+    assert all(s is None or s.tags in (None, ("tags", 2))
+               for s in store._pairs[("job", 0)].segments)
+
+
 def test_bad_arguments_are_refused(store):
     with pytest.raises(ValueError, match="job name"):
         store.reserve("../etc", 0, 100)

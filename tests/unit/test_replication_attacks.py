@@ -23,7 +23,15 @@ from elasticd.replication.channel import Channel
 from elasticd.replication.memory import MemorySink
 from elasticd.replication.messages import Auth, Challenge, Error, Hello, decode_frame
 from elasticd.replication.transport import ReplicaClient, ReplicaServer
-from elasticd.replication.wire import CHECKED, HEADER, HEADER_SIZE, FrameType, checksum
+from elasticd.replication.seal import BlockTagger
+from elasticd.replication.wire import (
+    CHECKED,
+    FLAG_PRETAGGED,
+    HEADER,
+    HEADER_SIZE,
+    FrameType,
+    checksum,
+)
 
 SECRET = b"cluster-secret-0123456789abcdef"
 MiB = 1 << 20
@@ -67,6 +75,7 @@ class RewritingRelay:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = self.listener.getsockname()[:2]
         self.rewritten = 0
+        self.data_flags: list[int] = []  # of every DATA frame seen
         self.threads: list[threading.Thread] = []
         self.socks: list[socket.socket] = []
         accept = threading.Thread(target=self._accept, daemon=True)
@@ -99,9 +108,16 @@ class RewritingRelay:
                 payload = bytearray(read_exactly(src, length))
                 if ftype == FrameType.DATA:
                     seen += 1
+                    self.data_flags.append(flags)
                     if seen == self.nth:
-                        payload[8] ^= 0xFF  # the first byte after the offset: the data
-                        check = checksum(head[: CHECKED.size], payload)
+                        # The first byte of the data: after the offset, and after the block
+                        # tag in a pretagged frame (whose session tag covers only the prefix,
+                        # so the relay need not even touch the check).
+                        if flags & FLAG_PRETAGGED:
+                            payload[8 + 16] ^= 0xFF
+                        else:
+                            payload[8] ^= 0xFF
+                            check = checksum(head[: CHECKED.size], payload)
                         self.rewritten += 1
                 dst.sendall(HEADER.pack(magic, version, ftype, flags, length, check) + payload)
         with contextlib.suppress(OSError):
@@ -138,6 +154,61 @@ def test_relay_rewriting_a_data_frame_is_refused_and_counted():
         assert sink.get("job", 0) is None
         assert [e[0] for e in sink.events] == ["begin", "abort"]
         assert srv.snapshot_stats().pushes_committed == 0
+
+
+def tagged_push(address, nth: int, tagger: BlockTagger = BlockTagger(SECRET)):
+    """Pushes 1 MiB in 256 KiB blocks tagged as a seal would, through a relay rewriting the
+    ``nth`` DATA frame (0: none). Returns (relay, the exception raised or None, payload)."""
+    relay = RewritingRelay(address, nth=nth)
+    header = b"{}".ljust(64)
+    payload = bytes(range(256)) * 4096
+    whole = header + payload
+    blocks = [(a, min(a + (256 << 10), len(whole))) for a in range(64, len(whole), 256 << 10)]
+    tags = tagger.tag(whole, blocks)
+    d = Descriptor.for_snapshot("job", 0, 0, 1, len(header), len(payload))
+    error = None
+    try:
+        client = ReplicaClient.connect(*relay.address, SECRET, "node-a", timeout=10.0)
+        try:
+            client.push(d, header, payload, chunk_size=256 << 10, tags=tags)
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            error = exc
+        client.close()
+    finally:
+        relay.close()
+    return relay, error, payload
+
+
+def test_pretagged_push_sends_blocks_with_their_seal_time_tags():
+    sink = MemorySink()
+    with server(sink) as srv:
+        relay, error, payload = tagged_push(srv.address, nth=0)
+    assert error is None
+    # The header frame is tagged on the way, the four payload blocks go pretagged.
+    assert [bool(f & FLAG_PRETAGGED) for f in relay.data_flags] == [False] + [True] * 4
+    held = sink.get("job", 0)
+    assert held is not None and held[64:] == payload
+
+
+def test_relay_rewriting_a_pretagged_data_frame_is_refused_and_counted():
+    sink = MemorySink()
+    with server(sink) as srv:
+        relay, error, _ = tagged_push(srv.address, nth=3)
+        assert relay.rewritten == 1
+        assert error is not None and "block tag" in str(error)
+        wait_for(lambda: srv.snapshot_stats().protocol_errors == 1)
+        assert sink.get("job", 0) is None
+        assert srv.snapshot_stats().pushes_committed == 0
+
+
+def test_block_tags_made_without_the_cluster_secret_are_refused():
+    sink = MemorySink()
+    with server(sink) as srv:
+        _, error, _ = tagged_push(srv.address, nth=0,
+                                  tagger=BlockTagger(b"another-secret-0123456789abcdef"))
+        assert error is not None and "block tag" in str(error)
+        wait_for(lambda: srv.snapshot_stats().protocol_errors == 1)
+        assert sink.get("job", 0) is None
 
 
 def attack(srv: ReplicaServer) -> socket.socket:

@@ -153,10 +153,11 @@ def _header(frame: bytes, **fields) -> bytearray:
     [
         (dict(magic=b"HTTP"), BadMagic, "not an elasticd replication peer"),
         (dict(version=1), UnsupportedVersion, "v1"),
-        (dict(version=2), UnsupportedVersion, "peer speaks replication protocol v2, this "
-                                              "elasticd speaks v3"),  # v2 (GMAC tags): refused
+        (dict(version=3), UnsupportedVersion, "peer speaks replication protocol v3, this "
+                                              "elasticd speaks v4"),  # v3 (no pretagged DATA)
         (dict(ftype=99), UnknownFrameType, "99"),
-        (dict(flags=2), UnknownFlags, "0x0002"),
+        (dict(flags=4), UnknownFlags, "0x0004"),
+        (dict(flags=2), UnknownFlags, "only a sealed DATA frame"),
         (dict(length=1 << 20), FrameTooLarge, "limit 65536"),
         (dict(check=b"\1" * 16), ChecksumMismatch, "checksum"),
     ],
