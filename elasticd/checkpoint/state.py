@@ -11,7 +11,8 @@ come from a peer, and JSON cannot run code.
 
 Supported values: ``nn.Module`` (its state_dict, with the per-module version metadata), any
 ``torch.optim.Optimizer``, ``ZeroRedundancyOptimizer`` (this rank's local shard plus the
-wrapper's param-group hyper-parameters, which its ``step`` copies over the shard's, docs/facts.md),
+wrapper's param-group hyper-parameters, which its ``step`` copies over the shard's, and the
+partition map that lets another world size reshard it, docs/facts.md),
 anything with ``state_dict``/``load_state_dict`` (LR schedulers, samplers, :class:`RNGState`),
 and plain values. Worker side: imports torch.
 """
