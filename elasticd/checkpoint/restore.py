@@ -19,9 +19,11 @@ the committed version of the other world is still a candidate when the state is 
 across ranks (data parallel: every rank's model and optimizer are identical): new rank ``r``
 loads old rank ``r``'s shard, and a rank beyond the old world loads old rank ``r % old``'s
 (so after a grow the new ranks start with a copy of an old rank's RNG states too); the
-sampler's position is global, so it carries over. A state sharded across ranks (a
-``ZeroRedundancyOptimizer``) cannot be restored at another world size: that is logged and
-restore falls back to what the current world size has (the persistent tier, or a fresh start).
+sampler's position is global, so it carries over. State sharded across ranks is resharded
+(:meth:`Sources.fetch_shards` fetches the other old ranks' snapshots it needs): DTensors
+(FSDP2) by their saved boxes (:mod:`elasticd.checkpoint.shards`), a
+``ZeroRedundancyOptimizer`` by the partition map saved with each rank's shard (every old rank's
+snapshot; ZeRO's own ``load_state_dict`` then keeps this rank's parameters' state).
 
 Whatever is restored, new snapshots start a new generation above every generation seen, so
 snapshots of an abandoned timeline (written after the restored step, before the failure) never
@@ -330,14 +332,22 @@ class Sources:
         the same one, and on the same mesh, none). None when one of them is not reachable."""
         from elasticd.checkpoint import shards
 
-        if next(shards.nodes(got.meta), None) is None:
+        dtensors = next(shards.nodes(got.meta), None) is not None
+        # A ZeroRedundancyOptimizer partitions whole parameters by size: at another world size
+        # a rank's new partition draws on any old rank's, so it needs every old snapshot.
+        zero = world != self.world and any(
+            kind == "zero" for _, kind, _ in got.meta.get("objects", ()))
+        if not dtensors and not zero:
             return got
         base = self.rank % world
-        try:
-            need = shards.needed_ranks(got.meta, world, base, shards.live_meshes(state))
-        except shards.ShardError as exc:
-            got.error = str(exc)  # reported at the load, together on every rank
-            return got
+        need = [base, *(q for q in range(world) if q != base)] if zero else [base]
+        if dtensors:
+            try:
+                more = shards.needed_ranks(got.meta, world, base, shards.live_meshes(state))
+            except shards.ShardError as exc:
+                got.error = str(exc)  # reported at the load, together on every rank
+                return got
+            need += [q for q in more if q not in need]
         for rank in need[1:]:
             other = self.fetch_rank(version, rank, refused, world)
             if other is None:
@@ -423,27 +433,10 @@ def handed_fd(reply: dict[str, Any]) -> Iterator[int]:
             os.close(fd)
 
 
-def sharded_reason(state: Any) -> str:
-    """Why ``state`` cannot be restored from a snapshot of another world size ("" if it can).
-
-    Only state replicated across ranks can: the new rank ``r`` loads old rank ``r``'s shard,
-    which is everybody's state only when every rank's state is the same.
-    """
-    from elasticd.checkpoint.state import _zero_class
-
-    zero = _zero_class()
-    if zero is None or not hasattr(state, "items"):
-        return ""
-    for key, value in state.items():
-        if isinstance(value, zero):
-            return (f"state[{key!r}] is a ZeroRedundancyOptimizer, whose state is sharded "
-                    "across ranks")
-    return ""
-
-
 # Rows every rank sends ahead of its versions: its progress, the committed version it was told
-# of, (world size of that committed version, 1 if its state is replicated across ranks), and
-# (1 if its daemon did not answer, 0).
+# of, (world size of that committed version, 1: the slot that said whether its state could be
+# restored at another world size, which every state elasticd snapshots now can), and (1 if its
+# daemon did not answer, 0).
 _HEAD = 4
 
 
@@ -463,9 +456,8 @@ class Agreement:
 def agree(sources: Sources, collective: Collective, state: Any = None) -> Agreement:
     """The versions to try on every rank (identical on all of them) and the newest seen."""
     mine = sources.discover()
-    reason = sharded_reason(state) if state is not None else ""
     head = [sources.progress or _NONE, sources.committed or _NONE,
-            (sources.committed_world or -1, 0 if reason else 1),
+            (sources.committed_world or -1, 1),
             (1 if sources.unreachable else 0, 0)]
     gathered = collective.all_gather(head + mine)
     silent = [rank for rank, rows in enumerate(gathered) if rows[3][0] == 1]
@@ -489,8 +481,8 @@ def agree(sources: Sources, collective: Collective, state: Any = None) -> Agreem
             candidates[version] = world
         else:
             log.warning("elasticd: committed step %s was saved by %d ranks and %d run now, but "
-                        "%s: it cannot be restored at the new world size; falling back",
-                        version, world, sources.world, reason or "some rank's state is sharded")
+                        "a rank's elasticd (older) cannot restore it at the new world size; "
+                        "falling back", version, world, sources.world)
     ordered = sorted(candidates.items(), reverse=True)
     return Agreement(ordered, max(seen, default=None))
 

@@ -11,7 +11,8 @@ come from a peer, and JSON cannot run code.
 
 Supported values: ``nn.Module`` (its state_dict, with the per-module version metadata), any
 ``torch.optim.Optimizer``, ``ZeroRedundancyOptimizer`` (this rank's local shard plus the
-wrapper's param-group hyper-parameters, which its ``step`` copies over the shard's, docs/facts.md),
+wrapper's param-group hyper-parameters, which its ``step`` copies over the shard's, and the
+partition map that lets another world size reshard it, docs/facts.md),
 anything with ``state_dict``/``load_state_dict`` (LR schedulers, samplers, :class:`RNGState`),
 and plain values. Worker side: imports torch.
 """
@@ -105,9 +106,13 @@ def _state_of(kind: str, value: Any) -> Any:
     if kind == "zero":
         # The shard holds this rank's optimizer state; the wrapper's groups hold the lr etc.
         # that zero.step() copies onto the shard, and that a scheduler has been changing.
+        # "global": each local parameter's index in the global (consolidated) state, the
+        # partition map a rank of another world size needs to find its parameters' state.
+        index = value._param_to_index
         return {"shard": value.optim.state_dict(),
                 "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                                 for g in value.param_groups]}
+                                 for g in value.param_groups],
+                "global": [index[p] for g in value.optim.param_groups for p in g["params"]]}
     return value if kind == "value" else value.state_dict()
 
 
@@ -394,7 +399,7 @@ def load_into(state: MutableMapping[str, Any], tensors: list[torch.Tensor],
             if kind == "value":
                 state[key] = value
             elif kind == "zero":
-                _load_zero(target, value)
+                _load_zero(target, value, lambda key=key: _others_of(key, others))
             else:
                 target.load_state_dict(value)
         except StateError:
@@ -404,14 +409,55 @@ def load_into(state: MutableMapping[str, Any], tensors: list[torch.Tensor],
                                 f"snapshot: {exc}") from exc
 
 
-def _load_zero(zero: Any, saved: Mapping[str, Any]) -> None:
+def _others_of(key: str, others: Sequence[tuple[Sequence[str], list[torch.Tensor], Any]]
+               ) -> list[Any]:
+    """The saved states under ``key`` in the other old ranks' snapshots (decoded lazily: only
+    a resharded ZeroRedundancyOptimizer needs them)."""
+    out = []
+    for _, tensors, meta in others:
+        for k, kind, node in meta.get("objects", ()):
+            if k == key and kind == "zero":
+                try:
+                    out.append(_Unflattener(tensors).decode(node))
+                except (KeyError, IndexError, TypeError, ValueError) as exc:
+                    raise StateError(f"another rank's snapshot of {key!r} is malformed: "
+                                     f"{exc}") from exc
+    return out
+
+
+def _load_zero(zero: Any, saved: Mapping[str, Any], others: Any = lambda: []) -> None:
+    """Loads a ZeroRedundancyOptimizer: its own shard when the partition is the one saved
+    (the same world size); otherwise, through ZeRO's own ``load_state_dict`` of the global
+    state assembled from every old rank's shard (``others()``: their saved states) with the
+    partition maps saved beside them, which is what loading a ``consolidate_state_dict``
+    checkpoint does."""
     groups = saved["param_groups"]
     if len(groups) != len(zero.param_groups):
         raise StateMismatch(f"ZeroRedundancyOptimizer has {len(zero.param_groups)} param groups, "
                             f"the snapshot {len(groups)}")
-    zero.optim.load_state_dict(saved["shard"])
-    for group, hyper in zip(zero.param_groups, groups):
-        group.update(hyper)
+    index = zero._param_to_index
+    mine = [index[p] for g in zero.optim.param_groups for p in g["params"]]
+    if saved.get("global", mine) == mine:  # no map: an older elasticd, at the same world size
+        zero.optim.load_state_dict(saved["shard"])
+        for group, hyper in zip(zero.param_groups, groups):
+            group.update(hyper)
+        return
+    state: dict[int, Any] = {}
+    for part in [saved, *others()]:
+        if "global" not in part:
+            raise StateMismatch("a ZeroRedundancyOptimizer snapshot without its partition map "
+                                "(an older elasticd) cannot be loaded at another world size")
+        local = part["shard"]["state"]
+        for i, g in enumerate(part["global"]):
+            if i in local:
+                state.setdefault(g, local[i])
+    held = {g for part in [saved, *others()] for g in part["global"]}
+    if held != set(range(len(index))):
+        raise StateMismatch(f"the old ranks' ZeroRedundancyOptimizer shards fetched hold "
+                            f"{len(held)} of the {len(index)} parameters' state")
+    zero.load_state_dict({"state": state, "param_groups": [
+        {**hyper, "params": [index[p] for p in g["params"]]}
+        for g, hyper in zip(zero.param_groups, groups)]})
 
 
 def load_snapshot(state: MutableMapping[str, Any], buffer: Any, header: SnapshotHeader,

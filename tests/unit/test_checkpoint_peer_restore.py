@@ -11,7 +11,6 @@ threads of this process (the collective of ``test_checkpoint_client``); slots li
 
 from __future__ import annotations
 
-import logging
 import shutil
 import uuid
 
@@ -269,34 +268,6 @@ def test_same_world_restores_a_lost_nodes_rank_from_the_peer(nodes):
     assert [(s, res.source) for s, res in results] == [(2, "local"), (2, "peer")]
     assert results[1][1].saved_world_size == 2
     assert_same(fresh[1], refs[(1, 2)], rng=False)
-
-
-def test_sharded_state_is_not_restored_at_another_world_size(nodes, monkeypatch, caplog):
-    svc, t, _, t2 = nodes
-    save_old_world(t, t2, 3, steps=[2, 2, 2])
-    svc.replicator.record = commit(0, 2, 3)
-
-    class Zero(torch.optim.SGD):
-        """Stands in for ZeroRedundancyOptimizer (which needs a process group)."""
-
-    import elasticd.checkpoint.state as state_mod
-
-    monkeypatch.setattr(state_mod, "_zero_class", lambda: Zero)
-    ranks = ThreadRanks(2)
-    fresh = [make_state(seed=99, world=2, rank=r) for r in range(2)]
-    for s in fresh:
-        s["zero"] = Zero(s["model"].parameters(), lr=0.1)
-
-    def restore(r):
-        with Checkpointer(transport=t, job="j", rank=r, world_size=2,
-                          collective=ranks.rank(r)) as ckpt:
-            return ckpt.restore(fresh[r]), ckpt.last_restore
-
-    with caplog.at_level(logging.WARNING, logger="elasticd.checkpoint"):
-        results = run_ranks(2, restore)
-    assert [(s, res.source) for s, res in results] == [(0, "none")] * 2
-    assert "ZeroRedundancyOptimizer" in caplog.text
-    assert svc.replicator.fetches == []
 
 
 def test_after_a_grow_the_new_rank_restores_a_copy_of_an_old_ranks_shard(nodes):
