@@ -447,6 +447,7 @@ class Checkpointer:
                 if len(self._maps) >= 2:  # double buffering: keep the two most recent slots
                     old = self._maps.pop(next(iter(self._maps)))
                     forget_views(old)
+                    self.copier.forget(old)
                     try:
                         old.close()
                     except BufferError:

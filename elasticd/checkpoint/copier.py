@@ -181,6 +181,9 @@ class Copier(abc.ABC):
         """Copies every entry out of ``buffer`` into new tensors (CPU here)."""
         return read_tensors(buffer, lay)
 
+    def forget(self, buffer: Any) -> None:
+        """``buffer`` is about to be unmapped: drop anything held on it (pinning)."""
+
     def close(self) -> None:
         """Releases threads or streams."""
 

@@ -2,16 +2,24 @@
 
 :meth:`CudaCopier.start`, called on the training thread right after the optimizer step, makes a
 side stream wait for the compute stream (so the copies see every write the step enqueued), then
-enqueues one asynchronous copy per tensor on the side stream into a pinned host staging buffer
-laid out like the snapshot, and records an event on the side stream. It returns at once: the
-GPU copies overlap the next forward and backward. Two waits, each on that event only — never on
-the whole device:
+enqueues one asynchronous copy per tensor on the side stream and records an event on the side
+stream. The copies go straight into the shared-memory slot: the slot's mapping is registered as
+pinned memory (``cudaHostRegister`` through torch's cudart binding, once per mapping, undone
+before the worker unmaps it), so the DMA engine writes the snapshot where the daemon reads it,
+with no staging buffer and no host copy. Where registration fails (an old driver, a locked
+memory limit), the copier says so once and falls back to a pinned staging buffer laid out like
+the snapshot, copied into the slot on a background thread. It returns at once: the GPU copies
+overlap the next forward and backward. Two waits, each on that event only — never on the whole
+device:
 
 * before the optimizer next changes the state, :meth:`CudaCopyHandle.before_mutation` (called by
   the checkpointer's optimizer step pre-hook) makes the *compute stream* wait for the event: the
   host does not block at all;
-* a background thread waits for the event on the host, then copies the staged bytes into the
-  shared-memory slot; :meth:`CudaCopyHandle.wait` waits for that.
+* a background thread waits for the event on the host (and, on the fallback, copies the staged
+  bytes into the slot); :meth:`CudaCopyHandle.wait` waits for that.
+
+Sharded state (FSDP2's DTensors) takes the same path: the checkpointer hands the copier each
+rank's local shards, which are ordinary device tensors.
 
 CUDA calls go through a small :class:`DeviceApi` so that tests on a CPU-only machine can check
 the ordering with fake streams and events. Worker side: imports torch.
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import logging
 from typing import Any, Iterator, Protocol, Sequence
 
 import numpy as np
@@ -28,6 +37,8 @@ import torch
 
 from elasticd.checkpoint.copier import Copier, CopyHandle, FutureHandle, _check
 from elasticd.checkpoint.format import ALIGNMENT, Layout, byte_view
+
+log = logging.getLogger(__name__)
 
 
 class DeviceApi(Protocol):
@@ -38,6 +49,9 @@ class DeviceApi(Protocol):
     def new_event(self) -> Any: ...
     def use_stream(self, stream: Any) -> contextlib.AbstractContextManager: ...
     def pinned(self, nbytes: int) -> torch.Tensor: ...
+    def register(self, buffer: memoryview) -> torch.Tensor:
+        """Pins ``buffer``'s memory for DMA; a uint8 tensor over it (raises on failure)."""
+    def unregister(self, host: torch.Tensor) -> None: ...
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None: ...
 
 
@@ -58,6 +72,21 @@ class TorchCuda:
 
     def pinned(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def register(self, buffer: memoryview) -> torch.Tensor:
+        host = torch.frombuffer(buffer, dtype=torch.uint8)
+        cudart = torch.cuda.cudart()
+        # cudaHostRegisterPortable (1): pinned for every CUDA context, as torch's own helper
+        # (torch.cuda._pin_memory_utils) registers shared memory.
+        err = int(cudart.cudaHostRegister(host.data_ptr(), host.numel(), 1))
+        if err != 0:
+            raise RuntimeError(f"cudaHostRegister of {host.numel()} bytes failed (cudaError {err})")
+        return host
+
+    def unregister(self, host: torch.Tensor) -> None:
+        err = int(torch.cuda.cudart().cudaHostUnregister(host.data_ptr()))
+        if err != 0:
+            log.warning("elasticd: cudaHostUnregister failed (cudaError %d)", err)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
         dst.copy_(src, non_blocking=True)
@@ -107,6 +136,32 @@ class CudaCopier(Copier):
         self.stream = self.api.new_stream()
         self._staging: torch.Tensor | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="elasticd-d2h")
+        # Slot mappings registered as pinned memory, by id (the entry holds the mapping, so
+        # its id is not reused while registered); None once registration failed.
+        self._registered: dict[int, tuple[Any, torch.Tensor]] | None = {}
+
+    def _slot(self, buffer: Any) -> torch.Tensor | None:
+        """``buffer`` as a pinned uint8 tensor the copies can target, or None (staging)."""
+        if self._registered is None:
+            return None
+        hit = self._registered.get(id(buffer))
+        if hit is not None and hit[0] is buffer:
+            return hit[1]
+        try:
+            host = self.api.register(byte_view(buffer))
+        except Exception as exc:  # noqa: BLE001 — any failure: the staging path still works
+            log.warning("elasticd: cannot pin the snapshot slot for direct GPU copies (%s); "
+                        "copying through a pinned staging buffer instead", exc)
+            self._registered = None
+            return None
+        self._registered[id(buffer)] = (buffer, host)
+        return host
+
+    def forget(self, buffer: Any) -> None:
+        """Unpins ``buffer`` (the worker is about to unmap it)."""
+        hit = (self._registered or {}).pop(id(buffer), None)
+        if hit is not None:
+            self.api.unregister(hit[1])
 
     def _staging_for(self, nbytes: int) -> torch.Tensor:
         # One pinned buffer, grown when needed: pinning is slow, so it is kept between
@@ -118,7 +173,8 @@ class CudaCopier(Copier):
     def start(self, tensors: Sequence[torch.Tensor], buffer: Any, lay: Layout) -> CopyHandle:
         view = byte_view(buffer)
         _check(tensors, lay, len(view))
-        staging = self._staging_for(lay.total_size)
+        direct = self._slot(buffer)
+        staging = direct if direct is not None else self._staging_for(lay.total_size)
         self.stream.wait_stream(self.api.current_stream())
         with self.api.use_stream(self.stream):
             for t, e in zip(tensors, lay.entries):
@@ -127,6 +183,9 @@ class CudaCopier(Copier):
                     self.api.copy(dst, t.detach(), self.stream)
             event = self.api.new_event()
             event.record(self.stream)
+        if direct is not None:
+            # The copies wrote the slot itself: only the event is left to wait for.
+            return CudaCopyHandle(self.api, event, self._pool.submit(event.synchronize))
         host = staging.numpy()
         slot = np.frombuffer(view, dtype=np.uint8, count=lay.total_size)
 
@@ -139,3 +198,5 @@ class CudaCopier(Copier):
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        for buffer, _ in list((self._registered or {}).values()):
+            self.forget(buffer)

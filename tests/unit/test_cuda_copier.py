@@ -51,7 +51,8 @@ class FakeEvent:
 
 
 class FakeApi:
-    def __init__(self):
+    def __init__(self, can_register=True):
+        self.can_register = can_register
         self.log = []
         self.compute = FakeStream("compute", self.log)
         self.current = self.compute
@@ -81,6 +82,17 @@ class FakeApi:
         self.log.append(("pinned", nbytes))
         return torch.empty(nbytes, dtype=torch.uint8)
 
+    def register(self, buffer):
+        # As cudaHostRegister: pins the memory in place; the tensor is over the same bytes.
+        if not self.can_register:
+            raise RuntimeError("cudaHostRegister of the slot failed (cudaError 1)")
+        host = torch.frombuffer(buffer, dtype=torch.uint8)
+        self.log.append(("register", host.data_ptr(), host.numel()))
+        return host
+
+    def unregister(self, host):
+        self.log.append(("unregister", host.data_ptr()))
+
     def copy(self, dst, src, stream):
         self.log.append(("copy", self.current.name, stream.name))
         dst.copy_(src)
@@ -91,30 +103,65 @@ def tensors():
             torch.arange(6, dtype=torch.int64).reshape(2, 3).t()]  # non-contiguous
 
 
-def test_copies_go_on_the_side_stream_after_the_compute_stream():
+def check_slot(buf, ts, lay):
+    for t, e in zip(ts, lay.entries):
+        got = torch.frombuffer(buf, dtype=torch.uint8)[e.offset : e.offset + e.nbytes]
+        assert torch.equal(got.view(t.dtype).view(t.shape), t)
+
+
+def test_copies_go_on_the_side_stream_straight_into_the_pinned_slot():
     api = FakeApi()
+    ts = tensors()
+    lay = layout([TensorSpec(f"t{i}", str(t.dtype)[6:], tuple(t.shape)) for i, t in
+                  enumerate(ts)], job="j")
+    buf = bytearray(lay.total_size)
+    address = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
+    copier = CudaCopier(api)
+    try:
+        handle = copier.start(ts, buf, lay)
+        handle.wait(10)
+        ops = [op for op in api.log if op[0] != "synchronize"]
+        # The slot itself is registered (no staging buffer is ever allocated) ...
+        assert ops[:3] == [("register", address, lay.total_size),
+                           ("wait_stream", "side", "compute"), ("enter", "side")]
+        assert ops[3:6] == [("copy", "side", "side")] * 3
+        assert ops[6:] == [("record", 1, "side"), ("exit", "side")]
+        assert ("synchronize", 1, "elasticd-d2h_0") in api.log  # off the training thread
+        handle.before_mutation()
+        assert api.log[-1] == ("wait_event", "compute", 1)
+        check_slot(buf, ts, lay)  # ... and the copies wrote the slot, no host copy after
+        ts2 = [t + 1 for t in tensors()]
+        copier.start(ts2, buf, lay).wait(10)
+        check_slot(buf, ts2, lay)
+        assert sum(op[0] == "register" for op in api.log) == 1  # once per mapping
+        assert not any(op[0] == "pinned" for op in api.log)
+        other = bytearray(lay.total_size)
+        copier.start(ts, other, lay).wait(10)
+        check_slot(other, ts, lay)
+        copier.forget(buf)  # the worker unmaps the old slot: unpinned first
+        assert api.log[-1] == ("unregister", address)
+    finally:
+        copier.close()
+    assert api.log[-1][0] == "unregister"  # close unpins what is left
+    assert sum(op[0] == "unregister" for op in api.log) == 2
+
+
+def test_a_slot_that_cannot_be_pinned_goes_through_a_pinned_staging_buffer(caplog):
+    api = FakeApi(can_register=False)
     ts = tensors()
     lay = layout([TensorSpec(f"t{i}", str(t.dtype)[6:], tuple(t.shape)) for i, t in
                   enumerate(ts)], job="j")
     buf = bytearray(lay.total_size)
     copier = CudaCopier(api)
     try:
-        handle = copier.start(ts, buf, lay)
-        handle.wait(10)
-        ops = [op for op in api.log if op[0] != "synchronize"]
-        assert ops[:3] == [("pinned", lay.total_size), ("wait_stream", "side", "compute"),
-                           ("enter", "side")]
-        assert ops[3:6] == [("copy", "side", "side")] * 3
-        assert ops[6:] == [("record", 1, "side"), ("exit", "side")]
-        assert ("synchronize", 1, "elasticd-d2h_0") in api.log  # off the training thread
-        handle.before_mutation()
-        assert api.log[-1] == ("wait_event", "compute", 1)
-        for t, e in zip(ts, lay.entries):
-            got = torch.frombuffer(buf, dtype=torch.uint8)[e.offset : e.offset + e.nbytes]
-            assert torch.equal(got.view(t.dtype).view(t.shape), t)
-        handle2 = copier.start(ts, buf, lay)
-        handle2.wait(10)
-        assert sum(op[0] == "pinned" for op in api.log) == 1  # the pinned buffer is reused
+        with caplog.at_level("WARNING"):
+            copier.start(ts, buf, lay).wait(10)
+        assert "staging buffer" in caplog.text  # said once, with the reason
+        assert "cudaError 1" in caplog.text
+        check_slot(buf, ts, lay)
+        copier.start(ts, buf, lay).wait(10)
+        assert sum(op[0] == "pinned" for op in api.log) == 1  # the staging buffer is reused
+        assert caplog.text.count("staging buffer") == 1
     finally:
         copier.close()
 
@@ -172,3 +219,47 @@ def test_optimizer_pre_hook_waits_on_the_event_not_the_host(transport):
         gate.set()
         ckpt.wait()
         assert ckpt.stats["saves"] == 1
+
+
+@pytest.fixture
+def one_rank_group():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_state_takes_the_direct_path_and_restores(transport, one_rank_group):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3))
+    fully_shard(model)
+    assert isinstance(model[0].weight, DTensor)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(4, 7)).sum().backward()
+    opt.step()
+    api = FakeApi()
+    with Checkpointer(transport=transport, job="j", rank=0, world_size=1,
+                      copier=CudaCopier(api)) as ckpt:
+        assert ckpt.save(1, {"model": model, "optim": opt})
+        ckpt.wait()
+        assert ckpt.stats["saves"] == 1
+    # The local shards were copied on the side stream into the registered slot, unpinned at
+    # close; no staging buffer.
+    assert [op[0] for op in api.log].count("register") == 1
+    assert [op[0] for op in api.log].count("unregister") == 1
+    assert any(op == ("copy", "side", "side") for op in api.log)
+    assert not any(op[0] == "pinned" for op in api.log)
+    saved = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    with Checkpointer(transport=transport, job="j", rank=0, world_size=1) as ckpt:
+        assert ckpt.restore({"model": model, "optim": opt}) == 1
+    for k, v in model.state_dict().items():
+        assert torch.equal(v.to_local(), saved[k]), k
