@@ -207,7 +207,10 @@ class Sources:
         self.transport, self.job, self.rank, self.world = transport, job, rank, world_size
         self.persist_dir = persist_dir
         self.ram: set[Version] = set()
+        #: Complete steps of the persistent tier, and the world size each was saved at (any:
+        #: at another one, the state is resharded from them as from peers' RAM).
         self.persisted: set[Version] = set()
+        self.persisted_world: dict[Version, int] = {}
         self.progress: Version | None = None
         self.committed: Version | None = None
         self.committed_world = 0
@@ -224,6 +227,7 @@ class Sources:
                                            world_size=self.world)
                 self.ram = {tuple(v) for v in info.get("ram", {}).get(str(self.rank), [])}
                 self.persisted = {tuple(v) for v in info.get("persisted", [])}
+                self._saved_by(info.get("persisted_worlds"))
                 self.progress = tuple(info["progress"]) if info.get("progress") else None
                 self.persist_dir = self.persist_dir or info.get("persist_root")
             except DaemonUnavailable as exc:
@@ -235,12 +239,30 @@ class Sources:
             self._discover_committed()
         if self.persist_dir and not self.persisted:
             try:
-                self.persisted = {m.version() for m in Tier(self.persist_dir).complete_steps(
-                    self.job) if m.world_size == self.world}
+                self._saved_by([[*m.version(), m.world_size] for m in
+                                Tier(self.persist_dir).complete_steps(self.job)])
             except (OSError, TierError) as exc:
                 log.warning("elasticd: cannot list the persistent tier %s: %s",
                             self.persist_dir, exc)
+        for version in self.persisted:
+            self.persisted_world.setdefault(version, self.world)
         return sorted(self.ram | self.persisted, reverse=True)
+
+    def _saved_by(self, rows: Any) -> None:
+        """Takes in the tier's steps of every world size: [[generation, step, world], ...]."""
+        if not isinstance(rows, list):
+            return  # an older daemon: only the current world size's steps are known
+        for row in rows:
+            if (isinstance(row, list) and len(row) == 3
+                    and all(type(x) is int and x >= 0 for x in row) and row[2] > 0):
+                self.persisted.add((row[0], row[1]))
+                self.persisted_world[(row[0], row[1])] = row[2]
+
+    def saved_world(self, version: Version) -> int:
+        """The world size ``version`` was saved at, as far as this rank's sources say."""
+        if version in self.ram:
+            return self.world
+        return self.persisted_world.get(version, self.world)
 
     def _discover_committed(self) -> None:
         try:
@@ -288,9 +310,11 @@ class Sources:
                 refused.append(f"peer step {version}: {exc}")
                 log.error("elasticd: cannot fetch rank %d step %s from a peer: %s",
                           self.rank, version, exc)
-        if world == self.world and version in self.persisted and self.persist_dir:
+        if version in self.persisted and self.persist_dir:
             try:
-                snap = Tier(self.persist_dir).read(self.job, version, self.rank)
+                # At another world size, old rank ``rank % world``'s (fetch_shards adds the
+                # rest); Tier.read checks the file against the step's manifest.
+                snap = Tier(self.persist_dir).read(self.job, version, self.rank % world)
                 return _Fetched(read_tensors(snap.buffer, snap.layout), snap.meta, "persistent",
                                 snap.layout.total_size, [e.name for e in snap.layout.entries])
             except (SnapshotError, TierError, OSError, ValueError) as exc:
@@ -304,7 +328,7 @@ class Sources:
         """Old rank ``rank``'s snapshot of ``version`` (saved by ``world`` ranks), for the
         shards of this rank's new local tensors: from this node's RAM, else copied from a
         peer's (``ckpt_fetch`` does both), else the persistent tier; None when none has it."""
-        if self.transport is not None:
+        if self.transport is not None and version in self.fetchable:
             try:
                 got = self._from_daemon("ckpt_fetch", version, world, refused, rank)
                 if got is not None:
@@ -470,7 +494,7 @@ def agree(sources: Sources, collective: Collective, state: Any = None) -> Agreem
             "or its daemon answers again")
     seen = [v for rows in gathered for v in rows[:2] + rows[_HEAD:] if v != _NONE]
     common = set.intersection(*({v for v in rows[_HEAD:] if v != _NONE} for rows in gathered))
-    candidates = {v: sources.world for v in common}
+    candidates = {v: sources.saved_world(v) for v in common}
     replicated = all(rows[2][1] == 1 for rows in gathered)
     committed = {(rows[1], rows[2][0]) for rows in gathered if rows[1] != _NONE}
     sources.fetchable = {v for v, _ in committed}

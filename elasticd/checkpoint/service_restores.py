@@ -2,7 +2,8 @@
 :class:`~elasticd.checkpoint.service.CheckpointService`, whose state it shares), and the read
 pins its replies hold until ``ckpt_release`` or ``pin_ttl``.
 
-* ``ckpt_list`` job, [rank], [world_size] → ram {rank: [[gen, step], ...]}, persisted
+* ``ckpt_list`` job, [rank], [world_size] → ram {rank: [[gen, step], ...]}, persisted,
+  persisted_worlds [[gen, step, world size], ...] (any world size: a shrink reshards from it)
   [[gen, step], ...], persist_root, progress [gen, step] | null, replicas {rank: [[gen, step],
   ...]} (copies of other nodes' shards held here; empty without a replicator)
 * ``ckpt_open`` job, rank, generation, step → path, offset, size, pin, and the slot's
@@ -56,13 +57,17 @@ class RestoreOps:
                     held.append(list(version))
             ram[str(r)] = held
         persisted: list[list[int]] = []
+        saved_by: list[list[int]] = []  # [generation, step, world size], every world size
         if self.persist is not None:
             try:
-                persisted = [list(m.version()) for m in self.persist.steps(job)
+                steps = self.persist.steps(job)
+                persisted = [list(m.version()) for m in steps
                              if world is None or m.world_size == world]
+                saved_by = [[*m.version(), m.world_size] for m in steps]
             except OSError as exc:
                 log.warning("cannot list the persistent tier for %s: %s", job, exc)
-        return {"ram": ram, "persisted": persisted, "progress": progress and list(progress),
+        return {"ram": ram, "persisted": persisted, "persisted_worlds": saved_by,
+                "progress": progress and list(progress),
                 "persist_root": self.persist.root if self.persist else None,
                 "replicas": self._replicas(job, only)}
 

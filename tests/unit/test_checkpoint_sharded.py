@@ -205,6 +205,74 @@ def test_fsdp2_state_restores_bitwise_and_reshards_3_to_2_to_3_like_dcp(daemons)
     assert {f[1] for f in services[1].replicator.fetches} == {0, 1}
 
 
+def _tier_rank_main(rank, world, port, sock, persist_dir, out_dir, phase):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from elasticd.worker.client import DaemonClient
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        model, opt = _build()
+        state = {"model": model, "optim": opt}
+        if phase == "save":  # world 3 on one node, whose daemon persists every step
+            with Checkpointer(transport=DaemonClient(sock), job="j", rank=rank,
+                              world_size=world, local_world_size=world) as ckpt:
+                for step in (1, 2, 3):
+                    _train(model, opt, step, rank)
+                    assert ckpt.save(step, state)
+                    ckpt.wait()
+            msd, osd = get_state_dict(model, opt)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(out_dir, "dcp"))
+            return
+        # World 2, every node's RAM gone and no daemon: only the tier (saved by 3) is left.
+        with Checkpointer(transport=None, job="j", rank=rank, world_size=world,
+                          persist_dir=persist_dir) as ckpt:
+            assert ckpt.restore(state) == 3
+            res = ckpt.last_restore
+            assert (res.source, res.saved_world_size) == ("persistent", 3)
+        ref_model, ref_opt = _build()
+        ref = get_state_dict(ref_model, ref_opt)
+        dcp.load({"model": ref[0], "optim": ref[1]}, checkpoint_id=os.path.join(out_dir, "dcp"))
+        set_state_dict(ref_model, ref_opt, model_state_dict=ref[0], optim_state_dict=ref[1])
+        _assert_bitwise(_local(model, opt), _local(ref_model, ref_opt),
+                        f"rank {rank} resharded from the persistent tier against dcp.load")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp2_state_reshards_3_to_2_from_the_persistent_tier_like_dcp(tmp_path):
+    import torch.multiprocessing as mp
+
+    from elasticd.daemon.local_api import LocalServer
+    from elasticd.persistence.persister import Persister
+    from elasticd.persistence.tier import Tier
+
+    root = f"/dev/shm/elasticd-test-{uuid.uuid4().hex[:12]}"
+    store = SlotStore(root)
+    persister = Persister(str(tmp_path / "persist"), keep=3)
+    server = LocalServer(str(tmp_path / "n1.sock"), CheckpointService(store, "n1",
+                                                                       persister).handlers())
+    server.start()
+    try:
+        mp.spawn(_tier_rank_main, args=(3, _free_port(), server.path, persister.root,
+                                        str(tmp_path), "save"), nprocs=3)
+        persister.flush(10)
+    finally:
+        server.stop()
+        store.close()
+        shutil.rmtree(root, ignore_errors=True)
+    assert max((m.version(), m.world_size) for m in Tier(persister.root).complete_steps("j")) \
+        == ((0, 3), 3)
+    persister.close()
+    mp.spawn(_tier_rank_main, args=(2, _free_port(), None, persister.root, str(tmp_path),
+                                    "reshard"), nprocs=2)
+
+
 def test_an_unsnapshottable_state_is_an_error_at_the_first_save_and_unprotects_the_job(
         tmp_path, caplog):
     root = f"/dev/shm/elasticd-test-{uuid.uuid4().hex[:12]}"
