@@ -172,6 +172,11 @@ class Metrics:
         self.hangs = Counter(
             "elasticd_hangs_detected_total", "Worker groups restarted for making no progress",
             registry=r)
+        self.hang_timeout_seconds = Gauge(
+            "elasticd_hang_timeout_seconds",
+            "Seconds without progress after which this node restarts its job's workers: the "
+            "job's --hang-timeout, or the timeout learned from its step times (0: off, or no "
+            "job)", registry=r)
         self.job_running = Gauge(
             "elasticd_job_running", "1 while this node runs a job's agent", registry=r)
         # -- checkpoints (fed by elasticd.checkpoint.service through CheckpointSink) ---------

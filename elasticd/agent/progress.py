@@ -2,8 +2,11 @@
 
 Every worker reports the step it reached (:func:`elasticd.worker.progress`, one-way over the
 local API). A worker group is hung when a rank that has reported before makes no progress for
-``hang_timeout`` seconds — a collective waiting for a dead peer, a deadlock, a stuck data
-loader — or, optionally, when no rank reports at all within ``startup_timeout`` of a (re)start.
+its timeout — a collective waiting for a dead peer, a deadlock, a stuck data loader — or,
+optionally, when no rank reports at all within ``startup_timeout`` of a (re)start. The timeout
+is either set (``--hang-timeout``) or learned from the job's step intervals
+(:mod:`elasticd.agent.hang_timeout`: a multiple of the longest recent interval, with a floor,
+and an allowance for each worker process's first steps).
 :meth:`ProgressTracker.check` only says so, as a :class:`Hang` value; killing and restarting the
 group, and recording the reason, is the daemon's job.
 
@@ -23,6 +26,7 @@ import enum
 import threading
 from typing import Any, Callable
 
+from elasticd.agent.hang_timeout import WARMUP_STEPS, LearnedTimeout, StepHistory
 from elasticd.clock import Clock
 from elasticd.local.wire import RequestError
 
@@ -66,6 +70,7 @@ class Hang:
             ``"no progress since start"``.
         seconds: the longest stall (or the time since the start).
         ranks: the stalled ranks, by rank (empty for :attr:`HangKind.STARTUP`).
+        learned: the timeout was the learned one (a restart for it doubles it).
     """
 
     job: str
@@ -73,6 +78,7 @@ class Hang:
     reason: str
     seconds: float
     ranks: tuple[StalledRank, ...] = ()
+    learned: bool = False
 
     def __str__(self) -> str:
         stalled = ", ".join(f"rank {r.rank} at step {r.last_step} for {r.seconds:.1f} s"
@@ -88,6 +94,7 @@ class _Rank:
     pid: int | None
     progressed_at: float
     reported_at: float
+    steps: int = 0  # steps this process completed since its first report
 
 
 @dataclasses.dataclass
@@ -97,6 +104,10 @@ class _Job:
     retired_pids: set[int] = dataclasses.field(default_factory=set)
 
 
+def _secs(x: float) -> str:
+    return f"{x:.0f}" if x >= 100 else f"{x:.3g}"
+
+
 class ProgressTracker:
     """The last step of every rank of every job on this node, and whether a group is hung.
 
@@ -104,27 +115,59 @@ class ProgressTracker:
     daemon's loop.
 
     Args:
-        hang_timeout: seconds without progress of a rank that makes its group hung.
+        hang_timeout: seconds without progress of a rank that makes its group hung (set by
+            hand), or a :class:`LearnedTimeout`: the timeout is learned from each job's step
+            intervals.
         clock: injected time (only ``monotonic`` is used).
         startup_timeout: seconds after :meth:`reset` within which some rank must report;
-            None switches the rule off (a job may take long to load its data).
+            None switches the rule off (a job may take long to load its data) — except with
+            a learned timeout, where a job that has reported before on this node must report
+            again within the first-step allowance.
 
     Raises:
         ValueError: a timeout is not positive.
     """
 
-    def __init__(self, hang_timeout: float, clock: Clock,
+    def __init__(self, hang_timeout: float | LearnedTimeout, clock: Clock,
                  startup_timeout: float | None = None) -> None:
-        if not hang_timeout > 0:
-            raise ValueError(f"hang_timeout must be positive seconds, got {hang_timeout!r}")
+        if isinstance(hang_timeout, LearnedTimeout):
+            self.learned: LearnedTimeout | None = hang_timeout
+            self.hang_timeout: float | None = None
+        else:
+            if not hang_timeout > 0:
+                raise ValueError(f"hang_timeout must be positive seconds, got {hang_timeout!r}")
+            self.learned, self.hang_timeout = None, float(hang_timeout)
         if startup_timeout is not None and not startup_timeout > 0:
             raise ValueError("startup_timeout must be positive seconds or None, got "
                              f"{startup_timeout!r}")
-        self.hang_timeout = float(hang_timeout)
         self.startup_timeout = None if startup_timeout is None else float(startup_timeout)
         self._clock = clock
         self._lock = threading.Lock()
         self._jobs: dict[str, _Job] = {}
+        self._histories: dict[str, StepHistory] = {}  # learned step times, across resets
+
+    def _history(self, job: str) -> StepHistory:
+        history = self._histories.get(job)
+        if history is None:
+            assert self.learned is not None
+            history = self._histories[job] = self.learned.history()
+        return history
+
+    def _limit(self, job: str, r: _Rank) -> float:
+        """The seconds ``r`` may go without progress (under the lock)."""
+        if self.learned is None:
+            assert self.hang_timeout is not None
+            return self.hang_timeout
+        history = self._history(job)
+        if r.steps < WARMUP_STEPS:
+            return self.learned.warmup_timeout(history)
+        return self.learned.timeout(history)
+
+    def _startup_limit(self, job: str) -> float | None:
+        if self.startup_timeout is not None or self.learned is None:
+            return self.startup_timeout
+        history = self._history(job)
+        return self.learned.warmup_timeout(history) if history.reported else None
 
     def report(self, job: str, rank: int, step: int, pid: int | None = None) -> bool:
         """Records that ``rank`` of ``job`` reached ``step``.
@@ -141,10 +184,18 @@ class ProgressTracker:
             if pid is not None and pid in state.retired_pids:
                 return False
             last = state.ranks.get(rank)
-            if last is None or last.step != step or last.pid != pid:
+            if last is None or last.pid != pid:  # a new process: its first steps warm up
                 state.ranks[rank] = _Rank(step, pid, progressed_at=now, reported_at=now)
+            elif last.step != step:
+                interval = now - last.progressed_at
+                last.step, last.progressed_at, last.reported_at = step, now, now
+                last.steps += 1
+                if self.learned is not None and last.steps > WARMUP_STEPS:
+                    self._history(job).observe(rank, interval)
             else:
                 last.reported_at = now
+            if self.learned is not None:
+                self._history(job).reported = True
             return True
 
     def reset(self, job: str) -> None:
@@ -163,6 +214,26 @@ class ProgressTracker:
         """Forgets ``job`` entirely (it ended on this node)."""
         with self._lock:
             self._jobs.pop(job, None)
+            self._histories.pop(job, None)
+
+    def restarted_for(self, hang: Hang) -> None:
+        """The group was restarted for ``hang``: a learned timeout that fired is doubled
+        for the job (a long step the window had not seen costs one restart, not a loop)."""
+        if not hang.learned or self.learned is None:
+            return
+        with self._lock:
+            self.learned.fired(self._history(hang.job))
+
+    def timeout(self, job: str) -> tuple[float, str]:
+        """The timeout in force for ``job``'s ranks past their first steps, and where it
+        comes from: ``"set"`` (by hand), ``"learned"`` (from the step times) or ``"floor"``
+        (learned, but the floor is higher, or nothing learned yet)."""
+        if self.learned is None:
+            assert self.hang_timeout is not None
+            return self.hang_timeout, "set"
+        with self._lock:
+            history = self._history(job)
+            return self.learned.timeout(history), self.learned.source(history)
 
     def check(self, job: str) -> Hang | None:
         """Returns the hang of ``job``'s worker group, or None while it progresses (or is
@@ -172,18 +243,30 @@ class ProgressTracker:
             state = self._jobs.get(job)
             if state is None:
                 return None
+            learned = self.learned is not None
             if not state.ranks:
                 since = now - state.started_at
-                if self.startup_timeout is not None and since >= self.startup_timeout:
-                    return Hang(job, HangKind.STARTUP, "no progress since start", since)
+                limit = self._startup_limit(job)
+                if limit is not None and since >= limit:
+                    why = "no progress since start" + (
+                        f" (first-step allowance {_secs(limit)} s)" if learned else "")
+                    return Hang(job, HangKind.STARTUP, why, since, learned=learned)
                 return None
+            limits = {rank: self._limit(job, r) for rank, r in state.ranks.items()}
             stalled = tuple(StalledRank(rank, r.step, r.pid, now - r.progressed_at)
                             for rank, r in sorted(state.ranks.items())
-                            if now - r.progressed_at >= self.hang_timeout)
-        if not stalled:
-            return None
-        return Hang(job, HangKind.STALLED, f"no progress for {self.hang_timeout:g} s",
-                    max(r.seconds for r in stalled), stalled)
+                            if now - r.progressed_at >= limits[rank])
+            if not stalled:
+                return None
+            limit = min(limits[r.rank] for r in stalled)
+            warm = any(state.ranks[r.rank].steps < WARMUP_STEPS for r in stalled)
+        if not learned:
+            reason = f"no progress for {limit:g} s"
+        else:
+            reason = (f"no progress for {_secs(limit)} s (learned hang timeout"
+                      f"{', first steps' if warm else ''})")
+        return Hang(job, HangKind.STALLED, reason, max(r.seconds for r in stalled), stalled,
+                    learned=learned)
 
     def last_step(self, job: str) -> int | None:
         """The step every reporting rank of ``job`` has reached (the smallest last step), or
@@ -203,9 +286,14 @@ class ProgressTracker:
             ranks = [] if state is None else [
                 {"rank": rank, "step": r.step, "pid": r.pid,
                  "seconds_since_progress": round(now - r.progressed_at, 3),
-                 "seconds_since_report": round(now - r.reported_at, 3)}
+                 "seconds_since_report": round(now - r.reported_at, 3),
+                 "timeout_seconds": round(self._limit(job, r), 3)}
                 for rank, r in sorted(state.ranks.items())]
             started = None if state is None else round(now - state.started_at, 3)
+            startup = self._startup_limit(job)
+            learned = (None if self.learned is None
+                       else self.learned.status(self._history(job)))
+        timeout, source = self.timeout(job)
         return {
             "job": job,
             "ranks": ranks,
@@ -213,8 +301,10 @@ class ProgressTracker:
             "seconds_since_progress": max((r["seconds_since_progress"] for r in ranks),
                                           default=None),
             "seconds_since_start": started,
-            "hang_timeout_seconds": self.hang_timeout,
-            "startup_timeout_seconds": self.startup_timeout,
+            "hang_timeout_seconds": round(timeout, 3),
+            "hang_timeout_source": source,
+            "startup_timeout_seconds": None if startup is None else round(startup, 3),
+            "learned": learned,
         }
 
 
