@@ -24,7 +24,8 @@ receives them:
 * ``first_step`` (a job setting, 600 s): each worker process's first steps (the first
   :data:`WARMUP_STEPS` intervals after its first report) compile, warm the data loader up and
   allocate optimizer state; they get ``max(first_step, timeout)`` and are not learned from.
-  The same allowance bounds a restarted group's time to its first report, once the job has
+  So does every step while nothing is learned yet (a new job's third step must not meet a
+  bare floor). The same allowance bounds a restarted group's time to its first report, once the job has
   reported on this node before (a job that never reports is never called hung).
 * ``k``: each restart this rule caused doubles the timeout for that job (at most
   ``MAX_DOUBLINGS`` times): a long step the window had not seen (the first evaluation) costs
@@ -165,7 +166,8 @@ class LearnedTimeout:
 
     def source(self, history: StepHistory) -> str:
         """``"learned"`` when the step times set the timeout, ``"floor"`` when the floor
-        does (nothing learned yet, or steps shorter than floor / factor)."""
+        does (steps shorter than floor / factor; or nothing learned yet, when the tracker
+        applies the first-step allowance instead)."""
         longest = history.longest()
         return "learned" if longest is not None and self.factor * longest > self.floor \
             else "floor"

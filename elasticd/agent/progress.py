@@ -159,7 +159,7 @@ class ProgressTracker:
             assert self.hang_timeout is not None
             return self.hang_timeout
         history = self._history(job)
-        if r.steps < WARMUP_STEPS:
+        if r.steps < WARMUP_STEPS or history.longest() is None:
             return self.learned.warmup_timeout(history)
         return self.learned.timeout(history)
 
@@ -226,13 +226,16 @@ class ProgressTracker:
 
     def timeout(self, job: str) -> tuple[float, str]:
         """The timeout in force for ``job``'s ranks past their first steps, and where it
-        comes from: ``"set"`` (by hand), ``"learned"`` (from the step times) or ``"floor"``
-        (learned, but the floor is higher, or nothing learned yet)."""
+        comes from: ``"set"`` (by hand), ``"learned"`` (from the step times), ``"floor"``
+        (learned, but the floor is higher) or ``"first_step"`` (nothing learned yet: the
+        first-step allowance holds)."""
         if self.learned is None:
             assert self.hang_timeout is not None
             return self.hang_timeout, "set"
         with self._lock:
             history = self._history(job)
+            if history.longest() is None:
+                return self.learned.warmup_timeout(history), "first_step"
             return self.learned.timeout(history), self.learned.source(history)
 
     def check(self, job: str) -> Hang | None:

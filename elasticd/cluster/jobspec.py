@@ -267,7 +267,7 @@ class NodeJobStatus:
     ranks: list[int] = dataclasses.field(default_factory=list)  # this node's global ranks
     unprotected: str = ""  # "UNPROTECTED: <why>" while a node failure would lose too much
     hang_timeout: float = 0.0  # the hang timeout in force (0: none: off, or no job running)
-    hang_timeout_source: str = ""  # set | learned | floor (elasticd.agent.hang_timeout)
+    hang_timeout_source: str = ""  # set | learned | floor | first_step (agent/hang_timeout.py)
 
     KIND = "node_job_status"
     #: Every state a node publishes (``idle`` before its first job).

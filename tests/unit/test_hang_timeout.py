@@ -115,8 +115,14 @@ def test_first_steps_of_each_process_get_the_allowance_and_are_not_learned(clock
     tracker = ProgressTracker(LearnedTimeout(floor=2.0, first_step=60.0), clock)
     # A compile-long first step and a slow second one: the allowance, not the floor.
     step = steps(tracker, clock, [0], [0.0, 59.0, 59.0])
-    assert tracker.timeout(JOB) == (2.0, "floor")  # neither was learned
-    assert tracker.status(JOB)["ranks"][0]["timeout_seconds"] == 2.0
+    # Neither was learned; until a step is, the allowance holds (not the bare floor).
+    assert tracker.timeout(JOB) == (60.0, "first_step")
+    assert tracker.status(JOB)["ranks"][0]["timeout_seconds"] == 60.0
+    step = steps(tracker, clock, [0], [59.0], start=step)
+    assert tracker.timeout(JOB) == (295.0, "learned")  # a slow third step is learned
+    tracker.remove(JOB)
+    step = steps(tracker, clock, [0], [0.0, 59.0, 59.0, 0.2])
+    assert tracker.timeout(JOB) == (2.0, "floor")  # 5 x 0.2 s is under the floor
     steps(tracker, clock, [0], [1.0] * 10, start=step)
     assert tracker.timeout(JOB) == (5.0, "learned")
     # A new process (the worker restarted): its first steps warm up again.
@@ -173,4 +179,4 @@ def test_status_says_what_is_in_force(clock):
                              "window": 1000, "longest_step_seconds": 0.5, "steps_learned": 2,
                              "doublings": 0}
     tracker.remove(JOB)
-    assert tracker.timeout(JOB) == (1.0, "floor")
+    assert tracker.timeout(JOB) == (30.0, "first_step")
