@@ -41,9 +41,7 @@ def test_a_stalled_worker_is_restarted_after_the_learned_timeout(tmp_path):
             "--", WORKER, "--steps", "30", "--step-min", "0.3", "--step-max", "0.3",
             "--hang-rank", "1", "--hang-at-step", "16", check=True)
         # Learned from steps 3..15 (the first two are warm-up): 5 x ~0.3 s.
-        c.wait_for(lambda: progress(n1).get("learned", {}).get("steps_learned", 0) >= 16, 60,
-                   "step times learned")
-        c.wait_for(lambda: "hangs at step 16" in agent_log(c, "n1", "stall"), 30,
+        c.wait_for(lambda: "hangs at step 16" in agent_log(c, "n1", "stall"), 60,
                    "the worker stalls")
         st = progress(n1)
         learned, source = st["hang_timeout_seconds"], st["hang_timeout_source"]
@@ -80,12 +78,14 @@ def test_slow_steps_varying_3x_are_never_restarted(tmp_path):
     try:
         c.start()
         n1 = c.nodes["n1"]
-        # Steps of 0.1-0.3 s, a first step 2 s longer (a compile), for ~30 s: under a floor
-        # of 0.2 s, only the learned multiple and the first-step allowance keep it running.
+        # Steps of 0.1 and 0.3 s in turn, a first step 2 s longer (a compile), for ~30 s:
+        # under a floor of 0.2 s, only the first-step allowance (steps 1-2) and the learned
+        # multiple keep it running: step 4 (0.3 s) comes when only step 3 (0.1 s) was learned,
+        # so a factor under 3 would restart it.
         ctl(c.etcd, c.prefix, "submit", "steady", "--nnodes", "1", "--nproc-per-node", "2",
             "--user", JOB_USER, "--hang-timeout-floor", "0.2", "--hang-first-step", "5",
             "--", WORKER, "--steps", "150", "--step-min", "0.1", "--step-max", "0.3",
-            "--first-step", "2", check=True)
+            "--alternate", "--first-step", "2", check=True)
         timeouts = []
 
         def done():
@@ -101,6 +101,7 @@ def test_slow_steps_varying_3x_are_never_restarted(tmp_path):
         assert len(re.findall(r"^.*step \d+ world 2 rank 0 restart 0", log, re.M)) == 150
         learned = [t for src, t in timeouts if src == "learned"]
         print(f"learned hang timeouts seen: {sorted(set(learned))}")
-        assert learned and 0.5 <= min(learned) and max(learned) <= 3.0
+        # Never within 1.5x of the longest step (5x the shortest is 1.67x the longest).
+        assert learned and min(learned) > 1.5 * 0.3 and max(learned) <= 3.0
     finally:
         c.stop()

@@ -1,8 +1,9 @@
 """A torchrun worker whose steps take the times it is told, for hang detection's tests.
 
-Usage: ``step_times.py --steps N --step-min S --step-max S [--first-step S] [--hang-rank R
---hang-at-step K]``. Each step sleeps a time drawn uniformly from [step-min, step-max] (seeded:
-every rank draws the same), then all-reduces a tensor over gloo and reports the step to the daemon
+Usage: ``step_times.py --steps N --step-min S --step-max S [--alternate] [--first-step S]
+[--hang-rank R --hang-at-step K]``. Each step sleeps a time drawn uniformly from [step-min,
+step-max] (seeded: every rank draws the same; with ``--alternate``, step-min on odd steps and
+step-max on even ones), then all-reduces a tensor over gloo and reports the step to the daemon
 (``elasticd.worker.progress``); step 0 is reported before the first step, so that the first
 interval holds the first step's extra ``--first-step`` seconds (a compile, a data loader
 warming up). Rank R sleeps for an hour at step K of the first attempt (no progress, the other
@@ -27,6 +28,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--step-min", type=float, required=True)
     p.add_argument("--step-max", type=float, required=True)
+    p.add_argument("--alternate", action="store_true")
     p.add_argument("--first-step", type=float, default=0.0)
     p.add_argument("--hang-rank", type=int, default=-1)
     p.add_argument("--hang-at-step", type=int, default=-1)
@@ -42,7 +44,11 @@ def main() -> None:
             print(f"rank {rank} hangs at step {step} t={time.time():.3f}", flush=True)
             time.sleep(3600)
         extra = args.first_step if step == 1 else 0.0
-        time.sleep(rnd.uniform(args.step_min, args.step_max) + extra)
+        if args.alternate:
+            pause = args.step_min if step % 2 else args.step_max
+        else:
+            pause = rnd.uniform(args.step_min, args.step_max)
+        time.sleep(pause + extra)
         t = torch.ones(4)
         dist.all_reduce(t)
         progress(step)
