@@ -25,8 +25,8 @@ receives them:
   :data:`WARMUP_STEPS` intervals after its first report) compile, warm the data loader up and
   allocate optimizer state; they get ``max(first_step, timeout)`` and are not learned from.
   So does every step while nothing is learned yet (a new job's third step must not meet a
-  bare floor). The same allowance bounds a restarted group's time to its first report, once the job has
-  reported on this node before (a job that never reports is never called hung).
+  bare floor). Before a group's first report nothing is decided: a restarted group may wait
+  in its rendezvous for nodes as long as it must, and restore from disk for minutes.
 * ``k``: each restart this rule caused doubles the timeout for that job (at most
   ``MAX_DOUBLINGS`` times): a long step the window had not seen (the first evaluation) costs
   one restart, not a loop of them. A job that truly hangs again and again is stopped by the
@@ -92,14 +92,12 @@ class StepHistory:
         ranks: each rank's last intervals.
         doublings: restarts the learned timeout caused (each doubles it).
         learned: intervals learned in all.
-        reported: some rank of the job reported progress on this node.
     """
 
     window: int = WINDOW
     ranks: dict[int, SlidingMax] = dataclasses.field(default_factory=dict)
     doublings: int = 0
     learned: int = 0
-    reported: bool = False
 
     def observe(self, rank: int, seconds: float) -> None:
         """Learns one completed step interval of ``rank`` (not a warm-up step)."""
@@ -161,7 +159,8 @@ class LearnedTimeout:
         return base * 2 ** min(history.doublings, self.max_doublings)
 
     def warmup_timeout(self, history: StepHistory) -> float:
-        """The timeout for a worker process's first steps (and a group's first report)."""
+        """The timeout for a worker process's first steps (and any step while nothing is
+        learned)."""
         return max(self.first_step, self.timeout(history))
 
     def source(self, history: StepHistory) -> str:

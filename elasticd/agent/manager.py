@@ -45,7 +45,7 @@ from elasticd.agent.job_records import JobRecords
 from elasticd.agent.hang_timeout import LearnedTimeout
 from elasticd.agent.policy import JobPolicy
 from elasticd.agent.progress import Hang, ProgressTracker, progress_handler
-from elasticd.agent.supervisor import AgentSupervisor
+from elasticd.agent.supervisor import AgentSupervisor, process_runs
 from elasticd.clock import Clock, SystemClock
 from elasticd.cluster.jobspec import JobControl, JobSpec, NodeJobStatus
 from elasticd.coordination import records
@@ -120,6 +120,8 @@ class JobManager(JobRecords):
         self._status_job: str | None = None
         self.tracker: ProgressTracker | None = None
         self._tracker_job: str | None = None  # the job the tracker (and what it learned) is of
+        #: Whether a worker that reported still runs (a dead one is restarting, not hung).
+        self.pid_alive: Callable[[int], bool] = process_runs
         self.on_job_end: list[Callable[[str], None]] = []  # called with the job's name
         self._report: Callable[[dict[str, Any]], None] | None = None
         self._restarted_at: float | None = None  # a worker group is (re)starting since then
@@ -323,12 +325,14 @@ class JobManager(JobRecords):
                 # A tracker per job, kept while the job runs here (through the agent's own
                 # restarts too): the learned step times and doublings are the job's.
                 self.tracker, self._report, self._tracker_job = None, None, self.job
+                alive = lambda pid: self.pid_alive(pid)  # noqa: E731 — tests swap pid_alive
                 if spec.hang_timeout is None:
                     self.tracker = ProgressTracker(
                         LearnedTimeout(floor=spec.hang_timeout_floor,
-                                       first_step=spec.hang_first_step), self.clock)
+                                       first_step=spec.hang_first_step), self.clock,
+                        alive=alive)
                 elif spec.hang_timeout > 0:
-                    self.tracker = ProgressTracker(spec.hang_timeout, self.clock)
+                    self.tracker = ProgressTracker(spec.hang_timeout, self.clock, alive=alive)
                 if self.tracker is not None:
                     self._report = progress_handler(self.tracker, default_job=self.job)
             if self.tracker is not None:

@@ -120,16 +120,20 @@ class ProgressTracker:
             intervals.
         clock: injected time (only ``monotonic`` is used).
         startup_timeout: seconds after :meth:`reset` within which some rank must report;
-            None switches the rule off (a job may take long to load its data) — except with
-            a learned timeout, where a job that has reported before on this node must report
-            again within the first-step allowance.
+            None switches the rule off (a job may take long to load its data, and a
+            restarted group may wait long in its rendezvous for nodes).
+        alive: says whether a reporting process still exists (None: assume so). A rank whose
+            process is gone is not stalled but restarting: torchrun restarts a group whose
+            worker died, or that a joining node re-forms, and the rendezvous and restore that
+            follow may take longer than any timeout learned from steps.
 
     Raises:
         ValueError: a timeout is not positive.
     """
 
     def __init__(self, hang_timeout: float | LearnedTimeout, clock: Clock,
-                 startup_timeout: float | None = None) -> None:
+                 startup_timeout: float | None = None,
+                 alive: Callable[[int], bool] | None = None) -> None:
         if isinstance(hang_timeout, LearnedTimeout):
             self.learned: LearnedTimeout | None = hang_timeout
             self.hang_timeout: float | None = None
@@ -142,6 +146,7 @@ class ProgressTracker:
                              f"{startup_timeout!r}")
         self.startup_timeout = None if startup_timeout is None else float(startup_timeout)
         self._clock = clock
+        self._alive = alive
         self._lock = threading.Lock()
         self._jobs: dict[str, _Job] = {}
         self._histories: dict[str, StepHistory] = {}  # learned step times, across resets
@@ -163,11 +168,6 @@ class ProgressTracker:
             return self.learned.warmup_timeout(history)
         return self.learned.timeout(history)
 
-    def _startup_limit(self, job: str) -> float | None:
-        if self.startup_timeout is not None or self.learned is None:
-            return self.startup_timeout
-        history = self._history(job)
-        return self.learned.warmup_timeout(history) if history.reported else None
 
     def report(self, job: str, rank: int, step: int, pid: int | None = None) -> bool:
         """Records that ``rank`` of ``job`` reached ``step``.
@@ -194,8 +194,6 @@ class ProgressTracker:
                     self._history(job).observe(rank, interval)
             else:
                 last.reported_at = now
-            if self.learned is not None:
-                self._history(job).reported = True
             return True
 
     def reset(self, job: str) -> None:
@@ -249,20 +247,23 @@ class ProgressTracker:
             learned = self.learned is not None
             if not state.ranks:
                 since = now - state.started_at
-                limit = self._startup_limit(job)
-                if limit is not None and since >= limit:
-                    why = "no progress since start" + (
-                        f" (first-step allowance {_secs(limit)} s)" if learned else "")
-                    return Hang(job, HangKind.STARTUP, why, since, learned=learned)
+                if self.startup_timeout is not None and since >= self.startup_timeout:
+                    return Hang(job, HangKind.STARTUP, "no progress since start", since)
                 return None
-            limits = {rank: self._limit(job, r) for rank, r in state.ranks.items()}
-            stalled = tuple(StalledRank(rank, r.step, r.pid, now - r.progressed_at)
-                            for rank, r in sorted(state.ranks.items())
-                            if now - r.progressed_at >= limits[rank])
-            if not stalled:
-                return None
-            limit = min(limits[r.rank] for r in stalled)
-            warm = any(state.ranks[r.rank].steps < WARMUP_STEPS for r in stalled)
+            found = []  # (stalled rank, its limit, whether in its first steps)
+            for rank, r in sorted(state.ranks.items()):
+                limit = self._limit(job, r)
+                if now - r.progressed_at >= limit:
+                    found.append((StalledRank(rank, r.step, r.pid, now - r.progressed_at),
+                                  limit, r.steps < WARMUP_STEPS))
+        # Outside the lock: whether a process exists is a look at /proc.
+        if self._alive is not None:
+            found = [f for f in found if f[0].pid is None or self._alive(f[0].pid)]
+        if not found:
+            return None
+        stalled = tuple(f[0] for f in found)
+        limit = min(f[1] for f in found)
+        warm = any(f[2] for f in found)
         if not learned:
             reason = f"no progress for {limit:g} s"
         else:
@@ -293,7 +294,6 @@ class ProgressTracker:
                  "timeout_seconds": round(self._limit(job, r), 3)}
                 for rank, r in sorted(state.ranks.items())]
             started = None if state is None else round(now - state.started_at, 3)
-            startup = self._startup_limit(job)
             learned = (None if self.learned is None
                        else self.learned.status(self._history(job)))
         timeout, source = self.timeout(job)
@@ -306,7 +306,7 @@ class ProgressTracker:
             "seconds_since_start": started,
             "hang_timeout_seconds": round(timeout, 3),
             "hang_timeout_source": source,
-            "startup_timeout_seconds": None if startup is None else round(startup, 3),
+            "startup_timeout_seconds": self.startup_timeout,
             "learned": learned,
         }
 

@@ -76,7 +76,7 @@ class JobSpec:
             after which the job is stopped as failed (0: never; :mod:`elasticd.agent.crashloop`).
         hang_timeout_floor: the lowest learned hang timeout, seconds.
         hang_first_step: the learned rule's allowance for a worker process's first steps
-            (compile, data loader warm-up, restore), seconds.
+            (compile, data loader warm-up), seconds.
     """
 
     name: str

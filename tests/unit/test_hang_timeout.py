@@ -154,20 +154,17 @@ def test_learning_survives_a_restart_and_a_restart_for_it_doubles_it(clock):
     assert fixed.timeout(JOB) == (5.0, "set")
 
 
-def test_a_silent_restart_is_a_hang_only_for_a_job_that_reported_before(clock):
+def test_nothing_is_decided_before_a_groups_first_report(clock):
+    """A restarted group may wait in its rendezvous for nodes for as long as it must."""
     tracker = ProgressTracker(LearnedTimeout(floor=1.0, first_step=30.0), clock)
     tracker.reset(JOB)
     clock.advance(10_000.0)
     assert tracker.check(JOB) is None  # a job that never reports is never called hung
-    tracker.report(JOB, 0, 1, pid=1)
-    tracker.reset(JOB)  # restarted: it must report again within the first-step allowance
-    clock.advance(29.9)
+    steps(tracker, clock, [0], [0.0, 1.0, 1.0, 1.0])
+    tracker.reset(JOB)
+    clock.advance(10_000.0)
     assert tracker.check(JOB) is None
-    clock.advance(0.1)
-    hang = tracker.check(JOB)
-    assert hang.kind is HangKind.STARTUP and hang.learned
-    assert hang.reason == "no progress since start (first-step allowance 30 s)"
-    assert tracker.status(JOB)["startup_timeout_seconds"] == 30.0
+    assert tracker.status(JOB)["startup_timeout_seconds"] is None
 
 
 def test_status_says_what_is_in_force(clock):
@@ -180,3 +177,44 @@ def test_status_says_what_is_in_force(clock):
                              "doublings": 0}
     tracker.remove(JOB)
     assert tracker.timeout(JOB) == (30.0, "first_step")
+
+
+def test_the_elasticctl_jobs_cell():
+    import dataclasses
+
+    from elasticd.cli.jobs import _hang_timeout
+    from elasticd.cluster.jobspec import JobSpec
+
+    spec = JobSpec(name="j", nnodes_min=1, nnodes_max=2, nproc_per_node=1, script="/x",
+                   args=[], script_sha256="0" * 64, user="u", cwd="/")
+    assert spec.hang_timeout is None  # learned unless set
+    assert _hang_timeout(spec, []) == "learned"
+    assert _hang_timeout(dataclasses.replace(spec, hang_timeout=300.0), []) == "set 300 s"
+    assert _hang_timeout(dataclasses.replace(spec, hang_timeout=0.0), []) == "off"
+    node = {"hang_timeout": 7.5, "hang_timeout_source": "learned"}
+    assert _hang_timeout(spec, [node]) == "learned 7.5 s"
+    assert _hang_timeout(spec, [node, {**node, "hang_timeout": 8.0}]) == "learned 7.5-8 s"
+    assert _hang_timeout(spec, [{"hang_timeout": 0.0, "hang_timeout_source": ""}]) == "learned"
+
+
+def test_a_rank_whose_process_is_gone_is_restarting_not_stalled(clock):
+    """torchrun restarts a group whose worker died (or that a joining node re-forms); the
+    rendezvous and restore after it may outlast any timeout learned from steps."""
+    import os
+    import subprocess
+    import sys
+
+    from elasticd.agent.supervisor import process_runs
+
+    gone = {101}
+    tracker = ProgressTracker(LearnedTimeout(floor=1.0, first_step=30.0), clock,
+                              alive=lambda pid: pid not in gone)
+    steps(tracker, clock, [0, 1], [0.0, 1.0, 1.0, 1.0])
+    clock.advance(10_000.0)
+    hang = tracker.check(JOB)
+    assert [r.rank for r in hang.ranks] == [0]  # rank 1's process (pid 101) is gone
+    gone.add(100)
+    assert tracker.check(JOB) is None
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert process_runs(os.getpid()) and not process_runs(child.pid)

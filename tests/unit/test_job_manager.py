@@ -165,6 +165,8 @@ def _running(mgr, tmp_path, **spec_changes):
 def test_without_a_hang_timeout_the_learned_one_is_in_force_published_and_doubled(env,
                                                                                    tmp_path):
     coord, keys, mgr, lease = env
+    alive = {7: True}
+    mgr.pid_alive = alive.__getitem__
     agent = _running(mgr, tmp_path, hang_timeout_floor=1.0, hang_first_step=30.0)
     clock = mgr.clock
     mgr.step()
@@ -180,6 +182,10 @@ def test_without_a_hang_timeout_the_learned_one_is_in_force_published_and_double
     assert (published.hang_timeout, published.hang_timeout_source) == (7.5, "learned")
     assert mgr.describe()["progress"]["hang_timeout_source"] == "learned"
     clock.advance(7.0)  # 7.5 s since the last step (0.5 s after it already passed)
+    alive[7] = False  # the worker died: torchrun restarts the group, no hang
+    mgr.step()
+    assert agent.restarts == []
+    alive[7] = True
     mgr.step()
     assert len(agent.restarts) == 1 and "learned hang timeout" in agent.restarts[0]
     assert mgr.metrics.hangs._value.get() == 1
