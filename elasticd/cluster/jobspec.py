@@ -157,7 +157,13 @@ class JobSpec:
         return self
 
     def encode(self) -> bytes:
-        return records.encode_dataclass(KIND, self)
+        """The record. A learned hang timeout (None) is left out rather than written as
+        null: a daemon of the release before reads a missing field as its default (a fixed
+        300 s), where a null would make it refuse the job."""
+        payload = dataclasses.asdict(self)
+        if payload["hang_timeout"] is None:
+            del payload["hang_timeout"]
+        return records.encode(KIND, payload)
 
     @classmethod
     def decode(cls, raw: bytes, key: bytes | str = b"?", job: str | None = None) -> "JobSpec":

@@ -218,3 +218,28 @@ def test_a_rank_whose_process_is_gone_is_restarting_not_stalled(clock):
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     assert process_runs(os.getpid()) and not process_runs(child.pid)
+
+
+def test_job_specs_learned_set_old_and_hostile():
+    import json
+
+    from elasticd.cluster.jobspec import JobSpec
+    from elasticd.coordination import records
+
+    spec = JobSpec(name="j", nnodes_min=1, nnodes_max=2, nproc_per_node=1, script="/x",
+                   args=[], script_sha256="0" * 64, user="u", cwd="/")
+    raw = spec.encode()
+    body = json.loads(raw)
+    # Learned: no field (an older daemon reads its own default, 300 s, and runs the job).
+    assert "hang_timeout" not in body and body["hang_timeout_floor"] == 60.0
+    assert JobSpec.decode(raw, job="j") == spec
+    old = {k: v for k, v in body.items() if not k.startswith("hang_")}
+    old["hang_timeout"] = 300.0  # as submitted before the learned rule: kept as set
+    assert JobSpec.decode(json.dumps(old).encode(), job="j").hang_timeout == 300.0
+    assert JobSpec.decode(json.dumps({**body, "hang_timeout": None}).encode()).hang_timeout \
+        is None
+    for field, value, match in [("hang_timeout_floor", 0, "--hang-timeout-floor"),
+                                ("hang_first_step", -5, "--hang-first-step"),
+                                ("hang_timeout_floor", "60", "expected a finite number")]:
+        with pytest.raises(records.CorruptRecord, match=match):
+            JobSpec.decode(json.dumps({**body, field: value}).encode())
