@@ -617,11 +617,14 @@ class JobManager(JobRecords):
         self._published = self.status
 
     def _update_hang_timeout(self) -> None:
-        """The hang timeout in force: into the node's job status and the metric."""
-        seconds, source = 0.0, ""
+        """The hang timeout in force: into the node's job status and the metric (and the
+        node's compute time per step into its metric)."""
+        seconds, source, compute = 0.0, "", None
         if self.job is not None and self.tracker is not None and self.supervisor is not None:
             seconds, source = self.tracker.timeout(self.job)
+            compute = self.tracker.compute_seconds(self.job)
         self.metrics.hang_timeout_seconds.set(seconds)
+        self.metrics.compute_seconds.set(float("nan") if compute is None else compute)
         shown = _show_timeout(seconds)
         with self._lock:
             if (shown, source) != (self.status.hang_timeout, self.status.hang_timeout_source):

@@ -14,6 +14,11 @@ Progress means a *different* step or a new process for that rank, not only a lar
 script may count steps per epoch, and a restarted worker resumes from an older step; neither is
 a hang. A report that repeats the same step is a sign of life but not progress.
 
+A report may carry the rank's compute time of the step outside collectives
+(:class:`elasticd.worker.compute_time.ComputeTimer`): the tracker keeps each rank's last
+:data:`COMPUTE_WINDOW` and reports their median (per rank in ``/status``, and the node's: the
+median of its ranks'), which is what tells a slow node apart in synchronous training.
+
 After :meth:`ProgressTracker.reset` (workers restarted), reports from the processes of the
 previous generation are ignored: one still in the socket when its sender was killed must not
 count as the new generation's first report.
@@ -21,8 +26,11 @@ count as the new generation's first report.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
+import math
+import statistics
 import threading
 from typing import Any, Callable
 
@@ -33,6 +41,8 @@ from elasticd.local.wire import RequestError
 __all__ = ["Hang", "HangKind", "ProgressTracker", "StalledRank", "progress_handler"]
 
 _MAX_RETIRED_PIDS = 4096
+#: Compute times kept per rank: the median of 50 steps is steady against one slow step.
+COMPUTE_WINDOW = 50
 
 
 class HangKind(str, enum.Enum):
@@ -95,6 +105,8 @@ class _Rank:
     progressed_at: float
     reported_at: float
     steps: int = 0  # steps this process completed since its first report
+    compute: collections.deque[float] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=COMPUTE_WINDOW))
 
 
 @dataclasses.dataclass
@@ -169,8 +181,10 @@ class ProgressTracker:
         return self.learned.timeout(history)
 
 
-    def report(self, job: str, rank: int, step: int, pid: int | None = None) -> bool:
-        """Records that ``rank`` of ``job`` reached ``step``.
+    def report(self, job: str, rank: int, step: int, pid: int | None = None,
+               compute_seconds: float | None = None) -> bool:
+        """Records that ``rank`` of ``job`` reached ``step`` (and, optionally, the step's
+        compute time outside collectives).
 
         Returns:
             False when the report was ignored: it came from a process of the generation
@@ -194,6 +208,9 @@ class ProgressTracker:
                     self._history(job).observe(rank, interval)
             else:
                 last.reported_at = now
+            if compute_seconds is not None and math.isfinite(compute_seconds) \
+                    and compute_seconds >= 0:
+                state.ranks[rank].compute.append(float(compute_seconds))
             return True
 
     def reset(self, job: str) -> None:
@@ -272,6 +289,15 @@ class ProgressTracker:
         return Hang(job, HangKind.STALLED, reason, max(r.seconds for r in stalled), stalled,
                     learned=learned)
 
+    def compute_seconds(self, job: str) -> float | None:
+        """This node's compute time per step for ``job``: the median over its ranks of each
+        rank's median of its last compute times; None when no rank measures it."""
+        with self._lock:
+            state = self._jobs.get(job)
+            medians = [] if state is None else [statistics.median(r.compute)
+                                                for r in state.ranks.values() if r.compute]
+        return statistics.median(medians) if medians else None
+
     def last_step(self, job: str) -> int | None:
         """The step every reporting rank of ``job`` has reached (the smallest last step), or
         None before any report."""
@@ -291,12 +317,15 @@ class ProgressTracker:
                 {"rank": rank, "step": r.step, "pid": r.pid,
                  "seconds_since_progress": round(now - r.progressed_at, 3),
                  "seconds_since_report": round(now - r.reported_at, 3),
-                 "timeout_seconds": round(self._limit(job, r), 3)}
+                 "timeout_seconds": round(self._limit(job, r), 3),
+                 "compute_seconds": (round(statistics.median(r.compute), 4) if r.compute
+                                     else None)}
                 for rank, r in sorted(state.ranks.items())]
             started = None if state is None else round(now - state.started_at, 3)
             learned = (None if self.learned is None
                        else self.learned.status(self._history(job)))
         timeout, source = self.timeout(job)
+        compute = self.compute_seconds(job)
         return {
             "job": job,
             "ranks": ranks,
@@ -308,6 +337,7 @@ class ProgressTracker:
             "hang_timeout_source": source,
             "startup_timeout_seconds": self.startup_timeout,
             "learned": learned,
+            "compute_seconds": None if compute is None else round(compute, 4),
         }
 
 
@@ -334,8 +364,15 @@ def progress_handler(tracker: ProgressTracker,
                                "i.e. does the worker run under torchrun?)")
         if not isinstance(step, int) or isinstance(step, bool):
             raise RequestError(f"progress needs an integer step, got {step!r}")
+        compute = msg.get("compute_seconds")
+        if compute is not None and (isinstance(compute, bool)
+                                    or not isinstance(compute, (int, float))
+                                    or not math.isfinite(compute) or compute < 0):
+            raise RequestError("progress: compute_seconds must be a finite number >= 0, got "
+                               f"{compute!r}")
         peer = msg.get("_peer") or {}
         pid = peer.get("pid", msg.get("pid"))
-        tracker.report(job, rank, step, pid if isinstance(pid, int) else None)
+        tracker.report(job, rank, step, pid if isinstance(pid, int) else None,
+                       None if compute is None else float(compute))
 
     return handle
