@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from typing import Any, Callable, Iterator
+
+from elasticd.clock import SYSTEM_CLOCK, Clock
 
 __all__ = ["ComputeTimer"]
 
@@ -41,11 +42,11 @@ class ComputeTimer:
             elasticd.worker.progress(step, compute_seconds=timer.stop())
 
     Args:
-        clock: seconds from a monotonic clock (injected for tests).
+        clock: injected time (only ``monotonic`` is used).
     """
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
+    def __init__(self, clock: Clock = SYSTEM_CLOCK) -> None:
+        self._clock = clock.monotonic
         self._lock = threading.Lock()  # all-reduce futures complete on the backend's threads
         self._start: float | None = None
         self._last_ready: float | None = None
