@@ -41,8 +41,8 @@ import threading
 from typing import Any, Callable
 
 from elasticd.agent import crashloop
-from elasticd.agent.job_records import JobRecords
 from elasticd.agent.hang_timeout import LearnedTimeout
+from elasticd.agent.job_records import JobRecords
 from elasticd.agent.policy import JobPolicy
 from elasticd.agent.progress import Hang, ProgressTracker, progress_handler
 from elasticd.agent.supervisor import AgentSupervisor, process_runs
