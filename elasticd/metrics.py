@@ -172,6 +172,17 @@ class Metrics:
         self.hangs = Counter(
             "elasticd_hangs_detected_total", "Worker groups restarted for making no progress",
             registry=r)
+        self.hang_timeout_seconds = Gauge(
+            "elasticd_hang_timeout_seconds",
+            "Seconds without progress after which this node restarts its job's workers: the "
+            "job's --hang-timeout, or the timeout learned from its step times (0: off, or no "
+            "job)", registry=r)
+        self.compute_seconds = Gauge(
+            "elasticd_compute_seconds",
+            "This node's compute time per training step outside collectives (the median over "
+            "its ranks of each one's last 50 steps, as its workers measure it; NaN: not "
+            "measured)", registry=r)
+        self.compute_seconds.set(float("nan"))
         self.job_running = Gauge(
             "elasticd_job_running", "1 while this node runs a job's agent", registry=r)
         # -- checkpoints (fed by elasticd.checkpoint.service through CheckpointSink) ---------

@@ -13,7 +13,10 @@ disappears with it), and acts:
   a spec that does not read (records are written by whoever may write to etcd: a malformed one
   costs that job, never the daemon), or one the node's policy or files rule out;
 * restart the workers at once when a peer that runs the job fails (proactive abort: a machine
-  that loses power sends no TCP reset, and gloo would wait minutes), or when the job hangs;
+  that loses power sends no TCP reset, and gloo would wait minutes), or when the job hangs
+  (no progress for the job's ``hang_timeout``, or, when it sets none, for the timeout learned
+  from its step times: :mod:`elasticd.agent.hang_timeout`; shown in ``/status``, published
+  with the node's job status and exported as ``elasticd_hang_timeout_seconds``);
 * stop everything (agent and every tagged process) when the job is stopped, when the node fences
   itself, and when the daemon shuts down;
 * stop the job as ``failed`` on every node when its worker groups crash-loop: restarts in a row
@@ -38,10 +41,11 @@ import threading
 from typing import Any, Callable
 
 from elasticd.agent import crashloop
+from elasticd.agent.hang_timeout import LearnedTimeout
 from elasticd.agent.job_records import JobRecords
 from elasticd.agent.policy import JobPolicy
-from elasticd.agent.progress import ProgressTracker, progress_handler
-from elasticd.agent.supervisor import AgentSupervisor
+from elasticd.agent.progress import Hang, ProgressTracker, progress_handler
+from elasticd.agent.supervisor import AgentSupervisor, process_runs
 from elasticd.clock import Clock, SystemClock
 from elasticd.cluster.jobspec import JobControl, JobSpec, NodeJobStatus
 from elasticd.coordination import records
@@ -115,6 +119,9 @@ class JobManager(JobRecords):
         self._finished: set[str] = set()  # jobs this node completed (exit 0) or gave up on
         self._status_job: str | None = None
         self.tracker: ProgressTracker | None = None
+        self._tracker_job: str | None = None  # the job the tracker (and what it learned) is of
+        #: Whether a worker that reported still runs (a dead one is restarting, not hung).
+        self.pid_alive: Callable[[int], bool] = process_runs
         self.on_job_end: list[Callable[[str], None]] = []  # called with the job's name
         self._report: Callable[[dict[str, Any]], None] | None = None
         self._restarted_at: float | None = None  # a worker group is (re)starting since then
@@ -207,6 +214,7 @@ class JobManager(JobRecords):
             self._start(wanted)
         elif self.supervisor is not None:
             self._check_agent()
+        self._update_hang_timeout()
         self._publish()
 
     def _finish_if_done_elsewhere(self) -> None:
@@ -313,9 +321,20 @@ class JobManager(JobRecords):
         with self._lock:
             assert self.job is not None and self.supervisor is not None
             spec = self.supervisor.spec
-            if self.tracker is None and spec.hang_timeout > 0:
-                self.tracker = ProgressTracker(spec.hang_timeout, self.clock)
-                self._report = progress_handler(self.tracker, default_job=self.job)
+            if self._tracker_job != self.job:
+                # A tracker per job, kept while the job runs here (through the agent's own
+                # restarts too): the learned step times and doublings are the job's.
+                self.tracker, self._report, self._tracker_job = None, None, self.job
+                alive = lambda pid: self.pid_alive(pid)  # noqa: E731 — tests swap pid_alive
+                if spec.hang_timeout is None:
+                    self.tracker = ProgressTracker(
+                        LearnedTimeout(floor=spec.hang_timeout_floor,
+                                       first_step=spec.hang_first_step), self.clock,
+                        alive=alive)
+                elif spec.hang_timeout > 0:
+                    self.tracker = ProgressTracker(spec.hang_timeout, self.clock, alive=alive)
+                if self.tracker is not None:
+                    self._report = progress_handler(self.tracker, default_job=self.job)
             if self.tracker is not None:
                 self.tracker.reset(self.job)
             self._restarted_at = self.clock.monotonic()
@@ -393,7 +412,7 @@ class JobManager(JobRecords):
                     return
             hang = self.tracker.check(self.job) if self.tracker is not None else None
             if hang is not None:
-                self.on_hang(str(hang))
+                self._restart_for_hang(hang)
             return
         if code == 0:
             self.notes.append(f"job {self.job} finished on this node")
@@ -423,7 +442,7 @@ class JobManager(JobRecords):
         sup.stop(grace=1.0)  # leftovers of the dead agent, if any
         self._next_start = self.clock.monotonic() + backoff
         job = self.job
-        self.job, self.supervisor, self.tracker, self._report = None, None, None, None
+        self.job, self.supervisor = None, None  # the tracker stays: the job is restarted
         self.status = NodeJobStatus(self.node_id, "restarting", f"agent exited with {code}",
                                     agent_starts=sup.starts, log=sup.log_path,
                                     at=self.clock.wall())
@@ -512,6 +531,11 @@ class JobManager(JobRecords):
         ran = [n for n, st in live.items() if st.ranks or st.last_step >= 0]
         return min(ran or live, default=None)
 
+    def _restart_for_hang(self, hang: Hang) -> None:
+        if self.tracker is not None and self.supervisor is not None:
+            self.tracker.restarted_for(hang)  # a learned timeout that fired is doubled
+        self.on_hang(str(hang))
+
     def on_hang(self, reason: str) -> None:
         if self.supervisor is None:
             return
@@ -571,6 +595,7 @@ class JobManager(JobRecords):
                 pass
 
         self.job, self.supervisor, self.tracker, self._report = None, None, None, None
+        self._tracker_job = None
         self._stopping = threading.Thread(target=run, name=f"stop-{job}", daemon=True)
         self._stopping.start()
 
@@ -584,10 +609,27 @@ class JobManager(JobRecords):
         same = (self._published is not None and
                 dataclasses.replace(self.status, last_step=0, at=0) ==
                 dataclasses.replace(self._published, last_step=0, at=0))
+        # ``hang_timeout`` is rounded to two significant digits (_show_timeout): a learned
+        # one that drifts by a few percent is no write.
         if job is None or not lease or same:
             return
         self.coord.put(self.keys.job_node(job, self.node_id), self.status.encode(), lease)
         self._published = self.status
+
+    def _update_hang_timeout(self) -> None:
+        """The hang timeout in force: into the node's job status and the metric (and the
+        node's compute time per step into its metric)."""
+        seconds, source, compute = 0.0, "", None
+        if self.job is not None and self.tracker is not None and self.supervisor is not None:
+            seconds, source = self.tracker.timeout(self.job)
+            compute = self.tracker.compute_seconds(self.job)
+        self.metrics.hang_timeout_seconds.set(seconds)
+        self.metrics.compute_seconds.set(float("nan") if compute is None else compute)
+        shown = _show_timeout(seconds)
+        with self._lock:
+            if (shown, source) != (self.status.hang_timeout, self.status.hang_timeout_source):
+                self.status = dataclasses.replace(self.status, hang_timeout=shown,
+                                                  hang_timeout_source=source)
 
     def set_unprotected(self, text: str) -> None:
         """What the checkpoint service says of the job's protection ("" while protected),
@@ -599,3 +641,11 @@ class JobManager(JobRecords):
     def describe(self) -> dict[str, Any]:
         return {"job": self.job, **self.status.as_dict(), "progress": self.progress_status(),
                 "refused_specs": self.refused()}
+
+
+def _show_timeout(seconds: float) -> float:
+    """``seconds`` to two significant digits (what the node publishes; /status and the metric
+    carry the exact value)."""
+    if seconds <= 0:
+        return 0.0
+    return float(f"{seconds:.2g}")

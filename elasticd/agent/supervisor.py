@@ -68,6 +68,16 @@ def tagged_pids(tag: str = "", prefix: str = "") -> list[int]:
     return out
 
 
+def process_runs(pid: int) -> bool:
+    """True while process ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            state = fh.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
+
+
 def signal_all(pids: Sequence[int], sig: int) -> None:
     """Sends ``sig`` to each of ``pids`` that still exists (and is ours to signal)."""
     for pid in pids:

@@ -23,7 +23,8 @@ from elasticd.coordination.keys import Keyspace
 
 JOB_TABLE = Table([("JOB", "job"), ("WANTED", "desired"), ("NODES", "nnodes"),
                    ("PROCS", "nproc_per_node"), ("RUNNING ON", "running_on"),
-                   ("SCRIPT", "script"), ("PROTECTION / REASON", "protection")],
+                   ("HANG TIMEOUT", "hang_timeout"), ("SCRIPT", "script"),
+                   ("PROTECTION / REASON", "protection")],
                   max_width=160)
 LOG_TABLE = Table([("NODE", "node"), ("STATE", "state"), ("HOST", "hostname"), ("LOG", "log")],
                   max_width=120)
@@ -44,8 +45,18 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     s.add_argument("--cwd", help="workers' working directory (default: the current one)")
     s.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
     s.add_argument("--python", help="interpreter with torch (default: this one)")
-    s.add_argument("--hang-timeout", type=options.finite("seconds"), default=300.0,
-                   help="seconds without progress before workers restart (0: off)")
+    s.add_argument("--hang-timeout", type=options.finite("seconds"), default=None,
+                   metavar="SECONDS",
+                   help="seconds without progress before workers restart (0: off; default: "
+                        "learned from the job's step times: 5x the longest of the last 1000 "
+                        "steps, at least --hang-timeout-floor)")
+    s.add_argument("--hang-timeout-floor", type=options.seconds(0, 86400, 60.0, low_open=True),
+                   default=60.0, metavar="SECONDS",
+                   help="the lowest learned hang timeout (default 60)")
+    s.add_argument("--hang-first-step", type=options.seconds(0, 86400, 600.0, low_open=True),
+                   default=600.0, metavar="SECONDS",
+                   help="learned hang timeout: the allowance for each worker's first steps "
+                        "after a (re)start: compile, data loader warm-up (default 600)")
     s.add_argument("--crash-loop-restarts", type=int, default=5, metavar="N",
                    help="stop the job as failed after N worker group restarts in a row with "
                         "no new committed step (0: never)")
@@ -89,7 +100,9 @@ def cmd_submit(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> 
     spec = jobspec.build(args.name, args.nnodes, args.nproc_per_node, args.script, args_list,
                          user=args.user, cwd=args.cwd, env=args.env, python=args.python,
                          max_restarts=args.max_restarts, hang_timeout=args.hang_timeout,
-                         crash_loop_restarts=args.crash_loop_restarts)
+                         crash_loop_restarts=args.crash_loop_restarts,
+                         hang_timeout_floor=args.hang_timeout_floor,
+                         hang_first_step=args.hang_first_step)
     control = JobControl("running", SYSTEM_CLOCK.wall(), "elasticctl")
     ok, _ = coord.transaction(
         [Compare(keys.job_spec(spec.name), 0)],
@@ -127,7 +140,7 @@ def _jobs(coord: Coordinator, keys: Keyspace) -> list[dict[str, Any]]:
             "job": name, "desired": controls[name].desired if name in controls else "running",
             "nnodes": "-", "nproc_per_node": "-", "script": "", "args": [], "user": "",
             "submitted_at": 0.0, "running_on": f"refused: {why}", "refused": why,
-            "reason": why, "protection": "-", "nodes": nodes,
+            "reason": why, "protection": "-", "hang_timeout": "-", "nodes": nodes,
         })
     for name, spec in sorted(specs.items(), key=lambda kv: kv[1].created_at):
         nodes = {st.node: st.as_dict() for st in _node_statuses(coord, keys, name)}
@@ -144,8 +157,24 @@ def _jobs(coord: Coordinator, keys: Keyspace) -> list[dict[str, Any]]:
             "nnodes": spec.torchrun_nnodes(), "nproc_per_node": spec.nproc_per_node,
             "script": spec.script, "args": spec.args, "user": spec.user,
             "submitted_at": spec.created_at, "running_on": where, "nodes": nodes,
+            "hang_timeout": _hang_timeout(spec, [nodes[n] for n in running]),
         })
     return out
+
+
+def _hang_timeout(spec: JobSpec, running: list[dict[str, Any]]) -> str:
+    """One cell: the hang timeout in force where the job runs (``learned 75 s``, ``set 300
+    s``, ``floor 60 s``; a range when nodes differ), else what the spec asks for."""
+    if spec.hang_timeout == 0:
+        return "off"
+    shown = [(st["hang_timeout_source"], st["hang_timeout"]) for st in running
+             if st.get("hang_timeout") and st.get("hang_timeout_source")]
+    if not shown:
+        return "learned" if spec.hang_timeout is None else f"set {spec.hang_timeout:g} s"
+    sources = sorted({src for src, _ in shown})
+    lo, hi = min(v for _, v in shown), max(v for _, v in shown)
+    return f"{'/'.join(sources)} {lo:g} s" if lo == hi else \
+        f"{'/'.join(sources)} {lo:g}-{hi:g} s"
 
 
 def _protection(nodes: dict[str, dict[str, Any]], control: JobControl | None) -> str:

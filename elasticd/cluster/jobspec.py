@@ -69,10 +69,14 @@ class JobSpec:
         cwd: working directory of the workers.
         env: extra environment variables of the workers.
         python: interpreter that runs torchrun and the script (it must have torch).
-        hang_timeout: seconds without progress before the worker group is restarted (0: off).
+        hang_timeout: seconds without progress before the worker group is restarted (0: off;
+            None: learned from the job's step times, :mod:`elasticd.agent.hang_timeout`).
         created_at: wall time of submission.
         crash_loop_restarts: worker group restarts in a row without a new committed step
             after which the job is stopped as failed (0: never; :mod:`elasticd.agent.crashloop`).
+        hang_timeout_floor: the lowest learned hang timeout, seconds.
+        hang_first_step: the learned rule's allowance for a worker process's first steps
+            (compile, data loader warm-up), seconds.
     """
 
     name: str
@@ -87,9 +91,12 @@ class JobSpec:
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     python: str = sys.executable
     max_restarts: int = 100
-    hang_timeout: float = 300.0
+    # None (learned) is the default; specs written before it carry their number (300).
+    hang_timeout: float | None = None
     created_at: float = 0.0
     crash_loop_restarts: int = 5
+    hang_timeout_floor: float = 60.0
+    hang_first_step: float = 600.0
 
     def validate(self, check_files: bool = True) -> "JobSpec":
         """Raises :class:`JobSpecError` on the first bad field."""
@@ -122,8 +129,14 @@ class JobSpec:
         if not 0 <= self.crash_loop_restarts <= 100_000:
             raise JobSpecError(f"--crash-loop-restarts {self.crash_loop_restarts}: use 0 (off) "
                                "to 100000")
-        if self.hang_timeout < 0:
+        if self.hang_timeout is not None and self.hang_timeout < 0:
             raise JobSpecError(f"--hang-timeout {self.hang_timeout}: must be >= 0 (0 turns it off)")
+        if not 0 < self.hang_timeout_floor <= 86400:
+            raise JobSpecError(f"--hang-timeout-floor {self.hang_timeout_floor}: use more than 0 "
+                               "to 86400 seconds")
+        if not 0 < self.hang_first_step <= 86400:
+            raise JobSpecError(f"--hang-first-step {self.hang_first_step}: use more than 0 to "
+                               "86400 seconds")
         if not os.path.isabs(self.script):
             raise JobSpecError(f"script {self.script!r}: must be an absolute path")
         if not re.fullmatch(r"[0-9a-f]{64}", self.script_sha256):
@@ -144,7 +157,13 @@ class JobSpec:
         return self
 
     def encode(self) -> bytes:
-        return records.encode_dataclass(KIND, self)
+        """The record. A learned hang timeout (None) is left out rather than written as
+        null: a daemon of the release before reads a missing field as its default (a fixed
+        300 s), where a null would make it refuse the job."""
+        payload = dataclasses.asdict(self)
+        if payload["hang_timeout"] is None:
+            del payload["hang_timeout"]
+        return records.encode(KIND, payload)
 
     @classmethod
     def decode(cls, raw: bytes, key: bytes | str = b"?", job: str | None = None) -> "JobSpec":
@@ -175,7 +194,8 @@ class JobSpec:
 def build(name: str, nnodes: str, nproc_per_node: int, script: str, args: list[str],
           user: str | None = None, cwd: str | None = None, env: list[str] | None = None,
           python: str | None = None, max_restarts: int = 100,
-          hang_timeout: float = 300.0, crash_loop_restarts: int = 5) -> JobSpec:
+          hang_timeout: float | None = None, crash_loop_restarts: int = 5,
+          hang_timeout_floor: float = 60.0, hang_first_step: float = 600.0) -> JobSpec:
     """Builds and validates a spec from ``elasticctl submit`` arguments."""
     lo, hi = parse_nnodes(nnodes)
     script_abs = os.path.abspath(script)
@@ -198,7 +218,8 @@ def build(name: str, nnodes: str, nproc_per_node: int, script: str, args: list[s
         script=script_abs, args=list(args), script_sha256=sha256_file(script_abs), user=user,
         cwd=os.path.abspath(cwd or os.getcwd()), env=envd, python=python or sys.executable,
         max_restarts=max_restarts, hang_timeout=hang_timeout, created_at=SYSTEM_CLOCK.wall(),
-        crash_loop_restarts=crash_loop_restarts,
+        crash_loop_restarts=crash_loop_restarts, hang_timeout_floor=hang_timeout_floor,
+        hang_first_step=hang_first_step,
     )
     return spec.validate()
 
@@ -251,6 +272,8 @@ class NodeJobStatus:
     at: float = 0.0
     ranks: list[int] = dataclasses.field(default_factory=list)  # this node's global ranks
     unprotected: str = ""  # "UNPROTECTED: <why>" while a node failure would lose too much
+    hang_timeout: float = 0.0  # the hang timeout in force (0: none: off, or no job running)
+    hang_timeout_source: str = ""  # set | learned | floor | first_step (agent/hang_timeout.py)
 
     KIND = "node_job_status"
     #: Every state a node publishes (``idle`` before its first job).

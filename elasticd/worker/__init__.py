@@ -7,6 +7,9 @@
         train_one_step()
         elasticd.worker.progress(step)
 
+With :class:`elasticd.worker.compute_time.ComputeTimer`, ``progress(step, compute_seconds=...)``
+also sends the rank's compute time of the step outside collectives (a slow node's measure).
+
 Without elasticd (``ELASTICD_SOCKET`` unset: plain ``python train.py`` or plain torchrun) it does
 nothing, after one warning, so the same script runs anywhere. This package imports neither torch
 nor anything heavy: it is loaded into every worker.
@@ -63,9 +66,15 @@ def default_client() -> DaemonClient | None:
     return _client
 
 
-def progress(step: int) -> None:
+def progress(step: int, compute_seconds: float | None = None) -> None:
     """Tells the node's daemon this worker reached ``step`` (one-way, microseconds; a no-op
-    without elasticd; never raises because of the daemon)."""
+    without elasticd; never raises because of the daemon).
+
+    Args:
+        compute_seconds: this rank's own compute time of the step, its waits in collectives
+            left out (:class:`elasticd.worker.compute_time.ComputeTimer`), so that the
+            daemons can tell a slow node from the rest.
+    """
     client = _client if _client is not None else default_client()
     if client is not None:
-        client.progress(step)
+        client.progress(step, compute_seconds)

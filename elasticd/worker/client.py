@@ -26,6 +26,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import math
 import os
 import select
 import socket
@@ -265,12 +266,16 @@ class DaemonClient:
         finally:
             self._write_lock.release()
 
-    def progress(self, step: int) -> bool:
-        """Reports that this worker reached ``step`` (one-way; see :meth:`send`)."""
+    def progress(self, step: int, compute_seconds: float | None = None) -> bool:
+        """Reports that this worker reached ``step`` (one-way; see :meth:`send`), with the
+        step's compute time outside collectives when measured."""
         ident = self.identity
+        extra = {}
+        if compute_seconds is not None and math.isfinite(compute_seconds):
+            extra["compute_seconds"] = float(compute_seconds)
         return self.send("progress", step=int(step), rank=ident.rank,
                          local_rank=ident.local_rank, pid=os.getpid(), job=ident.job,
-                         world_size=ident.world_size, restart=ident.restart_count)
+                         world_size=ident.world_size, restart=ident.restart_count, **extra)
 
     def close(self) -> None:
         """Closes the connection (the next call opens a new one)."""

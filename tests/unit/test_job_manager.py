@@ -135,3 +135,72 @@ def test_a_job_failed_elsewhere_stops_here_as_failed(env, tmp_path):
     mgr._stopping.join(5)
     assert mgr.status.state == "failed" and "crash loop: x" in mgr.status.detail
     assert mgr.wanted() is None
+
+
+class HangAgent(StandInAgent):
+    """A running agent whose workers the manager may restart (counted)."""
+
+    def __init__(self, log_dir, spec):
+        super().__init__(log_dir)
+        self.spec, self.restarts = spec, []
+
+    def restart_workers(self, why):
+        self.restarts.append(why)
+        return 1
+
+
+def _running(mgr, tmp_path, **spec_changes):
+    import dataclasses
+
+    mgr._drain()
+    spec = dataclasses.replace(mgr.specs["job"][1], **spec_changes)
+    mgr.job = mgr._status_job = "job"
+    mgr.supervisor = agent = HangAgent(tmp_path / "agent", spec)
+    mgr._runs_known = set()
+    mgr.status = NodeJobStatus("n1", "running", "agent started")
+    mgr._new_generation()
+    return agent
+
+
+def test_without_a_hang_timeout_the_learned_one_is_in_force_published_and_doubled(env,
+                                                                                   tmp_path):
+    coord, keys, mgr, lease = env
+    alive = {7: True}
+    mgr.pid_alive = alive.__getitem__
+    agent = _running(mgr, tmp_path, hang_timeout_floor=1.0, hang_first_step=30.0)
+    clock = mgr.clock
+    mgr.step()
+    assert (mgr.status.hang_timeout, mgr.status.hang_timeout_source) == (30.0, "first_step")
+    for step in range(1, 30):
+        mgr.on_progress({"job": "job", "rank": 0, "step": step, "_peer": {"pid": 7}})
+        clock.advance(0.5 if step % 2 else 1.5)  # steps varying 3x
+        mgr.step()
+        assert agent.restarts == []
+    assert (mgr.status.hang_timeout, mgr.status.hang_timeout_source) == (7.5, "learned")
+    assert mgr.metrics.hang_timeout_seconds._value.get() == 7.5
+    published = NodeJobStatus.decode(coord.get(keys.job_node("job", "n1")).value)
+    assert (published.hang_timeout, published.hang_timeout_source) == (7.5, "learned")
+    assert mgr.describe()["progress"]["hang_timeout_source"] == "learned"
+    clock.advance(7.0)  # 7.5 s since the last step (0.5 s after it already passed)
+    alive[7] = False  # the worker died: torchrun restarts the group, no hang
+    mgr.step()
+    assert agent.restarts == []
+    alive[7] = True
+    mgr.step()
+    assert len(agent.restarts) == 1 and "learned hang timeout" in agent.restarts[0]
+    assert mgr.metrics.hangs._value.get() == 1
+    mgr.step()
+    assert mgr.status.hang_timeout == 15.0  # what it learned stays; the restart doubled it
+
+
+def test_a_set_hang_timeout_is_shown_as_set_and_zero_turns_it_off(env, tmp_path):
+    coord, keys, mgr, lease = env
+    _running(mgr, tmp_path, hang_timeout=300.0)
+    mgr.step()
+    assert (mgr.status.hang_timeout, mgr.status.hang_timeout_source) == (300.0, "set")
+    mgr._tracker_job = None
+    _running(mgr, tmp_path / "b", hang_timeout=0.0)
+    mgr.step()
+    assert mgr.tracker is None
+    assert (mgr.status.hang_timeout, mgr.status.hang_timeout_source) == (0.0, "")
+    assert mgr.metrics.hang_timeout_seconds._value.get() == 0.0

@@ -146,15 +146,20 @@ def test_last_step_and_status(tracker, clock):
         "job": JOB,
         "ranks": [
             {"rank": 0, "step": 42, "pid": 10, "seconds_since_progress": 3.5,
-             "seconds_since_report": 3.5},
+             "seconds_since_report": 3.5, "timeout_seconds": 30.0,
+             "compute_seconds": None},
             {"rank": 1, "step": 41, "pid": 11, "seconds_since_progress": 3.5,
-             "seconds_since_report": 3.5},
+             "seconds_since_report": 3.5, "timeout_seconds": 30.0,
+             "compute_seconds": None},
         ],
         "last_step": 41,
         "seconds_since_progress": 3.5,
         "seconds_since_start": 5.5,
         "hang_timeout_seconds": 30.0,
+        "hang_timeout_source": "set",
         "startup_timeout_seconds": None,
+        "learned": None,
+        "compute_seconds": None,
     }
 
 

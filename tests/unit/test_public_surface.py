@@ -56,12 +56,14 @@ def test_import_elasticd_offers_the_same_names():
 METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "elasticd_build_info": ("info", ("version",)),
     "elasticd_committed_step": ("gauge", ()),
+    "elasticd_compute_seconds": ("gauge", ()),
     "elasticd_crash_loops_total": ("counter", ()),
     "elasticd_etcd_data_losses_total": ("counter", ()),
     "elasticd_etcd_outages_total": ("counter", ()),
     "elasticd_etcd_up": ("gauge", ()),
     "elasticd_failure_detection_seconds": ("histogram", ()),
     "elasticd_fenced_total": ("counter", ()),
+    "elasticd_hang_timeout_seconds": ("gauge", ()),
     "elasticd_hangs_detected_total": ("counter", ()),
     "elasticd_job_running": ("gauge", ()),
     "elasticd_jobs_unprotected": ("gauge", ("reason",)),
@@ -181,8 +183,9 @@ COMMANDS = {
     "status": [],
     "history": ["--kind", "--limit"],
     "submit": [
-        "--crash-loop-restarts", "--cwd", "--env", "--hang-timeout", "--max-restarts", "--nnodes",
-        "--nproc-per-node", "--python", "--user", "args", "name", "script"],
+        "--crash-loop-restarts", "--cwd", "--env", "--hang-first-step", "--hang-timeout",
+        "--hang-timeout-floor", "--max-restarts", "--nnodes", "--nproc-per-node", "--python",
+        "--user", "args", "name", "script"],
     "jobs": [],
     "stop": ["--force", "--wait", "name"],
     "logs": ["name"],
@@ -239,8 +242,9 @@ JSON_KEYS = {
     "submit":
         "job nnodes nproc_per_node script script_sha256 submitted user",
     "jobs": (
-        "[].args [].desired [].job [].nnodes [].nodes.n1.agent_pid [].nodes.n1.agent_starts "
-        "[].nodes.n1.at [].nodes.n1.detail [].nodes.n1.last_step [].nodes.n1.log "
+        "[].args [].desired [].hang_timeout [].job [].nnodes [].nodes.n1.agent_pid "
+        "[].nodes.n1.agent_starts [].nodes.n1.at [].nodes.n1.detail [].nodes.n1.hang_timeout "
+        "[].nodes.n1.hang_timeout_source [].nodes.n1.last_step [].nodes.n1.log "
         "[].nodes.n1.node [].nodes.n1.ranks [].nodes.n1.state [].nodes.n1.unprotected "
         "[].nodes.n1.worker_restarts [].nodes.n1.world_size [].nproc_per_node [].protection "
         "[].reason [].running_on [].script [].submitted_at [].user"),
