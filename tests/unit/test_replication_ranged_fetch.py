@@ -8,6 +8,7 @@ import contextlib
 import json
 import socket
 import threading
+import time
 
 import pytest
 
@@ -82,6 +83,10 @@ def test_ranges_land_at_their_snapshot_offsets_and_nothing_else_is_written():
         assert sized == [d]
         again = bytearray(d.total_bytes)
         assert client.fetch(JOB, 0, again) == d and bytes(again) == whole
+        # Counted once the server has sent PUT_END: the client may read it first.
+        deadline = time.monotonic() + 5
+        while srv.snapshot_stats().fetches < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert srv.snapshot_stats().fetches == 5
 
 
