@@ -193,6 +193,7 @@ def fetch_shard(job: str, rank: int, version: Version | None, into: Any, *, me: 
         stripe.run(remote[i:])
         attempts.extend(stripe.attempts)
         if stripe.pieces:
+            attempts.extend(stripe.absent)
             break  # every holder failed with ranges left: no intact copy
         try:
             verify_copy(sized(d), d, f"copy of {job} rank {rank} striped from "
@@ -264,6 +265,7 @@ class _Stripe:
         self.wire = 0
         self.served: dict[str, int] = {}
         self.attempts: list[tuple[str, str]] = []
+        self.absent: list[tuple[str, str]] = []  # holders without the version, asked anyway
         self.fatal: BaseException | None = None
         self.cond = threading.Condition()
 
@@ -315,6 +317,14 @@ class _Stripe:
                     if not isinstance(exc, _EXPECTED):
                         raise
                     reason = _reason(holder, exc, self.connections)
+                    if reason == "missing" and not served:
+                        # A placement's holder that never had this version: not a failure
+                        # unless no holder can finish (every holder is asked at once now).
+                        log.info("%s rank %d: %s does not hold %s", self.job, self.rank,
+                                 holder, self.d.version)
+                        with self.cond:
+                            self.absent.append((holder, reason))
+                        return
                     log.warning("%s rank %d: %s failed after serving %d bytes (%s); its ranges "
                                 "go to the other holders", self.job, self.rank, holder, served,
                                 reason)

@@ -142,3 +142,11 @@ def test_every_holder_failing_is_a_lost_shard_naming_each(holders):
     with pytest.raises(ShardLost) as lost:
         fetch(pool, ["n0", "n1"])
     assert sorted(h for h, _ in lost.value.attempts) == ["n0", "n1"]
+
+
+def test_a_listed_holder_without_the_version_is_not_a_failure(holders):
+    d, buf = sealed_snapshot(n_floats=400_001)
+    _, pool = holders([FailingSink(), FailingSink(nth=1, mode="refuse")], d, buf)
+    result, into = fetch(pool, ["n0", "n1"])
+    assert bytes(into[: d.total_bytes]) == bytes(buf)
+    assert dict(result.served) == {"n0": d.total_bytes} and result.attempts == ()
