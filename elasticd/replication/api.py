@@ -21,6 +21,7 @@ EXISTS = "exists"  # exactly this (generation, step) is already held (e.g. a ret
 IN_PROGRESS = "in_progress"  # the same version is being received on another connection
 NO_SPACE = "no_space"  # the sink's memory budget cannot take it
 NOT_FOUND = "not_found"  # fetch: no such held snapshot
+BAD_RANGE = "bad_range"  # fetch: the byte range asked for lies outside the snapshot
 
 MAX_JOB_NAME = 256
 

@@ -311,10 +311,12 @@ class Channel:
         self.close()
 
 
-def receive_stream(channel: Channel, total: int, target: memoryview) -> int:
+def receive_stream(channel: Channel, total: int, target: memoryview, base: int = 0) -> int:
     """Reads DATA frames into ``target[0:total]`` up to PUT_END; returns the frame count.
 
-    Chunks must arrive in order and cover ``total`` bytes exactly.
+    Chunks must arrive in order and cover ``total`` bytes exactly, the first at offset
+    ``base`` (a ranged fetch: ``target`` then holds the snapshot's bytes ``[base, base +
+    total)``).
 
     Raises:
         ProtocolError: out-of-order or out-of-range chunk, a count mismatch, a bad checksum.
@@ -323,10 +325,12 @@ def receive_stream(channel: Channel, total: int, target: memoryview) -> int:
     received = frames = 0
 
     def destination(offset: int, length: int) -> memoryview:
-        if offset != received or offset + length > total:
+        at = offset - base
+        if at != received or at + length > total:
             raise MalformedFrame(f"DATA for bytes [{offset}, {offset + length}) does not "
-                                 f"continue at {received} within {total}")
-        return target[offset : offset + length]
+                                 f"continue at {base + received} within [{base}, "
+                                 f"{base + total})")
+        return target[at : at + length]
 
     # Sealed frames are checked on a helper thread (overlap.py), each while the next one is
     # received; all checks are done before PUT_END is accepted, and the helper is joined
@@ -350,17 +354,19 @@ def receive_stream(channel: Channel, total: int, target: memoryview) -> int:
 
 
 def send_stream(channel: Channel, parts: tuple[memoryview, ...], chunk: int,
-                tags: BlockTags | None = None) -> int:
+                tags: BlockTags | None = None, base: int = 0) -> int:
     """Sends ``parts`` back to back as DATA frames of at most ``chunk`` bytes, then PUT_END.
 
     Args:
         tags: block tags made at seal time (the receiver was given their salt): a piece that
             is exactly one tagged block goes pretagged, any other is tagged here.
+        base: the snapshot offset of the first byte (a ranged fetch); PUT_END counts the
+            bytes sent.
 
     Returns:
         The frame count.
     """
-    pieces, offset = [], 0
+    pieces, offset = [], base
     for part in parts:
         for i in range(0, len(part), chunk):
             pieces.append((offset, part[i : i + chunk]))
@@ -390,7 +396,7 @@ def send_stream(channel: Channel, parts: tuple[memoryview, ...], chunk: int,
                 if i + 1 < len(pieces):
                     helper.submit(seal, i + 1)
                 channel.send_prefixed(prefixes[i], piece)
-    channel.send(PutEnd(offset, len(pieces)))
+    channel.send(PutEnd(offset - base, len(pieces)))
     return len(pieces)
 
 

@@ -275,28 +275,54 @@ class Nack:
 
 @dataclasses.dataclass(frozen=True)
 class Fetch:
-    """Asks for a committed copy; ``generation``/``step`` both None means the newest."""
+    """Asks for a committed copy; ``generation``/``step`` both None means the newest.
+
+    ``offset``/``length`` (both or neither) ask for only the bytes ``[offset, offset +
+    length)`` of the snapshot, sent as DATA at their snapshot offsets: a client striping one
+    snapshot across several holders asks each for a range. A zero length asks for the
+    descriptor alone. Neither means the whole snapshot (older clients send neither).
+    """
 
     TYPE: ClassVar[FrameType] = FrameType.FETCH
     job: str
     owner_rank: int
     generation: int | None = None
     step: int | None = None
+    offset: int | None = None
+    length: int | None = None
 
     def payload(self) -> bytes:
-        return _json(dataclasses.asdict(self))
+        obj = dataclasses.asdict(self)
+        if self.offset is None and self.length is None:
+            del obj["offset"], obj["length"]  # the whole snapshot: the frame older peers send
+        return _json(obj)
 
     @classmethod
     def parse(cls, p: memoryview) -> "Fetch":
         obj = _object(p, "FETCH")
         job = _str_field(obj, "job", "FETCH")
         rank, gen, step = obj.get("owner_rank"), obj.get("generation"), obj.get("step")
-        ints = [v for v in (rank, gen, step) if v is not None]
-        if (rank is None or (gen is None) != (step is None)
+        offset, length = obj.get("offset"), obj.get("length")
+        ints = [v for v in (rank, gen, step, offset, length) if v is not None]
+        if (rank is None or (gen is None) != (step is None) or (offset is None) != (length is None)
                 or any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in ints)):
-            raise MalformedFrame("FETCH needs owner_rank and either both or neither of "
-                                 "generation and step, as integers >= 0")
-        return cls(job, rank, gen, step)
+            raise MalformedFrame("FETCH needs owner_rank, either both or neither of generation "
+                                 "and step, and either both or neither of offset and length, "
+                                 "as integers >= 0")
+        return cls(job, rank, gen, step, offset, length)
+
+    def byte_range(self, total: int) -> tuple[int, int]:
+        """``[start, end)`` asked for in a snapshot of ``total`` bytes.
+
+        Raises:
+            ValueError: the range does not lie within the snapshot.
+        """
+        if self.offset is None or self.length is None:
+            return 0, total
+        if self.offset + self.length > total:
+            raise ValueError(f"bytes [{self.offset}, {self.offset + self.length}) lie outside "
+                             f"the snapshot of {total} bytes")
+        return self.offset, self.offset + self.length
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,6 +37,7 @@ from typing import Any
 from elasticd.admission import Admission, shut
 from elasticd.clock import Clock, SystemClock
 from elasticd.replication.api import (
+    BAD_RANGE,
     NOT_FOUND,
     ConnectionLost,
     Descriptor,
@@ -396,9 +397,15 @@ class ReplicaServer:
             return
         d, view = found
         try:
-            channel.send(FetchReply(d))
-            send_stream(channel, (view,), min(self.chunk_size, peer_max_frame - OFFSET.size))
+            try:
+                start, end = req.byte_range(d.total_bytes)
+            except ValueError as exc:  # the connection stays usable: the request was well formed
+                channel.send(Nack(BAD_RANGE, f"rank {req.owner_rank} {d.version} of job "
+                                             f"{req.job!r}: {exc}"))
+                return
+            channel.send(FetchReply(d))  # the whole descriptor: the client sizes and checks by it
+            send_stream(channel, (view[start:end],),
+                        min(self.chunk_size, peer_max_frame - OFFSET.size), base=start)
         finally:
             self.sink.release(d)
         self._bump(fetches=1)
-

@@ -137,25 +137,36 @@ class ReplicaClient:
 
     def fetch(self, job: str, owner_rank: int,
               into: memoryview | bytearray | Callable[[Descriptor], Any],
-              version: Version | None = None) -> Descriptor:
-        """Reads a committed copy from the peer into caller memory.
+              version: Version | None = None, byte_range: tuple[int, int] | None = None,
+              ) -> Descriptor:
+        """Reads a committed copy, or a range of its bytes, from the peer into caller memory.
 
         Args:
             into: a writable buffer of at least the snapshot's size, or a function given the
                 descriptor (sizes) that returns one.
             version: (generation, step) wanted; None for the newest the peer holds.
+            byte_range: (offset, length): only the snapshot's bytes ``[offset, offset +
+                length)``, received into that same slice of ``into`` (the rest of it is left
+                as it was); a zero length reads the descriptor alone. None: the whole
+                snapshot.
 
         Returns:
-            The descriptor of the bytes now in ``into[:descriptor.total_bytes]``.
+            The descriptor of the whole snapshot (whose bytes, or the range asked for, are now
+            in ``into``).
 
         Raises:
-            Refused: ``not_found``; the connection stays usable.
+            Refused: ``not_found``, or ``bad_range`` (the range lies outside the snapshot);
+                the connection stays usable.
+            ValueError: a negative offset or length.
             ReplicationError: anything else; the connection is then unusable.
         """
+        offset, length = byte_range if byte_range is not None else (None, None)
+        if byte_range is not None and (offset < 0 or length < 0):
+            raise ValueError(f"byte range (offset, length) must be >= 0, got {byte_range}")
 
         def run() -> Descriptor:
             gen, step = version if version is not None else (None, None)
-            self.channel.send(Fetch(job, owner_rank, gen, step))
+            self.channel.send(Fetch(job, owner_rank, gen, step, offset, length))
             reply = self.channel.recv(FetchReply, Nack)
             if isinstance(reply, Nack):
                 raise Refused(reply.reason, reply.message)
@@ -165,11 +176,15 @@ class ReplicaClient:
                                                 and d.version != tuple(version)):
                 raise ProtocolError(f"asked for rank {owner_rank} {version} of {job!r}, "
                                     f"peer offers {d}")
+            start, end = (0, d.total_bytes) if byte_range is None else (offset, offset + length)
+            if end > d.total_bytes:  # the server refuses such a range: one that serves it lies
+                raise ProtocolError(f"asked for bytes [{start}, {end}), peer offers a snapshot "
+                                    f"of {d.total_bytes}")
             target = memoryview(into(d) if callable(into) else into).cast("B")
             if target.readonly or len(target) < d.total_bytes:
                 raise ReplicationError(f"fetch buffer of {len(target)} bytes (readonly="
                                        f"{target.readonly}) cannot take {d.total_bytes}")
-            receive_stream(self.channel, d.total_bytes, target[: d.total_bytes])
+            receive_stream(self.channel, end - start, target[start:end], base=start)
             return d
 
         return self._call(run)

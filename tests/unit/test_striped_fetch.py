@@ -1,0 +1,152 @@
+"""Striped fetches over real loopback sockets: one snapshot held by three real ReplicaServers
+is fetched in pieces from all of them at once, intact, each serving part of it; a holder that
+dies or starts refusing mid-fetch leaves its pieces to the others (no restart)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from elasticd.checkpoint.format import SnapshotHeader, TensorSpec, layout, seal
+from elasticd.clock import SystemClock
+from elasticd.replication.api import Descriptor
+from elasticd.replication.lanes import Connections
+from elasticd.replication.memory import MemorySink
+from elasticd.replication.recovery import ShardLost, fetch_shard
+from elasticd.replication.transport import ReplicaClient, ReplicaServer
+
+SECRET = b"cluster-secret-0123456789abcdef"
+JOB = "job-s"
+KiB = 1 << 10
+BLOCK = 64 * KiB
+STRIPE = 2 * BLOCK
+
+
+def sealed_snapshot(n_floats: int = 1_500_001, step: int = 9) -> tuple[Descriptor, bytearray]:
+    """A real sealed snapshot (~6 MiB, 64 KiB checksum blocks, an uneven last block)."""
+    lay = layout([TensorSpec("w", "float32", (n_floats,))], job=JOB, block_size=BLOCK)
+    buf = bytearray(lay.total_size)
+    e = lay.entries[0]
+    buf[e.offset : e.offset + e.nbytes] = np.random.default_rng(step).random(
+        n_floats, dtype=np.float32).tobytes()
+    seal(buf, SnapshotHeader(JOB, step, 0, 1, 3, lay, {"step": step}))
+    d = Descriptor.for_snapshot(JOB, 1, 0, step, lay.data_offset, lay.total_size - lay.data_offset)
+    return d, buf
+
+
+def wait_for(predicate, timeout: float = 5.0) -> None:
+    """Server counters move once PUT_END is sent: the client may get there first."""
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+class FailingSink(MemorySink):
+    """A sink that, from its ``nth`` read on, makes its server die (``stop``) or refuse."""
+
+    def __init__(self, nth: int | None = None, mode: str = "die") -> None:
+        super().__init__()
+        self.nth, self.mode, self.reads = nth, mode, 0
+        self.server: ReplicaServer | None = None
+
+    def read(self, job, owner_rank, version=None):
+        self.reads += 1
+        time.sleep(0.005)  # every holder a little slow, so that all three get pieces
+        if self.nth is not None and self.reads >= self.nth:
+            if self.mode == "refuse":
+                return None
+            if self.reads == self.nth:  # dies while it serves this piece
+                threading.Thread(target=self.server.stop, daemon=True).start()
+        return super().read(job, owner_rank, version)
+
+
+@pytest.fixture
+def holders():
+    made: list[ReplicaServer] = []
+    pools: list[Connections] = []
+
+    def make(sinks: list[MemorySink], d: Descriptor, buf: bytearray):
+        for i, sink in enumerate(sinks):
+            srv = ReplicaServer("127.0.0.1", 0, SECRET, f"n{i}", sink, idle_timeout=10.0,
+                                chunk_size=32 * KiB).start()
+            made.append(srv)
+            if isinstance(sink, FailingSink):
+                sink.server = srv
+            with ReplicaClient.connect(*srv.address, SECRET, "pusher", timeout=10.0) as c:
+                c.push(d, buf[: d.header_bytes], buf[d.header_bytes :])
+        book = {f"n{i}": s.address for i, s in enumerate(made)}
+        pool = Connections("me", SECRET, book.get, timeout=10.0)
+        pools.append(pool)
+        return made, pool
+
+    yield make
+    for pool in pools:
+        pool.close()
+    for srv in made:
+        srv.stop()
+
+
+def fetch(pool: Connections, names: list[str], version=None):
+    into = bytearray(8 << 20)
+    result = fetch_shard(JOB, 1, version, lambda d: into, me="me", holders=["me", *names],
+                         connections=pool, local=lambda *a: None, clock=SystemClock(),
+                         stripe_bytes=STRIPE)
+    return result, into
+
+
+def test_a_snapshot_held_three_times_is_striped_across_all_holders_intact(holders):
+    d, buf = sealed_snapshot()
+    servers, pool = holders([FailingSink(), FailingSink(), FailingSink()], d, buf)
+    result, into = fetch(pool, ["n0", "n1", "n2"], version=d.version)
+    assert result.descriptor == d
+    assert bytes(into[: d.total_bytes]) == bytes(buf)
+    served = dict(result.served)
+    assert set(served) == {"n0", "n1", "n2"} and all(served.values()), served
+    assert sum(served.values()) == d.total_bytes
+    assert result.attempts == ()
+    wait_for(lambda: all(s.snapshot_stats().fetches >= 2 for s in servers))
+    assert result.wire_bytes >= d.total_bytes
+
+
+def test_one_holder_is_the_same_code_fetching_piece_after_piece(holders):
+    d, buf = sealed_snapshot(n_floats=300_001)
+    servers, pool = holders([FailingSink()], d, buf)
+    result, into = fetch(pool, ["n0"])
+    assert bytes(into[: d.total_bytes]) == bytes(buf) and result.holder == "n0"
+    pieces = -(-(d.total_bytes - d.header_bytes) // STRIPE)
+    wait_for(lambda: servers[0].snapshot_stats().fetches == 2 + pieces)  # describe, header
+    assert servers[0].snapshot_stats().fetches == 2 + pieces
+
+
+@pytest.mark.parametrize("mode, reason", [("die", "unreachable"), ("refuse", "missing")])
+def test_a_holder_failing_mid_fetch_leaves_its_ranges_to_the_others(holders, mode, reason):
+    d, buf = sealed_snapshot()
+    failing = FailingSink(nth=4, mode=mode)  # the describer: it serves header and 2 pieces
+    servers, pool = holders([failing, FailingSink(), FailingSink()], d, buf)
+    result, into = fetch(pool, ["n0", "n1", "n2"])
+    assert bytes(into[: d.total_bytes]) == bytes(buf)
+    served = dict(result.served)
+    assert 0 < served["n0"] < d.total_bytes / 3, served
+    assert served["n1"] and served["n2"] and sum(served.values()) == d.total_bytes
+    assert [h for h, _ in result.attempts] == ["n0"]
+    assert result.attempts[0][1].startswith(reason)
+
+
+def test_every_holder_failing_is_a_lost_shard_naming_each(holders):
+    d, buf = sealed_snapshot(n_floats=400_001)
+    _, pool = holders([FailingSink(nth=3, mode="refuse"), FailingSink(nth=2, mode="refuse")],
+                      d, buf)
+    with pytest.raises(ShardLost) as lost:
+        fetch(pool, ["n0", "n1"])
+    assert sorted(h for h, _ in lost.value.attempts) == ["n0", "n1"]
+
+
+def test_a_listed_holder_without_the_version_is_not_a_failure(holders):
+    d, buf = sealed_snapshot(n_floats=400_001)
+    _, pool = holders([FailingSink(), FailingSink(nth=1, mode="refuse")], d, buf)
+    result, into = fetch(pool, ["n0", "n1"])
+    assert bytes(into[: d.total_bytes]) == bytes(buf)
+    assert dict(result.served) == {"n0": d.total_bytes} and result.attempts == ()
