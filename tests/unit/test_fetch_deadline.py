@@ -15,6 +15,7 @@ from elasticd.clock import SystemClock
 from elasticd.replication.api import DeadlineExceeded
 from elasticd.replication.deadline import DeadlinePolicy, LinkRates
 from elasticd.replication.lanes import Connections
+from elasticd.replication.memory import MemorySink
 from elasticd.replication.recovery import fetch_shard
 from elasticd.replication.transport import ReplicaClient, ReplicaServer
 
@@ -27,10 +28,11 @@ POLICY = DeadlinePolicy(floor=1.0, slack=4.0, default_rate=50e6)
 class BlackHole:
     """A TCP relay to ``target`` that stops forwarding both ways (keeping every connection
     open, like a black-holed port or a frozen process) once ``after`` bytes went from the
-    server to the client, until :meth:`release`."""
+    server to the client (``upstream``: from the client to the server), until
+    :meth:`release`."""
 
-    def __init__(self, target: tuple[str, int], after: int) -> None:
-        self.target, self.after, self.forwarded = target, after, 0
+    def __init__(self, target: tuple[str, int], after: int, upstream: bool = False) -> None:
+        self.target, self.after, self.forwarded, self.upstream = target, after, 0, upstream
         self.frozen, self.released, self.stopped = (threading.Event(), threading.Event(),
                                                     threading.Event())
         self.listener = socket.create_server(("127.0.0.1", 0))
@@ -48,7 +50,7 @@ class BlackHole:
                 continue
             up = socket.create_connection(self.target)
             self.socks += [down, up]
-            for a, b, count in ((down, up, False), (up, down, True)):
+            for a, b, count in ((down, up, self.upstream), (up, down, not self.upstream)):
                 t = threading.Thread(target=self._pump, args=(a, b, count), daemon=True)
                 self.threads.append(t)
                 t.start()
@@ -171,3 +173,23 @@ def test_a_call_past_its_deadline_raises_and_closes_the_connection(cluster):
     time.sleep(0.3)
     assert into.count(b"\xee") == len(into)
     client.close()
+
+
+def test_a_push_to_a_receiver_black_holed_mid_push_costs_the_deadline_and_commits_nothing():
+    d, buf = sealed_snapshot()
+    sink = MemorySink()
+    srv = ReplicaServer("127.0.0.1", 0, SECRET, "n0", sink, idle_timeout=30.0).start()
+    hole = BlackHole(srv.address, after=1 << 20, upstream=True)
+    try:
+        client = ReplicaClient.connect(*hole.address, SECRET, "me", timeout=SOCKET_TIMEOUT)
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceeded):
+            client.push(d, buf[: d.header_bytes], buf[d.header_bytes :], deadline=1.0)
+        assert time.monotonic() - started < 2.5
+        client.close()
+        hole.release()  # the fault ends: what the receiver got must not become a copy
+        time.sleep(0.5)
+        assert sink.read(JOB, 1) is None
+    finally:
+        hole.close()
+        srv.stop()
