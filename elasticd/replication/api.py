@@ -51,6 +51,11 @@ class TransferTimeout(ConnectionLost):
     """Nothing arrived within the allowed time (idle timeout, handshake deadline)."""
 
 
+class DeadlineExceeded(TransferTimeout):
+    """A call did not finish within its whole-call deadline (a frozen or black-holed peer, or
+    one far slower than measured); the connection is unusable. Not retried on the same peer."""
+
+
 class RemoteError(ReplicationError):
     """The peer reported an error (an ERROR frame) and closed the connection.
 

@@ -28,7 +28,12 @@ from typing import Any, Callable
 import xxhash
 
 from elasticd.clock import SYSTEM_CLOCK
-from elasticd.replication.api import ConnectionLost, RemoteError, TransferTimeout
+from elasticd.replication.api import (
+    ConnectionLost,
+    DeadlineExceeded,
+    RemoteError,
+    TransferTimeout,
+)
 from elasticd.replication.messages import (
     Error,
     Message,
@@ -89,6 +94,44 @@ class Channel:
         #: The block key of the snapshot being received, when its PUT_BEGIN announced
         #: pretagged DATA (set and cleared by the server around one push).
         self.block_key: bytes | None = None
+        #: While :meth:`within` is in force: the monotonic time (SYSTEM_CLOCK: the sockets
+        #: wait in real time) by which the current call must end, and the socket's own
+        #: timeout, which each send and receive is capped by as well.
+        self.deadline: float | None = None
+        self._idle: float | None = None
+        self._budget = 0.0
+
+    @contextlib.contextmanager
+    def within(self, seconds: float | None) -> Any:
+        """Bounds every send and receive inside the block by one deadline ``seconds`` from
+        now (None: only the socket's own per-call timeout), so that a peer that stops
+        answering mid-transfer costs at most ``seconds`` in all, not the socket timeout per
+        receive. Past it, the next send or receive raises DeadlineExceeded."""
+        if seconds is None:
+            yield
+            return
+        self._idle, self._budget = self._timeout(), seconds
+        self.deadline = SYSTEM_CLOCK.monotonic() + seconds
+        try:
+            yield
+        finally:
+            self.deadline = None
+            with contextlib.suppress(OSError):
+                self.sock.settimeout(self._idle)
+
+    def _arm(self) -> None:
+        """Caps the socket's timeout by what is left of the deadline (when one is set)."""
+        if self.deadline is None:
+            return
+        left = self.deadline - SYSTEM_CLOCK.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded(f"the call's deadline of {self._budget:.1f} s passed")
+        self.sock.settimeout(left if self._idle is None else min(self._idle, left))
+
+    def _expired(self) -> bool:
+        """A socket timeout that came from the deadline, not from the idle timeout."""
+        return (self.deadline is not None
+                and SYSTEM_CLOCK.monotonic() >= self.deadline - 1e-3)
 
     # -- sending ---------------------------------------------------------------------------
 
@@ -125,12 +168,14 @@ class Channel:
 
     def _send(self, *parts: Any) -> None:
         try:
+            self._arm()
             if not self._gather:
                 for part in parts:
                     self.sock.sendall(part)
             else:
                 views = [memoryview(p).cast("B") for p in parts]
                 while views:
+                    self._arm()
                     sent = self.sock.sendmsg(views)
                     while sent:
                         if sent >= len(views[0]):
@@ -139,6 +184,9 @@ class Channel:
                             views[0] = views[0][sent:]
                             sent = 0
         except socket.timeout as exc:
+            if self._expired():
+                raise DeadlineExceeded(f"the call's deadline of {self._budget:.1f} s passed "
+                                       "while sending") from exc
             raise TransferTimeout(f"send blocked for {self._timeout()} s") from exc
         except OSError as exc:
             raise ConnectionLost(f"send failed: {exc}") from exc
@@ -253,10 +301,14 @@ class Channel:
         got, need = 0, len(view)
         while got < need:
             try:
+                self._arm()
                 n = self.sock.recv_into(view[got:])
                 if feed is not None:
                     feed(view[got : got + n])
             except socket.timeout as exc:
+                if self._expired():
+                    raise DeadlineExceeded(f"the call's deadline of {self._budget:.1f} s "
+                                           f"passed while waiting for {what}") from exc
                 raise TransferTimeout(f"nothing received for {self._timeout()} s while "
                                       f"waiting for {what}") from exc
             except OSError as exc:

@@ -81,8 +81,17 @@ class Connections:
         self._lock = threading.Lock()
         self._clients: dict[str, ReplicaClient] = {}
 
-    def get(self, peer: str) -> tuple[ReplicaClient, bool]:
-        """Raises: NoAddress, ConnectionLost, AuthenticationFailed."""
+    def get(self, peer: str, connect_timeout: float | None = None
+            ) -> tuple[ReplicaClient, bool]:
+        """The pooled connection to ``peer``, or a new one.
+
+        Args:
+            connect_timeout: seconds a new connection's connect and handshake may each wait
+                (a frozen peer's kernel still accepts); None: the pool's timeout. The
+                connection keeps the pool's timeout afterwards.
+
+        Raises: NoAddress, ConnectionLost, AuthenticationFailed.
+        """
         # The address book is the membership: a peer that left it (declared dead, or gone)
         # loses its pooled connection too. A frozen peer's socket stays open, and a fetch over
         # it waited for the whole timeout while the restoring workers gave up (bench: SIGSTOP
@@ -96,8 +105,11 @@ class Connections:
         if client is not None:
             return client, True
         client = ReplicaClient.connect(address[0], address[1], self._secret, self.node_id,
-                                       expected_peer=peer, timeout=self.timeout,
+                                       expected_peer=peer,
+                                       timeout=connect_timeout or self.timeout,
                                        ssl_context=self.ssl_context, clock=self.clock)
+        if connect_timeout is not None:
+            client.channel.sock.settimeout(self.timeout)
         with self._lock:
             old, self._clients[peer] = self._clients.get(peer), client
         if old is not None:

@@ -19,7 +19,14 @@ import threading
 from typing import Callable
 
 from elasticd.checkpoint.shm import SlotStore, SnapshotView
-from elasticd.replication.api import EXISTS, ConnectionLost, Refused, ReplicationError
+from elasticd.replication.api import (
+    EXISTS,
+    ConnectionLost,
+    DeadlineExceeded,
+    Refused,
+    ReplicationError,
+)
+from elasticd.replication.deadline import LinkRates
 from elasticd.replication.lanes import Connections, Lanes, NoAddress, Task, resolve
 from elasticd.replication.shm_sink import ShmSink, descriptor_of, pinned_view
 from elasticd.replication.tracker import CommitTracker
@@ -36,11 +43,15 @@ class Pusher:
         connections: reused connections to peers.
         executor: the replicator's pool (lanes run on it).
         tracker: told of acknowledgements; holds the retention gate.
+        rates: measured link rates: each push's whole-call deadline comes from them, and
+            each acknowledged push is measured into them (None: a fresh one).
     """
 
     def __init__(self, store: SlotStore, sink: ShmSink | None, connections: Connections,
-                 executor: concurrent.futures.Executor, tracker: CommitTracker) -> None:
+                 executor: concurrent.futures.Executor, tracker: CommitTracker,
+                 rates: LinkRates | None = None) -> None:
         self.store, self.sink, self.connections, self.tracker = store, sink, connections, tracker
+        self.rates = rates if rates is not None else LinkRates()
         self.lanes = Lanes(executor, self._run)
         self._lock = threading.Lock()
         self.counters: collections.Counter[str] = collections.Counter()
@@ -93,7 +104,7 @@ class Pusher:
         d, buf = descriptor_of(view), view.buffer
         for attempt in (0, 1):
             try:
-                client, reused = self.connections.get(peer)
+                client, reused = self.connections.get(peer, self.rates.deadline(peer, 0))
             except NoAddress:
                 self.fail("no_address")
                 return False
@@ -102,8 +113,10 @@ class Pusher:
                 self.fail("unreachable")
                 return False
             try:
+                # A frozen receiver keeps its socket open: bound the whole push, not each send.
                 result = client.push(d, buf[: d.header_bytes], buf[d.header_bytes : d.total_bytes],
-                                     tags=view.tags)
+                                     tags=view.tags,
+                                     deadline=self.rates.deadline(peer, d.total_bytes))
             except Refused as exc:
                 if exc.reason == EXISTS:
                     return True  # the peer already holds this very version, verified
@@ -112,12 +125,14 @@ class Pusher:
                 return False
             except ReplicationError as exc:
                 self.connections.discard(peer, client)
-                if reused and attempt == 0 and isinstance(exc, ConnectionLost):
+                if (reused and attempt == 0 and isinstance(exc, ConnectionLost)
+                        and not isinstance(exc, DeadlineExceeded)):
                     continue  # the peer may have closed an idle connection: one fresh try
                 self.fail("connection" if isinstance(exc, ConnectionLost) else "remote")
                 log.warning("push of %s rank %d %s to %s failed: %s", d.job, d.owner_rank,
                             d.version, peer, exc)
                 return False
+            self.rates.record(peer, d.total_bytes, result.seconds)
             with self._lock:
                 self.counters["pushes"] += 1
                 self.counters["push_bytes"] += d.total_bytes

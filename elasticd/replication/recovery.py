@@ -25,6 +25,7 @@ from elasticd.clock import Clock
 from elasticd.replication.api import (
     NOT_FOUND,
     ConnectionLost,
+    DeadlineExceeded,
     Descriptor,
     Refused,
     RemoteError,
@@ -32,6 +33,7 @@ from elasticd.replication.api import (
     Version,
 )
 from elasticd.replication.commit import Committed
+from elasticd.replication.deadline import LinkRates
 from elasticd.replication.lanes import Connections, NoAddress
 from elasticd.replication.placement import Placement
 from elasticd.replication.shm_sink import descriptor_of, pinned_view
@@ -137,7 +139,8 @@ _EXPECTED = (Refused, SnapshotError, NoAddress, ConnectionLost, RemoteError, Rep
 
 def fetch_shard(job: str, rank: int, version: Version | None, into: Any, *, me: str,
                 holders: Sequence[str], connections: Connections, local: LocalRead,
-                clock: Clock, stripe_bytes: int = STRIPE_BYTES) -> FetchResult:
+                clock: Clock, stripe_bytes: int = STRIPE_BYTES,
+                rates: LinkRates | None = None) -> FetchResult:
     """Fetches and verifies one shard: from this node's own memory when it holds it, else
     striped across every remote holder of one version at once.
 
@@ -148,16 +151,26 @@ def fetch_shard(job: str, rank: int, version: Version | None, into: Any, *, me: 
     each piece's blocks as it lands. A holder that fails (missing, corrupt, unreachable) puts
     its piece back and stops; the others finish. The whole copy is verified at the end.
 
+    Every request to a holder (connect, describe, header, each piece) has a whole-call
+    deadline from ``rates`` (floor + slack * bytes / the holder's measured rate): a holder
+    frozen or black-holed mid-piece costs at most that deadline, its connection is closed
+    (nothing of it lands in the buffer afterwards), it is dropped for this fetch with an
+    ``unreachable: ...deadline...`` reason, and its piece goes to the others. Each piece's
+    transfer is measured into ``rates``.
+
     Args:
         into: a writable buffer, or a function given the descriptor that returns one.
         holders: in the order to try (see :func:`holder_order`); ``me`` reads ``local``.
         stripe_bytes: the size of the pieces (rounded up to whole checksum blocks).
+        rates: the measured link rates (shared across fetches, so a later fetch's deadlines
+            come from earlier transfers); None: a fresh one, from the default rate.
 
     Raises:
         ShardLost: no holder, or no set of holders, could provide an intact copy;
             ``attempts`` says why each one failed.
     """
     started = clock.monotonic()
+    rates = rates if rates is not None else LinkRates()
     attempts: list[tuple[str, str]] = []
     chosen: list[Any] = []
 
@@ -180,14 +193,15 @@ def fetch_shard(job: str, rank: int, version: Version | None, into: Any, *, me: 
         # Described by the first holder that answers; its bytes are then striped across it
         # and every holder after it.
         try:
-            d, header, wire = _describe(job, rank, version, holder, connections, sized)
+            d, header, wire = _describe(job, rank, version, holder, connections, sized, rates)
         except _EXPECTED as exc:
             attempts.append((holder, _reason(holder, exc, connections)))
             continue
         except BaseException:
             connections.discard(holder)  # ``into`` failed (e.g. no room) mid-request
             raise
-        stripe = _Stripe(job, rank, d, header, sized(d), connections, stripe_bytes)
+        stripe = _Stripe(job, rank, d, header, sized(d), connections, stripe_bytes, rates,
+                         clock)
         stripe.wire += wire
         stripe.served[holder] = header.layout.data_offset
         stripe.run(remote[i:])
@@ -211,40 +225,47 @@ def fetch_shard(job: str, rank: int, version: Version | None, into: Any, *, me: 
     raise ShardLost(job, rank, version, attempts)
 
 
-def _request(connections: Connections, holder: str, call: Callable[[Any], Any]
-             ) -> tuple[Any, int]:
+def _request(connections: Connections, holder: str, call: Callable[[Any], Any],
+             connect_timeout: float | None = None) -> tuple[Any, int]:
     """Runs ``call(client)`` on the pooled connection to ``holder`` (once more on a fresh one
-    when a reused connection turns out closed by the peer's idle timeout); returns its result
-    and the bytes received."""
-    client, reused = connections.get(holder)
+    when a reused connection turns out closed by the peer's idle timeout, but not after a
+    missed deadline: the holder stopped answering); returns its result and the bytes
+    received."""
+    client, reused = connections.get(holder, connect_timeout)
     for retry in (reused, False):
         before = client.channel.bytes_received
         try:
             return call(client), client.channel.bytes_received - before
+        except DeadlineExceeded:
+            raise
         except ConnectionLost:
             if not retry:
                 raise
             connections.discard(holder, client)
-            client, _ = connections.get(holder)
+            client, _ = connections.get(holder, connect_timeout)
     raise AssertionError("unreachable")
 
 
 def _describe(job: str, rank: int, version: Version | None, holder: str,
-              connections: Connections, sized: Callable[[Descriptor], Any]
+              connections: Connections, sized: Callable[[Descriptor], Any], rates: LinkRates
               ) -> tuple[Descriptor, SnapshotHeader, int]:
     """The descriptor and checked header of ``holder``'s copy (its header bytes now in the
     buffer ``sized`` gives), and the bytes received."""
+    floor = rates.deadline(holder, 0)
     d, wire = _request(connections, holder,
-                       lambda c: c.fetch(job, rank, sized, version, byte_range=(0, 0)))
+                       lambda c: c.fetch(job, rank, sized, version, byte_range=(0, 0),
+                                         deadline=floor), floor)
+    head = rates.deadline(holder, d.header_bytes)
     _, more = _request(connections, holder,
                        lambda c: c.fetch(job, rank, sized, d.version,
-                                         byte_range=(0, d.header_bytes)))
+                                         byte_range=(0, d.header_bytes), deadline=head), floor)
     view = memoryview(sized(d)).cast("B")[: d.total_bytes]
     header = check_header(view, d, f"copy of {job} rank {rank} from {holder}")
     gap = header.layout.data_offset - d.header_bytes
     if gap > 0:  # padding before the first block, when the holder counts it out of the header
         wire += _request(connections, holder, lambda c: c.fetch(
-            job, rank, view, d.version, byte_range=(d.header_bytes, gap)))[1]
+            job, rank, view, d.version, byte_range=(d.header_bytes, gap),
+            deadline=rates.deadline(holder, gap)), floor)[1]
     return d, header, wire + more
 
 
@@ -252,8 +273,10 @@ class _Stripe:
     """The payload pieces of one snapshot, fetched from several holders at once."""
 
     def __init__(self, job: str, rank: int, d: Descriptor, header: SnapshotHeader, buf: Any,
-                 connections: Connections, stripe_bytes: int) -> None:
+                 connections: Connections, stripe_bytes: int, rates: LinkRates,
+                 clock: Clock) -> None:
         self.job, self.rank, self.d, self.header = job, rank, d, header
+        self.rates, self.clock = rates, clock
         self.view = memoryview(buf).cast("B")[: d.total_bytes]
         self.connections = connections
         lay = header.layout
@@ -302,9 +325,15 @@ class _Stripe:
                 start = lay.block_range(piece[0])[0]
                 end = lay.block_range(piece[1] - 1)[1]
                 try:
+                    # A whole-call deadline: a frozen holder keeps its socket open and would
+                    # otherwise cost the socket timeout per receive.
+                    limit = self.rates.deadline(holder, end - start)
+                    began = self.clock.monotonic()
                     _, n = _request(self.connections, holder, lambda c: c.fetch(
                         self.job, self.rank, self.view, self.d.version,
-                        byte_range=(start, end - start)))
+                        byte_range=(start, end - start), deadline=limit),
+                        self.rates.deadline(holder, 0))
+                    self.rates.record(holder, n, self.clock.monotonic() - began)
                     wire += n
                     for i in range(*piece):
                         a, b = lay.block_range(i)

@@ -39,6 +39,7 @@ from elasticd.replication.commit import (
     update_holders,
 )
 from elasticd.replication.commit_state import Holder
+from elasticd.replication.deadline import LinkRates
 from elasticd.replication.lanes import AddressBook, Connections, Task
 from elasticd.replication.placement import Placement, compute_placement, encode_placement
 from elasticd.replication.pusher import Pusher
@@ -134,7 +135,10 @@ class Replicator:
             stores[Holder.REPLICA] = sink.store
         self.tracker = CommitTracker(node_id, coord, keys, self.clock, self._submit,
                                      self._collect, commit_wait, withdraw_after, stores)
-        self.pusher = Pusher(store, sink, self._connections, self._executor, self.tracker)
+        #: Measured link rates per peer, shared by pushes and fetches: every call's deadline.
+        self.link_rates = LinkRates()
+        self.pusher = Pusher(store, sink, self._connections, self._executor, self.tracker,
+                             self.link_rates)
         self.awaiting_commit = self.tracker.awaiting_commit
         if sink is not None:
             sink.on_pending = self.tracker.reread
@@ -358,7 +362,8 @@ class Replicator:
         own = functools.partial(copy_own, self._own_stores())
         try:
             result = fetch_shard(job, rank, version, into, me=self.node_id, holders=holders,
-                                 connections=self._connections, local=own, clock=self.clock)
+                                 connections=self._connections, local=own, clock=self.clock,
+                                 rates=self.link_rates)
         except ShardLost as exc:
             with self.tracker.lock:
                 self.fetch_failures["lost"] += 1

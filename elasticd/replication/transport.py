@@ -21,6 +21,7 @@ from typing import Any, Callable
 from elasticd.clock import Clock, SystemClock
 from elasticd.replication.api import (
     ConnectionLost,
+    DeadlineExceeded,
     Descriptor,
     Refused,
     RemoteError,
@@ -101,7 +102,8 @@ class ReplicaClient:
         return cls(channel, challenge.node_id, challenge.max_frame, clock or SystemClock())
 
     def push(self, descriptor: Descriptor, header: Any, payload: Any,
-             chunk_size: int = DEFAULT_CHUNK, tags: BlockTags | None = None) -> PushResult:
+             chunk_size: int = DEFAULT_CHUNK, tags: BlockTags | None = None,
+             deadline: float | None = None) -> PushResult:
         """Sends one snapshot (``header`` then ``payload``, both bytes-like, sent uncopied).
 
         Returns once the peer verified every chunk and committed the copy.
@@ -109,6 +111,8 @@ class ReplicaClient:
         Args:
             tags: the snapshot's block tags, made when it was sealed: the blocks they cover
                 go pretagged (not read here, only sent); the rest are tagged as they go.
+            deadline: seconds the whole push may take (None: each send and receive is
+                bounded by the socket timeout alone).
 
         Raises:
             Refused: the peer declined it (``stale``, ``exists``, ``no_space``...); the
@@ -133,12 +137,12 @@ class ReplicaClient:
             self._expect_ack()
             return PushResult(descriptor, frames, self.clock.monotonic() - started)
 
-        return self._call(run)
+        return self._call(run, deadline)
 
     def fetch(self, job: str, owner_rank: int,
               into: memoryview | bytearray | Callable[[Descriptor], Any],
               version: Version | None = None, byte_range: tuple[int, int] | None = None,
-              ) -> Descriptor:
+              deadline: float | None = None) -> Descriptor:
         """Reads a committed copy, or a range of its bytes, from the peer into caller memory.
 
         Args:
@@ -149,6 +153,8 @@ class ReplicaClient:
                 length)``, received into that same slice of ``into`` (the rest of it is left
                 as it was); a zero length reads the descriptor alone. None: the whole
                 snapshot.
+            deadline: seconds the whole fetch may take (None: each receive is bounded by
+                the socket timeout alone).
 
         Returns:
             The descriptor of the whole snapshot (whose bytes, or the range asked for, are now
@@ -158,6 +164,8 @@ class ReplicaClient:
             Refused: ``not_found``, or ``bad_range`` (the range lies outside the snapshot);
                 the connection stays usable.
             ValueError: a negative offset or length.
+            DeadlineExceeded: the deadline passed; the connection is then unusable (closed:
+                nothing more lands in ``into`` after this returns).
             ReplicationError: anything else; the connection is then unusable.
         """
         offset, length = byte_range if byte_range is not None else (None, None)
@@ -187,21 +195,27 @@ class ReplicaClient:
             receive_stream(self.channel, end - start, target[start:end], base=start)
             return d
 
-        return self._call(run)
+        return self._call(run, deadline)
 
     def _expect_ack(self) -> None:
         reply = self.channel.recv(Ack, Nack)
         if isinstance(reply, Nack):
             raise Refused(reply.reason, reply.message)
 
-    def _call(self, run: Callable[[], Any]) -> Any:
+    def _call(self, run: Callable[[], Any], deadline: float | None = None) -> Any:
         with self._lock:
             if self._broken is not None:
                 raise ConnectionLost(f"connection to {self.peer_id} is unusable after: "
                                      f"{self._broken}")
             try:
-                return run()
+                with self.channel.within(deadline):
+                    return run()
             except Refused:
+                raise
+            except DeadlineExceeded as exc:
+                # The peer stopped answering: asking it why (below) would only wait again.
+                self._broken = exc
+                self.channel.close()
                 raise
             except ConnectionLost as exc:
                 self._broken = exc

@@ -1,0 +1,89 @@
+"""How long one network call of the snapshot and recovery path may take.
+
+A frozen peer (SIGSTOP, a black-holed port) keeps its sockets open and answers nothing, so a
+per-receive socket timeout costs the whole timeout on every call that reaches it. Instead each
+call gets a whole-call deadline sized to what it moves: ``floor + slack * bytes / rate``, where
+``rate`` is the measured link rate (an exponentially weighted mean of recent transfers' bytes
+per second, per peer) or, before any measurement, a conservative default. Pure: time is only
+what callers report; no sockets here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+#: Before any transfer to a peer was measured: a rate most links beat (bytes/s).
+DEFAULT_RATE = 50e6
+#: Every call may take at least this long (round trips, a busy peer's scheduling).
+DEFAULT_FLOOR = 2.0
+#: The deadline allows this many times the expected transfer time (a link that slows down
+#: temporarily, a peer serving several fetches at once).
+DEFAULT_SLACK = 4.0
+#: Weight of the newest measurement in the mean.
+DEFAULT_ALPHA = 0.3
+#: Transfers smaller than this are mostly round trips: they say little about the link.
+MIN_SAMPLE_BYTES = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class DeadlinePolicy:
+    """The constants of :func:`call_deadline`.
+
+    Attributes:
+        floor: seconds any call may take regardless of its size.
+        slack: factor over the expected transfer time.
+        default_rate: bytes/s assumed before a peer was measured.
+    """
+
+    floor: float = DEFAULT_FLOOR
+    slack: float = DEFAULT_SLACK
+    default_rate: float = DEFAULT_RATE
+
+    def __post_init__(self) -> None:
+        if self.floor <= 0 or self.slack < 1 or self.default_rate <= 0:
+            raise ValueError(f"deadline policy needs floor > 0, slack >= 1, default_rate > 0; "
+                             f"got {self}")
+
+
+def call_deadline(nbytes: int, rate: float, policy: DeadlinePolicy = DeadlinePolicy()) -> float:
+    """Seconds a call moving ``nbytes`` at ``rate`` bytes/s may take."""
+    if nbytes < 0 or rate <= 0:
+        raise ValueError(f"call_deadline needs nbytes >= 0 and rate > 0, got {nbytes}, {rate}")
+    return policy.floor + policy.slack * nbytes / rate
+
+
+class LinkRates:
+    """Measured transfer rates, per peer; thread-safe (a striped fetch's threads share one).
+
+    Args:
+        policy: floor, slack and the rate assumed before a measurement.
+        alpha: weight of the newest measurement.
+    """
+
+    def __init__(self, policy: DeadlinePolicy = DeadlinePolicy(),
+                 alpha: float = DEFAULT_ALPHA) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self.policy, self.alpha = policy, alpha
+        self._rates: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def rate(self, peer: str) -> float:
+        """The measured rate to ``peer`` (bytes/s), or the policy's default."""
+        with self._lock:
+            return self._rates.get(peer, self.policy.default_rate)
+
+    def record(self, peer: str, nbytes: int, seconds: float) -> None:
+        """Adds one completed transfer; ignored when too small to measure the link."""
+        if nbytes < MIN_SAMPLE_BYTES or seconds <= 0:
+            return
+        sample = nbytes / seconds
+        with self._lock:
+            old = self._rates.get(peer)
+            self._rates[peer] = sample if old is None else (
+                self.alpha * sample + (1 - self.alpha) * old)
+
+    def deadline(self, peer: str, nbytes: int) -> float:
+        """Seconds a call moving ``nbytes`` to or from ``peer`` may take."""
+        return call_deadline(nbytes, self.rate(peer), self.policy)
