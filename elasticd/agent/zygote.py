@@ -15,7 +15,9 @@ pays that once per job and node, before it is needed:
   environment and working directory, and its stdin/stdout/stderr (``SCM_RIGHTS``).
 * The zygote forks. The child starts a session of its own, takes those descriptors, that
   environment and directory, reseeds Python's and numpy's global generators (a fresh
-  interpreter would not share its parent's), and runs the script as ``__main__``.
+  interpreter would not share its parent's), has a rank > 0 wait for rank 0's TCPStore without
+  torch's half-second connect back-off (:mod:`.store_connect`), and runs the script as
+  ``__main__``.
 * The zygote reports the child's pid, then its exit status, to the waiting ``warm_start``,
   which exits the same way (the same code, or the same signal). Signals sent to ``warm_start``
   (torchrun's SIGTERM) are forwarded to the child. When ``warm_start`` dies without a word
@@ -224,6 +226,10 @@ def _run_child(request: dict[str, Any], fds: list[int]) -> None:
             os.close(fd)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
+        if "torch" in sys.modules:  # imported here: warm_start imports this module too
+            from elasticd.agent import store_connect
+
+            store_connect.install()
         code = run_script(request["argv"], request["env"], request["cwd"])
     except BaseException:  # noqa: BLE001 — report anything, then leave without cleanup
         traceback.print_exc()
