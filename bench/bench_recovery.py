@@ -75,6 +75,25 @@ def _at_world(path: str, world: int, after: int = 0) -> bool:
     return any(int(m.group(2)) == world for m in STEP_RE.finditer(_read(path), after))
 
 
+def _last_world(path: str) -> int | None:
+    """The world size of the last step this log shows (None: no step yet)."""
+    last = None
+    for m in STEP_RE.finditer(_read(path)):
+        last = m
+    return int(last.group(2)) if last else None
+
+
+def _not_at_full_world(logs: dict[str, str], full: int) -> str:
+    """Why a run cannot measure a recovery ("" when every node's last step was at ``full``):
+    the job left world ``full`` before the fault, so survivors already training at a smaller
+    world would count as recovered at once (seen once: 0.00 s, no restart)."""
+    worlds = {n: _last_world(p) for n, p in logs.items()}
+    if all(w == full for w in worlds.values()):
+        return ""
+    return "not at world %d when struck (last step worlds: %s)" % (
+        full, ", ".join(f"{n}={w}" for n, w in sorted(worlds.items())))
+
+
 def _last_step(paths) -> int:
     """The highest step any of these logs reached so far."""
     return max((int(m.group(1)) for p in paths for m in STEP_RE.finditer(_read(p))), default=0)
@@ -178,6 +197,7 @@ def run_elasticd(victim: str, ttl: int, timeout: float, replication: bool = True
             time.sleep(_kill_phase())
             survivors = [n for n in c.nodes if n != victim]
             marks = {n: len(_read(logs[n])) for n in survivors}
+            invalid = _not_at_full_world(logs, full)
             _strike(c.nodes[victim], fault, cuts.get(victim))
             at_step = _last_step(logs.values())
             t = _wait(lambda: all(_at_world(logs[n], full - 1, marks[n]) for n in survivors),
@@ -188,7 +208,7 @@ def run_elasticd(victim: str, ttl: int, timeout: float, replication: bool = True
             return {"victim": victim, "recovered": t is not None, "seconds": t,
                     "killed_at_step": at_step,
                     **_resumed({n: logs[n] for n in survivors}, marks, at_step),
-                    "leftover_processes": leftovers}
+                    "leftover_processes": leftovers, **({"invalid": invalid} if invalid else {})}
         finally:
             c.stop()
             for cut in cuts.values():
@@ -272,9 +292,13 @@ def run_torchrun(victim: str, timeout: float, every: int = 10, nodes: int = 3,
 
 
 def summarize(runs: list[dict]) -> dict:
+    """Figures over the valid runs; ``invalid`` counts runs that could not measure a recovery
+    (listed in the detail with their reason)."""
+    invalid = [r for r in runs if r.get("invalid")]
+    runs = [r for r in runs if not r.get("invalid")]
     ok = [r["seconds"] for r in runs if r["recovered"]]
     lost = [r["steps_lost"] for r in runs if r["recovered"] and r.get("steps_lost") is not None]
-    return {"runs": len(runs), "recovered": len(ok),
+    return {"runs": len(runs), "invalid": len(invalid), "recovered": len(ok),
             "median_steps_lost": statistics.median(lost) if lost else None,
             "max_steps_lost": max(lost) if lost else None,
             "median_seconds": round(statistics.median(ok), 2) if ok else None,

@@ -25,6 +25,12 @@ if mode == "sleep":
     time.sleep(60)
 if mode == "raise":
     raise RuntimeError("boom in the script")
+if mode == "ready":  # what a recovering worker must not pay for again (zygote.py, PRELOAD)
+    import gc
+    store = sys.modules["torch.distributed.rendezvous"]._create_c10d_store
+    print("dynamo", "torch._dynamo" in sys.modules, "frozen", gc.get_freeze_count() > 100000,
+          "store-wrapped", getattr(store, "elasticd_wrapped", False), flush=True)
+    sys.exit(0)
 sys.exit(int(mode))
 """
 
@@ -92,6 +98,17 @@ def test_the_worker_runs_the_script_with_its_argv_env_cwd_and_exit_code(zygote, 
     assert "env baz cwd / " in out2 and "torch-preloaded True" in out2
     # Each fork reseeds Python's generator, as a fresh interpreter would.
     assert out.split("random ")[1] != out2.split("random ")[1]
+
+
+def test_the_worker_finds_dynamo_loaded_its_gc_frozen_and_the_store_connect_wrapped(zygote,
+                                                                                    script):
+    # Each of these cost a recovering worker time (zygote.py, store_connect.py): DDP's import
+    # of torch._dynamo ~1 s, a full collection over the preloaded objects ~0.3 s, torch's
+    # connect back-off 0.25-0.75 s.
+    p = warm(zygote, script, "ready")
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert "dynamo True frozen True store-wrapped True" in out, out + err
 
 
 def test_a_script_that_raises_exits_1_with_its_traceback(zygote, script):
