@@ -152,6 +152,9 @@ def main() -> int:
                    help="seconds a killed node stays down before its daemon restarts")
     p.add_argument("--step-time", type=float, default=0.1, help="extra seconds per step")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--grow", default="",
+                   help="the daemons' --rdzv-grow (immediate, at-failure, interval:MIN); "
+                        "default: the daemon's own default")
     p.add_argument("--out", default="", help="write the result as JSON here")
     args = p.parse_args()
     if not 0 < args.down < args.every:
@@ -161,7 +164,8 @@ def main() -> int:
     plan, victims = plan_faults(args.minutes, args.every, args.down, nodes,
                                 random.Random(args.seed))
     shape = Shape(nodes=tuple(nodes), standby=(), nnodes="2:3", zero=False, steps=10_000_000,
-                  step_time=args.step_time)
+                  step_time=args.step_time,
+                  daemon_args=("--rdzv-grow", args.grow) if args.grow else ())
     workdir = tempfile.mkdtemp(prefix="elasticd-soak-")
     cc = ChaosCluster(workdir, shape, job="soak")
     print(f"soak: {args.minutes:g} min, kills of {victims} every {args.every:g} s "
