@@ -39,6 +39,7 @@ import os
 import subprocess
 import threading
 from typing import Any, Callable
+from urllib.parse import unquote
 
 from elasticd.agent import crashloop
 from elasticd.agent.hang_timeout import LearnedTimeout
@@ -51,6 +52,7 @@ from elasticd.cluster.jobspec import JobControl, JobSpec, NodeJobStatus
 from elasticd.coordination import records
 from elasticd.coordination.api import AuthError, CoordinationError, Coordinator
 from elasticd.coordination.keys import Keyspace
+from elasticd.coordination.rendezvous_rounds import RecordError, RoundRecord
 from elasticd.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -510,11 +512,48 @@ class JobManager(JobRecords):
             return None
         if node not in self.members.get(self.job, set()) and node != "*":
             return None
+        if node != "*" and self._reformed_without(node):
+            note = (f"peer {node} of {self.job} failed; its last rendezvous round already "
+                    "went on without it: workers left running")
+            self.notes.append(note)
+            log.info("%s", note)
+            return 0
         n = self.supervisor.restart_workers(f"peer {node} failed")
         self._new_generation()
         self.metrics.worker_restarts.labels("peer_failed").inc()
         self.notes.append(f"restarted {n} workers of {self.job}: peer {node} failed")
         return n
+
+    def _reformed_without(self, node: str) -> bool:
+        """Whether the job's last closed rendezvous round has this node's agent in it and not
+        ``node``'s.
+
+        A peer killed outright resets its sockets: the survivors' workers fail at once, their
+        agents re-rendezvous, and the round closes as soon as the dead agent's own rendezvous
+        record expires, which is often before this daemon sees the node's lease expire. Aborting
+        then would only stop the group that already re-formed without the peer (one more
+        restore for nothing). A round that still has ``node``, no round, an unreadable one, or
+        one this agent is not in (its member ids name agents by address and pid, see
+        :func:`~elasticd.coordination.rendezvous_handler.node_id`) all mean: abort, as a peer
+        that vanished silently (power, network) leaves collectives hanging.
+        """
+        job = self.job
+        assert job is not None and self.supervisor is not None
+        peer = self.statuses.get(job, {}).get(node)
+        mine, theirs = str(self.supervisor.pid or ""), str(peer.agent_pid if peer else "")
+        if not mine or not theirs or theirs == "0":
+            return False
+        try:
+            kv = self.coord.get(self.keys.job_rdzv(job) + b"native/round")
+            last = RoundRecord.decode(kv.value) if kv is not None else None
+        except (CoordinationError, RecordError) as exc:
+            log.warning("job %s: cannot read the rendezvous round: %s", job, exc)
+            return False
+        if last is None:
+            return False
+        pids = {unquote(m).rsplit("_", 2)[-2] for m in last.members
+                if len(unquote(m).rsplit("_", 2)) == 3}
+        return mine in pids and theirs not in pids
 
     def recovery_writer(self, failed: str) -> str | None:
         """The node that writes the timeline of the job's recovery from ``failed``'s failure

@@ -204,3 +204,37 @@ def test_a_set_hang_timeout_is_shown_as_set_and_zero_turns_it_off(env, tmp_path)
     assert mgr.tracker is None
     assert (mgr.status.hang_timeout, mgr.status.hang_timeout_source) == (0.0, "")
     assert mgr.metrics.hang_timeout_seconds._value.get() == 0.0
+
+
+def _round(coord, keys, *pids):
+    from elasticd.coordination.rendezvous_handler import node_id
+    from elasticd.coordination.rendezvous_rounds import RoundRecord
+
+    members = tuple(node_id("10.0.0.%d" % i, pid, 1) for i, pid in enumerate(pids))
+    coord.put(keys.job_rdzv("job") + b"native/round", RoundRecord(3, members).encode())
+
+
+def test_a_failed_peer_aborts_the_group_unless_the_last_round_already_left_it_out(env,
+                                                                                   tmp_path):
+    coord, keys, mgr, lease = env
+    coord.put(keys.job_node("job", "n2"),
+              NodeJobStatus("n2", "running", agent_pid=222).encode(), lease)
+    coord.put(keys.job_node("job", "n3"),
+              NodeJobStatus("n3", "running", agent_pid=333).encode(), lease)
+    agent = _running(mgr, tmp_path)
+    agent.pid = 111
+    mgr._drain()
+    # No round yet, or a round that still has n2: the group may hang on it, abort.
+    assert mgr.on_peer_failed("n2") == 1
+    _round(coord, keys, 111, 222, 333)
+    assert mgr.on_peer_failed("n2") == 1
+    # The survivors re-formed without n2 before its lease expired here: leave them running.
+    _round(coord, keys, 333, 111)
+    assert mgr.on_peer_failed("n2") == 0
+    assert len(agent.restarts) == 2 and "already went on without it" in mgr.notes[-1]
+    # A round this agent is not in is no evidence (ids it cannot read, another agent): abort.
+    _round(coord, keys, 333, 444)
+    assert mgr.on_peer_failed("n2") == 1
+    coord.put(keys.job_rdzv("job") + b"native/round", b"{not json")
+    assert mgr.on_peer_failed("n2") == 1
+    assert len(agent.restarts) == 4
