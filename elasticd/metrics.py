@@ -183,6 +183,11 @@ class Metrics:
             "its ranks of each one's last 50 steps, as its workers measure it; NaN: not "
             "measured)", registry=r)
         self.compute_seconds.set(float("nan"))
+        self.straggler = Gauge(
+            "elasticd_straggler",
+            "1 while this node is named a straggler of its job: its compute time per step has "
+            "stayed above the job's --straggler-factor times the other nodes' median "
+            "(elasticd.agent.straggler)", registry=r)
         self.job_running = Gauge(
             "elasticd_job_running", "1 while this node runs a job's agent", registry=r)
         # -- checkpoints (fed by elasticd.checkpoint.service through CheckpointSink) ---------

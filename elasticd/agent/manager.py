@@ -46,6 +46,8 @@ from elasticd.agent.hang_timeout import LearnedTimeout
 from elasticd.agent.job_records import JobRecords
 from elasticd.agent.policy import JobPolicy
 from elasticd.agent.progress import Hang, ProgressTracker, progress_handler
+from elasticd.agent.straggler import StragglerJudge
+from elasticd.cluster import drain_record
 from elasticd.agent.supervisor import AgentSupervisor, process_runs
 from elasticd.clock import Clock, SystemClock
 from elasticd.cluster.jobspec import JobControl, JobSpec, NodeJobStatus
@@ -138,6 +140,7 @@ class JobManager(JobRecords):
         #: Records a cluster event (kind, detail, data): set by the daemon.
         self.record_event: Callable[[str, str, dict[str, Any]], None] = lambda *a: None
         self._loop = crashloop.LoopState()
+        self._straggler: tuple[str, StragglerJudge] | None = None  # (job, its judge here)
         self._loop_job: str | None = None
         self._attempt = 0  # the agent's worker group attempt (torchrun's restart count)
         self._runs_known: set[str] = set()  # torchrun run directories of earlier agents
@@ -617,8 +620,11 @@ class JobManager(JobRecords):
         if sup is None:
             self.job = None
             return
+        # A straggler's verdict stays on its stopped status: why it was drained, for instance.
+        straggler = self.status.straggler
         self.status = NodeJobStatus(self.node_id, "stopping", why, agent_pid=sup.pid,
-                                    agent_starts=sup.starts, log=sup.log_path, at=self.clock.wall())
+                                    agent_starts=sup.starts, log=sup.log_path, at=self.clock.wall(),
+                                    straggler=straggler)
         self._publish(job)
 
         def run() -> None:
@@ -627,7 +633,7 @@ class JobManager(JobRecords):
                 self._job_ended(job)
             self.status = NodeJobStatus(self.node_id, final_state, f"{why} (agent exit {code})",
                                         agent_starts=sup.starts, log=sup.log_path,
-                                        at=self.clock.wall())
+                                        at=self.clock.wall(), straggler=straggler)
             try:
                 self._publish(job)
             except CoordinationError:
@@ -669,6 +675,58 @@ class JobManager(JobRecords):
             if (shown, source) != (self.status.hang_timeout, self.status.hang_timeout_source):
                 self.status = dataclasses.replace(self.status, hang_timeout=shown,
                                                   hang_timeout_source=source)
+            published = _show_timeout(compute or 0.0)  # two digits: not a write per step
+            if published != self.status.compute_seconds:
+                self.status = dataclasses.replace(self.status, compute_seconds=published)
+        self._judge_straggler(compute)
+
+    def _judge_straggler(self, compute: float | None) -> None:
+        """This node's straggler verdict (:mod:`elasticd.agent.straggler`) into its job status
+        and metric; a node newly named is an event, and drained when the job asks for it."""
+        job = self.job
+        spec = self.specs[job][1] if job is not None and job in self.specs else None
+        if job is None or spec is None or self.supervisor is None:
+            self._straggler = None
+            self.metrics.straggler.set(1 if self.status.straggler else 0)
+            return
+        if self._straggler is None or self._straggler[0] != job:
+            self._straggler = (job, StragglerJudge(spec.straggler_factor, spec.straggler_steps))
+        others = {n: st.compute_seconds for n, st in self.statuses.get(job, {}).items()
+                  if n != self.node_id and st.state == "running"}
+        step = self.status.last_step
+        verdict = self._straggler[1].observe(step if step >= 0 else None, compute, others)
+        self.metrics.straggler.set(1 if verdict.named else 0)
+        with self._lock:
+            newly = verdict.named and not self.status.straggler
+            if verdict.text != self.status.straggler:
+                self.status = dataclasses.replace(self.status, straggler=verdict.text)
+        if not newly:
+            return
+        log.warning("job %s: this node is a straggler: %s", job, verdict.text)
+        self.notes.append(f"{job}: {verdict.text}")
+        drain = spec.straggler_drain and self._drain_straggler(job, spec.nnodes_min)
+        self.record_event("straggler", f"{job}: {self.node_id} {verdict.text}"
+                          f"{'; draining it' if drain else ''}",
+                          {"job": job, "ratio": verdict.ratio, "compute_seconds": compute,
+                           "step": step, "drain": drain})
+
+    def _drain_straggler(self, job: str, nnodes_min: int) -> bool:
+        """Asks for this node's drain (as ``elasticctl drain`` would) unless the job would
+        fall below its minimum of nodes; returns whether it asked."""
+        running = [n for n, st in self.statuses.get(job, {}).items()
+                   if n != self.node_id and st.state == "running"]
+        if len(running) < nnodes_min:
+            log.warning("job %s: not draining straggler %s: %d other nodes run the job, its "
+                        "minimum is %d", job, self.node_id, len(running), nnodes_min)
+            return False
+        try:
+            drain_record.request(self.coord, self.keys, self.node_id, 120.0,
+                                 f"straggler@{self.node_id}", self.clock.wall())
+        except CoordinationError as exc:
+            log.warning("job %s: could not ask for straggler %s's drain: %s", job,
+                        self.node_id, exc)
+            return False
+        return True
 
     def set_unprotected(self, text: str) -> None:
         """What the checkpoint service says of the job's protection ("" while protected),
@@ -678,8 +736,11 @@ class JobManager(JobRecords):
                 self.status = dataclasses.replace(self.status, unprotected=text)
 
     def describe(self) -> dict[str, Any]:
+        sts = {**self.statuses.get(self.job, {}), self.node_id: self.status} if self.job else {}
         return {"job": self.job, **self.status.as_dict(), "progress": self.progress_status(),
-                "refused_specs": self.refused()}
+                "refused_specs": self.refused(),
+                # every node's own verdict, as published (agent/straggler.py)
+                "stragglers": {n: st.straggler for n, st in sorted(sts.items()) if st.straggler}}
 
 
 def _show_timeout(seconds: float) -> float:

@@ -23,7 +23,8 @@ from elasticd.coordination.keys import Keyspace
 
 JOB_TABLE = Table([("JOB", "job"), ("WANTED", "desired"), ("NODES", "nnodes"),
                    ("PROCS", "nproc_per_node"), ("RUNNING ON", "running_on"),
-                   ("HANG TIMEOUT", "hang_timeout"), ("SCRIPT", "script"),
+                   ("HANG TIMEOUT", "hang_timeout"), ("STRAGGLERS", "stragglers"),
+                   ("SCRIPT", "script"),
                    ("PROTECTION / REASON", "protection")],
                   max_width=160)
 LOG_TABLE = Table([("NODE", "node"), ("STATE", "state"), ("HOST", "hostname"), ("LOG", "log")],
@@ -60,6 +61,16 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     s.add_argument("--crash-loop-restarts", type=int, default=5, metavar="N",
                    help="stop the job as failed after N worker group restarts in a row with "
                         "no new committed step (0: never)")
+    s.add_argument("--straggler-factor", type=options.finite("times"), default=1.5,
+                   metavar="X",
+                   help="name a node a straggler when its compute time per step stays above X "
+                        "times the other nodes' median (the script reports it: ComputeTimer; "
+                        "0: off; default 1.5)")
+    s.add_argument("--straggler-steps", type=options.whole(1, 100_000), default=20, metavar="N",
+                   help="steps in a row to name (and to clear) a straggler (default 20)")
+    s.add_argument("--straggler-drain", action="store_true",
+                   help="drain a node named a straggler so the job goes on without it (only "
+                        "while the job keeps its minimum of nodes)")
     s.add_argument("script", help="training script, after --")
     s.add_argument("args", nargs=argparse.REMAINDER)
     sub.add_parser("jobs", parents=[common], help="jobs and where they run",
@@ -102,7 +113,10 @@ def cmd_submit(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> 
                          max_restarts=args.max_restarts, hang_timeout=args.hang_timeout,
                          crash_loop_restarts=args.crash_loop_restarts,
                          hang_timeout_floor=args.hang_timeout_floor,
-                         hang_first_step=args.hang_first_step)
+                         hang_first_step=args.hang_first_step,
+                         straggler_factor=args.straggler_factor,
+                         straggler_steps=args.straggler_steps,
+                         straggler_drain=args.straggler_drain)
     control = JobControl("running", SYSTEM_CLOCK.wall(), "elasticctl")
     ok, _ = coord.transaction(
         [Compare(keys.job_spec(spec.name), 0)],
@@ -140,7 +154,8 @@ def _jobs(coord: Coordinator, keys: Keyspace) -> list[dict[str, Any]]:
             "job": name, "desired": controls[name].desired if name in controls else "running",
             "nnodes": "-", "nproc_per_node": "-", "script": "", "args": [], "user": "",
             "submitted_at": 0.0, "running_on": f"refused: {why}", "refused": why,
-            "reason": why, "protection": "-", "hang_timeout": "-", "nodes": nodes,
+            "reason": why, "protection": "-", "hang_timeout": "-", "stragglers": "-",
+            "nodes": nodes,
         })
     for name, spec in sorted(specs.items(), key=lambda kv: kv[1].created_at):
         nodes = {st.node: st.as_dict() for st in _node_statuses(coord, keys, name)}
@@ -158,6 +173,7 @@ def _jobs(coord: Coordinator, keys: Keyspace) -> list[dict[str, Any]]:
             "script": spec.script, "args": spec.args, "user": spec.user,
             "submitted_at": spec.created_at, "running_on": where, "nodes": nodes,
             "hang_timeout": _hang_timeout(spec, [nodes[n] for n in running]),
+            "stragglers": _stragglers(nodes),
         })
     return out
 
@@ -175,6 +191,13 @@ def _hang_timeout(spec: JobSpec, running: list[dict[str, Any]]) -> str:
     lo, hi = min(v for _, v in shown), max(v for _, v in shown)
     return f"{'/'.join(sources)} {lo:g} s" if lo == hi else \
         f"{'/'.join(sources)} {lo:g}-{hi:g} s"
+
+
+def _stragglers(nodes: dict[str, dict[str, Any]]) -> str:
+    """One cell: the nodes that name themselves stragglers, with why, or "-"."""
+    named = [f"{n} ({st['straggler'].removeprefix('STRAGGLER: ')})"
+             for n, st in sorted(nodes.items()) if st.get("straggler")]
+    return "; ".join(named) or "-"
 
 
 def _protection(nodes: dict[str, dict[str, Any]], control: JobControl | None) -> str:

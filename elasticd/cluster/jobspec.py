@@ -77,6 +77,11 @@ class JobSpec:
         hang_timeout_floor: the lowest learned hang timeout, seconds.
         hang_first_step: the learned rule's allowance for a worker process's first steps
             (compile, data loader warm-up), seconds.
+        straggler_factor: a node whose compute time per step stays above this times the
+            other nodes' median is named a straggler (0: off; :mod:`elasticd.agent.straggler`).
+        straggler_steps: steps in a row to name (and to clear) a straggler.
+        straggler_drain: drain a node named a straggler, so the job goes on without it
+            (only while the job keeps at least its minimum of nodes).
     """
 
     name: str
@@ -97,6 +102,9 @@ class JobSpec:
     crash_loop_restarts: int = 5
     hang_timeout_floor: float = 60.0
     hang_first_step: float = 600.0
+    straggler_factor: float = 1.5
+    straggler_steps: int = 20
+    straggler_drain: bool = False
 
     def validate(self, check_files: bool = True) -> "JobSpec":
         """Raises :class:`JobSpecError` on the first bad field."""
@@ -137,6 +145,11 @@ class JobSpec:
         if not 0 < self.hang_first_step <= 86400:
             raise JobSpecError(f"--hang-first-step {self.hang_first_step}: use more than 0 to "
                                "86400 seconds")
+        if self.straggler_factor != 0 and not 1 < self.straggler_factor <= 100:
+            raise JobSpecError(f"--straggler-factor {self.straggler_factor}: use more than 1 "
+                               "to 100 (0 turns it off)")
+        if not 1 <= self.straggler_steps <= 100_000:
+            raise JobSpecError(f"--straggler-steps {self.straggler_steps}: use 1 to 100000")
         if not os.path.isabs(self.script):
             raise JobSpecError(f"script {self.script!r}: must be an absolute path")
         if not re.fullmatch(r"[0-9a-f]{64}", self.script_sha256):
@@ -195,7 +208,9 @@ def build(name: str, nnodes: str, nproc_per_node: int, script: str, args: list[s
           user: str | None = None, cwd: str | None = None, env: list[str] | None = None,
           python: str | None = None, max_restarts: int = 100,
           hang_timeout: float | None = None, crash_loop_restarts: int = 5,
-          hang_timeout_floor: float = 60.0, hang_first_step: float = 600.0) -> JobSpec:
+          hang_timeout_floor: float = 60.0, hang_first_step: float = 600.0,
+          straggler_factor: float = 1.5, straggler_steps: int = 20,
+          straggler_drain: bool = False) -> JobSpec:
     """Builds and validates a spec from ``elasticctl submit`` arguments."""
     lo, hi = parse_nnodes(nnodes)
     script_abs = os.path.abspath(script)
@@ -219,7 +234,8 @@ def build(name: str, nnodes: str, nproc_per_node: int, script: str, args: list[s
         cwd=os.path.abspath(cwd or os.getcwd()), env=envd, python=python or sys.executable,
         max_restarts=max_restarts, hang_timeout=hang_timeout, created_at=SYSTEM_CLOCK.wall(),
         crash_loop_restarts=crash_loop_restarts, hang_timeout_floor=hang_timeout_floor,
-        hang_first_step=hang_first_step,
+        hang_first_step=hang_first_step, straggler_factor=straggler_factor,
+        straggler_steps=straggler_steps, straggler_drain=straggler_drain,
     )
     return spec.validate()
 
@@ -274,6 +290,8 @@ class NodeJobStatus:
     unprotected: str = ""  # "UNPROTECTED: <why>" while a node failure would lose too much
     hang_timeout: float = 0.0  # the hang timeout in force (0: none: off, or no job running)
     hang_timeout_source: str = ""  # set | learned | floor | first_step (agent/hang_timeout.py)
+    compute_seconds: float = 0.0  # compute time per step outside collectives (0: not measured)
+    straggler: str = ""  # "STRAGGLER: <why>" while named a straggler (agent/straggler.py)
 
     KIND = "node_job_status"
     #: Every state a node publishes (``idle`` before its first job).

@@ -238,3 +238,42 @@ def test_a_failed_peer_aborts_the_group_unless_the_last_round_already_left_it_ou
     coord.put(keys.job_rdzv("job") + b"native/round", b"{not json")
     assert mgr.on_peer_failed("n2") == 1
     assert len(agent.restarts) == 4
+
+
+def test_a_straggler_names_itself_on_its_status_and_metric_and_drains_when_the_job_asks(
+        env, tmp_path):
+    from elasticd.cluster.drain_record import DrainRecord
+
+    coord, keys, mgr, lease = env
+    events = []
+    mgr.record_event = lambda kind, detail, data: events.append((kind, detail, data))
+    for node, compute in (("n2", 0.10), ("n3", 0.11)):
+        coord.put(keys.job_node("job", node),
+                  NodeJobStatus(node, "running", compute_seconds=compute).encode(), lease)
+    _running(mgr, tmp_path, straggler_factor=1.5, straggler_steps=10, straggler_drain=True,
+             nnodes_min=2)
+    mgr.specs["job"] = (mgr.specs["job"][0], mgr.supervisor.spec)
+    for step in range(12):
+        mgr.on_progress({"job": "job", "rank": 0, "step": step, "compute_seconds": 0.3,
+                         "_peer": {"pid": 7}})
+        mgr.step()
+        assert (mgr.status.straggler != "") == (step >= 10), step
+    published = NodeJobStatus.decode(coord.get(keys.job_node("job", "n1")).value)
+    assert published.straggler.startswith("STRAGGLER: compute 0.3 s/step")
+    assert published.compute_seconds == 0.3
+    assert mgr.metrics.straggler._value.get() == 1
+    assert [e[0] for e in events] == ["straggler"] and events[0][2]["drain"] is True
+    assert DrainRecord.decode(coord.get(keys.drain("n1")).value).by == "straggler@n1"
+
+
+def test_a_straggler_is_not_drained_below_the_jobs_minimum(env, tmp_path):
+    coord, keys, mgr, lease = env
+    coord.put(keys.job_node("job", "n2"),
+              NodeJobStatus("n2", "running", compute_seconds=0.1).encode(), lease)
+    _running(mgr, tmp_path, straggler_steps=3, straggler_drain=True, nnodes_min=2)
+    mgr.specs["job"] = (mgr.specs["job"][0], mgr.supervisor.spec)
+    for step in range(6):
+        mgr.on_progress({"job": "job", "rank": 0, "step": step, "compute_seconds": 0.5,
+                         "_peer": {"pid": 7}})
+        mgr.step()
+    assert mgr.status.straggler and coord.get(keys.drain("n1")) is None

@@ -57,6 +57,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "elasticd_build_info": ("info", ("version",)),
     "elasticd_committed_step": ("gauge", ()),
     "elasticd_compute_seconds": ("gauge", ()),
+    "elasticd_straggler": ("gauge", ()),
     "elasticd_crash_loops_total": ("counter", ()),
     "elasticd_etcd_data_losses_total": ("counter", ()),
     "elasticd_etcd_outages_total": ("counter", ()),
@@ -185,7 +186,8 @@ COMMANDS = {
     "submit": [
         "--crash-loop-restarts", "--cwd", "--env", "--hang-first-step", "--hang-timeout",
         "--hang-timeout-floor", "--max-restarts", "--nnodes", "--nproc-per-node", "--python",
-        "--user", "args", "name", "script"],
+        "--straggler-drain", "--straggler-factor", "--straggler-steps", "--user", "args",
+        "name", "script"],
     "jobs": [],
     "stop": ["--force", "--wait", "name"],
     "logs": ["name"],
@@ -243,11 +245,13 @@ JSON_KEYS = {
         "job nnodes nproc_per_node script script_sha256 submitted user",
     "jobs": (
         "[].args [].desired [].hang_timeout [].job [].nnodes [].nodes.n1.agent_pid "
-        "[].nodes.n1.agent_starts [].nodes.n1.at [].nodes.n1.detail [].nodes.n1.hang_timeout "
+        "[].nodes.n1.agent_starts [].nodes.n1.at [].nodes.n1.compute_seconds "
+        "[].nodes.n1.detail [].nodes.n1.hang_timeout "
         "[].nodes.n1.hang_timeout_source [].nodes.n1.last_step [].nodes.n1.log "
-        "[].nodes.n1.node [].nodes.n1.ranks [].nodes.n1.state [].nodes.n1.unprotected "
+        "[].nodes.n1.node [].nodes.n1.ranks [].nodes.n1.state [].nodes.n1.straggler "
+        "[].nodes.n1.unprotected "
         "[].nodes.n1.worker_restarts [].nodes.n1.world_size [].nproc_per_node [].protection "
-        "[].reason [].running_on [].script [].submitted_at [].user"),
+        "[].reason [].running_on [].script [].stragglers [].submitted_at [].user"),
     "logs":
         "[].hostname [].log [].node [].state",
     "nodes": (
