@@ -99,6 +99,12 @@ class JobManager(JobRecords):
         self.etcd = etcd
         self.state_dir = state_dir
         self.metrics = metrics
+        # Part of every job's process tag: the tag finds a job's processes through /proc, and
+        # an agent that fences SIGKILLs every process with its tag. Without this token, an
+        # agent of an earlier daemon of the same prefix, node and job (a daemon restarted
+        # under systemd, or the previous cluster on a test host) fencing late would kill
+        # this daemon's agent and workers too.
+        self._incarnation = os.urandom(4).hex()
         self._lease = lease
         self._extra_env = extra_env
         self.rdzv_conf = rdzv_conf or {}
@@ -290,8 +296,9 @@ class JobManager(JobRecords):
             self._loop, self._loop_job, self._best_step = crashloop.LoopState(), job, -1
         self._runs_known = crashloop.runs(os.path.join(log_dir, "torchrun"))
         self._attempt = 0
+        tag = f"{self.keys.prefix}:{self.node_id}:{job}:{self._incarnation}"
         supervisor = AgentSupervisor(
-            spec, self.node_id, tag=f"{self.keys.prefix}:{self.node_id}:{job}", etcd=self.etcd,
+            spec, self.node_id, tag=tag, etcd=self.etcd,
             prefix=self.keys.prefix, log_dir=log_dir,
             extra_env={**self._extra_env(), **extra_env},
             rdzv_conf={**self.rdzv_conf, **extra_conf}, warm=self.warm_workers, clock=self.clock)
