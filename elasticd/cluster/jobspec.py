@@ -22,6 +22,7 @@ from typing import Any
 from elasticd.clock import SYSTEM_CLOCK
 from elasticd.coordination import records
 from elasticd.coordination.keys import check_name
+from elasticd.errors import InputError
 
 KIND = "job_spec"
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -30,7 +31,7 @@ RESERVED_ENV = ("ELASTICD_", "TORCHELASTIC_", "MASTER_ADDR", "MASTER_PORT", "RAN
                 "LOCAL_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE")
 
 
-class JobSpecError(ValueError):
+class JobSpecError(InputError, ValueError):
     """A job spec is malformed; the message says which field and what would be right."""
 
 

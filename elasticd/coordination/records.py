@@ -24,10 +24,12 @@ import types
 import typing
 from typing import Any, Type, TypeVar
 
+from elasticd.errors import InputError
+
 SCHEMA_VERSION = 1
 
 
-class RecordError(ValueError):
+class RecordError(InputError, ValueError):
     """A stored record could not be read."""
 
 

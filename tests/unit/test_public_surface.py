@@ -34,7 +34,7 @@ from elasticd.daemon.http import StatusServer
 
 # -- Python names -------------------------------------------------------------------------------
 
-ELASTICD_NAMES = ["Checkpointer", "ElasticSampler", "RNGState", "RestoreResult"]
+ELASTICD_NAMES = ["Checkpointer", "ElasticSampler", "ElasticdError", "RNGState", "RestoreResult"]
 WORKER_ALL = ["DaemonClient", "DaemonClientError", "DaemonError", "DaemonTimeout",
               "DaemonUnavailable", "WorkerIdentity", "default_client", "progress"]
 
