@@ -80,10 +80,10 @@ class JobRecords:
         """``jobs/<job>/rdzv/native/round``: the record one compare-and-set writes to close a
         rendezvous round (elasticd.coordination.rendezvous_handler)."""
         try:
-            _, what, rest = self.keys.job_key(key)
+            job, _, _ = self.keys.job_key(key)
         except ValueError:
             return False
-        return what == "rdzv" and rest == "native/round"
+        return key == self.keys.job_rdzv_round(job)
 
     def _kind(self, key: bytes) -> tuple[str, str | None]:
         """Splits ``<prefix>/jobs/<job>/<what>[/<node>]`` into (job, what) for the keys we

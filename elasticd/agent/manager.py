@@ -544,7 +544,7 @@ class JobManager(JobRecords):
         if not mine or not theirs or theirs == "0":
             return False
         try:
-            kv = self.coord.get(self.keys.job_rdzv(job) + b"native/round")
+            kv = self.coord.get(self.keys.job_rdzv_round(job))
             last = RoundRecord.decode(kv.value) if kv is not None else None
         except (CoordinationError, RecordError) as exc:
             log.warning("job %s: cannot read the rendezvous round: %s", job, exc)
