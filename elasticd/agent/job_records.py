@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from elasticd.cluster.jobspec import JobControl, JobSpec, NodeJobStatus
+from elasticd.cluster.jobspec import JobControl, JobSpec, JobState, NodeJobStatus
 from elasticd.coordination import records
 from elasticd.coordination.api import Coordinator, EventType
 from elasticd.coordination.keys import Keyspace, check_name
@@ -138,7 +138,7 @@ class JobRecords:
                 if etype is EventType.PUT:
                     st = NodeJobStatus.decode(value, key, node)
                     self.statuses.setdefault(job, {})[node] = st
-                    if st.state in ("starting", "running", "restarting"):
+                    if st.state in (JobState.STARTING, JobState.RUNNING, JobState.RESTARTING):
                         nodes.add(node)
         except records.RecordError as exc:
             self.complaints.warn(key, value, "ignoring job record: %s", exc)

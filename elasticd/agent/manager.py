@@ -48,7 +48,7 @@ from elasticd.agent.policy import JobPolicy
 from elasticd.agent.progress import Hang, ProgressTracker, progress_handler
 from elasticd.agent.supervisor import AgentSupervisor, process_runs
 from elasticd.clock import Clock, SystemClock
-from elasticd.cluster.jobspec import JobControl, JobSpec, NodeJobStatus
+from elasticd.cluster.jobspec import JobControl, JobSpec, JobState, NodeJobStatus
 from elasticd.coordination import records
 from elasticd.coordination.api import AuthError, CoordinationError, Coordinator
 from elasticd.coordination.keys import Keyspace
@@ -113,7 +113,7 @@ class JobManager(JobRecords):
 
         self.job: str | None = None
         self.supervisor: AgentSupervisor | None = None
-        self.status = NodeJobStatus(node=node_id, state="idle")
+        self.status = NodeJobStatus(node=node_id, state=JobState.IDLE)
         self._published: NodeJobStatus | None = None
         self._failures = 0
         self._next_start = 0.0
@@ -158,7 +158,7 @@ class JobManager(JobRecords):
         jobs += [(rev, job) for job, (rev, _) in self.bad_specs.items()]
         for _, job in sorted(jobs):
             control = self.controls.get(job)
-            if control is not None and control.desired != "running":
+            if control is not None and control.desired != JobState.RUNNING:
                 continue
             if job in self._finished or (job != self.job and self.succeeded_on(job)):
                 continue  # a running agent here ends on its own (see _check_agent)
@@ -179,7 +179,7 @@ class JobManager(JobRecords):
         reason to start it again.
         """
         return sorted(n for n, st in self.statuses.get(job, {}).items()
-                      if n != self.node_id and st.state == "succeeded")
+                      if n != self.node_id and st.state == JobState.SUCCEEDED)
 
     def step(self) -> None:
         """One cycle: follow etcd, start/stop/restart the agent, publish this node's status."""
@@ -202,16 +202,16 @@ class JobManager(JobRecords):
             self._finished.add(self.job)
             self.notes.append(f"refused job {self.job}: {why}")
             log.error("stopping job %s: %s", self.job, why)
-            self._stop_async(why, "refused")
+            self._stop_async(why, JobState.REFUSED)
         elif self.job is not None and self.job != wanted:
             control = self.controls.get(self.job)
             if self.hold:
-                self._stop_async(f"node {self.hold}", "drained")
-            elif control is not None and control.desired == "failed":
+                self._stop_async(f"node {self.hold}", JobState.DRAINED)
+            elif control is not None and control.desired == JobState.FAILED:
                 self._finished.add(self.job)
-                self._stop_async(control.reason or f"job {self.job} failed", "failed")
+                self._stop_async(control.reason or f"job {self.job} failed", JobState.FAILED)
             else:
-                self._stop_async(f"job {self.job} is no longer wanted here", "stopped")
+                self._stop_async(f"job {self.job} is no longer wanted here", JobState.STOPPED)
         elif wanted is not None and self.job is None:
             self._start(wanted)
         elif self.supervisor is not None:
@@ -226,10 +226,10 @@ class JobManager(JobRecords):
         if self.job is not None or job is None or job in self._finished:
             return
         done = self.succeeded_on(job)
-        if not done or self.status.state != "restarting":
+        if not done or self.status.state != JobState.RESTARTING:
             return
         self._finished.add(job)
-        self.status = NodeJobStatus(self.node_id, "succeeded",
+        self.status = NodeJobStatus(self.node_id, JobState.SUCCEEDED,
                                     f"job succeeded on {', '.join(done)}",
                                     agent_starts=self.status.agent_starts, log=self.status.log,
                                     at=self.clock.wall())
@@ -243,10 +243,11 @@ class JobManager(JobRecords):
         if self.job is not None or job is None or job in self._finished:
             return
         control = self.controls.get(job)
-        if control is None or control.desired != "failed" or self.status.state != "restarting":
+        if (control is None or control.desired != JobState.FAILED
+                or self.status.state != JobState.RESTARTING):
             return
         self._finished.add(job)
-        self.status = NodeJobStatus(self.node_id, "failed", control.reason,
+        self.status = NodeJobStatus(self.node_id, JobState.FAILED, control.reason,
                                     agent_starts=self.status.agent_starts, log=self.status.log,
                                     at=self.clock.wall())
         self.notes.append(f"job {job} failed: {control.reason}")
@@ -305,13 +306,13 @@ class JobManager(JobRecords):
         self._new_generation()
         self._log_mark = self._log_size()
         self._attempt_at = self.clock.monotonic()
-        self.status = NodeJobStatus(self.node_id, "running", "agent started", agent_pid=pid,
+        self.status = NodeJobStatus(self.node_id, JobState.RUNNING, "agent started", agent_pid=pid,
                                     agent_starts=1, log=self.supervisor.log_path,
                                     at=self.clock.wall())
         self.notes.append(f"started job {job} (agent pid {pid})")
 
     def _refuse(self, job: str, problem: str) -> None:
-        self.status = NodeJobStatus(self.node_id, "refused", problem, at=self.clock.wall())
+        self.status = NodeJobStatus(self.node_id, JobState.REFUSED, problem, at=self.clock.wall())
         self._status_job = job
         self._finished.add(job)
         self.notes.append(f"refused job {job}: {problem}")
@@ -388,7 +389,7 @@ class JobManager(JobRecords):
         sts[self.node_id] = self.status
         world = self.status.world_size
         group = {n: st.ranks for n, st in sts.items()
-                 if st.state == "running" and st.world_size == world and st.ranks}
+                 if st.state == JobState.RUNNING and st.world_size == world and st.ranks}
         if not world or sorted(r for rs in group.values() for r in rs) != list(range(world)):
             return {}
         return group
@@ -419,14 +420,14 @@ class JobManager(JobRecords):
         if code == 0:
             self.notes.append(f"job {self.job} finished on this node")
             self._finished.add(self.job)  # before _stop_async, which forgets self.job
-            self._stop_async(f"job {self.job} succeeded", "succeeded")
+            self._stop_async(f"job {self.job} succeeded", JobState.SUCCEEDED)
             return
         done = self.succeeded_on(self.job)
         if done:
             self.notes.append(f"job {self.job} succeeded on {', '.join(done)}; this node's "
                               f"agent exited {code}")
             self._finished.add(self.job)
-            self._stop_async(f"job {self.job} succeeded on {', '.join(done)}", "succeeded")
+            self._stop_async(f"job {self.job} succeeded on {', '.join(done)}", JobState.SUCCEEDED)
             return
         self._failures += 1
         self.metrics.worker_restarts.labels("agent_died").inc()
@@ -436,7 +437,7 @@ class JobManager(JobRecords):
         if self._failures > self.agent_restarts:
             self.notes.append(f"job {self.job}: agent failed {self._failures} times; giving up")
             self._finished.add(self.job)
-            self._stop_async(f"agent exited {code} too often", "failed")
+            self._stop_async(f"agent exited {code} too often", JobState.FAILED)
             return
         backoff = min(30.0, 0.5 * 2 ** (self._failures - 1))
         self.notes.append(f"job {self.job}: agent exited with {code}; restarting in "
@@ -445,7 +446,7 @@ class JobManager(JobRecords):
         self._next_start = self.clock.monotonic() + backoff
         job = self.job
         self.job, self.supervisor = None, None  # the tracker stays: the job is restarted
-        self.status = NodeJobStatus(self.node_id, "restarting", f"agent exited with {code}",
+        self.status = NodeJobStatus(self.node_id, JobState.RESTARTING, f"agent exited with {code}",
                                     agent_starts=sup.starts, log=sup.log_path,
                                     at=self.clock.wall())
         self._publish(job)
@@ -490,14 +491,14 @@ class JobManager(JobRecords):
         self.notes.append(f"job {job} failed: {reason}")
         try:
             self.coord.put(self.keys.job_control(job),
-                           JobControl("failed", self.clock.wall(), self.node_id,
+                           JobControl(JobState.FAILED, self.clock.wall(), self.node_id,
                                       reason).encode())
         except CoordinationError as exc:
             log.warning("could not mark job %s failed in etcd: %s", job, exc)
         self.record_event("job_failed", f"{job}: {reason}",
                           {"job": job, "reason": reason, "restarts": self._loop.restarts})
         self._finished.add(job)
-        self._stop_async(reason, "failed")
+        self._stop_async(reason, JobState.FAILED)
         return True
 
     # -- actions from the daemon ----------------------------------------------------------
@@ -590,7 +591,7 @@ class JobManager(JobRecords):
         if self.supervisor is not None:
             self.supervisor.stop(grace=1.0)
             self.notes.append(f"stopped job {self.job}: {reason}")
-            self.status = NodeJobStatus(self.node_id, "stopped", f"fenced: {reason}",
+            self.status = NodeJobStatus(self.node_id, JobState.STOPPED, f"fenced: {reason}",
                                         at=self.clock.wall())
             self.job, self.supervisor = None, None
 
@@ -606,24 +607,25 @@ class JobManager(JobRecords):
         if self.supervisor is not None:
             job = self.job
             self.supervisor.stop(self.stop_grace)
-            self.status = NodeJobStatus(self.node_id, "stopped", "daemon shut down",
+            self.status = NodeJobStatus(self.node_id, JobState.STOPPED, "daemon shut down",
                                         at=self.clock.wall())
             self._publish(job)
             self.job, self.supervisor = None, None
         self.close()
 
-    def _stop_async(self, why: str, final_state: str) -> None:
+    def _stop_async(self, why: str, final_state: JobState) -> None:
         sup, job = self.supervisor, self.job
         if sup is None:
             self.job = None
             return
-        self.status = NodeJobStatus(self.node_id, "stopping", why, agent_pid=sup.pid,
+        self.status = NodeJobStatus(self.node_id, JobState.STOPPING, why, agent_pid=sup.pid,
                                     agent_starts=sup.starts, log=sup.log_path, at=self.clock.wall())
         self._publish(job)
 
         def run() -> None:
             code = sup.stop(self.stop_grace)
-            if final_state in ("stopped", "succeeded", "failed", "drained", "refused"):
+            if final_state in (JobState.STOPPED, JobState.SUCCEEDED, JobState.FAILED,
+                               JobState.DRAINED, JobState.REFUSED):
                 self._job_ended(job)
             self.status = NodeJobStatus(self.node_id, final_state, f"{why} (agent exit {code})",
                                         agent_starts=sup.starts, log=sup.log_path,
