@@ -190,7 +190,7 @@ def check_type(value: Any, hint: Any) -> str | None:
         if type(value) in (int, float) and math.isfinite(value):
             return None
         return f"is {_show(value)}, expected a finite number"
-    if isinstance(hint, type) and issubclass(hint, str):  # a str enum too: its record checks it
+    if origin is None and isinstance(hint, type) and issubclass(hint, str):  # a str enum too
         return None if isinstance(value, str) else f"is {_show(value)}, expected a string"
     if origin in (list, tuple):
         if not isinstance(value, list):
