@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 # daemon imports elasticd and must stay small (docs/facts.md: torch alone costs ~220 MB and 1.5 s).
 _LAZY = {
     "Checkpointer": "elasticd.checkpoint.client",
+    "ElasticdError": "elasticd.errors",
     "RestoreResult": "elasticd.checkpoint.client",
     "RNGState": "elasticd.checkpoint.state",
     "ElasticSampler": "elasticd.checkpoint.sampler",
@@ -30,4 +31,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(list(globals()) + list(_LAZY))
+    return sorted(set(globals()) | set(_LAZY))  # a name used once is in both

@@ -23,11 +23,12 @@ if TYPE_CHECKING:
 from elasticd.coordination.etcd import EtcdSettings, parse_endpoints
 from elasticd.coordination.keys import check_name, check_prefix
 from elasticd.coordination.rendezvous_rounds import GROW_POLICIES, check_grow
+from elasticd.errors import InputError
 
 ENV_PREFIX = "ELASTICD_"
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError, ValueError):
     """A setting has a bad value; the message names it and says what to do."""
 
 
@@ -36,7 +37,7 @@ class ConfigError(ValueError):
 MIN_SECRET_BYTES = 16
 
 
-class SecretFileError(ValueError):
+class SecretFileError(InputError, ValueError):
     """The cluster secret file is missing, not a file, too open, or unreadable."""
 
 

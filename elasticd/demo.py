@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                 d.say(f"training at world size 3: step {s}")
                 last = s
             SYSTEM_CLOCK.sleep(0.2)
-        committed = cluster.coordinator().get(cluster.keys.job_ckpt("demo") + b"committed")
+        committed = cluster.coordinator().get(cluster.keys.job_committed("demo"))
         survivors = [n for n in names if n != args.victim]
         marks = {n: len(d.log(n)) for n in survivors}
         before = {n: max(d.steps(n, 3) or [0]) for n in survivors}

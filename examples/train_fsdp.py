@@ -102,7 +102,7 @@ def main() -> int:
     print(f"done rank {rank} world {world} steps {step}", flush=True)
     dist.destroy_process_group()
     sys.stdout.flush()
-    os._exit(0)  # FACTS.md: avoids a rare SIGABRT after destroy_process_group
+    os._exit(0)  # docs/facts.md: avoids a rare SIGABRT after destroy_process_group
 
 
 if __name__ == "__main__":

@@ -34,10 +34,8 @@ from elasticd.coordination.api import CoordinationError, Coordinator, EventType,
 from elasticd.coordination.keys import Keyspace
 from elasticd.replication.api import Version
 from elasticd.replication.commit import (
-    committed_key,
     decode_committed,
     decode_replicated,
-    replicated_prefix,
 )
 
 log = logging.getLogger(__name__)
@@ -70,8 +68,8 @@ class CommitWatch:
         self._coord = coordinator
         self._clock = clock or SystemClock()
         self._prefix = keys.job_ckpt(job)
-        self._committed_key = committed_key(keys, job)
-        self._replicated = replicated_prefix(keys, job)
+        self._committed_key = keys.job_committed(job)
+        self._replicated = keys.job_replicated_prefix(job)
         self._job = job
         self._lock = threading.Lock()
         self._committed: Version | None = None

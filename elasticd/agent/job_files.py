@@ -18,6 +18,8 @@ import logging
 import os
 import stat
 
+from elasticd.errors import NodeError
+
 log = logging.getLogger(__name__)
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -28,7 +30,7 @@ _APPEND_FLAGS = (os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.
 _ATTEMPTS = 3
 
 
-class UnsafeJobFile(OSError):
+class UnsafeJobFile(NodeError, OSError):
     """The job's directory or file could not be opened without following the job user's links."""
 
 

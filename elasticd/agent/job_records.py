@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from elasticd.cluster.jobspec import JobControl, JobSpec, NodeJobStatus
+from elasticd.cluster.jobspec import JobControl, JobSpec, JobState, NodeJobStatus
 from elasticd.coordination import records
 from elasticd.coordination.api import Coordinator, EventType
 from elasticd.coordination.keys import Keyspace, check_name
@@ -80,10 +80,10 @@ class JobRecords:
         """``jobs/<job>/rdzv/native/round``: the record one compare-and-set writes to close a
         rendezvous round (elasticd.coordination.rendezvous_handler)."""
         try:
-            _, what, rest = self.keys.job_key(key)
+            job, _, _ = self.keys.job_key(key)
         except ValueError:
             return False
-        return what == "rdzv" and rest == "native/round"
+        return key == self.keys.job_rdzv_round(job)
 
     def _kind(self, key: bytes) -> tuple[str, str | None]:
         """Splits ``<prefix>/jobs/<job>/<what>[/<node>]`` into (job, what) for the keys we
@@ -138,7 +138,7 @@ class JobRecords:
                 if etype is EventType.PUT:
                     st = NodeJobStatus.decode(value, key, node)
                     self.statuses.setdefault(job, {})[node] = st
-                    if st.state in ("starting", "running", "restarting"):
+                    if st.state in (JobState.STARTING, JobState.RUNNING, JobState.RESTARTING):
                         nodes.add(node)
         except records.RecordError as exc:
             self.complaints.warn(key, value, "ignoring job record: %s", exc)

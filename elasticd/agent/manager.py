@@ -23,9 +23,9 @@ disappears with it), and acts:
   (torchrun's and the daemon's) with no new committed step (:mod:`elasticd.agent.crashloop`):
   the node that sees it writes ``desired: failed`` and the reason into the job's control.
 
-Workers report progress (``progress`` messages, and a Checkpointer's ``register`` and slot
-requests, forwarded by the checkpoint service) to :meth:`JobManager.on_progress`: the ranks it
-learns are what replica placement is computed from (:meth:`JobManager.round_ranks`).
+Workers report progress to the manager; what it learns of the worker group (ranks, hangs)
+and how it restarts the group when a peer fails or the job hangs is in
+:mod:`elasticd.agent.worker_group`.
 
 Stopping takes up to ``stop_grace`` seconds, so it runs in a thread of its own: the main loop
 keeps cycling (and keeps the watchdog fed) meanwhile.
@@ -39,28 +39,23 @@ import os
 import subprocess
 import threading
 from typing import Any, Callable
-from urllib.parse import unquote
 
 from elasticd.agent import crashloop
-from elasticd.agent.hang_timeout import LearnedTimeout
 from elasticd.agent.job_records import JobRecords
 from elasticd.agent.policy import JobPolicy
-from elasticd.agent.progress import Hang, ProgressTracker, progress_handler
-from elasticd.agent.straggler import StragglerJudge
-from elasticd.cluster import drain_record
-from elasticd.agent.supervisor import AgentSupervisor, process_runs
+from elasticd.agent.supervisor import AgentSupervisor
+from elasticd.agent.worker_group import WorkerGroup
 from elasticd.clock import Clock, SystemClock
-from elasticd.cluster.jobspec import JobControl, JobSpec, NodeJobStatus
+from elasticd.cluster.jobspec import JobControl, JobSpec, JobState, NodeJobStatus
 from elasticd.coordination import records
 from elasticd.coordination.api import AuthError, CoordinationError, Coordinator
 from elasticd.coordination.keys import Keyspace
-from elasticd.coordination.rendezvous_rounds import RecordError, RoundRecord
 from elasticd.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
 
-class JobManager(JobRecords):
+class JobManager(JobRecords, WorkerGroup):
     """Runs this node's share of the cluster's jobs.
 
     Args:
@@ -118,35 +113,26 @@ class JobManager(JobRecords):
         self.complaints = records.Complaints(log)
 
         JobRecords.__init__(self)
+        WorkerGroup.__init__(self)
 
         self.job: str | None = None
         self.supervisor: AgentSupervisor | None = None
-        self.status = NodeJobStatus(node=node_id, state="idle")
+        self.status = NodeJobStatus(node=node_id, state=JobState.IDLE)
         self._published: NodeJobStatus | None = None
         self._failures = 0
         self._next_start = 0.0
         self._stopping: threading.Thread | None = None
         self._finished: set[str] = set()  # jobs this node completed (exit 0) or gave up on
         self._status_job: str | None = None
-        self.tracker: ProgressTracker | None = None
-        self._tracker_job: str | None = None  # the job the tracker (and what it learned) is of
-        #: Whether a worker that reported still runs (a dead one is restarting, not hung).
-        self.pid_alive: Callable[[int], bool] = process_runs
         self.on_job_end: list[Callable[[str], None]] = []  # called with the job's name
-        self._report: Callable[[dict[str, Any]], None] | None = None
-        self._restarted_at: float | None = None  # a worker group is (re)starting since then
-        self._generations = 0
-        self._lock = threading.Lock()  # progress arrives on the local API's threads
         self.notes: list[str] = []
         self.hold = ""  # why this node runs no job for now (a drain), or ""
-        self._group_restart: int | None = None  # the workers' TORCHELASTIC_RESTART_COUNT
         #: The job's newest committed (generation, step) (the daemon's replication view);
         #: None without replication: the newest step reported is used then.
         self.committed: Callable[[str], tuple[int, int] | None] = lambda job: None
         #: Records a cluster event (kind, detail, data): set by the daemon.
         self.record_event: Callable[[str, str, dict[str, Any]], None] = lambda *a: None
         self._loop = crashloop.LoopState()
-        self._straggler: tuple[str, StragglerJudge] | None = None  # (job, its judge here)
         self._loop_job: str | None = None
         self._attempt = 0  # the agent's worker group attempt (torchrun's restart count)
         self._runs_known: set[str] = set()  # torchrun run directories of earlier agents
@@ -167,7 +153,7 @@ class JobManager(JobRecords):
         jobs += [(rev, job) for job, (rev, _) in self.bad_specs.items()]
         for _, job in sorted(jobs):
             control = self.controls.get(job)
-            if control is not None and control.desired != "running":
+            if control is not None and control.desired != JobState.RUNNING:
                 continue
             if job in self._finished or (job != self.job and self.succeeded_on(job)):
                 continue  # a running agent here ends on its own (see _check_agent)
@@ -188,7 +174,7 @@ class JobManager(JobRecords):
         reason to start it again.
         """
         return sorted(n for n, st in self.statuses.get(job, {}).items()
-                      if n != self.node_id and st.state == "succeeded")
+                      if n != self.node_id and st.state == JobState.SUCCEEDED)
 
     def step(self) -> None:
         """One cycle: follow etcd, start/stop/restart the agent, publish this node's status."""
@@ -211,16 +197,16 @@ class JobManager(JobRecords):
             self._finished.add(self.job)
             self.notes.append(f"refused job {self.job}: {why}")
             log.error("stopping job %s: %s", self.job, why)
-            self._stop_async(why, "refused")
+            self._stop_async(why, JobState.REFUSED)
         elif self.job is not None and self.job != wanted:
             control = self.controls.get(self.job)
             if self.hold:
-                self._stop_async(f"node {self.hold}", "drained")
-            elif control is not None and control.desired == "failed":
+                self._stop_async(f"node {self.hold}", JobState.DRAINED)
+            elif control is not None and control.desired == JobState.FAILED:
                 self._finished.add(self.job)
-                self._stop_async(control.reason or f"job {self.job} failed", "failed")
+                self._stop_async(control.reason or f"job {self.job} failed", JobState.FAILED)
             else:
-                self._stop_async(f"job {self.job} is no longer wanted here", "stopped")
+                self._stop_async(f"job {self.job} is no longer wanted here", JobState.STOPPED)
         elif wanted is not None and self.job is None:
             self._start(wanted)
         elif self.supervisor is not None:
@@ -235,10 +221,10 @@ class JobManager(JobRecords):
         if self.job is not None or job is None or job in self._finished:
             return
         done = self.succeeded_on(job)
-        if not done or self.status.state != "restarting":
+        if not done or self.status.state != JobState.RESTARTING:
             return
         self._finished.add(job)
-        self.status = NodeJobStatus(self.node_id, "succeeded",
+        self.status = NodeJobStatus(self.node_id, JobState.SUCCEEDED,
                                     f"job succeeded on {', '.join(done)}",
                                     agent_starts=self.status.agent_starts, log=self.status.log,
                                     at=self.clock.wall())
@@ -252,10 +238,11 @@ class JobManager(JobRecords):
         if self.job is not None or job is None or job in self._finished:
             return
         control = self.controls.get(job)
-        if control is None or control.desired != "failed" or self.status.state != "restarting":
+        if (control is None or control.desired != JobState.FAILED
+                or self.status.state != JobState.RESTARTING):
             return
         self._finished.add(job)
-        self.status = NodeJobStatus(self.node_id, "failed", control.reason,
+        self.status = NodeJobStatus(self.node_id, JobState.FAILED, control.reason,
                                     agent_starts=self.status.agent_starts, log=self.status.log,
                                     at=self.clock.wall())
         self.notes.append(f"job {job} failed: {control.reason}")
@@ -315,99 +302,18 @@ class JobManager(JobRecords):
         self._new_generation()
         self._log_mark = self._log_size()
         self._attempt_at = self.clock.monotonic()
-        self.status = NodeJobStatus(self.node_id, "running", "agent started", agent_pid=pid,
+        self.status = NodeJobStatus(self.node_id, JobState.RUNNING, "agent started", agent_pid=pid,
                                     agent_starts=1, log=self.supervisor.log_path,
                                     at=self.clock.wall())
         self.notes.append(f"started job {job} (agent pid {pid})")
 
     def _refuse(self, job: str, problem: str) -> None:
-        self.status = NodeJobStatus(self.node_id, "refused", problem, at=self.clock.wall())
+        self.status = NodeJobStatus(self.node_id, JobState.REFUSED, problem, at=self.clock.wall())
         self._status_job = job
         self._finished.add(job)
         self.notes.append(f"refused job {job}: {problem}")
         log.error("refusing job %s: %s", job, problem)
         self._publish(job)
-
-    def _new_generation(self) -> None:
-        """A worker group is (re)starting: hang detection starts over for it."""
-        with self._lock:
-            assert self.job is not None and self.supervisor is not None
-            spec = self.supervisor.spec
-            if self._tracker_job != self.job:
-                # A tracker per job, kept while the job runs here (through the agent's own
-                # restarts too): the learned step times and doublings are the job's.
-                self.tracker, self._report, self._tracker_job = None, None, self.job
-                alive = lambda pid: self.pid_alive(pid)  # noqa: E731 — tests swap pid_alive
-                if spec.hang_timeout is None:
-                    self.tracker = ProgressTracker(
-                        LearnedTimeout(floor=spec.hang_timeout_floor,
-                                       first_step=spec.hang_first_step), self.clock,
-                        alive=alive)
-                elif spec.hang_timeout > 0:
-                    self.tracker = ProgressTracker(spec.hang_timeout, self.clock, alive=alive)
-                if self.tracker is not None:
-                    self._report = progress_handler(self.tracker, default_job=self.job)
-            if self.tracker is not None:
-                self.tracker.reset(self.job)
-            self._restarted_at = self.clock.monotonic()
-            self.status = dataclasses.replace(self.status, ranks=[])
-            self._group_restart = None  # ranks were reset here; a new agent counts from 0
-
-    def on_progress(self, msg: dict[str, Any]) -> None:
-        """A worker's progress report (from the local API; any thread)."""
-        with self._lock:
-            if self.job is None or msg.get("job", self.job) != self.job:
-                return
-            if self._report is not None and "step" in msg:  # a register may carry no step
-                self._report(msg)
-            world = msg.get("world_size")
-            if isinstance(world, int) and world > 0:
-                self.metrics.world_size.set(world)
-                if world != self.status.world_size:
-                    self.status = dataclasses.replace(self.status, world_size=world, ranks=[])
-            restart = msg.get("restart")
-            if isinstance(restart, int) and (self._group_restart is None
-                                             or restart > self._group_restart):
-                # The agent restarted its workers on its own (a peer left the job cleanly,
-                # e.g. drained): a new group whose ranks may have moved between nodes.
-                if self._group_restart is not None:
-                    self.status = dataclasses.replace(self.status, ranks=[])
-                self._group_restart = restart
-            rank = msg.get("rank")
-            if isinstance(rank, int) and rank not in self.status.ranks:
-                self.status = dataclasses.replace(self.status,
-                                                  ranks=sorted([*self.status.ranks, rank]))
-            step = msg.get("step")
-            if isinstance(step, int) and step != self.status.last_step:
-                self.status = dataclasses.replace(self.status, last_step=step)
-            if isinstance(step, int):
-                self._best_step = max(self._best_step, step)
-            if self._restarted_at is not None:
-                self.metrics.rendezvous_seconds.observe(
-                    self.clock.monotonic() - self._restarted_at)
-                self._restarted_at = None
-                self._generations += 1
-                self.metrics.rendezvous_round.set(self._generations)
-
-    def round_ranks(self) -> dict[str, list[int]]:
-        """The current worker group's nodes and their global ranks, once every node of it has
-        published them (they agree on the world size and the ranks add up to it)."""
-        if self.job is None:
-            return {}
-        sts = dict(self.statuses.get(self.job, {}))
-        sts[self.node_id] = self.status
-        world = self.status.world_size
-        group = {n: st.ranks for n, st in sts.items()
-                 if st.state == "running" and st.world_size == world and st.ranks}
-        if not world or sorted(r for rs in group.values() for r in rs) != list(range(world)):
-            return {}
-        return group
-
-    def progress_status(self) -> dict[str, Any]:
-        with self._lock:
-            if self.tracker is None or self.job is None:
-                return {}
-            return self.tracker.status(self.job)
 
     def _check_agent(self) -> None:
         sup = self.supervisor
@@ -429,14 +335,14 @@ class JobManager(JobRecords):
         if code == 0:
             self.notes.append(f"job {self.job} finished on this node")
             self._finished.add(self.job)  # before _stop_async, which forgets self.job
-            self._stop_async(f"job {self.job} succeeded", "succeeded")
+            self._stop_async(f"job {self.job} succeeded", JobState.SUCCEEDED)
             return
         done = self.succeeded_on(self.job)
         if done:
             self.notes.append(f"job {self.job} succeeded on {', '.join(done)}; this node's "
                               f"agent exited {code}")
             self._finished.add(self.job)
-            self._stop_async(f"job {self.job} succeeded on {', '.join(done)}", "succeeded")
+            self._stop_async(f"job {self.job} succeeded on {', '.join(done)}", JobState.SUCCEEDED)
             return
         self._failures += 1
         self.metrics.worker_restarts.labels("agent_died").inc()
@@ -446,7 +352,7 @@ class JobManager(JobRecords):
         if self._failures > self.agent_restarts:
             self.notes.append(f"job {self.job}: agent failed {self._failures} times; giving up")
             self._finished.add(self.job)
-            self._stop_async(f"agent exited {code} too often", "failed")
+            self._stop_async(f"agent exited {code} too often", JobState.FAILED)
             return
         backoff = min(30.0, 0.5 * 2 ** (self._failures - 1))
         self.notes.append(f"job {self.job}: agent exited with {code}; restarting in "
@@ -455,7 +361,7 @@ class JobManager(JobRecords):
         self._next_start = self.clock.monotonic() + backoff
         job = self.job
         self.job, self.supervisor = None, None  # the tracker stays: the job is restarted
-        self.status = NodeJobStatus(self.node_id, "restarting", f"agent exited with {code}",
+        self.status = NodeJobStatus(self.node_id, JobState.RESTARTING, f"agent exited with {code}",
                                     agent_starts=sup.starts, log=sup.log_path,
                                     at=self.clock.wall())
         self._publish(job)
@@ -500,107 +406,24 @@ class JobManager(JobRecords):
         self.notes.append(f"job {job} failed: {reason}")
         try:
             self.coord.put(self.keys.job_control(job),
-                           JobControl("failed", self.clock.wall(), self.node_id,
+                           JobControl(JobState.FAILED, self.clock.wall(), self.node_id,
                                       reason).encode())
         except CoordinationError as exc:
             log.warning("could not mark job %s failed in etcd: %s", job, exc)
         self.record_event("job_failed", f"{job}: {reason}",
                           {"job": job, "reason": reason, "restarts": self._loop.restarts})
         self._finished.add(job)
-        self._stop_async(reason, "failed")
+        self._stop_async(reason, JobState.FAILED)
         return True
 
     # -- actions from the daemon ----------------------------------------------------------
-
-    def on_peer_failed(self, node: str) -> int | None:
-        """A peer's lease expired: if it ran our job, restart our workers now.
-
-        Returns:
-            how many workers were killed; None when the peer did not run our job.
-        """
-        if self.job is None or self.supervisor is None:
-            return None
-        if node not in self.members.get(self.job, set()) and node != "*":
-            return None
-        if node != "*" and self._reformed_without(node):
-            note = (f"peer {node} of {self.job} failed; its last rendezvous round already "
-                    "went on without it: workers left running")
-            self.notes.append(note)
-            log.info("%s", note)
-            return 0
-        n = self.supervisor.restart_workers(f"peer {node} failed")
-        self._new_generation()
-        self.metrics.worker_restarts.labels("peer_failed").inc()
-        self.notes.append(f"restarted {n} workers of {self.job}: peer {node} failed")
-        return n
-
-    def _reformed_without(self, node: str) -> bool:
-        """Whether the job's last closed rendezvous round has this node's agent in it and not
-        ``node``'s.
-
-        A peer killed outright resets its sockets: the survivors' workers fail at once, their
-        agents re-rendezvous, and the round closes as soon as the dead agent's own rendezvous
-        record expires, which is often before this daemon sees the node's lease expire. Aborting
-        then would only stop the group that already re-formed without the peer (one more
-        restore for nothing). A round that still has ``node``, no round, an unreadable one, or
-        one this agent is not in (its member ids name agents by address and pid, see
-        :func:`~elasticd.coordination.rendezvous_handler.node_id`) all mean: abort, as a peer
-        that vanished silently (power, network) leaves collectives hanging.
-        """
-        job = self.job
-        assert job is not None and self.supervisor is not None
-        peer = self.statuses.get(job, {}).get(node)
-        mine, theirs = str(self.supervisor.pid or ""), str(peer.agent_pid if peer else "")
-        if not mine or not theirs or theirs == "0":
-            return False
-        try:
-            kv = self.coord.get(self.keys.job_rdzv(job) + b"native/round")
-            last = RoundRecord.decode(kv.value) if kv is not None else None
-        except (CoordinationError, RecordError) as exc:
-            log.warning("job %s: cannot read the rendezvous round: %s", job, exc)
-            return False
-        if last is None:
-            return False
-        pids = {unquote(m).rsplit("_", 2)[-2] for m in last.members
-                if len(unquote(m).rsplit("_", 2)) == 3}
-        return mine in pids and theirs not in pids
-
-    def recovery_writer(self, failed: str) -> str | None:
-        """The node that writes the timeline of the job's recovery from ``failed``'s failure
-        (:mod:`elasticd.daemon.recovery_timeline`): the lowest node id among the job's other
-        nodes that ran workers (ranks, or a step, in their published status: a worker group
-        restart empties the ranks for a moment, a step stays), else among its other nodes (a
-        spare never ran any). Every survivor computes it from the same statuses in etcd."""
-        if self.job is None:
-            return None
-        sts = dict(self.statuses.get(self.job, {}))
-        sts[self.node_id] = self.status
-        live = {n: st for n, st in sts.items()
-                if n != failed and (n in self.members.get(self.job, set()) or n == self.node_id)}
-        ran = [n for n, st in live.items() if st.ranks or st.last_step >= 0]
-        return min(ran or live, default=None)
-
-    def _restart_for_hang(self, hang: Hang) -> None:
-        if self.tracker is not None and self.supervisor is not None:
-            self.tracker.restarted_for(hang)  # a learned timeout that fired is doubled
-        self.on_hang(str(hang))
-
-    def on_hang(self, reason: str) -> None:
-        if self.supervisor is None:
-            return
-        n = self.supervisor.restart_workers(f"hang: {reason}")
-        self._restart_cause = f"hang: {reason}"
-        self._new_generation()
-        self.metrics.worker_restarts.labels("hang").inc()
-        self.metrics.hangs.inc()
-        self.notes.append(f"restarted {n} workers of {self.job}: hang ({reason})")
 
     def fence(self, reason: str) -> None:
         """Stops everything at once (the node was declared dead)."""
         if self.supervisor is not None:
             self.supervisor.stop(grace=1.0)
             self.notes.append(f"stopped job {self.job}: {reason}")
-            self.status = NodeJobStatus(self.node_id, "stopped", f"fenced: {reason}",
+            self.status = NodeJobStatus(self.node_id, JobState.STOPPED, f"fenced: {reason}",
                                         at=self.clock.wall())
             self.job, self.supervisor = None, None
 
@@ -616,27 +439,28 @@ class JobManager(JobRecords):
         if self.supervisor is not None:
             job = self.job
             self.supervisor.stop(self.stop_grace)
-            self.status = NodeJobStatus(self.node_id, "stopped", "daemon shut down",
+            self.status = NodeJobStatus(self.node_id, JobState.STOPPED, "daemon shut down",
                                         at=self.clock.wall())
             self._publish(job)
             self.job, self.supervisor = None, None
         self.close()
 
-    def _stop_async(self, why: str, final_state: str) -> None:
+    def _stop_async(self, why: str, final_state: JobState) -> None:
         sup, job = self.supervisor, self.job
         if sup is None:
             self.job = None
             return
         # A straggler's verdict stays on its stopped status: why it was drained, for instance.
         straggler = self.status.straggler
-        self.status = NodeJobStatus(self.node_id, "stopping", why, agent_pid=sup.pid,
+        self.status = NodeJobStatus(self.node_id, JobState.STOPPING, why, agent_pid=sup.pid,
                                     agent_starts=sup.starts, log=sup.log_path, at=self.clock.wall(),
                                     straggler=straggler)
         self._publish(job)
 
         def run() -> None:
             code = sup.stop(self.stop_grace)
-            if final_state in ("stopped", "succeeded", "failed", "drained", "refused"):
+            if final_state in (JobState.STOPPED, JobState.SUCCEEDED, JobState.FAILED,
+                               JobState.DRAINED, JobState.REFUSED):
                 self._job_ended(job)
             self.status = NodeJobStatus(self.node_id, final_state, f"{why} (agent exit {code})",
                                         agent_starts=sup.starts, log=sup.log_path,
@@ -661,79 +485,12 @@ class JobManager(JobRecords):
         same = (self._published is not None and
                 dataclasses.replace(self.status, last_step=0, at=0) ==
                 dataclasses.replace(self._published, last_step=0, at=0))
-        # ``hang_timeout`` is rounded to two significant digits (_show_timeout): a learned
-        # one that drifts by a few percent is no write.
+        # ``hang_timeout`` is rounded to two significant digits (worker_group._show_timeout):
+        # a learned one that drifts by a few percent is no write.
         if job is None or not lease or same:
             return
         self.coord.put(self.keys.job_node(job, self.node_id), self.status.encode(), lease)
         self._published = self.status
-
-    def _update_hang_timeout(self) -> None:
-        """The hang timeout in force: into the node's job status and the metric (and the
-        node's compute time per step into its metric)."""
-        seconds, source, compute = 0.0, "", None
-        if self.job is not None and self.tracker is not None and self.supervisor is not None:
-            seconds, source = self.tracker.timeout(self.job)
-            compute = self.tracker.compute_seconds(self.job)
-        self.metrics.hang_timeout_seconds.set(seconds)
-        self.metrics.compute_seconds.set(float("nan") if compute is None else compute)
-        shown = _show_timeout(seconds)
-        with self._lock:
-            if (shown, source) != (self.status.hang_timeout, self.status.hang_timeout_source):
-                self.status = dataclasses.replace(self.status, hang_timeout=shown,
-                                                  hang_timeout_source=source)
-            published = _show_timeout(compute or 0.0)  # two digits: not a write per step
-            if published != self.status.compute_seconds:
-                self.status = dataclasses.replace(self.status, compute_seconds=published)
-        self._judge_straggler(compute)
-
-    def _judge_straggler(self, compute: float | None) -> None:
-        """This node's straggler verdict (:mod:`elasticd.agent.straggler`) into its job status
-        and metric; a node newly named is an event, and drained when the job asks for it."""
-        job = self.job
-        spec = self.specs[job][1] if job is not None and job in self.specs else None
-        if job is None or spec is None or self.supervisor is None:
-            self._straggler = None
-            self.metrics.straggler.set(1 if self.status.straggler else 0)
-            return
-        if self._straggler is None or self._straggler[0] != job:
-            self._straggler = (job, StragglerJudge(spec.straggler_factor, spec.straggler_steps))
-        others = {n: st.compute_seconds for n, st in self.statuses.get(job, {}).items()
-                  if n != self.node_id and st.state == "running"}
-        step = self.status.last_step
-        verdict = self._straggler[1].observe(step if step >= 0 else None, compute, others)
-        self.metrics.straggler.set(1 if verdict.named else 0)
-        with self._lock:
-            newly = verdict.named and not self.status.straggler
-            if verdict.text != self.status.straggler:
-                self.status = dataclasses.replace(self.status, straggler=verdict.text)
-        if not newly:
-            return
-        log.warning("job %s: this node is a straggler: %s", job, verdict.text)
-        self.notes.append(f"{job}: {verdict.text}")
-        drain = spec.straggler_drain and self._drain_straggler(job, spec.nnodes_min)
-        self.record_event("straggler", f"{job}: {self.node_id} {verdict.text}"
-                          f"{'; draining it' if drain else ''}",
-                          {"job": job, "ratio": verdict.ratio, "compute_seconds": compute,
-                           "step": step, "drain": drain})
-
-    def _drain_straggler(self, job: str, nnodes_min: int) -> bool:
-        """Asks for this node's drain (as ``elasticctl drain`` would) unless the job would
-        fall below its minimum of nodes; returns whether it asked."""
-        running = [n for n, st in self.statuses.get(job, {}).items()
-                   if n != self.node_id and st.state == "running"]
-        if len(running) < nnodes_min:
-            log.warning("job %s: not draining straggler %s: %d other nodes run the job, its "
-                        "minimum is %d", job, self.node_id, len(running), nnodes_min)
-            return False
-        try:
-            drain_record.request(self.coord, self.keys, self.node_id, 120.0,
-                                 f"straggler@{self.node_id}", self.clock.wall())
-        except CoordinationError as exc:
-            log.warning("job %s: could not ask for straggler %s's drain: %s", job,
-                        self.node_id, exc)
-            return False
-        return True
 
     def set_unprotected(self, text: str) -> None:
         """What the checkpoint service says of the job's protection ("" while protected),
@@ -748,11 +505,3 @@ class JobManager(JobRecords):
                 "refused_specs": self.refused(),
                 # every node's own verdict, as published (agent/straggler.py)
                 "stragglers": {n: st.straggler for n, st in sorted(sts.items()) if st.straggler}}
-
-
-def _show_timeout(seconds: float) -> float:
-    """``seconds`` to two significant digits (what the node publishes; /status and the metric
-    carry the exact value)."""
-    if seconds <= 0:
-        return 0.0
-    return float(f"{seconds:.2g}")

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from elasticd.errors import CheckpointError
 
-class SlotStoreError(Exception):
+
+class SlotStoreError(CheckpointError):
     """Base class of the slot store's errors."""
 
 

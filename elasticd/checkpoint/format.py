@@ -28,6 +28,8 @@ from typing import Any, Iterable
 
 import xxhash
 
+from elasticd.errors import CheckpointError
+
 MAGIC = b"ELSDSNAP"
 FORMAT_VERSION = 1
 _PREAMBLE = struct.Struct("<8sIIQ")
@@ -68,7 +70,7 @@ DTYPES: dict[str, tuple[int, str | None]] = {
 }
 
 
-class SnapshotError(Exception):
+class SnapshotError(CheckpointError):
     """Base class: these bytes are not a usable snapshot. The message says what is wrong."""
 
 

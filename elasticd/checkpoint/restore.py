@@ -44,6 +44,7 @@ from elasticd.checkpoint.copier import read_tensors
 from elasticd.checkpoint.format import SnapshotError
 from elasticd.checkpoint.reader import SnapshotReader
 from elasticd.checkpoint.segment import map_fd
+from elasticd.errors import CheckpointError
 from elasticd.persistence.tier import Tier, TierError
 from elasticd.worker.client import DaemonUnavailable
 
@@ -53,7 +54,7 @@ Version = tuple[int, int]
 _NONE = (-1, -1)
 
 
-class RestoreError(RuntimeError):
+class RestoreError(CheckpointError, RuntimeError):
     """The agreed snapshot could not be loaded into the state on some rank (e.g. the model
     changed shape since it was saved); raised on every rank together."""
 

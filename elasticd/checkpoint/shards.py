@@ -27,10 +27,12 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
+from elasticd.errors import CheckpointError
+
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape)
 
 
-class ShardError(Exception):
+class ShardError(CheckpointError):
     """Base: the sharded part of a snapshot cannot be saved or placed into this state."""
 
 

@@ -32,12 +32,13 @@ import torch
 from elasticd.checkpoint import shards
 from elasticd.checkpoint.copier import dtype_name, read_tensors, spec_of
 from elasticd.checkpoint.format import DEFAULT_BLOCK_SIZE, Layout, SnapshotHeader, TensorSpec, layout
+from elasticd.errors import CheckpointError
 
 META_VERSION = 1
 _NUMPY_KINDS = "biufc"  # numpy values whose bytes alone define them
 
 
-class StateError(Exception):
+class StateError(CheckpointError):
     """Base class: a state could not be flattened or restored."""
 
 

@@ -110,9 +110,9 @@ def _follow(coord: Coordinator, keys: Keyspace, node: str, wait: float) -> dict[
                 print(f"[{max(0.0, at - rec.requested_at):6.1f} s] {node}: {state}"
                       f"{' / ' + phase if phase else ''}: {detail}", file=sys.stderr,
                       flush=True)
-        if rec.state == "drained":
+        if rec.state == drain_record.DrainState.DRAINED:
             return _doc(rec, node, SYSTEM_CLOCK.wall())
-        if rec.state == "failed":
+        if rec.state == drain_record.DrainState.FAILED:
             raise CommandFailed(f"drain of {node} failed: {rec.detail}")
         if coord.get(keys.node(node)) is None:
             raise CommandFailed(f"node {node} left or died before its drain finished "

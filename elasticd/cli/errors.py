@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import sys
 
+from elasticd.errors import ElasticdError, InputError
+
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ETCD = 0, 1, 2, 3
 
 
-class CommandFailed(Exception):
+class CommandFailed(ElasticdError):
     """The command could not do what was asked (exit 1)."""
 
 
-class UsageError(Exception):
+class UsageError(InputError):
     """Bad usage or input (exit 2)."""
 
 

@@ -16,7 +16,7 @@ from elasticd.cli.output import Table
 from elasticd.cli.replicas import live_nodes
 from elasticd.clock import SYSTEM_CLOCK
 from elasticd.cluster import jobspec
-from elasticd.cluster.jobspec import JobControl, JobSpec, NodeJobStatus
+from elasticd.cluster.jobspec import JobControl, JobSpec, JobState, NodeJobStatus
 from elasticd.coordination import records
 from elasticd.coordination.api import Compare, Coordinator, Put
 from elasticd.coordination.keys import Keyspace
@@ -117,7 +117,7 @@ def cmd_submit(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> 
                          straggler_factor=args.straggler_factor,
                          straggler_steps=args.straggler_steps,
                          straggler_drain=args.straggler_drain)
-    control = JobControl("running", SYSTEM_CLOCK.wall(), "elasticctl")
+    control = JobControl(JobState.RUNNING, SYSTEM_CLOCK.wall(), "elasticctl")
     ok, _ = coord.transaction(
         [Compare(keys.job_spec(spec.name), 0)],
         [Put(keys.job_spec(spec.name), spec.encode()),
@@ -151,7 +151,8 @@ def _jobs(coord: Coordinator, keys: Keyspace) -> list[dict[str, Any]]:
     for name, why in sorted(bad.items()):
         nodes = {st.node: st.as_dict() for st in _node_statuses(coord, keys, name)}
         out.append({
-            "job": name, "desired": controls[name].desired if name in controls else "running",
+            "job": name,
+            "desired": controls[name].desired if name in controls else JobState.RUNNING,
             "nnodes": "-", "nproc_per_node": "-", "script": "", "args": [], "user": "",
             "submitted_at": 0.0, "running_on": f"refused: {why}", "refused": why,
             "reason": why, "protection": "-", "hang_timeout": "-", "stragglers": "-",
@@ -159,14 +160,14 @@ def _jobs(coord: Coordinator, keys: Keyspace) -> list[dict[str, Any]]:
         })
     for name, spec in sorted(specs.items(), key=lambda kv: kv[1].created_at):
         nodes = {st.node: st.as_dict() for st in _node_statuses(coord, keys, name)}
-        running = sorted(n for n, st in nodes.items() if st["state"] == "running")
+        running = sorted(n for n, st in nodes.items() if st["state"] == JobState.RUNNING)
         control = controls.get(name)
-        refused = sorted(n for n, st in nodes.items() if st["state"] == "refused")
+        refused = sorted(n for n, st in nodes.items() if st["state"] == JobState.REFUSED)
         where = ",".join(running) or "-"
         if not running and refused:  # each node's policy decides: say why, once
             where = f"refused on {','.join(refused)}: {nodes[refused[0]]['detail']}"
         out.append({
-            "job": name, "desired": control.desired if control else "running",
+            "job": name, "desired": control.desired if control else JobState.RUNNING,
             "reason": control.reason if control else "",
             "protection": _protection(nodes, control),
             "nnodes": spec.torchrun_nnodes(), "nproc_per_node": spec.nproc_per_node,
@@ -202,7 +203,7 @@ def _stragglers(nodes: dict[str, dict[str, Any]]) -> str:
 
 def _protection(nodes: dict[str, dict[str, Any]], control: JobControl | None) -> str:
     """One cell: why the job failed, the nodes where it is unprotected and why, or "ok"."""
-    if control is not None and control.desired == "failed":
+    if control is not None and control.desired == JobState.FAILED:
         return control.reason or "failed"
     bad = [f"{n}: {st['unprotected'].removeprefix('UNPROTECTED: ')}"
            for n, st in sorted(nodes.items()) if st.get("unprotected")]
@@ -219,18 +220,19 @@ def cmd_stop(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> An
     confirm(f"stop job {args.name} on every node?",
             f"stopping {args.name!r} ends its training everywhere", args.force)
     coord.put(keys.job_control(args.name),
-              JobControl("stopped", SYSTEM_CLOCK.wall(), "elasticctl").encode())
+              JobControl(JobState.STOPPED, SYSTEM_CLOCK.wall(), "elasticctl").encode())
     deadline = SYSTEM_CLOCK.monotonic() + args.wait
     while True:
         running = [s.node for s in _node_statuses(coord, keys, args.name)
-                   if s.state in ("starting", "running", "restarting", "stopping")]
+                   if s.state in (JobState.STARTING, JobState.RUNNING, JobState.RESTARTING,
+                                 JobState.STOPPING)]
         if not running or SYSTEM_CLOCK.monotonic() >= deadline:
             break
         SYSTEM_CLOCK.sleep(0.2)
     if running and args.wait:
         raise CommandFailed(f"{args.name}: still running on {', '.join(running)} after "
                             f"{args.wait:g} s")
-    return {"job": args.name, "desired": "stopped", "still_running_on": running}
+    return {"job": args.name, "desired": JobState.STOPPED, "still_running_on": running}
 
 
 def cmd_logs(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> Any:

@@ -24,10 +24,8 @@ from elasticd.coordination.api import Coordinator
 from elasticd.coordination.keys import Keyspace, check_name
 from elasticd.replication.commit import (
     Committed,
-    committed_key,
     decode_committed,
     decode_replicated,
-    replicated_prefix,
 )
 from elasticd.replication.placement import Placement, decode_placement
 
@@ -64,8 +62,15 @@ def pick_job(coord: Coordinator, keys: Keyspace, job: str | None) -> str:
         CommandFailed: no such job, or no job at all.
     """
     kvs, _ = coord.get_prefix(keys.jobs)
-    names = sorted({kv.key[len(keys.jobs):].decode(errors="replace").split("/")[0]
-                    for kv in kvs if kv.key.endswith(b"/spec")})
+    names = []
+    for kv in kvs:
+        try:
+            name, what, rest = keys.job_key(kv.key)
+        except ValueError:
+            continue  # no valid job name: no daemon takes it for a job either
+        if what == "spec" and not rest:
+            names.append(name)
+    names.sort()
     if job is not None:
         try:
             check_name("job", job)
@@ -100,9 +105,9 @@ def _read(coord: Coordinator, keys: Keyspace, job: str) -> tuple[
         Placement | None, Committed | None, dict[str, Any]]:
     kv = coord.get(keys.job_placement(job))
     placement = decode_placement(kv.value, kv.key) if kv is not None else None
-    kv = coord.get(committed_key(keys, job))
+    kv = coord.get(keys.job_committed(job))
     committed = decode_committed(kv.value, kv.key) if kv is not None else None
-    kvs, _ = coord.get_prefix(replicated_prefix(keys, job))
+    kvs, _ = coord.get_prefix(keys.job_replicated_prefix(job))
     replicated = {}
     for kv in kvs:
         try:

@@ -29,7 +29,7 @@ import threading
 from typing import Any, Callable
 
 from elasticd.clock import Clock, SystemClock
-from elasticd.cluster.drain_record import LOG_LIMIT, DrainRecord, read
+from elasticd.cluster.drain_record import LOG_LIMIT, DrainRecord, DrainState, read
 from elasticd.coordination import records
 from elasticd.coordination.api import CoordinationError, Coordinator
 from elasticd.coordination.keys import Keyspace
@@ -75,7 +75,8 @@ class Drainer:
         self._next_read = 0.0
         self.clock = clock or SystemClock()
         self.held = False
-        self.state = ""  # last seen state of this node's record ("" when none)
+        #: The last seen state of this node's record ("" when none).
+        self.state: DrainState | str = ""
         self._thread: threading.Thread | None = None
         self.complaints = records.Complaints(log)
 
@@ -107,13 +108,14 @@ class Drainer:
             return None
         changed = rec.state != self.state
         self.state = rec.state
-        if rec.state == "requested" or (rec.state == "draining" and not self.held):
+        if rec.state == DrainState.REQUESTED or (rec.state == DrainState.DRAINING
+                                                 and not self.held):
             # "draining" with no thread here: a previous daemon died mid-drain; start over.
             self._thread = threading.Thread(target=self._run, args=(rec,),
                                             name="drain", daemon=True)
             self._thread.start()
             return f"draining (asked by {rec.by})"
-        if rec.state == "drained" and not self.held:
+        if rec.state == DrainState.DRAINED and not self.held:
             self.held = True  # e.g. after a daemon restart: stay out until undone
             self.hold("drained")
             return "drained: staying out of jobs until undrained"
@@ -151,7 +153,7 @@ class Drainer:
 
     def _drain(self, rec: DrainRecord, started: float) -> None:
         deadline = started + rec.timeout
-        rec = self._write(rec, state="draining", phase="snapshot",
+        rec = self._write(rec, state=DrainState.DRAINING, phase="snapshot",
                           detail="waiting for the snapshot in flight; new ones refused")
         log.info("drain requested by %s: waiting for the snapshot in flight", rec.by)
         self.quiesce(min(10.0, max(0.0, deadline - self.clock.monotonic())))
@@ -203,9 +205,9 @@ class Drainer:
                        started)
             return
         seconds = round(self.clock.monotonic() - started, 3)
-        self._write(rec, state="drained", phase="done",
+        self._write(rec, state=DrainState.DRAINED, phase="done",
                     detail=f"drained in {seconds:g} s: replicas handed off, workers stopped")
-        self.state = "drained"
+        self.state = DrainState.DRAINED
         self.record_event("drained", f"drained in {seconds:g} s (asked by {rec.by})",
                           {"seconds": seconds, "copies": rec.copies_done, "jobs": jobs})
         log.info("drained in %.1f s; staying out of jobs until undrained", seconds)
@@ -216,8 +218,8 @@ class Drainer:
             self.held = False
             self.hold(None)
         self.resume()
-        self._write(rec, state="failed", phase="done", detail=why)
-        self.state = "failed"
+        self._write(rec, state=DrainState.FAILED, phase="done", detail=why)
+        self.state = DrainState.FAILED
         self.record_event("drain_failed", why,
                           {"seconds": round(self.clock.monotonic() - started, 3)})
 

@@ -2,14 +2,15 @@
 ``<prefix>/drain/<node>``, and the progress the node's daemon writes into it
 (:class:`elasticd.cluster.drain.Drainer`).
 
-States (``DrainRecord.state``): requested → draining → drained | failed. A drained node stays
-out of every job until the record is deleted (``elasticctl drain --undo NODE``). The CLI and
-the daemon both use this module: it imports neither.
+States (``DrainRecord.state``, a :class:`DrainState`): requested → draining → drained |
+failed. A drained node stays out of every job until the record is deleted (``elasticctl drain
+--undo NODE``). The CLI and the daemon both use this module: it imports neither.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 from typing import Any
 
@@ -20,8 +21,22 @@ from elasticd.coordination.keys import Keyspace, check_name
 log = logging.getLogger(__name__)
 
 KIND = "drain"
-STATES = ("requested", "draining", "drained", "failed")
-FINAL = ("drained", "failed")
+
+
+class DrainState(str, enum.Enum):
+    """REQUESTED → DRAINING → DRAINED | FAILED; a new request replaces a FAILED record. A
+    member is its string (JSON, comparisons, formatting)."""
+
+    REQUESTED = "requested"
+    DRAINING = "draining"
+    DRAINED = "drained"
+    FAILED = "failed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+FINAL = (DrainState.DRAINED, DrainState.FAILED)
 #: Progress entries kept in a drain record.
 LOG_LIMIT = 40
 
@@ -32,7 +47,7 @@ class DrainRecord:
 
     Attributes:
         node: the node to drain.
-        state: requested | draining | drained | failed.
+        state: a :class:`DrainState`.
         requested_at: wall time of the request.
         by: who asked (``elasticctl@host``).
         timeout: seconds the daemon may spend handing off replicas.
@@ -46,7 +61,7 @@ class DrainRecord:
     """
 
     node: str
-    state: str = "requested"
+    state: DrainState = DrainState.REQUESTED
     requested_at: float = 0.0
     by: str = ""
     timeout: float = 120.0
@@ -71,7 +86,7 @@ class DrainRecord:
         """
         rec = records.decode_dataclass(DrainRecord, raw, KIND, key)
         where = records.where_of(key)
-        if rec.state not in STATES:
+        if rec.state not in list(DrainState):
             raise records.CorruptRecord(f"{where}: unknown drain state {rec.state[:40]!r}")
         if node is not None and rec.node != node:
             raise records.CorruptRecord(f"{where}: the record names node {rec.node[:70]!r}, "
@@ -79,7 +94,7 @@ class DrainRecord:
         if not 0 <= rec.timeout <= 86_400:
             raise records.CorruptRecord(f"{where}: timeout {rec.timeout} out of range "
                                         "(0 to 86400 s)")
-        return rec
+        return dataclasses.replace(rec, state=DrainState(rec.state))
 
 
 def read(coord: Coordinator, keys: Keyspace, node: str) -> DrainRecord | None:
@@ -109,9 +124,9 @@ def request(coord: Coordinator, keys: Keyspace, node: str, timeout: float, by: s
 
     A failed drain is replaced by the new request (a retry).
     """
-    new = DrainRecord(node, "requested", now, by, timeout, "", "waiting for the daemon",
-                      updated_at=now, log=[[round(now, 3), "requested", "",
-                                            "waiting for the daemon"]])
+    waiting = "waiting for the daemon"
+    new = DrainRecord(node, DrainState.REQUESTED, now, by, timeout, "", waiting, updated_at=now,
+                      log=[[round(now, 3), DrainState.REQUESTED, "", waiting]])
     key = keys.drain(node)
     for _ in range(5):
         kv = coord.get(key)
@@ -120,7 +135,7 @@ def request(coord: Coordinator, keys: Keyspace, node: str, timeout: float, by: s
                 return new
             continue
         old = DrainRecord.decode(kv.value, kv.key)
-        if old.state != "failed":
+        if old.state != DrainState.FAILED:
             return old
         ok, _ = coord.transaction([Compare(key, kv.mod_revision)], [Put(key, new.encode())])
         if ok:

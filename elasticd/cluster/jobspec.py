@@ -12,6 +12,7 @@ name ``--user``. The CLI and the daemon both read specs: this module imports nei
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import os
 import pwd
@@ -22,6 +23,7 @@ from typing import Any
 from elasticd.clock import SYSTEM_CLOCK
 from elasticd.coordination import records
 from elasticd.coordination.keys import check_name
+from elasticd.errors import InputError
 
 KIND = "job_spec"
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -30,7 +32,7 @@ RESERVED_ENV = ("ELASTICD_", "TORCHELASTIC_", "MASTER_ADDR", "MASTER_PORT", "RAN
                 "LOCAL_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE")
 
 
-class JobSpecError(ValueError):
+class JobSpecError(InputError, ValueError):
     """A job spec is malformed; the message says which field and what would be right."""
 
 
@@ -240,12 +242,39 @@ def build(name: str, nnodes: str, nproc_per_node: int, script: str, args: list[s
     return spec.validate()
 
 
+class JobState(str, enum.Enum):
+    """A node's state of one job (:attr:`NodeJobStatus.state`), and what a job's control wants
+    (:attr:`JobControl.desired`: RUNNING, STOPPED or FAILED).
+
+    On a node: IDLE (no job yet) → RUNNING | REFUSED; RUNNING → RESTARTING (its agent died,
+    started again after a backoff) → RUNNING | SUCCEEDED | FAILED (succeeded or failed
+    elsewhere meanwhile); RUNNING → STOPPING → STOPPED | SUCCEEDED | FAILED | DRAINED |
+    REFUSED; RUNNING → STOPPED at once when the node fences itself or the daemon shuts down.
+    STARTING is read, never written by this version. A member is its string (JSON, comparisons,
+    formatting), so records read and print as they did when states were plain strings.
+    """
+
+    IDLE = "idle"
+    STARTING = "starting"
+    RUNNING = "running"
+    RESTARTING = "restarting"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    REFUSED = "refused"
+    DRAINED = "drained"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclasses.dataclass(frozen=True)
 class JobControl:
     """The desired state of a job: ``running`` or ``stopped`` (written by ``elasticctl``), or
     ``failed`` (written by a daemon that found the job crash-looping; ``reason`` says why)."""
 
-    desired: str
+    desired: JobState
     at: float
     by: str = ""
     reason: str = ""
@@ -256,7 +285,7 @@ class JobControl:
         return records.encode_dataclass(self.KIND, self)
 
     #: What ``desired`` may say; anything else is a malformed record (ignored), not a stop.
-    DESIRED = ("running", "stopped", "failed")
+    DESIRED = (JobState.RUNNING, JobState.STOPPED, JobState.FAILED)
 
     @classmethod
     def decode(cls, raw: bytes, key: bytes | str = b"?") -> "JobControl":
@@ -265,19 +294,18 @@ class JobControl:
         if control.desired not in cls.DESIRED:
             raise records.CorruptRecord(f"{records.where_of(key)}: unknown desired state "
                                         f"{control.desired[:40]!r}")
-        return control
+        return dataclasses.replace(control, desired=JobState(control.desired))
 
 
 @dataclasses.dataclass(frozen=True)
 class NodeJobStatus:
     """One node's view of one job, under ``jobs/<job>/nodes/<node>`` (bound to its lease).
 
-    state: starting | running | restarting | stopping | stopped | succeeded | failed | refused
-            | drained (the node was drained: ``elasticctl drain``).
+    state: a :class:`JobState` (DRAINED: the node was drained, ``elasticctl drain``).
     """
 
     node: str
-    state: str
+    state: JobState
     detail: str = ""
     agent_pid: int = 0
     agent_starts: int = 0
@@ -294,9 +322,6 @@ class NodeJobStatus:
     straggler: str = ""  # "STRAGGLER: <why>" while named a straggler (agent/straggler.py)
 
     KIND = "node_job_status"
-    #: Every state a node publishes (``idle`` before its first job).
-    STATES = ("idle", "starting", "running", "restarting", "stopping", "stopped", "succeeded",
-              "failed", "refused", "drained")
 
     def encode(self) -> bytes:
         return records.encode_dataclass(self.KIND, self)
@@ -311,13 +336,13 @@ class NodeJobStatus:
             records.RecordError: malformed, or about another node.
         """
         st = records.decode_dataclass(cls, raw, cls.KIND, key)
-        if st.state not in cls.STATES:
+        if st.state not in list(JobState):
             raise records.CorruptRecord(f"{records.where_of(key)}: unknown job state "
                                         f"{st.state[:40]!r}")
         if node is not None and st.node != node:
             raise records.CorruptRecord(f"{records.where_of(key)}: the status names node "
                                         f"{st.node[:70]!r}, its key {node!r}")
-        return st
+        return dataclasses.replace(st, state=JobState(st.state))
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -17,8 +17,10 @@ import dataclasses
 import enum
 from typing import Callable, Sequence
 
+from elasticd.errors import ElasticdError
 
-class CoordinationError(Exception):
+
+class CoordinationError(ElasticdError):
     """Base class of every error the coordination layer raises."""
 
 

@@ -20,6 +20,7 @@ import tempfile
 from typing import Sequence
 
 from elasticd.clock import Clock, SystemClock
+from elasticd.errors import NodeError
 
 ETCD_INSTALL_HINT = (
     "no etcd binary on PATH: install one (Debian/Ubuntu: `apt-get install etcd-server`), "
@@ -27,11 +28,11 @@ ETCD_INSTALL_HINT = (
 )
 
 
-class EtcdNotFound(RuntimeError):
+class EtcdNotFound(NodeError, RuntimeError):
     """The ``etcd`` binary is not installed."""
 
 
-class EtcdStartError(RuntimeError):
+class EtcdStartError(NodeError, RuntimeError):
     """etcd was started but did not become healthy."""
 
 

@@ -10,8 +10,12 @@
     <prefix>/jobs/<job>/control                 desired state: running | stopped
     <prefix>/jobs/<job>/nodes/<node>            a node's view of the job, bound to its lease
     <prefix>/jobs/<job>/rdzv/...                torchrun rendezvous state and store
+    <prefix>/jobs/<job>/rdzv/native/round       the last closed rendezvous round
     <prefix>/jobs/<job>/placement               replica placement
-    <prefix>/jobs/<job>/ckpt/...                checkpoint commits
+    <prefix>/jobs/<job>/ckpt/committed          the committed step (elasticd.replication.commit)
+    <prefix>/jobs/<job>/ckpt/committed.grid     the snapshot grid, beside it
+    <prefix>/jobs/<job>/ckpt/replicated/<node>  what a node holds of each rank
+    <prefix>/jobs/<job>/ckpt/fence/<node>       bumped by each of the node's withdrawals
 
 Every value is a versioned record (:mod:`elasticd.coordination.records`), except the raw bytes
 torch's rendezvous stores under ``rdzv/``.
@@ -118,11 +122,34 @@ class Keyspace:
     def job_rdzv(self, job: str) -> bytes:
         return self._k("jobs", job, "rdzv", "")
 
+    def job_rdzv_round(self, job: str) -> bytes:
+        """The record one compare-and-set writes to close a rendezvous round."""
+        return self._k("jobs", job, "rdzv", "native", "round")
+
     def job_placement(self, job: str) -> bytes:
         return self._k("jobs", job, "placement")
 
     def job_ckpt(self, job: str) -> bytes:
         return self._k("jobs", job, "ckpt", "")
+
+    def job_committed(self, job: str) -> bytes:
+        return self._k("jobs", job, "ckpt", "committed")
+
+    def job_commit_grid(self, job: str) -> bytes:
+        """Beside the committed record, so that one watch on its key (a prefix) sees both."""
+        return self._k("jobs", job, "ckpt", "committed.grid")
+
+    def job_replicated_prefix(self, job: str) -> bytes:
+        return self._k("jobs", job, "ckpt", "replicated", "")
+
+    def job_replicated(self, job: str, node: str) -> bytes:
+        return self._k("jobs", job, "ckpt", "replicated", node)
+
+    def job_fence_prefix(self, job: str) -> bytes:
+        return self._k("jobs", job, "ckpt", "fence", "")
+
+    def job_fence(self, job: str, node: str) -> bytes:
+        return self._k("jobs", job, "ckpt", "fence", node)
 
     def job_key(self, key: bytes) -> tuple[str, str, str]:
         """Splits ``<prefix>/jobs/<job>/<what>[/<rest>]`` into (job, what, rest).

@@ -24,10 +24,12 @@ import types
 import typing
 from typing import Any, Type, TypeVar
 
+from elasticd.errors import InputError
+
 SCHEMA_VERSION = 1
 
 
-class RecordError(ValueError):
+class RecordError(InputError, ValueError):
     """A stored record could not be read."""
 
 
@@ -166,8 +168,8 @@ def check_type(value: Any, hint: Any) -> str | None:
     """Why ``value`` (decoded JSON) is not of type ``hint``, or None when it is.
 
     Understands the annotations records use: ``int``, ``float`` (an integer is accepted;
-    finite only), ``str``, ``bool``, ``Any``, ``list[T]``, ``tuple[T, ...]``,
-    ``dict[str, T]`` and ``T | None``.
+    finite only), ``str`` (and ``str`` enums, whose values the record's own decode checks),
+    ``bool``, ``Any``, ``list[T]``, ``tuple[T, ...]``, ``dict[str, T]`` and ``T | None``.
     """
     if hint is Any:
         return None
@@ -188,7 +190,7 @@ def check_type(value: Any, hint: Any) -> str | None:
         if type(value) in (int, float) and math.isfinite(value):
             return None
         return f"is {_show(value)}, expected a finite number"
-    if hint is str:
+    if origin is None and isinstance(hint, type) and issubclass(hint, str):  # a str enum too
         return None if isinstance(value, str) else f"is {_show(value)}, expected a string"
     if origin in (list, tuple):
         if not isinstance(value, list):

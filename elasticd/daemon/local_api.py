@@ -44,6 +44,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from elasticd.clock import Clock, SystemClock
 from elasticd.daemon.local_binding import Caller, CallerBinding, Refused
+from elasticd.errors import NodeError
 from elasticd.local.wire import (
     DEFAULT_MAX_MESSAGE,
     LENGTH,
@@ -75,7 +76,7 @@ _REJECT_LINGER = 1.0
 _MAX_REJECTING = 8
 
 
-class LocalApiError(Exception):
+class LocalApiError(NodeError):
     """Base class of the local endpoint's start-up errors."""
 
 

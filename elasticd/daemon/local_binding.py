@@ -31,6 +31,8 @@ import os
 import threading
 from typing import Any, Callable
 
+from elasticd.errors import LocalProtocolError
+
 __all__ = ["BOUND_WRITES", "CallerBinding", "Caller", "JobScope", "Refused", "TAG_ENV"]
 
 #: What every process the daemon starts for a job carries in its environment (its tag).
@@ -42,7 +44,7 @@ _PINNING = frozenset({"ckpt_open", "ckpt_fetch"})
 _MAX_DEPTH = 64  # parent links followed from a caller up to the job's agent or zygote
 
 
-class Refused(Exception):
+class Refused(LocalProtocolError):
     """A connection or request the caller may not make; the message says why."""
 
 

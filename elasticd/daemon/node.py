@@ -29,6 +29,7 @@ from elasticd.daemon.http import StatusServer
 from elasticd.daemon.local_api import LocalApiError, LocalServer
 from elasticd.daemon.local_binding import CallerBinding, JobScope
 from elasticd.daemon.registration import NodeIdInUse
+from elasticd.errors import NodeError
 from elasticd.metrics import CheckpointSink, Metrics, ReplicationSink
 
 log = logging.getLogger("elasticd")
@@ -40,7 +41,7 @@ log = logging.getLogger("elasticd")
 COMMIT_WAIT = 0.0
 
 
-class Fatal(Exception):
+class Fatal(NodeError):
     """A start-up problem reported as one line and exit status 2."""
 
 

@@ -26,13 +26,14 @@ from elasticd.coordination.api import Coordinator, LeaseLost
 from elasticd.coordination.health import EtcdHealth
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.lease import LeaseKeeper
+from elasticd.errors import NodeError
 
 log = logging.getLogger("elasticd.daemon.daemon")
 
 NODE_KIND = "node"
 
 
-class NodeIdInUse(RuntimeError):
+class NodeIdInUse(NodeError, RuntimeError):
     """Another live daemon holds this node id."""
 
 

@@ -14,6 +14,7 @@ import json
 import os
 from typing import Any, Callable, Mapping, Protocol
 
+from elasticd.errors import LocalProtocolError
 from elasticd.local.wire import RequestError, close_fds
 
 
@@ -27,7 +28,7 @@ class Transport(Protocol):
     def call(self, op: str, **fields: Any) -> dict[str, Any]: ...
 
 
-class TransportError(Exception):
+class TransportError(LocalProtocolError):
     """The in-process service refused a request (the message is the daemon's)."""
 
 

@@ -26,13 +26,15 @@ import os
 import struct
 from typing import Any, Iterable
 
+from elasticd.errors import LocalProtocolError
+
 LENGTH = struct.Struct("!I")
 DEFAULT_MAX_MESSAGE = 1 << 20
 
 _encoder = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
-class FrameError(ValueError):
+class FrameError(LocalProtocolError, ValueError):
     """Bytes that are not a valid frame of this protocol."""
 
 
@@ -75,7 +77,7 @@ def decode(body: bytes) -> dict[str, Any]:
     return message
 
 
-class RequestError(Exception):
+class RequestError(LocalProtocolError):
     """Raised by a handler to refuse a request: the message goes to the worker as the error.
 
     Unlike any other exception, it is logged without a traceback: it is an expected answer

@@ -46,6 +46,7 @@ import uuid
 from typing import Any, Iterator
 
 from elasticd.checkpoint.format import CorruptSnapshot, SnapshotHeader
+from elasticd.errors import CheckpointError
 from elasticd.persistence import safetensors_file
 from elasticd.persistence.safetensors_file import PersistedSnapshot
 
@@ -62,7 +63,7 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _DIR_MODE = 0o755
 
 
-class TierError(Exception):
+class TierError(CheckpointError):
     """The persistent tier cannot be used as asked (bad job name, unreadable step)."""
 
 

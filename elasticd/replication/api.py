@@ -15,6 +15,8 @@ import abc
 import dataclasses
 import threading
 
+from elasticd.errors import ElasticdError
+
 #: Reasons a sink (and so a NACK) gives for refusing a transfer.
 STALE = "stale"  # a newer (generation, step) is already held for that shard
 EXISTS = "exists"  # exactly this (generation, step) is already held (e.g. a retried push)
@@ -26,7 +28,7 @@ BAD_RANGE = "bad_range"  # fetch: the byte range asked for lies outside the snap
 MAX_JOB_NAME = 256
 
 
-class ReplicationError(Exception):
+class ReplicationError(ElasticdError):
     """Base class of every error the replication layer raises."""
 
 

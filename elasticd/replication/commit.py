@@ -75,27 +75,6 @@ class CommitConflict(ReplicationError):
     """The committed record kept changing under a compare-and-set (too many racing writers)."""
 
 
-def grid_key(keys: Keyspace, job: str) -> bytes:
-    """Beside the committed record, so that one watch on its key (a prefix) sees both."""
-    return committed_key(keys, job) + b".grid"
-
-
-def committed_key(keys: Keyspace, job: str) -> bytes:
-    return keys.job_ckpt(job) + b"committed"
-
-
-def replicated_prefix(keys: Keyspace, job: str) -> bytes:
-    return keys.job_ckpt(job) + b"replicated/"
-
-
-def replicated_key(keys: Keyspace, job: str, node: str) -> bytes:
-    return replicated_prefix(keys, job) + node.encode()
-
-
-def fence_key(keys: Keyspace, job: str, node: str) -> bytes:
-    return keys.job_ckpt(job) + b"fence/" + node.encode()
-
-
 @dataclasses.dataclass(frozen=True)
 class Committed:
     """A committed step: every rank's shard of (generation, step) had ``m`` verified copies.
@@ -249,7 +228,7 @@ def _change_grid(coord: Coordinator, keys: Keyspace, job: str,
     """Applies ``change`` to the stored grid (absent or unreadable: every step) with one
     compare-and-set; returns the grid written, or None (no change, or another node's write
     came first: its watch event brings that one)."""
-    key = grid_key(keys, job)
+    key = keys.job_commit_grid(job)
     kv = coord.get(key)
     current = Grid()
     if kv is not None:
@@ -310,7 +289,7 @@ def decide(placement: Placement, progress: Mapping[str, Replicated], *, floor: i
 
 def read_committed(coord: Coordinator, keys: Keyspace, job: str) -> Committed | None:
     """The job's committed record, or None (absent or unreadable, which is logged)."""
-    kv = coord.get(committed_key(keys, job))
+    kv = coord.get(keys.job_committed(job))
     if kv is None:
         return None
     try:
@@ -338,8 +317,8 @@ class CommitState:
 def read_state(coord: Coordinator, keys: Keyspace, job: str) -> CommitState:
     """Every commit record of ``job`` in one read (unreadable ones are logged and skipped)."""
     kvs, _ = coord.get_prefix(keys.job_ckpt(job))
-    c_key, r_prefix = committed_key(keys, job), replicated_prefix(keys, job)
-    f_prefix = keys.job_ckpt(job) + b"fence/"
+    c_key, r_prefix = keys.job_committed(job), keys.job_replicated_prefix(job)
+    f_prefix = keys.job_fence_prefix(job)
     progress: dict[str, Replicated] = {}
     fences: dict[str, int] = {}
     committed, revision = None, 0
@@ -376,7 +355,7 @@ def commit_step(coord: Coordinator, keys: Keyspace, job: str, placement: Placeme
         CommitConflict: the records changed under every one of ``attempts`` tries.
         coordination errors: etcd unreachable and such (the caller counts and retries later).
     """
-    key = committed_key(keys, job)
+    key = keys.job_committed(job)
     owners = sorted(n for n, rs in placement.ranks.items() if rs)
     for _ in range(attempts):
         state = read_state(coord, keys, job)
@@ -385,7 +364,7 @@ def commit_step(coord: Coordinator, keys: Keyspace, job: str, placement: Placeme
         if new is None or (current is not None and new.version <= current.version):
             return False, current
         compares = [Compare(key, state.committed_revision)]
-        compares += [Compare(fence_key(keys, job, n), state.fences.get(n, 0)) for n in owners]
+        compares += [Compare(keys.job_fence(job, n), state.fences.get(n, 0)) for n in owners]
         ok, _ = coord.transaction(compares, [Put(key, encode_committed(new))])
         if ok:
             return True, new
@@ -405,8 +384,8 @@ def withdraw(coord: Coordinator, keys: Keyspace, job: str, record: Replicated,
         coordination errors: nothing was withdrawn (the copy must then stay).
     """
     body = {"node": record.node, "withdrawn": sorted(list(v) for v in withdrawn), "at": now}
-    coord.transaction([], [Put(fence_key(keys, job, record.node), records.encode(FENCE_KIND, body)),
-                           Put(replicated_key(keys, job, record.node), encode_replicated(record))])
+    coord.transaction([], [Put(keys.job_fence(job, record.node), records.encode(FENCE_KIND, body)),
+                           Put(keys.job_replicated(job, record.node), encode_replicated(record))])
     return read_committed(coord, keys, job)
 
 
@@ -422,7 +401,7 @@ def record_commit(coord: Coordinator, keys: Keyspace, job: str, new: Committed,
         CommitConflict: the record changed under every one of ``attempts`` compare-and-sets.
         coordination errors: etcd unreachable and such.
     """
-    key = committed_key(keys, job)
+    key = keys.job_committed(job)
     for _ in range(attempts):
         kv = coord.get(key)
         current = None
@@ -450,7 +429,7 @@ def update_holders(coord: Coordinator, keys: Keyspace, job: str, version: Versio
     Raises:
         CommitConflict: the record kept changing.
     """
-    key = committed_key(keys, job)
+    key = keys.job_committed(job)
     for _ in range(attempts):
         kv = coord.get(key)
         if kv is None:

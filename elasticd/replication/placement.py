@@ -26,6 +26,7 @@ from fractions import Fraction
 from typing import Any, Iterable, Mapping, Sequence
 
 from elasticd.coordination import records
+from elasticd.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ MIXED = "mixed"
 MAX_ENUMERATED_COMPONENT = 20
 
 
-class PlacementError(ValueError):
+class PlacementError(InputError, ValueError):
     """A membership or replication factor from which no placement can be built."""
 
 

@@ -46,7 +46,6 @@ from elasticd.replication.commit import (
     KEEP_SKIPPED,
     Grid,
     decode_grid,
-    grid_key,
     relax_grid,
     widen_grid,
     KEEP_WITHDRAWN,
@@ -56,12 +55,10 @@ from elasticd.replication.commit import (
     Replicated,
     commit_step,
     complaints,
-    committed_key,
     decode_committed,
     encode_replicated,
     read_committed,
     read_state,
-    replicated_key,
     withdraw,
 )
 from elasticd.replication.placement import Placement
@@ -303,7 +300,7 @@ class CommitTracker:
                     return False
                 record = self._record(st)
             try:
-                self.coord.put(replicated_key(self.keys, job, self.node_id),
+                self.coord.put(self.keys.job_replicated(job, self.node_id),
                                encode_replicated(record))
             except CoordinationError as exc:
                 self.etcd_error(what, exc)
@@ -468,13 +465,13 @@ class CommitTracker:
                          lambda: relax_grid(self.coord, self.keys, job, committed.version))
 
     def watch(self, job: str) -> None:
-        key = committed_key(self.keys, job)
+        key = self.keys.job_committed(job)
         try:
             kvs, revision = self.coord.get_prefix(key)
             for kv in kvs:
                 if kv.key == key:
                     self.learn(job, decode_committed(kv.value, key))
-                elif kv.key == grid_key(self.keys, job):
+                elif kv.key == self.keys.job_commit_grid(job):
                     self._learn_grid(job, kv)
             watch = self.coord.watch_prefix(key, functools.partial(self._on_watch, job),
                                             revision + 1)
@@ -492,9 +489,9 @@ class CommitTracker:
         if isinstance(events, CoordinationError):
             self._submit(self.reread, job)  # events may have been missed: read it again
             return
-        key = committed_key(self.keys, job)
+        key = self.keys.job_committed(job)
         for event in events:
-            if event.kv.key == grid_key(self.keys, job):
+            if event.kv.key == self.keys.job_commit_grid(job):
                 self._learn_grid(job, event.kv if event.type is EventType.PUT else None)
             elif event.type is EventType.PUT and event.kv.key == key:
                 try:

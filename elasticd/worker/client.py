@@ -34,6 +34,7 @@ import threading
 from typing import Any, Mapping
 
 from elasticd.clock import SYSTEM_CLOCK
+from elasticd.errors import LocalProtocolError
 from elasticd.local.wire import (
     DEFAULT_MAX_MESSAGE,
     LENGTH,
@@ -57,7 +58,7 @@ _MAX_FDS = 8  # descriptors one read may carry (a reply carries at most one toda
 _RECV_FLAGS = socket.MSG_DONTWAIT | getattr(socket, "MSG_CMSG_CLOEXEC", 0)
 
 
-class DaemonClientError(Exception):
+class DaemonClientError(LocalProtocolError):
     """Base class of the errors a :class:`DaemonClient` raises."""
 
 

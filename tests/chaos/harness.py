@@ -456,10 +456,10 @@ class ChaosCluster:
         """Every committed record etcd stored for the job, oldest first, replayed from its
         revisions (auto-compaction keeps far more than a scenario writes)."""
         from elasticd.coordination.api import CoordinationError, EventType
-        from elasticd.replication.commit import committed_key, decode_committed
+        from elasticd.replication.commit import decode_committed
 
         coord = self.cluster.coordinator()
-        key = committed_key(self.cluster.keys, self.job)
+        key = self.cluster.keys.job_committed(self.job)
         try:
             last = coord.get(key)
         except CoordinationError:

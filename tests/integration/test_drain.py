@@ -46,7 +46,7 @@ def ctl(c, *args, timeout=150):
 
 
 def committed(c, job="job"):
-    kv = c.coordinator().get(c.keys.job_ckpt(job) + b"committed")
+    kv = c.coordinator().get(c.keys.job_committed(job))
     return decode_committed(kv.value, kv.key) if kv is not None else None
 
 

@@ -13,10 +13,8 @@ from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
 from elasticd.replication.commit import (
     Committed,
     Replicated,
-    committed_key,
     encode_committed,
     encode_replicated,
-    replicated_key,
 )
 
 KEYS = Keyspace("/t")
@@ -47,19 +45,19 @@ def test_the_watch_follows_commits_and_replication_records():
     watch.start()
     try:
         assert not watch()  # no commit yet
-        writer.put(replicated_key(KEYS, "job", "n1"), replicated("n1", (0, 3), (0, 2)))
-        writer.put(committed_key(KEYS, "job"),
+        writer.put(KEYS.job_replicated("job", "n1"), replicated("n1", (0, 3), (0, 2)))
+        writer.put(KEYS.job_committed("job"),
                    encode_committed(Committed(0, 3, (0,), {0: ("n1",)})))
         wait_until(watch)
-        writer.put(replicated_key(KEYS, "job", "n1"), replicated("n1", (0, 4), (0, 3)))
+        writer.put(KEYS.job_replicated("job", "n1"), replicated("n1", (0, 4), (0, 3)))
         wait_until(lambda: not watch())  # step 4 replicated, not committed yet
         # A record that speaks for another node is ignored.
-        writer.put(replicated_key(KEYS, "job", "n2"), replicated("n1", (0, 9)))
-        writer.put(committed_key(KEYS, "job"),
+        writer.put(KEYS.job_replicated("job", "n2"), replicated("n1", (0, 9)))
+        writer.put(KEYS.job_committed("job"),
                    encode_committed(Committed(0, 4, (0,), {0: ("n1",)})))
         wait_until(watch)
         assert watch.state() == ((0, 4), {"n1": (0, 4)})
-        writer.delete(committed_key(KEYS, "job"))
+        writer.delete(KEYS.job_committed("job"))
         wait_until(lambda: not watch())
     finally:
         watch.stop()
@@ -68,8 +66,8 @@ def test_the_watch_follows_commits_and_replication_records():
 def test_after_a_watch_error_the_gate_says_no_until_the_records_are_listed_again():
     store = MemoryStore()
     writer, reader = MemoryCoordinator(store), MemoryCoordinator(store)
-    writer.put(replicated_key(KEYS, "job", "n1"), replicated("n1", (0, 3)))
-    writer.put(committed_key(KEYS, "job"), encode_committed(Committed(0, 3, (0,), {0: ("n1",)})))
+    writer.put(KEYS.job_replicated("job", "n1"), replicated("n1", (0, 3)))
+    writer.put(KEYS.job_committed("job"), encode_committed(Committed(0, 3, (0,), {0: ("n1",)})))
     watch = CommitWatch(reader, KEYS, "job")
     watch.start()
     try:

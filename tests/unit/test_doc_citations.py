@@ -14,7 +14,7 @@ CITED = re.compile(r"(?<![\w/.-])((?:[\w.-]+/)*[\w.-]+\.md)\b")
 
 def _sources() -> list[str]:
     out = []
-    for top in ("elasticd", "bench", "tests"):
+    for top in ("elasticd", "bench", "tests", "examples"):
         for root, _dirs, files in os.walk(os.path.join(REPO, top)):
             out += [os.path.join(root, f) for f in files if f.endswith(".py")]
     return [p for p in out if p != os.path.abspath(__file__)]  # its own examples

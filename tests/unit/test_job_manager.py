@@ -211,7 +211,7 @@ def _round(coord, keys, *pids):
     from elasticd.coordination.rendezvous_rounds import RoundRecord
 
     members = tuple(node_id("10.0.0.%d" % i, pid, 1) for i, pid in enumerate(pids))
-    coord.put(keys.job_rdzv("job") + b"native/round", RoundRecord(3, members).encode())
+    coord.put(keys.job_rdzv_round("job"), RoundRecord(3, members).encode())
 
 
 def test_a_failed_peer_aborts_the_group_unless_the_last_round_already_left_it_out(env,
@@ -232,10 +232,12 @@ def test_a_failed_peer_aborts_the_group_unless_the_last_round_already_left_it_ou
     _round(coord, keys, 333, 111)
     assert mgr.on_peer_failed("n2") == 0
     assert len(agent.restarts) == 2 and "already went on without it" in mgr.notes[-1]
+    # Its agent restarted the group for this failure: the restart is counted all the same.
+    assert mgr.metrics.worker_restarts.labels("peer_failed")._value.get() == 3
     # A round this agent is not in is no evidence (ids it cannot read, another agent): abort.
     _round(coord, keys, 333, 444)
     assert mgr.on_peer_failed("n2") == 1
-    coord.put(keys.job_rdzv("job") + b"native/round", b"{not json")
+    coord.put(keys.job_rdzv_round("job"), b"{not json")
     assert mgr.on_peer_failed("n2") == 1
     assert len(agent.restarts) == 4
 

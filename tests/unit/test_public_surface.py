@@ -34,7 +34,7 @@ from elasticd.daemon.http import StatusServer
 
 # -- Python names -------------------------------------------------------------------------------
 
-ELASTICD_NAMES = ["Checkpointer", "ElasticSampler", "RNGState", "RestoreResult"]
+ELASTICD_NAMES = ["Checkpointer", "ElasticSampler", "ElasticdError", "RNGState", "RestoreResult"]
 WORKER_ALL = ["DaemonClient", "DaemonClientError", "DaemonError", "DaemonTimeout",
               "DaemonUnavailable", "WorkerIdentity", "default_client", "progress"]
 
@@ -152,6 +152,13 @@ KEYS = {
     "job_rdzv": "/elasticd/jobs/j/rdzv/",
     "job_placement": "/elasticd/jobs/j/placement",
     "job_ckpt": "/elasticd/jobs/j/ckpt/",
+    "job_rdzv_round": "/elasticd/jobs/j/rdzv/native/round",
+    "job_committed": "/elasticd/jobs/j/ckpt/committed",
+    "job_commit_grid": "/elasticd/jobs/j/ckpt/committed.grid",
+    "job_replicated_prefix": "/elasticd/jobs/j/ckpt/replicated/",
+    "job_replicated": "/elasticd/jobs/j/ckpt/replicated/n1",
+    "job_fence_prefix": "/elasticd/jobs/j/ckpt/fence/",
+    "job_fence": "/elasticd/jobs/j/ckpt/fence/n1",
 }
 
 
@@ -164,6 +171,11 @@ def test_etcd_key_layout():
         "job_control": k.job_control("j"), "job_nodes": k.job_nodes("j"),
         "job_node": k.job_node("j", "n1"), "job_rdzv": k.job_rdzv("j"),
         "job_placement": k.job_placement("j"), "job_ckpt": k.job_ckpt("j"),
+        "job_rdzv_round": k.job_rdzv_round("j"), "job_committed": k.job_committed("j"),
+        "job_commit_grid": k.job_commit_grid("j"),
+        "job_replicated_prefix": k.job_replicated_prefix("j"),
+        "job_replicated": k.job_replicated("j", "n1"),
+        "job_fence_prefix": k.job_fence_prefix("j"), "job_fence": k.job_fence("j", "n1"),
     }
     builders = {n for n in dir(Keyspace) if not n.startswith("_")} - {"node_of", "job_key"}
     assert builders == set(built), "a key builder was added or removed: pin it here"

@@ -339,7 +339,7 @@ def test_a_round_record_is_noted_as_it_arrives_and_not_queued(manager):
     coord, keys, mgr, lease = manager
     seen = []
     mgr.on_round_closed = seen.append
-    coord.put(keys.job_rdzv("job") + b"native/round", b"{}")
+    coord.put(keys.job_rdzv_round("job"), b"{}")
     coord.put(keys.job_rdzv("job") + b"native/nodes/a", b"{}")  # a join: not a close
     coord.put(keys.job_rdzv("job") + b"store/x", b"{}")
     assert seen == ["job"]

@@ -19,11 +19,9 @@ from elasticd.replication.commit import (
     Grid,
     decode_grid,
     encode_grid,
-    grid_key,
     relax_grid,
     widen_grid,
     Replicated,
-    committed_key,
     decide,
     decode_committed,
     decode_replicated,
@@ -96,7 +94,7 @@ def test_record_commit_never_moves_backwards():
     assert read_committed(coord, KEYS, "j").version == (0, 5)
     assert record_commit(coord, KEYS, "j", committed(1, 1))[0] is True
     assert read_committed(coord, KEYS, "j").version == (1, 1)
-    coord.put(committed_key(KEYS, "j"), b"garbage")
+    coord.put(KEYS.job_committed("j"), b"garbage")
     assert record_commit(coord, KEYS, "j", committed(1, 1))[0] is True
 
 
@@ -108,7 +106,7 @@ def race(coord, keys: Keyspace = KEYS, job: str = "j") -> None:
     """Eight writers record random versions at once; every write the watch sees is newer than
     the one before, and the last is the newest offered."""
     seen: list[tuple[int, int]] = []
-    key = committed_key(keys, job)
+    key = keys.job_committed(job)
     _, revision = coord.get_prefix(key)
     lock = threading.Lock()
 
@@ -156,7 +154,7 @@ def test_the_snapshot_grid_widens_once_per_divergence_and_relaxes_when_commits_k
     coord, keys = MemoryCoordinator(), Keyspace("/t")
 
     def stored():
-        kv = coord.get(grid_key(keys, "j"))
+        kv = coord.get(keys.job_commit_grid("j"))
         return decode_grid(kv.value) if kv else Grid()
 
     assert stored() == Grid(1, (0, 0))  # none stored: every step
@@ -177,5 +175,5 @@ def test_the_snapshot_grid_widens_once_per_divergence_and_relaxes_when_commits_k
                 b"junk"):
         with pytest.raises(records.CorruptRecord):
             decode_grid(bad)
-    coord.put(grid_key(keys, "j"), b"junk")
+    coord.put(keys.job_commit_grid("j"), b"junk")
     assert widen_grid(coord, keys, "j", (2, 1)) == Grid(2, (2, 1))

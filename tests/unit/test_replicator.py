@@ -21,14 +21,11 @@ from elasticd.replication.commit import (
     KEEP_SKIPPED,
     Replicated,
     commit_step,
-    committed_key,
     decide,
     decode_committed,
     encode_replicated,
-    fence_key,
     read_committed,
     read_state,
-    replicated_key,
     withdraw,
 )
 from elasticd.replication.placement import compute_placement, decode_placement
@@ -254,7 +251,7 @@ def test_the_commit_record_never_goes_backwards_and_ignores_abandoned_generation
         cluster.wait_idle()
         assert committed(cluster).version == (0, step)
     revisions = []
-    cluster.coords[0].watch_prefix(committed_key(cluster.keys, JOB),
+    cluster.coords[0].watch_prefix(cluster.keys.job_committed(JOB),
                                    lambda ev: revisions.extend(ev), 0)
     # A fallback: generation 1 restarts at step 1, below the committed step 2.
     for node in (n1, n2):
@@ -370,20 +367,20 @@ def withdrawal_fences_a_stale_commit(coord, keys: Keyspace, job: str = "j") -> N
     def record(node, rank, *versions):
         return Replicated(node, 1, {rank: tuple(versions)}, {rank: (node,)})
 
-    coord.put(replicated_key(keys, job, "n1"), encode_replicated(record("n1", 0, (0, 2), (0, 1))))
-    coord.put(replicated_key(keys, job, "n2"), encode_replicated(record("n2", 1, (0, 2), (0, 1))))
+    coord.put(keys.job_replicated(job, "n1"), encode_replicated(record("n1", 0, (0, 2), (0, 1))))
+    coord.put(keys.job_replicated(job, "n2"), encode_replicated(record("n2", 1, (0, 2), (0, 1))))
     stale = read_state(coord, keys, job)
     assert decide(placement, stale.progress).version == (0, 2)
     assert withdraw(coord, keys, job, record("n1", 0, (0, 1)), [(0, 2)]) is None
-    fence = Compare(fence_key(keys, job, "n1"), stale.fences.get("n1", 0))
-    ok, _ = coord.transaction([Compare(committed_key(keys, job), stale.committed_revision), fence],
-                              [Put(committed_key(keys, job), b"x")])
+    fence = Compare(keys.job_fence(job, "n1"), stale.fences.get("n1", 0))
+    ok, _ = coord.transaction([Compare(keys.job_committed(job), stale.committed_revision), fence],
+                              [Put(keys.job_committed(job), b"x")])
     assert not ok, "a commit decided before the withdrawal landed after it"
     written, now = commit_step(coord, keys, job, placement)
     assert written and now.version == (0, 1)
     # A withdrawal right after a commit of the same step: the record says it is committed.
-    coord.put(replicated_key(keys, job, "n1"), encode_replicated(record("n1", 0, (0, 3), (0, 1))))
-    coord.put(replicated_key(keys, job, "n2"), encode_replicated(record("n2", 1, (0, 3), (0, 1))))
+    coord.put(keys.job_replicated(job, "n1"), encode_replicated(record("n1", 0, (0, 3), (0, 1))))
+    coord.put(keys.job_replicated(job, "n2"), encode_replicated(record("n2", 1, (0, 3), (0, 1))))
     assert commit_step(coord, keys, job, placement)[1].version == (0, 3)
     assert withdraw(coord, keys, job, record("n1", 0, (0, 1)), [(0, 3)]).version == (0, 3)
 
@@ -550,7 +547,7 @@ def test_only_the_owners_record_says_a_copy_can_never_be_committed(make_cluster)
     cluster.set_membership(["n1", "n2", "n3"], THREE, round=1)
     coord, tracker = cluster.coords[0], cluster["n3"].replicator.tracker
     for node, skipped in (("n1", ((0, 7),)), ("n2", ((0, 8),))):
-        coord.put(replicated_key(cluster.keys, JOB, node), encode_replicated(
+        coord.put(cluster.keys.job_replicated(JOB, node), encode_replicated(
             Replicated(node, 1, {}, {}, 0.0, skipped)))
     assert tracker.never_committed(JOB, 0, [(0, 7), (0, 8)]) == {(0, 7)}  # rank 0: n1's
     assert tracker.never_committed(JOB, 2, [(0, 7), (0, 8)]) == {(0, 8)}  # rank 2: n2's

@@ -1,0 +1,43 @@
+"""The root of elasticd's exceptions, and the families under it.
+
+Every exception class elasticd defines derives from :class:`ElasticdError`, so a caller can catch
+anything the package raises on purpose in one clause (``tests/unit/test_exceptions.py`` checks
+it). Under the root sit a few families; each package's own base class joins one:
+
+- :class:`InputError`: bad configuration, job spec, stored record or command line.
+- :class:`NodeError`: this node's daemon, or a job it runs, cannot start or go on.
+- :class:`LocalProtocolError`: the local protocol between a worker or the CLI and its daemon.
+- :class:`CheckpointError`: snapshots, the slot store, restores and the persistent tier.
+- ``CoordinationError`` (``elasticd.coordination.api``) and ``ReplicationError``
+  (``elasticd.replication.api``) derive from the root directly: each is its package's family.
+
+A class that callers catch as a builtin (``ValueError``, ``OSError``, ``RuntimeError``,
+``TypeError``) keeps that base beside its family. The families are new names nobody caught
+before, so adding them changed what no existing ``except`` clause catches.
+
+This module imports nothing from the package, so that every side (the worker, the rendezvous
+plugin, the CLI) may import it.
+"""
+
+from __future__ import annotations
+
+
+class ElasticdError(Exception):
+    """Base class of every exception elasticd defines."""
+
+
+class InputError(ElasticdError):
+    """Input that cannot be used as given (a setting, a job spec, a stored record, a command
+    line); the message names it."""
+
+
+class NodeError(ElasticdError):
+    """This node's daemon, or a job it runs, cannot start or go on."""
+
+
+class LocalProtocolError(ElasticdError):
+    """A request between a worker or the CLI and its node's daemon failed or was refused."""
+
+
+class CheckpointError(ElasticdError):
+    """A snapshot cannot be written, held, read or restored as asked."""
