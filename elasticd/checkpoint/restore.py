@@ -52,6 +52,14 @@ log = logging.getLogger("elasticd.checkpoint")
 
 Version = tuple[int, int]
 _NONE = (-1, -1)
+#: Seconds a rank waits for the daemon's answer to ``ckpt_fetch``. The daemon bounds the
+#: fetch itself, each request to a holder by a deadline from its bytes and the measured link
+#: rate (elasticd.replication.deadline), and answers "lost" when no holder can serve; the
+#: client's default 10 s would give up on a shard that simply takes longer to move (1 GiB at
+#: the 50 MB/s assumed before a measurement) and fail the attempt on every rank, again at
+#: every attempt. A daemon that stops answering altogether is the agent's to notice
+#: (elasticd.agent.daemon_watch fences the node).
+FETCH_WAIT = 1800.0
 
 
 class RestoreError(CheckpointError, RuntimeError):
@@ -399,8 +407,9 @@ class Sources:
         None when the daemon says every copy is lost. ``rank``: whose shard (default: this
         rank's; another one's after a grow)."""
         rank = self.rank if rank is None else rank
+        wait = {"timeout": FETCH_WAIT} if op == "ckpt_fetch" else {}
         reply = self.transport.call(op, job=self.job, rank=rank,
-                                    generation=version[0], step=version[1])
+                                    generation=version[0], step=version[1], **wait)
         if reply.get("lost"):
             refused.append(f"peer step {version}: lost ({reply.get('reason', '')})")
             log.error("elasticd: rank %d step %s is lost in every peer's RAM: %s", rank,

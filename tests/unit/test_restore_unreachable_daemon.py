@@ -81,3 +81,30 @@ def test_a_fetch_the_daemon_does_not_answer_fails_the_restore_instead_of_trying_
     sources = Sources(DaemonSilentOnFetch(), "job", rank=0, world_size=2)
     with pytest.raises(DaemonUnreachable, match=r"fetching step \(0, 7\).*ckpt_fetch"):
         restore({}, sources, TwoRanks(HEALTHY_ROWS), clock=lambda: 0.0)
+
+
+class SlowFetchDaemon(DaemonSilentOnFetch):
+    """Answers a fetch only to a caller that waits longer than the client's 10 s default (the
+    daemon's own deadlines bound the fetch: a 1 GiB shard at 50 MB/s takes ~20 s)."""
+
+    def __init__(self):
+        self.waits = {}
+
+    def call(self, op, **fields):
+        self.waits[op] = fields.pop("timeout", None)
+        if op == "ckpt_fetch":
+            if (self.waits[op] or 10.0) < 600:
+                raise DaemonTimeout("elasticd did not answer 'ckpt_fetch' within 10 s")
+            return {"lost": True, "reason": "no holder answered within its deadline"}
+        return super().call(op, **fields)
+
+
+def test_a_fetch_waits_for_the_daemons_own_deadlines_not_the_clients_default():
+    from elasticd.checkpoint.restore import FETCH_WAIT
+
+    daemon = SlowFetchDaemon()
+    sources = Sources(daemon, "job", rank=0, world_size=2)
+    result = restore({}, sources, TwoRanks(HEALTHY_ROWS), clock=lambda: 0.0)
+    assert daemon.waits["ckpt_fetch"] == FETCH_WAIT >= 600
+    assert daemon.waits["ckpt_list"] is None  # quick ops keep the default
+    assert any("lost (no holder answered within its deadline)" in r for r in result.refused)
