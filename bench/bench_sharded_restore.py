@@ -119,9 +119,17 @@ def holder(conn, name: str, root: str) -> None:
     store.close()
 
 
-def daemon(conn, control, name: str, root: str, sock: str, book: dict) -> None:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process (all its threads) has used."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def daemon(conn, control, name: str, root: str, sock: str, book: dict, pids: dict) -> None:
     """A new node's daemon: checkpoint service + replicator + local socket. ``control`` (from
-    its worker): "forget" drops the job's slots and returns the replicator's counters."""
+    its worker): "forget" drops the job's slots and returns the replicator's counters and the
+    CPU seconds used so far by this process and by each holder (``pids``)."""
     store = SlotStore(root)
     coord, keys = MemoryCoordinator(), Keyspace("/bench")
     record_commit(coord, keys, JOB, Committed(0, STEP, tuple(range(OLD)),
@@ -140,7 +148,9 @@ def daemon(conn, control, name: str, root: str, sock: str, book: dict) -> None:
             if control.recv() == "forget":
                 counters = dict(replicator.counters)
                 service.remove_job(JOB)
-                control.send({"counters": counters, "shm_bytes": store.bytes_held()})
+                control.send({"counters": counters, "shm_bytes": store.bytes_held(),
+                              "cpu": {"daemon": cpu_seconds(os.getpid()),
+                                      **{h: cpu_seconds(pid) for h, pid in pids.items()}}})
     finally:
         server.stop()
         replicator.close()
@@ -343,13 +353,15 @@ def worker(rank: int, port: int, dims: list[int], sock: str, control, dcp_dir: s
                 if variant == "elasticd":
                     transport.seconds.clear()
                     loads.clear()
+                    cpu = time.process_time()
                     step = ckpt.restore(state)
+                    cpu = time.process_time() - cpu
                     res = ckpt.last_restore
                     assert (step, res.saved_world_size, res.source) == (STEP, OLD, "peer"), res
                     parts = {"restore_seconds": res.seconds, "nbytes": res.nbytes,
                              "ckpt_fetch_seconds": transport.seconds.get("ckpt_fetch", 0.0),
                              "daemon_calls_seconds": sum(transport.seconds.values()),
-                             "load_into_seconds": sum(loads)}
+                             "load_into_seconds": sum(loads), "worker_cpu_seconds": cpu}
                 else:
                     msd, osd = get_state_dict(model, opt)
                     t1 = time.perf_counter()
@@ -426,12 +438,13 @@ def main() -> None:
     stops, procs = [], []
     started = time.perf_counter()
     try:
-        book = {}
+        book, pids = {}, {}
         for i in range(OLD):
             a, b = fork.Pipe()
             p = fork.Process(target=holder, args=(b, f"h{i}", f"{shm}/h{i}"), daemon=True)
             p.start()
             book[f"h{i}"] = list(a.recv())
+            pids[f"h{i}"] = p.pid
             stops.append(a)
             procs.append(p)
         controls = []
@@ -439,7 +452,8 @@ def main() -> None:
             a, b = fork.Pipe()
             mine, theirs = fork.Pipe()
             p = fork.Process(target=daemon, args=(b, mine, f"n{i}", f"{shm}/n{i}",
-                                                  os.path.join(work, f"n{i}.sock"), book),
+                                                  os.path.join(work, f"n{i}.sock"), book,
+                                                  pids),
                              daemon=True)
             p.start()
             assert a.recv() == "ready"
@@ -525,6 +539,22 @@ def summarise(args, dims, total_state, dcp_bytes, save_seconds, rows, wall) -> d
                 statistics.median(runs("elasticd", "load_into_seconds", rank)), 4),
             "restored_bytes_per_restore": statistics.median(
                 runs("elasticd", "nbytes", rank))})
+    # CPU seconds per timed restore, every process of the elasticd path (the daemons and the
+    # holders do nothing else between two "forget" calls; the workers' own is timed around
+    # restore), against the wall time times the cores.
+    cpu = {}
+    for rank in range(NEW):
+        befores = [r["daemon_before"]["cpu"] for r in rows
+                   if r["rank"] == rank and r["daemon_before"] is not None]
+        deltas = [{k: b[k] - a[k] for k in a} for a, b in zip(befores, befores[1:])]
+        deltas = deltas[1 : args.repeat + 1]
+        cpu[f"daemon n{rank}"] = statistics.median(d["daemon"] for d in deltas)
+        if rank == 0:
+            for h in sorted(k for k in deltas[0] if k != "daemon"):
+                cpu[f"holder {h}"] = statistics.median(d[h] for d in deltas)
+        cpu[f"worker rank {rank}"] = statistics.median(runs("elasticd", "worker_cpu_seconds",
+                                                            rank))
+    cpu = {k: round(v, 3) for k, v in cpu.items()}
     el = results[LABELS["elasticd"]]["seconds"]
     warm = results[LABELS["dcp_warm"]]["seconds"]
     cold = results[LABELS["dcp_cold"]]["seconds"]
@@ -547,6 +577,10 @@ def summarise(args, dims, total_state, dcp_bytes, save_seconds, rows, wall) -> d
                   "untimed_warmup_rounds": 1, "world3_save_seconds": round(save_seconds, 1)},
         "results": results,
         "elasticd_fetch": fetch,
+        "elasticd_cpu_seconds_per_restore": {
+            **cpu, "total": round(sum(cpu.values()), 3),
+            "available (wall x cores)": round(results[LABELS["elasticd"]]["seconds"]
+                                              * (os.cpu_count() or 1), 3)},
         "elasticd_over_dcp_warm": round(el / warm, 3),
         "dcp_warm_over_elasticd": round(warm / el, 2),
         "dcp_cold_over_elasticd": round(cold / el, 2),
