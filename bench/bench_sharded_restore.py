@@ -1,0 +1,594 @@
+"""Restore of sharded (FSDP2) training state at world size 2 from a world of 3: elasticd from
+peers' RAM against ``torch.distributed.checkpoint.load`` from local disk, same run.
+
+The state is an FSDP2 model (``fully_shard`` per ``Linear`` and at the root, gloo, CPU) with
+Adam's state, sized by ``--mib`` (parameters plus ``exp_avg`` and ``exp_avg_sq``: three bytes
+of state per byte of parameters). Layer widths are neither even nor multiples of 3 (and the
+last layer has 5 rows), so the shards FSDP2 makes are uneven at world size 3 and at 2.
+
+* World 3 (three spawned processes, gloo): one real training step, then each rank saves through
+  a real :class:`~elasticd.Checkpointer` into a :class:`CheckpointService` of its own (so the
+  snapshot is exactly what a daemon seals for an FSDP2 save: local shards plus their DCP chunk
+  metadata), and pushes the sealed snapshot over the replication transport to the two holders
+  the commit record names (m = 2: old rank r to holders ``h{r}`` and ``h{r+1 mod 3}``). The same
+  ranks write ``dcp.save(get_state_dict(model, optim))`` to a directory on the local disk.
+  None of this is timed.
+* Holders: three processes, each a :class:`ReplicaServer` over a shared-memory
+  :class:`ShmSink`, holding two of the three old ranks' snapshots as replicas.
+* World 2: two new nodes, each a daemon process (a :class:`CheckpointService` with a real
+  :class:`Replicator` whose coordinator holds the commit record of the world-3 step, behind a
+  real :class:`LocalServer` socket) and a worker process (the two workers form a gloo group)
+  with a freshly built FSDP2 model and Adam. The new nodes hold nothing of the old step: every
+  byte comes from the holders.
+
+Timed, for both new ranks at once (concurrently, from a barrier; the figure is the slower
+rank's time), interleaved over ``--repeat`` rounds after one untimed warm-up round:
+
+* ``elasticd``: ``Checkpointer.restore(state)`` — the product's whole restore: the ranks agree
+  on the committed step, each asks its daemon (``ckpt_fetch``) for the old ranks its new shards
+  need (:func:`~elasticd.checkpoint.shards.needed_ranks`: new rank 0 needs old 0 and 1, new 1
+  needs old 1 and 2), the daemon fetches each whole snapshot striped across its two holders
+  (:func:`~elasticd.replication.recovery.fetch_shard`, every block checked) into its store,
+  the worker maps the slot, copies the tensors out, and the :class:`Resharder` builds the new
+  local shards, which the model and optimizer load. Before each run the daemons drop what the
+  previous run fetched (``remove_job``), so every run fetches from the peers again.
+* ``dcp.load, page cache warm``: ``get_state_dict``, ``dcp.load`` of the world-3 save into it,
+  ``set_state_dict`` (the standard FSDP2 recipe), with every file read once just before;
+* ``dcp.load, cold``: the same after ``posix_fadvise(POSIX_FADV_DONTNEED)`` on every file.
+
+Before every run each rank zeroes its parameters and optimizer state; after it, a digest of
+every local shard (xxh3) must equal, bitwise, what the other method gives in the same round,
+and differ from the zeroed state. One thread per rank (``torch.set_num_threads(1)``): two
+ranks on a two-core machine. Run under the CPU lock::
+
+    flock /tmp/elasticd-cpu.lock python bench/bench_sharded_restore.py --mib 1100 \
+        --repeat 3 --out bench/results/sharded_restore.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+
+from elasticd.checkpoint.service import CheckpointService
+from elasticd.checkpoint.shm import SlotStore
+from elasticd.coordination.keys import Keyspace
+from elasticd.coordination.memory import MemoryCoordinator
+from elasticd.daemon.local_api import LocalServer
+from elasticd.replication.commit import Committed, record_commit
+from elasticd.replication.replicator import Replicator
+from elasticd.replication.shm_sink import ShmSink
+from elasticd.replication.transport import ReplicaServer
+
+SECRET = b"bench-secret-0123456789abcdef"
+JOB = "bench-shard"
+OLD, NEW = 3, 2
+STEP = 1
+VARIANTS = ("elasticd", "dcp_warm", "dcp_cold")
+LABELS = {"elasticd": "elasticd restore from peers' RAM (Checkpointer.restore)",
+          "dcp_warm": "dcp.load from local disk, page cache warm",
+          "dcp_cold": "dcp.load from local disk, cold (fadvise DONTNEED)"}
+
+
+def holders_of(rank: int) -> tuple[str, str]:
+    """The two holders of old rank ``rank``'s snapshot (m = 2, a ring as placement makes)."""
+    return f"h{rank}", f"h{(rank + 1) % OLD}"
+
+
+def widths(mib: int, layers: int) -> list[int]:
+    """Layer widths for about ``mib`` MiB of parameters plus Adam state: alternately w and
+    w + 4 with w = 1 (mod 6), so no width is a multiple of 2 or 3, then a 5-row head."""
+    params = mib * (1 << 20) / 3 / 4
+    w = max(7, int(math.sqrt(params / layers)))
+    w -= (w - 1) % 6
+    return [w + 4 * (i % 2) for i in range(layers + 1)] + [5]
+
+
+def state_bytes(dims: list[int]) -> int:
+    return 3 * 4 * sum(a * b + b for a, b in zip(dims, dims[1:]))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- holder and daemon processes (forked before torch is imported anywhere) --------------------
+
+
+def holder(conn, name: str, root: str) -> None:
+    """A peer holding replicas in shared memory, served by a ReplicaServer."""
+    store = SlotStore(root)
+    server = ReplicaServer("127.0.0.1", 0, SECRET, name, ShmSink(store),
+                           idle_timeout=3600.0).start()
+    conn.send(server.address)
+    conn.recv()  # until told to stop
+    server.stop()
+    store.close()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process (all its threads) has used."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def daemon(conn, control, name: str, root: str, sock: str, book: dict, pids: dict) -> None:
+    """A new node's daemon: checkpoint service + replicator + local socket. ``control`` (from
+    its worker): "forget" drops the job's slots and returns the replicator's counters and the
+    CPU seconds used so far by this process and by each holder (``pids``)."""
+    store = SlotStore(root)
+    coord, keys = MemoryCoordinator(), Keyspace("/bench")
+    record_commit(coord, keys, JOB, Committed(0, STEP, tuple(range(OLD)),
+                                              {r: holders_of(r) for r in range(OLD)}))
+    replicator = Replicator(name, coord, keys, store, SECRET, m=2,
+                            peers_address=lambda n: tuple(book[n]) if n in book else None,
+                            timeout=300.0)
+    service = CheckpointService(store, name, replicator=replicator)
+    server = LocalServer(sock, service.handlers())
+    server.start()
+    conn.send("ready")
+    try:
+        while not conn.poll(0):
+            if not control.poll(0.2):
+                continue
+            if control.recv() == "forget":
+                counters = dict(replicator.counters)
+                service.remove_job(JOB)
+                control.send({"counters": counters, "shm_bytes": store.bytes_held(),
+                              "cpu": {"daemon": cpu_seconds(os.getpid()),
+                                      **{h: cpu_seconds(pid) for h, pid in pids.items()}}})
+    finally:
+        server.stop()
+        replicator.close()
+        store.close()
+
+
+# -- torch side (spawned processes) --------------------------------------------------------------
+
+
+def build(dims: list[int]):
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    layers = []
+    for a, b in zip(dims, dims[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.Tanh()]
+    model = torch.nn.Sequential(*layers[:-1])
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+def train_step(model, opt, dims: list[int], seed: int) -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    model(torch.randn(4, dims[0], generator=g)).pow(2).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def local_tensors(model, opt):
+    """(name, local tensor) of every parameter's shard and every optimizer state tensor."""
+    names = {p: n for n, p in model.named_parameters()}
+    out = [(f"model/{n}", p.to_local()) for n, p in model.named_parameters()]
+    for p, st in opt.state.items():
+        for k, v in sorted(st.items()):
+            out.append((f"optim/{names[p]}/{k}", v.to_local() if hasattr(v, "to_local") else v))
+    return out
+
+
+def digest(model, opt) -> dict[str, str]:
+    """xxh3 of every local tensor's bytes, with its dtype and shape."""
+    import torch
+    import xxhash
+
+    return {n: f"{t.dtype}{tuple(t.shape)}:" + xxhash.xxh3_64_hexdigest(
+        t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        for n, t in local_tensors(model, opt)}
+
+
+def clear(model, opt) -> None:
+    import torch
+
+    with torch.no_grad():
+        for _, t in local_tensors(model, opt):
+            t.zero_()
+
+
+def drop_cache(directory: str) -> None:
+    for name in os.listdir(directory):
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def warm_cache(directory: str) -> None:
+    buf = bytearray(8 << 20)
+    for name in os.listdir(directory):
+        with open(os.path.join(directory, name), "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+
+class TimedTransport:
+    """The worker's daemon client, timing each op (seconds summed per op name)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.seconds = inner, {}
+
+    def call(self, op: str, **fields):
+        start = time.perf_counter()
+        try:
+            return self.inner.call(op, **fields)
+        finally:
+            self.seconds[op] = self.seconds.get(op, 0.0) + time.perf_counter() - start
+
+    def send(self, op: str, **fields):
+        return self.inner.send(op, **fields)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def timed_load_into(seconds: list[float]):
+    """Wraps state.load_into (the reshard and the loads) to time it; restore() imports it
+    from the module at each call, so the wrapper is what it runs."""
+    from elasticd.checkpoint import state as state_module
+
+    real = state_module.load_into
+
+    def load_into(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - start)
+
+    state_module.load_into = load_into
+
+
+def saver(rank: int, port: int, dims: list[int], book: dict, dcp_dir: str, root: str) -> None:
+    """An old rank (world 3): one training step, its elasticd snapshot pushed to its two
+    holders, and its part of the DCP save."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from elasticd.checkpoint.client import Checkpointer
+    from elasticd.local.transport import InProcessTransport
+    from elasticd.replication.shm_sink import descriptor_of
+    from elasticd.replication.transport import ReplicaClient
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=OLD)
+    try:
+        model, opt = build(dims)
+        train_step(model, opt, dims, seed=rank)
+        store = SlotStore(root)
+        try:
+            service = CheckpointService(store, f"old{rank}")
+            with Checkpointer(transport=InProcessTransport(service.handlers()), job=JOB,
+                              rank=rank, world_size=OLD, local_world_size=1) as ckpt:
+                assert ckpt.save(STEP, {"model": model, "optim": opt}), "snapshot skipped"
+                ckpt.wait()
+                assert ckpt.stats["saves"] == 1, ckpt.stats
+            view = store.latest(JOB, rank, pin=True)
+            d = descriptor_of(view)
+            for h in holders_of(rank):
+                with ReplicaClient.connect(*book[h], SECRET, f"old{rank}", timeout=300.0) as c:
+                    c.push(d, view.buffer[: d.header_bytes],
+                           view.buffer[d.header_bytes : d.total_bytes])
+            view.release()
+        finally:
+            store.close()
+            shutil.rmtree(root, ignore_errors=True)
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=dcp_dir)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def worker(rank: int, port: int, dims: list[int], sock: str, control, dcp_dir: str,
+           repeat: int, out_path: str) -> None:
+    """A new rank (world 2): runs every variant ``repeat + 1`` times (the first round is the
+    warm-up) and writes its timings to ``out_path``."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from elasticd.checkpoint.client import Checkpointer
+    from elasticd.worker.client import DaemonClient
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=NEW)
+    try:
+        model, opt = build(dims)
+        train_step(model, opt, dims, seed=100 + rank)  # Adam state exists, other values
+        state = {"model": model, "optim": opt}
+        transport = TimedTransport(DaemonClient(sock, timeout=600.0))
+        loads: list[float] = []
+        timed_load_into(loads)
+        ckpt = Checkpointer(transport=transport, job=JOB, rank=rank, world_size=NEW,
+                            local_world_size=1)
+        rows = []
+        for rnd in range(repeat + 1):
+            digests = {}
+            for variant in VARIANTS:
+                clear(model, opt)
+                zeroed = digest(model, opt)
+                fetched = None
+                if variant == "elasticd":
+                    control.send("forget")
+                    fetched = control.recv()
+                elif rank == 0:
+                    (warm_cache if variant == "dcp_warm" else drop_cache)(dcp_dir)
+                dist.barrier()
+                start = time.perf_counter()
+                parts = {}
+                if variant == "elasticd":
+                    transport.seconds.clear()
+                    loads.clear()
+                    cpu = time.process_time()
+                    step = ckpt.restore(state)
+                    cpu = time.process_time() - cpu
+                    res = ckpt.last_restore
+                    assert (step, res.saved_world_size, res.source) == (STEP, OLD, "peer"), res
+                    parts = {"restore_seconds": res.seconds, "nbytes": res.nbytes,
+                             "ckpt_fetch_seconds": transport.seconds.get("ckpt_fetch", 0.0),
+                             "daemon_calls_seconds": sum(transport.seconds.values()),
+                             "load_into_seconds": sum(loads), "worker_cpu_seconds": cpu}
+                else:
+                    msd, osd = get_state_dict(model, opt)
+                    t1 = time.perf_counter()
+                    sd = {"model": msd, "optim": osd}
+                    dcp.load(sd, checkpoint_id=dcp_dir)
+                    t2 = time.perf_counter()
+                    set_state_dict(model, opt, model_state_dict=sd["model"],
+                                   optim_state_dict=sd["optim"])
+                    parts = {"get_state_dict": t1 - start, "dcp_load": t2 - t1,
+                             "set_state_dict": time.perf_counter() - t2}
+                seconds = time.perf_counter() - start
+                slowest = torch.tensor([seconds], dtype=torch.float64)
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                got = digest(model, opt)
+                assert got != zeroed and got.keys() == zeroed.keys(), variant
+                digests[variant] = got
+                rows.append({"round": rnd, "variant": variant, "rank": rank,
+                             "seconds": seconds, "slowest_rank_seconds": float(slowest),
+                             "daemon_before": fetched, **parts})
+            differ = [n for n in digests["elasticd"]
+                      if len({digests[v][n] for v in VARIANTS}) != 1]
+            assert not differ, f"rank {rank}: elasticd and dcp.load differ on {differ[:5]}"
+        control.send("forget")  # leave the daemon's counters after the last run in the log
+        rows.append({"round": repeat + 1, "variant": "final", "rank": rank,
+                     "daemon_before": control.recv(),
+                     "local_state_bytes": sum(t.numel() * t.element_size()
+                                              for _, t in local_tensors(model, opt))})
+        ckpt.close()
+        with open(out_path, "w") as f:
+            json.dump(rows, f)
+    finally:
+        dist.destroy_process_group()
+
+
+# -- orchestration ---------------------------------------------------------------------------
+
+
+def run_spawned(ctx, target, args_of, n: int, timeout: float) -> None:
+    procs = [ctx.Process(target=target, args=args_of(i)) for i in range(n)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(1.0, deadline - time.monotonic()))
+    bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    if bad:
+        raise RuntimeError(f"{target.__name__} processes failed (index, exit code): {bad}")
+
+
+def dir_bytes(directory: str) -> int:
+    return sum(os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=1100,
+                        help="MiB of state (parameters + Adam's two moments), about")
+    parser.add_argument("--layers", type=int, default=12, help="Linear layers (plus a head)")
+    parser.add_argument("--repeat", type=int, default=3, help="timed rounds (median)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per phase")
+    parser.add_argument("--out", default="", help="also write the results as JSON here")
+    args = parser.parse_args()
+    dims = widths(args.mib, args.layers)
+    total_state = state_bytes(dims)
+    tag = uuid.uuid4().hex[:10]
+    shm = f"/dev/shm/elasticd-bench-shard-{tag}"
+    work = tempfile.mkdtemp(prefix="elasticd-bench-shard-", dir="/tmp")
+    dcp_dir = os.path.join(work, "dcp")
+    fork, spawn = mp.get_context("fork"), mp.get_context("spawn")
+    stops, procs = [], []
+    started = time.perf_counter()
+    try:
+        book, pids = {}, {}
+        for i in range(OLD):
+            a, b = fork.Pipe()
+            p = fork.Process(target=holder, args=(b, f"h{i}", f"{shm}/h{i}"), daemon=True)
+            p.start()
+            book[f"h{i}"] = list(a.recv())
+            pids[f"h{i}"] = p.pid
+            stops.append(a)
+            procs.append(p)
+        controls = []
+        for i in range(NEW):
+            a, b = fork.Pipe()
+            mine, theirs = fork.Pipe()
+            p = fork.Process(target=daemon, args=(b, mine, f"n{i}", f"{shm}/n{i}",
+                                                  os.path.join(work, f"n{i}.sock"), book,
+                                                  pids),
+                             daemon=True)
+            p.start()
+            assert a.recv() == "ready"
+            stops.append(a)
+            procs.append(p)
+            controls.append(theirs)
+        t0 = time.perf_counter()
+        port = free_port()
+        run_spawned(spawn, saver, lambda r: (r, port, dims, book, dcp_dir, f"{shm}/old{r}"),
+                    OLD, args.timeout)
+        save_seconds = time.perf_counter() - t0
+        dcp_bytes = dir_bytes(dcp_dir)
+        port = free_port()
+        outs = [os.path.join(work, f"worker{r}.json") for r in range(NEW)]
+        run_spawned(spawn, worker, lambda r: (r, port, dims, os.path.join(work, f"n{r}.sock"),
+                                              controls[r], dcp_dir, args.repeat, outs[r]),
+                    NEW, args.timeout)
+        rows = [row for path in outs for row in json.load(open(path))]
+    finally:
+        for a in stops:
+            a.send("stop")
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+    left = [n for n in os.listdir("/dev/shm") if tag in n]
+    assert not left, f"left in /dev/shm: {left}"
+    summary = summarise(args, dims, total_state, dcp_bytes, save_seconds, rows,
+                        time.perf_counter() - started)
+    print(json.dumps(summary, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(summary, f, indent=1)
+            f.write("\n")
+
+
+def summarise(args, dims, total_state, dcp_bytes, save_seconds, rows, wall) -> dict:
+    timed = [r for r in rows if 1 <= r["round"] <= args.repeat and r["variant"] in VARIANTS]
+
+    def runs(variant: str, key: str = "slowest_rank_seconds", rank: int = 0) -> list[float]:
+        return [r[key] for r in timed if r["variant"] == variant and r["rank"] == rank]
+
+    results = {}
+    for v in VARIANTS:
+        s = runs(v)
+        med = statistics.median(s)
+        results[LABELS[v]] = {
+            "seconds": round(med, 4), "gb_per_s_of_state": round(total_state / med / 1e9, 3),
+            "runs": [round(x, 4) for x in s],
+            "per_rank_median_seconds": [round(statistics.median(runs(v, "seconds", r)), 4)
+                                        for r in range(NEW)],
+            "warmup_round_seconds": round(next(r["slowest_rank_seconds"] for r in rows
+                                               if r["round"] == 0 and r["variant"] == v), 4)}
+        if v != "elasticd":
+            for part in ("get_state_dict", "dcp_load", "set_state_dict"):
+                results[LABELS[v]][f"{part}_median_seconds_rank0"] = round(
+                    statistics.median(runs(v, part)), 4)
+    # What each new rank's daemon fetched from the peers per restore (counter deltas).
+    fetch = []
+    for rank in range(NEW):
+        befores = [r["daemon_before"]["counters"] for r in rows
+                   if r["rank"] == rank and r["daemon_before"] is not None]
+        deltas = [{k: b.get(k, 0) - a.get(k, 0) for k in ("fetches", "fetch_bytes",
+                                                           "fetch_micros")}
+                  for a, b in zip(befores, befores[1:])]
+        timed_deltas = deltas[1 : args.repeat + 1]
+        fetch.append({
+            "old_snapshots_fetched_per_restore": statistics.median(d["fetches"]
+                                                                   for d in timed_deltas),
+            "wire_bytes_per_restore": statistics.median(d["fetch_bytes"] for d in timed_deltas),
+            "fetch_seconds_median (daemon: striped fetch + verify, per restore)": round(
+                statistics.median(d["fetch_micros"] for d in timed_deltas) / 1e6, 4),
+            "restore_seconds_median (Checkpointer's own figure)": round(statistics.median(
+                runs("elasticd", "restore_seconds", rank)), 4),
+            "ckpt_fetch_seconds_median (worker waits on its daemon: reserve, striped fetch, "
+            "verify, complete, open)": round(statistics.median(
+                runs("elasticd", "ckpt_fetch_seconds", rank)), 4),
+            "all_daemon_calls_seconds_median": round(statistics.median(
+                runs("elasticd", "daemon_calls_seconds", rank)), 4),
+            "load_into_seconds_median (reshard + model/optimizer load_state_dict)": round(
+                statistics.median(runs("elasticd", "load_into_seconds", rank)), 4),
+            "restored_bytes_per_restore": statistics.median(
+                runs("elasticd", "nbytes", rank))})
+    # CPU seconds per timed restore, every process of the elasticd path (the daemons and the
+    # holders do nothing else between two "forget" calls; the workers' own is timed around
+    # restore), against the wall time times the cores.
+    cpu = {}
+    for rank in range(NEW):
+        befores = [r["daemon_before"]["cpu"] for r in rows
+                   if r["rank"] == rank and r["daemon_before"] is not None]
+        deltas = [{k: b[k] - a[k] for k in a} for a, b in zip(befores, befores[1:])]
+        deltas = deltas[1 : args.repeat + 1]
+        cpu[f"daemon n{rank}"] = statistics.median(d["daemon"] for d in deltas)
+        if rank == 0:
+            for h in sorted(k for k in deltas[0] if k != "daemon"):
+                cpu[f"holder {h}"] = statistics.median(d[h] for d in deltas)
+        cpu[f"worker rank {rank}"] = statistics.median(runs("elasticd", "worker_cpu_seconds",
+                                                            rank))
+    cpu = {k: round(v, 3) for k, v in cpu.items()}
+    el = results[LABELS["elasticd"]]["seconds"]
+    warm = results[LABELS["dcp_warm"]]["seconds"]
+    cold = results[LABELS["dcp_cold"]]["seconds"]
+    local = [r["local_state_bytes"] for r in rows if r["variant"] == "final"]
+    return {
+        "benchmark": "sharded_restore",
+        "command": " ".join(["bench/bench_sharded_restore.py", *sys.argv[1:]]),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                    "platform": platform.platform()},
+        "state": {"mib_asked": args.mib, "bytes": total_state,
+                  "gib": round(total_state / (1 << 30), 3),
+                  "what": "FSDP2 (fully_shard per Linear + root, gloo, CPU) parameters and "
+                          "Adam exp_avg/exp_avg_sq (+ step)",
+                  "layer_dims": dims, "new_rank_local_state_bytes": local,
+                  "dcp_save_bytes_on_disk": dcp_bytes},
+        "setup": {"old_world": OLD, "new_world": NEW, "holders": OLD, "copies_per_old_rank": 2,
+                  "holders_of_old_rank": {r: list(holders_of(r)) for r in range(OLD)},
+                  "new_ranks": "concurrently, from a barrier; figure = the slower rank",
+                  "threads_per_rank": 1, "repeat": args.repeat,
+                  "untimed_warmup_rounds": 1, "world3_save_seconds": round(save_seconds, 1)},
+        "results": results,
+        "elasticd_fetch": fetch,
+        "elasticd_cpu_seconds_per_restore": {
+            **cpu, "total": round(sum(cpu.values()), 3),
+            "available (wall x cores)": round(results[LABELS["elasticd"]]["seconds"]
+                                              * (os.cpu_count() or 1), 3)},
+        "elasticd_over_dcp_warm": round(el / warm, 3),
+        "dcp_warm_over_elasticd": round(warm / el, 2),
+        "dcp_cold_over_elasticd": round(cold / el, 2),
+        "target": "elasticd faster than dcp.load warm",
+        "met": el < warm,
+        "wall_seconds": round(wall, 1),
+    }
+
+
+if __name__ == "__main__":
+    main()
