@@ -203,15 +203,23 @@ class SlotStore:
                 out[None] = set(self._retained[job])
             return out
 
-    def reserve(self, job: str, rank: int, nbytes: int) -> Slot:
+    def reserve(self, job: str, rank: int, nbytes: int, both: bool = True) -> Slot:
         """Returns a free slot of at least ``nbytes`` for the next snapshot of (job, rank).
 
         The slot holding the latest complete snapshot is not returned, except when the other
         slot holds a copy that must stay (:meth:`retain`) and the latest may go: then the latest
         is overwritten (the other one becomes the latest until this snapshot completes). When
         both must stay the snapshot is refused (:class:`CommitPending`); when the slot to reuse
-        is pinned by a reader, too (:class:`SlotBusy`). On first use both slots are allocated; a slot too small for
-        ``nbytes`` is replaced by a bigger one (new path).
+        is pinned by a reader, too (:class:`SlotBusy`). On first use both slots are allocated
+        (``both``), so the next snapshot's is ready; a slot too small for ``nbytes`` is
+        replaced by a bigger one (new path).
+
+        Args:
+            both: allocate the other slot too when it is missing. False for a one-off copy (a
+                shard fetched for a restore): its other slot, needed only if this node goes on
+                snapshotting that rank, is allocated by that snapshot's reserve. Allocating it
+                here cost as much CPU as the fetch itself and doubled the memory held
+                (bench/results/fetch_cost.json).
 
         Raises:
             OverBudget: the allocation would exceed ``cap_bytes`` (or the filesystem is full).
@@ -251,7 +259,7 @@ class SlotStore:
                 raise SlotBusy(f"{job} rank {rank}: free slot {current.path} is pinned by a reader")
             grow = current is None or current.capacity < nbytes
             # The other slot is allocated too if missing, so both exist pre-touched.
-            fill = pair.segments[other] is None
+            fill = both and pair.segments[other] is None
             needed = (capacity if grow else 0) + (capacity if fill else 0)
             freed = current.capacity if grow and current is not None else 0
             held = self._held()

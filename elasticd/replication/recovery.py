@@ -459,7 +459,7 @@ def fetch_into_store(fetch: Callable[..., FetchResult], store: SlotStore, job: s
     slots: list[Any] = []
 
     def into(d: Descriptor) -> memoryview:
-        slots.append(store.reserve(job, rank, d.total_bytes))
+        slots.append(store.reserve(job, rank, d.total_bytes, both=False))
         return slots[-1].buffer
 
     result = fetch(job, rank, version, into)

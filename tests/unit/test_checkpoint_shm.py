@@ -93,6 +93,22 @@ def test_reserve_complete_latest(store, root):
     assert store.holdings() == [("job", 0, 0, 1)]
 
 
+def test_a_one_off_copy_allocates_one_slot_and_the_next_snapshot_the_other(store, root):
+    arrays = arrays_for(1)
+    header = plan("job", 0, arrays, 1)
+    slot = store.reserve("job", 0, header.layout.total_size, both=False)  # a fetched shard
+    fill(slot.buffer, header, arrays)
+    store.complete(slot, header)
+    assert files(root) == ["job/0/0.slot"] and store.bytes_held() == slot.capacity
+    assert_holds(store, "job", 0, 1)
+    # This node goes on snapshotting that rank: the other slot comes with its first snapshot,
+    # and the fetched copy stays the latest until that one completes.
+    _, second = snapshot(store, "job", 0, step=2)
+    assert second.path != slot.path
+    assert files(root) == ["job/0/0.slot", "job/0/1.slot"]
+    assert_holds(store, "job", 0, 2)
+
+
 def test_double_buffering_never_overwrites_the_last_complete_snapshot(store):
     _, first = snapshot(store, "job", 0, step=1)
     slot = store.reserve("job", 0, first.capacity)
