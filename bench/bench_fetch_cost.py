@@ -6,8 +6,9 @@ Two holder processes (ShmSink replicas behind ReplicaServers, as in
 ``bench_sharded_restore.py``) hold a sealed snapshot of ``--mib`` MiB. Each round, into a fresh
 :class:`SlotStore` (a node that does not hold the job yet, as after a failure):
 
-* ``reserve``: ``SlotStore.reserve`` of a slot for it (a new (job, rank) allocates both
-  double-buffer slots, each ``fallocate``d and pre-touched);
+* ``reserve``: ``SlotStore.reserve`` of a slot for it, as ``fetch_into_store`` does: one slot,
+  ``fallocate``d and pre-touched (``--both-slots``: both double-buffer slots of a new (job,
+  rank), what it did before, for the comparison);
 * ``striped fetch``: :func:`fetch_shard` from both holders into the slot (every piece's blocks
   checked as they land, the whole copy verified at the end);
 * ``complete``: ``SlotStore.complete`` (the copy becomes a local snapshot);
@@ -48,6 +49,8 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=367, help="MiB of snapshot")
     parser.add_argument("--repeat", type=int, default=3, help="rounds (median)")
     parser.add_argument("--out", default="", help="also write the results as JSON here")
+    parser.add_argument("--both-slots", action="store_true",
+                        help="reserve both double-buffer slots (what fetches did before)")
     args = parser.parse_args()
     root = f"/dev/shm/elasticd-bench-fetchcost-{uuid.uuid4().hex[:10]}"
     ctx = mp.get_context("fork")
@@ -80,7 +83,8 @@ def main() -> None:
         for rnd in range(args.repeat + 1):  # the first round connects: not counted
             store = SlotStore(f"{root}/local{rnd}")
             try:
-                slot = timed("reserve", lambda: store.reserve(JOB, RANK, d.total_bytes))
+                slot = timed("reserve", lambda: store.reserve(JOB, RANK, d.total_bytes,
+                                                              both=args.both_slots))
                 timed("striped fetch", lambda: fetch_shard(
                     JOB, RANK, d.version, slot.buffer, me="restorer",
                     holders=["restorer", *book], connections=pool, local=lambda *a: None,
