@@ -222,6 +222,7 @@ class Node:
         # Local snapshots get their block tags as they are sealed, so a push only sends.
         store.tagger = BlockTagger(secret).tag
         rep.pusher.on_push = ReplicationSink(metrics).pushed
+        rep.serving = server.serving
         metrics.replication.attach(rep.stats, server.snapshot_stats)
         address = server.address
         bound = address[:2] if isinstance(address, tuple) else address.rsplit(":", 1)
