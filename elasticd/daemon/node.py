@@ -258,6 +258,8 @@ class Node:
             local = LocalServer(os.path.join(settings.state_path, "elasticd.sock"),
                                 daemon.local_handlers(), binding=CallerBinding(job_scope))
             local.on_close.append(daemon.timeline.on_connection_closed)
+            if daemon.checkpoints is not None:
+                local.on_undelivered.append(daemon.checkpoints.undelivered)
             self._teardown.append(local.stop)
             local.start()
         except (OSError, ValueError, LocalApiError) as exc:
