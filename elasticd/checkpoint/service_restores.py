@@ -174,6 +174,18 @@ class RestoreOps:
                             "step": version[1], "_peer": msg.get("_peer", {})})
         return {**reply, "source": source, "wire_bytes": wire_bytes, "holder": holder}
 
+    def undelivered(self, op: str, reply: dict[str, Any]) -> None:
+        """The local API could not send ``reply`` to ``op`` (its worker went away while the
+        request ran: a restore round aborted during a fetch from a frozen holder): the read
+        pin it carried is released now. Held until ``pin_ttl``, it kept the rank's other slot
+        from being reused, so every other snapshot of that rank was skipped and commits
+        stalled (the frozen-holder chaos test lost 29 steps at the next restore)."""
+        pin = reply.get("pin")
+        if op in ("ckpt_open", "ckpt_fetch") and isinstance(pin, int):
+            self._release({"pin": pin})
+            log.info("the reply to %s was not delivered (its caller is gone): read pin %d of %s "
+                     "released", op, pin, reply.get("path", "?"))
+
     def _release(self, msg: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
             entry = self._pins.pop(param(msg, "pin", int), None)

@@ -145,6 +145,10 @@ class LocalServer:
         #: Called with ``{"pid", "job"}`` when a connection ends (its process closed it or
         #: died): a worker's death is a moment of a recovery (daemon/recovery_timeline.py).
         self.on_close: list[Callable[[dict[str, Any]], None]] = []
+        #: Called with ``(op, reply)`` when a reply could not be sent (its caller went away
+        #: while the request ran, e.g. a worker killed during a long fetch): what the reply
+        #: handed over (a read pin) must be given back, nobody else will.
+        self.on_undelivered: list[Callable[[str, dict[str, Any]], None]] = []
         self.clock = clock or SystemClock()
         self._listener: socket.socket | None = None
         self._inode: tuple[int, int] | None = None
@@ -469,7 +473,14 @@ class LocalServer:
         reply = self._bound_call(conn, op, msg, peer, noreply)
         if not noreply:
             reply["id"] = rid
-            return self._send(conn, reply)
+            if self._send(conn, reply):
+                return True
+            for hook in self.on_undelivered:
+                try:
+                    hook(op, reply)
+                except Exception:  # noqa: BLE001 — a hook must not take the server down
+                    log.exception("local API: an undelivered-reply hook failed")
+            return False
         return True
 
     def _bound_call(self, conn: socket.socket, op: str, msg: dict[str, Any],

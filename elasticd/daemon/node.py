@@ -223,6 +223,7 @@ class Node:
         # Local snapshots get their block tags as they are sealed, so a push only sends.
         store.tagger = BlockTagger(secret).tag
         rep.pusher.on_push = ReplicationSink(metrics).pushed
+        rep.serving = server.serving
         metrics.replication.attach(rep.stats, server.snapshot_stats)
         address = server.address
         bound = address[:2] if isinstance(address, tuple) else address.rsplit(":", 1)
@@ -258,6 +259,8 @@ class Node:
             local = LocalServer(os.path.join(settings.state_path, "elasticd.sock"),
                                 daemon.local_handlers(), binding=CallerBinding(job_scope))
             local.on_close.append(daemon.timeline.on_connection_closed)
+            if daemon.checkpoints is not None:
+                local.on_undelivered.append(daemon.checkpoints.undelivered)
             self._teardown.append(local.stop)
             local.start()
         except (OSError, ValueError, LocalApiError) as exc:

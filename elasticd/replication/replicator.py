@@ -22,7 +22,7 @@ import functools
 import logging
 import ssl
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from elasticd.checkpoint.shm import SlotStore
 from elasticd.clock import Clock, SystemClock
@@ -137,6 +137,12 @@ class Replicator:
                                      self._collect, commit_wait, withdraw_after, stores)
         #: Measured link rates per peer, shared by pushes and fetches: every call's deadline.
         self.link_rates = LinkRates()
+        # Fetches in progress (job, rank, version, holders, start), shown by status(): one
+        # that stays there is a thread waiting on a peer.
+        self._fetching: dict[object, tuple[str, int, Version | None, list[str], float]] = {}
+        #: The fetches this node's replica server is serving now (ReplicaServer.serving), for
+        #: status(); the node builder sets it.
+        self.serving: Callable[[], list[dict[str, Any]]] = list
         self.pusher = Pusher(store, sink, self._connections, self._executor, self.tracker,
                              self.link_rates)
         self.awaiting_commit = self.tracker.awaiting_commit
@@ -360,6 +366,9 @@ class Replicator:
                 log.warning("%s: cannot read the committed record for a fetch: %s", job, exc)
         holders = holder_order(job, rank, version, self.node_id, committed, placements)
         own = functools.partial(copy_own, self._own_stores())
+        token = object()
+        with self.tracker.lock:
+            self._fetching[token] = (job, rank, version, holders, self.clock.monotonic())
         try:
             result = fetch_shard(job, rank, version, into, me=self.node_id, holders=holders,
                                  connections=self._connections, local=own, clock=self.clock,
@@ -369,6 +378,9 @@ class Replicator:
                 self.fetch_failures["lost"] += 1
             log.error("%s", exc)
             raise
+        finally:
+            with self.tracker.lock:
+                del self._fetching[token]
         with self.tracker.lock:
             self.counters["fetches"] += 1
             self.counters["fetch_bytes"] += result.wire_bytes
@@ -400,7 +412,9 @@ class Replicator:
     # -- status, metrics, lifecycle ---------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
-        """Per job: placement, committed step and holders, local progress, sync lag."""
+        """Per job: placement, committed step and holders, local progress, sync lag; and the
+        fetches in progress from peers (``fetching``) and served to peers (``serving``), each
+        with its age: after a fault ends nothing must stay there."""
         backlog = self.pusher.lanes.backlog()
         held = self.sink.bytes_held() if self.sink is not None else 0
         with self.tracker.lock:
@@ -419,8 +433,12 @@ class Replicator:
                     "generation_floor": st.book.floor,
                     "awaiting_commit": [list(v) for v in st.book.awaiting()],
                 }
-            return {"node": self.node_id, "jobs": out, "backlog": backlog,
-                    "replica_bytes_held": held}
+            now = self.clock.monotonic()
+            fetching = [{"job": job, "rank": rank, "version": version and list(version),
+                         "holders": holders, "seconds": round(now - started, 3)}
+                        for job, rank, version, holders, started in self._fetching.values()]
+        return {"node": self.node_id, "jobs": out, "backlog": backlog,
+                "replica_bytes_held": held, "fetching": fetching, "serving": self.serving()}
 
     def stats(self) -> ReplicationStats:
         """Plain numbers for the daemon's metrics (see :class:`ReplicationStats`)."""

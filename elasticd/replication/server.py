@@ -132,6 +132,8 @@ class ReplicaServer:
         self.stats = ServerStats()
         self._lock = threading.Lock()
         self._connections: dict[threading.Thread, Any] = {}
+        # Fetches being served, by the connection's thread: (peer, job, rank, version, start).
+        self._serving: dict[threading.Thread, tuple[str, str, int, Any, float]] = {}
         # Connections still in their handshake (keyed by their thread).
         self._pending = Admission(max_pending, handshake_timeout)
         self._authenticated = 0
@@ -333,7 +335,7 @@ class ReplicaServer:
                     finally:
                         channel.block_key = None
                 elif isinstance(msg, Fetch):
-                    self._serve_fetch(channel, msg, hello.max_frame)
+                    self._serve_fetch(channel, msg, hello.max_frame, hello.node_id)
                 else:
                     raise UnexpectedFrame(f"expected PUT_BEGIN or FETCH, received "
                                           f"{msg.TYPE.name}")
@@ -386,7 +388,17 @@ class ReplicaServer:
                   self.clock.monotonic() - started)
         channel.send(Ack({"bytes": d.total_bytes}))
 
-    def _serve_fetch(self, channel: Channel, req: Fetch, peer_max_frame: int) -> None:
+    def serving(self) -> list[dict[str, Any]]:
+        """The fetches being served now: peer, job, rank, version and seconds so far (a
+        transfer to a peer that stopped reading stays here until the send fails)."""
+        now = self.clock.monotonic()
+        with self._lock:
+            return [{"peer": peer, "job": job, "rank": rank, "version": list(version),
+                     "seconds": round(now - started, 3)}
+                    for peer, job, rank, version, started in self._serving.values()]
+
+    def _serve_fetch(self, channel: Channel, req: Fetch, peer_max_frame: int,
+                     peer_id: str = "") -> None:
         version = None
         if req.generation is not None and req.step is not None:  # both or neither, by parsing
             version = (req.generation, req.step)
@@ -403,9 +415,15 @@ class ReplicaServer:
                 channel.send(Nack(BAD_RANGE, f"rank {req.owner_rank} {d.version} of job "
                                              f"{req.job!r}: {exc}"))
                 return
+            me = threading.current_thread()
+            with self._lock:
+                self._serving[me] = (peer_id, req.job, req.owner_rank, d.version,
+                                     self.clock.monotonic())
             channel.send(FetchReply(d))  # the whole descriptor: the client sizes and checks by it
             send_stream(channel, (view[start:end],),
                         min(self.chunk_size, peer_max_frame - OFFSET.size), base=start)
         finally:
+            with self._lock:
+                self._serving.pop(threading.current_thread(), None)
             self.sink.release(d)
         self._bump(fetches=1)

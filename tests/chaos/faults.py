@@ -7,13 +7,17 @@ A scenario writes its faults as a plan::
 Each :class:`Fault` says what happens, to which node, and when: once the job has reached a
 training step (``at_step``, the newest step any worker printed) or some seconds after the
 previous fault fired (``after``). Faults fire in plan order. A fault that lasts (a pause, a
-partition) is undone by the injector after ``seconds``. The :class:`Injector` knows how to do
+partition) is undone by the injector after ``seconds``. A fault with ``after_bytes`` is armed
+at its time and *lands* later, once that many bytes went out of the node's replication port
+(a fetch served by it, well under way): so it hits in the middle of a transfer however fast
+the transfer runs; its ``seconds`` count from the landing. The :class:`Injector` knows how to do
 each kind to the processes of a :class:`~tests.chaos.harness.ChaosCluster` and records what it
 did (:class:`FaultRecord`): when, at which step, what etcd had committed at that moment.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import mmap
@@ -22,6 +26,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -30,7 +35,7 @@ if TYPE_CHECKING:
 
 KINDS = ("kill_worker", "kill_node", "kill_group", "restart_node", "kill_etcd_leader",
          "pause_etcd", "pause_daemon", "partition", "corrupt_replicas", "sigterm_node", "drain",
-         "wipe_etcd")
+         "wipe_etcd", "blackhole_port", "freeze_node")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +50,8 @@ class Fault:
             previous fault fired (or after training started, for the first fault).
         after: see ``at_step``.
         seconds: how long a pause or a partition lasts.
+        after_bytes: 0: the fault lands when it fires; else it is armed then and lands once
+            this many bytes went out of the node's replication port (see the module).
     """
 
     kind: str
@@ -52,6 +59,7 @@ class Fault:
     at_step: int | None = None
     after: float = 0.0
     seconds: float = 0.0
+    after_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -60,12 +68,21 @@ class Fault:
             raise ValueError(f"at_step must be >= 1, got {self.at_step}")
         if self.after < 0 or self.seconds < 0:
             raise ValueError(f"after and seconds must be >= 0, got {self.after}, {self.seconds}")
+        if self.after_bytes < 0 or (self.after_bytes and self.kind not in ARMED_KINDS):
+            raise ValueError(f"after_bytes must be >= 0 and only given to "
+                             f"{', '.join(ARMED_KINDS)}; got {self.after_bytes} for {self.kind}")
 
     def describe(self) -> str:
         when = f"at step {self.at_step}" if self.at_step is not None else f"after {self.after} s"
         target = f" {self.node}" if self.node else ""
         lasting = f" for {self.seconds} s" if self.seconds else ""
-        return f"{self.kind}{target}{lasting} {when}"
+        landing = (f", landing after {self.after_bytes} bytes out of its replication port"
+                   if self.after_bytes else "")
+        return f"{self.kind}{target}{lasting} {when}{landing}"
+
+
+#: Kinds that take ``after_bytes``.
+ARMED_KINDS = ("blackhole_port", "freeze_node")
 
 
 class FaultPlan:
@@ -75,8 +92,8 @@ class FaultPlan:
         self.faults: list[Fault] = []
 
     def _add(self, kind: str, node: str = "", at_step: int | None = None, after: float = 0.0,
-             seconds: float = 0.0) -> "FaultPlan":
-        self.faults.append(Fault(kind, node, at_step, after, seconds))
+             seconds: float = 0.0, after_bytes: int = 0) -> "FaultPlan":
+        self.faults.append(Fault(kind, node, at_step, after, seconds, after_bytes))
         return self
 
     def kill_worker(self, node: str, at_step: int | None = None, after: float = 0.0):
@@ -121,6 +138,21 @@ class FaultPlan:
         """Cuts every packet between the node and the others for ``seconds``."""
         return self._add("partition", node, at_step, after, seconds)
 
+    def blackhole_port(self, node: str, seconds: float, at_step: int | None = None,
+                       after: float = 0.0, after_bytes: int = 0):
+        """Drops every packet to and from the node's replication port (its replica server:
+        fetches from it, pushes to it) for ``seconds``, both ways, without a reset: its
+        connections hang. The rest of the node works (its lease, etcd, rendezvous, its own
+        pushes to others), so no peer sees it fail. Needs ``partitions=True``."""
+        return self._add("blackhole_port", node, at_step, after, seconds, after_bytes)
+
+    def freeze_node(self, node: str, seconds: float, at_step: int | None = None,
+                    after: float = 0.0, after_bytes: int = 0):
+        """SIGSTOP of every process of the node (daemon, agent, workers) for ``seconds``, then
+        SIGCONT. With ``after_bytes`` (needs ``partitions=True``: the node's cgroup counts
+        them), once that many bytes went out of its replication port."""
+        return self._add("freeze_node", node, at_step, after, seconds, after_bytes)
+
     def corrupt_replicas(self, node: str, at_step: int | None = None, after: float = 0.0):
         """Flips payload bytes of every replica that peers hold of ``node``'s ranks."""
         return self._add("corrupt_replicas", node, at_step, after)
@@ -156,6 +188,7 @@ class FaultRecord:
         targets: the nodes (or etcd members) it hit.
         detail: what exactly was done.
         undone_at: wall time a lasting fault was undone.
+        landed: wall time the fault took effect (``at`` unless it was armed: ``after_bytes``).
     """
 
     fault: Fault
@@ -165,6 +198,7 @@ class FaultRecord:
     targets: list[str]
     detail: str = ""
     undone_at: float | None = None
+    landed: float | None = None
 
 
 class Injector:
@@ -175,15 +209,32 @@ class Injector:
         self.pending = list(plan)
         self.records: list[FaultRecord] = []
         self._undo: list[tuple[float, FaultRecord, Callable[[], None]]] = []
+        # Armed faults that have not landed yet: (record, undo); their watcher sets landed.
+        self._armed: list[tuple[FaultRecord, Callable[[], None]]] = []
         self._last_fired = time.time()
+        self._landings: dict[int, Callable[[], str]] = {}  # id(fault) -> what lands it
+        self._disarmed = threading.Event()
 
     @property
     def done(self) -> bool:
-        return not self.pending and not self._undo
+        return not self.pending and not self._undo and not self._armed
+
+    @property
+    def unfired(self) -> list[str]:
+        """Faults of the plan that have not taken effect (not fired, or armed and not landed)."""
+        return ([f.describe() for f in self.pending]
+                + [r.fault.describe() + " (armed, never landed)" for r, _ in self._armed])
 
     def tick(self, step: int) -> None:
         """Fires the next faults that are due at ``step`` and undoes expired lasting ones."""
         now = time.time()
+        for item in list(self._armed):
+            record, undo = item
+            if record.landed is not None:
+                self._armed.remove(item)
+                self._undo.append((record.landed + record.fault.seconds, record, undo))
+                print(f"chaos: {record.fault.describe()}: landed {record.landed - record.at:.2f} s "
+                      f"after it was armed: {record.detail}", flush=True)
         for item in list(self._undo):
             due, record, undo = item
             if now >= due:
@@ -200,7 +251,12 @@ class Injector:
             now = self._last_fired
 
     def undo_all(self) -> None:
-        """Undoes every lasting fault still in force (the harness calls it before teardown)."""
+        """Undoes every lasting fault still in force, and disarms those that never landed (the
+        harness calls it before teardown)."""
+        self._disarmed.set()
+        for record, undo in self._armed:
+            undo()
+        self._armed.clear()
         for _, record, undo in self._undo:
             try:
                 undo()
@@ -219,8 +275,13 @@ class Injector:
         self.records.append(record)
         print(f"chaos: {f.describe()}: fired at step {step} on {targets}: {detail}; "
               f"committed {record.committed}", flush=True)
-        if undo is not None:
-            self._undo.append((at + f.seconds, record, undo))
+        if f.after_bytes:
+            # ``action`` armed a watcher that sets record.landed; tick() schedules the undo.
+            self._watch(record, undo)
+        else:
+            record.landed = at
+            if undo is not None:
+                self._undo.append((at + f.seconds, record, undo))
 
     # -- the faults ---------------------------------------------------------------------
     # Each returns (targets, detail, undo or None).
@@ -284,6 +345,77 @@ class Injector:
     def _partition(self, f: Fault):
         undo = self.cluster.partition(f.node)
         return [f.node], "every packet to and from the node dropped", undo
+
+    def _watch(self, record: FaultRecord, undo: Callable[[], None] | None) -> None:
+        """Lands an armed fault once its bytes went out of the node's replication port,
+        from a thread of its own polling the count every millisecond (the harness's loop polls
+        every 50 ms: a fetch moves tens of MB meanwhile)."""
+        f = record.fault
+        cut = self.cluster.port_cut(f.node)
+        land = self._landings.pop(id(f))
+
+        def watch() -> None:
+            from tests.chaos.partition import PartitionError
+
+            while not self._disarmed.is_set():
+                try:
+                    seen = cut.port_bytes()
+                except PartitionError:
+                    return  # healed meanwhile: the harness is tearing down
+                if seen >= f.after_bytes:
+                    detail = land()
+                    record.landed = time.time()
+                    record.detail += f"; landed with {seen} bytes counted: {detail}"
+                    return
+                time.sleep(0.001)
+
+        self._armed.append((record, undo or (lambda: None)))
+        threading.Thread(target=watch, daemon=True, name=f"chaos-{f.kind}-{f.node}").start()
+
+    def _blackhole_port(self, f: Fault):
+        # The kernel opens the hole itself at ``after_bytes`` (partition.py): nothing to do
+        # when the watcher sees the count but to note it.
+        port, undo = self.cluster.blackhole_port(f.node, f.after_bytes)
+        self._landings[id(f)] = lambda: "packets of the port dropped"
+        when = f"after {f.after_bytes} bytes out of it" if f.after_bytes else "now"
+        return [f.node], f"every packet of replication port {port} dropped {when}", undo
+
+    def _freeze_node(self, f: Fault):
+        node = self.cluster.node(f.node)
+        stopped: list[int] = []
+
+        def freeze() -> str:
+            # The daemon first (it serves the fetch), then its agent and workers: found by
+            # their tag, twice, in case the agent started a worker between the scan and its
+            # stop.
+            node.signal(signal.SIGSTOP, group=True)
+            stopped.append(node.pid)
+            for _ in range(2):
+                for pid in node.tagged():
+                    if pid not in stopped:
+                        try:
+                            os.kill(pid, signal.SIGSTOP)
+                            stopped.append(pid)
+                        except ProcessLookupError:
+                            pass
+            return f"SIGSTOP to daemon pid {node.pid} and pids {stopped[1:]}"
+
+        def thaw() -> None:
+            for pid in stopped:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+            with contextlib.suppress(ProcessLookupError):
+                node.signal(signal.SIGCONT, group=True)
+            heal()
+
+        heal: Callable[[], None] = lambda: None  # noqa: E731
+        if f.after_bytes:
+            _, heal = self.cluster.count_port(f.node)  # counts, drops nothing
+            self._landings[id(f)] = freeze
+            return [f.node], "every process SIGSTOPped once the bytes went out", thaw
+        return [f.node], freeze(), thaw
 
     def _corrupt_replicas(self, f: Fault):
         ranks = self.cluster.ranks_of(f.node)

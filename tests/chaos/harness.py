@@ -312,6 +312,36 @@ class ChaosCluster:
         self._partitions[node].cut()
         return self._partitions[node].heal
 
+    def replication_port(self, node: str) -> int:
+        """The port of the node's replica server (from its node record)."""
+        address = self.cluster.node_records().get(node, {}).get("replication", "")
+        if not address:
+            raise RuntimeError(f"{node} publishes no replication address")
+        return int(address.rpartition(":")[2])
+
+    def blackhole_port(self, node: str, after_bytes: int = 0) -> tuple[int, Callable[[], None]]:
+        """Drops every packet of the node's replication port, both ways, once ``after_bytes``
+        went out of it (see :mod:`tests.chaos.partition`); returns the port and what heals it."""
+        return self._cut_port(node, after_bytes)
+
+    def count_port(self, node: str) -> tuple[int, Callable[[], None]]:
+        """Counts the bytes going out of the node's replication port (:meth:`port_cut`), and
+        drops nothing; returns the port and what stops the count."""
+        return self._cut_port(node, 0, count_only=True)
+
+    def port_cut(self, node: str):
+        """The node's cgroup (:class:`~tests.chaos.partition.Partition`), for its count."""
+        return self._partitions[node]
+
+    def _cut_port(self, node: str, after_bytes: int, count_only: bool = False
+                  ) -> tuple[int, Callable[[], None]]:
+        if node not in self._partitions:
+            raise RuntimeError("a port cut needs the cluster built with partitions=True (each "
+                               "node in its own cgroup from its start)")
+        port = self.replication_port(node)
+        self._partitions[node].cut(port=port, after_bytes=after_bytes, count_only=count_only)
+        return port, self._partitions[node].heal
+
     def _enclose(self, node: str) -> None:
         """Puts a just-started daemon into its node's cgroup (before it opens any socket)."""
         if self.partitions:
@@ -411,18 +441,19 @@ class ChaosCluster:
             self.start()
             self.injector = Injector(self, plan)
             self._wait(lambda: self._tick() and self.finished(), timeout, "the job to finish")
-            if self.injector.pending:
-                raise AssertionError(f"the job ended before these faults fired: "
-                                     f"{[f.describe() for f in self.injector.pending]}")
+            if self.injector.unfired:
+                raise AssertionError(f"the job ended before these faults took effect: "
+                                     f"{self.injector.unfired}")
             self.injector.undo_all()
             finished_at = time.time()
             lingering = self._wait_agents_gone(30.0)
             history = self.commit_history()
             metrics = self.scrape("/metrics")
+            statuses = self.scrape("/status")
             self.events = self.cluster.events()
             left = self.stop()
             return Outcome(self, plan, self.injector.records, history, lingering, left,
-                           started, finished_at, metrics)
+                           started, finished_at, metrics, statuses)
         except BaseException:
             print(self.diagnostics(), flush=True)
             raise
@@ -604,9 +635,11 @@ class Outcome:
     def __init__(self, cc: ChaosCluster, plan: FaultPlan, faults: list[FaultRecord],
                  commits: list[dict[str, Any]], lingering: dict[str, list[int]],
                  left: dict[str, Any], started: float, finished: float,
-                 metrics: dict[str, str] | None = None) -> None:
+                 metrics: dict[str, str] | None = None,
+                 statuses: dict[str, Any] | None = None) -> None:
         self.cc, self.plan, self.faults, self.commits = cc, plan, faults, commits
         self.metrics = metrics or {}  # node -> its /metrics text when the job had ended
+        self.statuses = statuses or {}  # node -> its /status document then
         self.events = getattr(cc, "events", [])  # the cluster's event log (failed, left, ...)
         self.lingering, self.left = lingering, left
         self.seconds = finished - started

@@ -29,3 +29,54 @@ def test_partitioned_node_is_aborted_around_and_fences(tmp_path, reference):
                    must={"peer"})
     kinds = {(e["kind"], e["node"]) for e in out.events}
     assert ("failed", "n2") in kinds and ("fenced", "n2") in kinds, kinds
+
+
+SENDER = """
+import socket, sys
+sys.stdin.readline()  # in the cgroup before the socket exists
+s = socket.create_server(("127.0.0.1", 0))
+print(s.getsockname()[1], flush=True)
+c, _ = s.accept()
+try:
+    while True:
+        c.sendall(b"x" * (1 << 20))
+except OSError:
+    pass
+"""
+
+
+@pytest.mark.skipif(bool(WHY_NOT), reason=f"no partitions on this machine: {WHY_NOT}")
+def test_a_port_cut_opens_mid_transfer_and_heals_without_a_reset():
+    # The harness's black hole of one port (tests/chaos/faults.py blackhole_port): a
+    # process in the cgroup streams from its listening port; the cut lets 8 MiB out, then
+    # nothing moves either way and the connection stays open; healed, the stream goes on.
+    import socket
+    import subprocess
+    import sys
+
+    from tests.chaos.partition import Partition
+
+    cut = Partition("port-probe")
+    sender = subprocess.Popen([sys.executable, "-c", SENDER], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        cut.add(sender.pid)
+        sender.stdin.write("go\n")
+        sender.stdin.flush()
+        port = int(sender.stdout.readline())
+        cut.cut(port=port, after_bytes=8 << 20)
+        with socket.create_connection(("127.0.0.1", port), timeout=1.0) as conn:
+            got = 0
+            with pytest.raises(socket.timeout):
+                while True:
+                    got += len(conn.recv(1 << 20))
+            assert 7 << 20 < got <= 9 << 20, got
+            assert cut.port_bytes() >= 8 << 20
+            cut.heal()
+            more = 0
+            while more < 16 << 20:
+                more += len(conn.recv(1 << 20))
+    finally:
+        sender.kill()
+        sender.wait()
+        assert cut.remove()

@@ -333,3 +333,17 @@ def test_off_the_snapshot_grid_a_reservation_is_skipped_quietly(env, caplog):
     assert not on.get("skip") and on["capacity"] >= 4096
     Grid.grid = 1
     assert not t.call("ckpt_reserve", step=9, **ask).get("skip")
+
+
+def test_a_reply_that_could_not_be_delivered_gives_its_read_pin_back(env):
+    # A worker killed while its ckpt_fetch ran (a restore round aborted during a fetch from a
+    # frozen holder) never reads the reply, nor releases its pin: the local API hands the
+    # reply back, and the slot is free for the next snapshot at once (not after pin_ttl).
+    service, t, _ = env
+    write_snapshot(t, "job", 0, 1, world=1)
+    write_snapshot(t, "job", 0, 2, world=1)
+    opened = t.call("ckpt_open", job="job", rank=0, generation=0, step=1)
+    service.undelivered("ckpt_open", opened)
+    done, _ = write_snapshot(t, "job", 0, 3, world=1)
+    assert done["step"] == 3
+    assert service.stats().skipped_busy_total == 0

@@ -16,6 +16,7 @@ from elasticd.replication.api import DeadlineExceeded
 from elasticd.replication.deadline import DeadlinePolicy, LinkRates
 from elasticd.replication.lanes import Connections
 from elasticd.replication.memory import MemorySink
+from elasticd.replication.messages import Fetch
 from elasticd.replication.recovery import fetch_shard
 from elasticd.replication.transport import ReplicaClient, ReplicaServer
 
@@ -193,3 +194,32 @@ def test_a_push_to_a_receiver_black_holed_mid_push_costs_the_deadline_and_commit
     finally:
         hole.close()
         srv.stop()
+
+
+def _wait(cond, timeout: float = 5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := cond():
+            return value
+        time.sleep(0.02)
+    return cond()
+
+
+def test_the_server_lists_a_fetch_it_serves_until_the_peer_goes(cluster):
+    # ~24 MiB: more than the two sockets' buffers hold, so a reader that reads nothing (a
+    # frozen or black-holed peer) keeps the server's send blocked.
+    d, buf = sealed_snapshot(n_floats=6_000_001)
+    srv = ReplicaServer("127.0.0.1", 0, SECRET, "n0", MemorySink(), idle_timeout=30.0).start()
+    cluster["servers"].append(srv)
+    with ReplicaClient.connect(*srv.address, SECRET, "pusher", timeout=10.0) as c:
+        c.push(d, buf[: d.header_bytes], buf[d.header_bytes :])
+    assert srv.serving() == []
+    reader = ReplicaClient.connect(*srv.address, SECRET, "n9", timeout=10.0)
+    reader.channel.send(Fetch(JOB, 1, *d.version))  # and then reads nothing
+    serving = _wait(srv.serving)
+    assert [(s["peer"], s["job"], s["rank"], s["version"]) for s in serving] == [
+        ("n9", JOB, 1, list(d.version))]
+    time.sleep(0.3)
+    assert srv.serving()[0]["seconds"] >= 0.3  # still there: its send is blocked
+    reader.close()  # the peer goes (what a fetch past its deadline does): the send fails
+    assert _wait(lambda: not srv.serving()), srv.serving()

@@ -583,3 +583,15 @@ def test_forked_child_opens_its_own_connection(client):
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert client.call("whoami")["peer"]["pid"] == parent_peer == os.getpid()
+
+
+def test_a_reply_whose_caller_went_away_is_handed_to_the_undelivered_hooks(server):
+    # The caller dies while its request runs (a worker killed during a long fetch): what the
+    # reply carried (a read pin) must be given back by someone.
+    got: list = []
+    server.on_undelivered.append(lambda op, reply: got.append((op, reply)))
+    s = raw(server)
+    s.sendall(frame({"op": "slow", "id": 7, "seconds": 0.3}))
+    s.close()
+    wait_for(lambda: got)
+    assert [(op, reply["slept"], reply["id"]) for op, reply in got] == [("slow", 0.3, 7)]
