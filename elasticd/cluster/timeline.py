@@ -11,7 +11,9 @@ it happens, and the phases between them::
   failure is placed ``min(detection_seconds, lease_ttl)`` before the detection: the failed
   event's age of the dead node's last heartbeat record when that is newer, else the lease TTL
   (error about ±TTL/3 either way).
-* **detected**: the ``failed`` event (its ``at``, written by the first observer).
+* **detected**: the ``failed`` event (its ``at``, written by the first observer), or the first
+  later moment when that came before it (the survivors were training again before the lease
+  expired; named in ``overlapped``).
 * **workers aborted**: the writer's workers were killed or died: its daemon's proactive abort,
   its agent's (its rendezvous saw the dead member go), or a worker's exit (on one host, kill -9
   resets the dead node's connections and gloo fails the survivors' workers at once).
@@ -184,6 +186,15 @@ def assemble(*, job: str, failed: Iterable[str], detected_at: float,
         "first_step": first_step_at,
     }
     marks, overlapped, latest = {}, [], None
+    # The survivors may be training again before any daemon sees the lease expire (a peer
+    # killed outright resets its sockets: the agents re-form at once, and the daemons leave a
+    # group that already went on without it running). Then "detected" is the first moment
+    # anything noticed, not the failed event, so that no later moment is invented: the first
+    # step stays when it happened and ``total`` is the real failure-to-training time.
+    later = [raw[m] for m in MARKS[MARKS.index("detected") + 1:] if raw[m] is not None]
+    if first_step_at is not None and first_step_at < detected_at:
+        raw["detected"] = max(min(later), failure_at if failure_at is not None else min(later))
+        overlapped.append("detected")
     for name in MARKS:
         t = raw[name]
         if t is not None and latest is not None and t < latest:

@@ -101,7 +101,13 @@ def check(out: Outcome, fault: FaultRecord, by_deadline: bool) -> None:
                       if min(s.seen for s in r.attempt.starts.values()) > fault.landed]
     try:
         assert out.recoveries, f"no restore after the fault landed\n{out.summary()}"
-        out.assert_steps_lost()
+        # Each rank reports the steps it really lost, and no more than a sync lag. (Not the
+        # harness's "restored == committed in force": with the survivors re-formed before
+        # the daemons saw the lease expire, its reconstruction of the step in force then lags
+        # the commits that the restore itself used: "restored 36, committed 20, lost 0".)
+        for r in out.recoveries:
+            assert set(r.reported_lost.values()) == {r.true_lost}, f"{r}\n{out.summary()}"
+            assert r.true_lost <= MAX_LAG, f"{r}\n{out.summary()}"
     finally:
         out.recoveries = everything
     out.assert_samples_exactly_once()

@@ -444,3 +444,17 @@ def test_a_trained_workers_exit_is_an_abort_and_the_local_api_reports_it(env, tm
     rec.on_connection_closed({"pid": 999999, "job": "j"})  # never trained: not an abort
     rec.on_connection_closed({"pid": 1, "job": None})
     assert len(rec._jobs["j"].aborts) == 1
+
+
+def test_a_recovery_done_before_the_lease_expired_keeps_its_real_moments():
+    # Killed outright: the survivors' agents re-formed at once and trained again 1.7 s after
+    # the failure, before the daemons saw the lease expire (2.0 s): nothing is moved later
+    # than it happened, and "detected" is the first moment anything noticed.
+    # (The failure is placed a lease TTL before the detection at T0 + 2.3: T0 + 0.3.)
+    t = _full(aborted=[T0 + 0.6], round_closed=[T0 + 0.8], first_steps=[T0 + 2.0],
+              restores=[])
+    assert t.first_step_at == T0 + 2.0 and t.overlapped == ["detected"]
+    assert t.detected_at == T0 + 0.6 == t.aborted_at
+    seen = [m for m in t.marks() if m is not None]
+    assert seen == sorted(seen)
+    assert t.total == 1.7
