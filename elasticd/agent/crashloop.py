@@ -53,9 +53,20 @@ def after_restart(state: LoopState, committed: Version | None, failure: str,
     return LoopState(state.best, state.restarts + 1, failure)
 
 
+#: The failure of an attempt whose log here shows no Python traceback.
+NO_TRACEBACK = "a worker exited without a Python traceback (see elasticctl logs)"
+
+
 def verdict(state: LoopState, limit: int) -> str | None:
-    """The reason to stop the job as failed, or None to let it restart (``limit`` 0: never)."""
+    """The reason to stop the job as failed, or None to let it restart (``limit`` 0: never).
+
+    A node whose own workers showed no traceback (killed when a peer's worker raised) waits
+    one restart more, so that the node whose worker raised, which counts the same restarts,
+    decides first and the job's reason carries the exception line.
+    """
     if limit <= 0 or state.restarts < limit:
+        return None
+    if state.failure == NO_TRACEBACK and state.restarts < limit + 1:
         return None
     at = f"step {state.best[1]}" if state.best is not None else "nothing"
     why = state.failure or "the workers failed"

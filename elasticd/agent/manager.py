@@ -383,7 +383,7 @@ class JobManager(JobRecords, WorkerGroup):
         text = crashloop.read_tail(sup.log_path, max(0, min(65536, size - self._log_mark)))
         self._log_mark = size
         failure = (self._restart_cause or crashloop.failure_summary(text) or fallback
-                   or "a worker exited without a Python traceback (see elasticctl logs)")
+                   or crashloop.NO_TRACEBACK)
         self._restart_cause = ""
         committed = self.committed(job)
         if committed is None and self._best_step >= 0:

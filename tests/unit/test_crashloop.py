@@ -87,3 +87,14 @@ def test_a_job_that_gives_no_step_counts_only_short_attempts():
     for _ in range(3):
         state = after_restart(state, None, "x", seconds=5)
     assert verdict(state, 3) is not None
+
+
+def test_a_node_that_saw_no_traceback_waits_one_restart_for_the_node_that_did():
+    from elasticd.agent import crashloop
+
+    silent = crashloop.LoopState(best=(0, 29), restarts=2, failure=crashloop.NO_TRACEBACK)
+    assert crashloop.verdict(silent, 2) is None  # the peer whose worker raised decides first
+    silent = crashloop.LoopState(best=(0, 29), restarts=3, failure=crashloop.NO_TRACEBACK)
+    assert "without a Python traceback" in crashloop.verdict(silent, 2)
+    raised = crashloop.LoopState(best=(0, 29), restarts=2, failure="RuntimeError: boom")
+    assert crashloop.verdict(raised, 2).endswith("last failure: RuntimeError: boom")
