@@ -103,12 +103,21 @@ def main(argv: list[str] | None = None) -> int:
         restores: dict[str, re.Match] = {}
         first_step: dict[str, float] = {}
         deadline = SYSTEM_CLOCK.monotonic() + 120
-        while len(first_step) < len(survivors) and SYSTEM_CLOCK.monotonic() < deadline:
-            if "failed" not in seen and any(e["kind"] == "failed" and e["node"] == args.victim
-                                            for e in cluster.events()):
-                seen["failed"] = SYSTEM_CLOCK.monotonic()
-                d.say(f"failure of {args.victim} recorded {seen['failed'] - killed:.2f} s after "
-                      "the kill (its lease expired); survivors restart their workers at once")
+        # Wait for both the survivors' first steps and the daemon's record of the failure:
+        # when the survivors' agents re-form on their own (the dead agent's sockets reset),
+        # training is back before the victim's lease expires, and the record comes after.
+        while ((len(first_step) < len(survivors) or "failed" not in seen)
+               and SYSTEM_CLOCK.monotonic() < deadline):
+            if "failed" not in seen:
+                failed = [e for e in cluster.events()
+                          if e["kind"] == "failed" and e["node"] == args.victim
+                          and e["at"] >= killed_wall]
+                if failed:
+                    seen["failed"] = killed + (failed[0]["at"] - killed_wall)
+                    why = ("survivors restart their workers at once" if not first_step else
+                           "the survivors' agents had already re-formed without it")
+                    d.say(f"failure of {args.victim} recorded {seen['failed'] - killed:.2f} s "
+                          f"after the kill (its lease expired); {why}")
             for n in survivors:
                 if n not in restores and (m := RESTORED_RE.search(d.log(n), marks[n])):
                     restores[n] = m
@@ -119,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
                     d.say(f"{n}: training again at world size 2 "
                           f"({first_step[n] - killed:.2f} s after the kill)")
             SYSTEM_CLOCK.sleep(0.05)
+        if "failed" not in seen:
+            d.say(f"no daemon recorded {args.victim}'s failure within 120 s: see the logs")
+            args.keep = True
+            return 1
         if len(first_step) < len(survivors):
             d.say("the survivors did not train again within 120 s: see the logs")
             args.keep = True

@@ -170,15 +170,39 @@ def _start(conn: socket.socket) -> None:
         for fd in fds:
             os.close(fd)
         raise ValueError("incomplete request (need argv, env, cwd and 3 descriptors)")
+    if _hung_up(conn):
+        # The request waited in the backlog while this zygote preloaded, and its warm_start
+        # is gone (torchrun stopped a worker group that had not started yet: a bigger round
+        # came). Forking it would run a worker of a group that no longer exists, beside the
+        # new one (seen in CI: a world-2 and a world-3 group trained side by side).
+        for fd in fds:
+            os.close(fd)
+        raise ConnectionAbortedError("its warm_start went away before the worker started")
     pid = os.fork()
     if pid == 0:  # the worker; never returns
         conn.close()
         _run_child(request, fds)
     for fd in fds:
         os.close(fd)
-    send_msg(conn, {"pid": pid})
+    try:
+        send_msg(conn, {"pid": pid})
+    except OSError:
+        # warm_start went away between the check and the fork: nobody watches this worker.
+        _kill_group(pid)
+        os.waitpid(pid, 0)
+        raise
     threading.Thread(target=_watch, args=(conn, pid), daemon=True,
                      name=f"zygote-watch-{pid}").start()
+
+
+def _hung_up(conn: socket.socket) -> bool:
+    """Whether the client closed its end (warm_start sends nothing after its request)."""
+    try:
+        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 def _watch(conn: socket.socket, pid: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -12,7 +13,7 @@ import uuid
 import pytest
 
 from elasticd.agent.supervisor import safe_module
-from elasticd.agent.zygote import ZYGOTE_ENV, peer_allowed
+from elasticd.agent.zygote import ZYGOTE_ENV, address, peer_allowed, send_msg
 
 SCRIPT = """
 import os, random, sys, time
@@ -152,3 +153,44 @@ def test_without_a_zygote_the_script_starts_cold(script):
 def test_only_the_zygotes_user_or_root_may_connect():
     assert peer_allowed(1000, 1000) and peer_allowed(0, 1000)
     assert not peer_allowed(1001, 1000)
+
+
+def test_a_request_whose_stand_in_left_while_the_zygote_preloaded_starts_no_worker(script,
+                                                                                  tmp_path):
+    # torchrun stops a worker group whose warm_starts are still queued behind a preloading
+    # zygote when a bigger round comes: the queued request must not become a worker of a group
+    # that no longer exists (CI saw a world-2 and a world-3 group train side by side).
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    log = tmp_path / "zygote.log"
+    pidfile = tmp_path / "pid"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(safe_module(sys.executable, "elasticd.agent.zygote"),
+                                env={**os.environ, ZYGOTE_ENV: name}, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        deadline = time.monotonic() + 30
+        while True:  # the zygote binds first, then imports torch for seconds
+            try:
+                client.connect(address(name))
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.01)
+        assert b"ready" not in log.read_bytes(), "the zygote preloaded too fast to test this"
+        with open(os.devnull, "rb") as i, open(os.devnull, "wb") as o:
+            send_msg(client, {"argv": [str(script), "sleep", str(pidfile)],
+                              "env": dict(os.environ), "cwd": str(tmp_path)},
+                     [i.fileno(), o.fileno(), o.fileno()])
+        client.close()  # warm_start died of torchrun's SIGTERM while it waited
+        deadline = time.monotonic() + 60
+        while b"request refused" not in log.read_bytes():
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.05)
+        time.sleep(2)  # a forked worker writes its pid at once
+        assert not pidfile.exists(), "the zygote started a worker nobody waits for"
+    finally:
+        if pidfile.exists() and pidfile.read_text():
+            os.kill(int(pidfile.read_text()), signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
