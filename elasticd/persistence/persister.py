@@ -56,7 +56,8 @@ class Persister:
     Args:
         root: the persistent tier's directory.
         keep: complete steps kept per job (older ones are pruned after each flush).
-        every_steps: flush steps that are multiples of this.
+        every_steps: flush steps that are multiples of this (or, when a multiple's snapshot was
+            skipped, the first step offered after it).
         every_seconds: flush the first step offered this long after the previous flush.
             With neither, every step offered is flushed (when the writer is free).
         queue_size: flushes that may wait behind the one being written (their slots stay
@@ -87,6 +88,7 @@ class Persister:
         self._queue: "queue.Queue[Any]" = queue.Queue()  # bounded by _pending, in submit
         self._lock = threading.Lock()
         self._last_flush: dict[str, float] = {}
+        self._offered_step: dict[str, int] = {}  # job -> the last step due() was asked about
         self._persisted: dict[str, tuple[int, int]] = {}
         self._idle = threading.Condition(self._lock)
         self._pending = 0
@@ -103,8 +105,18 @@ class Persister:
         """Whether a step of ``job`` should be flushed (the policy; nothing is reserved)."""
         if self.every_steps is None and self.every_seconds is None:
             return True
-        if self.every_steps is not None and step % self.every_steps == 0:
-            return True
+        if self.every_steps is not None:
+            # Due when a multiple of K lies in (previous step offered, step]: a multiple whose
+            # snapshot was skipped (both slots held copies waiting for a commit) moves the flush
+            # to the next step offered instead of leaving the tier a whole period behind (CI saw
+            # steps 5, 10, 15 and 20 all skipped under a slow commit, and no tier step to fall
+            # back on). Nodes that skipped the same steps still pick the same one.
+            k = self.every_steps
+            with self._lock:
+                prev = self._offered_step.get(job, 0)
+                self._offered_step[job] = step
+            if step % k == 0 or (prev < step and step // k > prev // k):
+                return True
         if self.every_seconds is not None:
             with self._lock:
                 last = self._last_flush.get(job)

@@ -256,6 +256,18 @@ def test_persister_policy(tmp_path):
         Persister(str(tmp_path), keep=0)
 
 
+def test_a_skipped_multiple_moves_the_flush_to_the_next_step_offered(tmp_path):
+    p = Persister(str(tmp_path), every_steps=5)
+    try:
+        # Steps 5 and 10 were never offered (their snapshots were skipped): 6 and 12 go instead.
+        assert [s for s in (1, 2, 3, 6, 7, 8, 12, 13, 15, 16) if p.due("job", s)] == [6, 12, 15]
+        # A new generation restarts from an older step: 10 is due, and 16 stands in for 15.
+        assert [s for s in (9, 10, 11, 14, 16) if p.due("job", s)] == [10, 16]
+        assert [s for s in (4, 6) if p.due("other", s)] == [6]  # per job
+    finally:
+        p.close()
+
+
 def test_failed_flush_is_reported_not_raised(tmp_path, monkeypatch):
     flushed = []
     p = Persister(str(tmp_path), on_flushed=flushed.append)
