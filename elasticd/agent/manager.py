@@ -504,4 +504,23 @@ class JobManager(JobRecords, WorkerGroup):
         return {"job": self.job, **self.status.as_dict(), "progress": self.progress_status(),
                 "refused_specs": self.refused(),
                 # every node's own verdict, as published (agent/straggler.py)
-                "stragglers": {n: st.straggler for n, st in sorted(sts.items()) if st.straggler}}
+                "stragglers": {n: st.straggler for n, st in sorted(sts.items()) if st.straggler},
+                "straggler_detection": self.straggler_detection()}
+
+    def straggler_detection(self) -> str:
+        """Whether this node's straggler verdict means anything, in words ("" without a job).
+
+        The judge compares compute time outside collectives, which only a script that uses
+        ``ComputeTimer`` reports: without it nobody is ever named, and that must not look like
+        a healthy "no stragglers".
+        """
+        if self.job is None:
+            return ""
+        if self.status.compute_seconds > 0:
+            return "on"
+        if self.tracker is None:
+            return "off: hang detection is off for this job (straggler detection needs it)"
+        if self.status.last_step < 1:
+            return "waiting for the first step"
+        return ("off: the training script reports no compute time (wrap the model with "
+                "elasticd.worker.compute_time.ComputeTimer; README, Stragglers)")

@@ -17,7 +17,6 @@ import dataclasses
 import logging
 import threading
 from typing import Any, Callable
-from urllib.parse import unquote
 
 from elasticd.agent.hang_timeout import LearnedTimeout
 from elasticd.agent.progress import Hang, ProgressTracker, progress_handler
@@ -28,7 +27,7 @@ from elasticd.clock import Clock
 from elasticd.cluster.jobspec import JobSpec, JobState, NodeJobStatus
 from elasticd.coordination.api import CoordinationError, Coordinator
 from elasticd.coordination.keys import Keyspace
-from elasticd.coordination.rendezvous_rounds import RecordError, RoundRecord
+from elasticd.coordination.rendezvous_rounds import RecordError, RoundRecord, agent_pid
 from elasticd.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -187,8 +186,8 @@ class WorkerGroup:
         job = self.job
         assert job is not None and self.supervisor is not None
         peer = self.statuses.get(job, {}).get(node)
-        mine, theirs = str(self.supervisor.pid or ""), str(peer.agent_pid if peer else "")
-        if not mine or not theirs or theirs == "0":
+        mine, theirs = self.supervisor.pid, peer.agent_pid if peer else None
+        if not mine or not theirs:
             return False
         try:
             kv = self.coord.get(self.keys.job_rdzv_round(job))
@@ -198,8 +197,7 @@ class WorkerGroup:
             return False
         if last is None:
             return False
-        pids = {unquote(m).rsplit("_", 2)[-2] for m in last.members
-                if len(unquote(m).rsplit("_", 2)) == 3}
+        pids = {agent_pid(m) for m in last.members}
         return mine in pids and theirs not in pids
 
     def recovery_writer(self, failed: str) -> str | None:

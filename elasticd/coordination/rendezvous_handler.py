@@ -58,7 +58,6 @@ import socket
 import sys
 import threading
 from typing import Callable
-from urllib.parse import quote
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import (
@@ -99,6 +98,7 @@ from elasticd.coordination.rendezvous_rounds import (
     grew_at,
     grow_interval,
     next_round,
+    node_id,
     num_waiting,
 )
 from elasticd.coordination.rendezvous_store import EtcdV3Store
@@ -111,12 +111,6 @@ WAKE_INTERVAL = 30.0
 #: A node that is not the expected closer of a closable round writes it after this many seconds
 #: (plus up to as much again, at random): the expected closer may have died.
 CLOSER_BACKOFF = 1.0
-
-
-def node_id(addr: str, pid: int, local_id: int) -> str:
-    """A node's id: its address, agent pid and handler count, percent-quoted into one key
-    element (an IPv6 address or an odd host name stays one element)."""
-    return quote(f"{addr}_{pid}_{local_id}", safe="")
 
 
 class _Mirror:

@@ -63,6 +63,7 @@ import dataclasses
 import json
 import math
 from typing import Iterable, Mapping
+from urllib.parse import quote, unquote
 
 #: Schema version of the node and round records.
 SCHEMA = 1
@@ -70,6 +71,20 @@ SCHEMA = 1
 #: number of minutes.
 GROW_POLICIES = ("immediate", "at-failure", "interval:MIN")
 _INTERVAL = "interval:"
+
+
+def node_id(addr: str, pid: int, local_id: int) -> str:
+    """A node's id: its address, agent pid and handler count, percent-quoted into one key
+    element (an IPv6 address or an odd host name stays one element)."""
+    return quote(f"{addr}_{pid}_{local_id}", safe="")
+
+
+def agent_pid(member: str) -> int | None:
+    """The agent pid in a node id made by :func:`node_id` (None when ``member`` is not one)."""
+    parts = unquote(member).rsplit("_", 2)
+    if len(parts) != 3 or not parts[1].isdigit():
+        return None
+    return int(parts[1])
 
 
 def check_grow(policy: str) -> str:

@@ -48,6 +48,7 @@ def test_the_slow_node_alone_is_named_a_straggler_and_drained_and_the_job_speeds
                    interval=0.25)
         mine = n2.http("/status")["job"]
         assert mine["straggler"].startswith("STRAGGLER: compute "), mine
+        assert mine["straggler_detection"] == "on", mine
         # Any node's /status shows every published verdict: n2's alone.
         c.wait_for(lambda: list(n1.http("/status")["job"].get("stragglers") or {}) == ["n2"],
                    10, "n1's /status names n2")

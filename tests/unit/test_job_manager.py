@@ -207,8 +207,7 @@ def test_a_set_hang_timeout_is_shown_as_set_and_zero_turns_it_off(env, tmp_path)
 
 
 def _round(coord, keys, *pids):
-    from elasticd.coordination.rendezvous_handler import node_id
-    from elasticd.coordination.rendezvous_rounds import RoundRecord
+    from elasticd.coordination.rendezvous_rounds import RoundRecord, node_id
 
     members = tuple(node_id("10.0.0.%d" % i, pid, 1) for i, pid in enumerate(pids))
     coord.put(keys.job_rdzv_round("job"), RoundRecord(3, members).encode())
@@ -279,3 +278,20 @@ def test_a_straggler_is_not_drained_below_the_jobs_minimum(env, tmp_path):
                          "_peer": {"pid": 7}})
         mgr.step()
     assert mgr.status.straggler and coord.get(keys.drain("n1")) is None
+
+
+def test_status_says_when_straggler_detection_is_off_for_want_of_compute_times(env, tmp_path):
+    coord, keys, mgr, lease = env
+    assert mgr.straggler_detection() == ""
+    _running(mgr, tmp_path)
+    mgr.step()
+    assert mgr.describe()["straggler_detection"] == "waiting for the first step"
+    for step in range(1, 4):  # a script written without ComputeTimer: steps, no compute time
+        mgr.on_progress({"job": "job", "rank": 0, "step": step, "_peer": {"pid": 7}})
+        mgr.step()
+    assert mgr.describe()["straggler_detection"].startswith(
+        "off: the training script reports no compute time")
+    mgr.on_progress({"job": "job", "rank": 0, "step": 4, "compute_seconds": 0.2,
+                     "_peer": {"pid": 7}})
+    mgr.step()
+    assert mgr.describe()["straggler_detection"] == "on"

@@ -12,12 +12,14 @@ from elasticd.coordination.rendezvous_rounds import (
     NodeRecord,
     RecordError,
     RoundRecord,
+    agent_pid,
     check_grow,
     closer,
     decide_close,
     grew_at,
     grow_interval,
     joined,
+    node_id,
     num_waiting,
     order,
 )
@@ -157,3 +159,11 @@ def test_grow_interval_admits_a_newcomer_once_min_minutes_passed_and_at_a_commit
     del live["b"]
     assert num_waiting(live, last, 3, gone=["b"], grow=policy, now=1_001.0,
                        at_commit=False) == 1
+
+
+def test_agent_pid_reads_back_what_node_id_wrote():
+    # An IPv6 address and a host name with underscores stay one key element and parse back.
+    for addr in ("10.0.0.1", "fe80::1%eth0", "host_with_underscores"):
+        assert agent_pid(node_id(addr, 4242, 3)) == 4242
+    assert agent_pid("not-a-node-id") is None
+    assert agent_pid(node_id("h", 1, 1).replace("_1_", "_x_")) is None
