@@ -10,7 +10,6 @@ failed. A drained node stays out of every job until the record is deleted (``ela
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
 from typing import Any
 
@@ -23,7 +22,7 @@ log = logging.getLogger(__name__)
 KIND = "drain"
 
 
-class DrainState(str, enum.Enum):
+class DrainState(records.ValueEnum):
     """REQUESTED → DRAINING → DRAINED | FAILED; a new request replaces a FAILED record. A
     member is its string (JSON, comparisons, formatting)."""
 
@@ -31,9 +30,6 @@ class DrainState(str, enum.Enum):
     DRAINING = "draining"
     DRAINED = "drained"
     FAILED = "failed"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 FINAL = (DrainState.DRAINED, DrainState.FAILED)

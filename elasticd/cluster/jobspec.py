@@ -12,7 +12,6 @@ name ``--user``. The CLI and the daemon both read specs: this module imports nei
 from __future__ import annotations
 
 import dataclasses
-import enum
 import hashlib
 import os
 import pwd
@@ -242,7 +241,7 @@ def build(name: str, nnodes: str, nproc_per_node: int, script: str, args: list[s
     return spec.validate()
 
 
-class JobState(str, enum.Enum):
+class JobState(records.ValueEnum):
     """A node's state of one job (:attr:`NodeJobStatus.state`), and what a job's control wants
     (:attr:`JobControl.desired`: RUNNING, STOPPED or FAILED).
 
@@ -264,9 +263,6 @@ class JobState(str, enum.Enum):
     FAILED = "failed"
     REFUSED = "refused"
     DRAINED = "drained"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclasses.dataclass(frozen=True)

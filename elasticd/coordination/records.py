@@ -16,6 +16,7 @@ record is a :class:`CorruptRecord` at the edge rather than a ``TypeError`` deep 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import json
 import math
@@ -27,6 +28,15 @@ from typing import Any, Type, TypeVar
 from elasticd.errors import InputError
 
 SCHEMA_VERSION = 1
+
+
+class ValueEnum(str, enum.Enum):
+    """A record field's closed set of values (job and drain states): each member is its string
+    in JSON, comparisons and formatting, so records read and print as they did when the
+    values were plain strings (``enum.StrEnum`` would do, from Python 3.11)."""
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class RecordError(InputError, ValueError):
