@@ -76,9 +76,11 @@ class NodeProcess:
         self.proc: subprocess.Popen | None = None
         self.address = ""
         self.shm_dir = ""
+        self.log_offset = 0
 
     def start(self) -> None:
         with open(self.log_path, "ab") as log:
+            self.log_offset = log.tell()  # this start's lines begin here (see joined)
             # Own session: the node's whole process tree can be signalled as one group, the way
             # a machine failure takes everything on it.
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
@@ -90,6 +92,19 @@ class NodeProcess:
     def pid(self) -> int:
         assert self.proc is not None
         return self.proc.pid
+
+    def joined(self) -> bool:
+        """Whether this start of the daemon has finished joining (its log says so).
+
+        Its record in etcd appears before that: a test that broke etcd the moment it saw the
+        record once caught the daemon still inside its join, where etcd unreachable is fatal.
+        """
+        try:
+            with open(self.log_path, "rb") as fh:
+                fh.seek(self.log_offset)
+                return f"joined the cluster as {self.node_id}".encode() in fh.read()
+        except OSError:
+            return False
 
     @property
     def running(self) -> bool:
@@ -291,13 +306,14 @@ class LocalCluster:
         return out
 
     def registered(self, node_id: str) -> bool:
-        """True when the node's current process has its record in etcd (address learnt)."""
+        """True when the node's current process has its record in etcd (address learnt) and
+        has finished joining."""
         n = self.nodes[node_id]
         try:
             rec = self.node_records().get(node_id)
         except Exception:
             return False
-        if rec is None or not n.running or rec["pid"] != n.pid:
+        if rec is None or not n.running or rec["pid"] != n.pid or not n.joined():
             return False
         n.address = rec["address"]
         return True
