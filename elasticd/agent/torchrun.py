@@ -28,10 +28,14 @@ import runpy
 from elasticd.agent.commit_watch import CommitWatch
 from elasticd.agent.daemon_watch import DaemonWatch, fence_agent, ping_daemon
 from elasticd.agent.supervisor import TAG_ENV, children, kill_workers
+from elasticd.agent.zygote import ZYGOTE_ENV, ZYGOTE_PID_ENV, wait_ready
 from elasticd.coordination import rendezvous
 from elasticd.coordination.keys import Keyspace
 
 log = logging.getLogger(__name__)
+
+#: How long a node's first join waits for its zygote's preload (seconds).
+ZYGOTE_WAIT = 60.0
 
 
 def restart_own_workers(dead: list[str], sock: str = "") -> None:
@@ -64,10 +68,23 @@ def attach(handler: object) -> None:
                         ping=ping_daemon(sock, timeout=1.0),
                         fence=fence_agent(tag, handler.stop),  # type: ignore[attr-defined]
                         absent_for=0.0, interval=0.25, silent_for=1.0, ping_interval=0.25)
-    # Silent daemon: settle before joining, for up to a lease TTL and a second (its record
-    # is gone by then if it is frozen, and the rule holds).
-    handler.join_gate = lambda: watch.settle(  # type: ignore[attr-defined]
-        handler._ttl + 1.0)  # type: ignore[attr-defined]
+    zygote = os.environ.get(ZYGOTE_ENV, "")
+    warm = [not zygote]
+
+    def join_gate() -> object:
+        # The first join waits for this node's zygote (warm worker starts): joining earlier
+        # would stop every other node's workers while it imports torch.
+        if not warm[0]:
+            pid = os.environ.get(ZYGOTE_PID_ENV, "")
+            why = wait_ready(zygote, int(pid) if pid.isdigit() else None, ZYGOTE_WAIT)
+            if why:
+                log.warning("joining the round without a warm zygote: %s", why)
+            warm[0] = True
+        # Silent daemon: settle before joining, for up to a lease TTL and a second (its record
+        # is gone by then if it is frozen, and the rule holds).
+        return watch.settle(handler._ttl + 1.0)  # type: ignore[attr-defined]
+
+    handler.join_gate = join_gate  # type: ignore[attr-defined]
     watch.start()
     if str(getattr(handler, "_grow", "")).startswith("interval:"):
         commits = CommitWatch(handler._coord, Keyspace(prefix),  # type: ignore[attr-defined]

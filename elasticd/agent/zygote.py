@@ -24,6 +24,11 @@ pays that once per job and node, before it is needed:
   (SIGKILL: torchrun's or the daemon's proactive abort), its connection closes and the zygote
   SIGKILLs the child's whole process group: no worker outlives the process torchrun watches.
 
+A node's agent asks the zygote whether it is ready (:func:`wait_ready`: a request with no
+script, answered once the zygote accepts, which is after its preload) before the node's first
+join of a round: a node that joined earlier stopped every other node's workers while it
+imported torch (a rejoin's stop went from 3.0 s to 0.65 s with the wait, test_node_rejoins).
+
 Only the zygote's own user (or root) may connect (``SO_PEERCRED``): the socket runs code as that
 user. The other way round, a worker hands its argv, environment (the job's secrets) and stdio
 only to a server running as its own user (and with the pid in ``ELASTICD_ZYGOTE_PID``, when
@@ -131,6 +136,47 @@ def server_trusted(pid: int, uid: int, my_uid: int, expected_pid: int | None) ->
     return ""
 
 
+def wait_ready(name: str, expected_pid: int | None, timeout: float) -> str:
+    """Waits until the zygote ``name`` has preloaded (it accepts only then); "" once it has,
+    else why not (a squatter on the name, or ``timeout`` seconds passed).
+
+    A node's agent asks before it joins a round: a node that joins while its zygote is still
+    importing torch stops every other node's workers for as long as that import takes (a
+    rejoin stopped the others for 3.0 s, 2.7 s of them this wait). Waiting first, the others
+    train on meanwhile. No argv, environment or descriptor is sent.
+    """
+    import time
+
+    deadline = time.monotonic() + timeout
+    why = f"zygote {name!r} did not answer within {timeout:.0f} s"
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return why
+        if expected_pid is not None and not os.path.exists(f"/proc/{expected_pid}"):
+            return f"zygote {name!r} (pid {expected_pid}) is gone"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(left)
+            sock.connect(address(name))
+            pid, uid, _gid = peer_credentials(sock)
+            refused = server_trusted(pid, uid, os.getuid(), expected_pid)
+            if refused:
+                return f"zygote {name!r} refused: {refused}"
+            send_msg(sock, {"ready": True})
+            reply, _ = recv_msg(sock)
+            if reply is not None and reply.get("ready") is True:
+                return ""
+            why = f"zygote {name!r} gave no answer"
+        except socket.timeout:
+            return why
+        except (OSError, ValueError) as exc:  # not bound yet (refused), or gone
+            why = f"zygote {name!r} unreachable ({exc})"
+        finally:
+            sock.close()
+        time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+
 # -- the zygote --------------------------------------------------------------------------
 
 
@@ -166,6 +212,12 @@ def _start(conn: socket.socket) -> None:
     if not peer_allowed(uid, os.getuid()):
         raise PermissionError(f"uid {uid} may not start workers as uid {os.getuid()}")
     request, fds = recv_msg(conn, max_fds=3)
+    if request is not None and request.get("ready") is True and not fds:
+        # The agent asks before it joins a round (wait_ready): accepting at all means the
+        # preload is done.
+        send_msg(conn, {"ready": True})
+        conn.close()
+        return
     if request is None or len(fds) != 3:
         for fd in fds:
             os.close(fd)

@@ -423,12 +423,12 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         started = self._clock.monotonic()
         self._start()
         mirror = self._mirror
+        if self.join_gate is not None:  # may wait: the target is read after it
+            self.join_gate()
         with mirror.cond:
             if mirror.closed:
                 raise RendezvousClosedError(f"rendezvous {self._run_id!r} is closed")
             target = next_round(mirror.round)
-        if self.join_gate is not None:
-            self.join_gate()
         self._write_record(target)
         log.info("node %s joins round %d of rendezvous %r", self.me, target, self._run_id)
         deadline = started + self._join_timeout

@@ -194,3 +194,29 @@ def test_a_request_whose_stand_in_left_while_the_zygote_preloaded_starts_no_work
             os.kill(int(pidfile.read_text()), signal.SIGKILL)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def test_wait_ready_answers_once_the_preload_is_done(zygote, tmp_path):
+    from elasticd.agent.zygote import wait_ready
+
+    assert wait_ready(zygote, None, 10.0) == ""  # the module's zygote is ready
+    missing = f"missing-{uuid.uuid4().hex[:8]}"
+    started = time.monotonic()
+    why = wait_ready(missing, None, 0.5)  # nobody bound it: retried until the timeout
+    assert "unreachable" in why and 0.4 < time.monotonic() - started < 3.0
+    # A zygote started now: the wait ends after it logged "ready", not before.
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    log = tmp_path / "z.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(safe_module(sys.executable, "elasticd.agent.zygote"),
+                                env={**os.environ, ZYGOTE_ENV: name}, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        assert wait_ready(name, proc.pid, 60.0) == ""
+        assert b"ready" in log.read_bytes()
+        assert "not the job's zygote" in wait_ready(name, 1, 5.0)  # pid 1 is not it
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    started = time.monotonic()
+    assert "is gone" in wait_ready(name, proc.pid, 30.0) and time.monotonic() - started < 1.0
