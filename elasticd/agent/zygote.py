@@ -145,12 +145,12 @@ def wait_ready(name: str, expected_pid: int | None, timeout: float) -> str:
     rejoin stopped the others for 3.0 s, 2.7 s of them this wait). Waiting first, the others
     train on meanwhile. No argv, environment or descriptor is sent.
     """
-    import time
+    from elasticd.clock import SYSTEM_CLOCK as clock  # light: warm_start imports this module
 
-    deadline = time.monotonic() + timeout
+    deadline = clock.monotonic() + timeout
     why = f"zygote {name!r} did not answer within {timeout:.0f} s"
     while True:
-        left = deadline - time.monotonic()
+        left = deadline - clock.monotonic()
         if left <= 0:
             return why
         if expected_pid is not None and not os.path.exists(f"/proc/{expected_pid}"):
@@ -174,7 +174,7 @@ def wait_ready(name: str, expected_pid: int | None, timeout: float) -> str:
             why = f"zygote {name!r} unreachable ({exc})"
         finally:
             sock.close()
-        time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+        clock.sleep(min(0.1, max(0.0, deadline - clock.monotonic())))
 
 
 # -- the zygote --------------------------------------------------------------------------
