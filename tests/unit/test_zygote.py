@@ -155,18 +155,25 @@ def test_only_the_zygotes_user_or_root_may_connect():
     assert not peer_allowed(1001, 1000)
 
 
+def _fresh_zygote(tmp_path):
+    """A zygote started now (still preloading): its name, log and process (the caller kills
+    its group)."""
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    log = tmp_path / "zygote.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(safe_module(sys.executable, "elasticd.agent.zygote"),
+                                env={**os.environ, ZYGOTE_ENV: name}, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    return name, log, proc
+
+
 def test_a_request_whose_stand_in_left_while_the_zygote_preloaded_starts_no_worker(script,
                                                                                   tmp_path):
     # torchrun stops a worker group whose warm_starts are still queued behind a preloading
     # zygote when a bigger round comes: the queued request must not become a worker of a group
     # that no longer exists (CI saw a world-2 and a world-3 group train side by side).
-    name = f"test-{uuid.uuid4().hex[:8]}"
-    log = tmp_path / "zygote.log"
     pidfile = tmp_path / "pid"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(safe_module(sys.executable, "elasticd.agent.zygote"),
-                                env={**os.environ, ZYGOTE_ENV: name}, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+    name, log, proc = _fresh_zygote(tmp_path)
     try:
         client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         deadline = time.monotonic() + 30
@@ -205,12 +212,7 @@ def test_wait_ready_answers_once_the_preload_is_done(zygote, tmp_path):
     why = wait_ready(missing, None, 0.5)  # nobody bound it: retried until the timeout
     assert "unreachable" in why and 0.4 < time.monotonic() - started < 3.0
     # A zygote started now: the wait ends after it logged "ready", not before.
-    name = f"test-{uuid.uuid4().hex[:8]}"
-    log = tmp_path / "z.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(safe_module(sys.executable, "elasticd.agent.zygote"),
-                                env={**os.environ, ZYGOTE_ENV: name}, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+    name, log, proc = _fresh_zygote(tmp_path)
     try:
         assert wait_ready(name, proc.pid, 60.0) == ""
         assert b"ready" in log.read_bytes()
