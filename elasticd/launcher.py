@@ -77,10 +77,12 @@ class NodeProcess:
         self.address = ""
         self.shm_dir = ""
         self.log_offset = 0
+        self._joined = False
 
     def start(self) -> None:
         with open(self.log_path, "ab") as log:
             self.log_offset = log.tell()  # this start's lines begin here (see joined)
+            self._joined = False
             # Own session: the node's whole process tree can be signalled as one group, the way
             # a machine failure takes everything on it.
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
@@ -99,12 +101,14 @@ class NodeProcess:
         Its record in etcd appears before that: a test that broke etcd the moment it saw the
         record once caught the daemon still inside its join, where etcd unreachable is fatal.
         """
-        try:
-            with open(self.log_path, "rb") as fh:
-                fh.seek(self.log_offset)
-                return f"joined the cluster as {self.node_id}".encode() in fh.read()
-        except OSError:
-            return False
+        if not self._joined:  # true until the next start: read the log only until then
+            try:
+                with open(self.log_path, "rb") as fh:
+                    fh.seek(self.log_offset)
+                    self._joined = f"joined the cluster as {self.node_id}".encode() in fh.read()
+            except OSError:
+                return False
+        return self._joined
 
     @property
     def running(self) -> bool:
