@@ -9,6 +9,7 @@ so that killing any node leaves coordination up.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pwd
@@ -165,7 +166,11 @@ class NodeProcess:
                 self.proc.terminate()
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                pass
+                # The daemon dumps every thread's stack to its log on SIGUSR1: a record of
+                # where it was stuck, before the SIGKILL below.
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.proc.pid, signal.SIGUSR1)
+                SYSTEM_CLOCK.sleep(1.0)
         code = self.proc.poll()
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)

@@ -435,7 +435,12 @@ class JobManager(JobRecords, WorkerGroup):
     def shutdown(self) -> None:
         """Stops the agent and waits (daemon exit)."""
         if self._stopping is not None:
-            self._stopping.join()
+            # Bounded: the stop gives the agent stop_grace, then SIGKILLs; a stop thread stuck
+            # past that (an etcd call in remove_job) must not keep the daemon from exiting.
+            self._stopping.join(self.stop_grace + 15.0)
+            if self._stopping.is_alive():
+                log.warning("job stop still under way after %.0f s; exiting without it",
+                            self.stop_grace + 15.0)
         if self.supervisor is not None:
             job = self.job
             self.supervisor.stop(self.stop_grace)

@@ -13,12 +13,13 @@ import faulthandler
 import logging
 import signal
 import sys
-from typing import Any, Sequence
+from typing import Sequence
 
 from elasticd import config
 from elasticd.daemon.daemon import Daemon
 from elasticd.daemon.node import Fatal, Node
 from elasticd.daemon.notify import Notifier
+from elasticd.daemon.signals import SignalRelay
 
 log = logging.getLogger("elasticd")
 
@@ -128,7 +129,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     )
     stop_requested = False
 
-    def on_term(signum: int, _frame: Any) -> None:
+    def on_term() -> None:
         nonlocal stop_requested
         stop_requested = True
         if daemon is not None:
@@ -136,16 +137,16 @@ def run(argv: Sequence[str] | None = None) -> int:
 
     reload_requested = False
 
-    def on_hup(signum: int, _frame: Any) -> None:
+    def on_hup() -> None:
         nonlocal reload_requested
         reload_requested = True
         if daemon is not None:
             daemon.wake()
 
     daemon: Daemon | None = None
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, on_term)
-    signal.signal(signal.SIGHUP, on_hup)
+    # Not signal.signal(..., on_term): see elasticd.daemon.signals for the deadlock that avoids.
+    relay = SignalRelay({signal.SIGTERM: on_term, signal.SIGINT: on_term,
+                         signal.SIGHUP: on_hup})
     # `kill -USR1 <pid>` writes every thread's stack to stderr (the journal under systemd):
     # how to see where a stuck daemon waits without stopping it.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -178,6 +179,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     finally:
         node.close()
         notifier.close()
+        relay.close()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -19,7 +19,9 @@ class Notifier:
         self.path = path if path is not None else os.environ.get("NOTIFY_SOCKET", "")
         self._sock: socket.socket | None = None
         if self.path:
-            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            # Non-blocking: a full queue at systemd drops one ping rather than stall the loop.
+            self._sock = socket.socket(
+                socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
 
     @property
     def enabled(self) -> bool:

@@ -22,7 +22,7 @@ from elasticd.cluster.events import Event, EventLog
 from elasticd.cluster.membership import Membership, NodeRecord, NodeState, decode_node
 from elasticd.config import Settings
 from elasticd.coordination import records
-from elasticd.coordination.api import Coordinator, LeaseLost
+from elasticd.coordination.api import CoordinationError, Coordinator, LeaseLost
 from elasticd.coordination.health import EtcdHealth
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.lease import LeaseKeeper
@@ -96,7 +96,18 @@ class Registration:
             return
         key = self.keys.node(self.settings.node_id)
         deadline = self.clock.monotonic() + 2 * self.settings.lease_ttl + 1
+        retry = False
         while True:
+            if retry:
+                # A record that keeps coming back (or a create that keeps failing on a key
+                # that reads as absent) must not hold the main loop: past the deadline the
+                # cycle fails and the next one tries again, with SIGTERM seen in between.
+                if self.clock.monotonic() > deadline:
+                    raise CoordinationError(
+                        f"could not write this node's record {key} within "
+                        f"{2 * self.settings.lease_ttl + 1:g} s; retrying")
+                self.clock.sleep(0.05)
+            retry = True
             if not self.keeper.running:
                 self.keeper.step()  # waiting for our id must not cost our own lease
             lease = self.keeper.lease
@@ -128,6 +139,7 @@ class Registration:
                     f"(host {other.hostname}, pid {other.pid}); give this node another "
                     "--node-id, or stop the other daemon")
             self.clock.sleep(0.25)
+            retry = False  # a live holder: its own deadline above (NodeIdInUse) applies
         self.health.ok()
         self.registered_lease = lease
         self._last_heartbeat = self.clock.monotonic()

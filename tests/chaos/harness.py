@@ -28,6 +28,7 @@ Scenarios then call the ``assert_*`` methods of the outcome. A scenario is a few
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import glob
 import json
@@ -535,7 +536,10 @@ class ChaosCluster:
                 n.proc.terminate()
                 n.proc.wait(30)
             except subprocess.TimeoutExpired:
-                pass
+                # Where it is stuck, in its log (faulthandler on SIGUSR1), before the SIGKILL.
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(n.pid, signal.SIGUSR1)
+                time.sleep(1.0)
             left["exit_codes"][node_id] = n.proc.poll()
             time.sleep(0.1)
             if leftovers := [p for p in n.tagged() if _alive(p)]:

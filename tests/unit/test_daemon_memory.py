@@ -272,3 +272,30 @@ def test_the_lease_is_the_heartbeat_and_the_watch_is_trusted_until_it_says_other
     tick(), tick()  # the deletion seen, the record written; then its put seen
     assert peek.get(key) is not None and peek.get(key).lease == lease
     assert n1.membership.alive() == ["n1", "n2"]
+
+
+def test_a_record_that_cannot_be_written_fails_the_cycle_instead_of_holding_the_loop(world):
+    # A create that keeps failing on a key that reads as absent: the registration retried
+    # without pause or deadline, and the main loop never got back to see a SIGTERM.
+    clock, store, start, tick, daemons = world
+    d = start("n1")
+
+    class NeverCreates(MemoryCoordinator):
+        attempts = 0
+
+        def create(self, key, value, lease=None):
+            NeverCreates.attempts += 1
+            if NeverCreates.attempts > 10_000:
+                raise AssertionError("registration spun 10,000 times without giving up")
+            return False
+
+        def get(self, key):
+            return None
+
+    d.coord = NeverCreates(store)
+    d.registered_lease = None
+    start_at = clock.monotonic()
+    sentence = d.cycle()
+    assert "could not write this node's record" in sentence, sentence
+    assert NeverCreates.attempts < 200
+    assert clock.monotonic() - start_at <= 2 * TTL + 1 + 0.5
