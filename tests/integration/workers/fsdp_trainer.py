@@ -108,6 +108,9 @@ def main() -> int:
     p.add_argument("--out", default="")
     p.add_argument("--dcp-dir", default="")
     p.add_argument("--dcp-from", type=int, default=1)
+    p.add_argument("--resume", default="",
+                   help="a DCP save of this trainer (with its sampler.json) to start from, "
+                        "without elasticd: bench/loss_curves.py's failure-free reference")
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -130,6 +133,18 @@ def main() -> int:
     ckpt = elasticd.Checkpointer(every=1)
     step = ckpt.restore(state)
     epoch = state["epoch"]
+    if args.resume:  # bench: a failure-free segment at another world size, plain dcp.load
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        msd, osd = get_state_dict(model, opt)
+        sd = {"model": msd, "optim": osd}
+        dcp.load(sd, checkpoint_id=args.resume)
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        with open(os.path.join(args.resume, "sampler.json")) as fh:
+            saved = json.load(fh)
+        sampler.load_state_dict(saved["sampler"])
+        step, epoch = int(saved["step"]), int(saved["epoch"])
     r = ckpt.last_restore
     if args.dcp_dir and step > 0:  # test: what was restored, before any training touches it
         dump = local_state(model, opt) | {
@@ -165,12 +180,16 @@ def main() -> int:
                 from torch.distributed.checkpoint.state_dict import get_state_dict
 
                 msd, osd = get_state_dict(model, opt)
-                dcp.save({"model": msd, "optim": osd},
-                         checkpoint_id=os.path.join(args.dcp_dir, str(attempt), str(step)))
+                where = os.path.join(args.dcp_dir, str(attempt), str(step))
+                dcp.save({"model": msd, "optim": osd}, checkpoint_id=where)
+                if rank == 0:  # the data position too, for --resume (one for all ranks)
+                    with open(os.path.join(where, "sampler.json"), "w") as fh:
+                        json.dump({"step": step, "epoch": epoch,
+                                   "sampler": sampler.state_dict()}, fh)
             if samples is not None:
                 samples.write(json.dumps({"attempt": attempt, "rank": rank, "world": world,
                                           "step": step, "epoch": epoch,
-                                          "t": round(time.time(), 4),
+                                          "t": round(time.time(), 4), "loss": loss.item(),
                                           "indices": index.tolist()}) + "\n")
             ckpt.save(step, state)
             progress(step)
