@@ -29,7 +29,7 @@ import threading
 from typing import Any, Callable
 
 from elasticd.clock import Clock, SystemClock
-from elasticd.cluster.drain_record import LOG_LIMIT, DrainRecord, DrainState, read
+from elasticd.cluster.drain_record import LOG_LIMIT, DrainPhase, DrainRecord, DrainState, read
 from elasticd.coordination import records
 from elasticd.coordination.api import CoordinationError, Coordinator
 from elasticd.coordination.keys import Keyspace
@@ -153,13 +153,14 @@ class Drainer:
 
     def _drain(self, rec: DrainRecord, started: float) -> None:
         deadline = started + rec.timeout
-        rec = self._write(rec, state=DrainState.DRAINING, phase="snapshot",
+        rec = self._write(rec, state=DrainState.DRAINING, phase=DrainPhase.SNAPSHOT,
                           detail="waiting for the snapshot in flight; new ones refused")
         log.info("drain requested by %s: waiting for the snapshot in flight", rec.by)
         self.quiesce(min(10.0, max(0.0, deadline - self.clock.monotonic())))
         jobs: dict[str, Any] = {}
         if self.handoff is not None:
-            rec = self._write(rec, phase="replicas", detail="handing replicas off to peers")
+            rec = self._write(rec, phase=DrainPhase.REPLICAS,
+                              detail="handing replicas off to peers")
             last = [0.0]
 
             def progress(done: int, failed: int, planned: int) -> None:
@@ -197,7 +198,7 @@ class Drainer:
                 self._fail(rec, f"{what} within {rec.timeout:g} s; the node keeps running "
                            "its job", started)
                 return
-        rec = self._write(rec, phase="stopping", detail="stopping this node's workers")
+        rec = self._write(rec, phase=DrainPhase.STOPPING, detail="stopping this node's workers")
         self.held = True
         self.hold("drained")
         if not self.clock.wait(self.job_stopped, self.stop_wait, 0.1):
@@ -205,7 +206,7 @@ class Drainer:
                        started)
             return
         seconds = round(self.clock.monotonic() - started, 3)
-        self._write(rec, state=DrainState.DRAINED, phase="done",
+        self._write(rec, state=DrainState.DRAINED, phase=DrainPhase.DONE,
                     detail=f"drained in {seconds:g} s: replicas handed off, workers stopped")
         self.state = DrainState.DRAINED
         self.record_event("drained", f"drained in {seconds:g} s (asked by {rec.by})",
@@ -218,7 +219,7 @@ class Drainer:
             self.held = False
             self.hold(None)
         self.resume()
-        self._write(rec, state=DrainState.FAILED, phase="done", detail=why)
+        self._write(rec, state=DrainState.FAILED, phase=DrainPhase.DONE, detail=why)
         self.state = DrainState.FAILED
         self.record_event("drain_failed", why,
                           {"seconds": round(self.clock.monotonic() - started, 3)})

@@ -32,6 +32,17 @@ class DrainState(records.ValueEnum):
     FAILED = "failed"
 
 
+class DrainPhase(records.ValueEnum):
+    """The step a drain is at: NONE (not started) → SNAPSHOT → REPLICAS → STOPPING → DONE
+    (DONE for a drained and a failed drain alike). A member is its string."""
+
+    NONE = ""
+    SNAPSHOT = "snapshot"
+    REPLICAS = "replicas"
+    STOPPING = "stopping"
+    DONE = "done"
+
+
 FINAL = (DrainState.DRAINED, DrainState.FAILED)
 #: Progress entries kept in a drain record.
 LOG_LIMIT = 40
@@ -47,7 +58,7 @@ class DrainRecord:
         requested_at: wall time of the request.
         by: who asked (``elasticctl@host``).
         timeout: seconds the daemon may spend handing off replicas.
-        phase: the step running now: snapshot | replicas | stopping | done.
+        phase: the step running now, a :class:`DrainPhase`.
         detail: one human sentence about where the drain is.
         copies_done, copies_failed, copies_planned: replica hand-off progress.
         updated_at: wall time of the last progress write.
@@ -61,7 +72,7 @@ class DrainRecord:
     requested_at: float = 0.0
     by: str = ""
     timeout: float = 120.0
-    phase: str = ""
+    phase: DrainPhase = DrainPhase.NONE
     detail: str = ""
     copies_done: int = 0
     copies_failed: int = 0
@@ -84,13 +95,15 @@ class DrainRecord:
         where = records.where_of(key)
         if rec.state not in list(DrainState):
             raise records.CorruptRecord(f"{where}: unknown drain state {rec.state[:40]!r}")
+        if rec.phase not in list(DrainPhase):
+            raise records.CorruptRecord(f"{where}: unknown drain phase {rec.phase[:40]!r}")
         if node is not None and rec.node != node:
             raise records.CorruptRecord(f"{where}: the record names node {rec.node[:70]!r}, "
                                         f"its key {node!r}")
         if not 0 <= rec.timeout <= 86_400:
             raise records.CorruptRecord(f"{where}: timeout {rec.timeout} out of range "
                                         "(0 to 86400 s)")
-        return dataclasses.replace(rec, state=DrainState(rec.state))
+        return dataclasses.replace(rec, state=DrainState(rec.state), phase=DrainPhase(rec.phase))
 
 
 def read(coord: Coordinator, keys: Keyspace, node: str) -> DrainRecord | None:
