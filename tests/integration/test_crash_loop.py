@@ -48,7 +48,10 @@ def test_the_same_exception_every_time_fails_the_job_everywhere_with_its_reason(
         job = c.wait_for(failed_everywhere, 150, "the job failed on both nodes", interval=0.5)
         took = time.monotonic() - started
         print(f"failed after {took:.1f} s: {job['reason']}")
-        assert job["reason"].startswith("crash loop: 2 worker group restarts in a row")
+        # At least the limit: torchrun may restart a group that fails at once again before
+        # the daemon's next cycle counts (CI saw 3 at a limit of 2, on both nodes at once).
+        counted = re.match(r"crash loop: (\d+) worker group restarts in a row", job["reason"])
+        assert counted and int(counted.group(1)) >= 2, job["reason"]
         assert job["reason"].endswith(REASON), job["reason"]
         assert job["protection"] == job["reason"]
         assert all(REASON in st["detail"] for st in job["nodes"].values()), job["nodes"]
