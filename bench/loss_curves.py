@@ -33,8 +33,6 @@ import glob
 import json
 import os
 import platform
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,16 +43,10 @@ sys.path.insert(0, REPO)  # the chaos harness lives under tests/
 
 from elasticd.launcher import job_writable  # noqa: E402
 from tests.chaos.faults import FaultPlan  # noqa: E402
-from tests.chaos.harness import ChaosCluster, Outcome, Shape  # noqa: E402
+from tests.chaos.harness import ChaosCluster, Outcome, Shape, gloo_job  # noqa: E402
 
 TRAINER = os.path.join(REPO, "tests", "integration", "workers", "fsdp_trainer.py")
 STEPS = 120  # the grown job trains a while (a restarted daemon takes ~5 s to join)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def elasticd_run(workdir: str) -> tuple[Outcome, dict[tuple[int, int, int], float]]:
@@ -79,28 +71,11 @@ def segment(workdir: str, name: str, world: int, steps: int, resume: str,
     sample records and the directory of that save."""
     samples = os.path.join(workdir, name, "samples")
     dcp_dir = os.path.join(workdir, name, "dcp")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICD_")}
-    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-            "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, TRAINER, "--steps", str(steps), "--sample-log", samples,
             "--dcp-dir", dcp_dir, "--dcp-from", str(steps)]
     if resume:
         argv += ["--resume", resume]
-    procs = [subprocess.Popen(argv, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True)
-             for r in range(world)]
-    try:
-        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.wait()
-    bad = [(r, p.returncode, o[-2000:]) for r, (p, o) in enumerate(zip(procs, outputs))
-           if p.returncode != 0]
-    if bad:
-        raise SystemExit(f"reference segment {name} (world {world}) failed: {bad}")
+    gloo_job(argv, world, timeout)
     records = [json.loads(line) for path in glob.glob(os.path.join(samples, "*.jsonl"))
                for line in open(path)]
     saves = glob.glob(os.path.join(dcp_dir, "*", str(steps)))

@@ -23,6 +23,7 @@ import urllib.request
 from typing import Any, Callable, Sequence
 
 from elasticd.clock import SYSTEM_CLOCK
+from elasticd.cluster.membership import joined_sentence
 from elasticd.coordination import records
 from elasticd.coordination.embedded import EmbeddedEtcd
 from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endpoints
@@ -106,7 +107,7 @@ class NodeProcess:
             try:
                 with open(self.log_path, "rb") as fh:
                     fh.seek(self.log_offset)
-                    self._joined = f"joined the cluster as {self.node_id}".encode() in fh.read()
+                    self._joined = joined_sentence(self.node_id).encode() in fh.read()
             except OSError:
                 return False
         return self._joined

@@ -25,6 +25,12 @@ from elasticd.coordination.keys import Keyspace
 KIND = "node"
 
 
+def joined_sentence(node_id: str) -> str:
+    """What a daemon logs (and serves as its first sentence) once it has joined: the line a
+    supervisor or a test harness waits for in its log."""
+    return f"joined the cluster as {node_id}"
+
+
 class NodeState(str, enum.Enum):
     """A node's state in its own record.
 

@@ -27,7 +27,7 @@ from elasticd.cluster.drain import Drainer
 from elasticd.cluster.events import Event, EventLog
 from elasticd.cluster.incarnation import Incarnation
 from elasticd.cluster.membership import (Membership, NodeRecord, NodeState, Observation,
-                                         ObservationKind, decode_node)
+                                         ObservationKind, decode_node, joined_sentence)
 from elasticd.config import Settings
 from elasticd.coordination import records
 from elasticd.coordination.api import (AuthError, CoordinationError, Coordinator, EventType,
@@ -166,7 +166,7 @@ class Daemon(Registration, Fencing, DataLossRecovery):
         self._start_watch()
         self.jobs.start_watch()
         self._register(wait_for_id=True)  # last: once our record is visible, we are in
-        self.sentence = f"joined the cluster as {self.settings.node_id}"
+        self.sentence = joined_sentence(self.settings.node_id)
         log.info("%s", self.sentence)
 
     def run(self, on_cycle: Callable[["Daemon"], None] = lambda _d: None) -> None:

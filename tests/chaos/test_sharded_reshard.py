@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import glob
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
 
 from elasticd.launcher import job_writable
 from tests.chaos.faults import FaultPlan
-from tests.chaos.harness import REPO, Attempt, ChaosCluster, Outcome, Recovery, Shape
+from tests.chaos.harness import (REPO, Attempt, ChaosCluster, Outcome, Recovery, Shape,
+                                  gloo_job)
 
 pytestmark = [pytest.mark.etcd, pytest.mark.chaos, pytest.mark.timeout(300)]
 
@@ -37,12 +36,6 @@ ZERO_REFERENCE = os.path.join(WORKERS, "zero_reference.py")
 DCP_FROM = 8  # the trainer dcp.saves every step from this one on (the kill is at step 20)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def reference_job(script: str, checkpoint: str, world: int, out: str,
                   timeout: float = 90.0) -> list[dict]:
     """Every rank's local state after ``script`` (fsdp_dcp_reference.py: ``dcp.load``) loaded
@@ -50,22 +43,7 @@ def reference_job(script: str, checkpoint: str, world: int, out: str,
     stopped before this returns)."""
     import torch
 
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, script, checkpoint, out],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
-    try:
-        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    bad = [(r, p.returncode, o[-2000:]) for r, (p, o) in enumerate(zip(procs, outputs))
-           if p.returncode != 0]
-    assert not bad, f"loading {checkpoint} at world {world} failed: {bad}"
+    gloo_job([sys.executable, script, checkpoint, out], world, timeout)
     return [torch.load(f"{out}-rank{r}.pt", weights_only=True) for r in range(world)]
 
 
