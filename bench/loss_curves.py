@@ -143,7 +143,7 @@ def main() -> int:
     p.add_argument("--plot", default="")
     args = p.parse_args()
 
-    workdir = job_writable(tempfile.mkdtemp(prefix="elasticd-loss-"))
+    workdir = tempfile.mkdtemp(prefix="elasticd-loss-")  # ours; only the cluster part is the job's
     print(f"loss curves: logs in {workdir}", flush=True)
     started = time.time()
     out, kept = elasticd_run(job_writable(os.path.join(workdir, "elasticd")))
@@ -152,7 +152,9 @@ def main() -> int:
           f"{shrink.step} (reached {shrink.reached}) from {sorted(set(shrink.sources.values()))}, "
           f"grow restored step {grow.step} (reached {grow.reached})", flush=True)
 
-    ref_dir = job_writable(os.path.join(workdir, "reference"))
+    # The reference runs as this process (no job user): its directory is ours alone.
+    ref_dir = os.path.join(workdir, "reference")
+    os.makedirs(ref_dir)
     a, save_a = segment(ref_dir, "a", 3, shrink.step, "")
     b, save_b = segment(ref_dir, "b", 2, grow.step, save_a)
     c, _ = segment(ref_dir, "c", 3, STEPS, save_b)

@@ -157,8 +157,10 @@ class NodeProcess:
             shutil.rmtree(self.shm_dir, ignore_errors=True)
             shutil.rmtree(self.shm_dir + "+replicas", ignore_errors=True)
 
-    def terminate(self, timeout: float = 15.0) -> int | None:
-        """SIGTERM, wait, then SIGKILL the group; returns the exit status."""
+    def sigterm(self, timeout: float) -> int | None:
+        """Stops the daemon as an operator does (SIGCONT, SIGTERM) and waits up to ``timeout``;
+        returns its exit status, or None if it is still running (then it has been sent
+        SIGUSR1: every thread's stack is in its log, a record of where it is stuck)."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:
@@ -167,12 +169,16 @@ class NodeProcess:
                 self.proc.terminate()
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                # The daemon dumps every thread's stack to its log on SIGUSR1: a record of
-                # where it was stuck, before the SIGKILL below.
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self.proc.pid, signal.SIGUSR1)
                 SYSTEM_CLOCK.sleep(1.0)
-        code = self.proc.poll()
+        return self.proc.poll()
+
+    def terminate(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM, wait, then SIGKILL the group; returns the exit status."""
+        if self.proc is None:
+            return None
+        code = self.sigterm(timeout)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:

@@ -16,17 +16,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
 
 from elasticd.agent.zygote import (
     ZYGOTE_ENV,
     ZYGOTE_PID_ENV,
-    address,
-    peer_credentials,
+    Untrusted,
+    connect,
     recv_msg,
     send_msg,
-    server_trusted,
 )
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
@@ -48,17 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     if not name:
         _cold(args, f"{ZYGOTE_ENV} is not set")
     expected = os.environ.get(ZYGOTE_PID_ENV, "")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.connect(address(name))
         # Before a byte of argv or environment: is this the job's zygote, or a squatter?
-        pid, uid, _gid = peer_credentials(sock)
-        why = server_trusted(pid, uid, os.getuid(), int(expected) if expected.isdigit() else None)
-        if why:
-            sock.close()
-            _cold(args, f"zygote {name!r} refused: {why}")
+        sock = connect(name, int(expected) if expected.isdigit() else None)
         send_msg(sock, {"argv": args, "env": dict(os.environ), "cwd": os.getcwd()}, [0, 1, 2])
         reply, _ = recv_msg(sock)
+    except Untrusted as exc:
+        _cold(args, f"zygote {name!r} refused: {exc}")
     except (OSError, ValueError) as exc:
         _cold(args, f"zygote {name!r} unreachable ({exc})")
     if reply is None or "pid" not in reply:

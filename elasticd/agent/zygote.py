@@ -57,6 +57,8 @@ import threading
 import traceback
 from typing import Any
 
+from elasticd.errors import LocalProtocolError
+
 #: Environment variable with the zygote's socket name, set for the agent and its workers.
 ZYGOTE_ENV = "ELASTICD_ZYGOTE"
 #: Environment variable with the zygote's pid, set for the agent and its workers.
@@ -136,6 +138,32 @@ def server_trusted(pid: int, uid: int, my_uid: int, expected_pid: int | None) ->
     return ""
 
 
+class Untrusted(LocalProtocolError):
+    """The server of a zygote's name is not the job's zygote (a squatter bound it first)."""
+
+
+def connect(name: str, expected_pid: int | None, timeout: float | None = None) -> socket.socket:
+    """A connection to the zygote ``name``, checked before a byte is sent: the kernel must say
+    its server runs as this process's user (and is ``expected_pid``, when given).
+
+    Raises:
+        Untrusted: someone else's server (why, in its message).
+        OSError: nobody bound the name yet, the zygote is gone, or ``timeout`` passed.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(address(name))
+        pid, uid, _gid = peer_credentials(sock)
+        why = server_trusted(pid, uid, os.getuid(), expected_pid)
+        if why:
+            raise Untrusted(why)
+        return sock
+    except BaseException:
+        sock.close()
+        raise
+
+
 def wait_ready(name: str, expected_pid: int | None, timeout: float) -> str:
     """Waits until the zygote ``name`` has preloaded (it accepts only then); "" once it has,
     else why not (a squatter on the name, or ``timeout`` seconds passed).
@@ -155,25 +183,19 @@ def wait_ready(name: str, expected_pid: int | None, timeout: float) -> str:
             return why
         if expected_pid is not None and not os.path.exists(f"/proc/{expected_pid}"):
             return f"zygote {name!r} (pid {expected_pid}) is gone"
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.settimeout(left)
-            sock.connect(address(name))
-            pid, uid, _gid = peer_credentials(sock)
-            refused = server_trusted(pid, uid, os.getuid(), expected_pid)
-            if refused:
-                return f"zygote {name!r} refused: {refused}"
-            send_msg(sock, {"ready": True})
-            reply, _ = recv_msg(sock)
+            with connect(name, expected_pid, left) as sock:
+                send_msg(sock, {"ready": True})
+                reply, _ = recv_msg(sock)
             if reply is not None and reply.get("ready") is True:
                 return ""
             why = f"zygote {name!r} gave no answer"
+        except Untrusted as exc:
+            return f"zygote {name!r} refused: {exc}"
         except socket.timeout:
             return why
         except (OSError, ValueError) as exc:  # not bound yet (refused), or gone
             why = f"zygote {name!r} unreachable ({exc})"
-        finally:
-            sock.close()
         clock.sleep(min(0.1, max(0.0, deadline - clock.monotonic())))
 
 

@@ -10,9 +10,9 @@ thread of the relay's own reads the pipe and makes the call.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
-import logging
 import threading
 from typing import Any, Callable, Mapping
 
@@ -36,7 +36,7 @@ class SignalRelay:
     def _on_signal(self, signum: int, _frame: Any) -> None:
         try:
             os.write(self._write, bytes([signum]))
-        except (BlockingIOError, OSError):
+        except OSError:
             pass  # the pipe is full (the calls are behind) or closed (shutting down)
 
     def _relay(self) -> None:

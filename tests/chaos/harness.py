@@ -28,7 +28,6 @@ Scenarios then call the ``assert_*`` methods of the outcome. A scenario is a few
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import glob
 import json
@@ -532,16 +531,7 @@ class ChaosCluster:
         for node_id, n in self.cluster.nodes.items():
             if not n.running:
                 continue
-            try:
-                os.kill(n.pid, signal.SIGCONT)
-                n.proc.terminate()
-                n.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                # Where it is stuck, in its log (faulthandler on SIGUSR1), before the SIGKILL.
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(n.pid, signal.SIGUSR1)
-                time.sleep(1.0)
-            left["exit_codes"][node_id] = n.proc.poll()
+            left["exit_codes"][node_id] = n.sigterm(30)  # None: stuck (stacks in its log)
             time.sleep(0.1)
             if leftovers := [p for p in n.tagged() if _alive(p)]:
                 left["processes"][node_id] = leftovers
