@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import tempfile
 import uuid
 
@@ -28,7 +27,9 @@ from elasticd.checkpoint.client import Checkpointer
 from elasticd.checkpoint.service import CheckpointService
 from elasticd.checkpoint.shm import SlotStore
 from elasticd.checkpoint.state import UnsupportedValue
+from elasticd.coordination.embedded import free_port
 from elasticd.local.transport import InProcessTransport
+from tests.ranks import spawn
 from tests.unit.test_checkpoint_peer_restore import FakeReplicator, commit
 
 DIMS = (7, 5, 11, 4, 3)  # Linear(7, 5), Linear(5, 11), ...: rows 5, 11, 4, 3 over 2 and 3 ranks
@@ -39,12 +40,6 @@ class Replicator(FakeReplicator):
 
     def status(self):
         return {"jobs": {}}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _build():
@@ -179,16 +174,14 @@ def daemons():
 
 @pytest.mark.slow
 def test_fsdp2_state_restores_bitwise_and_reshards_3_to_2_to_3_like_dcp(daemons):
-    import torch.multiprocessing as mp
-
     services, (n1, n2), out_dir = daemons
     # World 3: ranks 0 and 1 on n1, rank 2 on n2 (its shard is only in n2's RAM).
-    mp.spawn(_rank_main, args=(3, _free_port(), [n1, n1, n2], out_dir, "first"), nprocs=3)
+    spawn(_rank_main, args=(3, free_port(), [n1, n1, n2], out_dir, "first"), nprocs=3)
     assert {j for j, *_ in services[1].store.holdings()} == {"j"}
     assert all(s.status()["bad"]["unprotected_kind"] == "snapshots_failing" for s in services)
     # n2 died; the step saved by all 3 ranks was committed. Two ranks on n1 reshard it.
     services[0].replicator.record = commit(0, 3, 3)
-    mp.spawn(_rank_main, args=(2, _free_port(), [n1, n1], out_dir, "shrink"), nprocs=2)
+    spawn(_rank_main, args=(2, free_port(), [n1, n1], out_dir, "shrink"), nprocs=2)
     sources = [open(os.path.join(out_dir, f"shrink-{r}.source")).read().split()
                for r in range(2)]
     assert [s for s, _ in sources] == ["local", "peer"]  # new rank 1 needed old rank 2's rows
@@ -198,7 +191,7 @@ def test_fsdp2_state_restores_bitwise_and_reshards_3_to_2_to_3_like_dcp(daemons)
     generation = int(sources[0][1])
     for s in services:
         s.replicator.record = commit(generation, 6, 2)
-    mp.spawn(_rank_main, args=(3, _free_port(), [n1, n1, n2], out_dir, "grow"), nprocs=3)
+    spawn(_rank_main, args=(3, free_port(), [n1, n1, n2], out_dir, "grow"), nprocs=3)
     sources = [open(os.path.join(out_dir, f"grow-{r}.source")).read().split()[0]
                for r in range(3)]
     assert sources == ["local", "local", "peer"]
@@ -246,8 +239,6 @@ def _tier_rank_main(rank, world, port, sock, persist_dir, out_dir, phase):
 
 @pytest.mark.slow
 def test_fsdp2_state_reshards_3_to_2_from_the_persistent_tier_like_dcp(tmp_path):
-    import torch.multiprocessing as mp
-
     from elasticd.daemon.local_api import LocalServer
     from elasticd.persistence.persister import Persister
     from elasticd.persistence.tier import Tier
@@ -259,7 +250,7 @@ def test_fsdp2_state_reshards_3_to_2_from_the_persistent_tier_like_dcp(tmp_path)
                                                                        persister).handlers())
     server.start()
     try:
-        mp.spawn(_tier_rank_main, args=(3, _free_port(), server.path, persister.root,
+        spawn(_tier_rank_main, args=(3, free_port(), server.path, persister.root,
                                         str(tmp_path), "save"), nprocs=3)
         persister.flush(10)
     finally:
@@ -269,7 +260,7 @@ def test_fsdp2_state_reshards_3_to_2_from_the_persistent_tier_like_dcp(tmp_path)
     assert max((m.version(), m.world_size) for m in Tier(persister.root).complete_steps("j")) \
         == ((0, 3), 3)
     persister.close()
-    mp.spawn(_tier_rank_main, args=(2, _free_port(), None, persister.root, str(tmp_path),
+    spawn(_tier_rank_main, args=(2, free_port(), None, persister.root, str(tmp_path),
                                     "reshard"), nprocs=2)
 
 

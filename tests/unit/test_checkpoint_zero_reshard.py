@@ -12,18 +12,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
 
+from elasticd.coordination.embedded import free_port
+from tests.ranks import spawn
+
 DIMS = (7, 5, 11, 4, 3)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _build():
@@ -111,12 +107,10 @@ def _check(opt, rank, world, old_world, out_dir):
 
 @pytest.mark.slow
 def test_zero_shards_reshard_3_to_2_to_3_like_consolidate_and_load(tmp_path):
-    import torch.multiprocessing as mp
-
     out = str(tmp_path)
     owned = {}
     for old, new in ((0, 3), (3, 2), (2, 3)):
-        mp.spawn(_rank_main, args=(new, _free_port(), out, "load" if old else "save", old),
+        spawn(_rank_main, args=(new, free_port(), out, "load" if old else "save", old),
                  nprocs=new)
         if old:
             owned[new] = [json.load(open(os.path.join(out, f"owned-{new}-{r}")))
