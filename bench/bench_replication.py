@@ -24,6 +24,10 @@ on one core (a 4 MiB buffer tagged in a loop, in this process, in the same run).
 
 The target: ``elasticd push`` >= 0.8x ``raw socket`` (printed last, with the ratio).
 
+Every socket, the raw baselines' too, gets the product's socket options
+(:func:`elasticd.replication.channel.tune`: no Nagle delay, 4 MiB buffers each way), so the
+ratio compares the framing and authentication alone.
+
 Each figure is the median of ``--repeat`` transfers, timed from the first byte sent to the
 receiver's final acknowledgement; connection setup is excluded from all three. CPU seconds per
 GiB are summed over sender and receiver. Run with ``flock /tmp/elasticd-cpu.lock`` on shared
@@ -155,6 +159,7 @@ def raw_receiver(conn, size: int, chunk: int, repeat: int, check: str) -> None:
     with socket.create_server(("127.0.0.1", 0)) as listener:
         conn.send(listener.getsockname()[1])
         sock, _ = listener.accept()
+        channel.tune(sock)  # the same socket options as the product's, for a like-for-like ceiling
         with sock:
             for _ in range(repeat):  # one connection, as the transport keeps its own
                 cpu = time.process_time()
@@ -206,6 +211,7 @@ class RawSender:
             target=raw_receiver, args=(child, len(payload), chunk, repeat, check), daemon=True)
         self.proc.start()
         self.sock = socket.create_connection(("127.0.0.1", self.pipe.recv()))
+        channel.tune(self.sock)
 
     def transfer(self) -> tuple[float, float, float, int]:
         cpu = time.process_time()

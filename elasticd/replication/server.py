@@ -47,7 +47,7 @@ from elasticd.replication.api import (
 )
 from elasticd.replication.auth import AuthFailures, check_secret, server_handshake
 from elasticd.replication.seal import BlockTagger
-from elasticd.replication.channel import Channel, receive_stream, send_stream
+from elasticd.replication.channel import Channel, receive_stream, send_stream, tune
 from elasticd.replication.messages import Ack, Fetch, FetchReply, Nack, PutBegin
 from elasticd.replication.wire import (
     DEFAULT_MAX_CONTROL,
@@ -273,7 +273,7 @@ class ReplicaServer:
 
         try:
             sock.settimeout(self.handshake_timeout)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tune(sock)
             try:
                 if self.ssl_context is not None:
                     sock = self.ssl_context.wrap_socket(sock, server_side=True)

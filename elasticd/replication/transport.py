@@ -29,7 +29,7 @@ from elasticd.replication.api import (
     Version,
 )
 from elasticd.replication.auth import check_secret, client_handshake
-from elasticd.replication.channel import Channel, receive_stream, send_stream
+from elasticd.replication.channel import Channel, receive_stream, send_stream, tune
 from elasticd.replication.messages import Ack, Error, Fetch, FetchReply, Nack, PutBegin
 from elasticd.replication.seal import BlockTags
 from elasticd.replication.server import DEFAULT_CHUNK, ReplicaServer, ServerStats
@@ -91,7 +91,7 @@ class ReplicaClient:
         except OSError as exc:
             raise ConnectionLost(f"cannot connect to replica server {host}:{port}: {exc}") from exc
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tune(sock)
             if ssl_context is not None:
                 sock = ssl_context.wrap_socket(sock, server_hostname=server_hostname or host)
             channel = Channel(sock, limits)

@@ -444,3 +444,26 @@ def test_close_does_not_wait_for_a_call_stuck_on_a_silent_peer():
     assert not t.is_alive()
     assert time.monotonic() - started < 2.0
     assert errors and isinstance(errors[0], ConnectionLost), errors
+
+
+def _granted(size: int, limit_file: str) -> int:
+    """What the kernel grants a socket asking for ``size`` buffer bytes: doubled, within the cap."""
+    with open(limit_file) as f:
+        return 2 * min(size, int(f.read()))
+
+
+def test_both_ends_get_the_replication_socket_options(make_server, clients):
+    # The buffers let the sender run a frame ahead while the receiver checks tags (channel.py,
+    # SOCKET_BUFFER_BYTES); the kernel's defaults (16 KiB to send) stall the pair.
+    from elasticd.replication.channel import SOCKET_BUFFER_BYTES
+
+    server = make_server()
+    client = clients(server)
+    wait_for(lambda: any(s is not None for s in server._connections.values()))
+    ends = [client.channel.sock] + [s for s in server._connections.values() if s is not None]
+    send = _granted(SOCKET_BUFFER_BYTES, "/proc/sys/net/core/wmem_max")
+    receive = _granted(SOCKET_BUFFER_BYTES, "/proc/sys/net/core/rmem_max")
+    for sock in ends:
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == send
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) == receive
