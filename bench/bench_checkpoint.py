@@ -47,7 +47,7 @@ SECRET = b"bench-secret-0123456789abcdef"
 
 def _peer(conn, root: str) -> None:
     """A peer daemon's replica half: a ReplicaServer storing into its own slot store."""
-    from elasticd.checkpoint.shm import SlotStore
+    from elasticd.store.shm import SlotStore
     from elasticd.replication.shm_sink import ShmSink
     from elasticd.replication.transport import ReplicaServer
 
@@ -65,8 +65,8 @@ def serve(sockdir: str, shm: str, replicate: bool = False) -> None:
     replicator's counters are printed as one JSON line."""
     import multiprocessing as mp
 
-    from elasticd.checkpoint.service import CheckpointService
-    from elasticd.checkpoint.shm import SlotStore
+    from elasticd.store.service import CheckpointService
+    from elasticd.store.shm import SlotStore
     from elasticd.daemon.local_api import LocalServer
 
     store = SlotStore(shm)
@@ -74,7 +74,7 @@ def serve(sockdir: str, shm: str, replicate: bool = False) -> None:
     if replicate:
         from elasticd.coordination.keys import Keyspace
         from elasticd.coordination.memory import MemoryCoordinator
-        from elasticd.replication.replicator import Replicator
+        from elasticd.recovery.replicator import Replicator
 
         pipe, child = mp.Pipe()
         peer = mp.get_context("fork").Process(target=_peer, args=(child, shm + "-peer"))
@@ -104,8 +104,8 @@ def run(args: argparse.Namespace) -> dict:
     import numpy as np
     import torch
 
-    from elasticd.checkpoint.client import Checkpointer
-    from elasticd.checkpoint.copier import CpuCopier
+    from elasticd.worker.checkpointer import Checkpointer
+    from elasticd.worker.copier import CpuCopier
     from elasticd.worker.client import DaemonClient
 
     torch.set_num_threads(args.threads)

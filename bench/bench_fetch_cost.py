@@ -1,5 +1,5 @@
 """Where a daemon's fetch of one shard for a restore spends its time: the steps of
-:func:`~elasticd.replication.recovery.fetch_into_store` (what ``ckpt_fetch`` runs for a shard
+:func:`~elasticd.recovery.fetch.fetch_into_store` (what ``ckpt_fetch`` runs for a shard
 not held here) and of the ``ckpt_open`` that follows, each timed apart, wall and CPU.
 
 Two holder processes (ShmSink replicas behind ReplicaServers, as in
@@ -36,11 +36,11 @@ import uuid
 
 from bench_sharded_restore import SECRET, cpu_seconds, holder
 from bench_stripe import JOB, RANK, sealed_snapshot
-from elasticd.checkpoint.reader import parse_header
-from elasticd.checkpoint.shm import SlotStore
+from elasticd.snapshot.reader import parse_header
+from elasticd.store.shm import SlotStore
 from elasticd.clock import SystemClock
 from elasticd.replication.lanes import Connections
-from elasticd.replication.recovery import fetch_shard
+from elasticd.recovery.fetch import fetch_shard
 from elasticd.replication.transport import ReplicaClient
 
 

@@ -37,11 +37,11 @@ import uuid
 
 import numpy as np
 
-from elasticd.checkpoint.format import SnapshotHeader, TensorSpec, layout
-from elasticd.checkpoint.shm import SlotStore
+from elasticd.snapshot.format import SnapshotHeader, TensorSpec, layout
+from elasticd.store.shm import SlotStore
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.memory import MemoryCoordinator
-from elasticd.replication.replicator import Replicator
+from elasticd.recovery.replicator import Replicator
 from elasticd.replication.shm_sink import ShmSink
 from elasticd.replication.transport import ReplicaServer
 

@@ -26,9 +26,9 @@ rank's time), interleaved over ``--repeat`` rounds after one untimed warm-up rou
 
 * ``elasticd``: ``Checkpointer.restore(state)`` — the product's whole restore: the ranks agree
   on the committed step, each asks its daemon (``ckpt_fetch``) for the old ranks its new shards
-  need (:func:`~elasticd.checkpoint.shards.needed_ranks`: new rank 0 needs old 0 and 1, new 1
+  need (:func:`~elasticd.worker.shards.needed_ranks`: new rank 0 needs old 0 and 1, new 1
   needs old 1 and 2), the daemon fetches each whole snapshot striped across its two holders
-  (:func:`~elasticd.replication.recovery.fetch_shard`, every block checked) into its store,
+  (:func:`~elasticd.recovery.fetch.fetch_shard`, every block checked) into its store,
   the worker maps the slot, copies the tensors out, and the :class:`Resharder` builds the new
   local shards, which the model and optimizer load. Before each run the daemons drop what the
   previous run fetched (``remove_job``), so every run fetches from the peers again.
@@ -61,13 +61,13 @@ import tempfile
 import time
 import uuid
 
-from elasticd.checkpoint.service import CheckpointService
-from elasticd.checkpoint.shm import SlotStore
+from elasticd.store.service import CheckpointService
+from elasticd.store.shm import SlotStore
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.memory import MemoryCoordinator
 from elasticd.daemon.local_api import LocalServer
 from elasticd.replication.commit import Committed, record_commit
-from elasticd.replication.replicator import Replicator
+from elasticd.recovery.replicator import Replicator
 from elasticd.replication.shm_sink import ShmSink
 from elasticd.replication.transport import ReplicaServer
 
@@ -253,7 +253,7 @@ class TimedTransport:
 def timed_load_into(seconds: list[float]):
     """Wraps state.load_into (the reshard and the loads) to time it; restore() imports it
     from the module at each call, so the wrapper is what it runs."""
-    from elasticd.checkpoint import state as state_module
+    from elasticd.worker import state as state_module
 
     real = state_module.load_into
 
@@ -275,7 +275,7 @@ def saver(rank: int, port: int, dims: list[int], book: dict, dcp_dir: str, root:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from elasticd.checkpoint.client import Checkpointer
+    from elasticd.worker.checkpointer import Checkpointer
     from elasticd.local.transport import InProcessTransport
     from elasticd.replication.shm_sink import descriptor_of
     from elasticd.replication.transport import ReplicaClient
@@ -320,7 +320,7 @@ def worker(rank: int, port: int, dims: list[int], sock: str, control, dcp_dir: s
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from elasticd.checkpoint.client import Checkpointer
+    from elasticd.worker.checkpointer import Checkpointer
     from elasticd.worker.client import DaemonClient
 
     torch.set_num_threads(1)

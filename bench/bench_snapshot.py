@@ -6,11 +6,11 @@ Builds a state of ``--size-mib`` MiB held in ``--tensors`` tensors of log-normal
 
 * ``memcpy``: numpy ``copyto`` of the same number of bytes, one contiguous array into another,
   pre-touched (the ceiling);
-* ``elasticd stall``: what the training loop waits for: :func:`~elasticd.checkpoint.state.flatten`,
-  the layout, :meth:`~elasticd.checkpoint.shm.SlotStore.reserve` and
-  :func:`~elasticd.checkpoint.copier.copy_into` into the store's pre-touched slot;
+* ``elasticd stall``: what the training loop waits for: :func:`~elasticd.worker.state.flatten`,
+  the layout, :meth:`~elasticd.store.shm.SlotStore.reserve` and
+  :func:`~elasticd.worker.copier.copy_into` into the store's pre-touched slot;
 * ``elasticd seal``: the daemon-side rest: xxh3 block checksums and the header
-  (:meth:`~elasticd.checkpoint.shm.SlotStore.complete`), off the training loop's path;
+  (:meth:`~elasticd.store.shm.SlotStore.complete`), off the training loop's path;
 * ``torch.save+fsync``: ``torch.save`` of the same tensors to ``--disk-dir``, flushed and fsynced.
 
 The store's slots are allocated (and pre-touched) by a warm-up snapshot that is not timed, as a
@@ -33,10 +33,10 @@ import uuid
 import numpy as np
 import torch
 
-from elasticd.checkpoint.copier import copy_into
-from elasticd.checkpoint.format import SnapshotHeader
-from elasticd.checkpoint.shm import SlotStore
-from elasticd.checkpoint.state import flatten
+from elasticd.worker.copier import copy_into
+from elasticd.snapshot.format import SnapshotHeader
+from elasticd.store.shm import SlotStore
+from elasticd.worker.state import flatten
 
 PAGE = 4096
 

@@ -39,14 +39,14 @@ import time
 
 import numpy as np
 
-from elasticd.checkpoint.format import SnapshotHeader, TensorSpec, layout, seal
-from elasticd.checkpoint.reader import parse_header, verify_payload
+from elasticd.snapshot.format import SnapshotHeader, TensorSpec, layout, seal
+from elasticd.snapshot.reader import parse_header, verify_payload
 from elasticd.clock import SystemClock
 from elasticd.replication import server as server_module
 from elasticd.replication.api import Descriptor
 from elasticd.replication.lanes import Connections
 from elasticd.replication.memory import MemorySink
-from elasticd.replication.recovery import STRIPE_BYTES, fetch_shard
+from elasticd.recovery.fetch import STRIPE_BYTES, fetch_shard
 from elasticd.replication.transport import ReplicaClient, ReplicaServer
 
 SECRET = b"bench-secret-0123456789abcdef"

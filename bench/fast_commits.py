@@ -17,7 +17,7 @@ import argparse
 import threading
 import time
 
-from elasticd.checkpoint.shm import CommitPending, SlotBusy
+from elasticd.store.shm import CommitPending, SlotBusy
 from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
 from elasticd.replication.commit import read_committed
 from tests.replication_nodes import JOB, Cluster

@@ -11,11 +11,11 @@ __version__ = "0.1.0"
 # The worker API, imported on first use: ``import elasticd`` must not import torch, because the
 # daemon imports elasticd and must stay small (docs/facts.md: torch alone costs ~220 MB and 1.5 s).
 _LAZY = {
-    "Checkpointer": "elasticd.checkpoint.client",
+    "Checkpointer": "elasticd.worker.checkpointer",
     "ElasticdError": "elasticd.errors",
-    "RestoreResult": "elasticd.checkpoint.client",
-    "RNGState": "elasticd.checkpoint.state",
-    "ElasticSampler": "elasticd.checkpoint.sampler",
+    "RestoreResult": "elasticd.worker.checkpointer",
+    "RNGState": "elasticd.worker.state",
+    "ElasticSampler": "elasticd.worker.sampler",
 }
 
 

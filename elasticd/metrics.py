@@ -39,7 +39,7 @@ PUSH_FAILURE_REASONS = ("unreachable", "no_address", "connection", "remote", "so
 #: Label values of elasticd_recovery_phase_seconds (elasticd.cluster.timeline.PHASES; a test
 #: compares: metrics imports no domain module).
 RECOVERY_PHASES = ("detect", "abort", "rendezvous", "start", "restore", "first_step")
-#: Label values of elasticd_replica_fetch_failures_total (elasticd.replication.recovery).
+#: Label values of elasticd_replica_fetch_failures_total (elasticd.recovery.fetch).
 FETCH_FAILURE_REASONS = ("missing", "corrupt", "unreachable", "no_address", "lost", "other")
 #: Label values of elasticd_jobs_unprotected (checkpoint.protection.REASONS; a test compares).
 UNPROTECTED_REASONS = ("snapshots_failing", "no_placement", "commit_lag")
@@ -50,7 +50,7 @@ RECEIVED_OUTCOMES = ("committed", "refused", "aborted")
 
 
 class CheckpointSink:
-    """Turns the checkpoint service's events into metrics (elasticd.checkpoint.telemetry)."""
+    """Turns the checkpoint service's events into metrics (elasticd.store.telemetry)."""
 
     def __init__(self, metrics: "Metrics") -> None:
         self.m = metrics
@@ -190,7 +190,7 @@ class Metrics:
             "(elasticd.agent.straggler)", registry=r)
         self.job_running = Gauge(
             "elasticd_job_running", "1 while this node runs a job's agent", registry=r)
-        # -- checkpoints (fed by elasticd.checkpoint.service through CheckpointSink) ---------
+        # -- checkpoints (fed by elasticd.store.service through CheckpointSink) ---------
         self.snapshot_stall_seconds = Histogram(
             "elasticd_snapshot_stall_seconds",
             "Time the training loop waited for one snapshot (save and optimizer hook)",

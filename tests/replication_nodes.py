@@ -13,11 +13,11 @@ import uuid
 
 import numpy as np
 
-from elasticd.checkpoint.format import SnapshotHeader, TensorSpec, layout
-from elasticd.checkpoint.shm import SlotStore
+from elasticd.snapshot.format import SnapshotHeader, TensorSpec, layout
+from elasticd.store.shm import SlotStore
 from elasticd.coordination.api import Coordinator
 from elasticd.coordination.keys import Keyspace
-from elasticd.replication.replicator import Replicator
+from elasticd.recovery.replicator import Replicator
 from elasticd.replication.shm_sink import ShmSink, replica_root
 from elasticd.replication.transport import ReplicaServer
 

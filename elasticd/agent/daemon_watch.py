@@ -7,7 +7,7 @@ its agent and workers run on: the agent joins the survivors' next rendezvous rou
 restore of that round has a rank whose daemon does not answer (bench: SIGSTOP of one daemon,
 with ``--nnodes 2:3``, made every recovery start over from step 0 before the restore learned
 to refuse that; it now fails the attempt instead, see
-:class:`~elasticd.checkpoint.restore.DaemonUnreachable`). So the agent fences for its daemon.
+:class:`~elasticd.worker.restore.DaemonUnreachable`). So the agent fences for its daemon.
 
 Rule (:meth:`DaemonWatch.tick`, on the agent's monotonic clock): fence when the node's record
 (``<prefix>/nodes/<node>``, bound to the daemon's lease) is absent from etcd in a successful

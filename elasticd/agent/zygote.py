@@ -68,8 +68,8 @@ ZYGOTE_PID_ENV = "ELASTICD_ZYGOTE_PID"
 #: ``get_optimize_ddp_mode`` check), and a forked worker spent 0.98 s of a 1.15 s recovery
 #: start in that import (bench_recovery, TTL 2 s; 0.01 s once preloaded).
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel",
-           "torch.utils.data", "torch.distributed.optim", "numpy", "elasticd.checkpoint.client",
-           "elasticd.checkpoint.sampler", "elasticd.worker")
+           "torch.utils.data", "torch.distributed.optim", "numpy", "elasticd.worker.checkpointer",
+           "elasticd.worker.sampler", "elasticd.worker")
 MAX_REQUEST = 4 << 20  # argv + environment; a bigger request is refused
 _LEN = struct.Struct("!I")
 

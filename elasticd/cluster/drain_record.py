@@ -1,6 +1,6 @@
 """A node's drain record: the request ``elasticctl drain NODE`` writes to
 ``<prefix>/drain/<node>``, and the progress the node's daemon writes into it
-(:class:`elasticd.cluster.drain.Drainer`).
+(:class:`elasticd.recovery.drain.Drainer`).
 
 States (``DrainRecord.state``, a :class:`DrainState`): requested → draining → drained |
 failed. A drained node stays out of every job until the record is deleted (``elasticctl drain

@@ -23,7 +23,6 @@ from typing import Any, Callable
 import elasticd
 from elasticd.agent.manager import JobManager
 from elasticd.clock import Clock, SystemClock
-from elasticd.cluster.drain import Drainer
 from elasticd.cluster.events import Event, EventLog
 from elasticd.cluster.incarnation import Incarnation
 from elasticd.cluster.membership import (Membership, NodeRecord, NodeState, Observation,
@@ -41,6 +40,7 @@ from elasticd.daemon.fencing import FenceHook, Fencing
 from elasticd.daemon.recovery_timeline import TimelineRecorder
 from elasticd.daemon.registration import NodeIdInUse, Registration
 from elasticd.metrics import CheckpointSink, Metrics
+from elasticd.recovery.drain import Drainer, Progress
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +83,8 @@ class Daemon(Registration, Fencing, DataLossRecovery):
         self.started_at = self.clock.wall()
         self.fence_hooks: list[FenceHook] = []
         self.local_socket = ""  # path of the workers' channel to this daemon, once serving
-        self.checkpoints: Any = checkpoints  # elasticd.checkpoint.service.CheckpointService
-        self.replicator: Any = replicator  # elasticd.replication.replicator.Replicator
+        self.checkpoints: Any = checkpoints  # elasticd.store.service.CheckpointService
+        self.replicator: Any = replicator  # elasticd.recovery.replicator.Replicator
         self.replication_address = replication_address
         self._membership_key: Any = None
 
@@ -109,7 +109,7 @@ class Daemon(Registration, Fencing, DataLossRecovery):
             self.jobs.on_job_end.append(self.agent_credentials.withdraw)
         self.fence_hooks.append(self.jobs.fence)
         self.jobs.committed = self._committed_step  # crash-loop detection
-        self.jobs.record_event = self._record_event
+        self.jobs.record_event = self.record_event
         # Each recovery's timeline, written by one node (daemon/recovery_timeline.py).
         self.timeline = TimelineRecorder(settings.node_id, coord, self.keys, self.events,
                                          self.metrics, self.clock,
@@ -125,11 +125,9 @@ class Daemon(Registration, Fencing, DataLossRecovery):
             self.jobs.on_job_end.append(checkpoints.remove_job)
         if self.replicator is not None:
             self.jobs.on_job_end.append(self.replicator.remove_job)
-        self.drainer = Drainer(
-            settings.node_id, coord, self.keys, quiesce=self._quiesce, resume=self._resume,
-            handoff=self._handoff, hold=self._hold, job_stopped=self.jobs.idle,
-            record_event=self._record_event, shortfall=self._shortfall, stop_wait=settings.stop_grace + 10,
-            clock=self.clock)
+        # The daemon is the drain's host (recovery.drain.DrainHost): the methods below.
+        self.drainer = Drainer(settings.node_id, coord, self.keys, self,
+                               stop_wait=settings.stop_grace + 10, clock=self.clock)
 
         self.state = NodeState.UP
         self.registered_lease: int | None = None
@@ -292,7 +290,7 @@ class Daemon(Registration, Fencing, DataLossRecovery):
             self.replicator.set_membership(job, nodes, {n: list(ranks[n]) for n in nodes})
             self._notes.append(f"replica placement for {len(nodes)} nodes")
 
-    # -- drain (elasticd.cluster.drain) and recoveries ------------------------------------
+    # -- drain (elasticd.recovery.drain) and recoveries ------------------------------------
 
     def _committed_step(self, job: str) -> tuple[int, int] | None:
         """The job's newest committed (generation, step) as replication last saw it."""
@@ -301,21 +299,25 @@ class Daemon(Registration, Fencing, DataLossRecovery):
         c = (self.replicator.status()["jobs"].get(job) or {}).get("committed")
         return (int(c[0]), int(c[1])) if c else None
 
-    def _quiesce(self, timeout: float) -> bool:
+    @property
+    def replicates(self) -> bool:
+        return self.replicator is not None
+
+    def quiesce(self, timeout: float) -> bool:
         return self.checkpoints.quiesce(timeout) if self.checkpoints is not None else True
 
-    def _resume(self) -> None:
+    def resume(self) -> None:
         if self.checkpoints is not None:
             self.checkpoints.resume()
 
-    def _handoff(self, timeout: float, progress: Any = None) -> dict[str, Any]:
+    def handoff(self, timeout: float, progress: Progress | None) -> dict[str, dict[str, Any]]:
         if self.replicator is None:
             return {}
         # Our pushes in flight may still commit a step: let them land first (bounded).
         self.replicator.wait_idle(min(5.0, timeout))
         return self.replicator.drain(timeout, progress)
 
-    def _shortfall(self) -> dict[str, list[int]]:
+    def shortfall(self) -> dict[str, list[int]]:
         if self.replicator is None:
             return {}
         out = {}
@@ -328,11 +330,14 @@ class Daemon(Registration, Fencing, DataLossRecovery):
                 out[job] = short
         return out
 
-    def _hold(self, reason: str | None) -> None:
+    def hold(self, reason: str | None) -> None:
         self.jobs.hold = reason or ""
         self.wake()
 
-    def _record_event(self, kind: str, detail: str, data: dict[str, Any]) -> None:
+    def job_stopped(self) -> bool:
+        return self.jobs.idle()
+
+    def record_event(self, kind: str, detail: str, data: dict[str, Any]) -> None:
         lease = self.registered_lease or self.keeper.lease or 0
         try:
             self.events.record(Event(kind, self.settings.node_id, lease, self.clock.wall(),
@@ -346,7 +351,7 @@ class Daemon(Registration, Fencing, DataLossRecovery):
         if report.get("source") in (None, "none"):
             return  # a first start with nothing to restore is no recovery
         r = report
-        self._record_event(
+        self.record_event(
             "recovered", f"{r['job']} rank {r['rank']} restored step {r['step']} from "
             f"{r['source']} in {r['seconds']:.3f} s, {r['steps_lost']} steps lost",
             {k: r.get(k) for k in ("job", "rank", "source", "seconds", "steps_lost", "bytes",

@@ -42,7 +42,7 @@ class DataLossRecovery:
     _act: Callable[[list[Observation]], None]
     _decode_all: Callable[[list[Any]], list[NodeRecord]]
     _put_record: Callable[[int | None], None]
-    _record_event: Callable[[str, str, dict[str, Any]], None]
+    record_event: Callable[[str, str, dict[str, Any]], None]
 
     def _look_for_data_loss(self, again: bool = False) -> bool:
         """Looks (at most once a cycle, unless ``again``) whether etcd lost its data, and
@@ -82,5 +82,5 @@ class DataLossRecovery:
         self._notes.append(f"recovered from an etcd data loss; re-published {specs} job "
                            "spec(s)")
         if loss.first:
-            self._record_event("etcd_data_lost", f"etcd lost its data: {loss.reason}",
+            self.record_event("etcd_data_lost", f"etcd lost its data: {loss.reason}",
                                {"specs_republished": specs})

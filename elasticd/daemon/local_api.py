@@ -22,7 +22,7 @@ A reply may carry open file descriptors: a handler puts them in ``"_fds"`` (a li
 hands over), and the reply goes out in one ``sendmsg`` with them as ``SCM_RIGHTS`` ancillary
 data and ``"nfds"`` (their count) in the JSON; the daemon closes its copies once sent, or when
 the reply cannot be sent. This is how a worker gets the very slot file the daemon verified
-(:mod:`elasticd.checkpoint.service`) rather than re-opening a path.
+(:mod:`elasticd.store.service`) rather than re-opening a path.
 
 A handler's exception becomes an error reply and a log line, never a dead server; oversized or
 unparseable frames get an error reply when possible and close that connection only. No torch

@@ -147,8 +147,8 @@ class Node:
                      membership: Membership) -> tuple[Any, Any, str]:
         """The daemon-owned checkpoint slots, the persistent tier, peer replication and the
         service workers call."""
-        from elasticd.checkpoint.service import CheckpointService
-        from elasticd.checkpoint.shm import SlotStore, SlotStoreError
+        from elasticd.store.service import CheckpointService
+        from elasticd.store.shm import SlotStore, SlotStoreError
         from elasticd.persistence.persister import Persister
 
         settings = self.settings
@@ -191,9 +191,9 @@ class Node:
             log.info("peer replication off (%s)",
                      "no cluster secret" if not secret else "replicas=1")
             return None, ""
-        from elasticd.checkpoint.shm import SlotStore, SlotStoreError
+        from elasticd.store.shm import SlotStore, SlotStoreError
         from elasticd.replication.auth import AuthFailures
-        from elasticd.replication.replicator import Replicator
+        from elasticd.recovery.replicator import Replicator
         from elasticd.replication.seal import BlockTagger
         from elasticd.replication.server import ReplicaServer
         from elasticd.replication.shm_sink import ShmSink, replica_root

@@ -127,7 +127,7 @@ class Persister:
         """Queues this node's ranks of one step for flushing.
 
         Args:
-            views: pinned :class:`~elasticd.checkpoint.shm.SnapshotView` objects of the same
+            views: pinned :class:`~elasticd.store.shm.SnapshotView` objects of the same
                 (generation, step), one per local rank. The persister releases them — at once
                 when the step is skipped, else after writing.
             uid: owner to give the files to (the job's user) when the daemon runs as root.

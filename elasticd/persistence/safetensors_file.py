@@ -26,7 +26,7 @@ from typing import Any
 
 import xxhash
 
-from elasticd.checkpoint.format import (
+from elasticd.snapshot.format import (
     DTYPES,
     CorruptSnapshot,
     Entry,
@@ -55,8 +55,8 @@ MAX_HEADER = 100 << 20
 class PersistedSnapshot:
     """A rank's snapshot read back from disk: the layout of its tensors inside ``buffer``.
 
-    ``layout`` and ``meta`` are what :func:`elasticd.checkpoint.state.load_into` (through
-    :func:`~elasticd.checkpoint.copier.read_tensors`) needs, exactly as for a snapshot in RAM.
+    ``layout`` and ``meta`` are what :func:`elasticd.worker.state.load_into` (through
+    :func:`~elasticd.worker.copier.read_tensors`) needs, exactly as for a snapshot in RAM.
     """
 
     job: str

@@ -45,7 +45,7 @@ import stat
 import uuid
 from typing import Any, Iterator
 
-from elasticd.checkpoint.format import CorruptSnapshot, SnapshotHeader
+from elasticd.snapshot.format import CorruptSnapshot, SnapshotHeader
 from elasticd.errors import CheckpointError
 from elasticd.persistence import safetensors_file
 from elasticd.persistence.safetensors_file import PersistedSnapshot

@@ -14,6 +14,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import threading
+from typing import Sequence
 
 from elasticd.errors import ElasticdError
 
@@ -250,3 +251,17 @@ class Sink(abc.ABC):
     def lookup(self, job: str, owner_rank: int,
                version: Version | None) -> tuple[Descriptor, memoryview] | None:
         """A held copy (the newest when ``version`` is None), or None."""
+
+
+class ShardLost(ReplicationError):
+    """No holder could provide an intact copy: restore this shard from the persistent tier.
+
+    Attributes:
+        attempts: (holder, reason) for every holder tried, in order.
+    """
+
+    def __init__(self, job: str, rank: int, version: Version | None,
+                 attempts: Sequence[tuple[str, str]]) -> None:
+        tried = "; ".join(f"{h}: {r}" for h, r in attempts) or "no holder known"
+        super().__init__(f"{job} rank {rank} {version or 'newest'}: no intact copy ({tried})")
+        self.job, self.rank, self.version, self.attempts = job, rank, version, list(attempts)

@@ -18,7 +18,7 @@ import logging
 import threading
 from typing import Callable
 
-from elasticd.checkpoint.shm import SlotStore, SnapshotView
+from elasticd.store.shm import SlotStore, SnapshotView
 from elasticd.replication.api import (
     EXISTS,
     ConnectionLost,

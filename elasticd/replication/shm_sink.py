@@ -1,7 +1,7 @@
 """Peer replicas in daemon-owned shared memory: the :class:`~elasticd.replication.api.Sink` a
 node's :class:`~elasticd.replication.server.ReplicaServer` stores into.
 
-Replicas live in a :class:`~elasticd.checkpoint.shm.SlotStore` of their own, so they get the
+Replicas live in a :class:`~elasticd.store.shm.SlotStore` of their own, so they get the
 same pre-touched, double-buffered slots as local snapshots, and a restarted daemon adopts the
 ones whose checksums verify (:meth:`SlotStore.scan`). The store is separate from the local one
 (a sibling directory, :func:`replica_root`) rather than a namespace inside it because a slot's
@@ -32,10 +32,10 @@ import logging
 import threading
 from typing import Callable
 
-from elasticd.checkpoint.api import CommitPending, OverBudget, Slot, SlotBusy, StaleSlot
-from elasticd.checkpoint.format import SnapshotError
-from elasticd.checkpoint.reader import parse_header
-from elasticd.checkpoint.shm import SlotStore, SnapshotView
+from elasticd.store.api import CommitPending, OverBudget, Slot, SlotBusy, StaleSlot
+from elasticd.snapshot.format import SnapshotError
+from elasticd.snapshot.reader import parse_header
+from elasticd.store.shm import SlotStore, SnapshotView
 from elasticd.replication.api import (
     IN_PROGRESS,
     NO_SPACE,

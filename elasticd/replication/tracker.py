@@ -35,7 +35,7 @@ import logging
 import threading
 from typing import Any, Callable, Mapping
 
-from elasticd.checkpoint.shm import SlotStore
+from elasticd.store.shm import SlotStore
 from elasticd.clock import Clock
 from elasticd.coordination import records
 from elasticd.coordination.api import CoordinationError, Coordinator, EventType, Watch

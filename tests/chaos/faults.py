@@ -452,8 +452,8 @@ def flip_payload_byte(path: str) -> bool:
     """Inverts one byte in the middle of a sealed snapshot's payload, in place (through a
     shared mapping, as a bad DIMM or a stray write would); False if the file holds no sealed
     snapshot."""
-    from elasticd.checkpoint.format import SnapshotError
-    from elasticd.checkpoint.reader import parse_header
+    from elasticd.snapshot.format import SnapshotError
+    from elasticd.snapshot.reader import parse_header
 
     with open(path, "r+b") as fh:
         size = os.fstat(fh.fileno()).st_size

@@ -30,7 +30,7 @@ import time
 import pytest
 
 from elasticd.replication.deadline import DeadlinePolicy, call_deadline
-from elasticd.replication.recovery import STRIPE_BYTES
+from elasticd.recovery.fetch import STRIPE_BYTES
 from tests.chaos.faults import FaultPlan, FaultRecord
 from tests.chaos.harness import ChaosCluster, Outcome, Shape
 from tests.chaos.partition import available

@@ -28,8 +28,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from elasticd.checkpoint.service import CheckpointService
-from elasticd.checkpoint.shm import SlotStore
+from elasticd.store.service import CheckpointService
+from elasticd.store.shm import SlotStore
 from elasticd.daemon.local_api import LocalServer
 from elasticd.persistence.persister import Persister
 

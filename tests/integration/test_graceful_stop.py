@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from elasticd.checkpoint.shm import SlotStore
+from elasticd.store.shm import SlotStore
 from elasticd.launcher import JOB_USER, LocalCluster
 
 pytestmark = [pytest.mark.etcd]

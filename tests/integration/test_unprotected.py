@@ -23,8 +23,8 @@ import uuid
 
 import pytest
 
-from elasticd.checkpoint.service import CheckpointService
-from elasticd.checkpoint.shm import SlotStore
+from elasticd.store.service import CheckpointService
+from elasticd.store.shm import SlotStore
 from elasticd.clock import FakeClock
 from elasticd.cluster.jobspec import JobControl, JobSpec, NodeJobStatus
 from elasticd.config import Settings

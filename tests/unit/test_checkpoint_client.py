@@ -20,12 +20,12 @@ import uuid
 import pytest
 import torch
 
-from elasticd.checkpoint.client import Checkpointer
-from elasticd.checkpoint.copier import CpuCopier, FutureHandle, copy_into
-from elasticd.checkpoint.sampler import ElasticSampler
-from elasticd.checkpoint.service import CheckpointService
-from elasticd.checkpoint.shm import SlotStore
-from elasticd.checkpoint.state import RNGState
+from elasticd.worker.checkpointer import Checkpointer
+from elasticd.worker.copier import CpuCopier, FutureHandle, copy_into
+from elasticd.worker.sampler import ElasticSampler
+from elasticd.store.service import CheckpointService
+from elasticd.store.shm import SlotStore
+from elasticd.worker.state import RNGState
 from elasticd.local.transport import InProcessTransport
 from elasticd.persistence.persister import Persister
 
@@ -361,7 +361,7 @@ def test_growing_meta_replans_instead_of_corrupting(service):
 
 
 def test_replicated_state_that_differs_across_ranks_after_restore_is_refused_on_every_rank():
-    from elasticd.checkpoint.restore import ReplicaMismatch, check_replicas_agree, state_digest
+    from elasticd.worker.restore import ReplicaMismatch, check_replicas_agree, state_digest
 
     ranks = ThreadRanks(2)
     same = torch.nn.Linear(4, 2)
@@ -383,7 +383,7 @@ def test_replicated_state_that_differs_across_ranks_after_restore_is_refused_on_
 
 
 def test_ddp_modules_are_checked_by_default_and_extra_keys_on_request():
-    from elasticd.checkpoint.restore import replicated_keys
+    from elasticd.worker.restore import replicated_keys
 
     state = {"model": torch.nn.Linear(2, 2), "optim": None, "step": 3}
     assert replicated_keys(state) == []  # a bare module may be a model-parallel shard

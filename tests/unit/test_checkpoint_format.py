@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from elasticd.checkpoint.format import (
+from elasticd.snapshot.format import (
     ALIGNMENT,
     DATA_ALIGNMENT,
     FORMAT_VERSION,
@@ -33,7 +33,7 @@ from elasticd.checkpoint.format import (
     layout,
     seal,
 )
-from elasticd.checkpoint.reader import SnapshotReader, parse_header, verify_block
+from elasticd.snapshot.reader import SnapshotReader, parse_header, verify_block
 
 RNG = np.random.default_rng(0)
 

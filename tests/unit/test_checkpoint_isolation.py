@@ -22,9 +22,9 @@ import uuid
 import numpy as np
 import pytest
 
-from elasticd.checkpoint.format import SnapshotHeader, TensorSpec, layout
-from elasticd.checkpoint.service import CheckpointService
-from elasticd.checkpoint.shm import SlotStore
+from elasticd.snapshot.format import SnapshotHeader, TensorSpec, layout
+from elasticd.store.service import CheckpointService
+from elasticd.store.shm import SlotStore
 from elasticd.local.transport import InProcessTransport
 from elasticd.persistence.tier import Tier, TierError
 from elasticd.replication.shm_sink import replica_root
@@ -216,7 +216,7 @@ def test_a_worker_maps_the_slot_the_daemon_verified_not_what_the_path_names_late
     """Whoever can write the slot's directory swaps the file after the daemon verified it and
     before the worker maps it: the worker must still load the verified bytes."""
     torch = pytest.importorskip("torch")  # the worker side; installed in CI
-    from elasticd.checkpoint.restore import Sources
+    from elasticd.worker.restore import Sources
 
     root = f"/dev/shm/elasticd-test-swap-{uuid.uuid4().hex[:12]}"
     store = SlotStore(root)
@@ -257,7 +257,7 @@ def _drop_fds(reply: dict) -> None:
 
 
 def _header_of(raw: bytes) -> SnapshotHeader:
-    from elasticd.checkpoint.reader import parse_header
+    from elasticd.snapshot.reader import parse_header
 
     return parse_header(memoryview(raw), job="job", rank=0, where="test")
 
@@ -267,7 +267,7 @@ def _header_of(raw: bytes) -> SnapshotHeader:
 WORKER = """
     import json, os, sys
     import torch
-    from elasticd.checkpoint.client import Checkpointer
+    from elasticd.worker.checkpointer import Checkpointer
     from elasticd.worker.client import DaemonClient
 
     def open_fds():

@@ -3,7 +3,7 @@
 committed step, also after the world shrank.
 
 The replicator is an in-process fake whose ``fetch_to_local`` runs the real
-:func:`~elasticd.replication.recovery.fetch_into_store` over another node's slot store (the
+:func:`~elasticd.recovery.fetch.fetch_into_store` over another node's slot store (the
 "peer's RAM"), so a fetched shard is a real, verified snapshot in the local store. Ranks are
 threads of this process (the collective of ``test_checkpoint_client``); slots live in unique
 /dev/shm directories removed afterwards.
@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 import torch
 
-from elasticd.checkpoint.client import Checkpointer
-from elasticd.checkpoint.reader import SnapshotReader
-from elasticd.checkpoint.service import CheckpointService
-from elasticd.checkpoint.shm import SlotStore
+from elasticd.worker.checkpointer import Checkpointer
+from elasticd.snapshot.reader import SnapshotReader
+from elasticd.store.service import CheckpointService
+from elasticd.store.shm import SlotStore
 from elasticd.local.transport import InProcessTransport
 from elasticd.replication.commit import Committed
-from elasticd.replication.recovery import FetchResult, ShardLost, copy_own, fetch_into_store
+from elasticd.recovery.fetch import FetchResult, ShardLost, copy_own, fetch_into_store
 from tests.unit.test_checkpoint_client import (
     ThreadRanks,
     assert_same,

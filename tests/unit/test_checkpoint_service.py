@@ -19,15 +19,15 @@ import uuid
 import numpy as np
 import pytest
 
-from elasticd.checkpoint.format import (
+from elasticd.snapshot.format import (
     PREAMBLE_SIZE,
     SnapshotHeader,
     TensorSpec,
     _header_json,
     layout,
 )
-from elasticd.checkpoint.service import CheckpointService
-from elasticd.checkpoint.shm import SlotStore
+from elasticd.store.service import CheckpointService
+from elasticd.store.shm import SlotStore
 from elasticd.local.transport import InProcessTransport, TransportError
 from elasticd.persistence.persister import Persister
 from elasticd.persistence.tier import Tier
@@ -103,7 +103,7 @@ def test_reserve_complete_list_open(env):
     with open(opened["path"], "rb") as f:
         f.seek(opened["offset"])
         raw = f.read(opened["size"])
-    from elasticd.checkpoint.reader import SnapshotReader
+    from elasticd.snapshot.reader import SnapshotReader
     reader = SnapshotReader(raw, job="job", rank=0)
     assert np.array_equal(reader.array("w"), data)
     t.call("ckpt_release", pin=opened["pin"])
@@ -301,8 +301,8 @@ def test_restarted_service_adopts_progress_from_scanned_slots(root):
 
 
 def test_daemon_side_modules_do_not_import_torch():
-    modules = ["elasticd", "elasticd.checkpoint.service", "elasticd.local.transport",
-               "elasticd.checkpoint.telemetry", "elasticd.persistence.persister",
+    modules = ["elasticd", "elasticd.store.service", "elasticd.local.transport",
+               "elasticd.store.telemetry", "elasticd.persistence.persister",
                "elasticd.persistence.tier"]
     code = f"import sys, {', '.join(modules)}; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

@@ -23,10 +23,10 @@ import uuid
 import pytest
 import torch
 
-from elasticd.checkpoint.client import Checkpointer
-from elasticd.checkpoint.service import CheckpointService
-from elasticd.checkpoint.shm import SlotStore
-from elasticd.checkpoint.state import UnsupportedValue
+from elasticd.worker.checkpointer import Checkpointer
+from elasticd.store.service import CheckpointService
+from elasticd.store.shm import SlotStore
+from elasticd.worker.state import UnsupportedValue
 from elasticd.coordination.embedded import free_port
 from elasticd.local.transport import InProcessTransport
 from tests.ranks import spawn
@@ -290,7 +290,7 @@ def test_an_unsnapshottable_state_is_an_error_at_the_first_save_and_unprotects_t
 
 
 def test_chunks_follow_torch_chunk_and_assembly_covers_every_element():
-    from elasticd.checkpoint.shards import Resharder, ShardMismatch, _chunk_1d, old_box
+    from elasticd.worker.shards import Resharder, ShardMismatch, _chunk_1d, old_box
 
     for size in range(0, 13):
         for parts in range(1, 5):

@@ -16,8 +16,8 @@ import uuid
 import numpy as np
 import pytest
 
-from elasticd.checkpoint.format import CorruptSnapshot, SnapshotHeader, TensorSpec, layout
-from elasticd.checkpoint.shm import (
+from elasticd.snapshot.format import CorruptSnapshot, SnapshotHeader, TensorSpec, layout
+from elasticd.store.shm import (
     PAGE,
     CommitPending,
     OverBudget,
@@ -297,7 +297,7 @@ def test_a_worker_process_writes_through_its_own_mapping(store):
     header = plan("job", 3, arrays, 9)
     slot = store.reserve("job", 3, header.layout.total_size)
     code = (
-        "import sys, numpy as np; from elasticd.checkpoint.shm import map_file\n"
+        "import sys, numpy as np; from elasticd.store.shm import map_file\n"
         "mm = map_file(sys.argv[1], int(sys.argv[2]))\n"
         "w = np.random.default_rng(9).standard_normal(3000).astype(np.float32)\n"
         "off = [int(x) for x in sys.argv[3:]]\n"
@@ -371,6 +371,6 @@ def test_remove_and_remove_job_unlink_everything(store, root):
 
 
 def test_daemon_side_modules_do_not_import_torch():
-    code = ("import sys, elasticd.checkpoint.shm, elasticd.checkpoint.reader, "
-            "elasticd.checkpoint.api; sys.exit('torch' in sys.modules)")
+    code = ("import sys, elasticd.store.shm, elasticd.snapshot.reader, "
+            "elasticd.store.api; sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

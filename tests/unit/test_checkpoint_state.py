@@ -18,11 +18,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elasticd.checkpoint.copier import CpuCopier, copy_into, read_tensors
-from elasticd.checkpoint.format import SnapshotHeader, seal
-from elasticd.checkpoint.reader import SnapshotReader
-from elasticd.checkpoint.shm import SlotStore
-from elasticd.checkpoint.state import (
+from elasticd.worker.copier import CpuCopier, copy_into, read_tensors
+from elasticd.snapshot.format import SnapshotHeader, seal
+from elasticd.snapshot.reader import SnapshotReader
+from elasticd.store.shm import SlotStore
+from elasticd.worker.state import (
     META_VERSION,
     RNGState,
     StateError,

@@ -54,7 +54,7 @@ def _rank_main(rank, world, port, out_dir, phase, old_world):
     (first with one old shard missing: refused), check, then the same as ``save``."""
     import torch.distributed as dist
 
-    from elasticd.checkpoint.state import StateMismatch, flatten, load_into
+    from elasticd.worker.state import StateMismatch, flatten, load_into
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 import torch
 
-from elasticd.checkpoint.client import Checkpointer
-from elasticd.checkpoint.cuda_copier import CudaCopier, _runs
-from elasticd.checkpoint.format import Layout, TensorSpec, layout
-from elasticd.checkpoint.service import CheckpointService
-from elasticd.checkpoint.shm import SlotStore
+from elasticd.worker.checkpointer import Checkpointer
+from elasticd.worker.cuda_copier import CudaCopier, _runs
+from elasticd.snapshot.format import Layout, TensorSpec, layout
+from elasticd.store.service import CheckpointService
+from elasticd.store.shm import SlotStore
 from elasticd.local.transport import InProcessTransport
 
 

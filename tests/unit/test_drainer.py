@@ -1,4 +1,4 @@
-"""The drain state machine (elasticd.cluster.drain) on the in-memory coordinator with fake
+"""The drain state machine (elasticd.recovery.drain) on the in-memory coordinator with fake
 parts, and the checkpoint service's pause (quiesce) that a drain and a clean exit rely on."""
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ import uuid
 
 import pytest
 
-from elasticd.checkpoint.service import CheckpointService
-from elasticd.checkpoint.shm import SlotStore
+from elasticd.store.service import CheckpointService
+from elasticd.store.shm import SlotStore
 from elasticd.clock import FakeClock
-from elasticd.cluster import drain, drain_record
+from elasticd.cluster import drain_record
+from elasticd.recovery import drain
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
 from elasticd.local.transport import InProcessTransport
@@ -21,6 +22,8 @@ from elasticd.local.transport import InProcessTransport
 
 class Parts:
     """Fake node parts that record what the drainer asked of them, in order."""
+
+    replicates = True
 
     def __init__(self, failed_copies=0, short=(), failed_rounds=None):
         self.calls: list[str] = []
@@ -55,18 +58,15 @@ class Parts:
         self.calls.append(f"hold:{reason}")
         self.held = reason or ""
 
-    def stopped(self):
+    def job_stopped(self):
         return bool(self.held)
 
-    def event(self, kind, detail, data):
+    def record_event(self, kind, detail, data):
         self.events.append((kind, detail))
 
 
 def make(parts, coord, keys):
-    return drain.Drainer("n3", coord, keys, quiesce=parts.quiesce, resume=parts.resume,
-                         handoff=parts.handoff, hold=parts.hold, job_stopped=parts.stopped,
-                         record_event=parts.event, shortfall=parts.shortfall, stop_wait=5,
-                         read_interval=0)
+    return drain.Drainer("n3", coord, keys, parts, stop_wait=5, read_interval=0)
 
 
 @pytest.fixture
@@ -186,10 +186,7 @@ def test_a_copy_that_failed_once_is_tried_again(etcd):
 
 
 def _drain_on(clock, parts, coord, keys, timeout):
-    d = drain.Drainer("n3", coord, keys, quiesce=parts.quiesce, resume=parts.resume,
-                      handoff=parts.handoff, hold=parts.hold, job_stopped=parts.stopped,
-                      record_event=parts.event, shortfall=parts.shortfall, stop_wait=30,
-                      read_interval=0, clock=clock)
+    d = drain.Drainer("n3", coord, keys, parts, stop_wait=30, read_interval=0, clock=clock)
     drain_record.request(coord, keys, "n3", timeout, "op", clock.wall())
     d.step()
     d.join()
@@ -201,7 +198,7 @@ def test_on_a_fake_clock_workers_that_never_stop_fail_the_drain_by_its_stop_wait
     coord, keys = etcd
     clock = FakeClock()
     parts = Parts()
-    parts.stopped = lambda: False  # the workers never stop
+    parts.job_stopped = lambda: False  # the workers never stop
     start = clock.monotonic()
     rec = _drain_on(clock, parts, coord, keys, 60)
     assert rec.state == "failed" and "workers still running 30 s after the stop" in rec.detail

@@ -37,8 +37,8 @@ def test_every_exception_derives_from_elasticd_error():
 
 def test_exceptions_keep_the_builtin_bases_callers_catch():
     from elasticd.agent.job_files import UnsafeJobFile
-    from elasticd.checkpoint.restore import RestoreError
-    from elasticd.checkpoint.state import UnsupportedValue
+    from elasticd.worker.restore import RestoreError
+    from elasticd.worker.state import UnsupportedValue
     from elasticd.config import ConfigError
     from elasticd.coordination.records import CorruptRecord
     from elasticd.local.wire import FrameError, RequestError

@@ -17,7 +17,7 @@ from elasticd.replication.deadline import DeadlinePolicy, LinkRates
 from elasticd.replication.lanes import Connections
 from elasticd.replication.memory import MemorySink
 from elasticd.replication.messages import Fetch
-from elasticd.replication.recovery import fetch_shard
+from elasticd.recovery.fetch import fetch_shard
 from elasticd.replication.transport import ReplicaClient, ReplicaServer
 
 from tests.unit.test_striped_fetch import JOB, SECRET, STRIPE, FailingSink, sealed_snapshot

@@ -312,8 +312,8 @@ def test_worker_in_another_process_is_light_and_identified(server):
     code = (
         "import os, sys\n"
         "import elasticd.worker\n"
-        "heavy = sorted(m for m in ('torch', 'numpy', 'prometheus_client', 'elasticd.checkpoint',"
-        " 'elasticd.coordination') if m in sys.modules)\n"
+        "heavy = sorted(m for m in ('torch', 'numpy', 'prometheus_client', 'elasticd.store',"
+        " 'elasticd.coordination', 'elasticd.worker.checkpointer') if m in sys.modules)\n"
         "c = elasticd.worker.DaemonClient.from_env()\n"
         "print(os.getpid(), c.call('whoami')['peer']['pid'], heavy)\n"
     )

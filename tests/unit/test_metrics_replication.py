@@ -9,7 +9,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from elasticd.metrics import Metrics, ReplicationSink
-from elasticd.replication.replicator import ReplicationStats
+from elasticd.recovery.replicator import ReplicationStats
 
 
 def samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:

@@ -1,4 +1,4 @@
-"""Loud protection state: the pure decision (elasticd.checkpoint.protection), the checkpoint
+"""Loud protection state: the pure decision (elasticd.store.protection), the checkpoint
 service that gathers its facts (register and slot requests as progress, replies that carry the
 verdict), its metric, and the worker's once-a-minute warning."""
 
@@ -10,9 +10,9 @@ import uuid
 
 import pytest
 
-from elasticd.checkpoint.protection import REASONS, JobView, assess
-from elasticd.checkpoint.service import CheckpointService
-from elasticd.checkpoint.shm import SlotStore
+from elasticd.store.protection import REASONS, JobView, assess
+from elasticd.store.service import CheckpointService
+from elasticd.store.shm import SlotStore
 from elasticd.clock import FakeClock
 from elasticd.local.transport import InProcessTransport
 from elasticd.metrics import UNPROTECTED_REASONS, CheckpointSink, Metrics
@@ -132,7 +132,7 @@ class FakeTransport:
 
 def test_the_worker_registers_and_warns_at_most_once_a_minute(caplog, monkeypatch):
     pytest.importorskip("torch")
-    from elasticd.checkpoint.client import Checkpointer
+    from elasticd.worker.checkpointer import Checkpointer
 
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     monkeypatch.setenv("LOCAL_RANK", "0")

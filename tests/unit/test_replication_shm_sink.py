@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from elasticd.checkpoint.shm import OverBudget, SlotStore
+from elasticd.store.shm import OverBudget, SlotStore
 from elasticd.replication.api import EXISTS, IN_PROGRESS, NO_SPACE, STALE, Descriptor, Refused
 from elasticd.replication.shm_sink import CORRUPT, ShmSink, descriptor_of, replica_root
 from elasticd.replication.transport import ReplicaClient, ReplicaServer

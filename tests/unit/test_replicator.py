@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from elasticd.checkpoint.shm import CommitPending, SlotBusy
+from elasticd.store.shm import CommitPending, SlotBusy
 from elasticd.coordination.api import Compare, Put
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
@@ -29,7 +29,7 @@ from elasticd.replication.commit import (
     withdraw,
 )
 from elasticd.replication.placement import compute_placement, decode_placement
-from elasticd.replication.replicator import ShardLost
+from elasticd.recovery.replicator import ShardLost
 from elasticd.replication.shm_sink import ShmSink
 from tests.replication_nodes import JOB, Cluster
 
@@ -491,8 +491,8 @@ def test_the_daemon_side_of_replication_does_not_import_torch():
     import subprocess
     import sys
 
-    code = ("import sys, elasticd.replication.replicator, elasticd.replication.shm_sink, "
-            "elasticd.replication.recovery; print('torch' in sys.modules)")
+    code = ("import sys, elasticd.recovery.replicator, elasticd.replication.shm_sink, "
+            "elasticd.recovery.fetch; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from elasticd.checkpoint.restore import DaemonUnreachable, Sources, restore
+from elasticd.worker.restore import DaemonUnreachable, Sources, restore
 from elasticd.worker.client import DaemonTimeout
 
 
@@ -59,7 +59,7 @@ def test_a_peer_ranks_silent_daemon_fails_mine_too():
 
 
 def test_healthy_daemons_agree_on_the_committed_step():
-    from elasticd.checkpoint.restore import agree
+    from elasticd.worker.restore import agree
 
     sources = Sources(HealthyDaemon(), "job", rank=0, world_size=2)
     agreed = agree(sources, TwoRanks(HEALTHY_ROWS))
@@ -100,7 +100,7 @@ class SlowFetchDaemon(DaemonSilentOnFetch):
 
 
 def test_a_fetch_waits_for_the_daemons_own_deadlines_not_the_clients_default():
-    from elasticd.checkpoint.restore import FETCH_WAIT
+    from elasticd.worker.restore import FETCH_WAIT
 
     daemon = SlowFetchDaemon()
     sources = Sources(daemon, "job", rank=0, world_size=2)

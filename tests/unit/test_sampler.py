@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from elasticd.checkpoint.sampler import ElasticSampler
+from elasticd.worker.sampler import ElasticSampler
 
 SIZES = [(n, w) for n in (1, 7, 12, 31, 37) for w in (1, 2, 3, 5)]  # 31, 37: prime lengths
 

@@ -10,12 +10,12 @@ import time
 import numpy as np
 import pytest
 
-from elasticd.checkpoint.format import SnapshotHeader, TensorSpec, layout, seal
+from elasticd.snapshot.format import SnapshotHeader, TensorSpec, layout, seal
 from elasticd.clock import SystemClock
 from elasticd.replication.api import Descriptor
 from elasticd.replication.lanes import Connections
 from elasticd.replication.memory import MemorySink
-from elasticd.replication.recovery import ShardLost, fetch_shard
+from elasticd.recovery.fetch import ShardLost, fetch_shard
 from elasticd.replication.transport import ReplicaClient, ReplicaServer
 
 SECRET = b"cluster-secret-0123456789abcdef"

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import elasticd
-from elasticd.checkpoint.state import flatten
+from elasticd.worker.state import flatten
 
 
 def main() -> None:

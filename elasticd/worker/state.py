@@ -29,9 +29,9 @@ from typing import Any, Mapping, MutableMapping, Sequence
 import numpy as np
 import torch
 
-from elasticd.checkpoint import shards
-from elasticd.checkpoint.copier import dtype_name, read_tensors, spec_of
-from elasticd.checkpoint.format import DEFAULT_BLOCK_SIZE, Layout, SnapshotHeader, TensorSpec, layout
+from elasticd.worker import shards
+from elasticd.worker.copier import dtype_name, read_tensors, spec_of
+from elasticd.snapshot.format import DEFAULT_BLOCK_SIZE, Layout, SnapshotHeader, TensorSpec, layout
 from elasticd.errors import CheckpointError
 
 META_VERSION = 1
@@ -356,7 +356,7 @@ def load_into(state: MutableMapping[str, Any], tensors: list[torch.Tensor],
 
     Objects are loaded through their own ``load_state_dict``; plain values are replaced in the
     ``state`` mapping itself (read them back from it). ``tensors`` must be owned copies (e.g.
-    from :func:`elasticd.checkpoint.copier.read_tensors`): optimizers keep what they are given.
+    from :func:`elasticd.worker.copier.read_tensors`): optimizers keep what they are given.
 
     Sharded tensors (DTensor) are rebuilt on the live state's device mesh: each rank's new
     local shard is assembled from the saved shards that cover it (:mod:`.shards`), this
@@ -365,7 +365,7 @@ def load_into(state: MutableMapping[str, Any], tensors: list[torch.Tensor],
     Args:
         strict: the snapshot and ``state`` must have the same keys.
         others: (tensor names, tensors, meta) of the other old ranks' snapshots this rank's new
-            shards need (:func:`elasticd.checkpoint.shards.needed_ranks`).
+            shards need (:func:`elasticd.worker.shards.needed_ranks`).
         names: this snapshot's tensor names (to find the same tensors in ``others``).
 
     Raises:

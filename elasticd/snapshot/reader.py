@@ -2,9 +2,9 @@
 
 Everything a snapshot's bytes claim is checked before it is used, because those bytes may come
 from a peer or from a segment a crashed process left half-written: :func:`parse_header` turns any
-bad input into a :class:`~elasticd.checkpoint.format.SnapshotError` subclass whose message says
+bad input into a :class:`~elasticd.snapshot.format.SnapshotError` subclass whose message says
 what is wrong (truncated, corrupt, or the wrong job/rank/world size/format version), never into
-another exception. Like :mod:`~elasticd.checkpoint.format`, this module never imports torch.
+another exception. Like :mod:`~elasticd.snapshot.format`, this module never imports torch.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 import xxhash
 
-from elasticd.checkpoint.format import (
+from elasticd.snapshot.format import (
     _PREAMBLE,
     ALIGNMENT,
     DTYPES,

@@ -21,7 +21,7 @@ loads old rank ``r``'s shard, and a rank beyond the old world loads old rank ``r
 (so after a grow the new ranks start with a copy of an old rank's RNG states too); the
 sampler's position is global, so it carries over. State sharded across ranks is resharded
 (:meth:`Sources.fetch_shards` fetches the other old ranks' snapshots it needs): DTensors
-(FSDP2) by their saved boxes (:mod:`elasticd.checkpoint.shards`), a
+(FSDP2) by their saved boxes (:mod:`elasticd.worker.shards`), a
 ``ZeroRedundancyOptimizer`` by the partition map saved with each rank's shard (every old rank's
 snapshot; ZeRO's own ``load_state_dict`` then keeps this rank's parameters' state).
 
@@ -40,10 +40,10 @@ from typing import Any, Iterator, Protocol
 
 import torch
 
-from elasticd.checkpoint.copier import read_tensors
-from elasticd.checkpoint.format import SnapshotError
-from elasticd.checkpoint.reader import SnapshotReader
-from elasticd.checkpoint.segment import map_fd
+from elasticd.worker.copier import read_tensors
+from elasticd.snapshot.format import SnapshotError
+from elasticd.snapshot.reader import SnapshotReader
+from elasticd.snapshot.segment import map_fd
 from elasticd.errors import CheckpointError
 from elasticd.persistence.tier import Tier, TierError
 from elasticd.worker.client import DaemonUnavailable
@@ -363,7 +363,7 @@ class Sources:
         """Adds to ``got`` (old rank ``rank % world``'s snapshot) the other old ranks'
         snapshots that this rank's new shards need; the same code at every world size (at
         the same one, and on the same mesh, none). None when one of them is not reachable."""
-        from elasticd.checkpoint import shards
+        from elasticd.worker import shards
 
         dtensors = next(shards.nodes(got.meta), None) is not None
         # A ZeroRedundancyOptimizer partitions whole parameters by size: at another world size
@@ -533,7 +533,7 @@ def restore(state: Any, sources: Sources, collective: Collective, clock: Any,
         RestoreError: on every rank, when the agreed snapshot does not fit some rank's state.
         ReplicaMismatch: on every rank, when ``replicated`` entries differ after it.
     """
-    from elasticd.checkpoint.state import StateError, load_into
+    from elasticd.worker.state import StateError, load_into
 
     start = clock()
     result = RestoreResult()

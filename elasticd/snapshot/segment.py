@@ -1,6 +1,6 @@
 """One shared-memory slot file: allocating, pre-touching, mapping, verifying and removing it.
 
-:class:`~elasticd.checkpoint.shm.SlotStore` decides which segment holds what; this module does the
+:class:`~elasticd.store.shm.SlotStore` decides which segment holds what; this module does the
 file and memory work. Pages are reserved with ``fallocate`` so that a full tmpfs is an error at
 allocation rather than a SIGBUS in whichever process first writes the page, and pre-touched,
 because first writes into fresh tmpfs pages run ten times slower than memcpy (docs/facts.md).
@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from elasticd.checkpoint.format import SnapshotError, SnapshotHeader
-from elasticd.checkpoint.reader import parse_header, verify_payload
+from elasticd.snapshot.format import SnapshotError, SnapshotHeader
+from elasticd.snapshot.reader import parse_header, verify_payload
 
 PAGE = mmap.PAGESIZE
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC

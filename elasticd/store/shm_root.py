@@ -7,7 +7,7 @@ directory (not a symlink) of the daemon's own, writable by nobody else, and is m
 anything else found there — a tree another user created first, with a crafted snapshot in it —
 is moved aside unread and a fresh root made exclusively. Every directory and file below it is
 then created, listed and removed relative to the root's descriptor, never through a symlink
-(the helpers here), by :class:`~elasticd.checkpoint.shm.SlotStore`.
+(the helpers here), by :class:`~elasticd.store.shm.SlotStore`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import shutil
 import stat
 import uuid
 
-from elasticd.checkpoint.api import SlotStoreError
+from elasticd.store.api import SlotStoreError
 
 log = logging.getLogger(__name__)
 

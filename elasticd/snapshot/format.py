@@ -14,7 +14,7 @@ digest, so that a replicator streaming 4 MiB chunks can verify each block as it 
 reader can verify only the entries it touches. Everything here is numpy and xxhash only: the
 daemon side must not import torch. Dtypes are named as torch names them (``"bfloat16"``), and
 dtypes numpy lacks are viewed as unsigned integers of the same width. This module writes and
-describes snapshots; :mod:`elasticd.checkpoint.reader` parses and verifies them.
+describes snapshots; :mod:`elasticd.snapshot.reader` parses and verifies them.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The snapshot side of the checkpoint service (a mixin of
-:class:`~elasticd.checkpoint.service.CheckpointService`, whose state it shares), and what a
+:class:`~elasticd.store.service.CheckpointService`, whose state it shares), and what a
 completed snapshot sets off: replication to peers, persistence.
 
 * ``ckpt_reserve`` job, rank, world_size, nbytes, [local_world_size], [step], [mapped
@@ -21,10 +21,10 @@ import json
 import logging
 from typing import Any
 
-from elasticd.checkpoint.api import CommitPending, OverBudget, SlotBusy, StaleSlot
-from elasticd.checkpoint.format import PREAMBLE_SIZE, SnapshotError
-from elasticd.checkpoint.reader import _header_from_json
-from elasticd.checkpoint.service_records import JobRecord, call_hooks, param
+from elasticd.store.api import CommitPending, OverBudget, SlotBusy, StaleSlot
+from elasticd.snapshot.format import PREAMBLE_SIZE, SnapshotError
+from elasticd.snapshot.reader import _header_from_json
+from elasticd.store.service_records import JobRecord, call_hooks, param
 from elasticd.local.wire import RequestError
 from elasticd.persistence.persister import Flushed
 
@@ -42,7 +42,7 @@ def _mapped(msg: dict[str, Any]) -> set[tuple[int, int]]:
 
 
 class SnapshotOps:
-    """The snapshot-side ops of :class:`~elasticd.checkpoint.service.CheckpointService`."""
+    """The snapshot-side ops of :class:`~elasticd.store.service.CheckpointService`."""
 
     def _reserve(self, msg: dict[str, Any]) -> dict[str, Any]:
         job, rank = param(msg, "job", str), param(msg, "rank", int)

@@ -18,18 +18,18 @@ maps the descriptor that comes with the reply (``_fds``, passed over the local s
 same way whichever uid the job runs as. Daemon side: no torch.
 
 Ops, request fields → reply fields, errors :class:`RequestError` replies: the snapshot side's
-in :mod:`~elasticd.checkpoint.service_snapshots`, the restore side's (and the read pins) in
-:mod:`~elasticd.checkpoint.service_restores`; both keep their per-job state in one
-:class:`~elasticd.checkpoint.service_records.JobRecord` under the service's lock.
+in :mod:`~elasticd.store.service_snapshots`, the restore side's (and the read pins) in
+:mod:`~elasticd.store.service_restores`; both keep their per-job state in one
+:class:`~elasticd.store.service_records.JobRecord` under the service's lock.
 
-With a :class:`~elasticd.replication.replicator.Replicator`, every completed snapshot is
+With a :class:`~elasticd.recovery.replicator.Replicator`, every completed snapshot is
 handed to it (``on_local_snapshot``) for replication to peers, and a restore that opens a new
 generation (``ckpt_report`` with ``next_generation``) tells it (``start_generation``).
 
 A ``ckpt_reserve`` with a step, and a ``register``, count as the worker's progress report: they
 go to :attr:`CheckpointService.on_progress` (hang detection, the group's ranks), so a script
 that checkpoints needs no :func:`elasticd.worker.progress` call. Each job's protection is
-assessed every daemon cycle (:mod:`elasticd.checkpoint.protection`); ``ckpt_reserve`` and
+assessed every daemon cycle (:mod:`elasticd.store.protection`); ``ckpt_reserve`` and
 ``register`` replies carry ``unprotected`` (the reason) while it lasts, so workers warn too.
 """
 
@@ -40,12 +40,13 @@ import logging
 import threading
 from typing import Any, Callable
 
-from elasticd.checkpoint.protection import REASONS, JobView, assess
-from elasticd.checkpoint.service_records import JobRecord
-from elasticd.checkpoint.service_restores import RestoreOps
-from elasticd.checkpoint.service_snapshots import SnapshotOps
-from elasticd.checkpoint.shm import SlotStore
-from elasticd.checkpoint.telemetry import RESTORE_SOURCES, CheckpointStats
+from elasticd.store.api import Replication
+from elasticd.store.protection import REASONS, JobView, assess
+from elasticd.store.service_records import JobRecord
+from elasticd.store.service_restores import RestoreOps
+from elasticd.store.service_snapshots import SnapshotOps
+from elasticd.store.shm import SlotStore
+from elasticd.store.telemetry import RESTORE_SOURCES, CheckpointStats
 from elasticd.clock import Clock, SystemClock
 from elasticd.persistence.persister import Persister
 
@@ -59,10 +60,10 @@ class CheckpointService(SnapshotOps, RestoreOps):
         store: the node's slot store (after :meth:`SlotStore.scan` on a restart).
         node_id: this node, for log lines.
         persist: the persistent tier's flusher, or None.
-        metrics_sink: optional :class:`~elasticd.checkpoint.telemetry.CheckpointMetrics`.
+        metrics_sink: optional :class:`~elasticd.store.telemetry.CheckpointMetrics`.
         clock: injected time.
         pin_ttl: a read pin not released within this many seconds (its worker died) is dropped.
-        replicator: the node's :class:`~elasticd.replication.replicator.Replicator`, or None
+        replicator: the node's :class:`~elasticd.recovery.replicator.Replicator`, or None
             (no peer replication: ``ckpt_committed`` says nothing is committed and
             ``ckpt_fetch`` finds only what this node holds).
         lag_limit: steps the committed step may lag the newest snapshot before the job counts
@@ -73,7 +74,7 @@ class CheckpointService(SnapshotOps, RestoreOps):
 
     def __init__(self, store: SlotStore, node_id: str, persist: Persister | None = None,
                  metrics_sink: Any = None, clock: Clock | None = None,
-                 pin_ttl: float = 600.0, replicator: Any = None, lag_limit: int = 100,
+                 pin_ttl: float = 600.0, replicator: Replication | None = None, lag_limit: int = 100,
                  grace: float = 10.0) -> None:
         self.store, self.node_id, self.persist = store, node_id, persist
         self.replicator = replicator

@@ -33,7 +33,7 @@ different: the first ``save`` raises ``UnsupportedValue`` with the reason (even 
 not one to snapshot), and the daemon is told, so the job shows as unprotected everywhere
 (``/status``, ``elasticctl``, ``elasticd_jobs_unprotected{reason="snapshots_failing"}``).
 Sharded state (FSDP2's DTensors) is snapshotted without gathering: each rank stores its local
-shards with their global layout (:mod:`elasticd.checkpoint.shards`). Without a daemon (``ELASTICD_SOCKET``
+shards with their global layout (:mod:`elasticd.worker.shards`). Without a daemon (``ELASTICD_SOCKET``
 unset) ``save`` does nothing and ``restore`` returns 0, after one warning — unless
 ``persist_dir`` is given: then restore reads that persistent tier directly. Worker side.
 """
@@ -49,11 +49,11 @@ from typing import Any, Mapping, MutableMapping
 
 import torch
 
-from elasticd.checkpoint import restore as _restore
-from elasticd.checkpoint.copier import Copier, CpuCopier, copy_into, dtype_name, forget_views
-from elasticd.checkpoint.format import PREAMBLE_SIZE, Layout, TensorSpec, layout
-from elasticd.checkpoint.segment import map_fd
-from elasticd.checkpoint.state import FlatState, UnsupportedValue, _zero_class, flatten
+from elasticd.worker import restore as _restore
+from elasticd.worker.copier import Copier, CpuCopier, copy_into, dtype_name, forget_views
+from elasticd.snapshot.format import PREAMBLE_SIZE, Layout, TensorSpec, layout
+from elasticd.snapshot.segment import map_fd
+from elasticd.worker.state import FlatState, UnsupportedValue, _zero_class, flatten
 from elasticd.clock import SYSTEM_CLOCK
 
 log = logging.getLogger("elasticd.checkpoint")
@@ -98,7 +98,7 @@ class Checkpointer:
         job, rank, world_size, local_world_size: default from the environment torchrun and
             elasticd set (``ELASTICD_JOB``, ``RANK``, ...) or the initialised process group.
         copier: moves tensors into the slot (default: a background-thread CPU copier; pass
-            :class:`~elasticd.checkpoint.cuda_copier.CudaCopier` for a model on the GPU).
+            :class:`~elasticd.worker.cuda_copier.CudaCopier` for a model on the GPU).
         persist_dir: the persistent tier to restore from when there is no daemon.
         collective: how ranks agree at restore (default: the initialised process group).
         timeout: seconds to wait for a copy before giving up on it.

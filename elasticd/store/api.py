@@ -1,14 +1,15 @@
 """What the checkpoint store hands out and the errors it raises, apart from the machinery.
 
 The daemon loop, the replication server and the worker-facing endpoint all handle these types;
-they live here so that none of them needs the store's internals (:mod:`elasticd.checkpoint.shm`).
-Snapshot-format errors (:class:`~elasticd.checkpoint.format.SnapshotError` and its subclasses)
+they live here so that none of them needs the store's internals (:mod:`elasticd.store.shm`).
+Snapshot-format errors (:class:`~elasticd.snapshot.format.SnapshotError` and its subclasses)
 live with the format. No torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Protocol
 
 from elasticd.errors import CheckpointError
 
@@ -85,3 +86,50 @@ class ScanResult:
 
     kept: list[tuple[str, int, int, int]]
     removed: list[tuple[str, str]]
+
+
+class Committed(Protocol):
+    """The committed step as the store reads it (:class:`elasticd.replication.commit.Committed`)."""
+
+    generation: int
+    step: int
+    ranks: Any  # the ranks that snapshotted the step (a collection of ints)
+
+
+class Fetched(Protocol):
+    """A shard fetched into this node's store (:class:`elasticd.recovery.fetch.FetchResult`)."""
+
+    holder: str
+    wire_bytes: int
+
+
+class Replication(Protocol):
+    """What the checkpoint service asks of the node's replication, when there is one (the
+    :class:`~elasticd.recovery.replicator.Replicator`; the unit tests fake it). The store
+    never imports the replicator: the node builder hands one in.
+
+    Two members are optional and read with ``getattr``: ``sink`` (the replica store, whose
+    copies ``ckpt_list`` reports) and ``snapshot_grid(job)`` (steps a snapshot must be a
+    multiple of).
+    """
+
+    def status(self) -> dict[str, Any]:
+        """``{"jobs": {job: {...committed, placement, sync lag...}}}`` for protection checks."""
+
+    def committed(self, job: str) -> Committed | None:
+        """The job's committed record as etcd holds it now. Raises: CoordinationError."""
+
+    def fetch_to_local(self, job: str, rank: int, version: tuple[int, int] | None) -> Fetched:
+        """Fetches a shard from a holder into this node's store. Raises:
+        :class:`~elasticd.replication.api.ShardLost`, or the store's errors when it has no
+        room."""
+
+    def start_generation(self, job: str, generation: int) -> None:
+        """A restore from the persistent tier opened ``generation``."""
+
+    def on_local_snapshot(self, job: str, rank: int, version: tuple[int, int]) -> None:
+        """A local snapshot completed: replicate it (returns at once)."""
+
+    def on_commit_pending(self, job: str, version: tuple[int, int],
+                          skipped: tuple[int, int] | None = None) -> None:
+        """A snapshot was skipped because ``version`` awaits its commit in the slot it needs."""

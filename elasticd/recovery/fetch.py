@@ -1,14 +1,14 @@
-"""Getting shards back: fetching from whichever holder has an intact copy, and planning the
-pushes that restore ``m`` copies after a membership change or before a drain.
+"""Getting shards back: fetching from whichever holder has an intact copy.
 
 :func:`fetch_shard` reads a shard from this node's own memory when it holds it, else stripes it
 across every remote holder at once (one connection each, pieces of whole checksum blocks), and
 checks the copy end to end (snapshot header plus every payload block's xxh3) before returning
 it: a holder that is missing the copy, holds it corrupt or is unreachable leaves its pieces to
-the others, and when none is left it raises :class:`ShardLost`, which tells the caller to use
-the persistent tier. :func:`repair_plan` is
-pure: from the committed record and the placement it says which (rank, target) copies this node
-must push. Daemon side: no torch.
+the others, and when none is left it raises :class:`~elasticd.replication.api.ShardLost`, which
+tells the caller to use the persistent tier. Every request is bounded by a deadline from the
+measured link rate (:mod:`elasticd.replication.deadline`). :func:`fetch_into_store` lands a
+fetched shard in a slot store, where the worker's usual ``ckpt_open`` finds it. Daemon side: no
+torch.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import logging
 import threading
 from typing import Any, Callable, Iterable, Sequence
 
-from elasticd.checkpoint.format import SnapshotError, SnapshotHeader
-from elasticd.checkpoint.reader import parse_header, verify_block, verify_payload
-from elasticd.checkpoint.shm import SlotStore
+from elasticd.snapshot.format import SnapshotError, SnapshotHeader
+from elasticd.snapshot.reader import parse_header, verify_block, verify_payload
+from elasticd.store.shm import SlotStore
 from elasticd.clock import Clock
 from elasticd.replication.api import (
     NOT_FOUND,
@@ -30,6 +30,7 @@ from elasticd.replication.api import (
     Refused,
     RemoteError,
     ReplicationError,
+    ShardLost,
     Version,
 )
 from elasticd.replication.commit import Committed
@@ -42,20 +43,6 @@ log = logging.getLogger(__name__)
 
 #: Reads a shard from this node's own memory into ``into``; returns its descriptor or None.
 LocalRead = Callable[[str, int, "Version | None", Any], "Descriptor | None"]
-
-
-class ShardLost(ReplicationError):
-    """No holder could provide an intact copy: restore this shard from the persistent tier.
-
-    Attributes:
-        attempts: (holder, reason) for every holder tried, in order.
-    """
-
-    def __init__(self, job: str, rank: int, version: Version | None,
-                 attempts: Sequence[tuple[str, str]]) -> None:
-        tried = "; ".join(f"{h}: {r}" for h, r in attempts) or "no holder known"
-        super().__init__(f"{job} rank {rank} {version or 'newest'}: no intact copy ({tried})")
-        self.job, self.rank, self.version, self.attempts = job, rank, version, list(attempts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,61 +361,6 @@ class _Stripe:
                 self.wire += wire
                 if served:
                     self.served[holder] = self.served.get(holder, 0) + served
-
-
-def repair_plan(committed: Committed, placement: Placement, me: str, *,
-                leaving: frozenset[str] = frozenset()) -> list[tuple[int, str]]:
-    """The (rank, target) pushes *this* node must make so that every rank of the committed step
-    is held by ``placement.m`` members of ``placement`` other than the ``leaving`` nodes.
-
-    Each under-replicated rank is repaired by one node only: a leaving holder repairs what it
-    holds (it is about to take its copy away); otherwise the first surviving holder in the
-    record's order does. Targets are the rank's holders in the new placement (when some member
-    hosts that rank), then the other members in membership order.
-    """
-    members = set(placement.nodes)
-    plan: list[tuple[int, str]] = []
-    for rank in committed.ranks:
-        holders = [h for h in committed.holders.get(rank, ()) if h in members]
-        kept = [h for h in holders if h not in leaving]
-        need = placement.m - len(kept)
-        if need <= 0 or not holders:
-            continue
-        leavers = [h for h in holders if h in leaving]
-        repairer = leavers[0] if leavers else kept[0]
-        if repairer != me:
-            continue
-        candidates: list[str] = []
-        if any(rank in rs for rs in placement.ranks.values()):
-            candidates.extend(placement.holders_of_rank(rank))
-        candidates.extend(placement.nodes)
-        targets = [c for c in dict.fromkeys(candidates)
-                   if c not in kept and c not in leaving and c != me]
-        plan.extend((rank, t) for t in targets[:need])
-    return plan
-
-
-def under_replicated(committed: Committed | None, placement: Placement | None) -> int:
-    """Ranks of the committed step held by fewer than ``m`` current members."""
-    if committed is None or placement is None:
-        return 0
-    members = set(placement.nodes)
-    return sum(1 for r in committed.ranks
-               if len([h for h in committed.holders.get(r, ()) if h in members]) < placement.m)
-
-
-def unwanted_replicas(committed: Committed, placement: Placement, me: str,
-                      held: Iterable[int]) -> list[int]:
-    """Ranks among ``held`` (replicas this node holds) that it may free: neither the current
-    placement nor the committed record asks this node to hold them. Nothing is unwanted while
-    the placement's ranks are unknown. Replicas of ranks this node now owns are unwanted: its
-    local store holds those."""
-    if not any(placement.ranks.values()):
-        return []
-    wanted = {r for o in placement.held_by(me) for r in placement.ranks[o]}
-    mine = set(placement.ranks.get(me, ()))
-    wanted |= {r for r, hs in committed.holders.items() if me in hs and r not in mine}
-    return sorted(set(held) - wanted)
 
 
 def copy_own(stores: Sequence[SlotStore], job: str, rank: int, version: Version | None,

@@ -1,5 +1,5 @@
 """The restore side of the checkpoint service (a mixin of
-:class:`~elasticd.checkpoint.service.CheckpointService`, whose state it shares), and the read
+:class:`~elasticd.store.service.CheckpointService`, whose state it shares), and the read
 pins its replies hold until ``ckpt_release`` or ``pin_ttl``.
 
 * ``ckpt_list`` job, [rank], [world_size] → ram {rank: [[gen, step], ...]}, persisted,
@@ -24,18 +24,18 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from elasticd.checkpoint.api import SlotStoreError
-from elasticd.checkpoint.format import SnapshotError
-from elasticd.checkpoint.service_records import call_hooks, param
-from elasticd.checkpoint.telemetry import RESTORE_SOURCES
+from elasticd.store.api import SlotStoreError
+from elasticd.snapshot.format import SnapshotError
+from elasticd.store.service_records import call_hooks, param
+from elasticd.store.telemetry import RESTORE_SOURCES
 from elasticd.local.wire import RequestError
-from elasticd.replication.recovery import ShardLost
+from elasticd.replication.api import ShardLost
 
 log = logging.getLogger(__name__)
 
 
 class RestoreOps:
-    """The restore-side ops of :class:`~elasticd.checkpoint.service.CheckpointService`."""
+    """The restore-side ops of :class:`~elasticd.store.service.CheckpointService`."""
 
     def _list(self, msg: dict[str, Any]) -> dict[str, Any]:
         job = param(msg, "job", str)

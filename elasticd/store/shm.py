@@ -3,10 +3,10 @@
 The daemon, not the worker, owns the files (under ``/dev/shm/elasticd-<node>`` by default), so
 a snapshot survives the worker that wrote it, and a restarted daemon keeps every segment whose
 checksums verify (:meth:`SlotStore.scan`). The root is claimed and walked safely
-(:mod:`elasticd.checkpoint.shm_root`), and workers never open a slot by path: the daemon hands
+(:mod:`elasticd.store.shm_root`), and workers never open a slot by path: the daemon hands
 them a descriptor of the file it verified. Each (job, rank) has two slots: a snapshot is written
 into the one that does not hold the last complete snapshot, then sealed (header written last, see
-:func:`elasticd.checkpoint.format.seal`), so a crash mid-snapshot never costs the previous one.
+:func:`elasticd.snapshot.format.seal`), so a crash mid-snapshot never costs the previous one.
 
 Slots are files sized on first use, grown when the state grows, allocated with ``fallocate``
 (a full tmpfs is then an error here rather than a SIGBUS in whoever writes) and pre-touched,
@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from elasticd.checkpoint.api import (
+from elasticd.store.api import (
     CommitPending,
     OverBudget,
     ScanResult,
@@ -35,10 +35,10 @@ from elasticd.checkpoint.api import (
     SlotStoreError,
     StaleSlot,
 )
-from elasticd.checkpoint.format import SnapshotError, SnapshotHeader, invalidate, seal, write_header
-from elasticd.checkpoint.reader import SnapshotReader, verify_payload
-from elasticd.checkpoint.segment import PAGE, Segment, map_fd, map_file
-from elasticd.checkpoint.shm_root import (
+from elasticd.snapshot.format import SnapshotError, SnapshotHeader, invalidate, seal, write_header
+from elasticd.snapshot.reader import SnapshotReader, verify_payload
+from elasticd.snapshot.segment import PAGE, Segment, map_fd, map_file
+from elasticd.store.shm_root import (
     DIR_FLAGS,
     claim_root,
     dir_problem,
@@ -474,7 +474,7 @@ class SlotStore:
         """Adopts the slot files found under the root (a restarted daemon's first call).
 
         Keeps every segment that is the daemon's own file (see
-        :meth:`~elasticd.checkpoint.segment.Segment.open_verified`), whose header and payload
+        :meth:`~elasticd.snapshot.segment.Segment.open_verified`), whose header and payload
         checksums verify and that sits in its own job/rank directory (the two newest per rank);
         removes everything else. Nothing is followed through a symlink.
 

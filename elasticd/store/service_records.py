@@ -7,8 +7,8 @@ import dataclasses
 import logging
 from typing import Any, Callable
 
-from elasticd.checkpoint.api import Slot
-from elasticd.checkpoint.protection import Unprotected
+from elasticd.store.api import Slot
+from elasticd.store.protection import Unprotected
 from elasticd.local.wire import RequestError
 
 log = logging.getLogger(__name__)

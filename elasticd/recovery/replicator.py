@@ -5,8 +5,8 @@ One :class:`Replicator` per daemon, built from three parts: a
 :class:`~elasticd.replication.pusher.Pusher` (per-peer bounded lanes: the newest snapshot wins,
 intermediate steps are skipped and counted, nothing queues without bound, the training loop
 never waits), a :class:`~elasticd.replication.tracker.CommitTracker` (copies counted, steps
-committed in etcd, the retention gate), and :mod:`elasticd.replication.recovery` (fetching with
-holder fallback, repair plans). The daemon tells it the rendezvous round's membership
+committed in etcd, the retention gate), :mod:`elasticd.recovery.fetch` (fetching with holder
+fallback) and :mod:`elasticd.recovery.plans` (which copies to push to keep ``m``). The daemon tells it the rendezvous round's membership
 (:meth:`~Replicator.set_membership`); the checkpoint service tells it each completed local
 snapshot (:meth:`~Replicator.on_local_snapshot`).
 
@@ -24,12 +24,12 @@ import ssl
 import threading
 from typing import Any, Callable
 
-from elasticd.checkpoint.shm import SlotStore
+from elasticd.store.shm import SlotStore
 from elasticd.clock import Clock, SystemClock
 from elasticd.coordination import records
 from elasticd.coordination.api import CoordinationError, Coordinator
 from elasticd.coordination.keys import Keyspace
-from elasticd.replication.api import Version
+from elasticd.replication.api import ShardLost, Version
 from elasticd.replication.commit import (
     CommitConflict,
     Committed,
@@ -43,17 +43,14 @@ from elasticd.replication.deadline import LinkRates
 from elasticd.replication.lanes import AddressBook, Connections, Task
 from elasticd.replication.placement import Placement, compute_placement, encode_placement
 from elasticd.replication.pusher import Pusher
-from elasticd.replication.recovery import (
+from elasticd.recovery.fetch import (
     FetchResult,
-    ShardLost,
     copy_own,
     fetch_into_store,
     fetch_shard,
     holder_order,
-    repair_plan,
-    under_replicated,
-    unwanted_replicas,
 )
+from elasticd.recovery.plans import repair_plan, under_replicated, unwanted_replicas
 from elasticd.replication.shm_sink import ShmSink
 from elasticd.replication.tracker import CommitTracker, JobState
 

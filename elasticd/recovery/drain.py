@@ -8,7 +8,7 @@ which the CLI polls:
 1. ``snapshot``: new snapshots are refused and the one in flight is waited for (bounded), so the
    workers never stop in the middle of a copy;
 2. ``replicas``: every committed step gets ``m`` copies without this node
-   (:meth:`~elasticd.replication.replicator.Replicator.drain`), copies counted as they land;
+   (:meth:`~elasticd.recovery.replicator.Replicator.drain`), copies counted as they land;
 3. ``stopping``: the node stops running jobs (its workers get SIGTERM, then SIGKILL after the stop
    grace); the job goes on at the remaining nodes, or a standby takes the free slot.
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from elasticd.clock import Clock, SystemClock
 from elasticd.cluster.drain_record import LOG_LIMIT, DrainPhase, DrainRecord, DrainState, read
@@ -37,40 +37,62 @@ from elasticd.coordination.keys import Keyspace
 log = logging.getLogger(__name__)
 
 
+#: ``(done, failed, planned)`` copies of a hand-off, as they land (``elasticctl drain`` shows it).
+Progress = Callable[[int, int, int], None]
+
+
+class DrainHost(Protocol):
+    """What a drain needs from its node (the daemon is one; the unit tests fake one).
+
+    Attributes:
+        replicates: whether the node replicates checkpoints; without, a drain has no replicas
+            to hand off and goes from the snapshot phase to stopping.
+    """
+
+    replicates: bool
+
+    def quiesce(self, timeout: float) -> bool:
+        """Refuses new snapshots and waits at most ``timeout`` seconds for those in flight;
+        True when none is left."""
+
+    def resume(self) -> None:
+        """Accepts snapshots again."""
+
+    def handoff(self, timeout: float, progress: Progress | None) -> dict[str, dict[str, Any]]:
+        """Hands this node's replicas off (as :meth:`Replicator.drain`): per job, version,
+        pushed and failed (rank, target) pairs, complete."""
+
+    def shortfall(self) -> dict[str, list[int]]:
+        """Per job, the ranks of the committed step that have fewer than ``m`` copies without
+        this node (as etcd says now); empty when the hand-off is complete."""
+
+    def hold(self, reason: str | None) -> None:
+        """Takes this node out of its jobs with a reason, or back in with None."""
+
+    def job_stopped(self) -> bool:
+        """True once no job of this node has processes left."""
+
+    def record_event(self, kind: str, detail: str, data: dict[str, Any]) -> None:
+        """Records a cluster event."""
+
+
 class Drainer:
     """Runs this node's drains (``elasticctl drain``) and the hand-off before a clean exit.
 
     Args:
         node_id: this node.
         coord, keys: etcd and the cluster keyspace.
-        quiesce: refuse new snapshots and wait (at most the given seconds) for those in
-            flight; returns True when none is left.
-        resume: accept snapshots again.
-        handoff: hands this node's replicas off (``Replicator.drain``-like: timeout and a
-            progress callback ``(done, failed, planned)``); returns the per-job report.
-        hold: takes this node out of its jobs with a reason, or back in with None.
-        job_stopped: True once no job of this node has processes left.
-        record_event: records a cluster event (kind, detail, data).
-        shortfall: per job, the ranks of the committed step that have fewer than ``m``
-            copies without this node (as etcd says now); empty when the hand-off is complete.
+        host: the node's parts a drain acts on (:class:`DrainHost`).
         stop_wait: seconds to wait for the workers to stop once held.
         read_interval: seconds between reads of the drain record (a drain starts within
             this plus one loop cycle; kept apart from the loop's pace to spare etcd).
         clock: injected time (stamps records; waits are on its monotonic clock).
     """
 
-    def __init__(self, node_id: str, coord: Coordinator, keys: Keyspace, *,
-                 quiesce: Callable[[float], bool], resume: Callable[[], None],
-                 handoff: Callable[..., dict[str, Any]] | None,
-                 hold: Callable[[str | None], None], job_stopped: Callable[[], bool],
-                 record_event: Callable[[str, str, dict[str, Any]], None],
-                 shortfall: Callable[[], dict[str, list[int]]] = dict,
+    def __init__(self, node_id: str, coord: Coordinator, keys: Keyspace, host: DrainHost, *,
                  stop_wait: float = 30.0, read_interval: float = 1.0,
                  clock: Clock | None = None) -> None:
-        self.node_id, self.coord, self.keys = node_id, coord, keys
-        self.quiesce, self.resume, self.handoff = quiesce, resume, handoff
-        self.hold, self.job_stopped, self.record_event = hold, job_stopped, record_event
-        self.shortfall = shortfall
+        self.node_id, self.coord, self.keys, self.host = node_id, coord, keys, host
         self.stop_wait, self.read_interval = stop_wait, read_interval
         self._next_read = 0.0
         self.clock = clock or SystemClock()
@@ -102,8 +124,8 @@ class Drainer:
             self.state = ""
             if self.held:
                 self.held = False
-                self.hold(None)
-                self.resume()
+                self.host.hold(None)
+                self.host.resume()
                 return "undrained: may run jobs again"
             return None
         changed = rec.state != self.state
@@ -117,7 +139,7 @@ class Drainer:
             return f"draining (asked by {rec.by})"
         if rec.state == DrainState.DRAINED and not self.held:
             self.held = True  # e.g. after a daemon restart: stay out until undone
-            self.hold("drained")
+            self.host.hold("drained")
             return "drained: staying out of jobs until undrained"
         return f"drain {rec.state}" if changed else None
 
@@ -156,9 +178,9 @@ class Drainer:
         rec = self._write(rec, state=DrainState.DRAINING, phase=DrainPhase.SNAPSHOT,
                           detail="waiting for the snapshot in flight; new ones refused")
         log.info("drain requested by %s: waiting for the snapshot in flight", rec.by)
-        self.quiesce(min(10.0, max(0.0, deadline - self.clock.monotonic())))
+        self.host.quiesce(min(10.0, max(0.0, deadline - self.clock.monotonic())))
         jobs: dict[str, Any] = {}
-        if self.handoff is not None:
+        if self.host.replicates:
             rec = self._write(rec, phase=DrainPhase.REPLICAS,
                               detail="handing replicas off to peers")
             last = [0.0]
@@ -173,7 +195,8 @@ class Drainer:
 
             done = failed = 0
             while True:
-                report = self.handoff(max(0.0, deadline - self.clock.monotonic()), progress)
+                report = self.host.handoff(max(0.0, deadline - self.clock.monotonic()),
+                                           progress)
                 failed = 0  # a failed copy is retried next round; only the last round's count
                 for job, r in report.items():
                     jobs[job] = {"version": r["version"], "complete": r["complete"],
@@ -185,7 +208,7 @@ class Drainer:
                 # this node among its holders: hand that one off too. A copy that failed (the
                 # target was busy receiving, or the commit moved on under the push) is tried
                 # again until the deadline rather than failing the drain at once.
-                short = self.shortfall()
+                short = self.host.shortfall()
                 if (not failed and not short) or self.clock.monotonic() >= deadline:
                     break
                 why = (f"{failed} copies failed: trying again" if failed else
@@ -200,8 +223,8 @@ class Drainer:
                 return
         rec = self._write(rec, phase=DrainPhase.STOPPING, detail="stopping this node's workers")
         self.held = True
-        self.hold("drained")
-        if not self.clock.wait(self.job_stopped, self.stop_wait, 0.1):
+        self.host.hold("drained")
+        if not self.clock.wait(self.host.job_stopped, self.stop_wait, 0.1):
             self._fail(rec, f"workers still running {self.stop_wait:g} s after the stop",
                        started)
             return
@@ -209,7 +232,7 @@ class Drainer:
         self._write(rec, state=DrainState.DRAINED, phase=DrainPhase.DONE,
                     detail=f"drained in {seconds:g} s: replicas handed off, workers stopped")
         self.state = DrainState.DRAINED
-        self.record_event("drained", f"drained in {seconds:g} s (asked by {rec.by})",
+        self.host.record_event("drained", f"drained in {seconds:g} s (asked by {rec.by})",
                           {"seconds": seconds, "copies": rec.copies_done, "jobs": jobs})
         log.info("drained in %.1f s; staying out of jobs until undrained", seconds)
 
@@ -217,11 +240,11 @@ class Drainer:
         log.error("drain failed: %s", why)
         if self.held:
             self.held = False
-            self.hold(None)
-        self.resume()
+            self.host.hold(None)
+        self.host.resume()
         self._write(rec, state=DrainState.FAILED, phase=DrainPhase.DONE, detail=why)
         self.state = DrainState.FAILED
-        self.record_event("drain_failed", why,
+        self.host.record_event("drain_failed", why,
                           {"seconds": round(self.clock.monotonic() - started, 3)})
 
     # -- clean exit -------------------------------------------------------------------------
@@ -231,15 +254,15 @@ class Drainer:
         workers stop with a complete snapshot. Returns True when none was left in flight."""
         if self.busy:
             self.join(snapshot_wait)
-        return self.quiesce(snapshot_wait)
+        return self.host.quiesce(snapshot_wait)
 
     def handoff_before_leave(self, timeout: float = 15.0) -> dict[str, Any]:
         """SIGTERM, workers stopped: hands replicas off (bounded) so the committed step keeps
         ``m`` copies after this node is gone. Returns the report ({} without replication)."""
-        if self.handoff is None:
+        if not self.host.replicates:
             return {}
         try:
-            return self.handoff(timeout, None)
+            return self.host.handoff(timeout, None)
         except Exception:  # noqa: BLE001 — leaving must go on
             log.exception("handing replicas off before leaving failed")
             return {}

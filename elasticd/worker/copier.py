@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from elasticd.checkpoint.format import Layout, TensorSpec, byte_view
+from elasticd.snapshot.format import Layout, TensorSpec, byte_view
 
 
 _VIEWS_KEPT = 4  # two slots x (copied in save, copied in the background)
@@ -79,7 +79,7 @@ def copy_into(tensors: Sequence[torch.Tensor], buffer: Any, lay: Layout) -> None
         tensors: dense tensors of any dtype and strides (non-contiguous ones are packed).
         buffer: a writable buffer of at least ``lay.total_size`` bytes (an mmap, a bytearray,
             a slot's memoryview). The header region is left alone.
-        lay: from :func:`elasticd.checkpoint.format.layout` over the same tensors.
+        lay: from :func:`elasticd.snapshot.format.layout` over the same tensors.
     """
     view = byte_view(buffer)
     if view.readonly:

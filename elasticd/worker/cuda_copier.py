@@ -35,8 +35,8 @@ from typing import Any, Iterator, Protocol, Sequence
 import numpy as np
 import torch
 
-from elasticd.checkpoint.copier import Copier, CopyHandle, FutureHandle, _check
-from elasticd.checkpoint.format import ALIGNMENT, Layout, byte_view
+from elasticd.worker.copier import Copier, CopyHandle, FutureHandle, _check
+from elasticd.snapshot.format import ALIGNMENT, Layout, byte_view
 
 log = logging.getLogger(__name__)
 
