@@ -10,6 +10,17 @@ their true dtype is recorded in elasticd's metadata. That metadata — one JSON 
 ``"elasticd"`` key of ``__metadata__`` — holds the job, (generation, step), rank, world size,
 the tensors' order (the flatten meta refers to tensors by index) and the flatten meta itself.
 
+A step's directory is also a checkpoint ``torch.distributed.checkpoint.load`` reads at any
+world size, with torch's own ``HuggingFaceStorageReader`` (format v2): a tensor's key is its
+entry name with ``/`` read as ``.``, the name DCP gives the same value in a state dict such as
+``{"model": model.state_dict()}`` (``model.layers.0.weight``), and ``__metadata__`` carries
+DCP's ``DCP_SHARDING_INFO``: each key's offsets in its global tensor (a DTensor's local shard,
+from the snapshot's meta; zeros for a whole tensor). So standard tools reshard what elasticd
+persisted, with no pickle involved (DCP's own ``.metadata`` file is one); elasticd reads the
+files back itself and never unpickles. What DCP can load by name is what has the same name in
+both: the model's state dict; an optimizer's ``state_dict()`` keys its state by parameter
+index, where DCP's ``get_state_dict`` uses parameter names.
+
 Writing never copies a tensor in Python: each entry's bytes go from the slot's mapping into the
 file with one ``write``. The file is hashed with xxh3_64 as it is written; the tier records that
 hash, and :func:`read` checks it before trusting a byte. No torch here: the daemon writes these.
@@ -34,6 +45,7 @@ from elasticd.snapshot.format import (
     SnapshotHeader,
     TruncatedSnapshot,
     byte_view,
+    dtensor_nodes,
 )
 
 #: Our dtype names -> safetensors dtype names, for those standard readers map back exactly.
@@ -45,7 +57,12 @@ ST_DTYPES = {
 }
 _FROM_ST = {v: k for k, v in ST_DTYPES.items()}
 METADATA_KEY = "elasticd"
-FILE_VERSION = 1
+#: 1: tensors keyed by entry name; 2: keyed for torch.distributed.checkpoint (``keys``), with
+#: its DCP_SHARDING_INFO.
+FILE_VERSION = 2
+#: The ``__metadata__`` key under which torch.distributed.checkpoint's HuggingFaceStorageReader
+#: reads ``{key: {"saved_offsets": [...]}}`` (torch/distributed/checkpoint/_hf_utils.py).
+DCP_SHARDING_KEY = "DCP_SHARDING_INFO"
 _LEN = struct.Struct("<Q")
 #: safetensors itself refuses larger headers.
 MAX_HEADER = 100 << 20
@@ -72,25 +89,53 @@ class PersistedSnapshot:
         return (self.generation, self.step)
 
 
+def dcp_keys(names: list[str]) -> list[str]:
+    """Each entry's safetensors key: its name with ``/`` read as ``.`` (DCP's fully qualified
+    name of the same value), or, where another entry already took that key, the name itself
+    (made unique with ``~n``; such clashes need names that hold dots and slashes alike)."""
+    keys: list[str] = []
+    used = {"__metadata__"}  # safetensors' own key
+    for name in names:
+        key = name.replace("/", ".")
+        if key in used:
+            key, n = name, 1
+            while key in used:
+                n += 1
+                key = f"{name}~{n}"
+        used.add(key)
+        keys.append(key)
+    return keys
+
+
 def encode_header(header: SnapshotHeader) -> bytes:
     """The safetensors preamble (length + JSON header, space-padded to 8 bytes) for a snapshot."""
+    entries = header.layout.entries
+    keys = dcp_keys([e.name for e in entries])
+    offsets = {node["i"]: node["offsets"] for node in dtensor_nodes(header.meta)
+               if isinstance(node.get("i"), int)}
     tensors: dict[str, Any] = {}
     raw: dict[str, list[Any]] = {}
+    sharding: dict[str, dict[str, list[int]]] = {}
     pos = 0
-    for e in header.layout.entries:
+    for i, (e, key) in enumerate(zip(entries, keys)):
         st = ST_DTYPES.get(e.dtype)
         if st is None:  # no exact safetensors dtype: keep the bytes, record the truth
             raw[e.name] = [e.dtype, list(e.shape)]
             st, shape = "U8", [e.nbytes]
         else:
             shape = list(e.shape)
-        tensors[e.name] = {"dtype": st, "shape": shape, "data_offsets": [pos, pos + e.nbytes]}
+        tensors[key] = {"dtype": st, "shape": shape, "data_offsets": [pos, pos + e.nbytes]}
+        # DCP's reader needs every key here once any is (a whole tensor starts at zeros).
+        at = offsets.get(i)
+        sharding[key] = {"saved_offsets": list(at) if at is not None and len(at) == len(shape)
+                         and e.name not in raw else [0] * len(shape)}
         pos += e.nbytes
     info = {"format": FILE_VERSION, "job": header.job, "generation": header.generation,
             "step": header.step, "rank": header.rank, "world_size": header.world_size,
-            "names": [e.name for e in header.layout.entries], "raw": raw, "meta": header.meta}
-    tensors["__metadata__"] = {METADATA_KEY: json.dumps(info, separators=(",", ":"),
-                                                        allow_nan=False)}
+            "names": [e.name for e in entries], "keys": keys, "raw": raw, "meta": header.meta}
+    tensors["__metadata__"] = {
+        METADATA_KEY: json.dumps(info, separators=(",", ":"), allow_nan=False),
+        DCP_SHARDING_KEY: json.dumps(sharding, separators=(",", ":"))}
     body = json.dumps(tensors, separators=(",", ":"), allow_nan=False).encode()
     body += b" " * (-len(body) % 8)
     return _LEN.pack(len(body)) + body
@@ -188,6 +233,7 @@ def parse(buf: Any, where: str = "safetensors file") -> PersistedSnapshot:
         header = json.loads(bytes(view[_LEN.size : start]))
         info = json.loads(header["__metadata__"][METADATA_KEY])
         names, raw, meta = info["names"], info["raw"], info["meta"]
+        keys = info.get("keys", names)  # format 1: keyed by entry name
         ints = {k: info[k] for k in ("format", "generation", "step", "rank", "world_size")}
         job = info["job"]
     except (ValueError, KeyError, TypeError, RecursionError) as exc:
@@ -198,13 +244,16 @@ def parse(buf: Any, where: str = "safetensors file") -> PersistedSnapshot:
         raise _fail(where, f"written in persisted format v{ints['format']}, this elasticd "
                     f"reads up to v{FILE_VERSION}")
     if ints["rank"] >= ints["world_size"] or not isinstance(meta, dict) \
-            or not isinstance(raw, dict) or not isinstance(names, list):
+            or not isinstance(raw, dict) or not isinstance(names, list) \
+            or not isinstance(keys, list) or len(keys) != len(names) \
+            or not all(isinstance(k, str) for k in keys):
         raise _fail(where, "inconsistent elasticd metadata")
-    if set(names) != set(header) - {"__metadata__"} or len(set(names)) != len(names):
+    if set(keys) != set(header) - {"__metadata__"} or len(set(keys)) != len(keys) \
+            or len(set(names)) != len(names):
         raise _fail(where, "the tensor list in the metadata does not match the header")
     entries, end = [], 0
-    for name in names:
-        entries.append(_entry(header[name], raw.get(name), name, start, where))
+    for name, key in zip(names, keys):
+        entries.append(_entry(header[key], raw.get(name), name, start, where))
     for e in sorted(entries, key=lambda e: (e.offset, e.nbytes)):
         if e.offset != start + end:
             raise _fail(where, f"tensor {e.name!r} does not follow its neighbour")

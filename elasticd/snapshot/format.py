@@ -24,7 +24,7 @@ import functools
 import json
 import math
 import struct
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import xxhash
 
@@ -328,3 +328,19 @@ def invalidate(buf: Any) -> None:
     """Wipes the preamble so the buffer no longer reads as a snapshot (before reusing it)."""
     view = byte_view(buf)
     view[:PREAMBLE_SIZE] = bytes(PREAMBLE_SIZE)
+
+
+def dtensor_nodes(meta: Any) -> Iterator[dict[str, Any]]:
+    """Every ``dtensor`` node of a snapshot's state meta: a sharded tensor's entry index
+    (``"i"``), global ``shape``, this rank's ``offsets`` in it, and its placements (written by
+    :func:`elasticd.worker.shards.describe`)."""
+    stack = [meta]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if node.get("@") == "dtensor":
+                yield node
+            else:
+                stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)

@@ -41,7 +41,7 @@ from typing import Any, Iterator, Protocol
 import torch
 
 from elasticd.worker.copier import read_tensors
-from elasticd.snapshot.format import SnapshotError
+from elasticd.snapshot.format import SnapshotError, dtensor_nodes
 from elasticd.snapshot.reader import SnapshotReader
 from elasticd.snapshot.segment import map_fd
 from elasticd.errors import CheckpointError
@@ -365,7 +365,7 @@ class Sources:
         the same one, and on the same mesh, none). None when one of them is not reachable."""
         from elasticd.worker import shards
 
-        dtensors = next(shards.nodes(got.meta), None) is not None
+        dtensors = next(dtensor_nodes(got.meta), None) is not None
         # A ZeroRedundancyOptimizer partitions whole parameters by size: at another world size
         # a rank's new partition draws on any old rank's, so it needs every old snapshot.
         zero = world != self.world and any(

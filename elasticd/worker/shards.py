@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from elasticd.errors import CheckpointError
+from elasticd.snapshot.format import dtensor_nodes
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape)
 
@@ -125,20 +126,6 @@ def describe(path: str, dtensor: Any) -> tuple[torch.Tensor, dict[str, Any]]:
     return local, hit[0]
 
 
-def nodes(meta: Any) -> Iterator[dict[str, Any]]:
-    """Every ``dtensor`` node of a state meta tree."""
-    stack = [meta]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            if node.get("@") == "dtensor":
-                yield node
-            else:
-                stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
-
-
 def live_meshes(state: Mapping[str, Any]) -> list[Any]:
     """The distinct device meshes of the DTensors in ``state``'s modules and optimizers."""
     cls = dtensor_class()
@@ -215,7 +202,7 @@ def needed_ranks(meta: Any, old_world: int, base: int, meshes: Sequence[Any]) ->
         ShardMismatch: no live mesh fits a saved DTensor.
     """
     need = {base}
-    for node in nodes(meta):
+    for node in dtensor_nodes(meta):
         mesh = mesh_for(node, meshes)
         target = local_box(node["shape"], mesh, _placements(node["placements"]))
         if not math.prod(target[1]):
@@ -247,7 +234,7 @@ class Resharder:
         # name -> [(box, tensor)] over every old snapshot after the base one
         self.others: dict[str, list[tuple[Box, torch.Tensor]]] = {}
         for names, tensors, meta in pieces[1:]:
-            for node in nodes(meta):
+            for node in dtensor_nodes(meta):
                 t = tensors[node["i"]]
                 self.others.setdefault(names[node["i"]], []).append(
                     ((tuple(node["offsets"]), tuple(t.shape)), t))

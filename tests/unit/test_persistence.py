@@ -69,14 +69,64 @@ def test_rank_file_roundtrip_and_standard_readers(tmp_path):
     import torch
 
     loaded = safetensors.torch.load_file(path)  # no elasticd involved
-    assert loaded["model/b16"].dtype == torch.bfloat16
-    assert loaded["model/b16"].view(torch.uint16).tolist() == list(range(6))
-    assert torch.equal(loaded["model/w"], torch.from_numpy(ARRAYS["model/w"]))
-    assert loaded["optim/step"].item() == 7 and loaded["empty"].shape == (0, 3)
+    # Keyed as torch.distributed.checkpoint names the same values ("/" read as ".").
+    assert loaded["model.b16"].dtype == torch.bfloat16
+    assert loaded["model.b16"].view(torch.uint16).tolist() == list(range(6))
+    assert torch.equal(loaded["model.w"], torch.from_numpy(ARRAYS["model/w"]))
+    assert loaded["optim.step"].item() == 7 and loaded["empty"].shape == (0, 3)
     assert loaded["odd"].dtype == torch.uint8  # stored as bytes, true dtype in our metadata
     with safetensors.safe_open(path, "np") as f:
         info = json.loads(f.metadata()["elasticd"])
+        sharding = json.loads(f.metadata()["DCP_SHARDING_INFO"])
     assert info["raw"] == {"odd": ["complex32", [2]]}
+    # Whole tensors start at the origin of their global tensor, one offset per dimension.
+    assert sharding["model.w"] == {"saved_offsets": [0, 0]}
+    assert sharding["optim.step"] == {"saved_offsets": []}
+
+
+def test_keys_for_dcp_stay_unique_when_dotted_names_clash():
+    assert safetensors_file.dcp_keys(["model/a.b", "model/a/b", "x"]) == [
+        "model.a.b", "model/a/b", "x"]
+    assert safetensors_file.dcp_keys(["a/b", "a.b", "a.b~2"]) == ["a.b", "a.b~2", "a.b~2~2"]
+    assert safetensors_file.dcp_keys(["__metadata__"]) == ["__metadata__~2"]
+
+
+def test_a_sharded_entry_records_its_offsets_for_dcp(tmp_path):
+    header, buf = snapshot()
+    meta = {"v": 1, "objects": [["model", "module", {"@": "dict", "k": ["w"], "v": [
+        {"@": "dtensor", "i": 0, "shape": [9, 4], "offsets": [6, 0], "placements": ["S0"],
+         "mesh": [3], "dims": []}]}]]}
+    path = str(tmp_path / "rank-2.safetensors")
+    import dataclasses
+    safetensors_file.write(path, dataclasses.replace(header, meta=meta), buf)
+    import safetensors
+
+    with safetensors.safe_open(path, "np") as f:
+        sharding = json.loads(f.metadata()["DCP_SHARDING_INFO"])
+    assert sharding["model.w"] == {"saved_offsets": [6, 0]}  # rows 6-8 of a (9, 4) tensor
+    assert sharding["model.b16"] == {"saved_offsets": [0]}
+
+
+def test_a_file_of_format_1_is_still_read(tmp_path):
+    # Written before keys followed DCP's names: tensors keyed by entry name, no "keys".
+    header, buf = snapshot()
+    path = str(tmp_path / "r.safetensors")
+    safetensors_file.write(path, header, buf)
+    data = open(path, "rb").read()
+    (hlen,) = safetensors_file._LEN.unpack_from(data)
+    head = json.loads(data[8 : 8 + hlen])
+    info = json.loads(head["__metadata__"]["elasticd"])
+    old = {name: head[key] for name, key in zip(info["names"], info["keys"])}
+    del info["keys"]
+    info["format"] = 1
+    old["__metadata__"] = {"elasticd": json.dumps(info)}
+    body = json.dumps(old).encode()
+    body += b" " * (-len(body) % 8)
+    v1 = safetensors_file._LEN.pack(len(body)) + body + data[8 + hlen :]
+    snap = safetensors_file.parse(v1, "v1 file")
+    assert [e.name for e in snap.layout.entries] == list(ARRAYS)
+    for e in snap.layout.entries:
+        assert bytes(v1[e.offset : e.offset + e.nbytes]) == ARRAYS[e.name].tobytes()
 
 
 def test_numpy_reader_loads_files_without_bfloat16(tmp_path):
@@ -87,7 +137,7 @@ def test_numpy_reader_loads_files_without_bfloat16(tmp_path):
     path = str(tmp_path / "r.safetensors")
     safetensors_file.write(path, header, buf)
     loaded = safetensors.numpy.load_file(path)
-    assert np.array_equal(loaded["model/w"], arrays["model/w"])
+    assert np.array_equal(loaded["model.w"], arrays["model/w"])
 
 
 def test_altered_or_short_files_are_refused(tmp_path):

@@ -42,4 +42,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # docs/facts.md: gloo can SIGABRT in teardown after destroy_process_group
