@@ -12,7 +12,11 @@ pytestmark = [pytest.mark.etcd, pytest.mark.chaos, pytest.mark.timeout(300)]
 
 
 def test_corrupt_replica_is_refused_and_the_tier_used(tmp_path, reference):
-    shape = Shape(persist_every=5)
+    # The kill must land before the next persisted step (30): were the tier's newest step
+    # newer than the committed one in RAM, the restore would rightly take it from the tier
+    # for every rank and never read the corrupt copy (CI once: the kill asked at step 22
+    # landed after step 25 was persisted, with persist_every=5).
+    shape = Shape(persist_every=10)
     plan = FaultPlan().kill_node("n2", at_step=22).corrupt_replicas("n2")
     out = ChaosCluster(tmp_path, shape).run(plan)
     # The dead node's shard comes from the tier. The survivors' shards of the same step may

@@ -108,9 +108,20 @@ def check(out: Outcome, fault: FaultRecord, by_deadline: bool) -> None:
         # harness's "restored == committed in force": with the survivors re-formed before
         # the daemons saw the lease expire, its reconstruction of the step in force then lags
         # the commits that the restore itself used: "restored 36, committed 20, lost 0".)
+        # And it goes back no further than a sync lag before the fault landed. (Not "loses at
+        # most a sync lag": while the holder's port is black-holed or the holder frozen, no
+        # commit can count the copies it should receive, so the steps trained during the
+        # fault are at risk by design; CI once: 6 steps lost, the commit held at 32 while the
+        # survivors trained to 38 in the fetch deadline's 3 s. After the fault's end, the
+        # sync-lag bound holds again: checked below.)
+        at_landing = max((rec["step"] for a in out.attempts for rec in a.records
+                          if rec["t"] <= fault.landed), default=-1)
         for r in out.recoveries:
             assert set(r.reported_lost.values()) == {r.true_lost}, f"{r}\n{out.summary()}"
-            assert r.true_lost <= MAX_LAG, f"{r}\n{out.summary()}"
+            assert r.step >= at_landing - MAX_LAG, (
+                f"a restore during the fault went back to step {r.step}, more than {MAX_LAG} "
+                f"steps before step {at_landing}, reached when the fault landed: {r}\n"
+                f"{out.summary()}")
     finally:
         out.recoveries = everything
     out.assert_samples_exactly_once()
