@@ -126,9 +126,12 @@ def encode_header(header: SnapshotHeader) -> bytes:
             shape = list(e.shape)
         tensors[key] = {"dtype": st, "shape": shape, "data_offsets": [pos, pos + e.nbytes]}
         # DCP's reader needs every key here once any is (a whole tensor starts at zeros).
+        # The meta is the worker's: offsets that are not one count per dimension are not
+        # written for DCP (the tensor then reads as whole).
         at = offsets.get(i)
-        sharding[key] = {"saved_offsets": list(at) if at is not None and len(at) == len(shape)
-                         and e.name not in raw else [0] * len(shape)}
+        valid = (isinstance(at, list) and len(at) == len(shape) and e.name not in raw
+                 and all(type(x) is int and x >= 0 for x in at))
+        sharding[key] = {"saved_offsets": list(at) if valid else [0] * len(shape)}
         pos += e.nbytes
     info = {"format": FILE_VERSION, "job": header.job, "generation": header.generation,
             "step": header.step, "rank": header.rank, "world_size": header.world_size,

@@ -88,7 +88,7 @@ class ScanResult:
     removed: list[tuple[str, str]]
 
 
-class Committed(Protocol):
+class CommittedStep(Protocol):
     """The committed step as the store reads it (:class:`elasticd.replication.commit.Committed`)."""
 
     generation: int
@@ -116,7 +116,7 @@ class Replication(Protocol):
     def status(self) -> dict[str, Any]:
         """``{"jobs": {job: {...committed, placement, sync lag...}}}`` for protection checks."""
 
-    def committed(self, job: str) -> Committed | None:
+    def committed(self, job: str) -> CommittedStep | None:
         """The job's committed record as etcd holds it now. Raises: CoordinationError."""
 
     def fetch_to_local(self, job: str, rank: int, version: tuple[int, int] | None) -> Fetched:

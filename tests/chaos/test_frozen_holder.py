@@ -116,6 +116,7 @@ def check(out: Outcome, fault: FaultRecord, by_deadline: bool) -> None:
         # sync-lag bound holds again: checked below.)
         at_landing = max((rec["step"] for a in out.attempts for rec in a.records
                           if rec["t"] <= fault.landed), default=-1)
+        assert at_landing >= ARM_AT, f"no step before the fault landed?\n{out.summary()}"
         for r in out.recoveries:
             assert set(r.reported_lost.values()) == {r.true_lost}, f"{r}\n{out.summary()}"
             assert r.step >= at_landing - MAX_LAG, (

@@ -3,12 +3,14 @@ writers racing on one step, and the asynchronous persister's skip-when-busy poli
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
 
 import numpy as np
 import pytest
+import safetensors
 
 from elasticd.snapshot.format import (
     CorruptSnapshot,
@@ -97,14 +99,18 @@ def test_a_sharded_entry_records_its_offsets_for_dcp(tmp_path):
         {"@": "dtensor", "i": 0, "shape": [9, 4], "offsets": [6, 0], "placements": ["S0"],
          "mesh": [3], "dims": []}]}]]}
     path = str(tmp_path / "rank-2.safetensors")
-    import dataclasses
     safetensors_file.write(path, dataclasses.replace(header, meta=meta), buf)
-    import safetensors
-
     with safetensors.safe_open(path, "np") as f:
         sharding = json.loads(f.metadata()["DCP_SHARDING_INFO"])
     assert sharding["model.w"] == {"saved_offsets": [6, 0]}  # rows 6-8 of a (9, 4) tensor
     assert sharding["model.b16"] == {"saved_offsets": [0]}
+    # The meta is the worker's: offsets that are not one natural number per dimension are
+    # not passed on to DCP.
+    meta["objects"][0][2]["v"][0]["offsets"] = ["6", 0]
+    safetensors_file.write(path + ".bad", dataclasses.replace(header, meta=meta), buf)
+    with safetensors.safe_open(path + ".bad", "np") as f:
+        assert json.loads(f.metadata()["DCP_SHARDING_INFO"])["model.w"] == {
+            "saved_offsets": [0, 0]}
 
 
 def test_a_file_of_format_1_is_still_read(tmp_path):
