@@ -87,7 +87,7 @@ def main() -> None:
                                                               both=args.both_slots))
                 timed("striped fetch", lambda: fetch_shard(
                     JOB, RANK, d.version, slot.buffer, me="restorer",
-                    holders=["restorer", *book], connections=pool, local=lambda *a: None,
+                    holders=["restorer", *book], connections=pool, own=(),
                     clock=SystemClock()))
                 header = parse_header(slot.buffer, job=JOB, rank=RANK)
                 timed("complete", lambda: store.complete(slot, header))

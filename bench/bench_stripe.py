@@ -151,7 +151,7 @@ def main() -> None:
             t0 = time.perf_counter()
             result = fetch_shard(JOB, RANK, d.version, into, me="restorer",
                                  holders=["restorer", *holders], connections=pool,
-                                 local=lambda *a: None, clock=SystemClock())
+                                 own=(), clock=SystemClock())
             seconds = time.perf_counter() - t0
             assert result.descriptor == d and not result.attempts, result
             assert len(result.served) == len(holders), result.served

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 from elasticd.snapshot.format import SnapshotError, SnapshotHeader
 from elasticd.snapshot.reader import parse_header, verify_block, verify_payload
@@ -40,10 +40,6 @@ from elasticd.replication.placement import Placement
 from elasticd.replication.shm_sink import descriptor_of, pinned_view
 
 log = logging.getLogger(__name__)
-
-#: Reads a shard from this node's own memory into ``into``; returns its descriptor or None.
-LocalRead = Callable[[str, int, "Version | None", Any], "Descriptor | None"]
-
 
 @dataclasses.dataclass(frozen=True)
 class FetchResult:
@@ -125,7 +121,7 @@ _EXPECTED = (Refused, SnapshotError, NoAddress, ConnectionLost, RemoteError, Rep
 
 
 def fetch_shard(job: str, rank: int, version: Version | None, into: Any, *, me: str,
-                holders: Sequence[str], connections: Connections, local: LocalRead,
+                holders: Sequence[str], connections: Connections, own: Sequence[SlotStore],
                 clock: Clock, stripe_bytes: int = STRIPE_BYTES,
                 rates: LinkRates | None = None) -> FetchResult:
     """Fetches and verifies one shard: from this node's own memory when it holds it, else
@@ -147,7 +143,8 @@ def fetch_shard(job: str, rank: int, version: Version | None, into: Any, *, me: 
 
     Args:
         into: a writable buffer, or a function given the descriptor that returns one.
-        holders: in the order to try (see :func:`holder_order`); ``me`` reads ``local``.
+        holders: in the order to try (see :func:`holder_order`); ``me`` reads ``own``, the
+            slot stores of this node.
         stripe_bytes: the size of the pieces (rounded up to whole checksum blocks).
         rates: the measured link rates (shared across fetches, so a later fetch's deadlines
             come from earlier transfers); None: a fresh one, from the default rate.
@@ -169,7 +166,7 @@ def fetch_shard(job: str, rank: int, version: Version | None, into: Any, *, me: 
 
     if me in holders:
         try:
-            d = local(job, rank, version, sized)
+            d = copy_own(own, job, rank, version, sized)
             if d is not None:
                 verify_copy(sized(d), d, f"copy of {job} rank {rank} from {me}")
                 return FetchResult(me, d, 0, clock.monotonic() - started, (), ((me, 0),))
@@ -366,7 +363,7 @@ class _Stripe:
 def copy_own(stores: Sequence[SlotStore], job: str, rank: int, version: Version | None,
              sized: Callable[[Descriptor], Any]) -> Descriptor | None:
     """Copies a shard this node holds (in the first of ``stores`` that has it) into the buffer
-    ``sized`` returns; None when no store has it. A :data:`LocalRead` for :func:`fetch_shard`."""
+    ``sized`` returns; None when no store has it."""
     for store in stores:
         view = pinned_view(store, job, rank, version)
         if view is None:
@@ -380,13 +377,20 @@ def copy_own(stores: Sequence[SlotStore], job: str, rank: int, version: Version 
     return None
 
 
-def fetch_into_store(fetch: Callable[..., FetchResult], store: SlotStore, job: str, rank: int,
+class Fetcher(Protocol):
+    """Fetches a shard into a buffer (:meth:`Replicator.fetch`)."""
+
+    def fetch(self, job: str, rank: int, version: Version | None, into: Any) -> FetchResult:
+        ...
+
+
+def fetch_into_store(fetcher: Fetcher, store: SlotStore, job: str, rank: int,
                      version: Version | None) -> FetchResult:
-    """Runs ``fetch`` (:meth:`Replicator.fetch`) into a slot reserved in ``store`` and completes
-    it, so the shard becomes that store's latest snapshot of (job, rank).
+    """Fetches a shard into a slot reserved in ``store`` and completes it, so the shard becomes
+    that store's latest snapshot of (job, rank).
 
     Raises:
-        ShardLost: from ``fetch``. OverBudget, SlotBusy: the store has no room.
+        ShardLost: from ``fetcher``. OverBudget, SlotBusy: the store has no room.
     """
     slots: list[Any] = []
 
@@ -394,7 +398,7 @@ def fetch_into_store(fetch: Callable[..., FetchResult], store: SlotStore, job: s
         slots.append(store.reserve(job, rank, d.total_bytes, both=False))
         return slots[-1].buffer
 
-    result = fetch(job, rank, version, into)
+    result = fetcher.fetch(job, rank, version, into)
     slot = slots[-1]
     header = parse_header(slot.buffer, job=job, rank=rank, where=f"{job} rank {rank} fetched")
     store.complete(slot, header)  # verified once more as it becomes a local snapshot

@@ -21,7 +21,6 @@ import dataclasses
 import functools
 import logging
 import ssl
-import threading
 from typing import Any, Callable
 
 from elasticd.store.shm import SlotStore
@@ -30,6 +29,7 @@ from elasticd.coordination import records
 from elasticd.coordination.api import CoordinationError, Coordinator
 from elasticd.coordination.keys import Keyspace
 from elasticd.replication.api import ShardLost, Version
+from elasticd.replication.background import Background
 from elasticd.replication.commit import (
     CommitConflict,
     Committed,
@@ -45,7 +45,6 @@ from elasticd.replication.placement import Placement, compute_placement, encode_
 from elasticd.replication.pusher import Pusher
 from elasticd.recovery.fetch import (
     FetchResult,
-    copy_own,
     fetch_into_store,
     fetch_shard,
     holder_order,
@@ -120,17 +119,13 @@ class Replicator:
         self.m, self.clock, self.sink = m, clock or SystemClock(), sink
         self.counters: collections.Counter[str] = collections.Counter()
         self.fetch_failures: collections.Counter[str] = collections.Counter()
-        self._idle = threading.Condition()
-        self._busy = 0
-        self._closing = False
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            workers, thread_name_prefix=f"replicator-{node_id}")
+        self.background = Background(f"replicator-{node_id}", workers)
         self._connections = Connections(node_id, secret, peers_address, timeout=timeout,
                                         ssl_context=ssl_context, clock=self.clock)
         stores = {Holder.LOCAL: store}
         if sink is not None:
             stores[Holder.REPLICA] = sink.store
-        self.tracker = CommitTracker(node_id, coord, keys, self.clock, self._submit,
+        self.tracker = CommitTracker(node_id, coord, keys, self.clock, self.background,
                                      self._collect, commit_wait, withdraw_after, stores)
         #: Measured link rates per peer, shared by pushes and fetches: every call's deadline.
         self.link_rates = LinkRates()
@@ -140,7 +135,7 @@ class Replicator:
         #: The fetches this node's replica server is serving now (ReplicaServer.serving), for
         #: status(); the node builder sets it.
         self.serving: Callable[[], list[dict[str, Any]]] = list
-        self.pusher = Pusher(store, sink, self._connections, self._executor, self.tracker,
+        self.pusher = Pusher(store, sink, self._connections, self.background.executor, self.tracker,
                              self.link_rates)
         self.awaiting_commit = self.tracker.awaiting_commit
         if sink is not None:
@@ -174,7 +169,7 @@ class Replicator:
         if need_watch:
             self.tracker.watch(job)
         if old is not None:
-            self._submit(self._rereplicate, job)
+            self.background.submit(self._rereplicate, job)
         return placement
 
     def republish(self) -> None:
@@ -220,7 +215,7 @@ class Replicator:
         if not peers:
             # m = 1: the owner's copy is all there is, and it must stay until committed.
             self.tracker.on_landed(job, rank, version)
-            self._submit(self.tracker.on_replicated, job, rank, version)
+            self.background.submit(self.tracker.on_replicated, job, rank, version)
 
     def snapshot_grid(self, job: str) -> int:
         """Local snapshots of ``job`` are taken only at multiples of this step count (see
@@ -234,7 +229,7 @@ class Replicator:
         resolves ``version`` (its commit, else its withdrawal ``withdraw_after`` seconds after
         its acknowledgement), after which the slot is reused. Returns at once."""
         if skipped is not None:
-            self._submit(self.tracker.on_skipped, job, skipped)
+            self.background.submit(self.tracker.on_skipped, job, skipped)
         self.tracker.on_blocked(job, version)
 
     # -- re-replication, drain, garbage ---------------------------------------------------
@@ -362,13 +357,12 @@ class Replicator:
             except (CoordinationError, records.RecordError) as exc:
                 log.warning("%s: cannot read the committed record for a fetch: %s", job, exc)
         holders = holder_order(job, rank, version, self.node_id, committed, placements)
-        own = functools.partial(copy_own, self._own_stores())
         token = object()
         with self.tracker.lock:
             self._fetching[token] = (job, rank, version, holders, self.clock.monotonic())
         try:
             result = fetch_shard(job, rank, version, into, me=self.node_id, holders=holders,
-                                 connections=self._connections, local=own, clock=self.clock,
+                                 connections=self._connections, own=self._own_stores(), clock=self.clock,
                                  rates=self.link_rates)
         except ShardLost as exc:
             with self.tracker.lock:
@@ -401,7 +395,7 @@ class Replicator:
         """Fetches a shard into this node's local store (for a rank it now hosts), where the
         worker's usual ``ckpt_list``/``ckpt_open`` find it. Raises: ShardLost; OverBudget or
         SlotBusy when the local store has no room."""
-        return fetch_into_store(self.fetch, self.store, job, rank, version)
+        return fetch_into_store(self, self.store, job, rank, version)
 
     def _own_stores(self) -> list[SlotStore]:
         return [self.store] + ([self.sink.store] if self.sink is not None else [])
@@ -467,29 +461,6 @@ class Replicator:
             etcd_errors_total=c.get("etcd_errors", 0),
             withdrawals_total=c.get("withdrawals", 0))
 
-    def _submit(self, fn: Any, *args: Any, track: bool = True) -> None:
-        """Runs ``fn(*args)`` on the pool; ``track``: :meth:`wait_idle` waits for it."""
-        with self._idle:
-            if self._closing:
-                return
-            self._busy += track
-
-        def run() -> None:
-            try:
-                fn(*args)
-            except Exception:  # noqa: BLE001 — background work must never kill the pool
-                log.exception("replicator %s: %s failed", self.node_id, fn.__name__)
-            finally:
-                with self._idle:
-                    self._busy -= track
-                    self._idle.notify_all()
-
-        try:
-            self._executor.submit(run)
-        except RuntimeError:  # shut down meanwhile
-            with self._idle:
-                self._busy -= track
-
     def wait_idle(self, timeout: float = 30.0) -> bool:
         """Blocks (real time) until no push, commit or repair is pending; False on timeout."""
         deadline = self.clock.monotonic() + timeout
@@ -497,10 +468,8 @@ class Replicator:
         while self.clock.monotonic() < deadline:
             if not lanes.wait_idle(max(0.0, deadline - self.clock.monotonic())):
                 return False
-            with self._idle:
-                if not self._idle.wait_for(lambda: self._busy == 0,
-                                           max(0.0, deadline - self.clock.monotonic())):
-                    return False
+            if not self.background.wait_idle(deadline - self.clock.monotonic()):
+                return False
             if lanes.wait_idle(0):  # background work may have queued pushes meanwhile
                 return True
         return False
@@ -517,9 +486,8 @@ class Replicator:
     def close(self) -> None:
         """Stops pushing (pending pushes dropped, those in flight finish), unwatches, joins the
         pool and closes connections."""
-        with self._idle:
-            self._closing = True
+        self.background.refuse()
         self.tracker.close()
         self.pusher.lanes.close()
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        self.background.close()
         self._connections.close()

@@ -41,6 +41,7 @@ from elasticd.coordination import records
 from elasticd.coordination.api import CoordinationError, Coordinator, EventType, Watch
 from elasticd.coordination.keys import Keyspace
 from elasticd.replication.api import Version
+from elasticd.replication.background import Background
 from elasticd.replication.commit_state import Actions, CommitBook, Holder, Verdict
 from elasticd.replication.commit import (
     KEEP_SKIPPED,
@@ -119,7 +120,7 @@ class CommitTracker:
     """Counts copies and commits steps for one node.
 
     Args:
-        submit: runs a function in the background (the replicator's pool).
+        background: runs the tracker's work off the caller's thread (the replicator's pool).
         on_advance: called (in the background) with a job whose commit moved past the one in
             force when its placement last changed.
         withdraw_after: seconds an acknowledged version that blocks a local snapshot may wait
@@ -128,12 +129,12 @@ class CommitTracker:
     """
 
     def __init__(self, node_id: str, coord: Coordinator, keys: Keyspace, clock: Clock,
-                 submit: Callable[..., None], on_advance: Callable[[str], None],
+                 background: Background, on_advance: Callable[[str], None],
                  commit_wait: float = 2.0, withdraw_after: float = 1.0,
                  stores: Mapping[Holder, SlotStore] = {}) -> None:
         self.node_id, self.coord, self.keys, self.clock = node_id, coord, keys, clock
         self.commit_wait, self.withdraw_after, self.stores = commit_wait, withdraw_after, stores
-        self._submit, self._advance = submit, on_advance
+        self._submit, self._advance = background.submit, on_advance
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
         self._record_lock = threading.Lock()

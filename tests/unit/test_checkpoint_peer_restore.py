@@ -68,7 +68,7 @@ class FakeReplicator:
 
     def fetch_to_local(self, job, rank, version):
         self.fetches.append((job, rank, version))
-        return fetch_into_store(self.fetch, self.local, job, rank, version)
+        return fetch_into_store(self, self.local, job, rank, version)
 
 
 def commit(generation, step, world):

@@ -141,7 +141,7 @@ def test_a_holder_black_holed_mid_fetch_costs_the_deadline_and_lands_nothing_aft
     into = bytearray(8 << 20)
     started = time.monotonic()
     result = fetch_shard(JOB, 1, None, lambda _: into, me="me", holders=["me", "n0", "n1", "n2"],
-                         connections=pool, local=lambda *a: None, clock=SystemClock(),
+                         connections=pool, own=(), clock=SystemClock(),
                          stripe_bytes=STRIPE, rates=rates)
     took = time.monotonic() - started
     assert hole.frozen.is_set()

@@ -92,7 +92,7 @@ def holders():
 def fetch(pool: Connections, names: list[str], version=None):
     into = bytearray(8 << 20)
     result = fetch_shard(JOB, 1, version, lambda d: into, me="me", holders=["me", *names],
-                         connections=pool, local=lambda *a: None, clock=SystemClock(),
+                         connections=pool, own=(), clock=SystemClock(),
                          stripe_bytes=STRIPE)
     return result, into
 
