@@ -69,10 +69,6 @@ class Admission:
         with self._lock:
             return self._held.pop(key, None) is not None
 
-    def holds(self, key: Hashable) -> bool:
-        with self._lock:
-            return key in self._held
-
     def expire(self) -> tuple[list[Hashable], float | None]:
         """Drops and returns the keys past their deadline, and seconds until the next is due."""
         now = self._now()

@@ -259,13 +259,6 @@ class Settings:
             return bool(self.etcd and (self.etcd_user or self.etcd_cert))
         return self.agent_etcd_users == "on"
 
-    def redacted(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        for secret in ("etcd_password", "cluster_secret"):
-            if out[secret]:
-                out[secret] = "***"
-        return out
-
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 

@@ -89,10 +89,6 @@ class _BoundedHTTPServer(ThreadingHTTPServer):
         for sock in socks:
             shut(sock)
 
-    def open_connections(self) -> int:
-        with self._lock:
-            return len(self._open)
-
 
 class StatusServer:
     """Serves metrics, health and status on ``(host, port)``; port 0 picks a free port.
