@@ -36,16 +36,17 @@ from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.lease import LeaseKeeper
 from elasticd.coordination.watch_feed import WatchFeed
 from elasticd.daemon.data_loss import DataLossRecovery
+from elasticd.daemon.drain_host import DrainHosting
 from elasticd.daemon.fencing import FenceHook, Fencing
 from elasticd.daemon.recovery_timeline import TimelineRecorder
 from elasticd.daemon.registration import NodeIdInUse, Registration
 from elasticd.metrics import CheckpointSink, Metrics
-from elasticd.recovery.drain import Drainer, Progress
+from elasticd.recovery.drain import Drainer
 
 log = logging.getLogger(__name__)
 
 
-class Daemon(Registration, Fencing, DataLossRecovery):
+class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
     """One node's daemon.
 
     Args:
@@ -125,7 +126,7 @@ class Daemon(Registration, Fencing, DataLossRecovery):
             self.jobs.on_job_end.append(checkpoints.remove_job)
         if self.replicator is not None:
             self.jobs.on_job_end.append(self.replicator.remove_job)
-        # The daemon is the drain's host (recovery.drain.DrainHost): the methods below.
+        # The daemon is the drain's host (recovery.drain.DrainHost): daemon/drain_host.py.
         self.drainer = Drainer(settings.node_id, coord, self.keys, self,
                                stop_wait=settings.stop_grace + 10, clock=self.clock)
 
@@ -290,7 +291,7 @@ class Daemon(Registration, Fencing, DataLossRecovery):
             self.replicator.set_membership(job, nodes, {n: list(ranks[n]) for n in nodes})
             self._notes.append(f"replica placement for {len(nodes)} nodes")
 
-    # -- drain (elasticd.recovery.drain) and recoveries ------------------------------------
+    # -- events and recoveries ------------------------------------------------------------
 
     def _committed_step(self, job: str) -> tuple[int, int] | None:
         """The job's newest committed (generation, step) as replication last saw it."""
@@ -298,44 +299,6 @@ class Daemon(Registration, Fencing, DataLossRecovery):
             return None
         c = (self.replicator.status()["jobs"].get(job) or {}).get("committed")
         return (int(c[0]), int(c[1])) if c else None
-
-    @property
-    def replicates(self) -> bool:
-        return self.replicator is not None
-
-    def quiesce(self, timeout: float) -> bool:
-        return self.checkpoints.quiesce(timeout) if self.checkpoints is not None else True
-
-    def resume(self) -> None:
-        if self.checkpoints is not None:
-            self.checkpoints.resume()
-
-    def handoff(self, timeout: float, progress: Progress | None) -> dict[str, dict[str, Any]]:
-        if self.replicator is None:
-            return {}
-        # Our pushes in flight may still commit a step: let them land first (bounded).
-        self.replicator.wait_idle(min(5.0, timeout))
-        return self.replicator.drain(timeout, progress)
-
-    def shortfall(self) -> dict[str, list[int]]:
-        if self.replicator is None:
-            return {}
-        out = {}
-        for job in list(self.replicator.tracker.jobs):
-            c = self.replicator.committed(job)
-            short = [] if c is None else [
-                r for r in c.ranks
-                if len([h for h in c.holders.get(r, ()) if h != self.settings.node_id]) < c.m]
-            if short:
-                out[job] = short
-        return out
-
-    def hold(self, reason: str | None) -> None:
-        self.jobs.hold = reason or ""
-        self.wake()
-
-    def job_stopped(self) -> bool:
-        return self.jobs.idle()
 
     def record_event(self, kind: str, detail: str, data: dict[str, Any]) -> None:
         lease = self.registered_lease or self.keeper.lease or 0
