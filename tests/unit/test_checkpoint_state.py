@@ -335,3 +335,16 @@ def test_copier_checks_its_inputs():
         copy_into([flat.tensors[0], torch.zeros(2)], bytearray(lay.total_size), lay)
     with pytest.raises(ValueError, match="writable"):
         copy_into(flat.tensors, bytes(lay.total_size), lay)
+
+
+def test_a_modules_parameters_are_flattened_without_their_grad():
+    """A module's state is read with keep_vars (no detach() per parameter, which costs a
+    dispatch per FSDP2 DTensor); what the copy gets is still detached from autograd, the same
+    storage as the live parameter."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    flat = flatten({"model": model})
+    by_name = dict(zip(flat.names, flat.tensors))
+    weight = by_name["model/0.weight"]
+    assert not weight.requires_grad and weight.grad_fn is None
+    assert weight.data_ptr() == model[0].weight.data_ptr()
+    assert all(not t.requires_grad for t in flat.tensors)
