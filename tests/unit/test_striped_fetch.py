@@ -15,7 +15,13 @@ from elasticd.clock import SystemClock
 from elasticd.replication.api import Descriptor
 from elasticd.replication.lanes import Connections
 from elasticd.replication.memory import MemorySink
-from elasticd.recovery.fetch import ShardLost, fetch_shard
+from elasticd.recovery.fetch import (
+    MAX_STRIPE_BYTES,
+    STRIPE_BYTES,
+    ShardLost,
+    fetch_shard,
+    stripe_size,
+)
 from elasticd.replication.transport import ReplicaClient, ReplicaServer
 
 SECRET = b"cluster-secret-0123456789abcdef"
@@ -150,3 +156,33 @@ def test_a_listed_holder_without_the_version_is_not_a_failure(holders):
     result, into = fetch(pool, ["n0", "n1"])
     assert bytes(into[: d.total_bytes]) == bytes(buf)
     assert dict(result.served) == {"n0": d.total_bytes} and result.attempts == ()
+
+
+def test_a_holder_whose_copy_rotted_is_refused_and_its_pieces_come_from_the_others(holders):
+    """Bits flipped in a holder's RAM after its copy landed: its piece fails its blocks'
+    check as it lands (the payload is not read a second time at the end), the piece goes to
+    the other holders, and the copy is intact."""
+    d, buf = sealed_snapshot()
+    rotten = FailingSink()
+    servers, pool = holders([FailingSink(), rotten, FailingSink()], d, buf)
+    held = rotten._held[(JOB, 1)][1]
+    for at in range(d.header_bytes, len(held), BLOCK):  # whichever piece it serves
+        held[at] ^= 0x01
+    result, into = fetch(pool, ["n0", "n1", "n2"])
+    assert bytes(into[: d.total_bytes]) == bytes(buf)
+    assert [h for h, _ in result.attempts] == ["n1"]
+    assert result.attempts[0][1].startswith("corrupt"), result.attempts
+
+
+def test_pieces_grow_with_the_measured_rate_within_each_holders_share():
+    MiB = 1 << 20
+    # Unmeasured links (the 50 MB/s default): the smallest pieces, a frozen holder's piece
+    # deadline stays short.
+    assert stripe_size(1024 * MiB, 3, 50e6) == STRIPE_BYTES
+    # A fast link: a quarter second of it, at most a quarter of each holder's share.
+    assert stripe_size(1024 * MiB, 1, 2e9) == 256 * MiB
+    assert stripe_size(1024 * MiB, 3, 2e9) == 1024 * MiB // 12
+    assert stripe_size(1024 * MiB, 3, 200e6) == 50_000_000
+    # Never below STRIPE_BYTES (a small payload), never above MAX_STRIPE_BYTES.
+    assert stripe_size(8 * MiB, 1, 2e9) == STRIPE_BYTES
+    assert stripe_size(64 * 1024 * MiB, 1, 1e10) == MAX_STRIPE_BYTES
