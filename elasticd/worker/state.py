@@ -231,9 +231,13 @@ class _Flattener:
     def _encode_dict(self, value: dict, path: str) -> dict[str, Any]:
         keys = []
         for k in value:
-            if not (k is None or type(k) in (bool, int, float, str, tuple)):
-                raise UnsupportedValue(f"{path}: dict key {k!r} of type {type(k).__qualname__}")
-            keys.append(self.encode(k, path))
+            t = type(k)
+            if t is str or t is int:  # most keys: they encode as themselves
+                keys.append(k)
+            elif k is None or t in (bool, float, tuple):
+                keys.append(self.encode(k, path))
+            else:
+                raise UnsupportedValue(f"{path}: dict key {k!r} of type {t.__qualname__}")
         node = {"@": "odict" if type(value) is collections.OrderedDict else "dict", "k": keys,
                 "v": [self.encode(v, f"{path}/{k}") for k, v in value.items()]}
         metadata = getattr(value, "_metadata", None)
