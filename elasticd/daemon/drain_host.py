@@ -3,11 +3,15 @@ of this node's snapshots, replicas and jobs."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from elasticd.agent.manager import JobManager
 from elasticd.config import Settings
 from elasticd.recovery.drain import Progress
+
+if TYPE_CHECKING:
+    from elasticd.recovery.replicator import Replicator
+    from elasticd.store.service import CheckpointService
 
 
 class DrainHosting:
@@ -16,8 +20,8 @@ class DrainHosting:
 
     settings: Settings
     jobs: JobManager
-    checkpoints: Any  # elasticd.store.service.CheckpointService
-    replicator: Any  # elasticd.recovery.replicator.Replicator
+    checkpoints: CheckpointService | None
+    replicator: Replicator | None
     wake: Callable[[], None]
 
     @property

@@ -1,14 +1,14 @@
 """The daemon-side replication service: push local snapshots to placement peers, commit steps,
 re-replicate after membership changes, fetch shards for recovery, drain.
 
-One :class:`Replicator` per daemon, built from three parts: a
+One :class:`Replicator` per daemon, built from these parts: a
 :class:`~elasticd.replication.pusher.Pusher` (per-peer bounded lanes: the newest snapshot wins,
 intermediate steps are skipped and counted, nothing queues without bound, the training loop
 never waits), a :class:`~elasticd.replication.tracker.CommitTracker` (copies counted, steps
 committed in etcd, the retention gate), :mod:`elasticd.recovery.fetch` (fetching with holder
-fallback) and :mod:`elasticd.recovery.plans` (which copies to push to keep ``m``). The daemon tells it the rendezvous round's membership
-(:meth:`~Replicator.set_membership`); the checkpoint service tells it each completed local
-snapshot (:meth:`~Replicator.on_local_snapshot`).
+fallback) and :mod:`elasticd.recovery.plans` (which copies to push to keep ``m``). The daemon
+tells it the rendezvous round's membership (:meth:`~Replicator.set_membership`); the checkpoint
+service tells it each completed local snapshot (:meth:`~Replicator.on_local_snapshot`).
 
 Time: the injected clock times transfers, stamps records and bounds every wait.
 """
@@ -135,8 +135,8 @@ class Replicator:
         #: The fetches this node's replica server is serving now (ReplicaServer.serving), for
         #: status(); the node builder sets it.
         self.serving: Callable[[], list[dict[str, Any]]] = list
-        self.pusher = Pusher(store, sink, self._connections, self.background.executor, self.tracker,
-                             self.link_rates)
+        self.pusher = Pusher(store, sink, self._connections, self.background.executor,
+                             self.tracker, self.link_rates)
         self.awaiting_commit = self.tracker.awaiting_commit
         if sink is not None:
             sink.on_pending = self.tracker.reread
@@ -362,8 +362,8 @@ class Replicator:
             self._fetching[token] = (job, rank, version, holders, self.clock.monotonic())
         try:
             result = fetch_shard(job, rank, version, into, me=self.node_id, holders=holders,
-                                 connections=self._connections, own=self._own_stores(), clock=self.clock,
-                                 rates=self.link_rates)
+                                 connections=self._connections, own=self._own_stores(),
+                                 clock=self.clock, rates=self.link_rates)
         except ShardLost as exc:
             with self.tracker.lock:
                 self.fetch_failures["lost"] += 1
