@@ -114,10 +114,12 @@ def _state_of(kind: str, value: Any) -> Any:
                 "param_groups": [{k: v for k, v in g.items() if k != "params"}
                                  for g in value.param_groups],
                 "global": [index[p] for g in value.optim.param_groups for p in g["params"]]}
-    if kind == "module":
+    if kind == "module" and type(value).state_dict is torch.nn.Module.state_dict:
         # keep_vars: the parameters themselves, not a detach() each, which costs ~15 us per
         # FSDP2 DTensor (its dispatch); _add detaches what needs it, and a DTensor's local
-        # tensor needs none (the copy reads it, nothing records a graph).
+        # tensor needs none (the copy reads it, nothing records a graph). Only torch's own
+        # state_dict (FSDP2, DDP and compiled modules keep it): a script's override may not
+        # take keep_vars.
         return value.state_dict(keep_vars=True)
     return value if kind == "value" else value.state_dict()
 

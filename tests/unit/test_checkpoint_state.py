@@ -348,3 +348,17 @@ def test_a_modules_parameters_are_flattened_without_their_grad():
     assert not weight.requires_grad and weight.grad_fn is None
     assert weight.data_ptr() == model[0].weight.data_ptr()
     assert all(not t.requires_grad for t in flat.tensors)
+
+
+def test_a_module_whose_state_dict_takes_no_arguments_is_flattened():
+    """A script's own ``state_dict(self)`` override is called as it is (keep_vars is only
+    passed to torch's own method)."""
+
+    class Custom(torch.nn.Linear):
+        def state_dict(self):  # noqa: D102 — no keep_vars, no destination
+            return {"w": self.weight.detach() * 2}
+
+    model = Custom(2, 3)
+    flat = flatten({"model": model})
+    assert flat.names == ["model/w"]
+    assert torch.equal(flat.tensors[0], model.weight.detach() * 2)
