@@ -39,10 +39,14 @@ rank's time), interleaved over ``--repeat`` rounds after one untimed warm-up rou
 Before every run each rank zeroes its parameters and optimizer state; after it, a digest of
 every local shard (xxh3) must equal, bitwise, what the other method gives in the same round,
 and differ from the zeroed state. One thread per rank (``torch.set_num_threads(1)``): two
-ranks on a two-core machine. Run under the CPU lock::
+ranks on a two-core machine. The slot stores live in ``/dev/shm`` (4 KiB pages), or with
+``--huge-tmpfs`` on a tmpfs the bench mounts with ``huge=within_size`` (and unmounts), as
+``systemd/dev-shm-elasticd.mount`` gives a node. Run under the CPU lock::
 
     flock /tmp/elasticd-cpu.lock python bench/bench_sharded_restore.py --mib 1100 \
         --repeat 3 --out bench/results/sharded_restore.json
+    flock /tmp/elasticd-cpu.lock python bench/bench_sharded_restore.py --mib 1100 \
+        --repeat 3 --huge-tmpfs --out bench/results/sharded_restore_huge.json
 """
 
 from __future__ import annotations
@@ -56,12 +60,14 @@ import platform
 import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 import uuid
 
 from elasticd.store.service import CheckpointService
+from elasticd.store.huge_pages import probe
 from elasticd.store.shm import SlotStore
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.memory import MemoryCoordinator
@@ -426,13 +432,26 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12, help="Linear layers (plus a head)")
     parser.add_argument("--repeat", type=int, default=3, help="timed rounds (median)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per phase")
+    parser.add_argument("--huge-tmpfs", action="store_true",
+                        help="put every slot store on a tmpfs of its own mounted with "
+                             "huge=within_size (root), as systemd/dev-shm-elasticd.mount does, "
+                             "instead of /dev/shm")
     parser.add_argument("--out", default="", help="also write the results as JSON here")
     args = parser.parse_args()
     dims = widths(args.mib, args.layers)
     total_state = state_bytes(dims)
     tag = uuid.uuid4().hex[:10]
-    shm = f"/dev/shm/elasticd-bench-shard-{tag}"
     work = tempfile.mkdtemp(prefix="elasticd-bench-shard-", dir="/tmp")
+    mount_point = ""
+    if args.huge_tmpfs:
+        mount_point = os.path.join(work, "huge")
+        os.mkdir(mount_point, 0o700)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "huge=within_size,size=75%,mode=0700",
+                        f"elasticd-bench-{tag}", mount_point], check=True)
+        shm = os.path.join(mount_point, "stores")
+    else:
+        shm = f"/dev/shm/elasticd-bench-shard-{tag}"
+    pages = probe(shm)
     dcp_dir = os.path.join(work, "dcp")
     fork, spawn = mp.get_context("fork"), mp.get_context("spawn")
     stops, procs = [], []
@@ -480,11 +499,14 @@ def main() -> None:
             if p.is_alive():
                 p.kill()
         shutil.rmtree(shm, ignore_errors=True)
+        if mount_point:
+            subprocess.run(["umount", mount_point], check=True)
         shutil.rmtree(work, ignore_errors=True)
     left = [n for n in os.listdir("/dev/shm") if tag in n]
     assert not left, f"left in /dev/shm: {left}"
     summary = summarise(args, dims, total_state, dcp_bytes, save_seconds, rows,
                         time.perf_counter() - started)
+    summary["slot_pages"] = pages.describe()
     print(json.dumps(summary, indent=1))
     if args.out:
         with open(args.out, "w") as f:

@@ -87,6 +87,9 @@ class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
         self.checkpoints: Any = checkpoints  # elasticd.store.service.CheckpointService
         self.replicator: Any = replicator  # elasticd.recovery.replicator.Replicator
         self.replication_address = replication_address
+        #: What backs the slot directory (elasticd.store.huge_pages.SlotPages), set by the
+        #: node builder; None without checkpoint slots.
+        self.slot_pages: Any = None
         self._membership_key: Any = None
 
         self.health = EtcdHealth(self.clock, self._outage_started, self._outage_ended,
@@ -562,6 +565,9 @@ class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
             "job": self.jobs.describe(),
             "drain": self.drainer.state or None,
             "checkpoints": self.checkpoints.status() if self.checkpoints is not None else None,
+            "shm": ({"dir": self.settings.shm_path, "huge_pages": self.slot_pages.huge_pages,
+                     "detail": self.slot_pages.describe()}
+                    if self.slot_pages is not None else None),
             "replication": ({**self.replicator.status(), "round_ranks": self.jobs.round_ranks()}
                             if self.replicator is not None else None),
         }

@@ -90,6 +90,7 @@ class Node:
         daemon = Daemon(self.settings, coord, metrics=metrics,
                                       membership=membership, checkpoints=service,
                                       replicator=replicator, replication_address=address)
+        daemon.slot_pages = self._slot_pages()
         self._serve_http(daemon)
         self._serve_local(daemon)
         try:
@@ -180,6 +181,20 @@ class Node:
                                     metrics_sink=CheckpointSink(metrics),
                                     lag_limit=settings.unprotected_lag_steps, **kwargs)
         return service, replicator, address
+
+    def _slot_pages(self) -> Any:
+        """What backs the slot directory; a warning when it is small pages."""
+        from elasticd.store.huge_pages import probe
+
+        pages = probe(self.settings.shm_path)
+        if pages.huge_pages:
+            log.info("checkpoint slots in %s: %s", self.settings.shm_path, pages.describe())
+        else:
+            log.warning("checkpoint slots in %s are on %s: reserving and mapping a slot costs "
+                        "about ten times what it does on a tmpfs mounted with "
+                        "huge=within_size (systemd/dev-shm-elasticd.mount; README, 'Huge "
+                        "pages')", self.settings.shm_path, pages.describe())
+        return pages
 
     def _replication(self, coord: EtcdCoordinator, metrics: Metrics, membership: Membership,
                      store: Any, cap: int | None) -> tuple[Any, str]:

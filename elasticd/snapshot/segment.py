@@ -2,8 +2,10 @@
 
 :class:`~elasticd.store.shm.SlotStore` decides which segment holds what; this module does the
 file and memory work. Pages are reserved with ``fallocate`` so that a full tmpfs is an error at
-allocation rather than a SIGBUS in whichever process first writes the page, and pre-touched,
+allocation rather than a SIGBUS in whichever process first writes the page, and pre-faulted,
 because first writes into fresh tmpfs pages run ten times slower than memcpy (docs/facts.md).
+On a tmpfs mounted with huge pages (``huge=within_size``, :mod:`elasticd.store.huge_pages`)
+both cost about a tenth: a 2 MiB page is reserved and mapped at once instead of 512.
 
 Every file is created and opened relative to a directory descriptor the store verified, with
 ``O_NOFOLLOW``, and a segment keeps its descriptor open: a worker is handed a descriptor of the
@@ -26,6 +28,9 @@ from elasticd.snapshot.reader import parse_header, verify_payload
 
 PAGE = mmap.PAGESIZE
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
+# Linux 5.14's madvise advice (not in Python 3.11's mmap module): fault every page of the range
+# in for writing with one call, about 0.6x the time of a write per page from user space.
+MADV_POPULATE_WRITE = 23
 
 
 def map_fd(fd: int, size: int, *, writable: bool = True, populate: bool = True) -> mmap.mmap:
@@ -59,6 +64,16 @@ def map_file(path: str, size: int, *, writable: bool = True, populate: bool = Tr
         return map_fd(fd, size, writable=writable, populate=populate)
     finally:
         os.close(fd)
+
+
+def prefault(mm: mmap.mmap) -> None:
+    """Maps every page of a fresh slot for writing now, not during a snapshot or a fetch: one
+    ``MADV_POPULATE_WRITE`` for the whole range, or on a kernel older than 5.14 (EINVAL) a
+    write per page."""
+    try:
+        mm.madvise(MADV_POPULATE_WRITE)
+    except OSError:
+        np.frombuffer(mm, dtype=np.uint8)[::PAGE] = 0
 
 
 class Segment:
@@ -102,8 +117,7 @@ class Segment:
             os.close(fd)
             os.unlink(name, dir_fd=dir_fd)
             raise
-        # A write per page: the kernel allocates and zeroes it now, not during a snapshot.
-        np.frombuffer(mm, dtype=np.uint8)[::PAGE] = 0
+        prefault(mm)
         return cls(path, name, capacity, mm, fd)
 
     @classmethod

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from elasticd.launcher import LocalCluster
+from elasticd.store.huge_pages import probe
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(120)]
 
@@ -73,6 +74,10 @@ def test_clean_shutdown_is_a_departure_not_a_failure(cluster):
     assert not events_of(cluster, "failed")
     st = cluster.nodes["n1"].http("/status")
     assert [p["node"] for p in st["peers"]] == ["n2"]
+    # What backs the slots, as the daemon found it at start.
+    pages = probe(st["shm"]["dir"])
+    assert st["shm"] == {"dir": st["shm"]["dir"], "huge_pages": pages.huge_pages,
+                         "detail": pages.describe()}
 
 
 def test_etcd_paused_10s_nobody_fails_everyone_reports_and_rejoins(cluster):

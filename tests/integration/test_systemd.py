@@ -43,6 +43,30 @@ def test_unit_verifies(tmp_path):
         assert must in text
 
 
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="needs systemd-analyze")
+def test_the_huge_page_mount_unit_verifies_and_the_example_config_uses_it(tmp_path):
+    name = "dev-shm-elasticd.mount"
+    text = open(os.path.join(REPO, "systemd", name)).read()
+    unit = tmp_path / name
+    unit.write_text(text)
+    res = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert not [line for line in res.stderr.splitlines() if name in line]
+    fields = dict(line.split("=", 1) for line in text.splitlines()
+                  if "=" in line and not line.startswith("#"))
+    # systemd requires a mount unit to be named after its mount point.
+    escaped = subprocess.run(["systemd-escape", "--path", "--suffix=mount", fields["Where"]],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    assert escaped == name
+    assert fields["Type"] == "tmpfs" and "huge=within_size" in fields["Options"].split(",")
+    config = open(os.path.join(REPO, "systemd", "elasticd.toml.example")).read()
+    shm_dir = next(line.split("=", 1)[1].strip().strip('"') for line in config.splitlines()
+                   if line.startswith("shm_dir"))
+    assert shm_dir.startswith(fields["Where"] + "/")
+    assert "After=dev-shm-elasticd.mount" in open(UNIT).read()
+
+
 class NotifyListener:
     def __init__(self, path):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
