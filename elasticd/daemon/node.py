@@ -191,7 +191,7 @@ class Node:
             log.info("checkpoint slots in %s: %s", self.settings.shm_path, pages.describe())
         else:
             log.warning("checkpoint slots in %s are on %s: reserving and mapping a slot costs "
-                        "about ten times what it does on a tmpfs mounted with "
+                        "up to seven times what it does on a tmpfs mounted with "
                         "huge=within_size (systemd/dev-shm-elasticd.mount; README, 'Huge "
                         "pages')", self.settings.shm_path, pages.describe())
         return pages

@@ -5,7 +5,8 @@ file and memory work. Pages are reserved with ``fallocate`` so that a full tmpfs
 allocation rather than a SIGBUS in whichever process first writes the page, and pre-faulted,
 because first writes into fresh tmpfs pages run ten times slower than memcpy (docs/facts.md).
 On a tmpfs mounted with huge pages (``huge=within_size``, :mod:`elasticd.store.huge_pages`)
-both cost about a tenth: a 2 MiB page is reserved and mapped at once instead of 512.
+both cost a seventh (bench/results/slot_alloc.json): a 2 MiB page is reserved and mapped at
+once instead of 512.
 
 Every file is created and opened relative to a directory descriptor the store verified, with
 ``O_NOFOLLOW``, and a segment keeps its descriptor open: a worker is handed a descriptor of the
