@@ -398,7 +398,8 @@ def copy_own(stores: Sequence[SlotStore], job: str, rank: int, version: Version 
 
 
 class Fetcher(Protocol):
-    """Fetches a shard into a buffer (:meth:`Replicator.fetch`)."""
+    """Fetches a shard into a buffer (:meth:`Replicator.fetch`): on return every byte of it
+    has been checked against the snapshot's checksums (:func:`fetch_shard`'s contract)."""
 
     def fetch(self, job: str, rank: int, version: Version | None, into: Any) -> FetchResult:
         ...
@@ -421,5 +422,7 @@ def fetch_into_store(fetcher: Fetcher, store: SlotStore, job: str, rank: int,
     result = fetcher.fetch(job, rank, version, into)
     slot = slots[-1]
     header = parse_header(slot.buffer, job=job, rank=rank, where=f"{job} rank {rank} fetched")
-    store.complete(slot, header)  # verified once more as it becomes a local snapshot
+    # fetch_shard checked every block as it landed (or the whole copy from this node's
+    # memory); a second pass here cost ~0.05 s per 385 MB on the restore's path.
+    store.complete(slot, header, verified=True)
     return result

@@ -84,12 +84,15 @@ class RestoreOps:
             log.warning("cannot list the replicas of %s held here: %s", job, exc)
             return {}
 
-    def _open(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _open(self, msg: dict[str, Any], verify: bool = True) -> dict[str, Any]:
+        """``ckpt_open``: hands the worker a read-only descriptor of the held snapshot, its
+        payload checked again first (RAM can rot between the snapshot and the restore), but
+        not when this request has just fetched and checked it (``verify`` False)."""
         job, rank = param(msg, "job", str), param(msg, "rank", int)
         version = (param(msg, "generation", int), param(msg, "step", int))
         self._sweep_pins()
         try:
-            view = self.store.latest(job, rank, pin=True, verify=True, version=version)
+            view = self.store.latest(job, rank, pin=True, verify=verify, version=version)
         except SnapshotError as exc:
             with self._lock:
                 self._job(job).refused.add((rank, *version))
@@ -145,7 +148,7 @@ class RestoreOps:
             record = self._jobs.get(job)
             refused = record is not None and key in record.refused
             was_fetched = record is not None and key in record.fetched
-        source, wire_bytes, holder = "local", 0, self.node_id
+        source, wire_bytes, holder, just_fetched = "local", 0, self.node_id, False
         try:
             held = version in self.store.versions(job, rank)
         except ValueError as exc:  # a job name the store cannot hold
@@ -166,12 +169,14 @@ class RestoreOps:
                 record.fetched.add(key)
                 self.counters["fetches"] += 1
             source, wire_bytes, holder = "peer", int(result.wire_bytes), result.holder
+            just_fetched = True
             log.info("%s rank %d step %s fetched from %s into node %s (%d bytes on the wire)",
                      job, rank, version, holder, self.node_id, wire_bytes)
         elif was_fetched:
             source = "peer"
         reply = self._open({"job": job, "rank": rank, "generation": version[0],
-                            "step": version[1], "_peer": msg.get("_peer", {})})
+                            "step": version[1], "_peer": msg.get("_peer", {})},
+                           verify=not just_fetched)
         return {**reply, "source": source, "wire_bytes": wire_bytes, "holder": holder}
 
     def undelivered(self, op: str, reply: dict[str, Any]) -> None:
