@@ -15,6 +15,7 @@ import abc
 import collections
 import concurrent.futures
 import threading
+import warnings
 from typing import Any, Sequence
 
 import numpy as np
@@ -151,6 +152,25 @@ def read_tensors(buffer: Any, lay: Layout) -> list[torch.Tensor]:
             )
         out.append(t)
     return out
+
+
+def tensor_views(buffer: Any, lay: Layout) -> list[torch.Tensor]:
+    """Tensors over every entry of ``buffer`` (in layout order), without a copy: valid while
+    ``buffer`` is, and never to be written (a read-only mapping of a slot) nor kept past it.
+    """
+    view = byte_view(buffer)
+    if len(view) < lay.total_size:
+        raise ValueError(f"buffer of {len(view)} bytes is smaller than the layout's "
+                         f"{lay.total_size}")
+    if not lay.total_size:
+        return [torch.empty(e.shape, dtype=getattr(torch, e.dtype)) for e in lay.entries]
+    with warnings.catch_warnings():
+        # torch warns that writing into a read-only buffer is undefined; nothing writes.
+        warnings.simplefilter("ignore", UserWarning)
+        whole = torch.frombuffer(view, dtype=torch.uint8, count=lay.total_size)
+    return [whole[e.offset : e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape)
+            if e.nbytes else torch.empty(e.shape, dtype=getattr(torch, e.dtype))
+            for e in lay.entries]
 
 
 class CopyHandle(abc.ABC):

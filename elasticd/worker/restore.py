@@ -34,13 +34,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
+import mmap
 import os
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
-from elasticd.worker.copier import read_tensors
+from elasticd.worker.copier import read_tensors, tensor_views
 from elasticd.snapshot.format import SnapshotError, dtensor_nodes
 from elasticd.snapshot.reader import SnapshotReader
 from elasticd.snapshot.segment import map_fd
@@ -206,6 +208,15 @@ class _Fetched:
     others: list["_Fetched"] = dataclasses.field(default_factory=list)
     #: Why the sharded state cannot be placed into this state ("" when it can).
     error: str = ""
+    #: Lets go of the slot a piece read in place maps (its tensors are views of it).
+    release: Callable[[], None] | None = None
+
+    def close(self) -> None:
+        """Releases the slots the other pieces were read from in place."""
+        for other in self.others:
+            if other.release is not None:
+                other.release()
+                other.release, other.tensors = None, []
 
 
 class Sources:
@@ -333,13 +344,15 @@ class Sources:
         return None
 
     def fetch_rank(self, version: Version, rank: int, refused: list[str],
-                   world: int) -> _Fetched | None:
+                   world: int, in_place: bool = False) -> _Fetched | None:
         """Old rank ``rank``'s snapshot of ``version`` (saved by ``world`` ranks), for the
         shards of this rank's new local tensors: from this node's RAM, else copied from a
-        peer's (``ckpt_fetch`` does both), else the persistent tier; None when none has it."""
+        peer's (``ckpt_fetch`` does both), else the persistent tier; None when none has it.
+        ``in_place``: from the daemon, as views of its slot (see :meth:`_from_daemon`)."""
         if self.transport is not None and version in self.fetchable:
             try:
-                got = self._from_daemon("ckpt_fetch", version, world, refused, rank)
+                got = self._from_daemon("ckpt_fetch", version, world, refused, rank,
+                                        in_place=in_place)
                 if got is not None:
                     return got
             except DaemonUnavailable as exc:
@@ -382,8 +395,11 @@ class Sources:
                 return got
             need += [q for q in more if q not in need]
         for rank in need[1:]:
-            other = self.fetch_rank(version, rank, refused, world)
+            # Only the resharder reads the other pieces, copying the rows it needs: they are
+            # read in place, not copied out whole first (a ZeRO state keeps what it is given).
+            other = self.fetch_rank(version, rank, refused, world, in_place=not zero)
             if other is None:
+                got.close()
                 return None
             got.others.append(other)
             got.nbytes += other.nbytes
@@ -402,10 +418,12 @@ class Sources:
                   self.rank, version, exc)
 
     def _from_daemon(self, op: str, version: Version, world: int, refused: list[str],
-                     rank: int | None = None) -> _Fetched | None:
+                     rank: int | None = None, in_place: bool = False) -> _Fetched | None:
         """Maps the slot ``op`` (``ckpt_open`` or ``ckpt_fetch``) points at and copies it out;
         None when the daemon says every copy is lost. ``rank``: whose shard (default: this
-        rank's; another one's after a grow)."""
+        rank's; another one's after a grow). ``in_place``: the tensors are read-only views of
+        the mapping instead, and the slot stays mapped and pinned until the piece's
+        ``release`` (a copy of a whole old snapshot cost as much as the reshard itself)."""
         rank = self.rank if rank is None else rank
         wait = {"timeout": FETCH_WAIT} if op == "ckpt_fetch" else {}
         reply = self.transport.call(op, job=self.job, rank=rank,
@@ -416,30 +434,44 @@ class Sources:
                       version, reply.get("reason", ""))
             return None
         source = "peer" if reply.get("source") == "peer" else "local"
+        mm = None
         try:
             with handed_fd(reply) as fd:  # the file the daemon verified, not what a path names
                 mm = map_fd(fd, int(reply["offset"]) + int(reply["size"]), writable=False,
                             populate=False)
-            try:
-                reader = SnapshotReader(memoryview(mm), job=self.job, rank=rank,
-                                        world_size=world, verify=False, where=reply["path"])
-                if reader.header.version() != version:  # the daemon verified this very slot
-                    raise SnapshotError(f"slot holds step {reader.header.version()}")
-                lay = reader.header.layout
-                out = _Fetched(read_tensors(mm, lay), reader.header.meta, source,
-                               lay.total_size, [e.name for e in lay.entries])
-                del reader
-            finally:
-                try:
-                    mm.close()
-                except BufferError:  # a view is still referenced; unmapped when it goes
-                    pass
+            reader = SnapshotReader(memoryview(mm), job=self.job, rank=rank,
+                                    world_size=world, verify=False, where=reply["path"])
+            if reader.header.version() != version:  # the daemon verified this very slot
+                raise SnapshotError(f"slot holds step {reader.header.version()}")
+            lay = reader.header.layout
+            tensors = tensor_views(mm, lay) if in_place else read_tensors(mm, lay)
+            out = _Fetched(tensors, reader.header.meta, source,
+                           lay.total_size, [e.name for e in lay.entries])
+            del reader
+            if in_place:
+                # The piece's views need the mapping, and the slot its pin, until released.
+                out.release = functools.partial(self._release, reply["pin"], mm)
+                mm = None
             return out
         finally:
-            try:
-                self.transport.call("ckpt_release", pin=reply["pin"])
-            except Exception as exc:  # noqa: BLE001 — the daemon drops stale pins itself
-                log.debug("elasticd: ckpt_release failed: %s", exc)
+            if mm is not None or not in_place:
+                self._release(reply["pin"], mm)
+
+    def _release(self, pin: int, mm: mmap.mmap | None = None) -> None:
+        """Unmaps a slot (once no view is left) and tells the daemon it may reuse it."""
+        if mm is not None:
+            _unmap(mm)
+        try:
+            self.transport.call("ckpt_release", pin=pin)
+        except Exception as exc:  # noqa: BLE001 — the daemon drops stale pins itself
+            log.debug("elasticd: ckpt_release failed: %s", exc)
+
+
+def _unmap(mm: mmap.mmap) -> None:
+    try:
+        mm.close()
+    except BufferError:  # a view is still referenced; unmapped when the last one goes
+        pass
 
 
 def close_fds(reply: dict[str, Any]) -> None:
@@ -543,38 +575,42 @@ def restore(state: Any, sources: Sources, collective: Collective, clock: Any,
         got = sources.fetch(version, result.refused, world)
         if got is not None:
             got = sources.fetch_shards(got, version, result.refused, world, state)
-        if not collective.all_true(not sources.unreachable):
-            # A daemon that does not answer a fetch may still hold the step: trying older
-            # ones would end, in the worst case, in a fresh start while it is committed.
-            raise DaemonUnreachable(
-                f"a rank's elasticd daemon did not answer while fetching step {version}"
-                f"{sources.why_unreachable()}: this "
-                "attempt fails on every rank and the agent starts another")
-        if not collective.all_true(got is not None):
-            log.warning("elasticd: step %s is not loadable on every rank; trying an older one",
-                        version)
-            continue
-        assert got is not None
-        error = got.error
         try:
-            if not error:
-                load_into(state, got.tensors, got.meta, names=got.names,
-                          others=[(o.names, o.tensors, o.meta) for o in got.others])
-        except StateError as exc:
-            error = str(exc)
-        if not collective.all_true(not error):
-            raise RestoreError(f"snapshot {version} could not be loaded on every rank"
-                               f"{': ' + error if error else ''}")
-        result.step, result.generation = version[1], version[0]
-        result.source, result.nbytes = got.source, got.nbytes
-        result.saved_world_size = world
-        if world != sources.world:
-            log.warning("elasticd: rank %d restored step %s saved by %d ranks into a world of "
-                        "%d (old rank %d's snapshot%s)", sources.rank, version, world,
-                        sources.world, sources.rank % world,
-                        f" and {len(got.others)} more: resharded" if got.others
-                        else ": the state is replicated")
-        break
+            if not collective.all_true(not sources.unreachable):
+                # A daemon that does not answer a fetch may still hold the step: trying older
+                # ones would end, in the worst case, in a fresh start while it is committed.
+                raise DaemonUnreachable(
+                    f"a rank's elasticd daemon did not answer while fetching step {version}"
+                    f"{sources.why_unreachable()}: this "
+                    "attempt fails on every rank and the agent starts another")
+            if not collective.all_true(got is not None):
+                log.warning("elasticd: step %s is not loadable on every rank; trying an older "
+                            "one", version)
+                continue
+            assert got is not None
+            error = got.error
+            try:
+                if not error:
+                    load_into(state, got.tensors, got.meta, names=got.names,
+                              others=[(o.names, o.tensors, o.meta) for o in got.others])
+            except StateError as exc:
+                error = str(exc)
+            if not collective.all_true(not error):
+                raise RestoreError(f"snapshot {version} could not be loaded on every rank"
+                                   f"{': ' + error if error else ''}")
+            result.step, result.generation = version[1], version[0]
+            result.source, result.nbytes = got.source, got.nbytes
+            result.saved_world_size = world
+            if world != sources.world:
+                log.warning("elasticd: rank %d restored step %s saved by %d ranks into a world "
+                            "of %d (old rank %d's snapshot%s)", sources.rank, version, world,
+                            sources.world, sources.rank % world,
+                            f" and {len(got.others)} more: resharded" if got.others
+                            else ": the state is replicated")
+            break
+        finally:
+            if got is not None:
+                got.close()  # the pieces read in place: their slots go back
     if result.source != "none":
         check_replicas_agree(state, list(replicated), collective)
     result.next_generation = seen[0] + 1 if seen is not None else 0

@@ -266,7 +266,9 @@ class Resharder:
                   dtype: torch.dtype) -> torch.Tensor:
         for box, t in chunks:
             if box == target:  # the same world (or the same rows): the saved copy as it is
-                return t
+                # Only the base piece is this rank's own copy; the others may be views of a
+                # slot that goes back to the daemon after the load.
+                return t if t is chunks[0][1] else t.clone()
         out = torch.empty(target[1], dtype=dtype)
         covered, seen = 0, set()
         for box, t in chunks:

@@ -123,6 +123,10 @@ def _rank_main(rank, world, port, sockets, out_dir, phase):
                            optim_state_dict=ref[1])
             _assert_bitwise(_local(model, opt), _local(ref_model, ref_opt),
                             f"{phase} rank {rank} against dcp.load")
+            # The other old ranks' pieces were read in place (views of the slots): none of
+            # the restored tensors may be one, or its slot would still be mapped here.
+            mapped = [line for line in open("/proc/self/maps") if "/elasticd-test-" in line]
+            assert not mapped, mapped
             with open(os.path.join(out_dir, f"{phase}-{rank}.source"), "w") as f:
                 f.write(f"{ckpt.last_restore.source} {ckpt.generation}")
             start = step
@@ -182,6 +186,7 @@ def test_fsdp2_state_restores_bitwise_and_reshards_3_to_2_to_3_like_dcp(daemons)
     # n2 died; the step saved by all 3 ranks was committed. Two ranks on n1 reshard it.
     services[0].replicator.record = commit(0, 3, 3)
     spawn(_rank_main, args=(2, free_port(), [n1, n1], out_dir, "shrink"), nprocs=2)
+    assert not services[0]._pins  # every slot a restore read was handed back
     sources = [open(os.path.join(out_dir, f"shrink-{r}.source")).read().split()
                for r in range(2)]
     assert [s for s, _ in sources] == ["local", "peer"]  # new rank 1 needed old rank 2's rows
@@ -192,6 +197,7 @@ def test_fsdp2_state_restores_bitwise_and_reshards_3_to_2_to_3_like_dcp(daemons)
     for s in services:
         s.replicator.record = commit(generation, 6, 2)
     spawn(_rank_main, args=(3, free_port(), [n1, n1, n2], out_dir, "grow"), nprocs=3)
+    assert not services[0]._pins and not services[1]._pins
     sources = [open(os.path.join(out_dir, f"grow-{r}.source")).read().split()[0]
                for r in range(3)]
     assert sources == ["local", "local", "peer"]
@@ -304,6 +310,21 @@ def test_an_unsnapshottable_state_is_an_error_at_the_first_save_and_unprotects_t
     finally:
         store.close()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_piece_read_in_place_is_copied_even_when_it_is_the_whole_target():
+    """The pieces after the first may be views of a slot the daemon reuses after the load:
+    the assembled shard never aliases one (the base piece is this rank's own copy)."""
+    from elasticd.worker.shards import Resharder
+
+    base = torch.zeros(2, 4)
+    slot = torch.arange(8.0).reshape(2, 4)  # stands for a view of another rank's slot
+    target = ((2, 0), (2, 4))
+    got = Resharder._assemble("w", target, [(((0, 0), (2, 4)), base), (target, slot)],
+                              torch.float32)
+    assert torch.equal(got, slot) and got.data_ptr() != slot.data_ptr()
+    mine = Resharder._assemble("w", target, [(target, base)], torch.float32)
+    assert mine is base  # the same rows as saved: this rank's copy as it is
 
 
 def test_chunks_follow_torch_chunk_and_assembly_covers_every_element():
