@@ -50,6 +50,7 @@ from typing import Any, Mapping, MutableMapping
 import torch
 
 from elasticd.worker import restore as _restore
+from elasticd.worker.sources import Sources, close_fds, handed_fd
 from elasticd.worker.copier import Copier, CpuCopier, copy_into, dtype_name, forget_views
 from elasticd.snapshot.format import PREAMBLE_SIZE, Layout, TensorSpec, layout
 from elasticd.snapshot.segment import map_fd
@@ -170,7 +171,7 @@ class Checkpointer:
         collective = self._collective or (
             _restore.TorchCollective() if torch.distributed.is_available()
             and torch.distributed.is_initialized() else _restore.Solo())
-        sources = _restore.Sources(self.transport, self.job, self.rank, self.world_size,
+        sources = Sources(self.transport, self.job, self.rank, self.world_size,
                                    self.persist_dir)
         result = _restore.restore(state, sources, collective, SYSTEM_CLOCK.perf_counter,
                                   _restore.replicated_keys(state, self.replicated))
@@ -266,7 +267,7 @@ class Checkpointer:
             if early is not None:
                 reply = early.result()
                 if reply is not None:
-                    _restore.close_fds(reply)
+                    close_fds(reply)
             raise
         self._hook(state)
         plan = self._plan_for(flat, state)
@@ -274,7 +275,7 @@ class Checkpointer:
         if early is None or (reply is not None and not reply.get("skip")
                              and int(reply["capacity"]) < plan.layout.total_size):
             if reply is not None:
-                _restore.close_fds(reply)  # too small: given up for a bigger slot
+                close_fds(reply)  # too small: given up for a bigger slot
             reply = self._reserve(plan.layout.total_size, step, mapped)
         if reply is None or reply.get("skip"):
             self.stats["skipped"] += 1
@@ -439,7 +440,7 @@ class Checkpointer:
                 raise RuntimeError("the daemon handed over no descriptor for a slot this "
                                    "worker does not map")
             return mm
-        with _restore.handed_fd(reply) as fd:
+        with handed_fd(reply) as fd:
             st = os.fstat(fd)
             key = (st.st_dev, st.st_ino)
             mm = self._maps.get(key)

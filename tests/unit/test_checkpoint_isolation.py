@@ -216,7 +216,7 @@ def test_a_worker_maps_the_slot_the_daemon_verified_not_what_the_path_names_late
     """Whoever can write the slot's directory swaps the file after the daemon verified it and
     before the worker maps it: the worker must still load the verified bytes."""
     torch = pytest.importorskip("torch")  # the worker side; installed in CI
-    from elasticd.worker.restore import Sources
+    from elasticd.worker.sources import Sources
 
     root = f"/dev/shm/elasticd-test-swap-{uuid.uuid4().hex[:12]}"
     store = SlotStore(root)

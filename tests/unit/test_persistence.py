@@ -342,7 +342,7 @@ def test_failed_flush_is_reported_not_raised(tmp_path, monkeypatch):
                                          ("xxh3_64", "not-hex-at-all!!"), ("file", None)])
 def test_a_malformed_manifest_makes_the_restore_fall_back_not_crash(tmp_path, field, value):
     pytest.importorskip("torch")  # the worker's restore; installed in CI
-    from elasticd.worker.restore import Sources
+    from elasticd.worker.sources import Sources
 
     tier = Tier(str(tmp_path))
     header, buf = snapshot(world=1)

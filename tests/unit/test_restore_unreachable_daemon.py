@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from elasticd.worker.restore import DaemonUnreachable, Sources, restore
+from elasticd.worker.restore import DaemonUnreachable, restore
+from elasticd.worker.sources import Sources
 from elasticd.worker.client import DaemonTimeout
 
 
@@ -100,7 +101,7 @@ class SlowFetchDaemon(DaemonSilentOnFetch):
 
 
 def test_a_fetch_waits_for_the_daemons_own_deadlines_not_the_clients_default():
-    from elasticd.worker.restore import FETCH_WAIT
+    from elasticd.worker.sources import FETCH_WAIT
 
     daemon = SlowFetchDaemon()
     sources = Sources(daemon, "job", rank=0, world_size=2)
