@@ -13,7 +13,9 @@ batch ``--batch``, ``--threads`` torch threads, one process — trains in interl
 
 The daemon side (SlotStore + CheckpointService behind a LocalServer on a Unix socket) runs in a
 separate process, as the real daemon does, so sealing (xxh3) uses its own core. Per mode it
-reports the mean step time, the throughput cost against ``off`` and, per snapshot, the time the
+reports the mean step time, the throughput cost against ``off`` (of the means, and paired:
+the median over rounds of each round's median step against that round's ``off`` block, with a
+bootstrap 95 % interval) and, per snapshot, the time the
 loop waited in ``save`` (stall) and in the optimizer pre-hook, the background copy and the seal.
 The memcpy of the same bytes into pre-touched memory is measured in the same run as a baseline.
 With ``--replicate`` it also reports the CPU seconds the daemon side (both daemons and the peer)
@@ -185,6 +187,9 @@ def run(args: argparse.Namespace) -> dict:
             for k in mode.stats:
                 mode.stats[k] = 0
         times: dict[str, list[float]] = {m: [] for m in ["off", *ckpts]}
+        # Per round, each mode's median step: the paired estimate below compares a mode with
+        # the "off" block of the same round, so the host's drift between rounds cancels.
+        round_medians: dict[str, list[float]] = {m: [] for m in times}
 
         def cpu_seconds(kind: str) -> float:
             return sum(t.user + t.system for t in (p.cpu_times() for p in procs[kind]))
@@ -201,6 +206,7 @@ def run(args: argparse.Namespace) -> dict:
                     if ckpt is not None:
                         ckpt.save(n, state)
                     times[mode].append(time.perf_counter() - t0)
+                round_medians[mode].append(statistics.median(times[mode][-args.steps:]))
                 if ckpt is not None:
                     ckpt.wait()
         time.sleep(0.5)  # the last seals and pushes
@@ -235,6 +241,8 @@ def run(args: argparse.Namespace) -> dict:
                        **{f"{k}_per_snapshot": s[k] / saves for k in
                           ("stall_seconds", "hook_wait_seconds", "copy_seconds",
                            "seal_seconds")})
+        if mode != "off":
+            row.update(paired_cost(round_medians[mode], round_medians["off"]))
         result["modes"][mode] = row
     gib = nbytes / 2**30
     plain_saves = sum(ckpts[m].stats["saves"] for m in ("overlap", "sync"))
@@ -255,6 +263,23 @@ def run(args: argparse.Namespace) -> dict:
                  * saves * gib) / (pushed / 2**30) if pushed else None),
         }
     return result
+
+
+def paired_cost(mode: list[float], off: list[float], resamples: int = 2000) -> dict:
+    """The cost of a mode against "off" from per-round medians: each round's ratio, their
+    median, and a bootstrap 95 % interval of that median (a fixed seed: the same rounds give
+    the same interval). Robust to the host's slow drifts and to single slow steps, which move
+    a mean over every step."""
+    import random
+
+    ratios = [m / o - 1 for m, o in zip(mode, off)]
+    rng = random.Random(0)
+    boots = sorted(statistics.median(rng.choices(ratios, k=len(ratios)))
+                   for _ in range(resamples))
+    return {"paired_cost_per_round": [round(r, 4) for r in ratios],
+            "paired_cost_median": statistics.median(ratios),
+            "paired_cost_ci95": [boots[int(0.025 * resamples)],
+                                 boots[int(0.975 * resamples) - 1]]}
 
 
 def _timed(fn) -> float:
@@ -279,8 +304,11 @@ def report(r: dict) -> None:
                  f" {row['hook_wait_seconds_per_snapshot'] * 1e3:>8.2f}"
                  f" {row['copy_seconds_per_snapshot'] * 1e3:>8.2f}"
                  f" {row['seal_seconds_per_snapshot'] * 1e3:>8.2f}")
+        paired = ("" if "paired_cost_median" not in row else
+                  f"   paired {row['paired_cost_median']:+.1%} [{row['paired_cost_ci95'][0]:+.1%},"
+                  f" {row['paired_cost_ci95'][1]:+.1%}]")
         print(f"{mode:<10} {row['step_seconds_mean'] * 1e3:>8.1f} "
-              f"{row['throughput_cost']:>+7.1%}{extra}")
+              f"{row['throughput_cost']:>+7.1%}{extra}{paired}")
     print(f"daemon CPU per GiB snapshotted: {r['daemon_cpu_seconds_per_gib_snapshotted']:.3f} s")
     if "replication" in r:
         print("replication:", json.dumps(r["replication"]))
