@@ -5,8 +5,8 @@ into it. On 4 KiB pages that is 512 page operations per 2 MiB; measured here on 
 per 385 MiB, eight times a memcpy of the same bytes. On a tmpfs mounted with
 ``huge=within_size`` (or ``always``) the kernel backs the files with 2 MiB pages and the same
 work takes 0.04 s, or 0.2 s right after as much 4 KiB memory was freed
-(bench/results/slot_alloc.json). ``huge=advise`` does not
-do: ``fallocate`` reserves a slot's pages before any mapping could advise them.
+(bench/results/slot_alloc.json). ``huge=advise`` does not do: ``fallocate`` reserves a slot's
+pages before any mapping could advise them.
 
 ``/dev/shm`` is mounted without huge pages on most distributions, and the system-wide
 ``shmem_enabled`` knob can force or deny them for every tmpfs. The daemon reports the outcome
@@ -68,7 +68,7 @@ def parse_mountinfo(text: str, path: str) -> tuple[str, str, str]:
         if " - " not in line or len(fields) < 10:
             continue
         point = _unescape(fields[4])
-        head, _, tail = line.partition(" - ")
+        _, _, tail = line.partition(" - ")
         fs_type, _source, super_options = (tail.split() + ["", ""])[:3]
         inside = path == point or path.startswith(point.rstrip("/") + "/")
         if inside and len(point) >= len(best[0]):
