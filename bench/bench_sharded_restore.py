@@ -27,10 +27,12 @@ rank's time), interleaved over ``--repeat`` rounds after one untimed warm-up rou
 * ``elasticd``: ``Checkpointer.restore(state)`` — the product's whole restore: the ranks agree
   on the committed step, each asks its daemon (``ckpt_fetch``) for the old ranks its new shards
   need (:func:`~elasticd.worker.shards.needed_ranks`: new rank 0 needs old 0 and 1, new 1
-  needs old 1 and 2), the daemon fetches each whole snapshot striped across its two holders
-  (:func:`~elasticd.recovery.fetch.fetch_shard`, every block checked) into its store,
-  the worker maps the slot, copies the tensors out, and the :class:`Resharder` builds the new
-  local shards, which the model and optimizer load. Before each run the daemons drop what the
+  needs old 1 and 2), and the daemon fetches from those snapshots only the checksum blocks
+  holding rows the new rank's shards overlap (:mod:`~elasticd.recovery.ranges`), striped
+  across its two holders (:func:`~elasticd.recovery.fetch.fetch_shard`, every block checked)
+  into a scratch segment; the worker maps it, copies its old rank's tensors out (the other's
+  are read in place), and the :class:`Resharder` builds the new local shards, which the model
+  and optimizer load. Before each run the daemons drop what the
   previous run fetched (``remove_job``), so every run fetches from the peers again.
 * ``dcp.load, page cache warm``: ``get_state_dict``, ``dcp.load`` of the world-3 save into it,
   ``set_state_dict`` (the standard FSDP2 recipe), with every file read once just before;

@@ -62,6 +62,8 @@ class FetchResult:
     seconds: float
     attempts: tuple[tuple[str, str], ...] = ()
     served: tuple[tuple[str, int], ...] = ()
+    #: The store's scratch segment holding a partial copy (:func:`fetch_into_scratch`).
+    scratch: Any = None
 
 
 #: A striped fetch asks each holder for pieces of whole checksum blocks, one piece at a time
@@ -137,7 +139,9 @@ _EXPECTED = (Refused, SnapshotError, NoAddress, ConnectionLost, RemoteError, Rep
 def fetch_shard(job: str, rank: int, version: Version | None, into: Any, *, me: str,
                 holders: Sequence[str], connections: Connections, own: Sequence[SlotStore],
                 clock: Clock, stripe_bytes: int | None = None,
-                rates: LinkRates | None = None) -> FetchResult:
+                rates: LinkRates | None = None,
+                select: Callable[[SnapshotHeader], Sequence[int]] | None = None
+                ) -> FetchResult:
     """Fetches and verifies one shard: from this node's own memory when it holds it, else
     striped across every remote holder of one version at once.
 
@@ -164,6 +168,9 @@ def fetch_shard(job: str, rank: int, version: Version | None, into: Any, *, me: 
             :func:`stripe_size` of the payload and the holders.
         rates: the measured link rates (shared across fetches, so a later fetch's deadlines
             come from earlier transfers); None: a fresh one, from the default rate.
+        select: given the header, the payload blocks to fetch from peers (the rest of the
+            buffer is left as it is: only those blocks are valid); None: every block. A copy
+            from this node's own memory is always whole.
 
     Raises:
         ShardLost: no holder, or no set of holders, could provide an intact copy;
@@ -200,9 +207,14 @@ def fetch_shard(job: str, rank: int, version: Version | None, into: Any, *, me: 
         except BaseException:
             connections.discard(holder)  # ``into`` failed (e.g. no room) mid-request
             raise
-        size = stripe_bytes or stripe_size(d.total_bytes - d.header_bytes, len(remote) - i,
+        blocks = None if select is None else select(header)
+        wanted = (d.total_bytes - d.header_bytes if blocks is None else
+                  sum(header.layout.block_range(b)[1] - header.layout.block_range(b)[0]
+                      for b in blocks))
+        size = stripe_bytes or stripe_size(wanted, len(remote) - i,
                                            min(rates.rate(h) for h in remote[i:]))
-        stripe = _Stripe(job, rank, d, header, sized(d), connections, size, rates, clock)
+        stripe = _Stripe(job, rank, d, header, sized(d), connections, size, rates, clock,
+                         blocks)
         stripe.wire += wire
         stripe.served[holder] = header.layout.data_offset
         stripe.run(remote[i:])
@@ -278,15 +290,23 @@ class _Stripe:
 
     def __init__(self, job: str, rank: int, d: Descriptor, header: SnapshotHeader, buf: Any,
                  connections: Connections, stripe_bytes: int, rates: LinkRates,
-                 clock: Clock) -> None:
+                 clock: Clock, blocks: Sequence[int] | None = None) -> None:
         self.job, self.rank, self.d, self.header = job, rank, d, header
         self.rates, self.clock = rates, clock
         self.view = memoryview(buf).cast("B")[: d.total_bytes]
         self.connections = connections
         lay = header.layout
         per = max(1, -(-stripe_bytes // lay.block_size))  # blocks per piece
-        #: (first block, end block) pieces still to fetch, first piece first.
-        self.pieces = [(b, min(b + per, lay.num_blocks)) for b in range(0, lay.num_blocks, per)]
+        #: (first block, end block) pieces still to fetch, first piece first: runs of
+        #: consecutive wanted blocks (every block by default), cut every ``per`` blocks.
+        self.pieces = []
+        wanted = range(lay.num_blocks) if blocks is None else sorted(set(blocks))
+        for b in wanted:
+            last = self.pieces[-1] if self.pieces else None
+            if last is not None and last[1] == b and b - last[0] < per:
+                self.pieces[-1] = (last[0], b + 1)
+            else:
+                self.pieces.append((b, b + 1))
         self.pieces.reverse()
         self.in_flight = 0
         self.wire = 0
@@ -399,9 +419,11 @@ def copy_own(stores: Sequence[SlotStore], job: str, rank: int, version: Version 
 
 class Fetcher(Protocol):
     """Fetches a shard into a buffer (:meth:`Replicator.fetch`): on return every byte of it
-    has been checked against the snapshot's checksums (:func:`fetch_shard`'s contract)."""
+    (every selected block, with ``select``) has been checked against the snapshot's checksums
+    (:func:`fetch_shard`'s contract)."""
 
-    def fetch(self, job: str, rank: int, version: Version | None, into: Any) -> FetchResult:
+    def fetch(self, job: str, rank: int, version: Version | None, into: Any,
+              select: Callable[[SnapshotHeader], Sequence[int]] | None = None) -> FetchResult:
         ...
 
 
@@ -426,3 +448,35 @@ def fetch_into_store(fetcher: Fetcher, store: SlotStore, job: str, rank: int,
     # memory); a second pass here cost ~0.05 s per 385 MB on the restore's path.
     store.complete(slot, header, verified=True)
     return result
+
+
+def fetch_into_scratch(fetcher: Fetcher, store: SlotStore, job: str, rank: int,
+                       version: Version | None, need: Any) -> FetchResult:
+    """Fetches from peers only the blocks of a shard that hold the rows ``need`` names (a new
+    rank's local boxes, :func:`elasticd.recovery.ranges.parse_boxes`) into a scratch segment
+    of ``store``, which the result carries (``scratch``; the caller drops it). The copy is
+    partial, so it never becomes a snapshot of the store; from this node's own memory the
+    copy is whole.
+
+    Raises:
+        ValueError: ``need`` is malformed. ShardLost: from ``fetcher``. OverBudget: no room.
+    """
+    from elasticd.recovery.ranges import needed_blocks, parse_boxes
+
+    boxes = parse_boxes(need)
+    segments: list[Any] = []
+
+    def into(d: Descriptor) -> memoryview:
+        segments.append(store.scratch(d.total_bytes))
+        return segments[-1].view
+
+    try:
+        result = fetcher.fetch(job, rank, version, into,
+                               select=lambda header: needed_blocks(header, boxes))
+    except BaseException:
+        for segment in segments:
+            store.drop_scratch(segment)
+        raise
+    for segment in segments[:-1]:  # described again by another holder: only the last is used
+        store.drop_scratch(segment)
+    return dataclasses.replace(result, scratch=segments[-1])

@@ -45,6 +45,7 @@ from elasticd.replication.placement import Placement, compute_placement, encode_
 from elasticd.replication.pusher import Pusher
 from elasticd.recovery.fetch import (
     FetchResult,
+    fetch_into_scratch,
     fetch_into_store,
     fetch_shard,
     holder_order,
@@ -339,9 +340,12 @@ class Replicator:
 
     # -- recovery --------------------------------------------------------------------------
 
-    def fetch(self, job: str, rank: int, version: Version | None, into: Any) -> FetchResult:
+    def fetch(self, job: str, rank: int, version: Version | None, into: Any,
+              select: Any = None) -> FetchResult:
         """Fetches ``rank``'s shard (``version``, or the newest) from a holder into ``into``
-        (a writable buffer, or a function given the descriptor that returns one), verified.
+        (a writable buffer, or a function given the descriptor that returns one), verified;
+        with ``select`` only the payload blocks it picks from the header (see
+        :func:`~elasticd.recovery.fetch.fetch_shard`).
 
         Raises:
             ShardLost: no holder has an intact copy: use the persistent tier.
@@ -363,7 +367,7 @@ class Replicator:
         try:
             result = fetch_shard(job, rank, version, into, me=self.node_id, holders=holders,
                                  connections=self._connections, own=self._own_stores(),
-                                 clock=self.clock, rates=self.link_rates)
+                                 clock=self.clock, rates=self.link_rates, select=select)
         except ShardLost as exc:
             with self.tracker.lock:
                 self.fetch_failures["lost"] += 1
@@ -391,10 +395,15 @@ class Replicator:
         """
         return read_committed(self.coord, self.keys, job)
 
-    def fetch_to_local(self, job: str, rank: int, version: Version | None) -> FetchResult:
+    def fetch_to_local(self, job: str, rank: int, version: Version | None,
+                       need: Any = None) -> FetchResult:
         """Fetches a shard into this node's local store (for a rank it now hosts), where the
-        worker's usual ``ckpt_list``/``ckpt_open`` find it. Raises: ShardLost; OverBudget or
-        SlotBusy when the local store has no room."""
+        worker's usual ``ckpt_list``/``ckpt_open`` find it; with ``need`` (a new rank's local
+        boxes) only the rows they overlap, into a scratch segment the result carries
+        (:func:`~elasticd.recovery.fetch.fetch_into_scratch`). Raises: ShardLost; OverBudget
+        or SlotBusy when the local store has no room; ValueError for a malformed ``need``."""
+        if need is not None:
+            return fetch_into_scratch(self, self.store, job, rank, version, need)
         return fetch_into_store(self, self.store, job, rank, version)
 
     def _own_stores(self) -> list[SlotStore]:

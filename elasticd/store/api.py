@@ -119,10 +119,12 @@ class Replication(Protocol):
     def committed(self, job: str) -> CommittedStep | None:
         """The job's committed record as etcd holds it now. Raises: CoordinationError."""
 
-    def fetch_to_local(self, job: str, rank: int, version: tuple[int, int] | None) -> Fetched:
-        """Fetches a shard from a holder into this node's store. Raises:
-        :class:`~elasticd.replication.api.ShardLost`, or the store's errors when it has no
-        room."""
+    def fetch_to_local(self, job: str, rank: int, version: tuple[int, int] | None,
+                       need: Any = None) -> Fetched:
+        """Fetches a shard from a holder into this node's store; with ``need`` (a new rank's
+        local boxes) only the rows they overlap, into a scratch segment the result carries as
+        ``scratch``. Raises: :class:`~elasticd.replication.api.ShardLost`, the store's errors
+        when it has no room, ValueError for a malformed ``need``."""
 
     def start_generation(self, job: str, generation: int) -> None:
         """A restore from the persistent tier opened ``generation``."""

@@ -8,10 +8,14 @@ pins its replies hold until ``ckpt_release`` or ``pin_ttl``.
   ...]} (copies of other nodes' shards held here; empty without a replicator)
 * ``ckpt_open`` job, rank, generation, step → path, offset, size, pin, and the slot's
   descriptor (read-only)
-* ``ckpt_fetch`` job, rank, generation, step → path, offset, size, pin (as ``ckpt_open``),
-  source "local" | "peer", wire_bytes, holder | lost: true, reason. Makes a shard (possibly of
-  another node's rank, after that node died) available in this node's store, fetching it from
-  the peers that hold copies when it is not here.
+* ``ckpt_fetch`` job, rank, generation, step, [need] → path, offset, size, pin (as
+  ``ckpt_open``), source "local" | "peer", wire_bytes, holder, [partial] | lost: true, reason.
+  Makes a shard (possibly of another node's rank, after that node died) available in this
+  node's store, fetching it from the peers that hold copies when it is not here. With
+  ``need`` ({tensor name: [offsets, shape]}, a new rank's local boxes after a change of world
+  size) a shard not held here is fetched only in the blocks holding rows those boxes overlap,
+  into a scratch segment that is not a snapshot of the store (``partial``: only those rows are
+  valid), deleted at ``ckpt_release``.
 * ``ckpt_release`` pin → {}
 * ``ckpt_committed`` job → generation, step, ranks | committed: null (no replicator, nothing
   committed yet, or etcd unreadable)
@@ -156,18 +160,30 @@ class RestoreOps:
         if refused or not held:
             if self.replicator is None:
                 return {"lost": True, "reason": "not held here and no peer replication"}
+            need = msg.get("need")
             try:
-                result = self.replicator.fetch_to_local(job, rank, version)
+                # With the new rank's local boxes, only the rows they overlap (a partial copy
+                # in a scratch segment, handed over once and dropped at its release).
+                result = (self.replicator.fetch_to_local(job, rank, version, need=need)
+                          if need is not None else
+                          self.replicator.fetch_to_local(job, rank, version))
             except ShardLost as exc:
                 return {"lost": True, "reason": str(exc)[:500]}
             except (SlotStoreError, SnapshotError, ValueError, OSError) as exc:  # no room, or torn
                 raise RequestError(f"cannot fetch {job} rank {rank} step {version} here: "
                                    f"{exc}") from exc
+            scratch = getattr(result, "scratch", None)
             with self._lock:
                 record = self._job(job)
-                record.refused.discard(key)  # the bad copy was replaced by a verified one
-                record.fetched.add(key)
                 self.counters["fetches"] += 1
+                if scratch is None:
+                    record.refused.discard(key)  # the bad copy was replaced by a verified one
+                    record.fetched.add(key)
+            if scratch is not None:
+                log.info("%s rank %d step %s: the rows a new rank needs fetched from %s into "
+                         "node %s (%d bytes on the wire)", job, rank, version, result.holder,
+                         self.node_id, int(result.wire_bytes))
+                return self._hand_scratch(job, scratch, result)
             source, wire_bytes, holder = "peer", int(result.wire_bytes), result.holder
             just_fetched = True
             log.info("%s rank %d step %s fetched from %s into node %s (%d bytes on the wire)",
@@ -178,6 +194,23 @@ class RestoreOps:
                             "step": version[1], "_peer": msg.get("_peer", {})},
                            verify=not just_fetched)
         return {**reply, "source": source, "wire_bytes": wire_bytes, "holder": holder}
+
+    def _hand_scratch(self, job: str, scratch: Any, result: Any) -> dict[str, Any]:
+        """The reply for a partial copy: its descriptor and a pin whose release (or expiry)
+        deletes the scratch segment."""
+        view = _ScratchView(self.store, scratch)
+        try:
+            fd = view.descriptor()
+        except OSError as exc:
+            view.release()
+            raise RequestError(f"cannot hand over a partial copy: {exc}") from exc
+        with self._lock:
+            self._next_pin += 1
+            pin = self._next_pin
+            self._pins[pin] = (view, job, self.clock.monotonic())
+        return {"path": scratch.path, "offset": 0, "size": result.descriptor.total_bytes,
+                "pin": pin, "source": "peer", "partial": True,
+                "wire_bytes": int(result.wire_bytes), "holder": result.holder, "_fds": [fd]}
 
     def undelivered(self, op: str, reply: dict[str, Any]) -> None:
         """The local API could not send ``reply`` to ``op`` (its worker went away while the
@@ -242,3 +275,16 @@ class RestoreOps:
         self._emit("restored", job, source, seconds, lost, nbytes)
         call_hooks(self.on_restore, "restore", entry)
         return {}
+
+
+class _ScratchView:
+    """A pinned partial copy: released, its scratch segment is deleted."""
+
+    def __init__(self, store: Any, segment: Any) -> None:
+        self._store, self._segment = store, segment
+
+    def descriptor(self) -> int:
+        return self._segment.descriptor(writable=False)
+
+    def release(self) -> None:
+        self._store.drop_scratch(self._segment)

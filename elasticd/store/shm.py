@@ -119,6 +119,7 @@ class SlotStore:
         self._retained: dict[str, set[tuple[int, int]]] = {}  # job-wide (see retain)
         self._lock = threading.Lock()
         self._tickets = 0
+        self._scratch: list[Segment] = []  # partial copies handed to a restore (scratch)
         #: Called at each local seal with the slot's memory and its payload blocks' ranges;
         #: what it returns rides along as ``SnapshotView.tags`` (replication sets it: the
         #: block tags that spare a push the pass over the bytes, seal.py's BlockTags).
@@ -285,6 +286,42 @@ class SlotStore:
             pair.reserved = index
             return Slot(job, rank, current.path, current.capacity, current.view, current.ticket)
 
+    def scratch(self, nbytes: int) -> Segment:
+        """A slot file outside every (job, rank), for a partial copy a restore reads once (the
+        rows of an old rank's snapshot a new rank needs): never a snapshot of this store,
+        counted against the cap until :meth:`drop_scratch`. Named ``.scratch-N`` at the root,
+        which :meth:`scan` removes after a crash (not a job directory).
+
+        Raises:
+            OverBudget: the allocation would exceed ``cap_bytes`` (or the filesystem is full).
+        """
+        if type(nbytes) is not int or nbytes <= 0:
+            raise ValueError(f"nbytes must be a positive integer, got {nbytes!r}")
+        capacity = -(-nbytes // PAGE) * PAGE
+        with self._lock:
+            held = self._held()
+            if self.cap_bytes is not None and held + capacity > self.cap_bytes:
+                raise OverBudget(f"a partial copy of {nbytes} bytes does not fit: {held} of the "
+                                 f"{self.cap_bytes}-byte cap are held", capacity, held,
+                                 self.cap_bytes)
+            self._tickets += 1
+            name = f".scratch-{self._tickets}"
+            try:
+                segment = Segment.allocate(self._fd, name, os.path.join(self.root, name),
+                                           capacity, self.file_mode)
+            except OSError as exc:
+                raise OverBudget(f"cannot allocate {capacity} bytes in {self.root}: {exc}",
+                                 capacity, held, self.cap_bytes) from exc
+            self._scratch.append(segment)
+            return segment
+
+    def drop_scratch(self, segment: Segment) -> None:
+        """Deletes a :meth:`scratch` file (its pages go once no reader maps them)."""
+        with self._lock:
+            if segment in self._scratch:
+                self._scratch.remove(segment)
+                segment.destroy(self._fd)
+
     def _stays(self, job: str, pair: _Pair, index: int) -> bool:
         """Whether slot ``index`` holds a complete copy that must not be overwritten (call with
         the lock held)."""
@@ -409,7 +446,8 @@ class SlotStore:
     # -- housekeeping ---------------------------------------------------------------------
 
     def _held(self) -> int:
-        return sum(s.capacity for p in self._pairs.values() for s in p.segments if s is not None)
+        return (sum(s.capacity for p in self._pairs.values() for s in p.segments if s is not None)
+                + sum(s.capacity for s in self._scratch))
 
     def bytes_held(self) -> int:
         """Bytes of slot files this store holds."""
@@ -460,6 +498,9 @@ class SlotStore:
                     else:
                         seg.unmap()
             self._pairs.clear()
+            for seg in self._scratch:  # partial copies never outlive the daemon
+                seg.destroy(self._fd)
+            self._scratch.clear()
             fd, self._fd = self._fd, -1
         if fd < 0:
             return

@@ -254,6 +254,8 @@ def restore(state: Any, sources: Sources, collective: Collective, clock: Any,
     agreed = agree(sources, collective, state)
     seen = agreed.seen
     for version, world in agreed.candidates:
+        if world != sources.world:
+            sources.prepare(state)
         got = sources.fetch(version, result.refused, world)
         if got is not None:
             got = sources.fetch_shards(got, version, result.refused, world, state)

@@ -198,6 +198,33 @@ def _overlap(a: Box, b: Box) -> Box | None:
     return tuple(offsets), tuple(shape)
 
 
+def local_boxes(state: Mapping[str, Any]) -> list[list[Any]]:
+    """What ``ckpt_fetch``'s ``need`` carries (:mod:`elasticd.recovery.ranges`): this rank's
+    box for each (global shape, placements) of the live state's DTensor parameters, so that
+    the daemon fetches only the rows of an old snapshot that overlap it. A key two parameters
+    give different boxes is left out (its entries are then fetched whole), and so is a
+    placement elasticd does not store."""
+    from torch.distributed.tensor import DTensor
+
+    boxes: dict[tuple[Any, ...], list[list[int]]] = {}
+    clash = set()
+    for value in state.values():
+        if not isinstance(value, torch.nn.Module):
+            continue
+        for name, param in value.named_parameters():
+            if not isinstance(param, DTensor):
+                continue
+            try:
+                local, node = describe(name, param)
+            except UnsupportedShard:
+                continue
+            key = (tuple(node["shape"]), tuple(node["placements"]))
+            box = [list(node["offsets"]), list(local.shape)]
+            if boxes.setdefault(key, box) != box:
+                clash.add(key)
+    return [[list(k[0]), list(k[1]), *b] for k, b in boxes.items() if k not in clash]
+
+
 def needed_ranks(meta: Any, old_world: int, base: int, meshes: Sequence[Any]) -> list[int]:
     """The old ranks whose snapshots the new local shards need (``base`` first: its snapshot
     also holds this rank's unsharded state). A mesh of several dimensions: every old rank.

@@ -81,6 +81,10 @@ class Sources:
         self.fetchable: set[Version] = set()
         #: Why this rank's daemon could not be asked (it did not answer), or "".
         self.unreachable = ""
+        #: This rank's new local boxes (shards.local_boxes, by :meth:`prepare`), sent with the
+        #: fetches of a version saved at another world size so that only the rows it needs
+        #: cross the network.
+        self.boxes: list[list[Any]] | None = None
 
     def discover(self) -> list[Version]:
         """Asks the daemon (and lists the tier); returns every version reachable, newest first."""
@@ -163,8 +167,12 @@ class Sources:
                           self.rank, version, exc)
         if version in self.fetchable and self.transport is not None:
             try:
+                # At another world size only the rows this rank's new shards overlap (its old
+                # rank's snapshot is read only through the resharder for them, and its other
+                # entries come whole).
                 got = self._from_daemon("ckpt_fetch", version, world, refused,
-                                        self.rank % world)
+                                        self.rank % world,
+                                        need=self.boxes if world != self.world else None)
                 if got is not None:
                     return got
             except DaemonUnavailable as exc:
@@ -186,6 +194,19 @@ class Sources:
                           self.rank, version, exc)
         return None
 
+    def prepare(self, state: Any) -> None:
+        """Works out this rank's new local boxes once (:attr:`boxes`), before fetching a
+        version saved at another world size."""
+        if self.boxes is not None:
+            return
+        from elasticd.worker import shards
+
+        try:
+            self.boxes = shards.local_boxes(state)
+        except Exception as exc:  # noqa: BLE001 — an optimisation: fetch whole instead
+            log.warning("elasticd: rank %d fetches whole old snapshots: %s", self.rank, exc)
+            self.boxes = []
+
     def fetch_rank(self, version: Version, rank: int, refused: list[str],
                    world: int, in_place: bool = False) -> _Fetched | None:
         """Old rank ``rank``'s snapshot of ``version`` (saved by ``world`` ranks), for the
@@ -195,7 +216,8 @@ class Sources:
         if self.transport is not None and version in self.fetchable:
             try:
                 got = self._from_daemon("ckpt_fetch", version, world, refused, rank,
-                                        in_place=in_place)
+                                        in_place=in_place,
+                                        need=self.boxes if in_place else None)
                 if got is not None:
                     return got
             except DaemonUnavailable as exc:
@@ -237,9 +259,11 @@ class Sources:
                 got.error = str(exc)  # reported at the load, together on every rank
                 return got
             need += [q for q in more if q not in need]
+        self.prepare(state)
         for rank in need[1:]:
             # Only the resharder reads the other pieces, copying the rows it needs: they are
-            # read in place, not copied out whole first (a ZeRO state keeps what it is given).
+            # read in place, not copied out whole first (a ZeRO state keeps what it is given),
+            # and fetched from peers only in the rows this rank's shards overlap.
             other = self.fetch_rank(version, rank, refused, world, in_place=not zero)
             if other is None:
                 got.close()
@@ -261,14 +285,20 @@ class Sources:
                   self.rank, version, exc)
 
     def _from_daemon(self, op: str, version: Version, world: int, refused: list[str],
-                     rank: int | None = None, in_place: bool = False) -> _Fetched | None:
+                     rank: int | None = None, in_place: bool = False,
+                     need: list[list[Any]] | None = None) -> _Fetched | None:
         """Maps the slot ``op`` (``ckpt_open`` or ``ckpt_fetch``) points at and copies it out;
         None when the daemon says every copy is lost. ``rank``: whose shard (default: this
         rank's; another one's after a grow). ``in_place``: the tensors are read-only views of
         the mapping instead, and the slot stays mapped and pinned until the piece's
-        ``release`` (a copy of a whole old snapshot cost as much as the reshard itself)."""
+        ``release`` (a copy of a whole old snapshot cost as much as the reshard itself).
+        ``need`` (with ``ckpt_fetch``): the new local boxes; a copy fetched from peers is then
+        partial: only the rows they overlap, and every entry that is not a DTensor, are
+        valid, which is all a reshard reads."""
         rank = self.rank if rank is None else rank
-        wait = {"timeout": FETCH_WAIT} if op == "ckpt_fetch" else {}
+        wait: dict[str, Any] = {"timeout": FETCH_WAIT} if op == "ckpt_fetch" else {}
+        if need and op == "ckpt_fetch":
+            wait["need"] = need
         reply = self.transport.call(op, job=self.job, rank=rank,
                                     generation=version[0], step=version[1], **wait)
         if reply.get("lost"):

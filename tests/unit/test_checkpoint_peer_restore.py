@@ -11,6 +11,7 @@ threads of this process (the collective of ``test_checkpoint_client``); slots li
 
 from __future__ import annotations
 
+import os
 import shutil
 import uuid
 
@@ -22,9 +23,15 @@ from elasticd.worker.checkpointer import Checkpointer
 from elasticd.snapshot.reader import SnapshotReader
 from elasticd.store.service import CheckpointService
 from elasticd.store.shm import SlotStore
-from elasticd.local.transport import InProcessTransport
+from elasticd.local.transport import InProcessTransport, TransportError
 from elasticd.replication.commit import Committed
-from elasticd.recovery.fetch import FetchResult, ShardLost, copy_own, fetch_into_store
+from elasticd.recovery.fetch import (
+    FetchResult,
+    ShardLost,
+    copy_own,
+    fetch_into_scratch,
+    fetch_into_store,
+)
 from tests.unit.test_checkpoint_client import (
     ThreadRanks,
     assert_same,
@@ -46,6 +53,7 @@ class FakeReplicator:
         self.snapshots: list[tuple[str, int, tuple[int, int]]] = []
         self.generations: list[tuple[str, int]] = []
         self.fetches: list[tuple[str, int, tuple[int, int]]] = []
+        self.needs: list[tuple[str, int, dict]] = []
         self.record: Committed | None = None
         self.fail_snapshots = False
 
@@ -60,14 +68,17 @@ class FakeReplicator:
     def start_generation(self, job, generation):
         self.generations.append((job, generation))
 
-    def fetch(self, job, rank, version, into):
-        d = copy_own([self.peer], job, rank, version, into)
+    def fetch(self, job, rank, version, into, select=None):
+        d = copy_own([self.peer], job, rank, version, into)  # whole: select only saves wire
         if d is None:
             raise ShardLost(job, rank, version, [("n2", "not held")])
         return FetchResult("n2", d, d.total_bytes, 0.001)
 
-    def fetch_to_local(self, job, rank, version):
+    def fetch_to_local(self, job, rank, version, need=None):
         self.fetches.append((job, rank, version))
+        if need is not None:
+            self.needs.append((job, rank, need))
+            return fetch_into_scratch(self, self.local, job, rank, version, need)
         return fetch_into_store(self, self.local, job, rank, version)
 
 
@@ -176,6 +187,27 @@ def test_a_fetched_shard_is_not_checked_again_on_its_way_to_the_worker(nodes, mo
     t.call("ckpt_release", pin=opened["pin"])
     blocks = svc.store.latest("job", 2).header.layout.num_blocks
     assert checked == list(range(blocks)) and blocks >= 1
+
+
+def test_a_fetch_with_the_new_boxes_is_a_partial_copy_dropped_at_its_release(nodes):
+    """``need`` (a new rank's local boxes): the copy lands in a scratch segment, never a
+    snapshot of this node's store, counted against the cap until ckpt_release deletes it;
+    a malformed ``need`` is a clear refusal."""
+    svc, t, _, t2 = nodes
+    _, data = write_snapshot(t2, "job", 2, step=4, world=3)
+    before = svc.store.bytes_held()
+    reply = t.call("ckpt_fetch", job="job", rank=2, generation=0, step=4,
+                   need=[[[3000], ["S0"], [0], [1500]]])
+    assert reply["partial"] is True and reply["source"] == "peer" and ".scratch-" in reply["path"]
+    assert np.array_equal(read_w(reply, "job", 2), data)  # the fake copies whole
+    assert svc.store.bytes_held() > before
+    assert svc.store.versions("job", 2) == []  # not a snapshot here
+    assert svc.replicator.needs == [("job", 2, [[[3000], ["S0"], [0], [1500]]])]
+    t.call("ckpt_release", pin=reply["pin"])
+    assert svc.store.bytes_held() == before
+    assert not os.path.exists(reply["path"])
+    with pytest.raises(TransportError, match="need"):
+        t.call("ckpt_fetch", job="job", rank=2, generation=0, step=4, need={"w": 1})
 
 
 def test_fetch_of_a_shard_no_one_holds_is_lost(nodes):

@@ -187,6 +187,13 @@ def test_fsdp2_state_restores_bitwise_and_reshards_3_to_2_to_3_like_dcp(daemons)
     services[0].replicator.record = commit(0, 3, 3)
     spawn(_rank_main, args=(2, free_port(), [n1, n1], out_dir, "shrink"), nprocs=2)
     assert not services[0]._pins  # every slot a restore read was handed back
+    # New rank 1 asked for old rank 2's rows with its new boxes: one per (global shape,
+    # placements), its half of the rows of each FSDP2 parameter.
+    (job, rank, need), = services[0].replicator.needs
+    assert (job, rank) == ("j", 2) and need
+    for shape, placements, offsets, local in need:  # the tail rows, every column
+        assert placements == ["S0"] and 0 < offsets[0] and offsets[0] + local[0] == shape[0]
+        assert offsets[1:] == [0] * (len(shape) - 1) and local[1:] == shape[1:]
     sources = [open(os.path.join(out_dir, f"shrink-{r}.source")).read().split()
                for r in range(2)]
     assert [s for s, _ in sources] == ["local", "peer"]  # new rank 1 needed old rank 2's rows

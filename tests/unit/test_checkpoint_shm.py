@@ -225,6 +225,35 @@ def test_cap_is_enforced_and_leaves_the_store_unchanged(root):
         store.close()
 
 
+def test_a_scratch_copy_counts_against_the_cap_and_never_survives_a_restart(root):
+    """A partial copy for one restore read: outside every (job, rank), within the cap, gone
+    at drop_scratch, and removed by the next daemon's scan when the last one died with it."""
+    store = SlotStore(root, cap_bytes=5 * PAGE)
+    snapshot(store, "job", 0, step=1, n=100)  # 4 pages of slots
+    with pytest.raises(OverBudget, match="partial copy"):
+        store.scratch(PAGE + 1)  # 2 pages more exceed the 5-page cap: refused, nothing made
+    assert not [f for f in files(root) if ".scratch" in f]
+    one = store.scratch(PAGE)
+    assert store.bytes_held() == 5 * PAGE and os.path.basename(one.path).startswith(".scratch-")
+    assert store.versions("job", 0) == [(0, 1)] and store.holdings() == [("job", 0, 0, 1)]
+    store.drop_scratch(one)
+    assert store.bytes_held() == 4 * PAGE and not os.path.exists(one.path)
+    left = store.scratch(PAGE)
+    store.close(unlink=False)  # a daemon that stops: its slots stay, its scratch does not
+    assert not os.path.exists(left.path)
+    # One that died (kill -9) left a scratch file: the next daemon's scan removes it.
+    with open(os.path.join(root, ".scratch-7"), "wb") as f:
+        f.write(b"x" * PAGE)
+    again = SlotStore(root)
+    try:
+        result = again.scan()
+        assert any(path.endswith(".scratch-7") for path, _ in result.removed)
+        assert not os.path.exists(os.path.join(root, ".scratch-7"))
+        assert_holds(again, "job", 0, 1, n=100)
+    finally:
+        again.close()
+
+
 def test_pinned_view_blocks_reuse_until_released(store):
     snapshot(store, "job", 0, step=1)
     view = store.latest("job", 0, pin=True)

@@ -117,6 +117,28 @@ def test_a_snapshot_held_three_times_is_striped_across_all_holders_intact(holder
     assert result.wire_bytes >= d.total_bytes
 
 
+def test_selected_blocks_only_cross_the_network_striped_and_checked(holders):
+    """A fetch with ``select`` (the blocks a new rank's rows are in) moves only those blocks,
+    striped across the holders, each checked; the rest of the buffer is left as it was."""
+    d, buf = sealed_snapshot()
+    servers, pool = holders([FailingSink(), FailingSink(), FailingSink()], d, buf)
+    into = bytearray(8 << 20)
+    wanted = [*range(3, 9), *range(40, 45)]  # two runs of blocks: pieces never span the gap
+    result = fetch_shard(JOB, 1, d.version, lambda _: into, me="me",
+                         holders=["me", "n0", "n1", "n2"], connections=pool, own=(),
+                         clock=SystemClock(), stripe_bytes=STRIPE, select=lambda header: wanted)
+    lay_start = d.header_bytes
+    for b in range(-(-(d.total_bytes - lay_start) // BLOCK)):
+        a, z = lay_start + b * BLOCK, min(lay_start + (b + 1) * BLOCK, d.total_bytes)
+        if b in wanted:
+            assert into[a:z] == buf[a:z], b
+        else:
+            assert not any(into[a:z]), b  # never fetched
+    payload = sum(min(BLOCK, d.total_bytes - lay_start - b * BLOCK) for b in wanted)
+    assert sum(dict(result.served).values()) == d.header_bytes + payload
+    assert result.wire_bytes < d.total_bytes / 3
+
+
 def test_one_holder_is_the_same_code_fetching_piece_after_piece(holders):
     d, buf = sealed_snapshot(n_floats=300_001)
     servers, pool = holders([FailingSink()], d, buf)

@@ -1,0 +1,83 @@
+"""Which blocks of an old rank's snapshot a new rank needs (recovery/ranges.py), on headers
+built with the snapshot format: rows of a DTensor's old shard that overlap the new box, whole
+entries when there is no box, nothing for an old shard outside it; and ``need`` checked."""
+
+from __future__ import annotations
+
+import pytest
+
+from elasticd.recovery.ranges import needed_blocks, needed_bytes, parse_boxes
+from elasticd.snapshot.format import SnapshotHeader, TensorSpec, layout
+
+BLOCK = 4096
+
+
+def header(old_rows: tuple[int, int]) -> SnapshotHeader:
+    """Old rank holding rows [a, b) of a (9, 2048) float32 weight (8 KiB a row, two blocks)
+    and of its Adam moment, plus a plain step counter."""
+    a, b = old_rows
+    specs = [TensorSpec("model/w", "float32", (b - a, 2048)),
+             TensorSpec("optim/state/0/exp_avg", "float32", (b - a, 2048)),
+             TensorSpec("optim/state/0/step", "float32", ())]
+    node = {"@": "dtensor", "shape": [9, 2048], "offsets": [a, 0], "placements": ["S0"],
+            "mesh": [3], "dims": []}
+    meta = {"objects": [["model", "module", {"w": {**node, "i": 0}}],
+                        ["optim", "optimizer", {"exp_avg": {**node, "i": 1}, "step": 2}]]}
+    lay = layout(specs, job="j", meta=meta, block_size=BLOCK)
+    return SnapshotHeader("j", 1, 0, 1, 3, lay, meta, tuple(range(lay.num_blocks)))
+
+
+def box(offsets, shape, placements=("S0",)):
+    return parse_boxes([[[9, 2048], list(placements), list(offsets), list(shape)]])
+
+
+def test_only_the_overlapping_rows_of_each_sharded_entry_and_plain_entries_whole():
+    h = header((3, 6))  # old rank 1 of 3: rows 3..5
+    e = {x.name: x for x in h.layout.entries}
+    got = needed_bytes(h, box((0, 0), (5, 2048)))  # new rank 0 of 2: rows 0..4
+    row = 8192
+    assert got == sorted([
+        (e["model/w"].offset, e["model/w"].offset + 2 * row),  # old rows 3, 4
+        (e["optim/state/0/exp_avg"].offset, e["optim/state/0/exp_avg"].offset + 2 * row),
+        (e["optim/state/0/step"].offset, e["optim/state/0/step"].offset + 4),
+    ])
+    other = needed_bytes(h, box((5, 0), (4, 2048)))  # new rank 1: rows 5..8: old row 5
+    assert (e["model/w"].offset + 2 * row, e["model/w"].offset + 3 * row) in other
+
+
+def test_blocks_cover_every_needed_byte_and_skip_the_rest():
+    h = header((3, 6))
+    lay = h.layout
+    blocks = needed_blocks(h, box((0, 0), (5, 2048)))
+    covered = [lay.block_range(b) for b in blocks]
+    for start, end in needed_bytes(h, box((0, 0), (5, 2048))):
+        assert any(a <= start and end <= b for a, b in covered) or all(
+            any(a <= x < b for a, b in covered) for x in range(start, end, 64))
+    assert len(blocks) == lay.num_blocks - 4  # the third row of each tensor is not fetched
+    outside = needed_blocks(h, box((6, 0), (3, 2048)))  # rows 6..8: none of this old shard
+    step = next(x for x in lay.entries if x.name == "optim/state/0/step")
+    assert [lay.block_range(b) for b in outside] == [
+        r for r in (lay.block_range(i) for i in range(lay.num_blocks))
+        if r[0] <= step.offset < r[1]]
+
+
+def test_an_entry_without_a_matching_box_is_needed_whole():
+    h = header((3, 6))
+    whole = [(x.offset, x.offset + x.nbytes) for x in h.layout.entries if x.nbytes]
+    assert needed_bytes(h, {}) == sorted(whole)
+    # Other placements (a column-sharded tensor of the same shape): not this box.
+    assert needed_bytes(h, box((0, 0), (9, 1024), placements=("S1",))) == sorted(whole)
+    assert needed_blocks(h, {}) == list(range(h.layout.num_blocks))
+
+
+@pytest.mark.parametrize("bad", [
+    {"w": [[0], [1]]},
+    [[[9], ["S0"], [0]]],
+    [[[9], ["S0"], [0], [-1]]],
+    [[[9], ["S0"], [0, 0], [3]]],
+    [[[9], [0], [0], [3]]],
+    [[[9], ["S0"], [0], [3]], [[9], ["S0"], [3], [3]]],
+])
+def test_a_malformed_need_is_refused_with_what_is_wrong(bad):
+    with pytest.raises(ValueError, match="need"):
+        parse_boxes(bad)
