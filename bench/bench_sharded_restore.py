@@ -43,7 +43,7 @@ every local shard (xxh3) must equal, bitwise, what the other method gives in the
 and differ from the zeroed state. One thread per rank (``torch.set_num_threads(1)``): two
 ranks on a two-core machine. The slot stores live in ``/dev/shm`` (4 KiB pages), or with
 ``--huge-tmpfs`` on a tmpfs the bench mounts with ``huge=within_size`` (and unmounts), as
-``systemd/dev-shm-elasticd.mount`` gives a node. Run under the CPU lock::
+``systemd/run-elasticd-shm.mount`` gives a node. Run under the CPU lock::
 
     flock /tmp/elasticd-cpu.lock python bench/bench_sharded_restore.py --mib 1100 \
         --repeat 3 --out bench/results/sharded_restore.json
@@ -436,7 +436,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per phase")
     parser.add_argument("--huge-tmpfs", action="store_true",
                         help="put every slot store on a tmpfs of its own mounted with "
-                             "huge=within_size (root), as systemd/dev-shm-elasticd.mount does, "
+                             "huge=within_size (root), as systemd/run-elasticd-shm.mount does, "
                              "instead of /dev/shm")
     parser.add_argument("--out", default="", help="also write the results as JSON here")
     args = parser.parse_args()

@@ -1,5 +1,5 @@
 """What a fresh slot costs before the first byte is copied into it, on /dev/shm's 4 KiB pages
-and on a tmpfs mounted with ``huge=within_size`` (what ``systemd/dev-shm-elasticd.mount``
+and on a tmpfs mounted with ``huge=within_size`` (what ``systemd/run-elasticd-shm.mount``
 gives), beside memcpy of the same bytes into memory already mapped (the baseline), same run.
 
 Per round and per file system (the huge-page tmpfs twice: right after the 4 KiB round freed

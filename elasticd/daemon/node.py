@@ -192,7 +192,7 @@ class Node:
         else:
             log.warning("checkpoint slots in %s are on %s: reserving and mapping a slot costs "
                         "up to seven times what it does on a tmpfs mounted with "
-                        "huge=within_size (systemd/dev-shm-elasticd.mount; README, 'Huge "
+                        "huge=within_size (systemd/run-elasticd-shm.mount; README, 'Huge "
                         "pages')", self.settings.shm_path, pages.describe())
         return pages
 

@@ -75,6 +75,7 @@ def needed_bytes(header: SnapshotHeader, boxes: Mapping[Key, Box]) -> list[tuple
         offsets, key = sharded.get(i, (None, None))
         box = boxes.get(key) if key is not None else None
         if (box is None or not isinstance(offsets, list) or not e.shape
+                or not all(type(o) is int and o >= 0 for o in offsets)
                 or not len(e.shape) == len(offsets) == len(box[0]) == len(box[1])):
             out.append((e.offset, e.offset + e.nbytes))  # not sharded, or unknown: whole
             continue

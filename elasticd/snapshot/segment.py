@@ -17,6 +17,7 @@ Daemon side (and :func:`map_fd` in workers): no torch.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import stat
@@ -73,7 +74,9 @@ def prefault(mm: mmap.mmap) -> None:
     write per page."""
     try:
         mm.madvise(MADV_POPULATE_WRITE)
-    except OSError:
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
         np.frombuffer(mm, dtype=np.uint8)[::PAGE] = 0
 
 
@@ -111,14 +114,17 @@ class Segment:
         """
         fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, mode,
                      dir_fd=dir_fd)
+        mm = None
         try:
             os.posix_fallocate(fd, 0, capacity)
             mm = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED)
+            prefault(mm)
         except OSError:
+            if mm is not None:
+                mm.close()
             os.close(fd)
             os.unlink(name, dir_fd=dir_fd)
             raise
-        prefault(mm)
         return cls(path, name, capacity, mm, fd)
 
     @classmethod

@@ -101,6 +101,8 @@ class Fetched(Protocol):
 
     holder: str
     wire_bytes: int
+    #: A partial copy's scratch segment (a fetch with ``need``), else None.
+    scratch: Any
 
 
 class Replication(Protocol):

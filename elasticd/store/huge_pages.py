@@ -11,7 +11,7 @@ pages before any mapping could advise them.
 ``/dev/shm`` is mounted without huge pages on most distributions, and the system-wide
 ``shmem_enabled`` knob can force or deny them for every tmpfs. The daemon reports the outcome
 in ``/status`` (``shm``) and warns at start when its slots are on small pages; the systemd
-directory ships a mount unit for a huge-page tmpfs (``dev-shm-elasticd.mount``).
+directory ships a mount unit for a huge-page tmpfs (``run-elasticd-shm.mount``).
 """
 
 from __future__ import annotations

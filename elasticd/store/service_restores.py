@@ -12,10 +12,11 @@ pins its replies hold until ``ckpt_release`` or ``pin_ttl``.
   ``ckpt_open``), source "local" | "peer", wire_bytes, holder, [partial] | lost: true, reason.
   Makes a shard (possibly of another node's rank, after that node died) available in this
   node's store, fetching it from the peers that hold copies when it is not here. With
-  ``need`` ({tensor name: [offsets, shape]}, a new rank's local boxes after a change of world
-  size) a shard not held here is fetched only in the blocks holding rows those boxes overlap,
-  into a scratch segment that is not a snapshot of the store (``partial``: only those rows are
-  valid), deleted at ``ckpt_release``.
+  ``need`` ([[global shape, placements, offsets, local shape], ...], a new rank's local boxes
+  after a change of world size, :mod:`elasticd.recovery.ranges`) a shard not held here is
+  fetched only in the blocks holding rows those boxes overlap, into a scratch segment that is
+  not a snapshot of the store (``partial``: only those rows are valid), deleted at
+  ``ckpt_release``.
 * ``ckpt_release`` pin → {}
 * ``ckpt_committed`` job → generation, step, ranks | committed: null (no replicator, nothing
   committed yet, or etcd unreadable)
@@ -160,19 +161,17 @@ class RestoreOps:
         if refused or not held:
             if self.replicator is None:
                 return {"lost": True, "reason": "not held here and no peer replication"}
-            need = msg.get("need")
             try:
                 # With the new rank's local boxes, only the rows they overlap (a partial copy
                 # in a scratch segment, handed over once and dropped at its release).
-                result = (self.replicator.fetch_to_local(job, rank, version, need=need)
-                          if need is not None else
-                          self.replicator.fetch_to_local(job, rank, version))
+                result = self.replicator.fetch_to_local(job, rank, version,
+                                                        need=msg.get("need"))
             except ShardLost as exc:
                 return {"lost": True, "reason": str(exc)[:500]}
             except (SlotStoreError, SnapshotError, ValueError, OSError) as exc:  # no room, or torn
                 raise RequestError(f"cannot fetch {job} rank {rank} step {version} here: "
                                    f"{exc}") from exc
-            scratch = getattr(result, "scratch", None)
+            scratch = result.scratch
             with self._lock:
                 record = self._job(job)
                 self.counters["fetches"] += 1

@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import threading
+import uuid
 from typing import Any, Callable
 
 import numpy as np
@@ -289,7 +290,7 @@ class SlotStore:
     def scratch(self, nbytes: int) -> Segment:
         """A slot file outside every (job, rank), for a partial copy a restore reads once (the
         rows of an old rank's snapshot a new rank needs): never a snapshot of this store,
-        counted against the cap until :meth:`drop_scratch`. Named ``.scratch-N`` at the root,
+        counted against the cap until :meth:`drop_scratch`. Named ``.scratch-<random>`` at the root,
         which :meth:`scan` removes after a crash (not a job directory).
 
         Raises:
@@ -304,8 +305,8 @@ class SlotStore:
                 raise OverBudget(f"a partial copy of {nbytes} bytes does not fit: {held} of the "
                                  f"{self.cap_bytes}-byte cap are held", capacity, held,
                                  self.cap_bytes)
-            self._tickets += 1
-            name = f".scratch-{self._tickets}"
+            # Unique across daemons: a crashed one's leftover (removed by scan) never clashes.
+            name = f".scratch-{uuid.uuid4().hex[:16]}"
             try:
                 segment = Segment.allocate(self._fd, name, os.path.join(self.root, name),
                                            capacity, self.file_mode)

@@ -172,7 +172,7 @@ class Checkpointer:
             _restore.TorchCollective() if torch.distributed.is_available()
             and torch.distributed.is_initialized() else _restore.Solo())
         sources = Sources(self.transport, self.job, self.rank, self.world_size,
-                                   self.persist_dir)
+                          self.persist_dir)
         result = _restore.restore(state, sources, collective, SYSTEM_CLOCK.perf_counter,
                                   _restore.replicated_keys(state, self.replicated))
         self.generation, self.last_restore = result.next_generation, result

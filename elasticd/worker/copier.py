@@ -117,8 +117,7 @@ def _views(buffer: Any, view: memoryview, lay: Layout) -> list[torch.Tensor]:
             _views_cache.move_to_end(key)
             return hit[2]
     dst = torch.frombuffer(view, dtype=torch.uint8, count=lay.total_size)
-    views = [dst[e.offset : e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape)
-             for e in lay.entries if e.nbytes]
+    views = [_typed(dst, e) for e in lay.entries if e.nbytes]
     with _views_lock:
         _views_cache[key] = (buffer, lay, views)
         while len(_views_cache) > _VIEWS_KEPT:
@@ -168,9 +167,13 @@ def tensor_views(buffer: Any, lay: Layout) -> list[torch.Tensor]:
         # torch warns that writing into a read-only buffer is undefined; nothing writes.
         warnings.simplefilter("ignore", UserWarning)
         whole = torch.frombuffer(view, dtype=torch.uint8, count=lay.total_size)
-    return [whole[e.offset : e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape)
-            if e.nbytes else torch.empty(e.shape, dtype=getattr(torch, e.dtype))
+    return [_typed(whole, e) if e.nbytes else torch.empty(e.shape, dtype=getattr(torch, e.dtype))
             for e in lay.entries]
+
+
+def _typed(whole: torch.Tensor, e: Any) -> torch.Tensor:
+    """Entry ``e`` of a layout as a typed tensor over ``whole`` (the buffer's bytes)."""
+    return whole[e.offset : e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape)
 
 
 class CopyHandle(abc.ABC):

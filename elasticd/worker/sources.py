@@ -58,8 +58,8 @@ class _Fetched:
         """Releases the slots the other pieces were read from in place."""
         for other in self.others:
             if other.release is not None:
-                other.release()
-                other.release, other.tensors = None, []
+                release, other.release, other.tensors = other.release, None, []
+                release()  # the views are gone first, so the slot unmaps now
 
 
 class Sources:

@@ -45,7 +45,7 @@ def test_unit_verifies(tmp_path):
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="needs systemd-analyze")
 def test_the_huge_page_mount_unit_verifies_and_the_example_config_uses_it(tmp_path):
-    name = "dev-shm-elasticd.mount"
+    name = "run-elasticd-shm.mount"
     text = open(os.path.join(REPO, "systemd", name)).read()
     unit = tmp_path / name
     unit.write_text(text)
@@ -64,7 +64,7 @@ def test_the_huge_page_mount_unit_verifies_and_the_example_config_uses_it(tmp_pa
     shm_dir = next(line.split("=", 1)[1].strip().strip('"') for line in config.splitlines()
                    if line.startswith("shm_dir"))
     assert shm_dir.startswith(fields["Where"] + "/")
-    assert "After=dev-shm-elasticd.mount" in open(UNIT).read()
+    assert "After=run-elasticd-shm.mount" in open(UNIT).read()
 
 
 class NotifyListener:
