@@ -17,9 +17,13 @@ entry name with ``/`` read as ``.``, the name DCP gives the same value in a stat
 DCP's ``DCP_SHARDING_INFO``: each key's offsets in its global tensor (a DTensor's local shard,
 from the snapshot's meta; zeros for a whole tensor). So standard tools reshard what elasticd
 persisted, with no pickle involved (DCP's own ``.metadata`` file is one); elasticd reads the
-files back itself and never unpickles. What DCP can load by name is what has the same name in
-both: the model's state dict; an optimizer's ``state_dict()`` keys its state by parameter
-index, where DCP's ``get_state_dict`` uses parameter names.
+files back itself and never unpickles. An optimizer's ``state_dict()`` keys its state by
+parameter index, where DCP's ``get_state_dict`` uses parameter names: its entries are keyed by
+the names the worker found for its parameters in a module of the same state
+(``optim.state.layers.0.weight.exp_avg``), so ``dcp.load`` of ``{"model": msd, "optim": osd}``
+from ``get_state_dict`` finds the model and the optimizer's state alike. Its ``param_groups``
+(hyper-parameters, no tensors) are not in these files: load with
+``DefaultLoadPlanner(allow_partial_load=True)``, which leaves them as the optimizer has them.
 
 Writing never copies a tensor in Python: each entry's bytes go from the slot's mapping into the
 file with one ``write``. The file is hashed with xxh3_64 as it is written; the tier records that
@@ -89,14 +93,20 @@ class PersistedSnapshot:
         return (self.generation, self.step)
 
 
-def dcp_keys(names: list[str]) -> list[str]:
+def dcp_keys(names: list[str], meta: Any = None) -> list[str]:
     """Each entry's safetensors key: its name with ``/`` read as ``.`` (DCP's fully qualified
     name of the same value), or, where another entry already took that key, the name itself
-    (made unique with ``~n``; such clashes need names that hold dots and slashes alike)."""
+    (made unique with ``~n``; such clashes need names that hold dots and slashes alike).
+
+    An optimizer's state entry (``optim/state/3/exp_avg``) is keyed by its parameter's name
+    where the flatten meta gives it (``param_names``, :func:`elasticd.worker.state.flatten`):
+    ``optim.state.layers.0.weight.exp_avg``, as DCP keys it in a ``get_state_dict`` state.
+    """
+    by_name = _param_names(meta)
     keys: list[str] = []
     used = {"__metadata__"}  # safetensors' own key
     for name in names:
-        key = name.replace("/", ".")
+        key = _keyed(name, by_name) or name.replace("/", ".")
         if key in used:
             key, n = name, 1
             while key in used:
@@ -107,10 +117,36 @@ def dcp_keys(names: list[str]) -> list[str]:
     return keys
 
 
+def _param_names(meta: Any) -> dict[str, str]:
+    """Entry name -> DCP key for the optimizer state entries ``meta["param_names"]`` names.
+
+    The meta is the job's (its worker wrote it): anything but a name list per optimizer key
+    is ignored, and the entries then keep their index keys.
+    """
+    named = meta.get("param_names") if isinstance(meta, dict) else None
+    if not isinstance(named, dict):
+        return {}
+    out: dict[str, str] = {}
+    for obj, params in named.items():
+        if not (isinstance(obj, str) and isinstance(params, list)
+                and all(isinstance(p, str) and p for p in params)):
+            continue
+        for i, param in enumerate(params):
+            out[f"{obj}/state/{i}"] = f"{obj}.state.{param}"
+    return out
+
+
+def _keyed(name: str, prefixes: dict[str, str]) -> str | None:
+    # "optim/state/3/exp_avg": the prefix is the name up to its last slash.
+    head, sep, leaf = name.rpartition("/")
+    at = prefixes.get(head) if sep else None
+    return f"{at}.{leaf}" if at is not None else None
+
+
 def encode_header(header: SnapshotHeader) -> bytes:
     """The safetensors preamble (length + JSON header, space-padded to 8 bytes) for a snapshot."""
     entries = header.layout.entries
-    keys = dcp_keys([e.name for e in entries])
+    keys = dcp_keys([e.name for e in entries], header.meta)
     offsets = {node["i"]: node["offsets"] for node in dtensor_nodes(header.meta)
                if isinstance(node.get("i"), int)}
     tensors: dict[str, Any] = {}

@@ -24,6 +24,7 @@ import dataclasses
 import math
 import random
 import sys
+import weakref
 from typing import Any, Mapping, MutableMapping, Sequence
 
 import numpy as np
@@ -256,12 +257,52 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
     """
     f = _Flattener()
     objects = []
+    optimizers: dict[str, Any] = {}
+    modules = []
     for key, value in state.items():
         if not isinstance(key, str):
             raise UnsupportedValue(f"state keys must be strings, got {key!r}")
         kind = _kind(value)
+        if kind == "optimizer":
+            optimizers[key] = value
+        elif kind == "module":
+            modules.append(value)
         objects.append([key, kind, f.encode(_state_of(kind, value), key)])
-    return FlatState(f.names, f.tensors, {"v": META_VERSION, "objects": objects})
+    meta: dict[str, Any] = {"v": META_VERSION, "objects": objects}
+    names = {key: fqns for key, opt in optimizers.items()
+             if (fqns := _param_names(opt, modules)) is not None}
+    if names:
+        meta["param_names"] = names
+    return FlatState(f.names, f.tensors, meta)
+
+
+#: optimizer -> (its parameters' ids, the module they were named in, their names): flatten runs
+#: every step and a model's parameters rarely change.
+_NAMES_CACHE: weakref.WeakKeyDictionary[Any, tuple[tuple[int, ...], Any, list[str]]] = (
+    weakref.WeakKeyDictionary())
+
+
+def _param_names(opt: torch.optim.Optimizer, modules: list[torch.nn.Module]) -> list[str] | None:
+    """Each of ``opt``'s parameters' name in the first module of the state that holds them all,
+    in the order of its ``state_dict()``'s indices; None when no module does.
+
+    Only the persistent tier uses them: it keys an optimizer's state by parameter name there
+    (``optim.state.<name>.exp_avg``), the key ``torch.distributed.checkpoint`` gives the same
+    value in a ``get_state_dict`` state dict, so standard tools load it by name at any world
+    size. The snapshot itself keeps the optimizer's own index keys (what it loads from).
+    """
+    ids = tuple(id(p) for g in opt.param_groups for p in g["params"])
+    cached = _NAMES_CACHE.get(opt)
+    if cached is not None and cached[0] == ids and any(m is cached[1] for m in modules):
+        return cached[2]
+    for module in modules:
+        # A parameter shared by two names keeps the first, as named_parameters() reports it.
+        named = {id(p): name for name, p in module.named_parameters()}
+        if all(i in named for i in ids):
+            names = [named[i] for i in ids]
+            _NAMES_CACHE[opt] = (ids, module, names)
+            return names
+    return None
 
 
 class _Unflattener:

@@ -362,3 +362,23 @@ def test_a_module_whose_state_dict_takes_no_arguments_is_flattened():
     flat = flatten({"model": model})
     assert flat.names == ["model/w"]
     assert torch.equal(flat.tensors[0], model.weight.detach() * 2)
+
+
+def test_an_optimizers_parameters_are_named_from_the_module_that_holds_them():
+    """The meta names each optimizer parameter (in state_dict index order) after the module of
+    the state holding them all, for the persistent tier's DCP keys; none where no module does."""
+    ema = torch.nn.Linear(2, 2)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    opt = torch.optim.Adam([{"params": [model[2].bias, model[0].weight]},
+                            {"params": [model[0].bias], "lr": 0.1}])
+    stray = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    state = {"ema": ema, "model": model, "optim": opt, "stray": stray}
+    meta = flatten(state).meta
+    assert meta["param_names"] == {"optim": ["2.bias", "0.weight", "0.bias"]}
+    assert flatten(state).meta == meta  # the cached names, the same
+    opt.add_param_group({"params": [model[2].weight]})  # a new group: named again
+    assert flatten(state).meta["param_names"]["optim"][-1] == "2.weight"
+    assert "param_names" not in flatten({"optim": opt}).meta  # no module to name them
+    # The names are the tier's business: the snapshot restores as before.
+    flat = flatten(state)
+    load_into(state, [t.clone() for t in flat.tensors], flat.meta)

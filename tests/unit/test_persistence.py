@@ -93,6 +93,23 @@ def test_keys_for_dcp_stay_unique_when_dotted_names_clash():
     assert safetensors_file.dcp_keys(["__metadata__"]) == ["__metadata__~2"]
 
 
+def test_an_optimizers_state_is_keyed_by_its_parameters_names_for_dcp():
+    names = ["model/0.weight", "optim/state/0/exp_avg", "optim/state/1/step",
+             "optim/state/2/exp_avg", "optim/param_groups/0/params/0", "other/state/0/x"]
+    meta = {"param_names": {"optim": ["0.weight", "2.bias"], "other": "junk"}}
+    assert safetensors_file.dcp_keys(names, meta) == [
+        "model.0.weight", "optim.state.0.weight.exp_avg", "optim.state.2.bias.step",
+        "optim.state.2.exp_avg", "optim.param_groups.0.params.0", "other.state.0.x"]
+    # The meta is the job's: malformed names are ignored, keys stay unique.
+    for junk in ({"param_names": ["a"]}, {"param_names": {"optim": [1, None]}},
+                 {"param_names": {"optim": [""]}}, "meta", None):
+        assert safetensors_file.dcp_keys(names[:2], junk) == ["model.0.weight",
+                                                             "optim.state.0.exp_avg"]
+    clash = {"param_names": {"optim": ["x"]}}
+    assert safetensors_file.dcp_keys(["optim/state/x/m", "optim/state/0/m"], clash) == [
+        "optim.state.x.m", "optim/state/0/m"]
+
+
 def test_a_sharded_entry_records_its_offsets_for_dcp(tmp_path):
     header, buf = snapshot()
     meta = {"v": 1, "objects": [["model", "module", {"@": "dict", "k": ["w"], "v": [
