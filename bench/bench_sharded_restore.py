@@ -37,6 +37,11 @@ rank's time), interleaved over ``--repeat`` rounds after one untimed warm-up rou
 * ``dcp.load, page cache warm``: ``get_state_dict``, ``dcp.load`` of the world-3 save into it,
   ``set_state_dict`` (the standard FSDP2 recipe), with every file read once just before;
 * ``dcp.load, cold``: the same after ``posix_fadvise(POSIX_FADV_DONTNEED)`` on every file.
+* ``loopback floor``: what any restore from peers' RAM on this host must at least do: each new
+  rank receives as many bytes as its new shards hold over raw loopback TCP (replication's socket
+  options), a third from each holder at once, into a buffer faulted in beforehand; nothing is
+  authenticated, checked, resharded or loaded. Where this alone takes as long as ``dcp.load``
+  from the page cache, no restore from peers can beat it on this host.
 
 Before every run each rank zeroes its parameters and optimizer state; after it, a digest of
 every local shard (xxh3) must equal, bitwise, what the other method gives in the same round,
@@ -65,6 +70,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 
@@ -77,16 +83,21 @@ from elasticd.daemon.local_api import LocalServer
 from elasticd.replication.commit import Committed, record_commit
 from elasticd.recovery.replicator import Replicator
 from elasticd.replication.shm_sink import ShmSink
+from elasticd.replication.channel import tune
 from elasticd.replication.transport import ReplicaServer
 
 SECRET = b"bench-secret-0123456789abcdef"
 JOB = "bench-shard"
 OLD, NEW = 3, 2
 STEP = 1
-VARIANTS = ("elasticd", "dcp_warm", "dcp_cold")
+VARIANTS = ("elasticd", "dcp_warm", "dcp_cold", "floor")
 LABELS = {"elasticd": "elasticd restore from peers' RAM (Checkpointer.restore)",
           "dcp_warm": "dcp.load from local disk, page cache warm",
-          "dcp_cold": "dcp.load from local disk, cold (fadvise DONTNEED)"}
+          "dcp_cold": "dcp.load from local disk, cold (fadvise DONTNEED)",
+          "floor": "loopback floor: each new rank's state bytes over raw TCP from the 3 holders "
+                   "at once, nothing checked or loaded"}
+#: What the raw senders send from (its content does not matter; the size keeps it out of cache).
+RAW_CHUNK = 64 << 20
 
 
 def holders_of(rank: int) -> tuple[str, str]:
@@ -116,12 +127,33 @@ def free_port() -> int:
 # -- holder and daemon processes (forked before torch is imported anywhere) --------------------
 
 
+def raw_sender(listener: socket.socket) -> None:
+    """The floor's sender: per connection, reads a byte count and sends that many bytes
+    (from a 64 MiB buffer, over and over), with replication's socket options."""
+    data = memoryview(bytearray(os.urandom(1 << 20)) * (RAW_CHUNK >> 20))
+    while True:
+        try:
+            sock, _ = listener.accept()
+        except OSError:
+            return
+        with sock:
+            tune(sock)
+            left = int.from_bytes(sock.recv(8, socket.MSG_WAITALL), "little")
+            while left:
+                n = min(left, RAW_CHUNK)
+                sock.sendall(data[:n])
+                left -= n
+
+
 def holder(conn, name: str, root: str) -> None:
-    """A peer holding replicas in shared memory, served by a ReplicaServer."""
+    """A peer holding replicas in shared memory, served by a ReplicaServer; and the floor's
+    raw sender."""
     store = SlotStore(root)
     server = ReplicaServer("127.0.0.1", 0, SECRET, name, ShmSink(store),
                            idle_timeout=3600.0).start()
-    conn.send(server.address)
+    listener = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=raw_sender, args=(listener,), daemon=True).start()
+    conn.send((server.address, listener.getsockname()))
     conn.recv()  # until told to stop
     server.stop()
     store.close()
@@ -319,8 +351,32 @@ def saver(rank: int, port: int, dims: list[int], book: dict, dcp_dir: str, root:
         dist.destroy_process_group()
 
 
+def pull_raw(raw_book: list, buf: memoryview) -> None:
+    """The floor: ``buf`` filled over raw loopback TCP, a third from each holder at once."""
+    n = len(buf)
+    cuts = [n * i // len(raw_book) for i in range(len(raw_book) + 1)]
+
+    def pull(address, part: memoryview) -> None:
+        with socket.create_connection(tuple(address)) as s:
+            tune(s)
+            s.sendall(len(part).to_bytes(8, "little"))
+            got = 0
+            while got < len(part):
+                k = s.recv_into(part[got:])
+                if not k:
+                    raise ConnectionError("raw sender closed early")
+                got += k
+
+    threads = [threading.Thread(target=pull, args=(a, buf[lo:hi]))
+               for a, lo, hi in zip(raw_book, cuts, cuts[1:])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def worker(rank: int, port: int, dims: list[int], sock: str, control, dcp_dir: str,
-           repeat: int, out_path: str) -> None:
+           repeat: int, out_path: str, raw_book: list) -> None:
     """A new rank (world 2): runs every variant ``repeat + 1`` times (the first round is the
     warm-up) and writes its timings to ``out_path``."""
     import torch
@@ -343,10 +399,25 @@ def worker(rank: int, port: int, dims: list[int], sock: str, control, dcp_dir: s
         timed_load_into(loads)
         ckpt = Checkpointer(transport=transport, job=JOB, rank=rank, world_size=NEW,
                             local_world_size=1)
+        # The floor's receive buffer: this rank's state bytes, faulted in once, untimed (a
+        # floor: elasticd reserves its slots inside the timed restore).
+        raw_buf = memoryview(bytearray(sum(t.numel() * t.element_size()
+                                           for _, t in local_tensors(model, opt))))
         rows = []
         for rnd in range(repeat + 1):
             digests = {}
             for variant in VARIANTS:
+                if variant == "floor":
+                    dist.barrier()
+                    start = time.perf_counter()
+                    pull_raw(raw_book, raw_buf)
+                    seconds = time.perf_counter() - start
+                    slowest = torch.tensor([seconds], dtype=torch.float64)
+                    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                    rows.append({"round": rnd, "variant": variant, "rank": rank,
+                                 "seconds": seconds, "slowest_rank_seconds": float(slowest),
+                                 "daemon_before": None, "nbytes": len(raw_buf)})
+                    continue
                 clear(model, opt)
                 zeroed = digest(model, opt)
                 fetched = None
@@ -390,7 +461,7 @@ def worker(rank: int, port: int, dims: list[int], sock: str, control, dcp_dir: s
                              "seconds": seconds, "slowest_rank_seconds": float(slowest),
                              "daemon_before": fetched, **parts})
             differ = [n for n in digests["elasticd"]
-                      if len({digests[v][n] for v in VARIANTS}) != 1]
+                      if len({digests[v][n] for v in digests}) != 1]
             assert not differ, f"rank {rank}: elasticd and dcp.load differ on {differ[:5]}"
         control.send("forget")  # leave the daemon's counters after the last run in the log
         rows.append({"round": repeat + 1, "variant": "final", "rank": rank,
@@ -459,12 +530,14 @@ def main() -> None:
     stops, procs = [], []
     started = time.perf_counter()
     try:
-        book, pids = {}, {}
+        book, pids, raw_book = {}, {}, []
         for i in range(OLD):
             a, b = fork.Pipe()
             p = fork.Process(target=holder, args=(b, f"h{i}", f"{shm}/h{i}"), daemon=True)
             p.start()
-            book[f"h{i}"] = list(a.recv())
+            address, raw = a.recv()
+            book[f"h{i}"] = list(address)
+            raw_book.append(raw)
             pids[f"h{i}"] = p.pid
             stops.append(a)
             procs.append(p)
@@ -490,7 +563,8 @@ def main() -> None:
         port = free_port()
         outs = [os.path.join(work, f"worker{r}.json") for r in range(NEW)]
         run_spawned(spawn, worker, lambda r: (r, port, dims, os.path.join(work, f"n{r}.sock"),
-                                              controls[r], dcp_dir, args.repeat, outs[r]),
+                                              controls[r], dcp_dir, args.repeat, outs[r],
+                                              raw_book),
                     NEW, args.timeout)
         rows = [row for path in outs for row in json.load(open(path))]
     finally:
@@ -533,7 +607,7 @@ def summarise(args, dims, total_state, dcp_bytes, save_seconds, rows, wall) -> d
                                         for r in range(NEW)],
             "warmup_round_seconds": round(next(r["slowest_rank_seconds"] for r in rows
                                                if r["round"] == 0 and r["variant"] == v), 4)}
-        if v != "elasticd":
+        if v.startswith("dcp"):
             for part in ("get_state_dict", "dcp_load", "set_state_dict"):
                 results[LABELS[v]][f"{part}_median_seconds_rank0"] = round(
                     statistics.median(runs(v, part)), 4)
@@ -582,6 +656,7 @@ def summarise(args, dims, total_state, dcp_bytes, save_seconds, rows, wall) -> d
     el = results[LABELS["elasticd"]]["seconds"]
     warm = results[LABELS["dcp_warm"]]["seconds"]
     cold = results[LABELS["dcp_cold"]]["seconds"]
+    floor = results[LABELS["floor"]]["seconds"]
     local = [r["local_state_bytes"] for r in rows if r["variant"] == "final"]
     return {
         "benchmark": "sharded_restore",
@@ -608,6 +683,8 @@ def summarise(args, dims, total_state, dcp_bytes, save_seconds, rows, wall) -> d
         "elasticd_over_dcp_warm": round(el / warm, 3),
         "dcp_warm_over_elasticd": round(warm / el, 2),
         "dcp_cold_over_elasticd": round(cold / el, 2),
+        "floor_over_dcp_warm": round(floor / warm, 3),
+        "elasticd_over_floor": round(el / floor, 3),
         "target": "elasticd faster than dcp.load warm",
         "met": el < warm,
         "wall_seconds": round(wall, 1),
