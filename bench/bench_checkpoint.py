@@ -9,7 +9,11 @@ batch ``--batch``, ``--threads`` torch threads, one process — trains in interl
   overlapping the next forward/backward (the default);
 * ``sync``: the same with the copy done inside ``save`` (what a non-overlapped snapshot costs);
 * ``replicated`` (with ``--replicate``): ``overlap`` against a second daemon that also pushes
-  every snapshot to a peer daemon (m=2) over the real replication transport on loopback.
+  every snapshot to a peer daemon (m=2) over the real replication transport on loopback;
+* ``copy_floor``: no elasticd: one background ``_foreach_copy_`` of the state's tensors into
+  memory faulted in beforehand after every step (:class:`CopyFloor`), the least any snapshot
+  taken every step must do; its cost is the host's price for moving the state's bytes once a
+  step beside training.
 
 The daemon side (SlotStore + CheckpointService behind a LocalServer on a Unix socket) runs in a
 separate process, as the real daemon does, so sealing (xxh3) uses its own core. Per mode it
@@ -179,6 +183,7 @@ def run(args: argparse.Namespace) -> dict:
         if args.replicate:
             ckpts["replicated"] = Checkpointer(transport=clients["replicated"], job="bench",
                                                rank=0, world_size=1)
+        floor = CopyFloor(state)
         for mode in ckpts.values():  # warm-up: slots allocated, mappings made, layouts cached
             for i in range(2):
                 step()
@@ -186,7 +191,7 @@ def run(args: argparse.Namespace) -> dict:
             mode.wait()
             for k in mode.stats:
                 mode.stats[k] = 0
-        times: dict[str, list[float]] = {m: [] for m in ["off", *ckpts]}
+        times: dict[str, list[float]] = {m: [] for m in ["off", *ckpts, "copy_floor"]}
         # Per round, each mode's median step: the paired estimate below compares a mode with
         # the "off" block of the same round, so the host's drift between rounds cancels.
         round_medians: dict[str, list[float]] = {m: [] for m in times}
@@ -198,7 +203,7 @@ def run(args: argparse.Namespace) -> dict:
         n = 0
         for _ in range(args.rounds):
             for mode in times:
-                ckpt = ckpts.get(mode)
+                ckpt = floor if mode == "copy_floor" else ckpts.get(mode)
                 for _ in range(args.steps):
                     t0 = time.perf_counter()
                     step()
@@ -213,6 +218,7 @@ def run(args: argparse.Namespace) -> dict:
         cpu = {kind: cpu_seconds(kind) - cpu0[kind] for kind in procs}
         for ckpt in ckpts.values():
             ckpt.close()
+        floor.close()
         for client in clients.values():
             client.close()
     finally:
@@ -263,6 +269,48 @@ def run(args: argparse.Namespace) -> dict:
                  * saves * gib) / (pushed / 2**30) if pushed else None),
         }
     return result
+
+
+class CopyFloor:
+    """The floor of any snapshot taken every step, as a mode: after each step, one copy of
+    every tensor of the state (the same live tensors a snapshot copies: FSDP2's local shards,
+    Adam's moments) into memory faulted in beforehand, by one ``_foreach_copy_`` on a
+    background thread that overlaps the next step, as elasticd's copy does. No daemon, no
+    flatten per step, no checksum. What this costs the step is what the host charges for
+    moving the state's bytes once per step beside training (memory bandwidth, caches, the
+    second core), whatever the snapshot does besides."""
+
+    def __init__(self, state) -> None:
+        import concurrent.futures
+
+        import torch
+
+        from elasticd.worker.state import flatten
+
+        self.src = flatten(state).tensors
+        self.dst = [torch.empty_like(t) for t in self.src]
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="floor-copy")
+        self._copy()  # fault the destination in
+        self._done = None
+
+    def _copy(self) -> None:
+        import torch
+
+        with torch.no_grad():
+            torch._foreach_copy_(self.dst, self.src)
+
+    def save(self, step: int, state) -> None:
+        self.wait()
+        self._done = self._pool.submit(self._copy)
+
+    def wait(self) -> None:
+        if self._done is not None:
+            self._done.result()
+            self._done = None
+
+    def close(self) -> None:
+        self.wait()
+        self._pool.shutdown()
 
 
 def paired_cost(mode: list[float], off: list[float], resamples: int = 2000) -> dict:

@@ -45,7 +45,7 @@ from elasticd.local.wire import (
 )
 
 __all__ = ["DaemonClient", "DaemonClientError", "DaemonError", "DaemonTimeout",
-           "DaemonUnavailable", "SOCKET_ENV", "WorkerIdentity"]
+           "DaemonUnavailable", "PendingCall", "SOCKET_ENV", "WorkerIdentity"]
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +201,24 @@ class DaemonClient:
             DaemonUnavailable: no daemon at the socket, or it went away mid-call.
             ValueError: ``fields`` cannot be encoded as JSON, or include ``noreply``.
         """
+        return self.start(op, timeout=timeout, **fields).result()
+
+    def start(self, op: str, *, timeout: float | None = None,
+              **fields: Any) -> "PendingCall":
+        """Sends a request now and returns at once; :meth:`PendingCall.result` waits for the
+        reply, as :meth:`call` does (same errors). The daemon works on the request while this
+        thread does something else: the Checkpointer asks for its slot before flattening the
+        state. A request handed to another thread instead waited for the GIL the flatten held
+        (2.3 ms where the round trip takes 1).
+
+        The connection takes one call at a time: until ``result()`` another thread's call
+        waits, so take the result on every path (``with client.start(...) as pending``
+        does on leaving).
+
+        Raises:
+            DaemonUnavailable, DaemonTimeout: the request could not be sent.
+            ValueError: as for :meth:`call`.
+        """
         if "noreply" in fields:
             raise ValueError("call() waits for a reply; use send() for one-way messages")
         wait = self.timeout if timeout is None else timeout
@@ -208,14 +226,13 @@ class DaemonClient:
         rid = next(self._ids)
         frame = encode({**fields, "op": op, "id": rid})
         self._check_fork()
-        with self._call_lock:
+        self._call_lock.acquire()
+        try:
             sock = self._send_request(op, frame, deadline, wait)
-            reply = self._await_reply(sock, op, rid, deadline, wait)
-        if reply.get("ok") is not True:
-            raise DaemonError(op, str(reply.get("error", "no reason given")))
-        reply.pop("id", None)
-        reply.pop("ok", None)
-        return reply
+        except BaseException:
+            self._call_lock.release()
+            raise
+        return PendingCall(self, sock, op, rid, deadline, wait)
 
     def send(self, op: str, **fields: Any) -> bool:
         """Sends a one-way message; never waits for the daemon and never raises if it is gone.
@@ -472,6 +489,51 @@ class DaemonClient:
 
 
 _FD = array.array("i")
+
+
+class PendingCall:
+    """A request :meth:`DaemonClient.start` sent, whose reply is not read yet."""
+
+    def __init__(self, client: DaemonClient, sock: socket.socket, op: str, rid: int,
+                 deadline: float, wait: float) -> None:
+        self._client, self._sock, self.op = client, sock, op
+        self._rid, self._deadline, self._wait = rid, deadline, wait
+        self._done = False
+
+    def result(self) -> dict[str, Any]:
+        """The reply's fields, as :meth:`DaemonClient.call` returns them (once).
+
+        Raises:
+            DaemonError, DaemonTimeout, DaemonUnavailable: as for :meth:`DaemonClient.call`.
+        """
+        if self._done:
+            raise RuntimeError(f"the reply to {self.op!r} was already taken")
+        self._done = True
+        try:
+            reply = self._client._await_reply(self._sock, self.op, self._rid, self._deadline,
+                                              self._wait)
+        finally:
+            self._client._call_lock.release()
+        if reply.get("ok") is not True:
+            raise DaemonError(self.op, str(reply.get("error", "no reason given")))
+        reply.pop("id", None)
+        reply.pop("ok", None)
+        return reply
+
+    def close(self) -> None:
+        """Reads and drops the reply if nobody took it (its descriptors closed), so the
+        connection is free again; errors are not raised."""
+        if not self._done:
+            try:
+                _close_all(self.result().get("_fds", ()))
+            except Exception:  # noqa: BLE001 — nobody wants this reply
+                pass
+
+    def __enter__(self) -> "PendingCall":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _close_all(fds: Any) -> None:

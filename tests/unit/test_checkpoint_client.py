@@ -388,3 +388,52 @@ def test_ddp_modules_are_checked_by_default_and_extra_keys_on_request():
     state = {"model": torch.nn.Linear(2, 2), "optim": None, "step": 3}
     assert replicated_keys(state) == []  # a bare module may be a model-parallel shard
     assert replicated_keys(state, ("model", "missing")) == ["model"]
+
+
+def test_the_slot_request_in_flight_over_a_real_socket(service, tmp_path):
+    """Over the daemon's socket the slot request is sent before the state is flattened and
+    its reply read after: snapshots land as before, and a state that stops being
+    snapshottable is still reported to the daemon (the request in flight holds the
+    connection the report needs: given up first, not a deadlock)."""
+    from elasticd.daemon.local_api import LocalServer
+    from elasticd.worker.client import DaemonClient
+    from elasticd.worker.state import UnsupportedValue
+
+    server = LocalServer(str(tmp_path / "d.sock"), service.handlers())
+    server.start()
+    client = DaemonClient(server.path, timeout=10.0)
+    called = []  # call() is start().result(); a split request goes to start() alone
+    real_call = client.call
+    client.call = lambda op, **f: called.append(op) or real_call(op, **f)
+    state = make_state()
+    try:
+        with Checkpointer(transport=client, job="j", rank=0, world_size=1) as ckpt:
+            for step in (1, 2, 3):
+                train_step(state)
+                assert ckpt.save(step, state)
+                ckpt.wait()
+            assert called.count("ckpt_reserve") == 1  # split after the first save
+            assert called.count("ckpt_complete") == 3
+            want = capture(state)
+            train_step(state)
+            assert ckpt.restore(state) == 3
+            assert_same(state, want)
+            bad = {**state, "extra": object()}
+            outcome: list = []
+
+            def save_bad() -> None:
+                try:
+                    ckpt.save(4, bad)
+                except UnsupportedValue as exc:
+                    outcome.append(exc)
+
+            thread = threading.Thread(target=save_bad, daemon=True)
+            thread.start()
+            thread.join(10)
+            assert not thread.is_alive(), "save blocked on its own slot request"
+            assert outcome and "extra" in str(outcome[0])
+            assert service.status()["j"]["unprotected_kind"] == "snapshots_failing"
+            assert client.call("ckpt_list", job="j", rank=0) is not None  # connection free
+    finally:
+        client.close()
+        server.stop()

@@ -476,6 +476,36 @@ def test_one_client_shared_by_threads_keeps_replies_apart(client, rec):
     assert len(rec.records) == 800 and client.dropped == 0
 
 
+def test_a_started_call_is_under_way_before_its_result_is_taken(client, rec):
+    """start() sends at once (the daemon works while the caller flattens a state); result()
+    gives what call() would; until then the connection is this call's: another thread's call
+    waits for it, and close() frees it without a result."""
+    t0 = time.monotonic()
+    pending = client.start("slow", seconds=0.3)
+    assert time.monotonic() - t0 < 0.2  # not waiting for the handler
+    time.sleep(0.35)  # the handler runs meanwhile
+    t1 = time.monotonic()
+    assert pending.result()["slept"] == 0.3
+    assert time.monotonic() - t1 < 0.2  # the reply was already there
+    with pytest.raises(RuntimeError, match="already taken"):
+        pending.result()
+    pending = client.start("echo", n=1)
+    other: list = []
+    thread = threading.Thread(target=lambda: other.append(client.call("echo", n=2)))
+    thread.start()
+    thread.join(0.2)
+    assert thread.is_alive() and not other  # waits for the connection
+    assert pending.result()["n"] == 1
+    thread.join(5)
+    assert other[0]["n"] == 2
+    with client.start("refuse") as dropped:  # nobody takes it: read and dropped, not raised
+        pass
+    assert dropped._done
+    with pytest.raises(DaemonError, match="over the memory cap"):
+        client.start("refuse").result()
+    assert client.call("echo", n=3)["n"] == 3
+
+
 # -- the worker client -----------------------------------------------------------------------
 
 def test_from_env_reads_torchrun_and_elasticd_variables():
