@@ -276,7 +276,8 @@ def restore(state: Any, sources: Sources, collective: Collective, clock: Any,
             try:
                 if not error:
                     load_into(state, got.tensors, got.meta, names=got.names,
-                              others=[(o.names, o.tensors, o.meta) for o in got.others])
+                              others=[(o.names, o.tensors, o.meta) for o in got.others],
+                              base_views=got.release is not None)
             except StateError as exc:
                 error = str(exc)
             if not collective.all_true(not error):

@@ -255,10 +255,15 @@ class Resharder:
         state: the live state (its modules' and optimizers' meshes).
         pieces: (tensor names, tensors, meta) of each fetched old snapshot, the base one
             (whose meta tree is being loaded) first.
+        base_owned: the base piece's tensors are this rank's own copies, which a shard that
+            needs nothing else may become as they are; False when they are views of a slot
+            (a reshard reads every piece in place), which are copied.
     """
 
     def __init__(self, state: Mapping[str, Any],
-                 pieces: Sequence[tuple[Sequence[str], Sequence[torch.Tensor], Any]]) -> None:
+                 pieces: Sequence[tuple[Sequence[str], Sequence[torch.Tensor], Any]],
+                 base_owned: bool = True) -> None:
+        self.base_owned = base_owned
         self.meshes = live_meshes(state)
         self.base_names = pieces[0][0]
         self.base_tensors = pieces[0][1]
@@ -283,19 +288,20 @@ class Resharder:
         mesh = mesh_for(node, self.meshes)
         target = local_box(shape, mesh, placements)
         name = self.base_names[i] if self.base_names else str(i)
-        local = self._assemble(name, target, [saved, *self.others.get(name, [])], mine.dtype)
+        local = self._assemble(name, target, [saved, *self.others.get(name, [])], mine.dtype,
+                               self.base_owned)
         stride = torch.empty(shape, device="meta").stride()
         return DTensor.from_local(local, mesh, placements, run_check=False,
                                   shape=torch.Size(shape), stride=stride)
 
     @staticmethod
     def _assemble(name: str, target: Box, chunks: list[tuple[Box, torch.Tensor]],
-                  dtype: torch.dtype) -> torch.Tensor:
+                  dtype: torch.dtype, base_owned: bool = True) -> torch.Tensor:
         for box, t in chunks:
             if box == target:  # the same world (or the same rows): the saved copy as it is
-                # Only the base piece is this rank's own copy; the others may be views of a
+                # Only the base piece may be this rank's own copy; the others are views of a
                 # slot that goes back to the daemon after the load.
-                return t if t is chunks[0][1] else t.clone()
+                return t if base_owned and t is chunks[0][1] else t.clone()
         out = torch.empty(target[1], dtype=dtype)
         covered, seen = 0, set()
         for box, t in chunks:

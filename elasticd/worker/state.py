@@ -404,7 +404,7 @@ def unflatten(tensors: list[torch.Tensor], meta: Mapping[str, Any]) -> dict[str,
 def load_into(state: MutableMapping[str, Any], tensors: list[torch.Tensor],
               meta: Mapping[str, Any], *, strict: bool = True,
               others: Sequence[tuple[Sequence[str], list[torch.Tensor], Any]] = (),
-              names: Sequence[str] = ()) -> None:
+              names: Sequence[str] = (), base_views: bool = False) -> None:
     """Restores every entry of ``state`` in place from a flattened snapshot.
 
     Objects are loaded through their own ``load_state_dict``; plain values are replaced in the
@@ -420,6 +420,9 @@ def load_into(state: MutableMapping[str, Any], tensors: list[torch.Tensor],
         others: (tensor names, tensors, meta) of the other old ranks' snapshots this rank's new
             shards need (:func:`elasticd.worker.shards.needed_ranks`).
         names: this snapshot's tensor names (to find the same tensors in ``others``).
+        base_views: the sharded entries of ``tensors`` are views of a slot (read in place,
+            as ``others`` are): a new shard is never one of them but a copy. Every other
+            entry of ``tensors`` must still be an owned copy.
 
     Raises:
         StateMismatch: different keys, a different kind of object under a key, an object
@@ -431,7 +434,8 @@ def load_into(state: MutableMapping[str, Any], tensors: list[torch.Tensor],
     def dtensor(node: Mapping[str, Any]) -> Any:
         nonlocal resharder
         if resharder is None:
-            resharder = shards.Resharder(state, [(names, tensors, meta), *others])
+            resharder = shards.Resharder(state, [(names, tensors, meta), *others],
+                                         base_owned=not base_views)
         return resharder(node)
 
     objects = _objects(tensors, meta, dtensor)
