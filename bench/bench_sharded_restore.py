@@ -636,7 +636,13 @@ def summarise(args, dims, total_state, dcp_bytes, save_seconds, rows, wall) -> d
             "load_into_seconds_median (reshard + model/optimizer load_state_dict)": round(
                 statistics.median(runs("elasticd", "load_into_seconds", rank)), 4),
             "restored_bytes_per_restore": statistics.median(
-                runs("elasticd", "nbytes", rank))})
+                runs("elasticd", "nbytes", rank)),
+            # The untimed first round, in workers that had restored nothing yet: what a
+            # recovery's fresh workers see (first imports, first-touch memory, torch's caches).
+            "first_round": {k: round(r[k], 4) for r in rows
+                            if r["round"] == 0 and r["variant"] == "elasticd" and r["rank"] == rank
+                            for k in ("restore_seconds", "ckpt_fetch_seconds",
+                                      "load_into_seconds", "worker_cpu_seconds")}})
     # CPU seconds per timed restore, every process of the elasticd path (the daemons and the
     # holders do nothing else between two "forget" calls; the workers' own is timed around
     # restore), against the wall time times the cores.
