@@ -251,23 +251,33 @@ def _tier_rank_main(rank, world, port, sock, persist_dir, out_dir, phase):
         # the names get_state_dict gives them. The param groups (no tensors) are not in the
         # files, hence allow_partial_load; comparing every tensor with the reference shows
         # nothing else was left out (a fresh Adam's state is zeros).
-        from torch.distributed.checkpoint import DefaultLoadPlanner, HuggingFaceStorageReader
-
+        # The README's snippet itself, as a stranger would paste it (only the directory
+        # filled in), on a fresh model and optimizer.
         from elasticd.persistence.tier import Tier
 
         hf_model, hf_opt = _build()
-        hf = get_state_dict(hf_model, hf_opt)  # DTensors: this rank's shards of the new world
-        assert not _local(hf_model, hf_opt)["optim/0.weight/exp_avg"].any()
-        dcp.load({"model": hf[0], "optim": hf[1]},
-                 storage_reader=HuggingFaceStorageReader(Tier(persist_dir).step_dir("j", (0, 3))),
-                 planner=DefaultLoadPlanner(allow_partial_load=True))
-        set_state_dict(hf_model, hf_opt, model_state_dict=hf[0], optim_state_dict=hf[1])
+        snippet = _readme_dcp_snippet().replace(
+            '"<persist-dir>/<job>/step-<generation>-<step>"',
+            repr(Tier(persist_dir).step_dir("j", (0, 3))))
+        exec(compile(snippet, "README.md", "exec"), {"model": hf_model, "optimizer": hf_opt})
+        assert not _local(hf_model, hf_opt)["optim/0.weight/exp_avg"].eq(0).all()
         want = _local(ref_model, ref_opt)
         assert want and all(v.numel() for k, v in want.items() if "/step" not in k), want.keys()
         _assert_bitwise(_local(hf_model, hf_opt), want,
                         f"rank {rank}: dcp.load of the tier's files at world 2")
     finally:
         dist.destroy_process_group()
+
+
+def _readme_dcp_snippet() -> str:
+    """The README's snippet loading the persistent tier with torch's own reader."""
+    import re
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S)
+              if "HuggingFaceStorageReader" in b]
+    assert len(blocks) == 1, "the README has one snippet loading the tier with DCP"
+    return blocks[0]
 
 
 @pytest.mark.slow
