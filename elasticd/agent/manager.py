@@ -322,9 +322,9 @@ class JobManager(JobRecords, WorkerGroup):
         if code is None:
             attempt = crashloop.attempts(os.path.join(sup.log_dir, "torchrun"), self._runs_known)
             if attempt > self._attempt:
-                # torchrun restarted the worker group (its restart count went up).
-                for _ in range(attempt - self._attempt):
-                    self._restart_seen()
+                # torchrun restarted the worker group (its restart count went up), maybe more
+                # than once since the last look: each restart with the failure the log shows.
+                self._restart_seen(times=attempt - self._attempt)
                 self._attempt = attempt
                 if self._crash_looping():
                     return
@@ -374,8 +374,12 @@ class JobManager(JobRecords, WorkerGroup):
         except OSError:
             return 0
 
-    def _restart_seen(self, fallback: str = "") -> None:
-        """A worker group restart (torchrun's, or the daemon's of a dead agent): counts it."""
+    def _restart_seen(self, fallback: str = "", times: int = 1) -> None:
+        """A worker group restart (torchrun's, or the daemon's of a dead agent), or ``times``
+        of them seen at once: counts them. Restarts seen together share the failure the log
+        shows since the last look: read for the first alone, the others counted as showing
+        no traceback, and a job whose restarts came faster than the daemon's cycle was failed
+        with that reason instead of its exception (CI: the crash-loop test, one run in two)."""
         sup, job = self.supervisor, self.job
         if sup is None or job is None:
             return
@@ -389,8 +393,9 @@ class JobManager(JobRecords, WorkerGroup):
         if committed is None and self._best_step >= 0:
             committed = (0, self._best_step)
         now = self.clock.monotonic()
-        self._loop = crashloop.after_restart(self._loop, committed, failure,
-                                             now - self._attempt_at)
+        for _ in range(times):
+            self._loop = crashloop.after_restart(self._loop, committed, failure,
+                                                 now - self._attempt_at)
         self._attempt_at = now
 
     def _crash_looping(self) -> bool:

@@ -123,6 +123,30 @@ def test_restarts_without_a_new_commit_fail_the_job_with_the_workers_exception(e
     assert mgr.status.state == "failed" and "boom at step 30" in mgr.status.detail
 
 
+def test_restarts_seen_together_all_carry_the_exception_the_log_shows(env, tmp_path):
+    """torchrun may restart a group that fails at once twice between two looks of the daemon:
+    both restarts count with the exception in the log, not the second as a failure with no
+    traceback (which kept the job's reason from naming the exception)."""
+    coord, keys, mgr, lease = env
+    mgr.committed = lambda job: (0, 29)
+    mgr._drain()
+    mgr.job = mgr._status_job = "job"
+    mgr.supervisor = agent = StandInAgent(tmp_path / "agent")
+    mgr._runs_known = set()
+    mgr.status = NodeJobStatus("n1", "running", "agent started")
+    limit = mgr.specs["job"][1].crash_loop_restarts
+    agent.fail_attempt(1, "RuntimeError: boom at step 30")
+    mgr.step()  # the first restart follows progress (step 29 committed)
+    for attempt in range(2, limit + 2):  # the rest between two looks
+        agent.fail_attempt(attempt, "RuntimeError: boom at step 30")
+    mgr.step()
+    assert mgr.job is None
+    control = JobControl.decode(coord.get(keys.job_control("job")).value)
+    assert control.reason.startswith(f"crash loop: {limit} worker group restarts")
+    assert control.reason.endswith("last failure: RuntimeError: boom at step 30")
+    mgr._stopping.join(5)
+
+
 def test_a_job_failed_elsewhere_stops_here_as_failed(env, tmp_path):
     coord, keys, mgr, lease = env
     mgr._drain()
