@@ -54,6 +54,8 @@ class _Fetched:
     error: str = ""
     #: Lets go of the slot a piece read in place maps (its tensors are views of it).
     release: Callable[[], None] | None = None
+    #: Which old rank's snapshot this is, when fetched for another world size.
+    rank: int | None = None
 
     def close(self) -> None:
         """Releases the slots the pieces were read from in place."""
@@ -154,7 +156,13 @@ class Sources:
 
         Args:
             world: the world size ``version`` was saved at (default: the current one); at
-                another world size this rank loads old rank ``rank % world``'s shard.
+                another world size this rank loads old rank ``rank % world``'s shard, or,
+                when no copy of that one is left in any node's RAM, another old rank's (the
+                same model and optimizer for replicated state; the resharder takes the rows
+                of sharded state from every old rank it needs either way). Before, the step
+                was then not loadable on this rank and the job restored an older step, or
+                step 0, while the committed step was in RAM on the survivors (a chaos run:
+                old rank 0's copies on a frozen node and on the killed one).
         """
         world = self.world if world is None else world
         if world == self.world and version in self.ram:
@@ -172,17 +180,31 @@ class Sources:
                 # rank's snapshot is read only through the resharder for them, and its other
                 # entries come whole).
                 reshard = world != self.world
-                got = self._from_daemon("ckpt_fetch", version, world, refused,
-                                        self.rank % world, in_place=reshard,
-                                        need=self.boxes if reshard else None)
-                if got is not None:
-                    return _own_unsharded(got) if reshard else got
+                base = self.rank % world
+                for old in [base, *((base + i) % world for i in range(1, world))] if reshard \
+                        else [self.rank]:
+                    try:
+                        got = self._from_daemon("ckpt_fetch", version, world, refused, old,
+                                                in_place=reshard,
+                                                need=self.boxes if reshard else None)
+                    except DaemonUnavailable:
+                        raise
+                    except Exception as exc:  # noqa: BLE001 — no copy reachable: the next
+                        refused.append(f"peer step {version} rank {old}: {exc}")
+                        log.error("elasticd: cannot fetch rank %d step %s from a peer: %s",
+                                  old, version, exc)
+                        continue
+                    if got is not None:
+                        if not reshard:
+                            return got
+                        if old != base:
+                            log.warning("elasticd: rank %d restores step %s from old rank %d's "
+                                        "snapshot: no copy of old rank %d's is left in RAM",
+                                        self.rank, version, old, base)
+                        got.rank = old
+                        return _own_unsharded(got)
             except DaemonUnavailable as exc:
                 return self._silent(version, exc)
-            except Exception as exc:  # noqa: BLE001 — no copy reachable: try the next source
-                refused.append(f"peer step {version}: {exc}")
-                log.error("elasticd: cannot fetch rank %d step %s from a peer: %s",
-                          self.rank, version, exc)
         if version in self.persisted and self.persist_dir:
             try:
                 # At another world size, old rank ``rank % world``'s (fetch_shards adds the
@@ -252,7 +274,7 @@ class Sources:
             kind == "zero" for _, kind, _ in got.meta.get("objects", ()))
         if not dtensors and not zero:
             return got
-        base = self.rank % world
+        base = got.rank if got.rank is not None else self.rank % world
         need = [base, *(q for q in range(world) if q != base)] if zero else [base]
         if dtensors:
             try:

@@ -11,6 +11,8 @@ threads of this process (the collective of ``test_checkpoint_client``); slots li
 
 from __future__ import annotations
 
+import logging
+
 import os
 import shutil
 import uuid
@@ -286,6 +288,34 @@ def test_after_a_shrink_ranks_restore_the_committed_step_from_a_peer(nodes):
     assert svc.replicator.fetches == [("j", 1, (0, 2))]
     assert svc.replicator.generations == [("j", 1)]
     assert {e["source"] for e in svc.history} == {"local", "peer"}
+
+
+def test_after_a_shrink_a_rank_whose_old_rank_is_lost_everywhere_loads_another_old_rank(
+        nodes, caplog):
+    """Old rank 1's copies are gone from every node's RAM (its node killed, its replica's
+    holder frozen), the committed step's other ranks are held: the new rank 1 restores the
+    committed step from another old rank's snapshot (the same model and optimizer under
+    DDP), where it used to find the step not loadable, and the job went back to step 0."""
+    svc, t, other, t2 = nodes
+    refs = save_old_world(t, t2, 3, steps=[2, 2, 2])
+    other.store.remove("j", 1)
+    svc.replicator.record = commit(0, 2, 3)
+    ranks = ThreadRanks(2)
+    fresh = [make_state(seed=99, world=2, rank=r) for r in range(2)]
+
+    def restore(r):
+        with Checkpointer(transport=t, job="j", rank=r, world_size=2,
+                          collective=ranks.rank(r)) as ckpt:
+            return ckpt.restore(fresh[r]), ckpt.last_restore
+
+    with caplog.at_level(logging.WARNING, logger="elasticd.checkpoint"):
+        results = run_ranks(2, restore)
+    assert [step for step, _ in results] == [2, 2]
+    assert results[1][1].source == "peer" and results[1][1].saved_world_size == 3
+    assert_same(fresh[0], refs[(0, 2)], rng=False)
+    assert_same(fresh[1], refs[(2, 2)], rng=False)  # old rank 2's: rank 1's own is lost
+    assert ("j", 1, (0, 2)) in svc.replicator.fetches  # asked first, lost
+    assert "from old rank 2's snapshot: no copy of old rank 1's" in caplog.text
 
 
 def test_a_newer_step_every_rank_holds_beats_the_committed_one(nodes):
