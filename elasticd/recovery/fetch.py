@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 
 from elasticd.snapshot.format import SnapshotError, SnapshotHeader
 from elasticd.snapshot.reader import parse_header, verify_block, verify_payload
+from elasticd.store.api import OverBudget
 from elasticd.store.shm import SlotStore
 from elasticd.clock import Clock
 from elasticd.replication.api import (
@@ -140,7 +141,8 @@ def fetch_shard(job: str, rank: int, version: Version | None, into: Any, *, me: 
                 holders: Sequence[str], connections: Connections, own: Sequence[SlotStore],
                 clock: Clock, stripe_bytes: int | None = None,
                 rates: LinkRates | None = None,
-                select: Callable[[SnapshotHeader], Sequence[int]] | None = None
+                select: Callable[[SnapshotHeader], Sequence[int]] | None = None,
+                reserve: Callable[[int, int], None] | None = None
                 ) -> FetchResult:
     """Fetches and verifies one shard: from this node's own memory when it holds it, else
     striped across every remote holder of one version at once.
@@ -171,6 +173,10 @@ def fetch_shard(job: str, rank: int, version: Version | None, into: Any, *, me: 
         select: given the header, the payload blocks to fetch from peers (the rest of the
             buffer is left as it is: only those blocks are valid); None: every block. A copy
             from this node's own memory is always whole.
+        reserve: called with each byte range (start, end) of the buffer ``into`` last gave
+            before anything is written there (a scratch segment reserves its pages piece by
+            piece, each holder's thread its own); its errors are not a holder's: they end
+            the fetch.
 
     Raises:
         ShardLost: no holder, or no set of holders, could provide an intact copy;
@@ -187,9 +193,15 @@ def fetch_shard(job: str, rank: int, version: Version | None, into: Any, *, me: 
             chosen.append((d, into(d) if callable(into) else into))
         return chosen[-1][1]
 
+    def whole(d: Descriptor) -> Any:
+        buf = sized(d)
+        if reserve is not None:
+            reserve(0, d.total_bytes)
+        return buf
+
     if me in holders:
         try:
-            d = copy_own(own, job, rank, version, sized)
+            d = copy_own(own, job, rank, version, whole)
             if d is not None:
                 verify_copy(sized(d), d, f"copy of {job} rank {rank} from {me}")
                 return FetchResult(me, d, 0, clock.monotonic() - started, (), ((me, 0),))
@@ -200,7 +212,8 @@ def fetch_shard(job: str, rank: int, version: Version | None, into: Any, *, me: 
         # Described by the first holder that answers; its bytes are then striped across it
         # and every holder after it.
         try:
-            d, header, wire = _describe(job, rank, version, holder, connections, sized, rates)
+            d, header, wire = _describe(job, rank, version, holder, connections, sized, rates,
+                                        reserve)
         except _EXPECTED as exc:
             attempts.append((holder, _reason(holder, exc, connections)))
             continue
@@ -214,7 +227,7 @@ def fetch_shard(job: str, rank: int, version: Version | None, into: Any, *, me: 
         size = stripe_bytes or stripe_size(wanted, len(remote) - i,
                                            min(rates.rate(h) for h in remote[i:]))
         stripe = _Stripe(job, rank, d, header, sized(d), connections, size, rates, clock,
-                         blocks)
+                         blocks, reserve)
         stripe.wire += wire
         stripe.served[holder] = header.layout.data_offset
         stripe.run(remote[i:])
@@ -263,7 +276,8 @@ def _request(connections: Connections, holder: str, call: Callable[[Any], Any],
 
 
 def _describe(job: str, rank: int, version: Version | None, holder: str,
-              connections: Connections, sized: Callable[[Descriptor], Any], rates: LinkRates
+              connections: Connections, sized: Callable[[Descriptor], Any], rates: LinkRates,
+              reserve: Callable[[int, int], None] | None = None
               ) -> tuple[Descriptor, SnapshotHeader, int]:
     """The descriptor and checked header of ``holder``'s copy (its header bytes now in the
     buffer ``sized`` gives), and the bytes received."""
@@ -271,6 +285,8 @@ def _describe(job: str, rank: int, version: Version | None, holder: str,
     d, wire = _request(connections, holder,
                        lambda c: c.fetch(job, rank, sized, version, byte_range=(0, 0),
                                          deadline=floor), floor)
+    if reserve is not None:
+        reserve(0, d.header_bytes)
     head = rates.deadline(holder, d.header_bytes)
     _, more = _request(connections, holder,
                        lambda c: c.fetch(job, rank, sized, d.version,
@@ -279,6 +295,8 @@ def _describe(job: str, rank: int, version: Version | None, holder: str,
     header = check_header(view, d, f"copy of {job} rank {rank} from {holder}")
     gap = header.layout.data_offset - d.header_bytes
     if gap > 0:  # padding before the first block, when the holder counts it out of the header
+        if reserve is not None:
+            reserve(d.header_bytes, header.layout.data_offset)
         wire += _request(connections, holder, lambda c: c.fetch(
             job, rank, view, d.version, byte_range=(d.header_bytes, gap),
             deadline=rates.deadline(holder, gap)), floor)[1]
@@ -290,8 +308,10 @@ class _Stripe:
 
     def __init__(self, job: str, rank: int, d: Descriptor, header: SnapshotHeader, buf: Any,
                  connections: Connections, stripe_bytes: int, rates: LinkRates,
-                 clock: Clock, blocks: Sequence[int] | None = None) -> None:
+                 clock: Clock, blocks: Sequence[int] | None = None,
+                 reserve: Callable[[int, int], None] | None = None) -> None:
         self.job, self.rank, self.d, self.header = job, rank, d, header
+        self.reserve = reserve
         self.rates, self.clock = rates, clock
         self.view = memoryview(buf).cast("B")[: d.total_bytes]
         self.connections = connections
@@ -348,6 +368,14 @@ class _Stripe:
             while (piece := self._take()) is not None:
                 start = lay.block_range(piece[0])[0]
                 end = lay.block_range(piece[1] - 1)[1]
+                if self.reserve is not None:
+                    try:
+                        self.reserve(start, end)
+                    except BaseException:
+                        with self.cond:
+                            self.pieces.append(piece)
+                            self.in_flight -= 1
+                        raise  # the buffer's, not the holder's: ends the fetch
                 try:
                     # A whole-call deadline: a frozen holder keeps its socket open and would
                     # otherwise cost the socket timeout per receive.
@@ -423,7 +451,8 @@ class Fetcher(Protocol):
     (:func:`fetch_shard`'s contract)."""
 
     def fetch(self, job: str, rank: int, version: Version | None, into: Any,
-              select: Callable[[SnapshotHeader], Sequence[int]] | None = None) -> FetchResult:
+              select: Callable[[SnapshotHeader], Sequence[int]] | None = None,
+              reserve: Callable[[int, int], None] | None = None) -> FetchResult:
         ...
 
 
@@ -470,9 +499,17 @@ def fetch_into_scratch(fetcher: Fetcher, store: SlotStore, job: str, rank: int,
         segments.append(store.scratch(d.total_bytes))
         return segments[-1].view
 
+    def reserve(start: int, end: int) -> None:
+        try:
+            segments[-1].reserve_range(start, end)
+        except OSError as exc:
+            raise OverBudget(f"no room for a partial copy of {job} rank {rank}: {exc}",
+                             end - start, store.bytes_held(), store.cap_bytes) from exc
+
     try:
         result = fetcher.fetch(job, rank, version, into,
-                               select=lambda header: needed_blocks(header, boxes))
+                               select=lambda header: needed_blocks(header, boxes),
+                               reserve=reserve)
     except BaseException:
         for segment in segments:
             store.drop_scratch(segment)

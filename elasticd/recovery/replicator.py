@@ -341,11 +341,11 @@ class Replicator:
     # -- recovery --------------------------------------------------------------------------
 
     def fetch(self, job: str, rank: int, version: Version | None, into: Any,
-              select: Any = None) -> FetchResult:
+              select: Any = None, reserve: Any = None) -> FetchResult:
         """Fetches ``rank``'s shard (``version``, or the newest) from a holder into ``into``
         (a writable buffer, or a function given the descriptor that returns one), verified;
-        with ``select`` only the payload blocks it picks from the header (see
-        :func:`~elasticd.recovery.fetch.fetch_shard`).
+        with ``select`` only the payload blocks it picks from the header, ``reserve`` called
+        before each range is written (see :func:`~elasticd.recovery.fetch.fetch_shard`).
 
         Raises:
             ShardLost: no holder has an intact copy: use the persistent tier.
@@ -367,7 +367,8 @@ class Replicator:
         try:
             result = fetch_shard(job, rank, version, into, me=self.node_id, holders=holders,
                                  connections=self._connections, own=self._own_stores(),
-                                 clock=self.clock, rates=self.link_rates, select=select)
+                                 clock=self.clock, rates=self.link_rates, select=select,
+                                 reserve=reserve)
         except ShardLost as exc:
             with self.tracker.lock:
                 self.fetch_failures["lost"] += 1

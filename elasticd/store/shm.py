@@ -291,7 +291,10 @@ class SlotStore:
         """A slot file outside every (job, rank), for a partial copy a restore reads once (the
         rows of an old rank's snapshot a new rank needs): never a snapshot of this store,
         counted against the cap until :meth:`drop_scratch`. Named ``.scratch-<random>`` at the root,
-        which :meth:`scan` removes after a crash (not a job directory).
+        which :meth:`scan` removes after a crash (not a job directory). Only sized: the caller
+        reserves each range before writing it (:meth:`Segment.reserve_range`), so a partial
+        copy takes the memory of what it holds, and the reserving runs beside the transfers
+        (a whole reserve up front took 0.74-0.96 s per 385 MB on huge pages after memory churn).
 
         Raises:
             OverBudget: the allocation would exceed ``cap_bytes`` (or the filesystem is full).
@@ -309,7 +312,7 @@ class SlotStore:
             name = f".scratch-{uuid.uuid4().hex[:16]}"
             try:
                 segment = Segment.allocate(self._fd, name, os.path.join(self.root, name),
-                                           capacity, self.file_mode)
+                                           capacity, self.file_mode, reserve=False)
             except OSError as exc:
                 raise OverBudget(f"cannot allocate {capacity} bytes in {self.root}: {exc}",
                                  capacity, held, self.cap_bytes) from exc

@@ -70,8 +70,14 @@ class FakeReplicator:
     def start_generation(self, job, generation):
         self.generations.append((job, generation))
 
-    def fetch(self, job, rank, version, into, select=None):
-        d = copy_own([self.peer], job, rank, version, into)  # whole: select only saves wire
+    def fetch(self, job, rank, version, into, select=None, reserve=None):
+        def whole(d):  # a copy from memory writes every byte: reserved whole first
+            buf = into(d)
+            if reserve is not None:
+                reserve(0, d.total_bytes)
+            return buf
+
+        d = copy_own([self.peer], job, rank, version, whole)  # whole: select only saves wire
         if d is None:
             raise ShardLost(job, rank, version, [("n2", "not held")])
         return FetchResult("n2", d, d.total_bytes, 0.001)

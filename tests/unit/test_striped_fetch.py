@@ -208,3 +208,63 @@ def test_pieces_grow_with_the_measured_rate_within_each_holders_share():
     # Never below STRIPE_BYTES (a small payload), never above MAX_STRIPE_BYTES.
     assert stripe_size(8 * MiB, 1, 2e9) == STRIPE_BYTES
     assert stripe_size(64 * 1024 * MiB, 1, 1e10) == MAX_STRIPE_BYTES
+
+
+def test_a_scratch_copy_reserves_only_the_ranges_it_receives(holders, tmp_path):
+    """Into a scratch segment (only sized), each range is reserved before anything writes it,
+    a piece's by the thread that fetches it: the file takes the memory of the header and the
+    selected blocks, not of the whole snapshot. A failing reservation ends the fetch with its
+    own error (no room), not as a fault of the holders."""
+    import os
+    import shutil
+    import uuid
+
+    from elasticd.store.api import OverBudget
+    from elasticd.store.shm import SlotStore
+
+    d, buf = sealed_snapshot()
+    servers, pool = holders([FailingSink(), FailingSink(), FailingSink()], d, buf)
+    root = f"/dev/shm/elasticd-test-{uuid.uuid4().hex[:12]}"
+    store = SlotStore(root)
+    try:
+        segments, reserved = [], []
+
+        def into(desc):
+            segments.append(store.scratch(desc.total_bytes))
+            return segments[-1].view
+
+        def reserve(start, end):
+            reserved.append((start, end, threading.current_thread().name))
+            segments[-1].reserve_range(start, end)
+
+        wanted = [*range(3, 9), *range(40, 45)]
+        fetch_shard(JOB, 1, d.version, into, me="me", holders=["me", "n0", "n1", "n2"],
+                    connections=pool, own=(), clock=SystemClock(), stripe_bytes=STRIPE,
+                    select=lambda header: wanted, reserve=reserve)
+        seg = segments[-1]
+        lay_start = d.header_bytes
+        for b in wanted:  # every selected block lies in a reserved range, and arrived intact
+            a, z = lay_start + b * BLOCK, min(lay_start + (b + 1) * BLOCK, d.total_bytes)
+            assert any(s <= a and z <= e for s, e, _ in reserved), b
+            assert bytes(seg.view[a:z]) == bytes(buf[a:z]), b
+        assert any(s == 0 and e >= d.header_bytes for s, e, _ in reserved)
+        assert len({name for *_, name in reserved if name.startswith("elasticd-stripe-")}) > 1
+        # Reserved in whole 2 MiB pages: the header's and the selected blocks' (0-4 MiB of
+        # this 6 MB snapshot), never the last 2 MiB, which holds no selected block.
+        held = os.stat(os.path.join(root, seg.name)).st_blocks * 512
+        assert held <= 4 << 20 < seg.capacity - (1 << 20), (held, seg.capacity)
+        store.drop_scratch(seg)
+
+        def refuse(start, end):
+            if start >= lay_start:
+                raise OverBudget("no room for a piece", end - start, 0, None)
+
+        with pytest.raises(OverBudget, match="no room for a piece"):
+            fetch_shard(JOB, 1, d.version, into, me="me", holders=["me", "n0", "n1", "n2"],
+                        connections=pool, own=(), clock=SystemClock(), stripe_bytes=STRIPE,
+                        reserve=refuse)
+    finally:
+        for seg in segments:
+            store.drop_scratch(seg)
+        store.close()
+        shutil.rmtree(root, ignore_errors=True)
