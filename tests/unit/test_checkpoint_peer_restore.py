@@ -270,20 +270,26 @@ def save_old_world(t1, t2, world, steps):
     return refs
 
 
+def restore_new_world(t, world):
+    """Fresh states of a new world of ``world`` ranks, each restored through ``t``; returns
+    them and each rank's (step, last_restore)."""
+    ranks = ThreadRanks(world)
+    fresh = [make_state(seed=99, world=world, rank=r) for r in range(world)]
+
+    def restore(r):
+        with Checkpointer(transport=t, job="j", rank=r, world_size=world,
+                          collective=ranks.rank(r)) as ckpt:
+            return ckpt.restore(fresh[r]), ckpt.last_restore
+
+    return fresh, run_ranks(world, restore)
+
+
 def test_after_a_shrink_ranks_restore_the_committed_step_from_a_peer(nodes):
     svc, t, _, t2 = nodes
     # Rank 0 reached step 3; the dead node's ranks reached step 2, which was committed.
     refs = save_old_world(t, t2, 3, steps=[3, 2, 2])
     svc.replicator.record = commit(0, 2, 3)
-    ranks = ThreadRanks(2)
-    fresh = [make_state(seed=99, world=2, rank=r) for r in range(2)]
-
-    def restore(r):
-        with Checkpointer(transport=t, job="j", rank=r, world_size=2,
-                          collective=ranks.rank(r)) as ckpt:
-            return ckpt.restore(fresh[r]), ckpt.last_restore
-
-    results = run_ranks(2, restore)
+    fresh, results = restore_new_world(t, 2)
     assert [step for step, _ in results] == [2, 2]
     (_, r0), (_, r1) = results
     assert r0.source == "local" and r1.source == "peer"  # rank 1's shard was only in n2
@@ -306,16 +312,8 @@ def test_after_a_shrink_a_rank_whose_old_rank_is_lost_everywhere_loads_another_o
     refs = save_old_world(t, t2, 3, steps=[2, 2, 2])
     other.store.remove("j", 1)
     svc.replicator.record = commit(0, 2, 3)
-    ranks = ThreadRanks(2)
-    fresh = [make_state(seed=99, world=2, rank=r) for r in range(2)]
-
-    def restore(r):
-        with Checkpointer(transport=t, job="j", rank=r, world_size=2,
-                          collective=ranks.rank(r)) as ckpt:
-            return ckpt.restore(fresh[r]), ckpt.last_restore
-
     with caplog.at_level(logging.WARNING, logger="elasticd.checkpoint"):
-        results = run_ranks(2, restore)
+        fresh, results = restore_new_world(t, 2)
     assert [step for step, _ in results] == [2, 2]
     assert results[1][1].source == "peer" and results[1][1].saved_world_size == 3
     assert_same(fresh[0], refs[(0, 2)], rng=False)

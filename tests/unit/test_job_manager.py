@@ -95,17 +95,22 @@ class StandInAgent:
         os.makedirs(os.path.join(self.log_dir, "torchrun", "job_x1", f"attempt_{n}"))
 
 
-def test_restarts_without_a_new_commit_fail_the_job_with_the_workers_exception(env, tmp_path):
-    coord, keys, mgr, lease = env
-    events = []
-    mgr.record_event = lambda kind, detail, data: events.append((kind, detail))
-    committed = [(0, 29)]
-    mgr.committed = lambda job: committed[-1]
+def running(mgr, tmp_path) -> StandInAgent:
+    """``mgr`` as with its agent running the job, at step 29 committed."""
+    mgr.committed = lambda job: (0, 29)
     mgr._drain()
     mgr.job = mgr._status_job = "job"
     mgr.supervisor = agent = StandInAgent(tmp_path / "agent")
     mgr._runs_known = set()
     mgr.status = NodeJobStatus("n1", "running", "agent started")
+    return agent
+
+
+def test_restarts_without_a_new_commit_fail_the_job_with_the_workers_exception(env, tmp_path):
+    coord, keys, mgr, lease = env
+    events = []
+    mgr.record_event = lambda kind, detail, data: events.append((kind, detail))
+    agent = running(mgr, tmp_path)
     limit = mgr.specs["job"][1].crash_loop_restarts
     for attempt in range(1, limit + 2):
         agent.fail_attempt(attempt, "RuntimeError: boom at step 30")
@@ -128,12 +133,7 @@ def test_restarts_seen_together_all_carry_the_exception_the_log_shows(env, tmp_p
     both restarts count with the exception in the log, not the second as a failure with no
     traceback (which kept the job's reason from naming the exception)."""
     coord, keys, mgr, lease = env
-    mgr.committed = lambda job: (0, 29)
-    mgr._drain()
-    mgr.job = mgr._status_job = "job"
-    mgr.supervisor = agent = StandInAgent(tmp_path / "agent")
-    mgr._runs_known = set()
-    mgr.status = NodeJobStatus("n1", "running", "agent started")
+    agent = running(mgr, tmp_path)
     limit = mgr.specs["job"][1].crash_loop_restarts
     agent.fail_attempt(1, "RuntimeError: boom at step 30")
     mgr.step()  # the first restart follows progress (step 29 committed)
