@@ -412,9 +412,14 @@ class Injector:
 
         heal: Callable[[], None] = lambda: None  # noqa: E731
         if f.after_bytes:
-            _, heal = self.cluster.count_port(f.node)  # counts, drops nothing
+            # The port is cut in the kernel at that byte, then the processes stopped: a
+            # stopped process's kernel still sends what its sockets hold (8 MiB of send
+            # buffer), which let a ~11 MiB piece finish after the stop in CI (no fetch was
+            # left to abandon); a frozen machine sends nothing.
+            _, heal = self.cluster.blackhole_port(f.node, f.after_bytes)
             self._landings[id(f)] = freeze
-            return [f.node], "every process SIGSTOPped once the bytes went out", thaw
+            return [f.node], ("every process SIGSTOPped once the bytes went out (the port cut "
+                              "in the kernel at that byte)"), thaw
         return [f.node], freeze(), thaw
 
     def _corrupt_replicas(self, f: Fault):

@@ -325,11 +325,6 @@ class ChaosCluster:
         went out of it (see :mod:`tests.chaos.partition`); returns the port and what heals it."""
         return self._cut_port(node, after_bytes)
 
-    def count_port(self, node: str) -> tuple[int, Callable[[], None]]:
-        """Counts the bytes going out of the node's replication port (:meth:`port_cut`), and
-        drops nothing; returns the port and what stops the count."""
-        return self._cut_port(node, 0, count_only=True)
-
     def port_cut(self, node: str):
         """The node's cgroup (:class:`~tests.chaos.partition.Partition`), for its count."""
         return self._partitions[node]
