@@ -74,6 +74,7 @@ import threading
 import time
 import uuid
 
+from bench_peer_restore import recv_exactly
 from elasticd.store.service import CheckpointService
 from elasticd.store.huge_pages import probe
 from elasticd.store.shm import SlotStore
@@ -145,15 +146,17 @@ def raw_sender(listener: socket.socket) -> None:
                 left -= n
 
 
-def holder(conn, name: str, root: str) -> None:
-    """A peer holding replicas in shared memory, served by a ReplicaServer; and the floor's
-    raw sender."""
+def holder(conn, name: str, root: str, raw: bool = False) -> None:
+    """A peer holding replicas in shared memory, served by a ReplicaServer (its address sent
+    on ``conn``); with ``raw``, also the floor's raw sender (its address sent next)."""
     store = SlotStore(root)
     server = ReplicaServer("127.0.0.1", 0, SECRET, name, ShmSink(store),
                            idle_timeout=3600.0).start()
-    listener = socket.create_server(("127.0.0.1", 0))
-    threading.Thread(target=raw_sender, args=(listener,), daemon=True).start()
-    conn.send((server.address, listener.getsockname()))
+    conn.send(server.address)
+    if raw:
+        listener = socket.create_server(("127.0.0.1", 0))
+        threading.Thread(target=raw_sender, args=(listener,), daemon=True).start()
+        conn.send(listener.getsockname())
     conn.recv()  # until told to stop
     server.stop()
     store.close()
@@ -360,12 +363,7 @@ def pull_raw(raw_book: list, buf: memoryview) -> None:
         with socket.create_connection(tuple(address)) as s:
             tune(s)
             s.sendall(len(part).to_bytes(8, "little"))
-            got = 0
-            while got < len(part):
-                k = s.recv_into(part[got:])
-                if not k:
-                    raise ConnectionError("raw sender closed early")
-                got += k
+            recv_exactly(s, part)
 
     threads = [threading.Thread(target=pull, args=(a, buf[lo:hi]))
                for a, lo, hi in zip(raw_book, cuts, cuts[1:])]
@@ -533,11 +531,10 @@ def main() -> None:
         book, pids, raw_book = {}, {}, []
         for i in range(OLD):
             a, b = fork.Pipe()
-            p = fork.Process(target=holder, args=(b, f"h{i}", f"{shm}/h{i}"), daemon=True)
+            p = fork.Process(target=holder, args=(b, f"h{i}", f"{shm}/h{i}", True), daemon=True)
             p.start()
-            address, raw = a.recv()
-            book[f"h{i}"] = list(address)
-            raw_book.append(raw)
+            book[f"h{i}"] = list(a.recv())
+            raw_book.append(a.recv())
             pids[f"h{i}"] = p.pid
             stops.append(a)
             procs.append(p)

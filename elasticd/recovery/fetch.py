@@ -371,11 +371,15 @@ class _Stripe:
                 if self.reserve is not None:
                     try:
                         self.reserve(start, end)
-                    except BaseException:
+                    except BaseException as exc:
+                        # The buffer's fault, not the holder's (its connection stays): it
+                        # ends the fetch.
                         with self.cond:
                             self.pieces.append(piece)
                             self.in_flight -= 1
-                        raise  # the buffer's, not the holder's: ends the fetch
+                            self.fatal = self.fatal or exc
+                            self.cond.notify_all()
+                        return
                 try:
                     # A whole-call deadline: a frozen holder keeps its socket open and would
                     # otherwise cost the socket timeout per receive.

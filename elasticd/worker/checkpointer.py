@@ -338,21 +338,15 @@ class Checkpointer:
     # -- internals ------------------------------------------------------------------------
 
     def _reserve(self, nbytes: int, step: int, mapped: list[list[int]]) -> dict[str, Any] | None:
-        reply = self._call("ckpt_reserve", **self._reserve_fields(nbytes, step, mapped))
-        self._heard(reply)
-        return reply
-
-    def _reserve_fields(self, nbytes: int, step: int, mapped: list[list[int]]
-                        ) -> dict[str, Any]:
-        return {"job": self.job, "rank": self.rank, "world_size": self.world_size,
-                "nbytes": nbytes, "local_world_size": self.local_world_size, "step": step,
-                "generation": self.generation, "mapped": mapped}
+        return self._start_reserve(nbytes, step, mapped).result()
 
     def _start_reserve(self, nbytes: int, step: int, mapped: list[list[int]]
                        ) -> "_Reservation":
         """``ckpt_reserve`` sent, its reply read later (:class:`_Reservation`); at once with a
         transport that cannot split a call."""
-        fields = self._reserve_fields(nbytes, step, mapped)
+        fields = {"job": self.job, "rank": self.rank, "world_size": self.world_size,
+                  "nbytes": nbytes, "local_world_size": self.local_world_size, "step": step,
+                  "generation": self.generation, "mapped": mapped}
         start = getattr(self.transport, "start", None)
         if start is None:
             return _Reservation(self, reply=self._call("ckpt_reserve", **fields))
@@ -519,10 +513,12 @@ class _Reservation:
 
     def drop(self) -> None:
         """The slot is not wanted after all: the reply is read, its descriptors closed."""
-        if self._call is not None or self._reply is not None:
-            reply, self._reply = self.result(), None
-            if reply is not None:
-                close_fds(reply)
+        call, self._call = self._call, None
+        if call is not None:
+            call.close()
+        elif self._reply is not None:
+            close_fds(self._reply)
+            self._reply = None
 
 
 def _default_transport() -> Any:

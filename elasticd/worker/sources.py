@@ -175,36 +175,34 @@ class Sources:
                 log.error("elasticd: REFUSED the in-RAM snapshot of rank %d step %s: %s",
                           self.rank, version, exc)
         if version in self.fetchable and self.transport is not None:
-            try:
-                # At another world size only the rows this rank's new shards overlap (its old
-                # rank's snapshot is read only through the resharder for them, and its other
-                # entries come whole).
-                reshard = world != self.world
-                base = self.rank % world
-                for old in [base, *((base + i) % world for i in range(1, world))] if reshard \
-                        else [self.rank]:
-                    try:
-                        got = self._from_daemon("ckpt_fetch", version, world, refused, old,
-                                                in_place=reshard,
-                                                need=self.boxes if reshard else None)
-                    except DaemonUnavailable:
-                        raise
-                    except Exception as exc:  # noqa: BLE001 — no copy reachable: the next
-                        refused.append(f"peer step {version} rank {old}: {exc}")
-                        log.error("elasticd: cannot fetch rank %d step %s from a peer: %s",
-                                  old, version, exc)
-                        continue
-                    if got is not None:
-                        if not reshard:
-                            return got
-                        if old != base:
-                            log.warning("elasticd: rank %d restores step %s from old rank %d's "
-                                        "snapshot: no copy of old rank %d's is left in RAM",
-                                        self.rank, version, old, base)
-                        got.rank = old
-                        return _own_unsharded(got)
-            except DaemonUnavailable as exc:
-                return self._silent(version, exc)
+            # At another world size only the rows this rank's new shards overlap (its old
+            # rank's snapshot is read only through the resharder for them, and its other
+            # entries come whole).
+            reshard = world != self.world
+            base = self.rank % world  # this rank itself at the same world size
+            olds = [base, *((base + i) % world for i in range(1, world))] if reshard else [base]
+            for old in olds:
+                try:
+                    got = self._from_daemon("ckpt_fetch", version, world, refused, old,
+                                            in_place=reshard,
+                                            need=self.boxes if reshard else None)
+                except DaemonUnavailable as exc:
+                    return self._silent(version, exc)
+                except Exception as exc:  # noqa: BLE001 — no copy reachable: the next source
+                    refused.append(f"peer step {version} rank {old}: {exc}")
+                    log.error("elasticd: cannot fetch rank %d step %s from a peer: %s",
+                              old, version, exc)
+                    continue
+                if got is None:
+                    continue  # lost in every peer's RAM
+                if not reshard:
+                    return got
+                if old != base:
+                    log.warning("elasticd: rank %d restores step %s from old rank %d's "
+                                "snapshot: no copy of old rank %d's is left in RAM",
+                                self.rank, version, old, base)
+                got.rank = old
+                return _own_unsharded(got)
         if version in self.persisted and self.persist_dir:
             try:
                 # At another world size, old rank ``rank % world``'s (fetch_shards adds the

@@ -395,6 +395,7 @@ def test_the_slot_request_in_flight_over_a_real_socket(service, tmp_path):
     its reply read after: snapshots land as before, and a state that stops being
     snapshottable is still reported to the daemon (the request in flight holds the
     connection the report needs: given up first, not a deadlock)."""
+    import elasticd.worker.checkpointer as checkpointer_module
     from elasticd.daemon.local_api import LocalServer
     from elasticd.worker.client import DaemonClient
     from elasticd.worker.state import UnsupportedValue
@@ -402,18 +403,35 @@ def test_the_slot_request_in_flight_over_a_real_socket(service, tmp_path):
     server = LocalServer(str(tmp_path / "d.sock"), service.handlers())
     server.start()
     client = DaemonClient(server.path, timeout=10.0)
-    called = []  # call() is start().result(); a split request goes to start() alone
-    real_call = client.call
-    client.call = lambda op, **f: called.append(op) or real_call(op, **f)
+    # What happened between each ckpt_reserve's start and its result: a split request has
+    # the flatten in between, a request at once (the first save's) nothing.
+    events: list[str] = []
+    real_start = client.start
+
+    def start(op, **fields):
+        pending = real_start(op, **fields)
+        if op != "ckpt_reserve":
+            return pending
+        events.append("sent")
+        real_result = pending.result
+        pending.result = lambda: events.append("read") or real_result()
+        return pending
+
+    client.start = start
+    real_flatten = checkpointer_module.flatten
     state = make_state()
     try:
+        checkpointer_module.flatten = lambda s: events.append("flatten") or real_flatten(s)
         with Checkpointer(transport=client, job="j", rank=0, world_size=1) as ckpt:
             for step in (1, 2, 3):
                 train_step(state)
                 assert ckpt.save(step, state)
                 ckpt.wait()
-            assert called.count("ckpt_reserve") == 1  # split after the first save
-            assert called.count("ckpt_complete") == 3
+            checkpointer_module.flatten = real_flatten
+            reserves = "".join(events).split("sent")[1:]
+            assert reserves == ["read", "flattenread", "flattenread"], events  # split after
+            # the first save
+            assert ckpt.stats["saves"] == 3  # each completed
             want = capture(state)
             train_step(state)
             assert ckpt.restore(state) == 3
@@ -435,5 +453,6 @@ def test_the_slot_request_in_flight_over_a_real_socket(service, tmp_path):
             assert service.status()["j"]["unprotected_kind"] == "snapshots_failing"
             assert client.call("ckpt_list", job="j", rank=0) is not None  # connection free
     finally:
+        checkpointer_module.flatten = real_flatten
         client.close()
         server.stop()

@@ -476,17 +476,24 @@ def test_one_client_shared_by_threads_keeps_replies_apart(client, rec):
     assert len(rec.records) == 800 and client.dropped == 0
 
 
-def test_a_started_call_is_under_way_before_its_result_is_taken(client, rec):
+def test_a_started_call_is_under_way_before_its_result_is_taken(make_server, clients, rec):
     """start() sends at once (the daemon works while the caller flattens a state); result()
     gives what call() would; until then the connection is this call's: another thread's call
     waits for it, and close() frees it without a result."""
-    t0 = time.monotonic()
-    pending = client.start("slow", seconds=0.3)
-    assert time.monotonic() - t0 < 0.2  # not waiting for the handler
-    time.sleep(0.35)  # the handler runs meanwhile
-    t1 = time.monotonic()
-    assert pending.result()["slept"] == 0.3
-    assert time.monotonic() - t1 < 0.2  # the reply was already there
+    entered, gate = threading.Event(), threading.Event()
+
+    def gated(m):
+        entered.set()
+        gate.wait(5)
+        return {"opened": gate.is_set()}
+
+    server = make_server(handlers={**rec.handlers(), "gated": gated})
+    client = DaemonClient(server.path, timeout=10.0)
+    clients.append(client)
+    pending = client.start("gated")  # returns while the handler waits for the gate
+    assert entered.wait(5)  # the daemon is working on it before anyone asks for the reply
+    gate.set()
+    assert pending.result() == {"opened": True}  # start() did not wait for the handler
     with pytest.raises(RuntimeError, match="already taken"):
         pending.result()
     pending = client.start("echo", n=1)
