@@ -47,6 +47,7 @@ import logging
 import os
 from typing import Any, Mapping, MutableMapping
 
+import orjson
 import torch
 
 from elasticd.worker import restore as _restore
@@ -66,6 +67,17 @@ _UNPROTECTED_EVERY = 60.0  # seconds between two warnings that the job is still 
 
 def _json(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), allow_nan=False)
+
+
+def _meta_json(meta: Any) -> bytes:
+    """``meta`` as compact JSON, by orjson: the seal writes it every snapshot on a thread that
+    holds the GIL meanwhile, taken from the training loop (0.39 ms with json, 0.03 ms with
+    orjson, FSDP2 model of 384 tensors). Flatten leaves no inf/nan in a meta (orjson would
+    write null); a value orjson refuses (an int over 64 bits) falls back to json."""
+    try:
+        return orjson.dumps(meta)
+    except TypeError:
+        return _json(meta).encode()
 
 
 @dataclasses.dataclass
@@ -149,6 +161,7 @@ class Checkpointer:
         self._unprotected = ""  # what the daemon last said, "" while protected
         self._unprotected_warned_at: float | None = None
         self._state_checked = False  # the first save flattens the state whatever its step
+        self._flat_memo: dict[str, Any] = {}  # flatten's, from one save to the next
         self._register()
 
     # -- restore --------------------------------------------------------------------------
@@ -207,7 +220,7 @@ class Checkpointer:
         (the job is unprotected) and raised. ``pending``: a slot request in flight, given up
         first (its reply holds the connection the report needs)."""
         try:
-            flat = flatten(state)
+            flat = flatten(state, self._flat_memo)
         except UnsupportedValue as exc:
             if pending is not None:
                 pending.drop()
@@ -319,6 +332,7 @@ class Checkpointer:
         for handle in self._hooks.values():
             handle.remove()
         self._hooks.clear()
+        self._flat_memo.clear()
         self._pool.shutdown(wait=True)
         self.copier.close()
         for mm in self._maps.values():
@@ -364,7 +378,7 @@ class Checkpointer:
         self.stats["copy_seconds"] += sealing - copied_from
         body = (plan.prefix + f',"job":{_json(self.job)},"step":{step},"generation":'
                 f'{self.generation},"rank":{self.rank},"world_size":{self.world_size},'
-                f'"meta":{_json(meta)}}}').encode()
+                '"meta":').encode() + _meta_json(meta) + b"}"
         if PREAMBLE_SIZE + len(body) > plan.layout.data_offset:
             plan.stale = True  # the meta outgrew the header reserve: re-plan next time
             raise RuntimeError(f"header of {len(body)} bytes outgrew its reserve; snapshot of "
@@ -379,14 +393,14 @@ class Checkpointer:
         self.stats["seal_seconds"] += SYSTEM_CLOCK.perf_counter() - sealing
 
     def _plan_for(self, flat: FlatState, state: Mapping[str, Any]) -> _Plan:
-        key = tuple((n, t.dtype, t.shape) for n, t in zip(flat.names, flat.tensors))
+        key = flat.key()
         plan = self._plan
         if plan is not None and plan.key == key and not plan.stale:
             return plan
         specs = [TensorSpec(n, dtype_name(t.dtype), tuple(t.shape))
                  for n, t in zip(flat.names, flat.tensors)]
         # Room for the meta to grow between re-plans (counters, lr values, RNG positions).
-        meta_len = len(_json(flat.meta))
+        meta_len = len(_meta_json(flat.meta))
         lay = layout(specs, job=self.job, meta={"m": flat.meta,
                                                 "pad": "_" * max(4096, meta_len // 2)})
         head = {"data_offset": lay.data_offset, "total_size": lay.total_size,

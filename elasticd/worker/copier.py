@@ -43,29 +43,35 @@ def _check(tensors: Sequence[torch.Tensor], lay: Layout, size: int) -> None:
         raise ValueError(f"{len(tensors)} tensors for a layout of {len(lay.entries)} entries")
     if size < lay.total_size:
         raise ValueError(f"buffer of {size} bytes is smaller than the layout's {lay.total_size}")
-    strided = torch.strided
-    for t, e, (dtype, shape) in zip(tensors, lay.entries, _expected(lay)):
+    dtypes, shapes = _expected(lay)
+    # Whole lists compared (in C) first: this runs on the training thread every snapshot.
+    if ([t.dtype for t in tensors] == dtypes and [t.shape for t in tensors] == shapes
+            and all(t.layout is torch.strided for t in tensors)):
+        return
+    for t, e, dtype, shape in zip(tensors, lay.entries, dtypes, shapes):
         if t.dtype is not dtype or t.shape != shape:
             raise ValueError(
                 f"tensor for {e.name!r} is {dtype_name(t.dtype)}{tuple(t.shape)}, the layout "
                 f"expects {e.dtype}{e.shape}: flatten the state again and recompute the layout"
             )
-        if t.layout != strided:
+        if t.layout != torch.strided:
             raise ValueError(f"tensor for {e.name!r} has layout {t.layout}; only dense tensors")
 
 
-_expected_cache: collections.OrderedDict[int, tuple[Layout, list[tuple[torch.dtype, Any]]]] = (
+_Expected = tuple[list[torch.dtype], list[torch.Size]]
+_expected_cache: collections.OrderedDict[int, tuple[Layout, _Expected]] = (
     collections.OrderedDict())
 
 
-def _expected(lay: Layout) -> list[tuple[torch.dtype, Any]]:
-    """(torch dtype, shape) per entry of ``lay``, kept for the most recent layouts: this check
-    runs on the training thread every step, and dtype names are slow to compare."""
+def _expected(lay: Layout) -> _Expected:
+    """The torch dtypes and the shapes of ``lay``'s entries, kept for the most recent layouts:
+    this check runs on the training thread every step, and dtype names are slow to compare."""
     with _views_lock:
         hit = _expected_cache.get(id(lay))
         if hit is not None and hit[0] is lay:
             return hit[1]
-    out = [(getattr(torch, e.dtype), torch.Size(e.shape)) for e in lay.entries]
+    out = ([getattr(torch, e.dtype) for e in lay.entries],
+           [torch.Size(e.shape) for e in lay.entries])
     with _views_lock:
         _expected_cache[id(lay)] = (lay, out)
         while len(_expected_cache) > _VIEWS_KEPT:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import math
 import random
 import sys
@@ -31,6 +32,7 @@ import numpy as np
 import torch
 
 from elasticd.worker import shards
+from elasticd.worker.state_memo import DictMemo, depth, tensor_key
 from elasticd.worker.copier import dtype_name, read_tensors, spec_of
 from elasticd.snapshot.format import DEFAULT_BLOCK_SIZE, Layout, SnapshotHeader, TensorSpec, layout
 from elasticd.errors import CheckpointError
@@ -136,6 +138,14 @@ class FlatState:
     names: list[str]
     tensors: list[torch.Tensor]
     meta: dict[str, Any]
+    key_parts: list[tuple] | None = None  # flatten's, joined by key()
+
+    def key(self) -> tuple:
+        """(name, dtype, shape) per tensor: equal while the layout stays the same. Parts a
+        memo gave are the same tuples as the last time, so comparing them is cheap."""
+        if self.key_parts is None:
+            return tensor_key(self.names, self.tensors)
+        return tuple(itertools.chain.from_iterable(self.key_parts))
 
     def specs(self) -> list[TensorSpec]:
         return [spec_of(n, t) for n, t in zip(self.names, self.tensors)]
@@ -153,10 +163,21 @@ _KNOWN_DTYPES: set[torch.dtype] = set()
 
 
 class _Flattener:
-    def __init__(self) -> None:
+    def __init__(self, memo: dict[str, DictMemo] | None = None) -> None:
         self.names: list[str] = []
         self.tensors: list[torch.Tensor] = []
-        self._used: set[str] = set()
+        self.used: set[str] = set()  # the names given so far
+        self._memo = memo
+        self._renamed = False
+        self.key_parts: list[tuple] = []
+        self.keyed = 0  # tensors [0, keyed) are in key_parts
+
+    def key_part(self) -> list[tuple]:
+        """key_parts, with the tensors added since the last part as one more."""
+        if self.keyed < len(self.tensors):
+            self.key_parts.append(tensor_key(self.names[self.keyed:], self.tensors[self.keyed:]))
+            self.keyed = len(self.tensors)
+        return self.key_parts
 
     def _add(self, path: str, tensor: torch.Tensor) -> int:
         if tensor.layout != torch.strided or tensor.is_quantized:
@@ -165,10 +186,11 @@ class _Flattener:
             spec_of(path, tensor)  # raises for a dtype the format does not know
             _KNOWN_DTYPES.add(tensor.dtype)
         name, n = path, 1
-        while name in self._used:  # "a/b" as a key and as a nested path would collide
+        while name in self.used:  # "a/b" as a key and as a nested path would collide
             n += 1
             name = f"{path}~{n}"
-        self._used.add(name)
+            self._renamed = True
+        self.used.add(name)
         self.names.append(name)
         # A module's parameters come as themselves (keep_vars): a copy must not see their
         # grad; a tensor that needs none is kept as it is (detach() makes a new object).
@@ -232,6 +254,29 @@ class _Flattener:
             "plain tensors and DTensors (FSDP2) are stored")
 
     def _encode_dict(self, value: dict, path: str) -> dict[str, Any]:
+        memo = self._memo
+        if memo is None:
+            return self._encode_dict_now(value, path)
+        hit = memo.get(path)
+        if hit is not None:
+            node = hit.reuse(self, value)
+            if node is not None:
+                return node
+            del memo[path]
+        levels = depth(value)
+        if not levels:
+            return self._encode_dict_now(value, path)
+        # Recorded whole: its inner dicts are not memoized on their own.
+        base, renamed, self._memo, self._renamed = len(self.tensors), self._renamed, None, False
+        try:
+            node = self._encode_dict_now(value, path)
+            if not self._renamed:  # a name that depends on what came before is not reused
+                memo[path] = DictMemo(self, value, levels, base, node)
+        finally:
+            self._memo, self._renamed = memo, renamed or self._renamed
+        return node
+
+    def _encode_dict_now(self, value: dict, path: str) -> dict[str, Any]:
         keys = []
         for k in value:
             t = type(k)
@@ -249,13 +294,17 @@ class _Flattener:
         return node
 
 
-def flatten(state: Mapping[str, Any]) -> FlatState:
+def flatten(state: Mapping[str, Any], memo: dict[str, Any] | None = None) -> FlatState:
     """Splits ``state`` into tensors and JSON meta (see the module docstring for what it takes).
+
+    ``memo``: a dict the caller keeps between calls (empty at first) to flatten the same
+    state faster the next time: the meta's nodes of unchanged tensor dicts are then the same
+    objects as the last call's (do not modify them).
 
     Raises:
         UnsupportedValue: a value with no exact pickle-free form; the message gives its path.
     """
-    f = _Flattener()
+    f = _Flattener(memo)
     objects = []
     optimizers: dict[str, Any] = {}
     modules = []
@@ -273,7 +322,7 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
              if (fqns := _param_names(opt, modules)) is not None}
     if names:
         meta["param_names"] = names
-    return FlatState(f.names, f.tensors, meta)
+    return FlatState(f.names, f.tensors, meta, f.key_part() if memo is not None else None)
 
 
 #: optimizer -> (its parameters' ids, the module they were named in, their names): flatten runs

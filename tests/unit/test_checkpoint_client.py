@@ -421,7 +421,7 @@ def test_the_slot_request_in_flight_over_a_real_socket(service, tmp_path):
     real_flatten = checkpointer_module.flatten
     state = make_state()
     try:
-        checkpointer_module.flatten = lambda s: events.append("flatten") or real_flatten(s)
+        checkpointer_module.flatten = lambda s, *a: events.append("flatten") or real_flatten(s, *a)
         with Checkpointer(transport=client, job="j", rank=0, world_size=1) as ckpt:
             for step in (1, 2, 3):
                 train_step(state)

@@ -1,0 +1,114 @@
+"""flatten's memo of a tensor dict: the node it gave, reused while the dict's tensors are the
+same objects with the same shapes (see :class:`DictMemo`). Worker side: imports torch.
+"""
+
+from __future__ import annotations
+
+import collections
+import operator
+import weakref
+from typing import Any, Sequence
+
+import torch
+
+from elasticd.worker import shards
+
+
+class DictMemo:
+    """What encoding one dict of tensors gave, and what it was made of, to give the same node
+    again while nothing in it changed: a module's state dict, or an optimizer's per-parameter
+    state (a dict of such dicts).
+
+    Flatten runs on the training thread at every snapshot, and a model's state is mostly
+    hundreds of tensors whose objects stay the same from step to step (updated in place):
+    encoding them again costs ~2-4 us each (1.5 ms of a 2 ms stall, FSDP2, 384 tensors),
+    checking that they are the same objects of the same shapes ~0.5 us. Only weak references
+    are kept, so a memo never keeps a replaced model's memory alive.
+    """
+
+    __slots__ = ("base", "keys", "values", "inner", "metadata", "leaves", "names", "node",
+                 "key")
+
+    def __init__(self, f: Any, value: dict, levels: int, base: int, node: Any) -> None:
+        """Records ``value`` (of :func:`depth` ``levels``), just encoded as ``node`` by the
+        flattener ``f``, whose tensors from index ``base`` on are that node's."""
+        self.base, self.node = base, node
+        self.keys = list(value)
+        self.metadata = getattr(value, "_metadata", None)
+        dicts = list(value.values()) if levels == 2 else [value]
+        self.inner = [(list(d), [_ref(v) for v in d.values()]) for d in dicts]
+        self.values = self.inner[0][1] if levels == 1 else None
+        self.names = f.names[base:]
+        self.key = tensor_key(self.names, f.tensors[base:])
+        dtensor = shards.dtensor_class()
+        self.leaves = []
+        for d in dicts:
+            for v in d.values():
+                if v is None:
+                    continue
+                is_d = dtensor is not None and isinstance(v, dtensor)
+                src = v._local_tensor if is_d else v
+                # The spec is held, not weakly: its node is what the memo gives back.
+                self.leaves.append((weakref.ref(v), weakref.ref(src), v._spec if is_d else None,
+                                    src.shape, src.dtype))
+
+    def reuse(self, f: Any, value: dict) -> Any:
+        """The recorded node, its names and live tensors added to the flattener ``f``; None
+        (``f`` untouched) if anything differs."""
+        if (self.base != len(f.tensors) or list(value) != self.keys
+                or getattr(value, "_metadata", None) != self.metadata
+                or not f.used.isdisjoint(self.names)):
+            return None
+        for d, (keys, refs) in zip(value.values() if self.values is None else [value],
+                                   self.inner):
+            if (type(d) not in (dict, collections.OrderedDict) or list(d) != keys
+                    or not all(map(operator.is_, d.values(), [r() for r in refs]))):
+                return None
+        tensors = []
+        for holder, source, spec, shape, dtype in self.leaves:
+            h, src = holder(), source()
+            # FSDP2 swaps a DTensor's local tensor on reset, and `.data =` a tensor's memory,
+            # shape and dtype (same object): what is added is the live tensor, as _add would,
+            # and its shape and dtype are what the recorded key says.
+            if (src is None or (spec is not None and (h._spec is not spec
+                                                      or h._local_tensor is not src))
+                    or src.shape != shape or src.dtype is not dtype):
+                return None
+            tensors.append(src.detach() if src.requires_grad else src)
+        f.key_part()
+        f.names.extend(self.names)
+        f.tensors.extend(tensors)
+        f.used.update(self.names)
+        f.key_parts.append(self.key)
+        f.keyed = len(f.tensors)
+        return self.node
+
+
+def tensor_key(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> tuple:
+    return tuple((n, t.dtype, t.shape) for n, t in zip(names, tensors))
+
+
+def _ref(value: Any) -> Any:
+    """A weak reference to a tensor; None stays None (an optimizer's absent buffer)."""
+    return _NONE_REF if value is None else weakref.ref(value)
+
+
+def _none() -> None:
+    return None
+
+
+_NONE_REF = _none
+
+
+def depth(value: dict) -> int:
+    """1: a dict of tensors; 2: a dict of such dicts (tensors or None); 0: anything else."""
+    vals = list(value.values())
+    if not vals:
+        return 0
+    if all(isinstance(v, torch.Tensor) for v in vals):
+        return 1
+    if all(type(d) in (dict, collections.OrderedDict) and d and all(
+            type(k) in (str, int) for k in d) and all(
+            v is None or isinstance(v, torch.Tensor) for v in d.values()) for d in vals):
+        return 2
+    return 0
