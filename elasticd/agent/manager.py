@@ -33,6 +33,7 @@ keeps cycling (and keeps the watchdog fed) meanwhile.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -475,10 +476,8 @@ class JobManager(JobRecords, WorkerGroup):
             self.status = NodeJobStatus(self.node_id, final_state, f"{why} (agent exit {code})",
                                         agent_starts=sup.starts, log=sup.log_path,
                                         at=self.clock.wall(), straggler=straggler)
-            try:
+            with contextlib.suppress(CoordinationError):
                 self._publish(job)
-            except CoordinationError:
-                pass
 
         self.job, self.supervisor, self.tracker, self._report = None, None, None, None
         self._tracker_job = None

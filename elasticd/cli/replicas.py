@@ -12,6 +12,7 @@ A rank is *under-replicated* when fewer than ``m`` live nodes hold a copy of the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import urllib.request
 from typing import Any
@@ -136,11 +137,9 @@ def cmd_placement(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) 
     for rank in ranks:
         owner, holders = None, []
         if placement is not None:
-            try:
+            with contextlib.suppress(KeyError):
                 owner = placement.owner_of(rank)
                 holders = list(placement.holders_of_rank(rank))
-            except KeyError:
-                pass
         committed_holders = list(committed.holders.get(rank, ())) if committed else []
         live_copies = [h for h in committed_holders if h in alive]
         newest = None

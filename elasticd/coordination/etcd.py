@@ -15,6 +15,7 @@ Why this client and how its traps are avoided (docs/facts.md):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -200,10 +201,9 @@ class EtcdCoordinator(Coordinator):
         with self._lock:
             client, self._client = self._client, None
         if client is not None:
-            try:
+            # Closing a broken channel may itself fail; nothing to save.
+            with contextlib.suppress(Exception):
                 client.close()
-            except Exception:  # closing a broken channel may itself fail; nothing to save
-                pass
 
     def _translate(self, exc: BaseException) -> CoordinationError:
         where = self.settings.describe()
@@ -505,10 +505,8 @@ class _ResilientWatch(Watch):
             self._client = self._watch_id = None
             self._generation += 1
         if client is not None and watch_id is not None:
-            try:
+            with contextlib.suppress(Exception):  # the stream is broken: nothing to cancel
                 client.cancel_watch(watch_id)
-            except Exception:  # the stream is already broken; nothing to cancel
-                pass
 
     @property
     def prefix(self) -> bytes:

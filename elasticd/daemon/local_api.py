@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import array
 import collections
+import contextlib
 import errno
 import logging
 import os
@@ -582,7 +583,5 @@ class LocalServer:
 
 
 def _shutdown(sock: socket.socket) -> None:
-    try:
+    with contextlib.suppress(OSError):  # already closed or never connected
         sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass  # already closed or never connected
