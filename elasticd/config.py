@@ -199,12 +199,6 @@ class Settings:
         return _hostport(self.listen)
 
     @property
-    def heartbeat_seconds(self) -> float:
-        """Seconds between timed rewrites of the node record; 0: no timer (the lease is the
-        heartbeat)."""
-        return self.heartbeat_interval
-
-    @property
     def provisional_seconds(self) -> float:
         return self.provisional_grace or 2.0 * self.lease_ttl + 2.0
 

@@ -213,7 +213,6 @@ def cmd_checkpoints(args: argparse.Namespace, coord: Coordinator, keys: Keyspace
             continue
         ck = (st.get("checkpoints") or {}).get(job) or {}
         rep = st.get("replication") or {}
-        mine = (rep.get("jobs") or {}).get(job) or {}
         p = _ver(ck.get("persisted"))
         if p is not None and (persisted is None or p > persisted):
             persisted = p

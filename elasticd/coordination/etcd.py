@@ -42,7 +42,6 @@ from elasticd.coordination.api import (
     Watch,
     WatchCallback,
     WatchEvent,
-    prefix_range_end,
 )
 
 log = logging.getLogger(__name__)

@@ -367,8 +367,8 @@ class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
             if self.registered_lease is None and self.state is not NodeState.LEAVING:
                 self._register(wait_for_id=False)
             elif self._rewrite_record or (
-                    self.settings.heartbeat_seconds
-                    and now - self._last_heartbeat >= self.settings.heartbeat_seconds):
+                    self.settings.heartbeat_interval
+                    and now - self._last_heartbeat >= self.settings.heartbeat_interval):
                 # Our record went while our lease lives (deleted by hand, or etcd restored
                 # from a snapshot without it): write it again at once. Liveness is the lease;
                 # no timed rewrite unless heartbeat_interval asks for one.

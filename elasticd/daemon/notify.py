@@ -23,10 +23,6 @@ class Notifier:
             self._sock = socket.socket(
                 socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
 
-    @property
-    def enabled(self) -> bool:
-        return self._sock is not None
-
     def notify(self, message: str) -> bool:
         if self._sock is None:
             return False

@@ -16,8 +16,6 @@ from typing import Protocol
 
 #: Restore sources, the values of the ``source`` label.
 RESTORE_SOURCES = ("local", "peer", "persistent", "none")
-#: Why a snapshot was skipped, the values of the ``reason`` label.
-SKIP_REASONS = ("over_budget", "busy", "commit_pending")
 
 
 class CheckpointMetrics(Protocol):

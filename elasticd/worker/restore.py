@@ -201,7 +201,7 @@ class Agreement:
     seen: Version | None
 
 
-def agree(sources: Sources, collective: Collective, state: Any = None) -> Agreement:
+def agree(sources: Sources, collective: Collective) -> Agreement:
     """The versions to try on every rank (identical on all of them) and the newest seen."""
     mine = sources.discover()
     head = [sources.progress or _NONE, sources.committed or _NONE,
@@ -251,7 +251,7 @@ def restore(state: Any, sources: Sources, collective: Collective, clock: Any,
 
     start = clock()
     result = RestoreResult()
-    agreed = agree(sources, collective, state)
+    agreed = agree(sources, collective)
     seen = agreed.seen
     for version, world in agreed.candidates:
         if world != sources.world:
