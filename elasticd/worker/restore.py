@@ -97,11 +97,8 @@ def check_replicas_agree(state: Any, keys: list[str], collective: "Collective") 
     """
     if not keys:
         return
-    rows = []
-    for key in keys:
-        d = state_digest(state[key])
-        rows.append((d >> 32, d & 0xFFFFFFFF))
-    gathered = collective.all_gather(rows)
+    digests = [state_digest(state[key]) for key in keys]
+    gathered = collective.all_gather([(d >> 32, d & 0xFFFFFFFF) for d in digests])
     differ = [key for i, key in enumerate(keys) if len({g[i] for g in gathered}) > 1]
     if differ:
         raise ReplicaMismatch(
