@@ -41,9 +41,6 @@ class Notifier:
     def watchdog(self) -> None:
         self.notify("WATCHDOG=1")
 
-    def status(self, text: str) -> None:
-        self.notify(f"STATUS={text}")
-
     def close(self) -> None:
         if self._sock is not None:
             self._sock.close()

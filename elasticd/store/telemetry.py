@@ -49,7 +49,3 @@ class CheckpointStats:
     unprotected_jobs: dict[str, int] = dataclasses.field(default_factory=dict)  # by reason
     restores_total: dict[str, int] = dataclasses.field(default_factory=dict)  # by source
     persisted_step: int = -1
-    persist_seconds_last: float = 0.0
-    persists_total: int = 0
-    persists_failed_total: int = 0
-    persists_skipped_total: int = 0
