@@ -20,6 +20,7 @@ socket timeouts it works beside.
 from __future__ import annotations
 
 import collections
+import contextlib
 import socket
 import threading
 from typing import Any, Callable, Hashable
@@ -84,7 +85,5 @@ class Admission:
 def shut(sock: Any) -> None:
     """Ends a displaced or expired connection: its thread's blocked read returns end-of-file
     and the thread closes the socket (closing it from here could race a reused descriptor)."""
-    try:
+    with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass

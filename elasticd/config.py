@@ -15,7 +15,7 @@ import socket
 import stat
 import sys
 import tomllib
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 if TYPE_CHECKING:
     from elasticd.agent.policy import JobPolicy
@@ -199,12 +199,6 @@ class Settings:
         return _hostport(self.listen)
 
     @property
-    def heartbeat_seconds(self) -> float:
-        """Seconds between timed rewrites of the node record; 0: no timer (the lease is the
-        heartbeat)."""
-        return self.heartbeat_interval
-
-    @property
     def provisional_seconds(self) -> float:
         return self.provisional_grace or 2.0 * self.lease_ttl + 2.0
 
@@ -293,23 +287,17 @@ def _validate(s: Settings, sources: Mapping[str, str]) -> None:
     def bad(name: str, why: str) -> ConfigError:
         return ConfigError(f"{name} (from {sources.get(name, 'default')}): {why}")
 
-    try:
-        check_name("node_id", s.node_id)
-    except ValueError as exc:
-        raise bad("node_id", str(exc)) from None
-    try:
-        check_prefix(s.prefix)
-    except ValueError as exc:
-        raise bad("prefix", str(exc)) from None
-    if s.etcd:
+    def parses(name: str, parse: Callable[[str], Any], hint: str = "") -> None:
         try:
-            parse_endpoints(s.etcd)
+            parse(getattr(s, name))
         except ValueError as exc:
-            raise bad("etcd", f"{exc}; expected HOST:PORT[,HOST:PORT...]") from None
-    try:
-        _hostport(s.listen)
-    except ValueError as exc:
-        raise bad("listen", str(exc)) from None
+            raise bad(name, f"{exc}{hint}") from None
+
+    parses("node_id", lambda v: check_name("node_id", v))
+    parses("prefix", check_prefix)
+    if s.etcd:
+        parses("etcd", parse_endpoints, "; expected HOST:PORT[,HOST:PORT...]")
+    parses("listen", _hostport)
     if not 2 <= s.lease_ttl <= 300:
         raise bad("lease_ttl", f"{s.lease_ttl} is out of range: use 2 to 300 seconds")
     if not 0.05 <= s.loop_interval <= 60:
@@ -344,10 +332,7 @@ def _validate(s: Settings, sources: Mapping[str, str]) -> None:
         raise bad("worker_start", f"{s.worker_start!r}: use warm or cold")
     if not 0 < s.rdzv_last_call <= 600:
         raise bad("rdzv_last_call", f"{s.rdzv_last_call}: use more than 0 and at most 600 s")
-    try:
-        check_grow(s.rdzv_grow)
-    except ValueError as exc:
-        raise bad("rdzv_grow", str(exc)) from None
+    parses("rdzv_grow", check_grow)
     if s.memory_cap_mib < 0:
         raise bad("memory_cap_mib", "must be >= 0 (0: no cap)")
     if s.persist_every_steps < 0 or s.persist_every_seconds < 0:
@@ -366,10 +351,7 @@ def _validate(s: Settings, sources: Mapping[str, str]) -> None:
         raise bad(name, f"the secret is {len(secret) * 8} bits, fewer than "
                   f"{MIN_SECRET_BYTES * 8}: use at least {MIN_SECRET_BYTES} random bytes "
                   "(e.g. `openssl rand -hex 32`)")
-    try:
-        _hostport(s.replication_listen)
-    except ValueError as exc:
-        raise bad("replication_listen", str(exc)) from None
+    parses("replication_listen", _hostport)
     if not 1 <= s.replicas <= 8:
         raise bad("replicas", f"{s.replicas}: use 1 to 8 copies (2 is the usual)")
     if not 1 <= s.unprotected_lag_steps <= 10_000_000:

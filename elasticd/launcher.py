@@ -135,10 +135,8 @@ class NodeProcess:
         if self.proc is None:
             return
         victims = self.tagged()
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         # Again until none is left: a live node may be forking (an agent restarting its
         # workers, the warm-start zygote) while it is killed, and a child forked after a
         # listing would survive it (seen in the partition benchmark).
@@ -146,10 +144,8 @@ class NodeProcess:
         pids = victims + self.tagged()
         while pids and SYSTEM_CLOCK.monotonic() < deadline:
             for pid in pids:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
             SYSTEM_CLOCK.sleep(0.02)
             pids = self.tagged()
         self.proc.wait()
@@ -179,15 +175,11 @@ class NodeProcess:
         if self.proc is None:
             return None
         code = self.sigterm(timeout)
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         for pid in self.tagged():  # whatever the daemon failed to stop
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         self.proc.wait()
         return code
 

@@ -319,9 +319,7 @@ class ReplicationCollector:
     def _families(st: Any, server: Any) -> Iterator[Metric]:
         """``st``: a ``ReplicationStats`` (None before :meth:`attach`: the initial values)."""
         def counter(name: str, doc: str, value: float) -> Metric:
-            c = CounterMetricFamily(name, doc)
-            c.add_metric([], value)
-            return c
+            return CounterMetricFamily(name, doc, value=value)
 
         def gauge(name: str, doc: str, value: float) -> Metric:
             return GaugeMetricFamily(name, doc, value=value)
@@ -372,13 +370,11 @@ class ReplicationCollector:
                        "Holders that could not give a shard at restore, by reason (lost: no "
                        "holder had an intact copy)", "reason", FETCH_FAILURE_REASONS,
                        getattr(st, "fetch_failures_total", {}))
-        received = CounterMetricFamily(
-            "elasticd_replica_pushes_received",
-            "Snapshot pushes this node's replica server received, by outcome (aborted: torn, "
-            "corrupt or interrupted, nothing stored)", labels=["outcome"])
-        for outcome in RECEIVED_OUTCOMES:
-            received.add_metric([outcome], getattr(server, f"pushes_{outcome}", 0))
-        yield received
+        yield by_label("elasticd_replica_pushes_received",
+                       "Snapshot pushes this node's replica server received, by outcome "
+                       "(aborted: torn, corrupt or interrupted, nothing stored)", "outcome",
+                       RECEIVED_OUTCOMES,
+                       {o: getattr(server, f"pushes_{o}", 0) for o in RECEIVED_OUTCOMES})
         yield counter("elasticd_replica_protocol_errors",
                       "Connections from authenticated peers closed for breaking the protocol "
                       "(malformed or corrupt frames; what they sent is not stored)",

@@ -48,9 +48,7 @@ def at_committed_step(committed: Version | None, newest: Iterable[Version]) -> b
         committed: the job's committed (generation, step), or None.
         newest: each node's newest replicated version.
     """
-    if committed is None:
-        return False
-    return all(v <= committed for v in newest)
+    return committed is not None and all(v <= committed for v in newest)
 
 
 class CommitWatch:

@@ -94,10 +94,7 @@ def attempts(torchrun_dir: str, known: set[str]) -> int:
             names = os.listdir(os.path.join(torchrun_dir, run))
         except OSError:
             continue
-        for name in names:
-            m = _ATTEMPT.match(name)
-            if m:
-                best = max(best, int(m.group(1)))
+        best = max([best] + [int(m.group(1)) for n in names if (m := _ATTEMPT.match(n))])
     return best
 
 

@@ -73,7 +73,6 @@ class DaemonWatch:
         # The daemon started this agent just now: it counts as having answered.
         self._answered = self._clock.monotonic()
         self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
 
     def probe(self) -> bool:
         """One ping of the daemon; an answer resets its silence. Returns whether it answered."""
@@ -145,9 +144,7 @@ class DaemonWatch:
     def start(self) -> None:
         for target, name in ((self.run, "elasticd-daemon-watch"),
                              (self._pinger, "elasticd-daemon-ping")):
-            thread = threading.Thread(target=target, name=name, daemon=True)
-            thread.start()
-            self._threads.append(thread)
+            threading.Thread(target=target, name=name, daemon=True).start()
 
     def stop(self) -> None:
         self._stop.set()

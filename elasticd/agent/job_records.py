@@ -103,11 +103,8 @@ class JobRecords:
         return job, None
 
     def _reset(self, kvs: list[Any]) -> None:
-        self.specs.clear()
-        self.bad_specs.clear()
-        self.controls.clear()
-        self.members.clear()
-        self.statuses.clear()
+        for records_ in (self.specs, self.bad_specs, self.controls, self.members, self.statuses):
+            records_.clear()
         for kv in kvs:
             self._apply(EventType.PUT, kv.key, kv.value, kv.create_revision)
         self._need_resync = False

@@ -33,6 +33,7 @@ keeps cycling (and keeps the watchdog fed) meanwhile.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -189,9 +190,8 @@ class JobManager(JobRecords, WorkerGroup):
                 self._publish()
                 return
             self._stopping = None
-        self._finish_if_done_elsewhere()
+        self._end_if_decided_elsewhere()
         wanted = self.wanted()
-        self._fail_if_failed()
         if self.job is not None and self.job in self.bad_specs:
             why = self.bad_specs[self.job][1]
             self._finished.add(self.job)
@@ -214,38 +214,27 @@ class JobManager(JobRecords, WorkerGroup):
         self._update_hang_timeout()
         self._publish()
 
-    def _finish_if_done_elsewhere(self) -> None:
-        """A job this node was about to restart (its agent died) succeeded on peers meanwhile:
-        record it as finished here too rather than leave it 'restarting'."""
+    def _end_if_decided_elsewhere(self) -> None:
+        """A job this node was about to restart (its agent died) succeeded on peers meanwhile,
+        or was failed (a crash loop seen here or elsewhere): record that here too rather than
+        leave it 'restarting'."""
         job = self._status_job
-        if self.job is not None or job is None or job in self._finished:
-            return
-        done = self.succeeded_on(job)
-        if not done or self.status.state != JobState.RESTARTING:
-            return
-        self._finished.add(job)
-        self.status = NodeJobStatus(self.node_id, JobState.SUCCEEDED,
-                                    f"job succeeded on {', '.join(done)}",
-                                    agent_starts=self.status.agent_starts, log=self.status.log,
-                                    at=self.clock.wall())
-        self.notes.append(f"job {job} succeeded on {', '.join(done)}; not restarting it here")
-        self._job_ended(job)
-
-    def _fail_if_failed(self) -> None:
-        """A job this node was about to restart (its agent died) was failed meanwhile (a crash
-        loop seen here or elsewhere): record it as failed here too."""
-        job = self._status_job
-        if self.job is not None or job is None or job in self._finished:
-            return
-        control = self.controls.get(job)
-        if (control is None or control.desired != JobState.FAILED
+        if (self.job is not None or job is None or job in self._finished
                 or self.status.state != JobState.RESTARTING):
             return
+        done, control = self.succeeded_on(job), self.controls.get(job)
+        if done:
+            state, why = JobState.SUCCEEDED, f"job succeeded on {', '.join(done)}"
+            note = f"job {job} succeeded on {', '.join(done)}; not restarting it here"
+        elif control is not None and control.desired == JobState.FAILED:
+            state, why = JobState.FAILED, control.reason
+            note = f"job {job} failed: {why}"
+        else:
+            return
         self._finished.add(job)
-        self.status = NodeJobStatus(self.node_id, JobState.FAILED, control.reason,
-                                    agent_starts=self.status.agent_starts, log=self.status.log,
-                                    at=self.clock.wall())
-        self.notes.append(f"job {job} failed: {control.reason}")
+        self.status = NodeJobStatus(self.node_id, state, why, agent_starts=self.status.agent_starts,
+                                    log=self.status.log, at=self.clock.wall())
+        self.notes.append(note)
         self._job_ended(job)
 
     def _job_ended(self, job: str) -> None:
@@ -475,10 +464,8 @@ class JobManager(JobRecords, WorkerGroup):
             self.status = NodeJobStatus(self.node_id, final_state, f"{why} (agent exit {code})",
                                         agent_starts=sup.starts, log=sup.log_path,
                                         at=self.clock.wall(), straggler=straggler)
-            try:
+            with contextlib.suppress(CoordinationError):
                 self._publish(job)
-            except CoordinationError:
-                pass
 
         self.job, self.supervisor, self.tracker, self._report = None, None, None, None
         self._tracker_job = None

@@ -22,6 +22,7 @@ dwarfs the back-off.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import importlib
@@ -49,11 +50,9 @@ def wait_listening(host: str, port: int, timeout: float, clock: Clock | None = N
     deadline = clock.monotonic() + timeout
     while True:
         left = deadline - clock.monotonic()
-        try:
+        with contextlib.suppress(OSError):  # refused (not listening yet), unreachable, timed out
             with socket.create_connection((host, port), timeout=max(0.05, min(1.0, left))):
                 return True
-        except OSError:  # refused (not listening yet), unreachable, timed out
-            pass
         if clock.monotonic() + poll >= deadline:
             return False
         clock.sleep(poll)

@@ -10,6 +10,7 @@ whatever still carries the tag. Tagged processes are found by scanning ``/proc``
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pwd
@@ -81,10 +82,8 @@ def process_runs(pid: int) -> bool:
 def signal_all(pids: Sequence[int], sig: int) -> None:
     """Sends ``sig`` to each of ``pids`` that still exists (and is ours to signal)."""
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def kill_workers(pids: Sequence[int]) -> None:
@@ -253,10 +252,8 @@ class AgentSupervisor:
             the agent's exit status, if it had one.
         """
         if self.proc is not None and self.proc.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
         signal_all(tagged_pids(self.tag), signal.SIGTERM)
         self.clock.wait(lambda: ((self.proc is None or self.proc.poll() is not None)
                                  and not tagged_pids(self.tag)), grace)
@@ -265,21 +262,15 @@ class AgentSupervisor:
             log.warning("SIGKILL to %d processes of %s still running after %.0f s",
                         len(left), self.spec.name, grace)
             if self.proc is not None and self.proc.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
             signal_all(left, signal.SIGKILL)
         if self.proc is not None:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
         # Reap-wait for the SIGKILLed (they are not our children: poll /proc).
         self.clock.wait(lambda: not tagged_pids(self.tag), 5)
         if self.zygote is not None:  # our child: reap it
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.zygote.wait(timeout=1)
-            except subprocess.TimeoutExpired:
-                pass
         return self.proc.poll() if self.proc is not None else None

@@ -14,6 +14,7 @@ Imports nothing heavy: this process starts on the recovery path.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -60,10 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     child = int(reply["pid"])
 
     def forward(sig: int, _frame: object) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(child, sig)
-        except ProcessLookupError:
-            pass
 
     for sig in FORWARDED:
         signal.signal(sig, forward)

@@ -45,6 +45,7 @@ zygote imports torch; the daemon never imports this module's :func:`serve`.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -298,10 +299,8 @@ def _watch(conn: socket.socket, pid: int) -> None:
     if not orphaned:
         result = ({"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status)
                   else {"exit": os.waitstatus_to_exitcode(status)})
-        try:
+        with contextlib.suppress(OSError):
             send_msg(conn, result)
-        except OSError:
-            pass
     conn.close()
 
 
@@ -309,10 +308,8 @@ def _kill_group(pid: int) -> None:
     try:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _run_child(request: dict[str, Any], fds: list[int]) -> None:
@@ -333,10 +330,8 @@ def _run_child(request: dict[str, Any], fds: list[int]) -> None:
         traceback.print_exc()
     finally:
         for stream in (sys.stdout, sys.stderr):
-            try:
+            with contextlib.suppress(Exception):  # noqa: BLE001
                 stream.flush()
-            except Exception:  # noqa: BLE001
-                pass
         os._exit(code)
 
 

@@ -224,17 +224,12 @@ def _size(n: int) -> str:
 
 def timeline_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """The rows of :data:`TIMELINE_TABLE` for the ``timeline`` events among ``rows``."""
-    out = []
-    for r in rows:
-        t = r.get("timeline")
-        if not t:
-            continue
-        out.append({"at_iso": r["at_iso"], "job": t["job"], "failed": ",".join(t["failed"]),
-                    **{p: _seconds(s) for p, s in t["phases"].items()},
-                    "total": _seconds(t["total_seconds"]), "source": t["restore_source"],
-                    "bytes": _size(t["restore_bytes"]) if t["ranks_restored"] else None,
-                    "step": t["step"]})
-    return out
+    return [{"at_iso": r["at_iso"], "job": t["job"], "failed": ",".join(t["failed"]),
+             **{p: _seconds(s) for p, s in t["phases"].items()},
+             "total": _seconds(t["total_seconds"]), "source": t["restore_source"],
+             "bytes": _size(t["restore_bytes"]) if t["ranks_restored"] else None,
+             "step": t["step"]}
+            for r in rows if (t := r.get("timeline"))]
 
 
 def history_pretty(rows: Sequence[dict[str, Any]]) -> str:

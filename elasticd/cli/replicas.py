@@ -12,6 +12,7 @@ A rank is *under-replicated* when fewer than ``m`` live nodes hold a copy of the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import urllib.request
 from typing import Any
@@ -103,10 +104,13 @@ def live_nodes(coord: Coordinator, keys: Keyspace) -> dict[str, dict[str, Any]]:
 
 def _read(coord: Coordinator, keys: Keyspace, job: str) -> tuple[
         Placement | None, Committed | None, dict[str, Any]]:
-    kv = coord.get(keys.job_placement(job))
-    placement = decode_placement(kv.value, kv.key) if kv is not None else None
-    kv = coord.get(keys.job_committed(job))
-    committed = decode_committed(kv.value, kv.key) if kv is not None else None
+    try:
+        kv = coord.get(keys.job_placement(job))
+        placement = decode_placement(kv.value, kv.key) if kv is not None else None
+        kv = coord.get(keys.job_committed(job))
+        committed = decode_committed(kv.value, kv.key) if kv is not None else None
+    except records.RecordError as exc:
+        raise CommandFailed(f"{job}: unreadable replication record: {exc}") from exc
     kvs, _ = coord.get_prefix(keys.job_replicated_prefix(job))
     replicated = {}
     for kv in kvs:
@@ -124,10 +128,7 @@ def _ver(v: Any) -> list[int] | None:
 
 def cmd_placement(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> Any:
     job = pick_job(coord, keys, args.job)
-    try:
-        placement, committed, replicated = _read(coord, keys, job)
-    except records.RecordError as exc:
-        raise CommandFailed(f"{job}: unreadable replication record: {exc}") from exc
+    placement, committed, replicated = _read(coord, keys, job)
     alive = set(live_nodes(coord, keys))
     m = placement.m if placement else (committed.m if committed else 0)
     ranks = sorted(set(committed.ranks if committed else ())
@@ -136,11 +137,9 @@ def cmd_placement(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) 
     for rank in ranks:
         owner, holders = None, []
         if placement is not None:
-            try:
+            with contextlib.suppress(KeyError):
                 owner = placement.owner_of(rank)
                 holders = list(placement.holders_of_rank(rank))
-            except KeyError:
-                pass
         committed_holders = list(committed.holders.get(rank, ())) if committed else []
         live_copies = [h for h in committed_holders if h in alive]
         newest = None
@@ -193,10 +192,7 @@ def _node_status(address: str, timeout: float) -> dict[str, Any] | None:
 
 def cmd_checkpoints(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> Any:
     job = pick_job(coord, keys, args.job)
-    try:
-        placement, committed, replicated = _read(coord, keys, job)
-    except records.RecordError as exc:
-        raise CommandFailed(f"{job}: unreadable replication record: {exc}") from exc
+    placement, committed, replicated = _read(coord, keys, job)
     ranks = []
     for node, rep in sorted(replicated.items()):
         for rank, versions in sorted(rep.versions.items()):
@@ -214,7 +210,6 @@ def cmd_checkpoints(args: argparse.Namespace, coord: Coordinator, keys: Keyspace
             continue
         ck = (st.get("checkpoints") or {}).get(job) or {}
         rep = st.get("replication") or {}
-        mine = (rep.get("jobs") or {}).get(job) or {}
         p = _ver(ck.get("persisted"))
         if p is not None and (persisted is None or p > persisted):
             persisted = p

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import typing
 from typing import Any, Iterable, Mapping
 
 from elasticd.coordination import records
@@ -236,19 +235,7 @@ def decode(data: Any, where: str = "timeline") -> Timeline:
     """
     if not isinstance(data, dict):
         raise records.CorruptRecord(f"{where}: not an object")
-    hints = typing.get_type_hints(Timeline)
-    values = {}
-    for f in dataclasses.fields(Timeline):
-        if f.name not in data:
-            continue
-        problem = records.check_type(data[f.name], hints[f.name])
-        if problem is not None:
-            raise records.CorruptRecord(f"{where}: field {f.name!r} {problem}")
-        values[f.name] = data[f.name]
-    try:
-        t = Timeline(**values)
-    except TypeError as exc:
-        raise records.CorruptRecord(f"{where}: incomplete ({exc})") from exc
+    t = records.from_payload(Timeline, data, where)
     present = [v for v in t.marks() if v is not None]
     if any(b < a for a, b in zip(present, present[1:])) or not all(map(math.isfinite, present)):
         raise records.CorruptRecord(f"{where}: its moments are not in order")

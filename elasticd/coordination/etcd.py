@@ -15,6 +15,7 @@ Why this client and how its traps are avoided (docs/facts.md):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -41,7 +42,6 @@ from elasticd.coordination.api import (
     Watch,
     WatchCallback,
     WatchEvent,
-    prefix_range_end,
 )
 
 log = logging.getLogger(__name__)
@@ -200,10 +200,9 @@ class EtcdCoordinator(Coordinator):
         with self._lock:
             client, self._client = self._client, None
         if client is not None:
-            try:
+            # Closing a broken channel may itself fail; nothing to save.
+            with contextlib.suppress(Exception):
                 client.close()
-            except Exception:  # closing a broken channel may itself fail; nothing to save
-                pass
 
     def _translate(self, exc: BaseException) -> CoordinationError:
         where = self.settings.describe()
@@ -407,7 +406,7 @@ class _ResilientWatch(Watch):
     def __init__(self, owner: EtcdCoordinator, prefix: bytes, callback: WatchCallback,
                  start_revision: int) -> None:
         self._owner = owner
-        self._prefix = prefix
+        self.prefix = prefix
         self._callback = callback
         self._next_revision = start_revision
         self._lock = threading.Lock()
@@ -427,7 +426,7 @@ class _ResilientWatch(Watch):
         except Unavailable:
             self._wake.set()
         self._thread = threading.Thread(
-            target=self._maintain, name=f"watch:{self._prefix!r}", daemon=True
+            target=self._maintain, name=f"watch:{self.prefix!r}", daemon=True
         )
         self._thread.start()
 
@@ -442,7 +441,7 @@ class _ResilientWatch(Watch):
 
         def run(c: Any) -> tuple[Any, int]:
             return c, c.add_watch_prefix_callback(
-                self._prefix, on_response, start_revision=start or None, prev_kv=True
+                self.prefix, on_response, start_revision=start or None, prev_kv=True
             )
 
         client, watch_id = self._owner._call(run)
@@ -479,7 +478,7 @@ class _ResilientWatch(Watch):
         try:
             self._callback(arg)
         except Exception:  # a buggy callback must not kill the client's watch thread
-            log.exception("watch callback for %r raised", self._prefix)
+            log.exception("watch callback for %r raised", self.prefix)
 
     def _maintain(self) -> None:
         backoff = 0.1
@@ -495,7 +494,7 @@ class _ResilientWatch(Watch):
                     backoff = 0.1
                     break
                 except CoordinationError as exc:
-                    log.debug("re-creating watch on %r failed: %s", self._prefix, exc)
+                    log.debug("re-creating watch on %r failed: %s", self.prefix, exc)
                     self._cancelled.wait(backoff)
                     backoff = min(backoff * 2, 2.0)
 
@@ -505,14 +504,8 @@ class _ResilientWatch(Watch):
             self._client = self._watch_id = None
             self._generation += 1
         if client is not None and watch_id is not None:
-            try:
+            with contextlib.suppress(Exception):  # the stream is broken: nothing to cancel
                 client.cancel_watch(watch_id)
-            except Exception:  # the stream is already broken; nothing to cancel
-                pass
-
-    @property
-    def prefix(self) -> bytes:
-        return self._prefix
 
     def restart(self, from_revision: int = 0) -> None:
         """Re-creates the stream: from the revision after the last one delivered, or from

@@ -38,9 +38,7 @@ class EtcdHealth:
         self._describe = describe
         self.outage_since: float | None = None
         self.last_outage_end: float | None = None
-        self.last_error = ""
         self._said = ""  # the kind of failure this outage's last line reported
-        self.outages = 0
         self.reconnected = threading.Event()
 
     @property
@@ -54,11 +52,9 @@ class EtcdHealth:
         now = self._clock.monotonic()
         what = "refuses our credentials" if isinstance(exc, AuthError) else "unreachable"
         with self._lock:
-            self.last_error = str(exc)
             started = self.outage_since is None
             if started:
                 self.outage_since = now
-                self.outages += 1
             elif what == self._said:
                 return
             self._said = what

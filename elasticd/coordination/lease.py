@@ -108,13 +108,11 @@ class LeaseKeeper:
                     self._lost.append(lease)
             self._on_change()
             self.step()
-        except (Unavailable, AuthError) as exc:  # the health logs it once per outage
-            self._on_failure()
-            self._health.failed(exc)
         except CoordinationError as exc:
             self._on_failure()
             self._health.failed(exc)
-            log.warning("lease keep-alive failed: %s", exc)
+            if not isinstance(exc, (Unavailable, AuthError)):  # those: once per outage, there
+                log.warning("lease keep-alive failed: %s", exc)
 
     def _run(self) -> None:
         while not self._stop.is_set():

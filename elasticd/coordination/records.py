@@ -151,21 +151,24 @@ def decode_dataclass(cls: Type[R], raw: bytes, kind: str, key: bytes | str = b"?
         CorruptRecord: not a record of ``kind``, a field missing or of the wrong type.
         UnsupportedRecordVersion: a schema newer than :data:`SCHEMA_VERSION`.
     """
-    payload = decode(raw, kind, key)
-    hints = _hints(cls)
+    return from_payload(cls, decode(raw, kind, key), where_of(key), f" of the {kind!r} record")
+
+
+def from_payload(cls: Type[R], payload: dict[str, Any], where: str, what: str = "") -> R:
+    """``cls`` from a record's decoded payload, as :func:`decode_dataclass` checks it
+    (``what`` follows "field" and "incomplete" in its errors). Raises: CorruptRecord."""
     values = {}
-    for name, hint in hints.items():
+    for name, hint in _hints(cls).items():
         if name not in payload:
             continue
         problem = check_type(payload[name], hint)
         if problem is not None:
-            raise CorruptRecord(f"{where_of(key)}: field {name!r} of the {kind!r} record "
-                                f"{problem}")
+            raise CorruptRecord(f"{where}: field {name!r}{what} {problem}")
         values[name] = payload[name]
     try:
         return cls(**values)
     except TypeError as exc:
-        raise CorruptRecord(f"{where_of(key)}: incomplete {kind!r} record ({exc})") from exc
+        raise CorruptRecord(f"{where}: incomplete{what} ({exc})") from exc
 
 
 @functools.lru_cache(maxsize=None)

@@ -367,8 +367,8 @@ class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
             if self.registered_lease is None and self.state is not NodeState.LEAVING:
                 self._register(wait_for_id=False)
             elif self._rewrite_record or (
-                    self.settings.heartbeat_seconds
-                    and now - self._last_heartbeat >= self.settings.heartbeat_seconds):
+                    self.settings.heartbeat_interval
+                    and now - self._last_heartbeat >= self.settings.heartbeat_interval):
                 # Our record went while our lease lives (deleted by hand, or etcd restored
                 # from a snapshot without it): write it again at once. Liveness is the lease;
                 # no timed rewrite unless heartbeat_interval asks for one.
@@ -456,12 +456,7 @@ class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
         self._feed.start(self.coord, self.keys.nodes, revision + 1)
 
     def _decode_all(self, kvs: list[Any]) -> list[NodeRecord]:
-        out = []
-        for kv in kvs:
-            rec = self._decode_node(kv.key, kv.value)
-            if rec is not None:
-                out.append(rec)
-        return out
+        return [rec for kv in kvs if (rec := self._decode_node(kv.key, kv.value)) is not None]
 
     def _decode_node(self, key: bytes, value: bytes) -> NodeRecord | None:
         """A peer's record, or None (a bad one is logged once and ignored)."""
@@ -490,9 +485,7 @@ class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
                 continue  # never a node: its record was ignored when it was written
             if node == self.settings.node_id and self.state is not NodeState.LEAVING:
                 self._rewrite_record = True
-            prev = None
-            if ev.prev is not None:
-                prev = self._decode_node(ev.prev.key, ev.prev.value)
+            prev = self._decode_node(ev.prev.key, ev.prev.value) if ev.prev is not None else None
             self._act(self.membership.on_delete(node, prev, now, self.clock.wall(), cut_off))
 
     def _resync(self, now: float) -> None:

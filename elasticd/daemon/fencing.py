@@ -8,6 +8,7 @@ for how much longer.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import Callable
@@ -87,12 +88,10 @@ class Fencing:
         # The keeper thread may not have granted a new lease yet: the old one names this fence.
         lease = lease or self.registered_lease or self.keeper.lease
         self._notes.append(f"fenced: {reason}")
-        try:
+        with contextlib.suppress(CoordinationError):  # etcd is gone; the fence is what matters
             if lease is not None:
                 self.events.record(Event("fenced", self.settings.node_id, lease,
                                          self.clock.wall(), self.settings.node_id, reason))
-        except CoordinationError:
-            pass  # etcd is gone; the fence itself is what matters
 
     def _maybe_fence_for_outage(self) -> None:
         if self.settings.outage_grace and self.health.outage_seconds() > self.settings.outage_grace:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import array
 import collections
+import contextlib
 import errno
 import logging
 import os
@@ -132,7 +133,7 @@ class LocalServer:
             raise ValueError(f"max_connections must be at least 1, got {max_connections!r}")
         if send_timeout <= 0:
             raise ValueError(f"send_timeout must be positive, got {send_timeout!r}")
-        self._path = path
+        self.path = path  # absolute: what workers get as ELASTICD_SOCKET
         self._handlers = dict(handlers)
         self._max_message = max_message
         self._allowed = (frozenset({os.geteuid()}) if allowed_uids is None
@@ -158,11 +159,6 @@ class LocalServer:
         self._stopping = False
         self._failures_logged: set[str] = set()
         self.counters: collections.Counter[str] = collections.Counter()
-
-    @property
-    def path(self) -> str:
-        """The socket's absolute path (what workers get as ``ELASTICD_SOCKET``)."""
-        return self._path
 
     @property
     def connections(self) -> int:
@@ -192,20 +188,20 @@ class LocalServer:
             # With a binding, any uid may connect and the binding refuses all but the job's.
             mode = 0o600 if self._binding is None else 0o666
             os.fchmod(listener.fileno(), mode)
-            listener.bind(self._path)
-            os.chmod(self._path, mode)
+            listener.bind(self.path)
+            os.chmod(self.path, mode)
             self._give_to_job_user()
             listener.listen(64)
-            st = os.stat(self._path)
+            st = os.stat(self.path)
         except OSError as exc:
             listener.close()
-            raise LocalApiError(f"cannot create the local socket at {self._path}: {exc}") from exc
+            raise LocalApiError(f"cannot create the local socket at {self.path}: {exc}") from exc
         self._inode = (st.st_dev, st.st_ino)
         self._listener = listener
         self._accept_thread = threading.Thread(target=self._accept_loop, name="local-api-accept",
                                                daemon=True)
         self._accept_thread.start()
-        log.info("local API listening on %s (%s)", self._path,
+        log.info("local API listening on %s (%s)", self.path,
                  "the daemon's uid and the running job's processes" if self._binding else
                  "uids allowed: " + ", ".join(map(str, sorted(self._allowed))))
 
@@ -236,7 +232,7 @@ class LocalServer:
             if thread.is_alive():
                 log.warning("local API: %s still busy in a handler after stop()", thread.name)
         self._unlink_own_socket()
-        log.info("local API on %s stopped", self._path)
+        log.info("local API on %s stopped", self.path)
 
     def __enter__(self) -> "LocalServer":
         self.start()
@@ -248,7 +244,7 @@ class LocalServer:
     # -- start-up checks ------------------------------------------------------------------
 
     def _prepare_directory(self) -> None:
-        directory = os.path.dirname(self._path)
+        directory = os.path.dirname(self.path)
         try:
             os.makedirs(directory, mode=0o711, exist_ok=True)
             st = os.stat(directory)
@@ -273,32 +269,32 @@ class LocalServer:
 
     def _remove_stale(self) -> None:
         try:
-            st = os.lstat(self._path)
+            st = os.lstat(self.path)
         except FileNotFoundError:
             return
         if not stat.S_ISSOCK(st.st_mode):
-            raise UnsafeSocketPath(f"{self._path} exists and is not a socket; refusing to "
+            raise UnsafeSocketPath(f"{self.path} exists and is not a socket; refusing to "
                                    "replace it")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         probe.settimeout(1.0)
         try:
-            probe.connect(self._path)
+            probe.connect(self.path)
         except ConnectionRefusedError:
-            log.info("removing stale socket %s (nobody listens on it)", self._path)
-            os.unlink(self._path)
+            log.info("removing stale socket %s (nobody listens on it)", self.path)
+            os.unlink(self.path)
             return
         except FileNotFoundError:
             return
         except (BlockingIOError, TimeoutError) as exc:
             # A full backlog: someone listens but does not accept fast enough — still live.
-            raise SocketInUse(f"{self._path} is served by a live process (its queue is full): "
+            raise SocketInUse(f"{self.path} is served by a live process (its queue is full): "
                               "is another elasticd running for this node?") from exc
         except OSError as exc:
-            raise LocalApiError(f"cannot check the existing socket {self._path}: {exc}") from exc
+            raise LocalApiError(f"cannot check the existing socket {self.path}: {exc}") from exc
         else:
             pid, uid, _gid = _CRED.unpack(probe.getsockopt(socket.SOL_SOCKET,
                                                            socket.SO_PEERCRED, _CRED.size))
-            raise SocketInUse(f"{self._path} is served by a live process (pid {pid}, uid "
+            raise SocketInUse(f"{self.path} is served by a live process (pid {pid}, uid "
                               f"{uid}): is another elasticd running for this node? Stop it, "
                               "or give this daemon another socket path")
         finally:
@@ -307,18 +303,18 @@ class LocalServer:
     def _give_to_job_user(self) -> None:
         others = self._allowed - {os.geteuid(), 0}
         if self._binding is None and os.geteuid() == 0 and len(others) == 1:
-            os.chown(self._path, next(iter(others)), -1)
+            os.chown(self.path, next(iter(others)), -1)
 
     def _unlink_own_socket(self) -> None:
         # Only our own file: a successor daemon may already have replaced it.
         try:
-            st = os.stat(self._path)
+            st = os.stat(self.path)
             if (st.st_dev, st.st_ino) == self._inode:
-                os.unlink(self._path)
+                os.unlink(self.path)
         except FileNotFoundError:
             pass
         except OSError as exc:
-            log.warning("could not remove socket %s: %s", self._path, exc)
+            log.warning("could not remove socket %s: %s", self.path, exc)
 
     # -- connections ----------------------------------------------------------------------
 
@@ -582,7 +578,5 @@ class LocalServer:
 
 
 def _shutdown(sock: socket.socket) -> None:
-    try:
+    with contextlib.suppress(OSError):  # already closed or never connected
         sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass  # already closed or never connected

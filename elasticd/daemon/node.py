@@ -10,6 +10,7 @@ undoes what was built, last first, whether the start-up finished or stopped half
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -285,7 +286,5 @@ class Node:
 
     def _remove_empty_shm_dirs(self) -> None:
         for path in (self.settings.shm_path, self.settings.shm_path + "+replicas"):
-            try:
+            with contextlib.suppress(OSError):
                 os.rmdir(path)  # only when empty: kept slots wait for the next start
-            except OSError:
-                pass

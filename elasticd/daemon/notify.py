@@ -23,10 +23,6 @@ class Notifier:
             self._sock = socket.socket(
                 socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
 
-    @property
-    def enabled(self) -> bool:
-        return self._sock is not None
-
     def notify(self, message: str) -> bool:
         if self._sock is None:
             return False
@@ -44,9 +40,6 @@ class Notifier:
 
     def watchdog(self) -> None:
         self.notify("WATCHDOG=1")
-
-    def status(self, text: str) -> None:
-        self.notify(f"STATUS={text}")
 
     def close(self) -> None:
         if self._sock is not None:

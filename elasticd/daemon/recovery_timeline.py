@@ -256,12 +256,9 @@ class TimelineRecorder:
             detected_at = failed.at
             d = (failed.data or {}).get("detection_seconds")
             detection = float(d) if records.check_type(d, float) is None else None
-        restores = []
-        for e in self.events.list():
-            if e.kind == "recovered" and isinstance(e.data, dict):
-                r = timeline.restore_of(e.data, e.at)
-                if r is not None:
-                    restores.append(r)
+        restores = [r for e in self.events.list()
+                    if e.kind == "recovered" and isinstance(e.data, dict)
+                    and (r := timeline.restore_of(e.data, e.at)) is not None]
         with self._lock:
             m = self._job(rec.job)
             aborts, closes, steps = list(m.aborts), list(m.closes), list(m.first_steps)

@@ -30,9 +30,6 @@ from elasticd.errors import NodeError
 
 log = logging.getLogger("elasticd.daemon.daemon")
 
-NODE_KIND = "node"
-
-
 class NodeIdInUse(NodeError, RuntimeError):
     """Another live daemon holds this node id."""
 
@@ -81,8 +78,7 @@ class Registration:
             return
         try:
             record = self._record(lease)
-            self.coord.put(self.keys.node(self.settings.node_id),
-                           records.encode_dataclass(NODE_KIND, record), lease)
+            self.coord.put(self.keys.node(self.settings.node_id), record.encode(), lease)
             self.health.ok()
             self._last_heartbeat = self.clock.monotonic()
             self._published_sentence = record.sentence
@@ -113,8 +109,7 @@ class Registration:
             lease = self.keeper.lease
             if lease is None:
                 return
-            value = records.encode_dataclass(NODE_KIND, self._record(lease))
-            if self.coord.create(key, value, lease):
+            if self.coord.create(key, self._record(lease).encode(), lease):
                 break
             existing = self.coord.get(key)
             if existing is None:

@@ -10,6 +10,7 @@ thread of the relay's own reads the pipe and makes the call.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -34,10 +35,9 @@ class SignalRelay:
             signal.signal(signum, self._on_signal)
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
-        try:
+        # The pipe is full (the calls are behind) or closed (shutting down).
+        with contextlib.suppress(OSError):
             os.write(self._write, bytes([signum]))
-        except OSError:
-            pass  # the pipe is full (the calls are behind) or closed (shutting down)
 
     def _relay(self) -> None:
         while True:

@@ -93,7 +93,6 @@ class Persister:
         self._idle = threading.Condition(self._lock)
         self._pending = 0
         self.counters: collections.Counter[str] = collections.Counter()
-        self.last_seconds = 0.0
         self._buffers: list[np.ndarray] = []
         self._thread = threading.Thread(target=self._run, name="elasticd-persist", daemon=True)
         self._closed = False
@@ -181,7 +180,6 @@ class Persister:
         with self._lock:
             return {"flushed": self.counters["flushed"], "failed": self.counters["failed"],
                     "skipped_busy": self.counters["skipped_busy"],
-                    "last_seconds": self.last_seconds,
                     "buffer_bytes": sum(len(b) for b in self._buffers),
                     "persisted": {j: list(v) for j, v in self._persisted.items()}}
 
@@ -244,7 +242,6 @@ class Persister:
         seconds = self.clock.monotonic() - start
         with self._lock:
             self.counters["failed" if error else "flushed"] += 1
-            self.last_seconds = seconds
         if self.on_flushed is not None:
             try:
                 self.on_flushed(Flushed(job, version, tuple(ranks), nbytes, seconds, complete,

@@ -32,6 +32,7 @@ hash, and :func:`read` checks it before trusting a byte. No torch here: the daem
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -212,10 +213,8 @@ def write(path: str, header: SnapshotHeader, buffer: Any, mode: int = 0o600) -> 
         os.fsync(fd)
     except BaseException:
         os.close(fd)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-        except FileNotFoundError:
-            pass
         raise
     os.close(fd)
     return total, hasher.intdigest()

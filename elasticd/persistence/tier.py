@@ -104,11 +104,9 @@ def _own_dir(parent_fd: int, name: str, where: str) -> int:
             others): a job user could redirect what is written there.
     """
     created = False
-    try:
+    with contextlib.suppress(FileExistsError):
         os.mkdir(name, _DIR_MODE, dir_fd=parent_fd)
         created = True
-    except FileExistsError:
-        pass
     try:
         fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
     except OSError as exc:

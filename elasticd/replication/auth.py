@@ -91,7 +91,6 @@ class AuthFailures:
         self._lock = threading.Lock()
         self._count = 0
         self._on_failure = on_failure
-        self.last_reason = ""
 
     @property
     def count(self) -> int:
@@ -101,7 +100,6 @@ class AuthFailures:
     def record(self, peer: str, reason: str) -> None:
         with self._lock:
             self._count += 1
-            self.last_reason = reason
         if self._on_failure is not None:
             self._on_failure(peer, reason)
 

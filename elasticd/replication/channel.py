@@ -161,10 +161,8 @@ class Channel:
 
     def send_error(self, code: str, message: str) -> None:
         """Best effort: tells the peer why the connection is about to close."""
-        try:
+        with contextlib.suppress(ConnectionLost):
             self.send(Error(code, message))
-        except ConnectionLost:
-            pass
 
     def _send(self, *parts: Any) -> None:
         try:
@@ -325,17 +323,13 @@ class Channel:
         return gettimeout() if gettimeout else None
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self.sock.close()
-        except OSError:
-            pass
 
     def shutdown(self) -> None:
         """Ends both directions at once: a recv or send blocked in another thread returns."""
-        try:
+        with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
 
     def linger_close(self, timeout: float = 1.0, limit: int = 16 << 20) -> None:
         """Closes so that the peer can still read what was sent last (an ERROR frame).
@@ -348,7 +342,7 @@ class Channel:
         if isinstance(self.sock, ssl.SSLSocket):  # TLS has its own close_notify
             self.close()
             return
-        try:
+        with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_WR)
             self.sock.settimeout(timeout)
             scratch = memoryview(bytearray(64 << 10))
@@ -358,8 +352,6 @@ class Channel:
                 if not n:
                     break
                 drained += n
-        except OSError:
-            pass
         self.close()
 
 

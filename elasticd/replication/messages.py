@@ -106,38 +106,46 @@ def _descriptor_json(d: Descriptor) -> bytes:
     return _json(dataclasses.asdict(d))
 
 
-_HELLO = struct.Struct(f"!{NONCE_BYTES}sIH")
-_CHALLENGE = struct.Struct(f"!{NONCE_BYTES}sIH")
+_GREETING = struct.Struct(f"!{NONCE_BYTES}sIH")
 _PUT_END = struct.Struct("!QI")
 
 
 @dataclasses.dataclass(frozen=True)
-class Hello:
-    """Client's opening: who it is, its fresh nonce, the largest DATA frame it accepts."""
+class _Greeting:
+    """A HELLO or CHALLENGE: who the sender is, its fresh nonce, the largest DATA frame it
+    accepts."""
 
-    TYPE: ClassVar[FrameType] = FrameType.HELLO
+    TYPE: ClassVar[FrameType]
     node_id: str
     nonce: bytes
     max_frame: int
 
     def payload(self) -> bytes:
         raw = _encode_node_id(self.node_id)
-        return _HELLO.pack(_exact(self.nonce, NONCE_BYTES), self.max_frame, len(raw)) + raw
+        return _GREETING.pack(_exact(self.nonce, NONCE_BYTES), self.max_frame, len(raw)) + raw
 
     @classmethod
-    def parse(cls, p: memoryview) -> "Hello":
-        if len(p) < _HELLO.size:
-            raise MalformedFrame(f"HELLO payload of {len(p)} bytes is too short")
-        nonce, max_frame, n = _HELLO.unpack_from(p)
-        if len(p) != _HELLO.size + n:
-            raise MalformedFrame("HELLO node id length does not match the payload")
-        _check_max_frame(max_frame, "HELLO")
-        return cls(_node_id(bytes(p[_HELLO.size:])), nonce, max_frame)
+    def parse(cls, p: memoryview) -> Any:
+        what = cls.TYPE.name
+        if len(p) < _GREETING.size:
+            raise MalformedFrame(f"{what} payload of {len(p)} bytes is too short")
+        nonce, max_frame, n = _GREETING.unpack_from(p)
+        if len(p) != _GREETING.size + n:
+            raise MalformedFrame(f"{what} node id length does not match the payload")
+        _check_max_frame(max_frame, what)
+        return cls(_node_id(bytes(p[_GREETING.size:])), nonce, max_frame)
 
 
 @dataclasses.dataclass(frozen=True)
-class Challenge:
-    """Server's answer: who it is, its fresh nonce, its DATA frame limit.
+class Hello(_Greeting):
+    """Client's opening."""
+
+    TYPE: ClassVar[FrameType] = FrameType.HELLO
+
+
+@dataclasses.dataclass(frozen=True)
+class Challenge(_Greeting):
+    """Server's answer.
 
     Nothing in it depends on the cluster secret: the server proves itself only after the
     client has (its first sealed frame), so a caller without the secret learns nothing to test
@@ -145,23 +153,6 @@ class Challenge:
     """
 
     TYPE: ClassVar[FrameType] = FrameType.CHALLENGE
-    node_id: str
-    nonce: bytes
-    max_frame: int
-
-    def payload(self) -> bytes:
-        raw = _encode_node_id(self.node_id)
-        return _CHALLENGE.pack(_exact(self.nonce, NONCE_BYTES), self.max_frame, len(raw)) + raw
-
-    @classmethod
-    def parse(cls, p: memoryview) -> "Challenge":
-        if len(p) < _CHALLENGE.size:
-            raise MalformedFrame(f"CHALLENGE payload of {len(p)} bytes is too short")
-        nonce, max_frame, n = _CHALLENGE.unpack_from(p)
-        if len(p) != _CHALLENGE.size + n:
-            raise MalformedFrame("CHALLENGE node id length does not match the payload")
-        _check_max_frame(max_frame, "CHALLENGE")
-        return cls(_node_id(bytes(p[_CHALLENGE.size:])), nonce, max_frame)
 
 
 @dataclasses.dataclass(frozen=True)

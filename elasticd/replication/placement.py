@@ -370,11 +370,11 @@ def decode_placement(raw: bytes, key: bytes | str = b"?") -> Placement:
         records.UnsupportedRecordVersion: written by a newer elasticd.
     """
     body = records.decode(raw, RECORD_KIND, key)
-    where = key.decode(errors="replace") if isinstance(key, bytes) else key
     try:
         return _placement_from(body)
     except (KeyError, TypeError, ValueError) as exc:
-        raise records.CorruptRecord(f"{where}: invalid placement record ({exc})") from exc
+        raise records.CorruptRecord(f"{records.where_of(key)}: invalid placement record "
+                                    f"({exc})") from exc
 
 
 def _placement_from(body: dict[str, Any]) -> Placement:

@@ -141,18 +141,13 @@ class ReplicaServer:
         self._listener = socket.create_server((host, port),
                                               backlog=max_connections + max_pending)
         self._listener.setblocking(False)
-        self._address: tuple[str, int] = self._listener.getsockname()[:2]
+        self.address: tuple[str, int] = self._listener.getsockname()[:2]  # port 0 resolved
         self._wake_r, self._wake_w = socket.socketpair()
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ)
         self._selector.register(self._wake_r, selectors.EVENT_READ)
         self._thread = threading.Thread(target=self._accept_loop, daemon=True,
                                         name=f"replica-accept-{node_id}")
-
-    @property
-    def address(self) -> tuple[str, int]:
-        """(host, port) the server listens on."""
-        return self._address
 
     @property
     def pending_handshakes(self) -> int:

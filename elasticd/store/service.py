@@ -204,7 +204,6 @@ class CheckpointService(SnapshotOps, RestoreOps):
         with self._lock:
             counters = dict(self.counters)
         steps = [s for job in status.values() for _, s in job["ranks"].values()]
-        persist = self.persist.stats() if self.persist else {}
         return CheckpointStats(
             snapshots_total=counters.get("snapshots", 0),
             snapshot_bytes=sum(job["bytes"] for job in status.values()),
@@ -218,8 +217,4 @@ class CheckpointService(SnapshotOps, RestoreOps):
                                           for job in status.values()) for reason in REASONS},
             restores_total={s: counters.get(f"restores_{s}", 0) for s in RESTORE_SOURCES},
             persisted_step=max((j["persisted"][1] for j in status.values() if j["persisted"]),
-                               default=-1),
-            persist_seconds_last=persist.get("last_seconds", 0.0),
-            persists_total=persist.get("flushed", 0),
-            persists_failed_total=persist.get("failed", 0),
-            persists_skipped_total=persist.get("skipped_busy", 0))
+                               default=-1))

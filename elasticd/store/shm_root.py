@@ -12,6 +12,7 @@ then created, listed and removed relative to the root's descriptor, never throug
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -55,10 +56,8 @@ def claim_root(root: str, attempts: int = 3) -> int:
     os.makedirs(os.path.dirname(root), mode=0o755, exist_ok=True)
     why = ""
     for _ in range(attempts):
-        try:
+        with contextlib.suppress(FileExistsError):
             os.mkdir(root, 0o700)
-        except FileExistsError:
-            pass
         try:
             fd = os.open(root, DIR_FLAGS)
         except OSError as exc:

@@ -16,8 +16,6 @@ from typing import Protocol
 
 #: Restore sources, the values of the ``source`` label.
 RESTORE_SOURCES = ("local", "peer", "persistent", "none")
-#: Why a snapshot was skipped, the values of the ``reason`` label.
-SKIP_REASONS = ("over_budget", "busy", "commit_pending")
 
 
 class CheckpointMetrics(Protocol):
@@ -51,7 +49,3 @@ class CheckpointStats:
     unprotected_jobs: dict[str, int] = dataclasses.field(default_factory=dict)  # by reason
     restores_total: dict[str, int] = dataclasses.field(default_factory=dict)  # by source
     persisted_step: int = -1
-    persist_seconds_last: float = 0.0
-    persists_total: int = 0
-    persists_failed_total: int = 0
-    persists_skipped_total: int = 0

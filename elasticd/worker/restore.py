@@ -97,11 +97,8 @@ def check_replicas_agree(state: Any, keys: list[str], collective: "Collective") 
     """
     if not keys:
         return
-    rows = []
-    for key in keys:
-        d = state_digest(state[key])
-        rows.append((d >> 32, d & 0xFFFFFFFF))
-    gathered = collective.all_gather(rows)
+    digests = [state_digest(state[key]) for key in keys]
+    gathered = collective.all_gather([(d >> 32, d & 0xFFFFFFFF) for d in digests])
     differ = [key for i, key in enumerate(keys) if len({g[i] for g in gathered}) > 1]
     if differ:
         raise ReplicaMismatch(
@@ -201,7 +198,7 @@ class Agreement:
     seen: Version | None
 
 
-def agree(sources: Sources, collective: Collective, state: Any = None) -> Agreement:
+def agree(sources: Sources, collective: Collective) -> Agreement:
     """The versions to try on every rank (identical on all of them) and the newest seen."""
     mine = sources.discover()
     head = [sources.progress or _NONE, sources.committed or _NONE,
@@ -251,7 +248,7 @@ def restore(state: Any, sources: Sources, collective: Collective, clock: Any,
 
     start = clock()
     result = RestoreResult()
-    agreed = agree(sources, collective, state)
+    agreed = agree(sources, collective)
     seen = agreed.seen
     for version, world in agreed.candidates:
         if world != sources.world:

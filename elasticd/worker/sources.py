@@ -363,10 +363,9 @@ class Sources:
 
 
 def _unmap(mm: mmap.mmap) -> None:
-    try:
+    # A view is still referenced: unmapped when the last one goes.
+    with contextlib.suppress(BufferError):
         mm.close()
-    except BufferError:  # a view is still referenced; unmapped when the last one goes
-        pass
 
 
 def _own_unsharded(got: _Fetched) -> _Fetched:

@@ -19,7 +19,7 @@ def test_precedence_file_env_flags(tmp_path):
 
 def test_defaults_derive():
     s = load({}, None, {})
-    assert s.lease_ttl == 5 and s.heartbeat_seconds == 0  # no timed rewrite: the lease
+    assert s.lease_ttl == 5 and s.heartbeat_interval == 0  # no timed rewrite: the lease
     assert s.provisional_seconds == 12.0
     assert s.etcd == ""
 
