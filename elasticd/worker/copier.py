@@ -92,6 +92,12 @@ def copy_into(tensors: Sequence[torch.Tensor], buffer: Any, lay: Layout) -> None
     if view.readonly:
         raise ValueError("copy_into needs a writable buffer")
     _check(tensors, lay, len(view))
+    _copy_checked(tensors, buffer, view, lay)
+
+
+def _copy_checked(tensors: Sequence[torch.Tensor], buffer: Any, view: memoryview,
+                  lay: Layout) -> None:
+    """copy_into once its inputs are checked."""
     if lay.total_size == lay.data_offset:
         return
     dsts = _views(buffer, view, lay)
@@ -256,11 +262,16 @@ class CpuCopier(Copier):
         )
 
     def start(self, tensors: Sequence[torch.Tensor], buffer: Any, lay: Layout) -> CopyHandle:
-        _check(tensors, lay, len(byte_view(buffer)))  # bad input fails here, not in the thread
+        view = byte_view(buffer)
+        if view.readonly:
+            raise ValueError("a copy needs a writable buffer")
+        # Bad input fails here, not in the thread, and is checked once: the check holds the
+        # GIL, which a check on the copy thread would take from the training loop.
+        _check(tensors, lay, len(view))
         if self._pool is None:
-            copy_into(tensors, buffer, lay)
+            _copy_checked(tensors, buffer, view, lay)
             return _Done()
-        return FutureHandle(self._pool.submit(copy_into, list(tensors), buffer, lay))
+        return FutureHandle(self._pool.submit(_copy_checked, list(tensors), buffer, view, lay))
 
     def close(self) -> None:
         if self._pool is not None:
