@@ -294,7 +294,9 @@ class SlotStore:
         which :meth:`scan` removes after a crash (not a job directory). Only sized: the caller
         reserves each range before writing it (:meth:`Segment.reserve_range`), so a partial
         copy takes the memory of what it holds, and the reserving runs beside the transfers
-        (a whole reserve up front took 0.74-0.96 s per 385 MB on huge pages after memory churn).
+        (a whole reserve up front took 0.74-0.96 s per 385 MB on huge pages: on a VM that
+        reports free memory to its host, each block is faulted in by the host at first touch,
+        bench/results/first_touch.json).
 
         Raises:
             OverBudget: the allocation would exceed ``cap_bytes`` (or the filesystem is full).

@@ -88,11 +88,16 @@ def copy_into(tensors: Sequence[torch.Tensor], buffer: Any, lay: Layout) -> None
             a slot's memoryview). The header region is left alone.
         lay: from :func:`elasticd.snapshot.format.layout` over the same tensors.
     """
+    _copy_checked(tensors, buffer, _checked_view(tensors, buffer, lay), lay)
+
+
+def _checked_view(tensors: Sequence[torch.Tensor], buffer: Any, lay: Layout) -> memoryview:
+    """``buffer``'s writable bytes, once ``tensors`` are checked against ``lay``."""
     view = byte_view(buffer)
     if view.readonly:
-        raise ValueError("copy_into needs a writable buffer")
+        raise ValueError("a copy needs a writable buffer")
     _check(tensors, lay, len(view))
-    _copy_checked(tensors, buffer, view, lay)
+    return view
 
 
 def _copy_checked(tensors: Sequence[torch.Tensor], buffer: Any, view: memoryview,
@@ -262,12 +267,9 @@ class CpuCopier(Copier):
         )
 
     def start(self, tensors: Sequence[torch.Tensor], buffer: Any, lay: Layout) -> CopyHandle:
-        view = byte_view(buffer)
-        if view.readonly:
-            raise ValueError("a copy needs a writable buffer")
         # Bad input fails here, not in the thread, and is checked once: the check holds the
         # GIL, which a check on the copy thread would take from the training loop.
-        _check(tensors, lay, len(view))
+        view = _checked_view(tensors, buffer, lay)
         if self._pool is None:
             _copy_checked(tensors, buffer, view, lay)
             return _Done()

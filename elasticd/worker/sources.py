@@ -159,9 +159,9 @@ class Sources:
                 another world size this rank loads old rank ``rank % world``'s shard, or,
                 when no copy of that one is left in any node's RAM, another old rank's (the
                 same model and optimizer for replicated state; the resharder takes the rows
-                of sharded state from every old rank it needs either way). Before, the step
-                was then not loadable on this rank and the job restored an older step, or
-                step 0, while the committed step was in RAM on the survivors (a chaos run:
+                of sharded state from every old rank it needs either way). Otherwise the
+                step is not loadable on this rank, and the job restores an older step, or
+                step 0, while the committed step is in RAM on the survivors (a chaos run:
                 old rank 0's copies on a frozen node and on the killed one).
         """
         world = self.world if world is None else world

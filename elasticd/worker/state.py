@@ -179,6 +179,16 @@ class _Flattener:
             self.keyed = len(self.tensors)
         return self.key_parts
 
+    def extend(self, names: list[str], tensors: list[torch.Tensor], key: tuple) -> None:
+        """Adds tensors a memo gave back, with their names (free: the memo checked) and their
+        key part as it recorded it."""
+        self.key_part()
+        self.names.extend(names)
+        self.tensors.extend(tensors)
+        self.used.update(names)
+        self.key_parts.append(key)
+        self.keyed = len(self.tensors)
+
     def _add(self, path: str, tensor: torch.Tensor) -> int:
         if tensor.layout != torch.strided or tensor.is_quantized:
             raise UnsupportedValue(f"{path}: only dense tensors can be snapshotted ({tensor.layout})")

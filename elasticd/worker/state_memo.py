@@ -26,18 +26,16 @@ class DictMemo:
     are kept, so a memo never keeps a replaced model's memory alive.
     """
 
-    __slots__ = ("base", "keys", "values", "inner", "metadata", "leaves", "names", "node",
-                 "key")
+    __slots__ = ("base", "levels", "keys", "inner", "metadata", "leaves", "names", "node", "key")
 
     def __init__(self, f: Any, value: dict, levels: int, base: int, node: Any) -> None:
         """Records ``value`` (of :func:`depth` ``levels``), just encoded as ``node`` by the
         flattener ``f``, whose tensors from index ``base`` on are that node's."""
-        self.base, self.node = base, node
+        self.base, self.levels, self.node = base, levels, node
         self.keys = list(value)
         self.metadata = getattr(value, "_metadata", None)
         dicts = list(value.values()) if levels == 2 else [value]
         self.inner = [(list(d), [_ref(v) for v in d.values()]) for d in dicts]
-        self.values = self.inner[0][1] if levels == 1 else None
         self.names = f.names[base:]
         self.key = tensor_key(self.names, f.tensors[base:])
         dtensor = shards.dtensor_class()
@@ -59,8 +57,7 @@ class DictMemo:
                 or getattr(value, "_metadata", None) != self.metadata
                 or not f.used.isdisjoint(self.names)):
             return None
-        for d, (keys, refs) in zip(value.values() if self.values is None else [value],
-                                   self.inner):
+        for d, (keys, refs) in zip(value.values() if self.levels == 2 else [value], self.inner):
             if (type(d) not in (dict, collections.OrderedDict) or list(d) != keys
                     or not all(map(operator.is_, d.values(), [r() for r in refs]))):
                 return None
@@ -75,12 +72,7 @@ class DictMemo:
                     or src.shape != shape or src.dtype is not dtype):
                 return None
             tensors.append(src.detach() if src.requires_grad else src)
-        f.key_part()
-        f.names.extend(self.names)
-        f.tensors.extend(tensors)
-        f.used.update(self.names)
-        f.key_parts.append(self.key)
-        f.keyed = len(f.tensors)
+        f.extend(self.names, tensors, self.key)
         return self.node
 
 
