@@ -2,7 +2,10 @@
 
 Usage: ``torchrun ... allreduce.py EXPECTED_WORLD_SIZE [SECONDS]``. Each rank contributes
 rank + 1, so the sum is n(n+1)/2. With SECONDS, it keeps all-reducing (10 a second) for that
-long before reporting, to stand for a job that trains through some event. It exits with ``os._exit(0)`` after tearing down the process group: about
+long before reporting, to stand for a job that trains through some event; the ranks decide
+together when that time is up (a flag summed in the same all_reduce), since each rank's own clock
+could stop one rank a step before the other, leaving it in an all_reduce with a peer that has
+exited. It exits with ``os._exit(0)`` after tearing down the process group: about
 1 in 13 short jobs otherwise died with SIGABRT ("terminate called without an active exception")
 after ``destroy_process_group()`` (docs/facts.md).
 """
@@ -26,13 +29,13 @@ def main() -> None:
     end = time.monotonic() + seconds
     steps = 0
     while True:
-        t = torch.tensor([float(rank + 1)])
+        t = torch.tensor([float(rank + 1), float(time.monotonic() >= end)])
         dist.all_reduce(t)
         steps += 1
-        if time.monotonic() >= end:
+        if t[1].item() > 0:
             break
         time.sleep(0.1)
-    print(f"ALLREDUCE rank={rank} world={world} sum={t.item():g} "
+    print(f"ALLREDUCE rank={rank} world={world} sum={t[0].item():g} "
           f"share_store={os.environ.get('TORCHELASTIC_USE_AGENT_STORE')}", flush=True)
     dist.destroy_process_group()
     sys.stdout.flush()
