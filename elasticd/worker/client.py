@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import array
 import collections
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -40,6 +41,7 @@ from elasticd.local.wire import (
     LENGTH,
     FrameError,
     check_length,
+    close_fds,
     decode,
     encode,
 )
@@ -349,7 +351,7 @@ class DaemonClient:
         if self._sock is not None:
             self._sock.close()
         self._sock, self._poll, self._rbuf = None, None, bytearray()
-        _close_all(self._fds)
+        close_fds(self._fds)
         self._fds.clear()
 
     def _dropped(self, reason: str) -> bool:
@@ -400,13 +402,11 @@ class DaemonClient:
             got = msg.get("id")
             if got == rid:
                 return msg
-            _close_all(msg.pop("_fds", ()))
+            close_fds(msg.pop("_fds", ()))
             if got is None:
                 # About the connection, not a request (refused, or a frame it could not read);
                 # the daemon closes it.
-                with self._write_lock:
-                    if self._sock is sock:
-                        self._disconnect()
+                self._lost(sock)
                 raise DaemonError(op, str(msg.get("error", "connection refused")))
             # Otherwise the late reply of an earlier call that timed out: skip it.
 
@@ -524,21 +524,11 @@ class PendingCall:
         """Reads and drops the reply if nobody took it (its descriptors closed), so the
         connection is free again; errors are not raised."""
         if not self._done:
-            try:
-                _close_all(self.result().get("_fds", ()))
-            except Exception:  # noqa: BLE001 — nobody wants this reply
-                pass
+            with contextlib.suppress(Exception):  # nobody wants this reply
+                close_fds(self.result().get("_fds", ()))
 
     def __enter__(self) -> "PendingCall":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _close_all(fds: Any) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
