@@ -184,26 +184,25 @@ class SnapshotHeader:
         return (self.generation, self.step)
 
 
-def _header_json(h: SnapshotHeader) -> dict[str, Any]:
-    lay = h.layout
+def layout_json(lay: Layout, blocks: Iterable[int]) -> dict[str, Any]:
+    """The header's fields that describe ``lay`` and its block checksums ``blocks``."""
     return {
-        "job": h.job,
-        "step": h.step,
-        "generation": h.generation,
-        "rank": h.rank,
-        "world_size": h.world_size,
         "data_offset": lay.data_offset,
         "total_size": lay.total_size,
         "block_size": lay.block_size,
         # Hex strings, not JSON numbers: 64-bit values lose precision in many JSON readers.
-        "blocks": [f"{b:016x}" for b in h.blocks],
+        "blocks": [f"{b:016x}" for b in blocks],
         "entries": [
             {"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "offset": e.offset,
              "nbytes": e.nbytes}
             for e in lay.entries
         ],
-        "meta": h.meta,
     }
+
+
+def _header_json(h: SnapshotHeader) -> dict[str, Any]:
+    return {"job": h.job, "step": h.step, "generation": h.generation, "rank": h.rank,
+            "world_size": h.world_size, **layout_json(h.layout, h.blocks), "meta": h.meta}
 
 
 def _encode_body(h: SnapshotHeader) -> bytes:
@@ -326,8 +325,7 @@ def write_header(buf: Any, header: SnapshotHeader) -> None:
 
 def invalidate(buf: Any) -> None:
     """Wipes the preamble so the buffer no longer reads as a snapshot (before reusing it)."""
-    view = byte_view(buf)
-    view[:PREAMBLE_SIZE] = bytes(PREAMBLE_SIZE)
+    byte_view(buf)[:PREAMBLE_SIZE] = bytes(PREAMBLE_SIZE)
 
 
 def dtensor_nodes(meta: Any) -> Iterator[dict[str, Any]]:

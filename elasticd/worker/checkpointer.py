@@ -41,6 +41,7 @@ unset) ``save`` does nothing and ``restore`` returns 0, after one warning — un
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import logging
@@ -50,10 +51,11 @@ from typing import Any, Mapping, MutableMapping
 import orjson
 import torch
 
+import elasticd.worker
 from elasticd.worker import restore as _restore
 from elasticd.worker.sources import Sources, close_fds, handed_fd
 from elasticd.worker.copier import Copier, CpuCopier, copy_into, dtype_name, forget_views
-from elasticd.snapshot.format import PREAMBLE_SIZE, Layout, TensorSpec, layout
+from elasticd.snapshot.format import PREAMBLE_SIZE, Layout, TensorSpec, layout, layout_json
 from elasticd.snapshot.segment import map_fd
 from elasticd.worker.state import FlatState, UnsupportedValue, _zero_class, flatten
 from elasticd.clock import SYSTEM_CLOCK
@@ -87,18 +89,10 @@ class _Plan:
     key: tuple
     layout: Layout
     prefix: str  # the header JSON without job/step/rank/meta, and without its closing brace
-    sync_mask: tuple[bool, ...] = ()
-    sync: Layout | None = None
-    rest: Layout | None = None
+    sync_mask: tuple[bool, ...]  # the entries copied in save (``sync``), not later (``rest``)
+    sync: Layout
+    rest: Layout
     stale: bool = False
-
-    def split(self, mask: tuple[bool, ...]) -> None:
-        if mask != self.sync_mask or self.sync is None:
-            lay = self.layout
-            pick = lambda want: tuple(e for e, m in zip(lay.entries, mask) if m == want)  # noqa
-            self.sync = Layout(pick(True), lay.data_offset, lay.total_size, lay.block_size)
-            self.rest = Layout(pick(False), lay.data_offset, lay.total_size, lay.block_size)
-            self.sync_mask = mask
 
 
 class Checkpointer:
@@ -128,12 +122,12 @@ class Checkpointer:
             raise ValueError(f"every must be an integer >= 1, got {every!r}")
         self.every, self.persist_dir, self.timeout = every, persist_dir, timeout
         self.replicated = tuple(replicated)
-        if transport is ...:
-            transport = _default_transport()
+        env = os.environ
+        if transport is ...:  # the package's client (and not its warning) under a daemon only
+            transport = elasticd.worker.default_client() if env.get("ELASTICD_SOCKET") else None
         self.transport = transport
         dist = torch.distributed
         grouped = dist.is_available() and dist.is_initialized()
-        env = os.environ
         self.job = job or env.get("ELASTICD_JOB") or env.get("TORCHELASTIC_RUN_ID") or "default"
         self.rank = rank if rank is not None else (
             dist.get_rank() if grouped else int(env.get("RANK", 0)))
@@ -200,14 +194,12 @@ class Checkpointer:
         """Tells the daemon who this worker is (it places replicas by the group's ranks)."""
         if self.transport is None:
             return
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
-        local_rank = os.environ.get("LOCAL_RANK", "")
         fields: dict[str, Any] = {"job": self.job, "rank": self.rank,
                                   "world_size": self.world_size}
-        if restart.isdigit():
-            fields["restart"] = int(restart)
-        if local_rank.isdigit():
-            fields["local_rank"] = int(local_rank)
+        for field, var in (("restart", "TORCHELASTIC_RESTART_COUNT"),
+                           ("local_rank", "LOCAL_RANK")):
+            if os.environ.get(var, "").isdigit():
+                fields[field] = int(os.environ[var])
         if step is not None:
             fields["step"] = step
         if unsnapshottable:
@@ -294,7 +286,7 @@ class Checkpointer:
                          and int(reply["capacity"]) < plan.layout.total_size):
             if reply is not None:
                 close_fds(reply)  # too small: given up for a bigger slot
-            reply = self._reserve(plan.layout.total_size, step, mapped)
+            reply = self._start_reserve(plan.layout.total_size, step, mapped).result()
         if reply is None or reply.get("skip"):
             self.stats["skipped"] += 1
             if reply is not None and not reply.get("grid"):  # a grid skip is routine
@@ -337,10 +329,8 @@ class Checkpointer:
         self.copier.close()
         for mm in self._maps.values():
             forget_views(mm)
-            try:
+            with contextlib.suppress(BufferError):
                 mm.close()
-            except BufferError:
-                pass
         self._maps.clear()
 
     def __enter__(self) -> "Checkpointer":
@@ -350,9 +340,6 @@ class Checkpointer:
         self.close()
 
     # -- internals ------------------------------------------------------------------------
-
-    def _reserve(self, nbytes: int, step: int, mapped: list[list[int]]) -> dict[str, Any] | None:
-        return self._start_reserve(nbytes, step, mapped).result()
 
     def _start_reserve(self, nbytes: int, step: int, mapped: list[list[int]]
                        ) -> "_Reservation":
@@ -403,12 +390,11 @@ class Checkpointer:
         meta_len = len(_meta_json(flat.meta))
         lay = layout(specs, job=self.job, meta={"m": flat.meta,
                                                 "pad": "_" * max(4096, meta_len // 2)})
-        head = {"data_offset": lay.data_offset, "total_size": lay.total_size,
-                "block_size": lay.block_size, "blocks": ["0" * 16] * lay.num_blocks,
-                "entries": [{"name": e.name, "dtype": e.dtype, "shape": list(e.shape),
-                             "offset": e.offset, "nbytes": e.nbytes} for e in lay.entries]}
-        self._plan = _Plan(key, lay, _json(head)[:-1])
-        self._plan.split(self._sync_mask(state, flat.names))
+        head = layout_json(lay, [0] * lay.num_blocks)  # checksums: the daemon's, at the seal
+        mask = self._sync_mask(state, flat.names)
+        sync, rest = (dataclasses.replace(lay, entries=tuple(
+            e for e, m in zip(lay.entries, mask) if m == want)) for want in (True, False))
+        self._plan = _Plan(key, lay, _json(head)[:-1], mask, sync, rest)
         return self._plan
 
     @staticmethod
@@ -479,10 +465,8 @@ class Checkpointer:
                     old = self._maps.pop(next(iter(self._maps)))
                     forget_views(old)
                     self.copier.forget(old)
-                    try:
+                    with contextlib.suppress(BufferError):
                         old.close()
-                    except BufferError:
-                        pass
                 mm = self._maps[key] = map_fd(fd, capacity, writable=True, populate=True)
             return mm
 
@@ -533,11 +517,3 @@ class _Reservation:
         elif self._reply is not None:
             close_fds(self._reply)
             self._reply = None
-
-
-def _default_transport() -> Any:
-    if not os.environ.get("ELASTICD_SOCKET"):
-        return None
-    import elasticd.worker
-
-    return elasticd.worker.default_client()
