@@ -17,6 +17,7 @@ Daemon side (and :func:`map_fd` in workers): no torch.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -206,19 +207,14 @@ class Segment:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-        try:
+        with contextlib.suppress(BufferError):  # a view still held: unmapped when dropped
             self.view.release()
             self._mm.close()
-        except BufferError:
-            # Someone still holds a view; the mapping goes when they drop it.
-            pass
 
     def destroy(self, dir_fd: int) -> None:
         """Unlinks the file (its name relative to ``dir_fd``, the store's root) and unmaps it."""
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.name, dir_fd=dir_fd)
-        except FileNotFoundError:
-            pass
         self.unmap()
 
 

@@ -206,7 +206,7 @@ class CopyHandle(abc.ABC):
 
 
 class Copier(abc.ABC):
-    """Copies a flattened state into a snapshot buffer and back."""
+    """Copies a flattened state into a snapshot buffer."""
 
     @abc.abstractmethod
     def start(self, tensors: Sequence[torch.Tensor], buffer: Any, lay: Layout) -> CopyHandle:
@@ -216,10 +216,6 @@ class Copier(abc.ABC):
     def copy(self, tensors: Sequence[torch.Tensor], buffer: Any, lay: Layout) -> None:
         """Copies and waits."""
         self.start(tensors, buffer, lay).wait()
-
-    def read(self, buffer: Any, lay: Layout) -> list[torch.Tensor]:
-        """Copies every entry out of ``buffer`` into new tensors (CPU here)."""
-        return read_tensors(buffer, lay)
 
     def forget(self, buffer: Any) -> None:
         """``buffer`` is about to be unmapped: drop anything held on it (pinning)."""

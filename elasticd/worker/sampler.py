@@ -176,9 +176,7 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
 
     def _next_start(self) -> tuple[int, bool]:
         """Where the next iterator starts, and whether that begins a new pass."""
-        if self._serve_rest:
-            return self._start, False
-        if self.consumed >= self.dataset_len:
+        if not self._serve_rest and self.consumed >= self.dataset_len:
             # The epoch is all trained: another pass over it, as DistributedSampler serves
             # when set_epoch is not called.
             return 0, True
@@ -348,8 +346,7 @@ def _watch(loader_iter: Any, it: _Iterator) -> bool:
 
 def _length(dataset: Any) -> int:
     try:
-        n = len(dataset)
+        return len(dataset)
     except TypeError as exc:
         raise TypeError(f"ElasticSampler needs a dataset with len() or its length, got "
                         f"{type(dataset).__name__}") from exc
-    return n

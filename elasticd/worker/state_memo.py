@@ -82,14 +82,11 @@ def tensor_key(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> tuple:
 
 def _ref(value: Any) -> Any:
     """A weak reference to a tensor; None stays None (an optimizer's absent buffer)."""
-    return _NONE_REF if value is None else weakref.ref(value)
+    return _none if value is None else weakref.ref(value)
 
 
 def _none() -> None:
     return None
-
-
-_NONE_REF = _none
 
 
 def depth(value: dict) -> int:
