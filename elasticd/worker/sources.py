@@ -184,8 +184,7 @@ class Sources:
             for old in olds:
                 try:
                     got = self._from_daemon("ckpt_fetch", version, world, refused, old,
-                                            in_place=reshard,
-                                            need=self.boxes if reshard else None)
+                                            in_place=reshard)
                 except DaemonUnavailable as exc:
                     return self._silent(version, exc)
                 except Exception as exc:  # noqa: BLE001 — no copy reachable: the next source
@@ -238,8 +237,7 @@ class Sources:
         if self.transport is not None and version in self.fetchable:
             try:
                 got = self._from_daemon("ckpt_fetch", version, world, refused, rank,
-                                        in_place=in_place,
-                                        need=self.boxes if in_place else None)
+                                        in_place=in_place)
                 if got is not None:
                     return got
             except DaemonUnavailable as exc:
@@ -307,20 +305,19 @@ class Sources:
                   self.rank, version, exc)
 
     def _from_daemon(self, op: str, version: Version, world: int, refused: list[str],
-                     rank: int | None = None, in_place: bool = False,
-                     need: list[list[Any]] | None = None) -> _Fetched | None:
+                     rank: int | None = None, in_place: bool = False) -> _Fetched | None:
         """Maps the slot ``op`` (``ckpt_open`` or ``ckpt_fetch``) points at and copies it out;
         None when the daemon says every copy is lost. ``rank``: whose shard (default: this
         rank's; another one's after a grow). ``in_place``: the tensors are read-only views of
         the mapping instead, and the slot stays mapped and pinned until the piece's
-        ``release`` (a copy of a whole old snapshot cost as much as the reshard itself).
-        ``need`` (with ``ckpt_fetch``): the new local boxes; a copy fetched from peers is then
-        partial: only the rows they overlap, and every entry that is not a DTensor, are
-        valid, which is all a reshard reads."""
+        ``release`` (a copy of a whole old snapshot cost as much as the reshard itself); a
+        ``ckpt_fetch`` then sends the new local boxes (:attr:`boxes`), and a copy fetched from
+        peers is partial: only the rows they overlap, and every entry that is not a DTensor,
+        are valid, which is all a reshard reads."""
         rank = self.rank if rank is None else rank
         wait: dict[str, Any] = {"timeout": FETCH_WAIT} if op == "ckpt_fetch" else {}
-        if need and op == "ckpt_fetch":
-            wait["need"] = need
+        if in_place and self.boxes and op == "ckpt_fetch":
+            wait["need"] = self.boxes
         reply = self.transport.call(op, job=self.job, rank=rank,
                                     generation=version[0], step=version[1], **wait)
         if reply.get("lost"):
@@ -355,17 +352,12 @@ class Sources:
     def _release(self, pin: int, mm: mmap.mmap | None = None) -> None:
         """Unmaps a slot (once no view is left) and tells the daemon it may reuse it."""
         if mm is not None:
-            _unmap(mm)
+            with contextlib.suppress(BufferError):  # a view still held: unmapped when dropped
+                mm.close()
         try:
             self.transport.call("ckpt_release", pin=pin)
         except Exception as exc:  # noqa: BLE001 — the daemon drops stale pins itself
             log.debug("elasticd: ckpt_release failed: %s", exc)
-
-
-def _unmap(mm: mmap.mmap) -> None:
-    # A view is still referenced: unmapped when the last one goes.
-    with contextlib.suppress(BufferError):
-        mm.close()
 
 
 def _own_unsharded(got: _Fetched) -> _Fetched:
