@@ -34,7 +34,7 @@ import torch
 from elasticd.worker import shards
 from elasticd.worker.state_memo import DictMemo, depth, tensor_key
 from elasticd.worker.copier import dtype_name, read_tensors, spec_of
-from elasticd.snapshot.format import DEFAULT_BLOCK_SIZE, Layout, SnapshotHeader, TensorSpec, layout
+from elasticd.snapshot.format import DEFAULT_BLOCK_SIZE, Layout, SnapshotHeader, layout
 from elasticd.errors import CheckpointError
 
 META_VERSION = 1
@@ -147,16 +147,10 @@ class FlatState:
             return tensor_key(self.names, self.tensors)
         return tuple(itertools.chain.from_iterable(self.key_parts))
 
-    def specs(self) -> list[TensorSpec]:
-        return [spec_of(n, t) for n, t in zip(self.names, self.tensors)]
-
     def layout(self, job: str, block_size: int = DEFAULT_BLOCK_SIZE) -> Layout:
         """The snapshot layout of this state for ``job`` (header reserve includes the meta)."""
-        return layout(self.specs(), job=job, meta=self.meta, block_size=block_size)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
+        return layout(map(spec_of, self.names, self.tensors), job=job, meta=self.meta,
+                      block_size=block_size)
 
 
 _KNOWN_DTYPES: set[torch.dtype] = set()
@@ -560,7 +554,8 @@ def _load_zero(zero: Any, saved: Mapping[str, Any], others: Any = lambda: []) ->
             group.update(hyper)
         return
     state: dict[int, Any] = {}
-    for part in [saved, *others()]:
+    parts = [saved, *others()]  # decoded once
+    for part in parts:
         if "global" not in part:
             raise StateMismatch("a ZeroRedundancyOptimizer snapshot without its partition map "
                                 "(an older elasticd) cannot be loaded at another world size")
@@ -568,7 +563,7 @@ def _load_zero(zero: Any, saved: Mapping[str, Any], others: Any = lambda: []) ->
         for i, g in enumerate(part["global"]):
             if i in local:
                 state.setdefault(g, local[i])
-    held = {g for part in [saved, *others()] for g in part["global"]}
+    held = {g for part in parts for g in part["global"]}
     if held != set(range(len(index))):
         raise StateMismatch(f"the old ranks' ZeroRedundancyOptimizer shards fetched hold "
                             f"{len(held)} of the {len(index)} parameters' state")
