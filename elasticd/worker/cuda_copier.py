@@ -30,7 +30,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -96,20 +96,15 @@ class TorchCuda:
             src.record_stream(stream)
 
 
-def _runs(lay: Layout) -> Iterator[tuple[int, int]]:
+def _runs(lay: Layout) -> list[tuple[int, int]]:
     """Byte ranges covering the layout's entries, merged across alignment padding only."""
-    start = end = None
+    runs: list[tuple[int, int]] = []
     for e in lay.entries:
-        if not e.nbytes:
-            continue
-        if start is not None and e.offset - end < ALIGNMENT:
-            end = e.offset + e.nbytes
-            continue
-        if start is not None:
-            yield start, end
-        start, end = e.offset, e.offset + e.nbytes
-    if start is not None:
-        yield start, end
+        if e.nbytes and runs and e.offset - runs[-1][1] < ALIGNMENT:
+            runs[-1] = (runs[-1][0], e.offset + e.nbytes)
+        elif e.nbytes:
+            runs.append((e.offset, e.offset + e.nbytes))
+    return runs
 
 
 class CudaCopyHandle(FutureHandle):
