@@ -418,18 +418,14 @@ class DaemonClient:
                 (length,) = LENGTH.unpack_from(buf)
                 try:
                     check_length(length, self.max_message)
+                    end = LENGTH.size + length
+                    if len(buf) >= end:
+                        body = bytes(buf[LENGTH.size:end])
+                        del buf[:end]
+                        return self._claim_fds(decode(body))
                 except FrameError as exc:
                     self._lost(sock)
                     raise DaemonUnavailable(f"elasticd sent a bad frame: {exc}") from exc
-                end = LENGTH.size + length
-                if len(buf) >= end:
-                    body = bytes(buf[LENGTH.size:end])
-                    del buf[:end]
-                    try:
-                        return self._claim_fds(decode(body))
-                    except FrameError as exc:
-                        self._lost(sock)
-                        raise DaemonUnavailable(f"elasticd sent a bad frame: {exc}") from exc
             left = deadline - SYSTEM_CLOCK.monotonic()
             if left <= 0:
                 # The connection stays: the late reply is recognised by its id and skipped.
