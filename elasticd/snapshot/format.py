@@ -186,18 +186,12 @@ class SnapshotHeader:
 
 def layout_json(lay: Layout, blocks: Iterable[int]) -> dict[str, Any]:
     """The header's fields that describe ``lay`` and its block checksums ``blocks``."""
-    return {
-        "data_offset": lay.data_offset,
-        "total_size": lay.total_size,
-        "block_size": lay.block_size,
-        # Hex strings, not JSON numbers: 64-bit values lose precision in many JSON readers.
-        "blocks": [f"{b:016x}" for b in blocks],
-        "entries": [
-            {"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "offset": e.offset,
-             "nbytes": e.nbytes}
-            for e in lay.entries
-        ],
-    }
+    return {"data_offset": lay.data_offset, "total_size": lay.total_size,
+            "block_size": lay.block_size,
+            # Hex strings, not JSON numbers: 64-bit values lose precision in many JSON readers.
+            "blocks": [f"{b:016x}" for b in blocks],
+            "entries": [{"name": e.name, "dtype": e.dtype, "shape": list(e.shape),
+                         "offset": e.offset, "nbytes": e.nbytes} for e in lay.entries]}
 
 
 def _header_json(h: SnapshotHeader) -> dict[str, Any]:

@@ -145,16 +145,9 @@ def _header_from_json(obj: Any, header_end: int, where: str) -> SnapshotHeader:
         if not isinstance(b, str) or not _HEX16.fullmatch(b):
             raise CorruptSnapshot(f"{where}: bad block checksum {_short(b)}")
         blocks.append(int(b, 16))
-    return SnapshotHeader(
-        job=job,
-        step=_int(obj, "step", where),
-        generation=_int(obj, "generation", where),
-        rank=rank,
-        world_size=world_size,
-        layout=lay,
-        meta=meta,
-        blocks=tuple(blocks),
-    )
+    return SnapshotHeader(job=job, step=_int(obj, "step", where),
+                          generation=_int(obj, "generation", where), rank=rank,
+                          world_size=world_size, layout=lay, meta=meta, blocks=tuple(blocks))
 
 
 def parse_header(

@@ -257,10 +257,8 @@ class CpuCopier(Copier):
     """
 
     def __init__(self, background: bool = False) -> None:
-        self._pool = (
-            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="elasticd-copy")
-            if background else None
-        )
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="elasticd-copy") if background else None
 
     def start(self, tensors: Sequence[torch.Tensor], buffer: Any, lay: Layout) -> CopyHandle:
         # Bad input fails here, not in the thread, and is checked once: the check holds the
