@@ -158,18 +158,15 @@ class CudaCopier(Copier):
         if hit is not None:
             self.api.unregister(hit[1])
 
-    def _staging_for(self, nbytes: int) -> torch.Tensor:
-        # One pinned buffer, grown when needed: pinning is slow, so it is kept between
-        # snapshots (the next start() comes only after the previous handle was waited for).
-        if self._staging is None or self._staging.numel() < nbytes:
-            self._staging = self.api.pinned(nbytes)
-        return self._staging
-
     def start(self, tensors: Sequence[torch.Tensor], buffer: Any, lay: Layout) -> CopyHandle:
         view = byte_view(buffer)
         _check(tensors, lay, len(view))
         direct = self._slot(buffer)
-        staging = direct if direct is not None else self._staging_for(lay.total_size)
+        if direct is None and (self._staging is None or self._staging.numel() < lay.total_size):
+            # One pinned buffer, grown when needed: pinning is slow, so it is kept between
+            # snapshots (the next start() comes only after the previous handle was waited for).
+            self._staging = self.api.pinned(lay.total_size)
+        staging = direct if direct is not None else self._staging
         self.stream.wait_stream(self.api.current_stream())
         with self.api.use_stream(self.stream):
             for t, e in zip(tensors, lay.entries):
