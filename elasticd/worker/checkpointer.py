@@ -178,8 +178,7 @@ class Checkpointer:
         collective = self._collective or (
             _restore.TorchCollective() if torch.distributed.is_available()
             and torch.distributed.is_initialized() else _restore.Solo())
-        sources = Sources(self.transport, self.job, self.rank, self.world_size,
-                          self.persist_dir)
+        sources = Sources(self.transport, self.job, self.rank, self.world_size, self.persist_dir)
         result = _restore.restore(state, sources, collective, SYSTEM_CLOCK.perf_counter,
                                   _restore.replicated_keys(state, self.replicated))
         self.generation, self.last_restore = result.next_generation, result
@@ -370,9 +369,8 @@ class Checkpointer:
             plan.stale = True  # the meta outgrew the header reserve: re-plan next time
             raise RuntimeError(f"header of {len(body)} bytes outgrew its reserve; snapshot of "
                                f"step {step} dropped")
-        view = memoryview(buf)
-        view[PREAMBLE_SIZE : PREAMBLE_SIZE + len(body)] = body
-        view.release()
+        with memoryview(buf) as view:
+            view[PREAMBLE_SIZE : PREAMBLE_SIZE + len(body)] = body
         hook_stall, self._hook_stall = self._hook_stall, 0.0
         if self._call("ckpt_complete", job=self.job, rank=self.rank, ticket=ticket,
                       header_size=len(body), stall_seconds=stall + hook_stall) is not None:

@@ -144,10 +144,8 @@ class DaemonClient:
                  timeout: float = 10.0, max_message: int = DEFAULT_MAX_MESSAGE) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
-        self.path = path
-        self.identity = identity
-        self.timeout = timeout
-        self.max_message = max_message
+        self.path, self.identity, self.timeout, self.max_message = (
+            path, identity, timeout, max_message)
         self.dropped = 0
         self._ids = itertools.count(1)
         self._init_process_state()

@@ -228,8 +228,7 @@ def agree(sources: Sources, collective: Collective) -> Agreement:
             log.warning("elasticd: committed step %s was saved by %d ranks and %d run now, but "
                         "a rank's elasticd (older) cannot restore it at the new world size; "
                         "falling back", version, world, sources.world)
-    ordered = sorted(candidates.items(), reverse=True)
-    return Agreement(ordered, max(seen, default=None))
+    return Agreement(sorted(candidates.items(), reverse=True), max(seen, default=None))
 
 
 def restore(state: Any, sources: Sources, collective: Collective, clock: Any,

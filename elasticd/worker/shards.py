@@ -265,8 +265,7 @@ class Resharder:
                  base_owned: bool = True) -> None:
         self.base_owned = base_owned
         self.meshes = live_meshes(state)
-        self.base_names = pieces[0][0]
-        self.base_tensors = pieces[0][1]
+        self.base_names, self.base_tensors = pieces[0][:2]
         # name -> [(box, tensor)] over every old snapshot after the base one
         self.others: dict[str, list[tuple[Box, torch.Tensor]]] = {}
         for names, tensors, meta in pieces[1:]:

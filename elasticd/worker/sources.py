@@ -130,9 +130,7 @@ class Sources:
 
     def saved_world(self, version: Version) -> int:
         """The world size ``version`` was saved at, as far as this rank's sources say."""
-        if version in self.ram:
-            return self.world
-        return self.persisted_world.get(version, self.world)
+        return self.world if version in self.ram else self.persisted_world.get(version, self.world)
 
     def _discover_committed(self) -> None:
         try:
@@ -180,8 +178,7 @@ class Sources:
             # entries come whole).
             reshard = world != self.world
             base = self.rank % world  # this rank itself at the same world size
-            olds = [base, *((base + i) % world for i in range(1, world))] if reshard else [base]
-            for old in olds:
+            for old in [(base + i) % world for i in range(world if reshard else 1)]:
                 try:
                     got = self._from_daemon("ckpt_fetch", version, world, refused, old,
                                             in_place=reshard)
