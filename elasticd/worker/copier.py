@@ -3,10 +3,10 @@
 The copy into shared memory is the only part of a snapshot the training loop may wait for, so
 it sits behind an interface with an asynchronous ``start``: the CPU implementation here copies
 with ``Tensor.copy_`` (optionally on a background thread, so it overlaps the next forward and
-backward), and a CUDA implementation can be added beside it that copies on a side stream into
-pinned memory and waits on that stream's event. Whoever drives it must call ``wait`` before the
-optimizer next mutates the state (e.g. from an optimizer step pre-hook). Worker side: imports
-torch. Nothing is pickled: bytes go straight from tensor storage into the buffer.
+backward), :mod:`~elasticd.worker.cuda_copier` on a side stream. Whoever drives it must call
+``wait`` before the optimizer next mutates the state (e.g. from an optimizer step pre-hook).
+Worker side: imports torch. Nothing is pickled: bytes go straight from tensor storage into the
+buffer.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import collections
 import concurrent.futures
 import threading
 import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -58,25 +58,30 @@ def _check(tensors: Sequence[torch.Tensor], lay: Layout, size: int) -> None:
             raise ValueError(f"tensor for {e.name!r} has layout {t.layout}; only dense tensors")
 
 
-_Expected = tuple[list[torch.dtype], list[torch.Size]]
-_expected_cache: collections.OrderedDict[int, tuple[Layout, _Expected]] = (
-    collections.OrderedDict())
+def _cached(cache: collections.OrderedDict, key: Any, held: Any, make: Callable[[], Any]) -> Any:
+    """``make()``, kept in ``cache`` for the most recent few keys. The entry holds ``held``, the
+    objects whose ids make the key, so those ids are not reused while it is cached."""
+    with _views_lock:
+        hit = cache.get(key)
+        if hit is not None:
+            cache.move_to_end(key)
+            return hit[1]
+    value = make()
+    with _views_lock:
+        cache[key] = (held, value)
+        while len(cache) > _VIEWS_KEPT:
+            cache.popitem(last=False)
+    return value
 
 
-def _expected(lay: Layout) -> _Expected:
+_expected_cache: collections.OrderedDict[int, tuple[Layout, Any]] = collections.OrderedDict()
+
+
+def _expected(lay: Layout) -> tuple[list[torch.dtype], list[torch.Size]]:
     """The torch dtypes and the shapes of ``lay``'s entries, kept for the most recent layouts:
     this check runs on the training thread every step, and dtype names are slow to compare."""
-    with _views_lock:
-        hit = _expected_cache.get(id(lay))
-        if hit is not None and hit[0] is lay:
-            return hit[1]
-    out = ([getattr(torch, e.dtype) for e in lay.entries],
-           [torch.Size(e.shape) for e in lay.entries])
-    with _views_lock:
-        _expected_cache[id(lay)] = (lay, out)
-        while len(_expected_cache) > _VIEWS_KEPT:
-            _expected_cache.popitem(last=False)
-    return out
+    return _cached(_expected_cache, id(lay), lay, lambda: (
+        [getattr(torch, e.dtype) for e in lay.entries], [torch.Size(e.shape) for e in lay.entries]))
 
 
 def copy_into(tensors: Sequence[torch.Tensor], buffer: Any, lay: Layout) -> None:
@@ -103,20 +108,17 @@ def _checked_view(tensors: Sequence[torch.Tensor], buffer: Any, lay: Layout) -> 
 def _copy_checked(tensors: Sequence[torch.Tensor], buffer: Any, view: memoryview,
                   lay: Layout) -> None:
     """copy_into once its inputs are checked."""
-    if lay.total_size == lay.data_offset:
-        return
-    dsts = _views(buffer, view, lay)
     srcs = [t for t, e in zip(tensors, lay.entries) if e.nbytes]
     if not srcs:
         return
+    dsts = _views(buffer, view, lay)
     # One call for every tensor: it runs without the GIL, where a loop of copy_ calls took the
     # GIL hundreds of times per snapshot from the thread running forward and backward.
     with torch.no_grad():
         torch._foreach_copy_(dsts, srcs)
 
 
-_views_cache: collections.OrderedDict[tuple[int, int], tuple[Any, Layout, list[torch.Tensor]]] = (
-    collections.OrderedDict())
+_views_cache: collections.OrderedDict[tuple[int, int], tuple[Any, Any]] = collections.OrderedDict()
 
 
 def _views(buffer: Any, view: memoryview, lay: Layout) -> list[torch.Tensor]:
@@ -124,28 +126,19 @@ def _views(buffer: Any, view: memoryview, lay: Layout) -> list[torch.Tensor]:
     tensor over the buffer, a typed view per entry (writes go straight into shared memory).
 
     Built once per (buffer, layout) and kept for the most recent few: building them is most of
-    the Python time of a snapshot. The cache holds the buffer and layout, so their ids are not
-    reused while cached.
+    the Python time of a snapshot.
     """
-    key = (id(buffer), id(lay))
-    with _views_lock:
-        hit = _views_cache.get(key)
-        if hit is not None:
-            _views_cache.move_to_end(key)
-            return hit[2]
-    dst = torch.frombuffer(view, dtype=torch.uint8, count=lay.total_size)
-    views = [_typed(dst, e) for e in lay.entries if e.nbytes]
-    with _views_lock:
-        _views_cache[key] = (buffer, lay, views)
-        while len(_views_cache) > _VIEWS_KEPT:
-            _views_cache.popitem(last=False)
-    return views
+    def make() -> list[torch.Tensor]:
+        dst = torch.frombuffer(view, dtype=torch.uint8, count=lay.total_size)
+        return [_typed(dst, e) for e in lay.entries if e.nbytes]
+
+    return _cached(_views_cache, (id(buffer), id(lay)), (buffer, lay), make)
 
 
 def forget_views(buffer: Any) -> None:
     """Drops the cached views of ``buffer`` (before unmapping it)."""
     with _views_lock:
-        for key in [k for k, v in _views_cache.items() if v[0] is buffer]:
+        for key in [k for k, v in _views_cache.items() if v[0][0] is buffer]:
             del _views_cache[key]
 
 
