@@ -57,6 +57,7 @@ _SEND_FLAGS = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
 _RECONNECT_BACKOFF = 1.0  # after a failed connect, one-way sends drop without retrying this long
 _CONNECT_TIMEOUT = 1.0
 _MAX_FDS = 8  # descriptors one read may carry (a reply carries at most one today)
+_ANCILLARY = socket.CMSG_SPACE(_MAX_FDS * array.array("i").itemsize)
 _RECV_FLAGS = socket.MSG_DONTWAIT | getattr(socket, "MSG_CMSG_CLOEXEC", 0)
 
 
@@ -191,9 +192,7 @@ class DaemonClient:
         daemon may have acted on it.
 
         Args:
-            op: the operation.
             timeout: seconds to wait for the reply (default: the client's); not sent.
-            **fields: the request's fields (JSON values).
 
         Raises:
             DaemonError: the daemon answered with an error.
@@ -207,9 +206,7 @@ class DaemonClient:
               **fields: Any) -> "PendingCall":
         """Sends a request now and returns at once; :meth:`PendingCall.result` waits for the
         reply, as :meth:`call` does (same errors). The daemon works on the request while this
-        thread does something else: the Checkpointer asks for its slot before flattening the
-        state. A request handed to another thread instead waited for the GIL the flatten held
-        (2.3 ms where the round trip takes 1).
+        thread does something else (the Checkpointer asks for its slot while it flattens).
 
         The connection takes one call at a time: until ``result()`` another thread's call
         waits, so take the result on every path (``with client.start(...) as pending``
@@ -436,8 +433,7 @@ class DaemonClient:
             if not poller.poll(int(left * 1000) + 1):
                 continue
             try:
-                chunk, ancillary, flags, _ = sock.recvmsg(
-                    65536, socket.CMSG_SPACE(_MAX_FDS * _FD.itemsize), _RECV_FLAGS)
+                chunk, ancillary, flags, _ = sock.recvmsg(65536, _ANCILLARY, _RECV_FLAGS)
             except BlockingIOError:
                 continue
             except OSError as exc:
@@ -480,9 +476,6 @@ class DaemonClient:
         with self._write_lock:
             if self._sock is sock:
                 self._disconnect()
-
-
-_FD = array.array("i")
 
 
 class PendingCall:
