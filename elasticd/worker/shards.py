@@ -310,9 +310,8 @@ class Resharder:
             part = _overlap(box, target)
             if part is None:
                 continue
-            dst = tuple(slice(o - to, o - to + n) for o, n, to in zip(part[0], part[1],
-                                                                      target[0]))
-            src = tuple(slice(o - bo, o - bo + n) for o, n, bo in zip(part[0], part[1], box[0]))
+            dst = tuple(slice(o - to, o - to + n) for o, n, to in zip(*part, target[0]))
+            src = tuple(slice(o - bo, o - bo + n) for o, n, bo in zip(*part, box[0]))
             out[dst] = t[src]
             covered += math.prod(part[1])
         if covered != math.prod(target[1]):
