@@ -295,14 +295,8 @@ def checksum_blocks(buf: Any, lay: Layout) -> tuple[int, ...]:
 
 
 def seal(buf: Any, header: SnapshotHeader) -> SnapshotHeader:
-    """Checksums the payload already in ``buf`` and writes the header: the snapshot's last write.
-
-    The header body goes first and the preamble (with the magic) last, so that a reader never
-    takes a half-written header for a valid one (the header checksum would not match either).
-
-    Returns:
-        The header with its block checksums filled in.
-    """
+    """Checksums the payload already in ``buf`` and writes the header, the snapshot's last
+    write; returns the header with its block checksums filled in."""
     view = byte_view(buf)
     sealed = dataclasses.replace(header, blocks=checksum_blocks(view, header.layout))
     write_header(view, sealed)
@@ -310,7 +304,9 @@ def seal(buf: Any, header: SnapshotHeader) -> SnapshotHeader:
 
 
 def write_header(buf: Any, header: SnapshotHeader) -> None:
-    """Writes a sealed header at the start of ``buf``: body first, preamble (magic) last."""
+    """Writes a sealed header at the start of ``buf``: the body first and the preamble (with the
+    magic) last, so that a reader never takes a half-written header for a valid one (the header
+    checksum would not match either)."""
     raw = encode_header(header)
     view = byte_view(buf)
     view[PREAMBLE_SIZE : len(raw)] = raw[PREAMBLE_SIZE:]

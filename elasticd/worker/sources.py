@@ -173,9 +173,6 @@ class Sources:
                 log.error("elasticd: REFUSED the in-RAM snapshot of rank %d step %s: %s",
                           self.rank, version, exc)
         if version in self.fetchable and self.transport is not None:
-            # At another world size only the rows this rank's new shards overlap (its old
-            # rank's snapshot is read only through the resharder for them, and its other
-            # entries come whole).
             reshard = world != self.world
             base = self.rank % world  # this rank itself at the same world size
             for old in [(base + i) % world for i in range(world if reshard else 1)]:
@@ -279,8 +276,7 @@ class Sources:
         self.prepare(state)
         for rank in need[1:]:
             # Only the resharder reads the other pieces, copying the rows it needs: they are
-            # read in place, not copied out whole first (a ZeRO state keeps what it is given),
-            # and fetched from peers only in the rows this rank's shards overlap.
+            # read in place, not copied out whole first (a ZeRO state keeps what it is given).
             other = self.fetch_rank(version, rank, refused, world, in_place=not zero)
             if other is None:
                 got.close()
