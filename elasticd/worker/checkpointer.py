@@ -54,8 +54,8 @@ import torch
 import elasticd.worker
 from elasticd.worker import restore as _restore
 from elasticd.worker.sources import Sources, close_fds, handed_fd
-from elasticd.worker.copier import Copier, CpuCopier, copy_into, dtype_name, forget_views
-from elasticd.snapshot.format import PREAMBLE_SIZE, Layout, TensorSpec, layout, layout_json
+from elasticd.worker.copier import Copier, CpuCopier, copy_into, forget_views, spec_of
+from elasticd.snapshot.format import PREAMBLE_SIZE, Layout, layout, layout_json
 from elasticd.snapshot.segment import map_fd
 from elasticd.worker.state import FlatState, UnsupportedValue, _zero_class, flatten
 from elasticd.clock import SYSTEM_CLOCK
@@ -382,12 +382,10 @@ class Checkpointer:
         plan = self._plan
         if plan is not None and plan.key == key and not plan.stale:
             return plan
-        specs = [TensorSpec(n, dtype_name(t.dtype), tuple(t.shape))
-                 for n, t in zip(flat.names, flat.tensors)]
         # Room for the meta to grow between re-plans (counters, lr values, RNG positions).
-        meta_len = len(_meta_json(flat.meta))
-        lay = layout(specs, job=self.job, meta={"m": flat.meta,
-                                                "pad": "_" * max(4096, meta_len // 2)})
+        pad = "_" * max(4096, len(_meta_json(flat.meta)) // 2)
+        lay = layout(map(spec_of, flat.names, flat.tensors), job=self.job,
+                     meta={"m": flat.meta, "pad": pad})
         head = layout_json(lay, [0] * lay.num_blocks)  # checksums: the daemon's, at the seal
         mask = self._sync_mask(state, flat.names)
         sync, rest = (dataclasses.replace(lay, entries=tuple(

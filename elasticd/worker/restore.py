@@ -40,11 +40,10 @@ from typing import Any, Protocol
 import torch
 
 from elasticd.errors import CheckpointError
-from elasticd.worker.sources import Sources
+from elasticd.worker.sources import Sources, Version
 
 log = logging.getLogger("elasticd.checkpoint")
 
-Version = tuple[int, int]
 _NONE = (-1, -1)
 
 

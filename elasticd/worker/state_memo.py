@@ -40,15 +40,12 @@ class DictMemo:
         self.key = tensor_key(self.names, f.tensors[base:])
         dtensor = shards.dtensor_class()
         self.leaves = []
-        for d in dicts:
-            for v in d.values():
-                if v is None:
-                    continue
-                is_d = dtensor is not None and isinstance(v, dtensor)
-                src = v._local_tensor if is_d else v
-                # The spec is held, not weakly: its node is what the memo gives back.
-                self.leaves.append((weakref.ref(v), weakref.ref(src), v._spec if is_d else None,
-                                    src.shape, src.dtype))
+        for v in [v for d in dicts for v in d.values() if v is not None]:
+            is_d = dtensor is not None and isinstance(v, dtensor)
+            src = v._local_tensor if is_d else v
+            # The spec is held, not weakly: its node is what the memo gives back.
+            self.leaves.append((weakref.ref(v), weakref.ref(src), v._spec if is_d else None,
+                                src.shape, src.dtype))
 
     def reuse(self, f: Any, value: dict) -> Any:
         """The recorded node, its names and live tensors added to the flattener ``f``; None
