@@ -133,7 +133,6 @@ class Layout:
         entries: in payload order (ascending offsets).
         data_offset: start of the payload; the header must fit below it.
         total_size: bytes the whole snapshot occupies (header reserve plus payload).
-        block_size: payload checksum block size.
     """
 
     entries: tuple[Entry, ...]
@@ -245,9 +244,7 @@ def layout(
 
     Args:
         specs: tensors in the order they should appear. Names must be unique.
-        job: the job name the header will carry (it sizes the reserve).
-        meta: the meta blob the header will carry (it sizes the reserve).
-        block_size: payload checksum block size.
+        job, meta: the job name and meta blob the header will carry (they size the reserve).
 
     Raises:
         ValueError: duplicate names, a bad block size, or meta that is not plain JSON.

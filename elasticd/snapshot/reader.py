@@ -217,8 +217,7 @@ class SnapshotReader:
     """Zero-copy access to a snapshot in any buffer (bytes, mmap, memoryview).
 
     Args:
-        buf: the snapshot's bytes (may be longer than the snapshot, e.g. a slot).
-        job, rank, world_size: when given, a snapshot for anything else is rejected.
+        buf, job, rank, world_size, where: as for :func:`parse_header`.
         verify: check every payload block now (otherwise call :meth:`verify` later).
 
     Raises:

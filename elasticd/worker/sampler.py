@@ -221,13 +221,9 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
 
 
 class _Iterator:
-    """One iterator over a rank's share, counting what the training loop received of it.
-
-    Its first ``next`` comes from whoever draws. A ``DataLoader`` iterator (found on the call
-    stack) then reports to it each batch it returns to the loop and its end (see
-    :func:`_watch`): that is what counts, whatever its workers prefetched. Drawn by hand,
-    each index drawn counts.
-    """
+    """One iterator over a rank's share, counting what the training loop received of it (what
+    counts: the module docstring). Its first ``next`` finds the ``DataLoader`` iterator drawing
+    from it on the call stack, which then reports to it (:func:`_watch`)."""
 
     def __init__(self, sampler: ElasticSampler, indices: list[int], covered: int, to_end: int,
                  world: int) -> None:
