@@ -38,9 +38,11 @@ import os
 from typing import Any, Protocol
 
 import torch
+import xxhash
 
 from elasticd.errors import CheckpointError
 from elasticd.worker.sources import Sources, Version
+from elasticd.worker.state import StateError, load_into
 
 log = logging.getLogger("elasticd.checkpoint")
 
@@ -67,16 +69,12 @@ class ReplicaMismatch(RestoreError):
 def replicated_keys(state: Any, extra: Any = ()) -> list[str]:
     """Entries of ``state`` that every rank holds identically: DDP-wrapped modules (DDP keeps
     its replicas equal, so equality after a restore is a real invariant) plus ``extra``."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    keys = [k for k, v in state.items() if isinstance(v, DistributedDataParallel)]
+    keys = [k for k, v in state.items() if isinstance(v, torch.nn.parallel.DistributedDataParallel)]
     return keys + [k for k in extra if k in state and k not in keys]
 
 
 def state_digest(value: Any) -> int:
     """xxh3-64 over the names, dtypes, shapes and bytes of ``value``'s state-dict tensors."""
-    import xxhash
-
     h = xxhash.xxh3_64()
     sd = value.state_dict() if hasattr(value, "state_dict") else value
     for name, t in sd.items():
@@ -155,10 +153,8 @@ class TorchCollective:
     """Over the default (already initialised) process group, with int64 tensors only."""
 
     def __init__(self, group: Any = None, max_rows: int = 64) -> None:
-        import torch.distributed as dist
-
-        self.dist, self.group, self.max_rows = dist, group, max_rows
-        backend = dist.get_backend(group)
+        self.dist, self.group, self.max_rows = torch.distributed, group, max_rows
+        backend = self.dist.get_backend(group)
         self.device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
                        else torch.device("cpu"))
 
@@ -242,8 +238,6 @@ def restore(state: Any, sources: Sources, collective: Collective, clock: Any,
         RestoreError: on every rank, when the agreed snapshot does not fit some rank's state.
         ReplicaMismatch: on every rank, when ``replicated`` entries differ after it.
     """
-    from elasticd.worker.state import StateError, load_into
-
     start = clock()
     result = RestoreResult()
     agreed = agree(sources, collective)

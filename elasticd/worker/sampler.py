@@ -257,14 +257,11 @@ class _Iterator:
 
     def _bind(self, frame: Any) -> None:
         self.bound = True
-        from torch.utils.data.dataloader import _BaseDataLoaderIter
-        from torch.utils.data.sampler import BatchSampler
-
         for _ in range(_FRAMES_UP):
             if frame is None:
                 return
             owner = frame.f_locals.get("self")
-            if isinstance(owner, _BaseDataLoaderIter):
+            if isinstance(owner, torch.utils.data.dataloader._BaseDataLoaderIter):
                 break
             frame = frame.f_back
         else:
@@ -280,7 +277,8 @@ class _Iterator:
         index_sampler = owner._index_sampler
         if index_sampler is self.sampler:
             pass  # batch_size=None: each item the loader returns is one index
-        elif isinstance(index_sampler, BatchSampler) and index_sampler.sampler is self.sampler:
+        elif (isinstance(index_sampler, torch.utils.data.BatchSampler)
+              and index_sampler.sampler is self.sampler):
             self.batch, self.drop = index_sampler.batch_size, index_sampler.drop_last
         else:
             if getattr(owner, "_num_workers", 0):

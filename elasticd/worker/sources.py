@@ -25,6 +25,7 @@ from elasticd.persistence.tier import Tier, TierError
 from elasticd.snapshot.format import SnapshotError, dtensor_nodes
 from elasticd.snapshot.reader import SnapshotReader
 from elasticd.snapshot.segment import map_fd
+from elasticd.worker import shards
 from elasticd.worker.client import DaemonUnavailable
 from elasticd.worker.copier import read_tensors, tensor_views
 
@@ -214,8 +215,6 @@ class Sources:
         version saved at another world size."""
         if self.boxes is not None:
             return
-        from elasticd.worker import shards
-
         try:
             self.boxes = shards.local_boxes(state)
         except Exception as exc:  # noqa: BLE001 — an optimisation: fetch whole instead
@@ -255,8 +254,6 @@ class Sources:
         """Adds to ``got`` (old rank ``rank % world``'s snapshot) the other old ranks'
         snapshots that this rank's new shards need; the same code at every world size (at
         the same one, and on the same mesh, none). None when one of them is not reachable."""
-        from elasticd.worker import shards
-
         dtensors = next(dtensor_nodes(got.meta), None) is not None
         # A ZeroRedundancyOptimizer partitions whole parameters by size: at another world size
         # a rank's new partition draws on any old rank's, so it needs every old snapshot.
