@@ -11,8 +11,7 @@ copies it from a peer's RAM into this node's store; a snapshot that fails verifi
 refused and another copy, or the persistent one of the same step, used instead), and an
 ``all_reduce(MIN)`` of "I have it" decides; only when every rank has its bytes in hand does any
 rank load them into its state, so a failure never leaves a mix of steps. With nothing common,
-training starts fresh. A rank whose daemon does not answer cannot say what it holds, so then
-the restore fails on every rank (:class:`DaemonUnreachable`) rather than start fresh.
+training starts fresh, unless some rank's daemon did not answer (:class:`DaemonUnreachable`).
 
 After a shrink (a node died and the job continues with fewer ranks) or a grow (a node joined),
 the committed version of the other world is still a candidate when the state is replicated
