@@ -285,10 +285,8 @@ def checksum_blocks(buf: Any, lay: Layout) -> tuple[int, ...]:
     view = byte_view(buf)
     if len(view) < lay.total_size:
         raise TruncatedSnapshot(f"buffer holds {len(view)} bytes, layout needs {lay.total_size}")
-    return tuple(
-        xxhash.xxh3_64_intdigest(view[a:b])
-        for a, b in (lay.block_range(i) for i in range(lay.num_blocks))
-    )
+    return tuple(xxhash.xxh3_64_intdigest(view[slice(*lay.block_range(i))])
+                 for i in range(lay.num_blocks))
 
 
 def seal(buf: Any, header: SnapshotHeader) -> SnapshotHeader:

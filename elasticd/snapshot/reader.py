@@ -265,6 +265,5 @@ class SnapshotReader:
             np_name = "uint16" if itemsize == 2 else "uint8"
             if np_name == "uint8" and itemsize > 1:
                 shape = (*shape, itemsize)
-        count = math.prod(shape)
-        arr = np.frombuffer(self._view, dtype=np_name, count=count, offset=e.offset)
-        return arr.reshape(shape)
+        return np.frombuffer(self._view, dtype=np_name, count=math.prod(shape),
+                             offset=e.offset).reshape(shape)
