@@ -459,13 +459,12 @@ def send_stream(channel: Channel, parts: tuple[memoryview, ...], chunk: int,
 SOCKET_BUFFER_BYTES = 4 << 20
 
 
-def tune(sock: socket.socket, buffer_bytes: int | None = None) -> None:
+def tune(sock: socket.socket) -> None:
     """Sets a replication socket's options: no Nagle delay, and :data:`SOCKET_BUFFER_BYTES`."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    size = SOCKET_BUFFER_BYTES if buffer_bytes is None else buffer_bytes
-    if size:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
+    if SOCKET_BUFFER_BYTES:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
 
 
 #: Whether streams run the tag pass on a helper thread (overlap.py) instead of inline. Off: on

@@ -174,10 +174,7 @@ class Lanes:
         while True:
             with self._lock:
                 lane = self._lanes[peer]
-                if not lane.pending or self._closed:
-                    for task in lane.pending.values():
-                        resolve(task, False)
-                    lane.pending.clear()
+                if not lane.pending:  # close() empties every lane, and submit() then adds none
                     lane.running = False
                     self._lock.notify_all()
                     return

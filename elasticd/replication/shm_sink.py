@@ -125,10 +125,6 @@ class ShmSink(Sink):
         with self._mem:
             self._floors[job] = max(self._floors.get(job, 0), generation)
 
-    def floor(self, job: str) -> int:
-        with self._mem:
-            return self._floors.get(job, 0)
-
     # -- storage primitives -----------------------------------------------------------------
 
     def allocate(self, d: Descriptor) -> memoryview:
