@@ -65,13 +65,10 @@ def new_nonce() -> bytes:
     return os.urandom(NONCE_BYTES)
 
 
-def transcript(hello: Hello, challenge: Challenge, version: int = VERSION) -> bytes:
+def transcript(hello: Hello, challenge: Challenge) -> bytes:
     """The handshake's public values, length-prefixed (unambiguous), that keys and proofs bind."""
-    out = bytearray(_DOMAIN)
-    for field in (hello.payload(), challenge.payload()):
-        out += struct.pack("!I", len(field)) + field
-    out += struct.pack("!B", version)
-    return bytes(out)
+    fields = b"".join(struct.pack("!I", len(f)) + f for f in (hello.payload(), challenge.payload()))
+    return _DOMAIN + fields + struct.pack("!B", VERSION)
 
 
 def proof(keys: SessionKeys, role: bytes, transcript_bytes: bytes) -> bytes:

@@ -140,16 +140,12 @@ class Channel:
 
     def send_data(self, offset: int, chunk: memoryview) -> None:
         """Sends one DATA frame; ``chunk`` is read (and tagged) where it lies."""
-        self.send_prefixed(self.data_prefix(offset, chunk), chunk)
+        self._send(self.data_prefix(offset, chunk), chunk)
 
     def data_prefix(self, offset: int, chunk: memoryview) -> bytes:
         """The header and offset of the next DATA frame (sealed: it takes the next sequence
         number, so prefixes must be made in the order their frames are sent)."""
         return data_prefix(offset, chunk, self.send_key)
-
-    def send_prefixed(self, prefix: bytes, chunk: memoryview) -> None:
-        """Sends a DATA frame whose prefix :meth:`data_prefix` made."""
-        self._send(prefix, chunk)
 
     def send_pretagged(self, offset: int, tag: bytes, chunk: memoryview) -> None:
         """Sends a pretagged DATA frame: ``chunk`` with the block tag made when it was sealed
@@ -439,7 +435,7 @@ def send_stream(channel: Channel, parts: tuple[memoryview, ...], chunk: int,
                 helper.wait()
                 if i + 1 < len(pieces):
                     helper.submit(seal, i + 1)
-                channel.send_prefixed(prefixes[i], piece)
+                channel._send(prefixes[i], piece)
     channel.send(PutEnd(offset - base, len(pieces)))
     return len(pieces)
 

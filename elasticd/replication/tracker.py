@@ -142,9 +142,6 @@ class CommitTracker:
         self.closing = False
         self.counters: collections.Counter[str] = collections.Counter()
 
-    def _on_advance(self, job: str) -> None:
-        self._submit(self._advance, job)
-
     def state(self, job: str) -> JobState:
         """The job's state, created if new (call with :attr:`lock` held)."""
         st = self.jobs.get(job)
@@ -457,7 +454,7 @@ class CommitTracker:
             advanced = st.committed_at_change is None or committed.version > st.committed_at_change
             self.cond.notify_all()
         if advanced and (old is None or committed.version > old.version):
-            self._on_advance(job)
+            self._submit(self._advance, job)
         # Read and written only when the grid this node follows is due to halve: not once per
         # commit (commits come every few steps on a fast job).
         if (old is None or committed.version > old.version) and \
