@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import struct
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar, Union, get_args
 
 from elasticd.replication.api import Descriptor
 from elasticd.replication.seal import SALT_BYTES, TAG_BYTES, FrameKey
@@ -339,11 +339,7 @@ class Error:
 
 Message = Union[Hello, Challenge, Auth, PutBegin, Data, PutEnd, Ack, Nack, Fetch, FetchReply,
                 Error]
-MESSAGES: dict[FrameType, Any] = {
-    cls.TYPE: cls
-    for cls in (Hello, Challenge, Auth, PutBegin, Data, PutEnd, Ack, Nack, Fetch, FetchReply,
-                Error)
-}
+MESSAGES: dict[FrameType, Any] = {cls.TYPE: cls for cls in get_args(Message)}
 
 
 def _check(ftype: FrameType, size: int, key: FrameKey | None, *parts: Any) -> bytes:
@@ -429,9 +425,7 @@ def frame_opener(header: FrameHeader, key: FrameKey | None) -> "FrameCheck | Non
         raise UnsealedFrame(
             f"{header.type.name} frame without a tag after the handshake" if key else
             f"{header.type.name} frame sealed before any session key exists")
-    if key is None:
-        return None
-    return FrameCheck(key.opener(header.check), header.checked)
+    return FrameCheck(key.opener(header.check), header.checked) if key is not None else None
 
 
 class FrameCheck:
