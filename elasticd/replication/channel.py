@@ -140,12 +140,7 @@ class Channel:
 
     def send_data(self, offset: int, chunk: memoryview) -> None:
         """Sends one DATA frame; ``chunk`` is read (and tagged) where it lies."""
-        self._send(self.data_prefix(offset, chunk), chunk)
-
-    def data_prefix(self, offset: int, chunk: memoryview) -> bytes:
-        """The header and offset of the next DATA frame (sealed: it takes the next sequence
-        number, so prefixes must be made in the order their frames are sent)."""
-        return data_prefix(offset, chunk, self.send_key)
+        self._send(data_prefix(offset, chunk, self.send_key), chunk)
 
     def send_pretagged(self, offset: int, tag: bytes, chunk: memoryview) -> None:
         """Sends a pretagged DATA frame: ``chunk`` with the block tag made when it was sealed
@@ -422,12 +417,13 @@ def send_stream(channel: Channel, parts: tuple[memoryview, ...], chunk: int,
         for at, piece in pieces:
             channel.send_data(at, piece)
     else:
-        # Frame n + 1 is sealed on a helper thread (overlap.py) while frame n is sent. The
-        # helper seals the frames in order and is idle whenever this thread touches the key.
+        # Frame n + 1 is sealed on a helper thread (overlap.py) while frame n is sent. A
+        # prefix takes the key's next sequence number: the helper seals the frames in order
+        # and is idle whenever this thread touches the key.
         prefixes: list[bytes] = []
 
         def seal(i: int) -> None:
-            prefixes.append(channel.data_prefix(*pieces[i]))
+            prefixes.append(data_prefix(*pieces[i], channel.send_key))
 
         with _helper(True, "elasticd-seal") as helper:
             helper.submit(seal, 0)
