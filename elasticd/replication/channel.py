@@ -143,9 +143,8 @@ class Channel:
         self._send(data_prefix(offset, chunk, self.send_key), chunk)
 
     def send_pretagged(self, offset: int, tag: bytes, chunk: memoryview) -> None:
-        """Sends a pretagged DATA frame: ``chunk`` with the block tag made when it was sealed
-        (the session tag covers the frame's header, offset and that tag; the chunk is not
-        read here, only sent)."""
+        """Sends ``chunk`` with the block tag made when it was sealed (pretagged DATA: the
+        chunk is not read here, only sent)."""
         if self.send_key is None:
             raise ValueError("pretagged DATA needs an authenticated session")
         self._send(pretagged_prefix(offset, len(chunk), tag, self.send_key), chunk)
@@ -246,10 +245,9 @@ class Channel:
         target = destination(offset, length)
         if len(target) != length:
             raise ProtocolError(f"destination for {length} bytes has {len(target)}")
-        # Check each piece as it arrives (on the helper's thread, when there is one, while
-        # this thread receives the next frame). The bytes land in the destination before
-        # their tag is checked; a failed check aborts the whole transfer, so nothing
-        # unverified is ever committed.
+        # Check each piece as it arrives. The bytes land in the destination before their tag
+        # is checked; a failed check aborts the whole transfer, so nothing unverified is ever
+        # committed.
         hasher: Any = opener if opener is not None else xxhash.xxh3_128(header.checked)
         hasher.update(self._offset)
         if helper is not None and opener is not None:
@@ -459,11 +457,8 @@ def tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
 
 
-#: Whether streams run the tag pass on a helper thread (overlap.py) instead of inline. Off: on
-#: the 2-core machine measured (bench/bench_replication.py, which runs both in one run) the
-#: helper made pushes slower for more CPU, both cores being busy with the two ends' copies;
-#: and cryptography's Poly1305 (protocol v3) holds the GIL, so it cannot overlap the copy
-#: (docs/replication.md).
+#: Whether streams run the tag pass on a helper thread instead of inline. Off: measured slower
+#: for more CPU (overlap.py gives the figures and the reasons).
 OVERLAP = False
 
 

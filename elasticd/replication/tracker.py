@@ -337,8 +337,7 @@ class CommitTracker:
         record shows it can no longer commit (:meth:`_hopeless`), or ``withdraw_after`` after
         its first acknowledgement when a local snapshot is blocked by it. Started at the first
         acknowledgement rather than when a snapshot is blocked, so that a version a peer
-        skipped is withdrawn before this node's next step, and two nodes waiting on each
-        other's skipped steps realign at once."""
+        skipped is withdrawn before this node's next step (see :meth:`_hopeless`)."""
         hopeless = False
         while True:
             with self.cond:
