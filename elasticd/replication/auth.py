@@ -86,19 +86,13 @@ class AuthFailures:
 
     def __init__(self, on_failure: Callable[[str, str], None] | None = None) -> None:
         self._lock = threading.Lock()
-        self._count = 0
-        self._on_failure = on_failure
-
-    @property
-    def count(self) -> int:
-        with self._lock:
-            return self._count
+        self.count = 0
+        self._on_failure = on_failure or (lambda *_: None)
 
     def record(self, peer: str, reason: str) -> None:
         with self._lock:
-            self._count += 1
-        if self._on_failure is not None:
-            self._on_failure(peer, reason)
+            self.count += 1
+        self._on_failure(peer, reason)
 
 
 def client_handshake(channel: Channel, secret: bytes, node_id: str,

@@ -309,8 +309,7 @@ class ShmSink(Sink):
     def remove_job(self, job: str) -> None:
         """Frees every replica of ``job`` (the job ended)."""
         with self._lock, self._mem:
-            for shard in [s for s in self._held if s[0] == job]:
-                del self._held[shard]
+            self._held = {s: d for s, d in self._held.items() if s[0] != job}
             self._floors.pop(job, None)
             self.store.remove_job(job)
         self._update_local_cap()
