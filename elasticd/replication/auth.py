@@ -65,13 +65,10 @@ def new_nonce() -> bytes:
     return os.urandom(NONCE_BYTES)
 
 
-def transcript(hello: Hello, challenge: Challenge, version: int = VERSION) -> bytes:
+def transcript(hello: Hello, challenge: Challenge) -> bytes:
     """The handshake's public values, length-prefixed (unambiguous), that keys and proofs bind."""
-    out = bytearray(_DOMAIN)
-    for field in (hello.payload(), challenge.payload()):
-        out += struct.pack("!I", len(field)) + field
-    out += struct.pack("!B", version)
-    return bytes(out)
+    fields = b"".join(struct.pack("!I", len(f)) + f for f in (hello.payload(), challenge.payload()))
+    return _DOMAIN + fields + struct.pack("!B", VERSION)
 
 
 def proof(keys: SessionKeys, role: bytes, transcript_bytes: bytes) -> bytes:
@@ -89,19 +86,13 @@ class AuthFailures:
 
     def __init__(self, on_failure: Callable[[str, str], None] | None = None) -> None:
         self._lock = threading.Lock()
-        self._count = 0
-        self._on_failure = on_failure
-
-    @property
-    def count(self) -> int:
-        with self._lock:
-            return self._count
+        self.count = 0
+        self._on_failure = on_failure or (lambda *_: None)
 
     def record(self, peer: str, reason: str) -> None:
         with self._lock:
-            self._count += 1
-        if self._on_failure is not None:
-            self._on_failure(peer, reason)
+            self.count += 1
+        self._on_failure(peer, reason)
 
 
 def client_handshake(channel: Channel, secret: bytes, node_id: str,

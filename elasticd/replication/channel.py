@@ -140,21 +140,11 @@ class Channel:
 
     def send_data(self, offset: int, chunk: memoryview) -> None:
         """Sends one DATA frame; ``chunk`` is read (and tagged) where it lies."""
-        self.send_prefixed(self.data_prefix(offset, chunk), chunk)
-
-    def data_prefix(self, offset: int, chunk: memoryview) -> bytes:
-        """The header and offset of the next DATA frame (sealed: it takes the next sequence
-        number, so prefixes must be made in the order their frames are sent)."""
-        return data_prefix(offset, chunk, self.send_key)
-
-    def send_prefixed(self, prefix: bytes, chunk: memoryview) -> None:
-        """Sends a DATA frame whose prefix :meth:`data_prefix` made."""
-        self._send(prefix, chunk)
+        self._send(data_prefix(offset, chunk, self.send_key), chunk)
 
     def send_pretagged(self, offset: int, tag: bytes, chunk: memoryview) -> None:
-        """Sends a pretagged DATA frame: ``chunk`` with the block tag made when it was sealed
-        (the session tag covers the frame's header, offset and that tag; the chunk is not
-        read here, only sent)."""
+        """Sends ``chunk`` with the block tag made when it was sealed (pretagged DATA: the
+        chunk is not read here, only sent)."""
         if self.send_key is None:
             raise ValueError("pretagged DATA needs an authenticated session")
         self._send(pretagged_prefix(offset, len(chunk), tag, self.send_key), chunk)
@@ -255,10 +245,9 @@ class Channel:
         target = destination(offset, length)
         if len(target) != length:
             raise ProtocolError(f"destination for {length} bytes has {len(target)}")
-        # Check each piece as it arrives (on the helper's thread, when there is one, while
-        # this thread receives the next frame). The bytes land in the destination before
-        # their tag is checked; a failed check aborts the whole transfer, so nothing
-        # unverified is ever committed.
+        # Check each piece as it arrives. The bytes land in the destination before their tag
+        # is checked; a failed check aborts the whole transfer, so nothing unverified is ever
+        # committed.
         hasher: Any = opener if opener is not None else xxhash.xxh3_128(header.checked)
         hasher.update(self._offset)
         if helper is not None and opener is not None:
@@ -426,12 +415,13 @@ def send_stream(channel: Channel, parts: tuple[memoryview, ...], chunk: int,
         for at, piece in pieces:
             channel.send_data(at, piece)
     else:
-        # Frame n + 1 is sealed on a helper thread (overlap.py) while frame n is sent. The
-        # helper seals the frames in order and is idle whenever this thread touches the key.
+        # Frame n + 1 is sealed on a helper thread (overlap.py) while frame n is sent. A
+        # prefix takes the key's next sequence number: the helper seals the frames in order
+        # and is idle whenever this thread touches the key.
         prefixes: list[bytes] = []
 
         def seal(i: int) -> None:
-            prefixes.append(channel.data_prefix(*pieces[i]))
+            prefixes.append(data_prefix(*pieces[i], channel.send_key))
 
         with _helper(True, "elasticd-seal") as helper:
             helper.submit(seal, 0)
@@ -439,7 +429,7 @@ def send_stream(channel: Channel, parts: tuple[memoryview, ...], chunk: int,
                 helper.wait()
                 if i + 1 < len(pieces):
                     helper.submit(seal, i + 1)
-                channel.send_prefixed(prefixes[i], piece)
+                channel._send(prefixes[i], piece)
     channel.send(PutEnd(offset - base, len(pieces)))
     return len(pieces)
 
@@ -459,20 +449,16 @@ def send_stream(channel: Channel, parts: tuple[memoryview, ...], chunk: int,
 SOCKET_BUFFER_BYTES = 4 << 20
 
 
-def tune(sock: socket.socket, buffer_bytes: int | None = None) -> None:
+def tune(sock: socket.socket) -> None:
     """Sets a replication socket's options: no Nagle delay, and :data:`SOCKET_BUFFER_BYTES`."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    size = SOCKET_BUFFER_BYTES if buffer_bytes is None else buffer_bytes
-    if size:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
+    if SOCKET_BUFFER_BYTES:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
 
 
-#: Whether streams run the tag pass on a helper thread (overlap.py) instead of inline. Off: on
-#: the 2-core machine measured (bench/bench_replication.py, which runs both in one run) the
-#: helper made pushes slower for more CPU, both cores being busy with the two ends' copies;
-#: and cryptography's Poly1305 (protocol v3) holds the GIL, so it cannot overlap the copy
-#: (docs/replication.md).
+#: Whether streams run the tag pass on a helper thread instead of inline. Off: measured slower
+#: for more CPU (overlap.py gives the figures and the reasons).
 OVERLAP = False
 
 

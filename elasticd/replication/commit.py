@@ -275,8 +275,7 @@ def decide(placement: Placement, progress: Mapping[str, Replicated], *, floor: i
     common: set[Version] | None = None
     holders: dict[int, tuple[str, ...]] = {}
     for rank in ranks:
-        owner = placement.owner_of(rank)
-        record = progress.get(owner)
+        record = progress.get(placement.owner_of(rank))
         have = set(record.versions.get(rank, ())) if record else set()
         have = {v for v in have if v[0] >= floor}
         common = have if common is None else common & have
@@ -437,8 +436,7 @@ def update_holders(coord: Coordinator, keys: Keyspace, job: str, version: Versio
         current = decode_committed(kv.value, key)
         if current.version != tuple(version):
             return current
-        holders = dict(current.holders)
-        holders.update({int(r): tuple(hs) for r, hs in changes.items()})
+        holders = {**current.holders, **{int(r): tuple(hs) for r, hs in changes.items()}}
         if holders == dict(current.holders):
             return current
         new = dataclasses.replace(current, holders=holders, at=now)

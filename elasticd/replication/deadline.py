@@ -13,15 +13,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-#: Before any transfer to a peer was measured: a rate most links beat (bytes/s).
-DEFAULT_RATE = 50e6
-#: Every call may take at least this long (round trips, a busy peer's scheduling).
-DEFAULT_FLOOR = 2.0
-#: The deadline allows this many times the expected transfer time (a link that slows down
-#: temporarily, a peer serving several fetches at once).
-DEFAULT_SLACK = 4.0
-#: Weight of the newest measurement in the mean.
-DEFAULT_ALPHA = 0.3
+DEFAULT_FLOOR = 2.0  # seconds: see DeadlinePolicy.floor
 #: Transfers smaller than this are mostly round trips: they say little about the link.
 MIN_SAMPLE_BYTES = 1 << 20
 
@@ -31,14 +23,16 @@ class DeadlinePolicy:
     """The constants of :func:`call_deadline`.
 
     Attributes:
-        floor: seconds any call may take regardless of its size.
-        slack: factor over the expected transfer time.
-        default_rate: bytes/s assumed before a peer was measured.
+        floor: seconds any call may take regardless of its size (round trips, a busy peer's
+            scheduling).
+        slack: factor over the expected transfer time (a link that slows down temporarily, a
+            peer serving several fetches at once).
+        default_rate: bytes/s assumed before a peer was measured: a rate most links beat.
     """
 
     floor: float = DEFAULT_FLOOR
-    slack: float = DEFAULT_SLACK
-    default_rate: float = DEFAULT_RATE
+    slack: float = 4.0
+    default_rate: float = 50e6
 
     def __post_init__(self) -> None:
         if self.floor <= 0 or self.slack < 1 or self.default_rate <= 0:
@@ -58,11 +52,11 @@ class LinkRates:
 
     Args:
         policy: floor, slack and the rate assumed before a measurement.
-        alpha: weight of the newest measurement.
+        alpha: weight of the newest measurement in the mean.
     """
 
     def __init__(self, policy: DeadlinePolicy = DeadlinePolicy(),
-                 alpha: float = DEFAULT_ALPHA) -> None:
+                 alpha: float = 0.3) -> None:
         if not 0 < alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         self.policy, self.alpha = policy, alpha

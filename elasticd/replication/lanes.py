@@ -66,12 +66,7 @@ class _Lane:
 
 
 class Connections:
-    """One authenticated :class:`ReplicaClient` per peer, reused across pushes and fetches.
-
-    Returns:
-        ``get`` gives (client, reused): a reused connection may have been closed by the peer's
-        idle timeout, so a caller retries once on a fresh one.
-    """
+    """One authenticated :class:`ReplicaClient` per peer, reused across pushes and fetches."""
 
     def __init__(self, node_id: str, secret: bytes, addresses: AddressBook, *,
                  timeout: float = 30.0, ssl_context: ssl.SSLContext | None = None,
@@ -83,7 +78,8 @@ class Connections:
 
     def get(self, peer: str, connect_timeout: float | None = None
             ) -> tuple[ReplicaClient, bool]:
-        """The pooled connection to ``peer``, or a new one.
+        """(client, reused): the pooled connection to ``peer``, or a new one. A reused one may
+        have been closed by the peer's idle timeout, so a caller retries once on a fresh one.
 
         Args:
             connect_timeout: seconds a new connection's connect and handshake may each wait
@@ -174,10 +170,7 @@ class Lanes:
         while True:
             with self._lock:
                 lane = self._lanes[peer]
-                if not lane.pending or self._closed:
-                    for task in lane.pending.values():
-                        resolve(task, False)
-                    lane.pending.clear()
+                if not lane.pending:  # close() empties every lane, and submit() then adds none
                     lane.running = False
                     self._lock.notify_all()
                     return

@@ -33,12 +33,6 @@ class MemorySink(Sink):
         self._held: dict[tuple[str, int], tuple[Descriptor, bytearray]] = {}
         self._mem_lock = threading.Lock()  # allocate runs outside the base class's lock
 
-    @property
-    def bytes_held(self) -> int:
-        with self._mem_lock:
-            return sum(len(b) for b in self._pending.values()) + sum(
-                len(b) for _, b in self._held.values())
-
     def allocate(self, d: Descriptor) -> memoryview:
         with self._mem_lock:
             used = sum(len(b) for b in self._pending.values())

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import struct
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar, Union, get_args
 
 from elasticd.replication.api import Descriptor
 from elasticd.replication.seal import SALT_BYTES, TAG_BYTES, FrameKey
@@ -43,7 +43,6 @@ from elasticd.replication.wire import (
 )
 
 
-
 def _node_id(raw: bytes) -> str:
     try:
         value = raw.decode()
@@ -59,12 +58,6 @@ def _encode_node_id(node_id: str) -> bytes:
     if not 0 < len(raw) <= MAX_NODE_ID or not node_id.isprintable():
         raise ValueError(f"node id must be 1..{MAX_NODE_ID} printable bytes, got {node_id!r:.80}")
     return raw
-
-
-def _check_max_frame(max_frame: int, what: str) -> None:
-    # The peer sizes its DATA chunks from this: it must leave room for the offset and data.
-    if max_frame <= OFFSET.size:
-        raise MalformedFrame(f"{what} announces a DATA frame limit of {max_frame} bytes")
 
 
 def _exact(value: bytes, size: int) -> bytes:
@@ -102,10 +95,6 @@ def _descriptor(obj: dict[str, Any], what: str) -> Descriptor:
         raise MalformedFrame(f"{what}: invalid descriptor ({exc})") from exc
 
 
-def _descriptor_json(d: Descriptor) -> bytes:
-    return _json(dataclasses.asdict(d))
-
-
 _GREETING = struct.Struct(f"!{NONCE_BYTES}sIH")
 _PUT_END = struct.Struct("!QI")
 
@@ -132,7 +121,9 @@ class _Greeting:
         nonce, max_frame, n = _GREETING.unpack_from(p)
         if len(p) != _GREETING.size + n:
             raise MalformedFrame(f"{what} node id length does not match the payload")
-        _check_max_frame(max_frame, what)
+        # The peer sizes its DATA chunks from this: it must leave room for the offset and data.
+        if max_frame <= OFFSET.size:
+            raise MalformedFrame(f"{what} announces a DATA frame limit of {max_frame} bytes")
         return cls(_node_id(bytes(p[_GREETING.size:])), nonce, max_frame)
 
 
@@ -322,7 +313,7 @@ class FetchReply:
     descriptor: Descriptor
 
     def payload(self) -> bytes:
-        return _descriptor_json(self.descriptor)
+        return _json(dataclasses.asdict(self.descriptor))
 
     @classmethod
     def parse(cls, p: memoryview) -> "FetchReply":
@@ -348,11 +339,7 @@ class Error:
 
 Message = Union[Hello, Challenge, Auth, PutBegin, Data, PutEnd, Ack, Nack, Fetch, FetchReply,
                 Error]
-MESSAGES: dict[FrameType, Any] = {
-    cls.TYPE: cls
-    for cls in (Hello, Challenge, Auth, PutBegin, Data, PutEnd, Ack, Nack, Fetch, FetchReply,
-                Error)
-}
+MESSAGES: dict[FrameType, Any] = {cls.TYPE: cls for cls in get_args(Message)}
 
 
 def _check(ftype: FrameType, size: int, key: FrameKey | None, *parts: Any) -> bytes:
@@ -438,9 +425,7 @@ def frame_opener(header: FrameHeader, key: FrameKey | None) -> "FrameCheck | Non
         raise UnsealedFrame(
             f"{header.type.name} frame without a tag after the handshake" if key else
             f"{header.type.name} frame sealed before any session key exists")
-    if key is None:
-        return None
-    return FrameCheck(key.opener(header.check), header.checked)
+    return FrameCheck(key.opener(header.check), header.checked) if key is not None else None
 
 
 class FrameCheck:

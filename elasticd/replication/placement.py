@@ -378,7 +378,7 @@ def decode_placement(raw: bytes, key: bytes | str = b"?") -> Placement:
 
 
 def _placement_from(body: dict[str, Any]) -> Placement:
-    nodes = tuple(_strs(body["nodes"]))
+    nodes = tuple(_list_of(body["nodes"], str, "strings"))
     m, requested_m, rnd = body["m"], body["requested_m"], body.get("round", 0)
     for name, value in (("m", m), ("requested_m", requested_m), ("round", rnd)):
         if not isinstance(value, int) or isinstance(value, bool):
@@ -387,8 +387,9 @@ def _placement_from(body: dict[str, Any]) -> Placement:
         raise ValueError(f"unknown strategy {body['strategy']!r}")
     if not isinstance(body["ranks"], dict) or not isinstance(body["holders"], dict):
         raise TypeError("ranks and holders must be objects")
-    ranks = _normalise_ranks(nodes, {n: _ints(rs) for n, rs in body["ranks"].items()})
-    holders = {o: tuple(_strs(hs)) for o, hs in body["holders"].items()}
+    ranks = _normalise_ranks(
+        nodes, {n: _list_of(rs, int, "integers") for n, rs in body["ranks"].items()})
+    holders = {o: tuple(_list_of(hs, str, "strings")) for o, hs in body["holders"].items()}
     if set(holders) != set(nodes) or len(set(nodes)) != len(nodes) or not 1 <= m <= len(nodes):
         raise ValueError("holders must list every node once, with 1 <= m <= N")
     for owner, hs in holders.items():
@@ -396,18 +397,12 @@ def _placement_from(body: dict[str, Any]) -> Placement:
             raise ValueError(f"owner {owner!r} needs {m} distinct member holders, itself first")
     if not isinstance(body["groups"], list):
         raise TypeError(f"groups must be a list, got {body['groups']!r:.40}")
-    groups = tuple(tuple(_strs(g)) for g in body["groups"])
+    groups = tuple(tuple(_list_of(g, str, "strings")) for g in body["groups"])
     return Placement(nodes, ranks, m, requested_m, body["strategy"], groups,
                      {o: holders[o] for o in nodes}, rnd)
 
 
-def _strs(value: Any) -> list[str]:
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise TypeError(f"expected a list of strings, got {value!r}")
-    return value
-
-
-def _ints(value: Any) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(v, int) for v in value):
-        raise TypeError(f"expected a list of integers, got {value!r}")
+def _list_of(value: Any, kind: type, what: str) -> list[Any]:
+    if not isinstance(value, list) or not all(isinstance(v, kind) for v in value):
+        raise TypeError(f"expected a list of {what}, got {value!r}")
     return value

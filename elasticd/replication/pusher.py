@@ -57,7 +57,7 @@ class Pusher:
         self.counters: collections.Counter[str] = collections.Counter()
         self.failures: collections.Counter[str] = collections.Counter()
         #: Called with (seconds, bytes) after each acknowledged push (the daemon's metrics).
-        self.on_push: Callable[[float, int], None] | None = None
+        self.on_push: Callable[[float, int], None] = lambda *_: None
 
     def submit(self, peer: str, task: Task) -> bool:
         return self.lanes.submit(peer, task)
@@ -137,8 +137,7 @@ class Pusher:
                 self.counters["pushes"] += 1
                 self.counters["push_bytes"] += d.total_bytes
                 self.counters["push_micros"] += int(result.seconds * 1e6)
-            if self.on_push is not None:
-                self.on_push(result.seconds, d.total_bytes)
+            self.on_push(result.seconds, d.total_bytes)
             return True
         return False
 

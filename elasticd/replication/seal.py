@@ -24,12 +24,10 @@ checked there, uncopied.
 Why this primitive: it is the fastest keyed authenticator a maintained binding offers here,
 if not by much. One core, 4 MiB frames (``python bench/bench_replication.py --primitives`` and
 docs/replication.md): Poly1305 0.20 CPU s/GiB over a cached frame and 0.27-0.31 over frames
-read from memory, AES-GMAC (protocol v2) 0.20-0.22 and 0.29-0.35, HMAC-SHA256 0.7. One
-difference:
-``cryptography``'s Poly1305 holds the GIL while it hashes (its AES-GCM released it), so the
-optional helper thread of :mod:`elasticd.replication.overlap` cannot run the pass beside the
-socket copy any more; it was off by default and measured slower anyway. It authenticates; it
-does not encrypt (see docs/replication.md for the confidentiality choice).
+read from memory, AES-GMAC (protocol v2) 0.20-0.22 and 0.29-0.35, HMAC-SHA256 0.7. Unlike
+AES-GCM it holds the GIL while it hashes (:mod:`elasticd.replication.overlap` says what that
+costs). It authenticates; it does not encrypt (see docs/replication.md for the
+confidentiality choice).
 """
 
 from __future__ import annotations

@@ -394,9 +394,7 @@ class ReplicaServer:
 
     def _serve_fetch(self, channel: Channel, req: Fetch, peer_max_frame: int,
                      peer_id: str = "") -> None:
-        version = None
-        if req.generation is not None and req.step is not None:  # both or neither, by parsing
-            version = (req.generation, req.step)
+        version = None if req.generation is None else (req.generation, req.step)  # both or none
         found = self.sink.read(req.job, req.owner_rank, version)
         if found is None:
             channel.send(Nack(NOT_FOUND, f"no committed copy of rank {req.owner_rank} "

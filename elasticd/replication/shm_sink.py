@@ -102,15 +102,15 @@ class ShmSink(Sink):
         self._floors: dict[str, int] = {}
         self._budget_lock = threading.Lock()
         #: Called with a job to bring its committed version up to date (see :meth:`_reserve`).
-        self.on_pending: Callable[[str], None] | None = None
+        self.on_pending: Callable[[str], None] = lambda *_: None
         #: Called with (job, rank, version) when a replica landed, which may be committed: the
         #: commit protocol retains it (see :mod:`elasticd.replication.commit_state`).
-        self.on_landed: Callable[[str, int, Version], None] | None = None
+        self.on_landed: Callable[[str, int, Version], None] = lambda *_: None
         #: Called with (job, rank, version) when a newer replica needs the slot of that version.
-        self.on_superseded: Callable[[str, int, Version], None] | None = None
+        self.on_superseded: Callable[[str, int, Version], None] = lambda *_: None
         #: Called with (job, rank, versions): those of them the rank's owner's record says can
         #: never be committed (skipped or withdrawn); see :meth:`_resolved`.
-        self.never_committed: Callable[[str, int, list[Version]], set[Version]] | None = None
+        self.never_committed: Callable[[str, int, list[Version]], set[Version]] = lambda *_: set()
         for job, rank, _, _ in store.holdings():
             view = store.latest(job, rank)
             if view is not None:
@@ -124,10 +124,6 @@ class ShmSink(Sink):
         to an older persisted step abandoned the timelines below it)."""
         with self._mem:
             self._floors[job] = max(self._floors.get(job, 0), generation)
-
-    def floor(self, job: str) -> int:
-        with self._mem:
-            return self._floors.get(job, 0)
 
     # -- storage primitives -----------------------------------------------------------------
 
@@ -163,16 +159,14 @@ class ShmSink(Sink):
             # A newer copy exists, so its sender resolved the acknowledged one in the way: it
             # was committed (this node's watch may not have said so yet: ask etcd) or withdrawn
             # by its owner, who makes no newer snapshot until one or the other happened.
-            if self.on_pending is not None:
-                self.on_pending(d.job)
+            self.on_pending(d.job)
             try:
                 return self._reserve_once(d)
             except CommitPending as again:
                 if d.version <= again.version:
                     raise Refused(IN_PROGRESS, str(again)) from again
                 victim = self._resolved(d, again)
-                if self.on_superseded is not None:
-                    self.on_superseded(d.job, d.owner_rank, victim)
+                self.on_superseded(d.job, d.owner_rank, victim)
                 self.counters["superseded_pending"] += 1
                 return self._reserve_once(d)
 
@@ -185,8 +179,7 @@ class ShmSink(Sink):
         undecided = sorted(v for v in pending.held if v < d.version)
         if len(undecided) <= 1:
             return pending.version
-        dead = (self.never_committed(d.job, d.owner_rank, undecided)
-                if self.never_committed else set())
+        dead = self.never_committed(d.job, d.owner_rank, undecided)
         if not dead:
             raise Refused(IN_PROGRESS, f"rank {d.owner_rank}: copies {undecided} may both still "
                                        "be committed; retry after the owner's record says which "
@@ -241,8 +234,7 @@ class ShmSink(Sink):
                                     f"{d.version} of {d.total_bytes}")
             self.store.complete(slot, header)  # verifies every block, rewrites the same header
             # The acknowledgement that follows may make it committed: it stays until then.
-            if self.on_landed is not None:
-                self.on_landed(d.job, d.owner_rank, d.version)
+            self.on_landed(d.job, d.owner_rank, d.version)
         except (SnapshotError, StaleSlot, ValueError) as exc:
             self.counters["refused_corrupt"] += 1
             log.error("REFUSED corrupt %s: %s", where, exc)
@@ -317,8 +309,7 @@ class ShmSink(Sink):
     def remove_job(self, job: str) -> None:
         """Frees every replica of ``job`` (the job ended)."""
         with self._lock, self._mem:
-            for shard in [s for s in self._held if s[0] == job]:
-                del self._held[shard]
+            self._held = {s: d for s, d in self._held.items() if s[0] != job}
             self._floors.pop(job, None)
             self.store.remove_job(job)
         self._update_local_cap()

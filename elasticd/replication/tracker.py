@@ -142,9 +142,6 @@ class CommitTracker:
         self.closing = False
         self.counters: collections.Counter[str] = collections.Counter()
 
-    def _on_advance(self, job: str) -> None:
-        self._submit(self._advance, job)
-
     def state(self, job: str) -> JobState:
         """The job's state, created if new (call with :attr:`lock` held)."""
         st = self.jobs.get(job)
@@ -340,8 +337,7 @@ class CommitTracker:
         record shows it can no longer commit (:meth:`_hopeless`), or ``withdraw_after`` after
         its first acknowledgement when a local snapshot is blocked by it. Started at the first
         acknowledgement rather than when a snapshot is blocked, so that a version a peer
-        skipped is withdrawn before this node's next step, and two nodes waiting on each
-        other's skipped steps realign at once."""
+        skipped is withdrawn before this node's next step (see :meth:`_hopeless`)."""
         hopeless = False
         while True:
             with self.cond:
@@ -457,7 +453,7 @@ class CommitTracker:
             advanced = st.committed_at_change is None or committed.version > st.committed_at_change
             self.cond.notify_all()
         if advanced and (old is None or committed.version > old.version):
-            self._on_advance(job)
+            self._submit(self._advance, job)
         # Read and written only when the grid this node follows is due to halve: not once per
         # commit (commits come every few steps on a fast job).
         if (old is None or committed.version > old.version) and \

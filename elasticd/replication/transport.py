@@ -132,9 +132,9 @@ class ReplicaClient:
         def run() -> PushResult:
             started = self.clock.monotonic()
             self.channel.send(PutBegin(descriptor, tags.salt if tags is not None else None))
-            self._expect_ack()
+            self._reply(Ack)
             frames = send_stream(self.channel, (head, body), chunk, tags)
-            self._expect_ack()
+            self._reply(Ack)
             return PushResult(descriptor, frames, self.clock.monotonic() - started)
 
         return self._call(run, deadline)
@@ -175,11 +175,7 @@ class ReplicaClient:
         def run() -> Descriptor:
             gen, step = version if version is not None else (None, None)
             self.channel.send(Fetch(job, owner_rank, gen, step, offset, length))
-            reply = self.channel.recv(FetchReply, Nack)
-            if isinstance(reply, Nack):
-                raise Refused(reply.reason, reply.message)
-            assert isinstance(reply, FetchReply)
-            d = reply.descriptor
+            d = self._reply(FetchReply).descriptor
             if d.shard != (job, owner_rank) or (version is not None
                                                 and d.version != tuple(version)):
                 raise ProtocolError(f"asked for rank {owner_rank} {version} of {job!r}, "
@@ -197,10 +193,12 @@ class ReplicaClient:
 
         return self._call(run, deadline)
 
-    def _expect_ack(self) -> None:
-        reply = self.channel.recv(Ack, Nack)
+    def _reply(self, expected: type) -> Any:
+        """The peer's next frame, of type ``expected``; a NACK raises :class:`Refused`."""
+        reply = self.channel.recv(expected, Nack)
         if isinstance(reply, Nack):
             raise Refused(reply.reason, reply.message)
+        return reply
 
     def _call(self, run: Callable[[], Any], deadline: float | None = None) -> Any:
         with self._lock:
@@ -212,22 +210,15 @@ class ReplicaClient:
                     return run()
             except Refused:
                 raise
-            except DeadlineExceeded as exc:
-                # The peer stopped answering: asking it why (below) would only wait again.
+            except BaseException as exc:
                 self._broken = exc
-                self.channel.close()
-                raise
-            except ConnectionLost as exc:
-                self._broken = exc
-                # The peer may have said why before closing (it reads on while it lingers).
-                remote = self._pending_error()
+                # A lost connection's peer may have said why before closing (it reads on while
+                # it lingers); one past its deadline stopped answering: asking would only wait.
+                remote = (self._pending_error() if isinstance(exc, ConnectionLost)
+                          and not isinstance(exc, DeadlineExceeded) else None)
                 self.channel.close()
                 if remote is not None:
                     raise remote from exc
-                raise
-            except BaseException as exc:
-                self._broken = exc
-                self.channel.close()
                 raise
 
     def _pending_error(self) -> RemoteError | None:

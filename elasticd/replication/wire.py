@@ -204,8 +204,7 @@ def parse_header(raw: bytes | bytearray | memoryview, limits: Limits) -> FrameHe
 
 def checksum(checked: bytes, *parts: Any) -> bytes:
     """xxh3_128 over the covered header bytes then the payload parts (unsealed frames)."""
-    h = xxhash.xxh3_128()
-    h.update(checked)
+    h = xxhash.xxh3_128(checked)
     for part in parts:
         h.update(part)
     return h.digest()
