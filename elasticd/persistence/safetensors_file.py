@@ -107,7 +107,8 @@ def dcp_keys(names: list[str], meta: Any = None) -> list[str]:
     keys: list[str] = []
     used = {"__metadata__"}  # safetensors' own key
     for name in names:
-        key = _keyed(name, by_name) or name.replace("/", ".")
+        head, _, leaf = name.rpartition("/")  # "optim/state/3", "exp_avg"
+        key = f"{by_name[head]}.{leaf}" if head in by_name else name.replace("/", ".")
         if key in used:
             key, n = name, 1
             while key in used:
@@ -135,13 +136,6 @@ def _param_names(meta: Any) -> dict[str, str]:
         for i, param in enumerate(params):
             out[f"{obj}/state/{i}"] = f"{obj}.state.{param}"
     return out
-
-
-def _keyed(name: str, prefixes: dict[str, str]) -> str | None:
-    # "optim/state/3/exp_avg": the prefix is the name up to its last slash.
-    head, sep, leaf = name.rpartition("/")
-    at = prefixes.get(head) if sep else None
-    return f"{at}.{leaf}" if at is not None else None
 
 
 def encode_header(header: SnapshotHeader) -> bytes:
@@ -233,8 +227,7 @@ def read(path: str, *, expect_bytes: int | None = None, expect_xxh3: int | None 
         if expect_bytes is not None and size != expect_bytes:
             cls = TruncatedSnapshot if size < expect_bytes else CorruptSnapshot
             raise cls(f"{path}: {size} bytes, the manifest says {expect_bytes}")
-        buf = bytearray(size)
-        got = f.readinto(buf)
+        buf, got = bytearray(size), 0
         while got < size:
             n = f.readinto(memoryview(buf)[got:])
             if not n:

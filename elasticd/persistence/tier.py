@@ -142,9 +142,9 @@ def _valid_record(record: Any, rank: int) -> bool:
                 record["xxh3_64"])) and isinstance(record.get("file"), str))
 
 
-def _write_json(path: str, obj: Any, mode: int) -> None:
+def _write_json(path: str, obj: Any) -> None:
     data = json.dumps(obj, indent=1, sort_keys=True).encode()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.write(fd, data)
         os.fsync(fd)
@@ -158,11 +158,10 @@ class Tier:
     Args:
         root: the directory (a shared filesystem in production); created when missing.
         node_id: recorded in markers, for operators.
-        file_mode: permission bits of the files written.
     """
 
-    def __init__(self, root: str, node_id: str = "", file_mode: int = 0o600) -> None:
-        self.root, self.node_id, self.file_mode = root, node_id, file_mode
+    def __init__(self, root: str, node_id: str = "") -> None:
+        self.root, self.node_id = root, node_id
         os.makedirs(root, mode=0o755, exist_ok=True)
 
     def job_dir(self, job: str) -> str:
@@ -199,8 +198,7 @@ class Tier:
         with self._writable_step(header.job, header.version()) as fd:
             name = f"rank-{header.rank}.safetensors"
             tmp = _tmp_name(name)
-            nbytes, digest = safetensors_file.write(_in(fd, tmp), header, buffer,
-                                                    self.file_mode)
+            nbytes, digest = safetensors_file.write(_in(fd, tmp), header, buffer)
             _give(fd, tmp, uid)
             os.rename(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
             record = {"rank": header.rank, "file": name, "bytes": nbytes,
@@ -208,7 +206,7 @@ class Tier:
                       "generation": header.generation, "step": header.step,
                       "node": self.node_id}
             tmp = _tmp_name(f"rank-{header.rank}.json")
-            _write_json(_in(fd, tmp), record, self.file_mode)
+            _write_json(_in(fd, tmp), record)
             _give(fd, tmp, uid)
             # The marker goes after the data file: a marker always names a complete file.
             os.rename(tmp, f"rank-{header.rank}.json", src_dir_fd=fd, dst_dir_fd=fd)
@@ -238,7 +236,7 @@ class Tier:
                     "world_size": len(markers),
                     "ranks": [markers[r] for r in sorted(markers)]}
         tmp = _tmp_name(MANIFEST)
-        _write_json(_in(fd, tmp), manifest, self.file_mode)
+        _write_json(_in(fd, tmp), manifest)
         _give(fd, tmp, uid)
         try:
             os.link(tmp, MANIFEST, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
@@ -312,18 +310,16 @@ class Tier:
         out = []
         for version in self._versions(job):
             m = self.manifest(job, version)
-            if m is None and repair and self._repair(job, version):
-                m = self.manifest(job, version)
+            if m is None and repair:
+                try:
+                    if self.try_finish(job, version):
+                        m = self.manifest(job, version)
+                except (OSError, TierError) as exc:  # e.g. a worker, which may not write here
+                    log.debug("persistent tier: cannot complete %s step %s here: %s", job,
+                              version, exc)
             if m is not None:
                 out.append(m)
         return out
-
-    def _repair(self, job: str, version: tuple[int, int]) -> bool:
-        try:
-            return self.try_finish(job, version)
-        except (OSError, TierError) as exc:  # e.g. a worker, which may not write here
-            log.debug("persistent tier: cannot complete %s step %s here: %s", job, version, exc)
-            return False
 
     def read(self, job: str, version: tuple[int, int], rank: int) -> PersistedSnapshot:
         """Reads and verifies one rank of a complete step.
