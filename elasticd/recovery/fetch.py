@@ -103,13 +103,6 @@ def holder_order(job: str, rank: int, version: Version | None, me: str,
     return [me] + [h for h in unique if h != me]
 
 
-def verify_copy(buf: Any, d: Descriptor, where: str) -> None:
-    """Checks a copy end to end. Raises: SnapshotError."""
-    view = memoryview(buf).cast("B")[: d.total_bytes]
-    header = check_header(view, d, where)
-    verify_payload(view, header)
-
-
 def check_header(view: memoryview, d: Descriptor, where: str) -> SnapshotHeader:
     """Parses and checks the header of a copy against its descriptor. Raises: SnapshotError."""
     header = parse_header(view, job=d.job, rank=d.owner_rank, where=where)
@@ -202,8 +195,9 @@ def fetch_shard(job: str, rank: int, version: Version | None, into: Any, *, me: 
     if me in holders:
         try:
             d = copy_own(own, job, rank, version, whole)
-            if d is not None:
-                verify_copy(sized(d), d, f"copy of {job} rank {rank} from {me}")
+            if d is not None:  # checked end to end
+                view = memoryview(sized(d)).cast("B")[: d.total_bytes]
+                verify_payload(view, check_header(view, d, f"copy of {job} rank {rank} from {me}"))
                 return FetchResult(me, d, 0, clock.monotonic() - started, (), ((me, 0),))
         except _EXPECTED as exc:
             attempts.append((me, _reason(me, exc, connections)))

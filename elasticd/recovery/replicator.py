@@ -126,6 +126,7 @@ class Replicator:
         stores = {Holder.LOCAL: store}
         if sink is not None:
             stores[Holder.REPLICA] = sink.store
+        self._own_stores = list(stores.values())  # what a fetch reads without the network
         self.tracker = CommitTracker(node_id, coord, keys, self.clock, self.background,
                                      self._collect, commit_wait, withdraw_after, stores)
         #: Measured link rates per peer, shared by pushes and fetches: every call's deadline.
@@ -366,7 +367,7 @@ class Replicator:
             self._fetching[token] = (job, rank, version, holders, self.clock.monotonic())
         try:
             result = fetch_shard(job, rank, version, into, me=self.node_id, holders=holders,
-                                 connections=self._connections, own=self._own_stores(),
+                                 connections=self._connections, own=self._own_stores,
                                  clock=self.clock, rates=self.link_rates, select=select,
                                  reserve=reserve)
         except ShardLost as exc:
@@ -406,9 +407,6 @@ class Replicator:
         if need is not None:
             return fetch_into_scratch(self, self.store, job, rank, version, need)
         return fetch_into_store(self, self.store, job, rank, version)
-
-    def _own_stores(self) -> list[SlotStore]:
-        return [self.store] + ([self.sink.store] if self.sink is not None else [])
 
     # -- status, metrics, lifecycle ---------------------------------------------------------
 
