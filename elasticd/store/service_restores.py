@@ -100,7 +100,7 @@ class RestoreOps:
             view = self.store.latest(job, rank, pin=True, verify=verify, version=version)
         except SnapshotError as exc:
             with self._lock:
-                self._job(job).refused.add((rank, *version))
+                self._jobs[job].refused.add((rank, *version))
                 self.counters["refused"] += 1
             log.error("REFUSED corrupt snapshot of %s rank %d step %s on node %s: %s", job,
                       rank, version, self.node_id, exc)
@@ -173,7 +173,7 @@ class RestoreOps:
                                    f"{exc}") from exc
             scratch = result.scratch
             with self._lock:
-                record = self._job(job)
+                record = self._jobs[job]
                 self.counters["fetches"] += 1
                 if scratch is None:
                     record.refused.discard(key)  # the bad copy was replaced by a verified one
@@ -251,7 +251,7 @@ class RestoreOps:
                  "step": msg.get("step"), "refused": refused, "at": self.clock.wall()}
         start_gen = param(msg, "next_generation", int, None)
         with self._lock:
-            record = self._job(job)
+            record = self._jobs[job]
             record.last_restore = entry
             self.history.append(entry)
             self.counters[f"restores_{source}"] += 1

@@ -60,7 +60,7 @@ class SnapshotOps:
             if step is not None and gen is not None:
                 # The step is reached once its snapshot is asked for, taken or not: a rank
                 # killed before the snapshot completes must still count it as lost.
-                record = self._job(job)
+                record = self._jobs[job]
                 record.progress = max(record.progress or (gen, step), (gen, step))
             if self._paused:
                 self.counters["skipped_paused"] += 1
@@ -91,7 +91,7 @@ class SnapshotOps:
         why = param(msg, "unsnapshottable", str, None)
         if why:
             with self._lock:
-                self._job(job).failing[rank] = (f"rank {rank}'s training state cannot be "
+                self._jobs[job].failing[rank] = (f"rank {rank}'s training state cannot be "
                                                 f"snapshotted: {why[:300]}")
             log.error("job %s rank %d on node %s: the training state cannot be snapshotted, so "
                       "the job is unprotected: %s", job, rank, self.node_id, why[:300])
@@ -103,7 +103,7 @@ class SnapshotOps:
                       version: tuple[int, int] | None = None,
                       mapped: set[tuple[int, int]] = frozenset()) -> dict[str, Any]:
         with self._lock:
-            record = self._job(job)
+            record = self._jobs[job]
             if record.world_size != world:  # a new world: its local ranks are seen afresh
                 record.world_size, record.ranks = world, set()
             record.ranks.add(rank)
@@ -166,7 +166,7 @@ class SnapshotOps:
 
     def _skip(self, job: str, rank: int, reason: str, detail: str) -> dict[str, Any]:
         with self._lock:
-            record = self._job(job)
+            record = self._jobs[job]
             self.counters[f"skipped_{reason}"] += 1
             if reason == "over_budget":
                 record.failing[rank] = f"over the memory cap ({detail})"

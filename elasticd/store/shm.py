@@ -16,6 +16,7 @@ turns into a skipped snapshot, a warning and a metric. No torch here: this is da
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -39,14 +40,7 @@ from elasticd.store.api import (
 from elasticd.snapshot.format import SnapshotError, SnapshotHeader, invalidate, seal, write_header
 from elasticd.snapshot.reader import SnapshotReader, verify_payload
 from elasticd.snapshot.segment import PAGE, Segment, map_fd, map_file
-from elasticd.store.shm_root import (
-    DIR_FLAGS,
-    claim_root,
-    dir_problem,
-    listdir_at,
-    remove_at,
-    same_file,
-)
+from elasticd.store.shm_root import claim_root, dir_problem, listdir_at, remove_at, same_file
 
 __all__ = ["PAGE", "CommitPending", "OverBudget", "ScanResult", "Slot", "SlotBusy", "SlotStore",
            "SlotStoreError", "SnapshotView", "StaleSlot", "map_fd", "map_file"]
@@ -108,13 +102,12 @@ class SlotStore:
     Args:
         root: directory for the slot files (created, mode 0700); one per node.
         cap_bytes: most bytes the slot files may take together; None for no cap.
-        file_mode: permission bits of slot files (workers of the job must be able to open them).
     """
 
-    def __init__(self, root: str, *, cap_bytes: int | None = None, file_mode: int = 0o600):
+    def __init__(self, root: str, *, cap_bytes: int | None = None):
         if cap_bytes is not None and cap_bytes < 0:
             raise ValueError(f"cap_bytes must be >= 0 or None, got {cap_bytes}")
-        self.root, self.cap_bytes, self.file_mode = os.path.abspath(root), cap_bytes, file_mode
+        self.root, self.cap_bytes = os.path.abspath(root), cap_bytes
         self._fd = claim_root(self.root)
         self._pairs: dict[tuple[str, int], _Pair] = {}
         self._retained: dict[str, set[tuple[int, int]]] = {}  # job-wide (see retain)
@@ -141,16 +134,10 @@ class SlotStore:
         if pair is None:
             directory = self._dir(job, rank)
             for name in (job, directory):
-                try:
+                with contextlib.suppress(FileExistsError):
                     os.mkdir(name, 0o700, dir_fd=self._fd)
-                except FileExistsError:
-                    pass
-            fd = os.open(directory, DIR_FLAGS, dir_fd=self._fd)
-            try:
-                serials = [int(m.group(1)) for n in os.listdir(fd)
-                           if (m := _SEGMENT_RE.fullmatch(n))]
-            finally:
-                os.close(fd)
+            serials = [int(m.group(1)) for n in listdir_at(self._fd, directory)
+                       if (m := _SEGMENT_RE.fullmatch(n))]
             pair = self._pairs[(job, rank)] = _Pair(next_serial=max(serials, default=-1) + 1)
         return pair
 
@@ -158,8 +145,7 @@ class SlotStore:
         name = f"{self._dir(job, rank)}/{pair.next_serial}.slot"
         pair.next_serial += 1
         try:
-            return Segment.allocate(self._fd, name, os.path.join(self.root, name), capacity,
-                                    self.file_mode)
+            return Segment.allocate(self._fd, name, os.path.join(self.root, name), capacity)
         except OSError as exc:
             raise OverBudget(f"cannot allocate {capacity} bytes in {self.root}: {exc}",
                              capacity, self._held(), None) from exc
@@ -314,7 +300,7 @@ class SlotStore:
             name = f".scratch-{uuid.uuid4().hex[:16]}"
             try:
                 segment = Segment.allocate(self._fd, name, os.path.join(self.root, name),
-                                           capacity, self.file_mode, reserve=False)
+                                           capacity, reserve=False)
             except OSError as exc:
                 raise OverBudget(f"cannot allocate {capacity} bytes in {self.root}: {exc}",
                                  capacity, held, self.cap_bytes) from exc
