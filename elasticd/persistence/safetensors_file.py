@@ -97,11 +97,9 @@ class PersistedSnapshot:
 def dcp_keys(names: list[str], meta: Any = None) -> list[str]:
     """Each entry's safetensors key: its name with ``/`` read as ``.`` (DCP's fully qualified
     name of the same value), or, where another entry already took that key, the name itself
-    (made unique with ``~n``; such clashes need names that hold dots and slashes alike).
-
-    An optimizer's state entry (``optim/state/3/exp_avg``) is keyed by its parameter's name
-    where the flatten meta gives it (``param_names``, :func:`elasticd.worker.state.flatten`):
-    ``optim.state.layers.0.weight.exp_avg``, as DCP keys it in a ``get_state_dict`` state.
+    (made unique with ``~n``; such clashes need names that hold dots and slashes alike). An
+    optimizer's state entry is keyed by its parameter's name where the flatten meta gives it
+    (``param_names``, :func:`elasticd.worker.state.flatten`; see the module docstring).
     """
     by_name = _param_names(meta)
     keys: list[str] = []

@@ -127,8 +127,7 @@ def _own_dir(parent_fd: int, name: str, where: str) -> int:
 
 
 def _give(dir_fd: int, name: str, uid: int | None) -> None:
-    """Gives a file the daemon just created in its own directory to the job's user, so the
-    job's workers can read it back (never through a symlink)."""
+    """Gives ``name`` to the job's user (see the module docstring), never through a symlink."""
     if uid is not None and os.geteuid() == 0 and uid != 0:
         os.chown(name, uid, -1, dir_fd=dir_fd, follow_symlinks=False)
 

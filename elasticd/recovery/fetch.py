@@ -1,14 +1,10 @@
 """Getting shards back: fetching from whichever holder has an intact copy.
 
-:func:`fetch_shard` reads a shard from this node's own memory when it holds it, else stripes it
-across every remote holder at once (one connection each, pieces of whole checksum blocks), and
-checks the copy end to end (snapshot header plus every payload block's xxh3) before returning
-it: a holder that is missing the copy, holds it corrupt or is unreachable leaves its pieces to
-the others, and when none is left it raises :class:`~elasticd.replication.api.ShardLost`, which
-tells the caller to use the persistent tier. Every request is bounded by a deadline from the
-measured link rate (:mod:`elasticd.replication.deadline`). :func:`fetch_into_store` lands a
-fetched shard in a slot store, where the worker's usual ``ckpt_open`` finds it. Daemon side: no
-torch.
+:func:`fetch_shard` copies a shard from this node's own memory or stripes it across every remote
+holder, checked end to end (header and every payload block's xxh3); when no holder has an intact
+copy it raises :class:`~elasticd.replication.api.ShardLost`, which tells the caller to use the
+persistent tier. :func:`fetch_into_store` lands a fetched shard in a slot store, where the
+worker's usual ``ckpt_open`` finds it. Daemon side: no torch.
 """
 
 from __future__ import annotations
@@ -29,7 +25,6 @@ from elasticd.replication.api import (
     DeadlineExceeded,
     Descriptor,
     Refused,
-    RemoteError,
     ReplicationError,
     ShardLost,
     Version,
@@ -126,8 +121,8 @@ def _reason(holder: str, exc: BaseException, connections: Connections) -> str:
     return f"unreachable: {exc}"
 
 
-_EXPECTED = (Refused, SnapshotError, NoAddress, ConnectionLost, RemoteError, ReplicationError,
-             OSError)
+#: A holder's failures (Refused, NoAddress and ConnectionLost are ReplicationErrors).
+_EXPECTED = (ReplicationError, SnapshotError, OSError)
 
 
 def fetch_shard(job: str, rank: int, version: Version | None, into: Any, *, me: str,

@@ -89,7 +89,7 @@ class CheckpointService(SnapshotOps, RestoreOps):
         self._fetching: collections.defaultdict[tuple[str, int], threading.Lock] = (
             collections.defaultdict(threading.Lock))
         self._jobs: collections.defaultdict[str, JobRecord] = collections.defaultdict(JobRecord)
-        self._pins: dict[int, tuple[Any, str, float]] = {}
+        self._pins: dict[int, tuple[Callable[[], None], str, float]] = {}  # release, job, when
         self._next_pin = 0
         self.counters: collections.Counter[str] = collections.Counter()
         self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=100)

@@ -26,6 +26,7 @@ pins its replies hold until ``ckpt_release`` or ``pin_ttl``.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -117,7 +118,7 @@ class RestoreOps:
         with self._lock:
             self._next_pin += 1
             pin = self._next_pin
-            self._pins[pin] = (view, job, self.clock.monotonic())
+            self._pins[pin] = (view.release, job, self.clock.monotonic())
             record = self._jobs.get(job)
             # A shard an earlier (aborted) restore round fetched from a peer is in the local
             # store now, but it still came from the peer: say so, or recoveries get mislabelled.
@@ -127,13 +128,11 @@ class RestoreOps:
 
     def _committed(self, msg: dict[str, Any]) -> dict[str, Any]:
         job = param(msg, "job", str)
-        if self.replicator is None:
-            return {"committed": None}
         try:
-            committed = self.replicator.committed(job)
+            committed = self.replicator.committed(job) if self.replicator is not None else None
         except Exception as exc:  # noqa: BLE001 — etcd trouble: workers restore from what is local
             log.warning("cannot read the committed step of %s: %s", job, exc)
-            return {"committed": None}
+            committed = None
         if committed is None:
             return {"committed": None}
         return {"generation": committed.generation, "step": committed.step,
@@ -162,8 +161,6 @@ class RestoreOps:
             if self.replicator is None:
                 return {"lost": True, "reason": "not held here and no peer replication"}
             try:
-                # With the new rank's local boxes, only the rows they overlap (a partial copy
-                # in a scratch segment, handed over once and dropped at its release).
                 result = self.replicator.fetch_to_local(job, rank, version,
                                                         need=msg.get("need"))
             except ShardLost as exc:
@@ -197,16 +194,16 @@ class RestoreOps:
     def _hand_scratch(self, job: str, scratch: Any, result: Any) -> dict[str, Any]:
         """The reply for a partial copy: its descriptor and a pin whose release (or expiry)
         deletes the scratch segment."""
-        view = _ScratchView(self.store, scratch)
+        release = functools.partial(self.store.drop_scratch, scratch)
         try:
-            fd = view.descriptor()
+            fd = scratch.descriptor(writable=False)
         except OSError as exc:
-            view.release()
+            release()
             raise RequestError(f"cannot hand over a partial copy: {exc}") from exc
         with self._lock:
             self._next_pin += 1
             pin = self._next_pin
-            self._pins[pin] = (view, job, self.clock.monotonic())
+            self._pins[pin] = (release, job, self.clock.monotonic())
         return {"path": scratch.path, "offset": 0, "size": result.descriptor.total_bytes,
                 "pin": pin, "source": "peer", "partial": True,
                 "wire_bytes": int(result.wire_bytes), "holder": result.holder, "_fds": [fd]}
@@ -227,17 +224,17 @@ class RestoreOps:
         with self._lock:
             entry = self._pins.pop(param(msg, "pin", int), None)
         if entry is not None:
-            entry[0].release()
+            entry[0]()
         return {}
 
     def _sweep_pins(self, job: str | None = None) -> None:
         """Drops the pins older than ``pin_ttl`` (their worker died), or all of ``job``'s."""
         now = self.clock.monotonic()
         with self._lock:
-            views = [self._pins.pop(p)[0] for p, (_, j, t) in list(self._pins.items())
-                     if (j == job if job is not None else now - t > self.pin_ttl)]
-        for view in views:
-            view.release()
+            releases = [self._pins.pop(p)[0] for p, (_, j, t) in list(self._pins.items())
+                        if (j == job if job is not None else now - t > self.pin_ttl)]
+        for release in releases:
+            release()
 
     def _report(self, msg: dict[str, Any]) -> dict[str, Any]:
         job, rank, source = param(msg, "job", str), param(msg, "rank", int), msg.get("source")
@@ -274,16 +271,3 @@ class RestoreOps:
         self._emit("restored", job, source, seconds, lost, nbytes)
         call_hooks(self.on_restore, "restore", entry)
         return {}
-
-
-class _ScratchView:
-    """A pinned partial copy: released, its scratch segment is deleted."""
-
-    def __init__(self, store: Any, segment: Any) -> None:
-        self._store, self._segment = store, segment
-
-    def descriptor(self) -> int:
-        return self._segment.descriptor(writable=False)
-
-    def release(self) -> None:
-        self._store.drop_scratch(self._segment)

@@ -82,11 +82,9 @@ class SnapshotOps:
         world = param(msg, "world_size", int)
         if rank >= world:
             raise RequestError(f"rank {rank} outside world size {world}")
-        report = {"job": job, "rank": rank, "world_size": world, "_peer": msg.get("_peer")}
-        for key in ("local_rank", "restart", "step"):
-            value = param(msg, key, int, None)
-            if value is not None:
-                report[key] = value
+        optional = {key: param(msg, key, int, None) for key in ("local_rank", "restart", "step")}
+        report = {"job": job, "rank": rank, "world_size": world, "_peer": msg.get("_peer"),
+                  **{key: value for key, value in optional.items() if value is not None}}
         call_hooks(self.on_progress, "progress", report)
         why = param(msg, "unsnapshottable", str, None)
         if why:
@@ -217,19 +215,15 @@ class SnapshotOps:
             record.progress = max(record.progress or version, version)
             self.counters["snapshots"] += 1
         self._emit("snapshot_completed", job, rank, sealed.step, nbytes, stall)
-        self._replicate(job, rank, version)
-        self._maybe_persist(job, record, version)
-        return {"generation": sealed.generation, "step": sealed.step, "bytes": nbytes}
-
-    def _replicate(self, job: str, rank: int, version: tuple[int, int]) -> None:
-        if self.replicator is None:
-            return
         try:
-            self.replicator.on_local_snapshot(job, rank, version)
+            if self.replicator is not None:
+                self.replicator.on_local_snapshot(job, rank, version)
         except Exception:  # noqa: BLE001 — the snapshot is sealed; replication must not fail it
             self.counters["replicate_failed"] += 1
             log.exception("%s rank %d step %s: handing the snapshot to replication failed",
                           job, rank, version)
+        self._maybe_persist(job, record, version)
+        return {"generation": sealed.generation, "step": sealed.step, "bytes": nbytes}
 
     def _maybe_persist(self, job: str, record: JobRecord, version: tuple[int, int]) -> None:
         if self.persist is None:
