@@ -365,7 +365,3 @@ class Tier:
             if name.startswith(".trash-"):
                 shutil.rmtree(os.path.join(self.job_dir(job), name), ignore_errors=True)
         return victims
-
-    def remove_job(self, job: str) -> None:
-        """Deletes every step of ``job``."""
-        shutil.rmtree(self.job_dir(job), ignore_errors=True)

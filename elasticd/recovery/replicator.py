@@ -278,8 +278,7 @@ class Replicator:
         if current is not None:
             self.tracker.learn(job, current)
 
-    def drain(self, timeout: float = 120.0,
-              on_progress: Any = None) -> dict[str, dict[str, Any]]:
+    def drain(self, timeout: float = 120.0, on_progress: Any = None) -> dict[str, dict[str, Any]]:
         """Hands this node's copies of every committed step to other members, so that each
         rank keeps ``m`` copies without this node; blocks until done or ``timeout`` (real
         time). Returns per job: version, pushed and failed (rank, target) pairs, complete.
@@ -289,6 +288,7 @@ class Replicator:
                 drain`` shows it).
         """
         deadline = self.clock.monotonic() + timeout
+        progress = on_progress or (lambda done, failed, planned: None)
         report: dict[str, dict[str, Any]] = {}
         done_n = failed_n = planned_n = 0
         for job in list(self.tracker.jobs):
@@ -305,8 +305,7 @@ class Replicator:
                                                 done=done))
                 futures.append((rank, target, done))
             planned_n += len(futures)
-            if on_progress is not None:
-                on_progress(done_n, failed_n, planned_n)
+            progress(done_n, failed_n, planned_n)
             pushed, failed = [], []
             for rank, target, done in futures:
                 try:
@@ -315,8 +314,7 @@ class Replicator:
                     ok = False
                 (pushed if ok else failed).append((rank, target))
                 done_n, failed_n = done_n + bool(ok), failed_n + (not ok)
-                if on_progress is not None:
-                    on_progress(done_n, failed_n, planned_n)
+                progress(done_n, failed_n, planned_n)
             added: dict[int, list[str]] = {}
             for rank, target in pushed:
                 added.setdefault(rank, []).append(target)

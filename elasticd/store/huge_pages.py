@@ -81,11 +81,8 @@ def parse_mountinfo(text: str, path: str) -> tuple[str, str, str]:
 
 def parse_shmem_enabled(text: str) -> str:
     """``force`` or ``deny`` when the bracketed choice of ``shmem_enabled`` is one, else ""."""
-    for word in text.split():
-        if word.startswith("[") and word.endswith("]"):
-            choice = word[1:-1]
-            return choice if choice in ("force", "deny") else ""
-    return ""
+    choice = next((w[1:-1] for w in text.split() if w.startswith("[") and w.endswith("]")), "")
+    return choice if choice in ("force", "deny") else ""
 
 
 def probe(directory: str) -> SlotPages:

@@ -481,14 +481,10 @@ class SlotStore:
         """Unmaps everything; with ``unlink`` (the default) also deletes every slot file and the
         root directory. ``unlink=False`` leaves the files for a restarted daemon to :meth:`scan`."""
         with self._lock:
-            for pair in self._pairs.values():
-                for seg in pair.segments:
-                    if seg is None:
-                        continue
-                    if unlink:
-                        seg.destroy(self._fd)
-                    else:
-                        seg.unmap()
+            if unlink:
+                self._drop(list(self._pairs))
+            for seg in (s for p in self._pairs.values() for s in p.segments if s is not None):
+                seg.unmap()
             self._pairs.clear()
             for seg in self._scratch:  # partial copies never outlive the daemon
                 seg.destroy(self._fd)
