@@ -147,12 +147,10 @@ def encode_header(header: SnapshotHeader) -> bytes:
     sharding: dict[str, dict[str, list[int]]] = {}
     pos = 0
     for i, (e, key) in enumerate(zip(entries, keys)):
-        st = ST_DTYPES.get(e.dtype)
+        st, shape = ST_DTYPES.get(e.dtype), list(e.shape)
         if st is None:  # no exact safetensors dtype: keep the bytes, record the truth
-            raw[e.name] = [e.dtype, list(e.shape)]
+            raw[e.name] = [e.dtype, shape]
             st, shape = "U8", [e.nbytes]
-        else:
-            shape = list(e.shape)
         tensors[key] = {"dtype": st, "shape": shape, "data_offsets": [pos, pos + e.nbytes]}
         # DCP's reader needs every key here once any is (a whole tensor starts at zeros).
         # The meta is the worker's: offsets that are not one count per dimension are not

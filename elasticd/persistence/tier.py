@@ -100,8 +100,7 @@ def _own_dir(parent_fd: int, name: str, where: str) -> int:
     it into the parent) when missing.
 
     Raises:
-        TierError: it is a symlink, or not the daemon's (owned by another uid, or writable by
-            others): a job user could redirect what is written there.
+        TierError: it is a symlink, or not the daemon's alone (see the module docstring).
     """
     created = False
     with contextlib.suppress(FileExistsError):
@@ -303,8 +302,7 @@ class Tier:
         """Every complete step of ``job``, newest first.
 
         Args:
-            repair: write the manifest of a step whose ranks are all there but that nobody
-                completed (two writers that each missed the other's marker).
+            repair: complete a step every rank's marker is in (see the module docstring).
         """
         out = []
         for version in self._versions(job):

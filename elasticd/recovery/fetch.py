@@ -94,8 +94,7 @@ def holder_order(job: str, rank: int, version: Version | None, me: str,
     for p in placements:
         if p is not None and any(rank in rs for rs in p.ranks.values()):
             order.extend(p.holders_of_rank(rank))
-    unique = list(dict.fromkeys(order))
-    return [me] + [h for h in unique if h != me]
+    return list(dict.fromkeys([me, *order]))
 
 
 def check_header(view: memoryview, d: Descriptor, where: str) -> SnapshotHeader:

@@ -192,8 +192,7 @@ class RestoreOps:
         return {**reply, "source": source, "wire_bytes": wire_bytes, "holder": holder}
 
     def _hand_scratch(self, job: str, scratch: Any, result: Any) -> dict[str, Any]:
-        """The reply for a partial copy: its descriptor and a pin whose release (or expiry)
-        deletes the scratch segment."""
+        """The reply for a partial copy (``ckpt_fetch`` with ``need``, see the module docstring)."""
         release = functools.partial(self.store.drop_scratch, scratch)
         try:
             fd = scratch.descriptor(writable=False)

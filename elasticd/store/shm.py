@@ -246,7 +246,6 @@ class SlotStore:
             if current is not None and current.pins:
                 raise SlotBusy(f"{job} rank {rank}: free slot {current.path} is pinned by a reader")
             grow = current is None or current.capacity < nbytes
-            # The other slot is allocated too if missing, so both exist pre-touched.
             fill = both and pair.segments[other] is None
             needed = (capacity if grow else 0) + (capacity if fill else 0)
             freed = current.capacity if grow and current is not None else 0
@@ -449,12 +448,10 @@ class SlotStore:
     def holdings(self) -> list[tuple[str, int, int, int]]:
         """(job, rank, generation, step) of every latest complete snapshot held."""
         with self._lock:
-            out = []
-            for (job, rank), pair in sorted(self._pairs.items()):
-                seg = None if pair.latest is None else pair.segments[pair.latest]
-                if seg is not None and seg.header is not None:
-                    out.append((job, rank, seg.header.generation, seg.header.step))
-            return out
+            latest = [(key, p.segments[p.latest]) for key, p in sorted(self._pairs.items())
+                      if p.latest is not None]
+            return [(job, rank, s.header.generation, s.header.step)
+                    for (job, rank), s in latest if s is not None and s.header is not None]
 
     def _drop(self, keys: list[tuple[str, int]]) -> None:
         """Forgets these (job, rank)s and deletes their slot files (call with the lock held)."""
