@@ -212,11 +212,8 @@ class Tier:
         return record
 
     def try_finish(self, job: str, version: tuple[int, int], uid: int | None = None) -> bool:
-        """Writes the step's manifest if every rank's marker is there and nobody has yet.
-
-        Returns:
-            True if this call created the manifest.
-        """
+        """Writes the step's manifest if every rank's marker is there and nobody has yet; True
+        if this call created it."""
         if not os.path.isdir(self.step_dir(job, version)):
             return False
         with self._writable_step(job, version) as fd:
@@ -224,9 +221,7 @@ class Tier:
 
     def _finish(self, fd: int, job: str, version: tuple[int, int], uid: int | None) -> bool:
         markers = self._markers(fd, self.step_dir(job, version))
-        if not markers:
-            return False
-        world = {m["world_size"] for m in markers.values()}
+        world = {m["world_size"] for m in markers.values()}  # none: no marker yet
         if len(world) != 1 or set(markers) != set(range(world.pop())):
             return False
         manifest = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "job": job,

@@ -171,6 +171,7 @@ def fetch_shard(job: str, rank: int, version: Version | None, into: Any, *, me: 
     """
     started = clock.monotonic()
     rates = rates if rates is not None else LinkRates()
+    reserve = reserve or (lambda start, end: None)
     attempts: list[tuple[str, str]] = []
     chosen: list[Any] = []
 
@@ -182,8 +183,7 @@ def fetch_shard(job: str, rank: int, version: Version | None, into: Any, *, me: 
 
     def whole(d: Descriptor) -> Any:
         buf = sized(d)
-        if reserve is not None:
-            reserve(0, d.total_bytes)
+        reserve(0, d.total_bytes)
         return buf
 
     if me in holders:
@@ -265,16 +265,14 @@ def _request(connections: Connections, holder: str, call: Callable[[Any], Any],
 
 def _describe(job: str, rank: int, version: Version | None, holder: str,
               connections: Connections, sized: Callable[[Descriptor], Any], rates: LinkRates,
-              reserve: Callable[[int, int], None] | None = None
-              ) -> tuple[Descriptor, SnapshotHeader, int]:
+              reserve: Callable[[int, int], None]) -> tuple[Descriptor, SnapshotHeader, int]:
     """The descriptor and checked header of ``holder``'s copy (its header bytes now in the
     buffer ``sized`` gives), and the bytes received."""
     floor = rates.deadline(holder, 0)
     d, wire = _request(connections, holder,
                        lambda c: c.fetch(job, rank, sized, version, byte_range=(0, 0),
                                          deadline=floor), floor)
-    if reserve is not None:
-        reserve(0, d.header_bytes)
+    reserve(0, d.header_bytes)
     head = rates.deadline(holder, d.header_bytes)
     _, more = _request(connections, holder,
                        lambda c: c.fetch(job, rank, sized, d.version,
@@ -283,8 +281,7 @@ def _describe(job: str, rank: int, version: Version | None, holder: str,
     header = check_header(view, d, f"copy of {job} rank {rank} from {holder}")
     gap = header.layout.data_offset - d.header_bytes
     if gap > 0:  # padding before the first block, when the holder counts it out of the header
-        if reserve is not None:
-            reserve(d.header_bytes, header.layout.data_offset)
+        reserve(d.header_bytes, header.layout.data_offset)
         wire += _request(connections, holder, lambda c: c.fetch(
             job, rank, view, d.version, byte_range=(d.header_bytes, gap),
             deadline=rates.deadline(holder, gap)), floor)[1]
@@ -296,8 +293,8 @@ class _Stripe:
 
     def __init__(self, job: str, rank: int, d: Descriptor, header: SnapshotHeader, buf: Any,
                  connections: Connections, stripe_bytes: int, rates: LinkRates,
-                 clock: Clock, blocks: Sequence[int] | None = None,
-                 reserve: Callable[[int, int], None] | None = None) -> None:
+                 clock: Clock, blocks: Sequence[int] | None,
+                 reserve: Callable[[int, int], None]) -> None:
         self.job, self.rank, self.d, self.header = job, rank, d, header
         self.reserve = reserve
         self.rates, self.clock = rates, clock
@@ -356,18 +353,17 @@ class _Stripe:
             while (piece := self._take()) is not None:
                 start = lay.block_range(piece[0])[0]
                 end = lay.block_range(piece[1] - 1)[1]
-                if self.reserve is not None:
-                    try:
-                        self.reserve(start, end)
-                    except BaseException as exc:
-                        # The buffer's fault, not the holder's (its connection stays): it
-                        # ends the fetch.
-                        with self.cond:
-                            self.pieces.append(piece)
-                            self.in_flight -= 1
-                            self.fatal = self.fatal or exc
-                            self.cond.notify_all()
-                        return
+                try:
+                    self.reserve(start, end)
+                except BaseException as exc:
+                    # The buffer's fault, not the holder's (its connection stays): it ends the
+                    # fetch.
+                    with self.cond:
+                        self.pieces.append(piece)
+                        self.in_flight -= 1
+                        self.fatal = self.fatal or exc
+                        self.cond.notify_all()
+                    return
                 try:
                     # A whole-call deadline: a frozen holder keeps its socket open and would
                     # otherwise cost the socket timeout per receive.

@@ -324,15 +324,13 @@ class SlotStore:
 
     def complete(self, slot: Slot, header: SnapshotHeader, *,
                  verified: bool = False) -> SnapshotHeader:
-        """Seals the snapshot written into ``slot``; it becomes (job, rank)'s latest.
+        """Seals the snapshot written into ``slot`` (it becomes (job, rank)'s latest); returns
+        the sealed header.
 
         If ``header.blocks`` is empty the payload checksums are computed here; if it holds
         checksums (a replica received from a peer) the payload is verified against them,
         unless ``verified``: the daemon itself checked every block against them as it wrote
         them (a fetch from peers), and nothing else has the slot.
-
-        Returns:
-            The sealed header.
 
         Raises:
             StaleSlot: the slot was reserved again, grown or removed since.
