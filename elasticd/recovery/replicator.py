@@ -9,8 +9,6 @@ committed in etcd, the retention gate), :mod:`elasticd.recovery.fetch` (fetching
 fallback) and :mod:`elasticd.recovery.plans` (which copies to push to keep ``m``). The daemon
 tells it the rendezvous round's membership (:meth:`~Replicator.set_membership`); the checkpoint
 service tells it each completed local snapshot (:meth:`~Replicator.on_local_snapshot`).
-
-Time: the injected clock times transfers, stamps records and bounds every wait.
 """
 
 from __future__ import annotations
@@ -94,7 +92,7 @@ class Replicator:
         store: this node's local slot store (the checkpoint service's).
         secret: the cluster secret for the replication transport.
         m: replication factor, the owner's copy included.
-        clock: times transfers and stamps records.
+        clock: times transfers, stamps records and bounds every wait.
         peers_address: node id -> (host, port) of its replica server, or None.
         sink: the sink this node's replica server stores into (sources for re-replication,
             drain and fetches of shards held here).

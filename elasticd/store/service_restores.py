@@ -52,16 +52,14 @@ class RestoreOps:
             record = self._jobs.get(job)
             refused = set() if record is None else set(record.refused)
             progress = None if record is None else record.progress
-        ram: dict[str, list[list[int]]] = {}
-        for r in ranks if only is None else [only]:
-            held = []
-            for version in self.store.versions(job, r):
-                if (r, *version) in refused:
-                    continue
-                view = self.store.latest(job, r, version=version)
-                if view is not None and (world is None or view.header.world_size == world):
-                    held.append(list(version))
-            ram[str(r)] = held
+
+        def usable(r: int, version: tuple[int, int]) -> bool:
+            view = self.store.latest(job, r, version=version)
+            return view is not None and (world is None or view.header.world_size == world)
+
+        ram = {str(r): [list(v) for v in self.store.versions(job, r)
+                        if (r, *v) not in refused and usable(r, v)]
+               for r in (ranks if only is None else [only])}
         persisted: list[list[int]] = []
         saved_by: list[list[int]] = []  # [generation, step, world size], every world size
         if self.persist is not None:
