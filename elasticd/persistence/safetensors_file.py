@@ -126,14 +126,9 @@ def _param_names(meta: Any) -> dict[str, str]:
     named = meta.get("param_names") if isinstance(meta, dict) else None
     if not isinstance(named, dict):
         return {}
-    out: dict[str, str] = {}
-    for obj, params in named.items():
-        if not (isinstance(obj, str) and isinstance(params, list)
-                and all(isinstance(p, str) and p for p in params)):
-            continue
-        for i, param in enumerate(params):
-            out[f"{obj}/state/{i}"] = f"{obj}.state.{param}"
-    return out
+    return {f"{obj}/state/{i}": f"{obj}.state.{param}" for obj, params in named.items()
+            if isinstance(obj, str) and isinstance(params, list)
+            and all(isinstance(p, str) and p for p in params) for i, param in enumerate(params)}
 
 
 def encode_header(header: SnapshotHeader) -> bytes:
