@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from elasticd.store.api import SlotStoreError
 from elasticd.snapshot.format import SnapshotError
@@ -107,16 +107,8 @@ class RestoreOps:
             raise RequestError(f"refused: {exc}") from exc
         if view is None:
             raise RequestError(f"{job} rank {rank} step {version} is not held here")
-        try:
-            fd = view.descriptor()
-        except OSError as exc:
-            view.release()
-            raise RequestError(f"cannot hand over {job} rank {rank} step {version}: "
-                               f"{exc}") from exc
+        pin, fd = self._pin(view.descriptor, view.release, job, f"{job} rank {rank} step {version}")
         with self._lock:
-            self._next_pin += 1
-            pin = self._next_pin
-            self._pins[pin] = (view.release, job, self.clock.monotonic())
             record = self._jobs.get(job)
             # A shard an earlier (aborted) restore round fetched from a peer is in the local
             # store now, but it still came from the peer: say so, or recoveries get mislabelled.
@@ -191,16 +183,9 @@ class RestoreOps:
 
     def _hand_scratch(self, job: str, scratch: Any, result: Any) -> dict[str, Any]:
         """The reply for a partial copy (``ckpt_fetch`` with ``need``, see the module docstring)."""
-        release = functools.partial(self.store.drop_scratch, scratch)
-        try:
-            fd = scratch.descriptor(writable=False)
-        except OSError as exc:
-            release()
-            raise RequestError(f"cannot hand over a partial copy: {exc}") from exc
-        with self._lock:
-            self._next_pin += 1
-            pin = self._next_pin
-            self._pins[pin] = (release, job, self.clock.monotonic())
+        pin, fd = self._pin(functools.partial(scratch.descriptor, writable=False),
+                            functools.partial(self.store.drop_scratch, scratch), job,
+                            "a partial copy")
         return {"path": scratch.path, "offset": 0, "size": result.descriptor.total_bytes,
                 "pin": pin, "source": "peer", "partial": True,
                 "wire_bytes": int(result.wire_bytes), "holder": result.holder, "_fds": [fd]}
@@ -216,6 +201,20 @@ class RestoreOps:
             self._release({"pin": pin})
             log.info("the reply to %s was not delivered (its caller is gone): read pin %d of %s "
                      "released", op, pin, reply.get("path", "?"))
+
+    def _pin(self, descriptor: Callable[[], int], release: Callable[[], None], job: str,
+             what: str) -> tuple[int, int]:
+        """A new read-only descriptor for the worker, and the pin that holds ``release`` until
+        ``ckpt_release`` (or ``pin_ttl``); ``release`` is called at once when it fails."""
+        try:
+            fd = descriptor()
+        except OSError as exc:
+            release()
+            raise RequestError(f"cannot hand over {what}: {exc}") from exc
+        with self._lock:
+            self._next_pin += 1
+            self._pins[self._next_pin] = (release, job, self.clock.monotonic())
+            return self._next_pin, fd
 
     def _release(self, msg: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
