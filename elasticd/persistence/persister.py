@@ -60,31 +60,26 @@ class Persister:
             skipped, the first step offered after it).
         every_seconds: flush the first step offered this long after the previous flush.
             With neither, every step offered is flushed (when the writer is free).
-        queue_size: flushes that may wait behind the one being written (their slots stay
-            pinned while they wait); further ones are skipped. 0: skip whenever busy.
         node_id: recorded in the markers.
         clock: injected time.
         on_flushed: called on the writer thread after each flush (metrics, events).
     """
 
     def __init__(self, root: str, keep: int = 3, every_steps: int | None = None,
-                 every_seconds: float | None = None, *, queue_size: int = 0, node_id: str = "",
-                 clock: Clock | None = None,
-                 on_flushed: Callable[[Flushed], None] | None = None) -> None:
+                 every_seconds: float | None = None, *, node_id: str = "",
+                 clock: Clock | None = None, on_flushed: Callable[[Flushed], None] | None = None
+                 ) -> None:
         if type(keep) is not int or keep < 1:
             raise ValueError(f"keep must be an integer >= 1, got {keep!r}")
         if every_steps is not None and (type(every_steps) is not int or every_steps < 1):
             raise ValueError(f"every_steps must be an integer >= 1 or None, got {every_steps!r}")
         if every_seconds is not None and not every_seconds > 0:
             raise ValueError(f"every_seconds must be > 0 or None, got {every_seconds!r}")
-        if type(queue_size) is not int or queue_size < 0:
-            raise ValueError(f"queue_size must be an integer >= 0, got {queue_size!r}")
         self.tier = Tier(root, node_id)
         self.root, self.keep = root, keep
         self.every_steps, self.every_seconds = every_steps, every_seconds
         self.clock = clock or SystemClock()
         self.on_flushed = on_flushed
-        self.queue_size = queue_size
         self._queue: "queue.Queue[Any]" = queue.Queue()  # bounded by _pending, in submit
         self._lock = threading.Lock()
         self._last_flush: dict[str, float] = {}
@@ -135,20 +130,16 @@ class Persister:
             False when the writer is busy (the step is skipped and the views released).
         """
         with self._lock:
-            closed = self._closed
-            if not closed:
-                if self._pending > self.queue_size:
-                    closed = None
-                else:
-                    self._queue.put_nowait((job, list(views), uid))
-                    self._pending += 1
-                    self._last_flush[job] = self.clock.monotonic()
-        if closed is not False:
+            skip = "skipped_closed" if self._closed else "skipped_busy" if self._pending else ""
+            if not skip:
+                self._queue.put_nowait((job, list(views), uid))
+                self._pending += 1
+                self._last_flush[job] = self.clock.monotonic()
+        if skip:
             for v in views:
                 v.release()
-            self.counters["skipped_busy" if closed is None else "skipped_closed"] += 1
-            return False
-        return True
+            self.counters[skip] += 1
+        return not skip
 
     def persisted(self, job: str) -> tuple[int, int] | None:
         """The newest step of ``job`` this persister saw complete on disk."""

@@ -97,17 +97,16 @@ class PersistedSnapshot:
 def dcp_keys(names: list[str], meta: Any = None) -> list[str]:
     """Each entry's safetensors key: its name with ``/`` read as ``.`` (DCP's fully qualified
     name of the same value), or, where another entry already took that key, the name itself
-    (made unique with ``~n``; such clashes need names that hold dots and slashes alike).
-
-    An optimizer's state entry (``optim/state/3/exp_avg``) is keyed by its parameter's name
-    where the flatten meta gives it (``param_names``, :func:`elasticd.worker.state.flatten`):
-    ``optim.state.layers.0.weight.exp_avg``, as DCP keys it in a ``get_state_dict`` state.
+    (made unique with ``~n``; such clashes need names that hold dots and slashes alike). An
+    optimizer's state entry is keyed by its parameter's name where the flatten meta gives it
+    (``param_names``, :func:`elasticd.worker.state.flatten`; see the module docstring).
     """
     by_name = _param_names(meta)
     keys: list[str] = []
     used = {"__metadata__"}  # safetensors' own key
     for name in names:
-        key = _keyed(name, by_name) or name.replace("/", ".")
+        head, _, leaf = name.rpartition("/")  # "optim/state/3", "exp_avg"
+        key = f"{by_name[head]}.{leaf}" if head in by_name else name.replace("/", ".")
         if key in used:
             key, n = name, 1
             while key in used:
@@ -127,21 +126,9 @@ def _param_names(meta: Any) -> dict[str, str]:
     named = meta.get("param_names") if isinstance(meta, dict) else None
     if not isinstance(named, dict):
         return {}
-    out: dict[str, str] = {}
-    for obj, params in named.items():
-        if not (isinstance(obj, str) and isinstance(params, list)
-                and all(isinstance(p, str) and p for p in params)):
-            continue
-        for i, param in enumerate(params):
-            out[f"{obj}/state/{i}"] = f"{obj}.state.{param}"
-    return out
-
-
-def _keyed(name: str, prefixes: dict[str, str]) -> str | None:
-    # "optim/state/3/exp_avg": the prefix is the name up to its last slash.
-    head, sep, leaf = name.rpartition("/")
-    at = prefixes.get(head) if sep else None
-    return f"{at}.{leaf}" if at is not None else None
+    return {f"{obj}/state/{i}": f"{obj}.state.{param}" for obj, params in named.items()
+            if isinstance(obj, str) and isinstance(params, list)
+            and all(isinstance(p, str) and p for p in params) for i, param in enumerate(params)}
 
 
 def encode_header(header: SnapshotHeader) -> bytes:
@@ -155,12 +142,10 @@ def encode_header(header: SnapshotHeader) -> bytes:
     sharding: dict[str, dict[str, list[int]]] = {}
     pos = 0
     for i, (e, key) in enumerate(zip(entries, keys)):
-        st = ST_DTYPES.get(e.dtype)
+        st, shape = ST_DTYPES.get(e.dtype), list(e.shape)
         if st is None:  # no exact safetensors dtype: keep the bytes, record the truth
-            raw[e.name] = [e.dtype, list(e.shape)]
+            raw[e.name] = [e.dtype, shape]
             st, shape = "U8", [e.nbytes]
-        else:
-            shape = list(e.shape)
         tensors[key] = {"dtype": st, "shape": shape, "data_offsets": [pos, pos + e.nbytes]}
         # DCP's reader needs every key here once any is (a whole tensor starts at zeros).
         # The meta is the worker's: offsets that are not one count per dimension are not
@@ -233,8 +218,7 @@ def read(path: str, *, expect_bytes: int | None = None, expect_xxh3: int | None 
         if expect_bytes is not None and size != expect_bytes:
             cls = TruncatedSnapshot if size < expect_bytes else CorruptSnapshot
             raise cls(f"{path}: {size} bytes, the manifest says {expect_bytes}")
-        buf = bytearray(size)
-        got = f.readinto(buf)
+        buf, got = bytearray(size), 0
         while got < size:
             n = f.readinto(memoryview(buf)[got:])
             if not n:

@@ -100,8 +100,7 @@ def _own_dir(parent_fd: int, name: str, where: str) -> int:
     it into the parent) when missing.
 
     Raises:
-        TierError: it is a symlink, or not the daemon's (owned by another uid, or writable by
-            others): a job user could redirect what is written there.
+        TierError: it is a symlink, or not the daemon's alone (see the module docstring).
     """
     created = False
     with contextlib.suppress(FileExistsError):
@@ -127,8 +126,7 @@ def _own_dir(parent_fd: int, name: str, where: str) -> int:
 
 
 def _give(dir_fd: int, name: str, uid: int | None) -> None:
-    """Gives a file the daemon just created in its own directory to the job's user, so the
-    job's workers can read it back (never through a symlink)."""
+    """Gives ``name`` to the job's user (see the module docstring), never through a symlink."""
     if uid is not None and os.geteuid() == 0 and uid != 0:
         os.chown(name, uid, -1, dir_fd=dir_fd, follow_symlinks=False)
 
@@ -142,9 +140,9 @@ def _valid_record(record: Any, rank: int) -> bool:
                 record["xxh3_64"])) and isinstance(record.get("file"), str))
 
 
-def _write_json(path: str, obj: Any, mode: int) -> None:
+def _write_json(path: str, obj: Any) -> None:
     data = json.dumps(obj, indent=1, sort_keys=True).encode()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.write(fd, data)
         os.fsync(fd)
@@ -158,11 +156,10 @@ class Tier:
     Args:
         root: the directory (a shared filesystem in production); created when missing.
         node_id: recorded in markers, for operators.
-        file_mode: permission bits of the files written.
     """
 
-    def __init__(self, root: str, node_id: str = "", file_mode: int = 0o600) -> None:
-        self.root, self.node_id, self.file_mode = root, node_id, file_mode
+    def __init__(self, root: str, node_id: str = "") -> None:
+        self.root, self.node_id = root, node_id
         os.makedirs(root, mode=0o755, exist_ok=True)
 
     def job_dir(self, job: str) -> str:
@@ -199,8 +196,7 @@ class Tier:
         with self._writable_step(header.job, header.version()) as fd:
             name = f"rank-{header.rank}.safetensors"
             tmp = _tmp_name(name)
-            nbytes, digest = safetensors_file.write(_in(fd, tmp), header, buffer,
-                                                    self.file_mode)
+            nbytes, digest = safetensors_file.write(_in(fd, tmp), header, buffer)
             _give(fd, tmp, uid)
             os.rename(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
             record = {"rank": header.rank, "file": name, "bytes": nbytes,
@@ -208,7 +204,7 @@ class Tier:
                       "generation": header.generation, "step": header.step,
                       "node": self.node_id}
             tmp = _tmp_name(f"rank-{header.rank}.json")
-            _write_json(_in(fd, tmp), record, self.file_mode)
+            _write_json(_in(fd, tmp), record)
             _give(fd, tmp, uid)
             # The marker goes after the data file: a marker always names a complete file.
             os.rename(tmp, f"rank-{header.rank}.json", src_dir_fd=fd, dst_dir_fd=fd)
@@ -216,11 +212,8 @@ class Tier:
         return record
 
     def try_finish(self, job: str, version: tuple[int, int], uid: int | None = None) -> bool:
-        """Writes the step's manifest if every rank's marker is there and nobody has yet.
-
-        Returns:
-            True if this call created the manifest.
-        """
+        """Writes the step's manifest if every rank's marker is there and nobody has yet; True
+        if this call created it."""
         if not os.path.isdir(self.step_dir(job, version)):
             return False
         with self._writable_step(job, version) as fd:
@@ -228,9 +221,7 @@ class Tier:
 
     def _finish(self, fd: int, job: str, version: tuple[int, int], uid: int | None) -> bool:
         markers = self._markers(fd, self.step_dir(job, version))
-        if not markers:
-            return False
-        world = {m["world_size"] for m in markers.values()}
+        world = {m["world_size"] for m in markers.values()}  # none: no marker yet
         if len(world) != 1 or set(markers) != set(range(world.pop())):
             return False
         manifest = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "job": job,
@@ -238,7 +229,7 @@ class Tier:
                     "world_size": len(markers),
                     "ranks": [markers[r] for r in sorted(markers)]}
         tmp = _tmp_name(MANIFEST)
-        _write_json(_in(fd, tmp), manifest, self.file_mode)
+        _write_json(_in(fd, tmp), manifest)
         _give(fd, tmp, uid)
         try:
             os.link(tmp, MANIFEST, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
@@ -306,24 +297,21 @@ class Tier:
         """Every complete step of ``job``, newest first.
 
         Args:
-            repair: write the manifest of a step whose ranks are all there but that nobody
-                completed (two writers that each missed the other's marker).
+            repair: complete a step every rank's marker is in (see the module docstring).
         """
         out = []
         for version in self._versions(job):
             m = self.manifest(job, version)
-            if m is None and repair and self._repair(job, version):
-                m = self.manifest(job, version)
+            if m is None and repair:
+                try:
+                    if self.try_finish(job, version):
+                        m = self.manifest(job, version)
+                except (OSError, TierError) as exc:  # e.g. a worker, which may not write here
+                    log.debug("persistent tier: cannot complete %s step %s here: %s", job,
+                              version, exc)
             if m is not None:
                 out.append(m)
         return out
-
-    def _repair(self, job: str, version: tuple[int, int]) -> bool:
-        try:
-            return self.try_finish(job, version)
-        except (OSError, TierError) as exc:  # e.g. a worker, which may not write here
-            log.debug("persistent tier: cannot complete %s step %s here: %s", job, version, exc)
-            return False
 
     def read(self, job: str, version: tuple[int, int], rank: int) -> PersistedSnapshot:
         """Reads and verifies one rank of a complete step.
@@ -370,7 +358,3 @@ class Tier:
             if name.startswith(".trash-"):
                 shutil.rmtree(os.path.join(self.job_dir(job), name), ignore_errors=True)
         return victims
-
-    def remove_job(self, job: str) -> None:
-        """Deletes every step of ``job``."""
-        shutil.rmtree(self.job_dir(job), ignore_errors=True)

@@ -143,12 +143,8 @@ class Drainer:
             return "drained: staying out of jobs until undrained"
         return f"drain {rec.state}" if changed else None
 
-    @property
-    def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     def join(self, timeout: float | None = None) -> None:
-        if self._thread is not None:
+        if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout)
 
     # -- the drain --------------------------------------------------------------------------
@@ -252,8 +248,7 @@ class Drainer:
     def before_leave(self, snapshot_wait: float = 5.0) -> bool:
         """SIGTERM: lets the snapshot in flight finish (bounded) and refuses new ones, so the
         workers stop with a complete snapshot. Returns True when none was left in flight."""
-        if self.busy:
-            self.join(snapshot_wait)
+        self.join(snapshot_wait)
         return self.host.quiesce(snapshot_wait)
 
     def handoff_before_leave(self, timeout: float = 15.0) -> dict[str, Any]:

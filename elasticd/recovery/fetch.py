@@ -1,14 +1,10 @@
 """Getting shards back: fetching from whichever holder has an intact copy.
 
-:func:`fetch_shard` reads a shard from this node's own memory when it holds it, else stripes it
-across every remote holder at once (one connection each, pieces of whole checksum blocks), and
-checks the copy end to end (snapshot header plus every payload block's xxh3) before returning
-it: a holder that is missing the copy, holds it corrupt or is unreachable leaves its pieces to
-the others, and when none is left it raises :class:`~elasticd.replication.api.ShardLost`, which
-tells the caller to use the persistent tier. Every request is bounded by a deadline from the
-measured link rate (:mod:`elasticd.replication.deadline`). :func:`fetch_into_store` lands a
-fetched shard in a slot store, where the worker's usual ``ckpt_open`` finds it. Daemon side: no
-torch.
+:func:`fetch_shard` copies a shard from this node's own memory or stripes it across every remote
+holder, checked end to end (header and every payload block's xxh3); when no holder has an intact
+copy it raises :class:`~elasticd.replication.api.ShardLost`, which tells the caller to use the
+persistent tier. :func:`fetch_into_store` lands a fetched shard in a slot store, where the
+worker's usual ``ckpt_open`` finds it. Daemon side: no torch.
 """
 
 from __future__ import annotations
@@ -29,7 +25,6 @@ from elasticd.replication.api import (
     DeadlineExceeded,
     Descriptor,
     Refused,
-    RemoteError,
     ReplicationError,
     ShardLost,
     Version,
@@ -99,15 +94,7 @@ def holder_order(job: str, rank: int, version: Version | None, me: str,
     for p in placements:
         if p is not None and any(rank in rs for rs in p.ranks.values()):
             order.extend(p.holders_of_rank(rank))
-    unique = list(dict.fromkeys(order))
-    return [me] + [h for h in unique if h != me]
-
-
-def verify_copy(buf: Any, d: Descriptor, where: str) -> None:
-    """Checks a copy end to end. Raises: SnapshotError."""
-    view = memoryview(buf).cast("B")[: d.total_bytes]
-    header = check_header(view, d, where)
-    verify_payload(view, header)
+    return list(dict.fromkeys([me, *order]))
 
 
 def check_header(view: memoryview, d: Descriptor, where: str) -> SnapshotHeader:
@@ -133,8 +120,8 @@ def _reason(holder: str, exc: BaseException, connections: Connections) -> str:
     return f"unreachable: {exc}"
 
 
-_EXPECTED = (Refused, SnapshotError, NoAddress, ConnectionLost, RemoteError, ReplicationError,
-             OSError)
+#: A holder's failures (Refused, NoAddress and ConnectionLost are ReplicationErrors).
+_EXPECTED = (ReplicationError, SnapshotError, OSError)
 
 
 def fetch_shard(job: str, rank: int, version: Version | None, into: Any, *, me: str,
@@ -184,6 +171,7 @@ def fetch_shard(job: str, rank: int, version: Version | None, into: Any, *, me: 
     """
     started = clock.monotonic()
     rates = rates if rates is not None else LinkRates()
+    reserve = reserve or (lambda start, end: None)
     attempts: list[tuple[str, str]] = []
     chosen: list[Any] = []
 
@@ -195,15 +183,15 @@ def fetch_shard(job: str, rank: int, version: Version | None, into: Any, *, me: 
 
     def whole(d: Descriptor) -> Any:
         buf = sized(d)
-        if reserve is not None:
-            reserve(0, d.total_bytes)
+        reserve(0, d.total_bytes)
         return buf
 
     if me in holders:
         try:
             d = copy_own(own, job, rank, version, whole)
-            if d is not None:
-                verify_copy(sized(d), d, f"copy of {job} rank {rank} from {me}")
+            if d is not None:  # checked end to end
+                view = memoryview(sized(d)).cast("B")[: d.total_bytes]
+                verify_payload(view, check_header(view, d, f"copy of {job} rank {rank} from {me}"))
                 return FetchResult(me, d, 0, clock.monotonic() - started, (), ((me, 0),))
         except _EXPECTED as exc:
             attempts.append((me, _reason(me, exc, connections)))
@@ -277,16 +265,14 @@ def _request(connections: Connections, holder: str, call: Callable[[Any], Any],
 
 def _describe(job: str, rank: int, version: Version | None, holder: str,
               connections: Connections, sized: Callable[[Descriptor], Any], rates: LinkRates,
-              reserve: Callable[[int, int], None] | None = None
-              ) -> tuple[Descriptor, SnapshotHeader, int]:
+              reserve: Callable[[int, int], None]) -> tuple[Descriptor, SnapshotHeader, int]:
     """The descriptor and checked header of ``holder``'s copy (its header bytes now in the
     buffer ``sized`` gives), and the bytes received."""
     floor = rates.deadline(holder, 0)
     d, wire = _request(connections, holder,
                        lambda c: c.fetch(job, rank, sized, version, byte_range=(0, 0),
                                          deadline=floor), floor)
-    if reserve is not None:
-        reserve(0, d.header_bytes)
+    reserve(0, d.header_bytes)
     head = rates.deadline(holder, d.header_bytes)
     _, more = _request(connections, holder,
                        lambda c: c.fetch(job, rank, sized, d.version,
@@ -295,8 +281,7 @@ def _describe(job: str, rank: int, version: Version | None, holder: str,
     header = check_header(view, d, f"copy of {job} rank {rank} from {holder}")
     gap = header.layout.data_offset - d.header_bytes
     if gap > 0:  # padding before the first block, when the holder counts it out of the header
-        if reserve is not None:
-            reserve(d.header_bytes, header.layout.data_offset)
+        reserve(d.header_bytes, header.layout.data_offset)
         wire += _request(connections, holder, lambda c: c.fetch(
             job, rank, view, d.version, byte_range=(d.header_bytes, gap),
             deadline=rates.deadline(holder, gap)), floor)[1]
@@ -308,8 +293,8 @@ class _Stripe:
 
     def __init__(self, job: str, rank: int, d: Descriptor, header: SnapshotHeader, buf: Any,
                  connections: Connections, stripe_bytes: int, rates: LinkRates,
-                 clock: Clock, blocks: Sequence[int] | None = None,
-                 reserve: Callable[[int, int], None] | None = None) -> None:
+                 clock: Clock, blocks: Sequence[int] | None,
+                 reserve: Callable[[int, int], None]) -> None:
         self.job, self.rank, self.d, self.header = job, rank, d, header
         self.reserve = reserve
         self.rates, self.clock = rates, clock
@@ -368,18 +353,17 @@ class _Stripe:
             while (piece := self._take()) is not None:
                 start = lay.block_range(piece[0])[0]
                 end = lay.block_range(piece[1] - 1)[1]
-                if self.reserve is not None:
-                    try:
-                        self.reserve(start, end)
-                    except BaseException as exc:
-                        # The buffer's fault, not the holder's (its connection stays): it
-                        # ends the fetch.
-                        with self.cond:
-                            self.pieces.append(piece)
-                            self.in_flight -= 1
-                            self.fatal = self.fatal or exc
-                            self.cond.notify_all()
-                        return
+                try:
+                    self.reserve(start, end)
+                except BaseException as exc:
+                    # The buffer's fault, not the holder's (its connection stays): it ends the
+                    # fetch.
+                    with self.cond:
+                        self.pieces.append(piece)
+                        self.in_flight -= 1
+                        self.fatal = self.fatal or exc
+                        self.cond.notify_all()
+                    return
                 try:
                     # A whole-call deadline: a frozen holder keeps its socket open and would
                     # otherwise cost the socket timeout per receive.

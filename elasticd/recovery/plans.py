@@ -1,11 +1,7 @@
 """Plans that keep ``m`` copies of a committed step: which copies to push after a membership
-change or before a drain, and which replicas a node may free. Pure: records in, lists out.
-
-:func:`repair_plan` says which (rank, target) copies this node must push so that every rank of
-the committed step is held by ``m`` members again (after a holder died, or without a node that
-drains); :func:`under_replicated` counts the ranks short of copies (``/status``, the metric);
-:func:`unwanted_replicas` says which replicas held here neither the placement nor the committed
-record asks for. The :class:`~elasticd.recovery.replicator.Replicator` runs them.
+change or before a drain (:func:`repair_plan`), how many ranks are short of copies (``/status``,
+the metric) and which replicas a node may free. Pure: records in, lists out; the
+:class:`~elasticd.recovery.replicator.Replicator` runs them.
 """
 
 from __future__ import annotations

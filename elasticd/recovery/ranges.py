@@ -30,9 +30,8 @@ Key = tuple[tuple[int, ...], tuple[str, ...]]
 
 
 def parse_boxes(value: Any, limit: int = 1 << 16) -> dict[Key, Box]:
-    """``ckpt_fetch``'s ``need`` field, checked: ``[[global shape, placements, offsets, local
-    shape], ...]`` (placements as the snapshot meta writes them, e.g. ``"S0"``, ``"R"``), one
-    entry per key.
+    """``ckpt_fetch``'s ``need`` field (see the module docstring), checked: one entry per key,
+    placements as the snapshot meta writes them (e.g. ``"S0"``, ``"R"``).
 
     Raises:
         ValueError: anything else, with what is wrong.

@@ -9,8 +9,6 @@ committed in etcd, the retention gate), :mod:`elasticd.recovery.fetch` (fetching
 fallback) and :mod:`elasticd.recovery.plans` (which copies to push to keep ``m``). The daemon
 tells it the rendezvous round's membership (:meth:`~Replicator.set_membership`); the checkpoint
 service tells it each completed local snapshot (:meth:`~Replicator.on_local_snapshot`).
-
-Time: the injected clock times transfers, stamps records and bounds every wait.
 """
 
 from __future__ import annotations
@@ -94,7 +92,7 @@ class Replicator:
         store: this node's local slot store (the checkpoint service's).
         secret: the cluster secret for the replication transport.
         m: replication factor, the owner's copy included.
-        clock: times transfers and stamps records.
+        clock: times transfers, stamps records and bounds every wait.
         peers_address: node id -> (host, port) of its replica server, or None.
         sink: the sink this node's replica server stores into (sources for re-replication,
             drain and fetches of shards held here).
@@ -126,6 +124,7 @@ class Replicator:
         stores = {Holder.LOCAL: store}
         if sink is not None:
             stores[Holder.REPLICA] = sink.store
+        self._own_stores = list(stores.values())  # what a fetch reads without the network
         self.tracker = CommitTracker(node_id, coord, keys, self.clock, self.background,
                                      self._collect, commit_wait, withdraw_after, stores)
         #: Measured link rates per peer, shared by pushes and fetches: every call's deadline.
@@ -277,8 +276,7 @@ class Replicator:
         if current is not None:
             self.tracker.learn(job, current)
 
-    def drain(self, timeout: float = 120.0,
-              on_progress: Any = None) -> dict[str, dict[str, Any]]:
+    def drain(self, timeout: float = 120.0, on_progress: Any = None) -> dict[str, dict[str, Any]]:
         """Hands this node's copies of every committed step to other members, so that each
         rank keeps ``m`` copies without this node; blocks until done or ``timeout`` (real
         time). Returns per job: version, pushed and failed (rank, target) pairs, complete.
@@ -288,6 +286,7 @@ class Replicator:
                 drain`` shows it).
         """
         deadline = self.clock.monotonic() + timeout
+        progress = on_progress or (lambda done, failed, planned: None)
         report: dict[str, dict[str, Any]] = {}
         done_n = failed_n = planned_n = 0
         for job in list(self.tracker.jobs):
@@ -304,8 +303,7 @@ class Replicator:
                                                 done=done))
                 futures.append((rank, target, done))
             planned_n += len(futures)
-            if on_progress is not None:
-                on_progress(done_n, failed_n, planned_n)
+            progress(done_n, failed_n, planned_n)
             pushed, failed = [], []
             for rank, target, done in futures:
                 try:
@@ -314,8 +312,7 @@ class Replicator:
                     ok = False
                 (pushed if ok else failed).append((rank, target))
                 done_n, failed_n = done_n + bool(ok), failed_n + (not ok)
-                if on_progress is not None:
-                    on_progress(done_n, failed_n, planned_n)
+                progress(done_n, failed_n, planned_n)
             added: dict[int, list[str]] = {}
             for rank, target in pushed:
                 added.setdefault(rank, []).append(target)
@@ -366,7 +363,7 @@ class Replicator:
             self._fetching[token] = (job, rank, version, holders, self.clock.monotonic())
         try:
             result = fetch_shard(job, rank, version, into, me=self.node_id, holders=holders,
-                                 connections=self._connections, own=self._own_stores(),
+                                 connections=self._connections, own=self._own_stores,
                                  clock=self.clock, rates=self.link_rates, select=select,
                                  reserve=reserve)
         except ShardLost as exc:
@@ -406,9 +403,6 @@ class Replicator:
         if need is not None:
             return fetch_into_scratch(self, self.store, job, rank, version, need)
         return fetch_into_store(self, self.store, job, rank, version)
-
-    def _own_stores(self) -> list[SlotStore]:
-        return [self.store] + ([self.sink.store] if self.sink is not None else [])
 
     # -- status, metrics, lifecycle ---------------------------------------------------------
 

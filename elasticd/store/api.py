@@ -49,8 +49,7 @@ class CommitPending(SlotBusy):
     def __init__(self, message: str, version: tuple[int, int],
                  held: tuple[tuple[int, int], ...] = ()):
         super().__init__(message)
-        self.version = version
-        self.held = held
+        self.version, self.held = version, held
 
 
 class StaleSlot(SlotStoreError):

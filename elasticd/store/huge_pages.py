@@ -17,6 +17,7 @@ directory ships a mount unit for a huge-page tmpfs (``run-elasticd-shm.mount``).
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 #: tmpfs ``huge=`` values under which the slot files get huge pages.
@@ -67,33 +68,21 @@ def parse_mountinfo(text: str, path: str) -> tuple[str, str, str]:
         fields = line.split()
         if " - " not in line or len(fields) < 10:
             continue
-        point = _unescape(fields[4])
+        # mountinfo writes space, tab, newline and backslash in paths as octal escapes.
+        point = re.sub(r"\\(040|011|012|134)", lambda m: chr(int(m[1], 8)), fields[4])
         _, _, tail = line.partition(" - ")
         fs_type, _source, super_options = (tail.split() + ["", ""])[:3]
         inside = path == point or path.startswith(point.rstrip("/") + "/")
         if inside and len(point) >= len(best[0]):
-            huge = "never"
-            for option in super_options.split(","):
-                if option.startswith("huge="):
-                    huge = option[len("huge="):]
-            best = (point, fs_type, huge)
+            options = dict(o.split("=", 1) for o in super_options.split(",") if "=" in o)
+            best = (point, fs_type, options.get("huge", "never"))
     return best
-
-
-def _unescape(field: str) -> str:
-    """mountinfo writes space, tab, newline and backslash in paths as octal escapes."""
-    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
-        field = field.replace(code, char)
-    return field
 
 
 def parse_shmem_enabled(text: str) -> str:
     """``force`` or ``deny`` when the bracketed choice of ``shmem_enabled`` is one, else ""."""
-    for word in text.split():
-        if word.startswith("[") and word.endswith("]"):
-            choice = word[1:-1]
-            return choice if choice in ("force", "deny") else ""
-    return ""
+    choice = next((w[1:-1] for w in text.split() if w.startswith("[") and w.endswith("]")), "")
+    return choice if choice in ("force", "deny") else ""
 
 
 def probe(directory: str) -> SlotPages:

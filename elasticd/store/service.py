@@ -88,8 +88,8 @@ class CheckpointService(SnapshotOps, RestoreOps):
         # rank's shard, and two transfers into one slot would tear it.
         self._fetching: collections.defaultdict[tuple[str, int], threading.Lock] = (
             collections.defaultdict(threading.Lock))
-        self._jobs: dict[str, JobRecord] = {}
-        self._pins: dict[int, tuple[Any, str, float]] = {}
+        self._jobs: collections.defaultdict[str, JobRecord] = collections.defaultdict(JobRecord)
+        self._pins: dict[int, tuple[Callable[[], None], str, float]] = {}  # release, job, when
         self._next_pin = 0
         self.counters: collections.Counter[str] = collections.Counter()
         self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=100)
@@ -100,7 +100,7 @@ class CheckpointService(SnapshotOps, RestoreOps):
         if persist is not None and persist.on_flushed is None:
             persist.on_flushed = self._on_flushed
         for job, rank, gen, step in store.holdings():  # adopted after a daemon restart
-            record = self._job(job)
+            record = self._jobs[job]
             record.progress = max(record.progress or (gen, step), (gen, step))
 
     def handlers(self) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
@@ -110,12 +110,6 @@ class CheckpointService(SnapshotOps, RestoreOps):
                 "ckpt_release": self._release, "ckpt_report": self._report,
                 "ckpt_committed": self._committed, "ckpt_fetch": self._fetch,
                 "register": self._register}
-
-    def _job(self, job: str) -> JobRecord:
-        record = self._jobs.get(job)
-        if record is None:
-            record = self._jobs[job] = JobRecord()
-        return record
 
     def _emit(self, method: str, *args: Any) -> None:
         fn = getattr(self.sink, method, None)

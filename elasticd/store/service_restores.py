@@ -26,8 +26,9 @@ pins its replies hold until ``ckpt_release`` or ``pin_ttl``.
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from elasticd.store.api import SlotStoreError
 from elasticd.snapshot.format import SnapshotError
@@ -51,16 +52,14 @@ class RestoreOps:
             record = self._jobs.get(job)
             refused = set() if record is None else set(record.refused)
             progress = None if record is None else record.progress
-        ram: dict[str, list[list[int]]] = {}
-        for r in ranks if only is None else [only]:
-            held = []
-            for version in self.store.versions(job, r):
-                if (r, *version) in refused:
-                    continue
-                view = self.store.latest(job, r, version=version)
-                if view is not None and (world is None or view.header.world_size == world):
-                    held.append(list(version))
-            ram[str(r)] = held
+
+        def usable(r: int, version: tuple[int, int]) -> bool:
+            view = self.store.latest(job, r, version=version)
+            return view is not None and (world is None or view.header.world_size == world)
+
+        ram = {str(r): [list(v) for v in self.store.versions(job, r)
+                        if (r, *v) not in refused and usable(r, v)]
+               for r in (ranks if only is None else [only])}
         persisted: list[list[int]] = []
         saved_by: list[list[int]] = []  # [generation, step, world size], every world size
         if self.persist is not None:
@@ -100,7 +99,7 @@ class RestoreOps:
             view = self.store.latest(job, rank, pin=True, verify=verify, version=version)
         except SnapshotError as exc:
             with self._lock:
-                self._job(job).refused.add((rank, *version))
+                self._jobs[job].refused.add((rank, *version))
                 self.counters["refused"] += 1
             log.error("REFUSED corrupt snapshot of %s rank %d step %s on node %s: %s", job,
                       rank, version, self.node_id, exc)
@@ -108,16 +107,8 @@ class RestoreOps:
             raise RequestError(f"refused: {exc}") from exc
         if view is None:
             raise RequestError(f"{job} rank {rank} step {version} is not held here")
-        try:
-            fd = view.descriptor()
-        except OSError as exc:
-            view.release()
-            raise RequestError(f"cannot hand over {job} rank {rank} step {version}: "
-                               f"{exc}") from exc
+        pin, fd = self._pin(view.descriptor, view.release, job, f"{job} rank {rank} step {version}")
         with self._lock:
-            self._next_pin += 1
-            pin = self._next_pin
-            self._pins[pin] = (view, job, self.clock.monotonic())
             record = self._jobs.get(job)
             # A shard an earlier (aborted) restore round fetched from a peer is in the local
             # store now, but it still came from the peer: say so, or recoveries get mislabelled.
@@ -127,13 +118,11 @@ class RestoreOps:
 
     def _committed(self, msg: dict[str, Any]) -> dict[str, Any]:
         job = param(msg, "job", str)
-        if self.replicator is None:
-            return {"committed": None}
         try:
-            committed = self.replicator.committed(job)
+            committed = self.replicator.committed(job) if self.replicator is not None else None
         except Exception as exc:  # noqa: BLE001 — etcd trouble: workers restore from what is local
             log.warning("cannot read the committed step of %s: %s", job, exc)
-            return {"committed": None}
+            committed = None
         if committed is None:
             return {"committed": None}
         return {"generation": committed.generation, "step": committed.step,
@@ -162,8 +151,6 @@ class RestoreOps:
             if self.replicator is None:
                 return {"lost": True, "reason": "not held here and no peer replication"}
             try:
-                # With the new rank's local boxes, only the rows they overlap (a partial copy
-                # in a scratch segment, handed over once and dropped at its release).
                 result = self.replicator.fetch_to_local(job, rank, version,
                                                         need=msg.get("need"))
             except ShardLost as exc:
@@ -173,7 +160,7 @@ class RestoreOps:
                                    f"{exc}") from exc
             scratch = result.scratch
             with self._lock:
-                record = self._job(job)
+                record = self._jobs[job]
                 self.counters["fetches"] += 1
                 if scratch is None:
                     record.refused.discard(key)  # the bad copy was replaced by a verified one
@@ -195,18 +182,10 @@ class RestoreOps:
         return {**reply, "source": source, "wire_bytes": wire_bytes, "holder": holder}
 
     def _hand_scratch(self, job: str, scratch: Any, result: Any) -> dict[str, Any]:
-        """The reply for a partial copy: its descriptor and a pin whose release (or expiry)
-        deletes the scratch segment."""
-        view = _ScratchView(self.store, scratch)
-        try:
-            fd = view.descriptor()
-        except OSError as exc:
-            view.release()
-            raise RequestError(f"cannot hand over a partial copy: {exc}") from exc
-        with self._lock:
-            self._next_pin += 1
-            pin = self._next_pin
-            self._pins[pin] = (view, job, self.clock.monotonic())
+        """The reply for a partial copy (``ckpt_fetch`` with ``need``, see the module docstring)."""
+        pin, fd = self._pin(functools.partial(scratch.descriptor, writable=False),
+                            functools.partial(self.store.drop_scratch, scratch), job,
+                            "a partial copy")
         return {"path": scratch.path, "offset": 0, "size": result.descriptor.total_bytes,
                 "pin": pin, "source": "peer", "partial": True,
                 "wire_bytes": int(result.wire_bytes), "holder": result.holder, "_fds": [fd]}
@@ -223,21 +202,35 @@ class RestoreOps:
             log.info("the reply to %s was not delivered (its caller is gone): read pin %d of %s "
                      "released", op, pin, reply.get("path", "?"))
 
+    def _pin(self, descriptor: Callable[[], int], release: Callable[[], None], job: str,
+             what: str) -> tuple[int, int]:
+        """A new read-only descriptor for the worker, and the pin that holds ``release`` until
+        ``ckpt_release`` (or ``pin_ttl``); ``release`` is called at once when it fails."""
+        try:
+            fd = descriptor()
+        except OSError as exc:
+            release()
+            raise RequestError(f"cannot hand over {what}: {exc}") from exc
+        with self._lock:
+            self._next_pin += 1
+            self._pins[self._next_pin] = (release, job, self.clock.monotonic())
+            return self._next_pin, fd
+
     def _release(self, msg: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
             entry = self._pins.pop(param(msg, "pin", int), None)
         if entry is not None:
-            entry[0].release()
+            entry[0]()
         return {}
 
     def _sweep_pins(self, job: str | None = None) -> None:
         """Drops the pins older than ``pin_ttl`` (their worker died), or all of ``job``'s."""
         now = self.clock.monotonic()
         with self._lock:
-            views = [self._pins.pop(p)[0] for p, (_, j, t) in list(self._pins.items())
-                     if (j == job if job is not None else now - t > self.pin_ttl)]
-        for view in views:
-            view.release()
+            releases = [self._pins.pop(p)[0] for p, (_, j, t) in list(self._pins.items())
+                        if (j == job if job is not None else now - t > self.pin_ttl)]
+        for release in releases:
+            release()
 
     def _report(self, msg: dict[str, Any]) -> dict[str, Any]:
         job, rank, source = param(msg, "job", str), param(msg, "rank", int), msg.get("source")
@@ -251,7 +244,7 @@ class RestoreOps:
                  "step": msg.get("step"), "refused": refused, "at": self.clock.wall()}
         start_gen = param(msg, "next_generation", int, None)
         with self._lock:
-            record = self._job(job)
+            record = self._jobs[job]
             record.last_restore = entry
             self.history.append(entry)
             self.counters[f"restores_{source}"] += 1
@@ -274,16 +267,3 @@ class RestoreOps:
         self._emit("restored", job, source, seconds, lost, nbytes)
         call_hooks(self.on_restore, "restore", entry)
         return {}
-
-
-class _ScratchView:
-    """A pinned partial copy: released, its scratch segment is deleted."""
-
-    def __init__(self, store: Any, segment: Any) -> None:
-        self._store, self._segment = store, segment
-
-    def descriptor(self) -> int:
-        return self._segment.descriptor(writable=False)
-
-    def release(self) -> None:
-        self._store.drop_scratch(self._segment)

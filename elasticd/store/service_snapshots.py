@@ -60,7 +60,7 @@ class SnapshotOps:
             if step is not None and gen is not None:
                 # The step is reached once its snapshot is asked for, taken or not: a rank
                 # killed before the snapshot completes must still count it as lost.
-                record = self._job(job)
+                record = self._jobs[job]
                 record.progress = max(record.progress or (gen, step), (gen, step))
             if self._paused:
                 self.counters["skipped_paused"] += 1
@@ -82,16 +82,14 @@ class SnapshotOps:
         world = param(msg, "world_size", int)
         if rank >= world:
             raise RequestError(f"rank {rank} outside world size {world}")
-        report = {"job": job, "rank": rank, "world_size": world, "_peer": msg.get("_peer")}
-        for key in ("local_rank", "restart", "step"):
-            value = param(msg, key, int, None)
-            if value is not None:
-                report[key] = value
+        optional = {key: param(msg, key, int, None) for key in ("local_rank", "restart", "step")}
+        report = {"job": job, "rank": rank, "world_size": world, "_peer": msg.get("_peer"),
+                  **{key: value for key, value in optional.items() if value is not None}}
         call_hooks(self.on_progress, "progress", report)
         why = param(msg, "unsnapshottable", str, None)
         if why:
             with self._lock:
-                self._job(job).failing[rank] = (f"rank {rank}'s training state cannot be "
+                self._jobs[job].failing[rank] = (f"rank {rank}'s training state cannot be "
                                                 f"snapshotted: {why[:300]}")
             log.error("job %s rank %d on node %s: the training state cannot be snapshotted, so "
                       "the job is unprotected: %s", job, rank, self.node_id, why[:300])
@@ -103,7 +101,7 @@ class SnapshotOps:
                       version: tuple[int, int] | None = None,
                       mapped: set[tuple[int, int]] = frozenset()) -> dict[str, Any]:
         with self._lock:
-            record = self._job(job)
+            record = self._jobs[job]
             if record.world_size != world:  # a new world: its local ranks are seen afresh
                 record.world_size, record.ranks = world, set()
             record.ranks.add(rank)
@@ -166,7 +164,7 @@ class SnapshotOps:
 
     def _skip(self, job: str, rank: int, reason: str, detail: str) -> dict[str, Any]:
         with self._lock:
-            record = self._job(job)
+            record = self._jobs[job]
             self.counters[f"skipped_{reason}"] += 1
             if reason == "over_budget":
                 record.failing[rank] = f"over the memory cap ({detail})"
@@ -217,19 +215,15 @@ class SnapshotOps:
             record.progress = max(record.progress or version, version)
             self.counters["snapshots"] += 1
         self._emit("snapshot_completed", job, rank, sealed.step, nbytes, stall)
-        self._replicate(job, rank, version)
-        self._maybe_persist(job, record, version)
-        return {"generation": sealed.generation, "step": sealed.step, "bytes": nbytes}
-
-    def _replicate(self, job: str, rank: int, version: tuple[int, int]) -> None:
-        if self.replicator is None:
-            return
         try:
-            self.replicator.on_local_snapshot(job, rank, version)
+            if self.replicator is not None:
+                self.replicator.on_local_snapshot(job, rank, version)
         except Exception:  # noqa: BLE001 — the snapshot is sealed; replication must not fail it
             self.counters["replicate_failed"] += 1
             log.exception("%s rank %d step %s: handing the snapshot to replication failed",
                           job, rank, version)
+        self._maybe_persist(job, record, version)
+        return {"generation": sealed.generation, "step": sealed.step, "bytes": nbytes}
 
     def _maybe_persist(self, job: str, record: JobRecord, version: tuple[int, int]) -> None:
         if self.persist is None:

@@ -16,6 +16,7 @@ turns into a skipped snapshot, a warning and a metric. No torch here: this is da
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -39,14 +40,7 @@ from elasticd.store.api import (
 from elasticd.snapshot.format import SnapshotError, SnapshotHeader, invalidate, seal, write_header
 from elasticd.snapshot.reader import SnapshotReader, verify_payload
 from elasticd.snapshot.segment import PAGE, Segment, map_fd, map_file
-from elasticd.store.shm_root import (
-    DIR_FLAGS,
-    claim_root,
-    dir_problem,
-    listdir_at,
-    remove_at,
-    same_file,
-)
+from elasticd.store.shm_root import claim_root, dir_problem, listdir_at, remove_at, same_file
 
 __all__ = ["PAGE", "CommitPending", "OverBudget", "ScanResult", "Slot", "SlotBusy", "SlotStore",
            "SlotStoreError", "SnapshotView", "StaleSlot", "map_fd", "map_file"]
@@ -108,13 +102,12 @@ class SlotStore:
     Args:
         root: directory for the slot files (created, mode 0700); one per node.
         cap_bytes: most bytes the slot files may take together; None for no cap.
-        file_mode: permission bits of slot files (workers of the job must be able to open them).
     """
 
-    def __init__(self, root: str, *, cap_bytes: int | None = None, file_mode: int = 0o600):
+    def __init__(self, root: str, *, cap_bytes: int | None = None):
         if cap_bytes is not None and cap_bytes < 0:
             raise ValueError(f"cap_bytes must be >= 0 or None, got {cap_bytes}")
-        self.root, self.cap_bytes, self.file_mode = os.path.abspath(root), cap_bytes, file_mode
+        self.root, self.cap_bytes = os.path.abspath(root), cap_bytes
         self._fd = claim_root(self.root)
         self._pairs: dict[tuple[str, int], _Pair] = {}
         self._retained: dict[str, set[tuple[int, int]]] = {}  # job-wide (see retain)
@@ -141,16 +134,10 @@ class SlotStore:
         if pair is None:
             directory = self._dir(job, rank)
             for name in (job, directory):
-                try:
+                with contextlib.suppress(FileExistsError):
                     os.mkdir(name, 0o700, dir_fd=self._fd)
-                except FileExistsError:
-                    pass
-            fd = os.open(directory, DIR_FLAGS, dir_fd=self._fd)
-            try:
-                serials = [int(m.group(1)) for n in os.listdir(fd)
-                           if (m := _SEGMENT_RE.fullmatch(n))]
-            finally:
-                os.close(fd)
+            serials = [int(m.group(1)) for n in listdir_at(self._fd, directory)
+                       if (m := _SEGMENT_RE.fullmatch(n))]
             pair = self._pairs[(job, rank)] = _Pair(next_serial=max(serials, default=-1) + 1)
         return pair
 
@@ -158,8 +145,7 @@ class SlotStore:
         name = f"{self._dir(job, rank)}/{pair.next_serial}.slot"
         pair.next_serial += 1
         try:
-            return Segment.allocate(self._fd, name, os.path.join(self.root, name), capacity,
-                                    self.file_mode)
+            return Segment.allocate(self._fd, name, os.path.join(self.root, name), capacity)
         except OSError as exc:
             raise OverBudget(f"cannot allocate {capacity} bytes in {self.root}: {exc}",
                              capacity, self._held(), None) from exc
@@ -260,7 +246,6 @@ class SlotStore:
             if current is not None and current.pins:
                 raise SlotBusy(f"{job} rank {rank}: free slot {current.path} is pinned by a reader")
             grow = current is None or current.capacity < nbytes
-            # The other slot is allocated too if missing, so both exist pre-touched.
             fill = both and pair.segments[other] is None
             needed = (capacity if grow else 0) + (capacity if fill else 0)
             freed = current.capacity if grow and current is not None else 0
@@ -314,7 +299,7 @@ class SlotStore:
             name = f".scratch-{uuid.uuid4().hex[:16]}"
             try:
                 segment = Segment.allocate(self._fd, name, os.path.join(self.root, name),
-                                           capacity, self.file_mode, reserve=False)
+                                           capacity, reserve=False)
             except OSError as exc:
                 raise OverBudget(f"cannot allocate {capacity} bytes in {self.root}: {exc}",
                                  capacity, held, self.cap_bytes) from exc
@@ -339,15 +324,13 @@ class SlotStore:
 
     def complete(self, slot: Slot, header: SnapshotHeader, *,
                  verified: bool = False) -> SnapshotHeader:
-        """Seals the snapshot written into ``slot``; it becomes (job, rank)'s latest.
+        """Seals the snapshot written into ``slot`` (it becomes (job, rank)'s latest); returns
+        the sealed header.
 
         If ``header.blocks`` is empty the payload checksums are computed here; if it holds
         checksums (a replica received from a peer) the payload is verified against them,
         unless ``verified``: the daemon itself checked every block against them as it wrote
         them (a fetch from peers), and nothing else has the slot.
-
-        Returns:
-            The sealed header.
 
         Raises:
             StaleSlot: the slot was reserved again, grown or removed since.
@@ -463,12 +446,10 @@ class SlotStore:
     def holdings(self) -> list[tuple[str, int, int, int]]:
         """(job, rank, generation, step) of every latest complete snapshot held."""
         with self._lock:
-            out = []
-            for (job, rank), pair in sorted(self._pairs.items()):
-                seg = None if pair.latest is None else pair.segments[pair.latest]
-                if seg is not None and seg.header is not None:
-                    out.append((job, rank, seg.header.generation, seg.header.step))
-            return out
+            latest = [(key, p.segments[p.latest]) for key, p in sorted(self._pairs.items())
+                      if p.latest is not None]
+            return [(job, rank, s.header.generation, s.header.step)
+                    for (job, rank), s in latest if s is not None and s.header is not None]
 
     def _drop(self, keys: list[tuple[str, int]]) -> None:
         """Forgets these (job, rank)s and deletes their slot files (call with the lock held)."""
@@ -495,14 +476,10 @@ class SlotStore:
         """Unmaps everything; with ``unlink`` (the default) also deletes every slot file and the
         root directory. ``unlink=False`` leaves the files for a restarted daemon to :meth:`scan`."""
         with self._lock:
-            for pair in self._pairs.values():
-                for seg in pair.segments:
-                    if seg is None:
-                        continue
-                    if unlink:
-                        seg.destroy(self._fd)
-                    else:
-                        seg.unmap()
+            if unlink:
+                self._drop(list(self._pairs))
+            for seg in (s for p in self._pairs.values() for s in p.segments if s is not None):
+                seg.unmap()
             self._pairs.clear()
             for seg in self._scratch:  # partial copies never outlive the daemon
                 seg.destroy(self._fd)

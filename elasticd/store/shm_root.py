@@ -39,13 +39,9 @@ def _foreign_dir(st: os.stat_result) -> str:
 
 
 def claim_root(root: str, attempts: int = 3) -> int:
-    """Returns a descriptor of ``root``, a directory of the daemon's own with mode 0700.
-
-    An existing root is used when it is a real directory owned by the daemon's uid and
-    writable by nobody else (a restarted daemon's, whose slots :meth:`SlotStore.scan` then
-    verifies); anything else at that name (a symlink, a file, another user's or a
-    world-writable directory) is renamed aside to ``<root>.foreign-<random>`` unread, with a
-    warning, and a new root is created exclusively.
+    """Returns a descriptor of ``root``, a directory of the daemon's own with mode 0700: an
+    existing one (a restarted daemon's, whose slots :meth:`SlotStore.scan` then verifies), or a
+    new one after anything else at that name was renamed aside to ``<root>.foreign-<random>``.
 
     Raises:
         SlotStoreError: the name could not be claimed (someone keeps re-creating it), or the
