@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import array
 import collections
-import contextlib
 import errno
 import logging
 import os
@@ -43,6 +42,7 @@ import struct
 import threading
 from typing import Any, Callable, Iterable, Mapping
 
+from elasticd.admission import shut
 from elasticd.clock import Clock, SystemClock
 from elasticd.daemon.local_binding import Caller, CallerBinding, Refused
 from elasticd.errors import NodeError
@@ -219,9 +219,9 @@ class LocalServer:
             conns = list(self._conns)
         # shutdown, not close: it wakes the threads blocked in accept()/recv() on Linux, and
         # their file descriptors stay valid until the owning thread closes them.
-        _shutdown(self._listener)
+        shut(self._listener)
         for conn in conns:
-            _shutdown(conn)
+            shut(conn)
         if self._accept_thread is not None:
             self._accept_thread.join(timeout)
         self._listener.close()
@@ -233,13 +233,6 @@ class LocalServer:
                 log.warning("local API: %s still busy in a handler after stop()", thread.name)
         self._unlink_own_socket()
         log.info("local API on %s stopped", self.path)
-
-    def __enter__(self) -> "LocalServer":
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     # -- start-up checks ------------------------------------------------------------------
 
@@ -575,8 +568,3 @@ class LocalServer:
             return True
         finally:
             close_fds(fds)
-
-
-def _shutdown(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):  # already closed or never connected
-        sock.shutdown(socket.SHUT_RDWR)
