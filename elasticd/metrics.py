@@ -21,13 +21,13 @@ log = logging.getLogger(__name__)
 
 # Failure detection is bounded below by the lease TTL (2 s in tests, 5-30 s in production).
 DETECTION_BUCKETS = (0.5, 1, 2, 3, 4, 5, 7.5, 10, 15, 20, 30, 45, 60, 120)
-# One push of one rank's snapshot: a few KiB in tests (ms), 256 MiB took 0.07 s and 1 GiB
-# ~0.3 s over loopback (bench/results/peer_restore.json, 3.8 GB/s), a multi-GiB shard over a
-# real network several seconds.
 # One phase of a recovery (elasticd.cluster.timeline): from a few ms (an abort, a restore from
 # local RAM) to the lease TTL (detection) and minutes (a restore from disk, a slow rendezvous).
 RECOVERY_PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 7.5, 10, 20, 30,
                           60, 120, 300)
+# One push of one rank's snapshot: a few KiB in tests (ms), 256 MiB took 0.07 s and 1 GiB
+# ~0.3 s over loopback (bench/results/peer_restore.json, 3.8 GB/s), a multi-GiB shard over a
+# real network several seconds.
 REPLICATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
                        10, 30, 60)
 
@@ -318,12 +318,6 @@ class ReplicationCollector:
     @staticmethod
     def _families(st: Any, server: Any) -> Iterator[Metric]:
         """``st``: a ``ReplicationStats`` (None before :meth:`attach`: the initial values)."""
-        def counter(name: str, doc: str, value: float) -> Metric:
-            return CounterMetricFamily(name, doc, value=value)
-
-        def gauge(name: str, doc: str, value: float) -> Metric:
-            return GaugeMetricFamily(name, doc, value=value)
-
         def by_label(name: str, doc: str, label: str, values: tuple[str, ...],
                      counts: dict[str, int]) -> Metric:
             folded: collections.Counter[str] = collections.Counter()
@@ -334,38 +328,40 @@ class ReplicationCollector:
                 c.add_metric([v], folded.get(v, 0))
             return c
 
-        yield counter("elasticd_replication_bytes", "Bytes of snapshots pushed to peers",
-                      getattr(st, "replication_bytes_total", 0))
+        yield CounterMetricFamily("elasticd_replication_bytes",
+                                  "Bytes of snapshots pushed to peers",
+                                  getattr(st, "replication_bytes_total", 0))
         yield by_label("elasticd_replication_failures",
                        "Snapshot pushes to peers that failed, by reason", "reason",
                        PUSH_FAILURE_REASONS, getattr(st, "replication_failures_total", {}))
-        yield counter("elasticd_replication_skipped",
-                      "Intermediate steps not pushed because a newer snapshot replaced them in "
-                      "a peer's lane (replication never queues without bound)",
-                      getattr(st, "replication_skipped_total", 0))
-        yield counter("elasticd_replication_commits",
-                      "Steps this node recorded as committed (every rank has m verified copies)",
-                      getattr(st, "commits_total", 0))
-        yield gauge("elasticd_committed_step",
-                    "Newest committed step of this node's job (-1: none yet)",
-                    getattr(st, "committed_step", -1))
-        yield gauge("elasticd_sync_lag_steps",
-                    "Newest local snapshot step minus the committed step: the steps a failure "
-                    "now would lose", getattr(st, "sync_lag_steps", 0))
-        yield gauge("elasticd_shards_unprotected",
-                    "Ranks whose committed snapshot has fewer than m copies on current members",
-                    getattr(st, "under_replicated_shards", 0))
-        yield gauge("elasticd_replica_bytes_held",
-                    "Bytes of other nodes' snapshots (replicas) this node holds in shared memory",
-                    getattr(st, "replica_bytes_held", 0))
-        yield counter("elasticd_rereplications",
-                      "Committed shards this node copied to a new holder after a membership "
-                      "change", getattr(st, "rereplications_total", 0))
-        yield counter("elasticd_replica_fetches",
-                      "Shards fetched for a restore (from a peer, or this node's own copy)",
-                      getattr(st, "fetches_total", 0))
-        yield counter("elasticd_replica_fetch_bytes", "Bytes of shards fetched for restores",
-                      getattr(st, "fetch_bytes_total", 0))
+        yield CounterMetricFamily("elasticd_replication_skipped",
+                                  "Intermediate steps not pushed because a newer snapshot "
+                                  "replaced them in a peer's lane (replication never queues "
+                                  "without bound)", getattr(st, "replication_skipped_total", 0))
+        yield CounterMetricFamily("elasticd_replication_commits",
+                                  "Steps this node recorded as committed (every rank has m "
+                                  "verified copies)", getattr(st, "commits_total", 0))
+        yield GaugeMetricFamily("elasticd_committed_step",
+                                "Newest committed step of this node's job (-1: none yet)",
+                                getattr(st, "committed_step", -1))
+        yield GaugeMetricFamily("elasticd_sync_lag_steps",
+                                "Newest local snapshot step minus the committed step: the steps "
+                                "a failure now would lose", getattr(st, "sync_lag_steps", 0))
+        yield GaugeMetricFamily("elasticd_shards_unprotected",
+                                "Ranks whose committed snapshot has fewer than m copies on "
+                                "current members", getattr(st, "under_replicated_shards", 0))
+        yield GaugeMetricFamily("elasticd_replica_bytes_held",
+                                "Bytes of other nodes' snapshots (replicas) this node holds in "
+                                "shared memory", getattr(st, "replica_bytes_held", 0))
+        yield CounterMetricFamily("elasticd_rereplications",
+                                  "Committed shards this node copied to a new holder after a "
+                                  "membership change", getattr(st, "rereplications_total", 0))
+        yield CounterMetricFamily("elasticd_replica_fetches",
+                                  "Shards fetched for a restore (from a peer, or this node's own "
+                                  "copy)", getattr(st, "fetches_total", 0))
+        yield CounterMetricFamily("elasticd_replica_fetch_bytes",
+                                  "Bytes of shards fetched for restores",
+                                  getattr(st, "fetch_bytes_total", 0))
         yield by_label("elasticd_replica_fetch_failures",
                        "Holders that could not give a shard at restore, by reason (lost: no "
                        "holder had an intact copy)", "reason", FETCH_FAILURE_REASONS,
@@ -375,10 +371,10 @@ class ReplicationCollector:
                        "(aborted: torn, corrupt or interrupted, nothing stored)", "outcome",
                        RECEIVED_OUTCOMES,
                        {o: getattr(server, f"pushes_{o}", 0) for o in RECEIVED_OUTCOMES})
-        yield counter("elasticd_replica_protocol_errors",
-                      "Connections from authenticated peers closed for breaking the protocol "
-                      "(malformed or corrupt frames; what they sent is not stored)",
-                      getattr(server, "protocol_errors", 0))
-        yield counter("elasticd_replica_bytes_received",
-                      "Bytes this node's replica server received from peers",
-                      getattr(server, "bytes_received", 0))
+        yield CounterMetricFamily("elasticd_replica_protocol_errors",
+                                  "Connections from authenticated peers closed for breaking the "
+                                  "protocol (malformed or corrupt frames; what they sent is not "
+                                  "stored)", getattr(server, "protocol_errors", 0))
+        yield CounterMetricFamily("elasticd_replica_bytes_received",
+                                  "Bytes this node's replica server received from peers",
+                                  getattr(server, "bytes_received", 0))

@@ -105,9 +105,7 @@ def _node_statuses(coord: Coordinator, keys: Keyspace, job: str) -> list[NodeJob
 
 
 def cmd_submit(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> Any:
-    args_list = list(args.args)
-    if args_list[:1] == ["--"]:
-        args_list = args_list[1:]
+    args_list = args.args[1:] if args.args[:1] == ["--"] else list(args.args)
     spec = jobspec.build(args.name, args.nnodes, args.nproc_per_node, args.script, args_list,
                          user=args.user, cwd=args.cwd, env=args.env, python=args.python,
                          max_restarts=args.max_restarts, hang_timeout=args.hang_timeout,

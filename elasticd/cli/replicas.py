@@ -193,13 +193,10 @@ def _node_status(address: str, timeout: float) -> dict[str, Any] | None:
 def cmd_checkpoints(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> Any:
     job = pick_job(coord, keys, args.job)
     placement, committed, replicated = _read(coord, keys, job)
-    ranks = []
-    for node, rep in sorted(replicated.items()):
-        for rank, versions in sorted(rep.versions.items()):
-            ranks.append({"rank": rank, "owner": node,
-                          "versions": [_ver(v) for v in versions],
-                          "holders": list(rep.holders.get(rank, ()))})
-    ranks.sort(key=lambda r: r["rank"])
+    ranks = sorted(({"rank": rank, "owner": node, "versions": [_ver(v) for v in versions],
+                     "holders": list(rep.holders.get(rank, ()))}
+                    for node, rep in sorted(replicated.items())
+                    for rank, versions in sorted(rep.versions.items())), key=lambda r: r["rank"])
     nodes = []
     persisted: list[int] | None = None
     for node, rec in sorted(live_nodes(coord, keys).items()):

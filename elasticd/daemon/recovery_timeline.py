@@ -16,8 +16,8 @@ abort of its workers (its own proactive abort, or its agent's, which kills them 
 of its round is gone and says so over the local socket: ``workers_aborted``), every round
 close its job watch delivers (:meth:`TimelineRecorder.on_round_closed`), its workers' restores
 and each worker's first step (the first step a worker pid reports past the step its node
-restored last: an old worker's last words are not a first step). The ``failed`` event and every node's ``recovered`` events are read from
-etcd when the record is assembled.
+restored last: an old worker's last words are not a first step). The ``failed`` event and
+every node's ``recovered`` events are read from etcd when the record is assembled.
 
 **When it writes:** at the first cycle after that first step, or, when no first step comes
 within ``give_up`` seconds, with what was seen (the missing moments stay missing). A failure of
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import math
 import threading
@@ -49,8 +50,10 @@ log = logging.getLogger(__name__)
 #: Worker pids remembered per job between failures (a long job's restarts stay bounded).
 _MAX_PIDS = 4096
 #: Seconds the other survivors wait after the job trained again before writing the timeline
-#: themselves (the writer may have died too, or the views of who writes differed).
+#: themselves.
 STAND_IN_WAIT = 10.0
+#: A job's last moments of each kind (aborts, round closes, first steps).
+_recent = functools.partial(collections.deque, maxlen=16)
 
 
 @dataclasses.dataclass
@@ -75,12 +78,9 @@ class _Moments:
     daemon's watch reports the failure.
     """
 
-    aborts: collections.deque = dataclasses.field(
-        default_factory=lambda: collections.deque(maxlen=16))
-    closes: collections.deque = dataclasses.field(
-        default_factory=lambda: collections.deque(maxlen=16))
-    first_steps: collections.deque = dataclasses.field(
-        default_factory=lambda: collections.deque(maxlen=16))
+    aborts: collections.deque = dataclasses.field(default_factory=_recent)
+    closes: collections.deque = dataclasses.field(default_factory=_recent)
+    first_steps: collections.deque = dataclasses.field(default_factory=_recent)
     stepped: set = dataclasses.field(default_factory=set)  # pids past their first step
     closed: set = dataclasses.field(default_factory=set)  # ... whose connection ended
     restored_step: int | None = None  # the step the newest local restore loaded
