@@ -364,9 +364,7 @@ def _validate(s: Settings, sources: Mapping[str, str]) -> None:
 def _validate_job_policy(s: Settings, bad: Any) -> None:
     from elasticd.agent.policy import split_list
 
-    for user in split_list(s.job_users):
-        if user == "*":
-            continue
+    for user in [u for u in split_list(s.job_users) if u != "*"]:
         try:
             pwd.getpwnam(user)
         except (KeyError, ValueError):

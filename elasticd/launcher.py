@@ -238,10 +238,9 @@ class LocalCluster:
         self.prefix = prefix
         self.keys = Keyspace(prefix)
         self.lease_ttl = lease_ttl
-        self.etcd_server: EmbeddedEtcd | None = None
-        if etcd is None:
-            self.etcd_server = EmbeddedEtcd(members=etcd_members,
-                                            data_dir=os.path.join(self.workdir, "etcd"))
+        self.etcd_server = (EmbeddedEtcd(members=etcd_members,
+                                         data_dir=os.path.join(self.workdir, "etcd"))
+                            if etcd is None else None)
         self._etcd = etcd
         self.etcd_client = dict(etcd_client or {})
         self.extra_args = list(extra_args)
@@ -307,10 +306,8 @@ class LocalCluster:
         kvs, _ = self.coordinator().get_prefix(self.keys.nodes)
         out = {}
         for kv in kvs:  # a test may plant bad records: skip them
-            try:
+            with contextlib.suppress(ValueError, records.RecordError):
                 out[self.keys.node_of(kv.key)] = records.decode(kv.value, "node", kv.key)
-            except (ValueError, records.RecordError):
-                continue
         return out
 
     def registered(self, node_id: str) -> bool:

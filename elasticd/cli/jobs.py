@@ -8,6 +8,7 @@ then written in one transaction, only if no job of that name exists.
 from __future__ import annotations
 
 import argparse
+import contextlib
 from typing import Any
 
 from elasticd.cli import options
@@ -97,10 +98,8 @@ def _node_statuses(coord: Coordinator, keys: Keyspace, job: str) -> list[NodeJob
     out = []
     for kv in kvs:
         node = kv.key[len(keys.job_nodes(job)):].decode(errors="replace")
-        try:
+        with contextlib.suppress(records.RecordError):
             out.append(NodeJobStatus.decode(kv.value, kv.key, node))
-        except records.RecordError:
-            continue
     return out
 
 

@@ -114,11 +114,9 @@ def _read(coord: Coordinator, keys: Keyspace, job: str) -> tuple[
     kvs, _ = coord.get_prefix(keys.job_replicated_prefix(job))
     replicated = {}
     for kv in kvs:
-        try:
+        with contextlib.suppress(records.RecordError):
             r = decode_replicated(kv.value, kv.key)
-        except records.RecordError:
-            continue
-        replicated[r.node] = r
+            replicated[r.node] = r
     return placement, committed, replicated
 
 

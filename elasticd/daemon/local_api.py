@@ -349,19 +349,16 @@ class LocalServer:
                 if reason:
                     self.counters["rejected"] += 1
                 return
-            if reason:
-                target, name = self._reject, f"local-api-reject-{pid}"
-            elif len(self._conns) >= self._max_connections:
+            if not reason and len(self._conns) >= self._max_connections:
                 reason = f"too many connections to this elasticd ({self._max_connections})"
-                target, name = self._reject, f"local-api-reject-{pid}"
+            if reason:
+                self._rejecting += 1  # until _reject() is done with it
+                target, args, name = self._reject, (conn, peer, reason), f"local-api-reject-{pid}"
             else:
-                target, name = self._serve, f"local-api-pid{pid}"
+                target, args, name = self._serve, (conn, peer), f"local-api-pid{pid}"
                 if caller is not None:
                     self._callers[conn] = caller
                     peer["job"] = caller.job
-            if reason:
-                self._rejecting += 1  # until _reject() is done with it
-            args = (conn, peer, reason) if reason else (conn, peer)
             thread = threading.Thread(target=target, args=args, name=name, daemon=True)
             self._conns[conn] = thread
         if reason:
