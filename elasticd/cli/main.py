@@ -5,8 +5,7 @@ both; JSON carries stable keys and nothing decorative, documented in docs/elasti
 where re-reading makes sense, ``--watch SECONDS`` (refresh until interrupted; with JSON one
 document per line); they go before or after the command (:mod:`elasticd.cli.options`).
 Destructive commands (stop, drain) need ``--force`` in scripts and ask on a terminal. Exit
-status (:mod:`elasticd.cli.errors`): 0 success, 1 the operation failed, 2 bad usage or input,
-3 etcd unreachable.
+status: :data:`EPILOG` and :mod:`elasticd.cli.errors`.
 """
 
 from __future__ import annotations

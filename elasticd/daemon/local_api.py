@@ -103,8 +103,7 @@ class LocalServer:
             A daemon running as root that allows exactly one other uid (the job's user) gives
             the socket file to that user, so mode 0o600 still lets its workers connect.
         max_connections: further connections are refused with an error reply.
-        binding: admits and binds callers instead of ``allowed_uids`` (which it overrides):
-            the daemon's uid and the running job's processes, each held to its job and rank.
+        binding: admits and binds callers instead of ``allowed_uids`` (which it overrides).
         send_timeout: a worker that does not read its replies for this long is disconnected,
             so it cannot pin a daemon thread forever.
         clock: injected time (how long a refused caller is given to read why).
@@ -185,7 +184,6 @@ class LocalServer:
         try:
             # On Linux the socket file takes the socket inode's mode (minus the umask) at bind:
             # set it first, so there is no moment where the file is more open than 0o600.
-            # With a binding, any uid may connect and the binding refuses all but the job's.
             mode = 0o600 if self._binding is None else 0o666
             os.fchmod(listener.fileno(), mode)
             listener.bind(self.path)

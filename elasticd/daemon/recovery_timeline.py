@@ -71,12 +71,8 @@ class _Recovery:
 
 @dataclasses.dataclass
 class _Moments:
-    """What this node saw of a job's worker groups, whoever is recovering (wall times).
-
-    The moments are kept whether or not a recovery is open: the workers may die (gloo sees the
-    dead peer's connection reset), the agent abort them and a round close, before this
-    daemon's watch reports the failure.
-    """
+    """What this node saw of a job's worker groups, whoever is recovering (wall times), kept
+    whether or not a recovery is open (the module docstring says why)."""
 
     aborts: collections.deque = dataclasses.field(default_factory=_recent)
     closes: collections.deque = dataclasses.field(default_factory=_recent)
