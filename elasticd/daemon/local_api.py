@@ -71,6 +71,9 @@ Handler = Callable[[dict[str, Any]], "dict[str, Any] | None"]
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _MAX_UNIX_PATH = 107  # sun_path is 108 bytes including the terminating NUL
 _REJECT_LINGER = 1.0
+# A worker that does not read its replies for this long is disconnected, so it cannot pin a
+# daemon thread forever.
+_SEND_TIMEOUT = 10.0
 # Refusals explained at once (each lingers up to _REJECT_LINGER on a thread); beyond that,
 # refused connections are closed without a word, so that a local user who is refused cannot
 # fill the connection cap the job's workers need.
@@ -104,8 +107,6 @@ class LocalServer:
             the socket file to that user, so mode 0o600 still lets its workers connect.
         max_connections: further connections are refused with an error reply.
         binding: admits and binds callers instead of ``allowed_uids`` (which it overrides).
-        send_timeout: a worker that does not read its replies for this long is disconnected,
-            so it cannot pin a daemon thread forever.
         clock: injected time (how long a refused caller is given to read why).
 
     Attributes:
@@ -120,8 +121,8 @@ class LocalServer:
     def __init__(self, path: str, handlers: Mapping[str, Handler],
                  max_message: int = DEFAULT_MAX_MESSAGE,
                  allowed_uids: Iterable[int] | None = None,
-                 max_connections: int = 256, send_timeout: float = 10.0,
-                 binding: CallerBinding | None = None, clock: Clock | None = None) -> None:
+                 max_connections: int = 256, binding: CallerBinding | None = None,
+                 clock: Clock | None = None) -> None:
         path = os.path.abspath(path)
         if len(os.fsencode(path)) > _MAX_UNIX_PATH:
             raise ValueError(f"socket path {path!r} is longer than the {_MAX_UNIX_PATH} bytes "
@@ -130,8 +131,6 @@ class LocalServer:
             raise ValueError(f"max_message must be at least 64 bytes, got {max_message!r}")
         if max_connections < 1:
             raise ValueError(f"max_connections must be at least 1, got {max_connections!r}")
-        if send_timeout <= 0:
-            raise ValueError(f"send_timeout must be positive, got {send_timeout!r}")
         self.path = path  # absolute: what workers get as ELASTICD_SOCKET
         self._handlers = dict(handlers)
         self._max_message = max_message
@@ -141,7 +140,6 @@ class LocalServer:
         self._binding = binding
         self._callers: dict[socket.socket, Caller] = {}
         self._rejecting = 0
-        self._send_timeout = send_timeout
         #: Called with ``{"pid", "job"}`` when a connection ends (its process closed it or
         #: died): a worker's death is a moment of a recovery (daemon/recovery_timeline.py).
         self.on_close: list[Callable[[dict[str, Any]], None]] = []
@@ -383,8 +381,7 @@ class LocalServer:
 
     def _serve(self, conn: socket.socket, peer: dict[str, int]) -> None:
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                        struct.pack("ll", int(self._send_timeout),
-                                    int(self._send_timeout % 1 * 1e6)))
+                        struct.pack("ll", int(_SEND_TIMEOUT), int(_SEND_TIMEOUT % 1 * 1e6)))
         rfile = conn.makefile("rb")
         try:
             while self._serve_one(conn, rfile, peer):
