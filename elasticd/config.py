@@ -440,10 +440,9 @@ def load(
         sources[name] = f"environment {key}"
 
     for name, value in (cli or {}).items():
-        if value is None:
-            continue
-        values[name] = _coerce(name, value, "--" + name.replace("_", "-"))
-        sources[name] = "--" + name.replace("_", "-")
+        if value is not None:
+            sources[name] = "--" + name.replace("_", "-")
+            values[name] = _coerce(name, value, sources[name])
 
     settings = Settings(**values)
     _validate(settings, sources)

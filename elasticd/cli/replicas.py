@@ -140,10 +140,8 @@ def cmd_placement(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) 
                 holders = list(placement.holders_of_rank(rank))
         committed_holders = list(committed.holders.get(rank, ())) if committed else []
         live_copies = [h for h in committed_holders if h in alive]
-        newest = None
-        if owner in replicated and rank in replicated[owner].versions:
-            vs = replicated[owner].versions[rank]
-            newest = _ver(vs[0]) if vs else None
+        vs = replicated[owner].versions.get(rank) if owner in replicated else None
+        newest = _ver(vs[0]) if vs else None
         rows.append({
             "rank": rank, "owner": owner, "holders": holders,
             "committed_holders": committed_holders, "live_copies": len(live_copies),

@@ -203,9 +203,8 @@ class TimelineRecorder:
             for r in self._open.values():
                 if self._due(r) and r.due_since is None:
                     r.due_since = now
-                if r.due_since is not None and (r.writer or now - r.due_since >= STAND_IN_WAIT):
-                    due.append(r)
-                elif now - r.started >= self.give_up + (0 if r.writer else STAND_IN_WAIT):
+                if (r.due_since is not None and (r.writer or now - r.due_since >= STAND_IN_WAIT)
+                        or now - r.started >= self.give_up + (0 if r.writer else STAND_IN_WAIT)):
                     due.append(r)
         notes = [self._finish(r) for r in due]
         return "; ".join(n for n in notes if n) or None
