@@ -61,11 +61,10 @@ __all__ = ["Handler", "LocalApiError", "LocalServer", "SocketInUse", "UnsafeSock
 
 log = logging.getLogger(__name__)
 
-#: Takes the request (its fields plus ``"_peer": {"pid", "uid", "gid"}``) and returns the
-#: reply's fields (None for none; ``id`` and ``ok`` are the envelope's and get overwritten;
-#: ``_fds``, a list of descriptors, is passed to the worker and closed here).
-#: Runs on the connection's thread: handlers must be thread-safe, and quick — a slow handler
-#: delays only its own worker's next call.
+#: Takes the request's fields (with ``_peer``) and returns the reply's (None for none; ``id``
+#: and ``ok`` are the envelope's and get overwritten; ``_fds``: see above). Runs on the
+#: connection's thread: handlers must be thread-safe, and quick — a slow handler delays only
+#: its own worker's next call.
 Handler = Callable[[dict[str, Any]], "dict[str, Any] | None"]
 
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
