@@ -104,12 +104,9 @@ class NodeProcess:
         record once caught the daemon still inside its join, where etcd unreachable is fatal.
         """
         if not self._joined:  # true until the next start: read the log only until then
-            try:
-                with open(self.log_path, "rb") as fh:
-                    fh.seek(self.log_offset)
-                    self._joined = joined_sentence(self.node_id).encode() in fh.read()
-            except OSError:
-                return False
+            with contextlib.suppress(OSError), open(self.log_path, "rb") as fh:
+                fh.seek(self.log_offset)
+                self._joined = joined_sentence(self.node_id).encode() in fh.read()
         return self._joined
 
     @property

@@ -64,13 +64,11 @@ def pick_job(coord: Coordinator, keys: Keyspace, job: str | None) -> str:
     """
     kvs, _ = coord.get_prefix(keys.jobs)
     names = []
-    for kv in kvs:
-        try:
+    for kv in kvs:  # one with no valid job name is skipped: no daemon takes it for a job either
+        with contextlib.suppress(ValueError):
             name, what, rest = keys.job_key(kv.key)
-        except ValueError:
-            continue  # no valid job name: no daemon takes it for a job either
-        if what == "spec" and not rest:
-            names.append(name)
+            if what == "spec" and not rest:
+                names.append(name)
     names.sort()
     if job is not None:
         try:

@@ -250,8 +250,7 @@ class Node:
             raise Fatal(f"listen: cannot serve HTTP on {settings.listen}: {exc.strerror}; "
                         "pick another --listen address or port") from exc
         self._teardown.append(server.stop)
-        host, port = server.address.rsplit(":", 1)
-        daemon.http_address = advertised(host, port)
+        daemon.http_address = advertised(*server.address.rsplit(":", 1))
         server.start()
         self.http = server
 
