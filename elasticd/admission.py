@@ -44,8 +44,6 @@ class Admission:
         self.cap, self.deadline, self._now = cap, deadline, now
         self._lock = threading.Lock()
         self._held: dict[Hashable, tuple[float, str]] = {}  # key -> (due, source)
-        self.displaced = 0
-        self.expired = 0
 
     def __len__(self) -> int:
         with self._lock:
@@ -61,7 +59,6 @@ class Admission:
                 victim = min((k for k, (_, src) in self._held.items() if per_source[src] == most),
                              key=lambda k: self._held[k][0])
                 del self._held[victim]
-                self.displaced += 1
             self._held[key] = (self._now() + self.deadline, source)
             return victim
 
@@ -77,7 +74,6 @@ class Admission:
             gone = [k for k, (due, _) in self._held.items() if due <= now]
             for key in gone:
                 del self._held[key]
-            self.expired += len(gone)
             nearest = min((due for due, _ in self._held.values()), default=None)
         return gone, None if nearest is None else max(0.0, nearest - now)
 

@@ -364,9 +364,7 @@ def _validate(s: Settings, sources: Mapping[str, str]) -> None:
 def _validate_job_policy(s: Settings, bad: Any) -> None:
     from elasticd.agent.policy import split_list
 
-    for user in split_list(s.job_users):
-        if user == "*":
-            continue
+    for user in [u for u in split_list(s.job_users) if u != "*"]:
         try:
             pwd.getpwnam(user)
         except (KeyError, ValueError):
@@ -442,10 +440,9 @@ def load(
         sources[name] = f"environment {key}"
 
     for name, value in (cli or {}).items():
-        if value is None:
-            continue
-        values[name] = _coerce(name, value, "--" + name.replace("_", "-"))
-        sources[name] = "--" + name.replace("_", "-")
+        if value is not None:
+            sources[name] = "--" + name.replace("_", "-")
+            values[name] = _coerce(name, value, sources[name])
 
     settings = Settings(**values)
     _validate(settings, sources)

@@ -104,12 +104,9 @@ class NodeProcess:
         record once caught the daemon still inside its join, where etcd unreachable is fatal.
         """
         if not self._joined:  # true until the next start: read the log only until then
-            try:
-                with open(self.log_path, "rb") as fh:
-                    fh.seek(self.log_offset)
-                    self._joined = joined_sentence(self.node_id).encode() in fh.read()
-            except OSError:
-                return False
+            with contextlib.suppress(OSError), open(self.log_path, "rb") as fh:
+                fh.seek(self.log_offset)
+                self._joined = joined_sentence(self.node_id).encode() in fh.read()
         return self._joined
 
     @property
@@ -238,10 +235,9 @@ class LocalCluster:
         self.prefix = prefix
         self.keys = Keyspace(prefix)
         self.lease_ttl = lease_ttl
-        self.etcd_server: EmbeddedEtcd | None = None
-        if etcd is None:
-            self.etcd_server = EmbeddedEtcd(members=etcd_members,
-                                            data_dir=os.path.join(self.workdir, "etcd"))
+        self.etcd_server = (EmbeddedEtcd(members=etcd_members,
+                                         data_dir=os.path.join(self.workdir, "etcd"))
+                            if etcd is None else None)
         self._etcd = etcd
         self.etcd_client = dict(etcd_client or {})
         self.extra_args = list(extra_args)
@@ -307,10 +303,8 @@ class LocalCluster:
         kvs, _ = self.coordinator().get_prefix(self.keys.nodes)
         out = {}
         for kv in kvs:  # a test may plant bad records: skip them
-            try:
+            with contextlib.suppress(ValueError, records.RecordError):
                 out[self.keys.node_of(kv.key)] = records.decode(kv.value, "node", kv.key)
-            except (ValueError, records.RecordError):
-                continue
         return out
 
     def registered(self, node_id: str) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+from functools import partial
 from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
@@ -21,13 +22,13 @@ log = logging.getLogger(__name__)
 
 # Failure detection is bounded below by the lease TTL (2 s in tests, 5-30 s in production).
 DETECTION_BUCKETS = (0.5, 1, 2, 3, 4, 5, 7.5, 10, 15, 20, 30, 45, 60, 120)
-# One push of one rank's snapshot: a few KiB in tests (ms), 256 MiB took 0.07 s and 1 GiB
-# ~0.3 s over loopback (bench/results/peer_restore.json, 3.8 GB/s), a multi-GiB shard over a
-# real network several seconds.
 # One phase of a recovery (elasticd.cluster.timeline): from a few ms (an abort, a restore from
 # local RAM) to the lease TTL (detection) and minutes (a restore from disk, a slow rendezvous).
 RECOVERY_PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 7.5, 10, 20, 30,
                           60, 120, 300)
+# One push of one rank's snapshot: a few KiB in tests (ms), 256 MiB took 0.07 s and 1 GiB
+# ~0.3 s over loopback (bench/results/peer_restore.json, 3.8 GB/s), a multi-GiB shard over a
+# real network several seconds.
 REPLICATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
                        10, 30, 60)
 
@@ -91,178 +92,161 @@ class Metrics:
     """The daemon's metrics, registered in their own registry."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
-        r = self.registry
+        self.registry = r = registry or CollectorRegistry()
+        counter, gauge = partial(Counter, registry=r), partial(Gauge, registry=r)
+        histogram = partial(Histogram, registry=r)
         self.build_info = Info("elasticd_build", "elasticd version", registry=r)
         self.build_info.info({"version": elasticd.__version__})
-        self.nodes_alive = Gauge(
-            "elasticd_nodes_alive", "Nodes with a live record in etcd, as this node sees them",
-            registry=r)
-        self.etcd_up = Gauge(
-            "elasticd_etcd_up", "1 when the last etcd request succeeded, else 0", registry=r)
-        self.etcd_outages = Counter(
-            "elasticd_etcd_outages_total", "Periods during which etcd was unreachable", registry=r)
-        self.etcd_data_losses = Counter(
+        self.nodes_alive = gauge(
+            "elasticd_nodes_alive", "Nodes with a live record in etcd, as this node sees them")
+        self.etcd_up = gauge("elasticd_etcd_up", "1 when the last etcd request succeeded, else 0")
+        self.etcd_outages = counter(
+            "elasticd_etcd_outages_total", "Periods during which etcd was unreachable")
+        self.etcd_data_losses = counter(
             "elasticd_etcd_data_losses_total",
-            "Times this node found that etcd had lost its data (restarted empty)", registry=r)
-        self.keepalive_failures = Counter(
+            "Times this node found that etcd had lost its data (restarted empty)")
+        self.keepalive_failures = counter(
             "elasticd_lease_keepalive_failures_total",
-            "Lease keep-alive attempts that failed (etcd unreachable or lease lost)", registry=r)
-        self.leases_lost = Counter(
-            "elasticd_leases_lost_total", "Times this node found its lease gone", registry=r)
-        self.node_failures = Counter(
+            "Lease keep-alive attempts that failed (etcd unreachable or lease lost)")
+        self.leases_lost = counter(
+            "elasticd_leases_lost_total", "Times this node found its lease gone")
+        self.node_failures = counter(
             "elasticd_node_failures_detected_total",
-            "Peer lease expiries this node saw and confirmed as failures", registry=r)
-        self.node_departures = Counter(
-            "elasticd_node_departures_total", "Peers that left cleanly (lease revoked)", registry=r)
-        self.provisional_expiries = Counter(
+            "Peer lease expiries this node saw and confirmed as failures")
+        self.node_departures = counter(
+            "elasticd_node_departures_total", "Peers that left cleanly (lease revoked)")
+        self.provisional_expiries = counter(
             "elasticd_provisional_expiries_total",
-            "Peer expiries seen while this node was cut off from etcd, by outcome",
-            ["outcome"], registry=r)
+            "Peer expiries seen while this node was cut off from etcd, by outcome", ["outcome"])
         for outcome in ("rejoined", "confirmed"):
             self.provisional_expiries.labels(outcome)
-        self.detection_seconds = Histogram(
+        self.detection_seconds = histogram(
             "elasticd_failure_detection_seconds",
             "From a failed peer's last sign of life this node can date (its record's last "
             "write, or one lease TTL before its expiry if later) to this node's detection of "
-            "its expiry",
-            buckets=DETECTION_BUCKETS, registry=r)
-        self.fenced = Counter(
-            "elasticd_fenced_total",
-            "Times this node found itself declared dead and fenced itself", registry=r)
-        self.worker_restarts = Counter(
+            "its expiry", buckets=DETECTION_BUCKETS)
+        self.fenced = counter(
+            "elasticd_fenced_total", "Times this node found itself declared dead and fenced itself")
+        self.worker_restarts = counter(
             "elasticd_worker_restarts_total",
-            "Worker group restarts this daemon caused or saw, by reason", ["reason"], registry=r)
+            "Worker group restarts this daemon caused or saw, by reason", ["reason"])
         for reason in ("peer_failed", "hang", "agent_died"):
             self.worker_restarts.labels(reason)
-        self.world_size = Gauge(
-            "elasticd_world_size", "World size of the job's current worker group on this node",
-            registry=r)
-        self.rendezvous_round = Gauge(
+        self.world_size = gauge(
+            "elasticd_world_size", "World size of the job's current worker group on this node")
+        self.rendezvous_round = gauge(
             "elasticd_rendezvous_round",
-            "Worker generations this node's agent has started for the job (restarts + 1)",
-            registry=r)
-        self.rendezvous_seconds = Histogram(
+            "Worker generations this node's agent has started for the job (restarts + 1)")
+        self.rendezvous_seconds = histogram(
             "elasticd_rendezvous_seconds",
             "From a worker group (re)start to its first progress report (rendezvous, process "
             "group set-up and the first step)", buckets=(0.5, 1, 2, 3, 4, 5, 7.5, 10, 15, 20,
-                                                         30, 60, 120, 300), registry=r)
+                                                         30, 60, 120, 300))
         # -- recovery timelines (written by one node per failure: daemon/recovery_timeline.py)
-        self.recovery_phase_seconds = Histogram(
+        self.recovery_phase_seconds = histogram(
             "elasticd_recovery_phase_seconds",
             "Seconds of each phase of a recovery from a node's failure to the first step "
             "(detect, abort, rendezvous, start, restore, first_step); observed once per "
             "recovery, by the node that writes its timeline", ["phase"],
-            buckets=RECOVERY_PHASE_BUCKETS, registry=r)
-        self.last_recovery_phase_seconds = Gauge(
+            buckets=RECOVERY_PHASE_BUCKETS)
+        self.last_recovery_phase_seconds = gauge(
             "elasticd_last_recovery_phase_seconds",
             "Each phase of the last recovery whose timeline this node wrote (NaN: not seen)",
-            ["phase"], registry=r)
-        self.last_recovery_timestamp = Gauge(
+            ["phase"])
+        self.last_recovery_timestamp = gauge(
             "elasticd_last_recovery_timestamp_seconds",
-            "When the last recovery whose timeline this node wrote trained again (0: none)",
-            registry=r)
+            "When the last recovery whose timeline this node wrote trained again (0: none)")
         for phase in RECOVERY_PHASES:
             self.recovery_phase_seconds.labels(phase)
             self.last_recovery_phase_seconds.labels(phase).set(float("nan"))
-        self.crash_loops = Counter(
+        self.crash_loops = counter(
             "elasticd_crash_loops_total",
             "Jobs this node stopped as failed: worker groups restarted crash_loop_restarts "
-            "times in a row without a new committed step", registry=r)
-        self.hangs = Counter(
-            "elasticd_hangs_detected_total", "Worker groups restarted for making no progress",
-            registry=r)
-        self.hang_timeout_seconds = Gauge(
+            "times in a row without a new committed step")
+        self.hangs = counter(
+            "elasticd_hangs_detected_total", "Worker groups restarted for making no progress")
+        self.hang_timeout_seconds = gauge(
             "elasticd_hang_timeout_seconds",
             "Seconds without progress after which this node restarts its job's workers: the "
             "job's --hang-timeout, or the timeout learned from its step times (0: off, or no "
-            "job)", registry=r)
-        self.compute_seconds = Gauge(
+            "job)")
+        self.compute_seconds = gauge(
             "elasticd_compute_seconds",
             "This node's compute time per training step outside collectives (the median over "
             "its ranks of each one's last 50 steps, as its workers measure it; NaN: not "
-            "measured)", registry=r)
+            "measured)")
         self.compute_seconds.set(float("nan"))
-        self.straggler = Gauge(
+        self.straggler = gauge(
             "elasticd_straggler",
             "1 while this node is named a straggler of its job: its compute time per step has "
             "stayed above the job's --straggler-factor times the other nodes' median "
-            "(elasticd.agent.straggler)", registry=r)
-        self.job_running = Gauge(
-            "elasticd_job_running", "1 while this node runs a job's agent", registry=r)
+            "(elasticd.agent.straggler)")
+        self.job_running = gauge("elasticd_job_running", "1 while this node runs a job's agent")
         # -- checkpoints (fed by elasticd.store.service through CheckpointSink) ---------
-        self.snapshot_stall_seconds = Histogram(
+        self.snapshot_stall_seconds = histogram(
             "elasticd_snapshot_stall_seconds",
             "Time the training loop waited for one snapshot (save and optimizer hook)",
-            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5),
-            registry=r)
-        self.snapshots = Counter("elasticd_snapshots_total",
-                                 "Snapshots sealed in this node's RAM", registry=r)
-        self.snapshot_bytes = Gauge("elasticd_snapshot_bytes",
-                                    "Bytes of the latest snapshot of every local rank", registry=r)
-        self.snapshot_step = Gauge("elasticd_snapshot_step",
-                                   "Newest step every local rank holds in RAM", registry=r)
-        self.snapshots_skipped = Counter(
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))
+        self.snapshots = counter("elasticd_snapshots_total", "Snapshots sealed in this node's RAM")
+        self.snapshot_bytes = gauge("elasticd_snapshot_bytes",
+                                    "Bytes of the latest snapshot of every local rank")
+        self.snapshot_step = gauge("elasticd_snapshot_step",
+                                   "Newest step every local rank holds in RAM")
+        self.snapshots_skipped = counter(
             "elasticd_snapshots_skipped_total",
             "Snapshots skipped, by reason (over_budget: the memory cap; busy: slot pinned; "
-            "commit_pending: both slots hold copies awaiting or holding the commit)",
-            ["reason"], registry=r)
+            "commit_pending: both slots hold copies awaiting or holding the commit)", ["reason"])
         for reason in ("over_budget", "busy", "commit_pending"):
             self.snapshots_skipped.labels(reason)
-        self.jobs_unprotected = Gauge(
+        self.jobs_unprotected = gauge(
             "elasticd_jobs_unprotected",
             "Jobs a node failure now would set back further than it should, by reason "
-            "(snapshots_failing, no_placement, commit_lag)", ["reason"], registry=r)
+            "(snapshots_failing, no_placement, commit_lag)", ["reason"])
         for reason in UNPROTECTED_REASONS:
             self.jobs_unprotected.labels(reason)
-        self.snapshots_refused = Counter(
+        self.snapshots_refused = counter(
             "elasticd_snapshots_refused_total",
-            "Corrupt or truncated snapshots refused at restore, by source", ["source"],
-            registry=r)
-        self.local_slot_bytes = Gauge(
+            "Corrupt or truncated snapshots refused at restore, by source", ["source"])
+        self.local_slot_bytes = gauge(
             "elasticd_local_slot_bytes",
-            "Bytes of shared-memory slot files holding this node's own ranks' snapshots",
-            registry=r)
-        self.persisted_step = Gauge("elasticd_persisted_step",
-                                    "Newest step complete on the persistent tier", registry=r)
-        self.persist_seconds = Histogram(
+            "Bytes of shared-memory slot files holding this node's own ranks' snapshots")
+        self.persisted_step = gauge(
+            "elasticd_persisted_step", "Newest step complete on the persistent tier")
+        self.persist_seconds = histogram(
             "elasticd_persist_seconds", "Time to flush this node's ranks of one step",
-            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120), registry=r)
-        self.persists = Counter("elasticd_persists_total",
-                                "Flushes to the persistent tier, by outcome", ["outcome"],
-                                registry=r)
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+        self.persists = counter("elasticd_persists_total",
+                                "Flushes to the persistent tier, by outcome", ["outcome"])
         for outcome in ("ok", "failed"):
             self.persists.labels(outcome)
-        self.restores = Counter("elasticd_restores_total", "Worker restores, by source",
-                                ["source"], registry=r)
-        self.restore_seconds = Histogram(
+        self.restores = counter("elasticd_restores_total", "Worker restores, by source", ["source"])
+        self.restore_seconds = histogram(
             "elasticd_restore_seconds", "Time one worker took to restore, by source", ["source"],
-            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=r)
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         for source in ("local", "peer", "persistent", "none"):
             self.restores.labels(source)
             self.snapshots_refused.labels(source)
             self.restore_seconds.labels(source)
-        self.restore_steps_lost = Gauge("elasticd_restore_steps_lost",
-                                        "Steps lost at the last restore", registry=r)
+        self.restore_steps_lost = gauge(
+            "elasticd_restore_steps_lost", "Steps lost at the last restore")
         # -- replication (pushes timed by ReplicationSink; totals read by the collector) --------
-        self.replication_seconds = Histogram(
+        self.replication_seconds = histogram(
             "elasticd_replication_seconds",
             "Time one push of a rank's snapshot to a peer took (sent, verified and stored)",
-            buckets=REPLICATION_BUCKETS, registry=r)
-        self.replication_rejected = Counter(
+            buckets=REPLICATION_BUCKETS)
+        self.replication_rejected = counter(
             "elasticd_replication_connections_rejected_total",
             "Connections to this node's replica server rejected before any data, by reason "
             "(auth: no proof of the cluster secret or a replayed handshake; version: another "
-            "wire protocol version; tls)", ["reason"], registry=r)
+            "wire protocol version; tls)", ["reason"])
         for reason in REJECT_REASONS:
             self.replication_rejected.labels(reason)
         self.replication = ReplicationCollector()
         r.register(self.replication)
-        self.loop_cycles = Counter(
-            "elasticd_loop_cycles_total", "Main loop cycles completed", registry=r)
-        self.loop_last_cycle = Gauge(
+        self.loop_cycles = counter("elasticd_loop_cycles_total", "Main loop cycles completed")
+        self.loop_last_cycle = gauge(
             "elasticd_loop_last_cycle_timestamp_seconds",
-            "Wall time of the last completed main loop cycle", registry=r)
+            "Wall time of the last completed main loop cycle")
 
 
 class ReplicationSink:
@@ -318,12 +302,6 @@ class ReplicationCollector:
     @staticmethod
     def _families(st: Any, server: Any) -> Iterator[Metric]:
         """``st``: a ``ReplicationStats`` (None before :meth:`attach`: the initial values)."""
-        def counter(name: str, doc: str, value: float) -> Metric:
-            return CounterMetricFamily(name, doc, value=value)
-
-        def gauge(name: str, doc: str, value: float) -> Metric:
-            return GaugeMetricFamily(name, doc, value=value)
-
         def by_label(name: str, doc: str, label: str, values: tuple[str, ...],
                      counts: dict[str, int]) -> Metric:
             folded: collections.Counter[str] = collections.Counter()
@@ -334,38 +312,40 @@ class ReplicationCollector:
                 c.add_metric([v], folded.get(v, 0))
             return c
 
-        yield counter("elasticd_replication_bytes", "Bytes of snapshots pushed to peers",
-                      getattr(st, "replication_bytes_total", 0))
+        yield CounterMetricFamily("elasticd_replication_bytes",
+                                  "Bytes of snapshots pushed to peers",
+                                  getattr(st, "replication_bytes_total", 0))
         yield by_label("elasticd_replication_failures",
                        "Snapshot pushes to peers that failed, by reason", "reason",
                        PUSH_FAILURE_REASONS, getattr(st, "replication_failures_total", {}))
-        yield counter("elasticd_replication_skipped",
-                      "Intermediate steps not pushed because a newer snapshot replaced them in "
-                      "a peer's lane (replication never queues without bound)",
-                      getattr(st, "replication_skipped_total", 0))
-        yield counter("elasticd_replication_commits",
-                      "Steps this node recorded as committed (every rank has m verified copies)",
-                      getattr(st, "commits_total", 0))
-        yield gauge("elasticd_committed_step",
-                    "Newest committed step of this node's job (-1: none yet)",
-                    getattr(st, "committed_step", -1))
-        yield gauge("elasticd_sync_lag_steps",
-                    "Newest local snapshot step minus the committed step: the steps a failure "
-                    "now would lose", getattr(st, "sync_lag_steps", 0))
-        yield gauge("elasticd_shards_unprotected",
-                    "Ranks whose committed snapshot has fewer than m copies on current members",
-                    getattr(st, "under_replicated_shards", 0))
-        yield gauge("elasticd_replica_bytes_held",
-                    "Bytes of other nodes' snapshots (replicas) this node holds in shared memory",
-                    getattr(st, "replica_bytes_held", 0))
-        yield counter("elasticd_rereplications",
-                      "Committed shards this node copied to a new holder after a membership "
-                      "change", getattr(st, "rereplications_total", 0))
-        yield counter("elasticd_replica_fetches",
-                      "Shards fetched for a restore (from a peer, or this node's own copy)",
-                      getattr(st, "fetches_total", 0))
-        yield counter("elasticd_replica_fetch_bytes", "Bytes of shards fetched for restores",
-                      getattr(st, "fetch_bytes_total", 0))
+        yield CounterMetricFamily("elasticd_replication_skipped",
+                                  "Intermediate steps not pushed because a newer snapshot "
+                                  "replaced them in a peer's lane (replication never queues "
+                                  "without bound)", getattr(st, "replication_skipped_total", 0))
+        yield CounterMetricFamily("elasticd_replication_commits",
+                                  "Steps this node recorded as committed (every rank has m "
+                                  "verified copies)", getattr(st, "commits_total", 0))
+        yield GaugeMetricFamily("elasticd_committed_step",
+                                "Newest committed step of this node's job (-1: none yet)",
+                                getattr(st, "committed_step", -1))
+        yield GaugeMetricFamily("elasticd_sync_lag_steps",
+                                "Newest local snapshot step minus the committed step: the steps "
+                                "a failure now would lose", getattr(st, "sync_lag_steps", 0))
+        yield GaugeMetricFamily("elasticd_shards_unprotected",
+                                "Ranks whose committed snapshot has fewer than m copies on "
+                                "current members", getattr(st, "under_replicated_shards", 0))
+        yield GaugeMetricFamily("elasticd_replica_bytes_held",
+                                "Bytes of other nodes' snapshots (replicas) this node holds in "
+                                "shared memory", getattr(st, "replica_bytes_held", 0))
+        yield CounterMetricFamily("elasticd_rereplications",
+                                  "Committed shards this node copied to a new holder after a "
+                                  "membership change", getattr(st, "rereplications_total", 0))
+        yield CounterMetricFamily("elasticd_replica_fetches",
+                                  "Shards fetched for a restore (from a peer, or this node's own "
+                                  "copy)", getattr(st, "fetches_total", 0))
+        yield CounterMetricFamily("elasticd_replica_fetch_bytes",
+                                  "Bytes of shards fetched for restores",
+                                  getattr(st, "fetch_bytes_total", 0))
         yield by_label("elasticd_replica_fetch_failures",
                        "Holders that could not give a shard at restore, by reason (lost: no "
                        "holder had an intact copy)", "reason", FETCH_FAILURE_REASONS,
@@ -375,10 +355,10 @@ class ReplicationCollector:
                        "(aborted: torn, corrupt or interrupted, nothing stored)", "outcome",
                        RECEIVED_OUTCOMES,
                        {o: getattr(server, f"pushes_{o}", 0) for o in RECEIVED_OUTCOMES})
-        yield counter("elasticd_replica_protocol_errors",
-                      "Connections from authenticated peers closed for breaking the protocol "
-                      "(malformed or corrupt frames; what they sent is not stored)",
-                      getattr(server, "protocol_errors", 0))
-        yield counter("elasticd_replica_bytes_received",
-                      "Bytes this node's replica server received from peers",
-                      getattr(server, "bytes_received", 0))
+        yield CounterMetricFamily("elasticd_replica_protocol_errors",
+                                  "Connections from authenticated peers closed for breaking the "
+                                  "protocol (malformed or corrupt frames; what they sent is not "
+                                  "stored)", getattr(server, "protocol_errors", 0))
+        yield CounterMetricFamily("elasticd_replica_bytes_received",
+                                  "Bytes this node's replica server received from peers",
+                                  getattr(server, "bytes_received", 0))

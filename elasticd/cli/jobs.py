@@ -8,6 +8,7 @@ then written in one transaction, only if no job of that name exists.
 from __future__ import annotations
 
 import argparse
+import contextlib
 from typing import Any
 
 from elasticd.cli import options
@@ -29,6 +30,10 @@ JOB_TABLE = Table([("JOB", "job"), ("WANTED", "desired"), ("NODES", "nnodes"),
                   max_width=160)
 LOG_TABLE = Table([("NODE", "node"), ("STATE", "state"), ("HOST", "hostname"), ("LOG", "log")],
                   max_width=120)
+#: submit's options that jobspec.build takes as they are (its keywords are their names).
+SPEC_OPTIONS = ("user", "cwd", "env", "python", "max_restarts", "hang_timeout",
+                "crash_loop_restarts", "hang_timeout_floor", "hang_first_step",
+                "straggler_factor", "straggler_steps", "straggler_drain")
 
 
 def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -97,26 +102,15 @@ def _node_statuses(coord: Coordinator, keys: Keyspace, job: str) -> list[NodeJob
     out = []
     for kv in kvs:
         node = kv.key[len(keys.job_nodes(job)):].decode(errors="replace")
-        try:
+        with contextlib.suppress(records.RecordError):
             out.append(NodeJobStatus.decode(kv.value, kv.key, node))
-        except records.RecordError:
-            continue
     return out
 
 
 def cmd_submit(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> Any:
-    args_list = list(args.args)
-    if args_list[:1] == ["--"]:
-        args_list = args_list[1:]
+    args_list = args.args[1:] if args.args[:1] == ["--"] else list(args.args)
     spec = jobspec.build(args.name, args.nnodes, args.nproc_per_node, args.script, args_list,
-                         user=args.user, cwd=args.cwd, env=args.env, python=args.python,
-                         max_restarts=args.max_restarts, hang_timeout=args.hang_timeout,
-                         crash_loop_restarts=args.crash_loop_restarts,
-                         hang_timeout_floor=args.hang_timeout_floor,
-                         hang_first_step=args.hang_first_step,
-                         straggler_factor=args.straggler_factor,
-                         straggler_steps=args.straggler_steps,
-                         straggler_drain=args.straggler_drain)
+                         **{option: getattr(args, option) for option in SPEC_OPTIONS})
     control = JobControl(JobState.RUNNING, SYSTEM_CLOCK.wall(), "elasticctl")
     ok, _ = coord.transaction(
         [Compare(keys.job_spec(spec.name), 0)],

@@ -5,8 +5,7 @@ both; JSON carries stable keys and nothing decorative, documented in docs/elasti
 where re-reading makes sense, ``--watch SECONDS`` (refresh until interrupted; with JSON one
 document per line); they go before or after the command (:mod:`elasticd.cli.options`).
 Destructive commands (stop, drain) need ``--force`` in scripts and ask on a terminal. Exit
-status (:mod:`elasticd.cli.errors`): 0 success, 1 the operation failed, 2 bad usage or input,
-3 etcd unreachable.
+status: :data:`EPILOG` and :mod:`elasticd.cli.errors`.
 """
 
 from __future__ import annotations
@@ -116,7 +115,7 @@ def _connect(args: argparse.Namespace) -> tuple[EtcdCoordinator, Keyspace]:
     return EtcdCoordinator(settings), keys
 
 
-def _nodes(coord: EtcdCoordinator, keys: Keyspace) -> list[dict[str, Any]]:
+def cmd_nodes(args: argparse.Namespace, coord: EtcdCoordinator, keys: Keyspace) -> Any:
     kvs, _ = coord.get_prefix(keys.nodes)
     drains = drain_record.read_all(coord, keys)
     now = SYSTEM_CLOCK.wall()
@@ -248,12 +247,8 @@ def _status_pretty(doc: dict[str, Any]) -> str:
             + EVENT_TABLE.render(doc["recent_events"]))
 
 
-def cmd_nodes(args: argparse.Namespace, coord: EtcdCoordinator, keys: Keyspace) -> Any:
-    return _nodes(coord, keys)
-
-
 def cmd_status(args: argparse.Namespace, coord: EtcdCoordinator, keys: Keyspace) -> Any:
-    nodes = _nodes(coord, keys)
+    nodes = cmd_nodes(args, coord, keys)
     return {"prefix": keys.prefix, "etcd": args.etcd, "nodes_alive": len(nodes),
             "nodes": nodes, "recent_events": _events(coord, keys, 10)}
 

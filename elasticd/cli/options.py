@@ -61,14 +61,6 @@ class Parser(argparse.ArgumentParser):
         sys.exit(EXIT_USAGE)
 
 
-def _dest(flag: str) -> str:
-    return flag.lstrip("-").replace("-", "_")
-
-
-def env_name(dest: str) -> str:
-    return "ELASTICD_" + dest.upper()
-
-
 # -- numbers ------------------------------------------------------------------------------
 
 
@@ -153,12 +145,13 @@ def resolve(args: argparse.Namespace, environ: Any = None) -> argparse.Namespace
     environ = os.environ if environ is None else environ
     sources: dict[str, str] = {}
     for flag, _, fallback, _ in CLUSTER_FROM_ENV:
-        dest = _dest(flag)
+        dest = flag.lstrip("-").replace("-", "_")
+        env = "ELASTICD_" + dest.upper()
         if getattr(args, dest, None) is not None:
             sources[dest] = flag
-        elif env_name(dest) in environ:
-            setattr(args, dest, environ[env_name(dest)])
-            sources[dest] = env_name(dest)
+        elif env in environ:
+            setattr(args, dest, environ[env])
+            sources[dest] = env
         else:
             setattr(args, dest, fallback)
             sources[dest] = "default"

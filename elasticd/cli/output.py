@@ -36,7 +36,7 @@ class Table:
         return "\n".join(lines)
 
 
-def emit(data: Any, fmt: str, pretty: "Table | Callable[[Any], str] | None" = None,
+def emit(data: Any, fmt: str, pretty: "Table | Callable[[Any], str]",
          one_line: bool = False) -> str:
     """Renders ``data`` (a list of row dicts, or a document) in ``fmt``.
 
@@ -44,8 +44,6 @@ def emit(data: Any, fmt: str, pretty: "Table | Callable[[Any], str] | None" = No
         pretty: a :class:`Table` for lists of rows, or a function rendering a document.
         one_line: JSON on a single line (``--watch`` prints one document per line).
     """
-    if fmt == "json" or pretty is None:
+    if fmt == "json":
         return json.dumps(data, indent=None if one_line else 2, sort_keys=True)
-    if isinstance(pretty, Table):
-        return pretty.render(data)
-    return pretty(data)
+    return pretty.render(data) if isinstance(pretty, Table) else pretty(data)

@@ -64,13 +64,11 @@ def pick_job(coord: Coordinator, keys: Keyspace, job: str | None) -> str:
     """
     kvs, _ = coord.get_prefix(keys.jobs)
     names = []
-    for kv in kvs:
-        try:
+    for kv in kvs:  # one with no valid job name is skipped: no daemon takes it for a job either
+        with contextlib.suppress(ValueError):
             name, what, rest = keys.job_key(kv.key)
-        except ValueError:
-            continue  # no valid job name: no daemon takes it for a job either
-        if what == "spec" and not rest:
-            names.append(name)
+            if what == "spec" and not rest:
+                names.append(name)
     names.sort()
     if job is not None:
         try:
@@ -114,11 +112,9 @@ def _read(coord: Coordinator, keys: Keyspace, job: str) -> tuple[
     kvs, _ = coord.get_prefix(keys.job_replicated_prefix(job))
     replicated = {}
     for kv in kvs:
-        try:
+        with contextlib.suppress(records.RecordError):
             r = decode_replicated(kv.value, kv.key)
-        except records.RecordError:
-            continue
-        replicated[r.node] = r
+            replicated[r.node] = r
     return placement, committed, replicated
 
 
@@ -142,10 +138,8 @@ def cmd_placement(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) 
                 holders = list(placement.holders_of_rank(rank))
         committed_holders = list(committed.holders.get(rank, ())) if committed else []
         live_copies = [h for h in committed_holders if h in alive]
-        newest = None
-        if owner in replicated and rank in replicated[owner].versions:
-            vs = replicated[owner].versions[rank]
-            newest = _ver(vs[0]) if vs else None
+        vs = replicated[owner].versions.get(rank) if owner in replicated else None
+        newest = _ver(vs[0]) if vs else None
         rows.append({
             "rank": rank, "owner": owner, "holders": holders,
             "committed_holders": committed_holders, "live_copies": len(live_copies),
@@ -193,13 +187,10 @@ def _node_status(address: str, timeout: float) -> dict[str, Any] | None:
 def cmd_checkpoints(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> Any:
     job = pick_job(coord, keys, args.job)
     placement, committed, replicated = _read(coord, keys, job)
-    ranks = []
-    for node, rep in sorted(replicated.items()):
-        for rank, versions in sorted(rep.versions.items()):
-            ranks.append({"rank": rank, "owner": node,
-                          "versions": [_ver(v) for v in versions],
-                          "holders": list(rep.holders.get(rank, ()))})
-    ranks.sort(key=lambda r: r["rank"])
+    ranks = sorted(({"rank": rank, "owner": node, "versions": [_ver(v) for v in versions],
+                     "holders": list(rep.holders.get(rank, ()))}
+                    for node, rep in sorted(replicated.items())
+                    for rank, versions in sorted(rep.versions.items())), key=lambda r: r["rank"])
     nodes = []
     persisted: list[int] | None = None
     for node, rec in sorted(live_nodes(coord, keys).items()):

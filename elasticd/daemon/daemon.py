@@ -260,9 +260,8 @@ class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
         """What gives agents their own etcd credentials and TLS files (None: nothing to give,
         e.g. the embedded etcd)."""
         s = self.settings
-        if not s.etcd or not hasattr(self.coord, "auth_call"):
-            return None
-        if not (s.agent_users_on or s.etcd_ca_cert):
+        if not (s.etcd and hasattr(self.coord, "auth_call")
+                and (s.agent_users_on or s.etcd_ca_cert)):
             return None
         from elasticd.coordination.agent_credentials import AgentCredentials
 
@@ -411,11 +410,7 @@ class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
         return sentence
 
     def _finish_cycle(self, sentence: str) -> None:
-        changed = sentence != self.sentence
-        if changed:
-            log.info("%s", sentence)
-        else:
-            log.debug("%s", sentence)
+        (log.info if sentence != self.sentence else log.debug)("%s", sentence)
         self.sentence = sentence
         if (sentence != self._published_sentence and self.health.up
                 and self.registered_lease is not None

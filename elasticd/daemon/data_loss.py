@@ -57,10 +57,9 @@ class DataLossRecovery:
         return True
 
     def _recover_from_data_loss(self, loss: DataLoss) -> None:
-        """etcd came back empty: keys, leases and watch positions are gone. Nobody failed for
-        it: every peer is given the provisional grace to re-register (as after an outage),
-        watches restart from the new cluster's revision, and what this node holds is written
-        again (its records, the job specs and controls it follows, the replicas' records)."""
+        """etcd came back empty: keys, leases and watch positions are gone. What this node
+        holds is written again: its records, the job specs and controls it follows, the
+        replicas' records."""
         specs = self.jobs.republish()
         log.error("etcd lost its data (%s): re-listing and re-watching, re-publishing this "
                   "node's records and %d job spec(s); no node is declared failed for it",

@@ -112,9 +112,8 @@ class Fencing:
 
     def _describe_outage(self) -> str:
         gone = self.health.outage_seconds()
-        left = self.settings.outage_grace - gone
         if self.state is NodeState.FENCED:
             return (f"etcd unreachable for {gone:.1f} s; fenced (workers stopped) after the "
                     f"{self.settings.outage_grace:.0f} s grace; retrying")
         return (f"etcd unreachable for {gone:.1f} s; keeping workers running for "
-                f"{max(0.0, left):.1f} s more; retrying")
+                f"{max(0.0, self.settings.outage_grace - gone):.1f} s more; retrying")

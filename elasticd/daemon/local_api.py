@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import array
 import collections
-import contextlib
 import errno
 import logging
 import os
@@ -43,6 +42,7 @@ import struct
 import threading
 from typing import Any, Callable, Iterable, Mapping
 
+from elasticd.admission import shut
 from elasticd.clock import Clock, SystemClock
 from elasticd.daemon.local_binding import Caller, CallerBinding, Refused
 from elasticd.errors import NodeError
@@ -61,16 +61,18 @@ __all__ = ["Handler", "LocalApiError", "LocalServer", "SocketInUse", "UnsafeSock
 
 log = logging.getLogger(__name__)
 
-#: Takes the request (its fields plus ``"_peer": {"pid", "uid", "gid"}``) and returns the
-#: reply's fields (None for none; ``id`` and ``ok`` are the envelope's and get overwritten;
-#: ``_fds``, a list of descriptors, is passed to the worker and closed here).
-#: Runs on the connection's thread: handlers must be thread-safe, and quick — a slow handler
-#: delays only its own worker's next call.
+#: Takes the request's fields (with ``_peer``) and returns the reply's (None for none; ``id``
+#: and ``ok`` are the envelope's and get overwritten; ``_fds``: see above). Runs on the
+#: connection's thread: handlers must be thread-safe, and quick — a slow handler delays only
+#: its own worker's next call.
 Handler = Callable[[dict[str, Any]], "dict[str, Any] | None"]
 
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _MAX_UNIX_PATH = 107  # sun_path is 108 bytes including the terminating NUL
 _REJECT_LINGER = 1.0
+# A worker that does not read its replies for this long is disconnected, so it cannot pin a
+# daemon thread forever.
+_SEND_TIMEOUT = 10.0
 # Refusals explained at once (each lingers up to _REJECT_LINGER on a thread); beyond that,
 # refused connections are closed without a word, so that a local user who is refused cannot
 # fill the connection cap the job's workers need.
@@ -103,10 +105,7 @@ class LocalServer:
             A daemon running as root that allows exactly one other uid (the job's user) gives
             the socket file to that user, so mode 0o600 still lets its workers connect.
         max_connections: further connections are refused with an error reply.
-        binding: admits and binds callers instead of ``allowed_uids`` (which it overrides):
-            the daemon's uid and the running job's processes, each held to its job and rank.
-        send_timeout: a worker that does not read its replies for this long is disconnected,
-            so it cannot pin a daemon thread forever.
+        binding: admits and binds callers instead of ``allowed_uids`` (which it overrides).
         clock: injected time (how long a refused caller is given to read why).
 
     Attributes:
@@ -121,8 +120,8 @@ class LocalServer:
     def __init__(self, path: str, handlers: Mapping[str, Handler],
                  max_message: int = DEFAULT_MAX_MESSAGE,
                  allowed_uids: Iterable[int] | None = None,
-                 max_connections: int = 256, send_timeout: float = 10.0,
-                 binding: CallerBinding | None = None, clock: Clock | None = None) -> None:
+                 max_connections: int = 256, binding: CallerBinding | None = None,
+                 clock: Clock | None = None) -> None:
         path = os.path.abspath(path)
         if len(os.fsencode(path)) > _MAX_UNIX_PATH:
             raise ValueError(f"socket path {path!r} is longer than the {_MAX_UNIX_PATH} bytes "
@@ -131,8 +130,6 @@ class LocalServer:
             raise ValueError(f"max_message must be at least 64 bytes, got {max_message!r}")
         if max_connections < 1:
             raise ValueError(f"max_connections must be at least 1, got {max_connections!r}")
-        if send_timeout <= 0:
-            raise ValueError(f"send_timeout must be positive, got {send_timeout!r}")
         self.path = path  # absolute: what workers get as ELASTICD_SOCKET
         self._handlers = dict(handlers)
         self._max_message = max_message
@@ -142,7 +139,6 @@ class LocalServer:
         self._binding = binding
         self._callers: dict[socket.socket, Caller] = {}
         self._rejecting = 0
-        self._send_timeout = send_timeout
         #: Called with ``{"pid", "job"}`` when a connection ends (its process closed it or
         #: died): a worker's death is a moment of a recovery (daemon/recovery_timeline.py).
         self.on_close: list[Callable[[dict[str, Any]], None]] = []
@@ -185,7 +181,6 @@ class LocalServer:
         try:
             # On Linux the socket file takes the socket inode's mode (minus the umask) at bind:
             # set it first, so there is no moment where the file is more open than 0o600.
-            # With a binding, any uid may connect and the binding refuses all but the job's.
             mode = 0o600 if self._binding is None else 0o666
             os.fchmod(listener.fileno(), mode)
             listener.bind(self.path)
@@ -219,9 +214,9 @@ class LocalServer:
             conns = list(self._conns)
         # shutdown, not close: it wakes the threads blocked in accept()/recv() on Linux, and
         # their file descriptors stay valid until the owning thread closes them.
-        _shutdown(self._listener)
+        shut(self._listener)
         for conn in conns:
-            _shutdown(conn)
+            shut(conn)
         if self._accept_thread is not None:
             self._accept_thread.join(timeout)
         self._listener.close()
@@ -233,13 +228,6 @@ class LocalServer:
                 log.warning("local API: %s still busy in a handler after stop()", thread.name)
         self._unlink_own_socket()
         log.info("local API on %s stopped", self.path)
-
-    def __enter__(self) -> "LocalServer":
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     # -- start-up checks ------------------------------------------------------------------
 
@@ -356,19 +344,16 @@ class LocalServer:
                 if reason:
                     self.counters["rejected"] += 1
                 return
-            if reason:
-                target, name = self._reject, f"local-api-reject-{pid}"
-            elif len(self._conns) >= self._max_connections:
+            if not reason and len(self._conns) >= self._max_connections:
                 reason = f"too many connections to this elasticd ({self._max_connections})"
-                target, name = self._reject, f"local-api-reject-{pid}"
+            if reason:
+                self._rejecting += 1  # until _reject() is done with it
+                target, args, name = self._reject, (conn, peer, reason), f"local-api-reject-{pid}"
             else:
-                target, name = self._serve, f"local-api-pid{pid}"
+                target, args, name = self._serve, (conn, peer), f"local-api-pid{pid}"
                 if caller is not None:
                     self._callers[conn] = caller
                     peer["job"] = caller.job
-            if reason:
-                self._rejecting += 1  # until _reject() is done with it
-            args = (conn, peer, reason) if reason else (conn, peer)
             thread = threading.Thread(target=target, args=args, name=name, daemon=True)
             self._conns[conn] = thread
         if reason:
@@ -395,8 +380,7 @@ class LocalServer:
 
     def _serve(self, conn: socket.socket, peer: dict[str, int]) -> None:
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                        struct.pack("ll", int(self._send_timeout),
-                                    int(self._send_timeout % 1 * 1e6)))
+                        struct.pack("ll", int(_SEND_TIMEOUT), int(_SEND_TIMEOUT % 1 * 1e6)))
         rfile = conn.makefile("rb")
         try:
             while self._serve_one(conn, rfile, peer):
@@ -575,8 +559,3 @@ class LocalServer:
             return True
         finally:
             close_fds(fds)
-
-
-def _shutdown(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):  # already closed or never connected
-        sock.shutdown(socket.SHUT_RDWR)

@@ -90,15 +90,11 @@ class CallerBinding:
 
     Args:
         scope: returns the job running on this node now, or None.
-        daemon_uid: the daemon's own uid (its processes outside a job are not bound).
-        proc: the proc filesystem's mount point (tests point it elsewhere).
     """
 
-    def __init__(self, scope: Callable[[], JobScope | None], daemon_uid: int | None = None,
-                 proc: str = "/proc") -> None:
+    def __init__(self, scope: Callable[[], JobScope | None]) -> None:
         self._scope = scope
-        self.daemon_uid = os.geteuid() if daemon_uid is None else daemon_uid
-        self._proc = proc
+        self.daemon_uid = os.geteuid()  # its processes outside a job are not bound
         self._lock = threading.Lock()
 
     def admit(self, pid: int, uid: int) -> Caller:
@@ -165,7 +161,7 @@ class CallerBinding:
         if pid <= 0:
             return "the kernel gave no pid (another pid namespace?)"
         try:
-            with open(f"{self._proc}/{pid}/environ", "rb") as fh:
+            with open(f"/proc/{pid}/environ", "rb") as fh:
                 entries = fh.read().split(b"\0")
         except OSError as exc:
             return f"cannot read its environment ({exc.strerror})"
@@ -182,7 +178,7 @@ class CallerBinding:
 
     def _parent(self, pid: int) -> int:
         try:
-            with open(f"{self._proc}/{pid}/stat", "rb") as fh:
+            with open(f"/proc/{pid}/stat", "rb") as fh:
                 return int(fh.read().rsplit(b")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             return 0

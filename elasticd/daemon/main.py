@@ -35,65 +35,58 @@ def build_parser() -> argparse.ArgumentParser:
                "--etcd 10.0.0.5:2379 --listen 0.0.0.0:9400",
     )
     p.add_argument("--config", help="TOML file with settings (keys named like the flags)")
-    p.add_argument("--node-id", dest="node_id", help="this node's name (default: host name)")
+    p.add_argument("--node-id", help="this node's name (default: host name)")
     p.add_argument("--etcd", help="HOST:PORT[,HOST:PORT...] of etcd; omit to start a private one")
     p.add_argument("--prefix", help="etcd key prefix of the cluster (default /elasticd)")
     p.add_argument("--listen", help="HOST:PORT for /metrics, /healthz, /status (port 0: any)")
-    p.add_argument("--lease-ttl", dest="lease_ttl", type=_number,
+    # Numbers stay text here: config.load checks them, so flags, env and file give one message.
+    p.add_argument("--lease-ttl",
                    help="seconds after which a silent node is declared dead (default 5)")
-    p.add_argument("--loop-interval", dest="loop_interval", type=_number,
-                   help="seconds between main loop cycles (default 1)")
-    p.add_argument("--heartbeat-interval", dest="heartbeat_interval", type=_number,
+    p.add_argument("--loop-interval", help="seconds between main loop cycles (default 1)")
+    p.add_argument("--heartbeat-interval",
                    help="seconds between timed rewrites of the node record (default 0: none; "
                         "the lease carries liveness)")
-    p.add_argument("--etcd-timeout", dest="etcd_timeout", type=_number)
-    p.add_argument("--outage-grace", dest="outage_grace", type=_number,
+    p.add_argument("--etcd-timeout")
+    p.add_argument("--outage-grace",
                    help="seconds to keep workers running while etcd is unreachable (default 30)")
-    p.add_argument("--provisional-grace", dest="provisional_grace", type=_number)
-    p.add_argument("--events-retention", dest="events_retention", type=_number)
-    p.add_argument("--etcd-user", dest="etcd_user")
-    p.add_argument("--etcd-password", dest="etcd_password",
-                   help="prefer ELASTICD_ETCD_PASSWORD: flags are visible in ps")
-    p.add_argument("--etcd-ca-cert", dest="etcd_ca_cert")
-    p.add_argument("--etcd-cert", dest="etcd_cert")
-    p.add_argument("--etcd-key", dest="etcd_key")
-    p.add_argument("--state-dir", dest="state_dir",
+    p.add_argument("--provisional-grace")
+    p.add_argument("--events-retention")
+    p.add_argument("--etcd-user")
+    p.add_argument("--etcd-password", help="prefer ELASTICD_ETCD_PASSWORD: flags are visible in ps")
+    p.add_argument("--etcd-ca-cert")
+    p.add_argument("--etcd-cert")
+    p.add_argument("--etcd-key")
+    p.add_argument("--state-dir",
                    help="job logs and the local socket (default /var/lib/elasticd/NODE as root)")
-    p.add_argument("--agent-restarts", dest="agent_restarts", type=_number)
-    p.add_argument("--stop-grace", dest="stop_grace", type=_number)
-    p.add_argument("--rdzv-last-call", dest="rdzv_last_call", type=_number)
+    p.add_argument("--agent-restarts")
+    p.add_argument("--stop-grace")
+    p.add_argument("--rdzv-last-call")
     # Checked by config.load (interval:MIN takes a number), as for the other settings.
-    p.add_argument("--rdzv-grow", dest="rdzv_grow", metavar="|".join(config.GROW_POLICIES),
+    p.add_argument("--rdzv-grow", metavar="|".join(config.GROW_POLICIES),
                    help="immediate: a returning or added node enters at once (every node "
                         "stops once; default); at-failure: it waits as a spare for the next "
                         "failure; interval:MIN: as at-failure, and at most once every MIN "
                         "minutes, at a committed step, it enters at once")
-    p.add_argument("--worker-start", dest="worker_start", choices=("warm", "cold"),
+    p.add_argument("--worker-start", choices=("warm", "cold"),
                    help="warm: fork workers from a process that imported torch already "
                         "(default); cold: a new interpreter per worker")
-    p.add_argument("--shm-dir", dest="shm_dir",
+    p.add_argument("--shm-dir",
                    help="tmpfs directory of checkpoint slots (default /dev/shm/elasticd-NODE)")
-    p.add_argument("--memory-cap-mib", dest="memory_cap_mib", type=_number)
-    p.add_argument("--persist-dir", dest="persist_dir",
+    p.add_argument("--memory-cap-mib")
+    p.add_argument("--persist-dir",
                    help="persistent checkpoint tier (shared filesystem); empty: none")
-    p.add_argument("--persist-every-steps", dest="persist_every_steps", type=_number)
-    p.add_argument("--persist-every-seconds", dest="persist_every_seconds", type=_number)
-    p.add_argument("--persist-keep", dest="persist_keep", type=_number)
-    p.add_argument("--cluster-secret-file", dest="cluster_secret_file",
+    p.add_argument("--persist-every-steps")
+    p.add_argument("--persist-every-seconds")
+    p.add_argument("--persist-keep")
+    p.add_argument("--cluster-secret-file",
                    help="file with the replication secret (or env ELASTICD_CLUSTER_SECRET)")
-    p.add_argument("--replication-listen", dest="replication_listen",
+    p.add_argument("--replication-listen",
                    help="HOST:PORT of the replication server (default 0.0.0.0:9401)")
-    p.add_argument("--replicas", dest="replicas", type=_number,
-                   help="copies of each snapshot, its own included (default 2)")
-    p.add_argument("--unprotected-lag-steps", dest="unprotected_lag_steps", type=_number,
+    p.add_argument("--replicas", help="copies of each snapshot, its own included (default 2)")
+    p.add_argument("--unprotected-lag-steps",
                    help="commit lag in steps past which a job shows UNPROTECTED (default 100)")
-    p.add_argument("--log-level", dest="log_level")
+    p.add_argument("--log-level")
     return p
-
-
-def _number(text: str) -> str:
-    # Types are checked by config.load so that flags, env and file give the same message.
-    return text
 
 
 def _settings(args: argparse.Namespace) -> config.Settings:

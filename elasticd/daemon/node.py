@@ -67,12 +67,10 @@ class Node:
 
     Args:
         settings: validated settings (``etcd`` empty: start a private etcd).
-        commit_wait: the replicator's wait for a newer snapshot (see :data:`COMMIT_WAIT`).
     """
 
-    def __init__(self, settings: config.Settings, commit_wait: float = COMMIT_WAIT) -> None:
+    def __init__(self, settings: config.Settings) -> None:
         self.settings = settings
-        self.commit_wait = commit_wait
         self.http: StatusServer | None = None
         self._teardown: list[Callable[[], None]] = []  # what close() undoes, last first
 
@@ -88,9 +86,8 @@ class Node:
         membership = Membership(self.settings.node_id, self.settings.provisional_seconds,
                                 self.settings.lease_ttl)
         service, replicator, address = self._checkpoints(coord, metrics, membership)
-        daemon = Daemon(self.settings, coord, metrics=metrics,
-                                      membership=membership, checkpoints=service,
-                                      replicator=replicator, replication_address=address)
+        daemon = Daemon(self.settings, coord, metrics=metrics, membership=membership,
+                        checkpoints=service, replicator=replicator, replication_address=address)
         daemon.slot_pages = self._slot_pages()
         self._serve_http(daemon)
         self._serve_local(daemon)
@@ -177,10 +174,9 @@ class Node:
         if persister is not None:
             # Stopped before replication, as the service that feeds it is done.
             self._teardown.append(persister.close)
-        kwargs = {"replicator": replicator} if replicator is not None else {}
         service = CheckpointService(store, settings.node_id, persister,
-                                    metrics_sink=CheckpointSink(metrics),
-                                    lag_limit=settings.unprotected_lag_steps, **kwargs)
+                                    metrics_sink=CheckpointSink(metrics), replicator=replicator,
+                                    lag_limit=settings.unprotected_lag_steps)
         return service, replicator, address
 
     def _slot_pages(self) -> Any:
@@ -234,18 +230,16 @@ class Node:
         rep = Replicator(settings.node_id, coord, Keyspace(settings.prefix), store, secret,
                          m=settings.replicas,
                          peers_address=functools.partial(peer_address, membership),
-                         sink=sink, commit_wait=self.commit_wait)
+                         sink=sink, commit_wait=COMMIT_WAIT)
         self._teardown.append(rep.close)
         # Local snapshots get their block tags as they are sealed, so a push only sends.
         store.tagger = BlockTagger(secret).tag
         rep.pusher.on_push = ReplicationSink(metrics).pushed
         rep.serving = server.serving
         metrics.replication.attach(rep.stats, server.snapshot_stats)
-        address = server.address
-        bound = address[:2] if isinstance(address, tuple) else address.rsplit(":", 1)
         log.info("replicating snapshots to %d peers; replication server on %s",
-                 settings.replicas - 1, address)
-        return rep, advertised(*bound)
+                 settings.replicas - 1, server.address)
+        return rep, advertised(*server.address)
 
     def _serve_http(self, daemon: Daemon) -> None:
         settings = self.settings
@@ -256,8 +250,7 @@ class Node:
             raise Fatal(f"listen: cannot serve HTTP on {settings.listen}: {exc.strerror}; "
                         "pick another --listen address or port") from exc
         self._teardown.append(server.stop)
-        host, port = server.address.rsplit(":", 1)
-        daemon.http_address = advertised(host, port)
+        daemon.http_address = advertised(*server.address.rsplit(":", 1))
         server.start()
         self.http = server
 

@@ -8,6 +8,7 @@ Without ``NOTIFY_SOCKET`` (no systemd, e.g. inside a Slurm allocation) every cal
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 
@@ -23,17 +24,14 @@ class Notifier:
             self._sock = socket.socket(
                 socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
 
-    def notify(self, message: str) -> bool:
+    def notify(self, message: str) -> None:
         if self._sock is None:
-            return False
+            return
         addr = self.path
         if addr.startswith("@"):  # abstract namespace socket
             addr = "\0" + addr[1:]
-        try:
+        with contextlib.suppress(OSError):  # systemd went away; nothing useful to do about it
             self._sock.sendto(message.encode(), addr)
-            return True
-        except OSError:
-            return False  # systemd went away; nothing useful to do about it here
 
     def ready(self, status: str = "") -> None:
         self.notify("READY=1" + (f"\nSTATUS={status}" if status else ""))

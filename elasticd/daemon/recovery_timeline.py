@@ -16,8 +16,8 @@ abort of its workers (its own proactive abort, or its agent's, which kills them 
 of its round is gone and says so over the local socket: ``workers_aborted``), every round
 close its job watch delivers (:meth:`TimelineRecorder.on_round_closed`), its workers' restores
 and each worker's first step (the first step a worker pid reports past the step its node
-restored last: an old worker's last words are not a first step). The ``failed`` event and every node's ``recovered`` events are read from
-etcd when the record is assembled.
+restored last: an old worker's last words are not a first step). The ``failed`` event and
+every node's ``recovered`` events are read from etcd when the record is assembled.
 
 **When it writes:** at the first cycle after that first step, or, when no first step comes
 within ``give_up`` seconds, with what was seen (the missing moments stay missing). A failure of
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import math
 import threading
@@ -49,8 +50,10 @@ log = logging.getLogger(__name__)
 #: Worker pids remembered per job between failures (a long job's restarts stay bounded).
 _MAX_PIDS = 4096
 #: Seconds the other survivors wait after the job trained again before writing the timeline
-#: themselves (the writer may have died too, or the views of who writes differed).
+#: themselves.
 STAND_IN_WAIT = 10.0
+#: A job's last moments of each kind (aborts, round closes, first steps).
+_recent = functools.partial(collections.deque, maxlen=16)
 
 
 @dataclasses.dataclass
@@ -68,19 +71,12 @@ class _Recovery:
 
 @dataclasses.dataclass
 class _Moments:
-    """What this node saw of a job's worker groups, whoever is recovering (wall times).
+    """What this node saw of a job's worker groups, whoever is recovering (wall times), kept
+    whether or not a recovery is open (the module docstring says why)."""
 
-    The moments are kept whether or not a recovery is open: the workers may die (gloo sees the
-    dead peer's connection reset), the agent abort them and a round close, before this
-    daemon's watch reports the failure.
-    """
-
-    aborts: collections.deque = dataclasses.field(
-        default_factory=lambda: collections.deque(maxlen=16))
-    closes: collections.deque = dataclasses.field(
-        default_factory=lambda: collections.deque(maxlen=16))
-    first_steps: collections.deque = dataclasses.field(
-        default_factory=lambda: collections.deque(maxlen=16))
+    aborts: collections.deque = dataclasses.field(default_factory=_recent)
+    closes: collections.deque = dataclasses.field(default_factory=_recent)
+    first_steps: collections.deque = dataclasses.field(default_factory=_recent)
     stepped: set = dataclasses.field(default_factory=set)  # pids past their first step
     closed: set = dataclasses.field(default_factory=set)  # ... whose connection ended
     restored_step: int | None = None  # the step the newest local restore loaded
@@ -207,9 +203,8 @@ class TimelineRecorder:
             for r in self._open.values():
                 if self._due(r) and r.due_since is None:
                     r.due_since = now
-                if r.due_since is not None and (r.writer or now - r.due_since >= STAND_IN_WAIT):
-                    due.append(r)
-                elif now - r.started >= self.give_up + (0 if r.writer else STAND_IN_WAIT):
+                if (r.due_since is not None and (r.writer or now - r.due_since >= STAND_IN_WAIT)
+                        or now - r.started >= self.give_up + (0 if r.writer else STAND_IN_WAIT)):
                     due.append(r)
         notes = [self._finish(r) for r in due]
         return "; ".join(n for n in notes if n) or None

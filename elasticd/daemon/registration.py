@@ -3,9 +3,9 @@
 The record (``<prefix>/nodes/<node>``) is bound to the node's lease: peers see the node die
 when the lease expires. The lease's keep-alive is the heartbeat: the record is written when
 the node's state or sentence changes (at most once a second), when it went missing while the
-lease lives, and on a timer only if ``heartbeat_interval`` asks for one. Registering creates it only if the id is free; a record left by this
-daemon's earlier lease, or by a crashed daemon on this host, is taken over; one held by a live
-daemon elsewhere is refused (:class:`NodeIdInUse`).
+lease lives, and on a timer only if ``heartbeat_interval`` asks for one. Registering creates it
+only if the id is free; a record left by this daemon's earlier lease, or by a crashed daemon on
+this host, is taken over; one held by a live daemon elsewhere is refused (:class:`NodeIdInUse`).
 """
 
 from __future__ import annotations

@@ -1,31 +1,25 @@
-"""How the worker-side checkpointer reaches the checkpoint service: a one-method interface.
+"""How the worker-side checkpointer reaches the checkpoint service: a one-method interface,
+``call(op, **fields)``, that returns the reply's fields and raises (any exception) when the
+daemon refuses the request or cannot be reached; the checkpointer turns that into a skipped
+snapshot, never a training error.
 
 In production that is :class:`elasticd.worker.client.DaemonClient` over the daemon's Unix
 socket. :class:`InProcessTransport` calls a service's handlers directly in the same process —
 for unit tests, and for anything that wants the engine without a daemon — and pushes every
 request and reply through JSON exactly as the socket would, so a field that could not cross the
 real wire fails here too; descriptors a reply hands over (``"_fds"``) are duplicated for the
-caller and the handler's copies closed, as passing them over the socket does. Standard library only (no torch): both sides import it.
+caller and the handler's copies closed, as passing them over the socket does. Standard
+library only (no torch): both sides import it.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Mapping
 
 from elasticd.errors import LocalProtocolError
 from elasticd.local.wire import RequestError, close_fds
-
-
-class Transport(Protocol):
-    """Sends one request to the daemon and returns its reply's fields.
-
-    Implementations raise an exception (any) when the daemon refuses the request or cannot
-    be reached; the checkpointer turns that into a skipped snapshot, never a training error.
-    """
-
-    def call(self, op: str, **fields: Any) -> dict[str, Any]: ...
 
 
 class TransportError(LocalProtocolError):
@@ -45,14 +39,12 @@ class InProcessTransport:
         self.handlers = dict(handlers)
         self.peer = {"pid": os.getpid(), "uid": os.geteuid() if uid is None else uid,
                      "gid": os.getegid()}
-        self.calls: list[str] = []
 
     def call(self, op: str, **fields: Any) -> dict[str, Any]:
         fields.pop("timeout", None)  # DaemonClient's keyword, not a field
         handler = self.handlers.get(op)
         if handler is None:
             raise TransportError(f"unknown op {op!r}")
-        self.calls.append(op)
         msg = json.loads(json.dumps({**fields, "op": op}, allow_nan=False))
         msg["_peer"] = dict(self.peer)
         try:

@@ -21,6 +21,7 @@ and an operator can read them with ``socat``. Never pickle: the daemon reads the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -88,8 +89,6 @@ class RequestError(LocalProtocolError):
 def close_fds(fds: Iterable[int]) -> list[int]:
     """Closes every descriptor (errors ignored: they are ours to drop); returns []."""
     for fd in fds:
-        try:
+        with contextlib.suppress(OSError):
             os.close(fd)
-        except OSError:
-            pass
     return []
