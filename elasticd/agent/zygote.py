@@ -241,24 +241,22 @@ def _start(conn: socket.socket) -> None:
         send_msg(conn, {"ready": True})
         conn.close()
         return
-    if request is None or len(fds) != 3:
+    try:  # the parent keeps none of the worker's descriptors
+        if request is None or len(fds) != 3:
+            raise ValueError("incomplete request (need argv, env, cwd and 3 descriptors)")
+        if _hung_up(conn):
+            # The request waited in the backlog while this zygote preloaded, and its warm_start
+            # is gone (torchrun stopped a worker group that had not started yet: a bigger round
+            # came). Forking it would run a worker of a group that no longer exists, beside the
+            # new one (seen in CI: a world-2 and a world-3 group trained side by side).
+            raise ConnectionAbortedError("its warm_start went away before the worker started")
+        pid = os.fork()
+        if pid == 0:  # the worker; never returns
+            conn.close()
+            _run_child(request, fds)
+    finally:
         for fd in fds:
             os.close(fd)
-        raise ValueError("incomplete request (need argv, env, cwd and 3 descriptors)")
-    if _hung_up(conn):
-        # The request waited in the backlog while this zygote preloaded, and its warm_start
-        # is gone (torchrun stopped a worker group that had not started yet: a bigger round
-        # came). Forking it would run a worker of a group that no longer exists, beside the
-        # new one (seen in CI: a world-2 and a world-3 group trained side by side).
-        for fd in fds:
-            os.close(fd)
-        raise ConnectionAbortedError("its warm_start went away before the worker started")
-    pid = os.fork()
-    if pid == 0:  # the worker; never returns
-        conn.close()
-        _run_child(request, fds)
-    for fd in fds:
-        os.close(fd)
     try:
         send_msg(conn, {"pid": pid})
     except OSError:

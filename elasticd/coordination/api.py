@@ -166,8 +166,7 @@ class Coordinator(abc.ABC):
 
     def create(self, key: bytes, value: bytes, lease: int = 0) -> bool:
         """Writes only if the key is absent; True when written."""
-        ok, _ = self.transaction([Compare(key, 0)], [Put(key, value, lease)])
-        return ok
+        return self.compare_and_set(key, value, 0, lease)
 
     def compare_and_set(self, key: bytes, value: bytes, mod_revision: int, lease: int = 0) -> bool:
         """Writes only if the key's mod_revision still equals ``mod_revision`` (0: absent)."""

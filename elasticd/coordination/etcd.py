@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import threading
 from typing import Any, Callable, Sequence, TypeVar
@@ -143,14 +144,6 @@ def _to_kv(kv: Any) -> KeyValue:
     )
 
 
-def _foreign(exc: BaseException) -> bool:
-    """Whether ``exc`` is no etcd error but torch's: its agent raises ``SignalException`` from
-    its SIGTERM handler wherever the thread is, often inside a client call here. Anything the
-    client itself raises, known or not, is still reported as a CoordinationError."""
-    module = type(exc).__module__ or ""
-    return module == "torch" or module.startswith("torch.")
-
-
 class EtcdCoordinator(Coordinator):
     """A :class:`Coordinator` on an etcd v3 cluster."""
 
@@ -240,11 +233,11 @@ class EtcdCoordinator(Coordinator):
     def _call(self, fn: Callable[[pyetcd.MultiEndpointEtcd3Client], T]) -> T:
         """Runs ``fn`` with failover: one try per endpoint, and one re-authentication.
 
-        An exception from outside the client's world passes through unchanged: torch's agent
-        turns SIGTERM into a ``SignalException`` raised from its signal handler wherever the
-        thread is, often inside an etcd call here; reported as an etcd error, the agent took it
-        for a rendezvous failure and closed the rendezvous for every node (CI: a drained node's
-        agent ended the whole job this way).
+        An exception of torch's passes through unchanged: torch's agent turns SIGTERM into a
+        ``SignalException`` raised from its signal handler wherever the thread is, often inside
+        an etcd call here; reported as an etcd error, the agent took it for a rendezvous failure
+        and closed the rendezvous for every node (CI: a drained node's agent ended the whole job
+        this way). Anything the client itself raises, known or not, is a CoordinationError.
         """
         attempts = len(self.settings.endpoints) + 1
         last: CoordinationError | None = None
@@ -253,7 +246,7 @@ class EtcdCoordinator(Coordinator):
             try:
                 return fn(client)
             except Exception as exc:
-                if _foreign(exc):
+                if (type(exc).__module__ or "").partition(".")[0] == "torch":
                     raise
                 err = self._translate(exc)
                 if isinstance(err, AuthError) and self.settings.user and last is None:
@@ -436,13 +429,10 @@ class _ResilientWatch(Watch):
             generation = self._generation
             start = self._next_revision
 
-        def on_response(resp: Any) -> None:
-            self._on_response(generation, resp)
-
         def run(c: Any) -> tuple[Any, int]:
             return c, c.add_watch_prefix_callback(
-                self.prefix, on_response, start_revision=start or None, prev_kv=True
-            )
+                self.prefix, functools.partial(self._on_response, generation),
+                start_revision=start or None, prev_kv=True)
 
         client, watch_id = self._owner._call(run)
         with self._lock:

@@ -75,9 +75,9 @@ class LeaseKeeper:
     def grant(self) -> int:
         """Grants the first lease synchronously (raises if etcd is unreachable)."""
         lease = self._coord.grant_lease(self.ttl)
-        self._health.ok()
         with self._lock:
             self._lease = lease
+        self._health.ok()
         return lease
 
     def start(self) -> None:
@@ -89,11 +89,7 @@ class LeaseKeeper:
         lease = self.lease
         try:
             if lease is None:
-                new = self._coord.grant_lease(self.ttl)
-                with self._lock:
-                    self._lease = new
-                self._health.ok()
-                log.info("granted new lease %x", new)
+                log.info("granted new lease %x", self.grant())
                 self._on_change()
                 return
             self._coord.keep_alive(lease)
