@@ -139,9 +139,7 @@ def read_tail(path: str, nbytes: int = 65536) -> str:
     """The last ``nbytes`` of a file, as text ("" when unreadable)."""
     try:
         with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            size = fh.tell()
-            fh.seek(max(0, size - nbytes))
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - nbytes))
             return fh.read().decode(errors="replace")
     except OSError:
         return ""

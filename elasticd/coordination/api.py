@@ -235,9 +235,5 @@ class Coordinator(abc.ABC):
 
 def prefix_range_end(prefix: bytes) -> bytes:
     """The etcd range end that selects every key starting with ``prefix``."""
-    end = bytearray(prefix)
-    for i in range(len(end) - 1, -1, -1):
-        if end[i] < 0xFF:
-            end[i] += 1
-            return bytes(end[: i + 1])
-    return b"\0"
+    head = prefix.rstrip(b"\xff")  # its last byte below 0xFF, incremented, ends the range
+    return head[:-1] + bytes([head[-1] + 1]) if head else b"\0"
