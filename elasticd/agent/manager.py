@@ -194,7 +194,6 @@ class JobManager(JobRecords, WorkerGroup):
         wanted = self.wanted()
         if self.job is not None and self.job in self.bad_specs:
             why = self.bad_specs[self.job][1]
-            self._finished.add(self.job)
             self.notes.append(f"refused job {self.job}: {why}")
             log.error("stopping job %s: %s", self.job, why)
             self._stop_async(why, JobState.REFUSED)
@@ -203,7 +202,6 @@ class JobManager(JobRecords, WorkerGroup):
             if self.hold:
                 self._stop_async(f"node {self.hold}", JobState.DRAINED)
             elif control is not None and control.desired == JobState.FAILED:
-                self._finished.add(self.job)
                 self._stop_async(control.reason or f"job {self.job} failed", JobState.FAILED)
             else:
                 self._stop_async(f"job {self.job} is no longer wanted here", JobState.STOPPED)
@@ -319,18 +317,17 @@ class JobManager(JobRecords, WorkerGroup):
                     return
             hang = self.tracker.check(self.job) if self.tracker is not None else None
             if hang is not None:
-                self._restart_for_hang(hang)
+                self.tracker.restarted_for(hang)  # a learned timeout that fired is doubled
+                self.on_hang(str(hang))
             return
         if code == 0:
             self.notes.append(f"job {self.job} finished on this node")
-            self._finished.add(self.job)  # before _stop_async, which forgets self.job
             self._stop_async(f"job {self.job} succeeded", JobState.SUCCEEDED)
             return
         done = self.succeeded_on(self.job)
         if done:
             self.notes.append(f"job {self.job} succeeded on {', '.join(done)}; this node's "
                               f"agent exited {code}")
-            self._finished.add(self.job)
             self._stop_async(f"job {self.job} succeeded on {', '.join(done)}", JobState.SUCCEEDED)
             return
         self._failures += 1
@@ -340,7 +337,6 @@ class JobManager(JobRecords, WorkerGroup):
             return
         if self._failures > self.agent_restarts:
             self.notes.append(f"job {self.job}: agent failed {self._failures} times; giving up")
-            self._finished.add(self.job)
             self._stop_async(f"agent exited {code} too often", JobState.FAILED)
             return
         backoff = min(30.0, 0.5 * 2 ** (self._failures - 1))
@@ -406,7 +402,6 @@ class JobManager(JobRecords, WorkerGroup):
             log.warning("could not mark job %s failed in etcd: %s", job, exc)
         self.record_event("job_failed", f"{job}: {reason}",
                           {"job": job, "reason": reason, "restarts": self._loop.restarts})
-        self._finished.add(job)
         self._stop_async(reason, JobState.FAILED)
         return True
 
@@ -446,6 +441,8 @@ class JobManager(JobRecords, WorkerGroup):
 
     def _stop_async(self, why: str, final_state: JobState) -> None:
         sup, job = self.supervisor, self.job
+        if final_state in (JobState.SUCCEEDED, JobState.FAILED, JobState.REFUSED):
+            self._finished.add(job)  # over for this node; a stopped or drained job may return
         if sup is None:
             self.job = None
             return
@@ -458,9 +455,7 @@ class JobManager(JobRecords, WorkerGroup):
 
         def run() -> None:
             code = sup.stop(self.stop_grace)
-            if final_state in (JobState.STOPPED, JobState.SUCCEEDED, JobState.FAILED,
-                               JobState.DRAINED, JobState.REFUSED):
-                self._job_ended(job)
+            self._job_ended(job)
             self.status = NodeJobStatus(self.node_id, final_state, f"{why} (agent exit {code})",
                                         agent_starts=sup.starts, log=sup.log_path,
                                         at=self.clock.wall(), straggler=straggler)

@@ -19,7 +19,7 @@ import threading
 from typing import Any, Callable
 
 from elasticd.agent.hang_timeout import LearnedTimeout
-from elasticd.agent.progress import Hang, ProgressTracker, progress_handler
+from elasticd.agent.progress import ProgressTracker, progress_handler
 from elasticd.agent.straggler import StragglerJudge
 from elasticd.agent.supervisor import AgentSupervisor, process_runs
 from elasticd.cluster import drain_record
@@ -131,8 +131,7 @@ class WorkerGroup:
         published them (they agree on the world size and the ranks add up to it)."""
         if self.job is None:
             return {}
-        sts = dict(self.statuses.get(self.job, {}))
-        sts[self.node_id] = self.status
+        sts = {**self.statuses.get(self.job, {}), self.node_id: self.status}
         world = self.status.world_size
         group = {n: st.ranks for n, st in sts.items()
                  if st.state == JobState.RUNNING and st.world_size == world and st.ranks}
@@ -208,17 +207,11 @@ class WorkerGroup:
         spare never ran any). Every survivor computes it from the same statuses in etcd."""
         if self.job is None:
             return None
-        sts = dict(self.statuses.get(self.job, {}))
-        sts[self.node_id] = self.status
+        sts = {**self.statuses.get(self.job, {}), self.node_id: self.status}
         live = {n: st for n, st in sts.items()
                 if n != failed and (n in self.members.get(self.job, set()) or n == self.node_id)}
         ran = [n for n, st in live.items() if st.ranks or st.last_step >= 0]
         return min(ran or live, default=None)
-
-    def _restart_for_hang(self, hang: Hang) -> None:
-        if self.tracker is not None and self.supervisor is not None:
-            self.tracker.restarted_for(hang)  # a learned timeout that fired is doubled
-        self.on_hang(str(hang))
 
     def on_hang(self, reason: str) -> None:
         if self.supervisor is None:
@@ -301,6 +294,4 @@ class WorkerGroup:
 def _show_timeout(seconds: float) -> float:
     """``seconds`` to two significant digits (what the node publishes; /status and the metric
     carry the exact value)."""
-    if seconds <= 0:
-        return 0.0
-    return float(f"{seconds:.2g}")
+    return float(f"{seconds:.2g}") if seconds > 0 else 0.0
