@@ -86,10 +86,7 @@ class CommitWatch:
             self._relist()
         except CoordinationError as exc:
             log.info("commit watch of %s: etcd unreachable (%s); retrying", self._job, exc)
-            with self._lock:
-                self._relisting = True
-            threading.Thread(target=self._relist_patiently, name="commit-watch-relist",
-                             daemon=True).start()
+            self._on_watch(exc)  # as after a watch error: re-list from a thread
 
     def stop(self) -> None:
         self._stopped = True

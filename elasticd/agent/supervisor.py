@@ -167,20 +167,12 @@ class AgentSupervisor:
         base = {k: v for k, v in os.environ.items()
                 if not k.startswith(("ELASTICD_", "TORCHELASTIC_", "NOTIFY_SOCKET"))}
         user = pwd.getpwnam(self.spec.user)
-        base.update(HOME=user.pw_dir, USER=user.pw_name, LOGNAME=user.pw_name)
-        base.update(self.spec.env)
-        base.update(self.extra_env)
-        base.update({
-            TAG_ENV: self.tag,
-            "ELASTICD_NODE": self.node_id,
-            "ELASTICD_JOB": self.spec.name,
-            # Workers must not reuse the rank-0 agent's TCPStore across restarts (docs/facts.md).
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-            "PYTHONUNBUFFERED": "1",
-        })
-        if self.warm:
-            base[ZYGOTE_ENV] = self.zygote_name
-        return base
+        return {**base, "HOME": user.pw_dir, "USER": user.pw_name, "LOGNAME": user.pw_name,
+                **self.spec.env, **self.extra_env,
+                TAG_ENV: self.tag, "ELASTICD_NODE": self.node_id, "ELASTICD_JOB": self.spec.name,
+                # Workers must not reuse the rank-0 agent's TCPStore on restarts (docs/facts.md).
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1",
+                **({ZYGOTE_ENV: self.zygote_name} if self.warm else {})}
 
     def start(self) -> int:
         """Starts the agent; returns its pid.

@@ -33,7 +33,6 @@ from elasticd.coordination.api import (
     Compare,
     Coordinator,
     CoordinationError,
-    Delete,
     EventType,
     KeyValue,
     LeaseLost,
@@ -120,10 +119,7 @@ def parse_endpoints(text: str) -> tuple[tuple[str, int], ...]:
     """
     out = []
     for part in text.split(","):
-        part = part.strip()
-        for scheme in ("http://", "https://"):
-            if part.startswith(scheme):
-                part = part[len(scheme):]
+        part = part.strip().removeprefix("http://").removeprefix("https://")
         host, sep, port = part.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"{part!r} is not HOST:PORT")
@@ -288,17 +284,12 @@ class EtcdCoordinator(Coordinator):
         def run(c: pyetcd.MultiEndpointEtcd3Client) -> tuple[bool, int]:
             t = c.transactions
             cmp = [t.mod(x.key) == x.mod_revision for x in compares]
-            success = []
-            for op in ops:
-                if isinstance(op, Put):
-                    success.append(t.put(op.key, op.value, lease=op.lease or None))
-                elif isinstance(op, Delete):
-                    success.append(t.delete(op.key))
+            success = [t.put(op.key, op.value, lease=op.lease or None) if isinstance(op, Put)
+                       else t.delete(op.key) for op in ops]
             ok, responses = c.transaction(compare=cmp, success=success, failure=[])
-            revision = 0
-            for r in responses:
-                header = getattr(getattr(r, r.WhichOneof("response")), "header", None)
-                revision = max(revision, header.revision if header else 0)
+            headers = [getattr(getattr(r, r.WhichOneof("response")), "header", None)
+                       for r in responses]
+            revision = max((h.revision for h in headers if h), default=0)
             if not revision:
                 # A failed compare returns no responses: read the revision from a key of the
                 # transaction's own (with etcd auth, our role may read nothing else).
@@ -332,10 +323,8 @@ class EtcdCoordinator(Coordinator):
     def revoke_lease(self, lease: int) -> None:
         try:
             self._call(lambda c: c.revoke_lease(lease))
-        except LeaseLost:
-            pass
         except CoordinationError as exc:
-            if "not found" not in str(exc):
+            if not isinstance(exc, LeaseLost) and "not found" not in str(exc):
                 raise
 
     # -- watches --------------------------------------------------------------------------
@@ -453,12 +442,10 @@ class _ResilientWatch(Watch):
             self._safe_callback(err)
             self._wake.set()
             return
-        events = []
-        for e in resp.events:
-            etype = EventType.PUT if isinstance(e, pyetcd.events.PutEvent) else EventType.DELETE
-            kv = _to_kv(e._event.kv)
-            prev = _to_kv(e._event.prev_kv) if e._event.HasField("prev_kv") else None
-            events.append(WatchEvent(etype, kv, prev))
+        events = [WatchEvent(EventType.PUT if isinstance(e, pyetcd.events.PutEvent)
+                             else EventType.DELETE, _to_kv(e._event.kv),
+                             _to_kv(e._event.prev_kv) if e._event.HasField("prev_kv") else None)
+                  for e in resp.events]
         if events:
             with self._lock:
                 self._next_revision = max(self._next_revision, events[-1].kv.mod_revision + 1)
