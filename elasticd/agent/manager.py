@@ -230,8 +230,7 @@ class JobManager(JobRecords, WorkerGroup):
         else:
             return
         self._finished.add(job)
-        self.status = NodeJobStatus(self.node_id, state, why, agent_starts=self.status.agent_starts,
-                                    log=self.status.log, at=self.clock.wall())
+        self._set_status(state, why, agent_starts=self.status.agent_starts, log=self.status.log)
         self.notes.append(note)
         self._job_ended(job)
 
@@ -289,13 +288,12 @@ class JobManager(JobRecords, WorkerGroup):
         self._new_generation()
         self._log_mark = self._log_size()
         self._attempt_at = self.clock.monotonic()
-        self.status = NodeJobStatus(self.node_id, JobState.RUNNING, "agent started", agent_pid=pid,
-                                    agent_starts=1, log=self.supervisor.log_path,
-                                    at=self.clock.wall())
+        self._set_status(JobState.RUNNING, "agent started", agent_pid=pid, agent_starts=1,
+                         log=self.supervisor.log_path)
         self.notes.append(f"started job {job} (agent pid {pid})")
 
     def _refuse(self, job: str, problem: str) -> None:
-        self.status = NodeJobStatus(self.node_id, JobState.REFUSED, problem, at=self.clock.wall())
+        self._set_status(JobState.REFUSED, problem)
         self._status_job = job
         self._finished.add(job)
         self.notes.append(f"refused job {job}: {problem}")
@@ -346,9 +344,8 @@ class JobManager(JobRecords, WorkerGroup):
         self._next_start = self.clock.monotonic() + backoff
         job = self.job
         self.job, self.supervisor = None, None  # the tracker stays: the job is restarted
-        self.status = NodeJobStatus(self.node_id, JobState.RESTARTING, f"agent exited with {code}",
-                                    agent_starts=sup.starts, log=sup.log_path,
-                                    at=self.clock.wall())
+        self._set_status(JobState.RESTARTING, f"agent exited with {code}", agent_starts=sup.starts,
+                         log=sup.log_path)
         self._publish(job)
 
     # -- crash loops ----------------------------------------------------------------------
@@ -412,8 +409,7 @@ class JobManager(JobRecords, WorkerGroup):
         if self.supervisor is not None:
             self.supervisor.stop(grace=1.0)
             self.notes.append(f"stopped job {self.job}: {reason}")
-            self.status = NodeJobStatus(self.node_id, JobState.STOPPED, f"fenced: {reason}",
-                                        at=self.clock.wall())
+            self._set_status(JobState.STOPPED, f"fenced: {reason}")
             self.job, self.supervisor = None, None
 
     def idle(self) -> bool:
@@ -433,8 +429,7 @@ class JobManager(JobRecords, WorkerGroup):
         if self.supervisor is not None:
             job = self.job
             self.supervisor.stop(self.stop_grace)
-            self.status = NodeJobStatus(self.node_id, JobState.STOPPED, "daemon shut down",
-                                        at=self.clock.wall())
+            self._set_status(JobState.STOPPED, "daemon shut down")
             self._publish(job)
             self.job, self.supervisor = None, None
         self.close()
@@ -448,17 +443,15 @@ class JobManager(JobRecords, WorkerGroup):
             return
         # A straggler's verdict stays on its stopped status: why it was drained, for instance.
         straggler = self.status.straggler
-        self.status = NodeJobStatus(self.node_id, JobState.STOPPING, why, agent_pid=sup.pid,
-                                    agent_starts=sup.starts, log=sup.log_path, at=self.clock.wall(),
-                                    straggler=straggler)
+        self._set_status(JobState.STOPPING, why, agent_pid=sup.pid, agent_starts=sup.starts,
+                         log=sup.log_path, straggler=straggler)
         self._publish(job)
 
         def run() -> None:
             code = sup.stop(self.stop_grace)
             self._job_ended(job)
-            self.status = NodeJobStatus(self.node_id, final_state, f"{why} (agent exit {code})",
-                                        agent_starts=sup.starts, log=sup.log_path,
-                                        at=self.clock.wall(), straggler=straggler)
+            self._set_status(final_state, f"{why} (agent exit {code})", agent_starts=sup.starts,
+                             log=sup.log_path, straggler=straggler)
             with contextlib.suppress(CoordinationError):
                 self._publish(job)
 
@@ -468,6 +461,9 @@ class JobManager(JobRecords, WorkerGroup):
         self._stopping.start()
 
     # -- status ---------------------------------------------------------------------------
+
+    def _set_status(self, state: JobState, detail: str, **fields: Any) -> None:
+        self.status = NodeJobStatus(self.node_id, state, detail, at=self.clock.wall(), **fields)
 
     def _publish(self, job: str | None = None) -> None:
         job = job or self.job or self._status_job

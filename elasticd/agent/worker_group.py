@@ -151,21 +151,19 @@ class WorkerGroup:
         Returns:
             how many workers were killed; None when the peer did not run our job.
         """
-        if self.job is None or self.supervisor is None:
+        if (self.job is None or self.supervisor is None
+                or node != "*" and node not in self.members.get(self.job, set())):
             return None
-        if node not in self.members.get(self.job, set()) and node != "*":
-            return None
+        # Counted either way: a group that went on without the peer was restarted by its agent.
+        self.metrics.worker_restarts.labels("peer_failed").inc()
         if node != "*" and self._reformed_without(node):
             note = (f"peer {node} of {self.job} failed; its last rendezvous round already "
                     "went on without it: workers left running")
             self.notes.append(note)
             log.info("%s", note)
-            # The group did restart for this failure (its agent restarted it): counted so.
-            self.metrics.worker_restarts.labels("peer_failed").inc()
             return 0
         n = self.supervisor.restart_workers(f"peer {node} failed")
         self._new_generation()
-        self.metrics.worker_restarts.labels("peer_failed").inc()
         self.notes.append(f"restarted {n} workers of {self.job}: peer {node} failed")
         return n
 
