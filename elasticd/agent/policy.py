@@ -75,7 +75,7 @@ class JobPolicy:
     def check_on_node(self, spec: JobSpec) -> str | None:
         """What stops this node from running ``spec``, or None (called by every daemon)."""
         try:
-            spec.validate(check_files=True)
+            spec.validate()
         except JobSpecError as exc:
             return str(exc)
         problem = self.check(spec) or check_access_as(spec.user, spec.python, spec.script, spec.cwd)

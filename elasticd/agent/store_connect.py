@@ -40,8 +40,7 @@ log = logging.getLogger(__name__)
 POLL = 0.005
 
 
-def wait_listening(host: str, port: int, timeout: float, clock: Clock | None = None,
-                   poll: float = POLL) -> bool:
+def wait_listening(host: str, port: int, timeout: float, clock: Clock | None = None) -> bool:
     """Waits until ``host:port`` accepts a TCP connection (then closes it).
 
     Returns:
@@ -54,9 +53,9 @@ def wait_listening(host: str, port: int, timeout: float, clock: Clock | None = N
         with contextlib.suppress(OSError):  # refused (not listening yet), unreachable, timed out
             with socket.create_connection((host, port), timeout=max(0.05, min(1.0, left))):
                 return True
-        if clock.monotonic() + poll >= deadline:
+        if clock.monotonic() + POLL >= deadline:
             return False
-        clock.sleep(poll)
+        clock.sleep(POLL)
 
 
 def _wrap(create: Callable, clock: Clock | None = None) -> Callable:

@@ -20,7 +20,7 @@ import subprocess
 from typing import Sequence
 
 from elasticd.agent.job_files import open_job_log
-from elasticd.agent.zygote import ZYGOTE_ENV, ZYGOTE_PID_ENV
+from elasticd.agent.zygote import ZYGOTE_ENV, ZYGOTE_PID_ENV, kill_group
 from elasticd.clock import Clock, SystemClock, format_local
 from elasticd.cluster.jobspec import JobSpec
 from elasticd.daemon.local_binding import TAG_ENV, JobScope
@@ -90,10 +90,7 @@ def kill_workers(pids: Sequence[int]) -> None:
     """SIGKILLs torchrun workers and whatever they started: each is a session leader, so its
     process group holds its children."""
     for pid in pids:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            signal_all([pid], signal.SIGKILL)
+        kill_group(pid)
 
 
 def children(pid: int) -> list[int]:

@@ -167,12 +167,9 @@ def connect(name: str, expected_pid: int | None, timeout: float | None = None) -
 
 def wait_ready(name: str, expected_pid: int | None, timeout: float) -> str:
     """Waits until the zygote ``name`` has preloaded (it accepts only then); "" once it has,
-    else why not (a squatter on the name, or ``timeout`` seconds passed).
-
-    A node's agent asks before it joins a round: a node that joins while its zygote is still
-    importing torch stops every other node's workers for as long as that import takes (a
-    rejoin stopped the others for 3.0 s, 2.7 s of them this wait). Waiting first, the others
-    train on meanwhile. No argv, environment or descriptor is sent.
+    else why not (a squatter on the name, or ``timeout`` seconds passed). Why the agent asks
+    before a join: the module docstring (a rejoin stopped the others for 3.0 s, 2.7 s of them
+    this wait). No argv, environment or descriptor is sent.
     """
     from elasticd.clock import SYSTEM_CLOCK as clock  # light: warm_start imports this module
 
@@ -261,7 +258,7 @@ def _start(conn: socket.socket) -> None:
         send_msg(conn, {"pid": pid})
     except OSError:
         # warm_start went away between the check and the fork: nobody watches this worker.
-        _kill_group(pid)
+        kill_group(pid)
         os.waitpid(pid, 0)
         raise
     threading.Thread(target=_watch, args=(conn, pid), daemon=True,
@@ -290,7 +287,7 @@ def _watch(conn: socket.socket, pid: int) -> None:
                 data = b""
             if not data:  # warm_start died (SIGKILL): its worker must not outlive it
                 orphaned = True
-                _kill_group(pid)
+                kill_group(pid)
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             break
@@ -302,11 +299,12 @@ def _watch(conn: socket.socket, pid: int) -> None:
     conn.close()
 
 
-def _kill_group(pid: int) -> None:
+def kill_group(pid: int) -> None:
+    """SIGKILLs the process group ``pid`` leads (it and what it started), else ``pid`` alone."""
     try:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
-        with contextlib.suppress(ProcessLookupError):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
 
 

@@ -107,20 +107,19 @@ class JobSpec:
     straggler_steps: int = 20
     straggler_drain: bool = False
 
-    def validate(self, check_files: bool = True) -> "JobSpec":
-        """Raises :class:`JobSpecError` on the first bad field."""
+    def validate(self) -> "JobSpec":
+        """Raises :class:`JobSpecError` on the first bad field, or a user or file missing here."""
         self.check_fields()
         try:
             pwd.getpwnam(self.user)
         except KeyError:
             raise JobSpecError(f"--user {self.user!r}: no such user on this machine") from None
-        if check_files:
-            if not os.path.isfile(self.script):
-                raise JobSpecError(f"script {self.script!r}: no such file")
-            if not os.path.isdir(self.cwd):
-                raise JobSpecError(f"--cwd {self.cwd!r}: no such directory")
-            if not os.access(self.python, os.X_OK):
-                raise JobSpecError(f"--python {self.python!r}: not an executable")
+        if not os.path.isfile(self.script):
+            raise JobSpecError(f"script {self.script!r}: no such file")
+        if not os.path.isdir(self.cwd):
+            raise JobSpecError(f"--cwd {self.cwd!r}: no such directory")
+        if not os.access(self.python, os.X_OK):
+            raise JobSpecError(f"--python {self.python!r}: not an executable")
         return self
 
     def check_fields(self) -> "JobSpec":
