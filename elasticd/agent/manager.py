@@ -12,20 +12,15 @@ disappears with it), and acts:
 * refuse a job it cannot run, with the reason, in ``jobs/<job>/nodes/<node>`` and ``/status``:
   a spec that does not read (records are written by whoever may write to etcd: a malformed one
   costs that job, never the daemon), or one the node's policy or files rule out;
-* restart the workers at once when a peer that runs the job fails (proactive abort: a machine
-  that loses power sends no TCP reset, and gloo would wait minutes), or when the job hangs
-  (no progress for the job's ``hang_timeout``, or, when it sets none, for the timeout learned
-  from its step times: :mod:`elasticd.agent.hang_timeout`; shown in ``/status``, published
-  with the node's job status and exported as ``elasticd_hang_timeout_seconds``);
+* restart the workers at once when a peer that runs the job fails or when the job hangs
+  (:mod:`elasticd.agent.worker_group`, which also keeps what the workers report; the hang
+  timeout in force is shown in ``/status``, published with the node's job status and
+  exported as ``elasticd_hang_timeout_seconds``);
 * stop everything (agent and every tagged process) when the job is stopped, when the node fences
   itself, and when the daemon shuts down;
 * stop the job as ``failed`` on every node when its worker groups crash-loop: restarts in a row
   (torchrun's and the daemon's) with no new committed step (:mod:`elasticd.agent.crashloop`):
   the node that sees it writes ``desired: failed`` and the reason into the job's control.
-
-Workers report progress to the manager; what it learns of the worker group (ranks, hangs)
-and how it restarts the group when a peer fails or the job hangs is in
-:mod:`elasticd.agent.worker_group`.
 
 Stopping takes up to ``stop_grace`` seconds, so it runs in a thread of its own: the main loop
 keeps cycling (and keeps the watchdog fed) meanwhile.

@@ -186,22 +186,20 @@ class AgentSupervisor:
             out.write(f"\n==== elasticd: starting agent for {self.spec.name} on {self.node_id} "
                       f"at {format_local(self.clock.wall())} ====\n".encode())
             out.flush()
-            ids = dict(user=user.pw_uid if as_other else None,
-                       group=user.pw_gid if as_other else None,
-                       extra_groups=[] if as_other else None)
             self.zygote_name = secrets.token_hex(16) if self.warm else ""
             env = self.env()
+            popen = dict(stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                         cwd=self.spec.cwd, env=env, start_new_session=True,
+                         user=user.pw_uid if as_other else None,
+                         group=user.pw_gid if as_other else None,
+                         extra_groups=[] if as_other else None)
             if self.warm:  # first: it imports torch while torchrun does its rendezvous
                 # The name travels in the environment (readable by the job's user and root
                 # only), never in argv, which every local user can read.
                 self.zygote = subprocess.Popen(
-                    safe_module(self.spec.python, "elasticd.agent.zygote"),
-                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    cwd=self.spec.cwd, env=env, start_new_session=True, **ids)
-                env[ZYGOTE_PID_ENV] = str(self.zygote.pid)
-            self.proc = subprocess.Popen(
-                self.argv(), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                cwd=self.spec.cwd, env=env, start_new_session=True, **ids)
+                    safe_module(self.spec.python, "elasticd.agent.zygote"), **popen)
+                env[ZYGOTE_PID_ENV] = str(self.zygote.pid)  # the agent's env: the same dict
+            self.proc = subprocess.Popen(self.argv(), **popen)
         self.starts += 1
         log.info("started torchrun agent for %s (pid %d, log %s)", self.spec.name,
                  self.proc.pid, self.log_path)

@@ -54,10 +54,6 @@ class LeaseKeeper:
         self._thread: threading.Thread | None = None
 
     @property
-    def interval(self) -> float:
-        return self.ttl / 3.0
-
-    @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
@@ -115,7 +111,7 @@ class LeaseKeeper:
             started = self._clock.monotonic()
             self.step()
             elapsed = self._clock.monotonic() - started
-            self._stop.wait(max(0.05, self.interval - elapsed))
+            self._stop.wait(max(0.05, self.ttl / 3.0 - elapsed))  # every TTL/3: module docstring
 
     def stop(self, revoke: bool = False) -> None:
         """Stops the thread; with ``revoke`` also revokes the lease (a clean departure)."""
