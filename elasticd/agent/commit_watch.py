@@ -97,9 +97,7 @@ class CommitWatch:
         """The gate: whether the job is at a committed step, from memory (False while the
         mirror is not known to be current)."""
         with self._lock:
-            if not self._fresh:
-                return False
-            return at_committed_step(self._committed, self._newest.values())
+            return self._fresh and at_committed_step(self._committed, self._newest.values())
 
     def state(self) -> tuple[Version | None, Mapping[str, Version]]:
         """The committed version and each node's newest replicated version (for tests, logs)."""

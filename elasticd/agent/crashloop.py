@@ -85,11 +85,7 @@ def attempts(torchrun_dir: str, known: set[str]) -> int:
     starts; the count goes up only when a group failed (not when nodes joined).
     """
     best = -1
-    try:
-        runs = [r for r in os.listdir(torchrun_dir) if r not in known]
-    except OSError:
-        return best
-    for run in runs:
+    for run in runs(torchrun_dir) - known:
         try:
             names = os.listdir(os.path.join(torchrun_dir, run))
         except OSError:

@@ -141,9 +141,7 @@ class WorkerGroup:
 
     def progress_status(self) -> dict[str, Any]:
         with self._lock:
-            if self.tracker is None or self.job is None:
-                return {}
-            return self.tracker.status(self.job)
+            return {} if self.tracker is None or self.job is None else self.tracker.status(self.job)
 
     def on_peer_failed(self, node: str) -> int | None:
         """A peer's lease expired: if it ran our job, restart our workers now.
