@@ -86,10 +86,7 @@ class CommitWatch:
             self._relist()
         except CoordinationError as exc:
             log.info("commit watch of %s: etcd unreachable (%s); retrying", self._job, exc)
-            with self._lock:
-                self._relisting = True
-            threading.Thread(target=self._relist_patiently, name="commit-watch-relist",
-                             daemon=True).start()
+            self._on_watch(exc)  # as after a watch error: re-list from a thread
 
     def stop(self) -> None:
         self._stopped = True
@@ -100,9 +97,7 @@ class CommitWatch:
         """The gate: whether the job is at a committed step, from memory (False while the
         mirror is not known to be current)."""
         with self._lock:
-            if not self._fresh:
-                return False
-            return at_committed_step(self._committed, self._newest.values())
+            return self._fresh and at_committed_step(self._committed, self._newest.values())
 
     def state(self) -> tuple[Version | None, Mapping[str, Version]]:
         """The committed version and each node's newest replicated version (for tests, logs)."""

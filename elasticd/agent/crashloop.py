@@ -85,11 +85,7 @@ def attempts(torchrun_dir: str, known: set[str]) -> int:
     starts; the count goes up only when a group failed (not when nodes joined).
     """
     best = -1
-    try:
-        runs = [r for r in os.listdir(torchrun_dir) if r not in known]
-    except OSError:
-        return best
-    for run in runs:
+    for run in runs(torchrun_dir) - known:
         try:
             names = os.listdir(os.path.join(torchrun_dir, run))
         except OSError:
@@ -139,9 +135,7 @@ def read_tail(path: str, nbytes: int = 65536) -> str:
     """The last ``nbytes`` of a file, as text ("" when unreadable)."""
     try:
         with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            size = fh.tell()
-            fh.seek(max(0, size - nbytes))
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - nbytes))
             return fh.read().decode(errors="replace")
     except OSError:
         return ""

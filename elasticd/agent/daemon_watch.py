@@ -91,8 +91,7 @@ class DaemonWatch:
         try:
             present = self._coordinator.get(self.node_key) is not None
         except CoordinationError:
-            self._absent_since = None
-            return None
+            present = True  # no judgement from a doubtful view: the absence is forgotten
         if present:
             self._absent_since = None
             return None

@@ -103,10 +103,7 @@ class StepHistory:
         """Learns one completed step interval of ``rank`` (not a warm-up step)."""
         if not math.isfinite(seconds) or seconds < 0:
             return
-        sm = self.ranks.get(rank)
-        if sm is None:
-            sm = self.ranks[rank] = SlidingMax(self.window)
-        sm.add(seconds)
+        self.ranks.setdefault(rank, SlidingMax(self.window)).add(seconds)
         self.learned += 1
 
     def longest(self) -> float | None:

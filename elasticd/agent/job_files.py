@@ -37,9 +37,8 @@ class UnsafeJobFile(NodeError, OSError):
 def open_job_log(directory: str, name: str, uid: int | None, gid: int = -1) -> int:
     """Creates ``directory`` if missing, gives it to ``uid`` and opens ``name`` in it to append.
 
-    ``directory``'s parent must be the daemon's own (only its final component may belong to the
-    job's user): the directory is opened with ``O_NOFOLLOW`` and everything after goes through
-    that descriptor.
+    ``directory``'s parent must be the daemon's own: only its final component, opened with
+    ``O_NOFOLLOW`` (module docstring), may belong to the job's user.
 
     Args:
         directory: the job's log directory.

@@ -12,20 +12,15 @@ disappears with it), and acts:
 * refuse a job it cannot run, with the reason, in ``jobs/<job>/nodes/<node>`` and ``/status``:
   a spec that does not read (records are written by whoever may write to etcd: a malformed one
   costs that job, never the daemon), or one the node's policy or files rule out;
-* restart the workers at once when a peer that runs the job fails (proactive abort: a machine
-  that loses power sends no TCP reset, and gloo would wait minutes), or when the job hangs
-  (no progress for the job's ``hang_timeout``, or, when it sets none, for the timeout learned
-  from its step times: :mod:`elasticd.agent.hang_timeout`; shown in ``/status``, published
-  with the node's job status and exported as ``elasticd_hang_timeout_seconds``);
+* restart the workers at once when a peer that runs the job fails or when the job hangs
+  (:mod:`elasticd.agent.worker_group`, which also keeps what the workers report; the hang
+  timeout in force is shown in ``/status``, published with the node's job status and
+  exported as ``elasticd_hang_timeout_seconds``);
 * stop everything (agent and every tagged process) when the job is stopped, when the node fences
   itself, and when the daemon shuts down;
 * stop the job as ``failed`` on every node when its worker groups crash-loop: restarts in a row
   (torchrun's and the daemon's) with no new committed step (:mod:`elasticd.agent.crashloop`):
   the node that sees it writes ``desired: failed`` and the reason into the job's control.
-
-Workers report progress to the manager; what it learns of the worker group (ranks, hangs)
-and how it restarts the group when a peer fails or the job hangs is in
-:mod:`elasticd.agent.worker_group`.
 
 Stopping takes up to ``stop_grace`` seconds, so it runs in a thread of its own: the main loop
 keeps cycling (and keeps the watchdog fed) meanwhile.
@@ -194,7 +189,6 @@ class JobManager(JobRecords, WorkerGroup):
         wanted = self.wanted()
         if self.job is not None and self.job in self.bad_specs:
             why = self.bad_specs[self.job][1]
-            self._finished.add(self.job)
             self.notes.append(f"refused job {self.job}: {why}")
             log.error("stopping job %s: %s", self.job, why)
             self._stop_async(why, JobState.REFUSED)
@@ -203,7 +197,6 @@ class JobManager(JobRecords, WorkerGroup):
             if self.hold:
                 self._stop_async(f"node {self.hold}", JobState.DRAINED)
             elif control is not None and control.desired == JobState.FAILED:
-                self._finished.add(self.job)
                 self._stop_async(control.reason or f"job {self.job} failed", JobState.FAILED)
             else:
                 self._stop_async(f"job {self.job} is no longer wanted here", JobState.STOPPED)
@@ -232,8 +225,7 @@ class JobManager(JobRecords, WorkerGroup):
         else:
             return
         self._finished.add(job)
-        self.status = NodeJobStatus(self.node_id, state, why, agent_starts=self.status.agent_starts,
-                                    log=self.status.log, at=self.clock.wall())
+        self._set_status(state, why, agent_starts=self.status.agent_starts, log=self.status.log)
         self.notes.append(note)
         self._job_ended(job)
 
@@ -291,13 +283,12 @@ class JobManager(JobRecords, WorkerGroup):
         self._new_generation()
         self._log_mark = self._log_size()
         self._attempt_at = self.clock.monotonic()
-        self.status = NodeJobStatus(self.node_id, JobState.RUNNING, "agent started", agent_pid=pid,
-                                    agent_starts=1, log=self.supervisor.log_path,
-                                    at=self.clock.wall())
+        self._set_status(JobState.RUNNING, "agent started", agent_pid=pid, agent_starts=1,
+                         log=self.supervisor.log_path)
         self.notes.append(f"started job {job} (agent pid {pid})")
 
     def _refuse(self, job: str, problem: str) -> None:
-        self.status = NodeJobStatus(self.node_id, JobState.REFUSED, problem, at=self.clock.wall())
+        self._set_status(JobState.REFUSED, problem)
         self._status_job = job
         self._finished.add(job)
         self.notes.append(f"refused job {job}: {problem}")
@@ -319,18 +310,17 @@ class JobManager(JobRecords, WorkerGroup):
                     return
             hang = self.tracker.check(self.job) if self.tracker is not None else None
             if hang is not None:
-                self._restart_for_hang(hang)
+                self.tracker.restarted_for(hang)  # a learned timeout that fired is doubled
+                self.on_hang(str(hang))
             return
         if code == 0:
             self.notes.append(f"job {self.job} finished on this node")
-            self._finished.add(self.job)  # before _stop_async, which forgets self.job
             self._stop_async(f"job {self.job} succeeded", JobState.SUCCEEDED)
             return
         done = self.succeeded_on(self.job)
         if done:
             self.notes.append(f"job {self.job} succeeded on {', '.join(done)}; this node's "
                               f"agent exited {code}")
-            self._finished.add(self.job)
             self._stop_async(f"job {self.job} succeeded on {', '.join(done)}", JobState.SUCCEEDED)
             return
         self._failures += 1
@@ -340,7 +330,6 @@ class JobManager(JobRecords, WorkerGroup):
             return
         if self._failures > self.agent_restarts:
             self.notes.append(f"job {self.job}: agent failed {self._failures} times; giving up")
-            self._finished.add(self.job)
             self._stop_async(f"agent exited {code} too often", JobState.FAILED)
             return
         backoff = min(30.0, 0.5 * 2 ** (self._failures - 1))
@@ -350,9 +339,8 @@ class JobManager(JobRecords, WorkerGroup):
         self._next_start = self.clock.monotonic() + backoff
         job = self.job
         self.job, self.supervisor = None, None  # the tracker stays: the job is restarted
-        self.status = NodeJobStatus(self.node_id, JobState.RESTARTING, f"agent exited with {code}",
-                                    agent_starts=sup.starts, log=sup.log_path,
-                                    at=self.clock.wall())
+        self._set_status(JobState.RESTARTING, f"agent exited with {code}", agent_starts=sup.starts,
+                         log=sup.log_path)
         self._publish(job)
 
     # -- crash loops ----------------------------------------------------------------------
@@ -406,7 +394,6 @@ class JobManager(JobRecords, WorkerGroup):
             log.warning("could not mark job %s failed in etcd: %s", job, exc)
         self.record_event("job_failed", f"{job}: {reason}",
                           {"job": job, "reason": reason, "restarts": self._loop.restarts})
-        self._finished.add(job)
         self._stop_async(reason, JobState.FAILED)
         return True
 
@@ -417,8 +404,7 @@ class JobManager(JobRecords, WorkerGroup):
         if self.supervisor is not None:
             self.supervisor.stop(grace=1.0)
             self.notes.append(f"stopped job {self.job}: {reason}")
-            self.status = NodeJobStatus(self.node_id, JobState.STOPPED, f"fenced: {reason}",
-                                        at=self.clock.wall())
+            self._set_status(JobState.STOPPED, f"fenced: {reason}")
             self.job, self.supervisor = None, None
 
     def idle(self) -> bool:
@@ -438,32 +424,29 @@ class JobManager(JobRecords, WorkerGroup):
         if self.supervisor is not None:
             job = self.job
             self.supervisor.stop(self.stop_grace)
-            self.status = NodeJobStatus(self.node_id, JobState.STOPPED, "daemon shut down",
-                                        at=self.clock.wall())
+            self._set_status(JobState.STOPPED, "daemon shut down")
             self._publish(job)
             self.job, self.supervisor = None, None
         self.close()
 
     def _stop_async(self, why: str, final_state: JobState) -> None:
         sup, job = self.supervisor, self.job
+        if final_state in (JobState.SUCCEEDED, JobState.FAILED, JobState.REFUSED):
+            self._finished.add(job)  # over for this node; a stopped or drained job may return
         if sup is None:
             self.job = None
             return
         # A straggler's verdict stays on its stopped status: why it was drained, for instance.
         straggler = self.status.straggler
-        self.status = NodeJobStatus(self.node_id, JobState.STOPPING, why, agent_pid=sup.pid,
-                                    agent_starts=sup.starts, log=sup.log_path, at=self.clock.wall(),
-                                    straggler=straggler)
+        self._set_status(JobState.STOPPING, why, agent_pid=sup.pid, agent_starts=sup.starts,
+                         log=sup.log_path, straggler=straggler)
         self._publish(job)
 
         def run() -> None:
             code = sup.stop(self.stop_grace)
-            if final_state in (JobState.STOPPED, JobState.SUCCEEDED, JobState.FAILED,
-                               JobState.DRAINED, JobState.REFUSED):
-                self._job_ended(job)
-            self.status = NodeJobStatus(self.node_id, final_state, f"{why} (agent exit {code})",
-                                        agent_starts=sup.starts, log=sup.log_path,
-                                        at=self.clock.wall(), straggler=straggler)
+            self._job_ended(job)
+            self._set_status(final_state, f"{why} (agent exit {code})", agent_starts=sup.starts,
+                             log=sup.log_path, straggler=straggler)
             with contextlib.suppress(CoordinationError):
                 self._publish(job)
 
@@ -473,6 +456,9 @@ class JobManager(JobRecords, WorkerGroup):
         self._stopping.start()
 
     # -- status ---------------------------------------------------------------------------
+
+    def _set_status(self, state: JobState, detail: str, **fields: Any) -> None:
+        self.status = NodeJobStatus(self.node_id, state, detail, at=self.clock.wall(), **fields)
 
     def _publish(self, job: str | None = None) -> None:
         job = job or self.job or self._status_job

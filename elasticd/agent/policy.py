@@ -56,13 +56,10 @@ class JobPolicy:
 
     def check(self, spec: JobSpec) -> str | None:
         """Why this node refuses ``spec``, or None. Reads no file."""
-        if "*" in self.users:
-            pass
-        elif self.users:
-            if spec.user not in self.users:
-                return (f"user {spec.user!r} is not allowed on this node (job_users: "
-                        f"{', '.join(self.users)})")
-        elif _is_root(spec.user):
+        if self.users and "*" not in self.users and spec.user not in self.users:
+            return (f"user {spec.user!r} is not allowed on this node (job_users: "
+                    f"{', '.join(self.users)})")
+        if not self.users and _is_root(spec.user):
             return ("runs as root, which this node refuses: submit with --user NAME, or list "
                     "root in the daemons' job_users setting")
         if os.path.normpath(spec.python) != os.path.normpath(self.python):
@@ -78,12 +75,10 @@ class JobPolicy:
     def check_on_node(self, spec: JobSpec) -> str | None:
         """What stops this node from running ``spec``, or None (called by every daemon)."""
         try:
-            spec.validate(check_files=True)
+            spec.validate()
         except JobSpecError as exc:
             return str(exc)
-        problem = self.check(spec)
-        if problem is None:
-            problem = check_access_as(spec.user, spec.python, spec.script, spec.cwd)
+        problem = self.check(spec) or check_access_as(spec.user, spec.python, spec.script, spec.cwd)
         if problem is not None:
             return problem
         try:

@@ -180,7 +180,6 @@ class ProgressTracker:
             return self.learned.warmup_timeout(history)
         return self.learned.timeout(history)
 
-
     def report(self, job: str, rank: int, step: int, pid: int | None = None,
                compute_seconds: float | None = None) -> bool:
         """Records that ``rank`` of ``job`` reached ``step`` (and, optionally, the step's
@@ -281,11 +280,9 @@ class ProgressTracker:
         stalled = tuple(f[0] for f in found)
         limit = min(f[1] for f in found)
         warm = any(f[2] for f in found)
-        if not learned:
-            reason = f"no progress for {limit:g} s"
-        else:
-            reason = (f"no progress for {_secs(limit)} s (learned hang timeout"
-                      f"{', first steps' if warm else ''})")
+        reason = (f"no progress for {_secs(limit)} s (learned hang timeout"
+                  f"{', first steps' if warm else ''})" if learned
+                  else f"no progress for {limit:g} s")
         return Hang(job, HangKind.STALLED, reason, max(r.seconds for r in stalled), stalled,
                     learned=learned)
 

@@ -13,8 +13,9 @@ wraps ``torch.distributed.rendezvous._create_c10d_store``: a client first waits 
 store's port accepts a TCP connection, trying every :data:`POLL` seconds within the store's own
 timeout, then creates the store as before with the time left (at least a second). The probe
 connects and closes (TCPStore's server takes that silently); if the port never opens, the
-original call runs and fails as it would have. Rank 0's own call (it hosts the server) is untouched. A torch without that private
-function keeps its behaviour: the wrapper is then not installed.
+original call runs and fails as it would have. Rank 0's own call (it hosts the server) is
+untouched. A torch without that private function keeps its behaviour: the wrapper is then not
+installed.
 
 Cold workers (new interpreters) are not covered: they spend seconds importing torch, which
 dwarfs the back-off.
@@ -39,8 +40,7 @@ log = logging.getLogger(__name__)
 POLL = 0.005
 
 
-def wait_listening(host: str, port: int, timeout: float, clock: Clock | None = None,
-                   poll: float = POLL) -> bool:
+def wait_listening(host: str, port: int, timeout: float, clock: Clock | None = None) -> bool:
     """Waits until ``host:port`` accepts a TCP connection (then closes it).
 
     Returns:
@@ -53,14 +53,9 @@ def wait_listening(host: str, port: int, timeout: float, clock: Clock | None = N
         with contextlib.suppress(OSError):  # refused (not listening yet), unreachable, timed out
             with socket.create_connection((host, port), timeout=max(0.05, min(1.0, left))):
                 return True
-        if clock.monotonic() + poll >= deadline:
+        if clock.monotonic() + POLL >= deadline:
             return False
-        clock.sleep(poll)
-
-
-def _uses_agent_store() -> bool:
-    # torch.distributed.rendezvous._torchelastic_use_agent_store: every rank is then a client.
-    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+        clock.sleep(POLL)
 
 
 def _wrap(create: Callable, clock: Clock | None = None) -> Callable:
@@ -68,7 +63,9 @@ def _wrap(create: Callable, clock: Clock | None = None) -> Callable:
 
     @functools.wraps(create)
     def create_c10d_store(hostname, port, rank, world_size, timeout, *args, **kwargs):
-        if (rank != 0 or _uses_agent_store()) and isinstance(timeout, datetime.timedelta):
+        # With torch's _torchelastic_use_agent_store() every rank, 0 too, is a client.
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+        if (rank != 0 or agent_store) and isinstance(timeout, datetime.timedelta):
             started = clock.monotonic()
             wait_listening(hostname, int(port), timeout.total_seconds(), clock)
             # The store's own connect gets what is left (at least a second), so a port that

@@ -20,7 +20,7 @@ import subprocess
 from typing import Sequence
 
 from elasticd.agent.job_files import open_job_log
-from elasticd.agent.zygote import ZYGOTE_ENV, ZYGOTE_PID_ENV
+from elasticd.agent.zygote import ZYGOTE_ENV, ZYGOTE_PID_ENV, kill_group
 from elasticd.clock import Clock, SystemClock, format_local
 from elasticd.cluster.jobspec import JobSpec
 from elasticd.daemon.local_binding import TAG_ENV, JobScope
@@ -90,10 +90,7 @@ def kill_workers(pids: Sequence[int]) -> None:
     """SIGKILLs torchrun workers and whatever they started: each is a session leader, so its
     process group holds its children."""
     for pid in pids:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            signal_all([pid], signal.SIGKILL)
+        kill_group(pid)
 
 
 def children(pid: int) -> list[int]:
@@ -167,20 +164,12 @@ class AgentSupervisor:
         base = {k: v for k, v in os.environ.items()
                 if not k.startswith(("ELASTICD_", "TORCHELASTIC_", "NOTIFY_SOCKET"))}
         user = pwd.getpwnam(self.spec.user)
-        base.update(HOME=user.pw_dir, USER=user.pw_name, LOGNAME=user.pw_name)
-        base.update(self.spec.env)
-        base.update(self.extra_env)
-        base.update({
-            TAG_ENV: self.tag,
-            "ELASTICD_NODE": self.node_id,
-            "ELASTICD_JOB": self.spec.name,
-            # Workers must not reuse the rank-0 agent's TCPStore across restarts (docs/facts.md).
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-            "PYTHONUNBUFFERED": "1",
-        })
-        if self.warm:
-            base[ZYGOTE_ENV] = self.zygote_name
-        return base
+        return {**base, "HOME": user.pw_dir, "USER": user.pw_name, "LOGNAME": user.pw_name,
+                **self.spec.env, **self.extra_env,
+                TAG_ENV: self.tag, "ELASTICD_NODE": self.node_id, "ELASTICD_JOB": self.spec.name,
+                # Workers must not reuse the rank-0 agent's TCPStore on restarts (docs/facts.md).
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1",
+                **({ZYGOTE_ENV: self.zygote_name} if self.warm else {})}
 
     def start(self) -> int:
         """Starts the agent; returns its pid.
@@ -197,22 +186,20 @@ class AgentSupervisor:
             out.write(f"\n==== elasticd: starting agent for {self.spec.name} on {self.node_id} "
                       f"at {format_local(self.clock.wall())} ====\n".encode())
             out.flush()
-            ids = dict(user=user.pw_uid if as_other else None,
-                       group=user.pw_gid if as_other else None,
-                       extra_groups=[] if as_other else None)
             self.zygote_name = secrets.token_hex(16) if self.warm else ""
             env = self.env()
+            popen = dict(stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                         cwd=self.spec.cwd, env=env, start_new_session=True,
+                         user=user.pw_uid if as_other else None,
+                         group=user.pw_gid if as_other else None,
+                         extra_groups=[] if as_other else None)
             if self.warm:  # first: it imports torch while torchrun does its rendezvous
                 # The name travels in the environment (readable by the job's user and root
                 # only), never in argv, which every local user can read.
                 self.zygote = subprocess.Popen(
-                    safe_module(self.spec.python, "elasticd.agent.zygote"),
-                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    cwd=self.spec.cwd, env=env, start_new_session=True, **ids)
-                env[ZYGOTE_PID_ENV] = str(self.zygote.pid)
-            self.proc = subprocess.Popen(
-                self.argv(), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                cwd=self.spec.cwd, env=env, start_new_session=True, **ids)
+                    safe_module(self.spec.python, "elasticd.agent.zygote"), **popen)
+                env[ZYGOTE_PID_ENV] = str(self.zygote.pid)  # the agent's env: the same dict
+            self.proc = subprocess.Popen(self.argv(), **popen)
         self.starts += 1
         log.info("started torchrun agent for %s (pid %d, log %s)", self.spec.name,
                  self.proc.pid, self.log_path)

@@ -66,8 +66,7 @@ def attach(handler: object) -> None:
     prefix = os.environ.get("ELASTICD_PREFIX", "/elasticd")
     watch = DaemonWatch(handler._coord, Keyspace(prefix).node(node),  # type: ignore[attr-defined]
                         ping=ping_daemon(sock, timeout=1.0),
-                        fence=fence_agent(tag, handler.stop),  # type: ignore[attr-defined]
-                        absent_for=0.0, interval=0.25, silent_for=1.0, ping_interval=0.25)
+                        fence=fence_agent(tag, handler.stop))  # type: ignore[attr-defined]
     zygote = os.environ.get(ZYGOTE_ENV, "")
     warm = [not zygote]
 

@@ -66,12 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for sig in FORWARDED:
         signal.signal(sig, forward)
-    while True:
-        try:
-            result, _ = recv_msg(sock)
-            break
-        except InterruptedError:
-            continue
+    result, _ = recv_msg(sock)  # a forwarded signal does not interrupt it (PEP 475)
     if result is None:  # the zygote died: the worker's fate is unknown
         print("elasticd warm start: the zygote went away", file=sys.stderr, flush=True)
         return 1

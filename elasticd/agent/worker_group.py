@@ -19,7 +19,7 @@ import threading
 from typing import Any, Callable
 
 from elasticd.agent.hang_timeout import LearnedTimeout
-from elasticd.agent.progress import Hang, ProgressTracker, progress_handler
+from elasticd.agent.progress import ProgressTracker, progress_handler
 from elasticd.agent.straggler import StragglerJudge
 from elasticd.agent.supervisor import AgentSupervisor, process_runs
 from elasticd.cluster import drain_record
@@ -131,8 +131,7 @@ class WorkerGroup:
         published them (they agree on the world size and the ranks add up to it)."""
         if self.job is None:
             return {}
-        sts = dict(self.statuses.get(self.job, {}))
-        sts[self.node_id] = self.status
+        sts = {**self.statuses.get(self.job, {}), self.node_id: self.status}
         world = self.status.world_size
         group = {n: st.ranks for n, st in sts.items()
                  if st.state == JobState.RUNNING and st.world_size == world and st.ranks}
@@ -142,9 +141,7 @@ class WorkerGroup:
 
     def progress_status(self) -> dict[str, Any]:
         with self._lock:
-            if self.tracker is None or self.job is None:
-                return {}
-            return self.tracker.status(self.job)
+            return {} if self.tracker is None or self.job is None else self.tracker.status(self.job)
 
     def on_peer_failed(self, node: str) -> int | None:
         """A peer's lease expired: if it ran our job, restart our workers now.
@@ -152,21 +149,19 @@ class WorkerGroup:
         Returns:
             how many workers were killed; None when the peer did not run our job.
         """
-        if self.job is None or self.supervisor is None:
+        if (self.job is None or self.supervisor is None
+                or node != "*" and node not in self.members.get(self.job, set())):
             return None
-        if node not in self.members.get(self.job, set()) and node != "*":
-            return None
+        # Counted either way: a group that went on without the peer was restarted by its agent.
+        self.metrics.worker_restarts.labels("peer_failed").inc()
         if node != "*" and self._reformed_without(node):
             note = (f"peer {node} of {self.job} failed; its last rendezvous round already "
                     "went on without it: workers left running")
             self.notes.append(note)
             log.info("%s", note)
-            # The group did restart for this failure (its agent restarted it): counted so.
-            self.metrics.worker_restarts.labels("peer_failed").inc()
             return 0
         n = self.supervisor.restart_workers(f"peer {node} failed")
         self._new_generation()
-        self.metrics.worker_restarts.labels("peer_failed").inc()
         self.notes.append(f"restarted {n} workers of {self.job}: peer {node} failed")
         return n
 
@@ -208,17 +203,11 @@ class WorkerGroup:
         spare never ran any). Every survivor computes it from the same statuses in etcd."""
         if self.job is None:
             return None
-        sts = dict(self.statuses.get(self.job, {}))
-        sts[self.node_id] = self.status
+        sts = {**self.statuses.get(self.job, {}), self.node_id: self.status}
         live = {n: st for n, st in sts.items()
                 if n != failed and (n in self.members.get(self.job, set()) or n == self.node_id)}
         ran = [n for n, st in live.items() if st.ranks or st.last_step >= 0]
         return min(ran or live, default=None)
-
-    def _restart_for_hang(self, hang: Hang) -> None:
-        if self.tracker is not None and self.supervisor is not None:
-            self.tracker.restarted_for(hang)  # a learned timeout that fired is doubled
-        self.on_hang(str(hang))
 
     def on_hang(self, reason: str) -> None:
         if self.supervisor is None:
@@ -301,6 +290,4 @@ class WorkerGroup:
 def _show_timeout(seconds: float) -> float:
     """``seconds`` to two significant digits (what the node publishes; /status and the metric
     carry the exact value)."""
-    if seconds <= 0:
-        return 0.0
-    return float(f"{seconds:.2g}")
+    return float(f"{seconds:.2g}") if seconds > 0 else 0.0

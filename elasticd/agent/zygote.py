@@ -167,12 +167,9 @@ def connect(name: str, expected_pid: int | None, timeout: float | None = None) -
 
 def wait_ready(name: str, expected_pid: int | None, timeout: float) -> str:
     """Waits until the zygote ``name`` has preloaded (it accepts only then); "" once it has,
-    else why not (a squatter on the name, or ``timeout`` seconds passed).
-
-    A node's agent asks before it joins a round: a node that joins while its zygote is still
-    importing torch stops every other node's workers for as long as that import takes (a
-    rejoin stopped the others for 3.0 s, 2.7 s of them this wait). Waiting first, the others
-    train on meanwhile. No argv, environment or descriptor is sent.
+    else why not (a squatter on the name, or ``timeout`` seconds passed). Why the agent asks
+    before a join: the module docstring (a rejoin stopped the others for 3.0 s, 2.7 s of them
+    this wait). No argv, environment or descriptor is sent.
     """
     from elasticd.clock import SYSTEM_CLOCK as clock  # light: warm_start imports this module
 
@@ -241,29 +238,27 @@ def _start(conn: socket.socket) -> None:
         send_msg(conn, {"ready": True})
         conn.close()
         return
-    if request is None or len(fds) != 3:
+    try:  # the parent keeps none of the worker's descriptors
+        if request is None or len(fds) != 3:
+            raise ValueError("incomplete request (need argv, env, cwd and 3 descriptors)")
+        if _hung_up(conn):
+            # The request waited in the backlog while this zygote preloaded, and its warm_start
+            # is gone (torchrun stopped a worker group that had not started yet: a bigger round
+            # came). Forking it would run a worker of a group that no longer exists, beside the
+            # new one (seen in CI: a world-2 and a world-3 group trained side by side).
+            raise ConnectionAbortedError("its warm_start went away before the worker started")
+        pid = os.fork()
+        if pid == 0:  # the worker; never returns
+            conn.close()
+            _run_child(request, fds)
+    finally:
         for fd in fds:
             os.close(fd)
-        raise ValueError("incomplete request (need argv, env, cwd and 3 descriptors)")
-    if _hung_up(conn):
-        # The request waited in the backlog while this zygote preloaded, and its warm_start
-        # is gone (torchrun stopped a worker group that had not started yet: a bigger round
-        # came). Forking it would run a worker of a group that no longer exists, beside the
-        # new one (seen in CI: a world-2 and a world-3 group trained side by side).
-        for fd in fds:
-            os.close(fd)
-        raise ConnectionAbortedError("its warm_start went away before the worker started")
-    pid = os.fork()
-    if pid == 0:  # the worker; never returns
-        conn.close()
-        _run_child(request, fds)
-    for fd in fds:
-        os.close(fd)
     try:
         send_msg(conn, {"pid": pid})
     except OSError:
         # warm_start went away between the check and the fork: nobody watches this worker.
-        _kill_group(pid)
+        kill_group(pid)
         os.waitpid(pid, 0)
         raise
     threading.Thread(target=_watch, args=(conn, pid), daemon=True,
@@ -292,7 +287,7 @@ def _watch(conn: socket.socket, pid: int) -> None:
                 data = b""
             if not data:  # warm_start died (SIGKILL): its worker must not outlive it
                 orphaned = True
-                _kill_group(pid)
+                kill_group(pid)
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             break
@@ -304,11 +299,12 @@ def _watch(conn: socket.socket, pid: int) -> None:
     conn.close()
 
 
-def _kill_group(pid: int) -> None:
+def kill_group(pid: int) -> None:
+    """SIGKILLs the process group ``pid`` leads (it and what it started), else ``pid`` alone."""
     try:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
-        with contextlib.suppress(ProcessLookupError):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
 
 

@@ -80,11 +80,8 @@ class EventLog:
                 log.warning("skipping event: %s", exc)
         return out
 
-    def trim(self) -> int:
+    def trim(self) -> None:
         kvs, _ = self._coord.get_prefix(self._keys.events)
-        excess = len(kvs) - self.retention
-        if excess <= 0:
-            return 0
+        excess = max(0, len(kvs) - self.retention)
         for kv in sorted(kvs, key=lambda kv: kv.create_revision)[:excess]:
             self._coord.delete(kv.key)
-        return excess

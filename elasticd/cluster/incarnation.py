@@ -86,17 +86,13 @@ class Incarnation:
         seen = self._decode(kv)
         if seen is not None and seen == self.id:
             return None
-        if seen is None:
-            new, first = self._create(kv.mod_revision if kv is not None else 0)
-        else:
-            new, first = seen, False
+        new, first = (self._create(kv.mod_revision if kv is not None else 0) if seen is None
+                      else (seen, False))
         known, self.id = self.id, new
         if known is None:
             return None  # the first look (a new cluster, or this daemon's start)
-        if seen is None:
-            reason = "the cluster's incarnation key is gone"
-        else:
-            reason = "another daemon found the incarnation key gone and wrote it anew"
+        reason = ("the cluster's incarnation key is gone" if seen is None
+                  else "another daemon found the incarnation key gone and wrote it anew")
         if went_back:
             reason += f" (revisions went back to {revision})"
         return DataLoss(reason, first)

@@ -107,20 +107,19 @@ class JobSpec:
     straggler_steps: int = 20
     straggler_drain: bool = False
 
-    def validate(self, check_files: bool = True) -> "JobSpec":
-        """Raises :class:`JobSpecError` on the first bad field."""
+    def validate(self) -> "JobSpec":
+        """Raises :class:`JobSpecError` on the first bad field, or a user or file missing here."""
         self.check_fields()
         try:
             pwd.getpwnam(self.user)
         except KeyError:
             raise JobSpecError(f"--user {self.user!r}: no such user on this machine") from None
-        if check_files:
-            if not os.path.isfile(self.script):
-                raise JobSpecError(f"script {self.script!r}: no such file")
-            if not os.path.isdir(self.cwd):
-                raise JobSpecError(f"--cwd {self.cwd!r}: no such directory")
-            if not os.access(self.python, os.X_OK):
-                raise JobSpecError(f"--python {self.python!r}: not an executable")
+        if not os.path.isfile(self.script):
+            raise JobSpecError(f"script {self.script!r}: no such file")
+        if not os.path.isdir(self.cwd):
+            raise JobSpecError(f"--cwd {self.cwd!r}: no such directory")
+        if not os.access(self.python, os.X_OK):
+            raise JobSpecError(f"--python {self.python!r}: not an executable")
         return self
 
     def check_fields(self) -> "JobSpec":
@@ -207,12 +206,10 @@ class JobSpec:
 
 def build(name: str, nnodes: str, nproc_per_node: int, script: str, args: list[str],
           user: str | None = None, cwd: str | None = None, env: list[str] | None = None,
-          python: str | None = None, max_restarts: int = 100,
-          hang_timeout: float | None = None, crash_loop_restarts: int = 5,
-          hang_timeout_floor: float = 60.0, hang_first_step: float = 600.0,
-          straggler_factor: float = 1.5, straggler_steps: int = 20,
-          straggler_drain: bool = False) -> JobSpec:
-    """Builds and validates a spec from ``elasticctl submit`` arguments."""
+          python: str | None = None, **fields: Any) -> JobSpec:
+    """Builds and validates a spec from ``elasticctl submit`` arguments; ``fields`` are
+    :class:`JobSpec` fields taken as they are (``max_restarts``, ``hang_timeout``, ...), with
+    JobSpec's defaults."""
     lo, hi = parse_nnodes(nnodes)
     script_abs = os.path.abspath(script)
     if not os.path.isfile(script_abs):
@@ -229,16 +226,11 @@ def build(name: str, nnodes: str, nproc_per_node: int, script: str, args: list[s
         if not sep:
             raise JobSpecError(f"--env {item!r}: expected NAME=VALUE")
         envd[k] = v
-    spec = JobSpec(
+    return JobSpec(
         name=name, nnodes_min=lo, nnodes_max=hi, nproc_per_node=nproc_per_node,
         script=script_abs, args=list(args), script_sha256=sha256_file(script_abs), user=user,
         cwd=os.path.abspath(cwd or os.getcwd()), env=envd, python=python or sys.executable,
-        max_restarts=max_restarts, hang_timeout=hang_timeout, created_at=SYSTEM_CLOCK.wall(),
-        crash_loop_restarts=crash_loop_restarts, hang_timeout_floor=hang_timeout_floor,
-        hang_first_step=hang_first_step, straggler_factor=straggler_factor,
-        straggler_steps=straggler_steps, straggler_drain=straggler_drain,
-    )
-    return spec.validate()
+        created_at=SYSTEM_CLOCK.wall(), **fields).validate()
 
 
 class JobState(records.ValueEnum):

@@ -83,10 +83,8 @@ class AgentCredentials:
             CoordinationError: etcd refused (e.g. the daemon's user lacks the root role).
             OSError: the TLS files could not be written.
         """
-        conf: dict[str, str] = {}
+        conf = self._files(spec.name, spec.user) if self.ca_cert or self.agent_cert else {}
         env: dict[str, str] = {}
-        if self.ca_cert or self.agent_cert:
-            conf.update(self._files(spec.name, spec.user))
         if self.users:
             user, password = self.user_name(spec.name), secrets.token_urlsafe(24)
             self._ensure_user(user, password)

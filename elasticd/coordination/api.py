@@ -166,8 +166,7 @@ class Coordinator(abc.ABC):
 
     def create(self, key: bytes, value: bytes, lease: int = 0) -> bool:
         """Writes only if the key is absent; True when written."""
-        ok, _ = self.transaction([Compare(key, 0)], [Put(key, value, lease)])
-        return ok
+        return self.compare_and_set(key, value, 0, lease)
 
     def compare_and_set(self, key: bytes, value: bytes, mod_revision: int, lease: int = 0) -> bool:
         """Writes only if the key's mod_revision still equals ``mod_revision`` (0: absent)."""
@@ -236,9 +235,5 @@ class Coordinator(abc.ABC):
 
 def prefix_range_end(prefix: bytes) -> bytes:
     """The etcd range end that selects every key starting with ``prefix``."""
-    end = bytearray(prefix)
-    for i in range(len(end) - 1, -1, -1):
-        if end[i] < 0xFF:
-            end[i] += 1
-            return bytes(end[: i + 1])
-    return b"\0"
+    head = prefix.rstrip(b"\xff")  # its last byte below 0xFF, incremented, ends the range
+    return head[:-1] + bytes([head[-1] + 1]) if head else b"\0"

@@ -43,13 +43,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def find_etcd(binary: str = "etcd") -> str:
-    path = shutil.which(binary)
-    if path is None:
-        raise EtcdNotFound(ETCD_INSTALL_HINT)
-    return path
-
-
 class EtcdMember:
     """One etcd process (a single-node cluster, or one member of a loopback cluster)."""
 
@@ -101,14 +94,13 @@ class EtcdMember:
             ca, cert, key = self.tls
             cmd += ["--trusted-ca-file", ca, "--cert-file", cert, "--key-file", key,
                     "--client-cert-auth"]
-        log = open(self.log_path, "ab")
-        try:
+        # etcd takes ETCD_* variables as flags: only the command line above configures it.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD")}
+        with open(self.log_path, "ab") as log:
             # A session of its own: a Ctrl-C aimed at the launcher's terminal must not reach
             # etcd before the daemons have left cleanly.
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, env=_etcd_env())
-        finally:
-            log.close()
+                                         start_new_session=True, env=env)
 
     def signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -139,11 +131,6 @@ class EtcdMember:
         return self.proc.pid if self.proc is not None else None
 
 
-def _etcd_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD")}
-    return env
-
-
 class EmbeddedEtcd:
     """A loopback etcd cluster of one or more members, owned by whoever created it.
 
@@ -158,7 +145,9 @@ class EmbeddedEtcd:
                  tls: tuple[str, str, str] | None = None,
                  client_tls: tuple[str, str, str] | None = None,
                  clock: Clock | None = None) -> None:
-        self.binary = find_etcd(binary)
+        self.binary = shutil.which(binary)
+        if self.binary is None:
+            raise EtcdNotFound(ETCD_INSTALL_HINT)
         self._own_dir = data_dir is None
         self.dir = data_dir or tempfile.mkdtemp(prefix="elasticd-etcd-")
         os.makedirs(self.dir, exist_ok=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import threading
 from typing import Any, Callable, Sequence, TypeVar
@@ -32,7 +33,6 @@ from elasticd.coordination.api import (
     Compare,
     Coordinator,
     CoordinationError,
-    Delete,
     EventType,
     KeyValue,
     LeaseLost,
@@ -119,10 +119,7 @@ def parse_endpoints(text: str) -> tuple[tuple[str, int], ...]:
     """
     out = []
     for part in text.split(","):
-        part = part.strip()
-        for scheme in ("http://", "https://"):
-            if part.startswith(scheme):
-                part = part[len(scheme):]
+        part = part.strip().removeprefix("http://").removeprefix("https://")
         host, sep, port = part.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"{part!r} is not HOST:PORT")
@@ -141,14 +138,6 @@ def _to_kv(kv: Any) -> KeyValue:
         version=kv.version,
         lease=kv.lease,
     )
-
-
-def _foreign(exc: BaseException) -> bool:
-    """Whether ``exc`` is no etcd error but torch's: its agent raises ``SignalException`` from
-    its SIGTERM handler wherever the thread is, often inside a client call here. Anything the
-    client itself raises, known or not, is still reported as a CoordinationError."""
-    module = type(exc).__module__ or ""
-    return module == "torch" or module.startswith("torch.")
 
 
 class EtcdCoordinator(Coordinator):
@@ -240,11 +229,11 @@ class EtcdCoordinator(Coordinator):
     def _call(self, fn: Callable[[pyetcd.MultiEndpointEtcd3Client], T]) -> T:
         """Runs ``fn`` with failover: one try per endpoint, and one re-authentication.
 
-        An exception from outside the client's world passes through unchanged: torch's agent
-        turns SIGTERM into a ``SignalException`` raised from its signal handler wherever the
-        thread is, often inside an etcd call here; reported as an etcd error, the agent took it
-        for a rendezvous failure and closed the rendezvous for every node (CI: a drained node's
-        agent ended the whole job this way).
+        An exception of torch's passes through unchanged: torch's agent turns SIGTERM into a
+        ``SignalException`` raised from its signal handler wherever the thread is, often inside
+        an etcd call here; reported as an etcd error, the agent took it for a rendezvous failure
+        and closed the rendezvous for every node (CI: a drained node's agent ended the whole job
+        this way). Anything the client itself raises, known or not, is a CoordinationError.
         """
         attempts = len(self.settings.endpoints) + 1
         last: CoordinationError | None = None
@@ -253,7 +242,7 @@ class EtcdCoordinator(Coordinator):
             try:
                 return fn(client)
             except Exception as exc:
-                if _foreign(exc):
+                if (type(exc).__module__ or "").partition(".")[0] == "torch":
                     raise
                 err = self._translate(exc)
                 if isinstance(err, AuthError) and self.settings.user and last is None:
@@ -295,17 +284,12 @@ class EtcdCoordinator(Coordinator):
         def run(c: pyetcd.MultiEndpointEtcd3Client) -> tuple[bool, int]:
             t = c.transactions
             cmp = [t.mod(x.key) == x.mod_revision for x in compares]
-            success = []
-            for op in ops:
-                if isinstance(op, Put):
-                    success.append(t.put(op.key, op.value, lease=op.lease or None))
-                elif isinstance(op, Delete):
-                    success.append(t.delete(op.key))
+            success = [t.put(op.key, op.value, lease=op.lease or None) if isinstance(op, Put)
+                       else t.delete(op.key) for op in ops]
             ok, responses = c.transaction(compare=cmp, success=success, failure=[])
-            revision = 0
-            for r in responses:
-                header = getattr(getattr(r, r.WhichOneof("response")), "header", None)
-                revision = max(revision, header.revision if header else 0)
+            headers = [getattr(getattr(r, r.WhichOneof("response")), "header", None)
+                       for r in responses]
+            revision = max((h.revision for h in headers if h), default=0)
             if not revision:
                 # A failed compare returns no responses: read the revision from a key of the
                 # transaction's own (with etcd auth, our role may read nothing else).
@@ -339,10 +323,8 @@ class EtcdCoordinator(Coordinator):
     def revoke_lease(self, lease: int) -> None:
         try:
             self._call(lambda c: c.revoke_lease(lease))
-        except LeaseLost:
-            pass
         except CoordinationError as exc:
-            if "not found" not in str(exc):
+            if not isinstance(exc, LeaseLost) and "not found" not in str(exc):
                 raise
 
     # -- watches --------------------------------------------------------------------------
@@ -436,13 +418,10 @@ class _ResilientWatch(Watch):
             generation = self._generation
             start = self._next_revision
 
-        def on_response(resp: Any) -> None:
-            self._on_response(generation, resp)
-
         def run(c: Any) -> tuple[Any, int]:
             return c, c.add_watch_prefix_callback(
-                self.prefix, on_response, start_revision=start or None, prev_kv=True
-            )
+                self.prefix, functools.partial(self._on_response, generation),
+                start_revision=start or None, prev_kv=True)
 
         client, watch_id = self._owner._call(run)
         with self._lock:
@@ -463,12 +442,10 @@ class _ResilientWatch(Watch):
             self._safe_callback(err)
             self._wake.set()
             return
-        events = []
-        for e in resp.events:
-            etype = EventType.PUT if isinstance(e, pyetcd.events.PutEvent) else EventType.DELETE
-            kv = _to_kv(e._event.kv)
-            prev = _to_kv(e._event.prev_kv) if e._event.HasField("prev_kv") else None
-            events.append(WatchEvent(etype, kv, prev))
+        events = [WatchEvent(EventType.PUT if isinstance(e, pyetcd.events.PutEvent)
+                             else EventType.DELETE, _to_kv(e._event.kv),
+                             _to_kv(e._event.prev_kv) if e._event.HasField("prev_kv") else None)
+                  for e in resp.events]
         if events:
             with self._lock:
                 self._next_revision = max(self._next_revision, events[-1].kv.mod_revision + 1)

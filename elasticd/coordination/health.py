@@ -76,14 +76,11 @@ class EtcdHealth:
 
     def outage_seconds(self) -> float:
         with self._lock:
-            if self.outage_since is None:
-                return 0.0
-            return self._clock.monotonic() - self.outage_since
+            return 0.0 if self.outage_since is None else self._clock.monotonic() - self.outage_since
 
     def cut_off_within(self, window: float) -> bool:
         """True when etcd is unreachable now or was within the last ``window`` seconds."""
         now = self._clock.monotonic()
         with self._lock:
-            if self.outage_since is not None:
-                return True
-            return self.last_outage_end is not None and now - self.last_outage_end <= window
+            return self.outage_since is not None or (
+                self.last_outage_end is not None and now - self.last_outage_end <= window)

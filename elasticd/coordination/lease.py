@@ -54,10 +54,6 @@ class LeaseKeeper:
         self._thread: threading.Thread | None = None
 
     @property
-    def interval(self) -> float:
-        return self.ttl / 3.0
-
-    @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
@@ -75,9 +71,9 @@ class LeaseKeeper:
     def grant(self) -> int:
         """Grants the first lease synchronously (raises if etcd is unreachable)."""
         lease = self._coord.grant_lease(self.ttl)
-        self._health.ok()
         with self._lock:
             self._lease = lease
+        self._health.ok()
         return lease
 
     def start(self) -> None:
@@ -89,11 +85,7 @@ class LeaseKeeper:
         lease = self.lease
         try:
             if lease is None:
-                new = self._coord.grant_lease(self.ttl)
-                with self._lock:
-                    self._lease = new
-                self._health.ok()
-                log.info("granted new lease %x", new)
+                log.info("granted new lease %x", self.grant())
                 self._on_change()
                 return
             self._coord.keep_alive(lease)
@@ -119,7 +111,7 @@ class LeaseKeeper:
             started = self._clock.monotonic()
             self.step()
             elapsed = self._clock.monotonic() - started
-            self._stop.wait(max(0.05, self.interval - elapsed))
+            self._stop.wait(max(0.05, self.ttl / 3.0 - elapsed))  # every TTL/3: module docstring
 
     def stop(self, revoke: bool = False) -> None:
         """Stops the thread; with ``revoke`` also revokes the lease (a clean departure)."""

@@ -182,49 +182,45 @@ class MemoryCoordinator(Coordinator):
         self._watches: list[_MemoryWatch] = []
         self._closed = False
 
-    def _enter(self) -> None:
+    def _enter(self) -> threading.RLock:
+        """Checks the client and the store, as each call does first; returns the store's lock."""
         if self._closed:
             raise CoordinationError("client is closed")
         self.store.expire_leases()
         self.store._check()
+        return self.store._lock
 
     def get(self, key: bytes) -> KeyValue | None:
-        self._enter()
-        with self.store._lock:
+        with self._enter():
             return self.store._kv.get(key)
 
     def get_prefix(self, prefix: bytes) -> tuple[list[KeyValue], int]:
-        self._enter()
-        with self.store._lock:
+        with self._enter():
             kvs = [kv for k, kv in self.store._kv.items() if k.startswith(prefix)]
             return sorted(kvs, key=lambda kv: kv.key), self.store._revision
 
     def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
-        self._enter()
-        with self.store._lock:
+        with self._enter():
             event = self.store._put(key, value, lease)
         self.store._dispatch([event])
         return event.kv.mod_revision
 
     def delete(self, key: bytes) -> bool:
-        self._enter()
-        with self.store._lock:
+        with self._enter():
             event = self.store._delete(key)
         self.store._dispatch([event] if event else [])
         return event is not None
 
     def delete_prefix(self, prefix: bytes) -> int:
-        self._enter()
-        with self.store._lock:
+        with self._enter():
             keys = [k for k in self.store._kv if k.startswith(prefix)]
             events = [e for k in keys if (e := self.store._delete(k)) is not None]
         self.store._dispatch(events)
         return len(events)
 
     def transaction(self, compares: Sequence[Compare], ops: Sequence[Op]) -> tuple[bool, int]:
-        self._enter()
         events: list[WatchEvent] = []
-        with self.store._lock:
+        with self._enter():
             for c in compares:
                 kv = self.store._kv.get(c.key)
                 if (kv.mod_revision if kv else 0) != c.mod_revision:
@@ -243,16 +239,14 @@ class MemoryCoordinator(Coordinator):
         return True, revision
 
     def grant_lease(self, ttl: int) -> int:
-        self._enter()
-        with self.store._lock:
+        with self._enter():
             self.store._next_lease += 1
             lease_id = self.store._next_lease
             self.store._leases[lease_id] = _Lease(ttl, self.store.clock.monotonic() + ttl)
             return lease_id
 
     def keep_alive(self, lease: int) -> float:
-        self._enter()
-        with self.store._lock:
+        with self._enter():
             entry = self.store._leases.get(lease)
             if entry is None:
                 raise LeaseLost(f"lease {lease:x} not found")
@@ -260,15 +254,13 @@ class MemoryCoordinator(Coordinator):
             return float(entry.ttl)
 
     def revoke_lease(self, lease: int) -> None:
-        self._enter()
-        with self.store._lock:
+        with self._enter():
             events = self.store._drop_lease(lease)
         self.store._dispatch(events)
 
     def watch_prefix(self, prefix: bytes, callback: WatchCallback, start_revision: int) -> Watch:
-        self._enter()
         compacted = None
-        with self.store._lock:
+        with self._enter():
             if start_revision and start_revision <= self.store._compacted:
                 # etcd reports this on the stream, not to the caller: so do we.
                 compacted = Compacted(self.store._compacted)
@@ -287,14 +279,12 @@ class MemoryCoordinator(Coordinator):
         return w
 
     def reset_watches(self) -> None:
-        self._enter()
-        with self.store._lock:
+        with self._enter():
             for w in self._watches:
                 w.resume_from = 0
 
     def revision(self, probe: bytes = b"\0") -> int:
-        self._enter()
-        with self.store._lock:
+        with self._enter():
             return self.store._revision
 
     def close(self) -> None:

@@ -1,10 +1,9 @@
 """Versioned records stored in etcd.
 
 Every value elasticd writes is a JSON object with a schema version ``schema`` and a record type
-``record``, beside the record's own fields. A
-reader refuses, with a clear error, a record it cannot read: not JSON (corrupt), the wrong kind,
-or a newer schema than it knows (written by a newer elasticd: upgrade this node). JSON and not
-pickle: nothing read from etcd may run code.
+``record``, beside the record's own fields. A reader refuses, with a clear error, a record it
+cannot read: not JSON (corrupt), the wrong kind, or a newer schema than it knows (written by a
+newer elasticd: upgrade this node). JSON and not pickle: nothing read from etcd may run code.
 
 Whoever can write to etcd is not trusted to write well-formed records (docs/security.md): a
 dataclass record is checked field by field against its annotations on decode (an ``int`` is a
@@ -196,9 +195,7 @@ def check_type(value: Any, hint: Any) -> str | None:
     if hint is bool:
         return None if isinstance(value, bool) else f"is {_show(value)}, expected true/false"
     if hint is int:
-        if type(value) is int:
-            return None
-        return f"is {_show(value)}, expected an integer"
+        return None if type(value) is int else f"is {_show(value)}, expected an integer"
     if hint is float:
         if type(value) in (int, float) and math.isfinite(value):
             return None
