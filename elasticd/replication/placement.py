@@ -1,4 +1,4 @@
-"""Where each node's checkpoint shards are held: Gemini's placement, its failure odds, its changes.
+"""Where each node's checkpoint shards are held: Gemini's placement and its failure odds.
 
 Every node of a rendezvous round owns the shards of the ranks it hosts and must have them held by
 ``m`` daemons: itself plus ``m - 1`` peers. :func:`compute_placement` chooses the peers the way
@@ -12,9 +12,10 @@ keeps every node's replication traffic at ``m - 1`` copies.
 
 The rest of the module answers questions about a placement without touching the network:
 which owners lose every copy when given nodes die (:func:`lost_shards`), how likely ``k`` random
-simultaneous failures are to lose something (:func:`loss_probability`, exact), which copies a
-membership change requires (:func:`diff`), and how a placement is stored in etcd
-(:func:`encode_placement`, :func:`decode_placement`, record kind ``"placement"``).
+simultaneous failures are to lose something (:func:`loss_probability`, exact), and how a
+placement is stored in etcd (:func:`encode_placement`, :func:`decode_placement`, record kind
+``"placement"``). Which copies a membership change requires is
+:func:`elasticd.recovery.plans.repair_plan`'s question, asked of the committed record.
 """
 
 from __future__ import annotations
@@ -291,55 +292,6 @@ def _convolve(a: list[int], b: list[int]) -> list[int]:
             for j, y in enumerate(b):
                 out[i + j] += x * y
     return out
-
-
-# -- membership changes -----------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class PlacementDiff:
-    """What a membership change asks of the replication layer.
-
-    Attributes:
-        added: copies (owner, holder) the new placement needs that no surviving holder already
-            has: the owner must push its shards there. In the new placement's order.
-        dropped: copies of live owners, held by live nodes, that the new placement no longer
-            wants; the holder may free them once the new placement's first step is committed.
-        orphaned: copies of owners that left the membership, held by live nodes. They are what
-            restores those owners' shards: keep them until the new round has committed a step.
-    """
-
-    added: tuple[Copy, ...]
-    dropped: tuple[Copy, ...]
-    orphaned: tuple[Copy, ...] = ()
-
-
-def diff(old: Placement, new: Placement) -> PlacementDiff:
-    """Compares two placements.
-
-    A copy counts as already present only if the same holder held the same owner's shards
-    before *and* the owner still hosts the same ranks (otherwise the bytes are another shard).
-    An owner's own copy is never a transfer. When an owner's ranks changed, a pair can be both
-    dropped (the old shard's bytes) and added (the new shard).
-    """
-    still_valid = {
-        (o, h)
-        for o, h in old.copies()
-        if o in new.ranks and tuple(old.ranks.get(o, ())) == tuple(new.ranks[o])
-    }
-    wanted = new.copies()
-    added = tuple(
-        (o, h) for o in new.nodes for h in new.holders[o][1:] if (o, h) not in still_valid
-    )
-    alive = set(new.nodes)
-    held = [(o, h) for o in old.nodes for h in old.holders[o][1:] if h in alive]
-    dropped = tuple(
-        (o, h)
-        for o, h in held
-        if o in alive and ((o, h) not in wanted or (o, h) not in still_valid)
-    )
-    orphaned = tuple((o, h) for o, h in held if o not in alive)
-    return PlacementDiff(added=added, dropped=dropped, orphaned=orphaned)
 
 
 # -- etcd record ------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Gemini placement: shapes, invariants, failure odds against brute force, diffs, records."""
+"""Gemini placement: shapes, invariants, failure odds against brute force, records."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from elasticd.replication.placement import (
     PlacementError,
     compute_placement,
     decode_placement,
-    diff,
     encode_placement,
     group_loss_probability,
     loss_probability,
@@ -178,25 +177,6 @@ def test_group_closed_form_scales_and_matches_components():
     assert group_loss_probability(n, m, 2) == Fraction(n // 2, math.comb(n, 2))
     with pytest.raises(ValueError):
         group_loss_probability(5, 2, 2)
-
-
-def test_diff_after_node_loss():
-    old = compute_placement(["a", "b", "c", "d"], m=2)
-    new = compute_placement(["a", "b", "d"], m=2)  # c died; d joins the ring with a and b
-    d = diff(old, new)
-    assert new.holders == {"a": ("a", "b"), "b": ("b", "d"), "d": ("d", "a")}
-    assert d.added == (("b", "d"), ("d", "a"))
-    assert d.dropped == (("b", "a"),)
-    assert d.orphaned == (("c", "d"),)  # d holds the only copy of dead c's shard: keep it
-    assert diff(new, new).added == () and diff(new, new).dropped == ()
-
-
-def test_diff_when_ranks_move_requires_every_copy_again():
-    old = compute_placement(["a", "b"], {"a": [0], "b": [1]}, m=2)
-    new = compute_placement(["a", "b"], {"a": [1], "b": [0]}, m=2)
-    d = diff(old, new)
-    assert set(d.added) == {("a", "b"), ("b", "a")}
-    assert set(d.dropped) == {("a", "b"), ("b", "a")}
 
 
 def test_record_round_trip():
