@@ -63,10 +63,12 @@ def needed_bytes(header: SnapshotHeader, boxes: Mapping[Key, Box]) -> list[tuple
         i, shape, placements = node.get("i"), node.get("shape"), node.get("placements")
         if (type(i) is int and 0 <= i < len(entries) and isinstance(shape, list)
                 and isinstance(placements, list)):
+            key = (tuple(shape), tuple(placements))
             try:
-                sharded[i] = (node.get("offsets"), (tuple(shape), tuple(placements)))
-            except TypeError:  # unhashable junk in a malformed meta: whole
+                hash(key)  # the boxes are looked up by it below
+            except TypeError:  # unhashable junk (a list in a list) in a malformed meta: whole
                 continue
+            sharded[i] = (node.get("offsets"), key)
     out = []
     for i, e in enumerate(entries):
         if not e.nbytes:

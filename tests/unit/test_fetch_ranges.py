@@ -78,6 +78,18 @@ def test_junk_offsets_in_a_holders_header_fetch_the_entry_whole():
     assert (e.offset, e.offset + e.nbytes) in needed_bytes(h, box((0, 0), (5, 2048)))
 
 
+def test_unhashable_junk_in_a_holders_header_fetches_the_entry_whole():
+    """A list inside the shape or placements cannot key the boxes: the entry is fetched whole,
+    not the whole fetch failed with a TypeError."""
+    h = header((3, 6))
+    h.meta["objects"][0][2]["w"]["placements"] = [["S0"]]
+    h.meta["objects"][1][2]["exp_avg"]["shape"] = [[9], 2048]
+    e = {x.name: x for x in h.layout.entries}
+    got = needed_bytes(h, box((0, 0), (5, 2048)))
+    for name in ("model/w", "optim/state/0/exp_avg"):
+        assert (e[name].offset, e[name].offset + e[name].nbytes) in got
+
+
 @pytest.mark.parametrize("bad", [
     {"w": [[0], [1]]},
     [[[9], ["S0"], [0]]],
