@@ -324,7 +324,12 @@ class ReplicationCollector:
                                   "without bound)", getattr(st, "replication_skipped_total", 0))
         yield CounterMetricFamily("elasticd_replication_commits",
                                   "Steps this node recorded as committed (every rank has m "
-                                  "verified copies)", getattr(st, "commits_total", 0))
+                                  "verified copies) as its job's commit coordinator",
+                                  getattr(st, "commits_total", 0))
+        yield GaugeMetricFamily("elasticd_commit_coordinator",
+                                "1 while this node is its job's commit coordinator (summed "
+                                "over a job's nodes: 1; 0 for longer than a lease TTL and the "
+                                "job commits nothing)", getattr(st, "commit_coordinator", 0))
         yield GaugeMetricFamily("elasticd_committed_step",
                                 "Newest committed step of this node's job (-1: none yet)",
                                 getattr(st, "committed_step", -1))

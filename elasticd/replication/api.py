@@ -25,6 +25,7 @@ IN_PROGRESS = "in_progress"  # the same version is being received on another con
 NO_SPACE = "no_space"  # the sink's memory budget cannot take it
 NOT_FOUND = "not_found"  # fetch: no such held snapshot
 BAD_RANGE = "bad_range"  # fetch: the byte range asked for lies outside the snapshot
+NOT_COORDINATOR = "not_coordinator"  # a commit report to a server that takes none
 
 MAX_JOB_NAME = 256
 

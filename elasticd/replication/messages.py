@@ -337,8 +337,39 @@ class Error:
         return cls(_str_field(obj, "code", "ERROR"), _str_field(obj, "message", "ERROR"))
 
 
+@dataclasses.dataclass(frozen=True)
+class CommitReport:
+    """A node's commit report to its job's coordinator (:mod:`elasticd.replication.report`
+    decodes ``body``)."""
+
+    TYPE: ClassVar[FrameType] = FrameType.REPORT
+    body: bytes
+
+    def payload(self) -> bytes:
+        return self.body
+
+    @classmethod
+    def parse(cls, p: memoryview) -> "CommitReport":
+        return cls(bytes(p))
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitReply:
+    """The coordinator's answer to a :class:`CommitReport`."""
+
+    TYPE: ClassVar[FrameType] = FrameType.REPORT_REPLY
+    body: bytes
+
+    def payload(self) -> bytes:
+        return self.body
+
+    @classmethod
+    def parse(cls, p: memoryview) -> "CommitReply":
+        return cls(bytes(p))
+
+
 Message = Union[Hello, Challenge, Auth, PutBegin, Data, PutEnd, Ack, Nack, Fetch, FetchReply,
-                Error]
+                Error, CommitReport, CommitReply]
 MESSAGES: dict[FrameType, Any] = {cls.TYPE: cls for cls in get_args(Message)}
 
 

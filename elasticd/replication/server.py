@@ -32,12 +32,13 @@ import selectors
 import socket
 import ssl
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from elasticd.admission import Admission, shut
 from elasticd.clock import Clock, SystemClock
 from elasticd.replication.api import (
     BAD_RANGE,
+    NOT_COORDINATOR,
     NOT_FOUND,
     ConnectionLost,
     Descriptor,
@@ -48,7 +49,16 @@ from elasticd.replication.api import (
 from elasticd.replication.auth import AuthFailures, check_secret, server_handshake
 from elasticd.replication.seal import BlockTagger
 from elasticd.replication.channel import Channel, receive_stream, send_stream, tune
-from elasticd.replication.messages import Ack, Fetch, FetchReply, Nack, PutBegin
+from elasticd.replication.messages import (
+    Ack,
+    CommitReply,
+    CommitReport,
+    Fetch,
+    FetchReply,
+    Nack,
+    PutBegin,
+)
+from elasticd.replication.report import Reply, Report, decode_report, encode_reply
 from elasticd.replication.wire import (
     DEFAULT_MAX_CONTROL,
     DEFAULT_MAX_FRAME,
@@ -130,6 +140,9 @@ class ReplicaServer:
         self.chunk_size = chunk_size
         self.clock = clock or SystemClock()
         self.stats = ServerStats()
+        #: Where commit reports go (this node's coordination of their job); the node builder
+        #: sets it. None: this server takes no reports (refused with ``not_coordinator``).
+        self.on_report: Callable[[Report], Reply] | None = None
         self._lock = threading.Lock()
         self._connections: dict[threading.Thread, Any] = {}
         # Fetches being served, by the connection's thread: (peer, job, rank, version, start).
@@ -331,8 +344,10 @@ class ReplicaServer:
                         channel.block_key = None
                 elif isinstance(msg, Fetch):
                     self._serve_fetch(channel, msg, hello.max_frame, hello.node_id)
+                elif isinstance(msg, CommitReport):
+                    self._serve_report(channel, msg, hello.node_id)
                 else:
-                    raise UnexpectedFrame(f"expected PUT_BEGIN or FETCH, received "
+                    raise UnexpectedFrame(f"expected PUT_BEGIN, FETCH or REPORT, received "
                                           f"{msg.TYPE.name}")
         except ProtocolError as exc:
             log.warning("replica server %s: protocol error from %s: %s", self.node_id, peer, exc)
@@ -382,6 +397,18 @@ class ReplicaServer:
                   self.node_id, d.owner_rank, d.version, peer_id, d.total_bytes,
                   self.clock.monotonic() - started)
         channel.send(Ack({"bytes": d.total_bytes}))
+
+    def _serve_report(self, channel: Channel, msg: CommitReport, peer_id: str) -> None:
+        report = decode_report(msg.body)  # MalformedReport is a ProtocolError
+        if report.node != peer_id:
+            # One node may not speak for another: the report names the authenticated peer.
+            raise UnexpectedFrame(f"a commit report from {peer_id!r} names node "
+                                  f"{report.node[:70]!r}")
+        handler = self.on_report
+        if handler is None:
+            channel.send(Nack(NOT_COORDINATOR, f"{self.node_id} takes no commit reports"))
+            return
+        channel.send(CommitReply(encode_reply(handler(report))))
 
     def serving(self) -> list[dict[str, Any]]:
         """The fetches being served now: peer, job, rank, version and seconds so far (a

@@ -30,7 +30,17 @@ from elasticd.replication.api import (
 )
 from elasticd.replication.auth import check_secret, client_handshake
 from elasticd.replication.channel import Channel, receive_stream, send_stream, tune
-from elasticd.replication.messages import Ack, Error, Fetch, FetchReply, Nack, PutBegin
+from elasticd.replication.messages import (
+    Ack,
+    CommitReply,
+    CommitReport,
+    Error,
+    Fetch,
+    FetchReply,
+    Nack,
+    PutBegin,
+)
+from elasticd.replication.report import Reply, Report, decode_reply, encode_report
 from elasticd.replication.seal import BlockTags
 from elasticd.replication.server import DEFAULT_CHUNK, ReplicaServer, ServerStats
 from elasticd.replication.wire import (
@@ -190,6 +200,20 @@ class ReplicaClient:
                                        f"{target.readonly}) cannot take {d.total_bytes}")
             receive_stream(self.channel, end - start, target[start:end], base=start)
             return d
+
+        return self._call(run, deadline)
+
+    def report(self, report: Report, deadline: float | None = None) -> Reply:
+        """Sends a commit report to the peer (its job's coordinator) and returns its reply.
+
+        Raises:
+            Refused: the peer coordinates nothing (``not_coordinator``); the connection stays
+                usable.
+            ReplicationError: anything else; the connection is then unusable.
+        """
+        def run() -> Reply:
+            self.channel.send(CommitReport(encode_report(report)))
+            return decode_reply(self._reply(CommitReply).body)
 
         return self._call(run, deadline)
 

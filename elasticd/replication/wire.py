@@ -33,6 +33,7 @@ The frames, by conversation (``C`` client, ``S`` server):
 * handshake: C HELLO → S CHALLENGE → C AUTH → S ACK, sealed (or ERROR unsealed, and close);
 * push: C PUT_BEGIN → S ACK | NACK, then C DATA… PUT_END → S ACK | NACK;
 * fetch: C FETCH → S FETCH_REPLY, DATA…, PUT_END | NACK;
+* commit report (v5): C REPORT → S REPORT_REPLY (the server is the job's commit coordinator);
 * ERROR from either side ends the connection.
 """
 
@@ -48,8 +49,13 @@ import xxhash
 from elasticd.replication.api import ReplicationError
 
 MAGIC = b"EDRP"
-VERSION = 4  # 2: client proves first, frames sealed (AES-GMAC); 3: tags are ChaCha20-Poly1305;
-# 4: pretagged DATA (block tags made at seal time)
+VERSION = 5  # 2: client proves first, frames sealed (AES-GMAC); 3: tags are ChaCha20-Poly1305;
+# 4: pretagged DATA (block tags made at seal time); 5: commit reports to the job's coordinator
+# (REPORT, REPORT_REPLY), which replaced the per-node replicated records in etcd
+#: What a peer speaking an older version is told to do (the log line on each side).
+UPGRADE = ("upgrade elasticd on every node of the cluster (docs/operations.md, \"Upgrading "
+           "elasticd\"): this release commits through a coordinator (replication protocol "
+           "v5) and cannot replicate with older nodes")
 CHECK_BYTES = 16
 HEADER = struct.Struct(f"!4sBBHI{CHECK_BYTES}s")
 HEADER_SIZE = HEADER.size
@@ -127,6 +133,8 @@ class FrameType(enum.IntEnum):
     FETCH = 9
     FETCH_REPLY = 10
     ERROR = 11
+    REPORT = 12
+    REPORT_REPLY = 13
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +188,7 @@ def parse_header(raw: bytes | bytearray | memoryview, limits: Limits) -> FrameHe
                        "replication peer, or the stream lost its framing")
     if version != VERSION:
         raise UnsupportedVersion(f"peer speaks replication protocol v{version}, this elasticd "
-                                 f"speaks v{VERSION}: run the same elasticd release on all nodes")
+                                 f"speaks v{VERSION}: {UPGRADE}")
     try:
         kind = FrameType(ftype)
     except ValueError as exc:

@@ -85,6 +85,10 @@ class CoordinatorContract:
         ok, rev = coord.transaction([Compare(key, cur)], [Delete(key), Put(key + b"2", b"y")])
         assert ok and rev > cur
         assert coord.get(key) is None and coord.get(key + b"2").value == b"y"
+        # Every change of one transaction has its revision (the commit protocol's fences
+        # rely on it: a withdrawal's returned revision is its fence key's mod_revision).
+        ok, rev = coord.transaction([], [Put(key + b"3", b"a"), Put(key + b"4", b"b")])
+        assert ok and coord.get(key + b"3").mod_revision == coord.get(key + b"4").mod_revision == rev
 
     def test_lost_lease_deletes_keys_and_is_reported(self, coord, ctl, prefix):
         key = (prefix + "/leased").encode()
