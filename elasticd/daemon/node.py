@@ -236,6 +236,7 @@ class Node:
         store.tagger = BlockTagger(secret).tag
         rep.pusher.on_push = ReplicationSink(metrics).pushed
         rep.serving = server.serving
+        rep.last_heard = server.last_heard
         metrics.replication.attach(rep.stats, server.snapshot_stats)
         log.info("replicating snapshots to %d peers; replication server on %s",
                  settings.replicas - 1, server.address)
