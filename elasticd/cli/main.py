@@ -160,6 +160,8 @@ _complaints = records.Complaints(log)
 
 #: Events after which a recovery counts as recovering from them.
 _DISRUPTIONS = ("failed", "left", "drained", "fenced")
+#: Events after which a restore is the job growing (recovery_seconds null).
+_GROWTHS = ("joined", "rejoined")
 #: A recovery further than this from the last disruption is not attributed to it.
 _RECOVERY_WINDOW = 600.0
 
@@ -169,16 +171,18 @@ def event_rows(coord: EtcdCoordinator, keys: Keyspace, limit: int,
     """Events, oldest first, each with the same keys. For ``failed``: detection_seconds; for
     ``recovered`` (one per restored rank): source, steps_lost, restore_seconds, and
     recovery_seconds, from the disruption before it (failure, departure, drain) to the
-    restore's end. For ``timeline`` (one per failure and job, see
-    :mod:`elasticd.cluster.timeline`): ``timeline`` (its phases, moments, restore sources and
-    bytes, each rank's source), with detection_seconds its detect phase, recovery_seconds its
-    total (failure to first step), restore_seconds its restore phase, source its restores'
-    sources, steps_lost the most any rank lost and step the step restored.
+    restore's end (null after a node joined: the job grew). For ``timeline`` (one per failure
+    and job, see :mod:`elasticd.cluster.timeline`): ``timeline`` (its phases, moments,
+    restore sources and bytes, each rank's source), with detection_seconds its detect phase,
+    recovery_seconds its total (failure to first step), restore_seconds its restore phase,
+    source its restores' sources, steps_lost the most any rank lost and step the step
+    restored.
 
     One source of truth: a failure that has a timeline is measured from where the timeline
     places it (its dead node's last sign of life), in its ``failed`` row (detection_seconds:
     from there to the event; the timeline's detect phase unless training was back before the
-    event, see ``overlapped``) and its ``recovered`` rows (recovery_seconds) alike."""
+    event, see ``overlapped``) and the ``recovered`` rows of its restores (recovery_seconds,
+    also those recorded before the failed event) alike."""
     listed = EventLog(coord, keys).list()
     placed = _failures_placed(listed)
     out = []
@@ -194,18 +198,32 @@ def event_rows(coord: EtcdCoordinator, keys: Keyspace, limit: int,
                "recovery_seconds": None, "timeline": None}
         if e.kind == timeline.KIND:
             _add_timeline(row, e.data, f"the timeline of {e.node}'s failure ({e.instance})")
+        if e.kind in _GROWTHS:
+            last_disruption = None  # a restore after a node joined is a grow, no recovery
         if e.kind in _DISRUPTIONS:
             last_disruption = e.at
             t = placed.get((e.node, e.lease)) if e.kind == "failed" else None
             if t is not None and t.failure_at is not None:
                 last_disruption = t.failure_at
                 row["detection_seconds"] = round(max(0.0, e.at - t.failure_at), 3)
-        elif (e.kind == "recovered" and last_disruption is not None
-              and 0 <= e.at - last_disruption <= _RECOVERY_WINDOW):
-            row["recovery_seconds"] = round(e.at - last_disruption, 3)
+        elif e.kind == "recovered":
+            # A restore its recovery's timeline counts (which may come before the failed
+            # event: the survivors re-formed before the lease was seen expired), else one
+            # after a disruption.
+            t = next((t for t in placed.values() if _counts(t, d.get("job"), e.at)), None)
+            since = t.failure_at if t is not None else last_disruption
+            if since is not None and 0 <= e.at - since <= _RECOVERY_WINDOW:
+                row["recovery_seconds"] = round(e.at - since, 3)
         if not kinds or e.kind in kinds:
             out.append(row)
     return out[-limit:] if limit > 0 else out
+
+
+def _counts(t: timeline.Timeline, job: Any, at: float) -> bool:
+    """Whether a restore of ``job`` ended at ``at`` is one of ``t``'s."""
+    assert t.failure_at is not None
+    return t.job == job and t.failure_at <= at <= (t.first_step_at or t.failure_at
+                                                    + _RECOVERY_WINDOW)
 
 
 def _failures_placed(listed: Sequence[Any]) -> dict[tuple[str, int], timeline.Timeline]:

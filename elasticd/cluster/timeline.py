@@ -7,13 +7,14 @@ it happens, and the phases between them::
         ─start─▶ restore started ─restore─▶ restore finished ─first_step─▶ first step
 
 * **failure**: not observable (a dead machine sends nothing), so it is placed at the dead node's
-  last sign of life a peer saw (``failure_evidence``), the newest of: ``frame``, the last
-  replication frame the writer's replica server received from it; ``step``, the last training
-  step the writer's workers completed while it was in their group (a collective needs every
-  rank, so it was alive then); ``record``, its node record's last write; ``keepalive``, its
-  lease's last keep-alive, one lease TTL before the lease expired. The failure came after that
-  sign; when only the lease is known it also came before the next keep-alive was due (they come
-  every TTL/3), so ``failure_latest_at`` bounds it and the detect phase is shown as a range.
+  last sign of life a survivor saw (``failure_evidence``): the newer of ``frame``, the last
+  replication frame the writer's replica server received from it, and ``step``, the last
+  training step the writer's workers completed while it was in their group (a collective needs
+  every rank, so it was alive then). Failing those (or when they are older than its lease
+  allows), the lease places it: ``record``, its node record's last write when younger than the
+  TTL, else ``keepalive``, one TTL before the lease was seen expired. Then the failure came
+  before the next keep-alive was due (they come every TTL/3), ``failure_latest_at`` bounds it,
+  and the detect phase is shown as the range it can be (:meth:`Timeline.detect_range`).
 * **detected**: the ``failed`` event (its ``at``, written by the first observer), or the first
   later moment when that came before it (the survivors were training again before the lease
   expired; named in ``overlapped``).
@@ -91,10 +92,15 @@ class RankRestore:
                 "steps_lost": self.steps_lost}
 
 
-#: The kinds of a failed node's last sign of life (module docstring), newest wins.
+#: The kinds of a failed node's last sign of life (module docstring).
 EVIDENCE = ("frame", "step", "record", "keepalive")
-#: Of those, the ones the lease alone gives: the failure's place is then a range.
-LEASE_EVIDENCE = ("record", "keepalive")
+#: Of those, the ones a survivor saw itself: the newest places the failure, to about a step.
+MEASURED = ("frame", "step")
+#: How much later than its last keep-alive plus the TTL a lease can be seen gone: etcd looks
+#: for expired leases every 0.5 s, and the watch brings the deletion a moment later. The lease
+#: alone thus places a failure between ``detected - TTL - EXPIRY_SLACK`` and the next
+#: keep-alive's due time.
+EXPIRY_SLACK = 0.75
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,8 +156,9 @@ class Timeline:
         the failure, else None (the detect phase is then measured from a sign of life)."""
         if self.failure_latest_at is None or self.failure_at is None:
             return None
+        slack = EXPIRY_SLACK if self.failure_evidence == "keepalive" else 0.0
         return (round(max(0.0, self.detected_at - self.failure_latest_at), 3),
-                round(self.detected_at - self.failure_at, 3))
+                round(self.detected_at - self.failure_at + slack, 3))
 
     @property
     def steps_lost(self) -> int | None:
@@ -280,27 +287,31 @@ def place_failure(detected_at: float, detection_seconds: float | None, lease_ttl
                   signs: Mapping[str, float | None]) -> tuple[float | None, str, float | None]:
     """Where the failure goes: (its time, the evidence, the latest it can have come or None).
 
-    At the newest sign of life (module docstring); ``detected_at`` bounds every sign (a sign
-    later than the detection is another life of the node, or a clock step). When the lease
-    alone places it, it came before the keep-alive after the last one was due (TTL/3 later).
+    A sign the writer saw itself (``frame``, ``step``: :data:`MEASURED`) places it, the newest
+    of them, when the lease allows it (no earlier than its last keep-alive can have been:
+    :data:`EXPIRY_SLACK`) and no later than the detection (a later sign is another life of the
+    node, or a clock step). Otherwise the lease does: its record's last write when younger
+    than the TTL, else one TTL before the detection; the failure then came before the next
+    keep-alive was due (every TTL/3), which bounds it.
     """
-    seen: dict[str, float] = {}
-    if lease_ttl is not None and lease_ttl >= 0:
-        seen["keepalive"] = detected_at - lease_ttl
-    if detection_seconds is not None and detection_seconds >= 0 and (
-            lease_ttl is None or detection_seconds < lease_ttl):
-        seen["record"] = detected_at - detection_seconds
-    for kind, at in signs.items():
-        if kind in EVIDENCE and at is not None and math.isfinite(at) and at <= detected_at:
-            seen[kind] = at
-    if not seen:
-        return None, "", None
-    # The newest sign; of equal ones, the more direct (EVIDENCE's order).
-    kind = max(seen, key=lambda k: (seen[k], -EVIDENCE.index(k)))
-    latest = None
-    if kind in LEASE_EVIDENCE and lease_ttl is not None and lease_ttl >= 0:
-        latest = min(detected_at, detected_at - lease_ttl + lease_ttl / 3.0)
-    return seen[kind], kind, latest
+    floor = (detected_at - lease_ttl - EXPIRY_SLACK
+             if lease_ttl is not None and lease_ttl >= 0 else -math.inf)
+    measured = {k: at for k, at in signs.items()
+                if k in MEASURED and at is not None and math.isfinite(at)
+                and floor <= at <= detected_at}
+    if measured:
+        # The newest; of equal ones, the more direct (EVIDENCE's order).
+        kind = max(measured, key=lambda k: (measured[k], -EVIDENCE.index(k)))
+        return measured[kind], kind, None
+    if lease_ttl is None or lease_ttl < 0:
+        if detection_seconds is None or detection_seconds < 0:
+            return None, "", None
+        return detected_at - detection_seconds, "record", None
+    due = detected_at - lease_ttl + lease_ttl / 3.0  # the next keep-alive
+    if detection_seconds is not None and 0 <= detection_seconds < lease_ttl:
+        at = detected_at - detection_seconds
+        return at, "record", min(detected_at, max(at, due))
+    return detected_at - lease_ttl, "keepalive", min(detected_at, due)
 
 
 def first_after(times: Iterable[float], since: float) -> float | None:

@@ -189,8 +189,9 @@ class Node:
         else:
             log.warning("checkpoint slots in %s are on %s: reserving and mapping a slot costs "
                         "up to seven times what it does on a tmpfs mounted with "
-                        "huge=within_size (systemd/run-elasticd-shm.mount; README, 'Huge "
-                        "pages')", self.settings.shm_path, pages.describe())
+                        "huge=within_size (systemd/run-elasticd-shm.mount; "
+                        "docs/operations.md, 'Huge pages')", self.settings.shm_path,
+                        pages.describe())
         return pages
 
     def _replication(self, coord: EtcdCoordinator, metrics: Metrics, membership: Membership,

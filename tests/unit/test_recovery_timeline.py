@@ -375,14 +375,14 @@ def test_history_shows_each_phase_in_both_formats(env):
     assert row["timeline"]["marks"]["aborted"] is None
     assert row["recovery_seconds"] == t.total == 3.9
     assert row["detection_seconds"] == 2.0 and row["source"] == "local+peer"
-    assert row["restore_seconds"] == 0.3 and row["timeline"]["detect_range"] == [1.333, 2.0]
+    assert row["restore_seconds"] == 0.3 and row["timeline"]["detect_range"] == [1.333, 2.75]
     text = _history(coord)
     table = text.split("recoveries (seconds per phase, from the failure to the first step):\n")[1]
     head, line = table.splitlines()[:2]
     assert head.split() == ["WHEN", "JOB", "FAILED", "DETECT", "ABORT", "RENDEZVOUS", "START",
                             "RESTORE", "FIRST", "STEP", "TOTAL", "SOURCE", "BYTES", "STEP"]
     # Only the lease placed the failure: the detect phase is shown as the range it can be.
-    assert line.split()[1:] == ["j", "n2", "1.33-2.00", "-", "-", "0.75", "0.30", "0.25",
+    assert line.split()[1:] == ["j", "n2", "1.33-2.75", "-", "-", "0.75", "0.30", "0.25",
                                 "3.90", "local+peer", "2.0", "KiB", "40"]
 
 
@@ -473,13 +473,14 @@ def test_a_recovery_done_before_the_lease_expired_keeps_its_real_moments():
 # -- where the failure is placed (its last sign of life) ---------------------------------------
 
 def test_the_failure_is_placed_at_the_newest_sign_of_life_before_the_detection():
-    # The lease alone: the last keep-alive, a TTL before the expiry, and the next one was due
-    # TTL/3 later: the failure lies between, and the detect phase is a range.
+    # The lease alone: the last keep-alive, a TTL before the expiry was seen (etcd may see it
+    # up to EXPIRY_SLACK late), and the next one was due TTL/3 later: the failure lies between,
+    # and the detect phase is a range.
     t = _full()
     assert (t.failure_evidence, t.failure_at) == ("keepalive", T0 + 0.3)
     assert t.failure_latest_at == round(T0 + 0.3 + 2.0 / 3, 3)
-    assert t.detect_range() == (1.333, 2.0)
-    assert "detected 1.33-2.00 s after it" in t.describe()
+    assert t.detect_range() == (1.333, 2.75)
+    assert "detected 1.33-2.75 s after it" in t.describe()
     # A newer record write is a sign too (still only the lease's word: a range).
     t = _full(detection_seconds=1.5)
     assert (t.failure_evidence, t.phases()["detect"]) == ("record", 1.5)
@@ -490,8 +491,12 @@ def test_the_failure_is_placed_at_the_newest_sign_of_life_before_the_detection()
     assert t.phases()["detect"] == 0.35 and t.detect_range() is None
     assert t.total == pytest.approx(sum(t.phases().values()))
     assert _full(signs={"step": T0 + 1.9, "frame": None}).failure_evidence == "step"
-    # Older than the last keep-alive: the keep-alive is newer, it wins.
-    assert _full(signs={"step": T0 - 5.0}).failure_evidence == "keepalive"
+    # A step a little older than a TTL before the detection: etcd saw the lease gone late
+    # (kill, last keep-alive, expiry seen 0.3 s after its due time): the step is the measure.
+    t = _full(signs={"step": T0 + 0.05})
+    assert (t.failure_evidence, t.failure_at, t.phases()["detect"]) == ("step", T0 + 0.05, 2.25)
+    # Older than the lease allows (the node lived on without stepping): the lease places it.
+    assert _full(signs={"step": T0 - 0.5}).failure_evidence == "keepalive"
 
 
 def test_a_sign_after_the_detection_is_not_one_of_this_failure():
@@ -595,3 +600,19 @@ def test_history_measures_the_failure_and_its_restores_from_the_timelines_placem
     assert "  rank 1 on n4: step 40 from a peer's RAM (a copy on another node) in 0.200 s, " \
            "2 steps lost" in text
     assert "placed at its last step trained with the others" in text
+
+
+def test_restores_recorded_before_the_failed_event_are_measured_from_the_failure(env):
+    # One host: the survivors re-formed and restored before the lease was seen expired.
+    clock, coord, keys, events, recorder = env
+    events.record(Event("recovered", "n1", 9, T0 + 2.0, "n1", "restored",
+                        {"job": "j", "rank": 0, "source": "peer", "seconds": 0.2,
+                         "steps_lost": 0, "bytes": 10, "step": 40}, instance="a"))
+    events.record(Event("failed", "n2", 0x2B, T0 + 2.3, "n3", "n2 failed",
+                        {"detection_seconds": 2.0}))
+    t = _full(signs={"step": T0 + 0.4}, first_steps=[T0 + 2.4],
+              restores=[timeline.RankRestore("j", T0 + 2.0, 0.2, "peer", 10, 40, 0, "n1", 0)])
+    events.record(Event(timeline.KIND, "n2", 0x2B, T0 + 3, "n1", t.describe(), t.as_dict(),
+                        instance="j"))
+    recovered, failed, _ = json.loads(_history(coord, "--format", "json"))
+    assert recovered["recovery_seconds"] == 1.6 and failed["detection_seconds"] == 1.9
