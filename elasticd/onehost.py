@@ -39,6 +39,7 @@ import tempfile
 import threading
 from typing import Any
 
+from elasticd.agent.zygote import peer_credentials
 from elasticd.clock import SYSTEM_CLOCK
 from elasticd.errors import InputError
 from elasticd.launcher import JOB_USER, LocalCluster
@@ -141,7 +142,7 @@ class Holder:
             except OSError:
                 return
             with conn:
-                uid = struct_uid(conn)
+                _, uid, _ = peer_credentials(conn)  # the kernel's word
                 if uid != os.getuid():  # the socket is 0600; this is the second lock
                     continue
                 try:
@@ -181,14 +182,6 @@ class Holder:
                           f"cluster with empty RAM; a job it can run takes it in")
             self._write_state()
             return detail
-
-
-def struct_uid(conn: socket.socket) -> int:
-    """The connecting process's uid (the kernel's word)."""
-    import struct
-
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[1]
 
 
 # -- the commands -------------------------------------------------------------------------------
@@ -250,10 +243,13 @@ def cmd_up(args: argparse.Namespace) -> int:
                                f"{log_path} ends: " + " | ".join(tail))
         with contextlib.suppress(OneHostError):
             print(f"up in {args.dir}: {ask(args.dir, {'op': 'status'}, timeout=5.0)}")
-            print(f"  next: eval \"$({PROG} env)\"  (then elasticctl talks to it)\n"
-                  f"        elasticctl submit NAME --nnodes 2:{args.nodes} --nproc-per-node 1"
+            me = f"{min(sys.executable, os.path.relpath(sys.executable), key=len)} -m " \
+                 "elasticd.onehost"
+            print(f"  next: eval \"$({me} env)\"  (then elasticctl talks to it)\n"
+                  f"        elasticctl submit NAME --nnodes {min(2, args.nodes)}:{args.nodes} "
+                  "--nproc-per-node 1"
                   f"{' --user ' + JOB_USER if os.geteuid() == 0 else ''} -- SCRIPT ARGS\n"
-                  f"        {PROG} kill n2  |  {PROG} start n2  |  {PROG} down\n"
+                  f"        {me} kill n2  |  {me} start n2  |  {me} down\n"
                   f"  logs: {args.dir}/<node>.log (daemons), "
                   f"{args.dir}/<node>/jobs/<job>/agent.log (workers)")
             return 0
