@@ -39,6 +39,7 @@ from elasticd.coordination import records
 from elasticd.coordination.api import CoordinationError, Unavailable
 from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endpoints
 from elasticd.coordination.keys import Keyspace, check_prefix
+from elasticd.printable import printable
 
 log = logging.getLogger(__name__)
 
@@ -299,7 +300,8 @@ def run(argv: Sequence[str] | None = None, out: Any = None) -> int:
 
 
 def _fail(code: int, why: object) -> int:
-    print(f"elasticctl: error: {why}", file=sys.stderr)
+    # The reason may quote a record or a node's answer: escaped like the output.
+    print(f"elasticctl: error: {printable(str(why))}", file=sys.stderr)
     return code
 
 

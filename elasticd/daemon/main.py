@@ -20,6 +20,7 @@ from elasticd.daemon.daemon import Daemon
 from elasticd.daemon.node import Fatal, Node
 from elasticd.daemon.notify import Notifier
 from elasticd.daemon.signals import SignalRelay
+from elasticd.printable import PrintableFormatter, printable
 
 log = logging.getLogger("elasticd")
 
@@ -116,10 +117,11 @@ def run(argv: Sequence[str] | None = None) -> int:
     except config.ConfigError as exc:
         raise Fatal(f"bad setting {exc}") from exc
 
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format=f"%(asctime)s %(levelname)s {settings.node_id} %(name)s: %(message)s",
-    )
+    # Log lines quote what workers, peers and etcd writers sent: each is escaped on its way out.
+    handler = logging.StreamHandler()
+    handler.setFormatter(PrintableFormatter(
+        f"%(asctime)s %(levelname)s {settings.node_id} %(name)s: %(message)s"))
+    logging.basicConfig(level=settings.log_level.upper(), handlers=[handler])
     stop_requested = False
 
     def on_term() -> None:
@@ -179,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         code = run(argv)
     except Fatal as exc:
-        print(f"elasticd: error: {exc}", file=sys.stderr)
+        print(f"elasticd: error: {printable(str(exc))}", file=sys.stderr)
         code = EXIT_USAGE
     sys.exit(code)
 
