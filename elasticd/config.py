@@ -24,17 +24,13 @@ from elasticd.coordination.etcd import EtcdSettings, parse_endpoints
 from elasticd.coordination.keys import check_name, check_prefix
 from elasticd.coordination.rendezvous_rounds import GROW_POLICIES, check_grow
 from elasticd.errors import InputError
+from elasticd.replication.secret_strength import weak_secret
 
 ENV_PREFIX = "ELASTICD_"
 
 
 class ConfigError(InputError, ValueError):
     """A setting has a bad value; the message names it and says what to do."""
-
-
-#: The cluster secret's minimum length: 128 bits. A passive observer of a handshake can test
-#: guesses offline (docs/security.md), so only the secret's size stands in the way.
-MIN_SECRET_BYTES = 16
 
 
 class SecretFileError(InputError, ValueError):
@@ -127,8 +123,9 @@ class Settings:
         persist_every_steps, persist_every_seconds: how often a complete step is flushed.
         persist_keep: complete steps kept on the persistent tier per job.
         cluster_secret: shared secret authenticating daemon-to-daemon replication (at least
-            16 characters; prefer ELASTICD_CLUSTER_SECRET or cluster_secret_file). Without a
-            secret, peer replication is off.
+            128 bits counted from its alphabet: 32 hex digits, 22 base64 characters; prefer
+            ELASTICD_CLUSTER_SECRET or cluster_secret_file). Without a secret, peer
+            replication is off.
         cluster_secret_file: file holding the secret (first line).
         replication_listen: HOST:PORT of the replication server (port 0: any free port).
         replicas: copies of each rank's snapshot, its own included (m; 1 turns peers off).
@@ -346,11 +343,11 @@ def _validate(s: Settings, sources: Mapping[str, str]) -> None:
         secret = s.secret
     except SecretFileError as exc:
         raise bad("cluster_secret_file", str(exc)) from None
-    if secret and len(secret) < MIN_SECRET_BYTES:
-        name = "cluster_secret" if s.cluster_secret else "cluster_secret_file"
-        raise bad(name, f"the secret is {len(secret) * 8} bits, fewer than "
-                  f"{MIN_SECRET_BYTES * 8}: use at least {MIN_SECRET_BYTES} random bytes "
-                  "(e.g. `openssl rand -hex 32`)")
+    # A passive observer of a handshake can test guesses offline (docs/security.md): only
+    # the secret's entropy, counted from its alphabet, stands in the way.
+    weak = weak_secret(secret) if secret else ""
+    if weak:
+        raise bad("cluster_secret" if s.cluster_secret else "cluster_secret_file", weak)
     parses("replication_listen", _hostport)
     if not 1 <= s.replicas <= 8:
         raise bad("replicas", f"{s.replicas}: use 1 to 8 copies (2 is the usual)")
