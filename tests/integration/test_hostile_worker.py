@@ -1,0 +1,81 @@
+"""A job's own worker against its root daemon (issue 26, findings 3 and 5), on a real daemon
+running a real torchrun job as an unprivileged user.
+
+* Finding 5: each new connection could claim a new rank, any integer: one process grew the
+  daemon's per-rank state (progress, slots, fetch locks) without bound. Now a process writes
+  for one rank and no rank reaches past the spec's largest world.
+* Finding 3: the worker's ``register`` text reached ``elasticctl jobs`` and the daemon's log
+  with its terminal sequences raw.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from elasticd.launcher import JOB_USER, LocalCluster, job_writable
+
+pytestmark = [pytest.mark.etcd]
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "hostile_worker.py")
+
+
+def elasticctl(c: LocalCluster, *argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "ELASTICD_ETCD": c.etcd, "ELASTICD_PREFIX": c.prefix}
+    return subprocess.run([sys.executable, "-m", "elasticd.cli.main", *argv], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def hostile_job(tmp_path_factory):
+    """One daemon running the hostile worker's job; its claims as the worker saw them."""
+    tmp_path = tmp_path_factory.mktemp("hostile")
+    out = job_writable(str(tmp_path / "out"))
+    c = LocalCluster(["n1"], workdir=str(tmp_path / "cluster"))
+    try:
+        c.start()
+        res = elasticctl(c, "submit", "job", "--nnodes", "1:4", "--nproc-per-node", "1",
+                         "--user", JOB_USER, "--", WORKER, out, "ranks")
+        assert res.returncode == 0, res.stderr
+        path = os.path.join(out, "ranks.json")
+        c.wait_for(lambda: os.path.exists(path), 90, "the worker's claims")
+        with open(path) as fh:
+            report = json.load(fh)
+        yield c, {int(rank): why for rank, why in report["got"].items()}
+    finally:
+        open(os.path.join(out, "done"), "w").close()
+        c.stop()
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_process_claims_one_rank_within_the_specs_largest_world(hostile_job):
+    c, got = hostile_job
+    # The same pid on new connections gets no other rank of the job's largest world (4:
+    # nnodes max 4 x 1 process), and nothing beyond it.
+    assert all("one rank per process" in got[r] for r in (1, 2, 3)), got
+    assert all("outside the job's largest world (4 ranks" in got[r] for r in got if r >= 4), got
+    status = c.nodes["n1"].http("/status")
+    assert c.nodes["n1"].http("/healthz").strip().startswith("ok")
+    ranks = [r["rank"] for r in status["job"]["progress"]["ranks"]]
+    assert ranks == [0], ranks  # the daemon keeps state for the one rank it serves
+
+
+@pytest.mark.timeout(180)
+def test_the_workers_register_text_reaches_the_operator_and_the_log_escaped(hostile_job):
+    c, _ = hostile_job
+
+    def shown():
+        text = elasticctl(c, "jobs").stdout
+        return "owned" in text and text
+
+    text = c.wait_for(shown, 30, "the worker's reason in elasticctl jobs")
+    assert "\\x1b]0;owned\\x07" in text, text
+    assert "\x1b" not in text and "\x07" not in text and "INFO forged" in text
+    assert "\n" + "INFO forged" not in text  # no line of its own
+    log = c.nodes["n1"].log_text()
+    assert "\\x1b]0;owned\\x07\\x1b[2J\\nINFO forged: all good" in log
+    assert "\x1b" not in log and "\nINFO forged" not in log
