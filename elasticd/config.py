@@ -119,6 +119,9 @@ class Settings:
             /dev/shm/elasticd-<node_id>).
         memory_cap_mib: cap on checkpoint RAM (local snapshots and peer replicas) on this node;
             a snapshot over it is skipped with a warning (0: no cap).
+        scratch_cap_mib: cap on one job's restore scratch on this node (partial copies of old
+            ranks' shards fetched after a change of world size, elasticd/store/scratch.py);
+            a fetch over it is refused (0, the default: half of this node's RAM).
         persist_dir: the persistent tier (a shared filesystem); empty: none.
         persist_every_steps, persist_every_seconds: how often a complete step is flushed.
         persist_keep: complete steps kept on the persistent tier per job.
@@ -172,6 +175,7 @@ class Settings:
     worker_start: str = "warm"
     shm_dir: str = ""
     memory_cap_mib: int = 0
+    scratch_cap_mib: int = 0
     persist_dir: str = ""
     persist_every_steps: int = 0
     persist_every_seconds: float = 0.0
@@ -198,6 +202,13 @@ class Settings:
     @property
     def provisional_seconds(self) -> float:
         return self.provisional_grace or 2.0 * self.lease_ttl + 2.0
+
+    @property
+    def scratch_cap_bytes(self) -> int:
+        """One job's restore scratch cap on this node, in bytes (``scratch_cap_mib``)."""
+        if self.scratch_cap_mib:
+            return self.scratch_cap_mib * 2**20
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
     @property
     def state_path(self) -> str:
@@ -332,6 +343,8 @@ def _validate(s: Settings, sources: Mapping[str, str]) -> None:
     parses("rdzv_grow", check_grow)
     if s.memory_cap_mib < 0:
         raise bad("memory_cap_mib", "must be >= 0 (0: no cap)")
+    if s.scratch_cap_mib < 0:
+        raise bad("scratch_cap_mib", "must be >= 0 (0: half of this node's RAM)")
     if s.persist_every_steps < 0 or s.persist_every_seconds < 0:
         raise bad("persist_every_steps", "persist_every_steps/seconds must be >= 0")
     if not 1 <= s.persist_keep <= 1000:

@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shm-dir",
                    help="tmpfs directory of checkpoint slots (default /dev/shm/elasticd-NODE)")
     p.add_argument("--memory-cap-mib")
+    p.add_argument("--scratch-cap-mib",
+                   help="most MiB of restore scratch one job may hold on this node (default "
+                        "0: half of its RAM)")
     p.add_argument("--persist-dir",
                    help="persistent checkpoint tier (shared filesystem); empty: none")
     p.add_argument("--persist-every-steps")

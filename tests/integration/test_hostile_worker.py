@@ -79,3 +79,43 @@ def test_the_workers_register_text_reaches_the_operator_and_the_log_escaped(host
     log = c.nodes["n1"].log_text()
     assert "\\x1b]0;owned\\x07\\x1b[2J\\nINFO forged: all good" in log
     assert "\x1b" not in log and "\nINFO forged" not in log
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_holds_one_partial_copy_per_shard_and_its_job_stays_under_its_cap(tmp_path):
+    """Finding 6: each ckpt_fetch with ``need`` made a scratch segment pinned for 600 s, with
+    no per-job bound (the node cap is off by default and shared with other jobs' replicas).
+    Two real daemons replicating, a real job as an unprivileged user, its rank 0 fetching
+    rank 1's shard again and again without releasing, then a child process of it once more,
+    under a 1 MiB per-job cap (each copy takes 768 KiB)."""
+    out = job_writable(str(tmp_path / "out"))
+    c = LocalCluster(["n1", "n2"], workdir=str(tmp_path / "cluster"), replication=True,
+                     extra_args=["--scratch-cap-mib", "1"])
+    try:
+        c.start()
+        res = elasticctl(c, "submit", "job", "--nnodes", "2", "--nproc-per-node", "1",
+                         "--user", JOB_USER, "--", WORKER, out, "scratch")
+        assert res.returncode == 0, res.stderr
+        path = os.path.join(out, "scratch.json")
+        c.wait_for(lambda: os.path.exists(path), 150, "the worker's fetches")
+        with open(path) as fh:
+            got = json.load(fh)
+        fetches, child = got["fetches"], got["child"]
+        assert all(f.get("partial") for f in fetches), fetches
+        node = next(n for n in c.nodes if f"/{n}/" in fetches[0]["path"])
+        live = [f for f in os.listdir(c.nodes[node].shm_dir) if f.startswith(".scratch-")]
+        assert len(live) == 1, live  # three fetches of one shard by one worker: one copy
+        assert os.path.basename(fetches[-1]["path"]) == live[0]
+        # Another process of the job: its copy would take the job over its cap.
+        assert "over its cap of 1048576 on this node (scratch_cap_mib)" in child["error"], child
+        assert "\n" not in child["error"]
+        status = c.nodes[node].http("/status")
+        scratch = status["checkpoints"]["job"]["scratch"]
+        assert scratch["refused"] == 1 and 0 < scratch["bytes"] <= 2**20, scratch
+        assert c.nodes[node].http("/healthz").strip().startswith("ok")
+        metrics = c.nodes[node].http("/metrics")
+        assert "elasticd_scratch_refused_total 1.0" in metrics
+        assert "REFUSED restore scratch" in c.nodes[node].log_text()
+    finally:
+        open(os.path.join(out, "done"), "w").close()
+        c.stop()
