@@ -30,6 +30,18 @@ def elasticctl(c: LocalCluster, *argv: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
+def run_worker(c: LocalCluster, out: str, nnodes: str, mode: str, timeout: float) -> dict:
+    """Starts ``c``, submits the hostile worker's job in ``mode``, returns what it wrote."""
+    c.start()
+    res = elasticctl(c, "submit", "job", "--nnodes", nnodes, "--nproc-per-node", "1",
+                     "--user", JOB_USER, "--", WORKER, out, mode)
+    assert res.returncode == 0, res.stderr
+    path = os.path.join(out, f"{mode}.json")
+    c.wait_for(lambda: os.path.exists(path), timeout, f"the worker's {mode}")
+    with open(path) as fh:
+        return json.load(fh)
+
+
 @pytest.fixture(scope="module")
 def hostile_job(tmp_path_factory):
     """One daemon running the hostile worker's job; its claims as the worker saw them."""
@@ -37,14 +49,7 @@ def hostile_job(tmp_path_factory):
     out = job_writable(str(tmp_path / "out"))
     c = LocalCluster(["n1"], workdir=str(tmp_path / "cluster"))
     try:
-        c.start()
-        res = elasticctl(c, "submit", "job", "--nnodes", "1:4", "--nproc-per-node", "1",
-                         "--user", JOB_USER, "--", WORKER, out, "ranks")
-        assert res.returncode == 0, res.stderr
-        path = os.path.join(out, "ranks.json")
-        c.wait_for(lambda: os.path.exists(path), 90, "the worker's claims")
-        with open(path) as fh:
-            report = json.load(fh)
+        report = run_worker(c, out, "1:4", "ranks", 90)
         yield c, {int(rank): why for rank, why in report["got"].items()}
     finally:
         open(os.path.join(out, "done"), "w").close()
@@ -92,14 +97,7 @@ def test_a_worker_holds_one_partial_copy_per_shard_and_its_job_stays_under_its_c
     c = LocalCluster(["n1", "n2"], workdir=str(tmp_path / "cluster"), replication=True,
                      extra_args=["--scratch-cap-mib", "1"])
     try:
-        c.start()
-        res = elasticctl(c, "submit", "job", "--nnodes", "2", "--nproc-per-node", "1",
-                         "--user", JOB_USER, "--", WORKER, out, "scratch")
-        assert res.returncode == 0, res.stderr
-        path = os.path.join(out, "scratch.json")
-        c.wait_for(lambda: os.path.exists(path), 150, "the worker's fetches")
-        with open(path) as fh:
-            got = json.load(fh)
+        got = run_worker(c, out, "2", "scratch", 150)
         fetches, child = got["fetches"], got["child"]
         assert all(f.get("partial") for f in fetches), fetches
         node = next(n for n in c.nodes if f"/{n}/" in fetches[0]["path"])

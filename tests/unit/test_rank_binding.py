@@ -12,19 +12,19 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
-from elasticd.daemon.local_api import LocalServer
-from elasticd.daemon.local_binding import CallerBinding, JobScope
+from elasticd.daemon.local_binding import JobScope
 from elasticd.daemon.rank_claims import RankClaims, outside_world
-from tests.users import temporary_user
+from tests.unit.test_local_binding import daemon, users  # noqa: F401 (fixtures)
 
 # Runs [connection, op, fields] requests, each on the connection of that index (opened at its
-# first use; op "close" closes it), and prints what each returned.
+# first use; op "close" closes it), and prints what each returned. A request with "_retry"
+# is tried again for up to 5 s while refused (the server lets go of a closed connection's
+# claim when its thread sees the end of the stream, a moment after the close).
 CLIENT = r"""
-import json, sys
+import json, sys, time
 from elasticd.worker.client import DaemonClient, DaemonClientError
 sys.stdin.readline()
 conns = {}
@@ -34,10 +34,17 @@ for n, op, fields in json.loads(sys.argv[1]):
         print(json.dumps({"closed": n}), flush=True)
         continue
     c = conns.setdefault(n, DaemonClient(sys.argv[2], timeout=5))
-    try:
-        print(json.dumps({"ok": c.call(op, **fields)}), flush=True)
-    except DaemonClientError as exc:
-        print(json.dumps({"error": str(exc)}), flush=True)
+    deadline = time.monotonic() + (5 if fields.pop("_retry", False) else 0)
+    while True:
+        try:
+            print(json.dumps({"ok": c.call(op, **fields)}), flush=True)
+            break
+        except DaemonClientError as exc:
+            if time.monotonic() < deadline:
+                time.sleep(0.05)
+                continue
+            print(json.dumps({"error": str(exc)}), flush=True)
+            break
 """
 
 
@@ -61,39 +68,8 @@ def test_one_rank_per_pid_while_any_of_its_connections_holds_it():
     assert claims.claim("j", 10, 1) == ""  # its last connection closed: a reused pid is new
 
 
-@pytest.fixture(scope="module")
-def job_user():
-    if os.geteuid() != 0:
-        pytest.skip("creates users: needs root (CI is)")
-    with temporary_user("edr") as user:
-        yield user
-
-
-@pytest.fixture
-def server():
-    sockdir = tempfile.mkdtemp(prefix="edrank-")
-    os.chmod(sockdir, 0o711)
-    scope: dict[str, JobScope | None] = {"now": None}
-    seen: list[tuple[str, object]] = []
-
-    def handler(op: str):
-        def handle(msg: dict) -> dict:
-            seen.append((op, msg.get("rank")))
-            return {}
-        return handle
-
-    ops = ("register", "progress", "ckpt_reserve", "ckpt_fetch", "ckpt_list")
-    srv = LocalServer(os.path.join(sockdir, "d.sock"), {op: handler(op) for op in ops},
-                      binding=CallerBinding(lambda: scope["now"]))
-    srv.start()
-    try:
-        yield srv, scope, seen
-    finally:
-        srv.stop()
-        os.rmdir(sockdir)
-
-
 def run_client(srv, scope, user, requests, world_max=4):
+    """Runs ``requests`` as a process of job ``a`` (its largest world: ``world_max``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICD_")}
     env["ELASTICD_TAG"] = "/p:n1:a"
     proc = subprocess.Popen([sys.executable, "-c", CLIENT, json.dumps(requests), srv.path],
@@ -107,39 +83,44 @@ def run_client(srv, scope, user, requests, world_max=4):
     return [json.loads(line) for line in out.splitlines()]
 
 
-def register(rank: int, world: int = 4) -> dict:
-    return {"job": "a", "rank": rank, "world_size": world}
+def progress(rank: int, world: int = 4) -> dict:
+    return {"job": "a", "rank": rank, "world_size": world, "step": 1}
 
 
-def test_new_connections_of_one_process_cannot_claim_new_ranks(server, job_user):
-    srv, scope, seen = server
-    replies = run_client(srv, scope, job_user, [
-        [0, "register", register(0)],
-        [1, "register", register(1)],     # the same pid on another connection: refused
-        [2, "progress", {**register(2), "step": 1}],
-        [1, "register", register(0)],     # its own rank on that connection: fine
+ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="creates users: needs root (CI is)")
+
+
+@ROOT
+def test_new_connections_of_one_process_cannot_claim_new_ranks(daemon, users):
+    srv, scope, handlers = daemon
+    replies = run_client(srv, scope, users[0], [
+        [0, "progress", progress(0)],
+        [1, "progress", progress(1)],     # the same pid on another connection: refused
+        [2, "ckpt_reserve", {**progress(2), "nbytes": 8}],
+        [1, "progress", progress(0)],     # its own rank on that connection: fine
         [0, "close", {}], [1, "close", {}],
-        [3, "register", register(2)],     # no connection holds its claim now
+        [3, "progress", {**progress(2), "_retry": True}],  # no connection holds its claim
     ])
     errors = [r.get("error", "") for r in replies]
     assert "ok" in replies[0] and "ok" in replies[3] and "ok" in replies[6], replies
     assert "writes for rank 0 of a (on another connection), not rank 1" in errors[1]
     assert "not rank 2: one rank per process" in errors[2]
-    assert seen == [("register", 0), ("register", 0), ("register", 2)]
+    assert handlers.ops() == [("progress", "a", 0), ("progress", "a", 0), ("progress", "a", 2)]
 
 
-def test_no_rank_or_world_beyond_the_specs_largest_world(server, job_user):
-    srv, scope, seen = server
-    replies = run_client(srv, scope, job_user, [
-        [0, "register", register(0, 8)],
-        [1, "ckpt_reserve", {**register(10**9, 10**9 + 1), "nbytes": 8}],
+@ROOT
+def test_no_rank_or_world_beyond_the_specs_largest_world(daemon, users):
+    srv, scope, handlers = daemon
+    replies = run_client(srv, scope, users[0], [
+        [0, "progress", progress(0, 8)],
+        [1, "ckpt_reserve", {**progress(10**9, 10**9 + 1), "nbytes": 8}],
         [2, "ckpt_fetch", {"job": "a", "rank": 4, "generation": 0, "step": 1}],
         [3, "ckpt_list", {"job": "a", "rank": 99}],
-        [4, "register", register(3)],
+        [4, "progress", progress(3)],
         [4, "ckpt_fetch", {"job": "a", "rank": 1, "generation": 0, "step": 1}],
     ])
     errors = [r.get("error", "") for r in replies]
     assert all("outside the job's largest world (4 ranks" in e for e in errors[1:4]), errors
     assert "world size 8 is larger than the job's largest world (4" in errors[0]
     assert "ok" in replies[4] and "ok" in replies[5]
-    assert seen == [("register", 3), ("ckpt_fetch", 1)]
+    assert handlers.ops() == [("progress", "a", 3), ("ckpt_fetch", "a", 1)]
