@@ -39,7 +39,7 @@ from elasticd.coordination import records
 from elasticd.coordination.api import CoordinationError, Unavailable
 from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endpoints
 from elasticd.coordination.keys import Keyspace, check_prefix
-from elasticd.printable import printable
+from elasticd.printable import PrintableFormatter, printable
 
 log = logging.getLogger(__name__)
 
@@ -272,9 +272,18 @@ COMMANDS: dict[str, tuple[Command, Table | Callable[[Any], str]]] = {
 }
 
 
+def warnings_to(stream: Any) -> logging.Handler:
+    """Where elasticctl's warnings go: a record it skips is quoted, so escaped like the
+    output (:mod:`elasticd.printable`)."""
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(PrintableFormatter("%(message)s"))
+    return handler
+
+
 def run(argv: Sequence[str] | None = None, out: Any = None) -> int:
     """Runs one command; returns its exit status. Every error is one line on stderr."""
     out = out or sys.stdout
+    logging.basicConfig(level=logging.WARNING, handlers=[warnings_to(sys.stderr)])
     args = options.resolve(build_parser().parse_args(argv))
     if args.watch is not None and args.command in NOT_WATCHABLE:
         return _fail(EXIT_USAGE, f"--watch does not apply to {args.command} (it changes the "

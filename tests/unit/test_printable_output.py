@@ -109,6 +109,17 @@ def test_elasticctl_error_line_is_one_escaped_line(capsys):
     assert err.count("\n") == 1 and not UNSAFE.search(err) and "\\x1b]0;owned" in err
 
 
+def test_elasticctl_warnings_are_escaped_too():
+    """Its warnings quote records it skips (those decoders quote values JSON-escaped today;
+    the handler keeps any later warning in line)."""
+    err = io.StringIO()
+    record = logging.LogRecord("elasticd.cli.main", logging.WARNING, __file__, 1,
+                               "elasticctl: ignoring %s", (HOSTILE,), None)
+    cli.warnings_to(err).handle(record)
+    assert err.getvalue().count("\n") == 1 and not UNSAFE.search(err.getvalue())
+    assert err.getvalue().startswith("elasticctl: ignoring \\x1b]0;owned")
+
+
 def test_a_daemon_log_line_cannot_carry_a_terminal_sequence_or_forge_a_line():
     formatter = PrintableFormatter("%(levelname)s n1 %(name)s: %(message)s")
     record = logging.LogRecord("elasticd.store", logging.ERROR, __file__, 1,
