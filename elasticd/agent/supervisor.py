@@ -214,7 +214,8 @@ class AgentSupervisor:
         if self.proc is None:
             return None
         roots = (self.proc.pid,) + ((self.zygote.pid,) if self.zygote is not None else ())
-        return JobScope(job=self.spec.name, uid=self.uid, tag=self.tag, roots=roots)
+        return JobScope(job=self.spec.name, uid=self.uid, tag=self.tag, roots=roots,
+                        world_max=self.spec.nnodes_max * self.spec.nproc_per_node)
 
     def poll(self) -> int | None:
         """None while the agent runs, else its exit status (negative: killed by a signal)."""

@@ -40,6 +40,7 @@ from elasticd.coordination import records
 from elasticd.coordination.api import CoordinationError, Unavailable
 from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endpoints
 from elasticd.coordination.keys import Keyspace, check_prefix
+from elasticd.printable import PrintableFormatter, printable
 
 log = logging.getLogger(__name__)
 
@@ -353,9 +354,18 @@ COMMANDS: dict[str, tuple[Command, Table | Callable[[Any], str]]] = {
 }
 
 
+def warnings_to(stream: Any) -> logging.Handler:
+    """Where elasticctl's warnings go: a record it skips is quoted, so escaped like the
+    output (:mod:`elasticd.printable`)."""
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(PrintableFormatter("%(message)s"))
+    return handler
+
+
 def run(argv: Sequence[str] | None = None, out: Any = None) -> int:
     """Runs one command; returns its exit status. Every error is one line on stderr."""
     out = out or sys.stdout
+    logging.basicConfig(level=logging.WARNING, handlers=[warnings_to(sys.stderr)])
     args = options.resolve(build_parser().parse_args(argv))
     if args.watch is not None and args.command in NOT_WATCHABLE:
         return _fail(EXIT_USAGE, f"--watch does not apply to {args.command} (it changes the "
@@ -381,7 +391,8 @@ def run(argv: Sequence[str] | None = None, out: Any = None) -> int:
 
 
 def _fail(code: int, why: object) -> int:
-    print(f"elasticctl: error: {why}", file=sys.stderr)
+    # The reason may quote a record or a node's answer: escaped like the output.
+    print(f"elasticctl: error: {printable(str(why))}", file=sys.stderr)
     return code
 
 

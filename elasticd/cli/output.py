@@ -1,13 +1,16 @@
 """One output function for every ``elasticctl`` command and format.
 
 ``pretty`` is a plain aligned table for people; ``json`` is the same data with stable keys for
-scripts, and nothing decorative.
+scripts, and nothing decorative. Neither leaves a control character of the data raw: most of
+what is shown came from workers, peers or etcd writers (:mod:`elasticd.printable`).
 """
 
 from __future__ import annotations
 
 import json
 from typing import Any, Callable, Sequence
+
+from elasticd.printable import printable_data
 
 
 class Table:
@@ -44,10 +47,16 @@ def emit(data: Any, fmt: str, pretty: "Table | Callable[[Any], str]",
          one_line: bool = False) -> str:
     """Renders ``data`` (a list of row dicts, or a document) in ``fmt``.
 
+    Every string of ``data`` is shown escaped: in JSON by JSON's own escapes, which give the
+    exact value back to a script (with ``ensure_ascii``, the default, everything outside
+    printable ASCII is a ``\\u`` escape), and for people by
+    :func:`~elasticd.printable.printable`, before the table or text is laid out.
+
     Args:
         pretty: a :class:`Table` for lists of rows, or a function rendering a document.
         one_line: JSON on a single line (``--watch`` prints one document per line).
     """
     if fmt == "json":
         return json.dumps(data, indent=None if one_line else 2, sort_keys=True)
+    data = printable_data(data)
     return pretty.render(data) if isinstance(pretty, Table) else pretty(data)

@@ -14,7 +14,9 @@ and each request must then be held to what its caller is:
   old job's connections are refused from then on.
 * the writing ops (``ckpt_reserve``, ``ckpt_complete``, ``ckpt_report``, ``progress``,
   ``register``) are bound to the first rank the connection used: a worker writes its own rank's
-  slots and reports, not another's. Reads (``ckpt_list``, ``ckpt_open``, ``ckpt_fetch``,
+  slots and reports, not another's. Every connection of one process writes for the same rank,
+  and no rank or world size a request names lies beyond the spec's largest world
+  (:mod:`.rank_claims`). Reads (``ckpt_list``, ``ckpt_open``, ``ckpt_fetch``,
   ``ckpt_committed``) reach any rank of the caller's job (after a resize a rank restores
   another's old shard); ``ckpt_release`` releases only pins this connection was given.
 * a process of the daemon's own uid outside any job (an operator's tool, a test) is not bound.
@@ -31,6 +33,7 @@ import os
 import threading
 from typing import Any, Callable
 
+from elasticd.daemon.rank_claims import RankClaims, outside_world
 from elasticd.errors import LocalProtocolError
 
 __all__ = ["BOUND_WRITES", "CallerBinding", "Caller", "JobScope", "Refused", "TAG_ENV"]
@@ -57,12 +60,15 @@ class JobScope:
         uid: the uid its processes run as.
         tag: its ``ELASTICD_TAG`` value.
         roots: pids every process of the job descends from (the agent, the zygote).
+        world_max: no rank the job's processes name may reach it (:mod:`.rank_claims`).
     """
 
     job: str
     uid: int
     tag: str
     roots: tuple[int, ...]
+    #: The job's largest world (its spec's nnodes max x nproc_per_node); None: unbounded.
+    world_max: int | None = None
 
 
 @dataclasses.dataclass
@@ -96,6 +102,7 @@ class CallerBinding:
         self._scope = scope
         self.daemon_uid = os.geteuid()  # its processes outside a job are not bound
         self._lock = threading.Lock()
+        self.claims = RankClaims()
 
     def admit(self, pid: int, uid: int) -> Caller:
         """The caller a new connection from ``pid``/``uid`` is bound to.
@@ -133,15 +140,23 @@ class CallerBinding:
         job = msg.setdefault("job", caller.job)
         if job != caller.job:
             raise Refused(f"this connection belongs to job {caller.job}, not {job!r:.80}")
+        why = outside_world(msg, scope.world_max) if scope.world_max is not None else ""
+        if why:
+            raise Refused(why)
         if op in BOUND_WRITES:
             rank = msg.get("rank")
             if type(rank) is int:
                 with self._lock:
-                    if caller.rank is None:
+                    first = caller.rank is None
+                    if first:
                         caller.rank = rank
                 if rank != caller.rank:
                     raise Refused(f"this connection writes for rank {caller.rank} of "
                                   f"{caller.job}, not rank {rank}")
+                why = self.claims.claim(caller.job, caller.pid, rank) if first else ""
+                if why:
+                    caller.rank = None
+                    raise Refused(why)
         elif op == "ckpt_release":
             pin = msg.get("pin")
             with self._lock:
@@ -149,6 +164,11 @@ class CallerBinding:
                 caller.pins.discard(pin)
             if not mine:
                 raise Refused(f"pin {pin!r:.40} was not given to this connection")
+
+    def closed(self, caller: Caller) -> None:
+        """``caller``'s connection closed: its process' rank claim loses a connection."""
+        if caller.job is not None and caller.rank is not None:
+            self.claims.release(caller.job, caller.pid)
 
     def replied(self, caller: Caller, op: str, reply: dict[str, Any]) -> None:
         """Notes what a successful reply gave the connection (read pins)."""

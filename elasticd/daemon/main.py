@@ -20,6 +20,7 @@ from elasticd.daemon.daemon import Daemon
 from elasticd.daemon.node import Fatal, Node
 from elasticd.daemon.notify import Notifier
 from elasticd.daemon.signals import SignalRelay
+from elasticd.printable import PrintableFormatter, printable
 
 log = logging.getLogger("elasticd")
 
@@ -73,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shm-dir",
                    help="tmpfs directory of checkpoint slots (default /dev/shm/elasticd-NODE)")
     p.add_argument("--memory-cap-mib")
+    p.add_argument("--scratch-cap-mib",
+                   help="most MiB of restore scratch one job may hold on this node (default "
+                        "0: half of its RAM)")
     p.add_argument("--persist-dir",
                    help="persistent checkpoint tier (shared filesystem); empty: none")
     p.add_argument("--persist-every-steps")
@@ -116,10 +120,11 @@ def run(argv: Sequence[str] | None = None) -> int:
     except config.ConfigError as exc:
         raise Fatal(f"bad setting {exc}") from exc
 
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format=f"%(asctime)s %(levelname)s {settings.node_id} %(name)s: %(message)s",
-    )
+    # Log lines quote what workers, peers and etcd writers sent: each is escaped on its way out.
+    handler = logging.StreamHandler()
+    handler.setFormatter(PrintableFormatter(
+        f"%(asctime)s %(levelname)s {settings.node_id} %(name)s: %(message)s"))
+    logging.basicConfig(level=settings.log_level.upper(), handlers=[handler])
     stop_requested = False
 
     def on_term() -> None:
@@ -179,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         code = run(argv)
     except Fatal as exc:
-        print(f"elasticd: error: {exc}", file=sys.stderr)
+        print(f"elasticd: error: {printable(str(exc))}", file=sys.stderr)
         code = EXIT_USAGE
     sys.exit(code)
 

@@ -153,7 +153,8 @@ class Node:
         settings = self.settings
         cap = settings.memory_cap_mib * 2**20 or None
         try:
-            store = SlotStore(settings.shm_path, cap_bytes=cap)
+            store = SlotStore(settings.shm_path, cap_bytes=cap,
+                              job_scratch_cap=settings.scratch_cap_bytes)
             kept = store.scan()
         except (OSError, SlotStoreError) as exc:
             raise Fatal(f"shm_dir: cannot use {settings.shm_path} for checkpoint slots: {exc}; "

@@ -102,6 +102,8 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "elasticd_restore_seconds": ("histogram", ("source",)),
     "elasticd_restore_steps_lost": ("gauge", ()),
     "elasticd_restores_total": ("counter", ("source",)),
+    "elasticd_scratch_bytes": ("gauge", ()),
+    "elasticd_scratch_refused_total": ("counter", ()),
     "elasticd_shards_unprotected": ("gauge", ()),
     "elasticd_snapshot_bytes": ("gauge", ()),
     "elasticd_snapshot_stall_seconds": ("histogram", ()),
