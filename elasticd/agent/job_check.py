@@ -159,6 +159,7 @@ class _Run:
     started: float
     done: threading.Event
     verdict: Verdict | None = None
+    finished: float = 0.0
 
 
 class JobChecks:
@@ -193,8 +194,11 @@ class JobChecks:
         if hung is not None and hung.get("fingerprint") == fp:
             return Verdict(str(hung.get("reason", "its check hung")), hung=True)
         run = self._runs.get(job)
-        if run is None or run.fingerprint != fp:
-            run = self._runs[job] = self._start(spec, policy, fp)  # an older one is left
+        now = self._clock.monotonic()
+        if (run is None or run.fingerprint != fp
+                or run.done.is_set() and now - run.finished > self.deadline):
+            # None yet, an older spec's (left running), or an answer nobody took in time
+            run = self._runs[job] = self._start(spec, policy, fp)
         if run.done.wait(wait):
             del self._runs[job]
             verdict = run.verdict or Verdict("the check of its files failed")
@@ -223,6 +227,7 @@ class JobChecks:
                 run.verdict = self._check(spec, policy, self.deadline)
             except Exception as exc:  # noqa: BLE001 — whatever the spec holds: refuse it
                 run.verdict = Verdict(f"cannot check the job on this node: {exc}")
+            run.finished = self._clock.monotonic()
             run.done.set()
             self.wake()
 

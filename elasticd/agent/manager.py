@@ -7,11 +7,13 @@ disappears with it), and acts:
 
 * start the agent when the job is wanted and this node can run it (its spec reads, the node's
   :class:`~elasticd.agent.policy.JobPolicy` allows it, the same script hash, the user exists
-  and can use the files), restart it with backoff when it dies (a budget of
-  ``agent_restarts``);
+  and can use the files: checked off the main loop, :mod:`elasticd.agent.job_check`), restart
+  it with backoff when it dies (a budget of ``agent_restarts``);
 * refuse a job it cannot run, with the reason, in ``jobs/<job>/nodes/<node>`` and ``/status``:
   a spec that does not read (records are written by whoever may write to etcd: a malformed one
-  costs that job, never the daemon), or one the node's policy or files rule out;
+  costs that job, never the daemon), or one the node's policy or files rule out; refused until
+  its spec or control changes (``elasticctl retry``), and a job whose files are not on this
+  node yet waits without holding up later ones (:mod:`elasticd.agent.job_holds`);
 * restart the workers at once when a peer that runs the job fails or when the job hangs
   (:mod:`elasticd.agent.worker_group`, which also keeps what the workers report; the hang
   timeout in force is shown in ``/status``, published with the node's job status and

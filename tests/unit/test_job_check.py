@@ -145,14 +145,17 @@ def test_a_check_that_answers_in_time_is_not_remembered(tmp_path):
     assert not os.path.exists(tmp_path / job_check.HUNG_FILE)
 
 
+def manager(coord, clock, tmp_path) -> JobManager:
+    lease = coord.grant_lease(10)
+    return JobManager("n1", coord, KEYS, etcd="x:1", state_dir=str(tmp_path), metrics=Metrics(),
+                      lease=lambda: lease, clock=clock, policy=JobPolicy(users=("*",)))
+
+
 def test_a_refused_job_is_checked_again_only_when_its_records_change(tmp_path):
     """Refused until the spec or the control changes (elasticctl retry), not at every cycle
     and not for ever; a script not deployed yet waits, and the job starts once it is."""
-    coord = MemoryCoordinator()
-    lease = coord.grant_lease(10)
-    clock = FakeClock(10.0)
-    mgr = JobManager("n1", coord, KEYS, etcd="x:1", state_dir=str(tmp_path), metrics=Metrics(),
-                     lease=lambda: lease, clock=clock, policy=JobPolicy(users=("*",)))
+    coord, clock = MemoryCoordinator(), FakeClock(10.0)
+    mgr = manager(coord, clock, tmp_path)
     seen: list[str] = []
     answers = {"first": Verdict("script '/x' differs on this node"),
                "retried": Verdict("script '/x' is not on this node", waiting=True)}
@@ -195,11 +198,8 @@ def test_a_job_waiting_for_its_files_holds_no_newer_job(tmp_path, monkeypatch):
     monkeypatch.setattr("elasticd.agent.supervisor.AgentSupervisor.poll", lambda self: None)
     monkeypatch.setattr("elasticd.agent.supervisor.AgentSupervisor.stop",
                         lambda self, grace=0: 0)
-    coord = MemoryCoordinator()
-    lease = coord.grant_lease(10)
-    clock = FakeClock(10.0)
-    mgr = JobManager("n1", coord, KEYS, etcd="x:1", state_dir=str(tmp_path), metrics=Metrics(),
-                     lease=lambda: lease, clock=clock, policy=JobPolicy(users=("*",)))
+    coord, clock = MemoryCoordinator(), FakeClock(10.0)
+    mgr = manager(coord, clock, tmp_path)
     checked: list[str] = []
 
     def check(spec, policy, deadline):
