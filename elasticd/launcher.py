@@ -205,6 +205,18 @@ class NodeProcess:
                 SYSTEM_CLOCK.sleep(0.2)
         return json.loads(body) if path.startswith("/status") else body.decode()
 
+    def healthz(self, timeout: float = 2.0) -> tuple[int | str, float]:
+        """One ``/healthz`` poll: its HTTP status (or the error, in words) and its seconds."""
+        started = SYSTEM_CLOCK.monotonic()
+        try:
+            with urllib.request.urlopen(f"http://{self.address}/healthz", timeout=timeout) as r:
+                code: int | str = r.status
+        except urllib.error.HTTPError as exc:
+            code = exc.code
+        except OSError as exc:
+            code = f"{exc.__class__.__name__}: {exc}"
+        return code, SYSTEM_CLOCK.monotonic() - started
+
     def log_text(self) -> str:
         with open(self.log_path, errors="replace") as fh:
             return fh.read()

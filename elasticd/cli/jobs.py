@@ -1,4 +1,4 @@
-"""``elasticctl`` job commands: submit, jobs, stop, logs.
+"""``elasticctl`` job commands: submit, jobs, stop, retry, logs.
 
 A submitted spec is validated in full before anything is written (bad nnodes, missing script,
 unknown user, unknown option: a one-line error, exit 2, nothing in etcd); spec and control are
@@ -91,6 +91,11 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     st.add_argument("--force", action="store_true", help="do not ask")
     st.add_argument("--wait", type=options.seconds(0, 86400, 0), default=0, metavar="SECONDS",
                     help="wait until no node runs it")
+    rt = sub.add_parser("retry", parents=[common], help="check a refused job again everywhere",
+                        description="Rewrite a running job's control so that every node that "
+                        "refused it (its files failed a check, or the check hung) checks it "
+                        "again.")
+    rt.add_argument("name")
     lg = sub.add_parser("logs", parents=[common], help="where a job's worker logs are",
                         description="Per node: the file holding the agent's and workers' output.",
                         epilog="Example: elasticctl logs mnist --format json")
@@ -157,9 +162,14 @@ def _jobs(coord: Coordinator, keys: Keyspace) -> list[dict[str, Any]]:
         running = sorted(n for n, st in nodes.items() if st["state"] == JobState.RUNNING)
         control = controls.get(name)
         refused = sorted(n for n, st in nodes.items() if st["state"] == JobState.REFUSED)
+        waiting = sorted(n for n, st in nodes.items() if st["state"] == JobState.IDLE
+                         and st["detail"].startswith("waiting: "))
         where = ",".join(running) or "-"
         if not running and refused:  # each node's policy decides: say why, once
             where = f"refused on {','.join(refused)}: {nodes[refused[0]]['detail']}"
+        elif not running and waiting:  # its files are not on those nodes yet
+            where = (f"waiting on {','.join(waiting)}: "
+                     f"{nodes[waiting[0]]['detail'].removeprefix('waiting: ')}")
         out.append({
             "job": name, "desired": control.desired if control else JobState.RUNNING,
             "reason": control.reason if control else "",
@@ -229,6 +239,24 @@ def cmd_stop(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> An
     return {"job": args.name, "desired": JobState.STOPPED, "still_running_on": running}
 
 
+def cmd_retry(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> Any:
+    if coord.get(keys.job_spec(args.name)) is None:
+        raise CommandFailed(f"no job named {args.name!r} (see: elasticctl jobs)")
+    kv = coord.get(keys.job_control(args.name))
+    try:
+        control = JobControl.decode(kv.value, kv.key) if kv is not None else None
+    except records.RecordError:
+        control = None  # unreadable: writing a good one is the retry
+    if control is not None and control.desired != JobState.RUNNING:
+        raise CommandFailed(f"job {args.name!r} is {control.desired}: retry checks a running "
+                            "job again on the nodes that refused it")
+    coord.put(keys.job_control(args.name),
+              JobControl(JobState.RUNNING, SYSTEM_CLOCK.wall(), "elasticctl retry").encode())
+    refused = [s.node for s in _node_statuses(coord, keys, args.name)
+               if s.state == JobState.REFUSED]
+    return {"job": args.name, "retried": True, "refused_on": refused}
+
+
 def cmd_logs(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> Any:
     if coord.get(keys.job_spec(args.name)) is None:
         raise CommandFailed(f"no job named {args.name!r} (see: elasticctl jobs)")
@@ -243,6 +271,11 @@ def _submit_pretty(doc: dict[str, Any]) -> str:
             f"workers, {doc['script']} as {doc['user']}")
 
 
+def _retry_pretty(doc: dict[str, Any]) -> str:
+    where = ", ".join(doc["refused_on"]) or "no node"
+    return f"job {doc['job']}: checked again everywhere (it was refused on {where})"
+
+
 def _stop_pretty(doc: dict[str, Any]) -> str:
     left = doc["still_running_on"]
     return f"job {doc['job']} stopped" + (f" (still stopping on {', '.join(left)})" if left else "")
@@ -252,5 +285,6 @@ COMMANDS = {
     "submit": (cmd_submit, _submit_pretty),
     "jobs": (cmd_jobs, JOB_TABLE),
     "stop": (cmd_stop, _stop_pretty),
+    "retry": (cmd_retry, _retry_pretty),
     "logs": (cmd_logs, LOG_TABLE),
 }

@@ -114,6 +114,7 @@ class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
         self.fence_hooks.append(self.jobs.fence)
         self.jobs.committed = self._committed_step  # crash-loop detection
         self.jobs.record_event = self.record_event
+        self.jobs.checks.wake = self.wake  # a job's file check ended: act on it now
         # Each recovery's timeline, written by one node (daemon/recovery_timeline.py).
         self.timeline = TimelineRecorder(settings.node_id, coord, self.keys, self.events,
                                          self.metrics, self.clock,

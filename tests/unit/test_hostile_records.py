@@ -121,7 +121,6 @@ def test_the_running_jobs_spec_corrupted_refuses_it(world, tmp_path, monkeypatch
     monkeypatch.setattr("elasticd.agent.supervisor.AgentSupervisor.poll", lambda self: None)
     monkeypatch.setattr("elasticd.agent.supervisor.AgentSupervisor.stop",
                         lambda self, grace=0: 0)
-    monkeypatch.setattr("elasticd.agent.policy.check_access_as", lambda *a: None)
     coord = MemoryCoordinator(store)
     coord.put(KEYS.job_spec("job"), spec(tmp_path, user="root").encode())
     tick()

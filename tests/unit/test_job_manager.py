@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from elasticd.agent import safe_open
 from elasticd.agent.manager import JobManager
 from elasticd.clock import FakeClock
 from elasticd.cluster.jobspec import JobControl, JobSpec, NodeJobStatus
@@ -81,6 +82,13 @@ class StandInAgent:
         self.pid, self.starts, self.stopped = 0, 1, False
         os.makedirs(os.path.join(self.log_dir, "torchrun", "job_x1", "attempt_0"))
         open(self.log_path, "w").close()
+        self.log_fd = os.open(self.log_path, os.O_RDONLY)  # as the supervisor keeps it
+
+    def log_size(self):
+        return os.fstat(self.log_fd).st_size
+
+    def log_tail(self, start, limit=65536):
+        return safe_open.read_tail(self.log_fd, start, limit).decode(errors="replace")
 
     def poll(self):
         return 0 if self.stopped else None

@@ -204,6 +204,7 @@ COMMANDS = {
         "name", "script"],
     "jobs": [],
     "stop": ["--force", "--wait", "name"],
+    "retry": ["name"],
     "logs": ["name"],
     "placement": ["job"],
     "checkpoints": ["job"],
@@ -309,6 +310,8 @@ JSON_KEYS = {
         "requested_at seconds state undone"),
     "stop":
         "desired job still_running_on",
+    "retry":
+        "job refused_on retried",
 }
 
 
@@ -360,7 +363,8 @@ def test_elasticctl_json_keys(cluster, tmp_path):
          "--cwd", str(tmp_path), str(script), "--", "--epochs", "1"],
         ["jobs"], ["logs", "j"], ["nodes"], ["status"], ["history"], ["placement", "j"],
         ["checkpoints", "j"], ["drain", "n1", "--no-wait", "--force"],
-        ["drain", "n1", "--status"], ["drain", "n1", "--undo"], ["stop", "j", "--force"],
+        ["drain", "n1", "--status"], ["drain", "n1", "--undo"], ["retry", "j"],
+        ["stop", "j", "--force"],
     ]
     got = {}
     for line in lines:

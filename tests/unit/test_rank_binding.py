@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from elasticd.daemon.local_binding import JobScope
+from elasticd.daemon.local_binding import JobScope, start_time
 from elasticd.daemon.rank_claims import RankClaims, outside_world
 from tests.unit.test_local_binding import daemon, users  # noqa: F401 (fixtures)
 
@@ -76,7 +76,7 @@ def run_client(srv, scope, user, requests, world_max=4):
                             user=user.pw_uid, group=user.pw_gid, extra_groups=[], env=env,
                             cwd="/", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    scope["now"] = JobScope(job="a", uid=user.pw_uid, tag="/p:n1:a", roots=(proc.pid,),
+    scope["now"] = JobScope(job="a", uid=user.pw_uid, roots={proc.pid: start_time(proc.pid)},
                             world_max=world_max)
     out, err = proc.communicate("go\n", timeout=30)
     assert proc.returncode == 0, err
