@@ -191,8 +191,12 @@ class Closer:
             return now
         if due is not None:
             wakes.append(due)
+        # Before the first round nobody trains: no summary (a member that lost the round
+        # record re-rendezvous without one, see rounds.num_waiting).
         refresh = summary.round >= 0 and summary != (self._written or Waiting(summary.round))
-        if summary_news(self._written, summary) or (
+        if summary.round < 0:
+            pass
+        elif summary_news(self._written, summary) or (
                 refresh and now - self._written_at >= SUMMARY_REFRESH):
             self._write_summary(summary, now)
         elif refresh:

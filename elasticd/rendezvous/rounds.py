@@ -205,7 +205,8 @@ def num_waiting(current: RoundRecord | None, waiting: Waiting | None, max_nodes:
     """``num_nodes_waiting`` for a member of ``current`` (see the module docstring).
 
     Args:
-        current: the last closed round.
+        current: the last closed round (None: none, although this agent trains: the record is
+            gone, so everybody re-rendezvous).
         waiting: the closer's summary (one of an older round counts as nobody waiting).
         max_nodes: torchrun's ``--nnodes`` maximum.
         gone: members of ``current`` this agent counts as dead (the summary's, unless it
@@ -221,7 +222,9 @@ def num_waiting(current: RoundRecord | None, waiting: Waiting | None, max_nodes:
     if waiting is None or waiting.round != number:
         waiting = Waiting(number)
     if current is None:
-        return waiting.outsiders
+        # Asked while training, yet no round: the round record is gone (etcd lost its data,
+        # or it was deleted), so every node re-rendezvous, as for a member that came back.
+        return max(1, waiting.outsiders)
     members = set(current.members)
     dead = set(gone) & members
     alive_members = len(members - dead)

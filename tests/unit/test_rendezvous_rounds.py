@@ -188,6 +188,8 @@ def test_a_stale_summary_counts_as_nobody_waiting():
     assert num_waiting(last, Waiting(1, rejoining=2, outsiders=1), 3) == 0
     assert num_waiting(last, Waiting(2, rejoining=1, outsiders=1), 3) == 2
     assert num_waiting(last, None, 3) == 0
+    # No round although this agent trains: the record is gone (a wipe): everybody rejoins.
+    assert num_waiting(None, None, 3) == 1
     assert Waiting.decode(Waiting(2, 1, 0, ("b",)).encode()) == Waiting(2, 1, 0, ("b",))
 
 
