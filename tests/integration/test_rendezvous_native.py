@@ -371,8 +371,10 @@ def test_a_deposed_closer_cannot_write_the_round(cluster):
     stale = leader._closer
     coord = cluster.connect()
     try:
-        # Someone else holds the key now (as after the closer's lease expired).
-        coord.delete(leader._control.closer_key)
+        # The closer's lease expired and someone else holds the key now (both handlers stop
+        # first: their elections would race this test's create).
+        a.stop()
+        b.stop()
         assert coord.create(leader._control.closer_key, b"someone-else")
         ok, _ = stale._guarded(leader._control.round_key, None,
                                RoundRecord(7, ("x",)).encode())
