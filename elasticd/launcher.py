@@ -223,13 +223,18 @@ class LocalCluster:
         extra_args: more ``elasticd`` flags for every node.
         etcd_client: credentials of the launcher's own etcd client (``EtcdSettings`` fields:
             user, password, ca_cert, cert, key), for a secured etcd.
+        node_env: more environment for one node's daemon (and so its jobs), by node id: e.g.
+            its own ``CUDA_VISIBLE_DEVICES``.
+        shm_prefix: the name prefix of the cluster's directory in /dev/shm.
     """
 
     def __init__(self, nodes: Sequence[str], workdir: str | None = None, lease_ttl: int = 2,
                  etcd_members: int = 1, etcd: str | None = None, prefix: str = "/elasticd",
                  extra_args: Sequence[str] = (), loop_interval: float = 0.25,
                  env: dict[str, str] | None = None, replication: bool = False,
-                 etcd_client: dict[str, str] | None = None) -> None:
+                 etcd_client: dict[str, str] | None = None,
+                 node_env: dict[str, dict[str, str]] | None = None,
+                 shm_prefix: str = "elasticd-test-") -> None:
         self.workdir = workdir or tempfile.mkdtemp(prefix="elasticd-cluster-")
         os.makedirs(self.workdir, exist_ok=True)
         self.prefix = prefix
@@ -243,13 +248,14 @@ class LocalCluster:
         self.extra_args = list(extra_args)
         self.loop_interval = loop_interval
         self.env = {**os.environ, **(env or {})}
+        self.node_env = dict(node_env or {})
         if replication:
             # Peer replicas over loopback, authenticated with a per-cluster secret.
             self.env["ELASTICD_CLUSTER_SECRET"] = os.urandom(16).hex()
             self.extra_args += ["--replication-listen", "127.0.0.1:0"]
         # Each simulated node's checkpoint RAM: its own tmpfs directory, deleted when the node
         # is killed (a dead machine's RAM is gone) and when the cluster stops.
-        self.shm_root = tempfile.mkdtemp(prefix="elasticd-test-", dir="/dev/shm")
+        self.shm_root = tempfile.mkdtemp(prefix=shm_prefix, dir="/dev/shm")
         # The job runs as JOB_USER: it reaches the daemons' sockets under the workdir and
         # (until slots are handed over as descriptors) its slot files under the shm root.
         reachable(self.workdir)
@@ -267,8 +273,8 @@ class LocalCluster:
                 "--lease-ttl", str(self.lease_ttl), "--loop-interval", str(self.loop_interval),
                 "--state-dir", os.path.join(self.workdir, node_id),
                 "--shm-dir", os.path.join(self.shm_root, node_id), *self.extra_args]
-        n = NodeProcess(node_id, argv, os.path.join(self.workdir, f"{node_id}.log"), self.env,
-                        self.prefix)
+        n = NodeProcess(node_id, argv, os.path.join(self.workdir, f"{node_id}.log"),
+                        {**self.env, **self.node_env.get(node_id, {})}, self.prefix)
         n.shm_dir = os.path.join(self.shm_root, node_id)
         return n
 

@@ -506,4 +506,4 @@ class JobManager(JobRecords, WorkerGroup):
         if self.status.last_step < 1:
             return "waiting for the first step"
         return ("off: the training script reports no compute time (wrap the model with "
-                "elasticd.worker.compute_time.ComputeTimer; README, Stragglers)")
+                "elasticd.worker.compute_time.ComputeTimer; docs/jobs.md, Stragglers)")

@@ -11,26 +11,30 @@ from typing import Any, Callable, Sequence
 
 
 class Table:
-    """Columns as (header, key) pairs."""
+    """Columns as (header, key) pairs. A cell longer than ``max_width`` is cut, except in the
+    last column: nothing follows it to keep aligned, so it is shown whole (a sentence)."""
 
     def __init__(self, columns: Sequence[tuple[str, str]], max_width: int = 60) -> None:
         self.columns = list(columns)
         self.max_width = max_width
 
-    def _cell(self, value: Any) -> str:
+    def _cell(self, value: Any, whole: bool = False) -> str:
         if value is None:
             return "-"
         if isinstance(value, float):
-            return f"{value:.1f}"
+            return f"{value:.2f}"
         text = str(value)
-        return text if len(text) <= self.max_width else text[: self.max_width - 1] + "…"
+        return text if whole or len(text) <= self.max_width else text[: self.max_width - 1] + "…"
 
     def render(self, rows: Sequence[dict[str, Any]]) -> str:
         if not rows:
             return "(none)"
-        cells = [[self._cell(r.get(k)) for _, k in self.columns] for r in rows]
+        last = len(self.columns) - 1
+        cells = [[self._cell(r.get(k), whole=i == last) for i, (_, k) in enumerate(self.columns)]
+                 for r in rows]
         heads = [h for h, _ in self.columns]
         widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(heads)]
+        widths[last] = 0  # never padded
         lines = ["  ".join(h.ljust(w) for h, w in zip(heads, widths)).rstrip()]
         lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
         return "\n".join(lines)

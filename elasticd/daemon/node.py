@@ -189,8 +189,9 @@ class Node:
         else:
             log.warning("checkpoint slots in %s are on %s: reserving and mapping a slot costs "
                         "up to seven times what it does on a tmpfs mounted with "
-                        "huge=within_size (systemd/run-elasticd-shm.mount; README, 'Huge "
-                        "pages')", self.settings.shm_path, pages.describe())
+                        "huge=within_size (systemd/run-elasticd-shm.mount; "
+                        "docs/operations.md, 'Huge pages')", self.settings.shm_path,
+                        pages.describe())
         return pages
 
     def _replication(self, coord: EtcdCoordinator, metrics: Metrics, membership: Membership,
@@ -236,6 +237,7 @@ class Node:
         store.tagger = BlockTagger(secret).tag
         rep.pusher.on_push = ReplicationSink(metrics).pushed
         rep.serving = server.serving
+        rep.last_heard = server.last_heard
         metrics.replication.attach(rep.stats, server.snapshot_stats)
         log.info("replicating snapshots to %d peers; replication server on %s",
                  settings.replicas - 1, server.address)

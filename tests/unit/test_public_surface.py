@@ -244,11 +244,14 @@ NODE_JOB_STATUS = (
     b'"unprotected":"","worker_restarts":0,"world_size":0}')
 
 #: A ``timeline`` event's ``timeline`` object in ``history`` and ``status`` (null for others).
+#: (Added on purpose, issue 27: where the failure is placed, its range, each rank's source.)
 TIMELINE_KEYS = (
-    "failed job marks.aborted marks.detected marks.failure marks.first_step "
-    "marks.restore_finished marks.restore_started marks.round_closed overlapped phases.abort "
-    "phases.detect phases.first_step phases.rendezvous phases.restore phases.start "
-    "ranks_restored restore_bytes restore_source step total_seconds").split()
+    "detect_range failed failure_evidence job marks.aborted marks.detected marks.failure "
+    "marks.first_step marks.restore_finished marks.restore_started marks.round_closed "
+    "overlapped phases.abort phases.detect phases.first_step phases.rendezvous phases.restore "
+    "phases.start ranks[].bytes ranks[].node ranks[].rank ranks[].seconds ranks[].source "
+    "ranks[].step ranks[].steps_lost ranks_restored restore_bytes restore_source step "
+    "steps_lost total_seconds").split()
 
 #: Command -> the paths of its JSON document's values (``[]``: each element of a list; an
 #: event's ``data`` is the event's own, not descended into).
