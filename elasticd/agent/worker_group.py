@@ -27,7 +27,7 @@ from elasticd.clock import Clock
 from elasticd.cluster.jobspec import JobSpec, JobState, NodeJobStatus
 from elasticd.coordination.api import CoordinationError, Coordinator
 from elasticd.coordination.keys import Keyspace
-from elasticd.coordination.rendezvous_rounds import RecordError, RoundRecord, agent_pid
+from elasticd.rendezvous.records import RecordError, RoundRecord, agent_pid
 from elasticd.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ class WorkerGroup:
         then would only stop the group that already re-formed without the peer (one more
         restore for nothing). A round that still has ``node``, no round, an unreadable one, or
         one this agent is not in (its member ids name agents by address and pid, see
-        :func:`~elasticd.coordination.rendezvous_handler.node_id`) all mean: abort, as a peer
+        :func:`~elasticd.rendezvous.records.node_id`) all mean: abort, as a peer
         that vanished silently (power, network) leaves collectives hanging.
         """
         job = self.job

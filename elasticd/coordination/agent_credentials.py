@@ -20,7 +20,7 @@ each agent gets credentials of its own, limited to its job:
 ``<tag>`` is a hash of the cluster prefix, so clusters sharing an etcd do not share roles. The
 daemon needs etcd's ``root`` role to manage users (docs/operations.md). The password reaches the
 agent in its environment (``ELASTICD_ETCD_PASSWORD``, read by
-:mod:`elasticd.coordination.rendezvous_config`; ``/proc/<pid>/environ`` is readable by the
+:mod:`elasticd.rendezvous.config`; ``/proc/<pid>/environ`` is readable by the
 process' owner and root only), never in argv; the user name and TLS file paths travel in
 ``--rdzv-conf``. TLS files the agent needs (the CA, and an agent client certificate when etcd
 asks for one) are copied into a root-owned directory, each readable by the job's user only.

@@ -454,7 +454,8 @@ class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
         kvs, revision = self.coord.get_prefix(self.keys.nodes)
         now = self.clock.monotonic()
         self._act(self.membership.reset(self._decode_all(kvs), now, self.clock.wall(), False))
-        self._feed.start(self.coord, self.keys.nodes, revision + 1)
+        # prev_kv: a DELETE's previous record tells a departure (leaving) from a failure.
+        self._feed.start(self.coord, self.keys.nodes, revision + 1, prev_kv=True)
 
     def _decode_all(self, kvs: list[Any]) -> list[NodeRecord]:
         return [rec for kv in kvs if (rec := self._decode_node(kv.key, kv.value)) is not None]

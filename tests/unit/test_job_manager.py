@@ -239,7 +239,7 @@ def test_a_set_hang_timeout_is_shown_as_set_and_zero_turns_it_off(env, tmp_path)
 
 
 def _round(coord, keys, *pids):
-    from elasticd.coordination.rendezvous_rounds import RoundRecord, node_id
+    from elasticd.rendezvous.records import RoundRecord, node_id
 
     members = tuple(node_id("10.0.0.%d" % i, pid, 1) for i, pid in enumerate(pids))
     coord.put(keys.job_rdzv_round("job"), RoundRecord(3, members).encode())

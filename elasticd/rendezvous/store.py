@@ -16,7 +16,7 @@ does not recognise as a timeout). Waiting polls with capped exponential backoff:
 add a stream and a thread per agent for waits that are short (the rendezvous) or rare (the exit
 barrier), and polling needs no resynchronisation after an outage.
 
-Every etcd call rides out outages for the grace period (:mod:`.rendezvous_grace`). ``add`` is
+Every etcd call rides out outages for the grace period (:mod:`.grace`). ``add`` is
 made idempotent across a retried write whose outcome was unknown: the transaction also creates a
 marker key unique to the call, which is checked when the compare fails and deleted afterwards.
 
@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 import torch.distributed as dist
 
 from elasticd.coordination.api import Compare, Coordinator, CoordinationError, Put
-from elasticd.coordination.rendezvous_grace import OutageGrace
+from elasticd.rendezvous.grace import OutageGrace
 
 log = logging.getLogger(__name__)
 
