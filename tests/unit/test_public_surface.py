@@ -30,6 +30,7 @@ from elasticd.config import Settings
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
 from elasticd.daemon.daemon import Daemon
+from elasticd.daemon import main as daemon_main
 from elasticd.daemon.http import StatusServer
 
 # -- Python names -------------------------------------------------------------------------------
@@ -222,6 +223,26 @@ def test_elasticctl_commands_and_options():
     got = {name: [o for o in _options(p) if o not in shared] for name, p in sub.choices.items()}
     assert got == COMMANDS
     assert sorted(cli.COMMANDS) == sorted(got)
+
+
+# -- elasticd -----------------------------------------------------------------------------------
+
+#: ``elasticd``'s flags: one per setting of ``config.Settings`` (the cluster secret itself
+#: excepted: a flag would show in ``ps``), and ``--config``.
+ELASTICD_FLAGS = [
+    "--agent-etcd-cert", "--agent-etcd-key", "--agent-etcd-users", "--agent-restarts",
+    "--cluster-secret-file", "--config", "--etcd", "--etcd-ca-cert", "--etcd-cert", "--etcd-key",
+    "--etcd-password", "--etcd-timeout", "--etcd-user", "--events-retention",
+    "--heartbeat-interval", "--help", "--job-env-allow", "--job-python", "--job-users",
+    "--lease-ttl", "--listen", "--log-level", "--loop-interval", "--memory-cap-mib", "--node-id",
+    "--outage-grace", "--persist-dir", "--persist-every-seconds", "--persist-every-steps",
+    "--persist-keep", "--prefix", "--provisional-grace", "--rdzv-grow", "--rdzv-last-call",
+    "--replicas", "--replication-listen", "--shm-dir", "--state-dir", "--stop-grace",
+    "--unprotected-lag-steps", "--worker-start", "-h"]
+
+
+def test_elasticd_flags():
+    assert _options(daemon_main.build_parser()) == ELASTICD_FLAGS
 
 
 #: Replication records where ``elasticctl placement`` and ``checkpoints`` look for them.
