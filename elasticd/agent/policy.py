@@ -20,6 +20,7 @@ import dataclasses
 import fnmatch
 import os
 import pwd
+import stat
 import subprocess
 import sys
 
@@ -30,9 +31,23 @@ DENIED_ENV = ("LD_*", "PYTHON*", "BASH_ENV", "ENV")
 
 # Run as the job's user: can it execute the interpreter, read the script, enter the directory?
 _ACCESS_CHECK = 'test -x "$1" || exit 3; test -r "$2" || exit 4; test -x "$3" || exit 5'
-_ACCESS_PROBLEM = {3: "cannot execute the interpreter {python}",
-                   4: "cannot read the script {script}",
-                   5: "cannot enter the working directory {cwd}"}
+# Run as the job's user after a failed check: the first of the directories given it cannot
+# enter (printed), or exit 1 when it can enter them all.
+_FIRST_CLOSED = 'for d; do test -x "$d" || { printf %s "$d"; exit 0; }; done; exit 1'
+_ACCESS_PROBLEM = {3: ("python", "cannot execute the interpreter {python}"),
+                   4: ("script", "cannot read the script {script}"),
+                   5: ("cwd", "cannot enter the working directory {cwd}")}
+# What to do, by the path the user cannot reach and by the directory that stops it (if any).
+_ACCESS_FIX = {
+    "python": ("install the environment (torch, elasticd) where {user} can reach it, e.g. "
+               "`python3 -m venv /opt/elasticd-venv`, and name it in the daemons' "
+               "job_python and in submit --python; or submit with --user set to a user who "
+               "can run it"),
+    "script": ("put the script where {user} can read it, or make it readable by {user} "
+               "(its group, or chmod o+r); or submit with --user set to a user who can"),
+    "cwd": ("submit with --cwd set to a directory {user} can enter, or make it enterable "
+            "by {user}"),
+}
 
 
 def split_list(text: str) -> tuple[str, ...]:
@@ -99,39 +114,73 @@ def _is_root(user: str) -> bool:
 
 
 def check_access_as(user: str, python: str, script: str, cwd: str) -> str | None:
-    """What the job's user cannot do with its files, checked as that user; or None.
+    """What the job's user cannot do with its files, checked as that user, and what to do about
+    it; or None.
 
     Root passes every ``os.access`` check, so the check runs in a child that drops to the
-    user's uid, gid and groups, the way the agent will run.
+    user's uid, gid and groups, the way the agent will run. When it fails, a second child
+    finds the first directory on the path that user cannot enter (a private home directory
+    holding a virtualenv, typically), which the message names.
     """
     try:
         pw = pwd.getpwnam(user)
     except KeyError:
         return f"--user {user!r}: no such user on this machine"
     paths = {"python": python, "script": script, "cwd": cwd}
-    if pw.pw_uid == os.geteuid():
-        checks = ((3, os.access(python, os.X_OK)), (4, os.access(script, os.R_OK)),
-                  (5, os.access(cwd, os.X_OK)))
-        code = next((c for c, ok in checks if not ok), 0)
-    else:
-        code = -1
-        # A check killed by a signal says nothing about the files (one was seen to die of
-        # SIGSEGV under a busy daemon once): try again, a few times.
-        for _ in range(3):
-            try:
-                code = subprocess.run(
-                    ["/bin/sh", "-c", _ACCESS_CHECK, "sh", python, script, cwd],
-                    user=pw.pw_uid, group=pw.pw_gid,
-                    extra_groups=os.getgrouplist(pw.pw_name, pw.pw_gid),
-                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL, cwd="/", env={"PATH": "/usr/bin:/bin"},
-                    timeout=10).returncode
-            except (OSError, subprocess.SubprocessError) as exc:
-                return f"could not check the job's files as {user}: {exc}"
-            if code >= 0:
-                break
+    code = _as_user(pw, _ACCESS_CHECK, [python, script, cwd])
+    if isinstance(code, str):
+        return f"could not check the job's files as {user}: {code}"
     if code == 0:
         return None
-    why = _ACCESS_PROBLEM.get(code, "could not be checked against the job's files (check exit "
-                              "{code})")
-    return f"user {user} " + why.format(code=code, **paths)
+    if code not in _ACCESS_PROBLEM:
+        return (f"user {user} could not be checked against the job's files (check exit "
+                f"{code})")
+    what, problem = _ACCESS_PROBLEM[code]
+    path = paths[what]
+    # The directories above the path (for the working directory, itself too).
+    parts = os.path.abspath(path).split(os.sep)[1:]
+    dirs = [os.sep + os.path.join(*parts[:i]) if i else os.sep
+            for i in range(len(parts) + (what == "cwd"))]
+    closed = _as_user(pw, _FIRST_CLOSED, dirs, output=True)
+    where = ""
+    if isinstance(closed, str) and closed and closed != os.path.abspath(path):
+        try:
+            mode = f"mode {stat.S_IMODE(os.stat(closed).st_mode):04o}, owner "
+            mode += _owner(os.stat(closed).st_uid)
+        except OSError:
+            mode = "not reachable"
+        where = f": it cannot enter {closed} ({mode})"
+    fix = _ACCESS_FIX[what].format(user=user)
+    return f"user {user} " + problem.format(**paths) + where + "; " + fix
+
+
+def _owner(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def _as_user(pw: pwd.struct_passwd, script: str, args: list[str],
+             output: bool = False) -> int | str:
+    """Runs a ``/bin/sh -c`` script as the user (dropping to its uid, gid and groups unless
+    it is this process's own). Returns the exit status, or the error that stopped the check
+    (a string); with ``output``, what the script printed if it exited 0, else ""."""
+    same = pw.pw_uid == os.geteuid()
+    # A check killed by a signal says nothing about the files (one was seen to die of
+    # SIGSEGV under a busy daemon once): try again, a few times.
+    for _ in range(3):
+        try:
+            done = subprocess.run(
+                ["/bin/sh", "-c", script, "sh", *args],
+                user=None if same else pw.pw_uid, group=None if same else pw.pw_gid,
+                extra_groups=None if same else os.getgrouplist(pw.pw_name, pw.pw_gid),
+                stdin=subprocess.DEVNULL, capture_output=True, cwd="/",
+                env={"PATH": "/usr/bin:/bin"}, timeout=10)
+        except (OSError, subprocess.SubprocessError) as exc:
+            return "" if output else str(exc)
+        if done.returncode >= 0:
+            break
+    if output:
+        return done.stdout.decode(errors="replace") if done.returncode == 0 else ""
+    return done.returncode

@@ -198,8 +198,8 @@ COMMANDS = {
     "history": ["--kind", "--limit"],
     "submit": [
         "--crash-loop-restarts", "--cwd", "--env", "--hang-first-step", "--hang-timeout",
-        "--hang-timeout-floor", "--max-restarts", "--nnodes", "--nproc-per-node", "--python",
-        "--straggler-drain", "--straggler-factor", "--straggler-steps", "--user", "args",
+        "--hang-timeout-floor", "--max-restarts", "--nnodes", "--no-wait", "--nproc-per-node",
+        "--python", "--straggler-drain", "--straggler-factor", "--straggler-steps", "--user", "args",
         "name", "script"],
     "jobs": [],
     "stop": ["--force", "--wait", "name"],
@@ -275,7 +275,7 @@ TIMELINE_KEYS = (
 #: event's ``data`` is the event's own, not descended into).
 JSON_KEYS = {
     "submit":
-        "job nnodes nproc_per_node script script_sha256 submitted user",
+        "detail job nnodes nproc_per_node refused script script_sha256 state submitted user",
     "jobs": (
         "[].args [].desired [].hang_timeout [].job [].nnodes [].nodes.n1.agent_pid "
         "[].nodes.n1.agent_starts [].nodes.n1.at [].nodes.n1.compute_seconds "
@@ -284,7 +284,8 @@ JSON_KEYS = {
         "[].nodes.n1.node [].nodes.n1.ranks [].nodes.n1.state [].nodes.n1.straggler "
         "[].nodes.n1.unprotected "
         "[].nodes.n1.worker_restarts [].nodes.n1.world_size [].nproc_per_node [].protection "
-        "[].reason [].running_on [].script [].stragglers [].submitted_at [].user"),
+        "[].reason [].running_on [].script [].state [].state_detail [].stragglers "
+        "[].submitted_at [].user"),
     "logs":
         "[].hostname [].log [].node [].state",
     "nodes": (
@@ -372,8 +373,9 @@ def test_elasticctl_json_keys(cluster, tmp_path):
     for key, value in REPLICATION_RECORDS.items():
         coord.put(key, value)
     lines = [
+        # --no-wait: no daemon cycle here answers (the keys are those of a wait's answer).
         ["submit", "j", "--nnodes", "1:2", "--nproc-per-node", "1", "--user", "nobody",
-         "--cwd", str(tmp_path), str(script), "--", "--epochs", "1"],
+         "--no-wait", "--cwd", str(tmp_path), str(script), "--", "--epochs", "1"],
         ["jobs"], ["logs", "j"], ["nodes"], ["status"], ["history"], ["placement", "j"],
         ["checkpoints", "j"], ["drain", "n1", "--no-wait", "--force"],
         ["drain", "n1", "--status"], ["drain", "n1", "--undo"], ["stop", "j", "--force"],
