@@ -261,6 +261,15 @@ class LocalCluster:
         self.loop_interval = loop_interval
         self.env = {**os.environ, **(env or {})}
         self.node_env = dict(node_env or {})
+        # The jobs' temporary files (TMPDIR, which the daemons' agents and workers inherit): a
+        # directory of the cluster's own, removed at stop, so that what a killed worker leaves
+        # behind (multiprocessing's pymp-* listener directories, for one) goes with it. Not
+        # under the workdir: AF_UNIX socket paths under it must stay short.
+        self.tmp_dir = None
+        if "TMPDIR" not in (env or {}):
+            self.tmp_dir = tempfile.mkdtemp(prefix="elasticd-tmp-")
+            os.chmod(self.tmp_dir, 0o1777)  # as /tmp: the jobs' user writes there
+            self.env["TMPDIR"] = self.tmp_dir
         if replication:
             # Peer replicas over loopback, authenticated with a per-cluster secret.
             self.env["ELASTICD_CLUSTER_SECRET"] = os.urandom(16).hex()
@@ -355,7 +364,8 @@ class LocalCluster:
             SYSTEM_CLOCK.sleep(interval)
 
     def stop(self) -> None:
-        """Stops every node (SIGTERM, then SIGKILL of its group) and the owned etcd."""
+        """Stops every node (SIGTERM, then SIGKILL of its group) and the owned etcd; removes the
+        nodes' shared memory and the jobs' temporary directory."""
         for n in self.nodes.values():
             n.terminate()
         if self._coord is not None:
@@ -364,6 +374,8 @@ class LocalCluster:
         if self.etcd_server is not None:
             self.etcd_server.stop()
         shutil.rmtree(self.shm_root, ignore_errors=True)
+        if self.tmp_dir is not None:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
     def __enter__(self) -> "LocalCluster":
         return self.start()

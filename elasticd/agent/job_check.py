@@ -30,6 +30,8 @@ import json
 import logging
 import os
 import pwd
+import stat
+import subprocess
 import threading
 from typing import Any, Callable
 
@@ -104,7 +106,8 @@ def check_job(spec: JobSpec, policy: JobPolicy, deadline: float = CHECK_DEADLINE
                               [] if me else os.getgrouplist(user, pw.pw_gid),
                               [("r", spec.script), ("x", spec.cwd)], deadline)
     except PermissionError:
-        return Verdict(f"user {user} cannot execute the interpreter {policy.python}")
+        return Verdict(f"user {user} cannot execute the interpreter {policy.python}"
+                       + access_hint(pw, "python", policy.python))
     except FileNotFoundError:
         return Verdict(f"the interpreter {policy.python} is not on this node")
     except HelperFailed as exc:
@@ -124,7 +127,8 @@ def _script_problem(spec: JobSpec, got: Any, uid: int, user: str) -> Verdict | N
             return Verdict(f"{where} is not on this node (not deployed yet?): checked again "
                            f"every {WAIT_RETRY:g} s", waiting=True)
         if got.errno in (errno.EACCES, errno.EPERM):
-            return Verdict(f"user {user} cannot read the {where}")
+            return Verdict(f"user {user} cannot read the {where}"
+                           + access_hint(pwd.getpwuid(uid), "script", spec.script))
         if got.errno == errno.ELOOP:  # made a symlink between the helper's lstat and open
             return Verdict(f"{where} is a symbolic link, not a regular file")
         return Verdict(f"{where}: cannot open it as {user} ({got.error})")
@@ -150,7 +154,67 @@ def _cwd_problem(spec: JobSpec, got: Any, user: str) -> Verdict | None:
     if got.errno in (errno.ENOENT, errno.ENOTDIR):
         return Verdict(f"--cwd {spec.cwd!r} is not on this node (not deployed yet?): checked "
                        f"again every {WAIT_RETRY:g} s", waiting=True)
-    return Verdict(f"user {user} cannot enter the working directory {spec.cwd!r}")
+    return Verdict(f"user {user} cannot enter the working directory {spec.cwd!r}"
+                   + access_hint(pwd.getpwnam(user), "cwd", spec.cwd))
+
+
+# What to do, by the path the job's user cannot reach.
+_ACCESS_FIX = {
+    "python": ("install the environment (torch, elasticd) where {user} can reach it, e.g. "
+               "`python3 -m venv /opt/elasticd-venv`, and name it in the daemons' "
+               "job_python and in submit --python; or submit with --user set to a user who "
+               "can run it"),
+    "script": ("put the script where {user} can read it, or make it readable by {user} "
+               "(its group, or chmod o+r); or submit with --user set to a user who can"),
+    "cwd": ("submit with --cwd set to a directory {user} can enter, or make it enterable "
+            "by {user}"),
+}
+# Run as the job's user: the first of the directories given it cannot enter (printed), or
+# exit 1 when it can enter them all.
+_FIRST_CLOSED = 'for d; do test -x "$d" || { printf %s "$d"; exit 0; }; done; exit 1'
+
+
+def access_hint(pw: pwd.struct_passwd, what: str, path: str) -> str:
+    """``": it cannot enter <dir> (mode, owner); <fix>"`` for a ``path`` (``what``: python,
+    script or cwd) the job's user cannot reach: the first directory above it that user cannot
+    enter (a private home holding a virtualenv, typically), found as that user, and the fix.
+    Runs a child process: call it off the main loop, as :func:`check_job` is."""
+    parts = os.path.abspath(path).split(os.sep)[1:]
+    dirs = [os.sep + os.path.join(*parts[:i]) if i else os.sep
+            for i in range(len(parts) + (what == "cwd"))]
+    closed = _first_closed(pw, dirs)
+    where = ""
+    if closed and closed != os.path.abspath(path):
+        try:
+            st = os.stat(closed)
+            where = f": it cannot enter {closed} (mode {stat.S_IMODE(st.st_mode):04o}, owner "
+            where += _owner(st.st_uid) + ")"
+        except OSError:
+            where = f": it cannot enter {closed} (not reachable)"
+    return where + "; " + _ACCESS_FIX[what].format(user=pw.pw_name)
+
+
+def _owner(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def _first_closed(pw: pwd.struct_passwd, dirs: list[str]) -> str:
+    """The first of ``dirs`` the user cannot enter, checked as that user ("" if none, or if
+    the check itself failed)."""
+    same = pw.pw_uid == os.geteuid()
+    try:
+        done = subprocess.run(
+            ["/bin/sh", "-c", _FIRST_CLOSED, "sh", *dirs],
+            user=None if same else pw.pw_uid, group=None if same else pw.pw_gid,
+            extra_groups=None if same else os.getgrouplist(pw.pw_name, pw.pw_gid),
+            stdin=subprocess.DEVNULL, capture_output=True, cwd="/",
+            env={"PATH": "/usr/bin:/bin"}, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout.decode(errors="replace") if done.returncode == 0 else ""
 
 
 @dataclasses.dataclass
