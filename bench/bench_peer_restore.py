@@ -37,6 +37,7 @@ import uuid
 
 import numpy as np
 
+from wording import speed
 from elasticd.snapshot.format import SnapshotHeader, TensorSpec, layout
 from elasticd.store.shm import SlotStore
 from elasticd.coordination.keys import Keyspace
@@ -204,8 +205,8 @@ def main() -> None:
         s = med[name]
         print(f"{name:42} {s:8.3f} {total / s / 1e9:7.2f} {raw_med / s:7.0%} {s / peer_med:7.1f}x")
         results[name] = {"seconds": round(s, 4), "gb_per_s": round(total / s / 1e9, 3)}
-    print(f"peer restore is {warm_med / peer_med:.1f}x faster than torch.load (warm) and "
-          f"{med[rows[3][0]] / peer_med:.1f}x faster than torch.load (cold)")
+    print(f"peer restore is {speed(peer_med, warm_med, 'torch.load (warm)')} and "
+          f"{speed(peer_med, med[rows[3][0]], 'torch.load (cold)')}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"benchmark": "peer_restore",

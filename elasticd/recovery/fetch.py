@@ -484,7 +484,7 @@ def fetch_into_scratch(fetcher: Fetcher, store: SlotStore, job: str, rank: int,
     segments: list[Any] = []
 
     def into(d: Descriptor) -> memoryview:
-        segments.append(store.scratch(d.total_bytes))
+        segments.append(store.scratch(d.total_bytes, job=job))
         return segments[-1].view
 
     def reserve(start: int, end: int) -> None:

@@ -150,6 +150,9 @@ class ReplicaServer:
         # Connections still in their handshake (keyed by their thread).
         self._pending = Admission(max_pending, handshake_timeout)
         self._authenticated = 0
+        # When each authenticated peer was last heard from (wall time): a failed peer's last
+        # sign of life, for its recovery's timeline (cluster/timeline.py).
+        self._heard: dict[str, float] = {}
         self._stopping = False
         self._listener = socket.create_server((host, port),
                                               backlog=max_connections + max_pending)
@@ -334,6 +337,7 @@ class ReplicaServer:
                     return
                 except ConnectionLost:
                     return  # the peer hung up between requests: normal
+                self._hear(hello.node_id)
                 msg = channel.recv_message(header)
                 if isinstance(msg, PutBegin):
                     channel.block_key = (self._blocks.key(msg.tag_salt)
@@ -342,10 +346,12 @@ class ReplicaServer:
                         self._receive(channel, msg.descriptor, hello.node_id)
                     finally:
                         channel.block_key = None
+                    self._hear(hello.node_id)  # received whole: its last frame just came
                 elif isinstance(msg, Fetch):
                     self._serve_fetch(channel, msg, hello.max_frame, hello.node_id)
                 elif isinstance(msg, CommitReport):
                     self._serve_report(channel, msg, hello.node_id)
+                    self._hear(hello.node_id)
                 else:
                     raise UnexpectedFrame(f"expected PUT_BEGIN, FETCH or REPORT, received "
                                           f"{msg.TYPE.name}")
@@ -409,6 +415,17 @@ class ReplicaServer:
             channel.send(Nack(NOT_COORDINATOR, f"{self.node_id} takes no commit reports"))
             return
         channel.send(CommitReply(encode_reply(handler(report))))
+
+    def _hear(self, node: str) -> None:
+        with self._lock:
+            if node not in self._heard and len(self._heard) >= 4 * self.max_connections:
+                self._heard.clear()  # bounded: node ids are the peers' own word
+            self._heard[node] = self.clock.wall()
+
+    def last_heard(self, node: str) -> float | None:
+        """When a frame from authenticated peer ``node`` last arrived (wall time), or None."""
+        with self._lock:
+            return self._heard.get(node)
 
     def serving(self) -> list[dict[str, Any]]:
         """The fetches being served now: peer, job, rank, version and seconds so far (a

@@ -40,6 +40,7 @@ from elasticd.store.api import (
 from elasticd.snapshot.format import SnapshotError, SnapshotHeader, invalidate, seal, write_header
 from elasticd.snapshot.reader import SnapshotReader, verify_payload
 from elasticd.snapshot.segment import PAGE, Segment, map_fd, map_file
+from elasticd.store.scratch import ScratchAccounts, ScratchReservation
 from elasticd.store.shm_root import claim_root, dir_problem, listdir_at, remove_at, same_file
 
 __all__ = ["PAGE", "CommitPending", "OverBudget", "ScanResult", "Slot", "SlotBusy", "SlotStore",
@@ -102,9 +103,12 @@ class SlotStore:
     Args:
         root: directory for the slot files (created, mode 0700); one per node.
         cap_bytes: most bytes the slot files may take together; None for no cap.
+        job_scratch_cap: most bytes of restore scratch one job may hold (:meth:`scratch`);
+            None for no per-job cap.
     """
 
-    def __init__(self, root: str, *, cap_bytes: int | None = None):
+    def __init__(self, root: str, *, cap_bytes: int | None = None,
+                 job_scratch_cap: int | None = None):
         if cap_bytes is not None and cap_bytes < 0:
             raise ValueError(f"cap_bytes must be >= 0 or None, got {cap_bytes}")
         self.root, self.cap_bytes = os.path.abspath(root), cap_bytes
@@ -113,7 +117,7 @@ class SlotStore:
         self._retained: dict[str, set[tuple[int, int]]] = {}  # job-wide (see retain)
         self._lock = threading.Lock()
         self._tickets = 0
-        self._scratch: list[Segment] = []  # partial copies handed to a restore (scratch)
+        self._scratch = ScratchAccounts(job_scratch_cap)  # partial copies for restores
         #: Called at each local seal with the slot's memory and its payload blocks' ranges;
         #: what it returns rides along as ``SnapshotView.tags`` (replication sets it: the
         #: block tags that spare a push the pass over the bytes, seal.py's BlockTags).
@@ -272,29 +276,23 @@ class SlotStore:
             pair.reserved = index
             return Slot(job, rank, current.path, current.capacity, current.view, current.ticket)
 
-    def scratch(self, nbytes: int) -> Segment:
-        """A slot file outside every (job, rank), for a partial copy a restore reads once (the
-        rows of an old rank's snapshot a new rank needs): never a snapshot of this store,
-        counted against the cap until :meth:`drop_scratch`. Named ``.scratch-<random>`` at the root,
-        which :meth:`scan` removes after a crash (not a job directory). Only sized: the caller
-        reserves each range before writing it (:meth:`Segment.reserve_range`), so a partial
-        copy takes the memory of what it holds, and the reserving runs beside the transfers
-        (a whole reserve up front took 0.74-0.96 s per 385 MB on huge pages: on a VM that
-        reports free memory to its host, each block is faulted in by the host at first touch,
-        bench/results/first_touch.json).
+    def scratch(self, nbytes: int, *, job: str,
+                reservation: ScratchReservation | None = None) -> Segment:
+        """A slot file outside every (job, rank) for a partial copy a restore of ``job`` reads
+        once (:mod:`elasticd.store.scratch`), counted against the node's cap and ``job``'s
+        until :meth:`drop_scratch`; it takes over ``reservation``'s booked bytes. Named
+        ``.scratch-<random>`` at the root (:meth:`scan` removes it after a crash). Only sized:
+        the caller reserves each range before writing it (:meth:`Segment.reserve_range`), so
+        a copy takes the memory of what it holds, reserved beside the transfers (a whole
+        reserve up front cost 0.74-0.96 s per 385 MB, bench/results/first_touch.json).
 
         Raises:
-            OverBudget: the allocation would exceed ``cap_bytes`` (or the filesystem is full).
+            OverBudget: over the node's cap (or the filesystem is full); ScratchOverCap (a
+                subclass): over ``job``'s.
         """
-        if type(nbytes) is not int or nbytes <= 0:
-            raise ValueError(f"nbytes must be a positive integer, got {nbytes!r}")
-        capacity = -(-nbytes // PAGE) * PAGE
+        capacity = -(-self._scratch_bytes(job, nbytes) // PAGE) * PAGE
         with self._lock:
-            held = self._held()
-            if self.cap_bytes is not None and held + capacity > self.cap_bytes:
-                raise OverBudget(f"a partial copy of {nbytes} bytes does not fit: {held} of the "
-                                 f"{self.cap_bytes}-byte cap are held", capacity, held,
-                                 self.cap_bytes)
+            self._scratch.check(job, capacity, self._held(), self.cap_bytes, reservation)
             # Unique across daemons: a crashed one's leftover (removed by scan) never clashes.
             name = f".scratch-{uuid.uuid4().hex[:16]}"
             try:
@@ -302,16 +300,53 @@ class SlotStore:
                                            capacity, reserve=False)
             except OSError as exc:
                 raise OverBudget(f"cannot allocate {capacity} bytes in {self.root}: {exc}",
-                                 capacity, held, self.cap_bytes) from exc
-            self._scratch.append(segment)
+                                 capacity, self._held(), self.cap_bytes) from exc
+            self._scratch.booked.pop(reservation, None)  # type: ignore[arg-type]
+            self._scratch.segments[segment] = job
             return segment
 
     def drop_scratch(self, segment: Segment) -> None:
-        """Deletes a :meth:`scratch` file (its pages go once no reader maps them)."""
+        """Deletes a :meth:`scratch` file, emptied first: its memory comes back now, even if
+        a worker still maps it (its reads then fault; it said it was done, or its pin expired)."""
         with self._lock:
-            if segment in self._scratch:
-                self._scratch.remove(segment)
-                segment.destroy(self._fd)
+            if self._scratch.segments.pop(segment, None) is not None:
+                segment.destroy(self._fd, reclaim=True)
+
+    def reserve_scratch(self, job: str, nbytes: int) -> ScratchReservation:
+        """Books ``nbytes`` of ``job``'s scratch cap and of the node's cap for a partial copy
+        not made yet (e.g. a restore's scratch set up when a membership change is first seen):
+        it counts against both from now until it is handed to :meth:`scratch`
+        (``reservation=``) or released (:meth:`ScratchReservation.release`).
+
+        Raises:
+            OverBudget: over the node's cap; ScratchOverCap: over ``job``'s.
+        """
+        self._scratch_bytes(job, nbytes)
+        with self._lock:
+            self._scratch.check(job, nbytes, self._held(), self.cap_bytes)
+            booking = ScratchReservation(job, nbytes, self._unbook)
+            self._scratch.booked[booking] = None
+            return booking
+
+    def _scratch_bytes(self, job: str, nbytes: int) -> int:
+        self._dir(job, 0)
+        if type(nbytes) is not int or nbytes <= 0:
+            raise ValueError(f"nbytes must be a positive integer, got {nbytes!r}")
+        return nbytes
+
+    def _unbook(self, booking: ScratchReservation) -> None:
+        with self._lock:
+            self._scratch.booked.pop(booking, None)
+
+    @property
+    def job_scratch_cap(self) -> int | None:
+        """Most bytes of scratch one job may hold here (None: no per-job cap)."""
+        return self._scratch.job_cap
+
+    def scratch_held(self, job: str | None = None) -> int:
+        """Bytes of scratch and scratch bookings held (for ``job``, or for every job)."""
+        with self._lock:
+            return self._scratch.held(job)
 
     def _stays(self, job: str, pair: _Pair, index: int) -> bool:
         """Whether slot ``index`` holds a complete copy that must not be overwritten (call with
@@ -436,7 +471,7 @@ class SlotStore:
 
     def _held(self) -> int:
         return (sum(s.capacity for p in self._pairs.values() for s in p.segments if s is not None)
-                + sum(s.capacity for s in self._scratch))
+                + self._scratch.held())
 
     def bytes_held(self) -> int:
         """Bytes of slot files this store holds."""
@@ -481,9 +516,9 @@ class SlotStore:
             for seg in (s for p in self._pairs.values() for s in p.segments if s is not None):
                 seg.unmap()
             self._pairs.clear()
-            for seg in self._scratch:  # partial copies never outlive the daemon
+            for seg in self._scratch.segments:  # partial copies never outlive the daemon
                 seg.destroy(self._fd)
-            self._scratch.clear()
+            self._scratch.segments.clear()
             fd, self._fd = self._fd, -1
         if fd < 0:
             return

@@ -186,6 +186,10 @@ class _Flattener:
     def _add(self, path: str, tensor: torch.Tensor) -> int:
         if tensor.layout != torch.strided or tensor.is_quantized:
             raise UnsupportedValue(f"{path}: only dense tensors can be snapshotted ({tensor.layout})")
+        if tensor.is_meta:  # no data: a model built on the meta device and never materialised
+            raise UnsupportedValue(f"{path}: on the meta device (no data): give the model real "
+                                   "storage (model.to_empty(device=...)) and initialise it "
+                                   "before restore and save (docs/worker-api.md)")
         if tensor.dtype not in _KNOWN_DTYPES:  # checked once per dtype: flatten runs every step
             spec_of(path, tensor)  # raises for a dtype the format does not know
             _KNOWN_DTYPES.add(tensor.dtype)

@@ -231,14 +231,14 @@ def test_a_scratch_copy_counts_against_the_cap_and_never_survives_a_restart(root
     store = SlotStore(root, cap_bytes=5 * PAGE)
     snapshot(store, "job", 0, step=1, n=100)  # 4 pages of slots
     with pytest.raises(OverBudget, match="partial copy"):
-        store.scratch(PAGE + 1)  # 2 pages more exceed the 5-page cap: refused, nothing made
+        store.scratch(PAGE + 1, job="job")  # 2 pages more exceed the 5-page cap: refused, nothing made
     assert not [f for f in files(root) if ".scratch" in f]
-    one = store.scratch(PAGE)
+    one = store.scratch(PAGE, job="job")
     assert store.bytes_held() == 5 * PAGE and os.path.basename(one.path).startswith(".scratch-")
     assert store.versions("job", 0) == [(0, 1)] and store.holdings() == [("job", 0, 0, 1)]
     store.drop_scratch(one)
     assert store.bytes_held() == 4 * PAGE and not os.path.exists(one.path)
-    left = store.scratch(PAGE)
+    left = store.scratch(PAGE, job="job")
     store.close(unlink=False)  # a daemon that stops: its slots stay, its scratch does not
     assert not os.path.exists(left.path)
     # One that died (kill -9) left a scratch file: the next daemon's scan removes it.
