@@ -252,7 +252,8 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
                          a.keeper_threads)
     nodes = {i: SimNode(i, coords[k % a.clients], n, min_nodes, keepers, a)
              for k, i in enumerate(indices)}
-    ticker = Ticker(nodes)  # noqa: F841 - where a phase registers per-node periodic work
+    ticker = Ticker(nodes)  # where a phase registers per-node periodic work
+    phase_state: dict[str, Any] = {}
     pool = concurrent.futures.ThreadPoolExecutor(len(indices))
     me = psutil.Process()
     conn.send("ready")
@@ -297,6 +298,10 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
                 conn.send([i for i, x in nodes.items() if x.agent._closer is not None])
             elif cmd[0] == "members":
                 conn.send([(i, x.agent.me) for i, x in nodes.items()])
+            elif cmd[0].startswith("commit_"):  # the steady-training phase (scale_commit.py)
+                import scale_commit
+                conn.send(scale_commit.handle(phase_state, cmd, nodes, ticker, indices[0],
+                                              a.procs, a))
             elif cmd[0] == "kill":
                 nodes.pop(cmd[1]).kill()
                 conn.send(time.time())
@@ -445,6 +450,9 @@ def run_size(n: int, server: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, A
         join = measure_round(cluster, etcd, alive, lambda: None)
         result["join"] = join
         result["join_seconds"] = join["seconds"]
+        if a.commit_only:
+            result["commit"] = commit_phase(cluster, etcd, server, n, a)
+            return result
         # steady: only keep-alives should reach etcd
         time.sleep(1.0)
         s0, m0, e0, t0 = cluster.stats(), etcd.requests(), etcd.cpu(), time.monotonic()
@@ -492,10 +500,24 @@ def run_size(n: int, server: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, A
             r["simulator_cpu_seconds_per_agent"] for r in every)
         result["leases_lost"] = (sum(r["leases_lost"] for r in every)
                                  + result["steady"]["leases_lost"])
-        result["commit"] = None  # the commit engineer's steady-training phase (Ticker)
+        result["commit"] = commit_phase(cluster, etcd, server, n, a) if a.commit_seconds else None
     finally:
         cluster.close()
     return result
+
+
+def commit_phase(cluster: Cluster, etcd: Etcd, server: EmbeddedEtcd, n: int,
+                 a: argparse.Namespace) -> dict[str, Any]:
+    """Steady training at one snapshot per ``--period`` per node: bench/scale_commit.py."""
+    import scale_commit
+
+    r = scale_commit.run_phase(cluster, etcd, server, Keyspace(f"{PREFIX}{n}"), n, a)
+    print(f"  N={n} commit: {r['committed_steps']} commits in {r['window_s']} s, "
+          f"{r['writes_per_step']} writes/step (max {r['write_bytes_max']} B), lag median "
+          f"{r['lag_steps_median']} steps, etcd {r['etcd_cpu_pct']} % of a core "
+          f"({r['etcd_cpu_pct_without_commits']} % without commits), db "
+          f"{r['db_bytes']}, leases lost {r['leases_lost']}", flush=True)
+    return r
 
 
 def main() -> int:
@@ -516,7 +538,21 @@ def main() -> int:
     p.add_argument("--out", default="bench/results/scale_native.json",
                    help="results file; an existing entry for the same N (and members) is "
                         "replaced, the others kept")
+    p.add_argument("--commit-seconds", type=float, default=0.0,
+                   help="steady training with commits, measured for this long after the kills "
+                        "(0: no commit phase); bench/scale_commit.py")
+    p.add_argument("--commit-only", action="store_true",
+                   help="join, then the commit phase only (no kills); only the entry's "
+                        "`commit` field is written")
+    p.add_argument("--commit-warmup", type=float, default=15.0,
+                   help="seconds of commits before the measured window")
+    p.add_argument("--commit-baseline", type=float, default=15.0,
+                   help="seconds measured just before the commit phase, without commits")
+    p.add_argument("--period", type=float, default=1.0, help="snapshot period per node")
+    p.add_argument("--ranks-per-node", type=int, default=8)
+    p.add_argument("--replicas", type=int, default=2, help="m: copies of each snapshot")
     a = p.parse_args()
+    a.commit_authkey = os.urandom(16)
     sizes = [int(x) for x in a.sizes.split(",") if x]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     random.seed(0)
@@ -537,13 +573,17 @@ def main() -> int:
             r["command"] = "python bench/scale_native.py " + " ".join(sys.argv[1:])
             r["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
             r["simulation_seconds"] = round(time.monotonic() - t0, 1)
-            print(f"N={n}: joined {r['join_seconds']} s; member kill -> {r['reform_seconds']}; "
-                  f"closer kill -> {r['closer_reform_seconds']}; "
-                  f"{r['requests_per_agent_round']} req and {r['events_per_agent_round']} "
-                  f"events per agent per round (max); leases lost {r['leases_lost']} "
-                  f"[{r['simulation_seconds']} s]", flush=True)
-            doc["results"] = [x for x in doc["results"]
-                              if (x.get("n"), x.get("etcd_members", 1)) != (n, a.members)]
+            print(f"N={n}: joined {r['join_seconds']} s; member kill -> "
+                  f"{r.get('reform_seconds')}; closer kill -> {r.get('closer_reform_seconds')}; "
+                  f"{r.get('requests_per_agent_round')} req and "
+                  f"{r.get('events_per_agent_round')} events per agent per round (max); leases "
+                  f"lost {r.get('leases_lost')} [{r['simulation_seconds']} s]", flush=True)
+            old = [x for x in doc["results"]
+                   if (x.get("n"), x.get("etcd_members", 1)) == (n, a.members)]
+            doc["results"] = [x for x in doc["results"] if x not in old]
+            if a.commit_only and old:  # the other phases' figures stay as they were
+                r = {**old[0], "commit": {**r["commit"], "command": r["command"],
+                                          "date": r["date"]}}
             doc["results"].append(r)
             doc["results"].sort(key=lambda x: (x.get("etcd_members", 1), x["n"]))
             doc.update(benchmark="scale_native", machine={

@@ -53,8 +53,8 @@ VERSION = 5  # 2: client proves first, frames sealed (AES-GMAC); 3: tags are Cha
 # 4: pretagged DATA (block tags made at seal time); 5: commit reports to the job's coordinator
 # (REPORT, REPORT_REPLY), which replaced the per-node replicated records in etcd
 #: What a peer speaking an older version is told to do (the log line on each side).
-UPGRADE = ("upgrade elasticd on every node of the cluster (docs/operations.md, \"Upgrading "
-           "elasticd\"): this release commits through a coordinator (replication protocol "
+UPGRADE = ("upgrade elasticd on every node of the cluster (docs/operations.md, section 8, "
+           "\"Upgrades\"): this release commits through a coordinator (replication protocol "
            "v5) and cannot replicate with older nodes")
 CHECK_BYTES = 16
 HEADER = struct.Struct(f"!4sBBHI{CHECK_BYTES}s")
