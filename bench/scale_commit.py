@@ -61,6 +61,9 @@ class Relay:
         self._idle: dict[int, queue.SimpleQueue[Connection]] = collections.defaultdict(
             queue.SimpleQueue)
         self.sent = collections.Counter[str]()
+        #: Thread CPU seconds the coordinators simulated here spent taking reports.
+        self.taking = 0.0
+        self._taking_lock = threading.Lock()
         self.listener = Listener(("127.0.0.1", 0), authkey=authkey)
         self.address = self.listener.address
         threading.Thread(target=self._accept, daemon=True).start()
@@ -69,7 +72,7 @@ class Relay:
         tracker = self.nodes.get(node)
         if tracker is not None:
             self.sent["local"] += 1
-            return tracker.reporter.on_report(report)
+            return self._take(tracker, report)
         k = int(node.rsplit("-", 1)[1]) % self.procs
         if k == self.me or k not in self.peers:
             raise ReplicationError(f"no simulated node {node}")
@@ -87,6 +90,15 @@ class Relay:
         self.sent["remote"] += 1
         return decode_reply(raw)
 
+    def _take(self, tracker: Any, report: Report) -> Reply:
+        started = time.thread_time()
+        try:
+            return tracker.reporter.on_report(report)
+        finally:
+            spent = time.thread_time() - started
+            with self._taking_lock:
+                self.taking += spent
+
     def _accept(self) -> None:
         while True:
             try:
@@ -101,7 +113,7 @@ class Relay:
                 raw = conn.recv_bytes()
                 dest, _, body = raw.partition(b"\n")
                 tracker = self.nodes.get(dest.decode())
-                reply = (tracker.reporter.on_report(decode_report(body)) if tracker is not None
+                reply = (self._take(tracker, decode_report(body)) if tracker is not None
                          else Reply(False, "term"))
                 conn.send_bytes(encode_reply(reply))
         except (OSError, EOFError):
@@ -173,6 +185,7 @@ class WorkerCommit:
         withdrawals = sum(p.tracker.counters.get("withdrawals", 0) for p in self.parts.values())
         return {"lags": dict(self.lags), "snapshots": self.snapshots,
                 "relayed": dict(self.relay.sent), "leading": leading,
+                "taking_cpu": self.relay.taking,
                 "withdrawals": withdrawals, "tick_cpu": self.tick_seconds,
                 "gates_at_commit": sum(1 for g in self.gates.values() if g())}
 
@@ -335,6 +348,8 @@ def run_phase(cluster: Any, etcd: Any, server: Any, keys: Any, n: int, a: Any) -
         "leases_lost": s1["leases_lost"] - s0["leases_lost"],
         "leases_lost_without_commits": base_lost,
         "reports_relayed": dict(relayed),
+        "coordinator_report_cpu_pct": round((sum(p["taking_cpu"] for p in c1)
+                                             - sum(p["taking_cpu"] for p in c0)) / secs * 100, 2),
         "coordinator": leading[0] if len(leading) == 1 else leading,
         "note": "reports between simulated nodes go in-process or over a local socket "
                 "(bench/scale_commit.py Relay), not over the authenticated replication "

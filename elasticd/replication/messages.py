@@ -338,34 +338,32 @@ class Error:
 
 
 @dataclasses.dataclass(frozen=True)
-class CommitReport:
-    """A node's commit report to its job's coordinator (:mod:`elasticd.replication.report`
-    decodes ``body``)."""
+class _Opaque:
+    """A frame whose payload is a body another module encodes and decodes."""
 
-    TYPE: ClassVar[FrameType] = FrameType.REPORT
     body: bytes
 
     def payload(self) -> bytes:
         return self.body
 
     @classmethod
-    def parse(cls, p: memoryview) -> "CommitReport":
+    def parse(cls, p: memoryview) -> "_Opaque":
         return cls(bytes(p))
 
 
 @dataclasses.dataclass(frozen=True)
-class CommitReply:
+class CommitReport(_Opaque):
+    """A node's commit report to its job's coordinator (:mod:`elasticd.replication.report`
+    decodes ``body``)."""
+
+    TYPE: ClassVar[FrameType] = FrameType.REPORT
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitReply(_Opaque):
     """The coordinator's answer to a :class:`CommitReport`."""
 
     TYPE: ClassVar[FrameType] = FrameType.REPORT_REPLY
-    body: bytes
-
-    def payload(self) -> bytes:
-        return self.body
-
-    @classmethod
-    def parse(cls, p: memoryview) -> "CommitReply":
-        return cls(bytes(p))
 
 
 Message = Union[Hello, Challenge, Auth, PutBegin, Data, PutEnd, Ack, Nack, Fetch, FetchReply,
