@@ -293,6 +293,10 @@ def run_phase(cluster: Any, etcd: Any, server: Any, keys: Any, n: int, a: Any) -
     cluster.ask(("commit_sample", False))
     secs = t1 - t0
     evs = observer.between(t0, t1)
+    before: dict[str, int] = {}  # the warm-up's writes: the election, the round's placement
+    for e in observer.between(0.0, t0):
+        name = e[1].decode().rsplit("/ckpt/", 1)[-1]
+        before[name] = max(before.get(name, 0), e[2])
     observer.close()
     cluster.ask(("commit_stop",))
     committed_key, fence = keys.job_committed(JOB), keys.job_fences(JOB)
@@ -328,6 +332,7 @@ def run_phase(cluster: Any, etcd: Any, server: Any, keys: Any, n: int, a: Any) -
         "write_bytes_max": max(sizes, default=0),
         "write_bytes_median": statistics.median(sizes) if sizes else 0,
         "fence_writes": len(fence_revs),
+        "warmup_write_bytes_max_by_key": before,
         "withdrawals": sum(p["withdrawals"] for p in c1) - sum(p["withdrawals"] for p in c0),
         "requests_per_node_per_step": round(per_step_requests / len(alive) / snapshot_steps, 4),
         "requests_by_method": requests,
