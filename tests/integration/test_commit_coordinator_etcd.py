@@ -95,7 +95,8 @@ def test_killing_the_coordinator_costs_one_lease_ttl_and_no_wrong_commit(etcd, p
         # the grid and the round's placement are not per step).
         per_step = {cluster.keys.job_committed(JOB), cluster.keys.job_commit_ahead(JOB)}
         steady = [w for w in writes if w[1] in per_step]
-        assert len(steady) <= 2 * len(set(commits)), \
+        # + 1: the first ahead record may come before the first commit (seen: 33 for 16)
+        assert len(steady) <= 2 * len(set(commits)) + 1, \
             f"{len(steady)} writes for {len(set(commits))} commits"
         assert max(size for _, _, size in writes) <= 4096
         victim = coordinator(cluster)
