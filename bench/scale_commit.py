@@ -25,6 +25,7 @@ etcd's database size after the warm-up, after the first minute and at the end, l
 from __future__ import annotations
 
 import collections
+import os
 import queue
 import statistics
 import threading
@@ -135,6 +136,7 @@ class WorkerCommit:
         self.placement: Any = None
         self.last_step: dict[int, int] = {}
         self.tick_seconds = 0.0
+        self.behind = 0  # the most steps a node's simulation fell behind the wall clock
         self._lock = threading.Lock()
         self._sampling = False
 
@@ -163,11 +165,17 @@ class WorkerCommit:
         started = time.thread_time()
         now = time.time()
         if now >= self.t0:
-            step = int((now - self.t0) / self.a.period) + 1
-            if step > self.last_step.get(node.index, 0):
-                self.last_step[node.index] = step
-                part.snapshot(self.placement, step)
-                self.snapshots += 1
+            # Training steps in order, as DDP runs them: a node whose simulation falls behind
+            # the wall clock snapshots its next step late (lag), never skips one; steps off
+            # the job's snapshot grid are not snapshotted, as the checkpoint service does.
+            due = int((now - self.t0) / self.a.period) + 1
+            last = self.last_step.get(node.index, 0)
+            if due > last:
+                step = self.last_step[node.index] = last + 1
+                if step % part.tracker.grid(JOB) == 0:
+                    part.snapshot(self.placement, step)
+                    self.snapshots += 1
+                self.behind = max(self.behind, due - step)
         part.tick()
         if self._sampling:
             self.lags[part.lag()] += 1
@@ -185,7 +193,8 @@ class WorkerCommit:
         withdrawals = sum(p.tracker.counters.get("withdrawals", 0) for p in self.parts.values())
         return {"lags": dict(self.lags), "snapshots": self.snapshots,
                 "relayed": dict(self.relay.sent), "leading": leading,
-                "taking_cpu": self.relay.taking,
+                "taking_cpu": self.relay.taking, "behind_max": self.behind,
+                "grid_max": max((p.tracker.grid(JOB) for p in self.parts.values()), default=1),
                 "withdrawals": withdrawals, "tick_cpu": self.tick_seconds,
                 "gates_at_commit": sum(1 for g in self.gates.values() if g())}
 
@@ -202,6 +211,9 @@ def handle(state: dict[str, Any], cmd: tuple, nodes: dict[int, Any], ticker: Any
            procs: int, a: Any) -> Any:
     """A ``commit_*`` command from the driver, in a simulator process."""
     if cmd[0] == "commit_setup":
+        import faulthandler
+        import signal
+        faulthandler.register(signal.SIGUSR1)  # stacks on demand: kill -USR1 <pid>
         state["commit"] = WorkerCommit(nodes, ticker, me, procs, a)
         return (me, state["commit"].relay.address)
     w: WorkerCommit = state["commit"]
@@ -263,30 +275,62 @@ def _events(etcd: Any) -> float:
     return sum(scrape(u).get(("etcd_debugging_mvcc_events_total", ""), 0.0) for u in etcd.urls)
 
 
+def say(line: str) -> None:
+    print(time.strftime("%H:%M:%S ", time.gmtime()) + line, flush=True)
+
+
 def run_phase(cluster: Any, etcd: Any, server: Any, keys: Any, n: int, a: Any) -> dict[str, Any]:
     """The commit phase for one N (see the module doc); returns the ``commit`` entry."""
+    import faulthandler
+    import signal
+
+    done = threading.Event()
+    expected = a.commit_baseline + a.commit_warmup + a.commit_seconds + 120
+
+    def watchdog() -> None:  # a phase that overruns shows where every process is
+        if not done.wait(expected):
+            say("commit phase overran: stacks to stderr")
+            faulthandler.dump_traceback(all_threads=True)
+            for proc in cluster.procs:
+                os.kill(proc.pid, signal.SIGUSR1)
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    try:
+        return _run_phase(cluster, etcd, server, keys, n, a)
+    finally:
+        done.set()
+
+
+def _run_phase(cluster: Any, etcd: Any, server: Any, keys: Any, n: int,
+               a: Any) -> dict[str, Any]:
     alive = sorted(i for part in cluster.ask(("members",)) for i, _ in part)
     # The same cluster's etcd CPU without commits (keep-alives and idle watches), just before.
     s0, e0, t0 = cluster.stats(), etcd.cpu(), time.monotonic()
     time.sleep(a.commit_baseline)
     base_cpu = (etcd.cpu() - e0) / (time.monotonic() - t0) * 100
     base_lost = cluster.stats()["leases_lost"] - s0["leases_lost"]
+    say(f"commit phase: {len(alive)} nodes, baseline {base_cpu:.1f} % etcd CPU")
     peers = dict(cluster.ask(("commit_setup",)))
     observer = _Observer(server.endpoints, keys)
     wall0 = time.time() + 2.0
     built = time.monotonic()
     cluster.ask(("commit_start", peers, alive, wall0))
     built = time.monotonic() - built
+    say(f"commit code built on every node in {built:.1f} s")
     time.sleep(max(0.0, wall0 - time.time()) + a.commit_warmup)
     cluster.ask(("commit_sample", True))
     s0, m0, e0, ev0, db0 = cluster.stats(), etcd.requests(), etcd.cpu(), _events(etcd), _db(etcd)
     c0 = [cluster_commit for cluster_commit in cluster.ask(("commit_stats",))]
     t0 = time.monotonic()
+    say(f"window of {a.commit_seconds:.0f} s starts")
     db_minute = None
     while time.monotonic() - t0 < a.commit_seconds:
-        time.sleep(min(5.0, a.commit_seconds - (time.monotonic() - t0)))
+        time.sleep(min(10.0, a.commit_seconds - (time.monotonic() - t0)))
         if db_minute is None and time.monotonic() - t0 >= 60:
             db_minute = _db(etcd)
+        with observer.lock:
+            last = [e[4] for e in observer.events if e[4] is not None][-1:]
+        say(f"  {time.monotonic() - t0:.0f} s: committed {last}")
     s1, m1, e1, ev1, db1 = cluster.stats(), etcd.requests(), etcd.cpu(), _events(etcd), _db(etcd)
     t1 = time.monotonic()
     c1 = cluster.ask(("commit_stats",))
@@ -353,6 +397,8 @@ def run_phase(cluster: Any, etcd: Any, server: Any, keys: Any, n: int, a: Any) -
         "leases_lost": s1["leases_lost"] - s0["leases_lost"],
         "leases_lost_without_commits": base_lost,
         "reports_relayed": dict(relayed),
+        "simulation_behind_steps_max": max(p["behind_max"] for p in c1),
+        "snapshot_grid_max": max(p["grid_max"] for p in c1),
         "coordinator_report_cpu_pct": round((sum(p["taking_cpu"] for p in c1)
                                              - sum(p["taking_cpu"] for p in c0)) / secs * 100, 2),
         "coordinator": leading[0] if len(leading) == 1 else leading,
