@@ -250,8 +250,7 @@ ELASTICD_FLAGS = [
     "--outage-grace", "--persist-dir", "--persist-every-seconds", "--persist-every-steps",
     "--persist-keep", "--prefix", "--provisional-grace", "--rdzv-grow", "--rdzv-last-call",
     "--replicas", "--replication-listen", "--scratch-cap-mib", "--shm-dir", "--state-dir",
-    "--stop-grace",
-    "--unprotected-lag-steps", "--worker-start", "-h"]
+    "--stop-grace", "--unprotected-lag-steps", "--worker-start", "-h"]
 
 
 def test_elasticd_flags():
