@@ -65,7 +65,10 @@ class Relay:
         #: Thread CPU seconds the coordinators simulated here spent taking reports.
         self.taking = 0.0
         self._taking_lock = threading.Lock()
-        self.listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        # No authkey: multiprocessing's handshake runs inside accept(), on this one thread, and
+        # a connection that failed it ended the thread (every later Client then waited for
+        # its challenge forever: no commit at N = 100). Loopback, a bench, minutes long.
+        self.listener = Listener(("127.0.0.1", 0), backlog=1024)
         self.address = self.listener.address
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -80,7 +83,7 @@ class Relay:
         try:
             conn = self._idle[k].get_nowait()
         except queue.Empty:
-            conn = Client(self.peers[k], authkey=self.authkey)
+            conn = Client(self.peers[k])
         try:
             conn.send_bytes(node.encode() + b"\n" + encode_report(report))
             raw = conn.recv_bytes()
@@ -106,6 +109,8 @@ class Relay:
                 conn = self.listener.accept()
             except OSError:
                 return
+            except Exception:  # noqa: BLE001 - one bad connection must not stop the relay
+                continue
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: Connection) -> None:
