@@ -188,8 +188,7 @@ class SimNode:
                              "pad": "x" * 200}).encode()
         self.coord.put(self.keys.node(self.name), record, lease=lease)
         _, revision = self.coord.get_prefix(self.keys.nodes)
-        self.watch = self.coord.watch_prefix(self.keys.nodes, self._on_nodes, revision + 1,
-                                             prev_kv=True)
+        self.watch = self.coord.watch_prefix(self.keys.nodes, self._on_nodes, revision + 1)
 
     def _on_nodes(self, batch: Any) -> None:
         if not isinstance(batch, CoordinationError):
