@@ -170,6 +170,7 @@ class SimNode:
         self.keepers = keepers
         self.daemon = LeaseKeeper(coord, a.ttl, EtcdHealth(describe="etcd (daemon)"))
         self.node_events = 0
+        self.lost = 0
         self.watch: Any = None
         self.agent = EtcdNativeRendezvousHandler(
             coord, self.keys.job_rdzv("job"), "job", min_nodes, n,
@@ -177,6 +178,14 @@ class SimNode:
             grace=OutageGrace(30.0), ttl=a.ttl, confirm=a.confirm, join_timeout=600,
             last_call=1.0)
         self.agent._keeper.start = lambda: keepers.add(self.agent._keeper)  # type: ignore
+        self.written_at = 0.0  # wall time this agent's last join record write returned
+        write = self.agent._write_record
+
+        def timed_write(target: int) -> None:
+            write(target)
+            self.written_at = time.time()
+
+        self.agent._write_record = timed_write  # type: ignore[method-assign]
 
     def register(self) -> None:
         """What the daemon does at start: lease, node record, list and watch ``nodes/``."""
@@ -207,7 +216,9 @@ class SimNode:
                 w.cancel()
 
     def leases_lost(self) -> int:
-        return len(self.daemon.take_lost()) + len(self.agent._keeper.take_lost())
+        """Leases of this node found lost so far (a running total: ``take_lost`` forgets)."""
+        self.lost += len(self.daemon.take_lost()) + len(self.agent._keeper.take_lost())
+        return self.lost
 
 
 class Ticker:
@@ -254,6 +265,7 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
     ticker = Ticker(nodes)  # noqa: F841 - where a phase registers per-node periodic work
     pool = concurrent.futures.ThreadPoolExecutor(len(indices))
     me = psutil.Process()
+    lost_by_killed = [0]
     conn.send("ready")
 
     def join(node: SimNode) -> Any:
@@ -261,7 +273,8 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
         before = len(h.rounds)
         info = h.next_rendezvous()
         number, took = h.rounds[before]
-        return node.index, number, info.rank, time.time() - (time.monotonic() - h.seen_at)
+        return (node.index, number, info.rank, time.time() - (time.monotonic() - h.seen_at),
+                node.written_at)
 
     def stats() -> dict[str, Any]:
         closers = {i: (x.agent._closer.cpu, x.agent._closer.events)
@@ -270,7 +283,8 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
         return {"control_events": sum(x.agent.control_events for x in nodes.values()),
                 "node_events": sum(x.node_events for x in nodes.values()),
                 "closers": closers, "cpu": t.user + t.system,
-                "leases_lost": sum(x.leases_lost() for x in nodes.values()),
+                "leases_lost": (sum(x.leases_lost() for x in nodes.values())
+                                + lost_by_killed[0]),
                 "threads": me.num_threads()}
 
     while True:
@@ -297,7 +311,9 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
             elif cmd[0] == "members":
                 conn.send([(i, x.agent.me) for i, x in nodes.items()])
             elif cmd[0] == "kill":
-                nodes.pop(cmd[1]).kill()
+                victim = nodes.pop(cmd[1])
+                lost_by_killed[0] += victim.leases_lost()  # totals never go back
+                victim.kill()
                 conn.send(time.time())
             elif cmd[0] == "stop":
                 ticker.stop()
@@ -380,10 +396,34 @@ class Etcd:
         return out
 
 
+class RoundClock:
+    """The driver's own watch on the round key: when each round record reached it (wall
+    time), to split a round's time into the agents' joins, the close and the fan-out."""
+
+    def __init__(self, endpoints: str, n: int) -> None:
+        self.coord = EtcdCoordinator(EtcdSettings(parse_endpoints(endpoints), timeout=10.0))
+        key = Keyspace(f"{PREFIX}{n}").job_rdzv("job") + b"native/round"
+        self.closed_at: list[float] = []
+        _, revision = self.coord.get_prefix(key)
+        self.watch = self.coord.watch_prefix(key, self._on, revision + 1)
+        self.key = key
+
+    def _on(self, batch: Any) -> None:
+        if not isinstance(batch, CoordinationError):
+            if any(e.kv.key == self.key for e in batch):
+                self.closed_at.append(time.time())
+
+    def close(self) -> None:
+        self.watch.cancel()
+        self.coord.close()
+
+
 def measure_round(cluster: Cluster, etcd: Etcd, agents: int,
-                  before_join: Callable[[], float | None]) -> dict[str, Any]:
+                  before_join: Callable[[], float | None],
+                  clock: "RoundClock | None" = None) -> dict[str, Any]:
     """One round: ``before_join`` (a kill, or nothing) then every live agent joins at once."""
     s0, m0, e0 = cluster.stats(), etcd.requests(), etcd.cpu()
+    closes = len(clock.closed_at) if clock is not None else 0
     killed_at = before_join()
     start = time.time() + 0.2
     joined = [r for part in cluster.ask(("join", start)) for r in part]
@@ -396,9 +436,17 @@ def measure_round(cluster: Cluster, etcd: Etcd, agents: int,
     closer_events = sum(ev - s0["closers"].get(i, (0.0, 0))[1]
                         for i, (_, ev) in s1["closers"].items())
     origin = killed_at if killed_at is not None else start
-    seen = [r[3] - origin for r in ok]
+    seen = sorted(r[3] - origin for r in ok)
+    written = sorted(r[4] - origin for r in ok if r[4])
+    closed = [t - origin for t in clock.closed_at[closes:]] if clock is not None else []
     return {
         "seconds": round(max(seen), 3) if len(ok) == agents and seen else None,
+        # where the round's time went: the last join record written, the round record's
+        # arrival at the driver, the agents' next_rendezvous returning (median, last)
+        "timeline": {"last_record_written": round(written[-1], 3) if written else None,
+                     "round_closed": [round(t, 3) for t in closed],
+                     "returned_median": round(seen[len(seen) // 2], 3) if seen else None,
+                     "returned_last": round(seen[-1], 3) if seen else None},
         "agents_in_round": len(ok), "errors": [r for r in joined if not isinstance(r, tuple)][:3],
         "rounds": sorted({r[1] for r in ok}), "ranks_distinct": len({r[2] for r in ok}) == len(ok),
         "requests_per_agent_round": round(sum(per_round.values()) / agents, 3),
@@ -421,6 +469,7 @@ def run_size(n: int, server: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, A
     etcd = Etcd(server)
     min_nodes = max(1, n - 2 * a.kills - 2)
     cluster = Cluster(n, server, min_nodes, a)
+    clock: RoundClock | None = None
     result: dict[str, Any] = {"n": n, "ttl": a.ttl, "processes": a.procs,
                               "etcd_clients": a.procs * a.clients,
                               "grpc_streams": a.procs * a.clients * 2,
@@ -438,12 +487,15 @@ def run_size(n: int, server: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, A
             now_events = cluster.stats()["node_events"]
             still, events = (still + 1, events) if now_events == events else (0, now_events)
         result["daemons"] = {"registered_seconds": round(registered, 2),
+                             "leases_lost": cluster.stats()["leases_lost"],
                              "node_watch_events_at_start": events,
                              "etcd_cpu_seconds_at_start": round(etcd.cpu() - e0, 2)}
         alive = n
-        join = measure_round(cluster, etcd, alive, lambda: None)
+        clock = RoundClock(server.endpoints, n)
+        join = measure_round(cluster, etcd, alive, lambda: None, clock)
         result["join"] = join
         result["join_seconds"] = join["seconds"]
+        print(f"  N={n} join {join['seconds']} s {join['timeline']}, sim cpu/agent {join['simulator_cpu_seconds_per_agent']}, etcd cpu {join['etcd_cpu_seconds']}, daemons {result['daemons']}", flush=True)
         # steady: only keep-alives should reach etcd
         time.sleep(1.0)
         s0, m0, e0, t0 = cluster.stats(), etcd.requests(), etcd.cpu(), time.monotonic()
@@ -473,10 +525,10 @@ def run_size(n: int, server: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, A
                     return cluster.ask_one(victim, ("kill", victim))
 
                 alive -= 1
-                r = measure_round(cluster, etcd, alive, kill)
+                r = measure_round(cluster, etcd, alive, kill, clock)
                 r["killed"] = kind
                 rounds.append(r)
-                print(f"  N={n} {kind} killed -> re-formed {r['seconds']} s, "
+                print(f"  N={n} {kind} killed -> re-formed {r['seconds']} s {r['timeline']}, "
                       f"{r['requests_per_agent_round']} req, {r['events_per_agent_round']} "
                       f"events/agent, closer cpu {r['closer_cpu_seconds']} s", flush=True)
                 time.sleep(0.5)
@@ -490,9 +542,12 @@ def run_size(n: int, server: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, A
         result["simulator_cpu_seconds_per_agent_round_median"] = statistics.median(
             r["simulator_cpu_seconds_per_agent"] for r in every)
         result["leases_lost"] = (sum(r["leases_lost"] for r in every)
-                                 + result["steady"]["leases_lost"])
+                                 + result["steady"]["leases_lost"]
+                                 + result["daemons"]["leases_lost"])
         result["commit"] = None  # the commit engineer's steady-training phase (Ticker)
     finally:
+        if clock is not None:
+            clock.close()
         cluster.close()
     return result
 
