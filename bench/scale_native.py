@@ -67,175 +67,107 @@ from scale_sim import requests_by_method, scrape  # noqa: E402 - bench/, beside 
 PREFIX = "/sim"
 
 
-def keeper_main(endpoint: str, ttl: int, streams: int) -> None:
-    """The keep-alive process of one simulator process (``scale_native.py --keeper ...``).
+class KeeperPool:
+    """Keeps every lease of a process alive every TTL/3, as each :class:`LeaseKeeper`'s own
+    thread does, without a thread per lease.
 
-    Refreshes every lease it was given (``add <id>`` on stdin) every TTL/3 on one asyncio loop,
-    one LeaseKeepAlive message each on ``streams`` grpc.aio streams; ``remove <id>`` stops one.
-    A refresh that is not a plain renewal (the lease is gone, no answer within a second) is
-    handed back (``step <id>`` on stdout) and refreshed no more until added again.
+    A refresh is one LeaseKeepAlive message on one of ``streams`` grpc.aio streams, sent and
+    answered on one asyncio loop (~0.13 ms of client CPU, measured here). Whenever the answer is
+    not a plain renewal (the lease is gone, no answer within a second, no lease held), the
+    keeper's own :meth:`LeaseKeeper.step` runs on a thread: it finds what happened and does what
+    elasticd does (re-grant, tell the handler, distrust). elasticd's :class:`EtcdCoordinator`
+    refreshes on a synchronous gRPC stream per client, ~0.3 ms of client CPU more per refresh
+    for the thread hand-offs: nothing on a real node (3 refreshes a second), 0.9 of a core for
+    1,000 simulated nodes. etcd receives the same messages either way.
     """
-    import asyncio
-    import heapq
 
-    import grpc
-    from pyetcd import etcdrpc
+    def __init__(self, endpoint: str, ttl: int, streams: int, workers: int) -> None:
+        import asyncio
+        import concurrent.futures
+        import heapq
 
-    period = ttl / 3.0
-    heap: list[tuple[float, int]] = []
-    live: set[int] = set()
-    waiting: dict[int, float] = {}
-    queues: list[Any] = [None] * streams
-    loop = asyncio.new_event_loop()
+        import grpc
+        from pyetcd import etcdrpc
 
-    def hand_back(lease: int) -> None:
-        live.discard(lease)
-        sys.stdout.write(f"step {lease}\n")
-        sys.stdout.flush()
+        self._asyncio, self._heapq, self._rpc = asyncio, heapq, etcdrpc
+        self._period = ttl / 3.0
+        self._heap: list[tuple[float, int, LeaseKeeper]] = []
+        self._count = 0
+        self._waiting: dict[int, Any] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers)
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
 
-    async def read(call: Any, k: int) -> None:
-        try:
-            async for resp in call:
-                if waiting.pop(resp.ID, None) is not None and resp.ID in live:
-                    if resp.TTL > 0:
-                        heapq.heappush(heap, (time.monotonic() + period, resp.ID))
-                    else:
-                        hand_back(resp.ID)
-        except Exception as exc:  # noqa: BLE001 - any stream failure: open another
-            print(f"keep-alive stream {k} failed ({type(exc).__name__}): reopened",
-                  file=sys.stderr, flush=True)
-        await asyncio.sleep(0.1)
-        open_stream(k)
+        self._channel = lambda: grpc.aio.insecure_channel(endpoint)
+        self._queues: list[Any] = [None] * streams
 
-    def open_stream(k: int) -> None:
-        queue: Any = asyncio.Queue()
+        async def start() -> None:
+            for k in range(streams):
+                self._open(k)
+            asyncio.ensure_future(self._tick())
+
+        asyncio.run_coroutine_threadsafe(start(), self.loop).result()
+
+    def _open(self, k: int) -> None:
+        """(Re)opens keep-alive stream ``k`` (on the loop): a stream that failed (etcd
+        overloaded, restarted) is replaced, as elasticd's client replaces its own; the
+        refreshes it carried are stepped after their second without an answer."""
+        queue: Any = self._asyncio.Queue()
 
         async def requests() -> Any:
             while True:
                 yield await queue.get()
 
-        call = etcdrpc.LeaseStub(grpc.aio.insecure_channel(endpoint)).LeaseKeepAlive(
-            requests())
-        queues[k] = queue
-        asyncio.ensure_future(read(call, k))
-
-    def command(line: str) -> None:
-        what, _, lease_text = line.partition(" ")
-        lease = int(lease_text)
-        if what == "add":
-            live.add(lease)
-            waiting.pop(lease, None)
-            heapq.heappush(heap, (time.monotonic() + period, lease))
-        else:
-            live.discard(lease)
-
-    async def tick() -> None:
-        while True:
-            await asyncio.sleep(0.02)
-            now = time.monotonic()
-            while heap and heap[0][0] <= now:
-                _, lease = heapq.heappop(heap)
-                if lease in live and lease not in waiting:
-                    waiting[lease] = now
-                    queues[lease % streams].put_nowait(etcdrpc.LeaseKeepAliveRequest(ID=lease))
-            for lease in [x for x, at in waiting.items() if now - at > 1.0]:
-                del waiting[lease]  # no answer within a second
-                if lease in live:
-                    hand_back(lease)
-
-    def stdin() -> None:
-        for line in sys.stdin:
-            loop.call_soon_threadsafe(command, line.strip())
-        loop.call_soon_threadsafe(loop.stop)  # the simulator process is gone
-
-    async def start() -> None:
-        for k in range(streams):
-            open_stream(k)
-        asyncio.ensure_future(tick())
-
-    threading.Thread(target=stdin, daemon=True).start()
-    loop.run_until_complete(start())
-    loop.run_forever()
-
-
-class KeeperPool:
-    """Keeps every lease of a simulator process alive every TTL/3, as each
-    :class:`LeaseKeeper`'s own thread does, without a thread per lease and out of the GIL.
-
-    The refreshes run in a keep-alive process of their own (:func:`keeper_main`): in the
-    simulator process, hundreds of agents' threads busy at once (a join, a cold start) kept an
-    asyncio loop off the GIL for longer than the 2 s TTL and leases expired (19 at an N = 1,000
-    join, 76 at its cold start), which a real node, whose agent and daemon have a machine each,
-    does not see. A refresh is one LeaseKeepAlive message (~0.13 ms of client CPU on a grpc.aio
-    stream). Whenever the answer is not a plain renewal (the lease is gone, no answer within a
-    second, no lease held), the keeper's own :meth:`LeaseKeeper.step` runs here, on a thread: it
-    finds what happened and does what elasticd does (re-grant, tell the handler, distrust);
-    then the keeper's lease, perhaps a new one, goes back to the keep-alive process. etcd
-    receives the same messages as from elasticd's own keepers.
-    """
-
-    def __init__(self, endpoint: str, ttl: int, streams: int, workers: int) -> None:
-        import concurrent.futures
-        import subprocess
-
-        self._proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--keeper", endpoint, str(ttl),
-             str(streams)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            bufsize=1)
-        self._lock = threading.Lock()
-        self._keepers: dict[int, LeaseKeeper] = {}
-        self._pool = concurrent.futures.ThreadPoolExecutor(workers)
-        threading.Thread(target=self._read, daemon=True).start()
+        call = self._rpc.LeaseStub(self._channel()).LeaseKeepAlive(requests())
+        self._queues[k] = queue
+        self._asyncio.ensure_future(self._read(call, k))
 
     def add(self, keeper: LeaseKeeper) -> None:
         """Takes the place of :meth:`LeaseKeeper.start` (any thread)."""
-        lease = keeper.lease
-        if keeper._stop.is_set():
-            return
-        if lease is None:
-            self._pool.submit(self._step, keeper)
-            return
-        with self._lock:
-            self._keepers[lease] = keeper
-            self._proc.stdin.write(f"add {lease}\n")  # type: ignore[union-attr]
+        self.loop.call_soon_threadsafe(self._schedule, keeper, self._period)
 
-    def remove(self, keeper: LeaseKeeper) -> None:
-        """No more refreshes of the keeper's lease (its node was killed)."""
-        lease = keeper.lease
-        if lease is not None:
-            with self._lock:
-                self._keepers.pop(lease, None)
-                self._proc.stdin.write(f"remove {lease}\n")  # type: ignore[union-attr]
+    def _schedule(self, keeper: LeaseKeeper, after: float) -> None:
+        self._count += 1
+        self._heapq.heappush(self._heap, (time.monotonic() + after, self._count, keeper))
 
-    def _read(self) -> None:
-        for line in self._proc.stdout:  # type: ignore[union-attr]
-            lease = int(line.split()[1])
-            with self._lock:
-                keeper = self._keepers.pop(lease, None)
-            if keeper is not None:
-                self._pool.submit(self._step, keeper)
+    async def _read(self, call: Any, k: int) -> None:
+        try:
+            async for resp in call:
+                sent = self._waiting.pop(resp.ID, None)
+                if sent is not None:
+                    if resp.TTL > 0:
+                        self._schedule(sent[0], self._period)
+                    else:
+                        self._step(sent[0])
+        except Exception as exc:  # noqa: BLE001 - any stream failure: open another
+            print(f"keep-alive stream {k} failed ({type(exc).__name__}): reopened",
+                  file=sys.stderr, flush=True)
+        await self._asyncio.sleep(0.1)
+        self._open(k)
 
     def _step(self, keeper: LeaseKeeper) -> None:
         """Not a plain renewal: elasticd's own step finds out and acts; the cadence goes on."""
-        if keeper._stop.is_set():  # its node was killed
-            return
-        keeper.step()
-        self.add(keeper)
+        done = self.loop.run_in_executor(self._pool, keeper.step)
+        done.add_done_callback(lambda _f: self._schedule(keeper, self._period))
 
-    def close(self) -> None:
-        self._proc.kill()
-        self._proc.wait()
-
-
-class LoopThread:
-    """An asyncio loop on a thread of its own (the daemons' node watches run on it)."""
-
-    def __init__(self) -> None:
-        import asyncio
-
-        self._asyncio = asyncio
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+    async def _tick(self) -> None:
+        while True:
+            await self._asyncio.sleep(0.02)
+            now = time.monotonic()
+            while self._heap and self._heap[0][0] <= now:
+                _, _, keeper = self._heapq.heappop(self._heap)
+                lease = keeper.lease
+                if keeper._stop.is_set():
+                    continue
+                if lease is None or lease in self._waiting:
+                    self._step(keeper)
+                    continue
+                self._waiting[lease] = (keeper, now)
+                self._queues[lease % len(self._queues)].put_nowait(
+                    self._rpc.LeaseKeepAliveRequest(ID=lease))
+            late = [lease for lease, (_, at) in self._waiting.items() if now - at > 1.0]
+            for lease in late:  # no answer within a second
+                self._step(self._waiting.pop(lease)[0])
 
 
 class NodeWatchPool:
@@ -251,7 +183,7 @@ class NodeWatchPool:
     per daemon, created from the revision after its own listing, cancelled at its kill.
     """
 
-    def __init__(self, keepers: LoopThread, endpoint: str, streams: int) -> None:
+    def __init__(self, keepers: "KeeperPool", endpoint: str, streams: int) -> None:
         import grpc
         from pyetcd import etcdrpc
 
@@ -366,8 +298,6 @@ class SimNode:
     def kill(self) -> None:
         """kill -9 of the whole node: no more keep-alives, watches or writes; nothing revoked."""
         h = self.agent
-        self.keepers.remove(self.daemon)
-        self.keepers.remove(h._keeper)
         self.daemon.stop(revoke=False)
         h._keeper.stop(revoke=False)
         with h._control.cond:
@@ -428,7 +358,7 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
     coords = [EtcdCoordinator(settings) for _ in range(a.clients)]
     keepers = KeeperPool(endpoints.split(",")[0].split("://")[-1], a.ttl, a.clients,
                          a.keeper_threads)
-    watches = NodeWatchPool(LoopThread(), endpoints.split(",")[0].split("://")[-1], a.clients)
+    watches = NodeWatchPool(keepers, endpoints.split(",")[0].split("://")[-1], a.clients)
     nodes = {i: SimNode(i, coords[k % a.clients], n, min_nodes, keepers, watches, a)
              for k, i in enumerate(indices)}
     ticker = Ticker(nodes)  # noqa: F841 - where a phase registers per-node periodic work
@@ -495,7 +425,6 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
                     x.daemon.stop(revoke=True)
                 for c in coords:
                     c.close()
-                keepers.close()
                 conn.send("stopped")
                 return
         except Exception as exc:  # noqa: BLE001 - the driver reports it
@@ -729,9 +658,6 @@ def run_size(n: int, server: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, A
 
 
 def main() -> int:
-    if sys.argv[1:2] == ["--keeper"]:  # a simulator process's keep-alive process
-        keeper_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
-        return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
