@@ -292,6 +292,15 @@ class MemoryCoordinator(Coordinator):
             w.callback(replay)
         return w
 
+    def watch_key(self, key: bytes, callback: WatchCallback, start_revision: int) -> Watch:
+        def only_key(batch: "Sequence[WatchEvent] | CoordinationError") -> None:
+            if isinstance(batch, CoordinationError):
+                callback(batch)
+            elif events := [e for e in batch if e.kv.key == key]:
+                callback(events)
+
+        return self.watch_prefix(key, only_key, start_revision)
+
     def reset_watches(self) -> None:
         with self._enter():
             for w in self._watches:

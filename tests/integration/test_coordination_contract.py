@@ -143,6 +143,20 @@ class CoordinatorContract:
             w.cancel()
             w2.cancel()
 
+    def test_watch_key_sees_that_key_only(self, coord, prefix):
+        key = (prefix + "/k/node").encode()
+        got = Collector()
+        w = coord.watch_key(key, got, coord.revision() + 1)
+        try:
+            coord.put(key + b"x", b"longer")  # under the key as a prefix: not the key
+            coord.put(key, b"rec")
+            coord.delete(key)
+            got.wait(lambda c: len(c.events()) >= 2)
+            assert [(e.type, e.kv.key) for e in got.events()] == [
+                (EventType.PUT, key), (EventType.DELETE, key)]
+        finally:
+            w.cancel()
+
     def test_watch_replays_from_start_revision(self, coord, prefix):
         p = (prefix + "/r/").encode()
         r1 = coord.put(p + b"1", b"a")
