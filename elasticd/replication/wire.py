@@ -19,9 +19,10 @@ A sealed DATA frame may also be PRETAGGED (v4): its payload is offset (8) | bloc
 chunk, the session tag covers the 12 header bytes, the offset and the block tag, and the
 block tag covers the chunk under the snapshot's block key (:class:`~elasticd.replication.seal.
 BlockTags`: made once when the snapshot was sealed, keyed by the cluster secret and the salt
-its PUT_BEGIN carries). So every frame is still authenticated, the chunk by a tag that was
-not made on the push's critical path; a relay that alters the chunk fails the block tag, one
-that alters, replays or reorders the frame fails the session tag.
+its PUT_BEGIN, or since v5 its FETCH_REPLY, carries). So every frame is still authenticated,
+the chunk by a tag that was not made on the transfer's critical path; a relay that alters the
+chunk fails the block tag (:class:`BlockTagMismatch`), one that alters, replays or reorders
+the frame fails the session tag.
 
 A reader checks magic, version, type, flags and the length limit for that type *before* reading
 the payload, so a hostile or corrupt length never makes it allocate or wait for more than
@@ -32,7 +33,8 @@ The frames, by conversation (``C`` client, ``S`` server):
 
 * handshake: C HELLO → S CHALLENGE → C AUTH → S ACK, sealed (or ERROR unsealed, and close);
 * push: C PUT_BEGIN → S ACK | NACK, then C DATA… PUT_END → S ACK | NACK;
-* fetch: C FETCH → S FETCH_REPLY, DATA…, PUT_END | NACK;
+* fetch: C FETCH → S FETCH_REPLY, DATA…, PUT_END | NACK (FETCH_REPLY carries the salt of the
+  held copy's block tags when it has them: its DATA frames then come pretagged, as a push's);
 * ERROR from either side ends the connection.
 """
 
@@ -48,8 +50,9 @@ import xxhash
 from elasticd.replication.api import ReplicationError
 
 MAGIC = b"EDRP"
-VERSION = 4  # 2: client proves first, frames sealed (AES-GMAC); 3: tags are ChaCha20-Poly1305;
-# 4: pretagged DATA (block tags made at seal time)
+VERSION = 5  # 2: client proves first, frames sealed (AES-GMAC); 3: tags are ChaCha20-Poly1305;
+# 4: pretagged DATA (block tags made at seal time); 5: holders keep the block tags a push
+# brought and serve fetches pretagged (FETCH_REPLY carries the salt)
 CHECK_BYTES = 16
 HEADER = struct.Struct(f"!4sBBHI{CHECK_BYTES}s")
 HEADER_SIZE = HEADER.size
@@ -101,6 +104,11 @@ class TruncatedFrame(ProtocolError):
 
 class ForgedFrame(ProtocolError):
     """A sealed frame fails its tag: altered, replayed, reordered, or not from the peer."""
+
+
+class BlockTagMismatch(ForgedFrame):
+    """A pretagged block fails its block tag: the bytes are not the ones its owner sealed
+    (corrupted in the sender's memory, or altered in transit)."""
 
 
 class UnsealedFrame(ProtocolError):

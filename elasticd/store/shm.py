@@ -322,15 +322,17 @@ class SlotStore:
         version = segment.header.version()
         return version in pair.retained or version in self._retained.get(job, ())
 
-    def complete(self, slot: Slot, header: SnapshotHeader, *,
-                 verified: bool = False) -> SnapshotHeader:
+    def complete(self, slot: Slot, header: SnapshotHeader, *, verified: bool = False,
+                 tags: Any = None) -> SnapshotHeader:
         """Seals the snapshot written into ``slot`` (it becomes (job, rank)'s latest); returns
         the sealed header.
 
-        If ``header.blocks`` is empty the payload checksums are computed here; if it holds
-        checksums (a replica received from a peer) the payload is verified against them,
-        unless ``verified``: the daemon itself checked every block against them as it wrote
-        them (a fetch from peers), and nothing else has the slot.
+        If ``header.blocks`` is empty the payload checksums are computed here (and the
+        :attr:`tagger` tags the blocks); if it holds checksums (a replica received from a
+        peer) the payload is verified against them, unless ``verified``: the daemon itself
+        checked every block as it wrote them (a fetch from peers), and nothing else has the
+        slot. ``tags``: the block tags the copy came with (checked on the wire), kept with it
+        (``SnapshotView.tags``).
 
         Raises:
             StaleSlot: the slot was reserved again, grown or removed since.
@@ -346,7 +348,6 @@ class SlotStore:
         with self._lock:
             segment = self._reserved_segment(slot)
         # Checksumming runs outside the lock: other ranks keep reserving meanwhile.
-        tags = None
         if header.blocks:
             if not verified:
                 verify_payload(segment.view, header)
