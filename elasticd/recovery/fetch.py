@@ -313,17 +313,23 @@ class _Stripe:
         self.view = memoryview(buf).cast("B")[: d.total_bytes]
         self.connections = connections
         lay = header.layout
-        per = max(1, -(-stripe_bytes // lay.block_size))  # blocks per piece
+        per = max(1, -(-stripe_bytes // lay.block_size))  # blocks per piece, at most
         #: (first block, end block) pieces still to fetch, first piece first: runs of
-        #: consecutive wanted blocks (every block by default), cut every ``per`` blocks.
-        self.pieces = []
+        #: consecutive wanted blocks (every block by default), each cut into as few pieces
+        #: of at most ``per`` blocks as it takes, of equal length (not a short last one:
+        #: each piece costs a round trip).
+        runs: list[list[int]] = []
         wanted = range(lay.num_blocks) if blocks is None else sorted(set(blocks))
         for b in wanted:
-            last = self.pieces[-1] if self.pieces else None
-            if last is not None and last[1] == b and b - last[0] < per:
-                self.pieces[-1] = (last[0], b + 1)
+            if runs and runs[-1][1] == b:
+                runs[-1][1] = b + 1
             else:
-                self.pieces.append((b, b + 1))
+                runs.append([b, b + 1])
+        self.pieces = []
+        for first, end in runs:
+            cuts = -(-(end - first) // per)
+            bounds = [first + (end - first) * i // cuts for i in range(cuts + 1)]
+            self.pieces += list(zip(bounds, bounds[1:]))
         self.pieces.reverse()
         self.in_flight = 0
         self.wire = 0
@@ -511,7 +517,7 @@ def fetch_into_scratch(fetcher: Fetcher, store: SlotStore, job: str, rank: int,
     segments: list[Any] = []
 
     def into(d: Descriptor) -> memoryview:
-        segments.append(store.scratch(d.total_bytes))
+        segments.append(store.scratch(d.total_bytes, job=job))
         return segments[-1].view
 
     def reserve(start: int, end: int) -> None:

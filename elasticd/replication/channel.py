@@ -107,6 +107,7 @@ class Channel:
         self.deadline: float | None = None
         self._idle: float | None = None
         self._budget = 0.0
+        self._rearm = 0.0  # when _arm next lowers the socket's timeout to the deadline
 
     @contextlib.contextmanager
     def within(self, seconds: float | None) -> Any:
@@ -119,6 +120,7 @@ class Channel:
             return
         self._idle, self._budget = self._timeout(), seconds
         self.deadline = SYSTEM_CLOCK.monotonic() + seconds
+        self._rearm = 0.0
         try:
             yield
         finally:
@@ -127,13 +129,19 @@ class Channel:
                 self.sock.settimeout(self._idle)
 
     def _arm(self) -> None:
-        """Caps the socket's timeout by what is left of the deadline (when one is set)."""
+        """Caps the socket's timeout by what is left of the deadline (when one is set): again
+        every :data:`ARM_SLACK` seconds, not before every send and receive (each
+        ``settimeout`` is a syscall, and a transfer makes a thousand receives per GiB), so a
+        wait may end up to that long after the deadline."""
         if self.deadline is None:
             return
-        left = self.deadline - SYSTEM_CLOCK.monotonic()
+        now = SYSTEM_CLOCK.monotonic()
+        left = self.deadline - now
         if left <= 0:
             raise DeadlineExceeded(f"the call's deadline of {self._budget:.1f} s passed")
-        self.sock.settimeout(left if self._idle is None else min(self._idle, left))
+        if now >= self._rearm:
+            self.sock.settimeout(left if self._idle is None else min(self._idle, left))
+            self._rearm = now + ARM_SLACK
 
     def _expired(self) -> bool:
         """A socket timeout that came from the deadline, not from the idle timeout."""
@@ -481,6 +489,10 @@ def tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
 
+
+#: Seconds between two re-armings of a socket's timeout under a deadline (Channel._arm):
+#: what a wait may overrun the deadline by.
+ARM_SLACK = 0.05
 
 #: Whether streams run the tag pass on a helper thread instead of inline. Off: measured slower
 #: for more CPU (overlap.py gives the figures and the reasons).

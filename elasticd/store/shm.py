@@ -26,8 +26,8 @@ import threading
 import uuid
 from typing import Any, Callable
 
-import numpy as np
 
+from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.store.api import (
     CommitPending,
     OverBudget,
@@ -38,8 +38,10 @@ from elasticd.store.api import (
     StaleSlot,
 )
 from elasticd.snapshot.format import SnapshotError, SnapshotHeader, invalidate, seal, write_header
-from elasticd.snapshot.reader import SnapshotReader, verify_payload
+from elasticd.snapshot.reader import verify_payload
 from elasticd.snapshot.segment import PAGE, Segment, map_fd, map_file
+from elasticd.store.scratch_pool import KEEP_SECONDS, ScratchPool, touch
+from elasticd.store.snapshot_view import SnapshotView
 from elasticd.store.shm_root import claim_root, dir_problem, listdir_at, remove_at, same_file
 
 __all__ = ["PAGE", "CommitPending", "OverBudget", "ScanResult", "Slot", "SlotBusy", "SlotStore",
@@ -61,59 +63,30 @@ class _Pair:
     retained: set[tuple[int, int]] = dataclasses.field(default_factory=set)
 
 
-class SnapshotView:
-    """The latest complete snapshot of one (job, rank), read in place (no copy).
-
-    The bytes stay valid until the store reuses the slot, which happens at the second
-    :meth:`SlotStore.reserve` after this one was taken; a *pinned* view (``latest(pin=True)``)
-    prevents that until :meth:`release` (a reserve then raises :class:`SlotBusy`).
-    """
-
-    def __init__(self, store: "SlotStore", segment: Segment, pinned: bool, verify: bool):
-        self.header: SnapshotHeader = segment.header  # type: ignore[assignment]
-        self.tags = segment.tags  # what the store's tagger made at seal time, or None
-        self.path = segment.path
-        self.buffer = segment.view[: self.header.layout.total_size].toreadonly()
-        self._reader = SnapshotReader(self.buffer, verify=verify, where=segment.path)
-        self._store, self._segment, self._pinned = store, segment, pinned
-
-    def array(self, name: str) -> np.ndarray:
-        return self._reader.array(name)
-
-    def descriptor(self) -> int:
-        """A new read-only descriptor of the slot file (for a worker; the caller closes it)."""
-        return self._segment.descriptor(writable=False)
-
-    def release(self) -> None:
-        if self._pinned:
-            self._pinned = False
-            self._store._unpin(self._segment)
-
-    def __enter__(self) -> "SnapshotView":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release()
-
-
 class SlotStore:
     """Double-buffered snapshot slots for every (job, rank) this node holds.
 
     Args:
         root: directory for the slot files (created, mode 0700); one per node.
         cap_bytes: most bytes the slot files may take together; None for no cap.
+        scratch_keep: seconds a released restore scratch segment stays, pages touched, for
+            its job's next restore (:mod:`elasticd.store.scratch_pool`); 0: none stays.
+        clock: times how long they stay.
     """
 
-    def __init__(self, root: str, *, cap_bytes: int | None = None):
+    def __init__(self, root: str, *, cap_bytes: int | None = None,
+                 scratch_keep: float = KEEP_SECONDS, clock: Clock | None = None):
         if cap_bytes is not None and cap_bytes < 0:
             raise ValueError(f"cap_bytes must be >= 0 or None, got {cap_bytes}")
         self.root, self.cap_bytes = os.path.abspath(root), cap_bytes
+        self._clock = clock or SYSTEM_CLOCK
+        self._pool = ScratchPool(scratch_keep)  # released scratch, kept for its job
         self._fd = claim_root(self.root)
         self._pairs: dict[tuple[str, int], _Pair] = {}
         self._retained: dict[str, set[tuple[int, int]]] = {}  # job-wide (see retain)
         self._lock = threading.Lock()
         self._tickets = 0
-        self._scratch: list[Segment] = []  # partial copies handed to a restore (scratch)
+        self._scratch: dict[Segment, str] = {}  # partial copies handed to a restore, by job
         #: Called at each local seal with the slot's memory and its payload blocks' ranges;
         #: what it returns rides along as ``SnapshotView.tags`` (replication sets it: the
         #: block tags that spare a push the pass over the bytes, seal.py's BlockTags).
@@ -249,6 +222,7 @@ class SlotStore:
             fill = both and pair.segments[other] is None
             needed = (capacity if grow else 0) + (capacity if fill else 0)
             freed = current.capacity if grow and current is not None else 0
+            self._make_room(needed - freed)
             held = self._held()
             if self.cap_bytes is not None and held - freed + needed > self.cap_bytes:
                 raise OverBudget(
@@ -272,46 +246,94 @@ class SlotStore:
             pair.reserved = index
             return Slot(job, rank, current.path, current.capacity, current.view, current.ticket)
 
-    def scratch(self, nbytes: int) -> Segment:
-        """A slot file outside every (job, rank), for a partial copy a restore reads once (the
-        rows of an old rank's snapshot a new rank needs): never a snapshot of this store,
-        counted against the cap until :meth:`drop_scratch`. Named ``.scratch-<random>`` at the root,
-        which :meth:`scan` removes after a crash (not a job directory). Only sized: the caller
-        reserves each range before writing it (:meth:`Segment.reserve_range`), so a partial
-        copy takes the memory of what it holds, and the reserving runs beside the transfers
-        (a whole reserve up front took 0.74-0.96 s per 385 MB on huge pages: on a VM that
-        reports free memory to its host, each block is faulted in by the host at first touch,
-        bench/results/first_touch.json).
+    def scratch(self, nbytes: int, *, job: str) -> Segment:
+        """A slot file outside every (job, rank), for a partial copy a restore of ``job`` reads
+        once (the rows of an old rank's snapshot a new rank needs): never a snapshot of this
+        store, counted against the cap until :meth:`drop_scratch`. Named
+        ``.scratch-<random>`` at the root, which :meth:`scan` removes after a crash (not a job
+        directory). Only sized: the caller reserves each range before writing it
+        (:meth:`Segment.reserve_range`), so a partial copy takes the memory of what it
+        holds, and the reserving runs beside the transfers. Its pages are small ones, even on
+        a mount that gives huge pages: a fresh huge page the host took back after idle costs
+        ~2 s per GiB at first touch, a small one ~0.5 (bench/results/first_touch.json); a
+        segment ``job`` released a moment ago is reused, its pages still touched.
 
         Raises:
             OverBudget: the allocation would exceed ``cap_bytes`` (or the filesystem is full).
         """
         if type(nbytes) is not int or nbytes <= 0:
             raise ValueError(f"nbytes must be a positive integer, got {nbytes!r}")
+        self._dir(job, 0)
         capacity = -(-nbytes // PAGE) * PAGE
         with self._lock:
-            held = self._held()
-            if self.cap_bytes is not None and held + capacity > self.cap_bytes:
-                raise OverBudget(f"a partial copy of {nbytes} bytes does not fit: {held} of the "
-                                 f"{self.cap_bytes}-byte cap are held", capacity, held,
-                                 self.cap_bytes)
-            # Unique across daemons: a crashed one's leftover (removed by scan) never clashes.
-            name = f".scratch-{uuid.uuid4().hex[:16]}"
-            try:
-                segment = Segment.allocate(self._fd, name, os.path.join(self.root, name),
-                                           capacity, reserve=False)
-            except OSError as exc:
-                raise OverBudget(f"cannot allocate {capacity} bytes in {self.root}: {exc}",
-                                 capacity, held, self.cap_bytes) from exc
-            self._scratch.append(segment)
+            self._expire_scratch()
+            segment = self._pool.take(job, capacity)
+            if segment is None:
+                self._make_room(capacity)
+                held = self._held()
+                if self.cap_bytes is not None and held + capacity > self.cap_bytes:
+                    raise OverBudget(f"a partial copy of {nbytes} bytes does not fit: {held} of "
+                                     f"the {self.cap_bytes}-byte cap are held", capacity, held,
+                                     self.cap_bytes)
+                # Unique across daemons: a crashed one's leftover (removed by scan) never clashes.
+                name = f".scratch-{uuid.uuid4().hex[:16]}"
+                try:
+                    segment = Segment.allocate(self._fd, name, os.path.join(self.root, name),
+                                               capacity, reserve=False, small_pages=True)
+                except OSError as exc:
+                    raise OverBudget(f"cannot allocate {capacity} bytes in {self.root}: {exc}",
+                                     capacity, held, self.cap_bytes) from exc
+            self._scratch[segment] = job
             return segment
 
     def drop_scratch(self, segment: Segment) -> None:
-        """Deletes a :meth:`scratch` file (its pages go once no reader maps them)."""
+        """Lets go of a :meth:`scratch` file: kept a while for its job's next restore
+        (:mod:`elasticd.store.scratch_pool`), else deleted (its pages go once no reader maps
+        them)."""
         with self._lock:
-            if segment in self._scratch:
-                self._scratch.remove(segment)
+            job = self._scratch.pop(segment, None)
+            if job is not None and not self._pool.put(job, segment, self._clock.monotonic()):
                 segment.destroy(self._fd)
+            self._expire_scratch()
+
+    def prefill_scratch(self, job: str, sizes: list[int]) -> int:
+        """Sets scratch aside for a restore of ``job`` expected soon (its membership changed):
+        a segment of each size, kept for the job as a released one would be, its pages
+        touched by a thread of its own, so that the restore's partial copies land in memory
+        touched while the cluster was detecting the failure and forming the new round. What
+        does not fit under the cap is left out. Returns the bytes set aside."""
+        made = []
+        for nbytes in sizes:
+            try:
+                segment = self.scratch(nbytes, job=job)
+            except OverBudget as exc:
+                log.info("%s: no scratch set aside for the next restore: %s", job, exc)
+                break
+            made.append(segment)
+        for segment in made:
+            self.drop_scratch(segment)  # kept for the job, pages not touched yet
+        if made:
+            threading.Thread(target=touch, args=(made,), daemon=True,
+                             name=f"elasticd-scratch-{job}").start()
+        return sum(s.capacity for s in made)
+
+    def sweep_scratch(self) -> None:
+        """Deletes the released scratch segments kept past their time (called periodically)."""
+        with self._lock:
+            self._expire_scratch()
+
+    def _expire_scratch(self) -> None:
+        for segment in self._pool.expired(self._clock.monotonic()):
+            segment.destroy(self._fd)
+
+    def _make_room(self, needed: int) -> None:
+        """Deletes kept scratch segments, oldest first, until ``needed`` more bytes fit under
+        the cap (or none is left): memory held for a next restore is the first to go."""
+        while self.cap_bytes is not None and self._held() + needed > self.cap_bytes:
+            segment = self._pool.pop_oldest()
+            if segment is None:
+                return
+            segment.destroy(self._fd)
 
     def _stays(self, job: str, pair: _Pair, index: int) -> bool:
         """Whether slot ``index`` holds a complete copy that must not be overwritten (call with
@@ -414,7 +436,7 @@ class SlotStore:
             if pin:
                 segment.pins += 1
         try:
-            return SnapshotView(self, segment, pin, verify)
+            return SnapshotView(segment, self._unpin if pin else None, verify)
         except SnapshotError:
             if pin:
                 self._unpin(segment)
@@ -437,7 +459,7 @@ class SlotStore:
 
     def _held(self) -> int:
         return (sum(s.capacity for p in self._pairs.values() for s in p.segments if s is not None)
-                + sum(s.capacity for s in self._scratch))
+                + sum(s.capacity for s in self._scratch) + self._pool.held())
 
     def bytes_held(self) -> int:
         """Bytes of slot files this store holds."""
@@ -471,6 +493,8 @@ class SlotStore:
         with self._lock:
             self._retained.pop(job, None)
             self._drop([k for k in self._pairs if k[0] == job])
+            for segment in self._pool.drain(job):  # scratch kept for its next restore
+                segment.destroy(self._fd)
             shutil.rmtree(job, ignore_errors=True, dir_fd=self._fd)
 
     def close(self, *, unlink: bool = True) -> None:
@@ -482,7 +506,7 @@ class SlotStore:
             for seg in (s for p in self._pairs.values() for s in p.segments if s is not None):
                 seg.unmap()
             self._pairs.clear()
-            for seg in self._scratch:  # partial copies never outlive the daemon
+            for seg in [*self._scratch, *self._pool.drain()]:  # never outlive the daemon
                 seg.destroy(self._fd)
             self._scratch.clear()
             fd, self._fd = self._fd, -1
