@@ -272,7 +272,9 @@ def test_released_scratch_is_kept_touched_for_its_jobs_next_restore(root):
         other = store.scratch(4 * PAGE, job="b")  # another job: never that segment
         assert other is not one and other.path != one.path
         store.drop_scratch(other)
-        assert store.scratch(PAGE, job="a") is not one  # far bigger than asked: not that one
+        small = store.scratch(PAGE, job="a")
+        assert small is not one  # far bigger than asked: not that one
+        store.drop_scratch(small)
         again = store.scratch(3 * PAGE + 1, job="a")
         assert again is one and bytes(again.view[PAGE : PAGE + 5]) == b"rows!"  # still touched
         store.drop_scratch(again)
