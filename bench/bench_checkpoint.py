@@ -67,8 +67,8 @@ def _peer(conn, root: str) -> None:
 
 def serve(sockdir: str, shm: str, replicate: bool = False) -> None:
     """The daemon half (no torch): serves the checkpoint ops until stdin closes. With
-    ``replicate``, a peer process holds a replica of every snapshot (m=2); at the end the
-    replicator's counters are printed as one JSON line."""
+    ``replicate``, a peer process holds a replica of every snapshot (m=2). At the end one
+    JSON line: the service's skipped snapshots by reason, and the replicator's counters."""
     import multiprocessing as mp
 
     from elasticd.store.service import CheckpointService
@@ -90,15 +90,19 @@ def serve(sockdir: str, shm: str, replicate: bool = False) -> None:
                                 m=2, peers_address=lambda n: address if n == "peer" else None,
                                 commit_wait=0.0)
         replicator.set_membership("bench", ["local", "peer"], {"local": [0], "peer": []})
-    server = LocalServer(os.path.join(sockdir, "d.sock"),
-                         CheckpointService(store, "bench", replicator=replicator).handlers())
+    service = CheckpointService(store, "bench", replicator=replicator)
+    server = LocalServer(os.path.join(sockdir, "d.sock"), service.handlers())
     server.start()
     print(f"READY {peer.pid if peer else 0}", flush=True)
     sys.stdin.read()
     server.stop()
+    skips = {k.removeprefix("skipped_"): n for k, n in service.counters.items()
+             if k.startswith("skipped_") and n}
     if replicator is not None:
         replicator.wait_idle(60)
-        print(json.dumps(dataclasses.asdict(replicator.stats())), flush=True)
+    print(json.dumps({"skipped_by_reason": skips, "replication": dataclasses.asdict(
+        replicator.stats()) if replicator is not None else None}), flush=True)
+    if replicator is not None:
         replicator.close()
         pipe.send("stop")
         peer.join(30)
@@ -160,6 +164,7 @@ def run(args: argparse.Namespace) -> dict:
     tag = uuid.uuid4().hex[:8]
     daemons: dict[str, tuple[subprocess.Popen, str, str]] = {}
     rep_stats: dict = {}
+    skip_reasons: dict[str, dict[str, int]] = {}  # daemon kind -> reason -> snapshots
     cpu: dict[str, float] = {}
     try:
         clients, procs = {}, {}
@@ -224,8 +229,10 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         for kind, (daemon, sockdir, shm) in daemons.items():
             out, _ = daemon.communicate(timeout=90)
-            if kind == "replicated" and out.strip():
-                rep_stats = json.loads(out.strip().splitlines()[-1])
+            if out.strip():
+                last = json.loads(out.strip().splitlines()[-1])
+                skip_reasons[kind] = last["skipped_by_reason"]
+                rep_stats = last["replication"] or rep_stats
             shutil.rmtree(sockdir, ignore_errors=True)
             shutil.rmtree(shm, ignore_errors=True)
 
@@ -237,7 +244,9 @@ def run(args: argparse.Namespace) -> dict:
     result = {"state_bytes": nbytes, "tensors": ntensors, "threads": args.threads,
               "fsdp": args.fsdp,
               "batch": args.batch, "layers": args.layers, "width": args.width,
-              "steps_per_mode": len(times["off"]), "memcpy_seconds": memcpy, "modes": {}}
+              "steps_per_mode": len(times["off"]), "memcpy_seconds": memcpy, "modes": {},
+              # The daemons' own count, warm-up included: "plain" serves overlap and sync.
+              "daemon_skipped_by_reason": skip_reasons}
     for mode, ts in times.items():
         row = {"step_seconds_mean": statistics.fmean(ts), "step_seconds_median":
                statistics.median(ts), "throughput_cost": statistics.fmean(ts) / base - 1}
@@ -336,6 +345,28 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def skipped_cell(row: dict) -> str:
+    """The table's ``skipped`` cell: snapshots skipped of those asked for, e.g. ``11/80``."""
+    return f"{row['skipped']}/{row['saves'] + row['skipped']}"
+
+
+def skipped_notes(r: dict) -> list[str]:
+    """One line per mode that skipped snapshots: how many, why (the daemon's reasons), and
+    what its figures then cover: a cost measured over fewer snapshots than steps."""
+    notes = []
+    for mode, row in r["modes"].items():
+        if not row.get("skipped"):
+            continue
+        kind = "replicated" if mode == "replicated" else "plain"
+        why = ", ".join(f"{reason} {n}" for reason, n in
+                        sorted(r.get("daemon_skipped_by_reason", {}).get(kind, {}).items()))
+        notes.append(f"note: {mode} skipped {row['skipped']} of "
+                     f"{row['saves'] + row['skipped']} snapshots (daemon's reasons: "
+                     f"{why or 'not reported'}); its cost and per-snapshot figures cover the "
+                     f"{row['saves']} it took")
+    return notes
+
+
 def report(r: dict) -> None:
     mib = r["state_bytes"] / 2**20
     kind = "FSDP2 (1 rank) " if r.get("fsdp") else ""
@@ -344,10 +375,11 @@ def report(r: dict) -> None:
           f"{r['tensors']} tensors; {r['steps_per_mode']} steps per mode, interleaved")
     print(f"memcpy of the state into pre-touched memory: {r['memcpy_seconds'] * 1e3:.1f} ms "
           f"({r['state_bytes'] / r['memcpy_seconds'] / 1e9:.1f} GB/s)")
-    print(f"{'mode':<10} {'step ms':>8} {'cost':>7} {'stall ms':>9} {'hook ms':>8} "
-          f"{'copy ms':>8} {'seal ms':>8}")
+    print(f"{'mode':<10} {'step ms':>8} {'cost':>7} {'skipped':>8} {'stall ms':>9} "
+          f"{'hook ms':>8} {'copy ms':>8} {'seal ms':>8}")
     for mode, row in r["modes"].items():
-        extra = ("" if "saves" not in row else
+        extra = (f" {'-':>8}" if "saves" not in row else
+                 f" {skipped_cell(row):>8}"
                  f" {row['stall_seconds_per_snapshot'] * 1e3:>9.2f}"
                  f" {row['hook_wait_seconds_per_snapshot'] * 1e3:>8.2f}"
                  f" {row['copy_seconds_per_snapshot'] * 1e3:>8.2f}"
@@ -357,6 +389,8 @@ def report(r: dict) -> None:
                   f" {row['paired_cost_ci95'][1]:+.1%}]")
         print(f"{mode:<10} {row['step_seconds_mean'] * 1e3:>8.1f} "
               f"{row['throughput_cost']:>+7.1%}{extra}{paired}")
+    for line in skipped_notes(r):
+        print(line)
     print(f"daemon CPU per GiB snapshotted: {r['daemon_cpu_seconds_per_gib_snapshotted']:.3f} s")
     if "replication" in r:
         print("replication:", json.dumps(r["replication"]))

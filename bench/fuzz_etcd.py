@@ -12,7 +12,15 @@ The running job's own spec is not fuzzed here (tests/unit/test_hostile_records.p
 to see the job refused). Malformed means malformed: a well-formed record that asks for something
 (a drain, a stop) is an operator's request, not an attack on the decoder.
 
-    .venv/bin/python bench/fuzz_etcd.py --count 10000 --out bench/results/fuzz_etcd.json
+Then (``--hostile N``) the job is stopped and N well-formed specs are written whose script is no
+job's script: pseudo files (``/proc/self/pagemap``, ``/sys``), devices, FIFOs, symlinks, a
+directory, a socket, a 1 TiB sparse file, an empty file, another user's file, and a path that a
+thread keeps swapping between a file, a FIFO and symlinks while the daemons check it. Every
+daemon must refuse each one (the reasons are counted), with ``/healthz`` answering 200 within
+2 s at every poll, and then run a new job.
+
+    .venv/bin/python bench/fuzz_etcd.py --count 10000 --hostile 500 \
+        --out bench/results/fuzz_etcd.json
 
 tests/integration/test_etcd_fuzz.py runs the same with a shorter count.
 """
@@ -24,13 +32,12 @@ import json
 import os
 import random
 import re
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from typing import Any, Callable
 
 from elasticd.launcher import JOB_USER
@@ -183,11 +190,13 @@ def fuzz(coord: Any, prefix: str, nodes: list[str], count: int, seed: int = 0,
 
 
 class HealthWatch:
-    """Polls each daemon's /healthz while the fuzz runs; keeps every answer that is not 200."""
+    """Polls each daemon's /healthz while the fuzz runs; keeps every answer that is not 200, and
+    every poll that took more than 2 s (a stall)."""
 
     def __init__(self, cluster: Any, interval: float = 0.5) -> None:
         self.cluster, self.interval = cluster, interval
         self.bad: list[str] = []
+        self.slow: list[str] = []
         self.polls = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -195,16 +204,12 @@ class HealthWatch:
     def _run(self) -> None:
         while not self._stop.is_set():
             for n in self.cluster.nodes.values():
-                try:
-                    with urllib.request.urlopen(f"http://{n.address}/healthz", timeout=5) as r:
-                        code = r.status
-                except urllib.error.HTTPError as exc:
-                    code = exc.code
-                except OSError as exc:
-                    code = f"error {exc}"
+                code, took = n.healthz(timeout=5.0)
                 self.polls += 1
                 if code != 200:
                     self.bad.append(f"{n.node_id}: {code}")
+                if took > 2.0:
+                    self.slow.append(f"{n.node_id}: {took:.1f} s")
             self._stop.wait(self.interval)
 
     def __enter__(self) -> "HealthWatch":
@@ -216,11 +221,11 @@ class HealthWatch:
         self._thread.join()
 
 
-def last_step(cluster: Any) -> int:
+def last_step(cluster: Any, job: str = JOB) -> int:
     """The newest step any node's workers logged."""
     best = -1
     for n in cluster.nodes:
-        path = os.path.join(cluster.workdir, n, "jobs", JOB, "agent.log")
+        path = os.path.join(cluster.workdir, n, "jobs", job, "agent.log")
         try:
             with open(path, "rb") as fh:
                 best = max([best] + [int(m.group(1)) for m in STEP_RE.finditer(fh.read())])
@@ -238,9 +243,16 @@ def bad_record_lines(cluster: Any, text: bool = False) -> dict[str, Any]:
     return out
 
 
-def submit(cluster: Any, user: str = JOB_USER) -> None:
+def ctl(cluster: Any, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "elasticd.cli.main", *args],
+        env={**os.environ, "ELASTICD_ETCD": cluster.etcd, "ELASTICD_PREFIX": cluster.prefix},
+        capture_output=True, text=True, timeout=120)
+
+
+def submit(cluster: Any, user: str = JOB_USER, job: str = JOB) -> None:
     res = subprocess.run(
-        [sys.executable, "-m", "elasticd.cli.main", "submit", JOB, "--nnodes",
+        [sys.executable, "-m", "elasticd.cli.main", "submit", job, "--nnodes",
          str(len(cluster.nodes)), "--nproc-per-node", "1", "--user", user, "--", TRAIN,
          "--steps", "100000", "--step-time", "0.05"],
         env={**os.environ, "ELASTICD_ETCD": cluster.etcd, "ELASTICD_PREFIX": cluster.prefix},
@@ -286,6 +298,7 @@ def run(cluster: Any, count: int, seed: int = 0, quiet: float = 3.0) -> dict[str
         "daemons_exited": sorted(n.node_id for n in cluster.nodes.values() if not n.running),
         "healthz_polls": health.polls,
         "healthz_not_200": health.bad,
+        "healthz_over_2s": health.slow,
         "step_before": before_step,
         "step_after_fuzz": step_after_fuzz,
         "step_at_end": last_step(cluster),
@@ -295,10 +308,173 @@ def run(cluster: Any, count: int, seed: int = 0, quiet: float = 3.0) -> dict[str
     }
 
 
+def hostile_paths(base: str) -> list[str]:
+    """Script paths that are no job's script: pseudo files and devices as they are, and special
+    files, links and odd files made under ``base`` (which the job's user can reach).
+    ``base/swapped.py`` is the path :class:`Swapper` keeps changing."""
+    os.makedirs(base, exist_ok=True)
+
+    def at(name: str) -> str:
+        return os.path.join(base, name)
+
+    os.mkfifo(at("fifo.py"), 0o644)
+    os.symlink(at("fifo.py"), at("link-to-fifo.py"))
+    os.symlink("/proc/self/pagemap", at("link-to-pagemap.py"))
+    os.symlink("/proc", at("link-to-dir.py"))
+    os.mkdir(at("dir.py"), 0o755)
+    with open(at("sparse.py"), "wb") as fh:
+        fh.truncate(1 << 40)
+    open(at("empty.py"), "wb").close()
+    with open(at("others.py"), "w") as fh:
+        fh.write("print('not yours')\n")
+    if os.geteuid() == 0:
+        os.chown(at("others.py"), 54321, 54321)
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(at("socket.py"))
+    for name in ("sparse.py", "empty.py", "others.py", "socket.py"):
+        os.chmod(at(name), 0o644)
+    made = ["fifo.py", "link-to-fifo.py", "link-to-pagemap.py", "link-to-dir.py", "dir.py",
+            "sparse.py", "empty.py", "others.py", "socket.py", "swapped.py"]
+    fixed = ["/proc/self/pagemap", "/proc/self/mem", "/proc/kcore", "/proc/1/environ",
+             "/sys/kernel/mm/transparent_hugepage/enabled", "/dev/zero", "/dev/urandom",
+             "/dev/stdin", "/dev/full", "/etc/shadow"]
+    return [p for p in fixed if os.path.lexists(p)] + [at(n) for n in made]
+
+
+class Swapper:
+    """Keeps replacing ``path`` (by an atomic rename, so it always exists) with a regular file, a
+    FIFO, a symlink to /proc/self/pagemap and one to the FIFO, as fast as it can: a check of the
+    path and a later open of it meet different files."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.swaps = path, 0
+        base = os.path.dirname(path)
+        self._regular = os.path.join(base, "swap-regular")
+        with open(self._regular, "w") as fh:
+            fh.write("print('a plain script')\n")
+        os.chmod(self._regular, 0o644)
+        self._fifo = os.path.join(base, "swap-fifo")
+        os.mkfifo(self._fifo, 0o644)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._swap(lambda t: os.link(self._regular, t))
+
+    def _swap(self, make: Callable[[str], None]) -> None:
+        tmp = self.path + ".tmp"
+        if os.path.lexists(tmp):  # renaming a link onto one of the same file leaves both
+            os.unlink(tmp)
+        make(tmp)
+        os.replace(tmp, self.path)
+        self.swaps += 1
+
+    def _run(self) -> None:
+        makers = (lambda t: os.link(self._regular, t), lambda t: os.link(self._fifo, t),
+                  lambda t: os.symlink("/proc/self/pagemap", t),
+                  lambda t: os.symlink(self._fifo, t))
+        while not self._stop.is_set():
+            for make in makers:
+                self._swap(make)
+
+    def __enter__(self) -> "Swapper":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def write_hostile(cluster: Any, paths: list[str], count: int, seed: int, user: str) -> list[str]:
+    """Writes ``count`` well-formed specs (as any etcd writer can) whose script is one of
+    ``paths``; returns their jobs."""
+    from elasticd.cluster.jobspec import JobControl, JobSpec
+
+    rng = random.Random(seed)
+    coord, keys = cluster.coordinator(), cluster.keys
+    jobs = []
+    for i in range(count):
+        job = f"hostile{i}"
+        spec = JobSpec(name=job, nnodes_min=1, nnodes_max=len(cluster.nodes), nproc_per_node=1,
+                       script=paths[i % len(paths)] if i < len(paths) else rng.choice(paths),
+                       args=[], script_sha256="0" * 64, user=user, cwd="/",
+                       python=sys.executable, created_at=time.time())
+        coord.put(keys.job_spec(job), spec.encode())
+        coord.put(keys.job_control(job), JobControl("running", time.time(), "fuzz").encode())
+        jobs.append(job)
+    return jobs
+
+
+def refusals(cluster: Any, jobs: list[str]) -> tuple[dict[str, int], dict[str, int]]:
+    """Per node, how many of ``jobs`` it refused; and each distinct reason (the path left out)
+    with how often it was given."""
+    from elasticd.cluster.jobspec import NodeJobStatus
+    from elasticd.coordination.records import RecordError
+
+    wanted = set(jobs)
+    per_node = {n: 0 for n in cluster.nodes}
+    reasons: dict[str, int] = {}
+    kvs, _ = cluster.coordinator().get_prefix(cluster.keys.jobs)
+    for kv in kvs:
+        try:
+            job, what, node = cluster.keys.job_key(kv.key)
+            st = NodeJobStatus.decode(kv.value) if what == "nodes" and job in wanted else None
+        except (ValueError, RecordError):
+            continue
+        if st is not None and st.state == "refused" and node in per_node:
+            per_node[node] += 1
+            why = re.sub(r"'[^']*'", "'…'", st.detail)
+            reasons[why] = reasons.get(why, 0) + 1
+    return per_node, dict(sorted(reasons.items(), key=lambda kv: -kv[1]))
+
+
+def run_hostile(cluster: Any, count: int, base: str, seed: int = 0, user: str = JOB_USER,
+                timeout: float = 900.0) -> dict[str, Any]:
+    """Stops :data:`JOB`, writes ``count`` specs with hostile script paths (under ``base``) while
+    a :class:`Swapper` runs, waits until every node refused every one, then runs a new job."""
+    res = ctl(cluster, "stop", JOB, "--force", "--wait", "120")
+    if res.returncode != 0:
+        raise RuntimeError(f"stop failed: {res.stderr.strip()}")
+    paths = hostile_paths(base)
+    started = time.monotonic()
+    with HealthWatch(cluster) as health, Swapper(os.path.join(base, "swapped.py")) as swapper:
+        jobs = write_hostile(cluster, paths, count, seed, user)
+        deadline = time.monotonic() + timeout
+        while True:
+            per_node, reasons = refusals(cluster, jobs)
+            if all(k == len(jobs) for k in per_node.values()) or time.monotonic() > deadline:
+                break
+            if not all(n.running for n in cluster.nodes.values()):
+                break
+            time.sleep(2.0)
+        seconds = time.monotonic() - started
+    after = "after-hostile"
+    submit(cluster, user, job=after)
+    try:
+        cluster.wait_for(lambda: last_step(cluster, after) >= 5, 180, "a new job training")
+        trained = True
+    except TimeoutError:
+        trained = False
+    return {
+        "count": len(jobs),
+        "paths": paths,
+        "swaps": swapper.swaps,
+        "seconds": round(seconds, 2),
+        "refused_per_node": per_node,
+        "reasons": reasons,
+        "daemons_exited": sorted(n.node_id for n in cluster.nodes.values() if not n.running),
+        "healthz_polls": health.polls,
+        "healthz_not_200": health.bad,
+        "healthz_over_2s": health.slow,
+        "new_job_trained": trained,
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--count", type=int, default=10_000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hostile", type=int, default=500,
+                   help="specs with hostile script paths written after the fuzz (0: none)")
     p.add_argument("--user", default=JOB_USER, help="the job's user (--user of submit; "
                    "default: nobody under root, else yourself)")
     p.add_argument("--out", default="")
@@ -311,6 +487,10 @@ def main() -> int:
         cluster.start()
         submit(cluster, args.user)
         result = run(cluster, args.count, args.seed)
+        if args.hostile:
+            result["hostile_scripts"] = run_hostile(
+                cluster, args.hostile, os.path.join(cluster.workdir, "hostile"), args.seed,
+                args.user)
     finally:
         cluster.stop()
     result["command"] = " ".join(["bench/fuzz_etcd.py", *sys.argv[1:]])
@@ -321,7 +501,13 @@ def main() -> int:
         with open(args.out, "w") as fh:
             fh.write(text + "\n")
     ok = (not result["daemons_exited"] and not result["healthz_not_200"]
+          and not result["healthz_over_2s"]
           and result["step_at_end"] > result["step_after_fuzz"] > result["step_before"])
+    hostile = result.get("hostile_scripts")
+    if hostile:
+        ok = ok and (not hostile["daemons_exited"] and not hostile["healthz_not_200"]
+                     and not hostile["healthz_over_2s"] and hostile["new_job_trained"]
+                     and all(k == hostile["count"] for k in hostile["refused_per_node"].values()))
     return 0 if ok else 1
 
 

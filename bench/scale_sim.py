@@ -22,13 +22,8 @@ No training runs. For each node count N (``--sizes``), against one real etcd sta
    node dying) at random moments: the failure-detection latency is the time from that moment to
    the watcher seeing the node record deleted (baseline: the lease TTL).
 
-``--handler native`` measures elasticd's own handler (:mod:`elasticd.coordination.rendezvous_handler`)
-instead, with the simulated agents spread over ``--procs`` processes: all N join one round
-(min N - 1, max N), a steady window in which only their lease keep-alives should reach etcd,
-then one agent is killed (keep-alives stop, nothing revoked) and the rest re-rendezvous at once,
-as their workers would after a kill -9; measured: seconds until every agent is in the round,
-etcd requests per node (per second in the steady state) and kill -> round re-formed. Figures go
-to bench/results/scale_native.json.
+elasticd's own handler (``etcd-v3``) is measured by ``bench/scale_native.py``, which runs it
+unchanged; this file keeps torch's dynamic rendezvous as the baseline.
 
 Figures go to ``--out`` (bench/results/scale.json); docs/scale.md discusses them. The simulator
 is one Python process on this machine's cores: where it cannot issue the intended rates (it
@@ -606,163 +601,6 @@ def _med(xs: list[float]) -> float | None:
     return round(statistics.median(xs), 3) if xs else None
 
 
-# -- elasticd's own handler (--handler native), agents spread over processes ------------------
-
-
-def native_agents_process(conn: Any, endpoints: str, prefix: str, run_id: str,
-                          indices: list[int], n: int, min_nodes: int, ttl: int,
-                          clients: int) -> None:
-    """A process of simulated agents running :class:`EtcdNativeRendezvousHandler` unchanged.
-
-    Commands on ``conn``: ("join",) -> every live agent runs next_rendezvous at once; replies
-    [(index, round, rank, wall time the round was seen, seconds in next_rendezvous)].
-    ("waiting",) -> [num_nodes_waiting of every live agent]. ("kill", index) -> that agent
-    stops its keep-alives and its watch, revoking nothing (kill -9). ("stop",) -> leave.
-    """
-    import concurrent.futures
-
-    from elasticd.coordination.rendezvous_grace import OutageGrace
-    from elasticd.coordination.rendezvous_handler import EtcdNativeRendezvousHandler
-
-    settings = EtcdSettings(parse_endpoints(endpoints), timeout=10.0)
-    coords = [EtcdCoordinator(settings) for _ in range(clients)]
-    rdzv = Keyspace(prefix).job_rdzv(run_id)
-    agents = {i: EtcdNativeRendezvousHandler(
-        coords[k % clients], rdzv, run_id, min_nodes, n, f"10.0.{i // 250}.{i % 250}",
-        "etcd-v3", grace=OutageGrace(30.0), ttl=ttl, confirm=1.0, join_timeout=300,
-        last_call=1.0) for k, i in enumerate(indices)}
-    pool = concurrent.futures.ThreadPoolExecutor(len(indices))
-    conn.send("ready")
-
-    def join(i: int) -> tuple[int, int, int, float, float]:
-        h = agents[i]
-        before = len(h.rounds)
-        info = h.next_rendezvous()
-        number, took = h.rounds[before]
-        return i, number, info.rank, time.time() - (time.monotonic() - h.seen_at), took
-
-    while True:
-        cmd = conn.recv()
-        if cmd[0] == "join":
-            futures = [pool.submit(join, i) for i in agents]
-            out = []
-            for f in futures:
-                try:
-                    out.append(f.result())
-                except Exception as exc:  # noqa: BLE001 - reported, not fatal to the bench
-                    out.append(repr(exc))
-            conn.send(out)
-        elif cmd[0] == "waiting":
-            conn.send([h.num_nodes_waiting() for h in agents.values()])
-        elif cmd[0] == "kill":
-            h = agents.pop(cmd[1])
-            h._keeper.stop(revoke=False)
-            h._watch.cancel()
-            conn.send(time.time())
-        elif cmd[0] == "stop":
-            for h in agents.values():
-                h.stop()
-            for c in coords:
-                c.close()
-            conn.send("stopped")
-            return
-
-
-def run_size_native(n: int, etcd: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, Any]:
-    """One node count with elasticd's own handler: join, steady state, one kill, re-form."""
-    import multiprocessing as mp
-
-    url = f"http://{etcd.members[0].endpoint.split('://')[-1]}/metrics"
-    prefix, run_id = f"/native{n}", f"scale{n}"
-    procs = min(a.procs, n)
-    ctx = mp.get_context("spawn")
-    parts = [list(range(n))[k::procs] for k in range(procs)]
-    pipes, children = [], []
-    for part in parts:
-        conn, child = ctx.Pipe()
-        proc = ctx.Process(target=native_agents_process,
-                           args=(child, etcd.endpoints, prefix, run_id, part, n,
-                                 max(1, n - 1), a.ttl, max(1, a.clients // procs)),
-                           daemon=True)
-        proc.start()
-        pipes.append(conn)
-        children.append(proc)
-
-    def ask_all(cmd: tuple) -> list[Any]:
-        for c in pipes:
-            c.send(cmd)
-        return [c.recv() for c in pipes]
-
-    result: dict[str, Any] = {"nodes": n, "handler": "native", "processes": procs}
-    try:
-        for c in pipes:  # every agent built (torch imported, connections open)
-            c.recv()
-        pids = (etcd.members[0].proc.pid, os.getpid(), *(p.pid for p in children))
-        # 1. all N join one round (min = N - 1, max = N: it closes when the N-th joins)
-        w = Window(url, pids)
-        t0 = time.time()
-        joined = [r for part in ask_all(("join",)) for r in part]
-        errors = [r for r in joined if isinstance(r, str)]
-        ok = [r for r in joined if not isinstance(r, str)]
-        window = w.close()
-        seen = [r[3] - t0 for r in ok]
-        result["rendezvous"] = {
-            "seconds_all_joined": round(max(seen), 3) if len(ok) == n else None,
-            "seconds_median_joined": round(_med(seen), 3) if seen else None,
-            "agents_in_round": len(ok), "errors": errors[:5],
-            "rounds": sorted({r[1] for r in ok}),
-            "ranks_distinct": len({r[2] for r in ok}) == len(ok),
-            **{k: window[k] for k in ("requests_per_second", "requests_per_second_by_method",
-                                      "etcd_cpu_percent_of_core", "seconds")},
-            "simulator_cpu_percent_of_core": window["sessions_cpu_percent_of_core"],
-            "etcd_requests_per_node": round(window["requests_per_second"] * window["seconds"]
-                                            / n, 1),
-        }
-        # 2. steady state: only the agents' lease keep-alives should reach etcd
-        time.sleep(1.0)
-        w = Window(url, pids)
-        waiting = []
-        end = time.monotonic() + a.window
-        while time.monotonic() < end:
-            waiting.append(max(x for part in ask_all(("waiting",)) for x in part))
-            time.sleep(1.0)
-        st = w.close()
-        st["requests_per_node_per_second"] = round(st["requests_per_second"] / n, 3)
-        st["intended_keepalives_per_node_per_second"] = round(3 / a.ttl, 3)
-        st["max_num_nodes_waiting"] = max(waiting)
-        st["simulator_cpu_percent_of_core"] = st.pop("sessions_cpu_percent_of_core")
-        result["steady"] = st
-        # 3. one agent killed; the others re-rendezvous at once (their workers' collectives
-        # fail within a fraction of a second of a kill -9: docs/facts.md)
-        victim = parts[0][0]
-        pipes[0].send(("kill", victim))
-        killed_at = pipes[0].recv()
-        rejoined = [r for part in ask_all(("join",)) for r in part]
-        ok = [r for r in rejoined if not isinstance(r, str)]
-        after = [r[3] - killed_at for r in ok]
-        result["failure"] = {
-            "ttl": a.ttl,
-            "seconds_kill_to_round_reformed": round(max(after), 3) if after else None,
-            "survivors_in_round": len(ok), "world_sizes": sorted({len(ok)}),
-            "rounds": sorted({r[1] for r in ok}),
-            "errors": [r for r in rejoined if isinstance(r, str)][:5],
-        }
-        result["db_bytes_end"] = st["db_bytes_end"]
-    finally:
-        for c in pipes:
-            try:
-                c.send(("stop",))
-                if c.poll(15):  # a process still busy joining (a saturated run) is killed
-                    c.recv()
-            except (OSError, EOFError):
-                pass
-        for p in children:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return result
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -781,13 +619,7 @@ def main() -> int:
     p.add_argument("--join-timeout", type=float, default=60.0,
                    help="seconds the simulated agents get to complete the rendezvous; past it "
                         "the complete round is written directly and the steady state measured")
-    p.add_argument("--handler", choices=("torch", "native"), default="torch",
-                   help="torch: torch's dynamic rendezvous on the etcd-v3 backend; native: "
-                        "elasticd's own handler (etcd-v3), agents over --procs processes")
-    p.add_argument("--procs", type=int, default=4,
-                   help="processes the native handler's simulated agents are spread over")
-    p.add_argument("--out", default=None,
-                   help="results file (default bench/results/scale.json, or scale_native.json)")
+    p.add_argument("--out", default="bench/results/scale.json", help="results file")
     a = p.parse_args()
     try:
         sizes = [int(x) for x in a.sizes.split(",") if x]
@@ -798,8 +630,6 @@ def main() -> int:
     if a.window < a.ttl + 3:
         p.error("--window must exceed --ttl + 3 s so that killed sessions expire inside it")
 
-    a.out = a.out or ("bench/results/scale_native.json" if a.handler == "native"
-                      else "bench/results/scale.json")
     random.seed(0)
     # A SIGTERM (timeout(1), a CI limit) unwinds through the finally blocks: etcd and the
     # agent processes are stopped, not orphaned.
@@ -834,18 +664,6 @@ def main() -> int:
     try:
         for n in sizes:
             t0 = time.monotonic()
-            if a.handler == "native":
-                r = run_size_native(n, etcd, a)
-                r["simulation_seconds"] = round(time.monotonic() - t0, 1)
-                runs.append(r)
-                rd, st, fl = r["rendezvous"], r["steady"], r["failure"]
-                print(f"N={n:5d}: all joined in {rd['seconds_all_joined']} s "
-                      f"({rd['etcd_requests_per_node']} etcd requests/node); steady "
-                      f"{st['requests_per_node_per_second']} req/node/s; kill -> re-formed "
-                      f"{fl['seconds_kill_to_round_reformed']} s (TTL {a.ttl}) "
-                      f"[{r['simulation_seconds']} s]", flush=True)
-                write()
-                continue
             r = run_size(n, etcd, a)
             r["simulation_seconds"] = round(time.monotonic() - t0, 1)
             runs.append(r)

@@ -1,6 +1,6 @@
 """torch's ``RendezvousBackend`` on etcd v3, kept as the baseline of ``scale_sim.py --handler torch``.
 
-Until elasticd's own handler (:mod:`elasticd.coordination.rendezvous_handler`) replaced it behind
+Until elasticd's own handler (:mod:`elasticd.rendezvous.handler`) replaced it behind
 ``--rdzv-backend etcd-v3``, this backend held torch's dynamic-rendezvous state in etcd; the scale
 study measures torch's design on it (docs/scale.md). Not shipped in the package.
 
@@ -35,7 +35,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 
 from elasticd.coordination.api import Compare, Coordinator, Put
 from elasticd.coordination.keys import Keyspace, check_name
-from elasticd.coordination.rendezvous_grace import OutageGrace
+from elasticd.rendezvous.grace import OutageGrace
 
 BACKEND_NAME = "etcd-v3"
 

@@ -22,19 +22,15 @@ if TYPE_CHECKING:
 
 from elasticd.coordination.etcd import EtcdSettings, parse_endpoints
 from elasticd.coordination.keys import check_name, check_prefix
-from elasticd.coordination.rendezvous_rounds import GROW_POLICIES, check_grow
+from elasticd.rendezvous.rounds import GROW_POLICIES, check_grow
 from elasticd.errors import InputError
+from elasticd.replication.secret_strength import weak_secret
 
 ENV_PREFIX = "ELASTICD_"
 
 
 class ConfigError(InputError, ValueError):
     """A setting has a bad value; the message names it and says what to do."""
-
-
-#: The cluster secret's minimum length: 128 bits. A passive observer of a handshake can test
-#: guesses offline (docs/security.md), so only the secret's size stands in the way.
-MIN_SECRET_BYTES = 16
 
 
 class SecretFileError(InputError, ValueError):
@@ -123,12 +119,16 @@ class Settings:
             /dev/shm/elasticd-<node_id>).
         memory_cap_mib: cap on checkpoint RAM (local snapshots and peer replicas) on this node;
             a snapshot over it is skipped with a warning (0: no cap).
+        scratch_cap_mib: cap on one job's restore scratch on this node (partial copies of old
+            ranks' shards fetched after a change of world size, elasticd/store/scratch.py);
+            a fetch over it is refused (0, the default: half of this node's RAM).
         persist_dir: the persistent tier (a shared filesystem); empty: none.
         persist_every_steps, persist_every_seconds: how often a complete step is flushed.
         persist_keep: complete steps kept on the persistent tier per job.
         cluster_secret: shared secret authenticating daemon-to-daemon replication (at least
-            16 characters; prefer ELASTICD_CLUSTER_SECRET or cluster_secret_file). Without a
-            secret, peer replication is off.
+            128 bits counted from its alphabet: 32 hex digits, 22 base64 characters; prefer
+            ELASTICD_CLUSTER_SECRET or cluster_secret_file). Without a secret, peer
+            replication is off.
         cluster_secret_file: file holding the secret (first line).
         replication_listen: HOST:PORT of the replication server (port 0: any free port).
         replicas: copies of each rank's snapshot, its own included (m; 1 turns peers off).
@@ -175,6 +175,7 @@ class Settings:
     worker_start: str = "warm"
     shm_dir: str = ""
     memory_cap_mib: int = 0
+    scratch_cap_mib: int = 0
     persist_dir: str = ""
     persist_every_steps: int = 0
     persist_every_seconds: float = 0.0
@@ -201,6 +202,13 @@ class Settings:
     @property
     def provisional_seconds(self) -> float:
         return self.provisional_grace or 2.0 * self.lease_ttl + 2.0
+
+    @property
+    def scratch_cap_bytes(self) -> int:
+        """One job's restore scratch cap on this node, in bytes (``scratch_cap_mib``)."""
+        if self.scratch_cap_mib:
+            return self.scratch_cap_mib * 2**20
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
     @property
     def state_path(self) -> str:
@@ -335,6 +343,8 @@ def _validate(s: Settings, sources: Mapping[str, str]) -> None:
     parses("rdzv_grow", check_grow)
     if s.memory_cap_mib < 0:
         raise bad("memory_cap_mib", "must be >= 0 (0: no cap)")
+    if s.scratch_cap_mib < 0:
+        raise bad("scratch_cap_mib", "must be >= 0 (0: half of this node's RAM)")
     if s.persist_every_steps < 0 or s.persist_every_seconds < 0:
         raise bad("persist_every_steps", "persist_every_steps/seconds must be >= 0")
     if not 1 <= s.persist_keep <= 1000:
@@ -346,11 +356,11 @@ def _validate(s: Settings, sources: Mapping[str, str]) -> None:
         secret = s.secret
     except SecretFileError as exc:
         raise bad("cluster_secret_file", str(exc)) from None
-    if secret and len(secret) < MIN_SECRET_BYTES:
-        name = "cluster_secret" if s.cluster_secret else "cluster_secret_file"
-        raise bad(name, f"the secret is {len(secret) * 8} bits, fewer than "
-                  f"{MIN_SECRET_BYTES * 8}: use at least {MIN_SECRET_BYTES} random bytes "
-                  "(e.g. `openssl rand -hex 32`)")
+    # A passive observer of a handshake can test guesses offline (docs/security.md): only
+    # the secret's entropy, counted from its alphabet, stands in the way.
+    weak = weak_secret(secret) if secret else ""
+    if weak:
+        raise bad("cluster_secret" if s.cluster_secret else "cluster_secret_file", weak)
     parses("replication_listen", _hostport)
     if not 1 <= s.replicas <= 8:
         raise bad("replicas", f"{s.replicas}: use 1 to 8 copies (2 is the usual)")

@@ -1,7 +1,10 @@
-"""The local demo: an embedded etcd and three daemons on this host run the example training job
-with in-RAM checkpoints replicated to a peer; one node is killed with SIGKILL (its RAM with it)
-and the survivors restore the last committed step — the dead node's rank from a peer's memory —
-and train on. It prints a timeline, ends by itself and cleans up.
+"""The local demo: an embedded etcd and four daemons on this host. Three train the example job
+at world size 3 with a snapshot every step, each replicated to a peer's RAM; the fourth joins as
+a spare. One training node is killed with SIGKILL (its RAM with it); the spare takes its place,
+so the dead node's rank is restored from a copy in a peer's RAM, the survivors' ranks from their
+own. It says where each rank's state came from, prints the recovery's timeline as
+``elasticctl history`` and ``/status`` show it beside its own measures of the same moments, ends
+by itself and cleans up.
 
 Run it with ``python -m elasticd.demo`` (README: the first set-up command does this for you).
 """
@@ -9,25 +12,26 @@ Run it with ``python -m elasticd.demo`` (README: the first set-up command does t
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+from typing import Any
 
-from elasticd.cli.main import EVENT_TABLE, NODE_TABLE, TIMELINE_TABLE, timeline_rows
+from elasticd.cli.main import EVENT_TABLE, NODE_TABLE, TIMELINE_TABLE, event_rows
+from elasticd.cli.main import rank_sources, timeline_rows
 from elasticd.clock import SYSTEM_CLOCK, format_local
 from elasticd.cluster import timeline
-from elasticd.coordination import records
 from elasticd.launcher import JOB_USER, LocalCluster
 
 TRAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
                      "train.py")
 STEP_RE = re.compile(r"step (\d+) world (\d+) rank (\d+)")
-RESTORED_RE = re.compile(r"restored step (\d+) from (\w+) in ([\d.]+) s, steps lost (\d+)")
+WORLD = 3
+JOB = "demo"
+SOURCES = {"local": "its own node's RAM", "peer": "a peer's RAM", "persistent": "disk"}
 
 
 class Demo:
@@ -39,23 +43,39 @@ class Demo:
         print(f"[{SYSTEM_CLOCK.monotonic() - self.t0:6.2f} s] {text}", flush=True)
 
     def log(self, node: str) -> str:
-        p = os.path.join(self.c.workdir, node, "jobs", "demo", "agent.log")
+        p = os.path.join(self.c.workdir, node, "jobs", JOB, "agent.log")
         return open(p, errors="replace").read() if os.path.exists(p) else ""
 
     def steps(self, node: str, world: int | None = None, after: int = 0) -> list[int]:
         return [int(m.group(1)) for m in STEP_RE.finditer(self.log(node), after)
                 if world is None or int(m.group(2)) == world]
 
+    def new_steps(self, node: str, mark: int) -> list[int]:
+        """Steps a worker started after ``mark`` (a log offset) trained at world size 3."""
+        text = self.log(node)
+        start = text.find("start rank", mark)
+        return [] if start < 0 else [int(m.group(1)) for m in STEP_RE.finditer(text, start)
+                                     if int(m.group(2)) == WORLD]
+
     def rows(self) -> list[dict]:
         now = SYSTEM_CLOCK.wall()
         return [{**r, "heartbeat_age_seconds": round(now - r["heartbeat_at"], 1)}
                 for r in self.c.node_records().values()]
 
+    def agents_joined(self) -> int:
+        """Agents with a join record in the job's rendezvous (the spare's included)."""
+        kvs, _ = self.c.coordinator().get_prefix(self.c.keys.job_rdzv(JOB) + b"native/nodes/")
+        return len(kvs)
+
+    def events(self, since: float) -> list[dict[str, Any]]:
+        """The events as ``elasticctl history`` shows them (the same rows), since ``since``."""
+        return [r for r in event_rows(self.c.coordinator(), self.c.keys, 0) if r["at"] >= since]
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m elasticd.demo", description=__doc__)
     p.add_argument("--lease-ttl", type=int, default=2)
-    p.add_argument("--victim", default="n2")
+    p.add_argument("--victim", default="n2", help="the training node to kill (n1, n2 or n3)")
     p.add_argument("--kill-at-step", type=int, default=60)
     p.add_argument("--keep", action="store_true", help="keep the logs (default: delete them)")
     args = p.parse_args(argv)
@@ -63,104 +83,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"demo: {TRAIN} is missing: run the demo from a checkout of elasticd",
               file=sys.stderr)
         return 2
+    if args.victim not in ("n1", "n2", "n3"):
+        p.error("--victim: one of n1, n2, n3 (n4 is the spare)")
 
     workdir = tempfile.mkdtemp(prefix="elasticd-demo-")
-    names = ["n1", "n2", "n3"]
-    cluster = LocalCluster(names, workdir=workdir, lease_ttl=args.lease_ttl, replication=True)
+    cluster = LocalCluster(["n1", "n2", "n3"], workdir=workdir, lease_ttl=args.lease_ttl,
+                           replication=True)
     d = Demo(cluster)
     try:
-        d.say(f"starting etcd and 3 daemons (lease TTL {args.lease_ttl} s, snapshots replicated "
-              f"to 1 peer); logs in {workdir}")
-        cluster.start()
-        print(NODE_TABLE.render(d.rows()), flush=True)
-        env = {**os.environ, "ELASTICD_ETCD": cluster.etcd, "ELASTICD_PREFIX": cluster.prefix}
-        subprocess.run([sys.executable, "-m", "elasticd.cli.main", "submit", "demo",
-                        "--nnodes", "2:3", "--nproc-per-node", "1", "--user", JOB_USER, "--",
-                        TRAIN, "--steps", "100000", "--step-time", "0.05"],
-                       env=env, check=True, capture_output=True, timeout=60)
-        d.say("submitted job 'demo' (examples/train.py: DDP over gloo, one worker per node, "
-              "--nnodes 2:3, a snapshot every step)")
-        last = -1
-        while True:
-            s = max(d.steps("n1", 3) or [0])
-            if s >= args.kill_at_step:
-                break
-            if s // 10 != last // 10:
-                d.say(f"training at world size 3: step {s}")
-                last = s
-            SYSTEM_CLOCK.sleep(0.2)
-        committed = cluster.coordinator().get(cluster.keys.job_committed("demo"))
-        survivors = [n for n in names if n != args.victim]
-        marks = {n: len(d.log(n)) for n in survivors}
-        before = {n: max(d.steps(n, 3) or [0]) for n in survivors}
-        victim = cluster.nodes[args.victim]
-        d.say(f"kill -9 {args.victim}: its daemon, agent and worker, and its RAM (snapshots and "
-              f"the replicas it held) — training was at step {max(before.values())}")
-        killed = SYSTEM_CLOCK.monotonic()
-        killed_wall = SYSTEM_CLOCK.wall()
-        victim.kill()
-
-        seen: dict[str, float] = {}
-        restores: dict[str, re.Match] = {}
-        first_step: dict[str, float] = {}
-        deadline = SYSTEM_CLOCK.monotonic() + 120
-        # Wait for both the survivors' first steps and the daemon's record of the failure:
-        # when the survivors' agents re-form on their own (the dead agent's sockets reset),
-        # training is back before the victim's lease expires, and the record comes after.
-        while ((len(first_step) < len(survivors) or "failed" not in seen)
-               and SYSTEM_CLOCK.monotonic() < deadline):
-            if "failed" not in seen:
-                failed = [e for e in cluster.events()
-                          if e["kind"] == "failed" and e["node"] == args.victim
-                          and e["at"] >= killed_wall]
-                if failed:
-                    seen["failed"] = killed + (failed[0]["at"] - killed_wall)
-                    why = ("survivors restart their workers at once" if not first_step else
-                           "the survivors' agents had already re-formed without it")
-                    d.say(f"failure of {args.victim} recorded {seen['failed'] - killed:.2f} s "
-                          f"after the kill (its lease expired); {why}")
-            for n in survivors:
-                if n not in restores and (m := RESTORED_RE.search(d.log(n), marks[n])):
-                    restores[n] = m
-                    d.say(f"{n}: rank restored step {m.group(1)} from {m.group(2)} RAM in "
-                          f"{float(m.group(3)) * 1000:.0f} ms, steps lost {m.group(4)}")
-                if n not in first_step and d.steps(n, 2, marks[n]):
-                    first_step[n] = SYSTEM_CLOCK.monotonic()
-                    d.say(f"{n}: training again at world size 2 "
-                          f"({first_step[n] - killed:.2f} s after the kill)")
-            SYSTEM_CLOCK.sleep(0.05)
-        if "failed" not in seen:
-            d.say(f"no daemon recorded {args.victim}'s failure within 120 s: see the logs")
+        code = run(d, args, workdir)
+        if code:
             args.keep = True
-            return 1
-        if len(first_step) < len(survivors):
-            d.say("the survivors did not train again within 120 s: see the logs")
-            args.keep = True
-            return 1
-        SYSTEM_CLOCK.sleep(2)
-        after = {n: max(d.steps(n, 2, marks[n])) for n in survivors}
-        print("\ntimeline (kill at 0.00 s):")
-        print(f"  failure detected     {seen.get('failed', float('nan')) - killed:6.2f} s")
-        for n in survivors:
-            m = restores.get(n)
-            if m:
-                print(f"  {n} restored        step {m.group(1)} from {m.group(2)}, "
-                      f"{m.group(4)} steps lost")
-            print(f"  {n} training again  {first_step[n] - killed:6.2f} s, now at step "
-                  f"{after[n]}")
-        if committed is not None:
-            step = json.loads(committed.value)["step"]
-            print(f"  (newest committed step when the node was killed: {step} or later)")
-        print("\nevents:\n" + EVENT_TABLE.render(
-            [{**e, "at_iso": format_local(e["at"], "%H:%M:%S")}
-             for e in cluster.events() if e["at"] >= killed_wall - 60]), flush=True)
-        print_timeline(cluster.events(), killed_wall,
-                       min(first_step.values()) - killed)
-        print(f"\nmetrics: http://{cluster.nodes[survivors[0]].address}/metrics "
-              f"(elasticd_restores_total, elasticd_failure_detection_seconds, ...)")
-        print(f"worker logs: {os.path.join(workdir, '<node>', 'jobs', 'demo', 'agent.log')}"
-              + ("" if args.keep else " (deleted at exit; --keep keeps them)"))
-        return 0
+        return code
     finally:
         cluster.stop()
         if args.keep:
@@ -170,21 +104,123 @@ def main(argv: list[str] | None = None) -> int:
         d.say("done: every daemon, worker and etcd stopped")
 
 
-def print_timeline(events: list[dict], killed_wall: float, measured: float) -> None:
-    """The recovery's timeline as ``elasticctl history`` shows it, beside the demo's own
-    measure of kill -> training again (the first survivor's first step line)."""
-    rows = []
-    for e in events:
-        if e["kind"] == timeline.KIND and e["at"] >= killed_wall:
-            with contextlib.suppress(records.RecordError):  # unreadable: left out
-                rows.append({"at_iso": format_local(e["at"], "%H:%M:%S"),
-                             "timeline": timeline.decode(e["data"]).summary()})
-    if not rows:
-        print("\n(no recovery timeline recorded yet)")
-        return
+def run(d: Demo, args: argparse.Namespace, workdir: str) -> int:
+    c = d.c
+    d.say(f"starting etcd and 3 daemons (lease TTL {args.lease_ttl} s, each snapshot "
+          f"replicated to 1 peer); logs in {workdir}")
+    c.start()
+    env = {**os.environ, "ELASTICD_ETCD": c.etcd, "ELASTICD_PREFIX": c.prefix}
+    subprocess.run([sys.executable, "-m", "elasticd.cli.main", "submit", JOB, "--nnodes",
+                    f"{WORLD}:{WORLD}", "--nproc-per-node", "1", "--user", JOB_USER, "--",
+                    TRAIN, "--steps", "100000", "--step-time", "0.02"],
+                   env=env, check=True, capture_output=True, timeout=60)
+    d.say(f"submitted job '{JOB}' (examples/train.py: DDP over gloo, one worker per node, "
+          f"--nnodes {WORLD}:{WORLD}, a snapshot every step)")
+    c.wait_for(lambda: all(d.steps(n, WORLD) for n in ("n1", "n2", "n3")), 180,
+               f"training at world size {WORLD}")
+    d.say(f"training at world size {WORLD}; starting n4, which joins as a spare (the job "
+          f"wants exactly {WORLD} nodes)")
+    c.start_node("n4")
+    c.wait_for(lambda: d.agents_joined() > WORLD, 60, "n4's agent waiting as a spare")
+    print(NODE_TABLE.render(d.rows()), flush=True)
+    c.wait_for(lambda: max(d.steps("n1", WORLD) or [0]) >= args.kill_at_step, 300,
+               f"step {args.kill_at_step}")
+    status = c.nodes[args.victim].http("/status")
+    ranks = (status.get("job") or {}).get("ranks") or []
+    survivors = [n for n in ("n1", "n2", "n3") if n != args.victim]
+    marks = {n: len(d.log(n)) for n in [*survivors, "n4"]}
+    at_step = max(d.steps(args.victim, WORLD) or [0])
+    d.say(f"kill -9 {args.victim} (rank {','.join(map(str, ranks)) or '?'}): its daemon, "
+          f"agent and worker, and its RAM with its snapshots and the copies it held for its "
+          f"peers; it had trained step {at_step}")
+    killed, killed_wall = SYSTEM_CLOCK.monotonic(), SYSTEM_CLOCK.wall()
+    c.nodes[args.victim].kill()
+    seen = follow(d, args.victim, [*survivors, "n4"], marks, killed, killed_wall)
+    if seen is None:
+        return 1
+    SYSTEM_CLOCK.sleep(1.0)  # a few more steps, and every node's loop past the first step
+    report(d, args.victim, seen, killed, killed_wall)
+    print(f"\nmetrics: http://{c.nodes[survivors[0]].address}/metrics "
+          f"(elasticd_restores_total, elasticd_recovery_phase_seconds, ...); while it runs, "
+          f"ELASTICD_ETCD={c.etcd} elasticctl history shows the same events")
+    return 0
+
+
+def follow(d: Demo, victim: str, nodes: list[str], marks: dict[str, int], killed: float,
+           killed_wall: float) -> dict[str, Any] | None:
+    """Narrates the recovery as it happens; returns what the demo saw itself (monotonic
+    times), or None when it did not recover within 120 s."""
+    seen: dict[str, Any] = {"first_step": {}, "restored": set()}
+    deadline = SYSTEM_CLOCK.monotonic() + 120
+    while SYSTEM_CLOCK.monotonic() < deadline:
+        rows = d.events(killed_wall)
+        for r in rows:
+            if r["kind"] == "failed" and r["node"] == victim and "failed" not in seen:
+                seen["failed"] = killed + (r["at"] - killed_wall)
+                d.say(f"{victim}'s failure recorded in etcd {seen['failed'] - killed:.2f} s "
+                      "after the kill (its lease expired)")
+            key = (r["node"], r["rank"])
+            if r["kind"] == "recovered" and r["job"] == JOB and key not in seen["restored"]:
+                seen["restored"].add(key)
+                d.say(f"{r['node']}: rank {r['rank']} restored step {r['step']} from "
+                      f"{SOURCES.get(r['source'], r['source'])} in "
+                      f"{r['restore_seconds'] * 1000:.0f} ms, {r['steps_lost']} steps lost")
+        for n in nodes:
+            new = d.new_steps(n, marks[n])
+            if n not in seen["first_step"] and new:
+                seen["first_step"][n] = SYSTEM_CLOCK.monotonic()
+                d.say(f"{n}: training again at world size {WORLD}, "
+                      f"{seen['first_step'][n] - killed:.2f} s after the kill, from step "
+                      f"{new[0]}")
+        if ("failed" in seen and len(seen["first_step"]) == len(nodes)
+                and any(r["kind"] == timeline.KIND for r in rows)):
+            return seen
+        SYSTEM_CLOCK.sleep(0.05)
+    missing = [w for w, ok in (("the failure recorded", "failed" in seen),
+                               ("every node training again", len(seen["first_step"]) == len(nodes)),
+                               ("the recovery's timeline", False)) if not ok]
+    d.say(f"not seen within 120 s: {', '.join(missing)}: see the logs")
+    return None
+
+
+def report(d: Demo, victim: str, seen: dict[str, Any], killed: float,
+           killed_wall: float) -> None:
+    """Where each rank's state came from, the events and the timeline as ``elasticctl
+    history`` shows them, and the same recovery measured three ways."""
+    rows = d.events(killed_wall - 1.0)
+    shown = [r for r in rows if r["kind"] in ("failed", "joined", "recovered", timeline.KIND)]
+    print("\nwhere each rank's state came from:\n" + "\n".join(rank_sources(rows)))
+    print("\nevents (elasticctl history):\n" + EVENT_TABLE.render(
+        [{**r, "at_iso": format_local(r["at"], "%H:%M:%S")} for r in shown]))
     print("\nrecovery timeline (seconds per phase, from the failure to the first step):\n"
           + TIMELINE_TABLE.render(timeline_rows(rows)))
-    print(f"  measured here: kill -> training again {measured:.2f} s")
+    event = next(r for r in rows if r["kind"] == timeline.KIND)
+    t = event["timeline"]
+    failed = next(r for r in rows if r["kind"] == "failed" and r["node"] == victim)
+    writer = event["by"]
+    status = (d.c.nodes[writer].http("/status").get("last_recovery") or {})
+    before = killed_wall - t["marks"]["failure"]
+    when = (f"{abs(before):.2f} s {'before' if before >= 0 else 'after'} the kill"
+            if round(before, 2) else "at the kill")
+    print(f"\none recovery, three views: the demo counts from its kill; elasticctl history and "
+          f"{writer}'s /status from the failure, placed at {victim}'s last sign of life "
+          f"({t['failure_evidence']}: {when})")
+    trained = seen["first_step"].get(writer, min(seen["first_step"].values()))
+    print(f"  failure recorded:  demo {seen['failed'] - killed:.2f}  "
+          f"history {failed['detection_seconds']:.2f}  status "
+          f"{_num(status.get('phases', {}).get('detect'))}")
+    print(f"  training again:    demo {trained - killed:.2f}  history "
+          f"{_num(t['total_seconds'])}  status {_num(status.get('total_seconds'))}   "
+          f"(on {writer}, which wrote the timeline)")
+    phases = " + ".join(f"{p} {_num(s)}" for p, s in t["phases"].items())
+    print(f"  phases (history):  {phases} = {_num(t['total_seconds'])}")
+    if "detected" in t["overlapped"]:
+        print("  (overlapped: training was back before the failure was recorded, so the detect "
+              "phase ends at the first moment anything noticed it)")
+
+
+def _num(value: Any) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 if __name__ == "__main__":

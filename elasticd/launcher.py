@@ -205,6 +205,18 @@ class NodeProcess:
                 SYSTEM_CLOCK.sleep(0.2)
         return json.loads(body) if path.startswith("/status") else body.decode()
 
+    def healthz(self, timeout: float = 2.0) -> tuple[int | str, float]:
+        """One ``/healthz`` poll: its HTTP status (or the error, in words) and its seconds."""
+        started = SYSTEM_CLOCK.monotonic()
+        try:
+            with urllib.request.urlopen(f"http://{self.address}/healthz", timeout=timeout) as r:
+                code: int | str = r.status
+        except urllib.error.HTTPError as exc:
+            code = exc.code
+        except OSError as exc:
+            code = f"{exc.__class__.__name__}: {exc}"
+        return code, SYSTEM_CLOCK.monotonic() - started
+
     def log_text(self) -> str:
         with open(self.log_path, errors="replace") as fh:
             return fh.read()
@@ -223,13 +235,18 @@ class LocalCluster:
         extra_args: more ``elasticd`` flags for every node.
         etcd_client: credentials of the launcher's own etcd client (``EtcdSettings`` fields:
             user, password, ca_cert, cert, key), for a secured etcd.
+        node_env: more environment for one node's daemon (and so its jobs), by node id: e.g.
+            its own ``CUDA_VISIBLE_DEVICES``.
+        shm_prefix: the name prefix of the cluster's directory in /dev/shm.
     """
 
     def __init__(self, nodes: Sequence[str], workdir: str | None = None, lease_ttl: int = 2,
                  etcd_members: int = 1, etcd: str | None = None, prefix: str = "/elasticd",
                  extra_args: Sequence[str] = (), loop_interval: float = 0.25,
                  env: dict[str, str] | None = None, replication: bool = False,
-                 etcd_client: dict[str, str] | None = None) -> None:
+                 etcd_client: dict[str, str] | None = None,
+                 node_env: dict[str, dict[str, str]] | None = None,
+                 shm_prefix: str = "elasticd-test-") -> None:
         self.workdir = workdir or tempfile.mkdtemp(prefix="elasticd-cluster-")
         os.makedirs(self.workdir, exist_ok=True)
         self.prefix = prefix
@@ -243,13 +260,23 @@ class LocalCluster:
         self.extra_args = list(extra_args)
         self.loop_interval = loop_interval
         self.env = {**os.environ, **(env or {})}
+        self.node_env = dict(node_env or {})
+        # The jobs' temporary files (TMPDIR, which the daemons' agents and workers inherit): a
+        # directory of the cluster's own, removed at stop, so that what a killed worker leaves
+        # behind (multiprocessing's pymp-* listener directories, for one) goes with it. Not
+        # under the workdir: AF_UNIX socket paths under it must stay short.
+        self.tmp_dir = None
+        if "TMPDIR" not in (env or {}):
+            self.tmp_dir = tempfile.mkdtemp(prefix="elasticd-tmp-")
+            os.chmod(self.tmp_dir, 0o1777)  # as /tmp: the jobs' user writes there
+            self.env["TMPDIR"] = self.tmp_dir
         if replication:
             # Peer replicas over loopback, authenticated with a per-cluster secret.
             self.env["ELASTICD_CLUSTER_SECRET"] = os.urandom(16).hex()
             self.extra_args += ["--replication-listen", "127.0.0.1:0"]
         # Each simulated node's checkpoint RAM: its own tmpfs directory, deleted when the node
         # is killed (a dead machine's RAM is gone) and when the cluster stops.
-        self.shm_root = tempfile.mkdtemp(prefix="elasticd-test-", dir="/dev/shm")
+        self.shm_root = tempfile.mkdtemp(prefix=shm_prefix, dir="/dev/shm")
         # The job runs as JOB_USER: it reaches the daemons' sockets under the workdir and
         # (until slots are handed over as descriptors) its slot files under the shm root.
         reachable(self.workdir)
@@ -267,8 +294,8 @@ class LocalCluster:
                 "--lease-ttl", str(self.lease_ttl), "--loop-interval", str(self.loop_interval),
                 "--state-dir", os.path.join(self.workdir, node_id),
                 "--shm-dir", os.path.join(self.shm_root, node_id), *self.extra_args]
-        n = NodeProcess(node_id, argv, os.path.join(self.workdir, f"{node_id}.log"), self.env,
-                        self.prefix)
+        n = NodeProcess(node_id, argv, os.path.join(self.workdir, f"{node_id}.log"),
+                        {**self.env, **self.node_env.get(node_id, {})}, self.prefix)
         n.shm_dir = os.path.join(self.shm_root, node_id)
         return n
 
@@ -337,7 +364,8 @@ class LocalCluster:
             SYSTEM_CLOCK.sleep(interval)
 
     def stop(self) -> None:
-        """Stops every node (SIGTERM, then SIGKILL of its group) and the owned etcd."""
+        """Stops every node (SIGTERM, then SIGKILL of its group) and the owned etcd; removes the
+        nodes' shared memory and the jobs' temporary directory."""
         for n in self.nodes.values():
             n.terminate()
         if self._coord is not None:
@@ -346,6 +374,8 @@ class LocalCluster:
         if self.etcd_server is not None:
             self.etcd_server.stop()
         shutil.rmtree(self.shm_root, ignore_errors=True)
+        if self.tmp_dir is not None:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
     def __enter__(self) -> "LocalCluster":
         return self.start()

@@ -67,6 +67,9 @@ class CheckpointSink:
     def snapshot_refused(self, job: str, source: str) -> None:
         self.m.snapshots_refused.labels(source).inc()
 
+    def scratch_refused(self, job: str) -> None:
+        self.m.scratch_refused.inc()
+
     def restored(self, job: str, source: str, seconds: float, steps_lost: int,
                  nbytes: int) -> None:
         self.m.restores.labels(source).inc()
@@ -83,6 +86,7 @@ class CheckpointSink:
         self.m.snapshot_bytes.set(stats.snapshot_bytes)
         self.m.snapshot_step.set(stats.snapshot_step)
         self.m.local_slot_bytes.set(stats.local_slot_bytes)
+        self.m.scratch_bytes.set(stats.scratch_bytes)
         for reason, count in stats.unprotected_jobs.items():
             self.m.jobs_unprotected.labels(reason).set(count)
         self.m.persisted_step.set(stats.persisted_step)
@@ -210,6 +214,14 @@ class Metrics:
         self.local_slot_bytes = gauge(
             "elasticd_local_slot_bytes",
             "Bytes of shared-memory slot files holding this node's own ranks' snapshots")
+        self.scratch_bytes = gauge(
+            "elasticd_scratch_bytes",
+            "Bytes of restore scratch (partial copies of old ranks' shards after a change of "
+            "world size, and bookings for them) held on this node")
+        self.scratch_refused = counter(
+            "elasticd_scratch_refused_total",
+            "Partial copies for a restore refused because they would take a job's scratch "
+            "over its cap (scratch_cap_mib): that rank's restore failed")
         self.persisted_step = gauge(
             "elasticd_persisted_step", "Newest step complete on the persistent tier")
         self.persist_seconds = histogram(

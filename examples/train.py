@@ -99,7 +99,7 @@ def main() -> int:
     # 2. the sampler (its position in the epoch is checkpointed), then the loader
     # pad=False: no sample repeated at an epoch's end (the chaos suite checks each one is
     # trained exactly once); 4096 samples still give every rank the same batch count.
-    sampler = elasticd.ElasticSampler(len(data), shuffle=True, seed=0, pad=False)
+    sampler = elasticd.ElasticSampler(data, shuffle=True, seed=0, pad=False)
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler,
                         generator=torch.Generator().manual_seed(0))
     # 3. the wrapped model. find_unused_parameters=True keeps DDP's gradient buckets in one

@@ -63,7 +63,7 @@ def main() -> int:
 
     data = make_data()
     # 2. the sampler (its position in the epoch is checkpointed), then the loader
-    sampler = elasticd.ElasticSampler(len(data), shuffle=True, seed=0, pad=False)
+    sampler = elasticd.ElasticSampler(data, shuffle=True, seed=0, pad=False)
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler,
                         generator=torch.Generator().manual_seed(0))
     model = make_model()  # 3. fully_shard, then the optimizer over the sharded parameters

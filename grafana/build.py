@@ -179,9 +179,10 @@ NODE = [
               [('elasticd_shards_unprotected{instance=~"$instance"}', "{{instance}}")]),
         panel("Shared memory held", [
             ('elasticd_local_slot_bytes{instance=~"$instance"}', "{{instance}} own snapshots"),
-            ('elasticd_replica_bytes_held{instance=~"$instance"}', "{{instance}} replicas")],
-              unit="bytes", description="Budget: (1 + m-1) x state per node; see "
-              "docs/operations.md."),
+            ('elasticd_replica_bytes_held{instance=~"$instance"}', "{{instance}} replicas"),
+            ('elasticd_scratch_bytes{instance=~"$instance"}', "{{instance}} restore scratch")],
+              unit="bytes", description="Budget: (1 + m-1) x state per node, and restore "
+              "scratch up to scratch_cap_mib per job; see docs/operations.md."),
         panel("Bytes pushed and received", [
             (f'rate(elasticd_replication_bytes_total{{instance=~"$instance"}}{Q})',
              "{{instance}} pushed"),

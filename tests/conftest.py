@@ -23,6 +23,7 @@ _counter = itertools.count()
 
 
 _TEST_ROOT = "/tmp/elasticd-tests"
+_OWN_BASETEMP = pytest.StashKey[str]()  # the session's directory when this conftest made it
 _KEEP_SECONDS = 6 * 3600
 
 
@@ -33,7 +34,11 @@ def pytest_configure(config):
     reach the daemons' sockets and write its outputs under the test's directories. pytest's
     own root (``/tmp/pytest-of-root``) is 0700, and every pytest session on the machine resets
     it to 0700, so it cannot simply be opened. Each session gets its own 0711 directory under
-    a root-owned 0711 root instead; those of sessions older than a few hours are removed.
+    a root-owned 0711 root instead (removed at the end when the session passes); those of
+    sessions older than a few hours are removed. In it: ``tmp`` (the basetemp) and
+    ``torchinductor``, torch's cache directory (``TORCHINDUCTOR_CACHE_DIR``: importing
+    ``torch._dynamo``, as DDP and the zygote do, makes ``/tmp/torchinductor_<user>``
+    otherwise), open to every user as the jobs' processes inherit it.
     """
     if config.option.basetemp is not None or os.geteuid() != 0:
         return
@@ -52,8 +57,39 @@ def pytest_configure(config):
         old = os.path.join(_TEST_ROOT, name)
         if time.time() - os.lstat(old).st_mtime > _KEEP_SECONDS:
             shutil.rmtree(old, ignore_errors=True)
-    config.option.basetemp = tempfile.mkdtemp(prefix="run-", dir=_TEST_ROOT)
-    os.chmod(config.option.basetemp, 0o711)
+    session = tempfile.mkdtemp(prefix="run-", dir=_TEST_ROOT)
+    os.chmod(session, 0o711)
+    config.stash[_OWN_BASETEMP] = session
+    config.option.basetemp = os.path.join(session, "tmp")
+    inductor = os.path.join(session, "torchinductor")
+    os.mkdir(inductor)
+    os.chmod(inductor, 0o1777)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _reachable_basetemp(request, tmp_path_factory):
+    """pytest empties a given basetemp and makes it again, 0700: opened here, once it exists."""
+    if _OWN_BASETEMP in request.config.stash:
+        os.chmod(tmp_path_factory.getbasetemp(), 0o711)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A session that passed removes the directory it made (its tests' ``tmp_path``: etcd data,
+    logs, cluster work directories: gigabytes over the whole suite); one that failed keeps it
+    and says where. ``ELASTICD_KEEP_TMP=1`` keeps it always. (``bash .ci/test`` then checks
+    that nothing else is left under /tmp.)"""
+    import shutil
+
+    path = session.config.stash.get(_OWN_BASETEMP, None)
+    if path is not None and exitstatus == 0 and not os.environ.get("ELASTICD_KEEP_TMP"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    path = config.stash.get(_OWN_BASETEMP, None)
+    if path is not None and os.path.isdir(path):
+        terminalreporter.write_line(f"the tests' files are kept in {path}")
 
 
 @pytest.fixture(scope="session")

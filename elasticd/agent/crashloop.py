@@ -13,8 +13,9 @@ restarting an agent that died. :func:`after_restart` and :func:`verdict` are pur
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
+
+from elasticd.agent import safe_open
 
 __all__ = ["LoopState", "after_restart", "attempts", "failure_summary", "verdict"]
 
@@ -82,24 +83,24 @@ def attempts(torchrun_dir: str, known: set[str]) -> int:
     ``torchrun_dir`` that are not in ``known`` (those of earlier agents), or -1 before any.
 
     torchrun makes ``<run id>_<random>/attempt_<restart count>`` for each worker group it
-    starts; the count goes up only when a group failed (not when nodes joined).
+    starts; the count goes up only when a group failed (not when nodes joined). The directories
+    are the job user's: read as :func:`~elasticd.agent.safe_open.list_dir` reads them.
     """
     best = -1
-    for run in runs(torchrun_dir) - known:
-        try:
-            names = os.listdir(os.path.join(torchrun_dir, run))
-        except OSError:
-            continue
-        best = max([best] + [int(m.group(1)) for n in names if (m := _ATTEMPT.match(n))])
+    with safe_open.open_dir(torchrun_dir) as fd:
+        if fd < 0:
+            return -1
+        for run in set(safe_open.list_dir(fd)) - known:
+            with safe_open.open_dir(run, fd) as run_fd:
+                names = safe_open.list_dir(run_fd)
+            best = max([best] + [int(m.group(1)) for n in names if (m := _ATTEMPT.match(n))])
     return best
 
 
 def runs(torchrun_dir: str) -> set[str]:
     """The run directories torchrun agents made so far under ``torchrun_dir``."""
-    try:
-        return set(os.listdir(torchrun_dir))
-    except OSError:
-        return set()
+    with safe_open.open_dir(torchrun_dir) as fd:
+        return set(safe_open.list_dir(fd))
 
 
 _EXCEPTION = re.compile(r"^(?:\[[^\]]*\]:?\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|"
@@ -129,13 +130,3 @@ def failure_summary(text: str, limit: int = 300) -> str:
         if m and not any(s in bare for s in _IGNORED):
             found = m.group(1)
     return found[:limit]
-
-
-def read_tail(path: str, nbytes: int = 65536) -> str:
-    """The last ``nbytes`` of a file, as text ("" when unreadable)."""
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(max(0, fh.seek(0, os.SEEK_END) - nbytes))
-            return fh.read().decode(errors="replace")
-    except OSError:
-        return ""

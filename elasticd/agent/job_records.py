@@ -78,7 +78,7 @@ class JobRecords:
 
     def _is_round(self, key: bytes) -> bool:
         """``jobs/<job>/rdzv/native/round``: the record one compare-and-set writes to close a
-        rendezvous round (elasticd.coordination.rendezvous_handler)."""
+        rendezvous round (elasticd.rendezvous.handler)."""
         try:
             job, _, _ = self.keys.job_key(key)
         except ValueError:

@@ -7,11 +7,13 @@ disappears with it), and acts:
 
 * start the agent when the job is wanted and this node can run it (its spec reads, the node's
   :class:`~elasticd.agent.policy.JobPolicy` allows it, the same script hash, the user exists
-  and can use the files), restart it with backoff when it dies (a budget of
-  ``agent_restarts``);
+  and can use the files: checked off the main loop, :mod:`elasticd.agent.job_check`), restart
+  it with backoff when it dies (a budget of ``agent_restarts``);
 * refuse a job it cannot run, with the reason, in ``jobs/<job>/nodes/<node>`` and ``/status``:
   a spec that does not read (records are written by whoever may write to etcd: a malformed one
-  costs that job, never the daemon), or one the node's policy or files rule out;
+  costs that job, never the daemon), or one the node's policy or files rule out; refused until
+  its spec or control changes (``elasticctl retry``), and a job whose files are not on this
+  node yet waits without holding up later ones (:mod:`elasticd.agent.job_holds`);
 * restart the workers at once when a peer that runs the job fails or when the job hangs
   (:mod:`elasticd.agent.worker_group`, which also keeps what the workers report; the hang
   timeout in force is shown in ``/status``, published with the node's job status and
@@ -37,6 +39,8 @@ import threading
 from typing import Any, Callable
 
 from elasticd.agent import crashloop
+from elasticd.agent.job_check import JobChecks, Verdict, WAIT_RETRY
+from elasticd.agent.job_holds import JobHolds
 from elasticd.agent.job_records import JobRecords
 from elasticd.agent.policy import JobPolicy
 from elasticd.agent.supervisor import AgentSupervisor
@@ -119,6 +123,10 @@ class JobManager(JobRecords, WorkerGroup):
         self._next_start = 0.0
         self._stopping: threading.Thread | None = None
         self._finished: set[str] = set()  # jobs this node completed (exit 0) or gave up on
+        # Jobs refused here (until their spec or control changes) or waiting for their files.
+        self._holds = JobHolds()
+        #: The job file checks, off the main loop (agent/job_check.py).
+        self.checks = JobChecks(state_dir, self.clock)
         self._status_job: str | None = None
         self.on_job_end: list[Callable[[str], None]] = []  # called with the job's name
         self.notes: list[str] = []
@@ -153,6 +161,9 @@ class JobManager(JobRecords, WorkerGroup):
                 continue
             if job in self._finished or (job != self.job and self.succeeded_on(job)):
                 continue  # a running agent here ends on its own (see _check_agent)
+            if job != self.job and self._holds.held(job, self._records_of(job),
+                                                    self.clock.monotonic(), self.job is not None):
+                continue
             return job
         return None
 
@@ -187,6 +198,7 @@ class JobManager(JobRecords, WorkerGroup):
             self._stopping = None
         self._end_if_decided_elsewhere()
         wanted = self.wanted()
+        self._end_waiting()
         if self.job is not None and self.job in self.bad_specs:
             why = self.bad_specs[self.job][1]
             self.notes.append(f"refused job {self.job}: {why}")
@@ -245,8 +257,15 @@ class JobManager(JobRecords, WorkerGroup):
             self._refuse(job, self.bad_specs[job][1])
             return
         _, spec = self.specs[job]
+        verdict = self.checks.verdict(job, spec, self.controls.get(job), self.policy)
+        if verdict is None:
+            self.notes.append(f"checking job {job}'s files on this node")
+            return
+        if verdict.waiting:
+            self._wait(job, verdict)
+            return
+        problem = verdict.problem or None
         try:
-            problem = self.policy.check_on_node(spec)
             extra_conf, extra_env = (self.credentials(spec) if self.credentials is not None
                                      and problem is None else ({}, {}))
         except AuthError as exc:
@@ -287,13 +306,47 @@ class JobManager(JobRecords, WorkerGroup):
                          log=self.supervisor.log_path)
         self.notes.append(f"started job {job} (agent pid {pid})")
 
+    def _records_of(self, job: str) -> tuple[Any, Any]:
+        """The spec (or why it does not read) and the control a refusal of ``job`` is tied to."""
+        spec = self.specs.get(job)
+        return (spec[1] if spec else self.bad_specs.get(job, (0, ""))[1],
+                self.controls.get(job))
+
     def _refuse(self, job: str, problem: str) -> None:
         self._set_status(JobState.REFUSED, problem)
         self._status_job = job
-        self._finished.add(job)
+        self._holds.refuse(job, self._records_of(job))
         self.notes.append(f"refused job {job}: {problem}")
         log.error("refusing job %s: %s", job, problem)
         self._publish(job)
+
+    def _wait(self, job: str, verdict: Verdict) -> None:
+        """``job``'s files are not on this node yet: say so, and check again in
+        :data:`WAIT_RETRY` seconds if no other job runs here by then."""
+        self._holds.wait(job, self._records_of(job), self.clock.monotonic() + WAIT_RETRY)
+        detail = f"waiting: {verdict.problem}"
+        if (self._status_job, self.status.detail) != (job, detail):
+            log.warning("job %s: %s", job, verdict.problem)
+        self._status_job = job
+        self._set_status(JobState.IDLE, detail)
+        self.notes.append(f"job {job} {detail}")
+        self._publish(job)
+
+    def _end_waiting(self) -> None:
+        """A job this node was waiting for (its files not deployed yet) is no longer wanted
+        (stopped, deleted, the node drained): its status says so rather than waiting for ever."""
+        def wanted(job: str) -> bool:
+            control = self.controls.get(job)
+            return (job in self.specs and not self.hold
+                    and (control is None or control.desired == JobState.RUNNING))
+
+        for job in self._holds.end_waits(wanted):
+            if job == self._status_job and self.job is None:
+                self._set_status(JobState.STOPPED, f"job {job} is no longer wanted here")
+                self._publish(job)
+            else:  # another job's status is this node's now: the waiting one goes
+                with contextlib.suppress(CoordinationError):
+                    self.coord.delete(self.keys.job_node(job, self.node_id))
 
     def _check_agent(self) -> None:
         sup = self.supervisor
@@ -346,10 +399,7 @@ class JobManager(JobRecords, WorkerGroup):
     # -- crash loops ----------------------------------------------------------------------
 
     def _log_size(self) -> int:
-        try:
-            return os.path.getsize(self.supervisor.log_path) if self.supervisor else 0
-        except OSError:
-            return 0
+        return self.supervisor.log_size() if self.supervisor is not None else 0
 
     def _restart_seen(self, fallback: str = "", times: int = 1) -> None:
         """A worker group restart (torchrun's, or the daemon's of a dead agent), or ``times``
@@ -361,7 +411,7 @@ class JobManager(JobRecords, WorkerGroup):
         if sup is None or job is None:
             return
         size = self._log_size()
-        text = crashloop.read_tail(sup.log_path, max(0, min(65536, size - self._log_mark)))
+        text = sup.log_tail(self._log_mark) if size > self._log_mark else ""
         self._log_mark = size
         failure = (self._restart_cause or crashloop.failure_summary(text) or fallback
                    or crashloop.NO_TRACEBACK)
@@ -431,8 +481,10 @@ class JobManager(JobRecords, WorkerGroup):
 
     def _stop_async(self, why: str, final_state: JobState) -> None:
         sup, job = self.supervisor, self.job
-        if final_state in (JobState.SUCCEEDED, JobState.FAILED, JobState.REFUSED):
+        if final_state in (JobState.SUCCEEDED, JobState.FAILED):
             self._finished.add(job)  # over for this node; a stopped or drained job may return
+        elif final_state is JobState.REFUSED and job is not None:
+            self._holds.refuse(job, self._records_of(job))
         if sup is None:
             self.job = None
             return
@@ -506,4 +558,4 @@ class JobManager(JobRecords, WorkerGroup):
         if self.status.last_step < 1:
             return "waiting for the first step"
         return ("off: the training script reports no compute time (wrap the model with "
-                "elasticd.worker.compute_time.ComputeTimer; README, Stragglers)")
+                "elasticd.worker.compute_time.ComputeTimer; docs/jobs.md, Stragglers)")

@@ -10,8 +10,8 @@ settings (``job_users``, ``job_python``, ``job_env_allow``), never in etcd:
 * the environment: variables that make an interpreter or the loader run code of the writer's
   choosing (``LD_*``, ``PYTHON*``, ``BASH_ENV``, ``ENV``) are refused unless allowed by name;
 * the files: checked as the job's user (who must be able to run the interpreter, read the
-  script and enter the working directory), not as root;
-* the script's SHA-256 (:meth:`JobPolicy.check_on_node`) as before.
+  script and enter the working directory), not as root, with the script's SHA-256, off the main
+  loop (:mod:`elasticd.agent.job_check`).
 """
 
 from __future__ import annotations
@@ -20,19 +20,12 @@ import dataclasses
 import fnmatch
 import os
 import pwd
-import subprocess
 import sys
 
-from elasticd.cluster.jobspec import JobSpec, JobSpecError, sha256_file
+from elasticd.cluster.jobspec import JobSpec
 
 #: Environment variables a job may not set unless the node allows them by name.
 DENIED_ENV = ("LD_*", "PYTHON*", "BASH_ENV", "ENV")
-
-# Run as the job's user: can it execute the interpreter, read the script, enter the directory?
-_ACCESS_CHECK = 'test -x "$1" || exit 3; test -r "$2" || exit 4; test -x "$3" || exit 5'
-_ACCESS_PROBLEM = {3: "cannot execute the interpreter {python}",
-                   4: "cannot read the script {script}",
-                   5: "cannot enter the working directory {cwd}"}
 
 
 def split_list(text: str) -> tuple[str, ...]:
@@ -72,66 +65,9 @@ class JobPolicy:
                         "run other code); the daemons' job_env_allow setting may allow it")
         return None
 
-    def check_on_node(self, spec: JobSpec) -> str | None:
-        """What stops this node from running ``spec``, or None (called by every daemon)."""
-        try:
-            spec.validate()
-        except JobSpecError as exc:
-            return str(exc)
-        problem = self.check(spec) or check_access_as(spec.user, spec.python, spec.script, spec.cwd)
-        if problem is not None:
-            return problem
-        try:
-            actual = sha256_file(spec.script)
-        except OSError as exc:
-            return f"script {spec.script}: cannot read it ({exc.strerror})"
-        if actual != spec.script_sha256:
-            return (f"script {spec.script} differs on this node (sha256 {actual[:12]}…, "
-                    f"submitted {spec.script_sha256[:12]}…): deploy the same file everywhere")
-        return None
-
 
 def _is_root(user: str) -> bool:
     try:
         return pwd.getpwnam(user).pw_uid == 0
     except KeyError:
         return user == "root"
-
-
-def check_access_as(user: str, python: str, script: str, cwd: str) -> str | None:
-    """What the job's user cannot do with its files, checked as that user; or None.
-
-    Root passes every ``os.access`` check, so the check runs in a child that drops to the
-    user's uid, gid and groups, the way the agent will run.
-    """
-    try:
-        pw = pwd.getpwnam(user)
-    except KeyError:
-        return f"--user {user!r}: no such user on this machine"
-    paths = {"python": python, "script": script, "cwd": cwd}
-    if pw.pw_uid == os.geteuid():
-        checks = ((3, os.access(python, os.X_OK)), (4, os.access(script, os.R_OK)),
-                  (5, os.access(cwd, os.X_OK)))
-        code = next((c for c, ok in checks if not ok), 0)
-    else:
-        code = -1
-        # A check killed by a signal says nothing about the files (one was seen to die of
-        # SIGSEGV under a busy daemon once): try again, a few times.
-        for _ in range(3):
-            try:
-                code = subprocess.run(
-                    ["/bin/sh", "-c", _ACCESS_CHECK, "sh", python, script, cwd],
-                    user=pw.pw_uid, group=pw.pw_gid,
-                    extra_groups=os.getgrouplist(pw.pw_name, pw.pw_gid),
-                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL, cwd="/", env={"PATH": "/usr/bin:/bin"},
-                    timeout=10).returncode
-            except (OSError, subprocess.SubprocessError) as exc:
-                return f"could not check the job's files as {user}: {exc}"
-            if code >= 0:
-                break
-    if code == 0:
-        return None
-    why = _ACCESS_PROBLEM.get(code, "could not be checked against the job's files (check exit "
-                              "{code})")
-    return f"user {user} " + why.format(code=code, **paths)

@@ -19,11 +19,12 @@ import signal
 import subprocess
 from typing import Sequence
 
+from elasticd.agent import safe_open
 from elasticd.agent.job_files import open_job_log
 from elasticd.agent.zygote import ZYGOTE_ENV, ZYGOTE_PID_ENV, kill_group
 from elasticd.clock import Clock, SystemClock, format_local
 from elasticd.cluster.jobspec import JobSpec
-from elasticd.daemon.local_binding import TAG_ENV, JobScope
+from elasticd.daemon.local_binding import TAG_ENV, JobScope, start_time
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +46,16 @@ __all__ = ["TAG_ENV", "AgentSupervisor", "children", "kill_workers", "safe_modul
            "signal_all", "tagged_pids"]
 
 
+#: Bytes of a process's environment read when looking for its tag. Any local user's process
+#: can point its environment at gigabytes of empty memory (``prctl(PR_SET_MM_MAP)``) and make a
+#: whole read take minutes and as much of the daemon's memory; every process the daemon
+#: starts has its tag first (:meth:`AgentSupervisor.env`), so the head is enough.
+ENV_READ_LIMIT = 128 << 10
+
+
 def tagged_pids(tag: str = "", prefix: str = "") -> list[int]:
     """PIDs of live processes whose environment has ``ELASTICD_TAG=<tag>`` (or a tag starting
-    with ``prefix``)."""
+    with ``prefix``), looked for in the first :data:`ENV_READ_LIMIT` bytes of each."""
     needle = f"{TAG_ENV}={tag or prefix}".encode()
     out = []
     me = os.getpid()
@@ -55,15 +63,15 @@ def tagged_pids(tag: str = "", prefix: str = "") -> list[int]:
         if not name.isdigit() or int(name) == me:
             continue
         try:
-            with open(f"/proc/{name}/environ", "rb") as fh:
-                env = fh.read()
-            with open(f"/proc/{name}/stat", "rb") as fh:
-                state = fh.read().rsplit(b")", 1)[1].split()[0]
-        except OSError:
+            with open(f"/proc/{name}/environ", "rb", buffering=0) as fh:
+                env = fh.read(ENV_READ_LIMIT)
+            with open(f"/proc/{name}/stat", "rb", buffering=0) as fh:
+                state = fh.read(4096).rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
             continue  # gone, or not ours to read
         if state == b"Z":
             continue  # a zombie runs nothing; its parent reaps it
-        entries = env.split(b"\0")
+        entries = env.split(b"\0")[:-1] if len(env) == ENV_READ_LIMIT else env.split(b"\0")
         if (needle in entries) if tag else any(e.startswith(needle) for e in entries):
             out.append(int(name))
     return out
@@ -72,8 +80,8 @@ def tagged_pids(tag: str = "", prefix: str = "") -> list[int]:
 def process_runs(pid: int) -> bool:
     """True while process ``pid`` exists and is not a zombie."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            state = fh.read().rsplit(b")", 1)[1].split()[0]
+        with open(f"/proc/{pid}/stat", "rb", buffering=0) as fh:
+            state = fh.read(4096).rsplit(b")", 1)[1].split()[0]
     except (OSError, IndexError):
         return False
     return state not in (b"Z", b"X")
@@ -137,6 +145,10 @@ class AgentSupervisor:
         self.starts = 0
         self.zygote_name = ""  # a fresh unguessable name per start (see start())
         self.uid = -1  # the job's uid, once started
+        # agent.log as this supervisor opened it, for reading: the log's directory is the job
+        # user's, so the log is never opened again by its path (docs/security.md).
+        self._log_fd = -1
+        self._starts: dict[int, int] = {}  # pid -> start time of the agent and the zygote
 
     @property
     def log_path(self) -> str:
@@ -164,12 +176,15 @@ class AgentSupervisor:
         base = {k: v for k, v in os.environ.items()
                 if not k.startswith(("ELASTICD_", "TORCHELASTIC_", "NOTIFY_SOCKET"))}
         user = pwd.getpwnam(self.spec.user)
-        return {**base, "HOME": user.pw_dir, "USER": user.pw_name, "LOGNAME": user.pw_name,
-                **self.spec.env, **self.extra_env,
-                TAG_ENV: self.tag, "ELASTICD_NODE": self.node_id, "ELASTICD_JOB": self.spec.name,
-                # Workers must not reuse the rank-0 agent's TCPStore on restarts (docs/facts.md).
-                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1",
-                **({ZYGOTE_ENV: self.zygote_name} if self.warm else {})}
+        env = {**base, "HOME": user.pw_dir, "USER": user.pw_name, "LOGNAME": user.pw_name,
+               **self.spec.env, **self.extra_env,
+               "ELASTICD_NODE": self.node_id, "ELASTICD_JOB": self.spec.name,
+               # Workers must not reuse the rank-0 agent's TCPStore on restarts (docs/facts.md).
+               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1",
+               **({ZYGOTE_ENV: self.zygote_name} if self.warm else {})}
+        env.pop(TAG_ENV, None)
+        # The tag first: tagged_pids reads only the head of an environment.
+        return {TAG_ENV: self.tag, **env}
 
     def start(self) -> int:
         """Starts the agent; returns its pid.
@@ -182,6 +197,9 @@ class AgentSupervisor:
         as_other = user.pw_uid != os.getuid()
         fd = open_job_log(self.log_dir, "agent.log", user.pw_uid if as_other else None,
                           user.pw_gid)
+        self._close_log()
+        # The very file just opened (checked: a regular file with one link), for reading.
+        self._log_fd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
         with os.fdopen(fd, "ab") as out:
             out.write(f"\n==== elasticd: starting agent for {self.spec.name} on {self.node_id} "
                       f"at {format_local(self.clock.wall())} ====\n".encode())
@@ -200,6 +218,7 @@ class AgentSupervisor:
                     safe_module(self.spec.python, "elasticd.agent.zygote"), **popen)
                 env[ZYGOTE_PID_ENV] = str(self.zygote.pid)  # the agent's env: the same dict
             self.proc = subprocess.Popen(self.argv(), **popen)
+        self._starts = {p.pid: start_time(p.pid) for p in (self.proc, self.zygote) if p}
         self.starts += 1
         log.info("started torchrun agent for %s (pid %d, log %s)", self.spec.name,
                  self.proc.pid, self.log_path)
@@ -213,8 +232,28 @@ class AgentSupervisor:
         """The job as the daemon's local socket admits it (None before the agent starts)."""
         if self.proc is None:
             return None
-        roots = (self.proc.pid,) + ((self.zygote.pid,) if self.zygote is not None else ())
-        return JobScope(job=self.spec.name, uid=self.uid, tag=self.tag, roots=roots)
+        return JobScope(job=self.spec.name, uid=self.uid, roots=dict(self._starts),
+                        world_max=self.spec.nnodes_max * self.spec.nproc_per_node)
+
+    def log_size(self) -> int:
+        """The size of the agent's log (0 if unknown), from the descriptor opened at start."""
+        try:
+            return os.fstat(self._log_fd).st_size if self._log_fd >= 0 else 0
+        except OSError:
+            return 0
+
+    def log_tail(self, start: int, limit: int = 65536) -> str:
+        """What the agent's log holds from byte ``start`` on, at most its last ``limit`` bytes,
+        read from the descriptor opened at start (never from the path, which the job's user
+        may have replaced with a FIFO or a link to any file)."""
+        if self._log_fd < 0:
+            return ""
+        return safe_open.read_tail(self._log_fd, start, limit).decode(errors="replace")
+
+    def _close_log(self) -> None:
+        if self._log_fd >= 0:
+            os.close(self._log_fd)
+            self._log_fd = -1
 
     def poll(self) -> int | None:
         """None while the agent runs, else its exit status (negative: killed by a signal)."""
@@ -260,4 +299,5 @@ class AgentSupervisor:
         if self.zygote is not None:  # our child: reap it
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.zygote.wait(timeout=1)
+        self._close_log()
         return self.proc.poll() if self.proc is not None else None

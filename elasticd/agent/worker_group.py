@@ -27,7 +27,7 @@ from elasticd.clock import Clock
 from elasticd.cluster.jobspec import JobSpec, JobState, NodeJobStatus
 from elasticd.coordination.api import CoordinationError, Coordinator
 from elasticd.coordination.keys import Keyspace
-from elasticd.coordination.rendezvous_rounds import RecordError, RoundRecord, agent_pid
+from elasticd.rendezvous.records import RecordError, RoundRecord, agent_pid
 from elasticd.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ class WorkerGroup:
         then would only stop the group that already re-formed without the peer (one more
         restore for nothing). A round that still has ``node``, no round, an unreadable one, or
         one this agent is not in (its member ids name agents by address and pid, see
-        :func:`~elasticd.coordination.rendezvous_handler.node_id`) all mean: abort, as a peer
+        :func:`~elasticd.rendezvous.records.node_id`) all mean: abort, as a peer
         that vanished silently (power, network) leaves collectives hanging.
         """
         job = self.job
@@ -206,8 +206,14 @@ class WorkerGroup:
         sts = {**self.statuses.get(self.job, {}), self.node_id: self.status}
         live = {n: st for n, st in sts.items()
                 if n != failed and (n in self.members.get(self.job, set()) or n == self.node_id)}
-        ran = [n for n, st in live.items() if st.ranks or st.last_step >= 0]
+        ran = [n for n, st in live.items() if _ran_workers(st)]
         return min(ran or live, default=None)
+
+    def ran_workers(self, node: str) -> bool:
+        """Whether ``node`` ran workers of our job (ranks, or a step, in its last published
+        status); a spare that waited never did."""
+        st = self.statuses.get(self.job, {}).get(node) if self.job is not None else None
+        return st is not None and _ran_workers(st)
 
     def on_hang(self, reason: str) -> None:
         if self.supervisor is None:
@@ -291,3 +297,8 @@ def _show_timeout(seconds: float) -> float:
     """``seconds`` to two significant digits (what the node publishes; /status and the metric
     carry the exact value)."""
     return float(f"{seconds:.2g}") if seconds > 0 else 0.0
+
+
+def _ran_workers(st: NodeJobStatus) -> bool:
+    """A worker group restart empties a node's ranks for a moment; its step stays."""
+    return bool(st.ranks) or st.last_step >= 0

@@ -23,6 +23,7 @@ from elasticd.cluster import drain_record
 from elasticd.coordination import records
 from elasticd.coordination.api import Coordinator
 from elasticd.coordination.keys import Keyspace, check_name
+from elasticd.printable import printable
 
 EPILOG = """\
 Examples:
@@ -107,9 +108,9 @@ def _follow(coord: Coordinator, keys: Keyspace, node: str, wait: float) -> dict[
         for at, state, phase, detail in rec.log:
             if (at, state, phase, detail) not in shown:
                 shown.add((at, state, phase, detail))
-                print(f"[{max(0.0, at - rec.requested_at):6.1f} s] {node}: {state}"
-                      f"{' / ' + phase if phase else ''}: {detail}", file=sys.stderr,
-                      flush=True)
+                print(printable(f"[{max(0.0, at - rec.requested_at):6.1f} s] {node}: {state}"
+                                f"{' / ' + phase if phase else ''}: {detail}"),
+                      file=sys.stderr, flush=True)
         if rec.state == drain_record.DrainState.DRAINED:
             return _doc(rec, node, SYSTEM_CLOCK.wall())
         if rec.state == drain_record.DrainState.FAILED:

@@ -1,8 +1,11 @@
-"""``elasticctl`` job commands: submit, jobs, stop, logs.
+"""``elasticctl`` job commands: submit, jobs, stop, retry, logs.
 
 A submitted spec is validated in full before anything is written (bad nnodes, missing script,
 unknown user, unknown option: a one-line error, exit 2, nothing in etcd); spec and control are
-then written in one transaction, only if no job of that name exists.
+then written in one transaction, only if no job of that name exists. Then ``submit`` waits a
+few seconds (:data:`VERDICT_SECONDS`; ``--no-wait`` skips it) for the nodes' verdicts: each
+node's policy decides whether it runs the job, and a job too few nodes accept ends ``submit``
+with exit 1 and each refusal's reason, which names the fix.
 """
 
 from __future__ import annotations
@@ -16,13 +19,13 @@ from elasticd.cli.errors import CommandFailed, confirm
 from elasticd.cli.output import Table
 from elasticd.cli.replicas import live_nodes
 from elasticd.clock import SYSTEM_CLOCK
-from elasticd.cluster import jobspec
+from elasticd.cluster import job_verdict, jobspec
 from elasticd.cluster.jobspec import JobControl, JobSpec, JobState, NodeJobStatus
 from elasticd.coordination import records
 from elasticd.coordination.api import Compare, Coordinator, Put
 from elasticd.coordination.keys import Keyspace
 
-JOB_TABLE = Table([("JOB", "job"), ("WANTED", "desired"), ("NODES", "nnodes"),
+JOB_TABLE = Table([("JOB", "job"), ("STATE", "state"), ("NODES", "nnodes"),
                    ("PROCS", "nproc_per_node"), ("RUNNING ON", "running_on"),
                    ("HANG TIMEOUT", "hang_timeout"), ("STRAGGLERS", "stragglers"),
                    ("SCRIPT", "script"),
@@ -34,6 +37,9 @@ LOG_TABLE = Table([("NODE", "node"), ("STATE", "state"), ("HOST", "hostname"), (
 SPEC_OPTIONS = ("user", "cwd", "env", "python", "max_restarts", "hang_timeout",
                 "crash_loop_restarts", "hang_timeout_floor", "hang_first_step",
                 "straggler_factor", "straggler_steps", "straggler_drain")
+#: How long ``submit`` waits for every live node's verdict (a daemon answers within a cycle
+#: or two of its main loop, and checks the job's files as its user).
+VERDICT_SECONDS = 5.0
 
 
 def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -76,6 +82,9 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     s.add_argument("--straggler-drain", action="store_true",
                    help="drain a node named a straggler so the job goes on without it (only "
                         "while the job keeps its minimum of nodes)")
+    s.add_argument("--no-wait", action="store_true",
+                   help=f"return once the job is stored, without waiting (up to "
+                        f"{VERDICT_SECONDS:g} s) for the nodes to accept or refuse it")
     s.add_argument("script", help="training script, after --")
     s.add_argument("args", nargs=argparse.REMAINDER)
     sub.add_parser("jobs", parents=[common], help="jobs and where they run",
@@ -91,6 +100,11 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     st.add_argument("--force", action="store_true", help="do not ask")
     st.add_argument("--wait", type=options.seconds(0, 86400, 0), default=0, metavar="SECONDS",
                     help="wait until no node runs it")
+    rt = sub.add_parser("retry", parents=[common], help="check a refused job again everywhere",
+                        description="Rewrite a running job's control so that every node that "
+                        "refused it (its files failed a check, or the check hung) checks it "
+                        "again.")
+    rt.add_argument("name")
     lg = sub.add_parser("logs", parents=[common], help="where a job's worker logs are",
                         description="Per node: the file holding the agent's and workers' output.",
                         epilog="Example: elasticctl logs mnist --format json")
@@ -118,9 +132,36 @@ def cmd_submit(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> 
          Put(keys.job_control(spec.name), control.encode())])
     if not ok:
         raise CommandFailed(f"job {spec.name!r} already exists: stop it, or pick another name")
-    return {"job": spec.name, "submitted": True, "nnodes": spec.torchrun_nnodes(),
-            "nproc_per_node": spec.nproc_per_node, "script": spec.script,
-            "script_sha256": spec.script_sha256, "user": spec.user}
+    doc = {"job": spec.name, "submitted": True, "nnodes": spec.torchrun_nnodes(),
+           "nproc_per_node": spec.nproc_per_node, "script": spec.script,
+           "script_sha256": spec.script_sha256, "user": spec.user}
+    if args.no_wait:
+        return {**doc, "state": None, "detail": "not waited for (--no-wait)", "refused": {}}
+    verdict = _await_verdict(coord, keys, spec)
+    if verdict.state in (job_verdict.REFUSED, job_verdict.FAILED):
+        raise CommandFailed(
+            f"job {spec.name!r} will not run: {verdict.why}. Fix that and submit it again "
+            f"under another name ({spec.name!r} stays listed as {verdict.state} in "
+            "`elasticctl jobs`)")
+    return {**doc, "state": verdict.state, "detail": verdict.why,
+            "refused": dict(verdict.refused)}
+
+
+def _await_verdict(coord: Coordinator, keys: Keyspace, spec: JobSpec) -> job_verdict.JobVerdict:
+    """The job's verdict once every live node has answered, the job runs or it cannot; or
+    as it stands after :data:`VERDICT_SECONDS`."""
+    deadline = SYSTEM_CLOCK.monotonic() + VERDICT_SECONDS
+    while True:
+        raw = coord.get(keys.job_control(spec.name))
+        control = None
+        with contextlib.suppress(records.RecordError):
+            control = JobControl.decode(raw.value, raw.key) if raw is not None else None
+        verdict = job_verdict.judge(spec.nnodes_min, control,
+                                    _node_statuses(coord, keys, spec.name),
+                                    live_nodes(coord, keys))
+        if verdict.settled or SYSTEM_CLOCK.monotonic() >= deadline:
+            return verdict
+        SYSTEM_CLOCK.sleep(0.2)
 
 
 def _jobs(coord: Coordinator, keys: Keyspace) -> list[dict[str, Any]]:
@@ -141,6 +182,7 @@ def _jobs(coord: Coordinator, keys: Keyspace) -> list[dict[str, Any]]:
         except records.RecordError as exc:
             if what == "spec":
                 bad[job] = f"unreadable job spec: {exc}"
+    live = live_nodes(coord, keys)
     out = []
     for name, why in sorted(bad.items()):
         nodes = {st.node: st.as_dict() for st in _node_statuses(coord, keys, name)}
@@ -149,21 +191,31 @@ def _jobs(coord: Coordinator, keys: Keyspace) -> list[dict[str, Any]]:
             "desired": controls[name].desired if name in controls else JobState.RUNNING,
             "nnodes": "-", "nproc_per_node": "-", "script": "", "args": [], "user": "",
             "submitted_at": 0.0, "running_on": f"refused: {why}", "refused": why,
+            "state": job_verdict.REFUSED, "state_detail": why,
             "reason": why, "protection": "-", "hang_timeout": "-", "stragglers": "-",
             "nodes": nodes,
         })
     for name, spec in sorted(specs.items(), key=lambda kv: kv[1].created_at):
-        nodes = {st.node: st.as_dict() for st in _node_statuses(coord, keys, name)}
+        statuses = _node_statuses(coord, keys, name)
+        nodes = {st.node: st.as_dict() for st in statuses}
         running = sorted(n for n, st in nodes.items() if st["state"] == JobState.RUNNING)
         control = controls.get(name)
+        verdict = job_verdict.judge(spec.nnodes_min, control, statuses, live)
         refused = sorted(n for n, st in nodes.items() if st["state"] == JobState.REFUSED)
+        waiting = sorted(n for n, st in nodes.items() if st["state"] == JobState.IDLE
+                         and st["detail"].startswith("waiting: "))
         where = ",".join(running) or "-"
         if not running and refused:  # each node's policy decides: say why, once
             where = f"refused on {','.join(refused)}: {nodes[refused[0]]['detail']}"
+        elif not running and waiting:  # its files are not on those nodes yet
+            where = (f"waiting on {','.join(waiting)}: "
+                     f"{nodes[waiting[0]]['detail'].removeprefix('waiting: ')}")
         out.append({
             "job": name, "desired": control.desired if control else JobState.RUNNING,
+            "state": verdict.state, "state_detail": verdict.why,
             "reason": control.reason if control else "",
-            "protection": _protection(nodes, control),
+            "protection": _protection(nodes, control) if verdict.state in (
+                job_verdict.RUNNING, job_verdict.FAILED) else "-",
             "nnodes": spec.torchrun_nnodes(), "nproc_per_node": spec.nproc_per_node,
             "script": spec.script, "args": spec.args, "user": spec.user,
             "submitted_at": spec.created_at, "running_on": where, "nodes": nodes,
@@ -229,6 +281,24 @@ def cmd_stop(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> An
     return {"job": args.name, "desired": JobState.STOPPED, "still_running_on": running}
 
 
+def cmd_retry(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> Any:
+    if coord.get(keys.job_spec(args.name)) is None:
+        raise CommandFailed(f"no job named {args.name!r} (see: elasticctl jobs)")
+    kv = coord.get(keys.job_control(args.name))
+    try:
+        control = JobControl.decode(kv.value, kv.key) if kv is not None else None
+    except records.RecordError:
+        control = None  # unreadable: writing a good one is the retry
+    if control is not None and control.desired != JobState.RUNNING:
+        raise CommandFailed(f"job {args.name!r} is {control.desired}: retry checks a running "
+                            "job again on the nodes that refused it")
+    coord.put(keys.job_control(args.name),
+              JobControl(JobState.RUNNING, SYSTEM_CLOCK.wall(), "elasticctl retry").encode())
+    refused = [s.node for s in _node_statuses(coord, keys, args.name)
+               if s.state == JobState.REFUSED]
+    return {"job": args.name, "retried": True, "refused_on": refused}
+
+
 def cmd_logs(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> Any:
     if coord.get(keys.job_spec(args.name)) is None:
         raise CommandFailed(f"no job named {args.name!r} (see: elasticctl jobs)")
@@ -239,8 +309,18 @@ def cmd_logs(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> An
 
 
 def _submit_pretty(doc: dict[str, Any]) -> str:
-    return (f"submitted job {doc['job']}: {doc['nnodes']} nodes x {doc['nproc_per_node']} "
-            f"workers, {doc['script']} as {doc['user']}")
+    text = (f"submitted job {doc['job']}: {doc['nnodes']} nodes x {doc['nproc_per_node']} "
+            f"workers, {doc['script']} as {doc['user']}\n"
+            + (f"{doc['state']}: {doc['detail']}" if doc["state"] else
+               "the nodes' verdicts not waited for (--no-wait): see elasticctl jobs"))
+    if doc["refused"] and doc["state"] == job_verdict.RUNNING:  # refused on some nodes only
+        text += f"\nrefused on {job_verdict.refusals(doc['refused'])}"
+    return text
+
+
+def _retry_pretty(doc: dict[str, Any]) -> str:
+    where = ", ".join(doc["refused_on"]) or "no node"
+    return f"job {doc['job']}: checked again everywhere (it was refused on {where})"
 
 
 def _stop_pretty(doc: dict[str, Any]) -> str:
@@ -252,5 +332,6 @@ COMMANDS = {
     "submit": (cmd_submit, _submit_pretty),
     "jobs": (cmd_jobs, JOB_TABLE),
     "stop": (cmd_stop, _stop_pretty),
+    "retry": (cmd_retry, _retry_pretty),
     "logs": (cmd_logs, LOG_TABLE),
 }

@@ -11,6 +11,7 @@ status: :data:`EPILOG` and :mod:`elasticd.cli.errors`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -39,6 +40,7 @@ from elasticd.coordination import records
 from elasticd.coordination.api import CoordinationError, Unavailable
 from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endpoints
 from elasticd.coordination.keys import Keyspace, check_prefix
+from elasticd.printable import PrintableFormatter, printable
 
 log = logging.getLogger(__name__)
 
@@ -159,22 +161,34 @@ _complaints = records.Complaints(log)
 
 #: Events after which a recovery counts as recovering from them.
 _DISRUPTIONS = ("failed", "left", "drained", "fenced")
+#: Events after which a restore is the job growing (recovery_seconds null).
+_GROWTHS = ("joined", "rejoined")
 #: A recovery further than this from the last disruption is not attributed to it.
 _RECOVERY_WINDOW = 600.0
 
 
-def _events(coord: EtcdCoordinator, keys: Keyspace, limit: int,
+def event_rows(coord: EtcdCoordinator, keys: Keyspace, limit: int,
             kinds: Sequence[str] = ()) -> list[dict[str, Any]]:
     """Events, oldest first, each with the same keys. For ``failed``: detection_seconds; for
     ``recovered`` (one per restored rank): source, steps_lost, restore_seconds, and
-    recovery_seconds, from the disruption before it (failure, departure, drain) recorded
-    by the cluster to the restore's end. For ``timeline`` (one per failure and job, see
-    :mod:`elasticd.cluster.timeline`): ``timeline`` (its phases, moments, restore source and
-    bytes), with detection_seconds its detect phase, recovery_seconds its total (failure to
-    first step), source its restores' sources and step the step restored."""
+    recovery_seconds, from the disruption before it (failure, departure, drain) to the
+    restore's end (null after a node joined: the job grew). For ``timeline`` (one per failure
+    and job, see :mod:`elasticd.cluster.timeline`): ``timeline`` (its phases, moments,
+    restore sources and bytes, each rank's source), with detection_seconds its detect phase,
+    recovery_seconds its total (failure to first step), restore_seconds its restore phase,
+    source its restores' sources, steps_lost the most any rank lost and step the step
+    restored.
+
+    One source of truth: a failure that has a timeline is measured from where the timeline
+    places it (its dead node's last sign of life), in its ``failed`` row (detection_seconds:
+    from there to the event; the timeline's detect phase unless training was back before the
+    event, see ``overlapped``) and the ``recovered`` rows of its restores (recovery_seconds,
+    also those recorded before the failed event) alike."""
+    listed = EventLog(coord, keys).list()
+    placed = _failures_placed(listed)
     out = []
     last_disruption: float | None = None
-    for e in EventLog(coord, keys).list():
+    for e in listed:
         d = e.data or {}
         row = {"at": e.at, "at_iso": format_local(e.at, "%Y-%m-%dT%H:%M:%S"),
                "node": e.node, "kind": e.kind, "lease": f"{e.lease:x}", "by": e.by,
@@ -185,14 +199,45 @@ def _events(coord: EtcdCoordinator, keys: Keyspace, limit: int,
                "recovery_seconds": None, "timeline": None}
         if e.kind == timeline.KIND:
             _add_timeline(row, e.data, f"the timeline of {e.node}'s failure ({e.instance})")
+        if e.kind in _GROWTHS:
+            last_disruption = None  # a restore after a node joined is a grow, no recovery
         if e.kind in _DISRUPTIONS:
             last_disruption = e.at
-        elif (e.kind == "recovered" and last_disruption is not None
-              and 0 <= e.at - last_disruption <= _RECOVERY_WINDOW):
-            row["recovery_seconds"] = round(e.at - last_disruption, 3)
+            t = placed.get((e.node, e.lease)) if e.kind == "failed" else None
+            if t is not None and t.failure_at is not None:
+                last_disruption = t.failure_at
+                row["detection_seconds"] = round(max(0.0, e.at - t.failure_at), 3)
+        elif e.kind == "recovered":
+            # A restore its recovery's timeline counts (which may come before the failed
+            # event: the survivors re-formed before the lease was seen expired), else one
+            # after a disruption.
+            t = next((t for t in placed.values() if _counts(t, d.get("job"), e.at)), None)
+            since = t.failure_at if t is not None else last_disruption
+            if since is not None and 0 <= e.at - since <= _RECOVERY_WINDOW:
+                row["recovery_seconds"] = round(e.at - since, 3)
         if not kinds or e.kind in kinds:
             out.append(row)
     return out[-limit:] if limit > 0 else out
+
+
+def _counts(t: timeline.Timeline, job: Any, at: float) -> bool:
+    """Whether a restore of ``job`` ended at ``at`` is one of ``t``'s."""
+    assert t.failure_at is not None
+    return t.job == job and t.failure_at <= at <= (t.first_step_at or t.failure_at
+                                                    + _RECOVERY_WINDOW)
+
+
+def _failures_placed(listed: Sequence[Any]) -> dict[tuple[str, int], timeline.Timeline]:
+    """The readable timelines by the failure they recovered from (node, lease), whose
+    failure they place."""
+    out = {}
+    for e in listed:
+        if e.kind == timeline.KIND:
+            with contextlib.suppress(records.RecordError):
+                t = timeline.decode(e.data)
+                if t.failure_at is not None:
+                    out[(e.node, e.lease)] = t
+    return out
 
 
 def _add_timeline(row: dict[str, Any], data: Any, where: str) -> None:
@@ -206,6 +251,7 @@ def _add_timeline(row: dict[str, Any], data: Any, where: str) -> None:
     summary = t.summary()
     row.update(timeline=summary, job=t.job, step=t.step, source=summary["restore_source"],
                detection_seconds=summary["phases"]["detect"],
+               restore_seconds=summary["phases"]["restore"], steps_lost=t.steps_lost,
                recovery_seconds=summary["total_seconds"])
 
 
@@ -225,19 +271,56 @@ def timeline_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """The rows of :data:`TIMELINE_TABLE` for the ``timeline`` events among ``rows``."""
     return [{"at_iso": r["at_iso"], "job": t["job"], "failed": ",".join(t["failed"]),
              **{p: _seconds(s) for p, s in t["phases"].items()},
-             "total": _seconds(t["total_seconds"]), "source": t["restore_source"],
+             "detect": _detect(t), "total": _seconds(t["total_seconds"]),
+             "source": t["restore_source"],
              "bytes": _size(t["restore_bytes"]) if t["ranks_restored"] else None,
              "step": t["step"]}
             for r in rows if (t := r.get("timeline"))]
 
 
+def _detect(t: dict[str, Any]) -> str | None:
+    """The detect phase: a range when only the lease placed the failure."""
+    r = t.get("detect_range")
+    return f"{r[0]:.2f}-{r[1]:.2f}" if r else _seconds(t["phases"]["detect"])
+
+
+def rank_sources(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Where each rank's state came from, for each ``timeline`` among ``rows``, and where its
+    failure is placed: one line each."""
+    words = {"local": "local RAM (its own node's snapshot)",
+             "peer": "a peer's RAM (a copy on another node)",
+             "persistent": "the persistent tier (disk)"}
+    out = []
+    for r in rows:
+        t = r.get("timeline")
+        if not t:
+            continue
+        out.append(f"{t['job']} after {','.join(t['failed'])}'s failure (placed at "
+                   f"{_evidence(t)}):")
+        for e in t["ranks"]:
+            lost = "" if e["steps_lost"] is None else f", {e['steps_lost']} steps lost"
+            out.append(f"  rank {'?' if e['rank'] is None else e['rank']} on "
+                       f"{e['node'] or '?'}: step {e['step']} from "
+                       f"{words.get(e['source'], e['source'])} in {e['seconds']:.3f} s{lost}")
+    return out
+
+
+def _evidence(t: dict[str, Any]) -> str:
+    return {"frame": "its last replication frame received",
+            "step": "its last step trained with the others",
+            "record": "its node record's last write",
+            "keepalive": "its last keep-alive"}.get(t.get("failure_evidence") or "",
+                                                   "a lease TTL before its detection")
+
+
 def history_pretty(rows: Sequence[dict[str, Any]]) -> str:
-    """The events, then each recovery's phases (seconds; ``-``: not seen)."""
+    """The events, then each recovery's phases (seconds; ``-``: not seen) and where each
+    rank's state came from."""
     text = EVENT_TABLE.render(rows)
     recoveries = timeline_rows(rows)
     if recoveries:
         text += ("\n\nrecoveries (seconds per phase, from the failure to the first step):\n"
-                 + TIMELINE_TABLE.render(recoveries))
+                 + TIMELINE_TABLE.render(recoveries) + "\n\n" + "\n".join(rank_sources(rows)))
     return text
 
 
@@ -250,12 +333,12 @@ def _status_pretty(doc: dict[str, Any]) -> str:
 def cmd_status(args: argparse.Namespace, coord: EtcdCoordinator, keys: Keyspace) -> Any:
     nodes = cmd_nodes(args, coord, keys)
     return {"prefix": keys.prefix, "etcd": args.etcd, "nodes_alive": len(nodes),
-            "nodes": nodes, "recent_events": _events(coord, keys, 10)}
+            "nodes": nodes, "recent_events": event_rows(coord, keys, 10)}
 
 
 def cmd_history(args: argparse.Namespace, coord: EtcdCoordinator, keys: Keyspace) -> Any:
     kinds = [k.strip() for k in args.kind.split(",") if k.strip()]
-    return _events(coord, keys, args.limit, kinds)
+    return event_rows(coord, keys, args.limit, kinds)
 
 
 Command = Callable[[argparse.Namespace, EtcdCoordinator, Keyspace], Any]
@@ -271,9 +354,18 @@ COMMANDS: dict[str, tuple[Command, Table | Callable[[Any], str]]] = {
 }
 
 
+def warnings_to(stream: Any) -> logging.Handler:
+    """Where elasticctl's warnings go: a record it skips is quoted, so escaped like the
+    output (:mod:`elasticd.printable`)."""
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(PrintableFormatter("%(message)s"))
+    return handler
+
+
 def run(argv: Sequence[str] | None = None, out: Any = None) -> int:
     """Runs one command; returns its exit status. Every error is one line on stderr."""
     out = out or sys.stdout
+    logging.basicConfig(level=logging.WARNING, handlers=[warnings_to(sys.stderr)])
     args = options.resolve(build_parser().parse_args(argv))
     if args.watch is not None and args.command in NOT_WATCHABLE:
         return _fail(EXIT_USAGE, f"--watch does not apply to {args.command} (it changes the "
@@ -299,7 +391,8 @@ def run(argv: Sequence[str] | None = None, out: Any = None) -> int:
 
 
 def _fail(code: int, why: object) -> int:
-    print(f"elasticctl: error: {why}", file=sys.stderr)
+    # The reason may quote a record or a node's answer: escaped like the output.
+    print(f"elasticctl: error: {printable(str(why))}", file=sys.stderr)
     return code
 
 

@@ -3,9 +3,9 @@
 A spec is validated where it is written (so nothing malformed ever reaches etcd) and checked
 again where it is read and where it runs: anyone who may write to etcd may write a spec, so
 decoding checks every field's type and value, and the name inside against the key's, and each
-node applies its own policy (:meth:`elasticd.agent.policy.JobPolicy.check_on_node`: allowed
-users, the pinned interpreter, refused environment variables, the files checked as the job's
-user, the script's SHA-256). Jobs never run as root by accident: a spec submitted by root must
+node applies its own policy (:mod:`elasticd.agent.job_check`: allowed users, the pinned
+interpreter, refused environment variables, the files checked as the job's user, the script's
+SHA-256). Jobs never run as root by accident: a spec submitted by root must
 name ``--user``. The CLI and the daemon both read specs: this module imports neither.
 """
 
@@ -237,7 +237,9 @@ class JobState(records.ValueEnum):
     """A node's state of one job (:attr:`NodeJobStatus.state`), and what a job's control wants
     (:attr:`JobControl.desired`: RUNNING, STOPPED or FAILED).
 
-    On a node: IDLE (no job yet) → RUNNING | REFUSED; RUNNING → RESTARTING (its agent died,
+    On a node: IDLE (no job yet; with a ``waiting: …`` detail while the job's files are not on
+    the node yet) → RUNNING | REFUSED; REFUSED → RUNNING when its spec or control changes
+    (``elasticctl retry``); RUNNING → RESTARTING (its agent died,
     started again after a backoff) → RUNNING | SUCCEEDED | FAILED (succeeded or failed
     elsewhere meanwhile); RUNNING → STOPPING → STOPPED | SUCCEEDED | FAILED | DRAINED |
     REFUSED; RUNNING → STOPPED at once when the node fences itself or the daemon shuts down.

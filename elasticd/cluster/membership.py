@@ -124,8 +124,10 @@ class Observation:
 
     def describe(self) -> str:
         if self.kind is ObservationKind.FAILED:
-            return (f"{self.node} failed (lease {self.record.lease:x} expired, "
-                    f"{self.detection_seconds:.1f} s after its last heartbeat)")
+            # detection_seconds is an upper bound (the lease TTL, or the record's age when
+            # younger): the recovery's timeline places the failure from closer signs.
+            return (f"{self.node} failed (lease {self.record.lease:x} expired: silent for at "
+                    f"most {self.detection_seconds:.1f} s)")
         if self.kind is ObservationKind.PROVISIONAL:
             return f"{self.node}'s expiry is provisional: I was cut off from etcd"
         if self.kind is ObservationKind.REJOINED:

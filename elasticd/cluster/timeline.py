@@ -6,11 +6,15 @@ it happens, and the phases between them::
     failure ─detect─▶ detected ─abort─▶ workers aborted ─rendezvous─▶ round closed
         ─start─▶ restore started ─restore─▶ restore finished ─first_step─▶ first step
 
-* **failure**: not observable (a dead machine sends nothing). The dead node kept its lease alive
-  every TTL/3 until it died and etcd expires a lease TTL after the last keep-alive, so the
-  failure is placed ``min(detection_seconds, lease_ttl)`` before the detection: the failed
-  event's age of the dead node's last heartbeat record when that is newer, else the lease TTL
-  (error about ±TTL/3 either way).
+* **failure**: not observable (a dead machine sends nothing), so it is placed at the dead node's
+  last sign of life a survivor saw (``failure_evidence``): the newer of ``frame``, the last
+  replication frame the writer's replica server received from it, and ``step``, the last
+  training step the writer's workers completed while it was in their group (a collective needs
+  every rank, so it was alive then). Failing those (or when they are older than its lease
+  allows), the lease places it: ``record``, its node record's last write when younger than the
+  TTL, else ``keepalive``, one TTL before the lease was seen expired. Then the failure came
+  before the next keep-alive was due (they come every TTL/3), ``failure_latest_at`` bounds it,
+  and the detect phase is shown as the range it can be (:meth:`Timeline.detect_range`).
 * **detected**: the ``failed`` event (its ``at``, written by the first observer), or the first
   later moment when that came before it (the survivors were training again before the lease
   expired; named in ``overlapped``).
@@ -19,7 +23,9 @@ it happens, and the phases between them::
   resets the dead node's connections and gloo fails the survivors' workers at once).
 * **round closed**: the writer's daemon saw the rendezvous round record written (its watch).
 * **restore started / finished**: the first rank's restore start and the last rank's end (the
-  ``recovered`` events every node writes per restored rank), with their sources and bytes.
+  ``recovered`` events every node writes per restored rank), with their sources and bytes;
+  ``ranks`` says where each rank's state came from (its node, source, seconds, bytes, step and
+  steps lost: one entry per rank, to which a per-rank path of phases can be added).
 * **first step**: the writer's first worker of the new group reported a step past the restored
   one.
 
@@ -64,6 +70,9 @@ class RankRestore:
         source: local | peer | persistent.
         nbytes: bytes restored.
         step: the step restored, if known.
+        rank: the rank, if known.
+        node: the node that restored it (the event's writer), if known.
+        steps_lost: steps trained after ``step`` that were lost, if known.
     """
 
     job: str
@@ -72,6 +81,26 @@ class RankRestore:
     source: str
     nbytes: int = 0
     step: int | None = None
+    rank: int | None = None
+    node: str = ""
+    steps_lost: int | None = None
+
+    def entry(self) -> dict[str, Any]:
+        """This rank's entry in a timeline's ``ranks`` (its stored and shown form)."""
+        return {"rank": self.rank, "node": self.node, "source": self.source,
+                "seconds": round(self.seconds, 3), "bytes": self.nbytes, "step": self.step,
+                "steps_lost": self.steps_lost}
+
+
+#: The kinds of a failed node's last sign of life (module docstring).
+EVIDENCE = ("frame", "step", "record", "keepalive")
+#: Of those, the ones a survivor saw itself: the newest places the failure, to about a step.
+MEASURED = ("frame", "step")
+#: How much later than its last keep-alive plus the TTL a lease can be seen gone: etcd looks
+#: for expired leases every 0.5 s, and the watch brings the deletion a moment later. The lease
+#: alone thus places a failure between ``detected - TTL - EXPIRY_SLACK`` and the next
+#: keep-alive's due time.
+EXPIRY_SLACK = 0.75
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +117,11 @@ class Timeline:
         ranks_restored: ranks whose restore is counted.
         step: the step restored (the newest, if ranks differ), or None.
         overlapped: moments moved up to the one before them (module docstring).
+        failure_evidence: the sign of life the failure is placed at (:data:`EVIDENCE`), or ""
+            (a record written before signs were kept).
+        failure_latest_at: the latest the failure can have come when only the lease placed it
+            (the next keep-alive was due then), else None.
+        ranks: where each rank's state came from (:meth:`RankRestore.entry`), by rank.
     """
 
     job: str
@@ -104,6 +138,9 @@ class Timeline:
     ranks_restored: int = 0
     step: int | None = None
     overlapped: list[str] = dataclasses.field(default_factory=list)
+    failure_evidence: str = ""
+    failure_latest_at: float | None = None
+    ranks: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def marks(self) -> list[float | None]:
         return [getattr(self, f"{m}_at") for m in MARKS]
@@ -113,6 +150,21 @@ class Timeline:
         m = self.marks()
         return {name: (None if m[i] is None or m[i + 1] is None else round(m[i + 1] - m[i], 3))
                 for i, name in enumerate(PHASES)}
+
+    def detect_range(self) -> tuple[float, float] | None:
+        """(shortest, longest) seconds the detection can have taken when only the lease placed
+        the failure, else None (the detect phase is then measured from a sign of life)."""
+        if self.failure_latest_at is None or self.failure_at is None:
+            return None
+        slack = EXPIRY_SLACK if self.failure_evidence == "keepalive" else 0.0
+        return (round(max(0.0, self.detected_at - self.failure_latest_at), 3),
+                round(self.detected_at - self.failure_at + slack, 3))
+
+    @property
+    def steps_lost(self) -> int | None:
+        """The most steps any rank lost (None: not known)."""
+        lost = [r["steps_lost"] for r in self.ranks if isinstance(r.get("steps_lost"), int)]
+        return max(lost, default=None)
 
     @property
     def total(self) -> float | None:
@@ -130,7 +182,17 @@ class Timeline:
         parts = [f"{n} {'-' if s is None else f'{s:.2f}'}" for n, s in self.phases().items()]
         total = "unfinished" if self.total is None else f"{self.total:.2f} s"
         return (f"{self.job} recovered from {', '.join(self.failed)}'s failure: {total} "
-                f"({', '.join(parts)})")
+                f"({', '.join(parts)}; failure placed at {self.evidence_words()})")
+
+    def evidence_words(self) -> str:
+        """Where the failure is placed, in words."""
+        words = {"frame": "its last replication frame received",
+                 "step": "its last training step completed with the survivors",
+                 "record": "its node record's last write",
+                 "keepalive": "its last keep-alive (a lease TTL before the lease expired)"}
+        text = words.get(self.failure_evidence, "a lease TTL before its detection")
+        r = self.detect_range()
+        return text + ("" if r is None else f"; detected {r[0]:.2f}-{r[1]:.2f} s after it")
 
     def summary(self) -> dict[str, Any]:
         """What ``elasticctl history`` shows of it (JSON)."""
@@ -139,11 +201,15 @@ class Timeline:
                 "marks": {m: v for m, v in zip(MARKS, self.marks())},
                 "restore_source": self.restore_source or None,
                 "restore_bytes": self.restore_bytes, "ranks_restored": self.ranks_restored,
-                "step": self.step, "overlapped": list(self.overlapped)}
+                "step": self.step, "overlapped": list(self.overlapped),
+                "failure_evidence": self.failure_evidence or None,
+                "detect_range": None if (r := self.detect_range()) is None else list(r),
+                "steps_lost": self.steps_lost, "ranks": [dict(e) for e in self.ranks]}
 
 
 def assemble(*, job: str, failed: Iterable[str], detected_at: float,
              detection_seconds: float | None, lease_ttl: float | None,
+             signs: Mapping[str, float | None] | None = None,
              aborted: Iterable[float] = (), round_closed: Iterable[float] = (),
              restores: Iterable[RankRestore] = (),
              first_steps: Iterable[float] = ()) -> Timeline:
@@ -153,8 +219,12 @@ def assemble(*, job: str, failed: Iterable[str], detected_at: float,
         job: the job.
         failed: the failed node(s), the record's key first.
         detected_at: the ``failed`` event's time.
-        detection_seconds: the ``failed`` event's age of the dead node's last heartbeat record.
-        lease_ttl: the lease TTL (the failure is placed at most this long before detection).
+        detection_seconds: the ``failed`` event's age of the dead node's last heartbeat record
+            (at most the lease TTL).
+        lease_ttl: the lease TTL (the dead node's last keep-alive came this long before its
+            lease expired).
+        signs: the failed node's last signs of life the writer saw, by kind (``frame``,
+            ``step``: :data:`EVIDENCE`); None or later than ``detected_at``: not counted.
         aborted: every time the writer's workers were killed or died (its daemon's or its
             agent's abort, a worker's exit); these count from a lease TTL before the failure,
             as the failure's place is an estimate and a peer's death can kill them at once.
@@ -166,8 +236,8 @@ def assemble(*, job: str, failed: Iterable[str], detected_at: float,
     before it), and of the first steps the first after the round closed (or the abort); restores
     count when they are ``job``'s, started at or after the failure and ended by the first step.
     """
-    bounds = [x for x in (detection_seconds, lease_ttl) if x is not None and x >= 0]
-    failure_at = detected_at - min(bounds) if bounds else None
+    failure_at, evidence, latest = place_failure(detected_at, detection_seconds, lease_ttl,
+                                                 signs or {})
     since = failure_at if failure_at is not None else detected_at
 
     aborted_at = first_after(aborted, since - (lease_ttl or 0.0))
@@ -184,7 +254,7 @@ def assemble(*, job: str, failed: Iterable[str], detected_at: float,
         "restore_finished": max((r.at for r in mine), default=None),
         "first_step": first_step_at,
     }
-    marks, overlapped, latest = {}, [], None
+    marks, overlapped, last = {}, [], None
     # The survivors may be training again before any daemon sees the lease expire (a peer
     # killed outright resets its sockets: the agents re-form at once, and the daemons leave a
     # group that already went on without it running). Then "detected" is the first moment
@@ -196,16 +266,52 @@ def assemble(*, job: str, failed: Iterable[str], detected_at: float,
         overlapped.append("detected")
     for name in MARKS:
         t = raw[name]
-        if t is not None and latest is not None and t < latest:
-            t = latest
+        if t is not None and last is not None and t < last:
+            t = last
             overlapped.append(name)
         if t is not None:
-            latest = t
+            last = t
         marks[f"{name}_at"] = None if t is None else round(t, 3)
+    if latest is not None:
+        latest = round(min(max(latest, marks["failure_at"]), marks["detected_at"]), 3)
+    ranks = sorted((r.entry() for r in mine),
+                   key=lambda e: (e["rank"] is None, e["rank"] or 0, e["node"]))
     return Timeline(job=job, failed=list(failed), **marks,
                     restore_source="+".join(sorted({r.source for r in mine})),
                     restore_bytes=sum(r.nbytes for r in mine), ranks_restored=len(mine),
-                    step=max(steps) if steps else None, overlapped=overlapped)
+                    step=max(steps) if steps else None, overlapped=overlapped,
+                    failure_evidence=evidence, failure_latest_at=latest, ranks=ranks)
+
+
+def place_failure(detected_at: float, detection_seconds: float | None, lease_ttl: float | None,
+                  signs: Mapping[str, float | None]) -> tuple[float | None, str, float | None]:
+    """Where the failure goes: (its time, the evidence, the latest it can have come or None).
+
+    A sign the writer saw itself (``frame``, ``step``: :data:`MEASURED`) places it, the newest
+    of them, when the lease allows it (no earlier than its last keep-alive can have been:
+    :data:`EXPIRY_SLACK`) and no later than the detection (a later sign is another life of the
+    node, or a clock step). Otherwise the lease does: its record's last write when younger
+    than the TTL, else one TTL before the detection; the failure then came before the next
+    keep-alive was due (every TTL/3), which bounds it.
+    """
+    floor = (detected_at - lease_ttl - EXPIRY_SLACK
+             if lease_ttl is not None and lease_ttl >= 0 else -math.inf)
+    measured = {k: at for k, at in signs.items()
+                if k in MEASURED and at is not None and math.isfinite(at)
+                and floor <= at <= detected_at}
+    if measured:
+        # The newest; of equal ones, the more direct (EVIDENCE's order).
+        kind = max(measured, key=lambda k: (measured[k], -EVIDENCE.index(k)))
+        return measured[kind], kind, None
+    if lease_ttl is None or lease_ttl < 0:
+        if detection_seconds is None or detection_seconds < 0:
+            return None, "", None
+        return detected_at - detection_seconds, "record", None
+    due = detected_at - lease_ttl + lease_ttl / 3.0  # the next keep-alive
+    if detection_seconds is not None and 0 <= detection_seconds < lease_ttl:
+        at = detected_at - detection_seconds
+        return at, "record", min(detected_at, max(at, due))
+    return detected_at - lease_ttl, "keepalive", min(detected_at, due)
 
 
 def first_after(times: Iterable[float], since: float) -> float | None:
@@ -213,17 +319,20 @@ def first_after(times: Iterable[float], since: float) -> float | None:
     return min((t for t in times if t >= since), default=None)
 
 
-def restore_of(data: Mapping[str, Any], at: float) -> RankRestore | None:
+def restore_of(data: Mapping[str, Any], at: float, node: str = "") -> RankRestore | None:
     """A ``recovered`` event's data as a :class:`RankRestore` (None when it does not read:
-    such events are written by any node, and read with type checks)."""
+    such events are written by any node, and read with type checks). ``node``: the event's."""
     job, seconds, source = data.get("job"), data.get("seconds"), data.get("source")
     nbytes, step = data.get("bytes", 0), data.get("step")
+    rank, lost = data.get("rank"), data.get("steps_lost")
     if (not isinstance(job, str) or not isinstance(source, str)
             or records.check_type(seconds, float) is not None or seconds < 0
             or records.check_type(nbytes, int) is not None
-            or records.check_type(step, int | None) is not None):
+            or records.check_type(step, int | None) is not None
+            or records.check_type(rank, int | None) is not None
+            or records.check_type(lost, int | None) is not None):
         return None
-    return RankRestore(job, at, float(seconds), source, nbytes, step)
+    return RankRestore(job, at, float(seconds), source, nbytes, step, rank, node, lost)
 
 
 def decode(data: Any, where: str = "timeline") -> Timeline:
@@ -241,4 +350,30 @@ def decode(data: Any, where: str = "timeline") -> Timeline:
         raise records.CorruptRecord(f"{where}: its moments are not in order")
     if not t.failed or t.restore_bytes < 0 or t.ranks_restored < 0:
         raise records.CorruptRecord(f"{where}: no failed node, or a negative count")
+    if t.failure_evidence not in ("", *EVIDENCE):
+        raise records.CorruptRecord(f"{where}: unknown failure evidence "
+                                    f"{t.failure_evidence[:40]!r}")
+    if t.failure_latest_at is not None and (
+            t.failure_at is None or not t.failure_at <= t.failure_latest_at <= t.detected_at):
+        raise records.CorruptRecord(f"{where}: the failure's bound is out of order")
+    for i, e in enumerate(t.ranks):
+        r = records.from_payload(_RankEntry, e, where, f" of ranks[{i}]")
+        if set(e) != set(_RANK_KEYS) or r.seconds < 0 or r.bytes < 0:
+            raise records.CorruptRecord(f"{where}: ranks[{i}] is not a rank's restore")
     return t
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankEntry:
+    """The types of an entry of ``Timeline.ranks`` (:meth:`RankRestore.entry`)."""
+
+    rank: int | None
+    node: str
+    source: str
+    seconds: float
+    bytes: int
+    step: int | None
+    steps_lost: int | None
+
+
+_RANK_KEYS = tuple(f.name for f in dataclasses.fields(_RankEntry))

@@ -6,8 +6,13 @@ job's code), would give that user the cluster, and whoever may write a job's ren
 can disturb that job's rounds (no longer run code: the rendezvous reads JSON, not pickle). So
 each agent gets credentials of its own, limited to its job:
 
-* per (job, node), an etcd user ``elasticd-agent.<tag>.<job>.<node>`` with a random password
-  that never leaves this node (no secret is stored in etcd; a restarted daemon sets a new one);
+* per (job, node), an etcd user ``elasticd-agent.<tag>.<job>@<node>`` with a random password
+  that never leaves this node (no secret is stored in etcd; a restarted daemon sets a new one).
+  ``@`` is in no job or node name, so no two (job, node) pairs share a user. (Until issue 26
+  the separator was ``.``, which names may contain: job ``a.b`` on node ``c`` and job ``a`` on
+  node ``b.c`` were one user, whose password each reset and whose roles held both jobs. A
+  daemon deletes the users under that old scheme that are its own, see
+  :func:`old_users_of`);
 * the role ``elasticd-rdzv.<tag>.<job>``: read and write ``<prefix>/jobs/<job>/rdzv/`` only;
 * the role ``elasticd-node.<tag>.<node>``: read ``<prefix>/nodes/<node>`` only (the agent's
   daemon watch, :mod:`elasticd.agent.daemon_watch`, reads its node's record);
@@ -15,7 +20,7 @@ each agent gets credentials of its own, limited to its job:
 ``<tag>`` is a hash of the cluster prefix, so clusters sharing an etcd do not share roles. The
 daemon needs etcd's ``root`` role to manage users (docs/operations.md). The password reaches the
 agent in its environment (``ELASTICD_ETCD_PASSWORD``, read by
-:mod:`elasticd.coordination.rendezvous_config`; ``/proc/<pid>/environ`` is readable by the
+:mod:`elasticd.rendezvous.config`; ``/proc/<pid>/environ`` is readable by the
 process' owner and root only), never in argv; the user name and TLS file paths travel in
 ``--rdzv-conf``. TLS files the agent needs (the CA, and an agent client certificate when etcd
 asks for one) are copied into a root-owned directory, each readable by the job's user only.
@@ -30,15 +35,34 @@ import os
 import pwd
 import secrets
 import shutil
-from typing import Any
+from typing import Any, Iterable
 
 from elasticd.coordination.api import CoordinationError, prefix_range_end
-from elasticd.coordination.keys import Keyspace
+from elasticd.coordination.keys import NAME_RE, Keyspace
 
 log = logging.getLogger(__name__)
 
 #: Variable holding the agent's etcd password (the rendezvous reads it).
 PASSWORD_ENV = "ELASTICD_ETCD_PASSWORD"
+#: Between the job and the node in an agent's user name: a character no name may contain
+#: (:data:`~elasticd.coordination.keys.NAME_RE`).
+USER_SEPARATOR = "@"
+
+
+def old_users_of(users: Iterable[str], tag: str, node: str, live: Iterable[str]) -> list[str]:
+    """The users among ``users`` that ``node`` made for its agents under the old scheme,
+    ``elasticd-agent.<tag>.<job>.<node>``: not one that another live node could have made
+    (``elasticd-agent.<tag>.a.b.c`` is job ``a.b`` on node ``c`` or job ``a`` on ``b.c``)."""
+    head = f"elasticd-agent.{tag}."
+    others = [n for n in live if n != node]
+
+    def could_be(rest: str, who: str) -> bool:
+        return rest.endswith("." + who) and bool(NAME_RE.fullmatch(rest[: -len(who) - 1]))
+
+    return [user for user in users
+            if user.startswith(head) and USER_SEPARATOR not in user
+            and could_be(user[len(head):], node)
+            and not any(could_be(user[len(head):], other) for other in others)]
 
 
 class AgentCredentials:
@@ -63,9 +87,10 @@ class AgentCredentials:
         self.ca_cert, self.agent_cert, self.agent_key = ca_cert, agent_cert, agent_key
         self.users = users
         self.tag = hashlib.sha256(keys.prefix.encode()).hexdigest()[:8]
+        self._retired = False  # users under the old names looked for (retire_old_users)
 
     def user_name(self, job: str) -> str:
-        return f"elasticd-agent.{self.tag}.{job}.{self.node_id}"
+        return f"elasticd-agent.{self.tag}.{job}{USER_SEPARATOR}{self.node_id}"
 
     def job_role(self, job: str) -> str:
         return f"elasticd-rdzv.{self.tag}.{job}"
@@ -96,6 +121,8 @@ class AgentCredentials:
                 self._auth("UserGrantRole", "AuthUserGrantRoleRequest", user=user, role=role)
             conf["user"] = user
             env[PASSWORD_ENV] = password
+            if not self._retired:
+                self.retire_old_users()
         return conf, env
 
     def withdraw(self, job: str) -> None:
@@ -103,11 +130,34 @@ class AgentCredentials:
         shutil.rmtree(os.path.join(self.files_dir, job), ignore_errors=True)
         if not self.users:
             return
+        self._delete_user(self.user_name(job), job)
+        self.retire_old_users()
+
+    def retire_old_users(self) -> None:
+        """Deletes this node's agent users named under the scheme before issue 26 (see the
+        module docstring): a restarted daemon has no agent that could still use one, and a
+        job that ended while it was down left its user behind. A name that may as well be
+        another live node's is left alone (that node may still run an older daemon); it goes
+        when that node's job ends there. Failures are logged, never raised."""
         try:
-            self._auth("UserDelete", "AuthUserDeleteRequest", name=self.user_name(job))
+            listed = self._auth("UserList", "AuthUserListRequest")
+            nodes, _ = self.coord.get_prefix(self.keys.nodes)
+            others = {kv.key[len(self.keys.nodes):].decode(errors="replace") for kv in nodes}
+        except CoordinationError as exc:
+            log.warning("could not look for agent etcd users under the old names: %s", exc)
+            return
+        self._retired = True
+        for user in old_users_of(listed.users, self.tag, self.node_id, others):
+            log.info("deleting agent etcd user %s (named before issue 26, when names collided)",
+                     user)
+            self._delete_user(user, user)
+
+    def _delete_user(self, user: str, what: str) -> None:
+        try:
+            self._auth("UserDelete", "AuthUserDeleteRequest", name=user)
         except CoordinationError as exc:
             if "not found" not in str(exc):
-                log.warning("could not delete the etcd user of %s's agent: %s", job, exc)
+                log.warning("could not delete the etcd user of %s's agent: %s", what, exc)
 
     # -- etcd users and roles -----------------------------------------------------------------
 

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import queue
 import threading
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -149,6 +150,7 @@ class EtcdCoordinator(Coordinator):
         self._lock = threading.Lock()
         self._client: pyetcd.MultiEndpointEtcd3Client | None = None
         self._watches: list[_ResilientWatch] = []
+        self._keepalive: _KeepAliveStream | None = None
         self._closed = False
 
     # -- client lifecycle -----------------------------------------------------------------
@@ -283,7 +285,8 @@ class EtcdCoordinator(Coordinator):
     def transaction(self, compares: Sequence[Compare], ops: Sequence[Op]) -> tuple[bool, int]:
         def run(c: pyetcd.MultiEndpointEtcd3Client) -> tuple[bool, int]:
             t = c.transactions
-            cmp = [t.mod(x.key) == x.mod_revision for x in compares]
+            cmp = [(t.create(x.key) if x.target == "create" else t.mod(x.key)) == x.mod_revision
+                   for x in compares]
             success = [t.put(op.key, op.value, lease=op.lease or None) if isinstance(op, Put)
                        else t.delete(op.key) for op in ops]
             ok, responses = c.transaction(compare=cmp, success=success, failure=[])
@@ -315,10 +318,23 @@ class EtcdCoordinator(Coordinator):
         return self._call(lambda c: c.lease(ttl)).id
 
     def keep_alive(self, lease: int) -> float:
-        responses = self._call(lambda c: list(c.refresh_lease(lease)))
-        if not responses or responses[0].TTL <= 0:
+        """Refreshes ``lease`` on this client's one long-lived LeaseKeepAlive stream (opened
+        at the first refresh, re-opened after it broke): a stream per refresh, what the client
+        library does, costs ~1 ms of client CPU and ~0.3 ms of etcd CPU each, against ~0.1 ms
+        on a stream kept open."""
+        ttl = self._call(lambda c: self._keepalive_stream(c).refresh(lease))
+        if ttl <= 0:
             raise LeaseLost(f"lease {lease:x} expired or was revoked")
-        return float(responses[0].TTL)
+        return float(ttl)
+
+    def _keepalive_stream(self, client: pyetcd.MultiEndpointEtcd3Client) -> "_KeepAliveStream":
+        with self._lock:
+            stream = self._keepalive
+            if stream is None or stream.client is not client or stream.broken:
+                if stream is not None:
+                    stream.close()
+                stream = self._keepalive = _KeepAliveStream(client, self.settings.timeout)
+            return stream
 
     def revoke_lease(self, lease: int) -> None:
         try:
@@ -329,8 +345,9 @@ class EtcdCoordinator(Coordinator):
 
     # -- watches --------------------------------------------------------------------------
 
-    def watch_prefix(self, prefix: bytes, callback: WatchCallback, start_revision: int) -> Watch:
-        w = _ResilientWatch(self, prefix, callback, start_revision)
+    def watch_prefix(self, prefix: bytes, callback: WatchCallback, start_revision: int,
+                     prev_kv: bool = False) -> Watch:
+        w = _ResilientWatch(self, prefix, callback, start_revision, prev_kv)
         w.start()
         with self._lock:
             self._watches.append(w)
@@ -373,6 +390,9 @@ class EtcdCoordinator(Coordinator):
         with self._lock:
             self._closed = True
             client, self._client = self._client, None
+            stream, self._keepalive = self._keepalive, None
+        if stream is not None:
+            stream.close()
         if client is not None:
             client.close()
 
@@ -386,9 +406,10 @@ class _ResilientWatch(Watch):
     """
 
     def __init__(self, owner: EtcdCoordinator, prefix: bytes, callback: WatchCallback,
-                 start_revision: int) -> None:
+                 start_revision: int, prev_kv: bool = False) -> None:
         self._owner = owner
         self.prefix = prefix
+        self._prev_kv = prev_kv
         self._callback = callback
         self._next_revision = start_revision
         self._lock = threading.Lock()
@@ -421,7 +442,7 @@ class _ResilientWatch(Watch):
         def run(c: Any) -> tuple[Any, int]:
             return c, c.add_watch_prefix_callback(
                 self.prefix, functools.partial(self._on_response, generation),
-                start_revision=start or None, prev_kv=True)
+                start_revision=start or None, prev_kv=self._prev_kv)
 
         client, watch_id = self._owner._call(run)
         with self._lock:
@@ -496,3 +517,80 @@ class _ResilientWatch(Watch):
         self._cancelled.set()
         self._wake.set()
         self._drop_stream()
+
+
+class _KeepAliveStream:
+    """One long-lived LeaseKeepAlive stream for every lease of a client.
+
+    :meth:`refresh` queues a request and waits for etcd's answer for that lease (etcd answers
+    each request on the stream, in order per lease). A reader thread takes the answers; when
+    the stream ends or fails, every waiter gets the error and the owner opens a new stream at
+    the next refresh.
+    """
+
+    def __init__(self, client: pyetcd.MultiEndpointEtcd3Client, timeout: float) -> None:
+        self.client = client
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        self._waiting: dict[int, list[list[Any]]] = {}  # lease -> [[event, ttl or error]]
+        self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.broken = False
+        self._call = client.leasestub.LeaseKeepAlive(
+            iter(self._requests.get, None), credentials=client.call_credentials,
+            metadata=client.metadata)
+        self._reader = threading.Thread(target=self._read, name="lease-keepalive",
+                                         daemon=True)
+        self._reader.start()
+
+    def refresh(self, lease: int) -> int:
+        """Refreshes once; returns the TTL etcd granted (0 or less: the lease is gone).
+
+        Raises:
+            Unavailable: no answer within the client's timeout (the stream is then dropped).
+            grpc.RpcError: the stream failed (translated by the caller).
+        """
+        slot: list[Any] = [threading.Event(), None]
+        with self._lock:
+            if self.broken:
+                raise Unavailable("the keep-alive stream broke")
+            self._waiting.setdefault(lease, []).append(slot)
+        self._requests.put(pyetcd.etcdrpc.LeaseKeepAliveRequest(ID=lease))
+        if not slot[0].wait(self._timeout):
+            self.close()
+            raise Unavailable(f"no keep-alive answer for lease {lease:x} within "
+                              f"{self._timeout}s")
+        if isinstance(slot[1], BaseException):
+            raise slot[1]
+        return int(slot[1])
+
+    def _read(self) -> None:
+        error: BaseException = Unavailable("the keep-alive stream ended")
+        try:
+            for resp in self._call:
+                with self._lock:
+                    waiters = self._waiting.get(resp.ID)
+                    slot = waiters.pop(0) if waiters else None
+                    if waiters == []:
+                        del self._waiting[resp.ID]
+                if slot is not None:
+                    slot[1] = resp.TTL
+                    slot[0].set()
+        except Exception as exc:  # noqa: BLE001 - handed to every waiter, translated there
+            error = exc
+        self._fail(error)
+
+    def _fail(self, error: BaseException) -> None:
+        with self._lock:
+            self.broken = True
+            waiting, self._waiting = self._waiting, {}
+        for slots in waiting.values():
+            for slot in slots:
+                slot[1] = error
+                slot[0].set()
+
+    def close(self) -> None:
+        with self._lock:
+            self.broken = True
+        self._requests.put(None)
+        with contextlib.suppress(Exception):
+            self._call.cancel()

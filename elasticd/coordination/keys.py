@@ -10,7 +10,9 @@
     <prefix>/jobs/<job>/control                 desired state: running | stopped
     <prefix>/jobs/<job>/nodes/<node>            a node's view of the job, bound to its lease
     <prefix>/jobs/<job>/rdzv/...                torchrun rendezvous state and store
-    <prefix>/jobs/<job>/rdzv/native/round       the last closed rendezvous round
+    <prefix>/jobs/<job>/rdzv/native/round       the last closed rendezvous round (beside it:
+                                                round.closer, round.waiting, round.closed;
+                                                elasticd.rendezvous.records)
     <prefix>/jobs/<job>/placement               replica placement
     <prefix>/jobs/<job>/ckpt/committed          the committed step (elasticd.replication.commit)
     <prefix>/jobs/<job>/ckpt/committed.grid     the snapshot grid, beside it

@@ -40,14 +40,23 @@ class _Lease:
 
 
 class _MemoryWatch(Watch):
-    def __init__(self, store: "MemoryStore", prefix: bytes, callback: WatchCallback) -> None:
+    def __init__(self, store: "MemoryStore", prefix: bytes, callback: WatchCallback,
+                 prev_kv: bool = False) -> None:
         self._store = store
         self.prefix = prefix
-        self.callback = callback
+        self._callback = callback
+        self.prev_kv = prev_kv
         self.cancelled = False
         # Events below this revision are not delivered: a watch resumed from an older
         # cluster's revision after a wipe (see MemoryStore.wipe).
         self.resume_from = 0
+
+    def callback(self, batch: "Sequence[WatchEvent] | CoordinationError") -> None:
+        """Delivers a batch, without each event's previous key unless the watch asked for it
+        (as etcd does: a caller that reads ``prev`` without asking fails here too)."""
+        if not self.prev_kv and not isinstance(batch, CoordinationError):
+            batch = [dataclasses.replace(e, prev=None) for e in batch]
+        self._callback(batch)
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -223,7 +232,9 @@ class MemoryCoordinator(Coordinator):
         with self._enter():
             for c in compares:
                 kv = self.store._kv.get(c.key)
-                if (kv.mod_revision if kv else 0) != c.mod_revision:
+                have = 0 if kv is None else (
+                    kv.create_revision if c.target == "create" else kv.mod_revision)
+                if have != c.mod_revision:
                     return False, self.store._revision
             for op in ops:
                 if isinstance(op, Put) and op.lease and op.lease not in self.store._leases:
@@ -258,7 +269,8 @@ class MemoryCoordinator(Coordinator):
             events = self.store._drop_lease(lease)
         self.store._dispatch(events)
 
-    def watch_prefix(self, prefix: bytes, callback: WatchCallback, start_revision: int) -> Watch:
+    def watch_prefix(self, prefix: bytes, callback: WatchCallback, start_revision: int,
+                     prev_kv: bool = False) -> Watch:
         compacted = None
         with self._enter():
             if start_revision and start_revision <= self.store._compacted:
@@ -269,13 +281,13 @@ class MemoryCoordinator(Coordinator):
                 e for r, e in self.store._history
                 if r >= start_revision and e.kv.key.startswith(prefix)
             ]
-            w = _MemoryWatch(self.store, prefix, callback)
+            w = _MemoryWatch(self.store, prefix, callback, prev_kv)
             self.store._watches.append(w)
             self._watches.append(w)
         if compacted is not None:
-            callback(compacted)
+            w.callback(compacted)
         if replay:
-            callback(replay)
+            w.callback(replay)
         return w
 
     def reset_watches(self) -> None:

@@ -1,88 +1,17 @@
-"""The ``etcd-v3`` torchrun rendezvous: ``torchrun --rdzv-backend=etcd-v3 --rdzv-endpoint=H:P``.
+"""The ``torchrun.handlers`` entry points' import path (``pyproject.toml``), kept stable.
 
-torch ships no rendezvous on the etcd v3 API (its ``etcd`` and ``etcd-v2`` backends need the v2
-API, gone in etcd 3.6). This module plugs elasticd's own in through the ``torchrun.handlers``
-entry point: torch calls :func:`handler_creator` with no arguments and registers the creator it
-returns under the entry point's name. The creator builds
-:class:`~elasticd.coordination.rendezvous_handler.EtcdNativeRendezvousHandler` from
-``--rdzv-endpoint`` and ``--rdzv-conf`` (:mod:`.rendezvous_config`): per-node JSON records
-bound to each agent's etcd lease, one compare-and-set per round, a watch instead of a poll, no
-pickle (the round rules are in :mod:`.rendezvous_rounds`). Everything lives under
-``<prefix>/jobs/<run_id>/rdzv/``. The same handler is also registered as ``etcd-v3-native``,
-the name it had before it replaced torch's dynamic rendezvous behind ``etcd-v3``.
-
-Decisions, and why (numbers from docs/facts.md and docs/scale.md):
-
-* **Outage grace.** Every etcd write retries on an unreachable etcd for ``etcd_grace_period``
-  seconds (default 30) before raising ``RendezvousConnectionError``, because torch's agent ends
-  the job on any rendezvous error; ``num_nodes_waiting()``, which it calls while workers train,
-  reads the watch's mirror and cannot fail.
-* **Liveness by lease, outage-proof.** A node is gone once its record, bound to its agent's
-  lease (``liveness_ttl``), has been absent for ``liveness_confirm`` seconds, but never while
-  this agent distrusts its view (its own keep-alive failed, its lease was lost, its watch
-  broke): an etcd paused past the TTL expires every lease at once and must drop nobody.
-* **No shared agent TCPStore.** ``use_agent_store`` is False: restarted workers host their own
-  TCPStore at the rank-0 node. Sharing the agent's store across restarts let workers read the
-  gloo addresses of dead workers ("Gloo connectFullMesh failed": 5 of 9 recoveries failed).
-* **A node's duties under a daemon** (fencing itself for a silent daemon, restarting its
-  workers when a member of their round is gone) are added by :mod:`elasticd.agent.torchrun`,
-  through which the daemons start torchrun, with :data:`on_handler_created`: this module
-  imports nothing from ``elasticd.agent``.
-* **Restartable agents.** torch's agent closes the rendezvous for good when it ends, also with
-  an error. elasticd's daemons pass ``close_on_failure=false``: an agent that fails leaves the
-  rendezvous open, so the agent its daemon restarts (and every other node's) can join again.
-
-Security: records are JSON with a schema version, and a record this code cannot read is
-ignored (a node's) or reported (the round's); nothing read from etcd is unpickled. Whoever can
-write ``<prefix>/jobs/*/rdzv/`` can still disturb the job's rounds: run etcd with
-authentication (TLS client certificates, or etcd users with the password in
-``ELASTICD_ETCD_PASSWORD`` rather than on the command line).
-
-This module runs in the torchrun agent, never in the daemon. It imports torch only when a handler
-is created: importing torch's rendezvous package loads every ``torchrun.handlers`` entry point,
-this module included, so a torch import at the top would be circular whenever this module is
-imported first (torch then logs a warning and leaves etcd-v3 unregistered).
+The rendezvous lives in :mod:`elasticd.rendezvous` (the handler, its rounds, its store); this
+module only re-exports what the entry points and :mod:`elasticd.agent.torchrun` name, so that an
+installed ``etcd-v3 = "elasticd.coordination.rendezvous:handler_creator"`` keeps working.
 """
 
-from __future__ import annotations
-
-from typing import TYPE_CHECKING, Callable
-
-if TYPE_CHECKING:
-    from torch.distributed.elastic.rendezvous.api import RendezvousHandler, RendezvousParameters
+from elasticd.rendezvous.plugin import (
+    BACKEND_NAME,
+    NATIVE_BACKEND_NAME,
+    handler_creator,
+    native_handler_creator,
+    on_handler_created,
+)
 
 __all__ = ["BACKEND_NAME", "NATIVE_BACKEND_NAME", "handler_creator", "native_handler_creator",
            "on_handler_created"]
-
-#: Backend name: the entry point's name, and what the handler's get_backend() returns.
-BACKEND_NAME = "etcd-v3"
-#: The same handler's former name (registered too, so that existing command lines still run).
-NATIVE_BACKEND_NAME = "etcd-v3-native"
-#: Called with every handler this process creates, before torch uses it. elasticd's daemons
-#: start the agent through :mod:`elasticd.agent.torchrun`, which adds a node's duties here;
-#: plain torchrun adds nothing.
-on_handler_created: list[Callable[[RendezvousHandler], None]] = []
-
-
-def handler_creator(name: str = BACKEND_NAME
-                    ) -> Callable[[RendezvousParameters], RendezvousHandler]:
-    """The ``torchrun.handlers`` entry point: returns the creator torch registers.
-
-    Args:
-        name: what the handler's ``get_backend()`` returns: the entry point's name.
-    """
-
-    def create(params: RendezvousParameters) -> RendezvousHandler:
-        from elasticd.coordination.rendezvous_handler import create_handler
-
-        handler = create_handler(params, name)
-        for hook in on_handler_created:
-            hook(handler)
-        return handler
-
-    return create
-
-
-def native_handler_creator() -> Callable[[RendezvousParameters], RendezvousHandler]:
-    """The ``etcd-v3-native`` entry point: the same handler under its former name."""
-    return handler_creator(NATIVE_BACKEND_NAME)

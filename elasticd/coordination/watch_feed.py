@@ -30,9 +30,11 @@ class WatchFeed:
         self._queue: "queue.Queue[Sequence[WatchEvent] | Exception]" = queue.Queue()
         self._watch: Any = None
 
-    def start(self, coord: Coordinator, prefix: bytes, revision: int) -> None:
-        """Watches ``prefix`` from ``revision`` (the one after the listing's)."""
-        self._watch = coord.watch_prefix(prefix, self.put, revision)
+    def start(self, coord: Coordinator, prefix: bytes, revision: int,
+              prev_kv: bool = False) -> None:
+        """Watches ``prefix`` from ``revision`` (the one after the listing's); with
+        ``prev_kv`` each event carries the key as it was (only for a loop that reads it)."""
+        self._watch = coord.watch_prefix(prefix, self.put, revision, prev_kv=prev_kv)
 
     def close(self) -> None:
         if self._watch is not None:

@@ -114,10 +114,12 @@ class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
         self.fence_hooks.append(self.jobs.fence)
         self.jobs.committed = self._committed_step  # crash-loop detection
         self.jobs.record_event = self.record_event
+        self.jobs.checks.wake = self.wake  # a job's file check ended: act on it now
         # Each recovery's timeline, written by one node (daemon/recovery_timeline.py).
         self.timeline = TimelineRecorder(settings.node_id, coord, self.keys, self.events,
                                          self.metrics, self.clock,
-                                         lambda: float(self.settings.lease_ttl))
+                                         lambda: float(self.settings.lease_ttl),
+                                         last_heard=self._last_heard)
         self.jobs.on_round_closed = self.timeline.on_round_closed
         if checkpoints is not None:
             self._ckpt_sink = CheckpointSink(self.metrics)
@@ -302,6 +304,10 @@ class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
         c = (self.replicator.status()["jobs"].get(job) or {}).get("committed")
         return (int(c[0]), int(c[1])) if c else None
 
+    def _last_heard(self, node: str) -> float | None:
+        """When this node's replica server last heard from ``node`` (a sign of life)."""
+        return self.replicator.last_heard(node) if self.replicator is not None else None
+
     def record_event(self, kind: str, detail: str, data: dict[str, Any]) -> None:
         lease = self.registered_lease or self.keeper.lease or 0
         try:
@@ -448,7 +454,8 @@ class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
         kvs, revision = self.coord.get_prefix(self.keys.nodes)
         now = self.clock.monotonic()
         self._act(self.membership.reset(self._decode_all(kvs), now, self.clock.wall(), False))
-        self._feed.start(self.coord, self.keys.nodes, revision + 1)
+        # prev_kv: a DELETE's previous record tells a departure (leaving) from a failure.
+        self._feed.start(self.coord, self.keys.nodes, revision + 1, prev_kv=True)
 
     def _decode_all(self, kvs: list[Any]) -> list[NodeRecord]:
         return [rec for kv in kvs if (rec := self._decode_node(kv.key, kv.value)) is not None]
@@ -514,10 +521,12 @@ class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
             if ob.kind is ObservationKind.FAILED:
                 self.metrics.node_failures.inc()
                 job, writer = self.jobs.job, self.jobs.recovery_writer(ob.node)
+                in_group = self.jobs.ran_workers(ob.node)
                 aborted = self.jobs.on_peer_failed(ob.node)
                 if job is not None and aborted is not None:
                     self.timeline.on_failure(job, ob.node, ob.record.lease,
-                                             writer == self.settings.node_id, aborted > 0)
+                                             writer == self.settings.node_id, aborted > 0,
+                                             in_group)
                     self._prepare_restore(job)
                 if ob.detection_seconds is not None:
                     self.metrics.detection_seconds.observe(ob.detection_seconds)
@@ -573,4 +582,8 @@ class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
                     if self.slot_pages is not None else None),
             "replication": ({**self.replicator.status(), "round_ranks": self.jobs.round_ranks()}
                             if self.replicator is not None else None),
+            # The last recovery's timeline as stored in etcd (elasticctl history shows the
+            # same record): this node's own, or, 10 s after training again, the writer's.
+            "last_recovery": (self.timeline.last.summary()
+                              if self.timeline.last is not None else None),
         }

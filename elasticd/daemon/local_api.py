@@ -393,6 +393,8 @@ class LocalServer:
             with self._lock:
                 caller = self._callers.get(conn)
             self._forget(conn)
+            if caller is not None and self._binding is not None:
+                self._binding.closed(caller)
             for hook in self.on_close:
                 try:
                     hook({"pid": peer.get("pid"), "job": caller.job if caller else None})

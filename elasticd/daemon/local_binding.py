@@ -6,15 +6,21 @@ and each request must then be held to what its caller is:
 
 * a connection is admitted when the kernel's peer credentials (``SO_PEERCRED``) name the
   daemon's own uid, or the uid of the job running on this node *and* a pid that is a process of
-  that job: its environment carries the job's ``ELASTICD_TAG`` and it descends from the job's
-  torchrun agent or zygote (parentage is the kernel's: a process of the same uid that is not
-  part of the job cannot claim it). Anyone else is refused before a byte is read.
+  that job: it descends from the job's torchrun agent or zygote, each known by its pid and its
+  start time (parentage is the kernel's: a process of the same uid that is not part of the job
+  cannot claim it, and a pid the agent left and another process reused is not the agent).
+  Anyone else is refused before a byte is read. Only ``/proc/<pid>/stat`` is read, a few
+  hundred bytes the kernel fills from its own task fields: nothing of the caller's memory (its
+  environment can be made to read for minutes, see :data:`~elasticd.agent.supervisor.ENV_READ_LIMIT`),
+  as this runs on the accept thread, which every later connection waits for.
 * a connection from a process of the job is bound to that job: a request naming another job is
   refused (one that names none is given the job's name), and when the running job changes, the
   old job's connections are refused from then on.
 * the writing ops (``ckpt_reserve``, ``ckpt_complete``, ``ckpt_report``, ``progress``,
   ``register``) are bound to the first rank the connection used: a worker writes its own rank's
-  slots and reports, not another's. Reads (``ckpt_list``, ``ckpt_open``, ``ckpt_fetch``,
+  slots and reports, not another's. Every connection of one process writes for the same rank,
+  and no rank or world size a request names lies beyond the spec's largest world
+  (:mod:`.rank_claims`). Reads (``ckpt_list``, ``ckpt_open``, ``ckpt_fetch``,
   ``ckpt_committed``) reach any rank of the caller's job (after a resize a rank restores
   another's old shard); ``ckpt_release`` releases only pins this connection was given.
 * a process of the daemon's own uid outside any job (an operator's tool, a test) is not bound.
@@ -31,9 +37,11 @@ import os
 import threading
 from typing import Any, Callable
 
+from elasticd.daemon.rank_claims import RankClaims, outside_world
 from elasticd.errors import LocalProtocolError
 
-__all__ = ["BOUND_WRITES", "CallerBinding", "Caller", "JobScope", "Refused", "TAG_ENV"]
+__all__ = ["BOUND_WRITES", "CallerBinding", "Caller", "JobScope", "Refused", "TAG_ENV",
+           "start_time"]
 
 #: What every process the daemon starts for a job carries in its environment (its tag).
 TAG_ENV = "ELASTICD_TAG"
@@ -55,14 +63,36 @@ class JobScope:
     Attributes:
         job: its name.
         uid: the uid its processes run as.
-        tag: its ``ELASTICD_TAG`` value.
-        roots: pids every process of the job descends from (the agent, the zygote).
+        roots: the processes every process of the job descends from (the agent, the zygote):
+            pid -> start time (:func:`start_time`).
+        world_max: no rank the job's processes name may reach it (:mod:`.rank_claims`).
     """
 
     job: str
     uid: int
-    tag: str
-    roots: tuple[int, ...]
+    roots: dict[int, int]
+    #: The job's largest world (its spec's nnodes max x nproc_per_node); None: unbounded.
+    world_max: int | None = None
+
+
+def _stat_fields(pid: int) -> list[bytes]:
+    """The fields of ``/proc/<pid>/stat`` after the command name ([] when gone): the kernel's
+    own record of the task, never the process's memory."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb", buffering=0) as fh:
+            return fh.read(4096).rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def start_time(pid: int) -> int:
+    """When process ``pid`` started, in clock ticks since boot (-1 when it is gone): with the
+    pid, it names one process, never a later one that got the same pid."""
+    fields = _stat_fields(pid)
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return -1
 
 
 @dataclasses.dataclass
@@ -96,6 +126,7 @@ class CallerBinding:
         self._scope = scope
         self.daemon_uid = os.geteuid()  # its processes outside a job are not bound
         self._lock = threading.Lock()
+        self.claims = RankClaims()
 
     def admit(self, pid: int, uid: int) -> Caller:
         """The caller a new connection from ``pid``/``uid`` is bound to.
@@ -133,15 +164,23 @@ class CallerBinding:
         job = msg.setdefault("job", caller.job)
         if job != caller.job:
             raise Refused(f"this connection belongs to job {caller.job}, not {job!r:.80}")
+        why = outside_world(msg, scope.world_max) if scope.world_max is not None else ""
+        if why:
+            raise Refused(why)
         if op in BOUND_WRITES:
             rank = msg.get("rank")
             if type(rank) is int:
                 with self._lock:
-                    if caller.rank is None:
+                    first = caller.rank is None
+                    if first:
                         caller.rank = rank
                 if rank != caller.rank:
                     raise Refused(f"this connection writes for rank {caller.rank} of "
                                   f"{caller.job}, not rank {rank}")
+                why = self.claims.claim(caller.job, caller.pid, rank) if first else ""
+                if why:
+                    caller.rank = None
+                    raise Refused(why)
         elif op == "ckpt_release":
             pin = msg.get("pin")
             with self._lock:
@@ -149,6 +188,11 @@ class CallerBinding:
                 caller.pins.discard(pin)
             if not mine:
                 raise Refused(f"pin {pin!r:.40} was not given to this connection")
+
+    def closed(self, caller: Caller) -> None:
+        """``caller``'s connection closed: its process' rank claim loses a connection."""
+        if caller.job is not None and caller.rank is not None:
+            self.claims.release(caller.job, caller.pid)
 
     def replied(self, caller: Caller, op: str, reply: dict[str, Any]) -> None:
         """Notes what a successful reply gave the connection (read pins)."""
@@ -160,25 +204,17 @@ class CallerBinding:
         """Why ``pid`` is not a process of ``scope``'s job ("" when it is)."""
         if pid <= 0:
             return "the kernel gave no pid (another pid namespace?)"
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as fh:
-                entries = fh.read().split(b"\0")
-        except OSError as exc:
-            return f"cannot read its environment ({exc.strerror})"
-        if f"{TAG_ENV}={scope.tag}".encode() not in entries:
-            return f"it does not carry the job's {TAG_ENV}"
         current = pid
         for _ in range(_MAX_DEPTH):
-            if current in scope.roots:
+            fields = _stat_fields(current)
+            if len(fields) < 20:
+                break
+            if current in scope.roots and fields[19] == str(scope.roots[current]).encode():
                 return ""
-            current = self._parent(current)
+            try:
+                current = int(fields[1])
+            except ValueError:
+                break
             if current <= 1:
                 break
         return "it does not descend from the job's agent or zygote"
-
-    def _parent(self, pid: int) -> int:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as fh:
-                return int(fh.read().rsplit(b")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            return 0

@@ -153,7 +153,8 @@ class Node:
         settings = self.settings
         cap = settings.memory_cap_mib * 2**20 or None
         try:
-            store = SlotStore(settings.shm_path, cap_bytes=cap)
+            store = SlotStore(settings.shm_path, cap_bytes=cap,
+                              job_scratch_cap=settings.scratch_cap_bytes)
             kept = store.scan()
         except (OSError, SlotStoreError) as exc:
             raise Fatal(f"shm_dir: cannot use {settings.shm_path} for checkpoint slots: {exc}; "
@@ -189,8 +190,9 @@ class Node:
         else:
             log.warning("checkpoint slots in %s are on %s: reserving and mapping a slot costs "
                         "up to seven times what it does on a tmpfs mounted with "
-                        "huge=within_size (systemd/run-elasticd-shm.mount; README, 'Huge "
-                        "pages')", self.settings.shm_path, pages.describe())
+                        "huge=within_size (systemd/run-elasticd-shm.mount; "
+                        "docs/operations.md, 'Huge pages')", self.settings.shm_path,
+                        pages.describe())
         return pages
 
     def _replication(self, coord: EtcdCoordinator, metrics: Metrics, membership: Membership,
@@ -236,6 +238,7 @@ class Node:
         store.tagger = BlockTagger(secret).tag
         rep.pusher.on_push = ReplicationSink(metrics).pushed
         rep.serving = server.serving
+        rep.last_heard = server.last_heard
         metrics.replication.attach(rep.stats, server.snapshot_stats)
         log.info("replicating snapshots to %d peers; replication server on %s",
                  settings.replicas - 1, server.address)

@@ -12,6 +12,8 @@ import contextlib
 import os
 import socket
 
+from elasticd.printable import printable
+
 
 class Notifier:
     """Sends sd_notify datagrams to ``$NOTIFY_SOCKET`` if it is set."""
@@ -34,7 +36,8 @@ class Notifier:
             self._sock.sendto(message.encode(), addr)
 
     def ready(self, status: str = "") -> None:
-        self.notify("READY=1" + (f"\nSTATUS={status}" if status else ""))
+        # One line: a newline in the status (it may name a job's script) would add fields.
+        self.notify("READY=1" + (f"\nSTATUS={printable(status)}" if status else ""))
 
     def watchdog(self) -> None:
         self.notify("WATCHDOG=1")

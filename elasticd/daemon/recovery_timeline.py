@@ -66,6 +66,7 @@ class _Recovery:
     detected_at: float  # this node's own detection (the failed event's is preferred)
     started: float  # monotonic, for give_up
     writer: bool  # False: the stand-in, in case the writer died too
+    in_group: bool = True  # the failed node ran workers of the job: its steps were ours
     due_since: float | None = None  # monotonic: when the job trained again (the stand-in)
 
 
@@ -80,6 +81,9 @@ class _Moments:
     stepped: set = dataclasses.field(default_factory=set)  # pids past their first step
     closed: set = dataclasses.field(default_factory=set)  # ... whose connection ended
     restored_step: int | None = None  # the step the newest local restore loaded
+    step_at: float | None = None  # the last training step a worker reported
+    #: (abort, the last training step before it): a failed peer's last step, when it trained
+    steps_before_abort: collections.deque = dataclasses.field(default_factory=_recent)
 
 
 class TimelineRecorder:
@@ -93,18 +97,24 @@ class TimelineRecorder:
         clock: injected time.
         lease_ttl: the lease TTL (places the failure before its detection).
         give_up: seconds after which a recovery with no first step is written as it is.
+        last_heard: when this node's replica server last received a frame from a node (wall
+            time, None: never); a sign of life of a failed peer.
     """
 
     def __init__(self, node_id: str, coord: Coordinator, keys: Keyspace, events: EventLog,
                  metrics: Metrics, clock: Clock, lease_ttl: Callable[[], float],
-                 give_up: float = 600.0) -> None:
+                 give_up: float = 600.0,
+                 last_heard: Callable[[str], float | None] = lambda node: None) -> None:
         self.node_id, self.coord, self.keys, self.events = node_id, coord, keys, events
         self.metrics, self.clock, self.lease_ttl, self.give_up = metrics, clock, lease_ttl, give_up
+        self.last_heard = last_heard
         self._lock = threading.Lock()  # progress and restores arrive on the local API's threads
         self._open: dict[str, _Recovery] = {}
         self._jobs: dict[str, _Moments] = {}
         self.complaints = records.Complaints(log)
         self.written: list[timeline.Timeline] = []  # the last few written (status, tests)
+        #: The last recovery's timeline as stored, by this node or another (``/status``).
+        self.last: timeline.Timeline | None = None
 
     def _job(self, job: str) -> _Moments:
         m = self._jobs.get(job)
@@ -117,9 +127,10 @@ class TimelineRecorder:
     # -- what happens (any thread) ------------------------------------------------------------
 
     def on_failure(self, job: str, node: str, lease: int, writer: bool,
-                   aborted: bool) -> None:
+                   aborted: bool, in_group: bool = True) -> None:
         """A node of ``job`` failed (main loop). ``writer``: this node writes its timeline;
-        ``aborted``: this node just killed its workers."""
+        ``aborted``: this node just killed its workers; ``in_group``: the failed node ran
+        workers of the job (a spare did not: its death stops no step of ours)."""
         if aborted:
             self.on_abort(job)
         with self._lock:
@@ -133,7 +144,7 @@ class TimelineRecorder:
             self._finish(rec)  # its first step came, the cycle that writes it not yet
         with self._lock:
             self._open[job] = _Recovery(job, [node], lease, self.clock.wall(),
-                                        self.clock.monotonic(), writer)
+                                        self.clock.monotonic(), writer, in_group)
         log.info("%s: following the recovery from %s's failure (%s)", job, node,
                  "writer of its timeline" if writer else "stand-in for its writer")
 
@@ -143,7 +154,9 @@ class TimelineRecorder:
         now = self.clock.wall()
         log.info("%s: workers aborted by the %s (a moment of the recovery's timeline)", job, by)
         with self._lock:
-            self._job(job).aborts.append(now)
+            m = self._job(job)
+            m.aborts.append(now)
+            m.steps_before_abort.append((now, m.step_at))
 
     def on_connection_closed(self, conn: dict[str, Any]) -> None:
         """A local connection ended (``{"pid", "job"}``, the local API's thread). A worker
@@ -175,10 +188,11 @@ class TimelineRecorder:
         now = self.clock.wall()
         with self._lock:
             m = self._job(job)
-            if pid in m.stepped or type(step) is not int:
-                return  # a worker already counted (an old one's last words too), or no step
-            if m.restored_step is not None and step <= m.restored_step:
-                return  # a new worker's register: at its restored step, not past it
+            if type(step) is not int or m.restored_step is not None and step <= m.restored_step:
+                return  # no step, or a new worker's register: at its restored step, not past it
+            m.step_at = now  # a training step: every rank of the group was alive for it
+            if pid in m.stepped:
+                return  # a worker already counted (an old one's last words too)
             if len(m.stepped) >= _MAX_PIDS:
                 m.stepped.clear()
             m.stepped.add(pid)
@@ -237,9 +251,11 @@ class TimelineRecorder:
             if self._open.get(rec.job) is rec:
                 del self._open[rec.job]
         if tl is None or not stored:
-            return None  # the writer (or another stand-in) recorded it
+            self.last = self._stored(rec) or self.last  # the writer (or a stand-in) wrote it
+            return None
         self._observe(tl)
         self.written = [*self.written[-9:], tl]
+        self.last = tl
         log.info("%s%s", tl.describe(), "" if rec.writer else " (written by a stand-in: the "
                  "writer did not within %g s)" % STAND_IN_WAIT)
         return f"recovery timeline of {rec.job} written"
@@ -253,14 +269,33 @@ class TimelineRecorder:
             detection = float(d) if records.check_type(d, float) is None else None
         restores = [r for e in self.events.list()
                     if e.kind == "recovered" and isinstance(e.data, dict)
-                    and (r := timeline.restore_of(e.data, e.at)) is not None]
+                    and (r := timeline.restore_of(e.data, e.at, e.node)) is not None]
+        ttl = self.lease_ttl()
         with self._lock:
             m = self._job(rec.job)
             aborts, closes, steps = list(m.aborts), list(m.closes), list(m.first_steps)
+            # The last step before the first abort that can be this failure's (the window
+            # assemble gives aborts): its peers stepped with the failed node until then.
+            step_sign = next((at for abort, at in m.steps_before_abort
+                              if abort >= detected_at - 2 * ttl), None) if rec.in_group else None
+        signs = {"step": step_sign, "frame": self.last_heard(rec.failed[0])}
         return timeline.assemble(job=rec.job, failed=rec.failed, detected_at=detected_at,
-                                 detection_seconds=detection, lease_ttl=self.lease_ttl(),
+                                 detection_seconds=detection, lease_ttl=ttl, signs=signs,
                                  aborted=aborts, round_closed=closes, restores=restores,
                                  first_steps=steps)
+
+    def _stored(self, rec: _Recovery) -> timeline.Timeline | None:
+        """The timeline of ``rec`` as another node stored it (None: none, or unreadable)."""
+        key = self.keys.event(rec.failed[0], rec.lease, f"{timeline.KIND}@{rec.job}")
+        try:
+            kv = self.coord.get(key)
+            if kv is None:
+                return None
+            return timeline.decode(records.decode_dataclass(Event, kv.value, EVENT_KIND,
+                                                            key).data, records.where_of(key))
+        except (CoordinationError, records.RecordError) as exc:
+            log.info("could not read the timeline of %s's recovery: %s", rec.job, exc)
+            return None
 
     def _failed_event(self, node: str, lease: int) -> Event | None:
         key = self.keys.event(node, lease, "failed")

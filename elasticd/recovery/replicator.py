@@ -135,6 +135,9 @@ class Replicator:
         #: The fetches this node's replica server is serving now (ReplicaServer.serving), for
         #: status(); the node builder sets it.
         self.serving: Callable[[], list[dict[str, Any]]] = list
+        #: When this node's replica server last received a frame from a node
+        #: (ReplicaServer.last_heard; wall time, None: never), a sign of life of a failed peer.
+        self.last_heard: Callable[[str], float | None] = lambda node: None
         self.pusher = Pusher(store, sink, self._connections, self.background.executor,
                              self.tracker, self.link_rates)
         self.awaiting_commit = self.tracker.awaiting_commit

@@ -39,10 +39,10 @@ from elasticd.replication.api import RemoteError
 from elasticd.replication.channel import Channel
 from elasticd.replication.messages import Ack, Auth, Challenge, Error, Hello
 from elasticd.replication.seal import FrameKey, SessionKeys
+from elasticd.replication.secret_strength import weak_secret
 from elasticd.replication.wire import NONCE_BYTES, VERSION, ForgedFrame, ProtocolError
 
 CLIENT = b"client"
-MIN_SECRET_BYTES = 16
 _DOMAIN = b"elasticd-replication-auth\0"
 
 
@@ -51,13 +51,17 @@ class AuthenticationFailed(ProtocolError):
 
 
 def check_secret(secret: bytes) -> bytes:
-    """Validates a cluster secret (never quoting it).
+    """Validates a cluster secret (never quoting it); its bytes are used as they are.
 
     Raises:
-        ValueError: not bytes, or shorter than :data:`MIN_SECRET_BYTES`.
+        ValueError: not bytes, or fewer than 128 bits counted from its alphabet
+            (:mod:`elasticd.replication.secret_strength`).
     """
-    if not isinstance(secret, (bytes, bytearray)) or len(secret) < MIN_SECRET_BYTES:
-        raise ValueError(f"the replication secret must be at least {MIN_SECRET_BYTES} bytes")
+    if not isinstance(secret, (bytes, bytearray)):
+        raise ValueError("the replication secret must be bytes")
+    weak = weak_secret(secret)
+    if weak:
+        raise ValueError(f"the replication secret is too weak: {weak}")
     return bytes(secret)
 
 

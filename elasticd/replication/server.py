@@ -40,7 +40,6 @@ from elasticd.replication.api import (
     BAD_RANGE,
     NOT_FOUND,
     ConnectionLost,
-    Descriptor,
     Refused,
     Sink,
     TransferTimeout,
@@ -137,6 +136,9 @@ class ReplicaServer:
         # Connections still in their handshake (keyed by their thread).
         self._pending = Admission(max_pending, handshake_timeout)
         self._authenticated = 0
+        # When each authenticated peer was last heard from (wall time): a failed peer's last
+        # sign of life, for its recovery's timeline (cluster/timeline.py).
+        self._heard: dict[str, float] = {}
         self._stopping = False
         self._listener = socket.create_server((host, port),
                                               backlog=max_connections + max_pending)
@@ -321,9 +323,11 @@ class ReplicaServer:
                     return
                 except ConnectionLost:
                     return  # the peer hung up between requests: normal
+                self._hear(hello.node_id)
                 msg = channel.recv_message(header)
                 if isinstance(msg, PutBegin):
                     self._receive(channel, msg, hello.node_id)
+                    self._hear(hello.node_id)  # received whole: its last frame just came
                 elif isinstance(msg, Fetch):
                     self._serve_fetch(channel, msg, hello.max_frame, hello.node_id)
                 else:
@@ -387,6 +391,17 @@ class ReplicaServer:
                   self.node_id, d.owner_rank, d.version, peer_id, d.total_bytes,
                   self.clock.monotonic() - started)
         channel.send(Ack({"bytes": d.total_bytes}))
+
+    def _hear(self, node: str) -> None:
+        with self._lock:
+            if node not in self._heard and len(self._heard) >= 4 * self.max_connections:
+                self._heard.clear()  # bounded: node ids are the peers' own word
+            self._heard[node] = self.clock.wall()
+
+    def last_heard(self, node: str) -> float | None:
+        """When a frame from authenticated peer ``node`` last arrived (wall time), or None."""
+        with self._lock:
+            return self._heard.get(node)
 
     def serving(self) -> list[dict[str, Any]]:
         """The fetches being served now: peer, job, rank, version and seconds so far (a

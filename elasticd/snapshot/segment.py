@@ -236,8 +236,17 @@ class Segment:
             self.view.release()
             self._mm.close()
 
-    def destroy(self, dir_fd: int) -> None:
-        """Unlinks the file (its name relative to ``dir_fd``, the store's root) and unmaps it."""
+    def destroy(self, dir_fd: int, reclaim: bool = False) -> None:
+        """Unlinks the file (its name relative to ``dir_fd``, the store's root) and unmaps it.
+
+        Args:
+            reclaim: empty the file first, so that its pages go now even while a reader
+                still maps it (the reader's next access faults): for memory the daemon must
+                get back whatever the reader does. Nothing of the daemon may touch it after.
+        """
+        if reclaim and self._fd >= 0:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, 0)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.name, dir_fd=dir_fd)
         self.unmap()

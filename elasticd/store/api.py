@@ -32,6 +32,11 @@ class OverBudget(SlotStoreError):
         self.needed, self.held, self.cap = needed, held, cap
 
 
+class ScratchOverCap(OverBudget):
+    """A partial copy (or a reservation for one) would take a job's restore scratch over its
+    per-job cap (:mod:`elasticd.store.scratch`)."""
+
+
 class SlotBusy(SlotStoreError):
     """The only free slot is pinned by a reader (e.g. replication still sending it)."""
 

@@ -7,9 +7,12 @@ pages here, ~2 s per GiB on huge pages the host took back after idle
 (bench/results/first_touch.json), as much as the transfer itself. A restore often comes again
 soon (a round aborted and retried, a second failure while the job recovers), so a released
 segment is kept, its pages still touched, for ``keep`` seconds, for the same job only: it
-holds the bytes of the copy it held, which no other job may map. Kept segments count against
-the store's cap like live ones; the store lets them go first when a reservation needs the
-room, when the job leaves the node, and when they expire.
+holds the bytes of the copy it held, which no other job may map. :func:`prefill` sets such
+segments aside when a membership change is first seen, touched behind the detection and the
+rendezvous. Kept segments count against the job's scratch cap and the node's cap like live
+ones (:class:`~elasticd.store.scratch.ScratchAccounts` holds the pool); the store deletes
+them (emptied, as any dropped scratch) first when a partial copy, a booking or a slot needs
+the room, when the job leaves the node, and when they expire.
 
 Bookkeeping only: the store makes, maps and destroys the segments under its lock; this picks
 which one to reuse and which have expired.
@@ -18,6 +21,7 @@ which one to reuse and which have expired.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -73,28 +77,57 @@ class ScratchPool:
                       key=lambda entry: entry[1])
         return [s for s, _ in kept]
 
-    def pop_oldest(self) -> Any | None:
-        """The segment released longest ago, taken out; None when none is kept."""
-        entries = [(at, job, i) for job, kept in self._kept.items()
+    def pop_oldest(self, job: str | None = None) -> Any | None:
+        """The segment released longest ago (of ``job``, or of any job), taken out; None when
+        none is kept."""
+        entries = [(at, j, i) for j, kept in self._kept.items() if job in (None, j)
                    for i, (_, at) in enumerate(kept)]
         if not entries:
             return None
-        _, job, i = min(entries)
-        segment, _ = self._kept[job].pop(i)
-        if not self._kept[job]:
-            del self._kept[job]
+        _, j, i = min(entries)
+        segment, _ = self._kept[j].pop(i)
+        if not self._kept[j]:
+            del self._kept[j]
         return segment
 
-    def held(self) -> int:
-        """Bytes of the segments kept."""
-        return sum(s.capacity for kept in self._kept.values() for s, _ in kept)
+    def held(self, job: str | None = None) -> int:
+        """Bytes of the segments kept (for ``job``, or for every job)."""
+        return sum(s.capacity for j, kept in self._kept.items() if job in (None, j)
+                   for s, _ in kept)
+
+    def jobs(self) -> list[str]:
+        """The jobs some segment is kept for."""
+        return list(self._kept)
+
+
+def prefill(store: Any, job: str, sizes: list[int]) -> int:
+    """Sets scratch aside in ``store`` (a :class:`~elasticd.store.shm.SlotStore`) for a
+    restore of ``job`` expected soon (its membership changed): a segment of each size, kept
+    for the job as a released one is (counted against its cap and the node's), its pages
+    touched by a thread of its own, so that the restore's partial copies land in memory
+    touched while the cluster detects the failure and forms the new round. What does not fit
+    under the caps is left out. Returns the bytes set aside."""
+    from elasticd.store.api import OverBudget
+
+    made = []
+    for nbytes in sizes:
+        try:
+            made.append(store.scratch(nbytes, job=job))
+        except OverBudget as exc:
+            log.info("%s: no more scratch set aside for the next restore: %s", job, exc)
+            break
+    for segment in made:
+        store.drop_scratch(segment)  # kept for the job, pages not touched yet
+    if made:
+        threading.Thread(target=touch, args=(made,), daemon=True,
+                         name=f"elasticd-scratch-{job}").start()
+    return sum(s.capacity for s in made)
 
 
 def touch(segments: list[Any]) -> None:
-    """Faults every page of ``segments`` in (scratch set aside ahead of a restore, see
-    :meth:`SlotStore.prefill_scratch <elasticd.store.shm.SlotStore.prefill_scratch>`); a
-    segment deleted meanwhile, or a mount with no room left, ends it (the restore reserves
-    what it writes anyway)."""
+    """Faults every page of ``segments`` in (scratch set aside ahead of a restore,
+    :func:`prefill`); a segment deleted meanwhile, or a mount with no room left, ends it (the
+    restore reserves what it writes anyway)."""
     for segment in segments:
         try:
             segment.reserve_range(0, segment.capacity)

@@ -90,6 +90,7 @@ class CheckpointService(SnapshotOps, RestoreOps):
             collections.defaultdict(threading.Lock))
         self._jobs: collections.defaultdict[str, JobRecord] = collections.defaultdict(JobRecord)
         self._pins: dict[int, tuple[Callable[[], None], str, float]] = {}  # release, job, when
+        self._scratch_pins: dict[tuple[str, int, Any], int] = {}  # (job, rank, pid) -> pin
         self._next_pin = 0
         self.counters: collections.Counter[str] = collections.Counter()
         self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=100)
@@ -190,6 +191,9 @@ class CheckpointService(SnapshotOps, RestoreOps):
                     "persisted": persisted and list(persisted),
                     "progress": record.progress and list(record.progress),
                     "last_restore": record.last_restore,
+                    "scratch": {"bytes": self.store.scratch_held(job),
+                                "cap": self.store.job_scratch_cap,
+                                "refused": record.scratch_refused},
                 }
         return out
 
@@ -209,6 +213,8 @@ class CheckpointService(SnapshotOps, RestoreOps):
             skipped_busy_total=counters.get("skipped_busy", 0),
             skipped_commit_pending_total=counters.get("skipped_commit_pending", 0),
             refused_total=counters.get("refused", 0),
+            scratch_bytes=self.store.scratch_held(),
+            scratch_refused_total=counters.get("scratch_refused", 0),
             unprotected_jobs={reason: sum(job["unprotected_kind"] == reason
                                           for job in status.values()) for reason in REASONS},
             restores_total={s: counters.get(f"restores_{s}", 0) for s in RESTORE_SOURCES},

@@ -36,6 +36,7 @@ class JobRecord:
     # a rank opens them again after the fetch.
     fetched: set[tuple[int, int, int]] = dataclasses.field(default_factory=set)
     generation_started: int = -1
+    scratch_refused: int = 0  # partial copies refused over the job's scratch cap
 
 
 def param(msg: dict[str, Any], key: str, kind: type, default: Any = ...) -> Any:

@@ -16,7 +16,10 @@ pins its replies hold until ``ckpt_release`` or ``pin_ttl``.
   after a change of world size, :mod:`elasticd.recovery.ranges`) a shard not held here is
   fetched only in the blocks holding rows those boxes overlap, into a scratch segment that is
   not a snapshot of the store (``partial``: only those rows are valid), deleted at
-  ``ckpt_release``.
+  ``ckpt_release``. Scratch is bounded (:mod:`elasticd.store.scratch`): one live partial
+  copy per (job, rank) and caller (asking again gives the earlier one back first), and a
+  per-job byte cap, over which the fetch is refused with one line, counted
+  (``elasticd_scratch_refused_total``) and shown in ``/status`` (``scratch``).
 * ``ckpt_release`` pin → {}
 * ``ckpt_committed`` job → generation, step, ranks | committed: null (no replicator, nothing
   committed yet, or etcd unreadable)
@@ -30,7 +33,8 @@ import functools
 import logging
 from typing import Any, Callable
 
-from elasticd.store.api import SlotStoreError
+from elasticd.store.api import ScratchOverCap, SlotStoreError
+from elasticd.store.scratch_pool import prefill
 from elasticd.snapshot.format import SnapshotError
 from elasticd.store.service_records import call_hooks, param
 from elasticd.store.telemetry import RESTORE_SOURCES
@@ -150,6 +154,12 @@ class RestoreOps:
         if refused or not held:
             if self.replicator is None:
                 return {"lost": True, "reason": "not held here and no peer replication"}
+            caller = (job, rank, (msg.get("_peer") or {}).get("pid"))
+            if msg.get("need") is not None:  # one live partial copy per (job, rank) and caller
+                with self._lock:
+                    earlier = self._scratch_pins.pop(caller, None)
+                if earlier is not None:
+                    self._release({"pin": earlier})
             replica = self._open_replica(job, rank, version)
             if replica is not None:
                 return replica
@@ -158,6 +168,10 @@ class RestoreOps:
                                                         need=msg.get("need"))
             except ShardLost as exc:
                 return {"lost": True, "reason": str(exc)[:500]}
+            except ScratchOverCap as exc:
+                self._scratch_refused(job, exc)
+                raise RequestError(f"cannot fetch {job} rank {rank} step {version} here: "
+                                   f"{exc}") from exc
             except (SlotStoreError, SnapshotError, ValueError, OSError) as exc:  # no room, or torn
                 raise RequestError(f"cannot fetch {job} rank {rank} step {version} here: "
                                    f"{exc}") from exc
@@ -172,7 +186,7 @@ class RestoreOps:
                 log.info("%s rank %d step %s: the rows a new rank needs fetched from %s into "
                          "node %s (%d bytes on the wire)", job, rank, version, result.holder,
                          self.node_id, int(result.wire_bytes))
-                return self._hand_scratch(job, scratch, result)
+                return self._hand_scratch(caller, scratch, result)
             source, wire_bytes, holder = "peer", int(result.wire_bytes), result.holder
             just_fetched = True
             log.info("%s rank %d step %s fetched from %s into node %s (%d bytes on the wire)",
@@ -207,11 +221,15 @@ class RestoreOps:
                 "pin": pin, "source": "peer", "wire_bytes": 0, "holder": self.node_id,
                 "_fds": [fd]}
 
-    def _hand_scratch(self, job: str, scratch: Any, result: Any) -> dict[str, Any]:
-        """The reply for a partial copy (``ckpt_fetch`` with ``need``, see the module docstring)."""
+    def _hand_scratch(self, caller: tuple[str, int, Any], scratch: Any,
+                      result: Any) -> dict[str, Any]:
+        """The reply for a partial copy (``ckpt_fetch`` with ``need``, see the module
+        docstring) to ``caller`` (job, rank, pid)."""
         pin, fd = self._pin(functools.partial(scratch.descriptor, writable=False),
-                            functools.partial(self.store.drop_scratch, scratch), job,
+                            functools.partial(self.store.drop_scratch, scratch), caller[0],
                             "a partial copy")
+        with self._lock:
+            self._scratch_pins[caller] = pin
         return {"path": scratch.path, "offset": 0, "size": result.descriptor.total_bytes,
                 "pin": pin, "source": "peer", "partial": True,
                 "wire_bytes": int(result.wire_bytes), "holder": result.holder, "_fds": [fd]}
@@ -222,15 +240,16 @@ class RestoreOps:
         the rows a new rank needs of other old ranks' snapshots in scratch. Sets scratch aside
         now, one segment the size of each snapshot of ``job`` this node holds (a new rank's
         partial copies are about an old shard's size), its pages touched behind the
-        detection and the rendezvous (:meth:`SlotStore.prefill_scratch`). It counts against
-        the node's cap like any scratch from now on, and goes unused after
+        detection and the rendezvous (:func:`~elasticd.store.scratch_pool.prefill`). It
+        counts against the job's scratch cap (``scratch_cap_mib``) and the node's like any
+        scratch from now on (what does not fit is not set aside), and goes unused after
         ``scratch_pool.KEEP_SECONDS``. Returns the bytes set aside."""
         sizes = []
         for held_job, rank, _, _ in self.store.holdings():
             view = self.store.latest(held_job, rank) if held_job == job else None
             if view is not None:
                 sizes.append(view.header.layout.total_size)
-        return self.store.prefill_scratch(job, sizes) if sizes else 0
+        return prefill(self.store, job, sizes) if sizes else 0
 
     def undelivered(self, op: str, reply: dict[str, Any]) -> None:
         """The local API could not send ``reply`` to ``op`` (its worker went away while the
@@ -265,12 +284,26 @@ class RestoreOps:
             entry[0]()
         return {}
 
+    def _scratch_refused(self, job: str, exc: ScratchOverCap) -> None:
+        """A partial copy refused over ``job``'s scratch cap: counted; logged the first time
+        and every 100th (a worker that loops must not flood the log)."""
+        with self._lock:
+            record = self._jobs[job]
+            record.scratch_refused += 1
+            self.counters["scratch_refused"] += 1
+            count = record.scratch_refused
+        if count % 100 == 1:
+            log.error("REFUSED restore scratch on node %s (%d so far for %s): %s", self.node_id,
+                      count, job, exc)
+        self._emit("scratch_refused", job)
+
     def _sweep_pins(self, job: str | None = None) -> None:
         """Drops the pins older than ``pin_ttl`` (their worker died), or all of ``job``'s."""
         now = self.clock.monotonic()
         with self._lock:
             releases = [self._pins.pop(p)[0] for p, (_, j, t) in list(self._pins.items())
                         if (j == job if job is not None else now - t > self.pin_ttl)]
+            self._scratch_pins = {k: p for k, p in self._scratch_pins.items() if p in self._pins}
         for release in releases:
             release()
 

@@ -26,7 +26,6 @@ import threading
 import uuid
 from typing import Any, Callable
 
-
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.store.api import (
     CommitPending,
@@ -40,7 +39,8 @@ from elasticd.store.api import (
 from elasticd.snapshot.format import SnapshotError, SnapshotHeader, invalidate, seal, write_header
 from elasticd.snapshot.reader import verify_payload
 from elasticd.snapshot.segment import PAGE, Segment, map_fd, map_file
-from elasticd.store.scratch_pool import KEEP_SECONDS, ScratchPool, touch
+from elasticd.store.scratch import ScratchAccounts, ScratchReservation
+from elasticd.store.scratch_pool import KEEP_SECONDS
 from elasticd.store.snapshot_view import SnapshotView
 from elasticd.store.shm_root import claim_root, dir_problem, listdir_at, remove_at, same_file
 
@@ -69,24 +69,27 @@ class SlotStore:
     Args:
         root: directory for the slot files (created, mode 0700); one per node.
         cap_bytes: most bytes the slot files may take together; None for no cap.
+        job_scratch_cap: most bytes of restore scratch one job may hold (:meth:`scratch`);
+            None for no per-job cap.
         scratch_keep: seconds a released restore scratch segment stays, pages touched, for
             its job's next restore (:mod:`elasticd.store.scratch_pool`); 0: none stays.
         clock: times how long they stay.
     """
 
     def __init__(self, root: str, *, cap_bytes: int | None = None,
-                 scratch_keep: float = KEEP_SECONDS, clock: Clock | None = None):
+                 job_scratch_cap: int | None = None, scratch_keep: float = KEEP_SECONDS,
+                 clock: Clock | None = None):
         if cap_bytes is not None and cap_bytes < 0:
             raise ValueError(f"cap_bytes must be >= 0 or None, got {cap_bytes}")
         self.root, self.cap_bytes = os.path.abspath(root), cap_bytes
         self._clock = clock or SYSTEM_CLOCK
-        self._pool = ScratchPool(scratch_keep)  # released scratch, kept for its job
         self._fd = claim_root(self.root)
         self._pairs: dict[tuple[str, int], _Pair] = {}
         self._retained: dict[str, set[tuple[int, int]]] = {}  # job-wide (see retain)
         self._lock = threading.Lock()
         self._tickets = 0
-        self._scratch: dict[Segment, str] = {}  # partial copies handed to a restore, by job
+        # Partial copies for restores, and those kept for their job's next one.
+        self._scratch = ScratchAccounts(job_scratch_cap, scratch_keep)
         #: Called at each local seal with the slot's memory and its payload blocks' ranges;
         #: what it returns rides along as ``SnapshotView.tags`` (replication sets it: the
         #: block tags that spare a push the pass over the bytes, seal.py's BlockTags).
@@ -222,7 +225,8 @@ class SlotStore:
             fill = both and pair.segments[other] is None
             needed = (capacity if grow else 0) + (capacity if fill else 0)
             freed = current.capacity if grow and current is not None else 0
-            self._make_room(needed - freed)
+            self._destroy(self._scratch.make_room(None, needed - freed, self._held(),
+                                                  self.cap_bytes))
             held = self._held()
             if self.cap_bytes is not None and held - freed + needed > self.cap_bytes:
                 raise OverBudget(
@@ -246,35 +250,31 @@ class SlotStore:
             pair.reserved = index
             return Slot(job, rank, current.path, current.capacity, current.view, current.ticket)
 
-    def scratch(self, nbytes: int, *, job: str) -> Segment:
-        """A slot file outside every (job, rank), for a partial copy a restore of ``job`` reads
-        once (the rows of an old rank's snapshot a new rank needs): never a snapshot of this
-        store, counted against the cap until :meth:`drop_scratch`. Named
-        ``.scratch-<random>`` at the root, which :meth:`scan` removes after a crash (not a job
-        directory). Only sized: the caller reserves each range before writing it
-        (:meth:`Segment.reserve_range`), so a partial copy takes the memory of what it
-        holds, and the reserving runs beside the transfers. Its pages are small ones, even on
-        a mount that gives huge pages: a fresh huge page the host took back after idle costs
-        ~2 s per GiB at first touch, a small one ~0.5 (bench/results/first_touch.json); a
-        segment ``job`` released a moment ago is reused, its pages still touched.
+    def scratch(self, nbytes: int, *, job: str,
+                reservation: ScratchReservation | None = None) -> Segment:
+        """A slot file outside every (job, rank) for a partial copy a restore of ``job`` reads
+        once (:mod:`elasticd.store.scratch`), counted against the node's cap and ``job``'s
+        until :meth:`drop_scratch`; it takes over ``reservation``'s booked bytes. Named
+        ``.scratch-<random>`` at the root (:meth:`scan` removes it after a crash). Only sized:
+        the caller reserves each range before writing it (:meth:`Segment.reserve_range`), so
+        a copy takes the memory of what it holds, reserved beside the transfers. Its pages
+        are small ones even on a mount that gives huge pages (a fresh huge page the host took
+        back after idle costs ~2 s per GiB at first touch, a small one ~0.5,
+        bench/results/first_touch.json); one ``job`` released or set aside
+        (:mod:`~elasticd.store.scratch_pool`) a moment ago is reused, its pages touched.
 
         Raises:
-            OverBudget: the allocation would exceed ``cap_bytes`` (or the filesystem is full).
+            OverBudget: over the node's cap (or the filesystem is full); ScratchOverCap (a
+                subclass): over ``job``'s.
         """
-        if type(nbytes) is not int or nbytes <= 0:
-            raise ValueError(f"nbytes must be a positive integer, got {nbytes!r}")
-        self._dir(job, 0)
-        capacity = -(-nbytes // PAGE) * PAGE
+        capacity = -(-self._scratch_bytes(job, nbytes) // PAGE) * PAGE
         with self._lock:
             self._expire_scratch()
-            segment = self._pool.take(job, capacity)
+            segment = self._scratch.kept.take(job, capacity)
             if segment is None:
-                self._make_room(capacity)
-                held = self._held()
-                if self.cap_bytes is not None and held + capacity > self.cap_bytes:
-                    raise OverBudget(f"a partial copy of {nbytes} bytes does not fit: {held} of "
-                                     f"the {self.cap_bytes}-byte cap are held", capacity, held,
-                                     self.cap_bytes)
+                self._destroy(self._scratch.make_room(job, capacity, self._held(),
+                                                      self.cap_bytes, reservation))
+                self._scratch.check(job, capacity, self._held(), self.cap_bytes, reservation)
                 # Unique across daemons: a crashed one's leftover (removed by scan) never clashes.
                 name = f".scratch-{uuid.uuid4().hex[:16]}"
                 try:
@@ -282,40 +282,21 @@ class SlotStore:
                                                capacity, reserve=False, small_pages=True)
                 except OSError as exc:
                     raise OverBudget(f"cannot allocate {capacity} bytes in {self.root}: {exc}",
-                                     capacity, held, self.cap_bytes) from exc
-            self._scratch[segment] = job
+                                     capacity, self._held(), self.cap_bytes) from exc
+            self._scratch.booked.pop(reservation, None)  # type: ignore[arg-type]
+            self._scratch.segments[segment] = job
             return segment
 
     def drop_scratch(self, segment: Segment) -> None:
-        """Lets go of a :meth:`scratch` file: kept a while for its job's next restore
-        (:mod:`elasticd.store.scratch_pool`), else deleted (its pages go once no reader maps
-        them)."""
+        """Lets go of a :meth:`scratch` file: kept a while for its job's next restore, counted
+        against the job's cap (:mod:`~elasticd.store.scratch_pool`), else deleted, emptied
+        first: its memory comes back now even if a worker still maps it (its reads fault)."""
         with self._lock:
-            job = self._scratch.pop(segment, None)
-            if job is not None and not self._pool.put(job, segment, self._clock.monotonic()):
-                segment.destroy(self._fd)
+            job = self._scratch.segments.pop(segment, None)
+            if job is not None and not self._scratch.kept.put(job, segment,
+                                                              self._clock.monotonic()):
+                self._destroy([segment])
             self._expire_scratch()
-
-    def prefill_scratch(self, job: str, sizes: list[int]) -> int:
-        """Sets scratch aside for a restore of ``job`` expected soon (its membership changed):
-        a segment of each size, kept for the job as a released one would be, its pages
-        touched by a thread of its own, so that the restore's partial copies land in memory
-        touched while the cluster was detecting the failure and forming the new round. What
-        does not fit under the cap is left out. Returns the bytes set aside."""
-        made = []
-        for nbytes in sizes:
-            try:
-                segment = self.scratch(nbytes, job=job)
-            except OverBudget as exc:
-                log.info("%s: no scratch set aside for the next restore: %s", job, exc)
-                break
-            made.append(segment)
-        for segment in made:
-            self.drop_scratch(segment)  # kept for the job, pages not touched yet
-        if made:
-            threading.Thread(target=touch, args=(made,), daemon=True,
-                             name=f"elasticd-scratch-{job}").start()
-        return sum(s.capacity for s in made)
 
     def sweep_scratch(self) -> None:
         """Deletes the released scratch segments kept past their time (called periodically)."""
@@ -323,17 +304,47 @@ class SlotStore:
             self._expire_scratch()
 
     def _expire_scratch(self) -> None:
-        for segment in self._pool.expired(self._clock.monotonic()):
-            segment.destroy(self._fd)
+        self._destroy(self._scratch.kept.expired(self._clock.monotonic()))
 
-    def _make_room(self, needed: int) -> None:
-        """Deletes kept scratch segments, oldest first, until ``needed`` more bytes fit under
-        the cap (or none is left): memory held for a next restore is the first to go."""
-        while self.cap_bytes is not None and self._held() + needed > self.cap_bytes:
-            segment = self._pool.pop_oldest()
-            if segment is None:
-                return
-            segment.destroy(self._fd)
+    def _destroy(self, segments: list[Segment]) -> None:
+        for segment in segments:  # emptied first: see drop_scratch
+            segment.destroy(self._fd, reclaim=True)
+
+    def reserve_scratch(self, job: str, nbytes: int) -> ScratchReservation:
+        """Books ``nbytes`` of ``job``'s scratch cap and of the node's cap for a partial copy
+        not made yet: it counts against both from now until it is handed to :meth:`scratch`
+        (``reservation=``) or released (:meth:`ScratchReservation.release`).
+
+        Raises:
+            OverBudget: over the node's cap; ScratchOverCap: over ``job``'s.
+        """
+        self._scratch_bytes(job, nbytes)
+        with self._lock:
+            self._destroy(self._scratch.make_room(job, nbytes, self._held(), self.cap_bytes))
+            self._scratch.check(job, nbytes, self._held(), self.cap_bytes)
+            booking = ScratchReservation(job, nbytes, self._unbook)
+            self._scratch.booked[booking] = None
+            return booking
+
+    def _scratch_bytes(self, job: str, nbytes: int) -> int:
+        self._dir(job, 0)
+        if type(nbytes) is not int or nbytes <= 0:
+            raise ValueError(f"nbytes must be a positive integer, got {nbytes!r}")
+        return nbytes
+
+    def _unbook(self, booking: ScratchReservation) -> None:
+        with self._lock:
+            self._scratch.booked.pop(booking, None)
+
+    @property
+    def job_scratch_cap(self) -> int | None:
+        """Most bytes of scratch one job may hold here (None: no per-job cap)."""
+        return self._scratch.job_cap
+
+    def scratch_held(self, job: str | None = None) -> int:
+        """Bytes of scratch and scratch bookings held (for ``job``, or for every job)."""
+        with self._lock:
+            return self._scratch.held(job)
 
     def _stays(self, job: str, pair: _Pair, index: int) -> bool:
         """Whether slot ``index`` holds a complete copy that must not be overwritten (call with
@@ -459,7 +470,7 @@ class SlotStore:
 
     def _held(self) -> int:
         return (sum(s.capacity for p in self._pairs.values() for s in p.segments if s is not None)
-                + sum(s.capacity for s in self._scratch) + self._pool.held())
+                + self._scratch.held())
 
     def bytes_held(self) -> int:
         """Bytes of slot files this store holds."""
@@ -493,8 +504,7 @@ class SlotStore:
         with self._lock:
             self._retained.pop(job, None)
             self._drop([k for k in self._pairs if k[0] == job])
-            for segment in self._pool.drain(job):  # scratch kept for its next restore
-                segment.destroy(self._fd)
+            self._destroy(self._scratch.kept.drain(job))  # kept for its next restore
             shutil.rmtree(job, ignore_errors=True, dir_fd=self._fd)
 
     def close(self, *, unlink: bool = True) -> None:
@@ -506,9 +516,9 @@ class SlotStore:
             for seg in (s for p in self._pairs.values() for s in p.segments if s is not None):
                 seg.unmap()
             self._pairs.clear()
-            for seg in [*self._scratch, *self._pool.drain()]:  # never outlive the daemon
-                seg.destroy(self._fd)
-            self._scratch.clear()
+            # Partial copies never outlive the daemon.
+            self._destroy([*self._scratch.segments, *self._scratch.kept.drain()])
+            self._scratch.segments.clear()
             fd, self._fd = self._fd, -1
         if fd < 0:
             return

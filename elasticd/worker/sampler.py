@@ -36,11 +36,19 @@ Every use pattern of ``DistributedSampler`` works; the differences:
   ``DataLoader`` from ``batch_size`` (a custom ``batch_sampler`` wrapping this sampler is counted
   by the indices drawn, which prefetching runs ahead of).
 
+"Every sample once" needs the dataset to come out the same after a restart: the same samples
+in the same order (the position is an index into it). A split drawn at random without a seed
+(minGPT's ``random_split(dataset, ...)``) puts other samples in the training set on every start.
+The sampler checks what it cheaply can: given a split (a ``Subset``, which ``random_split``
+returns, possibly nested), it keeps a fingerprint of the indices it selects in its state, and a
+restore into a sampler over another split logs a warning naming the fix (a seeded generator).
+
 Put the sampler in the checkpointed state; create it after ``init_process_group``. Worker side.
 """
 
 from __future__ import annotations
 
+import array
 import logging
 import math
 import sys
@@ -48,6 +56,7 @@ import weakref
 from typing import Any, Iterator
 
 import torch
+import xxhash
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +67,9 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
     """Indices of one rank's share of the rest of the current epoch.
 
     Args:
-        dataset: the dataset (anything with ``len()``) or its length.
+        dataset: the dataset, as ``DistributedSampler`` takes it (anything with ``len()``; a
+            split such as ``random_split``'s is checked at restore: module docstring), or its
+            length when the dataset is not at hand.
         num_replicas: world size; defaults to torch.distributed's (1 without a group).
         rank: this rank; defaults to torch.distributed's (0 without a group).
         shuffle: a fresh permutation per epoch (else 0..n-1 in order).
@@ -82,6 +93,7 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
                              "give one of them")
         self.dataset_len, self.shuffle, self.seed, self.drop_last, self.pad = (
             n, shuffle, seed, drop_last, pad)
+        self.split = split_fingerprint(dataset)
         self._rank, self._world = rank, num_replicas if num_replicas is not None else world_size
         self.epoch = 0
         self._start = 0  # where this process's pass over the epoch starts (0, or restored)
@@ -133,7 +145,7 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
                            "sampler.set_epoch(epoch) before each epoch's loop")
             self._restored = None
         return {"epoch": self.epoch, "consumed": position, "seed": self.seed,
-                "dataset_len": self.dataset_len, "shuffle": self.shuffle}
+                "dataset_len": self.dataset_len, "shuffle": self.shuffle, "split": self.split}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores the position.
@@ -147,6 +159,14 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
                 raise ValueError(f"sampler state has {key}={state[key]!r}, this sampler "
                                  f"{getattr(self, key)!r}: build the sampler as the job "
                                  "that saved it did")
+        saved = state.get("split")
+        if isinstance(saved, str) and saved and self.split and saved != self.split:
+            self._warn("split", "ElasticSampler: this dataset split selects other samples than "
+                       "the one the checkpoint was saved with, so the restored position no "
+                       "longer means 'every sample once' (samples of the old training split "
+                       "are now trained, or skipped). A split drawn at random must be seeded: "
+                       "random_split(dataset, sizes, "
+                       "generator=torch.Generator().manual_seed(0))")
         self.epoch = int(state["epoch"])
         self._new_pass(min(self.dataset_len, int(state["consumed"])))
         self._restored, self._serve_rest = self._start, False
@@ -336,6 +356,20 @@ def _watch(loader_iter: Any, it: _Iterator) -> bool:
 
     loader_iter._next_data = _next_data
     return True
+
+
+def split_fingerprint(dataset: Any) -> str:
+    """Which samples a split selects (a ``Subset``'s indices, nested ones in turn): a hash, or
+    "" for anything else (a whole dataset, a length): nothing to check."""
+    h, found = xxhash.xxh64(), False
+    while isinstance(dataset, torch.utils.data.Subset):
+        indices = dataset.indices
+        if isinstance(indices, torch.Tensor):
+            indices = indices.tolist()
+        h.update(array.array("q", indices).tobytes())
+        h.update(b"|")
+        dataset, found = dataset.dataset, True
+    return h.hexdigest() if found else ""
 
 
 def _length(dataset: Any) -> int:

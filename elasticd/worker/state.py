@@ -20,6 +20,7 @@ and plain values. Worker side: imports torch.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import math
@@ -186,6 +187,10 @@ class _Flattener:
     def _add(self, path: str, tensor: torch.Tensor) -> int:
         if tensor.layout != torch.strided or tensor.is_quantized:
             raise UnsupportedValue(f"{path}: only dense tensors can be snapshotted ({tensor.layout})")
+        if tensor.is_meta:  # no data: a model built on the meta device and never materialised
+            raise UnsupportedValue(f"{path}: on the meta device (no data): give the model real "
+                                   "storage (model.to_empty(device=...)) and initialise it "
+                                   "before restore and save (docs/worker-api.md)")
         if tensor.dtype not in _KNOWN_DTYPES:  # checked once per dtype: flatten runs every step
             spec_of(path, tensor)  # raises for a dtype the format does not know
             _KNOWN_DTYPES.add(tensor.dtype)
@@ -402,8 +407,7 @@ class _Unflattener:
                 raise StateError("dict node with unequal keys and values")
             cls = collections.OrderedDict if tag == "odict" else dict
             decoded = [self.decode(k) for k in keys]
-            lives = [_live_at(live, k) for k in decoded]
-            out = cls((k, self.decode(v, lv)) for k, v, lv in zip(decoded, values, lives))
+            out = cls((k, self.decode(v, _live_at(live, k))) for k, v in zip(decoded, values))
             if "meta" in node:
                 out._metadata = self.decode(node["meta"])  # type: ignore[attr-defined]
             return out
@@ -432,10 +436,8 @@ class _Unflattener:
 
 def _live_at(live: Any, key: Any) -> Any:
     """``live[key]`` when ``live`` is a mapping holding it, else None."""
-    try:
+    with contextlib.suppress(TypeError):  # an unhashable key
         return live.get(key) if isinstance(live, Mapping) else None
-    except TypeError:  # an unhashable key
-        return None
 
 
 def _objects(tensors: list[torch.Tensor], meta: Mapping[str, Any],
@@ -507,10 +509,8 @@ def load_into(state: MutableMapping[str, Any], tensors: list[torch.Tensor],
 
     def live(key: str) -> Any:  # state[key]'s state dict: its very tensors
         target = state.get(key) if base_views else None
-        try:
+        with contextlib.suppress(Exception):  # an optimisation: else new tensors are made
             return target.state_dict() if _kind(target) in ("module", "optimizer") else None
-        except Exception:  # noqa: BLE001 — an optimisation: new tensors are made instead
-            return None
 
     objects = _objects(tensors, meta, dtensor, live)
     saved = [key for key, _, _ in objects]

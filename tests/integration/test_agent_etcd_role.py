@@ -142,3 +142,63 @@ def test_a_job_rendezvouses_on_an_etcd_with_authentication(auth_etcd, tmp_path):
             assert ROOT["password"].encode() not in b"".join(environ)  # not the daemon's
     finally:
         cluster.stop()
+
+
+def _spec(name: str, tmp_path) -> JobSpec:
+    return JobSpec(name=name, nnodes_min=1, nnodes_max=1, nproc_per_node=1, script=TRAIN,
+                   args=[], script_sha256="0" * 64, user="nobody", cwd=str(tmp_path))
+
+
+@pytest.mark.timeout(60)
+def test_job_and_node_names_with_dots_no_longer_share_an_agent_user(auth_etcd, tmp_path):
+    """Issue 26, finding 4: job ``a.b`` on node ``c`` and job ``a`` on node ``b.c`` were one
+    etcd user (``elasticd-agent.<tag>.a.b.c``): the second issue reset the first agent's
+    password, the user held both jobs' roles, and the first job to end deleted it."""
+    keys = Keyspace("/elasticd")
+    root = client(auth_etcd, **ROOT)
+    on_c = AgentCredentials(root, keys, "c", str(tmp_path / "c"))
+    on_bc = AgentCredentials(root, keys, "b.c", str(tmp_path / "bc"))
+    for node in ("c", "b.c"):
+        root.put(keys.node(node), b"node record")
+    conf_ab, env_ab = on_c.issue(_spec("a.b", tmp_path))
+    conf_a, env_a = on_bc.issue(_spec("a", tmp_path))
+    assert conf_ab["user"] != conf_a["user"]
+    agents = [client(auth_etcd, user=conf_ab["user"], password=env_ab[PASSWORD_ENV]),
+              client(auth_etcd, user=conf_a["user"], password=env_a[PASSWORD_ENV])]
+    try:
+        ab, a = agents
+        ab.put(keys.job_rdzv("a.b") + b"state", b"1")  # its password was not reset
+        a.put(keys.job_rdzv("a") + b"state", b"1")
+        with pytest.raises(AuthError):  # and it holds its own job's role only
+            ab.put(keys.job_rdzv("a") + b"state", b"x")
+        with pytest.raises(AuthError):
+            a.put(keys.job_rdzv("a.b") + b"state", b"x")
+        on_c.withdraw("a.b")  # the first job to end takes its own user only
+        a.put(keys.job_rdzv("a") + b"state", b"2")
+        with pytest.raises(AuthError):
+            ab.get(keys.job_rdzv("a.b") + b"state")
+    finally:
+        for agent in agents:
+            agent.close()
+        root.close()
+
+
+@pytest.mark.timeout(60)
+def test_agent_users_under_the_old_names_are_deleted_unless_another_node_may_own_them(
+        auth_etcd, tmp_path):
+    keys = Keyspace("/elasticd")
+    root = client(auth_etcd, **ROOT)
+    creds = AgentCredentials(root, keys, "c", str(tmp_path / "c"))
+    old = f"elasticd-agent.{creds.tag}."
+    for node in ("c", "b.c"):
+        root.put(keys.node(node), b"node record")
+    for user in ("j.c", "gone.c", "a.b.c", "j.d"):  # a.b.c: may be job a on live node b.c
+        etcdctl(auth_etcd.members[0].endpoint, "--user", "root:" + ROOT["password"], "user",
+                "add", old + user, "--new-user-password", "pw")
+    conf, _ = creds.issue(_spec("j", tmp_path))
+    users = set(etcdctl(auth_etcd.members[0].endpoint, "--user", "root:" + ROOT["password"],
+                        "user", "list").split())
+    assert conf["user"] == old + "j@c" and conf["user"] in users
+    assert old + "j.c" not in users and old + "gone.c" not in users  # this node's: deleted
+    assert old + "a.b.c" in users and old + "j.d" in users  # maybe another's; another's
+    root.close()

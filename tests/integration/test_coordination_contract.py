@@ -86,6 +86,21 @@ class CoordinatorContract:
         assert ok and rev > cur
         assert coord.get(key) is None and coord.get(key + b"2").value == b"y"
 
+    def test_create_revision_compare_fails_once_the_key_was_re_created(self, coord, prefix):
+        # etcd's election recipe: a leader's write compares its key's create_revision.
+        key, target = (prefix + "/leader").encode(), (prefix + "/guarded").encode()
+        assert coord.create(key, b"me")
+        created = coord.get(key).create_revision
+        coord.put(key, b"me again")  # a rewrite keeps the create_revision
+        ok, _ = coord.transaction([Compare(key, created, "create")], [Put(target, b"1")])
+        assert ok and coord.get(target).value == b"1"
+        coord.delete(key)
+        assert coord.create(key, b"someone else")
+        ok, _ = coord.transaction([Compare(key, created, "create")], [Put(target, b"2")])
+        assert not ok and coord.get(target).value == b"1"
+        with pytest.raises(ValueError, match="target"):
+            Compare(key, 1, "version")
+
     def test_lost_lease_deletes_keys_and_is_reported(self, coord, ctl, prefix):
         key = (prefix + "/leased").encode()
         lease = coord.grant_lease(2)
@@ -104,8 +119,10 @@ class CoordinatorContract:
 
     def test_revoke_deletes_bound_keys_with_prev_in_watch(self, coord, prefix):
         p = (prefix + "/w/").encode()
-        got = Collector()
-        w = coord.watch_prefix(p, got, coord.revision() + 1)
+        got, plain = Collector(), Collector()
+        start = coord.revision() + 1
+        w = coord.watch_prefix(p, got, start, prev_kv=True)
+        w2 = coord.watch_prefix(p, plain, start)
         try:
             lease = coord.grant_lease(10)
             coord.put(p + b"n", b"rec", lease)
@@ -115,8 +132,12 @@ class CoordinatorContract:
             assert put.type is EventType.PUT and put.kv.value == b"rec"
             assert delete.type is EventType.DELETE and delete.prev.value == b"rec"
             assert delete.prev.lease == lease
+            # Without prev_kv etcd reads no previous value (and the fake hands none).
+            plain.wait(lambda c: len(c.events()) >= 2)
+            assert [e.prev for e in plain.events()[:2]] == [None, None]
         finally:
             w.cancel()
+            w2.cancel()
 
     def test_watch_replays_from_start_revision(self, coord, prefix):
         p = (prefix + "/r/").encode()

@@ -87,7 +87,7 @@ def test_history_pretty_columns_hold_what_json_holds(etcd, etcd_client, prefix):
     for line, row in zip(lines[1:], doc):
         for i, (head, key) in enumerate(EVENT_TABLE.columns):
             value = row[key]
-            want = ("-" if value is None else f"{value:.1f}" if isinstance(value, float)
+            want = ("-" if value is None else f"{value:.2f}" if isinstance(value, float)
                     else str(value))
             assert cell(line, i) == want, (head, line, row)
             filled += head in ("DETECT S", "SOURCE", "RESTORE S", "RECOVERY S", "LOST") \
@@ -187,7 +187,7 @@ def _readme_examples() -> list[list[str]]:
     """The commands of README's elasticctl block, as argv lists (comments dropped)."""
     with open(os.path.join(REPO, "README.md")) as fh:
         text = fh.read()
-    block = text.split("\n## elasticctl\n", 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
+    block = text.split("\n### elasticctl\n", 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
     return [line.split("#", 1)[0].split()[1:] for line in block.splitlines()
             if line.startswith("elasticctl ")]
 

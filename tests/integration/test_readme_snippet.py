@@ -1,4 +1,4 @@
-"""The README's "Checkpoints from a training script" snippet, extracted from README.md (so the two
+"""The README's "What to change in your script" snippet, extracted from README.md (so the two
 cannot drift), is a complete script that makes a job protected by itself: it calls nothing of
 elasticd but the Checkpointer, the sampler and RNGState (no progress()), and as a daemon-run job
 on 3 nodes with replication, kill -9 of the node holding rank 0 makes the survivors restore the
@@ -24,7 +24,7 @@ ALLOWED_CALLS = {"restore", "save", "close"}  # on the Checkpointer
 
 def readme_snippet() -> str:
     text = open(os.path.join(REPO, "README.md")).read()
-    section = text.split("## Checkpoints from a training script", 1)[1]
+    section = text.split("### What to change in your script", 1)[1]
     m = re.search(r"```python\n(.*?)```", section, re.S)
     assert m, "no python block in the README's checkpoint section"
     return m.group(1)

@@ -27,7 +27,8 @@ from torch.distributed.elastic.rendezvous.api import (
 from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endpoints
 from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
 from elasticd.coordination.rendezvous import BACKEND_NAME
-from elasticd.coordination.rendezvous_handler import EtcdNativeRendezvousHandler, create_handler
+from elasticd.rendezvous.handler import EtcdNativeRendezvousHandler, create_handler
+from elasticd.rendezvous.records import RoundRecord
 
 TIMEOUT = 20.0
 
@@ -40,7 +41,7 @@ class Cluster:
         self.store = MemoryStore()
         self.run_id = f"r-{uuid.uuid4().hex[:8]}"
         self.handlers: list[EtcdNativeRendezvousHandler] = []
-        self.pool = concurrent.futures.ThreadPoolExecutor(8)
+        self.pool = concurrent.futures.ThreadPoolExecutor(16)
 
     def connect(self):
         if self.kind == "memory":
@@ -88,6 +89,17 @@ def wait_until(predicate, what: str, timeout: float = TIMEOUT) -> None:
 
 def results(futures):
     return [f.result(timeout=TIMEOUT) for f in futures]
+
+
+def sees_outsiders(handler, count: int = 1) -> bool:
+    """Whether ``handler``'s copy of the closer's summary counts ``count`` outsiders."""
+    waiting = handler._control.waiting
+    return waiting is not None and waiting.outsiders >= count
+
+
+def has_record(handler, of) -> bool:
+    """Whether ``of``'s join record is in etcd, read through ``handler``'s connection."""
+    return handler._coord.get(of._node_key()) is not None
 
 
 def test_two_nodes_meet_share_a_store_and_learn_the_workers_bootstrap_address(cluster):
@@ -215,7 +227,7 @@ def test_a_member_fenced_after_the_round_closed_ends_the_others_rank_assignment_
 def test_the_join_gate_runs_before_the_node_record_is_written(cluster):
     a = cluster.node(1, 1)
     seen = []
-    a.join_gate = lambda: seen.append(a.me in a._mirror.nodes)
+    a.join_gate = lambda: seen.append(has_record(a, a))
     results(cluster.join(a))
     assert seen == [False]
 
@@ -227,7 +239,7 @@ def test_shutdown_removes_the_node_and_closes_unless_failing_and_restartable(clu
         raise RuntimeError("the agent fails")
     except RuntimeError:
         assert b.shutdown() is True
-    wait_until(lambda: b.me not in a._mirror.nodes, "b's record is gone")
+    wait_until(lambda: not has_record(a, b), "b's record is gone")
     assert not a.is_closed()
     assert a.shutdown() is True
     watcher = cluster.node(1, 2)
@@ -242,7 +254,7 @@ def test_join_timeout_and_a_foreign_round_record_are_reported(cluster):
     bad = cluster.node(1, 1)
     coord = cluster.connect()
     try:
-        coord.put(bad._mirror.round_key, b"\x80\x04pickle")
+        coord.put(bad._control.round_key, b"\x80\x04pickle")
         with pytest.raises(RendezvousStateError, match="not JSON"):
             bad.next_rendezvous()
     finally:
@@ -272,8 +284,8 @@ def test_with_grow_at_failure_a_newcomer_waits_silently_and_enters_at_the_next_f
     results(cluster.join(a, b))
     d = cluster.node(1, 3, grow="at-failure")
     pending = cluster.join(d)
-    wait_until(lambda: d.me in a._mirror.nodes and d.me in b._mirror.nodes,
-               "the members see the newcomer's record")
+    wait_until(lambda: sees_outsiders(a) and sees_outsiders(b),
+               "the members see the newcomer waiting outside")
     assert a.num_nodes_waiting() == b.num_nodes_waiting() == 0  # no stop to let it in
     assert not pending[0].done()
     b.stop()  # the next failure: the newcomer enters the round that forms for it anyway
@@ -294,8 +306,8 @@ def test_with_grow_interval_a_newcomer_enters_only_after_the_interval_at_a_commi
     closed_at = time.monotonic()
     c = cluster.node(1, 4, grow=grow)
     pending = cluster.join(c)
-    wait_until(lambda: c.me in a._mirror.nodes and c.me in b._mirror.nodes,
-               "the members see the newcomer's record")
+    wait_until(lambda: sees_outsiders(a) and sees_outsiders(b),
+               "the members see the newcomer waiting outside")
     assert a.num_nodes_waiting() == b.num_nodes_waiting() == 0  # within the interval
     assert time.monotonic() - closed_at < 1.8, "the check above came too late to mean much"
     time.sleep(max(0.0, closed_at + 1.9 - time.monotonic()))
@@ -307,7 +319,87 @@ def test_with_grow_interval_a_newcomer_enters_only_after_the_interval_at_a_commi
     # That round grew the job: the interval starts again for the next newcomer.
     d = cluster.node(1, 4, grow=grow)
     pending = cluster.join(d)
-    wait_until(lambda: d.me in a._mirror.nodes, "a sees the next newcomer")
+    wait_until(lambda: sees_outsiders(a), "a sees the next newcomer")
     assert a.num_nodes_waiting() == 0
     wait_until(lambda: a.num_nodes_waiting() == 1, "the next interval ends")
     results(cluster.join(a, b, c) + pending)
+
+
+def closer_of(handlers):
+    """The handler holding the closer's key (None: nobody yet)."""
+    return next((h for h in handlers if h._closer is not None), None)
+
+
+def test_only_the_closer_follows_the_node_records_the_others_see_a_few_events_a_round(
+        cluster):
+    nodes = [cluster.node(10, 10) for _ in range(10)]
+    results(cluster.join(*nodes))
+    leader = closer_of(nodes)
+    assert leader is not None and sum(h._closer is not None for h in nodes) == 1
+    others = [h for h in nodes if h is not leader]
+    before = [h.control_events for h in others]
+    closer_before = leader._closer.events
+    # the others only the control keys: a re-rendezvous of all ten costs each one
+    # summary (someone rejoins) and the round record, not ten events.
+    infos = results(cluster.join(*nodes))
+    assert {i.world_size for i in infos} == {10}
+    wait_until(lambda: all(h._control.round.round == 1 for h in nodes), "all see round 1")
+    assert leader._closer.events - closer_before >= 10  # the closer saw every rejoin ...
+    assert all(h.control_events - b <= 4 for h, b in zip(others, before)), \
+        [h.control_events - b for h, b in zip(others, before)]
+    assert [h._closer for h in others] == [None] * len(others)
+
+
+def test_a_dead_closer_is_replaced_and_the_round_re_forms_without_it(cluster):
+    nodes = [cluster.node(1, 4) for _ in range(4)]
+    infos = dict(zip(nodes, results(cluster.join(*nodes))))
+    leader = closer_of(nodes)
+    leader.stop()  # its lease goes, and its election key with it
+    rest = [h for h in nodes if h is not leader]
+    got = results(cluster.join(*rest))
+    assert sorted(i.rank for i in got) == [0, 1, 2] and {i.world_size for i in got} == {3}
+    successor = closer_of(rest)
+    assert successor is not None
+    # The turns go by rank: the lowest surviving rank took the key.
+    assert infos[successor].rank == min(infos[h].rank for h in rest)
+
+
+def test_a_deposed_closer_cannot_write_the_round(cluster):
+    a, b = cluster.node(1, 2), cluster.node(1, 2)
+    results(cluster.join(a, b))
+    leader = closer_of((a, b))
+    stale = leader._closer
+    coord = cluster.connect()
+    try:
+        # The closer's lease expired and someone else holds the key now (both handlers stop
+        # first: their elections would race this test's create).
+        a.stop()
+        b.stop()
+        assert coord.create(leader._control.closer_key, b"someone-else")
+        ok, _ = stale._guarded(leader._control.round_key, None,
+                               RoundRecord(7, ("x",)).encode())
+        assert not ok
+        assert RoundRecord.decode(coord.get(leader._control.round_key).value).round == 0
+    finally:
+        coord.close()
+
+
+def test_an_agent_of_the_old_protocol_is_refused_with_the_upgrade_named(cluster, caplog):
+    a = cluster.node(1, 2)
+    coord = cluster.connect()
+    try:
+        # An elasticd 0.1.0 agent's join record (protocol 1) is not counted ...
+        old = a._control.nodes_prefix + b"old-agent"
+        coord.put(old, b'{"v":1,"node":"old-agent","target":0,"addr":"h"}')
+        with caplog.at_level("WARNING", logger="elasticd.rendezvous.handler"):
+            info = results(cluster.join(a))[0]
+        assert info.world_size == 1
+        assert any("protocol 1, this elasticd speaks 2: run the same elasticd release"
+                   in r.getMessage() for r in caplog.records)
+        # ... and a round an old agent closed stops a new one with the same one line.
+        coord.put(a._control.round_key, b'{"v":1,"round":0,"members":["old-agent"]}')
+        late = cluster.node(1, 2)
+        with pytest.raises(RendezvousStateError, match="protocol 1.*upgrade every node"):
+            late.next_rendezvous()
+    finally:
+        coord.close()

@@ -24,8 +24,8 @@ from elasticd.coordination.api import AuthError, Unavailable
 from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endpoints
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
-from elasticd.coordination.rendezvous_grace import EtcdUnavailableError, OutageGrace
-from elasticd.coordination.rendezvous_store import EtcdV3Store
+from elasticd.rendezvous.grace import EtcdUnavailableError, OutageGrace
+from elasticd.rendezvous.store import EtcdV3Store
 
 RUN_ID = "job-1"
 

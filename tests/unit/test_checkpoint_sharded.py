@@ -262,7 +262,7 @@ def _tier_rank_main(rank, world, port, sock, persist_dir, out_dir, phase):
         # the names get_state_dict gives them. The param groups (no tensors) are not in the
         # files, hence allow_partial_load; comparing every tensor with the reference shows
         # nothing else was left out (a fresh Adam's state is zeros).
-        # The README's snippet itself, as a stranger would paste it (only the directory
+        # The documented snippet itself, as a stranger would paste it (only the directory
         # filled in), on a fresh model and optimizer.
         from elasticd.persistence.tier import Tier
 
@@ -270,7 +270,7 @@ def _tier_rank_main(rank, world, port, sock, persist_dir, out_dir, phase):
         snippet = _readme_dcp_snippet().replace(
             '"<persist-dir>/<job>/step-<generation>-<step>"',
             repr(Tier(persist_dir).step_dir("j", (0, 3))))
-        exec(compile(snippet, "README.md", "exec"), {"model": hf_model, "optimizer": hf_opt})
+        exec(compile(snippet, "docs/worker-api.md", "exec"), {"model": hf_model, "optimizer": hf_opt})
         assert not _local(hf_model, hf_opt)["optim/0.weight/exp_avg"].eq(0).all()
         want = _local(ref_model, ref_opt)
         assert want and all(v.numel() for k, v in want.items() if "/step" not in k), want.keys()
@@ -281,13 +281,14 @@ def _tier_rank_main(rank, world, port, sock, persist_dir, out_dir, phase):
 
 
 def _readme_dcp_snippet() -> str:
-    """The README's snippet loading the persistent tier with torch's own reader."""
+    """docs/worker-api.md's snippet loading the persistent tier with torch's own reader."""
     import re
 
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S)
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs",
+                            "worker-api.md")).read()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", doc, re.S)
               if "HuggingFaceStorageReader" in b]
-    assert len(blocks) == 1, "the README has one snippet loading the tier with DCP"
+    assert len(blocks) == 1, "docs/worker-api.md has one snippet loading the tier with DCP"
     return blocks[0]
 
 
@@ -391,3 +392,76 @@ def test_chunks_follow_torch_chunk_and_assembly_covers_every_element():
     assert torch.equal(got, full[3:5])
     with pytest.raises(ShardMismatch, match="hold 7 of the 14"):
         Resharder._assemble("w", ((3, 0), (2, 7)), chunks[2:], torch.float32)
+
+
+def _worker_api_snippet(heading: str) -> str:
+    """The first python block under ``heading`` in docs/worker-api.md."""
+    import re
+
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs",
+                            "worker-api.md")).read()
+    section = doc.split(heading, 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+class _MetaModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(a, b) for a, b in zip(DIMS, DIMS[1:]))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _meta_rank_main(rank, world, port, sock, out_dir, phase):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import elasticd
+    from elasticd.worker.client import DaemonClient
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        torch.manual_seed(0 if phase == "first" else 99)  # another init: restore must win
+        ckpt = Checkpointer(transport=DaemonClient(sock), job="meta", rank=rank,
+                            world_size=world)
+        scope = {"torch": torch, "fully_shard": fully_shard, "elasticd": elasticd,
+                 "build_model": _MetaModel, "device": "cpu", "ckpt": ckpt,
+                 "sampler": elasticd.ElasticSampler(64)}
+        if phase == "first":  # a model left on the meta device is refused, with the fix
+            with torch.device("meta"):
+                bare = _MetaModel()
+            with pytest.raises(UnsupportedValue, match="meta device.*to_empty"):
+                ckpt.save(1, {"model": bare})
+        exec(compile(_worker_api_snippet("### FSDP2 with meta-device initialisation"),
+                     "docs/worker-api.md", "exec"), scope)
+        model, optim, state, step = (scope[k] for k in ("model", "optim", "state", "step"))
+        assert all(not p.is_meta for p in model.parameters())
+        if phase == "first":
+            assert step == 0
+            for step in range(1, 4):
+                _train(model, optim, step, rank)
+                assert ckpt.save(step, state)
+                ckpt.wait()
+            torch.save(_local(model, optim), os.path.join(out_dir, f"meta-{rank}.pt"))
+        else:
+            assert step == 3 and ckpt.last_restore.source == "local"
+            _assert_bitwise(_local(model, optim),
+                            torch.load(os.path.join(out_dir, f"meta-{rank}.pt")),
+                            f"meta-device init, rank {rank}")
+        ckpt.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_the_documented_fsdp2_meta_device_init_restores_bitwise(daemons):
+    """docs/worker-api.md's meta-device recipe, run as written: materialise, initialise, build
+    the optimizer, restore; the second start initialises differently and restore wins."""
+    services, (n1, _), out_dir = daemons
+    spawn(_meta_rank_main, args=(2, free_port(), n1, out_dir, "first"), nprocs=2)
+    spawn(_meta_rank_main, args=(2, free_port(), n1, out_dir, "again"), nprocs=2)

@@ -233,7 +233,7 @@ def test_a_scratch_copy_counts_against_the_cap_and_never_survives_a_restart(root
     store = SlotStore(root, cap_bytes=5 * PAGE, scratch_keep=0)
     snapshot(store, "job", 0, step=1, n=100)  # 4 pages of slots
     with pytest.raises(OverBudget, match="partial copy"):
-        store.scratch(PAGE + 1, job="job")  # 2 pages more exceed the 5-page cap: refused
+        store.scratch(PAGE + 1, job="job")  # 2 pages more exceed the 5-page cap: refused, nothing made
     assert not [f for f in files(root) if ".scratch" in f]
     one = store.scratch(PAGE, job="job")
     assert store.bytes_held() == 5 * PAGE and os.path.basename(one.path).startswith(".scratch-")

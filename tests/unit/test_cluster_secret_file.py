@@ -43,10 +43,64 @@ def test_a_directory_is_refused_as_a_directory(tmp_path):
 
 
 def test_a_secret_under_128_bits_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match="120 bits, fewer than 128"):
+    with pytest.raises(ConfigError, match="90 bits .*fewer than 128"):
         load({"cluster_secret_file": secret_file(tmp_path, "x" * 15)}, None, {})
     with pytest.raises(ConfigError, match="cluster_secret .*fewer than 128"):
         load({}, None, {"ELASTICD_CLUSTER_SECRET": "y" * 15})
+
+
+# Issue 26, finding 7: the minimum was 16 characters, whatever they were; these passed it.
+@pytest.mark.parametrize("secret, bits, how", [
+    ("0123456789abcdef", 64, "16 hex digits at 4 bits"),  # openssl rand -hex 8
+    ("1c0b7e9a2d4c6e8f0a1b3c5d7e9f", 112, "28 hex digits at 4 bits"),
+    ("q83vEjRWeJq83vEjRWeJ", 120, "20 base64 characters at 6 bits"),
+    ("AAECAwQFBgcICQoL", 96, "16 base64 characters at 6 bits"),  # openssl rand -base64 12
+    ("xyzXYZ0123456789==", 96, "16 base64 characters at 6 bits"),  # padding counts nothing
+    ("31415926535897932384", 66, "20 decimal digits at 3.32 bits"),
+    ("correct horse battery", 138, None),  # printable ASCII: 21 x 6.57, enough
+])
+def test_the_minimum_counts_bits_from_the_secrets_alphabet(tmp_path, secret, bits, how):
+    if how is None:
+        assert load({}, None, {"ELASTICD_CLUSTER_SECRET": secret}).secret == secret.encode()
+        return
+    with pytest.raises(ConfigError) as exc:
+        load({"cluster_secret_file": secret_file(tmp_path, secret)}, None, {})
+    line = str(exc.value)
+    assert "\n" not in line and line.startswith("cluster_secret_file")
+    assert f"carries {bits} bits ({how}), fewer than 128" in line, line
+    assert "openssl rand -hex 32" in line and secret not in line  # never quoted
+
+
+@pytest.mark.parametrize("secret", [
+    "4f1c0b7e9a2d4c6e8f0a1b3c5d7e9f21",  # openssl rand -hex 16: exactly 128 bits
+    "q83vEjRWeJq83vEjRWeJq8==",  # openssl rand -base64 16: 22 characters, 132 bits
+    "cluster-secret-0123456789abcdef",  # base64url: 31 x 6
+])
+def test_secrets_of_128_bits_and_more_pass(tmp_path, secret):
+    assert load({"cluster_secret_file": secret_file(tmp_path, secret)}, None, {}).secret == \
+        secret.encode()
+
+
+def test_the_key_bytes_are_the_secrets_line_as_before_so_mixed_versions_agree(tmp_path):
+    """The hex line is not decoded: its 32 characters are the HKDF input, as in every earlier
+    version (these keys were derived with the code before the bit count), so an upgraded node
+    and an old one still authenticate each other."""
+    from elasticd.replication.auth import check_secret
+    from elasticd.replication.seal import BlockTagger, SessionKeys
+
+    secret = load({"cluster_secret_file": secret_file(tmp_path)}, None, {}).secret
+    assert check_secret(secret) == secret == GOOD.encode()
+    assert SessionKeys(secret, b"\x01" * 16, b"\x02" * 16, b"hello").proof_key.hex() == (
+        "c30df03f065350e0b28b46f4d519a814a30f2d4e9323a3de61f651a27b8d4c44")
+    assert BlockTagger(secret).key(b"\x03" * 16).hex() == (
+        "6056c10186b2975477f8332cb7fdd58afea41356a490f4f9705e18d4eceeb43a")
+
+
+def test_the_transport_refuses_a_weak_secret_too():
+    from elasticd.replication.auth import check_secret
+
+    with pytest.raises(ValueError, match="64 bits .16 hex digits"):
+        check_secret(b"0123456789abcdef")
 
 
 def test_a_file_owned_by_another_user_is_refused(tmp_path):

@@ -1,8 +1,7 @@
 """One exception root: every exception class elasticd defines derives from ``ElasticdError``.
 
 Walks every module of the package, imports it, and checks each exception class defined there
-(not the ones it imports). ``coordination/rendezvous_*`` is exempt: the rendezvous issue replaces
-those modules and their errors derive from torch's rendezvous errors.
+(not the ones it imports). The rendezvous' errors derive from torch's rendezvous errors too.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import pkgutil
 import elasticd
 from elasticd.errors import CheckpointError, ElasticdError, InputError, LocalProtocolError, NodeError
 
-EXEMPT_PREFIX = "elasticd.coordination.rendezvous_"
 
 
 def _defined_exceptions():
@@ -29,7 +27,7 @@ def _defined_exceptions():
 def test_every_exception_derives_from_elasticd_error():
     found = list(_defined_exceptions())
     outside = [f"{mod}.{name}" for mod, name, cls in found
-               if not mod.startswith(EXEMPT_PREFIX) and not issubclass(cls, ElasticdError)]
+               if not issubclass(cls, ElasticdError)]
     assert not outside, "not under ElasticdError: " + ", ".join(outside)
     # The walk reached the package's exceptions (about 70 when this test was written).
     assert len(found) > 60, len(found)

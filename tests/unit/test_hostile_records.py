@@ -24,6 +24,7 @@ from elasticd.coordination import records
 from elasticd.coordination.keys import Keyspace, check_name
 from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
 from elasticd.daemon.daemon import Daemon
+from elasticd.launcher import reachable
 from elasticd.metrics import Metrics
 
 KEYS = Keyspace("/elasticd")
@@ -121,7 +122,6 @@ def test_the_running_jobs_spec_corrupted_refuses_it(world, tmp_path, monkeypatch
     monkeypatch.setattr("elasticd.agent.supervisor.AgentSupervisor.poll", lambda self: None)
     monkeypatch.setattr("elasticd.agent.supervisor.AgentSupervisor.stop",
                         lambda self, grace=0: 0)
-    monkeypatch.setattr("elasticd.agent.policy.check_access_as", lambda *a: None)
     coord = MemoryCoordinator(store)
     coord.put(KEYS.job_spec("job"), spec(tmp_path, user="root").encode())
     tick()
@@ -245,7 +245,7 @@ def test_an_interpreter_the_job_user_cannot_run_refuses_the_job(tmp_path):
     os.chmod(python, 0o755)
     work = tmp_path / "work"
     work.mkdir(mode=0o755)
-    os.chmod(tmp_path, 0o755)
+    reachable(str(tmp_path))  # pytest makes its run directory 0700: only `private` is closed
     coord = MemoryCoordinator()
     lease = coord.grant_lease(10)
     mgr = JobManager("n1", coord, KEYS, etcd="x:1", state_dir=str(tmp_path / "state"),
@@ -261,6 +261,9 @@ def test_an_interpreter_the_job_user_cannot_run_refuses_the_job(tmp_path):
     assert mgr.supervisor is None
     assert mgr.status.state == "refused"
     assert "nobody cannot execute the interpreter" in mgr.status.detail
+    # ...and why, and what to do: the directory that stops it, and where to put a venv.
+    assert f"it cannot enter {private} (mode 0700, owner root)" in mgr.status.detail
+    assert "job_python" in mgr.status.detail and "--python" in mgr.status.detail
     mgr.close()
 
 

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from elasticd.agent import safe_open
 from elasticd.agent.manager import JobManager
 from elasticd.clock import FakeClock
 from elasticd.cluster.jobspec import JobControl, JobSpec, NodeJobStatus
@@ -81,6 +82,13 @@ class StandInAgent:
         self.pid, self.starts, self.stopped = 0, 1, False
         os.makedirs(os.path.join(self.log_dir, "torchrun", "job_x1", "attempt_0"))
         open(self.log_path, "w").close()
+        self.log_fd = os.open(self.log_path, os.O_RDONLY)  # as the supervisor keeps it
+
+    def log_size(self):
+        return os.fstat(self.log_fd).st_size
+
+    def log_tail(self, start, limit=65536):
+        return safe_open.read_tail(self.log_fd, start, limit).decode(errors="replace")
 
     def poll(self):
         return 0 if self.stopped else None
@@ -231,7 +239,7 @@ def test_a_set_hang_timeout_is_shown_as_set_and_zero_turns_it_off(env, tmp_path)
 
 
 def _round(coord, keys, *pids):
-    from elasticd.coordination.rendezvous_rounds import RoundRecord, node_id
+    from elasticd.rendezvous.records import RoundRecord, node_id
 
     members = tuple(node_id("10.0.0.%d" % i, pid, 1) for i, pid in enumerate(pids))
     coord.put(keys.job_rdzv_round("job"), RoundRecord(3, members).encode())

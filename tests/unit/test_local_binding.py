@@ -18,7 +18,7 @@ import threading
 import pytest
 
 from elasticd.daemon.local_api import LocalServer
-from elasticd.daemon.local_binding import CallerBinding, JobScope
+from elasticd.daemon.local_binding import CallerBinding, JobScope, start_time
 from tests.users import temporary_user
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="creates users: needs root (CI is)")
@@ -108,8 +108,11 @@ def finish(proc: subprocess.Popen) -> list[dict]:
     return [json.loads(line) for line in out.splitlines()]
 
 
-def scope_of(job: str, user, roots) -> JobScope:
-    return JobScope(job=job, uid=user.pw_uid, tag=f"/p:n1:{job}", roots=tuple(roots))
+def scope_of(job: str, user, roots, recycled: bool = False) -> JobScope:
+    """The job's scope with ``roots`` as its agent and zygote (``recycled``: as if each root's
+    pid had been reused by a later process since the daemon started it)."""
+    return JobScope(job=job, uid=user.pw_uid,
+                    roots={pid: start_time(pid) - (1 if recycled else 0) for pid in roots})
 
 
 def test_a_job_process_writes_only_its_own_rank_and_reads_only_its_own_job(daemon, users):
@@ -146,24 +149,24 @@ def test_a_job_process_writes_only_its_own_rank_and_reads_only_its_own_job(daemo
     assert server.counters["refused_requests"] == 7
 
 
-@pytest.mark.parametrize("who", ["other uid", "job uid without the tag",
+@pytest.mark.parametrize("who", ["other uid", "job uid, a recycled pid of the job's agent",
                                  "job uid, tagged, outside the job's process tree",
                                  "another job's process"])
 def test_only_the_running_jobs_processes_are_admitted(daemon, users, who):
     server, scope, handlers = daemon
     job_user, hostile = users
     user = hostile if who == "other uid" else job_user
-    tag = {"job uid without the tag": None, "another job's process": "/p:n1:b"}.get(who,
-                                                                                   "/p:n1:a")
+    tag = {"another job's process": "/p:n1:b"}.get(who, "/p:n1:a")
     proc = start_client(server, user, [
         ["ckpt_reserve", {"job": "a", "rank": 0, "world_size": 1, "nbytes": 8}],
         ["ckpt_open", {"job": "a", "rank": 0, "generation": 0, "step": 1}],
         ["ckpt_list", {"job": "a"}],
     ], tag=tag)
-    inside = who in ("other uid", "job uid without the tag", "another job's process")
+    inside = who in ("other uid", "job uid, a recycled pid of the job's agent")
     elsewhere = subprocess.Popen(["sleep", "60"])  # the job's agent, not the client's parent
     try:
-        scope["now"] = scope_of("a", job_user, [proc.pid] if inside else [elsewhere.pid])
+        scope["now"] = scope_of("a", job_user, [proc.pid] if inside else [elsewhere.pid],
+                                recycled=who.endswith("agent"))
         replies = finish(proc)
     finally:
         elsewhere.kill()

@@ -30,6 +30,7 @@ from elasticd.config import Settings
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
 from elasticd.daemon.daemon import Daemon
+from elasticd.daemon import main as daemon_main
 from elasticd.daemon.http import StatusServer
 
 # -- Python names -------------------------------------------------------------------------------
@@ -102,6 +103,8 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "elasticd_restore_seconds": ("histogram", ("source",)),
     "elasticd_restore_steps_lost": ("gauge", ()),
     "elasticd_restores_total": ("counter", ("source",)),
+    "elasticd_scratch_bytes": ("gauge", ()),
+    "elasticd_scratch_refused_total": ("counter", ()),
     "elasticd_shards_unprotected": ("gauge", ()),
     "elasticd_snapshot_bytes": ("gauge", ()),
     "elasticd_snapshot_stall_seconds": ("histogram", ()),
@@ -197,11 +200,12 @@ COMMANDS = {
     "history": ["--kind", "--limit"],
     "submit": [
         "--crash-loop-restarts", "--cwd", "--env", "--hang-first-step", "--hang-timeout",
-        "--hang-timeout-floor", "--max-restarts", "--nnodes", "--nproc-per-node", "--python",
-        "--straggler-drain", "--straggler-factor", "--straggler-steps", "--user", "args",
+        "--hang-timeout-floor", "--max-restarts", "--nnodes", "--no-wait", "--nproc-per-node",
+        "--python", "--straggler-drain", "--straggler-factor", "--straggler-steps", "--user", "args",
         "name", "script"],
     "jobs": [],
     "stop": ["--force", "--wait", "name"],
+    "retry": ["name"],
     "logs": ["name"],
     "placement": ["job"],
     "checkpoints": ["job"],
@@ -224,6 +228,26 @@ def test_elasticctl_commands_and_options():
     assert sorted(cli.COMMANDS) == sorted(got)
 
 
+# -- elasticd -----------------------------------------------------------------------------------
+
+#: ``elasticd``'s flags: one per setting of ``config.Settings`` (the cluster secret itself
+#: excepted: a flag would show in ``ps``), and ``--config``.
+ELASTICD_FLAGS = [
+    "--agent-etcd-cert", "--agent-etcd-key", "--agent-etcd-users", "--agent-restarts",
+    "--cluster-secret-file", "--config", "--etcd", "--etcd-ca-cert", "--etcd-cert", "--etcd-key",
+    "--etcd-password", "--etcd-timeout", "--etcd-user", "--events-retention",
+    "--heartbeat-interval", "--help", "--job-env-allow", "--job-python", "--job-users",
+    "--lease-ttl", "--listen", "--log-level", "--loop-interval", "--memory-cap-mib", "--node-id",
+    "--outage-grace", "--persist-dir", "--persist-every-seconds", "--persist-every-steps",
+    "--persist-keep", "--prefix", "--provisional-grace", "--rdzv-grow", "--rdzv-last-call",
+    "--replicas", "--replication-listen", "--scratch-cap-mib", "--shm-dir", "--state-dir", "--stop-grace",
+    "--unprotected-lag-steps", "--worker-start", "-h"]
+
+
+def test_elasticd_flags():
+    assert _options(daemon_main.build_parser()) == ELASTICD_FLAGS
+
+
 #: Replication records where ``elasticctl placement`` and ``checkpoints`` look for them.
 REPLICATION_RECORDS = {
     b"/elasticd/jobs/j/placement":
@@ -244,17 +268,20 @@ NODE_JOB_STATUS = (
     b'"unprotected":"","worker_restarts":0,"world_size":0}')
 
 #: A ``timeline`` event's ``timeline`` object in ``history`` and ``status`` (null for others).
+#: (Added on purpose, issue 27: where the failure is placed, its range, each rank's source.)
 TIMELINE_KEYS = (
-    "failed job marks.aborted marks.detected marks.failure marks.first_step "
-    "marks.restore_finished marks.restore_started marks.round_closed overlapped phases.abort "
-    "phases.detect phases.first_step phases.rendezvous phases.restore phases.start "
-    "ranks_restored restore_bytes restore_source step total_seconds").split()
+    "detect_range failed failure_evidence job marks.aborted marks.detected marks.failure "
+    "marks.first_step marks.restore_finished marks.restore_started marks.round_closed "
+    "overlapped phases.abort phases.detect phases.first_step phases.rendezvous phases.restore "
+    "phases.start ranks[].bytes ranks[].node ranks[].rank ranks[].seconds ranks[].source "
+    "ranks[].step ranks[].steps_lost ranks_restored restore_bytes restore_source step "
+    "steps_lost total_seconds").split()
 
 #: Command -> the paths of its JSON document's values (``[]``: each element of a list; an
 #: event's ``data`` is the event's own, not descended into).
 JSON_KEYS = {
     "submit":
-        "job nnodes nproc_per_node script script_sha256 submitted user",
+        "detail job nnodes nproc_per_node refused script script_sha256 state submitted user",
     "jobs": (
         "[].args [].desired [].hang_timeout [].job [].nnodes [].nodes.n1.agent_pid "
         "[].nodes.n1.agent_starts [].nodes.n1.at [].nodes.n1.compute_seconds "
@@ -263,7 +290,8 @@ JSON_KEYS = {
         "[].nodes.n1.node [].nodes.n1.ranks [].nodes.n1.state [].nodes.n1.straggler "
         "[].nodes.n1.unprotected "
         "[].nodes.n1.worker_restarts [].nodes.n1.world_size [].nproc_per_node [].protection "
-        "[].reason [].running_on [].script [].stragglers [].submitted_at [].user"),
+        "[].reason [].running_on [].script [].state [].state_detail [].stragglers "
+        "[].submitted_at [].user"),
     "logs":
         "[].hostname [].log [].node [].state",
     "nodes": (
@@ -304,6 +332,8 @@ JSON_KEYS = {
         "requested_at seconds state undone"),
     "stop":
         "desired job still_running_on",
+    "retry":
+        "job refused_on retried",
 }
 
 
@@ -351,11 +381,13 @@ def test_elasticctl_json_keys(cluster, tmp_path):
     for key, value in REPLICATION_RECORDS.items():
         coord.put(key, value)
     lines = [
+        # --no-wait: no daemon cycle here answers (the keys are those of a wait's answer).
         ["submit", "j", "--nnodes", "1:2", "--nproc-per-node", "1", "--user", "nobody",
-         "--cwd", str(tmp_path), str(script), "--", "--epochs", "1"],
+         "--no-wait", "--cwd", str(tmp_path), str(script), "--", "--epochs", "1"],
         ["jobs"], ["logs", "j"], ["nodes"], ["status"], ["history"], ["placement", "j"],
         ["checkpoints", "j"], ["drain", "n1", "--no-wait", "--force"],
-        ["drain", "n1", "--status"], ["drain", "n1", "--undo"], ["stop", "j", "--force"],
+        ["drain", "n1", "--status"], ["drain", "n1", "--undo"], ["retry", "j"],
+        ["stop", "j", "--force"],
     ]
     got = {}
     for line in lines:

@@ -184,9 +184,15 @@ def test_the_writer_records_one_timeline_per_failure_and_observes_each_phase(env
     [stored] = [e for e in events.list() if e.kind == timeline.KIND]
     assert (stored.node, stored.lease, stored.by, stored.instance) == ("n2", 0x2B, "n1", "j")
     t = timeline.decode(stored.data)
-    assert t.phases() == {"detect": 2.0, "abort": 0.0, "rendezvous": 0.51, "start": 0.5,
+    # The failure is placed at the failed node's last sign of life: the last step this node's
+    # workers trained with it (0.1 s before the detection), not a lease TTL before it.
+    assert t.failure_evidence == "step" and t.failure_latest_at is None
+    assert t.phases() == {"detect": 0.1, "abort": 0.0, "rendezvous": 0.51, "start": 0.5,
                           "restore": 0.2, "first_step": 0.3}
-    assert t.total == 3.51 and t.restore_source == "peer" and t.step == 40
+    assert t.total == 1.61 and t.restore_source == "peer" and t.step == 40
+    assert t.ranks == [{"rank": 0, "node": "n1", "source": "peer", "seconds": 0.2,
+                        "bytes": 4096, "step": 40, "steps_lost": 1}]
+    assert rec.last == t
     metrics = rec.metrics
     count = {p: metrics.registry.get_sample_value("elasticd_recovery_phase_seconds_count",
                                                   {"phase": p}) for p in timeline.PHASES}
@@ -213,6 +219,8 @@ def test_a_second_writer_with_another_view_stores_no_second_copy(env):
     assert other.step() is None
     assert [e.by for e in events.list() if e.kind == timeline.KIND] == ["n1"]
     assert other.written == [] and b.written == []
+    # ... and shows the stored record in its /status, as the writer does.
+    assert other.last == a.last is not None
     assert other.metrics.registry.get_sample_value(  # only the node that stored it observes
         "elasticd_recovery_phase_seconds_count", {"phase": "detect"}) == 0
 
@@ -230,7 +238,7 @@ def test_a_stand_in_writes_when_the_writer_did_not(env):
     clock.advance(1.5)
     assert rec.step() == "recovery timeline of j written"
     [stored] = [e for e in events.list() if e.kind == timeline.KIND]
-    assert stored.by == "n3" and timeline.decode(stored.data).total == 3.51
+    assert stored.by == "n3" and timeline.decode(stored.data).total == 1.51
 
 
 def test_a_recovery_that_never_trains_again_is_written_with_what_was_seen(env):
@@ -367,13 +375,15 @@ def test_history_shows_each_phase_in_both_formats(env):
     assert row["timeline"]["marks"]["aborted"] is None
     assert row["recovery_seconds"] == t.total == 3.9
     assert row["detection_seconds"] == 2.0 and row["source"] == "local+peer"
+    assert row["restore_seconds"] == 0.3 and row["timeline"]["detect_range"] == [1.333, 2.75]
     text = _history(coord)
     table = text.split("recoveries (seconds per phase, from the failure to the first step):\n")[1]
-    head, line = table.splitlines()
+    head, line = table.splitlines()[:2]
     assert head.split() == ["WHEN", "JOB", "FAILED", "DETECT", "ABORT", "RENDEZVOUS", "START",
                             "RESTORE", "FIRST", "STEP", "TOTAL", "SOURCE", "BYTES", "STEP"]
-    assert line.split()[1:] == ["j", "n2", "2.00", "-", "-", "0.75", "0.30", "0.25", "3.90",
-                                "local+peer", "2.0", "KiB", "40"]
+    # Only the lease placed the failure: the detect phase is shown as the range it can be.
+    assert line.split()[1:] == ["j", "n2", "1.33-2.75", "-", "-", "0.75", "0.30", "0.25",
+                                "3.90", "local+peer", "2.0", "KiB", "40"]
 
 
 def test_history_ignores_a_forged_timeline_with_one_warning(env, caplog):
@@ -458,3 +468,151 @@ def test_a_recovery_done_before_the_lease_expired_keeps_its_real_moments():
     seen = [m for m in t.marks() if m is not None]
     assert seen == sorted(seen)
     assert t.total == 1.7
+
+
+# -- where the failure is placed (its last sign of life) ---------------------------------------
+
+def test_the_failure_is_placed_at_the_newest_sign_of_life_before_the_detection():
+    # The lease alone: the last keep-alive, a TTL before the expiry was seen (etcd may see it
+    # up to EXPIRY_SLACK late), and the next one was due TTL/3 later: the failure lies between,
+    # and the detect phase is a range.
+    t = _full()
+    assert (t.failure_evidence, t.failure_at) == ("keepalive", T0 + 0.3)
+    assert t.failure_latest_at == round(T0 + 0.3 + 2.0 / 3, 3)
+    assert t.detect_range() == (1.333, 2.75)
+    assert "detected 1.33-2.75 s after it" in t.describe()
+    # A newer record write is a sign too (still only the lease's word: a range).
+    t = _full(detection_seconds=1.5)
+    assert (t.failure_evidence, t.phases()["detect"]) == ("record", 1.5)
+    assert t.detect_range() is not None
+    # A step the writer's workers trained with it, or a replication frame it sent: measured.
+    t = _full(signs={"step": T0 + 1.9, "frame": T0 + 1.95})
+    assert (t.failure_evidence, t.failure_at, t.failure_latest_at) == ("frame", T0 + 1.95, None)
+    assert t.phases()["detect"] == 0.35 and t.detect_range() is None
+    assert t.total == pytest.approx(sum(t.phases().values()))
+    assert _full(signs={"step": T0 + 1.9, "frame": None}).failure_evidence == "step"
+    # A step a little older than a TTL before the detection: etcd saw the lease gone late
+    # (kill, last keep-alive, expiry seen 0.3 s after its due time): the step is the measure.
+    t = _full(signs={"step": T0 + 0.05})
+    assert (t.failure_evidence, t.failure_at, t.phases()["detect"]) == ("step", T0 + 0.05, 2.25)
+    # Older than the lease allows (the node lived on without stepping): the lease places it.
+    assert _full(signs={"step": T0 - 0.5}).failure_evidence == "keepalive"
+
+
+def test_a_sign_after_the_detection_is_not_one_of_this_failure():
+    # A node restarted under the same name, or a clock step: never placed after the detection.
+    t = _full(signs={"frame": T0 + 2.4, "step": float("nan")})
+    assert t.failure_evidence == "keepalive" and t.failure_at == T0 + 0.3
+    assert timeline.place_failure(10.0, None, None, {}) == (None, "", None)
+    assert timeline.place_failure(10.0, None, None, {"other": 9.0}) == (None, "", None)
+
+
+def test_each_ranks_source_is_kept_by_rank():
+    t = _full(restores=[
+        timeline.RankRestore("j", T0 + 3.9, 0.2, "local", 10, 40, 2, "n3", 1),
+        timeline.RankRestore("j", T0 + 3.9, 0.3, "peer", 20, 40, 1, "n4", 1),
+        timeline.RankRestore("j", T0 + 3.8, 0.1, "local", 30, 40, 0, "n1", 0)])
+    assert [(e["rank"], e["node"], e["source"]) for e in t.ranks] == [
+        (0, "n1", "local"), (1, "n4", "peer"), (2, "n3", "local")]
+    assert t.steps_lost == 1 and t.summary()["ranks"][1]["bytes"] == 20
+    assert timeline.decode(json.loads(json.dumps(t.as_dict()))) == t
+
+
+@pytest.mark.parametrize("change", [
+    {"failure_evidence": "rumour"}, {"failure_latest_at": T0 + 9.0},
+    {"failure_latest_at": T0 - 1.0}, {"ranks": [{"rank": 0}]}, {"ranks": ["x"]},
+    {"ranks": [{"rank": 0, "node": "n1", "source": "peer", "seconds": -1.0, "bytes": 0,
+                "step": 1, "steps_lost": 0}]},
+    {"ranks": [{"rank": 0, "node": "n1", "source": "peer", "seconds": 1.0, "bytes": 0,
+                "step": 1, "steps_lost": 0, "extra": 1}]},
+])
+def test_a_forged_placement_or_rank_entry_is_refused(change):
+    with pytest.raises(records.CorruptRecord):
+        timeline.decode({**_full().as_dict(), **change})
+
+
+def test_a_record_written_before_signs_were_kept_still_reads():
+    data = _full().as_dict()
+    for key in ("failure_evidence", "failure_latest_at", "ranks"):
+        del data[key]
+    t = timeline.decode(data)
+    assert t.failure_evidence == "" and t.ranks == [] and t.detect_range() is None
+    assert "a lease TTL before its detection" in t.describe()
+
+
+def test_the_writer_places_the_failure_at_its_workers_last_step_or_a_frame(env):
+    clock, coord, keys, events, recorder = env
+    heard = {}
+    rec = TimelineRecorder("n1", coord, keys, events, Metrics(), clock, lambda: 2.0,
+                           last_heard=heard.get)
+    rec.on_progress({"job": "j", "step": 39, "_peer": {"pid": 11}})
+    stepped = clock.wall()
+    clock.advance(0.05)
+    rec.on_connection_closed({"pid": 11, "job": "j"})  # gloo saw the dead peer: an abort
+    clock.advance(1.5)
+    _fail(clock, events)
+    rec.on_failure("j", "n2", 0x2B, writer=True, aborted=False)
+    _recover(clock, rec, events)  # the old worker's last words come after the abort
+    rec.step()
+    t = rec.last
+    assert (t.failure_evidence, t.failure_at) == ("step", round(stepped, 3))
+    assert t.phases()["detect"] == 1.55
+    # A replication frame received later than that step is the newer sign.
+    heard["n2"] = stepped + 0.02
+    assert rec._assemble(rec_open(rec, "n2")).failure_evidence == "frame"
+
+
+def rec_open(rec, node):
+    from elasticd.daemon.recovery_timeline import _Recovery
+
+    return _Recovery("j", [node], 0x2B, rec.clock.wall(), rec.clock.monotonic(), True)
+
+
+def test_a_spares_failure_stops_no_step_so_steps_place_nothing(env):
+    clock, coord, keys, events, recorder = env
+    rec = recorder()
+    rec.on_progress({"job": "j", "step": 39, "_peer": {"pid": 11}})
+    clock.advance(1.0)
+    _fail(clock, events)
+    rec.on_failure("j", "n2", 0x2B, writer=True, aborted=True, in_group=False)
+    _recover(clock, rec, events)
+    rec.step()
+    assert rec.last.failure_evidence == "keepalive"
+
+
+def test_history_measures_the_failure_and_its_restores_from_the_timelines_placement(env):
+    clock, coord, keys, events, recorder = env
+    events.record(Event("failed", "n2", 0x2B, T0 + 2.3, "n3", "n2 failed",
+                        {"detection_seconds": 2.0}))
+    events.record(Event("recovered", "n4", 9, T0 + 3.9, "n4", "restored " + "x" * 120,
+                        {"job": "j", "rank": 1, "source": "peer", "seconds": 0.2,
+                         "steps_lost": 2, "bytes": 10, "step": 40}, instance="a"))
+    t = _full(signs={"step": T0 + 0.55},
+              restores=[timeline.RankRestore("j", T0 + 3.9, 0.2, "peer", 10, 40, 1, "n4", 2)])
+    events.record(Event(timeline.KIND, "n2", 0x2B, T0 + 5, "n1", t.describe(), t.as_dict(),
+                        instance="j"))
+    failed, recovered, tl = json.loads(_history(coord, "--format", "json"))
+    assert failed["detection_seconds"] == 1.75 == t.phases()["detect"]  # not the lease's 2.0
+    assert recovered["recovery_seconds"] == 3.35  # from the failure as the timeline places it
+    assert (tl["steps_lost"], tl["restore_seconds"], tl["recovery_seconds"]) == (2, 0.2, t.total)
+    text = _history(coord)
+    assert "x" * 120 in text  # the last column is never cut
+    assert "  rank 1 on n4: step 40 from a peer's RAM (a copy on another node) in 0.200 s, " \
+           "2 steps lost" in text
+    assert "placed at its last step trained with the others" in text
+
+
+def test_restores_recorded_before_the_failed_event_are_measured_from_the_failure(env):
+    # One host: the survivors re-formed and restored before the lease was seen expired.
+    clock, coord, keys, events, recorder = env
+    events.record(Event("recovered", "n1", 9, T0 + 2.0, "n1", "restored",
+                        {"job": "j", "rank": 0, "source": "peer", "seconds": 0.2,
+                         "steps_lost": 0, "bytes": 10, "step": 40}, instance="a"))
+    events.record(Event("failed", "n2", 0x2B, T0 + 2.3, "n3", "n2 failed",
+                        {"detection_seconds": 2.0}))
+    t = _full(signs={"step": T0 + 0.4}, first_steps=[T0 + 2.4],
+              restores=[timeline.RankRestore("j", T0 + 2.0, 0.2, "peer", 10, 40, 0, "n1", 0)])
+    events.record(Event(timeline.KIND, "n2", 0x2B, T0 + 3, "n1", t.describe(), t.as_dict(),
+                        instance="j"))
+    recovered, failed, _ = json.loads(_history(coord, "--format", "json"))
+    assert recovered["recovery_seconds"] == 1.6 and failed["detection_seconds"] == 1.9

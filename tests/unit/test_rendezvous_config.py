@@ -11,8 +11,8 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elasticd.coordination.memory import MemoryCoordinator
 from elasticd.coordination.rendezvous import handler_creator, native_handler_creator
-from elasticd.coordination.rendezvous_config import PASSWORD_ENV, RendezvousConfig
-from elasticd.coordination.rendezvous_handler import EtcdNativeRendezvousHandler, create_handler
+from elasticd.rendezvous.config import PASSWORD_ENV, RendezvousConfig
+from elasticd.rendezvous.handler import EtcdNativeRendezvousHandler, create_handler
 
 
 def params(endpoint: str = "127.0.0.1:2379", run_id: str = "job", backend: str = "etcd-v3",
@@ -98,7 +98,7 @@ def test_keys_of_torchs_dynamic_rendezvous_are_accepted_ignored_and_logged(caplo
             "standby_fix": "true", "lease_liveness": "true", "close_last_call": "true"}
     cfg = RendezvousConfig.from_params(params(**conf))
     assert sorted(cfg.ignored) == sorted(conf)
-    with caplog.at_level(logging.INFO, logger="elasticd.coordination.rendezvous_handler"):
+    with caplog.at_level(logging.INFO, logger="elasticd.rendezvous.handler"):
         handler = create_handler(params(**conf), "etcd-v3", coordinator=MemoryCoordinator())
     handler.stop()
     assert "keep_alive_interval" in caplog.text and "ignored" in caplog.text
@@ -126,7 +126,7 @@ def test_the_creator_hands_every_handler_to_the_hooks_and_the_daemons_hook_needs
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
     from elasticd.agent import torchrun
-    from elasticd.coordination import rendezvous
+    from elasticd.rendezvous import plugin as rendezvous
 
     watches = []
 

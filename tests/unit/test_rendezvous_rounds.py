@@ -1,5 +1,6 @@
-"""The etcd-native rendezvous' round decisions (:mod:`elasticd.coordination.rendezvous_rounds`),
-alone: records, when a round closes, rank order, spares, what counts as waiting."""
+"""The rendezvous' round decisions (:mod:`elasticd.rendezvous.rounds`), alone: records, when a
+round closes, rank order, spares, what counts as waiting (from the closer's summary, made by
+:class:`~elasticd.rendezvous.tally.Tally`), the summary's rewrite rule and the election order."""
 
 from __future__ import annotations
 
@@ -7,22 +8,28 @@ import pickle
 
 import pytest
 
-from elasticd.coordination.rendezvous_rounds import (
+from elasticd.rendezvous.records import (
     SCHEMA,
     NodeRecord,
     RecordError,
     RoundRecord,
+    Waiting,
     agent_pid,
+    node_id,
+)
+from elasticd.rendezvous.rounds import (
+    ELECTION_STEP,
     check_grow,
-    closer,
     decide_close,
+    election_delay,
     grew_at,
     grow_interval,
     joined,
-    node_id,
     num_waiting,
     order,
+    summary_news,
 )
+from elasticd.rendezvous.tally import Tally
 
 
 def nodes(*specs: tuple[str, int, int]) -> dict[str, NodeRecord]:
@@ -30,9 +37,16 @@ def nodes(*specs: tuple[str, int, int]) -> dict[str, NodeRecord]:
     return {n: NodeRecord(n, t, revision=r) for n, t, r in specs}
 
 
+def wait(live, last, max_nodes, gone=(), **kw) -> int:
+    """num_waiting as a member sees it: from the summary a closer with ``live`` would write."""
+    tally = Tally(last)
+    tally.load(live.values(), 0.0)
+    return num_waiting(last, tally.waiting(tuple(gone)), max_nodes, gone, **kw)
+
+
 def test_records_are_versioned_json_and_refuse_anything_else():
     rec = NodeRecord("a", 3, "10.0.0.1")
-    assert NodeRecord.decode(rec.encode(), revision=7) == NodeRecord("a", 3, "10.0.0.1", 7)
+    assert NodeRecord.decode(rec.encode(), revision=7) == NodeRecord("a", 3, "10.0.0.1", revision=7)
     rnd = RoundRecord(2, ("b", "a"), "b")
     assert RoundRecord.decode(rnd.encode()) == rnd
     assert b'"v":%d' % SCHEMA in rnd.encode()
@@ -40,8 +54,9 @@ def test_records_are_versioned_json_and_refuse_anything_else():
                 b'{"v": 1, "round": "x"}'):
         with pytest.raises(RecordError):
             RoundRecord.decode(bad)
-    with pytest.raises(RecordError, match="schema 2"):
-        NodeRecord.decode(b'{"v": 2, "node": "a", "target": 0}')
+    # Protocol 1's records (elasticd 0.1.0) are refused in one line that names the upgrade.
+    with pytest.raises(RecordError, match="protocol 1, this elasticd speaks 2: run the same"):
+        NodeRecord.decode(b'{"v": 1, "node": "a", "target": 0}')
 
 
 def test_first_round_closes_at_max_at_once_and_at_min_only_after_the_last_call():
@@ -74,7 +89,6 @@ def test_survivors_keep_their_ranks_and_the_holes_fill_by_order_then_arrival():
     assert decide_close(live, last, 1, 4, False).members == ("c", "a", "b")
     # The highest rank lost: everyone keeps rank and order.
     assert order(["c", "a", "d"], live | nodes(("d", 5, 2)), last) == ["c", "a", "d"]
-    assert closer(("c", "a")) == "c"
 
 
 def test_a_spare_replaces_a_failed_member_and_never_closes_a_round_alone():
@@ -83,7 +97,7 @@ def test_a_spare_replaces_a_failed_member_and_never_closes_a_round_alone():
     # Full round training, spare waiting: no round, even with min=1 and the last call over.
     live = nodes(("a", 0, 1), ("b", 0, 2), ("c", 0, 3), spare)
     assert decide_close(live, last, 1, 3, last_call_over=True).members is None
-    assert num_waiting(live, last, 3) == 0
+    assert wait(live, last, 3) == 0
     # c dies; a and b come back: the spare takes the third place.
     live = nodes(("a", 1, 1), ("b", 1, 2), spare)
     assert decide_close(live, last, 3, 3, False).members == ("a", "b", "s")
@@ -91,23 +105,23 @@ def test_a_spare_replaces_a_failed_member_and_never_closes_a_round_alone():
 
 def test_waiting_counts_rejoining_members_and_newcomers_only_when_there_is_room():
     last = RoundRecord(2, ("a", "b"))
-    assert num_waiting(nodes(("a", 2, 1), ("b", 2, 2)), last, 3) == 0
-    assert num_waiting(nodes(("a", 2, 1), ("b", 3, 2)), last, 3) == 1  # b re-rendezvous
-    assert num_waiting(nodes(("a", 2, 1), ("b", 2, 2), ("n", 0, 3)), last, 3) == 1
-    assert num_waiting(nodes(("a", 2, 1), ("b", 2, 2), ("n", 0, 3)), last, 2) == 0  # spare
+    assert wait(nodes(("a", 2, 1), ("b", 2, 2)), last, 3) == 0
+    assert wait(nodes(("a", 2, 1), ("b", 3, 2)), last, 3) == 1  # b re-rendezvous
+    assert wait(nodes(("a", 2, 1), ("b", 2, 2), ("n", 0, 3)), last, 3) == 1
+    assert wait(nodes(("a", 2, 1), ("b", 2, 2), ("n", 0, 3)), last, 2) == 0  # spare
     # b's record is gone: provisionally alive (no room) until confirmed gone.
-    assert num_waiting(nodes(("a", 2, 1), ("n", 0, 3)), last, 2) == 0
-    assert num_waiting(nodes(("a", 2, 1), ("n", 0, 3)), last, 2, gone=["b"]) == 1
-    assert num_waiting(nodes(("n", 0, 3)), None, 2) == 1
+    assert wait(nodes(("a", 2, 1), ("n", 0, 3)), last, 2) == 0
+    assert wait(nodes(("a", 2, 1), ("n", 0, 3)), last, 2, gone=["b"]) == 1
+    assert wait(nodes(("n", 0, 3)), None, 2) == 1
 
 
 def test_grow_at_failure_lets_a_newcomer_in_only_in_a_dead_members_place():
     last = RoundRecord(2, ("a", "b"))
     live = nodes(("a", 2, 1), ("b", 2, 2), ("n", 0, 3))
-    assert num_waiting(live, last, 3, grow="immediate") == 1  # room: grow now
-    assert num_waiting(live, last, 3, grow="at-failure") == 0  # wait for a failure
+    assert wait(live, last, 3, grow="immediate") == 1  # room: grow now
+    assert wait(live, last, 3, grow="at-failure") == 0  # wait for a failure
     del live["b"]
-    assert num_waiting(live, last, 3, gone=["b"], grow="at-failure") == 1
+    assert wait(live, last, 3, gone=["b"], grow="at-failure") == 1
     # The round after the failure takes it in, up to max.
     live["a"] = NodeRecord("a", 3, revision=1)
     assert decide_close(live, last, 1, 3, last_call_over=False).members == ("a", "n")
@@ -137,10 +151,10 @@ def test_a_round_that_grows_the_job_restarts_the_interval_and_the_others_carry_i
     assert grew_at(("a", "c"), first, 200.0) == 100.0  # a spare replaced a dead member
     assert RoundRecord.decode(first.encode()) == first
     # A record from before the field counts as grown long ago.
-    old = b'{"v":1,"round":3,"members":["a"],"closed_by":"a"}'
+    old = b'{"v":2,"round":3,"members":["a"],"closed_by":"a"}'
     assert RoundRecord.decode(old).grew_at == 0.0
     with pytest.raises(RecordError):
-        RoundRecord.decode(b'{"v":1,"round":3,"members":["a"],"grew_at":NaN}')
+        RoundRecord.decode(b'{"v":2,"round":3,"members":["a"],"grew_at":NaN}')
 
 
 def test_grow_interval_admits_a_newcomer_once_min_minutes_passed_and_at_a_committed_step():
@@ -148,16 +162,16 @@ def test_grow_interval_admits_a_newcomer_once_min_minutes_passed_and_at_a_commit
     live = nodes(("a", 2, 1), ("b", 2, 2), ("n", 0, 3))
     policy = "interval:10"  # 600 s
     # Within the interval: as at-failure, the newcomer waits silently.
-    assert num_waiting(live, last, 3, grow=policy, now=1_000.0 + 599.0) == 0
+    assert wait(live, last, 3, grow=policy, now=1_000.0 + 599.0) == 0
     # Past it, but not at a committed step: still waiting.
-    assert num_waiting(live, last, 3, grow=policy, now=1_000.0 + 600.0, at_commit=False) == 0
+    assert wait(live, last, 3, grow=policy, now=1_000.0 + 600.0, at_commit=False) == 0
     # Past it and at a committed step: it is let in (everybody stops once).
-    assert num_waiting(live, last, 3, grow=policy, now=1_000.0 + 600.0, at_commit=True) == 1
+    assert wait(live, last, 3, grow=policy, now=1_000.0 + 600.0, at_commit=True) == 1
     # Room is still bounded by max.
-    assert num_waiting(live, last, 2, grow=policy, now=10_000.0) == 0
+    assert wait(live, last, 2, grow=policy, now=10_000.0) == 0
     # Within the interval a dead member's place is taken at once, as with at-failure.
     del live["b"]
-    assert num_waiting(live, last, 3, gone=["b"], grow=policy, now=1_001.0,
+    assert wait(live, last, 3, gone=["b"], grow=policy, now=1_001.0,
                        at_commit=False) == 1
 
 
@@ -167,3 +181,33 @@ def test_agent_pid_reads_back_what_node_id_wrote():
         assert agent_pid(node_id(addr, 4242, 3)) == 4242
     assert agent_pid("not-a-node-id") is None
     assert agent_pid(node_id("h", 1, 1).replace("_1_", "_x_")) is None
+
+
+def test_a_stale_summary_counts_as_nobody_waiting():
+    last = RoundRecord(2, ("a", "b"))
+    assert num_waiting(last, Waiting(1, rejoining=2, outsiders=1), 3) == 0
+    assert num_waiting(last, Waiting(2, rejoining=1, outsiders=1), 3) == 2
+    assert num_waiting(last, None, 3) == 0
+    # No round although this agent trains: the record is gone (a wipe): everybody rejoins.
+    assert num_waiting(None, None, 3) == 1
+    assert Waiting.decode(Waiting(2, 1, 0, ("b",)).encode()) == Waiting(2, 1, 0, ("b",))
+
+
+def test_the_summary_is_rewritten_at_once_only_when_its_meaning_changes():
+    assert not summary_news(None, Waiting(3))  # nobody waiting: what no summary says
+    assert summary_news(None, Waiting(3, rejoining=1))
+    assert not summary_news(Waiting(3, rejoining=1), Waiting(3, rejoining=40))  # counts only
+    assert summary_news(Waiting(3, rejoining=40), Waiting(3, rejoining=0))
+    assert summary_news(Waiting(3, outsiders=1), Waiting(3, outsiders=1, dead=("x",)))
+    assert not summary_news(Waiting(2, rejoining=5), Waiting(3))  # a new round: nobody yet
+    assert summary_news(Waiting(2), Waiting(3, outsiders=2))
+
+
+def test_the_closers_successors_take_turns_in_rank_order():
+    last = RoundRecord(4, tuple(f"n{i}" for i in range(40)))
+    delays = [election_delay(f"n{i}", last, 0.99) for i in range(40)]
+    assert delays[:3] == [0.0, ELECTION_STEP, 2 * ELECTION_STEP]
+    assert delays[:16] == sorted(delays[:16]) and len(set(delays[:16])) == 16
+    assert min(delays[16:]) > delays[15]  # later ranks and spares after the turns
+    assert election_delay("spare", last, 0.0) > delays[15]
+    assert election_delay("any", None, 0.5) < 4 * ELECTION_STEP  # a first round: drawn

@@ -106,6 +106,35 @@ def test_push_arrives_intact_and_is_committed(make_server, clients):
     assert server.stats.pushes_committed == 1 and client.peer_id == "node-b"
 
 
+def test_the_server_remembers_when_it_last_heard_each_peer():
+    """A failed peer's last sign of life, for its recovery's timeline: the last message or
+    whole push an authenticated peer sent, never a push that broke off."""
+    from elasticd.clock import FakeClock
+
+    clock = FakeClock(wall_offset=5_000.0)
+    server = ReplicaServer("127.0.0.1", 0, SECRET, "node-b", MemorySink(), idle_timeout=10.0,
+                           clock=clock).start()
+    try:
+        assert server.last_heard("node-a") is None
+        client = ReplicaClient.connect(*server.address, SECRET, "node-a", timeout=10.0)
+        d, header, payload = snapshot(step=7)
+        client.push(d, header, memoryview(payload), chunk_size=MiB)
+        heard = server.last_heard("node-a")
+        assert heard == clock.wall()
+        clock.advance(3.0)
+        d, header, payload = snapshot(step=8, size=2 * MiB)
+        client.channel.send(PutBegin(d))  # a message: heard now
+        client.channel.recv(Ack)
+        wait_for(lambda: server.last_heard("node-a") == heard + 3.0)
+        clock.advance(3.0)
+        client.channel.sock.close()  # ... but a push that broke off is no later sign
+        wait_for(lambda: server.stats.pushes_aborted == 1)
+        assert server.last_heard("node-a") == heard + 3.0 and server.last_heard("x") is None
+        client.close()
+    finally:
+        server.stop()
+
+
 def test_fetch_returns_the_committed_bytes(make_server, clients):
     server = make_server()
     client = clients(server)

@@ -301,7 +301,8 @@ def test_restored_at_the_epoch_end_tutorial_probe_then_next_epoch():
     is DistributedSampler's."""
     n, world = 31, 3
     trained, state = run_kept(n, [3], [None], batch=4, epoch=0)
-    assert state == {"epoch": 0, "consumed": n, "seed": 4, "dataset_len": n, "shuffle": True}
+    assert state == {"epoch": 0, "consumed": n, "seed": 4, "dataset_len": n, "shuffle": True,
+                     "split": ""}
     ss = samplers(n, world, seed=4)
     job = Job(ss, 4)
     for epoch in (0, 1):
@@ -371,3 +372,25 @@ def test_state_of_another_dataset_is_refused():
         s.load_state_dict(ElasticSampler(51, seed=1).state_dict())
     with pytest.raises(ValueError, match="rank 2 outside"):
         list(ElasticSampler(5, rank=2, world_size=2))
+
+
+def test_a_restore_into_another_random_split_warns_how_to_seed_it(caplog):
+    """minGPT splits its dataset with an unseeded random_split: after a restart the training
+    split holds other samples, and the restored position no longer means every sample once."""
+    from torch.utils.data import random_split
+
+    data = list(range(100))
+    first, _ = random_split(data, [80, 20], generator=torch.Generator().manual_seed(1))
+    again, _ = random_split(data, [80, 20], generator=torch.Generator().manual_seed(2))
+    saved = ElasticSampler(first).state_dict()
+    with caplog.at_level(logging.WARNING):
+        ElasticSampler(again).load_state_dict(saved)
+    assert "other samples" in caplog.text and "manual_seed" in caplog.text
+    caplog.clear()
+    seeded, _ = random_split(data, [80, 20], generator=torch.Generator().manual_seed(1))
+    with caplog.at_level(logging.WARNING):
+        ElasticSampler(seeded).load_state_dict(saved)  # the same split: nothing to say
+        ElasticSampler(80).load_state_dict(saved)  # a length: nothing to check
+        ElasticSampler(again).load_state_dict({**saved, "split": ""})  # an old snapshot
+    assert caplog.text == ""
+    assert ElasticSampler(data).split == "" and len(ElasticSampler(first).split) == 16

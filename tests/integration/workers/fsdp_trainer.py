@@ -1,4 +1,4 @@
-"""An FSDP2 training job written from the README's "Sharded training" section (and
+"""An FSDP2 training job written from docs/worker-api.md's "Sharded training" section (and
 examples/train_fsdp.py): parameters and Adam state sharded across every rank (``fully_shard``
 over the whole world, DTensor), gloo on CPU, an ``elasticd.Checkpointer`` snapshotting every
 step. Layer widths are not divisible by 2 or 3, so FSDP2's shards are uneven at either world

@@ -1,39 +1,41 @@
-"""elasticd's own torch ``RendezvousHandler`` on etcd v3: per-node keys, one CAS per round.
+"""elasticd's own torch ``RendezvousHandler`` on etcd v3: per-node keys, one elected closer.
 
 torch's dynamic rendezvous keeps every participant in one pickled blob that every heartbeat
 rewrites whole and every agent re-reads: quadratic traffic, compare-and-set storms, and code
 execution for whoever can write the key (docs/scale.md). This handler implements torch's
-interface (``torch/distributed/elastic/rendezvous/api.py``) on its own keys instead:
+interface (``torch/distributed/elastic/rendezvous/api.py``) on its own keys (:mod:`.records`):
 
-* **Joining** writes one JSON record, ``<rdzv>/native/nodes/<node>``, bound to the agent's own
-  etcd lease. The lease *is* the heartbeat: it is kept alive every TTL/3 and nothing is
-  rewritten on a timer. The record is rewritten only to ask for a new round, or when the lease
-  was lost and re-granted (an etcd outage past the TTL).
-* **Closing** a round is one compare-and-set on the small ``<rdzv>/native/round`` key, written by
-  the node that will be rank 0 (others after a back-off, in case it died). The decisions (when a
-  round may close, rank order, what counts as waiting) are the pure functions of
-  :mod:`.rendezvous_rounds`.
-* **Watching**, not polling: each handler mirrors ``<rdzv>/native/`` through one etcd watch.
-  ``num_nodes_waiting()``, which torch's agent calls every monitor interval while the workers
-  train, reads that mirror and makes no etcd request. The mirror is re-listed only when the
-  watch cannot be trusted: at once after a watch error or a lost or replaced lease. That covers
-  an etcd data loss (a watch resumed from the old revision delivers nothing: docs/facts.md),
-  since a wiped etcd knows no lease and the keeper finds its own gone within TTL/3; so there
-  is no periodic re-list. The mirror is :mod:`.rendezvous_mirror`.
+* **Joining** writes one JSON record, ``native/nodes/<node>``, bound to the agent's own etcd
+  lease. The lease *is* the heartbeat: it is kept alive every TTL/3 and nothing is rewritten on
+  a timer. The record is rewritten only to ask for a new round, or when the lease was lost and
+  re-granted (an etcd outage past the TTL). It carries a port this node holds free for its
+  workers' store, so the round record names the workers' ``MASTER_ADDR``/``MASTER_PORT`` and
+  no agent asks the store for them.
+* **One closer** (:mod:`.closer`), elected under its lease by creating ``native/round.closer``
+  only if absent, follows the node records and closes each round with one transaction that
+  also compares its own election key: a deposed closer cannot write. It also writes the waiting
+  summary ``num_nodes_waiting`` reads. When its key goes, the others take turns in rank order
+  (:func:`~.rounds.election_delay`): one takes over, nobody stampedes.
+* **Watching**, not polling, and O(1) events per agent per round: every agent watches only
+  the control keys (``native/round*``, :mod:`.control`); the closer alone watches the node
+  records. ``num_nodes_waiting()``, which torch's agent calls every monitor interval while
+  the workers train, reads that copy and makes no etcd request. The copy is re-listed only
+  when the watch cannot be trusted: after a watch error or a lost or replaced lease, which
+  also covers an etcd data loss (the revision went back: the watch is made afresh).
 * **Outage grace.** Every write retries for ``etcd_grace_period`` on an unreachable etcd
-  (:mod:`.rendezvous_grace`); the watch re-creates itself. ``num_nodes_waiting`` never fails.
+  (:mod:`.grace`); the watches re-create themselves. ``num_nodes_waiting`` never fails.
 * **Provisional expiry.** An etcd paused past the TTL expires every lease when it resumes; each
   agent re-grants and re-writes its record within a keep-alive period. A member whose record is
-  absent counts as gone only after ``liveness_confirm`` seconds, and only while this agent
-  trusts its view: after its own keep-alive failed, its lease was lost or its watch broke, it
-  counts nobody as gone for 2 x TTL.
-* **Store.** ``next_rendezvous`` returns the etcd-backed store of :mod:`.rendezvous_store` under
-  a per-round prefix (torch's ``torch.rendezvous.<run>.<round>``). ``use_agent_store`` is False:
-  workers host their own TCPStore at the rank-0 node's address and a free port, as with
-  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (docs/facts.md: sharing the agent's store across restarts
-  let workers read dead peers' addresses). A blocking wait in the store ends at once when a
-  member of the round is gone (confirmed): torch's rank assignment waits for what the agent
-  of rank 0 writes, and a member that left after the round closed never writes it.
+  absent counts as dead only after ``liveness_confirm`` seconds while the closer trusts its
+  view, and an agent whose own keep-alive failed, whose lease was lost or whose watch broke
+  counts nobody as dead for 2 x TTL.
+* **Store.** ``next_rendezvous`` returns the etcd-backed store of :mod:`.store` under a
+  per-round prefix (torch's ``torch.rendezvous.<run>.<round>``). ``use_agent_store`` is False:
+  workers host their own TCPStore at the rank-0 node's address and port, as with
+  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (docs/facts.md: sharing the agent's store across
+  restarts let workers read dead peers' addresses). A blocking wait in the store ends at once
+  when a member of the round is dead: torch's rank assignment waits for what the agent of rank
+  0 writes, and a member that left after the round closed never writes it.
 * **Join gate.** ``join_gate``, when set, runs before this node writes its join record; under
   a daemon it fences a node whose daemon was declared dead before it can enter a round.
 * **Commit gate.** Under the ``interval:MIN`` grow policy a newcomer takes free room only while
@@ -42,10 +44,9 @@ interface (``torch/distributed/elastic/rendezvous/api.py``) on its own keys inst
   this layer cannot read those records itself. Unset (plain torchrun: no daemon, no commit
   records), the interval alone decides.
 
-Registered as torchrun's ``etcd-v3`` backend (:mod:`elasticd.coordination.rendezvous`). Its
-rdzv-conf keys are those of :mod:`.rendezvous_config` (``liveness_ttl`` is this lease's TTL);
-the keys of torch's dynamic rendezvous (``keep_alive_*``, ...) are accepted and ignored. No
-pickle is read or written.
+Registered as torchrun's ``etcd-v3`` backend (:mod:`.plugin`). Its rdzv-conf keys are those of
+:mod:`.config` (``liveness_ttl`` is this lease's TTL); the keys of torch's dynamic rendezvous
+(``keep_alive_*``, ...) are accepted and ignored. No pickle is read or written.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
-from elasticd.clock import Clock, SystemClock
+from elasticd.clock import Clock, SystemClock, thread_cpu
 from elasticd.coordination.api import (
     Compacted,
     Compare,
@@ -81,34 +82,30 @@ from elasticd.coordination.api import (
 )
 from elasticd.coordination.health import EtcdHealth
 from elasticd.coordination.lease import LeaseKeeper
-from elasticd.coordination.rendezvous_config import (
+from elasticd.rendezvous.closer import Closer
+from elasticd.rendezvous.config import (
     DEFAULT_JOIN_TIMEOUT,
     DEFAULT_LAST_CALL_TIMEOUT,
     RendezvousConfig,
 )
-from elasticd.coordination.rendezvous_grace import OutageGrace
-from elasticd.coordination.rendezvous_mirror import Mirror
-from elasticd.coordination.rendezvous_rounds import (
-    NodeRecord,
-    RoundRecord,
-    closer,
-    decide_close,
-    grew_at,
+from elasticd.rendezvous.control import Control
+from elasticd.rendezvous.grace import OutageGrace
+from elasticd.rendezvous.port import HeldPort
+from elasticd.rendezvous.records import NodeRecord, RoundRecord, node_id
+from elasticd.rendezvous.rounds import (
+    ELECTION_STEP,
+    election_delay,
     grow_interval,
     next_round,
-    node_id,
     num_waiting,
 )
-from elasticd.coordination.rendezvous_store import EtcdV3Store
+from elasticd.rendezvous.store import EtcdV3Store
 
 log = logging.getLogger(__name__)
 
 #: While a rendezvous waits, look again at least this often, seconds (a wake-up bound, not a
-#: re-list: the mirror is re-listed only after a watch error or a lost lease).
+#: re-list: the copy is re-listed only after a watch error or a lost lease).
 WAKE_INTERVAL = 30.0
-#: A node that is not the expected closer of a closable round writes it after this many seconds
-#: (plus up to as much again, at random): the expected closer may have died.
-CLOSER_BACKOFF = 1.0
 
 
 class EtcdNativeRendezvousHandler(RendezvousHandler):
@@ -123,12 +120,12 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         backend_name: what :meth:`get_backend` returns (the entry point's name).
         grace: retry policy for etcd outages.
         ttl: the agent lease's TTL, whole seconds.
-        confirm: seconds a member's record must be absent before it counts as gone.
+        confirm: seconds a member's record must be absent before it counts as dead.
         join_timeout: seconds ``next_rendezvous`` waits for a round that includes this node
             (not while it is the spare of a full, running round).
         last_call: seconds a job's first round stays open after ``min`` nodes joined.
         store_timeout: how long the store's ``get``/``wait`` block.
-        grow: the grow policy for nodes beyond a running round (:mod:`.rendezvous_rounds`).
+        grow: the grow policy for nodes beyond a running round (:mod:`.rounds`).
         close_on_failure: whether :meth:`shutdown` during an exception closes the rendezvous.
         clock: time source for the lease, trust and absences.
 
@@ -166,7 +163,7 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         self._close_on_failure = close_on_failure
         self._grow = grow
         self._grow_interval = grow_interval(grow)
-        self._mirror = Mirror(prefix + b"native/", self._clock)
+        self._control = Control(prefix + b"native/", self._clock)
         self._store = EtcdV3Store(coordinator, prefix + b"store/", timeout=store_timeout,
                                   grace=self._grace, abort=self._round_left)
         self._store_prefix = prefix + b"store/"
@@ -175,79 +172,88 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
                                    on_failure=lambda: self._distrust("etcd call failed"))
         self._lock = threading.Lock()
         self._record: NodeRecord | None = None
+        self._port = HeldPort()
         self._watch = None
         self._started = False
         self._stopped = False
         self._relist = threading.Event()
+        self._kicked = False
+        self._duty: threading.Thread | None = None
+        self._closer: Closer | None = None
+        self._election: int | None = None  # create_revision of our election key
+        self._election_at: float | None = None
         self._untrusted_until = float("-inf")
-        self._backoff = CLOSER_BACKOFF
         self._reported_gone: set[tuple[int, str]] = set()
-        #: Called with the ids of members of this node's current round once they are gone
-        #: (confirmed). Under a daemon, restarts this node's workers (see rendezvous.py).
+        #: Called with the ids of members of this node's current round once they are dead
+        #: (confirmed). Under a daemon, restarts this node's workers (see plugin.py).
         self.on_round_broken: Callable[[list[str]], None] | None = None
         #: Called before this node writes its join record; may block, or end the process.
-        #: Under a daemon, fences a node whose daemon was declared dead (see rendezvous.py).
+        #: Under a daemon, fences a node whose daemon was declared dead (see plugin.py).
         self.join_gate: Callable[[], object] | None = None
         #: Whether the job is at a committed step now (``interval:MIN`` grow policy only);
         #: called from ``num_nodes_waiting``, so it must answer without blocking.
         self.commit_gate: Callable[[], bool] | None = None
-        #: Per round this node joined: (round, seconds in next_rendezvous until it saw the
-        #: round), and the monotonic time it last saw one. For benches and logs.
+        #: Rounds this handler entered: (round number, seconds next_rendezvous took), and the
+        #: monotonic time it last returned; control-key watch events received. For benches.
         self.rounds: list[tuple[int, float]] = []
         self.seen_at = 0.0
+        self.control_events = 0
 
     # -- lifecycle ------------------------------------------------------------------------
 
     def _start(self) -> None:
-        """Grants the lease, lists the mirror and starts the watch (first call only)."""
+        """Grants the lease, lists the control keys, watches them and starts the duty thread
+        (first call only)."""
         if self._started:
             return
         self._grace.call(self._keeper.grant, "granting the rendezvous lease")
         self._keeper.start()
         self._relist_now(initial=True)
         self._started = True
+        self._duty = threading.Thread(target=self._duty_loop, name="rendezvous-duty",
+                                      daemon=True)
+        self._duty.start()
 
-    def _relist_now(self, initial: bool = False, patient: bool = True) -> None:
-        """Re-lists the mirror; re-creates the watch when etcd's revision went back.
-
-        Args:
-            initial: the first listing (the watch starts after it).
-            patient: retry through an outage for the grace period; else try once.
-        """
-        def get() -> tuple[list[KeyValue], int]:
-            return self._coord.get_prefix(self._mirror.prefix)
-
-        kvs, revision = self._grace.call(get, "listing the rendezvous") if patient else get()
-        wiped = revision < self._mirror.revision
-        self._mirror.load(kvs, revision)
+    def _relist_now(self, initial: bool = False) -> None:
+        """Re-lists the control keys; re-creates the watch when etcd's revision went back."""
+        control = self._control
+        kvs, revision = self._grace.call(lambda: self._coord.get_prefix(control.round_key),
+                                         "listing the rendezvous")
+        wiped = revision < control.revision
+        control.load(kvs, revision)
         if initial or wiped or self._watch is None:
             if wiped:
                 log.warning("etcd's revision went back (%d < %d): its data was lost; watching "
-                            "the rendezvous afresh", revision, self._mirror.revision)
+                            "the rendezvous afresh", revision, control.revision)
             if self._watch is not None:
                 self._watch.cancel()
-            def watch() -> object:
-                return self._coord.watch_prefix(self._mirror.prefix, self._on_watch,
-                                                revision + 1)
-
-            self._watch = self._grace.call(watch, "watching the rendezvous") if patient \
-                else watch()
+            self._watch = self._grace.call(
+                lambda: self._coord.watch_prefix(control.round_key, self._on_watch,
+                                                 revision + 1),
+                "watching the rendezvous")
 
     def _on_watch(self, batch: object) -> None:
         if isinstance(batch, CoordinationError):
             if not isinstance(batch, Compacted):
                 self._distrust(f"rendezvous watch: {batch}")
             self._relist.set()
-            with self._mirror.cond:
-                self._mirror.cond.notify_all()
+            self._kick()
             return
-        self._mirror.apply(list(batch))  # type: ignore[arg-type]
+        events = list(batch)  # type: ignore[call-overload]
+        self.control_events += len(events)
+        self._control.apply(events)
+
+    def _kick(self) -> None:
+        with self._control.cond:
+            self._kicked = True
+            self._control.cond.notify_all()
 
     def _lease_changed(self) -> None:
         """The keeper lost or replaced the lease: re-write this node's record under the new
         one (a provisional rejoin), and re-list (the watch may have missed the outage)."""
         lease = self._keeper.lease
         self._relist.set()
+        self._kick()
         if lease is None:
             self._distrust("the rendezvous lease was lost")
             return
@@ -264,15 +270,16 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
     def _distrust(self, reason: str) -> None:
         until = self._clock.monotonic() + 2 * self._ttl
         if self._untrusted_until < self._clock.monotonic():
-            log.info("rendezvous: counting no member as gone for %ds (%s)", 2 * self._ttl,
+            log.info("rendezvous: counting no member as dead for %ds (%s)", 2 * self._ttl,
                      reason)
         self._untrusted_until = max(self._untrusted_until, until)
 
     def _node_key(self) -> bytes:
-        return self._mirror.nodes_prefix + self.me.encode()
+        return self._control.nodes_prefix + self.me.encode()
 
     def _write_record(self, target: int) -> None:
-        record = NodeRecord(self.me, target, self.addr)
+        port = self._port.hold(self.addr)
+        record = NodeRecord(self.me, target, self.addr, port)
         with self._lock:
             self._record = record
 
@@ -283,6 +290,88 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
             return self._coord.put(self._node_key(), record.encode(), lease=lease)
 
         self._grace.call(put, "writing this node's rendezvous record")
+
+    # -- the duty thread: elections and, while this node is the closer, the closer's duty ---
+
+    def _duty_loop(self) -> None:
+        cond, seen, wake_at = self._control.cond, -1, 0.0
+        while True:
+            with cond:
+                while not self._stopped and not self._kicked and self._control.version == seen:
+                    timeout = min(WAKE_INTERVAL, wake_at - self._clock.monotonic())
+                    if timeout <= 0:
+                        break
+                    cond.wait(timeout)
+                if self._stopped:
+                    return
+                self._kicked, seen = False, self._control.version
+            try:
+                due = self._duty_step()
+            except Exception as exc:  # noqa: BLE001 - the duty must go on (torch's agent too)
+                log.warning("rendezvous duty: %s", exc)
+                due = self._clock.monotonic() + 1.0
+            wake_at = due if due is not None else self._clock.monotonic() + WAKE_INTERVAL
+
+    def _duty_step(self) -> float | None:
+        """One pass: re-list if asked, take the closer's key when it is free and our turn has
+        come, and do the closer's duty while it is ours. Returns when to pass again."""
+        if self._relist.is_set():
+            self._relist.clear()
+            try:
+                self._relist_now()
+            except Exception:
+                self._relist.set()  # the loop tries again in a second
+                raise
+        now = self._clock.monotonic()
+        control = self._control
+        with control.cond:
+            held, last, closed = control.closer, control.round, control.closed
+        leading = (held is not None and held.create_revision == self._election
+                   and held.value == self.me.encode())
+        if not leading and self._closer is not None:
+            log.info("node %s is no longer the rendezvous closer", self.me)
+            self._closer.stop()
+            self._closer = None
+        if closed:
+            return None
+        if held is None:
+            if self._election_at is None:
+                self._election_at = now + election_delay(self.me, last, random.random())
+            if now < self._election_at:
+                return self._election_at
+            self._election_at = None
+            self._elect()  # won: the key's write wakes this thread; lost: the winner's does
+            return now + ELECTION_STEP
+        self._election_at = None
+        if not leading:
+            return None
+        if self._closer is None:
+            log.info("node %s is the rendezvous closer", self.me)
+            self._closer = Closer(
+                self._coord, control, self.me, held.create_revision, self._min, self._max,
+                self._last_call, self._confirm, self._grace, self._clock, self._distrust,
+                self._kick, self._store_prefix, self._run_id)
+        cpu = thread_cpu()
+        due = self._closer.step(trusted=now >= self._untrusted_until)
+        self._closer.cpu += thread_cpu() - cpu
+        if now < self._untrusted_until:  # look again once the view is trusted
+            due = min(due or self._untrusted_until, self._untrusted_until)
+        return due
+
+    def _elect(self) -> None:
+        """Takes the closer's key if it is still free (create-if-absent, under our lease)."""
+        lease = self._keeper.lease
+        if lease is None:
+            return
+        key = self._control.closer_key
+        ok, revision = self._grace.call(
+            lambda: self._coord.transaction([Compare(key, 0)],
+                                            [Put(key, self.me.encode(), lease)]),
+            "taking the rendezvous closer's key")
+        if ok:
+            self._election = revision
+            self._control.set(KeyValue(key, self.me.encode(), create_revision=revision,
+                                       mod_revision=revision, lease=lease))
 
     # -- torch's interface ----------------------------------------------------------------
 
@@ -309,33 +398,26 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         """
         started = self._clock.monotonic()
         self._start()
-        mirror = self._mirror
+        control = self._control
         if self.join_gate is not None:  # may wait: the target is read after it
             self.join_gate()
-        with mirror.cond:
-            if mirror.closed:
+        with control.cond:
+            if control.closed:
                 raise RendezvousClosedError(f"rendezvous {self._run_id!r} is closed")
-            target = next_round(mirror.round)
+            target = next_round(control.round)
         self._write_record(target)
         log.info("node %s joins round %d of rendezvous %r", self.me, target, self._run_id)
         deadline = started + self._join_timeout
-        min_since: float | None = None
-        closable_since: float | None = None
         spare = False
-        while True:
-            now = self._clock.monotonic()
-            if self._relist.is_set():
-                self._relist.clear()
-                self._relist_now()
-            with mirror.cond:
-                if mirror.closed:
+        with control.cond:
+            while True:
+                if control.closed:
                     raise RendezvousClosedError(f"rendezvous {self._run_id!r} is closed")
-                if mirror.round_error:
+                if control.round_error:
                     raise RendezvousStateError(
-                        f"rendezvous {self._run_id!r}: {mirror.round_error}; delete "
-                        f"{mirror.round_key.decode(errors='replace')} to start afresh")
-                last, revision = mirror.round, mirror.round_revision
-                nodes, seen = dict(mirror.nodes), mirror.version
+                        f"rendezvous {self._run_id!r}: {control.round_error}; or delete "
+                        f"{control.round_key.decode(errors='replace')} to start afresh")
+                last = control.round
                 if last is not None and last.round >= target:
                     rank = last.rank_of(self.me)
                     if rank is not None:
@@ -345,120 +427,70 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
                     log.info("round %d closed without node %s (%d members): waiting as %s",
                              last.round, self.me, len(last.members),
                              "a spare" if spare else "a late node")
-                    target, min_since, closable_since = last.round + 1, None, None
+                    target = last.round + 1
                     continue
-                if self.me not in nodes:  # our record is not in the mirror yet
-                    decision = None
-                else:
-                    decision = decide_close(
-                        nodes, last, self._min, self._max,
-                        last_call_over=min_since is not None
-                        and now - min_since >= self._last_call)
-                    if decision.last_call and min_since is None:
-                        min_since = now
-                    elif not decision.last_call and decision.members is None:
-                        min_since = None
-            if decision is not None and decision.members is not None:
-                first = closer(decision.members) == self.me
-                if closable_since is None:
-                    closable_since = now
-                    self._backoff = CLOSER_BACKOFF * (1 + random.random())
-                if first or now - closable_since >= self._backoff:
-                    self._close_round(target, decision.members, revision)
-                    continue
-            else:
-                closable_since = None
-            if not spare and now >= deadline:
-                raise RendezvousTimeoutError(
-                    f"node {self.me} was not admitted to rendezvous {self._run_id!r} within "
-                    f"join_timeout={self._join_timeout:g}s "
-                    f"({decision.wait_for if decision else 'record not seen yet'})")
-            wait = WAKE_INTERVAL
-            if min_since is not None:
-                wait = min(wait, max(0.01, min_since + self._last_call - now))
-            if closable_since is not None:
-                wait = min(wait, max(0.01, closable_since + self._backoff - now))
-            if not spare:
-                wait = min(wait, max(0.01, deadline - now))
-            with mirror.cond:
-                if mirror.version == seen and not self._relist.is_set():
-                    mirror.cond.wait(wait)
+                now = self._clock.monotonic()
+                if not spare and now >= deadline:
+                    raise RendezvousTimeoutError(
+                        f"node {self.me} was not admitted to rendezvous {self._run_id!r} "
+                        f"within join_timeout={self._join_timeout:g}s (closer: "
+                        f"{control.closer_node() or 'none yet'}, waiting: {control.waiting})")
+                control.cond.wait(min(WAKE_INTERVAL, deadline - now) if not spare
+                                  else WAKE_INTERVAL)
+        self._port.release()
         self.seen_at = self._clock.monotonic()
         took = self.seen_at - started
         self.rounds.append((last.round, took))
         log.info("node %s is rank %d of %d in round %d of rendezvous %r (%.2fs)", self.me, rank,
                  len(last.members), last.round, self._run_id, took)
         store = dist.PrefixStore(f"torch.rendezvous.{self._run_id}.{last.round}", self._store)
-        info = RendezvousStoreInfo.build(rank, store, local_addr=self.addr)
+        if last.master_port:
+            info = RendezvousStoreInfo(last.master_addr or self.addr, last.master_port)
+        else:  # rank 0 held no port: ask the store, as torch's handlers do
+            info = RendezvousStoreInfo.build(rank, store, local_addr=self.addr)
         return RendezvousInfo(store, rank, len(last.members), info)
-
-    def _close_round(self, number: int, members: tuple[str, ...], revision: int) -> None:
-        with self._mirror.cond:
-            last = self._mirror.round
-        record = RoundRecord(number, members, closed_by=self.me,
-                             grew_at=grew_at(members, last, self._clock.wall()))
-        ok, new_revision = self._grace.call(
-            lambda: self._coord.transaction([Compare(self._mirror.round_key, revision)],
-                                            [Put(self._mirror.round_key, record.encode())]),
-            "closing a rendezvous round")
-        if not ok:
-            # Lost the race (or our retried write landed): the watch brings the winner.
-            self._relist.set()
-            return
-        log.info("node %s closed round %d with %d node(s)", self.me, number, len(members))
-        self._mirror.set_round(KeyValue(self._mirror.round_key, record.encode(),
-                                        create_revision=new_revision, mod_revision=new_revision))
-        if number >= 2:  # no agent reads the store of a round two behind
-            old = self._store_prefix + f"torch.rendezvous.{self._run_id}.{number - 2}/".encode()
-            try:
-                self._coord.delete_prefix(old)
-            except CoordinationError as exc:
-                log.debug("could not delete the store of round %d: %s", number - 2, exc)
 
     def _round_left(self) -> str | None:
         """Why a blocking wait in the store can stop now: a member of the round this node is
-        in is gone (confirmed), so what it was to write (torch's rank assignment, written by
+        in is dead (confirmed), so what it was to write (torch's rank assignment, written by
         the agent of rank 0) will never come. The agent then fails at once and is restarted
         into a new round, instead of after the store's timeout (60 s)."""
         if not self._started or self._stopped:
             return None
         gone = self.gone_members()
-        with self._mirror.cond:
-            current = self._mirror.round
+        with self._control.cond:
+            current = self._control.round
         if not gone or current is None or self.me not in current.members:
             return None
         return f"member(s) {', '.join(gone)} of round {current.round} left the rendezvous"
 
     def gone_members(self) -> list[str]:
-        """Members of the current round whose records have been absent for ``confirm``
-        seconds while this node trusted its view (empty while it does not)."""
-        now = self._clock.monotonic()
-        if now < self._untrusted_until:
+        """Members of the current round the closer counts as dead (empty while this node
+        distrusts its own view)."""
+        if self._clock.monotonic() < self._untrusted_until:
             return []
-        with self._mirror.cond:
-            return sorted(n for n, t in self._mirror.absent_since.items()
-                          if now - t >= self._confirm and n not in self._mirror.nodes)
+        with self._control.cond:
+            current, waiting = self._control.round, self._control.waiting
+        if current is None or waiting is None or waiting.round != current.round:
+            return []
+        members = set(current.members)
+        return sorted(m for m in waiting.dead if m in members)
 
     def num_nodes_waiting(self) -> int:
         """Nodes waiting to enter: rejoining members, and waiting nodes when the round has
-        room. From the watch's mirror: no etcd request, so an outage cannot fail it."""
+        room. From the closer's summary: no etcd request, so an outage cannot fail it."""
         if self._relist.is_set() and self._started and not self._stopped:
-            self._relist.clear()
-            try:  # once, without the grace: this call must not block the agent's monitor
-                self._relist_now(patient=False)
-            except CoordinationError as exc:
-                self._relist.set()
-                log.debug("re-listing the rendezvous failed (%s); the mirror stands", exc)
+            self._kick()  # the duty thread re-lists; this call must not block
         gone = self.gone_members()
-        with self._mirror.cond:
-            nodes, current = dict(self._mirror.nodes), self._mirror.round
+        with self._control.cond:
+            current, waiting = self._control.round, self._control.waiting
         if current is not None and gone and self.on_round_broken is not None \
                 and self.me in current.members:
             new = [g for g in gone if (current.round, g) not in self._reported_gone]
             if new:
                 self._reported_gone.update((current.round, g) for g in new)
                 self.on_round_broken(new)
-        return num_waiting(nodes, current, self._max, gone, self._grow,
+        return num_waiting(current, waiting, self._max, gone, self._grow,
                            now=self._clock.wall(), at_commit=self._at_commit(current))
 
     def _at_commit(self, current: RoundRecord | None) -> bool:
@@ -474,18 +506,18 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
             return False
 
     def is_closed(self) -> bool:
-        with self._mirror.cond:
+        with self._control.cond:
             if self._started:
-                return self._mirror.closed
-        return self._grace.call(lambda: self._coord.get(self._mirror.closed_key),
+                return self._control.closed
+        return self._grace.call(lambda: self._coord.get(self._control.closed_key),
                                 "reading whether the rendezvous is closed") is not None
 
     def set_closed(self) -> None:
-        self._grace.call(lambda: self._coord.put(self._mirror.closed_key, b'{"v":1}'),
+        self._grace.call(lambda: self._coord.put(self._control.closed_key, b'{"v":2}'),
                          "closing the rendezvous")
-        with self._mirror.cond:
-            self._mirror.closed = True
-            self._mirror.cond.notify_all()
+        with self._control.cond:
+            self._control.closed = True
+            self._control.cond.notify_all()
 
     def shutdown(self) -> bool:
         """Leaves: revokes the lease (deleting this node's record) and closes the rendezvous,
@@ -513,12 +545,17 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         return closed
 
     def stop(self) -> None:
-        """Revokes the lease and stops the watch, without closing the rendezvous."""
+        """Revokes the lease and stops the watches, without closing the rendezvous."""
         if self._stopped:
             return
-        self._stopped = True
+        with self._control.cond:
+            self._stopped = True
+            self._control.cond.notify_all()
         if self._watch is not None:
             self._watch.cancel()
+        if self._closer is not None:
+            self._closer.stop()
+        self._port.release()
         try:
             self._keeper.stop(revoke=self._started)
         except CoordinationError as exc:

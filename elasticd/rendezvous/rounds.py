@@ -1,17 +1,13 @@
 """The round decisions of elasticd's own rendezvous, as pure functions on plain data.
 
-The etcd-native rendezvous (:mod:`elasticd.coordination.rendezvous_handler`) keeps, per run,
-one small key per node and one round key, instead of torch's single pickled blob::
-
-    <prefix>/jobs/<run_id>/rdzv/native/nodes/<node>   a node's join record, bound to its lease
-    <prefix>/jobs/<run_id>/rdzv/native/round          the last closed round: number and members
-    <prefix>/jobs/<run_id>/rdzv/native/closed         present once the rendezvous is closed
-
-A node joins by (re)writing its own record with the round it wants (``target``); its lease is
-its heartbeat, so nothing is rewritten on a timer. Whoever sees that the next round can close
-writes the round key by one compare-and-set on its ``mod_revision``: one writer wins, the rest
-read the result. Everything here decides from a snapshot of those keys (what a node's watch
-mirrors) and does no I/O, so it is tested alone (``tests/unit/test_rendezvous_rounds.py``).
+The rendezvous (:mod:`elasticd.rendezvous.handler`) keeps, per run, one small key per node and a
+few control keys (:mod:`.records`), instead of torch's single pickled blob. A node joins by
+(re)writing its own record with the round it wants (``target``); its lease is its heartbeat, so
+nothing is rewritten on a timer. One agent, the *closer*, elected under its lease, follows the
+node records (incrementally: :mod:`.tally`) and writes the round key by one compare-and-set that
+also checks its own election key; the other agents follow only the control keys. Everything
+here decides from plain data and does no I/O, so it is tested alone
+(``tests/unit/test_rendezvous_rounds.py``).
 
 The rules, for the next round ``t`` after the last closed round ``t - 1`` with members ``M``:
 
@@ -34,10 +30,11 @@ The rules, for the next round ``t`` after the last closed round ``t - 1`` with m
   snapshot). At most ``max`` form the round; the rest stay spares, and the next round takes
   them in that order, so a spare replaces a failed node (taking its rank) and the world size
   stays.
-* **Waiting** (``num_nodes_waiting``, asked by each agent while its workers train): members of
-  the current round that came back to re-rendezvous, plus waiting non-members when the round has
-  room (fewer than ``max`` of its members alive). A full round's spares wait silently; they are
-  not a reason to restart anybody. The grow policy decides what room a newcomer may take:
+* **Waiting** (``num_nodes_waiting``, asked by each agent while its workers train, from the
+  closer's summary :class:`~.records.Waiting`): members of the current round that came back to
+  re-rendezvous, plus waiting non-members when the round has room (fewer than ``max`` of its
+  members alive). A full round's spares wait silently; they are not a reason to restart
+  anybody. The grow policy decides what room a newcomer may take:
   ``immediate`` (any: a node that returns or is added stops everybody once to enter) or
   ``at-failure`` (only a dead member's: it waits as a spare, and the next round that forms for
   another reason, a failure or a member's restart, takes it in with no extra stop) or
@@ -49,42 +46,30 @@ The rules, for the next round ``t`` after the last closed round ``t - 1`` with m
   same moment (clock skew between nodes shifts it by the skew, seconds against minutes).
   Whether the job is at a committed step is the caller's to say (``at_commit``): the
   replication records live outside this layer (see the handler's ``commit_gate``).
-
-A member counts as gone only once its record has been absent
-  for ``confirm`` seconds while this node trusts its view of etcd (an etcd paused past the TTL
-  expires every lease at once; see :class:`~elasticd.coordination.rendezvous_handler`).
-
-Records are JSON with a schema version; nothing is unpickled.
+* **Dead.** A member counts as dead only once its record has been absent for ``confirm``
+  seconds while the closer trusted its view of etcd (an etcd paused past the TTL expires every
+  lease at once), and an agent that distrusts its own view counts nobody as dead.
+* **The summary** is rewritten when what it means changes (whether anyone rejoins, whether
+  anyone waits outside, who is dead: :func:`summary_news`) at once, and its exact counts at
+  most every :data:`SUMMARY_REFRESH` seconds: a re-rendezvous of N members costs each agent
+  one or two events, not N.
+* **Election.** When the closer's key is gone (its lease expired, it left), each agent waits
+  :func:`election_delay` and then, if nobody took the key meanwhile, tries to create it: the
+  members of the last round in rank order, a step apart, so one takes over and the others see
+  its key before their turn (no herd).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 from typing import Iterable, Mapping
-from urllib.parse import quote, unquote
 
-#: Schema version of the node and round records.
-SCHEMA = 1
+from elasticd.rendezvous.records import NodeRecord, RoundRecord, Waiting
+
 #: Grow policies (rdzv-conf ``grow``; see the module docstring); ``interval:MIN`` takes a
 #: number of minutes.
 GROW_POLICIES = ("immediate", "at-failure", "interval:MIN")
 _INTERVAL = "interval:"
-
-
-def node_id(addr: str, pid: int, local_id: int) -> str:
-    """A node's id: its address, agent pid and handler count, percent-quoted into one key
-    element (an IPv6 address or an odd host name stays one element)."""
-    return quote(f"{addr}_{pid}_{local_id}", safe="")
-
-
-def agent_pid(member: str) -> int | None:
-    """The agent pid in a node id made by :func:`node_id` (None when ``member`` is not one)."""
-    parts = unquote(member).rsplit("_", 2)
-    if len(parts) != 3 or not parts[1].isdigit():
-        return None
-    return int(parts[1])
 
 
 def check_grow(policy: str) -> str:
@@ -118,103 +103,6 @@ def grow_interval(policy: str) -> float | None:
     """
     text = check_grow(policy)
     return float(text[len(_INTERVAL):]) * 60.0 if text.startswith(_INTERVAL) else None
-
-
-class RecordError(ValueError):
-    """A stored record is not one this code reads (corrupt, foreign, or a newer schema)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class NodeRecord:
-    """One node's join record (value of ``native/nodes/<node>``).
-
-    Attributes:
-        node: the node id (also the key's last element).
-        target: the round this node waits to join.
-        addr: the node's address, for logs and the workers' ``MASTER_ADDR`` when rank 0.
-        revision: the etcd revision that created the key (arrival order); 0 when not stored.
-    """
-
-    node: str
-    target: int
-    addr: str = ""
-    revision: int = 0
-
-    def encode(self) -> bytes:
-        return json.dumps({"v": SCHEMA, "node": self.node, "target": self.target,
-                           "addr": self.addr}, separators=(",", ":")).encode()
-
-    @classmethod
-    def decode(cls, raw: bytes, revision: int = 0) -> "NodeRecord":
-        """Raises:
-            RecordError: not a node record of this schema.
-        """
-        data = _load(raw, "node record")
-        try:
-            return cls(node=str(data["node"]), target=int(data["target"]),
-                       addr=str(data.get("addr", "")), revision=revision)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise RecordError(f"node record {raw[:80]!r} lacks node/target: {exc}") from exc
-
-
-@dataclasses.dataclass(frozen=True)
-class RoundRecord:
-    """The last closed round (value of ``native/round``).
-
-    Attributes:
-        round: its number (0 for a job's first round).
-        members: node ids in rank order.
-        closed_by: the node that closed it (for logs).
-        grew_at: wall-clock time the last round that grew the job closed (this one, or the
-            job's first round, or a later one with more members than the round before it), by
-            its closer's clock; 0 when unknown (a record written before this field), which
-            counts as long ago. The ``interval:MIN`` grow policy counts from it.
-    """
-
-    round: int
-    members: tuple[str, ...]
-    closed_by: str = ""
-    grew_at: float = 0.0
-
-    def encode(self) -> bytes:
-        return json.dumps({"v": SCHEMA, "round": self.round, "members": list(self.members),
-                           "closed_by": self.closed_by, "grew_at": self.grew_at},
-                          separators=(",", ":")).encode()
-
-    @classmethod
-    def decode(cls, raw: bytes) -> "RoundRecord":
-        """Raises:
-            RecordError: not a round record of this schema.
-        """
-        data = _load(raw, "round record")
-        try:
-            members = tuple(str(m) for m in data["members"])
-            grew_at = float(data.get("grew_at", 0.0))
-            if not math.isfinite(grew_at):
-                raise ValueError(f"grew_at {grew_at!r} is not finite")
-            return cls(round=int(data["round"]), members=members,
-                       closed_by=str(data.get("closed_by", "")), grew_at=grew_at)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise RecordError(f"round record {raw[:80]!r} lacks round/members: {exc}") from exc
-
-    def rank_of(self, node: str) -> int | None:
-        try:
-            return self.members.index(node)
-        except ValueError:
-            return None
-
-
-def _load(raw: bytes, what: str) -> dict:
-    try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RecordError(f"{what} {raw[:80]!r} is not JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise RecordError(f"{what} {raw[:80]!r} is not a JSON object")
-    if data.get("v") != SCHEMA:
-        raise RecordError(f"{what} has schema {data.get('v')!r}; this elasticd reads schema "
-                          f"{SCHEMA}: run the same elasticd version on every node")
-    return data
 
 
 def next_round(last: RoundRecord | None) -> int:
@@ -303,12 +191,6 @@ def decide_close(nodes: Mapping[str, NodeRecord], last: RoundRecord | None,
                                "last call", last_call=True)
 
 
-def closer(members: tuple[str, ...]) -> str:
-    """The node expected to write a closable round: its first member. Others write it only
-    after a back-off, in case that node died (one compare-and-set per round, not N)."""
-    return members[0]
-
-
 def grew_at(members: tuple[str, ...], last: RoundRecord | None, now: float) -> float:
     """``grew_at`` of a round of ``members`` closing at wall time ``now`` after ``last``: now
     when it is the job's first round or has more members than ``last``, else ``last``'s."""
@@ -317,17 +199,18 @@ def grew_at(members: tuple[str, ...], last: RoundRecord | None, now: float) -> f
     return last.grew_at
 
 
-def num_waiting(nodes: Mapping[str, NodeRecord], current: RoundRecord | None,
-                max_nodes: int, gone: Iterable[str] = (), grow: str = "immediate",
-                now: float = 0.0, at_commit: bool = True) -> int:
+def num_waiting(current: RoundRecord | None, waiting: Waiting | None, max_nodes: int,
+                gone: Iterable[str] = (), grow: str = "immediate", now: float = 0.0,
+                at_commit: bool = True) -> int:
     """``num_nodes_waiting`` for a member of ``current`` (see the module docstring).
 
     Args:
-        nodes: live node records.
-        current: the last closed round.
+        current: the last closed round (None: none, although this agent trains: the record is
+            gone, so everybody re-rendezvous).
+        waiting: the closer's summary (one of an older round counts as nobody waiting).
         max_nodes: torchrun's ``--nnodes`` maximum.
-        gone: members of ``current`` whose records have been absent long enough, while this
-            node trusted its view, to count as dead. A member absent but not yet confirmed is
+        gone: members of ``current`` this agent counts as dead (the summary's, unless it
+            distrusts its own view: then none). A member absent but not yet confirmed is
             counted as alive (provisional expiry).
         grow: the grow policy: ``immediate``, ``at-failure`` (newcomers wait for a dead
             member's place) or ``interval:MIN`` (as ``at-failure``, and any room once MIN
@@ -335,15 +218,63 @@ def num_waiting(nodes: Mapping[str, NodeRecord], current: RoundRecord | None,
         now: wall-clock time (``interval:MIN`` only).
         at_commit: whether the job is at a committed step (``interval:MIN`` only).
     """
+    number = current.round if current is not None else -1
+    if waiting is None or waiting.round != number:
+        waiting = Waiting(number)
     if current is None:
-        return len(nodes)
+        # Asked while training, yet no round: the round record is gone (etcd lost its data,
+        # or it was deleted), so every node re-rendezvous, as for a member that came back.
+        return max(1, waiting.outsiders)
     members = set(current.members)
     dead = set(gone) & members
-    rejoining = sum(1 for m in members if m in nodes and nodes[m].target > current.round)
     alive_members = len(members - dead)
     interval = grow_interval(grow)
     any_room = grow == "immediate" or (
         interval is not None and at_commit and now - current.grew_at >= interval)
     room = max_nodes - alive_members if any_room else min(len(dead), max_nodes - alive_members)
-    outsiders = sum(1 for n in nodes if n not in members)
-    return rejoining + (min(outsiders, room) if room > 0 else 0)
+    return waiting.rejoining + (min(waiting.outsiders, room) if room > 0 else 0)
+
+
+#: Seconds between two rewrites of the waiting summary that change only its counts.
+SUMMARY_REFRESH = 5.0
+
+
+def summary_news(written: Waiting | None, new: Waiting) -> bool:
+    """Whether ``new`` says something ``written`` (the summary in etcd; None: none for this
+    round, which reads as nobody waiting) does not: another round, someone rejoining or
+    waiting outside where nobody was (or the reverse), other dead members. The counts alone
+    are refreshed every :data:`SUMMARY_REFRESH` seconds instead."""
+    if written is None or written.round != new.round:
+        written = Waiting(new.round)
+    def meaning(w: Waiting) -> tuple:
+        return (w.round, w.rejoining > 0, w.outsiders > 0, w.dead)
+    return meaning(written) != meaning(new)
+
+
+#: Seconds between the turns of two successive ranks to take the closer's key.
+ELECTION_STEP = 0.05
+#: Ranks that take turns; the rest (and spares, newcomers) draw a moment after them.
+ELECTION_RANKS = 16
+#: Spread of the drawn moments, seconds.
+ELECTION_JITTER = 0.5
+
+
+def election_delay(me: str, last: RoundRecord | None, draw: float) -> float:
+    """Seconds this node waits, once the closer's key is gone, before it tries to take it.
+
+    Members of the last round go in rank order, :data:`ELECTION_STEP` apart, so the lowest
+    live rank takes over and the others see its key before their turn; the rest (spares,
+    newcomers, ranks past :data:`ELECTION_RANKS`) draw a moment after them. Before the job's
+    first round every node draws within :data:`ELECTION_STEP` times four.
+
+    Args:
+        me: this node's id.
+        last: the last closed round, if any.
+        draw: a number in [0, 1), drawn by the caller.
+    """
+    if last is None:
+        return draw * ELECTION_STEP * 4
+    rank = last.rank_of(me)
+    if rank is not None and rank < ELECTION_RANKS:
+        return ELECTION_STEP * rank
+    return ELECTION_STEP * ELECTION_RANKS + draw * ELECTION_JITTER

@@ -16,7 +16,7 @@ does not recognise as a timeout). Waiting polls with capped exponential backoff:
 add a stream and a thread per agent for waits that are short (the rendezvous) or rare (the exit
 barrier), and polling needs no resynchronisation after an outage.
 
-Every etcd call rides out outages for the grace period (:mod:`.rendezvous_grace`). ``add`` is
+Every etcd call rides out outages for the grace period (:mod:`.grace`). ``add`` is
 made idempotent across a retried write whose outcome was unknown: the transaction also creates a
 marker key unique to the call, which is checked when the compare fails and deleted afterwards.
 
@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 import torch.distributed as dist
 
 from elasticd.coordination.api import Compare, Coordinator, CoordinationError, Put
-from elasticd.coordination.rendezvous_grace import OutageGrace
+from elasticd.rendezvous.grace import OutageGrace
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,7 @@ class EtcdV3Store(dist.Store):
         self._min_poll = min_poll
         self._max_poll = max_poll
         self.abort = abort
+        self._clones: list[EtcdV3Store] = []  # see clone()
         if timeout is not None:
             self.set_timeout(timeout)
 
@@ -127,8 +128,9 @@ class EtcdV3Store(dist.Store):
                     f"{self.prefix.decode(errors='replace')}: {reason}")
             now = self._clock.monotonic()
             if deadline is not None and now >= deadline:
+                # "timeout" is the word torch's stores use and its tests match ("[t -i]imeout").
                 raise dist.DistStoreError(
-                    f"timed out after {seconds:g}s waiting for keys {missing_keys} in the etcd "
+                    f"wait timeout after {seconds:g} s: keys {missing_keys} missing in the etcd "
                     f"store {self.prefix.decode(errors='replace')}"
                 )
             self._clock.sleep(pause if deadline is None else min(pause, deadline - now))
@@ -246,6 +248,24 @@ class EtcdV3Store(dist.Store):
         kvs, _ = self._grace.call(lambda: self._coordinator.get_prefix(self.prefix),
                                   "counting store keys")
         return len(kvs)
+
+    def clone(self) -> "EtcdV3Store":
+        """Another handle on the same keys (``c10d::Store::clone``), for another thread.
+
+        It shares the etcd connection (thread-safe), the timeout, the outage grace and the
+        abort check; torch calls it through its trampoline (``PrefixStore.clone`` and its
+        own store tests do), where a Python store without it fails with "Tried to call pure
+        virtual function c10d::Store::clone".
+
+        This store keeps a reference to each clone: pybind's trampoline (torch 2.13) finds
+        the Python methods through the Python object, so a clone only C++ still holds (a
+        cloned ``PrefixStore``'s) would lose them ("Not implemented"). Clones are few: one
+        per thread that asks.
+        """
+        twin = EtcdV3Store(self._coordinator, self.prefix, self.timeout, self._grace,
+                           self._min_poll, self._max_poll, self.abort)
+        self._clones.append(twin)
+        return twin
 
     # torch's pybind trampoline calls these C++ names.
     deleteKey = delete_key

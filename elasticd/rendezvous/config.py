@@ -2,7 +2,7 @@
 
 torchrun hands every ``--rdzv-conf key=value`` to the handler creator as strings in
 ``RendezvousParameters.config``. :class:`RendezvousConfig` reads the keys elasticd's rendezvous
-handler (:mod:`.rendezvous_handler`) understands, validates them and quotes any bad value:
+handler (:mod:`.handler`) understands, validates them and quotes any bad value:
 
 =====================  ==========================================================  ==========
 key                    meaning                                                     default
@@ -46,8 +46,8 @@ from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
 from elasticd.coordination.etcd import EtcdSettings, parse_endpoints
 from elasticd.coordination.keys import check_name, check_prefix
-from elasticd.coordination.rendezvous_grace import DEFAULT_GRACE_PERIOD
-from elasticd.coordination.rendezvous_rounds import check_grow
+from elasticd.rendezvous.grace import DEFAULT_GRACE_PERIOD
+from elasticd.rendezvous.rounds import check_grow
 
 PASSWORD_ENV = "ELASTICD_ETCD_PASSWORD"
 DEFAULT_ETCD_TIMEOUT = 2.0
@@ -95,7 +95,7 @@ class RendezvousConfig:
         liveness_confirm: seconds a member's record must stay absent before it counts as gone.
         join_timeout: seconds ``next_rendezvous`` waits to be admitted.
         last_call: seconds a first round stays open after ``min`` nodes joined.
-        grow: the grow policy (:data:`~.rendezvous_rounds.GROW_POLICIES`).
+        grow: the grow policy (:data:`~.rounds.GROW_POLICIES`).
         close_on_failure: close the rendezvous when the agent ends with an error.
         ignored: the :data:`IGNORED_KEYS` that were given.
     """

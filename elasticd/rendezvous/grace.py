@@ -22,6 +22,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from elasticd.clock import Clock, SystemClock
 from elasticd.coordination.api import AuthError, CoordinationError, Unavailable
+from elasticd.errors import ElasticdError
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ T = TypeVar("T")
 DEFAULT_GRACE_PERIOD = 30.0
 
 
-class EtcdUnavailableError(RendezvousConnectionError):
+class EtcdUnavailableError(RendezvousConnectionError, ElasticdError):
     """etcd stayed unreachable for longer than the grace period, or refused the request."""
 
 

@@ -1,0 +1,560 @@
+"""Scale simulator that runs elasticd's own code: N simulated nodes against one real etcd.
+
+No training runs and no decision logic lives here. Each simulated node holds what a real node
+holds in etcd, through elasticd's own classes and the :class:`Coordinator` interface:
+
+* **its daemon**: a lease kept alive by :class:`~elasticd.coordination.lease.LeaseKeeper`, a
+  ~400-byte node record ``<prefix>/nodes/<node>`` bound to it, and the daemons' watch on
+  ``nodes/`` with ``prev_kv`` (the only watch that reads it), whose events it counts;
+* **its torchrun agent**: :class:`~elasticd.rendezvous.handler.EtcdNativeRendezvousHandler`,
+  unchanged (its own lease, its join record, its control-key watch, and when elected, the
+  closer's node watch, election key and writes).
+
+Nodes are spread over ``--procs`` processes. In a process, the leases are refreshed every TTL/3 on one asyncio
+loop rather than by a thread per lease; whenever a refresh is not a plain renewal, elasticd's own
+:meth:`LeaseKeeper.step` runs (:class:`KeeperPool`). Within a process the nodes share ``--clients`` etcd
+connections (:class:`~elasticd.coordination.etcd.EtcdCoordinator`, one gRPC channel each, which
+carries one watch stream and one keep-alive stream): every node still owns its leases, its
+requests and its own watch IDs, since etcd pays per watcher, not per stream. Fewer streams
+batch more and understate etcd's CPU per event (docs/facts.md): the stream count is printed
+and written beside the figures.
+
+Phases per N (``--sizes``): all N join one round (min ``N - 2 * kills - 2``, max N); a steady
+window; ``--kills`` times a member other than the closer is killed (kill -9: keep-alives and
+watches stop, nothing revoked) and the survivors call ``next_rendezvous`` at once, as their
+agents do when the workers' collectives fail; then ``--kills`` times the closer itself. Per N:
+join seconds, kill -> re-formed seconds, etcd requests (from etcd's own counters, keep-alives
+apart) and watch events per agent per round, etcd CPU, leases lost, the closer's own CPU per
+round beside the per-agent average. Results: ``--out`` (bench/results/scale_native.json), one
+entry per N, written after each N.
+
+Per-node periodic work (the commit engineer's "steady training" phase) goes through
+:class:`Ticker`: ``ticker.every(seconds, fn)`` runs ``fn(node)`` for every live node of the
+process at that period, on one thread per process, through each node's own Coordinator
+(``node.coord``) and keys (``node.keys``, ``node.name``).
+
+Run under the CPU lock, one N at a time for the large ones (each < 20 minutes)::
+
+    flock /tmp/elasticd-cpu.lock .venv/bin/python bench/scale_native.py --sizes 100,300
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import random
+import signal
+import statistics
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import psutil
+
+from elasticd.coordination.api import CoordinationError
+from elasticd.coordination.embedded import EmbeddedEtcd
+from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endpoints
+from elasticd.coordination.health import EtcdHealth
+from elasticd.coordination.keys import Keyspace
+from elasticd.coordination.lease import LeaseKeeper
+from scale_sim import requests_by_method, scrape  # noqa: E402 - bench/, beside this file
+
+PREFIX = "/sim"
+
+
+class KeeperPool:
+    """Keeps every lease of a process alive every TTL/3, as each :class:`LeaseKeeper`'s own
+    thread does, without a thread per lease.
+
+    A refresh is one LeaseKeepAlive message on one of ``streams`` grpc.aio streams, sent and
+    answered on one asyncio loop (~0.13 ms of client CPU, measured here). Whenever the answer is
+    not a plain renewal (the lease is gone, no answer within a second, no lease held), the
+    keeper's own :meth:`LeaseKeeper.step` runs on a thread: it finds what happened and does what
+    elasticd does (re-grant, tell the handler, distrust). elasticd's :class:`EtcdCoordinator`
+    refreshes on a synchronous gRPC stream per client, ~0.3 ms of client CPU more per refresh
+    for the thread hand-offs: nothing on a real node (3 refreshes a second), 0.9 of a core for
+    1,000 simulated nodes. etcd receives the same messages either way.
+    """
+
+    def __init__(self, endpoint: str, ttl: int, streams: int, workers: int) -> None:
+        import asyncio
+        import concurrent.futures
+        import heapq
+
+        import grpc
+        from pyetcd import etcdrpc
+
+        self._asyncio, self._heapq, self._rpc = asyncio, heapq, etcdrpc
+        self._period = ttl / 3.0
+        self._heap: list[tuple[float, int, LeaseKeeper]] = []
+        self._count = 0
+        self._waiting: dict[int, Any] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers)
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+
+        async def start() -> list[Any]:
+            queues = []
+            for _ in range(streams):
+                queue: Any = asyncio.Queue()
+
+                async def requests(queue: Any = queue) -> Any:
+                    while True:
+                        yield await queue.get()
+
+                call = etcdrpc.LeaseStub(grpc.aio.insecure_channel(endpoint)).LeaseKeepAlive(
+                    requests())
+                asyncio.ensure_future(self._read(call))
+                queues.append(queue)
+            asyncio.ensure_future(self._tick())
+            return queues
+
+        self._queues = asyncio.run_coroutine_threadsafe(start(), self.loop).result()
+
+    def add(self, keeper: LeaseKeeper) -> None:
+        """Takes the place of :meth:`LeaseKeeper.start` (any thread)."""
+        self.loop.call_soon_threadsafe(self._schedule, keeper, self._period)
+
+    def _schedule(self, keeper: LeaseKeeper, after: float) -> None:
+        self._count += 1
+        self._heapq.heappush(self._heap, (time.monotonic() + after, self._count, keeper))
+
+    async def _read(self, call: Any) -> None:
+        async for resp in call:
+            sent = self._waiting.pop(resp.ID, None)
+            if sent is not None:
+                if resp.TTL > 0:
+                    self._schedule(sent[0], self._period)
+                else:
+                    self._step(sent[0])
+
+    def _step(self, keeper: LeaseKeeper) -> None:
+        """Not a plain renewal: elasticd's own step finds out and acts; the cadence goes on."""
+        done = self.loop.run_in_executor(self._pool, keeper.step)
+        done.add_done_callback(lambda _f: self._schedule(keeper, self._period))
+
+    async def _tick(self) -> None:
+        while True:
+            await self._asyncio.sleep(0.02)
+            now = time.monotonic()
+            while self._heap and self._heap[0][0] <= now:
+                _, _, keeper = self._heapq.heappop(self._heap)
+                lease = keeper.lease
+                if keeper._stop.is_set():
+                    continue
+                if lease is None or lease in self._waiting:
+                    self._step(keeper)
+                    continue
+                self._waiting[lease] = (keeper, now)
+                self._queues[lease % len(self._queues)].put_nowait(
+                    self._rpc.LeaseKeepAliveRequest(ID=lease))
+            late = [lease for lease, (_, at) in self._waiting.items() if now - at > 1.0]
+            for lease in late:  # no answer within a second
+                self._step(self._waiting.pop(lease)[0])
+
+
+class SimNode:
+    """One simulated node: its daemon's lease, record and node watch, and its agent."""
+
+    def __init__(self, index: int, coord: EtcdCoordinator, n: int, min_nodes: int,
+                 keepers: KeeperPool, a: argparse.Namespace) -> None:
+        from elasticd.rendezvous.grace import OutageGrace
+        from elasticd.rendezvous.handler import EtcdNativeRendezvousHandler
+
+        self.index, self.coord, self.keys = index, coord, Keyspace(f"{PREFIX}{n}")
+        self.name = f"node-{index:05d}"
+        self.keepers = keepers
+        self.daemon = LeaseKeeper(coord, a.ttl, EtcdHealth(describe="etcd (daemon)"))
+        self.node_events = 0
+        self.watch: Any = None
+        self.agent = EtcdNativeRendezvousHandler(
+            coord, self.keys.job_rdzv("job"), "job", min_nodes, n,
+            f"10.{index // 62500}.{index // 250 % 250}.{index % 250}", "etcd-v3",
+            grace=OutageGrace(30.0), ttl=a.ttl, confirm=a.confirm, join_timeout=600,
+            last_call=1.0)
+        self.agent._keeper.start = lambda: keepers.add(self.agent._keeper)  # type: ignore
+
+    def register(self) -> None:
+        """What the daemon does at start: lease, node record, list and watch ``nodes/``."""
+        lease = self.daemon.grant()
+        self.keepers.add(self.daemon)
+        record = json.dumps({"kind": "node", "v": 1, "node": self.name, "state": "up",
+                             "host": f"{self.name}.cluster.example", "pid": 4242,
+                             "api": "127.0.0.1:7777", "replication": "10.0.0.1:7788",
+                             "pad": "x" * 200}).encode()
+        self.coord.put(self.keys.node(self.name), record, lease=lease)
+        _, revision = self.coord.get_prefix(self.keys.nodes)
+        self.watch = self.coord.watch_prefix(self.keys.nodes, self._on_nodes, revision + 1,
+                                             prev_kv=True)
+
+    def _on_nodes(self, batch: Any) -> None:
+        if not isinstance(batch, CoordinationError):
+            self.node_events += len(batch)
+
+    def kill(self) -> None:
+        """kill -9 of the whole node: no more keep-alives, watches or writes; nothing revoked."""
+        h = self.agent
+        self.daemon.stop(revoke=False)
+        h._keeper.stop(revoke=False)
+        with h._control.cond:
+            h._stopped = True
+            h._control.cond.notify_all()
+        for w in (self.watch, h._watch, h._closer._watch if h._closer else None):
+            if w is not None:
+                w.cancel()
+
+    def leases_lost(self) -> int:
+        return len(self.daemon.take_lost()) + len(self.agent._keeper.take_lost())
+
+
+class Ticker:
+    """Per-node periodic work on one thread per process (see the module docstring)."""
+
+    def __init__(self, nodes: dict[int, SimNode]) -> None:
+        self._nodes = nodes
+        self._tasks: list[tuple[float, Callable[[SimNode], None]]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def every(self, seconds: float, fn: Callable[[SimNode], None]) -> None:
+        self._tasks.append((seconds, fn))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        due = [time.monotonic()] * len(self._tasks)
+        while not self._stop.is_set():
+            now = time.monotonic()
+            for k, (period, fn) in enumerate(self._tasks):
+                if now >= due[k]:
+                    due[k] = now + period
+                    for node in list(self._nodes.values()):
+                        fn(node)
+            self._stop.wait(max(0.001, min(due) - time.monotonic()))
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int,
+           a: argparse.Namespace) -> None:
+    """A process of simulated nodes, driven by commands on ``conn`` (see :func:`run_size`)."""
+    import concurrent.futures
+
+    settings = EtcdSettings(parse_endpoints(endpoints), timeout=10.0)
+    coords = [EtcdCoordinator(settings) for _ in range(a.clients)]
+    keepers = KeeperPool(endpoints.split(",")[0].split("://")[-1], a.ttl, a.clients,
+                         a.keeper_threads)
+    nodes = {i: SimNode(i, coords[k % a.clients], n, min_nodes, keepers, a)
+             for k, i in enumerate(indices)}
+    ticker = Ticker(nodes)  # noqa: F841 - where a phase registers per-node periodic work
+    pool = concurrent.futures.ThreadPoolExecutor(len(indices))
+    me = psutil.Process()
+    conn.send("ready")
+
+    def join(node: SimNode) -> Any:
+        h = node.agent
+        before = len(h.rounds)
+        info = h.next_rendezvous()
+        number, took = h.rounds[before]
+        return node.index, number, info.rank, time.time() - (time.monotonic() - h.seen_at)
+
+    def stats() -> dict[str, Any]:
+        closers = {i: (x.agent._closer.cpu, x.agent._closer.events)
+                   for i, x in nodes.items() if x.agent._closer is not None}
+        t = me.cpu_times()
+        return {"control_events": sum(x.agent.control_events for x in nodes.values()),
+                "node_events": sum(x.node_events for x in nodes.values()),
+                "closers": closers, "cpu": t.user + t.system,
+                "leases_lost": sum(x.leases_lost() for x in nodes.values()),
+                "threads": me.num_threads()}
+
+    while True:
+        cmd = conn.recv()
+        try:
+            if cmd[0] == "register":
+                list(pool.map(lambda x: x.register(), nodes.values()))
+                conn.send("ok")
+            elif cmd[0] == "join":
+                while time.time() < cmd[1]:  # every process starts at the same moment
+                    time.sleep(0.001)
+                futures = [pool.submit(join, x) for x in nodes.values()]
+                out = []
+                for f in futures:
+                    try:
+                        out.append(f.result())
+                    except Exception as exc:  # noqa: BLE001 - reported, not fatal
+                        out.append(repr(exc))
+                conn.send(out)
+            elif cmd[0] == "stats":
+                conn.send(stats())
+            elif cmd[0] == "closer":
+                conn.send([i for i, x in nodes.items() if x.agent._closer is not None])
+            elif cmd[0] == "members":
+                conn.send([(i, x.agent.me) for i, x in nodes.items()])
+            elif cmd[0] == "kill":
+                nodes.pop(cmd[1]).kill()
+                conn.send(time.time())
+            elif cmd[0] == "stop":
+                ticker.stop()
+                for x in nodes.values():
+                    x.agent.stop()
+                    x.daemon.stop(revoke=True)
+                for c in coords:
+                    c.close()
+                conn.send("stopped")
+                return
+        except Exception as exc:  # noqa: BLE001 - the driver reports it
+            conn.send(repr(exc))
+
+
+class Cluster:
+    """The driver's handle on the worker processes of one N."""
+
+    def __init__(self, n: int, etcd: EmbeddedEtcd, min_nodes: int, a: argparse.Namespace):
+        ctx = mp.get_context("spawn")
+        self.parts = [list(range(n))[k::a.procs] for k in range(a.procs)]
+        self.pipes, self.procs = [], []
+        for part in self.parts:
+            conn, child = ctx.Pipe()
+            proc = ctx.Process(target=worker, args=(child, etcd.endpoints, part, n, min_nodes, a),
+                               daemon=True)
+            proc.start()
+            self.pipes.append(conn)
+            self.procs.append(proc)
+        for c in self.pipes:
+            assert c.recv() == "ready"
+        self.owner = {i: k for k, part in enumerate(self.parts) for i in part}
+
+    def ask(self, cmd: tuple) -> list[Any]:
+        for c in self.pipes:
+            c.send(cmd)
+        return [c.recv() for c in self.pipes]
+
+    def ask_one(self, index: int, cmd: tuple) -> Any:
+        c = self.pipes[self.owner[index]]
+        c.send(cmd)
+        return c.recv()
+
+    def stats(self) -> dict[str, Any]:
+        parts = self.ask(("stats",))
+        out: dict[str, Any] = {k: sum(p[k] for p in parts) for k in
+                               ("control_events", "node_events", "cpu", "leases_lost",
+                                "threads")}
+        out["closers"] = {i: v for p in parts for i, v in p["closers"].items()}
+        return out
+
+    def close(self) -> None:
+        for c in self.pipes:
+            try:
+                c.send(("stop",))
+                if c.poll(30):
+                    c.recv()
+            except (OSError, EOFError):
+                pass
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+
+class Etcd:
+    """etcd's own counters, summed over its members: CPU seconds and requests by method."""
+
+    def __init__(self, etcd: EmbeddedEtcd) -> None:
+        self.urls = [f"http://{m.endpoint.split('://')[-1]}/metrics" for m in etcd.members]
+        self.procs = [psutil.Process(m.proc.pid) for m in etcd.members]
+
+    def cpu(self) -> float:
+        return sum(t.user + t.system for t in (p.cpu_times() for p in self.procs))
+
+    def requests(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for url in self.urls:
+            for k, v in requests_by_method(scrape(url)).items():
+                out[k] = out.get(k, 0.0) + v
+        return out
+
+
+def measure_round(cluster: Cluster, etcd: Etcd, agents: int,
+                  before_join: Callable[[], float | None]) -> dict[str, Any]:
+    """One round: ``before_join`` (a kill, or nothing) then every live agent joins at once."""
+    s0, m0, e0 = cluster.stats(), etcd.requests(), etcd.cpu()
+    killed_at = before_join()
+    start = time.time() + 0.2
+    joined = [r for part in cluster.ask(("join", start)) for r in part]
+    ok = [r for r in joined if isinstance(r, tuple)]
+    s1, m1, e1 = cluster.stats(), etcd.requests(), etcd.cpu()
+    requests = {k: m1.get(k, 0) - m0.get(k, 0) for k in m1 if m1.get(k, 0) - m0.get(k, 0)}
+    per_round = {k: v for k, v in requests.items() if k != "LeaseKeepAlive"}
+    closer_cpu = sum(cpu - s0["closers"].get(i, (0.0, 0))[0]
+                     for i, (cpu, _) in s1["closers"].items())
+    closer_events = sum(ev - s0["closers"].get(i, (0.0, 0))[1]
+                        for i, (_, ev) in s1["closers"].items())
+    origin = killed_at if killed_at is not None else start
+    seen = [r[3] - origin for r in ok]
+    return {
+        "seconds": round(max(seen), 3) if len(ok) == agents and seen else None,
+        "agents_in_round": len(ok), "errors": [r for r in joined if not isinstance(r, tuple)][:3],
+        "rounds": sorted({r[1] for r in ok}), "ranks_distinct": len({r[2] for r in ok}) == len(ok),
+        "requests_per_agent_round": round(sum(per_round.values()) / agents, 3),
+        "requests_by_method": per_round,
+        "keepalives": requests.get("LeaseKeepAlive", 0),
+        "control_events_per_agent": round((s1["control_events"] - s0["control_events"])
+                                          / agents, 3),
+        "closer_events": closer_events,
+        "events_per_agent_round": round((s1["control_events"] - s0["control_events"]
+                                         + closer_events) / agents, 3),
+        "daemon_node_watch_events": s1["node_events"] - s0["node_events"],
+        "etcd_cpu_seconds": round(e1 - e0, 3),
+        "closer_cpu_seconds": round(closer_cpu, 4),
+        "simulator_cpu_seconds_per_agent": round((s1["cpu"] - s0["cpu"]) / agents, 5),
+        "leases_lost": s1["leases_lost"] - s0["leases_lost"],
+    }
+
+
+def run_size(n: int, server: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, Any]:
+    etcd = Etcd(server)
+    min_nodes = max(1, n - 2 * a.kills - 2)
+    cluster = Cluster(n, server, min_nodes, a)
+    result: dict[str, Any] = {"n": n, "ttl": a.ttl, "processes": a.procs,
+                              "etcd_clients": a.procs * a.clients,
+                              "grpc_streams": a.procs * a.clients * 2,
+                              "streams_note": "each etcd client: one gRPC channel carrying one "
+                                              "watch stream and one keep-alive stream"}
+    try:
+        t0, e0 = time.monotonic(), etcd.cpu()
+        cluster.ask(("register",))
+        registered = time.monotonic() - t0
+        # Each daemon's node watch sees the registrations after its own listing: wait for
+        # that fan-out to end before the rounds are measured.
+        events, still = -1, 0
+        while still < 2:
+            time.sleep(0.5)
+            now_events = cluster.stats()["node_events"]
+            still, events = (still + 1, events) if now_events == events else (0, now_events)
+        result["daemons"] = {"registered_seconds": round(registered, 2),
+                             "node_watch_events_at_start": events,
+                             "etcd_cpu_seconds_at_start": round(etcd.cpu() - e0, 2)}
+        alive = n
+        join = measure_round(cluster, etcd, alive, lambda: None)
+        result["join"] = join
+        result["join_seconds"] = join["seconds"]
+        # steady: only keep-alives should reach etcd
+        time.sleep(1.0)
+        s0, m0, e0, t0 = cluster.stats(), etcd.requests(), etcd.cpu(), time.monotonic()
+        time.sleep(a.window)
+        s1, m1, e1, t1 = cluster.stats(), etcd.requests(), etcd.cpu(), time.monotonic()
+        secs = t1 - t0
+        result["steady"] = {
+            "seconds": round(secs, 1),
+            "requests_per_node_per_second": {k: round((m1.get(k, 0) - m0.get(k, 0)) / secs / n, 3)
+                                             for k in m1 if m1.get(k, 0) - m0.get(k, 0)},
+            "etcd_cpu_percent_of_core": round((e1 - e0) / secs * 100, 1),
+            "simulator_cpu_percent_of_core": round((s1["cpu"] - s0["cpu"]) / secs * 100, 1),
+            "leases_lost": s1["leases_lost"] - s0["leases_lost"],
+            "threads": s1["threads"]}
+        members = dict(m for part in cluster.ask(("members",)) for m in part)
+        rounds = []
+        for kind in ("member", "closer"):
+            for _ in range(a.kills):
+                closer = [i for part in cluster.ask(("closer",)) for i in part]
+                if kind == "closer":
+                    victim = closer[0]
+                else:
+                    victim = random.choice([i for i in members if i not in closer])
+                members.pop(victim)
+
+                def kill(victim: int = victim) -> float:
+                    return cluster.ask_one(victim, ("kill", victim))
+
+                alive -= 1
+                r = measure_round(cluster, etcd, alive, kill)
+                r["killed"] = kind
+                rounds.append(r)
+                print(f"  N={n} {kind} killed -> re-formed {r['seconds']} s, "
+                      f"{r['requests_per_agent_round']} req, {r['events_per_agent_round']} "
+                      f"events/agent, closer cpu {r['closer_cpu_seconds']} s", flush=True)
+                time.sleep(0.5)
+        result["kills"] = rounds
+        result["reform_seconds"] = [r["seconds"] for r in rounds if r["killed"] == "member"]
+        result["closer_reform_seconds"] = [r["seconds"] for r in rounds if r["killed"] == "closer"]
+        every = [join] + rounds
+        result["requests_per_agent_round"] = max(r["requests_per_agent_round"] for r in every)
+        result["events_per_agent_round"] = max(r["events_per_agent_round"] for r in every)
+        result["closer_cpu_seconds_per_round_max"] = max(r["closer_cpu_seconds"] for r in every)
+        result["simulator_cpu_seconds_per_agent_round_median"] = statistics.median(
+            r["simulator_cpu_seconds_per_agent"] for r in every)
+        result["leases_lost"] = (sum(r["leases_lost"] for r in every)
+                                 + result["steady"]["leases_lost"])
+        result["commit"] = None  # the commit engineer's steady-training phase (Ticker)
+    finally:
+        cluster.close()
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--sizes", default="100", help="node counts, comma-separated")
+    p.add_argument("--procs", type=int, default=4, help="simulator processes")
+    p.add_argument("--clients", type=int, default=2, help="etcd clients per process")
+    p.add_argument("--keeper-threads", type=int, default=8,
+                   help="threads per process that run a lease keeper's own step when a "
+                        "refresh was not a plain renewal")
+    p.add_argument("--ttl", type=int, default=2, help="lease TTL, seconds")
+    p.add_argument("--confirm", type=float, default=1.0, help="rdzv liveness_confirm, seconds")
+    p.add_argument("--window", type=float, default=5.0, help="steady window, seconds")
+    p.add_argument("--kills", type=int, default=10, help="member kills, then closer kills")
+    p.add_argument("--members", type=int, default=1, help="etcd members (3: a local cluster)")
+    p.add_argument("--out", default="bench/results/scale_native.json",
+                   help="results file; an existing entry for the same N (and members) is "
+                        "replaced, the others kept")
+    a = p.parse_args()
+    sizes = [int(x) for x in a.sizes.split(",") if x]
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    random.seed(0)
+    try:
+        with open(a.out) as f:
+            doc = json.load(f)
+        if not isinstance(doc.get("results"), list):
+            doc = {}
+    except (OSError, ValueError):
+        doc = {}
+    doc.setdefault("results", [])
+    etcd = EmbeddedEtcd(a.members).start()
+    try:
+        for n in sizes:
+            t0 = time.monotonic()
+            r = run_size(n, etcd, a)
+            r["etcd_members"] = a.members
+            r["command"] = "python bench/scale_native.py " + " ".join(sys.argv[1:])
+            r["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+            r["simulation_seconds"] = round(time.monotonic() - t0, 1)
+            print(f"N={n}: joined {r['join_seconds']} s; member kill -> {r['reform_seconds']}; "
+                  f"closer kill -> {r['closer_reform_seconds']}; "
+                  f"{r['requests_per_agent_round']} req and {r['events_per_agent_round']} "
+                  f"events per agent per round (max); leases lost {r['leases_lost']} "
+                  f"[{r['simulation_seconds']} s]", flush=True)
+            doc["results"] = [x for x in doc["results"]
+                              if (x.get("n"), x.get("etcd_members", 1)) != (n, a.members)]
+            doc["results"].append(r)
+            doc["results"].sort(key=lambda x: (x.get("etcd_members", 1), x["n"]))
+            doc.update(benchmark="scale_native", machine={
+                "cores": os.cpu_count(), "python": platform.python_version()})
+            with open(a.out, "w") as f:
+                json.dump(doc, f, indent=1)
+                f.write("\n")
+    finally:
+        etcd.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

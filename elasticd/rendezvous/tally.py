@@ -1,0 +1,123 @@
+"""The closer's running counts over the node records: O(1) work per watch event.
+
+The closer follows every node record of the run (one watch event per join, rejoin and expiry),
+and the round decision (:func:`~.rounds.decide_close`) ranks them all, which is O(N log N).
+Called on every event, that is O(N²) per round. :class:`Tally` keeps the counts the rules of
+:mod:`.rounds` depend on, updated per event in O(1), and says when the round *may* close
+(:meth:`Tally.may_close`): only then does the closer call the decision, once or twice a round.
+It also keeps when each member of the round was first seen absent, for the dead members of the
+waiting summary (:meth:`Tally.dead`).
+
+Pure: no I/O, no clock of its own (times are passed in), tested alone against the counts
+recomputed from scratch (``tests/unit/test_rendezvous_tally.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from elasticd.rendezvous.records import NodeRecord, RoundRecord, Waiting
+from elasticd.rendezvous.rounds import next_round
+
+
+class Tally:
+    """Counts over the live node records, for the round after ``last``.
+
+    Attributes:
+        nodes: live node records by id (what :func:`~.rounds.decide_close` reads).
+        last: the last closed round.
+        live_members: live members of ``last``.
+        training: live members of ``last`` still asking for it (they block the close).
+        absent_since: when each member of ``last`` was first seen absent (caller's clock).
+    """
+
+    def __init__(self, last: RoundRecord | None = None, now: float = 0.0) -> None:
+        self.nodes: dict[str, NodeRecord] = {}
+        self.last: RoundRecord | None = None
+        self._members: frozenset[str] = frozenset()
+        self._next = 0
+        self.live_members = 0
+        self.training = 0
+        self.absent_since: dict[str, float] = {}
+        self.new_round(last, now)
+
+    # -- events ---------------------------------------------------------------------------
+
+    def new_round(self, last: RoundRecord | None, now: float) -> None:
+        """A round closed (or the record was re-read): recounts, O(N) once per round."""
+        self.last = last
+        self._members = frozenset(last.members) if last is not None else frozenset()
+        self._next = next_round(last)
+        self.live_members = self.training = 0
+        for rec in self.nodes.values():
+            self._count(rec, +1)
+        self.absent_since = {m: self.absent_since.get(m, now)
+                             for m in self._members if m not in self.nodes}
+
+    def load(self, records: Iterable[NodeRecord], now: float) -> None:
+        """Replaces the records by a full listing."""
+        self.nodes = {rec.node: rec for rec in records}
+        self.new_round(self.last, now)
+
+    def put(self, rec: NodeRecord, now: float) -> None:
+        """A node record was written (a join, a rejoin, a re-registration)."""
+        old = self.nodes.get(rec.node)
+        if old is not None:
+            self._count(old, -1)
+        self.nodes[rec.node] = rec
+        self._count(rec, +1)
+        self.absent_since.pop(rec.node, None)
+
+    def delete(self, node: str, now: float) -> None:
+        """A node record is gone (its lease expired or was revoked)."""
+        old = self.nodes.pop(node, None)
+        if old is not None:
+            self._count(old, -1)
+        if node in self._members:
+            self.absent_since.setdefault(node, now)
+
+    def _count(self, rec: NodeRecord, sign: int) -> None:
+        if rec.node in self._members:
+            self.live_members += sign
+            if rec.target < self._next:
+                self.training += sign
+
+    # -- what the counts say --------------------------------------------------------------
+
+    @property
+    def candidates(self) -> int:
+        """Live nodes that have joined the next round (:func:`~.rounds.joined`)."""
+        return len(self.nodes) - self.training
+
+    @property
+    def rejoining(self) -> int:
+        """Live members asking for a later round."""
+        return self.live_members - self.training
+
+    @property
+    def outsiders(self) -> int:
+        """Live nodes that are not members of the last round."""
+        return len(self.nodes) - self.live_members
+
+    def may_close(self, min_nodes: int) -> bool:
+        """False when :func:`~.rounds.decide_close` would surely say no: a live member still
+        trains, or fewer than ``min_nodes`` joined. True does not mean it closes (the last
+        call may still run): the caller then asks the decision itself."""
+        return self.training == 0 and self.candidates >= min_nodes
+
+    def dead(self, now: float, confirm: float, trusted: bool) -> tuple[str, ...]:
+        """Members absent for ``confirm`` seconds, in rank order; none when not ``trusted``."""
+        if not trusted or self.last is None:
+            return ()
+        return tuple(m for m in self.last.members
+                     if m in self.absent_since and now - self.absent_since[m] >= confirm)
+
+    def next_confirm(self, now: float, confirm: float) -> float | None:
+        """When the next absent member becomes dead (None: no member is absent)."""
+        due = [t + confirm for t in self.absent_since.values() if t + confirm > now]
+        return min(due) if due else None
+
+    def waiting(self, dead: tuple[str, ...]) -> Waiting:
+        """The summary of who waits for the next round."""
+        return Waiting(self.last.round if self.last is not None else -1, self.rejoining,
+                       self.outsiders, dead)

@@ -1,0 +1,79 @@
+"""The closer's incremental counts (:mod:`elasticd.rendezvous.tally`) against the same counts
+recomputed from scratch after every event, over any order of joins, rejoins, expiries and
+round changes (hypothesis): the closer may ask the round decision only when the counts say so,
+so a count that drifts would stall a round or split a job."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from elasticd.rendezvous.records import NodeRecord, RoundRecord
+from elasticd.rendezvous.rounds import decide_close, joined, next_round
+from elasticd.rendezvous.tally import Tally
+
+IDS = [f"n{i}" for i in range(6)]
+
+ops = st.lists(st.one_of(
+    st.tuples(st.just("put"), st.sampled_from(IDS), st.integers(0, 4)),
+    st.tuples(st.just("delete"), st.sampled_from(IDS), st.just(0)),
+    st.tuples(st.just("round"), st.lists(st.sampled_from(IDS), unique=True, max_size=5),
+              st.integers(0, 3)),
+), max_size=40)
+
+
+def recount(nodes: dict[str, NodeRecord], last: RoundRecord | None) -> tuple[int, int, int]:
+    members = set(last.members) if last else set()
+    live_members = [m for m in members if m in nodes]
+    training = [m for m in live_members if nodes[m].target < next_round(last)]
+    return len(live_members), len(training), len(joined(nodes, last))
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops, st.integers(1, 4), st.integers(1, 6))
+def test_counts_match_a_recount_after_every_event(ops, min_nodes, extra):
+    max_nodes = min_nodes + extra - 1
+    tally, nodes, last = Tally(), {}, None
+    absent: dict[str, float] = {}
+    revision = 0
+    for now, (kind, arg, n) in enumerate(ops):
+        if kind == "put":
+            revision += 1
+            rec = NodeRecord(arg, n, revision=nodes[arg].revision if arg in nodes else revision)
+            nodes[arg] = rec
+            tally.put(rec, float(now))
+            absent.pop(arg, None)
+        elif kind == "delete":
+            nodes.pop(arg, None)
+            tally.delete(arg, float(now))
+            if last is not None and arg in last.members:
+                absent.setdefault(arg, float(now))
+        else:
+            last = RoundRecord(n, tuple(arg))
+            tally.new_round(last, float(now))
+            absent = {m: absent.get(m, float(now)) for m in last.members if m not in nodes}
+        live_members, training, candidates = recount(nodes, last)
+        assert (tally.live_members, tally.training, tally.candidates) == (
+            live_members, training, candidates)
+        assert tally.outsiders == len(nodes) - live_members
+        assert tally.absent_since == absent
+        for over in (False, True):
+            decision = decide_close(nodes, last, min_nodes, max_nodes, over)
+            if decision.members is not None or decision.last_call:
+                assert tally.may_close(min_nodes)  # never stalls a closable round
+        if not tally.may_close(min_nodes):
+            assert decide_close(nodes, last, min_nodes, max_nodes, True).members is None
+
+
+def test_a_member_is_dead_only_after_confirm_and_only_when_trusted():
+    last = RoundRecord(0, ("a", "b"))
+    tally = Tally(last, now=0.0)
+    tally.load([NodeRecord("a", 0, revision=1), NodeRecord("b", 0, revision=2)], 0.0)
+    tally.delete("b", 10.0)
+    assert tally.dead(10.5, 1.0, trusted=True) == ()
+    assert tally.next_confirm(10.5, 1.0) == 11.0
+    assert tally.dead(11.0, 1.0, trusted=True) == ("b",)
+    assert tally.dead(11.0, 1.0, trusted=False) == ()
+    tally.put(NodeRecord("b", 0, revision=3), 11.5)  # re-registered: alive again
+    assert tally.dead(20.0, 1.0, trusted=True) == () and tally.next_confirm(20.0, 1.0) is None
+    assert tally.waiting(()).round == 0

@@ -1,0 +1,189 @@
+"""Restore scratch is bounded per job (issue 26, finding 6): each ``ckpt_fetch`` with ``need``
+made a segment pinned until ``pin_ttl``, and the node's cap is off by default and shared with
+other jobs' replicas, so a job's worker grew the node's memory without bound.
+
+Real slot stores in /dev/shm (removed afterwards) and the real checkpoint service, its
+replicator an in-process fake running the real ``fetch_into_scratch``; against real daemons
+and a real job: ``tests/integration/test_hostile_worker.py``.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import uuid
+
+import pytest
+
+from elasticd.clock import FakeClock
+from elasticd.local.transport import InProcessTransport, TransportError
+from elasticd.snapshot.segment import PAGE
+from elasticd.store.api import OverBudget, ScratchOverCap
+from elasticd.store.service import CheckpointService
+from elasticd.store.shm import SlotStore
+from tests.unit.test_checkpoint_peer_restore import FakeReplicator
+from tests.unit.test_checkpoint_service import write_snapshot
+
+NEED = [[[3000], ["S0"], [0], [1500]]]
+
+
+@pytest.fixture
+def roots():
+    paths = [f"/dev/shm/elasticd-test-{uuid.uuid4().hex[:12]}" for _ in range(2)]
+    yield paths
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_jobs_scratch_and_bookings_stay_under_its_cap_and_other_jobs_keep_theirs(roots):
+    store = SlotStore(roots[0], job_scratch_cap=4 * PAGE, scratch_keep=0)  # drop: gone
+    try:
+        one = store.scratch(3 * PAGE, job="a")
+        with pytest.raises(ScratchOverCap) as exc:
+            store.scratch(2 * PAGE, job="a")
+        assert str(exc.value) == (f"job a: {2 * PAGE} more bytes of restore scratch would hold "
+                                  f"{5 * PAGE}, over its cap of {4 * PAGE} on this node "
+                                  "(scratch_cap_mib)")
+        assert isinstance(exc.value, OverBudget)  # callers that handle the node cap handle it
+        other = store.scratch(4 * PAGE, job="b")  # per job: b has its own
+        with pytest.raises(ScratchOverCap):
+            store.reserve_scratch("a", 2 * PAGE)  # a booking counts like a segment
+        store.drop_scratch(one)
+        booking = store.reserve_scratch("a", 3 * PAGE)
+        assert store.scratch_held("a") == 3 * PAGE and store.scratch_held() == 7 * PAGE
+        with pytest.raises(ScratchOverCap):
+            store.scratch(2 * PAGE, job="a")  # the booking holds 3 of the 4 pages
+        made = store.scratch(4 * PAGE, job="a", reservation=booking)  # takes the booking over
+        assert store.scratch_held("a") == 4 * PAGE
+        booking.release()  # used: nothing more to give back
+        assert store.scratch_held("a") == 4 * PAGE
+        store.drop_scratch(made)
+        store.drop_scratch(other)
+        later = store.reserve_scratch("a", PAGE)
+        later.release()
+        later.release()
+        assert store.scratch_held() == 0 and store.bytes_held() == 0
+    finally:
+        store.close()
+
+
+def test_a_booking_counts_against_the_nodes_cap_too(roots):
+    store = SlotStore(roots[0], cap_bytes=4 * PAGE, job_scratch_cap=8 * PAGE, scratch_keep=0)
+    try:
+        store.reserve_scratch("a", 3 * PAGE)
+        with pytest.raises(OverBudget, match="of the node's"):
+            store.scratch(2 * PAGE, job="b")
+        assert store.bytes_held() == 3 * PAGE
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("keep", [0.0, 30.0])
+def test_a_dropped_scratch_gives_its_memory_back_though_a_worker_still_maps_it(roots, keep):
+    """Deleted at once (keep 0), or kept for the job's next restore (issue 30) and counted
+    against its cap all the while, then deleted: either way emptied, mapped or not."""
+    clock = FakeClock()
+    store = SlotStore(roots[0], job_scratch_cap=64 * PAGE, scratch_keep=keep, clock=clock)
+    try:
+        segment = store.scratch(64 * PAGE, job="a")
+        segment.reserve_range(0, 64 * PAGE)
+        segment.view[:] = b"x" * (64 * PAGE)
+        fd = segment.descriptor(writable=False)  # what the worker was handed
+        kept = mmap.mmap(fd, 64 * PAGE, prot=mmap.PROT_READ)  # and mapped, and never unmaps
+        assert os.fstat(fd).st_blocks * 512 >= 64 * PAGE
+        store.drop_scratch(segment)
+        if keep:
+            assert store.scratch_held("a") == 64 * PAGE  # kept: still the job's, still counted
+            with pytest.raises(ScratchOverCap):
+                store.reserve_scratch("b", 65 * PAGE)  # (b's own cap)
+            assert os.fstat(fd).st_blocks * 512 >= 64 * PAGE
+            clock.advance(keep + 1)
+            store.sweep_scratch()
+        st = os.fstat(fd)
+        assert st.st_size == 0 and st.st_blocks == 0  # the pages are gone, not just the name
+        assert store.scratch_held() == 0
+        kept.close()
+        os.close(fd)
+    finally:
+        store.close()
+
+
+def test_kept_scratch_gives_way_to_its_jobs_cap_and_the_nodes(roots):
+    """Scratch kept for a job's next restore never causes a refusal: a new partial copy over
+    the job's cap, or a slot over the node's, deletes kept segments first."""
+    store = SlotStore(roots[0], cap_bytes=7 * PAGE, job_scratch_cap=4 * PAGE)
+    try:
+        first = store.scratch(3 * PAGE, job="a")
+        store.drop_scratch(first)  # kept: 3 of a's 4 pages
+        second = store.scratch(PAGE, job="a")  # fits beside it
+        store.drop_scratch(second)
+        big = store.scratch(4 * PAGE, job="a")  # not without deleting both
+        assert not os.path.exists(first.path) and not os.path.exists(second.path)
+        assert store.scratch_held("a") == 4 * PAGE
+        store.drop_scratch(big)
+        other = store.scratch(4 * PAGE, job="b")  # the node's cap: a's kept copy goes
+        assert not os.path.exists(big.path) and store.scratch_held() == 4 * PAGE
+        store.drop_scratch(other)
+    finally:
+        store.close()
+
+
+@pytest.fixture
+def service(roots):
+    local = SlotStore(roots[0], job_scratch_cap=PAGE * 16, scratch_keep=0)
+    peer = SlotStore(roots[1])
+    svc = CheckpointService(local, "n1", replicator=FakeReplicator(local, peer))
+    try:
+        yield svc, InProcessTransport(svc.handlers()), InProcessTransport(
+            CheckpointService(peer, "n2").handlers())
+    finally:
+        local.close()
+        peer.close()
+
+
+def fetch(t, rank: int, pid: int) -> dict:
+    """``ckpt_fetch`` with ``need``, as the worker of pid ``pid`` (the socket's credentials)."""
+    t.peer["pid"] = pid
+    return t.call("ckpt_fetch", job="job", rank=rank, generation=0, step=4, need=NEED)
+
+
+def test_one_live_partial_copy_per_rank_and_caller(service):
+    svc, t, t2 = service
+    for rank in (0, 1):
+        write_snapshot(t2, "job", rank, step=4, world=2)
+    first = fetch(t, 0, pid=10)
+    size = svc.store.scratch_held("job")
+    assert size > 0 and os.path.exists(first["path"])
+    again = fetch(t, 0, pid=10)  # the same worker asks again for rank 0: the first goes
+    assert not os.path.exists(first["path"]) and svc.store.scratch_held("job") == size
+    beside = [fetch(t, 0, pid=11), fetch(t, 1, pid=10)]  # another worker; another rank
+    assert svc.store.scratch_held("job") == 3 * size
+    for reply in (again, *beside):
+        t.call("ckpt_release", pin=reply["pin"])
+    t.call("ckpt_release", pin=first["pin"])  # already given back: nothing happens
+    assert svc.store.scratch_held("job") == 0
+
+
+def test_a_fetch_over_the_jobs_cap_is_refused_in_one_line_counted_and_shown(service, caplog):
+    svc, t, t2 = service
+    for rank in range(8):
+        write_snapshot(t2, "job", rank, step=4, world=8, n=3000)  # 4 pages each
+    held = []
+    with pytest.raises(TransportError) as exc:
+        for rank in range(8):  # a worker that never releases
+            held.append(fetch(t, rank, pid=10))
+    line = str(exc.value)
+    assert "\n" not in line and "cannot fetch job rank" in line
+    assert "over its cap of 65536 on this node (scratch_cap_mib)" in line
+    assert 0 < len(held) < 8 and svc.store.scratch_held("job") <= 16 * PAGE
+    with pytest.raises(TransportError, match="scratch_cap_mib"):
+        fetch(t, 7, pid=10)
+    status = svc.status()["job"]["scratch"]
+    assert status == {"bytes": svc.store.scratch_held("job"), "cap": 16 * PAGE, "refused": 2}
+    stats = svc.stats()
+    assert stats.scratch_refused_total == 2 and stats.scratch_bytes == status["bytes"]
+    assert sum("REFUSED restore scratch" in r.message for r in caplog.records) == 1
+    for reply in held:  # released: room again
+        t.call("ckpt_release", pin=reply["pin"])
+    t.call("ckpt_release", pin=fetch(t, 7, pid=10)["pin"])
