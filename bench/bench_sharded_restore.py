@@ -33,7 +33,9 @@ rank's time), interleaved over ``--repeat`` rounds after one untimed warm-up rou
   into a scratch segment; the worker maps it, copies its old rank's tensors out (the other's
   are read in place), and the :class:`Resharder` builds the new local shards, which the model
   and optimizer load. Before each run the daemons drop what the
-  previous run fetched (``remove_job``), so every run fetches from the peers again.
+  previous run fetched (the job's slots; the restore scratch kept for the job's next restore,
+  ``store/scratch_pool.py``, stays, as between two restores on a node), so every run fetches
+  from the peers again.
 * ``dcp.load, page cache warm``: ``get_state_dict``, ``dcp.load`` of the world-3 save into it,
   ``set_state_dict`` (the standard FSDP2 recipe), with every file read once just before;
 * ``dcp.load, cold``: the same after ``posix_fadvise(POSIX_FADV_DONTNEED)`` on every file.
@@ -172,7 +174,8 @@ def cpu_seconds(pid: int) -> float:
 
 def daemon(conn, control, name: str, root: str, sock: str, book: dict) -> None:
     """A new node's daemon: checkpoint service + replicator + local socket. ``control`` (from
-    its worker): "forget" drops the job's slots and returns the replicator's counters;
+    its worker): "forget" drops the job's slots (not the scratch kept for its next restore)
+    and returns the replicator's counters;
     "membership" is the membership change a new world starts with (the replicator is told,
     as the daemon's loop tells it when a node of the job fails), answered at once."""
     store = SlotStore(root)
@@ -194,7 +197,12 @@ def daemon(conn, control, name: str, root: str, sock: str, book: dict) -> None:
             what = control.recv()
             if what == "forget":
                 counters = dict(replicator.counters)
-                service.remove_job(JOB)
+                # The job's slots go (what a run fetched whole); its restore scratch kept
+                # for the next restore stays, as it does on a node between two restores
+                # (remove_job, the job leaving the node, would delete it).
+                for held_job, rank, _, _ in store.holdings():
+                    if held_job == JOB:
+                        store.remove(JOB, rank)
                 control.send({"counters": counters, "shm_bytes": store.bytes_held()})
             elif what == "membership":
                 changed = getattr(service, "membership_changed", None)
