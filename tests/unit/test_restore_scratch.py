@@ -187,3 +187,42 @@ def test_a_fetch_over_the_jobs_cap_is_refused_in_one_line_counted_and_shown(serv
     for reply in held:  # released: room again
         t.call("ckpt_release", pin=reply["pin"])
     t.call("ckpt_release", pin=fetch(t, 7, pid=10)["pin"])
+
+
+def test_a_membership_change_sets_scratch_aside_within_the_jobs_cap(roots):
+    """When a node of the job fails, the service sets aside (touched, by a thread) a scratch
+    segment per snapshot of the job it holds: counted against the job's cap from then on,
+    reused by the restore's partial copy, and left out (not refused, not counted as refused)
+    when the cap has no room."""
+    import threading
+
+    from elasticd.local.transport import InProcessTransport as Local
+
+    store = SlotStore(roots[0], job_scratch_cap=16 * PAGE)
+    try:
+        svc = CheckpointService(store, "n1")
+        t = Local(svc.handlers())
+        write_snapshot(t, "job", 0, step=4, world=2, n=3000)  # 4 pages with its header
+        size = store.latest("job", 0).header.layout.total_size
+        assert svc.membership_changed("other-job") == 0  # holds nothing of that job
+        aside = svc.membership_changed("job")
+        assert aside == -(-size // PAGE) * PAGE and store.scratch_held("job") == aside
+        for thread in threading.enumerate():  # the pages are touched by a thread of its own
+            if thread.name == "elasticd-scratch-job":
+                thread.join(10)
+        segment = store.scratch(size, job="job")  # the restore's partial copy: the same one
+        fd = segment.descriptor(writable=False)
+        assert os.fstat(fd).st_blocks * 512 >= size  # touched before the restore asked
+        os.close(fd)
+        assert store.scratch_held("job") == aside
+        store.drop_scratch(segment)
+        crowded = SlotStore(roots[1], job_scratch_cap=PAGE)  # no room under the cap
+        try:
+            other = CheckpointService(crowded, "n2")
+            write_snapshot(Local(other.handlers()), "job", 0, step=4, world=2, n=3000)
+            assert other.membership_changed("job") == 0 and crowded.scratch_held() == 0
+            assert other.counters.get("scratch_refused", 0) == 0
+        finally:
+            crowded.close()
+    finally:
+        store.close()
