@@ -18,6 +18,7 @@ from elasticd.store.shm import SlotStore
 from elasticd.coordination.api import Coordinator
 from elasticd.coordination.keys import Keyspace
 from elasticd.recovery.replicator import Replicator
+from elasticd.replication.seal import BlockTagger
 from elasticd.replication.shm_sink import ShmSink, replica_root
 from elasticd.replication.transport import ReplicaServer
 
@@ -84,7 +85,8 @@ class Cluster:
     """``n`` nodes n1..nN; ``addresses`` maps live nodes to their replica servers."""
 
     def __init__(self, coord_factory, n: int, m: int = 2, sink_cls: type = ShmSink,
-                 prefix: str = "/elasticd", **replicator_kw) -> None:
+                 prefix: str = "/elasticd", tagged: bool = True, **replicator_kw) -> None:
+        """``tagged``: local snapshots get their block tags at the seal, as node.py does."""
         self.base = f"/dev/shm/elasticd-test-{uuid.uuid4().hex[:12]}"
         self.keys = Keyspace(prefix)
         self.addresses: dict[str, tuple[str, int]] = {}
@@ -98,6 +100,8 @@ class Cluster:
             name = f"n{i}"
             root = os.path.join(self.base, name)
             local = SlotStore(root)
+            if tagged:
+                local.tagger = BlockTagger(SECRET).tag
             sink = sink_cls(SlotStore(replica_root(root)), local=local)
             server = ReplicaServer("127.0.0.1", 0, SECRET, name, sink, idle_timeout=10.0).start()
             self.addresses[name] = server.address

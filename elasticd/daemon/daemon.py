@@ -502,6 +502,20 @@ class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
         self._act(self.membership.reset(self._decode_all(kvs), now, self.clock.wall(), cut_off))
         self._need_resync = False
 
+    def _prepare_restore(self, job: str) -> None:
+        """This node's workers of ``job`` restore once the new round forms: the checkpoint
+        service sets the scratch of their partial copies aside now (in a thread of its own),
+        touched while detection and the rendezvous run rather than during the restore."""
+        if self.checkpoints is None:
+            return
+        try:
+            nbytes = self.checkpoints.membership_changed(job)
+        except Exception:  # noqa: BLE001 — an optimisation: the restore reserves what it needs
+            log.exception("%s: setting restore scratch aside failed", job)
+            return
+        if nbytes:
+            self._notes.append(f"{nbytes >> 20} MiB of restore scratch set aside")
+
     def _act(self, observations: list[Observation]) -> None:
         for ob in observations:
             self._notes.append(ob.describe())
@@ -514,6 +528,7 @@ class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
                     self.timeline.on_failure(job, ob.node, ob.record.lease,
                                              writer == self.settings.node_id, aborted > 0,
                                              in_group)
+                    self._prepare_restore(job)
                 if ob.detection_seconds is not None:
                     self.metrics.detection_seconds.observe(ob.detection_seconds)
                 self.events.record(Event(

@@ -401,6 +401,8 @@ class Replicator:
         except ShardLost as exc:
             with self.tracker.lock:
                 self.fetch_failures["lost"] += 1
+                for _, reason in exc.attempts:  # each holder that could not give it, too
+                    self.fetch_failures[reason.split(":")[0]] += 1
             log.error("%s", exc)
             raise
         finally:

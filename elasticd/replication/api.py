@@ -14,7 +14,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import threading
-from typing import Sequence
+from typing import Any, Sequence
 
 from elasticd.errors import ElasticdError
 
@@ -183,8 +183,13 @@ class Sink(abc.ABC):
                              f"(readonly={view.readonly}) for {d.total_bytes}")
         return view
 
-    def landed(self, d: Descriptor) -> None:
+    def landed(self, d: Descriptor, tags: Any = None) -> None:
         """Makes a fully received, verified ``d`` the shard's current copy.
+
+        Args:
+            tags: the copy's block tags, when it came pretagged
+                (:class:`~elasticd.replication.seal.BlockTags`, each checked as its block
+                landed): kept with the copy, so that its fetches and later pushes send them on.
 
         Raises:
             Refused: :data:`STALE` when a newer version landed while ``d`` was in
@@ -200,7 +205,7 @@ class Sink(abc.ABC):
             except Refused as exc:
                 self.discard(d, exc.reason)
                 raise
-            self.publish(d)
+            self.publish(d, tags)
 
     def abort(self, d: Descriptor, reason: str) -> None:
         """Drops an in-flight ``d`` (torn or corrupt transfer). Idempotent."""
@@ -221,6 +226,11 @@ class Sink(abc.ABC):
     def release(self, d: Descriptor) -> None:
         """Ends a :meth:`read`. Sinks that pin memory for readers override this."""
 
+    def tags(self, d: Descriptor) -> Any:
+        """The block tags kept with the copy a :meth:`read` of ``d`` returned (call before
+        :meth:`release`), or None: a fetch of it then tags its blocks on the way."""
+        return None
+
     def in_flight(self) -> set[Descriptor]:
         with self._lock:
             return set(self._in_flight)
@@ -236,9 +246,9 @@ class Sink(abc.ABC):
         """
 
     @abc.abstractmethod
-    def publish(self, d: Descriptor) -> None:
+    def publish(self, d: Descriptor, tags: Any = None) -> None:
         """Makes the allocated bytes of ``d`` the held copy of its shard (replacing and
-        freeing any older one)."""
+        freeing any older one), with its block tags when it has them (see :meth:`landed`)."""
 
     @abc.abstractmethod
     def discard(self, d: Descriptor, reason: str) -> None:

@@ -19,9 +19,10 @@ A sealed DATA frame may also be PRETAGGED (v4): its payload is offset (8) | bloc
 chunk, the session tag covers the 12 header bytes, the offset and the block tag, and the
 block tag covers the chunk under the snapshot's block key (:class:`~elasticd.replication.seal.
 BlockTags`: made once when the snapshot was sealed, keyed by the cluster secret and the salt
-its PUT_BEGIN carries). So every frame is still authenticated, the chunk by a tag that was
-not made on the push's critical path; a relay that alters the chunk fails the block tag, one
-that alters, replays or reorders the frame fails the session tag.
+its PUT_BEGIN, or since v5 its FETCH_REPLY, carries). So every frame is still authenticated,
+the chunk by a tag that was not made on the transfer's critical path; a relay that alters the
+chunk fails the block tag (:class:`BlockTagMismatch`), one that alters, replays or reorders
+the frame fails the session tag.
 
 A reader checks magic, version, type, flags and the length limit for that type *before* reading
 the payload, so a hostile or corrupt length never makes it allocate or wait for more than
@@ -32,7 +33,8 @@ The frames, by conversation (``C`` client, ``S`` server):
 
 * handshake: C HELLO → S CHALLENGE → C AUTH → S ACK, sealed (or ERROR unsealed, and close);
 * push: C PUT_BEGIN → S ACK | NACK, then C DATA… PUT_END → S ACK | NACK;
-* fetch: C FETCH → S FETCH_REPLY, DATA…, PUT_END | NACK;
+* fetch: C FETCH → S FETCH_REPLY, DATA…, PUT_END | NACK (FETCH_REPLY carries the salt of the
+  held copy's block tags when it has them: its DATA frames then come pretagged, as a push's);
 * commit report (v5): C REPORT → S REPORT_REPLY (the server is the job's commit coordinator);
 * ERROR from either side ends the connection.
 """
@@ -51,7 +53,8 @@ from elasticd.replication.api import ReplicationError
 MAGIC = b"EDRP"
 VERSION = 5  # 2: client proves first, frames sealed (AES-GMAC); 3: tags are ChaCha20-Poly1305;
 # 4: pretagged DATA (block tags made at seal time); 5: commit reports to the job's coordinator
-# (REPORT, REPORT_REPLY), which replaced the per-node replicated records in etcd
+# (REPORT, REPORT_REPLY), which replaced the per-node replicated records in etcd; holders keep
+# the block tags a push brought and serve fetches pretagged (FETCH_REPLY carries the salt)
 #: What a peer speaking an older version is told to do (the log line on each side).
 UPGRADE = ("upgrade elasticd on every node of the cluster (docs/operations.md, section 8, "
            "\"Upgrades\"): this release commits through a coordinator (replication protocol "
@@ -107,6 +110,11 @@ class TruncatedFrame(ProtocolError):
 
 class ForgedFrame(ProtocolError):
     """A sealed frame fails its tag: altered, replayed, reordered, or not from the peer."""
+
+
+class BlockTagMismatch(ForgedFrame):
+    """A pretagged block fails its block tag: the bytes are not the ones its owner sealed
+    (corrupted in the sender's memory, or altered in transit)."""
 
 
 class UnsealedFrame(ProtocolError):

@@ -172,6 +172,72 @@ def test_both_nodes_of_a_group_dead_reports_the_shard_lost(make_cluster):
     assert result.holder == "n3" and bytes(buf[: result.descriptor.total_bytes]) == originals[6]
 
 
+def payload_blocks(view) -> list[int]:
+    """The snapshot offsets of a held copy's payload blocks."""
+    lay = view.header.layout
+    return [lay.block_range(i)[0] for i in range(lay.num_blocks)]
+
+
+def test_replicas_keep_their_block_tags_and_fetches_are_checked_by_them(make_cluster):
+    """The tags a push brought stay with the replica: a fetch of it is served pretagged (the
+    holder sends each block as it lies, with the tag its owner made at the seal) and checked
+    by the fetcher against those tags alone, as each block lands."""
+    cluster = make_cluster(3)
+    cluster.set_membership(["n1", "n2", "n3"], THREE, round=1)
+    originals = snapshot_all(cluster, THREE, step=4)
+    cluster.wait_idle()
+    owner = cluster["n2"].local.latest(JOB, 2)
+    replica = cluster["n3"].sink.store.latest(JOB, 2)
+    assert replica.tags is not None and sorted(replica.tags.tags) == payload_blocks(replica)
+    assert (replica.tags.salt, replica.tags.tags) == (owner.tags.salt, owner.tags.tags)
+    cluster.kill("n2")
+    buf = into_buffer()
+    result = cluster["n1"].replicator.fetch(JOB, 2, (0, 4), buf)
+    d = result.descriptor
+    assert result.holder == "n3" and bytes(buf[: d.total_bytes]) == originals[2]
+    assert result.tag_checked_bytes == d.total_bytes - replica.header.layout.data_offset
+
+
+def test_a_replica_pushed_on_carries_its_owners_block_tags(make_cluster):
+    """Re-replication after a node died: the survivor that held the dead node's ranks pushes
+    them on with the tags their owner sealed them with, and the new holder keeps those."""
+    cluster = make_cluster(3)
+    cluster.set_membership(["n1", "n2", "n3"], THREE, round=1)
+    snapshot_all(cluster, THREE, step=4)
+    cluster.wait_idle()
+    sealed = {r: cluster["n3"].local.latest(JOB, r).tags for r in (4, 5)}
+    cluster.kill("n3")
+    cluster.set_membership(["n1", "n2"], {"n1": [0, 1], "n2": [2, 3]}, round=2)
+    cluster.wait_idle()
+    for rank in (4, 5):
+        moved = cluster["n2"].sink.store.latest(JOB, rank, verify=True)
+        assert moved.tags is not None, rank
+        assert (moved.tags.salt, moved.tags.tags) == (sealed[rank].salt, sealed[rank].tags)
+
+
+def test_a_fetch_whose_served_block_tag_does_not_match_its_bytes_is_refused_and_counted(
+        make_cluster):
+    """A holder whose kept tag for a block is not that block's (its bytes still match their
+    checksums): the fetcher refuses the copy as corrupt and counts it; the check that refused
+    it is the block tag's, the only one made on a pretagged fetch."""
+    cluster = make_cluster(3)
+    cluster.set_membership(["n1", "n2", "n3"], THREE, round=1)
+    snapshot_all(cluster, THREE, step=1)
+    cluster.wait_idle()
+    cluster.kill("n2")  # rank 2's copies: n3's replica alone now
+    held = cluster["n3"].sink.store.latest(JOB, 2)
+    first, second = payload_blocks(held)[:2]
+    tags = held.tags.tags
+    tags[first] = (tags[first][0], tags[second][1])  # the next block's tag, same length
+    n1 = cluster["n1"].replicator
+    with pytest.raises(ShardLost) as info:
+        n1.fetch(JOB, 2, (0, 1), into_buffer())
+    reason = dict(info.value.attempts)["n3"]
+    assert reason.startswith("corrupt") and "block tag" in reason, reason
+    assert n1.stats().fetch_failures_total["corrupt"] == 1
+    cluster["n3"].sink.store.latest(JOB, 2, verify=True)  # its bytes still match the checksums
+
+
 class SlowSink(ShmSink):
     """Holds every transfer of rank 0 until ``gate`` opens: a peer that cannot keep up."""
 
