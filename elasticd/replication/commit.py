@@ -221,7 +221,12 @@ def read_committed(coord: Coordinator, keys: Keyspace, job: str,
     """The job's committed record with its holders, or None (absent or unreadable, which is
     logged). The placement its holders derive from is read beside it when none of
     ``placements`` is that one."""
-    kv = coord.get(keys.job_committed(job))
+    return committed_from(coord, keys, job, coord.get(keys.job_committed(job)), placements)
+
+
+def committed_from(coord: Coordinator, keys: Keyspace, job: str, kv: Any,
+                   placements: Iterable[Placement | None] = ()) -> Committed | None:
+    """:func:`read_committed` of a record already read (``kv``; None: absent)."""
     if kv is None:
         return None
     try:

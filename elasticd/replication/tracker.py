@@ -55,7 +55,7 @@ from elasticd.replication.commit import (
     decode_ahead,
     decode_committed,
     decode_grid,
-    read_committed,
+    committed_from,
     relax_grid,
     widen_grid,
 )
@@ -521,12 +521,13 @@ class CommitTracker:
             with self.lock:
                 st = self.jobs.get(job)
                 placements = (st.placement, st.previous) if st is not None else ()
-            committed = read_committed(self.coord, self.keys, job, placements)
+            # The record as the prefix read found it: its revision and its value agree.
+            found = next((kv for kv in kvs if kv.key == self.keys.job_committed(job)), None)
+            committed = committed_from(self.coord, self.keys, job, found, placements)
         except CoordinationError as exc:
             self.etcd_error("read the committed record", exc)
             return
         self._listed(job, [kv for kv in kvs if kv.key != self.keys.job_committed(job)])
-        found = next((kv for kv in kvs if kv.key == self.keys.job_committed(job)), None)
         with self.lock:
             if job in self.jobs:
                 self.jobs[job].committed_rev = found.mod_revision if found is not None else 0
