@@ -420,7 +420,7 @@ class Reporter:
             j = self.job(job)
             leading, j.fence, j.dirty = j.leading, None, True
         if leading is not None:
-            leading.end("etcd lost its data")
+            leading.end("its election key went with etcd's data")
         if withdrawn:
             try:
                 self.t.coord.put(self.t.keys.job_fence(job, self.t.node_id),
