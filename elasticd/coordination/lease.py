@@ -76,6 +76,25 @@ class LeaseKeeper:
         self._health.ok()
         return lease
 
+    def replace(self, lease: int) -> int:
+        """A caller's request found ``lease`` gone on the server (expired, or etcd lost its
+        data) before the keep-alive did: forgets it and grants a new one now, rather than
+        failing the caller until the next keep-alive. Returns the lease to use.
+
+        Raises:
+            CoordinationError: the grant failed (the keeper's thread retries).
+        """
+        with self._lock:
+            if self._lease is not None and self._lease != lease:
+                return self._lease  # already replaced (by the keeper's thread)
+            if self._lease == lease:
+                self._lease = None
+                self._lost.append(lease)
+        log.warning("lease %x is gone (expired or revoked); granting a new one", lease)
+        new = self.grant()
+        self._on_change()
+        return new
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
         self._thread.start()

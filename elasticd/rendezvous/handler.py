@@ -78,6 +78,7 @@ from elasticd.coordination.api import (
     CoordinationError,
     Coordinator,
     KeyValue,
+    LeaseLost,
     Put,
 )
 from elasticd.coordination.health import EtcdHealth
@@ -219,18 +220,39 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         control = self._control
         kvs, revision = self._grace.call(lambda: self._coord.get_prefix(control.round_key),
                                          "listing the rendezvous")
-        wiped = revision < control.revision
+        with control.cond:
+            before, kept = control.revision, control.round
+        wiped = revision < before
+        if wiped and kept is not None and self.me in kept.members \
+                and not any(kv.key == control.round_key for kv in kvs):
+            kvs = [*kvs, self._restore_round(kept)]
         control.load(kvs, revision)
         if initial or wiped or self._watch is None:
             if wiped:
                 log.warning("etcd's revision went back (%d < %d): its data was lost; watching "
-                            "the rendezvous afresh", revision, control.revision)
+                            "the rendezvous afresh", revision, before)
             if self._watch is not None:
                 self._watch.cancel()
             self._watch = self._grace.call(
                 lambda: self._coord.watch_prefix(control.round_key, self._on_watch,
                                                  revision + 1),
                 "watching the rendezvous")
+
+    def _restore_round(self, kept: RoundRecord) -> KeyValue:
+        """etcd lost its data while this node trains in ``kept``: writes the round back (if no
+        other member did first) rather than let every agent count the round as gone and
+        restart its workers. The round is what every member holds; the closer elected next
+        finds every member's record re-written under its new lease, so no new round closes."""
+        key = self._control.round_key
+        ok, written = self._grace.call(
+            lambda: self._coord.transaction([Compare(key, 0)], [Put(key, kept.encode())]),
+            "writing back the round etcd lost")
+        if ok:
+            log.warning("etcd lost the rendezvous round %d: written back from this node's copy "
+                        "(its workers keep training)", kept.round)
+            return KeyValue(key, kept.encode(), create_revision=written, mod_revision=written)
+        found = self._grace.call(lambda: self._coord.get(key), "reading the round back")
+        return found if found is not None else KeyValue(key, kept.encode(), 0, 0)
 
     def _on_watch(self, batch: object) -> None:
         if isinstance(batch, CoordinationError):
@@ -287,7 +309,13 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
             lease = self._keeper.lease
             if lease is None:  # lost just now: the keeper re-grants and re-writes
                 lease = self._keeper.grant()
-            return self._coord.put(self._node_key(), record.encode(), lease=lease)
+            try:
+                return self._coord.put(self._node_key(), record.encode(), lease=lease)
+            except LeaseLost:
+                # etcd lost the lease before our keep-alive noticed (an etcd restarted empty
+                # does this to every lease at once): a new lease, not a failed agent.
+                lease = self._keeper.replace(lease)
+                return self._coord.put(self._node_key(), record.encode(), lease=lease)
 
         self._grace.call(put, "writing this node's rendezvous record")
 

@@ -64,6 +64,12 @@ def test_etcd_wiped_during_training_the_job_goes_on(tmp_path):
     out.assert_finished()
     out.assert_samples_exactly_once()
     out.assert_nothing_left()
+    # 0 worker restarts: one worker group, each rank started once and ran every step in it.
+    assert len(out.attempts) == 1, [(a.id, a.world) for a in out.attempts]
+    assert sorted(s.rank for s in out.starts) == [0, 1, 2], out.starts
+    only = out.attempts[0]
+    assert all(steps == list(range(1, shape.steps + 1)) for steps in only.steps.values()), \
+        {rank: (steps[0], steps[-1], len(steps)) for rank, steps in only.steps.items()}
     # Every daemon sees every peer again within a lease TTL (plus the fault's own end).
     assert set(cc.all_seen_at) == set(shape.nodes), cc.all_seen_at
     slow = {n: t - back for n, t in cc.all_seen_at.items()

@@ -403,3 +403,37 @@ def test_an_agent_of_the_old_protocol_is_refused_with_the_upgrade_named(cluster,
             late.next_rendezvous()
     finally:
         coord.close()
+
+
+def test_after_etcd_lost_its_data_the_members_write_the_round_back_and_nobody_restarts(prefix):
+    # Memory only: the real etcd restarted empty under real agents is the chaos test
+    # (tests/chaos/test_etcd_wipe.py: one worker group from the first step to the last).
+    cluster = Cluster("memory", None, prefix)
+    try:
+        a, b = cluster.node(2, 2), cluster.node(2, 2)
+        results(cluster.join(a, b))
+        pending = cluster.join(a)  # a re-rendezvous once: the round in force is round 1
+        wait_until(lambda: b.num_nodes_waiting() == 1, "b sees a waiting")
+        results(cluster.join(b) + pending)
+        before = a._control.round
+        assert before.round == 1
+        seen: list[int] = []
+        stop = time.monotonic() + 2 * 2 + 1.0  # past the distrust window (2 x TTL)
+
+        def sample() -> None:  # what torch's monitor loop would read, from the wipe on
+            while time.monotonic() < stop:
+                seen.extend((a.num_nodes_waiting(), b.num_nodes_waiting()))
+                time.sleep(0.005)
+
+        sampler = cluster.pool.submit(sample)
+        cluster.store.wipe()
+        sampler.result(timeout=TIMEOUT)
+        # torch's agent restarts its workers for any count above 0.
+        assert seen and max(seen) == 0, f"num_nodes_waiting answered {max(seen)} after the wipe"
+        stored = RoundRecord.decode(a._coord.get(a._control.round_key).value)
+        assert (stored.round, stored.members) == (before.round, before.members)
+        wait_until(lambda: has_record(a, a) and has_record(a, b),
+                   "both node records re-written under new leases")
+        assert b._control.round is not None and b._control.round.round == before.round
+    finally:
+        cluster.close()
