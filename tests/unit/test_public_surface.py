@@ -354,7 +354,7 @@ def cluster():
     daemon = Daemon(Settings(node_id="n1", etcd="mem:1"), coord, clock=clock)
     server = StatusServer(("127.0.0.1", 0), daemon.metrics.registry, daemon.status, lambda: True)
     server.start()
-    daemon.http_address = server.address
+    daemon.registration.http_address = server.address
     daemon.join(keep_alive_thread=False)
     try:
         yield coord
