@@ -6,7 +6,7 @@ node's view of it (``jobs/<job>/nodes/<node>``, bound to the node's lease, so a 
 disappears with it), and acts:
 
 * start the agent when the job is wanted and this node can run it (its spec reads, the node's
-  :class:`~elasticd.agent.policy.JobPolicy` allows it, the same script hash, the user exists
+  :class:`~elasticd.cluster.job_policy.JobPolicy` allows it, the same script hash, the user exists
   and can use the files: checked off the main loop, :mod:`elasticd.agent.job_check`), restart
   it with backoff when it dies (a budget of ``agent_restarts``);
 * refuse a job it cannot run, with the reason, in ``jobs/<job>/nodes/<node>`` and ``/status``:
@@ -38,11 +38,11 @@ import subprocess
 import threading
 from typing import Any, Callable
 
-from elasticd.agent import crashloop
+from elasticd.agent import crashloop, job_rules
 from elasticd.agent.job_check import JobChecks, Verdict, WAIT_RETRY
 from elasticd.agent.job_holds import JobHolds
 from elasticd.agent.job_records import JobRecords
-from elasticd.agent.policy import JobPolicy
+from elasticd.cluster.job_policy import JobPolicy
 from elasticd.agent.supervisor import AgentSupervisor
 from elasticd.agent.worker_group import WorkerGroup
 from elasticd.clock import Clock, SystemClock
@@ -147,25 +147,26 @@ class JobManager(JobRecords, WorkerGroup):
 
     # -- decisions ------------------------------------------------------------------------
 
-    def wanted(self) -> str | None:
-        """The job this node should run: the oldest wanted job it has not finished (none
-        while the node is held out of jobs, e.g. drained). A job whose spec does not read
-        is wanted too, to be refused (:meth:`_start`)."""
-        if self.hold:
-            return None
-        jobs = [(rev, job) for job, (rev, _) in self.specs.items()]
-        jobs += [(rev, job) for job, (rev, _) in self.bad_specs.items()]
-        for _, job in sorted(jobs):
-            control = self.controls.get(job)
-            if control is not None and control.desired != JobState.RUNNING:
-                continue
-            if job in self._finished or (job != self.job and self.succeeded_on(job)):
-                continue  # a running agent here ends on its own (see _check_agent)
-            if job != self.job and self._holds.held(job, self._records_of(job),
-                                                    self.clock.monotonic(), self.job is not None):
-                continue
-            return job
-        return None
+    def view(self) -> job_rules.JobView:
+        """The job records, reduced to what :mod:`elasticd.agent.job_rules` decides from."""
+        created = {job: rev for job, (rev, _) in self.bad_specs.items()}
+        created.update((job, rev) for job, (rev, _) in self.specs.items())
+        return job_rules.JobView(
+            created=created,
+            desired={job: c.desired for job, c in self.controls.items()},
+            reasons={job: c.reason for job, c in self.controls.items()},
+            unreadable={job: why for job, (_, why) in self.bad_specs.items()},
+            finished=frozenset(self._finished),
+            succeeded_elsewhere=frozenset(j for j in self.statuses if self.succeeded_on(j)))
+
+    def wanted(self, view: job_rules.JobView | None = None) -> str | None:
+        """The job this node should run (:func:`job_rules.wanted`): the oldest wanted job it
+        has not finished, none while the node is held out of jobs (e.g. drained). A job whose
+        spec does not read is wanted too, to be refused (:meth:`_start`)."""
+        now, busy = self.clock.monotonic(), self.job is not None
+        return job_rules.wanted(
+            view or self.view(), self.job, self.hold,
+            held=lambda job: self._holds.held(job, self._records_of(job), now, busy))
 
     def refused(self) -> dict[str, str]:
         """Jobs whose spec this node cannot read, with why (for /status; at most 20)."""
@@ -196,22 +197,17 @@ class JobManager(JobRecords, WorkerGroup):
                 self._publish()
                 return
             self._stopping = None
-        self._end_if_decided_elsewhere()
-        wanted = self.wanted()
+        self._end_if_decided_elsewhere(self.view())
+        view = self.view()  # again: a job that ended above is finished now
+        wanted = self.wanted(view)
         self._end_waiting()
-        if self.job is not None and self.job in self.bad_specs:
-            why = self.bad_specs[self.job][1]
-            self.notes.append(f"refused job {self.job}: {why}")
-            log.error("stopping job %s: %s", self.job, why)
-            self._stop_async(why, JobState.REFUSED)
-        elif self.job is not None and self.job != wanted:
-            control = self.controls.get(self.job)
-            if self.hold:
-                self._stop_async(f"node {self.hold}", JobState.DRAINED)
-            elif control is not None and control.desired == JobState.FAILED:
-                self._stop_async(control.reason or f"job {self.job} failed", JobState.FAILED)
-            else:
-                self._stop_async(f"job {self.job} is no longer wanted here", JobState.STOPPED)
+        stop = (job_rules.stop_running(view, self.job, wanted, self.hold)
+                if self.job is not None else None)
+        if stop is not None:
+            if stop.state is JobState.REFUSED:
+                self.notes.append(f"refused job {self.job}: {stop.why}")
+                log.error("stopping job %s: %s", self.job, stop.why)
+            self._stop_async(stop.why, stop.state)
         elif wanted is not None and self.job is None:
             self._start(wanted)
         elif self.supervisor is not None:
@@ -219,23 +215,23 @@ class JobManager(JobRecords, WorkerGroup):
         self._update_hang_timeout()
         self._publish()
 
-    def _end_if_decided_elsewhere(self) -> None:
+    def _end_if_decided_elsewhere(self, view: job_rules.JobView) -> None:
         """A job this node was about to restart (its agent died) succeeded on peers meanwhile,
-        or was failed (a crash loop seen here or elsewhere): record that here too rather than
+        or was failed (:func:`job_rules.decided_elsewhere`): record that here too rather than
         leave it 'restarting'."""
         job = self._status_job
-        if (self.job is not None or job is None or job in self._finished
-                or self.status.state != JobState.RESTARTING):
+        if self.job is not None or job is None or self.status.state != JobState.RESTARTING:
             return
-        done, control = self.succeeded_on(job), self.controls.get(job)
-        if done:
-            state, why = JobState.SUCCEEDED, f"job succeeded on {', '.join(done)}"
-            note = f"job {job} succeeded on {', '.join(done)}; not restarting it here"
-        elif control is not None and control.desired == JobState.FAILED:
-            state, why = JobState.FAILED, control.reason
-            note = f"job {job} failed: {why}"
+        decided = job_rules.decided_elsewhere(view, job)
+        if decided is None:
+            return
+        state, why = decided
+        if state is JobState.SUCCEEDED:
+            done = ", ".join(self.succeeded_on(job))
+            why = f"job succeeded on {done}"
+            note = f"job {job} succeeded on {done}; not restarting it here"
         else:
-            return
+            note = f"job {job} failed: {why}"
         self._finished.add(job)
         self._set_status(state, why, agent_starts=self.status.agent_starts, log=self.status.log)
         self.notes.append(note)
@@ -366,26 +362,28 @@ class JobManager(JobRecords, WorkerGroup):
                 self.tracker.restarted_for(hang)  # a learned timeout that fired is doubled
                 self.on_hang(str(hang))
             return
-        if code == 0:
+        done = self.succeeded_on(self.job)
+        if code != 0 and not done:
+            self._failures += 1
+            self.metrics.worker_restarts.labels("agent_died").inc()
+            self._restart_seen(f"agent exited with {code}")
+            if self._crash_looping():
+                return
+        verdict = job_rules.agent_exited(code, bool(done), self._failures, self.agent_restarts)
+        if verdict is job_rules.AgentExit.SUCCEEDED:
             self.notes.append(f"job {self.job} finished on this node")
             self._stop_async(f"job {self.job} succeeded", JobState.SUCCEEDED)
             return
-        done = self.succeeded_on(self.job)
-        if done:
+        if verdict is job_rules.AgentExit.SUCCEEDED_ELSEWHERE:
             self.notes.append(f"job {self.job} succeeded on {', '.join(done)}; this node's "
                               f"agent exited {code}")
             self._stop_async(f"job {self.job} succeeded on {', '.join(done)}", JobState.SUCCEEDED)
             return
-        self._failures += 1
-        self.metrics.worker_restarts.labels("agent_died").inc()
-        self._restart_seen(f"agent exited with {code}")
-        if self._crash_looping():
-            return
-        if self._failures > self.agent_restarts:
+        if verdict is job_rules.AgentExit.GIVE_UP:
             self.notes.append(f"job {self.job}: agent failed {self._failures} times; giving up")
             self._stop_async(f"agent exited {code} too often", JobState.FAILED)
             return
-        backoff = min(30.0, 0.5 * 2 ** (self._failures - 1))
+        backoff = job_rules.restart_backoff(self._failures)
         self.notes.append(f"job {self.job}: agent exited with {code}; restarting in "
                           f"{backoff:.1f} s ({self._failures}/{self.agent_restarts})")
         sup.stop(grace=1.0)  # leftovers of the dead agent, if any
