@@ -14,9 +14,10 @@ from __future__ import annotations
 import abc
 import dataclasses
 import threading
-from typing import Sequence
 
-from elasticd.errors import ElasticdError
+# Defined below the store, which catches ShardLost from a restore's fetcher; callers import
+# both from here too.
+from elasticd.errors import ReplicationError, ShardLost
 
 #: Reasons a sink (and so a NACK) gives for refusing a transfer.
 STALE = "stale"  # a newer (generation, step) is already held for that shard
@@ -27,10 +28,6 @@ NOT_FOUND = "not_found"  # fetch: no such held snapshot
 BAD_RANGE = "bad_range"  # fetch: the byte range asked for lies outside the snapshot
 
 MAX_JOB_NAME = 256
-
-
-class ReplicationError(ElasticdError):
-    """Base class of every error the replication layer raises."""
 
 
 class Refused(ReplicationError):
@@ -251,17 +248,3 @@ class Sink(abc.ABC):
     def lookup(self, job: str, owner_rank: int,
                version: Version | None) -> tuple[Descriptor, memoryview] | None:
         """A held copy (the newest when ``version`` is None), or None."""
-
-
-class ShardLost(ReplicationError):
-    """No holder could provide an intact copy: restore this shard from the persistent tier.
-
-    Attributes:
-        attempts: (holder, reason) for every holder tried, in order.
-    """
-
-    def __init__(self, job: str, rank: int, version: Version | None,
-                 attempts: Sequence[tuple[str, str]]) -> None:
-        tried = "; ".join(f"{h}: {r}" for h, r in attempts) or "no holder known"
-        super().__init__(f"{job} rank {rank} {version or 'newest'}: no intact copy ({tried})")
-        self.job, self.rank, self.version, self.attempts = job, rank, version, list(attempts)
