@@ -8,9 +8,9 @@ end in ``_total``, no high-cardinality labels (no step, no peer id). Each daemon
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import threading
+import types
 from functools import partial
 from typing import Any, Callable, Iterator, Protocol
 
@@ -311,30 +311,12 @@ class ServerFigures(Protocol):
     bytes_received: int
 
 
-@dataclasses.dataclass(frozen=True)
-class _NoReplication:
-    """The figures exported while replication is off (or not attached yet): every family
-    with its initial value."""
-
-    replication_bytes_total: int = 0
-    replication_failures_total: dict[str, int] = dataclasses.field(default_factory=dict)
-    replication_skipped_total: int = 0
-    replication_commit_wait_timeouts_total: int = 0
-    commits_total: int = 0
-    committed_step: int = -1
-    sync_lag_steps: int = 0
-    under_replicated_shards: int = 0
-    replica_bytes_held: int = 0
-    rereplications_total: int = 0
-    fetches_total: int = 0
-    fetch_bytes_total: int = 0
-    fetch_failures_total: dict[str, int] = dataclasses.field(default_factory=dict)
-    etcd_errors_total: int = 0
-    pushes_committed: int = 0
-    pushes_refused: int = 0
-    pushes_aborted: int = 0
-    protocol_errors: int = 0
-    bytes_received: int = 0
+def _initial(*protocols: type) -> Any:
+    """The figures exported while replication is off (or not attached yet): every family at
+    its initial value (0, no labels counted, -1 for a step)."""
+    return types.SimpleNamespace(**{
+        name: {} if kind.startswith("dict") else -1 if name.endswith("_step") else 0
+        for protocol in protocols for name, kind in protocol.__annotations__.items()})
 
 
 class ReplicationCollector:
@@ -374,8 +356,9 @@ class ReplicationCollector:
     def _families(stats: ReplicationFigures | None,
                   server_stats: ServerFigures | None) -> Iterator[Metric]:
         """None before :meth:`attach`: the initial values."""
-        st: ReplicationFigures = stats if stats is not None else _NoReplication()
-        server: ServerFigures = server_stats if server_stats is not None else _NoReplication()
+        none = _initial(ReplicationFigures, ServerFigures)
+        st: ReplicationFigures = stats if stats is not None else none
+        server: ServerFigures = server_stats if server_stats is not None else none
         def by_label(name: str, doc: str, label: str, values: tuple[str, ...],
                      counts: dict[str, int]) -> Metric:
             folded: collections.Counter[str] = collections.Counter()
