@@ -38,10 +38,11 @@ import subprocess
 import threading
 from typing import Any, Callable
 
-from elasticd.agent import crashloop, job_rules
+from elasticd.agent import job_rules
 from elasticd.agent.job_check import JobChecks, Verdict, WAIT_RETRY
 from elasticd.agent.job_holds import JobHolds
 from elasticd.agent.job_records import JobRecords
+from elasticd.agent.restart_watch import RestartWatch
 from elasticd.cluster.job_policy import JobPolicy
 from elasticd.agent.supervisor import AgentSupervisor
 from elasticd.agent.worker_group import WorkerGroup
@@ -136,14 +137,8 @@ class JobManager(JobRecords, WorkerGroup):
         self.committed: Callable[[str], tuple[int, int] | None] = lambda job: None
         #: Records a cluster event (kind, detail, data): set by the daemon.
         self.record_event: Callable[[str, str, dict[str, Any]], None] = lambda *a: None
-        self._loop = crashloop.LoopState()
-        self._loop_job: str | None = None
-        self._attempt = 0  # the agent's worker group attempt (torchrun's restart count)
-        self._runs_known: set[str] = set()  # torchrun run directories of earlier agents
-        self._log_mark = 0  # agent log size at the last restart seen
-        self._restart_cause = ""  # why the daemon itself restarted the workers, if it did
-        self._best_step = -1  # the newest step reported for the job (fallback watermark)
-        self._attempt_at = 0.0  # when the current worker group attempt started (monotonic)
+        #: The job's worker group restarts, counted for the crash-loop rule.
+        self.restarts = RestartWatch(self.clock)
 
     # -- decisions ------------------------------------------------------------------------
 
@@ -275,10 +270,7 @@ class JobManager(JobRecords, WorkerGroup):
             self._refuse(job, problem)
             return
         log_dir = os.path.join(self.state_dir, "jobs", job)
-        if self._loop_job != job:
-            self._loop, self._loop_job, self._best_step = crashloop.LoopState(), job, -1
-        self._runs_known = crashloop.runs(os.path.join(log_dir, "torchrun"))
-        self._attempt = 0
+        self.restarts.agent_starting(job, os.path.join(log_dir, "torchrun"))
         tag = f"{self.keys.prefix}:{self.node_id}:{job}:{self._incarnation}"
         supervisor = AgentSupervisor(
             spec, self.node_id, tag=tag, etcd=self.etcd,
@@ -296,8 +288,7 @@ class JobManager(JobRecords, WorkerGroup):
         self.supervisor = supervisor
         self.job = self._status_job = job
         self._new_generation()
-        self._log_mark = self._log_size()
-        self._attempt_at = self.clock.monotonic()
+        self.restarts.agent_started(supervisor.log_size())
         self._set_status(JobState.RUNNING, "agent started", agent_pid=pid, agent_starts=1,
                          log=self.supervisor.log_path)
         self.notes.append(f"started job {job} (agent pid {pid})")
@@ -349,12 +340,11 @@ class JobManager(JobRecords, WorkerGroup):
         assert sup is not None and self.job is not None
         code = sup.poll()
         if code is None:
-            attempt = crashloop.attempts(os.path.join(sup.log_dir, "torchrun"), self._runs_known)
-            if attempt > self._attempt:
+            new = self.restarts.new_attempts(os.path.join(sup.log_dir, "torchrun"))
+            if new:
                 # torchrun restarted the worker group (its restart count went up), maybe more
                 # than once since the last look: each restart with the failure the log shows.
-                self._restart_seen(times=attempt - self._attempt)
-                self._attempt = attempt
+                self._restart_seen(times=new)
                 if self._crash_looping():
                     return
             hang = self.tracker.check(self.job) if self.tracker is not None else None
@@ -396,39 +386,21 @@ class JobManager(JobRecords, WorkerGroup):
 
     # -- crash loops ----------------------------------------------------------------------
 
-    def _log_size(self) -> int:
-        return self.supervisor.log_size() if self.supervisor is not None else 0
-
     def _restart_seen(self, fallback: str = "", times: int = 1) -> None:
         """A worker group restart (torchrun's, or the daemon's of a dead agent), or ``times``
-        of them seen at once: counts them. Restarts seen together share the failure the log
-        shows since the last look: read for the first alone, the others counted as showing
-        no traceback, and a job whose restarts came faster than the daemon's cycle was failed
-        with that reason instead of its exception (CI: the crash-loop test, one run in two)."""
+        of them seen at once (:meth:`RestartWatch.restarted`)."""
         sup, job = self.supervisor, self.job
         if sup is None or job is None:
             return
-        size = self._log_size()
-        text = sup.log_tail(self._log_mark) if size > self._log_mark else ""
-        self._log_mark = size
-        failure = (self._restart_cause or crashloop.failure_summary(text) or fallback
-                   or crashloop.NO_TRACEBACK)
-        self._restart_cause = ""
-        committed = self.committed(job)
-        if committed is None and self._best_step >= 0:
-            committed = (0, self._best_step)
-        now = self.clock.monotonic()
-        for _ in range(times):
-            self._loop = crashloop.after_restart(self._loop, committed, failure,
-                                                 now - self._attempt_at)
-        self._attempt_at = now
+        self.restarts.restarted(sup.log_size(), sup.log_tail, self.committed(job), fallback,
+                                times)
 
     def _crash_looping(self) -> bool:
         """Fails the job everywhere when it crash-loops; returns True if it did."""
         job = self.job
         if job is None or job not in self.specs:
             return False
-        reason = crashloop.verdict(self._loop, self.specs[job][1].crash_loop_restarts)
+        reason = self.restarts.verdict(self.specs[job][1].crash_loop_restarts)
         if reason is None:
             return False
         log.error("job %s: %s; stopping it on every node", job, reason)
@@ -441,7 +413,7 @@ class JobManager(JobRecords, WorkerGroup):
         except CoordinationError as exc:
             log.warning("could not mark job %s failed in etcd: %s", job, exc)
         self.record_event("job_failed", f"{job}: {reason}",
-                          {"job": job, "reason": reason, "restarts": self._loop.restarts})
+                          {"job": job, "reason": reason, "restarts": self.restarts.loop.restarts})
         self._stop_async(reason, JobState.FAILED)
         return True
 

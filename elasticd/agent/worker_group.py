@@ -21,6 +21,7 @@ from typing import Any, Callable
 from elasticd.agent import job_rules
 from elasticd.agent.hang_timeout import LearnedTimeout
 from elasticd.agent.progress import ProgressTracker, progress_handler
+from elasticd.agent.restart_watch import RestartWatch
 from elasticd.agent.straggler import StragglerJudge
 from elasticd.agent.supervisor import AgentSupervisor, process_runs
 from elasticd.cluster import drain_record
@@ -51,8 +52,7 @@ class WorkerGroup:
     notes: list[str]
     specs: dict[str, tuple[int, JobSpec]]
     record_event: Callable[[str, str, dict[str, Any]], None]
-    _best_step: int
-    _restart_cause: str
+    restarts: RestartWatch
 
     def __init__(self) -> None:
         self.tracker: ProgressTracker | None = None
@@ -119,7 +119,7 @@ class WorkerGroup:
             if isinstance(step, int) and step != self.status.last_step:
                 self.status = dataclasses.replace(self.status, last_step=step)
             if isinstance(step, int):
-                self._best_step = max(self._best_step, step)
+                self.restarts.progress(step)
             if self._restarted_at is not None:
                 self.metrics.rendezvous_seconds.observe(
                     self.clock.monotonic() - self._restarted_at)
@@ -221,7 +221,7 @@ class WorkerGroup:
         if self.supervisor is None:
             return
         n = self.supervisor.restart_workers(f"hang: {reason}")
-        self._restart_cause = f"hang: {reason}"
+        self.restarts.cause = f"hang: {reason}"
         self._new_generation()
         self.metrics.worker_restarts.labels("hang").inc()
         self.metrics.hangs.inc()
