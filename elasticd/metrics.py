@@ -297,6 +297,7 @@ class ReplicationFigures(Protocol):
     rereplications_total: int
     fetches_total: int
     fetch_bytes_total: int
+    fetch_seconds_total: float
     fetch_failures_total: dict[str, int]
     etcd_errors_total: int
 
@@ -403,6 +404,9 @@ class ReplicationCollector:
         yield CounterMetricFamily("elasticd_replica_fetch_bytes",
                                   "Bytes of shards fetched for restores",
                                   st.fetch_bytes_total)
+        yield CounterMetricFamily("elasticd_replica_fetch_seconds",
+                                  "Seconds spent fetching shards for restores",
+                                  st.fetch_seconds_total)
         yield CounterMetricFamily("elasticd_replication_commit_wait_timeouts",
                                   "Pushes that stopped waiting for the previous step's commit "
                                   "(its commit took longer than commit_wait)",

@@ -26,7 +26,7 @@ STATS = dict(
     committed_step=41, sync_lag_steps=2, under_replicated_shards=1,
     replica_bytes_held=1 << 20, rereplications_total=4, fetches_total=2,
     fetch_bytes_total=2048, fetch_failures_total={"no address": 1, "corrupt": 1},
-    replication_commit_wait_timeouts_total=6, etcd_errors_total=8,
+    replication_commit_wait_timeouts_total=6, etcd_errors_total=8, fetch_seconds_total=1.5,
 )
 
 
@@ -60,6 +60,7 @@ def test_attached_statistics_are_read_at_scrape_time():
     assert got[("elasticd_replica_protocol_errors_total", ())] == 3
     assert got[("elasticd_replication_commit_wait_timeouts_total", ())] == 6
     assert got[("elasticd_replication_etcd_errors_total", ())] == 8
+    assert got[("elasticd_replica_fetch_seconds_total", ())] == 1.5
     stats.committed_step = 42  # the next scrape sees the new value
     assert samples(m)[("elasticd_committed_step", ())] == 42
 

@@ -89,6 +89,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "elasticd_replica_bytes_held": ("gauge", ()),
     "elasticd_replica_bytes_received_total": ("counter", ()),
     "elasticd_replica_fetch_bytes_total": ("counter", ()),
+    "elasticd_replica_fetch_seconds_total": ("counter", ()),
     "elasticd_replica_fetch_failures_total": ("counter", ("reason",)),
     "elasticd_replica_fetches_total": ("counter", ()),
     "elasticd_replica_protocol_errors_total": ("counter", ()),
