@@ -8,7 +8,9 @@ asserted in tests ("no action: I am n1, 3 nodes alive").
 
 When etcd is unreachable the loop keeps cycling: it says so, keeps the node's workers running
 for ``outage_grace`` seconds, and fences itself (stops its workers) only after that. When etcd
-returns it re-watches, re-lists, and re-registers under the same node id.
+returns it re-watches, re-lists, and re-registers under the same node id. These rules are pure
+decisions in :mod:`elasticd.daemon.node_rules`; the loop gathers what they need and carries out
+what they answer, through the parts it owns.
 """
 
 from __future__ import annotations
@@ -59,8 +61,9 @@ class Daemon:
 
     The parts it owns, each with its own state: :class:`Registration` (the node's record and
     lease), :class:`Fence` (fencing, by the rules of :mod:`elasticd.daemon.node_rules`),
-    :class:`DataLossRecovery`, :class:`ReplicaView`, the drainer with its
-    :class:`NodeDrainHost`, the job manager and the recovery timeline.
+    :class:`DataLossRecovery`, :class:`ReplicaView`, :class:`WorkerChannel` (the workers' local
+    socket), the drainer with its :class:`NodeDrainHost`, the job manager and the recovery
+    timeline.
 
     Args:
         settings: validated settings.
