@@ -22,8 +22,8 @@ import json
 import os
 import socket
 import subprocess
-import time
 
+from elasticd.clock import SYSTEM_CLOCK
 from elasticd.errors import NodeError
 
 __all__ = ["HelperFailed", "Opened", "open_as"]
@@ -122,9 +122,9 @@ def open_as(python: str, uid: int | None, gid: int, groups: list[int],
             raise HelperFailed(f"could not start the file check: {exc}") from exc
         finally:
             theirs.close()
-        end = time.monotonic() + deadline
+        end = SYSTEM_CLOCK.monotonic() + deadline
         while len(got) < len(items):
-            left = end - time.monotonic()
+            left = end - SYSTEM_CLOCK.monotonic()
             if left <= 0:
                 raise HelperFailed(f"the file check did not answer within {deadline:g} s (a "
                                    "file system that does not answer?)", hung=True)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.memory import MemoryCoordinator
-from elasticd.coordination.rendezvous_store import EtcdV3Store
+from elasticd.rendezvous.store import EtcdV3Store
 
 TIMEOUT = datetime.timedelta(seconds=30)
 

@@ -103,7 +103,9 @@ def test_the_interpreter_is_run_as_the_job_user_who_must_be_able_to(place, job_u
     shutil.copy(sys.executable, python)
     verdict = check_job(spec_for(place, job_user.pw_name, place / "train.py", python=python),
                         JobPolicy(python=python))
-    assert verdict.problem == f"user {job_user.pw_name} cannot execute the interpreter {python}"
+    assert verdict.problem.startswith(
+        f"user {job_user.pw_name} cannot execute the interpreter {python}: it cannot enter "
+        f"{private} (mode 0700, owner root); install the environment")
 
 
 def test_a_check_that_hangs_is_refused_remembered_and_not_run_again_after_a_restart(tmp_path):

@@ -243,8 +243,8 @@ ELASTICD_FLAGS = [
     "--lease-ttl", "--listen", "--log-level", "--loop-interval", "--memory-cap-mib", "--node-id",
     "--outage-grace", "--persist-dir", "--persist-every-seconds", "--persist-every-steps",
     "--persist-keep", "--prefix", "--provisional-grace", "--rdzv-grow", "--rdzv-last-call",
-    "--replicas", "--replication-listen", "--shm-dir", "--state-dir", "--stop-grace",
-    "--unprotected-lag-steps", "--worker-start", "-h"]
+    "--replicas", "--replication-listen", "--scratch-cap-mib", "--shm-dir", "--state-dir",
+    "--stop-grace", "--unprotected-lag-steps", "--worker-start", "-h"]
 
 
 def test_elasticd_flags():
