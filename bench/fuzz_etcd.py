@@ -78,9 +78,9 @@ def templates(nodes: list[str]) -> dict[str, dict[str, Any]]:
                                   for i, x in enumerate(nodes)}, "round": 1},
         "ckpt_committed": {"generation": 1, "step": 1, "ranks": [0], "holders": {"0": [n]},
                            "m": 2, "round": 1, "at": 1.0},
-        "ckpt_replicated": {"node": n, "round": 1, "at": 1.0,
-                            "ranks": {"0": {"versions": [[1, 1]], "holders": [n]}}},
-        "ckpt_fence": {"node": n, "withdrawn": [], "at": 1.0},
+        "ckpt_coordinator": {"node": n, "term": 7, "at": 1.0},
+        "ckpt_ahead": {"version": [1, 2], "at": 1.0},
+        "ckpt_fence": {"node": n, "withdrawn": [[1, 1]], "at": 1.0},
         "event": {"kind": "failed", "node": n, "lease": 1, "at": 1.0, "by": n, "detail": "",
                   "data": {}, "instance": ""},
     }
@@ -134,7 +134,7 @@ def malformed(rng: random.Random, kind: str, body: dict[str, Any], other_node: s
         b["node" if "node" in b else "name"] = other_node  # names another node / job
     # ... and at least one field of the wrong type (distinct fields: a second wrong value for
     # the same field could be right again).
-    for field in rng.sample(sorted(b), rng.randrange(1, 3)):
+    for field in rng.sample(sorted(b), min(len(b), rng.randrange(1, 3))):
         b[field] = wrong_for(rng, b[field])
     return json.dumps({"schema": 1, "record": kind, **b}).encode()
 
@@ -160,8 +160,10 @@ def key_for(rng: random.Random, kind: str, prefix: str, nodes: list[str], i: int
         return f"{j}/placement".encode()
     if kind == "ckpt_committed":
         return f"{j}/ckpt/committed".encode()
-    if kind == "ckpt_replicated":
-        return f"{j}/ckpt/replicated/{rng.choice([node, nodes[0] + 'x'])}".encode()
+    if kind == "ckpt_coordinator":
+        return f"{j}/ckpt/committed.coordinator".encode()
+    if kind == "ckpt_ahead":
+        return f"{j}/ckpt/committed.ahead".encode()
     if kind == "ckpt_fence":
         return f"{j}/ckpt/fence/{node}".encode()
     return f"{prefix}/events/{node}/{rng.randrange(2**32):016x}/failed".encode()

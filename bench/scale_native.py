@@ -4,8 +4,9 @@ No training runs and no decision logic lives here. Each simulated node holds wha
 holds in etcd, through elasticd's own classes and the :class:`Coordinator` interface:
 
 * **its daemon**: a lease kept alive by :class:`~elasticd.coordination.lease.LeaseKeeper`, a
-  ~400-byte node record ``<prefix>/nodes/<node>`` bound to it, and the daemons' watch on
-  ``nodes/`` with ``prev_kv`` (the only watch that reads it), whose events it counts;
+  ~400-byte node record ``<prefix>/nodes/<node>`` bound to it, its listing of ``nodes/`` and
+  its own watch on it from the revision after (no ``prev_kv``, as the daemon's), whose events
+  it counts (:class:`NodeWatchPool`: on a few streams, not decoded);
 * **its torchrun agent**: :class:`~elasticd.rendezvous.handler.EtcdNativeRendezvousHandler`,
   unchanged (its own lease, its join record, its control-key watch, and when elected, the
   closer's node watch, election key and writes).
@@ -97,23 +98,29 @@ class KeeperPool:
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
 
-        async def start() -> list[Any]:
-            queues = []
-            for _ in range(streams):
-                queue: Any = asyncio.Queue()
+        self._channel = lambda: grpc.aio.insecure_channel(endpoint)
+        self._queues: list[Any] = [None] * streams
 
-                async def requests(queue: Any = queue) -> Any:
-                    while True:
-                        yield await queue.get()
-
-                call = etcdrpc.LeaseStub(grpc.aio.insecure_channel(endpoint)).LeaseKeepAlive(
-                    requests())
-                asyncio.ensure_future(self._read(call))
-                queues.append(queue)
+        async def start() -> None:
+            for k in range(streams):
+                self._open(k)
             asyncio.ensure_future(self._tick())
-            return queues
 
-        self._queues = asyncio.run_coroutine_threadsafe(start(), self.loop).result()
+        asyncio.run_coroutine_threadsafe(start(), self.loop).result()
+
+    def _open(self, k: int) -> None:
+        """(Re)opens keep-alive stream ``k`` (on the loop): a stream that failed (etcd
+        overloaded, restarted) is replaced, as elasticd's client replaces its own; the
+        refreshes it carried are stepped after their second without an answer."""
+        queue: Any = self._asyncio.Queue()
+
+        async def requests() -> Any:
+            while True:
+                yield await queue.get()
+
+        call = self._rpc.LeaseStub(self._channel()).LeaseKeepAlive(requests())
+        self._queues[k] = queue
+        self._asyncio.ensure_future(self._read(call, k))
 
     def add(self, keeper: LeaseKeeper) -> None:
         """Takes the place of :meth:`LeaseKeeper.start` (any thread)."""
@@ -123,14 +130,20 @@ class KeeperPool:
         self._count += 1
         self._heapq.heappush(self._heap, (time.monotonic() + after, self._count, keeper))
 
-    async def _read(self, call: Any) -> None:
-        async for resp in call:
-            sent = self._waiting.pop(resp.ID, None)
-            if sent is not None:
-                if resp.TTL > 0:
-                    self._schedule(sent[0], self._period)
-                else:
-                    self._step(sent[0])
+    async def _read(self, call: Any, k: int) -> None:
+        try:
+            async for resp in call:
+                sent = self._waiting.pop(resp.ID, None)
+                if sent is not None:
+                    if resp.TTL > 0:
+                        self._schedule(sent[0], self._period)
+                    else:
+                        self._step(sent[0])
+        except Exception as exc:  # noqa: BLE001 - any stream failure: open another
+            print(f"keep-alive stream {k} failed ({type(exc).__name__}): reopened",
+                  file=sys.stderr, flush=True)
+        await self._asyncio.sleep(0.1)
+        self._open(k)
 
     def _step(self, keeper: LeaseKeeper) -> None:
         """Not a plain renewal: elasticd's own step finds out and acts; the cadence goes on."""
@@ -157,26 +170,113 @@ class KeeperPool:
                 self._step(self._waiting.pop(lease)[0])
 
 
+class NodeWatchPool:
+    """The daemons' ``nodes/`` watches of a process on a few grpc.aio Watch streams, each node
+    with its own watch ID (etcd pays per watcher: its events go to each watch ID).
+
+    A daemon's watch callback decodes each record into its membership mirror, about 20 µs a
+    record in Python: at a cold start each daemon sees every later registration (N²/2 events
+    in all), ~1,000 records per daemon at N = 1,000, which a real node decodes in 20 ms but a
+    process holding 250 simulated daemons in 5 s, starving its lease keep-alives (996 of 2,000
+    leases lost at N = 1,000 while every watch went through pyetcd's per-event objects). Here
+    an event is only counted, from the raw response; what reaches etcd is the same: one watch
+    per daemon, created from the revision after its own listing, cancelled at its kill.
+    """
+
+    def __init__(self, keepers: "KeeperPool", endpoint: str, streams: int) -> None:
+        import grpc
+        from pyetcd import etcdrpc
+
+        self._rpc, self.loop = etcdrpc, keepers.loop
+        self._asyncio = keepers._asyncio
+
+        async def start() -> list[Any]:
+            out = []
+            for _ in range(streams):
+                queue: Any = self._asyncio.Queue()
+                pending: list[Any] = []  # creates sent, awaiting their "created" in order
+
+                async def requests(queue: Any = queue) -> Any:
+                    while True:
+                        yield await queue.get()
+
+                call = etcdrpc.WatchStub(grpc.aio.insecure_channel(endpoint)).Watch(requests())
+                self._asyncio.ensure_future(self._read(call, pending))
+                out.append((queue, pending))
+            return out
+
+        self._streams = self._asyncio.run_coroutine_threadsafe(start(), self.loop).result()
+        self._counts: dict[int, list[int]] = {}  # (stream, watch id) -> [events]
+        self._next = 0
+
+    async def _read(self, call: Any, pending: list[Any]) -> None:
+        async for resp in call:
+            key = (id(pending), resp.watch_id)
+            if resp.created:  # counted from here: its events may follow at once
+                done, counter = pending.pop(0)
+                self._counts[key] = counter
+                done.set_result(resp.watch_id)
+            elif resp.events:
+                counter = self._counts.get(key)
+                if counter is not None:
+                    counter[0] += len(resp.events)
+
+    def watch(self, prefix: bytes, start_revision: int) -> "tuple[list[int], Callable[[], None]]":
+        """Creates one watch (any thread); returns its event counter and its cancel."""
+        from pyetcd.utils import prefix_range_end
+
+        self._next += 1
+        queue, pending = self._streams[self._next % len(self._streams)]
+        counter = [0]
+
+        async def create() -> int:
+            done = self.loop.create_future()
+            pending.append((done, counter))
+            queue.put_nowait(self._rpc.WatchRequest(create_request=self._rpc.WatchCreateRequest(
+                key=prefix, range_end=prefix_range_end(prefix), start_revision=start_revision)))
+            return await done
+
+        watch_id = self._asyncio.run_coroutine_threadsafe(create(), self.loop).result(30)
+
+        def cancel() -> None:
+            def send() -> None:
+                self._counts.pop((id(pending), watch_id), None)
+                queue.put_nowait(self._rpc.WatchRequest(
+                    cancel_request=self._rpc.WatchCancelRequest(watch_id=watch_id)))
+            self.loop.call_soon_threadsafe(send)
+
+        return counter, cancel
+
+
 class SimNode:
     """One simulated node: its daemon's lease, record and node watch, and its agent."""
 
     def __init__(self, index: int, coord: EtcdCoordinator, n: int, min_nodes: int,
-                 keepers: KeeperPool, a: argparse.Namespace) -> None:
+                 keepers: KeeperPool, watches: NodeWatchPool, a: argparse.Namespace) -> None:
         from elasticd.rendezvous.grace import OutageGrace
         from elasticd.rendezvous.handler import EtcdNativeRendezvousHandler
 
         self.index, self.coord, self.keys = index, coord, Keyspace(f"{PREFIX}{n}")
         self.name = f"node-{index:05d}"
-        self.keepers = keepers
+        self.keepers, self.watches = keepers, watches
         self.daemon = LeaseKeeper(coord, a.ttl, EtcdHealth(describe="etcd (daemon)"))
-        self.node_events = 0
-        self.watch: Any = None
+        self.lost = 0
+        self._node_events: list[int] = [0]
+        self._cancel_watch: Callable[[], None] | None = None
         self.agent = EtcdNativeRendezvousHandler(
             coord, self.keys.job_rdzv("job"), "job", min_nodes, n,
             f"10.{index // 62500}.{index // 250 % 250}.{index % 250}", "etcd-v3",
             grace=OutageGrace(30.0), ttl=a.ttl, confirm=a.confirm, join_timeout=600,
             last_call=1.0)
         self.agent._keeper.start = lambda: keepers.add(self.agent._keeper)  # type: ignore
+        self.written_at = 0.0  # wall time this agent's last join record write returned
+        write = self.agent._write_record
+
+        def timed_write(target: int) -> None:
+            write(target)
+            self.written_at = time.time()
+
+        self.agent._write_record = timed_write  # type: ignore[method-assign]
 
     def register(self) -> None:
         """What the daemon does at start: lease, node record, list and watch ``nodes/``."""
@@ -188,12 +288,12 @@ class SimNode:
                              "pad": "x" * 200}).encode()
         self.coord.put(self.keys.node(self.name), record, lease=lease)
         _, revision = self.coord.get_prefix(self.keys.nodes)
-        self.watch = self.coord.watch_prefix(self.keys.nodes, self._on_nodes, revision + 1,
-                                             prev_kv=True)
+        self._node_events, self._cancel_watch = self.watches.watch(self.keys.nodes,
+                                                                   revision + 1)
 
-    def _on_nodes(self, batch: Any) -> None:
-        if not isinstance(batch, CoordinationError):
-            self.node_events += len(batch)
+    @property
+    def node_events(self) -> int:
+        return self._node_events[0]
 
     def kill(self) -> None:
         """kill -9 of the whole node: no more keep-alives, watches or writes; nothing revoked."""
@@ -203,12 +303,16 @@ class SimNode:
         with h._control.cond:
             h._stopped = True
             h._control.cond.notify_all()
-        for w in (self.watch, h._watch, h._closer._watch if h._closer else None):
+        if self._cancel_watch is not None:
+            self._cancel_watch()
+        for w in (h._watch, h._closer._watch if h._closer else None):
             if w is not None:
                 w.cancel()
 
     def leases_lost(self) -> int:
-        return len(self.daemon.take_lost()) + len(self.agent._keeper.take_lost())
+        """Leases of this node found lost so far (a running total: ``take_lost`` forgets)."""
+        self.lost += len(self.daemon.take_lost()) + len(self.agent._keeper.take_lost())
+        return self.lost
 
 
 class Ticker:
@@ -246,15 +350,22 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
     """A process of simulated nodes, driven by commands on ``conn`` (see :func:`run_size`)."""
     import concurrent.futures
 
+    # Hundreds of simulated agents share one interpreter: a thread woken by its round record
+    # waits for the GIL behind the watch threads, up to one switch interval per turn (5 ms by
+    # default), a queue a real node (one agent per machine) does not have.
+    sys.setswitchinterval(a.switch_interval)
     settings = EtcdSettings(parse_endpoints(endpoints), timeout=10.0)
     coords = [EtcdCoordinator(settings) for _ in range(a.clients)]
     keepers = KeeperPool(endpoints.split(",")[0].split("://")[-1], a.ttl, a.clients,
                          a.keeper_threads)
-    nodes = {i: SimNode(i, coords[k % a.clients], n, min_nodes, keepers, a)
+    watches = NodeWatchPool(keepers, endpoints.split(",")[0].split("://")[-1], a.clients)
+    nodes = {i: SimNode(i, coords[k % a.clients], n, min_nodes, keepers, watches, a)
              for k, i in enumerate(indices)}
-    ticker = Ticker(nodes)  # noqa: F841 - where a phase registers per-node periodic work
+    ticker = Ticker(nodes)  # where a phase registers per-node periodic work
+    phase_state: dict[str, Any] = {}
     pool = concurrent.futures.ThreadPoolExecutor(len(indices))
     me = psutil.Process()
+    lost_by_killed = [0]
     conn.send("ready")
 
     def join(node: SimNode) -> Any:
@@ -262,7 +373,8 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
         before = len(h.rounds)
         info = h.next_rendezvous()
         number, took = h.rounds[before]
-        return node.index, number, info.rank, time.time() - (time.monotonic() - h.seen_at)
+        return (node.index, number, info.rank, time.time() - (time.monotonic() - h.seen_at),
+                node.written_at)
 
     def stats() -> dict[str, Any]:
         closers = {i: (x.agent._closer.cpu, x.agent._closer.events)
@@ -271,14 +383,19 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
         return {"control_events": sum(x.agent.control_events for x in nodes.values()),
                 "node_events": sum(x.node_events for x in nodes.values()),
                 "closers": closers, "cpu": t.user + t.system,
-                "leases_lost": sum(x.leases_lost() for x in nodes.values()),
+                "leases_lost": (sum(x.leases_lost() for x in nodes.values())
+                                + lost_by_killed[0]),
                 "threads": me.num_threads()}
 
     while True:
         cmd = conn.recv()
         try:
             if cmd[0] == "register":
-                list(pool.map(lambda x: x.register(), nodes.values()))
+                # A few at a time: hundreds of threads busy at once in one interpreter starve
+                # its keep-alive loop of the GIL for longer than the TTL (every daemon lease
+                # was lost at N = 1,000 with 250 at once); real daemons do not share one.
+                with concurrent.futures.ThreadPoolExecutor(a.register_threads) as few:
+                    list(few.map(lambda x: x.register(), nodes.values()))
                 conn.send("ok")
             elif cmd[0] == "join":
                 while time.time() < cmd[1]:  # every process starts at the same moment
@@ -297,8 +414,14 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
                 conn.send([i for i, x in nodes.items() if x.agent._closer is not None])
             elif cmd[0] == "members":
                 conn.send([(i, x.agent.me) for i, x in nodes.items()])
+            elif cmd[0].startswith("commit_"):  # the steady-training phase (scale_commit.py)
+                import scale_commit
+                conn.send(scale_commit.handle(phase_state, cmd, nodes, ticker, indices[0],
+                                              a.procs, a))
             elif cmd[0] == "kill":
-                nodes.pop(cmd[1]).kill()
+                victim = nodes.pop(cmd[1])
+                lost_by_killed[0] += victim.leases_lost()  # totals never go back
+                victim.kill()
                 conn.send(time.time())
             elif cmd[0] == "stop":
                 ticker.stop()
@@ -381,10 +504,34 @@ class Etcd:
         return out
 
 
+class RoundClock:
+    """The driver's own watch on the round key: when each round record reached it (wall
+    time), to split a round's time into the agents' joins, the close and the fan-out."""
+
+    def __init__(self, endpoints: str, n: int) -> None:
+        self.coord = EtcdCoordinator(EtcdSettings(parse_endpoints(endpoints), timeout=10.0))
+        key = Keyspace(f"{PREFIX}{n}").job_rdzv("job") + b"native/round"
+        self.closed_at: list[float] = []
+        _, revision = self.coord.get_prefix(key)
+        self.watch = self.coord.watch_prefix(key, self._on, revision + 1)
+        self.key = key
+
+    def _on(self, batch: Any) -> None:
+        if not isinstance(batch, CoordinationError):
+            if any(e.kv.key == self.key for e in batch):
+                self.closed_at.append(time.time())
+
+    def close(self) -> None:
+        self.watch.cancel()
+        self.coord.close()
+
+
 def measure_round(cluster: Cluster, etcd: Etcd, agents: int,
-                  before_join: Callable[[], float | None]) -> dict[str, Any]:
+                  before_join: Callable[[], float | None],
+                  clock: "RoundClock | None" = None) -> dict[str, Any]:
     """One round: ``before_join`` (a kill, or nothing) then every live agent joins at once."""
     s0, m0, e0 = cluster.stats(), etcd.requests(), etcd.cpu()
+    closes = len(clock.closed_at) if clock is not None else 0
     killed_at = before_join()
     start = time.time() + 0.2
     joined = [r for part in cluster.ask(("join", start)) for r in part]
@@ -397,9 +544,17 @@ def measure_round(cluster: Cluster, etcd: Etcd, agents: int,
     closer_events = sum(ev - s0["closers"].get(i, (0.0, 0))[1]
                         for i, (_, ev) in s1["closers"].items())
     origin = killed_at if killed_at is not None else start
-    seen = [r[3] - origin for r in ok]
+    seen = sorted(r[3] - origin for r in ok)
+    written = sorted(r[4] - origin for r in ok if r[4])
+    closed = [t - origin for t in clock.closed_at[closes:]] if clock is not None else []
     return {
         "seconds": round(max(seen), 3) if len(ok) == agents and seen else None,
+        # where the round's time went: the last join record written, the round record's
+        # arrival at the driver, the agents' next_rendezvous returning (median, last)
+        "timeline": {"last_record_written": round(written[-1], 3) if written else None,
+                     "round_closed": [round(t, 3) for t in closed],
+                     "returned_median": round(seen[len(seen) // 2], 3) if seen else None,
+                     "returned_last": round(seen[-1], 3) if seen else None},
         "agents_in_round": len(ok), "errors": [r for r in joined if not isinstance(r, tuple)][:3],
         "rounds": sorted({r[1] for r in ok}), "ranks_distinct": len({r[2] for r in ok}) == len(ok),
         "requests_per_agent_round": round(sum(per_round.values()) / agents, 3),
@@ -422,11 +577,14 @@ def run_size(n: int, server: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, A
     etcd = Etcd(server)
     min_nodes = max(1, n - 2 * a.kills - 2)
     cluster = Cluster(n, server, min_nodes, a)
+    clock: RoundClock | None = None
     result: dict[str, Any] = {"n": n, "ttl": a.ttl, "processes": a.procs,
                               "etcd_clients": a.procs * a.clients,
-                              "grpc_streams": a.procs * a.clients * 2,
-                              "streams_note": "each etcd client: one gRPC channel carrying one "
-                                              "watch stream and one keep-alive stream"}
+                              "grpc_streams": a.procs * a.clients * 3,
+                              "streams_note": "per process and etcd client: the client's watch "
+                                              "stream (the agents' watches), a keep-alive "
+                                              "stream (KeeperPool) and a watch stream (the "
+                                              "daemons' node watches, NodeWatchPool)"}
     try:
         t0, e0 = time.monotonic(), etcd.cpu()
         cluster.ask(("register",))
@@ -439,12 +597,18 @@ def run_size(n: int, server: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, A
             now_events = cluster.stats()["node_events"]
             still, events = (still + 1, events) if now_events == events else (0, now_events)
         result["daemons"] = {"registered_seconds": round(registered, 2),
+                             "leases_lost": cluster.stats()["leases_lost"],
                              "node_watch_events_at_start": events,
                              "etcd_cpu_seconds_at_start": round(etcd.cpu() - e0, 2)}
         alive = n
-        join = measure_round(cluster, etcd, alive, lambda: None)
+        clock = RoundClock(server.endpoints, n)
+        join = measure_round(cluster, etcd, alive, lambda: None, clock)
         result["join"] = join
         result["join_seconds"] = join["seconds"]
+        print(f"  N={n} join {join['seconds']} s {join['timeline']}, sim cpu/agent {join['simulator_cpu_seconds_per_agent']}, etcd cpu {join['etcd_cpu_seconds']}, daemons {result['daemons']}", flush=True)
+        if a.commit_only:
+            result["commit"] = commit_phase(cluster, etcd, server, n, a)
+            return result
         # steady: only keep-alives should reach etcd
         time.sleep(1.0)
         s0, m0, e0, t0 = cluster.stats(), etcd.requests(), etcd.cpu(), time.monotonic()
@@ -474,10 +638,10 @@ def run_size(n: int, server: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, A
                     return cluster.ask_one(victim, ("kill", victim))
 
                 alive -= 1
-                r = measure_round(cluster, etcd, alive, kill)
+                r = measure_round(cluster, etcd, alive, kill, clock)
                 r["killed"] = kind
                 rounds.append(r)
-                print(f"  N={n} {kind} killed -> re-formed {r['seconds']} s, "
+                print(f"  N={n} {kind} killed -> re-formed {r['seconds']} s {r['timeline']}, "
                       f"{r['requests_per_agent_round']} req, {r['events_per_agent_round']} "
                       f"events/agent, closer cpu {r['closer_cpu_seconds']} s", flush=True)
                 time.sleep(0.5)
@@ -491,11 +655,28 @@ def run_size(n: int, server: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, A
         result["simulator_cpu_seconds_per_agent_round_median"] = statistics.median(
             r["simulator_cpu_seconds_per_agent"] for r in every)
         result["leases_lost"] = (sum(r["leases_lost"] for r in every)
-                                 + result["steady"]["leases_lost"])
-        result["commit"] = None  # the commit engineer's steady-training phase (Ticker)
+                                 + result["steady"]["leases_lost"]
+                                 + result["daemons"]["leases_lost"])
+        result["commit"] = commit_phase(cluster, etcd, server, n, a) if a.commit_seconds else None
     finally:
+        if clock is not None:
+            clock.close()
         cluster.close()
     return result
+
+
+def commit_phase(cluster: Cluster, etcd: Etcd, server: EmbeddedEtcd, n: int,
+                 a: argparse.Namespace) -> dict[str, Any]:
+    """Steady training at one snapshot per ``--period`` per node: bench/scale_commit.py."""
+    import scale_commit
+
+    r = scale_commit.run_phase(cluster, etcd, server, Keyspace(f"{PREFIX}{n}"), n, a)
+    print(f"  N={n} commit: {r['committed_steps']} commits in {r['window_s']} s, "
+          f"{r['writes_per_step']} writes/step (max {r['write_bytes_max']} B), lag median "
+          f"{r['lag_steps_median']} steps, etcd {r['etcd_cpu_pct']} % of a core "
+          f"({r['etcd_cpu_pct_without_commits']} % without commits), db "
+          f"{r['db_bytes']}, leases lost {r['leases_lost']}", flush=True)
+    return r
 
 
 def main() -> int:
@@ -508,6 +689,11 @@ def main() -> int:
     p.add_argument("--keeper-threads", type=int, default=8,
                    help="threads per process that run a lease keeper's own step when a "
                         "refresh was not a plain renewal")
+    p.add_argument("--register-threads", type=int, default=8,
+                   help="daemons of a process that register at once")
+    p.add_argument("--switch-interval", type=float, default=0.005,
+                   help="sys.setswitchinterval of the simulator processes, seconds (CPython's "
+                        "default 0.005)")
     p.add_argument("--ttl", type=int, default=2, help="lease TTL, seconds")
     p.add_argument("--confirm", type=float, default=1.0, help="rdzv liveness_confirm, seconds")
     p.add_argument("--window", type=float, default=5.0, help="steady window, seconds")
@@ -516,7 +702,21 @@ def main() -> int:
     p.add_argument("--out", default="bench/results/scale_native.json",
                    help="results file; an existing entry for the same N (and members) is "
                         "replaced, the others kept")
+    p.add_argument("--commit-seconds", type=float, default=0.0,
+                   help="steady training with commits, measured for this long after the kills "
+                        "(0: no commit phase); bench/scale_commit.py")
+    p.add_argument("--commit-only", action="store_true",
+                   help="join, then the commit phase only (no kills); only the entry's "
+                        "`commit` field is written")
+    p.add_argument("--commit-warmup", type=float, default=15.0,
+                   help="seconds of commits before the measured window")
+    p.add_argument("--commit-baseline", type=float, default=15.0,
+                   help="seconds measured just before the commit phase, without commits")
+    p.add_argument("--period", type=float, default=1.0, help="snapshot period per node")
+    p.add_argument("--ranks-per-node", type=int, default=8)
+    p.add_argument("--replicas", type=int, default=2, help="m: copies of each snapshot")
     a = p.parse_args()
+    a.commit_authkey = os.urandom(16)
     sizes = [int(x) for x in a.sizes.split(",") if x]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     random.seed(0)
@@ -537,13 +737,17 @@ def main() -> int:
             r["command"] = "python bench/scale_native.py " + " ".join(sys.argv[1:])
             r["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
             r["simulation_seconds"] = round(time.monotonic() - t0, 1)
-            print(f"N={n}: joined {r['join_seconds']} s; member kill -> {r['reform_seconds']}; "
-                  f"closer kill -> {r['closer_reform_seconds']}; "
-                  f"{r['requests_per_agent_round']} req and {r['events_per_agent_round']} "
-                  f"events per agent per round (max); leases lost {r['leases_lost']} "
-                  f"[{r['simulation_seconds']} s]", flush=True)
-            doc["results"] = [x for x in doc["results"]
-                              if (x.get("n"), x.get("etcd_members", 1)) != (n, a.members)]
+            print(f"N={n}: joined {r['join_seconds']} s; member kill -> "
+                  f"{r.get('reform_seconds')}; closer kill -> {r.get('closer_reform_seconds')}; "
+                  f"{r.get('requests_per_agent_round')} req and "
+                  f"{r.get('events_per_agent_round')} events per agent per round (max); leases "
+                  f"lost {r.get('leases_lost')} [{r['simulation_seconds']} s]", flush=True)
+            old = [x for x in doc["results"]
+                   if (x.get("n"), x.get("etcd_members", 1)) == (n, a.members)]
+            doc["results"] = [x for x in doc["results"] if x not in old]
+            if a.commit_only and old:  # the other phases' figures stay as they were
+                r = {**old[0], "commit": {**r["commit"], "command": r["command"],
+                                          "date": r["date"]}}
             doc["results"].append(r)
             doc["results"].sort(key=lambda x: (x.get("etcd_members", 1), x["n"]))
             doc.update(benchmark="scale_native", machine={

@@ -300,6 +300,7 @@ class ReplicationFigures(Protocol):
     fetch_seconds_total: float
     fetch_failures_total: dict[str, int]
     etcd_errors_total: int
+    commit_coordinator: int
 
 
 class ServerFigures(Protocol):
@@ -382,7 +383,12 @@ class ReplicationCollector:
                                   "without bound)", st.replication_skipped_total)
         yield CounterMetricFamily("elasticd_replication_commits",
                                   "Steps this node recorded as committed (every rank has m "
-                                  "verified copies)", st.commits_total)
+                                  "verified copies) as its job's commit coordinator",
+                                  st.commits_total)
+        yield GaugeMetricFamily("elasticd_commit_coordinator",
+                                "1 while this node is its job's commit coordinator (summed "
+                                "over a job's nodes: 1; 0 for longer than a lease TTL and the "
+                                "job commits nothing)", st.commit_coordinator)
         yield GaugeMetricFamily("elasticd_committed_step",
                                 "Newest committed step of this node's job (-1: none yet)",
                                 st.committed_step)

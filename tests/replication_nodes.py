@@ -18,6 +18,7 @@ from elasticd.store.shm import SlotStore
 from elasticd.coordination.api import Coordinator
 from elasticd.coordination.keys import Keyspace
 from elasticd.recovery.replicator import Replicator
+from elasticd.replication.seal import BlockTagger
 from elasticd.replication.shm_sink import ShmSink, replica_root
 from elasticd.replication.transport import ReplicaServer
 
@@ -67,12 +68,13 @@ class Node:
         return data
 
     def kill(self) -> None:
-        """Power off: nothing of this node survives, its memory included."""
+        """Power off: nothing of this node survives, its memory included (its election lease,
+        if it coordinates, expires on its own)."""
         if not self.alive:
             return
         self.alive = False
         self.server.stop()
-        self.replicator.close()
+        self.replicator.close(resign=False)
         self.local.close()
         self.sink.store.close()
         shutil.rmtree(self.root, ignore_errors=True)
@@ -83,7 +85,8 @@ class Cluster:
     """``n`` nodes n1..nN; ``addresses`` maps live nodes to their replica servers."""
 
     def __init__(self, coord_factory, n: int, m: int = 2, sink_cls: type = ShmSink,
-                 prefix: str = "/elasticd", **replicator_kw) -> None:
+                 prefix: str = "/elasticd", tagged: bool = True, **replicator_kw) -> None:
+        """``tagged``: local snapshots get their block tags at the seal, as node.py does."""
         self.base = f"/dev/shm/elasticd-test-{uuid.uuid4().hex[:12]}"
         self.keys = Keyspace(prefix)
         self.addresses: dict[str, tuple[str, int]] = {}
@@ -92,10 +95,13 @@ class Cluster:
         replicator_kw.setdefault("commit_wait", 0.5)
         replicator_kw.setdefault("withdraw_after", 0.5)
         replicator_kw.setdefault("timeout", 10.0)
+        replicator_kw.setdefault("lease_ttl", 1.0)
         for i in range(1, n + 1):
             name = f"n{i}"
             root = os.path.join(self.base, name)
             local = SlotStore(root)
+            if tagged:
+                local.tagger = BlockTagger(SECRET).tag
             sink = sink_cls(SlotStore(replica_root(root)), local=local)
             server = ReplicaServer("127.0.0.1", 0, SECRET, name, sink, idle_timeout=10.0).start()
             self.addresses[name] = server.address
@@ -103,6 +109,7 @@ class Cluster:
             self.coords.append(coord)
             rep = Replicator(name, coord, self.keys, local, SECRET, m,
                              peers_address=self.address_of, sink=sink, **replicator_kw)
+            server.on_report = rep.on_report
             self.nodes[name] = Node(name, root, local, sink, server, rep)
 
     def address_of(self, node: str) -> tuple[str, int] | None:
@@ -119,8 +126,13 @@ class Cluster:
             self.nodes[name].replicator.set_membership(JOB, names, ranks, round)
 
     def wait_idle(self, timeout: float = 20.0) -> None:
-        for node in self.live():
-            assert node.replicator.wait_idle(timeout), f"{node.name} still busy"
+        """Until every live node is idle in one pass (a report one node sent may have made
+        another's coordinator busy after that one was found idle)."""
+        for _ in range(20):
+            for node in self.live():
+                assert node.replicator.wait_idle(timeout), f"{node.name} still busy"
+            if all(node.replicator.wait_idle(0.05) for node in self.live()):
+                return
 
     def kill(self, name: str) -> None:
         self.addresses.pop(name, None)

@@ -8,35 +8,35 @@ that commit, while a stop just before the next commit loses a whole snapshot int
 replication work that was about to complete.
 
 The rule (:func:`at_committed_step`): the job is at a committed step when its committed version
-is at least the newest version any node's replication record lists (each node lists, for the
-ranks it owns, the versions that reached ``m`` verified copies). Once every rank has a newer
-version the commit follows at once, so the rule holds from a commit until the first rank's
-next snapshot is replicated: a window of about one snapshot interval less the replication
-time, once per commit. Without a committed record it does not hold (nothing to resume from
-but step 0: growing then would throw the run away).
+is at least the newest version any rank has with ``m`` verified copies. The job's commit
+coordinator, which hears every node's replicated versions, writes that newest version to the
+*ahead* record (``ckpt/committed.ahead``) when it passes the commit (at most once per commit),
+so the rule holds from a commit until the first rank's next snapshot is replicated: a window of
+about one snapshot interval less the replication time, once per commit. Without a committed
+record it does not hold (nothing to resume from but step 0: growing then would throw the run
+away).
 
-:class:`CommitWatch` mirrors ``Keyspace.job_ckpt(job)`` through one etcd watch (listing first,
-again after a watch error), so the rendezvous handler's ``commit_gate``, asked from
-``num_nodes_waiting`` every monitor interval, answers from memory with no etcd request. The
-rendezvous plugin may import only the coordination layer; :mod:`.torchrun` passes this gate in,
-as it does the join gate.
+:class:`CommitWatch` mirrors the committed record's prefix (``ckpt/committed``: the committed
+record, the ahead record, and two small keys that change rarely) through one etcd watch
+(listing first, again after a watch error), so the rendezvous handler's ``commit_gate``, asked
+from ``num_nodes_waiting`` every monitor interval, answers from memory with no etcd request,
+and the agent's etcd traffic per committed step is at most two watch events, whatever the
+job's size. The rendezvous plugin may import only the coordination layer; :mod:`.torchrun`
+passes this gate in, as it does the join gate.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Iterable, Mapping
+from typing import Iterable
 
 from elasticd.clock import Clock, SystemClock
 from elasticd.coordination import records
 from elasticd.coordination.api import CoordinationError, Coordinator, EventType, KeyValue
 from elasticd.coordination.keys import Keyspace
 from elasticd.replication.api import Version
-from elasticd.replication.commit import (
-    decode_committed,
-    decode_replicated,
-)
+from elasticd.replication.commit import decode_ahead, decode_committed
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +46,13 @@ def at_committed_step(committed: Version | None, newest: Iterable[Version]) -> b
 
     Args:
         committed: the job's committed (generation, step), or None.
-        newest: each node's newest replicated version.
+        newest: the newest replicated versions known (the ahead record's).
     """
     return committed is not None and all(v <= committed for v in newest)
 
 
 class CommitWatch:
-    """The job's committed version and each node's newest replicated version, kept by a watch.
+    """The job's committed version and the ahead record's version, kept by a watch.
 
     Args:
         coordinator: the agent's etcd connection (not owned).
@@ -65,13 +65,12 @@ class CommitWatch:
                  clock: Clock | None = None) -> None:
         self._coord = coordinator
         self._clock = clock or SystemClock()
-        self._prefix = keys.job_ckpt(job)
-        self._committed_key = keys.job_committed(job)
-        self._replicated = keys.job_replicated_prefix(job)
+        self._prefix = self._committed_key = keys.job_committed(job)
+        self._ahead_key = keys.job_commit_ahead(job)
         self._job = job
         self._lock = threading.Lock()
         self._committed: Version | None = None
-        self._newest: dict[str, Version] = {}
+        self._ahead: Version | None = None
         self._revision = 0
         #: False until listed, and from a watch error until the re-list: the gate says no.
         self._fresh = False
@@ -97,17 +96,18 @@ class CommitWatch:
         """The gate: whether the job is at a committed step, from memory (False while the
         mirror is not known to be current)."""
         with self._lock:
-            return self._fresh and at_committed_step(self._committed, self._newest.values())
+            return self._fresh and at_committed_step(
+                self._committed, [self._ahead] if self._ahead is not None else [])
 
-    def state(self) -> tuple[Version | None, Mapping[str, Version]]:
-        """The committed version and each node's newest replicated version (for tests, logs)."""
+    def state(self) -> tuple[Version | None, Version | None]:
+        """The committed version and the ahead record's (for tests, logs)."""
         with self._lock:
-            return self._committed, dict(self._newest)
+            return self._committed, self._ahead
 
     def _relist(self) -> None:
         kvs, revision = self._coord.get_prefix(self._prefix)
         with self._lock:
-            self._committed, self._newest = None, {}
+            self._committed = self._ahead = None
             for kv in kvs:
                 self._put(kv)
             went_back = revision < self._revision
@@ -156,21 +156,13 @@ class CommitWatch:
         try:
             if kv.key == self._committed_key:
                 self._committed = decode_committed(kv.value, kv.key).version
-            elif kv.key.startswith(self._replicated):
-                node = kv.key[len(self._replicated):].decode(errors="replace")
-                rec = decode_replicated(kv.value, kv.key)
-                if rec.node != node:  # one node's record may not speak for another
-                    raise records.CorruptRecord(f"{kv.key!r}: names node {rec.node[:70]!r}")
-                versions = [v for vs in rec.versions.values() for v in vs]
-                if versions:
-                    self._newest[node] = max(versions)
-                else:
-                    self._newest.pop(node, None)
+            elif kv.key == self._ahead_key:
+                self._ahead = decode_ahead(kv.value, kv.key)
         except records.RecordError as exc:
             log.debug("commit watch: ignoring %r: %s", kv.key, exc)
 
     def _delete(self, key: bytes) -> None:
         if key == self._committed_key:
             self._committed = None
-        elif key.startswith(self._replicated):
-            self._newest.pop(key[len(self._replicated):].decode(errors="replace"), None)
+        elif key == self._ahead_key:
+            self._ahead = None

@@ -10,8 +10,10 @@ to refuse that; it now fails the attempt instead, see
 :class:`~elasticd.worker.restore.DaemonUnreachable`). So the agent fences for its daemon.
 
 Rule (:meth:`DaemonWatch.tick`, on the agent's monotonic clock): fence when the node's record
-(``<prefix>/nodes/<node>``, bound to the daemon's lease) is absent from etcd in a successful
-read (read every 0.25 s under a daemon), *and* the daemon has not answered a ping on its local
+(``<prefix>/nodes/<node>``, bound to the daemon's lease) is absent from etcd, as a watch on that
+one key shows it (checked every 0.25 s under a daemon; read anew every :data:`VERIFY_EVERY`
+seconds and after a watch error: a watch costs etcd nothing while nothing changes, where a
+read every 0.25 s cost 4 requests per node per second), *and* the daemon has not answered a ping on its local
 socket for ``silent_for`` seconds (1 s; it is pinged every 0.25 s by a thread of its own, and
 answers in about a millisecond when alive). Either alone is normal for a while: every record
 vanishes for a moment after an etcd outage longer than the lease TTL (each daemon re-grants and
@@ -35,12 +37,15 @@ import threading
 from typing import Callable
 
 from elasticd.clock import Clock, SystemClock
-from elasticd.coordination.api import CoordinationError, Coordinator
+from elasticd.coordination.api import CoordinationError, Coordinator, EventType, Watch
 
 log = logging.getLogger(__name__)
 
 #: The agent's exit code after it fenced its node (EX_TEMPFAIL: try again later).
 FENCED_EXIT = 75
+#: Seconds between reads of the record while the watch follows it: a watch made silent by an
+#: etcd data loss (its revision is in the wiped cluster's future) is caught by the next read.
+VERIFY_EVERY = 10.0
 
 
 class DaemonWatch:
@@ -73,6 +78,13 @@ class DaemonWatch:
         # The daemon started this agent just now: it counts as having answered.
         self._answered = self._clock.monotonic()
         self._stop = threading.Event()
+        # What the watch on the record says (None: no watch, or in doubt: read), when it was
+        # last read, and the watch events seen (a read raced by an event keeps the event's).
+        self._lock = threading.Lock()
+        self._present: bool | None = None
+        self._read_at = float("-inf")
+        self._events = 0
+        self._watch: Watch | None = None
 
     def probe(self) -> bool:
         """One ping of the daemon; an answer resets its silence. Returns whether it answered."""
@@ -85,13 +97,66 @@ class DaemonWatch:
         """Seconds since the daemon last answered a ping."""
         return self._clock.monotonic() - self._answered
 
-    def tick(self) -> str | None:
-        """One read of the record; returns why to fence, or None."""
-        now = self._clock.monotonic()
+    def follow(self) -> None:
+        """Watches the record, so that :meth:`tick` reads etcd only every
+        :data:`VERIFY_EVERY` seconds and after a watch error (without it, at every tick)."""
+        # The agent's etcd role may read this one key: the revision and the watch are its.
+        revision = self._coordinator.revision(self.node_key)
+        self._watch = self._coordinator.watch_key(self.node_key, self._on_watch, revision + 1)
+
+    def _on_watch(self, batch: object) -> None:
+        with self._lock:
+            self._events += 1
+            if isinstance(batch, CoordinationError):
+                self._present = None  # in doubt: the next tick reads
+                return
+            for e in batch:  # type: ignore[attr-defined]
+                self._present = e.type is EventType.PUT
+
+    def _is_present(self, now: float) -> bool:
+        """The watch's view, or a read when there is no watch, it is in doubt, or the last
+        read is :data:`VERIFY_EVERY` old. A failed read answers True: no judgement from a
+        doubtful view (the absence is forgotten)."""
+        with self._lock:
+            view, events = self._present, self._events
+            if view is not None and self._watch is not None \
+                    and now - self._read_at < VERIFY_EVERY:
+                return view
         try:
             present = self._coordinator.get(self.node_key) is not None
         except CoordinationError:
-            present = True  # no judgement from a doubtful view: the absence is forgotten
+            with self._lock:
+                self._present = None
+            return True
+        missed = False
+        with self._lock:
+            self._read_at = now
+            if self._watch is None:
+                return present
+            if self._events == events:
+                # The watch said otherwise with no event since: it missed one (an etcd data
+                # loss leaves it silent, its revision in the wiped cluster's future).
+                missed = view is not None and view != present
+                self._present = present
+            elif self._present is not None:
+                present = self._present  # an event came during the read: it is newer
+        if missed:
+            self._refollow()
+        return present
+
+    def _refollow(self) -> None:
+        old = self._watch
+        try:
+            self.follow()
+        except CoordinationError:
+            return  # the next verification tries again
+        if old is not None:
+            old.cancel()
+
+    def tick(self) -> str | None:
+        """One look at the record; returns why to fence, or None."""
+        now = self._clock.monotonic()
+        present = self._is_present(now)
         if present:
             self._absent_since = None
             return None
@@ -141,12 +206,19 @@ class DaemonWatch:
             self.probe()
 
     def start(self) -> None:
+        try:
+            self.follow()
+        except CoordinationError as exc:  # etcd unreachable now: read at every tick
+            log.warning("elasticd: cannot watch this node's record (%s): reading it every "
+                        "%.2g s", exc, self.interval)
         for target, name in ((self.run, "elasticd-daemon-watch"),
                              (self._pinger, "elasticd-daemon-ping")):
             threading.Thread(target=target, name=name, daemon=True).start()
 
     def stop(self) -> None:
         self._stop.set()
+        if self._watch is not None:
+            self._watch.cancel()
 
 
 def ping_daemon(socket_path: str, timeout: float) -> Callable[[], bool]:

@@ -1,9 +1,11 @@
 """``elasticctl placement`` and ``elasticctl checkpoints``: where each rank's snapshot lives.
 
-Both read the replication records in etcd (``jobs/<job>/placement``, ``ckpt/committed``,
-``ckpt/replicated/<node>``: docs/replication.md) and the live node records; ``checkpoints``
-also asks each live node's ``/status`` (its HTTP address is in its node record) for the bytes
-it holds and its persisted step, and says ``null`` for a node it cannot reach.
+Both read the replication records in etcd (``jobs/<job>/placement``, ``ckpt/committed``, the
+commit coordinator's election record ``ckpt/committed.coordinator``: docs/replication.md) and
+the live node records, and ask each live node's ``/status`` (its HTTP address is in its node
+record) for the versions its ranks have with ``m`` copies (no node writes them to etcd: it
+reports them to the coordinator), its sync lag, and for ``checkpoints`` the bytes it holds and
+its persisted step; they say ``null`` for a node they cannot reach.
 
 A rank is *under-replicated* when fewer than ``m`` live nodes hold a copy of the committed step
 (a holder died and re-replication has not finished, or there are fewer than ``m`` nodes).
@@ -12,6 +14,7 @@ A rank is *under-replicated* when fewer than ``m`` live nodes hold a copy of the
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import json
 import urllib.request
@@ -23,11 +26,8 @@ from elasticd.clock import format_local
 from elasticd.coordination import records
 from elasticd.coordination.api import Coordinator
 from elasticd.coordination.keys import Keyspace, check_name
-from elasticd.replication.commit import (
-    Committed,
-    decode_committed,
-    decode_replicated,
-)
+from elasticd.replication import election
+from elasticd.replication.commit import Committed, read_committed
 from elasticd.replication.placement import Placement, decode_placement
 
 PLACEMENT_EPILOG = """\
@@ -101,21 +101,34 @@ def live_nodes(coord: Coordinator, keys: Keyspace) -> dict[str, dict[str, Any]]:
 
 
 def _read(coord: Coordinator, keys: Keyspace, job: str) -> tuple[
-        Placement | None, Committed | None, dict[str, Any]]:
+        Placement | None, Committed | None, dict[str, Any] | None]:
+    """The placement, the committed record (holders resolved) and the coordinator's
+    election record (None: no coordinator, so no commit)."""
     try:
         kv = coord.get(keys.job_placement(job))
         placement = decode_placement(kv.value, kv.key) if kv is not None else None
-        kv = coord.get(keys.job_committed(job))
-        committed = decode_committed(kv.value, kv.key) if kv is not None else None
+        committed = read_committed(coord, keys, job, [placement])
+        kv = coord.get(keys.job_coordinator(job))
+        ship = election.decode(kv.value, kv.key) if kv is not None else None
     except records.RecordError as exc:
         raise CommandFailed(f"{job}: unreadable replication record: {exc}") from exc
-    kvs, _ = coord.get_prefix(keys.job_replicated_prefix(job))
-    replicated = {}
-    for kv in kvs:
-        with contextlib.suppress(records.RecordError):
-            r = decode_replicated(kv.value, kv.key)
-            replicated[r.node] = r
-    return placement, committed, replicated
+    coordinator = None if ship is None else {"node": ship.node, "term": f"{ship.term:x}",
+                                             "since": ship.at}
+    return placement, committed, coordinator
+
+
+def _statuses(coord: Coordinator, keys: Keyspace, timeout: float
+              ) -> dict[str, dict[str, Any] | None]:
+    """Each live node's /status (None: unreachable), asked in parallel."""
+    live = live_nodes(coord, keys)
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(32, len(live)))) as pool:
+        answers = pool.map(lambda rec: _node_status(rec.get("address", ""), timeout),
+                           live.values())
+        return dict(zip(live, answers))
+
+
+def _job_replication(status: dict[str, Any] | None, job: str) -> dict[str, Any]:
+    return (((status or {}).get("replication") or {}).get("jobs") or {}).get(job) or {}
 
 
 def _ver(v: Any) -> list[int] | None:
@@ -124,8 +137,9 @@ def _ver(v: Any) -> list[int] | None:
 
 def cmd_placement(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> Any:
     job = pick_job(coord, keys, args.job)
-    placement, committed, replicated = _read(coord, keys, job)
-    alive = set(live_nodes(coord, keys))
+    placement, committed, coordinator = _read(coord, keys, job)
+    statuses = _statuses(coord, keys, min(2.0, args.etcd_timeout))
+    alive = set(statuses)
     m = placement.m if placement else (committed.m if committed else 0)
     ranks = sorted(set(committed.ranks if committed else ())
                    | {r for rs in (placement.ranks.values() if placement else ()) for r in rs})
@@ -138,7 +152,8 @@ def cmd_placement(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) 
                 holders = list(placement.holders_of_rank(rank))
         committed_holders = list(committed.holders.get(rank, ())) if committed else []
         live_copies = [h for h in committed_holders if h in alive]
-        vs = replicated[owner].versions.get(rank) if owner in replicated else None
+        vs = _job_replication(statuses.get(owner or ""), job).get("replicated", {}).get(
+            str(rank))
         newest = _ver(vs[0]) if vs else None
         rows.append({
             "rank": rank, "owner": owner, "holders": holders,
@@ -153,6 +168,7 @@ def cmd_placement(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) 
         "nodes": list(placement.nodes) if placement else [],
         "describe": placement.describe() if placement else "no placement published yet",
         "committed": _ver(committed.version) if committed else None,
+        "coordinator": coordinator,
         "ranks": rows, "under_replicated_ranks": under,
     }
 
@@ -167,6 +183,7 @@ def _placement_pretty(doc: dict[str, Any]) -> str:
              "holders_text": ",".join(r["holders"]) or "-",
              "committed_text": ",".join(r["committed_holders"]) or "-"} for r in doc["ranks"]]
     head = f"job {doc['job']}: {doc['describe']}; committed step {doc['committed'] or '-'}"
+    head += "; " + _coordinator_text(doc["coordinator"])
     tail = (f"\n{len(doc['under_replicated_ranks'])} ranks held by fewer than m={doc['m']} "
             f"live copies: {doc['under_replicated_ranks']}" if doc["under_replicated_ranks"]
             else f"\nevery rank of the committed step has m={doc['m']} live copies"
@@ -184,20 +201,22 @@ def _node_status(address: str, timeout: float) -> dict[str, Any] | None:
         return None
 
 
+def _coordinator_text(c: dict[str, Any] | None) -> str:
+    return (f"commits coordinated by {c['node']}" if c else
+            "NO COMMIT COORDINATOR: nothing commits until a node of the job is elected")
+
+
 def cmd_checkpoints(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> Any:
     job = pick_job(coord, keys, args.job)
-    placement, committed, replicated = _read(coord, keys, job)
-    ranks = sorted(({"rank": rank, "owner": node, "versions": [_ver(v) for v in versions],
-                     "holders": list(rep.holders.get(rank, ()))}
-                    for node, rep in sorted(replicated.items())
-                    for rank, versions in sorted(rep.versions.items())), key=lambda r: r["rank"])
+    placement, committed, coordinator = _read(coord, keys, job)
+    statuses = _statuses(coord, keys, min(2.0, args.etcd_timeout))
     nodes = []
     persisted: list[int] | None = None
-    for node, rec in sorted(live_nodes(coord, keys).items()):
-        st = _node_status(rec.get("address", ""), min(2.0, args.etcd_timeout))
+    for node, st in sorted(statuses.items()):
         if st is None:
             nodes.append({"node": node, "reachable": False, "snapshot_bytes": None,
-                          "replica_bytes": None, "persisted": None, "latest_local": None})
+                          "replica_bytes": None, "persisted": None, "latest_local": None,
+                          "sync_lag": None})
             continue
         ck = (st.get("checkpoints") or {}).get(job) or {}
         rep = st.get("replication") or {}
@@ -207,12 +226,28 @@ def cmd_checkpoints(args: argparse.Namespace, coord: Coordinator, keys: Keyspace
         nodes.append({"node": node, "reachable": True, "snapshot_bytes": ck.get("bytes"),
                       "replica_bytes": rep.get("replica_bytes_held"), "persisted": p,
                       "latest_local": ck.get("progress"),
+                      "sync_lag": _job_replication(st, job).get("sync_lag"),
                       "unprotected": ck.get("unprotected_reason") or None})
+    ranks = []
+    for rank in sorted(set(committed.ranks if committed else ())
+                       | {r for rs in (placement.ranks.values() if placement else ()) for r in rs}):
+        owner = holders = None
+        with contextlib.suppress(KeyError):
+            owner = placement.owner_of(rank) if placement else None
+            holders = list(placement.holders_of_rank(rank)) if placement else None
+        if holders is None and committed is not None:
+            holders = list(committed.holders.get(rank, ()))
+        # Versions with m copies: the owner says (its /status); null when it cannot be asked.
+        versions = _job_replication(statuses.get(owner or ""), job).get("replicated", {}).get(
+            str(rank))
+        ranks.append({"rank": rank, "owner": owner, "holders": holders or [],
+                      "versions": [_ver(v) for v in versions] if versions is not None else None})
     return {
         "job": job,
         "committed": None if committed is None else {
             "generation": committed.generation, "step": committed.step, "m": committed.m,
             "at": committed.at, "ranks": list(committed.ranks)},
+        "coordinator": coordinator,
         "placement": placement.describe() if placement else None,
         "ranks": ranks, "persisted": persisted, "nodes": nodes,
         "unprotected": {n["node"]: n["unprotected"] for n in nodes if n.get("unprotected")},
@@ -223,7 +258,7 @@ RANKS_TABLE = Table([("RANK", "rank"), ("OWNER", "owner"), ("VERSIONS WITH m COP
                      ("HOLDERS", "holders")])
 NODES_TABLE = Table([("NODE", "node"), ("SNAPSHOT BYTES", "snapshot_bytes"),
                      ("REPLICA BYTES", "replica_bytes"), ("LATEST LOCAL", "latest_local"),
-                     ("PERSISTED", "persisted")])
+                     ("SYNC LAG", "sync_lag"), ("PERSISTED", "persisted")])
 
 
 def _checkpoints_pretty(doc: dict[str, Any]) -> str:
@@ -231,7 +266,8 @@ def _checkpoints_pretty(doc: dict[str, Any]) -> str:
     when = format_local(c["at"], "%H:%M:%S") if c else ""
     head = (f"job {doc['job']}: committed generation {c['generation']} step {c['step']} "
             f"(m={c['m']}, at {when})" if c else f"job {doc['job']}: nothing committed yet")
-    head += f"; persisted step {doc['persisted'] or '-'}"
+    head += f"; persisted step {doc['persisted'] or '-'}; " + _coordinator_text(
+        doc["coordinator"])
     for node, why in sorted(doc["unprotected"].items()):
         head += f"\nUNPROTECTED on {node}: {why}"
     return head + "\n\n" + RANKS_TABLE.render(doc["ranks"]) + "\n\n" + NODES_TABLE.render(

@@ -177,18 +177,18 @@ class Membership:
             return [Observation(ObservationKind.JOINED, record.node, record)]
         return []
 
-    def on_delete(self, node: str, prev: NodeRecord | None, now: float, wall: float,
-                  cut_off: bool) -> list[Observation]:
+    def on_delete(self, node: str, now: float, wall: float, cut_off: bool) -> list[Observation]:
         """A node record disappeared.
+
+        Its last value is this mirror's copy (from the listing and every PUT since), so the
+        watch needs no ``prev_kv``: a leaving record tells a departure from a failure.
 
         Args:
             node: the node id from the key.
-            prev: the record as it was (from the watch's prev_kv, or our own copy).
             now: monotonic time. wall: wall time (compared with the node's heartbeat stamp).
             cut_off: whether this observer was cut off from etcd around now.
         """
-        known = self.nodes.pop(node, None)
-        record = prev or known
+        record = self.nodes.pop(node, None)
         if node == self.me or record is None:
             return []
         if record.state == NodeState.LEAVING.value:
@@ -213,7 +213,7 @@ class Membership:
         out: list[Observation] = []
         listed = {r.node: r for r in records}
         for node in sorted(set(self.nodes) - set(listed)):
-            out += self.on_delete(node, None, now, wall, cut_off)
+            out += self.on_delete(node, now, wall, cut_off)
         for record in records:
             out += self.on_put(record)
         return out

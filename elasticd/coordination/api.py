@@ -224,6 +224,11 @@ class Coordinator(abc.ABC):
         """
 
     @abc.abstractmethod
+    def watch_key(self, key: bytes, callback: WatchCallback, start_revision: int) -> Watch:
+        """As :meth:`watch_prefix`, for the one key ``key`` (no key that extends it): for a
+        caller whose etcd role may read that key only."""
+
+    @abc.abstractmethod
     def reset_watches(self) -> None:
         """Re-creates every watch from the store's current revision.
 

@@ -347,7 +347,12 @@ class EtcdCoordinator(Coordinator):
 
     def watch_prefix(self, prefix: bytes, callback: WatchCallback, start_revision: int,
                      prev_kv: bool = False) -> Watch:
-        w = _ResilientWatch(self, prefix, callback, start_revision, prev_kv)
+        return self._watch(_ResilientWatch(self, prefix, callback, start_revision, prev_kv))
+
+    def watch_key(self, key: bytes, callback: WatchCallback, start_revision: int) -> Watch:
+        return self._watch(_ResilientWatch(self, key, callback, start_revision, exact=True))
+
+    def _watch(self, w: "_ResilientWatch") -> "_ResilientWatch":
         w.start()
         with self._lock:
             self._watches.append(w)
@@ -398,7 +403,7 @@ class EtcdCoordinator(Coordinator):
 
 
 class _ResilientWatch(Watch):
-    """A prefix watch that re-creates itself after the stream fails.
+    """A prefix (or one-key: ``exact``) watch that re-creates itself after the stream fails.
 
     The next start revision is always ``last delivered revision + 1``, so no event is lost or
     delivered twice across a reconnect (unless etcd compacted the gap: the callback then gets
@@ -406,10 +411,9 @@ class _ResilientWatch(Watch):
     """
 
     def __init__(self, owner: EtcdCoordinator, prefix: bytes, callback: WatchCallback,
-                 start_revision: int, prev_kv: bool = False) -> None:
-        self._owner = owner
-        self.prefix = prefix
-        self._prev_kv = prev_kv
+                 start_revision: int, prev_kv: bool = False, exact: bool = False) -> None:
+        self._owner, self.prefix = owner, prefix
+        self._prev_kv, self._exact = prev_kv, exact
         self._callback = callback
         self._next_revision = start_revision
         self._lock = threading.Lock()
@@ -440,9 +444,9 @@ class _ResilientWatch(Watch):
             start = self._next_revision
 
         def run(c: Any) -> tuple[Any, int]:
-            return c, c.add_watch_prefix_callback(
-                self.prefix, functools.partial(self._on_response, generation),
-                start_revision=start or None, prev_kv=self._prev_kv)
+            add = c.add_watch_callback if self._exact else c.add_watch_prefix_callback
+            return c, add(self.prefix, functools.partial(self._on_response, generation),
+                          start_revision=start or None, prev_kv=self._prev_kv)
 
         client, watch_id = self._owner._call(run)
         with self._lock:

@@ -16,8 +16,13 @@
     <prefix>/jobs/<job>/placement               replica placement
     <prefix>/jobs/<job>/ckpt/committed          the committed step (elasticd.replication.commit)
     <prefix>/jobs/<job>/ckpt/committed.grid     the snapshot grid, beside it
-    <prefix>/jobs/<job>/ckpt/replicated/<node>  what a node holds of each rank
-    <prefix>/jobs/<job>/ckpt/fence/<node>       bumped by each of the node's withdrawals
+    <prefix>/jobs/<job>/ckpt/committed.coordinator  the commit coordinator's election key
+    <prefix>/jobs/<job>/ckpt/committed.ahead    the newest version with m copies past the commit
+    <prefix>/jobs/<job>/ckpt/placement          the placement the committed holders derive from
+    <prefix>/jobs/<job>/ckpt/fence/<node>       the versions a node withdrew
+    <prefix>/jobs/<job>/ckpt/fence.epoch        bumped by every withdrawal of the job
+    <prefix>/jobs/<job>/ckpt/replicated/<node>  the old commit protocol's per-node record
+                                                (removed by a coordinator when it is elected)
 
 Every value is a versioned record (:mod:`elasticd.coordination.records`), except the raw bytes
 torch's rendezvous stores under ``rdzv/``.
@@ -140,6 +145,24 @@ class Keyspace:
     def job_commit_grid(self, job: str) -> bytes:
         """Beside the committed record, so that one watch on its key (a prefix) sees both."""
         return self._k("jobs", job, "ckpt", "committed.grid")
+
+    def job_coordinator(self, job: str) -> bytes:
+        """The commit coordinator's election key, under the committed record's prefix so that
+        the one watch every node holds sees it."""
+        return self._k("jobs", job, "ckpt", "committed.coordinator")
+
+    def job_commit_ahead(self, job: str) -> bytes:
+        return self._k("jobs", job, "ckpt", "committed.ahead")
+
+    def job_commit_placement(self, job: str) -> bytes:
+        return self._k("jobs", job, "ckpt", "placement")
+
+    def job_fences(self, job: str) -> bytes:
+        """The prefix of every fence key and the fence epoch (one range read sees both)."""
+        return self._k("jobs", job, "ckpt", "fence")
+
+    def job_fence_epoch(self, job: str) -> bytes:
+        return self._k("jobs", job, "ckpt", "fence.epoch")
 
     def job_replicated_prefix(self, job: str) -> bytes:
         return self._k("jobs", job, "ckpt", "replicated", "")

@@ -134,10 +134,12 @@ class MemoryStore:
             return []
         return [e for key in sorted(lease.keys) if (e := self._delete(key)) is not None]
 
-    def _put(self, key: bytes, value: bytes, lease: int) -> WatchEvent:
+    def _put(self, key: bytes, value: bytes, lease: int, same: bool = False) -> WatchEvent:
+        """``same``: a later operation of one transaction, at the revision the first made
+        (etcd gives every change of a transaction the same mod_revision)."""
         if lease and lease not in self._leases:
             raise LeaseLost(f"lease {lease:x} not found")
-        self._revision += 1
+        self._revision += not same
         old = self._kv.get(key)
         if old is not None and old.lease and old.lease in self._leases:
             self._leases[old.lease].keys.discard(key)
@@ -156,11 +158,11 @@ class MemoryStore:
         self._history.append((self._revision, event))
         return event
 
-    def _delete(self, key: bytes) -> WatchEvent | None:
+    def _delete(self, key: bytes, same: bool = False) -> WatchEvent | None:
         old = self._kv.pop(key, None)
         if old is None:
             return None
-        self._revision += 1
+        self._revision += not same
         if old.lease in self._leases:
             self._leases[old.lease].keys.discard(key)
         event = WatchEvent(
@@ -241,9 +243,9 @@ class MemoryCoordinator(Coordinator):
                     raise LeaseLost(f"lease {op.lease:x} not found")
             for op in ops:
                 if isinstance(op, Put):
-                    events.append(self.store._put(op.key, op.value, op.lease))
+                    events.append(self.store._put(op.key, op.value, op.lease, bool(events)))
                 elif isinstance(op, Delete):
-                    if (e := self.store._delete(op.key)) is not None:
+                    if (e := self.store._delete(op.key, bool(events))) is not None:
                         events.append(e)
             revision = self.store._revision
         self.store._dispatch(events)
@@ -289,6 +291,15 @@ class MemoryCoordinator(Coordinator):
         if replay:
             w.callback(replay)
         return w
+
+    def watch_key(self, key: bytes, callback: WatchCallback, start_revision: int) -> Watch:
+        def only_key(batch: "Sequence[WatchEvent] | CoordinationError") -> None:
+            if isinstance(batch, CoordinationError):
+                callback(batch)
+            elif events := [e for e in batch if e.kv.key == key]:
+                callback(events)
+
+        return self.watch_prefix(key, only_key, start_revision)
 
     def reset_watches(self) -> None:
         with self._enter():

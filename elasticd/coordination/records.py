@@ -89,11 +89,14 @@ R = TypeVar("R")
 _ENVELOPE = ("schema", "record")
 
 
-def encode(kind: str, payload: dict[str, Any]) -> bytes:
+def encode(kind: str, payload: dict[str, Any], schema: int | None = None) -> bytes:
+    """The record's bytes; ``schema``: a kind's own newer layout (default
+    :data:`SCHEMA_VERSION`), which an older elasticd refuses to read with a message naming the
+    upgrade."""
     clash = [k for k in _ENVELOPE if k in payload]
     if clash:
         raise ValueError(f"record fields {clash} are reserved for the envelope")
-    body = {"schema": SCHEMA_VERSION, "record": kind, **payload}
+    body = {"schema": schema or SCHEMA_VERSION, "record": kind, **payload}
     return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
 
 
@@ -112,13 +115,17 @@ def where_of(key: bytes | str) -> str:
     return key.decode(errors="replace") if isinstance(key, bytes) else key
 
 
-def decode(raw: bytes, kind: str, key: bytes | str = b"?") -> dict[str, Any]:
-    """Returns the payload of a record of ``kind`` (without the envelope).
+def decode(raw: bytes, kind: str, key: bytes | str = b"?",
+           schema: int | None = None) -> dict[str, Any]:
+    """Returns the payload of a record of ``kind`` (without the envelope); with ``schema``,
+    the kind's newest layout this elasticd reads (its ``"schema"`` stays in the payload then,
+    so that the caller reads each layout its own way).
 
     Raises:
         CorruptRecord: not JSON, not an object, or another kind.
-        UnsupportedRecordVersion: a schema newer than :data:`SCHEMA_VERSION`.
+        UnsupportedRecordVersion: a schema newer than :data:`SCHEMA_VERSION` (or ``schema``).
     """
+    newest = schema or SCHEMA_VERSION
     where = where_of(key)
     try:
         body = loads(raw)
@@ -126,14 +133,14 @@ def decode(raw: bytes, kind: str, key: bytes | str = b"?") -> dict[str, Any]:
         raise CorruptRecord(f"{where}: not a valid record ({exc.__class__.__name__}: {exc})") from exc
     if not isinstance(body, dict) or type(body.get("schema")) is not int:
         raise CorruptRecord(f"{where}: not a versioned elasticd record")
-    if body["schema"] > SCHEMA_VERSION:
+    if body["schema"] > newest:
         raise UnsupportedRecordVersion(
             f"{where}: written with record schema v{body['schema']}, this elasticd reads up to "
-            f"v{SCHEMA_VERSION}; upgrade elasticd on this node"
+            f"v{newest}; upgrade elasticd on this node"
         )
     if body.get("record") != kind:
         raise CorruptRecord(f"{where}: expected a {kind!r} record, found {body.get('record')!r}")
-    for k in _ENVELOPE:
+    for k in _ENVELOPE if schema is None else ("record",):
         body.pop(k)
     return body
 

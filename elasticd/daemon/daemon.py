@@ -426,8 +426,10 @@ class Daemon:
         kvs, revision = self.coord.get_prefix(self.keys.nodes)
         now = self.clock.monotonic()
         self._act(self.membership.reset(self._decode_all(kvs), now, self.clock.wall(), False))
-        # prev_kv: a DELETE's previous record tells a departure (leaving) from a failure.
-        self._feed.start(self.coord, self.keys.nodes, revision + 1, prev_kv=True)
+        # No prev_kv: a DELETE's previous record (which tells a departure from a failure) is
+        # the membership's own copy, kept from the listing and every PUT since; etcd would read
+        # it from its backend for every event to every daemon (N² reads at a cold start).
+        self._feed.start(self.coord, self.keys.nodes, revision + 1)
 
     def _decode_all(self, kvs: list[Any]) -> list[NodeRecord]:
         return [rec for kv in kvs if (rec := self._decode_node(kv.key, kv.value)) is not None]
@@ -459,8 +461,7 @@ class Daemon:
                 continue  # never a node: its record was ignored when it was written
             if node == self.settings.node_id and self.state is not NodeState.LEAVING:
                 self._rewrite_record = True
-            prev = self._decode_node(ev.prev.key, ev.prev.value) if ev.prev is not None else None
-            self._act(self.membership.on_delete(node, prev, now, self.clock.wall(), cut_off))
+            self._act(self.membership.on_delete(node, now, self.clock.wall(), cut_off))
 
     def _resync(self, now: float) -> None:
         if self._look_for_data_loss():
@@ -485,6 +486,7 @@ class Daemon:
                     self.timeline.on_failure(job, ob.node, ob.record.lease,
                                              writer == self.settings.node_id, aborted > 0,
                                              in_group)
+                    self._note(self.channel.prepare_restore(job))
                 if ob.detection_seconds is not None:
                     self.metrics.detection_seconds.observe(ob.detection_seconds)
                 self.events.record(Event(

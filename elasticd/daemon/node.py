@@ -232,7 +232,8 @@ class Node:
         rep = Replicator(settings.node_id, coord, Keyspace(settings.prefix), store, secret,
                          m=settings.replicas,
                          peers_address=functools.partial(peer_address, membership),
-                         sink=sink, commit_wait=COMMIT_WAIT)
+                         sink=sink, commit_wait=COMMIT_WAIT, lease_ttl=settings.lease_ttl)
+        server.on_report = rep.on_report
         self._teardown.append(rep.close)
         # Local snapshots get their block tags as they are sealed, so a push only sends.
         store.tagger = BlockTagger(secret).tag

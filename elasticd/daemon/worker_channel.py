@@ -4,6 +4,7 @@ where that socket is."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, Callable
 
 from elasticd.agent.manager import JobManager
@@ -11,6 +12,8 @@ from elasticd.daemon.recovery_timeline import TimelineRecorder
 
 if TYPE_CHECKING:
     from elasticd.store.service import CheckpointService
+
+log = logging.getLogger(__name__)
 
 Handler = Callable[[dict[str, Any]], Any]
 
@@ -69,6 +72,20 @@ class WorkerChannel:
             f"{r['source']} in {r['seconds']:.3f} s, {r['steps_lost']} steps lost",
             {k: r.get(k) for k in ("job", "rank", "source", "seconds", "steps_lost", "bytes",
                                    "generation", "step")})
+
+    def prepare_restore(self, job: str) -> str | None:
+        """A node of ``job`` failed, so this node's workers of ``job`` restore once the new
+        round forms: the checkpoint service sets the scratch of their partial copies aside now
+        (in a thread of its own), touched while detection and the rendezvous run rather than
+        during the restore. Returns the cycle's note, or None (nothing set aside)."""
+        if self._checkpoints is None:
+            return None
+        try:
+            nbytes = self._checkpoints.membership_changed(job)
+        except Exception:  # noqa: BLE001 — an optimisation: the restore reserves what it needs
+            log.exception("%s: setting restore scratch aside failed", job)
+            return None
+        return f"{nbytes >> 20} MiB of restore scratch set aside" if nbytes else None
 
     def _on_progress(self, msg: dict[str, Any]) -> None:
         self._jobs.on_progress(msg)

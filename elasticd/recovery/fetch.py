@@ -10,6 +10,7 @@ worker's usual ``ckpt_open`` finds it. Daemon side: no torch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 from typing import Any, Callable, Iterable, Protocol, Sequence
@@ -34,6 +35,7 @@ from elasticd.replication.deadline import LinkRates
 from elasticd.replication.lanes import Connections, NoAddress
 from elasticd.replication.placement import Placement
 from elasticd.replication.shm_sink import descriptor_of, pinned_view
+from elasticd.replication.wire import BlockTagMismatch
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,9 @@ class FetchResult:
     served: tuple[tuple[str, int], ...] = ()
     #: The store's scratch segment holding a partial copy (:func:`fetch_into_scratch`).
     scratch: Any = None
+    #: Payload bytes that came with their owner's block tags and were checked against them
+    #: as they landed (the rest were checked against the header's checksums).
+    tag_checked_bytes: int = 0
 
 
 #: A striped fetch asks each holder for pieces of whole checksum blocks, one piece at a time
@@ -113,6 +118,12 @@ def _reason(holder: str, exc: BaseException, connections: Connections) -> str:
         return "missing" if exc.reason == NOT_FOUND else exc.reason
     if isinstance(exc, SnapshotError):
         log.error("REFUSED a copy held by %s: %s", holder, exc)
+        return f"corrupt: {exc}"
+    if isinstance(exc, BlockTagMismatch):
+        # The holder's bytes are not those its owner sealed (its memory rotted, or a relay
+        # altered them): refused like a checksum mismatch; the stream is cut mid-frame.
+        log.error("REFUSED a copy served by %s: %s", holder, exc)
+        connections.discard(holder)
         return f"corrupt: {exc}"
     if isinstance(exc, NoAddress):
         return "no address"
@@ -238,7 +249,8 @@ def fetch_shard(job: str, rank: int, version: Version | None, into: Any, *, me: 
                         ", ".join(stripe.served), "; ".join(f"{h}: {r}" for h, r in attempts))
         most = max(stripe.served, key=stripe.served.__getitem__)
         return FetchResult(most, d, stripe.wire, clock.monotonic() - started,
-                           tuple(attempts), tuple(stripe.served.items()))
+                           tuple(attempts), tuple(stripe.served.items()),
+                           tag_checked_bytes=stripe.checked)
     raise ShardLost(job, rank, version, attempts)
 
 
@@ -301,20 +313,27 @@ class _Stripe:
         self.view = memoryview(buf).cast("B")[: d.total_bytes]
         self.connections = connections
         lay = header.layout
-        per = max(1, -(-stripe_bytes // lay.block_size))  # blocks per piece
+        per = max(1, -(-stripe_bytes // lay.block_size))  # blocks per piece, at most
         #: (first block, end block) pieces still to fetch, first piece first: runs of
-        #: consecutive wanted blocks (every block by default), cut every ``per`` blocks.
-        self.pieces = []
+        #: consecutive wanted blocks (every block by default), each cut into as few pieces
+        #: of at most ``per`` blocks as it takes, of equal length (not a short last one:
+        #: each piece costs a round trip).
+        runs: list[list[int]] = []
         wanted = range(lay.num_blocks) if blocks is None else sorted(set(blocks))
         for b in wanted:
-            last = self.pieces[-1] if self.pieces else None
-            if last is not None and last[1] == b and b - last[0] < per:
-                self.pieces[-1] = (last[0], b + 1)
+            if runs and runs[-1][1] == b:
+                runs[-1][1] = b + 1
             else:
-                self.pieces.append((b, b + 1))
+                runs.append([b, b + 1])
+        self.pieces = []
+        for first, end in runs:
+            cuts = -(-(end - first) // per)
+            bounds = [first + (end - first) * i // cuts for i in range(cuts + 1)]
+            self.pieces += list(zip(bounds, bounds[1:]))
         self.pieces.reverse()
         self.in_flight = 0
         self.wire = 0
+        self.checked = 0  # bytes checked against their block tags
         self.served: dict[str, int] = {}
         self.attempts: list[tuple[str, str]] = []
         self.absent: list[tuple[str, str]] = []  # holders without the version, asked anyway
@@ -336,6 +355,14 @@ class _Stripe:
         if self.fatal is not None:
             raise self.fatal
 
+    def _piece(self, start: int, end: int, limit: float, client: Any) -> int:
+        """Fetches the bytes ``[start, end)`` into the buffer; returns how many of them were
+        checked against their block tags as they landed."""
+        before = client.channel.tag_checked_bytes
+        client.fetch(self.job, self.rank, self.view, self.d.version,
+                     byte_range=(start, end - start), deadline=limit)
+        return client.channel.tag_checked_bytes - before
+
     def _take(self) -> tuple[int, int] | None:
         with self.cond:
             # Wait while another holder still has a piece in flight: it may fail and put it
@@ -348,7 +375,7 @@ class _Stripe:
             return self.pieces.pop()
 
     def _work(self, holder: str) -> None:
-        lay, wire, served = self.header.layout, 0, 0
+        lay, wire, served, tagged = self.header.layout, 0, 0, 0
         try:
             while (piece := self._take()) is not None:
                 start = lay.block_range(piece[0])[0]
@@ -369,15 +396,20 @@ class _Stripe:
                     # otherwise cost the socket timeout per receive.
                     limit = self.rates.deadline(holder, end - start)
                     began = self.clock.monotonic()
-                    _, n = _request(self.connections, holder, lambda c: c.fetch(
-                        self.job, self.rank, self.view, self.d.version,
-                        byte_range=(start, end - start), deadline=limit),
-                        self.rates.deadline(holder, 0))
+                    checked, n = _request(self.connections, holder, functools.partial(
+                        self._piece, start, end, limit), self.rates.deadline(holder, 0))
                     self.rates.record(holder, n, self.clock.monotonic() - began)
                     wire += n
-                    for i in range(*piece):
-                        a, b = lay.block_range(i)
-                        verify_block(self.header, i, self.view[a:b])
+                    if checked == end - start:
+                        tagged += checked
+                    else:
+                        # Not every block came with its owner's block tag (a holder that
+                        # kept none: a copy adopted after a restart): check them against
+                        # the header's checksums. A block that came with one was checked
+                        # against it as it landed: that check is the one.
+                        for i in range(*piece):
+                            a, b = lay.block_range(i)
+                            verify_block(self.header, i, self.view[a:b])
                 except BaseException as exc:
                     with self.cond:
                         self.pieces.append(piece)
@@ -412,6 +444,7 @@ class _Stripe:
         finally:
             with self.cond:
                 self.wire += wire
+                self.checked += tagged
                 if served:
                     self.served[holder] = self.served.get(holder, 0) + served
 

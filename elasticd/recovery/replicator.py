@@ -26,7 +26,7 @@ from elasticd.clock import Clock, SystemClock
 from elasticd.coordination import records
 from elasticd.coordination.api import CoordinationError, Coordinator
 from elasticd.coordination.keys import Keyspace
-from elasticd.replication.api import ShardLost, Version
+from elasticd.replication.api import ReplicationError, ShardLost, Version
 from elasticd.replication.background import Background
 from elasticd.replication.commit import (
     CommitConflict,
@@ -36,10 +36,11 @@ from elasticd.replication.commit import (
     record_commit,
     update_holders,
 )
+from elasticd.replication.report import Reply, Report
 from elasticd.replication.commit_state import Holder
 from elasticd.replication.deadline import LinkRates
 from elasticd.replication.lanes import AddressBook, Connections, Task
-from elasticd.replication.placement import Placement, compute_placement, encode_placement
+from elasticd.replication.placement import Placement, compute_placement
 from elasticd.replication.pusher import Pusher
 from elasticd.recovery.fetch import (
     FetchResult,
@@ -81,6 +82,7 @@ class ReplicationStats:
     fetch_failures_total: dict[str, int] = dataclasses.field(default_factory=dict)
     etcd_errors_total: int = 0
     withdrawals_total: int = 0
+    commit_coordinator: int = 0
 
 
 class Replicator:
@@ -103,6 +105,8 @@ class Replicator:
             slot may wait for its commit before this node withdraws it (the snapshots skipped
             meanwhile count as ``commit_pending``).
         timeout: seconds any single network send or receive may block.
+        lease_ttl: seconds of the election lease this node holds while it coordinates a job's
+            commits (a coordinator's death costs about this much commit lag).
     """
 
     def __init__(self, node_id: str, coord: Coordinator, keys: Keyspace, store: SlotStore,
@@ -110,7 +114,7 @@ class Replicator:
                  peers_address: AddressBook = lambda node: None, *,
                  sink: ShmSink | None = None, workers: int = 6, commit_wait: float = 2.0,
                  timeout: float = 30.0, ssl_context: ssl.SSLContext | None = None,
-                 withdraw_after: float = 1.0) -> None:
+                 withdraw_after: float = 1.0, lease_ttl: float = 2.0) -> None:
         if m < 1 or workers < 1 or commit_wait < 0:
             raise ValueError(f"need m >= 1, workers >= 1, commit_wait >= 0; got m={m}, "
                              f"workers={workers}, commit_wait={commit_wait}")
@@ -121,12 +125,16 @@ class Replicator:
         self.background = Background(f"replicator-{node_id}", workers)
         self._connections = Connections(node_id, secret, peers_address, timeout=timeout,
                                         ssl_context=ssl_context, clock=self.clock)
+        # Commit reports on connections of their own: one never waits behind a push.
+        self._reports = Connections(node_id, secret, peers_address, timeout=timeout,
+                                    ssl_context=ssl_context, clock=self.clock)
         stores = {Holder.LOCAL: store}
         if sink is not None:
             stores[Holder.REPLICA] = sink.store
         self._own_stores = list(stores.values())  # what a fetch reads without the network
         self.tracker = CommitTracker(node_id, coord, keys, self.clock, self.background,
-                                     self._collect, commit_wait, withdraw_after, stores)
+                                     self._collect, commit_wait, withdraw_after, stores,
+                                     send=self._send_report, lease_ttl=lease_ttl)
         #: Measured link rates per peer, shared by pushes and fetches: every call's deadline.
         self.link_rates = LinkRates()
         # Fetches in progress (job, rank, version, holders, start), shown by status(): one
@@ -146,6 +154,25 @@ class Replicator:
             sink.on_landed = functools.partial(self.tracker.on_landed, holder=Holder.REPLICA)
             sink.on_superseded = self.tracker.on_superseded
             sink.never_committed = self.tracker.never_committed
+        self.tracker.reporter.start()
+
+    def on_report(self, report: Report) -> Reply:
+        """Where the replica server hands the commit reports it receives (to this node's
+        coordinator of the report's job, through the reporter)."""
+        return self.tracker.reporter.on_report(report)
+
+    def _send_report(self, node: str, report: Report) -> Reply:
+        """Sends a commit report to ``node`` over the pooled report connection (a reused one
+        the peer closed meanwhile is replaced once). Raises ReplicationError."""
+        for attempt in range(2):
+            client, reused = self._reports.get(node, connect_timeout=2.0)
+            try:
+                return client.report(report, deadline=5.0)
+            except ReplicationError:
+                self._reports.discard(node, client)
+                if not reused or attempt:
+                    raise
+        raise AssertionError("unreachable")
 
     # -- membership, generations, snapshots ------------------------------------------------
 
@@ -157,12 +184,9 @@ class Replicator:
         placement = compute_placement(nodes, ranks_by_node, self.m, round)
         with self.tracker.lock:
             st = self.tracker.state(job)
-            old = st.placement
-            if old is not None and encode_placement(old) == encode_placement(placement):
-                return old
-            st.previous, st.placement = old, placement
-            st.committed_at_change = st.committed.version if st.committed else None
-            need_watch = st.watch is None
+            if st.placement is not None and st.placement == placement:
+                return st.placement
+        old, need_watch = self.tracker.set_placement(job, placement)
         log.info("%s: %s", job, placement.describe())
         try:
             if publish_placement(self.coord, self.keys, job, placement):
@@ -185,11 +209,13 @@ class Replicator:
             try:
                 if placement is not None:
                     publish_placement(self.coord, self.keys, job, placement)
-                if committed is not None:
-                    record_commit(self.coord, self.keys, job, committed)
+                if committed is not None and committed.resolved:
+                    # Every holder listed: the placement it derived from went with the data.
+                    record_commit(self.coord, self.keys, job, dataclasses.replace(
+                        committed, placement="", overrides={}))
             except (CoordinationError, CommitConflict) as exc:
                 self.tracker.etcd_error("write its records again after an etcd data loss", exc)
-            self.tracker.republish_record(job)
+            self.tracker.republish(job)
 
     def start_generation(self, job: str, generation: int) -> None:
         """A fallback to an older persisted step opened ``generation``: copies and commits of
@@ -237,14 +263,19 @@ class Replicator:
 
     # -- re-replication, drain, garbage ---------------------------------------------------
 
+    def _placements(self, job: str) -> tuple[Placement | None, ...]:
+        with self.tracker.lock:
+            st = self.tracker.jobs.get(job)
+            return (st.placement, st.previous) if st is not None else ()
+
     def _rereplicate(self, job: str) -> None:
         try:
-            committed = read_committed(self.coord, self.keys, job)
+            committed = read_committed(self.coord, self.keys, job, self._placements(job))
         except CoordinationError as exc:
             self.tracker.etcd_error("read the committed record", exc)
             return
         placement = self.tracker.view(job)[0]
-        if committed is None or placement is None:
+        if committed is None or placement is None or not committed.resolved:
             return
         self.tracker.learn(job, committed)
         for rank, target in repair_plan(committed, placement, self.node_id):
@@ -357,7 +388,8 @@ class Replicator:
             # A node new to the job (a standby taking a drained or dead node's slot) has no
             # placement or commit of its own yet: the committed record names the holders.
             try:
-                committed = read_committed(self.coord, self.keys, job) or committed
+                committed = read_committed(self.coord, self.keys, job,
+                                           placements) or committed
             except (CoordinationError, records.RecordError) as exc:
                 log.warning("%s: cannot read the committed record for a fetch: %s", job, exc)
         holders = holder_order(job, rank, version, self.node_id, committed, placements)
@@ -372,6 +404,8 @@ class Replicator:
         except ShardLost as exc:
             with self.tracker.lock:
                 self.fetch_failures["lost"] += 1
+                for _, reason in exc.attempts:  # each holder that could not give it, too
+                    self.fetch_failures[reason.split(":")[0]] += 1
             log.error("%s", exc)
             raise
         finally:
@@ -394,7 +428,7 @@ class Replicator:
         Raises:
             CoordinationError: etcd could not be read.
         """
-        return read_committed(self.coord, self.keys, job)
+        return read_committed(self.coord, self.keys, job, self._placements(job))
 
     def fetch_to_local(self, job: str, rank: int, version: Version | None,
                        need: Any = None) -> FetchResult:
@@ -431,6 +465,9 @@ class Replicator:
                     "generation_floor": st.book.floor,
                     "awaiting_commit": [list(v) for v in st.book.awaiting()],
                 }
+        for job in out:  # the reporter takes the tracker's lock itself
+            out[job].update(self.tracker.reporter.status(job))
+        with self.tracker.lock:
             now = self.clock.monotonic()
             fetching = [{"job": job, "rank": rank, "version": version and list(version),
                          "holders": holders, "seconds": round(now - started, 3)}
@@ -466,7 +503,9 @@ class Replicator:
             fetch_seconds_total=c.get("fetch_micros", 0) / 1e6,
             fetch_failures_total=fetch_failures,
             etcd_errors_total=c.get("etcd_errors", 0),
-            withdrawals_total=c.get("withdrawals", 0))
+            withdrawals_total=c.get("withdrawals", 0),
+            commit_coordinator=sum(self.tracker.reporter.leading(job) is not None
+                                   for job in list(self.tracker.jobs)))
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
         """Blocks (real time) until no push, commit or repair is pending; False on timeout."""
@@ -477,24 +516,26 @@ class Replicator:
                 return False
             if not self.background.wait_idle(deadline - self.clock.monotonic()):
                 return False
+            if not self.tracker.reporter.settled():  # a report due: the ticker resends it
+                self.clock.sleep(0.02)
+                continue
             if lanes.wait_idle(0):  # background work may have queued pushes meanwhile
                 return True
         return False
 
     def remove_job(self, job: str) -> None:
         """Forgets a finished job and frees its replicas here."""
-        with self.tracker.lock:
-            watch = getattr(self.tracker.jobs.pop(job, None), "watch", None)
-        if watch is not None:
-            watch.cancel()
+        self.tracker.forget(job)
         if self.sink is not None:
             self.sink.remove_job(job)
 
-    def close(self) -> None:
-        """Stops pushing (pending pushes dropped, those in flight finish), unwatches, joins the
-        pool and closes connections."""
+    def close(self, resign: bool = True) -> None:
+        """Stops pushing (pending pushes dropped, those in flight finish), ends this node's
+        commit coordination (``resign``: at once, else when its lease expires), unwatches,
+        joins the pool and closes connections."""
         self.background.refuse()
-        self.tracker.close()
+        self.tracker.close(resign)
         self.pusher.lanes.close()
         self.background.close()
         self._connections.close()
+        self._reports.close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import threading
+from typing import Any
 
 # Defined below the store, which catches ShardLost from a restore's fetcher; callers import
 # both from here too.
@@ -26,6 +27,7 @@ IN_PROGRESS = "in_progress"  # the same version is being received on another con
 NO_SPACE = "no_space"  # the sink's memory budget cannot take it
 NOT_FOUND = "not_found"  # fetch: no such held snapshot
 BAD_RANGE = "bad_range"  # fetch: the byte range asked for lies outside the snapshot
+NOT_COORDINATOR = "not_coordinator"  # a commit report to a server that takes none
 
 MAX_JOB_NAME = 256
 
@@ -179,8 +181,13 @@ class Sink(abc.ABC):
                              f"(readonly={view.readonly}) for {d.total_bytes}")
         return view
 
-    def landed(self, d: Descriptor) -> None:
+    def landed(self, d: Descriptor, tags: Any = None) -> None:
         """Makes a fully received, verified ``d`` the shard's current copy.
+
+        Args:
+            tags: the copy's block tags, when it came pretagged
+                (:class:`~elasticd.replication.seal.BlockTags`, each checked as its block
+                landed): kept with the copy, so that its fetches and later pushes send them on.
 
         Raises:
             Refused: :data:`STALE` when a newer version landed while ``d`` was in
@@ -196,7 +203,7 @@ class Sink(abc.ABC):
             except Refused as exc:
                 self.discard(d, exc.reason)
                 raise
-            self.publish(d)
+            self.publish(d, tags)
 
     def abort(self, d: Descriptor, reason: str) -> None:
         """Drops an in-flight ``d`` (torn or corrupt transfer). Idempotent."""
@@ -217,6 +224,11 @@ class Sink(abc.ABC):
     def release(self, d: Descriptor) -> None:
         """Ends a :meth:`read`. Sinks that pin memory for readers override this."""
 
+    def tags(self, d: Descriptor) -> Any:
+        """The block tags kept with the copy a :meth:`read` of ``d`` returned (call before
+        :meth:`release`), or None: a fetch of it then tags its blocks on the way."""
+        return None
+
     def in_flight(self) -> set[Descriptor]:
         with self._lock:
             return set(self._in_flight)
@@ -232,9 +244,9 @@ class Sink(abc.ABC):
         """
 
     @abc.abstractmethod
-    def publish(self, d: Descriptor) -> None:
+    def publish(self, d: Descriptor, tags: Any = None) -> None:
         """Makes the allocated bytes of ``d`` the held copy of its shard (replacing and
-        freeing any older one)."""
+        freeing any older one), with its block tags when it has them (see :meth:`landed`)."""
 
     @abc.abstractmethod
     def discard(self, d: Descriptor, reason: str) -> None:

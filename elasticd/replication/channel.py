@@ -19,6 +19,7 @@ by PUT_END, for pushes and fetches alike. Socket failures surface as :class:`~el
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import socket
@@ -51,7 +52,7 @@ from elasticd.replication.wire import (
     HEADER_SIZE,
     OFFSET,
     PRETAG,
-    ForgedFrame,
+    BlockTagMismatch,
     FrameHeader,
     FrameType,
     ChecksumMismatch,
@@ -91,15 +92,22 @@ class Channel:
         #: Seal outgoing / open incoming frames with these once authenticated (None before).
         self.send_key: FrameKey | None = None
         self.recv_key: FrameKey | None = None
-        #: The block key of the snapshot being received, when its PUT_BEGIN announced
-        #: pretagged DATA (set and cleared by the server around one push).
+        #: The block key of the snapshot being received, when its PUT_BEGIN (a push) or
+        #: FETCH_REPLY (a fetch) announced pretagged DATA (set and cleared around one transfer).
         self.block_key: bytes | None = None
+        #: When a dict: each pretagged block received is recorded there once its tag checked,
+        #: ``{offset: (length, tag)}`` (a push's receiver keeps them to serve fetches).
+        self.landed_tags: dict[int, tuple[int, bytes]] | None = None
+        #: Chunk bytes received pretagged and checked against their block tags (for a
+        #: receiver that would otherwise check them again).
+        self.tag_checked_bytes = 0
         #: While :meth:`within` is in force: the monotonic time (SYSTEM_CLOCK: the sockets
         #: wait in real time) by which the current call must end, and the socket's own
         #: timeout, which each send and receive is capped by as well.
         self.deadline: float | None = None
         self._idle: float | None = None
         self._budget = 0.0
+        self._rearm = 0.0  # when _arm next lowers the socket's timeout to the deadline
 
     @contextlib.contextmanager
     def within(self, seconds: float | None) -> Any:
@@ -112,6 +120,7 @@ class Channel:
             return
         self._idle, self._budget = self._timeout(), seconds
         self.deadline = SYSTEM_CLOCK.monotonic() + seconds
+        self._rearm = 0.0
         try:
             yield
         finally:
@@ -120,13 +129,19 @@ class Channel:
                 self.sock.settimeout(self._idle)
 
     def _arm(self) -> None:
-        """Caps the socket's timeout by what is left of the deadline (when one is set)."""
+        """Caps the socket's timeout by what is left of the deadline (when one is set): again
+        every :data:`ARM_SLACK` seconds, not before every send and receive (each
+        ``settimeout`` is a syscall, and a transfer makes a thousand receives per GiB), so a
+        wait may end up to that long after the deadline."""
         if self.deadline is None:
             return
-        left = self.deadline - SYSTEM_CLOCK.monotonic()
+        now = SYSTEM_CLOCK.monotonic()
+        left = self.deadline - now
         if left <= 0:
             raise DeadlineExceeded(f"the call's deadline of {self._budget:.1f} s passed")
-        self.sock.settimeout(left if self._idle is None else min(self._idle, left))
+        if now >= self._rearm:
+            self.sock.settimeout(left if self._idle is None else min(self._idle, left))
+            self._rearm = now + ARM_SLACK
 
     def _expired(self) -> bool:
         """A socket timeout that came from the deadline, not from the idle timeout."""
@@ -279,8 +294,13 @@ class Channel:
         block = Opener(one_time_tagger(self.block_key, offset), tag)
         self._recv_exactly(target, "a DATA chunk", feed=block.update)
         if not block.verify():
-            raise ForgedFrame(f"DATA chunk of {length} bytes at offset {offset} fails its block "
-                              "tag: altered in transit, or not the snapshot its owner sealed")
+            raise BlockTagMismatch(f"block of {length} bytes at offset {offset} fails its block "
+                                   "tag (the check its owner sealed it with): corrupt in the "
+                                   "sender's memory, altered in transit, or not the snapshot "
+                                   "its owner sealed")
+        self.tag_checked_bytes += length
+        if self.landed_tags is not None:
+            self.landed_tags[offset] = (length, tag)
         return offset, length
 
     def _recv_exactly(self, view: memoryview, what: str, at_boundary: bool = False,
@@ -400,10 +420,23 @@ def send_stream(channel: Channel, parts: tuple[memoryview, ...], chunk: int,
         The frame count.
     """
     pieces, offset = [], base
+    starts = sorted(tags.tags) if tags is not None else []
     for part in parts:
-        for i in range(0, len(part), chunk):
-            pieces.append((offset, part[i : i + chunk]))
-            offset += len(pieces[-1][1])
+        i = 0
+        while i < len(part):
+            # A tagged block that fits a frame goes as one piece (pretagged); other bytes are
+            # cut at the next block's start, so that it lines up.
+            n = min(chunk, len(part) - i)
+            tagged = tags.tags.get(offset) if tags is not None else None
+            if tagged is not None and tagged[0] <= n:
+                n = tagged[0]
+            elif starts:
+                after = bisect.bisect_right(starts, offset)
+                if after < len(starts):
+                    n = min(n, starts[after] - offset)
+            pieces.append((offset, part[i : i + n]))
+            i += n
+            offset += n
     if tags is not None and channel.send_key is not None:
         for at, piece in pieces:
             tag = tags.tag_at(at, len(piece))
@@ -456,6 +489,10 @@ def tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
 
+
+#: Seconds between two re-armings of a socket's timeout under a deadline (Channel._arm):
+#: what a wait may overrun the deadline by.
+ARM_SLACK = 0.05
 
 #: Whether streams run the tag pass on a helper thread instead of inline. Off: measured slower
 #: for more CPU (overlap.py gives the figures and the reasons).

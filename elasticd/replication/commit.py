@@ -1,43 +1,41 @@
-"""When a step is committed, and the records the replication layer keeps in etcd.
+"""The job's commit records in etcd and the transactions that write them.
 
-Each daemon records, for the ranks it owns, which snapshot versions reached ``m`` verified
-copies (its own plus an acknowledgement from each of its ``m - 1`` placement peers), in one
-record per node. A version is *committed* when every rank of the job has it: :func:`decide`
-computes that from the records alone (a pure function), and :func:`commit_step` writes it with
-a transaction that never moves the committed (generation, step) backwards, so any number of
-daemons may race to record the same or different commits.
+A step is *committed* when every rank of the job has ``m`` verified copies of it. Which step
+that is, is decided by the job's commit coordinator from the nodes' reports
+(:mod:`elasticd.replication.tally`, :mod:`elasticd.replication.coordinator`) and written here,
+by :func:`commit_write`: one transaction that compares the coordinator's election key (a
+deposed coordinator cannot write), the job's fence epoch (no withdrawal since the coordinator
+listed the fences) and the committed record (never backwards, no concurrent writer). Keys,
+under ``Keyspace.job_ckpt(job)``::
 
-A version in a node's record may be *withdrawn* (:func:`withdraw`): a rank's two slots cannot
-hold the committed step, an acknowledged newer one and the next snapshot, so an owner whose
-acknowledged version waits too long for its commit takes it back before overwriting it. The
-withdrawal bumps the node's fence key, and :func:`commit_step`'s transaction requires every
-owner's fence to be unchanged since the records were read: a commit decided from a record that
-still listed the withdrawn version cannot land after the withdrawal. (Without this a step could
-be committed naming a holder that had already overwritten its copy.) Keys, under
-``Keyspace.job_ckpt(job)``::
+    committed              record "ckpt_committed" (schema 2): {generation, step, world |
+                           ranks, m, round, placement: digest of the placement the holders
+                           derive from, holders: only those that differ from it (after a
+                           re-replication or a drain), by, at}. A few hundred bytes whatever
+                           the job's size; written once per committed step.
+    committed.grid         record "ckpt_grid": {grid, since}: the snapshot grid (:class:`Grid`)
+    committed.coordinator  record "ckpt_coordinator": {node, term, at}, bound to the
+                           coordinator's lease (:mod:`elasticd.replication.election`)
+    committed.ahead        record "ckpt_ahead": {version, at}: the newest version some rank has
+                           with ``m`` copies, written when it passes the commit (at most once
+                           per commit): the agents' grow gate
+    placement              the placement the committed record's holders derive from (written
+                           with the first commit under a new placement)
+    fence/<node>           record "ckpt_fence": {node, withdrawn: newest first, at}
+    fence.epoch            record "ckpt_fence_epoch": {node, at}; only its revision matters
 
-    replicated/<node>   record "ckpt_replicated": {node, round, ranks: {"<rank>":
-                        {"versions": [[generation, step], ...] newest first (at most
-                        KEEP_VERSIONS), "holders": [node, ...]}}, at, [skipped: versions
-                        a local rank skipped or the node withdrew, so they can never commit;
-                        newest first], [withdrawn: the versions the node withdrew, newest
-                        first, kept apart so that skips do not push them out of the list]}
-    committed           record "ckpt_committed": {generation, step, ranks: [rank, ...],
-                        holders: {"<rank>": [node, ...]}, m, round, at}
-    committed.grid      record "ckpt_grid": {grid, since: [generation, step]}: the snapshot
-                        grid (:class:`Grid`)
-    fence/<node>        record "ckpt_fence": {node, withdrawn: [[generation, step], ...], at};
-                        only its mod_revision matters (changed by every withdrawal)
-
-Both are overwritten in place, so etcd's footprint does not grow with the run's length. The
-placement (``Keyspace.job_placement(job)``, record "placement") is published here too
-(:func:`publish_placement`).
+Every node watches ``committed`` (the prefix: its four keys, of which only ``committed`` and
+``ahead`` change per step); ``placement`` and the fences are read on demand. Every key is
+overwritten in place, so etcd's footprint does not grow with the run's length. The job's
+current placement (``Keyspace.job_placement(job)``) is published here too
+(:func:`publish_placement`). The fences are :mod:`elasticd.replication.fences`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from typing import Any, Callable, Iterable, Mapping
 
 from elasticd.coordination import records
@@ -45,30 +43,34 @@ from elasticd.coordination.api import Compare, Coordinator, Put
 from elasticd.coordination.keys import Keyspace
 from elasticd.replication.api import ReplicationError, Version
 from elasticd.replication.placement import Placement, decode_placement, encode_placement
+from elasticd.replication.report import placement_digest
 
 log = logging.getLogger(__name__)
 
-#: Unreadable commit records are re-read every decision: each is logged once (shared with the
-#: tracker's watch, which reads the same records).
+#: Unreadable commit records are re-read every decision: each is logged once.
 complaints = records.Complaints(log)
 
 COMMITTED_KIND = "ckpt_committed"
-REPLICATED_KIND = "ckpt_replicated"
-FENCE_KIND = "ckpt_fence"
-#: Versions each node lists per rank: enough to find a common one among nodes a few steps apart.
+#: Schema 2 of the committed record: holders derived from a placement (schema 1 listed every
+#: rank's holders, and elasticd before the commit coordinator cannot read schema 2: the old
+#: commit protocol is refused with "upgrade elasticd on this node").
+COMMITTED_SCHEMA = 2
+AHEAD_KIND = "ckpt_ahead"
+GRID_KIND = "ckpt_grid"
+#: Versions each node reports per rank: enough to find a common one among nodes a few steps
+#: apart.
 KEEP_VERSIONS = 4
-#: Skipped versions each node lists (the newest), for peers waiting on one of them.
+#: Skipped versions each node reports (the newest), for peers waiting on one of them.
 KEEP_SKIPPED = 8
+#: Withdrawn versions each node reports and keeps in its fence record (the newest). Apart from
+#: the skipped ones: an owner blocked by a pending commit skips a snapshot every step, and those
+#: skips once pushed a withdrawal out of the skipped list before a holder of the withdrawn copy
+#: asked about it; the holder then refused every later copy of the rank.
+KEEP_WITHDRAWN = 8
 #: The snapshot grid (see :class:`Grid`): coarsest, in steps, and how many grid periods of
 #: commits with no withdrawal before it halves.
 MAX_GRID = 64
 GRID_RELAX = 8
-GRID_KIND = "ckpt_grid"
-#: Withdrawn versions each node lists (the newest). Apart from the skipped ones: an owner
-#: blocked by a pending commit skips a snapshot every step, and those skips pushed a withdrawal
-#: out of the skipped list before a holder of the withdrawn copy asked about it; the holder then
-#: refused every later copy of the rank (chaos run: no commit for 50 steps, then step 0).
-KEEP_WITHDRAWN = 8
 
 
 class CommitConflict(ReplicationError):
@@ -80,7 +82,13 @@ class Committed:
     """A committed step: every rank's shard of (generation, step) had ``m`` verified copies.
 
     Attributes:
-        holders: for each rank, the nodes holding a copy, the owner first.
+        holders: for each rank, the nodes holding a copy, the owner first (when ``resolved``;
+            otherwise only ``overrides``: the placement they derive from was not at hand).
+        placement: digest of the placement the holders derive from ("" when the record lists
+            every rank's holders, as schema 1 did).
+        overrides: the holders that differ from the placement's (after a re-replication or a
+            drain).
+        by: the coordinator that wrote it.
         at: wall-clock time of the commit (of the last holder change after a re-replication).
     """
 
@@ -91,77 +99,94 @@ class Committed:
     m: int = 2
     round: int = 0
     at: float = 0.0
+    placement: str = ""
+    overrides: Mapping[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    by: str = ""
+    resolved: bool = True
 
     @property
     def version(self) -> Version:
         return (self.generation, self.step)
 
 
-@dataclasses.dataclass(frozen=True)
-class Replicated:
-    """One node's record: per owned rank, versions with ``m`` copies (newest first), holders;
-    and the versions one of its ranks skipped or the node withdrew (newest first), which can
-    never be committed."""
+_HOLDERS_CACHE: dict[str, Mapping[int, tuple[str, ...]]] = {}
+_HOLDERS_LOCK = threading.Lock()
 
-    node: str
-    round: int
-    versions: Mapping[int, tuple[Version, ...]]
-    holders: Mapping[int, tuple[str, ...]]
-    at: float = 0.0
-    skipped: tuple[Version, ...] = ()
-    withdrawn: tuple[Version, ...] = ()
 
-    def never_committed(self) -> set[Version]:
-        """The versions this record says can never be committed (skipped or withdrawn)."""
-        return {*self.skipped, *self.withdrawn}
+def placement_holders(placement: Placement) -> Mapping[int, tuple[str, ...]]:
+    """Every rank's holders under ``placement`` (one shared mapping per placement, so that a
+    job of thousands of ranks does not rebuild it per commit)."""
+    digest = placement_digest(placement)
+    with _HOLDERS_LOCK:
+        holders = _HOLDERS_CACHE.get(digest)
+        if holders is None:
+            holders = {r: placement.holders[o] for o, rs in placement.ranks.items() for r in rs}
+            if len(_HOLDERS_CACHE) >= 8:
+                _HOLDERS_CACHE.pop(next(iter(_HOLDERS_CACHE)))
+            _HOLDERS_CACHE[digest] = holders
+    return holders
+
+
+def resolve(c: Committed, placements: Iterable[Placement | None]) -> Committed:
+    """``c`` with every rank's holders, from the placement among ``placements`` whose digest
+    it names (``c`` unchanged when none does)."""
+    if c.resolved:
+        return c
+    for placement in placements:
+        if placement is not None and placement_digest(placement) == c.placement:
+            base = placement_holders(placement)
+            holders = {**base, **c.overrides} if c.overrides else base
+            return dataclasses.replace(c, holders=holders, resolved=True)
+    return c
+
+
+def commit_of(version: Version, placement: Placement, by: str, now: float) -> Committed:
+    """The committed record of ``version`` under ``placement``, its holders the placement's."""
+    ranks = tuple(sorted(r for rs in placement.ranks.values() for r in rs))
+    return Committed(version[0], version[1], ranks, placement_holders(placement), placement.m,
+                     placement.round, now, placement_digest(placement), {}, by)
 
 
 def encode_committed(c: Committed) -> bytes:
-    return records.encode(COMMITTED_KIND, {
-        "generation": c.generation, "step": c.step, "ranks": list(c.ranks),
-        "holders": {str(r): list(c.holders[r]) for r in c.ranks if r in c.holders},
-        "m": c.m, "round": c.round, "at": c.at})
+    body: dict[str, Any] = {"generation": c.generation, "step": c.step, "m": c.m,
+                            "round": c.round, "at": c.at}
+    if c.ranks == tuple(range(len(c.ranks))):
+        body["world"] = len(c.ranks)
+    else:
+        body["ranks"] = list(c.ranks)
+    shown = c.overrides if c.placement else c.holders
+    body["holders"] = {str(r): list(hs) for r, hs in sorted(shown.items())}
+    if c.placement:
+        body["placement"] = c.placement
+    if c.by:
+        body["by"] = c.by
+    return records.encode(COMMITTED_KIND, body, schema=COMMITTED_SCHEMA)
 
 
-def decode_committed(raw: bytes, key: bytes | str = b"?") -> Committed:
-    """Raises: records.CorruptRecord, records.UnsupportedRecordVersion."""
-    body = records.decode(raw, COMMITTED_KIND, key)
+def decode_committed(raw: bytes, key: bytes | str = b"?",
+                     placements: Iterable[Placement | None] = ()) -> Committed:
+    """Reads schema 1 and 2 records; holders are resolved from the one of ``placements`` the
+    record names, when given.
+
+    Raises: records.CorruptRecord, records.UnsupportedRecordVersion.
+    """
+    body = records.decode(raw, COMMITTED_KIND, key, schema=COMMITTED_SCHEMA)
     try:
-        ranks = tuple(_int(r) for r in body["ranks"])
-        holders = {int(r): tuple(_str(n) for n in hs) for r, hs in body["holders"].items()}
-        return Committed(_int(body["generation"]), _int(body["step"]), ranks, holders,
-                         _int(body.get("m", 2)), _int(body.get("round", 0)),
-                         records.finite(body.get("at", 0.0), "at"))
+        if "world" in body:
+            ranks = tuple(range(_int(body["world"])))
+        elif isinstance(body["ranks"], list):
+            ranks = tuple(_int(r) for r in body["ranks"])
+        else:
+            raise ValueError("ranks is no list")
+        listed = {int(r): tuple(_str(n) for n in hs) for r, hs in body["holders"].items()}
+        digest = _str(body.get("placement", ""))
+        c = Committed(_int(body["generation"]), _int(body["step"]), ranks,
+                      listed, _int(body.get("m", 2)), _int(body.get("round", 0)),
+                      records.finite(body.get("at", 0.0), "at"), digest,
+                      listed if digest else {}, _str(body.get("by", "")), not digest)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise records.CorruptRecord(f"{key!r}: invalid committed record ({exc})") from exc
-
-
-def encode_replicated(r: Replicated) -> bytes:
-    body: dict[str, Any] = {
-        "node": r.node, "round": r.round, "at": r.at,
-        "ranks": {str(k): {"versions": [list(v) for v in r.versions[k][:KEEP_VERSIONS]],
-                           "holders": list(r.holders.get(k, ()))} for k in sorted(r.versions)}}
-    if r.skipped:
-        body["skipped"] = [list(v) for v in r.skipped[:KEEP_SKIPPED]]
-    if r.withdrawn:
-        body["withdrawn"] = [list(v) for v in r.withdrawn[:KEEP_WITHDRAWN]]
-    return records.encode(REPLICATED_KIND, body)
-
-
-def decode_replicated(raw: bytes, key: bytes | str = b"?") -> Replicated:
-    """Raises: records.CorruptRecord, records.UnsupportedRecordVersion."""
-    body = records.decode(raw, REPLICATED_KIND, key)
-    try:
-        versions, holders = {}, {}
-        for rank, entry in body["ranks"].items():
-            versions[int(rank)] = tuple((_int(g), _int(s)) for g, s in entry["versions"])
-            holders[int(rank)] = tuple(_str(n) for n in entry.get("holders", ()))
-        skipped = tuple((_int(g), _int(s)) for g, s in body.get("skipped", ()))
-        withdrawn = tuple((_int(g), _int(s)) for g, s in body.get("withdrawn", ()))
-        return Replicated(_str(body["node"]), _int(body.get("round", 0)), versions, holders,
-                          records.finite(body.get("at", 0.0), "at"), skipped, withdrawn)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise records.CorruptRecord(f"{key!r}: invalid replicated record ({exc})") from exc
+    return resolve(c, placements)
 
 
 def _int(value: Any) -> int:
@@ -174,6 +199,148 @@ def _str(value: Any) -> str:
     if not isinstance(value, str):
         raise ValueError(f"expected a string, got {value!r:.40}")
     return value
+
+
+def encode_ahead(version: Version, now: float = 0.0) -> bytes:
+    return records.encode(AHEAD_KIND, {"version": list(version), "at": now})
+
+
+def decode_ahead(raw: bytes, key: bytes | str = b"?") -> Version:
+    """Raises: records.CorruptRecord."""
+    body = records.decode(raw, AHEAD_KIND, key)
+    try:
+        gen, step = body["version"]
+        records.finite(body.get("at", 0.0), "at")
+        return (_int(gen), _int(step))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise records.CorruptRecord(f"{key!r}: invalid ahead record ({exc})") from exc
+
+
+def read_committed(coord: Coordinator, keys: Keyspace, job: str,
+                   placements: Iterable[Placement | None] = ()) -> Committed | None:
+    """The job's committed record with its holders, or None (absent or unreadable, which is
+    logged). The placement its holders derive from is read beside it when none of
+    ``placements`` is that one."""
+    return committed_from(coord, keys, job, coord.get(keys.job_committed(job)), placements)
+
+
+def committed_from(coord: Coordinator, keys: Keyspace, job: str, kv: Any,
+                   placements: Iterable[Placement | None] = ()) -> Committed | None:
+    """:func:`read_committed` of a record already read (``kv``; None: absent)."""
+    if kv is None:
+        return None
+    try:
+        c = decode_committed(kv.value, kv.key, placements)
+    except records.RecordError as exc:
+        complaints.warn(kv.key, kv.value, "ignoring the committed record of %s: %s", job, exc)
+        return None
+    if not c.resolved:
+        c = resolve(c, [read_commit_placement(coord, keys, job)])
+    return c
+
+
+def read_commit_placement(coord: Coordinator, keys: Keyspace, job: str) -> Placement | None:
+    """The placement stored beside the committed record (None: absent or unreadable)."""
+    kv = coord.get(keys.job_commit_placement(job))
+    if kv is None:
+        return None
+    try:
+        return decode_placement(kv.value, kv.key)
+    except records.RecordError as exc:
+        complaints.warn(kv.key, kv.value, "ignoring the commit placement of %s: %s", job, exc)
+        return None
+
+
+def commit_txn(keys: Keyspace, job: str, c: Committed, guards: tuple[int, int, int],
+               placement: Placement | None = None,
+               ahead: Version | None = None) -> tuple[list[Compare], list[Put]]:
+    """The coordinator's commit: ``c``, conditional on its election key, the fence epoch and
+    the committed record being at ``guards`` (their mod_revisions); with ``placement`` the
+    placement its holders derive from, with ``ahead`` the ahead record, in the same
+    transaction."""
+    term, epoch, committed = guards
+    compares = [Compare(keys.job_coordinator(job), term),
+                Compare(keys.job_fence_epoch(job), epoch),
+                Compare(keys.job_committed(job), committed)]
+    ops = [Put(keys.job_committed(job), encode_committed(c))]
+    if placement is not None:
+        ops.append(Put(keys.job_commit_placement(job), encode_placement(placement)))
+    if ahead is not None:
+        ops.append(Put(keys.job_commit_ahead(job), encode_ahead(ahead, c.at)))
+    return compares, ops
+
+
+def record_commit(coord: Coordinator, keys: Keyspace, job: str, new: Committed,
+                  attempts: int = 16) -> tuple[bool, Committed]:
+    """Writes ``new`` unless the record already holds the same or a newer version (no fence
+    check: for an etcd that lost its data, tools and tests; the coordinator uses
+    :func:`commit_txn`). A record whose holders derive from a placement needs that placement
+    stored beside it: the caller writes it (:func:`store_commit_placement`).
+
+    Returns:
+        (written, the record now in force).
+
+    Raises:
+        CommitConflict: the record changed under every one of ``attempts`` compare-and-sets.
+        coordination errors: etcd unreachable and such.
+    """
+    key = keys.job_committed(job)
+    for _ in range(attempts):
+        kv = coord.get(key)
+        current = None
+        if kv is not None:
+            try:
+                current = decode_committed(kv.value, key)
+            except records.RecordError as exc:
+                log.error("overwriting the unreadable committed record of %s: %s", job, exc)
+        if current is not None and current.version >= new.version:
+            return False, current
+        ok, _ = coord.transaction([Compare(key, kv.mod_revision if kv else 0)],
+                                  [Put(key, encode_committed(new))])
+        if ok:
+            return True, new
+    raise CommitConflict(f"committed record of {job} changed under {attempts} attempts")
+
+
+def store_commit_placement(coord: Coordinator, keys: Keyspace, job: str,
+                           placement: Placement) -> None:
+    """Stores ``placement`` as the one the committed record's holders derive from."""
+    coord.put(keys.job_commit_placement(job), encode_placement(placement))
+
+
+def update_holders(coord: Coordinator, keys: Keyspace, job: str, version: Version,
+                   changes: Mapping[int, Iterable[str]], now: float,
+                   attempts: int = 16) -> Committed | None:
+    """Replaces the holders of some ranks in the committed record, only while it still records
+    ``version`` (after a re-replication or a drain); returns the record in force (its holders
+    resolved as :func:`read_committed` does), or None when there is none.
+
+    Raises:
+        CommitConflict: the record kept changing.
+    """
+    key = keys.job_committed(job)
+    for _ in range(attempts):
+        kv = coord.get(key)
+        if kv is None:
+            return None
+        current = decode_committed(kv.value, key)
+        if current.version != tuple(version):
+            return read_committed(coord, keys, job)
+        changed = {int(r): tuple(hs) for r, hs in changes.items()}
+        if current.placement:
+            new = dataclasses.replace(current, overrides={**current.overrides, **changed},
+                                      at=now)
+            same = dict(new.overrides) == dict(current.overrides)
+        else:
+            new = dataclasses.replace(current, holders={**current.holders, **changed}, at=now)
+            same = dict(new.holders) == dict(current.holders)
+        if not same:
+            ok, _ = coord.transaction([Compare(key, kv.mod_revision)],
+                                      [Put(key, encode_committed(new))])
+            if not ok:
+                continue
+        return read_committed(coord, keys, job)
+    raise CommitConflict(f"committed record of {job} changed under {attempts} attempts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,8 +357,8 @@ class Grid:
     The grid is one record for the job, so every node uses the same one: a withdrawal of a
     version newer than ``since`` doubles it (:func:`widen_grid`; once per divergence, since the
     first widening moves ``since`` past the others' withdrawn versions), and
-    :data:`GRID_RELAX` grid periods of commits with no widening halve it (:func:`relax_grid`),
-    so a job whose commits keep up snapshots every step.
+    :data:`GRID_RELAX` grid periods of commits with no widening halve it (:func:`relax_grid`,
+    by the coordinator), so a job whose commits keep up snapshots every step.
     """
 
     grid: int = 1
@@ -260,190 +427,6 @@ def relax_grid(coord: Coordinator, keys: Keyspace, job: str, committed: Version)
     """``committed`` was committed: halves the grid once it has held for :data:`GRID_RELAX`
     grid periods with no widening. Raises coordination errors."""
     return _change_grid(coord, keys, job, lambda g: g.relaxed(committed))
-
-
-def decide(placement: Placement, progress: Mapping[str, Replicated], *, floor: int = 0,
-           now: float = 0.0) -> Committed | None:
-    """The newest version every rank of ``placement`` has with ``m`` copies, or None.
-
-    Each rank's versions are taken from its owner's record (a node's record about ranks it no
-    longer owns is ignored); versions of a generation below ``floor`` never count.
-    """
-    ranks = sorted(r for rs in placement.ranks.values() for r in rs)
-    if not ranks:
-        return None
-    common: set[Version] | None = None
-    holders: dict[int, tuple[str, ...]] = {}
-    for rank in ranks:
-        record = progress.get(placement.owner_of(rank))
-        have = set(record.versions.get(rank, ())) if record else set()
-        have = {v for v in have if v[0] >= floor}
-        common = have if common is None else common & have
-        if not common:
-            return None
-        holders[rank] = record.holders.get(rank, ()) if record else ()
-    best = max(common)  # type: ignore[type-var]
-    return Committed(best[0], best[1], tuple(ranks), holders, placement.m, placement.round, now)
-
-
-def read_committed(coord: Coordinator, keys: Keyspace, job: str) -> Committed | None:
-    """The job's committed record, or None (absent or unreadable, which is logged)."""
-    kv = coord.get(keys.job_committed(job))
-    if kv is None:
-        return None
-    try:
-        return decode_committed(kv.value, kv.key)
-    except records.RecordError as exc:
-        complaints.warn(kv.key, kv.value, "ignoring the committed record of %s: %s", job, exc)
-        return None
-
-
-@dataclasses.dataclass(frozen=True)
-class CommitState:
-    """The job's commit records as one range read saw them.
-
-    Attributes:
-        committed_revision: mod_revision of the committed record (0: absent).
-        fences: per node, the mod_revision of its fence key (absent: never withdrew).
-    """
-
-    progress: Mapping[str, Replicated]
-    committed: Committed | None
-    committed_revision: int
-    fences: Mapping[str, int]
-
-
-def read_state(coord: Coordinator, keys: Keyspace, job: str) -> CommitState:
-    """Every commit record of ``job`` in one read (unreadable ones are logged and skipped)."""
-    kvs, _ = coord.get_prefix(keys.job_ckpt(job))
-    c_key, r_prefix = keys.job_committed(job), keys.job_replicated_prefix(job)
-    f_prefix = keys.job_fence_prefix(job)
-    progress: dict[str, Replicated] = {}
-    fences: dict[str, int] = {}
-    committed, revision = None, 0
-    for kv in kvs:
-        try:
-            if kv.key == c_key:
-                revision = kv.mod_revision
-                committed = decode_committed(kv.value, kv.key)
-            elif kv.key.startswith(r_prefix):
-                rec = decode_replicated(kv.value, kv.key)
-                if rec.node != kv.key[len(r_prefix):].decode(errors="replace"):
-                    # One node's record may not speak for another.
-                    raise records.CorruptRecord(f"{kv.key!r}: names node {rec.node[:70]!r}")
-                progress[rec.node] = rec
-            elif kv.key.startswith(f_prefix):
-                fences[kv.key[len(f_prefix):].decode(errors="replace")] = kv.mod_revision
-        except records.RecordError as exc:
-            complaints.warn(kv.key, kv.value, "ignoring a commit record of %s: %s", job, exc)
-    return CommitState(progress, committed, revision, fences)
-
-
-def commit_step(coord: Coordinator, keys: Keyspace, job: str, placement: Placement, *,
-                floor: int = 0, now: float = 0.0,
-                attempts: int = 16) -> tuple[bool, Committed | None]:
-    """Decides (:func:`decide`) and records the newest version every rank has with ``m``
-    copies, unless the record already holds it or a newer one. The write is conditional on
-    the committed record and every owner's fence being as read, so it never lands after a
-    withdrawal it did not see; on a conflict the decision is made again from fresh records.
-
-    Returns:
-        (written, the record now in force or None).
-
-    Raises:
-        CommitConflict: the records changed under every one of ``attempts`` tries.
-        coordination errors: etcd unreachable and such (the caller counts and retries later).
-    """
-    key = keys.job_committed(job)
-    owners = sorted(n for n, rs in placement.ranks.items() if rs)
-    for _ in range(attempts):
-        state = read_state(coord, keys, job)
-        current = state.committed
-        new = decide(placement, state.progress, floor=floor, now=now)
-        if new is None or (current is not None and new.version <= current.version):
-            return False, current
-        compares = [Compare(key, state.committed_revision)]
-        compares += [Compare(keys.job_fence(job, n), state.fences.get(n, 0)) for n in owners]
-        ok, _ = coord.transaction(compares, [Put(key, encode_committed(new))])
-        if ok:
-            return True, new
-    raise CommitConflict(f"commit records of {job} changed under {attempts} attempts")
-
-
-def withdraw(coord: Coordinator, keys: Keyspace, job: str, record: Replicated,
-             withdrawn: Iterable[Version], now: float = 0.0) -> Committed | None:
-    """Writes ``record`` (this node's, without the withdrawn versions) and bumps the node's
-    fence in one transaction, then returns the committed record in force afterwards.
-
-    From then on no commit decided from the earlier record can land (see
-    :func:`commit_step`). A withdrawn version may have been committed just before: the caller
-    compares it with the returned record and keeps its copy if so.
-
-    Raises:
-        coordination errors: nothing was withdrawn (the copy must then stay).
-    """
-    body = {"node": record.node, "withdrawn": sorted(list(v) for v in withdrawn), "at": now}
-    coord.transaction([], [Put(keys.job_fence(job, record.node), records.encode(FENCE_KIND, body)),
-                           Put(keys.job_replicated(job, record.node), encode_replicated(record))])
-    return read_committed(coord, keys, job)
-
-
-def record_commit(coord: Coordinator, keys: Keyspace, job: str, new: Committed,
-                  attempts: int = 16) -> tuple[bool, Committed]:
-    """Writes ``new`` unless the record already holds the same or a newer version (no fence
-    check: for tools and tests that set a commit directly; daemons use :func:`commit_step`).
-
-    Returns:
-        (written, the record now in force).
-
-    Raises:
-        CommitConflict: the record changed under every one of ``attempts`` compare-and-sets.
-        coordination errors: etcd unreachable and such.
-    """
-    key = keys.job_committed(job)
-    for _ in range(attempts):
-        kv = coord.get(key)
-        current = None
-        if kv is not None:
-            try:
-                current = decode_committed(kv.value, key)
-            except records.RecordError as exc:
-                log.error("overwriting the unreadable committed record of %s: %s", job, exc)
-        if current is not None and current.version >= new.version:
-            return False, current
-        ok, _ = coord.transaction([Compare(key, kv.mod_revision if kv else 0)],
-                                  [Put(key, encode_committed(new))])
-        if ok:
-            return True, new
-    raise CommitConflict(f"committed record of {job} changed under {attempts} attempts")
-
-
-def update_holders(coord: Coordinator, keys: Keyspace, job: str, version: Version,
-                   changes: Mapping[int, Iterable[str]], now: float,
-                   attempts: int = 16) -> Committed | None:
-    """Replaces the holders of some ranks in the committed record, only while it still records
-    ``version`` (after a re-replication or a drain); returns the record in force, or None when
-    there is none.
-
-    Raises:
-        CommitConflict: the record kept changing.
-    """
-    key = keys.job_committed(job)
-    for _ in range(attempts):
-        kv = coord.get(key)
-        if kv is None:
-            return None
-        current = decode_committed(kv.value, key)
-        if current.version != tuple(version):
-            return current
-        holders = {**current.holders, **{int(r): tuple(hs) for r, hs in changes.items()}}
-        if holders == dict(current.holders):
-            return current
-        new = dataclasses.replace(current, holders=holders, at=now)
-        ok, _ = coord.transaction([Compare(key, kv.mod_revision)], [Put(key, encode_committed(new))])
-        if ok:
-            return new
-    raise CommitConflict(f"committed record of {job} changed under {attempts} attempts")
 
 
 def publish_placement(coord: Coordinator, keys: Keyspace, job: str, placement: Placement,

@@ -8,6 +8,7 @@ A byte budget bounds what it holds (held plus in flight), as the shared-memory s
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 from elasticd.replication.api import NO_SPACE, Descriptor, Refused, Sink, Version
 
@@ -31,6 +32,7 @@ class MemorySink(Sink):
         self.events: list[tuple[str, Descriptor, str]] = []
         self._pending: dict[Descriptor, bytearray] = {}
         self._held: dict[tuple[str, int], tuple[Descriptor, bytearray]] = {}
+        self._tags: dict[tuple[str, int], Any] = {}
         self._mem_lock = threading.Lock()  # allocate runs outside the base class's lock
 
     def allocate(self, d: Descriptor) -> memoryview:
@@ -45,10 +47,16 @@ class MemorySink(Sink):
             self.events.append(("begin", d, ""))
         return memoryview(buf)
 
-    def publish(self, d: Descriptor) -> None:
+    def publish(self, d: Descriptor, tags: Any = None) -> None:
         with self._mem_lock:
             self._held[d.shard] = (d, self._pending.pop(d))
+            self._tags[d.shard] = tags
             self.events.append(("landed", d, ""))
+
+    def tags(self, d: Descriptor) -> Any:
+        with self._mem_lock:
+            held = self._held.get(d.shard)
+            return self._tags.get(d.shard) if held is not None and held[0] == d else None
 
     def discard(self, d: Descriptor, reason: str) -> None:
         with self._mem_lock:

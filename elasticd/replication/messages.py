@@ -95,6 +95,24 @@ def _descriptor(obj: dict[str, Any], what: str) -> Descriptor:
         raise MalformedFrame(f"{what}: invalid descriptor ({exc})") from exc
 
 
+def _with_salt(d: Descriptor, salt: bytes | None) -> bytes:
+    """A descriptor's JSON, with the block tags' salt when there is one."""
+    obj: dict[str, Any] = dataclasses.asdict(d)
+    if salt is not None:
+        obj["tag_salt"] = _exact(salt, SALT_BYTES).hex()
+    return _json(obj)
+
+
+def _salt(obj: dict[str, Any], what: str) -> bytes | None:
+    salt = obj.get("tag_salt")
+    if salt is None:
+        return None
+    try:
+        return _exact(bytes.fromhex(salt), SALT_BYTES)
+    except (TypeError, ValueError) as exc:
+        raise MalformedFrame(f"{what}: invalid tag_salt ({exc})") from exc
+
+
 _GREETING = struct.Struct(f"!{NONCE_BYTES}sIH")
 _PUT_END = struct.Struct("!QI")
 
@@ -172,21 +190,12 @@ class PutBegin:
     tag_salt: bytes | None = None
 
     def payload(self) -> bytes:
-        obj = dataclasses.asdict(self.descriptor)
-        if self.tag_salt is not None:
-            obj["tag_salt"] = _exact(self.tag_salt, SALT_BYTES).hex()
-        return _json(obj)
+        return _with_salt(self.descriptor, self.tag_salt)
 
     @classmethod
     def parse(cls, p: memoryview) -> "PutBegin":
         obj = _object(p, "PUT_BEGIN")
-        salt = obj.get("tag_salt")
-        if salt is not None:
-            try:
-                salt = _exact(bytes.fromhex(salt), SALT_BYTES)
-            except (TypeError, ValueError) as exc:
-                raise MalformedFrame(f"PUT_BEGIN: invalid tag_salt ({exc})") from exc
-        return cls(_descriptor(obj, "PUT_BEGIN"), salt)
+        return cls(_descriptor(obj, "PUT_BEGIN"), _salt(obj, "PUT_BEGIN"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,15 +318,20 @@ class Fetch:
 
 @dataclasses.dataclass(frozen=True)
 class FetchReply:
+    """The held copy a FETCH is served from; ``tag_salt`` when the holder kept its block tags
+    (v5): the blocks of the range then come pretagged, checked by the receiver alone."""
+
     TYPE: ClassVar[FrameType] = FrameType.FETCH_REPLY
     descriptor: Descriptor
+    tag_salt: bytes | None = None
 
     def payload(self) -> bytes:
-        return _json(dataclasses.asdict(self.descriptor))
+        return _with_salt(self.descriptor, self.tag_salt)
 
     @classmethod
     def parse(cls, p: memoryview) -> "FetchReply":
-        return cls(_descriptor(_object(p, "FETCH_REPLY"), "FETCH_REPLY"))
+        obj = _object(p, "FETCH_REPLY")
+        return cls(_descriptor(obj, "FETCH_REPLY"), _salt(obj, "FETCH_REPLY"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,8 +351,37 @@ class Error:
         return cls(_str_field(obj, "code", "ERROR"), _str_field(obj, "message", "ERROR"))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Opaque:
+    """A frame whose payload is a body another module encodes and decodes."""
+
+    body: bytes
+
+    def payload(self) -> bytes:
+        return self.body
+
+    @classmethod
+    def parse(cls, p: memoryview) -> "_Opaque":
+        return cls(bytes(p))
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitReport(_Opaque):
+    """A node's commit report to its job's coordinator (:mod:`elasticd.replication.report`
+    decodes ``body``)."""
+
+    TYPE: ClassVar[FrameType] = FrameType.REPORT
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitReply(_Opaque):
+    """The coordinator's answer to a :class:`CommitReport`."""
+
+    TYPE: ClassVar[FrameType] = FrameType.REPORT_REPLY
+
+
 Message = Union[Hello, Challenge, Auth, PutBegin, Data, PutEnd, Ack, Nack, Fetch, FetchReply,
-                Error]
+                Error, CommitReport, CommitReply]
 MESSAGES: dict[FrameType, Any] = {cls.TYPE: cls for cls in get_args(Message)}
 
 

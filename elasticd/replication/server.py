@@ -32,27 +32,36 @@ import selectors
 import socket
 import ssl
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from elasticd.admission import Admission, shut
 from elasticd.clock import Clock, SystemClock
 from elasticd.replication.api import (
     BAD_RANGE,
+    NOT_COORDINATOR,
     NOT_FOUND,
     ConnectionLost,
-    Descriptor,
     Refused,
     Sink,
     TransferTimeout,
 )
 from elasticd.replication.auth import AuthFailures, check_secret, server_handshake
-from elasticd.replication.seal import BlockTagger
+from elasticd.replication.seal import BlockTagger, BlockTags
 from elasticd.replication.channel import Channel, receive_stream, send_stream, tune
-from elasticd.replication.messages import Ack, Fetch, FetchReply, Nack, PutBegin
+from elasticd.replication.messages import (
+    Ack,
+    CommitReply,
+    CommitReport,
+    Fetch,
+    FetchReply,
+    Nack,
+    PutBegin,
+)
+from elasticd.replication.report import Reply, Report, decode_report, encode_reply
 from elasticd.replication.wire import (
     DEFAULT_MAX_CONTROL,
     DEFAULT_MAX_FRAME,
-    OFFSET,
+    PRETAG,
     Limits,
     ProtocolError,
     UnexpectedFrame,
@@ -130,6 +139,9 @@ class ReplicaServer:
         self.chunk_size = chunk_size
         self.clock = clock or SystemClock()
         self.stats = ServerStats()
+        #: Where commit reports go (this node's coordination of their job); the node builder
+        #: sets it. None: this server takes no reports (refused with ``not_coordinator``).
+        self.on_report: Callable[[Report], Reply] | None = None
         self._lock = threading.Lock()
         self._connections: dict[threading.Thread, Any] = {}
         # Fetches being served, by the connection's thread: (peer, job, rank, version, start).
@@ -327,17 +339,15 @@ class ReplicaServer:
                 self._hear(hello.node_id)
                 msg = channel.recv_message(header)
                 if isinstance(msg, PutBegin):
-                    channel.block_key = (self._blocks.key(msg.tag_salt)
-                                         if msg.tag_salt is not None else None)
-                    try:
-                        self._receive(channel, msg.descriptor, hello.node_id)
-                    finally:
-                        channel.block_key = None
+                    self._receive(channel, msg, hello.node_id)
                     self._hear(hello.node_id)  # received whole: its last frame just came
                 elif isinstance(msg, Fetch):
                     self._serve_fetch(channel, msg, hello.max_frame, hello.node_id)
+                elif isinstance(msg, CommitReport):
+                    self._serve_report(channel, msg, hello.node_id)
+                    self._hear(hello.node_id)
                 else:
-                    raise UnexpectedFrame(f"expected PUT_BEGIN or FETCH, received "
+                    raise UnexpectedFrame(f"expected PUT_BEGIN, FETCH or REPORT, received "
                                           f"{msg.TYPE.name}")
         except ProtocolError as exc:
             log.warning("replica server %s: protocol error from %s: %s", self.node_id, peer, exc)
@@ -357,7 +367,8 @@ class ReplicaServer:
                 self._pending.release(me)
                 self._authenticated -= authenticated
 
-    def _receive(self, channel: Channel, d: Descriptor, peer_id: str) -> None:
+    def _receive(self, channel: Channel, begin: PutBegin, peer_id: str) -> None:
+        d = begin.descriptor
         try:
             target = self.sink.begin(d)
         except Refused as exc:
@@ -365,6 +376,12 @@ class ReplicaServer:
             channel.send(Nack(exc.reason, exc.message))
             return
         started = self.clock.monotonic()
+        # A pretagged push's block tags, each kept once its block checked against it, so that
+        # this copy's fetches and the pushes this node makes of it later send them on.
+        landed: dict[int, tuple[int, bytes]] = {}
+        if begin.tag_salt is not None:
+            channel.block_key = self._blocks.key(begin.tag_salt)
+            channel.landed_tags = landed
         try:
             channel.send(Ack({"ready": True}))
             receive_stream(channel, d.total_bytes, target)
@@ -375,9 +392,12 @@ class ReplicaServer:
             self.sink.abort(d, f"{type(exc).__name__}: {exc}")
             self._bump(pushes_aborted=1)
             raise
+        finally:
+            channel.block_key = channel.landed_tags = None
         del target
+        tags = BlockTags(begin.tag_salt, landed) if begin.tag_salt is not None else None
         try:
-            self.sink.landed(d)
+            self.sink.landed(d, tags)
         except Refused as exc:  # a newer version was committed meanwhile
             self._bump(pushes_refused=1)
             channel.send(Nack(exc.reason, exc.message))
@@ -387,6 +407,18 @@ class ReplicaServer:
                   self.node_id, d.owner_rank, d.version, peer_id, d.total_bytes,
                   self.clock.monotonic() - started)
         channel.send(Ack({"bytes": d.total_bytes}))
+
+    def _serve_report(self, channel: Channel, msg: CommitReport, peer_id: str) -> None:
+        report = decode_report(msg.body)  # MalformedReport is a ProtocolError
+        if report.node != peer_id:
+            # One node may not speak for another: the report names the authenticated peer.
+            raise UnexpectedFrame(f"a commit report from {peer_id!r} names node "
+                                  f"{report.node[:70]!r}")
+        handler = self.on_report
+        if handler is None:
+            channel.send(Nack(NOT_COORDINATOR, f"{self.node_id} takes no commit reports"))
+            return
+        channel.send(CommitReply(encode_reply(handler(report))))
 
     def _hear(self, node: str) -> None:
         with self._lock:
@@ -428,9 +460,13 @@ class ReplicaServer:
             with self._lock:
                 self._serving[me] = (peer_id, req.job, req.owner_rank, d.version,
                                      self.clock.monotonic())
-            channel.send(FetchReply(d))  # the whole descriptor: the client sizes and checks by it
+            # The whole descriptor (the client sizes and checks by it), and the salt of the
+            # copy's block tags when this node kept them: the blocks then go as they lie,
+            # not read here, each with the tag its owner made when it sealed the snapshot.
+            tags = self.sink.tags(d)
+            channel.send(FetchReply(d, tags.salt if tags is not None else None))
             send_stream(channel, (view[start:end],),
-                        min(self.chunk_size, peer_max_frame - OFFSET.size), base=start)
+                        min(self.chunk_size, peer_max_frame - PRETAG.size), tags, base=start)
         finally:
             with self._lock:
                 self._serving.pop(threading.current_thread(), None)

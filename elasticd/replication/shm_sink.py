@@ -30,7 +30,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 from elasticd.store.api import CommitPending, OverBudget, Slot, SlotBusy, StaleSlot
 from elasticd.snapshot.format import SnapshotError
@@ -220,7 +220,7 @@ class ShmSink(Sink):
         if self.cap_bytes is not None and self.local is not None:
             self.local.cap_bytes = max(0, self.cap_bytes - self.store.bytes_held())
 
-    def publish(self, d: Descriptor) -> None:
+    def publish(self, d: Descriptor, tags: Any = None) -> None:
         # Runs under the base class's lock, so verification delays other transfers' begin and
         # commit by one pass over this copy (~26 GB/s); it is what makes the copy count.
         with self._mem:
@@ -232,7 +232,10 @@ class ShmSink(Sink):
                 raise SnapshotError(f"{where}: header says {header.version()} of "
                                     f"{header.layout.total_size} bytes, the transfer "
                                     f"{d.version} of {d.total_bytes}")
-            self.store.complete(slot, header)  # verifies every block, rewrites the same header
+            # Verifies every block against the header's checksums (so a holder's copy agrees
+            # with its checksums and with its block tags, which the wire checked), rewrites the
+            # same header, and keeps the tags with the copy.
+            self.store.complete(slot, header, tags=tags)
             # The acknowledgement that follows may make it committed: it stays until then.
             self.on_landed(d.job, d.owner_rank, d.version)
         except (SnapshotError, StaleSlot, ValueError) as exc:
@@ -270,6 +273,11 @@ class ShmSink(Sink):
         with self._mem:
             self._reading.setdefault(d, []).append(view)
         return d, view.buffer
+
+    def tags(self, d: Descriptor) -> Any:
+        with self._mem:
+            views = self._reading.get(d)
+            return views[-1].tags if views else None
 
     def release(self, d: Descriptor) -> None:
         with self._mem:

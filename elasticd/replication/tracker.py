@@ -1,14 +1,16 @@
 """What this node knows about commits: per job, the placement in force, each local rank's
 acknowledged and fully replicated versions, and the committed step.
 
-A :class:`CommitTracker` turns peer acknowledgements into ``m``-copy versions, records them in
-etcd (one record per node, :mod:`elasticd.replication.commit`), commits when every rank of the
-job has a common version, and learns commits made by other nodes through a watch on the commit
-record. It also holds the retention gate: a rank's next push waits (up to ``commit_wait``
-seconds, real time) until its previous fully replicated version is committed, because a holder
-keeps only a shard's two newest copies and a third push would evict the committed one; after
-the wait it goes ahead and the wait is counted, since nodes that replicated different steps
-would otherwise wait for each other forever.
+A :class:`CommitTracker` turns peer acknowledgements into ``m``-copy versions, tells the job's
+commit coordinator about them (its :class:`~elasticd.replication.reporter.Reporter`: a report
+over the replication channel, no etcd write), and learns the commits through one watch on the
+committed record's prefix (the committed record, the snapshot grid, the coordinator's election
+key, the ahead record: four small keys, two of which change per step). It also holds the
+retention gate: a rank's next push waits (up to ``commit_wait`` seconds, real time) until its
+previous fully replicated version is committed, because a holder keeps only a shard's two
+newest copies and a third push would evict the committed one; after the wait it goes ahead and
+the wait is counted, since nodes that replicated different steps would otherwise wait for each
+other forever.
 
 Which copies stay in their slots is decided per job by a
 :class:`~elasticd.replication.commit_state.CommitBook` (acked -> protected -> committed |
@@ -16,14 +18,14 @@ withdrawn | abandoned); the tracker feeds it the events and performs its actions
 stores, under ``lock``, so that the actions of two events never interleave. An acknowledged
 local version is *followed* (:meth:`CommitTracker._follow`) until it is decided: a rank whose two
 slots hold the committed step and an acknowledged newer one skips snapshots until then, and
-when the commit does not come within ``withdraw_after`` this node takes the version back from
-its record, behind a fence that no commit decided from the older record can pass
-(:func:`~elasticd.replication.commit.withdraw`).
+when the commit does not come within ``withdraw_after`` (or the coordinator says it never
+will) this node withdraws it, behind a fence that no commit decided from an earlier report can
+pass (:func:`~elasticd.replication.fences.withdraw`).
 
-``lock`` guards the job states and is never held while calling etcd: the in-memory coordinator
-runs watch callbacks on the writer's thread (it is held across the slot stores' calls, which
-take only their own lock). ``_record_lock`` serialises this node's record writes (held across
-the etcd call), so a withdrawal is never overwritten by an older record.
+``lock`` guards the job states and is never held while calling etcd or a peer: the in-memory
+coordinator runs watch callbacks on the writer's thread (it is held across the slot stores'
+calls, which take only their own lock). ``_record_lock`` serialises this node's fence writes
+(held across the etcd call), so a withdrawal is never overwritten by an older list.
 """
 
 from __future__ import annotations
@@ -40,29 +42,27 @@ from elasticd.clock import Clock
 from elasticd.coordination import records
 from elasticd.coordination.api import CoordinationError, Coordinator, EventType, Watch
 from elasticd.coordination.keys import Keyspace
-from elasticd.replication.api import Version
+from elasticd.replication.api import ReplicationError, Version
 from elasticd.replication.background import Background
 from elasticd.replication.commit_state import Actions, CommitBook, Holder, Verdict
 from elasticd.replication.commit import (
     KEEP_SKIPPED,
+    KEEP_VERSIONS,
+    KEEP_WITHDRAWN,
+    Committed,
     Grid,
+    complaints,
+    decode_ahead,
+    decode_committed,
     decode_grid,
+    committed_from,
     relax_grid,
     widen_grid,
-    KEEP_WITHDRAWN,
-    KEEP_VERSIONS,
-    CommitConflict,
-    Committed,
-    Replicated,
-    commit_step,
-    complaints,
-    decode_committed,
-    encode_replicated,
-    read_committed,
-    read_state,
-    withdraw,
 )
+from elasticd.replication.fences import read_fence, withdraw
 from elasticd.replication.placement import Placement
+from elasticd.replication.report import Reply, Report, placement_digest
+from elasticd.replication.reporter import Reporter, decode_ship
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,10 @@ class JobState:
 
     Attributes:
         placement, previous: the placement in force and the one before it.
-        committed: the commit record last seen.
+        digest: the placement's digest (what reports name).
+        committed: the commit record last seen (its holders resolved).
+        committed_rev: the committed record's mod_revision as last seen (0: absent).
+        ahead: the ahead record's version as last seen.
         committed_at_change: the committed version when the placement last changed.
         acked: per local rank and version, the peers that acknowledged a verified copy.
         replicated: per local rank, versions with ``m`` copies, newest first.
@@ -89,7 +92,10 @@ class JobState:
 
     placement: Placement | None = None
     previous: Placement | None = None
+    digest: str = ""
     committed: Committed | None = None
+    committed_rev: int = 0
+    ahead: Version | None = None
     committed_at_change: Version | None = None
     acked: dict[int, dict[Version, set[str]]] = dataclasses.field(default_factory=dict)
     replicated: dict[int, list[Version]] = dataclasses.field(default_factory=dict)
@@ -117,7 +123,8 @@ def apply_actions(book: CommitBook, job: str, actions: Actions,
 
 
 class CommitTracker:
-    """Counts copies and commits steps for one node.
+    """Counts copies and learns commits for one node; its :attr:`reporter` reports to the
+    job's coordinator (and is it, in turn).
 
     Args:
         background: runs the tracker's work off the caller's thread (the replicator's pool).
@@ -126,12 +133,17 @@ class CommitTracker:
         withdraw_after: seconds an acknowledged version that blocks a local snapshot may wait
             for its commit before it is withdrawn (:meth:`_follow`).
         stores: the slot stores the commit book's retentions are placed in.
+        send: delivers a commit report to a node (see
+            :class:`~elasticd.replication.reporter.Reporter`).
+        lease_ttl: the TTL of the election lease a coordinator holds.
     """
 
     def __init__(self, node_id: str, coord: Coordinator, keys: Keyspace, clock: Clock,
                  background: Background, on_advance: Callable[[str], None],
                  commit_wait: float = 2.0, withdraw_after: float = 1.0,
-                 stores: Mapping[Holder, SlotStore] = {}) -> None:
+                 stores: Mapping[Holder, SlotStore] = {},
+                 send: Callable[[str, Report], Reply] | None = None,
+                 lease_ttl: float = 2.0) -> None:
         self.node_id, self.coord, self.keys, self.clock = node_id, coord, keys, clock
         self.commit_wait, self.withdraw_after, self.stores = commit_wait, withdraw_after, stores
         self._submit, self._advance = background.submit, on_advance
@@ -141,6 +153,11 @@ class CommitTracker:
         self.jobs: dict[str, JobState] = {}
         self.closing = False
         self.counters: collections.Counter[str] = collections.Counter()
+        self.reporter = Reporter(self, send or _nowhere, lease_ttl)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Runs ``fn(*args)`` in the background (counted by the replicator's wait_idle)."""
+        self._submit(fn, *args)
 
     def state(self, job: str) -> JobState:
         """The job's state, created if new (call with :attr:`lock` held)."""
@@ -220,6 +237,19 @@ class CommitTracker:
             st = self.jobs.get(job)
             return (st.placement, st.committed) if st else (None, None)
 
+    def set_placement(self, job: str, placement: Placement) -> tuple[Placement | None, bool]:
+        """Adopts ``placement`` for ``job``; returns (the previous one, whether the job's
+        commit watch must start)."""
+        with self.lock:
+            st = self.state(job)
+            old = st.placement
+            st.previous, st.placement = old, placement
+            st.digest = placement_digest(placement)
+            st.committed_at_change = st.committed.version if st.committed else None
+            need_watch = st.watch is None
+        self.reporter.placement_changed(job)
+        return old, need_watch
+
     def start_generation(self, job: str, generation: int) -> None:
         """Versions of generations below ``generation`` stop counting (and stop gating)."""
         with self.cond:
@@ -229,6 +259,7 @@ class CommitTracker:
                 st.replicated[rank] = [v for v in st.replicated[rank] if v[0] >= st.book.floor]
             st.latest = {r: v for r, v in st.latest.items() if v[0] >= st.book.floor}
             self.cond.notify_all()
+        self.reporter.changed(job)
 
     def is_acked(self, job: str, rank: int, version: Version, peer: str) -> bool:
         """True when ``peer`` already holds ``version`` of ``rank``, or the version no longer
@@ -266,78 +297,49 @@ class CommitTracker:
         self.on_replicated(job, rank, version)
 
     def on_replicated(self, job: str, rank: int, version: Version) -> None:
-        """``rank`` has ``m`` copies of ``version``: record it, and commit if every rank has."""
-
-        def add(st: JobState) -> bool:
-            if not st.book.recordable(version) or version in st.replicated.get(rank, ()):
-                return False
+        """``rank`` has ``m`` copies of ``version``: reported to the coordinator once every
+        local rank has it (a version can commit only then)."""
+        with self.lock:
+            st = self.jobs.get(job)
+            if (st is None or st.placement is None or not st.book.recordable(version)
+                    or version in st.replicated.get(rank, ())):
+                return
             versions = sorted({version, *st.replicated.get(rank, ())}, reverse=True)
             st.replicated[rank] = versions[:KEEP_VERSIONS]
             oldest = st.replicated[rank][-1]
             st.acked[rank] = {v: s for v, s in st.acked.get(rank, {}).items() if v >= oldest}
-            mine = st.placement.ranks.get(self.node_id, ())  # type: ignore[union-attr]
-            # A version can commit only once all of this node's ranks have it.
-            return not mine or all(version in st.replicated.get(r, ()) for r in mine)
+            mine = st.placement.ranks.get(self.node_id, ())
+            if mine and not all(version in st.replicated.get(r, ()) for r in mine):
+                return
+        self.reporter.changed(job)
 
-        if self._write_record(job, "record replicated versions", add):
-            self.try_commit(job)
-
-    def republish_record(self, job: str) -> None:
-        """Writes this node's record again (etcd lost it with its data)."""
-        self._write_record(job, "write its record again")
-
-    def _write_record(self, job: str, what: str,
-                      change: Callable[[JobState], bool] = lambda st: True) -> bool:
-        """Applies ``change`` to the job's state (with a placement) and, unless it says False,
-        writes this node's record, serialised with every other record write. False when
-        nothing was written (an etcd error is counted and logged)."""
-        with self._record_lock:
-            with self.lock:
-                st = self.jobs.get(job)
-                if st is None or st.placement is None or not change(st):
-                    return False
-                record = self._record(st)
-            try:
-                self.coord.put(self.keys.job_replicated(job, self.node_id),
-                               encode_replicated(record))
-            except CoordinationError as exc:
-                self.etcd_error(what, exc)
-                return False
-            return True
-
-    def _record(self, st: JobState) -> Replicated:
-        """This node's record as the job state says (call with :attr:`lock` held)."""
-        assert st.placement is not None
-        mine = st.placement.ranks.get(self.node_id, ())
-        return Replicated(
-            self.node_id, st.placement.round,
-            {r: tuple(st.replicated[r]) for r in (mine or st.replicated) if r in st.replicated},
-            {r: st.placement.holders[self.node_id] for r in (mine or st.replicated)},
-            self.clock.wall(), tuple(st.skipped[:KEEP_SKIPPED]),
-            tuple(st.withdrawn[:KEEP_WITHDRAWN]))
+    def republish(self, job: str) -> None:
+        """etcd lost its data: this node's fence is written again and its report resent."""
+        with self.lock:
+            st = self.jobs.get(job)
+            withdrawn = list(st.withdrawn) if st is not None else []
+        self.reporter.republish(job, withdrawn)
 
     def on_skipped(self, job: str, version: Version) -> None:
-        """A local rank skipped the snapshot of ``version`` (a commit was pending): publishes
-        it, so that a peer whose acknowledged copy of it waits for a commit withdraws that copy
-        at once instead of after ``withdraw_after`` (see :meth:`_follow`)."""
+        """A local rank skipped the snapshot of ``version`` (a commit was pending): reported,
+        so that a peer whose acknowledged copy of it waits for a commit withdraws that copy at
+        once instead of after ``withdraw_after`` (see :meth:`_follow`)."""
         version = (int(version[0]), int(version[1]))
-
-        def add(st: JobState) -> bool:
-            if version in st.skipped:
-                return False
+        with self.lock:
+            st = self.jobs.get(job)
+            if st is None or version in st.skipped:
+                return
             st.skipped = sorted({version, *st.skipped}, reverse=True)[:KEEP_SKIPPED]
-            return True
-
-        self._write_record(job, "record a skipped version", add)
+        self.reporter.changed(job)
 
     def _follow(self, job: str, version: Version) -> None:
         """Follows an acknowledged, not yet committed local ``version`` (its copies stay in
         their slots meanwhile) until the commit book decides it: committed, abandoned, or to be
-        withdrawn from this node's record (see the module doc) at once when another owner's
-        record shows it can no longer commit (:meth:`_hopeless`), or ``withdraw_after`` after
-        its first acknowledgement when a local snapshot is blocked by it. Started at the first
-        acknowledgement rather than when a snapshot is blocked, so that a version a peer
-        skipped is withdrawn before this node's next step (see :meth:`_hopeless`)."""
+        withdrawn (see the module doc) at once when the coordinator says it can no longer
+        commit (another owner skipped it, or has a newer version without it), or
+        ``withdraw_after`` after its first acknowledgement when a local snapshot is blocked by
+        it. Started at the first acknowledgement rather than when a snapshot is blocked, so
+        that a version a peer skipped is withdrawn before this node's next step."""
         hopeless = False
         while True:
             with self.cond:
@@ -347,11 +349,10 @@ class CommitTracker:
                 verdict = st.book.verdict(version, self.clock.monotonic(), hopeless)
                 if verdict is not Verdict.WAIT:
                     break
-                placement = st.placement
                 self.cond.wait(min(st.book.deadline(version) - self.clock.monotonic(), 0.1))
-            # Records are read only after a first wait: most versions commit within it, so
-            # the common case (a step every few ms) costs no etcd read per acknowledgement.
-            hopeless = placement is not None and self._hopeless(job, version, placement)
+            # Asked only after a first wait: most versions commit within it, so the common
+            # case (a step every few ms) costs the coordinator no question per version.
+            hopeless = self.reporter.hopeless(job, version)
         if verdict is Verdict.WITHDRAW:
             self._withdraw(job, version)
 
@@ -365,22 +366,25 @@ class CommitTracker:
                 if st.placement is None:
                     self._perform(job, st.book.withdrawn_landed(version))
                     return
-                # Published like a skipped version: a peer waiting on this step stops waiting.
+                # Reported like a skipped version: a peer waiting on this step stops waiting.
                 st.skipped = sorted({version, *st.skipped}, reverse=True)[:KEEP_SKIPPED]
                 st.withdrawn = sorted({version, *st.withdrawn}, reverse=True)[:KEEP_WITHDRAWN]
                 for r in st.replicated:
                     st.replicated[r] = [v for v in st.replicated[r] if v != version]
-                record = self._record(st)
+                withdrawn, placements = list(st.withdrawn), (st.placement, st.previous)
             try:
-                committed = withdraw(self.coord, self.keys, job, record, [version],
-                                     self.clock.wall())
+                fence, committed = withdraw(self.coord, self.keys, job, self.node_id,
+                                            withdrawn, self.clock.wall(), placements)
             except (CoordinationError, records.RecordError) as exc:
                 # Whether the withdrawal landed is unknown: the copy stays (a later skip asks
-                # again; withdrawing twice is harmless).
+                # again; withdrawing twice is harmless), and the fence is read again before
+                # the next report.
                 self.etcd_error("withdraw an uncommitted version", exc)
                 with self.lock:
                     st.book.withdraw_failed(version, self.clock.monotonic())
+                self.reporter.fence_written(job, None)
                 return
+        self.reporter.fence_written(job, fence)
         if committed is not None:
             self.learn(job, committed)
             if committed.version == version:
@@ -390,55 +394,13 @@ class CommitTracker:
             self.counters["withdrawals"] += 1
         self._grid_write("widen the snapshot grid",
                          lambda: widen_grid(self.coord, self.keys, job, version))
-        log.info("%s: withdrew step %d (generation %d) from %s's record: not committed (other "
+        log.info("%s: withdrew step %d (generation %d) from %s's report: not committed (other "
                  "ranks skipped it, or %.1f s passed); its slot is reused", job, version[1],
                  version[0], self.node_id, self.withdraw_after)
 
-    def _hopeless(self, job: str, version: Version, placement: Placement) -> bool:
-        """Whether another owner's record shows ``version`` can no longer be committed: one
-        of its ranks skipped it (or the owner withdrew it), or it lists a newer version, or
-        skipped or withdrew one, without having this one. Waiting for the
-        commit is then pointless, and withdrawing at once lets the nodes realign: two nodes
-        each waiting on a step the other skipped would otherwise take turns skipping steps."""
-        try:
-            progress = read_state(self.coord, self.keys, job).progress
-        except (CoordinationError, records.RecordError):
-            return False
-        for owner, ranks in placement.ranks.items():
-            record = progress.get(owner)
-            if owner == self.node_id or record is None:
-                continue
-            dead = record.never_committed()
-            if version in dead:
-                return True
-            for rank in ranks:
-                versions = record.versions.get(rank, ())
-                newest = max((*versions, *dead), default=None)
-                if newest is not None and newest > version and version not in versions:
-                    return True
-        return False
-
-    def try_commit(self, job: str) -> None:
-        with self.lock:
-            st = self.jobs.get(job)
-            if st is None or st.placement is None:
-                return
-            placement, floor = st.placement, st.book.floor
-        try:
-            written, current = commit_step(self.coord, self.keys, job, placement, floor=floor,
-                                           now=self.clock.wall())
-        except (CoordinationError, CommitConflict) as exc:
-            self.etcd_error("record the commit", exc)
-            return
-        if current is None:
-            return
-        if written:
-            self.counters["commits"] += 1
-            log.info("%s: committed step %d (generation %d), %d ranks with %d copies each", job,
-                     current.step, current.generation, len(current.ranks), current.m)
-        self.learn(job, current)
-
-    def learn(self, job: str, committed: Committed) -> None:
+    def learn(self, job: str, committed: Committed, by_me: bool = False) -> None:
+        """A commit record (its holders resolved) was learned: from the watch, a read, or
+        this node's own write as coordinator (``by_me``)."""
         with self.cond:
             st = self.jobs.get(job)
             if st is None:
@@ -452,27 +414,26 @@ class CommitTracker:
             self._perform(job, st.book.commit(committed.version))
             advanced = st.committed_at_change is None or committed.version > st.committed_at_change
             self.cond.notify_all()
+            if by_me:
+                self.counters["commits"] += 1
         if advanced and (old is None or committed.version > old.version):
             self._submit(self._advance, job)
-        # Read and written only when the grid this node follows is due to halve: not once per
-        # commit (commits come every few steps on a fast job).
-        if (old is None or committed.version > old.version) and \
-                st.grid.relaxed(committed.version) is not None:
+        # Halved by the coordinator alone, only when the grid it follows is due to: not read
+        # once per commit, nor by every node.
+        if ((old is None or committed.version > old.version) and st.grid.relaxed(
+                committed.version) is not None and (by_me or self.reporter.leading(job))):
             self._submit(self._grid_write, "relax the snapshot grid",
                          lambda: relax_grid(self.coord, self.keys, job, committed.version))
 
     def watch(self, job: str) -> None:
+        """Lists the committed prefix and watches it from there on."""
         key = self.keys.job_committed(job)
         try:
             kvs, revision = self.coord.get_prefix(key)
-            for kv in kvs:
-                if kv.key == key:
-                    self.learn(job, decode_committed(kv.value, key))
-                elif kv.key == self.keys.job_commit_grid(job):
-                    self._learn_grid(job, kv)
+            self._listed(job, kvs)
             watch = self.coord.watch_prefix(key, functools.partial(self._on_watch, job),
                                             revision + 1)
-        except (CoordinationError, records.RecordError) as exc:
+        except CoordinationError as exc:
             self.etcd_error("watch the committed record", exc)
             return
         with self.lock:
@@ -482,27 +443,64 @@ class CommitTracker:
         if watch is not None:
             watch.cancel()
 
+    def _listed(self, job: str, kvs: list[Any]) -> None:
+        """Takes a listing of the committed prefix (keys absent from it are absent)."""
+        found = {kv.key: kv for kv in kvs}
+        for key in (self.keys.job_committed(job), self.keys.job_commit_grid(job),
+                    self.keys.job_commit_ahead(job), self.keys.job_coordinator(job)):
+            self._changed(job, key, found.get(key))
+
     def _on_watch(self, job: str, events: Any) -> None:
         if isinstance(events, CoordinationError):
             self._submit(self.reread, job)  # events may have been missed: read it again
             return
-        key = self.keys.job_committed(job)
         for event in events:
-            if event.kv.key == self.keys.job_commit_grid(job):
-                self._learn_grid(job, event.kv if event.type is EventType.PUT else None)
-            elif event.type is EventType.PUT and event.kv.key == key:
-                try:
-                    self.learn(job, decode_committed(event.kv.value, key))
-                except records.RecordError as exc:
-                    complaints.warn(event.kv.key, event.kv.value,
-                                         "unreadable committed record of %s: %s", job, exc)
+            self._changed(job, event.kv.key, event.kv if event.type is EventType.PUT else None)
+
+    def _changed(self, job: str, key: bytes, kv: Any) -> None:
+        """One key of the committed prefix as it now is (``kv`` None: absent)."""
+        if key == self.keys.job_commit_grid(job):
+            self._learn_grid(job, kv)
+        elif key == self.keys.job_coordinator(job):
+            self.reporter.coordinator_seen(job, decode_ship(kv) if kv is not None else None)
+        elif key == self.keys.job_commit_ahead(job):
+            try:
+                ahead = decode_ahead(kv.value, key) if kv is not None else None
+            except records.RecordError:
+                ahead = None
+            with self.lock:
+                if job in self.jobs:
+                    self.jobs[job].ahead = ahead
+        elif key == self.keys.job_committed(job):
+            self._committed_changed(job, kv)
+
+    def _committed_changed(self, job: str, kv: Any) -> None:
+        with self.lock:
+            st = self.jobs.get(job)
+            if st is None:
+                return
+            st.committed_rev = kv.mod_revision if kv is not None else 0
+            placements = (st.placement, st.previous)
+        committed = None
+        if kv is not None:
+            try:
+                committed = decode_committed(kv.value, kv.key, placements)
+            except records.RecordError as exc:
+                complaints.warn(kv.key, kv.value, "unreadable committed record of %s: %s", job,
+                                exc)
+        self.reporter.committed_seen(job, committed, kv.mod_revision if kv is not None else 0)
+        if committed is None:
+            return
+        if committed.resolved:
+            self.learn(job, committed)
+        else:  # holders from a placement this node does not hold: read it beside the record
+            self._submit(self.reread, job)
 
     def never_committed(self, job: str, rank: int, versions: list[Version]) -> set[Version]:
-        """Those of ``versions`` the record of ``rank``'s owner (in the placement in force)
-        lists as skipped or withdrawn: the owner publishes a withdrawal with its fence, before
-        it reuses the slot. No other node's record counts (a stale or hostile one must not
-        make this node let go of a copy), and none when etcd cannot say: the caller then keeps
-        every copy."""
+        """Those of ``versions`` the fence record of ``rank``'s owner (in the placement in
+        force) lists as withdrawn: the owner writes it before it reuses the slot. No other
+        node's record counts (a stale or hostile one must not make this node let go of a
+        copy), and none when etcd cannot say: the caller then keeps every copy."""
         with self.lock:
             placement = self.state(job).placement
         owner = next((n for n, ranks in placement.ranks.items() if rank in ranks),
@@ -510,20 +508,32 @@ class CommitTracker:
         if owner is None:
             return set()
         try:
-            record = read_state(self.coord, self.keys, job).progress.get(owner)
-        except (CoordinationError, records.RecordError) as exc:
-            self.etcd_error("read the replicated records", exc)
+            withdrawn = set(read_fence(self.coord, self.keys, job, owner)[1])
+        except CoordinationError as exc:
+            self.etcd_error("read a fence record", exc)
             return set()
-        dead = record.never_committed() if record is not None else set()
-        return {v for v in versions if tuple(v) in dead}
+        return {v for v in versions if tuple(v) in withdrawn}
 
     def reread(self, job: str) -> None:
+        """Reads the committed prefix again (a watch error, a lagging watch)."""
         try:
-            committed = read_committed(self.coord, self.keys, job)
+            kvs, _ = self.coord.get_prefix(self.keys.job_committed(job))
+            with self.lock:
+                st = self.jobs.get(job)
+                placements = (st.placement, st.previous) if st is not None else ()
+            # The record as the prefix read found it: its revision and its value agree.
+            found = next((kv for kv in kvs if kv.key == self.keys.job_committed(job)), None)
+            committed = committed_from(self.coord, self.keys, job, found, placements)
         except CoordinationError as exc:
             self.etcd_error("read the committed record", exc)
             return
-        if committed is not None:
+        self._listed(job, [kv for kv in kvs if kv.key != self.keys.job_committed(job)])
+        with self.lock:
+            if job in self.jobs:
+                self.jobs[job].committed_rev = found.mod_revision if found is not None else 0
+        self.reporter.committed_seen(job, committed,
+                                     found.mod_revision if found is not None else 0)
+        if committed is not None and committed.resolved:
             self.learn(job, committed)
 
     def sync_lag(self, st: JobState) -> int:
@@ -542,11 +552,25 @@ class CommitTracker:
             self.counters["etcd_errors"] += 1
         log.warning("replicator %s: cannot %s: %s", self.node_id, what, exc)
 
-    def close(self) -> None:
-        """Wakes every gate and cancels the watches."""
+    def forget(self, job: str) -> None:
+        """The job ended here: its state, watch and coordination go."""
+        self.reporter.forget(job)
+        with self.lock:
+            watch = getattr(self.jobs.pop(job, None), "watch", None)
+        if watch is not None:
+            watch.cancel()
+
+    def close(self, resign: bool = True) -> None:
+        """Wakes every gate, ends this node's coordination (see :meth:`Reporter.close`) and
+        cancels the watches."""
+        self.reporter.close(resign)
         with self.cond:
             self.closing = True
             watches = [st.watch for st in self.jobs.values() if st.watch is not None]
             self.cond.notify_all()
         for watch in watches:
             watch.cancel()
+
+
+def _nowhere(node: str, report: Report) -> Reply:
+    raise ReplicationError(f"no channel to send commit reports to {node}")

@@ -30,8 +30,18 @@ from elasticd.replication.api import (
 )
 from elasticd.replication.auth import check_secret, client_handshake
 from elasticd.replication.channel import Channel, receive_stream, send_stream, tune
-from elasticd.replication.messages import Ack, Error, Fetch, FetchReply, Nack, PutBegin
-from elasticd.replication.seal import BlockTags
+from elasticd.replication.messages import (
+    Ack,
+    CommitReply,
+    CommitReport,
+    Error,
+    Fetch,
+    FetchReply,
+    Nack,
+    PutBegin,
+)
+from elasticd.replication.report import Reply, Report, decode_reply, encode_report
+from elasticd.replication.seal import BlockTagger, BlockTags
 from elasticd.replication.server import DEFAULT_CHUNK, ReplicaServer, ServerStats
 from elasticd.replication.wire import (
     DEFAULT_MAX_CONTROL,
@@ -59,11 +69,13 @@ class ReplicaClient:
     """
 
     def __init__(self, channel: Channel, peer_id: str, peer_max_frame: int,
-                 clock: Clock | None = None) -> None:
+                 clock: Clock | None = None, blocks: BlockTagger | None = None) -> None:
         self.channel = channel
         self.peer_id = peer_id
         self.peer_max_frame = peer_max_frame
         self.clock = clock or SystemClock()
+        #: Checks the block tags of a fetch served pretagged (None: such a fetch is refused).
+        self.blocks = blocks
         self._lock = threading.Lock()
         self._broken: BaseException | None = None
 
@@ -99,7 +111,8 @@ class ReplicaClient:
         except BaseException:
             sock.close()
             raise
-        return cls(channel, challenge.node_id, challenge.max_frame, clock or SystemClock())
+        return cls(channel, challenge.node_id, challenge.max_frame, clock or SystemClock(),
+                   BlockTagger(secret))
 
     def push(self, descriptor: Descriptor, header: Any, payload: Any,
              chunk_size: int = DEFAULT_CHUNK, tags: BlockTags | None = None,
@@ -175,7 +188,8 @@ class ReplicaClient:
         def run() -> Descriptor:
             gen, step = version if version is not None else (None, None)
             self.channel.send(Fetch(job, owner_rank, gen, step, offset, length))
-            d = self._reply(FetchReply).descriptor
+            reply = self._reply(FetchReply)
+            d = reply.descriptor
             if d.shard != (job, owner_rank) or (version is not None
                                                 and d.version != tuple(version)):
                 raise ProtocolError(f"asked for rank {owner_rank} {version} of {job!r}, "
@@ -188,8 +202,29 @@ class ReplicaClient:
             if target.readonly or len(target) < d.total_bytes:
                 raise ReplicationError(f"fetch buffer of {len(target)} bytes (readonly="
                                        f"{target.readonly}) cannot take {d.total_bytes}")
-            receive_stream(self.channel, end - start, target[start:end], base=start)
+            # Pretagged blocks (the holder kept their tags) are checked against the tags
+            # their owner sealed them with, as they land; anything else by its session tag.
+            if reply.tag_salt is not None and self.blocks is not None:
+                self.channel.block_key = self.blocks.key(reply.tag_salt)
+            try:
+                receive_stream(self.channel, end - start, target[start:end], base=start)
+            finally:
+                self.channel.block_key = None
             return d
+
+        return self._call(run, deadline)
+
+    def report(self, report: Report, deadline: float | None = None) -> Reply:
+        """Sends a commit report to the peer (its job's coordinator) and returns its reply.
+
+        Raises:
+            Refused: the peer coordinates nothing (``not_coordinator``); the connection stays
+                usable.
+            ReplicationError: anything else; the connection is then unusable.
+        """
+        def run() -> Reply:
+            self.channel.send(CommitReport(encode_report(report)))
+            return decode_reply(self._reply(CommitReply).body)
 
         return self._call(run, deadline)
 

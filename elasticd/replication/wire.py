@@ -19,9 +19,10 @@ A sealed DATA frame may also be PRETAGGED (v4): its payload is offset (8) | bloc
 chunk, the session tag covers the 12 header bytes, the offset and the block tag, and the
 block tag covers the chunk under the snapshot's block key (:class:`~elasticd.replication.seal.
 BlockTags`: made once when the snapshot was sealed, keyed by the cluster secret and the salt
-its PUT_BEGIN carries). So every frame is still authenticated, the chunk by a tag that was
-not made on the push's critical path; a relay that alters the chunk fails the block tag, one
-that alters, replays or reorders the frame fails the session tag.
+its PUT_BEGIN, or since v5 its FETCH_REPLY, carries). So every frame is still authenticated,
+the chunk by a tag that was not made on the transfer's critical path; a relay that alters the
+chunk fails the block tag (:class:`BlockTagMismatch`), one that alters, replays or reorders
+the frame fails the session tag.
 
 A reader checks magic, version, type, flags and the length limit for that type *before* reading
 the payload, so a hostile or corrupt length never makes it allocate or wait for more than
@@ -32,7 +33,9 @@ The frames, by conversation (``C`` client, ``S`` server):
 
 * handshake: C HELLO → S CHALLENGE → C AUTH → S ACK, sealed (or ERROR unsealed, and close);
 * push: C PUT_BEGIN → S ACK | NACK, then C DATA… PUT_END → S ACK | NACK;
-* fetch: C FETCH → S FETCH_REPLY, DATA…, PUT_END | NACK;
+* fetch: C FETCH → S FETCH_REPLY, DATA…, PUT_END | NACK (FETCH_REPLY carries the salt of the
+  held copy's block tags when it has them: its DATA frames then come pretagged, as a push's);
+* commit report (v5): C REPORT → S REPORT_REPLY (the server is the job's commit coordinator);
 * ERROR from either side ends the connection.
 """
 
@@ -48,8 +51,14 @@ import xxhash
 from elasticd.replication.api import ReplicationError
 
 MAGIC = b"EDRP"
-VERSION = 4  # 2: client proves first, frames sealed (AES-GMAC); 3: tags are ChaCha20-Poly1305;
-# 4: pretagged DATA (block tags made at seal time)
+VERSION = 5  # 2: client proves first, frames sealed (AES-GMAC); 3: tags are ChaCha20-Poly1305;
+# 4: pretagged DATA (block tags made at seal time); 5: commit reports to the job's coordinator
+# (REPORT, REPORT_REPLY), which replaced the per-node replicated records in etcd; holders keep
+# the block tags a push brought and serve fetches pretagged (FETCH_REPLY carries the salt)
+#: What a peer speaking an older version is told to do (the log line on each side).
+UPGRADE = ("upgrade elasticd on every node of the cluster (docs/operations.md, section 8, "
+           "\"Upgrades\"): this release commits through a coordinator (replication protocol "
+           "v5) and cannot replicate with older nodes")
 CHECK_BYTES = 16
 HEADER = struct.Struct(f"!4sBBHI{CHECK_BYTES}s")
 HEADER_SIZE = HEADER.size
@@ -103,6 +112,11 @@ class ForgedFrame(ProtocolError):
     """A sealed frame fails its tag: altered, replayed, reordered, or not from the peer."""
 
 
+class BlockTagMismatch(ForgedFrame):
+    """A pretagged block fails its block tag: the bytes are not the ones its owner sealed
+    (corrupted in the sender's memory, or altered in transit)."""
+
+
 class UnsealedFrame(ProtocolError):
     """A frame without a tag where the session requires one, or with one before keys exist."""
 
@@ -127,6 +141,8 @@ class FrameType(enum.IntEnum):
     FETCH = 9
     FETCH_REPLY = 10
     ERROR = 11
+    REPORT = 12
+    REPORT_REPLY = 13
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +196,7 @@ def parse_header(raw: bytes | bytearray | memoryview, limits: Limits) -> FrameHe
                        "replication peer, or the stream lost its framing")
     if version != VERSION:
         raise UnsupportedVersion(f"peer speaks replication protocol v{version}, this elasticd "
-                                 f"speaks v{VERSION}: run the same elasticd release on all nodes")
+                                 f"speaks v{VERSION}: {UPGRADE}")
     try:
         kind = FrameType(ftype)
     except ValueError as exc:

@@ -94,8 +94,10 @@ class Segment:
         ticket: the reservation currently writing into it (0 for none).
     """
 
-    def __init__(self, path: str, name: str, capacity: int, mm: mmap.mmap, fd: int) -> None:
+    def __init__(self, path: str, name: str, capacity: int, mm: mmap.mmap, fd: int,
+                 small_pages: bool = False) -> None:
         self.path, self.capacity, self._mm, self._fd = path, capacity, mm, fd
+        self.small_pages = small_pages
         self.name = name  # relative to the store's root descriptor
         st = os.fstat(fd)
         self.identity = (st.st_dev, st.st_ino)  # what a worker's cached mapping is keyed on
@@ -108,13 +110,16 @@ class Segment:
 
     @classmethod
     def allocate(cls, dir_fd: int, name: str, path: str, capacity: int,
-                 mode: int = 0o600, reserve: bool = True) -> "Segment":
+                 mode: int = 0o600, reserve: bool = True,
+                 small_pages: bool = False) -> "Segment":
         """Creates ``name`` relative to the directory ``dir_fd`` (it must not exist) with
         ``capacity`` bytes reserved and touched; ``path`` is what it is called in messages.
 
         Args:
             reserve: False: the file is only sized, no page is reserved yet; the caller
                 reserves each range with :meth:`reserve_range` before anything writes it.
+            small_pages: with ``reserve`` False, :meth:`reserve_range` takes small pages
+                even where the mount gives huge ones (see there).
 
         Raises:
             OSError: the file exists, or no room (ENOSPC); nothing is left behind.
@@ -130,28 +135,48 @@ class Segment:
             mm = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED)
             if reserve:
                 prefault(mm)
+            elif small_pages:
+                # tmpfs gives a page faulted through a mapping so marked a small one whatever
+                # its mount says (fallocate, which has no mapping, would take a huge one).
+                mm.madvise(mmap.MADV_NOHUGEPAGE)
         except OSError:
             if mm is not None:
                 mm.close()
             os.close(fd)
             os.unlink(name, dir_fd=dir_fd)
             raise
-        return cls(path, name, capacity, mm, fd)
+        return cls(path, name, capacity, mm, fd, small_pages and not reserve)
 
     def reserve_range(self, start: int, end: int) -> None:
         """Reserves and pre-faults the pages holding bytes ``start``..``end`` of a segment
-        allocated with ``reserve=False`` (again for a range already reserved: harmless).
+        allocated with ``reserve=False`` (again for a range already reserved: harmless, and
+        cheap: its pages are there).
+
+        With ``small_pages`` the pages are faulted in through the daemon's mapping (one
+        ``MADV_POPULATE_WRITE``, which reports a full tmpfs as an error where a write would
+        get SIGBUS), so they are small ones; otherwise ``fallocate`` reserves them first.
 
         Raises:
-            OSError: no room (ENOSPC): nothing may write the range.
+            OSError: no room (ENOSPC, or EFAULT/ENOMEM from the populate): nothing may write
+                the range.
         """
-        # Whole 2 MiB pages: on a tmpfs with huge pages a range cut mid-page is given small
-        # pages (neighbouring ranges reserve the page twice, which is harmless).
-        lo = start - start % _HUGE
-        hi = min(self.capacity, -(-end // _HUGE) * _HUGE)
-        if hi > lo:
-            os.posix_fallocate(self._fd, lo, hi - lo)
-            prefault(self._mm, lo, hi)
+        unit = PAGE if self.small_pages else _HUGE
+        # Whole pages of the kind the range gets: on a tmpfs with huge pages a range cut
+        # mid-page is given small pages (neighbouring ranges reserve the page twice, which is
+        # harmless).
+        lo = start - start % unit
+        hi = min(self.capacity, -(-end // unit) * unit)
+        if hi <= lo:
+            return
+        if self.small_pages:
+            try:
+                self._mm.madvise(MADV_POPULATE_WRITE, lo, hi - lo)
+                return
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:  # a kernel before 5.14: fallocate, then write
+                    raise
+        os.posix_fallocate(self._fd, lo, hi - lo)
+        prefault(self._mm, lo, hi)
 
     @classmethod
     def open_verified(cls, dir_fd: int, name: str, path: str, job: str,

@@ -11,7 +11,9 @@ and shared with other jobs' replicas). Hence:
   a segment or a reservation that would go over is refused with one line
   (:class:`~elasticd.store.api.ScratchOverCap`, which the service counts and reports);
 * a dropped segment is emptied (truncated) before it is unlinked, so its memory comes back at
-  once even if a worker kept its mapping past its ``ckpt_release`` (or its pin's expiry);
+  once even if a worker kept its mapping past its ``ckpt_release`` (or its pin's expiry); one
+  kept a while for the job's next restore (issue 30, :mod:`~elasticd.store.scratch_pool`)
+  stays counted against the job's cap until then, and gives way before anything is refused;
 * one live segment per (job, rank) and requesting worker, which the service keeps
   (:mod:`elasticd.store.service_restores`): a worker that asks again for a shard it holds a
   partial copy of gives the old copy back first.
@@ -28,6 +30,7 @@ from typing import Callable
 
 from elasticd.snapshot.segment import Segment
 from elasticd.store.api import OverBudget, ScratchOverCap
+from elasticd.store.scratch_pool import KEEP_SECONDS, ScratchPool
 
 __all__ = ["ScratchAccounts", "ScratchReservation"]
 
@@ -57,25 +60,50 @@ class ScratchAccounts:
     """Who holds which scratch bytes, and whether more fits (call under the store's lock).
 
     Args:
-        job_cap: most bytes of scratch segments and reservations one job may hold on this
-            node; None for no per-job cap.
+        job_cap: most bytes of scratch segments (live or kept), and reservations one job may
+            hold on this node; None for no per-job cap.
+        keep: seconds a released segment is kept, its pages touched, for its job's next
+            restore (:mod:`elasticd.store.scratch_pool`; 0: none is).
     """
 
-    def __init__(self, job_cap: int | None) -> None:
+    def __init__(self, job_cap: int | None, keep: float = KEEP_SECONDS) -> None:
         if job_cap is not None and job_cap < 0:
             raise ValueError(f"job_cap must be >= 0 or None, got {job_cap}")
         self.job_cap = job_cap
         self.segments: dict[Segment, str] = {}  # segment -> its job
         self.booked: dict[ScratchReservation, None] = {}  # open reservations, in order
+        self.kept = ScratchPool(keep)  # released (or set aside), kept for their job
 
     def held(self, job: str | None = None) -> int:
-        """Bytes of scratch segments and open reservations (of ``job``, or of every job)."""
+        """Bytes of scratch segments, live and kept, and open reservations (of ``job``, or of
+        every job)."""
         return (sum(s.capacity for s, j in self.segments.items() if job in (None, j))
-                + sum(r.nbytes for r in self.booked if job in (None, r.job)))
+                + sum(r.nbytes for r in self.booked if job in (None, r.job))
+                + self.kept.held(job))
 
     def jobs(self) -> list[str]:
         """The jobs holding scratch or reservations now."""
-        return sorted({*self.segments.values(), *(r.job for r in self.booked)})
+        return sorted({*self.segments.values(), *(r.job for r in self.booked),
+                       *self.kept.jobs()})
+
+    def make_room(self, job: str | None, nbytes: int, node_held: int, node_cap: int | None,
+                  reservation: ScratchReservation | None = None) -> list[Segment]:
+        """The kept segments to delete, oldest first, so that ``nbytes`` more (for ``job``'s
+        scratch; None: for slots) fit under the node's cap and ``job``'s, taken out (the
+        store destroys them): memory kept for a next restore goes before anything is refused.
+        """
+        gone: list[Segment] = []
+        booked = reservation.nbytes if reservation in self.booked else 0
+        while True:
+            over_node = node_cap is not None and node_held - booked + nbytes > node_cap
+            over_job = (job is not None and self.job_cap is not None
+                        and self.held(job) - booked + nbytes > self.job_cap)
+            segment = (self.kept.pop_oldest(None if over_node else job)
+                       if over_node or over_job else None)
+            if segment is None:
+                return gone
+            gone.append(segment)
+            node_held -= segment.capacity
 
     def check(self, job: str, nbytes: int, node_held: int, node_cap: int | None,
               reservation: ScratchReservation | None = None) -> None:

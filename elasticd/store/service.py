@@ -137,7 +137,9 @@ class CheckpointService(SnapshotOps, RestoreOps):
         return str(verdict) if verdict is not None else ""
 
     def assess(self) -> None:
-        """Re-assesses every job's protection (once per daemon cycle); logs each change."""
+        """Re-assesses every job's protection (once per daemon cycle); logs each change. Also
+        lets go of restore scratch kept past its time."""
+        self.store.sweep_scratch()
         try:
             replication = self.replicator.status()["jobs"] if self.replicator else {}
         except Exception:  # noqa: BLE001 — status must not fail over replication

@@ -34,6 +34,7 @@ import logging
 from typing import Any, Callable
 
 from elasticd.store.api import ScratchOverCap, SlotStoreError
+from elasticd.store.scratch_pool import prefill
 from elasticd.snapshot.format import SnapshotError
 from elasticd.store.service_records import call_hooks, param
 from elasticd.store.telemetry import RESTORE_SOURCES
@@ -159,6 +160,9 @@ class RestoreOps:
                     earlier = self._scratch_pins.pop(caller, None)
                 if earlier is not None:
                     self._release({"pin": earlier})
+            replica = self._open_replica(job, rank, version)
+            if replica is not None:
+                return replica
             try:
                 result = self.replicator.fetch_to_local(job, rank, version,
                                                         need=msg.get("need"))
@@ -194,6 +198,29 @@ class RestoreOps:
                            verify=not just_fetched)
         return {**reply, "source": source, "wire_bytes": wire_bytes, "holder": holder}
 
+    def _open_replica(self, job: str, rank: int,
+                      version: tuple[int, int]) -> dict[str, Any] | None:
+        """The reply for a shard this node holds as a replica of another node's (the dead
+        node's rank, now hosted here): its slot handed over read-only and pinned, as
+        ``ckpt_open`` hands a local one (checked first, for rot in RAM), rather than copied
+        into the local store or a scratch segment first; None when it is not held here."""
+        store = getattr(getattr(self.replicator, "sink", None), "store", None)
+        if store is None:
+            return None
+        try:
+            view = store.latest(job, rank, pin=True, verify=True, version=version)
+        except (SnapshotError, ValueError) as exc:
+            log.error("REFUSED the replica of %s rank %d step %s on node %s: %s", job, rank,
+                      version, self.node_id, exc)
+            return None
+        if view is None:
+            return None
+        pin, fd = self._pin(view.descriptor, view.release, job,
+                            f"the replica of {job} rank {rank} step {version}")
+        return {"path": view.path, "offset": 0, "size": view.header.layout.total_size,
+                "pin": pin, "source": "peer", "wire_bytes": 0, "holder": self.node_id,
+                "_fds": [fd]}
+
     def _hand_scratch(self, caller: tuple[str, int, Any], scratch: Any,
                       result: Any) -> dict[str, Any]:
         """The reply for a partial copy (``ckpt_fetch`` with ``need``, see the module
@@ -206,6 +233,23 @@ class RestoreOps:
         return {"path": scratch.path, "offset": 0, "size": result.descriptor.total_bytes,
                 "pin": pin, "source": "peer", "partial": True,
                 "wire_bytes": int(result.wire_bytes), "holder": result.holder, "_fds": [fd]}
+
+    def membership_changed(self, job: str) -> int:
+        """A node that runs ``job`` failed (the daemon's loop saw its lease go): this node's
+        workers restore soon, after the rendezvous, and a restore at another world size lands
+        the rows a new rank needs of other old ranks' snapshots in scratch. Sets scratch aside
+        now, one segment the size of each snapshot of ``job`` this node holds (a new rank's
+        partial copies are about an old shard's size), its pages touched behind the
+        detection and the rendezvous (:func:`~elasticd.store.scratch_pool.prefill`). It
+        counts against the job's scratch cap (``scratch_cap_mib``) and the node's like any
+        scratch from now on (what does not fit is not set aside), and goes unused after
+        ``scratch_pool.KEEP_SECONDS``. Returns the bytes set aside."""
+        sizes = []
+        for held_job, rank, _, _ in self.store.holdings():
+            view = self.store.latest(held_job, rank) if held_job == job else None
+            if view is not None:
+                sizes.append(view.header.layout.total_size)
+        return prefill(self.store, job, sizes) if sizes else 0
 
     def undelivered(self, op: str, reply: dict[str, Any]) -> None:
         """The local API could not send ``reply`` to ``op`` (its worker went away while the

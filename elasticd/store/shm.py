@@ -26,8 +26,7 @@ import threading
 import uuid
 from typing import Any, Callable
 
-import numpy as np
-
+from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.store.api import (
     CommitPending,
     OverBudget,
@@ -38,9 +37,11 @@ from elasticd.store.api import (
     StaleSlot,
 )
 from elasticd.snapshot.format import SnapshotError, SnapshotHeader, invalidate, seal, write_header
-from elasticd.snapshot.reader import SnapshotReader, verify_payload
+from elasticd.snapshot.reader import verify_payload
 from elasticd.snapshot.segment import PAGE, Segment, map_fd, map_file
 from elasticd.store.scratch import ScratchAccounts, ScratchReservation
+from elasticd.store.scratch_pool import KEEP_SECONDS
+from elasticd.store.snapshot_view import SnapshotView
 from elasticd.store.shm_root import claim_root, dir_problem, listdir_at, remove_at, same_file
 
 __all__ = ["PAGE", "CommitPending", "OverBudget", "ScanResult", "Slot", "SlotBusy", "SlotStore",
@@ -62,41 +63,6 @@ class _Pair:
     retained: set[tuple[int, int]] = dataclasses.field(default_factory=set)
 
 
-class SnapshotView:
-    """The latest complete snapshot of one (job, rank), read in place (no copy).
-
-    The bytes stay valid until the store reuses the slot, which happens at the second
-    :meth:`SlotStore.reserve` after this one was taken; a *pinned* view (``latest(pin=True)``)
-    prevents that until :meth:`release` (a reserve then raises :class:`SlotBusy`).
-    """
-
-    def __init__(self, store: "SlotStore", segment: Segment, pinned: bool, verify: bool):
-        self.header: SnapshotHeader = segment.header  # type: ignore[assignment]
-        self.tags = segment.tags  # what the store's tagger made at seal time, or None
-        self.path = segment.path
-        self.buffer = segment.view[: self.header.layout.total_size].toreadonly()
-        self._reader = SnapshotReader(self.buffer, verify=verify, where=segment.path)
-        self._store, self._segment, self._pinned = store, segment, pinned
-
-    def array(self, name: str) -> np.ndarray:
-        return self._reader.array(name)
-
-    def descriptor(self) -> int:
-        """A new read-only descriptor of the slot file (for a worker; the caller closes it)."""
-        return self._segment.descriptor(writable=False)
-
-    def release(self) -> None:
-        if self._pinned:
-            self._pinned = False
-            self._store._unpin(self._segment)
-
-    def __enter__(self) -> "SnapshotView":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release()
-
-
 class SlotStore:
     """Double-buffered snapshot slots for every (job, rank) this node holds.
 
@@ -105,19 +71,25 @@ class SlotStore:
         cap_bytes: most bytes the slot files may take together; None for no cap.
         job_scratch_cap: most bytes of restore scratch one job may hold (:meth:`scratch`);
             None for no per-job cap.
+        scratch_keep: seconds a released restore scratch segment stays, pages touched, for
+            its job's next restore (:mod:`elasticd.store.scratch_pool`); 0: none stays.
+        clock: times how long they stay.
     """
 
     def __init__(self, root: str, *, cap_bytes: int | None = None,
-                 job_scratch_cap: int | None = None):
+                 job_scratch_cap: int | None = None, scratch_keep: float = KEEP_SECONDS,
+                 clock: Clock | None = None):
         if cap_bytes is not None and cap_bytes < 0:
             raise ValueError(f"cap_bytes must be >= 0 or None, got {cap_bytes}")
         self.root, self.cap_bytes = os.path.abspath(root), cap_bytes
+        self._clock = clock or SYSTEM_CLOCK
         self._fd = claim_root(self.root)
         self._pairs: dict[tuple[str, int], _Pair] = {}
         self._retained: dict[str, set[tuple[int, int]]] = {}  # job-wide (see retain)
         self._lock = threading.Lock()
         self._tickets = 0
-        self._scratch = ScratchAccounts(job_scratch_cap)  # partial copies for restores
+        # Partial copies for restores, and those kept for their job's next one.
+        self._scratch = ScratchAccounts(job_scratch_cap, scratch_keep)
         #: Called at each local seal with the slot's memory and its payload blocks' ranges;
         #: what it returns rides along as ``SnapshotView.tags`` (replication sets it: the
         #: block tags that spare a push the pass over the bytes, seal.py's BlockTags).
@@ -253,6 +225,8 @@ class SlotStore:
             fill = both and pair.segments[other] is None
             needed = (capacity if grow else 0) + (capacity if fill else 0)
             freed = current.capacity if grow and current is not None else 0
+            self._destroy(self._scratch.make_room(None, needed - freed, self._held(),
+                                                  self.cap_bytes))
             held = self._held()
             if self.cap_bytes is not None and held - freed + needed > self.cap_bytes:
                 raise OverBudget(
@@ -283,8 +257,11 @@ class SlotStore:
         until :meth:`drop_scratch`; it takes over ``reservation``'s booked bytes. Named
         ``.scratch-<random>`` at the root (:meth:`scan` removes it after a crash). Only sized:
         the caller reserves each range before writing it (:meth:`Segment.reserve_range`), so
-        a copy takes the memory of what it holds, reserved beside the transfers (a whole
-        reserve up front cost 0.74-0.96 s per 385 MB, bench/results/first_touch.json).
+        a copy takes the memory of what it holds, reserved beside the transfers. Its pages
+        are small ones even on a mount that gives huge pages (a fresh huge page the host took
+        back after idle costs ~2 s per GiB at first touch, a small one ~0.5,
+        bench/results/first_touch.json); one ``job`` released or set aside
+        (:mod:`~elasticd.store.scratch_pool`) a moment ago is reused, its pages touched.
 
         Raises:
             OverBudget: over the node's cap (or the filesystem is full); ScratchOverCap (a
@@ -292,30 +269,50 @@ class SlotStore:
         """
         capacity = -(-self._scratch_bytes(job, nbytes) // PAGE) * PAGE
         with self._lock:
-            self._scratch.check(job, capacity, self._held(), self.cap_bytes, reservation)
-            # Unique across daemons: a crashed one's leftover (removed by scan) never clashes.
-            name = f".scratch-{uuid.uuid4().hex[:16]}"
-            try:
-                segment = Segment.allocate(self._fd, name, os.path.join(self.root, name),
-                                           capacity, reserve=False)
-            except OSError as exc:
-                raise OverBudget(f"cannot allocate {capacity} bytes in {self.root}: {exc}",
-                                 capacity, self._held(), self.cap_bytes) from exc
+            self._expire_scratch()
+            segment = self._scratch.kept.take(job, capacity)
+            if segment is None:
+                self._destroy(self._scratch.make_room(job, capacity, self._held(),
+                                                      self.cap_bytes, reservation))
+                self._scratch.check(job, capacity, self._held(), self.cap_bytes, reservation)
+                # Unique across daemons: a crashed one's leftover (removed by scan) never clashes.
+                name = f".scratch-{uuid.uuid4().hex[:16]}"
+                try:
+                    segment = Segment.allocate(self._fd, name, os.path.join(self.root, name),
+                                               capacity, reserve=False, small_pages=True)
+                except OSError as exc:
+                    raise OverBudget(f"cannot allocate {capacity} bytes in {self.root}: {exc}",
+                                     capacity, self._held(), self.cap_bytes) from exc
             self._scratch.booked.pop(reservation, None)  # type: ignore[arg-type]
             self._scratch.segments[segment] = job
             return segment
 
     def drop_scratch(self, segment: Segment) -> None:
-        """Deletes a :meth:`scratch` file, emptied first: its memory comes back now, even if
-        a worker still maps it (its reads then fault; it said it was done, or its pin expired)."""
+        """Lets go of a :meth:`scratch` file: kept a while for its job's next restore, counted
+        against the job's cap (:mod:`~elasticd.store.scratch_pool`), else deleted, emptied
+        first: its memory comes back now even if a worker still maps it (its reads fault)."""
         with self._lock:
-            if self._scratch.segments.pop(segment, None) is not None:
-                segment.destroy(self._fd, reclaim=True)
+            job = self._scratch.segments.pop(segment, None)
+            if job is not None and not self._scratch.kept.put(job, segment,
+                                                              self._clock.monotonic()):
+                self._destroy([segment])
+            self._expire_scratch()
+
+    def sweep_scratch(self) -> None:
+        """Deletes the released scratch segments kept past their time (called periodically)."""
+        with self._lock:
+            self._expire_scratch()
+
+    def _expire_scratch(self) -> None:
+        self._destroy(self._scratch.kept.expired(self._clock.monotonic()))
+
+    def _destroy(self, segments: list[Segment]) -> None:
+        for segment in segments:  # emptied first: see drop_scratch
+            segment.destroy(self._fd, reclaim=True)
 
     def reserve_scratch(self, job: str, nbytes: int) -> ScratchReservation:
         """Books ``nbytes`` of ``job``'s scratch cap and of the node's cap for a partial copy
-        not made yet (e.g. a restore's scratch set up when a membership change is first seen):
-        it counts against both from now until it is handed to :meth:`scratch`
+        not made yet: it counts against both from now until it is handed to :meth:`scratch`
         (``reservation=``) or released (:meth:`ScratchReservation.release`).
 
         Raises:
@@ -323,6 +320,7 @@ class SlotStore:
         """
         self._scratch_bytes(job, nbytes)
         with self._lock:
+            self._destroy(self._scratch.make_room(job, nbytes, self._held(), self.cap_bytes))
             self._scratch.check(job, nbytes, self._held(), self.cap_bytes)
             booking = ScratchReservation(job, nbytes, self._unbook)
             self._scratch.booked[booking] = None
@@ -357,15 +355,17 @@ class SlotStore:
         version = segment.header.version()
         return version in pair.retained or version in self._retained.get(job, ())
 
-    def complete(self, slot: Slot, header: SnapshotHeader, *,
-                 verified: bool = False) -> SnapshotHeader:
+    def complete(self, slot: Slot, header: SnapshotHeader, *, verified: bool = False,
+                 tags: Any = None) -> SnapshotHeader:
         """Seals the snapshot written into ``slot`` (it becomes (job, rank)'s latest); returns
         the sealed header.
 
-        If ``header.blocks`` is empty the payload checksums are computed here; if it holds
-        checksums (a replica received from a peer) the payload is verified against them,
-        unless ``verified``: the daemon itself checked every block against them as it wrote
-        them (a fetch from peers), and nothing else has the slot.
+        If ``header.blocks`` is empty the payload checksums are computed here (and the
+        :attr:`tagger` tags the blocks); if it holds checksums (a replica received from a
+        peer) the payload is verified against them, unless ``verified``: the daemon itself
+        checked every block as it wrote them (a fetch from peers), and nothing else has the
+        slot. ``tags``: the block tags the copy came with (checked on the wire), kept with it
+        (``SnapshotView.tags``).
 
         Raises:
             StaleSlot: the slot was reserved again, grown or removed since.
@@ -381,7 +381,6 @@ class SlotStore:
         with self._lock:
             segment = self._reserved_segment(slot)
         # Checksumming runs outside the lock: other ranks keep reserving meanwhile.
-        tags = None
         if header.blocks:
             if not verified:
                 verify_payload(segment.view, header)
@@ -448,7 +447,7 @@ class SlotStore:
             if pin:
                 segment.pins += 1
         try:
-            return SnapshotView(self, segment, pin, verify)
+            return SnapshotView(segment, self._unpin if pin else None, verify)
         except SnapshotError:
             if pin:
                 self._unpin(segment)
@@ -505,6 +504,7 @@ class SlotStore:
         with self._lock:
             self._retained.pop(job, None)
             self._drop([k for k in self._pairs if k[0] == job])
+            self._destroy(self._scratch.kept.drain(job))  # kept for its next restore
             shutil.rmtree(job, ignore_errors=True, dir_fd=self._fd)
 
     def close(self, *, unlink: bool = True) -> None:
@@ -516,8 +516,8 @@ class SlotStore:
             for seg in (s for p in self._pairs.values() for s in p.segments if s is not None):
                 seg.unmap()
             self._pairs.clear()
-            for seg in self._scratch.segments:  # partial copies never outlive the daemon
-                seg.destroy(self._fd)
+            # Partial copies never outlive the daemon.
+            self._destroy([*self._scratch.segments, *self._scratch.kept.drain()])
             self._scratch.segments.clear()
             fd, self._fd = self._fd, -1
         if fd < 0:

@@ -274,7 +274,18 @@ class Resharder:
                 self.others.setdefault(names[node["i"]], []).append(
                     ((tuple(node["offsets"]), tuple(t.shape)), t))
 
-    def __call__(self, node: Mapping[str, Any]) -> Any:
+    def __call__(self, node: Mapping[str, Any], live: Any = None) -> Any:
+        """The DTensor ``node`` (a saved sharded entry) becomes on this rank.
+
+        Args:
+            live: the state's own DTensor at the same place (the parameter, the optimizer's
+                moment), when it has one: if it is the very tensor this rank must hold (the
+                same global shape, dtype and placements on the mesh, in host memory), the new
+                shard is assembled straight into its local tensor and it is returned, so the
+                rows go from the fetched snapshots to where the state reads them in one copy,
+                into memory already touched (the object's ``load_state_dict`` then copies it
+                onto itself, which torch skips). Otherwise a new local tensor is made.
+        """
         from torch.distributed.tensor import DTensor
 
         try:
@@ -287,21 +298,26 @@ class Resharder:
         mesh = mesh_for(node, self.meshes)
         target = local_box(shape, mesh, placements)
         name = self.base_names[i] if self.base_names else str(i)
-        local = self._assemble(name, target, [saved, *self.others.get(name, [])], mine.dtype,
-                               self.base_owned)
+        chunks = [saved, *self.others.get(name, [])]
+        into = _destination(live, shape, mesh, placements, target, mine)
+        if into is not None:
+            self._assemble(name, target, chunks, mine.dtype, into=into)
+            return live
+        local = self._assemble(name, target, chunks, mine.dtype, self.base_owned)
         stride = torch.empty(shape, device="meta").stride()
         return DTensor.from_local(local, mesh, placements, run_check=False,
                                   shape=torch.Size(shape), stride=stride)
 
     @staticmethod
     def _assemble(name: str, target: Box, chunks: list[tuple[Box, torch.Tensor]],
-                  dtype: torch.dtype, base_owned: bool = True) -> torch.Tensor:
+                  dtype: torch.dtype, base_owned: bool = True,
+                  into: torch.Tensor | None = None) -> torch.Tensor:
         for box, t in chunks:
-            if box == target:  # the same world (or the same rows): the saved copy as it is
+            if box == target and into is None:  # the same world: the saved copy as it is
                 # Only the base piece may be this rank's own copy; the others are views of a
                 # slot that goes back to the daemon after the load.
                 return t if base_owned and t is chunks[0][1] else t.clone()
-        out = torch.empty(target[1], dtype=dtype)
+        out = torch.empty(target[1], dtype=dtype) if into is None else into
         covered, seen = 0, set()
         for box, t in chunks:
             if box in seen or t.dtype != dtype:
@@ -318,3 +334,21 @@ class Resharder:
             raise ShardMismatch(f"{name}: the shards fetched hold {covered} of the "
                                 f"{math.prod(target[1])} elements this rank needs")
         return out
+
+
+def _destination(live: Any, shape: Sequence[int], mesh: Any, placements: Sequence[Any],
+                 target: Box, saved: torch.Tensor) -> torch.Tensor | None:
+    """``live``'s local tensor when a new shard may be assembled straight into it: a DTensor
+    of the same global shape and dtype, on ``mesh`` with ``placements``, whose local tensor is
+    the ``target`` box, contiguous, in host memory (a GPU destination keeps its own copy path:
+    the new shard is made on the host and loaded by the object); else None."""
+    dtensor = dtensor_class()
+    if dtensor is None or not isinstance(live, dtensor):
+        return None
+    local = live._local_tensor
+    if (tuple(live.shape) != tuple(shape) or live.dtype != saved.dtype
+            or live.device_mesh != mesh or tuple(live.placements) != tuple(placements)
+            or tuple(local.shape) != tuple(target[1]) or local.device.type != "cpu"
+            or not local.is_contiguous() or local.requires_grad):
+        return None
+    return local

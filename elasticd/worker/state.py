@@ -20,13 +20,14 @@ and plain values. Worker side: imports torch.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import math
 import random
 import sys
 import weakref
-from typing import Any, Mapping, MutableMapping, Sequence
+from typing import Any, Callable, Mapping, MutableMapping, Sequence
 
 import numpy as np
 import torch
@@ -379,7 +380,8 @@ class _Unflattener:
             raise StateError(f"numpy dtype {name!r} is not a plain numeric dtype")
         return dtype
 
-    def decode(self, node: Any) -> Any:
+    def decode(self, node: Any, live: Any = None) -> Any:
+        """``node``'s value; ``live``: the state's value at the same place now, or None."""
         t = type(node)
         if node is None or t in (bool, int, float, str):
             return node
@@ -396,7 +398,7 @@ class _Unflattener:
                 raise StateError("the snapshot holds sharded tensors (DTensor): restore it into "
                                  "a state (load_into), not with unflatten")
             try:
-                return self.dtensors(node)
+                return self.dtensors(node, live)
             except shards.ShardError as exc:
                 raise StateMismatch(str(exc)) from exc
         if tag in ("dict", "odict"):
@@ -404,7 +406,8 @@ class _Unflattener:
             if len(keys) != len(values):
                 raise StateError("dict node with unequal keys and values")
             cls = collections.OrderedDict if tag == "odict" else dict
-            out = cls((self.decode(k), self.decode(v)) for k, v in zip(keys, values))
+            decoded = [self.decode(k) for k in keys]
+            out = cls((k, self.decode(v, _live_at(live, k))) for k, v in zip(decoded, values))
             if "meta" in node:
                 out._metadata = self.decode(node["meta"])  # type: ignore[attr-defined]
             return out
@@ -431,8 +434,15 @@ class _Unflattener:
         raise StateError(f"unknown meta tag {tag!r}")
 
 
+def _live_at(live: Any, key: Any) -> Any:
+    """``live[key]`` when ``live`` is a mapping holding it, else None."""
+    with contextlib.suppress(TypeError):  # an unhashable key
+        return live.get(key) if isinstance(live, Mapping) else None
+
+
 def _objects(tensors: list[torch.Tensor], meta: Mapping[str, Any],
-             dtensors: Any = None) -> list[tuple[str, str, Any]]:
+             dtensors: Any = None, live: Callable[[str], Any] = lambda key: None
+             ) -> list[tuple[str, str, Any]]:
     version = meta.get("v") if isinstance(meta, Mapping) else None
     if type(version) is not int:
         raise StateMismatch("snapshot meta has no state version: not written by state.flatten")
@@ -441,7 +451,8 @@ def _objects(tensors: list[torch.Tensor], meta: Mapping[str, Any],
                             f"v{META_VERSION}; upgrade the worker's elasticd")
     decoder = _Unflattener(tensors, dtensors)
     try:
-        return [(str(key), str(kind), decoder.decode(node)) for key, kind, node in meta["objects"]]
+        return [(str(key), str(kind), decoder.decode(node, live(str(key))))
+                for key, kind, node in meta["objects"]]
     except StateError:
         raise
     except (KeyError, IndexError, TypeError, ValueError) as exc:
@@ -478,7 +489,8 @@ def load_into(state: MutableMapping[str, Any], tensors: list[torch.Tensor],
             shards need (:func:`elasticd.worker.shards.needed_ranks`).
         names: this snapshot's tensor names (to find the same tensors in ``others``).
         base_views: the sharded entries of ``tensors`` are views of a slot (read in place,
-            as ``others`` are): a new shard is never one of them but a copy. Every other
+            as ``others`` are, a reshard): a new shard is never one of them but a copy, made
+            straight into the state's own tensor where it fits (``Resharder``). Every other
             entry of ``tensors`` must still be an owned copy.
 
     Raises:
@@ -488,14 +500,19 @@ def load_into(state: MutableMapping[str, Any], tensors: list[torch.Tensor],
     """
     resharder = None
 
-    def dtensor(node: Mapping[str, Any]) -> Any:
+    def dtensor(node: Mapping[str, Any], live: Any = None) -> Any:
         nonlocal resharder
         if resharder is None:
             resharder = shards.Resharder(state, [(names, tensors, meta), *others],
                                          base_owned=not base_views)
-        return resharder(node)
+        return resharder(node, live)
 
-    objects = _objects(tensors, meta, dtensor)
+    def live(key: str) -> Any:  # state[key]'s state dict: its very tensors
+        target = state.get(key) if base_views else None
+        with contextlib.suppress(Exception):  # an optimisation: else new tensors are made
+            return target.state_dict() if _kind(target) in ("module", "optimizer") else None
+
+    objects = _objects(tensors, meta, dtensor, live)
     saved = [key for key, _, _ in objects]
     if strict and set(saved) != set(state):
         raise StateMismatch(

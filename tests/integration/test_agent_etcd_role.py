@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -71,6 +72,13 @@ def test_the_agents_role_can_write_nothing_outside_its_rendezvous_prefix(auth_et
         agent.put(rdzv + b"alive/n1", b"", lease)
         assert agent.get_prefix(rdzv)[0]
         assert agent.get(keys.node("n1")).value == b"node record"
+        # ... and watch it (the daemon watch follows it rather than reading it every 0.25 s).
+        seen = threading.Event()
+        watch = agent.watch_key(keys.node("n1"), lambda batch: seen.set(),
+                                agent.revision(keys.node("n1")) + 1)
+        root.put(keys.node("n1"), b"node record, rewritten")
+        assert seen.wait(10)
+        watch.cancel()
         agent.revoke_lease(lease)
         outside_writes = [keys.job_spec("j1"), keys.job_control("j1"), keys.job_node("j1", "n1"),
                           keys.job_placement("j1"), keys.job_ckpt("j1") + b"committed",

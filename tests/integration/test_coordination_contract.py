@@ -85,6 +85,10 @@ class CoordinatorContract:
         ok, rev = coord.transaction([Compare(key, cur)], [Delete(key), Put(key + b"2", b"y")])
         assert ok and rev > cur
         assert coord.get(key) is None and coord.get(key + b"2").value == b"y"
+        # Every change of one transaction has its revision (the commit protocol's fences
+        # rely on it: a withdrawal's returned revision is its fence key's mod_revision).
+        ok, rev = coord.transaction([], [Put(key + b"3", b"a"), Put(key + b"4", b"b")])
+        assert ok and coord.get(key + b"3").mod_revision == coord.get(key + b"4").mod_revision == rev
 
     def test_create_revision_compare_fails_once_the_key_was_re_created(self, coord, prefix):
         # etcd's election recipe: a leader's write compares its key's create_revision.
@@ -138,6 +142,20 @@ class CoordinatorContract:
         finally:
             w.cancel()
             w2.cancel()
+
+    def test_watch_key_sees_that_key_only(self, coord, prefix):
+        key = (prefix + "/k/node").encode()
+        got = Collector()
+        w = coord.watch_key(key, got, coord.revision() + 1)
+        try:
+            coord.put(key + b"x", b"longer")  # under the key as a prefix: not the key
+            coord.put(key, b"rec")
+            coord.delete(key)
+            got.wait(lambda c: len(c.events()) >= 2)
+            assert [(e.type, e.kv.key) for e in got.events()] == [
+                (EventType.PUT, key), (EventType.DELETE, key)]
+        finally:
+            w.cancel()
 
     def test_watch_replays_from_start_revision(self, coord, prefix):
         p = (prefix + "/r/").encode()

@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from elasticd.launcher import JOB_USER, LocalCluster
-from elasticd.replication.commit import decode_committed
+from elasticd.replication.commit import read_committed
 
 pytestmark = [pytest.mark.etcd]
 
@@ -46,8 +46,8 @@ def ctl(c, *args, timeout=150):
 
 
 def committed(c, job="job"):
-    kv = c.coordinator().get(c.keys.job_committed(job))
-    return decode_committed(kv.value, kv.key) if kv is not None else None
+    # Holders derive from the placement stored beside the record (schema 2).
+    return read_committed(c.coordinator(), c.keys, job)
 
 
 @pytest.fixture(scope="module")

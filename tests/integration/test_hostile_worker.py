@@ -90,14 +90,16 @@ def test_the_workers_register_text_reaches_the_operator_and_the_log_escaped(host
 def test_a_worker_holds_one_partial_copy_per_shard_and_its_job_stays_under_its_cap(tmp_path):
     """Finding 6: each ckpt_fetch with ``need`` made a scratch segment pinned for 600 s, with
     no per-job bound (the node cap is off by default and shared with other jobs' replicas).
-    Two real daemons replicating, a real job as an unprivileged user, its rank 0 fetching
-    rank 1's shard again and again without releasing, then a child process of it once more,
-    under a 1 MiB per-job cap (each copy takes 768 KiB)."""
+    Three real daemons replicating (m = 2), a real job as an unprivileged user, its rank 0
+    fetching another rank's shard again and again without releasing, then a child process of
+    it once more, under a 1 MiB per-job cap (each copy takes 768 KiB)."""
     out = job_writable(str(tmp_path / "out"))
-    c = LocalCluster(["n1", "n2"], workdir=str(tmp_path / "cluster"), replication=True,
+    # Three nodes, m = 2: rank 0's node lacks some rank's copy, which it must fetch as scratch
+    # (a copy held here is served in place, with no scratch at all).
+    c = LocalCluster(["n1", "n2", "n3"], workdir=str(tmp_path / "cluster"), replication=True,
                      extra_args=["--scratch-cap-mib", "1"])
     try:
-        got = run_worker(c, out, "2", "scratch", 150)
+        got = run_worker(c, out, "3", "scratch", 150)
         fetches, child = got["fetches"], got["child"]
         assert all(f.get("partial") for f in fetches), fetches
         node = next(n for n in c.nodes if f"/{n}/" in fetches[0]["path"])

@@ -115,7 +115,7 @@ def test_a_peer_speaking_another_wire_version_is_refused_counted_and_stores_noth
         reply = decode_frame(recv_frame(s))  # ours is a v1 frame: this end can read it
         assert isinstance(reply, Error) and reply.code == "version", reply
         assert f"v{future}" in reply.message and f"v{VERSION}" in reply.message, reply.message
-        assert "same elasticd release" in reply.message
+        assert "upgrade elasticd on every node" in reply.message
         s.settimeout(5)
         assert s.recv(1) == b"", "the connection must be closed after the refusal"
 

@@ -212,10 +212,40 @@ def test_a_fetch_with_the_new_boxes_is_a_partial_copy_dropped_at_its_release(nod
     assert svc.store.versions("job", 2) == []  # not a snapshot here
     assert svc.replicator.needs == [("job", 2, [[[3000], ["S0"], [0], [1500]]])]
     t.call("ckpt_release", pin=reply["pin"])
+    # Kept, pages touched, for the job's next restore (store/scratch_pool.py), until the job
+    # leaves the node (or it expires: test_checkpoint_shm.py).
+    assert svc.store.bytes_held() > before and os.path.exists(reply["path"])
+    svc.remove_job("job")
     assert svc.store.bytes_held() == before
     assert not os.path.exists(reply["path"])
     with pytest.raises(TransportError, match="need"):
         t.call("ckpt_fetch", job="job", rank=2, generation=0, step=4, need={"w": 1})
+
+
+def test_a_shard_held_here_as_a_replica_is_handed_over_in_place(nodes):
+    """A dead node's rank now hosted here, of which this node holds a replica: the worker
+    maps the replica's slot (checked, pinned), uncopied; nothing is fetched or reserved."""
+    import types
+
+    svc, t, _, _ = nodes
+    root = f"/dev/shm/elasticd-test-{uuid.uuid4().hex[:12]}"
+    replicas = SlotStore(root)
+    try:
+        _, data = write_snapshot(InProcessTransport(CheckpointService(replicas, "n1").handlers()),
+                                 "job", 4, step=5, world=6)
+        svc.replicator.sink = types.SimpleNamespace(store=replicas)
+        before = svc.store.bytes_held()
+        for need in (None, [[[3000], ["S0"], [0], [1500]]]):  # same world, and a reshard
+            extra = {} if need is None else {"need": need}
+            reply = t.call("ckpt_fetch", job="job", rank=4, generation=0, step=5, **extra)
+            assert reply["path"] == replicas.latest("job", 4).path
+            assert (reply["source"], reply["wire_bytes"], reply["holder"]) == ("peer", 0, "n1")
+            assert np.array_equal(read_w(reply, "job", 4), data)
+            t.call("ckpt_release", pin=reply["pin"])
+        assert svc.replicator.fetches == [] and svc.store.bytes_held() == before
+    finally:
+        replicas.close()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_fetch_of_a_shard_no_one_holds_is_lost(nodes):

@@ -111,7 +111,18 @@ def _rank_main(rank, world, port, sockets, out_dir, phase):
         ckpt = Checkpointer(transport=client, job="j", rank=rank, world_size=world)
         start = 0
         if phase != "first":  # a new world restores the old one's committed step
+            from elasticd.worker import shards
+
+            assembled = []  # (into the state's own tensor?) of each new shard
+            real = shards.Resharder._assemble
+            shards.Resharder._assemble = staticmethod(
+                lambda *a, into=None, **kw: (assembled.append(into is not None),
+                                             real(*a, into=into, **kw))[1])
             step = ckpt.restore(state)
+            shards.Resharder._assemble = staticmethod(real)
+            # Each parameter's new shard went straight into its own local tensor (the
+            # optimizer of these fresh processes has no moments yet: those are new tensors).
+            assert sum(assembled) == len(list(model.parameters())), assembled
             assert step == {"shrink": 3, "grow": 6}[phase]
             assert ckpt.last_restore.saved_world_size != world
             assert ckpt.last_restore.steps_lost >= 0
@@ -346,6 +357,19 @@ def test_a_piece_read_in_place_is_copied_even_when_it_is_the_whole_target():
     assert torch.equal(got, slot) and got.data_ptr() != slot.data_ptr()
     mine = Resharder._assemble("w", target, [(target, base)], torch.float32)
     assert mine is base  # the same rows as saved: this rank's copy as it is
+
+
+def test_a_new_shard_is_assembled_into_the_given_tensor():
+    from elasticd.worker.shards import Resharder
+
+    full = torch.arange(35.0).view(5, 7)
+    chunks = [(((0, 0), (3, 7)), full[:3]), (((3, 0), (2, 7)), full[3:])]
+    into = torch.zeros(3, 7)
+    got = Resharder._assemble("w", ((2, 0), (3, 7)), chunks, torch.float32, into=into)
+    assert got is into and torch.equal(into, full[2:5])
+    whole = torch.zeros(3, 7)  # the same rows as saved: copied in too, not handed over
+    assert Resharder._assemble("w", ((0, 0), (3, 7)), chunks, torch.float32,
+                               into=whole) is whole and torch.equal(whole, full[:3])
 
 
 def test_chunks_follow_torch_chunk_and_assembly_covers_every_element():

@@ -16,6 +16,8 @@ import uuid
 import numpy as np
 import pytest
 
+from elasticd.clock import FakeClock
+
 from elasticd.snapshot.format import CorruptSnapshot, SnapshotHeader, TensorSpec, layout
 from elasticd.store.shm import (
     PAGE,
@@ -228,7 +230,7 @@ def test_cap_is_enforced_and_leaves_the_store_unchanged(root):
 def test_a_scratch_copy_counts_against_the_cap_and_never_survives_a_restart(root):
     """A partial copy for one restore read: outside every (job, rank), within the cap, gone
     at drop_scratch, and removed by the next daemon's scan when the last one died with it."""
-    store = SlotStore(root, cap_bytes=5 * PAGE)
+    store = SlotStore(root, cap_bytes=5 * PAGE, scratch_keep=0)
     snapshot(store, "job", 0, step=1, n=100)  # 4 pages of slots
     with pytest.raises(OverBudget, match="partial copy"):
         store.scratch(PAGE + 1, job="job")  # 2 pages more exceed the 5-page cap: refused, nothing made
@@ -252,6 +254,63 @@ def test_a_scratch_copy_counts_against_the_cap_and_never_survives_a_restart(root
         assert_holds(again, "job", 0, 1, n=100)
     finally:
         again.close()
+
+
+def test_released_scratch_is_kept_touched_for_its_jobs_next_restore(root):
+    """A partial copy let go of stays, its pages touched, for the same job's next one (the
+    first touch of fresh memory costs as much as the transfer), within the cap, and no other
+    job is handed it (it holds the bytes of the copy it held). It goes when it expires, when
+    the job leaves the node, and first when a reservation needs the room."""
+    clock = FakeClock()
+    store = SlotStore(root, scratch_keep=30.0, clock=clock)
+    try:
+        one = store.scratch(4 * PAGE, job="a")
+        one.reserve_range(0, 4 * PAGE)
+        one.view[PAGE : PAGE + 5] = b"rows!"
+        store.drop_scratch(one)
+        assert store.bytes_held() == 4 * PAGE and os.path.exists(one.path)  # kept, counted
+        other = store.scratch(4 * PAGE, job="b")  # another job: never that segment
+        assert other is not one and other.path != one.path
+        store.drop_scratch(other)
+        small = store.scratch(PAGE, job="a")
+        assert small is not one  # far bigger than asked: not that one
+        store.drop_scratch(small)
+        again = store.scratch(3 * PAGE + 1, job="a")
+        assert again is one and bytes(again.view[PAGE : PAGE + 5]) == b"rows!"  # still touched
+        store.drop_scratch(again)
+        clock.advance(31.0)
+        store.sweep_scratch()
+        assert not os.path.exists(one.path) and not os.path.exists(other.path)
+        # It goes when its job leaves the node...
+        last = store.scratch(PAGE, job="a")
+        store.drop_scratch(last)
+        store.remove_job("a")
+        assert not os.path.exists(last.path) and store.bytes_held() == 0
+    finally:
+        store.close()
+    # ... and first when a reservation needs the room.
+    capped = SlotStore(root + "-capped", cap_bytes=6 * PAGE, scratch_keep=30.0, clock=clock)
+    try:
+        kept = capped.scratch(4 * PAGE, job="a")
+        capped.drop_scratch(kept)
+        snapshot(capped, "job", 0, step=1, n=100)  # 4 pages of slots: 4 kept + 4 > 6
+        assert not os.path.exists(kept.path) and capped.bytes_held() == 4 * PAGE
+    finally:
+        capped.close()
+
+
+def test_scratch_ranges_are_reserved_in_small_pages(root):
+    """Scratch pages are faulted in one small page at a time through the daemon's mapping
+    (tests/unit/test_huge_pages.py checks the same on a huge-page mount)."""
+    store = SlotStore(root, scratch_keep=0)
+    try:
+        seg = store.scratch(8 << 20, job="job")
+        assert seg.small_pages
+        seg.reserve_range(PAGE + 1, 3 * PAGE)  # whole small pages: [PAGE, 3 PAGE)
+        assert os.stat(seg.path).st_blocks * 512 == 2 * PAGE
+        seg.view[PAGE : 3 * PAGE] = b"\1" * (2 * PAGE)
+    finally:
+        store.close()
 
 
 def test_pinned_view_blocks_reuse_until_released(store):

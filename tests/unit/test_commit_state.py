@@ -101,6 +101,49 @@ class Node:
         return version in self.stores[holder].slots.get(rank, ())
 
 
+def push_copy(owner: Node, peer: Node, now: float, learn, published) -> tuple[int, int] | None:
+    """The owner's newest snapshot, pinned while sent, lands at the peer (its sink's rules),
+    then the owner retains its own copy (still pinned). ``learn(peer)``: the sink asks etcd
+    for the commit; ``published``: the versions the owner's etcd record lists as withdrawn.
+    Returns the version both hold, or None when the push was refused."""
+    local = owner.stores[Holder.LOCAL].slots.get(owner.rank)
+    if not local:
+        return None
+    version = local[-1]
+    if version[0] < peer.book.floor:
+        return None  # the sink refuses abandoned generations
+    replicas = peer.stores[Holder.REPLICA]
+    if version in replicas.slots.get(owner.rank, ()):
+        pass  # EXISTS: the peer holds it already, the push counts
+    elif replicas.slots.get(owner.rank) and version < replicas.slots[owner.rank][-1]:
+        return None  # STALE
+    else:
+        pending = replicas.write(owner.rank, version)
+        if pending is not None:
+            if version <= pending:
+                return None
+            learn(peer)  # the sink asks etcd for the commit first
+            pending = replicas.write(owner.rank, version)
+        if pending is not None:
+            if version <= pending:
+                return None
+            # ShmSink._resolved: with two undecided copies in the way, only one the
+            # owner's record lists as withdrawn may go (published with the withdrawal).
+            undecided = sorted(v for v in replicas.slots[owner.rank]
+                               if v < version and v not in replicas.everywhere)
+            if len(undecided) > 1:
+                dead = {v for v in undecided if v in published}
+                if not dead:
+                    return None  # refused: the owner retries
+                pending = max(dead)
+            peer.perform(peer.book.superseded(Holder.REPLICA, owner.rank, pending))
+            if replicas.write(owner.rank, version) is not None:
+                return None
+        peer.perform(peer.book.landed(Holder.REPLICA, owner.rank, version, now))
+    owner.perform(owner.book.landed(Holder.LOCAL, owner.rank, version, now))
+    return version
+
+
 class CommitProtocol(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -133,42 +176,11 @@ class CommitProtocol(RuleBasedStateMachine):
     def push(self, i):
         """The owner's newest snapshot, pinned while sent, lands at the peer, then the owner
         retains its own copy (still pinned), and counts both copies."""
-        owner, peer = self.nodes[i], self.nodes[1 - i]
-        local = owner.stores[Holder.LOCAL].slots.get(owner.rank)
-        if not local:
+        owner = self.nodes[i]
+        version = push_copy(owner, self.nodes[1 - i], self.now, self.learn,
+                            owner.book.withdrawn)
+        if version is None:
             return
-        version = local[-1]
-        if version[0] < peer.book.floor:
-            return  # the sink refuses abandoned generations
-        replicas = peer.stores[Holder.REPLICA]
-        if version in replicas.slots.get(owner.rank, ()):
-            pass  # EXISTS: the peer holds it already, the push counts
-        elif replicas.slots.get(owner.rank) and version < replicas.slots[owner.rank][-1]:
-            return  # STALE
-        else:
-            pending = replicas.write(owner.rank, version)
-            if pending is not None:
-                if version <= pending:
-                    return
-                self.learn(peer)  # the sink asks etcd for the commit first
-                pending = replicas.write(owner.rank, version)
-            if pending is not None:
-                if version <= pending:
-                    return
-                # ShmSink._resolved: with two undecided copies in the way, only one the
-                # owner's record lists as withdrawn may go (published with the withdrawal).
-                undecided = sorted(v for v in replicas.slots[owner.rank]
-                                   if v < version and v not in replicas.everywhere)
-                if len(undecided) > 1:
-                    dead = {v for v in undecided if v in owner.book.withdrawn}
-                    if not dead:
-                        return  # refused: the owner retries
-                    pending = max(dead)
-                peer.perform(peer.book.superseded(Holder.REPLICA, owner.rank, pending))
-                if replicas.write(owner.rank, version) is not None:
-                    return
-            peer.perform(peer.book.landed(Holder.REPLICA, owner.rank, version, self.now))
-        owner.perform(owner.book.landed(Holder.LOCAL, owner.rank, version, self.now))
         owner.acked.add(version)
         # Both copies counted: the owner writes its record.
         ok = {v for v in owner.acked if owner.book.recordable(v) and v[0] >= owner.book.floor}

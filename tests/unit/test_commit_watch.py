@@ -10,12 +10,7 @@ from elasticd.agent.commit_watch import CommitWatch, at_committed_step
 from elasticd.coordination.api import CoordinationError
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
-from elasticd.replication.commit import (
-    Committed,
-    Replicated,
-    encode_committed,
-    encode_replicated,
-)
+from elasticd.replication.commit import Committed, encode_ahead, encode_committed
 
 KEYS = Keyspace("/t")
 
@@ -34,31 +29,28 @@ def wait_until(predicate, timeout=5.0):
         time.sleep(0.01)
 
 
-def replicated(node: str, *versions: tuple[int, int]) -> bytes:
-    return encode_replicated(Replicated(node, 0, {0: versions}, {0: (node,)}))
-
-
-def test_the_watch_follows_commits_and_replication_records():
+def test_the_watch_follows_the_committed_and_ahead_records_only():
     store = MemoryStore()
     writer, reader = MemoryCoordinator(store), MemoryCoordinator(store)
     watch = CommitWatch(reader, KEYS, "job")
     watch.start()
     try:
         assert not watch()  # no commit yet
-        writer.put(KEYS.job_replicated("job", "n1"), replicated("n1", (0, 3), (0, 2)))
+        writer.put(KEYS.job_commit_ahead("job"), encode_ahead((0, 3)))
         writer.put(KEYS.job_committed("job"),
                    encode_committed(Committed(0, 3, (0,), {0: ("n1",)})))
         wait_until(watch)
-        writer.put(KEYS.job_replicated("job", "n1"), replicated("n1", (0, 4), (0, 3)))
+        writer.put(KEYS.job_commit_ahead("job"), encode_ahead((0, 4)))
         wait_until(lambda: not watch())  # step 4 replicated, not committed yet
-        # A record that speaks for another node is ignored.
-        writer.put(KEYS.job_replicated("job", "n2"), replicated("n1", (0, 9)))
+        # Keys outside the committed prefix are not watched at all (the old per-node records).
+        writer.put(KEYS.job_replicated("job", "n2"), b"{}")
         writer.put(KEYS.job_committed("job"),
                    encode_committed(Committed(0, 4, (0,), {0: ("n1",)})))
         wait_until(watch)
-        assert watch.state() == ((0, 4), {"n1": (0, 4)})
+        assert watch.state() == ((0, 4), (0, 4))
         writer.delete(KEYS.job_committed("job"))
         wait_until(lambda: not watch())
+        assert reader.store._watches[0].prefix == KEYS.job_committed("job")
     finally:
         watch.stop()
 
@@ -66,7 +58,7 @@ def test_the_watch_follows_commits_and_replication_records():
 def test_after_a_watch_error_the_gate_says_no_until_the_records_are_listed_again():
     store = MemoryStore()
     writer, reader = MemoryCoordinator(store), MemoryCoordinator(store)
-    writer.put(KEYS.job_replicated("job", "n1"), replicated("n1", (0, 3)))
+    writer.put(KEYS.job_commit_ahead("job"), encode_ahead((0, 3)))
     writer.put(KEYS.job_committed("job"), encode_committed(Committed(0, 3, (0,), {0: ("n1",)})))
     watch = CommitWatch(reader, KEYS, "job")
     watch.start()

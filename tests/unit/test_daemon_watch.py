@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from elasticd.agent.daemon_watch import DaemonWatch, ping_daemon
+from elasticd.agent.daemon_watch import VERIFY_EVERY, DaemonWatch, ping_daemon
 from elasticd.clock import FakeClock
 from elasticd.coordination.api import Unavailable
 from elasticd.coordination.memory import MemoryCoordinator
@@ -90,6 +90,52 @@ def test_a_failed_read_never_fences(env, monkeypatch):
     # The absence is counted afresh after the failed reads.
     assert env.tick() is None and env.tick() is None
     assert env.tick() is not None
+
+
+class Counting(MemoryCoordinator):
+    """The fake, counting the reads of the record."""
+
+    reads = 0
+
+    def get(self, key):
+        self.reads += 1
+        return super().get(key)
+
+
+def test_a_followed_record_is_read_only_to_verify_and_its_deletion_fences_at_once():
+    env = Env()
+    env.coord = env.watch._coordinator = Counting()
+    env.coord.put(KEY, b"{}")
+    env.watch.follow()
+    env.answers = False
+    assert all(env.tick() is None for _ in range(8))  # 2 s: present, by the watch
+    assert env.coord.reads == 1  # the first tick's; the next is VERIFY_EVERY later
+    env.coord.delete(KEY)
+    assert env.tick() is not None
+    assert env.coord.reads == 1  # the watch's event: no read
+
+
+def test_a_watch_error_or_a_missed_event_falls_back_to_reading(monkeypatch):
+    env = Env()
+    env.coord.put(KEY, b"{}")
+    env.watch.follow()
+    env.answers = False
+    assert all(env.tick() is None for _ in range(4))  # silent for a second, record present
+    env.watch._on_watch(Unavailable("stream broke"))  # in doubt: the next tick reads
+    monkeypatch.setattr(env.coord, "get", lambda key: None)
+    assert env.tick() is not None
+    monkeypatch.undo()
+    # A watch that missed the deletion (silent after an etcd data loss): the next
+    # verification reads the truth, and watches afresh.
+    env.watch._present = True
+    env.watch._read_at = env.clock.monotonic()
+    env.watch._watch.cancel()
+    env.coord.delete(KEY)
+    assert env.tick() is None  # the view, within VERIFY_EVERY
+    env.clock.sleep(VERIFY_EVERY)
+    assert env.tick() is not None
+    env.coord.put(KEY, b"{}")  # the new watch follows it
+    assert env.tick() is None
 
 
 class Settling:

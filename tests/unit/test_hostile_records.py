@@ -277,7 +277,9 @@ def test_every_value_the_etcd_fuzz_writes_is_refused_by_its_decoder():
     from elasticd.cluster.events import Event
     from elasticd.cluster.membership import NodeRecord
     from elasticd.cluster.jobspec import JobControl
-    from elasticd.replication.commit import decode_committed, decode_replicated
+    from elasticd.replication import election
+    from elasticd.replication.commit import decode_ahead, decode_committed
+    from elasticd.replication.fences import decode_fence
     from elasticd.replication.placement import decode_placement
 
     path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "fuzz_etcd.py")
@@ -292,8 +294,9 @@ def test_every_value_the_etcd_fuzz_writes_is_refused_by_its_decoder():
         "drain": lambda raw: DrainRecord.decode(raw, b"k", "n1"),
         "placement": lambda raw: decode_placement(raw, b"k"),
         "ckpt_committed": lambda raw: decode_committed(raw, b"k"),
-        "ckpt_replicated": lambda raw: decode_replicated(raw, b"k"),
-        "ckpt_fence": None,  # never decoded: only its revision counts
+        "ckpt_coordinator": lambda raw: election.decode(raw, b"k"),
+        "ckpt_ahead": lambda raw: decode_ahead(raw, b"k"),
+        "ckpt_fence": lambda raw: decode_fence(raw, b"k"),
         "event": lambda raw: records.decode_dataclass(Event, raw, "event", b"k"),
     }
     bodies = fuzz.templates(["n1", "n2", "n3"])

@@ -18,7 +18,7 @@ def test_join_then_failure_with_detection_time():
     m = Membership("me", provisional_seconds=5)
     assert kinds(m.on_put(rec("a"))) == [(ObservationKind.JOINED, "a")]
     assert m.on_put(rec("a")) == []  # heartbeat rewrite, same lease
-    obs = m.on_delete("a", None, now=10, wall=103.5, cut_off=False)
+    obs = m.on_delete("a", now=10, wall=103.5, cut_off=False)
     assert kinds(obs) == [(ObservationKind.FAILED, "a")]
     assert obs[0].detection_seconds == 3.5
     assert m.alive() == []
@@ -27,14 +27,15 @@ def test_join_then_failure_with_detection_time():
 def test_leaving_record_is_a_departure():
     m = Membership("me", 5)
     m.on_put(rec("a"))
-    obs = m.on_delete("a", rec("a", state="leaving"), 0, 0, cut_off=False)
+    m.on_put(rec("a", state="leaving"))  # its last write before it deletes its record
+    obs = m.on_delete("a", 0, 0, cut_off=False)
     assert kinds(obs) == [(ObservationKind.DEPARTED, "a")]
 
 
 def test_provisional_resolved_by_reregistration():
     m = Membership("me", 5)
     m.on_put(rec("a", lease=1))
-    assert kinds(m.on_delete("a", None, 0, 0, cut_off=True)) == [(ObservationKind.PROVISIONAL, "a")]
+    assert kinds(m.on_delete("a", 0, 0, cut_off=True)) == [(ObservationKind.PROVISIONAL, "a")]
     assert m.tick(4.9) == []
     assert kinds(m.on_put(rec("a", lease=2))) == [(ObservationKind.REJOINED, "a")]
     assert m.tick(100) == []
@@ -43,7 +44,7 @@ def test_provisional_resolved_by_reregistration():
 def test_provisional_confirmed_after_grace():
     m = Membership("me", 5)
     m.on_put(rec("a"))
-    m.on_delete("a", None, now=0, wall=101, cut_off=True)
+    m.on_delete("a", now=0, wall=101, cut_off=True)
     obs = m.tick(5.0)
     assert kinds(obs) == [(ObservationKind.FAILED, "a")]
     assert obs[0].was_provisional
@@ -55,4 +56,4 @@ def test_reset_reconciles_missed_events_and_ignores_self():
     m.on_put(rec("a"))
     obs = m.reset([rec("me"), rec("b")], now=0, wall=0, cut_off=False)
     assert sorted(kinds(obs)) == [(ObservationKind.FAILED, "a"), (ObservationKind.JOINED, "b")]
-    assert m.on_delete("me", None, 0, 0, False) == []
+    assert m.on_delete("me", 0, 0, False) == []

@@ -56,6 +56,7 @@ def test_import_elasticd_offers_the_same_names():
 #: Exposed name -> (type, label names).
 METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "elasticd_build_info": ("info", ("version",)),
+    "elasticd_commit_coordinator": ("gauge", ()),
     "elasticd_committed_step": ("gauge", ()),
     "elasticd_compute_seconds": ("gauge", ()),
     "elasticd_straggler": ("gauge", ()),
@@ -161,10 +162,15 @@ KEYS = {
     "job_rdzv_round": "/elasticd/jobs/j/rdzv/native/round",
     "job_committed": "/elasticd/jobs/j/ckpt/committed",
     "job_commit_grid": "/elasticd/jobs/j/ckpt/committed.grid",
+    "job_coordinator": "/elasticd/jobs/j/ckpt/committed.coordinator",
+    "job_commit_ahead": "/elasticd/jobs/j/ckpt/committed.ahead",
+    "job_commit_placement": "/elasticd/jobs/j/ckpt/placement",
     "job_replicated_prefix": "/elasticd/jobs/j/ckpt/replicated/",
     "job_replicated": "/elasticd/jobs/j/ckpt/replicated/n1",
+    "job_fences": "/elasticd/jobs/j/ckpt/fence",
     "job_fence_prefix": "/elasticd/jobs/j/ckpt/fence/",
     "job_fence": "/elasticd/jobs/j/ckpt/fence/n1",
+    "job_fence_epoch": "/elasticd/jobs/j/ckpt/fence.epoch",
 }
 
 
@@ -178,10 +184,13 @@ def test_etcd_key_layout():
         "job_node": k.job_node("j", "n1"), "job_rdzv": k.job_rdzv("j"),
         "job_placement": k.job_placement("j"), "job_ckpt": k.job_ckpt("j"),
         "job_rdzv_round": k.job_rdzv_round("j"), "job_committed": k.job_committed("j"),
-        "job_commit_grid": k.job_commit_grid("j"),
+        "job_commit_grid": k.job_commit_grid("j"), "job_coordinator": k.job_coordinator("j"),
+        "job_commit_ahead": k.job_commit_ahead("j"),
+        "job_commit_placement": k.job_commit_placement("j"),
         "job_replicated_prefix": k.job_replicated_prefix("j"),
-        "job_replicated": k.job_replicated("j", "n1"),
+        "job_replicated": k.job_replicated("j", "n1"), "job_fences": k.job_fences("j"),
         "job_fence_prefix": k.job_fence_prefix("j"), "job_fence": k.job_fence("j", "n1"),
+        "job_fence_epoch": k.job_fence_epoch("j"),
     }
     builders = {n for n in dir(Keyspace) if not n.startswith("_")} - {"node_of", "job_key"}
     assert builders == set(built), "a key builder was added or removed: pin it here"
@@ -259,9 +268,8 @@ REPLICATION_RECORDS = {
     b"/elasticd/jobs/j/ckpt/committed":
         b'{"at":1.5,"generation":1,"holders":{"0":["n1"]},"m":1,"ranks":[0],'
         b'"record":"ckpt_committed","round":1,"schema":1,"step":40}',
-    b"/elasticd/jobs/j/ckpt/replicated/n1":
-        b'{"at":1.5,"node":"n1","ranks":{"0":{"holders":["n1"],"versions":[[1,40]]}},'
-        b'"record":"ckpt_replicated","round":1,"schema":1}',
+    b"/elasticd/jobs/j/ckpt/committed.coordinator":
+        b'{"at":1.5,"node":"n1","record":"ckpt_coordinator","schema":1,"term":7}',
 }
 
 #: A node's view of job ``j``, as a daemon writes it.
@@ -316,13 +324,16 @@ JSON_KEYS = {
         "[].node [].rank [].recovery_seconds [].restore_seconds [].source [].step "
         "[].steps_lost [].timeline" + "".join(f" [].timeline.{k}" for k in TIMELINE_KEYS)),
     "placement": (
-        "committed describe job m nodes ranks[].committed_holders ranks[].holders "
+        "committed coordinator.node coordinator.since coordinator.term describe job m nodes "
+        "ranks[].committed_holders ranks[].holders "
         "ranks[].live_copies ranks[].newest_replicated ranks[].owner ranks[].rank "
         "ranks[].under_replicated round strategy under_replicated_ranks"),
     "checkpoints": (
-        "committed.at committed.generation committed.m committed.ranks committed.step job "
+        "committed.at committed.generation committed.m committed.ranks committed.step "
+        "coordinator.node coordinator.since coordinator.term job "
         "nodes[].latest_local nodes[].node nodes[].persisted nodes[].reachable "
-        "nodes[].replica_bytes nodes[].snapshot_bytes nodes[].unprotected persisted placement "
+        "nodes[].replica_bytes nodes[].snapshot_bytes nodes[].sync_lag nodes[].unprotected "
+        "persisted placement "
         "ranks[].holders ranks[].owner ranks[].rank ranks[].versions unprotected"),
     "drain n1 --no-wait": (
         "by copies_done copies_failed copies_planned detail jobs node phase requested_at "

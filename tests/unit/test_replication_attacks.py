@@ -10,6 +10,7 @@ guesses against offline.
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
 import threading
 import time
@@ -29,6 +30,8 @@ from elasticd.replication.wire import (
     FLAG_PRETAGGED,
     HEADER,
     HEADER_SIZE,
+    PRETAG,
+    BlockTagMismatch,
     FrameType,
     checksum,
 )
@@ -66,12 +69,15 @@ def read_exactly(sock: socket.socket, n: int) -> bytes:
 
 
 class RewritingRelay:
-    """A TCP relay between client and server that parses frames client→server and rewrites
-    the first byte of the ``nth`` DATA payload, recomputing the frame's checksum the way an
-    attacker who knows the wire format would. Server→client bytes pass untouched."""
+    """A TCP relay between client and server that parses frames client→server (server→client
+    with ``downstream``: a fetch's DATA) and rewrites the first byte of the ``nth`` DATA
+    payload, recomputing the frame's checksum the way an attacker who knows the wire format
+    would; the other direction passes untouched. ``rewrite(seen, payload)``, when given,
+    does the rewriting instead (returns whether it changed anything)."""
 
-    def __init__(self, target: tuple[str, int], nth: int = 1) -> None:
-        self.target, self.nth = target, nth
+    def __init__(self, target: tuple[str, int], nth: int = 1, downstream: bool = False,
+                 rewrite=None) -> None:
+        self.target, self.nth, self.downstream, self.rewrite = target, nth, downstream, rewrite
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = self.listener.getsockname()[:2]
         self.rewritten = 0
@@ -86,8 +92,10 @@ class RewritingRelay:
         client, _ = self.listener.accept()
         upstream = socket.create_connection(self.target)
         self.socks += [client, upstream]
-        for fn, args in ((self._client_to_server, (client, upstream)),
-                         (self._pipe, (upstream, client))):
+        parse, pipe = (upstream, client), (client, upstream)
+        if not self.downstream:
+            parse, pipe = pipe, parse
+        for fn, args in ((self._client_to_server, parse), (self._pipe, pipe)):
             t = threading.Thread(target=fn, args=args, daemon=True)
             t.start()
             self.threads.append(t)
@@ -109,7 +117,9 @@ class RewritingRelay:
                 if ftype == FrameType.DATA:
                     seen += 1
                     self.data_flags.append(flags)
-                    if seen == self.nth:
+                    if self.rewrite is not None:
+                        self.rewritten += bool(self.rewrite(seen, payload))
+                    elif seen == self.nth:
                         # The first byte of the data: after the offset, and after the block
                         # tag in a pretagged frame (whose session tag covers only the prefix,
                         # so the relay need not even touch the check).
@@ -209,6 +219,105 @@ def test_block_tags_made_without_the_cluster_secret_are_refused():
         assert error is not None and "block tag" in str(error)
         wait_for(lambda: srv.snapshot_stats().protocol_errors == 1)
         assert sink.get("job", 0) is None
+
+
+BLOCK = 256 << 10
+
+
+def sealed_push(address, step: int = 1, fill: int = 0) -> tuple[bytes, bytes]:
+    """Pushes 1 MiB of payload in 256 KiB blocks tagged as a seal would (directly, no relay);
+    returns (header, payload)."""
+    header = b"{}".ljust(64)
+    payload = random.Random(fill).randbytes(1 << 20)  # no two blocks alike
+    whole = header + payload
+    blocks = [(a, min(a + BLOCK, len(whole))) for a in range(64, len(whole), BLOCK)]
+    d = Descriptor.for_snapshot("job", 0, 0, step, len(header), len(payload))
+    with ReplicaClient.connect(*address, SECRET, "node-a", timeout=10.0) as client:
+        client.push(d, header, payload, chunk_size=BLOCK, tags=BlockTagger(SECRET).tag(
+            whole, blocks))
+    return header, payload
+
+
+def relayed_fetch(address, step: int = 1, **relay_kw):
+    """Fetches rank 0 of "job" at ``step`` through a relay rewriting what the holder sends.
+    Returns (relay, the buffer, the exception raised or None, the client's channel)."""
+    relay = RewritingRelay(address, downstream=True, **relay_kw)
+    into, error = bytearray(2 << 20), None
+    try:
+        client = ReplicaClient.connect(*relay.address, SECRET, "node-c", timeout=10.0)
+        try:
+            client.fetch("job", 0, into, version=(0, step))
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            error = exc
+        client.close()
+    finally:
+        relay.close()
+    return relay, into, error, client.channel
+
+
+def test_a_fetch_of_a_pretagged_copy_is_served_with_its_owners_block_tags():
+    """A push's block tags stay with the copy: the holder serves every block of it pretagged,
+    without reading it, and the fetcher checks the blocks against those tags alone."""
+    with server(MemorySink(), chunk_size=BLOCK) as srv:
+        header, payload = sealed_push(srv.address)
+        relay, into, error, channel = relayed_fetch(srv.address, nth=0)
+    assert error is None
+    assert [bool(f & FLAG_PRETAGGED) for f in relay.data_flags] == [False] + [True] * 4
+    assert bytes(into[: 64 + len(payload)]) == header + payload
+    assert channel.tag_checked_bytes == len(payload)
+
+
+def test_a_relay_rewriting_a_fetched_block_fails_its_block_tag():
+    with server(MemorySink(), chunk_size=BLOCK) as srv:
+        sealed_push(srv.address)
+        relay, _, error, _ = relayed_fetch(srv.address, nth=3)
+    assert relay.rewritten == 1
+    assert isinstance(error, BlockTagMismatch), error
+
+
+def test_a_relay_moving_a_fetched_block_to_another_offset_fails_its_block_tag():
+    """The relay sends block 2's bytes in block 3's frame (same length; the frame's header,
+    offset and block tag, which its session tag covers, left as they are)."""
+    kept: dict[int, bytes] = {}
+
+    def move(seen: int, payload: bytearray) -> bool:
+        kept[seen] = bytes(payload[PRETAG.size :])
+        if seen != 4:
+            return False
+        payload[PRETAG.size :] = kept[3]
+        return True
+
+    with server(MemorySink(), chunk_size=BLOCK) as srv:
+        sealed_push(srv.address)
+        relay, _, error, _ = relayed_fetch(srv.address, rewrite=move)
+    assert relay.rewritten == 1
+    assert isinstance(error, BlockTagMismatch), error
+
+
+def test_a_relay_replaying_a_block_of_an_older_version_fails_its_block_tag():
+    """Version 1 of the shard is fetched once through the relay, which keeps its blocks;
+    when version 2 (another seal: another salt, another block key) is fetched, the relay
+    sends version 1's block at the same offset in its place."""
+    old: dict[int, bytes] = {}
+
+    def keep(seen: int, payload: bytearray) -> bool:
+        old[seen] = bytes(payload[PRETAG.size :])
+        return False
+
+    def replay(seen: int, payload: bytearray) -> bool:
+        if seen != 3:
+            return False
+        payload[PRETAG.size :] = old[3]
+        return True
+
+    with server(MemorySink(), chunk_size=BLOCK) as srv:
+        sealed_push(srv.address, step=1)
+        _, _, error, _ = relayed_fetch(srv.address, step=1, rewrite=keep)
+        assert error is None and len(old) == 5
+        sealed_push(srv.address, step=2, fill=7)
+        relay, _, error, _ = relayed_fetch(srv.address, step=2, rewrite=replay)
+    assert relay.rewritten == 1
+    assert isinstance(error, BlockTagMismatch), error
 
 
 def attack(srv: ReplicaServer) -> socket.socket:

@@ -1,8 +1,10 @@
-"""Commit decisions (pure) and the commit record's transaction on the in-memory coordinator
-(the same transaction runs against a real etcd in tests/integration)."""
+"""The commit records (committed: small whatever the job's size, holders derived from the
+placement; fences; the ahead record) and their transactions on the in-memory coordinator (the
+same transactions run against a real etcd in tests/integration)."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 import time
@@ -13,73 +15,100 @@ from elasticd.coordination import records
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.memory import MemoryCoordinator
 from elasticd.replication.commit import (
+    COMMITTED_SCHEMA,
     GRID_RELAX,
     MAX_GRID,
     Committed,
     Grid,
-    decode_grid,
-    encode_grid,
-    relax_grid,
-    widen_grid,
-    Replicated,
-    decide,
+    commit_of,
+    decode_ahead,
     decode_committed,
-    decode_replicated,
+    decode_grid,
+    encode_ahead,
     encode_committed,
-    encode_replicated,
+    encode_grid,
     read_committed,
     record_commit,
+    relax_grid,
+    store_commit_placement,
     update_holders,
+    widen_grid,
 )
+from elasticd.replication.fences import decode_fence, encode_fence, read_fence, read_fences
 from elasticd.replication.placement import compute_placement
 
 KEYS = Keyspace("/t")
 PLACEMENT = compute_placement(["a", "b", "c"], {"a": [0, 1], "b": [2], "c": [3]}, 2, round=4)
 
 
-def progress(**versions):
-    """node=[(gen, step), ...] for every rank the node owns in PLACEMENT."""
-    out = {}
-    for node, vs in versions.items():
-        ranks = PLACEMENT.ranks[node]
-        out[node] = Replicated(node, 4, {r: tuple(vs) for r in ranks},
-                               {r: PLACEMENT.holders[node] for r in ranks})
-    return out
+def test_a_commit_record_derives_its_holders_from_the_placement():
+    c = commit_of((0, 5), PLACEMENT, "a", 12.0)
+    assert c.version == (0, 5) and c.ranks == (0, 1, 2, 3) and c.round == 4 and c.by == "a"
+    assert c.holders == {0: ("a", "b"), 1: ("a", "b"), 2: ("b", "c"), 3: ("c", "a")}
+    raw = encode_committed(c)
+    assert b'"holders":{}' in raw and b'"world":4' in raw
+    bare = decode_committed(raw)
+    assert not bare.resolved and bare.holders == {}  # the placement is not at hand
+    assert decode_committed(raw, placements=[None, PLACEMENT]) == c
+    other = compute_placement(["a", "b", "c"], {"a": [0], "b": [1, 2], "c": [3]}, 2, round=4)
+    assert not decode_committed(raw, placements=[other]).resolved
 
 
-def test_decide_commits_the_newest_version_every_rank_has():
-    got = decide(PLACEMENT, progress(a=[(0, 5), (0, 4)], b=[(0, 5), (0, 3)], c=[(0, 6), (0, 5)]),
-                 now=12.0)
-    assert got.version == (0, 5) and got.ranks == (0, 1, 2, 3) and got.round == 4
-    assert got.holders == {0: ("a", "b"), 1: ("a", "b"), 2: ("b", "c"), 3: ("c", "a")}
-    assert got.at == 12.0
+def test_the_committed_record_stays_small_whatever_the_job_size():
+    nodes = [f"node-{i:04d}" for i in range(2000)]
+    big = compute_placement(nodes, {n: range(8 * i, 8 * i + 8) for i, n in enumerate(nodes)}, 2)
+    c = commit_of((3, 123456789), big, nodes[0], 1.7e9)
+    assert len(encode_committed(c)) < 300
+    assert decode_committed(encode_committed(c), placements=[big]).holders[15999] == (
+        nodes[1999], nodes[1998])
+    # a drain's or re-replication's changed holders are listed, the rest still derived
+    moved = dataclasses.replace(c, overrides={7: (nodes[0], nodes[5])})
+    got = decode_committed(encode_committed(moved), placements=[big])
+    assert got.holders[7] == (nodes[0], nodes[5]) and got.holders[8] == (nodes[1], nodes[0])
 
 
-def test_decide_needs_every_rank():
-    assert decide(PLACEMENT, progress(a=[(0, 5)], b=[(0, 5)])) is None
-    assert decide(PLACEMENT, progress(a=[(0, 5)], b=[(0, 4)], c=[(0, 5)])) is None
+def test_old_nodes_cannot_read_the_new_committed_record():
+    raw = encode_committed(commit_of((0, 5), PLACEMENT, "a", 1.0))
+    assert f'"schema":{COMMITTED_SCHEMA}'.encode() in raw
+    with pytest.raises(records.UnsupportedRecordVersion, match="upgrade elasticd"):
+        records.decode(raw, "ckpt_committed")  # what an elasticd of the old protocol runs
 
 
-def test_decide_ignores_abandoned_generations_and_records_about_others_ranks():
-    p = progress(a=[(1, 2), (0, 9)], b=[(1, 2), (0, 9)], c=[(1, 2), (0, 9)])
-    assert decide(PLACEMENT, p).version == (1, 2)
-    p = progress(a=[(0, 9)], b=[(0, 9)], c=[(0, 9)])
-    assert decide(PLACEMENT, p, floor=1) is None
-    # c claims rank 0 (it owned it in an older round): only the owner's word counts.
-    p = progress(a=[(0, 3)], b=[(0, 7)], c=[(0, 7)])
-    p["c"] = Replicated("c", 4, {0: ((0, 7),), 1: ((0, 7),), 3: ((0, 7),)}, {})
-    assert decide(PLACEMENT, p) is None
+def test_read_committed_reads_the_placement_stored_beside_it():
+    coord = MemoryCoordinator()
+    record_commit(coord, KEYS, "j", commit_of((0, 5), PLACEMENT, "a", 1.0))
+    assert not read_committed(coord, KEYS, "j").resolved  # not stored: overrides only
+    store_commit_placement(coord, KEYS, "j", PLACEMENT)
+    assert read_committed(coord, KEYS, "j").holders[3] == ("c", "a")
 
 
 def test_records_round_trip_and_reject_garbage():
     c = Committed(1, 7, (0, 1), {0: ("a", "b"), 1: ("a", "b")}, 2, 3, 99.5)
     assert decode_committed(encode_committed(c)) == c
-    r = Replicated("a", 3, {0: ((1, 7), (1, 6))}, {0: ("a", "b")}, 5.0)
-    assert decode_replicated(encode_replicated(r)) == r
+    assert decode_ahead(encode_ahead((2, 9))) == (2, 9)
+    assert decode_fence(encode_fence("a", [(0, 1), (0, 3)])) == ("a", ((0, 3), (0, 1)))
     with pytest.raises(records.CorruptRecord):
         decode_committed(b'{"schema":1,"record":"ckpt_committed","step":-1}')
-    with pytest.raises(records.CorruptRecord):
-        decode_replicated(encode_committed(c))
+    with pytest.raises(records.RecordError):
+        decode_ahead(encode_committed(c))
+    for bad in (b'{"schema":1,"record":"ckpt_fence","node":1}',
+                b'{"schema":1,"record":"ckpt_fence","node":"a","withdrawn":[[0,-1]]}'):
+        with pytest.raises(records.CorruptRecord):
+            decode_fence(bad)
+
+
+def test_fences_are_listed_with_the_epoch_and_hostile_names_ignored():
+    coord = MemoryCoordinator()
+    assert read_fences(coord, KEYS, "j") == (0, {})
+    assert read_fence(coord, KEYS, "j", "a") == (0, ())
+    coord.put(KEYS.job_fence("j", "a"), encode_fence("a", [(0, 4)]))
+    coord.put(KEYS.job_fence_epoch("j"), b"{}")
+    coord.put(KEYS.job_fence("j", "../x"), b"junk")
+    epoch, fences = read_fences(coord, KEYS, "j")
+    assert epoch == coord.get(KEYS.job_fence_epoch("j")).mod_revision
+    assert fences == {"a": coord.get(KEYS.job_fence("j", "a")).mod_revision}
+    coord.put(KEYS.job_fence("j", "b"), b"junk")  # unreadable: lists nothing
+    assert read_fence(coord, KEYS, "j", "b")[1] == ()
 
 
 def committed(gen, step, at=0.0):

@@ -14,21 +14,20 @@ import time
 import pytest
 
 from elasticd.store.shm import CommitPending, SlotBusy
-from elasticd.coordination.api import Compare, Put
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
 from elasticd.replication.commit import (
     KEEP_SKIPPED,
-    Replicated,
-    commit_step,
-    decide,
+    commit_of,
+    commit_txn,
     decode_committed,
-    encode_replicated,
     read_committed,
-    read_state,
-    withdraw,
 )
+from elasticd.replication.election import campaign
+from elasticd.replication.fences import encode_fence, read_fence, read_fences, withdraw
 from elasticd.replication.placement import compute_placement, decode_placement
+from elasticd.replication.report import Report, placement_digest
+from elasticd.replication.tally import CommitWrite, Tally
 from elasticd.recovery.replicator import ShardLost
 from elasticd.replication.shm_sink import ShmSink
 from tests.replication_nodes import JOB, Cluster
@@ -173,6 +172,72 @@ def test_both_nodes_of_a_group_dead_reports_the_shard_lost(make_cluster):
     assert result.holder == "n3" and bytes(buf[: result.descriptor.total_bytes]) == originals[6]
 
 
+def payload_blocks(view) -> list[int]:
+    """The snapshot offsets of a held copy's payload blocks."""
+    lay = view.header.layout
+    return [lay.block_range(i)[0] for i in range(lay.num_blocks)]
+
+
+def test_replicas_keep_their_block_tags_and_fetches_are_checked_by_them(make_cluster):
+    """The tags a push brought stay with the replica: a fetch of it is served pretagged (the
+    holder sends each block as it lies, with the tag its owner made at the seal) and checked
+    by the fetcher against those tags alone, as each block lands."""
+    cluster = make_cluster(3)
+    cluster.set_membership(["n1", "n2", "n3"], THREE, round=1)
+    originals = snapshot_all(cluster, THREE, step=4)
+    cluster.wait_idle()
+    owner = cluster["n2"].local.latest(JOB, 2)
+    replica = cluster["n3"].sink.store.latest(JOB, 2)
+    assert replica.tags is not None and sorted(replica.tags.tags) == payload_blocks(replica)
+    assert (replica.tags.salt, replica.tags.tags) == (owner.tags.salt, owner.tags.tags)
+    cluster.kill("n2")
+    buf = into_buffer()
+    result = cluster["n1"].replicator.fetch(JOB, 2, (0, 4), buf)
+    d = result.descriptor
+    assert result.holder == "n3" and bytes(buf[: d.total_bytes]) == originals[2]
+    assert result.tag_checked_bytes == d.total_bytes - replica.header.layout.data_offset
+
+
+def test_a_replica_pushed_on_carries_its_owners_block_tags(make_cluster):
+    """Re-replication after a node died: the survivor that held the dead node's ranks pushes
+    them on with the tags their owner sealed them with, and the new holder keeps those."""
+    cluster = make_cluster(3)
+    cluster.set_membership(["n1", "n2", "n3"], THREE, round=1)
+    snapshot_all(cluster, THREE, step=4)
+    cluster.wait_idle()
+    sealed = {r: cluster["n3"].local.latest(JOB, r).tags for r in (4, 5)}
+    cluster.kill("n3")
+    cluster.set_membership(["n1", "n2"], {"n1": [0, 1], "n2": [2, 3]}, round=2)
+    cluster.wait_idle()
+    for rank in (4, 5):
+        moved = cluster["n2"].sink.store.latest(JOB, rank, verify=True)
+        assert moved.tags is not None, rank
+        assert (moved.tags.salt, moved.tags.tags) == (sealed[rank].salt, sealed[rank].tags)
+
+
+def test_a_fetch_whose_served_block_tag_does_not_match_its_bytes_is_refused_and_counted(
+        make_cluster):
+    """A holder whose kept tag for a block is not that block's (its bytes still match their
+    checksums): the fetcher refuses the copy as corrupt and counts it; the check that refused
+    it is the block tag's, the only one made on a pretagged fetch."""
+    cluster = make_cluster(3)
+    cluster.set_membership(["n1", "n2", "n3"], THREE, round=1)
+    snapshot_all(cluster, THREE, step=1)
+    cluster.wait_idle()
+    cluster.kill("n2")  # rank 2's copies: n3's replica alone now
+    held = cluster["n3"].sink.store.latest(JOB, 2)
+    first, second = payload_blocks(held)[:2]
+    tags = held.tags.tags
+    tags[first] = (tags[first][0], tags[second][1])  # the next block's tag, same length
+    n1 = cluster["n1"].replicator
+    with pytest.raises(ShardLost) as info:
+        n1.fetch(JOB, 2, (0, 1), into_buffer())
+    reason = dict(info.value.attempts)["n3"]
+    assert reason.startswith("corrupt") and "block tag" in reason, reason
+    assert n1.stats().fetch_failures_total["corrupt"] == 1
+    cluster["n3"].sink.store.latest(JOB, 2, verify=True)  # its bytes still match the checksums
+
+
 class SlowSink(ShmSink):
     """Holds every transfer of rank 0 until ``gate`` opens: a peer that cannot keep up."""
 
@@ -260,7 +325,8 @@ def test_the_commit_record_never_goes_backwards_and_ignores_abandoned_generation
     n2.snapshot(1, 1, generation=1, world=2)
     cluster.wait_idle()
     assert committed(cluster).version == (1, 1)
-    values = [decode_committed(e.kv.value).version for e in revisions]
+    values = [decode_committed(e.kv.value).version for e in revisions
+              if e.kv.key == cluster.keys.job_committed(JOB)]
     assert values == sorted(values), f"commit went backwards: {values}"
     assert n1.replicator.stats().sync_lag_steps == 0
 
@@ -360,29 +426,62 @@ def test_an_acknowledged_step_committed_while_its_owner_waits_is_kept(make_clust
 
 
 def withdrawal_fences_a_stale_commit(coord, keys: Keyspace, job: str = "j") -> None:
-    """Another node read n1's record while it still listed step 2, then n1 withdrew step 2:
-    that node's commit transaction must fail, and a fresh decision sees the new record."""
+    """The coordinator decided step 2 from both nodes' reports, then n1 withdrew step 2: the
+    coordinator's commit transaction must fail, n1's report from before its fence must no
+    longer count, and a fresh decision from n1's next report commits step 1. A deposed
+    coordinator's transaction fails too."""
     placement = compute_placement(["n1", "n2"], {"n1": [0], "n2": [1]}, 2, 1)
+    lease = coord.grant_lease(30)
+    term_rev = campaign(coord, keys, job, "n1", 7, lease, 0.0)
+    assert term_rev and campaign(coord, keys, job, "n2", 8, lease, 0.0) is None
+    tally = Tally(7, term_rev, placement)
+    tally.take_fences(*read_fences(coord, keys, job))
+    seq = iter(range(1, 100))
 
-    def record(node, rank, *versions):
-        return Replicated(node, 1, {rank: tuple(versions)}, {rank: (node,)})
+    def report(node, rank, fence, *versions):
+        return Report(job, node, 7, placement_digest(placement), 1, next(seq), fence, 0,
+                      {rank: tuple(versions)})
 
-    coord.put(keys.job_replicated(job, "n1"), encode_replicated(record("n1", 0, (0, 2), (0, 1))))
-    coord.put(keys.job_replicated(job, "n2"), encode_replicated(record("n2", 1, (0, 2), (0, 1))))
-    stale = read_state(coord, keys, job)
-    assert decide(placement, stale.progress).version == (0, 2)
-    assert withdraw(coord, keys, job, record("n1", 0, (0, 1)), [(0, 2)]) is None
-    fence = Compare(keys.job_fence(job, "n1"), stale.fences.get("n1", 0))
-    ok, _ = coord.transaction([Compare(keys.job_committed(job), stale.committed_revision), fence],
-                              [Put(keys.job_committed(job), b"x")])
-    assert not ok, "a commit decided before the withdrawal landed after it"
-    written, now = commit_step(coord, keys, job, placement)
-    assert written and now.version == (0, 1)
-    # A withdrawal right after a commit of the same step: the record says it is committed.
-    coord.put(keys.job_replicated(job, "n1"), encode_replicated(record("n1", 0, (0, 3), (0, 1))))
-    coord.put(keys.job_replicated(job, "n2"), encode_replicated(record("n2", 1, (0, 3), (0, 1))))
-    assert commit_step(coord, keys, job, placement)[1].version == (0, 3)
-    assert withdraw(coord, keys, job, record("n1", 0, (0, 1)), [(0, 3)]).version == (0, 3)
+    def commit(write):
+        c = commit_of(write.version, placement, "n1", 1.0)
+        g = write.guards
+        return coord.transaction(*commit_txn(keys, job, c, (g.term, g.epoch, g.committed),
+                                             placement if write.placement else None))
+
+    assert tally.report(report("n1", 0, 0, (0, 2), (0, 1))).accepted
+    assert tally.report(report("n2", 1, 0, (0, 2), (0, 1))).accepted
+    stale = tally.next_write()
+    assert isinstance(stale, CommitWrite) and stale.version == (0, 2)
+    fence, now = withdraw(coord, keys, job, "n1", [(0, 2)], 1.0)
+    assert now is None and read_fence(coord, keys, job, "n1") == (fence, ((0, 2),))
+    assert not commit(stale)[0], "a commit decided before the withdrawal landed after it"
+    tally.take_fences(*read_fences(coord, keys, job))
+    assert not isinstance(tally.next_write(), CommitWrite), \
+        "n1's report from before its fence still counts"
+    assert tally.report(report("n1", 0, 0, (0, 2), (0, 1))).reason == "fenced"
+    assert tally.report(report("n1", 0, fence, (0, 1))).accepted
+    write = tally.next_write()
+    assert write.version == (0, 1)
+    ok, revision = commit(write)
+    assert ok
+    tally.wrote(write, revision)
+    assert read_committed(coord, keys, job, [placement]).version == (0, 1)
+    # A withdrawal right after a commit of the same step: its read says it is committed.
+    tally.report(report("n1", 0, fence, (0, 3), (0, 1)))
+    tally.report(report("n2", 1, 0, (0, 3), (0, 1)))
+    write = tally.next_write()
+    assert write.version == (0, 3) and commit(write)[0]
+    fence, now = withdraw(coord, keys, job, "n1", [(0, 3), (0, 2)], 2.0)
+    assert now.version == (0, 3) and now.holders[0] == ("n1", "n2")
+    # Deposed (the election lease expired): nothing it decided lands any more.
+    tally.take_fences(*read_fences(coord, keys, job))
+    tally.report(report("n1", 0, fence, (0, 4)))
+    tally.report(report("n2", 1, 0, (0, 4)))
+    write = tally.next_write()
+    assert write.version == (0, 4)
+    coord.revoke_lease(lease)
+    assert not commit(write)[0], "a deposed coordinator wrote"
+    assert read_committed(coord, keys, job, [placement]).version == (0, 3)
 
 
 def test_a_withdrawal_fences_a_commit_decided_from_the_older_record():
@@ -539,23 +638,23 @@ def test_followed_versions_are_forgotten_once_committed(make_cluster):
         assert node.local.retained(JOB) == {None: {(0, 1)}}, "only the commit stays retained"
 
 
-def test_only_the_owners_record_says_a_copy_can_never_be_committed(make_cluster):
+def test_only_the_owners_fence_says_a_copy_can_never_be_committed(make_cluster):
     # A sink with two undecided copies of a rank lets go of one only when the rank's owner
-    # lists it as skipped or withdrawn; another node's record (stale or hostile) does not
-    # count, and nor does an owner's record that does not list it.
+    # lists it as withdrawn in its fence record; another node's record (stale or hostile)
+    # does not count, and nor does an owner's record that does not list it.
     cluster = make_cluster(3)
     cluster.set_membership(["n1", "n2", "n3"], THREE, round=1)
     coord, tracker = cluster.coords[0], cluster["n3"].replicator.tracker
-    for node, skipped in (("n1", ((0, 7),)), ("n2", ((0, 8),))):
-        coord.put(cluster.keys.job_replicated(JOB, node), encode_replicated(
-            Replicated(node, 1, {}, {}, 0.0, skipped)))
+    for node, withdrawn in (("n1", ((0, 7),)), ("n2", ((0, 8),))):
+        coord.put(cluster.keys.job_fence(JOB, node), encode_fence(node, withdrawn))
+    coord.put(cluster.keys.job_fence(JOB, "n3"), encode_fence("n1", [(0, 9)]))  # lies
     assert tracker.never_committed(JOB, 0, [(0, 7), (0, 8)]) == {(0, 7)}  # rank 0: n1's
     assert tracker.never_committed(JOB, 2, [(0, 7), (0, 8)]) == {(0, 8)}  # rank 2: n2's
-    assert tracker.never_committed(JOB, 4, [(0, 7), (0, 8)]) == set()  # n3 lists neither
+    assert tracker.never_committed(JOB, 4, [(0, 7), (0, 9)]) == set()  # n3's names n1
     assert tracker.never_committed(JOB, 9, [(0, 7)]) == set()  # no owner in the placement
 
 
-def test_a_withdrawal_stays_in_the_owners_record_however_many_steps_it_skips_after(
+def test_a_withdrawal_stays_in_the_owners_fence_however_many_steps_it_skips_after(
         make_cluster):
     # Chaos run: an owner withdrew a version, then skipped a snapshot every step while its
     # other copy waited; the skips pushed the withdrawal out of its record (8 entries), and the
@@ -570,8 +669,7 @@ def test_a_withdrawal_stays_in_the_owners_record_however_many_steps_it_skips_aft
     wait_for(lambda: n1.replicator.tracker.counters["withdrawals"] == 1)
     for step in range(3, 3 + 2 * KEEP_SKIPPED):
         n1.replicator.tracker.on_skipped(JOB, (0, step))
-    record = read_state(cluster.coords[0], cluster.keys, JOB).progress["n1"]
-    assert (0, 1) not in record.skipped and record.withdrawn == ((0, 1),)
+    assert read_fence(cluster.coords[0], cluster.keys, JOB, "n1")[1] == ((0, 1),)
     assert n2.replicator.tracker.never_committed(JOB, 0, [(0, 1)]) == {(0, 1)}
     # the withdrawal widened the job's snapshot grid, and every node follows it
     wait_for(lambda: n1.replicator.snapshot_grid(JOB) == n2.replicator.snapshot_grid(JOB) == 2)

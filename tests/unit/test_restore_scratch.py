@@ -16,6 +16,7 @@ import uuid
 
 import pytest
 
+from elasticd.clock import FakeClock
 from elasticd.local.transport import InProcessTransport, TransportError
 from elasticd.snapshot.segment import PAGE
 from elasticd.store.api import OverBudget, ScratchOverCap
@@ -36,7 +37,7 @@ def roots():
 
 
 def test_a_jobs_scratch_and_bookings_stay_under_its_cap_and_other_jobs_keep_theirs(roots):
-    store = SlotStore(roots[0], job_scratch_cap=4 * PAGE)
+    store = SlotStore(roots[0], job_scratch_cap=4 * PAGE, scratch_keep=0)  # drop: gone
     try:
         one = store.scratch(3 * PAGE, job="a")
         with pytest.raises(ScratchOverCap) as exc:
@@ -68,7 +69,7 @@ def test_a_jobs_scratch_and_bookings_stay_under_its_cap_and_other_jobs_keep_thei
 
 
 def test_a_booking_counts_against_the_nodes_cap_too(roots):
-    store = SlotStore(roots[0], cap_bytes=4 * PAGE, job_scratch_cap=8 * PAGE)
+    store = SlotStore(roots[0], cap_bytes=4 * PAGE, job_scratch_cap=8 * PAGE, scratch_keep=0)
     try:
         store.reserve_scratch("a", 3 * PAGE)
         with pytest.raises(OverBudget, match="of the node's"):
@@ -78,8 +79,12 @@ def test_a_booking_counts_against_the_nodes_cap_too(roots):
         store.close()
 
 
-def test_a_dropped_scratch_gives_its_memory_back_though_a_worker_still_maps_it(roots):
-    store = SlotStore(roots[0])
+@pytest.mark.parametrize("keep", [0.0, 30.0])
+def test_a_dropped_scratch_gives_its_memory_back_though_a_worker_still_maps_it(roots, keep):
+    """Deleted at once (keep 0), or kept for the job's next restore (issue 30) and counted
+    against its cap all the while, then deleted: either way emptied, mapped or not."""
+    clock = FakeClock()
+    store = SlotStore(roots[0], job_scratch_cap=64 * PAGE, scratch_keep=keep, clock=clock)
     try:
         segment = store.scratch(64 * PAGE, job="a")
         segment.reserve_range(0, 64 * PAGE)
@@ -88,17 +93,45 @@ def test_a_dropped_scratch_gives_its_memory_back_though_a_worker_still_maps_it(r
         kept = mmap.mmap(fd, 64 * PAGE, prot=mmap.PROT_READ)  # and mapped, and never unmaps
         assert os.fstat(fd).st_blocks * 512 >= 64 * PAGE
         store.drop_scratch(segment)
+        if keep:
+            assert store.scratch_held("a") == 64 * PAGE  # kept: still the job's, still counted
+            with pytest.raises(ScratchOverCap):
+                store.reserve_scratch("b", 65 * PAGE)  # (b's own cap)
+            assert os.fstat(fd).st_blocks * 512 >= 64 * PAGE
+            clock.advance(keep + 1)
+            store.sweep_scratch()
         st = os.fstat(fd)
         assert st.st_size == 0 and st.st_blocks == 0  # the pages are gone, not just the name
+        assert store.scratch_held() == 0
         kept.close()
         os.close(fd)
     finally:
         store.close()
 
 
+def test_kept_scratch_gives_way_to_its_jobs_cap_and_the_nodes(roots):
+    """Scratch kept for a job's next restore never causes a refusal: a new partial copy over
+    the job's cap, or a slot over the node's, deletes kept segments first."""
+    store = SlotStore(roots[0], cap_bytes=7 * PAGE, job_scratch_cap=4 * PAGE)
+    try:
+        first = store.scratch(3 * PAGE, job="a")
+        store.drop_scratch(first)  # kept: 3 of a's 4 pages
+        second = store.scratch(PAGE, job="a")  # fits beside it
+        store.drop_scratch(second)
+        big = store.scratch(4 * PAGE, job="a")  # not without deleting both
+        assert not os.path.exists(first.path) and not os.path.exists(second.path)
+        assert store.scratch_held("a") == 4 * PAGE
+        store.drop_scratch(big)
+        other = store.scratch(4 * PAGE, job="b")  # the node's cap: a's kept copy goes
+        assert not os.path.exists(big.path) and store.scratch_held() == 4 * PAGE
+        store.drop_scratch(other)
+    finally:
+        store.close()
+
+
 @pytest.fixture
 def service(roots):
-    local = SlotStore(roots[0], job_scratch_cap=PAGE * 16)
+    local = SlotStore(roots[0], job_scratch_cap=PAGE * 16, scratch_keep=0)
     peer = SlotStore(roots[1])
     svc = CheckpointService(local, "n1", replicator=FakeReplicator(local, peer))
     try:
@@ -154,3 +187,42 @@ def test_a_fetch_over_the_jobs_cap_is_refused_in_one_line_counted_and_shown(serv
     for reply in held:  # released: room again
         t.call("ckpt_release", pin=reply["pin"])
     t.call("ckpt_release", pin=fetch(t, 7, pid=10)["pin"])
+
+
+def test_a_membership_change_sets_scratch_aside_within_the_jobs_cap(roots):
+    """When a node of the job fails, the service sets aside (touched, by a thread) a scratch
+    segment per snapshot of the job it holds: counted against the job's cap from then on,
+    reused by the restore's partial copy, and left out (not refused, not counted as refused)
+    when the cap has no room."""
+    import threading
+
+    from elasticd.local.transport import InProcessTransport as Local
+
+    store = SlotStore(roots[0], job_scratch_cap=16 * PAGE)
+    try:
+        svc = CheckpointService(store, "n1")
+        t = Local(svc.handlers())
+        write_snapshot(t, "job", 0, step=4, world=2, n=3000)  # 4 pages with its header
+        size = store.latest("job", 0).header.layout.total_size
+        assert svc.membership_changed("other-job") == 0  # holds nothing of that job
+        aside = svc.membership_changed("job")
+        assert aside == -(-size // PAGE) * PAGE and store.scratch_held("job") == aside
+        for thread in threading.enumerate():  # the pages are touched by a thread of its own
+            if thread.name == "elasticd-scratch-job":
+                thread.join(10)
+        segment = store.scratch(size, job="job")  # the restore's partial copy: the same one
+        fd = segment.descriptor(writable=False)
+        assert os.fstat(fd).st_blocks * 512 >= size  # touched before the restore asked
+        os.close(fd)
+        assert store.scratch_held("job") == aside
+        store.drop_scratch(segment)
+        crowded = SlotStore(roots[1], job_scratch_cap=PAGE)  # no room under the cap
+        try:
+            other = CheckpointService(crowded, "n2")
+            write_snapshot(Local(other.handlers()), "job", 0, step=4, world=2, n=3000)
+            assert other.membership_changed("job") == 0 and crowded.scratch_held() == 0
+            assert other.counters.get("scratch_refused", 0) == 0
+        finally:
+            crowded.close()
+    finally:
+        store.close()

@@ -230,7 +230,7 @@ def test_a_scratch_copy_reserves_only_the_ranges_it_receives(holders, tmp_path):
         segments, reserved = [], []
 
         def into(desc):
-            segments.append(store.scratch(desc.total_bytes, job="job"))
+            segments.append(store.scratch(desc.total_bytes, job=JOB))
             return segments[-1].view
 
         def reserve(start, end):

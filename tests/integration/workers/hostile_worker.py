@@ -73,19 +73,26 @@ def fetch_scratch(out: str) -> None:
         return
     version = {"generation": committed["generation"], "step": committed["step"]}
 
-    def fetch(c: DaemonClient) -> dict:
+    def fetch(c: DaemonClient, target: int) -> dict:
         try:
-            reply = c.call("ckpt_fetch", job=job, rank=1, need=[], **version)
+            reply = c.call("ckpt_fetch", job=job, rank=target, need=[], **version)
         except DaemonError as exc:
             return {"error": str(exc)}
         for fd in reply.pop("_fds", []):
             os.close(fd)  # the pin holds the copy; this worker never releases it
         return reply
 
-    got = {"fetches": [fetch(client) for _ in range(3)]}
+    # A rank whose copy this node does not hold (a held one is served in place, no scratch).
+    world = int(os.environ["WORLD_SIZE"])
+    first, target = {}, 1
+    for target in range(1, world):
+        first = fetch(client, target)
+        if first.get("partial"):
+            break
+    got = {"target": target, "fetches": [first] + [fetch(client, target) for _ in range(2)]}
     child = os.fork()
     if child == 0:  # another process of the job, on a connection of its own
-        reply = fetch(DaemonClient(path, timeout=30))
+        reply = fetch(DaemonClient(path, timeout=30), target)
         with open(os.path.join(out, "child.json"), "w") as fh:
             json.dump(reply, fh)
         os._exit(0)

@@ -1,0 +1,472 @@
+"""This node's side of the commit protocol: its reports, and its turns as coordinator.
+
+Per job, a :class:`Reporter` keeps the job's coordinator as the election record says (the
+tracker's watch on the committed prefix brings it), sends it this node's
+:class:`~elasticd.replication.report.Report` whenever what it says changed (a version reached
+``m`` copies on every local rank, a skip, a withdrawal, a new placement, generation or
+coordinator), and keeps the coordinator's last answer about the versions this node waits on
+(:meth:`Reporter.hopeless`, for the tracker's follower). A report is sent over the
+authenticated replication channel (``send``: the replicator's own connection pool, apart from
+pushes, so a report never waits behind a snapshot), or handed over in-process when this node
+is the coordinator. Nothing here writes etcd per step: a node's only etcd traffic per
+committed step is the commit watch's event.
+
+When no node holds the election key this node campaigns after
+:func:`~elasticd.replication.election.campaign_delay` (the placement's first node at once), and
+on winning runs a :class:`~elasticd.replication.coordinator.JobCoordinator` for the term.
+
+No thread of its own but :meth:`Reporter.start`'s ticker (retries, campaigns, the election
+lease): a simulator drives the same code by calling :meth:`Reporter.tick` itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import threading
+from typing import TYPE_CHECKING, Any, Callable
+
+import xxhash
+
+from elasticd.coordination import records
+from elasticd.coordination.api import CoordinationError
+from elasticd.replication.api import ReplicationError, Version
+from elasticd.replication.commit import KEEP_SKIPPED, KEEP_VERSIONS, KEEP_WITHDRAWN, Committed
+from elasticd.replication.coordinator import JobCoordinator
+from elasticd.replication.election import Coordinatorship, campaign, campaign_delay
+from elasticd.replication.election import decode as decode_election
+from elasticd.replication.fences import encode_fence, read_fence
+from elasticd.replication.report import MAX_ASK, MAX_DEAD, Reply, Report
+from elasticd.replication.tally import Tally
+
+if TYPE_CHECKING:
+    from elasticd.replication.tracker import CommitTracker
+
+log = logging.getLogger(__name__)
+
+#: Seconds between two ticks of :meth:`Reporter.start`'s thread.
+TICK = 0.1
+#: A follower asks the coordinator again when its last answer is older than this.
+ASK_EVERY = 0.2
+#: How long a commit the coordinator named may stay unseen by this node's watch before the node
+#: reads the committed record itself. The reply usually beats the watch event by milliseconds:
+#: reading at once cost one range read per node per step (0.6 per node per step at N = 300).
+WATCH_GRACE = 1.0
+
+
+@dataclasses.dataclass
+class JobReports:
+    """Reporting state of one job (guarded by the tracker's lock)."""
+
+    ship: Coordinatorship | None = None
+    known: bool = False  # the election key was read at least once (absent is then news)
+    absent_since: float | None = None
+    leading: JobCoordinator | None = None
+    campaigning: bool = False
+    fence: int | None = None  # this node's fence revision; None: read it before reporting
+    dirty: bool = True
+    busy: bool = False
+    failures: int = 0
+    retry_at: float = 0.0
+    hopeless: frozenset[Version] = frozenset()
+    answered_at: float = float("-inf")
+    last_reason: str = ""
+    ahead: Version | None = None  # a commit a reply named that the watch had not brought yet
+    ahead_since: float = 0.0
+
+
+class Reporter:
+    """Sends this node's commit reports and takes its turns as coordinator.
+
+    Args:
+        tracker: the node's commit tracker (its job states, lock, clock, etcd).
+        send: delivers a report to a node (that node's coordination) and returns its reply;
+            raises ReplicationError when it cannot.
+        ttl: the election lease's TTL in seconds (a dead coordinator costs about this).
+    """
+
+    def __init__(self, tracker: "CommitTracker", send: Callable[[str, Report], Reply],
+                 ttl: float = 2.0) -> None:
+        self.t, self._send, self.ttl = tracker, send, ttl
+        self._rng = random.SystemRandom()
+        self.boot = self._rng.getrandbits(62)
+        self.seq = 0
+        self.jobs: dict[str, JobReports] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def job(self, job: str) -> JobReports:
+        """The job's reporting state, created if new (call with the tracker's lock held)."""
+        return self.jobs.setdefault(job, JobReports())
+
+    # -- what the tracker tells it --------------------------------------------------------------
+
+    def changed(self, job: str) -> None:
+        """What this node's report says changed: send it soon."""
+        with self.t.lock:
+            self.job(job).dirty = True
+        self._kick(job)
+
+    def coordinator_seen(self, job: str, ship: Coordinatorship | None) -> None:
+        """The election key as read or watched (None: absent)."""
+        now = self.t.clock.monotonic()
+        with self.t.lock:
+            j = self.job(job)
+            old, j.ship, j.known = j.ship, ship, True
+            j.absent_since = (j.absent_since or now) if ship is None else None
+            leading = j.leading
+            ended = leading is not None and (ship is None or ship.term != leading.ship.term)
+            new = (old is None) != (ship is None) or (
+                old is not None and ship is not None and old.term != ship.term)
+            if new:
+                j.dirty, j.failures, j.retry_at, j.hopeless = True, 0, 0.0, frozenset()
+            first = ship is None and self._delay(job) == 0
+        if ended:
+            leading.end("the election key is gone" if ship is None  # type: ignore[union-attr]
+                        else f"{ship.node} holds the election key")
+        if new:
+            self._kick(job)
+        if first:
+            self.t.submit(self._campaign, job)
+
+    def committed_seen(self, job: str, c: Committed | None, revision: int) -> None:
+        """The committed record changed (the watch): tells this node's coordination."""
+        with self.t.lock:
+            leading = self.jobs[job].leading if job in self.jobs else None
+        if leading is not None:
+            leading.learn_committed(c.version if c is not None else None, revision)
+
+    def placement_changed(self, job: str) -> None:
+        """A new placement: reported again; a coordinator no longer in it resigns."""
+        with self.t.lock:
+            st, j = self.t.jobs.get(job), self.job(job)
+            leading, j.dirty = j.leading, True
+            placement = st.placement if st is not None else None
+        if leading is not None and placement is not None:
+            if self.t.node_id in placement.nodes:
+                leading.set_placement(placement)
+            else:
+                leading.end("this node left the job's placement", resign_key=True)
+        self._kick(job)
+
+    def fence_written(self, job: str, revision: int | None) -> None:
+        """This node's fence key is now at ``revision`` (None: unknown, read it again)."""
+        with self.t.lock:
+            j = self.job(job)
+            j.fence, j.dirty = revision, True
+        self._kick(job)
+
+    def hopeless(self, job: str, version: Version) -> bool:
+        """The coordinator's last word on ``version`` (which this node waits on): True when it
+        can never commit. Asks again when that word is older than :data:`ASK_EVERY`."""
+        now = self.t.clock.monotonic()
+        with self.t.lock:
+            j = self.jobs.get(job)
+            if j is None:
+                return False
+            stale = now - j.answered_at > ASK_EVERY
+            if stale:
+                j.dirty = True
+            answer = tuple(version) in j.hopeless
+        if stale:
+            self._kick(job)
+        return answer
+
+    def on_report(self, report: Report) -> Reply:
+        """A report from a node (the replica server's thread): for this node's coordination
+        of its job, if it has one."""
+        with self.t.lock:
+            j = self.jobs.get(report.job)
+            leading = j.leading if j is not None else None
+        if leading is None:
+            return Reply(False, "term")
+        return leading.on_report(report)
+
+    # -- sending ----------------------------------------------------------------------------
+
+    def _kick(self, job: str) -> None:
+        with self.t.lock:
+            j = self.jobs.get(job)
+            if (j is None or j.busy or not j.dirty or self.t.closing
+                    or self.t.clock.monotonic() < j.retry_at):
+                return
+            j.busy = True
+        self.t.submit(self._run, job)
+
+    def _run(self, job: str) -> None:
+        try:
+            while self._send_once(job):
+                pass
+        finally:
+            with self.t.lock:
+                if job in self.jobs:
+                    self.jobs[job].busy = False
+
+    def _send_once(self, job: str) -> bool:
+        """Sends the job's report once if it is due; True when another may be due."""
+        with self.t.lock:
+            st, j = self.t.jobs.get(job), self.jobs.get(job)
+            if (st is None or j is None or not j.dirty or st.placement is None
+                    or self.t.closing or j.ship is None):
+                return False
+            ship, leading, fence = j.ship, j.leading, j.fence
+            if not ship.node:
+                j.last_reason = "the coordinator record is unreadable"
+                return False
+            if ship.node == self.t.node_id and (leading is None or
+                                                 leading.ship.term != ship.term):
+                return False  # our own earlier term (a restart): its lease expires
+        try:
+            if fence is None:
+                fence = read_fence(self.t.coord, self.t.keys, job, self.t.node_id)[0]
+                with self.t.lock:
+                    j.fence = fence
+            with self.t.lock:
+                report = self._report(job, st, ship, fence)
+                j.dirty = False
+            reply = (leading.on_report(report) if leading is not None and ship.node == self.t.node_id
+                     else self._send(ship.node, report))
+        except (ReplicationError, CoordinationError) as exc:
+            self._failed(job, j, f"{type(exc).__name__}: {exc}")
+            return False
+        return self._answered(job, j, ship, reply)
+
+    def _report(self, job: str, st: Any, ship: Coordinatorship, fence: int) -> Report:
+        """This node's report (call with the tracker's lock held)."""
+        book, placement = st.book, st.placement
+        mine = placement.ranks.get(self.t.node_id, ())
+        ranks = {r: tuple(v for v in st.replicated.get(r, ())
+                          if book.recordable(v) and v[0] >= book.floor)[:KEEP_VERSIONS]
+                 for r in mine}
+        dead = sorted({*st.skipped[:KEEP_SKIPPED], *st.withdrawn[:KEEP_WITHDRAWN]},
+                      reverse=True)[:MAX_DEAD]
+        self.seq += 1
+        return Report(job, self.t.node_id, ship.term, st.digest, self.boot, self.seq, fence,
+                      book.floor, ranks, tuple(dead), tuple(book.awaiting()[-MAX_ASK:]))
+
+    def _failed(self, job: str, j: JobReports, why: str) -> None:
+        now = self.t.clock.monotonic()
+        with self.t.lock:
+            j.dirty = True
+            j.failures += 1
+            j.retry_at = now + min(0.05 * 2 ** j.failures, 1.0)
+            first, j.last_reason = j.last_reason != why, why
+        (log.warning if first else log.debug)(
+            "%s: cannot report to the commit coordinator (%s); retrying", job, why)
+
+    def _answered(self, job: str, j: JobReports, ship: Coordinatorship, reply: Reply) -> bool:
+        """Takes the coordinator's reply; True when another report is due at once."""
+        now = self.t.clock.monotonic()
+        with self.t.lock:
+            if reply.accepted:
+                j.hopeless, j.answered_at = frozenset(reply.hopeless), now
+                j.failures, j.last_reason = 0, ""
+                st = self.t.jobs.get(job)
+                known = st.committed.version if st is not None and st.committed else None
+                # The coordinator knows a newer commit than our watch brought: the watch
+                # brings it in a moment; :meth:`tick` reads it if it has not by WATCH_GRACE.
+                if (reply.committed is not None and (known is None or reply.committed > known)
+                        and j.ahead is None):
+                    j.ahead, j.ahead_since = reply.committed, now
+                behind, again = False, j.dirty
+            else:
+                j.dirty, j.failures, j.last_reason = True, j.failures + 1, reply.reason
+                if reply.reason == "fenced":
+                    j.fence = None  # a withdrawal of ours it saw first: read our fence again
+                # It answered: what it waits for (its fences, its placement, our fence, the
+                # election record) comes soon; ask again shortly, without backing off.
+                j.retry_at = now + 0.1
+                behind, again = reply.reason in ("term", "term ended"), False
+        if not reply.accepted:
+            log.debug("%s: coordinator %s did not count this report: %s", job, ship.node,
+                      reply.reason)
+        if behind:  # a stale election record: read the committed prefix
+            self.t.submit(self.t.reread, job)
+        return again
+
+    # -- coordinating ----------------------------------------------------------------------
+
+    def _delay(self, job: str) -> float:
+        st = self.t.jobs.get(job)
+        if st is None or st.placement is None:
+            return float("inf")
+        return campaign_delay(self.t.node_id, st.placement.nodes)
+
+    def _campaign(self, job: str) -> None:
+        with self.t.lock:
+            st, j = self.t.jobs.get(job), self.jobs.get(job)
+            if (st is None or j is None or j.ship is not None or j.leading is not None
+                    or j.campaigning or self.t.closing or st.placement is None
+                    or self.t.node_id not in st.placement.nodes):
+                return
+            j.campaigning = True
+        t = self.t
+        lease = None
+        try:
+            stored = t.coord.get(t.keys.job_commit_placement(job))
+            lease = t.coord.grant_lease(max(1, round(self.ttl)))
+            term = self._rng.getrandbits(62)
+            revision = campaign(t.coord, t.keys, job, t.node_id, term, lease, t.clock.wall())
+            if revision is None:
+                t.coord.revoke_lease(lease)  # lost: the watch brings the winner
+                return
+            removed = t.coord.delete_prefix(t.keys.job_replicated_prefix(job))
+        except CoordinationError as exc:
+            t.etcd_error("campaign for commit coordinator", exc)
+            if lease is not None:
+                try:
+                    t.coord.revoke_lease(lease)
+                except CoordinationError:
+                    pass  # it expires by itself
+            return
+        finally:
+            with t.lock:
+                j.campaigning = False
+        if removed:
+            log.warning("%s: removed %d per-node records of the old commit protocol "
+                        "(ckpt/replicated/): every node must run this release", job, removed)
+        ship = Coordinatorship(t.node_id, term, revision)
+        with t.lock:
+            committed = st.committed
+            tally = Tally(term, revision, st.placement, committed=committed.version
+                          if committed else None, committed_rev=st.committed_rev,
+                          stored_placement=(xxhash.xxh3_64_hexdigest(stored.value)
+                                            if stored is not None else ""),
+                          ahead=st.ahead, floor=st.book.floor)
+            leading = JobCoordinator(
+                t.node_id, job, t.coord, t.keys, t.clock, ship, lease, self.ttl, tally,
+                on_commit=lambda c: t.learn(job, c, by_me=True),
+                on_end=lambda why: self._ended(job, ship),
+                wake=lambda: t.submit(self._flush, job))
+            j.leading, j.ship, j.dirty, j.absent_since = leading, ship, True, None
+        log.info("%s: %s coordinates commits (term %x)", job, t.node_id, term)
+        self._kick(job)
+        t.submit(self._flush, job)
+
+    def _flush(self, job: str) -> None:
+        with self.t.lock:
+            j = self.jobs.get(job)
+            leading = j.leading if j is not None else None
+        if leading is not None:
+            leading.flush()
+
+    def _ended(self, job: str, ship: Coordinatorship) -> None:
+        with self.t.lock:
+            j = self.jobs.get(job)
+            if j is not None and j.leading is not None and j.leading.ship == ship:
+                j.leading = None
+
+    def leading(self, job: str) -> JobCoordinator | None:
+        with self.t.lock:
+            j = self.jobs.get(job)
+            return j.leading if j is not None else None
+
+    # -- periodic work --------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """One round of periodic work: the election lease, due retries and campaigns."""
+        now = self.t.clock.monotonic()
+        with self.t.lock:
+            jobs = list(self.jobs.items())
+        for job, j in jobs:
+            leading = j.leading
+            if leading is not None:
+                leading.tick()
+            with self.t.lock:
+                due = (j.known and j.ship is None and j.leading is None and not j.campaigning
+                       and j.absent_since is not None
+                       and now - j.absent_since >= self._delay(job))
+            if due:
+                self._campaign(job)
+            if self._watch_lagging(job, j, now):
+                self.t.submit(self.t.reread, job)
+            self._kick(job)
+
+    def _watch_lagging(self, job: str, j: JobReports, now: float) -> bool:
+        """True (once) when a commit a reply named is still unseen after :data:`WATCH_GRACE`."""
+        with self.t.lock:
+            if j.ahead is None or now - j.ahead_since < WATCH_GRACE:
+                return False
+            st = self.t.jobs.get(job)
+            known = st.committed.version if st is not None and st.committed else None
+            ahead, j.ahead = j.ahead, None
+            return known is None or known < ahead
+
+    def start(self) -> None:
+        """Runs :meth:`tick` every :data:`TICK` seconds on a thread until :meth:`close`."""
+        def run() -> None:
+            while not self._stop.wait(TICK):
+                try:
+                    self.tick()
+                except Exception:  # noqa: BLE001 - the ticker must outlive a bug in one tick
+                    log.exception("commit ticker of %s failed", self.t.node_id)
+
+        self._thread = threading.Thread(target=run, daemon=True,
+                                        name=f"commit-tick-{self.t.node_id}")
+        self._thread.start()
+
+    def settled(self) -> bool:
+        """No report being sent, and none waiting that its coordinator could take now."""
+        with self.t.lock:
+            return not any(j.busy or j.campaigning or (j.dirty and j.ship is not None
+                                                        and j.failures < 3)
+                           for j in self.jobs.values())
+
+    def republish(self, job: str, withdrawn: list[Version]) -> None:
+        """etcd lost its data: the term (if any) ended with the election key, this node's
+        fence is rewritten (its withdrawals, for the holders' sake) and read again."""
+        with self.t.lock:
+            j = self.job(job)
+            leading, j.fence, j.dirty = j.leading, None, True
+        if leading is not None:
+            leading.end("its election key went with etcd's data")
+        if withdrawn:
+            try:
+                self.t.coord.put(self.t.keys.job_fence(job, self.t.node_id),
+                                 encode_fence(self.t.node_id, withdrawn, self.t.clock.wall()))
+            except CoordinationError as exc:
+                self.t.etcd_error("write its fence again", exc)
+        self._kick(job)
+
+    def forget(self, job: str) -> None:
+        """The job ended here: its term ends (resigned) and its state goes."""
+        with self.t.lock:
+            j = self.jobs.pop(job, None)
+        if j is not None and j.leading is not None:
+            j.leading.end("the job ended on this node", resign_key=True)
+
+    def close(self, resign: bool = True) -> None:
+        """Stops the ticker; ends every term (``resign``: deleting the election keys, so that
+        another node takes over at once; else they expire with the lease)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        with self.t.lock:
+            leading = [j.leading for j in self.jobs.values() if j.leading is not None]
+        for term in leading:
+            term.end("this node stops", resign_key=resign)
+
+    def status(self, job: str) -> dict[str, Any]:
+        with self.t.lock:
+            j = self.jobs.get(job)
+            if j is None:
+                return {"coordinator": None, "coordinating": None}
+            ship, leading = j.ship, j.leading
+            reason = j.last_reason
+        return {"coordinator": None if ship is None else {"node": ship.node,
+                                                          "term": f"{ship.term:x}"},
+                "coordinating": leading.status() if leading is not None else None,
+                "report_problem": reason or None}
+
+
+def decode_ship(kv: Any) -> Coordinatorship:
+    """The election record of a watched key-value. An unreadable one names no node: nobody
+    campaigns while it is there (a create would fail) and no report can be sent, which the
+    log and ``/status`` say (an operator deletes the key)."""
+    try:
+        return decode_election(kv.value, kv.key, kv.mod_revision)
+    except records.RecordError as exc:
+        log.error("unreadable commit coordinator record (commits stop until it is deleted "
+                  "or expires): %s", exc)
+        return Coordinatorship("", 0, kv.mod_revision)

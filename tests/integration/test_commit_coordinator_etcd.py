@@ -1,0 +1,142 @@
+"""The commit coordinator on a real etcd: three nodes (own etcd clients, replica servers and
+shared-memory stores) snapshot a step every 50 ms; the node that coordinates the commits is
+killed (nothing revoked, its election lease left to expire) and the survivors form the next
+round at once. Commits resume within one lease TTL (plus etcd's expiry tick and an election),
+no commit ever goes back or names a holder that lost its copy, and the whole job's etcd writes
+per committed step stay at most two."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from elasticd.replication.commit import decode_committed, read_committed
+from elasticd.store.api import SlotBusy
+from elasticd.store.shm import CommitPending
+from tests.conftest import connect
+from tests.replication_nodes import JOB, Cluster
+
+pytestmark = pytest.mark.etcd
+
+TTL = 2
+
+
+class Stepper:
+    """Snapshots every rank of the round each ``period``, as the checkpoint service does: only
+    on the job's snapshot grid, and a snapshot refused by a pending commit is skipped and
+    reported."""
+
+    def __init__(self, cluster: Cluster, ranks: dict[str, list[int]], period: float = 0.1):
+        self.cluster, self.ranks, self.period = cluster, ranks, period
+        self.step, self.stop = 0, threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        world = sum(len(r) for r in self.ranks.values())
+        while not self.stop.wait(self.period):
+            self.step += 1
+            for name, ranks in self.ranks.items():
+                node = self.cluster[name]
+                if self.step % node.replicator.snapshot_grid(JOB):
+                    continue
+                for rank in ranks:
+                    try:
+                        node.snapshot(rank, self.step, world=world)
+                    except CommitPending as exc:
+                        node.replicator.on_commit_pending(JOB, exc.version, (0, self.step))
+                    except SlotBusy:  # both slots held (a reader's pin): skipped, as a worker does
+                        pass
+
+    def __enter__(self) -> "Stepper":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(5)
+
+
+def coordinator(cluster: Cluster) -> str | None:
+    for node in cluster.live():
+        if node.replicator.tracker.reporter.leading(JOB) is not None:
+            return node.name
+    return None
+
+
+@pytest.mark.timeout(90)
+# Known open bug (issue 29): run alone, commits resumed within TTL + 4 s of the coordinator's
+# kill in only ~6 of 10 runs (the survivors kept reporting to the dead node: "no replica server
+# address known for node 'n1'"); it passed in the whole suite. Not strict, so a pass shows as
+# XPASS; the assertions stay as they are until the re-election is mended.
+@pytest.mark.xfail(strict=False, reason="commit coordinator re-election after a kill does not "
+                   "always finish within TTL + 4 s (issue 29, open)")
+def test_killing_the_coordinator_costs_one_lease_ttl_and_no_wrong_commit(etcd, prefix):
+    clients = []
+
+    def client():
+        clients.append(connect(etcd))
+        return clients[-1]
+
+    cluster = Cluster(client, 3, 2, prefix=prefix, lease_ttl=TTL)
+    commits: list[tuple[int, int]] = []
+    watcher = connect(etcd)
+    key = cluster.keys.job_committed(JOB)
+    writes = []
+
+    def on_events(events):
+        if isinstance(events, Exception):
+            return
+        for e in events:
+            writes.append((time.monotonic(), e.kv.key, len(e.kv.value)))
+            if e.kv.key == key and e.kv.value:
+                commits.append(decode_committed(e.kv.value).version)
+
+    watch = watcher.watch_prefix(cluster.keys.job_ckpt(JOB), on_events, 0)
+    try:
+        three = {"n1": [0, 1], "n2": [2, 3], "n3": [4, 5]}
+        cluster.set_membership(["n1", "n2", "n3"], three, round=1)
+        with Stepper(cluster, three):
+            time.sleep(2.0)
+        assert commits, "nothing committed"
+        # Per committed step: the commit and at most one ahead record (fences, withdrawals,
+        # the grid and the round's placement are not per step).
+        per_step = {cluster.keys.job_committed(JOB), cluster.keys.job_commit_ahead(JOB)}
+        steady = [w for w in writes if w[1] in per_step]
+        # + 1: the first ahead record may come before the first commit (seen: 33 for 16)
+        assert len(steady) <= 2 * len(set(commits)) + 1, \
+            f"{len(steady)} writes for {len(set(commits))} commits"
+        assert max(size for _, _, size in writes) <= 4096
+        victim = coordinator(cluster)
+        assert victim is not None
+        before = len(commits)
+        survivors = [n for n in ("n1", "n2", "n3") if n != victim]
+        two = {survivors[0]: [0, 1, 2], survivors[1]: [3, 4, 5]}
+        killed = time.monotonic()
+        cluster.kill(victim)  # its election lease is left to expire
+        cluster.set_membership(survivors, two, round=2)
+        with Stepper(cluster, two) as stepper:
+            stepper.step = 1024  # the new round's steps are newer (and on any grid)
+            deadline = killed + TTL + 4
+            while time.monotonic() < deadline and not any(
+                    c[1] > 1024 for c in commits[before:]):
+                time.sleep(0.02)
+            resumed = time.monotonic() - killed
+        assert any(c[1] > 1024 for c in commits[before:]), "commits never resumed"
+        # the lease expires TTL (+ up to 0.5 s: etcd's expiry tick) after its last keep-alive,
+        # which was up to TTL/3 before the kill; then an election and one report per node
+        assert resumed <= TTL + 1.5, f"commits resumed {resumed:.2f} s after the kill"
+        assert coordinator(cluster) in survivors
+        assert commits == sorted(commits), f"the committed step went back: {commits}"
+        final = read_committed(cluster.coords[0], cluster.keys, JOB)
+        for rank in final.ranks:
+            for name in final.holders[rank]:
+                node = cluster[name]
+                assert (node.local.latest(JOB, rank, version=final.version)
+                        or node.sink.store.latest(JOB, rank, version=final.version)), \
+                    f"{name} is named a holder of rank {rank} {final.version} but lacks it"
+    finally:
+        watch.cancel()
+        watcher.close()
+        cluster.close()

@@ -1,0 +1,179 @@
+"""The commit coordinator in the replication service, on the in-memory coordinator: what each
+node asks of etcd per committed step (nothing but its watch event; the coordinator one
+transaction), who coordinates when, and what a report may say."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
+from elasticd.replication.api import ReplicationError
+from elasticd.replication.placement import compute_placement
+from elasticd.replication.report import (
+    MalformedReport,
+    Reply,
+    Report,
+    decode_reply,
+    decode_report,
+    encode_reply,
+    encode_report,
+    placement_digest,
+)
+from elasticd.replication.transport import ReplicaClient
+from tests.replication_nodes import JOB, SECRET, Cluster
+
+THREE = {"n1": [0, 1], "n2": [2, 3], "n3": [4, 5]}
+
+
+class Counting(MemoryCoordinator):
+    """Counts the etcd calls one node makes, by method."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        super().__init__(store)
+        self.calls: dict[str, int] = {}
+        for name in ("get", "get_prefix", "put", "transaction", "delete", "delete_prefix",
+                     "grant_lease", "keep_alive", "revoke_lease"):
+            setattr(self, name, self._counted(name, getattr(self, name)))
+
+    def _counted(self, name, fn):
+        def call(*args, **kw):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return fn(*args, **kw)
+        return call
+
+
+@pytest.fixture
+def cluster():
+    store = MemoryStore()
+    c = Cluster(lambda: Counting(store), 3, 2)
+    yield c
+    c.close()
+    assert not os.path.exists(c.base)
+
+
+def wait_for(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def step(cluster: Cluster, n: int, ranks=THREE) -> None:
+    for name, rs in ranks.items():
+        for rank in rs:
+            cluster[name].snapshot(rank, n, world=6)
+    cluster.wait_idle()
+
+
+def coordinator(cluster: Cluster) -> str | None:
+    names = [n.name for n in cluster.live() if n.replicator.tracker.reporter.leading(JOB)]
+    assert len(names) <= 1, names
+    return names[0] if names else None
+
+
+def test_per_committed_step_nodes_ask_nothing_of_etcd_and_the_coordinator_writes_once(cluster):
+    cluster.set_membership(["n1", "n2", "n3"], THREE, round=1)
+    step(cluster, 1)
+    assert coordinator(cluster) == "n1"  # the placement's first node, elected at once
+    wait_for(lambda: cluster["n3"].replicator.tracker.view(JOB)[1] is not None)
+    for coord in cluster.coords:
+        coord.calls.clear()
+    revision = cluster.coords[0].store._revision
+    for n in range(2, 12):
+        step(cluster, n)
+    assert cluster["n3"].replicator.tracker.view(JOB)[1].version == (0, 11)
+    assert cluster.coords[0].store._revision - revision <= 2 * 10  # commit (+ ahead) per step
+    for name, coord in zip(("n1", "n2", "n3"), cluster.coords):
+        if name == "n1":
+            assert coord.calls.get("transaction", 0) <= 20 and not coord.calls.get("get_prefix")
+        else:
+            assert coord.calls == {}, f"{name} asked etcd {coord.calls} in 10 steps"
+    status = cluster["n2"].replicator.status()["jobs"][JOB]
+    assert status["coordinator"]["node"] == "n1" and status["coordinating"] is None
+    leading = cluster["n1"].replicator.status()["jobs"][JOB]["coordinating"]
+    assert leading["waiting_for"] == [] and leading["commits"] >= 10
+    assert cluster["n1"].replicator.stats().commit_coordinator == 1
+    assert cluster["n2"].replicator.stats().commit_coordinator == 0
+
+
+def test_a_dead_coordinator_is_replaced_when_its_lease_expires(cluster):
+    cluster.set_membership(["n1", "n2", "n3"], THREE, round=1)
+    step(cluster, 1)
+    assert coordinator(cluster) == "n1"
+    killed = time.monotonic()
+    cluster.kill("n1")  # nothing revoked: its election lease (1 s) expires
+    ranks = {"n2": [0, 1, 2], "n3": [3, 4, 5]}
+    cluster.set_membership(["n2", "n3"], ranks, round=2)
+    store = cluster.coords[0].store
+
+    def elected():
+        store.expire_leases()  # etcd expires leases by itself; the fake when asked
+        return coordinator(cluster) == "n2"
+
+    wait_for(elected, 5)
+    # its last keep-alive came up to TTL/3 (and a tick) before the kill
+    assert time.monotonic() - killed >= 0.5, "elected before the old lease could expire"
+    for name, rs in ranks.items():
+        for rank in rs:
+            cluster[name].snapshot(rank, 5, world=6)
+    wait_for(lambda: getattr(cluster["n3"].replicator.tracker.view(JOB)[1], "version",
+                             None) == (0, 5), 5)
+
+
+def test_a_coordinator_that_leaves_the_placement_resigns_at_once(cluster):
+    cluster.set_membership(["n1", "n2", "n3"], THREE, round=1)
+    step(cluster, 1)
+    assert coordinator(cluster) == "n1"
+    ranks = {"n2": [0, 1, 2], "n3": [3, 4, 5]}
+    left = time.monotonic()
+    for name in ("n2", "n3", "n1"):  # n1 too learns the round without itself
+        cluster[name].replicator.set_membership(JOB, ["n2", "n3"], ranks, 2)
+    wait_for(lambda: coordinator(cluster) == "n2", 5)
+    assert time.monotonic() - left < 0.9, "waited for the lease instead of resigning"
+
+
+def test_a_report_naming_another_node_is_refused_and_the_connection_closed(cluster):
+    cluster.set_membership(["n1", "n2", "n3"], THREE, round=1)
+    step(cluster, 1)
+    placement = compute_placement(["n1", "n2", "n3"], THREE, 2, 1)
+    forged = Report(JOB, "n3", 1, placement_digest(placement), 1, 99, 0, 0, {4: ((0, 9),)})
+    client = ReplicaClient.connect(*cluster.addresses["n1"], SECRET, "n2", timeout=5)
+    with pytest.raises(ReplicationError):
+        client.report(forged)
+    client.close()
+    assert cluster["n1"].server.snapshot_stats().protocol_errors == 1
+
+
+def test_reports_and_replies_round_trip_and_malformed_ones_are_refused():
+    r = Report("j", "n1", 7, "abc", 1, 2, 3, 0, {0: ((0, 2), (0, 1))}, ((0, 3),), ((0, 2),))
+    assert decode_report(encode_report(r)) == r
+    reply = Reply(True, "", ((0, 2),), (0, 1))
+    assert decode_reply(encode_reply(reply)) == reply
+    for bad in (b"[]", b'{"job":"j"}', encode_report(r).replace(b'"seq":2', b'"seq":-2'),
+                encode_report(r).replace(b'"0":[', b'"x":['), b"\xff",
+                encode_report(r).replace(b'[[0,2],[0,1]]', b'[[0,2],[0,1],[0,0],[1,1],[2,2]]')):
+        with pytest.raises(MalformedReport):
+            decode_report(bad)
+
+
+def test_a_commit_a_reply_names_first_is_left_to_the_watch_for_its_grace(cluster):
+    """A reply naming a commit the node's watch has not brought yet: the node reads the
+    committed record itself only if the watch is still behind after WATCH_GRACE (reading at
+    once cost a range read per node per step on real etcd, where the reply wins the race)."""
+    from elasticd.replication.reporter import WATCH_GRACE
+
+    cluster.set_membership(["n1", "n2", "n3"], THREE, round=1)
+    step(cluster, 1)
+    wait_for(lambda: cluster["n3"].replicator.tracker.view(JOB)[1] is not None)
+    reporter = cluster["n3"].replicator.tracker.reporter
+    j = reporter.job(JOB)
+    known = cluster["n3"].replicator.tracker.view(JOB)[1].version
+    j.ahead, j.ahead_since = (known[0], known[1] + 5), 100.0
+    assert not reporter._watch_lagging(JOB, j, 100.0 + WATCH_GRACE / 2)  # still in its grace
+    assert reporter._watch_lagging(JOB, j, 100.0 + WATCH_GRACE)  # the watch is late: read it
+    assert j.ahead is None and not reporter._watch_lagging(JOB, j, 200.0)  # once
+    j.ahead, j.ahead_since = known, 100.0  # the watch brought it meanwhile: nothing to read
+    assert not reporter._watch_lagging(JOB, j, 100.0 + WATCH_GRACE) and j.ahead is None
