@@ -18,7 +18,7 @@ import tomllib
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 if TYPE_CHECKING:
-    from elasticd.agent.policy import JobPolicy
+    from elasticd.cluster.job_policy import JobPolicy
 
 from elasticd.coordination.etcd import EtcdSettings, parse_endpoints
 from elasticd.coordination.keys import check_name, check_prefix
@@ -137,7 +137,7 @@ class Settings:
         log_level: DEBUG, INFO, WARNING or ERROR.
         job_users: users jobs may run as on this node, comma-separated (empty: any user but
             root; ``*``: any user, root too); part of the node's job policy
-            (elasticd/agent/policy.py).
+            (elasticd/cluster/job_policy.py).
         job_python: the only interpreter a job may name (empty: the daemon's own).
         job_env_allow: environment variables (names or ``fnmatch`` patterns, comma-separated)
             a job may set although they are refused by default (``LD_*``, ``PYTHON*``,
@@ -248,7 +248,7 @@ class Settings:
 
     def job_policy(self) -> "JobPolicy":
         """The node's job policy from ``job_users``, ``job_python`` and ``job_env_allow``."""
-        from elasticd.agent.policy import JobPolicy, split_list
+        from elasticd.cluster.job_policy import JobPolicy, split_list
 
         return JobPolicy(users=split_list(self.job_users),
                          python=self.job_python or sys.executable,
@@ -372,7 +372,7 @@ def _validate(s: Settings, sources: Mapping[str, str]) -> None:
 
 
 def _validate_job_policy(s: Settings, bad: Any) -> None:
-    from elasticd.agent.policy import split_list
+    from elasticd.cluster.job_policy import split_list
 
     for user in [u for u in split_list(s.job_users) if u != "*"]:
         try:

@@ -8,8 +8,11 @@ it). Under the root sit a few families; each package's own base class joins one:
 - :class:`NodeError`: this node's daemon, or a job it runs, cannot start or go on.
 - :class:`LocalProtocolError`: the local protocol between a worker or the CLI and its daemon.
 - :class:`CheckpointError`: snapshots, the slot store, restores and the persistent tier.
-- ``CoordinationError`` (``elasticd.coordination.api``) and ``ReplicationError``
-  (``elasticd.replication.api``) derive from the root directly: each is its package's family.
+- :class:`ReplicationError`: the replication layer (``elasticd.replication``); here rather
+  than in its package because the checkpoint store, below replication, catches
+  :class:`ShardLost` from the fetcher it is handed.
+- ``CoordinationError`` (``elasticd.coordination.api``) derives from the root directly: it is
+  its package's family.
 
 A class that callers catch as a builtin (``ValueError``, ``OSError``, ``RuntimeError``,
 ``TypeError``) keeps that base beside its family. The families are new names nobody caught
@@ -20,6 +23,8 @@ plugin, the CLI) may import it.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 
 class ElasticdError(Exception):
@@ -41,3 +46,21 @@ class LocalProtocolError(ElasticdError):
 
 class CheckpointError(ElasticdError):
     """A snapshot cannot be written, held, read or restored as asked."""
+
+
+class ReplicationError(ElasticdError):
+    """Base class of every error the replication layer raises."""
+
+
+class ShardLost(ReplicationError):
+    """No holder could provide an intact copy: restore this shard from the persistent tier.
+
+    Attributes:
+        attempts: (holder, reason) for every holder tried, in order.
+    """
+
+    def __init__(self, job: str, rank: int, version: tuple[int, int] | None,
+                 attempts: Sequence[tuple[str, str]]) -> None:
+        tried = "; ".join(f"{h}: {r}" for h, r in attempts) or "no holder known"
+        super().__init__(f"{job} rank {rank} {version or 'newest'}: no intact copy ({tried})")
+        self.job, self.rank, self.version, self.attempts = job, rank, version, list(attempts)

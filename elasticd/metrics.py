@@ -10,8 +10,9 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import types
 from functools import partial
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -279,6 +280,47 @@ class ReplicationSink:
         self.m.replication_rejected.labels(label).inc()
 
 
+class ReplicationFigures(Protocol):
+    """What the collector reads of ``Replicator.stats()`` (``recovery.replicator.
+    ReplicationStats``, which ``tests/unit/test_metrics_replication.py`` checks against this):
+    typed here so that this module imports no domain module and reads no attribute by name."""
+
+    replication_bytes_total: int
+    replication_failures_total: dict[str, int]
+    replication_skipped_total: int
+    replication_commit_wait_timeouts_total: int
+    commits_total: int
+    committed_step: int
+    sync_lag_steps: int
+    under_replicated_shards: int
+    replica_bytes_held: int
+    rereplications_total: int
+    fetches_total: int
+    fetch_bytes_total: int
+    fetch_seconds_total: float
+    fetch_failures_total: dict[str, int]
+    etcd_errors_total: int
+    commit_coordinator: int
+
+
+class ServerFigures(Protocol):
+    """What the collector reads of ``ReplicaServer.snapshot_stats()`` (``ServerStats``)."""
+
+    pushes_committed: int
+    pushes_refused: int
+    pushes_aborted: int
+    protocol_errors: int
+    bytes_received: int
+
+
+def _initial(*protocols: type) -> Any:
+    """The figures exported while replication is off (or not attached yet): every family at
+    its initial value (0, no labels counted, -1 for a step)."""
+    return types.SimpleNamespace(**{
+        name: {} if kind.startswith("dict") else -1 if name.endswith("_step") else 0
+        for protocol in protocols for name, kind in protocol.__annotations__.items()})
+
+
 class ReplicationCollector:
     """Exports the replicator's and the replica server's totals and gauges at scrape time.
 
@@ -288,10 +330,11 @@ class ReplicationCollector:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._stats: Callable[[], Any] | None = None
-        self._server: Callable[[], Any] | None = None
+        self._stats: Callable[[], ReplicationFigures] | None = None
+        self._server: Callable[[], ServerFigures] | None = None
 
-    def attach(self, stats: Callable[[], Any], server_stats: Callable[[], Any]) -> None:
+    def attach(self, stats: Callable[[], ReplicationFigures],
+               server_stats: Callable[[], ServerFigures]) -> None:
         """``stats``: ``Replicator.stats``; ``server_stats``: ``ReplicaServer.snapshot_stats``."""
         with self._lock:
             self._stats, self._server = stats, server_stats
@@ -312,8 +355,12 @@ class ReplicationCollector:
         yield from self._families(stats, server)
 
     @staticmethod
-    def _families(st: Any, server: Any) -> Iterator[Metric]:
-        """``st``: a ``ReplicationStats`` (None before :meth:`attach`: the initial values)."""
+    def _families(stats: ReplicationFigures | None,
+                  server_stats: ServerFigures | None) -> Iterator[Metric]:
+        """None before :meth:`attach`: the initial values."""
+        none = _initial(ReplicationFigures, ServerFigures)
+        st: ReplicationFigures = stats if stats is not None else none
+        server: ServerFigures = server_stats if server_stats is not None else none
         def by_label(name: str, doc: str, label: str, values: tuple[str, ...],
                      counts: dict[str, int]) -> Metric:
             folded: collections.Counter[str] = collections.Counter()
@@ -326,56 +373,67 @@ class ReplicationCollector:
 
         yield CounterMetricFamily("elasticd_replication_bytes",
                                   "Bytes of snapshots pushed to peers",
-                                  getattr(st, "replication_bytes_total", 0))
+                                  st.replication_bytes_total)
         yield by_label("elasticd_replication_failures",
                        "Snapshot pushes to peers that failed, by reason", "reason",
-                       PUSH_FAILURE_REASONS, getattr(st, "replication_failures_total", {}))
+                       PUSH_FAILURE_REASONS, st.replication_failures_total)
         yield CounterMetricFamily("elasticd_replication_skipped",
                                   "Intermediate steps not pushed because a newer snapshot "
                                   "replaced them in a peer's lane (replication never queues "
-                                  "without bound)", getattr(st, "replication_skipped_total", 0))
+                                  "without bound)", st.replication_skipped_total)
         yield CounterMetricFamily("elasticd_replication_commits",
                                   "Steps this node recorded as committed (every rank has m "
                                   "verified copies) as its job's commit coordinator",
-                                  getattr(st, "commits_total", 0))
+                                  st.commits_total)
         yield GaugeMetricFamily("elasticd_commit_coordinator",
                                 "1 while this node is its job's commit coordinator (summed "
                                 "over a job's nodes: 1; 0 for longer than a lease TTL and the "
-                                "job commits nothing)", getattr(st, "commit_coordinator", 0))
+                                "job commits nothing)", st.commit_coordinator)
         yield GaugeMetricFamily("elasticd_committed_step",
                                 "Newest committed step of this node's job (-1: none yet)",
-                                getattr(st, "committed_step", -1))
+                                st.committed_step)
         yield GaugeMetricFamily("elasticd_sync_lag_steps",
                                 "Newest local snapshot step minus the committed step: the steps "
-                                "a failure now would lose", getattr(st, "sync_lag_steps", 0))
+                                "a failure now would lose", st.sync_lag_steps)
         yield GaugeMetricFamily("elasticd_shards_unprotected",
                                 "Ranks whose committed snapshot has fewer than m copies on "
-                                "current members", getattr(st, "under_replicated_shards", 0))
+                                "current members", st.under_replicated_shards)
         yield GaugeMetricFamily("elasticd_replica_bytes_held",
                                 "Bytes of other nodes' snapshots (replicas) this node holds in "
-                                "shared memory", getattr(st, "replica_bytes_held", 0))
+                                "shared memory", st.replica_bytes_held)
         yield CounterMetricFamily("elasticd_rereplications",
                                   "Committed shards this node copied to a new holder after a "
-                                  "membership change", getattr(st, "rereplications_total", 0))
+                                  "membership change", st.rereplications_total)
         yield CounterMetricFamily("elasticd_replica_fetches",
                                   "Shards fetched for a restore (from a peer, or this node's own "
-                                  "copy)", getattr(st, "fetches_total", 0))
+                                  "copy)", st.fetches_total)
         yield CounterMetricFamily("elasticd_replica_fetch_bytes",
                                   "Bytes of shards fetched for restores",
-                                  getattr(st, "fetch_bytes_total", 0))
+                                  st.fetch_bytes_total)
+        yield CounterMetricFamily("elasticd_replica_fetch_seconds",
+                                  "Seconds spent fetching shards for restores",
+                                  st.fetch_seconds_total)
+        yield CounterMetricFamily("elasticd_replication_commit_wait_timeouts",
+                                  "Pushes that stopped waiting for the previous step's commit "
+                                  "(its commit took longer than commit_wait)",
+                                  st.replication_commit_wait_timeouts_total)
+        yield CounterMetricFamily("elasticd_replication_etcd_errors",
+                                  "etcd calls of the replicator that failed (placement, commit "
+                                  "and holder records)", st.etcd_errors_total)
         yield by_label("elasticd_replica_fetch_failures",
                        "Holders that could not give a shard at restore, by reason (lost: no "
                        "holder had an intact copy)", "reason", FETCH_FAILURE_REASONS,
-                       getattr(st, "fetch_failures_total", {}))
+                       st.fetch_failures_total)
         yield by_label("elasticd_replica_pushes_received",
                        "Snapshot pushes this node's replica server received, by outcome "
                        "(aborted: torn, corrupt or interrupted, nothing stored)", "outcome",
                        RECEIVED_OUTCOMES,
-                       {o: getattr(server, f"pushes_{o}", 0) for o in RECEIVED_OUTCOMES})
+                       {"committed": server.pushes_committed, "refused": server.pushes_refused,
+                        "aborted": server.pushes_aborted})
         yield CounterMetricFamily("elasticd_replica_protocol_errors",
                                   "Connections from authenticated peers closed for breaking the "
                                   "protocol (malformed or corrupt frames; what they sent is not "
-                                  "stored)", getattr(server, "protocol_errors", 0))
+                                  "stored)", server.protocol_errors)
         yield CounterMetricFamily("elasticd_replica_bytes_received",
                                   "Bytes this node's replica server received from peers",
-                                  getattr(server, "bytes_received", 0))
+                                  server.bytes_received)

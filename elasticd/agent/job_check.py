@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 from elasticd.agent import safe_open
 from elasticd.agent.open_as import HelperFailed, open_as
-from elasticd.agent.policy import JobPolicy
+from elasticd.cluster.job_policy import JobPolicy
 from elasticd.clock import Clock
 from elasticd.cluster.jobspec import JobControl, JobSpec, JobSpecError
 

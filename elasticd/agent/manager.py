@@ -6,7 +6,7 @@ node's view of it (``jobs/<job>/nodes/<node>``, bound to the node's lease, so a 
 disappears with it), and acts:
 
 * start the agent when the job is wanted and this node can run it (its spec reads, the node's
-  :class:`~elasticd.agent.policy.JobPolicy` allows it, the same script hash, the user exists
+  :class:`~elasticd.cluster.job_policy.JobPolicy` allows it, the same script hash, the user exists
   and can use the files: checked off the main loop, :mod:`elasticd.agent.job_check`), restart
   it with backoff when it dies (a budget of ``agent_restarts``);
 * refuse a job it cannot run, with the reason, in ``jobs/<job>/nodes/<node>`` and ``/status``:
@@ -38,11 +38,12 @@ import subprocess
 import threading
 from typing import Any, Callable
 
-from elasticd.agent import crashloop
+from elasticd.agent import job_rules
 from elasticd.agent.job_check import JobChecks, Verdict, WAIT_RETRY
 from elasticd.agent.job_holds import JobHolds
 from elasticd.agent.job_records import JobRecords
-from elasticd.agent.policy import JobPolicy
+from elasticd.agent.restart_watch import RestartWatch
+from elasticd.cluster.job_policy import JobPolicy
 from elasticd.agent.supervisor import AgentSupervisor
 from elasticd.agent.worker_group import WorkerGroup
 from elasticd.clock import Clock, SystemClock
@@ -136,36 +137,31 @@ class JobManager(JobRecords, WorkerGroup):
         self.committed: Callable[[str], tuple[int, int] | None] = lambda job: None
         #: Records a cluster event (kind, detail, data): set by the daemon.
         self.record_event: Callable[[str, str, dict[str, Any]], None] = lambda *a: None
-        self._loop = crashloop.LoopState()
-        self._loop_job: str | None = None
-        self._attempt = 0  # the agent's worker group attempt (torchrun's restart count)
-        self._runs_known: set[str] = set()  # torchrun run directories of earlier agents
-        self._log_mark = 0  # agent log size at the last restart seen
-        self._restart_cause = ""  # why the daemon itself restarted the workers, if it did
-        self._best_step = -1  # the newest step reported for the job (fallback watermark)
-        self._attempt_at = 0.0  # when the current worker group attempt started (monotonic)
+        #: The job's worker group restarts, counted for the crash-loop rule.
+        self.restarts = RestartWatch(self.clock)
 
     # -- decisions ------------------------------------------------------------------------
 
-    def wanted(self) -> str | None:
-        """The job this node should run: the oldest wanted job it has not finished (none
-        while the node is held out of jobs, e.g. drained). A job whose spec does not read
-        is wanted too, to be refused (:meth:`_start`)."""
-        if self.hold:
-            return None
-        jobs = [(rev, job) for job, (rev, _) in self.specs.items()]
-        jobs += [(rev, job) for job, (rev, _) in self.bad_specs.items()]
-        for _, job in sorted(jobs):
-            control = self.controls.get(job)
-            if control is not None and control.desired != JobState.RUNNING:
-                continue
-            if job in self._finished or (job != self.job and self.succeeded_on(job)):
-                continue  # a running agent here ends on its own (see _check_agent)
-            if job != self.job and self._holds.held(job, self._records_of(job),
-                                                    self.clock.monotonic(), self.job is not None):
-                continue
-            return job
-        return None
+    def view(self) -> job_rules.JobView:
+        """The job records, reduced to what :mod:`elasticd.agent.job_rules` decides from."""
+        created = {job: rev for job, (rev, _) in self.bad_specs.items()}
+        created.update((job, rev) for job, (rev, _) in self.specs.items())
+        return job_rules.JobView(
+            created=created,
+            desired={job: c.desired for job, c in self.controls.items()},
+            reasons={job: c.reason for job, c in self.controls.items()},
+            unreadable={job: why for job, (_, why) in self.bad_specs.items()},
+            finished=frozenset(self._finished),
+            succeeded_elsewhere=frozenset(j for j in self.statuses if self.succeeded_on(j)))
+
+    def wanted(self, view: job_rules.JobView | None = None) -> str | None:
+        """The job this node should run (:func:`job_rules.wanted`): the oldest wanted job it
+        has not finished, none while the node is held out of jobs (e.g. drained). A job whose
+        spec does not read is wanted too, to be refused (:meth:`_start`)."""
+        now, busy = self.clock.monotonic(), self.job is not None
+        return job_rules.wanted(
+            view or self.view(), self.job, self.hold,
+            held=lambda job: self._holds.held(job, self._records_of(job), now, busy))
 
     def refused(self) -> dict[str, str]:
         """Jobs whose spec this node cannot read, with why (for /status; at most 20)."""
@@ -196,22 +192,17 @@ class JobManager(JobRecords, WorkerGroup):
                 self._publish()
                 return
             self._stopping = None
-        self._end_if_decided_elsewhere()
-        wanted = self.wanted()
+        self._end_if_decided_elsewhere(self.view())
+        view = self.view()  # again: a job that ended above is finished now
+        wanted = self.wanted(view)
         self._end_waiting()
-        if self.job is not None and self.job in self.bad_specs:
-            why = self.bad_specs[self.job][1]
-            self.notes.append(f"refused job {self.job}: {why}")
-            log.error("stopping job %s: %s", self.job, why)
-            self._stop_async(why, JobState.REFUSED)
-        elif self.job is not None and self.job != wanted:
-            control = self.controls.get(self.job)
-            if self.hold:
-                self._stop_async(f"node {self.hold}", JobState.DRAINED)
-            elif control is not None and control.desired == JobState.FAILED:
-                self._stop_async(control.reason or f"job {self.job} failed", JobState.FAILED)
-            else:
-                self._stop_async(f"job {self.job} is no longer wanted here", JobState.STOPPED)
+        stop = (job_rules.stop_running(view, self.job, wanted, self.hold)
+                if self.job is not None else None)
+        if stop is not None:
+            if stop.state is JobState.REFUSED:
+                self.notes.append(f"refused job {self.job}: {stop.why}")
+                log.error("stopping job %s: %s", self.job, stop.why)
+            self._stop_async(stop.why, stop.state)
         elif wanted is not None and self.job is None:
             self._start(wanted)
         elif self.supervisor is not None:
@@ -219,23 +210,23 @@ class JobManager(JobRecords, WorkerGroup):
         self._update_hang_timeout()
         self._publish()
 
-    def _end_if_decided_elsewhere(self) -> None:
+    def _end_if_decided_elsewhere(self, view: job_rules.JobView) -> None:
         """A job this node was about to restart (its agent died) succeeded on peers meanwhile,
-        or was failed (a crash loop seen here or elsewhere): record that here too rather than
+        or was failed (:func:`job_rules.decided_elsewhere`): record that here too rather than
         leave it 'restarting'."""
         job = self._status_job
-        if (self.job is not None or job is None or job in self._finished
-                or self.status.state != JobState.RESTARTING):
+        if self.job is not None or job is None or self.status.state != JobState.RESTARTING:
             return
-        done, control = self.succeeded_on(job), self.controls.get(job)
-        if done:
-            state, why = JobState.SUCCEEDED, f"job succeeded on {', '.join(done)}"
-            note = f"job {job} succeeded on {', '.join(done)}; not restarting it here"
-        elif control is not None and control.desired == JobState.FAILED:
-            state, why = JobState.FAILED, control.reason
-            note = f"job {job} failed: {why}"
+        decided = job_rules.decided_elsewhere(view, job)
+        if decided is None:
+            return
+        state, why = decided
+        if state is JobState.SUCCEEDED:
+            done = ", ".join(self.succeeded_on(job))
+            why = f"job succeeded on {done}"
+            note = f"job {job} succeeded on {done}; not restarting it here"
         else:
-            return
+            note = f"job {job} failed: {why}"
         self._finished.add(job)
         self._set_status(state, why, agent_starts=self.status.agent_starts, log=self.status.log)
         self.notes.append(note)
@@ -279,10 +270,7 @@ class JobManager(JobRecords, WorkerGroup):
             self._refuse(job, problem)
             return
         log_dir = os.path.join(self.state_dir, "jobs", job)
-        if self._loop_job != job:
-            self._loop, self._loop_job, self._best_step = crashloop.LoopState(), job, -1
-        self._runs_known = crashloop.runs(os.path.join(log_dir, "torchrun"))
-        self._attempt = 0
+        self.restarts.agent_starting(job, os.path.join(log_dir, "torchrun"))
         tag = f"{self.keys.prefix}:{self.node_id}:{job}:{self._incarnation}"
         supervisor = AgentSupervisor(
             spec, self.node_id, tag=tag, etcd=self.etcd,
@@ -300,8 +288,7 @@ class JobManager(JobRecords, WorkerGroup):
         self.supervisor = supervisor
         self.job = self._status_job = job
         self._new_generation()
-        self._log_mark = self._log_size()
-        self._attempt_at = self.clock.monotonic()
+        self.restarts.agent_started(supervisor.log_size())
         self._set_status(JobState.RUNNING, "agent started", agent_pid=pid, agent_starts=1,
                          log=self.supervisor.log_path)
         self.notes.append(f"started job {job} (agent pid {pid})")
@@ -353,12 +340,11 @@ class JobManager(JobRecords, WorkerGroup):
         assert sup is not None and self.job is not None
         code = sup.poll()
         if code is None:
-            attempt = crashloop.attempts(os.path.join(sup.log_dir, "torchrun"), self._runs_known)
-            if attempt > self._attempt:
+            new = self.restarts.new_attempts(os.path.join(sup.log_dir, "torchrun"))
+            if new:
                 # torchrun restarted the worker group (its restart count went up), maybe more
                 # than once since the last look: each restart with the failure the log shows.
-                self._restart_seen(times=attempt - self._attempt)
-                self._attempt = attempt
+                self._restart_seen(times=new)
                 if self._crash_looping():
                     return
             hang = self.tracker.check(self.job) if self.tracker is not None else None
@@ -366,26 +352,28 @@ class JobManager(JobRecords, WorkerGroup):
                 self.tracker.restarted_for(hang)  # a learned timeout that fired is doubled
                 self.on_hang(str(hang))
             return
-        if code == 0:
+        done = self.succeeded_on(self.job)
+        if code != 0 and not done:
+            self._failures += 1
+            self.metrics.worker_restarts.labels("agent_died").inc()
+            self._restart_seen(f"agent exited with {code}")
+            if self._crash_looping():
+                return
+        verdict = job_rules.agent_exited(code, bool(done), self._failures, self.agent_restarts)
+        if verdict is job_rules.AgentExit.SUCCEEDED:
             self.notes.append(f"job {self.job} finished on this node")
             self._stop_async(f"job {self.job} succeeded", JobState.SUCCEEDED)
             return
-        done = self.succeeded_on(self.job)
-        if done:
+        if verdict is job_rules.AgentExit.SUCCEEDED_ELSEWHERE:
             self.notes.append(f"job {self.job} succeeded on {', '.join(done)}; this node's "
                               f"agent exited {code}")
             self._stop_async(f"job {self.job} succeeded on {', '.join(done)}", JobState.SUCCEEDED)
             return
-        self._failures += 1
-        self.metrics.worker_restarts.labels("agent_died").inc()
-        self._restart_seen(f"agent exited with {code}")
-        if self._crash_looping():
-            return
-        if self._failures > self.agent_restarts:
+        if verdict is job_rules.AgentExit.GIVE_UP:
             self.notes.append(f"job {self.job}: agent failed {self._failures} times; giving up")
             self._stop_async(f"agent exited {code} too often", JobState.FAILED)
             return
-        backoff = min(30.0, 0.5 * 2 ** (self._failures - 1))
+        backoff = job_rules.restart_backoff(self._failures)
         self.notes.append(f"job {self.job}: agent exited with {code}; restarting in "
                           f"{backoff:.1f} s ({self._failures}/{self.agent_restarts})")
         sup.stop(grace=1.0)  # leftovers of the dead agent, if any
@@ -398,39 +386,21 @@ class JobManager(JobRecords, WorkerGroup):
 
     # -- crash loops ----------------------------------------------------------------------
 
-    def _log_size(self) -> int:
-        return self.supervisor.log_size() if self.supervisor is not None else 0
-
     def _restart_seen(self, fallback: str = "", times: int = 1) -> None:
         """A worker group restart (torchrun's, or the daemon's of a dead agent), or ``times``
-        of them seen at once: counts them. Restarts seen together share the failure the log
-        shows since the last look: read for the first alone, the others counted as showing
-        no traceback, and a job whose restarts came faster than the daemon's cycle was failed
-        with that reason instead of its exception (CI: the crash-loop test, one run in two)."""
+        of them seen at once (:meth:`RestartWatch.restarted`)."""
         sup, job = self.supervisor, self.job
         if sup is None or job is None:
             return
-        size = self._log_size()
-        text = sup.log_tail(self._log_mark) if size > self._log_mark else ""
-        self._log_mark = size
-        failure = (self._restart_cause or crashloop.failure_summary(text) or fallback
-                   or crashloop.NO_TRACEBACK)
-        self._restart_cause = ""
-        committed = self.committed(job)
-        if committed is None and self._best_step >= 0:
-            committed = (0, self._best_step)
-        now = self.clock.monotonic()
-        for _ in range(times):
-            self._loop = crashloop.after_restart(self._loop, committed, failure,
-                                                 now - self._attempt_at)
-        self._attempt_at = now
+        self.restarts.restarted(sup.log_size(), sup.log_tail, self.committed(job), fallback,
+                                times)
 
     def _crash_looping(self) -> bool:
         """Fails the job everywhere when it crash-loops; returns True if it did."""
         job = self.job
         if job is None or job not in self.specs:
             return False
-        reason = crashloop.verdict(self._loop, self.specs[job][1].crash_loop_restarts)
+        reason = self.restarts.verdict(self.specs[job][1].crash_loop_restarts)
         if reason is None:
             return False
         log.error("job %s: %s; stopping it on every node", job, reason)
@@ -443,7 +413,7 @@ class JobManager(JobRecords, WorkerGroup):
         except CoordinationError as exc:
             log.warning("could not mark job %s failed in etcd: %s", job, exc)
         self.record_event("job_failed", f"{job}: {reason}",
-                          {"job": job, "reason": reason, "restarts": self._loop.restarts})
+                          {"job": job, "reason": reason, "restarts": self.restarts.loop.restarts})
         self._stop_async(reason, JobState.FAILED)
         return True
 

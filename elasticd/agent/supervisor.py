@@ -24,7 +24,7 @@ from elasticd.agent.job_files import open_job_log
 from elasticd.agent.zygote import ZYGOTE_ENV, ZYGOTE_PID_ENV, kill_group
 from elasticd.clock import Clock, SystemClock, format_local
 from elasticd.cluster.jobspec import JobSpec
-from elasticd.daemon.local_binding import TAG_ENV, JobScope, start_time
+from elasticd.local.job_scope import TAG_ENV, JobScope, start_time
 
 log = logging.getLogger(__name__)
 

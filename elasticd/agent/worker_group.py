@@ -18,8 +18,10 @@ import logging
 import threading
 from typing import Any, Callable
 
+from elasticd.agent import job_rules
 from elasticd.agent.hang_timeout import LearnedTimeout
 from elasticd.agent.progress import ProgressTracker, progress_handler
+from elasticd.agent.restart_watch import RestartWatch
 from elasticd.agent.straggler import StragglerJudge
 from elasticd.agent.supervisor import AgentSupervisor, process_runs
 from elasticd.cluster import drain_record
@@ -50,8 +52,7 @@ class WorkerGroup:
     notes: list[str]
     specs: dict[str, tuple[int, JobSpec]]
     record_event: Callable[[str, str, dict[str, Any]], None]
-    _best_step: int
-    _restart_cause: str
+    restarts: RestartWatch
 
     def __init__(self) -> None:
         self.tracker: ProgressTracker | None = None
@@ -118,7 +119,7 @@ class WorkerGroup:
             if isinstance(step, int) and step != self.status.last_step:
                 self.status = dataclasses.replace(self.status, last_step=step)
             if isinstance(step, int):
-                self._best_step = max(self._best_step, step)
+                self.restarts.progress(step)
             if self._restarted_at is not None:
                 self.metrics.rendezvous_seconds.observe(
                     self.clock.monotonic() - self._restarted_at)
@@ -149,12 +150,15 @@ class WorkerGroup:
         Returns:
             how many workers were killed; None when the peer did not run our job.
         """
-        if (self.job is None or self.supervisor is None
-                or node != "*" and node not in self.members.get(self.job, set())):
+        running = self.job is not None and self.supervisor is not None
+        members = self.members.get(self.job, set()) if self.job is not None else set()
+        decision = job_rules.peer_failed(running, node, members,
+                                         lambda: self._reformed_without(node))
+        if decision is job_rules.PeerFailure.NOT_OURS:
             return None
         # Counted either way: a group that went on without the peer was restarted by its agent.
         self.metrics.worker_restarts.labels("peer_failed").inc()
-        if node != "*" and self._reformed_without(node):
+        if decision is job_rules.PeerFailure.LEFT_RUNNING:
             note = (f"peer {node} of {self.job} failed; its last rendezvous round already "
                     "went on without it: workers left running")
             self.notes.append(note)
@@ -190,10 +194,8 @@ class WorkerGroup:
         except (CoordinationError, RecordError) as exc:
             log.warning("job %s: cannot read the rendezvous round: %s", job, exc)
             return False
-        if last is None:
-            return False
-        pids = {agent_pid(m) for m in last.members}
-        return mine in pids and theirs not in pids
+        pids = None if last is None else [agent_pid(m) for m in last.members]
+        return job_rules.reformed_without(pids, mine, theirs)
 
     def recovery_writer(self, failed: str) -> str | None:
         """The node that writes the timeline of the job's recovery from ``failed``'s failure
@@ -219,7 +221,7 @@ class WorkerGroup:
         if self.supervisor is None:
             return
         n = self.supervisor.restart_workers(f"hang: {reason}")
-        self._restart_cause = f"hang: {reason}"
+        self.restarts.cause = f"hang: {reason}"
         self._new_generation()
         self.metrics.worker_restarts.labels("hang").inc()
         self.metrics.hangs.inc()

@@ -1,6 +1,6 @@
 """A job as a whole, from its control and each node's status: what ``elasticctl`` shows.
 
-Each node decides for itself whether it runs a job (its policy, :mod:`elasticd.agent.policy`)
+Each node decides for itself whether it runs a job (its policy, :mod:`elasticd.cluster.job_policy`)
 and says so in its status under ``jobs/<job>/nodes/<node>``. A job every node refused, or one
 too few nodes accept to reach its minimum, will never start; a job one node finished is over
 (torch closes the rendezvous when an agent succeeds). This module reads those statuses, with

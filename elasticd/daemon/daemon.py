@@ -8,17 +8,17 @@ asserted in tests ("no action: I am n1, 3 nodes alive").
 
 When etcd is unreachable the loop keeps cycling: it says so, keeps the node's workers running
 for ``outage_grace`` seconds, and fences itself (stops its workers) only after that. When etcd
-returns it re-watches, re-lists, and re-registers under the same node id.
+returns it re-watches, re-lists, and re-registers under the same node id. These rules are pure
+decisions in :mod:`elasticd.daemon.node_rules`; the loop gathers what they need and carries out
+what they answer, through the parts it owns.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
-import uuid
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import elasticd
 from elasticd.agent.manager import JobManager
@@ -35,19 +35,35 @@ from elasticd.coordination.health import EtcdHealth
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.lease import LeaseKeeper
 from elasticd.coordination.watch_feed import WatchFeed
+from elasticd.daemon import node_rules
+from elasticd.daemon.agent_setup import agent_credentials, rdzv_conf
 from elasticd.daemon.data_loss import DataLossRecovery
-from elasticd.daemon.drain_host import DrainHosting
-from elasticd.daemon.fencing import FenceHook, Fencing
+from elasticd.daemon.drain_host import NodeDrainHost
+from elasticd.daemon.fencing import Fence
+from elasticd.daemon.node_rules import Recover, RecordWrite
 from elasticd.daemon.recovery_timeline import TimelineRecorder
 from elasticd.daemon.registration import NodeIdInUse, Registration
+from elasticd.daemon.replica_view import ReplicaView
+from elasticd.daemon.worker_channel import WorkerChannel
 from elasticd.metrics import CheckpointSink, Metrics
 from elasticd.recovery.drain import Drainer
+
+if TYPE_CHECKING:
+    from elasticd.recovery.replicator import Replicator
+    from elasticd.store.huge_pages import SlotPages
+    from elasticd.store.service import CheckpointService
 
 log = logging.getLogger(__name__)
 
 
-class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
-    """One node's daemon.
+class Daemon:
+    """One node's daemon: its cycle, carrying out what its parts and rules decide.
+
+    The parts it owns, each with its own state: :class:`Registration` (the node's record and
+    lease), :class:`Fence` (fencing, by the rules of :mod:`elasticd.daemon.node_rules`),
+    :class:`DataLossRecovery`, :class:`ReplicaView`, :class:`WorkerChannel` (the workers' local
+    socket), the drainer with its :class:`NodeDrainHost`, the job manager and the recovery
+    timeline.
 
     Args:
         settings: validated settings.
@@ -65,8 +81,9 @@ class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
 
     def __init__(self, settings: Settings, coord: Coordinator, clock: Clock | None = None,
                  metrics: Metrics | None = None, http_address: str = "", *,
-                 membership: Membership | None = None, checkpoints: Any = None,
-                 replicator: Any = None, replication_address: str = "") -> None:
+                 membership: Membership | None = None,
+                 checkpoints: CheckpointService | None = None,
+                 replicator: Replicator | None = None, replication_address: str = "") -> None:
         self.settings = settings
         self.coord = coord
         self.clock = clock or SystemClock()
@@ -76,21 +93,9 @@ class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
         self.membership = membership or Membership(settings.node_id,
                                                    settings.provisional_seconds,
                                                    settings.lease_ttl)
-        self.http_address = http_address
-        self.incarnation = uuid.uuid4().hex[:12]
-        # The cluster's incarnation in etcd: how a daemon recognises that etcd lost its data.
-        self.cluster_incarnation = Incarnation(coord, self.keys, settings.node_id, self.clock)
-        self._looked_at_cycle = -1  # the cycle that last looked for an etcd data loss
-        self.started_at = self.clock.wall()
-        self.fence_hooks: list[FenceHook] = []
-        self.local_socket = ""  # path of the workers' channel to this daemon, once serving
-        self.checkpoints: Any = checkpoints  # elasticd.store.service.CheckpointService
-        self.replicator: Any = replicator  # elasticd.recovery.replicator.Replicator
-        self.replication_address = replication_address
-        #: What backs the slot directory (elasticd.store.huge_pages.SlotPages), set by the
-        #: node builder; None without checkpoint slots.
-        self.slot_pages: Any = None
-        self._membership_key: Any = None
+        self.checkpoints = checkpoints
+        #: What backs the slot directory, set by the node builder; None without slots.
+        self.slot_pages: SlotPages | None = None
 
         self.health = EtcdHealth(self.clock, self._outage_started, self._outage_ended,
                                  describe=f"etcd at {settings.etcd or 'embedded'}")
@@ -100,55 +105,87 @@ class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
                                   on_change=self._wake.set, clock=self.clock,
                                   on_failure=self.metrics.keepalive_failures.inc)
         self.metrics.etcd_up.set(1)
-        self.agent_credentials = self._agent_credentials()
+        self.registration = Registration(
+            settings.node_id, coord, self.keys, self.keeper, self.health, self.events,
+            self.membership, self.clock, settings.lease_ttl,
+            says=lambda: (self.state, self.sentence), replication_address=replication_address)
+        self.registration.http_address = http_address  # set again once serving (node.py)
+        self.fence = Fence(settings.node_id, self.events, self.metrics, self.clock,
+                           lease=lambda: self.registered_lease or self.keeper.lease)
+        credentials = agent_credentials(settings, coord, self.keys)
         self.jobs = JobManager(
             settings.node_id, coord, self.keys, settings.etcd, settings.state_path, self.metrics,
-            lease=lambda: self.registered_lease or 0, extra_env=self.agent_env,
-            rdzv_conf=self.rdzv_conf(), agent_restarts=settings.agent_restarts,
+            lease=lambda: self.registered_lease or 0, extra_env=lambda: self.channel.agent_env(),
+            rdzv_conf=rdzv_conf(settings), agent_restarts=settings.agent_restarts,
             stop_grace=settings.stop_grace, warm_workers=settings.worker_start == "warm",
             clock=self.clock, before_resync=self._look_for_data_loss,
             policy=settings.job_policy(),
-            credentials=self.agent_credentials.issue if self.agent_credentials else None)
-        if self.agent_credentials is not None:
-            self.jobs.on_job_end.append(self.agent_credentials.withdraw)
-        self.fence_hooks.append(self.jobs.fence)
-        self.jobs.committed = self._committed_step  # crash-loop detection
+            credentials=credentials.issue if credentials else None)
+        if credentials is not None:
+            self.jobs.on_job_end.append(credentials.withdraw)
+        self.fence.hooks.append(self.jobs.fence)
+        self.replicas = ReplicaView(settings.node_id, replicator, self.jobs)
+        self.jobs.committed = self.replicas.committed_step  # crash-loop detection
         self.jobs.record_event = self.record_event
         self.jobs.checks.wake = self.wake  # a job's file check ended: act on it now
+        # The cluster's incarnation in etcd: how a daemon recognises that etcd lost its data.
+        self.data_loss = DataLossRecovery(
+            Incarnation(coord, self.keys, settings.node_id, self.clock), self.metrics,
+            republish_specs=self.jobs.republish,
+            record_event=lambda loss, specs: self.record_event(
+                "etcd_data_lost", f"etcd lost its data: {loss.reason}",
+                {"specs_republished": specs}),
+            steps={Recover.RESET_WATCHES: coord.reset_watches,
+                   Recover.FORGET_SUSPECTS: self.fence.book.data_lost,
+                   Recover.RELIST_NODES: self._relist_after_data_loss,
+                   Recover.REWRITE_RECORD: lambda: self.registration.put(self.registered_lease),
+                   Recover.REPUBLISH_REPLICAS: (replicator.republish if replicator is not None
+                                                else lambda: None)},
+            registered=lambda: self.registered_lease is not None,
+            replicates=replicator is not None)
         # Each recovery's timeline, written by one node (daemon/recovery_timeline.py).
         self.timeline = TimelineRecorder(settings.node_id, coord, self.keys, self.events,
                                          self.metrics, self.clock,
                                          lambda: float(self.settings.lease_ttl),
-                                         last_heard=self._last_heard)
+                                         last_heard=self.replicas.last_heard)
         self.jobs.on_round_closed = self.timeline.on_round_closed
+        self.channel = WorkerChannel(settings.node_id, settings.prefix, self.jobs, self.timeline,
+                                     checkpoints, self.record_event)
         if checkpoints is not None:
-            self._ckpt_sink = CheckpointSink(self.metrics)
-            checkpoints.on_restore.append(self._record_recovery)
+            checkpoints.on_restore.append(self.channel.on_restore)
             checkpoints.on_restore.append(self.timeline.on_restore)
             # A Checkpointer's register and slot requests are progress reports (ranks, hangs).
             checkpoints.on_progress.append(self.jobs.on_progress)
             checkpoints.on_progress.append(self.timeline.on_progress)
             self.jobs.on_job_end.append(checkpoints.remove_job)
-        if self.replicator is not None:
-            self.jobs.on_job_end.append(self.replicator.remove_job)
-        # The daemon is the drain's host (recovery.drain.DrainHost): daemon/drain_host.py.
-        self.drainer = Drainer(settings.node_id, coord, self.keys, self,
+        if replicator is not None:
+            self.jobs.on_job_end.append(replicator.remove_job)
+        self.drainer = Drainer(settings.node_id, coord, self.keys,
+                               NodeDrainHost(settings.node_id, self.jobs, checkpoints,
+                                             replicator, self.wake, self.record_event),
                                stop_wait=settings.stop_grace + 10, clock=self.clock)
 
-        self.state = NodeState.UP
-        self.registered_lease: int | None = None
+        self._leaving = False
         self.sentence = "starting"
         self._stop = threading.Event()
         self._need_resync = False
-        self._last_heartbeat = 0.0
         self._rewrite_record = False
-        self._published_sentence = ""
         self._last_cycle = self.clock.monotonic()
-        self._suspect: dict[int, float] = {}  # old lease -> until when to look for our failure
-        self._fenced_for = ""
         self._notes: list[str] = []
         self.cycles = 0
         self.complaints = records.Complaints(log)  # bad records, each logged once
+
+    @property
+    def state(self) -> NodeState:
+        """The node's state, as its record says: leaving, fenced, or up."""
+        if self._leaving:
+            return NodeState.LEAVING
+        return NodeState.FENCED if self.fence.book.fenced else NodeState.UP
+
+    @property
+    def registered_lease(self) -> int | None:
+        """The lease this node's record is bound to (None: not registered)."""
+        return self.registration.lease
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -164,7 +201,7 @@ class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
             NodeIdInUse: a live daemon elsewhere holds the same node id.
         """
         self.keeper.grant()
-        self.cluster_incarnation.check()  # the first look: writes the key on a new cluster
+        self.data_loss.incarnation.check()  # the first look: writes the key on a new cluster
         if keep_alive_thread:
             self.keeper.start()
         self._start_watch()
@@ -195,7 +232,7 @@ class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
         self.events.retention = self.settings.events_retention
         self.jobs.agent_restarts = self.settings.agent_restarts
         self.jobs.stop_grace = self.settings.stop_grace
-        self.jobs.rdzv_conf = self.rdzv_conf()
+        self.jobs.rdzv_conf = rdzv_conf(self.settings)
         self.jobs.policy = self.settings.job_policy()  # for the next job start
         return restart
 
@@ -213,7 +250,7 @@ class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
         unreachable the lease simply expires and peers record a failure, which is the truth
         as far as they can tell.
         """
-        self.state = NodeState.LEAVING
+        self._leaving = True
         lease = self.keeper.lease
         # Workers stop after their snapshot in flight (new ones refused), then our replicas
         # go to peers so the committed step keeps m copies without us (both bounded:
@@ -226,7 +263,7 @@ class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
         self.drainer.handoff_before_leave()
         try:
             if lease is not None and self.registered_lease == lease:
-                self._put_record(lease)
+                self.registration.put(lease)
                 self.events.record(Event("left", self.settings.node_id, lease, self.clock.wall(),
                                          self.settings.node_id, "left the cluster cleanly"))
             self.keeper.stop(revoke=True)
@@ -240,73 +277,52 @@ class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
         self._feed.close()
         self.jobs.close()
 
-    def rdzv_conf(self) -> dict[str, str]:
-        """torchrun rendezvous settings for this cluster's agents, tuned for fast recovery."""
-        s = self.settings
-        return {
-            "last_call_timeout": f"{s.rdzv_last_call:g}",
-            "etcd_grace_period": f"{s.outage_grace:g}",
-            "etcd_timeout": f"{s.etcd_timeout:g}",
-            "join_timeout": "900",
-            "grow": s.rdzv_grow,
-            # A dead node leaves the round when its agent's etcd lease expires (the node's
-            # TTL): the join record is bound to that lease (rendezvous_handler.py).
-            "liveness_ttl": str(max(2, s.lease_ttl)),
-            "liveness_confirm": "0.5",
-            # The daemon restarts an agent that died: its error must not close the
-            # rendezvous for every node (rendezvous.py, "Restartable agents").
-            "close_on_failure": "false",
-        }
+    # -- the parts' moments -----------------------------------------------------------------
 
-    def _agent_credentials(self) -> Any:
-        """What gives agents their own etcd credentials and TLS files (None: nothing to give,
-        e.g. the embedded etcd)."""
-        s = self.settings
-        if not (s.etcd and hasattr(self.coord, "auth_call")
-                and (s.agent_users_on or s.etcd_ca_cert)):
-            return None
-        from elasticd.coordination.agent_credentials import AgentCredentials
+    def _note(self, note: str | None) -> None:
+        if note:
+            self._notes.append(note)
 
-        return AgentCredentials(self.coord, self.keys, s.node_id,
-                                os.path.join(s.state_path, "agent-etcd"), ca_cert=s.etcd_ca_cert,
-                                agent_cert=s.agent_etcd_cert, agent_key=s.agent_etcd_key,
-                                users=s.agent_users_on)
+    def _register(self, wait_for_id: bool) -> None:
+        self._note(self.registration.register(wait_for_id, lift_fence=self.fence.book.registered))
 
-    def agent_env(self) -> dict[str, str]:
-        """Environment the daemon adds for a job's agent and workers."""
-        env = {"ELASTICD_PREFIX": self.settings.prefix}
-        if self.local_socket:
-            env["ELASTICD_SOCKET"] = self.local_socket
-        return env
+    def _handle_lost_leases(self) -> None:
+        for old in self.keeper.take_lost():
+            self._need_resync = True  # a lease found gone: etcd may have lost its data
+            if self.registered_lease == old:
+                self.registration.lease = None
+            self._note(self.fence.lease_lost(old, self.settings.provisional_seconds))
+        self._note(self.fence.check(self.clock.monotonic()))
 
-    def _update_replication(self) -> None:
-        """Tells the replicator the job's current round: the nodes that run it, in rank
-        order, with their ranks (as each node publishes them in its job status)."""
-        job = self.jobs.job
-        if self.replicator is None or job is None:
-            return
-        ranks = self.jobs.round_ranks()
-        if not ranks or self.settings.node_id not in ranks:
-            return
-        nodes = sorted(ranks, key=lambda n: min(ranks[n]))
-        key = (job, tuple((n, tuple(ranks[n])) for n in nodes))
-        if key != self._membership_key:
-            self._membership_key = key
-            self.replicator.set_membership(job, nodes, {n: list(ranks[n]) for n in nodes})
-            self._notes.append(f"replica placement for {len(nodes)} nodes")
+    def _outage_started(self) -> None:
+        self.metrics.etcd_outages.inc()
+        self.metrics.etcd_up.set(0)
+        self._wake.set()
 
-    # -- events and recoveries ------------------------------------------------------------
+    def _outage_ended(self, seconds: float) -> None:
+        self.metrics.etcd_up.set(1)
+        self._need_resync = True
+        rewatch = getattr(self.coord, "rewatch", None)
+        if rewatch is not None:
+            rewatch()
+        self._wake.set()
 
-    def _committed_step(self, job: str) -> tuple[int, int] | None:
-        """The job's newest committed (generation, step) as replication last saw it."""
-        if self.replicator is None:
-            return None
-        c = (self.replicator.status()["jobs"].get(job) or {}).get("committed")
-        return (int(c[0]), int(c[1])) if c else None
+    def _look_for_data_loss(self, again: bool = False) -> bool:
+        """Looks whether etcd lost its data (:class:`DataLossRecovery`) and recovers if so;
+        True when it did."""
+        note = self.data_loss.look(self.cycles, again)
+        self._note(note)
+        return note is not None
 
-    def _last_heard(self, node: str) -> float | None:
-        """When this node's replica server last heard from ``node`` (a sign of life)."""
-        return self.replicator.last_heard(node) if self.replicator is not None else None
+    def _relist_after_data_loss(self) -> None:
+        """Re-lists the nodes of a cluster whose etcd lost its data: nobody failed for it."""
+        now = self.clock.monotonic()
+        kvs, revision = self.coord.get_prefix(self.keys.nodes)
+        self.data_loss.incarnation.observe(revision)
+        self._act(self.membership.reset(self._decode_all(kvs), now, self.clock.wall(), True))
+        self._need_resync = False
+
+    # -- events ---------------------------------------------------------------------------
 
     def record_event(self, kind: str, detail: str, data: dict[str, Any]) -> None:
         lease = self.registered_lease or self.keeper.lease or 0
@@ -316,41 +332,6 @@ class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
                                      instance=f"{self.clock.wall():.6f}"))
         except CoordinationError as exc:
             log.warning("could not record the %s event: %s", kind, exc)
-
-    def _record_recovery(self, report: dict[str, Any]) -> None:
-        """A worker restored (``ckpt_report``): a ``recovered`` event for elasticctl history."""
-        if report.get("source") in (None, "none"):
-            return  # a first start with nothing to restore is no recovery
-        r = report
-        self.record_event(
-            "recovered", f"{r['job']} rank {r['rank']} restored step {r['step']} from "
-            f"{r['source']} in {r['seconds']:.3f} s, {r['steps_lost']} steps lost",
-            {k: r.get(k) for k in ("job", "rank", "source", "seconds", "steps_lost", "bytes",
-                                   "generation", "step")})
-
-    def _on_progress(self, msg: dict[str, Any]) -> None:
-        self.jobs.on_progress(msg)
-        self.timeline.on_progress(msg)
-
-    def _workers_aborted(self, msg: dict[str, Any]) -> dict[str, Any]:
-        job = msg.get("job", self.jobs.job)
-        if isinstance(job, str) and job == self.jobs.job:
-            self.timeline.on_abort(job, "agent")
-        return {}
-
-    def local_handlers(self) -> dict[str, Callable[[dict[str, Any]], Any]]:
-        """What workers may ask of this daemon over its local socket."""
-        handlers: dict[str, Callable[[dict[str, Any]], Any]] = {
-            "progress": self._on_progress,
-            # The agent's daemon watch asks whether this daemon still answers.
-            "ping": lambda msg: {"node": self.settings.node_id},
-            # The agent killed its workers (a member of its round is gone): a moment of the
-            # recovery's timeline. The job is the connection's (local_binding.py).
-            "workers_aborted": self._workers_aborted,
-        }
-        if self.checkpoints is not None:
-            handlers.update(self.checkpoints.handlers())
-        return handlers
 
     # -- one cycle ------------------------------------------------------------------------
 
@@ -368,17 +349,17 @@ class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
             if self._need_resync:
                 self._resync(now)
             self._act(self.membership.tick(now))
-            self._check_suspects(now)
-            if self.registered_lease is None and self.state is not NodeState.LEAVING:
+            self._note(self.fence.check(now))
+            write = node_rules.record_write(
+                self.registered_lease is not None, self._leaving, self._rewrite_record,
+                self.settings.heartbeat_interval, now - self.registration.last_write)
+            if write is RecordWrite.REGISTER:
                 self._register(wait_for_id=False)
-            elif self._rewrite_record or (
-                    self.settings.heartbeat_interval
-                    and now - self._last_heartbeat >= self.settings.heartbeat_interval):
+            elif write is RecordWrite.REWRITE:
                 # Our record went while our lease lives (deleted by hand, or etcd restored
-                # from a snapshot without it): write it again at once. Liveness is the lease;
-                # no timed rewrite unless heartbeat_interval asks for one.
+                # from a snapshot without it): write it again at once.
                 self._rewrite_record = False
-                self._put_record(self.registered_lease)
+                self.registration.put(self.registered_lease)
             if self.state is NodeState.UP and self.registered_lease is not None:
                 note = self.drainer.step() if self.health.up else None
                 if note:
@@ -392,9 +373,11 @@ class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
                     self._notes.append(note)
             self.metrics.job_running.set(1 if self.jobs.supervisor is not None else 0)
             if self.checkpoints is not None:
-                self._ckpt_sink.update(self.checkpoints.stats())
-            self._update_replication()
-            sentence = self._describe()
+                CheckpointSink(self.metrics).update(self.checkpoints.stats())
+            self._note(self.replicas.follow_round())
+            sentence = node_rules.cycle_sentence(
+                self.settings.node_id, len(self.membership.nodes), self._notes, self.jobs.job,
+                self.membership.pending)
         except (Unavailable, AuthError) as exc:
             # Refused credentials are an outage too (after an etcd data loss the users are
             # gone until re-created): one line, the workers kept for the outage grace.
@@ -410,7 +393,7 @@ class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
             if self.complaints.warn(b"cycle", repr(exc).encode(), "%s", sentence):
                 log.exception("cycle failed")
         if not self.health.up:
-            self._maybe_fence_for_outage()
+            self._note(self.fence.outage(self.health.outage_seconds(), self.settings.outage_grace))
             sentence = self._describe_outage()
         self._finish_cycle(sentence)
         return sentence
@@ -418,14 +401,13 @@ class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
     def _finish_cycle(self, sentence: str) -> None:
         (log.info if sentence != self.sentence else log.debug)("%s", sentence)
         self.sentence = sentence
-        if (sentence != self._published_sentence and self.health.up
-                and self.registered_lease is not None
-                and self.clock.monotonic() - self._last_heartbeat >= 1.0):
-            # Publish what we are doing for elasticctl, at most once a second; a change that
-            # came within that second goes out at the next cycle after it (no timed rewrite
-            # would publish it later).
+        reg = self.registration
+        if node_rules.publish_sentence(sentence, reg.published_sentence, self.health.up,
+                                       self.registered_lease is not None,
+                                       self.clock.monotonic() - reg.last_write):
+            # Publish what we are doing for elasticctl (no timed rewrite would publish it).
             try:
-                self._put_record(self.registered_lease)
+                reg.put(self.registered_lease)
             except CoordinationError as exc:
                 self.health.failed(exc)
         self.cycles += 1
@@ -435,18 +417,8 @@ class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
         self.metrics.nodes_alive.set(len(self.membership.nodes))
         self.metrics.etcd_up.set(1 if self.health.up else 0)
 
-    def _describe(self) -> str:
-        me = self.settings.node_id
-        alive = len(self.membership.nodes)
-        if self._notes:
-            return "; ".join(self._notes) + f" ({alive} nodes alive)"
-        if self.jobs.job is not None:
-            return f"running job {self.jobs.job}: I am {me}, {alive} nodes alive"
-        if self.membership.pending:
-            waiting = ", ".join(sorted(self.membership.pending))
-            return (f"waiting for {waiting} to re-register after an etcd outage "
-                    f"before recording a failure; I am {me}, {alive} nodes alive")
-        return f"no action: I am {me}, {alive} nodes alive"
+    def _describe_outage(self) -> str:
+        return self.fence.describe_outage(self.health.outage_seconds(), self.settings.outage_grace)
 
     # -- peers ----------------------------------------------------------------------------
 
@@ -495,26 +467,12 @@ class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
         if self._look_for_data_loss():
             return  # the recovery re-listed
         kvs, revision = self.coord.get_prefix(self.keys.nodes)
-        if self.cluster_incarnation.observe(revision) and self._look_for_data_loss(again=True):
+        if self.data_loss.incarnation.observe(revision) and self._look_for_data_loss(again=True):
             return
         self.health.ok()
         cut_off = self.health.cut_off_within(self.settings.lease_ttl + 2 * self.settings.loop_interval + 1)
         self._act(self.membership.reset(self._decode_all(kvs), now, self.clock.wall(), cut_off))
         self._need_resync = False
-
-    def _prepare_restore(self, job: str) -> None:
-        """This node's workers of ``job`` restore once the new round forms: the checkpoint
-        service sets the scratch of their partial copies aside now (in a thread of its own),
-        touched while detection and the rendezvous run rather than during the restore."""
-        if self.checkpoints is None:
-            return
-        try:
-            nbytes = self.checkpoints.membership_changed(job)
-        except Exception:  # noqa: BLE001 — an optimisation: the restore reserves what it needs
-            log.exception("%s: setting restore scratch aside failed", job)
-            return
-        if nbytes:
-            self._notes.append(f"{nbytes >> 20} MiB of restore scratch set aside")
 
     def _act(self, observations: list[Observation]) -> None:
         for ob in observations:
@@ -528,7 +486,7 @@ class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
                     self.timeline.on_failure(job, ob.node, ob.record.lease,
                                              writer == self.settings.node_id, aborted > 0,
                                              in_group)
-                    self._prepare_restore(job)
+                    self._note(self.channel.prepare_restore(job))
                 if ob.detection_seconds is not None:
                     self.metrics.detection_seconds.observe(ob.detection_seconds)
                 self.events.record(Event(
@@ -564,7 +522,7 @@ class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
             "etcd_up": self.health.up,
             "etcd_outage_seconds": round(self.health.outage_seconds(), 3),
             "lease": f"{self.registered_lease:x}" if self.registered_lease else None,
-            "fenced_for": self._fenced_for or None,
+            "fenced_for": self.fence.fenced_for or None,
             "cycles": self.cycles,
             "version": elasticd.__version__,
             "prefix": self.settings.prefix,
@@ -581,8 +539,7 @@ class Daemon(Registration, Fencing, DataLossRecovery, DrainHosting):
             "shm": ({"dir": self.settings.shm_path, "huge_pages": self.slot_pages.huge_pages,
                      "detail": self.slot_pages.describe()}
                     if self.slot_pages is not None else None),
-            "replication": ({**self.replicator.status(), "round_ranks": self.jobs.round_ranks()}
-                            if self.replicator is not None else None),
+            "replication": self.replicas.status(),
             # The last recovery's timeline as stored in etcd (elasticctl history shows the
             # same record): this node's own, or, 10 s after training again, the writer's.
             "last_recovery": (self.timeline.last.summary()

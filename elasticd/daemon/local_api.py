@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from elasticd.admission import shut
 from elasticd.clock import Clock, SystemClock
-from elasticd.daemon.local_binding import Caller, CallerBinding, Refused
+from elasticd.daemon.local_binding import Caller, CallerBinding, CallerRefused
 from elasticd.errors import NodeError
 from elasticd.local.wire import (
     DEFAULT_MAX_MESSAGE,
@@ -333,7 +333,7 @@ class LocalServer:
         if self._binding is not None:
             try:
                 caller = self._binding.admit(pid, uid)
-            except Refused as exc:
+            except CallerRefused as exc:
                 reason = str(exc)
         elif uid not in self._allowed:
             reason = (f"uid {uid} may not use this elasticd (allowed: "
@@ -474,7 +474,7 @@ class LocalServer:
             return self._call(op, msg, peer, noreply)
         try:
             self._binding.check(caller, op, msg)
-        except Refused as exc:
+        except CallerRefused as exc:
             self._count("refused_requests")
             caller.refusals += 1
             if caller.refusals == 1:  # one line per connection: a loop must not flood the log

@@ -38,13 +38,12 @@ import threading
 from typing import Any, Callable
 
 from elasticd.daemon.rank_claims import RankClaims, outside_world
+from elasticd.local.job_scope import TAG_ENV, JobScope, start_time, stat_fields
 from elasticd.errors import LocalProtocolError
 
-__all__ = ["BOUND_WRITES", "CallerBinding", "Caller", "JobScope", "Refused", "TAG_ENV",
+__all__ = ["BOUND_WRITES", "CallerBinding", "Caller", "JobScope", "CallerRefused", "TAG_ENV",
            "start_time"]
 
-#: What every process the daemon starts for a job carries in its environment (its tag).
-TAG_ENV = "ELASTICD_TAG"
 #: Ops that write on behalf of one rank: bound to the first rank a connection uses.
 BOUND_WRITES = frozenset({"ckpt_reserve", "ckpt_complete", "ckpt_report", "progress",
                           "register"})
@@ -52,47 +51,8 @@ _PINNING = frozenset({"ckpt_open", "ckpt_fetch"})
 _MAX_DEPTH = 64  # parent links followed from a caller up to the job's agent or zygote
 
 
-class Refused(LocalProtocolError):
+class CallerRefused(LocalProtocolError):
     """A connection or request the caller may not make; the message says why."""
-
-
-@dataclasses.dataclass(frozen=True)
-class JobScope:
-    """The job running on this node, as the daemon started it.
-
-    Attributes:
-        job: its name.
-        uid: the uid its processes run as.
-        roots: the processes every process of the job descends from (the agent, the zygote):
-            pid -> start time (:func:`start_time`).
-        world_max: no rank the job's processes name may reach it (:mod:`.rank_claims`).
-    """
-
-    job: str
-    uid: int
-    roots: dict[int, int]
-    #: The job's largest world (its spec's nnodes max x nproc_per_node); None: unbounded.
-    world_max: int | None = None
-
-
-def _stat_fields(pid: int) -> list[bytes]:
-    """The fields of ``/proc/<pid>/stat`` after the command name ([] when gone): the kernel's
-    own record of the task, never the process's memory."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb", buffering=0) as fh:
-            return fh.read(4096).rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return []
-
-
-def start_time(pid: int) -> int:
-    """When process ``pid`` started, in clock ticks since boot (-1 when it is gone): with the
-    pid, it names one process, never a later one that got the same pid."""
-    fields = _stat_fields(pid)
-    try:
-        return int(fields[19])
-    except (IndexError, ValueError):
-        return -1
 
 
 @dataclasses.dataclass
@@ -132,7 +92,7 @@ class CallerBinding:
         """The caller a new connection from ``pid``/``uid`` is bound to.
 
         Raises:
-            Refused: neither the daemon's uid nor a process of the running job.
+            CallerRefused: neither the daemon's uid nor a process of the running job.
         """
         scope = self._scope()
         if scope is not None and (uid == scope.uid or uid == self.daemon_uid):
@@ -140,33 +100,33 @@ class CallerBinding:
             if not why:
                 return Caller(pid, uid, scope.job)
             if uid != self.daemon_uid:
-                raise Refused(f"pid {pid} (uid {uid}) is not a process of job {scope.job}: "
+                raise CallerRefused(f"pid {pid} (uid {uid}) is not a process of job {scope.job}: "
                               f"{why}")
         if uid == self.daemon_uid:
             return Caller(pid, uid, None)
         if scope is None:
-            raise Refused(f"uid {uid} may not use this elasticd: no job runs here")
-        raise Refused(f"uid {uid} may not use this elasticd: job {scope.job} runs as uid "
+            raise CallerRefused(f"uid {uid} may not use this elasticd: no job runs here")
+        raise CallerRefused(f"uid {uid} may not use this elasticd: job {scope.job} runs as uid "
                       f"{scope.uid}")
 
     def check(self, caller: Caller, op: str, msg: dict[str, Any]) -> None:
         """Holds ``msg`` to what ``caller`` may do; fills in its job when it names none.
 
         Raises:
-            Refused: the request reaches outside the caller's job or rank, or its job ended.
+            CallerRefused: the request reaches outside the caller's job or rank, or its job ended.
         """
         if caller.job is None:
             return
         scope = self._scope()
         if scope is None or scope.job != caller.job:
-            raise Refused(f"job {caller.job} no longer runs on this node; this connection "
+            raise CallerRefused(f"job {caller.job} no longer runs on this node; this connection "
                           "is closed to it")
         job = msg.setdefault("job", caller.job)
         if job != caller.job:
-            raise Refused(f"this connection belongs to job {caller.job}, not {job!r:.80}")
+            raise CallerRefused(f"this connection belongs to job {caller.job}, not {job!r:.80}")
         why = outside_world(msg, scope.world_max) if scope.world_max is not None else ""
         if why:
-            raise Refused(why)
+            raise CallerRefused(why)
         if op in BOUND_WRITES:
             rank = msg.get("rank")
             if type(rank) is int:
@@ -175,19 +135,19 @@ class CallerBinding:
                     if first:
                         caller.rank = rank
                 if rank != caller.rank:
-                    raise Refused(f"this connection writes for rank {caller.rank} of "
+                    raise CallerRefused(f"this connection writes for rank {caller.rank} of "
                                   f"{caller.job}, not rank {rank}")
                 why = self.claims.claim(caller.job, caller.pid, rank) if first else ""
                 if why:
                     caller.rank = None
-                    raise Refused(why)
+                    raise CallerRefused(why)
         elif op == "ckpt_release":
             pin = msg.get("pin")
             with self._lock:
                 mine = pin in caller.pins
                 caller.pins.discard(pin)
             if not mine:
-                raise Refused(f"pin {pin!r:.40} was not given to this connection")
+                raise CallerRefused(f"pin {pin!r:.40} was not given to this connection")
 
     def closed(self, caller: Caller) -> None:
         """``caller``'s connection closed: its process' rank claim loses a connection."""
@@ -206,7 +166,7 @@ class CallerBinding:
             return "the kernel gave no pid (another pid namespace?)"
         current = pid
         for _ in range(_MAX_DEPTH):
-            fields = _stat_fields(current)
+            fields = stat_fields(current)
             if len(fields) < 20:
                 break
             if current in scope.roots and fields[19] == str(scope.roots[current]).encode():

@@ -254,7 +254,7 @@ class Node:
             raise Fatal(f"listen: cannot serve HTTP on {settings.listen}: {exc.strerror}; "
                         "pick another --listen address or port") from exc
         self._teardown.append(server.stop)
-        daemon.http_address = advertised(*server.address.rsplit(":", 1))
+        daemon.registration.http_address = advertised(*server.address.rsplit(":", 1))
         server.start()
         self.http = server
 
@@ -270,7 +270,7 @@ class Node:
             os.makedirs(settings.state_path, mode=0o755, exist_ok=True)
             # The running job's processes may use the socket too, each bound to its job/rank.
             local = LocalServer(os.path.join(settings.state_path, "elasticd.sock"),
-                                daemon.local_handlers(), binding=CallerBinding(job_scope))
+                                daemon.channel.handlers(), binding=CallerBinding(job_scope))
             local.on_close.append(daemon.timeline.on_connection_closed)
             if daemon.checkpoints is not None:
                 local.on_undelivered.append(daemon.checkpoints.undelivered)
@@ -279,7 +279,7 @@ class Node:
         except (OSError, ValueError, LocalApiError) as exc:
             raise Fatal(f"state_dir: cannot serve the workers' socket in "
                         f"{settings.state_path}: {exc}; pick another --state-dir") from exc
-        daemon.local_socket = local.path
+        daemon.channel.socket = local.path
 
     def _remove_empty_shm_dirs(self) -> None:
         for path in (self.settings.shm_path, self.settings.shm_path + "+replicas"):

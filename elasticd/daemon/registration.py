@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import uuid
+from typing import Callable
 
 import psutil
 
@@ -20,7 +22,6 @@ import elasticd
 from elasticd.clock import Clock
 from elasticd.cluster.events import Event, EventLog
 from elasticd.cluster.membership import Membership, NodeRecord, NodeState, decode_node
-from elasticd.config import Settings
 from elasticd.coordination import records
 from elasticd.coordination.api import CoordinationError, Coordinator, LeaseLost
 from elasticd.coordination.health import EtcdHealth
@@ -35,87 +36,114 @@ class NodeIdInUse(NodeError, RuntimeError):
 
 
 class Registration:
-    """The daemon's registration (a base of :class:`~elasticd.daemon.daemon.Daemon`, which
-    sets the attributes annotated here)."""
+    """This node's record in etcd and the lease it registered with (owned by the daemon).
 
-    settings: Settings
-    coord: Coordinator
-    clock: Clock
-    keys: Keyspace
-    keeper: LeaseKeeper
-    health: EtcdHealth
-    events: EventLog
-    membership: Membership
-    state: NodeState
-    registered_lease: int | None
-    incarnation: str
-    started_at: float
-    http_address: str
-    replication_address: str
-    sentence: str
-    _last_heartbeat: float
-    _published_sentence: str
-    _notes: list[str]
+    Args:
+        node_id: this node.
+        coord, keys: etcd and the cluster keyspace.
+        keeper: the lease keeper (the lease to register with).
+        health: etcd's health (a write that went through is a sign of it).
+        events: the cluster's event log (``joined``).
+        membership: the cluster view (this node's own record goes in at once).
+        clock: injected time.
+        lease_ttl: the lease's TTL (bounds the wait for a node id held by a crashed daemon).
+        says: what the node is and does now: its state and its cycle sentence.
+        replication_address: where peers reach this node's replica server.
+    """
 
-    def _record(self, lease: int) -> NodeRecord:
+    def __init__(self, node_id: str, coord: Coordinator, keys: Keyspace, keeper: LeaseKeeper,
+                 health: EtcdHealth, events: EventLog, membership: Membership, clock: Clock,
+                 lease_ttl: float, says: Callable[[], tuple[NodeState, str]],
+                 replication_address: str = "") -> None:
+        self._node = node_id
+        self.coord = coord  # (a test swaps it for one that fails)
+        self._keys = keys
+        self._keeper = keeper
+        self._health = health
+        self._events = events
+        self._membership = membership
+        self._clock = clock
+        self._lease_ttl = lease_ttl
+        self._says = says
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.started_at = clock.wall()
+        self.http_address = ""
+        self.replication_address = replication_address
+        #: The lease this node's record is bound to (None: not registered).
+        self.lease: int | None = None
+        self.last_write = 0.0  # monotonic time of the last write of the record
+        self.published_sentence = ""
+
+    def record(self, lease: int) -> NodeRecord:
+        state, sentence = self._says()
         return NodeRecord(
-            node=self.settings.node_id,
-            state=self.state.value,
+            node=self._node,
+            state=state.value,
             address=self.http_address,
             hostname=socket.gethostname(),
             pid=os.getpid(),
             incarnation=self.incarnation,
             started_at=self.started_at,
-            heartbeat_at=self.clock.wall(),
+            heartbeat_at=self._clock.wall(),
             version=elasticd.__version__,
             lease=lease,
-            sentence=self.sentence,
+            sentence=sentence,
             replication=self.replication_address,
         )
 
-    def _put_record(self, lease: int | None) -> None:
+    def put(self, lease: int | None) -> None:
+        """Writes the record bound to ``lease`` (nothing without one)."""
         if lease is None:
             return
         try:
-            record = self._record(lease)
-            self.coord.put(self.keys.node(self.settings.node_id), record.encode(), lease)
-            self.health.ok()
-            self._last_heartbeat = self.clock.monotonic()
-            self._published_sentence = record.sentence
+            record = self.record(lease)
+            self.coord.put(self._keys.node(self._node), record.encode(), lease)
+            self._health.ok()
+            self.last_write = self._clock.monotonic()
+            self.published_sentence = record.sentence
         except LeaseLost:
-            self.registered_lease = None  # the keeper will notice and re-grant
+            self.lease = None  # the keeper will notice and re-grant
 
-    def _register(self, wait_for_id: bool) -> None:
-        """Creates this node's record bound to the current lease (only if the id is free)."""
-        lease = self.keeper.lease
+    def register(self, wait_for_id: bool, lift_fence: Callable[[], bool]) -> str | None:
+        """Creates this node's record bound to the keeper's lease (only if the id is free).
+
+        Args:
+            wait_for_id: wait (a bounded time) for a live holder of the id to go.
+            lift_fence: called once registered; True when the node was fenced (its record
+                is written again, no longer saying so).
+
+        Returns:
+            the cycle's note, or None when there is no lease to register with yet.
+        """
+        lease = self._keeper.lease
         if lease is None:
-            return
-        key = self.keys.node(self.settings.node_id)
-        deadline = self.clock.monotonic() + 2 * self.settings.lease_ttl + 1
+            return None
+        key = self._keys.node(self._node)
+        deadline = self._clock.monotonic() + 2 * self._lease_ttl + 1
         retry = False
         while True:
             if retry:
                 # A record that keeps coming back (or a create that keeps failing on a key
                 # that reads as absent) must not hold the main loop: past the deadline the
                 # cycle fails and the next one tries again, with SIGTERM seen in between.
-                if self.clock.monotonic() > deadline:
+                if self._clock.monotonic() > deadline:
                     raise CoordinationError(
                         f"could not write this node's record {key} within "
-                        f"{2 * self.settings.lease_ttl + 1:g} s; retrying")
-                self.clock.sleep(0.05)
+                        f"{2 * self._lease_ttl + 1:g} s; retrying")
+                self._clock.sleep(0.05)
             retry = True
-            if not self.keeper.running:
-                self.keeper.step()  # waiting for our id must not cost our own lease
-            lease = self.keeper.lease
+            if not self._keeper.running:
+                self._keeper.step()  # waiting for our id must not cost our own lease
+            lease = self._keeper.lease
             if lease is None:
-                return
-            if self.coord.create(key, self._record(lease).encode(), lease):
+                return None
+            if self.coord.create(key, self.record(lease).encode(), lease):
                 break
             existing = self.coord.get(key)
             if existing is None:
                 continue
             try:
-                other = decode_node(existing.value, existing.key, self.keys)
+                other = decode_node(existing.value, existing.key, self._keys)
             except records.RecordError as exc:
                 # Its lease may be anyone's (whoever wrote it chose it): delete, never revoke.
                 log.warning("replacing unreadable record of this node: %s", exc)
@@ -128,24 +156,23 @@ class Registration:
                 else:
                     self.coord.delete(key)
                 continue
-            if not wait_for_id or self.clock.monotonic() > deadline:
+            if not wait_for_id or self._clock.monotonic() > deadline:
                 raise NodeIdInUse(
-                    f"node id {self.settings.node_id!r} is held by a live daemon "
+                    f"node id {self._node!r} is held by a live daemon "
                     f"(host {other.hostname}, pid {other.pid}); give this node another "
                     "--node-id, or stop the other daemon")
-            self.clock.sleep(0.25)
+            self._clock.sleep(0.25)
             retry = False  # a live holder: its own deadline above (NodeIdInUse) applies
-        self.health.ok()
-        self.registered_lease = lease
-        self._last_heartbeat = self.clock.monotonic()
-        self._published_sentence = self.sentence
-        self.membership.nodes[self.settings.node_id] = self._record(lease)
-        if self.state is NodeState.FENCED:
-            self.state = NodeState.UP
-            self._put_record(lease)
-        self.events.record(Event("joined", self.settings.node_id, lease, self.clock.wall(),
-                                 self.settings.node_id, "registered"))
-        self._notes.append(f"registered as {self.settings.node_id} with lease {lease:x}")
+        self._health.ok()
+        self.lease = lease
+        self.last_write = self._clock.monotonic()
+        self.published_sentence = self._says()[1]
+        self._membership.nodes[self._node] = self.record(lease)
+        if lift_fence():
+            self.put(lease)
+        self._events.record(Event("joined", self._node, lease, self._clock.wall(),
+                                  self._node, "registered"))
+        return f"registered as {self._node} with lease {lease:x}"
 
     @staticmethod
     def _is_dead_local(other: NodeRecord) -> bool:

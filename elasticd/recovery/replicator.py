@@ -135,8 +135,6 @@ class Replicator:
         self.tracker = CommitTracker(node_id, coord, keys, self.clock, self.background,
                                      self._collect, commit_wait, withdraw_after, stores,
                                      send=self._send_report, lease_ttl=lease_ttl)
-        #: Where the replica server hands the commit reports it receives.
-        self.on_report = self.tracker.reporter.on_report
         #: Measured link rates per peer, shared by pushes and fetches: every call's deadline.
         self.link_rates = LinkRates()
         # Fetches in progress (job, rank, version, holders, start), shown by status(): one
@@ -157,6 +155,11 @@ class Replicator:
             sink.on_superseded = self.tracker.on_superseded
             sink.never_committed = self.tracker.never_committed
         self.tracker.reporter.start()
+
+    def on_report(self, report: Report) -> Reply:
+        """Where the replica server hands the commit reports it receives (to this node's
+        coordinator of the report's job, through the reporter)."""
+        return self.tracker.reporter.on_report(report)
 
     def _send_report(self, node: str, report: Report) -> Reply:
         """Sends a commit report to ``node`` over the pooled report connection (a reused one

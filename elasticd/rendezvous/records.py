@@ -21,17 +21,14 @@ import json
 import math
 from urllib.parse import quote, unquote
 
-from elasticd.errors import ElasticdError
+# One RecordError for every stored record (a stored record is hostile input).
+from elasticd.coordination.records import RecordError
 
 #: Schema version of every rendezvous record, which is also the protocol version.
 SCHEMA = 2
 #: What to do when a record of another protocol turns up (quoted in every refusal).
 UPGRADE = ("run the same elasticd release on every node of the job: stop the job, upgrade "
            "every node, start it again (docs/operations.md, section 8)")
-
-
-class RecordError(ElasticdError, ValueError):
-    """A stored record is not one this code reads (corrupt, foreign, or another protocol)."""
 
 
 def node_id(addr: str, pid: int, local_id: int) -> str:

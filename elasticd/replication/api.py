@@ -14,9 +14,11 @@ from __future__ import annotations
 import abc
 import dataclasses
 import threading
-from typing import Any, Sequence
+from typing import Any
 
-from elasticd.errors import ElasticdError
+# Defined below the store, which catches ShardLost from a restore's fetcher; callers import
+# both from here too.
+from elasticd.errors import ReplicationError, ShardLost
 
 #: Reasons a sink (and so a NACK) gives for refusing a transfer.
 STALE = "stale"  # a newer (generation, step) is already held for that shard
@@ -28,10 +30,6 @@ BAD_RANGE = "bad_range"  # fetch: the byte range asked for lies outside the snap
 NOT_COORDINATOR = "not_coordinator"  # a commit report to a server that takes none
 
 MAX_JOB_NAME = 256
-
-
-class ReplicationError(ElasticdError):
-    """Base class of every error the replication layer raises."""
 
 
 class Refused(ReplicationError):
@@ -262,17 +260,3 @@ class Sink(abc.ABC):
     def lookup(self, job: str, owner_rank: int,
                version: Version | None) -> tuple[Descriptor, memoryview] | None:
         """A held copy (the newest when ``version`` is None), or None."""
-
-
-class ShardLost(ReplicationError):
-    """No holder could provide an intact copy: restore this shard from the persistent tier.
-
-    Attributes:
-        attempts: (holder, reason) for every holder tried, in order.
-    """
-
-    def __init__(self, job: str, rank: int, version: Version | None,
-                 attempts: Sequence[tuple[str, str]]) -> None:
-        tried = "; ".join(f"{h}: {r}" for h, r in attempts) or "no holder known"
-        super().__init__(f"{job} rank {rank} {version or 'newest'}: no intact copy ({tried})")
-        self.job, self.rank, self.version, self.attempts = job, rank, version, list(attempts)

@@ -129,7 +129,7 @@ class Replication(Protocol):
                        need: Any = None) -> Fetched:
         """Fetches a shard from a holder into this node's store; with ``need`` (a new rank's
         local boxes) only the rows they overlap, into a scratch segment the result carries as
-        ``scratch``. Raises: :class:`~elasticd.replication.api.ShardLost`, the store's errors
+        ``scratch``. Raises: :class:`~elasticd.errors.ShardLost`, the store's errors
         when it has no room, ValueError for a malformed ``need``."""
 
     def start_generation(self, job: str, generation: int) -> None:

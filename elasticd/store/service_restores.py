@@ -39,7 +39,7 @@ from elasticd.snapshot.format import SnapshotError
 from elasticd.store.service_records import call_hooks, param
 from elasticd.store.telemetry import RESTORE_SOURCES
 from elasticd.local.wire import RequestError
-from elasticd.replication.api import ShardLost
+from elasticd.errors import ShardLost
 
 log = logging.getLogger(__name__)
 

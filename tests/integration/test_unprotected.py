@@ -83,7 +83,7 @@ def node(etcd, prefix, tmp_path):
     daemon.jobs.supervisor = StandInAgent(str(tmp_path / "agent"))
     daemon.jobs.status = NodeJobStatus("n1", "running", "agent started", agent_starts=1)
     try:
-        yield daemon, InProcessTransport(daemon.local_handlers()), clock, rep, server
+        yield daemon, InProcessTransport(daemon.channel.handlers()), clock, rep, server
     finally:
         daemon.jobs.job = daemon.jobs.supervisor = None
         daemon.close()

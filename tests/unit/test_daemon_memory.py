@@ -106,7 +106,7 @@ def test_long_outage_fences_after_grace(world):
     clock, store, start, tick, daemons = world
     d = start("n1", outage_grace=5.0)
     fenced = []
-    d.fence_hooks.append(fenced.append)
+    d.fence.hooks.append(fenced.append)
     store.set_available(False)
     for _ in range(int(4.5 / 0.25)):
         out = tick()
@@ -126,7 +126,7 @@ def test_declared_dead_node_fences_before_rejoining(world):
     start("n1"), start("n2")
     tick()
     fenced = []
-    daemons["n2"].fence_hooks.append(fenced.append)
+    daemons["n2"].fence.hooks.append(fenced.append)
     for _ in range(int(TTL / 0.25) + 2):  # n2 frozen: no keep-alive, no cycle
         tick(alive={"n1"})
     assert [e.node for e in events(store, "failed")] == ["n2"]
@@ -158,16 +158,16 @@ def test_same_node_id_twice_is_refused(world):
 
     s = Settings(node_id="n1", etcd="mem:1", lease_ttl=TTL)
     other = Daemon(s, MemoryCoordinator(store), clock=KeepFirstAlive())
-    other.incarnation = "other"
-    import elasticd.daemon.daemon as mod
+    other.registration.incarnation = "other"
+    from elasticd.daemon.registration import Registration
 
-    orig = mod.Daemon._is_dead_local
-    mod.Daemon._is_dead_local = staticmethod(lambda rec: False)
+    orig = Registration._is_dead_local
+    Registration._is_dead_local = staticmethod(lambda rec: False)
     try:
         with pytest.raises(NodeIdInUse, match="give this node another --node-id"):
             other.join(keep_alive_thread=False)
     finally:
-        mod.Daemon._is_dead_local = orig
+        Registration._is_dead_local = orig
         other.close()
 
 
@@ -292,8 +292,8 @@ def test_a_record_that_cannot_be_written_fails_the_cycle_instead_of_holding_the_
         def get(self, key):
             return None
 
-    d.coord = NeverCreates(store)
-    d.registered_lease = None
+    d.coord = d.registration.coord = NeverCreates(store)
+    d.registration.lease = None
     start_at = clock.monotonic()
     sentence = d.cycle()
     assert "could not write this node's record" in sentence, sentence

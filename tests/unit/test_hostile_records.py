@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from elasticd.agent.manager import JobManager
-from elasticd.agent.policy import JobPolicy
+from elasticd.cluster.job_policy import JobPolicy
 from elasticd.clock import FakeClock
 from elasticd.cluster.events import EventLog
 from elasticd.cluster.jobspec import JobSpec, NodeJobStatus, sha256_file

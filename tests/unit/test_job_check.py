@@ -20,7 +20,7 @@ from elasticd.agent import job_check
 from elasticd.agent.job_check import JobChecks, Verdict, check_job
 from elasticd.agent.job_holds import JobHolds
 from elasticd.agent.manager import JobManager
-from elasticd.agent.policy import JobPolicy
+from elasticd.cluster.job_policy import JobPolicy
 from elasticd.clock import FakeClock
 from elasticd.cluster.jobspec import JobControl, JobSpec
 from elasticd.coordination.keys import Keyspace

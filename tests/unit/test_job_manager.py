@@ -109,7 +109,7 @@ def running(mgr, tmp_path) -> StandInAgent:
     mgr._drain()
     mgr.job = mgr._status_job = "job"
     mgr.supervisor = agent = StandInAgent(tmp_path / "agent")
-    mgr._runs_known = set()
+    mgr.restarts.runs_known = set()
     mgr.status = NodeJobStatus("n1", "running", "agent started")
     return agent
 
@@ -160,7 +160,7 @@ def test_a_job_failed_elsewhere_stops_here_as_failed(env, tmp_path):
     mgr._drain()
     mgr.job = mgr._status_job = "job"
     mgr.supervisor = StandInAgent(tmp_path / "agent")
-    mgr._runs_known = set()
+    mgr.restarts.runs_known = set()
     coord.put(keys.job_control("job"), JobControl("failed", 0.0, "n2", "crash loop: x").encode())
     mgr._drain()
     mgr.step()
@@ -188,7 +188,7 @@ def _running(mgr, tmp_path, **spec_changes):
     spec = dataclasses.replace(mgr.specs["job"][1], **spec_changes)
     mgr.job = mgr._status_job = "job"
     mgr.supervisor = agent = HangAgent(tmp_path / "agent", spec)
-    mgr._runs_known = set()
+    mgr.restarts.runs_known = set()
     mgr.status = NodeJobStatus("n1", "running", "agent started")
     mgr._new_generation()
     return agent

@@ -3,13 +3,15 @@ pushes timed, rejected connections counted by reason, unknown reasons folded int
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from elasticd.metrics import Metrics, ReplicationSink
+from elasticd.metrics import Metrics, ReplicationFigures, ReplicationSink, ServerFigures
 from elasticd.recovery.replicator import ReplicationStats
+from elasticd.replication.server import ServerStats
 
 
 def samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
@@ -24,6 +26,7 @@ STATS = dict(
     committed_step=41, sync_lag_steps=2, under_replicated_shards=1,
     replica_bytes_held=1 << 20, rereplications_total=4, fetches_total=2,
     fetch_bytes_total=2048, fetch_failures_total={"no address": 1, "corrupt": 1},
+    replication_commit_wait_timeouts_total=6, etcd_errors_total=8, fetch_seconds_total=1.5,
 )
 
 
@@ -55,6 +58,9 @@ def test_attached_statistics_are_read_at_scrape_time():
     assert got[("elasticd_replica_pushes_received_total", (("outcome", "aborted"),))] == 2
     assert got[("elasticd_replica_bytes_received_total", ())] == 999
     assert got[("elasticd_replica_protocol_errors_total", ())] == 3
+    assert got[("elasticd_replication_commit_wait_timeouts_total", ())] == 6
+    assert got[("elasticd_replication_etcd_errors_total", ())] == 8
+    assert got[("elasticd_replica_fetch_seconds_total", ())] == 1.5
     stats.committed_step = 42  # the next scrape sees the new value
     assert samples(m)[("elasticd_committed_step", ())] == 42
 
@@ -85,3 +91,14 @@ def test_sink_times_pushes_and_classifies_rejections():
     for reason in ("version", "auth", "tls"):
         assert got[("elasticd_replication_connections_rejected_total",
                     (("reason", reason),))] == 1
+
+
+def test_the_exporter_reads_only_what_the_statistics_have():
+    """metrics.py imports no domain module: it names what it reads in its own protocols, and
+    these must be fields of the real statistics (a renamed field fails here, not at a scrape)."""
+    for protocol, real in ((ReplicationFigures, ReplicationStats),
+                           (ServerFigures, ServerStats)):
+        fields = {f.name: f.type for f in dataclasses.fields(real)}
+        for name, kind in protocol.__annotations__.items():
+            assert name in fields, f"{real.__name__} has no {name}"
+            assert str(kind) == str(fields[name]), (name, kind, fields[name])

@@ -90,13 +90,16 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "elasticd_replica_bytes_held": ("gauge", ()),
     "elasticd_replica_bytes_received_total": ("counter", ()),
     "elasticd_replica_fetch_bytes_total": ("counter", ()),
+    "elasticd_replica_fetch_seconds_total": ("counter", ()),
     "elasticd_replica_fetch_failures_total": ("counter", ("reason",)),
     "elasticd_replica_fetches_total": ("counter", ()),
     "elasticd_replica_protocol_errors_total": ("counter", ()),
     "elasticd_replica_pushes_received_total": ("counter", ("outcome",)),
     "elasticd_replication_bytes_total": ("counter", ()),
+    "elasticd_replication_commit_wait_timeouts_total": ("counter", ()),
     "elasticd_replication_commits_total": ("counter", ()),
     "elasticd_replication_connections_rejected_total": ("counter", ("reason",)),
+    "elasticd_replication_etcd_errors_total": ("counter", ()),
     "elasticd_replication_failures_total": ("counter", ("reason",)),
     "elasticd_replication_seconds": ("histogram", ()),
     "elasticd_replication_skipped_total": ("counter", ()),
@@ -365,7 +368,7 @@ def cluster():
     daemon = Daemon(Settings(node_id="n1", etcd="mem:1"), coord, clock=clock)
     server = StatusServer(("127.0.0.1", 0), daemon.metrics.registry, daemon.status, lambda: True)
     server.start()
-    daemon.http_address = server.address
+    daemon.registration.http_address = server.address
     daemon.join(keep_alive_thread=False)
     try:
         yield coord

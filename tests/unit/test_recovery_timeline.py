@@ -414,7 +414,7 @@ def test_the_agents_report_of_its_abort_reaches_the_timeline():
     daemon = Daemon(Settings(node_id="n1", etcd="mem:1"),
                     MemoryCoordinator(MemoryStore(clock)), clock=clock)
     try:
-        aborted = daemon.local_handlers()["workers_aborted"]
+        aborted = daemon.channel.handlers()["workers_aborted"]
         daemon.jobs.job = "j"
         assert aborted({"job": "other", "workers": 1}) == {}  # not the job running here
         assert aborted({"job": "j", "workers": 1}) == {}

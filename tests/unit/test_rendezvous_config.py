@@ -159,9 +159,9 @@ def test_the_creator_hands_every_handler_to_the_hooks_and_the_daemons_hook_needs
 
 def test_the_daemons_grow_setting_reaches_its_agents_rendezvous():
     from elasticd.config import load
-    from elasticd.daemon.daemon import Daemon
+    from elasticd.daemon.agent_setup import rdzv_conf
 
     for grow in ("immediate", "at-failure", "interval:30"):
         settings = load({"rdzv_grow": grow}, None, {})
-        conf = Daemon.rdzv_conf(type("D", (), {"settings": settings})())
+        conf = rdzv_conf(settings)
         assert RendezvousConfig.from_params(params(**conf)).grow == grow

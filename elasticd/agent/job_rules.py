@@ -1,0 +1,167 @@
+"""What a job does on this node, as pure decisions: which job runs, when a running one stops,
+what a dead agent or a failed peer means for the workers.
+
+Nothing here does I/O, takes a lock or reads a clock: the job manager
+(:mod:`elasticd.agent.manager`) and its worker group (:mod:`elasticd.agent.worker_group`)
+gather what they observed (the job records in etcd, the agent's exit code, the last rendezvous
+round) and carry out the answer. The other rules of a job on a node are pure modules of their
+own: crash loops (:mod:`elasticd.agent.crashloop`), hangs (:mod:`elasticd.agent.progress`),
+stragglers (:mod:`elasticd.agent.straggler`), refusals and waits (:mod:`elasticd.agent.job_holds`).
+Each rule is tested alone in ``tests/unit/test_job_rules.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Callable, Iterable
+
+from elasticd.cluster.jobspec import JobState
+
+
+@dataclasses.dataclass(frozen=True)
+class JobView:
+    """The job records as this node sees them, reduced to what the decisions read.
+
+    Attributes:
+        created: job -> its spec's create revision (readable or not): the older, the first.
+        desired: job -> what its control asks (absent: running).
+        reasons: job -> the reason its control gives.
+        unreadable: job -> why its spec does not read.
+        finished: jobs this node completed or gave up on.
+        succeeded_elsewhere: jobs another node's agent finished with success.
+    """
+
+    created: dict[str, int]
+    desired: dict[str, JobState]
+    reasons: dict[str, str]
+    unreadable: dict[str, str]
+    finished: frozenset[str]
+    succeeded_elsewhere: frozenset[str]
+
+
+def wanted(view: JobView, running: str | None, hold: str,
+           held: Callable[[str], bool]) -> str | None:
+    """The job this node should run: the oldest wanted job it has not finished.
+
+    Args:
+        view: the job records.
+        running: the job this node runs now, if any.
+        hold: why the node runs no job for now (a drain), or "".
+        held: whether a job other than ``running`` is left aside (refused, or waiting for
+            its files): :class:`elasticd.agent.job_holds.JobHolds`.
+    """
+    if hold:
+        return None
+    for job in sorted(view.created, key=lambda j: (view.created[j], j)):
+        if view.desired.get(job, JobState.RUNNING) != JobState.RUNNING:
+            continue
+        if job in view.finished or (job != running and job in view.succeeded_elsewhere):
+            continue  # a running agent here ends on its own (its exit is judged)
+        if job != running and held(job):
+            continue
+        return job
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    """Stop the running job: ``why``, and the state it ends in on this node."""
+
+    why: str
+    state: JobState
+
+
+def stop_running(view: JobView, running: str, wanted_job: str | None, hold: str) -> Stop | None:
+    """Whether the job this node runs stops, and why (None: it goes on)."""
+    if running in view.unreadable:
+        return Stop(view.unreadable[running], JobState.REFUSED)
+    if running == wanted_job:
+        return None
+    if hold:
+        return Stop(f"node {hold}", JobState.DRAINED)
+    if view.desired.get(running) == JobState.FAILED:
+        return Stop(view.reasons.get(running) or f"job {running} failed", JobState.FAILED)
+    return Stop(f"job {running} is no longer wanted here", JobState.STOPPED)
+
+
+def decided_elsewhere(view: JobView, job: str) -> tuple[JobState, str] | None:
+    """A job this node was about to restart (its agent died) that succeeded on a peer
+    meanwhile, or was failed (a crash loop seen here or elsewhere): its final state here and
+    why; None while it is still to be restarted."""
+    if job in view.finished:
+        return None
+    if job in view.succeeded_elsewhere:
+        return JobState.SUCCEEDED, ""
+    if view.desired.get(job) == JobState.FAILED:
+        return JobState.FAILED, view.reasons.get(job, "")
+    return None
+
+
+class AgentExit(enum.Enum):
+    """What a dead agent means for its job on this node."""
+
+    SUCCEEDED = "succeeded"  # exit 0: the job is done here
+    SUCCEEDED_ELSEWHERE = "succeeded elsewhere"  # a peer's agent finished the job
+    GIVE_UP = "give up"  # more deaths than ``agent_restarts``: failed here
+    RESTART = "restart"  # start the agent again after a backoff
+
+
+#: The longest wait before an agent is started again.
+MAX_BACKOFF = 30.0
+
+
+def agent_exited(code: int, succeeded_elsewhere: bool, failures: int,
+                 agent_restarts: int) -> AgentExit:
+    """The agent exited with ``code``; ``failures`` counts its deaths so far, this one
+    included (the crash-loop rule is asked first, :mod:`elasticd.agent.crashloop`).
+
+    A job that succeeded on a peer is over here too: torch closes the rendezvous when an agent
+    succeeds, and a standby's agent (or one restarting) then exits with an error that is no
+    reason to start it again.
+    """
+    if code == 0:
+        return AgentExit.SUCCEEDED
+    if succeeded_elsewhere:
+        return AgentExit.SUCCEEDED_ELSEWHERE
+    if failures > agent_restarts:
+        return AgentExit.GIVE_UP
+    return AgentExit.RESTART
+
+
+def restart_backoff(failures: int) -> float:
+    """Seconds before the agent is started again after its ``failures``-th death."""
+    return min(MAX_BACKOFF, 0.5 * 2 ** (failures - 1))
+
+
+class PeerFailure(enum.Enum):
+    """What a failed peer means for this node's workers."""
+
+    NOT_OURS = "not ours"  # no job here, or the peer did not run it
+    LEFT_RUNNING = "left running"  # the last rendezvous round already went on without it
+    RESTART = "restart"  # kill the workers now (the proactive abort)
+
+
+def peer_failed(running: bool, peer: str, members: Iterable[str],
+                reformed_without: Callable[[], bool]) -> PeerFailure:
+    """A peer's lease expired (``peer`` "*": every peer). Its workers may be blocked in a
+    collective with the dead one, and a machine that loses power sends no TCP reset (gloo
+    would wait minutes): the workers are restarted at once, unless the job's last rendezvous
+    round already has this node's agent in it and not the peer's (``reformed_without``, asked
+    only when it matters: it reads etcd)."""
+    if not running or (peer != "*" and peer not in set(members)):
+        return PeerFailure.NOT_OURS
+    if peer != "*" and reformed_without():
+        return PeerFailure.LEFT_RUNNING
+    return PeerFailure.RESTART
+
+
+def reformed_without(round_agent_pids: Iterable[int] | None, mine: int | None,
+                     theirs: int | None) -> bool:
+    """Whether the last closed round (its members' agent pids; None: no round, or one that
+    does not read) has this node's agent (``mine``) and not the failed peer's (``theirs``).
+    Unknown pids mean no: abort, as a peer that vanished silently leaves collectives hanging."""
+    if not mine or not theirs or round_agent_pids is None:
+        return False
+    pids = set(round_agent_pids)
+    return mine in pids and theirs not in pids

@@ -1,0 +1,121 @@
+"""No class of elasticd grows past 25 methods or 20 instance attributes (issue 28), counting what
+it gets from elasticd base classes: a class that size holds more than one concern, and its rules
+cannot be tested alone. The daemon holds none of its parts as mixins.
+
+Classes over the limits when this test was written (or when the branch that made them merged)
+are listed below: the daemon and the job manager with a ceiling they may not pass (their
+remaining parts are named beside them), the others by name only (they belong to other
+packages' issues); any other class must keep under.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import pkgutil
+import textwrap
+
+import elasticd
+
+MAX_METHODS = 25
+MAX_ATTRIBUTES = 20
+
+#: class -> (methods, attributes) it may not pass, and what takes it under the limits.
+CEILINGS = {
+    # The nodes/ watch (_start_watch, _drain_events, _resync, _act, decoding: 6 methods and 3
+    # attributes) goes to a part of its own once the scale issue's change of it has landed.
+    "elasticd.daemon.daemon.Daemon": (30, 30),
+    # Its bases JobRecords and WorkerGroup become owned parts (job_records.py is the scale
+    # issue's this round).
+    "elasticd.agent.manager.JobManager": (46, 52),
+}
+#: Over the limits before issue 28, in other issues' packages.
+KNOWN = {
+    "elasticd.coordination.etcd.EtcdCoordinator",  # the Coordinator interface: one per call
+    "elasticd.coordination.keys.Keyspace",  # one method per key
+    "elasticd.metrics.Metrics",  # one attribute per metric family
+    "elasticd.rendezvous.closer.Closer",
+    "elasticd.rendezvous.handler.EtcdNativeRendezvousHandler",
+    "elasticd.replication.server.ReplicaServer",
+    "elasticd.replication.tracker.CommitTracker",
+    "elasticd.store.service.CheckpointService",
+    "elasticd.store.shm.SlotStore",
+    "elasticd.worker.checkpointer.Checkpointer",
+    # Issue 29's commit coordinator, merged over the limits (JobCoordinator: 21 attributes;
+    # Reporter: 28 methods): its package's issue splits them.
+    "elasticd.replication.coordinator.JobCoordinator",
+    "elasticd.replication.reporter.Reporter",
+}
+
+
+def _own_bases(cls: type, own=lambda c: c.__module__.startswith("elasticd")) -> list[type]:
+    return [c for c in cls.__mro__ if own(c)]
+
+
+def _attributes(cls: type) -> set[str]:
+    """Every ``self.<name>`` a class's own source assigns."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return set()
+    names = set()
+    for node in ast.walk(tree):
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign))
+                   else [])
+        for target in targets:
+            for e in ast.walk(target):
+                if (isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name)
+                        and e.value.id == "self"):
+                    names.add(e.attr)
+    return names
+
+
+def size(cls: type, own=lambda c: c.__module__.startswith("elasticd")) -> tuple[int, int]:
+    """(methods, instance attributes) of ``cls`` with its elasticd bases."""
+    methods: set[str] = set()
+    attributes: set[str] = set()
+    for c in _own_bases(cls, own):
+        methods |= {name for name, v in vars(c).items()
+                    if inspect.isfunction(v) or isinstance(v, (property, staticmethod,
+                                                               classmethod))}
+        attributes |= _attributes(c)
+    return len(methods), len(attributes)
+
+
+def _classes():
+    for info in pkgutil.walk_packages(elasticd.__path__, "elasticd."):
+        module = importlib.import_module(info.name)
+        for name, obj in vars(module).items():
+            if inspect.isclass(obj) and obj.__module__ == module.__name__:
+                yield f"{module.__name__}.{name}", obj
+
+
+def test_no_class_grows_past_the_limits():
+    over = []
+    for name, cls in _classes():
+        methods, attributes = size(cls)
+        limit = CEILINGS.get(name, (MAX_METHODS, MAX_ATTRIBUTES))
+        if name not in KNOWN and (methods > limit[0] or attributes > limit[1]):
+            over.append(f"{name}: {methods} methods, {attributes} attributes (limit {limit})")
+    assert not over, "\n".join(over)
+
+
+def test_the_daemon_has_no_mixins():
+    from elasticd.daemon.daemon import Daemon
+
+    assert _own_bases(Daemon) == [Daemon]
+
+
+def test_the_counting_sees_a_base_class():
+    class Base:
+        def a(self):
+            self.x = 1
+
+    class Child(Base):
+        def b(self):
+            self.y = 2
+
+    assert size(Child, own=lambda c: c is not object) == (2, 2)
+    assert size(Child) == (0, 0)  # neither is elasticd's

@@ -1,0 +1,151 @@
+"""A job's decisions on a node alone (elasticd/agent/job_rules.py): no manager, no etcd.
+
+Each rule has a test of its own; which job runs is also checked against its definition over
+any set of job records (hypothesis).
+"""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from elasticd.agent import job_rules
+from elasticd.agent.job_rules import AgentExit, JobView, PeerFailure, Stop
+from elasticd.cluster.jobspec import JobState
+
+
+def view(created=None, desired=None, reasons=None, unreadable=None, finished=(),
+         elsewhere=()):
+    return JobView(created or {}, desired or {}, reasons or {}, unreadable or {},
+                   frozenset(finished), frozenset(elsewhere))
+
+
+never = lambda job: False  # noqa: E731
+
+
+# -- which job runs ----------------------------------------------------------------------------
+
+def test_the_oldest_wanted_job_runs():
+    v = view(created={"b": 7, "a": 9, "c": 3}, desired={"c": JobState.STOPPED})
+    assert job_rules.wanted(v, None, "", never) == "b"
+
+
+def test_a_held_node_runs_nothing():
+    assert job_rules.wanted(view(created={"a": 1}), None, "drained", never) is None
+
+
+def test_a_finished_job_is_not_wanted_again():
+    assert job_rules.wanted(view(created={"a": 1, "b": 2}, finished={"a"}), None, "",
+                            never) == "b"
+
+
+def test_a_job_that_succeeded_elsewhere_starts_nowhere_new_but_keeps_its_running_agent():
+    v = view(created={"a": 1, "b": 2}, elsewhere={"a"})
+    assert job_rules.wanted(v, None, "", never) == "b"
+    assert job_rules.wanted(v, "a", "", never) == "a"  # its agent ends on its own
+
+
+def test_a_refused_or_waiting_job_is_passed_over_unless_it_runs():
+    v = view(created={"a": 1, "b": 2})
+    assert job_rules.wanted(v, None, "", lambda job: job == "a") == "b"
+    assert job_rules.wanted(v, "a", "", lambda job: job == "a") == "a"
+
+
+def test_an_unreadable_spec_is_wanted_to_be_refused():
+    assert job_rules.wanted(view(created={"a": 1}, unreadable={"a": "bad"}), None, "",
+                            never) == "a"
+
+
+@settings(max_examples=200, deadline=None)
+@given(jobs=st.dictionaries(st.sampled_from("abcdef"), st.integers(0, 5), max_size=6),
+       stopped=st.sets(st.sampled_from("abcdef")), finished=st.sets(st.sampled_from("abcdef")),
+       elsewhere=st.sets(st.sampled_from("abcdef")), held=st.sets(st.sampled_from("abcdef")),
+       running=st.none() | st.sampled_from("abcdef"), hold=st.sampled_from(["", "drained"]))
+def test_the_job_chosen_is_the_first_eligible_one(jobs, stopped, finished, elsewhere, held,
+                                                   running, hold):
+    v = view(created=jobs, desired={j: JobState.STOPPED for j in stopped}, finished=finished,
+             elsewhere=elsewhere)
+    chosen = job_rules.wanted(v, running, hold, held.__contains__)
+
+    def eligible(j):
+        return (j not in stopped and j not in finished
+                and (j == running or (j not in elsewhere and j not in held)))
+
+    order = sorted(jobs, key=lambda j: (jobs[j], j))
+    expected = None if hold else next((j for j in order if eligible(j)), None)
+    assert chosen == expected
+
+
+# -- when a running job stops --------------------------------------------------------------------
+
+def test_a_running_job_whose_spec_became_unreadable_is_refused():
+    v = view(created={"a": 1}, unreadable={"a": "unreadable job spec: x"})
+    assert job_rules.stop_running(v, "a", "a", "") == Stop("unreadable job spec: x",
+                                                           JobState.REFUSED)
+
+
+def test_a_running_job_still_wanted_goes_on():
+    assert job_rules.stop_running(view(created={"a": 1}), "a", "a", "") is None
+
+
+def test_a_running_job_stops_drained_failed_or_stopped():
+    v = view(created={"a": 1}, desired={"a": JobState.FAILED}, reasons={"a": "crash loop"})
+    assert job_rules.stop_running(v, "a", None, "drained") == Stop("node drained",
+                                                                   JobState.DRAINED)
+    assert job_rules.stop_running(v, "a", None, "") == Stop("crash loop", JobState.FAILED)
+    v = view(created={"a": 1}, desired={"a": JobState.FAILED})
+    assert job_rules.stop_running(v, "a", None, "") == Stop("job a failed", JobState.FAILED)
+    v = view(created={"a": 1}, desired={"a": JobState.STOPPED})
+    assert job_rules.stop_running(v, "a", None, "") == Stop("job a is no longer wanted here",
+                                                            JobState.STOPPED)
+
+
+def test_a_job_waiting_to_restart_ends_when_decided_elsewhere():
+    v = view(created={"a": 1}, elsewhere={"a"})
+    assert job_rules.decided_elsewhere(v, "a") == (JobState.SUCCEEDED, "")
+    v = view(created={"a": 1}, desired={"a": JobState.FAILED}, reasons={"a": "loop"})
+    assert job_rules.decided_elsewhere(v, "a") == (JobState.FAILED, "loop")
+    assert job_rules.decided_elsewhere(view(created={"a": 1}), "a") is None
+    assert job_rules.decided_elsewhere(view(created={"a": 1}, elsewhere={"a"},
+                                            finished={"a"}), "a") is None
+
+
+# -- a dead agent ------------------------------------------------------------------------------------
+
+def test_a_dead_agent_is_restarted_with_backoff_until_its_budget_is_spent():
+    assert job_rules.agent_exited(0, False, 0, 10) is AgentExit.SUCCEEDED
+    assert job_rules.agent_exited(1, True, 1, 10) is AgentExit.SUCCEEDED_ELSEWHERE
+    assert job_rules.agent_exited(1, False, 10, 10) is AgentExit.RESTART
+    assert job_rules.agent_exited(1, False, 11, 10) is AgentExit.GIVE_UP
+    assert [job_rules.restart_backoff(n) for n in (1, 2, 3, 7, 20)] == [0.5, 1.0, 2.0, 30.0,
+                                                                         30.0]
+
+
+# -- a failed peer -----------------------------------------------------------------------------------
+
+def test_a_failed_peer_that_ran_the_job_restarts_the_workers():
+    asked = []
+
+    def reformed():
+        asked.append(1)
+        return False
+
+    assert job_rules.peer_failed(True, "n2", {"n1", "n2"}, reformed) is PeerFailure.RESTART
+    assert asked == [1]
+    assert job_rules.peer_failed(True, "*", set(), reformed) is PeerFailure.RESTART
+    assert asked == [1]  # every peer: no round can have gone on without them all
+
+
+def test_a_failed_peer_that_did_not_run_the_job_changes_nothing():
+    assert job_rules.peer_failed(True, "n3", {"n1", "n2"}, lambda: True) is PeerFailure.NOT_OURS
+    assert job_rules.peer_failed(False, "n2", {"n1", "n2"}, lambda: True) is PeerFailure.NOT_OURS
+
+
+def test_a_group_that_already_reformed_without_the_peer_is_left_running():
+    assert job_rules.peer_failed(True, "n2", {"n2"}, lambda: True) is PeerFailure.LEFT_RUNNING
+    assert job_rules.reformed_without([10, 11], mine=10, theirs=12)
+    assert not job_rules.reformed_without([10, 12], mine=10, theirs=12)  # the peer is in it
+    assert not job_rules.reformed_without([11, 13], mine=10, theirs=12)  # we are not
+    assert not job_rules.reformed_without(None, mine=10, theirs=12)  # no round
+    assert not job_rules.reformed_without([10], mine=None, theirs=12)  # unknown pids
+    assert not job_rules.reformed_without([10], mine=10, theirs=None)
