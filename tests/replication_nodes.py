@@ -9,12 +9,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import threading
 import uuid
 
 import numpy as np
 
 from elasticd.snapshot.format import SnapshotHeader, TensorSpec, layout
-from elasticd.store.shm import SlotStore
+from elasticd.store.api import SlotBusy
+from elasticd.store.shm import CommitPending, SlotStore
 from elasticd.coordination.api import Coordinator
 from elasticd.coordination.keys import Keyspace
 from elasticd.recovery.replicator import Replicator
@@ -145,3 +147,38 @@ class Cluster:
         for coord in self.coords:
             coord.close()
         shutil.rmtree(self.base, ignore_errors=True)
+
+
+class Stepper:
+    """Snapshots every rank of the round each ``period``, as the checkpoint service does: only
+    on the job's snapshot grid, and a snapshot refused by a pending commit is skipped and
+    reported."""
+
+    def __init__(self, cluster: Cluster, ranks: dict[str, list[int]], period: float = 0.1):
+        self.cluster, self.ranks, self.period = cluster, ranks, period
+        self.step, self.stop = 0, threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        world = sum(len(r) for r in self.ranks.values())
+        while not self.stop.wait(self.period):
+            self.step += 1
+            for name, ranks in self.ranks.items():
+                node = self.cluster[name]
+                if self.step % node.replicator.snapshot_grid(JOB):
+                    continue
+                for rank in ranks:
+                    try:
+                        node.snapshot(rank, self.step, world=world)
+                    except CommitPending as exc:
+                        node.replicator.on_commit_pending(JOB, exc.version, (0, self.step))
+                    except SlotBusy:  # both slots held (a reader's pin): skipped, as a worker does
+                        pass
+
+    def __enter__(self) -> "Stepper":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(5)

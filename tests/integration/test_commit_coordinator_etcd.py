@@ -7,55 +7,17 @@ per committed step stay at most two."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 
 from elasticd.replication.commit import decode_committed, read_committed
-from elasticd.store.api import SlotBusy
-from elasticd.store.shm import CommitPending
 from tests.conftest import connect
-from tests.replication_nodes import JOB, Cluster
+from tests.replication_nodes import JOB, Cluster, Stepper
 
 pytestmark = pytest.mark.etcd
 
 TTL = 2
-
-
-class Stepper:
-    """Snapshots every rank of the round each ``period``, as the checkpoint service does: only
-    on the job's snapshot grid, and a snapshot refused by a pending commit is skipped and
-    reported."""
-
-    def __init__(self, cluster: Cluster, ranks: dict[str, list[int]], period: float = 0.1):
-        self.cluster, self.ranks, self.period = cluster, ranks, period
-        self.step, self.stop = 0, threading.Event()
-        self.thread = threading.Thread(target=self.run, daemon=True)
-
-    def run(self) -> None:
-        world = sum(len(r) for r in self.ranks.values())
-        while not self.stop.wait(self.period):
-            self.step += 1
-            for name, ranks in self.ranks.items():
-                node = self.cluster[name]
-                if self.step % node.replicator.snapshot_grid(JOB):
-                    continue
-                for rank in ranks:
-                    try:
-                        node.snapshot(rank, self.step, world=world)
-                    except CommitPending as exc:
-                        node.replicator.on_commit_pending(JOB, exc.version, (0, self.step))
-                    except SlotBusy:  # both slots held (a reader's pin): skipped, as a worker does
-                        pass
-
-    def __enter__(self) -> "Stepper":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(5)
 
 
 def coordinator(cluster: Cluster) -> str | None:
@@ -66,12 +28,15 @@ def coordinator(cluster: Cluster) -> str | None:
 
 
 @pytest.mark.timeout(90)
-# Known open bug (issue 29): run alone, commits resumed within TTL + 4 s of the coordinator's
-# kill in only ~6 of 10 runs (the survivors kept reporting to the dead node: "no replica server
-# address known for node 'n1'"); it passed in the whole suite. Not strict, so a pass shows as
-# XPASS; the assertions stay as they are until the re-election is mended.
+# Known open bug (issue 29): run alone, commits resumed within TTL + 1.5 s of the coordinator's
+# kill in only ~6 of 10 runs. The re-election itself is prompt (the election key's lease expires
+# and the survivors' watch brings it: ~1.5 s after the kill in every run read); the lag comes
+# after: while the key waited out its lease, the survivors withdrew a version per
+# withdraw_after and each withdrawal doubled the snapshot grid (to 32 steps), so the first
+# commit waited for the next step on that grid (test_commit_reports.py shows it in 3 s).
+# Not strict, so a pass shows as XPASS; the assertions stay as they are until it is mended.
 @pytest.mark.xfail(strict=False, reason="commit coordinator re-election after a kill does not "
-                   "always finish within TTL + 4 s (issue 29, open)")
+                   "always finish within TTL + 1.5 s (issue 29, open)")
 def test_killing_the_coordinator_costs_one_lease_ttl_and_no_wrong_commit(etcd, prefix):
     clients = []
 
@@ -123,6 +88,7 @@ def test_killing_the_coordinator_costs_one_lease_ttl_and_no_wrong_commit(etcd, p
                     c[1] > 1024 for c in commits[before:]):
                 time.sleep(0.02)
             resumed = time.monotonic() - killed
+        print(f"commits resumed {resumed:.2f} s after the kill of {victim}")
         assert any(c[1] > 1024 for c in commits[before:]), "commits never resumed"
         # the lease expires TTL (+ up to 0.5 s: etcd's expiry tick) after its last keep-alive,
         # which was up to TTL/3 before the kill; then an election and one report per node
