@@ -7,8 +7,10 @@ Why this client and how its traps are avoided (docs/facts.md):
   with ``failover=True`` and ``time_retry`` of half a second, and retry a call once per
   endpoint before reporting :class:`Unavailable`.
 * A watch stream that dies delivers the error to its callback and is never re-created. Our
-  :class:`_ResilientWatch` re-creates it from the revision after the last event delivered, in
-  its own thread (re-creating from inside the client's callback thread would deadlock).
+  :class:`ResilientWatch` (``etcd_watch.py``) re-creates it from the revision after the last
+  event delivered, in its own thread (re-creating from inside the client's callback thread
+  would deadlock). A watch creation that timed out is answered late and bound to the next
+  watch created on the stream: it refuses any event outside its own range (see that module).
 * gRPC errors surface as the library's exceptions, or as raw ``grpc.RpcError`` for codes it
   does not map; both are turned into this package's typed errors here and nowhere else.
 """
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import queue
 import threading
@@ -34,7 +35,6 @@ from elasticd.coordination.api import (
     Compare,
     Coordinator,
     CoordinationError,
-    EventType,
     KeyValue,
     LeaseLost,
     Op,
@@ -42,8 +42,8 @@ from elasticd.coordination.api import (
     Unavailable,
     Watch,
     WatchCallback,
-    WatchEvent,
 )
+from elasticd.coordination.etcd_watch import ResilientWatch, to_kv
 
 log = logging.getLogger(__name__)
 
@@ -130,17 +130,6 @@ def parse_endpoints(text: str) -> tuple[tuple[str, int], ...]:
     return tuple(out)
 
 
-def _to_kv(kv: Any) -> KeyValue:
-    return KeyValue(
-        key=bytes(kv.key),
-        value=bytes(kv.value),
-        create_revision=kv.create_revision,
-        mod_revision=kv.mod_revision,
-        version=kv.version,
-        lease=kv.lease,
-    )
-
-
 class EtcdCoordinator(Coordinator):
     """A :class:`Coordinator` on an etcd v3 cluster."""
 
@@ -149,7 +138,7 @@ class EtcdCoordinator(Coordinator):
         self.clock = clock or SystemClock()
         self._lock = threading.Lock()
         self._client: pyetcd.MultiEndpointEtcd3Client | None = None
-        self._watches: list[_ResilientWatch] = []
+        self._watches: list[ResilientWatch] = []
         self._keepalive: _KeepAliveStream | None = None
         self._closed = False
 
@@ -262,11 +251,11 @@ class EtcdCoordinator(Coordinator):
 
     def get(self, key: bytes) -> KeyValue | None:
         resp = self._call(lambda c: c.get_response(key))
-        return _to_kv(resp.kvs[0]) if resp.kvs else None
+        return to_kv(resp.kvs[0]) if resp.kvs else None
 
     def get_prefix(self, prefix: bytes) -> tuple[list[KeyValue], int]:
         resp = self._call(lambda c: c.get_prefix_response(prefix, sort_order="ascend"))
-        return [_to_kv(kv) for kv in resp.kvs], resp.header.revision
+        return [to_kv(kv) for kv in resp.kvs], resp.header.revision
 
     def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
         try:
@@ -347,12 +336,12 @@ class EtcdCoordinator(Coordinator):
 
     def watch_prefix(self, prefix: bytes, callback: WatchCallback, start_revision: int,
                      prev_kv: bool = False) -> Watch:
-        return self._watch(_ResilientWatch(self, prefix, callback, start_revision, prev_kv))
+        return self._watch(ResilientWatch(self, prefix, callback, start_revision, prev_kv))
 
     def watch_key(self, key: bytes, callback: WatchCallback, start_revision: int) -> Watch:
-        return self._watch(_ResilientWatch(self, key, callback, start_revision, exact=True))
+        return self._watch(ResilientWatch(self, key, callback, start_revision, exact=True))
 
-    def _watch(self, w: "_ResilientWatch") -> "_ResilientWatch":
+    def _watch(self, w: ResilientWatch) -> ResilientWatch:
         w.start()
         with self._lock:
             self._watches.append(w)
@@ -400,127 +389,6 @@ class EtcdCoordinator(Coordinator):
             stream.close()
         if client is not None:
             client.close()
-
-
-class _ResilientWatch(Watch):
-    """A prefix (or one-key: ``exact``) watch that re-creates itself after the stream fails.
-
-    The next start revision is always ``last delivered revision + 1``, so no event is lost or
-    delivered twice across a reconnect (unless etcd compacted the gap: the callback then gets
-    :class:`Compacted` and must re-list).
-    """
-
-    def __init__(self, owner: EtcdCoordinator, prefix: bytes, callback: WatchCallback,
-                 start_revision: int, prev_kv: bool = False, exact: bool = False) -> None:
-        self._owner, self.prefix = owner, prefix
-        self._prev_kv, self._exact = prev_kv, exact
-        self._callback = callback
-        self._next_revision = start_revision
-        self._lock = threading.Lock()
-        self._watch_id: int | None = None
-        self._client: Any = None
-        self._generation = 0
-        self._cancelled = threading.Event()
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        """Creates the first stream synchronously, so that errors other than an outage reach
-        the caller; during an outage the stream is created in the background when etcd returns.
-        """
-        try:
-            self._create()
-        except Unavailable:
-            self._wake.set()
-        self._thread = threading.Thread(
-            target=self._maintain, name=f"watch:{self.prefix!r}", daemon=True
-        )
-        self._thread.start()
-
-    def _create(self) -> None:
-        with self._lock:
-            self._generation += 1
-            generation = self._generation
-            start = self._next_revision
-
-        def run(c: Any) -> tuple[Any, int]:
-            add = c.add_watch_callback if self._exact else c.add_watch_prefix_callback
-            return c, add(self.prefix, functools.partial(self._on_response, generation),
-                          start_revision=start or None, prev_kv=self._prev_kv)
-
-        client, watch_id = self._owner._call(run)
-        with self._lock:
-            self._client, self._watch_id = client, watch_id
-
-    def _on_response(self, generation: int, resp: Any) -> None:
-        if self._cancelled.is_set():
-            return
-        with self._lock:
-            if generation != self._generation:
-                return  # a stream we already replaced
-        if isinstance(resp, BaseException):
-            err = self._owner._translate(resp)
-            if isinstance(err, Compacted):
-                # Events are gone: the caller re-lists; we continue from the compaction point.
-                with self._lock:
-                    self._next_revision = err.compact_revision
-            self._safe_callback(err)
-            self._wake.set()
-            return
-        events = [WatchEvent(EventType.PUT if isinstance(e, pyetcd.events.PutEvent)
-                             else EventType.DELETE, _to_kv(e._event.kv),
-                             _to_kv(e._event.prev_kv) if e._event.HasField("prev_kv") else None)
-                  for e in resp.events]
-        if events:
-            with self._lock:
-                self._next_revision = max(self._next_revision, events[-1].kv.mod_revision + 1)
-            self._safe_callback(events)
-
-    def _safe_callback(self, arg: Any) -> None:
-        try:
-            self._callback(arg)
-        except Exception:  # a buggy callback must not kill the client's watch thread
-            log.exception("watch callback for %r raised", self.prefix)
-
-    def _maintain(self) -> None:
-        backoff = 0.1
-        while not self._cancelled.is_set():
-            self._wake.wait()
-            if self._cancelled.is_set():
-                return
-            self._wake.clear()
-            self._drop_stream()
-            while not self._cancelled.is_set():
-                try:
-                    self._create()
-                    backoff = 0.1
-                    break
-                except CoordinationError as exc:
-                    log.debug("re-creating watch on %r failed: %s", self.prefix, exc)
-                    self._cancelled.wait(backoff)
-                    backoff = min(backoff * 2, 2.0)
-
-    def _drop_stream(self) -> None:
-        with self._lock:
-            client, watch_id = self._client, self._watch_id
-            self._client = self._watch_id = None
-            self._generation += 1
-        if client is not None and watch_id is not None:
-            with contextlib.suppress(Exception):  # the stream is broken: nothing to cancel
-                client.cancel_watch(watch_id)
-
-    def restart(self, from_revision: int = 0) -> None:
-        """Re-creates the stream: from the revision after the last one delivered, or from
-        ``from_revision`` (see :meth:`Coordinator.reset_watches`)."""
-        if from_revision:
-            with self._lock:
-                self._next_revision = from_revision
-        self._wake.set()
-
-    def cancel(self) -> None:
-        self._cancelled.set()
-        self._wake.set()
-        self._drop_stream()
 
 
 class _KeepAliveStream:

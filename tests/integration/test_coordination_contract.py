@@ -7,6 +7,7 @@ leases, watches across a server restart, compaction, and corrupt values.
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -292,3 +293,37 @@ class TestEtcdCoordinator(CoordinatorContract):
         c = connect(private_etcd)
         yield c
         c.close()
+
+
+@pytest.mark.etcd
+@pytest.mark.timeout(60)
+def test_late_watch_creation_answer_never_feeds_another_prefix(private_etcd, prefix):
+    """pyetcd binds a "created" answer to whichever watch is being created at that moment: a
+    creation that timed out on the client (a frozen or overloaded etcd) is answered late and
+    handed to the next watch on the same stream, which then got the other prefix's events
+    (seen at N = 1,000: the node watch received a checkpoint key). No callback may ever see a
+    key outside its own prefix, and each watch must still get its own events."""
+    coord = connect(private_etcd, timeout=0.3)
+    p = prefix.encode()
+    coord.put(p + b"/a/k", b"1")
+    coord.put(p + b"/b/k", b"2")
+    a, b = Collector(), Collector()
+    member = private_etcd.members[0]
+    member.signal(signal.SIGSTOP)
+    try:
+        # A's creation times out (twice) and goes on in A's own thread; B's queues behind it.
+        coord.watch_prefix(p + b"/a/", a, 1)
+        creating_b = threading.Thread(target=coord.watch_prefix, args=(p + b"/b/", b, 1))
+        creating_b.start()
+        time.sleep(1.0)
+    finally:
+        member.signal(signal.SIGCONT)
+    try:
+        creating_b.join(20)
+        a.wait(lambda c: any(e.kv.key == p + b"/a/k" for e in c.events()), timeout=20)
+        b.wait(lambda c: any(e.kv.key == p + b"/b/k" for e in c.events()), timeout=20)
+        time.sleep(0.5)  # any further mis-bound event would arrive now
+        assert [e.kv.key for e in a.events() if not e.kv.key.startswith(p + b"/a/")] == []
+        assert [e.kv.key for e in b.events() if not e.kv.key.startswith(p + b"/b/")] == []
+    finally:
+        coord.close()
