@@ -83,7 +83,7 @@ from elasticd.store.service import CheckpointService
 from elasticd.store.huge_pages import probe
 from elasticd.store.shm import SlotStore
 from elasticd.coordination.keys import Keyspace
-from elasticd.coordination.memory import MemoryCoordinator
+from elasticd.testing.coordination import MemoryCoordinator
 from elasticd.daemon.local_api import LocalServer
 from elasticd.replication.commit import Committed, record_commit
 from elasticd.recovery.replicator import Replicator

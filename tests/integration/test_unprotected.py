@@ -25,7 +25,7 @@ import pytest
 
 from elasticd.store.service import CheckpointService
 from elasticd.store.shm import SlotStore
-from elasticd.clock import FakeClock
+from elasticd.testing.clock import FakeClock
 from elasticd.cluster.jobspec import JobControl, JobSpec, NodeJobStatus
 from elasticd.config import Settings
 from elasticd.coordination.keys import Keyspace

@@ -173,7 +173,7 @@ def test_pinned_slot_makes_reserve_skip_until_released(env):
 
 
 def test_forgotten_pins_expire(root):
-    from elasticd.clock import FakeClock
+    from elasticd.testing.clock import FakeClock
 
     clock = FakeClock()
     store = SlotStore(root)

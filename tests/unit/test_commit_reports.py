@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
+from elasticd.testing.coordination import MemoryCoordinator, MemoryStore
 from elasticd.replication.api import ReplicationError
 from elasticd.replication.placement import compute_placement
 from elasticd.replication.report import (

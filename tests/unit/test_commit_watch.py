@@ -9,7 +9,7 @@ import time
 from elasticd.agent.commit_watch import CommitWatch, at_committed_step
 from elasticd.coordination.api import CoordinationError
 from elasticd.coordination.keys import Keyspace
-from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
+from elasticd.testing.coordination import MemoryCoordinator, MemoryStore
 from elasticd.replication.commit import Committed, encode_ahead, encode_committed
 
 KEYS = Keyspace("/t")

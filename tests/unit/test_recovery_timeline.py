@@ -15,13 +15,13 @@ import pytest
 from elasticd.agent.manager import JobManager
 from elasticd.cli import main as cli
 from elasticd.cli import options
-from elasticd.clock import FakeClock
+from elasticd.testing.clock import FakeClock
 from elasticd.cluster import timeline
 from elasticd.cluster.events import Event, EventLog
 from elasticd.cluster.jobspec import JobSpec, NodeJobStatus
 from elasticd.coordination import records
 from elasticd.coordination.keys import Keyspace
-from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
+from elasticd.testing.coordination import MemoryCoordinator, MemoryStore
 from elasticd.daemon.recovery_timeline import TimelineRecorder
 from elasticd.metrics import RECOVERY_PHASES, Metrics
 

@@ -16,7 +16,7 @@ import uuid
 
 import pytest
 
-from elasticd.clock import FakeClock
+from elasticd.testing.clock import FakeClock
 from elasticd.local.transport import InProcessTransport, TransportError
 from elasticd.snapshot.segment import PAGE
 from elasticd.store.api import OverBudget, ScratchOverCap
