@@ -95,6 +95,18 @@ class LeaseKeeper:
         self._on_change()
         return new
 
+    def put(self, key: bytes, value: bytes) -> int:
+        """Writes ``key`` bound to the kept lease (granted first if there is none); when etcd
+        lost that lease before the keep-alive noticed (an etcd restarted empty loses every
+        lease at once), replaces it and writes once more. Returns the write's revision."""
+        lease = self.lease
+        if lease is None:
+            lease = self.grant()
+        try:
+            return self._coord.put(key, value, lease=lease)
+        except LeaseLost:
+            return self._coord.put(key, value, lease=self.replace(lease))
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
         self._thread.start()

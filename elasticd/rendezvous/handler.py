@@ -78,7 +78,6 @@ from elasticd.coordination.api import (
     CoordinationError,
     Coordinator,
     KeyValue,
-    LeaseLost,
     Put,
 )
 from elasticd.coordination.health import EtcdHealth
@@ -92,6 +91,7 @@ from elasticd.rendezvous.config import (
 from elasticd.rendezvous.control import Control
 from elasticd.rendezvous.grace import OutageGrace
 from elasticd.rendezvous.port import HeldPort
+from elasticd.rendezvous.data_loss import restore_round
 from elasticd.rendezvous.records import NodeRecord, RoundRecord, node_id
 from elasticd.rendezvous.rounds import (
     ELECTION_STEP,
@@ -225,7 +225,7 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         wiped = revision < before
         if wiped and kept is not None and self.me in kept.members \
                 and not any(kv.key == control.round_key for kv in kvs):
-            kvs = [*kvs, self._restore_round(kept)]
+            kvs = [*kvs, restore_round(self._coord, self._grace, control.round_key, kept)]
         control.load(kvs, revision)
         if initial or wiped or self._watch is None:
             if wiped:
@@ -237,22 +237,6 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
                 lambda: self._coord.watch_prefix(control.round_key, self._on_watch,
                                                  revision + 1),
                 "watching the rendezvous")
-
-    def _restore_round(self, kept: RoundRecord) -> KeyValue:
-        """etcd lost its data while this node trains in ``kept``: writes the round back (if no
-        other member did first) rather than let every agent count the round as gone and
-        restart its workers. The round is what every member holds; the closer elected next
-        finds every member's record re-written under its new lease, so no new round closes."""
-        key = self._control.round_key
-        ok, written = self._grace.call(
-            lambda: self._coord.transaction([Compare(key, 0)], [Put(key, kept.encode())]),
-            "writing back the round etcd lost")
-        if ok:
-            log.warning("etcd lost the rendezvous round %d: written back from this node's copy "
-                        "(its workers keep training)", kept.round)
-            return KeyValue(key, kept.encode(), create_revision=written, mod_revision=written)
-        found = self._grace.call(lambda: self._coord.get(key), "reading the round back")
-        return found if found is not None else KeyValue(key, kept.encode(), 0, 0)
 
     def _on_watch(self, batch: object) -> None:
         if isinstance(batch, CoordinationError):
@@ -305,19 +289,9 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         with self._lock:
             self._record = record
 
-        def put() -> int:
-            lease = self._keeper.lease
-            if lease is None:  # lost just now: the keeper re-grants and re-writes
-                lease = self._keeper.grant()
-            try:
-                return self._coord.put(self._node_key(), record.encode(), lease=lease)
-            except LeaseLost:
-                # etcd lost the lease before our keep-alive noticed (an etcd restarted empty
-                # does this to every lease at once): a new lease, not a failed agent.
-                lease = self._keeper.replace(lease)
-                return self._coord.put(self._node_key(), record.encode(), lease=lease)
-
-        self._grace.call(put, "writing this node's rendezvous record")
+        # A lease lost just now (or lost with etcd's data) is replaced: not a failed agent.
+        self._grace.call(lambda: self._keeper.put(self._node_key(), record.encode()),
+                         "writing this node's rendezvous record")
 
     # -- the duty thread: elections and, while this node is the closer, the closer's duty ---
 

@@ -43,3 +43,13 @@ def test_replacing_an_already_replaced_lease_grants_nothing_more():
     first = keeper.replace(old)
     assert keeper.replace(old) == first  # a second caller with the same stale id
     assert keeper.take_lost() == [old] and changes == ["x"]
+
+
+def test_put_under_a_lease_etcd_lost_replaces_the_lease_and_writes():
+    store, coord, keeper, changes = _keeper()
+    old = keeper.grant()
+    store.wipe()
+    keeper.put(b"node", b"record")  # raised LeaseLost before
+    kv = coord.get(b"node")
+    assert kv is not None and kv.value == b"record" and kv.lease == keeper.lease != old
+    assert changes == ["x"]
