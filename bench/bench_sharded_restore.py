@@ -335,7 +335,7 @@ def saver(rank: int, port: int, dims: list[int], book: dict, dcp_dir: str, root:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from elasticd.worker.checkpointer import Checkpointer
-    from elasticd.local.transport import InProcessTransport
+    from elasticd.testing.transport import InProcessTransport
     from elasticd.replication.shm_sink import descriptor_of
     from elasticd.replication.transport import ReplicaClient
 

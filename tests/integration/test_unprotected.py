@@ -31,7 +31,7 @@ from elasticd.config import Settings
 from elasticd.coordination.keys import Keyspace
 from elasticd.daemon.daemon import Daemon
 from elasticd.daemon.http import StatusServer
-from elasticd.local.transport import InProcessTransport
+from elasticd.testing.transport import InProcessTransport
 from tests.conftest import connect
 from tests.unit.test_checkpoint_service import write_snapshot
 from tests.unit.test_protection import FakeReplicator

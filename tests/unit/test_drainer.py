@@ -17,7 +17,7 @@ from elasticd.cluster import drain_record
 from elasticd.recovery import drain
 from elasticd.coordination.keys import Keyspace
 from elasticd.testing.coordination import MemoryCoordinator, MemoryStore
-from elasticd.local.transport import InProcessTransport
+from elasticd.testing.transport import InProcessTransport
 
 
 class Parts:
