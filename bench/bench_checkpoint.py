@@ -79,7 +79,7 @@ def serve(sockdir: str, shm: str, replicate: bool = False) -> None:
     replicator = peer = pipe = None
     if replicate:
         from elasticd.coordination.keys import Keyspace
-        from elasticd.coordination.memory import MemoryCoordinator
+        from elasticd.testing.coordination import MemoryCoordinator
         from elasticd.recovery.replicator import Replicator
 
         pipe, child = mp.Pipe()

@@ -50,7 +50,7 @@ from wording import speed
 from elasticd.snapshot.format import SnapshotHeader, TensorSpec, layout
 from elasticd.store.shm import SlotStore
 from elasticd.coordination.keys import Keyspace
-from elasticd.coordination.memory import MemoryCoordinator
+from elasticd.testing.coordination import MemoryCoordinator
 from elasticd.recovery.replicator import Replicator
 from elasticd.replication.seal import BlockTagger
 from elasticd.replication.shm_sink import ShmSink

@@ -83,7 +83,7 @@ from elasticd.store.service import CheckpointService
 from elasticd.store.huge_pages import probe
 from elasticd.store.shm import SlotStore
 from elasticd.coordination.keys import Keyspace
-from elasticd.coordination.memory import MemoryCoordinator
+from elasticd.testing.coordination import MemoryCoordinator
 from elasticd.daemon.local_api import LocalServer
 from elasticd.replication.commit import Committed, record_commit
 from elasticd.recovery.replicator import Replicator
@@ -335,7 +335,7 @@ def saver(rank: int, port: int, dims: list[int], book: dict, dcp_dir: str, root:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from elasticd.worker.checkpointer import Checkpointer
-    from elasticd.local.transport import InProcessTransport
+    from elasticd.testing.transport import InProcessTransport
     from elasticd.replication.shm_sink import descriptor_of
     from elasticd.replication.transport import ReplicaClient
 

@@ -2,7 +2,7 @@
 rate, against the same snapshot fetched from one of them.
 
 Three holder processes (as three daemons would be) each hold the same sealed snapshot of
-``--mib`` MiB in a :class:`~elasticd.replication.memory.MemorySink` behind a real
+``--mib`` MiB in a :class:`~elasticd.testing.replication.MemorySink` behind a real
 :class:`ReplicaServer`, and each serves fetches through a token bucket of ``--rate-mb`` MB/s
 (1e6 bytes) shared by all its connections, well below loopback (~4 GB/s for one fetch here):
 that is the only way to show on one host what striping buys across hosts, where each holder's
@@ -45,7 +45,7 @@ from elasticd.clock import SystemClock
 from elasticd.replication import server as server_module
 from elasticd.replication.api import Descriptor
 from elasticd.replication.lanes import Connections
-from elasticd.replication.memory import MemorySink
+from elasticd.testing.replication import MemorySink
 from elasticd.recovery.fetch import STRIPE_BYTES, fetch_shard
 from elasticd.replication.transport import ReplicaClient, ReplicaServer
 

@@ -18,7 +18,7 @@ import threading
 import time
 
 from elasticd.store.shm import CommitPending, SlotBusy
-from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
+from elasticd.testing.coordination import MemoryCoordinator, MemoryStore
 from elasticd.replication.commit import read_committed
 from tests.replication_nodes import JOB, Cluster
 

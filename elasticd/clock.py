@@ -1,9 +1,9 @@
 """Injected time.
 
 Everything that waits, times out or stamps a record takes a :class:`Clock`, so that tests can
-drive time with :class:`FakeClock` instead of patching ``time``. This is the only module that
-imports ``time`` (``tests/unit/test_clock.py`` checks it): code with no injection point (the CLI,
-code inside a worker or an agent) uses :data:`SYSTEM_CLOCK`.
+drive time with a fake (``elasticd.testing.clock.FakeClock``) instead of patching ``time``. This
+is the only module that imports ``time`` (``tests/unit/test_clock.py`` checks it): code with no
+injection point (the CLI, code inside a worker or an agent) uses :data:`SYSTEM_CLOCK`.
 """
 
 from __future__ import annotations
@@ -41,8 +41,10 @@ class Clock(Protocol):
         """
 
 
-def _poll(clock: Clock, cond: Callable[[], bool], timeout: float, interval: float,
-          pause: Callable[[float], object]) -> bool:
+def poll(clock: Clock, cond: Callable[[], bool], timeout: float, interval: float,
+         pause: Callable[[float], object]) -> bool:
+    """:meth:`Clock.wait` for any clock: polls ``cond`` on ``clock`` until it holds or
+    ``timeout`` passes, calling ``pause`` between two polls (a sleep, an event's wait)."""
     deadline = clock.monotonic() + timeout
     while not cond():
         left = deadline - clock.monotonic()
@@ -70,47 +72,11 @@ class SystemClock:
 
     def wait(self, cond: Callable[[], bool], timeout: float, interval: float = 0.05,
              wake: threading.Event | None = None) -> bool:
-        return _poll(self, cond, timeout, interval, self.sleep if wake is None else wake.wait)
+        return poll(self, cond, timeout, interval, self.sleep if wake is None else wake.wait)
 
 
 #: The real clock, for code with no injection point.
 SYSTEM_CLOCK = SystemClock()
-
-
-class FakeClock:
-    """A clock that moves only when told to.
-
-    ``sleep`` advances the clock instead of blocking, and so does ``wait`` between its polls,
-    so code under test that sleeps or waits in a loop runs instantly and deterministically and
-    a loop that waits for something that never comes ends by its timeout.
-    """
-
-    def __init__(self, start: float = 1_000.0, wall_offset: float = 1.7e9) -> None:
-        self._now = start
-        self._wall_offset = wall_offset
-        self._lock = threading.Lock()
-
-    def monotonic(self) -> float:
-        with self._lock:
-            return self._now
-
-    def wall(self) -> float:
-        with self._lock:
-            return self._now + self._wall_offset
-
-    def perf_counter(self) -> float:
-        return self.monotonic()
-
-    def sleep(self, seconds: float) -> None:
-        self.advance(max(0.0, seconds))
-
-    def wait(self, cond: Callable[[], bool], timeout: float, interval: float = 0.05,
-             wake: threading.Event | None = None) -> bool:
-        return _poll(self, cond, timeout, interval, self.sleep)
-
-    def advance(self, seconds: float) -> None:
-        with self._lock:
-            self._now += seconds
 
 
 def format_local(at: float, fmt: str = "%Y-%m-%dT%H:%M:%S") -> str:

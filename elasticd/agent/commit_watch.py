@@ -99,11 +99,6 @@ class CommitWatch:
             return self._fresh and at_committed_step(
                 self._committed, [self._ahead] if self._ahead is not None else [])
 
-    def state(self) -> tuple[Version | None, Version | None]:
-        """The committed version and the ahead record's (for tests, logs)."""
-        with self._lock:
-            return self._committed, self._ahead
-
     def _relist(self) -> None:
         kvs, revision = self._coord.get_prefix(self._prefix)
         with self._lock:

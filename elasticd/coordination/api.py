@@ -2,7 +2,7 @@
 
 Everything in elasticd talks to a :class:`Coordinator`, never to an etcd client library.
 Two implementations sit beside this file: :mod:`elasticd.coordination.etcd` (a real etcd v3
-server through ``etcd-sdk-python``) and :mod:`elasticd.coordination.memory` (an in-memory fake
+server through ``etcd-sdk-python``) and :mod:`elasticd.testing.coordination` (an in-memory fake
 for unit tests). One contract test suite (``tests/unit/test_coordination_contract.py``) runs
 against both, so the fake cannot drift from the real thing.
 

@@ -112,7 +112,6 @@ class TimelineRecorder:
         self._open: dict[str, _Recovery] = {}
         self._jobs: dict[str, _Moments] = {}
         self.complaints = records.Complaints(log)
-        self.written: list[timeline.Timeline] = []  # the last few written (status, tests)
         #: The last recovery's timeline as stored, by this node or another (``/status``).
         self.last: timeline.Timeline | None = None
 
@@ -254,7 +253,6 @@ class TimelineRecorder:
             self.last = self._stored(rec) or self.last  # the writer (or a stand-in) wrote it
             return None
         self._observe(tl)
-        self.written = [*self.written[-9:], tl]
         self.last = tl
         log.info("%s%s", tl.describe(), "" if rec.writer else " (written by a stand-in: the "
                  "writer did not within %g s)" % STAND_IN_WAIT)

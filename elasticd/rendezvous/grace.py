@@ -44,7 +44,7 @@ class OutageGrace:
             0 means no retry. A call may overrun it by up to one request timeout of the
             coordinator (the attempt in flight when the grace period ends).
         where: the etcd endpoints, quoted in errors.
-        clock: time source (a :class:`~elasticd.clock.FakeClock` in unit tests).
+        clock: time source (a :class:`~elasticd.testing.clock.FakeClock` in unit tests).
         initial_backoff: first pause between attempts, seconds; doubled up to ``max_backoff``.
         max_backoff: longest pause between attempts, seconds.
 

@@ -34,8 +34,8 @@ import torch
 
 from elasticd.worker import shards
 from elasticd.worker.state_memo import DictMemo, depth, tensor_key
-from elasticd.worker.copier import dtype_name, read_tensors, spec_of
-from elasticd.snapshot.format import DEFAULT_BLOCK_SIZE, Layout, SnapshotHeader, layout
+from elasticd.worker.copier import dtype_name, spec_of
+from elasticd.snapshot.format import DEFAULT_BLOCK_SIZE, Layout, layout
 from elasticd.errors import CheckpointError
 
 META_VERSION = 1
@@ -591,9 +591,3 @@ def _load_zero(zero: Any, saved: Mapping[str, Any], others: Any = lambda: []) ->
     zero.load_state_dict({"state": state, "param_groups": [
         {**hyper, "params": [index[p] for p in g["params"]]}
         for g, hyper in zip(zero.param_groups, groups)]})
-
-
-def load_snapshot(state: MutableMapping[str, Any], buffer: Any, header: SnapshotHeader,
-                  *, strict: bool = True) -> None:
-    """Restores ``state`` from a snapshot in ``buffer`` (verified by the caller)."""
-    load_into(state, read_tensors(buffer, header.layout), header.meta, strict=strict)

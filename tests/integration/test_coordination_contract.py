@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from elasticd.clock import FakeClock
+from elasticd.testing.clock import FakeClock
 from elasticd.coordination import records
 from elasticd.coordination.api import (
     Compacted,
@@ -24,7 +24,7 @@ from elasticd.coordination.api import (
     Put,
     Unavailable,
 )
-from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
+from elasticd.testing.coordination import MemoryCoordinator, MemoryStore
 from tests.conftest import connect
 
 

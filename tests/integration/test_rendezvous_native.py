@@ -25,7 +25,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endpoints
-from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
+from elasticd.testing.coordination import MemoryCoordinator, MemoryStore
 from elasticd.coordination.rendezvous import BACKEND_NAME
 from elasticd.rendezvous.handler import EtcdNativeRendezvousHandler, create_handler
 from elasticd.rendezvous.records import RoundRecord

@@ -19,11 +19,11 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from torch.distributed.elastic.utils import store as store_util
 
-from elasticd.clock import FakeClock
+from elasticd.testing.clock import FakeClock
 from elasticd.coordination.api import AuthError, Unavailable
 from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endpoints
 from elasticd.coordination.keys import Keyspace
-from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
+from elasticd.testing.coordination import MemoryCoordinator, MemoryStore
 from elasticd.rendezvous.grace import EtcdUnavailableError, OutageGrace
 from elasticd.rendezvous.store import EtcdV3Store
 

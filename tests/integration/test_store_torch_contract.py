@@ -23,7 +23,7 @@ import pytest
 import torch.distributed as dist
 
 from elasticd.coordination.keys import Keyspace
-from elasticd.coordination.memory import MemoryCoordinator
+from elasticd.testing.coordination import MemoryCoordinator
 from elasticd.rendezvous.store import EtcdV3Store
 
 TIMEOUT = datetime.timedelta(seconds=30)

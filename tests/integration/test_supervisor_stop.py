@@ -14,7 +14,7 @@ import pytest
 
 from elasticd.cluster.jobspec import JobSpec
 from elasticd.agent.supervisor import TAG_ENV, AgentSupervisor, tagged_pids
-from elasticd.clock import FakeClock
+from elasticd.testing.clock import FakeClock
 
 # Ignores SIGTERM, says so, then waits to be killed.
 STUBBORN = ("import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "

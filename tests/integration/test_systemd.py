@@ -17,7 +17,7 @@ import pytest
 
 from elasticd.clock import SystemClock
 from elasticd.config import Settings
-from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
+from elasticd.testing.coordination import MemoryCoordinator, MemoryStore
 from elasticd.daemon.daemon import Daemon
 from elasticd.daemon.notify import Notifier
 

@@ -25,13 +25,13 @@ import pytest
 
 from elasticd.store.service import CheckpointService
 from elasticd.store.shm import SlotStore
-from elasticd.clock import FakeClock
+from elasticd.testing.clock import FakeClock
 from elasticd.cluster.jobspec import JobControl, JobSpec, NodeJobStatus
 from elasticd.config import Settings
 from elasticd.coordination.keys import Keyspace
 from elasticd.daemon.daemon import Daemon
 from elasticd.daemon.http import StatusServer
-from elasticd.local.transport import InProcessTransport
+from elasticd.testing.transport import InProcessTransport
 from tests.conftest import connect
 from tests.unit.test_checkpoint_service import write_snapshot
 from tests.unit.test_protection import FakeReplicator

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from elasticd.clock import FakeClock
+from elasticd.testing.clock import FakeClock
 from elasticd.replication.deadline import (
     DEFAULT_FLOOR,
     DeadlinePolicy,

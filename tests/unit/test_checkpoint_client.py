@@ -26,7 +26,7 @@ from elasticd.worker.sampler import ElasticSampler
 from elasticd.store.service import CheckpointService
 from elasticd.store.shm import SlotStore
 from elasticd.worker.state import RNGState
-from elasticd.local.transport import InProcessTransport
+from elasticd.testing.transport import InProcessTransport
 from elasticd.persistence.persister import Persister
 
 torch.set_num_threads(1)

@@ -25,7 +25,7 @@ import pytest
 from elasticd.snapshot.format import SnapshotHeader, TensorSpec, layout
 from elasticd.store.service import CheckpointService
 from elasticd.store.shm import SlotStore
-from elasticd.local.transport import InProcessTransport
+from elasticd.testing.transport import InProcessTransport
 from elasticd.persistence.tier import Tier, TierError
 from elasticd.replication.shm_sink import replica_root
 

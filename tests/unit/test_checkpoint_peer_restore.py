@@ -25,7 +25,7 @@ from elasticd.worker.checkpointer import Checkpointer
 from elasticd.snapshot.reader import SnapshotReader
 from elasticd.store.service import CheckpointService
 from elasticd.store.shm import SlotStore
-from elasticd.local.transport import InProcessTransport, TransportError
+from elasticd.testing.transport import InProcessTransport, TransportError
 from elasticd.replication.commit import Committed
 from elasticd.recovery.fetch import (
     FetchResult,

@@ -28,7 +28,7 @@ from elasticd.snapshot.format import (
 )
 from elasticd.store.service import CheckpointService
 from elasticd.store.shm import SlotStore
-from elasticd.local.transport import InProcessTransport, TransportError
+from elasticd.testing.transport import InProcessTransport, TransportError
 from elasticd.persistence.persister import Persister
 from elasticd.persistence.tier import Tier
 
@@ -173,7 +173,7 @@ def test_pinned_slot_makes_reserve_skip_until_released(env):
 
 
 def test_forgotten_pins_expire(root):
-    from elasticd.clock import FakeClock
+    from elasticd.testing.clock import FakeClock
 
     clock = FakeClock()
     store = SlotStore(root)
@@ -301,7 +301,7 @@ def test_restarted_service_adopts_progress_from_scanned_slots(root):
 
 
 def test_daemon_side_modules_do_not_import_torch():
-    modules = ["elasticd", "elasticd.store.service", "elasticd.local.transport",
+    modules = ["elasticd", "elasticd.store.service", "elasticd.local.wire",
                "elasticd.store.telemetry", "elasticd.persistence.persister",
                "elasticd.persistence.tier"]
     code = f"import sys, {', '.join(modules)}; sys.exit('torch' in sys.modules)"

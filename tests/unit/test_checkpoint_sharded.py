@@ -28,7 +28,7 @@ from elasticd.store.service import CheckpointService
 from elasticd.store.shm import SlotStore
 from elasticd.worker.state import UnsupportedValue
 from elasticd.coordination.embedded import free_port
-from elasticd.local.transport import InProcessTransport
+from elasticd.testing.transport import InProcessTransport
 from tests.ranks import spawn
 from tests.unit.test_checkpoint_peer_restore import FakeReplicator, commit
 

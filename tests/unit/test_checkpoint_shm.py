@@ -16,7 +16,7 @@ import uuid
 import numpy as np
 import pytest
 
-from elasticd.clock import FakeClock
+from elasticd.testing.clock import FakeClock
 
 from elasticd.snapshot.format import CorruptSnapshot, SnapshotHeader, TensorSpec, layout
 from elasticd.store.shm import (

@@ -22,6 +22,7 @@ from elasticd.worker.copier import CpuCopier, copy_into, read_tensors
 from elasticd.snapshot.format import SnapshotHeader, seal
 from elasticd.snapshot.reader import SnapshotReader
 from elasticd.store.shm import SlotStore
+from elasticd.testing.snapshot import load_snapshot
 from elasticd.worker.state import (
     META_VERSION,
     RNGState,
@@ -30,7 +31,6 @@ from elasticd.worker.state import (
     UnsupportedValue,
     flatten,
     load_into,
-    load_snapshot,
     unflatten,
 )
 

@@ -10,7 +10,8 @@ import threading
 import pytest
 
 import elasticd
-from elasticd.clock import SYSTEM_CLOCK, FakeClock, SystemClock, format_local
+from elasticd.clock import SYSTEM_CLOCK, SystemClock, format_local
+from elasticd.testing.clock import FakeClock
 
 PACKAGE = pathlib.Path(elasticd.__file__).parent
 

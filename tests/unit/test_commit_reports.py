@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from elasticd.clock import FakeClock
-from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
+from elasticd.testing.clock import FakeClock
+from elasticd.testing.coordination import MemoryCoordinator, MemoryStore
 from elasticd.replication.api import ReplicationError
 from elasticd.replication.placement import compute_placement
 from elasticd.replication.report import (

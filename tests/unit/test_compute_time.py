@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from elasticd.agent.progress import ProgressTracker, progress_handler
-from elasticd.clock import FakeClock
+from elasticd.testing.clock import FakeClock
 from elasticd.local.wire import RequestError
 from elasticd.worker.compute_time import ComputeTimer
 

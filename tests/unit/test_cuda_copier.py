@@ -24,7 +24,7 @@ from elasticd.worker.cuda_copier import CudaCopier, _runs
 from elasticd.snapshot.format import Layout, TensorSpec, layout
 from elasticd.store.service import CheckpointService
 from elasticd.store.shm import SlotStore
-from elasticd.local.transport import InProcessTransport
+from elasticd.testing.transport import InProcessTransport
 
 
 class FakeStream:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from elasticd.clock import FakeClock
+from elasticd.testing.clock import FakeClock
 from elasticd.cluster.events import EventLog
 from elasticd.config import Settings
 from elasticd.coordination.api import CoordinationError
 from elasticd.coordination.keys import Keyspace
-from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
+from elasticd.testing.coordination import MemoryCoordinator, MemoryStore
 from elasticd.daemon.daemon import Daemon, NodeIdInUse
 
 TTL = 2

@@ -8,9 +8,9 @@ import socket
 import pytest
 
 from elasticd.agent.daemon_watch import VERIFY_EVERY, DaemonWatch, ping_daemon
-from elasticd.clock import FakeClock
+from elasticd.testing.clock import FakeClock
 from elasticd.coordination.api import Unavailable
-from elasticd.coordination.memory import MemoryCoordinator
+from elasticd.testing.coordination import MemoryCoordinator
 
 KEY = b"/t/nodes/n1"
 

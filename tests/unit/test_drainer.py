@@ -12,12 +12,12 @@ import pytest
 
 from elasticd.store.service import CheckpointService
 from elasticd.store.shm import SlotStore
-from elasticd.clock import FakeClock
+from elasticd.testing.clock import FakeClock
 from elasticd.cluster import drain_record
 from elasticd.recovery import drain
 from elasticd.coordination.keys import Keyspace
-from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
-from elasticd.local.transport import InProcessTransport
+from elasticd.testing.coordination import MemoryCoordinator, MemoryStore
+from elasticd.testing.transport import InProcessTransport
 
 
 class Parts:

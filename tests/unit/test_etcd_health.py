@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from elasticd.clock import FakeClock
+from elasticd.testing.clock import FakeClock
 from elasticd.coordination.api import AuthError, Unavailable
 from elasticd.coordination.health import EtcdHealth
 

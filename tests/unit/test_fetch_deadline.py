@@ -15,7 +15,7 @@ from elasticd.clock import SystemClock
 from elasticd.replication.api import DeadlineExceeded
 from elasticd.replication.deadline import DeadlinePolicy, LinkRates
 from elasticd.replication.lanes import Connections
-from elasticd.replication.memory import MemorySink
+from elasticd.testing.replication import MemorySink
 from elasticd.replication.messages import Fetch
 from elasticd.recovery.fetch import fetch_shard
 from elasticd.replication.transport import ReplicaClient, ReplicaServer

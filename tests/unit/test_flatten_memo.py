@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elasticd.local.transport import InProcessTransport
+from elasticd.testing.transport import InProcessTransport
 from elasticd.store.service import CheckpointService
 from elasticd.store.shm import SlotStore
 from elasticd.worker.checkpointer import Checkpointer

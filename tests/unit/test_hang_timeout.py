@@ -9,7 +9,7 @@ import pytest
 
 from elasticd.agent.hang_timeout import LearnedTimeout, SlidingMax, StepHistory
 from elasticd.agent.progress import HangKind, ProgressTracker
-from elasticd.clock import FakeClock
+from elasticd.testing.clock import FakeClock
 
 JOB = "job-1"
 

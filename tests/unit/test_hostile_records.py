@@ -16,13 +16,13 @@ import pytest
 
 from elasticd.agent.manager import JobManager
 from elasticd.cluster.job_policy import JobPolicy
-from elasticd.clock import FakeClock
+from elasticd.testing.clock import FakeClock
 from elasticd.cluster.events import EventLog
 from elasticd.cluster.jobspec import JobSpec, NodeJobStatus, sha256_file
 from elasticd.config import Settings
 from elasticd.coordination import records
 from elasticd.coordination.keys import Keyspace, check_name
-from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
+from elasticd.testing.coordination import MemoryCoordinator, MemoryStore
 from elasticd.daemon.daemon import Daemon
 from elasticd.launcher import reachable
 from elasticd.metrics import Metrics

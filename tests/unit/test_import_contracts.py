@@ -1,7 +1,8 @@
 """The package's boundaries, as import contracts (``[tool.importlinter]`` in pyproject.toml).
 
 Runs import-linter's ``lint-imports`` over the source tree: every package in one layered order
-(a package imports only the layers below it, siblings none of each other); the pure decisions
+(a package imports only the layers below it, siblings none of each other); no module of the
+product imports the test doubles (``elasticd.testing``); the pure decisions
 import no I/O; the worker side imports no daemon,
 checkpoint store, HTTP, CLI, etcd client or grpc; the snapshot format imports neither side nor
 torch; the checkpoint store imports no worker side, recovery nor torch; replication (transport,
@@ -24,7 +25,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-CONTRACTS = 11
+CONTRACTS = 12
 
 
 def lint(root: pathlib.Path) -> subprocess.CompletedProcess:
@@ -55,6 +56,11 @@ def test_import_contracts_are_kept():
     ("config.py", "from elasticd.daemon import node_rules", "Layers"),
     ("daemon/node_rules.py", "import time", "The decisions import no I/O"),
     ("agent/job_rules.py", "from elasticd.coordination import api", "The decisions import no I/O"),
+    # A test double imported by the product, directly (the protected contract) and from the top
+    # layer down (the layers contract).
+    ("daemon/daemon.py", "from elasticd.testing import clock",
+     "No module of the product imports the test doubles"),
+    ("demo.py", "from elasticd.testing.coordination import MemoryCoordinator", "Layers"),
 ])
 def test_a_forbidden_import_breaks_its_contract(tmp_path, module, line, contract):
     shutil.copytree(ROOT / "elasticd", tmp_path / "elasticd",

@@ -21,10 +21,10 @@ from elasticd.agent.job_check import JobChecks, Verdict, check_job
 from elasticd.agent.job_holds import JobHolds
 from elasticd.agent.manager import JobManager
 from elasticd.cluster.job_policy import JobPolicy
-from elasticd.clock import FakeClock
+from elasticd.testing.clock import FakeClock
 from elasticd.cluster.jobspec import JobControl, JobSpec
 from elasticd.coordination.keys import Keyspace
-from elasticd.coordination.memory import MemoryCoordinator
+from elasticd.testing.coordination import MemoryCoordinator
 from elasticd.launcher import reachable
 from elasticd.metrics import Metrics
 from tests.hostile_files import sparse_file

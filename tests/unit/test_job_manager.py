@@ -9,10 +9,10 @@ import pytest
 
 from elasticd.agent import safe_open
 from elasticd.agent.manager import JobManager
-from elasticd.clock import FakeClock
+from elasticd.testing.clock import FakeClock
 from elasticd.cluster.jobspec import JobControl, JobSpec, NodeJobStatus
 from elasticd.coordination.keys import Keyspace
-from elasticd.coordination.memory import MemoryCoordinator
+from elasticd.testing.coordination import MemoryCoordinator
 from elasticd.metrics import Metrics
 
 

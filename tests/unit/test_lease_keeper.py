@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from elasticd.clock import FakeClock
+from elasticd.testing.clock import FakeClock
 from elasticd.coordination.api import LeaseLost
 from elasticd.coordination.health import EtcdHealth
 from elasticd.coordination.lease import LeaseKeeper
-from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
+from elasticd.testing.coordination import MemoryCoordinator, MemoryStore
 
 
 def _keeper() -> tuple[MemoryStore, MemoryCoordinator, LeaseKeeper, list[str]]:

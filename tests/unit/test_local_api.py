@@ -21,7 +21,7 @@ import pytest
 
 import elasticd.worker
 from elasticd.agent.progress import ProgressTracker, progress_handler
-from elasticd.clock import FakeClock
+from elasticd.testing.clock import FakeClock
 from elasticd.daemon.local_api import LocalServer, SocketInUse, UnsafeSocketPath
 from elasticd.local.wire import RequestError
 from elasticd.worker import (

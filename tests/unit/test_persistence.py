@@ -311,7 +311,7 @@ def test_persister_flushes_in_background_and_skips_when_busy(tmp_path, monkeypat
 
 
 def test_persister_policy(tmp_path):
-    from elasticd.clock import FakeClock
+    from elasticd.testing.clock import FakeClock
 
     clock = FakeClock()
     p = Persister(str(tmp_path), every_steps=5, every_seconds=60, clock=clock)

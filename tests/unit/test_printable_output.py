@@ -24,9 +24,9 @@ from elasticd.cli import main as cli
 from elasticd.cli import options
 from elasticd.cluster.events import Event, EventLog
 from elasticd.cluster.jobspec import JobControl, JobSpec, JobState
-from elasticd.clock import FakeClock
+from elasticd.testing.clock import FakeClock
 from elasticd.coordination.keys import Keyspace
-from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
+from elasticd.testing.coordination import MemoryCoordinator, MemoryStore
 from elasticd.daemon.notify import Notifier
 from elasticd.printable import PrintableFormatter, printable, printable_data
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elasticd.agent.progress import Hang, HangKind, ProgressTracker, StalledRank, progress_handler
-from elasticd.clock import FakeClock
+from elasticd.testing.clock import FakeClock
 from elasticd.local.wire import RequestError
 
 JOB = "job-1"

@@ -13,8 +13,8 @@ import pytest
 from elasticd.store.protection import REASONS, JobView, assess
 from elasticd.store.service import CheckpointService
 from elasticd.store.shm import SlotStore
-from elasticd.clock import FakeClock
-from elasticd.local.transport import InProcessTransport
+from elasticd.testing.clock import FakeClock
+from elasticd.testing.transport import InProcessTransport
 from elasticd.metrics import UNPROTECTED_REASONS, CheckpointSink, Metrics
 from tests.unit.test_checkpoint_service import write_snapshot
 

@@ -23,12 +23,12 @@ import elasticd
 import elasticd.worker
 from elasticd.cli import main as cli
 from elasticd.cli import options
-from elasticd.clock import FakeClock
+from elasticd.testing.clock import FakeClock
 from elasticd.cluster import timeline
 from elasticd.cluster.events import Event, EventLog
 from elasticd.config import Settings
 from elasticd.coordination.keys import Keyspace
-from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
+from elasticd.testing.coordination import MemoryCoordinator, MemoryStore
 from elasticd.daemon.daemon import Daemon
 from elasticd.daemon import main as daemon_main
 from elasticd.daemon.http import StatusServer

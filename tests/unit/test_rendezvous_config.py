@@ -9,7 +9,7 @@ from importlib.metadata import entry_points
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from elasticd.coordination.memory import MemoryCoordinator
+from elasticd.testing.coordination import MemoryCoordinator
 from elasticd.coordination.rendezvous import handler_creator, native_handler_creator
 from elasticd.rendezvous.config import PASSWORD_ENV, RendezvousConfig
 from elasticd.rendezvous.handler import EtcdNativeRendezvousHandler, create_handler

@@ -21,7 +21,7 @@ from elasticd.replication import auth
 from elasticd.replication.api import Descriptor
 from elasticd.replication.auth import AuthFailures
 from elasticd.replication.channel import Channel
-from elasticd.replication.memory import MemorySink
+from elasticd.testing.replication import MemorySink
 from elasticd.replication.messages import Auth, Challenge, Error, Hello, decode_frame
 from elasticd.replication.transport import ReplicaClient, ReplicaServer
 from elasticd.replication.seal import BlockTagger

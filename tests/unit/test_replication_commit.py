@@ -13,7 +13,7 @@ import pytest
 
 from elasticd.coordination import records
 from elasticd.coordination.keys import Keyspace
-from elasticd.coordination.memory import MemoryCoordinator
+from elasticd.testing.coordination import MemoryCoordinator
 from elasticd.replication.commit import (
     COMMITTED_SCHEMA,
     GRID_RELAX,

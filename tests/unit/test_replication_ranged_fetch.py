@@ -13,7 +13,7 @@ import time
 import pytest
 
 from elasticd.replication.api import BAD_RANGE, Descriptor, Refused
-from elasticd.replication.memory import MemorySink
+from elasticd.testing.replication import MemorySink
 from elasticd.replication.messages import Fetch, decode_frame, encode_frame
 from elasticd.replication.transport import ReplicaClient, ReplicaServer
 from elasticd.replication.wire import MalformedFrame

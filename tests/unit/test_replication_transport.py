@@ -27,7 +27,7 @@ from elasticd.replication.api import (
 )
 from elasticd.replication.auth import AuthenticationFailed, AuthFailures, client_handshake
 from elasticd.replication.channel import Channel
-from elasticd.replication.memory import MemorySink
+from elasticd.testing.replication import MemorySink
 from elasticd.replication.messages import (
     Ack,
     Auth,
@@ -109,7 +109,7 @@ def test_push_arrives_intact_and_is_committed(make_server, clients):
 def test_the_server_remembers_when_it_last_heard_each_peer():
     """A failed peer's last sign of life, for its recovery's timeline: the last message or
     whole push an authenticated peer sent, never a push that broke off."""
-    from elasticd.clock import FakeClock
+    from elasticd.testing.clock import FakeClock
 
     clock = FakeClock(wall_offset=5_000.0)
     server = ReplicaServer("127.0.0.1", 0, SECRET, "node-b", MemorySink(), idle_timeout=10.0,
@@ -441,7 +441,7 @@ def test_push_and_fetch_over_tls(make_server, clients, tls_contexts):
 
 def test_replication_does_not_import_torch():
     code = ("import sys, elasticd.replication.transport, elasticd.replication.placement, "
-            "elasticd.replication.memory; print('torch' in sys.modules)")
+            "elasticd.testing.replication; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -15,7 +15,7 @@ import pytest
 
 from elasticd.store.shm import CommitPending, SlotBusy
 from elasticd.coordination.keys import Keyspace
-from elasticd.coordination.memory import MemoryCoordinator, MemoryStore
+from elasticd.testing.coordination import MemoryCoordinator, MemoryStore
 from elasticd.replication.commit import (
     KEEP_SKIPPED,
     commit_of,

@@ -16,8 +16,8 @@ import uuid
 
 import pytest
 
-from elasticd.clock import FakeClock
-from elasticd.local.transport import InProcessTransport, TransportError
+from elasticd.testing.clock import FakeClock
+from elasticd.testing.transport import InProcessTransport, TransportError
 from elasticd.snapshot.segment import PAGE
 from elasticd.store.api import OverBudget, ScratchOverCap
 from elasticd.store.service import CheckpointService
@@ -196,7 +196,7 @@ def test_a_membership_change_sets_scratch_aside_within_the_jobs_cap(roots):
     when the cap has no room."""
     import threading
 
-    from elasticd.local.transport import InProcessTransport as Local
+    from elasticd.testing.transport import InProcessTransport as Local
 
     store = SlotStore(roots[0], job_scratch_cap=16 * PAGE)
     try:

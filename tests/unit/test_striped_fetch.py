@@ -14,7 +14,7 @@ from elasticd.snapshot.format import SnapshotHeader, TensorSpec, layout, seal
 from elasticd.clock import SystemClock
 from elasticd.replication.api import Descriptor
 from elasticd.replication.lanes import Connections
-from elasticd.replication.memory import MemorySink
+from elasticd.testing.replication import MemorySink
 from elasticd.recovery.fetch import (
     MAX_STRIPE_BYTES,
     STRIPE_BYTES,

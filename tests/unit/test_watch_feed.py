@@ -4,7 +4,7 @@ unwanted events are dropped on the watch thread, and an error batch tells the lo
 from __future__ import annotations
 
 from elasticd.coordination.api import EventType, Unavailable, WatchEvent
-from elasticd.coordination.memory import MemoryCoordinator
+from elasticd.testing.coordination import MemoryCoordinator
 from elasticd.coordination.watch_feed import WatchFeed
 
 

@@ -5,11 +5,11 @@ snapshot, never a training error.
 
 In production that is :class:`elasticd.worker.client.DaemonClient` over the daemon's Unix
 socket. :class:`InProcessTransport` calls a service's handlers directly in the same process —
-for unit tests, and for anything that wants the engine without a daemon — and pushes every
+for unit tests and benchmarks that want the engine without a daemon — and pushes every
 request and reply through JSON exactly as the socket would, so a field that could not cross the
 real wire fails here too; descriptors a reply hands over (``"_fds"``) are duplicated for the
 caller and the handler's copies closed, as passing them over the socket does. Standard
-library only (no torch): both sides import it.
+library only (no torch).
 """
 
 from __future__ import annotations
