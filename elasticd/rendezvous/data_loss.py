@@ -1,8 +1,8 @@
 """An etcd that came back empty under a training job: the round is written back, not lost.
 
-Every member of the round in force holds it (the agent's control copy). When etcd's revision
-goes back (restarted on an empty data directory) and the round record is gone, a member writes
-it back, create-if-absent, rather than let every agent read "no round while training" as a
+Every member of the round in force holds it (the agent's control copy). When a re-list finds
+the round record gone (nothing deletes a round: etcd restarted on an empty data directory), a
+member writes it back, create-if-absent, rather than let every agent read "no round while training" as a
 call to re-rendezvous (:func:`~.rounds.num_waiting`) and restart its workers. The closer
 elected next finds every member's record re-written under its new lease, so no round closes.
 """

@@ -223,7 +223,10 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         with control.cond:
             before, kept = control.revision, control.round
         wiped = revision < before
-        if wiped and kept is not None and self.me in kept.members \
+        # No round while this node trains in one: etcd lost it (nothing deletes a round). The
+        # revision need not have gone back: the daemons' re-writes can carry a wiped etcd past
+        # it before this listing.
+        if kept is not None and self.me in kept.members \
                 and not any(kv.key == control.round_key for kv in kvs):
             kvs = [*kvs, restore_round(self._coord, self._grace, control.round_key, kept)]
         control.load(kvs, revision)
