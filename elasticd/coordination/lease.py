@@ -84,16 +84,21 @@ class LeaseKeeper:
         Raises:
             CoordinationError: the grant failed (the keeper's thread retries).
         """
-        with self._lock:
-            if self._lease is not None and self._lease != lease:
-                return self._lease  # already replaced (by the keeper's thread)
-            if self._lease == lease:
-                self._lease = None
-                self._lost.append(lease)
+        current = self._forget(lease)
+        if current is not None:
+            return current  # already replaced (by the keeper's thread)
         log.warning("lease %x is gone (expired or revoked); granting a new one", lease)
         new = self.grant()
         self._on_change()
         return new
+
+    def _forget(self, lease: int | None) -> int | None:
+        """Drops ``lease`` as lost if it is still the kept one; returns the lease kept now."""
+        with self._lock:
+            if lease is not None and self._lease == lease:
+                self._lease = None
+                self._lost.append(lease)
+            return self._lease
 
     def put(self, key: bytes, value: bytes) -> int:
         """Writes ``key`` bound to the kept lease (granted first if there is none); when etcd
@@ -125,10 +130,7 @@ class LeaseKeeper:
             self._health.ok()  # the server answered: etcd is up, our lease is not
             self._on_failure()
             log.warning("lease %x is gone (expired or revoked); granting a new one", lease)
-            with self._lock:
-                if self._lease == lease:
-                    self._lease = None
-                    self._lost.append(lease)
+            self._forget(lease)
             self._on_change()
             self.step()
         except CoordinationError as exc:
