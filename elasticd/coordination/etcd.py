@@ -81,6 +81,16 @@ _AUTH_CODES = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIE
 # etcd answers some auth failures with INVALID_ARGUMENT (a wrong password; no user at all when
 # auth is enabled).
 _AUTH_MESSAGES = ("authentication failed", "user name is empty", "invalid auth token")
+# etcd refuses, unapplied, a request whose token predates a user or role change that committed
+# between the request's arrival and its apply (any daemon creating its agents' users causes
+# one). etcd's own client repeats the request; so do we, for a while, since a busy auth store
+# can move again before the repeat lands.
+_STALE_TOKEN = "revision of auth store is old"
+_STALE_TOKEN_PATIENCE = 10.0
+
+
+class StaleToken(CoordinationError):
+    """etcd refused a request, unapplied, because its auth store changed under the token."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +211,8 @@ class EtcdCoordinator(Coordinator):
                     code == grpc.StatusCode.UNKNOWN
                     and any(m in (detail or "") for m in _TRANSIENT_MESSAGES)):
                 return Unavailable(f"etcd at {where} is unreachable ({detail})")
+            if _STALE_TOKEN in (detail or ""):
+                return StaleToken(f"etcd at {where}: {detail}")
             if code in _AUTH_CODES or any(m in (detail or "") for m in _AUTH_MESSAGES):
                 return AuthError(
                     f"etcd at {where} refused our credentials ({detail}); check --etcd-user/"
@@ -228,7 +240,9 @@ class EtcdCoordinator(Coordinator):
         """
         attempts = len(self.settings.endpoints) + 1
         last: CoordinationError | None = None
-        for _ in range(attempts):
+        stale_since = 0.0
+        while attempts > 0:
+            attempts -= 1
             client = self._get_client()
             try:
                 return fn(client)
@@ -236,6 +250,11 @@ class EtcdCoordinator(Coordinator):
                 if (type(exc).__module__ or "").partition(".")[0] == "torch":
                     raise
                 err = self._translate(exc)
+                if isinstance(err, StaleToken):
+                    stale_since = stale_since or self.clock.monotonic()
+                    if self._repeat_stale(client, stale_since):
+                        attempts += 1
+                        continue
                 if isinstance(err, AuthError) and self.settings.user and last is None:
                     # Simple auth tokens expire (5 min by default): log in again once.
                     self._reset_client()
@@ -246,6 +265,27 @@ class EtcdCoordinator(Coordinator):
                 last = err
         assert last is not None
         raise last
+
+    def _repeat_stale(self, client: pyetcd.MultiEndpointEtcd3Client, since: float) -> bool:
+        """Whether to repeat a request etcd refused as older than its auth store (after the
+        pause this takes), for up to ``_STALE_TOKEN_PATIENCE`` seconds.
+
+        A simple token holds no revision (etcd stamps its current one on a request as it
+        arrives), so the same token is repeated: it fails again only while user changes keep
+        landing between a request's arrival and its apply. A JWT holds its own revision and
+        needs a new log-in. A simple token does not log in again: etcd repeats a log-in, with a
+        bcrypt check, for as long as its auth store moves. Measured on etcd 3.4 with a user
+        added and deleted every 0.1 s: writes were refused for over 10 s in a row and log-ins
+        starved past 10 s; every 0.2 s, each write got through within two repeats.
+        """
+        waited = self.clock.monotonic() - since
+        if waited > _STALE_TOKEN_PATIENCE:
+            return False
+        token = dict(client.metadata or ()).get("token", "")
+        if token.count(".") >= 2:  # header.payload.signature
+            self._reset_client()
+        self.clock.sleep(min(0.05 * 2 ** int(waited / 0.1), 0.5))
+        return True
 
     # -- keys -----------------------------------------------------------------------------
 

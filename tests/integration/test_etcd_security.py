@@ -8,10 +8,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
-from elasticd.coordination.api import AuthError, CoordinationError, Unavailable
+from elasticd.coordination.api import AuthError, CoordinationError, Put, Unavailable
 from elasticd.coordination.embedded import EmbeddedEtcd
 from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endpoints
 
@@ -129,3 +130,42 @@ def test_tls_client_certificates(certs):
         assert res.stdout.strip() == "[]"
     finally:
         server.stop()
+
+
+
+def test_a_change_to_etcds_users_does_not_fail_a_logged_in_client(auth_etcd):
+    """etcd refuses, unapplied, a request whose token is older than a user or role change that
+    committed between the request's arrival and its apply ("revision of auth store is old"; CI:
+    `elasticctl submit` failed so while the daemons created their agents' users). The client
+    repeats it, as etcd's own client does, while users keep changing every 0.2 s."""
+    from pyetcd import etcdrpc
+
+    ep = parse_endpoints(auth_etcd.endpoints)
+    root = EtcdCoordinator(EtcdSettings(ep, timeout=10, user="root", password="rootpw"))
+    client = EtcdCoordinator(EtcdSettings(ep, timeout=10, user="elasticd", password="s3cret"))
+    client.put(b"/elasticd/x", b"start")  # logged in before the churn (see _repeat_stale)
+    stop = threading.Event()
+    churned = []
+
+    def churn():
+        while not stop.is_set():
+            name = f"churn{len(churned) % 4}"
+            root.auth_call("UserAdd", etcdrpc.AuthUserAddRequest(name=name, password="pw"))
+            root.auth_call("UserDelete", etcdrpc.AuthUserDeleteRequest(name=name))
+            churned.append(name)
+            stop.wait(0.2)
+
+    t = threading.Thread(target=churn, daemon=True)
+    t.start()
+    try:
+        i = 0
+        while len(churned) < 10:
+            i += 1
+            client.put(b"/elasticd/x", str(i).encode())
+            client.transaction([], [Put(b"/elasticd/y", str(i).encode())])
+        assert client.get(b"/elasticd/x").value == str(i).encode()
+    finally:
+        stop.set()
+        t.join(timeout=10)
+        client.close()
+        root.close()

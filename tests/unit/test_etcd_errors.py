@@ -7,6 +7,7 @@ import pytest
 
 from elasticd.coordination.api import AuthError, CoordinationError, LeaseLost, Unavailable
 from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings
+from elasticd.testing.clock import FakeClock
 
 
 class FakeRpcError(grpc.RpcError):
@@ -41,3 +42,52 @@ def test_client_errors_are_classified(coordinator, code, details, kind):
     err = coordinator._translate(FakeRpcError(code, details))
     assert type(err) is kind, err
     assert details in str(err)
+
+
+STALE = "etcdserver: revision of auth store is old"
+
+
+class TokenClient:
+    """Stands in for pyetcd's client: what ``_call`` reads of it is its token."""
+
+    def __init__(self, token: str) -> None:
+        self.metadata = (("token", token),)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("token, logins", [("abcdefghijklmnop.42", 1), ("eyJh.eyJw.c2ln", 3)])
+def test_a_stale_token_is_repeated_and_a_jwt_logs_in_again(token, logins):
+    """A simple token is repeated as it is (etcd stamps each request's revision itself); a JWT
+    carries its own revision, so each repeat logs in again."""
+    clock = FakeClock()
+    c = EtcdCoordinator(EtcdSettings(endpoints=(("127.0.0.1", 1),), user="u", password="p"),
+                        clock=clock)
+    built = []
+    c._build_client = lambda: built.append(1) or TokenClient(token)
+    refusals = iter([STALE, STALE])
+
+    def fn(client):
+        detail = next(refusals, None)
+        if detail:
+            raise FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, detail)
+        return "done"
+
+    assert c._call(fn) == "done"
+    assert len(built) == logins
+    assert 0 < clock.monotonic() - 1_000.0 < 1.0  # paused between repeats
+
+
+def test_a_token_that_stays_stale_fails_after_ten_seconds():
+    clock = FakeClock()
+    c = EtcdCoordinator(EtcdSettings(endpoints=(("127.0.0.1", 1),), user="u", password="p"),
+                        clock=clock)
+    c._build_client = lambda: TokenClient("abcdefghijklmnop.42")
+
+    def fn(client):
+        raise FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, STALE)
+
+    with pytest.raises(CoordinationError, match="auth store is old"):
+        c._call(fn)
+    assert 10.0 < clock.monotonic() - 1_000.0 < 11.0
