@@ -139,7 +139,7 @@ class CheckpointService(SnapshotOps, RestoreOps):
     def assess(self) -> None:
         """Re-assesses every job's protection (once per daemon cycle); logs each change. Also
         lets go of restore scratch kept past its time."""
-        self.store.sweep_scratch()
+        self.store.scratch.sweep()
         try:
             replication = self.replicator.status()["jobs"] if self.replicator else {}
         except Exception:  # noqa: BLE001 — status must not fail over replication
@@ -191,8 +191,8 @@ class CheckpointService(SnapshotOps, RestoreOps):
                     "persisted": persisted and list(persisted),
                     "progress": record.progress and list(record.progress),
                     "last_restore": record.last_restore,
-                    "scratch": {"bytes": self.store.scratch_held(job),
-                                "cap": self.store.job_scratch_cap,
+                    "scratch": {"bytes": self.store.scratch.held(job),
+                                "cap": self.store.scratch.job_cap,
                                 "refused": record.scratch_refused},
                 }
         return out
@@ -213,7 +213,7 @@ class CheckpointService(SnapshotOps, RestoreOps):
             skipped_busy_total=counters.get("skipped_busy", 0),
             skipped_commit_pending_total=counters.get("skipped_commit_pending", 0),
             refused_total=counters.get("refused", 0),
-            scratch_bytes=self.store.scratch_held(),
+            scratch_bytes=self.store.scratch.held(),
             scratch_refused_total=counters.get("scratch_refused", 0),
             unprotected_jobs={reason: sum(job["unprotected_kind"] == reason
                                           for job in status.values()) for reason in REASONS},

@@ -226,7 +226,7 @@ class RestoreOps:
         """The reply for a partial copy (``ckpt_fetch`` with ``need``, see the module
         docstring) to ``caller`` (job, rank, pid)."""
         pin, fd = self._pin(functools.partial(scratch.descriptor, writable=False),
-                            functools.partial(self.store.drop_scratch, scratch), caller[0],
+                            functools.partial(self.store.scratch.drop, scratch), caller[0],
                             "a partial copy")
         with self._lock:
             self._scratch_pins[caller] = pin
