@@ -517,7 +517,7 @@ def fetch_into_scratch(fetcher: Fetcher, store: SlotStore, job: str, rank: int,
     segments: list[Any] = []
 
     def into(d: Descriptor) -> memoryview:
-        segments.append(store.scratch(d.total_bytes, job=job))
+        segments.append(store.scratch.new(d.total_bytes, job=job))
         return segments[-1].view
 
     def reserve(start: int, end: int) -> None:
@@ -533,8 +533,8 @@ def fetch_into_scratch(fetcher: Fetcher, store: SlotStore, job: str, rank: int,
                                reserve=reserve)
     except BaseException:
         for segment in segments:
-            store.drop_scratch(segment)
+            store.scratch.drop(segment)
         raise
     for segment in segments[:-1]:  # described again by another holder: only the last is used
-        store.drop_scratch(segment)
+        store.scratch.drop(segment)
     return dataclasses.replace(result, scratch=segments[-1])

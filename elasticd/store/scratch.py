@@ -20,8 +20,9 @@ and shared with other jobs' replicas). Hence:
 
 A *reservation* books bytes of a job's cap (and of the node's) for scratch not made yet: a
 restore's scratch set up ahead of need counts from the moment it is booked. This module only
-keeps the accounts; :class:`~elasticd.store.shm.SlotStore` makes and drops the segments under
-its lock, and offers the calls (``scratch``, ``drop_scratch``, ``reserve_scratch``).
+keeps the accounts; :class:`~elasticd.store.scratch_space.ScratchSpace` (``SlotStore.scratch``)
+makes and drops the segments under the store's lock, and offers the calls (``new``, ``drop``,
+``reserve``).
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ __all__ = ["ScratchAccounts", "ScratchReservation"]
 
 class ScratchReservation:
     """Bytes of a job's scratch cap booked ahead of a partial copy
-    (:meth:`SlotStore.reserve_scratch <elasticd.store.shm.SlotStore.reserve_scratch>`).
+    (:meth:`ScratchSpace.reserve <elasticd.store.scratch_space.ScratchSpace.reserve>`).
 
-    Pass it to ``SlotStore.scratch(..., reservation=)``, which turns the booking into the
+    Pass it to ``ScratchSpace.new(..., reservation=)``, which turns the booking into the
     segment, or :meth:`release` it; releasing twice, or after it was used, does nothing.
 
     Attributes:
@@ -80,11 +81,6 @@ class ScratchAccounts:
         return (sum(s.capacity for s, j in self.segments.items() if job in (None, j))
                 + sum(r.nbytes for r in self.booked if job in (None, r.job))
                 + self.kept.held(job))
-
-    def jobs(self) -> list[str]:
-        """The jobs holding scratch or reservations now."""
-        return sorted({*self.segments.values(), *(r.job for r in self.booked),
-                       *self.kept.jobs()})
 
     def make_room(self, job: str | None, nbytes: int, node_held: int, node_cap: int | None,
                   reservation: ScratchReservation | None = None) -> list[Segment]:

@@ -1,9 +1,9 @@
 """Restore scratch a job let go of, kept with its pages touched for the job's next restore.
 
 A restore at another world size lands the rows a new rank needs in scratch segments
-(:meth:`SlotStore.scratch <elasticd.store.shm.SlotStore.scratch>`), which the worker maps and
-releases once it has loaded them. Fresh memory costs its first touch: ~0.5 s per GiB on small
-pages here, ~2 s per GiB on huge pages the host took back after idle
+(:meth:`ScratchSpace.new <elasticd.store.scratch_space.ScratchSpace.new>`), which the worker
+maps and releases once it has loaded them. Fresh memory costs its first touch: ~0.5 s per GiB
+on small pages here, ~2 s per GiB on huge pages the host took back after idle
 (bench/results/first_touch.json), as much as the transfer itself. A restore often comes again
 soon (a round aborted and retried, a second failure while the job recovers), so a released
 segment is kept, its pages still touched, for ``keep`` seconds, for the same job only: it
@@ -95,10 +95,6 @@ class ScratchPool:
         return sum(s.capacity for j, kept in self._kept.items() if job in (None, j)
                    for s, _ in kept)
 
-    def jobs(self) -> list[str]:
-        """The jobs some segment is kept for."""
-        return list(self._kept)
-
 
 def prefill(store: Any, job: str, sizes: list[int]) -> int:
     """Sets scratch aside in ``store`` (a :class:`~elasticd.store.shm.SlotStore`) for a
@@ -112,12 +108,12 @@ def prefill(store: Any, job: str, sizes: list[int]) -> int:
     made = []
     for nbytes in sizes:
         try:
-            made.append(store.scratch(nbytes, job=job))
+            made.append(store.scratch.new(nbytes, job=job))
         except OverBudget as exc:
             log.info("%s: no more scratch set aside for the next restore: %s", job, exc)
             break
     for segment in made:
-        store.drop_scratch(segment)  # kept for the job, pages not touched yet
+        store.scratch.drop(segment)  # kept for the job, pages not touched yet
     if made:
         threading.Thread(target=touch, args=(made,), daemon=True,
                          name=f"elasticd-scratch-{job}").start()

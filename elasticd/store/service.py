@@ -18,9 +18,11 @@ maps the descriptor that comes with the reply (``_fds``, passed over the local s
 same way whichever uid the job runs as. Daemon side: no torch.
 
 Ops, request fields → reply fields, errors :class:`RequestError` replies: the snapshot side's
-in :mod:`~elasticd.store.service_snapshots`, the restore side's (and the read pins) in
-:mod:`~elasticd.store.service_restores`; both keep their per-job state in one
-:class:`~elasticd.store.service_records.JobRecord` under the service's lock.
+in :mod:`~elasticd.store.service_snapshots`, the restore side's in
+:mod:`~elasticd.store.service_restores` (a part the service owns, with the read pins of
+:mod:`~elasticd.store.read_pins`); both keep their per-job state in one
+:class:`~elasticd.store.service_records.JobRecord` of the service's
+:class:`~elasticd.store.service_records.JobBook`, under its lock.
 
 With a :class:`~elasticd.recovery.replicator.Replicator`, every completed snapshot is
 handed to it (``on_local_snapshot``) for replication to peers, and a restore that opens a new
@@ -37,14 +39,14 @@ from __future__ import annotations
 
 import collections
 import logging
-import threading
 from typing import Any, Callable
 
 from elasticd.store.api import Replication
 from elasticd.store.protection import REASONS, JobView, assess
-from elasticd.store.service_records import JobRecord
-from elasticd.store.service_restores import RestoreOps
-from elasticd.store.service_snapshots import SnapshotOps
+from elasticd.store.read_pins import ReadPins
+from elasticd.store.service_records import JobBook, ServiceDeps
+from elasticd.store.service_restores import Restores
+from elasticd.store.service_snapshots import Snapshots
 from elasticd.store.shm import SlotStore
 from elasticd.store.telemetry import RESTORE_SOURCES, CheckpointStats
 from elasticd.clock import Clock, SystemClock
@@ -53,7 +55,7 @@ from elasticd.persistence.persister import Persister
 log = logging.getLogger(__name__)
 
 
-class CheckpointService(SnapshotOps, RestoreOps):
+class CheckpointService:
     """Serves the checkpoint ops for one node.
 
     Args:
@@ -82,64 +84,61 @@ class CheckpointService(SnapshotOps, RestoreOps):
         #: Called with each progress-like message (``register``, ``ckpt_reserve`` with a
         #: step): job, rank, world_size, [step], [restart], [local_rank], _peer.
         self.on_progress: list[Callable[[dict[str, Any]], None]] = []
-        self.sink, self.clock, self.pin_ttl = metrics_sink, clock or SystemClock(), pin_ttl
-        self._lock = threading.Lock()
-        # One fetch per shard at a time: after a grow two local ranks may ask for the same old
-        # rank's shard, and two transfers into one slot would tear it.
-        self._fetching: collections.defaultdict[tuple[str, int], threading.Lock] = (
-            collections.defaultdict(threading.Lock))
-        self._jobs: collections.defaultdict[str, JobRecord] = collections.defaultdict(JobRecord)
-        self._pins: dict[int, tuple[Callable[[], None], str, float]] = {}  # release, job, when
-        self._scratch_pins: dict[tuple[str, int, Any], int] = {}  # (job, rank, pid) -> pin
-        self._next_pin = 0
-        self.counters: collections.Counter[str] = collections.Counter()
+        self.sink, self.clock = metrics_sink, clock or SystemClock()
+        self.book = JobBook()
+        self.counters = self.book.counters
         self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=100)
         #: Called with each restore report (after it is logged), e.g. to record an event.
         self.on_restore: list[Callable[[dict[str, Any]], None]] = []
-        self._paused = ""  # why new snapshots are refused (a drain, a clean exit), or ""
-        self._reserving = 0  # reservations between the pause check and their slot's record
-        if persist is not None and persist.on_flushed is None:
-            persist.on_flushed = self._on_flushed
+        self.pins = ReadPins(self.clock, pin_ttl)
+        #: The restore side (``ckpt_list``, ``ckpt_open``, ``ckpt_fetch``, ...).
+        deps = ServiceDeps(store, persist, replicator, node_id, self.clock, metrics_sink)
+        self.restores = Restores(self.book, self.pins, deps, self.history, self.on_restore)
+        #: The snapshot side (``ckpt_reserve``, ``ckpt_complete``, ``register``) and its pause.
+        self.snapshots = Snapshots(self.book, self.pins, deps, self.on_progress, self.assess)
         for job, rank, gen, step in store.holdings():  # adopted after a daemon restart
-            record = self._jobs[job]
+            record = self.book.jobs[job]
             record.progress = max(record.progress or (gen, step), (gen, step))
 
     def handlers(self) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
         """Op name → handler, for :class:`~elasticd.daemon.local_api.LocalServer`."""
-        return {"ckpt_reserve": self._reserve, "ckpt_complete": self._complete,
-                "ckpt_list": self._list, "ckpt_open": self._open,
-                "ckpt_release": self._release, "ckpt_report": self._report,
-                "ckpt_committed": self._committed, "ckpt_fetch": self._fetch,
-                "register": self._register}
+        return {**self.snapshots.handlers(), **self.restores.handlers()}
 
-    def _emit(self, method: str, *args: Any) -> None:
-        fn = getattr(self.sink, method, None)
-        if fn is not None:
-            try:
-                fn(*args)
-            except Exception:  # noqa: BLE001 — metrics must never fail a snapshot
-                log.exception("checkpoint metrics sink %s failed", method)
+    def quiesce(self, timeout: float, why: str = "the node is draining") -> bool:
+        """Refuses new snapshots and waits for those in flight (:meth:`Snapshots.quiesce`)."""
+        return self.snapshots.quiesce(timeout, why)
+
+    def resume(self) -> None:
+        """Accepts snapshots again (after :meth:`quiesce`)."""
+        self.snapshots.resume()
+
+    def membership_changed(self, job: str) -> int:
+        """A node that runs ``job`` failed: scratch set aside for its restore
+        (:meth:`Restores.membership_changed`); returns the bytes set aside."""
+        return self.restores.membership_changed(job)
+
+    def undelivered(self, op: str, reply: dict[str, Any]) -> None:
+        """A reply the local API could not send: its read pin goes
+        (:meth:`Restores.undelivered`)."""
+        self.restores.undelivered(op, reply)
 
     # -- housekeeping and status ----------------------------------------------------------
 
     def remove_job(self, job: str) -> None:
         """Drops the job's slots, pins and records (its persisted steps stay)."""
-        with self._lock:
-            self._jobs.pop(job, None)
-        self._sweep_pins(job)
+        with self.book.lock:
+            self.book.jobs.pop(job, None)
+        self.pins.sweep(job)
         self.store.remove_job(job)
 
     def unprotected(self, job: str | None) -> str:
         """``UNPROTECTED: <detail>`` while ``job`` is unprotected on this node, else ""."""
-        with self._lock:
-            record = self._jobs.get(job) if job is not None else None
-            verdict = None if record is None else record.protection
-        return str(verdict) if verdict is not None else ""
+        return self.book.unprotected(job)
 
     def assess(self) -> None:
         """Re-assesses every job's protection (once per daemon cycle); logs each change. Also
         lets go of restore scratch kept past its time."""
-        self.store.sweep_scratch()
+        self.store.scratch.sweep()
         try:
             replication = self.replicator.status()["jobs"] if self.replicator else {}
         except Exception:  # noqa: BLE001 — status must not fail over replication
@@ -147,8 +146,8 @@ class CheckpointService(SnapshotOps, RestoreOps):
             replication = {}
         now = self.clock.monotonic()
         changes = []
-        with self._lock:
-            for job, record in self._jobs.items():
+        with self.book.lock:
+            for job, record in self.book.jobs.items():
                 rep = replication.get(job) or {}
                 committed = rep.get("committed")
                 view = JobView(
@@ -178,8 +177,8 @@ class CheckpointService(SnapshotOps, RestoreOps):
         self.assess()
         out: dict[str, Any] = {}
         holdings = self.store.holdings()
-        with self._lock:
-            for job, record in sorted(self._jobs.items()):
+        with self.book.lock:
+            for job, record in sorted(self.book.jobs.items()):
                 ranks = {str(r): [g, s] for j, r, g, s in holdings if j == job}
                 persisted = self.persist.persisted(job) if self.persist else None
                 out[job] = {
@@ -191,8 +190,8 @@ class CheckpointService(SnapshotOps, RestoreOps):
                     "persisted": persisted and list(persisted),
                     "progress": record.progress and list(record.progress),
                     "last_restore": record.last_restore,
-                    "scratch": {"bytes": self.store.scratch_held(job),
-                                "cap": self.store.job_scratch_cap,
+                    "scratch": {"bytes": self.store.scratch.held(job),
+                                "cap": self.store.scratch.job_cap,
                                 "refused": record.scratch_refused},
                 }
         return out
@@ -201,7 +200,7 @@ class CheckpointService(SnapshotOps, RestoreOps):
         """Plain numbers for the daemon's metrics (:mod:`elasticd.metrics` sets its gauges
         from them once per daemon cycle)."""
         status = self.status()
-        with self._lock:
+        with self.book.lock:
             counters = dict(self.counters)
         steps = [s for job in status.values() for _, s in job["ranks"].values()]
         return CheckpointStats(
@@ -213,7 +212,7 @@ class CheckpointService(SnapshotOps, RestoreOps):
             skipped_busy_total=counters.get("skipped_busy", 0),
             skipped_commit_pending_total=counters.get("skipped_commit_pending", 0),
             refused_total=counters.get("refused", 0),
-            scratch_bytes=self.store.scratch_held(),
+            scratch_bytes=self.store.scratch.held(),
             scratch_refused_total=counters.get("scratch_refused", 0),
             unprotected_jobs={reason: sum(job["unprotected_kind"] == reason
                                           for job in status.values()) for reason in REASONS},

@@ -1,10 +1,13 @@
-"""What the checkpoint service remembers per job (both its sides, under its lock), and the
-check of each field a worker sends (:func:`param`: bad input is one :class:`RequestError`)."""
+"""What the checkpoint service remembers per job (:class:`JobBook`, which both its sides share
+under its lock), the check of each field a worker sends (:func:`param`: bad input is one
+:class:`RequestError`), and the calls out to hooks and the metrics sink that never fail an op."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
+import threading
 from typing import Any, Callable
 
 from elasticd.store.api import Slot
@@ -37,6 +40,53 @@ class JobRecord:
     fetched: set[tuple[int, int, int]] = dataclasses.field(default_factory=set)
     generation_started: int = -1
     scratch_refused: int = 0  # partial copies refused over the job's scratch cap
+
+
+@dataclasses.dataclass(frozen=True)
+class ServiceDeps:
+    """What the service's two sides are given of the node (the service's arguments, see
+    :class:`~elasticd.store.service.CheckpointService`)."""
+
+    store: Any
+    persist: Any
+    replicator: Any
+    node_id: str
+    clock: Any
+    sink: Any
+
+
+class JobBook:
+    """The service's per-job records and op counters, under the one lock the service, its
+    snapshot side and its restore side take (a reservation, a restore and the protection
+    assessment read and write the same job's record).
+
+    Attributes:
+        lock: held around every read and write of ``jobs`` and ``counters``.
+        jobs: job -> its record (made on first use).
+        counters: op outcomes (``snapshots``, ``skipped_<reason>``, ``restores_<source>``...).
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.jobs: collections.defaultdict[str, JobRecord] = collections.defaultdict(JobRecord)
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    def unprotected(self, job: str | None) -> str:
+        """``UNPROTECTED: <detail>`` while ``job`` is unprotected on this node, else ""."""
+        with self.lock:
+            record = self.jobs.get(job) if job is not None else None
+            verdict = None if record is None else record.protection
+        return str(verdict) if verdict is not None else ""
+
+
+def emit(sink: Any, method: str, *args: Any) -> None:
+    """Calls ``sink.<method>(*args)`` when the metrics sink has it; a failure is logged."""
+    fn = getattr(sink, method, None)
+    if fn is not None:
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001 — metrics must never fail a snapshot
+            log.exception("checkpoint metrics sink %s failed", method)
 
 
 def param(msg: dict[str, Any], key: str, kind: type, default: Any = ...) -> Any:

@@ -1,6 +1,7 @@
-"""The restore side of the checkpoint service (a mixin of
-:class:`~elasticd.store.service.CheckpointService`, whose state it shares), and the read
-pins its replies hold until ``ckpt_release`` or ``pin_ttl``.
+"""The restore side of the checkpoint service, a part :class:`~elasticd.store.service.
+CheckpointService` owns: it shares the service's job records (:class:`~elasticd.store.
+service_records.JobBook`) and read pins (:class:`~elasticd.store.read_pins.ReadPins`, which its
+replies hold until ``ckpt_release`` or ``pin_ttl``), and nothing else of it.
 
 * ``ckpt_list`` job, [rank], [world_size] → ram {rank: [[gen, step], ...]}, persisted,
   persisted_worlds [[gen, step, world size], ...] (any world size: a shrink reshards from it)
@@ -29,14 +30,17 @@ pins its replies hold until ``ckpt_release`` or ``pin_ttl``.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
+import threading
 from typing import Any, Callable
 
 from elasticd.store.api import ScratchOverCap, SlotStoreError
 from elasticd.store.scratch_pool import prefill
 from elasticd.snapshot.format import SnapshotError
-from elasticd.store.service_records import call_hooks, param
+from elasticd.store.read_pins import ReadPins
+from elasticd.store.service_records import JobBook, ServiceDeps, call_hooks, emit, param
 from elasticd.store.telemetry import RESTORE_SOURCES
 from elasticd.local.wire import RequestError
 from elasticd.errors import ShardLost
@@ -44,16 +48,42 @@ from elasticd.errors import ShardLost
 log = logging.getLogger(__name__)
 
 
-class RestoreOps:
-    """The restore-side ops of :class:`~elasticd.store.service.CheckpointService`."""
+class Restores:
+    """The restore-side ops of :class:`~elasticd.store.service.CheckpointService`.
 
-    def _list(self, msg: dict[str, Any]) -> dict[str, Any]:
+    Args:
+        book: the service's job records and counters (its snapshot side shares them).
+        pins: the service's read pins.
+        deps: the service's store, persistent tier, replicator, node id, clock, metrics sink.
+        history: the restore reports, newest last, the service keeps for ``/status``.
+        on_restore: hooks called with each restore report (after it is logged).
+    """
+
+    def __init__(self, book: JobBook, pins: ReadPins, deps: ServiceDeps,
+                 history: collections.deque[dict[str, Any]],
+                 on_restore: list[Callable[[dict[str, Any]], None]]) -> None:
+        self._book, self._pins, self._sink = book, pins, deps.sink
+        self.store, self.persist, self.replicator = deps.store, deps.persist, deps.replicator
+        self.node_id, self.clock = deps.node_id, deps.clock
+        self.history, self.on_restore = history, on_restore
+        # One fetch per shard at a time: after a grow two local ranks may ask for the same old
+        # rank's shard, and two transfers into one slot would tear it.
+        self._fetching: collections.defaultdict[tuple[str, int], Any] = (
+            collections.defaultdict(threading.Lock))
+
+    def handlers(self) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
+        """Op name -> handler, for the restore side's ops."""
+        return {"ckpt_list": self.ckpt_list, "ckpt_open": self.ckpt_open,
+                "ckpt_release": self.ckpt_release, "ckpt_report": self.ckpt_report,
+                "ckpt_committed": self.ckpt_committed, "ckpt_fetch": self.ckpt_fetch}
+
+    def ckpt_list(self, msg: dict[str, Any]) -> dict[str, Any]:
         job = param(msg, "job", str)
         only = param(msg, "rank", int, None)
         world = param(msg, "world_size", int, None)
         ranks = sorted({r for j, r, _, _ in self.store.holdings() if j == job})
-        with self._lock:
-            record = self._jobs.get(job)
+        with self._book.lock:
+            record = self._book.jobs.get(job)
             refused = set() if record is None else set(record.refused)
             progress = None if record is None else record.progress
 
@@ -92,35 +122,36 @@ class RestoreOps:
             log.warning("cannot list the replicas of %s held here: %s", job, exc)
             return {}
 
-    def _open(self, msg: dict[str, Any], verify: bool = True) -> dict[str, Any]:
+    def ckpt_open(self, msg: dict[str, Any], verify: bool = True) -> dict[str, Any]:
         """``ckpt_open``: hands the worker a read-only descriptor of the held snapshot, its
         payload checked again first (RAM can rot between the snapshot and the restore), but
         not when this request has just fetched and checked it (``verify`` False)."""
         job, rank = param(msg, "job", str), param(msg, "rank", int)
         version = (param(msg, "generation", int), param(msg, "step", int))
-        self._sweep_pins()
+        self._pins.sweep()
         try:
             view = self.store.latest(job, rank, pin=True, verify=verify, version=version)
         except SnapshotError as exc:
-            with self._lock:
-                self._jobs[job].refused.add((rank, *version))
-                self.counters["refused"] += 1
+            with self._book.lock:
+                self._book.jobs[job].refused.add((rank, *version))
+                self._book.counters["refused"] += 1
             log.error("REFUSED corrupt snapshot of %s rank %d step %s on node %s: %s", job,
                       rank, version, self.node_id, exc)
-            self._emit("snapshot_refused", job, "local")
+            emit(self._sink, "snapshot_refused", job, "local")
             raise RequestError(f"refused: {exc}") from exc
         if view is None:
             raise RequestError(f"{job} rank {rank} step {version} is not held here")
-        pin, fd = self._pin(view.descriptor, view.release, job, f"{job} rank {rank} step {version}")
-        with self._lock:
-            record = self._jobs.get(job)
+        pin, fd = self._pins.hold(view.descriptor, view.release, job,
+                                  f"{job} rank {rank} step {version}")
+        with self._book.lock:
+            record = self._book.jobs.get(job)
             # A shard an earlier (aborted) restore round fetched from a peer is in the local
             # store now, but it still came from the peer: say so, or recoveries get mislabelled.
             fetched = record is not None and (rank, *version) in record.fetched
         return {"path": view.path, "offset": 0, "size": view.header.layout.total_size,
                 "pin": pin, "source": "peer" if fetched else "local", "_fds": [fd]}
 
-    def _committed(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def ckpt_committed(self, msg: dict[str, Any]) -> dict[str, Any]:
         job = param(msg, "job", str)
         try:
             committed = self.replicator.committed(job) if self.replicator is not None else None
@@ -132,9 +163,9 @@ class RestoreOps:
         return {"generation": committed.generation, "step": committed.step,
                 "ranks": sorted(committed.ranks)}
 
-    def _fetch(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def ckpt_fetch(self, msg: dict[str, Any]) -> dict[str, Any]:
         job, rank = param(msg, "job", str), param(msg, "rank", int)
-        with self._lock:
+        with self._book.lock:
             shard_lock = self._fetching[(job, rank)]
         with shard_lock:
             return self._fetch_one(job, rank, msg)
@@ -142,8 +173,8 @@ class RestoreOps:
     def _fetch_one(self, job: str, rank: int, msg: dict[str, Any]) -> dict[str, Any]:
         version = (param(msg, "generation", int), param(msg, "step", int))
         key = (rank, *version)
-        with self._lock:
-            record = self._jobs.get(job)
+        with self._book.lock:
+            record = self._book.jobs.get(job)
             refused = record is not None and key in record.refused
             was_fetched = record is not None and key in record.fetched
         source, wire_bytes, holder, just_fetched = "local", 0, self.node_id, False
@@ -156,10 +187,7 @@ class RestoreOps:
                 return {"lost": True, "reason": "not held here and no peer replication"}
             caller = (job, rank, (msg.get("_peer") or {}).get("pid"))
             if msg.get("need") is not None:  # one live partial copy per (job, rank) and caller
-                with self._lock:
-                    earlier = self._scratch_pins.pop(caller, None)
-                if earlier is not None:
-                    self._release({"pin": earlier})
+                self._pins.release_scratch(caller)
             replica = self._open_replica(job, rank, version)
             if replica is not None:
                 return replica
@@ -176,9 +204,9 @@ class RestoreOps:
                 raise RequestError(f"cannot fetch {job} rank {rank} step {version} here: "
                                    f"{exc}") from exc
             scratch = result.scratch
-            with self._lock:
-                record = self._jobs[job]
-                self.counters["fetches"] += 1
+            with self._book.lock:
+                record = self._book.jobs[job]
+                self._book.counters["fetches"] += 1
                 if scratch is None:
                     record.refused.discard(key)  # the bad copy was replaced by a verified one
                     record.fetched.add(key)
@@ -193,7 +221,7 @@ class RestoreOps:
                      job, rank, version, holder, self.node_id, wire_bytes)
         elif was_fetched:
             source = "peer"
-        reply = self._open({"job": job, "rank": rank, "generation": version[0],
+        reply = self.ckpt_open({"job": job, "rank": rank, "generation": version[0],
                             "step": version[1], "_peer": msg.get("_peer", {})},
                            verify=not just_fetched)
         return {**reply, "source": source, "wire_bytes": wire_bytes, "holder": holder}
@@ -215,8 +243,8 @@ class RestoreOps:
             return None
         if view is None:
             return None
-        pin, fd = self._pin(view.descriptor, view.release, job,
-                            f"the replica of {job} rank {rank} step {version}")
+        pin, fd = self._pins.hold(view.descriptor, view.release, job,
+                                  f"the replica of {job} rank {rank} step {version}")
         return {"path": view.path, "offset": 0, "size": view.header.layout.total_size,
                 "pin": pin, "source": "peer", "wire_bytes": 0, "holder": self.node_id,
                 "_fds": [fd]}
@@ -225,11 +253,9 @@ class RestoreOps:
                       result: Any) -> dict[str, Any]:
         """The reply for a partial copy (``ckpt_fetch`` with ``need``, see the module
         docstring) to ``caller`` (job, rank, pid)."""
-        pin, fd = self._pin(functools.partial(scratch.descriptor, writable=False),
-                            functools.partial(self.store.drop_scratch, scratch), caller[0],
-                            "a partial copy")
-        with self._lock:
-            self._scratch_pins[caller] = pin
+        pin, fd = self._pins.hold(functools.partial(scratch.descriptor, writable=False),
+                                  functools.partial(self.store.scratch.drop, scratch), caller[0],
+                                  "a partial copy", caller)
         return {"path": scratch.path, "offset": 0, "size": result.descriptor.total_bytes,
                 "pin": pin, "source": "peer", "partial": True,
                 "wire_bytes": int(result.wire_bytes), "holder": result.holder, "_fds": [fd]}
@@ -259,55 +285,28 @@ class RestoreOps:
         stalled (the frozen-holder chaos test lost 29 steps at the next restore)."""
         pin = reply.get("pin")
         if op in ("ckpt_open", "ckpt_fetch") and isinstance(pin, int):
-            self._release({"pin": pin})
+            self._pins.release(pin)
             log.info("the reply to %s was not delivered (its caller is gone): read pin %d of %s "
                      "released", op, pin, reply.get("path", "?"))
 
-    def _pin(self, descriptor: Callable[[], int], release: Callable[[], None], job: str,
-             what: str) -> tuple[int, int]:
-        """A new read-only descriptor for the worker, and the pin that holds ``release`` until
-        ``ckpt_release`` (or ``pin_ttl``); ``release`` is called at once when it fails."""
-        try:
-            fd = descriptor()
-        except OSError as exc:
-            release()
-            raise RequestError(f"cannot hand over {what}: {exc}") from exc
-        with self._lock:
-            self._next_pin += 1
-            self._pins[self._next_pin] = (release, job, self.clock.monotonic())
-            return self._next_pin, fd
-
-    def _release(self, msg: dict[str, Any]) -> dict[str, Any]:
-        with self._lock:
-            entry = self._pins.pop(param(msg, "pin", int), None)
-        if entry is not None:
-            entry[0]()
+    def ckpt_release(self, msg: dict[str, Any]) -> dict[str, Any]:
+        self._pins.release(param(msg, "pin", int))
         return {}
 
     def _scratch_refused(self, job: str, exc: ScratchOverCap) -> None:
         """A partial copy refused over ``job``'s scratch cap: counted; logged the first time
         and every 100th (a worker that loops must not flood the log)."""
-        with self._lock:
-            record = self._jobs[job]
+        with self._book.lock:
+            record = self._book.jobs[job]
             record.scratch_refused += 1
-            self.counters["scratch_refused"] += 1
+            self._book.counters["scratch_refused"] += 1
             count = record.scratch_refused
         if count % 100 == 1:
             log.error("REFUSED restore scratch on node %s (%d so far for %s): %s", self.node_id,
                       count, job, exc)
-        self._emit("scratch_refused", job)
+        emit(self._sink, "scratch_refused", job)
 
-    def _sweep_pins(self, job: str | None = None) -> None:
-        """Drops the pins older than ``pin_ttl`` (their worker died), or all of ``job``'s."""
-        now = self.clock.monotonic()
-        with self._lock:
-            releases = [self._pins.pop(p)[0] for p, (_, j, t) in list(self._pins.items())
-                        if (j == job if job is not None else now - t > self.pin_ttl)]
-            self._scratch_pins = {k: p for k, p in self._scratch_pins.items() if p in self._pins}
-        for release in releases:
-            release()
-
-    def _report(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def ckpt_report(self, msg: dict[str, Any]) -> dict[str, Any]:
         job, rank, source = param(msg, "job", str), param(msg, "rank", int), msg.get("source")
         if source not in RESTORE_SOURCES:
             raise RequestError(f"source must be one of {RESTORE_SOURCES}, got {source!r:.40}")
@@ -318,11 +317,11 @@ class RestoreOps:
                  "steps_lost": lost, "bytes": nbytes, "generation": msg.get("generation"),
                  "step": msg.get("step"), "refused": refused, "at": self.clock.wall()}
         start_gen = param(msg, "next_generation", int, None)
-        with self._lock:
-            record = self._jobs[job]
+        with self._book.lock:
+            record = self._book.jobs[job]
             record.last_restore = entry
             self.history.append(entry)
-            self.counters[f"restores_{source}"] += 1
+            self._book.counters[f"restores_{source}"] += 1
             if start_gen is not None and start_gen > record.generation_started:
                 record.generation_started = start_gen
             else:
@@ -338,7 +337,7 @@ class RestoreOps:
                  f"; refused: {'; '.join(refused)}" if refused else "")
         for reason in refused:
             if reason.startswith("persistent"):
-                self._emit("snapshot_refused", job, "persistent")
-        self._emit("restored", job, source, seconds, lost, nbytes)
+                emit(self._sink, "snapshot_refused", job, "persistent")
+        emit(self._sink, "restored", job, source, seconds, lost, nbytes)
         call_hooks(self.on_restore, "restore", entry)
         return {}

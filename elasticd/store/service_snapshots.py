@@ -1,6 +1,7 @@
-"""The snapshot side of the checkpoint service (a mixin of
-:class:`~elasticd.store.service.CheckpointService`, whose state it shares), and what a
-completed snapshot sets off: replication to peers, persistence.
+"""The snapshot side of the checkpoint service, a part :class:`~elasticd.store.service.
+CheckpointService` owns (it shares the service's job records, :class:`~elasticd.store.
+service_records.JobBook`, and nothing else of it), and what a completed snapshot sets off:
+replication to peers, persistence.
 
 * ``ckpt_reserve`` job, rank, world_size, nbytes, [local_world_size], [step], [mapped
   [[dev, ino], ...]] → path, capacity, ticket, file [dev, ino], and the slot's descriptor
@@ -19,12 +20,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from elasticd.store.api import CommitPending, OverBudget, SlotBusy, StaleSlot
 from elasticd.snapshot.format import PREAMBLE_SIZE, SnapshotError
 from elasticd.snapshot.reader import _header_from_json
-from elasticd.store.service_records import JobRecord, call_hooks, param
+from elasticd.store.read_pins import ReadPins
+from elasticd.store.service_records import (JobBook, JobRecord, ServiceDeps, call_hooks, emit,
+                                             param)
 from elasticd.local.wire import RequestError
 from elasticd.persistence.persister import Flushed
 
@@ -41,10 +44,36 @@ def _mapped(msg: dict[str, Any]) -> set[tuple[int, int]]:
             and all(type(v) is int for v in p)}
 
 
-class SnapshotOps:
-    """The snapshot-side ops of :class:`~elasticd.store.service.CheckpointService`."""
+class Snapshots:
+    """The snapshot-side ops of :class:`~elasticd.store.service.CheckpointService`, and its
+    pause (a drain, a clean exit).
 
-    def _reserve(self, msg: dict[str, Any]) -> dict[str, Any]:
+    Args:
+        book: the service's job records and counters (its restore side shares them).
+        pins: the service's read pins (a reservation drops those past their time).
+        deps: the service's store, persistent tier, replicator, node id, clock, metrics sink.
+        on_progress: hooks called with each progress-like message (the service's).
+        assess: re-assesses every job's protection now (a rank's snapshots failing counts at
+            once, not at the next daemon cycle).
+    """
+
+    def __init__(self, book: JobBook, pins: ReadPins, deps: ServiceDeps,
+                 on_progress: list[Callable[[dict[str, Any]], None]],
+                 assess: Callable[[], None]) -> None:
+        self._book, self._pins, self._sink, self._assess = book, pins, deps.sink, assess
+        self.store, self.persist, self.replicator = deps.store, deps.persist, deps.replicator
+        self.node_id, self.clock, self.on_progress = deps.node_id, deps.clock, on_progress
+        self._paused = ""  # why new snapshots are refused (a drain, a clean exit), or ""
+        self._reserving = 0  # reservations between the pause check and their slot's record
+        if self.persist is not None and self.persist.on_flushed is None:
+            self.persist.on_flushed = self._on_flushed
+
+    def handlers(self) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
+        """Op name -> handler, for the snapshot side's ops."""
+        return {"ckpt_reserve": self.ckpt_reserve, "ckpt_complete": self.ckpt_complete,
+                "register": self.register}
+
+    def ckpt_reserve(self, msg: dict[str, Any]) -> dict[str, Any]:
         job, rank = param(msg, "job", str), param(msg, "rank", int)
         world, nbytes = param(msg, "world_size", int), param(msg, "nbytes", int)
         local_world = param(msg, "local_world_size", int, None)
@@ -55,15 +84,15 @@ class SnapshotOps:
         if step is not None:
             call_hooks(self.on_progress, "progress", {"job": job, "rank": rank, "world_size": world,
                                                       "step": step, "_peer": msg.get("_peer")})
-        self._sweep_pins()
-        with self._lock:
+        self._pins.sweep()
+        with self._book.lock:
             if step is not None and gen is not None:
                 # The step is reached once its snapshot is asked for, taken or not: a rank
                 # killed before the snapshot completes must still count it as lost.
-                record = self._jobs[job]
+                record = self._book.jobs[job]
                 record.progress = max(record.progress or (gen, step), (gen, step))
             if self._paused:
-                self.counters["skipped_paused"] += 1
+                self._book.counters["skipped_paused"] += 1
                 return {"skip": True, "reason": f"paused: {self._paused}"}
             self._reserving += 1
         try:
@@ -71,12 +100,12 @@ class SnapshotOps:
                                        None if step is None or gen is None else (gen, step),
                                        _mapped(msg))
         finally:
-            with self._lock:
+            with self._book.lock:
                 self._reserving -= 1
-        warning = self.unprotected(job)
+        warning = self._book.unprotected(job)
         return {**reply, "unprotected": warning} if warning else reply
 
-    def _register(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def register(self, msg: dict[str, Any]) -> dict[str, Any]:
         """A worker's Checkpointer says who it is (at its start and after each restore)."""
         job, rank = param(msg, "job", str), param(msg, "rank", int)
         world = param(msg, "world_size", int)
@@ -88,20 +117,20 @@ class SnapshotOps:
         call_hooks(self.on_progress, "progress", report)
         why = param(msg, "unsnapshottable", str, None)
         if why:
-            with self._lock:
-                self._jobs[job].failing[rank] = (f"rank {rank}'s training state cannot be "
+            with self._book.lock:
+                self._book.jobs[job].failing[rank] = (f"rank {rank}'s training state cannot be "
                                                 f"snapshotted: {why[:300]}")
             log.error("job %s rank %d on node %s: the training state cannot be snapshotted, so "
                       "the job is unprotected: %s", job, rank, self.node_id, why[:300])
-            self.assess()  # at once, not at the next daemon cycle
-        return {"node": self.node_id, "unprotected": self.unprotected(job) or None}
+            self._assess()  # at once, not at the next daemon cycle
+        return {"node": self.node_id, "unprotected": self._book.unprotected(job) or None}
 
     def _reserve_slot(self, job: str, rank: int, world: int, nbytes: int,
                       local_world: int | None, uid: Any,
                       version: tuple[int, int] | None = None,
                       mapped: set[tuple[int, int]] = frozenset()) -> dict[str, Any]:
-        with self._lock:
-            record = self._jobs[job]
+        with self._book.lock:
+            record = self._book.jobs[job]
             if record.world_size != world:  # a new world: its local ranks are seen afresh
                 record.world_size, record.ranks = world, set()
             record.ranks.add(rank)
@@ -111,8 +140,8 @@ class SnapshotOps:
         if grid > 1 and version is not None and version[1] % grid:
             # Off the job's snapshot grid: the nodes meet on common steps to commit
             # (replication/commit.py, Grid). Routine: no warning, not a failure.
-            with self._lock:
-                self.counters["skipped_grid"] += 1
+            with self._book.lock:
+                self._book.counters["skipped_grid"] += 1
             return {"skip": True, "grid": grid,
                     "reason": f"off the snapshot grid (every {grid} steps while commits lag)"}
         try:
@@ -131,7 +160,7 @@ class SnapshotOps:
             identity, fd = self.store.handover(slot, mapped)
         except (StaleSlot, OSError) as exc:  # a newer reservation of this rank took it
             raise RequestError(f"cannot hand over the slot: {exc}") from exc
-        with self._lock:
+        with self._book.lock:
             record.slots[rank] = slot
             if record.failing.get(rank, "").startswith("over the memory cap"):
                 record.failing.pop(rank, None)
@@ -145,12 +174,12 @@ class SnapshotOps:
         """Refuses new snapshots (workers get ``skip``) and waits up to ``timeout`` seconds
         for those in flight to complete, so that workers stopped next leave a complete
         snapshot behind. Returns True when none is left in flight."""
-        with self._lock:
+        with self._book.lock:
             self._paused = why
 
         def busy() -> int:
-            with self._lock:
-                return self._reserving + sum(len(r.slots) for r in self._jobs.values())
+            with self._book.lock:
+                return self._reserving + sum(len(r.slots) for r in self._book.jobs.values())
 
         if self.clock.wait(lambda: not busy(), timeout, 0.02):
             return True
@@ -159,13 +188,13 @@ class SnapshotOps:
 
     def resume(self) -> None:
         """Accepts snapshots again (after :meth:`quiesce`)."""
-        with self._lock:
+        with self._book.lock:
             self._paused = ""
 
     def _skip(self, job: str, rank: int, reason: str, detail: str) -> dict[str, Any]:
-        with self._lock:
-            record = self._jobs[job]
-            self.counters[f"skipped_{reason}"] += 1
+        with self._book.lock:
+            record = self._book.jobs[job]
+            self._book.counters[f"skipped_{reason}"] += 1
             if reason == "over_budget":
                 record.failing[rank] = f"over the memory cap ({detail})"
                 warn, record.warned = not record.warned, True
@@ -178,16 +207,16 @@ class SnapshotOps:
         else:
             log.debug("%s rank %d: snapshot skipped (%s): %s", job, rank, reason, detail)
         if reason == "over_budget":
-            self.assess()  # failing snapshots count at once, not at the next daemon cycle
-        self._emit("snapshot_skipped", job, reason)
+            self._assess()  # failing snapshots count at once, not at the next daemon cycle
+        emit(self._sink, "snapshot_skipped", job, reason)
         return {"skip": True, "reason": f"{reason}: {detail}"}
 
-    def _complete(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def ckpt_complete(self, msg: dict[str, Any]) -> dict[str, Any]:
         job, rank = param(msg, "job", str), param(msg, "rank", int)
         ticket, size = param(msg, "ticket", int), param(msg, "header_size", int)
         stall = param(msg, "stall_seconds", float, 0.0)
-        with self._lock:
-            record = self._jobs.get(job)
+        with self._book.lock:
+            record = self._book.jobs.get(job)
             slot = None if record is None else record.slots.get(rank)
         if slot is None or slot.ticket != ticket:
             raise RequestError(f"{job} rank {rank}: ticket {ticket} is not the slot reserved")
@@ -202,24 +231,24 @@ class SnapshotOps:
                                    f"reservation {record.world_size}")
             sealed = self.store.complete(slot, dataclasses.replace(header, blocks=()))
         except (ValueError, SnapshotError, StaleSlot) as exc:  # JSONDecodeError is a ValueError
-            with self._lock:
+            with self._book.lock:
                 record.failing[rank] = f"rank {rank}'s snapshot refused: {str(exc)[:200]}"
             raise RequestError(f"snapshot refused: {exc}") from exc
         version, nbytes = sealed.version(), sealed.layout.total_size
-        with self._lock:
+        with self._book.lock:
             record.slots.pop(rank, None)
             record.failing.pop(rank, None)
             if record.first_snapshot_at is None:
                 record.first_snapshot_at = self.clock.monotonic()
             record.nbytes[rank] = nbytes
             record.progress = max(record.progress or version, version)
-            self.counters["snapshots"] += 1
-        self._emit("snapshot_completed", job, rank, sealed.step, nbytes, stall)
+            self._book.counters["snapshots"] += 1
+        emit(self._sink, "snapshot_completed", job, rank, sealed.step, nbytes, stall)
         try:
             if self.replicator is not None:
                 self.replicator.on_local_snapshot(job, rank, version)
         except Exception:  # noqa: BLE001 — the snapshot is sealed; replication must not fail it
-            self.counters["replicate_failed"] += 1
+            self._book.counters["replicate_failed"] += 1
             log.exception("%s rank %d step %s: handing the snapshot to replication failed",
                           job, rank, version)
         self._maybe_persist(job, record, version)
@@ -228,7 +257,7 @@ class SnapshotOps:
     def _maybe_persist(self, job: str, record: JobRecord, version: tuple[int, int]) -> None:
         if self.persist is None:
             return
-        with self._lock:
+        with self._book.lock:
             ranks = sorted(record.ranks)
             want = record.local_world_size or record.world_size
             if len(ranks) < want or version <= record.offered:
@@ -250,5 +279,5 @@ class SnapshotOps:
             log.debug("%s step %s not persisted: the writer is busy", job, version)
 
     def _on_flushed(self, flushed: Flushed) -> None:
-        self._emit("persisted", flushed.job, flushed.version[1], flushed.seconds,
+        emit(self._sink, "persisted", flushed.job, flushed.version[1], flushed.seconds,
                    flushed.nbytes, not flushed.error)

@@ -20,10 +20,8 @@ import contextlib
 import dataclasses
 import logging
 import os
-import re
 import shutil
 import threading
-import uuid
 from typing import Any, Callable
 
 from elasticd.clock import SYSTEM_CLOCK, Clock
@@ -39,18 +37,16 @@ from elasticd.store.api import (
 from elasticd.snapshot.format import SnapshotError, SnapshotHeader, invalidate, seal, write_header
 from elasticd.snapshot.reader import verify_payload
 from elasticd.snapshot.segment import PAGE, Segment, map_fd, map_file
-from elasticd.store.scratch import ScratchAccounts, ScratchReservation
 from elasticd.store.scratch_pool import KEEP_SECONDS
+from elasticd.store.scratch_space import ScratchSpace
 from elasticd.store.snapshot_view import SnapshotView
-from elasticd.store.shm_root import claim_root, dir_problem, listdir_at, remove_at, same_file
+from elasticd.store.shm_root import JOB_RE, SEGMENT_RE, claim_root, listdir_at, remove_at, same_file
+from elasticd.store.shm_scan import scan_root
 
 __all__ = ["PAGE", "CommitPending", "OverBudget", "ScanResult", "Slot", "SlotBusy", "SlotStore",
            "SlotStoreError", "SnapshotView", "StaleSlot", "map_fd", "map_file"]
 
 log = logging.getLogger(__name__)
-
-_JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-_SEGMENT_RE = re.compile(r"(\d+)\.slot")
 
 
 @dataclasses.dataclass
@@ -69,7 +65,7 @@ class SlotStore:
     Args:
         root: directory for the slot files (created, mode 0700); one per node.
         cap_bytes: most bytes the slot files may take together; None for no cap.
-        job_scratch_cap: most bytes of restore scratch one job may hold (:meth:`scratch`);
+        job_scratch_cap: most bytes of restore scratch one job may hold (:attr:`scratch`);
             None for no per-job cap.
         scratch_keep: seconds a released restore scratch segment stays, pages touched, for
             its job's next restore (:mod:`elasticd.store.scratch_pool`); 0: none stays.
@@ -82,14 +78,15 @@ class SlotStore:
         if cap_bytes is not None and cap_bytes < 0:
             raise ValueError(f"cap_bytes must be >= 0 or None, got {cap_bytes}")
         self.root, self.cap_bytes = os.path.abspath(root), cap_bytes
-        self._clock = clock or SYSTEM_CLOCK
         self._fd = claim_root(self.root)
         self._pairs: dict[tuple[str, int], _Pair] = {}
         self._retained: dict[str, set[tuple[int, int]]] = {}  # job-wide (see retain)
         self._lock = threading.Lock()
         self._tickets = 0
-        # Partial copies for restores, and those kept for their job's next one.
-        self._scratch = ScratchAccounts(job_scratch_cap, scratch_keep)
+        #: Partial copies for restores, and those kept for their job's next one.
+        self.scratch = ScratchSpace(self._fd, self.root, self._lock, self._slot_bytes,
+                                    cap_bytes, job_scratch_cap, scratch_keep,
+                                    lambda job: self._dir(job, 0), clock or SYSTEM_CLOCK)
         #: Called at each local seal with the slot's memory and its payload blocks' ranges;
         #: what it returns rides along as ``SnapshotView.tags`` (replication sets it: the
         #: block tags that spare a push the pass over the bytes, seal.py's BlockTags).
@@ -99,8 +96,8 @@ class SlotStore:
 
     def _dir(self, job: str, rank: int) -> str:
         """(job, rank)'s directory, relative to the root."""
-        if not isinstance(job, str) or not _JOB_RE.fullmatch(job):
-            raise ValueError(f"job name {job!r} must match {_JOB_RE.pattern}")
+        if not isinstance(job, str) or not JOB_RE.fullmatch(job):
+            raise ValueError(f"job name {job!r} must match {JOB_RE.pattern}")
         if type(rank) is not int or rank < 0:
             raise ValueError(f"rank must be an integer >= 0, got {rank!r}")
         return f"{job}/{rank}"
@@ -113,7 +110,7 @@ class SlotStore:
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(name, 0o700, dir_fd=self._fd)
             serials = [int(m.group(1)) for n in listdir_at(self._fd, directory)
-                       if (m := _SEGMENT_RE.fullmatch(n))]
+                       if (m := SEGMENT_RE.fullmatch(n))]
             pair = self._pairs[(job, rank)] = _Pair(next_serial=max(serials, default=-1) + 1)
         return pair
 
@@ -225,8 +222,7 @@ class SlotStore:
             fill = both and pair.segments[other] is None
             needed = (capacity if grow else 0) + (capacity if fill else 0)
             freed = current.capacity if grow and current is not None else 0
-            self._destroy(self._scratch.make_room(None, needed - freed, self._held(),
-                                                  self.cap_bytes))
+            self.scratch.make_room_locked(needed - freed)
             held = self._held()
             if self.cap_bytes is not None and held - freed + needed > self.cap_bytes:
                 raise OverBudget(
@@ -249,102 +245,6 @@ class SlotStore:
             current.ticket = self._tickets
             pair.reserved = index
             return Slot(job, rank, current.path, current.capacity, current.view, current.ticket)
-
-    def scratch(self, nbytes: int, *, job: str,
-                reservation: ScratchReservation | None = None) -> Segment:
-        """A slot file outside every (job, rank) for a partial copy a restore of ``job`` reads
-        once (:mod:`elasticd.store.scratch`), counted against the node's cap and ``job``'s
-        until :meth:`drop_scratch`; it takes over ``reservation``'s booked bytes. Named
-        ``.scratch-<random>`` at the root (:meth:`scan` removes it after a crash). Only sized:
-        the caller reserves each range before writing it (:meth:`Segment.reserve_range`), so
-        a copy takes the memory of what it holds, reserved beside the transfers. Its pages
-        are small ones even on a mount that gives huge pages (a fresh huge page the host took
-        back after idle costs ~2 s per GiB at first touch, a small one ~0.5,
-        bench/results/first_touch.json); one ``job`` released or set aside
-        (:mod:`~elasticd.store.scratch_pool`) a moment ago is reused, its pages touched.
-
-        Raises:
-            OverBudget: over the node's cap (or the filesystem is full); ScratchOverCap (a
-                subclass): over ``job``'s.
-        """
-        capacity = -(-self._scratch_bytes(job, nbytes) // PAGE) * PAGE
-        with self._lock:
-            self._expire_scratch()
-            segment = self._scratch.kept.take(job, capacity)
-            if segment is None:
-                self._destroy(self._scratch.make_room(job, capacity, self._held(),
-                                                      self.cap_bytes, reservation))
-                self._scratch.check(job, capacity, self._held(), self.cap_bytes, reservation)
-                # Unique across daemons: a crashed one's leftover (removed by scan) never clashes.
-                name = f".scratch-{uuid.uuid4().hex[:16]}"
-                try:
-                    segment = Segment.allocate(self._fd, name, os.path.join(self.root, name),
-                                               capacity, reserve=False, small_pages=True)
-                except OSError as exc:
-                    raise OverBudget(f"cannot allocate {capacity} bytes in {self.root}: {exc}",
-                                     capacity, self._held(), self.cap_bytes) from exc
-            self._scratch.booked.pop(reservation, None)  # type: ignore[arg-type]
-            self._scratch.segments[segment] = job
-            return segment
-
-    def drop_scratch(self, segment: Segment) -> None:
-        """Lets go of a :meth:`scratch` file: kept a while for its job's next restore, counted
-        against the job's cap (:mod:`~elasticd.store.scratch_pool`), else deleted, emptied
-        first: its memory comes back now even if a worker still maps it (its reads fault)."""
-        with self._lock:
-            job = self._scratch.segments.pop(segment, None)
-            if job is not None and not self._scratch.kept.put(job, segment,
-                                                              self._clock.monotonic()):
-                self._destroy([segment])
-            self._expire_scratch()
-
-    def sweep_scratch(self) -> None:
-        """Deletes the released scratch segments kept past their time (called periodically)."""
-        with self._lock:
-            self._expire_scratch()
-
-    def _expire_scratch(self) -> None:
-        self._destroy(self._scratch.kept.expired(self._clock.monotonic()))
-
-    def _destroy(self, segments: list[Segment]) -> None:
-        for segment in segments:  # emptied first: see drop_scratch
-            segment.destroy(self._fd, reclaim=True)
-
-    def reserve_scratch(self, job: str, nbytes: int) -> ScratchReservation:
-        """Books ``nbytes`` of ``job``'s scratch cap and of the node's cap for a partial copy
-        not made yet: it counts against both from now until it is handed to :meth:`scratch`
-        (``reservation=``) or released (:meth:`ScratchReservation.release`).
-
-        Raises:
-            OverBudget: over the node's cap; ScratchOverCap: over ``job``'s.
-        """
-        self._scratch_bytes(job, nbytes)
-        with self._lock:
-            self._destroy(self._scratch.make_room(job, nbytes, self._held(), self.cap_bytes))
-            self._scratch.check(job, nbytes, self._held(), self.cap_bytes)
-            booking = ScratchReservation(job, nbytes, self._unbook)
-            self._scratch.booked[booking] = None
-            return booking
-
-    def _scratch_bytes(self, job: str, nbytes: int) -> int:
-        self._dir(job, 0)
-        if type(nbytes) is not int or nbytes <= 0:
-            raise ValueError(f"nbytes must be a positive integer, got {nbytes!r}")
-        return nbytes
-
-    def _unbook(self, booking: ScratchReservation) -> None:
-        with self._lock:
-            self._scratch.booked.pop(booking, None)
-
-    @property
-    def job_scratch_cap(self) -> int | None:
-        """Most bytes of scratch one job may hold here (None: no per-job cap)."""
-        return self._scratch.job_cap
-
-    def scratch_held(self, job: str | None = None) -> int:
-        """Bytes of scratch and scratch bookings held (for ``job``, or for every job)."""
-        with self._lock:
-            return self._scratch.held(job)
 
     def _stays(self, job: str, pair: _Pair, index: int) -> bool:
         """Whether slot ``index`` holds a complete copy that must not be overwritten (call with
@@ -468,9 +368,11 @@ class SlotStore:
 
     # -- housekeeping ---------------------------------------------------------------------
 
+    def _slot_bytes(self) -> int:
+        return sum(s.capacity for p in self._pairs.values() for s in p.segments if s is not None)
+
     def _held(self) -> int:
-        return (sum(s.capacity for p in self._pairs.values() for s in p.segments if s is not None)
-                + self._scratch.held())
+        return self._slot_bytes() + self.scratch.held_locked()
 
     def bytes_held(self) -> int:
         """Bytes of slot files this store holds."""
@@ -504,7 +406,7 @@ class SlotStore:
         with self._lock:
             self._retained.pop(job, None)
             self._drop([k for k in self._pairs if k[0] == job])
-            self._destroy(self._scratch.kept.drain(job))  # kept for its next restore
+            self.scratch.drain_locked(job)  # kept for its next restore
             shutil.rmtree(job, ignore_errors=True, dir_fd=self._fd)
 
     def close(self, *, unlink: bool = True) -> None:
@@ -516,9 +418,7 @@ class SlotStore:
             for seg in (s for p in self._pairs.values() for s in p.segments if s is not None):
                 seg.unmap()
             self._pairs.clear()
-            # Partial copies never outlive the daemon.
-            self._destroy([*self._scratch.segments, *self._scratch.kept.drain()])
-            self._scratch.segments.clear()
+            self.scratch.drain_locked()  # partial copies never outlive the daemon
             fd, self._fd = self._fd, -1
         if fd < 0:
             return
@@ -534,67 +434,18 @@ class SlotStore:
             os.close(fd)
 
     def scan(self) -> ScanResult:
-        """Adopts the slot files found under the root (a restarted daemon's first call).
-
-        Keeps every segment that is the daemon's own file (see
-        :meth:`~elasticd.snapshot.segment.Segment.open_verified`), whose header and payload
-        checksums verify and that sits in its own job/rank directory (the two newest per rank);
-        removes everything else. Nothing is followed through a symlink.
+        """Adopts the slot files found under the root (a restarted daemon's first call):
+        every verified segment in its own job/rank directory, the two newest per rank; removes
+        everything else (:func:`~elasticd.store.shm_scan.scan_root`).
 
         Raises:
             RuntimeError: the store is already in use.
         """
-        kept: list[tuple[str, int, int, int]] = []
-        removed: list[tuple[str, str]] = []
-
-        def drop(name: str, why: str) -> None:
-            # Anything under the root that is not a verified slot goes: nothing may leak.
-            remove_at(self._fd, name)
-            removed.append((os.path.join(self.root, name), why))
-
         with self._lock:
             if self._pairs:
                 raise RuntimeError("scan() must run before the store is used")
-            for job in sorted(os.listdir(self._fd)):
-                if not _JOB_RE.fullmatch(job) or dir_problem(self._fd, job):
-                    drop(job, "not a job directory")
-                    continue
-                for rank_name in sorted(listdir_at(self._fd, job)):
-                    rel = f"{job}/{rank_name}"
-                    if (not rank_name.isdigit() or str(int(rank_name)) != rank_name
-                            or dir_problem(self._fd, rel)):
-                        drop(rel, "not a rank directory")
-                        continue
-                    self._adopt(job, int(rank_name), rel, drop, kept)
-                if not listdir_at(self._fd, job):
-                    os.rmdir(job, dir_fd=self._fd)
-        return ScanResult(kept, removed)
-
-    def _adopt(self, job: str, rank: int, rank_dir: str, drop: Callable[[str, str], None],
-               kept: list[tuple[str, int, int, int]]) -> None:
-        found: list[tuple[int, Segment]] = []
-        for name in sorted(listdir_at(self._fd, rank_dir)):
-            rel = f"{rank_dir}/{name}"
-            match = _SEGMENT_RE.fullmatch(name)
-            if not match:
-                drop(rel, "not a slot file")
-                continue
-            segment, why = Segment.open_verified(self._fd, rel, os.path.join(self.root, rel),
-                                                 job, rank)
-            if segment is None:
-                drop(rel, why)
-            else:
-                found.append((int(match.group(1)), segment))
-        if not found:
-            os.rmdir(rank_dir, dir_fd=self._fd)
-            return
-        found.sort(key=lambda f: f[1].header.version(), reverse=True)  # type: ignore[union-attr]
-        for _, segment in found[2:]:
-            segment.unmap()
-            drop(segment.name, "older than the two newest snapshots of this rank")
-        pair = _Pair(next_serial=max(serial for serial, _ in found) + 1, latest=0)
-        for i, (_, segment) in enumerate(found[:2]):
-            pair.segments[i] = segment
-            h = segment.header
-            kept.append((job, rank, h.generation, h.step))  # type: ignore[union-attr]
-        self._pairs[(job, rank)] = pair
+            found, result = scan_root(self._fd, self.root)
+            for key, (next_serial, segments) in found.items():
+                pair = self._pairs[key] = _Pair(next_serial=next_serial, latest=0)
+                pair.segments[:len(segments)] = segments
+        return result

@@ -395,7 +395,7 @@ def test_the_slot_request_in_flight_over_a_real_socket(service, tmp_path):
     its reply read after: snapshots land as before, and a state that stops being
     snapshottable is still reported to the daemon (the request in flight holds the
     connection the report needs: given up first, not a deadlock)."""
-    import elasticd.worker.checkpointer as checkpointer_module
+    import elasticd.worker.snapshot_plan as plan_module
     from elasticd.daemon.local_api import LocalServer
     from elasticd.worker.client import DaemonClient
     from elasticd.worker.state import UnsupportedValue
@@ -418,16 +418,16 @@ def test_the_slot_request_in_flight_over_a_real_socket(service, tmp_path):
         return pending
 
     client.start = start
-    real_flatten = checkpointer_module.flatten
+    real_flatten = plan_module.flatten
     state = make_state()
     try:
-        checkpointer_module.flatten = lambda s, *a: events.append("flatten") or real_flatten(s, *a)
+        plan_module.flatten = lambda s, *a: events.append("flatten") or real_flatten(s, *a)
         with Checkpointer(transport=client, job="j", rank=0, world_size=1) as ckpt:
             for step in (1, 2, 3):
                 train_step(state)
                 assert ckpt.save(step, state)
                 ckpt.wait()
-            checkpointer_module.flatten = real_flatten
+            plan_module.flatten = real_flatten
             reserves = "".join(events).split("sent")[1:]
             assert reserves == ["read", "flattenread", "flattenread"], events  # split after
             # the first save
@@ -453,6 +453,6 @@ def test_the_slot_request_in_flight_over_a_real_socket(service, tmp_path):
             assert service.status()["j"]["unprotected_kind"] == "snapshots_failing"
             assert client.call("ckpt_list", job="j", rank=0) is not None  # connection free
     finally:
-        checkpointer_module.flatten = real_flatten
+        plan_module.flatten = real_flatten
         client.close()
         server.stop()

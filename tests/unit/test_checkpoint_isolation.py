@@ -228,7 +228,7 @@ def test_a_worker_maps_the_slot_the_daemon_verified_not_what_the_path_names_late
         forged = sealed_snapshot("job", 0, 3, 666.0)  # same step, checksums recomputed
         reply = t.call("ckpt_reserve", job="job", rank=0, world_size=1, nbytes=len(good))
         _drop_fds(reply)
-        slot = service._jobs["job"].slots[0]
+        slot = service.book.jobs["job"].slots[0]
         slot.buffer[: len(good)] = good
         store.complete(slot, _header_of(good))
 

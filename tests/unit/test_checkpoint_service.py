@@ -322,7 +322,7 @@ def test_off_the_snapshot_grid_a_reservation_is_skipped_quietly(env, caplog):
         def status(self):
             return {"jobs": {}}
 
-    service.replicator = Grid()
+    service.replicator = service.snapshots.replicator = Grid()
     ask = dict(job="job", rank=0, world_size=2, nbytes=4096, local_world_size=2, generation=0)
     with caplog.at_level(logging.WARNING):
         off = t.call("ckpt_reserve", step=6, **ask)

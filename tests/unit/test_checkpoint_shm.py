@@ -229,18 +229,18 @@ def test_cap_is_enforced_and_leaves_the_store_unchanged(root):
 
 def test_a_scratch_copy_counts_against_the_cap_and_never_survives_a_restart(root):
     """A partial copy for one restore read: outside every (job, rank), within the cap, gone
-    at drop_scratch, and removed by the next daemon's scan when the last one died with it."""
+    at scratch.drop, and removed by the next daemon's scan when the last one died with it."""
     store = SlotStore(root, cap_bytes=5 * PAGE, scratch_keep=0)
     snapshot(store, "job", 0, step=1, n=100)  # 4 pages of slots
     with pytest.raises(OverBudget, match="partial copy"):
-        store.scratch(PAGE + 1, job="job")  # 2 pages more exceed the 5-page cap: refused, nothing made
+        store.scratch.new(PAGE + 1, job="job")  # 2 pages more exceed the 5-page cap: refused
     assert not [f for f in files(root) if ".scratch" in f]
-    one = store.scratch(PAGE, job="job")
+    one = store.scratch.new(PAGE, job="job")
     assert store.bytes_held() == 5 * PAGE and os.path.basename(one.path).startswith(".scratch-")
     assert store.versions("job", 0) == [(0, 1)] and store.holdings() == [("job", 0, 0, 1)]
-    store.drop_scratch(one)
+    store.scratch.drop(one)
     assert store.bytes_held() == 4 * PAGE and not os.path.exists(one.path)
-    left = store.scratch(PAGE, job="job")
+    left = store.scratch.new(PAGE, job="job")
     store.close(unlink=False)  # a daemon that stops: its slots stay, its scratch does not
     assert not os.path.exists(left.path)
     # One that died (kill -9) left a scratch file: the next daemon's scan removes it.
@@ -264,26 +264,26 @@ def test_released_scratch_is_kept_touched_for_its_jobs_next_restore(root):
     clock = FakeClock()
     store = SlotStore(root, scratch_keep=30.0, clock=clock)
     try:
-        one = store.scratch(4 * PAGE, job="a")
+        one = store.scratch.new(4 * PAGE, job="a")
         one.reserve_range(0, 4 * PAGE)
         one.view[PAGE : PAGE + 5] = b"rows!"
-        store.drop_scratch(one)
+        store.scratch.drop(one)
         assert store.bytes_held() == 4 * PAGE and os.path.exists(one.path)  # kept, counted
-        other = store.scratch(4 * PAGE, job="b")  # another job: never that segment
+        other = store.scratch.new(4 * PAGE, job="b")  # another job: never that segment
         assert other is not one and other.path != one.path
-        store.drop_scratch(other)
-        small = store.scratch(PAGE, job="a")
+        store.scratch.drop(other)
+        small = store.scratch.new(PAGE, job="a")
         assert small is not one  # far bigger than asked: not that one
-        store.drop_scratch(small)
-        again = store.scratch(3 * PAGE + 1, job="a")
+        store.scratch.drop(small)
+        again = store.scratch.new(3 * PAGE + 1, job="a")
         assert again is one and bytes(again.view[PAGE : PAGE + 5]) == b"rows!"  # still touched
-        store.drop_scratch(again)
+        store.scratch.drop(again)
         clock.advance(31.0)
-        store.sweep_scratch()
+        store.scratch.sweep()
         assert not os.path.exists(one.path) and not os.path.exists(other.path)
         # It goes when its job leaves the node...
-        last = store.scratch(PAGE, job="a")
-        store.drop_scratch(last)
+        last = store.scratch.new(PAGE, job="a")
+        store.scratch.drop(last)
         store.remove_job("a")
         assert not os.path.exists(last.path) and store.bytes_held() == 0
     finally:
@@ -291,8 +291,8 @@ def test_released_scratch_is_kept_touched_for_its_jobs_next_restore(root):
     # ... and first when a reservation needs the room.
     capped = SlotStore(root + "-capped", cap_bytes=6 * PAGE, scratch_keep=30.0, clock=clock)
     try:
-        kept = capped.scratch(4 * PAGE, job="a")
-        capped.drop_scratch(kept)
+        kept = capped.scratch.new(4 * PAGE, job="a")
+        capped.scratch.drop(kept)
         snapshot(capped, "job", 0, step=1, n=100)  # 4 pages of slots: 4 kept + 4 > 6
         assert not os.path.exists(kept.path) and capped.bytes_held() == 4 * PAGE
     finally:
@@ -304,7 +304,7 @@ def test_scratch_ranges_are_reserved_in_small_pages(root):
     (tests/unit/test_huge_pages.py checks the same on a huge-page mount)."""
     store = SlotStore(root, scratch_keep=0)
     try:
-        seg = store.scratch(8 << 20, job="job")
+        seg = store.scratch.new(8 << 20, job="job")
         assert seg.small_pages
         seg.reserve_range(PAGE + 1, 3 * PAGE)  # whole small pages: [PAGE, 3 PAGE)
         assert os.stat(seg.path).st_blocks * 512 == 2 * PAGE

@@ -36,9 +36,6 @@ KNOWN = {
     "elasticd.rendezvous.handler.EtcdNativeRendezvousHandler",
     "elasticd.replication.server.ReplicaServer",
     "elasticd.replication.tracker.CommitTracker",
-    "elasticd.store.service.CheckpointService",
-    "elasticd.store.shm.SlotStore",
-    "elasticd.worker.checkpointer.Checkpointer",
     # Issue 29's commit coordinator, merged over the limits (JobCoordinator: 21 attributes;
     # Reporter: 28 methods): its package's issue splits them.
     "elasticd.replication.coordinator.JobCoordinator",

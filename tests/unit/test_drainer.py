@@ -155,8 +155,8 @@ def test_quiesce_refuses_new_snapshots_and_waits_for_the_one_in_flight():
         assert th.is_alive(), "quiesce returned with a snapshot in flight"
         assert t.call("ckpt_reserve", job="j", rank=1, world_size=2,
                       nbytes=4096)["skip"] is True
-        with service._lock:  # the worker completes (or abandons) its slot
-            service._jobs["j"].slots.clear()
+        with service.book.lock:  # the worker completes (or abandons) its slot
+            service.book.jobs["j"].slots.clear()
         th.join(5)
         assert result == {"ok": True}
         assert service.quiesce(0.1) is True

@@ -130,13 +130,13 @@ def test_scratch_on_a_huge_page_tmpfs_takes_small_pages_and_a_full_mount_is_an_e
     try:
         store = SlotStore(os.path.join(point, "slots"), scratch_keep=0)
         try:
-            seg = store.scratch(32 << 20, job="job")  # only sized: more than the mount holds
+            seg = store.scratch.new(32 << 20, job="job")  # only sized: more than the mount holds
             seg.reserve_range(0, 8 << 20)
             fields = _smaps_of(seg.path)
             assert fields["Rss"] == 8 << 10 and fields["ShmemPmdMapped"] == 0, fields
             with pytest.raises(OSError):
                 seg.reserve_range(8 << 20, 32 << 20)
-            store.drop_scratch(seg)
+            store.scratch.drop(seg)
         finally:
             store.close()
     finally:

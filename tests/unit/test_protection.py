@@ -144,7 +144,7 @@ def test_the_worker_registers_and_warns_at_most_once_a_minute(caplog, monkeypatc
         for _ in range(5):
             ckpt._register(7)
         assert len([r for r in caplog.records if "UNPROTECTED" in r.getMessage()]) == 1
-        ckpt._unprotected_warned_at -= 61  # a minute later, still unprotected: again
+        ckpt._notices.warned_at -= 61  # a minute later, still unprotected: again
         ckpt._register(8)
         assert len([r for r in caplog.records if "UNPROTECTED" in r.getMessage()]) == 2
         t.unprotected = None

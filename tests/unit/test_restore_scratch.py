@@ -39,31 +39,31 @@ def roots():
 def test_a_jobs_scratch_and_bookings_stay_under_its_cap_and_other_jobs_keep_theirs(roots):
     store = SlotStore(roots[0], job_scratch_cap=4 * PAGE, scratch_keep=0)  # drop: gone
     try:
-        one = store.scratch(3 * PAGE, job="a")
+        one = store.scratch.new(3 * PAGE, job="a")
         with pytest.raises(ScratchOverCap) as exc:
-            store.scratch(2 * PAGE, job="a")
+            store.scratch.new(2 * PAGE, job="a")
         assert str(exc.value) == (f"job a: {2 * PAGE} more bytes of restore scratch would hold "
                                   f"{5 * PAGE}, over its cap of {4 * PAGE} on this node "
                                   "(scratch_cap_mib)")
         assert isinstance(exc.value, OverBudget)  # callers that handle the node cap handle it
-        other = store.scratch(4 * PAGE, job="b")  # per job: b has its own
+        other = store.scratch.new(4 * PAGE, job="b")  # per job: b has its own
         with pytest.raises(ScratchOverCap):
-            store.reserve_scratch("a", 2 * PAGE)  # a booking counts like a segment
-        store.drop_scratch(one)
-        booking = store.reserve_scratch("a", 3 * PAGE)
-        assert store.scratch_held("a") == 3 * PAGE and store.scratch_held() == 7 * PAGE
+            store.scratch.reserve("a", 2 * PAGE)  # a booking counts like a segment
+        store.scratch.drop(one)
+        booking = store.scratch.reserve("a", 3 * PAGE)
+        assert store.scratch.held("a") == 3 * PAGE and store.scratch.held() == 7 * PAGE
         with pytest.raises(ScratchOverCap):
-            store.scratch(2 * PAGE, job="a")  # the booking holds 3 of the 4 pages
-        made = store.scratch(4 * PAGE, job="a", reservation=booking)  # takes the booking over
-        assert store.scratch_held("a") == 4 * PAGE
+            store.scratch.new(2 * PAGE, job="a")  # the booking holds 3 of the 4 pages
+        made = store.scratch.new(4 * PAGE, job="a", reservation=booking)  # takes the booking over
+        assert store.scratch.held("a") == 4 * PAGE
         booking.release()  # used: nothing more to give back
-        assert store.scratch_held("a") == 4 * PAGE
-        store.drop_scratch(made)
-        store.drop_scratch(other)
-        later = store.reserve_scratch("a", PAGE)
+        assert store.scratch.held("a") == 4 * PAGE
+        store.scratch.drop(made)
+        store.scratch.drop(other)
+        later = store.scratch.reserve("a", PAGE)
         later.release()
         later.release()
-        assert store.scratch_held() == 0 and store.bytes_held() == 0
+        assert store.scratch.held() == 0 and store.bytes_held() == 0
     finally:
         store.close()
 
@@ -71,9 +71,9 @@ def test_a_jobs_scratch_and_bookings_stay_under_its_cap_and_other_jobs_keep_thei
 def test_a_booking_counts_against_the_nodes_cap_too(roots):
     store = SlotStore(roots[0], cap_bytes=4 * PAGE, job_scratch_cap=8 * PAGE, scratch_keep=0)
     try:
-        store.reserve_scratch("a", 3 * PAGE)
+        store.scratch.reserve("a", 3 * PAGE)
         with pytest.raises(OverBudget, match="of the node's"):
-            store.scratch(2 * PAGE, job="b")
+            store.scratch.new(2 * PAGE, job="b")
         assert store.bytes_held() == 3 * PAGE
     finally:
         store.close()
@@ -86,23 +86,23 @@ def test_a_dropped_scratch_gives_its_memory_back_though_a_worker_still_maps_it(r
     clock = FakeClock()
     store = SlotStore(roots[0], job_scratch_cap=64 * PAGE, scratch_keep=keep, clock=clock)
     try:
-        segment = store.scratch(64 * PAGE, job="a")
+        segment = store.scratch.new(64 * PAGE, job="a")
         segment.reserve_range(0, 64 * PAGE)
         segment.view[:] = b"x" * (64 * PAGE)
         fd = segment.descriptor(writable=False)  # what the worker was handed
         kept = mmap.mmap(fd, 64 * PAGE, prot=mmap.PROT_READ)  # and mapped, and never unmaps
         assert os.fstat(fd).st_blocks * 512 >= 64 * PAGE
-        store.drop_scratch(segment)
+        store.scratch.drop(segment)
         if keep:
-            assert store.scratch_held("a") == 64 * PAGE  # kept: still the job's, still counted
+            assert store.scratch.held("a") == 64 * PAGE  # kept: still the job's, still counted
             with pytest.raises(ScratchOverCap):
-                store.reserve_scratch("b", 65 * PAGE)  # (b's own cap)
+                store.scratch.reserve("b", 65 * PAGE)  # (b's own cap)
             assert os.fstat(fd).st_blocks * 512 >= 64 * PAGE
             clock.advance(keep + 1)
-            store.sweep_scratch()
+            store.scratch.sweep()
         st = os.fstat(fd)
         assert st.st_size == 0 and st.st_blocks == 0  # the pages are gone, not just the name
-        assert store.scratch_held() == 0
+        assert store.scratch.held() == 0
         kept.close()
         os.close(fd)
     finally:
@@ -114,17 +114,17 @@ def test_kept_scratch_gives_way_to_its_jobs_cap_and_the_nodes(roots):
     the job's cap, or a slot over the node's, deletes kept segments first."""
     store = SlotStore(roots[0], cap_bytes=7 * PAGE, job_scratch_cap=4 * PAGE)
     try:
-        first = store.scratch(3 * PAGE, job="a")
-        store.drop_scratch(first)  # kept: 3 of a's 4 pages
-        second = store.scratch(PAGE, job="a")  # fits beside it
-        store.drop_scratch(second)
-        big = store.scratch(4 * PAGE, job="a")  # not without deleting both
+        first = store.scratch.new(3 * PAGE, job="a")
+        store.scratch.drop(first)  # kept: 3 of a's 4 pages
+        second = store.scratch.new(PAGE, job="a")  # fits beside it
+        store.scratch.drop(second)
+        big = store.scratch.new(4 * PAGE, job="a")  # not without deleting both
         assert not os.path.exists(first.path) and not os.path.exists(second.path)
-        assert store.scratch_held("a") == 4 * PAGE
-        store.drop_scratch(big)
-        other = store.scratch(4 * PAGE, job="b")  # the node's cap: a's kept copy goes
-        assert not os.path.exists(big.path) and store.scratch_held() == 4 * PAGE
-        store.drop_scratch(other)
+        assert store.scratch.held("a") == 4 * PAGE
+        store.scratch.drop(big)
+        other = store.scratch.new(4 * PAGE, job="b")  # the node's cap: a's kept copy goes
+        assert not os.path.exists(big.path) and store.scratch.held() == 4 * PAGE
+        store.scratch.drop(other)
     finally:
         store.close()
 
@@ -153,16 +153,16 @@ def test_one_live_partial_copy_per_rank_and_caller(service):
     for rank in (0, 1):
         write_snapshot(t2, "job", rank, step=4, world=2)
     first = fetch(t, 0, pid=10)
-    size = svc.store.scratch_held("job")
+    size = svc.store.scratch.held("job")
     assert size > 0 and os.path.exists(first["path"])
     again = fetch(t, 0, pid=10)  # the same worker asks again for rank 0: the first goes
-    assert not os.path.exists(first["path"]) and svc.store.scratch_held("job") == size
+    assert not os.path.exists(first["path"]) and svc.store.scratch.held("job") == size
     beside = [fetch(t, 0, pid=11), fetch(t, 1, pid=10)]  # another worker; another rank
-    assert svc.store.scratch_held("job") == 3 * size
+    assert svc.store.scratch.held("job") == 3 * size
     for reply in (again, *beside):
         t.call("ckpt_release", pin=reply["pin"])
     t.call("ckpt_release", pin=first["pin"])  # already given back: nothing happens
-    assert svc.store.scratch_held("job") == 0
+    assert svc.store.scratch.held("job") == 0
 
 
 def test_a_fetch_over_the_jobs_cap_is_refused_in_one_line_counted_and_shown(service, caplog):
@@ -176,11 +176,11 @@ def test_a_fetch_over_the_jobs_cap_is_refused_in_one_line_counted_and_shown(serv
     line = str(exc.value)
     assert "\n" not in line and "cannot fetch job rank" in line
     assert "over its cap of 65536 on this node (scratch_cap_mib)" in line
-    assert 0 < len(held) < 8 and svc.store.scratch_held("job") <= 16 * PAGE
+    assert 0 < len(held) < 8 and svc.store.scratch.held("job") <= 16 * PAGE
     with pytest.raises(TransportError, match="scratch_cap_mib"):
         fetch(t, 7, pid=10)
     status = svc.status()["job"]["scratch"]
-    assert status == {"bytes": svc.store.scratch_held("job"), "cap": 16 * PAGE, "refused": 2}
+    assert status == {"bytes": svc.store.scratch.held("job"), "cap": 16 * PAGE, "refused": 2}
     stats = svc.stats()
     assert stats.scratch_refused_total == 2 and stats.scratch_bytes == status["bytes"]
     assert sum("REFUSED restore scratch" in r.message for r in caplog.records) == 1
@@ -206,21 +206,21 @@ def test_a_membership_change_sets_scratch_aside_within_the_jobs_cap(roots):
         size = store.latest("job", 0).header.layout.total_size
         assert svc.membership_changed("other-job") == 0  # holds nothing of that job
         aside = svc.membership_changed("job")
-        assert aside == -(-size // PAGE) * PAGE and store.scratch_held("job") == aside
+        assert aside == -(-size // PAGE) * PAGE and store.scratch.held("job") == aside
         for thread in threading.enumerate():  # the pages are touched by a thread of its own
             if thread.name == "elasticd-scratch-job":
                 thread.join(10)
-        segment = store.scratch(size, job="job")  # the restore's partial copy: the same one
+        segment = store.scratch.new(size, job="job")  # the restore's partial copy: the same one
         fd = segment.descriptor(writable=False)
         assert os.fstat(fd).st_blocks * 512 >= size  # touched before the restore asked
         os.close(fd)
-        assert store.scratch_held("job") == aside
-        store.drop_scratch(segment)
+        assert store.scratch.held("job") == aside
+        store.scratch.drop(segment)
         crowded = SlotStore(roots[1], job_scratch_cap=PAGE)  # no room under the cap
         try:
             other = CheckpointService(crowded, "n2")
             write_snapshot(Local(other.handlers()), "job", 0, step=4, world=2, n=3000)
-            assert other.membership_changed("job") == 0 and crowded.scratch_held() == 0
+            assert other.membership_changed("job") == 0 and crowded.scratch.held() == 0
             assert other.counters.get("scratch_refused", 0) == 0
         finally:
             crowded.close()

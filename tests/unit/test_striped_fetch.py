@@ -230,7 +230,7 @@ def test_a_scratch_copy_reserves_only_the_ranges_it_receives(holders, tmp_path):
         segments, reserved = [], []
 
         def into(desc):
-            segments.append(store.scratch(desc.total_bytes, job=JOB))
+            segments.append(store.scratch.new(desc.total_bytes, job=JOB))
             return segments[-1].view
 
         def reserve(start, end):
@@ -253,7 +253,7 @@ def test_a_scratch_copy_reserves_only_the_ranges_it_receives(holders, tmp_path):
         # this 6 MB snapshot), never the last 2 MiB, which holds no selected block.
         held = os.stat(os.path.join(root, seg.name)).st_blocks * 512
         assert held <= 4 << 20 < seg.capacity - (1 << 20), (held, seg.capacity)
-        store.drop_scratch(seg)
+        store.scratch.drop(seg)
 
         def refuse(start, end):
             if start >= lay_start:
@@ -265,6 +265,6 @@ def test_a_scratch_copy_reserves_only_the_ranges_it_receives(holders, tmp_path):
                         reserve=refuse)
     finally:
         for seg in segments:
-            store.drop_scratch(seg)
+            store.scratch.drop(seg)
         store.close()
         shutil.rmtree(root, ignore_errors=True)

@@ -1,0 +1,70 @@
+"""Holds every optimizer of a training state back until the snapshot copy in flight is done.
+
+A save returns before the background copy of parameters and optimizer state has finished; only
+``optimizer.step`` changes those, so a step pre-hook on every optimizer in the state waits for
+the copy (on the GPU: the compute stream waits on the copy's event, not the host) before the
+optimizer mutates anything. Worker side.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Mapping
+
+import torch
+
+from elasticd.clock import SYSTEM_CLOCK
+
+__all__ = ["OptimizerFence"]
+
+log = logging.getLogger("elasticd.checkpoint")
+
+
+class OptimizerFence:
+    """Step pre-hooks that wait for :attr:`copy`.
+
+    Args:
+        timeout: seconds a hook waits for the copy before letting the step go.
+        on_wait: called with the seconds each hook waited (the host waited, not a GPU fence).
+    """
+
+    def __init__(self, timeout: float, on_wait: Callable[[float], None]) -> None:
+        self._timeout, self._on_wait = timeout, on_wait
+        self._hooks: dict[int, Any] = {}
+        self._stall = 0.0
+        #: The copy in flight (a CopyHandle), or None.
+        self.copy: Any = None
+
+    def watch(self, state: Mapping[str, Any]) -> None:
+        """Hooks every optimizer in ``state`` not hooked yet."""
+        for value in state.values():
+            if isinstance(value, torch.optim.Optimizer) and id(value) not in self._hooks:
+                self._hooks[id(value)] = value.register_step_pre_hook(self._before_step)
+
+    def take_stall(self) -> float:
+        """Seconds the hooks held the training loop since the last call."""
+        stall, self._stall = self._stall, 0.0
+        return stall
+
+    def close(self) -> None:
+        """Removes every hook."""
+        for handle in self._hooks.values():
+            handle.remove()
+        self._hooks.clear()
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        copy = self.copy
+        if copy is None or copy.done():
+            return
+        fence = getattr(copy, "before_mutation", None)
+        if fence is not None:  # GPU: the compute stream waits on the copy's event, not the host
+            fence()
+            return
+        start = SYSTEM_CLOCK.perf_counter()
+        try:
+            copy.wait(self._timeout)
+        except Exception as exc:  # noqa: BLE001 — the seal thread reports it
+            log.debug("elasticd: snapshot copy failed: %s", exc)
+        waited = SYSTEM_CLOCK.perf_counter() - start
+        self._stall += waited
+        self._on_wait(waited)
