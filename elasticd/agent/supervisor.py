@@ -168,7 +168,10 @@ class AgentSupervisor:
             "--max-restarts", str(s.max_restarts),
             "--monitor-interval", "0.1",
             "--log-dir", os.path.join(self.log_dir, "torchrun"),
-            *(["--module", "elasticd.agent.warm_start"] if self.warm else []),
+            # "--" before the training script: torchrun's parser otherwise takes a script
+            # argument that abbreviates one of its own options (--log, --node, --max...) for
+            # that option and refuses the launch ("ambiguous option"; plain torchrun does).
+            *(["--module", "--", "elasticd.agent.warm_start"] if self.warm else ["--"]),
             s.script, *s.args,
         )
 
