@@ -33,7 +33,7 @@ from elasticd.daemon.daemon import Daemon
 from elasticd.daemon.http import StatusServer
 from elasticd.testing.transport import InProcessTransport
 from tests.conftest import connect
-from tests.unit.test_checkpoint_service import write_snapshot
+from tests.unit.test_store_service import write_snapshot
 from tests.unit.test_protection import FakeReplicator
 
 pytestmark = [pytest.mark.etcd]

@@ -1,7 +1,7 @@
 """The parts the worker's Checkpointer owns, each alone: the slot mappings it keeps
 (:mod:`elasticd.worker.slot_maps`), the optimizer fence (:mod:`elasticd.worker.optimizer_fence`),
 the snapshot plan (:mod:`elasticd.worker.snapshot_plan`) and its log notices
-(:mod:`elasticd.worker.notices`). The Checkpointer itself: test_checkpoint_client.py."""
+(:mod:`elasticd.worker.notices`). The Checkpointer itself: test_worker_checkpointer.py."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from elasticd.store.shm import SlotStore
 from elasticd.testing.clock import FakeClock
 from elasticd.testing.transport import InProcessTransport
 from elasticd.metrics import UNPROTECTED_REASONS, CheckpointSink, Metrics
-from tests.unit.test_checkpoint_service import write_snapshot
+from tests.unit.test_store_service import write_snapshot
 
 OK = JobView(newest=(0, 50), replicated=True, placement=True, committed=(0, 49), lag=1,
              seconds=60)

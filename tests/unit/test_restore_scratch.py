@@ -22,8 +22,8 @@ from elasticd.snapshot.segment import PAGE
 from elasticd.store.api import OverBudget, ScratchOverCap
 from elasticd.store.service import CheckpointService
 from elasticd.store.shm import SlotStore
-from tests.unit.test_checkpoint_peer_restore import FakeReplicator
-from tests.unit.test_checkpoint_service import write_snapshot
+from tests.unit.test_store_peer_restore import FakeReplicator
+from tests.unit.test_store_service import write_snapshot
 
 NEED = [[[3000], ["S0"], [0], [1500]]]
 

@@ -5,7 +5,7 @@ and 2 → 3 (parameter sizes not divisible by 2 or 3; the partitions differ) aga
 standard way, ``consolidate_state_dict`` at the old world size and
 ``ZeroRedundancyOptimizer.load_state_dict`` at the new one, bit for bit. Real torch: ranks are
 processes spawned here (gloo on 127.0.0.1); snapshots go through :func:`flatten` and
-:func:`load_into` (the daemon's part is test_checkpoint_peer_restore's and the chaos test's).
+:func:`load_into` (the daemon's part is test_store_peer_restore's and the chaos test's).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ committed step, also after the world shrank.
 The replicator is an in-process fake whose ``fetch_to_local`` runs the real
 :func:`~elasticd.recovery.fetch.fetch_into_store` over another node's slot store (the
 "peer's RAM"), so a fetched shard is a real, verified snapshot in the local store. Ranks are
-threads of this process (the collective of ``test_checkpoint_client``); slots live in unique
+threads of this process (the collective of ``test_worker_checkpointer``); slots live in unique
 /dev/shm directories removed afterwards.
 """
 
@@ -34,7 +34,7 @@ from elasticd.recovery.fetch import (
     fetch_into_scratch,
     fetch_into_store,
 )
-from tests.unit.test_checkpoint_client import (
+from tests.unit.test_worker_checkpointer import (
     ThreadRanks,
     assert_same,
     capture,
@@ -42,7 +42,7 @@ from tests.unit.test_checkpoint_client import (
     run_ranks,
     train_step,
 )
-from tests.unit.test_checkpoint_service import write_snapshot
+from tests.unit.test_store_service import write_snapshot
 
 torch.set_num_threads(1)
 
@@ -213,7 +213,7 @@ def test_a_fetch_with_the_new_boxes_is_a_partial_copy_dropped_at_its_release(nod
     assert svc.replicator.needs == [("job", 2, [[[3000], ["S0"], [0], [1500]]])]
     t.call("ckpt_release", pin=reply["pin"])
     # Kept, pages touched, for the job's next restore (store/scratch_pool.py), until the job
-    # leaves the node (or it expires: test_checkpoint_shm.py).
+    # leaves the node (or it expires: test_store_shm.py).
     assert svc.store.bytes_held() > before and os.path.exists(reply["path"])
     svc.remove_job("job")
     assert svc.store.bytes_held() == before

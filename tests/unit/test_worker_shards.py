@@ -6,7 +6,7 @@ Real torch everywhere: ranks are processes spawned here (``torch.multiprocessing
 127.0.0.1) running ``fully_shard`` on layers whose sizes 3 and 2 do not divide (uneven shards,
 a rank holding no rows); the daemons are two real :class:`CheckpointService` behind real
 :class:`LocalServer` sockets in this process, node n1 with the in-process replicator of
-``test_checkpoint_peer_restore`` fetching from node n2's store (a peer's RAM). The reference a
+``test_store_peer_restore`` fetching from node n2's store (a peer's RAM). The reference a
 resharded restore must equal is what ``dcp.load`` gives at the new world size from a
 ``dcp.save(get_state_dict(...))`` the old world wrote at the same step: never elasticd's own
 bytes, so the check can fail.
@@ -30,7 +30,7 @@ from elasticd.worker.state import UnsupportedValue
 from elasticd.coordination.embedded import free_port
 from elasticd.testing.transport import InProcessTransport
 from tests.ranks import spawn
-from tests.unit.test_checkpoint_peer_restore import FakeReplicator, commit
+from tests.unit.test_store_peer_restore import FakeReplicator, commit
 
 DIMS = (7, 5, 11, 4, 3)  # Linear(7, 5), Linear(5, 11), ...: rows 5, 11, 4, 3 over 2 and 3 ranks
 
