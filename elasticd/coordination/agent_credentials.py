@@ -112,13 +112,14 @@ class AgentCredentials:
         env: dict[str, str] = {}
         if self.users:
             user, password = self.user_name(spec.name), secrets.token_urlsafe(24)
-            self._ensure_user(user, password)
             self._ensure_role(self.job_role(spec.name), self.keys.job_rdzv(spec.name),
                               prefix=True, write=True)
             self._ensure_role(self.node_role(), self.keys.node(self.node_id),
                               prefix=False, write=False)
+            has = self._ensure_user(user, password)
             for role in (self.job_role(spec.name), self.node_role()):
-                self._auth("UserGrantRole", "AuthUserGrantRoleRequest", user=user, role=role)
+                if role not in has:
+                    self._auth("UserGrantRole", "AuthUserGrantRoleRequest", user=user, role=role)
             conf["user"] = user
             env[PASSWORD_ENV] = password
             if not self._retired:
@@ -166,26 +167,44 @@ class AgentCredentials:
 
         return self.coord.auth_call(method, getattr(etcdrpc, request)(**fields))
 
-    def _ensure_user(self, user: str, password: str) -> None:
+    # Each change of etcd's users or roles moves its auth store's revision, and while it moves
+    # etcd refuses writes that race a change and repeats every log-in (each a bcrypt check):
+    # at a job's start on N nodes at once that cost N² log-in checks (bench/scale_credentials.py).
+    # So nothing is changed that already holds: a role and its permission are read first (every
+    # node of a job would otherwise re-grant the same one), a user's roles too.
+
+    def _ensure_user(self, user: str, password: str) -> set[str]:
+        """Creates ``user`` with ``password`` (or sets the password of the one there); returns
+        the roles it already has."""
         try:
             self._auth("UserAdd", "AuthUserAddRequest", name=user, password=password)
+            return set()
         except CoordinationError as exc:
             if "already exists" not in str(exc):
                 raise
-            self._auth("UserChangePassword", "AuthUserChangePasswordRequest", name=user,
-                       password=password)
+        self._auth("UserChangePassword", "AuthUserChangePasswordRequest", name=user,
+                   password=password)
+        return set(self._auth("UserGet", "AuthUserGetRequest", name=user).roles)
 
     def _ensure_role(self, role: str, key: bytes, prefix: bool, write: bool) -> None:
         from pyetcd.etcdrpc import auth_pb2
 
-        try:
-            self._auth("RoleAdd", "AuthRoleAddRequest", name=role)
-        except CoordinationError as exc:
-            if "already exists" not in str(exc):
-                raise
         perm = auth_pb2.Permission(
             permType=auth_pb2.Permission.READWRITE if write else auth_pb2.Permission.READ,
             key=key, range_end=prefix_range_end(key) if prefix else b"")
+        try:
+            held = self._auth("RoleGet", "AuthRoleGetRequest", role=role).perm
+        except CoordinationError as exc:
+            if "not found" not in str(exc):
+                raise
+            try:
+                self._auth("RoleAdd", "AuthRoleAddRequest", name=role)
+            except CoordinationError as exc2:  # another node of the job made it meanwhile
+                if "already exists" not in str(exc2):
+                    raise
+            held = []
+        if any(p == perm for p in held):
+            return
         self._auth("RoleGrantPermission", "AuthRoleGrantPermissionRequest", name=role,
                    perm=perm)
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 from typing import TYPE_CHECKING, Any, Callable
 
 import elasticd
@@ -25,22 +24,21 @@ from elasticd.agent.manager import JobManager
 from elasticd.clock import Clock, SystemClock
 from elasticd.cluster.events import Event, EventLog
 from elasticd.cluster.incarnation import Incarnation
-from elasticd.cluster.membership import (Membership, NodeRecord, NodeState, Observation,
-                                         ObservationKind, decode_node, joined_sentence)
+from elasticd.cluster.membership import (Membership, NodeState, Observation, ObservationKind,
+                                         joined_sentence)
 from elasticd.config import Settings
-from elasticd.coordination import records
-from elasticd.coordination.api import (AuthError, CoordinationError, Coordinator, EventType,
-                                       Unavailable)
+from elasticd.coordination.api import AuthError, CoordinationError, Coordinator, Unavailable
 from elasticd.coordination.health import EtcdHealth
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.lease import LeaseKeeper
-from elasticd.coordination.watch_feed import WatchFeed
 from elasticd.daemon import node_rules
 from elasticd.daemon.agent_setup import agent_credentials, rdzv_conf
+from elasticd.daemon.cycle_state import CycleState
 from elasticd.daemon.data_loss import DataLossRecovery
 from elasticd.daemon.drain_host import NodeDrainHost
 from elasticd.daemon.fencing import Fence
 from elasticd.daemon.node_rules import Recover, RecordWrite
+from elasticd.daemon.peer_watch import PeerWatch
 from elasticd.daemon.recovery_timeline import TimelineRecorder
 from elasticd.daemon.registration import NodeIdInUse, Registration
 from elasticd.daemon.replica_view import ReplicaView
@@ -63,7 +61,8 @@ class Daemon:
     lease), :class:`Fence` (fencing, by the rules of :mod:`elasticd.daemon.node_rules`),
     :class:`DataLossRecovery`, :class:`ReplicaView`, :class:`WorkerChannel` (the workers' local
     socket), the drainer with its :class:`NodeDrainHost`, the job manager and the recovery
-    timeline.
+    timeline, the watch on its peers' records (:class:`PeerWatch`) and the loop's own state
+    (:class:`CycleState`).
 
     Args:
         settings: validated settings.
@@ -88,8 +87,9 @@ class Daemon:
         self.coord = coord
         self.clock = clock or SystemClock()
         self.metrics = metrics or Metrics()
-        self.keys = Keyspace(settings.prefix)
-        self.events = EventLog(coord, self.keys, settings.events_retention)
+        keys = Keyspace(settings.prefix)
+        self.loop = CycleState(self.clock.monotonic())
+        self.events = EventLog(coord, keys, settings.events_retention)
         self.membership = membership or Membership(settings.node_id,
                                                    settings.provisional_seconds,
                                                    settings.lease_ttl)
@@ -99,22 +99,22 @@ class Daemon:
 
         self.health = EtcdHealth(self.clock, self._outage_started, self._outage_ended,
                                  describe=f"etcd at {settings.etcd or 'embedded'}")
-        self._wake = threading.Event()
-        self._feed = WatchFeed(wake=self._wake.set)
+        self.peers = PeerWatch(settings.node_id, coord, keys, self.membership, self.clock,
+                               wake=self.loop.wake)
         self.keeper = LeaseKeeper(coord, settings.lease_ttl, self.health,
-                                  on_change=self._wake.set, clock=self.clock,
+                                  on_change=self.loop.wake, clock=self.clock,
                                   on_failure=self.metrics.keepalive_failures.inc)
         self.metrics.etcd_up.set(1)
         self.registration = Registration(
-            settings.node_id, coord, self.keys, self.keeper, self.health, self.events,
+            settings.node_id, coord, keys, self.keeper, self.health, self.events,
             self.membership, self.clock, settings.lease_ttl,
-            says=lambda: (self.state, self.sentence), replication_address=replication_address)
+            says=lambda: (self.state, self.loop.sentence), replication_address=replication_address)
         self.registration.http_address = http_address  # set again once serving (node.py)
         self.fence = Fence(settings.node_id, self.events, self.metrics, self.clock,
                            lease=lambda: self.registered_lease or self.keeper.lease)
-        credentials = agent_credentials(settings, coord, self.keys)
+        credentials = agent_credentials(settings, coord, keys)
         self.jobs = JobManager(
-            settings.node_id, coord, self.keys, settings.etcd, settings.state_path, self.metrics,
+            settings.node_id, coord, keys, settings.etcd, settings.state_path, self.metrics,
             lease=lambda: self.registered_lease or 0, extra_env=lambda: self.channel.agent_env(),
             rdzv_conf=rdzv_conf(settings), agent_restarts=settings.agent_restarts,
             stop_grace=settings.stop_grace, warm_workers=settings.worker_start == "warm",
@@ -130,7 +130,7 @@ class Daemon:
         self.jobs.checks.wake = self.wake  # a job's file check ended: act on it now
         # The cluster's incarnation in etcd: how a daemon recognises that etcd lost its data.
         self.data_loss = DataLossRecovery(
-            Incarnation(coord, self.keys, settings.node_id, self.clock), self.metrics,
+            Incarnation(coord, keys, settings.node_id, self.clock), self.metrics,
             republish_specs=self.jobs.republish,
             record_event=lambda loss, specs: self.record_event(
                 "etcd_data_lost", f"etcd lost its data: {loss.reason}",
@@ -144,7 +144,7 @@ class Daemon:
             registered=lambda: self.registered_lease is not None,
             replicates=replicator is not None)
         # Each recovery's timeline, written by one node (daemon/recovery_timeline.py).
-        self.timeline = TimelineRecorder(settings.node_id, coord, self.keys, self.events,
+        self.timeline = TimelineRecorder(settings.node_id, coord, keys, self.events,
                                          self.metrics, self.clock,
                                          lambda: float(self.settings.lease_ttl),
                                          last_heard=self.replicas.last_heard)
@@ -160,25 +160,15 @@ class Daemon:
             self.jobs.on_job_end.append(checkpoints.remove_job)
         if replicator is not None:
             self.jobs.on_job_end.append(replicator.remove_job)
-        self.drainer = Drainer(settings.node_id, coord, self.keys,
+        self.drainer = Drainer(settings.node_id, coord, keys,
                                NodeDrainHost(settings.node_id, self.jobs, checkpoints,
                                              replicator, self.wake, self.record_event),
                                stop_wait=settings.stop_grace + 10, clock=self.clock)
 
-        self._leaving = False
-        self.sentence = "starting"
-        self._stop = threading.Event()
-        self._need_resync = False
-        self._rewrite_record = False
-        self._last_cycle = self.clock.monotonic()
-        self._notes: list[str] = []
-        self.cycles = 0
-        self.complaints = records.Complaints(log)  # bad records, each logged once
-
     @property
     def state(self) -> NodeState:
         """The node's state, as its record says: leaving, fenced, or up."""
-        if self._leaving:
+        if self.registration.leaving:
             return NodeState.LEAVING
         return NodeState.FENCED if self.fence.book.fenced else NodeState.UP
 
@@ -204,18 +194,18 @@ class Daemon:
         self.data_loss.incarnation.check()  # the first look: writes the key on a new cluster
         if keep_alive_thread:
             self.keeper.start()
-        self._start_watch()
+        self._act(self.peers.start())
         self.jobs.start_watch()
         self._register(wait_for_id=True)  # last: once our record is visible, we are in
-        self.sentence = joined_sentence(self.settings.node_id)
-        log.info("%s", self.sentence)
+        self.loop.sentence = joined_sentence(self.settings.node_id)
+        log.info("%s", self.loop.sentence)
 
     def run(self, on_cycle: Callable[["Daemon"], None] = lambda _d: None) -> None:
         """Cycles until :meth:`request_stop`; ``on_cycle`` runs after each completed cycle."""
-        while not self._stop.is_set():
+        while not self.loop.stopping:
             self.cycle()
             on_cycle(self)
-            self._wait(self.settings.loop_interval)
+            self.loop.wait(self.settings.loop_interval, idle=self.peers.empty)
 
     #: Settings that take effect only when the daemon restarts.
     RESTART_SETTINGS = ("node_id", "etcd", "prefix", "listen", "lease_ttl", "state_dir",
@@ -237,11 +227,10 @@ class Daemon:
         return restart
 
     def wake(self) -> None:
-        self._wake.set()
+        self.loop.wake()
 
     def request_stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
+        self.loop.stop()
 
     def leave(self) -> None:
         """Leaves the cluster cleanly: record ``leaving``, a departure event, revoke the lease.
@@ -250,7 +239,7 @@ class Daemon:
         unreachable the lease simply expires and peers record a failure, which is the truth
         as far as they can tell.
         """
-        self._leaving = True
+        self.registration.leaving = True
         lease = self.keeper.lease
         # Workers stop after their snapshot in flight (new ones refused), then our replicas
         # go to peers so the committed step keeps m copies without us (both bounded:
@@ -270,57 +259,51 @@ class Daemon:
         except CoordinationError as exc:
             log.warning("could not leave cleanly (%s); peers will see the lease expire", exc)
             self.keeper.stop()
-        self._feed.close()
+        self.peers.close()
 
     def close(self) -> None:
         self.keeper.stop()
-        self._feed.close()
+        self.peers.close()
         self.jobs.close()
 
     # -- the parts' moments -----------------------------------------------------------------
 
-    def _note(self, note: str | None) -> None:
-        if note:
-            self._notes.append(note)
-
     def _register(self, wait_for_id: bool) -> None:
-        self._note(self.registration.register(wait_for_id, lift_fence=self.fence.book.registered))
+        self.loop.note(self.registration.register(wait_for_id, lift_fence=self.fence.book.registered))
 
     def _handle_lost_leases(self) -> None:
         for old in self.keeper.take_lost():
-            self._need_resync = True  # a lease found gone: etcd may have lost its data
+            self.peers.stale = True  # a lease found gone: etcd may have lost its data
             if self.registered_lease == old:
                 self.registration.lease = None
-            self._note(self.fence.lease_lost(old, self.settings.provisional_seconds))
-        self._note(self.fence.check(self.clock.monotonic()))
+            self.loop.note(self.fence.lease_lost(old, self.settings.provisional_seconds))
+        self.loop.note(self.fence.check(self.clock.monotonic()))
 
     def _outage_started(self) -> None:
         self.metrics.etcd_outages.inc()
         self.metrics.etcd_up.set(0)
-        self._wake.set()
+        self.loop.wake()
 
     def _outage_ended(self, seconds: float) -> None:
         self.metrics.etcd_up.set(1)
-        self._need_resync = True
+        self.peers.stale = True
         rewatch = getattr(self.coord, "rewatch", None)
         if rewatch is not None:
             rewatch()
-        self._wake.set()
+        self.loop.wake()
 
     def _look_for_data_loss(self, again: bool = False) -> bool:
         """Looks whether etcd lost its data (:class:`DataLossRecovery`) and recovers if so;
         True when it did."""
-        note = self.data_loss.look(self.cycles, again)
-        self._note(note)
+        note = self.data_loss.look(self.loop.cycles, again)
+        self.loop.note(note)
         return note is not None
 
     def _relist_after_data_loss(self) -> None:
         """Re-lists the nodes of a cluster whose etcd lost its data: nobody failed for it."""
-        now = self.clock.monotonic()
-        kvs, revision = self.coord.get_prefix(self.keys.nodes)
+        recs, revision = self.peers.list()
         self.data_loss.incarnation.observe(revision)
-        self._act(self.membership.reset(self._decode_all(kvs), now, self.clock.wall(), True))
-        self._need_resync = False
+        self._act(self.peers.reset(recs, self.clock.monotonic(), True))
 
     # -- events ---------------------------------------------------------------------------
 
@@ -338,51 +321,49 @@ class Daemon:
     def cycle(self) -> str:
         """Runs one cycle and returns its sentence."""
         now = self.clock.monotonic()
-        self._notes = []
+        self.loop.notes = []
         try:
             self._handle_lost_leases()
-            self._drain_events(now)
+            self._act(self.peers.take(now, self._cut_off(), self.registration.leaving))
             # No periodic re-list: the watch is trusted until it says otherwise (an error
             # batch), a lease is found lost, or an outage ends; each of these also comes with
             # an etcd data loss (a wiped etcd knows none of our leases), and _resync looks
             # for one first (a watch resumed from the old revision would deliver nothing).
-            if self._need_resync:
+            if self.peers.stale:
                 self._resync(now)
             self._act(self.membership.tick(now))
-            self._note(self.fence.check(now))
+            self.loop.note(self.fence.check(now))
             write = node_rules.record_write(
-                self.registered_lease is not None, self._leaving, self._rewrite_record,
+                self.registered_lease is not None, self.registration.leaving,
+                self.peers.own_record_gone,
                 self.settings.heartbeat_interval, now - self.registration.last_write)
             if write is RecordWrite.REGISTER:
                 self._register(wait_for_id=False)
             elif write is RecordWrite.REWRITE:
                 # Our record went while our lease lives (deleted by hand, or etcd restored
                 # from a snapshot without it): write it again at once.
-                self._rewrite_record = False
+                self.peers.own_record_gone = False
                 self.registration.put(self.registered_lease)
             if self.state is NodeState.UP and self.registered_lease is not None:
-                note = self.drainer.step() if self.health.up else None
-                if note:
-                    self._notes.append(note)
+                self.loop.note(self.drainer.step() if self.health.up else None)
                 if self.checkpoints is not None:
                     self.jobs.set_unprotected(self.checkpoints.unprotected(self.jobs.job))
                 self.jobs.step()
-                self._notes += self.jobs.notes
-                note = self.timeline.step()
-                if note:
-                    self._notes.append(note)
+                self.loop.notes += self.jobs.notes
+                self.loop.note(self.timeline.step())
             self.metrics.job_running.set(1 if self.jobs.supervisor is not None else 0)
             if self.checkpoints is not None:
                 CheckpointSink(self.metrics).update(self.checkpoints.stats())
-            self._note(self.replicas.follow_round())
+            self.loop.note(self.replicas.follow_round())
             sentence = node_rules.cycle_sentence(
-                self.settings.node_id, len(self.membership.nodes), self._notes, self.jobs.job,
+                self.settings.node_id, len(self.membership.nodes), self.loop.notes, self.jobs.job,
                 self.membership.pending)
         except (Unavailable, AuthError) as exc:
             # Refused credentials are an outage too (after an etcd data loss the users are
             # gone until re-created): one line, the workers kept for the outage grace.
             self.health.failed(exc)
-            sentence = self._describe_outage()
+            sentence = self.fence.describe_outage(self.health.outage_seconds(),
+                                                  self.settings.outage_grace)
         except (CoordinationError, NodeIdInUse) as exc:
             log.warning("cycle failed: %s", exc)
             sentence = f"cycle failed ({exc}); retrying"
@@ -390,17 +371,18 @@ class Daemon:
             # Records are decoded with type checks; this is the net under a check missed:
             # the daemon keeps its node in the cluster (and /healthz answering) and says so.
             sentence = f"cycle failed ({exc.__class__.__name__}: {exc}); retrying"
-            if self.complaints.warn(b"cycle", repr(exc).encode(), "%s", sentence):
+            if self.peers.complaints.warn(b"cycle", repr(exc).encode(), "%s", sentence):
                 log.exception("cycle failed")
         if not self.health.up:
-            self._note(self.fence.outage(self.health.outage_seconds(), self.settings.outage_grace))
-            sentence = self._describe_outage()
+            outage = self.health.outage_seconds()
+            self.loop.note(self.fence.outage(outage, self.settings.outage_grace))
+            sentence = self.fence.describe_outage(outage, self.settings.outage_grace)
         self._finish_cycle(sentence)
         return sentence
 
     def _finish_cycle(self, sentence: str) -> None:
-        (log.info if sentence != self.sentence else log.debug)("%s", sentence)
-        self.sentence = sentence
+        changed = self.loop.finish(sentence, self.clock.monotonic())
+        (log.info if changed else log.debug)("%s", sentence)
         reg = self.registration
         if node_rules.publish_sentence(sentence, reg.published_sentence, self.health.up,
                                        self.registered_lease is not None,
@@ -410,73 +392,31 @@ class Daemon:
                 reg.put(self.registered_lease)
             except CoordinationError as exc:
                 self.health.failed(exc)
-        self.cycles += 1
-        self._last_cycle = self.clock.monotonic()
         self.metrics.loop_cycles.inc()
         self.metrics.loop_last_cycle.set(self.clock.wall())
         self.metrics.nodes_alive.set(len(self.membership.nodes))
         self.metrics.etcd_up.set(1 if self.health.up else 0)
 
-    def _describe_outage(self) -> str:
-        return self.fence.describe_outage(self.health.outage_seconds(), self.settings.outage_grace)
+    def _cut_off(self) -> bool:
+        """Whether this node was cut off from etcd long enough for a peer's record to expire
+        unseen (a deletion seen now may then be our outage, not the peer's failure)."""
+        return self.health.cut_off_within(
+            self.settings.lease_ttl + 2 * self.settings.loop_interval + 1)
 
     # -- peers ----------------------------------------------------------------------------
-
-    def _start_watch(self) -> None:
-        kvs, revision = self.coord.get_prefix(self.keys.nodes)
-        now = self.clock.monotonic()
-        self._act(self.membership.reset(self._decode_all(kvs), now, self.clock.wall(), False))
-        # No prev_kv: a DELETE's previous record (which tells a departure from a failure) is
-        # the membership's own copy, kept from the listing and every PUT since; etcd would read
-        # it from its backend for every event to every daemon (N² reads at a cold start).
-        self._feed.start(self.coord, self.keys.nodes, revision + 1)
-
-    def _decode_all(self, kvs: list[Any]) -> list[NodeRecord]:
-        return [rec for kv in kvs if (rec := self._decode_node(kv.key, kv.value)) is not None]
-
-    def _decode_node(self, key: bytes, value: bytes) -> NodeRecord | None:
-        """A peer's record, or None (a bad one is logged once and ignored)."""
-        try:
-            return decode_node(value, key, self.keys)
-        except records.RecordError as exc:
-            self.complaints.warn(key, value, "ignoring node record: %s", exc)
-            return None
-
-    def _drain_events(self, now: float) -> None:
-        cut_off = self.health.cut_off_within(self.settings.lease_ttl + 2 * self.settings.loop_interval + 1)
-        events, stale = self._feed.take()
-        # A broken watch re-creates itself, from the revision after the last event; if etcd
-        # came back empty that revision is in the old cluster's past and the stream stays
-        # silent: re-list (which also looks for a data loss).
-        self._need_resync |= stale
-        for ev in events:
-            if ev.type is EventType.PUT:
-                rec = self._decode_node(ev.kv.key, ev.kv.value)
-                if rec is not None:
-                    self._act(self.membership.on_put(rec))
-                continue
-            try:
-                node = self.keys.node_of(ev.kv.key)
-            except ValueError:
-                continue  # never a node: its record was ignored when it was written
-            if node == self.settings.node_id and self.state is not NodeState.LEAVING:
-                self._rewrite_record = True
-            self._act(self.membership.on_delete(node, now, self.clock.wall(), cut_off))
 
     def _resync(self, now: float) -> None:
         if self._look_for_data_loss():
             return  # the recovery re-listed
-        kvs, revision = self.coord.get_prefix(self.keys.nodes)
+        recs, revision = self.peers.list()
         if self.data_loss.incarnation.observe(revision) and self._look_for_data_loss(again=True):
             return
         self.health.ok()
-        cut_off = self.health.cut_off_within(self.settings.lease_ttl + 2 * self.settings.loop_interval + 1)
-        self._act(self.membership.reset(self._decode_all(kvs), now, self.clock.wall(), cut_off))
-        self._need_resync = False
+        self._act(self.peers.reset(recs, now, self._cut_off()))
 
     def _act(self, observations: list[Observation]) -> None:
         for ob in observations:
-            self._notes.append(ob.describe())
+            self.loop.notes.append(ob.describe())
             if ob.kind is ObservationKind.FAILED:
                 self.metrics.node_failures.inc()
                 job, writer = self.jobs.job, self.jobs.recovery_writer(ob.node)
@@ -486,7 +426,7 @@ class Daemon:
                     self.timeline.on_failure(job, ob.node, ob.record.lease,
                                              writer == self.settings.node_id, aborted > 0,
                                              in_group)
-                    self._note(self.channel.prepare_restore(job))
+                    self.loop.note(self.channel.prepare_restore(job))
                 if ob.detection_seconds is not None:
                     self.metrics.detection_seconds.observe(ob.detection_seconds)
                 self.events.record(Event(
@@ -503,27 +443,22 @@ class Daemon:
 
     # -- waiting and status ---------------------------------------------------------------
 
-    def _wait(self, seconds: float) -> None:
-        if self._feed.empty():
-            self._wake.wait(seconds)
-        self._wake.clear()
-
     def healthy(self) -> bool:
         """Whether the loop completed a cycle recently (what /healthz and the watchdog use)."""
         limit = max(3 * self.settings.loop_interval, 2 * self.settings.etcd_timeout + 1)
-        return self.clock.monotonic() - self._last_cycle <= limit
+        return self.clock.monotonic() - self.loop.last_cycle <= limit
 
     def status(self) -> dict[str, Any]:
         now = self.clock.wall()
         return {
             "node": self.settings.node_id,
             "state": self.state.value,
-            "sentence": self.sentence,
+            "sentence": self.loop.sentence,
             "etcd_up": self.health.up,
             "etcd_outage_seconds": round(self.health.outage_seconds(), 3),
             "lease": f"{self.registered_lease:x}" if self.registered_lease else None,
             "fenced_for": self.fence.fenced_for or None,
-            "cycles": self.cycles,
+            "cycles": self.loop.cycles,
             "version": elasticd.__version__,
             "prefix": self.settings.prefix,
             "peers": [

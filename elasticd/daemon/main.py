@@ -182,7 +182,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     node = Node(settings)
     try:
         daemon = node.build()
-        notifier.ready(daemon.sentence)
+        notifier.ready(daemon.loop.sentence)
         if stop_requested:
             daemon.request_stop()
 
@@ -193,7 +193,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                 usec = int(d.clock.monotonic() * 1e6)
                 notifier.notify(f"RELOADING=1\nMONOTONIC_USEC={usec}")
                 _reload(d, args)
-                notifier.ready(d.sentence)
+                notifier.ready(d.loop.sentence)
             # Only after a completed cycle: a stalled loop stops the pings and systemd's
             # watchdog restarts the daemon.
             notifier.watchdog()

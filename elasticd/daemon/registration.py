@@ -73,6 +73,7 @@ class Registration:
         self.lease: int | None = None
         self.last_write = 0.0  # monotonic time of the last write of the record
         self.published_sentence = ""
+        self.leaving = False  # the node is leaving: its record says so from now on
 
     def record(self, lease: int) -> NodeRecord:
         state, sentence = self._says()

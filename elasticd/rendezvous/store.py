@@ -16,7 +16,7 @@ does not recognise as a timeout). Waiting polls with capped exponential backoff:
 add a stream and a thread per agent for waits that are short (the rendezvous) or rare (the exit
 barrier), and polling needs no resynchronisation after an outage.
 
-Every etcd call rides out outages for the grace period (:mod:`.grace`). ``add`` is
+Every etcd call rides out outages for the grace period (:mod:`.grace`). ``add`` and ``append`` are
 made idempotent across a retried write whose outcome was unknown: the transaction also creates a
 marker key unique to the call, which is checked when the compare fails and deleted afterwards.
 
@@ -180,19 +180,35 @@ class EtcdV3Store(dist.Store):
         Raises:
             DistStoreError: the key holds something that is not an integer.
         """
+        total = self._update(key, lambda v: str(
+            (0 if v is None else self._as_int(v, key)) + amount).encode(), "adding to")
+        return int(total)
+
+    def append(self, key: str, value: str | bytes) -> None:
+        """Appends ``value`` to the key's value (creating it when absent): torch's extended
+        store API, atomic as :meth:`add` is."""
+        data = _as_bytes(value)
+        self._update(key, lambda v: (v or b"") + data, "appending to")
+
+    def has_extended_api(self) -> bool:
+        """``append``, ``multi_get`` and ``multi_set`` are this store's own (torch's
+        ``PrefixStore`` passes them through instead of failing with "Not implemented")."""
+        return True
+
+    def _update(self, key: str, change: Callable[[bytes | None], bytes], what: str) -> bytes:
+        """Replaces the key's value (None: absent) by ``change`` of it, atomically: a
+        transaction that checks the value read is still there, repeated until it lands."""
         etcd_key = self._key(key)
         marker = self._marker_prefix + uuid.uuid4().hex.encode()
         while True:
             kv = self._grace.call(lambda: self._coordinator.get(etcd_key),
                                   f"reading store key {etcd_key!r}")
-            current, revision = (0, 0) if kv is None else (self._as_int(kv.value, key),
-                                                          kv.mod_revision)
-            total = current + amount
+            new = change(None if kv is None else kv.value)
+            revision = 0 if kv is None else kv.mod_revision
             ok, _ = self._grace.call(
                 lambda: self._coordinator.transaction(
-                    [Compare(etcd_key, revision)],
-                    [Put(etcd_key, str(total).encode()), Put(marker, b"")]),
-                f"adding to store key {etcd_key!r}")
+                    [Compare(etcd_key, revision)], [Put(etcd_key, new), Put(marker, b"")]),
+                f"{what} store key {etcd_key!r}")
             # A compare that failed may hide our own earlier attempt, applied by etcd before
             # the connection broke and the coordinator retried: the marker tells.
             if ok or self._get(marker) is not None:
@@ -201,8 +217,8 @@ class EtcdV3Store(dist.Store):
         try:
             self._coordinator.delete(marker)
         except CoordinationError as exc:  # a stray marker is harmless; don't wait for etcd
-            log.debug("could not delete add marker %r: %s", marker, exc)
-        return total
+            log.debug("could not delete the update marker %r: %s", marker, exc)
+        return new
 
     @staticmethod
     def _as_int(value: bytes, key: str) -> int:

@@ -48,6 +48,61 @@ def client(server, **creds):
     return EtcdCoordinator(EtcdSettings(parse_endpoints(server.endpoints), timeout=2.0, **creds))
 
 
+class CountingRoot:
+    """A root client that counts the auth calls that changed etcd's users or roles (a refused
+    one, such as adding a user that exists, changes nothing)."""
+
+    READS = {"RoleGet", "UserGet", "UserList"}
+
+    def __init__(self, coord):
+        self.coord, self.changes = coord, []
+
+    def __getattr__(self, name):
+        return getattr(self.coord, name)
+
+    def auth_call(self, method, request):
+        answer = self.coord.auth_call(method, request)
+        if method not in self.READS:
+            self.changes.append(method)
+        return answer
+
+
+@pytest.mark.timeout(60)
+def test_a_jobs_start_changes_etcds_auth_store_only_where_needed(auth_etcd, tmp_path):
+    """Each change of etcd's users or roles makes etcd repeat every log-in under way and refuse
+    writes that race it (bench/scale_credentials.py): the job's role is made and granted by its
+    first node only, a node's role once, a restarted daemon only sets a new password."""
+    keys = Keyspace("/elasticd")
+    root = client(auth_etcd, **ROOT)
+    spec = JobSpec(name="j1", nnodes_min=1, nnodes_max=2, nproc_per_node=1, script=TRAIN,
+                   args=[], script_sha256="0" * 64, user="nobody", cwd=str(tmp_path))
+    try:
+        issued = {}
+        counts = {}
+        for node in ("n1", "n2", "n1"):
+            counting = CountingRoot(root)
+            conf, env = AgentCredentials(counting, keys, node, str(tmp_path / node)).issue(spec)
+            issued[node] = (conf["user"], env[PASSWORD_ENV])
+            counts.setdefault(node, []).append(sorted(counting.changes))
+        assert counts["n1"][0] == sorted(["RoleAdd", "RoleGrantPermission", "RoleAdd",
+                                          "RoleGrantPermission", "UserAdd", "UserGrantRole",
+                                          "UserGrantRole"])
+        assert counts["n2"][0] == sorted(["RoleAdd", "RoleGrantPermission", "UserAdd",
+                                          "UserGrantRole", "UserGrantRole"])  # its node's role
+        assert counts["n1"][1] == ["UserChangePassword"]  # a restarted daemon
+        for node, (user, password) in issued.items():
+            agent = client(auth_etcd, user=user, password=password)
+            try:
+                agent.put(keys.job_rdzv("j1") + node.encode(), b"1")
+                assert agent.get(keys.node(node)) is None  # may read its node's record
+                with pytest.raises(AuthError):
+                    agent.get(keys.node("n2" if node == "n1" else "n1"))
+            finally:
+                agent.close()
+    finally:
+        root.close()
+
+
 @pytest.mark.timeout(60)
 def test_the_agents_role_can_write_nothing_outside_its_rendezvous_prefix(auth_etcd, tmp_path):
     keys = Keyspace("/elasticd")

@@ -120,6 +120,23 @@ class StoreContract:
         # The idempotency markers are cleaned up.
         assert coordinator.get_prefix(store_prefix[:-1] + b"-adds/")[0] == []
 
+    def test_concurrent_appends_are_not_lost(self, coordinator, store_prefix):
+        stores = [EtcdV3Store(coordinator, store_prefix) for _ in range(4)]
+
+        def work(s, letter):
+            for _ in range(10):
+                s.append("log", letter)
+
+        threads = [threading.Thread(target=work, args=(s, c)) for s, c in zip(stores, "abcd")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        value = stores[0].get("log")
+        assert sorted(value) == sorted(b"abcd" * 10)
+        assert stores[0].has_extended_api()
+        assert coordinator.get_prefix(store_prefix[:-1] + b"-adds/")[0] == []
+
     def test_compare_set_semantics_match_tcpstore(self, store):
         assert store.compare_set("k", b"x", b"y") == b"x"  # absent, expected given
         assert not store.check(["k"])

@@ -251,7 +251,7 @@ def test_the_lease_is_the_heartbeat_and_the_watch_is_trusted_until_it_says_other
     real_get_prefix = n1.coord.get_prefix
 
     def counting_get_prefix(prefix):
-        if prefix == n1.keys.nodes:
+        if prefix == n1.peers.keys.nodes:
             listings.append(prefix)
         return real_get_prefix(prefix)
 
@@ -262,9 +262,9 @@ def test_the_lease_is_the_heartbeat_and_the_watch_is_trusted_until_it_says_other
     assert peek.get(key).mod_revision == written, "the node record was rewritten on a timer"
     assert listings == [], "the node records were re-listed with nothing to distrust"
     # A watch error (what a resumed watch after a data loss may be): re-list at once.
-    n1._feed.put(CoordinationError("watch broke"))
+    n1.peers._feed.put(CoordinationError("watch broke"))
     tick()
-    assert listings == [n1.keys.nodes]
+    assert listings == [n1.peers.keys.nodes]
     # Our own record deleted while our lease lives: written again at once, same lease (as the
     # timed rewrite did; the peers count the deletion as a failure either way).
     lease = peek.get(key).lease
