@@ -1,10 +1,11 @@
-"""What a job does on this node, as pure decisions: which job runs, when a running one stops,
-what a dead agent or a failed peer means for the workers.
+"""What a job does on this node, as pure decisions: which job runs, whether it starts now, when
+a running one stops, what a dead agent or a failed peer means for the workers, whether a
+straggler drains, and what the job's nodes' statuses say (the group's ranks, who writes a
+recovery's timeline).
 
 Nothing here does I/O, takes a lock or reads a clock: the job manager
-(:mod:`elasticd.agent.manager`) and its worker group (:mod:`elasticd.agent.worker_group`)
-gather what they observed (the job records in etcd, the agent's exit code, the last rendezvous
-round) and carry out the answer. The other rules of a job on a node are pure modules of their
+(:mod:`elasticd.agent.manager`) gathers what was observed (the job records in etcd, the agent's
+exit code, the last rendezvous round, ``now``) and carries out the answer through its parts. The other rules of a job on a node are pure modules of their
 own: crash loops (:mod:`elasticd.agent.crashloop`), hangs (:mod:`elasticd.agent.progress`),
 stragglers (:mod:`elasticd.agent.straggler`), refusals and waits (:mod:`elasticd.agent.job_holds`).
 Each rule is tested alone in ``tests/unit/test_job_rules.py``.
