@@ -225,3 +225,33 @@ def test_the_recovery_writer_is_the_lowest_live_survivor_that_ran_workers_else_a
     assert job_rules.recovery_writer(sts, live, failed="n1") == "n2"
     assert job_rules.recovery_writer({"n0": sts["n0"], "n2": sts["n2"]}, live, "n2") == "n0"
     assert job_rules.recovery_writer({"n2": sts["n2"]}, live, "n2") is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(events=st.lists(st.tuples(st.integers(-9, 3), st.booleans(), st.floats(0, 100)),
+                       max_size=30),
+       budget=st.integers(0, 6))
+def test_over_any_order_of_agent_exits_the_budget_and_backoff_hold(events, budget):
+    """Any sequence of agent exits (code, succeeded elsewhere, seconds since the last): the
+    job is given up exactly when its deaths pass the budget, never restarted before its
+    backoff, whose wait only grows and stays under MAX_BACKOFF."""
+    book, now, last_wait = JobBook(), 0.0, 0.0
+    for code, elsewhere, gap in events:
+        now = max(now + gap, book.not_before)  # nothing starts before the backoff ends
+        if code != 0 and not elsewhere:
+            book.deaths += 1
+        verdict = book.agent_exited(code, elsewhere, budget, now)
+        if code == 0:
+            assert verdict is AgentExit.SUCCEEDED
+        elif elsewhere:
+            assert verdict is AgentExit.SUCCEEDED_ELSEWHERE
+        elif book.deaths > budget:
+            assert verdict is AgentExit.GIVE_UP
+            break
+        else:
+            assert verdict is AgentExit.RESTART
+            wait = book.not_before - now
+            assert last_wait <= wait <= job_rules.MAX_BACKOFF and wait > 0
+            last_wait = wait
+        if verdict is not AgentExit.RESTART:
+            break  # the job is over on this node
