@@ -1,10 +1,11 @@
-"""What a job does on this node, as pure decisions: which job runs, when a running one stops,
-what a dead agent or a failed peer means for the workers.
+"""What a job does on this node, as pure decisions: which job runs, whether it starts now, when
+a running one stops, what a dead agent or a failed peer means for the workers, whether a
+straggler drains, and what the job's nodes' statuses say (the group's ranks, who writes a
+recovery's timeline).
 
 Nothing here does I/O, takes a lock or reads a clock: the job manager
-(:mod:`elasticd.agent.manager`) and its worker group (:mod:`elasticd.agent.worker_group`)
-gather what they observed (the job records in etcd, the agent's exit code, the last rendezvous
-round) and carry out the answer. The other rules of a job on a node are pure modules of their
+(:mod:`elasticd.agent.manager`) gathers what was observed (the job records in etcd, the agent's
+exit code, the last rendezvous round, ``now``) and carries out the answer through its parts. The other rules of a job on a node are pure modules of their
 own: crash loops (:mod:`elasticd.agent.crashloop`), hangs (:mod:`elasticd.agent.progress`),
 stragglers (:mod:`elasticd.agent.straggler`), refusals and waits (:mod:`elasticd.agent.job_holds`).
 Each rule is tested alone in ``tests/unit/test_job_rules.py``.
@@ -16,7 +17,8 @@ import dataclasses
 import enum
 from typing import Callable, Iterable
 
-from elasticd.cluster.jobspec import JobState
+from elasticd.agent.job_holds import JobHolds
+from elasticd.cluster.jobspec import JobState, NodeJobStatus
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +109,31 @@ class AgentExit(enum.Enum):
     RESTART = "restart"  # start the agent again after a backoff
 
 
+@dataclasses.dataclass
+class JobBook:
+    """What this node decided about its jobs so far, which its rules read back (no I/O).
+
+    Attributes:
+        finished: jobs this node completed (exit 0) or gave up on: not started here again.
+        holds: jobs left aside for now (refused, or waiting for their files).
+        deaths: the agent deaths counted against ``agent_restarts``.
+        not_before: no agent starts before this (monotonic): the backoff after a death.
+    """
+
+    finished: set[str] = dataclasses.field(default_factory=set)
+    holds: JobHolds = dataclasses.field(default_factory=JobHolds)
+    deaths: int = 0
+    not_before: float = 0.0
+
+    def agent_exited(self, code: int, succeeded_elsewhere: bool, agent_restarts: int,
+                     now: float) -> AgentExit:
+        """:func:`agent_exited`, the death already counted; a restart waits its backoff."""
+        verdict = agent_exited(code, succeeded_elsewhere, self.deaths, agent_restarts)
+        if verdict is AgentExit.RESTART:
+            self.not_before = now + restart_backoff(self.deaths)
+        return verdict
+
+
 #: The longest wait before an agent is started again.
 MAX_BACKOFF = 30.0
 
@@ -165,3 +192,78 @@ def reformed_without(round_agent_pids: Iterable[int] | None, mine: int | None,
         return False
     pids = set(round_agent_pids)
     return mine in pids and theirs not in pids
+
+
+class Start(enum.Enum):
+    """Whether the job wanted here starts now."""
+
+    LATER = "later"  # the backoff after the agent's last death runs
+    REFUSE = "refuse"  # it cannot run here (the reason says why)
+    CHECKING = "checking"  # its files are being checked off the main loop
+    WAIT = "wait"  # its files are not on this node yet
+    GO = "go"  # start its agent
+
+
+def start(now: float, not_before: float, unreadable: str | None,
+          check: Callable[[], tuple[str, bool] | None]) -> tuple[Start, str]:
+    """Whether the wanted job's agent starts now, and why not.
+
+    Args:
+        now, not_before: monotonic seconds; no agent starts before ``not_before`` (backoff).
+        unreadable: why its spec does not read, or None.
+        check: the check of its files on this node (:mod:`elasticd.agent.job_check`, asked
+            only when it matters: it may start one): (problem, "" if none; whether the problem
+            may go away by itself), or None while it runs.
+    """
+    if now < not_before:
+        return Start.LATER, ""
+    if unreadable is not None:
+        return Start.REFUSE, unreadable
+    answer = check()
+    if answer is None:
+        return Start.CHECKING, ""
+    problem, waiting = answer
+    if waiting:
+        return Start.WAIT, problem
+    return (Start.REFUSE, problem) if problem else (Start.GO, "")
+
+
+def still_waited(view: JobView, job: str, hold: str) -> bool:
+    """Whether a job this node waits for (its files not deployed yet) is still wanted here:
+    its spec reads, the node is not held, its control asks it to run."""
+    return (job in view.created and job not in view.unreadable and not hold
+            and view.desired.get(job, JobState.RUNNING) == JobState.RUNNING)
+
+
+def drain_straggler(asked: bool, others_running: int, nnodes_min: int) -> bool:
+    """Whether a node newly named a straggler asks for its own drain: when its job asks for it
+    (``straggler_drain``), and not below the job's minimum of nodes."""
+    return asked and others_running >= nnodes_min
+
+
+def ran_workers(status: NodeJobStatus) -> bool:
+    """Whether a node ran workers of the job (ranks, or a step, in its published status): a
+    worker group restart empties its ranks for a moment, its step stays; a spare never ran."""
+    return bool(status.ranks) or status.last_step >= 0
+
+
+def round_ranks(statuses: dict[str, NodeJobStatus], world: int) -> dict[str, list[int]]:
+    """The current worker group's nodes and their global ranks (``statuses``: every node's,
+    this one's included), once every node of it has published them: they agree on the world
+    size and the ranks add up to it. Empty until then."""
+    group = {n: st.ranks for n, st in statuses.items()
+             if st.state == JobState.RUNNING and st.world_size == world and st.ranks}
+    if not world or sorted(r for rs in group.values() for r in rs) != list(range(world)):
+        return {}
+    return group
+
+
+def recovery_writer(statuses: dict[str, NodeJobStatus], live: Iterable[str],
+                    failed: str) -> str | None:
+    """The node that writes the timeline of the job's recovery from ``failed``'s failure
+    (:mod:`elasticd.daemon.recovery_timeline`): the lowest node id among the job's other live
+    nodes (``live``) that ran workers, else among its other live nodes (a spare never ran any).
+    Every survivor computes it from the same statuses in etcd."""
+    live = {n: st for n, st in statuses.items() if n != failed and n in set(live)}
+    ran = [n for n, st in live.items() if ran_workers(st)]
+    return min(ran or live, default=None)

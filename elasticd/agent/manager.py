@@ -31,33 +31,35 @@ keeps cycling (and keeps the watchdog fed) meanwhile.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
-import subprocess
 import threading
 from typing import Any, Callable
 
 from elasticd.agent import job_rules
-from elasticd.agent.job_check import JobChecks, Verdict, WAIT_RETRY
-from elasticd.agent.job_holds import JobHolds
+from elasticd.agent.agent_start import AgentStarter, Credentials
+from elasticd.agent.job_check import JobChecks, WAIT_RETRY
 from elasticd.agent.job_records import JobRecords
-from elasticd.agent.restart_watch import RestartWatch
-from elasticd.cluster.job_policy import JobPolicy
+from elasticd.agent.job_rules import AgentExit, PeerFailure, Start
+from elasticd.agent.job_status import JobStatusBoard
+from elasticd.agent.straggler_watch import StragglerWatch
 from elasticd.agent.supervisor import AgentSupervisor
 from elasticd.agent.worker_group import WorkerGroup
 from elasticd.clock import Clock, SystemClock
-from elasticd.cluster.jobspec import JobControl, JobSpec, JobState, NodeJobStatus
+from elasticd.cluster import drain_record
+from elasticd.cluster.job_policy import JobPolicy
+from elasticd.cluster.jobspec import JobControl, JobSpec, JobState
 from elasticd.coordination import records
-from elasticd.coordination.api import AuthError, CoordinationError, Coordinator
+from elasticd.coordination.api import CoordinationError, Coordinator
 from elasticd.coordination.keys import Keyspace
 from elasticd.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
 
-class JobManager(JobRecords, WorkerGroup):
-    """Runs this node's share of the cluster's jobs.
+class JobManager:
+    """Runs this node's share of the cluster's jobs: asks :mod:`elasticd.agent.job_rules` and
+    carries out the answer through the parts it owns.
 
     Args:
         node_id: this node.
@@ -77,6 +79,22 @@ class JobManager(JobRecords, WorkerGroup):
         credentials: called with a job's spec before its agent starts; returns the extra
             rendezvous settings and environment that give the agent its own etcd credentials
             (:mod:`elasticd.coordination.agent_credentials`), or raises to refuse the start.
+
+    Attributes:
+        records: the job records it follows (:class:`JobRecords`).
+        board: this node's job status (:class:`JobStatusBoard`).
+        group: the running job's agent and worker group (:class:`WorkerGroup`).
+        book: what this node decided about its jobs (:class:`job_rules.JobBook`).
+        checks: the job file checks, off the main loop (:mod:`elasticd.agent.job_check`).
+        hold: why this node runs no job for now (a drain), or "".
+        notes: what the last cycle did (for the daemon's sentence).
+        on_job_end: called with a job's name when it ends here (its shared memory and
+            replicas are freed).
+        committed: the job's newest committed (generation, step) (the daemon's replication
+            view); None without replication: the newest step reported is used then.
+        record_event: records a cluster event (kind, detail, data): set by the daemon.
+        on_round_closed: called with a job's name when its watch delivers a new rendezvous
+            round record (on the watch thread).
     """
 
     def __init__(self, node_id: str, coord: Coordinator, keys: Keyspace, etcd: str,
@@ -87,72 +105,58 @@ class JobManager(JobRecords, WorkerGroup):
                  clock: Clock | None = None,
                  before_resync: Callable[[], Any] = lambda: None,
                  policy: JobPolicy | None = None,
-                 credentials: Callable[[JobSpec], tuple[dict[str, str], dict[str, str]]]
-                 | None = None) -> None:
-        self.node_id = node_id
-        self.coord = coord
-        self.keys = keys
-        self.etcd = etcd
-        self.state_dir = state_dir
+                 credentials: Callable[[JobSpec], Credentials] | None = None) -> None:
         self.metrics = metrics
-        # Part of every job's process tag: the tag finds a job's processes through /proc, and
-        # an agent that fences SIGKILLs every process with its tag. Without this token, an
-        # agent of an earlier daemon of the same prefix, node and job (a daemon restarted
-        # under systemd, or the previous cluster on a test host) fencing late would kill
-        # this daemon's agent and workers too.
-        self._incarnation = os.urandom(4).hex()
-        self._lease = lease
-        self._extra_env = extra_env
+        self.clock = clock or SystemClock()
         self.rdzv_conf = rdzv_conf or {}
         self.agent_restarts = agent_restarts
         self.stop_grace = stop_grace
-        self.warm_workers = warm_workers
-        self.clock = clock or SystemClock()
-        self._before_resync = before_resync
         self.policy = policy or JobPolicy()
-        self.credentials = credentials
-        self.complaints = records.Complaints(log)
-
-        JobRecords.__init__(self)
-        WorkerGroup.__init__(self)
-
-        self.job: str | None = None
-        self.supervisor: AgentSupervisor | None = None
-        self.status = NodeJobStatus(node=node_id, state=JobState.IDLE)
-        self._published: NodeJobStatus | None = None
-        self._failures = 0
-        self._next_start = 0.0
-        self._stopping: threading.Thread | None = None
-        self._finished: set[str] = set()  # jobs this node completed (exit 0) or gave up on
-        # Jobs refused here (until their spec or control changes) or waiting for their files.
-        self._holds = JobHolds()
-        #: The job file checks, off the main loop (agent/job_check.py).
-        self.checks = JobChecks(state_dir, self.clock)
-        self._status_job: str | None = None
-        self.on_job_end: list[Callable[[str], None]] = []  # called with the job's name
+        self.hold = ""
         self.notes: list[str] = []
-        self.hold = ""  # why this node runs no job for now (a drain), or ""
-        #: The job's newest committed (generation, step) (the daemon's replication view);
-        #: None without replication: the newest step reported is used then.
+        self.on_job_end: list[Callable[[str], None]] = []
         self.committed: Callable[[str], tuple[int, int] | None] = lambda job: None
-        #: Records a cluster event (kind, detail, data): set by the daemon.
         self.record_event: Callable[[str, str, dict[str, Any]], None] = lambda *a: None
-        #: The job's worker group restarts, counted for the crash-loop rule.
-        self.restarts = RestartWatch(self.clock)
+        self.on_round_closed: Callable[[str], None] = lambda job: None
+        self.checks = JobChecks(state_dir, self.clock)
+        self.book = job_rules.JobBook()
+        self.board = JobStatusBoard(node_id, coord, keys, lease, self.clock)
+        self.records = JobRecords(coord, keys, before_resync,
+                                  lambda job: self.on_round_closed(job), records.Complaints(log))
+        self.starter = AgentStarter(node_id, keys.prefix, etcd, state_dir, extra_env,
+                                    warm_workers, self.clock, credentials)
+        stragglers = StragglerWatch(
+            self.board, metrics,
+            drain=lambda: drain_record.request(coord, keys, node_id, 120.0,
+                                               f"straggler@{node_id}", self.clock.wall()),
+            record_event=lambda *a: self.record_event(*a), note=lambda t: self.notes.append(t))
+        self.group = WorkerGroup(self.board, metrics, self.clock, stragglers)
+        self._stopping: threading.Thread | None = None
 
-    # -- decisions ------------------------------------------------------------------------
+    def start_watch(self) -> None:
+        self.records.start_watch()
 
-    def view(self) -> job_rules.JobView:
-        """The job records, reduced to what :mod:`elasticd.agent.job_rules` decides from."""
-        created = {job: rev for job, (rev, _) in self.bad_specs.items()}
-        created.update((job, rev) for job, (rev, _) in self.specs.items())
-        return job_rules.JobView(
-            created=created,
-            desired={job: c.desired for job, c in self.controls.items()},
-            reasons={job: c.reason for job, c in self.controls.items()},
-            unreadable={job: why for job, (_, why) in self.bad_specs.items()},
-            finished=frozenset(self._finished),
-            succeeded_elsewhere=frozenset(j for j in self.statuses if self.succeeded_on(j)))
+    def close(self) -> None:
+        self.records.close()
+
+    def republish(self) -> int:
+        """etcd lost its data: the job records are written again
+        (:meth:`JobRecords.republish`), this node's status entry at the next publish."""
+        written = self.records.republish()
+        self.board.lost()
+        return written
+
+    @property
+    def job(self) -> str | None:
+        """The job whose agent runs here, if any."""
+        return self.group.job
+
+    @property
+    def supervisor(self) -> AgentSupervisor | None:
+        """That job's agent."""
+        return self.group.supervisor
+
+    # -- the cycle ------------------------------------------------------------------------
 
     def wanted(self, view: job_rules.JobView | None = None) -> str | None:
         """The job this node should run (:func:`job_rules.wanted`): the oldest wanted job it
@@ -160,42 +164,24 @@ class JobManager(JobRecords, WorkerGroup):
         spec does not read is wanted too, to be refused (:meth:`_start`)."""
         now, busy = self.clock.monotonic(), self.job is not None
         return job_rules.wanted(
-            view or self.view(), self.job, self.hold,
-            held=lambda job: self._holds.held(job, self._records_of(job), now, busy))
-
-    def refused(self) -> dict[str, str]:
-        """Jobs whose spec this node cannot read, with why (for /status; at most 20)."""
-        bad = sorted(self.bad_specs.items(), key=lambda kv: kv[1][0])[-20:]
-        return {job: why for job, (_, why) in bad}
-
-    def succeeded_on(self, job: str) -> list[str]:
-        """Other nodes whose agent finished ``job`` with success.
-
-        The job is over for this node too: torch closes the rendezvous when an agent
-        succeeds, and a standby's agent (or one restarting) then exits with an error
-        (RendezvousClosedError, or torch 2.13's AttributeError on a graceful exit) that is no
-        reason to start it again.
-        """
-        return sorted(n for n, st in self.statuses.get(job, {}).items()
-                      if n != self.node_id and st.state == JobState.SUCCEEDED)
+            view or self.records.view(self.book.finished, self.board.node_id), self.job,
+            self.hold,
+            held=lambda job: self.book.holds.held(job, self.records.of(job), now, busy))
 
     def step(self) -> None:
         """One cycle: follow etcd, start/stop/restart the agent, publish this node's status."""
         self.notes = []
-        self._drain()
-        if self._need_resync:
-            self._before_resync()
-            kvs, _ = self.coord.get_prefix(self.keys.jobs)
-            self._reset(kvs)
+        self.records.refresh()
         if self._stopping is not None:
             if self._stopping.is_alive():
-                self._publish()
+                self.board.publish()
                 return
             self._stopping = None
-        self._end_if_decided_elsewhere(self.view())
-        view = self.view()  # again: a job that ended above is finished now
+        me = self.board.node_id
+        self._end_if_decided_elsewhere(self.records.view(self.book.finished, me))
+        view = self.records.view(self.book.finished, me)  # a job that ended above is finished
         wanted = self.wanted(view)
-        self._end_waiting()
+        self._end_waiting(view)
         stop = (job_rules.stop_running(view, self.job, wanted, self.hold)
                 if self.job is not None else None)
         if stop is not None:
@@ -207,213 +193,166 @@ class JobManager(JobRecords, WorkerGroup):
             self._start(wanted)
         elif self.supervisor is not None:
             self._check_agent()
-        self._update_hang_timeout()
-        self._publish()
+        job = self.job
+        self.group.tick(self.records.specs[job][1] if job in self.records.specs else None,
+                        self.records.statuses.get(job, {}) if job is not None else {})
+        self.board.publish()
 
     def _end_if_decided_elsewhere(self, view: job_rules.JobView) -> None:
         """A job this node was about to restart (its agent died) succeeded on peers meanwhile,
         or was failed (:func:`job_rules.decided_elsewhere`): record that here too rather than
         leave it 'restarting'."""
-        job = self._status_job
-        if self.job is not None or job is None or self.status.state != JobState.RESTARTING:
+        job, status = self.board.about, self.board.status
+        if self.job is not None or job is None or status.state != JobState.RESTARTING:
             return
         decided = job_rules.decided_elsewhere(view, job)
         if decided is None:
             return
         state, why = decided
         if state is JobState.SUCCEEDED:
-            done = ", ".join(self.succeeded_on(job))
+            done = ", ".join(self.records.succeeded_on(job, self.board.node_id))
             why = f"job succeeded on {done}"
             note = f"job {job} succeeded on {done}; not restarting it here"
         else:
             note = f"job {job} failed: {why}"
-        self._finished.add(job)
-        self._set_status(state, why, agent_starts=self.status.agent_starts, log=self.status.log)
+        self.book.finished.add(job)
+        self.board.set(state, why, agent_starts=status.agent_starts, log=status.log)
         self.notes.append(note)
-        self._job_ended(job)
-
-    def _job_ended(self, job: str) -> None:
-        """Runs the job-end hooks (shared memory and replicas of the job are freed)."""
-        for hook in self.on_job_end:
-            try:
-                hook(job)
-            except Exception:
-                log.exception("job-end hook failed for %s", job)
+        _job_ended(self.on_job_end, job)
 
     def _start(self, job: str) -> None:
-        now = self.clock.monotonic()
-        if now < self._next_start:
-            return
-        if job in self.bad_specs:
-            self._refuse(job, self.bad_specs[job][1])
-            return
-        _, spec = self.specs[job]
-        verdict = self.checks.verdict(job, spec, self.controls.get(job), self.policy)
-        if verdict is None:
+        spec = self.records.specs.get(job)
+
+        def check() -> tuple[str, bool] | None:
+            assert spec is not None
+            v = self.checks.verdict(job, spec[1], self.records.controls.get(job), self.policy)
+            return None if v is None else (v.problem, v.waiting)
+
+        unreadable = self.records.bad_specs[job][1] if spec is None else None
+        decision, why = job_rules.start(self.clock.monotonic(), self.book.not_before,
+                                        unreadable, check)
+        if decision is Start.CHECKING:
             self.notes.append(f"checking job {job}'s files on this node")
+        if decision in (Start.WAIT, Start.REFUSE):
+            self._hold(job, why, waiting=decision is Start.WAIT)
+        if decision is not Start.GO:
             return
-        if verdict.waiting:
-            self._wait(job, verdict)
+        assert spec is not None
+        credentials = self.starter.credentials(spec[1])
+        if isinstance(credentials, str):
+            self._hold(job, credentials)
             return
-        problem = verdict.problem or None
-        try:
-            extra_conf, extra_env = (self.credentials(spec) if self.credentials is not None
-                                     and problem is None else ({}, {}))
-        except AuthError as exc:
-            problem = (f"cannot give its agent etcd credentials ({exc}): the daemons' etcd "
-                       "user needs etcd's root role, or set agent_etcd_users = off")
-        except CoordinationError:
-            raise  # etcd trouble: the cycle reports it and the start is tried again
-        except Exception as exc:  # noqa: BLE001 — whatever the spec holds, refuse, not crash
-            problem = f"cannot check the job on this node: {exc}"
-        if problem is not None:
-            self._refuse(job, problem)
+        self.group.restarts.agent_starting(job, os.path.join(self.starter.log_dir(job),
+                                                             "torchrun"))
+        sup = self.starter.start(job, spec[1], self.rdzv_conf, credentials)
+        if isinstance(sup, str):
+            self._hold(job, sup)
             return
-        log_dir = os.path.join(self.state_dir, "jobs", job)
-        self.restarts.agent_starting(job, os.path.join(log_dir, "torchrun"))
-        tag = f"{self.keys.prefix}:{self.node_id}:{job}:{self._incarnation}"
-        supervisor = AgentSupervisor(
-            spec, self.node_id, tag=tag, etcd=self.etcd,
-            prefix=self.keys.prefix, log_dir=log_dir,
-            extra_env={**self._extra_env(), **extra_env},
-            rdzv_conf={**self.rdzv_conf, **extra_conf}, warm=self.warm_workers, clock=self.clock)
-        try:
-            pid = supervisor.start()
-        except (OSError, subprocess.SubprocessError) as exc:
-            # e.g. the job's user may not run the interpreter after all (PermissionError
-            # from exec): this job cannot run here; the daemon goes on.
-            supervisor.stop(grace=1.0)
-            self._refuse(job, f"cannot start its agent: {exc}")
-            return
-        self.supervisor = supervisor
-        self.job = self._status_job = job
-        self._new_generation()
-        self.restarts.agent_started(supervisor.log_size())
-        self._set_status(JobState.RUNNING, "agent started", agent_pid=pid, agent_starts=1,
-                         log=self.supervisor.log_path)
-        self.notes.append(f"started job {job} (agent pid {pid})")
+        self.group.attach(job, sup)
+        self.group.restarts.agent_started(sup.log_size())
+        self.board.set(JobState.RUNNING, "agent started", about=job, agent_pid=sup.pid,
+                       agent_starts=1, log=sup.log_path)
+        self.notes.append(f"started job {job} (agent pid {sup.pid})")
 
-    def _records_of(self, job: str) -> tuple[Any, Any]:
-        """The spec (or why it does not read) and the control a refusal of ``job`` is tied to."""
-        spec = self.specs.get(job)
-        return (spec[1] if spec else self.bad_specs.get(job, (0, ""))[1],
-                self.controls.get(job))
+    def _hold(self, job: str, problem: str, waiting: bool = False) -> None:
+        """Leaves ``job`` aside (:class:`~elasticd.agent.job_holds.JobHolds`), saying why in
+        its status here: refused until its spec or control changes, or (``waiting``: its files
+        are not on this node yet) looked at again in :data:`WAIT_RETRY` seconds if no other job
+        runs here by then."""
+        if waiting:
+            self.book.holds.wait(job, self.records.of(job), self.clock.monotonic() + WAIT_RETRY)
+            detail = f"waiting: {problem}"
+            if (self.board.about, self.board.status.detail) != (job, detail):
+                log.warning("job %s: %s", job, problem)
+            self.board.set(JobState.IDLE, detail, about=job)
+            self.notes.append(f"job {job} {detail}")
+        else:
+            self.board.set(JobState.REFUSED, problem, about=job)
+            self.book.holds.refuse(job, self.records.of(job))
+            self.notes.append(f"refused job {job}: {problem}")
+            log.error("refusing job %s: %s", job, problem)
+        self.board.publish(job)
 
-    def _refuse(self, job: str, problem: str) -> None:
-        self._set_status(JobState.REFUSED, problem)
-        self._status_job = job
-        self._holds.refuse(job, self._records_of(job))
-        self.notes.append(f"refused job {job}: {problem}")
-        log.error("refusing job %s: %s", job, problem)
-        self._publish(job)
-
-    def _wait(self, job: str, verdict: Verdict) -> None:
-        """``job``'s files are not on this node yet: say so, and check again in
-        :data:`WAIT_RETRY` seconds if no other job runs here by then."""
-        self._holds.wait(job, self._records_of(job), self.clock.monotonic() + WAIT_RETRY)
-        detail = f"waiting: {verdict.problem}"
-        if (self._status_job, self.status.detail) != (job, detail):
-            log.warning("job %s: %s", job, verdict.problem)
-        self._status_job = job
-        self._set_status(JobState.IDLE, detail)
-        self.notes.append(f"job {job} {detail}")
-        self._publish(job)
-
-    def _end_waiting(self) -> None:
+    def _end_waiting(self, view: job_rules.JobView) -> None:
         """A job this node was waiting for (its files not deployed yet) is no longer wanted
         (stopped, deleted, the node drained): its status says so rather than waiting for ever."""
-        def wanted(job: str) -> bool:
-            control = self.controls.get(job)
-            return (job in self.specs and not self.hold
-                    and (control is None or control.desired == JobState.RUNNING))
-
-        for job in self._holds.end_waits(wanted):
-            if job == self._status_job and self.job is None:
-                self._set_status(JobState.STOPPED, f"job {job} is no longer wanted here")
-                self._publish(job)
+        for job in self.book.holds.end_waits(lambda j: job_rules.still_waited(view, j,
+                                                                              self.hold)):
+            if job == self.board.about and self.job is None:
+                self.board.set(JobState.STOPPED, f"job {job} is no longer wanted here")
+                self.board.publish(job)
             else:  # another job's status is this node's now: the waiting one goes
                 with contextlib.suppress(CoordinationError):
-                    self.coord.delete(self.keys.job_node(job, self.node_id))
+                    self.board.withdraw(job)
 
     def _check_agent(self) -> None:
-        sup = self.supervisor
-        assert sup is not None and self.job is not None
+        group, sup, job = self.group, self.group.supervisor, self.group.job
+        assert sup is not None and job is not None
         code = sup.poll()
         if code is None:
-            new = self.restarts.new_attempts(os.path.join(sup.log_dir, "torchrun"))
+            new = group.restarts.new_attempts(os.path.join(sup.log_dir, "torchrun"))
+            # torchrun restarted the worker group (its restart count went up), maybe more than
+            # once since the last look: each restart with the failure the log shows.
             if new:
-                # torchrun restarted the worker group (its restart count went up), maybe more
-                # than once since the last look: each restart with the failure the log shows.
-                self._restart_seen(times=new)
+                group.restarts.restarted(sup.log_size(), sup.log_tail, self.committed(job),
+                                         times=new)
                 if self._crash_looping():
                     return
-            hang = self.tracker.check(self.job) if self.tracker is not None else None
-            if hang is not None:
-                self.tracker.restarted_for(hang)  # a learned timeout that fired is doubled
-                self.on_hang(str(hang))
+            note = group.restart_if_hung()
+            if note:
+                self.notes.append(note)
             return
-        done = self.succeeded_on(self.job)
+        done = self.records.succeeded_on(job, self.board.node_id)
         if code != 0 and not done:
-            self._failures += 1
+            self.book.deaths += 1
             self.metrics.worker_restarts.labels("agent_died").inc()
-            self._restart_seen(f"agent exited with {code}")
+            group.restarts.restarted(sup.log_size(), sup.log_tail, self.committed(job),
+                                     f"agent exited with {code}")
             if self._crash_looping():
                 return
-        verdict = job_rules.agent_exited(code, bool(done), self._failures, self.agent_restarts)
-        if verdict is job_rules.AgentExit.SUCCEEDED:
-            self.notes.append(f"job {self.job} finished on this node")
-            self._stop_async(f"job {self.job} succeeded", JobState.SUCCEEDED)
-            return
-        if verdict is job_rules.AgentExit.SUCCEEDED_ELSEWHERE:
-            self.notes.append(f"job {self.job} succeeded on {', '.join(done)}; this node's "
+        verdict = self.book.agent_exited(code, bool(done), self.agent_restarts,
+                                         self.clock.monotonic())
+        if verdict is AgentExit.SUCCEEDED:
+            self.notes.append(f"job {job} finished on this node")
+            self._stop_async(f"job {job} succeeded", JobState.SUCCEEDED)
+        elif verdict is AgentExit.SUCCEEDED_ELSEWHERE:
+            self.notes.append(f"job {job} succeeded on {', '.join(done)}; this node's "
                               f"agent exited {code}")
-            self._stop_async(f"job {self.job} succeeded on {', '.join(done)}", JobState.SUCCEEDED)
-            return
-        if verdict is job_rules.AgentExit.GIVE_UP:
-            self.notes.append(f"job {self.job}: agent failed {self._failures} times; giving up")
+            self._stop_async(f"job {job} succeeded on {', '.join(done)}", JobState.SUCCEEDED)
+        elif verdict is AgentExit.GIVE_UP:
+            self.notes.append(f"job {job}: agent failed {self.book.deaths} times; giving up")
             self._stop_async(f"agent exited {code} too often", JobState.FAILED)
-            return
-        backoff = job_rules.restart_backoff(self._failures)
-        self.notes.append(f"job {self.job}: agent exited with {code}; restarting in "
-                          f"{backoff:.1f} s ({self._failures}/{self.agent_restarts})")
-        sup.stop(grace=1.0)  # leftovers of the dead agent, if any
-        self._next_start = self.clock.monotonic() + backoff
-        job = self.job
-        self.job, self.supervisor = None, None  # the tracker stays: the job is restarted
-        self._set_status(JobState.RESTARTING, f"agent exited with {code}", agent_starts=sup.starts,
-                         log=sup.log_path)
-        self._publish(job)
-
-    # -- crash loops ----------------------------------------------------------------------
-
-    def _restart_seen(self, fallback: str = "", times: int = 1) -> None:
-        """A worker group restart (torchrun's, or the daemon's of a dead agent), or ``times``
-        of them seen at once (:meth:`RestartWatch.restarted`)."""
-        sup, job = self.supervisor, self.job
-        if sup is None or job is None:
-            return
-        self.restarts.restarted(sup.log_size(), sup.log_tail, self.committed(job), fallback,
-                                times)
+        else:
+            self.notes.append(
+                f"job {job}: agent exited with {code}; restarting in "
+                f"{job_rules.restart_backoff(self.book.deaths):.1f} s "
+                f"({self.book.deaths}/{self.agent_restarts})")
+            sup.stop(grace=1.0)  # leftovers of the dead agent, if any
+            group.detach()  # what hang detection learned stays: the job is restarted
+            self.board.set(JobState.RESTARTING, f"agent exited with {code}",
+                           agent_starts=sup.starts, log=sup.log_path)
+            self.board.publish(job)
 
     def _crash_looping(self) -> bool:
-        """Fails the job everywhere when it crash-loops; returns True if it did."""
+        """Fails the job everywhere when it crash-loops (:mod:`elasticd.agent.crashloop`);
+        returns True if it did."""
         job = self.job
-        if job is None or job not in self.specs:
+        if job is None or job not in self.records.specs:
             return False
-        reason = self.restarts.verdict(self.specs[job][1].crash_loop_restarts)
+        reason = self.group.restarts.verdict(self.records.specs[job][1].crash_loop_restarts)
         if reason is None:
             return False
         log.error("job %s: %s; stopping it on every node", job, reason)
         self.metrics.crash_loops.inc()
         self.notes.append(f"job {job} failed: {reason}")
         try:
-            self.coord.put(self.keys.job_control(job),
-                           JobControl(JobState.FAILED, self.clock.wall(), self.node_id,
-                                      reason).encode())
+            self.records.fail(job, JobControl(JobState.FAILED, self.clock.wall(),
+                                              self.board.node_id, reason))
         except CoordinationError as exc:
             log.warning("could not mark job %s failed in etcd: %s", job, exc)
         self.record_event("job_failed", f"{job}: {reason}",
-                          {"job": job, "reason": reason, "restarts": self.restarts.loop.restarts})
+                          {"job": job, "reason": reason,
+                           "restarts": self.group.restarts.loop.restarts})
         self._stop_async(reason, JobState.FAILED)
         return True
 
@@ -421,11 +360,12 @@ class JobManager(JobRecords, WorkerGroup):
 
     def fence(self, reason: str) -> None:
         """Stops everything at once (the node was declared dead)."""
-        if self.supervisor is not None:
-            self.supervisor.stop(grace=1.0)
+        sup = self.supervisor
+        if sup is not None:
+            sup.stop(grace=1.0)
             self.notes.append(f"stopped job {self.job}: {reason}")
-            self._set_status(JobState.STOPPED, f"fenced: {reason}")
-            self.job, self.supervisor = None, None
+            self.board.set(JobState.STOPPED, f"fenced: {reason}")
+            self.group.detach()
 
     def idle(self) -> bool:
         """True when this node runs no job and no stop is under way."""
@@ -441,91 +381,126 @@ class JobManager(JobRecords, WorkerGroup):
             if self._stopping.is_alive():
                 log.warning("job stop still under way after %.0f s; exiting without it",
                             self.stop_grace + 15.0)
-        if self.supervisor is not None:
-            job = self.job
-            self.supervisor.stop(self.stop_grace)
-            self._set_status(JobState.STOPPED, "daemon shut down")
-            self._publish(job)
-            self.job, self.supervisor = None, None
+        sup, job = self.supervisor, self.job
+        if sup is not None:
+            sup.stop(self.stop_grace)
+            self.board.set(JobState.STOPPED, "daemon shut down")
+            self.board.publish(job)
+            self.group.detach()
         self.close()
 
     def _stop_async(self, why: str, final_state: JobState) -> None:
-        sup, job = self.supervisor, self.job
-        if final_state in (JobState.SUCCEEDED, JobState.FAILED):
-            self._finished.add(job)  # over for this node; a stopped or drained job may return
+        sup, job, board, hooks = self.supervisor, self.job, self.board, self.on_job_end
+        if job is not None and final_state in (JobState.SUCCEEDED, JobState.FAILED):
+            self.book.finished.add(job)  # over for this node; a stopped or drained job may return
         elif final_state is JobState.REFUSED and job is not None:
-            self._holds.refuse(job, self._records_of(job))
-        if sup is None:
-            self.job = None
+            self.book.holds.refuse(job, self.records.of(job))
+        if sup is None or job is None:
+            self.group.detach()
             return
         # A straggler's verdict stays on its stopped status: why it was drained, for instance.
-        straggler = self.status.straggler
-        self._set_status(JobState.STOPPING, why, agent_pid=sup.pid, agent_starts=sup.starts,
-                         log=sup.log_path, straggler=straggler)
-        self._publish(job)
+        straggler = board.status.straggler
+        board.set(JobState.STOPPING, why, agent_pid=sup.pid, agent_starts=sup.starts,
+                  log=sup.log_path, straggler=straggler)
+        board.publish(job)
 
         def run() -> None:
             code = sup.stop(self.stop_grace)
-            self._job_ended(job)
-            self._set_status(final_state, f"{why} (agent exit {code})", agent_starts=sup.starts,
-                             log=sup.log_path, straggler=straggler)
+            _job_ended(hooks, job)
+            board.set(final_state, f"{why} (agent exit {code})", agent_starts=sup.starts,
+                      log=sup.log_path, straggler=straggler)
             with contextlib.suppress(CoordinationError):
-                self._publish(job)
+                board.publish(job)
 
-        self.job, self.supervisor, self.tracker, self._report = None, None, None, None
-        self._tracker_job = None
+        self.group.detach(job_over=True)
         self._stopping = threading.Thread(target=run, name=f"stop-{job}", daemon=True)
         self._stopping.start()
 
-    # -- status ---------------------------------------------------------------------------
+    def on_peer_failed(self, node: str) -> int | None:
+        """A peer's lease expired: if it ran our job, restart our workers now
+        (:func:`job_rules.peer_failed`).
 
-    def _set_status(self, state: JobState, detail: str, **fields: Any) -> None:
-        self.status = NodeJobStatus(self.node_id, state, detail, at=self.clock.wall(), **fields)
+        Returns:
+            how many workers were killed; None when the peer did not run our job.
+        """
+        job, sup = self.job, self.supervisor
 
-    def _publish(self, job: str | None = None) -> None:
-        job = job or self.job or self._status_job
-        lease = self._lease()
-        # The step moves every training step: publish it with the next real change (or the
-        # daemon's heartbeat), not one etcd write per step.
-        same = (self._published is not None and
-                dataclasses.replace(self.status, last_step=0, at=0) ==
-                dataclasses.replace(self._published, last_step=0, at=0))
-        # ``hang_timeout`` is rounded to two significant digits (worker_group._show_timeout):
-        # a learned one that drifts by a few percent is no write.
-        if job is None or not lease or same:
-            return
-        self.coord.put(self.keys.job_node(job, self.node_id), self.status.encode(), lease)
-        self._published = self.status
+        def reformed_without() -> bool:
+            """Whether the job's last closed rendezvous round has this node's agent in it
+            and not ``node``'s (:func:`job_rules.reformed_without`; read from etcd)."""
+            assert job is not None and sup is not None
+            peer = self.records.statuses.get(job, {}).get(node)
+            mine, theirs = sup.pid, peer.agent_pid if peer else None
+            return bool(mine and theirs) and job_rules.reformed_without(
+                self.records.round_pids(job), mine, theirs)
+
+        members = self.records.members.get(job, set()) if job is not None else set()
+        decision = job_rules.peer_failed(sup is not None and job is not None, node, members,
+                                         reformed_without)
+        if decision is PeerFailure.NOT_OURS:
+            return None
+        # Counted either way: a group that went on without the peer was restarted by its agent.
+        self.metrics.worker_restarts.labels("peer_failed").inc()
+        if decision is PeerFailure.LEFT_RUNNING:
+            note = (f"peer {node} of {job} failed; its last rendezvous round already "
+                    "went on without it: workers left running")
+            self.notes.append(note)
+            log.info("%s", note)
+            return 0
+        n = self.group.restart_workers(f"peer {node} failed")
+        self.notes.append(f"restarted {n} workers of {job}: peer {node} failed")
+        return n
+
+    # -- what the daemon reads ------------------------------------------------------------
+
+    def on_progress(self, msg: dict[str, Any]) -> None:
+        """A worker's progress report (:meth:`WorkerGroup.on_progress`; any thread)."""
+        self.group.on_progress(msg)
 
     def set_unprotected(self, text: str) -> None:
         """What the checkpoint service says of the job's protection ("" while protected),
         published with the node's job status (``elasticctl jobs``)."""
-        with self._lock:
-            if text != self.status.unprotected:
-                self.status = dataclasses.replace(self.status, unprotected=text)
+        self.board.edit(lambda st: {"unprotected": text} if text != st.unprotected else {})
+
+    def round_ranks(self) -> dict[str, list[int]]:
+        """The current worker group's nodes and their global ranks, once every node of it
+        has published them (:func:`job_rules.round_ranks`); empty until then."""
+        job, status = self.job, self.board.status
+        if job is None:
+            return {}
+        statuses = {**self.records.statuses.get(job, {}), self.board.node_id: status}
+        return job_rules.round_ranks(statuses, status.world_size)
+
+    def recovery_writer(self, failed: str) -> str | None:
+        """The node that writes the timeline of the job's recovery from ``failed``'s failure
+        (:func:`job_rules.recovery_writer`), None without a job here."""
+        job, me = self.job, self.board.node_id
+        if job is None:
+            return None
+        return job_rules.recovery_writer({**self.records.statuses.get(job, {}),
+                                          me: self.board.status},
+                                         {*self.records.members.get(job, set()), me}, failed)
+
+    def ran_workers(self, node: str) -> bool:
+        """Whether ``node`` ran workers of our job (ranks, or a step, in its last published
+        status); a spare that waited never did."""
+        st = self.records.statuses.get(self.job, {}).get(node) if self.job is not None else None
+        return st is not None and job_rules.ran_workers(st)
 
     def describe(self) -> dict[str, Any]:
-        sts = {**self.statuses.get(self.job, {}), self.node_id: self.status} if self.job else {}
-        return {"job": self.job, **self.status.as_dict(), "progress": self.progress_status(),
-                "refused_specs": self.refused(),
+        job, status = self.job, self.board.status
+        sts = {**self.records.statuses.get(job, {}), self.board.node_id: status} if job else {}
+        return {"job": job, **status.as_dict(), "progress": self.group.progress_status(),
+                "refused_specs": self.records.refused(),
                 # every node's own verdict, as published (agent/straggler.py)
                 "stragglers": {n: st.straggler for n, st in sorted(sts.items()) if st.straggler},
-                "straggler_detection": self.straggler_detection()}
+                "straggler_detection": self.group.straggler_detection()}
 
-    def straggler_detection(self) -> str:
-        """Whether this node's straggler verdict means anything, in words ("" without a job).
 
-        The judge compares compute time outside collectives, which only a script that uses
-        ``ComputeTimer`` reports: without it nobody is ever named, and that must not look like
-        a healthy "no stragglers".
-        """
-        if self.job is None:
-            return ""
-        if self.status.compute_seconds > 0:
-            return "on"
-        if self.tracker is None:
-            return "off: hang detection is off for this job (straggler detection needs it)"
-        if self.status.last_step < 1:
-            return "waiting for the first step"
-        return ("off: the training script reports no compute time (wrap the model with "
-                "elasticd.worker.compute_time.ComputeTimer; docs/jobs.md, Stragglers)")
+def _job_ended(hooks: list[Callable[[str], None]], job: str) -> None:
+    """Runs the job-end hooks (shared memory and replicas of the job are freed)."""
+    for hook in hooks:
+        try:
+            hook(job)
+        except Exception:
+            log.exception("job-end hook failed for %s", job)

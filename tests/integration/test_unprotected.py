@@ -26,7 +26,7 @@ import pytest
 from elasticd.store.service import CheckpointService
 from elasticd.store.shm import SlotStore
 from elasticd.testing.clock import FakeClock
-from elasticd.cluster.jobspec import JobControl, JobSpec, NodeJobStatus
+from elasticd.cluster.jobspec import JobControl, JobSpec
 from elasticd.config import Settings
 from elasticd.coordination.keys import Keyspace
 from elasticd.daemon.daemon import Daemon
@@ -79,13 +79,14 @@ def node(etcd, prefix, tmp_path):
     server._registry = daemon.metrics.registry
     server.start()
     daemon.join()
-    daemon.jobs.job = daemon.jobs._status_job = "j"  # as if its agent ran the job here
-    daemon.jobs.supervisor = StandInAgent(str(tmp_path / "agent"))
-    daemon.jobs.status = NodeJobStatus("n1", "running", "agent started", agent_starts=1)
+    # As if its agent ran the job here.
+    group = daemon.jobs.group
+    group.job, group.supervisor = "j", StandInAgent(str(tmp_path / "agent"))
+    daemon.jobs.board.set("running", "agent started", about="j", agent_starts=1)
     try:
         yield daemon, InProcessTransport(daemon.channel.handlers()), clock, rep, server
     finally:
-        daemon.jobs.job = daemon.jobs.supervisor = None
+        daemon.jobs.group.job = daemon.jobs.group.supervisor = None
         daemon.close()
         server.stop()
         store.close()
@@ -145,7 +146,7 @@ def assert_protected(view):
 def test_each_reason_shows_everywhere_and_clears(node):
     daemon, t, clock, rep, server = node
     t.call("register", job="j", rank=0, world_size=1, local_rank=0, restart=0)
-    assert daemon.jobs.status.ranks == [0]  # placement learns the rank from the Checkpointer
+    assert daemon.jobs.board.status.ranks == [0]  # placement learns the rank from the Checkpointer
     write_snapshot(t, "j", 0, 1, world=1)
     assert_protected(seen(daemon, server))  # a young job: placement is being formed
 

@@ -197,7 +197,7 @@ def test_etcd_wiped_every_daemon_recovers_without_failures(world):
         d.jobs._start = lambda job: None  # no agent here: only what the daemons believe
     for _ in range(4):
         tick()
-    assert all(set(d.jobs.specs) == {"job", "stopped-job"} for d in daemons.values())
+    assert all(set(d.jobs.records.specs) == {"job", "stopped-job"} for d in daemons.values())
 
     store.wipe()  # etcd back on an empty data dir: keys, leases and watch positions gone
     out = {}
@@ -211,8 +211,8 @@ def test_etcd_wiped_every_daemon_recovers_without_failures(world):
     assert all(d.registered_lease is not None for d in daemons.values())
     # The specs are back, and the stopped job stays stopped.
     for d in daemons.values():
-        assert set(d.jobs.specs) == {"job", "stopped-job"}, d.jobs.specs
-        assert d.jobs.controls["stopped-job"].desired == "stopped"
+        assert set(d.jobs.records.specs) == {"job", "stopped-job"}, d.jobs.records.specs
+        assert d.jobs.records.controls["stopped-job"].desired == "stopped"
         assert d.jobs.wanted() == "job"
     assert out["n1"] == "no action: I am n1, 3 nodes alive", out
     # A watch keeps working after the recovery: a new node is seen by everyone.
@@ -230,11 +230,11 @@ def test_a_job_stopped_before_the_wipe_is_not_brought_back(world):
     tick()
     MemoryCoordinator(store).delete(Keyspace("/elasticd").job_spec("job"))  # removed on purpose
     tick()
-    assert all(not d.jobs.specs for d in daemons.values())
+    assert all(not d.jobs.records.specs for d in daemons.values())
     store.wipe()
     for _ in range(4 * TTL * 4):
         tick()
-    assert all(not d.jobs.specs for d in daemons.values())
+    assert all(not d.jobs.records.specs for d in daemons.values())
     assert MemoryCoordinator(store).get(Keyspace("/elasticd").job_spec("job")) is None
 
 

@@ -147,7 +147,7 @@ def test_a_key_that_is_no_job_name_is_no_job(world, tmp_path):
     before = os.stat(d.settings.state_path) if os.path.exists(d.settings.state_path) else None
     for _ in range(3):
         tick()
-    assert d.jobs.specs == {} and d.jobs.bad_specs == {}
+    assert d.jobs.records.specs == {} and d.jobs.records.bad_specs == {}
     assert not coord.get_prefix(KEYS.jobs + b"..")[0][1:]  # no status published under ..
     if before is not None:  # on main the state directory itself was given to the job's user
         assert os.stat(d.settings.state_path).st_uid == before.st_uid
@@ -180,7 +180,7 @@ def test_a_status_under_another_nodes_key_is_ignored(tmp_path):
     coord.put(KEYS.job_spec("job"), spec(tmp_path).encode())
     coord.put(KEYS.job_node("job", "n2"), NodeJobStatus("n3", "succeeded").encode(), lease)
     mgr.start_watch()
-    assert mgr.statuses.get("job", {}) == {} and mgr.succeeded_on("job") == []
+    assert mgr.records.statuses.get("job", {}) == {} and mgr.records.succeeded_on("job", "n1") == []
 
 
 @pytest.mark.parametrize("name", ["n1\n", "j\n", "a/b", "..", "", "x" * 64, "é"])
@@ -259,11 +259,11 @@ def test_an_interpreter_the_job_user_cannot_run_refuses_the_job(tmp_path):
     mgr.start_watch()
     mgr.step()
     assert mgr.supervisor is None
-    assert mgr.status.state == "refused"
-    assert "nobody cannot execute the interpreter" in mgr.status.detail
+    assert mgr.board.status.state == "refused"
+    assert "nobody cannot execute the interpreter" in mgr.board.status.detail
     # ...and why, and what to do: the directory that stops it, and where to put a venv.
-    assert f"it cannot enter {private} (mode 0700, owner root)" in mgr.status.detail
-    assert "job_python" in mgr.status.detail and "--python" in mgr.status.detail
+    assert f"it cannot enter {private} (mode 0700, owner root)" in mgr.board.status.detail
+    assert "job_python" in mgr.board.status.detail and "--python" in mgr.board.status.detail
     mgr.close()
 
 

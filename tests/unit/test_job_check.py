@@ -163,7 +163,7 @@ def test_a_refused_job_is_checked_again_only_when_its_records_change(tmp_path):
                "retried": Verdict("script '/x' is not on this node", waiting=True)}
 
     def check(spec, policy, deadline):
-        control = mgr.controls.get("job")
+        control = mgr.records.controls.get("job")
         seen.append(control.by)
         return answers[control.by]
 
@@ -174,19 +174,19 @@ def test_a_refused_job_is_checked_again_only_when_its_records_change(tmp_path):
     try:
         for _ in range(3):
             mgr.step()
-        assert mgr.status.state == "refused" and "differs" in mgr.status.detail
+        assert mgr.board.status.state == "refused" and "differs" in mgr.board.status.detail
         assert seen == ["first"] and mgr.wanted() is None
         coord.put(KEYS.job_control("job"), JobControl("running", 2.0, "retried").encode())
         for _ in range(3):
             mgr.step()
         assert seen == ["first", "retried"]  # checked again once, then waits for the retry
-        assert mgr.status.state == "idle" and mgr.status.detail.startswith("waiting: ")
+        assert mgr.board.status.state == "idle" and mgr.board.status.detail.startswith("waiting: ")
         clock.advance(job_check.WAIT_RETRY + 0.1)
         mgr.step()
         assert seen == ["first", "retried", "retried"]
         coord.put(KEYS.job_control("job"), JobControl("stopped", 3.0, "elasticctl").encode())
         mgr.step()
-        assert mgr.status.state == "stopped" and "no longer wanted" in mgr.status.detail
+        assert mgr.board.status.state == "stopped" and "no longer wanted" in mgr.board.status.detail
     finally:
         mgr.close()
 

@@ -39,11 +39,11 @@ def _peer(coord, keys, lease, node: str, state: str) -> None:
 def test_a_job_is_wanted_until_a_peer_reports_it_succeeded(env):
     coord, keys, mgr, lease = env
     _peer(coord, keys, lease, "n2", "running")
-    mgr._drain()
+    mgr.records.refresh()
     assert mgr.wanted() == "job"
     _peer(coord, keys, lease, "n2", "succeeded")
-    mgr._drain()
-    assert mgr.succeeded_on("job") == ["n2"]
+    mgr.records.refresh()
+    assert mgr.records.succeeded_on("job", "n1") == ["n2"]
     assert mgr.wanted() is None
 
 
@@ -52,12 +52,11 @@ def test_a_node_restarting_its_agent_records_the_peers_success_instead(env):
     ended: list[str] = []
     mgr.on_job_end.append(ended.append)
     # As after _check_agent saw the agent exit non-zero and scheduled a restart.
-    mgr._status_job = "job"
-    mgr.status = NodeJobStatus("n1", "restarting", "agent exited with 1", agent_starts=2)
+    mgr.board.set("restarting", "agent exited with 1", about="job", agent_starts=2)
     _peer(coord, keys, lease, "n3", "succeeded")
     mgr.step()
     assert mgr.job is None and mgr.supervisor is None
-    assert mgr.status.state == "succeeded" and "n3" in mgr.status.detail
+    assert mgr.board.status.state == "succeeded" and "n3" in mgr.board.status.detail
     assert ended == ["job"]
     kvs, _ = coord.get_prefix(keys.job_node("job", "n1"))
     assert NodeJobStatus.decode(kvs[0].value).state == "succeeded"
@@ -67,9 +66,9 @@ def test_a_node_restarting_its_agent_records_the_peers_success_instead(env):
 
 def test_a_running_agent_is_not_stopped_because_a_peer_finished_first(env):
     coord, keys, mgr, lease = env
-    mgr.job = "job"  # as if this node's agent were running the job
+    mgr.group.job = "job"  # as if this node's agent were running the job
     _peer(coord, keys, lease, "n2", "succeeded")
-    mgr._drain()
+    mgr.records.refresh()
     assert mgr.wanted() == "job"
 
 
@@ -106,11 +105,11 @@ class StandInAgent:
 def running(mgr, tmp_path) -> StandInAgent:
     """``mgr`` as with its agent running the job, at step 29 committed."""
     mgr.committed = lambda job: (0, 29)
-    mgr._drain()
-    mgr.job = mgr._status_job = "job"
-    mgr.supervisor = agent = StandInAgent(tmp_path / "agent")
-    mgr.restarts.runs_known = set()
-    mgr.status = NodeJobStatus("n1", "running", "agent started")
+    mgr.records.refresh()
+    mgr.group.job, mgr.group.supervisor = "job", StandInAgent(tmp_path / "agent")
+    agent = mgr.supervisor
+    mgr.group.restarts.runs_known = set()
+    mgr.board.set("running", "agent started", about="job")
     return agent
 
 
@@ -119,7 +118,7 @@ def test_restarts_without_a_new_commit_fail_the_job_with_the_workers_exception(e
     events = []
     mgr.record_event = lambda kind, detail, data: events.append((kind, detail))
     agent = running(mgr, tmp_path)
-    limit = mgr.specs["job"][1].crash_loop_restarts
+    limit = mgr.records.specs["job"][1].crash_loop_restarts
     for attempt in range(1, limit + 2):
         agent.fail_attempt(attempt, "RuntimeError: boom at step 30")
         mgr.step()
@@ -133,7 +132,7 @@ def test_restarts_without_a_new_commit_fail_the_job_with_the_workers_exception(e
     assert events and events[0][0] == "job_failed"
     assert mgr.metrics.crash_loops._value.get() == 1
     mgr._stopping.join(5)
-    assert mgr.status.state == "failed" and "boom at step 30" in mgr.status.detail
+    assert mgr.board.status.state == "failed" and "boom at step 30" in mgr.board.status.detail
 
 
 def test_restarts_seen_together_all_carry_the_exception_the_log_shows(env, tmp_path):
@@ -142,7 +141,7 @@ def test_restarts_seen_together_all_carry_the_exception_the_log_shows(env, tmp_p
     traceback (which kept the job's reason from naming the exception)."""
     coord, keys, mgr, lease = env
     agent = running(mgr, tmp_path)
-    limit = mgr.specs["job"][1].crash_loop_restarts
+    limit = mgr.records.specs["job"][1].crash_loop_restarts
     agent.fail_attempt(1, "RuntimeError: boom at step 30")
     mgr.step()  # the first restart follows progress (step 29 committed)
     for attempt in range(2, limit + 2):  # the rest between two looks
@@ -157,15 +156,15 @@ def test_restarts_seen_together_all_carry_the_exception_the_log_shows(env, tmp_p
 
 def test_a_job_failed_elsewhere_stops_here_as_failed(env, tmp_path):
     coord, keys, mgr, lease = env
-    mgr._drain()
-    mgr.job = mgr._status_job = "job"
-    mgr.supervisor = StandInAgent(tmp_path / "agent")
-    mgr.restarts.runs_known = set()
+    mgr.records.refresh()
+    mgr.group.job, mgr.group.supervisor = "job", StandInAgent(tmp_path / "agent")
+    mgr.board.about = "job"
+    mgr.group.restarts.runs_known = set()
     coord.put(keys.job_control("job"), JobControl("failed", 0.0, "n2", "crash loop: x").encode())
-    mgr._drain()
+    mgr.records.refresh()
     mgr.step()
     mgr._stopping.join(5)
-    assert mgr.status.state == "failed" and "crash loop: x" in mgr.status.detail
+    assert mgr.board.status.state == "failed" and "crash loop: x" in mgr.board.status.detail
     assert mgr.wanted() is None
 
 
@@ -184,13 +183,12 @@ class HangAgent(StandInAgent):
 def _running(mgr, tmp_path, **spec_changes):
     import dataclasses
 
-    mgr._drain()
-    spec = dataclasses.replace(mgr.specs["job"][1], **spec_changes)
-    mgr.job = mgr._status_job = "job"
-    mgr.supervisor = agent = HangAgent(tmp_path / "agent", spec)
-    mgr.restarts.runs_known = set()
-    mgr.status = NodeJobStatus("n1", "running", "agent started")
-    mgr._new_generation()
+    mgr.records.refresh()
+    spec = dataclasses.replace(mgr.records.specs["job"][1], **spec_changes)
+    agent = HangAgent(tmp_path / "agent", spec)
+    mgr.board.set("running", "agent started", about="job")
+    mgr.group.attach("job", agent)
+    mgr.group.restarts.runs_known = set()
     return agent
 
 
@@ -198,17 +196,17 @@ def test_without_a_hang_timeout_the_learned_one_is_in_force_published_and_double
                                                                                    tmp_path):
     coord, keys, mgr, lease = env
     alive = {7: True}
-    mgr.pid_alive = alive.__getitem__
+    mgr.group.pid_alive = alive.__getitem__
     agent = _running(mgr, tmp_path, hang_timeout_floor=1.0, hang_first_step=30.0)
     clock = mgr.clock
     mgr.step()
-    assert (mgr.status.hang_timeout, mgr.status.hang_timeout_source) == (30.0, "first_step")
+    assert (mgr.board.status.hang_timeout, mgr.board.status.hang_timeout_source) == (30.0, "first_step")
     for step in range(1, 30):
         mgr.on_progress({"job": "job", "rank": 0, "step": step, "_peer": {"pid": 7}})
         clock.advance(0.5 if step % 2 else 1.5)  # steps varying 3x
         mgr.step()
         assert agent.restarts == []
-    assert (mgr.status.hang_timeout, mgr.status.hang_timeout_source) == (7.5, "learned")
+    assert (mgr.board.status.hang_timeout, mgr.board.status.hang_timeout_source) == (7.5, "learned")
     assert mgr.metrics.hang_timeout_seconds._value.get() == 7.5
     published = NodeJobStatus.decode(coord.get(keys.job_node("job", "n1")).value)
     assert (published.hang_timeout, published.hang_timeout_source) == (7.5, "learned")
@@ -222,19 +220,19 @@ def test_without_a_hang_timeout_the_learned_one_is_in_force_published_and_double
     assert len(agent.restarts) == 1 and "learned hang timeout" in agent.restarts[0]
     assert mgr.metrics.hangs._value.get() == 1
     mgr.step()
-    assert mgr.status.hang_timeout == 15.0  # what it learned stays; the restart doubled it
+    assert mgr.board.status.hang_timeout == 15.0  # what it learned stays; the restart doubled it
 
 
 def test_a_set_hang_timeout_is_shown_as_set_and_zero_turns_it_off(env, tmp_path):
     coord, keys, mgr, lease = env
     _running(mgr, tmp_path, hang_timeout=300.0)
     mgr.step()
-    assert (mgr.status.hang_timeout, mgr.status.hang_timeout_source) == (300.0, "set")
-    mgr._tracker_job = None
+    assert (mgr.board.status.hang_timeout, mgr.board.status.hang_timeout_source) == (300.0, "set")
+    mgr.group.detach(job_over=True)  # another job: what was learned goes
     _running(mgr, tmp_path / "b", hang_timeout=0.0)
     mgr.step()
-    assert mgr.tracker is None
-    assert (mgr.status.hang_timeout, mgr.status.hang_timeout_source) == (0.0, "")
+    assert mgr.group.tracker is None
+    assert (mgr.board.status.hang_timeout, mgr.board.status.hang_timeout_source) == (0.0, "")
     assert mgr.metrics.hang_timeout_seconds._value.get() == 0.0
 
 
@@ -254,7 +252,7 @@ def test_a_failed_peer_aborts_the_group_unless_the_last_round_already_left_it_ou
               NodeJobStatus("n3", "running", agent_pid=333).encode(), lease)
     agent = _running(mgr, tmp_path)
     agent.pid = 111
-    mgr._drain()
+    mgr.records.refresh()
     # No round yet, or a round that still has n2: the group may hang on it, abort.
     assert mgr.on_peer_failed("n2") == 1
     _round(coord, keys, 111, 222, 333)
@@ -285,12 +283,12 @@ def test_a_straggler_names_itself_on_its_status_and_metric_and_drains_when_the_j
                   NodeJobStatus(node, "running", compute_seconds=compute).encode(), lease)
     _running(mgr, tmp_path, straggler_factor=1.5, straggler_steps=10, straggler_drain=True,
              nnodes_min=2)
-    mgr.specs["job"] = (mgr.specs["job"][0], mgr.supervisor.spec)
+    mgr.records.specs["job"] = (mgr.records.specs["job"][0], mgr.supervisor.spec)
     for step in range(12):
         mgr.on_progress({"job": "job", "rank": 0, "step": step, "compute_seconds": 0.3,
                          "_peer": {"pid": 7}})
         mgr.step()
-        assert (mgr.status.straggler != "") == (step >= 10), step
+        assert (mgr.board.status.straggler != "") == (step >= 10), step
     published = NodeJobStatus.decode(coord.get(keys.job_node("job", "n1")).value)
     assert published.straggler.startswith("STRAGGLER: compute 0.3 s/step")
     assert published.compute_seconds == 0.3
@@ -304,17 +302,17 @@ def test_a_straggler_is_not_drained_below_the_jobs_minimum(env, tmp_path):
     coord.put(keys.job_node("job", "n2"),
               NodeJobStatus("n2", "running", compute_seconds=0.1).encode(), lease)
     _running(mgr, tmp_path, straggler_steps=3, straggler_drain=True, nnodes_min=2)
-    mgr.specs["job"] = (mgr.specs["job"][0], mgr.supervisor.spec)
+    mgr.records.specs["job"] = (mgr.records.specs["job"][0], mgr.supervisor.spec)
     for step in range(6):
         mgr.on_progress({"job": "job", "rank": 0, "step": step, "compute_seconds": 0.5,
                          "_peer": {"pid": 7}})
         mgr.step()
-    assert mgr.status.straggler and coord.get(keys.drain("n1")) is None
+    assert mgr.board.status.straggler and coord.get(keys.drain("n1")) is None
 
 
 def test_status_says_when_straggler_detection_is_off_for_want_of_compute_times(env, tmp_path):
     coord, keys, mgr, lease = env
-    assert mgr.straggler_detection() == ""
+    assert mgr.group.straggler_detection() == ""
     _running(mgr, tmp_path)
     mgr.step()
     assert mgr.describe()["straggler_detection"] == "waiting for the first step"

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elasticd.agent import job_rules
-from elasticd.agent.job_rules import AgentExit, JobView, PeerFailure, Stop
-from elasticd.cluster.jobspec import JobState
+from elasticd.agent.job_rules import AgentExit, JobBook, JobView, PeerFailure, Start, Stop
+from elasticd.cluster.jobspec import JobState, NodeJobStatus
 
 
 def view(created=None, desired=None, reasons=None, unreadable=None, finished=(),
@@ -149,3 +149,109 @@ def test_a_group_that_already_reformed_without_the_peer_is_left_running():
     assert not job_rules.reformed_without(None, mine=10, theirs=12)  # no round
     assert not job_rules.reformed_without([10], mine=None, theirs=12)  # unknown pids
     assert not job_rules.reformed_without([10], mine=10, theirs=None)
+
+
+def test_the_budget_counts_deaths_and_a_restart_waits_its_backoff():
+    book = JobBook(deaths=2)
+    assert book.agent_exited(1, False, agent_restarts=10, now=100.0) is AgentExit.RESTART
+    assert book.not_before == 101.0  # the second death's backoff
+    book.deaths = 11
+    assert book.agent_exited(1, False, agent_restarts=10, now=200.0) is AgentExit.GIVE_UP
+    assert book.not_before == 101.0  # no restart: no new backoff
+
+
+# -- a start -----------------------------------------------------------------------------------
+
+def test_a_start_waits_its_backoff_then_refuses_an_unreadable_spec_before_any_check():
+    checked = []
+
+    def check():
+        checked.append(1)
+        return "", False
+
+    assert job_rules.start(5.0, 6.0, None, check) == (Start.LATER, "")
+    assert job_rules.start(6.0, 6.0, "unreadable job spec: x", check) == (
+        Start.REFUSE, "unreadable job spec: x")
+    assert checked == []  # neither asks for a check (it may start one)
+    assert job_rules.start(6.0, 6.0, None, check) == (Start.GO, "")
+    assert checked == [1]
+
+
+def test_a_start_follows_the_file_check():
+    assert job_rules.start(0, 0, None, lambda: None) == (Start.CHECKING, "")
+    assert job_rules.start(0, 0, None, lambda: ("not there", True)) == (Start.WAIT, "not there")
+    assert job_rules.start(0, 0, None, lambda: ("differs", False)) == (Start.REFUSE, "differs")
+
+
+def test_a_waiting_job_stays_waited_for_only_while_it_is_wanted_here():
+    v = view(created={"a": 1, "b": 2, "c": 3}, desired={"b": JobState.STOPPED},
+             unreadable={"c": "bad"})
+    assert job_rules.still_waited(v, "a", "")
+    assert not job_rules.still_waited(v, "a", "drained")
+    assert not job_rules.still_waited(v, "b", "")  # stopped
+    assert not job_rules.still_waited(v, "c", "")  # its spec does not read
+    assert not job_rules.still_waited(v, "d", "")  # deleted
+
+
+# -- stragglers and the worker group -----------------------------------------------------------
+
+def test_a_straggler_drains_only_when_asked_and_not_below_the_jobs_minimum():
+    assert job_rules.drain_straggler(True, others_running=2, nnodes_min=2)
+    assert not job_rules.drain_straggler(True, others_running=1, nnodes_min=2)
+    assert not job_rules.drain_straggler(False, others_running=5, nnodes_min=2)
+
+
+def _st(node, state="running", ranks=(), world=0, step=-1):
+    return NodeJobStatus(node, state, ranks=list(ranks), world_size=world, last_step=step)
+
+
+def test_the_groups_ranks_are_known_once_every_node_published_them():
+    sts = {"n1": _st("n1", ranks=[0, 1], world=4), "n2": _st("n2", ranks=[2], world=4)}
+    assert job_rules.round_ranks(sts, 4) == {}  # rank 3 missing
+    sts["n3"] = _st("n3", ranks=[3], world=4)
+    assert job_rules.round_ranks(sts, 4) == {"n1": [0, 1], "n2": [2], "n3": [3]}
+    sts["n4"] = _st("n4", ranks=[3], world=2)  # an older world: not of this group
+    sts["n5"] = _st("n5", "stopping", ranks=[0], world=4)
+    assert job_rules.round_ranks(sts, 4) == {"n1": [0, 1], "n2": [2], "n3": [3]}
+    assert job_rules.round_ranks(sts, 0) == {}
+
+
+def test_the_recovery_writer_is_the_lowest_live_survivor_that_ran_workers_else_a_spare():
+    sts = {"n1": _st("n1", step=40), "n2": _st("n2", ranks=[1]), "n0": _st("n0"),
+           "n9": _st("n9", ranks=[0])}
+    assert job_rules.ran_workers(sts["n1"]) and not job_rules.ran_workers(sts["n0"])
+    live = {"n0", "n1", "n2"}  # n9's entry is no member's: gone
+    assert job_rules.recovery_writer(sts, live, failed="n2") == "n1"
+    assert job_rules.recovery_writer(sts, live, failed="n1") == "n2"
+    assert job_rules.recovery_writer({"n0": sts["n0"], "n2": sts["n2"]}, live, "n2") == "n0"
+    assert job_rules.recovery_writer({"n2": sts["n2"]}, live, "n2") is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(events=st.lists(st.tuples(st.integers(-9, 3), st.booleans(), st.floats(0, 100)),
+                       max_size=30),
+       budget=st.integers(0, 6))
+def test_over_any_order_of_agent_exits_the_budget_and_backoff_hold(events, budget):
+    """Any sequence of agent exits (code, succeeded elsewhere, seconds since the last): the
+    job is given up exactly when its deaths pass the budget, never restarted before its
+    backoff, whose wait only grows and stays under MAX_BACKOFF."""
+    book, now, last_wait = JobBook(), 0.0, 0.0
+    for code, elsewhere, gap in events:
+        now = max(now + gap, book.not_before)  # nothing starts before the backoff ends
+        if code != 0 and not elsewhere:
+            book.deaths += 1
+        verdict = book.agent_exited(code, elsewhere, budget, now)
+        if code == 0:
+            assert verdict is AgentExit.SUCCEEDED
+        elif elsewhere:
+            assert verdict is AgentExit.SUCCEEDED_ELSEWHERE
+        elif book.deaths > budget:
+            assert verdict is AgentExit.GIVE_UP
+            break
+        else:
+            assert verdict is AgentExit.RESTART
+            wait = book.not_before - now
+            assert last_wait <= wait <= job_rules.MAX_BACKOFF and wait > 0
+            last_wait = wait
+        if verdict is not AgentExit.RESTART:
+            break  # the job is over on this node

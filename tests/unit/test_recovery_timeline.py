@@ -330,16 +330,17 @@ def test_the_writer_is_the_lowest_surviving_node_that_ran_workers(manager):
     for node, ranks, step in (("n1", [], 40), ("n2", [1], 40), ("n0", [], -1)):
         coord.put(keys.job_node("job", node),
                   NodeJobStatus(node, "running", ranks=ranks, last_step=step).encode(), lease)
-    mgr._drain()
-    mgr.job, mgr.status = "job", NodeJobStatus("n3", "running", ranks=[2])
+    mgr.records.refresh()
+    mgr.group.job = "job"
+    mgr.board.set("running", "", ranks=[2])
     assert mgr.recovery_writer("n2") == "n1"
     assert mgr.recovery_writer("n1") == "n2"
     coord.delete(keys.job_node("job", "n1"))
     coord.delete(keys.job_node("job", "n2"))
-    mgr._drain()
-    mgr.status = NodeJobStatus("n3", "running")
+    mgr.records.refresh()
+    mgr.board.set("running", "")
     assert mgr.recovery_writer("n2") == "n0"  # no node ran workers: a spare writes
-    mgr.job = None
+    mgr.group.job = None
     assert mgr.recovery_writer("n1") is None
 
 
@@ -351,7 +352,7 @@ def test_a_round_record_is_noted_as_it_arrives_and_not_queued(manager):
     coord.put(keys.job_rdzv("job") + b"native/nodes/a", b"{}")  # a join: not a close
     coord.put(keys.job_rdzv("job") + b"store/x", b"{}")
     assert seen == ["job"]
-    assert mgr._feed.empty()
+    assert mgr.records._feed.empty()
 
 
 # -- elasticctl history -----------------------------------------------------------------------
@@ -415,13 +416,13 @@ def test_the_agents_report_of_its_abort_reaches_the_timeline():
                     MemoryCoordinator(MemoryStore(clock)), clock=clock)
     try:
         aborted = daemon.channel.handlers()["workers_aborted"]
-        daemon.jobs.job = "j"
+        daemon.jobs.group.job = "j"
         assert aborted({"job": "other", "workers": 1}) == {}  # not the job running here
         assert aborted({"job": "j", "workers": 1}) == {}
         assert list(daemon.timeline._jobs["j"].aborts) == [clock.wall()]
         assert "other" not in daemon.timeline._jobs
     finally:
-        daemon.jobs.job = None
+        daemon.jobs.group.job = None
         daemon.close()
 
 
