@@ -122,7 +122,8 @@ def check(out: Outcome, fault: FaultRecord, by_deadline: bool) -> None:
                           if rec["t"] <= fault.landed), default=-1)
         assert at_landing >= ARM_AT, f"no step before the fault landed?\n{out.summary()}"
         for r in out.recoveries:
-            assert set(r.reported_lost.values()) == {r.true_lost}, f"{r}\n{out.summary()}"
+            reported = set(r.reported_lost.values())  # a step in flight may be unknown
+            assert len(reported) == 1 and reported <= r.knowable_lost, f"{r}\n{out.summary()}"
             assert r.step >= at_landing - MAX_LAG, (
                 f"a restore during the fault went back to step {r.step}, more than {MAX_LAG} "
                 f"steps before step {at_landing}, reached when the fault landed: {r}\n"
