@@ -6,6 +6,7 @@ records, the job spec) and keep the job going: nobody declared failed or fenced 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -21,34 +22,53 @@ LOST_LINE = "etcd lost its data"
 
 
 class _WatchedCluster(ChaosCluster):
-    """Records, after the wipe, when every daemon first saw every peer in its /status, and what
-    ``elasticctl jobs`` said while the job trained on."""
+    """Records, after the wipe, when every daemon first saw every peer registered again in its
+    /status, and when ``elasticctl jobs`` first showed the job again.
+
+    A daemon's /status keeps listing its peers through the outage until it sees that etcd lost
+    its data (then it lists them again from the new etcd), so its peers count as seen again
+    only once its log says it saw the loss. The fault's record is written once etcd is healthy
+    again (empty): :attr:`back` is that moment."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.all_seen_at: dict[str, float] = {}
         self.jobs_after: list[dict] | None = None
+        self.jobs_seen_at: float | None = None
+        self.back: float | None = None
         self._next_look = 0.0
 
     def _tick(self) -> bool:
         super()._tick()
-        faults = self.injector.records if self.injector is not None else []
-        if not faults or time.monotonic() < self._next_look:
+        if time.monotonic() < self._next_look:
             return True
         self._next_look = time.monotonic() + 0.1
+        faults = self.injector.records if self.injector is not None else []
+        if not faults:
+            return True
+        if self.back is None:
+            self.back = time.time()
+        statuses = self.scrape("/status")
         nodes = set(self.nodes)
-        for node, status in self.scrape("/status").items():
+        for node, status in statuses.items():
             peers = {p["node"] for p in status.get("peers", [])}
-            if peers >= nodes - {node} and node not in self.all_seen_at:
+            if (node not in self.all_seen_at and peers >= nodes - {node}
+                    and LOST_LINE in self._log(node)):
                 self.all_seen_at[node] = time.time()
-        if self.jobs_after is None and len(self.all_seen_at) == len(nodes):
+        if self.jobs_seen_at is None and len(self.all_seen_at) == len(nodes):
             out = subprocess.run(
                 [sys.executable, "-m", "elasticd.cli.main", "jobs", "--format", "json",
                  "--etcd", self.etcd, "--prefix", self.prefix],
                 capture_output=True, text=True, timeout=30)
             if out.returncode == 0:
                 self.jobs_after = json.loads(out.stdout)
+                if any(j["job"] == self.job for j in self.jobs_after):
+                    self.jobs_seen_at = time.time()
         return True
+
+    def _log(self, node: str) -> str:
+        with open(os.path.join(self.workdir, f"{node}.log"), errors="replace") as fh:
+            return fh.read()
 
 
 def test_etcd_wiped_during_training_the_job_goes_on(tmp_path):
@@ -56,10 +76,11 @@ def test_etcd_wiped_during_training_the_job_goes_on(tmp_path):
                   step_time=0.1, etcd_members=1)
     cc = _WatchedCluster(tmp_path, shape)
     out = cc.run(FaultPlan().wipe_etcd(at_step=80), timeout=200)
-    wipe = out.faults[0]
-    back = wipe.at  # the fault returns once etcd is healthy again: measure from its end
+    assert out.faults and cc.back is not None, "the wipe never fired"
+    back = cc.back  # etcd healthy again, and empty
     print(f"etcd back at {back:.2f}; every peer seen at "
-          f"{ {n: round(t - back, 2) for n, t in cc.all_seen_at.items()} }")
+          f"{ {n: round(t - back, 2) for n, t in cc.all_seen_at.items()} }; the job in "
+          f"elasticctl jobs at {None if cc.jobs_seen_at is None else round(cc.jobs_seen_at - back, 2)}")
 
     out.assert_finished()
     out.assert_samples_exactly_once()
@@ -76,9 +97,10 @@ def test_etcd_wiped_during_training_the_job_goes_on(tmp_path):
             if t - back > shape.lease_ttl + 3.0}
     assert not slow, f"daemons that saw every peer only late after etcd's return: {slow}"
     # The job survived the loss of its keys: elasticctl shows it, still wanted.
-    assert cc.jobs_after is not None, "elasticctl jobs never answered after the wipe"
+    assert cc.jobs_seen_at is not None, f"elasticctl jobs never showed the job: {cc.jobs_after}"
     mine = [j for j in cc.jobs_after if j["job"] == cc.job]
-    assert mine and mine[0]["desired"] == "running", cc.jobs_after
+    assert mine[0]["desired"] == "running", cc.jobs_after
+    assert cc.jobs_seen_at - back <= shape.lease_ttl + 3.0, cc.jobs_seen_at - back
     # Nobody declared failed, nobody fenced, and the loss said once by each daemon, once as
     # an event.
     assert not [e for e in out.events if e["kind"] in ("failed", "fenced")], out.events

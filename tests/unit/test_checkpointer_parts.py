@@ -47,12 +47,25 @@ def test_the_two_newest_slots_stay_mapped_and_a_known_file_needs_no_descriptor()
 class _Copy:
     def __init__(self) -> None:
         self.finished = threading.Event()
+        self.waiting = threading.Event()
 
     def done(self) -> bool:
         return self.finished.is_set()
 
     def wait(self, timeout: float) -> None:
+        self.waiting.set()
         self.finished.wait(timeout)
+
+    def finish_after(self, seconds: float) -> threading.Thread:
+        """Finishes the copy ``seconds`` after a hook starts waiting for it (not after the test
+        starts: a loaded machine may take longer than that for the forward and backward)."""
+        def run() -> None:
+            if self.waiting.wait(10.0):
+                threading.Event().wait(seconds)
+            self.finished.set()
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
 
 
 def test_an_optimizer_step_waits_for_the_copy_in_flight():
@@ -63,9 +76,10 @@ def test_an_optimizer_step_waits_for_the_copy_in_flight():
     fence.watch({"model": model, "opt": opt})
     fence.watch({"opt": opt})  # hooked once
     fence.copy = copy = _Copy()
-    threading.Timer(0.2, copy.finished.set).start()
+    finisher = copy.finish_after(0.2)
     model(torch.ones(1, 2)).sum().backward()
     opt.step()
+    finisher.join(5.0)
     assert copy.done() and len(waits) == 1 and waits[0] >= 0.15
     assert fence.take_stall() == waits[0] and fence.take_stall() == 0.0
     opt.step()  # the copy is done: no wait
