@@ -31,6 +31,14 @@ class Unavailable(CoordinationError):
     """
 
 
+class Refused(Unavailable):
+    """etcd kept refusing a request, unapplied, for longer than the caller waits: its auth
+    store changed under each try ("revision of auth store is old": users or roles changing,
+    as when daemons create their agents' users). Nothing was applied; to the caller etcd is
+    as good as unreachable, so it is handled like :class:`Unavailable`.
+    """
+
+
 class LeaseLost(CoordinationError):
     """The lease no longer exists on the server (it expired or was revoked)."""
 

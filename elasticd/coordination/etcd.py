@@ -39,6 +39,7 @@ from elasticd.coordination.api import (
     LeaseLost,
     Op,
     Put,
+    Refused,
     Unavailable,
     Watch,
     WatchCallback,
@@ -83,13 +84,13 @@ _AUTH_CODES = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIE
 _AUTH_MESSAGES = ("authentication failed", "user name is empty", "invalid auth token")
 # etcd refuses, unapplied, a request whose token predates a user or role change that committed
 # between the request's arrival and its apply (any daemon creating its agents' users causes
-# one). etcd's own client repeats the request; so do we, for a while, since a busy auth store
-# can move again before the repeat lands.
+# one). etcd's own client repeats the request; so do we, for a while
+# (EtcdSettings.refusal_patience), since a busy auth store can move again before the repeat
+# lands.
 _STALE_TOKEN = "revision of auth store is old"
-_STALE_TOKEN_PATIENCE = 10.0
 
 
-class StaleToken(CoordinationError):
+class StaleToken(Refused):
     """etcd refused a request, unapplied, because its auth store changed under the token."""
 
 
@@ -103,6 +104,11 @@ class EtcdSettings:
         user, password: etcd auth (both or neither).
         ca_cert, cert, key: TLS files; ``ca_cert`` alone gives server-authenticated TLS,
             with ``cert`` and ``key`` the client authenticates too.
+        refusal_patience: seconds a request etcd refuses as older than its auth store is
+            repeated before it fails with :class:`Refused` (an :class:`Unavailable`). A
+            one-shot client (elasticctl) waits long; the daemon waits no longer than one
+            request may take, so its main loop is not held and reports the refusals as an
+            outage instead (:meth:`elasticd.config.Settings.etcd_settings`).
     """
 
     endpoints: tuple[tuple[str, int], ...]
@@ -112,6 +118,7 @@ class EtcdSettings:
     ca_cert: str | None = None
     cert: str | None = None
     key: str | None = None
+    refusal_patience: float = 10.0
 
     @property
     def secure(self) -> bool:
@@ -255,6 +262,9 @@ class EtcdCoordinator(Coordinator):
                     if self._repeat_stale(client, stale_since):
                         attempts += 1
                         continue
+                    raise StaleToken(
+                        f"{err}; refused for {self.clock.monotonic() - stale_since:.1f} s "
+                        "while etcd's users or roles kept changing") from exc
                 if isinstance(err, AuthError) and self.settings.user and last is None:
                     # Simple auth tokens expire (5 min by default): log in again once.
                     self._reset_client()
@@ -268,7 +278,7 @@ class EtcdCoordinator(Coordinator):
 
     def _repeat_stale(self, client: pyetcd.MultiEndpointEtcd3Client, since: float) -> bool:
         """Whether to repeat a request etcd refused as older than its auth store (after the
-        pause this takes), for up to ``_STALE_TOKEN_PATIENCE`` seconds.
+        pause this takes), for up to ``settings.refusal_patience`` seconds.
 
         A simple token holds no revision (etcd stamps its current one on a request as it
         arrives), so the same token is repeated: it fails again only while user changes keep
@@ -279,12 +289,14 @@ class EtcdCoordinator(Coordinator):
         starved past 10 s; every 0.2 s, each write got through within two repeats.
         """
         waited = self.clock.monotonic() - since
-        if waited > _STALE_TOKEN_PATIENCE:
+        left = self.settings.refusal_patience - waited
+        if left <= 0:
             return False
         token = dict(client.metadata or ()).get("token", "")
         if token.count(".") >= 2:  # header.payload.signature
             self._reset_client()
-        self.clock.sleep(min(0.05 * 2 ** int(waited / 0.1), 0.5))
+        # Never sleep past the patience: the caller's bound is what holds its thread.
+        self.clock.sleep(min(0.05 * 2 ** int(waited / 0.1), 0.5, left))
         return True
 
     # -- keys -----------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import threading
 from typing import Callable
 
 from elasticd.clock import Clock, SystemClock
-from elasticd.coordination.api import AuthError
+from elasticd.coordination.api import AuthError, Refused
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +46,21 @@ class EtcdHealth:
         with self._lock:
             return self.outage_since is None
 
+    @property
+    def kind(self) -> str | None:
+        """What the outage under way is ("unreachable", "refuses our credentials", "refuses
+        our requests"), or None while etcd is up."""
+        with self._lock:
+            return None if self.outage_since is None else self._said
+
     def failed(self, exc: BaseException) -> None:
         """Records a failed call: one line per outage, and one more if its kind changes
-        (etcd back but refusing our credentials, as after a data loss, needs another fix)."""
+        (etcd back but refusing our credentials, as after a data loss, needs another fix;
+        etcd refusing our requests while its users change needs none, but is no outage of
+        the network either)."""
         now = self._clock.monotonic()
-        what = "refuses our credentials" if isinstance(exc, AuthError) else "unreachable"
+        what = ("refuses our credentials" if isinstance(exc, AuthError)
+                else "refuses our requests" if isinstance(exc, Refused) else "unreachable")
         with self._lock:
             started = self.outage_since is None
             if started:

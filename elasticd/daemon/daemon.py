@@ -363,7 +363,7 @@ class Daemon:
             # gone until re-created): one line, the workers kept for the outage grace.
             self.health.failed(exc)
             sentence = self.fence.describe_outage(self.health.outage_seconds(),
-                                                  self.settings.outage_grace)
+                                                  self.settings.outage_grace, self.health.kind)
         except (CoordinationError, NodeIdInUse) as exc:
             log.warning("cycle failed: %s", exc)
             sentence = f"cycle failed ({exc}); retrying"
@@ -376,7 +376,8 @@ class Daemon:
         if not self.health.up:
             outage = self.health.outage_seconds()
             self.loop.note(self.fence.outage(outage, self.settings.outage_grace))
-            sentence = self.fence.describe_outage(outage, self.settings.outage_grace)
+            sentence = self.fence.describe_outage(outage, self.settings.outage_grace,
+                                                  self.health.kind)
         self._finish_cycle(sentence)
         return sentence
 
@@ -456,6 +457,7 @@ class Daemon:
             "sentence": self.loop.sentence,
             "etcd_up": self.health.up,
             "etcd_outage_seconds": round(self.health.outage_seconds(), 3),
+            "etcd_outage_kind": self.health.kind,
             "lease": f"{self.registered_lease:x}" if self.registered_lease else None,
             "fenced_for": self.fence.fenced_for or None,
             "cycles": self.loop.cycles,

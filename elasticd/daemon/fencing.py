@@ -77,8 +77,8 @@ class Fence:
         """
         return self._carry_out(self.book.fence(reason, lease))
 
-    def describe_outage(self, gone: float, grace: float) -> str:
-        return describe_outage(gone, grace, self.book.fenced)
+    def describe_outage(self, gone: float, grace: float, kind: str | None = None) -> str:
+        return describe_outage(gone, grace, self.book.fenced, kind or "unreachable")
 
     def _carry_out(self, order: FenceOrder | None) -> str | None:
         if order is None:

@@ -102,12 +102,13 @@ class FenceBook:
         self.suspects.clear()
 
 
-def describe_outage(gone: float, grace: float, fenced: bool) -> str:
-    """The cycle sentence while etcd is unreachable."""
+def describe_outage(gone: float, grace: float, fenced: bool, kind: str = "unreachable") -> str:
+    """The cycle sentence while etcd is unreachable (or refuses us: ``kind``, as
+    :attr:`EtcdHealth.kind` says)."""
     if fenced:
-        return (f"etcd unreachable for {gone:.1f} s; fenced (workers stopped) after the "
+        return (f"etcd {kind} for {gone:.1f} s; fenced (workers stopped) after the "
                 f"{grace:.0f} s grace; retrying")
-    return (f"etcd unreachable for {gone:.1f} s; keeping workers running for "
+    return (f"etcd {kind} for {gone:.1f} s; keeping workers running for "
             f"{max(0.0, grace - gone):.1f} s more; retrying")
 
 

@@ -25,6 +25,7 @@ from elasticd.coordination.api import (
     LeaseLost,
     Op,
     Put,
+    Refused,
     Unavailable,
     Watch,
     WatchCallback,
@@ -79,6 +80,7 @@ class MemoryStore:
         self._history: list[tuple[int, WatchEvent]] = []
         self._watches: list[_MemoryWatch] = []
         self.available = True
+        self.refusing = False
 
     # -- fault injection ------------------------------------------------------------------
 
@@ -90,6 +92,13 @@ class MemoryStore:
         if not available:
             for w in watches:
                 w.callback(Unavailable("memory store is down"))
+
+    def set_refusing(self, refusing: bool) -> None:
+        """Simulates etcd refusing every request, unapplied, while its users keep changing:
+        while True every client call raises :class:`Refused` (what the etcd adapter raises
+        once it has repeated a refused request for as long as it waits)."""
+        with self._lock:
+            self.refusing = refusing
 
     def wipe(self) -> None:
         """Simulates etcd restarted on an empty data directory: every key and lease is gone
@@ -127,6 +136,8 @@ class MemoryStore:
     def _check(self) -> None:
         if not self.available:
             raise Unavailable("memory store is down")
+        if self.refusing:
+            raise Refused("memory store: revision of auth store is old")
 
     def _drop_lease(self, lease_id: int) -> list[WatchEvent]:
         lease = self._leases.pop(lease_id, None)

@@ -102,6 +102,32 @@ def test_outage_expiring_every_lease_records_no_failure(world):
                for d in daemons.values()) > 0
 
 
+def test_etcd_refusing_every_request_is_an_outage_the_daemon_reports(world):
+    """etcd refusing every request while its users change ("revision of auth store is old",
+    past what the adapter repeats) is an outage of its own kind: /status, the metrics, the
+    sentence and the grace know it, and the loop carries on."""
+    clock, store, start, tick, daemons = world
+    d = start("n1", outage_grace=5.0)
+    tick()
+    store.set_refusing(True)
+    out = tick()
+    assert "etcd refuses our requests for" in out["n1"], out
+    assert "keeping workers running" in out["n1"]
+    st = d.status()
+    assert st["etcd_up"] is False and st["etcd_outage_kind"] == "refuses our requests"
+    assert d.metrics.etcd_up._value.get() == 0
+    assert d.metrics.etcd_outages._value.get() == 1
+    for _ in range(4):
+        out = tick()
+    assert d.status()["etcd_outage_seconds"] == pytest.approx(1.0, abs=0.3)
+    store.set_refusing(False)
+    for _ in range(4):
+        out = tick()
+    assert d.health.up and d.status()["etcd_outage_kind"] is None
+    assert d.metrics.etcd_up._value.get() == 1
+    assert out["n1"] == "no action: I am n1, 1 nodes alive" or "1 node" in out["n1"], out
+
+
 def test_long_outage_fences_after_grace(world):
     clock, store, start, tick, daemons = world
     d = start("n1", outage_grace=5.0)
