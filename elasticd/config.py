@@ -105,7 +105,8 @@ class Settings:
         events_retention: number of cluster events kept in etcd.
         etcd_user, etcd_password, etcd_ca_cert, etcd_cert, etcd_key: etcd auth and TLS.
         state_dir: where job logs and the daemon's local socket live.
-        agent_restarts: how often the daemon restarts a job's agent that died, with backoff.
+        agent_restarts: how often the daemon restarts a job's agent that died, with backoff,
+            in a row (a newer committed step of the job renews the count).
         stop_grace: seconds between SIGTERM and SIGKILL when stopping a job's processes.
         rdzv_last_call: torchrun's last_call_timeout (seconds a complete round waits for more).
         rdzv_grow: when a node that returns or is added enters a running job: "immediate"

@@ -116,14 +116,43 @@ class JobBook:
     Attributes:
         finished: jobs this node completed (exit 0) or gave up on: not started here again.
         holds: jobs left aside for now (refused, or waiting for their files).
-        deaths: the agent deaths counted against ``agent_restarts``.
-        not_before: no agent starts before this (monotonic): the backoff after a death.
+        deaths: the deaths of ``dying``'s agent counted against ``agent_restarts``: those since
+            the job last committed a newer step (:meth:`agent_died`).
+        dying: the job ``deaths`` and ``not_before`` are about.
+        progress: ``dying``'s newest committed (generation, step) at its agent's last death.
+        not_before: no agent of ``dying`` starts before this (monotonic): the backoff after a
+            death.
     """
 
     finished: set[str] = dataclasses.field(default_factory=set)
     holds: JobHolds = dataclasses.field(default_factory=JobHolds)
     deaths: int = 0
+    dying: str | None = None
+    progress: tuple[int, int] | None = None
     not_before: float = 0.0
+
+    def agent_died(self, job: str, committed: tuple[int, int] | None) -> int:
+        """Counts a death of ``job``'s agent (``committed``: the job's newest committed
+        (generation, step) now, None if none is known); returns the count.
+
+        The budget is one job's, and a restart that worked renews it: another job's deaths do
+        not count (they did, for as long as the daemon ran), and neither do this job's from
+        before it committed a newer step, as the crash-loop rule counts restarts
+        (:mod:`elasticd.agent.crashloop`). A weeks-long job whose agent dies now and then for
+        reasons outside it (a long etcd outage ends the agent's rendezvous) is not given up on
+        its eleventh death; one that dies without progress still is. A job that commits nothing
+        keeps one budget while it runs here.
+        """
+        if job != self.dying:
+            self.dying, self.deaths, self.progress = job, 0, committed
+        elif committed is not None and (self.progress is None or committed > self.progress):
+            self.deaths, self.progress = 0, committed
+        self.deaths += 1
+        return self.deaths
+
+    def not_before_for(self, job: str) -> float:
+        """When ``job``'s agent may start: the backoff is the dying job's, not the next one's."""
+        return self.not_before if job == self.dying else 0.0
 
     def agent_exited(self, code: int, succeeded_elsewhere: bool, agent_restarts: int,
                      now: float) -> AgentExit:

@@ -229,7 +229,7 @@ class JobManager:
             return None if v is None else (v.problem, v.waiting)
 
         unreadable = self.records.bad_specs[job][1] if spec is None else None
-        decision, why = job_rules.start(self.clock.monotonic(), self.book.not_before,
+        decision, why = job_rules.start(self.clock.monotonic(), self.book.not_before_for(job),
                                         unreadable, check)
         if decision is Start.CHECKING:
             self.notes.append(f"checking job {job}'s files on this node")
@@ -304,9 +304,10 @@ class JobManager:
             return
         done = self.records.succeeded_on(job, self.board.node_id)
         if code != 0 and not done:
-            self.book.deaths += 1
+            committed = self.committed(job)
+            self.book.agent_died(job, committed)
             self.metrics.worker_restarts.labels("agent_died").inc()
-            group.restarts.restarted(sup.log_size(), sup.log_tail, self.committed(job),
+            group.restarts.restarted(sup.log_size(), sup.log_tail, committed,
                                      f"agent exited with {code}")
             if self._crash_looping():
                 return

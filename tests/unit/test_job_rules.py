@@ -160,6 +160,32 @@ def test_the_budget_counts_deaths_and_a_restart_waits_its_backoff():
     assert book.not_before == 101.0  # no restart: no new backoff
 
 
+def test_the_budget_is_one_jobs_and_a_restart_that_committed_renews_it():
+    """deaths counted every agent death since the daemon started, whatever the job: a job
+    began with its predecessors' deaths spent and their backoff to wait, and a weeks-long job
+    was given up on its eleventh death, however much it trained in between."""
+    book = JobBook()
+    for n in (1, 2, 3):
+        assert book.agent_died("a", None) == n
+        assert book.agent_exited(1, False, agent_restarts=3, now=10.0) is AgentExit.RESTART
+    assert book.not_before_for("a") == 10.0 + job_rules.restart_backoff(3)
+    assert book.not_before_for("b") == 0.0  # a's backoff is not b's
+    assert book.agent_died("b", (1, 5)) == 1  # a's deaths are not b's
+    assert book.agent_died("b", (1, 5)) == 2  # no progress since: it counts
+    assert book.agent_died("b", None) == 3  # nothing known: no progress seen
+    assert book.agent_died("b", (2, 1)) == 1  # a newer commit: the restart worked
+    for step in range(2, 30):  # dies once per new commit, for ever: never given up
+        assert book.agent_died("b", (2, step)) == 1
+        assert book.agent_exited(1, False, agent_restarts=3, now=100.0 + step) is (
+            AgentExit.RESTART)
+        assert book.not_before == 100.0 + step + job_rules.restart_backoff(1)
+    for _ in range(3):  # ...but deaths in a row without one are
+        book.agent_died("b", (2, 29))
+    assert book.deaths == 4
+    assert book.agent_exited(1, False, agent_restarts=3, now=200.0) is AgentExit.GIVE_UP
+    assert book.agent_died("a", (9, 9)) == 1  # a again: counted afresh
+
+
 # -- a start -----------------------------------------------------------------------------------
 
 def test_a_start_waits_its_backoff_then_refuses_an_unreadable_spec_before_any_check():
