@@ -88,6 +88,10 @@ class AgentCredentials:
         self.users = users
         self.tag = hashlib.sha256(keys.prefix.encode()).hexdigest()[:8]
         self._retired = False  # users under the old names looked for (retire_old_users)
+        # user -> the password an issue set before it failed (etcd refusing it while users
+        # change, past what the daemon waits): its retry keeps it, since setting another is
+        # one more change of etcd's auth store, which makes etcd refuse more requests.
+        self._unfinished: dict[str, str] = {}
 
     def user_name(self, job: str) -> str:
         return f"elasticd-agent.{self.tag}.{job}{USER_SEPARATOR}{self.node_id}"
@@ -111,15 +115,16 @@ class AgentCredentials:
         conf = self._files(spec.name, spec.user) if self.ca_cert or self.agent_cert else {}
         env: dict[str, str] = {}
         if self.users:
-            user, password = self.user_name(spec.name), secrets.token_urlsafe(24)
+            user = self.user_name(spec.name)
             self._ensure_role(self.job_role(spec.name), self.keys.job_rdzv(spec.name),
                               prefix=True, write=True)
             self._ensure_role(self.node_role(), self.keys.node(self.node_id),
                               prefix=False, write=False)
-            has = self._ensure_user(user, password)
+            password, has = self._unfinished_user(user) or self._new_user(user)
             for role in (self.job_role(spec.name), self.node_role()):
                 if role not in has:
                     self._auth("UserGrantRole", "AuthUserGrantRoleRequest", user=user, role=role)
+            self._unfinished.pop(user, None)
             conf["user"] = user
             env[PASSWORD_ENV] = password
             if not self._retired:
@@ -129,6 +134,7 @@ class AgentCredentials:
     def withdraw(self, job: str) -> None:
         """Deletes this node's etcd user for ``job`` and its TLS files (the job ended here)."""
         shutil.rmtree(os.path.join(self.files_dir, job), ignore_errors=True)
+        self._unfinished.pop(self.user_name(job), None)
         if not self.users:
             return
         self._delete_user(self.user_name(job), job)
@@ -172,6 +178,27 @@ class AgentCredentials:
     # at a job's start on N nodes at once that cost N² log-in checks (bench/scale_credentials.py).
     # So nothing is changed that already holds: a role and its permission are read first (every
     # node of a job would otherwise re-grant the same one), a user's roles too.
+
+    def _new_user(self, user: str) -> tuple[str, set[str]]:
+        """Sets a new password for ``user`` (creating it); returns it and the user's roles."""
+        password = secrets.token_urlsafe(24)
+        has = self._ensure_user(user, password)
+        self._unfinished[user] = password
+        return password, has
+
+    def _unfinished_user(self, user: str) -> tuple[str, set[str]] | None:
+        """The password and roles of ``user`` as an issue that failed after setting them left
+        it, or None (none did, or the user is gone since)."""
+        password = self._unfinished.get(user)
+        if password is None:
+            return None
+        try:
+            return password, set(self._auth("UserGet", "AuthUserGetRequest", name=user).roles)
+        except CoordinationError as exc:
+            if "not found" not in str(exc):
+                raise
+            del self._unfinished[user]
+            return None
 
     def _ensure_user(self, user: str, password: str) -> set[str]:
         """Creates ``user`` with ``password`` (or sets the password of the one there); returns
