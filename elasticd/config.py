@@ -245,11 +245,6 @@ class Settings:
             ca_cert=self.etcd_ca_cert or None,
             cert=self.etcd_cert or None,
             key=self.etcd_key or None,
-            # A request etcd keeps refusing (its users changing) is one that did not get an
-            # answer in time: past etcd_timeout it fails as an outage, which the main loop
-            # reports in /status and metrics and retries next cycle, instead of holding the
-            # loop (and /healthz, which allows 2 x etcd_timeout + 1 s) for 10 s of repeats.
-            refusal_patience=self.etcd_timeout,
         )
 
     def job_policy(self) -> "JobPolicy":

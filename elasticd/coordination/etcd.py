@@ -106,9 +106,8 @@ class EtcdSettings:
             with ``cert`` and ``key`` the client authenticates too.
         refusal_patience: seconds a request etcd refuses as older than its auth store is
             repeated before it fails with :class:`Refused` (an :class:`Unavailable`). A
-            one-shot client (elasticctl) waits long; the daemon waits no longer than one
-            request may take, so its main loop is not held and reports the refusals as an
-            outage instead (:meth:`elasticd.config.Settings.etcd_settings`).
+            one-shot client (elasticctl) waits long; a daemon that joined waits no longer
+            than one request may take (:meth:`EtcdCoordinator.bound_refusals`).
     """
 
     endpoints: tuple[tuple[str, int], ...]
@@ -158,6 +157,19 @@ class EtcdCoordinator(Coordinator):
         self._watches: list[ResilientWatch] = []
         self._keepalive: _KeepAliveStream | None = None
         self._closed = False
+
+    def bound_refusals(self, seconds: float) -> None:
+        """From now on, repeats a request etcd refuses as older than its auth store for at
+        most ``seconds`` (``settings.refusal_patience``), then raises :class:`Refused`.
+
+        The daemon calls this once it has joined: its main loop makes its etcd calls on its
+        own thread, and 10 s of repeats held the loop (and /healthz, which allows
+        2 x etcd_timeout + 1 s) while nothing said etcd was refusing it. A :class:`Refused` is
+        an outage to the loop: shown in /status and the metrics, counted by the outage grace,
+        tried again next cycle. Before the join a failure is fatal, so the start waits longer.
+        """
+        with self._lock:
+            self.settings = dataclasses.replace(self.settings, refusal_patience=seconds)
 
     # -- client lifecycle -----------------------------------------------------------------
 

@@ -102,10 +102,28 @@ def test_outage_expiring_every_lease_records_no_failure(world):
                for d in daemons.values()) > 0
 
 
+def test_a_joined_daemon_bounds_the_repeats_of_a_refused_request(world):
+    clock, store, start, tick, daemons = world
+    bounds = []
+
+    class Etcd(MemoryCoordinator):
+        def bound_refusals(self, seconds):
+            bounds.append(seconds)
+
+    d = Daemon(Settings(node_id="n1", etcd="mem:1", lease_ttl=TTL, etcd_timeout=0.7),
+               Etcd(store), clock=clock)
+    try:
+        assert bounds == []
+        d.join(keep_alive_thread=False)
+        assert bounds == [0.7]
+    finally:
+        d.close()
+
+
 def test_etcd_refusing_every_request_is_an_outage_the_daemon_reports(world):
     """etcd refusing every request while its users change ("revision of auth store is old",
-    past what the adapter repeats) is an outage of its own kind: /status, the metrics, the
-    sentence and the grace know it, and the loop carries on."""
+    past what the adapter repeats once the daemon joined) is an outage of its own kind:
+    /status, the metrics, the sentence and the grace know it, and the loop carries on."""
     clock, store, start, tick, daemons = world
     d = start("n1", outage_grace=5.0)
     tick()

@@ -95,15 +95,18 @@ def test_a_token_that_stays_stale_fails_after_ten_seconds():
     assert 10.0 <= clock.monotonic() - 1_000.0 < 11.0
 
 
-def test_the_daemon_repeats_a_refused_request_no_longer_than_one_request_may_take():
+def test_a_joined_daemon_repeats_a_refused_request_no_longer_than_one_request_may_take():
     """The daemon's main loop makes its etcd calls on its own thread: 10 s of repeats held it
     (and /healthz, which allows 2 x etcd_timeout + 1 s) while EtcdHealth, /status and the
-    metrics said nothing. Past etcd_timeout the refusal is an Unavailable, which the loop
-    counts as an outage of its own kind and retries next cycle."""
+    metrics said nothing. Once joined (Daemon.join bounds them, test_daemon_memory.py), past
+    etcd_timeout the refusal is an Unavailable, which the loop counts as an outage of its own
+    kind and retries next cycle."""
     clock = FakeClock()
     settings = Settings(node_id="n1", etcd="127.0.0.1:1", etcd_timeout=1.5,
                         etcd_user="u", etcd_password="p")
     c = EtcdCoordinator(settings.etcd_settings(), clock=clock)
+    assert c.settings.refusal_patience == 10.0  # the start: a failure there is fatal
+    c.bound_refusals(settings.etcd_timeout)
     c._build_client = lambda: TokenClient("abcdefghijklmnop.42")
     tries = []
 
