@@ -305,7 +305,7 @@ class SimNode:
             h._control.cond.notify_all()
         if self._cancel_watch is not None:
             self._cancel_watch()
-        for w in (h._watch, h._closer._watch if h._closer else None):
+        for w in (h._watch, h._closer.nodes._watch if h._closer else None):
             if w is not None:
                 w.cancel()
 
@@ -377,8 +377,8 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
                 node.written_at)
 
     def stats() -> dict[str, Any]:
-        closers = {i: (x.agent._closer.cpu, x.agent._closer.events)
-                   for i, x in nodes.items() if x.agent._closer is not None}
+        closers = {i: (c.cpu + c.nodes.cpu, c.nodes.events) for i, x in nodes.items()
+                   if (c := x.agent._closer) is not None}
         t = me.cpu_times()
         return {"control_events": sum(x.agent.control_events for x in nodes.values()),
                 "node_events": sum(x.node_events for x in nodes.values()),

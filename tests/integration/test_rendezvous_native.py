@@ -338,13 +338,13 @@ def test_only_the_closer_follows_the_node_records_the_others_see_a_few_events_a_
     assert leader is not None and sum(h._closer is not None for h in nodes) == 1
     others = [h for h in nodes if h is not leader]
     before = [h.control_events for h in others]
-    closer_before = leader._closer.events
+    closer_before = leader._closer.nodes.events
     # the others only the control keys: a re-rendezvous of all ten costs each one
     # summary (someone rejoins) and the round record, not ten events.
     infos = results(cluster.join(*nodes))
     assert {i.world_size for i in infos} == {10}
     wait_until(lambda: all(h._control.round.round == 1 for h in nodes), "all see round 1")
-    assert leader._closer.events - closer_before >= 10  # the closer saw every rejoin ...
+    assert leader._closer.nodes.events - closer_before >= 10  # the closer saw every rejoin ...
     assert all(h.control_events - b <= 4 for h, b in zip(others, before)), \
         [h.control_events - b for h, b in zip(others, before)]
     assert [h._closer for h in others] == [None] * len(others)

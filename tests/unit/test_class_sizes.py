@@ -28,7 +28,6 @@ KNOWN = {
     "elasticd.coordination.etcd.EtcdCoordinator",  # the Coordinator interface: one per call
     "elasticd.coordination.keys.Keyspace",  # one method per key
     "elasticd.metrics.Metrics",  # one attribute per metric family
-    "elasticd.rendezvous.closer.Closer",
     "elasticd.rendezvous.handler.EtcdNativeRendezvousHandler",
     "elasticd.replication.server.ReplicaServer",
     "elasticd.replication.tracker.CommitTracker",
