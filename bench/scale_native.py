@@ -305,7 +305,7 @@ class SimNode:
             h._control.cond.notify_all()
         if self._cancel_watch is not None:
             self._cancel_watch()
-        for w in (h._watch, h._closer._watch if h._closer else None):
+        for w in (h._watch, h._election.closer.nodes._watch if h._election.closer else None):
             if w is not None:
                 w.cancel()
 
@@ -377,8 +377,8 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
                 node.written_at)
 
     def stats() -> dict[str, Any]:
-        closers = {i: (x.agent._closer.cpu, x.agent._closer.events)
-                   for i, x in nodes.items() if x.agent._closer is not None}
+        closers = {i: (c.cpu + c.nodes.cpu, c.nodes.events) for i, x in nodes.items()
+                   if (c := x.agent._election.closer) is not None}
         t = me.cpu_times()
         return {"control_events": sum(x.agent.control_events for x in nodes.values()),
                 "node_events": sum(x.node_events for x in nodes.values()),
@@ -411,7 +411,7 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
             elif cmd[0] == "stats":
                 conn.send(stats())
             elif cmd[0] == "closer":
-                conn.send([i for i, x in nodes.items() if x.agent._closer is not None])
+                conn.send([i for i, x in nodes.items() if x.agent._election.closer is not None])
             elif cmd[0] == "members":
                 conn.send([(i, x.agent.me) for i, x in nodes.items()])
             elif cmd[0].startswith("commit_"):  # the steady-training phase (scale_commit.py)

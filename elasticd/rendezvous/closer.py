@@ -1,41 +1,33 @@
 """The closer's duty: follow every node record, close each round, summarize who waits.
 
 One agent of the run holds the closer's election key (``native/round.closer``, created only if
-absent and bound to its lease, as in etcd's election recipe). While it does, it lists the node
-records once, follows them with a watch of its own, keeps the counts of :class:`~.tally.Tally`
-(O(1) per event), and asks the round decision (:func:`~.rounds.decide_close`) only when the
-counts say the round may close. It closes a round with one transaction that compares the round
-key's ``mod_revision`` *and* its own election key's ``create_revision``: a closer whose lease
-expired (and whose key someone else re-created) cannot write. It writes the waiting summary
-the same way. Every other agent watches only the control keys (:mod:`.control`).
+absent and bound to its lease, as in etcd's election recipe). While it does, it follows the node
+records with a watch of its own (:mod:`.node_watch`, which keeps the counts of
+:class:`~.tally.Tally`, O(1) per event), and asks the round decision
+(:func:`~.rounds.decide_close`) only when the counts say the round may close. It closes a round
+with one transaction that compares the round key's ``mod_revision`` *and* its own election key's
+``create_revision``: a closer whose lease expired (and whose key someone else re-created) cannot
+write. It writes the waiting summary the same way. Every other agent watches only the control
+keys (:mod:`.control`).
 
 This object does the I/O; its decisions are :mod:`.rounds` and :mod:`.tally`. The handler's
-duty thread calls :meth:`Closer.step`; the node watch's thread calls :meth:`Closer.on_nodes`.
+duty thread calls :meth:`Closer.step`; the node watch's thread calls
+:meth:`~.node_watch.NodeWatch.on_nodes`.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-from typing import Any, Callable
+from typing import Callable
 
-from elasticd.clock import Clock, thread_cpu
-from elasticd.coordination.api import (
-    Compacted,
-    Compare,
-    CoordinationError,
-    Coordinator,
-    EventType,
-    KeyValue,
-    Put,
-    Watch,
-)
+from elasticd.clock import Clock
+from elasticd.coordination.api import Compare, CoordinationError, Coordinator, KeyValue, Put
 from elasticd.rendezvous.control import Control
 from elasticd.rendezvous.grace import OutageGrace
-from elasticd.rendezvous.records import NodeRecord, RecordError, RoundRecord, Waiting
+from elasticd.rendezvous.node_watch import NodeWatch
+from elasticd.rendezvous.records import NodeRecord, RoundRecord, Waiting
 from elasticd.rendezvous.rounds import SUMMARY_REFRESH, decide_close, grew_at, next_round, \
     summary_news
-from elasticd.rendezvous.tally import Tally
 
 log = logging.getLogger("elasticd.rendezvous.handler")
 
@@ -68,82 +60,18 @@ class Closer:
         self._min, self._max = min_nodes, max_nodes
         self._last_call, self._confirm = last_call, confirm
         self._grace, self._clock = grace, clock
-        self._distrust, self._wake = distrust, wake
         self._store_prefix, self._run_id = store_prefix, run_id
-        self._lock = threading.Lock()
-        self._tally = Tally()
-        self._revision = 0  # of the node listing and the events applied since
-        self._round_revision = -1  # the round record the tally counts for
-        self._watch: Watch | None = None
-        self._relist = True
+        #: The node records, listed and watched (its ``events`` and ``cpu``: for benches).
+        self.nodes = NodeWatch(coord, control.nodes_prefix, grace, clock, distrust, wake)
+        self._round_revision = -1  # the round record the counts are for
         self._min_since: float | None = None
         self._written: Waiting | None = None
         self._written_at = float("-inf")
-        self._warned: set[bytes] = set()
-        #: Node watch events this closer handled, and the CPU seconds its own work took (the
-        #: watch callback and :meth:`step`, by thread time): for benches.
-        self.events = 0
+        #: CPU seconds :meth:`step` took (by thread time, added by its caller): for benches.
         self.cpu = 0.0
 
-    # -- the node watch -------------------------------------------------------------------
-
-    def _list(self) -> None:
-        prefix = self._control.nodes_prefix
-        kvs, revision = self._grace.call(lambda: self._coord.get_prefix(prefix),
-                                         "listing the rendezvous nodes")
-        now = self._clock.monotonic()
-        with self._lock:
-            wiped = revision < self._revision
-            self._tally.load([r for kv in kvs if (r := self._decode(kv)) is not None], now)
-            self._revision = revision
-        if self._watch is None or wiped:
-            if self._watch is not None:
-                self._watch.cancel()
-            self._watch = self._grace.call(
-                lambda: self._coord.watch_prefix(prefix, self.on_nodes, revision + 1),
-                "watching the rendezvous nodes")
-
-    def on_nodes(self, batch: Any) -> None:
-        """The node watch's callback: O(1) per event."""
-        if isinstance(batch, CoordinationError):
-            if not isinstance(batch, Compacted):
-                self._distrust(f"rendezvous node watch: {batch}")
-            self._relist = True
-            self._wake()
-            return
-        now, cpu = self._clock.monotonic(), thread_cpu()
-        with self._lock:
-            for e in batch:
-                if e.kv.mod_revision <= self._revision:
-                    continue  # in the listing already
-                self._revision = e.kv.mod_revision
-                self.events += 1
-                node = e.kv.key[len(self._control.nodes_prefix):].decode(errors="replace")
-                if e.type is EventType.PUT:
-                    rec = self._decode(e.kv)
-                    if rec is not None:
-                        self._tally.put(rec, now)
-                else:
-                    self._tally.delete(node, now)
-            self.cpu += thread_cpu() - cpu
-        self._wake()
-
-    def _decode(self, kv: KeyValue) -> NodeRecord | None:
-        try:
-            rec = NodeRecord.decode(kv.value, kv.create_revision)
-        except RecordError as exc:
-            if kv.key not in self._warned:
-                self._warned.add(kv.key)
-                log.warning("refusing rendezvous node %s: %s",
-                            kv.key.decode(errors="replace"), exc)
-            return None
-        name = kv.key[len(self._control.nodes_prefix):].decode(errors="replace")
-        return rec if rec.node == name else None
-
     def stop(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            self._watch = None
+        self.nodes.stop()
 
     # -- the duty -------------------------------------------------------------------------
 
@@ -156,9 +84,7 @@ class Closer:
         Returns:
             The monotonic time to step again at the latest (None: at the next event).
         """
-        if self._relist:
-            self._relist = False
-            self._list()
+        self.nodes.refresh()
         now = self._clock.monotonic()
         with self._control.cond:
             last, revision = self._control.round, self._control.round_revision
@@ -167,8 +93,7 @@ class Closer:
             return None
         wakes: list[float] = []
         members: tuple[str, ...] | None = None
-        with self._lock:
-            tally = self._tally
+        with self.nodes.counts() as tally:
             if revision != self._round_revision:
                 tally.new_round(last, now)
                 self._round_revision, self._min_since = revision, None

@@ -12,10 +12,10 @@ interface (``torch/distributed/elastic/rendezvous/api.py``) on its own keys (:mo
   workers' store, so the round record names the workers' ``MASTER_ADDR``/``MASTER_PORT`` and
   no agent asks the store for them.
 * **One closer** (:mod:`.closer`), elected under its lease by creating ``native/round.closer``
-  only if absent, follows the node records and closes each round with one transaction that
-  also compares its own election key: a deposed closer cannot write. It also writes the waiting
-  summary ``num_nodes_waiting`` reads. When its key goes, the others take turns in rank order
-  (:func:`~.rounds.election_delay`): one takes over, nobody stampedes.
+  only if absent (:mod:`.election`), follows the node records and closes each round with one
+  transaction that also compares its own election key: a deposed closer cannot write. It also
+  writes the waiting summary ``num_nodes_waiting`` reads. When its key goes, the others take
+  turns in rank order (:func:`~.rounds.election_delay`): one takes over, nobody stampedes.
 * **Watching**, not polling, and O(1) events per agent per round: every agent watches only
   the control keys (``native/round*``, :mod:`.control`); the closer alone watches the node
   records. ``num_nodes_waiting()``, which torch's agent calls every monitor interval while
@@ -54,7 +54,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import random
 import socket
 import sys
 import threading
@@ -71,15 +70,8 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
-from elasticd.clock import Clock, SystemClock, thread_cpu
-from elasticd.coordination.api import (
-    Compacted,
-    Compare,
-    CoordinationError,
-    Coordinator,
-    KeyValue,
-    Put,
-)
+from elasticd.clock import Clock, SystemClock
+from elasticd.coordination.api import Compacted, CoordinationError, Coordinator
 from elasticd.coordination.health import EtcdHealth
 from elasticd.coordination.lease import LeaseKeeper
 from elasticd.rendezvous.closer import Closer
@@ -89,17 +81,12 @@ from elasticd.rendezvous.config import (
     RendezvousConfig,
 )
 from elasticd.rendezvous.control import Control
+from elasticd.rendezvous.election import Election
 from elasticd.rendezvous.grace import OutageGrace
 from elasticd.rendezvous.port import HeldPort
 from elasticd.rendezvous.data_loss import restore_round
 from elasticd.rendezvous.records import NodeRecord, RoundRecord, node_id
-from elasticd.rendezvous.rounds import (
-    ELECTION_STEP,
-    election_delay,
-    grow_interval,
-    next_round,
-    num_waiting,
-)
+from elasticd.rendezvous.rounds import grow_interval, next_round, num_waiting
 from elasticd.rendezvous.store import EtcdV3Store
 
 log = logging.getLogger(__name__)
@@ -151,26 +138,28 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
             local_id = EtcdNativeRendezvousHandler._count
         self._coord = coordinator
         self._run_id = run_id
-        self._min, self._max = min_nodes, max_nodes
+        self._max = max_nodes
         self.addr = addr
         self.me = node_id(addr, os.getpid(), local_id)
         self._backend = backend_name
         self._grace = grace or OutageGrace()
         self._clock = clock or SystemClock()
         self._ttl = ttl
-        self._confirm = confirm
         self._join_timeout = join_timeout
-        self._last_call = last_call
         self._close_on_failure = close_on_failure
         self._grow = grow
         self._grow_interval = grow_interval(grow)
         self._control = Control(prefix + b"native/", self._clock)
         self._store = EtcdV3Store(coordinator, prefix + b"store/", timeout=store_timeout,
                                   grace=self._grace, abort=self._round_left)
-        self._store_prefix = prefix + b"store/"
         self._keeper = LeaseKeeper(coordinator, ttl, EtcdHealth(describe="etcd (rendezvous)"),
                                    on_change=self._lease_changed, clock=self._clock,
                                    on_failure=lambda: self._distrust("etcd call failed"))
+        self._election = Election(
+            coordinator, self._control, self._keeper, self._grace, self.me,
+            lambda revision: Closer(coordinator, self._control, self.me, revision, min_nodes,
+                                    max_nodes, last_call, confirm, self._grace, self._clock,
+                                    self._distrust, self._kick, prefix + b"store/", run_id))
         self._lock = threading.Lock()
         self._record: NodeRecord | None = None
         self._port = HeldPort()
@@ -180,9 +169,6 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         self._relist = threading.Event()
         self._kicked = False
         self._duty: threading.Thread | None = None
-        self._closer: Closer | None = None
-        self._election: int | None = None  # create_revision of our election key
-        self._election_at: float | None = None
         self._untrusted_until = float("-inf")
         self._reported_gone: set[tuple[int, str]] = set()
         #: Called with the ids of members of this node's current round once they are dead
@@ -296,7 +282,7 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         self._grace.call(lambda: self._keeper.put(self._node_key(), record.encode()),
                          "writing this node's rendezvous record")
 
-    # -- the duty thread: elections and, while this node is the closer, the closer's duty ---
+    # -- the duty thread: the election and, while this node is the closer, the closer's duty --
 
     def _duty_loop(self) -> None:
         cond, seen, wake_at = self._control.cond, -1, 0.0
@@ -318,8 +304,8 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
             wake_at = due if due is not None else self._clock.monotonic() + WAKE_INTERVAL
 
     def _duty_step(self) -> float | None:
-        """One pass: re-list if asked, take the closer's key when it is free and our turn has
-        come, and do the closer's duty while it is ours. Returns when to pass again."""
+        """One pass: re-list if asked, then the election's step (:mod:`.election`). Returns
+        when to pass again."""
         if self._relist.is_set():
             self._relist.clear()
             try:
@@ -328,55 +314,7 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
                 self._relist.set()  # the loop tries again in a second
                 raise
         now = self._clock.monotonic()
-        control = self._control
-        with control.cond:
-            held, last, closed = control.closer, control.round, control.closed
-        leading = (held is not None and held.create_revision == self._election
-                   and held.value == self.me.encode())
-        if not leading and self._closer is not None:
-            log.info("node %s is no longer the rendezvous closer", self.me)
-            self._closer.stop()
-            self._closer = None
-        if closed:
-            return None
-        if held is None:
-            if self._election_at is None:
-                self._election_at = now + election_delay(self.me, last, random.random())
-            if now < self._election_at:
-                return self._election_at
-            self._election_at = None
-            self._elect()  # won: the key's write wakes this thread; lost: the winner's does
-            return now + ELECTION_STEP
-        self._election_at = None
-        if not leading:
-            return None
-        if self._closer is None:
-            log.info("node %s is the rendezvous closer", self.me)
-            self._closer = Closer(
-                self._coord, control, self.me, held.create_revision, self._min, self._max,
-                self._last_call, self._confirm, self._grace, self._clock, self._distrust,
-                self._kick, self._store_prefix, self._run_id)
-        cpu = thread_cpu()
-        due = self._closer.step(trusted=now >= self._untrusted_until)
-        self._closer.cpu += thread_cpu() - cpu
-        if now < self._untrusted_until:  # look again once the view is trusted
-            due = min(due or self._untrusted_until, self._untrusted_until)
-        return due
-
-    def _elect(self) -> None:
-        """Takes the closer's key if it is still free (create-if-absent, under our lease)."""
-        lease = self._keeper.lease
-        if lease is None:
-            return
-        key = self._control.closer_key
-        ok, revision = self._grace.call(
-            lambda: self._coord.transaction([Compare(key, 0)],
-                                            [Put(key, self.me.encode(), lease)]),
-            "taking the rendezvous closer's key")
-        if ok:
-            self._election = revision
-            self._control.set(KeyValue(key, self.me.encode(), create_revision=revision,
-                                       mod_revision=revision, lease=lease))
+        return self._election.step(now, self._untrusted_until)
 
     # -- torch's interface ----------------------------------------------------------------
 
@@ -558,8 +496,7 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
             self._control.cond.notify_all()
         if self._watch is not None:
             self._watch.cancel()
-        if self._closer is not None:
-            self._closer.stop()
+        self._election.stop()
         self._port.release()
         try:
             self._keeper.stop(revoke=self._started)

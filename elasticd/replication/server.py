@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import selectors
 import socket
 import ssl
 import threading
 from typing import Any, Callable
 
-from elasticd.admission import Admission, shut
+from elasticd.admission import shut
 from elasticd.clock import Clock, SystemClock
 from elasticd.replication.api import (
     BAD_RANGE,
@@ -48,6 +47,7 @@ from elasticd.replication.api import (
 from elasticd.replication.auth import AuthFailures, check_secret, server_handshake
 from elasticd.replication.seal import BlockTagger, BlockTags
 from elasticd.replication.channel import Channel, receive_stream, send_stream, tune
+from elasticd.replication.connections import Connections, Listener
 from elasticd.replication.messages import (
     Ack,
     CommitReply,
@@ -139,59 +139,34 @@ class ReplicaServer:
         self.chunk_size = chunk_size
         self.clock = clock or SystemClock()
         self.stats = ServerStats()
+        self._connections = Connections(self.stats, max_connections, max_pending,
+                                        handshake_timeout, self.clock)
         #: Where commit reports go (this node's coordination of their job); the node builder
         #: sets it. None: this server takes no reports (refused with ``not_coordinator``).
         self.on_report: Callable[[Report], Reply] | None = None
-        self._lock = threading.Lock()
-        self._connections: dict[threading.Thread, Any] = {}
-        # Fetches being served, by the connection's thread: (peer, job, rank, version, start).
-        self._serving: dict[threading.Thread, tuple[str, str, int, Any, float]] = {}
-        # Connections still in their handshake (keyed by their thread).
-        self._pending = Admission(max_pending, handshake_timeout)
-        self._authenticated = 0
-        # When each authenticated peer was last heard from (wall time): a failed peer's last
-        # sign of life, for its recovery's timeline (cluster/timeline.py).
-        self._heard: dict[str, float] = {}
-        self._stopping = False
-        self._listener = socket.create_server((host, port),
-                                              backlog=max_connections + max_pending)
-        self._listener.setblocking(False)
-        self.address: tuple[str, int] = self._listener.getsockname()[:2]  # port 0 resolved
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._selector = selectors.DefaultSelector()
-        self._selector.register(self._listener, selectors.EVENT_READ)
-        self._selector.register(self._wake_r, selectors.EVENT_READ)
-        self._thread = threading.Thread(target=self._accept_loop, daemon=True,
-                                        name=f"replica-accept-{node_id}")
+        self._listener = Listener(host, port, max_connections + max_pending, self._admit,
+                                  self._expire_handshakes, node_id)
+        self.address = self._listener.address  # port 0 resolved
 
     @property
     def pending_handshakes(self) -> int:
         """Connections admitted and not yet authenticated."""
-        return len(self._pending)
+        return self._connections.pending()
 
     def snapshot_stats(self) -> ServerStats:
         """A consistent copy of the counters."""
-        with self._lock:
-            return dataclasses.replace(self.stats)
+        return self._connections.snapshot()
 
     def start(self) -> "ReplicaServer":
-        self._thread.start()
+        self._listener.start()
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stops accepting, closes every connection (aborting transfers) and joins threads."""
-        with self._lock:
-            if self._stopping:
-                return
-            self._stopping = True
-        self._wake_w.send(b"\0")
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-        self._selector.close()
-        for sock in (self._listener, self._wake_r, self._wake_w):
-            sock.close()
-        with self._lock:
-            connections = dict(self._connections)
+        if not self._connections.stop():
+            return
+        self._listener.stop(timeout)
+        connections = self._connections.sockets()
         for sock in connections.values():
             shut(sock)
         for thread in connections:
@@ -203,42 +178,17 @@ class ReplicaServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _bump(self, **counts: int) -> None:
-        with self._lock:
-            for name, n in counts.items():
-                setattr(self.stats, name, getattr(self.stats, name) + n)
-
     # -- accepting -------------------------------------------------------------------------
 
-    def _accept_loop(self) -> None:
-        while True:
-            for key, _ in self._selector.select(self._expire_handshakes()):
-                if key.fileobj is self._wake_r:
-                    return
-                try:
-                    sock, addr = self._listener.accept()
-                except (BlockingIOError, InterruptedError):
-                    continue
-                except OSError as exc:
-                    log.warning("replica server %s: accept failed: %s", self.node_id, exc)
-                    continue
-                self._admit(sock, addr[0], f"{addr[0]}:{addr[1]}")
-
-    def _admit(self, sock: socket.socket, host: str, peer: str) -> None:
+    def _admit(self, sock: socket.socket, addr: tuple[str, int]) -> None:
         """Starts serving a new connection as pending, displacing one when the cap is full."""
-        victim = None
-        with self._lock:
-            if self._stopping:
-                sock.close()
-                return
-            thread = threading.Thread(target=self._serve, args=(sock, peer), daemon=True,
-                                      name=f"replica-conn-{peer}")
-            displaced = self._pending.admit(thread, host)
-            if displaced is not None:
-                victim = self._connections.get(displaced)
-                self.stats.pending_evicted += 1
-            self._connections[thread] = sock
-            self.stats.connections += 1
+        peer = f"{addr[0]}:{addr[1]}"
+        thread = threading.Thread(target=self._serve, args=(sock, peer), daemon=True,
+                                  name=f"replica-conn-{peer}")
+        admitted, victim = self._connections.admit(thread, sock, addr[0])
+        if not admitted:
+            sock.close()
+            return
         if victim is not None:
             log.debug("replica server %s: %d handshakes pending, displacing one for %s",
                         self.node_id, self.max_pending, peer)
@@ -247,26 +197,10 @@ class ReplicaServer:
 
     def _expire_handshakes(self) -> float | None:
         """Ends handshakes past their deadline; returns seconds until the next one is due."""
-        expired, wait = self._pending.expire()
-        with self._lock:
-            self.stats.handshake_timeouts += len(expired)
-            socks = [self._connections[t] for t in expired if t in self._connections]
+        socks, wait = self._connections.expire()
         for sock in socks:
             shut(sock)  # its thread's receive returns, and it records the failure
         return wait
-
-    def _authenticated_slot(self, me: threading.Thread) -> str | None:
-        """Moves ``me`` from pending to authenticated; the reason when it may not."""
-        with self._lock:
-            if not self._pending.release(me):
-                return "handshake deadline passed, or displaced by a newer connection"
-            if self._stopping:
-                return "stopping"
-            if self._authenticated >= self.max_connections:
-                self.stats.connections_rejected += 1
-                return f"{self.max_connections} peers connected"
-            self._authenticated += 1
-            return None
 
     # -- serving one connection ------------------------------------------------------------
 
@@ -277,7 +211,7 @@ class ReplicaServer:
 
         def admit() -> str | None:
             nonlocal authenticated
-            refused = self._authenticated_slot(me)
+            refused = self._connections.authenticate(me)
             authenticated = refused is None
             return refused
 
@@ -287,19 +221,16 @@ class ReplicaServer:
             try:
                 if self.ssl_context is not None:
                     sock = self.ssl_context.wrap_socket(sock, server_side=True)
-                    with self._lock:
-                        if me in self._connections:
-                            self._connections[me] = sock
+                    self._connections.replace(me, sock)
                     channel = Channel(sock, self.limits)
                 hello = server_handshake(channel, self._secret, self.node_id,
                                          admit=admit)
             except (ProtocolError, ssl.SSLError, ConnectionLost, OSError) as exc:
                 if authenticated:  # lost while sending the ACK: a peer that went away
                     return
-                with self._lock:
-                    cut = not self._pending.release(me)  # deadline or displaced
-                    if self._stopping:
-                        return
+                cut, stopping = self._connections.handshake_failed(me)  # deadline, displaced
+                if stopping:
+                    return
                 if cut:
                     self.auth_failures.record(peer, f"HandshakeDeadline: not authenticated "
                                                     f"within {self.handshake_timeout} s")
@@ -326,32 +257,33 @@ class ReplicaServer:
                             self.max_connections)
                 return
             sock.settimeout(self.idle_timeout)
-            while not self._stopping:
+            while not self._connections.stopping:
                 try:
                     header = channel.recv_header()
                 except TransferTimeout:
                     log.info("replica server %s: closing idle connection from %s",
                              self.node_id, peer)
-                    self._bump(idle_timeouts=1)
+                    self._connections.bump(idle_timeouts=1)
                     return
                 except ConnectionLost:
                     return  # the peer hung up between requests: normal
-                self._hear(hello.node_id)
+                self._connections.hear(hello.node_id)
                 msg = channel.recv_message(header)
                 if isinstance(msg, PutBegin):
                     self._receive(channel, msg, hello.node_id)
-                    self._hear(hello.node_id)  # received whole: its last frame just came
+                    # Received whole: its last frame just came.
+                    self._connections.hear(hello.node_id)
                 elif isinstance(msg, Fetch):
                     self._serve_fetch(channel, msg, hello.max_frame, hello.node_id)
                 elif isinstance(msg, CommitReport):
                     self._serve_report(channel, msg, hello.node_id)
-                    self._hear(hello.node_id)
+                    self._connections.hear(hello.node_id)
                 else:
                     raise UnexpectedFrame(f"expected PUT_BEGIN, FETCH or REPORT, received "
                                           f"{msg.TYPE.name}")
         except ProtocolError as exc:
             log.warning("replica server %s: protocol error from %s: %s", self.node_id, peer, exc)
-            self._bump(protocol_errors=1)
+            self._connections.bump(protocol_errors=1)
             channel.send_error("protocol", str(exc))
             channel.linger_close()
         except (ConnectionLost, OSError) as exc:
@@ -360,19 +292,17 @@ class ReplicaServer:
             log.exception("replica server %s: serving %s failed", self.node_id, peer)
             channel.send_error("internal", f"{type(exc).__name__}")
         finally:
-            self._bump(bytes_received=channel.bytes_received, bytes_sent=channel.bytes_sent)
+            self._connections.bump(bytes_received=channel.bytes_received,
+                                   bytes_sent=channel.bytes_sent)
             channel.close()
-            with self._lock:
-                self._connections.pop(me, None)
-                self._pending.release(me)
-                self._authenticated -= authenticated
+            self._connections.end(me, authenticated)
 
     def _receive(self, channel: Channel, begin: PutBegin, peer_id: str) -> None:
         d = begin.descriptor
         try:
             target = self.sink.begin(d)
         except Refused as exc:
-            self._bump(pushes_refused=1)
+            self._connections.bump(pushes_refused=1)
             channel.send(Nack(exc.reason, exc.message))
             return
         started = self.clock.monotonic()
@@ -390,7 +320,7 @@ class ReplicaServer:
             # view is dropped first so that a shared-memory sink may unmap or reuse it.
             target = None
             self.sink.abort(d, f"{type(exc).__name__}: {exc}")
-            self._bump(pushes_aborted=1)
+            self._connections.bump(pushes_aborted=1)
             raise
         finally:
             channel.block_key = channel.landed_tags = None
@@ -399,10 +329,10 @@ class ReplicaServer:
         try:
             self.sink.landed(d, tags)
         except Refused as exc:  # a newer version was committed meanwhile
-            self._bump(pushes_refused=1)
+            self._connections.bump(pushes_refused=1)
             channel.send(Nack(exc.reason, exc.message))
             return
-        self._bump(pushes_committed=1)
+        self._connections.bump(pushes_committed=1)
         log.debug("replica server %s: committed rank %d %s from %s (%d bytes, %.3f s)",
                   self.node_id, d.owner_rank, d.version, peer_id, d.total_bytes,
                   self.clock.monotonic() - started)
@@ -420,25 +350,14 @@ class ReplicaServer:
             return
         channel.send(CommitReply(encode_reply(handler(report))))
 
-    def _hear(self, node: str) -> None:
-        with self._lock:
-            if node not in self._heard and len(self._heard) >= 4 * self.max_connections:
-                self._heard.clear()  # bounded: node ids are the peers' own word
-            self._heard[node] = self.clock.wall()
-
     def last_heard(self, node: str) -> float | None:
         """When a frame from authenticated peer ``node`` last arrived (wall time), or None."""
-        with self._lock:
-            return self._heard.get(node)
+        return self._connections.last_heard(node)
 
     def serving(self) -> list[dict[str, Any]]:
         """The fetches being served now: peer, job, rank, version and seconds so far (a
         transfer to a peer that stopped reading stays here until the send fails)."""
-        now = self.clock.monotonic()
-        with self._lock:
-            return [{"peer": peer, "job": job, "rank": rank, "version": list(version),
-                     "seconds": round(now - started, 3)}
-                    for peer, job, rank, version, started in self._serving.values()]
+        return self._connections.serving()
 
     def _serve_fetch(self, channel: Channel, req: Fetch, peer_max_frame: int,
                      peer_id: str = "") -> None:
@@ -456,10 +375,7 @@ class ReplicaServer:
                 channel.send(Nack(BAD_RANGE, f"rank {req.owner_rank} {d.version} of job "
                                              f"{req.job!r}: {exc}"))
                 return
-            me = threading.current_thread()
-            with self._lock:
-                self._serving[me] = (peer_id, req.job, req.owner_rank, d.version,
-                                     self.clock.monotonic())
+            self._connections.fetching(peer_id, req.job, req.owner_rank, d.version)
             # The whole descriptor (the client sizes and checks by it), and the salt of the
             # copy's block tags when this node kept them: the blocks then go as they lie,
             # not read here, each with the tag its owner made when it sealed the snapshot.
@@ -468,7 +384,6 @@ class ReplicaServer:
             send_stream(channel, (view[start:end],),
                         min(self.chunk_size, peer_max_frame - PRETAG.size), tags, base=start)
         finally:
-            with self._lock:
-                self._serving.pop(threading.current_thread(), None)
+            self._connections.fetched()
             self.sink.release(d)
-        self._bump(fetches=1)
+        self._connections.bump(fetches=1)

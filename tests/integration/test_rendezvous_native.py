@@ -327,7 +327,7 @@ def test_with_grow_interval_a_newcomer_enters_only_after_the_interval_at_a_commi
 
 def closer_of(handlers):
     """The handler holding the closer's key (None: nobody yet)."""
-    return next((h for h in handlers if h._closer is not None), None)
+    return next((h for h in handlers if h._election.closer is not None), None)
 
 
 def test_only_the_closer_follows_the_node_records_the_others_see_a_few_events_a_round(
@@ -335,19 +335,20 @@ def test_only_the_closer_follows_the_node_records_the_others_see_a_few_events_a_
     nodes = [cluster.node(10, 10) for _ in range(10)]
     results(cluster.join(*nodes))
     leader = closer_of(nodes)
-    assert leader is not None and sum(h._closer is not None for h in nodes) == 1
+    assert leader is not None and sum(h._election.closer is not None for h in nodes) == 1
     others = [h for h in nodes if h is not leader]
     before = [h.control_events for h in others]
-    closer_before = leader._closer.events
+    closer_before = leader._election.closer.nodes.events
     # the others only the control keys: a re-rendezvous of all ten costs each one
     # summary (someone rejoins) and the round record, not ten events.
     infos = results(cluster.join(*nodes))
     assert {i.world_size for i in infos} == {10}
     wait_until(lambda: all(h._control.round.round == 1 for h in nodes), "all see round 1")
-    assert leader._closer.events - closer_before >= 10  # the closer saw every rejoin ...
+    # the closer saw every rejoin ...
+    assert leader._election.closer.nodes.events - closer_before >= 10
     assert all(h.control_events - b <= 4 for h, b in zip(others, before)), \
         [h.control_events - b for h, b in zip(others, before)]
-    assert [h._closer for h in others] == [None] * len(others)
+    assert [h._election.closer for h in others] == [None] * len(others)
 
 
 def test_a_dead_closer_is_replaced_and_the_round_re_forms_without_it(cluster):
@@ -368,7 +369,7 @@ def test_a_deposed_closer_cannot_write_the_round(cluster):
     a, b = cluster.node(1, 2), cluster.node(1, 2)
     results(cluster.join(a, b))
     leader = closer_of((a, b))
-    stale = leader._closer
+    stale = leader._election.closer
     coord = cluster.connect()
     try:
         # The closer's lease expired and someone else holds the key now (both handlers stop

@@ -28,9 +28,7 @@ KNOWN = {
     "elasticd.coordination.etcd.EtcdCoordinator",  # the Coordinator interface: one per call
     "elasticd.coordination.keys.Keyspace",  # one method per key
     "elasticd.metrics.Metrics",  # one attribute per metric family
-    "elasticd.rendezvous.closer.Closer",
     "elasticd.rendezvous.handler.EtcdNativeRendezvousHandler",
-    "elasticd.replication.server.ReplicaServer",
     "elasticd.replication.tracker.CommitTracker",
     # Issue 29's commit coordinator, merged over the limits (JobCoordinator: 21 attributes;
     # Reporter: 28 methods): its package's issue splits them.

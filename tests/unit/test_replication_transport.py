@@ -488,8 +488,8 @@ def test_both_ends_get_the_replication_socket_options(make_server, clients):
 
     server = make_server()
     client = clients(server)
-    wait_for(lambda: any(s is not None for s in server._connections.values()))
-    ends = [client.channel.sock] + [s for s in server._connections.values() if s is not None]
+    wait_for(lambda: any(s is not None for s in server._connections.sockets().values()))
+    ends = [client.channel.sock] + [s for s in server._connections.sockets().values() if s is not None]
     send = _granted(SOCKET_BUFFER_BYTES, "/proc/sys/net/core/wmem_max")
     receive = _granted(SOCKET_BUFFER_BYTES, "/proc/sys/net/core/rmem_max")
     for sock in ends:

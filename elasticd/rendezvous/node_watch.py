@@ -1,0 +1,126 @@
+"""The closer's view of the node records: listed once, then followed by a watch of its own.
+
+It keeps the counts of :class:`~.tally.Tally` (O(1) per event) under its lock; the closer reads
+them through :meth:`NodeWatch.counts`. A watch error raises the re-list flag (and, unless the
+watch was only compacted, makes the agent distrust its view); a listing whose revision went
+back (etcd lost its data) re-creates the watch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from typing import Any, Callable, Iterator
+
+from elasticd.clock import Clock, thread_cpu
+from elasticd.coordination.api import (
+    Compacted,
+    CoordinationError,
+    Coordinator,
+    EventType,
+    KeyValue,
+    Watch,
+)
+from elasticd.rendezvous.grace import OutageGrace
+from elasticd.rendezvous.records import NodeRecord, RecordError
+from elasticd.rendezvous.tally import Tally
+
+log = logging.getLogger("elasticd.rendezvous.handler")
+
+
+class NodeWatch:
+    """The node records under ``prefix``, counted.
+
+    Args:
+        coord: the agent's etcd connection.
+        prefix: the node records' directory (``native/nodes/``).
+        grace: retry policy for etcd outages.
+        clock: time source.
+        distrust: called with a reason when the watch failed (the view may be stale).
+        wake: called when a watch event arrived (the duty thread then steps).
+
+    Attributes:
+        events: watch events handled.
+        cpu: CPU seconds the watch callback took (by thread time): for benches.
+    """
+
+    def __init__(self, coord: Coordinator, prefix: bytes, grace: OutageGrace, clock: Clock,
+                 distrust: Callable[[str], None], wake: Callable[[], None]) -> None:
+        self._coord, self._prefix, self._grace, self._clock = coord, prefix, grace, clock
+        self._distrust, self._wake = distrust, wake
+        self._lock = threading.Lock()
+        self._tally = Tally()
+        self._revision = 0  # of the node listing and the events applied since
+        self._watch: Watch | None = None
+        self._relist = True
+        self._warned: set[bytes] = set()
+        self.events = 0
+        self.cpu = 0.0
+
+    @contextlib.contextmanager
+    def counts(self) -> Iterator[Tally]:
+        """The counts, under the lock the watch callback takes."""
+        with self._lock:
+            yield self._tally
+
+    def refresh(self) -> None:
+        """Lists the records (and watches them) when asked: first, and after a watch error."""
+        if not self._relist:
+            return
+        self._relist = False
+        kvs, revision = self._grace.call(lambda: self._coord.get_prefix(self._prefix),
+                                         "listing the rendezvous nodes")
+        now = self._clock.monotonic()
+        with self._lock:
+            wiped = revision < self._revision
+            self._tally.load([r for kv in kvs if (r := self._decode(kv)) is not None], now)
+            self._revision = revision
+        if self._watch is None or wiped:
+            if self._watch is not None:
+                self._watch.cancel()
+            self._watch = self._grace.call(
+                lambda: self._coord.watch_prefix(self._prefix, self.on_nodes, revision + 1),
+                "watching the rendezvous nodes")
+
+    def on_nodes(self, batch: Any) -> None:
+        """The watch's callback: O(1) per event."""
+        if isinstance(batch, CoordinationError):
+            if not isinstance(batch, Compacted):
+                self._distrust(f"rendezvous node watch: {batch}")
+            self._relist = True
+            self._wake()
+            return
+        now, cpu = self._clock.monotonic(), thread_cpu()
+        with self._lock:
+            for e in batch:
+                if e.kv.mod_revision <= self._revision:
+                    continue  # in the listing already
+                self._revision = e.kv.mod_revision
+                self.events += 1
+                node = e.kv.key[len(self._prefix):].decode(errors="replace")
+                if e.type is EventType.PUT:
+                    rec = self._decode(e.kv)
+                    if rec is not None:
+                        self._tally.put(rec, now)
+                else:
+                    self._tally.delete(node, now)
+            self.cpu += thread_cpu() - cpu
+        self._wake()
+
+    def _decode(self, kv: KeyValue) -> NodeRecord | None:
+        try:
+            rec = NodeRecord.decode(kv.value, kv.create_revision)
+        except RecordError as exc:
+            if kv.key not in self._warned:
+                self._warned.add(kv.key)
+                log.warning("refusing rendezvous node %s: %s",
+                            kv.key.decode(errors="replace"), exc)
+            return None
+        name = kv.key[len(self._prefix):].decode(errors="replace")
+        return rec if rec.node == name else None
+
+    def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
