@@ -378,7 +378,8 @@ class Daemon:
                 log.exception("cycle failed")
         if not self.health.up:
             outage = self.health.outage_seconds()
-            self.loop.note(self.fence.outage(outage, self.settings.outage_grace))
+            self.loop.note(self.fence.outage(outage, self.settings.outage_grace,
+                                             self.health.kind))
             sentence = self.fence.describe_outage(outage, self.settings.outage_grace,
                                                   self.health.kind)
         self._finish_cycle(sentence)

@@ -60,9 +60,10 @@ class Fence:
                     if self._events.exists(self._node, lease, "failed")]
         return self._carry_out(self.book.judge(declared, now))
 
-    def outage(self, outage_seconds: float, grace: float) -> str | None:
-        """etcd has been unreachable for ``outage_seconds``: fences past the grace."""
-        return self._carry_out(self.book.outage(outage_seconds, grace))
+    def outage(self, outage_seconds: float, grace: float, kind: str | None = None) -> str | None:
+        """etcd has failed this node (``kind``: how) for ``outage_seconds``: fences past the
+        grace."""
+        return self._carry_out(self.book.outage(outage_seconds, grace, kind))
 
     def fence(self, reason: str, lease: int | None = None) -> str | None:
         """Stops everything this node runs for the cluster, before it rejoins.

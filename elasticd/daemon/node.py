@@ -21,7 +21,7 @@ from typing import Any, Callable
 from elasticd import config
 from elasticd.clock import SYSTEM_CLOCK
 from elasticd.cluster.membership import Membership
-from elasticd.coordination.api import AuthError, CoordinationError, Unavailable
+from elasticd.coordination.api import AuthError, CoordinationError, Refused, Unavailable
 from elasticd.coordination.embedded import EmbeddedEtcd, EtcdNotFound, EtcdStartError
 from elasticd.coordination.etcd import EtcdCoordinator
 from elasticd.coordination.keys import Keyspace
@@ -95,6 +95,9 @@ class Node:
             daemon.join()
         except NodeIdInUse as exc:
             raise Fatal(str(exc)) from exc
+        except Refused as exc:
+            raise Fatal(f"{exc}: etcd's users or roles kept changing; start again once they "
+                        "settle") from exc
         except Unavailable as exc:
             raise Fatal(f"{exc}: check --etcd and that etcd is running") from exc
         log.info("serving /metrics, /healthz and /status on http://%s", self.http.address)
@@ -133,6 +136,9 @@ class Node:
                 return coord
             except AuthError as exc:
                 raise Fatal(str(exc)) from exc
+            except Refused as exc:
+                raise Fatal(f"etcd at {settings.etcd}: {exc}: its users or roles kept changing; "
+                            "start again once they settle") from exc
             except Unavailable as exc:
                 if SYSTEM_CLOCK.monotonic() > deadline:
                     raise Fatal(

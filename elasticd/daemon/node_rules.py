@@ -78,10 +78,13 @@ class FenceBook:
                 del self.suspects[lease]
         return order
 
-    def outage(self, outage_seconds: float, grace: float) -> FenceOrder | None:
-        """etcd has been unreachable for ``outage_seconds``: fence once past the grace."""
+    def outage(self, outage_seconds: float, grace: float,
+               kind: str | None = None) -> FenceOrder | None:
+        """etcd has failed this node for ``outage_seconds``: fence once past the grace.
+        ``kind`` says how (:attr:`elasticd.coordination.health.EtcdHealth.kind`; default
+        "unreachable"), so the reason an operator reads names the fix."""
         if grace and outage_seconds > grace:
-            return self.fence(f"etcd unreachable for more than {grace:.0f} s")
+            return self.fence(f"etcd {kind or 'unreachable'} for more than {grace:.0f} s")
         return None
 
     def fence(self, reason: str, lease: int | None = None) -> FenceOrder | None:

@@ -165,6 +165,21 @@ def test_long_outage_fences_after_grace(world):
     assert d.state.value == "up" and d.registered_lease is not None
 
 
+def test_refusals_past_the_grace_fence_with_their_own_reason(world):
+    """An operator reading the fence's reason learns what to fix: etcd refusing every request
+    (its users changing), not a network to repair."""
+    clock, store, start, tick, daemons = world
+    d = start("n1", outage_grace=1.0)
+    fenced = []
+    d.fence.hooks.append(fenced.append)
+    tick()
+    store.set_refusing(True)
+    for _ in range(4 * 2):
+        tick()
+    assert fenced == ["etcd refuses our requests for more than 1 s"]
+    assert d.status()["fenced_for"] == fenced[0]
+
+
 def test_declared_dead_node_fences_before_rejoining(world):
     clock, store, start, tick, daemons = world
     start("n1"), start("n2")

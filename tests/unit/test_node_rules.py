@@ -47,6 +47,8 @@ def test_an_outage_fences_only_past_its_grace():
     book = FenceBook()
     assert book.outage(30.0, grace=30.0) is None
     assert book.outage(30.1, grace=30.0) == FenceOrder("etcd unreachable for more than 30 s")
+    assert FenceBook().outage(31, grace=30.0, kind="refuses our requests") == FenceOrder(
+        "etcd refuses our requests for more than 30 s")
 
 
 def test_a_grace_of_zero_keeps_workers_through_any_outage():
@@ -212,3 +214,4 @@ FenceOrders.TestCase.settings = settings(max_examples=150, stateful_step_count=4
                                          deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow])
 test_fence_rules_over_every_order_of_events = FenceOrders.TestCase
+
