@@ -38,7 +38,8 @@ import queue
 import threading
 from typing import Any, Callable, TypeVar
 
-from elasticd.errors import LocalProtocolError
+from elasticd.clock import SYSTEM_CLOCK
+from elasticd.errors import ElasticdError, LocalProtocolError
 from elasticd.local import worker_link as link
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ T = TypeVar("T")
 DEFAULT_TIMEOUT = 60.0
 
 
-class Reformation(Exception):
+class Reformation(ElasticdError):
     """The agent asked this worker to leave its round's group (:meth:`Round.check`)."""
 
 
@@ -118,16 +119,14 @@ def in_process(fn: Callable[[Round], T] | None = None, *, backend: str = "gloo",
 
 def _once(fn: Callable[[Round], T], backend: str, timeout: float) -> T:
     """Plain torchrun, or a job not in in-process mode: one group, one call."""
-    import time
-
     import torch.distributed as dist
 
-    t0 = time.perf_counter()
+    t0 = SYSTEM_CLOCK.perf_counter()
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
     try:
         return fn(Round(0, dist.get_rank(), dist.get_world_size(),
                         int(os.environ.get("LOCAL_RANK", "0")), None, "first",
-                        time.perf_counter() - t0))
+                        SYSTEM_CLOCK.perf_counter() - t0))
     finally:
         dist.destroy_process_group()
 
@@ -163,19 +162,17 @@ class _Worker:
                 self.assignments.put(msg)
 
     def run(self, fn: Callable[[Round], T]) -> T:
-        import time
-
         import torch.distributed as dist
 
         path, previous = "first", None
         while True:
             self.round = int(os.environ.get(link.ROUND_ENV, "0"))
             self.asked = ""
-            t0 = time.perf_counter()
+            t0 = SYSTEM_CLOCK.perf_counter()
             fds = self._make_group()
             info = Round(self.round, dist.get_rank(), dist.get_world_size(),
                          int(os.environ.get("LOCAL_RANK", "0")), previous, path,
-                         time.perf_counter() - t0, lambda: self.asked)
+                         SYSTEM_CLOCK.perf_counter() - t0, lambda: self.asked)
             try:
                 result = fn(info)
             except BaseException as exc:  # noqa: BLE001 - only a distributed error is kept
