@@ -39,17 +39,12 @@ def _rows(logdir: str) -> list[dict]:
 
 
 def _wait(cond, timeout: float, what: str, cluster: LocalCluster):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            logs = {n: open(p).read()[-3000:] for n in cluster.nodes
-                    for p in glob.glob(os.path.join(cluster.workdir, n, "jobs", "*",
-                                                    "agent.log"))}
-            raise TimeoutError(f"timed out after {timeout} s waiting for {what}\n{logs}")
-        time.sleep(0.1)
+    try:
+        return cluster.wait_for(cond, timeout, what, interval=0.1)
+    except TimeoutError as exc:
+        logs = {n: open(p).read()[-3000:] for n in cluster.nodes
+                for p in glob.glob(os.path.join(cluster.workdir, n, "jobs", "*", "agent.log"))}
+        raise TimeoutError(f"{exc}\n{logs}") from None
 
 
 def _first_at(rows: list[dict], world: int, since: float) -> dict[int, dict]:
