@@ -16,6 +16,9 @@ _LAZY = {
     "RestoreResult": "elasticd.worker.checkpointer",
     "RNGState": "elasticd.worker.state",
     "ElasticSampler": "elasticd.worker.sampler",
+    "in_process": "elasticd.worker.in_process",
+    "Reformation": "elasticd.worker.in_process",
+    "Round": "elasticd.worker.in_process",
 }
 
 

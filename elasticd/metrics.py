@@ -137,6 +137,13 @@ class Metrics:
             "Worker group restarts this daemon caused or saw, by reason", ["reason"])
         for reason in ("peer_failed", "hang", "agent_died"):
             self.worker_restarts.labels(reason)
+        self.recoveries = counter(
+            "elasticd_inprocess_recoveries_total",
+            "Recoveries of an in-process job after a peer's failure on this node, by the path "
+            "its workers took: in_process (kept through the round) or restart (the fallback)",
+            ["path"])
+        for path in ("in_process", "restart"):
+            self.recoveries.labels(path)
         self.world_size = gauge(
             "elasticd_world_size", "World size of the job's current worker group on this node")
         self.rendezvous_round = gauge(

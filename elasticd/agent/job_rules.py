@@ -122,6 +122,7 @@ class JobBook:
         progress: ``dying``'s newest committed (generation, step) at its agent's last death.
         not_before: no agent of ``dying`` starts before this (monotonic): the backoff after a
             death.
+        reform_by: the deadline (monotonic) of an in-process re-formation under way, or None.
     """
 
     finished: set[str] = dataclasses.field(default_factory=set)
@@ -130,6 +131,25 @@ class JobBook:
     dying: str | None = None
     progress: tuple[int, int] | None = None
     not_before: float = 0.0
+    reform_by: float | None = None
+
+    def reform_started(self, now: float) -> None:
+        """A peer failed and the job's agent re-forms in-process: the daemon restarts the
+        workers itself if the agent has not said it is done by ``reform_by`` (the earliest
+        failure's deadline holds: a second failure does not push it back)."""
+        by = now + REFORM_DEADLINE + REFORM_ROUND_ALLOWANCE
+        self.reform_by = by if self.reform_by is None else min(self.reform_by, by)
+
+    def reform_ended(self) -> None:
+        """The agent re-formed its workers, in-process or by restarting them."""
+        self.reform_by = None
+
+    def reform_overdue(self, now: float) -> bool:
+        """Whether the re-formation's deadline passed (once: it is forgotten then)."""
+        if self.reform_by is None or now < self.reform_by:
+            return False
+        self.reform_by = None
+        return True
 
     def agent_died(self, job: str, committed: tuple[int, int] | None) -> int:
         """Counts a death of ``job``'s agent (``committed``: the job's newest committed
@@ -196,20 +216,83 @@ class PeerFailure(enum.Enum):
     NOT_OURS = "not ours"  # no job here, or the peer did not run it
     LEFT_RUNNING = "left running"  # the last rendezvous round already went on without it
     RESTART = "restart"  # kill the workers now (the proactive abort)
+    REFORM = "reform"  # in-process job: the agent re-forms its live workers, by a deadline
 
 
 def peer_failed(running: bool, peer: str, members: Iterable[str],
-                reformed_without: Callable[[], bool]) -> PeerFailure:
+                reformed_without: Callable[[], bool], in_process: bool = False) -> PeerFailure:
     """A peer's lease expired (``peer`` "*": every peer). Its workers may be blocked in a
     collective with the dead one, and a machine that loses power sends no TCP reset (gloo
     would wait minutes): the workers are restarted at once, unless the job's last rendezvous
     round already has this node's agent in it and not the peer's (``reformed_without``, asked
-    only when it matters: it reads etcd)."""
+    only when it matters: it reads etcd).
+
+    A job in in-process mode (``in_process``) is not killed for one failed peer: its agent
+    aborts its workers' group and re-forms them in-process (:mod:`.in_process_agent`), and the
+    daemon keeps a deadline (:meth:`JobBook.reform_started`) after which it restarts them as
+    today. Every peer at once ("*") is today's restart in either mode."""
     if not running or (peer != "*" and peer not in set(members)):
         return PeerFailure.NOT_OURS
     if peer != "*" and reformed_without():
         return PeerFailure.LEFT_RUNNING
-    return PeerFailure.RESTART
+    return PeerFailure.REFORM if in_process and peer != "*" else PeerFailure.RESTART
+
+
+#: Seconds a node's agent waits, after its rendezvous round, for each local worker to say it
+#: left the old group (:func:`reform_step`); a worker stuck longer is restarted as today.
+REFORM_DEADLINE = 10.0
+#: The daemon's backstop (:meth:`JobBook.reform_started`): the agent's deadline, plus this
+#: much for it to notice the failure and close its round. Past it, the daemon restarts the
+#: workers itself (the agent never re-formed nor fell back: it may be stuck).
+REFORM_ROUND_ALLOWANCE = 20.0
+
+
+class Reform(enum.Enum):
+    """Where an agent's in-process re-formation stands, after its rendezvous round."""
+
+    ASSIGN = "assign"  # every local worker left the old group cleanly: hand them the new round
+    WAIT = "wait"  # not all have left yet, and the deadline has not passed
+    RESTART = "restart"  # fall back: restart the node's workers into the round, as today
+
+
+def can_reform(local_world: int, alive: bool, linked: Iterable[int]) -> str:
+    """Why a node's workers cannot re-form in-process ("" when they can): each of the
+    ``local_world`` workers must be alive and linked (a script without
+    ``@elasticd.in_process`` never links: its node takes today's path at every failure)."""
+    if not alive:
+        return "a local worker is not running"
+    missing = sorted(set(range(local_world)) - set(linked))
+    if missing:
+        return (f"local ranks {missing} are not linked to the agent (no @elasticd.in_process "
+                "in the script, or not started yet)")
+    return ""
+
+
+def reform_step(local_world: int, old_round: int, left: dict[int, tuple[int, bool, str]],
+                alive: bool, now: float, deadline: float) -> tuple[Reform, str]:
+    """What an agent does next in a re-formation, and why (for a fallback).
+
+    Args:
+        local_world: the node's local workers (local ranks 0..n-1).
+        old_round: the round they are to leave.
+        left: local rank -> (round it last left, whether cleanly, why) from its ``left``.
+        alive: every local worker process still runs.
+        now, deadline: monotonic seconds; the deadline is the round's end plus
+            :data:`REFORM_DEADLINE`.
+    """
+    if not alive:
+        return Reform.RESTART, "a local worker died during the re-formation"
+    done = {r: v for r, v in left.items() if v[0] == old_round and r < local_world}
+    unclean = sorted(r for r, v in done.items() if not v[1])
+    if unclean:
+        return Reform.RESTART, f"local rank {unclean[0]} could not leave: {done[unclean[0]][2]}"
+    if len(done) == local_world:
+        return Reform.ASSIGN, ""
+    if now >= deadline:
+        stuck = sorted(set(range(local_world)) - set(done))
+        return Reform.RESTART, (f"local ranks {stuck} did not leave round {old_round} by the "
+                                "deadline")
+    return Reform.WAIT, ""
 
 
 def reformed_without(round_agent_pids: Iterable[int] | None, mine: int | None,

@@ -42,6 +42,7 @@ from elasticd.agent.job_check import JobChecks, WAIT_RETRY
 from elasticd.agent.job_records import JobRecords
 from elasticd.agent.job_rules import AgentExit, PeerFailure, Start
 from elasticd.agent.job_status import JobStatusBoard
+from elasticd.agent.reform_watch import ReformWatch
 from elasticd.agent.straggler_watch import StragglerWatch
 from elasticd.agent.supervisor import AgentSupervisor
 from elasticd.agent.worker_group import WorkerGroup
@@ -85,6 +86,7 @@ class JobManager:
         board: this node's job status (:class:`JobStatusBoard`).
         group: the running job's agent and worker group (:class:`WorkerGroup`).
         book: what this node decided about its jobs (:class:`job_rules.JobBook`).
+        reform: an in-process job's re-formation after a peer's failure (:class:`ReformWatch`).
         checks: the job file checks, off the main loop (:mod:`elasticd.agent.job_check`).
         hold: why this node runs no job for now (a drain), or "".
         notes: what the last cycle did (for the daemon's sentence).
@@ -131,6 +133,8 @@ class JobManager:
                                                f"straggler@{node_id}", self.clock.wall()),
             record_event=lambda *a: self.record_event(*a), note=lambda t: self.notes.append(t))
         self.group = WorkerGroup(self.board, metrics, self.clock, stragglers)
+        self.reform = ReformWatch(self.book, self.group, metrics, self.clock,
+                                  note=lambda t: self.notes.append(t))
         self._stopping: threading.Thread | None = None
 
     def start_watch(self) -> None:
@@ -193,6 +197,7 @@ class JobManager:
             self._start(wanted)
         elif self.supervisor is not None:
             self._check_agent()
+            self.reform.check()
         job = self.job
         self.group.tick(self.records.specs[job][1] if job in self.records.specs else None,
                         self.records.statuses.get(job, {}) if job is not None else {})
@@ -436,10 +441,14 @@ class JobManager:
                 self.records.round_pids(job), mine, theirs)
 
         members = self.records.members.get(job, set()) if job is not None else set()
+        in_process = sup is not None and sup.spec.in_process
         decision = job_rules.peer_failed(sup is not None and job is not None, node, members,
-                                         reformed_without)
+                                         reformed_without, in_process)
         if decision is PeerFailure.NOT_OURS:
             return None
+        if decision is PeerFailure.REFORM:
+            self.reform.started(node)
+            return 0
         # Counted either way: a group that went on without the peer was restarted by its agent.
         self.metrics.worker_restarts.labels("peer_failed").inc()
         if decision is PeerFailure.LEFT_RUNNING:

@@ -28,6 +28,9 @@ from elasticd.local.job_scope import TAG_ENV, JobScope, start_time
 
 log = logging.getLogger(__name__)
 
+#: Set for the agent of a job in in-process mode (:mod:`elasticd.agent.in_process_agent`).
+IN_PROCESS_ENV = "ELASTICD_IN_PROCESS"
+
 # ``python -m MODULE ARGS`` without the working directory on sys.path, as ``-P`` does on Python
 # 3.11+, but for any Python a job names: the job's working directory is not the daemon's to
 # trust, and a torch/ planted there must not run in the agent or the zygote. (-c puts "" first
@@ -42,8 +45,8 @@ def safe_module(python: str, module: str, *args: str) -> list[str]:
     sys.path."""
     return [python, "-c", _SAFE_MODULE, module, *args]
 
-__all__ = ["TAG_ENV", "AgentSupervisor", "children", "kill_workers", "safe_module",
-           "signal_all", "tagged_pids"]
+__all__ = ["IN_PROCESS_ENV", "TAG_ENV", "AgentSupervisor", "children", "kill_workers",
+           "safe_module", "signal_all", "tagged_pids"]
 
 
 #: Bytes of a process's environment read when looking for its tag. Any local user's process
@@ -184,7 +187,8 @@ class AgentSupervisor:
                "ELASTICD_NODE": self.node_id, "ELASTICD_JOB": self.spec.name,
                # Workers must not reuse the rank-0 agent's TCPStore on restarts (docs/facts.md).
                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1",
-               **({ZYGOTE_ENV: self.zygote_name} if self.warm else {})}
+               **({ZYGOTE_ENV: self.zygote_name} if self.warm else {}),
+               **({IN_PROCESS_ENV: "1"} if self.spec.in_process else {})}
         env.pop(TAG_ENV, None)
         # The tag first: tagged_pids reads only the head of an environment.
         return {TAG_ENV: self.tag, **env}

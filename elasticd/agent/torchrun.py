@@ -11,6 +11,8 @@ adding, to every ``etcd-v3`` rendezvous handler the agent creates
   not answer locally, kill the workers, revoke the agent's rendezvous lease and exit: a frozen
   daemon cannot fence for itself (:mod:`.daemon_watch`). The same rule is checked before the
   agent joins a round (the join gate), so a node about to fence does not enter a new round.
+* **In-process mode.** For a job that asks for it, the agent keeps its live workers through a
+  round instead of the restart above (:mod:`.in_process_agent`).
 * **Commit gate.** Under the ``interval:MIN`` grow policy, tell the handler whether the job is
   at a committed step (:mod:`.commit_watch`): a newcomer enters only then.
 
@@ -27,7 +29,7 @@ import runpy
 
 from elasticd.agent.commit_watch import CommitWatch
 from elasticd.agent.daemon_watch import DaemonWatch, fence_agent, ping_daemon
-from elasticd.agent.supervisor import TAG_ENV, children, kill_workers
+from elasticd.agent.supervisor import IN_PROCESS_ENV, TAG_ENV, children, kill_workers
 from elasticd.agent.zygote import ZYGOTE_ENV, ZYGOTE_PID_ENV, wait_ready
 from elasticd.coordination import rendezvous
 from elasticd.coordination.keys import Keyspace
@@ -45,14 +47,21 @@ def restart_own_workers(dead: list[str], sock: str = "") -> None:
     log.warning("member(s) %s of this round are gone: restarting this node's workers %s",
                 ", ".join(dead), pids)
     kill_workers(pids)
-    if sock and pids:
-        from elasticd.worker.client import DaemonClient, WorkerIdentity
+    if pids:
+        tell_daemon(sock, "workers_aborted", workers=len(pids), gone=dead[:16])
 
-        client = DaemonClient(sock, WorkerIdentity(), timeout=1.0)
-        try:  # one-way: the daemon may be the one that is gone
-            client.send("workers_aborted", workers=len(pids), gone=dead[:16])
-        finally:
-            client.close()
+
+def tell_daemon(sock: str, op: str, **fields: object) -> None:
+    """A one-way note to the node's daemon at ``sock`` (it may be the one that is gone)."""
+    if not sock:
+        return
+    from elasticd.worker.client import DaemonClient, WorkerIdentity
+
+    client = DaemonClient(sock, WorkerIdentity(), timeout=1.0)
+    try:
+        client.send(op, **fields)
+    finally:
+        client.close()
 
 
 def attach(handler: object) -> None:
@@ -96,6 +105,10 @@ def attach(handler: object) -> None:
 
 def main() -> None:
     rendezvous.on_handler_created.append(attach)
+    if os.environ.get(IN_PROCESS_ENV) == "1":  # the daemon runs an in-process job
+        from elasticd.agent import in_process_agent
+
+        in_process_agent.install()  # after attach: its hook replaces the kill on a gone member
     runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
 
 

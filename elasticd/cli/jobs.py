@@ -36,7 +36,7 @@ LOG_TABLE = Table([("NODE", "node"), ("STATE", "state"), ("HOST", "hostname"), (
 #: submit's options that jobspec.build takes as they are (its keywords are their names).
 SPEC_OPTIONS = ("user", "cwd", "env", "python", "max_restarts", "hang_timeout",
                 "crash_loop_restarts", "hang_timeout_floor", "hang_first_step",
-                "straggler_factor", "straggler_steps", "straggler_drain")
+                "straggler_factor", "straggler_steps", "straggler_drain", "in_process")
 #: How long ``submit`` waits for every live node's verdict (a daemon answers within a cycle
 #: or two of its main loop, and checks the job's files as its user).
 VERDICT_SECONDS = 5.0
@@ -82,6 +82,10 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     s.add_argument("--straggler-drain", action="store_true",
                    help="drain a node named a straggler so the job goes on without it (only "
                         "while the job keeps its minimum of nodes)")
+    s.add_argument("--in-process", action="store_true",
+                   help="keep survivors' worker processes through a failure: they re-form "
+                        "in-process (the script uses @elasticd.in_process; a node that cannot "
+                        "re-form in time restarts its workers as today)")
     s.add_argument("--no-wait", action="store_true",
                    help=f"return once the job is stored, without waiting (up to "
                         f"{VERDICT_SECONDS:g} s) for the nodes to accept or refuse it")

@@ -83,6 +83,11 @@ class JobSpec:
         straggler_steps: steps in a row to name (and to clear) a straggler.
         straggler_drain: drain a node named a straggler, so the job goes on without it
             (only while the job keeps at least its minimum of nodes).
+        in_process: keep survivors' worker processes through a re-formation: a failed peer's
+            node leaves the group, the survivors re-form in-process
+            (:mod:`elasticd.agent.in_process_agent`; the script uses ``@elasticd.in_process``);
+            a node whose workers cannot re-form by the deadline restarts them as today.
+            Specs written before it decode as False.
     """
 
     name: str
@@ -106,6 +111,7 @@ class JobSpec:
     straggler_factor: float = 1.5
     straggler_steps: int = 20
     straggler_drain: bool = False
+    in_process: bool = False
 
     def validate(self) -> "JobSpec":
         """Raises :class:`JobSpecError` on the first bad field, or a user or file missing here."""

@@ -57,6 +57,8 @@ class WorkerChannel:
             # The agent killed its workers (a member of its round is gone): a moment of the
             # recovery's timeline. The job is the connection's (local_binding.py).
             "workers_aborted": self._workers_aborted,
+            # The agent of an in-process job re-formed its workers (kept, or restarted).
+            "reformed": self._reformed,
         }
         if self._checkpoints is not None:
             handlers.update(self._checkpoints.handlers())
@@ -95,4 +97,8 @@ class WorkerChannel:
         job = msg.get("job", self._jobs.job)
         if isinstance(job, str) and job == self._jobs.job:
             self._timeline.on_abort(job, "agent")
+        return {}
+
+    def _reformed(self, msg: dict[str, Any]) -> dict[str, Any]:
+        self._jobs.reform.on_reformed(msg)
         return {}

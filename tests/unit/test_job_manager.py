@@ -325,3 +325,32 @@ def test_status_says_when_straggler_detection_is_off_for_want_of_compute_times(e
                      "_peer": {"pid": 7}})
     mgr.step()
     assert mgr.describe()["straggler_detection"] == "on"
+
+
+def test_an_in_process_job_is_not_killed_for_a_failed_peer_but_restarted_past_the_deadline(
+        env, tmp_path):
+    from elasticd.agent import job_rules
+
+    coord, keys, mgr, lease = env
+    coord.put(keys.job_node("job", "n2"),
+              NodeJobStatus("n2", "running", agent_pid=222).encode(), lease)
+    agent = _running(mgr, tmp_path, in_process=True)
+    agent.pid = 111
+    mgr.records.refresh()
+    assert mgr.on_peer_failed("n2") == 0 and agent.restarts == []
+    assert "re-forms the workers in-process" in mgr.notes[-1]
+    # The agent said it re-formed them: no restart later.
+    mgr.reform.on_reformed({"job": "job", "path": "in_process"})
+    mgr.clock.advance(job_rules.REFORM_DEADLINE + job_rules.REFORM_ROUND_ALLOWANCE + 1)
+    mgr.step()
+    assert agent.restarts == []
+    assert mgr.metrics.recoveries.labels("in_process")._value.get() == 1
+    # It never says so: the daemon restarts the workers at its deadline, as today.
+    assert mgr.on_peer_failed("n2") == 0
+    mgr.clock.advance(job_rules.REFORM_DEADLINE + job_rules.REFORM_ROUND_ALLOWANCE - 1)
+    mgr.step()
+    assert agent.restarts == []
+    mgr.clock.advance(1)
+    mgr.step()
+    assert len(agent.restarts) == 1 and "did not re-form" in " ".join(mgr.notes)
+    assert mgr.metrics.recoveries.labels("restart")._value.get() == 1

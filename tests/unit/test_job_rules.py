@@ -281,3 +281,52 @@ def test_over_any_order_of_agent_exits_the_budget_and_backoff_hold(events, budge
             last_wait = wait
         if verdict is not AgentExit.RESTART:
             break  # the job is over on this node
+
+
+# -- in-process re-formation (issue 31) ----------------------------------------------------------
+
+def test_an_in_process_job_re_forms_on_a_peers_failure_instead_of_a_kill():
+    reformed = lambda: False  # noqa: E731
+    assert job_rules.peer_failed(True, "n2", {"n1", "n2"}, reformed, in_process=True) \
+        is PeerFailure.REFORM
+    assert job_rules.peer_failed(True, "n2", {"n1", "n2"}, reformed) is PeerFailure.RESTART
+    # Every peer at once, a peer not in the job, a round that went on: as without the mode.
+    assert job_rules.peer_failed(True, "*", set(), reformed, True) is PeerFailure.RESTART
+    assert job_rules.peer_failed(True, "n3", {"n1"}, reformed, True) is PeerFailure.NOT_OURS
+    assert job_rules.peer_failed(True, "n2", {"n2"}, lambda: True, True) \
+        is PeerFailure.LEFT_RUNNING
+
+
+def test_workers_re_form_only_when_every_one_is_alive_and_linked():
+    assert job_rules.can_reform(2, True, {0, 1}) == ""
+    assert "not running" in job_rules.can_reform(2, False, {0, 1})
+    assert "local ranks [1] are not linked" in job_rules.can_reform(2, True, {0})
+
+
+def test_a_re_formation_assigns_once_all_left_waits_then_falls_back_at_the_deadline():
+    step = job_rules.reform_step
+    Reform = job_rules.Reform
+    both = {0: (4, True, ""), 1: (4, True, "")}
+    assert step(2, 4, both, True, 100.0, 110.0) == (Reform.ASSIGN, "")
+    # A note from an older round is not a leave of this one.
+    older = {0: (4, True, ""), 1: (3, True, "")}
+    assert step(2, 4, older, True, 109.9, 110.0) == (Reform.WAIT, "")
+    verdict, why = step(2, 4, older, True, 110.0, 110.0)
+    assert verdict is Reform.RESTART and "local ranks [1] did not leave round 4" in why
+    verdict, why = step(2, 4, {0: (4, False, "held")}, True, 100.0, 110.0)
+    assert verdict is Reform.RESTART and "local rank 0 could not leave: held" in why
+    assert step(2, 4, both, False, 100.0, 110.0)[0] is Reform.RESTART  # a worker died
+
+
+def test_the_daemons_deadline_holds_from_the_first_failure_and_ends_when_the_agent_is_done():
+    book = JobBook()
+    assert not book.reform_overdue(1e9)
+    book.reform_started(100.0)
+    by = 100.0 + job_rules.REFORM_DEADLINE + job_rules.REFORM_ROUND_ALLOWANCE
+    book.reform_started(105.0)  # a second failure does not push it back
+    assert not book.reform_overdue(by - 0.1)
+    assert book.reform_overdue(by)
+    assert not book.reform_overdue(by + 1)  # once
+    book.reform_started(200.0)
+    book.reform_ended()
+    assert not book.reform_overdue(1e9)

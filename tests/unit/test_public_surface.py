@@ -35,7 +35,9 @@ from elasticd.daemon.http import StatusServer
 
 # -- Python names -------------------------------------------------------------------------------
 
-ELASTICD_NAMES = ["Checkpointer", "ElasticSampler", "ElasticdError", "RNGState", "RestoreResult"]
+# in_process, Reformation, Round: added on purpose (issue 31), the in-process worker API.
+ELASTICD_NAMES = ["Checkpointer", "ElasticSampler", "ElasticdError", "RNGState", "Reformation",
+                  "RestoreResult", "Round", "in_process"]
 WORKER_ALL = ["DaemonClient", "DaemonClientError", "DaemonError", "DaemonTimeout",
               "DaemonUnavailable", "WorkerIdentity", "default_client", "progress"]
 
@@ -46,7 +48,9 @@ def test_import_elasticd_offers_the_same_names():
     assert names == ELASTICD_NAMES
     assert not hasattr(elasticd, "__all__")
     assert elasticd.__version__ == "0.1.0"
-    assert all(isinstance(getattr(elasticd, n), type) for n in ELASTICD_NAMES)
+    assert all(isinstance(getattr(elasticd, n), type) for n in ELASTICD_NAMES
+               if n != "in_process")
+    assert callable(elasticd.in_process)  # a decorator
     assert sorted(elasticd.worker.__all__) == WORKER_ALL
     assert all(hasattr(elasticd.worker, n) for n in WORKER_ALL)
 
@@ -118,6 +122,8 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "elasticd_snapshots_total": ("counter", ()),
     "elasticd_sync_lag_steps": ("gauge", ()),
     "elasticd_worker_restarts_total": ("counter", ("reason",)),
+    # Added on purpose (issue 31): the path an in-process job's recovery took.
+    "elasticd_inprocess_recoveries_total": ("counter", ("path",)),
     "elasticd_world_size": ("gauge", ()),
 }
 
@@ -211,10 +217,11 @@ COMMANDS = {
     "status": [],
     "history": ["--kind", "--limit"],
     "submit": [
+        # --in-process: added on purpose (issue 31), the opt-in to in-process re-formation.
         "--crash-loop-restarts", "--cwd", "--env", "--hang-first-step", "--hang-timeout",
-        "--hang-timeout-floor", "--max-restarts", "--nnodes", "--no-wait", "--nproc-per-node",
-        "--python", "--straggler-drain", "--straggler-factor", "--straggler-steps", "--user", "args",
-        "name", "script"],
+        "--hang-timeout-floor", "--in-process", "--max-restarts", "--nnodes", "--no-wait",
+        "--nproc-per-node", "--python", "--straggler-drain", "--straggler-factor",
+        "--straggler-steps", "--user", "args", "name", "script"],
     "jobs": [],
     "stop": ["--force", "--wait", "name"],
     "retry": ["name"],

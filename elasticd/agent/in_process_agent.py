@@ -1,0 +1,175 @@
+"""torchrun's agent for a job in in-process mode (issue 31): it keeps its live workers through
+a rendezvous round instead of restarting them.
+
+:func:`install` (called by :mod:`elasticd.agent.torchrun` when the daemon runs an in-process
+job: ``ELASTICD_IN_PROCESS``) opens the worker link (:mod:`.worker_link`), makes torch's
+launcher build :class:`InProcessAgent` instead of ``LocalElasticAgent``, and changes what the
+node does when a member of its round is gone: instead of killing its workers (the restart
+path's proactive abort), it reports the change as a node waiting, so that the agent's monitor
+calls ``_restart_workers``, which here re-forms:
+
+1. ``abort`` to every local worker: leave the old group now (a worker whose collective raised
+   has already left, and said so);
+2. the new round (torch's ``_rendezvous``: next_rendezvous and rank assignment);
+3. each local worker must say ``left`` cleanly within :data:`job_rules.REFORM_DEADLINE` of the
+   round (:func:`job_rules.reform_step`); if all do, each gets ``assign``: the environment
+   torchrun gives a fresh worker of its local rank in that round; else (a worker stuck, died,
+   or could not leave) the node restarts its workers into the same round, as today.
+
+A node whose workers are not all alive and linked takes today's path at once
+(:func:`job_rules.can_reform`). Either way the agent tells its daemon which path it took
+(``reformed``), which ends the daemon's own deadline (:meth:`job_rules.JobBook.reform_started`).
+Newcomers and replacement workers always start fresh, and get their round through the
+environment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+from elasticd.agent import job_rules, torchrun
+from elasticd.agent.job_rules import Reform
+from elasticd.agent.worker_link import LinkServer
+from elasticd.clock import Clock, SystemClock
+from elasticd.local.worker_link import LINK_ENV, LINK_PID_ENV, ROUND_ENV
+
+log = logging.getLogger(__name__)
+
+
+class _Node:
+    """What the installed agent and the rendezvous handler's hook share in this process."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.link = LinkServer()
+        self.broken = False  # a member of the round is gone (set by the handler's hook)
+
+
+_node: list[_Node] = []  # the one per agent process, once installed
+
+
+def install(clock: Clock | None = None) -> None:
+    """Makes this agent process in-process: the link, the agent class, the handler hook."""
+    import torch.distributed.launcher.api as launcher_api
+
+    from elasticd.coordination import rendezvous
+
+    node = _Node(clock or SystemClock())
+    _node[:] = [node]
+    os.environ[LINK_ENV] = node.link.name  # torchrun and the zygote pass these to workers
+    os.environ[LINK_PID_ENV] = str(os.getpid())
+    rendezvous.on_handler_created.append(_hook)
+    launcher_api.LocalElasticAgent = InProcessAgent  # type: ignore[misc]
+    log.info("in-process mode: the agent keeps its live workers through a round")
+
+
+def _hook(handler: Any) -> None:
+    """After :func:`elasticd.agent.torchrun.attach`: a gone member is reported to the agent's
+    monitor as a node waiting (it then calls ``_restart_workers``), not answered by a kill."""
+    if not os.environ.get("ELASTICD_SOCKET") or not _node:
+        return
+    node = _node[0]
+
+    def broken(dead: list[str]) -> None:
+        log.warning("member(s) %s of this round are gone: re-forming in-process",
+                    ", ".join(dead))
+        node.broken = True
+
+    inner = handler.num_nodes_waiting
+
+    def num_nodes_waiting() -> int:
+        n = inner()
+        return max(n, 1) if node.broken else n
+
+    handler.on_round_broken = broken
+    handler.num_nodes_waiting = num_nodes_waiting
+
+
+def tell_daemon(op: str, **fields: Any) -> None:
+    """A one-way note to the node's daemon (:func:`elasticd.agent.torchrun.tell_daemon`)."""
+    torchrun.tell_daemon(os.environ.get("ELASTICD_SOCKET", ""), op, **fields)
+
+
+class InProcessAgent(LocalElasticAgent):
+    """torch's agent, with ``_restart_workers`` re-forming live workers in-process."""
+
+    def _round(self, wg: Any) -> int:
+        rounds = getattr(wg.spec.rdzv_handler, "rounds", None)
+        return rounds[-1][0] if rounds else 0
+
+    def _start_workers(self, wg: Any) -> dict[int, Any]:
+        # Fresh workers learn their round from the environment torchrun copies from ours.
+        os.environ[ROUND_ENV] = str(self._round(wg))
+        return super()._start_workers(wg)
+
+    def _env_for(self, wg: Any, w: Any) -> dict[str, str]:
+        """What ``LocalElasticAgent._start_workers`` gives a fresh worker of ``w``'s local
+        rank in this round (the variables that change between rounds)."""
+        spec = wg.spec
+        return {
+            "RANK": str(w.global_rank), "GROUP_RANK": str(wg.group_rank),
+            "ROLE_RANK": str(w.role_rank), "ROLE_NAME": spec.role,
+            "LOCAL_WORLD_SIZE": str(spec.local_world_size), "WORLD_SIZE": str(w.world_size),
+            "GROUP_WORLD_SIZE": str(wg.group_world_size),
+            "ROLE_WORLD_SIZE": str(w.role_world_size), "MASTER_ADDR": wg.master_addr,
+            "MASTER_PORT": str(wg.master_port),
+            "TORCHELASTIC_RESTART_COUNT": str(spec.max_restarts - self._remaining_restarts),
+            "LOCAL_RANK": str(w.local_rank), ROUND_ENV: str(self._round(wg)),
+        }
+
+    def _all_alive(self) -> bool:
+        handlers = getattr(self._pcontext, "subprocess_handlers", None)
+        return bool(handlers) and all(h.proc.poll() is None for h in handlers.values())
+
+    def _restart_workers(self, wg: Any) -> None:
+        node = _node[0]
+        n = wg.spec.local_world_size
+        why = job_rules.can_reform(n, self._all_alive(), node.link.linked())
+        if why:
+            log.warning("not re-forming in-process: %s; restarting this node's workers", why)
+            node.broken = False
+            super()._restart_workers(wg)
+            tell_daemon("reformed", path="restart", why=why)
+            return
+        clock = node.clock
+        t0 = clock.monotonic()
+        old_round = self._round(wg)
+        node.broken = False
+        node.link.forget_left(keep_round=old_round)
+        node.link.broadcast({"op": "abort", "round": old_round}, n)
+        tell_daemon("workers_aborted", workers=n, gone=[])
+        self._rendezvous(wg)
+        t_round = clock.monotonic()
+        deadline = t_round + job_rules.REFORM_DEADLINE
+        while True:
+            verdict, why = job_rules.reform_step(n, old_round, node.link.left_rounds(),
+                                                 self._all_alive(), clock.monotonic(),
+                                                 deadline)
+            if verdict is not Reform.WAIT:
+                break
+            node.link.wait(0.05)
+        if verdict is Reform.RESTART:
+            log.warning("falling back to a restart into round %d: %s", self._round(wg), why)
+            self._stop_workers(wg)
+            wg.state = WorkerState.STOPPED
+            ids = self._start_workers(wg)
+            for local, wid in ids.items():
+                wg.workers[local].id = wid
+            wg.state = WorkerState.HEALTHY
+            tell_daemon("reformed", path="restart", why=why)
+            return
+        pids = self._pcontext.pids()
+        for w in wg.workers:
+            w.id = pids[w.local_rank]
+            node.link.send(w.local_rank, {"op": "assign", "env": self._env_for(wg, w)})
+        wg.state = WorkerState.HEALTHY
+        took = clock.monotonic() - t0
+        log.warning("re-formed in-process, round %d -> %d: round %.3f s, all %d left and "
+                    "assigned %.3f s after the start; workers %s kept", old_round,
+                    self._round(wg), t_round - t0, n, took, sorted(pids.values()))
+        tell_daemon("reformed", path="in_process", seconds=round(took, 4))

@@ -1,0 +1,120 @@
+"""The agent's end of the worker link (:mod:`elasticd.local.worker_link`): one connection per
+local worker, what each said last, and the messages the agent sends them.
+
+Runs inside torchrun's agent process of an in-process job (:mod:`.in_process_agent`). Threads:
+one accepting, one reading per connection; the agent's monitor thread reads the state under
+:attr:`LinkServer.cond`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+from typing import Any
+
+from elasticd.errors import LocalProtocolError
+from elasticd.local import worker_link as link
+
+log = logging.getLogger(__name__)
+
+
+class LinkServer:
+    """Listens on a fresh unguessable name; admits processes of the agent's uid (or root).
+
+    Attributes:
+        name: the link's name (for :data:`elasticd.local.worker_link.LINK_ENV`).
+        cond: guards ``conns``, ``pids`` and ``left``; notified on every message and hang-up.
+        conns: local rank -> its worker's connection.
+        pids: local rank -> the pid its worker said (and the kernel confirmed).
+        left: local rank -> its worker's last ``left`` message.
+    """
+
+    def __init__(self) -> None:
+        self.name = secrets.token_hex(16)
+        self._srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._srv.bind(link.address(self.name))
+        self._srv.listen(64)
+        self.cond = threading.Condition()
+        self.conns: dict[int, socket.socket] = {}
+        self.pids: dict[int, int] = {}
+        self.left: dict[int, dict[str, Any]] = {}
+        threading.Thread(target=self._accept, daemon=True, name="link-accept").start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._srv.accept()
+            except OSError:
+                return
+            pid, uid, _gid = link.peer_credentials(conn)
+            if uid not in (os.getuid(), 0):
+                log.warning("worker link: refused pid %d of uid %d", pid, uid)
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn, pid), daemon=True,
+                             name="link-read").start()
+
+    def _serve(self, conn: socket.socket, pid: int) -> None:
+        local: int | None = None
+        while True:
+            try:
+                msg = link.recv(conn)
+            except (OSError, LocalProtocolError) as exc:
+                log.warning("worker link: pid %d: %s", pid, exc)
+                msg = None
+            with self.cond:
+                if msg is None:
+                    if local is not None and self.conns.get(local) is conn:
+                        del self.conns[local]
+                    self.cond.notify_all()
+                    conn.close()
+                    return
+                op = msg.get("op")
+                if op == "hello" and isinstance(msg.get("local_rank"), int):
+                    local = msg["local_rank"]
+                    self.conns[local] = conn
+                    self.pids[local] = pid  # the kernel's word, not the message's
+                elif op == "left" and local is not None and isinstance(msg.get("round"), int):
+                    self.left[local] = msg
+                self.cond.notify_all()
+
+    def linked(self) -> set[int]:
+        """The local ranks whose worker is connected now."""
+        with self.cond:
+            return set(self.conns)
+
+    def left_rounds(self) -> dict[int, tuple[int, bool, str]]:
+        """Local rank -> (round it left, whether cleanly, why), from its last ``left``."""
+        with self.cond:
+            return {r: (m["round"], bool(m.get("clean")), str(m.get("why", ""))[:200])
+                    for r, m in self.left.items()}
+
+    def forget_left(self, keep_round: int) -> None:
+        """Forgets the ``left`` notes but those of ``keep_round``: after a peer's death the
+        workers leave (and say so) before the agent's monitor sees the change."""
+        with self.cond:
+            self.left = {r: m for r, m in self.left.items() if m.get("round") == keep_round}
+
+    def send(self, local: int, msg: dict[str, Any]) -> bool:
+        """Sends ``msg`` to local rank ``local``'s worker; False when it is not connected."""
+        with self.cond:
+            conn = self.conns.get(local)
+        if conn is None:
+            return False
+        try:
+            link.send(conn, msg)
+            return True
+        except OSError:
+            return False
+
+    def broadcast(self, msg: dict[str, Any], n: int) -> None:
+        for r in range(n):
+            self.send(r, msg)
+
+    def wait(self, timeout: float) -> None:
+        """Waits up to ``timeout`` seconds for a message or a hang-up."""
+        with self.cond:
+            self.cond.wait(timeout)

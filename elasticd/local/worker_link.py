@@ -1,0 +1,104 @@
+"""The worker link: a torchrun agent's channel to its own workers in in-process mode (issue 31).
+
+The agent (:mod:`elasticd.agent.worker_link`, the server) listens on an abstract Unix socket
+named by a random token it puts in its environment (:data:`LINK_ENV`, with its pid in
+:data:`LINK_PID_ENV`); torchrun and the zygote pass both on to every worker, which connects
+(:func:`connect`, from :mod:`elasticd.worker.in_process`). Frames are the daemon channel's
+(:mod:`elasticd.local.wire`: length-prefixed JSON objects). Both ends check the other's kernel
+credentials (``SO_PEERCRED``): the worker talks only to a server of its own uid and of the
+agent's pid, the agent admits only its own uid (or root), so no other local user can steer a
+job's workers or learn their ranks.
+
+Messages::
+
+    worker -> agent  {"op": "hello", "local_rank": int, "pid": int}
+                     {"op": "left", "round": int, "clean": bool, "why": str}
+    agent -> worker  {"op": "abort", "round": int}       leave the group of round ``round``
+                     {"op": "assign", "env": {str: str}} the new round's torchrun environment
+
+Both ends import this module, so it uses the standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from typing import Any
+
+from elasticd.errors import LocalProtocolError
+from elasticd.local import wire
+
+LINK_ENV = "ELASTICD_LINK"
+LINK_PID_ENV = "ELASTICD_LINK_PID"
+#: The round number the agent gives its workers (fresh ones through the environment).
+ROUND_ENV = "ELASTICD_ROUND"
+#: A link message is a few hundred bytes (an ``assign`` carries a dozen variables).
+MAX_MESSAGE = 64 << 10
+
+
+class Untrusted(LocalProtocolError):
+    """The server of a link's name is not this worker's agent (someone bound it first)."""
+
+
+def address(name: str) -> str:
+    """The abstract socket address for the link ``name`` (no file to clean up or leak)."""
+    return "\0elasticd-link-" + name
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the other end, from the kernel (``SO_PEERCRED``)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)
+
+
+def send(sock: socket.socket, msg: dict[str, Any]) -> None:
+    """Sends one message. Raises: OSError (the other end is gone), wire.FrameError."""
+    sock.sendall(wire.encode(msg))
+
+
+def recv(sock: socket.socket) -> dict[str, Any] | None:
+    """One message, or None at the end of the stream.
+
+    Raises:
+        wire.FrameError: a frame over :data:`MAX_MESSAGE` or not a JSON object.
+        OSError: the connection failed.
+    """
+    head = _exactly(sock, wire.LENGTH.size)
+    if head is None:
+        return None
+    (length,) = wire.LENGTH.unpack(head)
+    wire.check_length(length, MAX_MESSAGE)
+    body = _exactly(sock, length)
+    return None if body is None else wire.decode(body)
+
+
+def _exactly(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def connect(name: str, expected_pid: int | None) -> socket.socket:
+    """The worker's connection to its agent's link ``name``, checked before a byte is sent.
+
+    Raises:
+        Untrusted: the server runs as another uid, or is not ``expected_pid``.
+        OSError: nobody listens on the name.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(address(name))
+        pid, uid, _gid = peer_credentials(sock)
+        if uid != os.getuid():
+            raise Untrusted(f"link server runs as uid {uid}, not as this worker's {os.getuid()}")
+        if expected_pid is not None and pid != expected_pid:
+            raise Untrusted(f"link server is pid {pid}, not the agent (pid {expected_pid})")
+        return sock
+    except BaseException:
+        sock.close()
+        raise

@@ -1,0 +1,235 @@
+"""``@elasticd.in_process``: a training function re-entered in the same worker process after
+each re-formation of the job's group (issue 31; docs/in-process-design.md, section 6).
+
+::
+
+    @elasticd.in_process(backend="gloo")
+    def train(round: elasticd.Round) -> None:   # re-entered after every re-formation
+        ddp = DDP(model)                        # built per round, around the same module
+        ...
+        round.check()                           # once a step: leave when the agent asks
+
+    train()
+
+elasticd makes the default process group before each call and destroys it after. In a job
+submitted with ``elasticctl submit --in-process``, when the group breaks (a peer died: the
+pending collective raises; or the agent says ``abort``) the wrapper leaves the old group
+completely (the exception and its frames dropped, ``gc.collect()``, ``destroy_process_group``),
+tells its agent over the worker link (:mod:`elasticd.local.worker_link`) that it left, waits
+for the new round's ranks and calls the function again: the process, its model, its compiled
+code and its data loader stay. Each round's group lives on the round's own TCPStore (hosted by
+its rank 0) under a fresh prefix, so a rank of an old round can never touch a newer round's
+keys. Outside that mode (plain torchrun, or a job not in it) the function runs once with the
+usual ``init_process_group`` from torchrun's environment.
+
+Only distributed errors are handled (:func:`distributed_error`): anything else ends the
+process as without the decorator, so a bug in the script is never retried in a loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import gc
+import logging
+import os
+import queue
+import threading
+from typing import Any, Callable, TypeVar
+
+from elasticd.clock import SYSTEM_CLOCK
+from elasticd.errors import ElasticdError, LocalProtocolError
+from elasticd.local import worker_link as link
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: The default collective timeout of a round's group, seconds (a survivor whose peer vanished
+#: without a reset waits this long at most; the agent's deadline restarts it sooner).
+DEFAULT_TIMEOUT = 60.0
+
+
+class Reformation(ElasticdError):
+    """The agent asked this worker to leave its round's group (:meth:`Round.check`)."""
+
+
+@dataclasses.dataclass
+class Round:
+    """One entry of the function: the group elasticd made for it.
+
+    Attributes:
+        number: the rendezvous round.
+        rank, world_size, local_rank: this worker's place in it.
+        previous_rank: this process's rank in the round before (None: a fresh process).
+        path: ``"first"`` (a fresh process) or ``"in-process"`` (re-entered).
+        group_seconds: how long making the group took.
+    """
+
+    number: int
+    rank: int
+    world_size: int
+    local_rank: int
+    previous_rank: int | None
+    path: str
+    group_seconds: float
+    _asked: Callable[[], str] = dataclasses.field(default=lambda: "", repr=False)
+
+    def check(self) -> None:
+        """Call once a step: raises :class:`Reformation` when the agent asked this worker to
+        leave the round (a member is gone, or the round re-forms)."""
+        why = self._asked()
+        if why:
+            raise Reformation(why)
+
+
+def distributed_error(exc: BaseException) -> bool:
+    """Whether ``exc`` ends a round rather than the process: torch's ``DistError`` (a peer's
+    connection reset or closed, a collective timed out), gloo's ``RuntimeError``s, and
+    :class:`Reformation`."""
+    import torch.distributed as dist
+
+    if isinstance(exc, (Reformation, dist.DistError)):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        word in text for word in ("gloo", "Connection", "Timed out", "NCCL"))
+
+
+def in_process(fn: Callable[[Round], T] | None = None, *, backend: str = "gloo",
+               timeout: float = DEFAULT_TIMEOUT) -> Any:
+    """Decorates a training function ``fn(round)``; the wrapper takes no argument and returns
+    what the function's last call returns.
+
+    Args:
+        backend: the process group's backend (``gloo``; ``nccl`` as torch allows).
+        timeout: the collective timeout of each round's group, seconds.
+    """
+    def wrap(f: Callable[[Round], T]) -> Callable[[], T]:
+        @functools.wraps(f)
+        def run() -> T:
+            name = os.environ.get(link.LINK_ENV, "")
+            if not name:
+                return _once(f, backend, timeout)
+            return _Worker(name, backend, timeout).run(f)
+        return run
+    return wrap(fn) if fn is not None else wrap
+
+
+def _once(fn: Callable[[Round], T], backend: str, timeout: float) -> T:
+    """Plain torchrun, or a job not in in-process mode: one group, one call."""
+    import torch.distributed as dist
+
+    t0 = SYSTEM_CLOCK.perf_counter()
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    try:
+        return fn(Round(0, dist.get_rank(), dist.get_world_size(),
+                        int(os.environ.get("LOCAL_RANK", "0")), None, "first",
+                        SYSTEM_CLOCK.perf_counter() - t0))
+    finally:
+        dist.destroy_process_group()
+
+
+class _Worker:
+    """The worker's end of the link, and the loop that re-enters the function."""
+
+    def __init__(self, name: str, backend: str, timeout: float) -> None:
+        pid = os.environ.get(link.LINK_PID_ENV, "")
+        self.sock = link.connect(name, int(pid) if pid.isdigit() else None)
+        self.backend, self.timeout = backend, timeout
+        self.round = int(os.environ.get(link.ROUND_ENV, "0"))
+        self.asked = ""  # why the agent wants this worker out of its round
+        self.assignments: queue.Queue[dict[str, Any]] = queue.Queue()
+        link.send(self.sock, {"op": "hello", "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+                              "pid": os.getpid()})
+        threading.Thread(target=self._read, daemon=True, name="elasticd-link").start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = link.recv(self.sock)
+            except (OSError, LocalProtocolError):
+                msg = None
+            if msg is None:  # the agent is gone: torchrun's agent takes its workers with it
+                self.asked = "the agent is gone"
+                self.assignments.put({})
+                return
+            op = msg.get("op")
+            if op == "abort" and msg.get("round") == self.round:
+                self.asked = "the agent asked to leave the round"
+            elif op == "assign" and isinstance(msg.get("env"), dict):
+                self.assignments.put(msg)
+
+    def run(self, fn: Callable[[Round], T]) -> T:
+        import torch.distributed as dist
+
+        path, previous = "first", None
+        while True:
+            self.round = int(os.environ.get(link.ROUND_ENV, "0"))
+            self.asked = ""
+            t0 = SYSTEM_CLOCK.perf_counter()
+            fds = self._make_group()
+            info = Round(self.round, dist.get_rank(), dist.get_world_size(),
+                         int(os.environ.get("LOCAL_RANK", "0")), previous, path,
+                         SYSTEM_CLOCK.perf_counter() - t0, lambda: self.asked)
+            try:
+                result = fn(info)
+            except BaseException as exc:  # noqa: BLE001 - only a distributed error is kept
+                if not distributed_error(exc):
+                    raise
+                why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+            else:
+                dist.destroy_process_group()
+                return result
+            # Out of the except clause: the exception, its traceback and the frames holding
+            # the round's DDP are gone; only then can the group's sockets close.
+            previous = info.rank
+            del info
+            clean = self._leave(fds)
+            log.warning("rank %d left round %d (%s)%s", previous, self.round, why,
+                        "" if clean else "; some of its sockets are still open")
+            link.send(self.sock, {"op": "left", "round": self.round, "clean": True, "why": why})
+            msg = self.assignments.get()
+            if not msg:
+                raise SystemExit("elasticd: the agent is gone during a re-formation")
+            os.environ.update({str(k): str(v) for k, v in msg["env"].items()})
+            path = "in-process"
+
+    def _make_group(self) -> set[int]:
+        """The round's default group on its rank 0's TCPStore, under a fresh prefix; returns
+        the socket descriptors it opened (checked closed when the group is left)."""
+        import torch.distributed as dist
+
+        env = os.environ
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        before = _socket_fds()
+        timeout = datetime.timedelta(seconds=self.timeout)
+        tcp = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size=world,
+                            is_master=(rank == 0), timeout=timeout, use_libuv=True)
+        job = env.get("TORCHELASTIC_RUN_ID", "job")
+        store = dist.PrefixStore(f"elasticd/{job}/round/{self.round}/", tcp)
+        dist.init_process_group(self.backend, store=store, rank=rank, world_size=world,
+                                timeout=timeout)
+        return _socket_fds() - before
+
+    def _leave(self, fds: set[int]) -> bool:
+        """Leaves the default group completely; whether its sockets are all closed (one held
+        open keeps the peers blocked on this rank until their timeout)."""
+        import torch.distributed as dist
+
+        gc.collect()
+        dist.destroy_process_group()
+        gc.collect()
+        return not (fds & _socket_fds())
+
+
+def _socket_fds() -> set[int]:
+    out = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                out.add(int(name))
+        except OSError:
+            pass
+    return out

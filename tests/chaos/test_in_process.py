@@ -1,0 +1,129 @@
+"""In-process re-formation on a real cluster (issue 31): 3 elasticd daemons on a real etcd, a DDP
+job of 2 ranks per node submitted with ``--in-process`` (``examples/train_in_process.py``,
+``@elasticd.in_process``), kill -9 of a node.
+
+* The survivors keep their processes: the pids that train at world 4 are the 4 survivors' own,
+  they re-entered the function (path ``in-process``), resumed from the step every one of them
+  held, and the job finishes.
+* The fallback: a survivor that hangs instead of leaving its group is restarted the old way by
+  its agent at the deadline (its node's workers are new processes), the other node's stay, and
+  the job finishes.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from elasticd.agent import job_rules
+from elasticd.launcher import JOB_USER, LocalCluster, job_writable
+
+pytestmark = [pytest.mark.etcd, pytest.mark.chaos, pytest.mark.timeout(150)]
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TRAIN = os.path.join(REPO, "examples", "train_in_process.py")
+
+
+def _rows(logdir: str) -> list[dict]:
+    rows = []
+    for path in glob.glob(os.path.join(logdir, "steps-*.jsonl")):
+        with open(path) as fh:
+            rows += [json.loads(line) for line in fh if line.strip()]
+    return rows
+
+
+def _wait(cond, timeout: float, what: str, cluster: LocalCluster):
+    try:
+        return cluster.wait_for(cond, timeout, what, interval=0.1)
+    except TimeoutError as exc:
+        logs = {n: open(p).read()[-3000:] for n in cluster.nodes
+                for p in glob.glob(os.path.join(cluster.workdir, n, "jobs", "*", "agent.log"))}
+        raise TimeoutError(f"{exc}\n{logs}") from None
+
+
+def _first_at(rows: list[dict], world: int, since: float) -> dict[int, dict]:
+    """pid -> its first step row at ``world`` after ``since``."""
+    first: dict[int, dict] = {}
+    for row in sorted((r for r in rows if "step" in r), key=lambda r: r["t"]):
+        if row["world"] == world and row["t"] > since and row["pid"] not in first:
+            first[row["pid"]] = row
+    return first
+
+
+def _run(tmp_path, steps: int, hang_rank: int = -1):
+    logdir = job_writable(str(tmp_path / "steps"))
+    cluster = LocalCluster(["n1", "n2", "n3"], workdir=str(tmp_path / "cluster"), lease_ttl=2)
+    try:
+        cluster.start()
+        env = {**os.environ, "ELASTICD_ETCD": cluster.etcd, "ELASTICD_PREFIX": cluster.prefix}
+        out = subprocess.run(
+            [sys.executable, "-m", "elasticd.cli.main", "submit", "job", "--in-process",
+             "--nnodes", "2:3", "--nproc-per-node", "2", "--user", JOB_USER,
+             "--max-restarts", "100", "--", TRAIN, "--log", logdir, "--steps", str(steps),
+             "--step-time", "0.05", "--hang-rank", str(hang_rank)],
+            env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        _wait(lambda: len(_first_at(_rows(logdir), 6, 0)) == 6, 90, "6 ranks training",
+              cluster)
+        time.sleep(1.0)
+        before = {n: set(cluster.nodes[n].tagged()) for n in ("n1", "n2", "n3")}
+        first6 = _first_at(_rows(logdir), 6, 0)
+        workers = set(first6)
+        rank0 = next(pid for pid, row in first6.items() if row["rank"] == 0)
+        victim = next(n for n in ("n3", "n2") if rank0 not in before[n])  # rank 0 survives
+        survivors = workers - before[victim]
+        assert len(survivors) == 4 and len(workers & before[victim]) == 2
+        t_kill = time.time()
+        cluster.nodes[victim].kill()
+        at4 = _wait(lambda: (f := _first_at(_rows(logdir), 4, t_kill)) and len(f) == 4 and f,
+                    60, "4 ranks training at world 4", cluster)
+        _wait(lambda: sum(1 for r in _rows(logdir) if "done" in r) >= 4, 60,
+              "the job finishing", cluster)
+        return logdir, survivors, t_kill, at4, cluster.workdir
+    finally:
+        cluster.stop()
+
+
+def test_kill9_of_a_node_the_survivors_keep_their_processes(tmp_path):
+    logdir, survivors, t_kill, at4, _ = _run(tmp_path, steps=200)
+    rows = _rows(logdir)
+    assert set(at4) == survivors  # the same 4 processes train at world 4
+    assert {r["path"] for r in at4.values()} == {"in-process"}
+    # Resumed from the newest step every survivor held at the kill.
+    last = {pid: max(r["step"] for r in rows if r.get("pid") == pid and "step" in r
+                     and r["t"] <= t_kill) for pid in survivors}
+    assert {r["step"] for r in at4.values()} == {min(last.values()) + 1}
+    done = {r["pid"]: r["done"] for r in rows if "done" in r}
+    assert set(done) == survivors and set(done.values()) == {200}
+    took = max(r["t"] for r in at4.values()) - t_kill
+    print(f"\nkill -> all 4 survivors training at world 4: {took:.2f} s; survivor pids "
+          f"{sorted(survivors)} kept; resumed at step {min(last.values()) + 1}")
+
+
+def test_a_survivor_stuck_in_its_re_formation_is_restarted_the_old_way(tmp_path):
+    logdir, survivors, t_kill, at4, workdir = _run(tmp_path, steps=250, hang_rank=0)
+    rows = _rows(logdir)
+    hung = {r["pid"] for r in rows if r.get("rank") == 0 and r.get("round") is not None
+            and r.get("world") == 6}
+    # Rank 0's node (its 2 workers) fell back: new processes; the other survivors' stayed.
+    assert hung and hung <= survivors
+    fresh = set(at4) - survivors
+    assert len(fresh) == 2 and not hung & set(at4)
+    kept = set(at4) & survivors
+    assert len(kept) == 2 and {at4[p]["path"] for p in kept} == {"in-process"}
+    assert {at4[p]["path"] for p in fresh} == {"first"}
+    took = max(r["t"] for r in at4.values()) - t_kill
+    assert took >= job_rules.REFORM_DEADLINE  # the agent waited its deadline
+    logs = "".join(open(p).read() for p in glob.glob(os.path.join(workdir, "*", "jobs", "*",
+                                                                  "agent.log")))
+    assert "falling back to a restart" in logs
+    done = {r["pid"]: r["done"] for r in rows if "done" in r}
+    assert set(done) == set(at4) and set(done.values()) == {250}
+    print(f"\nfallback: kill -> world 4 training {took:.2f} s; kept {sorted(kept)}, "
+          f"restarted {sorted(hung & survivors)} as {sorted(fresh)}")

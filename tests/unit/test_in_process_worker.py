@@ -1,0 +1,134 @@
+"""The worker link and ``@elasticd.in_process`` on real sockets and a real worker process
+(issue 31): the agent's end here, in the test; a gloo worker of world 1 in a subprocess.
+
+The whole job (3 daemons, agents, a kill -9) is tests/chaos/test_in_process.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from elasticd.agent.worker_link import LinkServer
+from elasticd.local import worker_link as link
+
+SCRIPT = textwrap.dedent("""
+    import json, os, sys, time
+    import elasticd
+
+    out = open(sys.argv[1], "a", buffering=1)
+
+    @elasticd.in_process(timeout=20)
+    def train(r):
+        out.write(json.dumps({"pid": os.getpid(), "round": r.number, "rank": r.rank,
+                              "world": r.world_size, "path": r.path,
+                              "previous": r.previous_rank}) + "\\n")
+        if r.path == "first" and os.environ.get("ELASTICD_LINK"):
+            while True:  # until the agent asks this worker to leave
+                r.check()
+                time.sleep(0.01)
+        return "done"
+
+    print("returned", train())
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_env(port: int, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICD_")}
+    return {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
+            "WORLD_SIZE": "1", "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "t",
+            "PYTHONPATH": os.getcwd(), **extra}
+
+
+def _wait(cond, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_the_link_admits_a_worker_and_records_its_kernel_pid_and_leaves():
+    server = LinkServer()
+    sock = link.connect(server.name, os.getpid())
+    try:
+        link.send(sock, {"op": "hello", "local_rank": 1, "pid": 1})
+        _wait(lambda: server.linked() == {1}, 5)
+        assert server.pids[1] == os.getpid()  # the kernel's, not the message's
+        link.send(sock, {"op": "left", "round": 3, "clean": True, "why": "reset"})
+        _wait(lambda: 1 in server.left_rounds(), 5)
+        assert server.left_rounds() == {1: (3, True, "reset")}
+        server.forget_left(keep_round=4)
+        assert server.left_rounds() == {}
+        assert server.send(1, {"op": "abort", "round": 3})
+        assert link.recv(sock) == {"op": "abort", "round": 3}
+        assert not server.send(0, {"op": "abort", "round": 3})  # nobody linked as rank 0
+    finally:
+        sock.close()
+    _wait(lambda: server.linked() == set(), 5)
+
+
+def test_a_worker_talks_only_to_its_agents_pid():
+    server = LinkServer()
+    with pytest.raises(link.Untrusted, match="not the agent"):
+        link.connect(server.name, os.getpid() + 1)
+    with pytest.raises(OSError):
+        link.connect("no-such-link", None)
+
+
+@pytest.mark.slow
+def test_the_function_is_re_entered_in_the_same_process_after_an_abort(tmp_path):
+    out = tmp_path / "entries.jsonl"
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    server = LinkServer()
+    env = _worker_env(_free_port(), ELASTICD_LINK=server.name,
+                      ELASTICD_LINK_PID=str(os.getpid()), ELASTICD_ROUND="4")
+    proc = subprocess.Popen([sys.executable, str(script), str(out)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait(lambda: server.linked() == {0} and out.exists() and out.read_text())
+        server.send(0, {"op": "abort", "round": 3})  # another round's abort: not this one
+        server.send(0, {"op": "abort", "round": 4})
+        _wait(lambda: 0 in server.left_rounds())
+        assert server.left_rounds()[0][:2] == (4, True)
+        assert "Reformation" in server.left_rounds()[0][2]
+        server.send(0, {"op": "assign", "env": {"MASTER_PORT": str(_free_port()),
+                                                "ELASTICD_ROUND": "5"}})
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, output
+    assert "returned done" in output
+    entries = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(e["pid"], e["round"], e["path"], e["previous"]) for e in entries] == [
+        (proc.pid, 4, "first", None), (proc.pid, 5, "in-process", 0)]
+
+
+@pytest.mark.slow
+def test_without_elasticd_the_function_runs_once_with_the_usual_group(tmp_path):
+    out = tmp_path / "entries.jsonl"
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run([sys.executable, str(script), str(out)],
+                          env=_worker_env(_free_port()), capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "returned done" in done.stdout
+    entries = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(e["round"], e["rank"], e["world"], e["path"]) for e in entries] == [
+        (0, 0, 1, "first")]
