@@ -144,7 +144,13 @@ class CommitBook:
 
     def holding_back(self, rank: int, version: Version) -> Version | None:
         """The undecided version whose local copy of ``rank`` must be decided before
-        ``version`` (a newer snapshot of it) goes to a peer, or None (see the module doc)."""
+        ``version`` (a newer snapshot of it) goes to a peer, or None (see the module doc).
+        Only once a commit of this generation is known here, or a replica of ``rank`` waits
+        here (its owner's slots may then hold no commit the holder's pin): before that a
+        holder pins no commit beside the undecided copy, so it lets none go."""
+        live = self.committed is not None and self.committed[0] >= self.floor
+        if not (live or any((Holder.REPLICA, rank) in e.copies for e in self.entries.values())):
+            return None
         return min((v for v, e in self.entries.items()
                     if v < version and (Holder.LOCAL, rank) in e.copies), default=None)
 

@@ -485,10 +485,60 @@ def test_a_blocking_version_is_withdrawn_on_time_only_on_a_coordinators_word():
 
 def test_a_push_waits_for_an_older_undecided_local_copy_of_its_rank_only():
     book = CommitBook(WITHDRAW_AFTER)
+    book.commit((0, 1))
     book.landed(Holder.LOCAL, 0, (0, 2), now=0.0)
-    book.landed(Holder.REPLICA, 1, (0, 1), now=0.0)
+    book.landed(Holder.REPLICA, 1, (0, 2), now=0.0)
     assert book.holding_back(0, (0, 3)) == (0, 2)
     assert book.holding_back(0, (0, 2)) is None  # itself, to the next peer
     assert book.holding_back(1, (0, 3)) is None  # another rank's, a replica
     book.commit((0, 2))
     assert book.holding_back(0, (0, 3)) is None
+
+
+def test_a_push_is_held_back_only_where_a_holder_may_pin_a_commit_beside_the_copy():
+    # Before the generation's first commit no holder pins one, so none lets an undecided copy
+    # go for a newer one (two undecided copies: only a withdrawn one goes): nothing to hold.
+    book = CommitBook(WITHDRAW_AFTER)
+    book.landed(Holder.LOCAL, 0, (0, 1), now=0.0)
+    assert book.holding_back(0, (0, 2)) is None
+    # A rank's new owner that has not learned the commit its replica slots hold yet.
+    book.landed(Holder.REPLICA, 0, (0, 0), now=0.0)
+    assert book.holding_back(0, (0, 2)) == (0, 1)
+    book.commit((0, 0))
+    assert book.holding_back(0, (0, 2)) == (0, 1)
+    # A new generation: the old commit is pinned nowhere any more.
+    book.abandon_below(1)
+    book.landed(Holder.LOCAL, 0, (1, 1), now=0.0)
+    assert book.holding_back(0, (1, 2)) is None
+
+
+def hopeless(m: CommitProtocol, node: Node, version) -> bool:
+    """The coordinator's rule: another owner's record lists a newer version without it."""
+    other = m.nodes[1 - node.rank]
+    return any(v > version for v in other.record) and version not in other.record
+
+
+def test_a_jobs_first_commit_lands_within_two_steps_of_its_start():
+    # The chaos run that reverted issue 29's first fix: a job's first step came before one
+    # node knew the placement, so its first snapshot was never sent, while the other node's
+    # was acknowledged. Holding every newer push back behind that undecided copy, each node
+    # waited on a version the other never had: each was withdrawn in turn (widening the
+    # snapshot grid each time) and nothing committed in the 12 steps before the kill.
+    m = CommitProtocol()
+    for step in range(1, 5):
+        for node in m.nodes:
+            m.snapshot(node.rank, 1)
+            if step > 1 or node.rank == 0:
+                m.push(node.rank)
+        m.commit(0)
+        for node in m.nodes:
+            m.learn(node)
+            for version in sorted(node.following):
+                m.hear(node)
+                m.follow_verdict(node, version, hopeless(m, node, version))
+        m.tick()
+        m.every_named_holder_holds_the_commit()
+        m.the_stores_retain_what_the_books_say()
+        if m.committed is not None:
+            break
+    assert m.committed == (0, 2), f"first commit {m.committed} by step {step}"
