@@ -34,7 +34,11 @@ Invariants (tested over every order of events in ``tests/unit/test_commit_state.
   (:class:`~elasticd.replication.shm_sink.ShmSink`), trusting that the owner decided it first.
   The owner's own slots enforce that only while its other slot holds the commit; a rank's new
   owner, whose committed copy is among its replicas, has a free slot and would snapshot and
-  send past its undecided version (a wrong commit, naming a holder that let it go).
+  send past its undecided version (a wrong commit, naming a holder that let it go). Before
+  the generation's first commit no holder pins a commit beside an undecided copy, so nothing
+  is held back then: held back, each owner waited on its first acknowledged version, and at a
+  job's start, where the nodes' first versions differ, they were withdrawn one by one and
+  nothing committed for seconds.
 
 Withdrawals on time wait for the coordinator's word (:meth:`CommitBook.verdict`): a version that
 blocks a snapshot is withdrawn ``withdraw_after`` after its landing only once a coordinator
