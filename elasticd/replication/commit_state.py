@@ -28,6 +28,25 @@ Invariants (tested over every order of events in ``tests/unit/test_commit_state.
   left (undecided versions are the only entries, and the committed copy the only job-wide
   retention).
 * A version once withdrawn here is never recorded again (:meth:`CommitBook.recordable`).
+* An owner sends no copy of a rank newer than an undecided version whose local copy of that rank
+  it retains (:meth:`CommitBook.holding_back`): a holder whose slots hold the commit and an
+  undecided copy lets the undecided one go when a newer copy arrives
+  (:class:`~elasticd.replication.shm_sink.ShmSink`), trusting that the owner decided it first.
+  The owner's own slots enforce that only while its other slot holds the commit; a rank's new
+  owner, whose committed copy is among its replicas, has a free slot and would snapshot and
+  send past its undecided version (a wrong commit, naming a holder that let it go). Before
+  the generation's first commit no holder pins a commit beside an undecided copy, so nothing
+  is held back then: held back, each owner waited on its first acknowledged version, and at a
+  job's start, where the nodes' first versions differ, they were withdrawn one by one and
+  nothing committed for seconds.
+
+Withdrawals on time wait for the coordinator's word (:meth:`CommitBook.verdict`): a version that
+blocks a snapshot is withdrawn ``withdraw_after`` after its landing only once a coordinator
+answered this node after that deadline (or ``patience`` later, when none does), and a new
+coordinator's term restarts the wait. While a dead coordinator's election key waits out its
+lease nothing can commit, so the versions there are not the nodes' divergence: withdrawing
+them one by one widened the job's snapshot grid each time (to 32 steps in a 2 s outage) and
+the first commit after the election then waited for the next step on that grid.
 """
 
 from __future__ import annotations
@@ -98,10 +117,15 @@ class CommitBook:
     Args:
         withdraw_after: seconds an acknowledged local version that blocks a snapshot may wait
             for its commit before it is withdrawn.
+        patience: seconds past that deadline after which it is withdrawn even though no
+            coordinator answered this node since (a partition, not an election).
     """
 
-    def __init__(self, withdraw_after: float) -> None:
-        self.withdraw_after = withdraw_after
+    def __init__(self, withdraw_after: float, patience: float = float("inf")) -> None:
+        self.withdraw_after, self.patience = withdraw_after, patience
+        self.term: int | None = None  # the coordinator's term last heard
+        self.term_since = float("-inf")  # when this node first heard that term
+        self.heard_at = float("-inf")  # when a coordinator last answered this node
         self.committed: Version | None = None
         self.floor = 0
         self.entries: dict[Version, _Entry] = {}
@@ -121,6 +145,18 @@ class CommitBook:
     def recordable(self, version: Version) -> bool:
         """Whether ``version`` may still be put in this node's record (never once withdrawn)."""
         return version not in self.withdrawn
+
+    def holding_back(self, rank: int, version: Version) -> Version | None:
+        """The undecided version whose local copy of ``rank`` must be decided before
+        ``version`` (a newer snapshot of it) goes to a peer, or None (see the module doc).
+        Only once a commit of this generation is known here, or a replica of ``rank`` waits
+        here (its owner's slots may then hold no commit the holder's pin): before that a
+        holder pins no commit beside the undecided copy, so it lets none go."""
+        live = self.committed is not None and self.committed[0] >= self.floor
+        if not (live or any((Holder.REPLICA, rank) in e.copies for e in self.entries.values())):
+            return None
+        return min((v for v, e in self.entries.items()
+                    if v < version and (Holder.LOCAL, rank) in e.copies), default=None)
 
     def awaiting(self) -> list[Version]:
         """Local versions followed until committed or withdrawn."""
@@ -214,6 +250,14 @@ class CommitBook:
             entry.following = entry.blocked = False
             entry.since = now
 
+    def heard(self, term: int, now: float) -> None:
+        """The job's coordinator, in ``term``, answered this node (a report weighed, or
+        refused for a reason of its own: it is in office). A new term restarts the wait of
+        every undecided version (:meth:`deadline`)."""
+        if term != self.term:
+            self.term, self.term_since = term, now
+        self.heard_at = max(self.heard_at, now)
+
     def _drop(self, which: Callable[[Version], bool], actions: Actions) -> Actions:
         """Forgets the entries ``which`` picks and lets their copies go."""
         for version in [v for v in self.entries if which(v)]:
@@ -225,20 +269,32 @@ class CommitBook:
 
     def verdict(self, version: Version, now: float, hopeless: bool = False) -> Verdict:
         """What the follower of ``version`` does now; ``hopeless``: another owner's record
-        shows it can no longer be committed. IDLE also ends the following."""
+        shows it can no longer be committed. IDLE also ends the following. Past the
+        deadline, a blocking version is withdrawn only on a coordinator's answer heard since
+        (:meth:`answered`), or ``patience`` later: WAIT meanwhile (the caller asks)."""
         entry = self.entries.get(version)
         if entry is None:
             return Verdict.KEEP if version == self.committed else Verdict.REUSE
         if hopeless:
             return Verdict.WITHDRAW
-        if now < self.deadline(version):
+        deadline = self.deadline(version)
+        if now < deadline:
             return Verdict.WAIT
         if entry.blocked:
-            return Verdict.WITHDRAW
+            return Verdict.WITHDRAW if self.answered(version, now) else Verdict.WAIT
         entry.following = False
         return Verdict.IDLE
 
+    def answered(self, version: Version, now: float) -> bool:
+        """Whether a coordinator answered this node since ``version``'s deadline (or no
+        answer is waited for any more: ``patience`` passed)."""
+        deadline = self.deadline(version)
+        return self.heard_at >= deadline or now >= deadline + self.patience
+
     def deadline(self, version: Version) -> float:
-        """When an undecided ``version`` that blocks a snapshot is withdrawn."""
+        """When an undecided ``version`` that blocks a snapshot is withdrawn, on the word of
+        a coordinator (``withdraw_after`` after its landing or after this node first heard
+        the coordinator's term, whichever is later)."""
         entry = self.entries.get(version)
-        return float("-inf") if entry is None else entry.since + self.withdraw_after
+        return (float("-inf") if entry is None
+                else max(entry.since, self.term_since) + self.withdraw_after)

@@ -75,7 +75,10 @@ class Pusher:
             return
         try:
             version = view.header.version()
-            done = self.tracker.is_acked(task.job, task.rank, version, peer)
+            # Not past an undecided older copy (the holder would let it go): the next
+            # snapshot asks again once it is decided.
+            done = (self.tracker.is_acked(task.job, task.rank, version, peer)
+                    or self.tracker.held_back(task.job, task.rank, version))
             ok = not done and self._send(peer, view)
             if ok:
                 # Acknowledged, so it may be committed: from now on its slot is not reused

@@ -157,15 +157,16 @@ class Reporter:
             j.fence, j.dirty = revision, True
         self._kick(job)
 
-    def hopeless(self, job: str, version: Version) -> bool:
+    def hopeless(self, job: str, version: Version, fresh_after: float = float("-inf")) -> bool:
         """The coordinator's last word on ``version`` (which this node waits on): True when it
-        can never commit. Asks again when that word is older than :data:`ASK_EVERY`."""
+        can never commit. Asks again when that word is older than :data:`ASK_EVERY` or than
+        ``fresh_after``."""
         now = self.t.clock.monotonic()
         with self.t.lock:
             j = self.jobs.get(job)
             if j is None:
                 return False
-            stale = now - j.answered_at > ASK_EVERY
+            stale = now - j.answered_at > ASK_EVERY or j.answered_at < fresh_after
             if stale:
                 j.dirty = True
             answer = tuple(version) in j.hopeless
@@ -259,10 +260,12 @@ class Reporter:
         """Takes the coordinator's reply; True when another report is due at once."""
         now = self.t.clock.monotonic()
         with self.t.lock:
+            st = self.t.jobs.get(job)
+            if st is not None and (reply.accepted or reply.reason not in ("term", "term ended")):
+                st.book.heard(ship.term, now)  # in office: its word counts for withdrawals
             if reply.accepted:
                 j.hopeless, j.answered_at = frozenset(reply.hopeless), now
                 j.failures, j.last_reason = 0, ""
-                st = self.t.jobs.get(job)
                 known = st.committed.version if st is not None and st.committed else None
                 # The coordinator knows a newer commit than our watch brought: the watch
                 # brings it in a moment; :meth:`tick` reads it if it has not by WATCH_GRACE.

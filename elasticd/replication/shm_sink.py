@@ -158,7 +158,9 @@ class ShmSink(Sink):
                 raise Refused(IN_PROGRESS, str(exc)) from exc
             # A newer copy exists, so its sender resolved the acknowledged one in the way: it
             # was committed (this node's watch may not have said so yet: ask etcd) or withdrawn
-            # by its owner, who makes no newer snapshot until one or the other happened.
+            # by its owner, who sends no newer copy until one or the other happened (its slots
+            # keep it from snapshotting past it, and where a free slot would not, as for a
+            # rank's new owner, CommitBook.holding_back keeps the copy from being sent).
             self.on_pending(d.job)
             try:
                 return self._reserve_once(d)

@@ -66,6 +66,10 @@ from elasticd.replication.reporter import Reporter, decode_ship
 
 log = logging.getLogger(__name__)
 
+#: Lease TTLs a blocking version waits past its deadline for a coordinator's answer (see
+#: commit_state): a dead one is replaced within about one TTL; longer is a partition.
+OUTAGE_TTLS = 3
+
 
 @dataclasses.dataclass
 class JobState:
@@ -163,7 +167,8 @@ class CommitTracker:
         """The job's state, created if new (call with :attr:`lock` held)."""
         st = self.jobs.get(job)
         if st is None:
-            st = self.jobs[job] = JobState(book=CommitBook(self.withdraw_after))
+            st = self.jobs[job] = JobState(book=CommitBook(
+                self.withdraw_after, OUTAGE_TTLS * self.reporter.ttl))
         return st
 
     def _perform(self, job: str, actions: Actions) -> None:
@@ -191,6 +196,19 @@ class CommitTracker:
     def on_superseded(self, job: str, rank: int, version: Version) -> None:
         """A newer replica of ``rank`` arrived while ``version`` still held its slot."""
         self._event(job, lambda book: book.superseded(Holder.REPLICA, rank, tuple(version)))
+
+    def held_back(self, job: str, rank: int, version: Version) -> bool:
+        """Whether ``version`` of local ``rank`` must not go to a peer yet: an older version
+        of it is undecided here (see :meth:`CommitBook.holding_back`). That version is then
+        followed as one that blocks a snapshot: committed, or withdrawn on time."""
+        v, now = (int(version[0]), int(version[1])), self.clock.monotonic()
+        with self.lock:
+            st = self.jobs.get(job)
+            older = st.book.holding_back(rank, v) if st is not None else None
+            if older is None:
+                return False
+            self._perform(job, st.book.blocked(older, now))
+            return True
 
     def on_blocked(self, job: str, version: Version) -> None:
         """A local snapshot was skipped: ``version`` holds the slot it needs."""
@@ -349,10 +367,13 @@ class CommitTracker:
                 verdict = st.book.verdict(version, self.clock.monotonic(), hopeless)
                 if verdict is not Verdict.WAIT:
                     break
-                self.cond.wait(min(st.book.deadline(version) - self.clock.monotonic(), 0.1))
+                deadline = st.book.deadline(version)
+                left = deadline - self.clock.monotonic()
+                self.cond.wait(min(left, 0.1) if left > 0 else 0.05)
             # Asked only after a first wait: most versions commit within it, so the common
-            # case (a step every few ms) costs the coordinator no question per version.
-            hopeless = self.reporter.hopeless(job, version)
+            # case (a step every few ms) costs the coordinator no question per version. Past
+            # the deadline at once: a withdrawal on time waits for an answer given after it.
+            hopeless = self.reporter.hopeless(job, version, fresh_after=deadline)
         if verdict is Verdict.WITHDRAW:
             self._withdraw(job, version)
 

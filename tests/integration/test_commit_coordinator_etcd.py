@@ -28,15 +28,6 @@ def coordinator(cluster: Cluster) -> str | None:
 
 
 @pytest.mark.timeout(90)
-# Known open bug (issue 29): run alone, commits resumed within TTL + 1.5 s of the coordinator's
-# kill in only ~6 of 10 runs. The re-election itself is prompt (the election key's lease expires
-# and the survivors' watch brings it: ~1.5 s after the kill in every run read); the lag comes
-# after: while the key waited out its lease, the survivors withdrew a version per
-# withdraw_after and each withdrawal doubled the snapshot grid (to 32 steps), so the first
-# commit waited for the next step on that grid (test_commit_reports.py shows it in 3 s).
-# Not strict, so a pass shows as XPASS; the assertions stay as they are until it is mended.
-@pytest.mark.xfail(strict=False, reason="commit coordinator re-election after a kill does not "
-                   "always finish within TTL + 1.5 s (issue 29, open)")
 def test_killing_the_coordinator_costs_one_lease_ttl_and_no_wrong_commit(etcd, prefix):
     clients = []
 

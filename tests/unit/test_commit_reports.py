@@ -124,16 +124,13 @@ def test_a_dead_coordinator_is_replaced_when_its_lease_expires(cluster):
                              None) == (0, 5), 5)
 
 
-# Known open bug (issue 29): while the dead coordinator's election key waits out its lease, the
-# survivors withdraw a version per withdraw_after and each withdrawal doubles the grid.
-@pytest.mark.xfail(strict=True, reason="a coordinator outage widens the snapshot grid "
-                   "(issue 29, open)")
 def test_a_coordinator_outage_does_not_widen_the_snapshot_grid():
     """A dead coordinator's election key stays until its lease expires: meanwhile the
-    survivors' reports reach no one and nothing can commit. Their versions time out
-    (withdraw_after, 0.5 s here) and each withdrawal doubles the job's snapshot grid as if the
-    nodes had diverged (to 32 steps in a 2 s outage on real etcd): the first commit after the
-    election then waits for the next step on that grid."""
+    survivors' reports reach no one and nothing can commit. Their versions passed
+    withdraw_after (0.5 s here), but no coordinator answered since, so none is withdrawn:
+    each withdrawal doubled the job's snapshot grid as if the nodes had diverged (to 32 steps
+    in a 2 s outage on real etcd, before), and the first commit after the election then
+    waited for the next step on that grid."""
     leases = FakeClock()  # the store's leases expire only when this clock moves
     store = MemoryStore(leases)
     cluster = Cluster(lambda: MemoryCoordinator(store), 3, 2)

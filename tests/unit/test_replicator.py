@@ -284,6 +284,7 @@ def test_stale_duplicate_and_abandoned_pushes_never_replace_a_newer_copy(make_cl
     cluster.set_membership(["n1", "n2"], ranks, round=1)
     n1, n2 = cluster["n1"], cluster["n2"]
     data5 = n1.snapshot(0, 5, world=2)
+    n2.snapshot(1, 5, world=2)  # committed: n1 sends nothing past an undecided (0, 5)
     cluster.wait_idle()
     assert n2.sink.held(JOB, 0).version == (0, 5)
     # The same version again (a retried push) and an older one are not taken.
