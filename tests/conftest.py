@@ -77,12 +77,13 @@ def _reachable_basetemp(request, tmp_path_factory):
 def pytest_sessionfinish(session, exitstatus):
     """A session that passed removes the directory it made (its tests' ``tmp_path``: etcd data,
     logs, cluster work directories: gigabytes over the whole suite); one that failed keeps it
-    and says where. ``ELASTICD_KEEP_TMP=1`` keeps it always. (``bash .ci/test`` then checks
+    and says where. ``KEEP_TEST_TMP=1`` keeps it always (not an ``ELASTICD_`` name: the daemons the tests start
+    inherit the environment, and refuse an ``ELASTICD_`` variable that is no setting). (``bash .ci/test`` then checks
     that nothing else is left under /tmp.)"""
     import shutil
 
     path = session.config.stash.get(_OWN_BASETEMP, None)
-    if path is not None and exitstatus == 0 and not os.environ.get("ELASTICD_KEEP_TMP"):
+    if path is not None and exitstatus == 0 and not os.environ.get("KEEP_TEST_TMP"):
         shutil.rmtree(path, ignore_errors=True)
 
 
