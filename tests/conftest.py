@@ -77,9 +77,9 @@ def _reachable_basetemp(request, tmp_path_factory):
 def pytest_sessionfinish(session, exitstatus):
     """A session that passed removes the directory it made (its tests' ``tmp_path``: etcd data,
     logs, cluster work directories: gigabytes over the whole suite); one that failed keeps it
-    and says where. ``KEEP_TEST_TMP=1`` keeps it always (not an ``ELASTICD_`` name: the daemons the tests start
-    inherit the environment, and refuse an ``ELASTICD_`` variable that is no setting). (``bash .ci/test`` then checks
-    that nothing else is left under /tmp.)"""
+    and says where. ``KEEP_TEST_TMP=1`` keeps it always (not an ``ELASTICD_`` name: the daemons
+    the tests start inherit the environment and refuse an ``ELASTICD_`` variable that is no
+    setting). (``bash .ci/test`` then checks that nothing else is left under /tmp.)"""
     import shutil
 
     path = session.config.stash.get(_OWN_BASETEMP, None)
