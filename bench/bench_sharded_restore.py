@@ -56,6 +56,10 @@ ranks on a two-core machine. The slot stores live in ``/dev/shm`` (4 KiB pages),
         --repeat 3 --out bench/results/sharded_restore.json
     flock /tmp/elasticd-cpu.lock python bench/bench_sharded_restore.py --mib 1100 \
         --repeat 3 --huge-tmpfs --out bench/results/sharded_restore_huge.json
+
+``--profile DIR`` writes cProfile stats (``pstats``) of every thread of each daemon and holder
+and of each worker's timed restores to ``DIR``: for finding costs, not for figures (the
+profiler slows the Python it watches). bench/results/sharded_restore_profile.txt is one.
 """
 
 from __future__ import annotations
@@ -77,6 +81,7 @@ import threading
 import time
 import uuid
 from multiprocessing.connection import wait
+from typing import Any
 
 import verified_floor
 from elasticd.store.service import CheckpointService
@@ -104,6 +109,60 @@ LABELS = {"elasticd": "elasticd restore from peers' RAM (Checkpointer.restore)",
           "floor": FLOOR}
 #: What the raw senders send from (its content does not matter; the size keeps it out of cache).
 RAW_CHUNK = 64 << 20
+
+
+#: ``--profile``: the directory each profiled process writes its cProfile stats to (set in the
+#: parent before the processes fork or spawn; empty: no profiling).
+PROFILE_ENV = "ELASTICD_BENCH_PROFILE"
+
+
+class ThreadProfiles:
+    """cProfile in every thread of a process (cProfile sees only the thread that enabled it):
+    each thread started after :meth:`install` runs under a profiler of its own, and
+    :meth:`dump` writes them all, merged, to ``<dir>/<name>.prof``."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.dir, self.profiles = name, os.environ.get(PROFILE_ENV, ""), []
+
+    def install(self) -> "ThreadProfiles":
+        if not self.dir:
+            return self
+        import cProfile
+
+        run, profiles = threading.Thread.run, self.profiles
+
+        def profiled(thread) -> None:
+            prof = cProfile.Profile()
+            profiles.append(prof)
+            prof.runcall(run, thread)
+
+        threading.Thread.run = profiled
+        return self
+
+    def main(self) -> Any:
+        """A profiler for the calling thread (enable and disable it around what to see)."""
+        import cProfile
+
+        prof = cProfile.Profile()
+        self.profiles.append(prof)
+        return prof
+
+    def dump(self) -> None:
+        if not self.dir or not self.profiles:
+            return
+        import pstats
+
+        stats = None
+        for prof in self.profiles:
+            prof.create_stats()
+            if not prof.stats:
+                continue
+            if stats is None:
+                stats = pstats.Stats(prof)
+            else:
+                stats.add(prof)
+        if stats is not None:
+            stats.dump_stats(os.path.join(self.dir, f"{self.name}.prof"))
 
 
 def holders_of(rank: int) -> tuple[str, str]:
@@ -152,6 +211,7 @@ def raw_sender(listener: socket.socket) -> None:
 def holder(conn, name: str, root: str, raw: bool = False) -> None:
     """A peer holding replicas in shared memory, served by a ReplicaServer (its address sent
     on ``conn``); with ``raw``, also the verified floor's sender (its address sent next)."""
+    profiles = ThreadProfiles(f"holder-{name}").install()
     store = SlotStore(root)
     server = ReplicaServer("127.0.0.1", 0, SECRET, name, ShmSink(store),
                            idle_timeout=3600.0).start()
@@ -163,6 +223,7 @@ def holder(conn, name: str, root: str, raw: bool = False) -> None:
     conn.recv()  # until told to stop
     server.stop()
     store.close()
+    profiles.dump()
 
 
 def cpu_seconds(pid: int) -> float:
@@ -178,6 +239,7 @@ def daemon(conn, control, name: str, root: str, sock: str, book: dict) -> None:
     and returns the replicator's counters;
     "membership" is the membership change a new world starts with (the replicator is told,
     as the daemon's loop tells it when a node of the job fails), answered at once."""
+    profiles = ThreadProfiles(f"daemon-{name}").install()
     store = SlotStore(root)
     coord, keys = MemoryCoordinator(), Keyspace("/bench")
     record_commit(coord, keys, JOB, Committed(0, STEP, tuple(range(OLD)),
@@ -213,6 +275,7 @@ def daemon(conn, control, name: str, root: str, sock: str, book: dict) -> None:
         server.stop()
         replicator.close()
         store.close()
+        profiles.dump()
 
 
 # -- torch side (spawned processes) --------------------------------------------------------------
@@ -453,6 +516,8 @@ def worker(rank: int, port: int, dims: list[int], sock: str, control, dcp_dir: s
         # too, and into that same buffer, faulted in by then, in the timed rounds.
         floor_bytes = -(-local_bytes // verified_floor.BLOCK) * verified_floor.BLOCK
         floor_buf = None
+        profiles = ThreadProfiles(f"worker-{rank}")
+        prof = profiles.main() if profiles.dir else None
         rows = []
         for rnd in range(repeat + 1):
             digests = {}
@@ -485,7 +550,11 @@ def worker(rank: int, port: int, dims: list[int], sock: str, control, dcp_dir: s
                     # first (what it prepares then counts inside the window).
                     control.send("membership")
                     assert control.recv() == "ok"
+                    if prof is not None and rnd:
+                        prof.enable()
                     step = ckpt.restore(state)
+                    if prof is not None and rnd:
+                        prof.disable()
                     res = ckpt.last_restore
                     assert (step, res.saved_world_size, res.source) == (STEP, OLD, "peer"), res
                     parts = {"restore_seconds": res.seconds, "nbytes": res.nbytes,
@@ -521,6 +590,7 @@ def worker(rank: int, port: int, dims: list[int], sock: str, control, dcp_dir: s
         rows.append({"round": repeat + 1, "variant": "final", "rank": rank,
                      "daemon_before": control.recv(), "local_state_bytes": local_bytes})
         ckpt.close()
+        profiles.dump()
         with open(out_path, "w") as f:
             json.dump(rows, f)
     finally:
@@ -565,7 +635,14 @@ def main() -> None:
                         help="seconds of idle before the first round's elasticd and floor runs "
                              "(memory freed before goes back to the host meanwhile)")
     parser.add_argument("--out", default="", help="also write the results as JSON here")
+    parser.add_argument("--profile", default="",
+                        help="write cProfile stats of every daemon and holder thread and of "
+                             "the workers' timed restores to this directory (slows the "
+                             "runs: for finding costs, not for figures)")
     args = parser.parse_args()
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+        os.environ[PROFILE_ENV] = os.path.abspath(args.profile)
     dims = widths(args.mib, args.layers)
     total_state = state_bytes(dims)
     tag = uuid.uuid4().hex[:10]

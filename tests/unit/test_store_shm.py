@@ -313,6 +313,38 @@ def test_scratch_ranges_are_reserved_in_small_pages(root):
         store.close()
 
 
+def test_reserved_scratch_ranges_are_not_populated_again(root):
+    """A range of a segment already reserved (scratch kept from the last restore, or pieces
+    reserved before) is not faulted in again, while any page outside what was reserved is:
+    populating a reused 727 MB segment again walked every page for nothing."""
+    store = SlotStore(root, scratch_keep=0)
+    try:
+        seg = store.scratch.new(16 * PAGE, job="job")
+        real, calls = seg._mm, []
+
+        class Counting:
+            def madvise(self, *args):
+                calls.append(args[1:])
+                return real.madvise(*args)
+
+        seg._mm = Counting()
+        seg.reserve_range(0, 4 * PAGE)
+        seg.reserve_range(4 * PAGE, 8 * PAGE)  # adjacent: one reserved range [0, 8 PAGE)
+        seg.reserve_range(10 * PAGE, 12 * PAGE)
+        assert calls == [(0, 4 * PAGE), (4 * PAGE, 4 * PAGE), (10 * PAGE, 2 * PAGE)]
+        seg.reserve_range(PAGE + 1, 7 * PAGE)  # within the first: nothing to do
+        seg.reserve_range(10 * PAGE, 12 * PAGE)
+        assert len(calls) == 3
+        seg.reserve_range(7 * PAGE, 11 * PAGE)  # pages 8 and 9 were never reserved
+        assert calls[3:] == [(7 * PAGE, 4 * PAGE)]
+        seg.reserve_range(0, 12 * PAGE)  # now all one range
+        assert len(calls) == 4
+        seg._mm = real
+        assert os.stat(seg.path).st_blocks * 512 == 12 * PAGE
+    finally:
+        store.close()
+
+
 def test_pinned_view_blocks_reuse_until_released(store):
     snapshot(store, "job", 0, step=1)
     view = store.latest("job", 0, pin=True)
