@@ -49,7 +49,13 @@ class LinkServer:
                 conn, _ = self._srv.accept()
             except OSError:
                 return
-            pid, uid, _gid = link.peer_credentials(conn)
+            try:
+                pid, uid, _gid = link.peer_credentials(conn)
+            except OSError as exc:  # one odd caller must not stop every later worker linking
+                log.warning("worker link: refused a caller whose credentials do not read: %s",
+                            exc)
+                conn.close()
+                continue
             if uid not in (os.getuid(), 0):
                 log.warning("worker link: refused pid %d of uid %d", pid, uid)
                 conn.close()

@@ -88,6 +88,54 @@ def test_a_worker_talks_only_to_its_agents_pid():
         link.connect("no-such-link", None)
 
 
+def test_another_uid_is_refused_and_later_workers_still_link(monkeypatch):
+    """The link's name is visible to every local user (``/proc/net/unix``): a process of
+    another uid that connects is refused before it is read, and neither it nor a caller whose
+    credentials do not read stops the next worker from linking."""
+    from tests.users import temporary_user
+
+    server = LinkServer()
+    hello = link.wire.encode({"op": "hello", "local_rank": 3, "pid": 1})
+    hostile = textwrap.dedent(f"""
+        import socket, sys
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect({link.address(server.name)!r})
+        s.sendall({hello!r})  # a worker's hello: never read
+        s.settimeout(5)
+        try:
+            print("closed" if s.recv(1) == b"" else "answered")
+        except ConnectionResetError:  # closed with its bytes unread
+            print("closed")
+    """)
+    with temporary_user() as user:
+        out = subprocess.run([sys.executable, "-c", hostile], capture_output=True, text=True,
+                             timeout=30, user=user.pw_uid, group=user.pw_gid,
+                             extra_groups=[])
+    assert out.stdout.strip() == "closed", out.stderr
+    assert server.linked() == set()
+    real = link.peer_credentials
+    calls = []
+
+    def fails_once(sock):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("credentials unreadable")
+        return real(sock)
+
+    monkeypatch.setattr(link, "peer_credentials", fails_once)
+    odd = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    odd.connect(link.address(server.name))
+    odd.settimeout(10)
+    assert odd.recv(1) == b""  # refused, closed
+    odd.close()
+    sock = link.connect(server.name, os.getpid())
+    try:
+        link.send(sock, {"op": "hello", "local_rank": 0, "pid": 1})
+        _wait(lambda: server.linked() == {0}, 5)
+    finally:
+        sock.close()
+
+
 @pytest.mark.slow
 def test_the_function_is_re_entered_in_the_same_process_after_an_abort(tmp_path):
     out = tmp_path / "entries.jsonl"
