@@ -39,6 +39,10 @@ class EtcdHealth:
         self.outage_since: float | None = None
         self.last_outage_end: float | None = None
         self._said = ""  # the kind of failure this outage's last line reported
+        self._kinds: set[str] = set()  # every kind the outage under way had
+        #: Every kind of failure the last ended outage had (what a caller must repair: a
+        #: watch stream survives etcd refusing requests, not etcd going away).
+        self.last_outage_kinds: frozenset[str] = frozenset()
         self.reconnected = threading.Event()
 
     @property
@@ -65,9 +69,11 @@ class EtcdHealth:
             started = self.outage_since is None
             if started:
                 self.outage_since = now
+                self._kinds = set()
             elif what == self._said:
                 return
             self._said = what
+            self._kinds.add(what)
         log.warning("%s %s: %s; retrying, workers keep running", self._describe, what, exc)
         if started:
             self._on_start()
@@ -80,6 +86,7 @@ class EtcdHealth:
             length = now - self.outage_since
             self.outage_since = None
             self.last_outage_end = now
+            self.last_outage_kinds = frozenset(self._kinds)
         log.warning("%s reachable again after %.1f s", self._describe, length)
         self.reconnected.set()
         self._on_end(length)

@@ -291,7 +291,9 @@ class Daemon:
         self.metrics.etcd_up.set(1)
         self.peers.stale = True
         rewatch = getattr(self.coord, "rewatch", None)
-        if rewatch is not None:
+        # etcd that only refused requests (its users changing) kept every watch stream: at
+        # scale, re-creating them all on every node after each big job's start is a storm.
+        if rewatch is not None and self.health.last_outage_kinds != {"refuses our requests"}:
             rewatch()
         self.loop.wake()
 

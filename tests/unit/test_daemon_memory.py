@@ -146,6 +146,28 @@ def test_etcd_refusing_every_request_is_an_outage_the_daemon_reports(world):
     assert out["n1"] == "no action: I am n1, 1 nodes alive" or "1 node" in out["n1"], out
 
 
+def test_watches_are_recreated_after_etcd_was_away_not_after_it_refused(world):
+    """A refusal outage (etcd answering, its users changing: every node at a big job's start)
+    leaves the watch streams as they were; re-creating every watch on every node then would be
+    a storm at scale. An outage where etcd was unreachable re-creates them (a stream may be
+    silently stuck)."""
+    clock, store, start, tick, daemons = world
+    d = start("n1", outage_grace=30.0)
+    rewatched = []
+    d.coord.rewatch = lambda: rewatched.append(clock.monotonic())
+    tick()
+    store.set_refusing(True)
+    tick()
+    store.set_refusing(False)
+    tick()
+    assert d.health.up and rewatched == []
+    store.set_available(False)
+    tick()
+    store.set_available(True)
+    tick()
+    assert d.health.up and len(rewatched) == 1
+
+
 def test_long_outage_fences_after_grace(world):
     clock, store, start, tick, daemons = world
     d = start("n1", outage_grace=5.0)

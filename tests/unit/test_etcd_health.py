@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from elasticd.testing.clock import FakeClock
-from elasticd.coordination.api import AuthError, Unavailable
+from elasticd.coordination.api import AuthError, Refused, Unavailable
 from elasticd.coordination.health import EtcdHealth
 
 
@@ -25,3 +25,17 @@ def test_one_line_per_kind_of_failure_within_an_outage(caplog):
     assert starts == [1] and not health.up  # still one outage, counted once
     health.ok()
     assert ends and health.up and len(caplog.records) == 3
+
+
+def test_an_ended_outage_keeps_every_kind_it_had():
+    """What a caller repairs after an outage depends on what it was: etcd refusing requests
+    while its users change keeps every watch stream; etcd gone for a moment may not."""
+    health = EtcdHealth(FakeClock())
+    health.failed(Refused("revision of auth store is old"))
+    health.failed(Refused("revision of auth store is old"))
+    health.ok()
+    assert health.last_outage_kinds == {"refuses our requests"}
+    health.failed(Unavailable("gone"))
+    health.failed(Refused("revision of auth store is old"))
+    health.ok()
+    assert health.last_outage_kinds == {"unreachable", "refuses our requests"}
