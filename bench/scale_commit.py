@@ -54,11 +54,13 @@ def node_name(index: int) -> str:
 
 
 def thread_cpu() -> dict[str, float]:
-    """This process's CPU seconds by thread group (a thread's name, digits dropped: every
-    simulated node's ``harness-node-#_#`` pool thread is one group), ended threads apart."""
+    """This process's CPU seconds by thread group (a thread's name, digits and pyetcd's hex
+    ids dropped: every simulated node's ``harness-node-#_#`` pool thread is one group), ended
+    threads apart."""
     import psutil
 
-    names = {t.native_id: re.sub(r"\d+", "#", t.name) for t in threading.enumerate()}
+    names = {t.native_id: re.sub(r"_[0-9a-f]{6,}$|\d+", "#", t.name)
+             for t in threading.enumerate()}
     out: collections.Counter[str] = collections.Counter()
     for t in psutil.Process().threads():
         out[names.get(t.id, "(not a Python thread)")] += t.user_time + t.system_time
