@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import os
 import queue
+import re
 import statistics
 import threading
 import time
@@ -50,6 +51,20 @@ TICK = 0.1
 
 def node_name(index: int) -> str:
     return f"node-{index:05d}"
+
+
+def thread_cpu() -> dict[str, float]:
+    """This process's CPU seconds by thread group (a thread's name, digits and pyetcd's hex
+    ids dropped: every simulated node's ``harness-node-#_#`` pool thread is one group), ended
+    threads apart."""
+    import psutil
+
+    names = {t.native_id: re.sub(r"_[0-9a-f]{6,}$|\d+", "#", t.name)
+             for t in threading.enumerate()}
+    out: collections.Counter[str] = collections.Counter()
+    for t in psutil.Process().threads():
+        out[names.get(t.id, "(not a Python thread)")] += t.user_time + t.system_time
+    return dict(out)
 
 
 class Relay:
@@ -201,7 +216,8 @@ class WorkerCommit:
                 "taking_cpu": self.relay.taking, "behind_max": self.behind,
                 "grid_max": max((p.tracker.grid(JOB) for p in self.parts.values()), default=1),
                 "withdrawals": withdrawals, "tick_cpu": self.tick_seconds,
-                "gates_at_commit": sum(1 for g in self.gates.values() if g())}
+                "gates_at_commit": sum(1 for g in self.gates.values() if g()),
+                "thread_cpu": thread_cpu()}
 
     def stop(self) -> None:
         self.parts, parts = {}, self.parts
@@ -374,8 +390,13 @@ def _run_phase(cluster: Any, etcd: Any, server: Any, keys: Any, n: int,
     ncommits = len({e[3] for e in commits})
     leading = [x for part in c1 for x in part["leading"]]
     relayed = collections.Counter()
+    threads: collections.Counter[str] = collections.Counter()
     for p1, p0 in zip(c1, c0):
         relayed.update({k: v - p0["relayed"].get(k, 0) for k, v in p1["relayed"].items()})
+        # threads that ended in the window are missing from the second count: by group,
+        # the difference is what the live threads of each group spent in the window
+        threads.update({k: v - p0["thread_cpu"].get(k, 0.0)
+                        for k, v in p1["thread_cpu"].items()})
     return {
         "nodes": len(alive), "ranks_per_node": a.ranks_per_node, "m": a.replicas,
         "snapshot_period_s": a.period, "window_s": round(secs, 1),
@@ -415,6 +436,10 @@ def _run_phase(cluster: Any, etcd: Any, server: Any, keys: Any, n: int,
         "coordinator_report_cpu_pct": round((sum(p["taking_cpu"] for p in c1)
                                              - sum(p["taking_cpu"] for p in c0)) / secs * 100, 2),
         "coordinator": leading[0] if len(leading) == 1 else leading,
+        "simulator_cpu_ms_per_node_second": round((s1["cpu"] - s0["cpu"]) / secs / len(alive)
+                                                  * 1000, 3),
+        "simulator_thread_cpu_pct": {k: round(v / secs * 100, 1) for k, v in sorted(
+            threads.items(), key=lambda kv: -kv[1]) if v / secs >= 0.002},
         "note": "reports between simulated nodes go in-process or over a local socket "
                 "(bench/scale_commit.py Relay), not over the authenticated replication "
                 "channel; etcd sees exactly what a daemon's commit code does",

@@ -62,13 +62,14 @@ from elasticd.replication.commit import (
 from elasticd.replication.fences import read_fence, withdraw
 from elasticd.replication.placement import Placement
 from elasticd.replication.report import Reply, Report, placement_digest
-from elasticd.replication.reporter import Reporter, decode_ship
+from elasticd.replication.reporter import ASK_AT_MOST, ASK_EVERY, Reporter, decode_ship
 
 log = logging.getLogger(__name__)
 
 #: Lease TTLs a blocking version waits past its deadline for a coordinator's answer (see
 #: commit_state): a dead one is replaced within about one TTL; longer is a partition.
 OUTAGE_TTLS = 3
+FIRST_WAIT = 0.1  #: seconds a follower waits before its first question (:meth:`_follow`)
 
 
 @dataclasses.dataclass
@@ -358,7 +359,7 @@ class CommitTracker:
         ``withdraw_after`` after its first acknowledgement when a local snapshot is blocked by
         it. Started at the first acknowledgement rather than when a snapshot is blocked, so
         that a version a peer skipped is withdrawn before this node's next step."""
-        hopeless = False
+        hopeless, wait = False, FIRST_WAIT
         while True:
             with self.cond:
                 st = self.jobs.get(job)
@@ -369,11 +370,13 @@ class CommitTracker:
                     break
                 deadline = st.book.deadline(version)
                 left = deadline - self.clock.monotonic()
-                self.cond.wait(min(left, 0.1) if left > 0 else 0.05)
+                self.cond.wait(min(left, wait) if left > 0 else 0.05)
             # Asked only after a first wait: most versions commit within it, so the common
-            # case (a step every few ms) costs the coordinator no question per version. Past
-            # the deadline at once: a withdrawal on time waits for an answer given after it.
-            hopeless = self.reporter.hopeless(job, version, fresh_after=deadline)
+            # case (a step every few ms) costs the coordinator no question per version; then
+            # less and less often (ASK_AT_MOST). Past the deadline at once: a withdrawal on
+            # time waits for an answer given after it.
+            hopeless = self.reporter.hopeless(job, version, deadline, max(wait, ASK_EVERY))
+            wait = min(max(wait * 2, ASK_EVERY), ASK_AT_MOST)
         if verdict is Verdict.WITHDRAW:
             self._withdraw(job, version)
 
