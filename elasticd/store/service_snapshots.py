@@ -269,11 +269,7 @@ class Snapshots:
         if self.persist is None or self._commits_decide(job):
             return
         with self._book.lock:
-            ranks = sorted(record.ranks)
-            want = record.local_world_size or record.world_size
-            if len(ranks) < want or version <= record.offered:
-                return
-            if not all(version in self.store.versions(job, r) for r in ranks):
+            if version <= record.offered or not self._holding(job, version):
                 return
             record.offered = version
         if not self.persist.due(job, version[1]):
@@ -306,16 +302,25 @@ class Snapshots:
         if not self.persist.submit(job, views, record.uid, retry=take):
             log.debug("%s step %s waits for the persister's writer", job, version)
 
+    def _holding(self, job: str, version: tuple[int, int]) -> list[int]:
+        """The local ranks whose copy of ``version`` is held here, when that is every local
+        rank's (else []). Call with the book's lock held. Ranks this node had in an older
+        generation of the same world size hold no copy of a newer version, and do not count:
+        required, they kept this node from persisting anything after its ranks changed."""
+        record = self._book.jobs.get(job)
+        if record is None:
+            return []
+        ranks = [r for r in sorted(record.ranks) if version in self.store.versions(job, r)]
+        return ranks if ranks and len(ranks) >= (record.local_world_size
+                                                 or record.world_size) else []
+
     def _pin_step(self, job: str, version: tuple[int, int]) -> list[Any] | None:
         """Pinned views of every local rank's copy of ``version``, or None (some rank's copy
         is not held, or the local ranks are not all known yet)."""
         with self._book.lock:
-            record = self._book.jobs.get(job)
-            if record is None:
-                return None
-            ranks = sorted(record.ranks)
-            if not ranks or len(ranks) < (record.local_world_size or record.world_size):
-                return None
+            ranks = self._holding(job, version)
+        if not ranks:
+            return None
         views = []
         for r in ranks:
             view = self.store.latest(job, r, pin=True, version=version)
