@@ -200,3 +200,45 @@ def test_the_tracker_tells_each_newer_live_commit_it_learns():
     assert told == [("job", (0, 4)), ("job", (0, 8)), ("job", (2, 3))]
     tracker.close()
     background.close()
+
+
+def test_real_replicators_commits_reach_each_nodes_persister_and_a_busy_one_waits(tmp_path):
+    """The wiring, with real replicators (in-memory etcd, real transport): each node's service
+    hears its tracker's commits and flushes them; a node whose writer is busy when the commit
+    comes writes it afterwards, so the step completes (the old rule skipped it there)."""
+    from elasticd.testing.coordination import MemoryCoordinator, MemoryStore
+    from tests.replication_nodes import JOB, Cluster
+
+    store = MemoryStore()
+    cluster = Cluster(lambda: MemoryCoordinator(store), 3, 2)
+    names = ["n1", "n2", "n3"]
+    persisters = [Persister(str(tmp_path / "persist"), keep=5, every_steps=10, node_id=n)
+                  for n in names]
+    services = [CheckpointService(cluster[n].local, n, p, replicator=cluster[n].replicator)
+                for n, p in zip(names, persisters)]
+    transports = [InProcessTransport(s.handlers()) for s in services]
+    gate, real = threading.Event(), persisters[2].tier.write_rank
+    persisters[2].tier.write_rank = lambda header, buf, uid=None: (gate.wait(10),
+                                                                   real(header, buf, uid))[1]
+    try:
+        cluster.set_membership(names, {n: [i] for i, n in enumerate(names)}, round=1)
+        assert all(cluster[n].replicator.follows_commits(JOB) for n in names)
+        write_snapshot(transports[2], "other", 0, 1, world=1)  # n3's writer: busy from here
+        assert persisters[2].submit("other", [cluster["n3"].local.latest("other", 0, pin=True)])
+        for step in (4, 8, 12):
+            for i, t in enumerate(transports):
+                write_snapshot(t, JOB, i, step, world=3, local_world=1)
+            cluster.wait_idle()
+        assert cluster["n1"].replicator.stats().committed_step == 12
+        persisters[0].flush(10)
+        persisters[1].flush(10)
+        assert not Tier(persisters[0].root).complete_steps(JOB)  # n3 has not written yet
+        gate.set()
+        assert persisters[2].flush(10)
+        assert [m.version() for m in Tier(persisters[0].root).complete_steps(JOB)] == [(0, 12)]
+        assert persisters[2].counters["deferred_busy"] == 1
+    finally:
+        gate.set()
+        for p in persisters:
+            p.close()
+        cluster.close()
