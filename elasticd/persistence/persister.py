@@ -1,18 +1,26 @@
 """The daemon's asynchronous flusher of complete snapshots to the persistent tier.
 
-The checkpoint service offers a step once every local rank has completed it; the persister
-decides whether it is due (every K steps, or T seconds after the last flush), and if so a single
-background thread copies this node's ranks out of shared memory into private buffers (the slots
-are pinned only for that memcpy, so the bytes cannot change under it), writes them to disk and
-completes the step's manifest when it can. The private buffers, one snapshot's worth per local
-rank, are kept between flushes and are daemon memory outside the slot store's cap. The
-queue is bounded: a step offered while the writer is still busy is skipped and counted, never
-queued without bound and never waited for — the training loop must not feel a slow disk.
+The checkpoint service offers steps — with peer replication, each committed step as this node
+learns it; without, each step every local rank completed — and the persister decides whether it
+is due (every K steps, or T seconds after the last flush). If so a single background thread
+copies this node's ranks out of shared memory into private buffers (the slots are pinned only for
+that memcpy, so the bytes cannot change under it), writes them to disk and completes the step's
+manifest when it can. The private buffers, one snapshot's worth per local rank, are kept between
+flushes and are daemon memory outside the slot store's cap. The queue is bounded: a step offered
+while the writer is still busy is skipped and counted, never queued without bound and never
+waited for — the training loop must not feel a slow disk — except a step offered with a way to
+take it again (``retry``), which waits, one per job, unpinned, for the writer to be free, and is
+taken then if its copies are still held (a committed step is: every node keeps it until the next
+commit).
 
 Several nodes flush the same step into a shared directory; :mod:`~elasticd.persistence.tier`
-makes that race-free. ``every_seconds`` is decided by each node's own clock, so on a multi-node
-job two nodes may pick different steps now and then; such a step stays incomplete and is pruned
-once a newer step is complete. ``every_steps`` is the same decision on every node. No torch.
+makes that race-free, and a step is complete only once every rank is written, so every node must
+pick the same steps. ``every_steps`` decided on each node's own completed snapshots did not: a
+snapshot skipped on one node (both slots waiting for a commit) moved its flush to another step
+than its peers', and CI saw a job's tier hold no complete step at all. Decided on the commits,
+which every node learns alike, it does. ``every_seconds`` is decided by each node's own clock, so
+on a multi-node job two nodes may pick different steps now and then; such a step stays
+incomplete and is pruned once a newer step is complete. No torch.
 """
 
 from __future__ import annotations
@@ -87,6 +95,9 @@ class Persister:
         self._persisted: dict[str, tuple[int, int]] = {}
         self._idle = threading.Condition(self._lock)
         self._pending = 0
+        # job -> (retry, uid): a step offered while the writer was busy, taken again once it
+        # is free (see submit); a newer one replaces it.
+        self._waiting: dict[str, tuple[Callable[[], Sequence[Any] | None], int | None]] = {}
         self.counters: collections.Counter[str] = collections.Counter()
         self._buffers: list[np.ndarray] = []
         self._thread = threading.Thread(target=self._run, name="elasticd-persist", daemon=True)
@@ -117,7 +128,8 @@ class Persister:
             return last is None or self.clock.monotonic() - last >= self.every_seconds
         return False
 
-    def submit(self, job: str, views: Sequence[Any], uid: int | None = None) -> bool:
+    def submit(self, job: str, views: Sequence[Any], uid: int | None = None,
+               retry: Callable[[], Sequence[Any] | None] | None = None) -> bool:
         """Queues this node's ranks of one step for flushing.
 
         Args:
@@ -125,9 +137,14 @@ class Persister:
                 (generation, step), one per local rank. The persister releases them — at once
                 when the step is skipped, else after writing.
             uid: owner to give the files to (the job's user) when the daemon runs as root.
+            retry: pins the same step's views again (None when they are gone). Given, a step
+                offered while the writer is busy waits for it (unpinned; a newer step of the
+                job offered meanwhile replaces it) instead of being skipped, so that this node
+                writes the step its peers write.
 
         Returns:
-            False when the writer is busy (the step is skipped and the views released).
+            False when the writer is busy (the views are released; the step is skipped, or
+            waits when ``retry`` is given).
         """
         with self._lock:
             skip = "skipped_closed" if self._closed else "skipped_busy" if self._pending else ""
@@ -135,10 +152,14 @@ class Persister:
                 self._queue.put_nowait((job, list(views), uid))
                 self._pending += 1
                 self._last_flush[job] = self.clock.monotonic()
+            elif skip == "skipped_busy" and retry is not None:
+                skip, self._waiting[job] = "deferred_busy", (retry, uid)
+                self._last_flush[job] = self.clock.monotonic()
+            if skip:
+                self.counters[skip] += 1
         if skip:
             for v in views:
                 v.release()
-            self.counters[skip] += 1
         return not skip
 
     def persisted(self, job: str) -> tuple[int, int] | None:
@@ -195,11 +216,37 @@ class Persister:
             if item is None:
                 return
             try:
-                self._flush(*item)
-            finally:
+                while item is not None:
+                    self._flush(*item)
+                    item = self._next_waiting()
+            except BaseException:
                 with self._idle:
                     self._pending -= 1
                     self._idle.notify_all()
+                raise
+
+    def _next_waiting(self) -> tuple[str, list[Any], int | None] | None:
+        """A step that waited for the writer, pinned again; None when none is left (a step
+        whose copies went meanwhile is counted and dropped), and then the writer is free: in
+        the same hold of the lock, so that no step is left waiting for a writer that idles."""
+        while True:
+            with self._idle:
+                if not self._waiting:
+                    self._pending -= 1
+                    self._idle.notify_all()
+                    return None
+                job, (retry, uid) = self._waiting.popitem()
+            try:
+                views = retry()
+            except Exception:  # noqa: BLE001 — the writer thread must go on
+                log.exception("persist of %s: taking a waiting step again failed", job)
+                views = None
+            if views:
+                return job, list(views), uid
+            with self._lock:
+                self.counters["skipped_gone"] += 1
+            log.info("persist of %s: the step that waited for the writer is no longer held "
+                     "here; the next due step is written instead", job)
 
     def _flush(self, job: str, views: list[Any], uid: int | None) -> None:
         start = self.clock.monotonic()

@@ -246,6 +246,16 @@ class Replicator:
             self.tracker.on_landed(job, rank, version)
             self.background.submit(self.tracker.on_replicated, job, rank, version)
 
+    def add_commit_listener(self, listener: Callable[[str, Version], None]) -> None:
+        """Calls ``listener(job, version)`` for each newer commit this node learns, in order
+        (the commit is retained in this node's slots until the next one)."""
+        self.tracker.commits.add(listener)
+
+    def follows_commits(self, job: str) -> bool:
+        """Whether this node's snapshots of ``job`` are committed (a placement holds it)."""
+        placement = self.tracker.view(job)[0]
+        return placement is not None and self.node_id in placement.holders
+
     def snapshot_grid(self, job: str) -> int:
         """Local snapshots of ``job`` are taken only at multiples of this step count (see
         :class:`~elasticd.replication.commit.Grid`)."""

@@ -45,6 +45,7 @@ from elasticd.coordination.keys import Keyspace
 from elasticd.replication.api import ReplicationError, Version
 from elasticd.replication.background import Background
 from elasticd.replication.commit_state import Actions, CommitBook, Holder, Verdict
+from elasticd.replication.commit_feed import CommitFeed
 from elasticd.replication.commit import (
     KEEP_SKIPPED,
     KEEP_VERSIONS,
@@ -158,7 +159,7 @@ class CommitTracker:
         self.jobs: dict[str, JobState] = {}
         self.closing = False
         self.counters: collections.Counter[str] = collections.Counter()
-        self.reporter = Reporter(self, send or _nowhere, lease_ttl)
+        self.reporter, self.commits = Reporter(self, send or _nowhere, lease_ttl), CommitFeed()
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Runs ``fn(*args)`` in the background (counted by the replicator's wait_idle)."""
@@ -234,9 +235,8 @@ class CommitTracker:
             if st is None or st.grid == grid:
                 return
             old, st.grid = st.grid, grid
-        log.info("%s: snapshot grid %d -> %d steps (%s)", job, old.grid, grid.grid,
-                 "nodes snapshotted different steps" if grid.grid > old.grid
-                 else "commits kept up")
+        log.info("%s: snapshot grid %d -> %d steps (%s)", job, old.grid, grid.grid, "nodes "
+                 "snapshotted different steps" if grid.grid > old.grid else "commits kept up")
 
     def _grid_write(self, what: str, write: Callable[[], Any]) -> None:
         try:
@@ -440,12 +440,15 @@ class CommitTracker:
             self.cond.notify_all()
             if by_me:
                 self.counters["commits"] += 1
-        if advanced and (old is None or committed.version > old.version):
+            newer = old is None or committed.version > old.version
+            told = self.commits.claim(newer and committed.version[0] >= st.book.floor)
+        self.commits.tell(job, committed.version, told)
+        if advanced and newer:
             self._submit(self._advance, job)
         # Halved by the coordinator alone, only when the grid it follows is due to: not read
         # once per commit, nor by every node.
-        if ((old is None or committed.version > old.version) and st.grid.relaxed(
-                committed.version) is not None and (by_me or self.reporter.leading(job))):
+        if newer and st.grid.relaxed(committed.version) is not None and (
+                by_me or self.reporter.leading(job)):
             self._submit(self._grid_write, "relax the snapshot grid",
                          lambda: relax_grid(self.coord, self.keys, job, committed.version))
 

@@ -114,9 +114,12 @@ class Replication(Protocol):
     :class:`~elasticd.recovery.replicator.Replicator`; the unit tests fake it). The store
     never imports the replicator: the node builder hands one in.
 
-    Two members are optional and read with ``getattr``: ``sink`` (the replica store, whose
-    copies ``ckpt_list`` reports) and ``snapshot_grid(job)`` (steps a snapshot must be a
-    multiple of).
+    Four members are optional and read with ``getattr``: ``sink`` (the replica store, whose
+    copies ``ckpt_list`` reports), ``snapshot_grid(job)`` (steps a snapshot must be a
+    multiple of), ``add_commit_listener(fn)`` (``fn(job, version)`` for each newer commit
+    learned, in order; the committed copy stays in this node's slots until the next one) and
+    ``follows_commits(job)`` (this node's snapshots of the job are committed): with both, the
+    persistent tier's flushes follow the commits.
     """
 
     def status(self) -> dict[str, Any]:

@@ -10,7 +10,9 @@ warning is logged per job and a counter goes up. At restore, workers list what i
 (``ckpt_list``), open a snapshot read-only (``ckpt_open``: verified here first, pinned until
 ``ckpt_release``) and report where they restored from (``ckpt_report``).
 
-When every local rank has completed a step, the step is offered to the :class:`Persister`.
+When every local rank has completed a step, the step is offered to the :class:`Persister`;
+when the job's snapshots are committed (peer replication), each commit learned is offered
+instead, so that every node flushes the same steps and they complete on the shared tier.
 Slot files stay the daemon's (0600 in its 0700 shm dir): a worker never opens one by path, it
 maps the descriptor that comes with the reply (``_fds``, passed over the local socket with
 ``SCM_RIGHTS``): read-write for ``ckpt_reserve``, read-only for ``ckpt_open`` and

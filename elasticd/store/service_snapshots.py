@@ -18,6 +18,7 @@ replication to peers, persistence.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 from typing import Any, Callable
@@ -67,6 +68,9 @@ class Snapshots:
         self._reserving = 0  # reservations between the pause check and their slot's record
         if self.persist is not None and self.persist.on_flushed is None:
             self.persist.on_flushed = self._on_flushed
+        listen = getattr(self.replicator, "add_commit_listener", None)
+        if self.persist is not None and listen is not None:
+            listen(self._persist_commit)
 
     def handlers(self) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
         """Op name -> handler, for the snapshot side's ops."""
@@ -254,29 +258,78 @@ class Snapshots:
         self._maybe_persist(job, record, version)
         return {"generation": sealed.generation, "step": sealed.step, "bytes": nbytes}
 
+    def _commits_decide(self, job: str) -> bool:
+        """Whether ``job``'s flushes follow its commits here (its snapshots are replicated and
+        committed), not this node's own completed snapshots."""
+        follows = getattr(self.replicator, "follows_commits", None)
+        return follows is not None and follows(job)
+
     def _maybe_persist(self, job: str, record: JobRecord, version: tuple[int, int]) -> None:
-        if self.persist is None:
+        """Offers a step every local rank completed to the persister (without commits)."""
+        if self.persist is None or self._commits_decide(job):
             return
         with self._book.lock:
-            ranks = sorted(record.ranks)
-            want = record.local_world_size or record.world_size
-            if len(ranks) < want or version <= record.offered:
-                return
-            if not all(version in self.store.versions(job, r) for r in ranks):
+            if version <= record.offered or not self._holding(job, version):
                 return
             record.offered = version
         if not self.persist.due(job, version[1]):
             return
+        views = self._pin_step(job, version)
+        # None: overwritten meanwhile, a newer step will be offered.
+        if views is not None and not self.persist.submit(job, views, record.uid):
+            log.debug("%s step %s not persisted: the writer is busy", job, version)
+
+    def _persist_commit(self, job: str, version: tuple[int, int]) -> None:
+        """A commit this node learned (in order; every node learns the same ones): offered to
+        the persister, so that every node flushes the same steps and they complete. Its copies
+        stay in this node's slots until the next commit, so a flush the busy writer cannot
+        take now waits for it (``retry``) rather than being skipped."""
+        with self._book.lock:
+            record = self._book.jobs.get(job)
+            if record is None or version <= record.offered:
+                return
+            record.offered = version
+            # Under the lock: commits told on two threads are judged in the order told.
+            due = self.persist.due(job, version[1])
+        if not due:
+            return
+        take = functools.partial(self._pin_step, job, version)
+        views = take()
+        if views is None:
+            log.info("%s step %s committed, not persisted: this node does not hold every "
+                     "local rank's copy", job, version)
+            return
+        if not self.persist.submit(job, views, record.uid, retry=take):
+            log.debug("%s step %s waits for the persister's writer", job, version)
+
+    def _holding(self, job: str, version: tuple[int, int]) -> list[int]:
+        """The local ranks whose copy of ``version`` is held here, when that is every local
+        rank's (else []). Call with the book's lock held. Ranks this node had in an older
+        generation of the same world size hold no copy of a newer version, and do not count:
+        required, they kept this node from persisting anything after its ranks changed."""
+        record = self._book.jobs.get(job)
+        if record is None:
+            return []
+        ranks = [r for r in sorted(record.ranks) if version in self.store.versions(job, r)]
+        return ranks if ranks and len(ranks) >= (record.local_world_size
+                                                 or record.world_size) else []
+
+    def _pin_step(self, job: str, version: tuple[int, int]) -> list[Any] | None:
+        """Pinned views of every local rank's copy of ``version``, or None (some rank's copy
+        is not held, or the local ranks are not all known yet)."""
+        with self._book.lock:
+            ranks = self._holding(job, version)
+        if not ranks:
+            return None
         views = []
         for r in ranks:
             view = self.store.latest(job, r, pin=True, version=version)
-            if view is None:  # overwritten meanwhile: a newer step will be offered
+            if view is None:
                 for v in views:
                     v.release()
-                return
+                return None
             views.append(view)
-        if not self.persist.submit(job, views, record.uid):
-            log.debug("%s step %s not persisted: the writer is busy", job, version)
+        return views
 
     def _on_flushed(self, flushed: Flushed) -> None:
         emit(self._sink, "persisted", flushed.job, flushed.version[1], flushed.seconds,

@@ -239,6 +239,19 @@ def test_node_with_some_ranks_persists_only_its_own(env):
     assert t.call("ckpt_list", job="job")["persisted"] == []  # not complete: no manifest
 
 
+def test_a_node_whose_rank_changed_in_a_new_generation_still_persists(env):
+    # Same world size, another rank for this node after a restart: the old rank's slots still
+    # hold its old copies, and requiring them too stopped this node persisting for good.
+    service, t, _ = env
+    write_snapshot(t, "job", 0, 2, world=2, local_world=1)
+    service.persist.flush(5)
+    write_snapshot(t, "job", 1, 4, world=2, local_world=1, generation=1)
+    service.persist.flush(5)
+    tier = Tier(service.persist.root)
+    assert sorted(os.listdir(tier.step_dir("job", (1, 4)))) == ["rank-1.json",
+                                                               "rank-1.safetensors"]
+
+
 def test_report_reaches_history_metrics_and_status(env):
     service, t, sink = env
     t.call("ckpt_report", job="job", rank=1, source="persistent", seconds=0.5, steps_lost=2,
