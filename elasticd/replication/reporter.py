@@ -53,6 +53,7 @@ TICK = 0.1
 #: at N = 300 where one report per step carries the news; a hopeless answer still wakes the
 #: follower at once, and past its deadline it asks at once).
 ASK_EVERY = 0.2
+FIRST_WAIT = 0.1  #: seconds a follower waits before its first question (tracker's ``_follow``)
 ASK_AT_MOST = 0.8
 #: How long a commit the coordinator named may stay unseen by this node's watch before the node
 #: reads the committed record itself. The reply usually beats the watch event by milliseconds:

@@ -63,14 +63,14 @@ from elasticd.replication.commit import (
 from elasticd.replication.fences import read_fence, withdraw
 from elasticd.replication.placement import Placement
 from elasticd.replication.report import Reply, Report, placement_digest
-from elasticd.replication.reporter import ASK_AT_MOST, ASK_EVERY, Reporter, decode_ship
+from elasticd.replication.reporter import (ASK_AT_MOST, ASK_EVERY, FIRST_WAIT, Reporter,
+                                           decode_ship)
 
 log = logging.getLogger(__name__)
 
 #: Lease TTLs a blocking version waits past its deadline for a coordinator's answer (see
 #: commit_state): a dead one is replaced within about one TTL; longer is a partition.
 OUTAGE_TTLS = 3
-FIRST_WAIT = 0.1  #: seconds a follower waits before its first question (:meth:`_follow`)
 
 
 @dataclasses.dataclass
@@ -368,13 +368,11 @@ class CommitTracker:
                 verdict = st.book.verdict(version, self.clock.monotonic(), hopeless)
                 if verdict is not Verdict.WAIT:
                     break
-                deadline = st.book.deadline(version)
-                left = deadline - self.clock.monotonic()
+                left = (deadline := st.book.deadline(version)) - self.clock.monotonic()
                 self.cond.wait(min(left, wait) if left > 0 else 0.05)
-            # Asked only after a first wait: most versions commit within it, so the common
-            # case (a step every few ms) costs the coordinator no question per version; then
-            # less and less often (ASK_AT_MOST). Past the deadline at once: a withdrawal on
-            # time waits for an answer given after it.
+            # Asked only after a first wait (most versions commit within it: no question per
+            # version), then less and less often (ASK_AT_MOST); past the deadline at once: a
+            # withdrawal on time waits for an answer given after it.
             hopeless = self.reporter.hopeless(job, version, deadline, max(wait, ASK_EVERY))
             wait = min(max(wait * 2, ASK_EVERY), ASK_AT_MOST)
         if verdict is Verdict.WITHDRAW:
@@ -445,8 +443,7 @@ class CommitTracker:
         self.commits.tell(job, committed.version, told)
         if advanced and newer:
             self._submit(self._advance, job)
-        # Halved by the coordinator alone, only when the grid it follows is due to: not read
-        # once per commit, nor by every node.
+        # Halved by the coordinator alone, when due: not read per commit, nor by every node.
         if newer and st.grid.relaxed(committed.version) is not None and (
                 by_me or self.reporter.leading(job)):
             self._submit(self._grid_write, "relax the snapshot grid",
