@@ -56,9 +56,20 @@ def _first_at(rows: list[dict], world: int, since: float) -> dict[int, dict]:
     return first
 
 
+def _newest_all_held(rows: list[dict], survivors: set[int]) -> int:
+    """The newest step every survivor held at the kill: each survivor's last step in the old
+    world (not its last step logged before the kill's timestamp: a step whose collective
+    finished before the kill may be logged just after it), their minimum."""
+    return min(max(r["step"] for r in rows if r.get("pid") == pid and "step" in r
+                   and r["world"] == 6) for pid in survivors)
+
+
 def _run(tmp_path, steps: int, hang_rank: int = -1):
     logdir = job_writable(str(tmp_path / "steps"))
-    cluster = LocalCluster(["n1", "n2", "n3"], workdir=str(tmp_path / "cluster"), lease_ttl=2)
+    # Peer replication on: a restore after the shrink needs the committed step (the RAM
+    # snapshots each node holds are of the old world).
+    cluster = LocalCluster(["n1", "n2", "n3"], workdir=str(tmp_path / "cluster"), lease_ttl=2,
+                           replication=True)
     try:
         cluster.start()
         env = {**os.environ, "ELASTICD_ETCD": cluster.etcd, "ELASTICD_PREFIX": cluster.prefix}
@@ -76,7 +87,14 @@ def _run(tmp_path, steps: int, hang_rank: int = -1):
         first6 = _first_at(_rows(logdir), 6, 0)
         workers = set(first6)
         rank0 = next(pid for pid, row in first6.items() if row["rank"] == 0)
-        victim = next(n for n in ("n3", "n2") if rank0 not in before[n])  # rank 0 survives
+        if hang_rank < 0:
+            victim = next(n for n in ("n3", "n2") if rank0 not in before[n])  # rank 0 survives
+        else:
+            # The hung rank's other ring neighbour (the last rank) dies with the victim: a
+            # live neighbour would wait on the hung rank's open sockets until its collective
+            # timeout, and its node fall back too (the hung rank's own node is the one tested).
+            last = next(pid for pid, row in first6.items() if row["rank"] == 5)
+            victim = next(n for n in ("n1", "n2", "n3") if last in before[n])
         survivors = workers - before[victim]
         assert len(survivors) == 4 and len(workers & before[victim]) == 2
         t_kill = time.time()
@@ -95,17 +113,16 @@ def test_kill9_of_a_node_the_survivors_keep_their_processes(tmp_path):
     rows = _rows(logdir)
     assert set(at4) == survivors  # the same 4 processes train at world 4
     assert {r["path"] for r in at4.values()} == {"in-process"}
-    # Resumed from the newest step every survivor held at the kill: each survivor's last step
-    # in the old world (not its last step logged before the kill's timestamp: a step whose
-    # collective finished before the kill may be logged just after it).
-    last = {pid: max(r["step"] for r in rows if r.get("pid") == pid and "step" in r
-                     and r["world"] == 6) for pid in survivors}
-    assert {r["step"] for r in at4.values()} == {min(last.values()) + 1}
+    # Resumed (restored by the Checkpointer) from the newest step every survivor held at the
+    # kill, or the one before it (a snapshot of the newest still in flight at the kill).
+    held = _newest_all_held(rows, survivors)
+    resumed = {r["step"] - 1 for r in at4.values()}
+    assert len(resumed) == 1 and held - 1 <= min(resumed) <= held, (resumed, held)
     done = {r["pid"]: r["done"] for r in rows if "done" in r}
     assert set(done) == survivors and set(done.values()) == {200}
     took = max(r["t"] for r in at4.values()) - t_kill
     print(f"\nkill -> all 4 survivors training at world 4: {took:.2f} s; survivor pids "
-          f"{sorted(survivors)} kept; resumed at step {min(last.values()) + 1}")
+          f"{sorted(survivors)} kept; resumed from step {min(resumed)}, the newest all held {held}")
 
 
 def test_a_survivor_stuck_in_its_re_formation_is_restarted_the_old_way(tmp_path):
@@ -120,6 +137,11 @@ def test_a_survivor_stuck_in_its_re_formation_is_restarted_the_old_way(tmp_path)
     kept = set(at4) & survivors
     assert len(kept) == 2 and {at4[p]["path"] for p in kept} == {"in-process"}
     assert {at4[p]["path"] for p in fresh} == {"first"}
+    # The fallback node's fresh workers restored from RAM (theirs or a peer's) the step the
+    # kept ones did: the newest every survivor held, or the one before; never step 0.
+    held = _newest_all_held(rows, survivors)
+    resumed = {r["step"] - 1 for r in at4.values()}
+    assert len(resumed) == 1 and held - 1 <= min(resumed) <= held, (resumed, held)
     took = max(r["t"] for r in at4.values()) - t_kill
     assert took >= job_rules.REFORM_DEADLINE  # the agent waited its deadline
     logs = "".join(open(p).read() for p in glob.glob(os.path.join(workdir, "*", "jobs", "*",
@@ -128,4 +150,5 @@ def test_a_survivor_stuck_in_its_re_formation_is_restarted_the_old_way(tmp_path)
     done = {r["pid"]: r["done"] for r in rows if "done" in r}
     assert set(done) == set(at4) and set(done.values()) == {250}
     print(f"\nfallback: kill -> world 4 training {took:.2f} s; kept {sorted(kept)}, "
-          f"restarted {sorted(hung & survivors)} as {sorted(fresh)}")
+          f"restarted {sorted(hung & survivors)} as {sorted(fresh)}; all resumed from step "
+          f"{min(resumed)}, the newest all held {held}")
