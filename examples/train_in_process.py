@@ -78,7 +78,8 @@ def main() -> None:
 
     train()
     ckpt.close()
-    out.write(json.dumps({"pid": os.getpid(), "done": done[0]}) + "\n")
+    out.write(json.dumps({"pid": os.getpid(), "done": done[0], "saves": ckpt.stats["saves"],
+                          "failed": ckpt.stats["failed"]}) + "\n")
     out.close()
 
 

@@ -178,8 +178,15 @@ class Checkpointer:
             return
         log.info("elasticd: job %s: this worker is now rank %d of %d (was %d of %d)",
                  self.job, place[0], place[1], self.rank, self.world_size)
+        moved = place[0] != self.rank
         self.rank, self.world_size, self.local_world_size = place
         self._notices.who = f"job {self.job} rank {self.rank}"
+        close = getattr(self.transport, "close", None)
+        if moved and close is not None:
+            # The daemon binds a process's writes to the rank its open connections first
+            # wrote for (daemon/rank_claims.py): a new rank needs a new connection, the old
+            # one closed. The restore's reads and collectives come before its first write.
+            close()
 
     def _register(self, step: int | None = None, unsnapshottable: str = "") -> None:
         """Tells the daemon who this worker is (it places replicas by the group's ranks)."""
