@@ -23,7 +23,7 @@ import pytest
 
 from elasticd.agent import job_rules
 from elasticd.launcher import JOB_USER, LocalCluster, job_writable
-from elasticd.replication.commit import decode_grid
+from elasticd.replication.commit import decode_committed, decode_grid
 
 pytestmark = [pytest.mark.etcd, pytest.mark.chaos, pytest.mark.timeout(150)]
 
@@ -88,13 +88,13 @@ def _run(tmp_path, steps: int, hang_rank: int = -1):
         # committed step, and this test is about what in-process adds, not the grid's lag.
         coord = cluster.coordinator()
         grid_key = cluster.keys.job_commit_grid("job")
-        _wait(lambda: (kv := coord.get(grid_key)) is None or decode_grid(kv.value).grid == 1,
-              60, "the snapshot grid at 1", cluster)
+        _wait(lambda: coord.get(cluster.keys.job_committed("job")) is not None
+              and ((kv := coord.get(grid_key)) is None or decode_grid(kv.value).grid == 1),
+              60, "a committed step and the snapshot grid at 1", cluster)
         time.sleep(1.0)
         before = {n: set(cluster.nodes[n].tagged()) for n in ("n1", "n2", "n3")}
         first6 = _first_at(_rows(logdir), 6, 0)
         workers = set(first6)
-        rank0 = next(pid for pid, row in first6.items() if row["rank"] == 0)
         if hang_rank < 0:
             # Rank 2's node: rank 0 survives, and the ranks above the dead ones move down.
             two = next(pid for pid, row in first6.items() if row["rank"] == 2)
@@ -107,27 +107,30 @@ def _run(tmp_path, steps: int, hang_rank: int = -1):
             victim = next(n for n in ("n1", "n2", "n3") if last in before[n])
         survivors = workers - before[victim]
         assert len(survivors) == 4 and len(workers & before[victim]) == 2
+        kv = coord.get(cluster.keys.job_committed("job"))
+        committed = decode_committed(kv.value).step if kv is not None else 0
         t_kill = time.time()
         cluster.nodes[victim].kill()
         at4 = _wait(lambda: (f := _first_at(_rows(logdir), 4, t_kill)) and len(f) == 4 and f,
                     60, "4 ranks training at world 4", cluster)
         _wait(lambda: sum(1 for r in _rows(logdir) if "done" in r) >= 4, 60,
               "the job finishing", cluster)
-        return logdir, survivors, t_kill, at4, cluster.workdir
+        return logdir, survivors, t_kill, at4, cluster.workdir, committed
     finally:
         cluster.stop()
 
 
 def test_kill9_of_a_node_the_survivors_keep_their_processes(tmp_path):
-    logdir, survivors, t_kill, at4, _ = _run(tmp_path, steps=400)
+    logdir, survivors, t_kill, at4, _, committed = _run(tmp_path, steps=400)
     rows = _rows(logdir)
     assert set(at4) == survivors  # the same 4 processes train at world 4
     assert {r["path"] for r in at4.values()} == {"in-process"}
-    # Resumed (restored by the Checkpointer) from the newest step every survivor held at the
-    # kill, or the one before it (a snapshot of the newest still in flight at the kill).
+    # Every survivor restored (the Checkpointer) one step: at most the newest every survivor
+    # held at the kill, at least the step committed before it (after a shrink the restore
+    # takes the committed step: the RAM snapshots are of the old world; runs lose 0 to 3).
     held = _newest_all_held(rows, survivors)
     resumed = {r["step"] - 1 for r in at4.values()}
-    assert len(resumed) == 1 and held - 1 <= min(resumed) <= held, (resumed, held)
+    assert len(resumed) == 1 and 0 < committed <= min(resumed) <= held, (resumed, committed, held)
     done = {r["pid"]: r["done"] for r in rows if "done" in r}
     assert set(done) == survivors and set(done.values()) == {400}
     # Every snapshot was taken, after the re-formation too (a new generation, accepted), also
@@ -137,11 +140,13 @@ def test_kill9_of_a_node_the_survivors_keep_their_processes(tmp_path):
         r for r in rows if "done" in r]
     took = max(r["t"] for r in at4.values()) - t_kill
     print(f"\nkill -> all 4 survivors training at world 4: {took:.2f} s; survivor pids "
-          f"{sorted(survivors)} kept ({len(moved)} with a new rank); resumed from step {min(resumed)}, the newest all held {held}")
+          f"{sorted(survivors)} kept ({len(moved)} with a new rank); resumed from step "
+          f"{min(resumed)}, the newest all held {held}, committed {committed}")
 
 
 def test_a_survivor_stuck_in_its_re_formation_is_restarted_the_old_way(tmp_path):
-    logdir, survivors, t_kill, at4, workdir = _run(tmp_path, steps=450, hang_rank=0)
+    logdir, survivors, t_kill, at4, workdir, committed = _run(tmp_path, steps=450,
+                                                               hang_rank=0)
     rows = _rows(logdir)
     hung = {r["pid"] for r in rows if r.get("rank") == 0 and r.get("round") is not None
             and r.get("world") == 6}
@@ -153,10 +158,11 @@ def test_a_survivor_stuck_in_its_re_formation_is_restarted_the_old_way(tmp_path)
     assert len(kept) == 2 and {at4[p]["path"] for p in kept} == {"in-process"}
     assert {at4[p]["path"] for p in fresh} == {"first"}
     # The fallback node's fresh workers restored from RAM (theirs or a peer's) the step the
-    # kept ones did: the newest every survivor held, or the one before; never step 0.
+    # kept ones did, as after a restart: between the step committed before the kill and the
+    # newest every survivor held; never step 0.
     held = _newest_all_held(rows, survivors)
     resumed = {r["step"] - 1 for r in at4.values()}
-    assert len(resumed) == 1 and held - 1 <= min(resumed) <= held, (resumed, held)
+    assert len(resumed) == 1 and 0 < committed <= min(resumed) <= held, (resumed, committed, held)
     took = max(r["t"] for r in at4.values()) - t_kill
     assert took >= job_rules.REFORM_DEADLINE  # the agent waited its deadline
     logs = "".join(open(p).read() for p in glob.glob(os.path.join(workdir, "*", "jobs", "*",
@@ -167,4 +173,4 @@ def test_a_survivor_stuck_in_its_re_formation_is_restarted_the_old_way(tmp_path)
     assert all(r["failed"] == 0 for r in rows if "done" in r), [r for r in rows if "done" in r]
     print(f"\nfallback: kill -> world 4 training {took:.2f} s; kept {sorted(kept)}, "
           f"restarted {sorted(hung & survivors)} as {sorted(fresh)}; all resumed from step "
-          f"{min(resumed)}, the newest all held {held}")
+          f"{min(resumed)}, the newest all held {held}, committed {committed}")
