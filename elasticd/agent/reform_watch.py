@@ -9,6 +9,7 @@ word from the agent, it restarts the workers as it does for a job not in the mod
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, Callable
 
 from elasticd.agent.job_rules import JobBook
@@ -35,10 +36,14 @@ class ReformWatch:
                  note: Callable[[str], None]) -> None:
         self._book, self._group, self._metrics = book, group, metrics
         self._clock, self._note = clock, note
+        #: Guards the book's deadline (``reform_by``): the main loop starts and checks it,
+        #: the local API's thread ends it (``reformed``).
+        self._lock = threading.Lock()
 
     def started(self, peer: str) -> None:
         """``peer`` failed and the job's agent re-forms its workers in-process."""
-        self._book.reform_started(self._clock.monotonic())
+        with self._lock:
+            self._book.reform_started(self._clock.monotonic())
         note = (f"peer {peer} of {self._group.job} failed: its agent re-forms the workers "
                 "in-process (restarted if it has not within the deadline)")
         self._note(note)
@@ -51,7 +56,8 @@ class ReformWatch:
         if msg.get("job", self._group.job) != self._group.job \
                 or path not in ("in_process", "restart"):
             return
-        self._book.reform_ended()
+        with self._lock:
+            self._book.reform_ended()
         self._metrics.recoveries.labels(path).inc()
         if path == "restart":
             self._metrics.worker_restarts.labels("peer_failed").inc()
@@ -60,7 +66,9 @@ class ReformWatch:
 
     def check(self) -> None:
         """Once a cycle: past the deadline with no word from the agent, today's restart."""
-        if not self._book.reform_overdue(self._clock.monotonic()):
+        with self._lock:
+            overdue = self._book.reform_overdue(self._clock.monotonic())
+        if not overdue:
             return
         n = self._group.restart_workers("in-process re-formation overdue")
         self._metrics.recoveries.labels("restart").inc()

@@ -73,7 +73,9 @@ class Checkpointer:
         transport: how to reach the daemon (default: ``elasticd.worker``'s client from the
             environment; None when ``ELASTICD_SOCKET`` is unset).
         job, rank, world_size, local_world_size: default from the environment torchrun and
-            elasticd set (``ELASTICD_JOB``, ``RANK``, ...) or the initialised process group.
+            elasticd set (``ELASTICD_JOB``, ``RANK``, ...) or the initialised process group;
+            rank and sizes not given are read again at each :meth:`restore` (under
+            ``@elasticd.in_process`` a re-formed round may give the process another rank).
         copier: moves tensors into the slot (default: a background-thread CPU copier; pass
             :class:`~elasticd.worker.cuda_copier.CudaCopier` for a model on the GPU).
         persist_dir: the persistent tier to restore from when there is no daemon.
@@ -96,16 +98,11 @@ class Checkpointer:
         if transport is ...:  # the package's client (and not its warning) under a daemon only
             transport = elasticd.worker.default_client() if env.get("ELASTICD_SOCKET") else None
         self.transport = transport
-        dist = torch.distributed
-        grouped = dist.is_available() and dist.is_initialized()
         self.job = job or env.get("ELASTICD_JOB") or env.get("TORCHELASTIC_RUN_ID") or "default"
-        self.rank = rank if rank is not None else (
-            dist.get_rank() if grouped else int(env.get("RANK", 0)))
-        self.world_size = world_size if world_size is not None else (
-            dist.get_world_size() if grouped else int(env.get("WORLD_SIZE", 1)))
-        self.local_world_size = local_world_size if local_world_size is not None else int(
-            env.get("LOCAL_WORLD_SIZE", self.world_size))
-        self._collective = collective
+        # What was given of the worker's place in the group (None: read at each restore),
+        # and how its ranks agree at restore (None: the initialised process group).
+        self._given = (rank, world_size, local_world_size, collective)
+        self.rank, self.world_size, self.local_world_size = self._identity()
         self.copier = copier or CpuCopier(background=True)
         self.generation = 0
         self.last_restore: RestoreResult | None = None
@@ -128,7 +125,10 @@ class Checkpointer:
         """Loads the newest step every rank can load into ``state``; returns that step.
 
         Call it on every rank, after ``init_process_group`` and after building every object
-        in ``state``. Returns 0 when there is nothing to restore.
+        in ``state``. Returns 0 when there is nothing to restore. Under
+        ``@elasticd.in_process``, call it at the top of the decorated function: every round
+        (a survivor's as a fresh worker's) then starts from the same agreed step, this
+        worker's new rank's shard, and new snapshots carry a new generation.
 
         Raises:
             RestoreError: the agreed snapshot does not fit the state (on every rank).
@@ -139,7 +139,8 @@ class Checkpointer:
             self.last_restore = RestoreResult()
             return 0
         self.wait()
-        collective = self._collective or (
+        self._follow()
+        collective = self._given[3] or (
             _restore.TorchCollective() if torch.distributed.is_available()
             and torch.distributed.is_initialized() else _restore.Solo())
         sources = Sources(self.transport, self.job, self.rank, self.world_size, self.persist_dir)
@@ -152,6 +153,40 @@ class Checkpointer:
                    next_generation=result.next_generation)
         self._register(result.step)
         return result.step
+
+    def _identity(self) -> tuple[int, int, int]:
+        """Rank, world size and local world size: as given, else from the initialised
+        process group (or torchrun's environment without one)."""
+        rank, world, local, _ = self._given
+        env, dist = os.environ, torch.distributed
+        grouped = dist.is_available() and dist.is_initialized()
+        if rank is None:
+            rank = dist.get_rank() if grouped else int(env.get("RANK", 0))
+        if world is None:
+            world = dist.get_world_size() if grouped else int(env.get("WORLD_SIZE", 1))
+        if local is None:
+            local = int(env.get("LOCAL_WORLD_SIZE", world))
+        return rank, world, local
+
+    def _follow(self) -> None:
+        """Takes this worker's place in the current group before a restore. Under
+        ``@elasticd.in_process`` one Checkpointer lives through every round of its process,
+        and a re-formed round may give it another rank and world size: the restore must
+        fetch the new rank's shard and the snapshots after it must be that rank's."""
+        place = self._identity()
+        if place == (self.rank, self.world_size, self.local_world_size):
+            return
+        log.info("elasticd: job %s: this worker is now rank %d of %d (was %d of %d)",
+                 self.job, place[0], place[1], self.rank, self.world_size)
+        moved = place[0] != self.rank
+        self.rank, self.world_size, self.local_world_size = place
+        self._notices.who = f"job {self.job} rank {self.rank}"
+        close = getattr(self.transport, "close", None)
+        if moved and close is not None:
+            # The daemon binds a process's writes to the rank its open connections first
+            # wrote for (daemon/rank_claims.py): a new rank needs a new connection, the old
+            # one closed. The restore's reads and collectives come before its first write.
+            close()
 
     def _register(self, step: int | None = None, unsnapshottable: str = "") -> None:
         """Tells the daemon who this worker is (it places replicas by the group's ranks)."""

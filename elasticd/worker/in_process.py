@@ -189,7 +189,8 @@ class _Worker:
             clean = self._leave(fds)
             log.warning("rank %d left round %d (%s)%s", previous, self.round, why,
                         "" if clean else "; some of its sockets are still open")
-            link.send(self.sock, {"op": "left", "round": self.round, "clean": True, "why": why})
+            link.send(self.sock, {"op": "left", "round": self.round, "clean": clean,
+                                  "why": why})
             msg = self.assignments.get()
             if not msg:
                 raise SystemExit("elasticd: the agent is gone during a re-formation")

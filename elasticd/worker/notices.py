@@ -21,7 +21,8 @@ class Notices:
     """
 
     def __init__(self, who: str) -> None:
-        self._who = who
+        #: Names the worker in the warnings (its rank may change in in-process mode).
+        self.who = who
         self._warned: set[str] = set()
         self._said = ""  # what the daemon last said, "" while protected
         #: When the unprotected warning was last logged (monotonic), None while protected.
@@ -40,9 +41,9 @@ class Notices:
         said = reply.get("unprotected") or ""
         if said and (said != self._said or self.warned_at is None
                      or now - self.warned_at >= EVERY):
-            log.warning("elasticd: %s: %s", self._who, said)
+            log.warning("elasticd: %s: %s", self.who, said)
             self.warned_at = now
         elif not said and self._said:
-            log.warning("elasticd: %s is protected again", self._who)
+            log.warning("elasticd: %s is protected again", self.who)
             self.warned_at = None
         self._said = said

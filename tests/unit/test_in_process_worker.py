@@ -180,3 +180,42 @@ def test_without_elasticd_the_function_runs_once_with_the_usual_group(tmp_path):
     entries = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(e["round"], e["rank"], e["world"], e["path"]) for e in entries] == [
         (0, 0, 1, "first")]
+
+
+def test_a_worker_that_could_not_close_its_groups_sockets_says_so(monkeypatch):
+    """The "left" note carries whether every socket of the old group closed: the agent
+    re-forms only workers that left cleanly (job_rules.reform_step) and restarts the rest."""
+    from elasticd.worker import in_process
+
+    server = LinkServer()
+    for key, value in _worker_env(_free_port(), ELASTICD_ROUND="7").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("ELASTICD_LINK_PID", str(os.getpid()))
+    real_leave = in_process._Worker._leave
+    monkeypatch.setattr(in_process._Worker, "_leave",
+                        lambda self, fds: real_leave(self, fds) and False)  # one held open
+    worker = in_process._Worker(server.name, "gloo", 20)
+    entries = []
+
+    def train(r):
+        entries.append((r.number, r.path))
+        if r.path == "first":
+            raise in_process.Reformation("asked")
+        return "done"
+
+    def agent():
+        _wait(lambda: 0 in server.left_rounds(), 30)
+        server.send(0, {"op": "assign", "env": {"MASTER_PORT": str(_free_port()),
+                                                "ELASTICD_ROUND": "8"}})
+
+    import threading
+
+    helper = threading.Thread(target=agent)
+    helper.start()
+    try:
+        assert worker.run(train) == "done"
+    finally:
+        helper.join(30)
+        worker.sock.close()
+    assert server.left_rounds()[0][:2] == (7, False)
+    assert entries == [(7, "first"), (8, "in-process")]

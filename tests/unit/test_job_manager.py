@@ -354,3 +354,25 @@ def test_an_in_process_job_is_not_killed_for_a_failed_peer_but_restarted_past_th
     mgr.step()
     assert len(agent.restarts) == 1 and "did not re-form" in " ".join(mgr.notes)
     assert mgr.metrics.recoveries.labels("restart")._value.get() == 1
+
+
+def test_the_agents_word_ends_the_deadline_under_the_watchs_lock(env, tmp_path):
+    """``reformed`` arrives on the local API's thread while the main loop starts and checks
+    the deadline: ending it waits for the lock the loop's side holds."""
+    import threading
+
+    coord, keys, mgr, lease = env
+    coord.put(keys.job_node("job", "n2"),
+              NodeJobStatus("n2", "running", agent_pid=222).encode(), lease)
+    _running(mgr, tmp_path, in_process=True).pid = 111
+    mgr.records.refresh()
+    mgr.on_peer_failed("n2")
+    assert mgr.book.reform_by is not None
+    with mgr.reform._lock:  # the main loop in the middle of its check
+        said = threading.Thread(target=mgr.reform.on_reformed,
+                                args=({"job": "job", "path": "in_process"},))
+        said.start()
+        said.join(0.3)
+        assert said.is_alive() and mgr.book.reform_by is not None
+    said.join(5)
+    assert not said.is_alive() and mgr.book.reform_by is None

@@ -456,3 +456,55 @@ def test_the_slot_request_in_flight_over_a_real_socket(service, tmp_path):
         plan_module.flatten = real_flatten
         client.close()
         server.stop()
+
+
+def test_one_checkpointer_follows_its_process_into_a_round_with_another_rank(service,
+                                                                            monkeypatch):
+    """Under ``@elasticd.in_process`` one Checkpointer lives through every round of its
+    process. Two processes (threads here) swap ranks in a re-formed round: each restore must
+    load the shard of the rank it has now, and its next snapshots be that rank's, in a new
+    generation the daemon accepts."""
+    t = InProcessTransport(service.handlers())
+    place = threading.local()  # each thread's (rank, world size), as its group would say
+    monkeypatch.setattr(Checkpointer, "_identity", lambda self: (place.rank, 2, 2))
+    ranks = ThreadRanks(2)
+    refs = {}
+    ckpts = [None, None]
+
+    def first_round(p):
+        place.rank = p  # process p is rank p
+        state = make_state(seed=p, world=2, rank=p)
+        ckpt = ckpts[p] = Checkpointer(transport=t, job="j", collective=ranks.rank(p))
+        assert ckpt.restore(state) == 0
+        for step in (1, 2, 3):
+            train_step(state)
+            ckpt.save(step, state)
+            ckpt.wait()
+        refs[p] = capture(state)
+        return state
+
+    states = run_ranks(2, first_round)
+    for p in range(2):
+        train_step(states[p])  # step 4 done in memory, the failure came before its snapshot
+    swapped = ThreadRanks(2)
+
+    def second_round(p):
+        place.rank = 1 - p  # the re-formed round swapped the ranks
+        ckpt = ckpts[p]
+        ckpt._given = (None, None, None, swapped.rank(1 - p))  # the new round's group
+        step = ckpt.restore(states[p])
+        ckpt.save(step + 1, states[p])
+        ckpt.wait()
+        return step, ckpt.rank, ckpt.last_restore
+
+    results = run_ranks(2, second_round)
+    for p in range(2):
+        step, rank, res = results[p]
+        assert (step, rank, res.source, res.next_generation) == (3, 1 - p, "local", 1)
+        # Process p now holds its new rank's state of step 3 (the other process's), not its
+        # own: the model, optimizer and sampler of rank 1 - p.
+        assert_same(states[p], refs[1 - p], rng=False)
+    listed = t.call("ckpt_list", job="j")["ram"]
+    assert listed["0"][0] == listed["1"][0] == [1, 4]  # accepted, as the new ranks' newest
+    for ckpt in ckpts:
+        ckpt.close()
