@@ -5,30 +5,19 @@ rewrites whole and every agent re-reads: quadratic traffic, compare-and-set stor
 execution for whoever can write the key (docs/scale.md). This handler implements torch's
 interface (``torch/distributed/elastic/rendezvous/api.py``) on its own keys (:mod:`.records`):
 
-* **Joining** writes one JSON record, ``native/nodes/<node>``, bound to the agent's own etcd
-  lease. The lease *is* the heartbeat: it is kept alive every TTL/3 and nothing is rewritten on
-  a timer. The record is rewritten only to ask for a new round, or when the lease was lost and
-  re-granted (an etcd outage past the TTL). It carries a port this node holds free for its
-  workers' store, so the round record names the workers' ``MASTER_ADDR``/``MASTER_PORT`` and
-  no agent asks the store for them.
-* **One closer** (:mod:`.closer`), elected under its lease by creating ``native/round.closer``
-  only if absent (:mod:`.election`), follows the node records and closes each round with one
-  transaction that also compares its own election key: a deposed closer cannot write. It also
-  writes the waiting summary ``num_nodes_waiting`` reads. When its key goes, the others take
-  turns in rank order (:func:`~.rounds.election_delay`): one takes over, nobody stampedes.
+* **Joining** writes one JSON record under the agent's own etcd lease (:mod:`.join`). The lease
+  *is* the heartbeat: nothing is rewritten on a timer. The record names a port this node holds
+  free for its workers' store, so the round record names the workers' ``MASTER_ADDR``/``PORT``.
+* **One closer**, elected under its lease (:mod:`.election`), closes each round with one
+  transaction that also compares its own election key (:mod:`.closer`), and writes the waiting
+  summary ``num_nodes_waiting`` reads.
 * **Watching**, not polling, and O(1) events per agent per round: every agent watches only
-  the control keys (``native/round*``, :mod:`.control`); the closer alone watches the node
-  records. ``num_nodes_waiting()``, which torch's agent calls every monitor interval while
-  the workers train, reads that copy and makes no etcd request. The copy is re-listed only
-  when the watch cannot be trusted: after a watch error or a lost or replaced lease, which
-  also covers an etcd data loss (the revision went back: the watch is made afresh).
+  the control keys (:mod:`.control`); the closer alone watches the node records.
+  ``num_nodes_waiting()``, which torch's agent calls every monitor interval, makes no request.
 * **Outage grace.** Every write retries for ``etcd_grace_period`` on an unreachable etcd
   (:mod:`.grace`); the watches re-create themselves. ``num_nodes_waiting`` never fails.
-* **Provisional expiry.** An etcd paused past the TTL expires every lease when it resumes; each
-  agent re-grants and re-writes its record within a keep-alive period. A member whose record is
-  absent counts as dead only after ``liveness_confirm`` seconds while the closer trusts its
-  view, and an agent whose own keep-alive failed, whose lease was lost or whose watch broke
-  counts nobody as dead for 2 x TTL.
+* **Provisional expiry.** A member whose record is absent counts as dead only after
+  ``liveness_confirm`` seconds, and not while this agent distrusts its view (:mod:`.trust`).
 * **Store.** ``next_rendezvous`` returns the etcd-backed store of :mod:`.store` under a
   per-round prefix (torch's ``torch.rendezvous.<run>.<round>``). ``use_agent_store`` is False:
   workers host their own TCPStore at the rank-0 node's address and port, as with
@@ -36,17 +25,13 @@ interface (``torch/distributed/elastic/rendezvous/api.py``) on its own keys (:mo
   restarts let workers read dead peers' addresses). A blocking wait in the store ends at once
   when a member of the round is dead: torch's rank assignment waits for what the agent of rank
   0 writes, and a member that left after the round closed never writes it.
-* **Join gate.** ``join_gate``, when set, runs before this node writes its join record; under
-  a daemon it fences a node whose daemon was declared dead before it can enter a round.
-* **Commit gate.** Under the ``interval:MIN`` grow policy a newcomer takes free room only while
-  the job is at a committed step. ``commit_gate``, when set, says whether it is (under a
-  daemon, from a watch on the job's replication records: :mod:`elasticd.agent.commit_watch`);
-  this layer cannot read those records itself. Unset (plain torchrun: no daemon, no commit
-  records), the interval alone decides.
+* **Gates.** ``join_gate`` runs before this node writes its join record (under a daemon, it
+  fences a node declared dead); ``commit_gate`` says whether the job is at a committed step,
+  which the ``interval:MIN`` grow policy waits for (unset, the interval alone decides).
 
 Registered as torchrun's ``etcd-v3`` backend (:mod:`.plugin`). Its rdzv-conf keys are those of
-:mod:`.config` (``liveness_ttl`` is this lease's TTL); the keys of torch's dynamic rendezvous
-(``keep_alive_*``, ...) are accepted and ignored. No pickle is read or written.
+:mod:`.config`; the keys of torch's dynamic rendezvous (``keep_alive_*``, ...) are accepted and
+ignored. No pickle is read or written.
 """
 
 from __future__ import annotations
@@ -89,11 +74,8 @@ log = logging.getLogger(__name__)
 
 
 class EtcdNativeRendezvousHandler(RendezvousHandler):
-    """torch's ``RendezvousHandler`` on per-node etcd keys (see the module docstring).
-
-    Its parts: the copy of the control keys and its watch (:mod:`.control`), this node's join
-    record (:mod:`.join`), the duty thread (:mod:`.duty`) stepping the closer's election
-    (:mod:`.election`), and whether this agent trusts its view of who is dead (:mod:`.trust`).
+    """torch's ``RendezvousHandler`` on per-node etcd keys (see the module docstring), over its
+    parts: the control copy and its watch, the join record, the duty thread, the trust.
 
     Args:
         coordinator: the etcd connection (owned: closed by :meth:`shutdown`).
