@@ -254,6 +254,7 @@ class SimNode:
     def __init__(self, index: int, coord: EtcdCoordinator, n: int, min_nodes: int,
                  keepers: KeeperPool, watches: NodeWatchPool, a: argparse.Namespace) -> None:
         from elasticd.rendezvous.grace import OutageGrace
+        from elasticd.rendezvous.config import HandlerSettings
         from elasticd.rendezvous.handler import EtcdNativeRendezvousHandler
 
         self.index, self.coord, self.keys = index, coord, Keyspace(f"{PREFIX}{n}")
@@ -264,19 +265,19 @@ class SimNode:
         self._node_events: list[int] = [0]
         self._cancel_watch: Callable[[], None] | None = None
         self.agent = EtcdNativeRendezvousHandler(
-            coord, self.keys.job_rdzv("job"), "job", min_nodes, n,
-            f"10.{index // 62500}.{index // 250 % 250}.{index % 250}", "etcd-v3",
-            grace=OutageGrace(30.0), ttl=a.ttl, confirm=a.confirm, join_timeout=600,
-            last_call=1.0)
+            coord, self.keys.job_rdzv("job"),
+            HandlerSettings("job", min_nodes, n, liveness_ttl=a.ttl, liveness_confirm=a.confirm,
+                            join_timeout=600, last_call=1.0),
+            f"10.{index // 62500}.{index // 250 % 250}.{index % 250}", grace=OutageGrace(30.0))
         self.agent._keeper.start = lambda: keepers.add(self.agent._keeper)  # type: ignore
         self.written_at = 0.0  # wall time this agent's last join record write returned
-        write = self.agent._write_record
+        write = self.agent._join.write
 
         def timed_write(target: int) -> None:
             write(target)
             self.written_at = time.time()
 
-        self.agent._write_record = timed_write  # type: ignore[method-assign]
+        self.agent._join.write = timed_write  # type: ignore[method-assign]
 
     def register(self) -> None:
         """What the daemon does at start: lease, node record, list and watch ``nodes/``."""
@@ -300,14 +301,12 @@ class SimNode:
         h = self.agent
         self.daemon.stop(revoke=False)
         h._keeper.stop(revoke=False)
-        with h._control.cond:
-            h._stopped = True
-            h._control.cond.notify_all()
+        h._duty.stop()
         if self._cancel_watch is not None:
             self._cancel_watch()
-        for w in (h._watch, h._election.closer.nodes._watch if h._election.closer else None):
-            if w is not None:
-                w.cancel()
+        h._control_watch.stop()
+        if h._election.closer is not None:
+            h._election.closer.nodes.stop()
 
     def leases_lost(self) -> int:
         """Leases of this node found lost so far (a running total: ``take_lost`` forgets)."""
@@ -380,7 +379,7 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
         closers = {i: (c.cpu + c.nodes.cpu, c.nodes.events) for i, x in nodes.items()
                    if (c := x.agent._election.closer) is not None}
         t = me.cpu_times()
-        return {"control_events": sum(x.agent.control_events for x in nodes.values()),
+        return {"control_events": sum(x.agent._control_watch.events for x in nodes.values()),
                 "node_events": sum(x.node_events for x in nodes.values()),
                 "closers": closers, "cpu": t.user + t.system,
                 "leases_lost": (sum(x.leases_lost() for x in nodes.values())

@@ -18,7 +18,7 @@ duty thread calls :meth:`Closer.step`; the node watch's thread calls
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from elasticd.clock import Clock
 from elasticd.coordination.api import Compare, CoordinationError, Coordinator, KeyValue, Put
@@ -28,6 +28,9 @@ from elasticd.rendezvous.node_watch import NodeWatch
 from elasticd.rendezvous.records import NodeRecord, RoundRecord, Waiting
 from elasticd.rendezvous.rounds import SUMMARY_REFRESH, decide_close, grew_at, next_round, \
     summary_news
+
+if TYPE_CHECKING:  # config reads torch's parameters; the closer needs no torch
+    from elasticd.rendezvous.config import HandlerSettings
 
 log = logging.getLogger("elasticd.rendezvous.handler")
 
@@ -40,27 +43,21 @@ class Closer:
         control: the agent's copy of the control keys.
         me: this agent's node id.
         election: the election key's ``create_revision`` (what every write compares).
-        min_nodes, max_nodes: ``--nnodes MIN:MAX``.
-        last_call: seconds a first round stays open after ``min`` joined.
-        confirm: seconds a member's record must be absent before it counts as dead.
+        settings: the run's id, sizes, ``last_call`` and ``liveness_confirm``.
         grace: retry policy for etcd outages.
         clock: time source.
         distrust: called with a reason when the node watch failed (the view may be stale).
         wake: called when a watch event arrived (the duty thread then steps).
         store_prefix: the run's store directory; the closer deletes stores two rounds old.
-        run_id: the run's id (names the per-round store prefix).
     """
 
     def __init__(self, coord: Coordinator, control: Control, me: str, election: int,
-                 min_nodes: int, max_nodes: int, last_call: float, confirm: float,
-                 grace: OutageGrace, clock: Clock, distrust: Callable[[str], None],
-                 wake: Callable[[], None], store_prefix: bytes = b"", run_id: str = "") -> None:
+                 settings: HandlerSettings, grace: OutageGrace, clock: Clock,
+                 distrust: Callable[[str], None], wake: Callable[[], None],
+                 store_prefix: bytes = b"") -> None:
         self._coord, self._control, self.me = coord, control, me
-        self.election = election
-        self._min, self._max = min_nodes, max_nodes
-        self._last_call, self._confirm = last_call, confirm
-        self._grace, self._clock = grace, clock
-        self._store_prefix, self._run_id = store_prefix, run_id
+        self.election, self._settings = election, settings
+        self._grace, self._clock, self._store_prefix = grace, clock, store_prefix
         #: The node records, listed and watched (its ``events`` and ``cpu``: for benches).
         self.nodes = NodeWatch(coord, control.nodes_prefix, grace, clock, distrust, wake)
         self._round_revision = -1  # the round record the counts are for
@@ -98,19 +95,20 @@ class Closer:
                 tally.new_round(last, now)
                 self._round_revision, self._min_since = revision, None
                 self._written, self._written_at = None, float("-inf")
-            if tally.may_close(self._min):
-                over = self._min_since is not None and now - self._min_since >= self._last_call
-                decision = decide_close(tally.nodes, last, self._min, self._max, over)
+            s = self._settings
+            if tally.may_close(s.min_nodes):
+                over = self._min_since is not None and now - self._min_since >= s.last_call
+                decision = decide_close(tally.nodes, last, s.min_nodes, s.max_nodes, over)
                 if decision.members is not None:
                     members = decision.members
                     master = tally.nodes.get(members[0])
                 elif decision.last_call:
                     self._min_since = now if self._min_since is None else self._min_since
-                    wakes.append(self._min_since + self._last_call)
+                    wakes.append(self._min_since + s.last_call)
             else:
                 self._min_since = None
-            summary = tally.waiting(tally.dead(now, self._confirm, trusted))
-            due = tally.next_confirm(now, self._confirm)
+            summary = tally.waiting(tally.dead(now, s.liveness_confirm, trusted))
+            due = tally.next_confirm(now, s.liveness_confirm)
         if members is not None:
             self._close(last, revision, members, master)
             return now
@@ -154,7 +152,8 @@ class Closer:
         self._control.set(KeyValue(self._control.round_key, record.encode(),
                                    create_revision=new_revision, mod_revision=new_revision))
         if number >= 2 and self._store_prefix:  # no agent reads the store of a round two behind
-            old = self._store_prefix + f"torch.rendezvous.{self._run_id}.{number - 2}/".encode()
+            run = self._settings.run_id
+            old = self._store_prefix + f"torch.rendezvous.{run}.{number - 2}/".encode()
             try:
                 self._coord.delete_prefix(old)
             except CoordinationError as exc:

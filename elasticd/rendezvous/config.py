@@ -47,7 +47,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 from elasticd.coordination.etcd import EtcdSettings, parse_endpoints
 from elasticd.coordination.keys import check_name, check_prefix
 from elasticd.rendezvous.grace import DEFAULT_GRACE_PERIOD
-from elasticd.rendezvous.rounds import check_grow
+from elasticd.rendezvous.rounds import check_grow, grow_interval
 
 PASSWORD_ENV = "ELASTICD_ETCD_PASSWORD"
 DEFAULT_ETCD_TIMEOUT = 2.0
@@ -82,6 +82,50 @@ def _seconds(params: RendezvousParameters, key: str, default: float,
 
 
 @dataclasses.dataclass(frozen=True)
+class HandlerSettings:
+    """What one agent's rendezvous handler is told: its run, sizes and rules.
+
+    Attributes:
+        run_id: ``--rdzv-id``.
+        min_nodes, max_nodes: ``--nnodes MIN:MAX``.
+        backend: what ``get_backend`` returns (the entry point's name).
+        liveness_ttl: the agent lease's TTL, whole seconds.
+        liveness_confirm: seconds a member's record must be absent before it counts as dead.
+        join_timeout: seconds ``next_rendezvous`` waits for a round that includes this node
+            (not while it is the spare of a full, running round).
+        last_call: seconds a job's first round stays open after ``min`` nodes joined.
+        store_timeout: how long the store's ``get``/``wait`` block (None: the store's default).
+        grow: the grow policy for nodes beyond a running round (:mod:`.rounds`).
+        close_on_failure: whether ``shutdown`` during an exception closes the rendezvous.
+
+    Raises:
+        ValueError: bad sizes or grow policy.
+    """
+
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    backend: str = "etcd-v3"
+    liveness_ttl: int = DEFAULT_LIVENESS_TTL
+    liveness_confirm: float = DEFAULT_LIVENESS_CONFIRM
+    join_timeout: float = DEFAULT_JOIN_TIMEOUT
+    last_call: float = DEFAULT_LAST_CALL_TIMEOUT
+    store_timeout: datetime.timedelta | None = None
+    grow: str = "immediate"
+    close_on_failure: bool = True
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_nodes <= self.max_nodes:
+            raise ValueError(f"--nnodes {self.min_nodes}:{self.max_nodes}: need 1 <= MIN <= MAX")
+        check_grow(self.grow)
+
+    @property
+    def grow_interval(self) -> float | None:
+        """Seconds of an ``interval:MIN`` grow policy; None for the others."""
+        return grow_interval(self.grow)
+
+
+@dataclasses.dataclass(frozen=True)
 class RendezvousConfig:
     """Validated settings of one etcd-v3 rendezvous.
 
@@ -112,6 +156,14 @@ class RendezvousConfig:
     grow: str = "immediate"
     close_on_failure: bool = True
     ignored: tuple[str, ...] = ()
+
+    def handler(self, min_nodes: int, max_nodes: int, backend: str) -> HandlerSettings:
+        """The handler's part of these settings, for a run of ``min_nodes:max_nodes``."""
+        return HandlerSettings(
+            self.run_id, min_nodes, max_nodes, backend, liveness_ttl=self.liveness_ttl,
+            liveness_confirm=self.liveness_confirm, join_timeout=self.join_timeout,
+            last_call=self.last_call, store_timeout=self.store_timeout, grow=self.grow,
+            close_on_failure=self.close_on_failure)
 
     @classmethod
     def from_params(cls, params: RendezvousParameters) -> "RendezvousConfig":

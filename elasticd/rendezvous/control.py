@@ -3,16 +3,31 @@
 The control keys are the ``native/round`` prefix (:mod:`.records`): the last closed round, the
 closer's election key, its waiting summary, and the closed marker. Every agent watches that
 prefix and nothing else of the rendezvous, so a round costs it a few watch events however many
-nodes join; waiting and ``num_nodes_waiting`` read this copy rather than etcd.
+nodes join; waiting and ``num_nodes_waiting`` read this copy (:class:`Control`) rather than
+etcd. :class:`ControlWatch` lists the prefix into it and follows it: the copy is re-listed only
+when the watch cannot be trusted (a watch error, a lost or replaced lease), and a listing whose
+revision went back (etcd lost its data) re-creates the watch.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from typing import Any, Callable
 
 from elasticd.clock import Clock
-from elasticd.coordination.api import EventType, KeyValue, WatchEvent
+from elasticd.coordination.api import (
+    Compacted,
+    CoordinationError,
+    Coordinator,
+    EventType,
+    KeyValue,
+    Watch,
+    WatchEvent,
+)
+from elasticd.coordination.records import Complaints
+from elasticd.rendezvous.data_loss import restore_round
+from elasticd.rendezvous.grace import OutageGrace
 from elasticd.rendezvous.records import RecordError, RoundRecord, Waiting
 
 # The handler's logger: a bad record is the handler's to report.
@@ -49,7 +64,7 @@ class Control:
         self.closed = False
         self.revision = 0
         self.version = 0
-        self._warned: set[bytes] = set()
+        self._complaints = Complaints(log)
 
     def load(self, kvs: list[KeyValue], revision: int) -> None:
         """Replaces the copy by a full listing of the prefix."""
@@ -99,7 +114,8 @@ class Control:
                 self.waiting = Waiting.decode(kv.value)
             except RecordError as exc:
                 self.waiting = None
-                self._warn(kv.key, exc)
+                self._complaints.warn(kv.key, b"", "ignoring %s: %s",
+                                      kv.key.decode(errors="replace"), exc)
         elif kv.key == self.closer_key:
             if self.closer is None or kv.mod_revision >= self.closer.mod_revision:
                 self.closer = kv
@@ -116,12 +132,84 @@ class Control:
         elif key == self.closed_key:
             self.closed = False
 
-    def _warn(self, key: bytes, exc: Exception) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            log.warning("ignoring %s: %s", key.decode(errors="replace"), exc)
-
     def closer_node(self) -> str | None:
         """The node id in the closer's key (None: no closer)."""
         with self.cond:
             return self.closer.value.decode(errors="replace") if self.closer else None
+
+
+class ControlWatch:
+    """Lists the control keys into ``control`` and follows them with a watch.
+
+    Args:
+        coord: the agent's etcd connection.
+        control: the agent's copy of the control keys.
+        grace: retry policy for etcd outages.
+        me: this agent's node id (a member of the round it keeps writes it back after a loss).
+        distrust: called with a reason when the watch failed (the view may be stale).
+        wake: called when the copy must be re-listed (the duty thread then steps).
+
+    Attributes:
+        stale: set when the copy must be re-listed before it is trusted again.
+        events: watch events received: for benches.
+    """
+
+    def __init__(self, coord: Coordinator, control: Control, grace: OutageGrace, me: str,
+                 distrust: Callable[[str], None], wake: Callable[[], None]) -> None:
+        self._coord, self._control, self._grace, self._me = coord, control, grace, me
+        self._distrust, self._wake = distrust, wake
+        self._watch: Watch | None = None
+        self.stale = threading.Event()
+        self.events = 0
+
+    def relist_if_stale(self) -> None:
+        """Re-lists when :attr:`stale` is set (it stays set if the listing fails)."""
+        if self.stale.is_set():
+            self.stale.clear()
+            try:
+                self.relist()
+            except Exception:
+                self.stale.set()  # the duty thread tries again in a second
+                raise
+
+    def relist(self) -> None:
+        """Lists the control keys; watches them first, and afresh when etcd's revision went
+        back."""
+        control = self._control
+        kvs, revision = self._grace.call(lambda: self._coord.get_prefix(control.round_key),
+                                         "listing the rendezvous")
+        with control.cond:
+            before, kept = control.revision, control.round
+        wiped = revision < before
+        # No round while this node trains in one: etcd lost it (nothing deletes a round). The
+        # revision need not have gone back: the daemons' re-writes can carry a wiped etcd past
+        # it before this listing.
+        if kept is not None and self._me in kept.members \
+                and not any(kv.key == control.round_key for kv in kvs):
+            kvs = [*kvs, restore_round(self._coord, self._grace, control.round_key, kept)]
+        control.load(kvs, revision)
+        if wiped or self._watch is None:
+            if wiped:
+                log.warning("etcd's revision went back (%d < %d): its data was lost; watching "
+                            "the rendezvous afresh", revision, before)
+            self.stop()
+            self._watch = self._grace.call(
+                lambda: self._coord.watch_prefix(control.round_key, self._on_watch,
+                                                 revision + 1),
+                "watching the rendezvous")
+
+    def _on_watch(self, batch: Any) -> None:
+        if isinstance(batch, CoordinationError):
+            if not isinstance(batch, Compacted):
+                self._distrust(f"rendezvous watch: {batch}")
+            self.stale.set()
+            self._wake()
+            return
+        events = list(batch)
+        self.events += len(events)
+        self._control.apply(events)
+
+    def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None

@@ -22,6 +22,7 @@ from elasticd.coordination.api import (
     KeyValue,
     Watch,
 )
+from elasticd.coordination.records import Complaints
 from elasticd.rendezvous.grace import OutageGrace
 from elasticd.rendezvous.records import NodeRecord, RecordError
 from elasticd.rendezvous.tally import Tally
@@ -54,7 +55,7 @@ class NodeWatch:
         self._revision = 0  # of the node listing and the events applied since
         self._watch: Watch | None = None
         self._relist = True
-        self._warned: set[bytes] = set()
+        self._complaints = Complaints(log)  # once a key, and bounded: keys are anyone's
         self.events = 0
         self.cpu = 0.0
 
@@ -112,10 +113,8 @@ class NodeWatch:
         try:
             rec = NodeRecord.decode(kv.value, kv.create_revision)
         except RecordError as exc:
-            if kv.key not in self._warned:
-                self._warned.add(kv.key)
-                log.warning("refusing rendezvous node %s: %s",
-                            kv.key.decode(errors="replace"), exc)
+            self._complaints.warn(kv.key, b"", "refusing rendezvous node %s: %s",
+                                  kv.key.decode(errors="replace"), exc)
             return None
         name = kv.key[len(self._prefix):].decode(errors="replace")
         return rec if rec.node == name else None

@@ -39,10 +39,6 @@ from elasticd.rendezvous.grace import OutageGrace
 
 log = logging.getLogger(__name__)
 
-#: The read timeout torch's c10d backend gives its TCPStore (rdzv-conf ``read_timeout``).
-DEFAULT_STORE_TIMEOUT = datetime.timedelta(seconds=60)
-
-
 def _as_bytes(value: str | bytes | bytearray) -> bytes:
     if isinstance(value, str):
         return value.encode()

@@ -99,7 +99,7 @@ def sees_outsiders(handler, count: int = 1) -> bool:
 
 def has_record(handler, of) -> bool:
     """Whether ``of``'s join record is in etcd, read through ``handler``'s connection."""
-    return handler._coord.get(of._node_key()) is not None
+    return handler._coord.get(of._join.key) is not None
 
 
 def test_two_nodes_meet_share_a_store_and_learn_the_workers_bootstrap_address(cluster):
@@ -268,7 +268,7 @@ def test_a_killed_node_leaves_when_its_lease_expires(etcd, prefix):
         a, b = cluster.node(1, 2), cluster.node(1, 2)
         results(cluster.join(a, b))
         b._keeper.stop(revoke=False)  # kill -9: no more keep-alives, nothing revoked
-        b._watch.cancel()
+        b._control_watch.stop()
         wait_until(lambda: a.gone_members() == [b.me], "b counted as gone after its TTL")
         info = results(cluster.join(a))[0]
         assert info.world_size == 1
@@ -337,7 +337,7 @@ def test_only_the_closer_follows_the_node_records_the_others_see_a_few_events_a_
     leader = closer_of(nodes)
     assert leader is not None and sum(h._election.closer is not None for h in nodes) == 1
     others = [h for h in nodes if h is not leader]
-    before = [h.control_events for h in others]
+    before = [h._control_watch.events for h in others]
     closer_before = leader._election.closer.nodes.events
     # the others only the control keys: a re-rendezvous of all ten costs each one
     # summary (someone rejoins) and the round record, not ten events.
@@ -346,8 +346,8 @@ def test_only_the_closer_follows_the_node_records_the_others_see_a_few_events_a_
     wait_until(lambda: all(h._control.round.round == 1 for h in nodes), "all see round 1")
     # the closer saw every rejoin ...
     assert leader._election.closer.nodes.events - closer_before >= 10
-    assert all(h.control_events - b <= 4 for h, b in zip(others, before)), \
-        [h.control_events - b for h, b in zip(others, before)]
+    assert all(h._control_watch.events - b <= 4 for h, b in zip(others, before)), \
+        [h._control_watch.events - b for h, b in zip(others, before)]
     assert [h._election.closer for h in others] == [None] * len(others)
 
 

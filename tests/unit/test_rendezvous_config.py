@@ -11,7 +11,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elasticd.testing.coordination import MemoryCoordinator
 from elasticd.coordination.rendezvous import handler_creator, native_handler_creator
-from elasticd.rendezvous.config import PASSWORD_ENV, RendezvousConfig
+from elasticd.rendezvous.config import PASSWORD_ENV, HandlerSettings, RendezvousConfig
 from elasticd.rendezvous.handler import EtcdNativeRendezvousHandler, create_handler
 
 
@@ -165,3 +165,30 @@ def test_the_daemons_grow_setting_reaches_its_agents_rendezvous():
         settings = load({"rdzv_grow": grow}, None, {})
         conf = rdzv_conf(settings)
         assert RendezvousConfig.from_params(params(**conf)).grow == grow
+
+
+def test_the_handler_is_given_every_setting_torchrun_passed():
+    conf = {"liveness_ttl": "5", "liveness_confirm": "0.5", "join_timeout": "60",
+            "last_call_timeout": "2", "read_timeout": "30", "grow": "interval:10",
+            "close_on_failure": "false"}
+    handler = create_handler(RendezvousParameters("etcd-v3-native", "127.0.0.1:2379", "job", 2,
+                                                  4, **conf),
+                             "etcd-v3-native", coordinator=MemoryCoordinator())
+    handler.stop()
+    assert handler._settings == HandlerSettings(
+        "job", 2, 4, "etcd-v3-native", liveness_ttl=5, liveness_confirm=0.5, join_timeout=60.0,
+        last_call=2.0, store_timeout=datetime.timedelta(seconds=30), grow="interval:10",
+        close_on_failure=False)
+    assert handler._settings.grow_interval == 600.0
+    assert (handler.get_backend(), handler.get_run_id()) == ("etcd-v3-native", "job")
+
+
+@pytest.mark.parametrize("sizes, grow, message", [
+    ((0, 2), "immediate", "--nnodes 0:2: need 1 <= MIN <= MAX"),
+    ((3, 2), "immediate", "--nnodes 3:2"),
+    ((1, 2), "sometimes", "grow policy 'sometimes'"),
+])
+def test_bad_sizes_or_grow_policy_are_refused_before_any_handler(sizes, grow, message):
+    # (torchrun's own RendezvousParameters refuses bad sizes first, in words of its own.)
+    with pytest.raises(ValueError, match=message):
+        HandlerSettings("job", *sizes, grow=grow)

@@ -9,6 +9,7 @@ import logging
 
 from elasticd.coordination.api import Compacted, EventType, KeyValue, Unavailable, WatchEvent
 from elasticd.rendezvous.grace import OutageGrace
+from elasticd.rendezvous.control import Control
 from elasticd.rendezvous.node_watch import NodeWatch
 from elasticd.rendezvous.records import NodeRecord
 from elasticd.testing.clock import FakeClock
@@ -82,3 +83,31 @@ def test_a_watch_error_asks_for_a_listing_and_only_a_broken_watch_is_distrusted(
     watch.on_nodes(Unavailable("etcd went away"))
     assert distrusted == ["rendezvous node watch: etcd went away"]
     watch.stop()
+
+
+def test_what_it_remembers_of_bad_records_is_bounded(caplog):
+    # Anyone who may write node records may write millions of bad ones: the closer remembers
+    # a bounded number of the keys it warned about (the oldest forgotten first).
+    coord = MemoryCoordinator()
+    watch, _, _ = make(coord)
+    watch._complaints.limit = 2
+    watch.refresh()
+    with caplog.at_level(logging.WARNING, logger="elasticd.rendezvous.handler"):
+        for name in (b"bad1", b"bad2", b"bad3", b"bad1"):
+            coord.put(PREFIX + name, b"{not json")
+    refused = [r.getMessage().split()[3].rstrip(":") for r in caplog.records]
+    assert refused == [(PREFIX + n).decode() for n in (b"bad1", b"bad2", b"bad3", b"bad1")]
+    assert len(watch._complaints._seen) == 2
+    watch.stop()
+
+
+def test_the_control_copy_warns_once_a_bad_summary_and_remembers_a_bounded_number(caplog):
+    control = Control(b"/r/native/", FakeClock())
+    control._complaints.limit = 1
+    with caplog.at_level(logging.WARNING, logger="elasticd.rendezvous.handler"):
+        for value in (b"{bad", b"{still bad"):
+            control.set(KeyValue(control.waiting_key, value, 1, 1))
+        assert len(caplog.records) == 1 and control.waiting is None
+        control._complaints.warn(b"other", b"", "another")  # pushes the summary's key out
+        control.set(KeyValue(control.waiting_key, b"{bad", 1, 1))
+    assert len(caplog.records) == 3

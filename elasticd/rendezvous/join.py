@@ -1,0 +1,62 @@
+"""This node's join record: written under the agent's lease, written again under a new one.
+
+The record (``native/nodes/<node>``, :class:`~.records.NodeRecord`) names the round this node
+asks for and a port it holds free for its workers' store (:mod:`.port`). It lives as long as the
+agent's lease; when the keeper re-grants a lost lease (an etcd outage past the TTL), the record
+is written again under the new one: a provisional rejoin, not a new node.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from elasticd.coordination.api import CoordinationError, Coordinator
+from elasticd.coordination.lease import LeaseKeeper
+from elasticd.rendezvous.grace import OutageGrace
+from elasticd.rendezvous.port import HeldPort
+from elasticd.rendezvous.records import NodeRecord
+
+log = logging.getLogger("elasticd.rendezvous.handler")
+
+
+class JoinRecord:
+    """This node's record at ``key``, and the port it names.
+
+    Args:
+        coord: the agent's etcd connection.
+        keeper: the agent's lease.
+        grace: retry policy for etcd outages.
+        key: the record's key.
+        me: this agent's node id.
+        addr: this node's address.
+    """
+
+    def __init__(self, coord: Coordinator, keeper: LeaseKeeper, grace: OutageGrace, key: bytes,
+                 me: str, addr: str) -> None:
+        self._coord, self._keeper, self._grace = coord, keeper, grace
+        self.key, self._me, self._addr = key, me, addr
+        self._lock = threading.Lock()  # the keeper's thread re-writes what next_rendezvous wrote
+        self._record: NodeRecord | None = None
+        self.port = HeldPort()
+
+    def write(self, target: int) -> None:
+        """Asks for round ``target``, naming a newly held port."""
+        record = NodeRecord(self._me, target, self._addr, self.port.hold(self._addr))
+        with self._lock:
+            self._record = record
+        # A lease lost just now (or lost with etcd's data) is replaced: not a failed agent.
+        self._grace.call(lambda: self._keeper.put(self.key, record.encode()),
+                         "writing this node's rendezvous record")
+
+    def rewrite(self, lease: int) -> None:
+        """Writes the record again under ``lease`` (nothing if none was written yet)."""
+        with self._lock:
+            record = self._record
+        if record is None:
+            return
+        try:
+            self._coord.put(self.key, record.encode(), lease=lease)
+            log.info("rendezvous lease re-granted: node record %s re-written", self._me)
+        except CoordinationError as exc:  # the keeper retries and calls us again
+            log.warning("could not re-write node record %s: %s", self._me, exc)

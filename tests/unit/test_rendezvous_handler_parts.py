@@ -1,0 +1,53 @@
+"""The handler's parts alone, on the in-memory coordinator (its watches call back synchronously):
+the control keys' watch (:class:`~elasticd.rendezvous.control.ControlWatch`) and the handler's
+use of its trust (:mod:`elasticd.rendezvous.trust`). The contract tests run them on real etcd
+(tests/integration/test_rendezvous_native.py)."""
+
+from __future__ import annotations
+
+from elasticd.coordination.api import Compacted, KeyValue, Unavailable
+from elasticd.rendezvous.config import HandlerSettings
+from elasticd.rendezvous.control import Control, ControlWatch
+from elasticd.rendezvous.grace import OutageGrace
+from elasticd.rendezvous.handler import EtcdNativeRendezvousHandler
+from elasticd.rendezvous.records import RoundRecord, Waiting
+from elasticd.testing.clock import FakeClock
+from elasticd.testing.coordination import MemoryCoordinator
+
+
+def test_a_control_watch_error_asks_for_a_listing_and_only_a_broken_watch_is_distrusted():
+    coord = MemoryCoordinator()
+    control = Control(b"/r/native/", FakeClock())
+    distrusted, woken = [], []
+    watch = ControlWatch(coord, control, OutageGrace(), "a", distrusted.append,
+                         lambda: woken.append(1))
+    watch.relist()
+    coord.put(control.round_key, RoundRecord(0, ("a",)).encode())
+    assert control.round == RoundRecord(0, ("a",)) and watch.events == 1
+    watch.stop()  # events from here on are missed
+    coord.put(control.round_key, RoundRecord(1, ("a",)).encode())
+    watch._on_watch(Compacted(5))
+    assert watch.stale.is_set() and distrusted == [] and woken == [1]
+    watch.relist_if_stale()  # the listing brings what the watch missed, and watches again
+    assert not watch.stale.is_set() and control.round.round == 1
+    coord.put(control.round_key, RoundRecord(2, ("a",)).encode())
+    assert control.round.round == 2
+    watch._on_watch(Unavailable("etcd went away"))
+    assert watch.stale.is_set() and distrusted == ["rendezvous watch: etcd went away"]
+    watch.stop()
+
+
+def test_while_it_distrusts_its_view_the_agent_counts_no_member_gone():
+    clock = FakeClock()
+    handler = EtcdNativeRendezvousHandler(MemoryCoordinator(), b"/r/",
+                                          HandlerSettings("job", 1, 2, liveness_ttl=3),
+                                          "10.0.0.1", clock=clock)
+    control = handler._control
+    control.set(KeyValue(control.round_key, RoundRecord(0, (handler.me, "b")).encode(), 1, 1))
+    control.set(KeyValue(control.waiting_key, Waiting(0, dead=("b",)).encode(), 2, 2))
+    assert handler.gone_members() == ["b"]
+    handler._trust.distrust("the rendezvous lease was lost")
+    assert handler.gone_members() == []
+    clock.advance(6)
+    assert handler.gone_members() == ["b"]
+    handler.stop()
