@@ -134,7 +134,8 @@ class Settings:
         replication_listen: HOST:PORT of the replication server (port 0: any free port).
         replicas: copies of each rank's snapshot, its own included (m; 1 turns peers off).
         unprotected_lag_steps: a job whose committed step lags its newest snapshot by more
-            steps than this shows as UNPROTECTED (commit_lag).
+            steps than this shows as UNPROTECTED (commit_lag); also the slack, beside 3 flush
+            periods, of a persistent tier that gets no new complete step (persist_stale).
         log_level: DEBUG, INFO, WARNING or ERROR.
         job_users: users jobs may run as on this node, comma-separated (empty: any user but
             root; ``*``: any user, root too); part of the node's job policy

@@ -44,7 +44,7 @@ RECOVERY_PHASES = ("detect", "abort", "rendezvous", "start", "restore", "first_s
 #: Label values of elasticd_replica_fetch_failures_total (elasticd.recovery.fetch).
 FETCH_FAILURE_REASONS = ("missing", "corrupt", "unreachable", "no_address", "lost", "other")
 #: Label values of elasticd_jobs_unprotected (checkpoint.protection.REASONS; a test compares).
-UNPROTECTED_REASONS = ("snapshots_failing", "no_placement", "commit_lag")
+UNPROTECTED_REASONS = ("snapshots_failing", "no_placement", "commit_lag", "persist_stale")
 #: Label values of elasticd_replication_connections_rejected_total.
 REJECT_REASONS = ("auth", "version", "tls")
 #: Label values of elasticd_replica_pushes_received_total (the replica server's outcomes).
@@ -213,7 +213,7 @@ class Metrics:
         self.jobs_unprotected = gauge(
             "elasticd_jobs_unprotected",
             "Jobs a node failure now would set back further than it should, by reason "
-            "(snapshots_failing, no_placement, commit_lag)", ["reason"])
+            "(snapshots_failing, no_placement, commit_lag, persist_stale)", ["reason"])
         for reason in UNPROTECTED_REASONS:
             self.jobs_unprotected.labels(reason)
         self.snapshots_refused = counter(

@@ -122,7 +122,8 @@ OVERVIEW = [
               "stat"),
         panel("Jobs UNPROTECTED by reason", [
             ("max by (reason) (elasticd_jobs_unprotected)", "{{reason}}")],
-              description="snapshots_failing, no_placement, commit_lag: a node failure now "
+              description="snapshots_failing, no_placement, commit_lag, persist_stale: a node "
+              "failure now "
               "would set the job back further than it should (alerted after 1 min)."),
         panel("Replication throughput", [
             (f"sum(rate(elasticd_replication_bytes_total{Q}))", "pushed"),

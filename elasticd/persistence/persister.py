@@ -20,7 +20,14 @@ snapshot skipped on one node (both slots waiting for a commit) moved its flush t
 than its peers', and CI saw a job's tier hold no complete step at all. Decided on the commits,
 which every node learns alike, it does. ``every_seconds`` is decided by each node's own clock, so
 on a multi-node job two nodes may pick different steps now and then; such a step stays
-incomplete and is pruned once a newer step is complete. No torch.
+incomplete and is pruned once a newer step is complete.
+
+A node that writes its ranks of a step before its peers do finds no manifest after its flush
+(the last writer completes the step), so it checks that step again at its next flush of the job;
+and :meth:`Persister.listed` has the writer list the tier for a job on request, so that the
+newest complete step (:meth:`Persister.persisted`) is known truly before a job is called
+``persist_stale`` (:mod:`~elasticd.store.protection`) — on the writer's thread, never on the
+caller's: a hung shared filesystem must not stall the daemon's cycle. No torch.
 """
 
 from __future__ import annotations
@@ -58,6 +65,19 @@ class Flushed:
     error: str = ""
 
 
+@dataclasses.dataclass
+class _Seen:
+    """What the persister knows of other nodes' completions (see the module docstring)."""
+
+    #: job -> the last step this node flushed that was not complete yet (peers still
+    #: writing): checked again at the job's next flush. The writer thread's only.
+    unconfirmed: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    #: job -> when the writer last listed its steps (under the persister's lock).
+    listed_at: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: jobs whose listing is queued (under the persister's lock).
+    listing: set[str] = dataclasses.field(default_factory=set)
+
+
 class Persister:
     """Flushes complete snapshots to ``root`` in the background.
 
@@ -93,6 +113,7 @@ class Persister:
         self._last_flush: dict[str, float] = {}
         self._offered_step: dict[str, int] = {}  # job -> the last step due() was asked about
         self._persisted: dict[str, tuple[int, int]] = {}
+        self._seen = _Seen()
         self._idle = threading.Condition(self._lock)
         self._pending = 0
         # job -> (retry, uid): a step offered while the writer was busy, taken again once it
@@ -167,6 +188,19 @@ class Persister:
         with self._lock:
             return self._persisted.get(job)
 
+    def listed(self, job: str, max_age: float) -> bool:
+        """Whether the tier was listed for ``job`` (so :meth:`persisted` is the truth) at most
+        ``max_age`` seconds ago; if not, queues a listing on the writer's thread (at most one
+        per job) and returns False at once."""
+        with self._lock:
+            at = self._seen.listed_at.get(job)
+            if at is not None and self.clock.monotonic() - at <= max_age:
+                return True
+            if job not in self._seen.listing and not self._closed:
+                self._seen.listing.add(job)
+                self._queue.put_nowait(job)
+        return False
+
     def steps(self, job: str) -> list[Manifest]:
         """Complete steps of ``job`` on disk, newest first (lists the directory)."""
         found = self.tier.complete_steps(job)
@@ -175,9 +209,10 @@ class Persister:
         return found
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Waits until every queued flush is written; False on timeout."""
+        """Waits until every queued flush is written (and listing done); False on timeout."""
         with self._idle:
-            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+            return self._idle.wait_for(lambda: self._pending == 0 and not self._seen.listing,
+                                       timeout)
 
     def close(self, timeout: float = 30.0) -> None:
         """Finishes the queued flushes and stops the writer thread."""
@@ -215,6 +250,9 @@ class Persister:
             item = self._queue.get()
             if item is None:
                 return
+            if isinstance(item, str):  # a listing (see listed)
+                self._list(item)
+                continue
             try:
                 while item is not None:
                     self._flush(*item)
@@ -224,6 +262,19 @@ class Persister:
                     self._pending -= 1
                     self._idle.notify_all()
                 raise
+
+    def _list(self, job: str) -> None:
+        try:
+            # Read only: a manifest repaired here would not be given to the job's user.
+            found = self.tier.complete_steps(job, repair=False)
+            if found:
+                self._note(job, found[0].version())
+        except Exception:  # noqa: BLE001 — the writer thread must go on; the tier is unread
+            log.exception("persistent tier: cannot list the steps of %s", job)
+        with self._idle:
+            self._seen.listing.discard(job)
+            self._seen.listed_at[job] = self.clock.monotonic()
+            self._idle.notify_all()
 
     def _next_waiting(self) -> tuple[str, list[Any], int | None] | None:
         """A step that waited for the writer, pinned again; None when none is left (a step
@@ -268,9 +319,16 @@ class Persister:
                 nbytes += record["bytes"]
             self.tier.try_finish(job, version, uid)
             complete = self.tier.manifest(job, version) is not None
+            # The previous step this node wrote first was completed by the last of its peers.
+            previous = self._seen.unconfirmed.pop(job, None)
+            if previous is not None and previous != version \
+                    and self.tier.manifest(job, previous) is not None:
+                self._note(job, previous)
             if complete:
                 self._note(job, version)
                 self.tier.prune(job, self.keep)
+            else:
+                self._seen.unconfirmed[job] = version
         except Exception as exc:  # noqa: BLE001 — a full disk must not kill the daemon
             error = f"{type(exc).__name__}: {exc}"
             log.warning("persist of %s step %s failed: %s", job, version, error)

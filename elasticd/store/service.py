@@ -74,15 +74,17 @@ class CheckpointService:
             as unprotected.
         grace: seconds after a job's first snapshot here before a missing placement or
             commit counts as unprotected.
+        persist_recheck: a job is called ``persist_stale`` only on a listing of the tier at
+            most this many seconds old (asked of the persister's writer, not made here).
     """
 
     def __init__(self, store: SlotStore, node_id: str, persist: Persister | None = None,
                  metrics_sink: Any = None, clock: Clock | None = None,
                  pin_ttl: float = 600.0, replicator: Replication | None = None, lag_limit: int = 100,
-                 grace: float = 10.0) -> None:
+                 grace: float = 10.0, persist_recheck: float = 30.0) -> None:
         self.store, self.node_id, self.persist = store, node_id, persist
         self.replicator = replicator
-        self.lag_limit, self.grace = lag_limit, grace
+        self.lag_limit, self.grace, self.persist_recheck = lag_limit, grace, persist_recheck
         #: Called with each progress-like message (``register``, ``ckpt_reserve`` with a
         #: step): job, rank, world_size, [step], [restart], [local_rank], _peer.
         self.on_progress: list[Callable[[dict[str, Any]], None]] = []
@@ -100,7 +102,7 @@ class CheckpointService:
         self.snapshots = Snapshots(self.book, self.pins, deps, self.on_progress, self.assess)
         for job, rank, gen, step in store.holdings():  # adopted after a daemon restart
             record = self.book.jobs[job]
-            record.progress = max(record.progress or (gen, step), (gen, step))
+            record.reached((gen, step))
 
     def handlers(self) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
         """Op name → handler, for :class:`~elasticd.daemon.local_api.LocalServer`."""
@@ -159,9 +161,14 @@ class CheckpointService:
                     committed=tuple(committed) if committed else None,
                     lag=int(rep.get("sync_lag") or 0),
                     seconds=0.0 if record.first_snapshot_at is None
-                    else now - record.first_snapshot_at)
+                    else now - record.first_snapshot_at, **self._persist_view(job, record, now))
                 verdict = assess(view, self.lag_limit, self.grace)
                 old = record.protection
+                if verdict is not None and verdict.reason == "persist_stale" \
+                        and not self.persist.listed(job, self.persist_recheck):
+                    # This node may only have missed the manifests its peers wrote: the
+                    # writer lists the tier first, and the verdict waits for that.
+                    verdict = old if old is not None and old.reason == verdict.reason else None
                 if (verdict and verdict.reason) != (old and old.reason):
                     changes.append((job, old, verdict))  # logged once per change of reason
                 record.protection = verdict
@@ -171,6 +178,30 @@ class CheckpointService:
             else:
                 log.warning("job %s is protected again on node %s (was: %s)", job,
                             self.node_id, old.detail if old else "")
+
+    def _persist_view(self, job: str, record: Any, now: float) -> dict[str, Any]:
+        """The persistent tier's facts of :class:`JobView` (none without a tier flushed every
+        K steps or T seconds). Call with the book's lock held."""
+        persist, progress = self.persist, record.progress
+        if persist is None or not (persist.every_steps or persist.every_seconds) \
+                or progress is None:
+            return {}
+        persisted = persist.persisted(job)
+        if persisted != record.persist_seen:  # a new complete step: the clock starts again
+            record.persist_seen, record.unpersisted_since = persisted, None
+        # A tier step newer than the job is an older run's (the job's name used again).
+        base = persisted[1] if persisted is not None and persisted <= progress \
+            else record.first_step
+        behind = max(0, progress[1] - (progress[1] if base is None else base))
+        if behind and record.unpersisted_since is None:
+            record.unpersisted_since = now
+        elif not behind:
+            record.unpersisted_since = None
+        return {"persist_every_steps": persist.every_steps or 0,
+                "persist_every_seconds": persist.every_seconds or 0.0,
+                "persisted": persisted, "unpersisted_steps": behind, "grid": record.grid,
+                "unpersisted_seconds": 0.0 if record.unpersisted_since is None
+                else now - record.unpersisted_since}
 
     def status(self) -> dict[str, Any]:
         """Per job: each rank's latest (generation, step) held, bytes held, unprotected flag,

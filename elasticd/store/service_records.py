@@ -40,6 +40,22 @@ class JobRecord:
     fetched: set[tuple[int, int, int]] = dataclasses.field(default_factory=set)
     generation_started: int = -1
     scratch_refused: int = 0  # partial copies refused over the job's scratch cap
+    # For the persistent tier's staleness (protection.JobView): the first step seen here, the
+    # most steps between two consecutive steps reached in one generation, the newest complete
+    # tier step the last assessment knew, and since when the job is past it.
+    first_step: int | None = None
+    grid: int = 0
+    persist_seen: tuple[int, int] | None = None
+    unpersisted_since: float | None = None
+
+    def reached(self, version: tuple[int, int]) -> None:
+        """The job reached ``version`` (a snapshot asked for, taken, or held at a restart)."""
+        old = self.progress
+        if old is not None and old[0] == version[0] and version[1] > old[1]:
+            self.grid = max(self.grid, version[1] - old[1])
+        if self.first_step is None:
+            self.first_step = version[1]
+        self.progress = max(old or version, version)
 
 
 @dataclasses.dataclass(frozen=True)

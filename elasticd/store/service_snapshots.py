@@ -94,7 +94,7 @@ class Snapshots:
                 # The step is reached once its snapshot is asked for, taken or not: a rank
                 # killed before the snapshot completes must still count it as lost.
                 record = self._book.jobs[job]
-                record.progress = max(record.progress or (gen, step), (gen, step))
+                record.reached((gen, step))
             if self._paused:
                 self._book.counters["skipped_paused"] += 1
                 return {"skip": True, "reason": f"paused: {self._paused}"}
@@ -245,7 +245,7 @@ class Snapshots:
             if record.first_snapshot_at is None:
                 record.first_snapshot_at = self.clock.monotonic()
             record.nbytes[rank] = nbytes
-            record.progress = max(record.progress or version, version)
+            record.reached(version)
             self._book.counters["snapshots"] += 1
         emit(self._sink, "snapshot_completed", job, rank, sealed.step, nbytes, stall)
         try:

@@ -31,6 +31,31 @@ OK = JobView(newest=(0, 50), replicated=True, placement=True, committed=(0, 49),
     (JobView(**{**OK.__dict__, "lag": 10}), None),
     (JobView(**{**OK.__dict__, "replicated": False, "placement": False, "lag": 99}), None),
     (JobView(replicated=True, seconds=60), None),  # no snapshot yet: nothing to protect
+    # The persistent tier, every K=5 steps (limit 3*max(K, grid) + lag_limit = 25 steps).
+    (JobView(**{**OK.__dict__, "persist_every_steps": 5, "unpersisted_steps": 25}), None),
+    (JobView(**{**OK.__dict__, "persist_every_steps": 5, "unpersisted_steps": 26}),
+     "persist_stale"),
+    (JobView(**{**OK.__dict__, "persist_every_steps": 5, "grid": 20, "unpersisted_steps": 70}),
+     None),  # snapshots every 20 steps: flushes land up to 20 steps apart
+    (JobView(**{**OK.__dict__, "persist_every_steps": 5, "unpersisted_steps": 26, "lag": 11}),
+     "commit_lag"),  # the cause first
+    (JobView(newest=(0, 50), seconds=60, persist_every_steps=5, unpersisted_steps=26),
+     "persist_stale"),  # without replication too
+    (JobView(newest=(0, 50), seconds=3, persist_every_steps=5, unpersisted_steps=26),
+     None),  # young
+    (JobView(newest=(0, 50), seconds=60, unpersisted_steps=999, unpersisted_seconds=1e6),
+     None),  # no tier, or one without a cadence
+    # Every T=10 s (limit 3*T + grace = 35 s), and with both K and T: past both.
+    (JobView(newest=(0, 50), seconds=60, persist_every_seconds=10, unpersisted_steps=1,
+             unpersisted_seconds=36), "persist_stale"),
+    (JobView(newest=(0, 50), seconds=60, persist_every_seconds=10, unpersisted_steps=1,
+             unpersisted_seconds=35), None),
+    (JobView(newest=(0, 50), seconds=60, persist_every_seconds=10, unpersisted_steps=0,
+             unpersisted_seconds=99), None),  # nothing new to persist
+    (JobView(newest=(0, 50), seconds=60, persist_every_steps=5, persist_every_seconds=10,
+             unpersisted_steps=99, unpersisted_seconds=30), None),
+    (JobView(newest=(0, 50), seconds=60, persist_every_steps=5, persist_every_seconds=10,
+             unpersisted_steps=99, unpersisted_seconds=36), "persist_stale"),
 ])
 def test_assess(view, reason):
     verdict = assess(view, lag_limit=10, grace=5)

@@ -149,7 +149,7 @@ def test_over_budget_skips_warns_once_and_marks_unprotected(root, caplog):
         assert service.status()["big"]["unprotected"] is True
         assert service.stats().skipped_over_budget_total == 3
         assert service.stats().unprotected_jobs == {
-            "snapshots_failing": 1, "no_placement": 0, "commit_lag": 0}
+            "snapshots_failing": 1, "no_placement": 0, "commit_lag": 0, "persist_stale": 0}
         assert "over the memory cap" in service.unprotected("big")
         assert sink.events.count(("snapshot_skipped", "big", "over_budget")) == 3
         write_snapshot(t, "big", 0, 4, world=1, n=1000)  # fits: protected again
