@@ -131,6 +131,21 @@ def _give(dir_fd: int, name: str, uid: int | None) -> None:
         os.chown(name, uid, -1, dir_fd=dir_fd, follow_symlinks=False)
 
 
+def _owner(dir_fd: int, markers: dict[int, Any]) -> int | None:
+    """The one user every marker of a step was given to, if any.
+
+    A step the listing completes (no writer saw every marker) is finished by whoever lists it,
+    without a job to ask for the user: the daemon, as root, would leave a manifest (mode 0600)
+    the job's workers cannot read, and the step would stay invisible to their restores.
+    """
+    try:
+        owners = {os.stat(f"rank-{r}.json", dir_fd=dir_fd, follow_symlinks=False).st_uid
+                  for r in markers}
+    except FileNotFoundError:  # pruned meanwhile: the manifest's own checks decide
+        return None
+    return owners.pop() if len(owners) == 1 else None
+
+
 def _valid_record(record: Any, rank: int) -> bool:
     """Whether a marker or manifest rank record has the fields a read needs, typed."""
     return (isinstance(record, dict) and type(record.get("rank")) is int
@@ -224,6 +239,8 @@ class Tier:
         world = {m["world_size"] for m in markers.values()}  # none: no marker yet
         if len(world) != 1 or set(markers) != set(range(world.pop())):
             return False
+        if uid is None:
+            uid = _owner(fd, markers)
         manifest = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "job": job,
                     "generation": int(version[0]), "step": int(version[1]),
                     "world_size": len(markers),

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -21,7 +23,9 @@ from elasticd.snapshot.format import (
 )
 from elasticd.persistence import safetensors_file
 from elasticd.persistence.persister import Persister
+from elasticd.launcher import reachable
 from elasticd.persistence.tier import MANIFEST, Tier
+from tests.users import temporary_user
 
 ARRAYS = {
     "model/w": np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4),
@@ -280,6 +284,24 @@ def test_listing_repairs_a_step_both_writers_missed(tmp_path):
         tier.write_rank(*snapshot(rank=rank, step=8))
     assert tier.manifest("job", (0, 8)) is None
     assert [m.version() for m in tier.complete_steps("job")] == [(0, 8)]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="gives files to another user: needs root (CI is)")
+def test_a_step_the_daemon_repairs_stays_readable_by_the_jobs_user(tmp_path):
+    """The daemon lists the tier with no job at hand (uid None): the manifest it writes goes to
+    the user the markers belong to, or the job's workers never see the step."""
+    reachable(str(tmp_path))
+    tier = Tier(str(tmp_path))
+    with temporary_user("edp") as user:
+        for rank in (0, 1):
+            tier.write_rank(*snapshot(rank=rank, step=8), uid=user.pw_uid)
+        assert [m.version() for m in tier.complete_steps("job")] == [(0, 8)]
+        manifest = os.path.join(tier.step_dir("job", (0, 8)), MANIFEST)
+        assert os.stat(manifest).st_uid == user.pw_uid
+        read = subprocess.run([sys.executable, "-c", f"open({manifest!r}, 'rb').read()"],
+                              user=user.pw_uid, group=user.pw_gid, capture_output=True,
+                              text=True, timeout=60)
+        assert read.returncode == 0, read.stderr
 
 
 def test_persister_flushes_in_background_and_skips_when_busy(tmp_path, monkeypatch):
