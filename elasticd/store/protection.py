@@ -60,7 +60,7 @@ class JobView:
             complete yet, or one of an older run newer than the job, past the job's first
             step seen here).
         unpersisted_seconds: since the job first went past ``persisted`` here.
-        grid: the most steps seen between two of the job's consecutive snapshots here (a flush
+        grid: the most steps between two of the job's recent consecutive snapshots here (a flush
             due every K steps lands on the first snapshot at or after a multiple of K).
     """
 

@@ -17,6 +17,10 @@ from elasticd.local.wire import RequestError
 log = logging.getLogger(__name__)
 
 
+#: Consecutive snapshot gaps the tier's staleness bound looks back over.
+GAPS = 8
+
+
 @dataclasses.dataclass
 class JobRecord:
     """One job's checkpoint state on this node."""
@@ -41,18 +45,26 @@ class JobRecord:
     generation_started: int = -1
     scratch_refused: int = 0  # partial copies refused over the job's scratch cap
     # For the persistent tier's staleness (protection.JobView): the first step seen here, the
-    # most steps between two consecutive steps reached in one generation, the newest complete
-    # tier step the last assessment knew, and since when the job is past it.
+    # steps between the last GAPS pairs of consecutive steps reached in one generation (recent
+    # ones only: a grid that widened under load once and narrowed again must not loosen the
+    # bound for the rest of the job), the newest complete tier step the last assessment knew,
+    # and since when the job is past it.
     first_step: int | None = None
-    grid: int = 0
+    gaps: collections.deque = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=GAPS))
     persist_seen: tuple[int, int] | None = None
     unpersisted_since: float | None = None
+
+    @property
+    def grid(self) -> int:
+        """The most steps between two of the job's recent consecutive snapshots here (0: none)."""
+        return max(self.gaps, default=0)
 
     def reached(self, version: tuple[int, int]) -> None:
         """The job reached ``version`` (a snapshot asked for, taken, or held at a restart)."""
         old = self.progress
         if old is not None and old[0] == version[0] and version[1] > old[1]:
-            self.grid = max(self.grid, version[1] - old[1])
+            self.gaps.append(version[1] - old[1])
         if self.first_step is None:
             self.first_step = version[1]
         self.progress = max(old or version, version)

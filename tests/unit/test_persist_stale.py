@@ -14,6 +14,7 @@ import pytest
 from elasticd.metrics import CheckpointSink, Metrics
 from elasticd.persistence.persister import Persister
 from elasticd.store.service import CheckpointService
+from elasticd.store.service_records import JobRecord
 from elasticd.store.shm import SlotStore
 from elasticd.testing.clock import FakeClock
 from elasticd.testing.transport import InProcessTransport
@@ -146,3 +147,19 @@ def test_every_seconds_three_periods_of_time(cluster):
     status = node.service.status()["j"]
     assert status["unprotected_kind"] == "persist_stale"
     assert "newest complete: none" in status["unprotected_reason"]
+
+
+def test_a_grid_that_widened_once_does_not_loosen_the_bound_for_good():
+    """The snapshot grid widens under load and narrows again; the staleness bound follows the
+    recent gaps, not the widest the job ever had (3 × 16 steps would hide a stale tier)."""
+    record = JobRecord()
+    steps = [0, 16, 32, 48, 49, 50, 51, 52, 53, 54, 55, 56]
+    for step in steps[:4]:
+        record.reached((0, step))
+    assert record.grid == 16
+    for step in steps[4:]:
+        record.reached((0, step))
+    assert record.grid == 1
+    record.reached((1, 3))  # a new generation: no gap across it
+    assert record.grid == 1
+
