@@ -18,8 +18,12 @@ makes that race-free, and a step is complete only once every rank is written, so
 pick the same steps. ``every_steps`` decided on each node's own completed snapshots did not: a
 snapshot skipped on one node (both slots waiting for a commit) moved its flush to another step
 than its peers', and CI saw a job's tier hold no complete step at all. Decided on the commits,
-which every node learns alike, it does. ``every_seconds`` is decided by each node's own clock, so
-on a multi-node job two nodes may pick different steps now and then; such a step stays
+which every node learns alike, it does. ``every_seconds`` is judged in periods of the wall clock
+(the first step offered in each period of T seconds since the epoch), not T after this node's
+last flush: nodes that flushed different steps once (one joined a commit later, or its writer
+was busy) would otherwise keep their deadlines a commit apart and never pick the same step again.
+With periods they meet again in the next period; only a commit learned within the nodes' clock
+skew of a period's start can land in different periods on two nodes, and that step stays
 incomplete and is pruned once a newer step is complete.
 
 A node that writes its ranks of a step before its peers do finds no manifest after its flush
@@ -86,7 +90,8 @@ class Persister:
         keep: complete steps kept per job (older ones are pruned after each flush).
         every_steps: flush steps that are multiples of this (or, when a multiple's snapshot was
             skipped, the first step offered after it).
-        every_seconds: flush the first step offered this long after the previous flush.
+        every_seconds: flush the first step offered in each period of this many seconds of
+            the wall clock (see the module docstring).
             With neither, every step offered is flushed (when the writer is free).
         node_id: recorded in the markers.
         clock: injected time.
@@ -110,7 +115,7 @@ class Persister:
         self.on_flushed = on_flushed
         self._queue: "queue.Queue[Any]" = queue.Queue()  # bounded by _pending, in submit
         self._lock = threading.Lock()
-        self._last_flush: dict[str, float] = {}
+        self._last_period: dict[str, int] = {}  # job -> the wall-clock period last flushed
         self._offered_step: dict[str, int] = {}  # job -> the last step due() was asked about
         self._persisted: dict[str, tuple[int, int]] = {}
         self._seen = _Seen()
@@ -145,9 +150,12 @@ class Persister:
                 return True
         if self.every_seconds is not None:
             with self._lock:
-                last = self._last_flush.get(job)
-            return last is None or self.clock.monotonic() - last >= self.every_seconds
+                last = self._last_period.get(job)
+            return last is None or self._period() > last
         return False
+
+    def _period(self) -> int:
+        return int(self.clock.wall() // self.every_seconds) if self.every_seconds else 0
 
     def submit(self, job: str, views: Sequence[Any], uid: int | None = None,
                retry: Callable[[], Sequence[Any] | None] | None = None) -> bool:
@@ -172,10 +180,10 @@ class Persister:
             if not skip:
                 self._queue.put_nowait((job, list(views), uid))
                 self._pending += 1
-                self._last_flush[job] = self.clock.monotonic()
+                self._last_period[job] = self._period()
             elif skip == "skipped_busy" and retry is not None:
                 skip, self._waiting[job] = "deferred_busy", (retry, uid)
-                self._last_flush[job] = self.clock.monotonic()
+                self._last_period[job] = self._period()
             if skip:
                 self.counters[skip] += 1
         if skip:

@@ -351,6 +351,30 @@ def test_persister_policy(tmp_path):
         Persister(str(tmp_path), keep=0)
 
 
+def test_nodes_that_flushed_different_steps_once_meet_again_by_time(tmp_path):
+    """``every_seconds`` on two nodes: B starts flushing one commit later than A (joined late,
+    or its writer was busy). T after each node's own last flush kept them a commit apart for
+    good (A 1, 11, 21, 31; B 2, 12, 22, 32: no step ever complete); periods of the wall clock
+    bring them back to the same steps."""
+    from elasticd.testing.clock import FakeClock
+
+    flushed: dict[str, list[int]] = {"a": [], "b": []}
+    for name, first, late in (("a", 1, 0.0), ("b", 2, 0.01)):
+        clock = FakeClock()
+        p = Persister(str(tmp_path / name), every_seconds=10, clock=clock)
+        try:
+            for step in range(first, 40):  # a commit a second, B learns each 10 ms later
+                clock.advance(step + 0.5 + late - clock.monotonic() + 1_000)
+                if p.due("job", step):
+                    assert p.submit("job", [View(*snapshot(rank=0, world=1, step=step))])
+                    assert p.flush(10)
+                    flushed[name].append(step)
+        finally:
+            p.close()
+    assert flushed["a"][0] == 1 and flushed["b"][0] == 2
+    assert flushed["a"][1:] == flushed["b"][1:] and len(flushed["a"]) >= 4
+
+
 def test_a_skipped_multiple_moves_the_flush_to_the_next_step_offered(tmp_path):
     p = Persister(str(tmp_path), every_steps=5)
     try:
