@@ -43,6 +43,12 @@ from tests.unit.test_replication_attacks import (
 RUN_BYTES = 4 * BLOCK  # the holder's chunk: one run carries the four 256 KiB blocks
 
 
+def swap_first_two(payload: bytearray, at: int, size: int) -> None:
+    """Swaps the ``size``-byte items at ``at`` and ``at + size``."""
+    first, second = bytes(payload[at : at + size]), bytes(payload[at + size : at + 2 * size])
+    payload[at : at + 2 * size] = second + first
+
+
 def test_a_holder_serves_consecutive_blocks_in_one_run_checked_block_by_block():
     with server(MemorySink(), chunk_size=RUN_BYTES) as srv:
         header, payload = sealed_push(srv.address)
@@ -73,12 +79,9 @@ def test_a_relay_swapping_two_blocks_of_a_run_fails_their_block_tags():
     """Blocks of the same length swapped within the run (prefix untouched): each is checked
     under its own offset as nonce, so a block moved within a run fails as one moved across."""
     def swap(seen: int, payload: bytearray) -> bool:
-        if seen != 2:
-            return False
-        at = blocks_start(payload)
-        first, second = bytes(payload[at : at + BLOCK]), bytes(payload[at + BLOCK : at + 2 * BLOCK])
-        payload[at : at + 2 * BLOCK] = second + first
-        return True
+        if seen == 2:
+            swap_first_two(payload, blocks_start(payload), BLOCK)
+        return seen == 2
 
     with server(MemorySink(), chunk_size=RUN_BYTES) as srv:
         sealed_push(srv.address)
@@ -91,15 +94,10 @@ def test_a_relay_reordering_the_tags_of_a_run_fails_the_session_tag():
     matches the tag beside it, but the prefix is the session tag's, so the frame is refused
     before a block is read."""
     def swap(seen: int, payload: bytearray) -> bool:
-        if seen != 2:
-            return False
-        e0, e1 = RUN.size, RUN.size + RUN_ENTRY.size
-        entries = bytes(payload[e0 : e1 + RUN_ENTRY.size])
-        payload[e0 : e1 + RUN_ENTRY.size] = entries[RUN_ENTRY.size :] + entries[: RUN_ENTRY.size]
-        at = blocks_start(payload)
-        first, second = bytes(payload[at : at + BLOCK]), bytes(payload[at + BLOCK : at + 2 * BLOCK])
-        payload[at : at + 2 * BLOCK] = second + first
-        return True
+        if seen == 2:
+            swap_first_two(payload, RUN.size, RUN_ENTRY.size)  # the (length, tag) entries
+            swap_first_two(payload, blocks_start(payload), BLOCK)
+        return seen == 2
 
     with server(MemorySink(), chunk_size=RUN_BYTES) as srv:
         sealed_push(srv.address)
