@@ -83,6 +83,10 @@ class PacedChannel:
         self._bucket.take(len(chunk))
         self._channel.send_data(offset, chunk)
 
+    def send_run(self, offset, blocks) -> None:
+        self._bucket.take(sum(len(chunk) for _, chunk in blocks))
+        self._channel.send_run(offset, blocks)
+
     def __getattr__(self, name):
         return getattr(self._channel, name)
 
@@ -92,8 +96,8 @@ def holder(conn, index: int, rate: float) -> None:
     bucket = TokenBucket(rate, CHUNK)
     real = server_module.send_stream
 
-    def paced_send_stream(channel, parts, chunk, tags=None, base=0):
-        return real(PacedChannel(channel, bucket), parts, chunk, tags, base)
+    def paced_send_stream(channel, parts, chunk, tags=None, base=0, max_frame=None):
+        return real(PacedChannel(channel, bucket), parts, chunk, tags, base, max_frame)
 
     server_module.send_stream = paced_send_stream  # bench only: this process's server
     srv = ReplicaServer("127.0.0.1", 0, SECRET, f"h{index}", MemorySink(), idle_timeout=600.0,

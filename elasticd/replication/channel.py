@@ -44,14 +44,17 @@ from elasticd.replication.messages import (
     encode_frame,
     frame_opener,
     open_payload,
-    pretagged_prefix,
+    run_prefix,
 )
 from elasticd.replication.overlap import Helper
 from elasticd.replication.seal import BlockTags, FrameKey, Opener, one_time_tagger
 from elasticd.replication.wire import (
     HEADER_SIZE,
+    MAX_RUN_BLOCKS,
+    MAX_RUN_PREFIX,
     OFFSET,
-    PRETAG,
+    RUN,
+    RUN_ENTRY,
     BlockTagMismatch,
     FrameHeader,
     FrameType,
@@ -83,7 +86,7 @@ class Channel:
         self.limits = limits
         self._head = memoryview(bytearray(HEADER_SIZE))
         self._offset = memoryview(bytearray(OFFSET.size))
-        self._pretag = memoryview(bytearray(PRETAG.size))
+        self._run = memoryview(bytearray(MAX_RUN_PREFIX))
         self._control = memoryview(bytearray(limits.max_control))
         # TLS sockets have no sendmsg; fall back to one sendall per part there.
         self._gather = isinstance(sock, socket.socket) and not isinstance(sock, ssl.SSLSocket)
@@ -157,12 +160,14 @@ class Channel:
         """Sends one DATA frame; ``chunk`` is read (and tagged) where it lies."""
         self._send(data_prefix(offset, chunk, self.send_key), chunk)
 
-    def send_pretagged(self, offset: int, tag: bytes, chunk: memoryview) -> None:
-        """Sends ``chunk`` with the block tag made when it was sealed (pretagged DATA: the
-        chunk is not read here, only sent)."""
+    def send_run(self, offset: int, blocks: list[tuple[bytes, memoryview]]) -> None:
+        """Sends consecutive blocks from ``offset`` on in one pretagged DATA frame, each with
+        the tag made when it was sealed: ``blocks`` is ``(tag, chunk)`` in order. The chunks
+        are not read here, only sent, all in one ``sendmsg`` with the frame's prefix."""
         if self.send_key is None:
             raise ValueError("pretagged DATA needs an authenticated session")
-        self._send(pretagged_prefix(offset, len(chunk), tag, self.send_key), chunk)
+        prefix = run_prefix(offset, [(len(chunk), tag) for tag, chunk in blocks], self.send_key)
+        self._send(prefix, *(chunk for _, chunk in blocks))
 
     def send_error(self, code: str, message: str) -> None:
         """Best effort: tells the peer why the connection is about to close."""
@@ -282,25 +287,32 @@ class Channel:
                         destination: Destination) -> tuple[int, int]:
         if self.block_key is None:
             raise UnexpectedFrame("pretagged DATA in a transfer whose PUT_BEGIN gave no tag salt")
-        # The offset and block tag are authenticated (session tag) before the chunk is read.
-        self._recv_exactly(self._pretag, "a DATA offset and block tag")
-        session.update(self._pretag)
+        # The whole prefix (offset, count, lengths, block tags) is authenticated by the session
+        # tag before a byte of block is read, and its lengths must fill the frame exactly.
+        fixed = self._run[: RUN.size]
+        self._recv_exactly(fixed, "a run's offset and block count")
+        offset, n = RUN.unpack(fixed)
+        prefix = RUN.size + n * RUN_ENTRY.size
+        if not 0 < n <= MAX_RUN_BLOCKS or prefix >= header.length:
+            raise MalformedFrame(f"pretagged DATA frame of {header.length} bytes announces a "
+                                 f"run of {n} blocks (1 to {MAX_RUN_BLOCKS}, each at least "
+                                 "one byte)")
+        self._recv_exactly(self._run[RUN.size : prefix], "a run's block lengths and tags")
+        session.update(self._run[:prefix])
         session.check(header)
-        offset, tag = PRETAG.unpack(self._pretag)
-        length = header.length - PRETAG.size
+        blocks = list(RUN_ENTRY.iter_unpack(self._run[RUN.size : prefix]))
+        length = header.length - prefix
+        if any(size == 0 for size, _ in blocks) or sum(size for size, _ in blocks) != length:
+            raise MalformedFrame(f"a run of {n} blocks of {[b[0] for b in blocks][:8]} bytes "
+                                 f"does not fill its frame's {length} block bytes")
         target = destination(offset, length)
         if len(target) != length:
             raise ProtocolError(f"destination for {length} bytes has {len(target)}")
-        block = Opener(one_time_tagger(self.block_key, offset), tag)
-        self._recv_exactly(target, "a DATA chunk", feed=block.update)
-        if not block.verify():
-            raise BlockTagMismatch(f"block of {length} bytes at offset {offset} fails its block "
-                                   "tag (the check its owner sealed it with): corrupt in the "
-                                   "sender's memory, altered in transit, or not the snapshot "
-                                   "its owner sealed")
+        run = _RunCheck(self.block_key, offset, blocks)
+        self._recv_exactly(target, "a run of blocks", feed=run.update)
         self.tag_checked_bytes += length
         if self.landed_tags is not None:
-            self.landed_tags[offset] = (length, tag)
+            self.landed_tags.update(run.landed)
         return offset, length
 
     def _recv_exactly(self, view: memoryview, what: str, at_boundary: bool = False,
@@ -407,14 +419,20 @@ def receive_stream(channel: Channel, total: int, target: memoryview, base: int =
 
 
 def send_stream(channel: Channel, parts: tuple[memoryview, ...], chunk: int,
-                tags: BlockTags | None = None, base: int = 0) -> int:
+                tags: BlockTags | None = None, base: int = 0,
+                max_frame: int | None = None) -> int:
     """Sends ``parts`` back to back as DATA frames of at most ``chunk`` bytes, then PUT_END.
 
     Args:
-        tags: block tags made at seal time (the receiver was given their salt): a piece that
-            is exactly one tagged block goes pretagged, any other is tagged here.
+        chunk: the most snapshot bytes one frame carries; at most the peer's largest DATA
+            payload less a one-block run's prefix (:func:`frame_chunk`).
+        tags: block tags made at seal time (the receiver was given their salt): pieces that
+            are exactly one tagged block each go pretagged, consecutive ones in runs of up to
+            ``chunk`` bytes; any other piece is tagged here.
         base: the snapshot offset of the first byte (a ranged fetch); PUT_END counts the
             bytes sent.
+        max_frame: the peer's largest DATA payload (a run's prefix counts; default: room for
+            the longest run's prefix beside ``chunk``).
 
     Returns:
         The frame count.
@@ -437,13 +455,10 @@ def send_stream(channel: Channel, parts: tuple[memoryview, ...], chunk: int,
             pieces.append((offset, part[i : i + n]))
             i += n
             offset += n
+    frames = len(pieces)
     if tags is not None and channel.send_key is not None:
-        for at, piece in pieces:
-            tag = tags.tag_at(at, len(piece))
-            if tag is not None:
-                channel.send_pretagged(at, tag, piece)
-            else:
-                channel.send_data(at, piece)
+        limit = chunk + MAX_RUN_PREFIX if max_frame is None else max_frame
+        frames = _send_runs(channel, pieces, tags, chunk, limit)
     elif channel.send_key is None or len(pieces) < 2 or not OVERLAP:
         for at, piece in pieces:
             channel.send_data(at, piece)
@@ -463,8 +478,43 @@ def send_stream(channel: Channel, parts: tuple[memoryview, ...], chunk: int,
                 if i + 1 < len(pieces):
                     helper.submit(seal, i + 1)
                 channel._send(prefixes[i], piece)
-    channel.send(PutEnd(offset - base, len(pieces)))
-    return len(pieces)
+    channel.send(PutEnd(offset - base, frames))
+    return frames
+
+
+def frame_chunk(chunk_size: int, peer_max_frame: int) -> int:
+    """The most snapshot bytes a DATA frame to a peer accepting ``peer_max_frame`` payload
+    bytes carries: ``chunk_size``, less what a one-block run's prefix needs beside it."""
+    return min(chunk_size, peer_max_frame - RUN.size - RUN_ENTRY.size)
+
+
+def _send_runs(channel: Channel, pieces: list[tuple[int, memoryview]], tags: BlockTags,
+               chunk: int, max_frame: int) -> int:
+    """Sends tagged blocks in runs of consecutive ones (at most ``chunk`` bytes of blocks,
+    MAX_RUN_BLOCKS and ``max_frame`` payload bytes a frame), other pieces as DATA tagged
+    here; returns the frame count."""
+    frames: int = 0
+    run: list[tuple[bytes, memoryview]] = []
+    start = size = 0
+    for at, piece in pieces:
+        tag = tags.tag_at(at, len(piece))
+        grown = RUN.size + (len(run) + 1) * RUN_ENTRY.size + size + len(piece)
+        if run and (tag is None or size + len(piece) > chunk or len(run) == MAX_RUN_BLOCKS
+                    or grown > max_frame):
+            channel.send_run(start, run)
+            frames, run = frames + 1, []
+        if tag is None:
+            channel.send_data(at, piece)
+            frames += 1
+            continue
+        if not run:
+            start, size = at, 0
+        run.append((tag, piece))
+        size += len(piece)
+    if run:
+        channel.send_run(start, run)
+        frames += 1
+    return frames
 
 
 #: Bytes asked for each replication socket's send and receive buffers (the kernel doubles the
@@ -501,3 +551,38 @@ OVERLAP = False
 
 def _helper(wanted: bool, name: str) -> contextlib.AbstractContextManager[Any]:
     return Helper(name) if wanted and OVERLAP else contextlib.nullcontext()
+
+
+class _RunCheck:
+    """Checks each block of a run against its own tag as its bytes arrive, in order; a block
+    that fails is refused as soon as its last byte is in (the rest of the run is not read)."""
+
+    def __init__(self, key: bytes, offset: int, blocks: list[tuple[int, bytes]]) -> None:
+        self._key, self._blocks = key, blocks
+        self._index, self._at, self._left = 0, offset, blocks[0][0]
+        self._block = Opener(one_time_tagger(key, offset), blocks[0][1])
+        #: ``{offset: (length, tag)}`` of the blocks checked so far.
+        self.landed: dict[int, tuple[int, bytes]] = {}
+
+    def update(self, piece: memoryview) -> None:
+        while len(piece):
+            take = min(self._left, len(piece))
+            self._block.update(piece[:take])
+            piece, self._left = piece[take:], self._left - take
+            if not self._left:
+                self._finish()
+
+    def _finish(self) -> None:
+        length, tag = self._blocks[self._index]
+        if not self._block.verify():
+            raise BlockTagMismatch(f"block of {length} bytes at offset {self._at} fails its "
+                                   "block tag (the check its owner sealed it with): corrupt "
+                                   "in the sender's memory, altered or moved in transit, or "
+                                   "not the snapshot its owner sealed")
+        self.landed[self._at] = (length, tag)
+        self._at += length
+        self._index += 1
+        if self._index < len(self._blocks):
+            self._left = self._blocks[self._index][0]
+            self._block = Opener(one_time_tagger(self._key, self._at),
+                                 self._blocks[self._index][1])

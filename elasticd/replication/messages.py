@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import struct
-from typing import Any, ClassVar, Union, get_args
+from typing import Any, ClassVar, Sequence, Union, get_args
 
 from elasticd.replication.api import Descriptor
 from elasticd.replication.seal import SALT_BYTES, TAG_BYTES, FrameKey
@@ -27,7 +27,9 @@ from elasticd.replication.wire import (
     MAX_NODE_ID,
     NONCE_BYTES,
     OFFSET,
-    PRETAG,
+    MAX_RUN_BLOCKS,
+    RUN,
+    RUN_ENTRY,
     PROOF_BYTES,
     VERSION,
     FrameHeader,
@@ -407,16 +409,23 @@ def data_prefix(offset: int, chunk: Any, key: FrameKey | None = None) -> bytes:
     return _check(FrameType.DATA, OFFSET.size + memoryview(chunk).nbytes, key, off, chunk) + off
 
 
-def pretagged_prefix(offset: int, length: int, tag: bytes, key: FrameKey) -> bytes:
-    """Header, offset and block tag of a pretagged DATA frame of ``length`` chunk bytes.
+def run_prefix(offset: int, blocks: Sequence[tuple[int, bytes]], key: FrameKey) -> bytes:
+    """Header, session tag and run prefix of a pretagged DATA frame carrying ``blocks``.
 
-    The session tag covers only these bytes: the chunk is covered by its block tag, made when
-    the snapshot was sealed (wire.py), so nothing here reads the chunk.
+    Args:
+        offset: the snapshot offset of the first block; the others follow it back to back.
+        blocks: ``(length, block tag)`` of each block, in order (1 to MAX_RUN_BLOCKS).
+
+    The session tag covers only these bytes: each block is covered by its block tag, made when
+    the snapshot was sealed (wire.py), so nothing here reads the blocks.
     """
-    pretag = PRETAG.pack(offset, _exact(tag, TAG_BYTES))
+    if not 0 < len(blocks) <= MAX_RUN_BLOCKS:
+        raise ValueError(f"a run carries 1 to {MAX_RUN_BLOCKS} blocks, got {len(blocks)}")
+    prefix = RUN.pack(offset, len(blocks)) + b"".join(
+        RUN_ENTRY.pack(length, _exact(tag, TAG_BYTES)) for length, tag in blocks)
     checked = CHECKED.pack(MAGIC, VERSION, FrameType.DATA, FLAG_SEALED | FLAG_PRETAGGED,
-                           PRETAG.size + length)
-    return checked + key.seal(checked, pretag) + pretag
+                           len(prefix) + sum(length for length, _ in blocks))
+    return checked + key.seal(checked, prefix) + prefix
 
 
 def decode_payload(header: FrameHeader, payload: memoryview) -> Message:

@@ -46,7 +46,13 @@ from elasticd.replication.api import (
 )
 from elasticd.replication.auth import AuthFailures, check_secret, server_handshake
 from elasticd.replication.seal import BlockTagger, BlockTags
-from elasticd.replication.channel import Channel, receive_stream, send_stream, tune
+from elasticd.replication.channel import (
+    Channel,
+    frame_chunk,
+    receive_stream,
+    send_stream,
+    tune,
+)
 from elasticd.replication.connections import Connections, Listener
 from elasticd.replication.messages import (
     Ack,
@@ -61,7 +67,6 @@ from elasticd.replication.report import Reply, Report, decode_report, encode_rep
 from elasticd.replication.wire import (
     DEFAULT_MAX_CONTROL,
     DEFAULT_MAX_FRAME,
-    PRETAG,
     Limits,
     ProtocolError,
     UnexpectedFrame,
@@ -381,8 +386,8 @@ class ReplicaServer:
             # not read here, each with the tag its owner made when it sealed the snapshot.
             tags = self.sink.tags(d)
             channel.send(FetchReply(d, tags.salt if tags is not None else None))
-            send_stream(channel, (view[start:end],),
-                        min(self.chunk_size, peer_max_frame - PRETAG.size), tags, base=start)
+            send_stream(channel, (view[start:end],), frame_chunk(self.chunk_size, peer_max_frame),
+                        tags, base=start, max_frame=peer_max_frame)
         finally:
             self._connections.fetched()
             self.sink.release(d)

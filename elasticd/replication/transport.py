@@ -29,7 +29,13 @@ from elasticd.replication.api import (
     Version,
 )
 from elasticd.replication.auth import check_secret, client_handshake
-from elasticd.replication.channel import Channel, receive_stream, send_stream, tune
+from elasticd.replication.channel import (
+    Channel,
+    frame_chunk,
+    receive_stream,
+    send_stream,
+    tune,
+)
 from elasticd.replication.messages import (
     Ack,
     CommitReply,
@@ -46,7 +52,6 @@ from elasticd.replication.server import DEFAULT_CHUNK, ReplicaServer, ServerStat
 from elasticd.replication.wire import (
     DEFAULT_MAX_CONTROL,
     DEFAULT_MAX_FRAME,
-    OFFSET,
     Limits,
     ProtocolError,
 )
@@ -140,13 +145,14 @@ class ReplicaClient:
                              f"hold {len(head)} + {len(body)}")
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-        chunk = min(chunk_size, self.peer_max_frame - OFFSET.size)
+        chunk = frame_chunk(chunk_size, self.peer_max_frame)
 
         def run() -> PushResult:
             started = self.clock.monotonic()
             self.channel.send(PutBegin(descriptor, tags.salt if tags is not None else None))
             self._reply(Ack)
-            frames = send_stream(self.channel, (head, body), chunk, tags)
+            frames = send_stream(self.channel, (head, body), chunk, tags,
+                                 max_frame=self.peer_max_frame)
             self._reply(Ack)
             return PushResult(descriptor, frames, self.clock.monotonic() - started)
 

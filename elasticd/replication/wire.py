@@ -15,14 +15,22 @@ is caught as surely as a flipped payload byte. What it is depends on the SEALED 
 * unsealed (the handshake only, before any key exists): xxh3_128, which detects corruption.
   The handshake's content is bound by the keys and proofs derived from it.
 
-A sealed DATA frame may also be PRETAGGED (v4): its payload is offset (8) | block tag (16) |
-chunk, the session tag covers the 12 header bytes, the offset and the block tag, and the
-block tag covers the chunk under the snapshot's block key (:class:`~elasticd.replication.seal.
-BlockTags`: made once when the snapshot was sealed, keyed by the cluster secret and the salt
-its PUT_BEGIN, or since v5 its FETCH_REPLY, carries). So every frame is still authenticated,
-the chunk by a tag that was not made on the transfer's critical path; a relay that alters the
-chunk fails the block tag (:class:`BlockTagMismatch`), one that alters, replays or reorders
-the frame fails the session tag.
+A sealed DATA frame may also be PRETAGGED: since v6 it carries a run of consecutive blocks,
+each with the tag made when the snapshot was sealed. Its payload is::
+
+    offset u64 | n u32 | n × (length u32 | block tag (16)) | the n blocks, back to back
+
+The session tag covers the 12 header bytes and that prefix (offset, count, lengths and block
+tags) and is checked before a byte of block is read; each block is covered by its own tag
+under the snapshot's block key with its offset (``offset`` plus the lengths before it) as
+nonce (:class:`~elasticd.replication.seal.BlockTags`: made once when the snapshot was sealed,
+keyed by the cluster secret and the salt its PUT_BEGIN, or its FETCH_REPLY, carries). So every
+byte is still authenticated, the blocks by tags that were not made on the transfer's critical
+path, and a ~4 MiB run of small blocks costs one header, one session tag and one send instead
+of one of each per block (v4 and v5 carried one block per frame). A relay that alters a block
+fails its block tag (:class:`BlockTagMismatch`), one that moves blocks within or across runs
+fails it too (another nonce), one that alters, replays or reorders a frame or its prefix fails
+the session tag; lengths that do not add up to the frame are refused before any block is read.
 
 A reader checks magic, version, type, flags and the length limit for that type *before* reading
 the payload, so a hostile or corrupt length never makes it allocate or wait for more than
@@ -51,14 +59,15 @@ import xxhash
 from elasticd.replication.api import ReplicationError
 
 MAGIC = b"EDRP"
-VERSION = 5  # 2: client proves first, frames sealed (AES-GMAC); 3: tags are ChaCha20-Poly1305;
+VERSION = 6  # 2: client proves first, frames sealed (AES-GMAC); 3: tags are ChaCha20-Poly1305;
 # 4: pretagged DATA (block tags made at seal time); 5: commit reports to the job's coordinator
 # (REPORT, REPORT_REPLY), which replaced the per-node replicated records in etcd; holders keep
-# the block tags a push brought and serve fetches pretagged (FETCH_REPLY carries the salt)
+# the block tags a push brought and serve fetches pretagged (FETCH_REPLY carries the salt);
+# 6: a pretagged DATA frame carries a run of blocks (RUN, RUN_ENTRY), not one
 #: What a peer speaking an older version is told to do (the log line on each side).
 UPGRADE = ("upgrade elasticd on every node of the cluster (docs/operations.md, section 8, "
-           "\"Upgrades\"): this release commits through a coordinator (replication protocol "
-           "v5) and cannot replicate with older nodes")
+           "\"Upgrades\"): this release sends blocks in runs (replication protocol v6) and "
+           "cannot replicate with older nodes")
 CHECK_BYTES = 16
 HEADER = struct.Struct(f"!4sBBHI{CHECK_BYTES}s")
 HEADER_SIZE = HEADER.size
@@ -67,7 +76,11 @@ OFFSET = struct.Struct("!Q")
 FLAG_SEALED = 0x0001  # the check is the session's Poly1305 tag, not a checksum
 FLAG_PRETAGGED = 0x0002  # DATA only: the chunk carries its own block tag (see PRETAG)
 KNOWN_FLAGS = FLAG_SEALED | FLAG_PRETAGGED  # any other set bit means a newer peer
-PRETAG = struct.Struct("!Q16s")  # a pretagged DATA frame's offset and block tag
+RUN = struct.Struct("!QI")  # a pretagged DATA frame's first offset and block count
+RUN_ENTRY = struct.Struct("!I16s")  # then each block's length and tag
+#: Most blocks one run may carry: bounds the prefix a reader buffers and checks before any block.
+MAX_RUN_BLOCKS = 64
+MAX_RUN_PREFIX = RUN.size + MAX_RUN_BLOCKS * RUN_ENTRY.size
 NONCE_BYTES = 32
 PROOF_BYTES = 32
 MAX_NODE_ID = 255
@@ -212,9 +225,9 @@ def parse_header(raw: bytes | bytearray | memoryview, limits: Limits) -> FrameHe
         if kind is not FrameType.DATA or not flags & FLAG_SEALED:
             raise UnknownFlags(f"{kind.name} frame is marked pretagged, which only a sealed "
                                "DATA frame may be")
-        if length <= PRETAG.size:
+        if length <= RUN.size + RUN_ENTRY.size:
             raise MalformedFrame(f"pretagged DATA frame of {length} bytes has no room for "
-                                 "offset, block tag and data")
+                                 "a run of blocks")
     return FrameHeader(kind, flags, length, check, bytes(raw[: CHECKED.size]))
 
 

@@ -27,7 +27,7 @@ def test_corrupt_replica_is_refused_and_the_tier_used(tmp_path, reference):
                    reference=reference(shape))
     text = "".join(out.log_text(n) for n in out.cc.nodes)
     # A replica that came by a push keeps its owner's block tags and is served with them
-    # (protocol v5): the flipped byte fails its block tag as it lands, before any checksum
+    # (protocol v5, in runs since v6): the flipped byte fails its block tag as it lands, before any checksum
     # pass; a copy adopted after a restart has no tags and fails its checksum instead.
     assert "fails its block tag" in text or "checksum" in text, \
         "no worker reported the corrupt copy"

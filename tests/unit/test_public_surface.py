@@ -206,6 +206,26 @@ def test_etcd_key_layout():
     assert Keyspace("/other").node("n1") == b"/other/nodes/n1"
 
 
+# -- the replication wire format ------------------------------------------------------------------
+
+
+def test_replication_wire_format():
+    """Nodes of a cluster speak one protocol version; a change of the frames is a new version,
+    refused by older peers with one line (test_replication_wire.py)."""
+    from elasticd.replication import wire
+
+    # v6: added on purpose (issue 30), a pretagged DATA frame carries a run of blocks.
+    assert wire.VERSION == 6
+    assert (wire.MAGIC, wire.HEADER.format, wire.CHECKED.format) == (
+        b"EDRP", "!4sBBHI16s", "!4sBBHI")
+    assert (wire.OFFSET.format, wire.RUN.format, wire.RUN_ENTRY.format) == ("!Q", "!QI", "!I16s")
+    assert (wire.FLAG_SEALED, wire.FLAG_PRETAGGED, wire.MAX_RUN_BLOCKS) == (1, 2, 64)
+    assert {t.name: t.value for t in wire.FrameType} == {
+        "HELLO": 1, "CHALLENGE": 2, "AUTH": 3, "PUT_BEGIN": 4, "DATA": 5, "PUT_END": 6,
+        "ACK": 7, "NACK": 8, "FETCH": 9, "FETCH_REPLY": 10, "ERROR": 11, "REPORT": 12,
+        "REPORT_REPLY": 13}
+
+
 # -- elasticctl ---------------------------------------------------------------------------------
 
 #: The options every command takes (before or after it).

@@ -30,7 +30,8 @@ from elasticd.replication.wire import (
     FLAG_PRETAGGED,
     HEADER,
     HEADER_SIZE,
-    PRETAG,
+    RUN,
+    RUN_ENTRY,
     BlockTagMismatch,
     FrameType,
     checksum,
@@ -68,6 +69,11 @@ def read_exactly(sock: socket.socket, n: int) -> bytes:
     return bytes(out)
 
 
+def blocks_start(payload: bytes | bytearray) -> int:
+    """Where the blocks of a pretagged DATA payload (a run) start: after its prefix."""
+    return RUN.size + RUN.unpack_from(payload)[1] * RUN_ENTRY.size
+
+
 class RewritingRelay:
     """A TCP relay between client and server that parses frames client→server (server→client
     with ``downstream``: a fetch's DATA) and rewrites the first byte of the ``nth`` DATA
@@ -76,8 +82,9 @@ class RewritingRelay:
     does the rewriting instead (returns whether it changed anything)."""
 
     def __init__(self, target: tuple[str, int], nth: int = 1, downstream: bool = False,
-                 rewrite=None) -> None:
+                 rewrite=None, repeat: int = 0) -> None:
         self.target, self.nth, self.downstream, self.rewrite = target, nth, downstream, rewrite
+        self.repeat = repeat  # this DATA frame (1-based) is sent twice, as it came
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = self.listener.getsockname()[:2]
         self.rewritten = 0
@@ -120,16 +127,20 @@ class RewritingRelay:
                     if self.rewrite is not None:
                         self.rewritten += bool(self.rewrite(seen, payload))
                     elif seen == self.nth:
-                        # The first byte of the data: after the offset, and after the block
-                        # tag in a pretagged frame (whose session tag covers only the prefix,
-                        # so the relay need not even touch the check).
+                        # The first byte of the data: after the offset, and after the run's
+                        # prefix in a pretagged frame (whose session tag covers only the
+                        # prefix, so the relay need not even touch the check).
                         if flags & FLAG_PRETAGGED:
-                            payload[8 + 16] ^= 0xFF
+                            payload[blocks_start(payload)] ^= 0xFF
                         else:
                             payload[8] ^= 0xFF
                             check = checksum(head[: CHECKED.size], payload)
                         self.rewritten += 1
-                dst.sendall(HEADER.pack(magic, version, ftype, flags, length, check) + payload)
+                frame = HEADER.pack(magic, version, ftype, flags, length, check) + payload
+                if ftype == FrameType.DATA and seen == self.repeat:
+                    dst.sendall(frame)
+                    self.rewritten += 1
+                dst.sendall(frame)
         with contextlib.suppress(OSError):
             dst.shutdown(socket.SHUT_WR)
 
@@ -281,10 +292,10 @@ def test_a_relay_moving_a_fetched_block_to_another_offset_fails_its_block_tag():
     kept: dict[int, bytes] = {}
 
     def move(seen: int, payload: bytearray) -> bool:
-        kept[seen] = bytes(payload[PRETAG.size :])
+        kept[seen] = bytes(payload[blocks_start(payload) :])
         if seen != 4:
             return False
-        payload[PRETAG.size :] = kept[3]
+        payload[blocks_start(payload) :] = kept[3]
         return True
 
     with server(MemorySink(), chunk_size=BLOCK) as srv:
@@ -301,13 +312,13 @@ def test_a_relay_replaying_a_block_of_an_older_version_fails_its_block_tag():
     old: dict[int, bytes] = {}
 
     def keep(seen: int, payload: bytearray) -> bool:
-        old[seen] = bytes(payload[PRETAG.size :])
+        old[seen] = bytes(payload[blocks_start(payload) :])
         return False
 
     def replay(seen: int, payload: bytearray) -> bool:
         if seen != 3:
             return False
-        payload[PRETAG.size :] = old[3]
+        payload[blocks_start(payload) :] = old[3]
         return True
 
     with server(MemorySink(), chunk_size=BLOCK) as srv:
