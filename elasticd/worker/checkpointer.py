@@ -103,6 +103,9 @@ class Checkpointer:
         # and how its ranks agree at restore (None: the initialised process group).
         self._given = (rank, world_size, local_world_size, collective)
         self.rank, self.world_size, self.local_world_size = self._identity()
+        #: (rank, world size) at this process's last restore or snapshot: the rank whose
+        #: snapshots it wrote, offered first at the next restore if its place moved since.
+        self._held: tuple[int, int] | None = None
         self.copier = copier or CpuCopier(background=True)
         self.generation = 0
         self.last_restore: RestoreResult | None = None
@@ -143,10 +146,12 @@ class Checkpointer:
         collective = self._given[3] or (
             _restore.TorchCollective() if torch.distributed.is_available()
             and torch.distributed.is_initialized() else _restore.Solo())
-        sources = Sources(self.transport, self.job, self.rank, self.world_size, self.persist_dir)
+        sources = Sources(self.transport, self.job, self.rank, self.world_size, self.persist_dir,
+                          previous=self._held)
         result = _restore.restore(state, sources, collective, SYSTEM_CLOCK.perf_counter,
                                   _restore.replicated_keys(state, self.replicated))
         self.generation, self.last_restore = result.next_generation, result
+        self._held = (self.rank, self.world_size)
         self._call("ckpt_report", job=self.job, rank=self.rank, source=result.source,
                    seconds=result.seconds, steps_lost=result.steps_lost, bytes=result.nbytes,
                    generation=result.generation, step=result.step, refused=result.refused,
@@ -291,6 +296,7 @@ class Checkpointer:
         self.stats["stall_seconds"] += stall
         self._done = self._pool.submit(self._seal, self._fence.copy, buf, plan, step, flat.meta,
                                        reply["ticket"], stall, copied_from)
+        self._held = (self.rank, self.world_size)
         return True
 
     def wait(self, timeout: float | None = None) -> None:

@@ -3,8 +3,8 @@ job of 2 ranks per node submitted with ``--in-process`` (``examples/train_in_pro
 ``@elasticd.in_process``), kill -9 of a node.
 
 * The survivors keep their processes: the pids that train at world 4 are the 4 survivors' own,
-  they re-entered the function (path ``in-process``), resumed from the step every one of them
-  held, and the job finishes.
+  they re-entered the function (path ``in-process``), resumed from the newest step every one
+  of them held (each from its own slot: 0 steps lost), and the job finishes.
 * The fallback: a survivor that hangs instead of leaving its group is restarted the old way by
   its agent at the deadline (its node's workers are new processes), the other node's stay, and
   the job finishes.
@@ -15,6 +15,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -67,8 +68,8 @@ def _newest_all_held(rows: list[dict], survivors: set[int]) -> int:
 
 def _run(tmp_path, steps: int, hang_rank: int = -1):
     logdir = job_writable(str(tmp_path / "steps"))
-    # Peer replication on: a restore after the shrink needs the committed step (the RAM
-    # snapshots each node holds are of the old world).
+    # Peer replication on: a fallback node's fresh workers restore the committed step (they
+    # hold no slot of their own; the survivors offer theirs).
     cluster = LocalCluster(["n1", "n2", "n3"], workdir=str(tmp_path / "cluster"), lease_ttl=2,
                            replication=True)
     try:
@@ -84,8 +85,8 @@ def _run(tmp_path, steps: int, hang_rank: int = -1):
         _wait(lambda: len(_first_at(_rows(logdir), 6, 0)) == 6, 90, "6 ranks training",
               cluster)
         # The snapshot grid settled at every step (it widens when the nodes' first snapshots
-        # miss each other and halves as commits keep up): a restore after the shrink takes the
-        # committed step, and this test is about what in-process adds, not the grid's lag.
+        # miss each other and halves as commits keep up): a step off the grid is in nobody's
+        # slot, and this test is about what in-process adds, not the grid.
         coord = cluster.coordinator()
         grid_key = cluster.keys.job_commit_grid("job")
         _wait(lambda: coord.get(cluster.keys.job_committed("job")) is not None
@@ -121,16 +122,25 @@ def _run(tmp_path, steps: int, hang_rank: int = -1):
 
 
 def test_kill9_of_a_node_the_survivors_keep_their_processes(tmp_path):
-    logdir, survivors, t_kill, at4, _, committed = _run(tmp_path, steps=400)
+    logdir, survivors, t_kill, at4, workdir, committed = _run(tmp_path, steps=400)
     rows = _rows(logdir)
     assert set(at4) == survivors  # the same 4 processes train at world 4
     assert {r["path"] for r in at4.values()} == {"in-process"}
-    # Every survivor restored (the Checkpointer) one step: at most the newest every survivor
-    # held at the kill, at least the step committed before it (after a shrink the restore
-    # takes the committed step: the RAM snapshots are of the old world; runs lose 0 to 3).
+    # Every survivor restored (the Checkpointer) one step: the newest every survivor held at
+    # the kill, each from its own slot (own shard first: not the committed step, which lags
+    # 0 to 3 steps behind), so no step is lost.
     held = _newest_all_held(rows, survivors)
     resumed = {r["step"] - 1 for r in at4.values()}
-    assert len(resumed) == 1 and 0 < committed <= min(resumed) <= held, (resumed, committed, held)
+    assert resumed == {held} and committed <= held, (resumed, committed, held)
+    # ... each the shard of the rank it was (its own slot), not its new rank's: the restore
+    # says which old rank's snapshot it loaded, under its new rank.
+    was = {at4[pid]["rank"]: _first_at(rows, 6, 0)[pid]["rank"] for pid in survivors}
+    logs = "".join(open(p).read() for p in glob.glob(os.path.join(
+        workdir, "*", "jobs", "*", "agent.log")))
+    loaded = {int(m[1]): int(m[2]) for m in re.finditer(
+        r"rank (\d+) restored step \(\d+, \d+\) saved by 6 ranks into a world of 4 "
+        r"\(old rank (\d+)'s snapshot", logs)}
+    assert loaded == was, (loaded, was)
     done = {r["pid"]: r["done"] for r in rows if "done" in r}
     assert set(done) == survivors and set(done.values()) == {400}
     # Every snapshot was taken, after the re-formation too (a new generation, accepted), also
