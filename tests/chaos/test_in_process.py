@@ -4,7 +4,7 @@ job of 2 ranks per node submitted with ``--in-process`` (``examples/train_in_pro
 
 * The survivors keep their processes: the pids that train at world 4 are the 4 survivors' own,
   they re-entered the function (path ``in-process``), resumed from the newest step every one
-  of them held (each from its own slot: 0 steps lost), and the job finishes.
+  of them snapshotted (each from its own slot, the rank it was), and the job finishes.
 * The fallback: a survivor that hangs instead of leaving its group is restarted the old way by
   its agent at the deadline (its node's workers are new processes), the other node's stay, and
   the job finishes.
@@ -58,12 +58,14 @@ def _first_at(rows: list[dict], world: int, since: float) -> dict[int, dict]:
     return first
 
 
-def _newest_all_held(rows: list[dict], survivors: set[int]) -> int:
+def _newest_all_held(rows: list[dict], survivors: set[int], saved: bool = False) -> int:
     """The newest step every survivor held at the kill: each survivor's last step in the old
     world (not its last step logged before the kill's timestamp: a step whose collective
-    finished before the kill may be logged just after it), their minimum."""
+    finished before the kill may be logged just after it), their minimum. ``saved``: its last
+    step snapshotted (the daemon skips a snapshot while both of a rank's slots hold copies
+    its commit needs: the committed one and a newer one acknowledged, not yet committed)."""
     return min(max(r["step"] for r in rows if r.get("pid") == pid and "step" in r
-                   and r["world"] == 6) for pid in survivors)
+                   and r["world"] == 6 and (r.get("saved") or not saved)) for pid in survivors)
 
 
 def _run(tmp_path, steps: int, hang_rank: int = -1):
@@ -126,12 +128,14 @@ def test_kill9_of_a_node_the_survivors_keep_their_processes(tmp_path):
     rows = _rows(logdir)
     assert set(at4) == survivors  # the same 4 processes train at world 4
     assert {r["path"] for r in at4.values()} == {"in-process"}
-    # Every survivor restored (the Checkpointer) one step: the newest every survivor held at
-    # the kill, each from its own slot (own shard first: not the committed step, which lags
-    # 0 to 3 steps behind), so no step is lost.
+    # Every survivor restored (the Checkpointer) one step: the newest every survivor
+    # snapshotted, each from its own slot (own shard first), not only the committed step.
+    # Steps it did not snapshot (skipped while a commit was pending) are lost: 0 to 3 in runs.
     held = _newest_all_held(rows, survivors)
+    snapshotted = _newest_all_held(rows, survivors, saved=True)
     resumed = {r["step"] - 1 for r in at4.values()}
-    assert resumed == {held} and committed <= held, (resumed, committed, held)
+    assert resumed == {snapshotted} and committed <= snapshotted <= held, (
+        resumed, committed, snapshotted, held)
     # ... each the shard of the rank it was (its own slot), not its new rank's: the restore
     # says which old rank's snapshot it loaded, under its new rank.
     was = {at4[pid]["rank"]: _first_at(rows, 6, 0)[pid]["rank"] for pid in survivors}
@@ -151,7 +155,8 @@ def test_kill9_of_a_node_the_survivors_keep_their_processes(tmp_path):
     took = max(r["t"] for r in at4.values()) - t_kill
     print(f"\nkill -> all 4 survivors training at world 4: {took:.2f} s; survivor pids "
           f"{sorted(survivors)} kept ({len(moved)} with a new rank); resumed from step "
-          f"{min(resumed)}, the newest all held {held}, committed {committed}")
+          f"{min(resumed)}, the newest all snapshotted {snapshotted}, all held {held}, "
+          f"committed {committed}")
 
 
 def test_a_survivor_stuck_in_its_re_formation_is_restarted_the_old_way(tmp_path):
