@@ -17,7 +17,9 @@ time):
   newest step every survivor logged at world 6 (a step some survivors completed and others did
   not, whose collective failed on them, is not one training reached everywhere);
   ``steps_not_snapshotted``: that newest step minus the newest every survivor snapshotted (the
-  daemon skips a snapshot while both of a rank's slots hold copies its commit needs);
+  daemon skips a snapshot while both of a rank's slots hold copies its commit needs), and
+  each survivor's last snapshot (``last_snapshot_per_survivor``: a rank's slots hold the
+  committed step and its newest, so survivors whose newest differ share only the committed);
 * ``kept_pids``: how many of the 4 ranks at world 4 are processes that trained at world 6.
 """
 
@@ -106,8 +108,9 @@ def run(mode: str, victim: str, ttl: int, timeout: float, workdir: str) -> dict:
         survivors = pids6 - victims
         held = min((max((r["step"] for r in old if r["pid"] == p), default=0)
                     for p in survivors), default=0)
-        snapshotted = min((max((r["step"] for r in old if r["pid"] == p and r.get("saved")),
-                               default=0) for p in survivors), default=0)
+        last_saved = sorted(max((r["step"] for r in old if r["pid"] == p and r.get("saved")),
+                                default=0) for p in survivors)
+        snapshotted = min(last_saved, default=0)
         resumed = min(r["step"] for r in at4.values()) - 1
         newest = max(r["step"] for r in old)
         return {**out, "recovered": True, "seconds": round(back - t_kill, 3),
@@ -115,6 +118,7 @@ def run(mode: str, victim: str, ttl: int, timeout: float, workdir: str) -> dict:
                 "killed_at_step": newest, "resumed_step": resumed,
                 "steps_lost": newest - resumed, "steps_lost_vs_all_held": held - resumed,
                 "newest_all_snapshotted": snapshotted, "steps_not_snapshotted": held - snapshotted,
+                "last_snapshot_per_survivor": last_saved,
                 "kept_pids": len({r["pid"] for r in at4.values()} & survivors),
                 "paths": sorted({r["path"] for r in at4.values()})}
     finally:
