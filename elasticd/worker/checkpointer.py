@@ -103,9 +103,6 @@ class Checkpointer:
         # and how its ranks agree at restore (None: the initialised process group).
         self._given = (rank, world_size, local_world_size, collective)
         self.rank, self.world_size, self.local_world_size = self._identity()
-        #: (rank, world size) at this process's last restore or snapshot: the rank whose
-        #: snapshots it wrote, offered first at the next restore if its place moved since.
-        self._held: tuple[int, int] | None = None
         self.copier = copier or CpuCopier(background=True)
         self.generation = 0
         self.last_restore: RestoreResult | None = None
@@ -142,16 +139,24 @@ class Checkpointer:
             self.last_restore = RestoreResult()
             return 0
         self.wait()
+        # The place this process restored or snapshotted in last (a survivor of a re-formed
+        # round): its rank's slots hold what this process wrote, offered to the agreement.
+        was = (self.rank, self.world_size, self.local_world_size)
+        active = self.last_restore is not None or self._planner.current is not None
         self._follow()
         collective = self._given[3] or (
             _restore.TorchCollective() if torch.distributed.is_available()
             and torch.distributed.is_initialized() else _restore.Solo())
         sources = Sources(self.transport, self.job, self.rank, self.world_size, self.persist_dir,
-                          previous=self._held)
-        result = _restore.restore(state, sources, collective, SYSTEM_CLOCK.perf_counter,
-                                  _restore.replicated_keys(state, self.replicated))
+                          previous=was[:2] if active else None)
+        try:
+            result = _restore.restore(state, sources, collective, SYSTEM_CLOCK.perf_counter,
+                                      _restore.replicated_keys(state, self.replicated))
+        except BaseException:
+            # Nothing restored in the new place: the next restore still offers the old one's.
+            self.rank, self.world_size, self.local_world_size = was
+            raise
         self.generation, self.last_restore = result.next_generation, result
-        self._held = (self.rank, self.world_size)
         self._call("ckpt_report", job=self.job, rank=self.rank, source=result.source,
                    seconds=result.seconds, steps_lost=result.steps_lost, bytes=result.nbytes,
                    generation=result.generation, step=result.step, refused=result.refused,
@@ -296,7 +301,6 @@ class Checkpointer:
         self.stats["stall_seconds"] += stall
         self._done = self._pool.submit(self._seal, self._fence.copy, buf, plan, step, flat.meta,
                                        reply["ticket"], stall, copied_from)
-        self._held = (self.rank, self.world_size)
         return True
 
     def wait(self, timeout: float | None = None) -> None:
