@@ -33,6 +33,13 @@ cut-off processes are SIGKILLed once the run is measured. Results committed from
         --out bench/results/recovery_stop_daemon.json
     .venv/bin/python bench/bench_recovery.py --fault partition --runs 9 --baseline-runs 0 \\
         --out bench/results/recovery_partition.json
+
+``--mode in-process,restart`` is issue 31's benchmark instead (bench/recovery_inprocess.py: 2
+ranks per node, examples/train_in_process.py with and without ``--in-process``, ``--runs``
+runs of each mode, interleaved)::
+
+    .venv/bin/python bench/bench_recovery.py --mode in-process,restart --runs 20 \\
+        --out bench/results/recovery_inprocess.json
 """
 
 from __future__ import annotations
@@ -360,12 +367,25 @@ def main() -> int:
     p.add_argument("--keep", metavar="DIR",
                    help="keep each elasticd run's work directory (logs) under DIR")
     p.add_argument("--out", default="bench/results/recovery.json")
+    p.add_argument("--mode", metavar="MODES",
+                   help="in-process,restart: issue 31's benchmark (bench/recovery_inprocess.py)"
+                        " with --runs runs of each mode, interleaved; --ttl, --timeout, --keep "
+                        "and --out apply")
     p.add_argument("--resummarize", metavar="JSON",
                    help="recompute the figures of a result file from its runs with today's "
                         "validity rules (impossible samples out), and rewrite it")
     args = p.parse_args()
     if args.resummarize:
         return resummarize(args.resummarize)
+    if args.mode:
+        sys.path.insert(0, REPO)
+        from bench import recovery_inprocess
+
+        modes = args.mode.split(",")
+        if not modes or not set(modes) <= set(recovery_inprocess.MODES):
+            p.error(f"--mode {args.mode!r}: modes are {','.join(recovery_inprocess.MODES)}")
+        return recovery_inprocess.main(modes, args.runs, args.ttl, args.timeout, args.out,
+                                       args.keep)
     if args.fault in ("stop-daemon", "partition") and args.baseline_runs:
         p.error(f"--fault {args.fault} has no plain torchrun baseline here: pass "
                 "--baseline-runs 0")

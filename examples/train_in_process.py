@@ -14,7 +14,8 @@ generation. Then it builds DDP around the same module. The same script runs unde
 ``torchrun`` (the function is called once).
 
 Each step appends a JSON line to ``--log``/``steps-<pid>.jsonl``: pid, round, rank, world,
-step, path (``first``/``in-process``), time. ``--hang-rank R`` makes the worker of first-round
+step, path (``first``/``in-process``), saved (whether its snapshot was taken: the daemon skips
+one while both of the rank's slots hold copies the commit needs), time. ``--hang-rank R`` makes the worker of first-round
 rank R hang instead of leaving its group on a failure (the fallback's test).
 """
 
@@ -65,11 +66,11 @@ def main() -> None:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 step += 1
-                ckpt.save(step, state)
+                saved = ckpt.save(step, state)
                 done[0] = step
                 out.write(json.dumps({"pid": os.getpid(), "round": r.number, "rank": r.rank,
                                       "world": r.world_size, "step": step, "path": r.path,
-                                      "t": time.time()}) + "\n")
+                                      "saved": saved, "t": time.time()}) + "\n")
                 time.sleep(args.step_time)
         except Exception:
             if first_rank[0] == args.hang_rank:

@@ -139,13 +139,23 @@ class Checkpointer:
             self.last_restore = RestoreResult()
             return 0
         self.wait()
+        # The place this process restored or snapshotted in last (a survivor of a re-formed
+        # round): its rank's slots hold what this process wrote, offered to the agreement.
+        was = (self.rank, self.world_size, self.local_world_size)
+        active = self.last_restore is not None or self._planner.current is not None
         self._follow()
         collective = self._given[3] or (
             _restore.TorchCollective() if torch.distributed.is_available()
             and torch.distributed.is_initialized() else _restore.Solo())
-        sources = Sources(self.transport, self.job, self.rank, self.world_size, self.persist_dir)
-        result = _restore.restore(state, sources, collective, SYSTEM_CLOCK.perf_counter,
-                                  _restore.replicated_keys(state, self.replicated))
+        sources = Sources(self.transport, self.job, self.rank, self.world_size, self.persist_dir,
+                          previous=was[:2] if active else None)
+        try:
+            result = _restore.restore(state, sources, collective, SYSTEM_CLOCK.perf_counter,
+                                      _restore.replicated_keys(state, self.replicated))
+        except BaseException:
+            # Nothing restored in the new place: the next restore still offers the old one's.
+            self.rank, self.world_size, self.local_world_size = was
+            raise
         self.generation, self.last_restore = result.next_generation, result
         self._call("ckpt_report", job=self.job, rank=self.rank, source=result.source,
                    seconds=result.seconds, steps_lost=result.steps_lost, bytes=result.nbytes,

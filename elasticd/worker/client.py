@@ -86,6 +86,11 @@ class DaemonTimeout(DaemonUnavailable):
     """The daemon did not answer within the call's timeout."""
 
 
+#: The variables :meth:`WorkerIdentity.from_env` reads.
+_IDENTITY_VARS = (JOB_ENV, "RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK",
+                  "TORCHELASTIC_RESTART_COUNT")
+
+
 @dataclasses.dataclass(frozen=True)
 class WorkerIdentity:
     """Who this process is, as elasticd and torchrun told it through the environment.
@@ -128,6 +133,12 @@ class WorkerIdentity:
                    restart_count=number("TORCHELASTIC_RESTART_COUNT"))
 
 
+def _identity_raw(environ: Mapping[str, str] | None) -> tuple[str | None, ...] | None:
+    """The identity's variables as set in ``environ`` (None without one): compared before
+    parsing, so a progress report costs a few lookups while nothing changed."""
+    return None if environ is None else tuple(environ.get(n) for n in _IDENTITY_VARS)
+
+
 class DaemonClient:
     """A connection to the node's daemon, shared by every thread of one worker process.
 
@@ -136,17 +147,24 @@ class DaemonClient:
         identity: who this worker is (sent with progress reports).
         timeout: default seconds a :meth:`call` waits for its reply.
         max_message: the largest reply accepted, in bytes.
+        environ: where ``identity`` came from (:meth:`from_env`): read again at each
+            progress report, since under ``@elasticd.in_process`` a re-formed round gives
+            the same process another rank and world size (the worker's environment is
+            updated with the round's); None: ``identity`` stays as given.
 
     Attributes:
         dropped: one-way messages dropped because the daemon was gone or behind.
     """
 
     def __init__(self, path: str, identity: WorkerIdentity = WorkerIdentity(),
-                 timeout: float = 10.0, max_message: int = DEFAULT_MAX_MESSAGE) -> None:
+                 timeout: float = 10.0, max_message: int = DEFAULT_MAX_MESSAGE,
+                 environ: Mapping[str, str] | None = None) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
         self.path, self.identity, self.timeout, self.max_message = (
             path, identity, timeout, max_message)
+        self._environ = environ
+        self._identity_raw = _identity_raw(environ)
         self.dropped = 0
         self._ids = itertools.count(1)
         self._init_process_state()
@@ -179,7 +197,7 @@ class DaemonClient:
             raise DaemonUnavailable(
                 f"{SOCKET_ENV} is not set: this process was not started by elasticd (run the "
                 f"job through elasticd, or point {SOCKET_ENV} at the node daemon's socket)")
-        return cls(path, WorkerIdentity.from_env(env), timeout=timeout)
+        return cls(path, WorkerIdentity.from_env(env), timeout=timeout, environ=env)
 
     # -- calls ----------------------------------------------------------------------------
 
@@ -284,13 +302,33 @@ class DaemonClient:
     def progress(self, step: int, compute_seconds: float | None = None) -> bool:
         """Reports that this worker reached ``step`` (one-way; see :meth:`send`), with the
         step's compute time outside collectives when measured."""
-        ident = self.identity
+        ident = self._current_identity()
         extra = {}
         if compute_seconds is not None and math.isfinite(compute_seconds):
             extra["compute_seconds"] = float(compute_seconds)
         return self.send("progress", step=int(step), rank=ident.rank,
                          local_rank=ident.local_rank, pid=os.getpid(), job=ident.job,
                          world_size=ident.world_size, restart=ident.restart_count, **extra)
+
+    def _current_identity(self) -> WorkerIdentity:
+        """:attr:`identity`, read again from the environment when it changed there (a
+        re-formed round). A new rank also gets a new connection: the daemon binds a
+        connection's writes to the first rank it wrote for (``daemon/rank_claims.py``), and
+        every connection of one process to one rank, so the old one is closed first."""
+        raw = _identity_raw(self._environ)
+        if raw == self._identity_raw:
+            return self.identity
+        self._identity_raw = raw
+        try:
+            now = WorkerIdentity.from_env(self._environ)
+        except ValueError as exc:
+            log.warning("elasticd: keeping this worker's identity (rank %s): %s",
+                        self.identity.rank, exc)
+            return self.identity
+        moved, self.identity = now.rank != self.identity.rank, now
+        if moved:
+            self.close()
+        return now
 
     def close(self) -> None:
         """Closes the connection (the next call opens a new one)."""

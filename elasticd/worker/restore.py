@@ -24,6 +24,10 @@ snapshots it needs): DTensors (FSDP2) by their saved boxes (:mod:`elasticd.worke
 ``ZeroRedundancyOptimizer`` by the partition map saved with each rank's shard (every old rank's
 snapshot; ZeRO's own ``load_state_dict`` then keeps this rank's parameters' state).
 
+A survivor of an in-process re-formation (``@elasticd.in_process``) whose rank or world size
+moved also offers the snapshots of the rank it was, from its node's RAM: a step every rank
+offers is tried first when newest, each rank loading the shard it wrote (see :func:`agree`).
+
 Whatever is restored, new snapshots start a new generation above every generation seen, so
 snapshots of an abandoned timeline (written after the restored step, before the failure) never
 outrank or mix with the new ones. Worker side: imports torch.
@@ -175,8 +179,13 @@ class TorchCollective:
 # Rows every rank sends ahead of its versions: its progress, the committed version it was told
 # of, (world size of that committed version, 1: the slot that said whether its state could be
 # restored at another world size, which every state elasticd snapshots now can), and (1 if its
-# daemon did not answer, 0).
+# daemon did not answer, K). K: how many of the rows after the head are its own offers
+# (Sources.own, newest first), the versions follow them; 0 from a rank with no previous rank
+# (a fresh process) and from an elasticd older than own offers, whose rows are then read as
+# they always were.
 _HEAD = 4
+#: At most this many own offers per rank (a rank's slots hold two or three steps).
+_OWN_ROWS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,12 +202,26 @@ class Agreement:
 
 
 def agree(sources: Sources, collective: Collective) -> Agreement:
-    """The versions to try on every rank (identical on all of them) and the newest seen."""
+    """The versions to try on every rank (identical on all of them) and the newest seen.
+
+    Besides the versions every rank holds at the current world size and the committed one,
+    a step every rank offers from its own slot (:attr:`Sources.own`: survivors of an
+    in-process re-formation, each the snapshot of the rank it was) is a candidate, at the
+    previous world size: each rank then loads the shard it wrote itself. Only when *every*
+    rank offers it: a fresh rank (a restarted or new node) has no own slot, and a step not
+    committed may be held nowhere for its new rank. The dead ranks' shards of that step are
+    not needed: a state that is not sharded is the same on every rank (data parallel; after a
+    restart too each new rank loads one old rank's snapshot, and the replicas are checked
+    equal after the load), and a sharded one is refused at the fetch
+    (:meth:`Sources.fetch`), so the ranks take the next candidate, the committed step.
+    """
     mine = sources.discover()
+    own = sorted(sources.own, reverse=True)[:_OWN_ROWS]
     head = [sources.progress or _NONE, sources.committed or _NONE,
             (sources.committed_world or -1, 1),
-            (1 if sources.unreachable else 0, 0)]
-    gathered = collective.all_gather(head + mine)
+            (1 if sources.unreachable else 0, len(own))]
+    gathered = [_split(rows) for rows in collective.all_gather(head + own + mine)]
+    offers = [rows.pop() for rows in gathered]  # gathered: head + versions, as before
     silent = [rank for rank, rows in enumerate(gathered) if rows[3][0] == 1]
     if silent:
         raise DaemonUnreachable(
@@ -207,9 +230,14 @@ def agree(sources: Sources, collective: Collective) -> Agreement:
             "without it could start over from an older step than the committed one, so this "
             "attempt fails on every rank and the agent starts another once that node is fenced "
             "or its daemon answers again")
-    seen = [v for rows in gathered for v in rows[:2] + rows[_HEAD:] if v != _NONE]
+    seen = [v for rows, own_rows in zip(gathered, offers)
+            for v in rows[:2] + rows[_HEAD:] + own_rows if v != _NONE]
     common = set.intersection(*({v for v in rows[_HEAD:] if v != _NONE} for rows in gathered))
     candidates = {v: sources.saved_world(v) for v in common}
+    if sources.previous is not None and all(offers):
+        # Every rank a survivor (else some offer is empty): the steps all of them hold.
+        sources.own_agreed = set.intersection(*(set(o) for o in offers)) - {_NONE}
+        candidates.update((v, sources.previous[1]) for v in sources.own_agreed)
     replicated = all(rows[2][1] == 1 for rows in gathered)
     committed = {(rows[1], rows[2][0]) for rows in gathered if rows[1] != _NONE}
     sources.fetchable = {v for v, _ in committed}
@@ -223,6 +251,14 @@ def agree(sources: Sources, collective: Collective) -> Agreement:
                         "a rank's elasticd (older) cannot restore it at the new world size; "
                         "falling back", version, world, sources.world)
     return Agreement(sorted(candidates.items(), reverse=True), max(seen, default=None))
+
+
+def _split(rows: list[Version]) -> list[Any]:
+    """One rank's gathered rows as head + versions, with its own offers appended as a last
+    item (a list; empty without any)."""
+    count = rows[3][1] if len(rows) > 3 else 0
+    count = count if 0 <= count <= len(rows) - _HEAD else 0
+    return [*rows[:_HEAD], *rows[_HEAD + count:], list(rows[_HEAD:_HEAD + count])]
 
 
 def restore(state: Any, sources: Sources, collective: Collective, clock: Any,
@@ -277,7 +313,8 @@ def restore(state: Any, sources: Sources, collective: Collective, clock: Any,
             if world != sources.world:
                 log.warning("elasticd: rank %d restored step %s saved by %d ranks into a world "
                             "of %d (old rank %d's snapshot%s)", sources.rank, version, world,
-                            sources.world, sources.rank % world,
+                            sources.world, sources.rank % world if got.rank is None
+                            else got.rank,
                             f" and {len(got.others)} more: resharded" if got.others
                             else ": the state is replicated")
             break

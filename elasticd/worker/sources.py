@@ -70,9 +70,18 @@ class Sources:
     """Where this rank can find its shards: the daemon (may be None) and the persistent tier."""
 
     def __init__(self, transport: Any, job: str, rank: int, world_size: int,
-                 persist_dir: str | None = None) -> None:
+                 persist_dir: str | None = None, previous: tuple[int, int] | None = None
+                 ) -> None:
         self.transport, self.job, self.rank, self.world = transport, job, rank, world_size
         self.persist_dir = persist_dir
+        #: (rank, world size) this process held in the round before, when it differs from
+        #: the current one: a survivor of an in-process re-formation (see :attr:`own`).
+        self.previous = previous if previous != (rank, world_size) else None
+        #: Versions of the previous rank's snapshots this node holds (saved at the previous
+        #: world size): what this survivor can load from its own slot. Offered to the
+        #: agreement; the versions every rank offers are :attr:`own_agreed`.
+        self.own: set[Version] = set()
+        self.own_agreed: set[Version] = set()
         self.ram: set[Version] = set()
         #: Complete steps of the persistent tier, and the world size each was saved at (any:
         #: at another one, the state is resharded from them as from peers' RAM).
@@ -108,6 +117,7 @@ class Sources:
             except Exception as exc:  # noqa: BLE001 — it refused: the tier may still help
                 log.warning("elasticd: cannot list snapshots held by the daemon (%s)", exc)
             self._discover_committed()
+            self._discover_own()
         if self.persist_dir and not self.persisted:
             try:
                 self._saved_by([[*m.version(), m.world_size] for m in
@@ -128,6 +138,21 @@ class Sources:
                     and all(type(x) is int and x >= 0 for x in row) and row[2] > 0):
                 self.persisted.add((row[0], row[1]))
                 self.persisted_world[(row[0], row[1])] = row[2]
+
+    def _discover_own(self) -> None:
+        """Lists the previous rank's snapshots at the previous world size (:attr:`own`)."""
+        if self.previous is None or self.unreachable:
+            return
+        rank, world = self.previous
+        try:
+            info = self.transport.call("ckpt_list", job=self.job, rank=rank, world_size=world)
+            self.own = {(int(g), int(s)) for g, s in info.get("ram", {}).get(str(rank), [])}
+        except DaemonUnavailable as exc:
+            self.unreachable = str(exc)
+            log.error("elasticd: rank %d cannot reach its daemon: %s", self.rank, exc)
+        except Exception as exc:  # noqa: BLE001 — refused or malformed: no own offer
+            log.warning("elasticd: cannot list rank %d's own snapshots (was rank %d of %d): %s",
+                        self.rank, rank, world, exc)
 
     def saved_world(self, version: Version) -> int:
         """The world size ``version`` was saved at, as far as this rank's sources say."""
@@ -164,6 +189,10 @@ class Sources:
                 old rank 0's copies on a frozen node and on the killed one).
         """
         world = self.world if world is None else world
+        if version in self.own_agreed:
+            got = self._own_slot(version, refused)
+            if got is not None:
+                return got
         if world == self.world and version in self.ram:
             try:
                 return self._from_daemon("ckpt_open", version, world, refused)
@@ -209,6 +238,33 @@ class Sources:
                 log.error("elasticd: REFUSED the persisted snapshot of rank %d step %s: %s",
                           self.rank, version, exc)
         return None
+
+    def _own_slot(self, version: Version, refused: list[str]) -> _Fetched | None:
+        """The previous rank's snapshot of ``version`` from this node's RAM (verified by the
+        daemon), or None: refused, gone, or sharded. A sharded snapshot (DTensors, a
+        ZeroRedundancyOptimizer) holds only this rank's part of the state, and the dead
+        ranks' parts of a step nobody committed may be held nowhere: such a state takes the
+        committed step, as after a restart."""
+        assert self.previous is not None
+        rank, world = self.previous
+        try:
+            got = self._from_daemon("ckpt_open", version, world, refused, rank)
+        except DaemonUnavailable as exc:
+            return self._silent(version, exc)
+        except Exception as exc:  # noqa: BLE001 — refused or evicted: the next source
+            refused.append(f"own step {version} (rank {rank} of {world}): {exc}")
+            log.error("elasticd: REFUSED this worker's own snapshot (rank %d of %d) of step "
+                      "%s: %s", rank, world, version, exc)
+            return None
+        if got is None:
+            return None
+        if next(dtensor_nodes(got.meta), None) is not None or any(
+                kind == "zero" for _, kind, _ in got.meta.get("objects", ())):
+            got.close()
+            refused.append(f"own step {version}: sharded state needs every old rank's shard")
+            return None
+        got.rank = rank
+        return got
 
     def prepare(self, state: Any) -> None:
         """Works out this rank's new local boxes once (:attr:`boxes`), before fetching a

@@ -3,8 +3,8 @@ job of 2 ranks per node submitted with ``--in-process`` (``examples/train_in_pro
 ``@elasticd.in_process``), kill -9 of a node.
 
 * The survivors keep their processes: the pids that train at world 4 are the 4 survivors' own,
-  they re-entered the function (path ``in-process``), resumed from the step every one of them
-  held, and the job finishes.
+  they re-entered the function (path ``in-process``), resumed from the newest step every one
+  of them snapshotted (each from its own slot, the rank it was), and the job finishes.
 * The fallback: a survivor that hangs instead of leaving its group is restarted the old way by
   its agent at the deadline (its node's workers are new processes), the other node's stay, and
   the job finishes.
@@ -15,6 +15,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -61,14 +62,22 @@ def _newest_all_held(rows: list[dict], survivors: set[int]) -> int:
     """The newest step every survivor held at the kill: each survivor's last step in the old
     world (not its last step logged before the kill's timestamp: a step whose collective
     finished before the kill may be logged just after it), their minimum."""
-    return min(max(r["step"] for r in rows if r.get("pid") == pid and "step" in r
-                   and r["world"] == 6) for pid in survivors)
+    return min(_last_steps(rows, survivors).values())
+
+
+def _last_steps(rows: list[dict], survivors: set[int], saved: bool = False) -> dict[int, int]:
+    """pid -> its last step in the old world; ``saved``: its last step snapshotted (the daemon
+    skips a snapshot while both of a rank's slots hold copies its commit needs: the committed
+    one and a newer one acknowledged, not yet committed)."""
+    return {pid: max(r["step"] for r in rows if r.get("pid") == pid and "step" in r
+                     and r["world"] == 6 and (r.get("saved") or not saved))
+            for pid in survivors}
 
 
 def _run(tmp_path, steps: int, hang_rank: int = -1):
     logdir = job_writable(str(tmp_path / "steps"))
-    # Peer replication on: a restore after the shrink needs the committed step (the RAM
-    # snapshots each node holds are of the old world).
+    # Peer replication on: a fallback node's fresh workers restore the committed step (they
+    # hold no slot of their own; the survivors offer theirs).
     cluster = LocalCluster(["n1", "n2", "n3"], workdir=str(tmp_path / "cluster"), lease_ttl=2,
                            replication=True)
     try:
@@ -84,8 +93,8 @@ def _run(tmp_path, steps: int, hang_rank: int = -1):
         _wait(lambda: len(_first_at(_rows(logdir), 6, 0)) == 6, 90, "6 ranks training",
               cluster)
         # The snapshot grid settled at every step (it widens when the nodes' first snapshots
-        # miss each other and halves as commits keep up): a restore after the shrink takes the
-        # committed step, and this test is about what in-process adds, not the grid's lag.
+        # miss each other and halves as commits keep up): a step off the grid is in nobody's
+        # slot, and this test is about what in-process adds, not the grid.
         coord = cluster.coordinator()
         grid_key = cluster.keys.job_commit_grid("job")
         _wait(lambda: coord.get(cluster.keys.job_committed("job")) is not None
@@ -121,16 +130,31 @@ def _run(tmp_path, steps: int, hang_rank: int = -1):
 
 
 def test_kill9_of_a_node_the_survivors_keep_their_processes(tmp_path):
-    logdir, survivors, t_kill, at4, _, committed = _run(tmp_path, steps=400)
+    logdir, survivors, t_kill, at4, workdir, committed = _run(tmp_path, steps=400)
     rows = _rows(logdir)
     assert set(at4) == survivors  # the same 4 processes train at world 4
     assert {r["path"] for r in at4.values()} == {"in-process"}
-    # Every survivor restored (the Checkpointer) one step: at most the newest every survivor
-    # held at the kill, at least the step committed before it (after a shrink the restore
-    # takes the committed step: the RAM snapshots are of the old world; runs lose 0 to 3).
+    # Every survivor restored (the Checkpointer) one step, each from its own slot (own shard
+    # first), not only the committed step: when every survivor's last snapshot is of the same
+    # step, that step. A rank's two slots hold the committed copy and its newest, and a
+    # snapshot is skipped while a commit is pending, so survivors on different nodes may hold
+    # different newest steps; then only the committed one is common.
     held = _newest_all_held(rows, survivors)
+    last_saved = set(_last_steps(rows, survivors, saved=True).values())
+    snapshotted = min(last_saved)
     resumed = {r["step"] - 1 for r in at4.values()}
-    assert len(resumed) == 1 and 0 < committed <= min(resumed) <= held, (resumed, committed, held)
+    assert len(resumed) == 1 and committed <= min(resumed) <= snapshotted <= held, (
+        resumed, committed, last_saved, held)
+    assert len(last_saved) > 1 or resumed == last_saved, (resumed, committed, last_saved)
+    # ... each the shard of the rank it was (its own slot), not its new rank's: the restore
+    # says which old rank's snapshot it loaded, under its new rank.
+    was = {at4[pid]["rank"]: _first_at(rows, 6, 0)[pid]["rank"] for pid in survivors}
+    logs = "".join(open(p).read() for p in glob.glob(os.path.join(
+        workdir, "*", "jobs", "*", "agent.log")))
+    loaded = {int(m[1]): int(m[2]) for m in re.finditer(
+        r"rank (\d+) restored step \(\d+, \d+\) saved by 6 ranks into a world of 4 "
+        r"\(old rank (\d+)'s snapshot", logs)}
+    assert loaded == was, (loaded, was)
     done = {r["pid"]: r["done"] for r in rows if "done" in r}
     assert set(done) == survivors and set(done.values()) == {400}
     # Every snapshot was taken, after the re-formation too (a new generation, accepted), also
@@ -141,7 +165,8 @@ def test_kill9_of_a_node_the_survivors_keep_their_processes(tmp_path):
     took = max(r["t"] for r in at4.values()) - t_kill
     print(f"\nkill -> all 4 survivors training at world 4: {took:.2f} s; survivor pids "
           f"{sorted(survivors)} kept ({len(moved)} with a new rank); resumed from step "
-          f"{min(resumed)}, the newest all held {held}, committed {committed}")
+          f"{min(resumed)}, the newest all snapshotted {snapshotted}, all held {held}, "
+          f"committed {committed}")
 
 
 def test_a_survivor_stuck_in_its_re_formation_is_restarted_the_old_way(tmp_path):

@@ -461,9 +461,9 @@ def test_the_slot_request_in_flight_over_a_real_socket(service, tmp_path):
 def test_one_checkpointer_follows_its_process_into_a_round_with_another_rank(service,
                                                                             monkeypatch):
     """Under ``@elasticd.in_process`` one Checkpointer lives through every round of its
-    process. Two processes (threads here) swap ranks in a re-formed round: each restore must
-    load the shard of the rank it has now, and its next snapshots be that rank's, in a new
-    generation the daemon accepts."""
+    process. Two processes (threads here) swap ranks in a re-formed round: each restore
+    loads the shard of the rank it was, from its own slot (own shard first: both hold step
+    3), and its next snapshots are its new rank's, in a new generation the daemon accepts."""
     t = InProcessTransport(service.handlers())
     place = threading.local()  # each thread's (rank, world size), as its group would say
     monkeypatch.setattr(Checkpointer, "_identity", lambda self: (place.rank, 2, 2))
@@ -501,9 +501,9 @@ def test_one_checkpointer_follows_its_process_into_a_round_with_another_rank(ser
     for p in range(2):
         step, rank, res = results[p]
         assert (step, rank, res.source, res.next_generation) == (3, 1 - p, "local", 1)
-        # Process p now holds its new rank's state of step 3 (the other process's), not its
-        # own: the model, optimizer and sampler of rank 1 - p.
-        assert_same(states[p], refs[1 - p], rng=False)
+        # Process p holds its own state of step 3 again (the rank it was: the shard it
+        # wrote), not the other process's, though it is rank 1 - p now.
+        assert_same(states[p], refs[p], rng=False)
     listed = t.call("ckpt_list", job="j")["ram"]
     assert listed["0"][0] == listed["1"][0] == [1, 4]  # accepted, as the new ranks' newest
     for ckpt in ckpts:

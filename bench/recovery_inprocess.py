@@ -1,0 +1,174 @@
+"""``bench_recovery.py --mode in-process,restart``: kill -9 of a node, in-process re-formation
+against the restart path, interleaved in one run (issue 31's benchmark).
+
+Each run starts 3 elasticd daemons on one etcd (replication on, lease TTL ``--ttl``), submits
+examples/train_in_process.py (DDP, gloo, 2 ranks per node, ``--nnodes 2:3``, a snapshot every
+step) with ``--in-process`` or without it (the same script: the decorated function runs once,
+a failure restarts every worker), waits until all 6 ranks train, a step is committed and the
+snapshot grid is 1 (a snapshot every step), kills one node (rotating n1, n2, n3) at a random
+moment 1.0-2.5 s later, and measures from the workers' step logs (one JSON line per step, wall
+time):
+
+* ``seconds``: the kill -> all 4 ranks of the new world logged a step (each its first);
+* ``after_detection_seconds``: the node's ``failed`` event (the daemons' record of the failure,
+  etcd) -> the same moment;
+* ``steps_lost``: the newest step any rank logged at world 6 minus the step the new world
+  resumed from (its first step minus one); ``steps_lost_vs_all_held``: the same against the
+  newest step every survivor logged at world 6 (a step some survivors completed and others did
+  not, whose collective failed on them, is not one training reached everywhere);
+  ``steps_not_snapshotted``: that newest step minus the newest every survivor snapshotted (the
+  daemon skips a snapshot while both of a rank's slots hold copies its commit needs), and
+  each survivor's last snapshot (``last_snapshot_per_survivor``: a rank's slots hold the
+  committed step and its newest, so survivors whose newest differ share only the committed);
+* ``kept_pids``: how many of the 4 ranks at world 4 are processes that trained at world 6.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from elasticd.launcher import JOB_USER, LocalCluster, job_writable
+from elasticd.replication.commit import decode_grid
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(REPO, "examples", "train_in_process.py")
+MODES = ("in-process", "restart")
+
+
+def _rows(logdir: str) -> list[dict]:
+    rows = []
+    for path in glob.glob(os.path.join(logdir, "steps-*.jsonl")):
+        with open(path) as fh:
+            for line in fh:
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue  # a line being written
+                if "step" in row:
+                    rows.append(row)
+    return rows
+
+
+def _first_at(rows: list[dict], world: int, since: float) -> dict[int, dict]:
+    """rank -> its first step row at ``world`` after ``since``."""
+    first: dict[int, dict] = {}
+    for row in sorted(rows, key=lambda r: r["t"]):
+        if row["world"] == world and row["t"] > since and row["rank"] not in first:
+            first[row["rank"]] = row
+    return first
+
+
+def run(mode: str, victim: str, ttl: int, timeout: float, workdir: str) -> dict:
+    """One run of ``mode`` (see the module doc); the cluster is stopped before it returns."""
+    logdir = job_writable(os.path.join(workdir, "steps"))
+    c = LocalCluster(["n1", "n2", "n3"], workdir=os.path.join(workdir, "cluster"),
+                     lease_ttl=ttl, replication=True)
+    out: dict = {"mode": mode, "victim": victim, "recovered": False}
+    try:
+        c.start()
+        env = {**os.environ, "ELASTICD_ETCD": c.etcd, "ELASTICD_PREFIX": c.prefix}
+        subprocess.run(
+            [sys.executable, "-m", "elasticd.cli.main", "submit", "job",
+             *(["--in-process"] if mode == "in-process" else []),
+             "--nnodes", "2:3", "--nproc-per-node", "2", "--user", JOB_USER,
+             "--max-restarts", "100", "--", TRAIN, "--log", logdir, "--steps", "1000000",
+             "--step-time", "0.02"], env=env, check=True, capture_output=True, timeout=60)
+        coord = c.coordinator()
+        grid = c.keys.job_commit_grid("job")
+        try:
+            c.wait_for(lambda: len(_first_at(_rows(logdir), 6, 0)) == 6, 120, "6 ranks")
+            c.wait_for(lambda: coord.get(c.keys.job_committed("job")) is not None
+                       and ((kv := coord.get(grid)) is None
+                            or decode_grid(kv.value).grid == 1), 60, "grid 1")
+        except TimeoutError as exc:
+            return {**out, "error": str(exc)}
+        time.sleep(random.uniform(1.0, 2.5))
+        pids6 = {r["pid"] for r in _rows(logdir) if r["world"] == 6}
+        victims = set(c.nodes[victim].tagged())
+        t_kill = time.time()
+        c.nodes[victim].kill()
+        try:
+            at4 = c.wait_for(lambda: (f := _first_at(_rows(logdir), 4, t_kill))
+                             and len(f) == 4 and f, timeout, "world 4", interval=0.02)
+        except TimeoutError:
+            return out
+        back = max(r["t"] for r in at4.values())
+        failed = [e["at"] for e in c.events() if e["kind"] == "failed" and e["node"] == victim]
+        rows = _rows(logdir)
+        old = [r for r in rows if r["world"] == 6]
+        survivors = pids6 - victims
+        held = min((max((r["step"] for r in old if r["pid"] == p), default=0)
+                    for p in survivors), default=0)
+        last_saved = sorted(max((r["step"] for r in old if r["pid"] == p and r.get("saved")),
+                                default=0) for p in survivors)
+        snapshotted = min(last_saved, default=0)
+        resumed = min(r["step"] for r in at4.values()) - 1
+        newest = max(r["step"] for r in old)
+        return {**out, "recovered": True, "seconds": round(back - t_kill, 3),
+                "after_detection_seconds": round(back - min(failed), 3) if failed else None,
+                "killed_at_step": newest, "resumed_step": resumed,
+                "steps_lost": newest - resumed, "steps_lost_vs_all_held": held - resumed,
+                "newest_all_snapshotted": snapshotted, "steps_not_snapshotted": held - snapshotted,
+                "last_snapshot_per_survivor": last_saved,
+                "kept_pids": len({r["pid"] for r in at4.values()} & survivors),
+                "paths": sorted({r["path"] for r in at4.values()})}
+    finally:
+        c.stop()
+
+
+def summarize(runs: list[dict]) -> dict:
+    ok = [r for r in runs if r.get("recovered")]
+
+    def med(key: str) -> float | None:
+        values = [r[key] for r in ok if r.get(key) is not None]
+        return round(statistics.median(values), 3) if values else None
+
+    return {"runs": len(runs), "recovered": len(ok),
+            "median_seconds": med("seconds"),
+            "median_after_detection_seconds": med("after_detection_seconds"),
+            "max_seconds": max((r["seconds"] for r in ok), default=None),
+            "steps_lost": [r["steps_lost"] for r in ok],
+            "runs_with_0_steps_lost": sum(r["steps_lost"] == 0 for r in ok)}
+
+
+def main(modes: list[str], runs: int, ttl: int, timeout: float, out_path: str,
+         keep: str | None) -> int:
+    """``runs`` runs of each of ``modes``, interleaved (mode A, mode B, A, B, ...), victims
+    rotating; writes ``out_path``."""
+    results: dict[str, list[dict]] = {m: [] for m in modes}
+    if keep:
+        os.makedirs(keep, exist_ok=True)
+    for i in range(runs):
+        victim = f"n{i % 3 + 1}"
+        for mode in modes:
+            d = tempfile.mkdtemp(prefix=f"inproc-bench-{mode}-", dir=keep)
+            try:
+                r = run(mode, victim, ttl, timeout, d)
+            finally:
+                if not keep:
+                    shutil.rmtree(d, ignore_errors=True)
+            results[mode].append(r)
+            print(f"{mode} run {i + 1}: kill -9 {victim}: {r}", flush=True)
+    result = {
+        "benchmark": "recovery_inprocess",
+        "command": "bench/bench_recovery.py " + " ".join(sys.argv[1:]),
+        "job": "examples/train_in_process.py, 3 nodes x 2 ranks, --nnodes 2:3, gloo CPU, "
+               "20 ms sleep per step, a snapshot every step, replication on",
+        "lease_ttl_seconds": ttl, "runs_per_mode": runs, "interleaved": True,
+        "machine": {"cpus": os.cpu_count()},
+        **{m: {**summarize(results[m]), "detail": results[m]} for m in modes},
+    }
+    os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
+    with open(out_path, "w") as fh:
+        json.dump(result, fh, indent=2)
+    print(json.dumps({m: summarize(results[m]) for m in modes}, indent=2))
+    return 0

@@ -1,0 +1,116 @@
+"""Own shard first (issue 31, docs/in-process-design.md §4.5): survivors of an in-process
+re-formation resume from the newest step every one of them holds in its own slot, not only
+from the committed step.
+
+A real CheckpointService (one node's RAM) through the in-process transport; ranks are threads
+with a barrier collective. Three ranks save at world 3, one of them "dies" (stops saving), and
+the two others' Checkpointers follow their process into a round of world 2, as under
+``@elasticd.in_process``: each restore reads the place the round gave (here set on the
+Checkpointer, as the re-formed group would say). Nothing is committed (no replicator), so
+before own offers the survivors found no step loadable at world 2 and started over from 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import elasticd.worker.sources as sources_module
+from elasticd.testing.transport import InProcessTransport
+from elasticd.worker.checkpointer import Checkpointer
+from tests.unit.test_worker_checkpointer import (  # noqa: F401 — root, service: fixtures
+    ThreadRanks, capture, make_state, root, run_ranks, service, train_step)
+
+JOB = "j"
+
+
+@contextlib.contextmanager
+def _world3(service, last):
+    """Ranks 0-2 of world 3 save steps 1..last[r]; yields their Checkpointers, states and
+    each rank's captured state per step, and the transport; closes the Checkpointers."""
+    t = InProcessTransport(service.handlers())
+    ckpts, states, refs = [], [], {}
+    try:
+        for r in range(3):
+            ckpt = Checkpointer(transport=t, job=JOB, rank=r, world_size=3)
+            ckpts.append(ckpt)
+            state = make_state(seed=r, world=3, rank=r)
+            for step in range(1, last[r] + 1):
+                train_step(state)
+                ckpt.save(step, state)
+                ckpt.wait()
+                refs[(r, step)] = capture(state)
+            states.append(state)
+        yield ckpts, states, refs, t
+    finally:
+        for ckpt in ckpts:
+            ckpt.close()
+
+
+def _reform(ckpts, states, world):
+    """Every Checkpointer in ``ckpts`` restores as rank i of ``world`` (its round's place)."""
+    ranks = ThreadRanks(world)
+    for i, ckpt in enumerate(ckpts):
+        ckpt._given = (i, world, None, ranks.rank(i))  # what the re-formed group says
+
+    def restore(i):
+        return ckpts[i].restore(states[i]), ckpts[i].last_restore
+
+    return run_ranks(world, restore)
+
+
+def _same_model(state, ref):
+    got = capture(state)
+    return all(v.equal(got["model"][k]) for k, v in ref["model"].items()) and all(
+        all(a[k].equal(b[k]) for k in b) for a, b in zip(got["optim"], ref["optim"]))
+
+
+def test_survivors_resume_from_the_newest_step_all_of_them_hold_in_their_own_slots(service):
+    with _world3(service, last=[5, 3, 5]) as (ckpts, states, refs, _):  # rank 1 died after 3
+        survivors = [ckpts[0], ckpts[2]]  # rank 0 stays 0, rank 2 becomes 1
+        results = _reform(survivors, [states[0], states[2]], world=2)
+        assert [step for step, _ in results] == [5, 5]  # was [0, 0]: nothing committed
+        assert all(res.source == "local" and res.saved_world_size == 3 and res.steps_lost == 0
+                   for _, res in results), results
+        # Each loaded the shard of the rank it was, bitwise.
+        assert _same_model(states[0], refs[(0, 5)]) and _same_model(states[2], refs[(2, 5)])
+        # New snapshots carry a new generation, as after any restore.
+        assert {ckpt.generation for ckpt in survivors} == {1}
+
+
+def test_the_newest_step_every_survivor_holds_wins_not_one_only_some_hold(service):
+    # Rank 2 failed its collective of step 5 (partial completion): it holds 4 at most.
+    with _world3(service, last=[5, 3, 4]) as (ckpts, states, refs, _):
+        results = _reform([ckpts[0], ckpts[2]], [states[0], states[2]], world=2)
+        assert [step for step, _ in results] == [4, 4]
+        assert _same_model(states[0], refs[(0, 4)]) and _same_model(states[2], refs[(2, 4)])
+        assert results[0][1].steps_lost == 1  # rank 0 had reached 5
+
+
+def test_a_fresh_rank_in_the_round_means_no_own_offer_is_taken(service):
+    # A restarted or new worker has no slot of its own: a step nobody committed may be held
+    # nowhere for its rank, so the round takes what it would take after a restart (here:
+    # nothing committed, a fresh start), whatever the survivors hold.
+    with _world3(service, last=[5, 3, 5]) as (ckpts, states, _, t):
+        with Checkpointer(transport=t, job=JOB, rank=1, world_size=2) as fresh:
+            results = _reform([ckpts[0], fresh],
+                              [states[0], make_state(seed=7, world=2, rank=1)], world=2)
+        assert [step for step, _ in results] == [0, 0]
+
+
+def test_a_sharded_own_snapshot_is_refused_for_the_committed_step(service, monkeypatch):
+    # Sharded state (DTensors, ZeRO): a survivor's slot holds only its part, and the dead
+    # rank's part of a step nobody committed may be held nowhere.
+    with _world3(service, last=[5, 3, 5]) as (ckpts, states, _, _t):
+        monkeypatch.setattr(sources_module, "dtensor_nodes", lambda meta: iter([{"i": 0}]))
+        results = _reform([ckpts[0], ckpts[2]], [states[0], states[2]], world=2)
+        assert [step for step, _ in results] == [0, 0]
+        assert any("sharded state needs every old rank's shard" in why
+                   for why in results[0][1].refused), results[0][1].refused
+
+
+def test_the_same_place_restores_as_before(service):
+    # No move (a re-formation that kept every rank in place): the usual common step.
+    with _world3(service, last=[5, 5, 4]) as (ckpts, states, refs, _):
+        results = _reform(ckpts, states, world=3)
+        assert [step for step, _ in results] == [4, 4, 4]
+        assert all(_same_model(states[r], refs[(r, 4)]) for r in range(3))
