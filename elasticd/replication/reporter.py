@@ -47,14 +47,6 @@ log = logging.getLogger(__name__)
 
 #: Seconds between two ticks of :meth:`Reporter.start`'s thread.
 TICK = 0.1
-#: A follower asks the coordinator again when its last answer is older than this, at first;
-#: each later question of the same follower waits twice as long, up to :data:`ASK_AT_MOST`
-#: (a question every 0.2 s for as long as a version waited cost 3.8 reports per node per step
-#: at N = 300 where one report per step carries the news; a hopeless answer still wakes the
-#: follower at once, and past its deadline it asks at once).
-ASK_EVERY = 0.2
-FIRST_WAIT = 0.1  #: seconds a follower waits before its first question (tracker's ``_follow``)
-ASK_AT_MOST = 0.8
 #: How long a commit the coordinator named may stay unseen by this node's watch before the node
 #: reads the committed record itself. The reply usually beats the watch event by milliseconds:
 #: reading at once cost one range read per node per step (0.6 per node per step at N = 300).
@@ -77,6 +69,7 @@ class JobReports:
     retry_at: float = 0.0
     hopeless: frozenset[Version] = frozenset()
     answered_at: float = float("-inf")
+    asked_at: float = float("-inf")  # when a follower's question last made a report due
     last_reason: str = ""
     ahead: Version | None = None  # a commit a reply named that the watch had not brought yet
     ahead_since: float = 0.0
@@ -164,18 +157,20 @@ class Reporter:
         self._kick(job)
 
     def hopeless(self, job: str, version: Version, fresh_after: float = float("-inf"),
-                 every: float = ASK_EVERY) -> bool:
+                 every: float = float("inf"), ask: bool = True) -> bool:
         """The coordinator's last word on ``version`` (which this node waits on): True when it
-        can never commit. Asks again when that word is older than ``every`` seconds or than
-        ``fresh_after``."""
+        can never commit. With ``ask``, asks again (a report) when that word is older than
+        ``fresh_after`` or ``every`` seconds, unless a question made since is not (see
+        :mod:`elasticd.replication.follower`)."""
         now = self.t.clock.monotonic()
         with self.t.lock:
             j = self.jobs.get(job)
             if j is None:
                 return False
-            stale = now - j.answered_at > every or j.answered_at < fresh_after
+            stale = ask and all(at < fresh_after or now - at > every
+                                for at in (j.answered_at, j.asked_at))
             if stale:
-                j.dirty = True
+                j.dirty, j.asked_at = True, now
             answer = tuple(version) in j.hopeless
         if stale:
             self._kick(job)
