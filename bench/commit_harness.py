@@ -68,6 +68,7 @@ class HarnessNode:
     def __init__(self, name: str, coord: Any, keys: Keyspace, reports: LocalReports | None,
                  ttl: float = 2.0) -> None:
         self.name, self.coord, self.keys = name, coord, keys
+        self._tick_at = 0.0
         self.background = Background(f"harness-{name}", 2)
         kw: dict[str, Any] = {"commit_wait": 0.0, "withdraw_after": 1.0}
         if NEW:
@@ -105,8 +106,17 @@ class HarnessNode:
                 t.on_ack(JOB, rank, v, peer)
 
     def tick(self) -> None:
-        if NEW:
-            self.tracker.reporter.tick()
+        """Called every 0.1 s: runs the reporter's tick when it is due, as the daemon's
+        ticker thread does (when the tick said, or when woken; every call for an elasticd
+        whose tick says nothing)."""
+        if not NEW:
+            return
+        reporter, now = self.tracker.reporter, time.monotonic()
+        wake = getattr(reporter, "wake", None)
+        if wake is None or wake.is_set() or now >= self._tick_at:
+            if wake is not None:
+                wake.clear()
+            self._tick_at = now + (reporter.tick() or 0.0)
 
     def lag(self) -> int:
         with self.tracker.lock:

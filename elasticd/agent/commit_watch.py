@@ -19,9 +19,12 @@ away).
 :class:`CommitWatch` mirrors the committed record's prefix (``ckpt/committed``: the committed
 record, the ahead record, and two small keys that change rarely) through one etcd watch
 (listing first, again after a watch error), so the rendezvous handler's ``commit_gate``, asked
-from ``num_nodes_waiting`` every monitor interval, answers from memory with no etcd request,
-and the agent's etcd traffic per committed step is at most two watch events, whatever the
-job's size. The rendezvous plugin may import only the coordination layer; :mod:`.torchrun`
+from ``num_nodes_waiting`` every monitor interval while a newcomer waits, answers from memory
+with no etcd request. The watch exists only while the gate is asked: it starts at the first
+ask (which answers no: the newcomer waits for the next) and ends once the gate went unasked for
+:data:`IDLE` seconds. The daemon watches the same prefix for its own commit code; an agent
+watching it for the whole run doubled every node's watch events per committed step (two per
+watch) for a question asked only when a node waits to enter. The rendezvous plugin may import only the coordination layer; :mod:`.torchrun`
 passes this gate in, as it does the join gate.
 """
 
@@ -39,6 +42,9 @@ from elasticd.replication.api import Version
 from elasticd.replication.commit import decode_ahead, decode_committed
 
 log = logging.getLogger(__name__)
+
+#: Seconds the gate may go unasked before its watch ends (the next ask starts it again).
+IDLE = 60.0
 
 
 def at_committed_step(committed: Version | None, newest: Iterable[Version]) -> bool:
@@ -77,10 +83,15 @@ class CommitWatch:
         self._relisting = False
         self._watch = None
         self._stopped = False
+        #: Listing and watching start at the first ask, in a thread (see the module doc).
+        self.lazy = True
+        self._asked_at = float("-inf")
 
     def start(self) -> None:
-        """Lists the records and starts the watch; on an unreachable etcd, keeps trying in a
-        thread (the gate says no meanwhile)."""
+        """Lists the records and starts the watch for good (not only while the gate is
+        asked); on an unreachable etcd, keeps trying in a thread (the gate says no
+        meanwhile)."""
+        self.lazy = False
         try:
             self._relist()
         except CoordinationError as exc:
@@ -94,7 +105,14 @@ class CommitWatch:
 
     def __call__(self) -> bool:
         """The gate: whether the job is at a committed step, from memory (False while the
-        mirror is not known to be current)."""
+        mirror is not known to be current: at the first ask, it starts)."""
+        with self._lock:
+            self._asked_at = self._clock.monotonic()
+            start = self._watch is None and not self._relisting and not self._stopped
+            self._relisting = self._relisting or start
+        if start:
+            threading.Thread(target=self._relist_patiently, name="commit-watch-start",
+                             daemon=True).start()
         with self._lock:
             return self._fresh and at_committed_step(
                 self._committed, [self._ahead] if self._ahead is not None else [])
@@ -125,6 +143,14 @@ class CommitWatch:
                 self._relisting = True
             threading.Thread(target=self._relist_patiently, name="commit-watch-relist",
                              daemon=True).start()
+            return
+        with self._lock:
+            idle = self.lazy and self._clock.monotonic() - self._asked_at > IDLE
+            if idle:  # nobody asks: the watch ends (the next ask lists and watches again)
+                watch, self._watch, self._fresh = self._watch, None, False
+        if idle:
+            if watch is not None:
+                watch.cancel()
             return
         with self._lock:
             for e in batch:  # type: ignore[attr-defined]

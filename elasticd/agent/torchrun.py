@@ -95,9 +95,9 @@ def attach(handler: object) -> None:
     handler.join_gate = join_gate  # type: ignore[attr-defined]
     watch.start()
     if str(getattr(handler, "_grow", "")).startswith("interval:"):
+        # Lazy: it watches etcd only while the handler asks it (a newcomer waiting).
         commits = CommitWatch(handler._coord, Keyspace(prefix),  # type: ignore[attr-defined]
                               handler.get_run_id())  # type: ignore[attr-defined]
-        commits.start()
         handler.commit_gate = commits  # type: ignore[attr-defined]
     log.info("watching daemon of node %s (record %s, socket %s)", node,
              watch.node_key.decode(errors="replace"), sock)

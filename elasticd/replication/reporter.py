@@ -45,16 +45,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Seconds between two ticks of :meth:`Reporter.start`'s thread.
+#: Seconds between two ticks of :meth:`Reporter.start`'s thread while something is due soon
+#: (a retry, a campaign, this node's term as coordinator); with nothing pending it ticks
+#: every :data:`IDLE_TICK` (a safety net: every change that makes work due wakes it).
 TICK = 0.1
-#: A follower asks the coordinator again when its last answer is older than this, at first;
-#: each later question of the same follower waits twice as long, up to :data:`ASK_AT_MOST`
-#: (a question every 0.2 s for as long as a version waited cost 3.8 reports per node per step
-#: at N = 300 where one report per step carries the news; a hopeless answer still wakes the
-#: follower at once, and past its deadline it asks at once).
-ASK_EVERY = 0.2
-FIRST_WAIT = 0.1  #: seconds a follower waits before its first question (tracker's ``_follow``)
-ASK_AT_MOST = 0.8
+IDLE_TICK = 1.0
 #: How long a commit the coordinator named may stay unseen by this node's watch before the node
 #: reads the committed record itself. The reply usually beats the watch event by milliseconds:
 #: reading at once cost one range read per node per step (0.6 per node per step at N = 300).
@@ -77,6 +72,7 @@ class JobReports:
     retry_at: float = 0.0
     hopeless: frozenset[Version] = frozenset()
     answered_at: float = float("-inf")
+    asked_at: float = float("-inf")  # when a follower's question last made a report due
     last_reason: str = ""
     ahead: Version | None = None  # a commit a reply named that the watch had not brought yet
     ahead_since: float = 0.0
@@ -100,6 +96,8 @@ class Reporter:
         self.seq = 0
         self.jobs: dict[str, JobReports] = {}
         self._stop = threading.Event()
+        #: Set when work may have become due before the next tick (:meth:`tick`'s answer).
+        self.wake = threading.Event()
         self._thread: threading.Thread | None = None
 
     def job(self, job: str) -> JobReports:
@@ -128,6 +126,8 @@ class Reporter:
             if new:
                 j.dirty, j.failures, j.retry_at, j.hopeless = True, 0, 0.0, frozenset()
             first = ship is None and self._delay(job) == 0
+        if ship is None or new:
+            self.wake.set()  # a campaign comes due, or a report
         if ended:
             leading.end("the election key is gone" if ship is None  # type: ignore[union-attr]
                         else f"{ship.node} holds the election key")
@@ -164,18 +164,20 @@ class Reporter:
         self._kick(job)
 
     def hopeless(self, job: str, version: Version, fresh_after: float = float("-inf"),
-                 every: float = ASK_EVERY) -> bool:
+                 every: float = float("inf"), ask: bool = True) -> bool:
         """The coordinator's last word on ``version`` (which this node waits on): True when it
-        can never commit. Asks again when that word is older than ``every`` seconds or than
-        ``fresh_after``."""
+        can never commit. With ``ask``, asks again (a report) when that word is older than
+        ``fresh_after`` or ``every`` seconds, unless a question made since is not (see
+        :mod:`elasticd.replication.follower`)."""
         now = self.t.clock.monotonic()
         with self.t.lock:
             j = self.jobs.get(job)
             if j is None:
                 return False
-            stale = now - j.answered_at > every or j.answered_at < fresh_after
+            stale = ask and all(at < fresh_after or now - at > every
+                                for at in (j.answered_at, j.asked_at))
             if stale:
-                j.dirty = True
+                j.dirty, j.asked_at = True, now
             answer = tuple(version) in j.hopeless
         if stale:
             self._kick(job)
@@ -260,6 +262,7 @@ class Reporter:
             j.failures += 1
             j.retry_at = now + min(0.05 * 2 ** j.failures, 1.0)
             first, j.last_reason = j.last_reason != why, why
+        self.wake.set()  # the retry's time
         (log.warning if first else log.debug)(
             "%s: cannot report to the commit coordinator (%s); retrying", job, why)
 
@@ -290,6 +293,8 @@ class Reporter:
                 # election record) comes soon; ask again shortly, without backing off.
                 j.retry_at = now + 0.1
                 behind, again = reply.reason in ("term", "term ended"), False
+        if not reply.accepted or j.ahead is not None:
+            self.wake.set()  # a retry, or a look at the watch after WATCH_GRACE
         if not reply.accepted:
             log.debug("%s: coordinator %s did not count this report: %s", job, ship.node,
                       reply.reason)
@@ -353,6 +358,7 @@ class Reporter:
                 wake=lambda: t.submit(self._flush, job))
             j.leading, j.ship, j.dirty, j.absent_since = leading, ship, True, None
         log.info("%s: %s coordinates commits (term %x)", job, t.node_id, term)
+        self.wake.set()  # its term ticks (the election lease)
         self._kick(job)
         t.submit(self._flush, job)
 
@@ -376,24 +382,31 @@ class Reporter:
 
     # -- periodic work --------------------------------------------------------------------------
 
-    def tick(self) -> None:
-        """One round of periodic work: the election lease, due retries and campaigns."""
+    def tick(self) -> float:
+        """One round of periodic work: the election lease, due retries and campaigns. Returns
+        the seconds until the next round is due (:data:`TICK` to :data:`IDLE_TICK`)."""
         now = self.t.clock.monotonic()
         with self.t.lock:
             jobs = list(self.jobs.items())
+        due_in = IDLE_TICK
         for job, j in jobs:
             leading = j.leading
             if leading is not None:
                 leading.tick()
             with self.t.lock:
-                due = (j.known and j.ship is None and j.leading is None and not j.campaigning
-                       and j.absent_since is not None
-                       and now - j.absent_since >= self._delay(job))
-            if due:
+                campaign_at = (j.absent_since + self._delay(job) if j.known and j.ship is None
+                               and j.leading is None and not j.campaigning
+                               and j.absent_since is not None else float("inf"))
+            if now >= campaign_at:
                 self._campaign(job)
             if self._watch_lagging(job, j, now):
                 self.t.submit(self.t.reread, job)
             self._kick(job)
+            with self.t.lock:
+                at = min(campaign_at, j.ahead_since + WATCH_GRACE if j.ahead else float("inf"),
+                         j.retry_at if j.dirty and j.ship is not None else float("inf"))
+            due_in = min(due_in, TICK if j.leading is not None else at - now)
+        return max(TICK, due_in)
 
     def _watch_lagging(self, job: str, j: JobReports, now: float) -> bool:
         """True (once) when a commit a reply named is still unseen after :data:`WATCH_GRACE`."""
@@ -406,13 +419,19 @@ class Reporter:
             return known is None or known < ahead
 
     def start(self) -> None:
-        """Runs :meth:`tick` every :data:`TICK` seconds on a thread until :meth:`close`."""
+        """Runs :meth:`tick` on a thread, when it says and when woken, until :meth:`close`."""
         def run() -> None:
-            while not self._stop.wait(TICK):
+            due_in = TICK
+            while not self._stop.is_set():
+                self.wake.wait(due_in)
+                self.wake.clear()
+                if self._stop.is_set():
+                    return
                 try:
-                    self.tick()
+                    due_in = self.tick()
                 except Exception:  # noqa: BLE001 - the ticker must outlive a bug in one tick
                     log.exception("commit ticker of %s failed", self.t.node_id)
+                    due_in = TICK
 
         self._thread = threading.Thread(target=run, daemon=True,
                                         name=f"commit-tick-{self.t.node_id}")
@@ -452,6 +471,7 @@ class Reporter:
         """Stops the ticker; ends every term (``resign``: deleting the election keys, so that
         another node takes over at once; else they expire with the lease)."""
         self._stop.set()
+        self.wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
         with self.t.lock:

@@ -16,11 +16,11 @@ Which copies stay in their slots is decided per job by a
 :class:`~elasticd.replication.commit_state.CommitBook` (acked -> protected -> committed |
 withdrawn | abandoned); the tracker feeds it the events and performs its actions on the slot
 stores, under ``lock``, so that the actions of two events never interleave. An acknowledged
-local version is *followed* (:meth:`CommitTracker._follow`) until it is decided: a rank whose two
-slots hold the committed step and an acknowledged newer one skips snapshots until then, and
-when the commit does not come within ``withdraw_after`` (or the coordinator says it never
-will) this node withdraws it, behind a fence that no commit decided from an earlier report can
-pass (:func:`~elasticd.replication.fences.withdraw`).
+local version is *followed* (:mod:`~elasticd.replication.follower`) until it is decided: a
+rank whose two slots hold the committed step and an acknowledged newer one skips snapshots
+until then, and when the commit does not come within ``withdraw_after`` (or the coordinator
+says it never will) this node withdraws it, behind a fence that no commit decided from an
+earlier report can pass (:func:`~elasticd.replication.fences.withdraw`).
 
 ``lock`` guards the job states and is never held while calling etcd or a peer: the in-memory
 coordinator runs watch callbacks on the writer's thread (it is held across the slot stores'
@@ -63,8 +63,8 @@ from elasticd.replication.commit import (
 from elasticd.replication.fences import read_fence, withdraw
 from elasticd.replication.placement import Placement
 from elasticd.replication.report import Reply, Report, placement_digest
-from elasticd.replication.reporter import (ASK_AT_MOST, ASK_EVERY, FIRST_WAIT, Reporter,
-                                           decode_ship)
+from elasticd.replication.follower import follow
+from elasticd.replication.reporter import Reporter, decode_ship
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class CommitTracker:
         on_advance: called (in the background) with a job whose commit moved past the one in
             force when its placement last changed.
         withdraw_after: seconds an acknowledged version that blocks a local snapshot may wait
-            for its commit before it is withdrawn (:meth:`_follow`).
+            for its commit before it is withdrawn (:mod:`~elasticd.replication.follower`).
         stores: the slot stores the commit book's retentions are placed in.
         send: delivers a commit report to a node (see
             :class:`~elasticd.replication.reporter.Reporter`).
@@ -180,7 +180,7 @@ class CommitTracker:
         if actions.follow is not None:
             # Not counted by wait_idle: a version waiting for a commit that may never come is
             # not work in progress.
-            self._submit(self._follow, job, actions.follow, track=False)
+            self._submit(follow, self, job, actions.follow, track=False)
 
     def _event(self, job: str, event: Callable[[CommitBook], Actions]) -> None:
         """Feeds an event to the job's commit book and performs its actions."""
@@ -342,7 +342,7 @@ class CommitTracker:
     def on_skipped(self, job: str, version: Version) -> None:
         """A local rank skipped the snapshot of ``version`` (a commit was pending): reported,
         so that a peer whose acknowledged copy of it waits for a commit withdraws that copy at
-        once instead of after ``withdraw_after`` (see :meth:`_follow`)."""
+        once instead of after ``withdraw_after`` (see :mod:`~elasticd.replication.follower`)."""
         version = (int(version[0]), int(version[1]))
         with self.lock:
             st = self.jobs.get(job)
@@ -351,34 +351,9 @@ class CommitTracker:
             st.skipped = sorted({version, *st.skipped}, reverse=True)[:KEEP_SKIPPED]
         self.reporter.changed(job)
 
-    def _follow(self, job: str, version: Version) -> None:
-        """Follows an acknowledged, not yet committed local ``version`` (its copies stay in
-        their slots meanwhile) until the commit book decides it: committed, abandoned, or to be
-        withdrawn (see the module doc) at once when the coordinator says it can no longer
-        commit (another owner skipped it, or has a newer version without it), or
-        ``withdraw_after`` after its first acknowledgement when a local snapshot is blocked by
-        it. Started at the first acknowledgement rather than when a snapshot is blocked, so
-        that a version a peer skipped is withdrawn before this node's next step."""
-        hopeless, wait = False, FIRST_WAIT
-        while True:
-            with self.cond:
-                st = self.jobs.get(job)
-                if st is None or self.closing:
-                    return
-                verdict = st.book.verdict(version, self.clock.monotonic(), hopeless)
-                if verdict is not Verdict.WAIT:
-                    break
-                left = (deadline := st.book.deadline(version)) - self.clock.monotonic()
-                self.cond.wait(min(left, wait) if left > 0 else 0.05)
-            # Asked only after a first wait (most versions commit within it: no question per
-            # version), then less and less often (ASK_AT_MOST); past the deadline at once: a
-            # withdrawal on time waits for an answer given after it.
-            hopeless = self.reporter.hopeless(job, version, deadline, max(wait, ASK_EVERY))
-            wait = min(max(wait * 2, ASK_EVERY), ASK_AT_MOST)
-        if verdict is Verdict.WITHDRAW:
-            self._withdraw(job, version)
-
-    def _withdraw(self, job: str, version: Version) -> None:
+    def withdraw(self, job: str, version: Version) -> None:
+        """Takes ``version`` back from this node's record, behind its fence (the follower's
+        verdict)."""
         with self._record_lock:
             with self.lock:
                 st = self.jobs.get(job)

@@ -79,3 +79,48 @@ def test_after_a_watch_error_the_gate_says_no_until_the_records_are_listed_again
         wait_until(watch)
     finally:
         watch.stop()
+
+
+def test_the_gate_watches_etcd_only_while_it_is_asked():
+    """The agent's gate holds no watch until first asked (every node's agent watching the
+    committed prefix for the whole run doubled the nodes' watch events per step), and lets
+    it go once unasked for IDLE seconds."""
+    from elasticd.agent.commit_watch import IDLE
+    from elasticd.testing.clock import FakeClock
+
+    store, clock = MemoryStore(), FakeClock()
+    writer, reader = MemoryCoordinator(store), MemoryCoordinator(store)
+    writer.put(KEYS.job_committed("job"), encode_committed(Committed(0, 3, (0,), {0: ("n1",)})))
+    gate = CommitWatch(reader, KEYS, "job", clock=clock)
+    try:
+        time.sleep(0.1)
+        assert not store._watches  # built, not asked: no watch
+        gate()  # the first ask starts it (in a thread: it says no until listed)
+        wait_until(gate)
+        assert len(store._watches) == 1
+        clock.advance(IDLE + 1)  # unasked since: the next event ends the watch
+        writer.put(KEYS.job_committed("job"),
+                   encode_committed(Committed(0, 4, (0,), {0: ("n1",)})))
+        wait_until(lambda: all(w.cancelled for w in store._watches))
+        gate()
+        wait_until(gate)  # asked again: listed and watched again
+        assert sum(not w.cancelled for w in store._watches) == 1
+    finally:
+        gate.stop()
+
+
+def test_the_handler_asks_the_commit_gate_only_when_a_newcomer_waits():
+    import types
+
+    from elasticd.rendezvous.handler import EtcdNativeRendezvousHandler
+    from elasticd.rendezvous.records import RoundRecord, Waiting
+
+    asked = []
+    handler = types.SimpleNamespace(
+        _settings=types.SimpleNamespace(grow_interval=60.0), _clock=types.SimpleNamespace(
+            wall=lambda: 1000.0), commit_gate=lambda: asked.append(1) or False)
+    current = RoundRecord(3, ("a", "b"), grew_at=100.0)  # the interval is over
+    at_commit = EtcdNativeRendezvousHandler._at_commit
+    assert at_commit(handler, current, Waiting(3, rejoining=1)) and not asked
+    assert at_commit(handler, current, Waiting(2, outsiders=1)) and not asked  # an old summary
+    assert not at_commit(handler, current, Waiting(3, outsiders=1)) and asked == [1]

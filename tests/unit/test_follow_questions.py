@@ -1,6 +1,7 @@
-"""How often a node's follower of an uncommitted version asks the commit coordinator whether
-that version is hopeless (``CommitTracker._follow``): at first after 0.1 s, then less and less
-often, and a hopeless answer ends its wait at once."""
+"""When a node's follower of an uncommitted version asks the commit coordinator whether that
+version is hopeless (:mod:`elasticd.replication.follower`): once, shortly before the node's next
+snapshot wants the slot (not every few tenths of a second from the first acknowledgement on),
+past the deadline of a blocking version at once; and a hopeless answer ends its wait at once."""
 
 from __future__ import annotations
 
@@ -8,10 +9,75 @@ import threading
 import time
 
 from elasticd.clock import SystemClock
-from elasticd.replication.commit_state import Verdict
+from elasticd.coordination.keys import Keyspace
+from elasticd.replication.background import Background
+from elasticd.replication.commit_state import CommitBook, Holder, Verdict
+from elasticd.replication.election import Coordinatorship
+from elasticd.replication.placement import compute_placement
+from elasticd.replication.report import Reply
 from elasticd.replication.tracker import CommitTracker
+from elasticd.testing.coordination import MemoryCoordinator, MemoryStore
 
 JOB, VERSION = "job", (0, 7)
+ASK_LEAD = 0.1  # elasticd.replication.follower's (imported where the test needs the module)
+
+
+def test_a_follower_asks_once_shortly_before_the_next_snapshot_is_due():
+    """n1's versions land 0.5 s apart and never commit (n2 never reports): each report it
+    sends is either the news of a version or a question. Only one question is worth asking per
+    version, ``ASK_LEAD`` before the next snapshot (an answer then can still free the slot)."""
+    sent: list[tuple[float, tuple]] = []
+    background = Background("follow-test", 4)
+    t0 = [0.0]
+
+    def send(node, report):
+        sent.append((time.monotonic() - t0[0], tuple(sorted(v for vs in report.ranks.values()
+                                                            for v in vs))))
+        return Reply(True, "", (), None)
+
+    tracker = CommitTracker("n1", MemoryCoordinator(MemoryStore()), Keyspace("/t"),
+                            SystemClock(), background, lambda job: None, commit_wait=0.0,
+                            withdraw_after=1.0, send=send, lease_ttl=2.0)
+    try:
+        tracker.set_placement(JOB, compute_placement(["n1", "n2"], {"n1": [0], "n2": [1]}, 2,
+                                                     round=1))
+        tracker.reporter.coordinator_seen(JOB, Coordinatorship("n2", 7, 1))
+        t0[0] = time.monotonic()
+        for step in (1, 2):
+            tracker.on_landed(JOB, 0, (0, step))
+            tracker.on_ack(JOB, 0, (0, step), "n2")
+            if step == 1:
+                time.sleep(0.5)
+        time.sleep(1.3)  # past both deadlines (1.0 s after each landing): both followers idle
+        seen: set[tuple] = set()
+        news, questions = [], []
+        for t, versions in sent:
+            if versions:  # (the report before any version: the coordinator's first sight)
+                (questions if versions in seen else news).append(t)
+                seen.add(versions)
+        # The old follower asked at 0.1, 0.3 and 0.7 s after each landing: 4-6 questions here.
+        assert len(news) == 2 and 1 <= len(questions) <= 2, sent
+        # The first version's follower learned the cadence (0.5 s) after it went to sleep
+        # until its deadline's lead (0.9 s); the second's is due at 0.5 + 0.5 - 0.1 = 0.9 s:
+        # nothing is asked before.
+        assert all(t >= 0.9 - ASK_LEAD / 2 for t in questions), sent
+        assert all(t < 1.3 for t in questions), sent
+    finally:
+        tracker.close()
+        background.close()
+
+
+def test_the_book_asks_before_the_next_snapshot_or_the_deadline_whichever_is_first():
+    book = CommitBook(withdraw_after=1.0)
+    book.landed(Holder.LOCAL, 0, (0, 1), 10.0)
+    assert book.ask_at((0, 1), 0.1) == 10.9  # no cadence known yet: before the deadline
+    book.landed(Holder.LOCAL, 0, (0, 2), 10.5)
+    assert book.cadence == 0.5
+    assert book.ask_at((0, 2), 0.1) == 10.9  # the next snapshot, at 11.0, comes first
+    book.landed(Holder.LOCAL, 0, (0, 3), 13.5)  # a slower cadence: the deadline comes first
+    assert book.ask_at((0, 3), 0.1) == 14.4
+    book.landed(Holder.LOCAL, 0, (1, 3), 14.0)  # a new generation: no cadence across it
+    assert book.cadence == 3.0
 
 
 class Book:
@@ -23,57 +89,43 @@ class Book:
     def deadline(self, version):
         return float("inf")
 
+    def ask_at(self, version, lead):
+        return float("inf")
+
 
 class Follower:
-    """What ``CommitTracker._follow`` uses of its tracker, recording each question."""
+    """What :func:`follow` uses of its tracker, recording each question."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
         self.jobs = {JOB: type("St", (), {"book": Book()})()}
         self.clock, self.closing = SystemClock(), False
-        self.asked: list[tuple[float, float]] = []  # (seconds since start, every)
+        self.asked: list[float] = []
         self.answer, self.withdrawn_at = False, None
         self.reporter, self.t0 = self, time.monotonic()
 
-    def hopeless(self, job, version, fresh_after=float("-inf"), every=0.2):
-        self.asked.append((time.monotonic() - self.t0, every))
+    def hopeless(self, job, version, fresh_after=float("-inf"), every=float("inf"),
+                 ask=True):
+        if ask:
+            self.asked.append(time.monotonic() - self.t0)
         return self.answer
 
-    def _withdraw(self, job, version) -> None:
+    def withdraw(self, job, version) -> None:
         self.withdrawn_at = time.monotonic() - self.t0
 
 
-def follow(f: Follower) -> threading.Thread:
-    thread = threading.Thread(target=CommitTracker._follow, args=(f, JOB, VERSION), daemon=True)
-    thread.start()
-    return thread
-
-
-def test_a_waiting_follower_asks_less_and_less_often():
-    f = Follower()
-    thread = follow(f)
-    time.sleep(1.7)
-    with f.cond:
-        f.closing = True
-        f.cond.notify_all()
-    thread.join(2)
-    # 0.1, 0.3, 0.7, 1.5 s: four looks in 1.7 s (a look every 0.1 s before: 16), each asking
-    # only when the last answer is older than the wait just done (0.2 s at least). The close
-    # itself wakes it for one more look (past 1.7 s), not counted.
-    assert len(f.asked) <= 5, f.asked
-    looks = f.asked[:4]
-    assert [every for _, every in looks] == [0.2, 0.2, 0.4, 0.8]
-    for k, ((t, _), want) in enumerate(zip(looks, (0.1, 0.3, 0.7, 1.5))):
-        assert want - 0.01 <= t <= want + 0.05 * (k + 2)  # a loaded machine wakes late
-
-
 def test_a_hopeless_answer_ends_the_wait_at_once():
+    from elasticd.replication import follower
+
+    assert follower.ASK_LEAD == ASK_LEAD
     f = Follower()
-    thread = follow(f)
-    time.sleep(0.8)  # past the third look: the follower now waits 0.8 s
-    with f.cond:  # the reporter took a reply naming the version hopeless
+    thread = threading.Thread(target=follower.follow, args=(f, JOB, VERSION), daemon=True)
+    thread.start()
+    time.sleep(0.5)
+    with f.cond:  # the reporter took a reply (to another report) naming the version hopeless
         f.answer = True
         f.cond.notify_all()
     thread.join(2)
-    assert f.withdrawn_at is not None and f.withdrawn_at < 0.95
+    assert f.withdrawn_at is not None and f.withdrawn_at < 0.7
+    assert f.asked == []  # its question was not due: the answer came with another report

@@ -1,0 +1,63 @@
+"""The commit reporter's ticker (:meth:`Reporter.start`) ticks when work is due, not ten times
+a second on every node whatever happens: with nothing pending a node ticks about once a
+second, and a failed report still has its retry on time (the failure wakes the ticker)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from elasticd.clock import SystemClock
+from elasticd.coordination.keys import Keyspace
+from elasticd.replication.api import ReplicationError
+from elasticd.replication.background import Background
+from elasticd.replication.election import Coordinatorship
+from elasticd.replication.placement import compute_placement
+from elasticd.replication.report import Reply
+from elasticd.replication.tracker import CommitTracker
+from elasticd.testing.coordination import MemoryCoordinator, MemoryStore
+
+JOB = "job"
+
+
+def test_an_idle_node_ticks_rarely_and_a_failed_report_is_retried_on_time():
+    sent: list[float] = []
+    fail = threading.Event()
+
+    def send(node, report):
+        sent.append(time.monotonic())
+        if fail.is_set():
+            fail.clear()
+            raise ReplicationError("peer unreachable")
+        return Reply(True, "", (), None)
+
+    background = Background("ticker-test", 2)
+    tracker = CommitTracker("n2", MemoryCoordinator(MemoryStore()), Keyspace("/t"),
+                            SystemClock(), background, lambda job: None, commit_wait=0.0,
+                            send=send, lease_ttl=2.0)
+    reporter = tracker.reporter
+    ticks: list[float] = []
+    real_tick = reporter.tick
+
+    def counted() -> float:
+        ticks.append(time.monotonic())
+        return real_tick()
+
+    reporter.tick = counted  # type: ignore[method-assign]
+    try:
+        tracker.set_placement(JOB, compute_placement(["n1", "n2"], {"n1": [0], "n2": [1]}, 2,
+                                                     round=1))
+        reporter.coordinator_seen(JOB, Coordinatorship("n1", 7, 1))  # a report goes at once
+        reporter.start()
+        time.sleep(2.0)
+        # Nothing pending (its report taken, n1 coordinating): the old ticker ran 20 times.
+        assert 1 <= len(ticks) <= 4, len(ticks)
+        assert len(sent) == 1
+        fail.set()
+        reporter.changed(JOB)  # a report that fails: retried after 0.1 s by the ticker
+        time.sleep(0.6)
+        assert len(sent) == 3 and sent[2] - sent[1] < 0.45, [t - sent[0] for t in sent]
+        assert reporter.settled()
+    finally:
+        tracker.close()
+        background.close()
