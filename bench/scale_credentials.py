@@ -123,7 +123,7 @@ def _login(ep, user: str, password: str, keys: Keyspace) -> float:
     t0 = time.perf_counter()
     coord = EtcdCoordinator(EtcdSettings(ep, timeout=30, user=user, password=password))
     try:
-        coord.get_prefix(keys.job_rdzv(JOB))
+        coord.get_prefix(keys.rendezvous(JOB).prefix)
     finally:
         coord.close()
     return time.perf_counter() - t0

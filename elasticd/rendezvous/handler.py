@@ -377,5 +377,5 @@ def create_handler(params: RendezvousParameters, backend_name: str,
     grace = OutageGrace(cfg.grace_period, where=cfg.etcd.describe())
     addr = params.local_addr or socket.getfqdn()
     return EtcdNativeRendezvousHandler(
-        coordinator, Keyspace(cfg.key_prefix).job_rdzv(cfg.run_id),
+        coordinator, Keyspace(cfg.key_prefix).rendezvous(cfg.run_id).prefix,
         cfg.handler(params.min_nodes, params.max_nodes, backend_name), addr, grace=grace)
