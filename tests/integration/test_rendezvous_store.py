@@ -404,7 +404,7 @@ def test_sigterm_inside_an_etcd_call_reaches_torchs_agent_as_a_signal(etcd, pref
     try:
         store = EtcdV3Store(coord, Keyspace(prefix).rendezvous(RUN_ID).prefix + b"store/",
                             grace=OutageGrace(1.0))
-        real = coord._get_client()
+        real = coord.connection._get_client()
 
         class Interrupted:
             def __getattr__(self, name):
@@ -412,10 +412,10 @@ def test_sigterm_inside_an_etcd_call_reaches_torchs_agent_as_a_signal(etcd, pref
                     raise SignalException("Process 1 got signal: 15", signal.SIGTERM)
                 return call
 
-        coord._client = Interrupted()
+        coord.connection._client = Interrupted()
         with pytest.raises(SignalException):
             store.check(["k"])
-        coord._client = real
+        coord.connection._client = real
         assert store.check(["k"]) is False  # an ordinary read works again
     finally:
         coord.close()
