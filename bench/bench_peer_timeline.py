@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> dict:
 
             c.wait_for(lambda: all(steps_at(n, 3) >= args.warmup_steps for n in c.nodes),
                        args.timeout, f"{args.warmup_steps} steps at world size 3")
-            c.wait_for(lambda: c.coordinator().get(c.keys.job_committed("job")),
+            c.wait_for(lambda: c.coordinator().get(c.keys.replication("job").committed),
                        args.timeout, "a committed step")
             victim = next(n for n in c.nodes
                           if c.nodes[n].http("/status")["job"]["ranks"] == [0])

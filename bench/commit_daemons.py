@@ -63,8 +63,8 @@ def main() -> None:
                 with lock:
                     events.extend((e.kv.key, len(e.kv.value), e.kv.mod_revision) for e in batch)
 
-            _, rev0 = coord.get_prefix(keys.job_ckpt("job"))
-            watch = coord.watch_prefix(keys.job_ckpt("job"), on_events, rev0 + 1)
+            _, rev0 = coord.get_prefix(keys.replication("job").ckpt)
+            watch = coord.watch_prefix(keys.replication("job").ckpt, on_events, rev0 + 1)
             c0 = read_committed(coord, keys, "job").step
             time.sleep(a.window)
             c1 = read_committed(coord, keys, "job").step
@@ -72,7 +72,7 @@ def main() -> None:
             watch.cancel()
             with lock:
                 evs = list(events)
-            commits = len({r for k, _, r in evs if k == keys.job_committed("job")})
+            commits = len({r for k, _, r in evs if k == keys.replication("job").committed})
             revisions = len({r for _, _, r in evs})
             sizes = [s for _, s, _ in evs]
             print(json.dumps({

@@ -211,7 +211,7 @@ def run(endpoints: str, metrics_url: str, prefix: str, n: int, ranks_per_node: i
             time.sleep(max(0.0, next_at - time.monotonic()))
 
     drive(time.monotonic() + warmup, sample=False)
-    _, rev0 = observer.get_prefix(keys.job_ckpt(JOB))
+    _, rev0 = observer.get_prefix(keys.replication(JOB).ckpt)
     watch = observer.watch_prefix(keys.job(JOB), on_events, rev0 + 1)
     m0 = scrape(metrics_url)
     sent0 = reports.sent if reports is not None else 0
@@ -226,7 +226,7 @@ def run(endpoints: str, metrics_url: str, prefix: str, n: int, ranks_per_node: i
     stop.set()
     with lock:
         evs = list(events)
-    ckpt = keys.job_ckpt(JOB)
+    ckpt = keys.replication(JOB).ckpt
     mine = [e for e in evs if e[1].startswith(ckpt)]
     revisions = len({e[3] for e in mine})
     commits = c1 - c0

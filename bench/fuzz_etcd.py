@@ -400,8 +400,8 @@ def write_hostile(cluster: Any, paths: list[str], count: int, seed: int, user: s
                        script=paths[i % len(paths)] if i < len(paths) else rng.choice(paths),
                        args=[], script_sha256="0" * 64, user=user, cwd="/",
                        python=sys.executable, created_at=time.time())
-        coord.put(keys.job_spec(job), spec.encode())
-        coord.put(keys.job_control(job), JobControl("running", time.time(), "fuzz").encode())
+        coord.put(keys.job_keys(job).spec, spec.encode())
+        coord.put(keys.job_keys(job).control, JobControl("running", time.time(), "fuzz").encode())
         jobs.append(job)
     return jobs
 

@@ -83,10 +83,10 @@ def run(mode: str, victim: str, ttl: int, timeout: float, workdir: str) -> dict:
              "--max-restarts", "100", "--", TRAIN, "--log", logdir, "--steps", "1000000",
              "--step-time", "0.02"], env=env, check=True, capture_output=True, timeout=60)
         coord = c.coordinator()
-        grid = c.keys.job_commit_grid("job")
+        grid = c.keys.replication("job").commit_grid
         try:
             c.wait_for(lambda: len(_first_at(_rows(logdir), 6, 0)) == 6, 120, "6 ranks")
-            c.wait_for(lambda: coord.get(c.keys.job_committed("job")) is not None
+            c.wait_for(lambda: coord.get(c.keys.replication("job").committed) is not None
                        and ((kv := coord.get(grid)) is None
                             or decode_grid(kv.value).grid == 1), 60, "grid 1")
         except TimeoutError as exc:

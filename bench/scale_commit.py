@@ -266,14 +266,14 @@ class _Observer:
         self.keys = keys
         self.events: list[tuple[float, bytes, int, int, Any]] = []
         self.lock = threading.Lock()
-        _, rev = self.coord.get_prefix(keys.job_ckpt(JOB))
-        self.watch = self.coord.watch_prefix(keys.job_ckpt(JOB), self._on, rev + 1)
+        _, rev = self.coord.get_prefix(keys.replication(JOB).ckpt)
+        self.watch = self.coord.watch_prefix(keys.replication(JOB).ckpt, self._on, rev + 1)
 
     def _on(self, batch: Any) -> None:
         if isinstance(batch, CoordinationError):
             return
         now = time.monotonic()
-        committed = self.keys.job_committed(JOB)
+        committed = self.keys.replication(JOB).committed
         with self.lock:
             for e in batch:
                 step = None
@@ -376,7 +376,7 @@ def _run_phase(cluster: Any, etcd: Any, server: Any, keys: Any, n: int,
         before[name] = max(before.get(name, 0), e[2])
     observer.close()
     cluster.ask(("commit_stop",))
-    committed_key, fence = keys.job_committed(JOB), keys.job_fences(JOB)
+    committed_key, fence = keys.replication(JOB).committed, keys.replication(JOB).fences
     commits = [e for e in evs if e[1] == committed_key]
     steps = [e[4][1] for e in commits if e[4] is not None]
     fence_revs = {e[3] for e in evs if e[1].startswith(fence)}

@@ -44,6 +44,7 @@ from elasticd.coordination import etcd as etcd_adapter  # noqa: E402
 from elasticd.coordination.agent_credentials import PASSWORD_ENV, AgentCredentials  # noqa: E402
 from elasticd.coordination.embedded import EmbeddedEtcd  # noqa: E402
 from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endpoints  # noqa: E402
+from elasticd.coordination.etcd_connection import EtcdConnection  # noqa: E402
 from elasticd.coordination.keys import Keyspace  # noqa: E402
 
 JOB = "job"
@@ -61,21 +62,21 @@ class StaleCount:
     def __init__(self) -> None:
         self.n = 0
         self._lock = threading.Lock()
-        self._orig = EtcdCoordinator._repeat_stale
+        self._orig = EtcdConnection._repeat_stale
 
     def __enter__(self) -> "StaleCount":
         counter = self
 
-        def counted(coord, client, since):
+        def counted(connection, client, since):
             with counter._lock:
                 counter.n += 1
-            return counter._orig(coord, client, since)
+            return counter._orig(connection, client, since)
 
-        EtcdCoordinator._repeat_stale = counted
+        EtcdConnection._repeat_stale = counted
         return self
 
     def __exit__(self, *exc) -> None:
-        EtcdCoordinator._repeat_stale = self._orig
+        EtcdConnection._repeat_stale = self._orig
 
 
 class Heartbeat:
@@ -123,7 +124,7 @@ def _login(ep, user: str, password: str, keys: Keyspace) -> float:
     t0 = time.perf_counter()
     coord = EtcdCoordinator(EtcdSettings(ep, timeout=30, user=user, password=password))
     try:
-        coord.get_prefix(keys.job_rdzv(JOB))
+        coord.get_prefix(keys.rendezvous(JOB).prefix)
     finally:
         coord.close()
     return time.perf_counter() - t0

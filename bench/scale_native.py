@@ -265,7 +265,7 @@ class SimNode:
         self._node_events: list[int] = [0]
         self._cancel_watch: Callable[[], None] | None = None
         self.agent = EtcdNativeRendezvousHandler(
-            coord, self.keys.job_rdzv("job"),
+            coord, self.keys.rendezvous("job").prefix,
             HandlerSettings("job", min_nodes, n, liveness_ttl=a.ttl, liveness_confirm=a.confirm,
                             join_timeout=600, last_call=1.0),
             f"10.{index // 62500}.{index // 250 % 250}.{index % 250}", grace=OutageGrace(30.0))
@@ -509,7 +509,7 @@ class RoundClock:
 
     def __init__(self, endpoints: str, n: int) -> None:
         self.coord = EtcdCoordinator(EtcdSettings(parse_endpoints(endpoints), timeout=10.0))
-        key = Keyspace(f"{PREFIX}{n}").job_rdzv("job") + b"native/round"
+        key = Keyspace(f"{PREFIX}{n}").rendezvous("job").prefix + b"native/round"
         self.closed_at: list[float] = []
         _, revision = self.coord.get_prefix(key)
         self.watch = self.coord.watch_prefix(key, self._on, revision + 1)

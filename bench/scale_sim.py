@@ -433,7 +433,7 @@ def run_size(n: int, etcd: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, Any
         joined = [ag.joined_at for ag in agents if ag.joined_at is not None]
         lost_in_rdzv = _ask(conn, "lost")
         errors = sorted({ag.error for ag in agents if ag.error})
-        state_key = keys.job_rdzv(f"scale{n}") + b"state"
+        state_key = keys.rendezvous(f"scale{n}").prefix + b"state"
         kv = coords[0].get(state_key)
         result["rendezvous"] = {
             "seconds_all_joined": round(max(joined), 3) if len(joined) == n else None,

@@ -101,7 +101,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         check_name("rendezvous run id", run_id)
         self._coordinator = coordinator
         self._keyspace = keyspace or Keyspace()
-        self.key = self._keyspace.job_rdzv(run_id) + b"state"
+        self.key = self._keyspace.rendezvous(run_id).prefix + b"state"
         self._grace = grace or OutageGrace()
 
     @property

@@ -64,7 +64,8 @@ class Demo:
 
     def agents_joined(self) -> int:
         """Agents with a join record in the job's rendezvous (the spare's included)."""
-        kvs, _ = self.c.coordinator().get_prefix(self.c.keys.job_rdzv(JOB) + b"native/nodes/")
+        prefix = self.c.keys.rendezvous(JOB).prefix
+        kvs, _ = self.c.coordinator().get_prefix(prefix + b"native/nodes/")
         return len(kvs)
 
     def events(self, since: float) -> list[dict[str, Any]]:

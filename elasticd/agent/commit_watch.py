@@ -71,8 +71,8 @@ class CommitWatch:
                  clock: Clock | None = None) -> None:
         self._coord = coordinator
         self._clock = clock or SystemClock()
-        self._prefix = self._committed_key = keys.job_committed(job)
-        self._ahead_key = keys.job_commit_ahead(job)
+        self._prefix = self._committed_key = keys.replication(job).committed
+        self._ahead_key = keys.replication(job).commit_ahead
         self._job = job
         self._lock = threading.Lock()
         self._committed: Version | None = None

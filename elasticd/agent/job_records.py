@@ -84,11 +84,11 @@ class JobRecords:
         A job stopped on purpose stays stopped: its control says so."""
         written = 0
         for job, (_, spec) in sorted(self.specs.items(), key=lambda kv: kv[1][0]):
-            if self._coord.create(self._keys.job_spec(job), spec.encode()):
+            if self._coord.create(self._keys.job_keys(job).spec, spec.encode()):
                 written += 1
             control = self.controls.get(job)
             if control is not None:
-                self._coord.create(self._keys.job_control(job), control.encode())
+                self._coord.create(self._keys.job_keys(job).control, control.encode())
         self._need_resync = True
         return written
 
@@ -127,7 +127,7 @@ class JobRecords:
         """The agent pids of the job's last closed rendezvous round (read from etcd now);
         None without a round, or one that cannot be read."""
         try:
-            kv = self._coord.get(self._keys.job_rdzv_round(job))
+            kv = self._coord.get(self._keys.rendezvous(job).round)
             last = RoundRecord.decode(kv.value) if kv is not None else None
         except (CoordinationError, records.RecordError) as exc:
             log.warning("job %s: cannot read the rendezvous round: %s", job, exc)
@@ -140,7 +140,7 @@ class JobRecords:
         Raises:
             CoordinationError: etcd did not take it.
         """
-        self._coord.put(self._keys.job_control(job), control.encode())
+        self._coord.put(self._keys.job_keys(job).control, control.encode())
 
     def _keep(self, event: Any) -> bool:
         """Whether the loop wants a watch event; a round record is only noted."""
@@ -158,7 +158,7 @@ class JobRecords:
             job, _, _ = self._keys.job_key(key)
         except ValueError:
             return False
-        return key == self._keys.job_rdzv_round(job)
+        return key == self._keys.rendezvous(job).round
 
     def _kind(self, key: bytes) -> tuple[str, str | None]:
         """Splits ``<prefix>/jobs/<job>/<what>[/<node>]`` into (job, what) for the keys we

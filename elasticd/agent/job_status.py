@@ -82,12 +82,12 @@ class JobStatusBoard:
         lease = self._lease()
         if job is None or not lease or same:
             return
-        self._coord.put(self._keys.job_node(job, self.node_id), status.encode(), lease)
+        self._coord.put(self._keys.job_keys(job).node(self.node_id), status.encode(), lease)
         self._published = status
 
     def withdraw(self, job: str) -> None:
         """Deletes this node's entry under ``job`` (its status is about another job now)."""
-        self._coord.delete(self._keys.job_node(job, self.node_id))
+        self._coord.delete(self._keys.job_keys(job).node(self.node_id))
 
     def lost(self) -> None:
         """The entry went with etcd's data: written again at the next publish."""

@@ -26,6 +26,7 @@ import functools
 import logging
 import os
 import runpy
+from typing import TYPE_CHECKING
 
 from elasticd.agent.commit_watch import CommitWatch
 from elasticd.agent.daemon_watch import DaemonWatch, fence_agent, ping_daemon
@@ -33,6 +34,9 @@ from elasticd.agent.supervisor import IN_PROCESS_ENV, TAG_ENV, children, kill_wo
 from elasticd.agent.zygote import ZYGOTE_ENV, ZYGOTE_PID_ENV, wait_ready
 from elasticd.coordination import rendezvous
 from elasticd.coordination.keys import Keyspace
+
+if TYPE_CHECKING:
+    from elasticd.rendezvous.handler import EtcdNativeRendezvousHandler
 
 log = logging.getLogger(__name__)
 
@@ -64,18 +68,16 @@ def tell_daemon(sock: str, op: str, **fields: object) -> None:
         client.close()
 
 
-def attach(handler: object) -> None:
+def attach(handler: EtcdNativeRendezvousHandler) -> None:
     """Gives a rendezvous handler this node's duties, when a daemon runs the agent (it sets
     ``ELASTICD_NODE``, ``ELASTICD_SOCKET`` and ``ELASTICD_TAG``)."""
     node, sock, tag = (os.environ.get(k) for k in ("ELASTICD_NODE", "ELASTICD_SOCKET", TAG_ENV))
     if not (node and sock and tag):
         return
-    handler.on_round_broken = functools.partial(  # type: ignore[attr-defined]
-        restart_own_workers, sock=sock)
+    handler.on_round_broken = functools.partial(restart_own_workers, sock=sock)
     prefix = os.environ.get("ELASTICD_PREFIX", "/elasticd")
-    watch = DaemonWatch(handler._coord, Keyspace(prefix).node(node),  # type: ignore[attr-defined]
-                        ping=ping_daemon(sock, timeout=1.0),
-                        fence=fence_agent(tag, handler.stop))  # type: ignore[attr-defined]
+    watch = DaemonWatch(handler.coordinator, Keyspace(prefix).node(node),
+                        ping=ping_daemon(sock, timeout=1.0), fence=fence_agent(tag, handler.stop))
     zygote = os.environ.get(ZYGOTE_ENV, "")
     warm = [not zygote]
 
@@ -90,15 +92,14 @@ def attach(handler: object) -> None:
             warm[0] = True
         # Silent daemon: settle before joining, for up to a lease TTL and a second (its record
         # is gone by then if it is frozen, and the rule holds).
-        return watch.settle(handler._ttl + 1.0)  # type: ignore[attr-defined]
+        return watch.settle(handler.settings.liveness_ttl + 1.0)
 
-    handler.join_gate = join_gate  # type: ignore[attr-defined]
+    handler.join_gate = join_gate
     watch.start()
-    if str(getattr(handler, "_grow", "")).startswith("interval:"):
+    if handler.settings.grow_interval is not None:  # interval:MIN
         # Lazy: it watches etcd only while the handler asks it (a newcomer waiting).
-        commits = CommitWatch(handler._coord, Keyspace(prefix),  # type: ignore[attr-defined]
-                              handler.get_run_id())  # type: ignore[attr-defined]
-        handler.commit_gate = commits  # type: ignore[attr-defined]
+        handler.commit_gate = CommitWatch(handler.coordinator, Keyspace(prefix),
+                                          handler.get_run_id())
     log.info("watching daemon of node %s (record %s, socket %s)", node,
              watch.node_key.decode(errors="replace"), sock)
 

@@ -116,10 +116,10 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _node_statuses(coord: Coordinator, keys: Keyspace, job: str) -> list[NodeJobStatus]:
-    kvs, _ = coord.get_prefix(keys.job_nodes(job))
+    kvs, _ = coord.get_prefix(keys.job_keys(job).nodes)
     out = []
     for kv in kvs:
-        node = kv.key[len(keys.job_nodes(job)):].decode(errors="replace")
+        node = kv.key[len(keys.job_keys(job).nodes):].decode(errors="replace")
         with contextlib.suppress(records.RecordError):
             out.append(NodeJobStatus.decode(kv.value, kv.key, node))
     return out
@@ -131,9 +131,9 @@ def cmd_submit(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> 
                          **{option: getattr(args, option) for option in SPEC_OPTIONS})
     control = JobControl(JobState.RUNNING, SYSTEM_CLOCK.wall(), "elasticctl")
     ok, _ = coord.transaction(
-        [Compare(keys.job_spec(spec.name), 0)],
-        [Put(keys.job_spec(spec.name), spec.encode()),
-         Put(keys.job_control(spec.name), control.encode())])
+        [Compare(keys.job_keys(spec.name).spec, 0)],
+        [Put(keys.job_keys(spec.name).spec, spec.encode()),
+         Put(keys.job_keys(spec.name).control, control.encode())])
     if not ok:
         raise CommandFailed(f"job {spec.name!r} already exists: stop it, or pick another name")
     doc = {"job": spec.name, "submitted": True, "nnodes": spec.torchrun_nnodes(),
@@ -156,7 +156,7 @@ def _await_verdict(coord: Coordinator, keys: Keyspace, spec: JobSpec) -> job_ver
     as it stands after :data:`VERDICT_SECONDS`."""
     deadline = SYSTEM_CLOCK.monotonic() + VERDICT_SECONDS
     while True:
-        raw = coord.get(keys.job_control(spec.name))
+        raw = coord.get(keys.job_keys(spec.name).control)
         control = None
         with contextlib.suppress(records.RecordError):
             control = JobControl.decode(raw.value, raw.key) if raw is not None else None
@@ -265,11 +265,11 @@ def cmd_jobs(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> An
 
 
 def cmd_stop(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> Any:
-    if coord.get(keys.job_spec(args.name)) is None:
+    if coord.get(keys.job_keys(args.name).spec) is None:
         raise CommandFailed(f"no job named {args.name!r} (see: elasticctl jobs)")
     confirm(f"stop job {args.name} on every node?",
             f"stopping {args.name!r} ends its training everywhere", args.force)
-    coord.put(keys.job_control(args.name),
+    coord.put(keys.job_keys(args.name).control,
               JobControl(JobState.STOPPED, SYSTEM_CLOCK.wall(), "elasticctl").encode())
     deadline = SYSTEM_CLOCK.monotonic() + args.wait
     while True:
@@ -286,9 +286,9 @@ def cmd_stop(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> An
 
 
 def cmd_retry(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> Any:
-    if coord.get(keys.job_spec(args.name)) is None:
+    if coord.get(keys.job_keys(args.name).spec) is None:
         raise CommandFailed(f"no job named {args.name!r} (see: elasticctl jobs)")
-    kv = coord.get(keys.job_control(args.name))
+    kv = coord.get(keys.job_keys(args.name).control)
     try:
         control = JobControl.decode(kv.value, kv.key) if kv is not None else None
     except records.RecordError:
@@ -296,7 +296,7 @@ def cmd_retry(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> A
     if control is not None and control.desired != JobState.RUNNING:
         raise CommandFailed(f"job {args.name!r} is {control.desired}: retry checks a running "
                             "job again on the nodes that refused it")
-    coord.put(keys.job_control(args.name),
+    coord.put(keys.job_keys(args.name).control,
               JobControl(JobState.RUNNING, SYSTEM_CLOCK.wall(), "elasticctl retry").encode())
     refused = [s.node for s in _node_statuses(coord, keys, args.name)
                if s.state == JobState.REFUSED]
@@ -304,7 +304,7 @@ def cmd_retry(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> A
 
 
 def cmd_logs(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> Any:
-    if coord.get(keys.job_spec(args.name)) is None:
+    if coord.get(keys.job_keys(args.name).spec) is None:
         raise CommandFailed(f"no job named {args.name!r} (see: elasticctl jobs)")
     nodes = live_nodes(coord, keys)
     return [{"node": s.node, "state": s.state,

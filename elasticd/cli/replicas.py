@@ -105,10 +105,10 @@ def _read(coord: Coordinator, keys: Keyspace, job: str) -> tuple[
     """The placement, the committed record (holders resolved) and the coordinator's
     election record (None: no coordinator, so no commit)."""
     try:
-        kv = coord.get(keys.job_placement(job))
+        kv = coord.get(keys.replication(job).placement)
         placement = decode_placement(kv.value, kv.key) if kv is not None else None
         committed = read_committed(coord, keys, job, [placement])
-        kv = coord.get(keys.job_coordinator(job))
+        kv = coord.get(keys.replication(job).coordinator)
         ship = election.decode(kv.value, kv.key) if kv is not None else None
     except records.RecordError as exc:
         raise CommandFailed(f"{job}: unreadable replication record: {exc}") from exc

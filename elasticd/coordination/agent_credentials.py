@@ -116,7 +116,7 @@ class AgentCredentials:
         env: dict[str, str] = {}
         if self.users:
             user = self.user_name(spec.name)
-            self._ensure_role(self.job_role(spec.name), self.keys.job_rdzv(spec.name),
+            self._ensure_role(self.job_role(spec.name), self.keys.rendezvous(spec.name).prefix,
                               prefix=True, write=True)
             self._ensure_role(self.node_role(), self.keys.node(self.node_id),
                               prefix=False, write=False)

@@ -32,7 +32,7 @@ from elasticd.coordination.api import (
 )
 
 if TYPE_CHECKING:
-    from elasticd.coordination.etcd import EtcdCoordinator
+    from elasticd.coordination.etcd_connection import EtcdConnection
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +64,9 @@ class ResilientWatch(Watch):
     :class:`Compacted` and must re-list).
     """
 
-    def __init__(self, owner: EtcdCoordinator, prefix: bytes, callback: WatchCallback,
+    def __init__(self, connection: EtcdConnection, prefix: bytes, callback: WatchCallback,
                  start_revision: int, prev_kv: bool = False, exact: bool = False) -> None:
-        self._owner, self.prefix = owner, prefix
+        self._connection, self.prefix = connection, prefix
         self._prev_kv, self._exact = prev_kv, exact
         self._callback = callback
         self._next_revision = start_revision
@@ -103,7 +103,7 @@ class ResilientWatch(Watch):
             return c, add(self.prefix, functools.partial(self._on_response, generation),
                           start_revision=start or None, prev_kv=self._prev_kv)
 
-        client, watch_id = self._owner._call(run)
+        client, watch_id = self._connection.call(run)
         with self._lock:
             self._client, self._watch_id = client, watch_id
 
@@ -114,7 +114,7 @@ class ResilientWatch(Watch):
             if generation != self._generation:
                 return  # a stream we already replaced
         if isinstance(resp, BaseException):
-            err = self._owner._translate(resp)
+            err = self._connection.translate(resp)
             if isinstance(err, Compacted):
                 # Events are gone: the caller re-lists; we continue from the compaction point.
                 with self._lock:

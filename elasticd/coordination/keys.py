@@ -34,6 +34,7 @@ validated with a full match, so ``jobs/../spec`` or a name ending in a newline i
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 
@@ -61,8 +62,107 @@ def check_prefix(prefix: str) -> str:
     return prefix
 
 
+@dataclass(frozen=True)
+class _JobDir:
+    path: str  # <prefix>/jobs/<job>
+
+    def _k(self, *parts: str) -> bytes:
+        return "/".join((self.path, *parts)).encode()
+
+
+class JobKeys(_JobDir):
+    """A job's own records: its spec, its desired state, each node's view of it."""
+
+    @property
+    def spec(self) -> bytes:
+        return self._k("spec")
+
+    @property
+    def control(self) -> bytes:
+        return self._k("control")
+
+    @property
+    def nodes(self) -> bytes:
+        return self._k("nodes", "")
+
+    def node(self, node: str) -> bytes:
+        return self._k("nodes", node)
+
+
+class RendezvousKeys(_JobDir):
+    """The torchrun rendezvous of a job (its records: :mod:`elasticd.rendezvous.records`)."""
+
+    @property
+    def prefix(self) -> bytes:
+        return self._k("rdzv", "")
+
+    @property
+    def round(self) -> bytes:
+        """The record one compare-and-set writes to close a rendezvous round."""
+        return self._k("rdzv", "native", "round")
+
+
+class ReplicationKeys(_JobDir):
+    """A job's replica placement, commit and fences (:mod:`elasticd.replication.commit`)."""
+
+    @property
+    def placement(self) -> bytes:
+        return self._k("placement")
+
+    @property
+    def ckpt(self) -> bytes:
+        return self._k("ckpt", "")
+
+    @property
+    def committed(self) -> bytes:
+        return self._k("ckpt", "committed")
+
+    @property
+    def commit_grid(self) -> bytes:
+        """Beside the committed record, so that one watch on its key (a prefix) sees both."""
+        return self._k("ckpt", "committed.grid")
+
+    @property
+    def coordinator(self) -> bytes:
+        """The commit coordinator's election key, under the committed record's prefix so that
+        the one watch every node holds sees it."""
+        return self._k("ckpt", "committed.coordinator")
+
+    @property
+    def commit_ahead(self) -> bytes:
+        return self._k("ckpt", "committed.ahead")
+
+    @property
+    def commit_placement(self) -> bytes:
+        return self._k("ckpt", "placement")
+
+    @property
+    def fences(self) -> bytes:
+        """The prefix of every fence key and the fence epoch (one range read sees both)."""
+        return self._k("ckpt", "fence")
+
+    @property
+    def fence_epoch(self) -> bytes:
+        return self._k("ckpt", "fence.epoch")
+
+    @property
+    def fence_prefix(self) -> bytes:
+        return self._k("ckpt", "fence", "")
+
+    def fence(self, node: str) -> bytes:
+        return self._k("ckpt", "fence", node)
+
+    @property
+    def replicated_prefix(self) -> bytes:
+        return self._k("ckpt", "replicated", "")
+
+    def replicated(self, node: str) -> bytes:
+        return self._k("ckpt", "replicated", node)
+
+
 class Keyspace:
-    """Builds and parses the keys under one cluster prefix."""
+    """Builds and parses the keys under one cluster prefix; a job's keys through its three
+    views (:meth:`job_keys`, :meth:`rendezvous`, :meth:`replication`)."""
 
     def __init__(self, prefix: str = "/elasticd") -> None:
         self.prefix = check_prefix(prefix)
@@ -114,67 +214,14 @@ class Keyspace:
     def job(self, job: str) -> bytes:
         return self._k("jobs", job, "")
 
-    def job_spec(self, job: str) -> bytes:
-        return self._k("jobs", job, "spec")
+    def job_keys(self, job: str) -> JobKeys:
+        return JobKeys(f"{self.prefix}/jobs/{job}")
 
-    def job_control(self, job: str) -> bytes:
-        return self._k("jobs", job, "control")
+    def rendezvous(self, job: str) -> RendezvousKeys:
+        return RendezvousKeys(f"{self.prefix}/jobs/{job}")
 
-    def job_nodes(self, job: str) -> bytes:
-        return self._k("jobs", job, "nodes", "")
-
-    def job_node(self, job: str, node: str) -> bytes:
-        return self._k("jobs", job, "nodes", node)
-
-    def job_rdzv(self, job: str) -> bytes:
-        return self._k("jobs", job, "rdzv", "")
-
-    def job_rdzv_round(self, job: str) -> bytes:
-        """The record one compare-and-set writes to close a rendezvous round."""
-        return self._k("jobs", job, "rdzv", "native", "round")
-
-    def job_placement(self, job: str) -> bytes:
-        return self._k("jobs", job, "placement")
-
-    def job_ckpt(self, job: str) -> bytes:
-        return self._k("jobs", job, "ckpt", "")
-
-    def job_committed(self, job: str) -> bytes:
-        return self._k("jobs", job, "ckpt", "committed")
-
-    def job_commit_grid(self, job: str) -> bytes:
-        """Beside the committed record, so that one watch on its key (a prefix) sees both."""
-        return self._k("jobs", job, "ckpt", "committed.grid")
-
-    def job_coordinator(self, job: str) -> bytes:
-        """The commit coordinator's election key, under the committed record's prefix so that
-        the one watch every node holds sees it."""
-        return self._k("jobs", job, "ckpt", "committed.coordinator")
-
-    def job_commit_ahead(self, job: str) -> bytes:
-        return self._k("jobs", job, "ckpt", "committed.ahead")
-
-    def job_commit_placement(self, job: str) -> bytes:
-        return self._k("jobs", job, "ckpt", "placement")
-
-    def job_fences(self, job: str) -> bytes:
-        """The prefix of every fence key and the fence epoch (one range read sees both)."""
-        return self._k("jobs", job, "ckpt", "fence")
-
-    def job_fence_epoch(self, job: str) -> bytes:
-        return self._k("jobs", job, "ckpt", "fence.epoch")
-
-    def job_replicated_prefix(self, job: str) -> bytes:
-        return self._k("jobs", job, "ckpt", "replicated", "")
-
-    def job_replicated(self, job: str, node: str) -> bytes:
-        return self._k("jobs", job, "ckpt", "replicated", node)
-
-    def job_fence_prefix(self, job: str) -> bytes:
-        return self._k("jobs", job, "ckpt", "fence", "")
-
-    def job_fence(self, job: str, node: str) -> bytes:
-        return self._k("jobs", job, "ckpt", "fence", node)
+    def replication(self, job: str) -> ReplicationKeys:
+        return ReplicationKeys(f"{self.prefix}/jobs/{job}")
 
     def job_key(self, key: bytes) -> tuple[str, str, str]:
         """Splits ``<prefix>/jobs/<job>/<what>[/<rest>]`` into (job, what, rest).

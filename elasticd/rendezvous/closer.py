@@ -18,12 +18,10 @@ duty thread calls :meth:`Closer.step`; the node watch's thread calls
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
-from elasticd.clock import Clock
-from elasticd.coordination.api import Compare, CoordinationError, Coordinator, KeyValue, Put
-from elasticd.rendezvous.control import Control
-from elasticd.rendezvous.grace import OutageGrace
+from elasticd.coordination.api import Compare, CoordinationError, KeyValue, Put
+from elasticd.rendezvous.control import AgentContext
 from elasticd.rendezvous.node_watch import NodeWatch
 from elasticd.rendezvous.records import NodeRecord, RoundRecord, Waiting
 from elasticd.rendezvous.rounds import SUMMARY_REFRESH, decide_close, grew_at, next_round, \
@@ -39,27 +37,19 @@ class Closer:
     """The closer's duty while this agent holds the election key.
 
     Args:
-        coord: the agent's etcd connection.
-        control: the agent's copy of the control keys.
-        me: this agent's node id.
+        agent: what the agent's parts share.
         election: the election key's ``create_revision`` (what every write compares).
         settings: the run's id, sizes, ``last_call`` and ``liveness_confirm``.
-        grace: retry policy for etcd outages.
-        clock: time source.
-        distrust: called with a reason when the node watch failed (the view may be stale).
-        wake: called when a watch event arrived (the duty thread then steps).
         store_prefix: the run's store directory; the closer deletes stores two rounds old.
     """
 
-    def __init__(self, coord: Coordinator, control: Control, me: str, election: int,
-                 settings: HandlerSettings, grace: OutageGrace, clock: Clock,
-                 distrust: Callable[[str], None], wake: Callable[[], None],
+    def __init__(self, agent: AgentContext, election: int, settings: HandlerSettings,
                  store_prefix: bytes = b"") -> None:
-        self._coord, self._control, self.me = coord, control, me
+        self._coord, self._control, self.me = agent.coord, agent.control, agent.me
         self.election, self._settings = election, settings
-        self._grace, self._clock, self._store_prefix = grace, clock, store_prefix
+        self._grace, self._clock, self._store_prefix = agent.grace, agent.clock, store_prefix
         #: The node records, listed and watched (its ``events`` and ``cpu``: for benches).
-        self.nodes = NodeWatch(coord, control.nodes_prefix, grace, clock, distrust, wake)
+        self.nodes = NodeWatch(agent)
         self._round_revision = -1  # the round record the counts are for
         self._min_since: float | None = None
         self._written: Waiting | None = None

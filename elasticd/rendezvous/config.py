@@ -130,44 +130,24 @@ class RendezvousConfig:
     """Validated settings of one etcd-v3 rendezvous.
 
     Attributes:
-        run_id: the rendezvous id (``--rdzv-id``); it names the job in the keyspace.
         etcd: how to reach and authenticate to etcd.
         key_prefix: cluster key prefix.
         grace_period: seconds each call rides out an etcd outage.
-        store_timeout: how long the store's ``get``/``wait`` block.
-        liveness_ttl: TTL of the agent's lease, whole seconds.
-        liveness_confirm: seconds a member's record must stay absent before it counts as gone.
-        join_timeout: seconds ``next_rendezvous`` waits to be admitted.
-        last_call: seconds a first round stays open after ``min`` nodes joined.
-        grow: the grow policy (:data:`~.rounds.GROW_POLICIES`).
-        close_on_failure: close the rendezvous when the agent ends with an error.
+        handler: what the handler is told (its run, sizes and rules).
         ignored: the :data:`IGNORED_KEYS` that were given.
     """
 
-    run_id: str
     etcd: EtcdSettings
+    handler: HandlerSettings
     key_prefix: str = "/elasticd"
     grace_period: float = DEFAULT_GRACE_PERIOD
-    store_timeout: datetime.timedelta = datetime.timedelta(seconds=DEFAULT_READ_TIMEOUT)
-    liveness_ttl: int = DEFAULT_LIVENESS_TTL
-    liveness_confirm: float = DEFAULT_LIVENESS_CONFIRM
-    join_timeout: float = DEFAULT_JOIN_TIMEOUT
-    last_call: float = DEFAULT_LAST_CALL_TIMEOUT
-    grow: str = "immediate"
-    close_on_failure: bool = True
     ignored: tuple[str, ...] = ()
 
-    def handler(self, min_nodes: int, max_nodes: int, backend: str) -> HandlerSettings:
-        """The handler's part of these settings, for a run of ``min_nodes:max_nodes``."""
-        return HandlerSettings(
-            self.run_id, min_nodes, max_nodes, backend, liveness_ttl=self.liveness_ttl,
-            liveness_confirm=self.liveness_confirm, join_timeout=self.join_timeout,
-            last_call=self.last_call, store_timeout=self.store_timeout, grow=self.grow,
-            close_on_failure=self.close_on_failure)
-
     @classmethod
-    def from_params(cls, params: RendezvousParameters) -> "RendezvousConfig":
-        """Parses torchrun's rendezvous parameters.
+    def from_params(cls, params: RendezvousParameters,
+                    backend: str | None = None) -> "RendezvousConfig":
+        """Parses torchrun's rendezvous parameters (``backend``: the entry point's name, by
+        default ``params.backend``).
 
         Raises:
             ValueError: a missing endpoint or a bad value, quoted.
@@ -221,21 +201,21 @@ class RendezvousConfig:
             raise ValueError(f"rdzv-conf liveness_ttl={raw_ttl!r} must be a whole number of "
                              f"seconds, at least {MIN_LIVENESS_TTL} (etcd's minimum lease TTL)")
         return cls(
-            run_id=params.run_id,
             etcd=EtcdSettings(
                 endpoints=endpoints,
                 timeout=_seconds(params, "etcd_timeout", DEFAULT_ETCD_TIMEOUT, allow_zero=False),
                 user=user, password=password, ca_cert=ca_cert, cert=cert, key=key,
             ),
+            handler=HandlerSettings(
+                params.run_id, params.min_nodes, params.max_nodes, backend or params.backend,
+                liveness_ttl=liveness_ttl,
+                liveness_confirm=_seconds(params, "liveness_confirm", DEFAULT_LIVENESS_CONFIRM),
+                join_timeout=_seconds(params, "join_timeout", DEFAULT_JOIN_TIMEOUT,
+                                      allow_zero=False),
+                last_call=_seconds(params, "last_call_timeout", DEFAULT_LAST_CALL_TIMEOUT),
+                store_timeout=datetime.timedelta(seconds=read_timeout),
+                grow=grow, close_on_failure=bool(close_on_failure)),
             key_prefix=check_prefix(params.get("key_prefix", "/elasticd")),
             grace_period=_seconds(params, "etcd_grace_period", DEFAULT_GRACE_PERIOD),
-            store_timeout=datetime.timedelta(seconds=read_timeout),
-            liveness_ttl=liveness_ttl,
-            liveness_confirm=_seconds(params, "liveness_confirm", DEFAULT_LIVENESS_CONFIRM),
-            join_timeout=_seconds(params, "join_timeout", DEFAULT_JOIN_TIMEOUT,
-                                  allow_zero=False),
-            last_call=_seconds(params, "last_call_timeout", DEFAULT_LAST_CALL_TIMEOUT),
-            grow=grow,
-            close_on_failure=bool(close_on_failure),
             ignored=tuple(k for k in IGNORED_KEYS if params.get(k) not in (None, "")),
         )

@@ -11,6 +11,7 @@ revision went back (etcd lost its data) re-creates the watch.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from typing import Any, Callable
@@ -138,26 +139,42 @@ class Control:
             return self.closer.value.decode(errors="replace") if self.closer else None
 
 
-class ControlWatch:
-    """Lists the control keys into ``control`` and follows them with a watch.
+@dataclasses.dataclass(frozen=True)
+class AgentContext:
+    """What the agent's parts that follow etcd share: the control watch, the election, the
+    closer and its node watch.
 
-    Args:
+    Attributes:
         coord: the agent's etcd connection.
         control: the agent's copy of the control keys.
         grace: retry policy for etcd outages.
-        me: this agent's node id (a member of the round it keeps writes it back after a loss).
-        distrust: called with a reason when the watch failed (the view may be stale).
-        wake: called when the copy must be re-listed (the duty thread then steps).
+        clock: time source.
+        me: this agent's node id.
+        distrust: called with a reason when a watch failed (the view may be stale).
+        wake: called when the duty thread must step (a watch event, a copy to re-list).
+    """
+
+    coord: Coordinator
+    control: Control
+    grace: OutageGrace
+    clock: Clock
+    me: str
+    distrust: Callable[[str], None]
+    wake: Callable[[], None]
+
+
+class ControlWatch:
+    """Lists the control keys into ``agent.control`` and follows them with a watch (a member
+    of the round the copy keeps, ``agent.me``, writes it back after a loss).
 
     Attributes:
         stale: set when the copy must be re-listed before it is trusted again.
         events: watch events received: for benches.
     """
 
-    def __init__(self, coord: Coordinator, control: Control, grace: OutageGrace, me: str,
-                 distrust: Callable[[str], None], wake: Callable[[], None]) -> None:
-        self._coord, self._control, self._grace, self._me = coord, control, grace, me
-        self._distrust, self._wake = distrust, wake
+    def __init__(self, agent: AgentContext) -> None:
+        self._coord, self._control, self._grace = agent.coord, agent.control, agent.grace
+        self._me, self._distrust, self._wake = agent.me, agent.distrust, agent.wake
         self._watch: Watch | None = None
         self.stale = threading.Event()
         self.events = 0

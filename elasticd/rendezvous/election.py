@@ -15,11 +15,10 @@ import random
 from typing import Callable
 
 from elasticd.clock import thread_cpu
-from elasticd.coordination.api import Compare, Coordinator, KeyValue, Put
+from elasticd.coordination.api import Compare, KeyValue, Put
 from elasticd.coordination.lease import LeaseKeeper
 from elasticd.rendezvous.closer import Closer
-from elasticd.rendezvous.control import Control
-from elasticd.rendezvous.grace import OutageGrace
+from elasticd.rendezvous.control import AgentContext
 from elasticd.rendezvous.rounds import ELECTION_STEP, election_delay
 
 log = logging.getLogger("elasticd.rendezvous.handler")
@@ -29,21 +28,18 @@ class Election:
     """Takes the closer's key when it is free and this agent's turn has come; holds the duty.
 
     Args:
-        coord: the agent's etcd connection.
-        control: the agent's copy of the control keys.
+        agent: what the agent's parts share.
         keeper: the agent's lease (the key is bound to it).
-        grace: retry policy for etcd outages.
-        me: this agent's node id.
         closer: makes the closer's duty for the election key's ``create_revision``.
 
     Attributes:
         closer: the closer's duty while this agent holds the key, else None.
     """
 
-    def __init__(self, coord: Coordinator, control: Control, keeper: LeaseKeeper,
-                 grace: OutageGrace, me: str, closer: Callable[[int], Closer]) -> None:
-        self._coord, self._control, self._keeper, self._grace = coord, control, keeper, grace
-        self._me, self._make = me, closer
+    def __init__(self, agent: AgentContext, keeper: LeaseKeeper,
+                 closer: Callable[[int], Closer]) -> None:
+        self._coord, self._control, self._keeper = agent.coord, agent.control, keeper
+        self._grace, self._me, self._make = agent.grace, agent.me, closer
         self.closer: Closer | None = None
         self._won: int | None = None  # create_revision of our election key
         self._turn_at: float | None = None

@@ -60,7 +60,7 @@ from elasticd.coordination.health import EtcdHealth
 from elasticd.coordination.lease import LeaseKeeper
 from elasticd.rendezvous.closer import Closer
 from elasticd.rendezvous.config import HandlerSettings, RendezvousConfig
-from elasticd.rendezvous.control import Control, ControlWatch
+from elasticd.rendezvous.control import AgentContext, Control, ControlWatch
 from elasticd.rendezvous.duty import WAKE_INTERVAL, Duty
 from elasticd.rendezvous.election import Election
 from elasticd.rendezvous.grace import OutageGrace
@@ -77,7 +77,8 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
     """torch's ``RendezvousHandler`` on per-node etcd keys (see the module docstring), over its
     parts: the control copy and its watch, the join record, the duty thread, the trust.
 
-    Args:
+    Args (``coordinator`` and ``settings`` are kept as public attributes, for the duties a
+    daemon's agent adds, :mod:`elasticd.agent.torchrun`):
         coordinator: the etcd connection (owned: closed by :meth:`shutdown`).
         prefix: the rendezvous' key directory, ``<prefix>/jobs/<run_id>/rdzv/``.
         settings: the run, its sizes and rules.
@@ -95,7 +96,7 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         with self._count_lock:
             EtcdNativeRendezvousHandler._count += 1
             local_id = EtcdNativeRendezvousHandler._count
-        self._coord, self._settings = coordinator, settings
+        self.coordinator, self.settings = coordinator, settings
         self.addr = addr
         self.me = me = node_id(addr, os.getpid(), local_id)
         self._grace = grace = grace or OutageGrace()
@@ -103,8 +104,9 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         self._trust = Trust(settings.liveness_ttl, clock)
         self._control = control = Control(prefix + b"native/", clock)
         self._duty = Duty(control, clock, self._duty_step)
-        self._control_watch = ControlWatch(coordinator, control, grace, me,
-                                           self._trust.distrust, self._duty.kick)
+        agent = AgentContext(coordinator, control, grace, clock, me, self._trust.distrust,
+                             self._duty.kick)
+        self._control_watch = ControlWatch(agent)
         self._store = EtcdV3Store(coordinator, prefix + b"store/", timeout=settings.store_timeout,
                                   grace=grace, abort=self._round_left)
         self._keeper = LeaseKeeper(coordinator, settings.liveness_ttl,
@@ -113,10 +115,8 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
                                    on_failure=lambda: self._trust.distrust("etcd call failed"))
         self._join = JoinRecord(coordinator, self._keeper, grace,
                                 control.nodes_prefix + me.encode(), me, addr)
-        self._election = Election(
-            coordinator, control, self._keeper, grace, me,
-            lambda revision: Closer(coordinator, control, me, revision, settings, grace, clock,
-                                    self._trust.distrust, self._duty.kick, prefix + b"store/"))
+        self._election = Election(agent, self._keeper, lambda revision: Closer(
+            agent, revision, settings, prefix + b"store/"))
         self._reported_gone: set[tuple[int, str]] = set()
         #: Called with the ids of members of this node's current round once they are dead
         #: (confirmed). Under a daemon, restarts this node's workers (see plugin.py).
@@ -131,11 +131,6 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         #: monotonic time it last returned. For benches.
         self.rounds: list[tuple[int, float]] = []
         self.seen_at = 0.0
-
-    @property
-    def _ttl(self) -> int:
-        """The lease's TTL (agent/torchrun.py reads it: how long a daemon's record may lag)."""
-        return self._settings.liveness_ttl
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -169,7 +164,7 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
     # -- torch's interface ----------------------------------------------------------------
 
     def get_backend(self) -> str:
-        return self._settings.backend
+        return self.settings.backend
 
     @property
     def use_agent_store(self) -> bool:
@@ -177,7 +172,7 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         return False
 
     def get_run_id(self) -> str:
-        return self._settings.run_id
+        return self.settings.run_id
 
     def next_rendezvous(self) -> RendezvousInfo:
         """Joins the next round and blocks until a round that includes this node closes.
@@ -196,19 +191,19 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
             self.join_gate()
         with control.cond:
             if control.closed:
-                raise RendezvousClosedError(f"rendezvous {self._settings.run_id!r} is closed")
+                raise RendezvousClosedError(f"rendezvous {self.settings.run_id!r} is closed")
             target = next_round(control.round)
         self._join.write(target)
-        log.info("node %s joins round %d of rendezvous %r", self.me, target, self._settings.run_id)
-        deadline = started + self._settings.join_timeout
+        log.info("node %s joins round %d of rendezvous %r", self.me, target, self.settings.run_id)
+        deadline = started + self.settings.join_timeout
         spare = False
         with control.cond:
             while True:
                 if control.closed:
-                    raise RendezvousClosedError(f"rendezvous {self._settings.run_id!r} is closed")
+                    raise RendezvousClosedError(f"rendezvous {self.settings.run_id!r} is closed")
                 if control.round_error:
                     raise RendezvousStateError(
-                        f"rendezvous {self._settings.run_id!r}: {control.round_error}; or delete "
+                        f"rendezvous {self.settings.run_id!r}: {control.round_error}; or delete "
                         f"{control.round_key.decode(errors='replace')} to start afresh")
                 last = control.round
                 if last is not None and last.round >= target:
@@ -216,7 +211,7 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
                     if rank is not None:
                         break
                     # A round closed without this node: wait for the next one.
-                    spare = len(last.members) >= self._settings.max_nodes
+                    spare = len(last.members) >= self.settings.max_nodes
                     log.info("round %d closed without node %s (%d members): waiting as %s",
                              last.round, self.me, len(last.members),
                              "a spare" if spare else "a late node")
@@ -225,8 +220,8 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
                 now = self._clock.monotonic()
                 if not spare and now >= deadline:
                     raise RendezvousTimeoutError(
-                        f"node {self.me} was not admitted to rendezvous {self._settings.run_id!r} "
-                        f"within join_timeout={self._settings.join_timeout:g}s (closer: "
+                        f"node {self.me} was not admitted to rendezvous {self.settings.run_id!r} "
+                        f"within join_timeout={self.settings.join_timeout:g}s (closer: "
                         f"{control.closer_node() or 'none yet'}, waiting: {control.waiting})")
                 control.cond.wait(min(WAKE_INTERVAL, deadline - now) if not spare
                                   else WAKE_INTERVAL)
@@ -235,8 +230,8 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         took = self.seen_at - started
         self.rounds.append((last.round, took))
         log.info("node %s is rank %d of %d in round %d of rendezvous %r (%.2fs)", self.me, rank,
-                 len(last.members), last.round, self._settings.run_id, took)
-        store = dist.PrefixStore(f"torch.rendezvous.{self._settings.run_id}.{last.round}",
+                 len(last.members), last.round, self.settings.run_id, took)
+        store = dist.PrefixStore(f"torch.rendezvous.{self.settings.run_id}.{last.round}",
                                  self._store)
         if last.master_port:
             info = RendezvousStoreInfo(last.master_addr or self.addr, last.master_port)
@@ -284,14 +279,14 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
             if new:
                 self._reported_gone.update((current.round, g) for g in new)
                 self.on_round_broken(new)
-        return num_waiting(current, waiting, self._settings.max_nodes, gone, self._settings.grow,
+        return num_waiting(current, waiting, self.settings.max_nodes, gone, self.settings.grow,
                            now=self._clock.wall(), at_commit=self._at_commit(current, waiting))
 
     def _at_commit(self, current: RoundRecord | None, waiting: Waiting | None) -> bool:
         """The commit gate's answer, asked only when it can matter (``interval:MIN``, the
         interval over, a newcomer waiting: the gate watches etcd only while asked). A gate
         that fails answers no: the newcomer waits for the next ask."""
-        interval = self._settings.grow_interval
+        interval = self.settings.grow_interval
         if self.commit_gate is None or interval is None or current is None \
                 or waiting is None or waiting.round != current.round or not waiting.outsiders \
                 or self._clock.wall() - current.grew_at < interval:
@@ -306,11 +301,11 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         with self._control.cond:
             if self._duty.started:
                 return self._control.closed
-        return self._grace.call(lambda: self._coord.get(self._control.closed_key),
+        return self._grace.call(lambda: self.coordinator.get(self._control.closed_key),
                                 "reading whether the rendezvous is closed") is not None
 
     def set_closed(self) -> None:
-        self._grace.call(lambda: self._coord.put(self._control.closed_key, b'{"v":2}'),
+        self._grace.call(lambda: self.coordinator.put(self._control.closed_key, b'{"v":2}'),
                          "closing the rendezvous")
         with self._control.cond:
             self._control.closed = True
@@ -328,14 +323,14 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         failing = sys.exc_info()[0] is not None
         closed = True
         try:
-            if failing and not self._settings.close_on_failure:
+            if failing and not self.settings.close_on_failure:
                 log.info("agent ends with an error: leaving rendezvous %r open for its restart "
-                         "(close_on_failure=false)", self._settings.run_id)
+                         "(close_on_failure=false)", self.settings.run_id)
             else:
                 try:
                     self.set_closed()
                 except Exception as exc:  # noqa: BLE001 - torch's handler also returns False
-                    log.warning("could not close rendezvous %r: %s", self._settings.run_id, exc)
+                    log.warning("could not close rendezvous %r: %s", self.settings.run_id, exc)
                     closed = False
         finally:
             self.stop()
@@ -353,7 +348,7 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
             self._keeper.stop(revoke=self._duty.started)
         except CoordinationError as exc:
             log.warning("could not revoke the rendezvous lease (it expires in %ds): %s",
-                        self._settings.liveness_ttl, exc)
+                        self.settings.liveness_ttl, exc)
 
 
 def create_handler(params: RendezvousParameters, backend_name: str,
@@ -371,7 +366,7 @@ def create_handler(params: RendezvousParameters, backend_name: str,
     from elasticd.coordination.etcd import EtcdCoordinator
     from elasticd.coordination.keys import Keyspace
 
-    cfg = RendezvousConfig.from_params(params)
+    cfg = RendezvousConfig.from_params(params, backend_name)
     if cfg.ignored:
         log.info("rdzv-conf %s: ignored (settings of torch's dynamic rendezvous; this one "
                  "keeps liveness by lease)", ", ".join(cfg.ignored))
@@ -379,5 +374,5 @@ def create_handler(params: RendezvousParameters, backend_name: str,
     grace = OutageGrace(cfg.grace_period, where=cfg.etcd.describe())
     addr = params.local_addr or socket.getfqdn()
     return EtcdNativeRendezvousHandler(
-        coordinator, Keyspace(cfg.key_prefix).job_rdzv(cfg.run_id),
-        cfg.handler(params.min_nodes, params.max_nodes, backend_name), addr, grace=grace)
+        coordinator, Keyspace(cfg.key_prefix).rendezvous(cfg.handler.run_id).prefix,
+        cfg.handler, addr, grace=grace)

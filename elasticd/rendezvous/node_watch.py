@@ -11,19 +11,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
-from elasticd.clock import Clock, thread_cpu
-from elasticd.coordination.api import (
-    Compacted,
-    CoordinationError,
-    Coordinator,
-    EventType,
-    KeyValue,
-    Watch,
-)
+from elasticd.clock import thread_cpu
+from elasticd.coordination.api import Compacted, CoordinationError, EventType, KeyValue, Watch
 from elasticd.coordination.records import Complaints
-from elasticd.rendezvous.grace import OutageGrace
+from elasticd.rendezvous.control import AgentContext
 from elasticd.rendezvous.records import NodeRecord, RecordError
 from elasticd.rendezvous.tally import Tally
 
@@ -33,23 +26,15 @@ log = logging.getLogger("elasticd.rendezvous.handler")
 class NodeWatch:
     """The node records under ``prefix``, counted.
 
-    Args:
-        coord: the agent's etcd connection.
-        prefix: the node records' directory (``native/nodes/``).
-        grace: retry policy for etcd outages.
-        clock: time source.
-        distrust: called with a reason when the watch failed (the view may be stale).
-        wake: called when a watch event arrived (the duty thread then steps).
-
     Attributes:
         events: watch events handled.
         cpu: CPU seconds the watch callback took (by thread time): for benches.
     """
 
-    def __init__(self, coord: Coordinator, prefix: bytes, grace: OutageGrace, clock: Clock,
-                 distrust: Callable[[str], None], wake: Callable[[], None]) -> None:
-        self._coord, self._prefix, self._grace, self._clock = coord, prefix, grace, clock
-        self._distrust, self._wake = distrust, wake
+    def __init__(self, agent: AgentContext) -> None:
+        self._coord, self._grace, self._clock = agent.coord, agent.grace, agent.clock
+        self._prefix, self._distrust = agent.control.nodes_prefix, agent.distrust
+        self._wake = agent.wake
         self._lock = threading.Lock()
         self._tally = Tally()
         self._revision = 0  # of the node listing and the events applied since

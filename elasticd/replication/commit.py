@@ -6,7 +6,7 @@ that is, is decided by the job's commit coordinator from the nodes' reports
 by :func:`commit_write`: one transaction that compares the coordinator's election key (a
 deposed coordinator cannot write), the job's fence epoch (no withdrawal since the coordinator
 listed the fences) and the committed record (never backwards, no concurrent writer). Keys,
-under ``Keyspace.job_ckpt(job)``::
+under ``Keyspace.replication(job).ckpt``::
 
     committed              record "ckpt_committed" (schema 2): {generation, step, world |
                            ranks, m, round, placement: digest of the placement the holders
@@ -27,7 +27,7 @@ under ``Keyspace.job_ckpt(job)``::
 Every node watches ``committed`` (the prefix: its four keys, of which only ``committed`` and
 ``ahead`` change per step); ``placement`` and the fences are read on demand. Every key is
 overwritten in place, so etcd's footprint does not grow with the run's length. The job's
-current placement (``Keyspace.job_placement(job)``) is published here too
+current placement (``Keyspace.replication(job).placement``) is published here too
 (:func:`publish_placement`). The fences are :mod:`elasticd.replication.fences`.
 """
 
@@ -230,7 +230,7 @@ def read_committed(coord: Coordinator, keys: Keyspace, job: str,
     """The job's committed record with its holders, or None (absent or unreadable, which is
     logged). The placement its holders derive from is read beside it when none of
     ``placements`` is that one."""
-    return committed_from(coord, keys, job, coord.get(keys.job_committed(job)), placements)
+    return committed_from(coord, keys, job, coord.get(keys.replication(job).committed), placements)
 
 
 def committed_from(coord: Coordinator, keys: Keyspace, job: str, kv: Any,
@@ -250,7 +250,7 @@ def committed_from(coord: Coordinator, keys: Keyspace, job: str, kv: Any,
 
 def read_commit_placement(coord: Coordinator, keys: Keyspace, job: str) -> Placement | None:
     """The placement stored beside the committed record (None: absent or unreadable)."""
-    kv = coord.get(keys.job_commit_placement(job))
+    kv = coord.get(keys.replication(job).commit_placement)
     if kv is None:
         return None
     try:
@@ -268,14 +268,14 @@ def commit_txn(keys: Keyspace, job: str, c: Committed, guards: tuple[int, int, i
     placement its holders derive from, with ``ahead`` the ahead record, in the same
     transaction."""
     term, epoch, committed = guards
-    compares = [Compare(keys.job_coordinator(job), term),
-                Compare(keys.job_fence_epoch(job), epoch),
-                Compare(keys.job_committed(job), committed)]
-    ops = [Put(keys.job_committed(job), encode_committed(c))]
+    compares = [Compare(keys.replication(job).coordinator, term),
+                Compare(keys.replication(job).fence_epoch, epoch),
+                Compare(keys.replication(job).committed, committed)]
+    ops = [Put(keys.replication(job).committed, encode_committed(c))]
     if placement is not None:
-        ops.append(Put(keys.job_commit_placement(job), encode_placement(placement)))
+        ops.append(Put(keys.replication(job).commit_placement, encode_placement(placement)))
     if ahead is not None:
-        ops.append(Put(keys.job_commit_ahead(job), encode_ahead(ahead, c.at)))
+        ops.append(Put(keys.replication(job).commit_ahead, encode_ahead(ahead, c.at)))
     return compares, ops
 
 
@@ -293,7 +293,7 @@ def record_commit(coord: Coordinator, keys: Keyspace, job: str, new: Committed,
         CommitConflict: the record changed under every one of ``attempts`` compare-and-sets.
         coordination errors: etcd unreachable and such.
     """
-    key = keys.job_committed(job)
+    key = keys.replication(job).committed
     for _ in range(attempts):
         kv = coord.get(key)
         current = None
@@ -314,7 +314,7 @@ def record_commit(coord: Coordinator, keys: Keyspace, job: str, new: Committed,
 def store_commit_placement(coord: Coordinator, keys: Keyspace, job: str,
                            placement: Placement) -> None:
     """Stores ``placement`` as the one the committed record's holders derive from."""
-    coord.put(keys.job_commit_placement(job), encode_placement(placement))
+    coord.put(keys.replication(job).commit_placement, encode_placement(placement))
 
 
 def update_holders(coord: Coordinator, keys: Keyspace, job: str, version: Version,
@@ -327,7 +327,7 @@ def update_holders(coord: Coordinator, keys: Keyspace, job: str, version: Versio
     Raises:
         CommitConflict: the record kept changing.
     """
-    key = keys.job_committed(job)
+    key = keys.replication(job).committed
     for _ in range(attempts):
         kv = coord.get(key)
         if kv is None:
@@ -404,7 +404,7 @@ def _change_grid(coord: Coordinator, keys: Keyspace, job: str,
     """Applies ``change`` to the stored grid (absent or unreadable: every step) with one
     compare-and-set; returns the grid written, or None (no change, or another node's write
     came first: its watch event brings that one)."""
-    key = keys.job_commit_grid(job)
+    key = keys.replication(job).commit_grid
     kv = coord.get(key)
     current = Grid()
     if kv is not None:
@@ -452,7 +452,7 @@ def publish_placement(coord: Coordinator, keys: Keyspace, job: str, placement: P
     Raises:
         coordination errors: etcd unreachable and such.
     """
-    key, raw = keys.job_placement(job), encode_placement(placement)
+    key, raw = keys.replication(job).placement, encode_placement(placement)
     for _ in range(attempts):
         kv = coord.get(key)
         if kv is not None:

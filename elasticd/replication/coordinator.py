@@ -138,8 +138,8 @@ class JobCoordinator:
                                            (g.term, g.epoch, g.committed),
                                            placement if write.placement else None, write.ahead)
             else:
-                compares = [Compare(self.keys.job_coordinator(self.job), g.term)]
-                ops = [Put(self.keys.job_commit_ahead(self.job),
+                compares = [Compare(self.keys.replication(self.job).coordinator, g.term)]
+                ops = [Put(self.keys.replication(self.job).commit_ahead,
                            encode_ahead(write.version, self.clock.wall()))]
             ok, revision = self.coord.transaction(compares, ops)
             if not ok:
@@ -165,12 +165,12 @@ class JobCoordinator:
 
     def _refresh(self) -> bool:
         """A write failed its guards: reads what they compared. False when deposed."""
-        kv = self.coord.get(self.keys.job_coordinator(self.job))
+        kv = self.coord.get(self.keys.replication(self.job).coordinator)
         if kv is None or kv.mod_revision != self.ship.revision:
             self.end("deposed: the election key is gone or another node's")
             return False
-        kv = self.coord.get(self.keys.job_committed(self.job))
-        epoch = self.coord.get(self.keys.job_fence_epoch(self.job))
+        kv = self.coord.get(self.keys.replication(self.job).committed)
+        epoch = self.coord.get(self.keys.replication(self.job).fence_epoch)
         version = None
         if kv is not None:
             try:

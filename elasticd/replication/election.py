@@ -70,7 +70,7 @@ def campaign(coord: Coordinator, keys: Keyspace, job: str, node: str, term: int,
              now: float) -> int | None:
     """Creates the election key, bound to ``lease``, unless one exists; returns its
     mod_revision when this call won. Raises coordination errors (LeaseLost: ``lease`` gone)."""
-    key = keys.job_coordinator(job)
+    key = keys.replication(job).coordinator
     ok, revision = coord.transaction([Compare(key, 0)],
                                      [Put(key, encode(node, term, now), lease)])
     return revision if ok else None
@@ -78,6 +78,6 @@ def campaign(coord: Coordinator, keys: Keyspace, job: str, node: str, term: int,
 
 def resign(coord: Coordinator, keys: Keyspace, job: str, revision: int) -> bool:
     """Deletes the election key if it is still the one written at ``revision``."""
-    key = keys.job_coordinator(job)
+    key = keys.replication(job).coordinator
     ok, _ = coord.transaction([Compare(key, revision)], [Delete(key)])
     return ok

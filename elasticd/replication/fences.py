@@ -74,9 +74,10 @@ def withdraw(coord: Coordinator, keys: Keyspace, job: str, node: str,
     Raises:
         coordination errors: whether the withdrawal landed is unknown (the copy must stay).
     """
+    k = keys.replication(job)
     _, revision = coord.transaction([], [
-        Put(keys.job_fence(job, node), encode_fence(node, withdrawn, now)),
-        Put(keys.job_fence_epoch(job), records.encode(EPOCH_KIND, {"node": node, "at": now}))])
+        Put(k.fence(node), encode_fence(node, withdrawn, now)),
+        Put(k.fence_epoch, records.encode(EPOCH_KIND, {"node": node, "at": now}))])
     return revision, read_committed(coord, keys, job, placements)
 
 
@@ -84,11 +85,11 @@ def read_fences(coord: Coordinator, keys: Keyspace, job: str) -> tuple[int, dict
     """The fence epoch's mod_revision (0: absent) and each fenced node's fence mod_revision,
     read at one revision (one range read over both: the coordinator's only read that grows
     with the job, made when it is elected and after a withdrawal, never per step)."""
-    kvs, _ = coord.get_prefix(keys.job_fences(job))
+    kvs, _ = coord.get_prefix(keys.replication(job).fences)
     epoch, fences = 0, {}
-    prefix = keys.job_fence_prefix(job)
+    prefix = keys.replication(job).fence_prefix
     for kv in kvs:
-        if kv.key == keys.job_fence_epoch(job):
+        if kv.key == keys.replication(job).fence_epoch:
             epoch = kv.mod_revision
         elif kv.key.startswith(prefix):
             try:
@@ -103,7 +104,7 @@ def read_fence(coord: Coordinator, keys: Keyspace, job: str,
                node: str) -> tuple[int, tuple[Version, ...]]:
     """``node``'s fence revision (0: never withdrew) and the versions it lists as withdrawn
     (an unreadable record lists none, which is logged)."""
-    kv = coord.get(keys.job_fence(job, node))
+    kv = coord.get(keys.replication(job).fence(node))
     if kv is None:
         return 0, ()
     try:

@@ -321,14 +321,14 @@ class Reporter:
         t = self.t
         lease = None
         try:
-            stored = t.coord.get(t.keys.job_commit_placement(job))
+            stored = t.coord.get(t.keys.replication(job).commit_placement)
             lease = t.coord.grant_lease(max(1, round(self.ttl)))
             term = self._rng.getrandbits(62)
             revision = campaign(t.coord, t.keys, job, t.node_id, term, lease, t.clock.wall())
             if revision is None:
                 t.coord.revoke_lease(lease)  # lost: the watch brings the winner
                 return
-            removed = t.coord.delete_prefix(t.keys.job_replicated_prefix(job))
+            removed = t.coord.delete_prefix(t.keys.replication(job).replicated_prefix)
         except CoordinationError as exc:
             t.etcd_error("campaign for commit coordinator", exc)
             if lease is not None:
@@ -454,7 +454,7 @@ class Reporter:
             leading.end("its election key went with etcd's data")
         if withdrawn:
             try:
-                self.t.coord.put(self.t.keys.job_fence(job, self.t.node_id),
+                self.t.coord.put(self.t.keys.replication(job).fence(self.t.node_id),
                                  encode_fence(self.t.node_id, withdrawn, self.t.clock.wall()))
             except CoordinationError as exc:
                 self.t.etcd_error("write its fence again", exc)

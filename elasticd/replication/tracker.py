@@ -426,7 +426,7 @@ class CommitTracker:
 
     def watch(self, job: str) -> None:
         """Lists the committed prefix and watches it from there on."""
-        key = self.keys.job_committed(job)
+        key = self.keys.replication(job).committed
         try:
             kvs, revision = self.coord.get_prefix(key)
             self._listed(job, kvs)
@@ -445,8 +445,8 @@ class CommitTracker:
     def _listed(self, job: str, kvs: list[Any]) -> None:
         """Takes a listing of the committed prefix (keys absent from it are absent)."""
         found = {kv.key: kv for kv in kvs}
-        for key in (self.keys.job_committed(job), self.keys.job_commit_grid(job),
-                    self.keys.job_commit_ahead(job), self.keys.job_coordinator(job)):
+        k = self.keys.replication(job)
+        for key in (k.committed, k.commit_grid, k.commit_ahead, k.coordinator):
             self._changed(job, key, found.get(key))
 
     def _on_watch(self, job: str, events: Any) -> None:
@@ -458,11 +458,11 @@ class CommitTracker:
 
     def _changed(self, job: str, key: bytes, kv: Any) -> None:
         """One key of the committed prefix as it now is (``kv`` None: absent)."""
-        if key == self.keys.job_commit_grid(job):
+        if key == self.keys.replication(job).commit_grid:
             self._learn_grid(job, kv)
-        elif key == self.keys.job_coordinator(job):
+        elif key == self.keys.replication(job).coordinator:
             self.reporter.coordinator_seen(job, decode_ship(kv) if kv is not None else None)
-        elif key == self.keys.job_commit_ahead(job):
+        elif key == self.keys.replication(job).commit_ahead:
             try:
                 ahead = decode_ahead(kv.value, key) if kv is not None else None
             except records.RecordError:
@@ -470,7 +470,7 @@ class CommitTracker:
             with self.lock:
                 if job in self.jobs:
                     self.jobs[job].ahead = ahead
-        elif key == self.keys.job_committed(job):
+        elif key == self.keys.replication(job).committed:
             self._committed_changed(job, kv)
 
     def _committed_changed(self, job: str, kv: Any) -> None:
@@ -516,17 +516,17 @@ class CommitTracker:
     def reread(self, job: str) -> None:
         """Reads the committed prefix again (a watch error, a lagging watch)."""
         try:
-            kvs, _ = self.coord.get_prefix(self.keys.job_committed(job))
+            kvs, _ = self.coord.get_prefix(self.keys.replication(job).committed)
             with self.lock:
                 st = self.jobs.get(job)
                 placements = (st.placement, st.previous) if st is not None else ()
             # The record as the prefix read found it: its revision and its value agree.
-            found = next((kv for kv in kvs if kv.key == self.keys.job_committed(job)), None)
+            found = next((kv for kv in kvs if kv.key == self.keys.replication(job).committed), None)
             committed = committed_from(self.coord, self.keys, job, found, placements)
         except CoordinationError as exc:
             self.etcd_error("read the committed record", exc)
             return
-        self._listed(job, [kv for kv in kvs if kv.key != self.keys.job_committed(job)])
+        self._listed(job, [kv for kv in kvs if kv.key != self.keys.replication(job).committed])
         with self.lock:
             if job in self.jobs:
                 self.jobs[job].committed_rev = found.mod_revision if found is not None else 0

@@ -265,7 +265,7 @@ class ChaosCluster:
         """Every node's published view of the job (``jobs/<job>/nodes/<node>``)."""
         from elasticd.cluster.jobspec import NodeJobStatus
 
-        kvs, _ = self.cluster.coordinator().get_prefix(self.cluster.keys.job_nodes(self.job))
+        kvs, _ = self.cluster.coordinator().get_prefix(self.cluster.keys.job_keys(self.job).nodes)
         out = {}
         for kv in kvs:
             st = NodeJobStatus.decode(kv.value, kv.key)
@@ -282,7 +282,7 @@ class ChaosCluster:
     def placement(self):
         from elasticd.replication.placement import decode_placement
 
-        kv = self.cluster.coordinator().get(self.cluster.keys.job_placement(self.job))
+        kv = self.cluster.coordinator().get(self.cluster.keys.replication(self.job).placement)
         if kv is None:
             raise RuntimeError(f"no placement recorded for {self.job}")
         return decode_placement(kv.value, kv.key)
@@ -486,7 +486,7 @@ class ChaosCluster:
         from elasticd.replication.commit import decode_committed
 
         coord = self.cluster.coordinator()
-        key = self.cluster.keys.job_committed(self.job)
+        key = self.cluster.keys.replication(self.job).committed
         try:
             last = coord.get(key)
         except CoordinationError:

@@ -96,8 +96,8 @@ def _run(tmp_path, steps: int, hang_rank: int = -1):
         # miss each other and halves as commits keep up): a step off the grid is in nobody's
         # slot, and this test is about what in-process adds, not the grid.
         coord = cluster.coordinator()
-        grid_key = cluster.keys.job_commit_grid("job")
-        _wait(lambda: coord.get(cluster.keys.job_committed("job")) is not None
+        grid_key = cluster.keys.replication("job").commit_grid
+        _wait(lambda: coord.get(cluster.keys.replication("job").committed) is not None
               and ((kv := coord.get(grid_key)) is None or decode_grid(kv.value).grid == 1),
               60, "a committed step and the snapshot grid at 1", cluster)
         time.sleep(1.0)
@@ -116,7 +116,7 @@ def _run(tmp_path, steps: int, hang_rank: int = -1):
             victim = next(n for n in ("n1", "n2", "n3") if last in before[n])
         survivors = workers - before[victim]
         assert len(survivors) == 4 and len(workers & before[victim]) == 2
-        kv = coord.get(cluster.keys.job_committed("job"))
+        kv = coord.get(cluster.keys.replication("job").committed)
         committed = decode_committed(kv.value).step if kv is not None else 0
         t_kill = time.time()
         cluster.nodes[victim].kill()

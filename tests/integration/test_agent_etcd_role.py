@@ -93,7 +93,7 @@ def test_a_jobs_start_changes_etcds_auth_store_only_where_needed(auth_etcd, tmp_
         for node, (user, password) in issued.items():
             agent = client(auth_etcd, user=user, password=password)
             try:
-                agent.put(keys.job_rdzv("j1") + node.encode(), b"1")
+                agent.put(keys.rendezvous("j1").prefix + node.encode(), b"1")
                 assert agent.get(keys.node(node)) is None  # may read its node's record
                 with pytest.raises(AuthError):
                     agent.get(keys.node("n2" if node == "n1" else "n1"))
@@ -111,7 +111,7 @@ def test_the_agents_role_can_write_nothing_outside_its_rendezvous_prefix(auth_et
     spec = JobSpec(name="j1", nnodes_min=1, nnodes_max=1, nproc_per_node=1, script=TRAIN,
                    args=[], script_sha256="0" * 64, user="nobody", cwd=str(tmp_path))
     root.put(keys.node("n1"), b"node record")
-    root.put(keys.job_spec("j1"), b"spec")
+    root.put(keys.job_keys("j1").spec, b"spec")
     conf, env = creds.issue(spec)
     assert conf == {"user": creds.user_name("j1")} and set(env) == {PASSWORD_ENV}
     again_conf, again_env = creds.issue(spec)  # a restarted daemon: same user, new password
@@ -120,7 +120,7 @@ def test_the_agents_role_can_write_nothing_outside_its_rendezvous_prefix(auth_et
     try:
         # What the rendezvous does: read/write/compare-and-set its keys, a lease for its
         # alive key, and read its node's record (the daemon watch).
-        rdzv = keys.job_rdzv("j1")
+        rdzv = keys.rendezvous("j1").prefix
         agent.put(rdzv + b"state", b"1")
         assert agent.create(rdzv + b"store/k", b"v") and not agent.create(rdzv + b"store/k", b"v")
         lease = agent.grant_lease(5)
@@ -135,9 +135,10 @@ def test_the_agents_role_can_write_nothing_outside_its_rendezvous_prefix(auth_et
         assert seen.wait(10)
         watch.cancel()
         agent.revoke_lease(lease)
-        outside_writes = [keys.job_spec("j1"), keys.job_control("j1"), keys.job_node("j1", "n1"),
-                          keys.job_placement("j1"), keys.job_ckpt("j1") + b"committed",
-                          keys.job_rdzv("j2") + b"state", keys.job("j1")[:-1] + b"rdzvx",
+        j1, r1 = keys.job_keys("j1"), keys.replication("j1")
+        outside_writes = [j1.spec, j1.control, j1.node("n1"),
+                          r1.placement, r1.ckpt + b"committed",
+                          keys.rendezvous("j2").prefix + b"state", keys.job("j1")[:-1] + b"rdzvx",
                           keys.node("n1"), keys.node("n2"), keys.drain("n1"),
                           keys.events + b"n1/0/failed", b"/other"]
         for key in outside_writes:
@@ -145,7 +146,7 @@ def test_the_agents_role_can_write_nothing_outside_its_rendezvous_prefix(auth_et
                 agent.put(key, b"x")
             with pytest.raises(AuthError):
                 agent.delete(key)
-        for key in (keys.job_spec("j1"), keys.node("n2"), keys.jobs):
+        for key in (keys.job_keys("j1").spec, keys.node("n2"), keys.jobs):
             with pytest.raises(AuthError):
                 agent.get(key)
         with pytest.raises(AuthError):
@@ -230,16 +231,16 @@ def test_job_and_node_names_with_dots_no_longer_share_an_agent_user(auth_etcd, t
               client(auth_etcd, user=conf_a["user"], password=env_a[PASSWORD_ENV])]
     try:
         ab, a = agents
-        ab.put(keys.job_rdzv("a.b") + b"state", b"1")  # its password was not reset
-        a.put(keys.job_rdzv("a") + b"state", b"1")
+        ab.put(keys.rendezvous("a.b").prefix + b"state", b"1")  # its password was not reset
+        a.put(keys.rendezvous("a").prefix + b"state", b"1")
         with pytest.raises(AuthError):  # and it holds its own job's role only
-            ab.put(keys.job_rdzv("a") + b"state", b"x")
+            ab.put(keys.rendezvous("a").prefix + b"state", b"x")
         with pytest.raises(AuthError):
-            a.put(keys.job_rdzv("a.b") + b"state", b"x")
+            a.put(keys.rendezvous("a.b").prefix + b"state", b"x")
         on_c.withdraw("a.b")  # the first job to end takes its own user only
-        a.put(keys.job_rdzv("a") + b"state", b"2")
+        a.put(keys.rendezvous("a").prefix + b"state", b"2")
         with pytest.raises(AuthError):
-            ab.get(keys.job_rdzv("a.b") + b"state")
+            ab.get(keys.rendezvous("a.b").prefix + b"state")
     finally:
         for agent in agents:
             agent.close()

@@ -38,7 +38,7 @@ def test_killing_the_coordinator_costs_one_lease_ttl_and_no_wrong_commit(etcd, p
     cluster = Cluster(client, 3, 2, prefix=prefix, lease_ttl=TTL)
     commits: list[tuple[int, int]] = []
     watcher = connect(etcd)
-    key = cluster.keys.job_committed(JOB)
+    key = cluster.keys.replication(JOB).committed
     writes = []
 
     def on_events(events):
@@ -49,7 +49,7 @@ def test_killing_the_coordinator_costs_one_lease_ttl_and_no_wrong_commit(etcd, p
             if e.kv.key == key and e.kv.value:
                 commits.append(decode_committed(e.kv.value).version)
 
-    watch = watcher.watch_prefix(cluster.keys.job_ckpt(JOB), on_events, 0)
+    watch = watcher.watch_prefix(cluster.keys.replication(JOB).ckpt, on_events, 0)
     try:
         three = {"n1": [0, 1], "n2": [2, 3], "n3": [4, 5]}
         cluster.set_membership(["n1", "n2", "n3"], three, round=1)
@@ -58,7 +58,8 @@ def test_killing_the_coordinator_costs_one_lease_ttl_and_no_wrong_commit(etcd, p
         assert commits, "nothing committed"
         # Per committed step: the commit and at most one ahead record (fences, withdrawals,
         # the grid and the round's placement are not per step).
-        per_step = {cluster.keys.job_committed(JOB), cluster.keys.job_commit_ahead(JOB)}
+        k = cluster.keys.replication(JOB)
+        per_step = {k.committed, k.commit_ahead}
         steady = [w for w in writes if w[1] in per_step]
         # + 1: the first ahead record may come before the first commit (seen: 33 for 16)
         assert len(steady) <= 2 * len(set(commits)) + 1, \

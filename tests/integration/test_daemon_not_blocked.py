@@ -98,8 +98,8 @@ def put_job(c: LocalCluster, name: str, script: str, sha: str, args: list[str] =
     spec = JobSpec(name=name, nnodes_min=1, nnodes_max=1, nproc_per_node=1, script=script,
                    args=list(args), script_sha256=sha, user=JOB_USER, cwd=cwd, **fields)
     coord = c.coordinator()
-    coord.put(c.keys.job_spec(name), spec.encode())
-    coord.put(c.keys.job_control(name), JobControl("running", time.time(), "test").encode())
+    coord.put(c.keys.job_keys(name).spec, spec.encode())
+    coord.put(c.keys.job_keys(name).control, JobControl("running", time.time(), "test").encode())
 
 
 def rchar(pid: int) -> int:

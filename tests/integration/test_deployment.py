@@ -126,7 +126,7 @@ def test_root_daemons_secured_etcd_unprivileged_job_survives_kill_9():
                     for n, node in cluster.nodes.items()}
             pytest.fail(f"the job did not train at world 3 as {JOB_USER}: agent logs {tails}; "
                         f"daemons said {said}")
-        committed_key = cluster.keys.job_committed("job")
+        committed_key = cluster.keys.replication("job").committed
         cluster.wait_for(lambda: cluster.coordinator().get(committed_key) is not None, 60,
                          "a snapshot replicated to peers (a committed step)")
         for pid in cluster.nodes["n1"].tagged():  # the job's processes run as the job user

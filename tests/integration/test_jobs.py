@@ -141,7 +141,7 @@ def job_status(cluster, node):
 
 def agent_pid(cluster, node, job="job"):
     """The agent's pid, from the node's record in etcd (/status over HTTP leaves it out)."""
-    kv = cluster.coordinator().get(cluster.keys.job_node(job, node))
+    kv = cluster.coordinator().get(cluster.keys.job_keys(job).node(node))
     return NodeJobStatus.decode(kv.value, kv.key).agent_pid
 
 

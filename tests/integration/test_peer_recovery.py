@@ -44,14 +44,14 @@ def test_kill9_node_survivors_restore_from_peer_ram(tmp_path):
         c.wait_for(lambda: all(len(steps(agent_log(c, n), 3)) > 40 for n in c.nodes), 120,
                    "40 steps at world size 3")
         committed = c.wait_for(lambda: c.coordinator().get(
-            c.keys.job_committed("job")), 60, "a committed step")
+            c.keys.replication("job").committed), 60, "a committed step")
         assert committed is not None
         # Kill the node holding rank 0: after the shrink to 2 ranks, new rank r loads old rank
         # r's shard, so old rank 0's shard can only come from its replica in a peer's RAM.
         victim = next(n for n in c.nodes if c.nodes[n].http("/status")["job"]["ranks"] == [0])
         survivors = [n for n in c.nodes if n != victim]
         marks = {n: len(agent_log(c, n)) for n in survivors}
-        committed = c.coordinator().get(c.keys.job_committed("job"))
+        committed = c.coordinator().get(c.keys.replication("job").committed)
         killed = time.time()
         c.nodes[victim].kill()
         assert not os.path.exists(c.nodes[victim].shm_dir)

@@ -66,7 +66,7 @@ class Cluster:
             h.stop()
         self.pool.shutdown(wait=False, cancel_futures=True)
         for h in self.handlers:
-            h._coord.close()
+            h.coordinator.close()
 
 
 @pytest.fixture(params=["memory", pytest.param("etcd", marks=pytest.mark.etcd)])
@@ -99,7 +99,7 @@ def sees_outsiders(handler, count: int = 1) -> bool:
 
 def has_record(handler, of) -> bool:
     """Whether ``of``'s join record is in etcd, read through ``handler``'s connection."""
-    return handler._coord.get(of._join.key) is not None
+    return handler.coordinator.get(of._join.key) is not None
 
 
 def test_two_nodes_meet_share_a_store_and_learn_the_workers_bootstrap_address(cluster):

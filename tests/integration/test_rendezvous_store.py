@@ -43,7 +43,7 @@ class StoreContract:
 
     @pytest.fixture
     def store_prefix(self, prefix):
-        return Keyspace(prefix).job_rdzv(RUN_ID) + b"store/"
+        return Keyspace(prefix).rendezvous(RUN_ID).prefix + b"store/"
 
     @pytest.fixture
     def store(self, coordinator, store_prefix):
@@ -294,7 +294,7 @@ def test_real_etcd_pause_is_ridden_out_then_fails_after_grace(private_etcd, pref
     member = private_etcd.members[0]
     coordinator = connect(private_etcd, timeout=0.5)
     try:
-        store = EtcdV3Store(coordinator, Keyspace(prefix).job_rdzv(RUN_ID) + b"store/",
+        store = EtcdV3Store(coordinator, Keyspace(prefix).rendezvous(RUN_ID).prefix + b"store/",
                             grace=OutageGrace(3.0, where=private_etcd.endpoints))
         store.set("k", b"before")
 
@@ -337,7 +337,7 @@ def test_real_etcd_pause_during_store_wait(private_etcd, prefix):
     other = connect(private_etcd, timeout=0.5)
     try:
         grace = OutageGrace(5.0, where=private_etcd.endpoints)
-        store_prefix = Keyspace(prefix).job_rdzv(RUN_ID) + b"store/"
+        store_prefix = Keyspace(prefix).rendezvous(RUN_ID).prefix + b"store/"
         reader = EtcdV3Store(coordinator, store_prefix, datetime.timedelta(seconds=20), grace)
         writer = EtcdV3Store(other, store_prefix, grace=grace)
         result: dict[str, object] = {}
@@ -402,9 +402,9 @@ def test_sigterm_inside_an_etcd_call_reaches_torchs_agent_as_a_signal(etcd, pref
 
     coord = connect(etcd)
     try:
-        store = EtcdV3Store(coord, Keyspace(prefix).job_rdzv(RUN_ID) + b"store/",
+        store = EtcdV3Store(coord, Keyspace(prefix).rendezvous(RUN_ID).prefix + b"store/",
                             grace=OutageGrace(1.0))
-        real = coord._get_client()
+        real = coord.connection._get_client()
 
         class Interrupted:
             def __getattr__(self, name):
@@ -412,10 +412,10 @@ def test_sigterm_inside_an_etcd_call_reaches_torchs_agent_as_a_signal(etcd, pref
                     raise SignalException("Process 1 got signal: 15", signal.SIGTERM)
                 return call
 
-        coord._client = Interrupted()
+        coord.connection._client = Interrupted()
         with pytest.raises(SignalException):
             store.check(["k"])
-        coord._client = real
+        coord.connection._client = real
         assert store.check(["k"]) is False  # an ordinary read works again
     finally:
         coord.close()

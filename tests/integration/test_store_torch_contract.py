@@ -37,7 +37,7 @@ def make_store(request, prefix):
         coordinator = MemoryCoordinator()
     else:
         coordinator = request.getfixturevalue("etcd_client")
-    key_prefix = Keyspace(prefix).job_rdzv("job") + b"store/"
+    key_prefix = Keyspace(prefix).rendezvous("job").prefix + b"store/"
     # pybind's trampoline finds the Python methods through the Python object: a store that
     # only C++ (the PrefixStore) still references has lost them ("pure virtual function").
     # The agent's rendezvous handler holds its store; so does this list.

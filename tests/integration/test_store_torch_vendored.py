@@ -32,7 +32,7 @@ class _OnTheRendezvousStore(StoreTestBase):
     def _directory(self, request, prefix):
         coordinator = (MemoryCoordinator() if self.backend == "memory"
                        else request.getfixturevalue("etcd_client"))
-        self._key_prefix = Keyspace(prefix).job_rdzv("job") + b"store/"
+        self._key_prefix = Keyspace(prefix).rendezvous("job").prefix + b"store/"
         self._coordinator = coordinator
         # pybind's trampoline finds the Python methods through the Python object: keep each
         # store referenced for the test's length (the agent's handler holds its own).

@@ -47,7 +47,7 @@ def _start(server, prefix: str, run_id: str, nnodes: str, node: int, tmp_path,
 
 
 def _round(client: EtcdCoordinator, prefix: str, run_id: str) -> dict | None:
-    kv = client.get(Keyspace(prefix).job_rdzv_round(run_id))
+    kv = client.get(Keyspace(prefix).rendezvous(run_id).round)
     return None if kv is None else json.loads(kv.value)
 
 

@@ -81,7 +81,7 @@ def test_two_torchrun_nodes_meet_through_etcd_v3(etcd, etcd_client, prefix, tmp_
 
     # The rendezvous lived in etcd under the job's rdzv/ prefix as JSON records (no pickle);
     # torchrun closed it on exit, and each agent revoked its lease, deleting its join record.
-    native = Keyspace(prefix).job_rdzv(run_id) + b"native/"
+    native = Keyspace(prefix).rendezvous(run_id).prefix + b"native/"
     kvs = {kv.key[len(native):]: json.loads(kv.value)
            for kv in etcd_client.get_prefix(native)[0]}
     # The closer's key went with its lease; its waiting summary may stay.
@@ -91,7 +91,7 @@ def test_two_torchrun_nodes_meet_through_etcd_v3(etcd, etcd_client, prefix, tmp_
     assert (kvs[b"round"]["round"], len(kvs[b"round"]["members"])) == (0, 2)
     # The workers' store address came in the round record, from the port rank 0 held free.
     assert kvs[b"round"]["master_addr"] == "127.0.0.1" and kvs[b"round"]["master_port"] > 0
-    rdzv = Keyspace(prefix).job_rdzv(run_id)
+    rdzv = Keyspace(prefix).rendezvous(run_id).prefix
     assert etcd_client.get(rdzv + b"state") is None  # torch's pickled state is gone for good
     store_keys = [kv.key for kv in etcd_client.get_prefix(rdzv + b"store/")[0]]
     assert any(k.startswith(rdzv + b"store/torch.rendezvous." + run_id.encode() + b".0/")

@@ -62,8 +62,8 @@ def node(etcd, prefix, tmp_path):
     spec = JobSpec(name="j", nnodes_min=1, nnodes_max=1, nproc_per_node=1,
                    script=sys.executable, args=[], script_sha256="0" * 64, user="root",
                    cwd=str(tmp_path))
-    coord.put(keys.job_spec("j"), spec.encode())
-    coord.put(keys.job_control("j"), JobControl("running", 0.0, "test").encode())
+    coord.put(keys.job_keys("j").spec, spec.encode())
+    coord.put(keys.job_keys("j").control, JobControl("running", 0.0, "test").encode())
     root = f"/dev/shm/elasticd-test-{uuid.uuid4().hex[:12]}"
     store = SlotStore(root, cap_bytes=64 << 10)
     clock = FakeClock()

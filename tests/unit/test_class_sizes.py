@@ -25,8 +25,6 @@ MAX_ATTRIBUTES = 20
 CEILINGS: dict[str, tuple[int, int]] = {}
 #: Over the limits before issue 28, in other issues' packages.
 KNOWN = {
-    "elasticd.coordination.etcd.EtcdCoordinator",  # the Coordinator interface: one per call
-    "elasticd.coordination.keys.Keyspace",  # one method per key
     "elasticd.metrics.Metrics",  # one attribute per metric family
     "elasticd.replication.tracker.CommitTracker",
     # Issue 29's commit coordinator, merged over the limits (JobCoordinator: 21 attributes;

@@ -36,20 +36,20 @@ def test_the_watch_follows_the_committed_and_ahead_records_only():
     watch.start()
     try:
         assert not watch()  # no commit yet
-        writer.put(KEYS.job_commit_ahead("job"), encode_ahead((0, 3)))
-        writer.put(KEYS.job_committed("job"),
+        writer.put(KEYS.replication("job").commit_ahead, encode_ahead((0, 3)))
+        writer.put(KEYS.replication("job").committed,
                    encode_committed(Committed(0, 3, (0,), {0: ("n1",)})))
         wait_until(watch)
-        writer.put(KEYS.job_commit_ahead("job"), encode_ahead((0, 4)))
+        writer.put(KEYS.replication("job").commit_ahead, encode_ahead((0, 4)))
         wait_until(lambda: not watch())  # step 4 replicated, not committed yet
         # Keys outside the committed prefix are not watched at all (the old per-node records).
-        writer.put(KEYS.job_replicated("job", "n2"), b"{}")
-        writer.put(KEYS.job_committed("job"),
+        writer.put(KEYS.replication("job").replicated("n2"), b"{}")
+        writer.put(KEYS.replication("job").committed,
                    encode_committed(Committed(0, 4, (0,), {0: ("n1",)})))
         wait_until(watch)
-        writer.delete(KEYS.job_committed("job"))
+        writer.delete(KEYS.replication("job").committed)
         wait_until(lambda: not watch())
-        assert reader.store._watches[0].prefix == KEYS.job_committed("job")
+        assert reader.store._watches[0].prefix == KEYS.replication("job").committed
     finally:
         watch.stop()
 
@@ -57,8 +57,9 @@ def test_the_watch_follows_the_committed_and_ahead_records_only():
 def test_after_a_watch_error_the_gate_says_no_until_the_records_are_listed_again():
     store = MemoryStore()
     writer, reader = MemoryCoordinator(store), MemoryCoordinator(store)
-    writer.put(KEYS.job_commit_ahead("job"), encode_ahead((0, 3)))
-    writer.put(KEYS.job_committed("job"), encode_committed(Committed(0, 3, (0,), {0: ("n1",)})))
+    writer.put(KEYS.replication("job").commit_ahead, encode_ahead((0, 3)))
+    writer.put(KEYS.replication("job").committed,
+               encode_committed(Committed(0, 3, (0,), {0: ("n1",)})))
     watch = CommitWatch(reader, KEYS, "job")
     watch.start()
     try:
@@ -90,7 +91,7 @@ def test_the_gate_watches_etcd_only_while_it_is_asked():
 
     store, clock = MemoryStore(), FakeClock()
     writer, reader = MemoryCoordinator(store), MemoryCoordinator(store)
-    writer.put(KEYS.job_committed("job"), encode_committed(Committed(0, 3, (0,), {0: ("n1",)})))
+    writer.put(KEYS.replication("job").committed, encode_committed(Committed(0, 3, (0,), {0: ("n1",)})))
     gate = CommitWatch(reader, KEYS, "job", clock=clock)
     try:
         time.sleep(0.1)
@@ -99,7 +100,7 @@ def test_the_gate_watches_etcd_only_while_it_is_asked():
         wait_until(gate)
         assert len(store._watches) == 1
         clock.advance(IDLE + 1)  # unasked since: the next event ends the watch
-        writer.put(KEYS.job_committed("job"),
+        writer.put(KEYS.replication("job").committed,
                    encode_committed(Committed(0, 4, (0,), {0: ("n1",)})))
         wait_until(lambda: all(w.cancelled for w in store._watches))
         gate()
@@ -117,7 +118,7 @@ def test_the_handler_asks_the_commit_gate_only_when_a_newcomer_waits():
 
     asked = []
     handler = types.SimpleNamespace(
-        _settings=types.SimpleNamespace(grow_interval=60.0), _clock=types.SimpleNamespace(
+        settings=types.SimpleNamespace(grow_interval=60.0), _clock=types.SimpleNamespace(
             wall=lambda: 1000.0), commit_gate=lambda: asked.append(1) or False)
     current = RoundRecord(3, ("a", "b"), grew_at=100.0)  # the interval is over
     at_commit = EtcdNativeRendezvousHandler._at_commit

@@ -260,8 +260,8 @@ def _submit(store, name="job"):
     spec = JobSpec(name=name, nnodes_min=2, nnodes_max=3, nproc_per_node=1,
                    script="/bin/true", args=[], script_sha256="0" * 64, user="nobody",
                    cwd="/tmp")
-    coord.put(keys.job_spec(name), spec.encode())
-    coord.put(keys.job_control(name), JobControl("running", 1.0, "test").encode())
+    coord.put(keys.job_keys(name).spec, spec.encode())
+    coord.put(keys.job_keys(name).control, JobControl("running", 1.0, "test").encode())
 
 
 def test_etcd_wiped_every_daemon_recovers_without_failures(world):
@@ -272,7 +272,7 @@ def test_etcd_wiped_every_daemon_recovers_without_failures(world):
     _submit(store, "stopped-job")
     from elasticd.cluster.jobspec import JobControl
 
-    MemoryCoordinator(store).put(Keyspace("/elasticd").job_control("stopped-job"),
+    MemoryCoordinator(store).put(Keyspace("/elasticd").job_keys("stopped-job").control,
                                  JobControl("stopped", 1.0, "test").encode())
     for d in daemons.values():
         d.jobs._start = lambda job: None  # no agent here: only what the daemons believe
@@ -309,14 +309,15 @@ def test_a_job_stopped_before_the_wipe_is_not_brought_back(world):
     for d in daemons.values():
         d.jobs._start = lambda job: None
     tick()
-    MemoryCoordinator(store).delete(Keyspace("/elasticd").job_spec("job"))  # removed on purpose
+    # removed on purpose
+    MemoryCoordinator(store).delete(Keyspace("/elasticd").job_keys("job").spec)
     tick()
     assert all(not d.jobs.records.specs for d in daemons.values())
     store.wipe()
     for _ in range(4 * TTL * 4):
         tick()
     assert all(not d.jobs.records.specs for d in daemons.values())
-    assert MemoryCoordinator(store).get(Keyspace("/elasticd").job_spec("job")) is None
+    assert MemoryCoordinator(store).get(Keyspace("/elasticd").job_keys("job").spec) is None
 
 
 def test_the_lease_is_the_heartbeat_and_the_watch_is_trusted_until_it_says_otherwise(world):

@@ -41,7 +41,7 @@ def coordinator():
     (grpc.StatusCode.NOT_FOUND, "etcdserver: requested lease not found", LeaseLost),
 ])
 def test_client_errors_are_classified(coordinator, code, details, kind):
-    err = coordinator._translate(FakeRpcError(code, details))
+    err = coordinator.connection.translate(FakeRpcError(code, details))
     assert type(err) is kind, err
     assert details in str(err)
 
@@ -50,7 +50,7 @@ STALE = "etcdserver: revision of auth store is old"
 
 
 class TokenClient:
-    """Stands in for pyetcd's client: what ``_call`` reads of it is its token."""
+    """Stands in for pyetcd's client: what ``EtcdConnection.call`` reads of it is its token."""
 
     def __init__(self, token: str) -> None:
         self.metadata = (("token", token),)
@@ -67,7 +67,7 @@ def test_a_stale_token_is_repeated_and_a_jwt_logs_in_again(token, logins):
     c = EtcdCoordinator(EtcdSettings(endpoints=(("127.0.0.1", 1),), user="u", password="p"),
                         clock=clock)
     built = []
-    c._build_client = lambda: built.append(1) or TokenClient(token)
+    c.connection._build_client = lambda: built.append(1) or TokenClient(token)
     refusals = iter([STALE, STALE])
 
     def fn(client):
@@ -76,7 +76,7 @@ def test_a_stale_token_is_repeated_and_a_jwt_logs_in_again(token, logins):
             raise FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, detail)
         return "done"
 
-    assert c._call(fn) == "done"
+    assert c.connection.call(fn) == "done"
     assert len(built) == logins
     assert 0 < clock.monotonic() - 1_000.0 < 1.0  # paused between repeats
 
@@ -85,13 +85,13 @@ def test_a_token_that_stays_stale_fails_after_ten_seconds():
     clock = FakeClock()
     c = EtcdCoordinator(EtcdSettings(endpoints=(("127.0.0.1", 1),), user="u", password="p"),
                         clock=clock)
-    c._build_client = lambda: TokenClient("abcdefghijklmnop.42")
+    c.connection._build_client = lambda: TokenClient("abcdefghijklmnop.42")
 
     def fn(client):
         raise FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, STALE)
 
     with pytest.raises(Refused, match="auth store is old"):
-        c._call(fn)
+        c.connection.call(fn)
     assert 10.0 <= clock.monotonic() - 1_000.0 < 11.0
 
 
@@ -105,9 +105,9 @@ def test_a_joined_daemon_repeats_a_refused_request_no_longer_than_one_request_ma
     settings = Settings(node_id="n1", etcd="127.0.0.1:1", etcd_timeout=1.5,
                         etcd_user="u", etcd_password="p")
     c = EtcdCoordinator(settings.etcd_settings(), clock=clock)
-    assert c.settings.refusal_patience == 10.0  # the start: a failure there is fatal
+    assert c.connection.settings.refusal_patience == 10.0  # the start: a failure there is fatal
     c.bound_refusals(settings.etcd_timeout)
-    c._build_client = lambda: TokenClient("abcdefghijklmnop.42")
+    c.connection._build_client = lambda: TokenClient("abcdefghijklmnop.42")
     tries = []
 
     def fn(client):
@@ -115,7 +115,7 @@ def test_a_joined_daemon_repeats_a_refused_request_no_longer_than_one_request_ma
         raise FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, STALE)
 
     with pytest.raises(Unavailable, match="auth store is old") as caught:
-        c._call(fn)
+        c.connection.call(fn)
     assert isinstance(caught.value, Refused)
     assert "refused for 1.5 s" in str(caught.value)
     assert clock.monotonic() - 1_000.0 == pytest.approx(1.5)

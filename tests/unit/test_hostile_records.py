@@ -103,11 +103,11 @@ def test_a_malformed_spec_refuses_its_job_with_the_reason(world, tmp_path, bad):
     d = start("n1")
     body = json.loads(spec(tmp_path).encode())
     body.update(bad)
-    MemoryCoordinator(store).put(KEYS.job_spec("job"),
+    MemoryCoordinator(store).put(KEYS.job_keys("job").spec,
                                  json.dumps(body, allow_nan=True).encode())
     for _ in range(3):
         tick()  # on main: TypeError out of the cycle (the daemon exits 1, again on restart)
-    st = NodeJobStatus.decode(MemoryCoordinator(store).get(KEYS.job_node("job", "n1")).value)
+    st = NodeJobStatus.decode(MemoryCoordinator(store).get(KEYS.job_keys("job").node("n1")).value)
     assert st.state == "refused" and "unreadable job spec" in st.detail
     assert "job" in d.status()["job"]["refused_specs"]
     assert d.jobs.supervisor is None
@@ -123,16 +123,16 @@ def test_the_running_jobs_spec_corrupted_refuses_it(world, tmp_path, monkeypatch
     monkeypatch.setattr("elasticd.agent.supervisor.AgentSupervisor.stop",
                         lambda self, grace=0: 0)
     coord = MemoryCoordinator(store)
-    coord.put(KEYS.job_spec("job"), spec(tmp_path, user="root").encode())
+    coord.put(KEYS.job_keys("job").spec, spec(tmp_path, user="root").encode())
     tick()
     assert started and d.jobs.job == "job"
-    coord.put(KEYS.job_spec("job"), b'{"schema":1,"record":"job_spec","name":"job"}')
+    coord.put(KEYS.job_keys("job").spec, b'{"schema":1,"record":"job_spec","name":"job"}')
     for _ in range(4):
         tick()
     if d.jobs._stopping is not None:
         d.jobs._stopping.join(5)
     tick()
-    st = NodeJobStatus.decode(coord.get(KEYS.job_node("job", "n1")).value)
+    st = NodeJobStatus.decode(coord.get(KEYS.job_keys("job").node("n1")).value)
     assert st.state == "refused" and "unreadable job spec" in st.detail
     assert d.jobs.job is None
 
@@ -177,8 +177,8 @@ def test_a_status_under_another_nodes_key_is_ignored(tmp_path):
     lease = coord.grant_lease(10)
     mgr = JobManager("n1", coord, KEYS, etcd="x:1", state_dir=str(tmp_path), metrics=Metrics(),
                      lease=lambda: lease, clock=FakeClock())
-    coord.put(KEYS.job_spec("job"), spec(tmp_path).encode())
-    coord.put(KEYS.job_node("job", "n2"), NodeJobStatus("n3", "succeeded").encode(), lease)
+    coord.put(KEYS.job_keys("job").spec, spec(tmp_path).encode())
+    coord.put(KEYS.job_keys("job").node("n2"), NodeJobStatus("n3", "succeeded").encode(), lease)
     mgr.start_watch()
     assert mgr.records.statuses.get("job", {}) == {} and mgr.records.succeeded_on("job", "n1") == []
 
@@ -254,7 +254,7 @@ def test_an_interpreter_the_job_user_cannot_run_refuses_the_job(tmp_path):
     script = tmp_path / "train.py"
     shutil.copy(TRAIN, script)
     os.chmod(script, 0o644)
-    coord.put(KEYS.job_spec("job"), spec(tmp_path, python=python, cwd=str(work),
+    coord.put(KEYS.job_keys("job").spec, spec(tmp_path, python=python, cwd=str(work),
                                          script=str(script)).encode())
     mgr.start_watch()
     mgr.step()
@@ -318,9 +318,9 @@ def test_elasticctl_jobs_shows_a_refused_job_and_why(tmp_path):
     lease = coord.grant_lease(10)
     body = json.loads(spec(tmp_path, name="bad").encode())
     body["nnodes_min"] = "1"
-    coord.put(KEYS.job_spec("bad"), json.dumps(body).encode())
-    coord.put(KEYS.job_spec("root"), spec(tmp_path, name="root", user="root").encode())
-    coord.put(KEYS.job_node("root", "n1"), NodeJobStatus("n1", "refused", JobPolicy().check(
+    coord.put(KEYS.job_keys("bad").spec, json.dumps(body).encode())
+    coord.put(KEYS.job_keys("root").spec, spec(tmp_path, name="root", user="root").encode())
+    coord.put(KEYS.job_keys("root").node("n1"), NodeJobStatus("n1", "refused", JobPolicy().check(
         spec(tmp_path, user="root"))).encode(), lease)
     rows = {r["job"]: r for r in _jobs(coord, KEYS)}
     assert rows["bad"]["running_on"].startswith("refused: unreadable job spec")

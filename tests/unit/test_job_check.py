@@ -168,15 +168,15 @@ def test_a_refused_job_is_checked_again_only_when_its_records_change(tmp_path):
         return answers[control.by]
 
     mgr.checks = JobChecks(str(tmp_path), clock, check=check)
-    coord.put(KEYS.job_spec("job"), spec_for(tmp_path, "root", __file__).encode())
-    coord.put(KEYS.job_control("job"), JobControl("running", 1.0, "first").encode())
+    coord.put(KEYS.job_keys("job").spec, spec_for(tmp_path, "root", __file__).encode())
+    coord.put(KEYS.job_keys("job").control, JobControl("running", 1.0, "first").encode())
     mgr.start_watch()
     try:
         for _ in range(3):
             mgr.step()
         assert mgr.board.status.state == "refused" and "differs" in mgr.board.status.detail
         assert seen == ["first"] and mgr.wanted() is None
-        coord.put(KEYS.job_control("job"), JobControl("running", 2.0, "retried").encode())
+        coord.put(KEYS.job_keys("job").control, JobControl("running", 2.0, "retried").encode())
         for _ in range(3):
             mgr.step()
         assert seen == ["first", "retried"]  # checked again once, then waits for the retry
@@ -184,7 +184,7 @@ def test_a_refused_job_is_checked_again_only_when_its_records_change(tmp_path):
         clock.advance(job_check.WAIT_RETRY + 0.1)
         mgr.step()
         assert seen == ["first", "retried", "retried"]
-        coord.put(KEYS.job_control("job"), JobControl("stopped", 3.0, "elasticctl").encode())
+        coord.put(KEYS.job_keys("job").control, JobControl("stopped", 3.0, "elasticctl").encode())
         mgr.step()
         assert mgr.board.status.state == "stopped" and "no longer wanted" in mgr.board.status.detail
     finally:
@@ -210,7 +210,8 @@ def test_a_job_waiting_for_its_files_holds_no_newer_job(tmp_path, monkeypatch):
 
     mgr.checks = JobChecks(str(tmp_path), clock, check=check)
     for name in ("a", "b"):
-        coord.put(KEYS.job_spec(name), spec_for(tmp_path, "root", __file__, name=name).encode())
+        spec = spec_for(tmp_path, "root", __file__, name=name)
+        coord.put(KEYS.job_keys(name).spec, spec.encode())
     mgr.start_watch()
     try:
         mgr.step()

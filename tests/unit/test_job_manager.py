@@ -24,7 +24,7 @@ def env(tmp_path):
     spec = JobSpec(name="job", nnodes_min=2, nnodes_max=3, nproc_per_node=1,
                    script=sys.executable, args=[], script_sha256="0" * 64, user="root",
                    cwd=str(tmp_path))
-    coord.put(keys.job_spec("job"), spec.encode())
+    coord.put(keys.job_keys("job").spec, spec.encode())
     mgr = JobManager("n1", coord, keys, etcd="127.0.0.1:1", state_dir=str(tmp_path),
                      metrics=Metrics(), lease=lambda: lease, clock=FakeClock())
     mgr.start_watch()
@@ -33,7 +33,7 @@ def env(tmp_path):
 
 
 def _peer(coord, keys, lease, node: str, state: str) -> None:
-    coord.put(keys.job_node("job", node), NodeJobStatus(node, state).encode(), lease)
+    coord.put(keys.job_keys("job").node(node), NodeJobStatus(node, state).encode(), lease)
 
 
 def test_a_job_is_wanted_until_a_peer_reports_it_succeeded(env):
@@ -58,7 +58,7 @@ def test_a_node_restarting_its_agent_records_the_peers_success_instead(env):
     assert mgr.job is None and mgr.supervisor is None
     assert mgr.board.status.state == "succeeded" and "n3" in mgr.board.status.detail
     assert ended == ["job"]
-    kvs, _ = coord.get_prefix(keys.job_node("job", "n1"))
+    kvs, _ = coord.get_prefix(keys.job_keys("job").node("n1"))
     assert NodeJobStatus.decode(kvs[0].value).state == "succeeded"
     mgr.step()  # and stays finished: nothing is started again
     assert mgr.job is None and ended == ["job"]
@@ -126,7 +126,7 @@ def test_restarts_without_a_new_commit_fail_the_job_with_the_workers_exception(e
             break
     # The first restart followed progress (step 29 committed); `limit` more did not.
     assert attempt == limit + 1
-    control = JobControl.decode(coord.get(keys.job_control("job")).value)
+    control = JobControl.decode(coord.get(keys.job_keys("job").control).value)
     assert control.desired == "failed" and control.by == "n1"
     assert control.reason.endswith("last failure: RuntimeError: boom at step 30")
     assert events and events[0][0] == "job_failed"
@@ -148,7 +148,7 @@ def test_restarts_seen_together_all_carry_the_exception_the_log_shows(env, tmp_p
         agent.fail_attempt(attempt, "RuntimeError: boom at step 30")
     mgr.step()
     assert mgr.job is None
-    control = JobControl.decode(coord.get(keys.job_control("job")).value)
+    control = JobControl.decode(coord.get(keys.job_keys("job").control).value)
     assert control.reason.startswith(f"crash loop: {limit} worker group restarts")
     assert control.reason.endswith("last failure: RuntimeError: boom at step 30")
     mgr._stopping.join(5)
@@ -160,7 +160,8 @@ def test_a_job_failed_elsewhere_stops_here_as_failed(env, tmp_path):
     mgr.group.job, mgr.group.supervisor = "job", StandInAgent(tmp_path / "agent")
     mgr.board.about = "job"
     mgr.group.restarts.runs_known = set()
-    coord.put(keys.job_control("job"), JobControl("failed", 0.0, "n2", "crash loop: x").encode())
+    coord.put(keys.job_keys("job").control,
+              JobControl("failed", 0.0, "n2", "crash loop: x").encode())
     mgr.records.refresh()
     mgr.step()
     mgr._stopping.join(5)
@@ -208,7 +209,7 @@ def test_without_a_hang_timeout_the_learned_one_is_in_force_published_and_double
         assert agent.restarts == []
     assert (mgr.board.status.hang_timeout, mgr.board.status.hang_timeout_source) == (7.5, "learned")
     assert mgr.metrics.hang_timeout_seconds._value.get() == 7.5
-    published = NodeJobStatus.decode(coord.get(keys.job_node("job", "n1")).value)
+    published = NodeJobStatus.decode(coord.get(keys.job_keys("job").node("n1")).value)
     assert (published.hang_timeout, published.hang_timeout_source) == (7.5, "learned")
     assert mgr.describe()["progress"]["hang_timeout_source"] == "learned"
     clock.advance(7.0)  # 7.5 s since the last step (0.5 s after it already passed)
@@ -240,15 +241,15 @@ def _round(coord, keys, *pids):
     from elasticd.rendezvous.records import RoundRecord, node_id
 
     members = tuple(node_id("10.0.0.%d" % i, pid, 1) for i, pid in enumerate(pids))
-    coord.put(keys.job_rdzv_round("job"), RoundRecord(3, members).encode())
+    coord.put(keys.rendezvous("job").round, RoundRecord(3, members).encode())
 
 
 def test_a_failed_peer_aborts_the_group_unless_the_last_round_already_left_it_out(env,
                                                                                    tmp_path):
     coord, keys, mgr, lease = env
-    coord.put(keys.job_node("job", "n2"),
+    coord.put(keys.job_keys("job").node("n2"),
               NodeJobStatus("n2", "running", agent_pid=222).encode(), lease)
-    coord.put(keys.job_node("job", "n3"),
+    coord.put(keys.job_keys("job").node("n3"),
               NodeJobStatus("n3", "running", agent_pid=333).encode(), lease)
     agent = _running(mgr, tmp_path)
     agent.pid = 111
@@ -266,7 +267,7 @@ def test_a_failed_peer_aborts_the_group_unless_the_last_round_already_left_it_ou
     # A round this agent is not in is no evidence (ids it cannot read, another agent): abort.
     _round(coord, keys, 333, 444)
     assert mgr.on_peer_failed("n2") == 1
-    coord.put(keys.job_rdzv_round("job"), b"{not json")
+    coord.put(keys.rendezvous("job").round, b"{not json")
     assert mgr.on_peer_failed("n2") == 1
     assert len(agent.restarts) == 4
 
@@ -279,7 +280,7 @@ def test_a_straggler_names_itself_on_its_status_and_metric_and_drains_when_the_j
     events = []
     mgr.record_event = lambda kind, detail, data: events.append((kind, detail, data))
     for node, compute in (("n2", 0.10), ("n3", 0.11)):
-        coord.put(keys.job_node("job", node),
+        coord.put(keys.job_keys("job").node(node),
                   NodeJobStatus(node, "running", compute_seconds=compute).encode(), lease)
     _running(mgr, tmp_path, straggler_factor=1.5, straggler_steps=10, straggler_drain=True,
              nnodes_min=2)
@@ -289,7 +290,7 @@ def test_a_straggler_names_itself_on_its_status_and_metric_and_drains_when_the_j
                          "_peer": {"pid": 7}})
         mgr.step()
         assert (mgr.board.status.straggler != "") == (step >= 10), step
-    published = NodeJobStatus.decode(coord.get(keys.job_node("job", "n1")).value)
+    published = NodeJobStatus.decode(coord.get(keys.job_keys("job").node("n1")).value)
     assert published.straggler.startswith("STRAGGLER: compute 0.3 s/step")
     assert published.compute_seconds == 0.3
     assert mgr.metrics.straggler._value.get() == 1
@@ -299,7 +300,7 @@ def test_a_straggler_names_itself_on_its_status_and_metric_and_drains_when_the_j
 
 def test_a_straggler_is_not_drained_below_the_jobs_minimum(env, tmp_path):
     coord, keys, mgr, lease = env
-    coord.put(keys.job_node("job", "n2"),
+    coord.put(keys.job_keys("job").node("n2"),
               NodeJobStatus("n2", "running", compute_seconds=0.1).encode(), lease)
     _running(mgr, tmp_path, straggler_steps=3, straggler_drain=True, nnodes_min=2)
     mgr.records.specs["job"] = (mgr.records.specs["job"][0], mgr.supervisor.spec)
@@ -332,7 +333,7 @@ def test_an_in_process_job_is_not_killed_for_a_failed_peer_but_restarted_past_th
     from elasticd.agent import job_rules
 
     coord, keys, mgr, lease = env
-    coord.put(keys.job_node("job", "n2"),
+    coord.put(keys.job_keys("job").node("n2"),
               NodeJobStatus("n2", "running", agent_pid=222).encode(), lease)
     agent = _running(mgr, tmp_path, in_process=True)
     agent.pid = 111
@@ -362,7 +363,7 @@ def test_the_agents_word_ends_the_deadline_under_the_watchs_lock(env, tmp_path):
     import threading
 
     coord, keys, mgr, lease = env
-    coord.put(keys.job_node("job", "n2"),
+    coord.put(keys.job_keys("job").node("n2"),
               NodeJobStatus("n2", "running", agent_pid=222).encode(), lease)
     _running(mgr, tmp_path, in_process=True).pid = 111
     mgr.records.refresh()

@@ -43,14 +43,14 @@ def status(node, state):
 
 def test_the_records_are_listed_then_followed_and_reduced_for_the_rules(env):
     coord, recs, seen = env
-    coord.put(KEYS.job_spec("a"), spec("a").encode())
+    coord.put(KEYS.job_keys("a").spec, spec("a").encode())
     recs.start_watch()
     assert seen["resync"] == 1 and set(recs.specs) == {"a"}
-    coord.put(KEYS.job_spec("b"), b"{not a spec")
-    coord.put(KEYS.job_control("a"), JobControl(JobState.STOPPED, 1.0, "op", "why").encode())
-    coord.put(KEYS.job_node("a", "n2"), status("n2", "succeeded"))
-    coord.put(KEYS.job_node("a", "n3"), status("n3", "running"))
-    coord.put(KEYS.job_node("a", "n1"), status("n1", "succeeded"))
+    coord.put(KEYS.job_keys("b").spec, b"{not a spec")
+    coord.put(KEYS.job_keys("a").control, JobControl(JobState.STOPPED, 1.0, "op", "why").encode())
+    coord.put(KEYS.job_keys("a").node("n2"), status("n2", "succeeded"))
+    coord.put(KEYS.job_keys("a").node("n3"), status("n3", "running"))
+    coord.put(KEYS.job_keys("a").node("n1"), status("n1", "succeeded"))
     recs.refresh()
     assert seen["resync"] == 1  # followed, not listed again
     view = recs.view({"x"}, me="n1")
@@ -68,8 +68,8 @@ def test_the_records_are_listed_then_followed_and_reduced_for_the_rules(env):
 def test_a_status_under_a_key_that_names_no_valid_node_is_no_record(env):
     coord, recs, _ = env
     recs.start_watch()
-    coord.put(KEYS.job_node("a", "n2") + b"/x", status("n2", "running"))
-    coord.put(KEYS.job_node("a", "n2"), status("n9", "running"))  # about another node
+    coord.put(KEYS.job_keys("a").node("n2") + b"/x", status("n2", "running"))
+    coord.put(KEYS.job_keys("a").node("n2"), status("n9", "running"))  # about another node
     recs.refresh()
     assert recs.statuses.get("a", {}) == {} and recs.members.get("a", set()) == set()
 
@@ -77,8 +77,8 @@ def test_a_status_under_a_key_that_names_no_valid_node_is_no_record(env):
 def test_a_round_record_is_noted_on_arrival(env):
     coord, recs, seen = env
     recs.start_watch()
-    coord.put(KEYS.job_rdzv_round("a"), b"{}")
-    coord.put(KEYS.job_rdzv("a") + b"native/nodes/x", b"{}")
+    coord.put(KEYS.rendezvous("a").round, b"{}")
+    coord.put(KEYS.rendezvous("a").prefix + b"native/nodes/x", b"{}")
     assert seen["rounds"] == ["a"]
 
 
@@ -86,29 +86,29 @@ def test_the_last_rounds_agent_pids_are_read_from_etcd(env):
     coord, recs, _ = env
     assert recs.round_pids("a") is None  # no round
     members = (node_id("10.0.0.1", 111, 1), node_id("10.0.0.2", 222, 1))
-    coord.put(KEYS.job_rdzv_round("a"), RoundRecord(3, members).encode())
+    coord.put(KEYS.rendezvous("a").round, RoundRecord(3, members).encode())
     assert recs.round_pids("a") == [111, 222]
-    coord.put(KEYS.job_rdzv_round("a"), b"{not json")
+    coord.put(KEYS.rendezvous("a").round, b"{not json")
     assert recs.round_pids("a") is None
 
 
 def test_a_failed_job_is_written_into_its_control(env):
     coord, recs, _ = env
     recs.fail("a", JobControl(JobState.FAILED, 2.0, "n1", "crash loop"))
-    control = JobControl.decode(coord.get(KEYS.job_control("a")).value)
+    control = JobControl.decode(coord.get(KEYS.job_keys("a").control).value)
     assert (control.desired, control.by, control.reason) == ("failed", "n1", "crash loop")
 
 
 def test_after_a_data_loss_the_specs_and_controls_are_written_back_and_listed_again(env):
     coord, recs, seen = env
-    coord.put(KEYS.job_spec("a"), spec("a").encode())
-    coord.put(KEYS.job_spec("b"), spec("b").encode())
-    coord.put(KEYS.job_control("b"), JobControl(JobState.STOPPED, 1.0, "op").encode())
+    coord.put(KEYS.job_keys("a").spec, spec("a").encode())
+    coord.put(KEYS.job_keys("b").spec, spec("b").encode())
+    coord.put(KEYS.job_keys("b").control, JobControl(JobState.STOPPED, 1.0, "op").encode())
     recs.start_watch()
-    for key in (KEYS.job_spec("a"), KEYS.job_spec("b"), KEYS.job_control("b")):
+    for key in (KEYS.job_keys("a").spec, KEYS.job_keys("b").spec, KEYS.job_keys("b").control):
         coord.delete(key)
-    coord.put(KEYS.job_spec("a"), spec("a").encode())  # another node wrote it back first
+    coord.put(KEYS.job_keys("a").spec, spec("a").encode())  # another node wrote it back first
     assert recs.republish() == 1  # b's only: create-if-absent
-    assert JobControl.decode(coord.get(KEYS.job_control("b")).value).desired == "stopped"
+    assert JobControl.decode(coord.get(KEYS.job_keys("b").control).value).desired == "stopped"
     recs.refresh()
     assert seen["resync"] == 2 and set(recs.specs) == {"a", "b"}

@@ -20,7 +20,7 @@ def board(lease=None):
 
 
 def published(coord, job="job"):
-    kv = coord.get(KEYS.job_node(job, "n1"))
+    kv = coord.get(KEYS.job_keys(job).node("n1"))
     return None if kv is None else NodeJobStatus.decode(kv.value)
 
 
@@ -64,7 +64,7 @@ def test_a_lost_entry_is_written_again_and_a_withdrawn_one_deleted():
     coord, b = board()
     b.set(JobState.REFUSED, "no", about="job")
     b.publish()
-    coord.delete(KEYS.job_node("job", "n1"))  # etcd lost its data
+    coord.delete(KEYS.job_keys("job").node("n1"))  # etcd lost its data
     b.publish()
     assert published(coord) is None  # unchanged: not written again...
     b.lost()

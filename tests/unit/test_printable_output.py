@@ -64,9 +64,9 @@ def coord(tmp_path):
     script.write_text("pass\n")
     spec = JobSpec(name="j", nnodes_min=1, nnodes_max=1, nproc_per_node=1, script=str(script),
                    args=[], script_sha256="0" * 64, user="nobody", cwd=str(tmp_path))
-    c.put(KEYS.job_spec("j"), spec.encode())
-    c.put(KEYS.job_control("j"), JobControl(JobState.RUNNING, 1.0, "t").encode())
-    c.put(KEYS.job_node("j", "n1"), json.dumps({
+    c.put(KEYS.job_keys("j").spec, spec.encode())
+    c.put(KEYS.job_keys("j").control, JobControl(JobState.RUNNING, 1.0, "t").encode())
+    c.put(KEYS.job_keys("j").node("n1"), json.dumps({
         "agent_pid": 0, "agent_starts": 0, "at": 0.0, "detail": HOSTILE, "last_step": -1,
         "log": "/var/log/" + HOSTILE, "node": "n1", "ranks": [0], "record": "node_job_status",
         "schema": 1, "state": "running", "unprotected": "UNPROTECTED: " + HOSTILE,

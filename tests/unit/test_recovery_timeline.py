@@ -316,7 +316,7 @@ def manager(tmp_path):
     spec = JobSpec(name="job", nnodes_min=2, nnodes_max=3, nproc_per_node=1,
                    script=sys.executable, args=[], script_sha256="0" * 64, user="root",
                    cwd=str(tmp_path))
-    coord.put(keys.job_spec("job"), spec.encode())
+    coord.put(keys.job_keys("job").spec, spec.encode())
     mgr = JobManager("n3", coord, keys, etcd="127.0.0.1:1", state_dir=str(tmp_path),
                      metrics=Metrics(), lease=lambda: lease, clock=FakeClock())
     mgr.start_watch()
@@ -328,15 +328,15 @@ def test_the_writer_is_the_lowest_surviving_node_that_ran_workers(manager):
     coord, keys, mgr, lease = manager
     # n0: a spare; n1: its workers just restarted (ranks emptied, its steps stay)
     for node, ranks, step in (("n1", [], 40), ("n2", [1], 40), ("n0", [], -1)):
-        coord.put(keys.job_node("job", node),
+        coord.put(keys.job_keys("job").node(node),
                   NodeJobStatus(node, "running", ranks=ranks, last_step=step).encode(), lease)
     mgr.records.refresh()
     mgr.group.job = "job"
     mgr.board.set("running", "", ranks=[2])
     assert mgr.recovery_writer("n2") == "n1"
     assert mgr.recovery_writer("n1") == "n2"
-    coord.delete(keys.job_node("job", "n1"))
-    coord.delete(keys.job_node("job", "n2"))
+    coord.delete(keys.job_keys("job").node("n1"))
+    coord.delete(keys.job_keys("job").node("n2"))
     mgr.records.refresh()
     mgr.board.set("running", "")
     assert mgr.recovery_writer("n2") == "n0"  # no node ran workers: a spare writes
@@ -348,9 +348,9 @@ def test_a_round_record_is_noted_as_it_arrives_and_not_queued(manager):
     coord, keys, mgr, lease = manager
     seen = []
     mgr.on_round_closed = seen.append
-    coord.put(keys.job_rdzv_round("job"), b"{}")
-    coord.put(keys.job_rdzv("job") + b"native/nodes/a", b"{}")  # a join: not a close
-    coord.put(keys.job_rdzv("job") + b"store/x", b"{}")
+    coord.put(keys.rendezvous("job").round, b"{}")
+    coord.put(keys.rendezvous("job").prefix + b"native/nodes/a", b"{}")  # a join: not a close
+    coord.put(keys.rendezvous("job").prefix + b"store/x", b"{}")
     assert seen == ["job"]
     assert mgr.records._feed.empty()
 

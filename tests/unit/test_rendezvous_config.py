@@ -25,10 +25,12 @@ def test_defaults():
     assert cfg.etcd.endpoints == (("10.0.0.1", 2379), ("10.0.0.2", 2379))
     assert cfg.etcd.timeout == 2.0 and not cfg.etcd.secure and cfg.etcd.user is None
     assert (cfg.key_prefix, cfg.grace_period) == ("/elasticd", 30.0)
-    assert cfg.store_timeout == datetime.timedelta(seconds=60)
-    assert (cfg.liveness_ttl, cfg.liveness_confirm) == (3, 1.0)
-    assert (cfg.join_timeout, cfg.last_call, cfg.close_on_failure) == (600.0, 30.0, True)
-    assert (cfg.grow, cfg.ignored) == ("immediate", ())
+    h = cfg.handler
+    assert (h.run_id, h.min_nodes, h.max_nodes, h.backend) == ("job", 1, 2, "etcd-v3")
+    assert h.store_timeout == datetime.timedelta(seconds=60)
+    assert (h.liveness_ttl, h.liveness_confirm) == (3, 1.0)
+    assert (h.join_timeout, h.last_call, h.close_on_failure) == (600.0, 30.0, True)
+    assert (h.grow, cfg.ignored) == ("immediate", ())
 
 
 def test_settings_from_rdzv_conf(tmp_path, monkeypatch):
@@ -45,10 +47,11 @@ def test_settings_from_rdzv_conf(tmp_path, monkeypatch):
     assert (cfg.key_prefix, cfg.grace_period) == ("/prod", 10.0)
     assert cfg.etcd.timeout == 0.5 and cfg.etcd.secure
     assert (cfg.etcd.user, cfg.etcd.password) == ("trainer", "s3cret")
-    assert cfg.store_timeout == datetime.timedelta(seconds=30)
-    assert (cfg.liveness_ttl, cfg.liveness_confirm) == (5, 0.0)
-    assert (cfg.join_timeout, cfg.last_call, cfg.close_on_failure) == (60.0, 0.0, False)
-    assert cfg.grow == "at-failure"
+    h = cfg.handler
+    assert h.store_timeout == datetime.timedelta(seconds=30)
+    assert (h.liveness_ttl, h.liveness_confirm) == (5, 0.0)
+    assert (h.join_timeout, h.last_call, h.close_on_failure) == (60.0, 0.0, False)
+    assert h.grow == "at-failure"
 
 
 def test_password_from_the_environment(monkeypatch):
@@ -128,17 +131,26 @@ def test_the_creator_hands_every_handler_to_the_hooks_and_the_daemons_hook_needs
     from elasticd.agent import torchrun
     from elasticd.rendezvous import plugin as rendezvous
 
-    watches = []
+    watches, commit_watches = [], []
 
     class RecordingWatch:
         def __init__(self, coordinator, node_key, **kwargs):
-            self.node_key = node_key
+            self.coordinator, self.node_key, self.settled = coordinator, node_key, []
             watches.append(self)
 
         def start(self):
             self.started = True
 
+        def settle(self, seconds):
+            self.settled.append(seconds)
+
+    class RecordingCommits(RecordingWatch):
+        def __init__(self, coordinator, keys, job):
+            self.coordinator, self.job = coordinator, job
+            commit_watches.append(self)
+
     monkeypatch.setattr(torchrun, "DaemonWatch", RecordingWatch)
+    monkeypatch.setattr(torchrun, "CommitWatch", RecordingCommits)
     monkeypatch.setattr(rendezvous, "on_handler_created", [torchrun.attach])
     for var in ("ELASTICD_NODE", "ELASTICD_SOCKET", "ELASTICD_TAG"):
         monkeypatch.delenv(var, raising=False)
@@ -154,6 +166,18 @@ def test_the_creator_hands_every_handler_to_the_hooks_and_the_daemons_hook_needs
     assert handler.on_round_broken.keywords == {"sock": "/nonexistent/elasticd.sock"}
     [watch] = watches
     assert watch.started and watch.node_key == b"/p/nodes/n1"
+    assert watch.coordinator is handler.coordinator
+    handler.join_gate()  # settles for up to a lease TTL and a second
+    assert watch.settled == [handler.settings.liveness_ttl + 1.0] == [4.0]
+    assert handler.commit_gate is None and commit_watches == []  # grow=immediate: no gate
+    handler.stop()
+    # grow=interval:MIN: the handler asks the job's commit gate before a newcomer enters
+    # (attach once read a private the handler no longer had, and never gave it one).
+    handler = rendezvous_handler_registry.create_handler(params(grow="interval:10"))
+    [commits] = commit_watches
+    # Lazy: the gate watches etcd only once the handler asks it (a newcomer waiting).
+    assert handler.commit_gate is commits and not getattr(commits, "started", False)
+    assert (commits.coordinator, commits.job) == (handler.coordinator, "job")
     handler.stop()
 
 
@@ -164,7 +188,7 @@ def test_the_daemons_grow_setting_reaches_its_agents_rendezvous():
     for grow in ("immediate", "at-failure", "interval:30"):
         settings = load({"rdzv_grow": grow}, None, {})
         conf = rdzv_conf(settings)
-        assert RendezvousConfig.from_params(params(**conf)).grow == grow
+        assert RendezvousConfig.from_params(params(**conf)).handler.grow == grow
 
 
 def test_the_handler_is_given_every_setting_torchrun_passed():
@@ -175,11 +199,11 @@ def test_the_handler_is_given_every_setting_torchrun_passed():
                                                   4, **conf),
                              "etcd-v3-native", coordinator=MemoryCoordinator())
     handler.stop()
-    assert handler._settings == HandlerSettings(
+    assert handler.settings == HandlerSettings(
         "job", 2, 4, "etcd-v3-native", liveness_ttl=5, liveness_confirm=0.5, join_timeout=60.0,
         last_call=2.0, store_timeout=datetime.timedelta(seconds=30), grow="interval:10",
         close_on_failure=False)
-    assert handler._settings.grow_interval == 600.0
+    assert handler.settings.grow_interval == 600.0
     assert (handler.get_backend(), handler.get_run_id()) == ("etcd-v3-native", "job")
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from elasticd.coordination.api import Compacted, KeyValue, Unavailable
 from elasticd.rendezvous.config import HandlerSettings
-from elasticd.rendezvous.control import Control, ControlWatch
+from elasticd.rendezvous.control import AgentContext, Control, ControlWatch
 from elasticd.rendezvous.grace import OutageGrace
 from elasticd.rendezvous.handler import EtcdNativeRendezvousHandler
 from elasticd.rendezvous.records import RoundRecord, Waiting
@@ -19,8 +19,8 @@ def test_a_control_watch_error_asks_for_a_listing_and_only_a_broken_watch_is_dis
     coord = MemoryCoordinator()
     control = Control(b"/r/native/", FakeClock())
     distrusted, woken = [], []
-    watch = ControlWatch(coord, control, OutageGrace(), "a", distrusted.append,
-                         lambda: woken.append(1))
+    watch = ControlWatch(AgentContext(coord, control, OutageGrace(), FakeClock(), "a",
+                                      distrusted.append, lambda: woken.append(1)))
     watch.relist()
     coord.put(control.round_key, RoundRecord(0, ("a",)).encode())
     assert control.round == RoundRecord(0, ("a",)) and watch.events == 1

@@ -9,19 +9,21 @@ import logging
 
 from elasticd.coordination.api import Compacted, EventType, KeyValue, Unavailable, WatchEvent
 from elasticd.rendezvous.grace import OutageGrace
-from elasticd.rendezvous.control import Control
+from elasticd.rendezvous.control import AgentContext, Control
 from elasticd.rendezvous.node_watch import NodeWatch
 from elasticd.rendezvous.records import NodeRecord
 from elasticd.testing.clock import FakeClock
 from elasticd.testing.coordination import MemoryCoordinator
 
-PREFIX = b"/r/native/nodes/"
+NATIVE = b"/r/native/"
+PREFIX = NATIVE + b"nodes/"
 
 
 def make(coord):
     distrusted, woken = [], []
-    watch = NodeWatch(coord, PREFIX, OutageGrace(), FakeClock(), distrusted.append,
-                      lambda: woken.append(1))
+    clock = FakeClock()
+    watch = NodeWatch(AgentContext(coord, Control(NATIVE, clock), OutageGrace(), clock, "a",
+                                   distrusted.append, lambda: woken.append(1)))
     return watch, distrusted, woken
 
 

@@ -101,13 +101,13 @@ def test_fences_are_listed_with_the_epoch_and_hostile_names_ignored():
     coord = MemoryCoordinator()
     assert read_fences(coord, KEYS, "j") == (0, {})
     assert read_fence(coord, KEYS, "j", "a") == (0, ())
-    coord.put(KEYS.job_fence("j", "a"), encode_fence("a", [(0, 4)]))
-    coord.put(KEYS.job_fence_epoch("j"), b"{}")
-    coord.put(KEYS.job_fence("j", "../x"), b"junk")
+    coord.put(KEYS.replication("j").fence("a"), encode_fence("a", [(0, 4)]))
+    coord.put(KEYS.replication("j").fence_epoch, b"{}")
+    coord.put(KEYS.replication("j").fence("../x"), b"junk")
     epoch, fences = read_fences(coord, KEYS, "j")
-    assert epoch == coord.get(KEYS.job_fence_epoch("j")).mod_revision
-    assert fences == {"a": coord.get(KEYS.job_fence("j", "a")).mod_revision}
-    coord.put(KEYS.job_fence("j", "b"), b"junk")  # unreadable: lists nothing
+    assert epoch == coord.get(KEYS.replication("j").fence_epoch).mod_revision
+    assert fences == {"a": coord.get(KEYS.replication("j").fence("a")).mod_revision}
+    coord.put(KEYS.replication("j").fence("b"), b"junk")  # unreadable: lists nothing
     assert read_fence(coord, KEYS, "j", "b")[1] == ()
 
 
@@ -123,7 +123,7 @@ def test_record_commit_never_moves_backwards():
     assert read_committed(coord, KEYS, "j").version == (0, 5)
     assert record_commit(coord, KEYS, "j", committed(1, 1))[0] is True
     assert read_committed(coord, KEYS, "j").version == (1, 1)
-    coord.put(KEYS.job_committed("j"), b"garbage")
+    coord.put(KEYS.replication("j").committed, b"garbage")
     assert record_commit(coord, KEYS, "j", committed(1, 1))[0] is True
 
 
@@ -135,7 +135,7 @@ def race(coord, keys: Keyspace = KEYS, job: str = "j") -> None:
     """Eight writers record random versions at once; every write the watch sees is newer than
     the one before, and the last is the newest offered."""
     seen: list[tuple[int, int]] = []
-    key = keys.job_committed(job)
+    key = keys.replication(job).committed
     _, revision = coord.get_prefix(key)
     lock = threading.Lock()
 
@@ -183,7 +183,7 @@ def test_the_snapshot_grid_widens_once_per_divergence_and_relaxes_when_commits_k
     coord, keys = MemoryCoordinator(), Keyspace("/t")
 
     def stored():
-        kv = coord.get(keys.job_commit_grid("j"))
+        kv = coord.get(keys.replication("j").commit_grid)
         return decode_grid(kv.value) if kv else Grid()
 
     assert stored() == Grid(1, (0, 0))  # none stored: every step
@@ -204,7 +204,7 @@ def test_the_snapshot_grid_widens_once_per_divergence_and_relaxes_when_commits_k
                 b"junk"):
         with pytest.raises(records.CorruptRecord):
             decode_grid(bad)
-    coord.put(keys.job_commit_grid("j"), b"junk")
+    coord.put(keys.replication("j").commit_grid, b"junk")
     assert widen_grid(coord, keys, "j", (2, 1)) == Grid(2, (2, 1))
 
 

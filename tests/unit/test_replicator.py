@@ -76,12 +76,12 @@ def into_buffer(size: int = 1 << 20) -> bytearray:
 def test_placement_is_published_once_by_compare_and_set(make_cluster):
     cluster = make_cluster(3)
     cluster.set_membership(["n1", "n2", "n3"], THREE, round=1)
-    kv = cluster.coords[0].get(cluster.keys.job_placement(JOB))
+    kv = cluster.coords[0].get(cluster.keys.replication(JOB).placement)
     assert kv.version == 1, "exactly one node wrote the placement"
     placement = decode_placement(kv.value)
     assert placement.holders["n2"] == ("n2", "n3") and placement.round == 1
     cluster.set_membership(["n1", "n2"], {"n1": [0, 1], "n2": [2, 3]}, round=2)
-    kv = cluster.coords[0].get(cluster.keys.job_placement(JOB))
+    kv = cluster.coords[0].get(cluster.keys.replication(JOB).placement)
     assert kv.version == 2 and decode_placement(kv.value).nodes == ("n1", "n2")
 
 
@@ -317,7 +317,7 @@ def test_the_commit_record_never_goes_backwards_and_ignores_abandoned_generation
         cluster.wait_idle()
         assert committed(cluster).version == (0, step)
     revisions = []
-    cluster.coords[0].watch_prefix(cluster.keys.job_committed(JOB),
+    cluster.coords[0].watch_prefix(cluster.keys.replication(JOB).committed,
                                    lambda ev: revisions.extend(ev), 0)
     # A fallback: generation 1 restarts at step 1, below the committed step 2.
     for node in (n1, n2):
@@ -327,7 +327,7 @@ def test_the_commit_record_never_goes_backwards_and_ignores_abandoned_generation
     cluster.wait_idle()
     assert committed(cluster).version == (1, 1)
     values = [decode_committed(e.kv.value).version for e in revisions
-              if e.kv.key == cluster.keys.job_committed(JOB)]
+              if e.kv.key == cluster.keys.replication(JOB).committed]
     assert values == sorted(values), f"commit went backwards: {values}"
     assert n1.replicator.stats().sync_lag_steps == 0
 
@@ -647,8 +647,8 @@ def test_only_the_owners_fence_says_a_copy_can_never_be_committed(make_cluster):
     cluster.set_membership(["n1", "n2", "n3"], THREE, round=1)
     coord, tracker = cluster.coords[0], cluster["n3"].replicator.tracker
     for node, withdrawn in (("n1", ((0, 7),)), ("n2", ((0, 8),))):
-        coord.put(cluster.keys.job_fence(JOB, node), encode_fence(node, withdrawn))
-    coord.put(cluster.keys.job_fence(JOB, "n3"), encode_fence("n1", [(0, 9)]))  # lies
+        coord.put(cluster.keys.replication(JOB).fence(node), encode_fence(node, withdrawn))
+    coord.put(cluster.keys.replication(JOB).fence("n3"), encode_fence("n1", [(0, 9)]))  # lies
     assert tracker.never_committed(JOB, 0, [(0, 7), (0, 8)]) == {(0, 7)}  # rank 0: n1's
     assert tracker.never_committed(JOB, 2, [(0, 7), (0, 8)]) == {(0, 8)}  # rank 2: n2's
     assert tracker.never_committed(JOB, 4, [(0, 7), (0, 9)]) == set()  # n3's names n1
