@@ -45,6 +45,8 @@ RECOVERY_PHASES = ("detect", "abort", "rendezvous", "start", "restore", "first_s
 FETCH_FAILURE_REASONS = ("missing", "corrupt", "unreachable", "no_address", "lost", "other")
 #: Label values of elasticd_jobs_unprotected (checkpoint.protection.REASONS; a test compares).
 UNPROTECTED_REASONS = ("snapshots_failing", "no_placement", "commit_lag", "persist_stale")
+#: Label values of elasticd_persist_writer_busy_total (elasticd.store.service_snapshots).
+PERSIST_BUSY_OUTCOMES = ("waited", "skipped", "dropped")
 #: Label values of elasticd_replication_connections_rejected_total.
 REJECT_REASONS = ("auth", "version", "tls")
 #: Label values of elasticd_replica_pushes_received_total (the replica server's outcomes).
@@ -81,6 +83,9 @@ class CheckpointSink:
         self.m.persistence.persists.labels("ok" if ok else "failed").inc()
         if ok:
             self.m.persistence.persist_seconds.observe(seconds)
+
+    def persist_writer_busy(self, job: str, outcome: str) -> None:
+        self.m.persistence.persist_writer_busy.labels(outcome).inc()
 
     def update(self, stats: Any) -> None:
         """Gauges from ``CheckpointService.stats()`` (a ``CheckpointStats``), once per cycle."""
@@ -311,6 +316,15 @@ class PersistenceMetrics:
                                 "Flushes to the persistent tier, by outcome", ["outcome"])
         for outcome in ("ok", "failed"):
             self.persists.labels(outcome)
+        self.persist_writer_busy = counter(
+            "elasticd_persist_writer_busy_total",
+            "Steps due for the persistent tier that found its writer still flushing an earlier "
+            "one (its disk is slower than the flush cadence), by what became of them (waited: "
+            "held for the writer, written once it is free unless a newer step replaces it; "
+            "skipped: not written; dropped: held, but its copies were gone once the writer was "
+            "free)", ["outcome"])
+        for outcome in PERSIST_BUSY_OUTCOMES:
+            self.persist_writer_busy.labels(outcome)
 
 
 class ReplicationMetrics:
