@@ -45,6 +45,8 @@ RECOVERY_PHASES = ("detect", "abort", "rendezvous", "start", "restore", "first_s
 FETCH_FAILURE_REASONS = ("missing", "corrupt", "unreachable", "no_address", "lost", "other")
 #: Label values of elasticd_jobs_unprotected (checkpoint.protection.REASONS; a test compares).
 UNPROTECTED_REASONS = ("snapshots_failing", "no_placement", "commit_lag", "persist_stale")
+#: Label values of elasticd_persist_writer_busy_total (elasticd.store.service_snapshots).
+PERSIST_BUSY_OUTCOMES = ("waited", "skipped", "dropped")
 #: Label values of elasticd_replication_connections_rejected_total.
 REJECT_REASONS = ("auth", "version", "tls")
 #: Label values of elasticd_replica_pushes_received_total (the replica server's outcomes).
@@ -59,51 +61,54 @@ class CheckpointSink:
 
     def snapshot_completed(self, job: str, rank: int, step: int, nbytes: int,
                            stall_seconds: float) -> None:
-        self.m.snapshots.inc()
-        self.m.snapshot_stall_seconds.observe(stall_seconds)
+        self.m.checkpoints.snapshots.inc()
+        self.m.checkpoints.snapshot_stall_seconds.observe(stall_seconds)
 
     def snapshot_skipped(self, job: str, reason: str) -> None:
-        self.m.snapshots_skipped.labels(reason).inc()
+        self.m.checkpoints.snapshots_skipped.labels(reason).inc()
 
     def snapshot_refused(self, job: str, source: str) -> None:
-        self.m.snapshots_refused.labels(source).inc()
+        self.m.restore.snapshots_refused.labels(source).inc()
 
     def scratch_refused(self, job: str) -> None:
-        self.m.scratch_refused.inc()
+        self.m.restore.scratch_refused.inc()
 
     def restored(self, job: str, source: str, seconds: float, steps_lost: int,
                  nbytes: int) -> None:
-        self.m.restores.labels(source).inc()
-        self.m.restore_seconds.labels(source).observe(seconds)
-        self.m.restore_steps_lost.set(steps_lost)
+        self.m.restore.restores.labels(source).inc()
+        self.m.restore.restore_seconds.labels(source).observe(seconds)
+        self.m.restore.restore_steps_lost.set(steps_lost)
 
     def persisted(self, job: str, step: int, seconds: float, nbytes: int, ok: bool) -> None:
-        self.m.persists.labels("ok" if ok else "failed").inc()
+        self.m.persistence.persists.labels("ok" if ok else "failed").inc()
         if ok:
-            self.m.persist_seconds.observe(seconds)
+            self.m.persistence.persist_seconds.observe(seconds)
+
+    def persist_writer_busy(self, job: str, outcome: str) -> None:
+        self.m.persistence.persist_writer_busy.labels(outcome).inc()
 
     def update(self, stats: Any) -> None:
         """Gauges from ``CheckpointService.stats()`` (a ``CheckpointStats``), once per cycle."""
-        self.m.snapshot_bytes.set(stats.snapshot_bytes)
-        self.m.snapshot_step.set(stats.snapshot_step)
-        self.m.local_slot_bytes.set(stats.local_slot_bytes)
-        self.m.scratch_bytes.set(stats.scratch_bytes)
+        self.m.checkpoints.snapshot_bytes.set(stats.snapshot_bytes)
+        self.m.checkpoints.snapshot_step.set(stats.snapshot_step)
+        self.m.checkpoints.local_slot_bytes.set(stats.local_slot_bytes)
+        self.m.restore.scratch_bytes.set(stats.scratch_bytes)
         for reason, count in stats.unprotected_jobs.items():
-            self.m.jobs_unprotected.labels(reason).set(count)
-        self.m.persisted_step.set(stats.persisted_step)
+            self.m.checkpoints.jobs_unprotected.labels(reason).set(count)
+        self.m.persistence.persisted_step.set(stats.persisted_step)
 
 
-class Metrics:
-    """The daemon's metrics, registered in their own registry."""
+def _kinds(r: CollectorRegistry) -> tuple[Callable[..., Counter], Callable[..., Gauge],
+                                          Callable[..., Histogram]]:
+    """Counter, Gauge and Histogram constructors that register in ``r``."""
+    return partial(Counter, registry=r), partial(Gauge, registry=r), partial(Histogram, registry=r)
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = r = registry or CollectorRegistry()
-        counter, gauge = partial(Counter, registry=r), partial(Gauge, registry=r)
-        histogram = partial(Histogram, registry=r)
-        self.build_info = Info("elasticd_build", "elasticd version", registry=r)
-        self.build_info.info({"version": elasticd.__version__})
-        self.nodes_alive = gauge(
-            "elasticd_nodes_alive", "Nodes with a live record in etcd, as this node sees them")
+
+class EtcdMetrics:
+    """etcd's health as this node sees it, and this node's lease (lost, fenced)."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        counter, gauge, _ = _kinds(r)
         self.etcd_up = gauge("elasticd_etcd_up", "1 when the last etcd request succeeded, else 0")
         self.etcd_outages = counter(
             "elasticd_etcd_outages_total", "Periods during which etcd was unreachable")
@@ -115,6 +120,17 @@ class Metrics:
             "Lease keep-alive attempts that failed (etcd unreachable or lease lost)")
         self.leases_lost = counter(
             "elasticd_leases_lost_total", "Times this node found its lease gone")
+        self.fenced = counter(
+            "elasticd_fenced_total", "Times this node found itself declared dead and fenced itself")
+
+
+class MembershipMetrics:
+    """The cluster's members as this node sees them: alive, failed, departed, provisional."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        counter, gauge, histogram = _kinds(r)
+        self.nodes_alive = gauge(
+            "elasticd_nodes_alive", "Nodes with a live record in etcd, as this node sees them")
         self.node_failures = counter(
             "elasticd_node_failures_detected_total",
             "Peer lease expiries this node saw and confirmed as failures")
@@ -130,13 +146,25 @@ class Metrics:
             "From a failed peer's last sign of life this node can date (its record's last "
             "write, or one lease TTL before its expiry if later) to this node's detection of "
             "its expiry", buckets=DETECTION_BUCKETS)
-        self.fenced = counter(
-            "elasticd_fenced_total", "Times this node found itself declared dead and fenced itself")
-        self.worker_restarts = counter(
-            "elasticd_worker_restarts_total",
-            "Worker group restarts this daemon caused or saw, by reason", ["reason"])
-        for reason in ("peer_failed", "hang", "agent_died"):
-            self.worker_restarts.labels(reason)
+
+
+class LoopMetrics:
+    """The daemon's main loop: is it still turning."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        counter, gauge, _ = _kinds(r)
+        self.loop_cycles = counter("elasticd_loop_cycles_total", "Main loop cycles completed")
+        self.loop_last_cycle = gauge(
+            "elasticd_loop_last_cycle_timestamp_seconds",
+            "Wall time of the last completed main loop cycle")
+
+
+class RendezvousMetrics:
+    """The job's worker groups as rendezvous forms them: size, generation, time to form, and
+    the path an in-process job's recovery took."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        counter, gauge, histogram = _kinds(r)
         self.recoveries = counter(
             "elasticd_inprocess_recoveries_total",
             "Recoveries of an in-process job after a peer's failure on this node, by the path "
@@ -154,23 +182,18 @@ class Metrics:
             "From a worker group (re)start to its first progress report (rendezvous, process "
             "group set-up and the first step)", buckets=(0.5, 1, 2, 3, 4, 5, 7.5, 10, 15, 20,
                                                          30, 60, 120, 300))
-        # -- recovery timelines (written by one node per failure: daemon/recovery_timeline.py)
-        self.recovery_phase_seconds = histogram(
-            "elasticd_recovery_phase_seconds",
-            "Seconds of each phase of a recovery from a node's failure to the first step "
-            "(detect, abort, rendezvous, start, restore, first_step); observed once per "
-            "recovery, by the node that writes its timeline", ["phase"],
-            buckets=RECOVERY_PHASE_BUCKETS)
-        self.last_recovery_phase_seconds = gauge(
-            "elasticd_last_recovery_phase_seconds",
-            "Each phase of the last recovery whose timeline this node wrote (NaN: not seen)",
-            ["phase"])
-        self.last_recovery_timestamp = gauge(
-            "elasticd_last_recovery_timestamp_seconds",
-            "When the last recovery whose timeline this node wrote trained again (0: none)")
-        for phase in RECOVERY_PHASES:
-            self.recovery_phase_seconds.labels(phase)
-            self.last_recovery_phase_seconds.labels(phase).set(float("nan"))
+
+
+class JobMetrics:
+    """The job's workers on this node: running, restarted, crash-looping, hung, straggling."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        counter, gauge, _ = _kinds(r)
+        self.worker_restarts = counter(
+            "elasticd_worker_restarts_total",
+            "Worker group restarts this daemon caused or saw, by reason", ["reason"])
+        for reason in ("peer_failed", "hang", "agent_died"):
+            self.worker_restarts.labels(reason)
         self.crash_loops = counter(
             "elasticd_crash_loops_total",
             "Jobs this node stopped as failed: worker groups restarted crash_loop_restarts "
@@ -194,7 +217,37 @@ class Metrics:
             "stayed above the job's --straggler-factor times the other nodes' median "
             "(elasticd.agent.straggler)")
         self.job_running = gauge("elasticd_job_running", "1 while this node runs a job's agent")
-        # -- checkpoints (fed by elasticd.store.service through CheckpointSink) ---------
+
+
+class RecoveryMetrics:
+    """Recovery timelines (written by one node per failure: daemon/recovery_timeline.py)."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        _, gauge, histogram = _kinds(r)
+        self.recovery_phase_seconds = histogram(
+            "elasticd_recovery_phase_seconds",
+            "Seconds of each phase of a recovery from a node's failure to the first step "
+            "(detect, abort, rendezvous, start, restore, first_step); observed once per "
+            "recovery, by the node that writes its timeline", ["phase"],
+            buckets=RECOVERY_PHASE_BUCKETS)
+        self.last_recovery_phase_seconds = gauge(
+            "elasticd_last_recovery_phase_seconds",
+            "Each phase of the last recovery whose timeline this node wrote (NaN: not seen)",
+            ["phase"])
+        self.last_recovery_timestamp = gauge(
+            "elasticd_last_recovery_timestamp_seconds",
+            "When the last recovery whose timeline this node wrote trained again (0: none)")
+        for phase in RECOVERY_PHASES:
+            self.recovery_phase_seconds.labels(phase)
+            self.last_recovery_phase_seconds.labels(phase).set(float("nan"))
+
+
+class CheckpointMetrics:
+    """Snapshots in this node's RAM and whether its jobs are protected (fed by
+    elasticd.store.service through CheckpointSink)."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        counter, gauge, histogram = _kinds(r)
         self.snapshot_stall_seconds = histogram(
             "elasticd_snapshot_stall_seconds",
             "Time the training loop waited for one snapshot (save and optimizer hook)",
@@ -216,12 +269,19 @@ class Metrics:
             "(snapshots_failing, no_placement, commit_lag, persist_stale)", ["reason"])
         for reason in UNPROTECTED_REASONS:
             self.jobs_unprotected.labels(reason)
-        self.snapshots_refused = counter(
-            "elasticd_snapshots_refused_total",
-            "Corrupt or truncated snapshots refused at restore, by source", ["source"])
         self.local_slot_bytes = gauge(
             "elasticd_local_slot_bytes",
             "Bytes of shared-memory slot files holding this node's own ranks' snapshots")
+
+
+class RestoreMetrics:
+    """Workers' restores: by source, how long, steps lost, copies refused, scratch."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        counter, gauge, histogram = _kinds(r)
+        self.snapshots_refused = counter(
+            "elasticd_snapshots_refused_total",
+            "Corrupt or truncated snapshots refused at restore, by source", ["source"])
         self.scratch_bytes = gauge(
             "elasticd_scratch_bytes",
             "Bytes of restore scratch (partial copies of old ranks' shards after a change of "
@@ -230,15 +290,6 @@ class Metrics:
             "elasticd_scratch_refused_total",
             "Partial copies for a restore refused because they would take a job's scratch "
             "over its cap (scratch_cap_mib): that rank's restore failed")
-        self.persisted_step = gauge(
-            "elasticd_persisted_step", "Newest step complete on the persistent tier")
-        self.persist_seconds = histogram(
-            "elasticd_persist_seconds", "Time to flush this node's ranks of one step",
-            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
-        self.persists = counter("elasticd_persists_total",
-                                "Flushes to the persistent tier, by outcome", ["outcome"])
-        for outcome in ("ok", "failed"):
-            self.persists.labels(outcome)
         self.restores = counter("elasticd_restores_total", "Worker restores, by source", ["source"])
         self.restore_seconds = histogram(
             "elasticd_restore_seconds", "Time one worker took to restore, by source", ["source"],
@@ -249,7 +300,39 @@ class Metrics:
             self.restore_seconds.labels(source)
         self.restore_steps_lost = gauge(
             "elasticd_restore_steps_lost", "Steps lost at the last restore")
-        # -- replication (pushes timed by ReplicationSink; totals read by the collector) --------
+
+
+class PersistenceMetrics:
+    """Flushes of this node's ranks to the persistent tier."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        counter, gauge, histogram = _kinds(r)
+        self.persisted_step = gauge(
+            "elasticd_persisted_step", "Newest step complete on the persistent tier")
+        self.persist_seconds = histogram(
+            "elasticd_persist_seconds", "Time to flush this node's ranks of one step",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+        self.persists = counter("elasticd_persists_total",
+                                "Flushes to the persistent tier, by outcome", ["outcome"])
+        for outcome in ("ok", "failed"):
+            self.persists.labels(outcome)
+        self.persist_writer_busy = counter(
+            "elasticd_persist_writer_busy_total",
+            "Steps due for the persistent tier that found its writer still flushing an earlier "
+            "one (its disk is slower than the flush cadence), by what became of them (waited: "
+            "held for the writer, written once it is free unless a newer step replaces it; "
+            "skipped: not written; dropped: held, but its copies were gone once the writer was "
+            "free)", ["outcome"])
+        for outcome in PERSIST_BUSY_OUTCOMES:
+            self.persist_writer_busy.labels(outcome)
+
+
+class ReplicationMetrics:
+    """Replication: pushes timed by ReplicationSink, connections the replica server rejected,
+    and the replicator's and server's totals, read at scrape time by :attr:`collector`."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        counter, _, histogram = _kinds(r)
         self.replication_seconds = histogram(
             "elasticd_replication_seconds",
             "Time one push of a rank's snapshot to a peer took (sent, verified and stored)",
@@ -261,12 +344,27 @@ class Metrics:
             "wire protocol version; tls)", ["reason"])
         for reason in REJECT_REASONS:
             self.replication_rejected.labels(reason)
-        self.replication = ReplicationCollector()
-        r.register(self.replication)
-        self.loop_cycles = counter("elasticd_loop_cycles_total", "Main loop cycles completed")
-        self.loop_last_cycle = gauge(
-            "elasticd_loop_last_cycle_timestamp_seconds",
-            "Wall time of the last completed main loop cycle")
+        self.collector = ReplicationCollector()
+        r.register(self.collector)
+
+
+class Metrics:
+    """The daemon's metrics, registered in their own registry, grouped by what they measure."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry or CollectorRegistry()
+        self.build_info = Info("elasticd_build", "elasticd version", registry=r)
+        self.build_info.info({"version": elasticd.__version__})
+        self.etcd = EtcdMetrics(r)
+        self.membership = MembershipMetrics(r)
+        self.loop = LoopMetrics(r)
+        self.rendezvous = RendezvousMetrics(r)
+        self.jobs = JobMetrics(r)
+        self.recovery = RecoveryMetrics(r)
+        self.checkpoints = CheckpointMetrics(r)
+        self.restore = RestoreMetrics(r)
+        self.persistence = PersistenceMetrics(r)
+        self.replication = ReplicationMetrics(r)
 
 
 class ReplicationSink:
@@ -277,14 +375,14 @@ class ReplicationSink:
         self.m = metrics
 
     def pushed(self, seconds: float, nbytes: int) -> None:
-        self.m.replication_seconds.observe(seconds)
+        self.m.replication.replication_seconds.observe(seconds)
 
     def rejected(self, peer: str, reason: str) -> None:
         """``reason`` is the server's text, ``"ExceptionName: message"``."""
         kind = reason.split(":", 1)[0]
         label = ("version" if kind == "UnsupportedVersion"
                  else "tls" if kind.startswith("SSL") else "auth")
-        self.m.replication_rejected.labels(label).inc()
+        self.m.replication.replication_rejected.labels(label).inc()
 
 
 class ReplicationFigures(Protocol):

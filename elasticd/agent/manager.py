@@ -311,7 +311,7 @@ class JobManager:
         if code != 0 and not done:
             committed = self.committed(job)
             self.book.agent_died(job, committed)
-            self.metrics.worker_restarts.labels("agent_died").inc()
+            self.metrics.jobs.worker_restarts.labels("agent_died").inc()
             group.restarts.restarted(sup.log_size(), sup.log_tail, committed,
                                      f"agent exited with {code}")
             if self._crash_looping():
@@ -349,7 +349,7 @@ class JobManager:
         if reason is None:
             return False
         log.error("job %s: %s; stopping it on every node", job, reason)
-        self.metrics.crash_loops.inc()
+        self.metrics.jobs.crash_loops.inc()
         self.notes.append(f"job {job} failed: {reason}")
         try:
             self.records.fail(job, JobControl(JobState.FAILED, self.clock.wall(),
@@ -450,7 +450,7 @@ class JobManager:
             self.reform.started(node)
             return 0
         # Counted either way: a group that went on without the peer was restarted by its agent.
-        self.metrics.worker_restarts.labels("peer_failed").inc()
+        self.metrics.jobs.worker_restarts.labels("peer_failed").inc()
         if decision is PeerFailure.LEFT_RUNNING:
             note = (f"peer {node} of {job} failed; its last rendezvous round already "
                     "went on without it: workers left running")

@@ -58,9 +58,9 @@ class ReformWatch:
             return
         with self._lock:
             self._book.reform_ended()
-        self._metrics.recoveries.labels(path).inc()
+        self._metrics.rendezvous.recoveries.labels(path).inc()
         if path == "restart":
-            self._metrics.worker_restarts.labels("peer_failed").inc()
+            self._metrics.jobs.worker_restarts.labels("peer_failed").inc()
         log.info("%s re-formed by %s%s", self._group.job, path.replace("_", "-"),
                  f": {str(msg.get('why'))[:200]}" if msg.get("why") else "")
 
@@ -71,7 +71,7 @@ class ReformWatch:
         if not overdue:
             return
         n = self._group.restart_workers("in-process re-formation overdue")
-        self._metrics.recoveries.labels("restart").inc()
-        self._metrics.worker_restarts.labels("peer_failed").inc()
+        self._metrics.rendezvous.recoveries.labels("restart").inc()
+        self._metrics.jobs.worker_restarts.labels("peer_failed").inc()
         self._note(f"restarted {n} workers of {self._group.job}: its agent did not re-form "
                    "them in-process by the deadline")

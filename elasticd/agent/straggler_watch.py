@@ -52,7 +52,7 @@ class StragglerWatch:
         me = self._board.node_id
         if job is None or spec is None:
             self._judge = None
-            self._metrics.straggler.set(1 if self._board.status.straggler else 0)
+            self._metrics.jobs.straggler.set(1 if self._board.status.straggler else 0)
             return
         if self._judge is None or self._judge[0] != job:
             self._judge = (job, StragglerJudge(spec.straggler_factor, spec.straggler_steps))
@@ -61,7 +61,7 @@ class StragglerWatch:
         step = self._board.status.last_step
         verdict = self._judge[1].observe(step if step >= 0 else None, compute,
                                          {n: st.compute_seconds for n, st in running.items()})
-        self._metrics.straggler.set(1 if verdict.named else 0)
+        self._metrics.jobs.straggler.set(1 if verdict.named else 0)
         before = self._board.edit(lambda st: {"straggler": verdict.text}
                                   if verdict.text != st.straggler else {})
         if not verdict.named or before.straggler:

@@ -115,7 +115,7 @@ class WorkerGroup:
                 self._report(msg)
             world, step = msg.get("world_size"), msg.get("step")
             if isinstance(world, int) and world > 0:
-                self._metrics.world_size.set(world)
+                self._metrics.rendezvous.world_size.set(world)
             restart = msg.get("restart")
             regrouped = False
             if isinstance(restart, int) and (self._group_restart is None
@@ -128,11 +128,11 @@ class WorkerGroup:
             if isinstance(step, int):
                 self.restarts.progress(step)
             if self._restarted_at is not None:
-                self._metrics.rendezvous_seconds.observe(
+                self._metrics.rendezvous.rendezvous_seconds.observe(
                     self._clock.monotonic() - self._restarted_at)
                 self._restarted_at = None
                 self._generations += 1
-                self._metrics.rendezvous_round.set(self._generations)
+                self._metrics.rendezvous.rendezvous_round.set(self._generations)
 
     def restart_workers(self, why: str) -> int:
         """Kills the workers (their agent starts a new group); returns how many."""
@@ -150,8 +150,8 @@ class WorkerGroup:
         self.tracker.restarted_for(hang)
         self.restarts.cause = f"hang: {hang}"
         n = self.restart_workers(f"hang: {hang}")
-        self._metrics.worker_restarts.labels("hang").inc()
-        self._metrics.hangs.inc()
+        self._metrics.jobs.worker_restarts.labels("hang").inc()
+        self._metrics.jobs.hangs.inc()
         return f"restarted {n} workers of {self.job}: hang ({hang})"
 
     def tick(self, spec: JobSpec | None, peers: dict[str, NodeJobStatus]) -> None:
@@ -162,8 +162,8 @@ class WorkerGroup:
         if self.job is not None and self.tracker is not None and self.supervisor is not None:
             seconds, source = self.tracker.timeout(self.job)
             compute = self.tracker.compute_seconds(self.job)
-        self._metrics.hang_timeout_seconds.set(seconds)
-        self._metrics.compute_seconds.set(float("nan") if compute is None else compute)
+        self._metrics.jobs.hang_timeout_seconds.set(seconds)
+        self._metrics.jobs.compute_seconds.set(float("nan") if compute is None else compute)
         shown = show_seconds(seconds)
         published = show_seconds(compute or 0.0)  # two digits: not a write per step
 

@@ -103,8 +103,8 @@ class Daemon:
                                wake=self.loop.wake)
         self.keeper = LeaseKeeper(coord, settings.lease_ttl, self.health,
                                   on_change=self.loop.wake, clock=self.clock,
-                                  on_failure=self.metrics.keepalive_failures.inc)
-        self.metrics.etcd_up.set(1)
+                                  on_failure=self.metrics.etcd.keepalive_failures.inc)
+        self.metrics.etcd.etcd_up.set(1)
         self.registration = Registration(
             settings.node_id, coord, keys, self.keeper, self.health, self.events,
             self.membership, self.clock, settings.lease_ttl,
@@ -283,12 +283,12 @@ class Daemon:
         self.loop.note(self.fence.check(self.clock.monotonic()))
 
     def _outage_started(self) -> None:
-        self.metrics.etcd_outages.inc()
-        self.metrics.etcd_up.set(0)
+        self.metrics.etcd.etcd_outages.inc()
+        self.metrics.etcd.etcd_up.set(0)
         self.loop.wake()
 
     def _outage_ended(self, seconds: float) -> None:
-        self.metrics.etcd_up.set(1)
+        self.metrics.etcd.etcd_up.set(1)
         self.peers.stale = True
         rewatch = getattr(self.coord, "rewatch", None)
         # etcd that only refused requests (its users changing) kept every watch stream: at
@@ -356,7 +356,7 @@ class Daemon:
                 self.jobs.step()
                 self.loop.notes += self.jobs.notes
                 self.loop.note(self.timeline.step())
-            self.metrics.job_running.set(1 if self.jobs.supervisor is not None else 0)
+            self.metrics.jobs.job_running.set(1 if self.jobs.supervisor is not None else 0)
             if self.checkpoints is not None:
                 CheckpointSink(self.metrics).update(self.checkpoints.stats())
             self.loop.note(self.replicas.follow_round())
@@ -399,10 +399,10 @@ class Daemon:
                 reg.put(self.registered_lease)
             except CoordinationError as exc:
                 self.health.failed(exc)
-        self.metrics.loop_cycles.inc()
-        self.metrics.loop_last_cycle.set(self.clock.wall())
-        self.metrics.nodes_alive.set(len(self.membership.nodes))
-        self.metrics.etcd_up.set(1 if self.health.up else 0)
+        self.metrics.loop.loop_cycles.inc()
+        self.metrics.loop.loop_last_cycle.set(self.clock.wall())
+        self.metrics.membership.nodes_alive.set(len(self.membership.nodes))
+        self.metrics.etcd.etcd_up.set(1 if self.health.up else 0)
 
     def _cut_off(self) -> bool:
         """Whether this node was cut off from etcd long enough for a peer's record to expire
@@ -425,7 +425,7 @@ class Daemon:
         for ob in observations:
             self.loop.notes.append(ob.describe())
             if ob.kind is ObservationKind.FAILED:
-                self.metrics.node_failures.inc()
+                self.metrics.membership.node_failures.inc()
                 job, writer = self.jobs.job, self.jobs.recovery_writer(ob.node)
                 in_group = self.jobs.ran_workers(ob.node)
                 aborted = self.jobs.on_peer_failed(ob.node)
@@ -435,17 +435,17 @@ class Daemon:
                                              in_group)
                     self.loop.note(self.channel.prepare_restore(job))
                 if ob.detection_seconds is not None:
-                    self.metrics.detection_seconds.observe(ob.detection_seconds)
+                    self.metrics.membership.detection_seconds.observe(ob.detection_seconds)
                 self.events.record(Event(
                     "failed", ob.node, ob.record.lease, self.clock.wall(), self.settings.node_id,
                     ob.describe(), {"detection_seconds": round(ob.detection_seconds or 0.0, 3),
                                     "heartbeat_at": ob.record.heartbeat_at}))
                 if ob.was_provisional:
-                    self.metrics.provisional_expiries.labels("confirmed").inc()
+                    self.metrics.membership.provisional_expiries.labels("confirmed").inc()
             elif ob.kind is ObservationKind.DEPARTED:
-                self.metrics.node_departures.inc()
+                self.metrics.membership.node_departures.inc()
             elif ob.kind is ObservationKind.REJOINED:
-                self.metrics.provisional_expiries.labels("rejoined").inc()
+                self.metrics.membership.provisional_expiries.labels("rejoined").inc()
             log.info("observed: %s", ob.describe())
 
     # -- waiting and status ---------------------------------------------------------------

@@ -50,7 +50,7 @@ class Fence:
 
     def lease_lost(self, lease: int, provisional_seconds: float) -> str:
         """The keep-alive found ``lease`` gone; returns the cycle's note."""
-        self._metrics.leases_lost.inc()
+        self._metrics.etcd.leases_lost.inc()
         self.book.lease_lost(lease, self._clock.monotonic(), provisional_seconds)
         return f"lost lease {lease:x}"
 
@@ -85,7 +85,7 @@ class Fence:
         if order is None:
             return None
         log.warning("fencing: %s; stopping workers", order.reason)
-        self._metrics.fenced.inc()
+        self._metrics.etcd.fenced.inc()
         for hook in self.hooks:
             try:
                 hook(order.reason)

@@ -246,7 +246,7 @@ class Node:
         rep.pusher.on_push = ReplicationSink(metrics).pushed
         rep.serving = server.serving
         rep.last_heard = server.last_heard
-        metrics.replication.attach(rep.stats, server.snapshot_stats)
+        metrics.replication.collector.attach(rep.stats, server.snapshot_stats)
         log.info("replicating snapshots to %d peers; replication server on %s",
                  settings.replicas - 1, server.address)
         return rep, advertised(*server.address)

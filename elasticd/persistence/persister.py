@@ -231,6 +231,11 @@ class Persister:
         self._queue.put(None)
         self._thread.join(timeout)
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (a step offered now is dropped, not late)."""
+        return self._closed
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {"flushed": self.counters["flushed"], "failed": self.counters["failed"],

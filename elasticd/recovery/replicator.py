@@ -66,7 +66,6 @@ class ReplicationStats:
 
     replication_pushes_total: int = 0
     replication_bytes_total: int = 0
-    replication_seconds_total: float = 0.0
     replication_failures_total: dict[str, int] = dataclasses.field(default_factory=dict)
     replication_skipped_total: int = 0
     replication_commit_wait_timeouts_total: int = 0
@@ -498,7 +497,6 @@ class Replicator:
         return ReplicationStats(
             replication_pushes_total=pushed.get("pushes", 0),
             replication_bytes_total=pushed.get("push_bytes", 0),
-            replication_seconds_total=pushed.get("push_micros", 0) / 1e6,
             replication_failures_total=failures,
             replication_skipped_total=self.pusher.lanes.skipped,
             replication_commit_wait_timeouts_total=c.get("gate_timeouts", 0),

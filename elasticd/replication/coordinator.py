@@ -47,6 +47,28 @@ RETRY_AFTER = 0.25
 SAY_WAITING = 15.0
 
 
+class ElectionLease:
+    """A term's election lease: kept alive every TTL/3; lost when etcd says it expired, or when
+    no keep-alive got through for a whole TTL (the key may be gone already: step down)."""
+
+    def __init__(self, coord: Coordinator, lease: int, ttl: float, now: float) -> None:
+        self.coord, self.id, self.ttl, self.refreshed = coord, lease, ttl, now
+
+    def keep(self, now: float) -> str | None:
+        """Refreshes the lease when due; why the term must end, or None."""
+        if now - self.refreshed < self.ttl / 3:
+            return None
+        try:
+            self.coord.keep_alive(self.id)
+            self.refreshed = now
+        except LeaseLost:
+            return "its election lease expired"
+        except CoordinationError as exc:
+            if now - self.refreshed > self.ttl:
+                return f"its election lease could not be kept alive ({exc})"
+        return None
+
+
 class JobCoordinator:
     """This node's coordination of one job's commits, for one term.
 
@@ -65,13 +87,14 @@ class JobCoordinator:
                  on_commit: Callable[[Committed], None], on_end: Callable[[str], None],
                  wake: Callable[[], None]) -> None:
         self.node, self.job, self.coord, self.keys, self.clock = node, job, coord, keys, clock
-        self.ship, self.lease, self.ttl, self.tally = ship, lease, ttl, tally
+        self.ship, self.tally = ship, tally
         self._on_commit, self._on_end, self._wake = on_commit, on_end, wake
         self.lock = threading.Lock()
         self._flushing = threading.Lock()
         self.ended = False
         now = clock.monotonic()
-        self.since, self._refreshed, self._retry_at = now, now, 0.0
+        self.since, self._retry_at = now, 0.0
+        self._lease = ElectionLease(coord, lease, ttl, now)
         self.counters = {"reports": 0, "commits": 0, "ahead": 0, "fence_reads": 0,
                          "conflicts": 0, "etcd_errors": 0}
         self.last_commit_at: float | None = None
@@ -190,17 +213,10 @@ class JobCoordinator:
         now = self.clock.monotonic()
         if self.ended:
             return
-        if now - self._refreshed >= self.ttl / 3:
-            try:
-                self.coord.keep_alive(self.lease)
-                self._refreshed = now
-            except LeaseLost:
-                self.end("its election lease expired")
-                return
-            except CoordinationError as exc:
-                if now - self._refreshed > self.ttl:
-                    self.end(f"its election lease could not be kept alive ({exc})")
-                    return
+        why = self._lease.keep(now)
+        if why is not None:
+            self.end(why)
+            return
         with self.lock:
             due = not self.ended and self.tally.next_write() is not None
             waiting = self.tally.waiting_for()
@@ -229,7 +245,7 @@ class JobCoordinator:
         if resign_key:
             try:
                 resign(self.coord, self.keys, self.job, self.ship.revision)
-                self.coord.revoke_lease(self.lease)
+                self.coord.revoke_lease(self._lease.id)
             except CoordinationError as exc:
                 log.info("%s: resigning failed (%s); the lease expires instead", self.job, exc)
         self._on_end(why)

@@ -139,7 +139,6 @@ class Pusher:
             with self._lock:
                 self.counters["pushes"] += 1
                 self.counters["push_bytes"] += d.total_bytes
-                self.counters["push_micros"] += int(result.seconds * 1e6)
             self.on_push(result.seconds, d.total_bytes)
             return True
         return False

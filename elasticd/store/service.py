@@ -243,7 +243,6 @@ class CheckpointService:
             local_slot_bytes=self.store.bytes_held(),
             skipped_over_budget_total=counters.get("skipped_over_budget", 0),
             skipped_busy_total=counters.get("skipped_busy", 0),
-            skipped_commit_pending_total=counters.get("skipped_commit_pending", 0),
             refused_total=counters.get("refused", 0),
             scratch_bytes=self.store.scratch.held(),
             scratch_refused_total=counters.get("scratch_refused", 0),

@@ -276,8 +276,10 @@ class Snapshots:
             return
         views = self._pin_step(job, version)
         # None: overwritten meanwhile, a newer step will be offered.
-        if views is not None and not self.persist.submit(job, views, record.uid):
+        if views is not None and not self.persist.submit(job, views, record.uid) \
+                and not self.persist.closed:
             log.debug("%s step %s not persisted: the writer is busy", job, version)
+            emit(self._sink, "persist_writer_busy", job, "skipped")
 
     def _persist_commit(self, job: str, version: tuple[int, int]) -> None:
         """A commit this node learned (in order; every node learns the same ones): offered to
@@ -293,14 +295,23 @@ class Snapshots:
             due = self.persist.due(job, version[1])
         if not due:
             return
-        take = functools.partial(self._pin_step, job, version)
-        views = take()
+        views = self._pin_step(job, version)
         if views is None:
             log.info("%s step %s committed, not persisted: this node does not hold every "
                      "local rank's copy", job, version)
             return
-        if not self.persist.submit(job, views, record.uid, retry=take):
+        if not self.persist.submit(job, views, record.uid, retry=functools.partial(
+                self._pin_again, job, version)) and not self.persist.closed:
             log.debug("%s step %s waits for the persister's writer", job, version)
+            emit(self._sink, "persist_writer_busy", job, "waited")
+
+    def _pin_again(self, job: str, version: tuple[int, int]) -> list[Any] | None:
+        """A step that waited for the persister's writer, pinned again once it is free; None
+        (dropped) when its copies went meanwhile."""
+        views = self._pin_step(job, version)
+        if views is None:
+            emit(self._sink, "persist_writer_busy", job, "dropped")
+        return views
 
     def _holding(self, job: str, version: tuple[int, int]) -> list[int]:
         """The local ranks whose copy of ``version`` is held here, when that is every local

@@ -29,6 +29,7 @@ class CheckpointMetrics(Protocol):
     def restored(self, job: str, source: str, seconds: float, steps_lost: int,
                  nbytes: int) -> None: ...
     def persisted(self, job: str, step: int, seconds: float, nbytes: int, ok: bool) -> None: ...
+    def persist_writer_busy(self, job: str, outcome: str) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +46,6 @@ class CheckpointStats:
     local_slot_bytes: int = 0
     skipped_over_budget_total: int = 0
     skipped_busy_total: int = 0
-    skipped_commit_pending_total: int = 0
     refused_total: int = 0
     scratch_bytes: int = 0  # restore scratch and its bookings held now, every job
     scratch_refused_total: int = 0  # partial copies refused over a job's scratch cap

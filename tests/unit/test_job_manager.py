@@ -130,7 +130,7 @@ def test_restarts_without_a_new_commit_fail_the_job_with_the_workers_exception(e
     assert control.desired == "failed" and control.by == "n1"
     assert control.reason.endswith("last failure: RuntimeError: boom at step 30")
     assert events and events[0][0] == "job_failed"
-    assert mgr.metrics.crash_loops._value.get() == 1
+    assert mgr.metrics.jobs.crash_loops._value.get() == 1
     mgr._stopping.join(5)
     assert mgr.board.status.state == "failed" and "boom at step 30" in mgr.board.status.detail
 
@@ -208,7 +208,7 @@ def test_without_a_hang_timeout_the_learned_one_is_in_force_published_and_double
         mgr.step()
         assert agent.restarts == []
     assert (mgr.board.status.hang_timeout, mgr.board.status.hang_timeout_source) == (7.5, "learned")
-    assert mgr.metrics.hang_timeout_seconds._value.get() == 7.5
+    assert mgr.metrics.jobs.hang_timeout_seconds._value.get() == 7.5
     published = NodeJobStatus.decode(coord.get(keys.job_keys("job").node("n1")).value)
     assert (published.hang_timeout, published.hang_timeout_source) == (7.5, "learned")
     assert mgr.describe()["progress"]["hang_timeout_source"] == "learned"
@@ -219,7 +219,7 @@ def test_without_a_hang_timeout_the_learned_one_is_in_force_published_and_double
     alive[7] = True
     mgr.step()
     assert len(agent.restarts) == 1 and "learned hang timeout" in agent.restarts[0]
-    assert mgr.metrics.hangs._value.get() == 1
+    assert mgr.metrics.jobs.hangs._value.get() == 1
     mgr.step()
     assert mgr.board.status.hang_timeout == 15.0  # what it learned stays; the restart doubled it
 
@@ -234,7 +234,7 @@ def test_a_set_hang_timeout_is_shown_as_set_and_zero_turns_it_off(env, tmp_path)
     mgr.step()
     assert mgr.group.tracker is None
     assert (mgr.board.status.hang_timeout, mgr.board.status.hang_timeout_source) == (0.0, "")
-    assert mgr.metrics.hang_timeout_seconds._value.get() == 0.0
+    assert mgr.metrics.jobs.hang_timeout_seconds._value.get() == 0.0
 
 
 def _round(coord, keys, *pids):
@@ -263,7 +263,7 @@ def test_a_failed_peer_aborts_the_group_unless_the_last_round_already_left_it_ou
     assert mgr.on_peer_failed("n2") == 0
     assert len(agent.restarts) == 2 and "already went on without it" in mgr.notes[-1]
     # Its agent restarted the group for this failure: the restart is counted all the same.
-    assert mgr.metrics.worker_restarts.labels("peer_failed")._value.get() == 3
+    assert mgr.metrics.jobs.worker_restarts.labels("peer_failed")._value.get() == 3
     # A round this agent is not in is no evidence (ids it cannot read, another agent): abort.
     _round(coord, keys, 333, 444)
     assert mgr.on_peer_failed("n2") == 1
@@ -293,7 +293,7 @@ def test_a_straggler_names_itself_on_its_status_and_metric_and_drains_when_the_j
     published = NodeJobStatus.decode(coord.get(keys.job_keys("job").node("n1")).value)
     assert published.straggler.startswith("STRAGGLER: compute 0.3 s/step")
     assert published.compute_seconds == 0.3
-    assert mgr.metrics.straggler._value.get() == 1
+    assert mgr.metrics.jobs.straggler._value.get() == 1
     assert [e[0] for e in events] == ["straggler"] and events[0][2]["drain"] is True
     assert DrainRecord.decode(coord.get(keys.drain("n1")).value).by == "straggler@n1"
 
@@ -345,7 +345,7 @@ def test_an_in_process_job_is_not_killed_for_a_failed_peer_but_restarted_past_th
     mgr.clock.advance(job_rules.REFORM_DEADLINE + job_rules.REFORM_ROUND_ALLOWANCE + 1)
     mgr.step()
     assert agent.restarts == []
-    assert mgr.metrics.recoveries.labels("in_process")._value.get() == 1
+    assert mgr.metrics.rendezvous.recoveries.labels("in_process")._value.get() == 1
     # It never says so: the daemon restarts the workers at its deadline, as today.
     assert mgr.on_peer_failed("n2") == 0
     mgr.clock.advance(job_rules.REFORM_DEADLINE + job_rules.REFORM_ROUND_ALLOWANCE - 1)
@@ -354,7 +354,7 @@ def test_an_in_process_job_is_not_killed_for_a_failed_peer_but_restarted_past_th
     mgr.clock.advance(1)
     mgr.step()
     assert len(agent.restarts) == 1 and "did not re-form" in " ".join(mgr.notes)
-    assert mgr.metrics.recoveries.labels("restart")._value.get() == 1
+    assert mgr.metrics.rendezvous.recoveries.labels("restart")._value.get() == 1
 
 
 def test_the_agents_word_ends_the_deadline_under_the_watchs_lock(env, tmp_path):

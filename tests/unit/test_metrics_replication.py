@@ -43,7 +43,7 @@ def test_attached_statistics_are_read_at_scrape_time():
     stats = ReplicationStats(**STATS)
     server = SimpleNamespace(pushes_committed=5, pushes_refused=1, pushes_aborted=2,
                              bytes_received=999, protocol_errors=3)
-    m.replication.attach(lambda: stats, lambda: server)
+    m.replication.collector.attach(lambda: stats, lambda: server)
     got = samples(m)
     assert got[("elasticd_replication_bytes_total", ())] == 4096
     assert got[("elasticd_replication_commits_total", ())] == 7
@@ -71,7 +71,7 @@ def test_a_failing_source_leaves_its_families_out_but_the_scrape_works():
     def broken():
         raise RuntimeError("replicator closing")
 
-    m.replication.attach(broken, lambda: None)
+    m.replication.collector.attach(broken, lambda: None)
     got = samples(m)
     assert ("elasticd_committed_step", ()) not in got
     assert ("elasticd_nodes_alive", ()) in got

@@ -87,6 +87,8 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "elasticd_persist_seconds": ("histogram", ()),
     "elasticd_persisted_step": ("gauge", ()),
     "elasticd_persists_total": ("counter", ("outcome",)),
+    # Added on purpose (issue 28): the persister's busy writer, counted but never exposed.
+    "elasticd_persist_writer_busy_total": ("counter", ("outcome",)),
     "elasticd_provisional_expiries_total": ("counter", ("outcome",)),
     "elasticd_recovery_phase_seconds": ("histogram", ("phase",)),
     "elasticd_rendezvous_round": ("gauge", ()),

@@ -86,7 +86,7 @@ def test_progress_builds_the_ranks_and_a_new_world_or_group_starts_them_over(par
     g.on_progress({"job": "job", "rank": 0, "world_size": 4, "restart": 0, "step": 5})
     assert (board.status.ranks, board.status.world_size, board.status.last_step) == (
         [0, 1], 4, 5)
-    assert gauge(parts.metrics.rendezvous_round) == 1  # the first report of a generation
+    assert gauge(parts.metrics.rendezvous.rendezvous_round) == 1  # the first report of a generation
     g.on_progress({"job": "job", "rank": 0, "world_size": 4, "restart": 1})  # its agent
     assert board.status.ranks == [0]  # restarted the group: ranks may have moved
     g.on_progress({"job": "job", "rank": 2, "world_size": 2, "restart": 1})
@@ -108,7 +108,7 @@ def test_a_hung_group_is_restarted_and_the_restart_counted_as_a_hang(parts):
     assert note is not None and note.startswith("restarted 2 workers of job: hang (")
     assert len(agent.restarts) == 1 and agent.restarts[0].startswith("hang: ")
     assert g.restarts.cause == agent.restarts[0]  # the crash-loop count names it
-    assert gauge(parts.metrics.hangs) == 1
+    assert gauge(parts.metrics.jobs.hangs) == 1
     assert g.restart_if_hung() is None  # a new generation: nobody reported yet
 
 
@@ -117,10 +117,10 @@ def test_the_hang_timeout_in_force_goes_to_the_status_and_the_metric(parts):
     g.attach("job", Agent(spec(hang_timeout=123.0)))
     g.tick(spec(), {})
     assert (board.status.hang_timeout, board.status.hang_timeout_source) == (120.0, "set")
-    assert gauge(parts.metrics.hang_timeout_seconds) == 123.0  # exact; published: 2 digits
+    assert gauge(parts.metrics.jobs.hang_timeout_seconds) == 123.0  # exact; published: 2 digits
     g.detach(job_over=True)
     g.tick(None, {})
-    assert (board.status.hang_timeout, gauge(parts.metrics.hang_timeout_seconds)) == (0.0, 0.0)
+    assert (board.status.hang_timeout, gauge(parts.metrics.jobs.hang_timeout_seconds)) == (0.0, 0.0)
     assert show_seconds(0.123456) == 0.12 and show_seconds(-1) == 0.0
 
 
@@ -140,7 +140,7 @@ def test_a_straggler_is_named_once_and_drains_when_its_job_asks(parts):
     s = spec(straggler_factor=1.5, straggler_steps=10, straggler_drain=True, nnodes_min=2)
     judge(parts, s, peers(0.1, 0.11))
     assert parts.board.status.straggler.startswith("STRAGGLER: compute 0.3 s/step")
-    assert gauge(parts.metrics.straggler) == 1
+    assert gauge(parts.metrics.jobs.straggler) == 1
     assert [e[0] for e in parts.events] == ["straggler"] and parts.events[0][2]["drain"]
     assert parts.drains == [1] and len(parts.notes) == 1
 
@@ -158,7 +158,7 @@ def test_a_straggler_is_not_drained_below_the_minimum_nor_when_etcd_refuses(part
 
 def test_without_a_running_job_no_judge_and_the_metric_follows_the_status(parts):
     judge(parts, spec(straggler_steps=3), peers(0.1, 0.1))
-    assert gauge(parts.metrics.straggler) == 1
+    assert gauge(parts.metrics.jobs.straggler) == 1
     parts.board.set(JobState.STOPPED, "x")
     parts.stragglers.observe(None, None, None, {})
-    assert gauge(parts.metrics.straggler) == 0
+    assert gauge(parts.metrics.jobs.straggler) == 0
