@@ -431,7 +431,7 @@ def test_after_etcd_lost_its_data_the_members_write_the_round_back_and_nobody_re
         sampler.result(timeout=TIMEOUT)
         # torch's agent restarts its workers for any count above 0.
         assert seen and max(seen) == 0, f"num_nodes_waiting answered {max(seen)} after the wipe"
-        stored = RoundRecord.decode(a._coord.get(a._control.round_key).value)
+        stored = RoundRecord.decode(a.coordinator.get(a._control.round_key).value)
         assert (stored.round, stored.members) == (before.round, before.members)
         wait_until(lambda: has_record(a, a) and has_record(a, b),
                    "both node records re-written under new leases")
