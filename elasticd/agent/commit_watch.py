@@ -24,8 +24,8 @@ with no etcd request. The watch exists only while the gate is asked: it starts a
 ask (which answers no: the newcomer waits for the next) and ends once the gate went unasked for
 :data:`IDLE` seconds. The daemon watches the same prefix for its own commit code; an agent
 watching it for the whole run doubled every node's watch events per committed step (two per
-watch) for a question asked only when a node waits to enter. The rendezvous plugin may import only the coordination layer; :mod:`.torchrun`
-passes this gate in, as it does the join gate.
+watch) for a question asked only when a node waits to enter. The rendezvous plugin may import
+only the coordination layer; :mod:`.torchrun` passes this gate in, as it does the join gate.
 """
 
 from __future__ import annotations

@@ -458,11 +458,12 @@ class CommitTracker:
 
     def _changed(self, job: str, key: bytes, kv: Any) -> None:
         """One key of the committed prefix as it now is (``kv`` None: absent)."""
-        if key == self.keys.replication(job).commit_grid:
+        k = self.keys.replication(job)  # once per watch event: every node, every commit
+        if key == k.commit_grid:
             self._learn_grid(job, kv)
-        elif key == self.keys.replication(job).coordinator:
+        elif key == k.coordinator:
             self.reporter.coordinator_seen(job, decode_ship(kv) if kv is not None else None)
-        elif key == self.keys.replication(job).commit_ahead:
+        elif key == k.commit_ahead:
             try:
                 ahead = decode_ahead(kv.value, key) if kv is not None else None
             except records.RecordError:
@@ -470,7 +471,7 @@ class CommitTracker:
             with self.lock:
                 if job in self.jobs:
                     self.jobs[job].ahead = ahead
-        elif key == self.keys.replication(job).committed:
+        elif key == k.committed:
             self._committed_changed(job, kv)
 
     def _committed_changed(self, job: str, kv: Any) -> None:
@@ -515,18 +516,19 @@ class CommitTracker:
 
     def reread(self, job: str) -> None:
         """Reads the committed prefix again (a watch error, a lagging watch)."""
+        key = self.keys.replication(job).committed
         try:
-            kvs, _ = self.coord.get_prefix(self.keys.replication(job).committed)
+            kvs, _ = self.coord.get_prefix(key)
             with self.lock:
                 st = self.jobs.get(job)
                 placements = (st.placement, st.previous) if st is not None else ()
             # The record as the prefix read found it: its revision and its value agree.
-            found = next((kv for kv in kvs if kv.key == self.keys.replication(job).committed), None)
+            found = next((kv for kv in kvs if kv.key == key), None)
             committed = committed_from(self.coord, self.keys, job, found, placements)
         except CoordinationError as exc:
             self.etcd_error("read the committed record", exc)
             return
-        self._listed(job, [kv for kv in kvs if kv.key != self.keys.replication(job).committed])
+        self._listed(job, [kv for kv in kvs if kv.key != key])
         with self.lock:
             if job in self.jobs:
                 self.jobs[job].committed_rev = found.mod_revision if found is not None else 0
