@@ -147,6 +147,12 @@ OVERVIEW = [
         panel("Replica connections rejected", [
             (f"sum by (reason) (increase(elasticd_replication_connections_rejected_total{R}))",
              "{{reason}}")]),
+        panel("Persistent tier writer busy", [
+            (f"sum by (outcome) (increase(elasticd_persist_writer_busy_total{R}))",
+             "{{outcome}}")], description="Steps due for the persistent tier that found its "
+              "writer still flushing an earlier one: waited, skipped, dropped. Rising: the "
+              "tier's disk is slower than the flush cadence asks (persist_stale alerts when "
+              "a job is left without a recent complete step)."),
     ]),
 ]
 
@@ -217,6 +223,11 @@ NODE = [
             ("histogram_quantile(0.99, sum by (le, instance) "
              f'(rate(elasticd_snapshot_stall_seconds_bucket{{instance=~"$instance"}}{Q})))',
              "{{instance}}")], unit="s"),
+        panel("Persistent tier writer busy", [
+            (f'sum by (instance, outcome) (increase(elasticd_persist_writer_busy_total'
+             f'{{instance=~"$instance"}}{R}))', "{{instance}} {{outcome}}")],
+              description="waited, skipped, dropped: this node's tier disk is slower than "
+              "the flush cadence."),
     ]),
 ]
 
