@@ -292,3 +292,15 @@ def test_the_service_takes_refused_and_off_grid_snapshots_into_the_newest_pair(r
         assert not service.unprotected("inproc")
     finally:
         store.close()
+
+
+def test_the_daemon_keeps_the_newest_pair_for_in_process_jobs_only():
+    # The job spec opts in (submit --in-process): the daemon wires the store to it.
+    from types import SimpleNamespace
+
+    from elasticd.daemon.daemon import _in_process
+
+    records = SimpleNamespace(specs={"a": (1, SimpleNamespace(in_process=True)),
+                                     "b": (2, SimpleNamespace(in_process=False))})
+    assert _in_process(records, "a")
+    assert not _in_process(records, "b") and not _in_process(records, "gone")
