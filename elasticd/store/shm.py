@@ -409,7 +409,7 @@ class SlotStore:
             pair = self._pairs.get((job, rank))
             held = [] if pair is None else [s.header.version()  # type: ignore[union-attr]
                                             for s in pair.held(newest)]
-        return sorted(set(held), reverse=True)
+        return sorted(held, reverse=True)
 
     def _unpin(self, segment: Segment) -> None:
         with self._lock:
