@@ -137,7 +137,11 @@ def summarize(runs: list[dict]) -> dict:
             "median_after_detection_seconds": med("after_detection_seconds"),
             "max_seconds": max((r["seconds"] for r in ok), default=None),
             "steps_lost": [r["steps_lost"] for r in ok],
-            "runs_with_0_steps_lost": sum(r["steps_lost"] == 0 for r in ok)}
+            "runs_with_0_steps_lost": sum(r["steps_lost"] == 0 for r in ok),
+            "steps_lost_vs_all_held": [r["steps_lost_vs_all_held"] for r in ok],
+            "runs_with_0_steps_lost_vs_all_held": sum(r["steps_lost_vs_all_held"] == 0
+                                                      for r in ok),
+            "steps_not_snapshotted": [r["steps_not_snapshotted"] for r in ok]}
 
 
 def main(modes: list[str], runs: int, ttl: int, timeout: float, out_path: str,

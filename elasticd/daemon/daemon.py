@@ -16,6 +16,7 @@ what they answer, through the parts it owns.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -52,6 +53,12 @@ if TYPE_CHECKING:
     from elasticd.store.service import CheckpointService
 
 log = logging.getLogger(__name__)
+
+
+def _in_process(records: Any, job: str) -> bool:
+    """Whether ``job``'s spec (as this node last read it) asks for in-process mode."""
+    spec = records.specs.get(job)
+    return spec is not None and spec[1].in_process
 
 
 class Daemon:
@@ -158,6 +165,10 @@ class Daemon:
             checkpoints.on_progress.append(self.jobs.on_progress)
             checkpoints.on_progress.append(self.timeline.on_progress)
             self.jobs.on_job_end.append(checkpoints.remove_job)
+            # In-process jobs keep each local rank's newest pair (store/shm.py): survivors
+            # resume from the last step they completed, not the last one both commit slots
+            # let them snapshot. The job spec opts in; its slots count against the node's cap.
+            checkpoints.store.keeps_newest = functools.partial(_in_process, self.jobs.records)
         if replicator is not None:
             self.jobs.on_job_end.append(replicator.remove_job)
         self.drainer = Drainer(settings.node_id, coord, keys,

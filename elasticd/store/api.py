@@ -73,6 +73,9 @@ class Slot:
         capacity: the file's size in bytes (at least what was reserved).
         buffer: the daemon's writable mapping of the whole file.
         ticket: identifies this reservation.
+        newest: a slot of the rank's newest pair (:meth:`SlotStore.reserve` with ``newest``):
+            the copy stays on this node, for an in-process survivor's own restore; it is
+            neither replicated nor persisted.
     """
 
     job: str
@@ -81,6 +84,7 @@ class Slot:
     capacity: int
     buffer: memoryview = dataclasses.field(repr=False)
     ticket: int = 0
+    newest: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -88,10 +88,12 @@ class Restores:
             progress = None if record is None else record.progress
 
         def usable(r: int, version: tuple[int, int]) -> bool:
-            view = self.store.latest(job, r, version=version)
+            view = self.store.latest(job, r, version=version, newest=True)
             return view is not None and (world is None or view.header.world_size == world)
 
-        ram = {str(r): [list(v) for v in self.store.versions(job, r)
+        # The newest pair too (an in-process job's: store/shm.py), which only this node's
+        # restores read: a survivor's own shard of the last step it completed.
+        ram = {str(r): [list(v) for v in self.store.versions(job, r, newest=True)
                         if (r, *v) not in refused and usable(r, v)]
                for r in (ranks if only is None else [only])}
         persisted: list[list[int]] = []
@@ -130,7 +132,8 @@ class Restores:
         version = (param(msg, "generation", int), param(msg, "step", int))
         self._pins.sweep()
         try:
-            view = self.store.latest(job, rank, pin=True, verify=verify, version=version)
+            view = self.store.latest(job, rank, pin=True, verify=verify, version=version,
+                                     newest=True)
         except SnapshotError as exc:
             with self._book.lock:
                 self._book.jobs[job].refused.add((rank, *version))
@@ -179,7 +182,7 @@ class Restores:
             was_fetched = record is not None and key in record.fetched
         source, wire_bytes, holder, just_fetched = "local", 0, self.node_id, False
         try:
-            held = version in self.store.versions(job, rank)
+            held = version in self.store.versions(job, rank, newest=True)
         except ValueError as exc:  # a job name the store cannot hold
             raise RequestError(str(exc)) from exc
         if refused or not held:

@@ -146,8 +146,9 @@ class Snapshots:
             # (replication/commit.py, Grid). Routine: no warning, not a failure.
             with self._book.lock:
                 self._book.counters["skipped_grid"] += 1
-            return {"skip": True, "grid": grid,
-                    "reason": f"off the snapshot grid (every {grid} steps while commits lag)"}
+            return self._newest(job, rank, nbytes, mapped, record) or {
+                "skip": True, "grid": grid,
+                "reason": f"off the snapshot grid (every {grid} steps while commits lag)"}
         try:
             slot = self.store.reserve(job, rank, nbytes)
         except OverBudget as exc:
@@ -155,18 +156,45 @@ class Snapshots:
         except CommitPending as exc:
             if self.replicator is not None:
                 self.replicator.on_commit_pending(job, exc.version, skipped=version)
-            return self._skip(job, rank, "commit_pending", str(exc))
+            return (self._newest(job, rank, nbytes, mapped, record)
+                    or self._skip(job, rank, "commit_pending", str(exc)))
         except SlotBusy as exc:
-            return self._skip(job, rank, "busy", str(exc))
+            return (self._newest(job, rank, nbytes, mapped, record)
+                    or self._skip(job, rank, "busy", str(exc)))
         except (ValueError, OSError) as exc:
             raise RequestError(f"cannot reserve a slot: {exc}") from exc
+        return self._hand_over(slot, mapped, record)
+
+    def _newest(self, job: str, rank: int, nbytes: int, mapped: set[tuple[int, int]],
+                record: JobRecord) -> dict[str, Any] | None:
+        """A snapshot the commit slots refused (or off the grid), taken into the rank's
+        newest pair when the job keeps one (an in-process job: store/shm.py's module doc), so
+        that a survivor holds the last step it completed; None (skipped as before) otherwise
+        or when that pair cannot take it. Counted as ``newest_only``, not as a skip or a
+        failure: the commit slots are fine, and the commit protocol was told (the caller)."""
+        if not self.store.keeps_newest(job):
+            return None
+        try:
+            slot = self.store.reserve(job, rank, nbytes, newest=True)
+        except (OverBudget, SlotBusy) as exc:
+            log.debug("%s rank %d: no slot of the newest pair either: %s", job, rank, exc)
+            return None
+        except (ValueError, OSError) as exc:
+            raise RequestError(f"cannot reserve a slot: {exc}") from exc
+        with self._book.lock:
+            self._book.counters["newest_only"] += 1
+        return self._hand_over(slot, mapped, record)
+
+    def _hand_over(self, slot: Any, mapped: set[tuple[int, int]],
+                   record: JobRecord) -> dict[str, Any]:
+        rank = slot.rank
         try:
             identity, fd = self.store.handover(slot, mapped)
         except (StaleSlot, OSError) as exc:  # a newer reservation of this rank took it
             raise RequestError(f"cannot hand over the slot: {exc}") from exc
         with self._book.lock:
             record.slots[rank] = slot
-            if record.failing.get(rank, "").startswith("over the memory cap"):
+            if not slot.newest and record.failing.get(rank, "").startswith("over the memory cap"):
                 record.failing.pop(rank, None)
         reply = {"path": slot.path, "capacity": slot.capacity, "ticket": slot.ticket,
                  "file": list(identity)}
@@ -248,6 +276,9 @@ class Snapshots:
             record.reached(version)
             self._book.counters["snapshots"] += 1
         emit(self._sink, "snapshot_completed", job, rank, sealed.step, nbytes, stall)
+        if slot.newest:
+            # This node's own copy (the newest pair): never replicated nor persisted.
+            return {"generation": sealed.generation, "step": sealed.step, "bytes": nbytes}
         try:
             if self.replicator is not None:
                 self.replicator.on_local_snapshot(job, rank, version)

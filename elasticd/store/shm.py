@@ -13,6 +13,24 @@ Slots are files sized on first use, grown when the state grows, allocated with `
 because first writes into fresh tmpfs pages run ten times slower than memcpy (docs/facts.md). A
 per-node cap bounds the bytes held; going over it raises :class:`OverBudget`, which the caller
 turns into a skipped snapshot, a warning and a metric. No torch here: this is daemon code.
+
+The newest pair (jobs that keep it, :attr:`SlotStore.keeps_newest`: in-process jobs). The
+commit protocol keeps the committed copy and an acknowledged one in the two slots above, and a
+snapshot that finds both taken is skipped (:class:`CommitPending`); nodes skip different steps,
+so after a failure the survivors' newest steps differ and often only the committed one is common
+(bench/results/recovery_inprocess_snapshots.json: survivors' last snapshots [27, 27, 30, 30],
+resumed from 26). A job that keeps the newest pair has two more slots per local rank, for this
+node's own restore only: a snapshot the commit slots refuse goes there (``reserve(newest=
+True)``), and a commit slot's latest copy about to be overwritten (the other one holds a copy
+that must stay) is moved there instead, its place taken by a free slot of the newest pair (the
+files are renamed with their role: ``N.slot`` for the commit's, ``N.newest`` for the newest
+pair's, which a restarted daemon's :meth:`~SlotStore.scan` removes as before). The newest pair
+never overwrites the rank's newest complete copy, so a rank always holds its last two complete
+steps: a survivor that completed one step more than another still holds the step before. Its
+copies are never retained, replicated nor persisted, and the commit slots see exactly what they
+saw without it (a copy moved out is gone from them as an overwritten one was). Cost: two more
+slots of the rank's snapshot size per local rank, counted against the node's cap like any slot
+(what does not fit is not taken: that snapshot is skipped as before).
 """
 from __future__ import annotations
 
@@ -38,6 +56,7 @@ from elasticd.snapshot.format import SnapshotError, SnapshotHeader, invalidate, 
 from elasticd.snapshot.reader import verify_payload
 from elasticd.snapshot.segment import PAGE, Segment, map_fd, map_file
 from elasticd.store.scratch_pool import KEEP_SECONDS
+from elasticd.store.newest_pair import NewestPairs
 from elasticd.store.scratch_space import ScratchSpace
 from elasticd.store.snapshot_view import SnapshotView
 from elasticd.store.shm_root import JOB_RE, SEGMENT_RE, claim_root, listdir_at, remove_at, same_file
@@ -57,6 +76,14 @@ class _Pair:
     next_serial: int = 0
     # Versions that must stay (see SlotStore.retain).
     retained: set[tuple[int, int]] = dataclasses.field(default_factory=set)
+    # The newest pair (see the module doc): never retained; reserved_newest indexes it.
+    newest: list[Segment | None] = dataclasses.field(default_factory=lambda: [None, None])
+    reserved_newest: int | None = None
+
+    def held(self, newest: bool) -> list[Segment]:
+        """The complete copies of the commit slots, and of the newest pair with ``newest``."""
+        return [s for s in (*self.segments, *(self.newest if newest else ()))
+                if s is not None and s.header is not None]
 
 
 class SlotStore:
@@ -91,6 +118,10 @@ class SlotStore:
         #: what it returns rides along as ``SnapshotView.tags`` (replication sets it: the
         #: block tags that spare a push the pass over the bytes, seal.py's BlockTags).
         self.tagger: Callable[[memoryview, list[tuple[int, int]]], Any] | None = None
+        #: Whether a job keeps each local rank's newest pair (module doc): the daemon sets it
+        #: from the job spec (in-process jobs). Called with the lock held: it must not block.
+        self.keeps_newest: Callable[[str], bool] = lambda job: False
+        self._newest = NewestPairs(self)
 
     # -- paths and allocation -------------------------------------------------------------
 
@@ -114,8 +145,9 @@ class SlotStore:
             pair = self._pairs[(job, rank)] = _Pair(next_serial=max(serials, default=-1) + 1)
         return pair
 
-    def _allocate(self, job: str, rank: int, pair: _Pair, capacity: int) -> Segment:
-        name = f"{self._dir(job, rank)}/{pair.next_serial}.slot"
+    def _allocate(self, job: str, rank: int, pair: _Pair, capacity: int,
+                  role: str = "slot") -> Segment:
+        name = f"{self._dir(job, rank)}/{pair.next_serial}.{role}"
         pair.next_serial += 1
         try:
             return Segment.allocate(self._fd, name, os.path.join(self.root, name), capacity)
@@ -164,7 +196,8 @@ class SlotStore:
                 out[None] = set(self._retained[job])
             return out
 
-    def reserve(self, job: str, rank: int, nbytes: int, both: bool = True) -> Slot:
+    def reserve(self, job: str, rank: int, nbytes: int, both: bool = True, *,
+                newest: bool = False) -> Slot:
         """Returns a free slot of at least ``nbytes`` for the next snapshot of (job, rank).
 
         The slot holding the latest complete snapshot is not returned, except when the other
@@ -181,6 +214,9 @@ class SlotStore:
                 snapshotting that rank, is allocated by that snapshot's reserve. Allocating it
                 here cost as much CPU as the fetch itself and doubled the memory held
                 (bench/results/fetch_cost.json).
+            newest: a slot of the newest pair instead (module doc; a job that keeps it, after
+                the commit slots refused this snapshot): never the one holding the rank's
+                newest complete copy, nor a pinned one. Raises SlotBusy when both are.
 
         Raises:
             OverBudget: the allocation would exceed ``cap_bytes`` (or the filesystem is full).
@@ -192,6 +228,8 @@ class SlotStore:
         capacity = -(-nbytes // PAGE) * PAGE
         with self._lock:
             pair = self._pair(job, rank)
+            if newest:
+                return self._newest.reserve(job, rank, pair, nbytes, capacity)
             index = 0 if pair.latest is None else 1 - pair.latest
             if self._stays(job, pair, index):
                 everywhere = self._retained.get(job, set())
@@ -214,6 +252,8 @@ class SlotStore:
                                    "snapshot is skipped")
                 index = pair.latest
                 pair.latest = 1 - index
+                if self.keeps_newest(job):
+                    self._newest.set_aside(job, rank, pair, index, nbytes, capacity)
             other = 1 - index
             current = pair.segments[index]
             if current is not None and current.pins:
@@ -243,7 +283,7 @@ class SlotStore:
             current.header, current.tags = None, None
             self._tickets += 1
             current.ticket = self._tickets
-            pair.reserved = index
+            pair.reserved, pair.reserved_newest = index, None
             return Slot(job, rank, current.path, current.capacity, current.view, current.ticket)
 
     def _stays(self, job: str, pair: _Pair, index: int) -> bool:
@@ -288,7 +328,7 @@ class SlotStore:
             sealed = header
         else:
             sealed = seal(segment.view, header)
-            if self.tagger is not None:
+            if self.tagger is not None and not slot.newest:  # never pushed: no tags
                 lay = sealed.layout
                 tags = self.tagger(segment.view,
                                    [lay.block_range(i) for i in range(lay.num_blocks)])
@@ -297,7 +337,10 @@ class SlotStore:
             self._reserved_segment(slot)
             pair = self._pairs[(slot.job, slot.rank)]
             segment.header, segment.tags = sealed, tags
-            pair.latest, pair.reserved = pair.segments.index(segment), None
+            if slot.newest:
+                pair.reserved_newest = None
+            else:
+                pair.latest, pair.reserved = pair.segments.index(segment), None
         return sealed
 
     def handover(self, slot: Slot,
@@ -317,14 +360,17 @@ class SlotStore:
 
     def _reserved_segment(self, slot: Slot) -> Segment:
         pair = self._pairs.get((slot.job, slot.rank))
-        segment = None if pair is None or pair.reserved is None else pair.segments[pair.reserved]
+        index = None if pair is None else pair.reserved_newest if slot.newest else pair.reserved
+        segment = (None if pair is None or index is None
+                   else (pair.newest if slot.newest else pair.segments)[index])
         if segment is None or segment.ticket != slot.ticket or segment.path != slot.path:
             raise StaleSlot(f"{slot.job} rank {slot.rank}: slot {slot.path} is no longer reserved "
                             "for this snapshot")
         return segment
 
     def latest(self, job: str, rank: int, *, pin: bool = False, verify: bool = False,
-               version: tuple[int, int] | None = None) -> SnapshotView | None:
+               version: tuple[int, int] | None = None,
+               newest: bool = False) -> SnapshotView | None:
         """The latest complete snapshot of (job, rank), or None.
 
         Args:
@@ -332,6 +378,8 @@ class SlotStore:
             verify: re-check the payload checksums now (raises CorruptSnapshot).
             version: the complete snapshot with this (generation, step) instead, which may be
                 the previous one (see :meth:`versions`); None when it is not held.
+            newest: look for ``version`` in the newest pair too (a restore on this node;
+                replication and persistence see the commit slots only).
         """
         with self._lock:
             pair = self._pairs.get((job, rank))
@@ -339,8 +387,8 @@ class SlotStore:
                 return None
             segment = pair.segments[pair.latest]
             if version is not None:
-                segment = next((s for s in pair.segments if s is not None and s.header
-                                is not None and s.header.version() == tuple(version)), None)
+                segment = next((s for s in pair.held(newest)
+                                if s.header.version() == tuple(version)), None)
                 if segment is None:
                     return None
             assert segment is not None and segment.header is not None
@@ -353,13 +401,14 @@ class SlotStore:
                 self._unpin(segment)
             raise
 
-    def versions(self, job: str, rank: int) -> list[tuple[int, int]]:
+    def versions(self, job: str, rank: int, *, newest: bool = False) -> list[tuple[int, int]]:
         """(generation, step) of every complete snapshot of (job, rank) held, newest first:
-        the latest and, until the next reserve takes its slot, the one before it."""
+        the latest and, until the next reserve takes its slot, the one before it; with
+        ``newest`` those of the newest pair too (for a restore on this node)."""
         with self._lock:
             pair = self._pairs.get((job, rank))
-            held = [] if pair is None else [s.header.version() for s in pair.segments
-                                            if s is not None and s.header is not None]
+            held = [] if pair is None else [s.header.version()  # type: ignore[union-attr]
+                                            for s in pair.held(newest)]
         return sorted(held, reverse=True)
 
     def _unpin(self, segment: Segment) -> None:
@@ -369,7 +418,8 @@ class SlotStore:
     # -- housekeeping ---------------------------------------------------------------------
 
     def _slot_bytes(self) -> int:
-        return sum(s.capacity for p in self._pairs.values() for s in p.segments if s is not None)
+        return sum(s.capacity for p in self._pairs.values() for s in (*p.segments, *p.newest)
+                   if s is not None)
 
     def _held(self) -> int:
         return self._slot_bytes() + self.scratch.held_locked()
@@ -390,7 +440,8 @@ class SlotStore:
     def _drop(self, keys: list[tuple[str, int]]) -> None:
         """Forgets these (job, rank)s and deletes their slot files (call with the lock held)."""
         for key in keys:
-            for seg in self._pairs.pop(key).segments if key in self._pairs else ():
+            pair = self._pairs.pop(key, None)
+            for seg in () if pair is None else (*pair.segments, *pair.newest):
                 if seg is not None:
                     seg.destroy(self._fd)
 
@@ -415,7 +466,8 @@ class SlotStore:
         with self._lock:
             if unlink:
                 self._drop(list(self._pairs))
-            for seg in (s for p in self._pairs.values() for s in p.segments if s is not None):
+            for seg in (s for p in self._pairs.values() for s in (*p.segments, *p.newest)
+                        if s is not None):
                 seg.unmap()
             self._pairs.clear()
             self.scratch.drain_locked()  # partial copies never outlive the daemon
