@@ -11,9 +11,13 @@ holds in etcd, through elasticd's own classes and the :class:`Coordinator` inter
   unchanged (its own lease, its join record, its control-key watch, and when elected, the
   closer's node watch, election key and writes).
 
-Nodes are spread over ``--procs`` processes. In a process, the leases are refreshed every TTL/3 on one asyncio
-loop rather than by a thread per lease; whenever a refresh is not a plain renewal, elasticd's own
-:meth:`LeaseKeeper.step` runs (:class:`KeeperPool`). Within a process the nodes share ``--clients`` etcd
+Nodes are spread over ``--procs`` processes. A process's leases are refreshed every TTL/3 on one
+asyncio loop rather than by a thread per lease, in a keep-alive process of its own
+(:class:`KeeperProcess`, ``--keepalive-process 1``, the default: hundreds of simulated nodes'
+threads busy in one interpreter kept a loop sharing their GIL from refreshing in time; a real
+node's daemon and agent have a machine each), or on the simulator process's own loop
+(:class:`KeeperPool`, ``--keepalive-process 0``); whenever a refresh is not a plain renewal,
+elasticd's own :meth:`LeaseKeeper.step` runs in the simulator process. Within a process the nodes share ``--clients`` etcd
 connections (:class:`~elasticd.coordination.etcd.EtcdCoordinator`, one gRPC channel each, which
 carries one watch stream and one keep-alive stream): every node still owns its leases, its
 requests and its own watch IDs, since etcd pays per watcher, not per stream. Fewer streams
