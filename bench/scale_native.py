@@ -11,9 +11,13 @@ holds in etcd, through elasticd's own classes and the :class:`Coordinator` inter
   unchanged (its own lease, its join record, its control-key watch, and when elected, the
   closer's node watch, election key and writes).
 
-Nodes are spread over ``--procs`` processes. In a process, the leases are refreshed every TTL/3 on one asyncio
-loop rather than by a thread per lease; whenever a refresh is not a plain renewal, elasticd's own
-:meth:`LeaseKeeper.step` runs (:class:`KeeperPool`). Within a process the nodes share ``--clients`` etcd
+Nodes are spread over ``--procs`` processes. A process's leases are refreshed every TTL/3 on one
+asyncio loop rather than by a thread per lease, in a keep-alive process of its own
+(:class:`KeeperProcess`, ``--keepalive-process 1``, the default: hundreds of simulated nodes'
+threads busy in one interpreter kept a loop sharing their GIL from refreshing in time; a real
+node's daemon and agent have a machine each), or on the simulator process's own loop
+(:class:`KeeperPool`, ``--keepalive-process 0``); whenever a refresh is not a plain renewal,
+elasticd's own :meth:`LeaseKeeper.step` runs in the simulator process. Within a process the nodes share ``--clients`` etcd
 connections (:class:`~elasticd.coordination.etcd.EtcdCoordinator`, one gRPC channel each, which
 carries one watch stream and one keep-alive stream): every node still owns its leases, its
 requests and its own watch IDs, since etcd pays per watcher, not per stream. Fewer streams
@@ -65,6 +69,99 @@ from elasticd.coordination.lease import LeaseKeeper
 from scale_sim import requests_by_method, scrape  # noqa: E402 - bench/, beside this file
 
 PREFIX = "/sim"
+
+
+def keeper_main(endpoint: str, ttl: int, streams: int) -> None:
+    """The keep-alive process of one simulator process (``scale_native.py --keeper ...``).
+
+    Refreshes every lease it was given (``add <id>`` on stdin) every TTL/3 on one asyncio loop,
+    one LeaseKeepAlive message each on ``streams`` grpc.aio streams; ``remove <id>`` stops one.
+    A refresh that is not a plain renewal (the lease is gone, no answer within a second) is
+    handed back (``step <id>`` on stdout) and refreshed no more until added again.
+    """
+    import asyncio
+    import heapq
+
+    import grpc
+    from pyetcd import etcdrpc
+
+    period = ttl / 3.0
+    heap: list[tuple[float, int]] = []
+    live: dict[int, Any] = {}  # lease -> its LeaseKeepAliveRequest
+    waiting: dict[int, float] = {}
+    queues: list[Any] = [None] * streams
+    loop = asyncio.new_event_loop()
+
+    def hand_back(lease: int) -> None:
+        live.pop(lease, None)
+        sys.stdout.write(f"step {lease}\n")
+        sys.stdout.flush()
+
+    async def read(call: Any, k: int) -> None:
+        try:
+            async for resp in call:
+                if waiting.pop(resp.ID, None) is not None and resp.ID in live:
+                    if resp.TTL > 0:
+                        heapq.heappush(heap, (time.monotonic() + period, resp.ID))
+                    else:
+                        hand_back(resp.ID)
+        except Exception as exc:  # noqa: BLE001 - any stream failure: open another
+            print(f"keep-alive stream {k} failed ({type(exc).__name__}): reopened",
+                  file=sys.stderr, flush=True)
+        await asyncio.sleep(0.1)
+        open_stream(k)
+
+    def open_stream(k: int) -> None:
+        queue: Any = asyncio.Queue()
+
+        async def requests() -> Any:
+            while True:
+                yield await queue.get()
+
+        call = etcdrpc.LeaseStub(grpc.aio.insecure_channel(endpoint)).LeaseKeepAlive(
+            requests())
+        queues[k] = queue
+        asyncio.ensure_future(read(call, k))
+
+    def command(line: str) -> None:
+        what, _, lease_text = line.partition(" ")
+        lease = int(lease_text)
+        if what == "add":  # the request message built once, sent every TTL/3
+            live[lease] = etcdrpc.LeaseKeepAliveRequest(ID=lease)
+            waiting.pop(lease, None)
+            heapq.heappush(heap, (time.monotonic() + period, lease))
+        else:
+            live.pop(lease, None)
+
+    async def tick() -> None:
+        while True:
+            await asyncio.sleep(0.02)
+            now = time.monotonic()
+            while heap and heap[0][0] <= now:
+                _, lease = heapq.heappop(heap)
+                if lease in live and lease not in waiting:
+                    waiting[lease] = now
+                    queues[lease % streams].put_nowait(live[lease])
+            for lease in [x for x, at in waiting.items() if now - at > 1.0]:
+                del waiting[lease]  # no answer within a second
+                if lease in live:
+                    hand_back(lease)
+
+    def stdin() -> None:
+        for line in sys.stdin:
+            loop.call_soon_threadsafe(command, line.strip())
+        loop.call_soon_threadsafe(loop.stop)  # the simulator process is gone
+
+    async def start() -> None:
+        for k in range(streams):
+            open_stream(k)
+        asyncio.ensure_future(tick())
+        sys.stdout.write("ready\n")  # its imports take seconds on a busy host: a lease
+        sys.stdout.flush()            # handed over before this would expire unrefreshed
+
+    threading.Thread(target=stdin, daemon=True).start()
+    loop.run_until_complete(start())
+    loop.run_forever()
 
 
 class KeeperPool:
@@ -170,6 +267,110 @@ class KeeperPool:
                 self._step(self._waiting.pop(lease)[0])
 
 
+    def remove(self, keeper: LeaseKeeper) -> None:
+        """Nothing to do: the loop skips a stopped keeper."""
+
+    def cpu(self) -> float:
+        """CPU seconds spent elsewhere than this process (none: the loop is a thread here)."""
+        return 0.0
+
+    def close(self) -> None:
+        """Nothing to do: the loop's thread is a daemon thread."""
+
+
+class KeeperProcess:
+    """Keeps every lease of a simulator process alive every TTL/3, as each
+    :class:`LeaseKeeper`'s own thread does, without a thread per lease and out of the GIL.
+
+    The refreshes run in a keep-alive process of their own (:func:`keeper_main`): in the
+    simulator process, hundreds of agents' threads busy at once (a join, a cold start) kept an
+    asyncio loop off the GIL for longer than the 2 s TTL and leases expired (19 at an N = 1,000
+    join, 76 at its cold start), which a real node, whose agent and daemon have a machine each,
+    does not see. A refresh is one LeaseKeepAlive message (~0.13 ms of client CPU on a grpc.aio
+    stream). Whenever the answer is not a plain renewal (the lease is gone, no answer within a
+    second, no lease held), the keeper's own :meth:`LeaseKeeper.step` runs here, on a thread: it
+    finds what happened and does what elasticd does (re-grant, tell the handler, distrust);
+    then the keeper's lease, perhaps a new one, goes back to the keep-alive process. etcd
+    receives the same messages as from elasticd's own keepers.
+    """
+
+    def __init__(self, endpoint: str, ttl: int, streams: int, workers: int) -> None:
+        import concurrent.futures
+        import subprocess
+
+        self._proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--keeper", endpoint, str(ttl),
+             str(streams)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            bufsize=1)
+        self._lock = threading.Lock()
+        self._keepers: dict[int, LeaseKeeper] = {}
+        self._cpu = 0.0
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers)
+        ready = self._proc.stdout.readline()  # type: ignore[union-attr]
+        if ready.strip() != "ready":
+            raise RuntimeError(f"keep-alive process did not start: {ready!r}")
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def add(self, keeper: LeaseKeeper) -> None:
+        """Takes the place of :meth:`LeaseKeeper.start` (any thread)."""
+        lease = keeper.lease
+        if keeper._stop.is_set():
+            return
+        if lease is None:
+            self._pool.submit(self._step, keeper)
+            return
+        with self._lock:
+            self._keepers[lease] = keeper
+            self._proc.stdin.write(f"add {lease}\n")  # type: ignore[union-attr]
+
+    def remove(self, keeper: LeaseKeeper) -> None:
+        """No more refreshes of the keeper's lease (its node was killed)."""
+        lease = keeper.lease
+        if lease is not None:
+            with self._lock:
+                self._keepers.pop(lease, None)
+                self._proc.stdin.write(f"remove {lease}\n")  # type: ignore[union-attr]
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:  # type: ignore[union-attr]
+            lease = int(line.split()[1])
+            with self._lock:
+                keeper = self._keepers.pop(lease, None)
+            if keeper is not None:
+                self._pool.submit(self._step, keeper)
+
+    def _step(self, keeper: LeaseKeeper) -> None:
+        """Not a plain renewal: elasticd's own step finds out and acts; the cadence goes on."""
+        if keeper._stop.is_set():  # its node was killed
+            return
+        keeper.step()
+        self.add(keeper)
+
+    def cpu(self) -> float:
+        """The keep-alive process's CPU seconds (counted in the simulator's CPU)."""
+        try:
+            t = psutil.Process(self._proc.pid).cpu_times()
+        except psutil.Error:
+            return self._cpu
+        self._cpu = t.user + t.system
+        return self._cpu
+
+    def close(self) -> None:
+        self._proc.kill()
+        self._proc.wait()
+
+
+class LoopThread:
+    """An asyncio loop on a thread of its own (the daemons' node watches run on it)."""
+
+    def __init__(self) -> None:
+        import asyncio
+
+        self._asyncio = asyncio
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+
+
 class NodeWatchPool:
     """The daemons' ``nodes/`` watches of a process on a few grpc.aio Watch streams, each node
     with its own watch ID (etcd pays per watcher: its events go to each watch ID).
@@ -183,7 +384,7 @@ class NodeWatchPool:
     per daemon, created from the revision after its own listing, cancelled at its kill.
     """
 
-    def __init__(self, keepers: "KeeperPool", endpoint: str, streams: int) -> None:
+    def __init__(self, keepers: "LoopThread | KeeperPool", endpoint: str, streams: int) -> None:
         import grpc
         from pyetcd import etcdrpc
 
@@ -299,6 +500,8 @@ class SimNode:
     def kill(self) -> None:
         """kill -9 of the whole node: no more keep-alives, watches or writes; nothing revoked."""
         h = self.agent
+        self.keepers.remove(self.daemon)
+        self.keepers.remove(h._keeper)
         self.daemon.stop(revoke=False)
         h._keeper.stop(revoke=False)
         h._duty.stop()
@@ -312,6 +515,16 @@ class SimNode:
         """Leases of this node found lost so far (a running total: ``take_lost`` forgets)."""
         self.lost += len(self.daemon.take_lost()) + len(self.agent._keeper.take_lost())
         return self.lost
+
+
+class _Pass:
+    """A task of :meth:`Ticker.every_pass`: called once per round with every node."""
+
+    def __init__(self, fn: Callable[[list[SimNode]], None]) -> None:
+        self.fn = fn
+
+    def __call__(self, node: SimNode) -> None:
+        self.fn([node])
 
 
 class Ticker:
@@ -329,6 +542,11 @@ class Ticker:
             self._thread = threading.Thread(target=self._run, daemon=True)
             self._thread.start()
 
+    def every_pass(self, seconds: float, fn: Callable[[list[SimNode]], None]) -> None:
+        """As :meth:`every`, but ``fn`` gets every live node of the process at once (its own
+        loop over them, so that its bookkeeping runs once per round, not once per node)."""
+        self.every(seconds, _Pass(fn))
+
     def _run(self) -> None:
         due = [time.monotonic()] * len(self._tasks)
         while not self._stop.is_set():
@@ -336,6 +554,9 @@ class Ticker:
             for k, (period, fn) in enumerate(self._tasks):
                 if now >= due[k]:
                     due[k] = now + period
+                    if isinstance(fn, _Pass):
+                        fn.fn(list(self._nodes.values()))
+                        continue
                     for node in list(self._nodes.values()):
                         fn(node)
             self._stop.wait(max(0.001, min(due) - time.monotonic()))
@@ -355,9 +576,14 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
     sys.setswitchinterval(a.switch_interval)
     settings = EtcdSettings(parse_endpoints(endpoints), timeout=10.0)
     coords = [EtcdCoordinator(settings) for _ in range(a.clients)]
-    keepers = KeeperPool(endpoints.split(",")[0].split("://")[-1], a.ttl, a.clients,
-                         a.keeper_threads)
-    watches = NodeWatchPool(keepers, endpoints.split(",")[0].split("://")[-1], a.clients)
+    endpoint = endpoints.split(",")[0].split("://")[-1]
+    keepers: Any
+    if a.keepalive_process:
+        keepers = KeeperProcess(endpoint, a.ttl, a.clients, a.keeper_threads)
+        watches = NodeWatchPool(LoopThread(), endpoint, a.clients)
+    else:  # the keep-alives on this process's own loop, beside the node watches
+        keepers = KeeperPool(endpoint, a.ttl, a.clients, a.keeper_threads)
+        watches = NodeWatchPool(keepers, endpoint, a.clients)
     nodes = {i: SimNode(i, coords[k % a.clients], n, min_nodes, keepers, watches, a)
              for k, i in enumerate(indices)}
     ticker = Ticker(nodes)  # where a phase registers per-node periodic work
@@ -381,7 +607,8 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
         t = me.cpu_times()
         return {"control_events": sum(x.agent._control_watch.events for x in nodes.values()),
                 "node_events": sum(x.node_events for x in nodes.values()),
-                "closers": closers, "cpu": t.user + t.system,
+                "closers": closers, "cpu": t.user + t.system + keepers.cpu(),
+                "keepalive_cpu": keepers.cpu(),
                 "leases_lost": (sum(x.leases_lost() for x in nodes.values())
                                 + lost_by_killed[0]),
                 "threads": me.num_threads()}
@@ -429,6 +656,7 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
                     x.daemon.stop(revoke=True)
                 for c in coords:
                     c.close()
+                keepers.close()
                 conn.send("stopped")
                 return
         except Exception as exc:  # noqa: BLE001 - the driver reports it
@@ -466,8 +694,8 @@ class Cluster:
     def stats(self) -> dict[str, Any]:
         parts = self.ask(("stats",))
         out: dict[str, Any] = {k: sum(p[k] for p in parts) for k in
-                               ("control_events", "node_events", "cpu", "leases_lost",
-                                "threads")}
+                               ("control_events", "node_events", "cpu", "keepalive_cpu",
+                                "leases_lost", "threads")}
         out["closers"] = {i: v for p in parts for i, v in p["closers"].items()}
         return out
 
@@ -679,6 +907,9 @@ def commit_phase(cluster: Cluster, etcd: Etcd, server: EmbeddedEtcd, n: int,
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--keeper"]:  # a simulator process's keep-alive process
+        keeper_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
@@ -693,6 +924,15 @@ def main() -> int:
     p.add_argument("--switch-interval", type=float, default=0.005,
                    help="sys.setswitchinterval of the simulator processes, seconds (CPython's "
                         "default 0.005)")
+    p.add_argument("--keepalive-process", type=int, default=1,
+                   help="1: each simulator process's lease keep-alives in a process of their "
+                        "own (KeeperProcess); 0: on the simulator process's own asyncio loop "
+                        "(KeeperPool, the simulator before 2026-11-29 15:00)")
+    p.add_argument("--tick-batch", type=int, default=1,
+                   help="1: the commit phase's per-node tick as one pass over a process's "
+                        "nodes (the simulator's bookkeeping once per pass, the lag sampled "
+                        "every 0.5 s); 0: node by node, the lag every 0.1 s (before "
+                        "2026-11-29 15:00)")
     p.add_argument("--ttl", type=int, default=2, help="lease TTL, seconds")
     p.add_argument("--confirm", type=float, default=1.0, help="rdzv liveness_confirm, seconds")
     p.add_argument("--window", type=float, default=5.0, help="steady window, seconds")

@@ -38,17 +38,21 @@ def main() -> None:
     p.add_argument("--order", required=True, help="labels, comma-separated, in run order")
     p.add_argument("--n", type=int, default=300)
     p.add_argument("--seconds", type=float, default=40.0)
+    p.add_argument("--procs", type=int, default=4, help="simulator processes")
     p.add_argument("--out", required=True)
     p.add_argument("--scratch", default="/tmp/commit-cuts")
     a = p.parse_args()
     commits = dict(c.split("=", 1) for c in a.commits)
     runs = []
     for label in a.order.split(","):
-        commit = commits[label]
+        # label=commit, or label=commit@--flag=value,--flag=value: the simulator's own options
+        # (a cut of the simulator measured beside the simulator before it, same elasticd)
+        commit, _, flags = commits[label].partition("@")
         out = os.path.join(a.scratch, f"{label}-{len(runs)}.json")
         cmd = [sys.executable, "scale_native.py", "--sizes", str(a.n), "--commit-only",
                "--commit-seconds", str(a.seconds), "--commit-warmup", "10",
-               "--commit-baseline", "10", "--out", out]
+               "--commit-baseline", "10", "--procs", str(a.procs), "--out", out,
+               *[f for f in flags.split(",") if f]]
         env = {**os.environ, "PYTHONPATH": tree(commit, a.scratch)}
         started = time.strftime("%H:%M:%S", time.gmtime())
         print(f"{started} {label} ({commit}): {' '.join(cmd[1:])}", flush=True)
@@ -58,10 +62,12 @@ def main() -> None:
         c = entry["commit"]
         c["reports_per_node_per_step"] = round(
             sum(c["reports_relayed"].values()) / c["nodes"] / c["snapshot_steps_in_window"], 2)
-        runs.append({"label": label, "code": commit, "started": started, **c})
+        runs.append({"label": label, "code": commit, "simulator_flags": flags,
+                     "started": started, **c})
         print(json.dumps({k: runs[-1].get(k) for k in (
             "label", "reports_per_node_per_step", "simulator_cpu_ms_per_node_second",
-            "simulator_cpu_pct", "lag_steps_median", "etcd_cpu_pct",
+            "simulator_cpu_pct", "keepalive_process_cpu_pct", "lag_steps_median",
+            "etcd_cpu_pct", "leases_lost",
             "watch_events_per_node_per_step")}), flush=True)
     doc = {"benchmark": "scale_native commit phase, one N, several commits' elasticd in one "
                         "lock hold (bench/spikes/commit_cuts_ab.py)",
