@@ -42,7 +42,7 @@ from elasticd.coordination.api import CoordinationError, Coordinator
 from elasticd.coordination.keys import Keyspace
 from elasticd.replication.api import ReplicationError, Version
 from elasticd.replication.background import Background
-from elasticd.replication.commit_state import Actions, CommitBook, Holder, Verdict
+from elasticd.replication.commit_state import Actions, CommitBook, Holder
 from elasticd.replication.commit_feed import CommitFeed
 from elasticd.replication.committed_prefix import CommittedPrefix
 from elasticd.replication.commit import (
