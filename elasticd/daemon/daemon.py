@@ -197,9 +197,9 @@ class Daemon:
         self._act(self.peers.start())
         self.jobs.start_watch()
         self._register(wait_for_id=True)  # last: once our record is visible, we are in
-        bound = getattr(self.coord, "bound_refusals", None)  # the etcd adapter's
-        if bound is not None:
-            bound(self.settings.etcd_timeout)  # the loop reports refusals as an outage
+        etcd = self.coord.etcd()
+        if etcd is not None:
+            etcd.bound_refusals(self.settings.etcd_timeout)  # the loop reports them as an outage
         self.loop.sentence = joined_sentence(self.settings.node_id)
         log.info("%s", self.loop.sentence)
 

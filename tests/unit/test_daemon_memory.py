@@ -107,6 +107,9 @@ def test_a_joined_daemon_bounds_the_repeats_of_a_refused_request(world):
     bounds = []
 
     class Etcd(MemoryCoordinator):
+        def etcd(self):
+            return self
+
         def bound_refusals(self, seconds):
             bounds.append(seconds)
 
