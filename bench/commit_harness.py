@@ -87,9 +87,9 @@ class HarnessNode:
             with t.lock:
                 st = t.state(JOB)
                 st.previous, st.placement = st.placement, placement
-                need_watch = st.watch is None
+                need_watch = True
         if need_watch:
-            t.watch(JOB)
+            t.prefix.watch(JOB)
 
     def snapshot(self, placement: Any, step: int) -> None:
         """Every local rank snapshots ``step``; its copy lands at each placement peer."""
@@ -121,7 +121,7 @@ class HarnessNode:
     def lag(self) -> int:
         with self.tracker.lock:
             st = self.tracker.jobs.get(JOB)
-            return self.tracker.sync_lag(st) if st is not None else 0
+            return st.sync_lag() if st is not None else 0
 
     def committed(self) -> tuple[int, int] | None:
         with self.tracker.lock:

@@ -236,7 +236,7 @@ class WorkerCommit:
             last = self.last_step.get(node.index, 0)
             if due > last:
                 step = self.last_step[node.index] = last + 1
-                if step % part.tracker.grid(JOB) == 0:
+                if step % part.tracker.prefix.grid(JOB) == 0:
                     part.snapshot(self.placement, step)
                     self.snapshots += 1
                 self.behind = max(self.behind, due - step)
@@ -258,7 +258,8 @@ class WorkerCommit:
         return {"lags": dict(self.lags), "snapshots": self.snapshots,
                 "relayed": dict(self.relay.sent), "leading": leading,
                 "taking_cpu": self.relay.taking, "behind_max": self.behind,
-                "grid_max": max((p.tracker.grid(JOB) for p in self.parts.values()), default=1),
+                "grid_max": max((p.tracker.prefix.grid(JOB) for p in self.parts.values()),
+                                default=1),
                 "withdrawals": withdrawals, "tick_cpu": self.tick_seconds,
                 "gates_lazy": sum(1 for g in self.gates.values() if getattr(g, "lazy", False)),
                 "thread_cpu": thread_cpu()}

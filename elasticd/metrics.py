@@ -76,16 +76,16 @@ class CheckpointSink:
     def restored(self, job: str, source: str, seconds: float, steps_lost: int,
                  nbytes: int) -> None:
         self.m.restore.restores.labels(source).inc()
-        self.m.restore.restore_seconds.labels(source).observe(seconds)
-        self.m.restore.restore_steps_lost.set(steps_lost)
+        self.m.restore.seconds.labels(source).observe(seconds)
+        self.m.restore.steps_lost.set(steps_lost)
 
     def persisted(self, job: str, step: int, seconds: float, nbytes: int, ok: bool) -> None:
         self.m.persistence.persists.labels("ok" if ok else "failed").inc()
         if ok:
-            self.m.persistence.persist_seconds.observe(seconds)
+            self.m.persistence.seconds.observe(seconds)
 
     def persist_writer_busy(self, job: str, outcome: str) -> None:
-        self.m.persistence.persist_writer_busy.labels(outcome).inc()
+        self.m.persistence.writer_busy.labels(outcome).inc()
 
     def update(self, stats: Any) -> None:
         """Gauges from ``CheckpointService.stats()`` (a ``CheckpointStats``), once per cycle."""
@@ -109,10 +109,10 @@ class EtcdMetrics:
 
     def __init__(self, r: CollectorRegistry) -> None:
         counter, gauge, _ = _kinds(r)
-        self.etcd_up = gauge("elasticd_etcd_up", "1 when the last etcd request succeeded, else 0")
-        self.etcd_outages = counter(
+        self.up = gauge("elasticd_etcd_up", "1 when the last etcd request succeeded, else 0")
+        self.outages = counter(
             "elasticd_etcd_outages_total", "Periods during which etcd was unreachable")
-        self.etcd_data_losses = counter(
+        self.data_losses = counter(
             "elasticd_etcd_data_losses_total",
             "Times this node found that etcd had lost its data (restarted empty)")
         self.keepalive_failures = counter(
@@ -153,8 +153,8 @@ class LoopMetrics:
 
     def __init__(self, r: CollectorRegistry) -> None:
         counter, gauge, _ = _kinds(r)
-        self.loop_cycles = counter("elasticd_loop_cycles_total", "Main loop cycles completed")
-        self.loop_last_cycle = gauge(
+        self.cycles = counter("elasticd_loop_cycles_total", "Main loop cycles completed")
+        self.last_cycle = gauge(
             "elasticd_loop_last_cycle_timestamp_seconds",
             "Wall time of the last completed main loop cycle")
 
@@ -174,10 +174,10 @@ class RendezvousMetrics:
             self.recoveries.labels(path)
         self.world_size = gauge(
             "elasticd_world_size", "World size of the job's current worker group on this node")
-        self.rendezvous_round = gauge(
+        self.round = gauge(
             "elasticd_rendezvous_round",
             "Worker generations this node's agent has started for the job (restarts + 1)")
-        self.rendezvous_seconds = histogram(
+        self.seconds = histogram(
             "elasticd_rendezvous_seconds",
             "From a worker group (re)start to its first progress report (rendezvous, process "
             "group set-up and the first step)", buckets=(0.5, 1, 2, 3, 4, 5, 7.5, 10, 15, 20,
@@ -216,7 +216,7 @@ class JobMetrics:
             "1 while this node is named a straggler of its job: its compute time per step has "
             "stayed above the job's --straggler-factor times the other nodes' median "
             "(elasticd.agent.straggler)")
-        self.job_running = gauge("elasticd_job_running", "1 while this node runs a job's agent")
+        self.running = gauge("elasticd_job_running", "1 while this node runs a job's agent")
 
 
 class RecoveryMetrics:
@@ -224,22 +224,22 @@ class RecoveryMetrics:
 
     def __init__(self, r: CollectorRegistry) -> None:
         _, gauge, histogram = _kinds(r)
-        self.recovery_phase_seconds = histogram(
+        self.phase_seconds = histogram(
             "elasticd_recovery_phase_seconds",
             "Seconds of each phase of a recovery from a node's failure to the first step "
             "(detect, abort, rendezvous, start, restore, first_step); observed once per "
             "recovery, by the node that writes its timeline", ["phase"],
             buckets=RECOVERY_PHASE_BUCKETS)
-        self.last_recovery_phase_seconds = gauge(
+        self.last_phase_seconds = gauge(
             "elasticd_last_recovery_phase_seconds",
             "Each phase of the last recovery whose timeline this node wrote (NaN: not seen)",
             ["phase"])
-        self.last_recovery_timestamp = gauge(
+        self.last_timestamp = gauge(
             "elasticd_last_recovery_timestamp_seconds",
             "When the last recovery whose timeline this node wrote trained again (0: none)")
         for phase in RECOVERY_PHASES:
-            self.recovery_phase_seconds.labels(phase)
-            self.last_recovery_phase_seconds.labels(phase).set(float("nan"))
+            self.phase_seconds.labels(phase)
+            self.last_phase_seconds.labels(phase).set(float("nan"))
 
 
 class CheckpointMetrics:
@@ -291,14 +291,14 @@ class RestoreMetrics:
             "Partial copies for a restore refused because they would take a job's scratch "
             "over its cap (scratch_cap_mib): that rank's restore failed")
         self.restores = counter("elasticd_restores_total", "Worker restores, by source", ["source"])
-        self.restore_seconds = histogram(
+        self.seconds = histogram(
             "elasticd_restore_seconds", "Time one worker took to restore, by source", ["source"],
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         for source in ("local", "peer", "persistent", "none"):
             self.restores.labels(source)
             self.snapshots_refused.labels(source)
-            self.restore_seconds.labels(source)
-        self.restore_steps_lost = gauge(
+            self.seconds.labels(source)
+        self.steps_lost = gauge(
             "elasticd_restore_steps_lost", "Steps lost at the last restore")
 
 
@@ -309,14 +309,14 @@ class PersistenceMetrics:
         counter, gauge, histogram = _kinds(r)
         self.persisted_step = gauge(
             "elasticd_persisted_step", "Newest step complete on the persistent tier")
-        self.persist_seconds = histogram(
+        self.seconds = histogram(
             "elasticd_persist_seconds", "Time to flush this node's ranks of one step",
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
         self.persists = counter("elasticd_persists_total",
                                 "Flushes to the persistent tier, by outcome", ["outcome"])
         for outcome in ("ok", "failed"):
             self.persists.labels(outcome)
-        self.persist_writer_busy = counter(
+        self.writer_busy = counter(
             "elasticd_persist_writer_busy_total",
             "Steps due for the persistent tier that found its writer still flushing an earlier "
             "one (its disk is slower than the flush cadence), by what became of them (waited: "
@@ -324,7 +324,7 @@ class PersistenceMetrics:
             "skipped: not written; dropped: held, but its copies were gone once the writer was "
             "free)", ["outcome"])
         for outcome in PERSIST_BUSY_OUTCOMES:
-            self.persist_writer_busy.labels(outcome)
+            self.writer_busy.labels(outcome)
 
 
 class ReplicationMetrics:
@@ -333,17 +333,17 @@ class ReplicationMetrics:
 
     def __init__(self, r: CollectorRegistry) -> None:
         counter, _, histogram = _kinds(r)
-        self.replication_seconds = histogram(
+        self.seconds = histogram(
             "elasticd_replication_seconds",
             "Time one push of a rank's snapshot to a peer took (sent, verified and stored)",
             buckets=REPLICATION_BUCKETS)
-        self.replication_rejected = counter(
+        self.rejected = counter(
             "elasticd_replication_connections_rejected_total",
             "Connections to this node's replica server rejected before any data, by reason "
             "(auth: no proof of the cluster secret or a replayed handshake; version: another "
             "wire protocol version; tls)", ["reason"])
         for reason in REJECT_REASONS:
-            self.replication_rejected.labels(reason)
+            self.rejected.labels(reason)
         self.collector = ReplicationCollector()
         r.register(self.collector)
 
@@ -375,14 +375,14 @@ class ReplicationSink:
         self.m = metrics
 
     def pushed(self, seconds: float, nbytes: int) -> None:
-        self.m.replication.replication_seconds.observe(seconds)
+        self.m.replication.seconds.observe(seconds)
 
     def rejected(self, peer: str, reason: str) -> None:
         """``reason`` is the server's text, ``"ExceptionName: message"``."""
         kind = reason.split(":", 1)[0]
         label = ("version" if kind == "UnsupportedVersion"
                  else "tls" if kind.startswith("SSL") else "auth")
-        self.m.replication.replication_rejected.labels(label).inc()
+        self.m.replication.rejected.labels(label).inc()
 
 
 class ReplicationFigures(Protocol):

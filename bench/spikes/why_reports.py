@@ -59,7 +59,7 @@ why.clear(); sent0 = reports.sent
 while time.monotonic() - t0 < SECS:
     step += 1
     for n in random.sample(nodes, len(nodes)):
-        if step % n.tracker.grid(JOB) == 0:
+        if step % n.tracker.prefix.grid(JOB) == 0:
             n.snapshot(placement, step)
     time.sleep(max(0, t0 + step - time.monotonic()))
 stop.set()

@@ -128,11 +128,11 @@ class WorkerGroup:
             if isinstance(step, int):
                 self.restarts.progress(step)
             if self._restarted_at is not None:
-                self._metrics.rendezvous.rendezvous_seconds.observe(
+                self._metrics.rendezvous.seconds.observe(
                     self._clock.monotonic() - self._restarted_at)
                 self._restarted_at = None
                 self._generations += 1
-                self._metrics.rendezvous.rendezvous_round.set(self._generations)
+                self._metrics.rendezvous.round.set(self._generations)
 
     def restart_workers(self, why: str) -> int:
         """Kills the workers (their agent starts a new group); returns how many."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
-from typing import Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from elasticd.errors import ElasticdError
 
@@ -150,6 +150,16 @@ class Delete:
 Op = Put | Delete
 
 
+class EtcdOnly(Protocol):
+    """What an etcd connection offers beyond :class:`Coordinator` (:meth:`Coordinator.etcd`)."""
+
+    def bound_refusals(self, seconds: float) -> None:
+        """Repeats a request refused as older than the auth store for at most ``seconds``."""
+
+    def auth_call(self, method: str, request: Any) -> Any:
+        """Calls one of etcd's Auth RPCs (users and roles)."""
+
+
 class Coordinator(abc.ABC):
     """A strongly consistent key-value store with leases and watches (the etcd v3 model).
 
@@ -260,6 +270,10 @@ class Coordinator(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Releases connections and stops watches."""
+
+    def etcd(self) -> EtcdOnly | None:
+        """What only a real etcd offers beyond this interface (None: not an etcd)."""
+        return None
 
     def __enter__(self) -> "Coordinator":
         return self

@@ -48,7 +48,7 @@ class EtcdSettings:
         refusal_patience: seconds a request etcd refuses as older than its auth store is
             repeated before it fails with :class:`Refused` (an :class:`Unavailable`). A
             one-shot client (elasticctl) waits long; a daemon that joined waits no longer
-            than one request may take (:meth:`EtcdCoordinator.bound_refusals`).
+            than one request may take (:meth:`EtcdConnection.bound_refusals`).
     """
 
     endpoints: tuple[tuple[str, int], ...]
@@ -95,9 +95,8 @@ class EtcdCoordinator(Coordinator):
         self._lock = threading.Lock()
         self._watches: list[ResilientWatch] = []
 
-    def bound_refusals(self, seconds: float) -> None:
-        """See :meth:`EtcdConnection.bound_refusals` (the daemon calls it once it joined)."""
-        self.connection.bound_refusals(seconds)
+    def etcd(self) -> EtcdConnection:
+        return self.connection
 
     def auth_call(self, method: str, request: Any) -> Any:
         """See :meth:`EtcdConnection.auth_call` (etcd's users and roles)."""

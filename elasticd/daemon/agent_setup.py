@@ -35,7 +35,7 @@ def rdzv_conf(s: Settings) -> dict[str, str]:
 def agent_credentials(s: Settings, coord: Coordinator, keys: Keyspace) -> AgentCredentials | None:
     """What gives agents their own etcd credentials and TLS files (None: nothing to give,
     e.g. the embedded etcd)."""
-    if not (s.etcd and hasattr(coord, "auth_call") and (s.agent_users_on or s.etcd_ca_cert)):
+    if not (s.etcd and coord.etcd() is not None and (s.agent_users_on or s.etcd_ca_cert)):
         return None
     from elasticd.coordination.agent_credentials import AgentCredentials
 

@@ -111,7 +111,7 @@ class Daemon:
         self.keeper = LeaseKeeper(coord, settings.lease_ttl, self.health,
                                   on_change=self.loop.wake, clock=self.clock,
                                   on_failure=self.metrics.etcd.keepalive_failures.inc)
-        self.metrics.etcd.etcd_up.set(1)
+        self.metrics.etcd.up.set(1)
         self.registration = Registration(
             settings.node_id, coord, keys, self.keeper, self.health, self.events,
             self.membership, self.clock, settings.lease_ttl,
@@ -208,9 +208,9 @@ class Daemon:
         self._act(self.peers.start())
         self.jobs.start_watch()
         self._register(wait_for_id=True)  # last: once our record is visible, we are in
-        bound = getattr(self.coord, "bound_refusals", None)  # the etcd adapter's
-        if bound is not None:
-            bound(self.settings.etcd_timeout)  # the loop reports refusals as an outage
+        etcd = self.coord.etcd()
+        if etcd is not None:
+            etcd.bound_refusals(self.settings.etcd_timeout)  # the loop reports them as an outage
         self.loop.sentence = joined_sentence(self.settings.node_id)
         log.info("%s", self.loop.sentence)
 
@@ -294,12 +294,12 @@ class Daemon:
         self.loop.note(self.fence.check(self.clock.monotonic()))
 
     def _outage_started(self) -> None:
-        self.metrics.etcd.etcd_outages.inc()
-        self.metrics.etcd.etcd_up.set(0)
+        self.metrics.etcd.outages.inc()
+        self.metrics.etcd.up.set(0)
         self.loop.wake()
 
     def _outage_ended(self, seconds: float) -> None:
-        self.metrics.etcd.etcd_up.set(1)
+        self.metrics.etcd.up.set(1)
         self.peers.stale = True
         rewatch = getattr(self.coord, "rewatch", None)
         # etcd that only refused requests (its users changing) kept every watch stream: at
@@ -367,7 +367,7 @@ class Daemon:
                 self.jobs.step()
                 self.loop.notes += self.jobs.notes
                 self.loop.note(self.timeline.step())
-            self.metrics.jobs.job_running.set(1 if self.jobs.supervisor is not None else 0)
+            self.metrics.jobs.running.set(1 if self.jobs.supervisor is not None else 0)
             if self.checkpoints is not None:
                 CheckpointSink(self.metrics).update(self.checkpoints.stats())
             self.loop.note(self.replicas.follow_round())
@@ -410,10 +410,10 @@ class Daemon:
                 reg.put(self.registered_lease)
             except CoordinationError as exc:
                 self.health.failed(exc)
-        self.metrics.loop.loop_cycles.inc()
-        self.metrics.loop.loop_last_cycle.set(self.clock.wall())
+        self.metrics.loop.cycles.inc()
+        self.metrics.loop.last_cycle.set(self.clock.wall())
         self.metrics.membership.nodes_alive.set(len(self.membership.nodes))
-        self.metrics.etcd.etcd_up.set(1 if self.health.up else 0)
+        self.metrics.etcd.up.set(1 if self.health.up else 0)
 
     def _cut_off(self) -> bool:
         """Whether this node was cut off from etcd long enough for a peer's record to expire

@@ -66,7 +66,7 @@ class DataLossRecovery:
                 log.error("etcd lost its data (%s): re-listing and re-watching, re-publishing "
                           "this node's records and %d job spec(s); no node is declared failed "
                           "for it", loss.reason, specs)
-                self._metrics.etcd.etcd_data_losses.inc()
+                self._metrics.etcd.data_losses.inc()
             elif step is Recover.RECORD_EVENT:
                 self._record_event(loss, specs)
             else:

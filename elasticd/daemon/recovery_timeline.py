@@ -309,7 +309,7 @@ class TimelineRecorder:
     def _observe(self, tl: timeline.Timeline) -> None:
         for phase, seconds in tl.phases().items():
             if seconds is not None:
-                self.metrics.recovery.recovery_phase_seconds.labels(phase).observe(seconds)
-            self.metrics.recovery.last_recovery_phase_seconds.labels(phase).set(
+                self.metrics.recovery.phase_seconds.labels(phase).observe(seconds)
+            self.metrics.recovery.last_phase_seconds.labels(phase).set(
                 math.nan if seconds is None else seconds)
-        self.metrics.recovery.last_recovery_timestamp.set(tl.first_step_at or tl.detected_at)
+        self.metrics.recovery.last_timestamp.set(tl.first_step_at or tl.detected_at)

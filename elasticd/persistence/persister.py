@@ -36,7 +36,6 @@ caller's: a hung shared filesystem must not stall the daemon's cycle. No torch.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import queue
@@ -124,7 +123,6 @@ class Persister:
         # job -> (retry, uid): a step offered while the writer was busy, taken again once it
         # is free (see submit); a newer one replaces it.
         self._waiting: dict[str, tuple[Callable[[], Sequence[Any] | None], int | None]] = {}
-        self.counters: collections.Counter[str] = collections.Counter()
         self._buffers: list[np.ndarray] = []
         self._thread = threading.Thread(target=self._run, name="elasticd-persist", daemon=True)
         self._closed = False
@@ -176,20 +174,18 @@ class Persister:
             waits when ``retry`` is given).
         """
         with self._lock:
-            skip = "skipped_closed" if self._closed else "skipped_busy" if self._pending else ""
-            if not skip:
+            taken = not self._closed and not self._pending
+            if taken:
                 self._queue.put_nowait((job, list(views), uid))
                 self._pending += 1
                 self._last_period[job] = self._period()
-            elif skip == "skipped_busy" and retry is not None:
-                skip, self._waiting[job] = "deferred_busy", (retry, uid)
+            elif not self._closed and retry is not None:
+                self._waiting[job] = (retry, uid)
                 self._last_period[job] = self._period()
-            if skip:
-                self.counters[skip] += 1
-        if skip:
+        if not taken:
             for v in views:
                 v.release()
-        return not skip
+        return taken
 
     def persisted(self, job: str) -> tuple[int, int] | None:
         """The newest step of ``job`` this persister saw complete on disk."""
@@ -235,13 +231,6 @@ class Persister:
     def closed(self) -> bool:
         """Whether :meth:`close` was called (a step offered now is dropped, not late)."""
         return self._closed
-
-    def stats(self) -> dict[str, Any]:
-        with self._lock:
-            return {"flushed": self.counters["flushed"], "failed": self.counters["failed"],
-                    "skipped_busy": self.counters["skipped_busy"],
-                    "buffer_bytes": sum(len(b) for b in self._buffers),
-                    "persisted": {j: list(v) for j, v in self._persisted.items()}}
 
     # -- the writer thread ----------------------------------------------------------------
 
@@ -307,8 +296,6 @@ class Persister:
                 views = None
             if views:
                 return job, list(views), uid
-            with self._lock:
-                self.counters["skipped_gone"] += 1
             log.info("persist of %s: the step that waited for the writer is no longer held "
                      "here; the next due step is written instead", job)
 
@@ -349,8 +336,6 @@ class Persister:
             for view in views:
                 view.release()
         seconds = self.clock.monotonic() - start
-        with self._lock:
-            self.counters["failed" if error else "flushed"] += 1
         if self.on_flushed is not None:
             try:
                 self.on_flushed(Flushed(job, version, tuple(ranks), nbytes, seconds, complete,

@@ -149,11 +149,11 @@ class Replicator:
                              self.tracker, self.link_rates)
         self.awaiting_commit = self.tracker.awaiting_commit
         if sink is not None:
-            sink.on_pending = self.tracker.reread
+            sink.on_pending = self.tracker.prefix.reread
             sink.on_landed = functools.partial(self.tracker.on_landed, holder=Holder.REPLICA)
             sink.on_superseded = self.tracker.on_superseded
             sink.never_committed = self.tracker.never_committed
-        self.tracker.reporter.start()
+        self.tracker.reporter.ticker.start()
 
     def on_report(self, report: Report) -> Reply:
         """Where the replica server hands the commit reports it receives (to this node's
@@ -193,7 +193,7 @@ class Replicator:
         except CoordinationError as exc:
             self.tracker.etcd_error("publish the placement", exc)
         if need_watch:
-            self.tracker.watch(job)
+            self.tracker.prefix.watch(job)
         if old is not None:
             self.background.submit(self._rereplicate, job)
         return placement
@@ -258,7 +258,7 @@ class Replicator:
     def snapshot_grid(self, job: str) -> int:
         """Local snapshots of ``job`` are taken only at multiples of this step count (see
         :class:`~elasticd.replication.commit.Grid`)."""
-        return self.tracker.grid(job)
+        return self.tracker.prefix.grid(job)
 
     def on_commit_pending(self, job: str, version: Version,
                           skipped: Version | None = None) -> None:
@@ -333,7 +333,7 @@ class Replicator:
         report: dict[str, dict[str, Any]] = {}
         done_n = failed_n = planned_n = 0
         for job in list(self.tracker.jobs):
-            self.tracker.reread(job)
+            self.tracker.prefix.reread(job)
             placement, committed = self.tracker.view(job)
             if placement is None or committed is None:
                 continue
@@ -469,7 +469,7 @@ class Replicator:
                     "committed_holders": {str(r): list(h) for r, h in c.holders.items()} if c else {},
                     "latest_local": {str(r): list(v) for r, v in sorted(st.latest.items())},
                     "replicated": {str(r): [list(v) for v in vs] for r, vs in st.replicated.items()},
-                    "sync_lag": self.tracker.sync_lag(st),
+                    "sync_lag": st.sync_lag(),
                     "under_replicated": under_replicated(c, p),
                     "generation_floor": st.book.floor,
                     "awaiting_commit": [list(v) for v in st.book.awaiting()],
@@ -489,7 +489,7 @@ class Replicator:
         with self.tracker.lock:
             c = self.counters + self.tracker.counters
             jobs = list(self.tracker.jobs.values())
-            lags = [self.tracker.sync_lag(st) for st in jobs]
+            lags = [st.sync_lag() for st in jobs]
             committed = [st.committed.step for st in jobs if st.committed]
             under = sum(under_replicated(st.committed, st.placement) for st in jobs)
             fetch_failures = dict(self.fetch_failures)

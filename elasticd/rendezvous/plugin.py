@@ -51,6 +51,8 @@ from typing import TYPE_CHECKING, Callable
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous.api import RendezvousHandler, RendezvousParameters
 
+    from elasticd.rendezvous.handler import EtcdNativeRendezvousHandler
+
 __all__ = ["BACKEND_NAME", "NATIVE_BACKEND_NAME", "handler_creator", "native_handler_creator",
            "on_handler_created"]
 
@@ -61,7 +63,7 @@ NATIVE_BACKEND_NAME = "etcd-v3-native"
 #: Called with every handler this process creates, before torch uses it. elasticd's daemons
 #: start the agent through :mod:`elasticd.agent.torchrun`, which adds a node's duties here;
 #: plain torchrun adds nothing.
-on_handler_created: list[Callable[[RendezvousHandler], None]] = []
+on_handler_created: list[Callable[[EtcdNativeRendezvousHandler], None]] = []
 
 
 def handler_creator(name: str = BACKEND_NAME

@@ -311,12 +311,6 @@ def record_commit(coord: Coordinator, keys: Keyspace, job: str, new: Committed,
     raise CommitConflict(f"committed record of {job} changed under {attempts} attempts")
 
 
-def store_commit_placement(coord: Coordinator, keys: Keyspace, job: str,
-                           placement: Placement) -> None:
-    """Stores ``placement`` as the one the committed record's holders derive from."""
-    coord.put(keys.replication(job).commit_placement, encode_placement(placement))
-
-
 def update_holders(coord: Coordinator, keys: Keyspace, job: str, version: Version,
                    changes: Mapping[int, Iterable[str]], now: float,
                    attempts: int = 16) -> Committed | None:

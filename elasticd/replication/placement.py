@@ -1,4 +1,4 @@
-"""Where each node's checkpoint shards are held: Gemini's placement and its failure odds.
+"""Where each node's checkpoint shards are held: Gemini's placement.
 
 Every node of a rendezvous round owns the shards of the ranks it hosts and must have them held by
 ``m`` daemons: itself plus ``m - 1`` peers. :func:`compute_placement` chooses the peers the way
@@ -10,11 +10,8 @@ shards go to the next ``m - 1`` members around that group's ring). With ``m | N`
 group placement, which the paper proves optimal; otherwise ("mixed") it is near-optimal and
 keeps every node's replication traffic at ``m - 1`` copies.
 
-The rest of the module answers questions about a placement without touching the network:
-which owners lose every copy when given nodes die (:func:`lost_shards`), how likely ``k`` random
-simultaneous failures are to lose something (:func:`loss_probability`, exact), and how a
-placement is stored in etcd (:func:`encode_placement`, :func:`decode_placement`, record kind
-``"placement"``). Which copies a membership change requires is
+A placement is stored in etcd by :func:`encode_placement` and :func:`decode_placement` (record
+kind ``"placement"``). Which copies a membership change requires is
 :func:`elasticd.recovery.plans.repair_plan`'s question, asked of the committed record.
 """
 
@@ -22,8 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
-from fractions import Fraction
 from typing import Any, Iterable, Mapping, Sequence
 
 from elasticd.coordination import records
@@ -34,10 +29,6 @@ log = logging.getLogger(__name__)
 RECORD_KIND = "placement"
 GROUP = "group"
 MIXED = "mixed"
-#: Largest set of nodes whose failures :func:`loss_probability` enumerates exhaustively. Our own
-#: placements never link more than ``2m - 1`` nodes, so this only stops a hand-made placement
-#: from running for hours.
-MAX_ENUMERATED_COMPONENT = 20
 
 
 class PlacementError(InputError, ValueError):
@@ -187,110 +178,6 @@ def _normalise_ranks(
                 raise PlacementError(f"rank {r} is hosted by both {seen[r]!r} and {node!r}")
             seen[r] = node
         out[node] = rs
-    return out
-
-
-# -- failures ---------------------------------------------------------------------------------
-
-
-def lost_shards(placement: Placement, dead_nodes: Iterable[str]) -> set[str]:
-    """The owners whose every copy sits on a dead node (restore needs the persistent tier).
-
-    Nodes in ``dead_nodes`` that are not part of the placement are ignored.
-    """
-    dead = set(dead_nodes)
-    return {o for o, hs in placement.holders.items() if all(h in dead for h in hs)}
-
-
-def lost_ranks(placement: Placement, dead_nodes: Iterable[str]) -> set[int]:
-    """The ranks whose shard has no surviving copy."""
-    return {r for o in lost_shards(placement, dead_nodes) for r in placement.ranks[o]}
-
-
-def loss_probability(placement: Placement, k: int) -> Fraction:
-    """Exact probability that ``k`` distinct nodes, chosen uniformly at random, dying at once
-    leave some owner with no copy.
-
-    Owners only lose copies within their own connected part of the holder graph (a group, or the
-    ring), so each part's failure patterns are enumerated alone and combined by counting: exact,
-    and fast for any number of nodes.
-
-    Raises:
-        ValueError: ``k`` outside ``0..N``.
-        PlacementError: a connected part larger than :data:`MAX_ENUMERATED_COMPONENT` nodes.
-    """
-    n = len(placement.nodes)
-    if not 0 <= k <= n:
-        raise ValueError(f"k must be between 0 and the {n} nodes, got {k}")
-    # safe[t] = number of t-node failure sets that lose nothing, built up part by part.
-    safe = [1]
-    for part in _components(placement):
-        safe = _convolve(safe, _safe_counts(placement, part))
-    survivable = safe[k] if k < len(safe) else 0
-    return 1 - Fraction(survivable, math.comb(n, k))
-
-
-def group_loss_probability(n: int, m: int, k: int) -> Fraction:
-    """Closed form of :func:`loss_probability` for group placement (``m`` divides ``n``).
-
-    Some shard is lost exactly when some group of ``m`` dies whole; inclusion–exclusion over the
-    ``n / m`` groups gives ``sum_j (-1)^(j+1) C(n/m, j) C(n - jm, k - jm) / C(n, k)``. (The
-    paper's Corollary 1 states the first term of this sum as a bound.)
-
-    Raises:
-        ValueError: ``m`` does not divide ``n``, or ``k`` outside ``0..n``.
-    """
-    if m < 1 or n < 1 or n % m:
-        raise ValueError(f"group placement needs m to divide n, got n={n}, m={m}")
-    if not 0 <= k <= n:
-        raise ValueError(f"k must be between 0 and {n}, got {k}")
-    g = n // m
-    total = sum(
-        (-1) ** (j + 1) * math.comb(g, j) * math.comb(n - j * m, k - j * m)
-        for j in range(1, min(g, k // m) + 1)
-    )
-    return Fraction(total, math.comb(n, k))
-
-
-def _components(placement: Placement) -> list[list[str]]:
-    parent = {n: n for n in placement.nodes}
-
-    def find(x: str) -> str:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    for owner, hs in placement.holders.items():
-        for h in hs:
-            parent[find(h)] = find(owner)
-    parts: dict[str, list[str]] = {}
-    for node in placement.nodes:
-        parts.setdefault(find(node), []).append(node)
-    return list(parts.values())
-
-
-def _safe_counts(placement: Placement, part: list[str]) -> list[int]:
-    if len(part) > MAX_ENUMERATED_COMPONENT:
-        raise PlacementError(
-            f"{len(part)} nodes share replicas; loss_probability enumerates at most "
-            f"{MAX_ENUMERATED_COMPONENT}"
-        )
-    bit = {node: 1 << i for i, node in enumerate(part)}
-    masks = [sum(bit[h] for h in placement.holders[o]) for o in part]
-    counts = [0] * (len(part) + 1)
-    for dead in range(1 << len(part)):
-        if not any(dead & mask == mask for mask in masks):
-            counts[dead.bit_count()] += 1
-    return counts
-
-
-def _convolve(a: list[int], b: list[int]) -> list[int]:
-    out = [0] * (len(a) + len(b) - 1)
-    for i, x in enumerate(a):
-        if x:
-            for j, y in enumerate(b):
-                out[i + j] += x * y
     return out
 
 

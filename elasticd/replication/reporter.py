@@ -15,8 +15,8 @@ When no node holds the election key this node campaigns after
 :func:`~elasticd.replication.election.campaign_delay` (the placement's first node at once), and
 on winning runs a :class:`~elasticd.replication.coordinator.JobCoordinator` for the term.
 
-No thread of its own but :meth:`Reporter.start`'s ticker (retries, campaigns, the election
-lease): a simulator drives the same code by calling :meth:`Reporter.tick` itself.
+No thread of its own but its :class:`~elasticd.replication.ticker.Ticker` (retries, campaigns,
+the election lease): a simulator drives the same code by calling :meth:`Reporter.tick` itself.
 """
 
 from __future__ import annotations
@@ -39,13 +39,14 @@ from elasticd.replication.election import decode as decode_election
 from elasticd.replication.fences import encode_fence, read_fence
 from elasticd.replication.report import MAX_ASK, MAX_DEAD, Reply, Report
 from elasticd.replication.tally import Tally
+from elasticd.replication.ticker import Ticker
 
 if TYPE_CHECKING:
     from elasticd.replication.tracker import CommitTracker
 
 log = logging.getLogger(__name__)
 
-#: Seconds between two ticks of :meth:`Reporter.start`'s thread while something is due soon
+#: Seconds between two ticks of the reporter's ticker while something is due soon
 #: (a retry, a campaign, this node's term as coordinator); with nothing pending it ticks
 #: every :data:`IDLE_TICK` (a safety net: every change that makes work due wakes it).
 TICK = 0.1
@@ -77,6 +78,22 @@ class JobReports:
     ahead: Version | None = None  # a commit a reply named that the watch had not brought yet
     ahead_since: float = 0.0
 
+    def failed(self, why: str, now: float) -> bool:
+        """A report was not delivered: due again after a backoff. True when ``why`` is new."""
+        self.dirty = True
+        self.failures += 1
+        self.retry_at = now + min(0.05 * 2 ** self.failures, 1.0)
+        first, self.last_reason = self.last_reason != why, why
+        return first
+
+    def watch_lagging(self, known: Version | None, now: float) -> bool:
+        """True (once) when a commit a reply named is still unseen after :data:`WATCH_GRACE`
+        (``known``: the newest commit the watch brought)."""
+        if self.ahead is None or now - self.ahead_since < WATCH_GRACE:
+            return False
+        ahead, self.ahead = self.ahead, None
+        return known is None or known < ahead
+
 
 class Reporter:
     """Sends this node's commit reports and takes its turns as coordinator.
@@ -86,19 +103,23 @@ class Reporter:
         send: delivers a report to a node (that node's coordination) and returns its reply;
             raises ReplicationError when it cannot.
         ttl: the election lease's TTL in seconds (a dead coordinator costs about this).
+        submit: runs work in the background.
+        reread: reads the job's committed prefix again (a lagging watch, a stale election
+            record).
     """
 
     def __init__(self, tracker: "CommitTracker", send: Callable[[str, Report], Reply],
-                 ttl: float = 2.0) -> None:
-        self.t, self._send, self.ttl = tracker, send, ttl
+                 ttl: float, submit: Callable[..., None], reread: Callable[[str], None]) -> None:
+        self.t, self._send, self.ttl, self.submit, self.reread = tracker, send, ttl, submit, reread
         self._rng = random.SystemRandom()
         self.boot = self._rng.getrandbits(62)
         self.seq = 0
         self.jobs: dict[str, JobReports] = {}
-        self._stop = threading.Event()
         #: Set when work may have become due before the next tick (:meth:`tick`'s answer).
         self.wake = threading.Event()
-        self._thread: threading.Thread | None = None
+        #: Runs :meth:`tick` when it says, and when woken (started by the replicator).
+        self.ticker = Ticker(lambda: self.tick(), self.wake, TICK,
+                             f"commit-tick-{tracker.node_id}")
 
     def job(self, job: str) -> JobReports:
         """The job's reporting state, created if new (call with the tracker's lock held)."""
@@ -125,7 +146,7 @@ class Reporter:
                 old is not None and ship is not None and old.term != ship.term)
             if new:
                 j.dirty, j.failures, j.retry_at, j.hopeless = True, 0, 0.0, frozenset()
-            first = ship is None and self._delay(job) == 0
+            first = ship is None and _delay(self.t.node_id, self.t.jobs.get(job)) == 0
         if ship is None or new:
             self.wake.set()  # a campaign comes due, or a report
         if ended:
@@ -134,7 +155,7 @@ class Reporter:
         if new:
             self._kick(job)
         if first:
-            self.t.submit(self._campaign, job)
+            self.submit(self._campaign, job)
 
     def committed_seen(self, job: str, c: Committed | None, revision: int) -> None:
         """The committed record changed (the watch): tells this node's coordination."""
@@ -202,7 +223,7 @@ class Reporter:
                     or self.t.clock.monotonic() < j.retry_at):
                 return
             j.busy = True
-        self.t.submit(self._run, job)
+        self.submit(self._run, job)
 
     def _run(self, job: str) -> None:
         try:
@@ -238,7 +259,12 @@ class Reporter:
             reply = (leading.on_report(report) if leading is not None and ship.node == self.t.node_id
                      else self._send(ship.node, report))
         except (ReplicationError, CoordinationError) as exc:
-            self._failed(job, j, f"{type(exc).__name__}: {exc}")
+            why, now = f"{type(exc).__name__}: {exc}", self.t.clock.monotonic()
+            with self.t.lock:
+                first = j.failed(why, now)
+            self.wake.set()  # the retry's time
+            (log.warning if first else log.debug)(
+                "%s: cannot report to the commit coordinator (%s); retrying", job, why)
             return False
         return self._answered(job, j, ship, reply)
 
@@ -254,17 +280,6 @@ class Reporter:
         self.seq += 1
         return Report(job, self.t.node_id, ship.term, st.digest, self.boot, self.seq, fence,
                       book.floor, ranks, tuple(dead), tuple(book.awaiting()[-MAX_ASK:]))
-
-    def _failed(self, job: str, j: JobReports, why: str) -> None:
-        now = self.t.clock.monotonic()
-        with self.t.lock:
-            j.dirty = True
-            j.failures += 1
-            j.retry_at = now + min(0.05 * 2 ** j.failures, 1.0)
-            first, j.last_reason = j.last_reason != why, why
-        self.wake.set()  # the retry's time
-        (log.warning if first else log.debug)(
-            "%s: cannot report to the commit coordinator (%s); retrying", job, why)
 
     def _answered(self, job: str, j: JobReports, ship: Coordinatorship, reply: Reply) -> bool:
         """Takes the coordinator's reply; True when another report is due at once."""
@@ -299,16 +314,10 @@ class Reporter:
             log.debug("%s: coordinator %s did not count this report: %s", job, ship.node,
                       reply.reason)
         if behind:  # a stale election record: read the committed prefix
-            self.t.submit(self.t.reread, job)
+            self.submit(self.reread, job)
         return again
 
     # -- coordinating ----------------------------------------------------------------------
-
-    def _delay(self, job: str) -> float:
-        st = self.t.jobs.get(job)
-        if st is None or st.placement is None:
-            return float("inf")
-        return campaign_delay(self.t.node_id, st.placement.nodes)
 
     def _campaign(self, job: str) -> None:
         with self.t.lock:
@@ -355,12 +364,12 @@ class Reporter:
                 t.node_id, job, t.coord, t.keys, t.clock, ship, lease, self.ttl, tally,
                 on_commit=lambda c: t.learn(job, c, by_me=True),
                 on_end=lambda why: self._ended(job, ship),
-                wake=lambda: t.submit(self._flush, job))
+                wake=lambda: self.submit(self._flush, job))
             j.leading, j.ship, j.dirty, j.absent_since = leading, ship, True, None
         log.info("%s: %s coordinates commits (term %x)", job, t.node_id, term)
         self.wake.set()  # its term ticks (the election lease)
         self._kick(job)
-        t.submit(self._flush, job)
+        self.submit(self._flush, job)
 
     def _flush(self, job: str) -> None:
         with self.t.lock:
@@ -394,48 +403,24 @@ class Reporter:
             if leading is not None:
                 leading.tick()
             with self.t.lock:
-                campaign_at = (j.absent_since + self._delay(job) if j.known and j.ship is None
+                delay = _delay(self.t.node_id, self.t.jobs.get(job))
+                campaign_at = (j.absent_since + delay if j.known and j.ship is None
                                and j.leading is None and not j.campaigning
                                and j.absent_since is not None else float("inf"))
             if now >= campaign_at:
                 self._campaign(job)
-            if self._watch_lagging(job, j, now):
-                self.t.submit(self.t.reread, job)
+            with self.t.lock:
+                st = self.t.jobs.get(job)
+                lagging = j.watch_lagging(st.committed.version if st is not None and st.committed
+                                          else None, now)
+            if lagging:
+                self.submit(self.reread, job)
             self._kick(job)
             with self.t.lock:
                 at = min(campaign_at, j.ahead_since + WATCH_GRACE if j.ahead else float("inf"),
                          j.retry_at if j.dirty and j.ship is not None else float("inf"))
             due_in = min(due_in, TICK if j.leading is not None else at - now)
         return max(TICK, due_in)
-
-    def _watch_lagging(self, job: str, j: JobReports, now: float) -> bool:
-        """True (once) when a commit a reply named is still unseen after :data:`WATCH_GRACE`."""
-        with self.t.lock:
-            if j.ahead is None or now - j.ahead_since < WATCH_GRACE:
-                return False
-            st = self.t.jobs.get(job)
-            known = st.committed.version if st is not None and st.committed else None
-            ahead, j.ahead = j.ahead, None
-            return known is None or known < ahead
-
-    def start(self) -> None:
-        """Runs :meth:`tick` on a thread, when it says and when woken, until :meth:`close`."""
-        def run() -> None:
-            due_in = TICK
-            while not self._stop.is_set():
-                self.wake.wait(due_in)
-                self.wake.clear()
-                if self._stop.is_set():
-                    return
-                try:
-                    due_in = self.tick()
-                except Exception:  # noqa: BLE001 - the ticker must outlive a bug in one tick
-                    log.exception("commit ticker of %s failed", self.t.node_id)
-                    due_in = TICK
-
-        self._thread = threading.Thread(target=run, daemon=True,
-                                        name=f"commit-tick-{self.t.node_id}")
-        self._thread.start()
 
     def settled(self) -> bool:
         """No report being sent, and none waiting that its coordinator could take now."""
@@ -470,10 +455,7 @@ class Reporter:
     def close(self, resign: bool = True) -> None:
         """Stops the ticker; ends every term (``resign``: deleting the election keys, so that
         another node takes over at once; else they expire with the lease)."""
-        self._stop.set()
-        self.wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        self.ticker.stop()
         with self.t.lock:
             leading = [j.leading for j in self.jobs.values() if j.leading is not None]
         for term in leading:
@@ -490,6 +472,12 @@ class Reporter:
                                                           "term": f"{ship.term:x}"},
                 "coordinating": leading.status() if leading is not None else None,
                 "report_problem": reason or None}
+
+
+def _delay(node_id: str, st: Any) -> float:
+    """Seconds ``node_id`` waits before campaigning in ``st``'s placement (inf: not in one)."""
+    return campaign_delay(node_id, st.placement.nodes) if (
+        st is not None and st.placement is not None) else float("inf")
 
 
 def decode_ship(kv: Any) -> Coordinatorship:

@@ -4,13 +4,12 @@ acknowledged and fully replicated versions, and the committed step.
 A :class:`CommitTracker` turns peer acknowledgements into ``m``-copy versions, tells the job's
 commit coordinator about them (its :class:`~elasticd.replication.reporter.Reporter`: a report
 over the replication channel, no etcd write), and learns the commits through one watch on the
-committed record's prefix (the committed record, the snapshot grid, the coordinator's election
-key, the ahead record: four small keys, two of which change per step). It also holds the
-retention gate: a rank's next push waits (up to ``commit_wait`` seconds, real time) until its
-previous fully replicated version is committed, because a holder keeps only a shard's two
-newest copies and a third push would evict the committed one; after the wait it goes ahead and
-the wait is counted, since nodes that replicated different steps would otherwise wait for each
-other forever.
+committed record's prefix (its :class:`~elasticd.replication.committed_prefix.CommittedPrefix`).
+It also holds the retention gate: a rank's next push waits (up to ``commit_wait`` seconds, real
+time) until its previous fully replicated version is committed, because a holder keeps only a
+shard's two newest copies and a third push would evict the committed one; after the wait it
+goes ahead and the wait is counted, since nodes that replicated different steps would otherwise
+wait for each other forever.
 
 Which copies stay in their slots is decided per job by a
 :class:`~elasticd.replication.commit_state.CommitBook` (acked -> protected -> committed |
@@ -32,7 +31,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import logging
 import threading
 from typing import Any, Callable, Mapping
@@ -40,23 +38,19 @@ from typing import Any, Callable, Mapping
 from elasticd.store.shm import SlotStore
 from elasticd.clock import Clock
 from elasticd.coordination import records
-from elasticd.coordination.api import CoordinationError, Coordinator, EventType, Watch
+from elasticd.coordination.api import CoordinationError, Coordinator
 from elasticd.coordination.keys import Keyspace
 from elasticd.replication.api import ReplicationError, Version
 from elasticd.replication.background import Background
-from elasticd.replication.commit_state import Actions, CommitBook, Holder, Verdict
+from elasticd.replication.commit_state import Actions, CommitBook, Holder
 from elasticd.replication.commit_feed import CommitFeed
+from elasticd.replication.committed_prefix import CommittedPrefix
 from elasticd.replication.commit import (
     KEEP_SKIPPED,
     KEEP_VERSIONS,
     KEEP_WITHDRAWN,
     Committed,
     Grid,
-    complaints,
-    decode_ahead,
-    decode_committed,
-    decode_grid,
-    committed_from,
     relax_grid,
     widen_grid,
 )
@@ -64,7 +58,7 @@ from elasticd.replication.fences import read_fence, withdraw
 from elasticd.replication.placement import Placement
 from elasticd.replication.report import Reply, Report, placement_digest
 from elasticd.replication.follower import follow
-from elasticd.replication.reporter import Reporter, decode_ship
+from elasticd.replication.reporter import Reporter
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +105,18 @@ class JobState:
     skipped: list[Version] = dataclasses.field(default_factory=list)
     withdrawn: list[Version] = dataclasses.field(default_factory=list)
     grid: Grid = dataclasses.field(default_factory=Grid)
-    watch: Watch | None = None
+
+    def sync_lag(self) -> int:
+        """Steps the newest local snapshot is ahead of the committed one."""
+        if not self.latest:
+            return 0
+        latest = max(self.latest.values())
+        c = self.committed
+        if c is not None and c.generation == latest[0]:
+            return max(0, latest[1] - c.step)
+        if c is not None and c.generation > latest[0]:
+            return 0
+        return latest[1] - self.gen_base.get(latest[0], latest[1] - 1)
 
 
 def apply_actions(book: CommitBook, job: str, actions: Actions,
@@ -159,11 +164,12 @@ class CommitTracker:
         self.jobs: dict[str, JobState] = {}
         self.closing = False
         self.counters: collections.Counter[str] = collections.Counter()
-        self.reporter, self.commits = Reporter(self, send or _nowhere, lease_ttl), CommitFeed()
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Runs ``fn(*args)`` in the background (counted by the replicator's wait_idle)."""
-        self._submit(fn, *args)
+        self.reporter = Reporter(self, send or _nowhere, lease_ttl, background.submit,
+                                 lambda job: self.prefix.reread(job))
+        self.commits = CommitFeed()
+        #: The job's committed prefix in etcd, as this node follows it.
+        self.prefix = CommittedPrefix(coord, keys, self.lock, self.jobs, self.reporter,
+                                      self.learn, background.submit, self.etcd_error)
 
     def state(self, job: str) -> JobState:
         """The job's state, created if new (call with :attr:`lock` held)."""
@@ -182,22 +188,20 @@ class CommitTracker:
             # not work in progress.
             self._submit(follow, self, job, actions.follow, track=False)
 
-    def _event(self, job: str, event: Callable[[CommitBook], Actions]) -> None:
-        """Feeds an event to the job's commit book and performs its actions."""
-        with self.lock:
-            self._perform(job, event(self.state(job).book))
-
     def on_landed(self, job: str, rank: int, version: Version,
                   holder: Holder = Holder.LOCAL) -> None:
         """A copy that may be committed is here (a local snapshot a peer acknowledged, the
         only copy with ``m = 1``, or a peer's replica): it stays until its version is decided.
         Call it before the copy is counted anywhere, while it is sure to be held."""
         v, now = (int(version[0]), int(version[1])), self.clock.monotonic()
-        self._event(job, lambda book: book.landed(holder, rank, v, now))
+        with self.lock:
+            self._perform(job, self.state(job).book.landed(holder, rank, v, now))
 
     def on_superseded(self, job: str, rank: int, version: Version) -> None:
         """A newer replica of ``rank`` arrived while ``version`` still held its slot."""
-        self._event(job, lambda book: book.superseded(Holder.REPLICA, rank, tuple(version)))
+        with self.lock:
+            self._perform(job, self.state(job).book.superseded(Holder.REPLICA, rank,
+                                                               tuple(version)))
 
     def held_back(self, job: str, rank: int, version: Version) -> bool:
         """Whether ``version`` of local ``rank`` must not go to a peer yet: an older version
@@ -215,28 +219,8 @@ class CommitTracker:
     def on_blocked(self, job: str, version: Version) -> None:
         """A local snapshot was skipped: ``version`` holds the slot it needs."""
         v, now = (int(version[0]), int(version[1])), self.clock.monotonic()
-        self._event(job, lambda book: book.blocked(v, now))
-
-    def grid(self, job: str) -> int:
-        """Local snapshots of ``job`` are taken only at multiples of this step count (the
-        job's :class:`~elasticd.replication.commit.Grid`, followed by the commit watch)."""
         with self.lock:
-            st = self.jobs.get(job)
-            return st.grid.grid if st is not None else 1
-
-    def _learn_grid(self, job: str, kv: Any) -> None:
-        try:
-            grid = decode_grid(kv.value, kv.key) if kv is not None else Grid()
-        except records.RecordError as exc:
-            complaints.warn(kv.key, kv.value, "unreadable grid record of %s: %s", job, exc)
-            return
-        with self.lock:
-            st = self.jobs.get(job)
-            if st is None or st.grid == grid:
-                return
-            old, st.grid = st.grid, grid
-        log.info("%s: snapshot grid %d -> %d steps (%s)", job, old.grid, grid.grid, "nodes "
-                 "snapshotted different steps" if grid.grid > old.grid else "commits kept up")
+            self._perform(job, self.state(job).book.blocked(v, now))
 
     def _grid_write(self, what: str, write: Callable[[], Any]) -> None:
         try:
@@ -265,7 +249,7 @@ class CommitTracker:
             st.previous, st.placement = old, placement
             st.digest = placement_digest(placement)
             st.committed_at_change = st.committed.version if st.committed else None
-            need_watch = st.watch is None
+            need_watch = job not in self.prefix.watches
         self.reporter.placement_changed(job)
         return old, need_watch
 
@@ -424,78 +408,6 @@ class CommitTracker:
             self._submit(self._grid_write, "relax the snapshot grid",
                          lambda: relax_grid(self.coord, self.keys, job, committed.version))
 
-    def watch(self, job: str) -> None:
-        """Lists the committed prefix and watches it from there on."""
-        key = self.keys.replication(job).committed
-        try:
-            kvs, revision = self.coord.get_prefix(key)
-            self._listed(job, kvs)
-            watch = self.coord.watch_prefix(key, functools.partial(self._on_watch, job),
-                                            revision + 1)
-        except CoordinationError as exc:
-            self.etcd_error("watch the committed record", exc)
-            return
-        with self.lock:
-            st = self.jobs.get(job)
-            if st is not None and st.watch is None and not self.closing:
-                st.watch, watch = watch, None
-        if watch is not None:
-            watch.cancel()
-
-    def _listed(self, job: str, kvs: list[Any]) -> None:
-        """Takes a listing of the committed prefix (keys absent from it are absent)."""
-        found = {kv.key: kv for kv in kvs}
-        k = self.keys.replication(job)
-        for key in (k.committed, k.commit_grid, k.commit_ahead, k.coordinator):
-            self._changed(job, key, found.get(key))
-
-    def _on_watch(self, job: str, events: Any) -> None:
-        if isinstance(events, CoordinationError):
-            self._submit(self.reread, job)  # events may have been missed: read it again
-            return
-        for event in events:
-            self._changed(job, event.kv.key, event.kv if event.type is EventType.PUT else None)
-
-    def _changed(self, job: str, key: bytes, kv: Any) -> None:
-        """One key of the committed prefix as it now is (``kv`` None: absent)."""
-        k = self.keys.replication(job)  # once per watch event: every node, every commit
-        if key == k.commit_grid:
-            self._learn_grid(job, kv)
-        elif key == k.coordinator:
-            self.reporter.coordinator_seen(job, decode_ship(kv) if kv is not None else None)
-        elif key == k.commit_ahead:
-            try:
-                ahead = decode_ahead(kv.value, key) if kv is not None else None
-            except records.RecordError:
-                ahead = None
-            with self.lock:
-                if job in self.jobs:
-                    self.jobs[job].ahead = ahead
-        elif key == k.committed:
-            self._committed_changed(job, kv)
-
-    def _committed_changed(self, job: str, kv: Any) -> None:
-        with self.lock:
-            st = self.jobs.get(job)
-            if st is None:
-                return
-            st.committed_rev = kv.mod_revision if kv is not None else 0
-            placements = (st.placement, st.previous)
-        committed = None
-        if kv is not None:
-            try:
-                committed = decode_committed(kv.value, kv.key, placements)
-            except records.RecordError as exc:
-                complaints.warn(kv.key, kv.value, "unreadable committed record of %s: %s", job,
-                                exc)
-        self.reporter.committed_seen(job, committed, kv.mod_revision if kv is not None else 0)
-        if committed is None:
-            return
-        if committed.resolved:
-            self.learn(job, committed)
-        else:  # holders from a placement this node does not hold: read it beside the record
-            self._submit(self.reread, job)
-
     def never_committed(self, job: str, rank: int, versions: list[Version]) -> set[Version]:
         """Those of ``versions`` the fence record of ``rank``'s owner (in the placement in
         force) lists as withdrawn: the owner writes it before it reuses the slot. No other
@@ -514,40 +426,6 @@ class CommitTracker:
             return set()
         return {v for v in versions if tuple(v) in withdrawn}
 
-    def reread(self, job: str) -> None:
-        """Reads the committed prefix again (a watch error, a lagging watch)."""
-        key = self.keys.replication(job).committed
-        try:
-            kvs, _ = self.coord.get_prefix(key)
-            with self.lock:
-                st = self.jobs.get(job)
-                placements = (st.placement, st.previous) if st is not None else ()
-            # The record as the prefix read found it: its revision and its value agree.
-            found = next((kv for kv in kvs if kv.key == key), None)
-            committed = committed_from(self.coord, self.keys, job, found, placements)
-        except CoordinationError as exc:
-            self.etcd_error("read the committed record", exc)
-            return
-        self._listed(job, [kv for kv in kvs if kv.key != key])
-        with self.lock:
-            if job in self.jobs:
-                self.jobs[job].committed_rev = found.mod_revision if found is not None else 0
-        self.reporter.committed_seen(job, committed,
-                                     found.mod_revision if found is not None else 0)
-        if committed is not None and committed.resolved:
-            self.learn(job, committed)
-
-    def sync_lag(self, st: JobState) -> int:
-        if not st.latest:
-            return 0
-        latest = max(st.latest.values())
-        c = st.committed
-        if c is not None and c.generation == latest[0]:
-            return max(0, latest[1] - c.step)
-        if c is not None and c.generation > latest[0]:
-            return 0
-        return latest[1] - st.gen_base.get(latest[0], latest[1] - 1)
-
     def etcd_error(self, what: str, exc: Exception) -> None:
         with self.lock:
             self.counters["etcd_errors"] += 1
@@ -557,9 +435,8 @@ class CommitTracker:
         """The job ended here: its state, watch and coordination go."""
         self.reporter.forget(job)
         with self.lock:
-            watch = getattr(self.jobs.pop(job, None), "watch", None)
-        if watch is not None:
-            watch.cancel()
+            self.jobs.pop(job, None)
+        self.prefix.forget(job)
 
     def close(self, resign: bool = True) -> None:
         """Wakes every gate, ends this node's coordination (see :meth:`Reporter.close`) and
@@ -567,10 +444,8 @@ class CommitTracker:
         self.reporter.close(resign)
         with self.cond:
             self.closing = True
-            watches = [st.watch for st in self.jobs.values() if st.watch is not None]
             self.cond.notify_all()
-        for watch in watches:
-            watch.cancel()
+        self.prefix.close()
 
 
 def _nowhere(node: str, report: Report) -> Reply:

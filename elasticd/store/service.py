@@ -50,7 +50,7 @@ from elasticd.store.service_records import JobBook, ServiceDeps
 from elasticd.store.service_restores import Restores
 from elasticd.store.service_snapshots import Snapshots
 from elasticd.store.shm import SlotStore
-from elasticd.store.telemetry import RESTORE_SOURCES, CheckpointStats
+from elasticd.store.telemetry import CheckpointStats
 from elasticd.clock import Clock, SystemClock
 from elasticd.persistence.persister import Persister
 
@@ -233,21 +233,13 @@ class CheckpointService:
         """Plain numbers for the daemon's metrics (:mod:`elasticd.metrics` sets its gauges
         from them once per daemon cycle)."""
         status = self.status()
-        with self.book.lock:
-            counters = dict(self.counters)
         steps = [s for job in status.values() for _, s in job["ranks"].values()]
         return CheckpointStats(
-            snapshots_total=counters.get("snapshots", 0),
             snapshot_bytes=sum(job["bytes"] for job in status.values()),
             snapshot_step=min(steps) if steps else -1,
             local_slot_bytes=self.store.bytes_held(),
-            skipped_over_budget_total=counters.get("skipped_over_budget", 0),
-            skipped_busy_total=counters.get("skipped_busy", 0),
-            refused_total=counters.get("refused", 0),
             scratch_bytes=self.store.scratch.held(),
-            scratch_refused_total=counters.get("scratch_refused", 0),
             unprotected_jobs={reason: sum(job["unprotected_kind"] == reason
                                           for job in status.values()) for reason in REASONS},
-            restores_total={s: counters.get(f"restores_{s}", 0) for s in RESTORE_SOURCES},
             persisted_step=max((j["persisted"][1] for j in status.values() if j["persisted"]),
                                default=-1))

@@ -34,21 +34,16 @@ class CheckpointMetrics(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointStats:
-    """What ``CheckpointService.stats()`` returns: totals since start and current gauges.
+    """What ``CheckpointService.stats()`` returns: the gauges the daemon sets once per cycle
+    (the service's events go to :class:`CheckpointMetrics` as they happen).
 
     ``local_slot_bytes`` is the bytes of this node's own slot files (its ranks' snapshots), not
     the copies of other nodes' shards held here (the replicator's ``replica_bytes_held``).
     """
 
-    snapshots_total: int = 0
     snapshot_bytes: int = 0  # of the latest snapshot of each local rank held
     snapshot_step: int = -1  # oldest latest step over the local ranks; -1: none
     local_slot_bytes: int = 0
-    skipped_over_budget_total: int = 0
-    skipped_busy_total: int = 0
-    refused_total: int = 0
     scratch_bytes: int = 0  # restore scratch and its bookings held now, every job
-    scratch_refused_total: int = 0  # partial copies refused over a job's scratch cap
     unprotected_jobs: dict[str, int] = dataclasses.field(default_factory=dict)  # by reason
-    restores_total: dict[str, int] = dataclasses.field(default_factory=dict)  # by source
     persisted_step: int = -1

@@ -163,7 +163,7 @@ def test_ram_emptied_restores_from_persistent_tier_with_steps_lost(node, baselin
     assert restored(text) == {0: (5, "persistent", 2, 0), 1: (5, "persistent", 2, 0)}, \
         text[-4000:]
     assert_bitwise_equal(finals(str(tmp_path / "run")), baseline)
-    assert node.service.stats().restores_total["persistent"] == 2
+    assert node.service.counters["restores_persistent"] == 2
 
 
 def test_corrupt_snapshot_is_refused_and_persistent_tier_used(node, baseline, tmp_path):
@@ -175,5 +175,5 @@ def test_corrupt_snapshot_is_refused_and_persistent_tier_used(node, baseline, tm
         text[-4000:]
     assert "REFUSED corrupt snapshot of bad rank 1" not in text  # logged by the daemon (here)
     assert text.count("REFUSED the in-RAM snapshot of rank 1") == 2
-    assert node.service.stats().refused_total == 2
+    assert node.service.counters["refused"] == 2
     assert_bitwise_equal(finals(str(tmp_path / "run")), baseline)

@@ -186,21 +186,16 @@ def test_reports_and_replies_round_trip_and_malformed_ones_are_refused():
             decode_report(bad)
 
 
-def test_a_commit_a_reply_names_first_is_left_to_the_watch_for_its_grace(cluster):
+def test_a_commit_a_reply_names_first_is_left_to_the_watch_for_its_grace():
     """A reply naming a commit the node's watch has not brought yet: the node reads the
     committed record itself only if the watch is still behind after WATCH_GRACE (reading at
     once cost a range read per node per step on real etcd, where the reply wins the race)."""
-    from elasticd.replication.reporter import WATCH_GRACE
+    from elasticd.replication.reporter import WATCH_GRACE, JobReports
 
-    cluster.set_membership(["n1", "n2", "n3"], THREE, round=1)
-    step(cluster, 1)
-    wait_for(lambda: cluster["n3"].replicator.tracker.view(JOB)[1] is not None)
-    reporter = cluster["n3"].replicator.tracker.reporter
-    j = reporter.job(JOB)
-    known = cluster["n3"].replicator.tracker.view(JOB)[1].version
+    j, known = JobReports(), (0, 1)
     j.ahead, j.ahead_since = (known[0], known[1] + 5), 100.0
-    assert not reporter._watch_lagging(JOB, j, 100.0 + WATCH_GRACE / 2)  # still in its grace
-    assert reporter._watch_lagging(JOB, j, 100.0 + WATCH_GRACE)  # the watch is late: read it
-    assert j.ahead is None and not reporter._watch_lagging(JOB, j, 200.0)  # once
+    assert not j.watch_lagging(known, 100.0 + WATCH_GRACE / 2)  # still in its grace
+    assert j.watch_lagging(known, 100.0 + WATCH_GRACE)  # the watch is late: read it
+    assert j.ahead is None and not j.watch_lagging(known, 200.0)  # once
     j.ahead, j.ahead_since = known, 100.0  # the watch brought it meanwhile: nothing to read
-    assert not reporter._watch_lagging(JOB, j, 100.0 + WATCH_GRACE) and j.ahead is None
+    assert not j.watch_lagging(known, 100.0 + WATCH_GRACE) and j.ahead is None

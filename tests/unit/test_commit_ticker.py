@@ -1,4 +1,4 @@
-"""The commit reporter's ticker (:meth:`Reporter.start`) ticks when work is due, not ten times
+"""The commit reporter's ticker (:class:`~elasticd.replication.ticker.Ticker`) ticks when work is due, not ten times
 a second on every node whatever happens: with nothing pending a node ticks about once a
 second, and a failed report still has its retry on time (the failure wakes the ticker)."""
 
@@ -48,7 +48,7 @@ def test_an_idle_node_ticks_rarely_and_a_failed_report_is_retried_on_time():
         tracker.set_placement(JOB, compute_placement(["n1", "n2"], {"n1": [0], "n2": [1]}, 2,
                                                      round=1))
         reporter.coordinator_seen(JOB, Coordinatorship("n1", 7, 1))  # a report goes at once
-        reporter.start()
+        reporter.ticker.start()
         time.sleep(2.0)
         # Nothing pending (its report taken, n1 coordinating): the old ticker ran 20 times.
         assert 1 <= len(ticks) <= 4, len(ticks)

@@ -88,7 +88,7 @@ def test_outage_expiring_every_lease_records_no_failure(world):
     for _ in range(8):  # 2 s of outage: longer than the TTL
         out = tick()
     assert all("etcd unreachable" in s for s in out.values()), out
-    assert all(d.metrics.etcd.etcd_up._value.get() == 0 for d in daemons.values())
+    assert all(d.metrics.etcd.up._value.get() == 0 for d in daemons.values())
     store.set_available(True)
     store.expire_leases()  # what a resumed etcd does: every lease is past due
     for _ in range(4 * TTL * 4):
@@ -107,6 +107,9 @@ def test_a_joined_daemon_bounds_the_repeats_of_a_refused_request(world):
     bounds = []
 
     class Etcd(MemoryCoordinator):
+        def etcd(self):
+            return self
+
         def bound_refusals(self, seconds):
             bounds.append(seconds)
 
@@ -133,8 +136,8 @@ def test_etcd_refusing_every_request_is_an_outage_the_daemon_reports(world):
     assert "keeping workers running" in out["n1"]
     st = d.status()
     assert st["etcd_up"] is False and st["etcd_outage_kind"] == "refuses our requests"
-    assert d.metrics.etcd.etcd_up._value.get() == 0
-    assert d.metrics.etcd.etcd_outages._value.get() == 1
+    assert d.metrics.etcd.up._value.get() == 0
+    assert d.metrics.etcd.outages._value.get() == 1
     for _ in range(4):
         out = tick()
     assert d.status()["etcd_outage_seconds"] == pytest.approx(1.0, abs=0.3)
@@ -142,7 +145,7 @@ def test_etcd_refusing_every_request_is_an_outage_the_daemon_reports(world):
     for _ in range(4):
         out = tick()
     assert d.health.up and d.status()["etcd_outage_kind"] is None
-    assert d.metrics.etcd.etcd_up._value.get() == 1
+    assert d.metrics.etcd.up._value.get() == 1
     assert out["n1"] == "no action: I am n1, 1 nodes alive" or "1 node" in out["n1"], out
 
 
@@ -287,7 +290,7 @@ def test_etcd_wiped_every_daemon_recovers_without_failures(world):
     assert not events(store, "failed") and not events(store, "fenced"), events(store)
     lost = events(store, "etcd_data_lost")
     assert len(lost) == 1, lost
-    assert all(d.metrics.etcd.etcd_data_losses._value.get() == 1 for d in daemons.values())
+    assert all(d.metrics.etcd.data_losses._value.get() == 1 for d in daemons.values())
     assert all(d.membership.alive() == ["n1", "n2", "n3"] for d in daemons.values())
     assert all(d.registered_lease is not None for d in daemons.values())
     # The specs are back, and the stopped job stays stopped.

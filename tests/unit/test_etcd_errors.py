@@ -106,7 +106,7 @@ def test_a_joined_daemon_repeats_a_refused_request_no_longer_than_one_request_ma
                         etcd_user="u", etcd_password="p")
     c = EtcdCoordinator(settings.etcd_settings(), clock=clock)
     assert c.connection.settings.refusal_patience == 10.0  # the start: a failure there is fatal
-    c.bound_refusals(settings.etcd_timeout)
+    c.etcd().bound_refusals(settings.etcd_timeout)
     c.connection._build_client = lambda: TokenClient("abcdefghijklmnop.42")
     tries = []
 

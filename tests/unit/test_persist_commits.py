@@ -19,6 +19,7 @@ import uuid
 
 import pytest
 
+from elasticd.metrics import CheckpointSink, Metrics
 from elasticd.persistence.persister import Persister
 from elasticd.persistence.tier import Tier
 from elasticd.replication.commit_feed import CommitFeed
@@ -54,6 +55,11 @@ class Commits:
         self.feed.tell(job, version, self.feed.claim(True))
 
 
+def busy(metrics: Metrics, outcome: str) -> float:
+    return metrics.registry.get_sample_value("elasticd_persist_writer_busy_total",
+                                             {"outcome": outcome})
+
+
 @pytest.fixture
 def cluster(tmp_path):
     """Three nodes (one rank each of a world of 3) flushing into one tier every 10 steps."""
@@ -61,11 +67,14 @@ def cluster(tmp_path):
     stores = [SlotStore(root) for root in roots]
     persisters = [Persister(str(tmp_path / "persist"), keep=5, every_steps=10, node_id=f"n{i}")
                   for i in (1, 2, 3)]
-    reps = [Commits(store) for store in stores]
-    services = [CheckpointService(store, f"n{i + 1}", persist, replicator=rep)
-                for i, (store, persist, rep) in enumerate(zip(stores, persisters, reps))]
+    reps, metrics = [Commits(store) for store in stores], [Metrics() for _ in range(3)]
+    services = [CheckpointService(store, f"n{i + 1}", persist, replicator=rep,
+                                  metrics_sink=CheckpointSink(m))
+                for i, (store, persist, rep, m) in enumerate(zip(stores, persisters, reps,
+                                                                  metrics))]
     try:
-        yield [InProcessTransport(s.handlers()) for s in services], persisters, reps, stores
+        yield ([InProcessTransport(s.handlers()) for s in services], persisters, reps, stores,
+               metrics)
     finally:
         for p in persisters:
             p.close()
@@ -77,7 +86,7 @@ def cluster(tmp_path):
 
 def test_nodes_that_snapshotted_different_steps_persist_the_committed_one(cluster,
                                                                           monkeypatch):
-    transports, persisters, reps, stores = cluster
+    transports, persisters, reps, stores, metrics = cluster
 
     def snap(node, step):
         done, _ = write_snapshot(transports[node], "job", node, step, world=3, local_world=1)
@@ -115,8 +124,8 @@ def test_nodes_that_snapshotted_different_steps_persist_the_committed_one(cluste
     tier = Tier(persisters[0].root)
     assert [m.version() for m in tier.complete_steps("job")] == [(0, 16)]
     assert sorted(tier.manifest("job", (0, 16)).ranks) == [0, 1, 2]
-    assert persisters[2].counters["deferred_busy"] == 1
-    assert all(p.counters["skipped_busy"] == 0 for p in persisters)
+    assert [busy(m, "waited") for m in metrics] == [0, 0, 1]  # n3 waited for its writer
+    assert all(busy(m, "skipped") == 0 for m in metrics)
 
 
 def test_a_step_offered_while_the_writer_is_busy_waits_for_it_when_it_can_be_taken_again(
@@ -146,8 +155,7 @@ def test_a_step_offered_while_the_writer_is_busy_waits_for_it_when_it_can_be_tak
     assert persister.flush(10)
     assert taken == [4]
     assert [m.version() for m in persister.tier.complete_steps("job")] == [(0, 4), (0, 2)]
-    assert persister.counters["deferred_busy"] == 3
-    assert persister.counters["skipped_gone"] == 1 and persister.counters["skipped_busy"] == 1
+    assert not persister.tier.complete_steps("gone")  # its copies went while it waited
     persister.close()
 
 
@@ -214,7 +222,9 @@ def test_real_replicators_commits_reach_each_nodes_persister_and_a_busy_one_wait
     names = ["n1", "n2", "n3"]
     persisters = [Persister(str(tmp_path / "persist"), keep=5, every_steps=10, node_id=n)
                   for n in names]
-    services = [CheckpointService(cluster[n].local, n, p, replicator=cluster[n].replicator)
+    metrics = Metrics()
+    services = [CheckpointService(cluster[n].local, n, p, replicator=cluster[n].replicator,
+                                  metrics_sink=CheckpointSink(metrics))
                 for n, p in zip(names, persisters)]
     transports = [InProcessTransport(s.handlers()) for s in services]
     gate, real = threading.Event(), persisters[2].tier.write_rank
@@ -236,7 +246,7 @@ def test_real_replicators_commits_reach_each_nodes_persister_and_a_busy_one_wait
         gate.set()
         assert persisters[2].flush(10)
         assert [m.version() for m in Tier(persisters[0].root).complete_steps(JOB)] == [(0, 12)]
-        assert persisters[2].counters["deferred_busy"] == 1
+        assert busy(metrics, "waited") == 1  # n3's (the other nodes' writers were free)
     finally:
         gate.set()
         for p in persisters:

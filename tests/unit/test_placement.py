@@ -1,4 +1,5 @@
-"""Gemini placement: shapes, invariants, failure odds against brute force, records."""
+"""Gemini placement: shapes, invariants, failure odds (brute force against the paper's closed
+form), records."""
 
 from __future__ import annotations
 
@@ -18,10 +19,6 @@ from elasticd.replication.placement import (
     compute_placement,
     decode_placement,
     encode_placement,
-    group_loss_probability,
-    loss_probability,
-    lost_ranks,
-    lost_shards,
 )
 
 SIZES = [(n, m) for n in range(2, 10) for m in range(1, 4)]
@@ -32,7 +29,7 @@ def names(n: int) -> list[str]:
 
 
 def brute_lost(p: Placement, dead: set[str]) -> set[str]:
-    """Owners with no surviving copy, from the list of copies (not from lost_shards' logic)."""
+    """Owners with no surviving copy, from the list of copies."""
     surviving = {(o, o) for o in p.nodes if o not in dead}
     surviving |= {(o, h) for o, h in p.copies() if h not in dead}
     return {o for o in p.nodes if not any(c[0] == o for c in surviving)}
@@ -128,55 +125,31 @@ def test_rank_lookups():
     assert p.holders_of_rank(5) == ("c", "a")
     with pytest.raises(KeyError):
         p.owner_of(6)
-    assert lost_ranks(p, {"c", "a"}) == {4, 5}
+    assert brute_lost(p, {"c", "a"}) == {"c"}  # its ranks 4 and 5: no copy left
 
 
-@pytest.mark.parametrize("n,m", [(n, m) for n, m in SIZES if n <= 7])
-def test_lost_shards_matches_brute_force(n, m):
-    p = compute_placement(names(n), m=m)
-    for k in range(n + 1):
-        for dead in itertools.combinations(p.nodes, k):
-            assert lost_shards(p, dead) == brute_lost(p, set(dead)), dead
-
-
-def test_lost_shards_examples():
-    p = compute_placement(["a", "b", "c", "d"], m=2)
-    assert lost_shards(p, ["a", "c"]) == set()
-    assert lost_shards(p, ["a", "b"]) == {"a", "b"}
-    assert lost_shards(p, ["zz"]) == set()
+def group_odds(n: int, m: int, k: int) -> Fraction:
+    """The paper's loss probability of group placement (``m`` divides ``n``): some group of
+    ``m`` dies whole; inclusion-exclusion over the ``n / m`` groups."""
+    g = n // m
+    return Fraction(sum((-1) ** (j + 1) * math.comb(g, j) * math.comb(n - j * m, k - j * m)
+                        for j in range(1, min(g, k // m) + 1)), math.comb(n, k))
 
 
 @pytest.mark.parametrize("n,m", SIZES)
-def test_loss_probability_matches_brute_force(n, m):
+def test_group_placement_loses_a_shard_exactly_as_often_as_the_paper_says(n, m):
     p = compute_placement(names(n), m=m)
-    for k in range(n + 1):
-        exact = loss_probability(p, k)
-        assert exact == brute_probability(p, k), (n, m, k)
-        if p.strategy == GROUP:
-            assert group_loss_probability(n, p.m, k) == exact
+    if p.strategy == GROUP:
+        for k in range(n + 1):
+            assert brute_probability(p, k) == group_odds(n, p.m, k), (n, m, k)
 
 
-def test_loss_probability_known_values():
+def test_loss_odds_known_values():
     # 4 nodes in 2 groups: 2 of the 6 pairs of failures are a whole group.
     p = compute_placement(names(4), m=2)
-    assert loss_probability(p, 1) == 0
-    assert loss_probability(p, 2) == Fraction(2, 6)
-    assert loss_probability(p, 3) == 1
+    assert [brute_probability(p, k) for k in (1, 2, 3)] == [0, Fraction(2, 6), 1]
     # 5 nodes mixed: pair (a,b) or any ring-adjacent pair of (c,d,e): 4 of 10.
-    assert loss_probability(compute_placement(names(5), m=2), 2) == Fraction(4, 10)
-    with pytest.raises(ValueError):
-        loss_probability(p, 5)
-
-
-def test_group_closed_form_scales_and_matches_components():
-    n, m = 1024, 2
-    p = compute_placement(names(n), m=m)
-    for k in (2, 3, 10):
-        assert loss_probability(p, k) == group_loss_probability(n, m, k)
-    # The paper's figure: two simultaneous failures in 1024 nodes almost never lose a shard.
-    assert group_loss_probability(n, m, 2) == Fraction(n // 2, math.comb(n, 2))
-    with pytest.raises(ValueError):
-        group_loss_probability(5, 2, 2)
+    assert brute_probability(compute_placement(names(5), m=2), 2) == Fraction(4, 10)
 
 
 def test_record_round_trip():

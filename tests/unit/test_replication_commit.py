@@ -30,12 +30,11 @@ from elasticd.replication.commit import (
     read_committed,
     record_commit,
     relax_grid,
-    store_commit_placement,
     update_holders,
     widen_grid,
 )
 from elasticd.replication.fences import decode_fence, encode_fence, read_fence, read_fences
-from elasticd.replication.placement import compute_placement
+from elasticd.replication.placement import compute_placement, encode_placement
 
 KEYS = Keyspace("/t")
 PLACEMENT = compute_placement(["a", "b", "c"], {"a": [0, 1], "b": [2], "c": [3]}, 2, round=4)
@@ -78,7 +77,7 @@ def test_read_committed_reads_the_placement_stored_beside_it():
     coord = MemoryCoordinator()
     record_commit(coord, KEYS, "j", commit_of((0, 5), PLACEMENT, "a", 1.0))
     assert not read_committed(coord, KEYS, "j").resolved  # not stored: overrides only
-    store_commit_placement(coord, KEYS, "j", PLACEMENT)
+    coord.put(KEYS.replication("j").commit_placement, encode_placement(PLACEMENT))
     assert read_committed(coord, KEYS, "j").holders[3] == ("c", "a")
 
 

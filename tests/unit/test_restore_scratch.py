@@ -181,8 +181,7 @@ def test_a_fetch_over_the_jobs_cap_is_refused_in_one_line_counted_and_shown(serv
         fetch(t, 7, pid=10)
     status = svc.status()["job"]["scratch"]
     assert status == {"bytes": svc.store.scratch.held("job"), "cap": 16 * PAGE, "refused": 2}
-    stats = svc.stats()
-    assert stats.scratch_refused_total == 2 and stats.scratch_bytes == status["bytes"]
+    assert svc.counters["scratch_refused"] == 2 and svc.stats().scratch_bytes == status["bytes"]
     assert sum("REFUSED restore scratch" in r.message for r in caplog.records) == 1
     for reply in held:  # released: room again
         t.call("ckpt_release", pin=reply["pin"])

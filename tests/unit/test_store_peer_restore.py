@@ -277,7 +277,7 @@ def test_report_with_a_new_generation_starts_it_once(nodes):
         t.call("ckpt_report", job="job", rank=rank, source="peer", seconds=0.1, steps_lost=1,
                bytes=10, generation=0, step=2, next_generation=1)
     assert svc.replicator.generations == [("job", 1)]
-    assert svc.stats().restores_total["peer"] == 2
+    assert svc.counters["restores_peer"] == 2
 
 
 # -- worker -------------------------------------------------------------------------------

@@ -110,7 +110,7 @@ def test_reserve_complete_list_open(env):
     status = service.status()["job"]
     assert status["ranks"] == {"0": [0, 2]} and status["bytes"] == done["bytes"]
     assert not status["unprotected"]
-    assert service.stats().snapshots_total == 2
+    assert service.counters["snapshots"] == 2
     assert ("snapshot_completed", "job", 0, 2, done["bytes"], 0.001) in sink.events
 
 
@@ -147,7 +147,7 @@ def test_over_budget_skips_warns_once_and_marks_unprotected(root, caplog):
         warnings = [r for r in caplog.records if "UNPROTECTED" in r.getMessage()]
         assert len(warnings) == 1
         assert service.status()["big"]["unprotected"] is True
-        assert service.stats().skipped_over_budget_total == 3
+        assert service.counters["skipped_over_budget"] == 3
         assert service.stats().unprotected_jobs == {
             "snapshots_failing": 1, "no_placement": 0, "commit_lag": 0, "persist_stale": 0}
         assert "over the memory cap" in service.unprotected("big")
@@ -169,7 +169,7 @@ def test_pinned_slot_makes_reserve_skip_until_released(env):
     t.call("ckpt_release", pin=opened["pin"])
     done, _ = write_snapshot(t, "job", 0, 3, world=1)
     assert done["step"] == 3
-    assert service.stats().skipped_busy_total == 1
+    assert service.counters["skipped_busy"] == 1
 
 
 def test_forgotten_pins_expire(root):
@@ -204,7 +204,7 @@ def test_corrupt_snapshot_is_refused_counted_and_no_longer_listed(env, caplog):
     with caplog.at_level(logging.ERROR), pytest.raises(TransportError, match="checksum"):
         t.call("ckpt_open", job="job", rank=0, generation=0, step=1)
     assert any("REFUSED corrupt snapshot" in r.getMessage() for r in caplog.records)
-    assert service.stats().refused_total == 1
+    assert service.counters["refused"] == 1
     assert ("snapshot_refused", "job", "local") in sink.events
     assert path == {"0": [[0, 1]]}
     assert t.call("ckpt_list", job="job")["ram"] == {"0": []}
@@ -258,7 +258,7 @@ def test_report_reaches_history_metrics_and_status(env):
            bytes=1234, generation=0, step=5, refused=["persistent step (0, 7): bad"])
     assert service.history[-1]["steps_lost"] == 2
     assert service.status()["job"]["last_restore"]["source"] == "persistent"
-    assert service.stats().restores_total["persistent"] == 1
+    assert service.counters["restores_persistent"] == 1
     assert ("restored", "job", "persistent", 0.5, 2, 1234) in sink.events
     assert ("snapshot_refused", "job", "persistent") in sink.events
     with pytest.raises(TransportError, match="source"):
@@ -359,4 +359,4 @@ def test_a_reply_that_could_not_be_delivered_gives_its_read_pin_back(env):
     service.undelivered("ckpt_open", opened)
     done, _ = write_snapshot(t, "job", 0, 3, world=1)
     assert done["step"] == 3
-    assert service.stats().skipped_busy_total == 0
+    assert service.counters["skipped_busy"] == 0

@@ -277,7 +277,7 @@ def test_corrupt_ram_snapshot_is_refused_and_the_persisted_copy_used(service, ca
     # RAM step 3 (no persisted copy) and RAM step 2 (persisted copy used instead) refused.
     assert [r.split(":")[0] for r in res.refused] == ["local step (0, 3)", "local step (0, 2)"]
     assert all("checksum" in r for r in res.refused)
-    assert service.stats().refused_total == 2
+    assert service.counters["refused"] == 2
     assert_same(fresh, ref)
 
 

@@ -86,7 +86,7 @@ def test_progress_builds_the_ranks_and_a_new_world_or_group_starts_them_over(par
     g.on_progress({"job": "job", "rank": 0, "world_size": 4, "restart": 0, "step": 5})
     assert (board.status.ranks, board.status.world_size, board.status.last_step) == (
         [0, 1], 4, 5)
-    assert gauge(parts.metrics.rendezvous.rendezvous_round) == 1  # the first report of a generation
+    assert gauge(parts.metrics.rendezvous.round) == 1  # the first report of a generation
     g.on_progress({"job": "job", "rank": 0, "world_size": 4, "restart": 1})  # its agent
     assert board.status.ranks == [0]  # restarted the group: ranks may have moved
     g.on_progress({"job": "job", "rank": 2, "world_size": 2, "restart": 1})

@@ -1,0 +1,94 @@
+"""Net lines under ``elasticd/`` over issue 28's commits (structure), not counting lines only
+moved: ``python bench/structure_lines.py > bench/results/structure_lines.txt``.
+
+The issue's work landed as branches merged into main (each counted as the merge's diff against
+main before it, ``git diff M^1 M``: exactly what the branch brought, its conflict resolutions
+included, and none of main's work merged into the branch meanwhile) and as commits made on main
+itself (``git diff C^ C``). :data:`UNITS` lists them, each with why it belongs to the issue.
+
+Per unit, under ``elasticd/``: lines added and deleted (``git diff -M``: a renamed file counts
+only its changed lines). A line moved between ``elasticd/`` and the rest of the repository
+(a test double going to ``tests/``, a test helper coming into the package) is no real addition
+or deletion: a non-blank line deleted under ``elasticd/`` whose exact text (indentation
+stripped) is added outside it in the same unit is counted as moved out, not deleted, and the
+other way round. A line moved within ``elasticd/`` is added once and deleted once: it cancels in
+the net by itself.
+"""
+
+from __future__ import annotations
+
+import collections
+import subprocess
+import sys
+
+#: (revision, kind, why it belongs to issue 28). kind "merge": the branch's diff against main.
+UNITS = [
+    ("a2de8af", "merge", "branch struct: node and job rules pure, layered imports, typed "
+                         "metrics, rule mutations"),
+    ("0ea8796", "merge", "branch doubles: test doubles into elasticd/testing/"),
+    ("d20395a", "merge", "branch sizes: SlotStore, CheckpointService, Checkpointer off KNOWN"),
+    ("da36b25", "commit", "the daemon's peer watch and cycle state as parts (class limits)"),
+    ("a72bad9", "merge", "branch jm: the job manager's parts owned, not inherited"),
+    ("1a1951a", "merge", "branch split28: Closer, ReplicaServer off KNOWN"),
+    ("da61927", "merge", "branch split22: the rendezvous handler off KNOWN"),
+    ("15a6c92", "merge", "branch split23: Keyspace views, EtcdConnection, rendezvous settings"),
+    ("afb71e5", "merge", "branch metrics23: metric groups, election lease, dead stats"),
+    ("6a9029e", "commit", "the key view the Keyspace split made per key, once per event"),
+    ("6a9029e..HEAD", "range", "branch struct24: tracker and reporter split, dead stats, "
+                               "metric names, the etcd-only interface"),
+]
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], check=True, capture_output=True, text=True).stdout
+
+
+def diff_range(rev: str, kind: str) -> tuple[str, str]:
+    if kind == "merge":
+        return f"{rev}^1", rev
+    if kind == "commit":
+        return f"{rev}^", rev
+    a, b = rev.split("..")
+    return a, b
+
+
+def count(a: str, b: str) -> dict[str, int]:
+    """Lines added and deleted under elasticd/ between ``a`` and ``b``, and those moved."""
+    inside = {"+": collections.Counter(), "-": collections.Counter()}
+    outside = {"+": collections.Counter(), "-": collections.Counter()}
+    path = ""
+    for line in git("diff", "-M", "--no-color", "-U0", a, b).splitlines():
+        if line.startswith("+++ "):
+            path = line[6:] if line.startswith("+++ b/") else path
+        elif line.startswith("--- "):
+            path = line[6:] if line.startswith("--- a/") else ""
+        elif line.startswith("diff --git"):
+            path = line.split(" b/", 1)[1]
+        elif line[:1] in "+-" and not line.startswith(("+++", "---")):
+            side = inside if path.startswith("elasticd/") else outside
+            side[line[0]][line[1:].strip()] += 1
+    added, deleted = sum(inside["+"].values()), sum(inside["-"].values())
+    moved_out = sum(min(n, outside["+"][t]) for t, n in inside["-"].items() if t)
+    moved_in = sum(min(n, outside["-"][t]) for t, n in inside["+"].items() if t)
+    return {"added": added, "deleted": deleted, "moved_in": moved_in, "moved_out": moved_out,
+            "net": (added - moved_in) - (deleted - moved_out)}
+
+
+def main() -> None:
+    head = git("rev-parse", "--short", "HEAD").strip()
+    print(f"Net lines under elasticd/ over issue 28's units, at {head} "
+          "(command: python bench/structure_lines.py; method in its docstring)\n")
+    print(f"{'unit':<16}{'added':>7}{'deleted':>9}{'moved in':>10}{'moved out':>11}{'net':>7}"
+          "  what")
+    total: collections.Counter[str] = collections.Counter()
+    for rev, kind, why in UNITS:
+        c = count(*diff_range(rev, kind))
+        total.update(c)
+        print(f"{rev:<16}{c['added']:>7}{c['deleted']:>9}{c['moved_in']:>10}"
+              f"{c['moved_out']:>11}{c['net']:>+7}  {why}")
+    print(f"{'total':<16}{total['added']:>7}{total['deleted']:>9}{total['moved_in']:>10}"
+          f"{total['moved_out']:>11}{total['net']:>+7}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
