@@ -169,7 +169,9 @@ class AgentSupervisor:
             "--rdzv-id", s.name,
             "--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items()),
             "--max-restarts", str(s.max_restarts),
-            "--monitor-interval", "0.1",
+            # In-process mode: the agent learns that a member is gone when it asks the
+            # rendezvous (num_nodes_waiting, once a monitor interval), and its workers wait.
+            "--monitor-interval", "0.02" if s.in_process else "0.1",
             "--log-dir", os.path.join(self.log_dir, "torchrun"),
             # "--" before the training script: torchrun's parser otherwise takes a script
             # argument that abbreviates one of its own options (--log, --node, --max...) for

@@ -25,10 +25,12 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endpoints
+from elasticd.coordination.keys import Keyspace
+from elasticd.daemon.rdzv_marks import mark_failed
 from elasticd.testing.coordination import MemoryCoordinator, MemoryStore
 from elasticd.coordination.rendezvous import BACKEND_NAME
 from elasticd.rendezvous.handler import EtcdNativeRendezvousHandler, create_handler
-from elasticd.rendezvous.records import RoundRecord
+from elasticd.rendezvous.records import NodeRecord, RoundRecord
 
 TIMEOUT = 20.0
 
@@ -272,6 +274,56 @@ def test_a_killed_node_leaves_when_its_lease_expires(etcd, prefix):
         wait_until(lambda: a.gone_members() == [b.me], "b counted as gone after its TTL")
         info = results(cluster.join(a))[0]
         assert info.world_size == 1
+    finally:
+        cluster.close()
+
+
+def test_a_member_whose_node_the_daemons_recorded_failed_is_gone_without_liveness_confirm(
+        cluster):
+    # Issue 31 (docs/in-process-design.md 4.2). liveness_confirm is 60 s: before the rule
+    # only its end made the dead member gone, far past this test's timeouts.
+    keys = Keyspace(cluster.prefix)
+    a, b, c = (cluster.node(1, 3, liveness_confirm="60") for _ in range(3))
+    for h, name in ((a, "na"), (b, "nb"), (c, "nc")):
+        h.daemon_of = lambda name=name: (name, 0xb0 + len(name))
+    results(cluster.join(a, b, c))
+    assert NodeRecord.decode(a.coordinator.get(b._join.key).value).daemon == "nb"
+    # b dies (kill -9: no revoke). A failure of another lease of its node (an old one) is no
+    # news about this record: it stays, and b is not gone.
+    b._keeper.stop(revoke=False)
+    b._control_watch.stop()
+    mark_failed(a.coordinator, keys, cluster.run_id, "nb", 0x1, "na", None, 0.0)
+    assert has_record(a, b) and a.gone_members() == []
+    # The daemons record b's node failed before its rendezvous lease expires: its record is
+    # deleted with the mark, and it is gone at once, for every member.
+    assert mark_failed(a.coordinator, keys, cluster.run_id, "nb", 0xb2, "na", None, 0.0) == 1
+    assert not has_record(a, b)
+    wait_until(lambda: a.gone_members() == c.gone_members() == [b.me], "b gone for a and c")
+    infos = results(cluster.join(a, c))
+    assert sorted(i.rank for i in infos) == [0, 1] and {i.world_size for i in infos} == {2}
+    # c merely silent (its record gone, no mark): not gone while liveness_confirm runs
+    c.stop()
+    time.sleep(1.0)
+    assert a.gone_members() == []
+
+
+def test_a_member_recorded_failed_after_its_record_expired_is_gone_at_the_mark(etcd, prefix):
+    # The other order: the rendezvous lease expired first (the two leases are not kept alive
+    # in step), the daemons' record comes later; the closer looks for the mark meanwhile.
+    cluster = Cluster("etcd", etcd, prefix)
+    try:
+        a, b = (cluster.node(1, 2, liveness_confirm="60") for _ in range(2))
+        a.daemon_of, b.daemon_of = (lambda: ("na", 0xa1)), (lambda: ("nb", 0xb1))
+        results(cluster.join(a, b))
+        b._keeper.stop(revoke=False)
+        b._control_watch.stop()
+        wait_until(lambda: not has_record(a, b), "b's record expired (TTL 2 s)")
+        time.sleep(0.3)
+        assert a.gone_members() == []  # absent, unmarked: liveness_confirm still runs
+        assert mark_failed(a.coordinator, Keyspace(prefix), cluster.run_id, "nb", 0xb1, "na",
+                           None, 0.0) == 0
+        wait_until(lambda: a.gone_members() == [b.me], "b gone once marked")
+        assert results(cluster.join(a))[0].world_size == 1
     finally:
         cluster.close()
 
