@@ -190,7 +190,12 @@ class AgentSupervisor:
                # Workers must not reuse the rank-0 agent's TCPStore on restarts (docs/facts.md).
                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1",
                **({ZYGOTE_ENV: self.zygote_name} if self.warm else {}),
-               **({IN_PROCESS_ENV: "1"} if self.spec.in_process else {})}
+               **({IN_PROCESS_ENV: "1",
+                   # Every node of a job runs nproc_per_node workers of one role: torch's
+                   # agent then computes the ranks (group_rank * nproc_per_node + local rank,
+                   # what its store exchange gives too) instead of two rounds of store
+                   # requests to etcd per re-formation.
+                   "TORCH_ELASTIC_WORKER_IDENTICAL": "1"} if self.spec.in_process else {})}
         env.pop(TAG_ENV, None)
         # The tag first: tagged_pids reads only the head of an environment.
         return {TAG_ENV: self.tag, **env}
