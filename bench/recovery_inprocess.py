@@ -11,7 +11,13 @@ time):
 
 * ``seconds``: the kill -> all 4 ranks of the new world logged a step (each its first);
 * ``after_detection_seconds``: the node's ``failed`` event (the daemons' record of the failure,
-  etcd) -> the same moment;
+  etcd) -> the same moment; negative when the survivors trained again before the daemons
+  recorded it (the agents' round closed when the dead agent's rendezvous lease expired, which
+  is kept alive apart from its daemon's); ``detection_seconds``: the kill -> that event;
+* ``phases`` (in-process): where the seconds after the ``failed`` event went, from the
+  moments the survivors report on their first step (:data:`MOMENTS`, ``elasticd.Round.times``;
+  for each moment the slowest rank's; they add up to ``after_detection_seconds``, and a moment
+  that came before the event makes its phase negative); ``median_phases`` per mode;
 * ``steps_lost``: the newest step any rank logged at world 6 minus the step the new world
   resumed from (its first step minus one); ``steps_lost_vs_all_held``: the same against the
   newest step every survivor logged at world 6 (a step some survivors completed and others did
@@ -25,6 +31,7 @@ time):
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -125,7 +132,14 @@ def run(mode: str, victim: str, ttl: int, timeout: float, workdir: str) -> dict:
         except TimeoutError:
             return out
         back = max(r["t"] for r in at4.values())
-        failed = [e["at"] for e in c.events() if e["kind"] == "failed" and e["node"] == victim]
+        # The survivors may train again before any daemon recorded the failure (the agents'
+        # round closed when the dead agent's lease expired, before its daemon's did): wait for
+        # the record (after_detection_seconds is then negative) instead of leaving it out.
+        failed: list[float] = []
+        with contextlib.suppress(TimeoutError):
+            c.wait_for(lambda: failed.extend(
+                e["at"] for e in c.events() if e["kind"] == "failed" and e["node"] == victim)
+                or failed, ttl + 3, "the failed event", interval=0.1)
         rows = _rows(logdir)
         old = [r for r in rows if r["world"] == 6]
         survivors = pids6 - victims

@@ -25,9 +25,15 @@ may come after the record expired: the two leases are not kept alive in step).
 
 Whoever may write the rendezvous prefix (the job's agents) could forge a mark; they can already
 delete any member's record, which the mark only makes count sooner.
+
+A closer elected after a member's record went (the dead member was the closer, or the closer
+changed) never saw that record, so it does not know its daemon: it reads the marks' member
+lists instead (a daemon names the join records it deleted), with one listing of the marks.
 """
 
 from __future__ import annotations
+
+import json
 
 #: Seconds between two reads of a pending member's failure mark.
 MARK_POLL = 0.02
@@ -47,3 +53,17 @@ def markable(daemon: str, lease: int) -> bool:
     """Whether a record naming ``daemon`` and ``lease`` can have a mark (it names both, and
     the node name is one key element)."""
     return bool(daemon) and lease > 0 and "/" not in daemon and "@" not in daemon
+
+
+def marked_members(values: list[bytes]) -> set[str]:
+    """The members the marks ``values`` name (a mark that does not read names none)."""
+    out: set[str] = set()
+    for raw in values:
+        try:
+            data = json.loads(raw)
+        except (UnicodeDecodeError, ValueError):
+            continue
+        members = data.get("members") if isinstance(data, dict) else None
+        if isinstance(members, list):
+            out.update(m for m in members if isinstance(m, str))
+    return out

@@ -143,6 +143,12 @@ class Tally:
                 out[m] = (rec.daemon, rec.daemon_lease)
         return out
 
+    def unknown_absent(self, now: float, confirm: float) -> set[str]:
+        """Absent members not yet dead whose last record this closer never saw (it was
+        elected after they went): their marks are found by the member lists."""
+        return {m for m, since in self.absent_since.items()
+                if m not in self.failed and now - since < confirm and m not in self.gone_records}
+
     def mark_failed(self, member: str) -> None:
         """The daemons recorded ``member``'s node failed (its mark exists): dead at once,
         while its record stays absent."""

@@ -108,3 +108,15 @@ def test_a_member_recorded_failed_by_the_daemons_is_dead_at_once_a_silent_one_wa
     # the next round forgets what it knew of the old one's members
     tally.new_round(RoundRecord(1, ("a", "b")), 13.0)
     assert tally.failed == set() and tally.gone_records == {}
+
+
+def test_a_closer_that_never_saw_a_members_record_finds_it_by_the_marks_member_lists():
+    from elasticd.rendezvous.failures import marked_members
+
+    tally = Tally(RoundRecord(0, ("a", "b")), now=0.0)
+    tally.load([NodeRecord("a", 0, revision=1)], 0.0)  # b went before this closer listed
+    assert tally.pending_marks(0.1, 1.0) == {} and tally.unknown_absent(0.1, 1.0) == {"b"}
+    marks = [b'{"v":2,"members":["b"]}', b'{"members":"b"}', b"not json", b'{"members":[1]}']
+    assert marked_members(marks) == {"b"}  # the unreadable ones name nobody
+    tally.mark_failed("b")
+    assert tally.dead(0.1, 1.0, trusted=True) == ("b",) and tally.unknown_absent(0.1, 1.0) == set()
