@@ -14,9 +14,10 @@ generation. Then it builds DDP around the same module. The same script runs unde
 ``torchrun`` (the function is called once).
 
 Each step appends a JSON line to ``--log``/``steps-<pid>.jsonl``: pid, round, rank, world,
-step, path (``first``/``in-process``), and on a re-entered round's first step the moments of
-its re-formation (``times``: :attr:`elasticd.Round.times`, then ``restored`` and ``ddp_built``), saved (whether its snapshot was taken: the daemon skips
-one while both of the rank's slots hold copies the commit needs), time. ``--hang-rank R`` makes the worker of first-round
+step, path (``first``/``in-process``), saved (whether its snapshot was taken: the daemon skips
+one while both of the rank's slots hold copies the commit needs), time, and on a re-entered
+round's first step the moments of its re-formation (``times``: :attr:`elasticd.Round.times`,
+then ``restored`` and ``ddp_built``). ``--hang-rank R`` makes the worker of first-round
 rank R hang instead of leaving its group on a failure (the fallback's test).
 """
 
