@@ -11,7 +11,13 @@ time):
 
 * ``seconds``: the kill -> all 4 ranks of the new world logged a step (each its first);
 * ``after_detection_seconds``: the node's ``failed`` event (the daemons' record of the failure,
-  etcd) -> the same moment;
+  etcd) -> the same moment; negative when the survivors trained again before the daemons
+  recorded it (the agents' round closed when the dead agent's rendezvous lease expired, which
+  is kept alive apart from its daemon's); ``detection_seconds``: the kill -> that event;
+* ``phases`` (in-process): where the seconds after the ``failed`` event went, from the
+  moments the survivors report on their first step (:data:`MOMENTS`, ``elasticd.Round.times``;
+  for each moment the slowest rank's; they add up to ``after_detection_seconds``, and a moment
+  that came before the event makes its phase negative); ``median_phases`` per mode;
 * ``steps_lost``: the newest step any rank logged at world 6 minus the step the new world
   resumed from (its first step minus one); ``steps_lost_vs_all_held``: the same against the
   newest step every survivor logged at world 6 (a step some survivors completed and others did
@@ -25,6 +31,7 @@ time):
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -42,6 +49,29 @@ from elasticd.replication.commit import decode_grid
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "examples", "train_in_process.py")
 MODES = ("in-process", "restart")
+#: The in-process path's moments, in order (:attr:`elasticd.Round.times`, then the example's
+#: ``restored`` and ``ddp_built``, then the first step's own time).
+MOMENTS = ("learned", "rendezvous_returned", "round_closed", "all_left", "assigned", "group_made", "restored",
+           "ddp_built", "first_step")
+
+
+def phases(failed_at: float | None, first: dict[int, dict]) -> dict[str, float] | None:
+    """Where the seconds after detection went on the in-process path: for each moment, the
+    slowest rank's time of it; each phase runs from the moment before (the first from the
+    ``failed`` event) to it, so the phases add up to ``after_detection_seconds``. None when a
+    rank reported no moments (it took the restart path)."""
+    rows = list(first.values())
+    if failed_at is None or not rows or not all(isinstance(r.get("times"), dict) for r in rows):
+        return None
+    out, before = {}, failed_at
+    for name in MOMENTS:
+        values = [r["t"] if name == "first_step" else r["times"].get(name) for r in rows]
+        if any(v is None for v in values):
+            continue
+        at = max(values)
+        out[f"to_{name}"] = round(at - before, 4)
+        before = at
+    return out
 
 
 def _rows(logdir: str) -> list[dict]:
@@ -102,7 +132,14 @@ def run(mode: str, victim: str, ttl: int, timeout: float, workdir: str) -> dict:
         except TimeoutError:
             return out
         back = max(r["t"] for r in at4.values())
-        failed = [e["at"] for e in c.events() if e["kind"] == "failed" and e["node"] == victim]
+        # The survivors may train again before any daemon recorded the failure (the agents'
+        # round closed when the dead agent's lease expired, before its daemon's did): wait for
+        # the record (after_detection_seconds is then negative) instead of leaving it out.
+        failed: list[float] = []
+        with contextlib.suppress(TimeoutError):
+            c.wait_for(lambda: failed.extend(
+                e["at"] for e in c.events() if e["kind"] == "failed" and e["node"] == victim)
+                or failed, ttl + 3, "the failed event", interval=0.1)
         rows = _rows(logdir)
         old = [r for r in rows if r["world"] == 6]
         survivors = pids6 - victims
@@ -114,6 +151,8 @@ def run(mode: str, victim: str, ttl: int, timeout: float, workdir: str) -> dict:
         resumed = min(r["step"] for r in at4.values()) - 1
         newest = max(r["step"] for r in old)
         return {**out, "recovered": True, "seconds": round(back - t_kill, 3),
+                "detection_seconds": round(min(failed) - t_kill, 3) if failed else None,
+                "phases": phases(min(failed) if failed else None, at4),
                 "after_detection_seconds": round(back - min(failed), 3) if failed else None,
                 "killed_at_step": newest, "resumed_step": resumed,
                 "steps_lost": newest - resumed, "steps_lost_vs_all_held": held - resumed,
@@ -141,7 +180,19 @@ def summarize(runs: list[dict]) -> dict:
             "steps_lost_vs_all_held": [r["steps_lost_vs_all_held"] for r in ok],
             "runs_with_0_steps_lost_vs_all_held": sum(r["steps_lost_vs_all_held"] == 0
                                                       for r in ok),
-            "steps_not_snapshotted": [r["steps_not_snapshotted"] for r in ok]}
+            "steps_not_snapshotted": [r["steps_not_snapshotted"] for r in ok],
+            "median_detection_seconds": med("detection_seconds"),
+            "median_phases": median_phases(ok)}
+
+
+def median_phases(ok: list[dict]) -> dict[str, float] | None:
+    """Each phase's median over the runs that reported it (:func:`phases`)."""
+    runs = [r["phases"] for r in ok if r.get("phases")]
+    if not runs:
+        return None
+    names = [f"to_{m}" for m in MOMENTS]
+    return {n: round(statistics.median(p[n] for p in runs if n in p), 4)
+            for n in names if any(n in p for p in runs)}
 
 
 def main(modes: list[str], runs: int, ttl: int, timeout: float, out_path: str,

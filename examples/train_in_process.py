@@ -15,7 +15,9 @@ generation. Then it builds DDP around the same module. The same script runs unde
 
 Each step appends a JSON line to ``--log``/``steps-<pid>.jsonl``: pid, round, rank, world,
 step, path (``first``/``in-process``), saved (whether its snapshot was taken: the daemon skips
-one while both of the rank's slots hold copies the commit needs), time. ``--hang-rank R`` makes the worker of first-round
+one while both of the rank's slots hold copies the commit needs), time, and on a re-entered
+round's first step the moments of its re-formation (``times``: :attr:`elasticd.Round.times`,
+then ``restored`` and ``ddp_built``). ``--hang-rank R`` makes the worker of first-round
 rank R hang instead of leaving its group on a failure (the fallback's test).
 """
 
@@ -56,7 +58,10 @@ def main() -> None:
         if not first_rank:
             first_rank.append(r.rank)
         step = ckpt.restore(state)  # every round, on every rank: the step they all resume at
+        times = dict(r.times, restored=time.time()) if r.times else {}
         ddp = DDP(model)
+        if times:
+            times["ddp_built"] = time.time()
         try:
             while step < args.steps:
                 r.check()
@@ -68,9 +73,12 @@ def main() -> None:
                 step += 1
                 saved = ckpt.save(step, state)
                 done[0] = step
-                out.write(json.dumps({"pid": os.getpid(), "round": r.number, "rank": r.rank,
-                                      "world": r.world_size, "step": step, "path": r.path,
-                                      "saved": saved, "t": time.time()}) + "\n")
+                row = {"pid": os.getpid(), "round": r.number, "rank": r.rank,
+                       "world": r.world_size, "step": step, "path": r.path, "saved": saved,
+                       "t": time.time()}
+                if times:  # the round's first step: the moments of its re-formation
+                    row["times"], times = times, {}
+                out.write(json.dumps(row) + "\n")
                 time.sleep(args.step_time)
         except Exception:
             if first_rank[0] == args.hang_rank:

@@ -6,7 +6,10 @@ job: ``ELASTICD_IN_PROCESS``) opens the worker link (:mod:`.worker_link`), makes
 launcher build :class:`InProcessAgent` instead of ``LocalElasticAgent``, and changes what the
 node does when a member of its round is gone: instead of killing its workers (the restart
 path's proactive abort), it reports the change as a node waiting, so that the agent's monitor
-calls ``_restart_workers``, which here re-forms:
+calls ``_restart_workers``. It does the same as soon as every local worker has left its group
+on its own (:func:`job_rules.all_left`: a peer's process died and the collective raised), as
+a restarted node's agent would rejoin at once: the round then closes when the dead member's
+record goes. ``_restart_workers`` here re-forms:
 
 1. ``abort`` to every local worker: leave the old group now (a worker whose collective raised
    has already left, and said so);
@@ -48,6 +51,10 @@ class _Node:
         self.clock = clock
         self.link = LinkServer()
         self.broken = False  # a member of the round is gone (set by the handler's hook)
+        self.local_world = 0  # the node's local workers (set when the agent starts them)
+        #: Wall time the hook last learned that a member is gone (a moment of the per-path
+        #: timeline the workers report: :attr:`elasticd.worker.in_process.Round.times`).
+        self.broken_at: float | None = None
 
 
 _node: list[_Node] = []  # the one per agent process, once installed
@@ -78,12 +85,20 @@ def _hook(handler: Any) -> None:
     def broken(dead: list[str]) -> None:
         log.warning("member(s) %s of this round are gone: re-forming in-process",
                     ", ".join(dead))
+        node.broken_at = node.clock.wall()
         node.broken = True
 
     inner = handler.num_nodes_waiting
 
     def num_nodes_waiting() -> int:
         n = inner()
+        rounds = getattr(handler, "rounds", None)
+        if not node.broken and rounds and job_rules.all_left(
+                node.local_world, rounds[-1][0], node.link.left_rounds()):
+            log.warning("every local worker left round %d (its group broke): re-forming "
+                        "in-process", rounds[-1][0])
+            node.broken_at = node.clock.wall()
+            node.broken = True
         return max(n, 1) if node.broken else n
 
     handler.on_round_broken = broken
@@ -105,6 +120,7 @@ class InProcessAgent(LocalElasticAgent):
     def _start_workers(self, wg: Any) -> dict[int, Any]:
         # Fresh workers learn their round from the environment torchrun copies from ours.
         os.environ[ROUND_ENV] = str(self._round(wg))
+        _node[0].local_world = wg.spec.local_world_size
         return super()._start_workers(wg)
 
     def _env_for(self, wg: Any, w: Any) -> dict[str, str]:
@@ -138,6 +154,10 @@ class InProcessAgent(LocalElasticAgent):
             return
         clock = node.clock
         t0 = clock.monotonic()
+        # The in-process path's moments, wall time, sent with each assignment (the worker
+        # adds its own: :attr:`elasticd.worker.in_process.Round.times`).
+        times = {"learned": node.broken_at if node.broken_at is not None else clock.wall(),
+                 "reform_started": clock.wall()}
         old_round = self._round(wg)
         node.broken = False
         node.link.forget_left(keep_round=old_round)
@@ -145,6 +165,10 @@ class InProcessAgent(LocalElasticAgent):
         tell_daemon("workers_aborted", workers=n, gone=[])
         self._rendezvous(wg)
         t_round = clock.monotonic()
+        times["round_closed"] = clock.wall()  # and torch's rank assignment done
+        seen_at = getattr(wg.spec.rdzv_handler, "seen_at", None)  # next_rendezvous returned
+        if isinstance(seen_at, float) and seen_at:
+            times["rendezvous_returned"] = times["round_closed"] - (t_round - seen_at)
         deadline = t_round + job_rules.REFORM_DEADLINE
         while True:
             verdict, why = job_rules.reform_step(n, old_round, node.link.left_rounds(),
@@ -164,9 +188,11 @@ class InProcessAgent(LocalElasticAgent):
             tell_daemon("reformed", path="restart", why=why)
             return
         pids = self._pcontext.pids()
+        times["all_left"] = clock.wall()
         for w in wg.workers:
             w.id = pids[w.local_rank]
-            node.link.send(w.local_rank, {"op": "assign", "env": self._env_for(wg, w)})
+            node.link.send(w.local_rank, {"op": "assign", "env": self._env_for(wg, w),
+                                          "times": times})
         wg.state = WorkerState.HEALTHY
         took = clock.monotonic() - t0
         log.warning("re-formed in-process, round %d -> %d: round %.3f s, all %d left and "

@@ -268,6 +268,18 @@ def can_reform(local_world: int, alive: bool, linked: Iterable[int]) -> str:
     return ""
 
 
+def all_left(local_world: int, current_round: int,
+             left: dict[int, tuple[int, bool, str]]) -> bool:
+    """Whether every one of the node's ``local_world`` workers has left ``current_round``'s
+    group on its own (its collective raised: a peer's process died, or the collective timed
+    out). The group is broken for all of them then, whatever the rendezvous knows yet: the
+    agent joins the next round at once, as a restarted node would (its workers would have
+    exited), so the round closes as soon as the dead member's record goes, rather than after
+    the rendezvous counts it dead and the agent next asks."""
+    done = {r for r, v in left.items() if v[0] == current_round and r < local_world}
+    return local_world > 0 and len(done) == local_world
+
+
 def reform_step(local_world: int, old_round: int, left: dict[int, tuple[int, bool, str]],
                 alive: bool, now: float, deadline: float) -> tuple[Reform, str]:
     """What an agent does next in a re-formation, and why (for a fallback).

@@ -169,7 +169,9 @@ class AgentSupervisor:
             "--rdzv-id", s.name,
             "--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items()),
             "--max-restarts", str(s.max_restarts),
-            "--monitor-interval", "0.1",
+            # In-process mode: the agent learns that a member is gone when it asks the
+            # rendezvous (num_nodes_waiting, once a monitor interval), and its workers wait.
+            "--monitor-interval", "0.02" if s.in_process else "0.1",
             "--log-dir", os.path.join(self.log_dir, "torchrun"),
             # "--" before the training script: torchrun's parser otherwise takes a script
             # argument that abbreviates one of its own options (--log, --node, --max...) for
@@ -188,7 +190,12 @@ class AgentSupervisor:
                # Workers must not reuse the rank-0 agent's TCPStore on restarts (docs/facts.md).
                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1",
                **({ZYGOTE_ENV: self.zygote_name} if self.warm else {}),
-               **({IN_PROCESS_ENV: "1"} if self.spec.in_process else {})}
+               **({IN_PROCESS_ENV: "1",
+                   # Every node of a job runs nproc_per_node workers of one role: torch's
+                   # agent then computes the ranks (group_rank * nproc_per_node + local rank,
+                   # what its store exchange gives too) instead of two rounds of store
+                   # requests to etcd per re-formation.
+                   "TORCH_ELASTIC_WORKER_IDENTICAL": "1"} if self.spec.in_process else {})}
         env.pop(TAG_ENV, None)
         # The tag first: tagged_pids reads only the head of an environment.
         return {TAG_ENV: self.tag, **env}

@@ -13,6 +13,9 @@ adding, to every ``etcd-v3`` rendezvous handler the agent creates
   agent joins a round (the join gate), so a node about to fence does not enter a new round.
 * **In-process mode.** For a job that asks for it, the agent keeps its live workers through a
   round instead of the restart above (:mod:`.in_process_agent`).
+* **Its daemon, named.** Each join record names the daemon's node and lease, so that the
+  daemons' ``failed`` record of that lease drops this member from the round at once
+  (:mod:`elasticd.rendezvous.failures`).
 * **Commit gate.** Under the ``interval:MIN`` grow policy, tell the handler whether the job is
   at a committed step (:mod:`.commit_watch`): a newcomer enters only then.
 
@@ -94,7 +97,14 @@ def attach(handler: EtcdNativeRendezvousHandler) -> None:
         # is gone by then if it is frozen, and the rule holds).
         return watch.settle(handler.settings.liveness_ttl + 1.0)
 
+    def daemon_of() -> tuple[str, int] | None:
+        # The lease the daemon's record is bound to now: the one its peers record ``failed``
+        # when it expires (one read per join; this agent may read that key).
+        kv = handler.coordinator.get(watch.node_key)
+        return (node, kv.lease) if kv is not None and kv.lease else None
+
     handler.join_gate = join_gate
+    handler.daemon_of = daemon_of
     watch.start()
     if handler.settings.grow_interval is not None:  # interval:MIN
         # Lazy: it watches etcd only while the handler asks it (a newcomer waiting).

@@ -32,7 +32,7 @@ from elasticd.coordination.api import AuthError, CoordinationError, Coordinator,
 from elasticd.coordination.health import EtcdHealth
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.lease import LeaseKeeper
-from elasticd.daemon import node_rules
+from elasticd.daemon import node_rules, rdzv_marks
 from elasticd.daemon.agent_setup import agent_credentials, rdzv_conf
 from elasticd.daemon.cycle_state import CycleState
 from elasticd.daemon.data_loss import DataLossRecovery
@@ -447,10 +447,13 @@ class Daemon:
                     self.loop.note(self.channel.prepare_restore(job))
                 if ob.detection_seconds is not None:
                     self.metrics.membership.detection_seconds.observe(ob.detection_seconds)
-                self.events.record(Event(
+                failed = Event(
                     "failed", ob.node, ob.record.lease, self.clock.wall(), self.settings.node_id,
                     ob.describe(), {"detection_seconds": round(ob.detection_seconds or 0.0, 3),
-                                    "heartbeat_at": ob.record.heartbeat_at}))
+                                    "heartbeat_at": ob.record.heartbeat_at})
+                # The rendezvous first: the event's write also trims the log (a listing).
+                self._tell_rendezvous(job, ob.node, ob.record.lease)
+                self.events.record(failed)
                 if ob.was_provisional:
                     self.metrics.membership.provisional_expiries.labels("confirmed").inc()
             elif ob.kind is ObservationKind.DEPARTED:
@@ -458,6 +461,18 @@ class Daemon:
             elif ob.kind is ObservationKind.REJOINED:
                 self.metrics.membership.provisional_expiries.labels("rejoined").inc()
             log.info("observed: %s", ob.describe())
+
+    def _tell_rendezvous(self, job: str | None, node: str, lease: int) -> None:
+        """The job's rendezvous drops ``node`` at once (:mod:`.rdzv_marks`); on an etcd
+        error it drops it after ``liveness_confirm``, as before."""
+        if job is None:
+            return
+        try:
+            rdzv_marks.mark_failed(self.coord, self.peers.keys, job, node, lease,
+                                   self.settings.node_id, self.registered_lease,
+                                   self.clock.wall())
+        except CoordinationError as exc:
+            log.warning("could not tell job %s's rendezvous that %s failed: %s", job, node, exc)
 
     # -- waiting and status ---------------------------------------------------------------
 

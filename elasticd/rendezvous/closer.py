@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from elasticd.coordination.api import Compare, CoordinationError, KeyValue, Put
 from elasticd.rendezvous.control import AgentContext
+from elasticd.rendezvous.failures import MARK_POLL, mark_key, mark_prefix, marked_members
 from elasticd.rendezvous.node_watch import NodeWatch
 from elasticd.rendezvous.records import NodeRecord, RoundRecord, Waiting
 from elasticd.rendezvous.rounds import SUMMARY_REFRESH, decide_close, grew_at, next_round, \
@@ -73,6 +74,7 @@ class Closer:
         """
         self.nodes.refresh()
         now = self._clock.monotonic()
+        marks_pending = self._look_for_marks(now, trusted)
         with self._control.cond:
             last, revision = self._control.round, self._control.round_revision
             halted = self._control.closed or bool(self._control.round_error)
@@ -99,11 +101,17 @@ class Closer:
                 self._min_since = None
             summary = tally.waiting(tally.dead(now, s.liveness_confirm, trusted))
             due = tally.next_confirm(now, s.liveness_confirm)
+            # A round just read (a closer newly elected) may have absent members to look for.
+            marks_pending = marks_pending or (trusted and bool(
+                tally.pending_marks(now, s.liveness_confirm)
+                or tally.unknown_absent(now, s.liveness_confirm)))
         if members is not None:
             self._close(last, revision, members, master)
             return now
         if due is not None:
             wakes.append(due)
+        if marks_pending:
+            wakes.append(now + MARK_POLL)
         # Before the first round nobody trains: no summary (a member that lost the round
         # record re-rendezvous without one, see rounds.num_waiting).
         refresh = summary.round >= 0 and summary != (self._written or Waiting(summary.round))
@@ -115,6 +123,37 @@ class Closer:
         elif refresh:
             wakes.append(self._written_at + SUMMARY_REFRESH)
         return min(wakes) if wakes else None
+
+    def _look_for_marks(self, now: float, trusted: bool) -> bool:
+        """Reads the failure marks of the absent members that may have one
+        (:mod:`.failures`); a member whose mark exists is dead from now on. Returns whether
+        some are still pending (look again in :data:`MARK_POLL` seconds)."""
+        if not trusted:
+            return False
+        confirm = self._settings.liveness_confirm
+        with self.nodes.counts() as tally:
+            pending = tally.pending_marks(now, confirm)
+            unknown = tally.unknown_absent(now, confirm)
+        found = []
+        for member, (daemon, lease) in pending.items():
+            try:
+                if self._coord.get(mark_key(self._control.native, daemon, lease)) is not None:
+                    found.append(member)
+            except CoordinationError as exc:  # the confirmation still comes
+                log.debug("could not read the failure mark of %s: %s", member, exc)
+        if unknown:
+            try:
+                kvs, _ = self._coord.get_prefix(mark_prefix(self._control.native))
+                found.extend(sorted(unknown & marked_members([kv.value for kv in kvs])))
+            except CoordinationError as exc:
+                log.debug("could not list the failure marks: %s", exc)
+        if found:
+            log.info("member(s) %s: their node was recorded failed; gone without waiting "
+                     "for liveness_confirm", ", ".join(found))
+            with self.nodes.counts() as tally:
+                for member in found:
+                    tally.mark_failed(member)
+        return len(found) < len(pending) + len(unknown)
 
     def _guarded(self, key: bytes, revision: int | None, value: bytes) -> tuple[bool, int]:
         """One write compared with this closer's election key (and ``key``'s revision)."""

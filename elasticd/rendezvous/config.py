@@ -17,7 +17,8 @@ user, password         etcd authentication (password also from the environment  
 liveness_ttl           TTL of the agent's etcd lease, whole seconds (at least 2):  3
                        a node's join record lives as long as that lease
 liveness_confirm       seconds a round member's record must stay absent before     1
-                       it counts as gone
+                       it counts as gone (at once when its daemon's lease is
+                       recorded ``failed``: :mod:`.failures`)
 join_timeout           seconds ``next_rendezvous`` waits to be admitted (torch's)  600
 last_call_timeout      seconds a job's first round stays open after ``min`` nodes  30
                        joined, for late starters (torch's)

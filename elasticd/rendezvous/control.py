@@ -50,6 +50,7 @@ class Control:
     """
 
     def __init__(self, native: bytes, clock: Clock) -> None:
+        self.native = native
         self.nodes_prefix = native + b"nodes/"
         self.round_key = native + b"round"
         self.closer_key = native + b"round.closer"

@@ -239,6 +239,17 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
             info = RendezvousStoreInfo.build(rank, store, local_addr=self.addr)
         return RendezvousInfo(store, rank, len(last.members), info)
 
+    @property
+    def daemon_of(self) -> Callable[[], tuple[str, int] | None] | None:
+        """Names the elasticd node whose daemon runs this agent and that daemon's lease, in
+        each join record, so that the daemons' ``failed`` record of it drops this member at
+        once (:mod:`.failures`); None, or returning None: no daemon."""
+        return self._join.daemon_of
+
+    @daemon_of.setter
+    def daemon_of(self, fn: Callable[[], tuple[str, int] | None] | None) -> None:
+        self._join.daemon_of = fn
+
     def _round_left(self) -> str | None:
         """Why a blocking wait in the store can stop now: a member of the round this node is
         in is dead (confirmed), so what it was to write (torch's rank assignment, written by

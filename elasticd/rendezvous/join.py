@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Callable
 
 from elasticd.coordination.api import CoordinationError, Coordinator
 from elasticd.coordination.lease import LeaseKeeper
@@ -39,10 +40,26 @@ class JoinRecord:
         self._lock = threading.Lock()  # the keeper's thread re-writes what next_rendezvous wrote
         self._record: NodeRecord | None = None
         self.port = HeldPort()
+        #: The node and lease of the daemon that runs this agent (None: none), named in the
+        #: record: the daemons' ``failed`` record of that lease drops it at once
+        #: (:mod:`.failures`).
+        self.daemon_of: Callable[[], tuple[str, int] | None] | None = None
+
+    def _daemon(self) -> tuple[str, int] | None:
+        if self.daemon_of is None:
+            return None
+        try:
+            return self.daemon_of()
+        except Exception as exc:  # noqa: BLE001 - the join goes on; confirm drops it instead
+            log.warning("could not name this node's daemon in its join record: %s", exc)
+            return None
 
     def write(self, target: int) -> None:
-        """Asks for round ``target``, naming a newly held port."""
-        record = NodeRecord(self._me, target, self._addr, self.port.hold(self._addr))
+        """Asks for round ``target``, naming a newly held port (and the daemon that runs this
+        agent, if one does: :attr:`daemon_of`)."""
+        node, lease = self._daemon() or ("", 0)
+        record = NodeRecord(self._me, target, self._addr, self.port.hold(self._addr),
+                            daemon=node, daemon_lease=lease)
         with self._lock:
             self._record = record
         # A lease lost just now (or lost with etcd's data) is replaced: not a failed agent.

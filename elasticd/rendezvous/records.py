@@ -55,6 +55,10 @@ class NodeRecord:
         addr: the node's address, for logs and the workers' ``MASTER_ADDR`` when rank 0.
         port: a port this node holds free for its workers' store, should it be rank 0.
         revision: the etcd revision that created the key (arrival order); 0 when not stored.
+        daemon, daemon_lease: the elasticd node whose daemon runs this agent, and that
+            daemon's lease when the record was written ("", 0: no daemon, plain torchrun).
+            When the daemons record that lease ``failed``, the member is dead at once
+            (:mod:`.failures`); absent from the JSON when unset.
     """
 
     node: str
@@ -62,10 +66,15 @@ class NodeRecord:
     addr: str = ""
     port: int = 0
     revision: int = 0
+    daemon: str = ""
+    daemon_lease: int = 0
 
     def encode(self) -> bytes:
-        return _dump({"v": SCHEMA, "node": self.node, "target": self.target,
-                      "addr": self.addr, "port": self.port})
+        data = {"v": SCHEMA, "node": self.node, "target": self.target,
+                "addr": self.addr, "port": self.port}
+        if self.daemon:
+            data.update(daemon=self.daemon, daemon_lease=self.daemon_lease)
+        return _dump(data)
 
     @classmethod
     def decode(cls, raw: bytes, revision: int = 0) -> "NodeRecord":
@@ -76,7 +85,8 @@ class NodeRecord:
         try:
             return cls(node=str(data["node"]), target=int(data["target"]),
                        addr=str(data.get("addr", "")), port=int(data.get("port", 0)),
-                       revision=revision)
+                       revision=revision, daemon=str(data.get("daemon", "")),
+                       daemon_lease=int(data.get("daemon_lease", 0)))
         except (KeyError, TypeError, ValueError) as exc:
             raise RecordError(f"node record {raw[:80]!r} lacks node/target: {exc}") from exc
 

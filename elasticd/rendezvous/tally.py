@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from elasticd.rendezvous.failures import markable
 from elasticd.rendezvous.records import NodeRecord, RoundRecord, Waiting
 from elasticd.rendezvous.rounds import next_round
 
@@ -29,6 +30,9 @@ class Tally:
         live_members: live members of ``last``.
         training: live members of ``last`` still asking for it (they block the close).
         absent_since: when each member of ``last`` was first seen absent (caller's clock).
+        gone_records: the last record seen of each absent member (what daemon it named).
+        failed: absent members whose daemon the daemons recorded failed (:mod:`.failures`):
+            dead at once, without the confirmation.
     """
 
     def __init__(self, last: RoundRecord | None = None, now: float = 0.0) -> None:
@@ -39,6 +43,8 @@ class Tally:
         self.live_members = 0
         self.training = 0
         self.absent_since: dict[str, float] = {}
+        self.gone_records: dict[str, NodeRecord] = {}
+        self.failed: set[str] = set()
         self.new_round(last, now)
 
     # -- events ---------------------------------------------------------------------------
@@ -53,6 +59,8 @@ class Tally:
             self._count(rec, +1)
         self.absent_since = {m: self.absent_since.get(m, now)
                              for m in self._members if m not in self.nodes}
+        self.gone_records = {m: r for m, r in self.gone_records.items() if m in self.absent_since}
+        self.failed &= set(self.absent_since)
 
     def load(self, records: Iterable[NodeRecord], now: float) -> None:
         """Replaces the records by a full listing."""
@@ -67,6 +75,8 @@ class Tally:
         self.nodes[rec.node] = rec
         self._count(rec, +1)
         self.absent_since.pop(rec.node, None)
+        self.gone_records.pop(rec.node, None)
+        self.failed.discard(rec.node)
 
     def delete(self, node: str, now: float) -> None:
         """A node record is gone (its lease expired or was revoked)."""
@@ -75,6 +85,8 @@ class Tally:
             self._count(old, -1)
         if node in self._members:
             self.absent_since.setdefault(node, now)
+            if old is not None:
+                self.gone_records[node] = old
 
     def _count(self, rec: NodeRecord, sign: int) -> None:
         if rec.node in self._members:
@@ -106,16 +118,42 @@ class Tally:
         return self.training == 0 and self.candidates >= min_nodes
 
     def dead(self, now: float, confirm: float, trusted: bool) -> tuple[str, ...]:
-        """Members absent for ``confirm`` seconds, in rank order; none when not ``trusted``."""
+        """Members absent for ``confirm`` seconds, or absent and recorded failed by the
+        daemons (:attr:`failed`), in rank order; none when not ``trusted``."""
         if not trusted or self.last is None:
             return ()
-        return tuple(m for m in self.last.members
-                     if m in self.absent_since and now - self.absent_since[m] >= confirm)
+        return tuple(m for m in self.last.members if m in self.absent_since and (
+            m in self.failed or now - self.absent_since[m] >= confirm))
 
     def next_confirm(self, now: float, confirm: float) -> float | None:
         """When the next absent member becomes dead (None: no member is absent)."""
-        due = [t + confirm for t in self.absent_since.values() if t + confirm > now]
+        due = [t + confirm for m, t in self.absent_since.items()
+               if t + confirm > now and m not in self.failed]
         return min(due) if due else None
+
+    def pending_marks(self, now: float, confirm: float) -> dict[str, tuple[str, int]]:
+        """Absent members not yet dead whose last record named a daemon and its lease:
+        member -> (daemon, lease), the failure marks worth a look (:mod:`.failures`)."""
+        out = {}
+        for m, since in self.absent_since.items():
+            rec = self.gone_records.get(m)
+            if m in self.failed or now - since >= confirm or rec is None:
+                continue
+            if markable(rec.daemon, rec.daemon_lease):
+                out[m] = (rec.daemon, rec.daemon_lease)
+        return out
+
+    def unknown_absent(self, now: float, confirm: float) -> set[str]:
+        """Absent members not yet dead whose last record this closer never saw (it was
+        elected after they went): their marks are found by the member lists."""
+        return {m for m, since in self.absent_since.items()
+                if m not in self.failed and now - since < confirm and m not in self.gone_records}
+
+    def mark_failed(self, member: str) -> None:
+        """The daemons recorded ``member``'s node failed (its mark exists): dead at once,
+        while its record stays absent."""
+        if member in self.absent_since:
+            self.failed.add(member)
 
     def waiting(self, dead: tuple[str, ...]) -> Waiting:
         """The summary of who waits for the next round."""

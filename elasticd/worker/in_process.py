@@ -35,6 +35,7 @@ import gc
 import logging
 import os
 import queue
+import socket
 import threading
 from typing import Any, Callable, TypeVar
 
@@ -65,6 +66,12 @@ class Round:
         previous_rank: this process's rank in the round before (None: a fresh process).
         path: ``"first"`` (a fresh process) or ``"in-process"`` (re-entered).
         group_seconds: how long making the group took.
+        times: the moments of the re-formation that led to this entry, wall time (empty on a
+            fresh process's first entry): the agent's ``learned`` (a member is gone),
+            ``reform_started``, ``round_closed``, ``all_left`` (every local worker left the
+            old group); this worker's ``left``, ``assigned`` (the assignment arrived) and
+            ``group_made``. The training function may add its own (``restored``, ...): the
+            per-path timeline the benchmark reads.
     """
 
     number: int
@@ -75,6 +82,7 @@ class Round:
     path: str
     group_seconds: float
     _asked: Callable[[], str] = dataclasses.field(default=lambda: "", repr=False)
+    times: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def check(self) -> None:
         """Call once a step: raises :class:`Reformation` when the agent asked this worker to
@@ -165,14 +173,17 @@ class _Worker:
         import torch.distributed as dist
 
         path, previous = "first", None
+        times: dict[str, float] = {}
         while True:
             self.round = int(os.environ.get(link.ROUND_ENV, "0"))
             self.asked = ""
             t0 = SYSTEM_CLOCK.perf_counter()
             fds = self._make_group()
+            if times:
+                times["group_made"] = SYSTEM_CLOCK.wall()
             info = Round(self.round, dist.get_rank(), dist.get_world_size(),
                          int(os.environ.get("LOCAL_RANK", "0")), previous, path,
-                         SYSTEM_CLOCK.perf_counter() - t0, lambda: self.asked)
+                         SYSTEM_CLOCK.perf_counter() - t0, lambda: self.asked, times)
             try:
                 result = fn(info)
             except BaseException as exc:  # noqa: BLE001 - only a distributed error is kept
@@ -187,6 +198,7 @@ class _Worker:
             previous = info.rank
             del info
             clean = self._leave(fds)
+            left_at = SYSTEM_CLOCK.wall()
             log.warning("rank %d left round %d (%s)%s", previous, self.round, why,
                         "" if clean else "; some of its sockets are still open")
             link.send(self.sock, {"op": "left", "round": self.round, "clean": clean,
@@ -194,6 +206,9 @@ class _Worker:
             msg = self.assignments.get()
             if not msg:
                 raise SystemExit("elasticd: the agent is gone during a re-formation")
+            times = {str(k): float(v) for k, v in (msg.get("times") or {}).items()
+                     if isinstance(v, (int, float))}
+            times.update(left=left_at, assigned=SYSTEM_CLOCK.wall())
             os.environ.update({str(k): str(v) for k, v in msg["env"].items()})
             path = "in-process"
 
@@ -206,6 +221,8 @@ class _Worker:
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
         before = _socket_fds()
         timeout = datetime.timedelta(seconds=self.timeout)
+        if rank != 0:
+            _wait_listening(env["MASTER_ADDR"], int(env["MASTER_PORT"]), self.timeout)
         tcp = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size=world,
                             is_master=(rank == 0), timeout=timeout, use_libuv=True)
         job = env.get("TORCHELASTIC_RUN_ID", "job")
@@ -223,6 +240,27 @@ class _Worker:
         dist.destroy_process_group()
         gc.collect()
         return not (fds & _socket_fds())
+
+
+#: Seconds between two connection attempts to the round's store before it listens.
+LISTEN_POLL = 0.005
+
+
+def _wait_listening(addr: str, port: int, timeout: float) -> None:
+    """Returns once ``addr:port`` accepts a connection (the round's rank 0 hosts its store
+    there), or after ``timeout`` seconds (the store's own connect then says why). A TCPStore
+    client that finds no listener backs off for up to a second before it tries again (seen:
+    0.7 s of a 0.86 s re-formation), and the survivors learn their round at the same moment as
+    rank 0, so they would often try before it listens."""
+    deadline = SYSTEM_CLOCK.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=1.0).close()
+            return
+        except OSError:
+            if SYSTEM_CLOCK.monotonic() >= deadline:
+                return
+            SYSTEM_CLOCK.sleep(LISTEN_POLL)
 
 
 def _socket_fds() -> set[int]:

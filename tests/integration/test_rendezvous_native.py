@@ -25,10 +25,12 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endpoints
+from elasticd.coordination.keys import Keyspace
+from elasticd.daemon.rdzv_marks import mark_failed
 from elasticd.testing.coordination import MemoryCoordinator, MemoryStore
 from elasticd.coordination.rendezvous import BACKEND_NAME
 from elasticd.rendezvous.handler import EtcdNativeRendezvousHandler, create_handler
-from elasticd.rendezvous.records import RoundRecord
+from elasticd.rendezvous.records import NodeRecord, RoundRecord
 
 TIMEOUT = 20.0
 
@@ -272,6 +274,84 @@ def test_a_killed_node_leaves_when_its_lease_expires(etcd, prefix):
         wait_until(lambda: a.gone_members() == [b.me], "b counted as gone after its TTL")
         info = results(cluster.join(a))[0]
         assert info.world_size == 1
+    finally:
+        cluster.close()
+
+
+def test_a_member_whose_node_the_daemons_recorded_failed_is_gone_without_liveness_confirm(
+        cluster):
+    # Issue 31 (docs/in-process-design.md 4.2). liveness_confirm is 60 s: before the rule
+    # only its end made the dead member gone, far past this test's timeouts.
+    keys = Keyspace(cluster.prefix)
+    a, b, c = (cluster.node(1, 3, liveness_confirm="60") for _ in range(3))
+    for h, name in ((a, "na"), (b, "nb"), (c, "nc")):
+        h.daemon_of = lambda name=name: (name, 0xb0 + len(name))
+    results(cluster.join(a, b, c))
+    assert NodeRecord.decode(a.coordinator.get(b._join.key).value).daemon == "nb"
+    # b dies (kill -9: no revoke). A failure of another lease of its node (an old one) is no
+    # news about this record: it stays, and b is not gone.
+    b._keeper.stop(revoke=False)
+    b._control_watch.stop()
+    b._duty.stop()  # dead: if it was the closer, it closes nothing more
+    mark_failed(a.coordinator, keys, cluster.run_id, "nb", 0x1, "na", None, 0.0)
+    assert has_record(a, b) and a.gone_members() == []
+    # The daemons record b's node failed before its rendezvous lease expires: its record is
+    # deleted with the mark, and it is gone at once, for every member.
+    assert mark_failed(a.coordinator, keys, cluster.run_id, "nb", 0xb2, "na", None, 0.0) == 1
+    assert not has_record(a, b)
+    wait_until(lambda: a.gone_members() == c.gone_members() == [b.me], "b gone for a and c")
+    infos = results(cluster.join(a, c))
+    assert sorted(i.rank for i in infos) == [0, 1] and {i.world_size for i in infos} == {2}
+    # c merely silent (its record gone, no mark): not gone while liveness_confirm runs
+    c.stop()
+    time.sleep(1.0)
+    assert a.gone_members() == []
+
+
+def test_when_the_failed_member_was_the_closer_its_key_goes_with_its_record(cluster):
+    # The closer's key is bound to its agent's lease (30 s here): before, nobody closed the
+    # survivors' round until that lease expired.
+    nodes = [cluster.node(1, 3, liveness_confirm="60", liveness_ttl="30") for _ in range(3)]
+    for i, h in enumerate(nodes):
+        h.daemon_of = lambda i=i: (f"n{i}", 0xc0 + i)
+    results(cluster.join(*nodes))
+    wait_until(lambda: nodes[0]._control.closer_node() is not None, "a closer")
+    [closer] = [h for h in nodes if h.me == nodes[0]._control.closer_node()]
+    rest = [h for h in nodes if h is not closer]
+    closer._keeper.stop(revoke=False)  # kill -9
+    closer._control_watch.stop()
+    closer._duty.stop()
+    futures = cluster.join(*rest)  # their workers' group broke: they rejoin at once
+    i = nodes.index(closer)
+    assert mark_failed(rest[0].coordinator, Keyspace(cluster.prefix), cluster.run_id, f"n{i}",
+                       0xc0 + i, "x", None, 0.0) == 1
+    infos = results(futures)
+    assert sorted(i.rank for i in infos) == [0, 1] and {i.world_size for i in infos} == {2}
+    assert rest[0]._control.closer_node() in {h.me for h in rest}
+
+
+def test_a_member_recorded_failed_after_its_record_expired_is_gone_at_the_mark(etcd, prefix):
+    # The other order: the rendezvous lease expired first (the two leases are not kept alive
+    # in step), the daemons' record comes later; the closer looks for the mark meanwhile.
+    cluster = Cluster("etcd", etcd, prefix)
+    try:
+        a, b = (cluster.node(1, 2, liveness_confirm="60") for _ in range(2))
+        results(cluster.join(a, b))
+        wait_until(lambda: a._control.closer_node() is not None, "a closer")
+        if a._control.closer_node() == b.me:  # b: the one that is not the closer (a closer
+            a, b = b, a                       # that died with its record: the test before)
+        a.daemon_of, b.daemon_of = (lambda: ("na", 0xa1)), (lambda: ("nb", 0xb1))
+        results(cluster.join(a, b))  # records naming the daemons
+        b._keeper.stop(revoke=False)
+        b._control_watch.stop()
+        b._duty.stop()
+        wait_until(lambda: not has_record(a, b), "b's record expired (TTL 2 s)")
+        time.sleep(0.3)
+        assert a.gone_members() == []  # absent, unmarked: liveness_confirm still runs
+        assert mark_failed(a.coordinator, Keyspace(prefix), cluster.run_id, "nb", 0xb1, "na",
+                           None, 0.0) == 0
+        wait_until(lambda: a.gone_members() == [b.me], "b gone once marked")
+        assert results(cluster.join(a))[0].world_size == 1
     finally:
         cluster.close()
 

@@ -43,3 +43,23 @@ def test_without_the_separator_torchrun_refuses_such_arguments():
     """What the separator is for: torchrun's parser alone takes --log for its own option."""
     with pytest.raises(SystemExit):
         get_args_parser().parse_args(["--nproc-per-node", "2", "/srv/train.py", "--log", "x"])
+
+
+def test_an_in_process_jobs_agent_polls_often_and_computes_its_workers_ranks():
+    """Issue 31: the agent learns that a member is gone when its monitor asks (every
+    monitor interval), and torch's rank assignment through the store costs two rounds of
+    etcd requests per re-formation; every node of a job runs the same workers, so torch's
+    identical-workers path gives the same ranks without them. A job not in the mode keeps
+    both as they were."""
+    import dataclasses
+    import pwd
+
+    user = pwd.getpwuid(0).pw_name
+    plain = AgentSupervisor(dataclasses.replace(spec(ARGS), user=user), "n1", "tag",
+                            "127.0.0.1:2379", "/elasticd", "/tmp/logs")
+    inproc = AgentSupervisor(dataclasses.replace(spec(ARGS), user=user, in_process=True), "n1",
+                             "tag", "127.0.0.1:2379", "/elasticd", "/tmp/logs")
+    assert torchrun_sees(plain).monitor_interval == 0.1
+    assert torchrun_sees(inproc).monitor_interval == 0.02
+    assert "TORCH_ELASTIC_WORKER_IDENTICAL" not in plain.env()
+    assert inproc.env()["TORCH_ELASTIC_WORKER_IDENTICAL"] == "1"

@@ -384,3 +384,33 @@ def test_a_record_that_cannot_be_written_fails_the_cycle_instead_of_holding_the_
     assert "could not write this node's record" in sentence, sentence
     assert NeverCreates.attempts < 200
     assert clock.monotonic() - start_at <= 2 * TTL + 1 + 0.5
+
+
+def test_a_failure_is_told_to_the_rendezvous_of_the_job_this_node_runs(world, monkeypatch):
+    """Issue 31: the survivors write the failed lease's mark into their job's rendezvous and
+    delete the join records naming it (elasticd/rendezvous/failures.py); a record naming
+    another node, or another lease of the failed one, stays."""
+    from elasticd.agent.manager import JobManager
+    from elasticd.rendezvous.failures import mark_key
+    from elasticd.rendezvous.records import NodeRecord
+
+    clock, store, start, tick, daemons = world
+    for n in ("n1", "n2", "n3"):
+        start(n)
+    tick()
+    coord, keys = MemoryCoordinator(store), Keyspace("/elasticd")
+    native = keys.rendezvous("j").prefix + b"native/"
+    lease2 = daemons["n2"].registered_lease
+    records = {b"a1": NodeRecord("a1", 0, daemon="n1", daemon_lease=daemons["n1"].registered_lease),
+               b"a2": NodeRecord("a2", 0, daemon="n2", daemon_lease=lease2),
+               b"old2": NodeRecord("old2", 0, daemon="n2", daemon_lease=lease2 + 1)}
+    for key, rec in records.items():
+        coord.put(native + b"nodes/" + key, rec.encode())
+    monkeypatch.setattr(JobManager, "job", property(lambda self: "j"))
+    monkeypatch.setattr(JobManager, "on_peer_failed", lambda self, node: None)
+    for _ in range(int(TTL / 0.25) + 2):  # n2 stops refreshing its lease
+        tick(alive={"n1", "n3"})
+    assert [e.node for e in events(store, "failed")] == ["n2"]
+    assert coord.get(mark_key(native, "n2", lease2)) is not None
+    left = {kv.key.rsplit(b"/", 1)[-1] for kv in coord.get_prefix(native + b"nodes/")[0]}
+    assert left == {b"a1", b"old2"}

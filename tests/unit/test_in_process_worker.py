@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent("""
     def train(r):
         out.write(json.dumps({"pid": os.getpid(), "round": r.number, "rank": r.rank,
                               "world": r.world_size, "path": r.path,
-                              "previous": r.previous_rank}) + "\\n")
+                              "previous": r.previous_rank, "times": sorted(r.times)}) + "\\n")
         if r.path == "first" and os.environ.get("ELASTICD_LINK"):
             while True:  # until the agent asks this worker to leave
                 r.check()
@@ -154,7 +154,8 @@ def test_the_function_is_re_entered_in_the_same_process_after_an_abort(tmp_path)
         assert server.left_rounds()[0][:2] == (4, True)
         assert "Reformation" in server.left_rounds()[0][2]
         server.send(0, {"op": "assign", "env": {"MASTER_PORT": str(_free_port()),
-                                                "ELASTICD_ROUND": "5"}})
+                                                "ELASTICD_ROUND": "5"},
+                        "times": {"learned": 1.0, "round_closed": 2.0, "bad": "x"}})
         output, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
@@ -165,6 +166,9 @@ def test_the_function_is_re_entered_in_the_same_process_after_an_abort(tmp_path)
     entries = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(e["pid"], e["round"], e["path"], e["previous"]) for e in entries] == [
         (proc.pid, 4, "first", None), (proc.pid, 5, "in-process", 0)]
+    # the re-formation's moments: the agent's (numbers only), then the worker's own
+    assert [e["times"] for e in entries] == [
+        [], ["assigned", "group_made", "learned", "left", "round_closed"]]
 
 
 @pytest.mark.slow
@@ -219,3 +223,35 @@ def test_a_worker_that_could_not_close_its_groups_sockets_says_so(monkeypatch):
         worker.sock.close()
     assert server.left_rounds()[0][:2] == (7, False)
     assert entries == [(7, "first"), (8, "in-process")]
+
+
+def test_a_rank_waits_for_the_rounds_store_to_listen_before_connecting():
+    """A survivor learns its round as rank 0 does and would reach rank 0's store before it
+    listens; torch's store client then backs off for up to a second (0.7 s seen in the
+    benchmark). The rank polls for the listener instead, and gives up at its timeout."""
+    import threading
+
+    from elasticd.worker import in_process
+
+    port = _free_port()
+    listening, accepted = [], []
+
+    def listen_late():
+        time.sleep(0.3)
+        with socket.create_server(("127.0.0.1", port)) as srv:
+            listening.append(time.monotonic())
+            srv.settimeout(10)
+            conn, _ = srv.accept()
+            accepted.append(1)
+            conn.close()
+
+    t = threading.Thread(target=listen_late)
+    t.start()
+    in_process._wait_listening("127.0.0.1", port, 20.0)
+    returned = time.monotonic()
+    t.join(5)
+    # it returned because the store listened, and had connected to it
+    assert listening and listening[0] <= returned and accepted
+    started = time.monotonic()
+    in_process._wait_listening("127.0.0.1", _free_port(), 0.2)  # nobody: gives up
+    assert time.monotonic() - started < 20

@@ -330,3 +330,14 @@ def test_the_daemons_deadline_holds_from_the_first_failure_and_ends_when_the_age
     book.reform_started(200.0)
     book.reform_ended()
     assert not book.reform_overdue(1e9)
+
+
+def test_a_node_re_forms_as_soon_as_every_local_worker_left_the_current_round_on_its_own():
+    # Issue 31: a peer's process died, every local collective raised; the agent joins the
+    # next round at once instead of waiting for the rendezvous to count the peer dead.
+    left = {0: (4, True, "reset"), 1: (4, True, "reset")}
+    assert job_rules.all_left(2, 4, left)
+    assert not job_rules.all_left(2, 4, {0: (4, True, "reset")})  # one still in the group
+    assert not job_rules.all_left(2, 5, left)  # notes of an older round: already re-formed
+    assert not job_rules.all_left(2, 4, {0: (4, True, ""), 3: (4, True, "")})  # not local
+    assert not job_rules.all_left(0, 4, {})

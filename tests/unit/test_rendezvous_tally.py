@@ -77,3 +77,46 @@ def test_a_member_is_dead_only_after_confirm_and_only_when_trusted():
     tally.put(NodeRecord("b", 0, revision=3), 11.5)  # re-registered: alive again
     assert tally.dead(20.0, 1.0, trusted=True) == () and tally.next_confirm(20.0, 1.0) is None
     assert tally.waiting(()).round == 0
+
+
+def test_a_member_recorded_failed_by_the_daemons_is_dead_at_once_a_silent_one_waits():
+    # Issue 31, docs/in-process-design.md 4.2: a member whose last record named a daemon and
+    # its lease is dead as soon as the daemons' failure mark of that lease is found; one
+    # without a daemon (plain torchrun), or not marked, still waits for the confirmation.
+    last = RoundRecord(0, ("a", "b", "c"))
+    tally = Tally(last, now=0.0)
+    tally.load([NodeRecord("a", 0, revision=1, daemon="n1", daemon_lease=0x11),
+                NodeRecord("b", 0, revision=2, daemon="n2", daemon_lease=0x22),
+                NodeRecord("c", 0, revision=3)], 0.0)
+    tally.delete("b", 10.0)
+    tally.delete("c", 10.0)
+    # only b's record named a daemon: only its mark is worth a read
+    assert tally.pending_marks(10.1, 1.0) == {"b": ("n2", 0x22)}
+    assert tally.dead(10.1, 1.0, trusted=True) == ()
+    tally.mark_failed("b")
+    assert tally.dead(10.1, 1.0, trusted=True) == ("b",)  # no confirmation
+    assert tally.dead(10.1, 1.0, trusted=False) == ()  # never while in doubt
+    assert tally.pending_marks(10.1, 1.0) == {}
+    assert tally.next_confirm(10.1, 1.0) == 11.0  # c's, b's is not waited for
+    assert tally.dead(11.0, 1.0, trusted=True) == ("b", "c")
+    # a mark of a live member (a forged one, or one that raced its return) changes nothing,
+    # and a member that comes back (a new record) is alive again, mark or not
+    tally.mark_failed("a")
+    assert "a" not in tally.dead(20.0, 1.0, trusted=True)
+    tally.put(NodeRecord("b", 1, revision=4, daemon="n2", daemon_lease=0x23), 12.0)
+    assert tally.dead(12.0, 1.0, trusted=True) == ("c",)
+    # the next round forgets what it knew of the old one's members
+    tally.new_round(RoundRecord(1, ("a", "b")), 13.0)
+    assert tally.failed == set() and tally.gone_records == {}
+
+
+def test_a_closer_that_never_saw_a_members_record_finds_it_by_the_marks_member_lists():
+    from elasticd.rendezvous.failures import marked_members
+
+    tally = Tally(RoundRecord(0, ("a", "b")), now=0.0)
+    tally.load([NodeRecord("a", 0, revision=1)], 0.0)  # b went before this closer listed
+    assert tally.pending_marks(0.1, 1.0) == {} and tally.unknown_absent(0.1, 1.0) == {"b"}
+    marks = [b'{"v":2,"members":["b"]}', b'{"members":"b"}', b"not json", b'{"members":[1]}']
+    assert marked_members(marks) == {"b"}  # the unreadable ones name nobody
+    tally.mark_failed("b")
+    assert tally.dead(0.1, 1.0, trusted=True) == ("b",) and tally.unknown_absent(0.1, 1.0) == set()
