@@ -27,6 +27,7 @@ import ssl
 from typing import Any, Callable
 
 import xxhash
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
 from elasticd.clock import SYSTEM_CLOCK
 from elasticd.replication.api import (
@@ -101,6 +102,8 @@ class Channel:
         #: When a dict: each pretagged block received is recorded there once its tag checked,
         #: ``{offset: (length, tag)}`` (a push's receiver keeps them to serve fetches).
         self.landed_tags: dict[int, tuple[int, bytes]] | None = None
+        # The AEAD of block_key (made once per transfer, not per frame): (key, aead).
+        self._block_aead: tuple[bytes, Any] | None = None
         #: Chunk bytes received pretagged and checked against their block tags (for a
         #: receiver that would otherwise check them again).
         self.tag_checked_bytes = 0
@@ -308,7 +311,9 @@ class Channel:
         target = destination(offset, length)
         if len(target) != length:
             raise ProtocolError(f"destination for {length} bytes has {len(target)}")
-        run = RunCheck(self.block_key, offset, blocks)
+        if self._block_aead is None or self._block_aead[0] is not self.block_key:
+            self._block_aead = (self.block_key, ChaCha20Poly1305(self.block_key))
+        run = RunCheck(self._block_aead[1], offset, blocks, target)
         self._recv_exactly(target, "a run of blocks", feed=run.update)
         self.tag_checked_bytes += length
         if self.landed_tags is not None:

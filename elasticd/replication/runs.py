@@ -11,9 +11,13 @@ module decides how pieces group into runs and checks a run's blocks.
 
 from __future__ import annotations
 
+import hmac
+import struct
 from typing import Protocol
 
-from elasticd.replication.seal import BlockTags, Opener, one_time_tagger
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
+from elasticd.replication.seal import BlockTags
 from elasticd.replication.wire import MAX_RUN_BLOCKS, RUN, RUN_ENTRY, BlockTagMismatch
 
 
@@ -55,35 +59,55 @@ def send_runs(channel: RunSender, pieces: list[tuple[int, memoryview]], tags: Bl
 
 
 class RunCheck:
-    """Checks each block of a run against its own tag as its bytes arrive, in order; a block
-    that fails is refused as soon as its last byte is in (the rest of the run is not read)."""
+    """Checks each block of a run against its own tag once its last byte has landed, in order;
+    a block that fails is refused then (the rest of the run is not read).
 
-    def __init__(self, key: bytes, offset: int, blocks: list[tuple[int, bytes]]) -> None:
-        self._key, self._blocks = key, blocks
-        self._index, self._at, self._left = 0, offset, blocks[0][0]
-        self._block = Opener(one_time_tagger(key, offset), blocks[0][1])
+    The check is the snapshot's AEAD over the whole block where it lies, in one library call
+    (``ChaCha20Poly1305(block key).encrypt(nonce, b"", block)``: the tag of an empty plaintext
+    with the block as associated data, exactly what :func:`~elasticd.replication.seal.one_time_tagger` makes streamed).
+    Fed piece by piece as ``recv_into`` returns them, the same check cost a one-time key and a
+    Python ``Poly1305`` object per block and a call per piece: ~20 us a block, 0.02 CPU s per
+    GiB of 1 MiB blocks, and the pieces' Poly1305 more than the whole block's (measured in
+    bench/results/run_check/, same run).
+
+    Args:
+        aead: ``ChaCha20Poly1305`` under the snapshot's block key.
+        offset: the snapshot offset of the run's first block (each block's nonce is its offset).
+        blocks: ``(length, tag)`` of each block, in order.
+        target: where the run's bytes land (exactly their length); :meth:`update` is given
+            the pieces of it that have, in order.
+    """
+
+    def __init__(self, aead: ChaCha20Poly1305, offset: int, blocks: list[tuple[int, bytes]],
+                 target: memoryview) -> None:
+        self._aead, self._blocks, self._target = aead, blocks, target
+        self._index = 0
+        self._at = offset  # the snapshot offset of the block being received
+        self._start = 0  # where it starts in target
+        self._got = 0  # bytes of target landed
         #: ``{offset: (length, tag)}`` of the blocks checked so far.
         self.landed: dict[int, tuple[int, bytes]] = {}
 
     def update(self, piece: memoryview) -> None:
-        while len(piece):
-            take = min(self._left, len(piece))
-            self._block.update(piece[:take])
-            piece, self._left = piece[take:], self._left - take
-            if not self._left:
-                self._finish()
+        self._got += len(piece)
+        while (self._index < len(self._blocks)
+               and self._start + self._blocks[self._index][0] <= self._got):
+            self._finish()
 
     def _finish(self) -> None:
         length, tag = self._blocks[self._index]
-        if not self._block.verify():
+        block = self._target[self._start : self._start + length]
+        made = self._aead.encrypt(_NONCE.pack(0, self._at), b"", block)
+        if not hmac.compare_digest(made, tag):
             raise BlockTagMismatch(f"block of {length} bytes at offset {self._at} fails its "
                                    "block tag (the check its owner sealed it with): corrupt "
                                    "in the sender's memory, altered or moved in transit, or "
                                    "not the snapshot its owner sealed")
         self.landed[self._at] = (length, tag)
         self._at += length
+        self._start += length
         self._index += 1
-        if self._index < len(self._blocks):
-            self._left = self._blocks[self._index][0]
-            self._block = Opener(one_time_tagger(self._key, self._at),
-                                 self._blocks[self._index][1])
+
+
+#: RFC 8439's 96-bit nonce of a block: 4 zero bytes, then its offset (as one_time_tagger).
+_NONCE = struct.Struct("<IQ")
