@@ -27,6 +27,7 @@ import ssl
 from typing import Any, Callable
 
 import xxhash
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
 from elasticd.clock import SYSTEM_CLOCK
 from elasticd.replication.api import (
@@ -47,7 +48,8 @@ from elasticd.replication.messages import (
     run_prefix,
 )
 from elasticd.replication.overlap import Helper
-from elasticd.replication.seal import BlockTags, FrameKey, Opener, one_time_tagger
+from elasticd.replication.runs import RunCheck, send_runs
+from elasticd.replication.seal import BlockTags, FrameKey
 from elasticd.replication.wire import (
     HEADER_SIZE,
     MAX_RUN_BLOCKS,
@@ -55,7 +57,6 @@ from elasticd.replication.wire import (
     OFFSET,
     RUN,
     RUN_ENTRY,
-    BlockTagMismatch,
     FrameHeader,
     FrameType,
     ChecksumMismatch,
@@ -101,6 +102,8 @@ class Channel:
         #: When a dict: each pretagged block received is recorded there once its tag checked,
         #: ``{offset: (length, tag)}`` (a push's receiver keeps them to serve fetches).
         self.landed_tags: dict[int, tuple[int, bytes]] | None = None
+        # The AEAD of block_key (made once per transfer, not per frame): (key, aead).
+        self._block_aead: tuple[bytes, Any] | None = None
         #: Chunk bytes received pretagged and checked against their block tags (for a
         #: receiver that would otherwise check them again).
         self.tag_checked_bytes = 0
@@ -308,7 +311,9 @@ class Channel:
         target = destination(offset, length)
         if len(target) != length:
             raise ProtocolError(f"destination for {length} bytes has {len(target)}")
-        run = _RunCheck(self.block_key, offset, blocks)
+        if self._block_aead is None or self._block_aead[0] is not self.block_key:
+            self._block_aead = (self.block_key, ChaCha20Poly1305(self.block_key))
+        run = RunCheck(self._block_aead[1], offset, blocks, target)
         self._recv_exactly(target, "a run of blocks", feed=run.update)
         self.tag_checked_bytes += length
         if self.landed_tags is not None:
@@ -458,7 +463,7 @@ def send_stream(channel: Channel, parts: tuple[memoryview, ...], chunk: int,
     frames = len(pieces)
     if tags is not None and channel.send_key is not None:
         limit = chunk + MAX_RUN_PREFIX if max_frame is None else max_frame
-        frames = _send_runs(channel, pieces, tags, chunk, limit)
+        frames = send_runs(channel, pieces, tags, chunk, limit)
     elif channel.send_key is None or len(pieces) < 2 or not OVERLAP:
         for at, piece in pieces:
             channel.send_data(at, piece)
@@ -486,35 +491,6 @@ def frame_chunk(chunk_size: int, peer_max_frame: int) -> int:
     """The most snapshot bytes a DATA frame to a peer accepting ``peer_max_frame`` payload
     bytes carries: ``chunk_size``, less what a one-block run's prefix needs beside it."""
     return min(chunk_size, peer_max_frame - RUN.size - RUN_ENTRY.size)
-
-
-def _send_runs(channel: Channel, pieces: list[tuple[int, memoryview]], tags: BlockTags,
-               chunk: int, max_frame: int) -> int:
-    """Sends tagged blocks in runs of consecutive ones (at most ``chunk`` bytes of blocks,
-    MAX_RUN_BLOCKS and ``max_frame`` payload bytes a frame), other pieces as DATA tagged
-    here; returns the frame count."""
-    frames: int = 0
-    run: list[tuple[bytes, memoryview]] = []
-    start = size = 0
-    for at, piece in pieces:
-        tag = tags.tag_at(at, len(piece))
-        grown = RUN.size + (len(run) + 1) * RUN_ENTRY.size + size + len(piece)
-        if run and (tag is None or size + len(piece) > chunk or len(run) == MAX_RUN_BLOCKS
-                    or grown > max_frame):
-            channel.send_run(start, run)
-            frames, run = frames + 1, []
-        if tag is None:
-            channel.send_data(at, piece)
-            frames += 1
-            continue
-        if not run:
-            start, size = at, 0
-        run.append((tag, piece))
-        size += len(piece)
-    if run:
-        channel.send_run(start, run)
-        frames += 1
-    return frames
 
 
 #: Bytes asked for each replication socket's send and receive buffers (the kernel doubles the
@@ -551,38 +527,3 @@ OVERLAP = False
 
 def _helper(wanted: bool, name: str) -> contextlib.AbstractContextManager[Any]:
     return Helper(name) if wanted and OVERLAP else contextlib.nullcontext()
-
-
-class _RunCheck:
-    """Checks each block of a run against its own tag as its bytes arrive, in order; a block
-    that fails is refused as soon as its last byte is in (the rest of the run is not read)."""
-
-    def __init__(self, key: bytes, offset: int, blocks: list[tuple[int, bytes]]) -> None:
-        self._key, self._blocks = key, blocks
-        self._index, self._at, self._left = 0, offset, blocks[0][0]
-        self._block = Opener(one_time_tagger(key, offset), blocks[0][1])
-        #: ``{offset: (length, tag)}`` of the blocks checked so far.
-        self.landed: dict[int, tuple[int, bytes]] = {}
-
-    def update(self, piece: memoryview) -> None:
-        while len(piece):
-            take = min(self._left, len(piece))
-            self._block.update(piece[:take])
-            piece, self._left = piece[take:], self._left - take
-            if not self._left:
-                self._finish()
-
-    def _finish(self) -> None:
-        length, tag = self._blocks[self._index]
-        if not self._block.verify():
-            raise BlockTagMismatch(f"block of {length} bytes at offset {self._at} fails its "
-                                   "block tag (the check its owner sealed it with): corrupt "
-                                   "in the sender's memory, altered or moved in transit, or "
-                                   "not the snapshot its owner sealed")
-        self.landed[self._at] = (length, tag)
-        self._at += length
-        self._index += 1
-        if self._index < len(self._blocks):
-            self._left = self._blocks[self._index][0]
-            self._block = Opener(one_time_tagger(self._key, self._at),
-                                 self._blocks[self._index][1])

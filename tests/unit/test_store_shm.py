@@ -18,6 +18,7 @@ import pytest
 
 from elasticd.testing.clock import FakeClock
 
+from elasticd.snapshot import segment as segment_module
 from elasticd.snapshot.format import CorruptSnapshot, SnapshotHeader, TensorSpec, layout
 from elasticd.store.shm import (
     PAGE,
@@ -313,21 +314,20 @@ def test_scratch_ranges_are_reserved_in_small_pages(root):
         store.close()
 
 
-def test_reserved_scratch_ranges_are_not_populated_again(root):
+def test_reserved_scratch_ranges_are_not_populated_again(root, monkeypatch):
     """A range of a segment already reserved (scratch kept from the last restore, or pieces
     reserved before) is not faulted in again, while any page outside what was reserved is:
     populating a reused 727 MB segment again walked every page for nothing."""
     store = SlotStore(root, scratch_keep=0)
     try:
         seg = store.scratch.new(16 * PAGE, job="job")
-        real, calls = seg._mm, []
+        real, calls = segment_module.populate, []
 
-        class Counting:
-            def madvise(self, *args):
-                calls.append(args[1:])
-                return real.madvise(*args)
+        def counting(mm, start, length):
+            calls.append((start, length))
+            return real(mm, start, length)
 
-        seg._mm = Counting()
+        monkeypatch.setattr(segment_module, "populate", counting)
         seg.reserve_range(0, 4 * PAGE)
         seg.reserve_range(4 * PAGE, 8 * PAGE)  # adjacent: one reserved range [0, 8 PAGE)
         seg.reserve_range(10 * PAGE, 12 * PAGE)
@@ -339,7 +339,6 @@ def test_reserved_scratch_ranges_are_not_populated_again(root):
         assert calls[3:] == [(7 * PAGE, 4 * PAGE)]
         seg.reserve_range(0, 12 * PAGE)  # now all one range
         assert len(calls) == 4
-        seg._mm = real
         assert os.stat(seg.path).st_blocks * 512 == 12 * PAGE
     finally:
         store.close()
