@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import sys
 import uuid
 
@@ -111,6 +112,17 @@ def private_etcd():
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def root():
+    """A path under /dev/shm no other test uses, for a slot store's root; removed after the
+    test (tests never leave files in /dev/shm)."""
+    path = f"/dev/shm/elasticd-test-{uuid.uuid4().hex[:12]}"
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

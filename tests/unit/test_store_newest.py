@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
-import uuid
 
 import numpy as np
 import pytest
@@ -23,15 +21,6 @@ from elasticd.snapshot.format import PREAMBLE_SIZE, SnapshotHeader, TensorSpec, 
 from elasticd.store.service import CheckpointService
 from elasticd.store.shm import CommitPending, OverBudget, SlotStore
 from elasticd.testing.transport import InProcessTransport
-
-
-@pytest.fixture
-def root():
-    path = f"/dev/shm/elasticd-test-{uuid.uuid4().hex[:12]}"
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _store(root, **kw) -> SlotStore:

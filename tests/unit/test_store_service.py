@@ -10,11 +10,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import stat
 import subprocess
 import sys
-import uuid
 
 import numpy as np
 import pytest
@@ -43,15 +41,6 @@ class Sink:
         if name.startswith("_"):
             raise AttributeError(name)
         return lambda *args: self.events.append((name, *args))
-
-
-@pytest.fixture
-def root():
-    path = f"/dev/shm/elasticd-test-{uuid.uuid4().hex[:12]}"
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

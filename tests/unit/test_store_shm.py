@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import subprocess
 import sys
-import uuid
 
 import numpy as np
 import pytest
@@ -28,15 +26,6 @@ from elasticd.store.shm import (
     SlotStore,
     StaleSlot,
 )
-
-
-@pytest.fixture
-def root():
-    path = f"/dev/shm/elasticd-test-{uuid.uuid4().hex[:12]}"
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -15,7 +15,6 @@ import os
 import shutil
 import threading
 import time
-import uuid
 
 import pytest
 import torch
@@ -30,15 +29,6 @@ from elasticd.testing.transport import InProcessTransport
 from elasticd.persistence.persister import Persister
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture
-def root():
-    path = f"/dev/shm/elasticd-test-{uuid.uuid4().hex[:12]}"
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
