@@ -134,19 +134,20 @@ class Closer:
         with self.nodes.counts() as tally:
             pending = tally.pending_marks(now, confirm)
             unknown = tally.unknown_absent(now, confirm)
-        found = []
-        for member, (daemon, lease) in pending.items():
-            try:
-                if self._coord.get(mark_key(self._control.native, daemon, lease)) is not None:
-                    found.append(member)
-            except CoordinationError as exc:  # the confirmation still comes
-                log.debug("could not read the failure mark of %s: %s", member, exc)
-        if unknown:
-            try:
-                kvs, _ = self._coord.get_prefix(mark_prefix(self._control.native))
-                found.extend(sorted(unknown & marked_members([kv.value for kv in kvs])))
-            except CoordinationError as exc:
-                log.debug("could not list the failure marks: %s", exc)
+        if not pending and not unknown:
+            return False
+        # One listing of the marks, whatever the number of absent members: after an etcd
+        # pause past the TTL every member is absent at once, and a read per member every
+        # MARK_POLL seconds would be N reads per poll against the etcd just back.
+        try:
+            kvs, _ = self._coord.get_prefix(mark_prefix(self._control.native))
+        except CoordinationError as exc:  # the confirmation still comes
+            log.debug("could not list the failure marks: %s", exc)
+            return True
+        keys = {kv.key for kv in kvs}
+        found = [member for member, (daemon, lease) in pending.items()
+                 if mark_key(self._control.native, daemon, lease) in keys]
+        found.extend(sorted(unknown & marked_members([kv.value for kv in kvs])))
         if found:
             log.info("member(s) %s: their node was recorded failed; gone without waiting "
                      "for liveness_confirm", ", ".join(found))

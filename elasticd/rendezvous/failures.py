@@ -19,9 +19,10 @@ finds the ``failed`` event against its lost lease, or by its agent's daemon watc
 a later round only as a newcomer, with a new record). The closer then counts a member whose
 record is absent as dead as soon as the mark for the daemon and lease its last record named
 exists, without ``liveness_confirm``; a member merely silent (no mark, or a record with no
-daemon: plain torchrun) still waits for it. A mark is looked up with one read per absent
-member, at most every :data:`MARK_POLL` seconds while its confirmation is pending (the mark
-may come after the record expired: the two leases are not kept alive in step).
+daemon: plain torchrun) still waits for it. The marks are looked up with one listing of
+their directory, whatever the number of absent members (after an etcd pause past the TTL every
+member is absent at once), at most every :data:`MARK_POLL` seconds while a confirmation is
+pending (the mark may come after the record expired: the two leases are not kept alive in step).
 
 Whoever may write the rendezvous prefix (the job's agents) could forge a mark; they can already
 delete any member's record, which the mark only makes count sooner.

@@ -356,6 +356,38 @@ def test_a_member_recorded_failed_after_its_record_expired_is_gone_at_the_mark(e
         cluster.close()
 
 
+def test_the_closer_looks_for_every_absent_members_mark_with_one_listing(cluster):
+    # After an etcd pause past the TTL every member's record is absent at once: a read of
+    # each member's mark every MARK_POLL seconds would be N reads per poll against the etcd
+    # just back. One listing of the marks per poll, whatever the number absent.
+    nodes = [cluster.node(1, 5, liveness_confirm="60") for _ in range(5)]
+    for i, h in enumerate(nodes):
+        h.daemon_of = lambda i=i: (f"n{i}", 0xd0 + i)
+    results(cluster.join(*nodes))
+    wait_until(lambda: nodes[0]._control.closer_node() is not None, "a closer")
+    [closer] = [h for h in nodes if h.me == nodes[0]._control.closer_node()]
+    marks = closer._control.native + b"failed/"
+    reads = {"one": 0, "listing": 0}
+    get, get_prefix = closer.coordinator.get, closer.coordinator.get_prefix
+
+    def counted_get(key, *args, **kwargs):
+        reads["one"] += key.startswith(marks)
+        return get(key, *args, **kwargs)
+
+    def counted_get_prefix(key, *args, **kwargs):
+        reads["listing"] += key == marks
+        return get_prefix(key, *args, **kwargs)
+
+    closer.coordinator.get, closer.coordinator.get_prefix = counted_get, counted_get_prefix
+    for h in nodes:
+        if h is not closer:  # silent, no mark: absent while liveness_confirm runs
+            h._keeper.stop(revoke=True)
+            h._control_watch.stop()
+            h._duty.stop()
+    wait_until(lambda: reads["listing"] >= 5, "the closer looking for the marks")
+    assert reads["one"] == 0 and closer.gone_members() == []
+
+
 def test_with_grow_at_failure_a_newcomer_waits_silently_and_enters_at_the_next_failure(
         cluster):
     a, b, c = (cluster.node(1, 3, grow="at-failure") for _ in range(3))
