@@ -17,8 +17,8 @@ import contextlib
 import elasticd.worker.sources as sources_module
 from elasticd.testing.transport import InProcessTransport
 from elasticd.worker.checkpointer import Checkpointer
-from tests.unit.test_worker_checkpointer import (  # noqa: F401 — root, service: fixtures
-    ThreadRanks, capture, make_state, root, run_ranks, service, train_step)
+from tests.unit.test_worker_checkpointer import (  # noqa: F401 — service: a fixture
+    ThreadRanks, capture, make_state, run_ranks, service, train_step)
 
 JOB = "j"
 
