@@ -18,7 +18,10 @@ step, path (``first``/``in-process``), saved (whether its snapshot was taken: th
 one while both of the rank's slots hold copies the commit needs), time, and on a re-entered
 round's first step the moments of its re-formation (``times``: :attr:`elasticd.Round.times`,
 then ``restored`` and ``ddp_built``). ``--hang-rank R`` makes the worker of first-round
-rank R hang instead of leaving its group on a failure (the fallback's test).
+rank R hang instead of leaving its group on a failure (the fallback's test). ``--compile
+BACKEND`` compiles the inner module (``torch.compile(model, backend=...)``, DDP around it) and
+each row carries ``compiles``: the graphs dynamo compiled in this process so far, which a
+re-formation should leave unchanged (the same module, the same shapes).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--step-time", type=float, default=0.05)
     ap.add_argument("--hang-rank", type=int, default=-1)
+    ap.add_argument("--compile", default="", help="a torch.compile backend (e.g. aot_eager)")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -47,6 +51,9 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     state = {"model": model, "optim": opt}
+    # Compiled once per process, outside the re-entered function: survivors keep the compiled
+    # graph across re-formations (only DDP, around it, is rebuilt for the new group).
+    inner = torch.compile(model, backend=args.compile) if args.compile else model
     # One Checkpointer for every round: each restore takes the rank the round gave.
     ckpt = elasticd.Checkpointer(every=1, replicated=("model",))
     first_rank: list[int] = []
@@ -59,7 +66,7 @@ def main() -> None:
             first_rank.append(r.rank)
         step = ckpt.restore(state)  # every round, on every rank: the step they all resume at
         times = dict(r.times, restored=time.time()) if r.times else {}
-        ddp = DDP(model)
+        ddp = DDP(inner)
         if times:
             times["ddp_built"] = time.time()
         try:
@@ -76,6 +83,8 @@ def main() -> None:
                 row = {"pid": os.getpid(), "round": r.number, "rank": r.rank,
                        "world": r.world_size, "step": step, "path": r.path, "saved": saved,
                        "t": time.time()}
+                if args.compile:
+                    row["compiles"] = compiles()
                 if times:  # the round's first step: the moments of its re-formation
                     row["times"], times = times, {}
                 out.write(json.dumps(row) + "\n")
@@ -90,6 +99,12 @@ def main() -> None:
     out.write(json.dumps({"pid": os.getpid(), "done": done[0], "saves": ckpt.stats["saves"],
                           "failed": ckpt.stats["failed"]}) + "\n")
     out.close()
+
+
+def compiles() -> int:
+    """The graphs dynamo compiled in this process so far (its own counter)."""
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])
 
 
 if __name__ == "__main__":

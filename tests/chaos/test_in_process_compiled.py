@@ -1,0 +1,78 @@
+"""In-process re-formation keeps a compiled module's graphs (issue 31): a DDP job of 2 ranks per
+node on 3 real daemons, its inner module compiled once per process (``torch.compile``,
+``aot_eager``: the same dynamo front end as inductor, without a C compiler), kill -9 of a node,
+then the node back: the survivors train at world 4 and then at world 6 again in their own
+processes, and dynamo compiled nothing more in any of them (its own counter, logged with each
+step by ``examples/train_in_process.py --compile``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from elasticd.launcher import JOB_USER, LocalCluster, job_writable
+from tests.chaos.test_in_process import TRAIN, _first_at, _rows, _wait
+
+pytestmark = [pytest.mark.etcd, pytest.mark.chaos, pytest.mark.timeout(180)]
+
+
+def test_survivors_compile_nothing_more_across_a_shrink_and_a_rejoin(tmp_path):
+    logdir = job_writable(str(tmp_path / "steps"))
+    cluster = LocalCluster(["n1", "n2", "n3"], workdir=str(tmp_path / "cluster"), lease_ttl=2,
+                           replication=True)
+    try:
+        cluster.start()
+        env = {**os.environ, "ELASTICD_ETCD": cluster.etcd, "ELASTICD_PREFIX": cluster.prefix}
+        out = subprocess.run(
+            [sys.executable, "-m", "elasticd.cli.main", "submit", "job", "--in-process",
+             "--nnodes", "2:3", "--nproc-per-node", "2", "--user", JOB_USER,
+             "--max-restarts", "100", "--", TRAIN, "--log", logdir, "--steps", "100000",
+             "--step-time", "0.05", "--compile", "aot_eager"],
+            env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        first6 = _wait(lambda: (f := _first_at(_rows(logdir), 6, 0)) and len(f) == 6 and f,
+                       120, "6 ranks training", cluster)
+        time.sleep(1.0)
+        workers = set(first6)
+        tagged = {n: set(cluster.nodes[n].tagged()) for n in ("n1", "n2", "n3")}
+        # Not rank 0's node: the survivors' round keeps its store where it was.
+        zero = next(pid for pid, row in first6.items() if row["rank"] == 0)
+        victim = next(n for n in ("n1", "n2", "n3") if workers & tagged[n]
+                      and zero not in tagged[n])
+        survivors = workers - tagged[victim]
+        assert len(survivors) == 4
+        t_kill = time.time()
+        cluster.nodes[victim].kill()
+        at4 = _wait(lambda: (f := _first_at(_rows(logdir), 4, t_kill)) and len(f) == 4 and f,
+                    60, "4 ranks training at world 4", cluster)
+        assert set(at4) == survivors
+        t_back = time.time()
+        cluster.start_node(victim)
+        again = _wait(lambda: (f := _first_at(_rows(logdir), 6, t_back)) and len(f) == 6 and f,
+                      120, "6 ranks training again", cluster)
+        # A few steps in the grown world, so that a recompile (a guard failing on the new
+        # group or DDP) would have happened.
+        _wait(lambda: all(sum(1 for r in _rows(logdir) if r.get("pid") == p
+                              and r.get("world") == 6 and r["t"] > t_back) >= 5
+                          for p in survivors), 60, "5 steps at world 6", cluster)
+    finally:
+        cluster.stop()
+    rows = [r for r in _rows(logdir) if "step" in r]
+    assert survivors <= set(again) and {again[p]["path"] for p in survivors} == {"in-process"}
+    assert len(set(again) - survivors) == 2  # the node that came back: new processes
+    for pid in survivors:
+        mine = [r for r in rows if r["pid"] == pid]
+        counts = sorted({r["compiles"] for r in mine})
+        worlds = [r["world"] for r in sorted(mine, key=lambda r: r["t"])]
+        assert 4 in worlds and worlds[-1] == 6
+        # Compiled on its first step, never again: across the shrink and the rejoin.
+        assert counts == [counts[0]] and counts[0] >= 1, (pid, counts)
+    fresh = set(again) - survivors
+    print(f"\nsurvivors {sorted(survivors)}: compiled graphs per process "
+          f"{sorted({r['compiles'] for r in rows if r['pid'] in survivors})} through worlds "
+          f"6 -> 4 -> 6 (newcomers: {sorted({r['compiles'] for r in rows if r['pid'] in fresh})})")
