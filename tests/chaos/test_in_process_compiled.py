@@ -21,10 +21,13 @@ from tests.chaos.test_in_process import TRAIN, _first_at, _rows, _wait
 pytestmark = [pytest.mark.etcd, pytest.mark.chaos, pytest.mark.timeout(180)]
 
 
-def test_survivors_compile_nothing_more_across_a_shrink_and_a_rejoin(tmp_path):
-    logdir = job_writable(str(tmp_path / "steps"))
-    cluster = LocalCluster(["n1", "n2", "n3"], workdir=str(tmp_path / "cluster"), lease_ttl=2,
-                           replication=True)
+def shrink_and_rejoin(workdir: str, backend: str) -> dict:
+    """Runs the scenario (the job compiled with ``backend``), stops every process it started,
+    and returns what it saw: the survivors' and the newcomers' rows by pid, the kill and the
+    node's return (``t_kill``, ``t_back``)."""
+    logdir = job_writable(os.path.join(workdir, "steps"))
+    cluster = LocalCluster(["n1", "n2", "n3"], workdir=os.path.join(workdir, "cluster"),
+                           lease_ttl=2, replication=True)
     try:
         cluster.start()
         env = {**os.environ, "ELASTICD_ETCD": cluster.etcd, "ELASTICD_PREFIX": cluster.prefix}
@@ -32,11 +35,11 @@ def test_survivors_compile_nothing_more_across_a_shrink_and_a_rejoin(tmp_path):
             [sys.executable, "-m", "elasticd.cli.main", "submit", "job", "--in-process",
              "--nnodes", "2:3", "--nproc-per-node", "2", "--user", JOB_USER,
              "--max-restarts", "100", "--", TRAIN, "--log", logdir, "--steps", "100000",
-             "--step-time", "0.05", "--compile", "aot_eager"],
+             "--step-time", "0.05", "--compile", backend],
             env=env, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         first6 = _wait(lambda: (f := _first_at(_rows(logdir), 6, 0)) and len(f) == 6 and f,
-                       120, "6 ranks training", cluster)
+                       300, "6 ranks training", cluster)
         time.sleep(1.0)
         workers = set(first6)
         tagged = {n: set(cluster.nodes[n].tagged()) for n in ("n1", "n2", "n3")}
@@ -54,7 +57,7 @@ def test_survivors_compile_nothing_more_across_a_shrink_and_a_rejoin(tmp_path):
         t_back = time.time()
         cluster.start_node(victim)
         again = _wait(lambda: (f := _first_at(_rows(logdir), 6, t_back)) and len(f) == 6 and f,
-                      120, "6 ranks training again", cluster)
+                      300, "6 ranks training again", cluster)
         # A few steps in the grown world, so that a recompile (a guard failing on the new
         # group or DDP) would have happened.
         _wait(lambda: all(sum(1 for r in _rows(logdir) if r.get("pid") == p
@@ -64,15 +67,23 @@ def test_survivors_compile_nothing_more_across_a_shrink_and_a_rejoin(tmp_path):
         cluster.stop()
     rows = [r for r in _rows(logdir) if "step" in r]
     assert survivors <= set(again) and {again[p]["path"] for p in survivors} == {"in-process"}
-    assert len(set(again) - survivors) == 2  # the node that came back: new processes
-    for pid in survivors:
-        mine = [r for r in rows if r["pid"] == pid]
+    fresh = set(again) - survivors
+    assert len(fresh) == 2  # the node that came back: new processes
+    by_pid = {p: sorted((r for r in rows if r["pid"] == p), key=lambda r: r["t"])
+              for p in survivors | fresh}
+    return {"survivors": {p: by_pid[p] for p in survivors},
+            "newcomers": {p: by_pid[p] for p in fresh}, "t_kill": t_kill, "t_back": t_back}
+
+
+def test_survivors_compile_nothing_more_across_a_shrink_and_a_rejoin(tmp_path):
+    seen = shrink_and_rejoin(str(tmp_path), "aot_eager")
+    for pid, mine in seen["survivors"].items():
         counts = sorted({r["compiles"] for r in mine})
-        worlds = [r["world"] for r in sorted(mine, key=lambda r: r["t"])]
+        worlds = [r["world"] for r in mine]
         assert 4 in worlds and worlds[-1] == 6
         # Compiled on its first step, never again: across the shrink and the rejoin.
         assert counts == [counts[0]] and counts[0] >= 1, (pid, counts)
-    fresh = set(again) - survivors
-    print(f"\nsurvivors {sorted(survivors)}: compiled graphs per process "
-          f"{sorted({r['compiles'] for r in rows if r['pid'] in survivors})} through worlds "
-          f"6 -> 4 -> 6 (newcomers: {sorted({r['compiles'] for r in rows if r['pid'] in fresh})})")
+    graphs = {r["compiles"] for rows in seen["survivors"].values() for r in rows}
+    fresh = {r["compiles"] for rows in seen["newcomers"].values() for r in rows}
+    print(f"\nsurvivors {sorted(seen['survivors'])}: compiled graphs per process "
+          f"{sorted(graphs)} through worlds 6 -> 4 -> 6 (newcomers: {sorted(fresh)})")
