@@ -21,8 +21,8 @@ from elasticd.replication import auth
 from elasticd.replication.api import Descriptor
 from elasticd.replication.auth import AuthFailures
 from elasticd.replication.channel import Channel
-from elasticd.testing.replication import MemorySink
-from elasticd.replication.messages import Auth, Challenge, Error, Hello, decode_frame
+from elasticd.testing.replication import MemorySink, decode_frame
+from elasticd.replication.messages import Auth, Challenge, Error, Hello
 from elasticd.replication.transport import ReplicaClient, ReplicaServer
 from elasticd.replication.seal import BlockTagger
 from elasticd.replication.wire import (
