@@ -4,7 +4,9 @@ moved: ``python bench/structure_lines.py > bench/results/structure_lines.txt``.
 The issue's work landed as branches merged into main (each counted as the merge's diff against
 main before it, ``git diff M^1 M``: exactly what the branch brought, its conflict resolutions
 included, and none of main's work merged into the branch meanwhile) and as commits made on main
-itself (``git diff C^ C``). :data:`UNITS` lists them, each with why it belongs to the issue.
+itself (``git diff C^ C``), and a branch not merged yet as its range (``git diff A B``: a
+merged branch's range would also hold the other work merged into main after it).
+:data:`UNITS` lists them, each with why it belongs to the issue.
 
 Per unit, under ``elasticd/``: lines added and deleted (``git diff -M``: a renamed file counts
 only its changed lines). A line moved between ``elasticd/`` and the rest of the repository
@@ -34,8 +36,10 @@ UNITS = [
     ("15a6c92", "merge", "branch split23: Keyspace views, EtcdConnection, rendezvous settings"),
     ("afb71e5", "merge", "branch metrics23: metric groups, election lease, dead stats"),
     ("6a9029e", "commit", "the key view the Keyspace split made per key, once per event"),
-    ("6a9029e..HEAD", "range", "branch struct24: tracker and reporter split, dead stats, "
-                               "metric names, the etcd-only interface"),
+    ("6c7fe6a", "merge", "branch struct24: tracker and reporter split, dead stats, "
+                         "metric names, the etcd-only interface"),
+    ("d9fbe10..HEAD", "range", "branch struct25: dead and test-only code, docstrings that "
+                               "restate the code"),
 ]
 
 

@@ -83,117 +83,109 @@ def _hostport(text: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
+def _setting(default: Any, help: str, **kw: Any) -> Any:
+    """A setting's field: its default, and its help (the flag's ``--help`` text, and its doc)."""
+    if "default_factory" not in kw:
+        kw["default"] = default
+    return dataclasses.field(metadata={"help": help}, **kw)
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """Everything an ``elasticd`` process is told.
+    """Everything an ``elasticd`` process is told: each field's ``help`` (its metadata) says
+    what it means, and is its flag's text in ``elasticd --help``."""
 
-    Attributes:
-        node_id: this node's name in the cluster (default: the host name).
-        etcd: ``HOST:PORT[,HOST:PORT...]`` of the etcd cluster; empty starts a private etcd.
-        prefix: etcd key prefix of the cluster; daemons with the same prefix form one cluster.
-        listen: ``HOST:PORT`` of the HTTP endpoint (/metrics, /healthz, /status).
-        lease_ttl: seconds without a keep-alive after which etcd declares this node dead.
-        loop_interval: seconds between main-loop cycles when nothing happens.
-        heartbeat_interval: seconds between rewrites of the node record on a timer; 0 (the
-            default): none, the record is written on a state change only and the lease (kept
-            alive every TTL/3) carries liveness. A positive value keeps ``heartbeat_at`` fresh
-            for tools that read the record's age, at N/interval etcd writes per second.
-        etcd_timeout: seconds one etcd request may take.
-        outage_grace: seconds the node keeps its workers running while etcd is unreachable.
-        provisional_grace: seconds a peer's lease expiry, seen while this node was itself cut
-            off from etcd, stays provisional before it is recorded as a failure (0: 2 TTL + 2).
-        events_retention: number of cluster events kept in etcd.
-        etcd_user, etcd_password, etcd_ca_cert, etcd_cert, etcd_key: etcd auth and TLS.
-        state_dir: where job logs and the daemon's local socket live.
-        agent_restarts: how often the daemon restarts a job's agent that died, with backoff,
-            in a row (a newer committed step of the job renews the count).
-        stop_grace: seconds between SIGTERM and SIGKILL when stopping a job's processes.
-        rdzv_last_call: torchrun's last_call_timeout (seconds a complete round waits for more).
-        rdzv_grow: when a node that returns or is added enters a running job: "immediate"
-            (every node stops once to let it in), "at-failure" (it waits as a spare and
-            enters at the next failure, with no extra stop) or "interval:MIN" (as at-failure,
-            and at most once every MIN minutes, at a committed step, it enters at once); the
-            rendezvous' ``grow`` key.
-        worker_start: "warm" (a per-job zygote that imported torch forks each worker:
-            elasticd/agent/zygote.py) or "cold" (torchrun starts a new interpreter per worker).
-        shm_dir: directory (tmpfs) of the daemon-owned checkpoint slots (default
-            /dev/shm/elasticd-<node_id>).
-        memory_cap_mib: cap on checkpoint RAM (local snapshots and peer replicas) on this node;
-            a snapshot over it is skipped with a warning (0: no cap).
-        scratch_cap_mib: cap on one job's restore scratch on this node (partial copies of old
-            ranks' shards fetched after a change of world size, elasticd/store/scratch.py);
-            a fetch over it is refused (0, the default: half of this node's RAM).
-        persist_dir: the persistent tier (a shared filesystem); empty: none.
-        persist_every_steps, persist_every_seconds: how often a complete step is flushed.
-        persist_keep: complete steps kept on the persistent tier per job.
-        cluster_secret: shared secret authenticating daemon-to-daemon replication (at least
-            128 bits counted from its alphabet: 32 hex digits, 22 base64 characters; prefer
-            ELASTICD_CLUSTER_SECRET or cluster_secret_file). Without a secret, peer
-            replication is off.
-        cluster_secret_file: file holding the secret (first line).
-        replication_listen: HOST:PORT of the replication server (port 0: any free port).
-        replicas: copies of each rank's snapshot, its own included (m; 1 turns peers off).
-        unprotected_lag_steps: a job whose committed step lags its newest snapshot by more
-            steps than this shows as UNPROTECTED (commit_lag); also the slack, beside 3 flush
-            periods, of a persistent tier that gets no new complete step (persist_stale).
-        log_level: DEBUG, INFO, WARNING or ERROR.
-        job_users: users jobs may run as on this node, comma-separated (empty: any user but
-            root; ``*``: any user, root too); part of the node's job policy
-            (elasticd/cluster/job_policy.py).
-        job_python: the only interpreter a job may name (empty: the daemon's own).
-        job_env_allow: environment variables (names or ``fnmatch`` patterns, comma-separated)
-            a job may set although they are refused by default (``LD_*``, ``PYTHON*``,
-            ``BASH_ENV``, ``ENV``).
-        agent_etcd_users: ``auto`` (on when the daemon authenticates to etcd) or ``on``: each
-            node creates, per job, an etcd user of its own whose role may write only the job's
-            rendezvous prefix, and hands it to the job's agent; ``off``: agents get no etcd
-            credentials (an etcd without authentication).
-        agent_etcd_cert, agent_etcd_key: a TLS client certificate for agents, when etcd asks
-            clients for one; its common name must not be an etcd user with permissions (the
-            job's user can read it).
-    """
-
-    node_id: str = dataclasses.field(default_factory=lambda: socket.gethostname().split(".")[0])
-    etcd: str = ""
-    prefix: str = "/elasticd"
-    listen: str = "127.0.0.1:9400"
-    lease_ttl: int = 5
-    loop_interval: float = 1.0
-    heartbeat_interval: float = 0.0
-    etcd_timeout: float = 1.0
-    outage_grace: float = 30.0
-    provisional_grace: float = 0.0
-    events_retention: int = 1000
-    etcd_user: str = ""
-    etcd_password: str = ""
-    etcd_ca_cert: str = ""
-    etcd_cert: str = ""
-    etcd_key: str = ""
-    state_dir: str = ""
-    agent_restarts: int = 10
-    stop_grace: float = 10.0
-    rdzv_last_call: float = 1.0
-    rdzv_grow: str = "immediate"
-    worker_start: str = "warm"
-    shm_dir: str = ""
-    memory_cap_mib: int = 0
-    scratch_cap_mib: int = 0
-    persist_dir: str = ""
-    persist_every_steps: int = 0
-    persist_every_seconds: float = 0.0
-    persist_keep: int = 3
-    cluster_secret: str = ""
-    cluster_secret_file: str = ""
-    replication_listen: str = "0.0.0.0:9401"
-    replicas: int = 2
-    unprotected_lag_steps: int = 100
-    log_level: str = "INFO"
-    job_users: str = ""
-    job_python: str = ""
-    job_env_allow: str = ""
-    agent_etcd_users: str = "auto"
-    agent_etcd_cert: str = ""
-    agent_etcd_key: str = ""
+    node_id: str = _setting(None, "this node's name (default: host name)",
+                            default_factory=lambda: socket.gethostname().split(".")[0])
+    etcd: str = _setting("", "HOST:PORT[,HOST:PORT...] of etcd; omit to start a private one")
+    prefix: str = _setting("/elasticd", "etcd key prefix of the cluster: daemons with the same "
+                           "prefix form one cluster (default /elasticd)")
+    listen: str = _setting("127.0.0.1:9400", "HOST:PORT for /metrics, /healthz, /status "
+                           "(port 0: any)")
+    lease_ttl: int = _setting(5, "seconds without a keep-alive after which etcd declares this "
+                              "node dead (default 5)")
+    loop_interval: float = _setting(1.0, "seconds between main loop cycles when nothing "
+                                    "happens (default 1)")
+    heartbeat_interval: float = _setting(0.0, "seconds between timed rewrites of the node "
+                                         "record, for tools that read its heartbeat_at, at N/"
+                                         "interval etcd writes per second (default 0: none; "
+                                         "the lease, kept alive every TTL/3, carries liveness)")
+    etcd_timeout: float = _setting(1.0, "seconds one etcd request may take (default 1, at most "
+                                   "--lease-ttl)")
+    outage_grace: float = _setting(30.0, "seconds to keep workers running while etcd is "
+                                   "unreachable (default 30)")
+    provisional_grace: float = _setting(0.0, "seconds a peer's expiry seen during this node's "
+                                        "own outage stays provisional before it is recorded as "
+                                        "a failure (default 0: 2 x lease TTL + 2)")
+    events_retention: int = _setting(1000, "cluster events kept in etcd (default 1000)")
+    etcd_user: str = _setting("", "etcd user (with --etcd-password)")
+    etcd_password: str = _setting("", "prefer ELASTICD_ETCD_PASSWORD: flags are visible in ps")
+    etcd_ca_cert: str = _setting("", "CA certificate of etcd's TLS")
+    etcd_cert: str = _setting("", "client certificate for etcd (with --etcd-key and "
+                              "--etcd-ca-cert)")
+    etcd_key: str = _setting("", "client key for etcd")
+    state_dir: str = _setting("", "job logs and the local socket (default /var/lib/elasticd/"
+                              "NODE as root)")
+    agent_restarts: int = _setting(10, "restarts in a row of a job's dead agent, with backoff "
+                                   "(a newer committed step renews the count; default 10)")
+    stop_grace: float = _setting(10.0, "seconds between SIGTERM and SIGKILL when stopping a "
+                                 "job (default 10)")
+    rdzv_last_call: float = _setting(1.0, "torchrun's last_call_timeout for the job's "
+                                     "rendezvous: seconds a complete round waits for more "
+                                     "(default 1)")
+    rdzv_grow: str = _setting("immediate", "immediate: a returning or added node enters at "
+                              "once (every node stops once; default); at-failure: it waits as "
+                              "a spare for the next failure; interval:MIN: as at-failure, and "
+                              "at most once every MIN minutes, at a committed step, it enters "
+                              "at once")
+    worker_start: str = _setting("warm", "warm: fork workers from a process that imported "
+                                 "torch already (elasticd/agent/zygote.py; default); cold: a "
+                                 "new interpreter per worker")
+    shm_dir: str = _setting("", "tmpfs directory of checkpoint slots (default /dev/shm/"
+                            "elasticd-NODE)")
+    memory_cap_mib: int = _setting(0, "cap on checkpoint RAM (snapshots and peer replicas), "
+                                   "MiB: a snapshot over it is skipped with a warning (default "
+                                   "0: none)")
+    scratch_cap_mib: int = _setting(0, "most MiB of restore scratch (partial copies of old "
+                                    "ranks' shards fetched after a change of world size) one "
+                                    "job may hold on this node (default 0: half of its RAM)")
+    persist_dir: str = _setting("", "persistent checkpoint tier (shared filesystem); empty: "
+                                "none")
+    persist_every_steps: int = _setting(0, "flush a complete step to the persistent tier every "
+                                        "N steps (default 0: not by steps)")
+    persist_every_seconds: float = _setting(0.0, "flush a complete step to the persistent tier "
+                                            "every N seconds (default 0: not by time)")
+    persist_keep: int = _setting(3, "complete steps kept on the persistent tier per job "
+                                 "(default 3)")
+    cluster_secret: str = _setting("", "shared secret authenticating replication, at least 128 "
+                                   "bits counted from its alphabet (32 hex digits, 22 base64 "
+                                   "characters); no flag: ELASTICD_CLUSTER_SECRET or the file")
+    cluster_secret_file: str = _setting("", "file with the replication secret, first line (or "
+                                        "env ELASTICD_CLUSTER_SECRET); without a secret, peer "
+                                        "replication is off")
+    replication_listen: str = _setting("0.0.0.0:9401", "HOST:PORT of the replication server "
+                                       "(default 0.0.0.0:9401; port 0: any)")
+    replicas: int = _setting(2, "copies of each snapshot, its own included (default 2; 1 turns "
+                             "peers off)")
+    unprotected_lag_steps: int = _setting(100, "commit lag in steps past which a job shows "
+                                          "UNPROTECTED; also the slack, beside 3 flush "
+                                          "periods, of a stale persistent tier (default 100)")
+    log_level: str = _setting("INFO", "DEBUG, INFO, WARNING or ERROR (default INFO)")
+    job_users: str = _setting("", "users jobs may run as here, comma-separated (default: any "
+                              "but root; *: any, root too)")
+    job_python: str = _setting("", "the only interpreter a job may name (default: the "
+                               "daemon's own)")
+    job_env_allow: str = _setting("", "variables a job may set although refused by default "
+                                  "(LD_*, PYTHON*, BASH_ENV, ENV): names or patterns, "
+                                  "comma-separated")
+    agent_etcd_users: str = _setting("auto", "auto (default: on when the daemon authenticates "
+                                     "to etcd), on or off: an etcd user per job for its "
+                                     "agents, allowed only its rendezvous; off: agents get no "
+                                     "etcd credentials")
+    agent_etcd_cert: str = _setting("", "client certificate for agents, when etcd asks for one "
+                                    "(with --agent-etcd-key); its common name must not be an "
+                                    "etcd user with permissions (the job's user can read it)")
+    agent_etcd_key: str = _setting("", "client key for agents")
 
     # -- derived --------------------------------------------------------------------------
 

@@ -64,13 +64,11 @@ class RankRestore:
     """One rank's restore, as its node recorded it (a ``recovered`` event).
 
     Attributes:
-        job: the job.
         at: wall time the restore ended (its node's clock).
         seconds: how long it took (the worker's own measure).
         source: local | peer | persistent.
         nbytes: bytes restored.
         step: the step restored, if known.
-        rank: the rank, if known.
         node: the node that restored it (the event's writer), if known.
         steps_lost: steps trained after ``step`` that were lost, if known.
     """
@@ -216,7 +214,6 @@ def assemble(*, job: str, failed: Iterable[str], detected_at: float,
     """Builds one recovery's timeline from what was seen (pure).
 
     Args:
-        job: the job.
         failed: the failed node(s), the record's key first.
         detected_at: the ``failed`` event's time.
         detection_seconds: the ``failed`` event's age of the dead node's last heartbeat record

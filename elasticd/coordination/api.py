@@ -119,7 +119,6 @@ class Compare:
     key absent).
 
     Attributes:
-        key: the key compared.
         mod_revision: the revision it must have.
         target: ``"mod"`` compares the key's mod_revision (compare-and-set), ``"create"`` its
             create_revision (etcd's election recipe: a key re-created under a new lease, or by

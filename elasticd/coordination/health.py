@@ -23,7 +23,6 @@ class EtcdHealth:
     """Thread-safe record of etcd reachability.
 
     Args:
-        clock: injected time.
         on_outage_start / on_outage_end: called once per outage (the second gets its length).
     """
 

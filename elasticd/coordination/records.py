@@ -63,7 +63,6 @@ class Complaints:
         self._lock = threading.Lock()  # watch callbacks and worker threads report too
         self._seen: dict[tuple[bytes, int], None] = {}
         self.limit = limit
-        self.count = 0  # distinct bad records seen
 
     def warn(self, key: bytes | str, value: bytes, message: str, *args: Any) -> bool:
         """Logs ``message % args`` at WARNING unless this (key, value) was already reported.
@@ -78,7 +77,6 @@ class Complaints:
             self._seen[ident] = None
             if len(self._seen) > self.limit:
                 del self._seen[next(iter(self._seen))]
-            self.count += 1
         self._log.warning(message, *args)
         return True
 

@@ -74,7 +74,6 @@ class Daemon:
     Args:
         settings: validated settings.
         coord: the coordinator (real etcd or the in-memory fake).
-        clock: injected time.
         metrics: the metrics to update (a fresh registry by default).
         http_address: the address peers and tools reach this node's HTTP endpoint at.
         membership: the cluster view (a fresh one by default; the node builder shares it

@@ -24,7 +24,6 @@ class DataLossRecovery:
 
     Args:
         incarnation: the cluster's incarnation in etcd.
-        metrics: the daemon's metrics.
         republish_specs: writes the job specs and controls again; returns how many specs.
         record_event: records the loss (with the number of specs written again).
         steps: what carries out each other step of the plan.

@@ -17,12 +17,10 @@ class NodeDrainHost:
     """A drain's host on this node (owned by the daemon, handed to its drainer).
 
     Args:
-        node_id: this node.
         jobs: the node's job manager (held out of jobs while drained).
         checkpoints: the checkpoint service, if any (quiesced while replicas are handed off).
         replicator: peer replication, if on (the replicas to hand off).
         wake: wakes the daemon's loop (a hold takes effect at once).
-        record_event: records a cluster event.
     """
 
     def __init__(self, node_id: str, jobs: JobManager, checkpoints: CheckpointService | None,

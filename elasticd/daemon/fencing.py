@@ -26,10 +26,7 @@ class Fence:
     """Fences this node when its rules say so (owned by the daemon).
 
     Args:
-        node_id: this node.
         events: the cluster's event log (``failed`` events read, ``fenced`` written).
-        metrics: the daemon's metrics.
-        clock: injected time.
         lease: this node's current lease (registered, else the keeper's), or None.
     """
 

@@ -49,7 +49,6 @@ class _BoundedHTTPServer(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], handler: type, admission: Admission) -> None:
         self.admission = admission
-        self.stats = {"connections": 0, "displaced": 0, "timed_out": 0}
         self._lock = threading.Lock()
         self._open: dict[threading.Thread, socket.socket] = {}
         super().__init__(address, handler)
@@ -62,8 +61,6 @@ class _BoundedHTTPServer(ThreadingHTTPServer):
             displaced = self.admission.admit(thread, client_address[0])
             victim = self._open.get(displaced) if displaced is not None else None
             self._open[thread] = request
-            self.stats["connections"] += 1
-            self.stats["displaced"] += displaced is not None
         if victim is not None:
             shut(victim)
         thread.start()
@@ -85,7 +82,6 @@ class _BoundedHTTPServer(ThreadingHTTPServer):
         expired, _ = self.admission.expire()
         with self._lock:
             socks = [self._open[t] for t in expired if t in self._open]
-            self.stats["timed_out"] += len(expired)
         for sock in socks:
             shut(sock)
 
@@ -126,12 +122,6 @@ class StatusServer:
     def address(self) -> str:
         host, port = self._server.server_address[:2]
         return f"{host}:{port}"
-
-    @property
-    def stats(self) -> dict[str, int]:
-        """Connections accepted, displaced by newer ones, and ended at their deadline."""
-        with self._server._lock:
-            return {**self._server.stats, "open": len(self._server._open)}
 
     def start(self) -> None:
         # Polls every 0.2 s so that deadlines are enforced within that.

@@ -28,67 +28,6 @@ log = logging.getLogger("elasticd")
 EXIT_USAGE = 2
 
 
-#: Each setting's help; ``build_parser`` gives every setting of :class:`config.Settings` a flag
-#: (``node_id`` → ``--node-id``) with this text, so no setting is left without one.
-_HELP = {
-    "node_id": "this node's name (default: host name)",
-    "etcd": "HOST:PORT[,HOST:PORT...] of etcd; omit to start a private one",
-    "prefix": "etcd key prefix of the cluster (default /elasticd)",
-    "listen": "HOST:PORT for /metrics, /healthz, /status (port 0: any)",
-    "lease_ttl": "seconds after which a silent node is declared dead (default 5)",
-    "loop_interval": "seconds between main loop cycles (default 1)",
-    "heartbeat_interval": "seconds between timed rewrites of the node record (default 0: "
-                          "none; the lease carries liveness)",
-    "etcd_timeout": "seconds one etcd request may take (default 1, at most --lease-ttl)",
-    "outage_grace": "seconds to keep workers running while etcd is unreachable (default 30)",
-    "provisional_grace": "seconds a peer's expiry seen during this node's own outage stays "
-                         "provisional (default 0: 2 x lease TTL + 2)",
-    "events_retention": "cluster events kept in etcd (default 1000)",
-    "etcd_user": "etcd user (with --etcd-password)",
-    "etcd_password": "prefer ELASTICD_ETCD_PASSWORD: flags are visible in ps",
-    "etcd_ca_cert": "CA certificate of etcd's TLS",
-    "etcd_cert": "client certificate for etcd (with --etcd-key and --etcd-ca-cert)",
-    "etcd_key": "client key for etcd",
-    "state_dir": "job logs and the local socket (default /var/lib/elasticd/NODE as root)",
-    "agent_restarts": "restarts of a job's dead agent, with backoff (default 10)",
-    "stop_grace": "seconds between SIGTERM and SIGKILL when stopping a job (default 10)",
-    "rdzv_last_call": "torchrun's last_call_timeout for the job's rendezvous (default 1)",
-    "rdzv_grow": "immediate: a returning or added node enters at once (every node stops once; "
-                 "default); at-failure: it waits as a spare for the next failure; "
-                 "interval:MIN: as at-failure, and at most once every MIN minutes, at a "
-                 "committed step, it enters at once",
-    "worker_start": "warm: fork workers from a process that imported torch already "
-                    "(default); cold: a new interpreter per worker",
-    "shm_dir": "tmpfs directory of checkpoint slots (default /dev/shm/elasticd-NODE)",
-    "memory_cap_mib": "cap on checkpoint RAM (snapshots and peer replicas), MiB (default 0: "
-                      "none)",
-    "scratch_cap_mib": "most MiB of restore scratch one job may hold on this node (default "
-                       "0: half of its RAM)",
-    "persist_dir": "persistent checkpoint tier (shared filesystem); empty: none",
-    "persist_every_steps": "flush a complete step to the persistent tier every N steps "
-                           "(default 0: not by steps)",
-    "persist_every_seconds": "flush a complete step to the persistent tier every N seconds "
-                             "(default 0: not by time)",
-    "persist_keep": "complete steps kept on the persistent tier per job (default 3)",
-    "cluster_secret_file": "file with the replication secret (or env ELASTICD_CLUSTER_SECRET); "
-                           "without a secret, peer replication is off",
-    "replication_listen": "HOST:PORT of the replication server (default 0.0.0.0:9401; port 0: "
-                          "any)",
-    "replicas": "copies of each snapshot, its own included (default 2)",
-    "unprotected_lag_steps": "commit lag in steps past which a job shows UNPROTECTED "
-                             "(default 100)",
-    "log_level": "DEBUG, INFO, WARNING or ERROR (default INFO)",
-    "job_users": "users jobs may run as here, comma-separated (default: any but root; *: any, "
-                 "root too)",
-    "job_python": "the only interpreter a job may name (default: the daemon's own)",
-    "job_env_allow": "variables a job may set although refused by default (LD_*, PYTHON*, "
-                     "BASH_ENV, ENV): names or patterns, comma-separated",
-    "agent_etcd_users": "auto (default: on when the daemon authenticates to etcd), on or off: "
-                        "an etcd user per job for its agents, allowed only its rendezvous",
-    "agent_etcd_cert": "client certificate for agents, when etcd asks for one (with "
-                       "--agent-etcd-key)",
-    "agent_etcd_key": "client key for agents",
-}
 #: Settings with no flag, and why: a secret on the command line is readable by every local
 #: user (``ps``); it comes from ``--cluster-secret-file`` or ``ELASTICD_CLUSTER_SECRET``.
 NO_FLAG = ("cluster_secret",)
@@ -117,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     }
     for field in dataclasses.fields(config.Settings):
         if field.name not in NO_FLAG:
-            p.add_argument(flag(field.name), help=_HELP.get(field.name),
+            p.add_argument(flag(field.name), help=field.metadata["help"],
                            **special.get(field.name, {}))
     return p
 

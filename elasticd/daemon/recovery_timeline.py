@@ -90,11 +90,8 @@ class TimelineRecorder:
     """Follows the recoveries this node writes the timeline of.
 
     Args:
-        node_id: this node.
         coord, keys: where the events are.
         events: the event log the record goes to.
-        metrics: the daemon's metrics.
-        clock: injected time.
         lease_ttl: the lease TTL (places the failure before its detection).
         give_up: seconds after which a recovery with no first step is written as it is.
         last_heard: when this node's replica server last received a frame from a node (wall

@@ -15,7 +15,6 @@ class ReplicaView:
     """Keeps the replicator on the job's current round (owned by the daemon).
 
     Args:
-        node_id: this node.
         replicator: peer replication, or None when it is off (every answer is then empty).
         jobs: the node's job manager (the round's nodes and ranks).
     """

@@ -22,12 +22,10 @@ class WorkerChannel:
     """The daemon's side of its workers' channel (owned by the daemon).
 
     Args:
-        node_id: this node.
         prefix: the cluster's etcd prefix (given to agents).
         jobs: the node's job manager (progress reports).
         timeline: the recovery timeline (progress, aborts, restores are its moments).
         checkpoints: the checkpoint service, if any (its handlers are served too).
-        record_event: records a cluster event.
     """
 
     def __init__(self, node_id: str, prefix: str, jobs: JobManager, timeline: TimelineRecorder,

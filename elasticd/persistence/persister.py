@@ -93,7 +93,6 @@ class Persister:
             the wall clock (see the module docstring).
             With neither, every step offered is flushed (when the writer is free).
         node_id: recorded in the markers.
-        clock: injected time.
         on_flushed: called on the writer thread after each flush (metrics, events).
     """
 

@@ -80,7 +80,6 @@ class Drainer:
     """Runs this node's drains (``elasticctl drain``) and the hand-off before a clean exit.
 
     Args:
-        node_id: this node.
         coord, keys: etcd and the cluster keyspace.
         host: the node's parts a drain acts on (:class:`DrainHost`).
         stop_wait: seconds to wait for the workers to stop once held.

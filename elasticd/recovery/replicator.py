@@ -88,7 +88,6 @@ class Replicator:
     """Replicates this node's snapshots and serves recovery for one daemon.
 
     Args:
-        node_id: this node.
         coord, keys: etcd and its keyspace (placement and commit records).
         store: this node's local slot store (the checkpoint service's).
         secret: the cluster secret for the replication transport.

@@ -81,7 +81,6 @@ class Descriptor:
     """One shard snapshot in transit.
 
     Attributes:
-        job: job name.
         owner_rank: global rank whose shard this is.
         generation: timeline (bumped on a fallback to an older persisted step).
         step: training step the snapshot was taken at.

@@ -98,9 +98,6 @@ class Connections:
         # sign of life, for its recovery's timeline (cluster/timeline.py).
         self._heard: dict[str, float] = {}
 
-    def pending(self) -> int:
-        return len(self._pending)
-
     def sockets(self) -> dict[threading.Thread, Any]:
         with self._lock:
             return dict(self._socks)
@@ -132,7 +129,6 @@ class Connections:
             displaced = self._pending.admit(thread, host)
             if displaced is not None:
                 victim = self._socks.get(displaced)
-                self.stats.pending_evicted += 1
             self._socks[thread] = sock
             self.stats.connections += 1
             return True, victim
@@ -142,7 +138,6 @@ class Connections:
         is due."""
         expired, wait = self._pending.expire()
         with self._lock:
-            self.stats.handshake_timeouts += len(expired)
             return [self._socks[t] for t in expired if t in self._socks], wait
 
     def authenticate(self, me: threading.Thread) -> str | None:

@@ -73,7 +73,6 @@ class JobCoordinator:
     """This node's coordination of one job's commits, for one term.
 
     Args:
-        node: this node.
         ship: the election record this node wrote (term, and the key's mod_revision).
         lease, ttl: the election lease and its TTL (kept alive by :meth:`tick`).
         tally: the decisions, built with what the tracker knew when it won.

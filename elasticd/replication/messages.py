@@ -22,7 +22,6 @@ from elasticd.replication.wire import (
     CHECKED,
     FLAG_PRETAGGED,
     FLAG_SEALED,
-    HEADER_SIZE,
     MAGIC,
     MAX_NODE_ID,
     NONCE_BYTES,
@@ -34,13 +33,10 @@ from elasticd.replication.wire import (
     VERSION,
     FrameHeader,
     FrameType,
-    Limits,
     MalformedFrame,
-    TruncatedFrame,
     ForgedFrame,
     UnsealedFrame,
     checksum,
-    parse_header,
     verify,
 )
 
@@ -431,28 +427,6 @@ def run_prefix(offset: int, blocks: Sequence[tuple[int, bytes]], key: FrameKey) 
 def decode_payload(header: FrameHeader, payload: memoryview) -> Message:
     """Decodes a verified payload into its message."""
     return MESSAGES[header.type].parse(payload)
-
-
-def decode_frame(buf: bytes | bytearray | memoryview, limits: Limits = Limits(),
-                 key: FrameKey | None = None) -> Message:
-    """Decodes exactly one whole frame held in memory (tests, tools); sealed ones need ``key``.
-
-    Raises:
-        ProtocolError: whatever is wrong with it; nothing else.
-    """
-    view = memoryview(buf).cast("B")
-    if len(view) < HEADER_SIZE:
-        raise TruncatedFrame(f"{len(view)} bytes cannot hold a {HEADER_SIZE}-byte frame header")
-    header = parse_header(view[:HEADER_SIZE], limits)
-    payload = view[HEADER_SIZE:]
-    if len(payload) < header.length:
-        raise TruncatedFrame(f"{header.type.name} frame announces {header.length} bytes, "
-                             f"{len(payload)} present")
-    if len(payload) > header.length:
-        raise MalformedFrame(f"{len(payload) - header.length} bytes after a "
-                             f"{header.type.name} frame")
-    open_payload(header, key, payload)
-    return decode_payload(header, payload)
 
 
 def open_payload(header: FrameHeader, key: FrameKey | None, *parts: Any) -> None:

@@ -133,7 +133,6 @@ class SessionKeys:
     """The keys of one authenticated connection, derived from the secret and the handshake.
 
     Args:
-        secret: the cluster secret.
         client_nonce, server_nonce: both sides' fresh nonces (HKDF's salt): neither side alone
             decides the keys, so a replayed half of a handshake yields keys nobody holds.
         transcript: the handshake's HELLO and CHALLENGE payloads (ids, nonces, limits, version),

@@ -84,9 +84,6 @@ class ServerStats:
 
     connections: int = 0
     connections_rejected: int = 0  # authenticated peers over max_connections, or stopping
-    handshake_timeouts: int = 0  # not authenticated within handshake_timeout
-    pending_evicted: int = 0  # handshakes dropped for a newer connection (pending cap full)
-    idle_timeouts: int = 0
     pushes_committed: int = 0
     pushes_refused: int = 0
     pushes_aborted: int = 0
@@ -152,11 +149,6 @@ class ReplicaServer:
         self._listener = Listener(host, port, max_connections + max_pending, self._admit,
                                   self._expire_handshakes, node_id)
         self.address = self._listener.address  # port 0 resolved
-
-    @property
-    def pending_handshakes(self) -> int:
-        """Connections admitted and not yet authenticated."""
-        return self._connections.pending()
 
     def snapshot_stats(self) -> ServerStats:
         """A consistent copy of the counters."""
@@ -268,7 +260,6 @@ class ReplicaServer:
                 except TransferTimeout:
                     log.info("replica server %s: closing idle connection from %s",
                              self.node_id, peer)
-                    self._connections.bump(idle_timeouts=1)
                     return
                 except ConnectionLost:
                     return  # the peer hung up between requests: normal

@@ -227,13 +227,6 @@ class Tally:
         for node in changed:
             self._update(node)
 
-    def fences_stale(self) -> None:
-        """A write failed: the listing may be out of date (reports stop counting until the
-        fences are listed again)."""
-        self.epoch_rev = None
-        for node in list(self.entries):
-            self._remove(node)
-
     def report(self, report: Report) -> Reply:
         """Takes one node's report; the reply says whether it counts."""
         reason = ""

@@ -22,7 +22,6 @@ class Ticker:
         tick: the periodic work; returns the seconds until it is due again.
         wake: set by whoever makes work due before then.
         first: seconds before the first call.
-        name: the thread's name.
     """
 
     def __init__(self, tick: Callable[[], float], wake: threading.Event, first: float,

@@ -9,28 +9,17 @@ is caught as surely as a flipped payload byte. What it is depends on the SEALED 
 
 * sealed (every frame after the handshake, both ways): a ChaCha20-Poly1305 tag (RFC 8439,
   the frame as associated data) under the direction's session key and the frame's sequence
-  number (:mod:`elasticd.replication.seal`). It stops an
-  attacker, not just corruption: a relay that alters, replays, reorders or drops a frame and
-  recomputes a checksum is refused.
+  number (:mod:`elasticd.replication.seal`). It stops an attacker, not just corruption: a
+  relay that alters, replays, reorders or drops a frame and recomputes a checksum is refused.
 * unsealed (the handshake only, before any key exists): xxh3_128, which detects corruption.
   The handshake's content is bound by the keys and proofs derived from it.
 
-A sealed DATA frame may also be PRETAGGED: since v6 it carries a run of consecutive blocks,
-each with the tag made when the snapshot was sealed. Its payload is::
+A sealed DATA frame may also be PRETAGGED (v6): a run of consecutive blocks, each with the tag
+made when the snapshot was sealed (:class:`~elasticd.replication.seal.BlockTags`), the session
+tag covering the header and the prefix only; docs/replication.md ("Transport") says why and what
+each tag stops. Its payload is::
 
     offset u64 | n u32 | n × (length u32 | block tag (16)) | the n blocks, back to back
-
-The session tag covers the 12 header bytes and that prefix (offset, count, lengths and block
-tags) and is checked before a byte of block is read; each block is covered by its own tag
-under the snapshot's block key with its offset (``offset`` plus the lengths before it) as
-nonce (:class:`~elasticd.replication.seal.BlockTags`: made once when the snapshot was sealed,
-keyed by the cluster secret and the salt its PUT_BEGIN, or its FETCH_REPLY, carries). So every
-byte is still authenticated, the blocks by tags that were not made on the transfer's critical
-path, and a ~4 MiB run of small blocks costs one header, one session tag and one send instead
-of one of each per block (v4 and v5 carried one block per frame). A relay that alters a block
-fails its block tag (:class:`BlockTagMismatch`), one that moves blocks within or across runs
-fails it too (another nonce), one that alters, replays or reorders a frame or its prefix fails
-the session tag; lengths that do not add up to the frame are refused before any block is read.
 
 A reader checks magic, version, type, flags and the length limit for that type *before* reading
 the payload, so a hostile or corrupt length never makes it allocate or wait for more than

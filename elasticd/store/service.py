@@ -65,7 +65,6 @@ class CheckpointService:
         node_id: this node, for log lines.
         persist: the persistent tier's flusher, or None.
         metrics_sink: optional :class:`~elasticd.store.telemetry.CheckpointMetrics`.
-        clock: injected time.
         pin_ttl: a read pin not released within this many seconds (its worker died) is dropped.
         replicator: the node's :class:`~elasticd.recovery.replicator.Replicator`, or None
             (no peer replication: ``ckpt_committed`` says nothing is committed and

@@ -17,20 +17,12 @@ turns into a skipped snapshot, a warning and a metric. No torch here: this is da
 The newest pair (jobs that keep it, :attr:`SlotStore.keeps_newest`: in-process jobs). The
 commit protocol keeps the committed copy and an acknowledged one in the two slots above, and a
 snapshot that finds both taken is skipped (:class:`CommitPending`); nodes skip different steps,
-so after a failure the survivors' newest steps differ and often only the committed one is common
-(bench/results/recovery_inprocess_snapshots.json: survivors' last snapshots [27, 27, 30, 30],
-resumed from 26). A job that keeps the newest pair has two more slots per local rank, for this
-node's own restore only: a snapshot the commit slots refuse goes there (``reserve(newest=
-True)``), and a commit slot's latest copy about to be overwritten (the other one holds a copy
-that must stay) is moved there instead, its place taken by a free slot of the newest pair (the
-files are renamed with their role: ``N.slot`` for the commit's, ``N.newest`` for the newest
-pair's, which a restarted daemon's :meth:`~SlotStore.scan` removes as before). The newest pair
-never overwrites the rank's newest complete copy, so a rank always holds its last two complete
-steps: a survivor that completed one step more than another still holds the step before. Its
-copies are never retained, replicated nor persisted, and the commit slots see exactly what they
-saw without it (a copy moved out is gone from them as an overwritten one was). Cost: two more
-slots of the rank's snapshot size per local rank, counted against the node's cap like any slot
-(what does not fit is not taken: that snapshot is skipped as before).
+so after a failure the survivors' newest steps differ and often only the committed one is
+common. A job that keeps the newest pair has two more slots per local rank (files ``N.newest``,
+which a restarted daemon's scan removes), for this node's own restore only, so that a rank always
+holds its last two complete steps (:mod:`elasticd.store.newest_pair` says how). Cost: two more slots
+of the rank's snapshot size per local rank, counted against the node's cap like any slot (what
+does not fit is not taken: that snapshot is skipped as before).
 """
 from __future__ import annotations
 

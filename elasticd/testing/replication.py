@@ -1,4 +1,5 @@
-"""An in-process :class:`~elasticd.replication.api.Sink` for tests and benchmarks.
+"""An in-process :class:`~elasticd.replication.api.Sink` for tests and benchmarks, and a decoder
+of one whole frame held in memory (the wire tests'; the daemon reads frames off sockets).
 
 It keeps the newest held copy of each shard in a ``bytearray`` and records every
 begin/landed/abort, so tests can assert that a torn transfer was aborted and never landed.
@@ -11,6 +12,15 @@ import threading
 from typing import Any
 
 from elasticd.replication.api import NO_SPACE, Descriptor, Refused, Sink, Version
+from elasticd.replication.messages import Message, decode_payload, open_payload
+from elasticd.replication.seal import FrameKey
+from elasticd.replication.wire import (
+    HEADER_SIZE,
+    Limits,
+    MalformedFrame,
+    TruncatedFrame,
+    parse_header,
+)
 
 
 class MemorySink(Sink):
@@ -82,3 +92,25 @@ class MemorySink(Sink):
         with self._mem_lock:
             entry = self._held.get((job, owner_rank))
         return bytes(entry[1]) if entry else None
+
+
+def decode_frame(buf: bytes | bytearray | memoryview, limits: Limits = Limits(),
+                 key: FrameKey | None = None) -> Message:
+    """Decodes exactly one whole frame held in memory; sealed ones need ``key``.
+
+    Raises:
+        ProtocolError: whatever is wrong with it; nothing else.
+    """
+    view = memoryview(buf).cast("B")
+    if len(view) < HEADER_SIZE:
+        raise TruncatedFrame(f"{len(view)} bytes cannot hold a {HEADER_SIZE}-byte frame header")
+    header = parse_header(view[:HEADER_SIZE], limits)
+    payload = view[HEADER_SIZE:]
+    if len(payload) < header.length:
+        raise TruncatedFrame(f"{header.type.name} frame announces {header.length} bytes, "
+                             f"{len(payload)} present")
+    if len(payload) > header.length:
+        raise MalformedFrame(f"{len(payload) - header.length} bytes after a "
+                             f"{header.type.name} frame")
+    open_payload(header, key, payload)
+    return decode_payload(header, payload)

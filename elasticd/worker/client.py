@@ -69,7 +69,6 @@ class DaemonError(DaemonClientError):
     """The daemon answered with an error.
 
     Attributes:
-        op: the request's op.
         error: the daemon's message.
     """
 

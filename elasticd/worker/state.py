@@ -396,7 +396,7 @@ class _Unflattener:
             self._tensor(node.get("i"))
             if self.dtensors is None:
                 raise StateError("the snapshot holds sharded tensors (DTensor): restore it into "
-                                 "a state (load_into), not with unflatten")
+                                 "a state (load_into)")
             try:
                 return self.dtensors(node, live)
             except shards.ShardError as exc:
@@ -457,16 +457,6 @@ def _objects(tensors: list[torch.Tensor], meta: Mapping[str, Any],
         raise
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise StateError(f"snapshot state meta is malformed: {exc.__class__.__name__}: {exc}") from exc
-
-
-def unflatten(tensors: list[torch.Tensor], meta: Mapping[str, Any]) -> dict[str, Any]:
-    """Rebuilds each top-level entry's saved state (state dicts, plain values) without loading
-    it into anything: ``{"model": OrderedDict(...), "epoch": 3, ...}``.
-
-    Raises:
-        StateMismatch: a newer meta version. StateError: malformed meta.
-    """
-    return {key: value for key, _, value in _objects(tensors, meta)}
 
 
 def load_into(state: MutableMapping[str, Any], tensors: list[torch.Tensor],

@@ -30,10 +30,10 @@ from elasticd.replication.messages import (
     Error,
     Hello,
     PutBegin,
-    decode_frame,
     encode_frame,
 )
 from elasticd.replication.shm_sink import replica_root
+from elasticd.testing.replication import decode_frame
 from elasticd.replication.wire import CHECKED, HEADER_SIZE, VERSION, checksum
 
 pytestmark = pytest.mark.etcd

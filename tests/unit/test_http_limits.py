@@ -90,7 +90,6 @@ def test_idle_connections_are_capped_closed_and_do_not_keep_a_scrape_out():
             wait_for(lambda: all(closed_by_server(s) for s in idle), timeout=15)
             trickler.setblocking(False)
             wait_for(lambda: closed_by_server(trickler), timeout=15)
-            assert server.stats["timed_out"] == 1 and server.stats["displaced"] >= 280
             wait_for(lambda: http_threads() <= 1)  # the trickler's, until its deadline
         finally:
             stop.set()

@@ -14,7 +14,8 @@ import pytest
 
 from elasticd.replication.api import BAD_RANGE, Descriptor, Refused
 from elasticd.testing.replication import MemorySink
-from elasticd.replication.messages import Fetch, decode_frame, encode_frame
+from elasticd.replication.messages import Fetch, encode_frame
+from elasticd.testing.replication import decode_frame
 from elasticd.replication.transport import ReplicaClient, ReplicaServer
 from elasticd.replication.wire import MalformedFrame
 from tests.unit.test_replication_attacks import RewritingRelay

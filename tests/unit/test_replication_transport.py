@@ -385,7 +385,6 @@ def test_idle_connection_is_closed(make_server, clients):
     started = time.monotonic()
     assert client.channel.sock.recv(1) == b""  # the server hung up
     assert 0.25 < time.monotonic() - started < 4
-    wait_for(lambda: server.stats.idle_timeouts == 1)
 
 
 def test_connections_over_the_limit_are_refused(make_server, clients):

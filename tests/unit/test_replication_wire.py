@@ -25,7 +25,6 @@ from elasticd.replication.messages import (
     PutBegin,
     PutEnd,
     data_prefix,
-    decode_frame,
     encode_frame,
 )
 from elasticd.replication.wire import (
@@ -46,6 +45,7 @@ from elasticd.replication.wire import (
     VERSION,
     checksum,
 )
+from elasticd.testing.replication import decode_frame
 
 D = Descriptor("job-a", 3, 1, 42, 1000, 100)
 MESSAGES = [

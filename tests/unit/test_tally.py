@@ -77,10 +77,6 @@ class TallyCounts(RuleBasedStateMachine):
     def list_fences(self):
         self.tally.take_fences(self.epoch, self.fences)
 
-    @rule()
-    def write_failed(self):
-        self.tally.fences_stale()
-
     @rule(v=versions, rev=st.integers(0, 50))
     def learn_committed(self, v, rev):
         old = self.tally.committed

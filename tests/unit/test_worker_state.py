@@ -31,7 +31,6 @@ from elasticd.worker.state import (
     UnsupportedValue,
     flatten,
     load_into,
-    unflatten,
 )
 
 
@@ -105,7 +104,9 @@ def test_tensors_of_every_kind_round_trip_bitwise():
     flat = flatten({"t": TENSORS})
     assert flat.names == [f"t/{k}" for k in TENSORS]
     data = to_bytes({"t": TENSORS})
-    back = unflatten(read_tensors(data, SnapshotReader(data).header.layout), flat.meta)["t"]
+    into: dict = {"t": None}
+    load_into(into, read_tensors(data, SnapshotReader(data).header.layout), flat.meta)
+    back = into["t"]
     for name, t in TENSORS.items():
         assert same(t, back[name]), name
         if name not in ("specials", "fp8"):
@@ -319,7 +320,7 @@ def test_bad_meta_raises_state_errors():
     with pytest.raises(StateError, match="malformed"):
         load_into({"x": 0}, flat.tensors, {"v": 1, "objects": [["x", "value"]]})
     with pytest.raises(StateError, match="not a plain numeric"):
-        unflatten([torch.zeros(8, dtype=torch.uint8)],
+        load_into({"x": 0}, [torch.zeros(8, dtype=torch.uint8)],
                   {"v": 1, "objects": [["x", "value", {"@": "ndarray", "i": 0, "dtype": "O",
                                                         "shape": [1]}]]})
 
