@@ -517,7 +517,9 @@ def fetch_into_scratch(fetcher: Fetcher, store: SlotStore, job: str, rank: int,
     segments: list[Any] = []
 
     def into(d: Descriptor) -> memoryview:
-        segments.append(store.scratch.new(d.total_bytes, job=job))
+        # The segment kept from this rank's last partial copy first: its pages are touched
+        # where this copy's blocks land.
+        segments.append(store.scratch.new(d.total_bytes, job=job, of=rank))
         return segments[-1].view
 
     def reserve(start: int, end: int) -> None:

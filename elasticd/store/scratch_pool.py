@@ -41,31 +41,39 @@ class ScratchPool:
         if keep < 0:
             raise ValueError(f"keep must be >= 0 seconds, got {keep}")
         self.keep = keep
-        self._kept: dict[str, list[tuple[Any, float]]] = {}
+        #: job -> [(segment, time released, what its last copy was of)]
+        self._kept: dict[str, list[tuple[Any, float, Any]]] = {}
 
-    def put(self, job: str, segment: Any, now: float) -> bool:
-        """Keeps ``segment`` for ``job``; False when nothing is kept (``keep`` is 0)."""
+    def put(self, job: str, segment: Any, now: float, of: Any = None) -> bool:
+        """Keeps ``segment`` for ``job``; ``of`` names what the copy it held was of (the old
+        rank, :meth:`take`). False when nothing is kept (``keep`` is 0)."""
         if self.keep <= 0:
             return False
-        self._kept.setdefault(job, []).append((segment, now))
+        self._kept.setdefault(job, []).append((segment, now, of))
         return True
 
-    def take(self, job: str, nbytes: int) -> Any | None:
-        """The smallest segment kept for ``job`` that holds ``nbytes`` and not more than twice
-        that (a bigger one would hold memory the copy does not need), taken out; or None."""
-        fits = [(s.capacity, i) for i, (s, _) in enumerate(self._kept.get(job, ()))
+    def take(self, job: str, nbytes: int, of: Any = None) -> Any | None:
+        """A segment kept for ``job`` that holds ``nbytes`` and not more than twice that (a
+        bigger one would hold memory the copy does not need), taken out; or None. One whose
+        last copy was ``of`` the same (not None) first: the next restore of the same old
+        rank needs the same blocks, whose pages that one has touched already (another's
+        would be touched again where the ranges differ, and grow: old ranks 0 and 1 of a
+        world of 3 are the same size, and a worker lets go of them in the other order, so
+        each timed round after the first took the other rank's). Then the smallest."""
+        fits = [(kept_of != of or of is None, s.capacity, i)
+                for i, (s, _, kept_of) in enumerate(self._kept.get(job, ()))
                 if nbytes <= s.capacity <= 2 * nbytes]
         if not fits:
             return None
-        segment, _ = self._kept[job].pop(min(fits)[1])
+        segment, _, _ = self._kept[job].pop(min(fits)[2])
         return segment
 
     def expired(self, now: float) -> list[Any]:
         """The segments kept longer than ``keep``, taken out."""
         out = []
         for job in list(self._kept):
-            out += [s for s, at in self._kept[job] if now - at >= self.keep]
-            self._kept[job] = [(s, at) for s, at in self._kept[job] if now - at < self.keep]
+            out += [s for s, at, _ in self._kept[job] if now - at >= self.keep]
+            self._kept[job] = [entry for entry in self._kept[job] if now - entry[1] < self.keep]
             if not self._kept[job]:
                 del self._kept[job]
         return out
@@ -75,17 +83,17 @@ class ScratchPool:
         jobs = list(self._kept) if job is None else [job]
         kept = sorted((entry for j in jobs for entry in self._kept.pop(j, ())),
                       key=lambda entry: entry[1])
-        return [s for s, _ in kept]
+        return [s for s, _, _ in kept]
 
     def pop_oldest(self, job: str | None = None) -> Any | None:
         """The segment released longest ago (of ``job``, or of any job), taken out; None when
         none is kept."""
         entries = [(at, j, i) for j, kept in self._kept.items() if job in (None, j)
-                   for i, (_, at) in enumerate(kept)]
+                   for i, (_, at, _) in enumerate(kept)]
         if not entries:
             return None
         _, j, i = min(entries)
-        segment, _ = self._kept[j].pop(i)
+        segment, _, _ = self._kept[j].pop(i)
         if not self._kept[j]:
             del self._kept[j]
         return segment
@@ -93,7 +101,7 @@ class ScratchPool:
     def held(self, job: str | None = None) -> int:
         """Bytes of the segments kept (for ``job``, or for every job)."""
         return sum(s.capacity for j, kept in self._kept.items() if job in (None, j)
-                   for s, _ in kept)
+                   for s, _, _ in kept)
 
 
 def prefill(store: Any, job: str, sizes: list[int]) -> int:

@@ -42,6 +42,8 @@ class ScratchSpace:
         self._slot_bytes, self._cap, self._check_job = slot_bytes, cap_bytes, check_job
         self._clock = clock
         self._accounts = ScratchAccounts(job_cap, keep)
+        #: What each live segment's copy is of (``new``'s ``of``), for the pool when dropped.
+        self._of: dict[Segment, object] = {}
 
     @property
     def job_cap(self) -> int | None:
@@ -58,7 +60,7 @@ class ScratchSpace:
         return self._accounts.held()
 
     def new(self, nbytes: int, *, job: str,
-            reservation: ScratchReservation | None = None) -> Segment:
+            reservation: ScratchReservation | None = None, of: object = None) -> Segment:
         """A slot file outside every (job, rank) for a partial copy a restore of ``job`` reads
         once (:mod:`elasticd.store.scratch`), counted against the node's cap and ``job``'s
         until :meth:`drop`; it takes over ``reservation``'s booked bytes. Named
@@ -68,7 +70,9 @@ class ScratchSpace:
         are small ones even on a mount that gives huge pages (a fresh huge page the host took
         back after idle costs ~2 s per GiB at first touch, a small one ~0.5,
         bench/results/first_touch.json); one ``job`` released or set aside
-        (:mod:`~elasticd.store.scratch_pool`) a moment ago is reused, its pages touched.
+        (:mod:`~elasticd.store.scratch_pool`) a moment ago is reused, its pages touched:
+        first one that held a copy ``of`` the same (the old rank, when not None), whose
+        touched pages are where this copy's blocks land.
 
         Raises:
             OverBudget: over the node's cap (or the filesystem is full); ScratchOverCap (a
@@ -77,7 +81,7 @@ class ScratchSpace:
         capacity = -(-self._valid(job, nbytes) // PAGE) * PAGE
         with self._lock:
             self._expire()
-            segment = self._accounts.kept.take(job, capacity)
+            segment = self._accounts.kept.take(job, capacity, of)
             if segment is None:
                 self._make_room(job, capacity, reservation)
                 self._accounts.check(job, capacity, self._node_held(), self._cap, reservation)
@@ -91,6 +95,7 @@ class ScratchSpace:
                                      capacity, self._node_held(), self._cap) from exc
             self._accounts.booked.pop(reservation, None)  # type: ignore[arg-type]
             self._accounts.segments[segment] = job
+            self._of[segment] = of
             return segment
 
     def drop(self, segment: Segment) -> None:
@@ -99,8 +104,9 @@ class ScratchSpace:
         first: its memory comes back now even if a worker still maps it (its reads fault)."""
         with self._lock:
             job = self._accounts.segments.pop(segment, None)
+            of = self._of.pop(segment, None)
             if job is not None and not self._accounts.kept.put(job, segment,
-                                                               self._clock.monotonic()):
+                                                               self._clock.monotonic(), of):
                 self._destroy([segment])
             self._expire()
 
@@ -138,6 +144,7 @@ class ScratchSpace:
         if job is None:
             self._destroy([*self._accounts.segments, *self._accounts.kept.drain()])
             self._accounts.segments.clear()
+            self._of.clear()
         else:
             self._destroy(self._accounts.kept.drain(job))
 

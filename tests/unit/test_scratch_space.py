@@ -94,3 +94,22 @@ def test_a_booking_is_taken_over_or_given_back(host):
     assert host.space.held() == 0 and not os.path.exists(made.path)
     host.space.reserve("b", PAGE).release()
     assert host.space.held() == 0
+
+
+def test_a_kept_segment_goes_back_to_the_next_copy_of_the_same_rank(host):
+    # Old ranks 0 and 1 of a world of 3 are the same size, and a worker lets go of the other
+    # rank's copy before its own. Taken by size alone, rank 0's next copy got rank 1's
+    # segment, whose pages are touched at other offsets: touched again, and both grew.
+    zero = host.space.new(2 * PAGE, job="a", of=0)
+    one = host.space.new(2 * PAGE, job="a", of=1)
+    zero.reserve_range(0, PAGE)
+    one.reserve_range(PAGE, 2 * PAGE)
+    host.space.drop(one)
+    host.space.drop(zero)
+    assert host.space.new(2 * PAGE, job="a", of=0) is zero
+    assert host.space.new(2 * PAGE, job="a", of=1) is one
+    for segment in (zero, one):
+        host.space.drop(segment)
+    # A copy of another rank (or of nothing said) still takes a kept one that fits.
+    assert host.space.new(2 * PAGE, job="a", of=2) in (zero, one)
+    assert host.space.new(2 * PAGE, job="a") in (zero, one)

@@ -222,6 +222,30 @@ def test_a_fetch_with_the_new_boxes_is_a_partial_copy_dropped_at_its_release(nod
         t.call("ckpt_fetch", job="job", rank=2, generation=0, step=4, need={"w": 1})
 
 
+def test_the_next_partial_copy_of_a_rank_lands_in_the_scratch_its_last_one_did(nodes):
+    """Two old ranks of the same size fetched for a reshard and released in the worker's
+    order (the other rank's first): at the next restore each copy lands in the segment the
+    same rank's last one did, whose pages are touched where its blocks land (by size alone
+    rank 0's took rank 1's)."""
+    svc, t, _, t2 = nodes
+    for rank in (0, 1):
+        write_snapshot(t2, "job", rank, step=4, world=3)
+    need = [[[3000], ["S0"], [0], [1500]]]
+
+    def fetch_both():
+        return [t.call("ckpt_fetch", job="job", rank=r, generation=0, step=4, need=need)
+                for r in (0, 1)]
+
+    first = fetch_both()
+    assert first[0]["size"] == first[1]["size"] and first[0]["path"] != first[1]["path"]
+    for reply in reversed(first):
+        t.call("ckpt_release", pin=reply["pin"])
+    again = fetch_both()
+    assert [r["path"] for r in again] == [r["path"] for r in first]
+    for reply in again:
+        t.call("ckpt_release", pin=reply["pin"])
+
+
 def test_a_shard_held_here_as_a_replica_is_handed_over_in_place(nodes):
     """A dead node's rank now hosted here, of which this node holds a replica: the worker
     maps the replica's slot (checked, pinned), uncopied; nothing is fetched or reserved."""
