@@ -40,6 +40,12 @@ runs of each mode, interleaved)::
 
     .venv/bin/python bench/bench_recovery.py --mode in-process,restart --runs 20 \\
         --out bench/results/recovery_inprocess.json
+
+With ``--fault kill-worker`` one worker process is SIGKILLed instead (its node's agent and
+daemon alive), the same modes interleaved::
+
+    .venv/bin/python bench/bench_recovery.py --mode in-process,restart --fault kill-worker \\
+        --runs 10 --out bench/results/recovery_inprocess_kill_worker.json
 """
 
 from __future__ import annotations
@@ -359,9 +365,10 @@ def main() -> int:
                    help="the baseline's torch.save checkpoint interval (steps)")
     p.add_argument("--no-replication", action="store_true",
                    help="elasticd without peer replication (local RAM only)")
-    p.add_argument("--fault", choices=FAULTS, default="kill",
+    p.add_argument("--fault", choices=(*FAULTS, "kill-worker"), default="kill",
                    help="kill: SIGKILL the node; freeze: SIGSTOP all its processes; "
-                        "stop-daemon: SIGSTOP its daemon only")
+                        "stop-daemon: SIGSTOP its daemon only; kill-worker (with --mode "
+                        "only): SIGKILL one worker of the node")
     p.add_argument("--victims", metavar="N1,N2",
                    help="nodes to strike, in turn (default: every node, n1 first)")
     p.add_argument("--keep", metavar="DIR",
@@ -384,8 +391,12 @@ def main() -> int:
         modes = args.mode.split(",")
         if not modes or not set(modes) <= set(recovery_inprocess.MODES):
             p.error(f"--mode {args.mode!r}: modes are {','.join(recovery_inprocess.MODES)}")
+        if args.fault not in ("kill", "kill-worker"):
+            p.error(f"--mode takes --fault kill or kill-worker, not {args.fault}")
         return recovery_inprocess.main(modes, args.runs, args.ttl, args.timeout, args.out,
-                                       args.keep)
+                                       args.keep, args.fault)
+    if args.fault == "kill-worker":
+        p.error("--fault kill-worker is measured with --mode in-process,restart")
     if args.fault in ("stop-daemon", "partition") and args.baseline_runs:
         p.error(f"--fault {args.fault} has no plain torchrun baseline here: pass "
                 "--baseline-runs 0")

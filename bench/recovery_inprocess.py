@@ -27,6 +27,10 @@ time):
   each survivor's last snapshot (``last_snapshot_per_survivor``: a rank's slots hold the
   committed step and its newest, so survivors whose newest differ share only the committed);
 * ``kept_pids``: how many of the 4 ranks at world 4 are processes that trained at world 6.
+
+``--fault kill-worker`` SIGKILLs one worker process of the victim node instead (its agent and
+daemon alive; :func:`_kill_worker` says what it measures): the world stays 6, the victim's
+node restarts its workers, and in in-process mode the other nodes' workers re-form in-process.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -97,12 +102,13 @@ def _first_at(rows: list[dict], world: int, since: float) -> dict[int, dict]:
     return first
 
 
-def run(mode: str, victim: str, ttl: int, timeout: float, workdir: str) -> dict:
+def run(mode: str, victim: str, ttl: int, timeout: float, workdir: str,
+        fault: str = "kill") -> dict:
     """One run of ``mode`` (see the module doc); the cluster is stopped before it returns."""
     logdir = job_writable(os.path.join(workdir, "steps"))
     c = LocalCluster(["n1", "n2", "n3"], workdir=os.path.join(workdir, "cluster"),
                      lease_ttl=ttl, replication=True)
-    out: dict = {"mode": mode, "victim": victim, "recovered": False}
+    out: dict = {"mode": mode, "victim": victim, "fault": fault, "recovered": False}
     try:
         c.start()
         env = {**os.environ, "ELASTICD_ETCD": c.etcd, "ELASTICD_PREFIX": c.prefix}
@@ -122,6 +128,8 @@ def run(mode: str, victim: str, ttl: int, timeout: float, workdir: str) -> dict:
         except TimeoutError as exc:
             return {**out, "error": str(exc)}
         time.sleep(random.uniform(1.0, 2.5))
+        if fault == "kill-worker":
+            return {**out, **_kill_worker(c, victim, logdir, timeout)}
         pids6 = {r["pid"] for r in _rows(logdir) if r["world"] == 6}
         victims = set(c.nodes[victim].tagged())
         t_kill = time.time()
@@ -164,6 +172,56 @@ def run(mode: str, victim: str, ttl: int, timeout: float, workdir: str) -> dict:
         c.stop()
 
 
+def new_group(rows: list[dict], rounds: dict[int, int], since: float) -> dict[int, dict]:
+    """rank -> its first step row in a group made after ``since`` (a worker kill: the world
+    size stays): a row of a process that did not train before (``rounds``: pid -> its round
+    then), or of one that did, in a later round (kept in-process)."""
+    first: dict[int, dict] = {}
+    for row in sorted(rows, key=lambda r: r["t"]):
+        pid = row["pid"]
+        if row["t"] > since and row["rank"] not in first and (
+                pid not in rounds or row["round"] > rounds[pid]):
+            first[row["rank"]] = row
+    return first
+
+
+def _kill_worker(c: LocalCluster, victim: str, logdir: str, timeout: float) -> dict:
+    """``--fault kill-worker``: SIGKILL of one worker of ``victim`` (its lowest rank), its
+    agent and daemon alive; measured until all 6 ranks trained in the group made after it.
+    ``seconds``: the kill -> every rank's first step there; ``steps_lost``: the newest step
+    any rank logged before minus the step the new group resumed from; ``same_step``: every
+    rank resumed from that one step; ``kept_pids``: the other nodes' workers (4) that train
+    in the new group in the same process; ``phases``: as :func:`phases`, from the kill, over
+    the kept ranks' reported moments."""
+    rows = _rows(logdir)
+    rounds = {r["pid"]: r["round"] for r in rows}
+    mine = set(c.nodes[victim].tagged())
+    target = min((r for r in rows if r["pid"] in mine), key=lambda r: r["rank"], default=None)
+    if target is None:
+        return {"error": f"no worker of {victim} logged a step"}
+    others = set(rounds) - mine
+    t_kill = time.time()
+    os.kill(target["pid"], signal.SIGKILL)
+    try:
+        at6 = c.wait_for(lambda: (f := new_group(_rows(logdir), rounds, t_kill))
+                         and len(f) == 6 and f, timeout, "6 ranks in a new group",
+                         interval=0.02)
+    except TimeoutError:
+        return {"killed_rank": target["rank"]}
+    back = max(r["t"] for r in at6.values())
+    old = [r for r in _rows(logdir) if r["pid"] in rounds and r["round"] == rounds[r["pid"]]
+           and r["t"] <= back]
+    newest = max(r["step"] for r in old)
+    resumed = {r["step"] - 1 for r in at6.values()}
+    kept = {r["rank"]: r for r in at6.values() if r["pid"] in others}
+    return {"recovered": True, "killed_rank": target["rank"],
+            "seconds": round(back - t_kill, 3), "killed_at_step": newest,
+            "resumed_step": min(resumed), "same_step": len(resumed) == 1,
+            "steps_lost": newest - min(resumed),
+            "kept_pids": len(kept), "phases": phases(t_kill, kept),
+            "paths": sorted({r["path"] for r in at6.values()})}
+
+
 def summarize(runs: list[dict]) -> dict:
     ok = [r for r in runs if r.get("recovered")]
 
@@ -177,10 +235,12 @@ def summarize(runs: list[dict]) -> dict:
             "max_seconds": max((r["seconds"] for r in ok), default=None),
             "steps_lost": [r["steps_lost"] for r in ok],
             "runs_with_0_steps_lost": sum(r["steps_lost"] == 0 for r in ok),
-            "steps_lost_vs_all_held": [r["steps_lost_vs_all_held"] for r in ok],
-            "runs_with_0_steps_lost_vs_all_held": sum(r["steps_lost_vs_all_held"] == 0
+            "steps_lost_vs_all_held": [r.get("steps_lost_vs_all_held") for r in ok],
+            "runs_with_0_steps_lost_vs_all_held": sum(r.get("steps_lost_vs_all_held") == 0
                                                       for r in ok),
-            "steps_not_snapshotted": [r["steps_not_snapshotted"] for r in ok],
+            "steps_not_snapshotted": [r.get("steps_not_snapshotted") for r in ok],
+            "runs_resumed_at_one_step": sum(r.get("same_step", True) for r in ok),
+            "kept_pids": [r.get("kept_pids") for r in ok],
             "median_detection_seconds": med("detection_seconds"),
             "median_phases": median_phases(ok)}
 
@@ -196,7 +256,7 @@ def median_phases(ok: list[dict]) -> dict[str, float] | None:
 
 
 def main(modes: list[str], runs: int, ttl: int, timeout: float, out_path: str,
-         keep: str | None) -> int:
+         keep: str | None, fault: str = "kill") -> int:
     """``runs`` runs of each of ``modes``, interleaved (mode A, mode B, A, B, ...), victims
     rotating; writes ``out_path``."""
     results: dict[str, list[dict]] = {m: [] for m in modes}
@@ -207,14 +267,15 @@ def main(modes: list[str], runs: int, ttl: int, timeout: float, out_path: str,
         for mode in modes:
             d = tempfile.mkdtemp(prefix=f"inproc-bench-{mode}-", dir=keep)
             try:
-                r = run(mode, victim, ttl, timeout, d)
+                r = run(mode, victim, ttl, timeout, d, fault)
             finally:
                 if not keep:
                     shutil.rmtree(d, ignore_errors=True)
             results[mode].append(r)
-            print(f"{mode} run {i + 1}: kill -9 {victim}: {r}", flush=True)
+            print(f"{mode} run {i + 1}: {fault} {victim}: {r}", flush=True)
     result = {
-        "benchmark": "recovery_inprocess",
+        "benchmark": "recovery_inprocess" + ("_kill_worker" if fault == "kill-worker" else ""),
+        "fault": fault,
         "command": "bench/bench_recovery.py " + " ".join(sys.argv[1:]),
         "job": "examples/train_in_process.py, 3 nodes x 2 ranks, --nnodes 2:3, gloo CPU, "
                "20 ms sleep per step, a snapshot every step, replication on",

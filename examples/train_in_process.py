@@ -15,7 +15,8 @@ generation. Then it builds DDP around the same module. The same script runs unde
 
 Each step appends a JSON line to ``--log``/``steps-<pid>.jsonl``: pid, round, rank, world,
 step, path (``first``/``in-process``), saved (whether its snapshot was taken: the daemon skips
-one while both of the rank's slots hold copies the commit needs), time, and on a re-entered
+one while both of the rank's slots hold copies the commit needs), loss (a step trained again
+after a resume must repeat it bitwise), time, and on a re-entered
 round's first step the moments of its re-formation (``times``: :attr:`elasticd.Round.times`,
 then ``restored`` and ``ddp_built``). ``--hang-rank R`` makes the worker of first-round
 rank R hang instead of leaving its group on a failure (the fallback's test). ``--compile
@@ -82,7 +83,7 @@ def main() -> None:
                 done[0] = step
                 row = {"pid": os.getpid(), "round": r.number, "rank": r.rank,
                        "world": r.world_size, "step": step, "path": r.path, "saved": saved,
-                       "t": time.time()}
+                       "loss": loss.item(), "t": time.time()}
                 if args.compile:
                     row["compiles"] = compiles()
                 if times:  # the round's first step: the moments of its re-formation

@@ -14,7 +14,7 @@ record goes. ``_restart_workers`` here re-forms:
 1. ``abort`` to every local worker: leave the old group now (a worker whose collective raised
    has already left, and said so);
 2. the new round (torch's ``_rendezvous``: next_rendezvous and rank assignment);
-3. each local worker must say ``left`` cleanly within :data:`job_rules.REFORM_DEADLINE` of the
+3. each local worker must say ``left`` cleanly within the job's ``reform_deadline`` of the
    round (:func:`job_rules.reform_step`); if all do, each gets ``assign``: the environment
    torchrun gives a fresh worker of its local rank in that round; else (a worker stuck, died,
    or could not leave) the node restarts its workers into the same round, as today.
@@ -37,6 +37,8 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 
 from elasticd.agent import job_rules, torchrun
 from elasticd.agent.job_rules import Reform
+from elasticd.agent.supervisor import REFORM_DEADLINE_ENV
+from elasticd.cluster.jobspec import MAX_REFORM_DEADLINE
 from elasticd.agent.worker_link import LinkServer
 from elasticd.clock import Clock, SystemClock
 from elasticd.local.worker_link import LINK_ENV, LINK_PID_ENV, ROUND_ENV
@@ -105,6 +107,18 @@ def _hook(handler: Any) -> None:
     handler.num_nodes_waiting = num_nodes_waiting
 
 
+def reform_deadline(environ: Any = None) -> float:
+    """The job's ``reform_deadline`` (seconds after the round closes), from the environment
+    its daemon gave this agent; the default when absent (a daemon before the field) or bad
+    (the spec was checked where it was written and read: it cannot be, but never crash)."""
+    text = (os.environ if environ is None else environ).get(REFORM_DEADLINE_ENV, "")
+    try:
+        value = float(text)
+    except ValueError:
+        return job_rules.REFORM_DEADLINE
+    return value if 0 < value <= MAX_REFORM_DEADLINE else job_rules.REFORM_DEADLINE
+
+
 def tell_daemon(op: str, **fields: Any) -> None:
     """A one-way note to the node's daemon (:func:`elasticd.agent.torchrun.tell_daemon`)."""
     torchrun.tell_daemon(os.environ.get("ELASTICD_SOCKET", ""), op, **fields)
@@ -169,7 +183,8 @@ class InProcessAgent(LocalElasticAgent):
         seen_at = getattr(wg.spec.rdzv_handler, "seen_at", None)  # next_rendezvous returned
         if isinstance(seen_at, float) and seen_at:
             times["rendezvous_returned"] = times["round_closed"] - (t_round - seen_at)
-        deadline = t_round + job_rules.REFORM_DEADLINE
+        allowed = reform_deadline()
+        deadline = t_round + allowed
         while True:
             verdict, why = job_rules.reform_step(n, old_round, node.link.left_rounds(),
                                                  self._all_alive(), clock.monotonic(),
@@ -178,7 +193,8 @@ class InProcessAgent(LocalElasticAgent):
                 break
             node.link.wait(0.05)
         if verdict is Reform.RESTART:
-            log.warning("falling back to a restart into round %d: %s", self._round(wg), why)
+            log.warning("falling back to a restart into round %d (the job's reform deadline "
+                        "%g s): %s", self._round(wg), allowed, why)
             self._stop_workers(wg)
             wg.state = WorkerState.STOPPED
             ids = self._start_workers(wg)
@@ -198,4 +214,4 @@ class InProcessAgent(LocalElasticAgent):
         log.warning("re-formed in-process, round %d -> %d: round %.3f s, all %d left and "
                     "assigned %.3f s after the start; workers %s kept", old_round,
                     self._round(wg), t_round - t0, n, took, sorted(pids.values()))
-        tell_daemon("reformed", path="in_process", seconds=round(took, 4))
+        tell_daemon("reformed", path="in_process", seconds=round(took, 4), times=times)

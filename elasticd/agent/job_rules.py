@@ -18,7 +18,7 @@ import enum
 from typing import Callable, Iterable
 
 from elasticd.agent.job_holds import JobHolds
-from elasticd.cluster.jobspec import JobState, NodeJobStatus
+from elasticd.cluster.jobspec import DEFAULT_REFORM_DEADLINE, JobState, NodeJobStatus
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,11 +133,12 @@ class JobBook:
     not_before: float = 0.0
     reform_by: float | None = None
 
-    def reform_started(self, now: float) -> None:
+    def reform_started(self, now: float, deadline: float = DEFAULT_REFORM_DEADLINE) -> None:
         """A peer failed and the job's agent re-forms in-process: the daemon restarts the
-        workers itself if the agent has not said it is done by ``reform_by`` (the earliest
-        failure's deadline holds: a second failure does not push it back)."""
-        by = now + REFORM_DEADLINE + REFORM_ROUND_ALLOWANCE
+        workers itself if the agent has not said it is done by ``reform_by``: the agent's
+        ``deadline`` (the job's ``reform_deadline``) plus :data:`REFORM_ROUND_ALLOWANCE` (the
+        earliest failure's holds: a second failure does not push it back)."""
+        by = now + deadline + REFORM_ROUND_ALLOWANCE
         self.reform_by = by if self.reform_by is None else min(self.reform_by, by)
 
     def reform_ended(self) -> None:
@@ -239,8 +240,9 @@ def peer_failed(running: bool, peer: str, members: Iterable[str],
 
 
 #: Seconds a node's agent waits, after its rendezvous round, for each local worker to say it
-#: left the old group (:func:`reform_step`); a worker stuck longer is restarted as today.
-REFORM_DEADLINE = 10.0
+#: left the old group (:func:`reform_step`); a worker stuck longer is restarted as today. The
+#: default of a job's ``reform_deadline`` (:class:`elasticd.cluster.jobspec.JobSpec`).
+REFORM_DEADLINE = DEFAULT_REFORM_DEADLINE
 #: The daemon's backstop (:meth:`JobBook.reform_started`): the agent's deadline, plus this
 #: much for it to notice the failure and close its round. Past it, the daemon restarts the
 #: workers itself (the agent never re-formed nor fell back: it may be stuck).

@@ -447,7 +447,8 @@ class JobManager:
         if decision is PeerFailure.NOT_OURS:
             return None
         if decision is PeerFailure.REFORM:
-            self.reform.started(node)
+            assert sup is not None
+            self.reform.started(node, sup.spec.reform_deadline)
             return 0
         # Counted either way: a group that went on without the peer was restarted by its agent.
         self.metrics.jobs.worker_restarts.labels("peer_failed").inc()

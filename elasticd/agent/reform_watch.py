@@ -12,7 +12,7 @@ import logging
 import threading
 from typing import Any, Callable
 
-from elasticd.agent.job_rules import JobBook
+from elasticd.agent.job_rules import REFORM_DEADLINE, JobBook
 from elasticd.agent.worker_group import WorkerGroup
 from elasticd.clock import Clock
 from elasticd.metrics import Metrics
@@ -40,10 +40,11 @@ class ReformWatch:
         #: the local API's thread ends it (``reformed``).
         self._lock = threading.Lock()
 
-    def started(self, peer: str) -> None:
-        """``peer`` failed and the job's agent re-forms its workers in-process."""
+    def started(self, peer: str, deadline: float = REFORM_DEADLINE) -> None:
+        """``peer`` failed and the job's agent re-forms its workers in-process, within the
+        job's ``deadline`` after its round (the daemon's backstop adds an allowance)."""
         with self._lock:
-            self._book.reform_started(self._clock.monotonic())
+            self._book.reform_started(self._clock.monotonic(), deadline)
         note = (f"peer {peer} of {self._group.job} failed: its agent re-forms the workers "
                 "in-process (restarted if it has not within the deadline)")
         self._note(note)

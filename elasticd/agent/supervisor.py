@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 
 #: Set for the agent of a job in in-process mode (:mod:`elasticd.agent.in_process_agent`).
 IN_PROCESS_ENV = "ELASTICD_IN_PROCESS"
+#: The job's ``reform_deadline`` (seconds), for the agent of an in-process job.
+REFORM_DEADLINE_ENV = "ELASTICD_REFORM_DEADLINE"
 
 # ``python -m MODULE ARGS`` without the working directory on sys.path, as ``-P`` does on Python
 # 3.11+, but for any Python a job names: the job's working directory is not the daemon's to
@@ -45,7 +47,7 @@ def safe_module(python: str, module: str, *args: str) -> list[str]:
     sys.path."""
     return [python, "-c", _SAFE_MODULE, module, *args]
 
-__all__ = ["IN_PROCESS_ENV", "TAG_ENV", "AgentSupervisor", "children", "kill_workers",
+__all__ = ["IN_PROCESS_ENV", "REFORM_DEADLINE_ENV", "TAG_ENV", "AgentSupervisor", "children", "kill_workers",
            "safe_module", "signal_all", "tagged_pids"]
 
 
@@ -190,7 +192,7 @@ class AgentSupervisor:
                # Workers must not reuse the rank-0 agent's TCPStore on restarts (docs/facts.md).
                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1",
                **({ZYGOTE_ENV: self.zygote_name} if self.warm else {}),
-               **({IN_PROCESS_ENV: "1",
+               **({IN_PROCESS_ENV: "1", REFORM_DEADLINE_ENV: repr(self.spec.reform_deadline),
                    # Every node of a job runs nproc_per_node workers of one role: torch's
                    # agent then computes the ranks (group_rank * nproc_per_node + local rank,
                    # what its store exchange gives too) instead of two rounds of store

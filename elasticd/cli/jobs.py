@@ -36,7 +36,8 @@ LOG_TABLE = Table([("NODE", "node"), ("STATE", "state"), ("HOST", "hostname"), (
 #: submit's options that jobspec.build takes as they are (its keywords are their names).
 SPEC_OPTIONS = ("user", "cwd", "env", "python", "max_restarts", "hang_timeout",
                 "crash_loop_restarts", "hang_timeout_floor", "hang_first_step",
-                "straggler_factor", "straggler_steps", "straggler_drain", "in_process")
+                "straggler_factor", "straggler_steps", "straggler_drain", "in_process",
+                "reform_deadline")
 #: How long ``submit`` waits for every live node's verdict (a daemon answers within a cycle
 #: or two of its main loop, and checks the job's files as its user).
 VERDICT_SECONDS = 5.0
@@ -86,6 +87,14 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="keep survivors' worker processes through a failure: they re-form "
                         "in-process (the script uses @elasticd.in_process; a node that cannot "
                         "re-form in time restarts its workers as today)")
+    s.add_argument("--reform-deadline",
+                   type=options.seconds(0, jobspec.MAX_REFORM_DEADLINE,
+                                        jobspec.DEFAULT_REFORM_DEADLINE, low_open=True),
+                   default=jobspec.DEFAULT_REFORM_DEADLINE, metavar="SECONDS",
+                   help="with --in-process: seconds after a new round closes within which "
+                        "every local worker must leave the old group, else its node "
+                        "restarts its workers as today (default "
+                        f"{jobspec.DEFAULT_REFORM_DEADLINE:g})")
     s.add_argument("--no-wait", action="store_true",
                    help=f"return once the job is stored, without waiting (up to "
                         f"{VERDICT_SECONDS:g} s) for the nodes to accept or refuse it")

@@ -153,6 +153,7 @@ EVENT_TABLE = Table([("WHEN", "at_iso"), ("NODE", "node"), ("EVENT", "kind"),
 
 #: A recovery's timeline, one row per ``timeline`` event (``history`` prints it below the events).
 TIMELINE_TABLE = Table([("WHEN", "at_iso"), ("JOB", "job"), ("FAILED", "failed"),
+                        ("PATH", "path"),
                         *((p.upper().replace("_", " "), p) for p in timeline.PHASES),
                         ("TOTAL", "total"), ("SOURCE", "source"), ("BYTES", "bytes"),
                         ("STEP", "step")])
@@ -270,6 +271,7 @@ def _size(n: int) -> str:
 def timeline_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """The rows of :data:`TIMELINE_TABLE` for the ``timeline`` events among ``rows``."""
     return [{"at_iso": r["at_iso"], "job": t["job"], "failed": ",".join(t["failed"]),
+             "path": _PATH_WORDS.get(t.get("path") or "", "-"),
              **{p: _seconds(s) for p, s in t["phases"].items()},
              "detect": _detect(t), "total": _seconds(t["total_seconds"]),
              "source": t["restore_source"],
@@ -284,9 +286,21 @@ def _detect(t: dict[str, Any]) -> str | None:
     return f"{r[0]:.2f}-{r[1]:.2f}" if r else _seconds(t["phases"]["detect"])
 
 
+#: How a recovery's path reads (``-``: a record written before paths were kept).
+_PATH_WORDS = {"in_process": "in-process", "restart": "restart"}
+
+
+def path_phases(t: dict[str, Any]) -> str:
+    """The phases of the path a recovery took, in one line (an in-process recovery's differ
+    from the restart path's: :data:`elasticd.cluster.timeline.IN_PROCESS_PHASES`)."""
+    parts = ", ".join(f"{name.replace('_', ' ')} {'-' if v is None else f'{v:.3f}'}"
+                      for name, v in t["path_phases"].items())
+    return f"  path {_PATH_WORDS.get(t.get('path') or '', 'not recorded')} (seconds): {parts}"
+
+
 def rank_sources(rows: Sequence[dict[str, Any]]) -> list[str]:
     """Where each rank's state came from, for each ``timeline`` among ``rows``, and where its
-    failure is placed: one line each."""
+    failure is placed, and the phases of the path its writer's workers took: one line each."""
     words = {"local": "local RAM (its own node's snapshot)",
              "peer": "a peer's RAM (a copy on another node)",
              "persistent": "the persistent tier (disk)"}
@@ -297,6 +311,7 @@ def rank_sources(rows: Sequence[dict[str, Any]]) -> list[str]:
             continue
         out.append(f"{t['job']} after {','.join(t['failed'])}'s failure (placed at "
                    f"{_evidence(t)}):")
+        out.append(path_phases(t))
         for e in t["ranks"]:
             lost = "" if e["steps_lost"] is None else f", {e['steps_lost']} steps lost"
             out.append(f"  rank {'?' if e['rank'] is None else e['rank']} on "

@@ -31,6 +31,13 @@ RESERVED_ENV = ("ELASTICD_", "TORCHELASTIC_", "MASTER_ADDR", "MASTER_PORT", "RAN
                 "LOCAL_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE")
 
 
+#: The default of :attr:`JobSpec.reform_deadline`, seconds.
+DEFAULT_REFORM_DEADLINE = 10.0
+#: The largest reform deadline a spec takes, seconds: a survivor stuck longer than this holds
+#: its node's share of the job back for no good reason (the restart path is the fallback).
+MAX_REFORM_DEADLINE = 3600.0
+
+
 class JobSpecError(InputError, ValueError):
     """A job spec is malformed; the message says which field and what would be right."""
 
@@ -88,6 +95,12 @@ class JobSpec:
             (:mod:`elasticd.agent.in_process_agent`; the script uses ``@elasticd.in_process``);
             a node whose workers cannot re-form by the deadline restarts them as today.
             Specs written before it decode as False.
+        reform_deadline: in-process mode: seconds a node's agent waits, after its new round
+            closed, for each local worker to leave the old group; a worker that has not (stuck
+            in a call, or it could not leave) makes its node restart its workers the old way
+            (:func:`elasticd.agent.job_rules.reform_step`). The daemon's own backstop is this
+            plus :data:`elasticd.agent.job_rules.REFORM_ROUND_ALLOWANCE`. Specs written before
+            it decode with the default (10 s, what their agents used).
     """
 
     name: str
@@ -112,6 +125,7 @@ class JobSpec:
     straggler_steps: int = 20
     straggler_drain: bool = False
     in_process: bool = False
+    reform_deadline: float = DEFAULT_REFORM_DEADLINE
 
     def validate(self) -> "JobSpec":
         """Raises :class:`JobSpecError` on the first bad field, or a user or file missing here."""
@@ -154,6 +168,9 @@ class JobSpec:
         if self.straggler_factor != 0 and not 1 < self.straggler_factor <= 100:
             raise JobSpecError(f"--straggler-factor {self.straggler_factor}: use more than 1 "
                                "to 100 (0 turns it off)")
+        if not 0 < self.reform_deadline <= MAX_REFORM_DEADLINE:  # NaN fails this too
+            raise JobSpecError(f"--reform-deadline {self.reform_deadline}: use more than 0 to "
+                               f"{MAX_REFORM_DEADLINE:g} seconds")
         if not 1 <= self.straggler_steps <= 100_000:
             raise JobSpecError(f"--straggler-steps {self.straggler_steps}: use 1 to 100000")
         if not os.path.isabs(self.script):

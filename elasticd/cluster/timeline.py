@@ -29,6 +29,16 @@ it happens, and the phases between them::
 * **first step**: the writer's first worker of the new group reported a step past the restored
   one.
 
+**The path** (``path``) the writer's workers took: ``restart`` (killed or dead, started again,
+restored: the phases above), or ``in_process`` (an in-process job whose agent kept them: they
+left the old group and re-entered the training function in the same process). An in-process
+recovery has phases of its own (:data:`IN_PROCESS_PHASES`, :meth:`Timeline.path_phases`):
+``detect``; ``round_closed`` (the new round closed, as the agent or the daemon saw it first);
+``group`` (every worker left the old group, got its new rank and made the new group:
+``group_made``, the slowest local worker's report); ``restore``; ``first_step``. The agent's and
+its workers' own moments are kept as reported (``reform``: ``learned``, ``round_closed``,
+``all_left``, ``group_made``, ...; :attr:`elasticd.worker.in_process.Round.times`).
+
 A moment that was not seen is missing (None), and so are the two phases beside it: nothing is
 invented. A moment that came before the one preceding it (the agents' rendezvous may notice a
 dead peer before the daemon's watch does) is moved up to it and named in ``overlapped``: its
@@ -57,6 +67,17 @@ MARKS = ("failure", "detected", "aborted", "round_closed", "restore_started",
 #: The phases, in order: phase i runs from ``MARKS[i]`` to ``MARKS[i + 1]``. These are the
 #: values of the ``phase`` label of ``elasticd_recovery_phase_seconds``.
 PHASES = ("detect", "abort", "rendezvous", "start", "restore", "first_step")
+#: The paths a recovery's writer's workers can take (:attr:`Timeline.path`).
+PATHS = ("restart", "in_process")
+#: An in-process recovery's moments, in order (``group_made`` is its own; the others are
+#: :data:`MARKS`').
+IN_PROCESS_MARKS = ("failure", "detected", "round_closed", "group_made", "restore_finished",
+                    "first_step")
+#: An in-process recovery's phases: phase i runs from ``IN_PROCESS_MARKS[i]`` to the next.
+IN_PROCESS_PHASES = ("detect", "round_closed", "group", "restore", "first_step")
+#: The reported moments of an in-process re-formation a timeline keeps (``Timeline.reform``).
+REFORM_MOMENTS = ("learned", "reform_started", "rendezvous_returned", "round_closed",
+                  "all_left", "left", "assigned", "group_made")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +141,11 @@ class Timeline:
         failure_latest_at: the latest the failure can have come when only the lease placed it
             (the next keep-alive was due then), else None.
         ranks: where each rank's state came from (:meth:`RankRestore.entry`), by rank.
+        path: the path the writer's workers took (:data:`PATHS`), or "" (a record written
+            before paths were kept).
+        group_made_at: in-process: the moment its workers' new group was made, else None.
+        reform: in-process: the re-formation's moments as the agent and its workers reported
+            them (:data:`REFORM_MOMENTS`, wall time; the slowest worker's of each).
     """
 
     job: str
@@ -139,9 +165,21 @@ class Timeline:
     failure_evidence: str = ""
     failure_latest_at: float | None = None
     ranks: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    path: str = ""
+    group_made_at: float | None = None
+    reform: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def marks(self) -> list[float | None]:
         return [getattr(self, f"{m}_at") for m in MARKS]
+
+    def path_phases(self) -> dict[str, float | None]:
+        """Seconds per phase of the path taken: :data:`IN_PROCESS_PHASES` for an in-process
+        recovery, :meth:`phases` for a restart (None: a moment at either end missing)."""
+        if self.path != "in_process":
+            return self.phases()
+        m = [getattr(self, f"{name}_at") for name in IN_PROCESS_MARKS]
+        return {name: (None if m[i] is None or m[i + 1] is None else round(m[i + 1] - m[i], 3))
+                for i, name in enumerate(IN_PROCESS_PHASES)}
 
     def phases(self) -> dict[str, float | None]:
         """Seconds per phase (None when a moment at either end is missing)."""
@@ -177,9 +215,11 @@ class Timeline:
 
     def describe(self) -> str:
         """One sentence for the event log."""
-        parts = [f"{n} {'-' if s is None else f'{s:.2f}'}" for n, s in self.phases().items()]
+        parts = [f"{n} {'-' if s is None else f'{s:.2f}'}"
+                 for n, s in self.path_phases().items()]
         total = "unfinished" if self.total is None else f"{self.total:.2f} s"
-        return (f"{self.job} recovered from {', '.join(self.failed)}'s failure: {total} "
+        how = " in-process" if self.path == "in_process" else ""
+        return (f"{self.job} recovered{how} from {', '.join(self.failed)}'s failure: {total} "
                 f"({', '.join(parts)}; failure placed at {self.evidence_words()})")
 
     def evidence_words(self) -> str:
@@ -202,7 +242,9 @@ class Timeline:
                 "step": self.step, "overlapped": list(self.overlapped),
                 "failure_evidence": self.failure_evidence or None,
                 "detect_range": None if (r := self.detect_range()) is None else list(r),
-                "steps_lost": self.steps_lost, "ranks": [dict(e) for e in self.ranks]}
+                "steps_lost": self.steps_lost, "ranks": [dict(e) for e in self.ranks],
+                "path": self.path or None, "path_phases": self.path_phases(),
+                "reform": dict(self.reform)}
 
 
 def assemble(*, job: str, failed: Iterable[str], detected_at: float,
@@ -210,7 +252,8 @@ def assemble(*, job: str, failed: Iterable[str], detected_at: float,
              signs: Mapping[str, float | None] | None = None,
              aborted: Iterable[float] = (), round_closed: Iterable[float] = (),
              restores: Iterable[RankRestore] = (),
-             first_steps: Iterable[float] = ()) -> Timeline:
+             first_steps: Iterable[float] = (), path: str = "restart",
+             reform: Mapping[str, float] | None = None) -> Timeline:
     """Builds one recovery's timeline from what was seen (pure).
 
     Args:
@@ -228,6 +271,11 @@ def assemble(*, job: str, failed: Iterable[str], detected_at: float,
         round_closed: every time the writer saw a round of the job close.
         first_steps: every time a new group of the writer's workers made its first step.
         restores: rank restores (``recovered`` events) of any job and time.
+        path: the path the writer's workers took (:data:`PATHS`).
+        reform: in-process: the re-formation's moments its agent and workers reported
+            (:data:`REFORM_MOMENTS`); their ``round_closed`` counts as a round close, their
+            ``group_made`` is the group's moment (kept between the round close and the
+            restore's start).
 
     Of each, the first at or after the failure counts (earlier ones belong to the recoveries
     before it), and of the first steps the first after the round closed (or the abort); restores
@@ -237,8 +285,11 @@ def assemble(*, job: str, failed: Iterable[str], detected_at: float,
                                                  signs or {})
     since = failure_at if failure_at is not None else detected_at
 
+    reform = {k: float(v) for k, v in (reform or {}).items()
+              if k in REFORM_MOMENTS and math.isfinite(v)}
     aborted_at = first_after(aborted, since - (lease_ttl or 0.0))
-    closed_at = first_after(round_closed, since)
+    closes = [*round_closed, *([reform["round_closed"]] if "round_closed" in reform else [])]
+    closed_at = first_after(closes, since)
     # A new group steps after its round closed: an older step is the group before's.
     first_step_at = first_after(first_steps, closed_at or aborted_at or since)
     mine = [r for r in restores if r.job == job and r.at - r.seconds >= since
@@ -273,11 +324,25 @@ def assemble(*, job: str, failed: Iterable[str], detected_at: float,
         latest = round(min(max(latest, marks["failure_at"]), marks["detected_at"]), 3)
     ranks = sorted((r.entry() for r in mine),
                    key=lambda e: (e["rank"] is None, e["rank"] or 0, e["node"]))
+    group_made = _group_made(path, reform.get("group_made"), marks)
     return Timeline(job=job, failed=list(failed), **marks,
                     restore_source="+".join(sorted({r.source for r in mine})),
                     restore_bytes=sum(r.nbytes for r in mine), ranks_restored=len(mine),
                     step=max(steps) if steps else None, overlapped=overlapped,
-                    failure_evidence=evidence, failure_latest_at=latest, ranks=ranks)
+                    failure_evidence=evidence, failure_latest_at=latest, ranks=ranks,
+                    path=path if path in PATHS else "restart", group_made_at=group_made,
+                    reform={k: round(v, 3) for k, v in sorted(reform.items())}
+                    if path == "in_process" else {})
+
+
+def _group_made(path: str, at: float | None, marks: Mapping[str, float | None]) -> float | None:
+    """An in-process recovery's group moment, kept between the round close and the restore's
+    start (or the first step), as the other moments are kept in order; None otherwise."""
+    if path != "in_process" or at is None or marks["round_closed_at"] is None:
+        return None
+    upper = marks["restore_started_at"] or marks["first_step_at"]
+    at = max(at, marks["round_closed_at"])
+    return round(at if upper is None else min(at, upper), 3)
 
 
 def place_failure(detected_at: float, detection_seconds: float | None, lease_ttl: float | None,
@@ -347,6 +412,15 @@ def decode(data: Any, where: str = "timeline") -> Timeline:
         raise records.CorruptRecord(f"{where}: its moments are not in order")
     if not t.failed or t.restore_bytes < 0 or t.ranks_restored < 0:
         raise records.CorruptRecord(f"{where}: no failed node, or a negative count")
+    if t.path not in ("", *PATHS):
+        raise records.CorruptRecord(f"{where}: unknown path {t.path[:40]!r}")
+    if t.group_made_at is not None and (
+            not math.isfinite(t.group_made_at) or t.round_closed_at is None
+            or t.group_made_at < t.round_closed_at
+            or t.group_made_at > (t.restore_started_at or t.first_step_at or math.inf)):
+        raise records.CorruptRecord(f"{where}: its group moment is out of order")
+    if any(k not in REFORM_MOMENTS or not math.isfinite(v) for k, v in t.reform.items()):
+        raise records.CorruptRecord(f"{where}: an unknown or unreadable re-formation moment")
     if t.failure_evidence not in ("", *EVIDENCE):
         raise records.CorruptRecord(f"{where}: unknown failure evidence "
                                     f"{t.failure_evidence[:40]!r}")

@@ -84,6 +84,37 @@ class _Moments:
     step_at: float | None = None  # the last training step a worker reported
     #: (abort, the last training step before it): a failed peer's last step, when it trained
     steps_before_abort: collections.deque = dataclasses.field(default_factory=_recent)
+    #: (when, path, moments): each time the agent of an in-process job said it re-formed
+    reforms: collections.deque = dataclasses.field(default_factory=_recent)
+    #: each local worker's moments of an in-process re-formation, as it reported them
+    worker_moments: collections.deque = dataclasses.field(default_factory=_recent)
+
+
+def _moments(times: Any) -> dict[str, float]:
+    """The re-formation moments a message carries that a timeline keeps (numbers only)."""
+    if not isinstance(times, dict):
+        return {}
+    return {k: float(v) for k, v in times.items()
+            if k in timeline.REFORM_MOMENTS and type(v) in (int, float) and math.isfinite(v)}
+
+
+def _path(m: _Moments, since: float) -> tuple[str, dict[str, float]]:
+    """The path this node's workers took in the recovery after ``since`` (the first agent's
+    word since then; none: the restart path, the only one of a job not in-process, and of one
+    whose daemon restarted its workers), and in-process its moments: the agent's, and of its
+    workers' each moment's latest (the slowest worker's) from this re-formation on."""
+    said = next(((path, moments) for at, path, moments in m.reforms if at >= since), None)
+    if said is None or said[0] != "in_process":
+        return "restart", {}
+    moments = dict(said[1])
+    start = moments.get("round_closed", since)
+    for worker in m.worker_moments:
+        if worker["group_made"] >= start:
+            for k, v in worker.items():
+                if k not in ("learned", "reform_started", "rendezvous_returned",
+                             "round_closed", "all_left"):  # the agent's own
+                    moments[k] = max(v, moments.get(k, v))
+    return "in_process", moments
 
 
 class TimelineRecorder:
@@ -195,6 +226,34 @@ class TimelineRecorder:
             m.first_steps.append(now)  # a worker's first step past its restore
         log.info("%s: first step %d of worker pid %d", job, step, pid)
 
+    def on_reformed(self, msg: dict[str, Any]) -> None:
+        """The agent of an in-process job re-formed its workers (``reformed``: ``path``
+        in_process, with its moments, or restart when it fell back; the local API's thread)."""
+        job, path = msg.get("job"), msg.get("path")
+        if not isinstance(job, str) or path not in timeline.PATHS:
+            return
+        moments = _moments(msg.get("times"))
+        with self._lock:
+            self._job(job).reforms.append((self.clock.wall(), path, moments))
+        log.info("%s: its agent re-formed the workers (%s): a moment of the recovery's "
+                 "timeline", job, path.replace("_", "-"))
+
+    def on_reform_moments(self, msg: dict[str, Any]) -> None:
+        """A worker of an in-process job made its new group (``reform_moments``: its
+        re-formation's moments, :attr:`elasticd.worker.in_process.Round.times`).
+
+        A worker that re-entered is a worker of the new group from now on: its next training
+        step past its restore is a first step, as a new process's would be (without this an
+        in-process recovery never had one: the process had stepped before)."""
+        job, moments = msg.get("job"), _moments(msg.get("times"))
+        peer = msg.get("_peer") if isinstance(msg.get("_peer"), dict) else {}
+        if not isinstance(job, str) or "group_made" not in moments:
+            return
+        with self._lock:
+            m = self._job(job)
+            m.worker_moments.append(moments)
+            m.stepped.discard(peer.get("pid"))
+
     def on_restore(self, report: dict[str, Any]) -> None:
         """A local worker restored (``ckpt_report``): its step is not a training step."""
         job, step = report.get("job"), report.get("step")
@@ -273,11 +332,12 @@ class TimelineRecorder:
             # assemble gives aborts): its peers stepped with the failed node until then.
             step_sign = next((at for abort, at in m.steps_before_abort
                               if abort >= detected_at - 2 * ttl), None) if rec.in_group else None
+            path, reform = _path(m, detected_at - 2 * ttl)
         signs = {"step": step_sign, "frame": self.last_heard(rec.failed[0])}
         return timeline.assemble(job=rec.job, failed=rec.failed, detected_at=detected_at,
                                  detection_seconds=detection, lease_ttl=ttl, signs=signs,
                                  aborted=aborts, round_closed=closes, restores=restores,
-                                 first_steps=steps)
+                                 first_steps=steps, path=path, reform=reform)
 
     def _stored(self, rec: _Recovery) -> timeline.Timeline | None:
         """The timeline of ``rec`` as another node stored it (None: none, or unreadable)."""

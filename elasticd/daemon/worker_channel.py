@@ -57,6 +57,8 @@ class WorkerChannel:
             "workers_aborted": self._workers_aborted,
             # The agent of an in-process job re-formed its workers (kept, or restarted).
             "reformed": self._reformed,
+            # A worker of an in-process job made its new group: its re-formation's moments.
+            "reform_moments": self._reform_moments,
         }
         if self._checkpoints is not None:
             handlers.update(self._checkpoints.handlers())
@@ -99,4 +101,9 @@ class WorkerChannel:
 
     def _reformed(self, msg: dict[str, Any]) -> dict[str, Any]:
         self._jobs.reform.on_reformed(msg)
+        self._timeline.on_reformed(msg)
+        return {}
+
+    def _reform_moments(self, msg: dict[str, Any]) -> dict[str, Any]:
+        self._timeline.on_reform_moments(msg)
         return {}

@@ -181,6 +181,7 @@ class _Worker:
             fds = self._make_group()
             if times:
                 times["group_made"] = SYSTEM_CLOCK.wall()
+                _report(times)
             info = Round(self.round, dist.get_rank(), dist.get_world_size(),
                          int(os.environ.get("LOCAL_RANK", "0")), previous, path,
                          SYSTEM_CLOCK.perf_counter() - t0, lambda: self.asked, times)
@@ -240,6 +241,20 @@ class _Worker:
         dist.destroy_process_group()
         gc.collect()
         return not (fds & _socket_fds())
+
+
+def _report(times: dict[str, float]) -> None:
+    """Tells the node's daemon this re-formation's moments (one-way, ``reform_moments``): its
+    recovery timeline keeps them (:mod:`elasticd.cluster.timeline`, the in-process path's
+    phases). Over the process's shared connection, which stays open: a worker connection that
+    closes is read as the worker's exit."""
+    from elasticd.worker import default_client
+
+    client = default_client()
+    if client is not None:
+        client.send("reform_moments", times=dict(times),
+                    **({"job": os.environ["ELASTICD_JOB"]} if os.environ.get("ELASTICD_JOB")
+                       else {}))
 
 
 #: Seconds between two connection attempts to the round's store before it listens.

@@ -8,6 +8,8 @@ job of 2 ranks per node submitted with ``--in-process`` (``examples/train_in_pro
 * The fallback: a survivor that hangs instead of leaving its group is restarted the old way by
   its agent at the deadline (its node's workers are new processes), the other node's stay, and
   the job finishes.
+* A worker killed alone (its node alive): its node restarts its workers, the other nodes' stay
+  in-process (a mixed round at the same world size), every rank resumes from one step.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import time
 
 import pytest
 
-from elasticd.agent import job_rules
 from elasticd.launcher import JOB_USER, LocalCluster, job_writable
 from elasticd.replication.commit import decode_committed, decode_grid
 
@@ -58,6 +59,19 @@ def _first_at(rows: list[dict], world: int, since: float) -> dict[int, dict]:
     return first
 
 
+def new_group(rows: list[dict], rounds: dict[int, int], since: float) -> dict[int, dict]:
+    """rank -> its first step row in a group made after ``since`` (the world size stays): a
+    row of a process that did not train before (``rounds``: pid -> its round then), or of one
+    that did, in a later round (bench/recovery_inprocess.py's rule)."""
+    first: dict[int, dict] = {}
+    for row in sorted(rows, key=lambda r: r["t"]):
+        pid = row["pid"]
+        if row["t"] > since and row["rank"] not in first and (
+                pid not in rounds or row["round"] > rounds[pid]):
+            first[row["rank"]] = row
+    return first
+
+
 def _newest_all_held(rows: list[dict], survivors: set[int]) -> int:
     """The newest step every survivor held at the kill: each survivor's last step in the old
     world (not its last step logged before the kill's timestamp: a step whose collective
@@ -74,7 +88,32 @@ def _last_steps(rows: list[dict], survivors: set[int], saved: bool = False) -> d
             for pid in survivors}
 
 
-def _run(tmp_path, steps: int, hang_rank: int = -1):
+def _submit(cluster: LocalCluster, logdir: str, steps: int, hang_rank: int = -1,
+            extra: tuple[str, ...] = ()) -> None:
+    """Submits the in-process job (``extra``: more submit options) and waits until its 6
+    ranks train, a step is committed and the snapshot grid is 1."""
+    env = {**os.environ, "ELASTICD_ETCD": cluster.etcd, "ELASTICD_PREFIX": cluster.prefix}
+    out = subprocess.run(
+        [sys.executable, "-m", "elasticd.cli.main", "submit", "job", "--in-process",
+         "--nnodes", "2:3", "--nproc-per-node", "2", "--user", JOB_USER,
+         "--max-restarts", "100", *extra, "--", TRAIN, "--log", logdir, "--steps", str(steps),
+         "--step-time", "0.05", "--hang-rank", str(hang_rank)],
+        env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    _wait(lambda: len(_first_at(_rows(logdir), 6, 0)) == 6, 90, "6 ranks training",
+          cluster)
+    # The snapshot grid settled at every step (it widens when the nodes' first snapshots
+    # miss each other and halves as commits keep up): a step off the grid is in nobody's
+    # slot, and this test is about what in-process adds, not the grid.
+    coord = cluster.coordinator()
+    grid_key = cluster.keys.replication("job").commit_grid
+    _wait(lambda: coord.get(cluster.keys.replication("job").committed) is not None
+          and ((kv := coord.get(grid_key)) is None or decode_grid(kv.value).grid == 1),
+          60, "a committed step and the snapshot grid at 1", cluster)
+    time.sleep(1.0)
+
+
+def _run(tmp_path, steps: int, hang_rank: int = -1, extra: tuple[str, ...] = ()):
     logdir = job_writable(str(tmp_path / "steps"))
     # Peer replication on: a fallback node's fresh workers restore the committed step (they
     # hold no slot of their own; the survivors offer theirs).
@@ -82,25 +121,8 @@ def _run(tmp_path, steps: int, hang_rank: int = -1):
                            replication=True)
     try:
         cluster.start()
-        env = {**os.environ, "ELASTICD_ETCD": cluster.etcd, "ELASTICD_PREFIX": cluster.prefix}
-        out = subprocess.run(
-            [sys.executable, "-m", "elasticd.cli.main", "submit", "job", "--in-process",
-             "--nnodes", "2:3", "--nproc-per-node", "2", "--user", JOB_USER,
-             "--max-restarts", "100", "--", TRAIN, "--log", logdir, "--steps", str(steps),
-             "--step-time", "0.05", "--hang-rank", str(hang_rank)],
-            env=env, capture_output=True, text=True, timeout=60)
-        assert out.returncode == 0, out.stderr
-        _wait(lambda: len(_first_at(_rows(logdir), 6, 0)) == 6, 90, "6 ranks training",
-              cluster)
-        # The snapshot grid settled at every step (it widens when the nodes' first snapshots
-        # miss each other and halves as commits keep up): a step off the grid is in nobody's
-        # slot, and this test is about what in-process adds, not the grid.
+        _submit(cluster, logdir, steps, hang_rank, extra)
         coord = cluster.coordinator()
-        grid_key = cluster.keys.replication("job").commit_grid
-        _wait(lambda: coord.get(cluster.keys.replication("job").committed) is not None
-              and ((kv := coord.get(grid_key)) is None or decode_grid(kv.value).grid == 1),
-              60, "a committed step and the snapshot grid at 1", cluster)
-        time.sleep(1.0)
         before = {n: set(cluster.nodes[n].tagged()) for n in ("n1", "n2", "n3")}
         first6 = _first_at(_rows(logdir), 6, 0)
         workers = set(first6)
@@ -170,8 +192,9 @@ def test_kill9_of_a_node_the_survivors_keep_their_processes(tmp_path):
 
 
 def test_a_survivor_stuck_in_its_re_formation_is_restarted_the_old_way(tmp_path):
-    logdir, survivors, t_kill, at4, workdir, committed = _run(tmp_path, steps=450,
-                                                               hang_rank=0)
+    # The deadline is the job's (a spec field): 4 s here, against the default 10 s.
+    logdir, survivors, t_kill, at4, workdir, committed = _run(
+        tmp_path, steps=450, hang_rank=0, extra=("--reform-deadline", "4"))
     rows = _rows(logdir)
     hung = {r["pid"] for r in rows if r.get("rank") == 0 and r.get("round") is not None
             and r.get("world") == 6}
@@ -189,13 +212,82 @@ def test_a_survivor_stuck_in_its_re_formation_is_restarted_the_old_way(tmp_path)
     resumed = {r["step"] - 1 for r in at4.values()}
     assert len(resumed) == 1 and 0 < committed <= min(resumed) <= held, (resumed, committed, held)
     took = max(r["t"] for r in at4.values()) - t_kill
-    assert took >= job_rules.REFORM_DEADLINE  # the agent waited its deadline
+    assert took >= 4  # the agent waited its deadline
     logs = "".join(open(p).read() for p in glob.glob(os.path.join(workdir, "*", "jobs", "*",
                                                                   "agent.log")))
-    assert "falling back to a restart" in logs
+    assert "falling back to a restart into round" in logs
+    assert "(the job's reform deadline 4 s)" in logs  # the job's, not the 10 s default
     done = {r["pid"]: r["done"] for r in rows if "done" in r}
     assert set(done) == set(at4) and set(done.values()) == {450}
     assert all(r["failed"] == 0 for r in rows if "done" in r), [r for r in rows if "done" in r]
     print(f"\nfallback: kill -> world 4 training {took:.2f} s; kept {sorted(kept)}, "
           f"restarted {sorted(hung & survivors)} as {sorted(fresh)}; all resumed from step "
           f"{min(resumed)}, the newest all held {held}, committed {committed}")
+
+
+def test_kill9_of_a_worker_alone_the_other_nodes_keep_their_processes(tmp_path):
+    """A worker killed alone (its node's agent and daemon alive): its node restarts its own
+    workers (torch's agent restarts its whole local group), the other nodes' workers re-form
+    in-process around them at the same world size (a mixed round), and every rank resumes
+    from one step, a step every rank holds (the committed one or newer), each rank its own
+    rank's shard."""
+    logdir = job_writable(str(tmp_path / "steps"))
+    cluster = LocalCluster(["n1", "n2", "n3"], workdir=str(tmp_path / "cluster"), lease_ttl=2,
+                           replication=True)
+    try:
+        cluster.start()
+        _submit(cluster, logdir, steps=400)
+        coord = cluster.coordinator()
+        rows = _rows(logdir)
+        rounds = {r["pid"]: r["round"] for r in rows if "step" in r}
+        first6 = _first_at(rows, 6, 0)
+        two = next(pid for pid, row in first6.items() if row["rank"] == 2)
+        victim = next(n for n in cluster.nodes if two in cluster.nodes[n].tagged())
+        theirs = set(rounds) - set(cluster.nodes[victim].tagged())
+        assert len(theirs) == 4
+        kv = coord.get(cluster.keys.replication("job").committed)
+        committed = decode_committed(kv.value).step if kv is not None else 0
+        t_kill = time.time()
+        os.kill(two, 9)
+        at6 = _wait(lambda: (f := new_group([r for r in _rows(logdir) if "step" in r],
+                                            rounds, t_kill)) and len(f) == 6 and f,
+                    60, "6 ranks training in a new group", cluster)
+        _wait(lambda: sum(1 for r in _rows(logdir) if "done" in r) >= 6, 60,
+              "the job finishing", cluster)
+        workdir = cluster.workdir
+    finally:
+        cluster.stop()
+    rows = [r for r in _rows(logdir) if "step" in r]
+    kept = {r["pid"] for r in at6.values()} & theirs
+    assert kept == theirs, (kept, theirs)  # the other nodes' 4 processes stay
+    assert {at6[r]["path"] for r in at6 if at6[r]["pid"] in theirs} == {"in-process"}
+    fresh = {r["pid"] for r in at6.values()} - theirs
+    assert len(fresh) == 2 and not fresh & set(rounds)  # the victim's node: new processes
+    assert {at6[r]["path"] for r in at6 if at6[r]["pid"] in fresh} == {"first"}
+    # Every rank resumed from one step: at least the committed one, at most the newest step
+    # every rank of the old group snapshotted (the killed worker's last snapshot may not
+    # have completed: one step less).
+    resumed = {r["step"] - 1 for r in at6.values()}
+    assert len(resumed) == 1, resumed
+    old = [r for r in rows if r["pid"] in rounds and r["round"] == rounds[r["pid"]]]
+    saved = {pid: max((r["step"] for r in old if r["pid"] == pid and r["saved"]), default=0)
+             for pid in rounds}
+    newest_all = min(saved.values())
+    assert committed <= min(resumed) <= newest_all, (resumed, committed, saved)
+    # Steps trained again after the resume repeat the old group's losses bitwise (same world,
+    # same rank, same state): nothing of the abandoned steps leaked into the resumed state.
+    before = {(r["rank"], r["step"]): r["loss"] for r in old}
+    again = [(r["rank"], r["step"], r["loss"]) for r in rows
+             if r["pid"] not in rounds or r["round"] > rounds[r["pid"]]]
+    redone = [(k, s, loss) for k, s, loss in again if (k, s) in before]
+    assert all(before[(k, s)] == loss for k, s, loss in redone), redone
+    logs = "".join(open(p).read() for p in glob.glob(os.path.join(workdir, "*", "jobs", "*",
+                                                                  "agent.log")))
+    assert "re-formed in-process" in logs
+    done = {r["pid"]: r["done"] for r in _rows(logdir) if "done" in r}
+    assert set(done) == {r["pid"] for r in at6.values()} and set(done.values()) == {400}
+    took = max(r["t"] for r in at6.values()) - t_kill
+    print(f"\nkill -9 of worker pid {two} (rank 2, {victim}) -> 6 ranks in a new group: "
+          f"{took:.2f} s; kept {sorted(kept)}, restarted as {sorted(fresh)}; all resumed from "
+          f"step {min(resumed)} (committed {committed}, newest all snapshotted {newest_all}); "
+          f"{len(redone)} steps trained again, losses equal")

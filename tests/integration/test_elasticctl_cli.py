@@ -98,6 +98,70 @@ def test_history_pretty_columns_hold_what_json_holds(etcd, etcd_client, prefix):
     assert [r["recovery_seconds"] for r in doc if r["kind"] == "recovered"] == [3.5, 4.0]
 
 
+def test_history_shows_each_recoverys_path_and_its_own_phases(etcd, etcd_client, prefix):
+    """Two recoveries written by the daemon's recorder into a real etcd from what it was told
+    (an in-process one: its agent's ``reformed`` and its workers' ``reform_moments``; then a
+    restart), read by elasticctl as a user runs it: the path in the table, each path's phases
+    on its line, the same in JSON."""
+    from elasticd.cluster import timeline
+    from elasticd.daemon.recovery_timeline import TimelineRecorder
+    from elasticd.metrics import Metrics
+    from elasticd.testing.clock import FakeClock
+
+    clock = FakeClock(1_000.0, wall_offset=time.time() - 1_100.0)
+    keys = Keyspace(prefix)
+    log = EventLog(etcd_client, keys)
+    rec = TimelineRecorder("n1", etcd_client, keys, log, Metrics(), clock, lambda: 2.0)
+
+    def fail(lease: int) -> None:
+        rec.on_progress({"job": "j", "step": 39, "_peer": {"pid": 11}})
+        clock.advance(0.1)
+        log.record(Event("failed", "n2", lease, clock.wall(), "n3", "n2 failed",
+                         {"detection_seconds": 2.0}))
+        rec.on_failure("j", "n2", lease, writer=True, aborted=lease != 0x2B)
+
+    def recover(pid: int) -> None:
+        clock.advance(0.2)
+        rec.on_restore({"job": "j", "rank": 0, "step": 40})
+        log.record(Event("recovered", "n1", 1, clock.wall(), "n1", "restored",
+                         {"job": "j", "rank": 0, "source": "local", "seconds": 0.05,
+                          "steps_lost": 0, "step": 40}, instance=str(pid)))
+        clock.advance(0.02)
+        rec.on_progress({"job": "j", "step": 41, "_peer": {"pid": pid}})
+        assert rec.step() == "recovery timeline of j written"
+
+    fail(0x2B)  # in-process: the agent's and the workers' moments, then the restore
+    clock.advance(0.01)
+    closed = clock.wall()
+    rec.on_reform_moments({"job": "j", "_peer": {"pid": 11},
+                           "times": {"group_made": closed + 0.04}})
+    rec.on_reformed({"job": "j", "path": "in_process", "times": {"round_closed": closed}})
+    recover(11)  # the same process trains again
+    clock.advance(100)
+    fail(0x3C)  # the restart path (no word from an agent), a new worker
+    clock.advance(0.3)
+    rec.on_round_closed("j")
+    recover(22)
+
+    args = ("history", "--etcd", etcd.endpoints, "--prefix", prefix, "--kind", "timeline")
+    doc = json.loads(ctl(*args, "--format", "json").stdout)
+    inproc, restart = (r["timeline"] for r in doc)
+    assert (inproc["path"], restart["path"]) == ("in_process", "restart")
+    assert set(inproc["path_phases"]) == set(timeline.IN_PROCESS_PHASES)
+    assert inproc["path_phases"]["group"] == 0.04 and inproc["reform"]["round_closed"] > 0
+    assert restart["path_phases"] == restart["phases"]
+    res = ctl(*args)
+    assert res.returncode == 0, res.stderr
+    table = res.stdout.split("first step):\n")[1].splitlines()
+    assert table[0].split()[:4] == ["WHEN", "JOB", "FAILED", "PATH"]
+    assert [line.split()[3] for line in table[1:3]] == ["in-process", "restart"]
+    paths = [line for line in res.stdout.splitlines() if line.startswith("  path ")]
+    assert paths[0].startswith("  path in-process (seconds): detect ")
+    assert ", round closed 0.010, group 0.040, restore 0.160, first step 0.020" in paths[0]
+    assert paths[1].startswith("  path restart (seconds): detect ")
+    assert "rendezvous 0.300, start 0.150, restore 0.050, first step 0.020" in paths[1]
+
+
 def _self_signed(tmp_path):
     cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",

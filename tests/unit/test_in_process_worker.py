@@ -255,3 +255,46 @@ def test_a_rank_waits_for_the_rounds_store_to_listen_before_connecting():
     started = time.monotonic()
     in_process._wait_listening("127.0.0.1", _free_port(), 0.2)  # nobody: gives up
     assert time.monotonic() - started < 20
+
+
+def test_a_re_entered_worker_tells_its_daemon_its_moments_over_its_shared_connection(tmp_path):
+    """After making the new group the worker sends ``reform_moments`` to its node's daemon
+    (the recovery timeline's in-process phases), from its kernel-checked pid, and keeps that
+    connection open (a worker connection that closes is read as the worker's exit)."""
+    from elasticd.daemon.local_api import LocalServer
+
+    got: list[dict] = []
+    closed: list[dict] = []
+    daemon = LocalServer(str(tmp_path / "d.sock"), {"reform_moments": got.append})
+    daemon.on_close.append(closed.append)
+    daemon.start()
+    out = tmp_path / "entries.jsonl"
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    server = LinkServer()
+    env = _worker_env(_free_port(), ELASTICD_LINK=server.name,
+                      ELASTICD_LINK_PID=str(os.getpid()), ELASTICD_ROUND="4",
+                      ELASTICD_SOCKET=daemon.path, ELASTICD_JOB="j")
+    proc = subprocess.Popen([sys.executable, str(script), str(out)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait(lambda: server.linked() == {0} and out.exists() and out.read_text())
+        assert got == []  # a fresh process's first entry is no re-formation
+        server.send(0, {"op": "abort", "round": 4})
+        _wait(lambda: 0 in server.left_rounds())
+        server.send(0, {"op": "assign", "env": {"MASTER_PORT": str(_free_port()),
+                                                "ELASTICD_ROUND": "5"},
+                        "times": {"round_closed": 2.0}})
+        _wait(lambda: got)
+        assert closed == []  # its connection stays while it runs
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        daemon.stop()
+    assert proc.returncode == 0, output
+    [msg] = got
+    assert msg["_peer"]["pid"] == proc.pid and msg["job"] == "j"
+    assert sorted(msg["times"]) == ["assigned", "group_made", "left", "round_closed"]
+    assert msg["times"]["round_closed"] == 2.0

@@ -357,6 +357,26 @@ def test_an_in_process_job_is_not_killed_for_a_failed_peer_but_restarted_past_th
     assert mgr.metrics.rendezvous.recoveries.labels("restart")._value.get() == 1
 
 
+def test_the_daemons_backstop_follows_the_running_jobs_reform_deadline(env, tmp_path):
+    """The job's ``reform_deadline`` (a spec field), not a constant: a job given 3 s is
+    restarted 3 s + the round allowance after the failure (before the field: 10 s + it)."""
+    from elasticd.agent import job_rules
+
+    coord, keys, mgr, lease = env
+    coord.put(keys.job_keys("job").node("n2"),
+              NodeJobStatus("n2", "running", agent_pid=222).encode(), lease)
+    agent = _running(mgr, tmp_path, in_process=True, reform_deadline=3.0)
+    agent.pid = 111
+    mgr.records.refresh()
+    assert mgr.on_peer_failed("n2") == 0
+    mgr.clock.advance(3.0 + job_rules.REFORM_ROUND_ALLOWANCE - 0.5)
+    mgr.step()
+    assert agent.restarts == []
+    mgr.clock.advance(0.5)
+    mgr.step()
+    assert len(agent.restarts) == 1
+
+
 def test_the_agents_word_ends_the_deadline_under_the_watchs_lock(env, tmp_path):
     """``reformed`` arrives on the local API's thread while the main loop starts and checks
     the deadline: ending it waits for the lock the loop's side holds."""

@@ -256,8 +256,9 @@ COMMANDS = {
         # --in-process: added on purpose (issue 31), the opt-in to in-process re-formation.
         "--crash-loop-restarts", "--cwd", "--env", "--hang-first-step", "--hang-timeout",
         "--hang-timeout-floor", "--in-process", "--max-restarts", "--nnodes", "--no-wait",
-        "--nproc-per-node", "--python", "--straggler-drain", "--straggler-factor",
-        "--straggler-steps", "--user", "args", "name", "script"],
+        # --reform-deadline: added on purpose (issue 31), the in-process deadline as a field.
+        "--nproc-per-node", "--python", "--reform-deadline", "--straggler-drain",
+        "--straggler-factor", "--straggler-steps", "--user", "args", "name", "script"],
     "jobs": [],
     "stop": ["--force", "--wait", "name"],
     "retry": ["name"],
@@ -323,13 +324,17 @@ NODE_JOB_STATUS = (
 
 #: A ``timeline`` event's ``timeline`` object in ``history`` and ``status`` (null for others).
 #: (Added on purpose, issue 27: where the failure is placed, its range, each rank's source.)
+# path, path_phases, reform: added on purpose (issue 31), the path a recovery took and its
+# phases (a restart's record here: its path_phases are the phases).
 TIMELINE_KEYS = (
     "detect_range failed failure_evidence job marks.aborted marks.detected marks.failure "
     "marks.first_step marks.restore_finished marks.restore_started marks.round_closed "
-    "overlapped phases.abort phases.detect phases.first_step phases.rendezvous phases.restore "
-    "phases.start ranks[].bytes ranks[].node ranks[].rank ranks[].seconds ranks[].source "
-    "ranks[].step ranks[].steps_lost ranks_restored restore_bytes restore_source step "
-    "steps_lost total_seconds").split()
+    "overlapped path path_phases.abort path_phases.detect path_phases.first_step "
+    "path_phases.rendezvous path_phases.restore path_phases.start phases.abort "
+    "phases.detect phases.first_step phases.rendezvous phases.restore phases.start "
+    "ranks[].bytes ranks[].node ranks[].rank ranks[].seconds ranks[].source ranks[].step "
+    "ranks[].steps_lost ranks_restored reform restore_bytes restore_source step steps_lost "
+    "total_seconds").split()
 
 #: Command -> the paths of its JSON document's values (``[]``: each element of a list; an
 #: event's ``data`` is the event's own, not descended into).

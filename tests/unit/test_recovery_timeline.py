@@ -380,11 +380,14 @@ def test_history_shows_each_phase_in_both_formats(env):
     text = _history(coord)
     table = text.split("recoveries (seconds per phase, from the failure to the first step):\n")[1]
     head, line = table.splitlines()[:2]
-    assert head.split() == ["WHEN", "JOB", "FAILED", "DETECT", "ABORT", "RENDEZVOUS", "START",
-                            "RESTORE", "FIRST", "STEP", "TOTAL", "SOURCE", "BYTES", "STEP"]
+    assert head.split() == ["WHEN", "JOB", "FAILED", "PATH", "DETECT", "ABORT", "RENDEZVOUS",
+                            "START", "RESTORE", "FIRST", "STEP", "TOTAL", "SOURCE", "BYTES",
+                            "STEP"]
     # Only the lease placed the failure: the detect phase is shown as the range it can be.
-    assert line.split()[1:] == ["j", "n2", "1.33-2.75", "-", "-", "0.75", "0.30", "0.25",
-                                "3.90", "local+peer", "2.0", "KiB", "40"]
+    assert line.split()[1:] == ["j", "n2", "restart", "1.33-2.75", "-", "-", "0.75", "0.30",
+                                "0.25", "3.90", "local+peer", "2.0", "KiB", "40"]
+    assert ("  path restart (seconds): detect 2.000, abort -, rendezvous -, start 0.750, "
+            "restore 0.300, first step 0.250") in text
 
 
 def test_history_ignores_a_forged_timeline_with_one_warning(env, caplog):
@@ -617,3 +620,138 @@ def test_restores_recorded_before_the_failed_event_are_measured_from_the_failure
                         instance="j"))
     recovered, failed, _ = json.loads(_history(coord, "--format", "json"))
     assert recovered["recovery_seconds"] == 1.6 and failed["detection_seconds"] == 1.9
+
+
+# -- the path a recovery took (issue 31: in-process or restart, each with its phases) ------------
+
+def test_an_in_process_recovery_has_its_own_phases_from_its_reported_moments():
+    # The agent's round closed at T0 + 2.6 (before the daemon's watch saw it, T0 + 2.9); the
+    # slowest local worker made its new group at T0 + 2.65; restores T0 + 3.6 .. 3.95.
+    reform = {"learned": T0 + 0.4, "round_closed": T0 + 2.6, "all_left": T0 + 2.6,
+              "group_made": T0 + 2.65, "bogus": 1.0}
+    t = _full(path="in_process", reform=reform)
+    assert t.path == "in_process" and t.round_closed_at == T0 + 2.6
+    assert t.group_made_at == T0 + 2.65
+    assert t.reform == {k: v for k, v in reform.items() if k != "bogus"}
+    assert t.path_phases() == {"detect": 2.0, "round_closed": 0.3, "group": 0.05,
+                               "restore": 1.3, "first_step": 0.25}
+    assert sum(t.path_phases().values()) == pytest.approx(t.total)
+    assert "recovered in-process from n2's failure" in t.describe()
+    assert "round_closed 0.30, group 0.05" in t.describe()
+    assert timeline.decode(json.loads(json.dumps(t.as_dict()))) == t
+    summary = t.summary()
+    assert summary["path"] == "in_process" and summary["path_phases"] == t.path_phases()
+    # The restart path keeps the phases it always had, and no moments of a re-formation.
+    r = _full(reform=reform)
+    assert r.path == "restart" and r.path_phases() == r.phases() and r.reform == {}
+    assert r.group_made_at is None and r.round_closed_at == T0 + 2.6
+
+
+def test_a_group_moment_out_of_its_place_is_kept_in_order():
+    # Reported before the round closed (clocks of two processes): moved up to the close;
+    # after the restore started: kept at the restore's start.
+    assert _full(path="in_process", reform={"group_made": T0}).group_made_at == \
+        _full().round_closed_at
+    t = _full(path="in_process", reform={"group_made": T0 + 3.8})
+    assert t.group_made_at == t.restore_started_at == T0 + 3.65
+
+
+@pytest.mark.parametrize("change", [
+    {"path": "teleport"}, {"group_made_at": T0 - 100}, {"reform": {"x": 1.0}},
+    {"reform": {"learned": "now"}}, {"path": 3},
+])
+def test_a_forged_path_or_moment_is_refused(change):
+    data = {**_full(path="in_process", reform={"group_made": T0 + 3.0}).as_dict(), **change}
+    with pytest.raises(records.CorruptRecord):
+        timeline.decode(data)
+
+
+def test_a_record_written_before_paths_were_kept_reads_with_no_path():
+    data = _full().as_dict()
+    for k in ("path", "group_made_at", "reform"):
+        del data[k]
+    t = timeline.decode(data)
+    assert t.path == "" and t.path_phases() == t.phases() and t.summary()["path"] is None
+
+
+def test_the_writer_records_the_path_and_the_moments_its_agent_and_workers_reported(env):
+    clock, coord, keys, events, recorder = env
+    rec = recorder()
+    rec.on_progress({"job": "j", "step": 1, "_peer": {"pid": 11}})  # its first step, long ago
+    clock.advance(100)
+    rec.on_progress({"job": "j", "step": 39, "_peer": {"pid": 11}})
+    clock.advance(0.1)
+    learned = clock.wall()
+    _fail(clock, events)
+    rec.on_failure("j", "n2", 0x2B, writer=True, aborted=False)
+    clock.advance(0.2)
+    closed = clock.wall()
+    # Two local workers report their moments (the slower one's count), then the agent.
+    for pid, made in ((11, closed + 0.01), (12, closed + 0.03)):
+        rec.on_reform_moments({"job": "j", "_peer": {"pid": pid},
+                               "times": {"learned": learned, "round_closed": closed,
+                                         "left": closed, "assigned": closed,
+                                         "group_made": made, "restored": 5.0}})
+    rec.on_reform_moments({"job": "j", "times": {"left": closed}})  # no group: ignored
+    rec.on_reformed({"job": "j", "path": "in_process", "seconds": 0.2,
+                     "times": {"learned": learned, "round_closed": closed,
+                               "all_left": closed}})
+    clock.advance(0.1)
+    rec.on_restore({"job": "j", "rank": 0, "step": 39})
+    events.record(Event("recovered", "n1", 1, clock.wall(), "n1", "restored",
+                        {"job": "j", "rank": 0, "source": "local", "seconds": 0.05,
+                         "steps_lost": 0, "step": 39}, instance="a"))
+    assert rec.step() is None
+    clock.advance(0.02)
+    # The kept process (pid 11, which stepped before the failure) trains again: a first step.
+    rec.on_progress({"job": "j", "step": 40, "_peer": {"pid": 11}})
+    assert rec.step() == "recovery timeline of j written"
+    [stored] = [e for e in events.list() if e.kind == timeline.KIND]
+    t = timeline.decode(stored.data)
+    assert t.path == "in_process"
+    assert t.reform == {"learned": round(learned, 3), "round_closed": round(closed, 3),
+                        "all_left": round(closed, 3), "left": round(closed, 3),
+                        "assigned": round(closed, 3), "group_made": round(closed + 0.03, 3)}
+    assert t.round_closed_at == round(closed, 3)  # the agent's, before the watch's
+    assert t.group_made_at == round(closed + 0.03, 3)
+    assert list(t.path_phases()) == list(timeline.IN_PROCESS_PHASES)
+    assert t.path_phases()["group"] == 0.03 and t.path_phases()["first_step"] == 0.02
+    assert t.total is not None  # it trained again: the kept process's step counted
+
+
+def test_a_recovery_with_no_word_from_an_agent_or_a_fallback_is_the_restart_path(env):
+    clock, coord, keys, events, recorder = env
+    for lease, said in ((0x2B, None), (0x3C, {"job": "j", "path": "restart",
+                                              "why": "a local worker is not running"})):
+        rec = recorder()
+        rec.on_progress({"job": "j", "step": 39, "_peer": {"pid": 11}})
+        _fail(clock, events, lease=lease)
+        rec.on_failure("j", "n2", lease, writer=True, aborted=True)
+        if said:
+            rec.on_reformed(said)
+        _recover(clock, rec, events)
+        rec.step()
+        assert rec.last is not None and rec.last.path == "restart"
+        assert rec.last.path_phases() == rec.last.phases() and rec.last.reform == {}
+        clock.advance(1000)
+
+
+def test_the_agents_and_workers_reports_reach_the_timeline_through_the_daemon():
+    from elasticd.config import Settings
+    from elasticd.daemon.daemon import Daemon
+
+    clock = FakeClock()
+    daemon = Daemon(Settings(node_id="n1", etcd="mem:1"),
+                    MemoryCoordinator(MemoryStore(clock)), clock=clock)
+    try:
+        handlers = daemon.channel.handlers()
+        daemon.jobs.group.job = "j"
+        assert handlers["reformed"]({"job": "j", "path": "in_process",
+                                     "times": {"round_closed": 5.0}}) == {}
+        assert handlers["reform_moments"]({"job": "j", "times": {"group_made": 6.0}}) == {}
+        m = daemon.timeline._jobs["j"]
+        assert [(p, t) for _, p, t in m.reforms] == [("in_process", {"round_closed": 5.0})]
+        assert list(m.worker_moments) == [{"group_made": 6.0}]
+    finally:
+        daemon.jobs.group.job = None
+        daemon.close()
