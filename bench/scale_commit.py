@@ -211,7 +211,7 @@ class WorkerCommit:
             last = last_step.get(node.index, 0)
             if due > last:  # training steps in order, never skipped: see _tick
                 step = last_step[node.index] = last + 1
-                if step % part.tracker.grid(JOB) == 0:
+                if step % part.tracker.prefix.grid(JOB) == 0:
                     part.snapshot(self.placement, step)
                     self.snapshots += 1
                 if due - step > behind:
