@@ -100,9 +100,14 @@ class HarnessNode:
             for rank in ranks:
                 st.latest[rank] = v
                 st.gen_base.setdefault(0, step - 1)
-        for rank in ranks:
+        peers = placement.peers_of(self.name)
+        if hasattr(t, "on_pushed"):  # one call per peer for all the node's ranks
+            for peer in peers:
+                t.on_pushed(JOB, v, ranks, peer)
+            return
+        for rank in ranks:  # an older elasticd: the per-rank calls
             t.on_landed(JOB, rank, v)
-            for peer in placement.peers_of(self.name):
+            for peer in peers:
                 t.on_ack(JOB, rank, v, peer)
 
     def tick(self) -> None:

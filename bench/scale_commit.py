@@ -211,7 +211,7 @@ class WorkerCommit:
             last = last_step.get(node.index, 0)
             if due > last:  # training steps in order, never skipped: see _tick
                 step = last_step[node.index] = last + 1
-                if step % part.tracker.grid(JOB) == 0:
+                if step % part.tracker.prefix.grid(JOB) == 0:
                     part.snapshot(self.placement, step)
                     self.snapshots += 1
                 if due - step > behind:
@@ -473,6 +473,7 @@ def _run_phase(cluster: Any, etcd: Any, server: Any, keys: Any, n: int,
         "keepalive_process_cpu_pct": round((s1.get("keepalive_cpu", 0.0)
                                             - s0.get("keepalive_cpu", 0.0)) / secs * 100, 1),
         "keepalive_process": getattr(a, "keepalive_process", 0),
+        "keepalive_client": getattr(a, "keepalive_client", "aio"),
         "tick_batch": getattr(a, "tick_batch", 0),
         "commit_ticker_cpu_pct": round((sum(p["tick_cpu"] for p in c1)
                                         - sum(p["tick_cpu"] for p in c0)) / secs * 100, 1),

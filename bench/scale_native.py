@@ -71,11 +71,13 @@ from scale_sim import requests_by_method, scrape  # noqa: E402 - bench/, beside 
 PREFIX = "/sim"
 
 
-def keeper_main(endpoint: str, ttl: int, streams: int) -> None:
+def keeper_main(endpoint: str, ttl: int, streams: int, client: str = "aio") -> None:
     """The keep-alive process of one simulator process (``scale_native.py --keeper ...``).
 
     Refreshes every lease it was given (``add <id>`` on stdin) every TTL/3 on one asyncio loop,
-    one LeaseKeepAlive message each on ``streams`` grpc.aio streams; ``remove <id>`` stops one.
+    one LeaseKeepAlive message each on ``streams`` grpc.aio streams (``client`` "aio"), or on
+    one HTTP/2 stream written by hand (``client`` "raw": :mod:`h2_keepalive`, ~20x less CPU
+    per refresh); ``remove <id>`` stops one.
     A refresh that is not a plain renewal (the lease is gone, no answer within a second) is
     handed back (``step <id>`` on stdout) and refreshed no more until added again.
     """
@@ -123,11 +125,36 @@ def keeper_main(endpoint: str, ttl: int, streams: int) -> None:
         queues[k] = queue
         asyncio.ensure_future(read(call, k))
 
+    raw: Any = None
+    if client == "raw":
+        from h2_keepalive import RawKeepAlive, request
+
+        def answered(lease: int, ttl_left: int) -> None:
+            if waiting.pop(lease, None) is not None and lease in live:
+                if ttl_left > 0:
+                    heapq.heappush(heap, (time.monotonic() + period, lease))
+                else:
+                    hand_back(lease)
+
+        def broken() -> None:  # the refreshes it carried are handed back after their second
+            print("keep-alive stream failed: reopened", file=sys.stderr, flush=True)
+            loop.call_later(0.1, lambda: asyncio.ensure_future(reopen()))
+
+        async def reopen() -> None:
+            try:
+                await raw.open()
+            except OSError:
+                broken()
+
+        host, _, port = endpoint.rpartition(":")
+        raw = RawKeepAlive(host, int(port), answered, broken)
+
     def command(line: str) -> None:
         what, _, lease_text = line.partition(" ")
         lease = int(lease_text)
         if what == "add":  # the request message built once, sent every TTL/3
-            live[lease] = etcdrpc.LeaseKeepAliveRequest(ID=lease)
+            live[lease] = (request(lease) if raw is not None
+                           else etcdrpc.LeaseKeepAliveRequest(ID=lease))
             waiting.pop(lease, None)
             heapq.heappush(heap, (time.monotonic() + period, lease))
         else:
@@ -137,11 +164,17 @@ def keeper_main(endpoint: str, ttl: int, streams: int) -> None:
         while True:
             await asyncio.sleep(0.02)
             now = time.monotonic()
+            due = []
             while heap and heap[0][0] <= now:
                 _, lease = heapq.heappop(heap)
                 if lease in live and lease not in waiting:
                     waiting[lease] = now
-                    queues[lease % streams].put_nowait(live[lease])
+                    if raw is not None:
+                        due.append(live[lease])
+                    else:
+                        queues[lease % streams].put_nowait(live[lease])
+            if due:  # every refresh due now, in one frame on the one stream
+                raw.send(b"".join(due))
             for lease in [x for x, at in waiting.items() if now - at > 1.0]:
                 del waiting[lease]  # no answer within a second
                 if lease in live:
@@ -153,8 +186,11 @@ def keeper_main(endpoint: str, ttl: int, streams: int) -> None:
         loop.call_soon_threadsafe(loop.stop)  # the simulator process is gone
 
     async def start() -> None:
-        for k in range(streams):
-            open_stream(k)
+        if raw is not None:
+            await raw.open()
+        else:
+            for k in range(streams):
+                open_stream(k)
         asyncio.ensure_future(tick())
         sys.stdout.write("ready\n")  # its imports take seconds on a busy host: a lease
         sys.stdout.flush()            # handed over before this would expire unrefreshed
@@ -294,13 +330,14 @@ class KeeperProcess:
     receives the same messages as from elasticd's own keepers.
     """
 
-    def __init__(self, endpoint: str, ttl: int, streams: int, workers: int) -> None:
+    def __init__(self, endpoint: str, ttl: int, streams: int, workers: int,
+                 client: str = "aio") -> None:
         import concurrent.futures
         import subprocess
 
         self._proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--keeper", endpoint, str(ttl),
-             str(streams)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+             str(streams), client], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             bufsize=1)
         self._lock = threading.Lock()
         self._keepers: dict[int, LeaseKeeper] = {}
@@ -579,7 +616,8 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
     endpoint = endpoints.split(",")[0].split("://")[-1]
     keepers: Any
     if a.keepalive_process:
-        keepers = KeeperProcess(endpoint, a.ttl, a.clients, a.keeper_threads)
+        keepers = KeeperProcess(endpoint, a.ttl, a.clients, a.keeper_threads,
+                                a.keepalive_client)
         watches = NodeWatchPool(LoopThread(), endpoint, a.clients)
     else:  # the keep-alives on this process's own loop, beside the node watches
         keepers = KeeperPool(endpoint, a.ttl, a.clients, a.keeper_threads)
@@ -805,12 +843,16 @@ def run_size(n: int, server: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, A
     min_nodes = max(1, n - 2 * a.kills - 2)
     cluster = Cluster(n, server, min_nodes, a)
     clock: RoundClock | None = None
+    raw_keepalive = a.keepalive_process and a.keepalive_client == "raw"
     result: dict[str, Any] = {"n": n, "ttl": a.ttl, "processes": a.procs,
                               "etcd_clients": a.procs * a.clients,
-                              "grpc_streams": a.procs * a.clients * 3,
+                              "grpc_streams": a.procs * a.clients * 3 - (
+                                  a.procs * (a.clients - 1) if raw_keepalive else 0),
+                              "keepalive_client": a.keepalive_client,
                               "streams_note": "per process and etcd client: the client's watch "
                                               "stream (the agents' watches), a keep-alive "
-                                              "stream (KeeperPool) and a watch stream (the "
+                                              "stream (KeeperPool; with --keepalive-client "
+                                              "raw one per process) and a watch stream (the "
                                               "daemons' node watches, NodeWatchPool)"}
     try:
         t0, e0 = time.monotonic(), etcd.cpu()
@@ -908,7 +950,7 @@ def commit_phase(cluster: Cluster, etcd: Etcd, server: EmbeddedEtcd, n: int,
 
 def main() -> int:
     if sys.argv[1:2] == ["--keeper"]:  # a simulator process's keep-alive process
-        keeper_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        keeper_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), (sys.argv[5:6] or ["aio"])[0])
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -928,6 +970,10 @@ def main() -> int:
                    help="1: each simulator process's lease keep-alives in a process of their "
                         "own (KeeperProcess); 0: on the simulator process's own asyncio loop "
                         "(KeeperPool, the simulator before 2026-11-29 15:00)")
+    p.add_argument("--keepalive-client", choices=("aio", "raw"), default="aio",
+                   help="with --keepalive-process 1: aio, one grpc.aio stream per etcd client "
+                        "(~0.4 ms of CPU per refresh); raw, one HTTP/2 stream written by hand "
+                        "per keep-alive process (bench/h2_keepalive.py, ~20 us)")
     p.add_argument("--tick-batch", type=int, default=1,
                    help="1: the commit phase's per-node tick as one pass over a process's "
                         "nodes (the simulator's bookkeeping once per pass, the lag sampled "

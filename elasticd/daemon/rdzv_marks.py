@@ -1,12 +1,21 @@
 """Telling a job's rendezvous that the daemons recorded a node ``failed``.
 
-When this daemon records a peer ``failed`` (its lease expired, past the daemons' own
-provisional rule), it writes the failure mark of that node's lease into the rendezvous of the
-job it runs and deletes the join records that name that lease, in one transaction (and the closer's key,
-when the closer was one of them)
-(:mod:`elasticd.rendezvous.failures` says why and what the closer does with it). The mark is
-bound to this daemon's lease: it goes when this daemon goes. Every survivor that runs the job
-writes it (the same key and the same meaning: a second write changes nothing).
+When a daemon records a peer ``failed`` (its lease expired, past the daemons' own provisional
+rule), the failure mark of that node's lease goes into the rendezvous of the job it runs, and
+the join records that name that lease are deleted (and the closer's key, when the closer was
+one of them) (:mod:`elasticd.rendezvous.failures` says why and what the closer does with it).
+The mark is bound to its writer's lease: it goes when that daemon goes.
+
+Every survivor that runs the job sees the same failure, but only one does the work: each
+creates the mark only if it is absent, and the one whose create wins lists the rendezvous and
+deletes the records. Before, every survivor listed the whole ``native/`` directory (N join
+records) and rewrote the mark: N - 1 listings of N records and N - 1 writes per failure, each
+write an event to every daemon's ``jobs/`` watch (quadratic at N = 1,000). Now: one listing
+and one or two writes per failure, and one create (that writes nothing when it loses) per
+survivor. If the winner dies or meets an etcd error between its create and its deletes, nobody
+deletes them: the dead node's join records then go when its agent's lease expires (at about
+the time its daemon's did) and the closer ends the round as for a member merely silent, by
+the mark when it still exists, else after ``liveness_confirm`` (as an etcd error did before).
 """
 
 from __future__ import annotations
@@ -23,10 +32,19 @@ from elasticd.rendezvous.records import NodeRecord
 log = logging.getLogger("elasticd.daemon.daemon")
 
 
+def _mark(node: str, lease: int, by: str, at: float, members: list[str]) -> bytes:
+    # The members it names: a closer elected after their records went never saw them.
+    return json.dumps({"v": 2, "node": node, "lease": lease, "by": by, "at": at,
+                       "members": members}, separators=(",", ":")).encode()
+
+
 def mark_failed(coord: Coordinator, keys: Keyspace, job: str, node: str, lease: int,
                 by: str, own_lease: int | None, at: float) -> int:
-    """Writes ``node``'s failure mark for lease ``lease`` into ``job``'s rendezvous and deletes
-    the join records naming it; returns how many it deleted.
+    """Writes ``node``'s failure mark for lease ``lease`` into ``job``'s rendezvous unless it
+    exists; the daemon that wrote it also deletes the join records naming that lease.
+
+    Returns:
+        How many join records it deleted (0 when another daemon's mark was there first).
 
     Raises:
         CoordinationError: etcd failed (the rendezvous then waits ``liveness_confirm``).
@@ -34,6 +52,9 @@ def mark_failed(coord: Coordinator, keys: Keyspace, job: str, node: str, lease: 
     if not markable(node, lease):
         return 0
     native = keys.rendezvous(job).prefix + b"native/"
+    key = mark_key(native, node, lease)
+    if not coord.create(key, _mark(node, lease, by, at, []), own_lease or 0):
+        return 0  # another survivor's: it lists and deletes
     kvs, _ = coord.get_prefix(native)
     doomed: dict[bytes, str] = {}
     closer = None
@@ -48,12 +69,12 @@ def mark_failed(coord: Coordinator, keys: Keyspace, job: str, node: str, lease: 
             continue
         if rec.daemon == node and rec.daemon_lease == lease:
             doomed[kv.key] = rec.node
-    # The members it names: a closer elected after their records went never saw them.
-    mark = json.dumps({"v": 2, "node": node, "lease": lease, "by": by, "at": at,
-                       "members": sorted(doomed.values())}, separators=(",", ":")).encode()
-    coord.transaction([], [Put(mark_key(native, node, lease), mark, own_lease or 0),
-                           *(Delete(k) for k in doomed)])
-    if closer is not None and closer.value.decode(errors="replace") in doomed.values():
+    if doomed:  # the mark rewritten with the members, in the deletes' transaction
+        coord.transaction([], [Put(key, _mark(node, lease, by, at, sorted(doomed.values())),
+                                   own_lease or 0),
+                               *(Delete(k) for k in doomed)])
+    closer_went = closer is not None and closer.value.decode(errors="replace") in doomed.values()
+    if closer_went:
         # The closer was the failed node's agent: nobody closes a round until its key's lease
         # expires (up to a TTL after the failure). Its key goes now, unless another closer
         # took it meanwhile; the next one is elected at once (a dead closer cannot write: its
@@ -61,6 +82,5 @@ def mark_failed(coord: Coordinator, keys: Keyspace, job: str, node: str, lease: 
         coord.transaction([Compare(closer.key, closer.mod_revision)], [Delete(closer.key)])
     log.info("told job %s's rendezvous that %s (lease %x) failed; %d join record(s) of it "
              "deleted%s", job, node, lease, len(doomed),
-             ", and its closer's key" if closer is not None
-             and closer.value.decode(errors="replace") in doomed.values() else "")
+             ", and its closer's key" if closer_went else "")
     return len(doomed)

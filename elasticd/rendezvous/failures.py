@@ -13,8 +13,9 @@ So a daemon's agent names its daemon and that daemon's lease in its join record
 (:attr:`~.records.NodeRecord.daemon`), and a daemon that records a peer ``failed`` also
 writes a **failure mark** into each rendezvous of a job it runs (``native/failed/<node>@<lease
 hex>``, bound to its own lease: it goes when that daemon goes, and a failure seen by nobody
-alive no longer matters) and deletes the join records that name the failed node and lease
-(the rendezvous' side of the fence: the node, if it still runs, is fenced by its daemon, which
+alive no longer matters); the survivor whose create of the mark wins deletes the join records
+that name the failed node and lease (:mod:`elasticd.daemon.rdzv_marks`; the rendezvous' side
+of the fence: the node, if it still runs, is fenced by its daemon, which
 finds the ``failed`` event against its lost lease, or by its agent's daemon watch; it can enter
 a later round only as a newcomer, with a new record). The closer then counts a member whose
 record is absent as dead as soon as the mark for the daemon and lease its last record named

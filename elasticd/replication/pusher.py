@@ -82,12 +82,11 @@ class Pusher:
             ok = not done and self._send(peer, view)
             if ok:
                 # Acknowledged, so it may be committed: from now on its slot is not reused
-                # until it is decided. Done while pinned, so the copy is still here.
-                self.tracker.on_landed(task.job, task.rank, version)
+                # until it is decided. Done while pinned, so the copy is still here; the
+                # peer's copy is counted in the same call (one hold of the tracker's lock).
+                self.tracker.on_pushed(task.job, version, (task.rank,), peer)
         finally:
             view.release()
-        if ok:
-            self.tracker.on_ack(task.job, task.rank, version, peer)
 
     def _push_exact(self, peer: str, task: Task) -> bool:
         stores = [self.store] + ([self.sink.store] if self.sink is not None else [])

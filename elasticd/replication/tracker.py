@@ -33,7 +33,7 @@ import collections
 import dataclasses
 import logging
 import threading
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from elasticd.store.shm import SlotStore
 from elasticd.clock import Clock
@@ -117,6 +117,32 @@ class JobState:
         if c is not None and c.generation > latest[0]:
             return 0
         return latest[1] - self.gen_base.get(latest[0], latest[1] - 1)
+
+    def count_ack(self, me: str, rank: int, version: Version, peer: str) -> bool:
+        """Counts ``peer``'s copy of local ``rank`` at ``version``; whether every placement
+        peer of node ``me`` now holds one."""
+        if self.placement is None:
+            return False
+        acked = self.acked.setdefault(rank, {}).setdefault(version, set())
+        acked.add(peer)
+        return set(self.placement.peers_of(me)) <= acked
+
+    def record_replicated(self, rank: int, version: Version) -> bool:
+        """Records that local ``rank`` has ``m`` copies of ``version``; whether it was news."""
+        if (self.placement is None or not self.book.recordable(version)
+                or version in self.replicated.get(rank, ())):
+            return False
+        versions = sorted({version, *self.replicated.get(rank, ())}, reverse=True)
+        self.replicated[rank] = versions[:KEEP_VERSIONS]
+        oldest = self.replicated[rank][-1]
+        self.acked[rank] = {v: s for v, s in self.acked.get(rank, {}).items() if v >= oldest}
+        return True
+
+    def all_replicated(self, me: str, version: Version) -> bool:
+        """Whether every local rank of node ``me`` has ``m`` copies of ``version`` (the
+        report must then say so)."""
+        mine = self.placement.ranks.get(me, ()) if self.placement is not None else ()
+        return not mine or all(version in self.replicated.get(r, ()) for r in mine)
 
 
 def apply_actions(book: CommitBook, job: str, actions: Actions,
@@ -291,28 +317,34 @@ class CommitTracker:
     def on_ack(self, job: str, rank: int, version: Version, peer: str) -> None:
         with self.lock:
             st = self.jobs.get(job)
-            if st is None or st.placement is None:
-                return
-            acked = st.acked.setdefault(rank, {}).setdefault(version, set())
-            acked.add(peer)
-            if not set(st.placement.peers_of(self.node_id)) <= acked:
+            if st is None or not st.count_ack(self.node_id, rank, version, peer):
                 return
         self.on_replicated(job, rank, version)
+
+    def on_pushed(self, job: str, version: Version, ranks: Sequence[int], peer: str) -> None:
+        """``peer`` acknowledged its copies of local ``ranks`` at ``version``: each copy here
+        is landed (:meth:`on_landed`, call it while the copies are sure to be held) and
+        ``peer``'s counted (:meth:`on_ack`), under one hold of the lock for all of them (the
+        per-rank calls take it three times a rank), and the report is asked for once."""
+        v, now = (int(version[0]), int(version[1])), self.clock.monotonic()
+        news = False
+        with self.lock:
+            st = self.state(job)
+            for rank in ranks:
+                self._perform(job, st.book.landed(Holder.LOCAL, rank, v, now))
+                if st.count_ack(self.node_id, rank, v, peer):
+                    news = st.record_replicated(rank, v) or news
+            complete = news and st.all_replicated(self.node_id, v)
+        if complete:
+            self.reporter.changed(job)
 
     def on_replicated(self, job: str, rank: int, version: Version) -> None:
         """``rank`` has ``m`` copies of ``version``: reported to the coordinator once every
         local rank has it (a version can commit only then)."""
         with self.lock:
             st = self.jobs.get(job)
-            if (st is None or st.placement is None or not st.book.recordable(version)
-                    or version in st.replicated.get(rank, ())):
-                return
-            versions = sorted({version, *st.replicated.get(rank, ())}, reverse=True)
-            st.replicated[rank] = versions[:KEEP_VERSIONS]
-            oldest = st.replicated[rank][-1]
-            st.acked[rank] = {v: s for v, s in st.acked.get(rank, {}).items() if v >= oldest}
-            mine = st.placement.ranks.get(self.node_id, ())
-            if mine and not all(version in st.replicated.get(r, ()) for r in mine):
+            if st is None or not (st.record_replicated(rank, version)
+                                  and st.all_replicated(self.node_id, version)):
                 return
         self.reporter.changed(job)
 

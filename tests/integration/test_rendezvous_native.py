@@ -24,11 +24,13 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
+from elasticd.coordination.api import Unavailable
 from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endpoints
 from elasticd.coordination.keys import Keyspace
 from elasticd.daemon.rdzv_marks import mark_failed
 from elasticd.testing.coordination import MemoryCoordinator, MemoryStore
 from elasticd.coordination.rendezvous import BACKEND_NAME
+from elasticd.rendezvous.failures import mark_key, marked_members
 from elasticd.rendezvous.handler import EtcdNativeRendezvousHandler, create_handler
 from elasticd.rendezvous.records import NodeRecord, RoundRecord
 
@@ -386,6 +388,89 @@ def test_the_closer_looks_for_every_absent_members_mark_with_one_listing(cluster
             h._duty.stop()
     wait_until(lambda: reads["listing"] >= 5, "the closer looking for the marks")
     assert reads["one"] == 0 and closer.gone_members() == []
+
+
+class CountedCoordinator:
+    """One daemon's connection: every range read it sends is counted in ``reads``."""
+
+    def __init__(self, coord, reads: list[bytes]) -> None:
+        self._coord, self._reads = coord, reads
+
+    def get(self, key, *args, **kwargs):
+        self._reads.append(key)
+        return self._coord.get(key, *args, **kwargs)
+
+    def get_prefix(self, prefix, *args, **kwargs):
+        self._reads.append(prefix)
+        return self._coord.get_prefix(prefix, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._coord, name)
+
+
+def test_one_failure_costs_one_listing_of_the_join_records_not_one_per_survivor(cluster):
+    # 50 nodes: every survivor's daemon records the failure and tells the rendezvous. Before,
+    # each listed the whole native/ directory (49 listings of 50 records: quadratic in N);
+    # now the survivor whose create of the mark wins lists and deletes, the others only try
+    # the create.
+    n, keys = 50, Keyspace(cluster.prefix)
+    native = keys.rendezvous(cluster.run_id).prefix + b"native/"
+    coord = cluster.connect()
+    try:
+        for i in range(n):
+            rec = NodeRecord(f"agent{i}", 0, "127.0.0.1", 1, daemon=f"n{i}",
+                             daemon_lease=0xe00 + i)
+            coord.put(native + b"nodes/" + rec.node.encode(), rec.encode())
+        reads: list[bytes] = []
+        before = coord.revision()
+        survivors = [CountedCoordinator(coord, reads) for _ in range(n - 1)]
+        deleted = list(cluster.pool.map(
+            lambda i: mark_failed(survivors[i], keys, cluster.run_id, "n7", 0xe07, f"n{i}",
+                                  None, 0.0), range(n - 1)))
+        assert sorted(deleted) == [0] * (n - 2) + [1]
+        assert len(reads) == 1  # one listing for the whole cluster
+        # and two writes (the mark, then the mark naming the member with the deletes), not a
+        # rewrite of the mark per survivor: each one an event to every daemon's jobs/ watch
+        assert coord.revision() - before == 2
+        assert coord.get(native + b"nodes/agent7") is None
+        assert len(coord.get_prefix(native + b"nodes/")[0]) == n - 1
+        mark = coord.get(mark_key(native, "n7", 0xe07))
+        assert marked_members([mark.value]) == {"agent7"}
+    finally:
+        coord.close()
+
+
+def test_a_round_re_forms_when_the_survivor_that_won_the_mark_dies_before_its_deletes(
+        cluster):
+    # The winner's create went through, then it died (its lease expires with its mark): no
+    # other survivor deletes the failed node's record. The round still ends: the record
+    # goes with its agent's lease, and the member is gone after liveness_confirm.
+    keys = Keyspace(cluster.prefix)
+    a, b, c = (cluster.node(1, 3) for _ in range(3))
+    for h, name in ((a, "na"), (b, "nb"), (c, "nc")):
+        h.daemon_of = lambda name=name: (name, 0xb0 + len(name))
+    results(cluster.join(a, b, c))
+    b._keeper.stop(revoke=False)  # kill -9
+    b._control_watch.stop()
+    b._duty.stop()
+    futures = cluster.join(a, c)  # their group broke: they rejoin at once
+    winner = cluster.connect()
+    try:
+        winner_lease = winner.grant_lease(2)  # never kept alive: the winner is dead
+
+        def dies_here(prefix, *args, **kwargs):
+            raise Unavailable("the winner died before it listed")
+
+        winner.get_prefix = dies_here
+        with pytest.raises(Unavailable):
+            mark_failed(winner, keys, cluster.run_id, "nb", 0xb2, "na", winner_lease, 0.0)
+        assert mark_failed(c.coordinator, keys, cluster.run_id, "nb", 0xb2, "nc", None,
+                           0.0) == 0  # lost the create: the winner's job
+        assert has_record(a, b)
+        infos = results(futures)
+        assert sorted(i.rank for i in infos) == [0, 1] and {i.world_size for i in infos} == {2}
+    finally:
+        winner.close()
 
 
 def test_with_grow_at_failure_a_newcomer_waits_silently_and_enters_at_the_next_failure(

@@ -1,0 +1,63 @@
+"""One call for an acknowledged push of several ranks (:meth:`CommitTracker.on_pushed`): the
+same landings, acknowledgements and m-copy versions as the per-rank calls (``on_landed``, then
+``on_ack``), under one hold of the tracker's lock, and the report asked for once, when the
+node's last rank has its copies."""
+
+from __future__ import annotations
+
+from elasticd.clock import SystemClock
+from elasticd.coordination.keys import Keyspace
+from elasticd.replication.background import Background
+from elasticd.replication.placement import compute_placement
+from elasticd.replication.tracker import CommitTracker
+from elasticd.testing.coordination import MemoryCoordinator, MemoryStore
+
+JOB, RANKS = "job", tuple(range(8))
+
+
+def tracker(background: Background) -> tuple[CommitTracker, list[str]]:
+    t = CommitTracker("n1", MemoryCoordinator(MemoryStore()), Keyspace("/t"), SystemClock(),
+                      background, lambda job: None, commit_wait=0.0, withdraw_after=60.0)
+    t.set_placement(JOB, compute_placement(["n1", "n2"], {"n1": RANKS, "n2": range(8, 16)}, 2,
+                                           round=1))
+    asked: list[str] = []
+    t.reporter.changed = asked.append  # type: ignore[method-assign]
+    return t, asked
+
+
+def state(t: CommitTracker) -> tuple:
+    st = t.jobs[JOB]
+    return (dict(st.replicated), {r: {v: set(p) for v, p in vs.items()}
+                                  for r, vs in st.acked.items()},
+            {v: (e.phase, set(e.copies)) for v, e in st.book.entries.items()})
+
+
+def test_one_call_for_a_push_of_every_rank_leaves_what_the_per_rank_calls_leave():
+    background = Background("pushed-test", 2)
+    (one, asked_one), (each, asked_each) = tracker(background), tracker(background)
+    try:
+        for step in (1, 2):
+            one.on_pushed(JOB, (0, step), RANKS[:5], "n2")
+            one.on_pushed(JOB, (0, step), RANKS[5:], "n2")
+            for rank in RANKS:
+                each.on_landed(JOB, rank, (0, step))
+                each.on_ack(JOB, rank, (0, step), "n2")
+        assert state(one) == state(each)
+        assert one.jobs[JOB].replicated[3] == [(0, 2), (0, 1)]
+        assert asked_one == asked_each == [JOB, JOB]  # once per step: its last rank's copy
+    finally:
+        for t in (one, each):
+            t.close()
+        background.close()
+
+
+def test_a_push_acknowledged_by_a_peer_outside_the_placement_completes_nothing():
+    background = Background("pushed-test", 2)
+    t, asked = tracker(background)
+    try:
+        t.on_pushed(JOB, (0, 1), RANKS, "n9")
+        assert asked == [] and t.jobs[JOB].replicated == {}
+        assert set(t.jobs[JOB].book.entries) == {(0, 1)}  # landed all the same: it stays
+    finally:
+        t.close()
+        background.close()
