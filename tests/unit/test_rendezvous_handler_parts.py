@@ -51,3 +51,29 @@ def test_while_it_distrusts_its_view_the_agent_counts_no_member_gone():
     clock.advance(6)
     assert handler.gone_members() == ["b"]
     handler.stop()
+
+
+def test_a_listing_the_watch_overtook_is_no_alarm_and_loses_no_event(caplog):
+    """A listing answers at revision r while the watch already brought r + 1 (it ran during the
+    listing): that is a race, not etcd going back. No "went back" warning, and the copy still
+    has the r + 1 write (the load dropped it: the watch starts again from the listing)."""
+    coord = MemoryCoordinator()
+    control = Control(b"/r/native/", FakeClock())
+    watch = ControlWatch(AgentContext(coord, control, OutageGrace(), FakeClock(), "a",
+                                      lambda _: None, lambda: None))
+    watch.relist()
+    coord.put(control.round_key, RoundRecord(0, ("a",)).encode())
+    listing = coord.get_prefix
+
+    def overtaken(prefix):
+        kvs, revision = listing(prefix)
+        coord.put(control.round_key, RoundRecord(1, ("a",)).encode())  # the watch applies it
+        return kvs, revision
+
+    coord.get_prefix = overtaken
+    with caplog.at_level("WARNING", logger="elasticd"):
+        watch.relist()
+    coord.get_prefix = listing
+    assert "went back" not in caplog.text
+    assert control.round == RoundRecord(1, ("a",))
+    watch.stop()
