@@ -371,6 +371,9 @@ def main() -> int:
                    help="in-process,restart: issue 31's benchmark (bench/recovery_inprocess.py)"
                         " with --runs runs of each mode, interleaved; --ttl, --timeout, --keep "
                         "and --out apply")
+    p.add_argument("--append", action="store_true",
+                   help="with --mode: keep the runs already in --out and add --runs more of "
+                        "each mode (a long benchmark in several sittings)")
     p.add_argument("--resummarize", metavar="JSON",
                    help="recompute the figures of a result file from its runs with today's "
                         "validity rules (impossible samples out), and rewrite it")
@@ -385,7 +388,7 @@ def main() -> int:
         if not modes or not set(modes) <= set(recovery_inprocess.MODES):
             p.error(f"--mode {args.mode!r}: modes are {','.join(recovery_inprocess.MODES)}")
         return recovery_inprocess.main(modes, args.runs, args.ttl, args.timeout, args.out,
-                                       args.keep)
+                                       args.keep, args.append)
     if args.fault in ("stop-daemon", "partition") and args.baseline_runs:
         p.error(f"--fault {args.fault} has no plain torchrun baseline here: pass "
                 "--baseline-runs 0")
