@@ -116,3 +116,34 @@ def test_a_break_reported_on_the_local_socket_starts_one_series(tmp_path):
     finally:
         os.environ.pop("ELASTICD_SOCKET", None)
         server.stop()
+
+
+def test_the_restart_path_agent_reports_a_failed_worker(tmp_path):
+    # Under the restart path a script without the wrapper dies of the broken collective: the
+    # agent's monitor, finding the worker failed, tells the daemon (a real local socket).
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+
+    from elasticd.agent.torchrun import report_failed_workers
+
+    class Agent:
+        state = WorkerState.HEALTHY
+
+        def _monitor_workers(self, wg):
+            return RunResult(state=self.state)
+
+    notes: list[str] = []
+    server = LocalServer(str(tmp_path / "d.sock"), {"group_broke": notes.append})
+    server.start()
+    try:
+        report_failed_workers(Agent, server.path)
+        agent = Agent()
+        agent._monitor_workers(None)  # healthy: nothing told
+        agent.state = WorkerState.FAILED
+        assert agent._monitor_workers(None).state is WorkerState.FAILED
+        for _ in range(500):
+            if notes:
+                break
+            threading.Event().wait(0.01)
+        assert [n["why"] for n in notes] == ["the agent found a worker failed"]
+    finally:
+        server.stop()
