@@ -147,3 +147,14 @@ def test_the_restart_path_agent_reports_a_failed_worker(tmp_path):
         assert [n["why"] for n in notes] == ["the agent found a worker failed"]
     finally:
         server.stop()
+
+
+def test_the_baseline_knocks_a_lease_once_and_forgets_older_leases():
+    knocked: list[str] = []
+    probe = PeerProbe("me", lambda: [], lambda lease: None, FakeClock(),
+                      knock=lambda address, timeout: knocked.append(address) or Answer.ANSWERED)
+    probe.knock_all([_rec("n2", "a:1", 2), _rec("n3", "b:1", 3)])
+    probe.knock_all([_rec("n2", "a:1", 2), _rec("n3", "b:1", 3)])
+    assert knocked == ["a:1", "b:1"]  # the second round knocks nobody it knows
+    probe.knock_all([_rec("n2", "a:1", 2), _rec("n3", "b:2", 30)])  # n3 came back
+    assert probe.answered == {("n2", 2), ("n3", 30)}  # its old lease is never probed again
