@@ -159,9 +159,8 @@ class Daemon:
         self.channel = WorkerChannel(settings.node_id, settings.prefix, self.jobs, self.timeline,
                                      checkpoints, self.record_event)
         # A worker's collective broke: a peer whose daemon's port refuses connections is dead
-        # now, not a lease TTL later (daemon/peer_probe.py).
-        # Each round's close knocks once at every peer's port: a refusal counts only from a
-        # peer that answered before.
+        # now, not a lease TTL later (daemon/peer_probe.py). Each round's close knocks once at
+        # every peer's port it does not know: a refusal counts only from one that answered.
         probe = PeerProbe(
             settings.node_id,
             lambda: suspects(list(self.membership.nodes.values()), settings.node_id,
