@@ -378,6 +378,9 @@ def main() -> int:
                    help="in-process,restart: issue 31's benchmark (bench/recovery_inprocess.py)"
                         " with --runs runs of each mode, interleaved; --ttl, --timeout, --keep "
                         "and --out apply")
+    p.add_argument("--append", action="store_true",
+                   help="with --mode: keep the runs already in --out and add --runs more of "
+                        "each mode (a long benchmark in several sittings)")
     p.add_argument("--resummarize", metavar="JSON",
                    help="recompute the figures of a result file from its runs with today's "
                         "validity rules (impossible samples out), and rewrite it")
@@ -394,7 +397,7 @@ def main() -> int:
         if args.fault not in ("kill", "kill-worker"):
             p.error(f"--mode takes --fault kill or kill-worker, not {args.fault}")
         return recovery_inprocess.main(modes, args.runs, args.ttl, args.timeout, args.out,
-                                       args.keep, args.fault)
+                                       args.keep, args.append, args.fault)
     if args.fault == "kill-worker":
         p.error("--fault kill-worker is measured with --mode in-process,restart")
     if args.fault in ("stop-daemon", "partition") and args.baseline_runs:

@@ -256,13 +256,25 @@ def median_phases(ok: list[dict]) -> dict[str, float] | None:
 
 
 def main(modes: list[str], runs: int, ttl: int, timeout: float, out_path: str,
-         keep: str | None, fault: str = "kill") -> int:
+         keep: str | None, append: bool = False, fault: str = "kill") -> int:
     """``runs`` runs of each of ``modes``, interleaved (mode A, mode B, A, B, ...), victims
-    rotating; writes ``out_path``."""
+    rotating; writes ``out_path`` after each round of modes. ``append``: the runs already in
+    ``out_path`` (same modes and TTL) are kept and these added after them, the victims'
+    rotation going on (a long benchmark split across several sittings)."""
     results: dict[str, list[dict]] = {m: [] for m in modes}
+    commands = []
+    if append and os.path.exists(out_path):
+        with open(out_path) as fh:
+            old = json.load(fh)
+        if old.get("lease_ttl_seconds") != ttl or not all(m in old for m in modes):
+            raise SystemExit(f"--append: {out_path} holds other modes or another TTL")
+        results = {m: list(old[m]["detail"]) for m in modes}
+        commands = old.get("commands") or [old.get("command")]
+    commands.append("bench/bench_recovery.py " + " ".join(sys.argv[1:]))
     if keep:
         os.makedirs(keep, exist_ok=True)
-    for i in range(runs):
+    done = min(len(v) for v in results.values())
+    for i in range(done, done + runs):
         victim = f"n{i % 3 + 1}"
         for mode in modes:
             d = tempfile.mkdtemp(prefix=f"inproc-bench-{mode}-", dir=keep)
@@ -273,18 +285,25 @@ def main(modes: list[str], runs: int, ttl: int, timeout: float, out_path: str,
                     shutil.rmtree(d, ignore_errors=True)
             results[mode].append(r)
             print(f"{mode} run {i + 1}: {fault} {victim}: {r}", flush=True)
+        _write(out_path, modes, results, ttl, commands, fault)
+    print(json.dumps({m: summarize(results[m]) for m in modes}, indent=2))
+    return 0
+
+
+def _write(out_path: str, modes: list[str], results: dict[str, list[dict]], ttl: int,
+           commands: list[str], fault: str) -> None:
     result = {
         "benchmark": "recovery_inprocess" + ("_kill_worker" if fault == "kill-worker" else ""),
         "fault": fault,
-        "command": "bench/bench_recovery.py " + " ".join(sys.argv[1:]),
+        "command": commands[0] if len(commands) == 1 else " && ".join(commands),
+        "commands": commands,
         "job": "examples/train_in_process.py, 3 nodes x 2 ranks, --nnodes 2:3, gloo CPU, "
                "20 ms sleep per step, a snapshot every step, replication on",
-        "lease_ttl_seconds": ttl, "runs_per_mode": runs, "interleaved": True,
-        "machine": {"cpus": os.cpu_count()},
+        "lease_ttl_seconds": ttl, "runs_per_mode": min(len(v) for v in results.values()),
+        "interleaved": True, "machine": {"cpus": os.cpu_count()},
         **{m: {**summarize(results[m]), "detail": results[m]} for m in modes},
     }
     os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
-    with open(out_path, "w") as fh:
+    with open(out_path + ".tmp", "w") as fh:
         json.dump(result, fh, indent=2)
-    print(json.dumps({m: summarize(results[m]) for m in modes}, indent=2))
-    return 0
+    os.replace(out_path + ".tmp", out_path)

@@ -114,12 +114,37 @@ def attach(handler: EtcdNativeRendezvousHandler) -> None:
              watch.node_key.decode(errors="replace"), sock)
 
 
+def report_failed_workers(agent_cls: type, sock: str) -> None:
+    """Makes ``agent_cls``'s monitor tell the daemon at ``sock`` when it finds a worker failed
+    (``group_broke``: a peer's death resets the collectives, and the worker dies of it; its
+    daemon then probes the job's peers, :mod:`elasticd.daemon.peer_probe`), whatever the
+    training script; once per failure seen, before torch restarts the workers."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
+
+    inner = agent_cls._monitor_workers  # type: ignore[attr-defined]
+
+    def monitor(self: object, wg: object) -> object:
+        result = inner(self, wg)
+        if getattr(result, "state", None) is WorkerState.FAILED:
+            tell_daemon(sock, "group_broke", why="the agent found a worker failed")
+        return result
+
+    agent_cls._monitor_workers = monitor  # type: ignore[attr-defined]
+
+
 def main() -> None:
     rendezvous.on_handler_created.append(attach)
     if os.environ.get(IN_PROCESS_ENV) == "1":  # the daemon runs an in-process job
         from elasticd.agent import in_process_agent
 
         in_process_agent.install()  # after attach: its hook replaces the kill on a gone member
+    elif os.environ.get("ELASTICD_SOCKET"):
+        # The restart path: a worker that died of a peer's death tells the daemon through its
+        # agent (the in-process path's workers all run the wrapper, which tells it itself).
+        from torch.distributed.elastic.agent.server.local_elastic_agent import (
+            LocalElasticAgent)
+
+        report_failed_workers(LocalElasticAgent, os.environ["ELASTICD_SOCKET"])
     runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
 
 

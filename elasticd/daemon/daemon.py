@@ -39,6 +39,7 @@ from elasticd.daemon.data_loss import DataLossRecovery
 from elasticd.daemon.drain_host import NodeDrainHost
 from elasticd.daemon.fencing import Fence
 from elasticd.daemon.node_rules import Recover, RecordWrite
+from elasticd.daemon.peer_probe import PeerProbe, suspects
 from elasticd.daemon.peer_watch import PeerWatch
 from elasticd.daemon.recovery_timeline import TimelineRecorder
 from elasticd.daemon.registration import NodeIdInUse, Registration
@@ -154,9 +155,24 @@ class Daemon:
                                          self.metrics, self.clock,
                                          lambda: float(self.settings.lease_ttl),
                                          last_heard=self.replicas.last_heard)
-        self.jobs.on_round_closed = self.timeline.on_round_closed
         self.channel = WorkerChannel(settings.node_id, settings.prefix, self.jobs, self.timeline,
                                      checkpoints, self.record_event)
+        # A worker's collective broke: a peer whose daemon's port refuses connections is dead
+        # now, not a lease TTL later (daemon/peer_probe.py). Each round's close knocks once at
+        # every peer's port it does not know: a refusal counts only from one that answered.
+        probe = PeerProbe(
+            settings.node_id,
+            lambda: suspects(list(self.membership.nodes.values()), settings.node_id,
+                             self.jobs.ran_workers),
+            coord.revoke_lease, self.clock)
+        self.channel.on_group_broke = probe.suspect
+
+        def round_closed(job: str) -> None:
+            self.timeline.on_round_closed(job)
+            probe.baseline(suspects(list(self.membership.nodes.values()), settings.node_id,
+                                    lambda node: True))
+
+        self.jobs.on_round_closed = round_closed
         if checkpoints is not None:
             checkpoints.on_restore.append(self.channel.on_restore)
             checkpoints.on_restore.append(self.timeline.on_restore)

@@ -38,6 +38,9 @@ class WorkerChannel:
         self._checkpoints = checkpoints
         self._record_event = record_event
         self.socket = ""  # path of the workers' channel to this daemon, once serving
+        #: A worker's collective broke (``group_broke``): the daemon probes its job's peers
+        #: (:mod:`.peer_probe`). Set by the daemon.
+        self.on_group_broke: Callable[[str], object] | None = None
 
     def agent_env(self) -> dict[str, str]:
         """Environment the daemon adds for a job's agent and workers."""
@@ -59,6 +62,8 @@ class WorkerChannel:
             "reformed": self._reformed,
             # A worker of an in-process job made its new group: its re-formation's moments.
             "reform_moments": self._reform_moments,
+            # A worker's collective broke: a peer may be dead (daemon/peer_probe.py).
+            "group_broke": self._group_broke,
         }
         if self._checkpoints is not None:
             handlers.update(self._checkpoints.handlers())
@@ -97,6 +102,12 @@ class WorkerChannel:
         job = msg.get("job", self._jobs.job)
         if isinstance(job, str) and job == self._jobs.job:
             self._timeline.on_abort(job, "agent")
+        return {}
+
+    def _group_broke(self, msg: dict[str, Any]) -> dict[str, Any]:
+        job, why = msg.get("job", self._jobs.job), msg.get("why")
+        if self.on_group_broke is not None and isinstance(job, str) and job == self._jobs.job:
+            self.on_group_broke(why if isinstance(why, str) else "")
         return {}
 
     def _reformed(self, msg: dict[str, Any]) -> dict[str, Any]:

@@ -135,8 +135,29 @@ def _once(fn: Callable[[Round], T], backend: str, timeout: float) -> T:
         return fn(Round(0, dist.get_rank(), dist.get_world_size(),
                         int(os.environ.get("LOCAL_RANK", "0")), None, "first",
                         SYSTEM_CLOCK.perf_counter() - t0))
+    except BaseException as exc:
+        if distributed_error(exc):
+            group_broke(exc)  # the restart path learns a dead peer as early as this one
+        raise
     finally:
         dist.destroy_process_group()
+
+
+def group_broke(exc: BaseException) -> bool:
+    """Tells the node's daemon (``ELASTICD_SOCKET``) that this worker's collective broke:
+    a peer whose daemon's port then refuses connections is recorded failed at once, not when
+    its lease expires (:mod:`elasticd.daemon.peer_probe`). One-way; whether it was sent (no
+    daemon, or the agent asked the worker out: nothing to tell)."""
+    from elasticd.worker.client import SOCKET_ENV, DaemonClient
+
+    path = os.environ.get(SOCKET_ENV, "")
+    if not path or isinstance(exc, Reformation):
+        return False
+    client = DaemonClient(path, timeout=1.0)
+    try:
+        return client.send("group_broke", why=f"{type(exc).__name__}: {str(exc)[:160]}")
+    finally:
+        client.close()
 
 
 class _Worker:
@@ -190,6 +211,7 @@ class _Worker:
             except BaseException as exc:  # noqa: BLE001 - only a distributed error is kept
                 if not distributed_error(exc):
                     raise
+                group_broke(exc)  # before leaving: the daemon probes while this one cleans up
                 why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
             else:
                 dist.destroy_process_group()

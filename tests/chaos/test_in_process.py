@@ -179,6 +179,10 @@ def test_kill9_of_a_node_the_survivors_keep_their_processes(tmp_path):
     assert loaded == was, (loaded, was)
     done = {r["pid"]: r["done"] for r in rows if "done" in r}
     assert set(done) == survivors and set(done.values()) == {400}
+    # The survivors' broken collectives had their daemons probe the victim's daemon, whose
+    # port refused: its lease was revoked, not waited out (elasticd/daemon/peer_probe.py).
+    daemons = "".join(open(p).read() for p in glob.glob(os.path.join(workdir, "n*.log")))
+    assert "daemon refuses connections" in daemons
     # Every snapshot was taken, after the re-formation too (a new generation, accepted), also
     # by the survivors whose rank changed (a new connection for the new rank).
     moved = {pid for pid in survivors if at4[pid]["rank"] != _first_at(rows, 6, 0)[pid]["rank"]}

@@ -1,0 +1,187 @@
+"""A peer whose daemon's port refuses connections is dead: confirming a node's death before its
+lease expires, once a worker's collective broke (issue 31).
+
+A node killed whole (kill -9, OOM of the machine's processes, a crash) resets every connection
+its processes held: a survivor's pending collective raises at once. Its lease, though, lives
+until its TTL (2 s here), and every recovery waited for it. A worker whose collective broke
+with a distributed error tells its daemon (``group_broke``, over the local socket); the daemon
+then connects to the HTTP port of each peer that ran workers of its job, and revokes the lease
+of a peer whose port **refuses** the connection: the peer's host answered (a refusal is its
+kernel's reset) and nothing listens there, while a live daemon serves that port from before it
+registers until after it revoked its lease on leaving (``daemon/node.py``). The revocation
+deletes the peer's record as its expiry would, and everything after is the lease-expiry path:
+each daemon records the node ``failed`` and marks it in the job's rendezvous; if the node was
+in fact alive, its keep-alive finds the lease gone and it fences itself and comes back as a
+newcomer, under a new lease, as after an expiry it missed.
+
+What is never taken for a death:
+
+* a connection that opens (a frozen daemon's kernel still accepts on its listening socket; a
+  daemon restarted on the same port answers: its old lease is left to expire, or to this rule
+  once the new one registers);
+* a timeout, an unreachable host or network, any other error: a partitioned or powered-off
+  peer, or one whose packets are dropped, sends no refusal; its lease expires as before;
+* a peer that is not ``up`` (leaving: it revokes its own lease) or publishes no address.
+
+A refusal counts only from a peer whose port answered this daemon before, under the same
+lease (:meth:`PeerProbe.baseline`, knocked once each time the job's round closes): a port this
+node never reached (HTTP bound to loopback but advertised, a firewall that rejects with a TCP
+reset, as some sandboxes do for every address they do not route) proves nothing. A firewall
+rule added later that rejects would still read as a death: the peer is then fenced, as if its
+lease had expired (a cost, never two owners of one lease).
+
+Each survivor's workers report the same break: one series of probes at a time per daemon, at
+:data:`SCHEDULE` (the killed node's processes do not all die in the same millisecond).
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import logging
+import socket
+import threading
+from typing import Callable
+
+from elasticd.clock import SYSTEM_CLOCK, Clock
+from elasticd.cluster.membership import NodeRecord, NodeState
+from elasticd.coordination.api import CoordinationError
+
+log = logging.getLogger("elasticd.daemon.daemon")
+
+#: Seconds after a break at which the peers are probed (those that answered, again).
+SCHEDULE = (0.0, 0.05, 0.2, 0.5)
+#: Seconds one connection attempt may take: longer is no answer (never a death).
+TIMEOUT = 0.25
+
+
+class Answer(str, enum.Enum):
+    ANSWERED = "answered"  # the connection opened: something listens
+    REFUSED = "refused"  # the host answered with a reset: nothing listens
+    SILENT = "silent"  # no answer, or an error that proves nothing
+
+
+def split_address(address: str) -> tuple[str, int] | None:
+    """``HOST:PORT`` (``[v6]:PORT`` too) as a pair, or None."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return host.strip("[]"), int(port)
+
+
+def knock(address: str, timeout: float = TIMEOUT) -> Answer:
+    """Opens (and closes) a TCP connection to ``address``: who answers."""
+    where = split_address(address)
+    if where is None:
+        return Answer.SILENT
+    try:
+        with socket.create_connection(where, timeout=timeout):
+            return Answer.ANSWERED
+    except ConnectionRefusedError:
+        return Answer.REFUSED
+    except OSError as exc:
+        # ECONNREFUSED under another class on some platforms; everything else (a timeout,
+        # EHOSTUNREACH from an ICMP message, ...) proves nothing.
+        return Answer.REFUSED if exc.errno == errno.ECONNREFUSED else Answer.SILENT
+
+
+def suspects(records: list[NodeRecord], me: str, ran_workers: Callable[[str], bool]) -> list[
+        NodeRecord]:
+    """The peers a broken collective may point at: ``up``, with an address and a lease, and
+    with workers of this node's job."""
+    return [r for r in records if r.node != me and r.state == NodeState.UP.value and r.address
+            and r.lease > 0 and ran_workers(r.node)]
+
+
+class PeerProbe:
+    """The daemon's probes of its job's peers after a worker's collective broke.
+
+    Args:
+        me: this node.
+        peers: the peers to probe now (called before each round of probes; from another thread
+            than the daemon's loop: it returns copies).
+        revoke: revokes a lease (a missing lease is no error).
+        clock: injected time.
+        schedule, timeout, knock: :data:`SCHEDULE`, :data:`TIMEOUT`, :func:`knock`.
+    """
+
+    def __init__(self, me: str, peers: Callable[[], list[NodeRecord]],
+                 revoke: Callable[[int], None], clock: Clock = SYSTEM_CLOCK,
+                 schedule: tuple[float, ...] = SCHEDULE, timeout: float = TIMEOUT,
+                 knock: Callable[[str, float], Answer] = knock) -> None:
+        self.me = me
+        self.peers = peers
+        self.revoke = revoke
+        self.clock = clock
+        self.schedule = schedule
+        self.timeout = timeout
+        self.knock = knock
+        self._lock = threading.Lock()
+        self._running = False
+        #: (node, lease) of the peers whose port answered this daemon.
+        self.answered: set[tuple[str, int]] = set()
+
+    def baseline(self, records: list[NodeRecord]) -> None:
+        """Knocks once at each of ``records`` (the peers, once the job's round closed) in a
+        thread of its own (:meth:`knock_all`)."""
+        threading.Thread(target=self.knock_all, args=(records,), daemon=True,
+                         name="elasticd-peer-baseline").start()
+
+    def knock_all(self, records: list[NodeRecord]) -> None:
+        """Knocks at each of ``records`` not known to answer: a refusal later counts only
+        from those that answered. Forgets the older leases of their nodes."""
+        for rec in records:
+            if (rec.node, rec.lease) not in self.answered and rec.address and \
+                    self.knock(rec.address, self.timeout) is Answer.ANSWERED:
+                with self._lock:
+                    self.answered.add((rec.node, rec.lease))
+        current = {(r.node, r.lease) for r in records}
+        nodes = {node for node, _ in current}
+        with self._lock:
+            self.answered = {p for p in self.answered if p in current or p[0] not in nodes}
+
+    def suspect(self, why: str = "") -> bool:
+        """A worker's collective broke: probes the peers in a thread of its own, unless a
+        series already runs; returns whether this call started one."""
+        with self._lock:
+            if self._running:
+                return False
+            self._running = True
+        threading.Thread(target=self._series, args=(why,), daemon=True,
+                         name="elasticd-peer-probe").start()
+        return True
+
+    def _series(self, why: str) -> None:
+        try:
+            self.probe_series(why)
+        except Exception:  # noqa: BLE001 — a probe must not end the daemon: the TTL still holds
+            log.exception("probing the peers failed")
+        finally:
+            with self._lock:
+                self._running = False
+
+    def probe_series(self, why: str = "") -> list[str]:
+        """Probes the peers at each moment of the schedule; returns the nodes whose lease it
+        revoked."""
+        start = self.clock.monotonic()
+        revoked: list[str] = []
+        done: set[int] = set()
+        for at in self.schedule:
+            self.clock.sleep(max(0.0, start + at - self.clock.monotonic()))
+            for rec in self.peers():
+                if rec.lease in done or (rec.node, rec.lease) not in self.answered:
+                    continue
+                answer = self.knock(rec.address, self.timeout)
+                if answer is not Answer.REFUSED:
+                    continue
+                done.add(rec.lease)
+                log.warning("%s's daemon refuses connections at %s after a collective broke "
+                            "(%s): revoking its lease %x (it failed)", rec.node, rec.address,
+                            why[:120] or "no reason given", rec.lease)
+                try:
+                    self.revoke(rec.lease)
+                except CoordinationError as exc:  # its lease expires as before
+                    log.warning("could not revoke %s's lease %x: %s", rec.node, rec.lease, exc)
+                    continue
+                revoked.append(rec.node)
+        return revoked
