@@ -50,6 +50,7 @@ import time
 
 from elasticd.launcher import JOB_USER, LocalCluster, job_writable
 from elasticd.replication.commit import decode_grid
+from tests.chaos.test_in_process import new_group  # the same rule as the chaos test
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "examples", "train_in_process.py")
@@ -170,19 +171,6 @@ def run(mode: str, victim: str, ttl: int, timeout: float, workdir: str,
                 "paths": sorted({r["path"] for r in at4.values()})}
     finally:
         c.stop()
-
-
-def new_group(rows: list[dict], rounds: dict[int, int], since: float) -> dict[int, dict]:
-    """rank -> its first step row in a group made after ``since`` (a worker kill: the world
-    size stays): a row of a process that did not train before (``rounds``: pid -> its round
-    then), or of one that did, in a later round (kept in-process)."""
-    first: dict[int, dict] = {}
-    for row in sorted(rows, key=lambda r: r["t"]):
-        pid = row["pid"]
-        if row["t"] > since and row["rank"] not in first and (
-                pid not in rounds or row["round"] > rounds[pid]):
-            first[row["rank"]] = row
-    return first
 
 
 def _kill_worker(c: LocalCluster, victim: str, logdir: str, timeout: float) -> dict:
