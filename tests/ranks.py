@@ -12,7 +12,9 @@ flushes its output and leaves with ``os._exit(0)``; a rank that raised goes thro
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from typing import Any, Callable
 
 
@@ -30,4 +32,17 @@ def spawn(fn: Callable[..., Any], args: tuple, nprocs: int) -> None:
     """
     import torch.multiprocessing as mp
 
-    mp.spawn(_run, args=(fn, args), nprocs=nprocs)
+    # The ranks' temporary files in a directory of the call's own, removed after it: a rank
+    # that leaves by os._exit skips multiprocessing's clean-up, and its pymp-* directory (made
+    # when a rank shares a descriptor or tensor through multiprocessing) stayed in /tmp.
+    tmp = tempfile.mkdtemp(prefix="ranks-")
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = tmp  # the spawned ranks read it; this process's tempdir is cached
+    try:
+        mp.spawn(_run, args=(fn, args), nprocs=nprocs)
+    finally:
+        if before is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = before
+        shutil.rmtree(tmp, ignore_errors=True)
