@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import tempfile
 import weakref
 
 import pytest
@@ -17,6 +18,14 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from elasticd.worker.sampler import ElasticSampler
+
+
+@pytest.fixture(autouse=True)
+def _workers_tmp(tmp_path, monkeypatch):
+    """DataLoader workers that the loader's teardown terminates skip multiprocessing's removal
+    of their pymp-* directory (it was left in /tmp, failing .ci/test's check): they inherit
+    tempfile's choice at fork, so theirs goes under tmp_path."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 SIZES = [(n, w) for n in (1, 7, 12, 31, 37) for w in (1, 2, 3, 5)]  # 31, 37: prime lengths
 
