@@ -130,15 +130,17 @@ class PeerProbe:
     def knock_all(self, records: list[NodeRecord]) -> None:
         """Knocks at each of ``records`` not known to answer: a refusal later counts only
         from those that answered. Forgets the older leases of their nodes."""
+        with self._lock:
+            known = set(self.answered)
         for rec in records:
-            if (rec.node, rec.lease) not in self.answered and rec.address and \
+            if (rec.node, rec.lease) not in known and rec.address and \
                     self.knock(rec.address, self.timeout) is Answer.ANSWERED:
                 with self._lock:
                     self.answered.add((rec.node, rec.lease))
         current = {(r.node, r.lease) for r in records}
         nodes = {node for node, _ in current}
-        with self._lock:
-            self.answered = {p for p in self.answered if p in current or p[0] not in nodes}
+        with self._lock:  # in place: a baseline running beside this one keeps what it added
+            self.answered -= {p for p in self.answered if p not in current and p[0] in nodes}
 
     def suspect(self, why: str = "") -> bool:
         """A worker's collective broke: probes the peers in a thread of its own, unless a
