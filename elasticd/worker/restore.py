@@ -52,6 +52,7 @@ log = logging.getLogger("elasticd.checkpoint")
 _NONE = (-1, -1)
 
 
+
 class RestoreError(CheckpointError, RuntimeError):
     """The agreed snapshot could not be loaded into the state on some rank (e.g. the model
     changed shape since it was saved); raised on every rank together."""
@@ -97,14 +98,51 @@ def check_replicas_agree(state: Any, keys: list[str], collective: "Collective") 
     """
     if not keys:
         return
-    digests = [state_digest(state[key]) for key in keys]
-    gathered = collective.all_gather([(d >> 32, d & 0xFFFFFFFF) for d in digests])
+    gathered = collective.all_gather(_digest_rows(state, keys))
     differ = [key for i, key in enumerate(keys) if len({g[i] for g in gathered}) > 1]
     if differ:
-        raise ReplicaMismatch(
-            f"after the restore, {', '.join(differ)} differ across ranks although they must be "
-            "identical (data-parallel replicas): refusing to train diverged copies. Check that "
-            "every rank builds the same model and that no rank restored another job's snapshot")
+        raise ReplicaMismatch(_MISMATCH.format(", ".join(differ)))
+
+
+_MISMATCH = ("after the restore, {} differ across ranks although they must be identical "
+             "(data-parallel replicas): refusing to train diverged copies. Check that every "
+             "rank builds the same model and that no rank restored another job's snapshot")
+#: At most this many replicated entries are compared in the load's own collective (beside
+#: its flag row; a TorchCollective row block holds 64); more take one of their own.
+_DIGESTS_WITH_FLAG = 31
+
+
+def _digest_rows(state: Any, keys: list[str]) -> list[Version]:
+    """``keys``' digests (:func:`state_digest`) as int64-sized pairs."""
+    return [(d >> 32, d & 0xFFFFFFFF) for d in (state_digest(state[key]) for key in keys)]
+
+
+def _all_true_each(collective: "Collective", *flags: bool) -> tuple[bool, ...]:
+    """Each flag ANDed across ranks: one collective where the collective has
+    ``all_true_each`` (:class:`TorchCollective`, :class:`Solo`), one per flag otherwise (a
+    :class:`Collective` need only have the two methods)."""
+    each = getattr(collective, "all_true_each", None)
+    if each is None:
+        return tuple(collective.all_true(flag) for flag in flags)
+    return tuple(each(flags))
+
+
+def _loaded_everywhere(state: Any, keys: list[str], collective: "Collective",
+                       error: str) -> list[str] | None:
+    """After the load: None when some rank could not load; else the ``keys`` (replicated
+    entries) whose digests differ across ranks. One all_gather of a flag row and the digests
+    where the collective has ``gather_if_all_true``, else an all_reduce and
+    :func:`check_replicas_agree`'s all_gather, as before."""
+    both = getattr(collective, "gather_if_all_true", None)
+    if both is None or len(keys) > _DIGESTS_WITH_FLAG:
+        if not collective.all_true(not error):
+            return None
+        check_replicas_agree(state, keys, collective)
+        return []
+    gathered = both(not error, [] if error else _digest_rows(state, keys))
+    if gathered is None:
+        return None
+    return [key for i, key in enumerate(keys) if len({g[i] for g in gathered}) > 1]
 
 
 @dataclasses.dataclass
@@ -151,6 +189,12 @@ class Solo:
     def all_true(self, flag: bool) -> bool:
         return flag
 
+    def all_true_each(self, flags: Any) -> list[bool]:
+        return [bool(f) for f in flags]
+
+    def gather_if_all_true(self, flag: bool, rows: list[Version]) -> list[list[Version]] | None:
+        return [list(rows)] if flag else None
+
 
 class TorchCollective:
     """Over the default (already initialised) process group, with int64 tensors only."""
@@ -171,9 +215,21 @@ class TorchCollective:
         return [[(int(g), int(s)) for g, s in o.cpu().tolist()] for o in out]
 
     def all_true(self, flag: bool) -> bool:
-        t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=self.device)
+        return self.all_true_each([flag])[0]
+
+    def all_true_each(self, flags: Any) -> list[bool]:
+        """Each of ``flags`` ANDed across ranks, in one all_reduce."""
+        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int64, device=self.device)
         self.dist.all_reduce(t, op=self.dist.ReduceOp.MIN, group=self.group)
-        return bool(t.item())
+        return [bool(v) for v in t.cpu().tolist()]
+
+    def gather_if_all_true(self, flag: bool, rows: list[Version]) -> list[list[Version]] | None:
+        """Every rank's ``rows`` when ``flag`` holds on every rank, else None: one all_gather
+        (a flag row ahead of the rows) where all_true and all_gather were two."""
+        gathered = self.all_gather([(1 if flag else 0, len(rows)), *rows])
+        if any(g[0][0] != 1 for g in gathered):
+            return None
+        return [g[1:1 + g[0][1]] for g in gathered]
 
 
 # Rows every rank sends ahead of its versions: its progress, the committed version it was told
@@ -275,6 +331,7 @@ def restore(state: Any, sources: Sources, collective: Collective, clock: Any,
     """
     start = clock()
     result = RestoreResult()
+    differ: list[str] | None = []
     agreed = agree(sources, collective)
     seen = agreed.seen
     for version, world in agreed.candidates:
@@ -284,14 +341,17 @@ def restore(state: Any, sources: Sources, collective: Collective, clock: Any,
         if got is not None:
             got = sources.fetch_shards(got, version, result.refused, world, state)
         try:
-            if not collective.all_true(not sources.unreachable):
+            # One collective for both flags (each was an all_reduce of its own).
+            reachable, have = _all_true_each(collective, not sources.unreachable,
+                                             got is not None)
+            if not reachable:
                 # A daemon that does not answer a fetch may still hold the step: trying older
                 # ones would end, in the worst case, in a fresh start while it is committed.
                 raise DaemonUnreachable(
                     f"a rank's elasticd daemon did not answer while fetching step {version}"
                     f"{sources.why_unreachable()}: this "
                     "attempt fails on every rank and the agent starts another")
-            if not collective.all_true(got is not None):
+            if not have:
                 log.warning("elasticd: step %s is not loadable on every rank; trying an older "
                             "one", version)
                 continue
@@ -304,7 +364,9 @@ def restore(state: Any, sources: Sources, collective: Collective, clock: Any,
                               base_views=got.release is not None)
             except StateError as exc:
                 error = str(exc)
-            if not collective.all_true(not error):
+            # Whether every rank loaded, and the replicas' digests, in one all_gather.
+            differ = _loaded_everywhere(state, list(replicated), collective, error)
+            if differ is None:
                 raise RestoreError(f"snapshot {version} could not be loaded on every rank"
                                    f"{': ' + error if error else ''}")
             result.step, result.generation = version[1], version[0]
@@ -321,8 +383,8 @@ def restore(state: Any, sources: Sources, collective: Collective, clock: Any,
         finally:
             if got is not None:
                 got.close()  # the pieces read in place: their slots go back
-    if result.source != "none":
-        check_replicas_agree(state, list(replicated), collective)
+    if result.source != "none" and differ:
+        raise ReplicaMismatch(_MISMATCH.format(", ".join(differ)))
     result.next_generation = seen[0] + 1 if seen is not None else 0
     result.steps_lost = max(0, seen[1] - result.step) if seen is not None else 0
     result.seconds = clock() - start

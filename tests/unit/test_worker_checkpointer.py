@@ -498,3 +498,36 @@ def test_one_checkpointer_follows_its_process_into_a_round_with_another_rank(ser
     assert listed["0"][0] == listed["1"][0] == [1, 4]  # accepted, as the new ranks' newest
     for ckpt in ckpts:
         ckpt.close()
+
+
+def test_the_restore_report_is_one_way_and_a_dropped_one_is_sent_as_a_call(service):
+    """The restore's report (``ckpt_report``) has no reply anyone reads: a call waited for
+    the daemon, busy with the recovery then (10-40 ms of an in-process restore). It is sent
+    one-way; one that was dropped (nothing of it reached the daemon) goes as a call."""
+    class OneWay(InProcessTransport):
+        def __init__(self, handlers, deliver):
+            super().__init__(handlers)
+            self.deliver, self.ops = deliver, []
+
+        def call(self, op, **fields):
+            self.ops.append(("call", op))
+            return super().call(op, **fields)
+
+        def send(self, op, **fields):
+            self.ops.append(("send", op))
+            if self.deliver:
+                super().call(op, **fields)
+            return self.deliver
+
+    state = make_state()
+    with Checkpointer(transport=InProcessTransport(service.handlers()), job="j", rank=0,
+                      world_size=1) as ckpt:
+        ckpt.save(1, state)
+        ckpt.wait()
+    for deliver, expected in ((True, [("send", "ckpt_report")]),
+                              (False, [("send", "ckpt_report"), ("call", "ckpt_report")])):
+        t = OneWay(service.handlers(), deliver)
+        with Checkpointer(transport=t, job="j", rank=0, world_size=1) as ckpt:
+            assert ckpt.restore(state) == 1
+        assert [o for o in t.ops if o[1] == "ckpt_report"] == expected
+        assert service.history[-1]["step"] == 1  # the daemon heard it either way
