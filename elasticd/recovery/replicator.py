@@ -90,7 +90,6 @@ class Replicator:
     Args:
         coord, keys: etcd and its keyspace (placement and commit records).
         store: this node's local slot store (the checkpoint service's).
-        secret: the cluster secret for the replication transport.
         m: replication factor, the owner's copy included.
         clock: times transfers, stamps records and bounds every wait.
         peers_address: node id -> (host, port) of its replica server, or None.
@@ -187,8 +186,7 @@ class Replicator:
         old, need_watch = self.tracker.set_placement(job, placement)
         log.info("%s: %s", job, placement.describe())
         try:
-            if publish_placement(self.coord, self.keys, job, placement):
-                self.counters["placements_published"] += 1
+            publish_placement(self.coord, self.keys, job, placement)
         except CoordinationError as exc:
             self.tracker.etcd_error("publish the placement", exc)
         if need_watch:
@@ -234,7 +232,6 @@ class Replicator:
             st.gen_base.setdefault(version[0], version[1] - 1)
             placement = st.placement
         if placement is None or self.node_id not in placement.holders:
-            self.counters["no_placement"] += 1
             return
         peers = placement.peers_of(self.node_id)
         for peer in peers:

@@ -396,7 +396,6 @@ def test_a_step_is_never_committed_naming_a_holder_that_overwrote_it(make_cluste
     assert snapshot_as_service(n1, 0, 3)
     cluster.wait_idle()
     # n2's replica of rank 0 step 2 was superseded by step 3 (its owner withdrew step 2).
-    assert n2.sink.counters["superseded_pending"] == 1
     assert n2.sink.versions(JOB, 0) == [(0, 3), (0, 1)]
     n2.snapshot(1, 2, world=2)  # late: step 2 of rank 1 reaches its two copies
     cluster.wait_idle()
