@@ -124,12 +124,6 @@ class JobManager:
                                   note=lambda t: self.notes.append(t))
         self._stopping: threading.Thread | None = None
 
-    def start_watch(self) -> None:
-        self.records.start_watch()
-
-    def close(self) -> None:
-        self.records.close()
-
     def republish(self) -> int:
         """etcd lost its data: the job records are written again
         (:meth:`JobRecords.republish`), this node's status entry at the next publish."""
@@ -380,7 +374,7 @@ class JobManager:
             self.board.set(JobState.STOPPED, "daemon shut down")
             self.board.publish(job)
             self.group.detach()
-        self.close()
+        self.records.close()
 
     def _stop_async(self, why: str, final_state: JobState) -> None:
         sup, job, board, hooks = self.supervisor, self.job, self.board, self.on_job_end

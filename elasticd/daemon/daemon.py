@@ -210,7 +210,7 @@ class Daemon:
         if keep_alive_thread:
             self.keeper.start()
         self._act(self.peers.start())
-        self.jobs.start_watch()
+        self.jobs.records.start_watch()
         self._register(wait_for_id=True)  # last: once our record is visible, we are in
         etcd = self.coord.etcd()
         if etcd is not None:
@@ -282,7 +282,7 @@ class Daemon:
     def close(self) -> None:
         self.keeper.stop()
         self.peers.close()
-        self.jobs.close()
+        self.jobs.records.close()
 
     # -- the parts' moments -----------------------------------------------------------------
 

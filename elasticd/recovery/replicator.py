@@ -145,7 +145,6 @@ class Replicator:
         self.last_heard: Callable[[str], float | None] = lambda node: None
         self.pusher = Pusher(store, sink, self._connections, self.background.executor,
                              self.tracker, self.link_rates)
-        self.awaiting_commit = self.tracker.awaiting_commit
         if sink is not None:
             sink.on_pending = self.tracker.prefix.reread
             sink.on_landed = functools.partial(self.tracker.on_landed, holder=Holder.REPLICA)

@@ -27,9 +27,9 @@ def env(tmp_path):
     coord.put(keys.job_keys("job").spec, spec.encode())
     mgr = JobManager("n1", coord, keys, etcd="127.0.0.1:1", state_dir=str(tmp_path),
                      metrics=Metrics(), lease=lambda: lease, clock=FakeClock())
-    mgr.start_watch()
+    mgr.records.start_watch()
     yield coord, keys, mgr, lease
-    mgr.close()
+    mgr.records.close()
 
 
 def _peer(coord, keys, lease, node: str, state: str) -> None:
