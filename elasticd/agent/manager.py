@@ -63,16 +63,10 @@ class JobManager:
     carries out the answer through the parts it owns.
 
     Args:
-        etcd: endpoints handed to the agent's rendezvous.
-        state_dir: where per-job logs go (``<state_dir>/jobs/<job>/agent.log``).
+        etcd, state_dir, extra_env, credentials: as :class:`AgentStarter`'s.
         lease: returns the node's current lease (0 when it has none).
-        extra_env: returns more environment for agents (e.g. the daemon's local socket).
-        before_resync: called before every full re-list of the jobs (the daemon looks there
-            whether etcd lost its data, and if so has the specs written again first: specs
-            that vanished with the data must not stop the job).
-        credentials: called with a job's spec before its agent starts; returns the extra
-            rendezvous settings and environment that give the agent its own etcd credentials
-            (:mod:`elasticd.coordination.agent_credentials`), or raises to refuse the start.
+        before_resync: as :class:`JobRecords`' (specs that vanished with etcd's data must not
+            stop the job).
 
     Attributes:
         hold: why this node runs no job for now (a drain), or "".

@@ -13,15 +13,11 @@ and ``max_pending`` connections still in their handshake at once. A connection t
 nothing for ``idle_timeout`` seconds is closed. Socket timeouts run on the real clock; the
 injected clock only times transfers.
 
-Anyone who reaches the port can open connections, so those that have not proved the secret yet
-never take an authenticated peer's place: they have their own cap, the whole handshake must
-finish within ``handshake_timeout`` (not each receive: a byte every few seconds does not keep a
-connection alive), and when the pending cap is full a newcomer displaces the oldest pending
-connection of the source address holding the most (:mod:`elasticd.admission`). A flood from
-one address therefore only ever displaces its own connections: a peer, which has one handshake
-pending for a round trip or two, gets in however fast the flood reconnects. (Many addresses
+Connections that have not proved the secret yet never take an authenticated peer's place: they
+are admitted by the rules of :mod:`elasticd.admission` (their own cap, the whole handshake
+within ``handshake_timeout``, a flood from one address displacing only its own). Many addresses
 each holding as few pending handshakes as a peer could still displace it; the total deadline
-bounds each try.)
+bounds each try.
 """
 
 from __future__ import annotations
