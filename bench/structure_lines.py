@@ -38,8 +38,10 @@ UNITS = [
     ("6a9029e", "commit", "the key view the Keyspace split made per key, once per event"),
     ("6c7fe6a", "merge", "branch struct24: tracker and reporter split, dead stats, "
                          "metric names, the etcd-only interface"),
-    ("d9fbe10..HEAD", "range", "branch struct25: dead and test-only code, docstrings that "
-                               "restate the code"),
+    ("3edcaf3", "merge", "branch struct25: dead and test-only code, docstrings that "
+                         "restate the code"),
+    ("1e4a6d4..HEAD", "range", "branch struct26: counters only tests read, code written twice, "
+                               "wrappers, docstrings that restate the code"),
 ]
 
 

@@ -230,15 +230,7 @@ class Settings:
         return self.shm_dir or f"/dev/shm/elasticd-{self.node_id}"
 
     def etcd_settings(self) -> EtcdSettings:
-        return EtcdSettings(
-            endpoints=parse_endpoints(self.etcd),
-            timeout=self.etcd_timeout,
-            user=self.etcd_user or None,
-            password=self.etcd_password or None,
-            ca_cert=self.etcd_ca_cert or None,
-            cert=self.etcd_cert or None,
-            key=self.etcd_key or None,
-        )
+        return EtcdSettings.of(parse_endpoints(self.etcd), self)
 
     def job_policy(self) -> "JobPolicy":
         """The node's job policy from ``job_users``, ``job_python`` and ``job_env_allow``."""

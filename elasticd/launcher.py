@@ -228,10 +228,8 @@ class LocalCluster:
     Args:
         nodes: node ids to start (e.g. ["n1", "n2", "n3"]).
         workdir: where logs and etcd data go (a temporary directory by default).
-        lease_ttl: the daemons' lease TTL.
         etcd_members: size of the etcd cluster the launcher owns.
         etcd: endpoints of an existing etcd to use instead of starting one.
-        prefix: cluster key prefix.
         extra_args: more ``elasticd`` flags for every node.
         etcd_client: credentials of the launcher's own etcd client (``EtcdSettings`` fields:
             user, password, ca_cert, cert, key), for a secured etcd.

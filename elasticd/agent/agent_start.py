@@ -24,13 +24,10 @@ class AgentStarter:
     """Makes and starts job agents (owned by the job manager).
 
     Args:
-        node_id: this node.
-        prefix: the cluster's key prefix.
         etcd: endpoints handed to the agent's rendezvous.
         state_dir: where per-job logs go (``<state_dir>/jobs/<job>/agent.log``).
         extra_env: returns more environment for agents (e.g. the daemon's local socket).
         warm: start workers from a zygote (:mod:`elasticd.agent.zygote`).
-        clock: the clock.
         credentials: called with a job's spec before its agent starts; returns the
             :data:`Credentials` of its agent (:mod:`elasticd.coordination.agent_credentials`),
             or raises to refuse the start; None: agents use the daemon's.

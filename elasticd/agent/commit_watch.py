@@ -62,7 +62,6 @@ class CommitWatch:
 
     Args:
         coordinator: the agent's etcd connection (not owned).
-        keys: the cluster's keyspace.
         job: the job's name (its rendezvous id).
         clock: time source (the pause between re-list attempts).
     """

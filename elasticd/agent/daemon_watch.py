@@ -52,7 +52,6 @@ class DaemonWatch:
     """Decides, every ``interval`` seconds, whether this agent must fence its node.
 
     Args:
-        coordinator: the agent's etcd connection.
         node_key: the node's record, bound to the daemon's lease.
         ping: True when the daemon answers on its local socket in time.
         fence: called once, with the reason, when the rule holds (normally does not return).
@@ -60,7 +59,6 @@ class DaemonWatch:
         interval: seconds between etcd reads.
         silent_for: seconds without an answer to a ping that make the daemon silent.
         ping_interval: seconds between pings (by the pinger thread, :meth:`probe`).
-        clock: time source.
     """
 
     def __init__(self, coordinator: Coordinator, node_key: bytes, ping: Callable[[], bool],

@@ -27,7 +27,6 @@ class JobRecords:
     """The job records this node follows (owned by the job manager).
 
     Args:
-        coord, keys: where they are.
         before_resync: called before every full re-list (the daemon looks there whether etcd
             lost its data, and if so has the specs written again first).
         on_round_closed: called with a job's name when its watch delivers a new rendezvous

@@ -23,13 +23,9 @@ class JobStatusBoard:
     """This node's job status, as published (owned by the job manager).
 
     Args:
-        node_id: this node.
-        coord, keys: where the entry goes.
         lease: returns the node's current lease (0 when it has none: nothing is published).
-        clock: for the status's time.
 
     Attributes:
-        status: the status now.
         about: the job the status is about (the running one, or one refused or waited for),
             None before any.
     """

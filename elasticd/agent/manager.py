@@ -63,31 +63,12 @@ class JobManager:
     carries out the answer through the parts it owns.
 
     Args:
-        node_id: this node.
-        coord: the coordinator.
-        keys: the cluster keyspace.
-        etcd: endpoints handed to the agent's rendezvous.
-        state_dir: where per-job logs go (``<state_dir>/jobs/<job>/agent.log``).
-        metrics: the daemon's metrics.
+        etcd, state_dir, extra_env, credentials: as :class:`AgentStarter`'s.
         lease: returns the node's current lease (0 when it has none).
-        extra_env: returns more environment for agents (e.g. the daemon's local socket).
-        rdzv_conf: torchrun rendezvous settings tuned for fast recovery.
-        warm_workers: start workers from a zygote (:mod:`elasticd.agent.zygote`).
-        before_resync: called before every full re-list of the jobs (the daemon looks there
-            whether etcd lost its data, and if so has the specs written again first: specs
-            that vanished with the data must not stop the job).
-        policy: what this node agrees to run (:class:`JobPolicy`).
-        credentials: called with a job's spec before its agent starts; returns the extra
-            rendezvous settings and environment that give the agent its own etcd credentials
-            (:mod:`elasticd.coordination.agent_credentials`), or raises to refuse the start.
+        before_resync: as :class:`JobRecords`' (specs that vanished with etcd's data must not
+            stop the job).
 
     Attributes:
-        records: the job records it follows (:class:`JobRecords`).
-        board: this node's job status (:class:`JobStatusBoard`).
-        group: the running job's agent and worker group (:class:`WorkerGroup`).
-        book: what this node decided about its jobs (:class:`job_rules.JobBook`).
-        reform: an in-process job's re-formation after a peer's failure (:class:`ReformWatch`).
-        checks: the job file checks, off the main loop (:mod:`elasticd.agent.job_check`).
         hold: why this node runs no job for now (a drain), or "".
         notes: what the last cycle did (for the daemon's sentence).
         on_job_end: called with a job's name when it ends here (its shared memory and
@@ -136,12 +117,6 @@ class JobManager:
         self.reform = ReformWatch(self.book, self.group, metrics, self.clock,
                                   note=lambda t: self.notes.append(t))
         self._stopping: threading.Thread | None = None
-
-    def start_watch(self) -> None:
-        self.records.start_watch()
-
-    def close(self) -> None:
-        self.records.close()
 
     def republish(self) -> int:
         """etcd lost its data: the job records are written again
@@ -393,7 +368,7 @@ class JobManager:
             self.board.set(JobState.STOPPED, "daemon shut down")
             self.board.publish(job)
             self.group.detach()
-        self.close()
+        self.records.close()
 
     def _stop_async(self, why: str, final_state: JobState) -> None:
         sup, job, board, hooks = self.supervisor, self.job, self.board, self.on_job_end
@@ -463,10 +438,6 @@ class JobManager:
         return n
 
     # -- what the daemon reads ------------------------------------------------------------
-
-    def on_progress(self, msg: dict[str, Any]) -> None:
-        """A worker's progress report (:meth:`WorkerGroup.on_progress`; any thread)."""
-        self.group.on_progress(msg)
 
     def set_unprotected(self, text: str) -> None:
         """What the checkpoint service says of the job's protection ("" while protected),

@@ -74,7 +74,6 @@ class Opened:
         fd: the descriptor opened as the user (the caller closes it), or -1.
         mode: the path's ``lstat`` mode when it was not a regular file (left unopened), or 0.
         errno: why it failed (0 when ``ok`` or when "x" was merely denied).
-        error: the error's text.
     """
 
     ok: bool

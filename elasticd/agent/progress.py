@@ -57,7 +57,6 @@ class StalledRank:
     """One rank that has not progressed.
 
     Attributes:
-        rank: the global rank.
         last_step: the last step it reported.
         pid: the process that reported it (None if not given).
         seconds: how long since it last progressed.
@@ -74,7 +73,6 @@ class Hang:
     """A hung worker group.
 
     Attributes:
-        job: the job.
         kind: stalled ranks or no start.
         reason: a short sentence, e.g. ``"no progress for 30 s"`` or
             ``"no progress since start"``.
@@ -130,7 +128,6 @@ class ProgressTracker:
         hang_timeout: seconds without progress of a rank that makes its group hung (set by
             hand), or a :class:`LearnedTimeout`: the timeout is learned from each job's step
             intervals.
-        clock: injected time (only ``monotonic`` is used).
         startup_timeout: seconds after :meth:`reset` within which some rank must report;
             None switches the rule off (a job may take long to load its data, and a
             restarted group may wait long in its rendezvous for nodes).
@@ -346,7 +343,6 @@ def progress_handler(tracker: ProgressTracker,
     message claims.
 
     Args:
-        tracker: where reports go.
         default_job: the job to file reports without a ``job`` under (a node runs one job).
 
     Raises (from the handler):

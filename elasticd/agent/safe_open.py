@@ -118,7 +118,6 @@ def check_file(fd: int, what: str, max_bytes: int, owners: set[int] | None = Non
     """Checks the file open at ``fd`` before anything is read from it (module docstring).
 
     Args:
-        fd: an open descriptor.
         what: how the file is named in the refusal ("script '/opt/train.py'").
         max_bytes: a larger file is refused.
         owners: the uids that may own it (None: any).

@@ -27,7 +27,6 @@ class StragglerWatch:
 
     Args:
         board: the node's job status (its ``straggler`` field).
-        metrics: the daemon's metrics.
         drain: asks for this node's drain, as ``elasticctl drain`` would (raises
             CoordinationError when etcd does not take it).
         record_event: records a cluster event (kind, detail, data).

@@ -119,8 +119,6 @@ class AgentSupervisor:
     """One torchrun agent for ``spec`` on this node.
 
     Args:
-        spec: the job.
-        node_id: this node.
         tag: value of ``ELASTICD_TAG`` for everything started for this job on this node.
         etcd: ``HOST:PORT,...`` for the agent's rendezvous.
         prefix: cluster key prefix (the rendezvous lives under ``<prefix>/jobs/<job>/rdzv``).

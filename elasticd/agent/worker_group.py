@@ -36,13 +36,10 @@ class WorkerGroup:
     Args:
         board: the node's job status, whose worker fields (ranks, world size, step, hang
             timeout, compute time) this group keeps.
-        metrics: the daemon's metrics.
-        clock: the clock.
         stragglers: this node's straggler verdict, asked once a cycle (:meth:`tick`).
 
     Attributes:
         job: the job whose agent runs here (None: none).
-        supervisor: that agent.
         restarts: the group's restarts, counted for the crash-loop rule.
         tracker: the job's hang detection (None: off), kept through the agent's restarts.
         pid_alive: whether a worker that reported still runs (a dead one is restarting, not

@@ -110,11 +110,7 @@ def _connect(args: argparse.Namespace) -> tuple[EtcdCoordinator, Keyspace]:
         raise UsageError("--etcd-user and --etcd-password go together: give both (the "
                          "password best as ELASTICD_ETCD_PASSWORD) or neither")
     options.check_tls_files(args)
-    settings = EtcdSettings(endpoints, timeout=args.etcd_timeout,
-                            user=args.etcd_user or None, password=args.etcd_password or None,
-                            ca_cert=args.etcd_ca_cert or None, cert=args.etcd_cert or None,
-                            key=args.etcd_key or None)
-    return EtcdCoordinator(settings), keys
+    return EtcdCoordinator(EtcdSettings.of(endpoints, args)), keys
 
 
 def cmd_nodes(args: argparse.Namespace, coord: EtcdCoordinator, keys: Keyspace) -> Any:

@@ -29,10 +29,8 @@ class Event:
         kind: failed | left | joined | fenced | rejoined | recovered (a rank restored after a
             failure: data has job, rank, source, seconds, steps_lost, step) | drained |
             drain_failed.
-        node: the node it happened to.
         lease: the node's lease at the time (hex in keys).
         at: wall time when it was recorded.
-        by: the node that recorded it.
         detail: one human sentence.
         data: kind-specific numbers (e.g. ``detection_seconds``).
         instance: tells apart events of a kind that happen more than once per lease

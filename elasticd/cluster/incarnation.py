@@ -48,7 +48,6 @@ class Incarnation:
     """Follows the cluster's incarnation key and the etcd revisions this daemon reads.
 
     Args:
-        keys: the cluster keyspace.
         node_id: this node (stamped on an incarnation it writes).
         clock: for the record's time stamp.
     """

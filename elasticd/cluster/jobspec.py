@@ -68,13 +68,10 @@ class JobSpec:
     Attributes:
         name: job name (also torchrun's rendezvous id).
         nnodes_min, nnodes_max: elastic range of nodes.
-        nproc_per_node: workers per node.
         max_restarts: torchrun's ``--max-restarts`` (worker group restarts per agent).
         script: absolute path of the training script (the same path on every node).
-        args: the script's arguments.
         script_sha256: hash every node checks before it starts the job.
         user: the user the agent and its workers run as.
-        cwd: working directory of the workers.
         env: extra environment variables of the workers.
         python: interpreter that runs torchrun and the script (it must have torch).
         hang_timeout: seconds without progress before the worker group is restarted (0: off;

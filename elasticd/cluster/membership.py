@@ -184,7 +184,6 @@ class Membership:
         watch needs no ``prev_kv``: a leaving record tells a departure from a failure.
 
         Args:
-            node: the node id from the key.
             now: monotonic time. wall: wall time (compared with the node's heartbeat stamp).
             cut_off: whether this observer was cut off from etcd around now.
         """

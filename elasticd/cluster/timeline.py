@@ -127,7 +127,6 @@ class Timeline:
     """One recovery (all times are wall-clock seconds; None: not seen).
 
     Attributes:
-        job: the job that recovered.
         failed: the node(s) whose failure it recovered from, first the one it is keyed by.
         failure_at, detected_at, aborted_at, round_closed_at, restore_started_at,
             restore_finished_at, first_step_at: the moments (module docstring).

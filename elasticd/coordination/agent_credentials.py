@@ -71,7 +71,6 @@ class AgentCredentials:
     Args:
         coord: the daemon's etcd connection (an :class:`EtcdCoordinator` whose user has
             etcd's root role).
-        keys: the cluster keyspace.
         files_dir: a root-owned directory for the TLS files handed to agents.
         ca_cert: the CA that signed etcd's server certificate ("" for plaintext etcd).
         agent_cert, agent_key: a client certificate for agents ("" when etcd asks for none).

@@ -63,8 +63,6 @@ class KeyValue:
     """One key as stored, with etcd's bookkeeping.
 
     Attributes:
-        key: full key, bytes.
-        value: stored bytes.
         create_revision: revision of the put that created the key.
         mod_revision: revision of the last put to the key (use it for compare-and-set).
         version: number of puts since creation.
@@ -119,7 +117,6 @@ class Compare:
     key absent).
 
     Attributes:
-        mod_revision: the revision it must have.
         target: ``"mod"`` compares the key's mod_revision (compare-and-set), ``"create"`` its
             create_revision (etcd's election recipe: a key re-created under a new lease, or by
             someone else, has another create_revision, so a deposed leader's write fails).
@@ -244,6 +241,10 @@ class Coordinator(abc.ABC):
     def watch_key(self, key: bytes, callback: WatchCallback, start_revision: int) -> Watch:
         """As :meth:`watch_prefix`, for the one key ``key`` (no key that extends it): for a
         caller whose etcd role may read that key only."""
+
+    def rewatch(self) -> None:
+        """Re-creates every watch after an outage, in which a stream may have got stuck
+        silently (a store whose watches cannot: nothing to do)."""
 
     @abc.abstractmethod
     def reset_watches(self) -> None:

@@ -60,6 +60,12 @@ class EtcdSettings:
     key: str | None = None
     refusal_patience: float = 10.0
 
+    @classmethod
+    def of(cls, endpoints: tuple[tuple[str, int], ...], o: Any) -> "EtcdSettings":
+        """From the daemon's settings or elasticctl's flags (``etcd_user``...; "": none)."""
+        return cls(endpoints, o.etcd_timeout, o.etcd_user or None, o.etcd_password or None,
+                   o.etcd_ca_cert or None, o.etcd_cert or None, o.etcd_key or None)
+
     @property
     def secure(self) -> bool:
         return self.ca_cert is not None
@@ -186,7 +192,6 @@ class EtcdCoordinator(Coordinator):
         return w
 
     def rewatch(self) -> None:
-        """Re-creates every watch (after an outage a stream may be silently stuck)."""
         with self._lock:
             watches = list(self._watches)
         for w in watches:

@@ -30,7 +30,6 @@ class LeaseKeeper:
     """Keeps one lease alive; replaces it when the server lost it.
 
     Args:
-        ttl: lease TTL in seconds.
         health: shared record of etcd reachability (the keeper reports every attempt).
         on_change: called (from the keeper's thread) when the lease was lost or replaced, so
             that the main loop can wake up.

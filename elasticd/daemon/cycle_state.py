@@ -15,7 +15,6 @@ class CycleState:
 
     Attributes:
         sentence: what the last completed cycle said ("starting" before the first).
-        cycles: completed cycles.
         notes: what the cycle under way has to say so far.
     """
 

@@ -63,23 +63,13 @@ def _in_process(records: Any, job: str) -> bool:
 
 
 class Daemon:
-    """One node's daemon: its cycle, carrying out what its parts and rules decide.
-
-    The parts it owns, each with its own state: :class:`Registration` (the node's record and
-    lease), :class:`Fence` (fencing, by the rules of :mod:`elasticd.daemon.node_rules`),
-    :class:`DataLossRecovery`, :class:`ReplicaView`, :class:`WorkerChannel` (the workers' local
-    socket), the drainer with its :class:`NodeDrainHost`, the job manager and the recovery
-    timeline, the watch on its peers' records (:class:`PeerWatch`) and the loop's own state
-    (:class:`CycleState`).
+    """One node's daemon: its cycle, carrying out what its parts (each with its own state)
+    and rules decide.
 
     Args:
-        settings: validated settings.
-        coord: the coordinator (real etcd or the in-memory fake).
-        metrics: the metrics to update (a fresh registry by default).
         http_address: the address peers and tools reach this node's HTTP endpoint at.
         membership: the cluster view (a fresh one by default; the node builder shares it
             with the replicator, which finds peers' replica servers in it).
-        checkpoints: the checkpoint service served to workers, if any.
         replicator: peer replication, if on (its server and slots are the node builder's,
             :mod:`elasticd.daemon.node`).
         replication_address: where peers reach this node's replica server.
@@ -177,7 +167,7 @@ class Daemon:
             checkpoints.on_restore.append(self.channel.on_restore)
             checkpoints.on_restore.append(self.timeline.on_restore)
             # A Checkpointer's register and slot requests are progress reports (ranks, hangs).
-            checkpoints.on_progress.append(self.jobs.on_progress)
+            checkpoints.on_progress.append(self.jobs.group.on_progress)
             checkpoints.on_progress.append(self.timeline.on_progress)
             self.jobs.on_job_end.append(checkpoints.remove_job)
             # In-process jobs keep each local rank's newest pair (store/shm.py): survivors
@@ -199,8 +189,7 @@ class Daemon:
         return NodeState.FENCED if self.fence.book.fenced else NodeState.UP
 
     @property
-    def registered_lease(self) -> int | None:
-        """The lease this node's record is bound to (None: not registered)."""
+    def registered_lease(self) -> int | None:  # None: not registered
         return self.registration.lease
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -221,7 +210,7 @@ class Daemon:
         if keep_alive_thread:
             self.keeper.start()
         self._act(self.peers.start())
-        self.jobs.start_watch()
+        self.jobs.records.start_watch()
         self._register(wait_for_id=True)  # last: once our record is visible, we are in
         etcd = self.coord.etcd()
         if etcd is not None:
@@ -293,7 +282,7 @@ class Daemon:
     def close(self) -> None:
         self.keeper.stop()
         self.peers.close()
-        self.jobs.close()
+        self.jobs.records.close()
 
     # -- the parts' moments -----------------------------------------------------------------
 
@@ -316,11 +305,10 @@ class Daemon:
     def _outage_ended(self, seconds: float) -> None:
         self.metrics.etcd.up.set(1)
         self.peers.stale = True
-        rewatch = getattr(self.coord, "rewatch", None)
         # etcd that only refused requests (its users changing) kept every watch stream: at
         # scale, re-creating them all on every node after each big job's start is a storm.
-        if rewatch is not None and self.health.last_outage_kinds != {"refuses our requests"}:
-            rewatch()
+        if self.health.last_outage_kinds != {"refuses our requests"}:
+            self.coord.rewatch()
         self.loop.wake()
 
     def _look_for_data_loss(self, again: bool = False) -> bool:

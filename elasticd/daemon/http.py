@@ -90,8 +90,6 @@ class StatusServer:
     """Serves metrics, health and status on ``(host, port)``; port 0 picks a free port.
 
     Args:
-        address: where to listen.
-        registry: the Prometheus registry to expose.
         status: returns the JSON-able /status document (private fields are removed here).
         healthy: True when the daemon's loop is cycling.
         max_connections: connections served at once (one thread each).

@@ -32,7 +32,6 @@ here: this is daemon code.
 from __future__ import annotations
 
 import array
-import collections
 import errno
 import logging
 import os
@@ -108,11 +107,6 @@ class LocalServer:
         binding: admits and binds callers instead of ``allowed_uids`` (which it overrides).
         clock: injected time (how long a refused caller is given to read why).
 
-    Attributes:
-        counters: ``requests``, ``errors`` (error replies and failed one-way requests),
-            ``rejected`` (connections refused) and ``protocol_errors`` (connections closed for
-            a bad frame), for the daemon's metrics.
-
     Raises:
         ValueError: an argument is out of range.
     """
@@ -154,7 +148,6 @@ class LocalServer:
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._stopping = False
         self._failures_logged: set[str] = set()
-        self.counters: collections.Counter[str] = collections.Counter()
 
     @property
     def connections(self) -> int:
@@ -341,8 +334,6 @@ class LocalServer:
         with self._lock:
             if self._stopping or (reason and self._rejecting >= _MAX_REJECTING):
                 conn.close()
-                if reason:
-                    self.counters["rejected"] += 1
                 return
             if not reason and len(self._conns) >= self._max_connections:
                 reason = f"too many connections to this elasticd ({self._max_connections})"
@@ -357,7 +348,6 @@ class LocalServer:
             thread = threading.Thread(target=target, args=args, name=name, daemon=True)
             self._conns[conn] = thread
         if reason:
-            self._count("rejected")
             log.warning("local API: refused a connection from pid %d: %s", pid, reason)
         thread.start()
 
@@ -401,10 +391,6 @@ class LocalServer:
                 except Exception:  # noqa: BLE001 — a hook must not take the server down
                     log.exception("local API: a connection-close hook failed")
 
-    def _count(self, name: str) -> None:
-        with self._lock:
-            self.counters[name] += 1
-
     def _forget(self, conn: socket.socket) -> None:
         with self._lock:
             self._conns.pop(conn, None)
@@ -435,7 +421,6 @@ class LocalServer:
 
     def _protocol_error(self, conn: socket.socket, peer: dict[str, int], what: str,
                         reply: bool) -> bool:
-        self._count("protocol_errors")
         log.warning("local API: closing the connection from pid %d: %s", peer["pid"], what)
         if reply:
             self._send(conn, {"id": None, "ok": False,
@@ -450,7 +435,6 @@ class LocalServer:
                 conn, peer, 'a request needs "op" (a string), "id" (an integer) and, if '
                 f'present, "noreply" (a boolean); got op={op!r} id={rid!r} '
                 f"noreply={noreply!r}", True)
-        self._count("requests")
         msg["_peer"] = dict(peer)  # from the kernel: whatever the client claimed is replaced
         reply = self._bound_call(conn, op, msg, peer, noreply)
         if not noreply:
@@ -475,7 +459,6 @@ class LocalServer:
         try:
             self._binding.check(caller, op, msg)
         except CallerRefused as exc:
-            self._count("refused_requests")
             caller.refusals += 1
             if caller.refusals == 1:  # one line per connection: a loop must not flood the log
                 log.warning("local API: refused %r from pid %d (uid %d): %s", op, caller.pid,
@@ -512,12 +495,11 @@ class LocalServer:
 
     def _failed(self, op: str, peer: dict[str, int], noreply: bool, error: str,
                 bug: bool = False) -> dict[str, Any]:
-        """Counts and logs a failed request; returns its error reply.
+        """Logs a failed request; returns its error reply.
 
         A handler's bug is logged with its traceback. One-way requests (progress, every step)
         are logged once per op at warning level and at debug level after that.
         """
-        self._count("errors")
         with self._lock:
             first = op not in self._failures_logged
             self._failures_logged.add(op)

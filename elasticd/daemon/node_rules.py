@@ -65,7 +65,6 @@ class FenceBook:
 
         Args:
             declared: suspect leases with a ``failed`` event in etcd.
-            now: monotonic seconds.
         """
         declared = set(declared)
         order = None

@@ -27,15 +27,12 @@ class PeerWatch:
 
     Args:
         node_id: this node (a deletion of its own record raises :attr:`own_record_gone`).
-        coord, keys: where the records live.
-        membership: the view the records update.
         clock: injected time (the wall clock of a failure's observation).
         wake: called when a watch batch arrives (wakes the daemon's loop).
 
     Attributes:
         stale: the view may be stale: the daemon re-lists (after looking for a data loss).
         own_record_gone: this node's record was deleted; the daemon writes it again.
-        complaints: bad records, each logged once.
     """
 
     def __init__(self, node_id: str, coord: Coordinator, keys: Keyspace,
@@ -81,7 +78,6 @@ class PeerWatch:
         """What the watch delivered since the last call, as observations.
 
         Args:
-            now: the monotonic time of the cycle.
             cut_off: this node was cut off from etcd long enough for a peer's record to expire
                 unseen (a deletion then may be our own outage, not the peer's failure).
             leaving: this node is leaving (its own record's deletion is expected).

@@ -121,8 +121,6 @@ class TimelineRecorder:
     """Follows the recoveries this node writes the timeline of.
 
     Args:
-        coord, keys: where the events are.
-        events: the event log the record goes to.
         lease_ttl: the lease TTL (places the failure before its detection).
         give_up: seconds after which a recovery with no first step is written as it is.
         last_heard: when this node's replica server last received a frame from a node (wall

@@ -39,14 +39,10 @@ class Registration:
     """This node's record in etcd and the lease it registered with (owned by the daemon).
 
     Args:
-        coord, keys: etcd and the cluster keyspace.
-        keeper: the lease keeper (the lease to register with).
         health: etcd's health (a write that went through is a sign of it).
-        events: the cluster's event log (``joined``).
         membership: the cluster view (this node's own record goes in at once).
         lease_ttl: the lease's TTL (bounds the wait for a node id held by a crashed daemon).
         says: what the node is and does now: its state and its cycle sentence.
-        replication_address: where peers reach this node's replica server.
     """
 
     def __init__(self, node_id: str, coord: Coordinator, keys: Keyspace, keeper: LeaseKeeper,

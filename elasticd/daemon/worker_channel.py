@@ -95,7 +95,7 @@ class WorkerChannel:
         return f"{nbytes >> 20} MiB of restore scratch set aside" if nbytes else None
 
     def _on_progress(self, msg: dict[str, Any]) -> None:
-        self._jobs.on_progress(msg)
+        self._jobs.group.on_progress(msg)
         self._timeline.on_progress(msg)
 
     def _workers_aborted(self, msg: dict[str, Any]) -> dict[str, Any]:

@@ -22,7 +22,6 @@ class JobScope:
     """The job running on this node, as the daemon started it.
 
     Attributes:
-        job: its name.
         uid: the uid its processes run as.
         roots: the processes every process of the job descends from (the agent, the zygote):
             pid -> start time (:func:`start_time`).

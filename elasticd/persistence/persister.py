@@ -85,7 +85,6 @@ class Persister:
     """Flushes complete snapshots to ``root`` in the background.
 
     Args:
-        root: the persistent tier's directory.
         keep: complete steps kept per job (older ones are pruned after each flush).
         every_steps: flush steps that are multiples of this (or, when a multiple's snapshot was
             skipped, the first step offered after it).

@@ -90,7 +90,6 @@ class Replicator:
     Args:
         coord, keys: etcd and its keyspace (placement and commit records).
         store: this node's local slot store (the checkpoint service's).
-        secret: the cluster secret for the replication transport.
         m: replication factor, the owner's copy included.
         clock: times transfers, stamps records and bounds every wait.
         peers_address: node id -> (host, port) of its replica server, or None.
@@ -146,7 +145,6 @@ class Replicator:
         self.last_heard: Callable[[str], float | None] = lambda node: None
         self.pusher = Pusher(store, sink, self._connections, self.background.executor,
                              self.tracker, self.link_rates)
-        self.awaiting_commit = self.tracker.awaiting_commit
         if sink is not None:
             sink.on_pending = self.tracker.prefix.reread
             sink.on_landed = functools.partial(self.tracker.on_landed, holder=Holder.REPLICA)
@@ -187,8 +185,7 @@ class Replicator:
         old, need_watch = self.tracker.set_placement(job, placement)
         log.info("%s: %s", job, placement.describe())
         try:
-            if publish_placement(self.coord, self.keys, job, placement):
-                self.counters["placements_published"] += 1
+            publish_placement(self.coord, self.keys, job, placement)
         except CoordinationError as exc:
             self.tracker.etcd_error("publish the placement", exc)
         if need_watch:
@@ -234,7 +231,6 @@ class Replicator:
             st.gen_base.setdefault(version[0], version[1] - 1)
             placement = st.placement
         if placement is None or self.node_id not in placement.holders:
-            self.counters["no_placement"] += 1
             return
         peers = placement.peers_of(self.node_id)
         for peer in peers:

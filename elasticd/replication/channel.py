@@ -92,7 +92,6 @@ class Channel:
         # TLS sockets have no sendmsg; fall back to one sendall per part there.
         self._gather = isinstance(sock, socket.socket) and not isinstance(sock, ssl.SSLSocket)
         self.bytes_received = 0
-        self.bytes_sent = 0
         #: Seal outgoing / open incoming frames with these once authenticated (None before).
         self.send_key: FrameKey | None = None
         self.recv_key: FrameKey | None = None
@@ -201,7 +200,6 @@ class Channel:
             raise TransferTimeout(f"send blocked for {self._timeout()} s") from exc
         except OSError as exc:
             raise ConnectionLost(f"send failed: {exc}") from exc
-        self.bytes_sent += sum(memoryview(p).nbytes for p in parts)
 
     # -- receiving -------------------------------------------------------------------------
 

@@ -77,8 +77,6 @@ class Connections:
     server's counters.
 
     Args:
-        stats: the server's counters (a ``ServerStats``).
-        max_connections: authenticated peers at once.
         max_pending, handshake_timeout: connections in their handshake at once, and the
             seconds each may take in total.
         clock: times fetches and when peers were heard from.
@@ -130,7 +128,6 @@ class Connections:
             if displaced is not None:
                 victim = self._socks.get(displaced)
             self._socks[thread] = sock
-            self.stats.connections += 1
             return True, victim
 
     def expire(self) -> tuple[list[Any], float | None]:
@@ -148,7 +145,6 @@ class Connections:
             if self.stopping:
                 return "stopping"
             if self._authenticated >= self._max:
-                self.stats.connections_rejected += 1
                 return f"{self._max} peers connected"
             self._authenticated += 1
             return None

@@ -180,10 +180,11 @@ class Auth:
 
 
 @dataclasses.dataclass(frozen=True)
-class PutBegin:
-    """Announces a push; ``tag_salt`` when (some of) its DATA frames come pretagged."""
+class _Described:
+    """A frame naming a snapshot, and the salt of its block tags when its DATA comes
+    pretagged."""
 
-    TYPE: ClassVar[FrameType] = FrameType.PUT_BEGIN
+    TYPE: ClassVar[FrameType]
     descriptor: Descriptor
     tag_salt: bytes | None = None
 
@@ -191,9 +192,16 @@ class PutBegin:
         return _with_salt(self.descriptor, self.tag_salt)
 
     @classmethod
-    def parse(cls, p: memoryview) -> "PutBegin":
-        obj = _object(p, "PUT_BEGIN")
-        return cls(_descriptor(obj, "PUT_BEGIN"), _salt(obj, "PUT_BEGIN"))
+    def parse(cls, p: memoryview) -> Any:
+        obj = _object(p, cls.TYPE.name)
+        return cls(_descriptor(obj, cls.TYPE.name), _salt(obj, cls.TYPE.name))
+
+
+@dataclasses.dataclass(frozen=True)
+class PutBegin(_Described):
+    """Announces a push; ``tag_salt`` when (some of) its DATA frames come pretagged."""
+
+    TYPE: ClassVar[FrameType] = FrameType.PUT_BEGIN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,21 +323,11 @@ class Fetch:
 
 
 @dataclasses.dataclass(frozen=True)
-class FetchReply:
+class FetchReply(_Described):
     """The held copy a FETCH is served from; ``tag_salt`` when the holder kept its block tags
     (v5): the blocks of the range then come pretagged, checked by the receiver alone."""
 
     TYPE: ClassVar[FrameType] = FrameType.FETCH_REPLY
-    descriptor: Descriptor
-    tag_salt: bytes | None = None
-
-    def payload(self) -> bytes:
-        return _with_salt(self.descriptor, self.tag_salt)
-
-    @classmethod
-    def parse(cls, p: memoryview) -> "FetchReply":
-        obj = _object(p, "FETCH_REPLY")
-        return cls(_descriptor(obj, "FETCH_REPLY"), _salt(obj, "FETCH_REPLY"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,9 +38,7 @@ class Pusher:
     """Runs lane tasks: pushes of local snapshots and of held replicas to peers.
 
     Args:
-        store: this node's local slot store.
         sink: its replica sink (a source for exact pushes), or None.
-        connections: reused connections to peers.
         executor: the replicator's pool (lanes run on it).
         tracker: told of acknowledgements; holds the retention gate.
         rates: measured link rates: each push's whole-call deadline comes from them, and

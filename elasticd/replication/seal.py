@@ -168,7 +168,6 @@ class BlockTags:
     the block's byte offset as nonce, so a block moved to another offset fails too.
 
     Attributes:
-        salt: the snapshot's salt.
         tags: ``{offset: (length, tag)}``, one per block.
     """
 

@@ -13,15 +13,11 @@ and ``max_pending`` connections still in their handshake at once. A connection t
 nothing for ``idle_timeout`` seconds is closed. Socket timeouts run on the real clock; the
 injected clock only times transfers.
 
-Anyone who reaches the port can open connections, so those that have not proved the secret yet
-never take an authenticated peer's place: they have their own cap, the whole handshake must
-finish within ``handshake_timeout`` (not each receive: a byte every few seconds does not keep a
-connection alive), and when the pending cap is full a newcomer displaces the oldest pending
-connection of the source address holding the most (:mod:`elasticd.admission`). A flood from
-one address therefore only ever displaces its own connections: a peer, which has one handshake
-pending for a round trip or two, gets in however fast the flood reconnects. (Many addresses
+Connections that have not proved the secret yet never take an authenticated peer's place: they
+are admitted by the rules of :mod:`elasticd.admission` (their own cap, the whole handshake
+within ``handshake_timeout``, a flood from one address displacing only its own). Many addresses
 each holding as few pending handshakes as a peer could still displace it; the total deadline
-bounds each try.)
+bounds each try.
 """
 
 from __future__ import annotations
@@ -82,36 +78,20 @@ DEFAULT_CHUNK = 4 << 20
 class ServerStats:
     """Counters a metrics exporter reads (totals since start)."""
 
-    connections: int = 0
-    connections_rejected: int = 0  # authenticated peers over max_connections, or stopping
     pushes_committed: int = 0
     pushes_refused: int = 0
     pushes_aborted: int = 0
     protocol_errors: int = 0  # authenticated peers that broke the protocol (connection closed)
-    fetches: int = 0
     bytes_received: int = 0
-    bytes_sent: int = 0
 
 
 class ReplicaServer:
-    """Accepts authenticated peers and stores what they push into ``sink``.
+    """Accepts authenticated peers and stores what they push into ``sink`` (the limits:
+    the module's docstring).
 
     Args:
         host, port: where to listen (port 0: any free port; see :attr:`address`).
-        secret: the cluster secret (at least 16 bytes).
-        node_id: this daemon's node id, told to clients.
-        sink: where received snapshots land and fetches read from.
-        max_frame: largest DATA payload accepted.
-        idle_timeout: seconds without a byte from a peer before its connection is closed.
-        handshake_timeout: seconds a new connection may take for its whole handshake.
-        max_connections: authenticated peers served at once; more are refused after their
-            handshake.
-        max_pending: connections in their handshake at once; a new one beyond it displaces
-            the oldest.
-        ssl_context: server-side TLS context; None for plain TCP.
         auth_failures: counter of rejected handshakes (a new one when None).
-        chunk_size: DATA chunk size when serving fetches.
-        clock: times transfers.
     """
 
     def __init__(self, host: str, port: int, secret: bytes, node_id: str, sink: Sink,
@@ -288,8 +268,7 @@ class ReplicaServer:
             log.exception("replica server %s: serving %s failed", self.node_id, peer)
             channel.send_error("internal", f"{type(exc).__name__}")
         finally:
-            self._connections.bump(bytes_received=channel.bytes_received,
-                                   bytes_sent=channel.bytes_sent)
+            self._connections.bump(bytes_received=channel.bytes_received)
             channel.close()
             self._connections.end(me, authenticated)
 
@@ -382,4 +361,3 @@ class ReplicaServer:
         finally:
             self._connections.fetched()
             self.sink.release(d)
-        self._connections.bump(fetches=1)

@@ -27,7 +27,6 @@ side: no torch.
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 from typing import Any, Callable
@@ -94,7 +93,6 @@ class ShmSink(Sink):
         if cap_bytes is not None and cap_bytes < 0:
             raise ValueError(f"cap_bytes must be >= 0 or None, got {cap_bytes}")
         self.store, self.local, self.cap_bytes = store, local, cap_bytes
-        self.counters: collections.Counter[str] = collections.Counter()
         self._mem = threading.Lock()  # allocate runs outside the base class's lock
         self._pending: dict[Descriptor, Slot] = {}
         self._held: dict[tuple[str, int], Descriptor] = {}
@@ -131,7 +129,6 @@ class ShmSink(Sink):
         with self._mem:
             floor = self._floors.get(d.job, 0)
             if d.generation < floor:
-                self.counters["refused_abandoned"] += 1
                 raise Refused(STALE, f"generation {d.generation} of {d.job} was abandoned "
                                      f"(current generation {floor})")
             # A shard has two slots, one of which holds its newest copy: a second transfer of
@@ -169,7 +166,6 @@ class ShmSink(Sink):
                     raise Refused(IN_PROGRESS, str(again)) from again
                 victim = self._resolved(d, again)
                 self.on_superseded(d.job, d.owner_rank, victim)
-                self.counters["superseded_pending"] += 1
                 return self._reserve_once(d)
 
     def _resolved(self, d: Descriptor, pending: CommitPending) -> Version:
@@ -205,7 +201,6 @@ class ShmSink(Sink):
                 finally:
                     self._update_local_cap_locked()
         except OverBudget as exc:
-            self.counters["refused_no_space"] += 1
             raise Refused(NO_SPACE, str(exc)) from exc
         except CommitPending:
             raise  # handled by _reserve
@@ -241,17 +236,14 @@ class ShmSink(Sink):
             # The acknowledgement that follows may make it committed: it stays until then.
             self.on_landed(d.job, d.owner_rank, d.version)
         except (SnapshotError, StaleSlot, ValueError) as exc:
-            self.counters["refused_corrupt"] += 1
             log.error("REFUSED corrupt %s: %s", where, exc)
             raise Refused(CORRUPT, str(exc)) from exc
         with self._mem:
             self._held[d.shard] = d
-            self.counters["committed"] += 1
 
     def discard(self, d: Descriptor, reason: str) -> None:
         with self._mem:
             self._pending.pop(d, None)  # the slot stays reserved; the next reserve reuses it
-            self.counters["aborted"] += 1
         log.info("replica of %s rank %d %s dropped: %s", d.job, d.owner_rank, d.version, reason)
 
     def held(self, job: str, owner_rank: int) -> Descriptor | None:

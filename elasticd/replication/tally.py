@@ -116,11 +116,9 @@ class Tally:
     Args:
         term: this coordinator's term (its election record's random number).
         term_rev: mod_revision of its election key (what every write compares).
-        placement: the placement in force on this node.
         committed, committed_rev: the committed version known and its record's mod_revision.
         stored_placement: digest of the placement stored beside the committed record.
         ahead: the ahead version stored, if any.
-        floor: this node's generation floor.
     """
 
     def __init__(self, term: int, term_rev: int, placement: Placement, *,

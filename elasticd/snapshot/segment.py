@@ -119,7 +119,6 @@ class Segment:
 
     Attributes:
         path, capacity: the file (for messages and as the slot's identity) and its size.
-        view: writable memoryview of the whole mapping.
         header: the sealed header of the complete snapshot it holds, or None.
         pins: readers that asked to keep it from being reused.
         ticket: the reservation currently writing into it (0 for none).

@@ -179,7 +179,7 @@ def test_a_status_under_another_nodes_key_is_ignored(tmp_path):
                      lease=lambda: lease, clock=FakeClock())
     coord.put(KEYS.job_keys("job").spec, spec(tmp_path).encode())
     coord.put(KEYS.job_keys("job").node("n2"), NodeJobStatus("n3", "succeeded").encode(), lease)
-    mgr.start_watch()
+    mgr.records.start_watch()
     assert mgr.records.statuses.get("job", {}) == {} and mgr.records.succeeded_on("job", "n1") == []
 
 
@@ -256,7 +256,7 @@ def test_an_interpreter_the_job_user_cannot_run_refuses_the_job(tmp_path):
     os.chmod(script, 0o644)
     coord.put(KEYS.job_keys("job").spec, spec(tmp_path, python=python, cwd=str(work),
                                          script=str(script)).encode())
-    mgr.start_watch()
+    mgr.records.start_watch()
     mgr.step()
     assert mgr.supervisor is None
     assert mgr.board.status.state == "refused"
@@ -264,7 +264,7 @@ def test_an_interpreter_the_job_user_cannot_run_refuses_the_job(tmp_path):
     # ...and why, and what to do: the directory that stops it, and where to put a venv.
     assert f"it cannot enter {private} (mode 0700, owner root)" in mgr.board.status.detail
     assert "job_python" in mgr.board.status.detail and "--python" in mgr.board.status.detail
-    mgr.close()
+    mgr.records.close()
 
 
 def test_every_value_the_etcd_fuzz_writes_is_refused_by_its_decoder():

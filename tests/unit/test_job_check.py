@@ -170,7 +170,7 @@ def test_a_refused_job_is_checked_again_only_when_its_records_change(tmp_path):
     mgr.checks = JobChecks(str(tmp_path), clock, check=check)
     coord.put(KEYS.job_keys("job").spec, spec_for(tmp_path, "root", __file__).encode())
     coord.put(KEYS.job_keys("job").control, JobControl("running", 1.0, "first").encode())
-    mgr.start_watch()
+    mgr.records.start_watch()
     try:
         for _ in range(3):
             mgr.step()
@@ -188,7 +188,7 @@ def test_a_refused_job_is_checked_again_only_when_its_records_change(tmp_path):
         mgr.step()
         assert mgr.board.status.state == "stopped" and "no longer wanted" in mgr.board.status.detail
     finally:
-        mgr.close()
+        mgr.records.close()
 
 
 def test_a_job_waiting_for_its_files_holds_no_newer_job(tmp_path, monkeypatch):
@@ -212,7 +212,7 @@ def test_a_job_waiting_for_its_files_holds_no_newer_job(tmp_path, monkeypatch):
     for name in ("a", "b"):
         spec = spec_for(tmp_path, "root", __file__, name=name)
         coord.put(KEYS.job_keys(name).spec, spec.encode())
-    mgr.start_watch()
+    mgr.records.start_watch()
     try:
         mgr.step()
         assert checked == ["a"] and mgr.wanted() == "b"
@@ -222,7 +222,7 @@ def test_a_job_waiting_for_its_files_holds_no_newer_job(tmp_path, monkeypatch):
         mgr.step()
         assert mgr.job == "b" and checked == ["a", "b"]  # a waits while b runs
     finally:
-        mgr.close()
+        mgr.records.close()
 
 
 def test_holds_last_while_the_records_do():

@@ -27,9 +27,9 @@ def env(tmp_path):
     coord.put(keys.job_keys("job").spec, spec.encode())
     mgr = JobManager("n1", coord, keys, etcd="127.0.0.1:1", state_dir=str(tmp_path),
                      metrics=Metrics(), lease=lambda: lease, clock=FakeClock())
-    mgr.start_watch()
+    mgr.records.start_watch()
     yield coord, keys, mgr, lease
-    mgr.close()
+    mgr.records.close()
 
 
 def _peer(coord, keys, lease, node: str, state: str) -> None:
@@ -203,7 +203,7 @@ def test_without_a_hang_timeout_the_learned_one_is_in_force_published_and_double
     mgr.step()
     assert (mgr.board.status.hang_timeout, mgr.board.status.hang_timeout_source) == (30.0, "first_step")
     for step in range(1, 30):
-        mgr.on_progress({"job": "job", "rank": 0, "step": step, "_peer": {"pid": 7}})
+        mgr.group.on_progress({"job": "job", "rank": 0, "step": step, "_peer": {"pid": 7}})
         clock.advance(0.5 if step % 2 else 1.5)  # steps varying 3x
         mgr.step()
         assert agent.restarts == []
@@ -286,7 +286,7 @@ def test_a_straggler_names_itself_on_its_status_and_metric_and_drains_when_the_j
              nnodes_min=2)
     mgr.records.specs["job"] = (mgr.records.specs["job"][0], mgr.supervisor.spec)
     for step in range(12):
-        mgr.on_progress({"job": "job", "rank": 0, "step": step, "compute_seconds": 0.3,
+        mgr.group.on_progress({"job": "job", "rank": 0, "step": step, "compute_seconds": 0.3,
                          "_peer": {"pid": 7}})
         mgr.step()
         assert (mgr.board.status.straggler != "") == (step >= 10), step
@@ -305,7 +305,7 @@ def test_a_straggler_is_not_drained_below_the_jobs_minimum(env, tmp_path):
     _running(mgr, tmp_path, straggler_steps=3, straggler_drain=True, nnodes_min=2)
     mgr.records.specs["job"] = (mgr.records.specs["job"][0], mgr.supervisor.spec)
     for step in range(6):
-        mgr.on_progress({"job": "job", "rank": 0, "step": step, "compute_seconds": 0.5,
+        mgr.group.on_progress({"job": "job", "rank": 0, "step": step, "compute_seconds": 0.5,
                          "_peer": {"pid": 7}})
         mgr.step()
     assert mgr.board.status.straggler and coord.get(keys.drain("n1")) is None
@@ -318,11 +318,11 @@ def test_status_says_when_straggler_detection_is_off_for_want_of_compute_times(e
     mgr.step()
     assert mgr.describe()["straggler_detection"] == "waiting for the first step"
     for step in range(1, 4):  # a script written without ComputeTimer: steps, no compute time
-        mgr.on_progress({"job": "job", "rank": 0, "step": step, "_peer": {"pid": 7}})
+        mgr.group.on_progress({"job": "job", "rank": 0, "step": step, "_peer": {"pid": 7}})
         mgr.step()
     assert mgr.describe()["straggler_detection"].startswith(
         "off: the training script reports no compute time")
-    mgr.on_progress({"job": "job", "rank": 0, "step": 4, "compute_seconds": 0.2,
+    mgr.group.on_progress({"job": "job", "rank": 0, "step": 4, "compute_seconds": 0.2,
                      "_peer": {"pid": 7}})
     mgr.step()
     assert mgr.describe()["straggler_detection"] == "on"

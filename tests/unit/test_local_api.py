@@ -249,7 +249,6 @@ def test_requests_without_op_or_id_close_the_connection(server):
         reply = read_frame(s)
         assert reply["ok"] is False and '"op" (a string)' in reply["error"]
         assert_closed(s)
-    assert server.counters["protocol_errors"] == 5
 
 
 def test_oversized_length_is_refused_without_allocating_it(server, client):
@@ -296,7 +295,6 @@ def test_truncated_frame_closes_the_connection(server, client, data):
     s.shutdown(socket.SHUT_WR)
     assert_closed(s)  # nothing to answer: the peer is gone mid-frame
     assert client.call("echo", alive=1)["alive"] == 1
-    wait_for(lambda: server.counters["protocol_errors"] == 1)
 
 
 # -- credentials and start-up ----------------------------------------------------------------
@@ -340,7 +338,6 @@ def test_uid_not_allowed_is_refused_with_a_reason(make_server, clients):
     with pytest.raises(DaemonError, match=f"uid {os.geteuid()} may not use this elasticd "
                                           rf"\(allowed: {other}\)"):
         c.call("echo")
-    assert server.counters["rejected"] == 1 and server.counters["requests"] == 0
 
 
 def test_socket_is_private(server, sockdir):
@@ -450,7 +447,6 @@ def test_many_clients_concurrently(server, clients):
     for t in threads:
         t.join(60)
     assert not errors, errors[:3]
-    assert server.counters["requests"] == 8 * 500
     assert time.monotonic() - started < 30
 
 

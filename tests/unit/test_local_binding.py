@@ -146,7 +146,6 @@ def test_a_job_process_writes_only_its_own_rank_and_reads_only_its_own_job(daemo
     assert handlers.ops() == [("ckpt_reserve", "a", 0), ("ckpt_list", "a", None),
                               ("ckpt_open", "a", 1), ("ckpt_release", "a", None),
                               ("progress", "a", 0)]
-    assert server.counters["refused_requests"] == 7
 
 
 @pytest.mark.parametrize("who", ["other uid", "job uid, a recycled pid of the job's agent",
@@ -174,7 +173,6 @@ def test_only_the_running_jobs_processes_are_admitted(daemon, users, who):
     assert all("may not use this elasticd" in r.get("error", "")
                or "is not a process of job a" in r.get("error", "") for r in replies), replies
     assert handlers.ops() == []
-    assert server.counters["rejected"] >= 1
 
 
 def test_a_connection_of_an_ended_job_is_refused_once_another_runs(daemon, users):

@@ -319,9 +319,9 @@ def manager(tmp_path):
     coord.put(keys.job_keys("job").spec, spec.encode())
     mgr = JobManager("n3", coord, keys, etcd="127.0.0.1:1", state_dir=str(tmp_path),
                      metrics=Metrics(), lease=lambda: lease, clock=FakeClock())
-    mgr.start_watch()
+    mgr.records.start_watch()
     yield coord, keys, mgr, lease
-    mgr.close()
+    mgr.records.close()
 
 
 def test_the_writer_is_the_lowest_surviving_node_that_ran_workers(manager):

@@ -64,7 +64,6 @@ def test_a_pushed_snapshot_lands_in_a_slot_verified_and_byte_identical(node):
     assert bytes(held.buffer) == data
     assert held.path.startswith(replicas.root)  # in the replica store, not the local one
     assert sink.held(JOB, 3).version == (0, 7)
-    assert client.channel.bytes_sent >= len(data)  # server byte counts land at hang-up
 
 
 def test_stale_duplicate_and_abandoned_copies_are_refused(node):
@@ -102,7 +101,6 @@ def test_a_copy_failing_its_snapshot_checksums_is_refused_and_the_old_one_kept(n
     assert info.value.reason == CORRUPT
     assert sink.held(JOB, 1).version == (0, 1)
     assert bytes(replicas.latest(JOB, 1, verify=True).buffer) == good
-    assert sink.counters["refused_corrupt"] == 1
     push(client, sender, 1, 2)  # the connection is still usable and the real copy lands
     assert sink.held(JOB, 1).version == (0, 2)
 
