@@ -40,8 +40,8 @@ UNITS = [
                          "metric names, the etcd-only interface"),
     ("3edcaf3", "merge", "branch struct25: dead and test-only code, docstrings that "
                          "restate the code"),
-    ("1e4a6d4..HEAD", "range", "branch struct26: counters only tests read, code written twice, "
-                               "wrappers, docstrings that restate the code"),
+    ("4b26062", "merge", "branch struct26: counters only tests read, code written twice, "
+                         "wrappers, docstrings that restate the code"),
 ]
 
 
