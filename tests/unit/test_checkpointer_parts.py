@@ -89,6 +89,34 @@ def test_an_optimizer_step_waits_for_the_copy_in_flight():
     assert len(waits) == 1
 
 
+def test_an_optimizer_made_again_is_hooked_even_with_the_id_of_a_gone_one():
+    # Under @elasticd.in_process a ZeRO or FSDP2 optimizer is made for each round, and CPython
+    # often gives the new one the id of the last, gone since: it was taken for hooked, and its
+    # step ran while the copy still read the parameters (a torn snapshot).
+    import gc
+
+    model = torch.nn.Linear(2, 2)
+    waits: list[float] = []
+    fence = OptimizerFence(timeout=0.01, on_wait=waits.append)
+    seen: set[int] = set()
+    for _ in range(100):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if id(opt) in seen:
+            break
+        fence.watch({"optim": opt})
+        seen.add(id(opt))
+        del opt
+        gc.collect()
+    else:
+        pytest.skip("no optimizer took a gone one's id")
+    fence.watch({"optim": opt})
+    fence.copy = _Copy()  # never finishes: a hooked step waits (the timeout), then goes
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    assert len(waits) == 1
+    fence.close()
+
+
 def test_a_plan_is_kept_while_the_state_keeps_its_shape():
     model = torch.nn.BatchNorm1d(3)
     planner = Planner("job")
