@@ -152,7 +152,7 @@ def plot(path: str, elastic: Outcome, reference: list[dict[str, Any]],
     plt.close(fig)
 
 
-INPROCESS_STEPS = 150
+INPROCESS_STEPS = 400  # the job still trains when the node is back (~5 s to join)
 INPROCESS_REFERENCE = os.path.join(REPO, "bench", "inprocess_reference.py")
 
 

@@ -17,7 +17,9 @@ group; the process, and what it built outside the function, stay):
   to the round's device mesh: after a shrink the survivors' shards are of the wrong size and on
   a mesh whose group is gone, so the model is made again, ``fully_shard`` on the new group, and
   ``restore`` loads it: each survivor's old shard from its own node's RAM, the rows it now
-  needs that other old ranks held from theirs or from peers').
+  needs that other old ranks held from theirs or from peers'). With torch 2.13 an FSDP2
+  survivor's first re-formation still falls back to a restart: torch keeps the first round's
+  group alive after ``fully_shard`` (docs/jobs.md, "Sharded state").
 * Then ``restore`` first, every round, on every rank: the ranks agree on the newest step every
   one of them can load (a survivor of a DDP job from its own slot, the rank it was; sharded
   state — FSDP2, ZeRO — the committed step, resharded from the old ranks' snapshots, as after
