@@ -98,15 +98,18 @@ def test_an_optimizer_made_again_is_hooked_even_with_the_id_of_a_gone_one():
     model = torch.nn.Linear(2, 2)
     waits: list[float] = []
     fence = OptimizerFence(timeout=0.01, on_wait=waits.append)
+    def a_round() -> int:  # an optimizer watched, then gone: its id
+        gone = torch.optim.SGD(model.parameters(), lr=0.1)
+        fence.watch({"optim": gone})
+        return id(gone)
+
     seen: set[int] = set()
     for _ in range(100):
+        seen.add(a_round())
+        gc.collect()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         if id(opt) in seen:
             break
-        fence.watch({"optim": opt})
-        seen.add(id(opt))
-        del opt
-        gc.collect()
     else:
         pytest.skip("no optimizer took a gone one's id")
     fence.watch({"optim": opt})
