@@ -24,6 +24,22 @@ Not in CI (a chaos run and three reference segments, about two minutes). The com
 
     flock /tmp/elasticd-cpu.lock .venv/bin/python bench/loss_curves.py \\
         --out bench/results/loss_curves.json --plot bench/results/plots/loss_shrink_grow.png
+
+``--mode in-process --model ddp|fsdp``: the same comparison for a job in in-process mode
+(issue 31): examples/train_in_process.py (``--model``: DDP, or FSDP2 with uneven shards) on 3
+nodes x 2 ranks, ``submit --in-process``, replication on; kill -9 of a node (not rank 0's) at
+step 30, whose 4 survivors re-form in their own processes at world 4, then the node's daemon
+back once they trained 20 steps there, and the job re-forms at world 6 (survivors in-process,
+the node's 2 new workers fresh). Each row of the job's step log is (world, rank, step, loss);
+the kept one for a key is the last written. The reference: bench/inprocess_reference.py (the
+example's own model, step and batch, imported) under plain gloo groups, world 6 to the step
+the shrink resumed from, then ``dcp.load`` at world 4 to the step the rejoin resumed from, then
+world 6 to the end. The committed results:
+
+    /work/wt/cpulock .venv/bin/python bench/loss_curves.py --mode in-process --model ddp \\
+        --out bench/results/loss_curves_inprocess_ddp.json
+    /work/wt/cpulock .venv/bin/python bench/loss_curves.py --mode in-process --model fsdp \\
+        --out bench/results/loss_curves_inprocess_fsdp.json
 """
 
 from __future__ import annotations
@@ -136,16 +152,131 @@ def plot(path: str, elastic: Outcome, reference: list[dict[str, Any]],
     plt.close(fig)
 
 
+INPROCESS_STEPS = 400  # the job still trains when the node is back (~5 s to join)
+INPROCESS_REFERENCE = os.path.join(REPO, "bench", "inprocess_reference.py")
+
+
+def inprocess_run(workdir: str, model: str) -> dict[str, Any]:
+    """The in-process job's run (see the module docstring); stops every process it started.
+    Returns its rows, the shrink's and the rejoin's resumed steps, and the survivors' pids."""
+    from elasticd.launcher import LocalCluster
+    from tests.chaos.test_in_process import _first_at, _rows, _submit, _wait
+
+    logdir = job_writable(os.path.join(workdir, "steps"))
+    cluster = LocalCluster(["n1", "n2", "n3"], workdir=os.path.join(workdir, "cluster"),
+                           lease_ttl=2, replication=True)
+    try:
+        cluster.start()
+        _submit(cluster, logdir, INPROCESS_STEPS, train_args=("--model", model))
+        first6 = _first_at(_rows(logdir), 6, 0)
+        tagged = {n: set(cluster.nodes[n].tagged()) for n in cluster.nodes}
+        zero = next(pid for pid, row in first6.items() if row["rank"] == 0)
+        victim = next(n for n in sorted(tagged) if set(first6) & tagged[n]
+                      and zero not in tagged[n])
+        _wait(lambda: max(r["step"] for r in _rows(logdir) if "step" in r) >= 30, 120,
+              "step 30", cluster)
+        t_kill = time.time()
+        cluster.nodes[victim].kill()
+        at4 = _wait(lambda: (f := _first_at(_rows(logdir), 4, t_kill)) and len(f) == 4 and f,
+                    90, "4 ranks training at world 4", cluster)
+        shrink = min(r["step"] for r in at4.values()) - 1
+        _wait(lambda: max(r["step"] for r in _rows(logdir) if "step" in r) >= shrink + 20,
+              120, "20 steps at world 4", cluster)
+        t_back = time.time()
+        cluster.start_node(victim)
+        again = _wait(lambda: (f := _first_at(_rows(logdir), 6, t_back)) and len(f) == 6
+                      and f, 300, "6 ranks training again", cluster)
+        _wait(lambda: sum(1 for r in _rows(logdir) if "done" in r) >= 6, 300,
+              "the job finishing", cluster)
+    finally:
+        cluster.stop()
+    survivors = set(first6) - tagged[victim]
+    return {"rows": [r for r in _rows(logdir) if "step" in r], "victim": victim,
+            "shrink": shrink, "rejoin": min(r["step"] for r in again.values()) - 1,
+            "survivors": sorted(survivors), "survivors_kept": sorted(survivors & set(at4)
+                                                                     & set(again)),
+            "paths": {"world 4": sorted({r["path"] for r in at4.values()}),
+                      "world 6 again": sorted({r["path"] for r in again.values()})},
+            "resumed_at_4": sorted({r["step"] - 1 for r in at4.values()}),
+            "resumed_at_6": sorted({r["step"] - 1 for r in again.values()})}
+
+
+def inprocess_main(args: argparse.Namespace, workdir: str, started: float) -> int:
+    run = inprocess_run(os.path.join(workdir, "elasticd"), args.model)
+    kept: dict[tuple[int, int, int], float] = {}
+    for r in sorted(run["rows"], key=lambda r: r["t"]):  # the last written wins
+        kept[(r["world"], r["rank"], r["step"])] = r["loss"]
+    shrink, rejoin = run["shrink"], run["rejoin"]
+    print(f"elasticd ({args.model}, in-process): survivors {run['survivors']} kept "
+          f"{run['survivors_kept']}; resumed at world 4 from {run['resumed_at_4']}, at world 6 "
+          f"again from {run['resumed_at_6']}", flush=True)
+    ref_dir = os.path.join(workdir, "reference")
+    os.makedirs(ref_dir)
+    logs = os.path.join(ref_dir, "losses")
+    resume = ""
+    segments = [(6, 0, shrink), (4, shrink, rejoin), (6, rejoin, INPROCESS_STEPS)]
+    for i, (world, first, last) in enumerate(segments):
+        save = os.path.join(ref_dir, f"save-{i}")
+        gloo_job([sys.executable, INPROCESS_REFERENCE, "--model", args.model, "--first",
+                  str(first), "--steps", str(last), "--save", save, "--log", logs,
+                  *(["--resume", resume] if resume else [])], world, 300)
+        resume = save
+    reference = [json.loads(line) for path in glob.glob(os.path.join(logs, "*.jsonl"))
+                 for line in open(path)]
+    diffs, missing = [], []
+    for r in reference:
+        key = (r["world"], r["rank"], r["step"])
+        if key not in kept:
+            missing.append(key)
+        else:
+            diffs.append(abs(kept[key] - r["loss"]))
+    compared, equal = len(diffs), sum(d == 0.0 for d in diffs)
+    max_diff = max(diffs) if diffs else None
+    print(f"compared {compared} (world, rank, step) losses: {equal} bitwise equal, largest "
+          f"difference {max_diff}; not in the elasticd run: {missing}", flush=True)
+    result = {
+        "command": "bench/loss_curves.py " + " ".join(sys.argv[1:]),
+        "when": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started)) + " UTC",
+        "host": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "scenario": f"examples/train_in_process.py --model {args.model}, submit --in-process, "
+                    "3 nodes x 2 ranks, --nnodes 2:3, replication on, kill -9 of a node (not "
+                    "rank 0's) at step 30, its daemon back 20 steps later, "
+                    f"{INPROCESS_STEPS} steps",
+        "elasticd": {k: v for k, v in run.items() if k != "rows"},
+        "reference_segments": [{"world": w, "steps": [a + 1, b]} for w, a, b in segments],
+        "compared_losses": compared,
+        "bitwise_equal": equal,
+        "max_abs_difference": max_diff,
+        "missing_in_elasticd_run": missing,
+        "losses": {
+            "elasticd_kept": [[w, rk, st, v] for (w, rk, st), v in sorted(kept.items())],
+            "reference": sorted([r["world"], r["rank"], r["step"], r["loss"]]
+                                for r in reference),
+        },
+    }
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=1)
+            fh.write("\n")
+        print(f"results: {args.out}")
+    return 0 if compared and max_diff == 0.0 and not missing else 1
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="")
     p.add_argument("--plot", default="")
+    p.add_argument("--mode", choices=("restart", "in-process"), default="restart")
+    p.add_argument("--model", choices=("ddp", "fsdp"), default="fsdp",
+                   help="--mode in-process: the example's model")
     args = p.parse_args()
 
     workdir = tempfile.mkdtemp(prefix="elasticd-loss-")  # ours; only the cluster part is the job's
     print(f"loss curves: logs in {workdir}", flush=True)
     started = time.time()
+    if args.mode == "in-process":
+        return inprocess_main(args, workdir, started)
     out, kept = elasticd_run(job_writable(os.path.join(workdir, "elasticd")))
     shrink, grow = out.recoveries
     print(f"elasticd: attempts {[a.world for a in out.attempts]}, shrink restored step "

@@ -133,6 +133,7 @@ class Checkpointer:
         Raises:
             RestoreError: the agreed snapshot does not fit the state (on every rank).
         """
+        _drop_grads(state)
         if self.transport is None and not self.persist_dir:
             self._notices.once("nodaemon", "ELASTICD_SOCKET is not set: not running under elasticd, "
                             "so nothing is restored and snapshots are off")
@@ -399,6 +400,22 @@ class Checkpointer:
         self.stats["failed"] += 1
         self._notices.once(f"fail-{what}", f"elasticd {what} failed: {exc} (training goes on; "
                         "further failures of this kind are counted, not logged)")
+
+
+def _drop_grads(state: Mapping[str, Any]) -> None:
+    """Drops the gradients of every parameter of ``state``'s modules and optimizers: a restore
+    puts the state at a step boundary, as a restarted worker's fresh process has it. A survivor
+    re-entering its function (``@elasticd.in_process``) may hold the gradients of the step its
+    group broke in, which backward would add the next step's to (DDP then averaged both)."""
+    for value in state.values():
+        if isinstance(value, torch.nn.Module):
+            params: Any = value.parameters()
+        elif isinstance(value, torch.optim.Optimizer):
+            params = (p for g in value.param_groups for p in g["params"])
+        else:
+            continue
+        for p in params:
+            p.grad = None
 
 
 class _Reservation:

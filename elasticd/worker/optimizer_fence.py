@@ -9,6 +9,7 @@ optimizer mutates anything. Worker side.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Callable, Mapping
 
 import torch
@@ -30,16 +31,29 @@ class OptimizerFence:
 
     def __init__(self, timeout: float, on_wait: Callable[[float], None]) -> None:
         self._timeout, self._on_wait = timeout, on_wait
-        self._hooks: dict[int, Any] = {}
+        #: id(optimizer) -> (a weak reference to it, its hook's handle)
+        self._hooks: dict[int, tuple[Any, Any]] = {}
         self._stall = 0.0
         #: The copy in flight (a CopyHandle), or None.
         self.copy: Any = None
 
     def watch(self, state: Mapping[str, Any]) -> None:
-        """Hooks every optimizer in ``state`` not hooked yet."""
+        """Hooks every optimizer in ``state`` not hooked yet.
+
+        By identity, checked through a weak reference: an optimizer made for each round
+        (``@elasticd.in_process``: ZeRO, FSDP2's) may take the id of the last round's, gone
+        since, and would otherwise go unhooked, its step free to change parameters the copy
+        is still reading."""
         for value in state.values():
-            if isinstance(value, torch.optim.Optimizer) and id(value) not in self._hooks:
-                self._hooks[id(value)] = value.register_step_pre_hook(self._before_step)
+            if not isinstance(value, torch.optim.Optimizer):
+                continue
+            held = self._hooks.get(id(value))
+            if held is not None and held[0]() is value:
+                continue
+            if held is not None:
+                held[1].remove()  # the hook of a gone optimizer whose id this one took
+            self._hooks[id(value)] = (weakref.ref(value),
+                                      value.register_step_pre_hook(self._before_step))
 
     def take_stall(self) -> float:
         """Seconds the hooks held the training loop since the last call."""
@@ -48,7 +62,7 @@ class OptimizerFence:
 
     def close(self) -> None:
         """Removes every hook."""
-        for handle in self._hooks.values():
+        for _, handle in self._hooks.values():
             handle.remove()
         self._hooks.clear()
 

@@ -180,7 +180,8 @@ class Sources:
 
         Args:
             world: the world size ``version`` was saved at (default: the current one); at
-                another world size this rank loads old rank ``rank % world``'s shard, or,
+                another world size this rank loads old rank ``rank % world``'s shard (a
+                survivor of an in-process re-formation: the rank it was, from its own slot), or,
                 when no copy of that one is left in any node's RAM, another old rank's (the
                 same model and optimizer for replicated state; the resharder takes the rows
                 of sharded state from every old rank it needs either way). Otherwise the
@@ -205,6 +206,10 @@ class Sources:
         if version in self.fetchable and self.transport is not None:
             reshard = world != self.world
             base = self.rank % world  # this rank itself at the same world size
+            if reshard and self.previous is not None and self.previous[1] == world:
+                # A survivor of an in-process re-formation: the snapshot it wrote itself, in
+                # its own node's RAM; the resharder takes the rows it lacks from the others.
+                base = self.previous[0]
             for old in [(base + i) % world for i in range(world if reshard else 1)]:
                 try:
                     got = self._from_daemon("ckpt_fetch", version, world, refused, old,

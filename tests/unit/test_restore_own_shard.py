@@ -114,3 +114,29 @@ def test_the_same_place_restores_as_before(service):
         results = _reform(ckpts, states, world=3)
         assert [step for step, _ in results] == [4, 4, 4]
         assert all(_same_model(states[r], refs[(r, 4)]) for r in range(3))
+
+
+class _Lost:
+    """A daemon that holds no copy of anything: records which old ranks were asked for."""
+
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+
+    def call(self, op, **fields):
+        self.asked.append(fields["rank"])
+        return {"lost": True, "reason": "test"}
+
+
+def test_a_survivor_reshards_the_committed_step_from_the_snapshot_it_wrote_first():
+    # Sharded state (FSDP2, ZeRO) takes the committed step at the old world size: a survivor
+    # (old rank 4 of 6, now rank 2 of 4) starts from its own snapshot, in its node's RAM, and
+    # fetches only the rows it lacks; before, it fetched old rank 2's (a peer's) first.
+    version = (1, 5)
+    survivor = sources_module.Sources(_Lost(), JOB, 2, 4, previous=(4, 6))
+    survivor.fetchable = {version}
+    assert survivor.fetch(version, [], world=6) is None
+    assert survivor.transport.asked[0] == 4
+    fresh = sources_module.Sources(_Lost(), JOB, 2, 4)  # a fresh process: its new rank's
+    fresh.fetchable = {version}
+    fresh.fetch(version, [], world=6)
+    assert fresh.transport.asked[0] == 2
