@@ -63,6 +63,8 @@ def test_the_daemons_node_watches_count_each_watchers_events_until_cancelled(etc
             else scale_native.NodeWatchPool(loop, endpoint, 2))
     etcd_client.put(prefix + b"a", b"x" * 400)
     _, revision = etcd_client.get_prefix(prefix)
+    # The daemons' listing without elasticd's decoding reads the same revision.
+    assert scale_native.RawLister(endpoint)(prefix) == revision
     first, cancel_first = pool.watch(prefix, revision + 1)
     etcd_client.put(prefix + b"b", b"x" * 400)
     _, revision = etcd_client.get_prefix(prefix)
