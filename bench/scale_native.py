@@ -1110,10 +1110,12 @@ def main() -> int:
                    help="the daemons' listing of nodes/ at registration: through elasticd's "
                         "client, every record decoded (aio), or one Range request whose reply "
                         "is read for its revision only (raw, RawLister); etcd sends the same")
-    p.add_argument("--commit-pool-threads", type=int, default=0,
+    p.add_argument("--commit-pool-threads", type=int, default=16,
                    help="the commit phase: 0, each node's commit code on a pool of its own (2 "
-                        "threads, as the daemon's replicator); K, one pool of K threads per "
-                        "simulator process for all its nodes (the same tasks, fewer threads)")
+                        "threads, as the daemon's replicator; the default before 2026-11-29 "
+                        "21:00); K, one pool of K threads per simulator process for all its "
+                        "nodes (the same tasks, fewer threads: bench/results/"
+                        "scale_native_commit_pool_ab.json)")
     p.add_argument("--tick-batch", type=int, default=1,
                    help="1: the commit phase's per-node tick as one pass over a process's "
                         "nodes (the simulator's bookkeeping once per pass, the lag sampled "
