@@ -66,10 +66,13 @@ class HarnessNode:
     """One simulated node's commit code (see the module docstring)."""
 
     def __init__(self, name: str, coord: Any, keys: Keyspace, reports: LocalReports | None,
-                 ttl: float = 2.0) -> None:
+                 ttl: float = 2.0, background: Background | None = None) -> None:
         self.name, self.coord, self.keys = name, coord, keys
         self._tick_at = 0.0
-        self.background = Background(f"harness-{name}", 2)
+        # The tracker's pool (the replicator's, 2 threads, on a real node); a simulator may
+        # hand one pool to many nodes: the same tasks through the same code, fewer threads
+        # waiting for one interpreter's GIL.
+        self.background = background or Background(f"harness-{name}", 2)
         kw: dict[str, Any] = {"commit_wait": 0.0, "withdraw_after": 1.0}
         if NEW:
             kw.update(send=reports, lease_ttl=ttl)

@@ -1,5 +1,6 @@
-"""etcd's LeaseKeepAlive on one HTTP/2 stream written by hand, for the scale simulator's
-keep-alive processes (``scale_native.py --keepalive-client raw``).
+"""etcd's LeaseKeepAlive and Watch streams written by hand over HTTP/2, for the scale
+simulator's keep-alive processes (``scale_native.py --keepalive-client raw``) and its daemons'
+node watches (``--node-watch-client raw``, :class:`RawWatch`).
 
 grpc.aio cost the keep-alive processes ~0.36-0.40 ms of CPU per refresh (32-36 % of a core for
 the ~900 a second of N = 300): at N = 1,000 (3,000 a second) more than a core of the two this
@@ -13,6 +14,13 @@ Only what this stream needs of HTTP/2: the preface, SETTINGS (a large window, so
 wait for a WINDOW_UPDATE), the request headers as HPACK literals, SETTINGS and PING
 acknowledgements, the send windows etcd grants, and the end of the stream (trailers,
 RST_STREAM, GOAWAY, a closed socket), after which the owner opens another.
+
+The daemons' ``nodes/`` watches: at a cold start each of N daemons receives every later
+registration, N²/2 watch responses (500,000 at N = 1,000, more when leases lapse and records
+are rewritten). Through grpc.aio each cost the simulator process tens of microseconds (its
+message objects and its asyncio hand-offs), which starved the simulated nodes' threads and
+keep-alives; here the frames are cut out of whole reads and each response's top level walked
+in place, its events counted by their tags (:func:`watch_responses`).
 
     python bench/h2_keepalive.py 127.0.0.1:2379 1000 4   # grant 1000 leases, keep them 4 s
 """
@@ -86,12 +94,14 @@ def answers(buf: bytes) -> tuple[list[tuple[int, int]], bytes]:
     return out, buf[i:]
 
 
-class RawKeepAlive:
-    """One connection, one LeaseKeepAlive stream; ``on_answer(id, ttl)`` for each answer,
-    ``on_broken()`` when the stream ends (then call :meth:`open` again)."""
+class RawStream:
+    """One connection, one bidirectional gRPC stream to ``path``; ``parse(buf)`` takes the
+    received bytes and returns what is left of an incomplete message (it calls its owner for
+    each whole one), ``on_broken()`` when the stream ends (then call :meth:`open` again)."""
 
-    def __init__(self, host: str, port: int, on_answer, on_broken) -> None:
-        self.host, self.port, self.on_answer, self.on_broken = host, port, on_answer, on_broken
+    def __init__(self, host: str, port: int, path: bytes, parse, on_broken) -> None:
+        self.host, self.port, self.path, self.parse = host, port, path, parse
+        self.on_broken = on_broken
         self.writer = None
         self.pending = bytearray()
         self.window = self.stream_window = 65535
@@ -103,7 +113,7 @@ class RawKeepAlive:
         reader, writer = await asyncio.open_connection(self.host, self.port)
         self.window = self.stream_window = self.initial = 65535
         self.pending.clear()
-        hdr = (b"\x83\x86" + b"\x04" + literal(b"/etcdserverpb.Lease/LeaseKeepAlive")
+        hdr = (b"\x83\x86" + b"\x04" + literal(self.path)
                + b"\x01" + literal(f"{self.host}:{self.port}".encode())
                + b"\x00" + literal(b"content-type") + literal(b"application/grpc")
                + b"\x00" + literal(b"te") + literal(b"trailers"))
@@ -114,7 +124,7 @@ class RawKeepAlive:
         asyncio.ensure_future(self._read(reader, writer))
 
     def send(self, data: bytes) -> None:
-        """Queues gRPC messages (:func:`request`'s) and writes what the windows allow."""
+        """Queues gRPC messages (5-byte prefix included) and writes what the windows allow."""
         self.pending += data
         self._flush()
 
@@ -135,54 +145,143 @@ class RawKeepAlive:
             w.write(b"".join(out))
 
     async def _read(self, reader, writer) -> None:
+        # Whole reads of what has arrived, frames cut out of the buffer: a watch stream brings
+        # hundreds of thousands of small frames at a cold start, one await each cost more
+        # than the parsing.
         grpc = b""
+        buf = b""
         try:
             while True:
-                head = await reader.readexactly(9)
-                n = (head[0] << 16) | (head[1] << 8) | head[2]
-                kind, flags = head[3], head[4]
-                stream = int.from_bytes(head[5:9], "big") & 0x7FFFFFFF
-                payload = await reader.readexactly(n) if n else b""
-                if kind == DATA:
-                    if flags & 0x8:
-                        payload = payload[1:len(payload) - payload[0]]
-                    self.received += n
-                    if self.received > 1 << 24:  # give the connection's window back
-                        writer.write(frame(WINDOW, 0, 0, struct.pack(">I", self.received)))
-                        self.received = 0
-                    got, grpc = answers(grpc + payload)
-                    for lid, ttl in got:
-                        self.on_answer(lid, ttl)
-                    if flags & 0x1:
-                        break
-                elif kind == SETTINGS and not flags & 0x1:
-                    for k in range(0, len(payload), 6):
-                        ident, value = struct.unpack(">HI", payload[k:k + 6])
-                        if ident == 4:
-                            self.stream_window += value - self.initial
-                            self.initial = value
-                        elif ident == 5:
-                            self.max_frame = value
-                    writer.write(frame(SETTINGS, 0x1, 0))
-                    self._flush()
-                elif kind == PING and not flags & 0x1:
-                    writer.write(frame(PING, 0x1, 0, payload))
-                elif kind == WINDOW:
-                    inc = int.from_bytes(payload, "big") & 0x7FFFFFFF
-                    if stream == 0:
-                        self.window += inc
-                    else:
-                        self.stream_window += inc
-                    self._flush()
-                elif kind == HEADERS and flags & 0x1:  # trailers: the stream ended
+                chunk = await reader.read(1 << 18)
+                if not chunk:
                     break
-                elif kind in (RST, GOAWAY):
+                buf += chunk
+                i, n_buf, data, ended = 0, len(buf), [], False
+                while n_buf - i >= 9:
+                    n = (buf[i] << 16) | (buf[i + 1] << 8) | buf[i + 2]
+                    if n_buf - i - 9 < n:
+                        break
+                    kind, flags = buf[i + 3], buf[i + 4]
+                    stream = int.from_bytes(buf[i + 5:i + 9], "big") & 0x7FFFFFFF
+                    payload = buf[i + 9:i + 9 + n]
+                    i += 9 + n
+                    if kind == DATA:
+                        if flags & 0x8:
+                            payload = payload[1:len(payload) - payload[0]]
+                        self.received += n
+                        data.append(payload)
+                        if flags & 0x1:
+                            ended = True
+                            break
+                    elif kind == SETTINGS and not flags & 0x1:
+                        for k in range(0, len(payload), 6):
+                            ident, value = struct.unpack(">HI", payload[k:k + 6])
+                            if ident == 4:
+                                self.stream_window += value - self.initial
+                                self.initial = value
+                            elif ident == 5:
+                                self.max_frame = value
+                        writer.write(frame(SETTINGS, 0x1, 0))
+                        self._flush()
+                    elif kind == PING and not flags & 0x1:
+                        writer.write(frame(PING, 0x1, 0, payload))
+                    elif kind == WINDOW:
+                        inc = int.from_bytes(payload, "big") & 0x7FFFFFFF
+                        if stream == 0:
+                            self.window += inc
+                        else:
+                            self.stream_window += inc
+                        self._flush()
+                    elif kind == HEADERS and flags & 0x1:  # trailers: the stream ended
+                        ended = True
+                        break
+                    elif kind in (RST, GOAWAY):
+                        ended = True
+                        break
+                buf = buf[i:]
+                if data:
+                    grpc = self.parse(grpc + b"".join(data))
+                if self.received > 1 << 24:  # give the connection's and stream's window back
+                    writer.write(frame(WINDOW, 0, 0, struct.pack(">I", self.received))
+                                 + frame(WINDOW, 0, 1, struct.pack(">I", self.received)))
+                    self.received = 0
+                if ended:
                     break
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             pass
         self.writer = None
         writer.close()
         self.on_broken()
+
+
+class RawKeepAlive(RawStream):
+    """One connection, one LeaseKeepAlive stream; ``on_answer(id, ttl)`` for each answer,
+    ``on_broken()`` when the stream ends (then call :meth:`open` again)."""
+
+    def __init__(self, host: str, port: int, on_answer, on_broken) -> None:
+        def parse(buf: bytes) -> bytes:
+            got, rest = answers(buf)
+            for lid, ttl in got:
+                on_answer(lid, ttl)
+            return rest
+
+        super().__init__(host, port, b"/etcdserverpb.Lease/LeaseKeepAlive", parse, on_broken)
+
+
+def grpc_message(msg: bytes) -> bytes:
+    """A protobuf message as one gRPC message on the wire (uncompressed)."""
+    return b"\x00" + struct.pack(">I", len(msg)) + msg
+
+
+def watch_responses(buf: bytes) -> tuple[list[tuple[int, bool, bool, int]], bytes]:
+    """(watch_id, created, canceled, events) of each whole WatchResponse in ``buf``; the rest.
+
+    Only the top level of each message is walked: the events (field 11) are counted by their
+    tags and skipped, never decoded (a watcher's cost to etcd does not depend on it)."""
+    out, i, n = [], 0, len(buf)
+    while n - i >= 5:
+        size = int.from_bytes(buf[i + 1:i + 5], "big")
+        if n - i - 5 < size:
+            break
+        j, end = i + 5, i + 5 + size
+        wid, created, canceled, events = 0, False, False, 0
+        while j < end:
+            tag = buf[j]
+            j += 1
+            v = s = 0
+            while True:
+                b = buf[j]; j += 1; v |= (b & 0x7F) << s; s += 7
+                if b < 0x80:
+                    break
+            if tag & 7 == 2:  # length-delimited: the header, a reason, an event
+                j += v
+                if tag == 0x5A:
+                    events += 1
+            elif tag == 0x10:
+                wid = v
+            elif tag == 0x18:
+                created = bool(v)
+            elif tag == 0x20:
+                canceled = bool(v)
+        out.append((wid, created, canceled, events))
+        i = end
+    return out, buf[i:]
+
+
+class RawWatch(RawStream):
+    """One connection, one Watch stream carrying many watches, each with its own watch ID
+    (etcd pays per watcher, not per stream); ``on_response(watch_id, created, canceled,
+    events)`` for each response, its events counted, not decoded (:func:`watch_responses`).
+    Create and cancel requests are etcd's own protobuf messages, sent as they are."""
+
+    def __init__(self, host: str, port: int, on_response, on_broken) -> None:
+        def parse(buf: bytes) -> bytes:
+            got, rest = watch_responses(buf)
+            for r in got:
+                on_response(*r)
+            return rest
+
+        super().__init__(host, port, b"/etcdserverpb.Watch/Watch", parse, on_broken)
 
 
 if __name__ == "__main__":  # a check against a running etcd: grant, keep alive, count

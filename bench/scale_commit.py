@@ -39,6 +39,7 @@ from elasticd.agent.commit_watch import CommitWatch
 from elasticd.coordination.api import CoordinationError
 from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endpoints
 from elasticd.replication.api import ReplicationError
+from elasticd.replication.background import Background
 from elasticd.replication.commit import decode_committed
 from elasticd.replication.placement import compute_placement
 from elasticd.replication.report import Reply, Report, decode_reply, decode_report, \
@@ -174,8 +175,11 @@ class WorkerCommit:
             names, {nm: range(k * a.ranks_per_node, (k + 1) * a.ranks_per_node)
                     for k, nm in enumerate(names)}, a.replicas, round=1)
         self.t0 = t0
+        threads = getattr(a, "commit_pool_threads", 0)
+        shared = Background("harness-pool", threads) if threads else None
         for i, node in self.nodes.items():
-            self.parts[i] = HarnessNode(node.name, node.coord, node.keys, self.relay, a.ttl)
+            self.parts[i] = HarnessNode(node.name, node.coord, node.keys, self.relay, a.ttl,
+                                        shared)
         for i, part in self.parts.items():
             part.join(self.placement)
             # The agent's grow gate, as the agent builds it: it watches etcd only while its

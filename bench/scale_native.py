@@ -486,11 +486,107 @@ class NodeWatchPool:
         return counter, cancel
 
 
+class RawNodeWatchPool:
+    """:class:`NodeWatchPool` on streams written by hand (``--node-watch-client raw``,
+    :class:`h2_keepalive.RawWatch`): the same watches, one per daemon with its own watch ID,
+    created from the revision after its own listing, on the same number of streams, their
+    events counted from each response's top level. What reaches etcd is the same; what the
+    simulator process pays per response is a few microseconds, not grpc.aio's tens (at a
+    cold start of N = 1,000 the daemons receive 500,000 responses)."""
+
+    def __init__(self, loop: LoopThread, endpoint: str, streams: int) -> None:
+        from h2_keepalive import RawWatch
+
+        self.loop, self._asyncio = loop.loop, loop._asyncio
+        host, _, port = endpoint.rpartition(":")
+        self._counts: dict[tuple[int, int], list[int]] = {}  # (stream, watch id) -> [events]
+        self._next = 0
+
+        async def start() -> list[Any]:
+            out = []
+            for k in range(streams):
+                pending: list[Any] = []  # creates sent, awaiting their "created" in order
+
+                def on_response(wid: int, created: bool, canceled: bool, events: int,
+                                k: int = k, pending: list[Any] = pending) -> None:
+                    if created:  # counted from here: its events may follow at once
+                        done, counter = pending.pop(0)
+                        self._counts[(k, wid)] = counter
+                        done.set_result(wid)
+                    elif events:
+                        counter = self._counts.get((k, wid))
+                        if counter is not None:
+                            counter[0] += events
+
+                def broken(k: int = k) -> None:  # a node watch lost is a simulator failure
+                    print(f"node watch stream {k} ended", file=sys.stderr, flush=True)
+
+                stream = RawWatch(host, int(port), on_response, broken)
+                await stream.open()
+                out.append((stream, pending))
+            return out
+
+        self._streams = self._asyncio.run_coroutine_threadsafe(start(), self.loop).result()
+
+    def watch(self, prefix: bytes, start_revision: int) -> "tuple[list[int], Callable[[], None]]":
+        """Creates one watch (any thread); returns its event counter and its cancel."""
+        from h2_keepalive import grpc_message
+        from pyetcd import etcdrpc
+        from pyetcd.utils import prefix_range_end
+
+        self._next += 1
+        k = self._next % len(self._streams)
+        stream, pending = self._streams[k]
+        counter = [0]
+        create = grpc_message(etcdrpc.WatchRequest(create_request=etcdrpc.WatchCreateRequest(
+            key=prefix, range_end=prefix_range_end(prefix),
+            start_revision=start_revision)).SerializeToString())
+
+        async def send() -> int:
+            done = self.loop.create_future()
+            pending.append((done, counter))
+            stream.send(create)
+            return await done
+
+        watch_id = self._asyncio.run_coroutine_threadsafe(send(), self.loop).result(30)
+
+        def cancel() -> None:
+            def send_cancel() -> None:
+                self._counts.pop((k, watch_id), None)
+                stream.send(grpc_message(etcdrpc.WatchRequest(
+                    cancel_request=etcdrpc.WatchCancelRequest(
+                        watch_id=watch_id)).SerializeToString()))
+            self.loop.call_soon_threadsafe(send_cancel)
+
+        return counter, cancel
+
+
+class RawLister:
+    """A daemon's listing of ``nodes/`` as one Range request whose reply is parsed by protobuf
+    and only its revision read (``--node-list-client raw``): etcd reads and sends every record
+    as to the daemon; the simulator process no longer turns each into elasticd's key-value
+    objects (N²/2 records in all at a cold start, 500,000 at N = 1,000, where a real daemon
+    turns its ~1,000 on a machine of its own)."""
+
+    def __init__(self, endpoint: str) -> None:
+        import grpc
+        from pyetcd import etcdrpc
+
+        self._rpc = etcdrpc
+        self._stub = etcdrpc.KVStub(grpc.insecure_channel(endpoint))
+
+    def __call__(self, prefix: bytes) -> int:
+        from pyetcd.utils import prefix_range_end
+
+        return int(self._stub.Range(self._rpc.RangeRequest(
+            key=prefix, range_end=prefix_range_end(prefix)), timeout=10).header.revision)
+
+
 class SimNode:
     """One simulated node: its daemon's lease, record and node watch, and its agent."""
 
     def __init__(self, index: int, coord: EtcdCoordinator, n: int, min_nodes: int,
-                 keepers: KeeperPool, watches: NodeWatchPool, a: argparse.Namespace) -> None:
+                 keepers: KeeperPool, watches: "NodeWatchPool | RawNodeWatchPool", a: argparse.Namespace) -> None:
         from elasticd.rendezvous.grace import OutageGrace
         from elasticd.rendezvous.config import HandlerSettings
         from elasticd.rendezvous.handler import EtcdNativeRendezvousHandler
@@ -498,6 +594,7 @@ class SimNode:
         self.index, self.coord, self.keys = index, coord, Keyspace(f"{PREFIX}{n}")
         self.name = f"node-{index:05d}"
         self.keepers, self.watches = keepers, watches
+        self.lister: RawLister | None = None
         self.daemon = LeaseKeeper(coord, a.ttl, EtcdHealth(describe="etcd (daemon)"))
         self.lost = 0
         self._node_events: list[int] = [0]
@@ -526,7 +623,10 @@ class SimNode:
                              "api": "127.0.0.1:7777", "replication": "10.0.0.1:7788",
                              "pad": "x" * 200}).encode()
         self.coord.put(self.keys.node(self.name), record, lease=lease)
-        _, revision = self.coord.get_prefix(self.keys.nodes)
+        if self.lister is not None:
+            revision = self.lister(self.keys.nodes)
+        else:
+            _, revision = self.coord.get_prefix(self.keys.nodes)
         self._node_events, self._cancel_watch = self.watches.watch(self.keys.nodes,
                                                                    revision + 1)
 
@@ -618,12 +718,18 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
     if a.keepalive_process:
         keepers = KeeperProcess(endpoint, a.ttl, a.clients, a.keeper_threads,
                                 a.keepalive_client)
-        watches = NodeWatchPool(LoopThread(), endpoint, a.clients)
+        watches = (RawNodeWatchPool(LoopThread(), endpoint, a.clients)
+                   if getattr(a, "node_watch_client", "aio") == "raw"
+                   else NodeWatchPool(LoopThread(), endpoint, a.clients))
     else:  # the keep-alives on this process's own loop, beside the node watches
         keepers = KeeperPool(endpoint, a.ttl, a.clients, a.keeper_threads)
         watches = NodeWatchPool(keepers, endpoint, a.clients)
     nodes = {i: SimNode(i, coords[k % a.clients], n, min_nodes, keepers, watches, a)
              for k, i in enumerate(indices)}
+    if getattr(a, "node_list_client", "aio") == "raw":
+        lister = RawLister(endpoint)
+        for x in nodes.values():
+            x.lister = lister
     ticker = Ticker(nodes)  # where a phase registers per-node periodic work
     phase_state: dict[str, Any] = {}
     pool = concurrent.futures.ThreadPoolExecutor(len(indices))
@@ -849,13 +955,16 @@ def run_size(n: int, server: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, A
                               "grpc_streams": a.procs * a.clients * 3 - (
                                   a.procs * (a.clients - 1) if raw_keepalive else 0),
                               "keepalive_client": a.keepalive_client,
+                              "node_list_client": getattr(a, "node_list_client", "aio"),
+                              "node_watch_client": (getattr(a, "node_watch_client", "aio")
+                                                    if a.keepalive_process else "aio"),
                               "streams_note": "per process and etcd client: the client's watch "
                                               "stream (the agents' watches), a keep-alive "
                                               "stream (KeeperPool; with --keepalive-client "
                                               "raw one per process) and a watch stream (the "
                                               "daemons' node watches, NodeWatchPool)"}
     try:
-        t0, e0 = time.monotonic(), etcd.cpu()
+        t0, e0, c0 = time.monotonic(), etcd.cpu(), cluster.stats()["cpu"]
         cluster.ask(("register",))
         registered = time.monotonic() - t0
         # Each daemon's node watch sees the registrations after its own listing: wait for
@@ -865,8 +974,10 @@ def run_size(n: int, server: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, A
             time.sleep(0.5)
             now_events = cluster.stats()["node_events"]
             still, events = (still + 1, events) if now_events == events else (0, now_events)
+        at_start = cluster.stats()
         result["daemons"] = {"registered_seconds": round(registered, 2),
-                             "leases_lost": cluster.stats()["leases_lost"],
+                             "leases_lost": at_start["leases_lost"],
+                             "simulator_cpu_seconds_at_start": round(at_start["cpu"] - c0, 2),
                              "node_watch_events_at_start": events,
                              "etcd_cpu_seconds_at_start": round(etcd.cpu() - e0, 2)}
         alive = n
@@ -948,6 +1059,22 @@ def commit_phase(cluster: Cluster, etcd: Etcd, server: EmbeddedEtcd, n: int,
     return r
 
 
+#: Seconds the driver's clean-up may take after a SIGTERM before it exits regardless.
+TERM_GRACE = 15.0
+
+
+def on_term(*_: Any) -> None:
+    """SIGTERM (a ``timeout``'s): unwind through the ``finally`` blocks (workers, etcd), and
+    exit after :data:`TERM_GRACE` whatever is left. Without the deadline the driver outlived
+    its timeout (2026-11-29, N = 1,000): its workers and etcd had the same signal and ended,
+    and the clean-up's last steps waited on them (its round watch's cancel, non-daemon client
+    threads at exit) until a SIGKILL 30 s later."""
+    deadline = threading.Timer(TERM_GRACE, os._exit, (143,))
+    deadline.daemon = True  # a clean unwind exits at once; a stuck one at the deadline
+    deadline.start()
+    sys.exit(143)
+
+
 def main() -> int:
     if sys.argv[1:2] == ["--keeper"]:  # a simulator process's keep-alive process
         keeper_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), (sys.argv[5:6] or ["aio"])[0])
@@ -974,6 +1101,21 @@ def main() -> int:
                    help="with --keepalive-process 1: aio, one grpc.aio stream per etcd client "
                         "(~0.4 ms of CPU per refresh); raw, one HTTP/2 stream written by hand "
                         "per keep-alive process (bench/h2_keepalive.py, ~20 us)")
+    p.add_argument("--node-watch-client", choices=("aio", "raw"), default="raw",
+                   help="with --keepalive-process 1: the daemons' node watches on grpc.aio "
+                        "streams (aio, tens of us of CPU per response) or on streams written "
+                        "by hand (raw, bench/h2_keepalive.py RawWatch, a few us); the same "
+                        "watches and streams reach etcd either way")
+    p.add_argument("--node-list-client", choices=("aio", "raw"), default="raw",
+                   help="the daemons' listing of nodes/ at registration: through elasticd's "
+                        "client, every record decoded (aio), or one Range request whose reply "
+                        "is read for its revision only (raw, RawLister); etcd sends the same")
+    p.add_argument("--commit-pool-threads", type=int, default=16,
+                   help="the commit phase: 0, each node's commit code on a pool of its own (2 "
+                        "threads, as the daemon's replicator; the default before 2026-11-29 "
+                        "21:00); K, one pool of K threads per simulator process for all its "
+                        "nodes (the same tasks, fewer threads: bench/results/"
+                        "scale_native_commit_pool_ab.json)")
     p.add_argument("--tick-batch", type=int, default=1,
                    help="1: the commit phase's per-node tick as one pass over a process's "
                         "nodes (the simulator's bookkeeping once per pass, the lag sampled "
@@ -1003,7 +1145,7 @@ def main() -> int:
     a = p.parse_args()
     a.commit_authkey = os.urandom(16)
     sizes = [int(x) for x in a.sizes.split(",") if x]
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGTERM, on_term)
     random.seed(0)
     try:
         with open(a.out) as f:
