@@ -42,8 +42,12 @@ import sys
 import time
 import uuid
 
-import numpy as np
-import verified_floor
+import code_tree
+
+code_tree.pin()  # before elasticd is imported: the tree on PYTHONPATH, not the cwd's
+
+import numpy as np  # noqa: E402
+import verified_floor  # noqa: E402
 from verified_floor import recv_exactly
 
 from wording import speed
@@ -266,6 +270,7 @@ def main() -> None:
                        "command": " ".join(["bench/bench_peer_restore.py"] + sys.argv[1:]),
                        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                                    "platform": platform.platform()},
+                       "code": code_tree.describe(),
                        "mib": args.mib, "tensors": len(sizes), "repeat": args.repeat,
                        "results": results,
                        "elasticd_speed_over_verified_floor": round(ratio, 3),

@@ -83,7 +83,11 @@ import uuid
 from multiprocessing.connection import wait
 from typing import Any
 
-import verified_floor
+import code_tree
+
+code_tree.pin()  # before elasticd is imported: the tree on PYTHONPATH, not the cwd's
+
+import verified_floor  # noqa: E402
 from elasticd.store.service import CheckpointService
 from elasticd.store.huge_pages import probe
 from elasticd.store.shm import SlotStore
@@ -114,6 +118,8 @@ RAW_CHUNK = 64 << 20
 #: ``--profile``: the directory each profiled process writes its cProfile stats to (set in the
 #: parent before the processes fork or spawn; empty: no profiling).
 PROFILE_ENV = "ELASTICD_BENCH_PROFILE"
+#: The elasticd directory the parent imported; each spawned process checks it imported it too.
+TREE_ENV = "ELASTICD_BENCH_TREE"
 
 
 class ThreadProfiles:
@@ -392,6 +398,7 @@ def timed_load_into(seconds: list[float]):
 def saver(rank: int, port: int, dims: list[int], book: dict, dcp_dir: str, root: str) -> None:
     """An old rank (world 3): one training step, its elasticd snapshot pushed to its two
     holders, and its part of the DCP save."""
+    code_tree.check(os.environ[TREE_ENV])
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -489,6 +496,7 @@ def worker(rank: int, port: int, dims: list[int], sock: str, control, dcp_dir: s
     """A new rank (world 2): runs every variant ``repeat + 1`` times (the first round is the
     first restore of these processes, after ``idle`` seconds) and writes its timings to
     ``out_path``."""
+    code_tree.check(os.environ[TREE_ENV])
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -640,6 +648,7 @@ def main() -> None:
                              "the workers' timed restores to this directory (slows the "
                              "runs: for finding costs, not for figures)")
     args = parser.parse_args()
+    os.environ[TREE_ENV] = code_tree.package_dir()  # read by the spawned processes
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
         os.environ[PROFILE_ENV] = os.path.abspath(args.profile)
@@ -811,6 +820,7 @@ def summarise(args, dims, total_state, dcp_bytes, save_seconds, rows, wall) -> d
         "command": " ".join(["bench/bench_sharded_restore.py", *sys.argv[1:]]),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "platform": platform.platform()},
+        "code": code_tree.describe(),
         "state": {"mib_asked": args.mib, "bytes": total_state,
                   "gib": round(total_state / (1 << 30), 3),
                   "what": "FSDP2 (fully_shard per Linear + root, gloo, CPU) parameters and "
