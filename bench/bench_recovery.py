@@ -394,8 +394,8 @@ def main() -> int:
         modes = args.mode.split(",")
         if not modes or not set(modes) <= set(recovery_inprocess.MODES):
             p.error(f"--mode {args.mode!r}: modes are {','.join(recovery_inprocess.MODES)}")
-        if args.fault not in ("kill", "kill-worker"):
-            p.error(f"--mode takes --fault kill or kill-worker, not {args.fault}")
+        if args.fault == "stop-daemon":
+            p.error("--mode takes --fault kill, kill-worker, freeze or partition")
         return recovery_inprocess.main(modes, args.runs, args.ttl, args.timeout, args.out,
                                        args.keep, args.append, args.fault)
     if args.fault == "kill-worker":

@@ -31,6 +31,23 @@ time):
 ``--fault kill-worker`` SIGKILLs one worker process of the victim node instead (its agent and
 daemon alive; :func:`_kill_worker` says what it measures): the world stays 6, the victim's
 node restarts its workers, and in in-process mode the other nodes' workers re-form in-process.
+
+``--fault freeze`` (SIGSTOP of every process of the node) and ``--fault partition`` (every
+packet of its processes dropped, both ways: tests/chaos/partition.py, root) send no reset:
+in-process, the survivors' pending collectives end at their learned collective timeout
+(elasticd/worker/collective_timeout.py); ``collective_timeout_seconds`` is the one gloo
+reported in the survivors' ``left`` lines. The struck node is SIGKILLed once measured.
+
+Mode ``fallback``: in-process, with the worker of first-round rank 0 made to hang instead of
+leaving its group (examples/train_in_process.py ``--hang-rank 0``, as the chaos test), and the
+node of rank 5 killed (rank 0's other ring neighbour: a live one would wait on the hung rank's
+open sockets); rank 0's node falls back to a restart at its agent's deadline
+(``fallback_wait_seconds``: the collective timeout, or the job's reform deadline when shorter,
+from its log line). Issue 31's bar: each fallback run's ``seconds`` within the restart mode's
+p95 (``p95_seconds``, same run) plus the collective timeout::
+
+    .venv/bin/python bench/bench_recovery.py --mode fallback,restart --runs 5 \
+        --out bench/results/recovery_inprocess_fallback.json
 """
 
 from __future__ import annotations
@@ -40,6 +57,7 @@ import glob
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import statistics
@@ -54,7 +72,7 @@ from tests.chaos.test_in_process import new_group  # the same rule as the chaos 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "examples", "train_in_process.py")
-MODES = ("in-process", "restart")
+MODES = ("in-process", "restart", "fallback")
 #: The in-process path's moments, in order (:attr:`elasticd.Round.times`, then the example's
 #: ``restored`` and ``ddp_built``, then the first step's own time).
 MOMENTS = ("learned", "rendezvous_returned", "round_closed", "all_left", "assigned", "group_made", "restored",
@@ -110,15 +128,18 @@ def run(mode: str, victim: str, ttl: int, timeout: float, workdir: str,
     c = LocalCluster(["n1", "n2", "n3"], workdir=os.path.join(workdir, "cluster"),
                      lease_ttl=ttl, replication=True)
     out: dict = {"mode": mode, "victim": victim, "fault": fault, "recovered": False}
+    cuts: dict = {}
     try:
         c.start()
+        cuts = _cgroups(c, fault)
         env = {**os.environ, "ELASTICD_ETCD": c.etcd, "ELASTICD_PREFIX": c.prefix}
         subprocess.run(
             [sys.executable, "-m", "elasticd.cli.main", "submit", "job",
-             *(["--in-process"] if mode == "in-process" else []),
+             *(["--in-process"] if mode != "restart" else []),
              "--nnodes", "2:3", "--nproc-per-node", "2", "--user", JOB_USER,
              "--max-restarts", "100", "--", TRAIN, "--log", logdir, "--steps", "1000000",
-             "--step-time", "0.02"], env=env, check=True, capture_output=True, timeout=60)
+             "--step-time", "0.02", *(["--hang-rank", "0"] if mode == "fallback" else [])],
+            env=env, check=True, capture_output=True, timeout=60)
         coord = c.coordinator()
         grid = c.keys.replication("job").commit_grid
         try:
@@ -132,9 +153,13 @@ def run(mode: str, victim: str, ttl: int, timeout: float, workdir: str,
         if fault == "kill-worker":
             return {**out, **_kill_worker(c, victim, logdir, timeout)}
         pids6 = {r["pid"] for r in _rows(logdir) if r["world"] == 6}
+        if mode == "fallback":  # rank 5's node (see the module doc)
+            five = next(r["pid"] for r in _rows(logdir) if r["world"] == 6 and r["rank"] == 5)
+            victim = next(n for n in c.nodes if five in c.nodes[n].tagged())
+            out["victim"] = victim
         victims = set(c.nodes[victim].tagged())
         t_kill = time.time()
-        c.nodes[victim].kill()
+        _strike(c, victim, fault, cuts)
         try:
             at4 = c.wait_for(lambda: (f := _first_at(_rows(logdir), 4, t_kill))
                              and len(f) == 4 and f, timeout, "world 4", interval=0.02)
@@ -168,9 +193,61 @@ def run(mode: str, victim: str, ttl: int, timeout: float, workdir: str,
                 "newest_all_snapshotted": snapshotted, "steps_not_snapshotted": held - snapshotted,
                 "last_snapshot_per_survivor": last_saved,
                 "kept_pids": len({r["pid"] for r in at4.values()} & survivors),
-                "paths": sorted({r["path"] for r in at4.values()})}
+                "paths": sorted({r["path"] for r in at4.values()}), **_agent_logs(c)}
     finally:
+        if fault in ("freeze", "partition"):
+            c.nodes[victim].kill()  # the struck node's processes: never thawed or healed
         c.stop()
+        for cut in cuts.values():
+            cut.remove()
+
+
+def _cgroups(c: LocalCluster, fault: str) -> dict:
+    """``--fault partition``: each node's cgroup (its daemon added at once; its agent and
+    workers inherit it)."""
+    if fault != "partition":
+        return {}
+    from tests.chaos.partition import Partition, available
+
+    why = available()
+    if why:
+        raise SystemExit(f"--fault partition needs cgroup v2 and eBPF: {why}")
+    cuts = {}
+    for name, node in c.nodes.items():
+        cuts[name] = Partition(f"inproc-{name}")
+        cuts[name].add(node.pid)
+    return cuts
+
+
+def _strike(c: LocalCluster, victim: str, fault: str, cuts: dict) -> None:
+    node = c.nodes[victim]
+    if fault == "freeze":  # the daemon's group, then its agent and workers (their sessions)
+        node.signal(signal.SIGSTOP, group=True)
+        for pid in node.tagged():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+    elif fault == "partition":
+        cuts[victim].cut()
+    else:
+        node.kill()
+
+
+#: A survivor's ``left`` line when gloo timed its collective out; an agent's fallback line.
+TIMED_OUT = re.compile(r"left round \d+ \(RuntimeError: [^)]*Timed out waiting (\d+)ms")
+FELL_BACK = re.compile(r"falling back to a restart into round \d+ \((?:the workers' collective "
+                       r"timeout|the job's reform deadline) ([\d.]+) s\)")
+
+
+def _agent_logs(c: LocalCluster) -> dict:
+    """What the agents' logs say of the recovery: the collective timeout gloo reported in the
+    survivors' ``left`` lines, and the fallback's wait."""
+    text = ""
+    for path in glob.glob(os.path.join(c.workdir, "*", "jobs", "*", "agent.log")):
+        with open(path, errors="replace") as fh:
+            text += fh.read()
+    waited = sorted({int(m) / 1000 for m in TIMED_OUT.findall(text)})
+    fell = sorted({float(m) for m in FELL_BACK.findall(text)})
+    return {"collective_timeout_seconds": waited or None, "fallback_wait_seconds": fell or None}
 
 
 def _kill_worker(c: LocalCluster, victim: str, logdir: str, timeout: float) -> dict:
@@ -218,7 +295,7 @@ def summarize(runs: list[dict]) -> dict:
         return round(statistics.median(values), 3) if values else None
 
     return {"runs": len(runs), "recovered": len(ok),
-            "median_seconds": med("seconds"),
+            "median_seconds": med("seconds"), "p95_seconds": p95([r["seconds"] for r in ok]),
             "median_after_detection_seconds": med("after_detection_seconds"),
             "max_seconds": max((r["seconds"] for r in ok), default=None),
             "steps_lost": [r["steps_lost"] for r in ok],
@@ -231,6 +308,35 @@ def summarize(runs: list[dict]) -> dict:
             "kept_pids": [r.get("kept_pids") for r in ok],
             "median_detection_seconds": med("detection_seconds"),
             "median_phases": median_phases(ok)}
+
+
+def p95(values: list[float]) -> float | None:
+    """The 95th percentile, interpolated between the sorted samples (numpy's default)."""
+    if not values:
+        return None
+    v = sorted(values)
+    at = 0.95 * (len(v) - 1)
+    lo = int(at)
+    hi = min(lo + 1, len(v) - 1)
+    return round(v[lo] + (v[hi] - v[lo]) * (at - lo), 3)
+
+
+def fallback_bar(results: dict[str, list[dict]]) -> dict | None:
+    """Issue 31's fallback bar, when both ``fallback`` and ``restart`` ran: each fallback
+    run's seconds against the restart path's p95 (same run) plus the collective timeout."""
+    if "fallback" not in results or "restart" not in results:
+        return None
+    restart = p95([r["seconds"] for r in results["restart"] if r.get("recovered")])
+    runs = results["fallback"]
+    waits = {w for r in runs for w in (r.get("fallback_wait_seconds") or [])}
+    if restart is None or not waits:
+        return {"restart_p95_seconds": restart, "collective_timeout_seconds": None}
+    bar = round(restart + max(waits), 3)
+    return {"restart_p95_seconds": restart, "collective_timeout_seconds": max(waits),
+            "bar_seconds": bar,
+            "fallback_seconds": [r.get("seconds") for r in runs],
+            "within": sum(1 for r in runs if r.get("recovered") and r["seconds"] <= bar),
+            "runs": len(runs)}
 
 
 def median_phases(ok: list[dict]) -> dict[str, float] | None:
@@ -274,14 +380,16 @@ def main(modes: list[str], runs: int, ttl: int, timeout: float, out_path: str,
             results[mode].append(r)
             print(f"{mode} run {i + 1}: {fault} {victim}: {r}", flush=True)
         _write(out_path, modes, results, ttl, commands, fault)
-    print(json.dumps({m: summarize(results[m]) for m in modes}, indent=2))
+    print(json.dumps({**{m: summarize(results[m]) for m in modes},
+                      "fallback_bar": fallback_bar(results)}, indent=2))
     return 0
 
 
 def _write(out_path: str, modes: list[str], results: dict[str, list[dict]], ttl: int,
            commands: list[str], fault: str) -> None:
     result = {
-        "benchmark": "recovery_inprocess" + ("_kill_worker" if fault == "kill-worker" else ""),
+        "benchmark": "recovery_inprocess" + ("" if fault == "kill" else
+                                             "_" + fault.replace("-", "_")),
         "fault": fault,
         "command": commands[0] if len(commands) == 1 else " && ".join(commands),
         "commands": commands,
@@ -290,6 +398,7 @@ def _write(out_path: str, modes: list[str], results: dict[str, list[dict]], ttl:
         "lease_ttl_seconds": ttl, "runs_per_mode": min(len(v) for v in results.values()),
         "interleaved": True, "machine": {"cpus": os.cpu_count()},
         **{m: {**summarize(results[m]), "detail": results[m]} for m in modes},
+        "fallback_bar": fallback_bar(results),
     }
     os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
     with open(out_path + ".tmp", "w") as fh:

@@ -15,7 +15,8 @@ record goes. ``_restart_workers`` here re-forms:
    has already left, and said so);
 2. the new round (torch's ``_rendezvous``: next_rendezvous and rank assignment);
 3. each local worker must say ``left`` cleanly within the job's ``reform_deadline`` of the
-   round (:func:`job_rules.reform_step`); if all do, each gets ``assign``: the environment
+   round, or within the collective timeout its workers' groups have when shorter
+   (:func:`job_rules.reform_wait`) (:func:`job_rules.reform_step`); if all do, each gets ``assign``: the environment
    torchrun gives a fresh worker of its local rank in that round; else (a worker stuck, died,
    or could not leave) the node restarts its workers into the same round, as today.
 
@@ -183,7 +184,8 @@ class InProcessAgent(LocalElasticAgent):
         seen_at = getattr(wg.spec.rdzv_handler, "seen_at", None)  # next_rendezvous returned
         if isinstance(seen_at, float) and seen_at:
             times["rendezvous_returned"] = times["round_closed"] - (t_round - seen_at)
-        allowed = reform_deadline()
+        allowed, what = job_rules.reform_wait(reform_deadline(),
+                                              node.link.collective_timeout(n))
         deadline = t_round + allowed
         while True:
             verdict, why = job_rules.reform_step(n, old_round, node.link.left_rounds(),
@@ -193,8 +195,8 @@ class InProcessAgent(LocalElasticAgent):
                 break
             node.link.wait(0.05)
         if verdict is Reform.RESTART:
-            log.warning("falling back to a restart into round %d (the job's reform deadline "
-                        "%g s): %s", self._round(wg), allowed, why)
+            log.warning("falling back to a restart into round %d (%s): %s", self._round(wg),
+                        what, why)
             self._stop_workers(wg)
             wg.state = WorkerState.STOPPED
             ids = self._start_workers(wg)

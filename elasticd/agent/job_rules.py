@@ -248,6 +248,20 @@ REFORM_DEADLINE = DEFAULT_REFORM_DEADLINE
 REFORM_ROUND_ALLOWANCE = 20.0
 
 
+def reform_wait(deadline: float, collective_timeout: float | None) -> tuple[float, str]:
+    """How long an agent waits, after its round, for its workers to leave the old group, and
+    what set it: the job's ``deadline`` (its ``reform_deadline``), or the workers' collective
+    timeout when shorter (each reported it: ``collective_timeout``, the longest of the node's
+    workers; None while one has not). A survivor stuck on a frozen or partitioned peer leaves
+    when its pending collective times out, and that collective began before the failure was
+    recorded (a lease TTL or more before the round closed), so it has left by then or is stuck
+    for another reason: waiting longer only delays the fallback
+    (:mod:`elasticd.worker.collective_timeout`)."""
+    if collective_timeout is not None and 0 < collective_timeout < deadline:
+        return collective_timeout, f"the workers' collective timeout {collective_timeout:g} s"
+    return deadline, f"the job's reform deadline {deadline:g} s"
+
+
 class Reform(enum.Enum):
     """Where an agent's in-process re-formation stands, after its rendezvous round."""
 

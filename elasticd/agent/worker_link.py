@@ -30,6 +30,7 @@ class LinkServer:
         conns: local rank -> its worker's connection.
         pids: local rank -> the pid its worker said (and the kernel confirmed).
         left: local rank -> its worker's last ``left`` message.
+        timeouts: local rank -> the collective timeout its worker's group has now, seconds.
     """
 
     def __init__(self) -> None:
@@ -41,6 +42,7 @@ class LinkServer:
         self.conns: dict[int, socket.socket] = {}
         self.pids: dict[int, int] = {}
         self.left: dict[int, dict[str, Any]] = {}
+        self.timeouts: dict[int, float] = {}
         threading.Thread(target=self._accept, daemon=True, name="link-accept").start()
 
     def _accept(self) -> None:
@@ -85,6 +87,9 @@ class LinkServer:
                     self.pids[local] = pid  # the kernel's word, not the message's
                 elif op == "left" and local is not None and isinstance(msg.get("round"), int):
                     self.left[local] = msg
+                elif op == "timeout" and local is not None \
+                        and isinstance(msg.get("seconds"), (int, float)):
+                    self.timeouts[local] = float(msg["seconds"])
                 self.cond.notify_all()
 
     def linked(self) -> set[int]:
@@ -97,6 +102,13 @@ class LinkServer:
         with self.cond:
             return {r: (m["round"], bool(m.get("clean")), str(m.get("why", ""))[:200])
                     for r, m in self.left.items()}
+
+    def collective_timeout(self, n: int) -> float | None:
+        """The longest collective timeout the ``n`` local workers' groups have, seconds; None
+        until every one of them said (a worker before this message, or not linked)."""
+        with self.cond:
+            values = [self.timeouts.get(r) for r in range(n)]
+        return None if None in values else max(v for v in values if v is not None)
 
     def forget_left(self, keep_round: int) -> None:
         """Forgets the ``left`` notes but those of ``keep_round``: after a peer's death the

@@ -121,8 +121,13 @@ class Observation:
     record: NodeRecord
     detection_seconds: float | None = None
     was_provisional: bool = False
+    #: Why the lease ended before its TTL, when this node knows (its peer probe revoked it:
+    #: :meth:`Membership.revoked`); "" for an expiry.
+    cause: str = ""
 
     def describe(self) -> str:
+        if self.kind is ObservationKind.FAILED and self.cause:
+            return f"{self.node} failed ({self.cause}: lease {self.record.lease:x} revoked)"
         if self.kind is ObservationKind.FAILED:
             # detection_seconds is an upper bound (the lease TTL, or the record's age when
             # younger): the recovery's timeline places the failure from closer signs.
@@ -161,6 +166,14 @@ class Membership:
         self.lease_ttl = lease_ttl
         self.nodes: dict[str, NodeRecord] = {}
         self.pending: dict[str, _Pending] = {}
+        #: lease -> why this node revoked it (:meth:`revoked`), until its record goes.
+        self.causes: dict[int, str] = {}
+
+    def revoked(self, lease: int, cause: str) -> None:
+        """This node is about to revoke ``lease`` (its peer probe found the node's daemon
+        refusing connections, :mod:`elasticd.daemon.peer_probe`): the failure its record's
+        deletion brings says so, not that the lease expired. Any thread (a dict store)."""
+        self.causes[lease] = cause
 
     def alive(self) -> list[str]:
         return sorted(self.nodes)
@@ -223,4 +236,5 @@ class Membership:
         if self.lease_ttl is not None:
             since = min(since, self.lease_ttl)
         return Observation(ObservationKind.FAILED, record.node, record,
-                           detection_seconds=since, was_provisional=was_provisional)
+                           detection_seconds=since, was_provisional=was_provisional,
+                           cause=self.causes.pop(record.lease, ""))

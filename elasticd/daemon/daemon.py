@@ -154,7 +154,8 @@ class Daemon:
             settings.node_id,
             lambda: suspects(list(self.membership.nodes.values()), settings.node_id,
                              self.jobs.ran_workers),
-            coord.revoke_lease, self.clock)
+            coord.revoke_lease, self.clock,
+            revoking=lambda rec, why: self.membership.revoked(rec.lease, why))
         self.channel.on_group_broke = probe.suspect
 
         def round_closed(job: str) -> None:

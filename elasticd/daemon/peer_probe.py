@@ -102,14 +102,18 @@ class PeerProbe:
             than the daemon's loop: it returns copies).
         revoke: revokes a lease (a missing lease is no error).
         clock: injected time.
+        revoking: told the node's record and why before its lease is revoked (the daemon's
+            failure record then says what happened: :meth:`Membership.revoked`).
         schedule, timeout, knock: :data:`SCHEDULE`, :data:`TIMEOUT`, :func:`knock`.
     """
 
     def __init__(self, me: str, peers: Callable[[], list[NodeRecord]],
                  revoke: Callable[[int], None], clock: Clock = SYSTEM_CLOCK,
                  schedule: tuple[float, ...] = SCHEDULE, timeout: float = TIMEOUT,
-                 knock: Callable[[str, float], Answer] = knock) -> None:
+                 knock: Callable[[str, float], Answer] = knock,
+                 revoking: Callable[[NodeRecord, str], None] = lambda rec, why: None) -> None:
         self.me = me
+        self.revoking = revoking
         self.peers = peers
         self.revoke = revoke
         self.clock = clock
@@ -180,6 +184,8 @@ class PeerProbe:
                 log.warning("%s's daemon refuses connections at %s after a collective broke "
                             "(%s): revoking its lease %x (it failed)", rec.node, rec.address,
                             why[:120] or "no reason given", rec.lease)
+                self.revoking(rec, f"its daemon refused connections at {rec.address} after "
+                                   f"a collective broke, found by {self.me}'s probe")
                 try:
                     self.revoke(rec.lease)
                 except CoordinationError as exc:  # its lease expires as before

@@ -13,6 +13,8 @@ Messages::
 
     worker -> agent  {"op": "hello", "local_rank": int, "pid": int}
                      {"op": "left", "round": int, "clean": bool, "why": str}
+                     {"op": "timeout", "seconds": float, "source": str}
+                                                         its group's collective timeout now
     agent -> worker  {"op": "abort", "round": int}       leave the group of round ``round``
                      {"op": "assign", "env": {str: str}} the new round's torchrun environment
 

@@ -42,13 +42,15 @@ from typing import Any, Callable, TypeVar
 from elasticd.clock import SYSTEM_CLOCK
 from elasticd.errors import ElasticdError, LocalProtocolError
 from elasticd.local import worker_link as link
+from elasticd.worker.collective_timeout import FLOOR, CollectiveTimeout, worth_setting
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: The default collective timeout of a round's group, seconds (a survivor whose peer vanished
-#: without a reset waits this long at most; the agent's deadline restarts it sooner).
+#: The default collective timeout of a round's group until its steps are learned, seconds (then
+#: it is learned: :mod:`elasticd.worker.collective_timeout`; the agent's deadline restarts a
+#: survivor stuck longer).
 DEFAULT_TIMEOUT = 60.0
 
 
@@ -72,6 +74,8 @@ class Round:
             old group); this worker's ``left``, ``assigned`` (the assignment arrived) and
             ``group_made``. The training function may add its own (``restored``, ...): the
             per-path timeline the benchmark reads.
+        collective_timeout: the round's group's collective timeout in force, seconds (learned
+            from the steps: :mod:`elasticd.worker.collective_timeout`).
     """
 
     number: int
@@ -83,10 +87,14 @@ class Round:
     group_seconds: float
     _asked: Callable[[], str] = dataclasses.field(default=lambda: "", repr=False)
     times: dict[str, float] = dataclasses.field(default_factory=dict)
+    collective_timeout: float = 0.0
+    _step: Callable[[], float] = dataclasses.field(default=lambda: 0.0, repr=False)
 
     def check(self) -> None:
         """Call once a step: raises :class:`Reformation` when the agent asked this worker to
-        leave the round (a member is gone, or the round re-forms)."""
+        leave the round (a member is gone, or the round re-forms). Each call is also a step
+        boundary the collective timeout learns from."""
+        self.collective_timeout = self._step() or self.collective_timeout
         why = self._asked()
         if why:
             raise Reformation(why)
@@ -106,13 +114,16 @@ def distributed_error(exc: BaseException) -> bool:
 
 
 def in_process(fn: Callable[[Round], T] | None = None, *, backend: str = "gloo",
-               timeout: float = DEFAULT_TIMEOUT) -> Any:
+               timeout: float = DEFAULT_TIMEOUT, floor: float = FLOOR) -> Any:
     """Decorates a training function ``fn(round)``; the wrapper takes no argument and returns
     what the function's last call returns.
 
     Args:
         backend: the process group's backend (``gloo``; ``nccl`` as torch allows).
-        timeout: the collective timeout of each round's group, seconds.
+        timeout: the collective timeout of each round's group, seconds: in an in-process
+            job, of a round's first steps only (and of the round's store); then it is learned
+            from the steps, never below ``floor`` (:mod:`elasticd.worker.collective_timeout`).
+        floor: the lowest learned collective timeout, seconds.
     """
     def wrap(f: Callable[[Round], T]) -> Callable[[], T]:
         @functools.wraps(f)
@@ -120,7 +131,7 @@ def in_process(fn: Callable[[Round], T] | None = None, *, backend: str = "gloo",
             name = os.environ.get(link.LINK_ENV, "")
             if not name:
                 return _once(f, backend, timeout)
-            return _Worker(name, backend, timeout).run(f)
+            return _Worker(name, backend, timeout, floor).run(f)
         return run
     return wrap(fn) if fn is not None else wrap
 
@@ -134,7 +145,7 @@ def _once(fn: Callable[[Round], T], backend: str, timeout: float) -> T:
     try:
         return fn(Round(0, dist.get_rank(), dist.get_world_size(),
                         int(os.environ.get("LOCAL_RANK", "0")), None, "first",
-                        SYSTEM_CLOCK.perf_counter() - t0))
+                        SYSTEM_CLOCK.perf_counter() - t0, collective_timeout=timeout))
     except BaseException as exc:
         if distributed_error(exc):
             group_broke(exc)  # the restart path learns a dead peer as early as this one
@@ -163,10 +174,12 @@ def group_broke(exc: BaseException) -> bool:
 class _Worker:
     """The worker's end of the link, and the loop that re-enters the function."""
 
-    def __init__(self, name: str, backend: str, timeout: float) -> None:
+    def __init__(self, name: str, backend: str, timeout: float, floor: float = FLOOR) -> None:
         pid = os.environ.get(link.LINK_PID_ENV, "")
         self.sock = link.connect(name, int(pid) if pid.isdigit() else None)
         self.backend, self.timeout = backend, timeout
+        self.collective = CollectiveTimeout(floor, first=timeout)
+        self.applied: float | None = None  # the collective timeout set on the group
         self.round = int(os.environ.get(link.ROUND_ENV, "0"))
         self.asked = ""  # why the agent wants this worker out of its round
         self.assignments: queue.Queue[dict[str, Any]] = queue.Queue()
@@ -198,6 +211,7 @@ class _Worker:
         while True:
             self.round = int(os.environ.get(link.ROUND_ENV, "0"))
             self.asked = ""
+            self.collective.round_started()
             t0 = SYSTEM_CLOCK.perf_counter()
             fds = self._make_group()
             if times:
@@ -205,13 +219,16 @@ class _Worker:
                 _report(times)
             info = Round(self.round, dist.get_rank(), dist.get_world_size(),
                          int(os.environ.get("LOCAL_RANK", "0")), previous, path,
-                         SYSTEM_CLOCK.perf_counter() - t0, lambda: self.asked, times)
+                         SYSTEM_CLOCK.perf_counter() - t0, lambda: self.asked, times,
+                         self.applied or self.timeout, self._stepped)
             try:
                 result = fn(info)
             except BaseException as exc:  # noqa: BLE001 - only a distributed error is kept
                 if not distributed_error(exc):
                     raise
                 group_broke(exc)  # before leaving: the daemon probes while this one cleans up
+                if "Timed out" in str(exc) and not self.asked:
+                    self.collective.fired()  # no member gone: a step longer than learned
                 why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
             else:
                 dist.destroy_process_group()
@@ -244,6 +261,7 @@ class _Worker:
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
         before = _socket_fds()
         timeout = datetime.timedelta(seconds=self.timeout)
+        collective = self.collective.seconds()  # the round's first steps: warm-up
         if rank != 0:
             _wait_listening(env["MASTER_ADDR"], int(env["MASTER_PORT"]), self.timeout)
         tcp = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size=world,
@@ -251,8 +269,31 @@ class _Worker:
         job = env.get("TORCHELASTIC_RUN_ID", "job")
         store = dist.PrefixStore(f"elasticd/{job}/round/{self.round}/", tcp)
         dist.init_process_group(self.backend, store=store, rank=rank, world_size=world,
-                                timeout=timeout)
+                                timeout=datetime.timedelta(seconds=collective))
+        self._applied(collective)
         return _socket_fds() - before
+
+    def _stepped(self) -> float:
+        """A step boundary (:meth:`Round.check`): learns it and sets the group's collective
+        timeout when the value in force moved; returns it."""
+        self.collective.step(SYSTEM_CLOCK.monotonic())
+        seconds = self.collective.seconds()
+        if worth_setting(seconds, self.applied):
+            from torch.distributed import distributed_c10d
+
+            distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), None)
+            self._applied(seconds)
+        return self.applied or seconds
+
+    def _applied(self, seconds: float) -> None:
+        """The group's collective timeout is now ``seconds``: the agent's fallback deadline
+        follows it (a survivor stuck on a silent peer leaves its group at it)."""
+        self.applied = seconds
+        try:
+            link.send(self.sock, {"op": "timeout", "seconds": round(seconds, 3),
+                                  "source": self.collective.source()})
+        except OSError:
+            pass  # the agent is gone: the reader thread says so
 
     def _leave(self, fds: set[int]) -> bool:
         """Leaves the default group completely; whether its sockets are all closed (one held

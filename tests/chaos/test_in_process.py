@@ -8,6 +8,10 @@ job of 2 ranks per node submitted with ``--in-process`` (``examples/train_in_pro
 * The fallback: a survivor that hangs instead of leaving its group is restarted the old way by
   its agent at the deadline (its node's workers are new processes), the other node's stay, and
   the job finishes.
+* A frozen node (SIGSTOP of its daemon, agent and workers: no reset reaches anyone): the
+  survivors' pending collectives end at the collective timeout learned from their steps (the
+  floor, 5 s, not the decorator's 30 s), before their agents' fallback deadline, and they
+  re-form in-process.
 * A worker killed alone (its node alive): its node restarts its workers, the other nodes' stay
   in-process (a mixed round at the same world size), every rank resumes from one step.
 """
@@ -18,12 +22,14 @@ import glob
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
+from elasticd.agent.supervisor import signal_all
 from elasticd.launcher import JOB_USER, LocalCluster, job_writable
 from elasticd.replication.commit import decode_committed, decode_grid
 
@@ -114,7 +120,8 @@ def _submit(cluster: LocalCluster, logdir: str, steps: int, hang_rank: int = -1,
     time.sleep(1.0)
 
 
-def _run(tmp_path, steps: int, hang_rank: int = -1, extra: tuple[str, ...] = ()):
+def _run(tmp_path, steps: int, hang_rank: int = -1, extra: tuple[str, ...] = (),
+         fault: str = "kill"):
     logdir = job_writable(str(tmp_path / "steps"))
     # Peer replication on: a fallback node's fresh workers restore the committed step (they
     # hold no slot of their own; the survivors offer theirs).
@@ -142,9 +149,17 @@ def _run(tmp_path, steps: int, hang_rank: int = -1, extra: tuple[str, ...] = ())
         kv = coord.get(cluster.keys.replication("job").committed)
         committed = decode_committed(kv.value).step if kv is not None else 0
         t_kill = time.time()
-        cluster.nodes[victim].kill()
+        if fault == "freeze":  # every process of the node, as tests/chaos/faults.py does
+            node = cluster.nodes[victim]
+            node.signal(signal.SIGSTOP, group=True)
+            frozen = sorted(set(before[victim]) | set(node.tagged()))
+            signal_all(frozen, signal.SIGSTOP)
+        else:
+            cluster.nodes[victim].kill()
         at4 = _wait(lambda: (f := _first_at(_rows(logdir), 4, t_kill)) and len(f) == 4 and f,
                     60, "4 ranks training at world 4", cluster)
+        if fault == "freeze":  # never thawed (its return is the rejoin's business)
+            node.kill()
         _wait(lambda: sum(1 for r in _rows(logdir) if "done" in r) >= 4, 60,
               "the job finishing", cluster)
         return logdir, survivors, t_kill, at4, cluster.workdir, committed
@@ -228,6 +243,32 @@ def test_a_survivor_stuck_in_its_re_formation_is_restarted_the_old_way(tmp_path)
     print(f"\nfallback: kill -> world 4 training {took:.2f} s; kept {sorted(kept)}, "
           f"restarted {sorted(hung & survivors)} as {sorted(fresh)}; all resumed from step "
           f"{min(resumed)}, the newest all held {held}, committed {committed}")
+
+
+def test_a_frozen_nodes_survivors_leave_at_the_learned_collective_timeout_in_process(tmp_path):
+    # Before the learned collective timeout the survivors' groups had the decorator's 30 s,
+    # their agents fell back at the 10 s reform deadline, and new processes trained at world 4.
+    logdir, survivors, t_freeze, at4, workdir, committed = _run(tmp_path, steps=400,
+                                                                fault="freeze")
+    assert set(at4) == survivors  # the same 4 processes train at world 4
+    assert {r["path"] for r in at4.values()} == {"in-process"}
+    logs = "".join(open(p).read() for p in glob.glob(os.path.join(
+        workdir, "*", "jobs", "*", "agent.log")))
+    assert "falling back" not in logs
+    # Nothing reset their connections: a survivor's pending collective ended at its group's
+    # timeout, the learned one (gloo names it), or when a survivor that timed out left.
+    waited = {int(m) for m in re.findall(r"left round \d+ \(RuntimeError: [^)]*Timed out "
+                                         r"waiting (\d+)ms", logs)}
+    assert waited == {5000}, waited
+    # Every survivor resumed from one step, none from before the committed one.
+    resumed = {r["step"] - 1 for r in at4.values()}
+    assert len(resumed) == 1 and committed <= min(resumed), (resumed, committed)
+    done = {r["pid"]: r["done"] for r in _rows(logdir) if "done" in r}
+    assert survivors <= set(done) and set(done.values()) == {400}
+    took = max(r["t"] for r in at4.values()) - t_freeze
+    print(f"\nfreeze -> all 4 survivors training at world 4 in-process: {took:.2f} s; "
+          f"their collectives timed out at {sorted(waited)} ms; resumed from step "
+          f"{min(resumed)} (committed {committed})")
 
 
 def test_kill9_of_a_worker_alone_the_other_nodes_keep_their_processes(tmp_path):

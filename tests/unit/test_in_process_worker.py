@@ -31,8 +31,15 @@ SCRIPT = textwrap.dedent("""
                               "world": r.world_size, "path": r.path,
                               "previous": r.previous_rank, "times": sorted(r.times)}) + "\\n")
         if r.path == "first" and os.environ.get("ELASTICD_LINK"):
+            said = False
             while True:  # until the agent asks this worker to leave
                 r.check()
+                if r.collective_timeout == 5.0 and not said:  # learned: the group has it
+                    import torch, torch.distributed as dist
+                    backend = dist.distributed_c10d._get_default_group()._get_backend(
+                        torch.device("cpu"))
+                    print("group timeout", backend.options._timeout, flush=True)
+                    said = True
                 time.sleep(0.01)
         return "done"
 
@@ -148,6 +155,9 @@ def test_the_function_is_re_entered_in_the_same_process_after_an_abort(tmp_path)
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _wait(lambda: server.linked() == {0} and out.exists() and out.read_text())
+        # The round's first steps have the decorator's timeout, then the learned one (10 ms
+        # steps: the floor), set on the group and told to the agent.
+        _wait(lambda: server.timeouts.get(0) == 5.0)
         server.send(0, {"op": "abort", "round": 3})  # another round's abort: not this one
         server.send(0, {"op": "abort", "round": 4})
         _wait(lambda: 0 in server.left_rounds())
@@ -163,6 +173,7 @@ def test_the_function_is_re_entered_in_the_same_process_after_an_abort(tmp_path)
             proc.wait()
     assert proc.returncode == 0, output
     assert "returned done" in output
+    assert "group timeout 0:00:05" in output
     entries = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(e["pid"], e["round"], e["path"], e["previous"]) for e in entries] == [
         (proc.pid, 4, "first", None), (proc.pid, 5, "in-process", 0)]

@@ -158,3 +158,29 @@ def test_the_baseline_knocks_a_lease_once_and_forgets_older_leases():
     assert knocked == ["a:1", "b:1"]  # the second round knocks nobody it knows
     probe.knock_all([_rec("n2", "a:1", 2), _rec("n3", "b:2", 30)])  # n3 came back
     assert probe.answered == {("n2", 2), ("n3", 30)}  # its old lease is never probed again
+
+
+def test_a_revoked_lease_is_recorded_as_revoked_with_the_refusal_not_as_expired():
+    # The failure the probe causes is described as what happened (the failed event's detail
+    # is this description): before, "lease 2 expired: silent for at most 2.0 s".
+    from elasticd.cluster.membership import Membership, ObservationKind
+
+    membership = Membership("me", 5.0, lease_ttl=2.0)
+    dead = f"127.0.0.1:{_closed_port()}"
+    rec = _rec("n2", dead, 2)
+    membership.on_put(_rec("n3", dead, 3))
+    membership.on_put(rec)
+    order: list[str] = []
+    probe = PeerProbe("me", lambda: [rec], lambda lease: order.append("revoke"), FakeClock(),
+                      timeout=0.05,
+                      revoking=lambda r, why: (order.append("told"),
+                                               membership.revoked(r.lease, why)))
+    probe.answered.add(("n2", 2))
+    assert probe.probe_series("DistError: Connection reset by peer") == ["n2"]
+    assert order == ["told", "revoke"]  # known before the deletion can arrive
+    (ob,) = membership.on_delete("n2", 10.0, 10.0, cut_off=False)
+    assert ob.kind is ObservationKind.FAILED
+    assert ob.describe() == (f"n2 failed (its daemon refused connections at {dead} after a "
+                             "collective broke, found by me's probe: lease 2 revoked)")
+    (other,) = membership.on_delete("n3", 10.0, 10.0, cut_off=False)  # an expiry: as before
+    assert other.describe() == "n3 failed (lease 3 expired: silent for at most 2.0 s)"

@@ -1,0 +1,181 @@
+"""How long a worker may go without progress: a timeout set by hand, or learned from the job.
+
+A fixed ``--hang-timeout`` must be tuned per job by hand (too low restarts a healthy job at
+its first slow step, too high leaves a hung one idle for that long: users of other systems
+complain of 10-30-minute timeouts). Without it, the timeout is learned from the job's own
+step intervals — the time between a rank's consecutive progress reports, as the daemon
+receives them:
+
+    timeout = max(floor, FACTOR x the longest of each rank's last WINDOW intervals) x 2**k
+
+* ``FACTOR`` = 5: NVIDIA's resiliency extension (NVRx) computes its heartbeat timeouts as the
+  longest interval seen times a ``safety_factor`` of 5. The longest, not a percentile: a
+  percentile of a window ignores the few long steps (an evaluation, a checkpoint to disk, a
+  recompile) that recur in it, and restarting a healthy job costs more than a slower
+  detection.
+* ``WINDOW`` = 1000 intervals per rank: long enough to hold the job's periodic long steps at
+  ordinary step rates, short enough that one anomalous pause (a peer frozen for a while) is
+  forgotten after 1000 steps.
+* ``floor`` (a job setting, 60 s by default): the timeout is never lower, whatever the steps
+  learned. It covers what a window may not have seen yet: an evaluation or a data loader
+  restart at an epoch's end, a recompile for the smaller last batch, a slow collective after
+  a peer's short stall. Detection stays 20-30x faster than the 10-30 minutes fixed timeouts
+  are set to; a lower floor is one ``elasticctl submit --hang-timeout-floor`` away.
+* ``first_step`` (a job setting, 600 s): each worker process's first steps (the first
+  :data:`WARMUP_STEPS` intervals after its first report) compile, warm the data loader up and
+  allocate optimizer state; they get ``max(first_step, timeout)`` and are not learned from.
+  So does every step while nothing is learned yet (a new job's third step must not meet a
+  bare floor). Before a group's first report nothing is decided: a restarted group may wait
+  in its rendezvous for nodes as long as it must, and restore from disk for minutes.
+* ``k``: each restart this rule caused doubles the timeout for that job (at most
+  ``MAX_DOUBLINGS`` times): a long step the window had not seen (the first evaluation) costs
+  one restart, not a loop of them. A job that truly hangs again and again is stopped by the
+  crash-loop rule (:mod:`elasticd.agent.crashloop`).
+
+Everything here is a pure decision on numbers; the clock is the caller's
+(:class:`elasticd.agent.progress.ProgressTracker`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Any
+
+__all__ = ["FACTOR", "MAX_DOUBLINGS", "WARMUP_STEPS", "WINDOW", "LearnedTimeout", "SlidingMax",
+           "StepHistory"]
+
+FACTOR = 5.0
+WINDOW = 1000
+WARMUP_STEPS = 2
+MAX_DOUBLINGS = 4
+
+
+class SlidingMax:
+    """The largest of the last ``size`` values added, in O(1) amortized per value.
+
+    A monotonic deque: a value that a newer, larger one outlives can never be the maximum
+    again, so it is dropped when that one arrives.
+    """
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"window size must be >= 1, got {size!r}")
+        self.size = size
+        self._count = 0
+        self._q: collections.deque[tuple[int, float]] = collections.deque()
+
+    def add(self, value: float) -> None:
+        while self._q and self._q[-1][1] <= value:
+            self._q.pop()
+        self._q.append((self._count, value))
+        self._count += 1
+        while self._q[0][0] <= self._count - 1 - self.size:
+            self._q.popleft()
+
+    def max(self) -> float | None:
+        """The largest value in the window, or None before the first."""
+        return self._q[0][1] if self._q else None
+
+    def __len__(self) -> int:
+        return min(self._count, self.size)
+
+
+@dataclasses.dataclass
+class StepHistory:
+    """What a job's ranks taught about its step times on this node (kept across restarts of
+    its worker group: the job is the same).
+
+    Attributes:
+        window: intervals kept per rank.
+        ranks: each rank's last intervals.
+        doublings: restarts the learned timeout caused (each doubles it).
+        learned: intervals learned in all.
+    """
+
+    window: int = WINDOW
+    ranks: dict[int, SlidingMax] = dataclasses.field(default_factory=dict)
+    doublings: int = 0
+    learned: int = 0
+
+    def observe(self, rank: int, seconds: float) -> None:
+        """Learns one completed step interval of ``rank`` (not a warm-up step)."""
+        if not math.isfinite(seconds) or seconds < 0:
+            return
+        self.ranks.setdefault(rank, SlidingMax(self.window)).add(seconds)
+        self.learned += 1
+
+    def longest(self) -> float | None:
+        """The longest interval in any rank's window, or None before the first."""
+        values = [v for v in (sm.max() for sm in self.ranks.values()) if v is not None]
+        return max(values, default=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnedTimeout:
+    """The learned rule's settings (see the module's docstring).
+
+    Args:
+        floor: the lowest timeout, seconds.
+        first_step: the allowance for a worker process's first steps, seconds.
+        factor: the multiple of the longest interval.
+        window: intervals kept per rank.
+        max_doublings: the most times restarts double the timeout.
+
+    Raises:
+        ValueError: a value out of range (quoted).
+    """
+
+    floor: float = 60.0
+    first_step: float = 600.0
+    factor: float = FACTOR
+    window: int = WINDOW
+    max_doublings: int = MAX_DOUBLINGS
+
+    def __post_init__(self) -> None:
+        for name in ("floor", "first_step", "factor"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"learned hang timeout: {name} must be positive seconds, got "
+                                 f"{value!r}")
+        if not (isinstance(self.window, int) and self.window >= 1):
+            raise ValueError(f"learned hang timeout: window must be >= 1, got {self.window!r}")
+        if not (isinstance(self.max_doublings, int) and 0 <= self.max_doublings <= 16):
+            raise ValueError("learned hang timeout: max_doublings must be 0 to 16, got "
+                             f"{self.max_doublings!r}")
+
+    def history(self) -> StepHistory:
+        """A new, empty history for a job."""
+        return StepHistory(window=self.window)
+
+    def timeout(self, history: StepHistory) -> float:
+        """The timeout in force for a rank past its first steps."""
+        longest = history.longest()
+        base = max(self.floor, self.factor * longest) if longest is not None else self.floor
+        return base * 2 ** min(history.doublings, self.max_doublings)
+
+    def warmup_timeout(self, history: StepHistory) -> float:
+        """The timeout for a worker process's first steps (and any step while nothing is
+        learned)."""
+        return max(self.first_step, self.timeout(history))
+
+    def source(self, history: StepHistory) -> str:
+        """``"learned"`` when the step times set the timeout, ``"floor"`` when the floor
+        does (steps shorter than floor / factor; or nothing learned yet, when the tracker
+        applies the first-step allowance instead)."""
+        longest = history.longest()
+        return "learned" if longest is not None and self.factor * longest > self.floor \
+            else "floor"
+
+    def fired(self, history: StepHistory) -> None:
+        """A restart this rule caused: the next timeout is doubled (up to the cap)."""
+        history.doublings = min(history.doublings + 1, self.max_doublings)
+
+    def status(self, history: StepHistory) -> dict[str, Any]:
+        """A JSON-able summary for ``/status``."""
+        longest = history.longest()
+        return {"floor_seconds": self.floor, "first_step_seconds": self.first_step,
+                "factor": self.factor, "window": self.window,
+                "longest_step_seconds": None if longest is None else round(longest, 3),
+                "steps_learned": history.learned, "doublings": history.doublings}

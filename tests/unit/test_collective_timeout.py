@@ -1,0 +1,104 @@
+"""An in-process round's collective timeout is learned from the worker's steps by the hang
+timeout's rule with a floor of its own, and the agent's fallback deadline follows it (issue 31:
+a frozen or partitioned peer's survivors leave at the collective timeout, in-process, before
+their agent falls back).
+
+Each fails on the code before it: the group's timeout was the decorator's constant (60 s, 30 s
+in the example), the link carried no timeout and the agent waited the job's reform deadline
+(10 s) whatever the workers' groups had."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from elasticd.agent import job_rules
+from elasticd.agent.worker_link import LinkServer
+from elasticd.cluster.learned_timeout import WARMUP_STEPS
+from elasticd.local import worker_link as link
+from elasticd.worker.collective_timeout import FLOOR, CollectiveTimeout, worth_setting
+
+
+def _steps(ct: CollectiveTimeout, start: float, intervals: list[float]) -> float:
+    now = start  # the last step boundary
+    for seconds in intervals:
+        now += seconds
+        ct.step(now)
+    return now
+
+
+def test_a_rounds_first_steps_get_the_warm_up_then_the_learned_rule_with_its_floor():
+    ct = CollectiveTimeout(floor=FLOOR, first=30.0)
+    assert ct.seconds() == 30.0 and ct.source() == "first_step"  # nothing learned
+    ct.step(0.0)
+    now = _steps(ct, 0.0, [9.0] * WARMUP_STEPS)  # long first steps (restore, compile)
+    assert ct.seconds() == 30.0 and ct.history.learned == 0  # not learned from
+    now = _steps(ct, now, [0.1])
+    assert ct.seconds() == FLOOR == 5.0 and ct.source() == "floor"  # 5 x 0.1 < the floor
+    _steps(ct, now, [2.0])
+    assert ct.seconds() == 10.0 and ct.source() == "learned"  # 5 x the longest step
+    # A new round: its first steps are warm-up again (what was learned stays), and the gap
+    # since the last round's last step is no step.
+    ct.round_started()
+    ct.step(1000.0)
+    assert ct.seconds() == 30.0 and ct.history.learned == 2
+    _steps(ct, 1000.0, [0.1] * (WARMUP_STEPS + 1))
+    assert ct.seconds() == 10.0
+
+
+def test_a_timeout_with_no_member_gone_doubles_it_as_the_hang_rule_does():
+    ct = CollectiveTimeout(floor=5.0, first=60.0)
+    ct.step(0.0)
+    _steps(ct, 0.0, [0.1] * (WARMUP_STEPS + 1))
+    ct.fired()
+    assert ct.seconds() == 10.0
+    for _ in range(10):
+        ct.fired()
+    assert ct.seconds() == 5.0 * 16  # capped, as the hang timeout
+
+
+def test_the_group_is_set_again_only_up_or_clearly_down():
+    assert worth_setting(5.0, None)
+    assert worth_setting(5.01, 5.0)  # a longer step learned: never cut it
+    assert not worth_setting(4.8, 5.0) and not worth_setting(5.0, 5.0)
+    assert worth_setting(4.4, 5.0)
+
+
+def test_the_agent_waits_the_collective_timeout_when_shorter_than_the_jobs_deadline():
+    assert job_rules.reform_wait(10.0, None) == (10.0, "the job's reform deadline 10 s")
+    assert job_rules.reform_wait(10.0, 5.0) == (5.0, "the workers' collective timeout 5 s")
+    assert job_rules.reform_wait(4.0, 5.0) == (4.0, "the job's reform deadline 4 s")
+    assert job_rules.reform_wait(10.0, 30.0)[0] == 10.0  # the warm-up: the deadline holds
+    # The daemon's backstop stays behind the agent's deadline, whichever set it.
+    book = job_rules.JobBook()
+    book.reform_started(0.0, 10.0)
+    assert book.reform_by == 10.0 + job_rules.REFORM_ROUND_ALLOWANCE
+
+
+def test_the_link_keeps_each_workers_collective_timeout_until_all_said():
+    server = LinkServer()
+    socks = [link.connect(server.name, os.getpid()) for _ in range(2)]
+    try:
+        for local, sock in enumerate(socks):
+            link.send(sock, {"op": "hello", "local_rank": local, "pid": 1})
+        link.send(socks[0], {"op": "timeout", "seconds": 5.0, "source": "floor"})
+        link.send(socks[0], {"op": "timeout", "seconds": "x"})  # malformed: ignored
+        _wait(lambda: server.timeouts.get(0) == 5.0)
+        assert server.collective_timeout(2) is None  # local rank 1 has not said
+        link.send(socks[1], {"op": "timeout", "seconds": 7.5, "source": "learned"})
+        _wait(lambda: server.timeouts.get(1) == 7.5)
+        assert server.collective_timeout(2) == 7.5
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def _wait(cond, timeout: float = 5.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            pytest.fail("timed out")
+        time.sleep(0.01)
