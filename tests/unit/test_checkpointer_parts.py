@@ -124,7 +124,7 @@ def test_a_restore_drops_the_gradients_of_an_interrupted_step():
     # A survivor re-entering its function under @elasticd.in_process kept the gradients of the
     # step its group broke in; the next backward added to them and DDP averaged both, so its
     # losses left a failure-free run's from the second step after the resume
-    # (bench/results/loss_curves_inprocess_ddp.json, 184 of 1970 equal).
+    # (bench/results/loss_curves_inprocess_ddp_before_grad_fix.json, 184 of 1970 equal).
     from elasticd.worker.checkpointer import Checkpointer
 
     model = torch.nn.Linear(2, 2)
