@@ -16,9 +16,10 @@ record goes. ``_restart_workers`` here re-forms:
 2. the new round (torch's ``_rendezvous``: next_rendezvous and rank assignment);
 3. each local worker must say ``left`` cleanly within the job's ``reform_deadline`` of the
    round, or within the collective timeout its workers' groups have when shorter
-   (:func:`job_rules.reform_wait`) (:func:`job_rules.reform_step`); if all do, each gets ``assign``: the environment
-   torchrun gives a fresh worker of its local rank in that round; else (a worker stuck, died,
-   or could not leave) the node restarts its workers into the same round, as today.
+   (:func:`job_rules.reform_wait`, :func:`job_rules.reform_step`); if all do, each gets
+   ``assign``: the environment torchrun gives a fresh worker of its local rank in that
+   round; else (a worker stuck, died, or could not leave) the node restarts its workers into
+   the same round, as today.
 
 A node whose workers are not all alive and linked takes today's path at once
 (:func:`job_rules.can_reform`). Either way the agent tells its daemon which path it took

@@ -172,8 +172,12 @@ class Membership:
     def revoked(self, lease: int, cause: str) -> None:
         """This node is about to revoke ``lease`` (its peer probe found the node's daemon
         refusing connections, :mod:`elasticd.daemon.peer_probe`): the failure its record's
-        deletion brings says so, not that the lease expired. Any thread (a dict store)."""
-        self.causes[lease] = cause
+        deletion brings says so, not that the lease expired; ``cause`` "": the revocation
+        failed, the lease expires as usual. Any thread (a dict store or pop)."""
+        if cause:
+            self.causes[lease] = cause
+        else:
+            self.causes.pop(lease, None)
 
     def alive(self) -> list[str]:
         return sorted(self.nodes)

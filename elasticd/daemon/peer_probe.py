@@ -103,7 +103,8 @@ class PeerProbe:
         revoke: revokes a lease (a missing lease is no error).
         clock: injected time.
         revoking: told the node's record and why before its lease is revoked (the daemon's
-            failure record then says what happened: :meth:`Membership.revoked`).
+            failure record then says what happened: :meth:`Membership.revoked`), and told
+            again with "" when the revocation failed (the lease then expires).
         schedule, timeout, knock: :data:`SCHEDULE`, :data:`TIMEOUT`, :func:`knock`.
     """
 
@@ -189,6 +190,7 @@ class PeerProbe:
                 try:
                     self.revoke(rec.lease)
                 except CoordinationError as exc:  # its lease expires as before
+                    self.revoking(rec, "")  # and its failure says so, not "revoked"
                     log.warning("could not revoke %s's lease %x: %s", rec.node, rec.lease, exc)
                     continue
                 revoked.append(rec.node)

@@ -52,7 +52,6 @@ log = logging.getLogger("elasticd.checkpoint")
 _NONE = (-1, -1)
 
 
-
 class RestoreError(CheckpointError, RuntimeError):
     """The agreed snapshot could not be loaded into the state on some rank (e.g. the model
     changed shape since it was saved); raised on every rank together."""

@@ -10,6 +10,7 @@ import socket
 import threading
 
 from elasticd.cluster.membership import NodeRecord
+from elasticd.coordination.api import CoordinationError
 from elasticd.daemon.local_api import LocalServer
 from elasticd.daemon.peer_probe import Answer, PeerProbe, knock, suspects
 from elasticd.daemon.worker_channel import WorkerChannel
@@ -184,3 +185,25 @@ def test_a_revoked_lease_is_recorded_as_revoked_with_the_refusal_not_as_expired(
                              "collective broke, found by me's probe: lease 2 revoked)")
     (other,) = membership.on_delete("n3", 10.0, 10.0, cut_off=False)  # an expiry: as before
     assert other.describe() == "n3 failed (lease 3 expired: silent for at most 2.0 s)"
+
+
+def test_a_revocation_that_failed_leaves_the_failure_described_as_an_expiry():
+    # The probe says "revoked" before it revokes (the deletion may arrive first); when etcd
+    # refuses the revocation the lease expires as usual, and the failure must say so.
+    from elasticd.cluster.membership import Membership
+
+    membership = Membership("me", 5.0, lease_ttl=2.0)
+    dead = f"127.0.0.1:{_closed_port()}"
+    rec = _rec("n2", dead, 2)
+    membership.on_put(rec)
+
+    def refuse(lease: int) -> None:
+        raise CoordinationError("etcd unreachable")
+
+    probe = PeerProbe("me", lambda: [rec], refuse, FakeClock(), timeout=0.05,
+                      revoking=lambda r, why: membership.revoked(r.lease, why))
+    probe.answered.add(("n2", 2))
+    assert probe.probe_series("DistError: Connection reset by peer") == []
+    assert membership.causes == {}
+    (ob,) = membership.on_delete("n2", 10.0, 10.0, cut_off=False)
+    assert ob.describe() == "n2 failed (lease 2 expired: silent for at most 2.0 s)"
