@@ -118,13 +118,27 @@ class Replication(Protocol):
     :class:`~elasticd.recovery.replicator.Replicator`; the unit tests fake it). The store
     never imports the replicator: the node builder hands one in.
 
-    Four members are optional and read with ``getattr``: ``sink`` (the replica store, whose
-    copies ``ckpt_list`` reports), ``snapshot_grid(job)`` (steps a snapshot must be a
-    multiple of), ``add_commit_listener(fn)`` (``fn(job, version)`` for each newer commit
-    learned, in order; the committed copy stays in this node's slots until the next one) and
-    ``follows_commits(job)`` (this node's snapshots of the job are committed): with both, the
-    persistent tier's flushes follow the commits.
+    Four members have defaults here, for a replication that keeps no replicas, takes every
+    step and commits nothing (a fake subclasses this class to get them): ``sink``,
+    :meth:`snapshot_grid`, :meth:`add_commit_listener` and :meth:`follows_commits`.
     """
+
+    #: The replica store whose copies ``ckpt_list`` reports and ``ckpt_open`` hands over
+    #: (a :class:`~elasticd.replication.api.Sink`), or None.
+    sink: Any = None
+
+    def snapshot_grid(self, job: str) -> int:
+        """Local snapshots of ``job`` are taken only at multiples of this step count."""
+        return 1
+
+    def add_commit_listener(self, listener: Any) -> None:
+        """Calls ``listener(job, version)`` for each newer commit learned, in order (the
+        committed copy stays in this node's slots until the next one)."""
+
+    def follows_commits(self, job: str) -> bool:
+        """Whether this node's snapshots of ``job`` are committed: with a commit listener, the
+        persistent tier's flushes then follow the commits."""
+        return False
 
     def status(self) -> dict[str, Any]:
         """``{"jobs": {job: {...committed, placement, sync lag...}}}`` for protection checks."""

@@ -113,7 +113,7 @@ class Restores:
 
     def _replicas(self, job: str, only: int | None) -> dict[str, list[list[int]]]:
         """Versions of other nodes' shards this node holds as replicas (informational)."""
-        sink = getattr(self.replicator, "sink", None)
+        sink = self.replicator.sink if self.replicator is not None else None
         if sink is None:
             return {}
         try:
@@ -235,7 +235,9 @@ class Restores:
         node's rank, now hosted here): its slot handed over read-only and pinned, as
         ``ckpt_open`` hands a local one (checked first, for rot in RAM), rather than copied
         into the local store or a scratch segment first; None when it is not held here."""
-        store = getattr(getattr(self.replicator, "sink", None), "store", None)
+        sink = self.replicator.sink if self.replicator is not None else None
+        # Only a shared-memory sink (ShmSink) keeps its copies in slots that can be handed over.
+        store = getattr(sink, "store", None)
         if store is None:
             return None
         try:

@@ -68,9 +68,8 @@ class Snapshots:
         self._reserving = 0  # reservations between the pause check and their slot's record
         if self.persist is not None and self.persist.on_flushed is None:
             self.persist.on_flushed = self._on_flushed
-        listen = getattr(self.replicator, "add_commit_listener", None)
-        if self.persist is not None and listen is not None:
-            listen(self._persist_commit)
+        if self.persist is not None and self.replicator is not None:
+            self.replicator.add_commit_listener(self._persist_commit)
 
     def handlers(self) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
         """Op name -> handler, for the snapshot side's ops."""
@@ -139,8 +138,8 @@ class Snapshots:
                 record.world_size, record.ranks = world, set()
             record.ranks.add(rank)
             record.local_world_size, record.uid = local_world, uid if type(uid) is int else None
-        grid_of = getattr(self.replicator, "snapshot_grid", None)
-        grid = grid_of(job) if grid_of is not None and version is not None else 1
+        grid = (self.replicator.snapshot_grid(job)
+                if self.replicator is not None and version is not None else 1)
         if grid > 1 and version is not None and version[1] % grid:
             # Off the job's snapshot grid: the nodes meet on common steps to commit
             # (replication/commit.py, Grid). Routine: no warning, not a failure.
@@ -292,8 +291,7 @@ class Snapshots:
     def _commits_decide(self, job: str) -> bool:
         """Whether ``job``'s flushes follow its commits here (its snapshots are replicated and
         committed), not this node's own completed snapshots."""
-        follows = getattr(self.replicator, "follows_commits", None)
-        return follows is not None and follows(job)
+        return self.replicator is not None and self.replicator.follows_commits(job)
 
     def _maybe_persist(self, job: str, record: JobRecord, version: tuple[int, int]) -> None:
         """Offers a step every local rank completed to the persister (without commits)."""

@@ -26,11 +26,12 @@ from elasticd.replication.commit_feed import CommitFeed
 from elasticd.store.service import CheckpointService
 from elasticd.store.shm import SlotStore
 from elasticd.testing.transport import InProcessTransport
+from elasticd.store.api import Replication
 from tests.unit.test_persistence import View, snapshot
 from tests.unit.test_store_service import write_snapshot
 
 
-class Commits:
+class Commits(Replication):
     """The node's replication as the checkpoint service sees it: its snapshots are committed,
     and the test says when (the real tracker's retention: the committed copy stays in this
     node's slots until the next commit)."""

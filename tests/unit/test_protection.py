@@ -16,6 +16,7 @@ from elasticd.store.shm import SlotStore
 from elasticd.testing.clock import FakeClock
 from elasticd.testing.transport import InProcessTransport
 from elasticd.metrics import UNPROTECTED_REASONS, CheckpointSink, Metrics
+from elasticd.store.api import Replication
 from tests.unit.test_store_service import write_snapshot
 
 OK = JobView(newest=(0, 50), replicated=True, placement=True, committed=(0, 49), lag=1,
@@ -68,7 +69,7 @@ def test_the_metric_labels_every_reason():
     assert UNPROTECTED_REASONS == REASONS  # metrics imports no domain module: a copy
 
 
-class FakeReplicator:
+class FakeReplicator(Replication):
     """What the service reads of replication: ``status()["jobs"]`` and the snapshot hand-off."""
 
     def __init__(self):

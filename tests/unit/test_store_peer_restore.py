@@ -23,6 +23,7 @@ import torch
 
 from elasticd.worker.checkpointer import Checkpointer
 from elasticd.snapshot.reader import SnapshotReader
+from elasticd.store.api import Replication
 from elasticd.store.service import CheckpointService
 from elasticd.store.shm import SlotStore
 from elasticd.testing.transport import InProcessTransport, TransportError
@@ -47,7 +48,7 @@ from tests.unit.test_store_service import write_snapshot
 torch.set_num_threads(1)
 
 
-class FakeReplicator:
+class FakeReplicator(Replication):
     """Records what the service tells it; fetches from ``peer`` (another node's store)."""
 
     def __init__(self, local: SlotStore, peer: SlotStore) -> None:
