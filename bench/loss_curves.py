@@ -223,6 +223,20 @@ def inprocess_main(args: argparse.Namespace, workdir: str, started: float) -> in
         resume = save
     reference = [json.loads(line) for path in glob.glob(os.path.join(logs, "*.jsonl"))
                  for line in open(path)]
+    return finish(args, started, kept, reference, {
+        "scenario": f"examples/train_in_process.py --model {args.model}, submit --in-process, "
+                    "3 nodes x 2 ranks, --nnodes 2:3, replication on, kill -9 of a node (not "
+                    "rank 0's) at step 30, its daemon back 20 steps later, "
+                    f"{INPROCESS_STEPS} steps",
+        "elasticd": {k: v for k, v in run.items() if k != "rows"},
+        "reference_segments": [{"world": w, "steps": [a + 1, b]} for w, a, b in segments]})
+
+
+def finish(args: argparse.Namespace, started: float, kept: dict[tuple[int, int, int], float],
+           reference: list[dict[str, Any]], run: dict[str, Any]) -> int:
+    """Compares the elasticd run's ``kept`` losses with the reference's, prints the verdict,
+    writes the result (``run``: the mode's scenario, run and reference segments) to
+    ``--out``; 0 when every reference loss is there and bitwise equal."""
     diffs, missing = [], []
     for r in reference:
         key = (r["world"], r["rank"], r["step"])
@@ -233,17 +247,12 @@ def inprocess_main(args: argparse.Namespace, workdir: str, started: float) -> in
     compared, equal = len(diffs), sum(d == 0.0 for d in diffs)
     max_diff = max(diffs) if diffs else None
     print(f"compared {compared} (world, rank, step) losses: {equal} bitwise equal, largest "
-          f"difference {max_diff}; not in the elasticd run: {missing}", flush=True)
+          f"difference {max_diff}; not in the elasticd run's kept steps: {missing}", flush=True)
     result = {
         "command": "bench/loss_curves.py " + " ".join(sys.argv[1:]),
         "when": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started)) + " UTC",
         "host": {"cpus": os.cpu_count(), "python": platform.python_version()},
-        "scenario": f"examples/train_in_process.py --model {args.model}, submit --in-process, "
-                    "3 nodes x 2 ranks, --nnodes 2:3, replication on, kill -9 of a node (not "
-                    "rank 0's) at step 30, its daemon back 20 steps later, "
-                    f"{INPROCESS_STEPS} steps",
-        "elasticd": {k: v for k, v in run.items() if k != "rows"},
-        "reference_segments": [{"world": w, "steps": [a + 1, b]} for w, a, b in segments],
+        **run,
         "compared_losses": compared,
         "bitwise_equal": equal,
         "max_abs_difference": max_diff,
@@ -291,24 +300,14 @@ def main() -> int:
     c, _ = segment(ref_dir, "c", 3, STEPS, save_b)
     reference = a + b + c
 
-    diffs, missing = [], []
-    for r in reference:
-        key = (r["world"], r["rank"], r["step"])
-        if key not in kept:
-            missing.append(key)
-        else:
-            diffs.append(abs(kept[key] - r["loss"]))
-    compared = len(diffs)
-    max_diff = max(diffs) if diffs else None
-    equal = sum(d == 0.0 for d in diffs)
     redone = {f"world {rec.attempt.world} from step {rec.step}":
               list(range(rec.step + 1, rec.reached + 1)) for rec in out.recoveries}
-    print(f"compared {compared} (world, rank, step) losses: {equal} bitwise equal, largest "
-          f"difference {max_diff}; not in the elasticd run's kept steps: {missing}", flush=True)
-    result = {
-        "command": "bench/loss_curves.py " + " ".join(sys.argv[1:]),
-        "when": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started)) + " UTC",
-        "host": {"cpus": os.cpu_count(), "python": platform.python_version()},
+    if args.plot:
+        plot(args.plot, out, reference,
+             [(shrink.step, f"kill; world 2 from step {shrink.step}"),
+              (grow.step, f"grow; world 3 from step {grow.step}")])
+        print(f"plot: {args.plot}")
+    return finish(args, started, kept, reference, {
         "scenario": "FSDP2, 3 nodes, --nnodes 2:3, m=2, no standby, kill -9 of n2 at step 20, "
                     "its daemon restarted at step 26, 120 steps",
         "elasticd": {
@@ -324,27 +323,7 @@ def main() -> int:
         "reference_segments": [{"world": 3, "steps": [1, shrink.step]},
                                {"world": 2, "steps": [shrink.step + 1, grow.step]},
                                {"world": 3, "steps": [grow.step + 1, STEPS]}],
-        "compared_losses": compared,
-        "bitwise_equal": equal,
-        "max_abs_difference": max_diff,
-        "missing_in_elasticd_run": missing,
-        "losses": {
-            "elasticd_kept": [[w, rk, s, v] for (w, rk, s), v in sorted(kept.items())],
-            "reference": sorted([r["world"], r["rank"], r["step"], r["loss"]]
-                                for r in reference),
-        },
-    }
-    if args.plot:
-        plot(args.plot, out, reference,
-             [(shrink.step, f"kill; world 2 from step {shrink.step}"),
-              (grow.step, f"grow; world 3 from step {grow.step}")])
-        print(f"plot: {args.plot}")
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=1)
-            fh.write("\n")
-        print(f"results: {args.out}")
-    return 0 if compared and max_diff == 0.0 and not missing else 1
+    })
 
 
 if __name__ == "__main__":
