@@ -227,6 +227,10 @@ class _Worker:
                 if not distributed_error(exc):
                     raise
                 group_broke(exc)  # before leaving: the daemon probes while this one cleans up
+                # The text is all a timeout shows: torch 2.13's gloo raises a plain
+                # RuntimeError ("[.../unbound_buffer.cc:78] Timed out waiting 2000ms for recv
+                # operation to complete": bench/results/spikes/inprocess/gloo_timeout.json),
+                # the type a peer's reset raises too; DistError has no timeout subclass.
                 if "Timed out" in str(exc) and not self.asked:
                     self.collective.fired()  # no member gone: a step longer than learned
                 why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
