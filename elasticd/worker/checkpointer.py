@@ -163,7 +163,7 @@ class Checkpointer:
                    seconds=result.seconds, steps_lost=result.steps_lost, bytes=result.nbytes,
                    generation=result.generation, step=result.step, refused=result.refused,
                    next_generation=result.next_generation)
-        self._register(result.step)
+        self._register(result.step, one_way=True)
         return result.step
 
     def _identity(self) -> tuple[int, int, int]:
@@ -199,8 +199,12 @@ class Checkpointer:
             # one closed. The restore's reads and collectives come before its first write.
             self.transport.close()
 
-    def _register(self, step: int | None = None, unsnapshottable: str = "") -> None:
-        """Tells the daemon who this worker is (it places replicas by the group's ranks)."""
+    def _register(self, step: int | None = None, unsnapshottable: str = "",
+                  one_way: bool = False) -> None:
+        """Tells the daemon who this worker is (it places replicas by the group's ranks).
+        ``one_way`` after a restore: the last thing before training again, and a call waited
+        for a daemon busy with the recovery; its reply (whether the job is protected) comes
+        with the next slot request's too."""
         if self.transport is None:
             return
         fields: dict[str, Any] = {"job": self.job, "rank": self.rank,
@@ -213,7 +217,10 @@ class Checkpointer:
             fields["step"] = step
         if unsnapshottable:
             fields["unsnapshottable"] = unsnapshottable[:1000]
-        self._heard(self._call("register", **fields))
+        if one_way:
+            self._tell("register", **fields)
+        else:
+            self._heard(self._call("register", **fields))
 
     def _flatten(self, state: Mapping[str, Any], pending: "_Reservation | None" = None
                  ) -> FlatState:

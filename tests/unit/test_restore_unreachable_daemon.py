@@ -12,14 +12,15 @@ import pytest
 from elasticd.worker.restore import Collective, DaemonUnreachable, restore
 from elasticd.worker.sources import Sources
 from elasticd.worker.client import DaemonTimeout
+from elasticd.worker.transport import Transport
 
 
-class SilentDaemon:
+class SilentDaemon(Transport):
     def call(self, op, **fields):
         raise DaemonTimeout(f"elasticd did not answer {op!r} within 10 s")
 
 
-class HealthyDaemon:
+class HealthyDaemon(Transport):
     """Holds step (0, 7) for this rank; step (0, 7) is committed at world size 2."""
 
     def call(self, op, **fields):

@@ -499,9 +499,10 @@ def test_one_checkpointer_follows_its_process_into_a_round_with_another_rank(ser
 
 
 def test_the_restore_report_is_one_way_and_a_dropped_one_is_sent_as_a_call(service):
-    """The restore's report (``ckpt_report``) has no reply anyone reads: a call waited for
-    the daemon, busy with the recovery then (10-40 ms of an in-process restore). It is sent
-    one-way; one that was dropped (nothing of it reached the daemon) goes as a call."""
+    """The restore's report (``ckpt_report``), the release of the slot it read and the
+    registration after it have no reply the restore needs: a call waited for the daemon,
+    busy with the recovery then (10-40 ms of an in-process restore). Each is sent one-way;
+    one that was dropped (nothing of it reached the daemon) goes as a call."""
     class OneWay(InProcessTransport):
         def __init__(self, handlers, deliver):
             super().__init__(handlers)
@@ -529,6 +530,11 @@ def test_the_restore_report_is_one_way_and_a_dropped_one_is_sent_as_a_call(servi
             assert ckpt.restore(state) == 1
         assert [o for o in t.ops if o[1] == "ckpt_report"] == expected
         assert service.history[-1]["step"] == 1  # the daemon heard it either way
+        # The slot's release and the registration after it: one-way too (dropped: a call).
+        # (The registration when the Checkpointer starts stays a call: its reply is read.)
+        restoring = t.ops[t.ops.index(("call", "ckpt_list")):]
+        for op in ("ckpt_release", "register"):
+            assert [o for o in restoring if o[1] == op] == [(k, op) for k, _ in expected], op
 
 
 def test_a_transport_that_gives_only_call_has_the_rest_from_transport(service):
