@@ -44,7 +44,11 @@ def _rows(logdir: str) -> list[dict]:
     rows = []
     for path in glob.glob(os.path.join(logdir, "steps-*.jsonl")):
         with open(path) as fh:
-            rows += [json.loads(line) for line in fh if line.strip()]
+            for line in fh:
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:
+                    continue  # a line being written (read while the worker writes it)
     return rows
 
 
