@@ -1,5 +1,5 @@
-"""How the worker-side checkpointer reaches the checkpoint service: a one-method interface,
-``call(op, **fields)``, that returns the reply's fields and raises (any exception) when the
+"""How the worker-side checkpointer reaches the checkpoint service: a
+:class:`~elasticd.worker.transport.Transport`, whose ``call(op, **fields)`` returns the reply's fields and raises (any exception) when the
 daemon refuses the request or cannot be reached; the checkpointer turns that into a skipped
 snapshot, never a training error.
 
@@ -20,13 +20,14 @@ from typing import Any, Callable, Mapping
 
 from elasticd.errors import LocalProtocolError
 from elasticd.local.wire import RequestError, close_fds
+from elasticd.worker.transport import Transport
 
 
 class TransportError(LocalProtocolError):
     """The in-process service refused a request (the message is the daemon's)."""
 
 
-class InProcessTransport:
+class InProcessTransport(Transport):
     """Calls ``handlers`` (e.g. ``CheckpointService.handlers()``) directly.
 
     Args:

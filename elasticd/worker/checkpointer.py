@@ -70,8 +70,9 @@ class Checkpointer:
 
     Args:
         every: snapshot every this many steps (``save`` is a no-op on the others).
-        transport: how to reach the daemon (default: ``elasticd.worker``'s client from the
-            environment; None when ``ELASTICD_SOCKET`` is unset).
+        transport: how to reach the daemon, a :class:`~elasticd.worker.transport.Transport`
+            (default: ``elasticd.worker``'s client from the environment; None when
+            ``ELASTICD_SOCKET`` is unset).
         job, rank, world_size, local_world_size: default from the environment torchrun and
             elasticd set (``ELASTICD_JOB``, ``RANK``, ...) or the initialised process group;
             rank and sizes not given are read again at each :meth:`restore` (under
@@ -162,7 +163,7 @@ class Checkpointer:
                    seconds=result.seconds, steps_lost=result.steps_lost, bytes=result.nbytes,
                    generation=result.generation, step=result.step, refused=result.refused,
                    next_generation=result.next_generation)
-        self._register(result.step)
+        self._register(result.step, one_way=True)
         return result.step
 
     def _identity(self) -> tuple[int, int, int]:
@@ -192,15 +193,18 @@ class Checkpointer:
         moved = place[0] != self.rank
         self.rank, self.world_size, self.local_world_size = place
         self._notices.who = f"job {self.job} rank {self.rank}"
-        close = getattr(self.transport, "close", None)
-        if moved and close is not None:
+        if moved and self.transport is not None:
             # The daemon binds a process's writes to the rank its open connections first
             # wrote for (daemon/rank_claims.py): a new rank needs a new connection, the old
             # one closed. The restore's reads and collectives come before its first write.
-            close()
+            self.transport.close()
 
-    def _register(self, step: int | None = None, unsnapshottable: str = "") -> None:
-        """Tells the daemon who this worker is (it places replicas by the group's ranks)."""
+    def _register(self, step: int | None = None, unsnapshottable: str = "",
+                  one_way: bool = False) -> None:
+        """Tells the daemon who this worker is (it places replicas by the group's ranks).
+        ``one_way`` after a restore: the last thing before training again, and a call waited
+        for a daemon busy with the recovery; its reply (whether the job is protected) comes
+        with the next slot request's too."""
         if self.transport is None:
             return
         fields: dict[str, Any] = {"job": self.job, "rank": self.rank,
@@ -213,7 +217,10 @@ class Checkpointer:
             fields["step"] = step
         if unsnapshottable:
             fields["unsnapshottable"] = unsnapshottable[:1000]
-        self._heard(self._call("register", **fields))
+        if one_way:
+            self._tell("register", **fields)
+        else:
+            self._heard(self._call("register", **fields))
 
     def _flatten(self, state: Mapping[str, Any], pending: "_Reservation | None" = None
                  ) -> FlatState:
@@ -337,12 +344,11 @@ class Checkpointer:
         fields = {"job": self.job, "rank": self.rank, "world_size": self.world_size,
                   "nbytes": nbytes, "local_world_size": self.local_world_size, "step": step,
                   "generation": self.generation, "mapped": mapped}
-        start = getattr(self.transport, "start", None)
-        if start is None:
-            return _Reservation(self._failed, self._heard,
-                                reply=self._call("ckpt_reserve", **fields))
+        if self.transport is None:
+            return _Reservation(self._failed, self._heard)
         try:
-            return _Reservation(self._failed, self._heard, call=start("ckpt_reserve", **fields))
+            return _Reservation(self._failed, self._heard,
+                                call=self.transport.start("ckpt_reserve", **fields))
         except Exception as exc:  # noqa: BLE001 — never an error in the training loop
             self._failed("ckpt_reserve", exc)
             return _Reservation(self._failed, self._heard)
@@ -372,19 +378,20 @@ class Checkpointer:
         self.stats["hook_wait_seconds"] += seconds
 
     def _tell(self, op: str, **fields: Any) -> None:
-        """``op`` one-way where the transport can (:meth:`DaemonClient.send`), else as a call.
+        """``op`` one-way (:meth:`Transport.send`; a transport that cannot send one-way calls).
         For a report whose reply nothing reads: a call waited for the daemon, busy with the
         recovery at that moment (10-40 ms of a restore seen in the in-process benchmark).
         The daemon reads one connection's requests in order, so the call that follows on it
         (``register``) is answered after the report was handled."""
-        send = getattr(self.transport, "send", None)
+        if self.transport is None:
+            return
         try:
-            if send is not None and send(op, **fields):
+            if self.transport.send(op, **fields):
                 return
         except Exception as exc:  # noqa: BLE001 — never an error in the training loop
             self._failed(op, exc)
             return
-        # No one-way send, or it was dropped (nothing of it reached the daemon): as a call.
+        # Dropped (nothing of it reached the daemon): as a call.
         self._call(op, **fields)
 
     def _call(self, op: str, **fields: Any) -> dict[str, Any] | None:

@@ -36,6 +36,7 @@ from typing import Any, Mapping
 
 from elasticd.clock import SYSTEM_CLOCK
 from elasticd.errors import LocalProtocolError
+from elasticd.worker.transport import Transport
 from elasticd.local.wire import (
     DEFAULT_MAX_MESSAGE,
     LENGTH,
@@ -138,7 +139,7 @@ def _identity_raw(environ: Mapping[str, str] | None) -> tuple[str | None, ...] |
     return None if environ is None else tuple(environ.get(n) for n in _IDENTITY_VARS)
 
 
-class DaemonClient:
+class DaemonClient(Transport):
     """A connection to the node's daemon, shared by every thread of one worker process.
 
     Args:

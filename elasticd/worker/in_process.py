@@ -13,9 +13,11 @@ each re-formation of the job's group (issue 31; docs/in-process-design.md, secti
 
 elasticd makes the default process group before each call and destroys it after. In a job
 submitted with ``elasticctl submit --in-process``, when the group breaks (a peer died: the
-pending collective raises; or the agent says ``abort``) the wrapper leaves the old group
-completely (the exception and its frames dropped, ``gc.collect()``, ``destroy_process_group``),
-tells its agent over the worker link (:mod:`elasticd.local.worker_link`) that it left, waits
+pending collective raises; or the agent says ``abort``) the wrapper first shuts down the old
+group's connections (:mod:`elasticd.worker.group_sockets`: every peer still waiting on it raises
+at once, and a collective this worker is blocked in ends when the agent asks), then leaves the
+group completely (the exception and its frames dropped, ``destroy_process_group``, a collection
+only if some of its sockets are still open), tells its agent over the worker link (:mod:`elasticd.local.worker_link`) that it left, waits
 for the new round's ranks and calls the function again: the process, its model, its compiled
 code and its data loader stay. Each round's group lives on the round's own TCPStore (hosted by
 its rank 0) under a fresh prefix, so a rank of an old round can never touch a newer round's
@@ -42,6 +44,7 @@ from typing import Any, Callable, TypeVar
 from elasticd.clock import SYSTEM_CLOCK
 from elasticd.errors import ElasticdError, LocalProtocolError
 from elasticd.local import worker_link as link
+from elasticd.worker import group_sockets
 from elasticd.worker.collective_timeout import FLOOR, CollectiveTimeout, worth_setting
 
 log = logging.getLogger(__name__)
@@ -183,6 +186,10 @@ class _Worker:
         self.round = int(os.environ.get(link.ROUND_ENV, "0"))
         self.asked = ""  # why the agent wants this worker out of its round
         self.assignments: queue.Queue[dict[str, Any]] = queue.Queue()
+        #: The live round's group connections (group_sockets), until shut down or the group
+        #: destroyed; under the lock: the link's thread shuts them down on an abort.
+        self._conns: set[int] = set()
+        self._conns_lock = threading.Lock()
         link.send(self.sock, {"op": "hello", "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
                               "pid": os.getpid()})
         threading.Thread(target=self._read, daemon=True, name="elasticd-link").start()
@@ -200,6 +207,9 @@ class _Worker:
             op = msg.get("op")
             if op == "abort" and msg.get("round") == self.round:
                 self.asked = "the agent asked to leave the round"
+                # A collective the main thread is blocked in (a silent peer's, or one waiting
+                # on a rank that has not raised yet) ends now, not at its timeout.
+                self._end_connections()
             elif op == "assign" and isinstance(msg.get("env"), dict):
                 self.assignments.put(msg)
 
@@ -226,11 +236,20 @@ class _Worker:
             except BaseException as exc:  # noqa: BLE001 - only a distributed error is kept
                 if not distributed_error(exc):
                     raise
-                group_broke(exc)  # before leaving: the daemon probes while this one cleans up
+                # First: every peer still waiting on this rank raises now, not once this rank
+                # has left (the cascade: one whole leave per hop, 50-100 ms each).
+                self._end_connections()
+                if not self.asked:  # the agent asked: it knows, and the shutdown was ours
+                    group_broke(exc)  # the daemon probes while this one cleans up
+                # The text is all a timeout shows: torch 2.13's gloo raises a plain
+                # RuntimeError ("[.../unbound_buffer.cc:78] Timed out waiting 2000ms for recv
+                # operation to complete": bench/results/spikes/inprocess/gloo_timeout.json),
+                # the type a peer's reset raises too; DistError has no timeout subclass.
                 if "Timed out" in str(exc) and not self.asked:
                     self.collective.fired()  # no member gone: a step longer than learned
                 why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
             else:
+                self._forget_connections()
                 dist.destroy_process_group()
                 return result
             # Out of the except clause: the exception, its traceback and the frames holding
@@ -270,8 +289,11 @@ class _Worker:
         store = dist.PrefixStore(f"elasticd/{job}/round/{self.round}/", tcp)
         dist.init_process_group(self.backend, store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=collective))
+        opened = _socket_fds() - before
+        with self._conns_lock:
+            self._conns = group_sockets.connections(opened, int(env["MASTER_PORT"]))
         self._applied(collective)
-        return _socket_fds() - before
+        return opened
 
     def _stepped(self) -> float:
         """A step boundary (:meth:`Round.check`): learns it and sets the group's collective
@@ -295,14 +317,32 @@ class _Worker:
         except OSError:
             pass  # the agent is gone: the reader thread says so
 
+    def _end_connections(self) -> None:
+        """Shuts down the live round's group connections, once (any thread)."""
+        with self._conns_lock:
+            conns, self._conns = self._conns, set()
+            group_sockets.shut_down(conns)
+
+    def _forget_connections(self) -> None:
+        """Before the group is destroyed: its descriptors close then, and their numbers may
+        be reused, so the link's thread must not shut them down any more."""
+        with self._conns_lock:
+            self._conns = set()
+
     def _leave(self, fds: set[int]) -> bool:
         """Leaves the default group completely; whether its sockets are all closed (one held
-        open keeps the peers blocked on this rank until their timeout)."""
+        open keeps the old group's objects, its threads and buffers, alive).
+
+        The group is usually freed by reference counting once the round's frames are gone,
+        and ``destroy_process_group`` closes its sockets at once; a collection, which walks
+        the whole heap (~60 ms in a torch worker, on every rank at the same moment), runs
+        only when some are still open (a reference cycle holds the group)."""
         import torch.distributed as dist
 
-        gc.collect()
+        self._forget_connections()
         dist.destroy_process_group()
-        gc.collect()
+        if fds & _socket_fds():
+            gc.collect()
         return not (fds & _socket_fds())
 
 

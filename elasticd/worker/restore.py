@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import xxhash
@@ -116,29 +116,18 @@ def _digest_rows(state: Any, keys: list[str]) -> list[Version]:
     return [(d >> 32, d & 0xFFFFFFFF) for d in (state_digest(state[key]) for key in keys)]
 
 
-def _all_true_each(collective: "Collective", *flags: bool) -> tuple[bool, ...]:
-    """Each flag ANDed across ranks: one collective where the collective has
-    ``all_true_each`` (:class:`TorchCollective`, :class:`Solo`), one per flag otherwise (a
-    :class:`Collective` need only have the two methods)."""
-    each = getattr(collective, "all_true_each", None)
-    if each is None:
-        return tuple(collective.all_true(flag) for flag in flags)
-    return tuple(each(flags))
-
-
 def _loaded_everywhere(state: Any, keys: list[str], collective: "Collective",
                        error: str) -> list[str] | None:
     """After the load: None when some rank could not load; else the ``keys`` (replicated
     entries) whose digests differ across ranks. One all_gather of a flag row and the digests
-    where the collective has ``gather_if_all_true``, else an all_reduce and
-    :func:`check_replicas_agree`'s all_gather, as before."""
-    both = getattr(collective, "gather_if_all_true", None)
-    if both is None or len(keys) > _DIGESTS_WITH_FLAG:
+    (:meth:`Collective.gather_if_all_true`); with more digests than fit beside the flag row,
+    an all_reduce and :func:`check_replicas_agree`'s all_gather."""
+    if len(keys) > _DIGESTS_WITH_FLAG:
         if not collective.all_true(not error):
             return None
         check_replicas_agree(state, keys, collective)
         return []
-    gathered = both(not error, [] if error else _digest_rows(state, keys))
+    gathered = collective.gather_if_all_true(not error, [] if error else _digest_rows(state, keys))
     if gathered is None:
         return None
     return [key for i, key in enumerate(keys) if len({g[i] for g in gathered}) > 1]
@@ -172,30 +161,43 @@ class RestoreResult:
     saved_world_size: int = 0
 
 
-class Collective(Protocol):
-    """The two collectives restore needs (so tests can simulate ranks without torch.distributed)."""
+class Collective:
+    """The collectives restore needs, across the group's ranks (tests simulate ranks without
+    torch.distributed). A subclass gives :meth:`all_gather`; the others are one all_gather
+    each by default, so every collective has them all (:class:`TorchCollective` ANDs flags
+    in an all_reduce instead)."""
 
-    def all_gather(self, rows: list[Version]) -> list[list[Version]]: ...
-    def all_true(self, flag: bool) -> bool: ...
+    def all_gather(self, rows: list[Version]) -> list[list[Version]]:
+        """Every rank's ``rows``, in rank order."""
+        raise NotImplementedError
+
+    def all_true(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank."""
+        return self.all_true_each([flag])[0]
+
+    def all_true_each(self, flags: Any) -> list[bool]:
+        """Each of ``flags`` ANDed across ranks, in one collective."""
+        flags = [bool(f) for f in flags]
+        gathered = self.all_gather([(int(f), 0) for f in flags])
+        return [all(g[i][0] == 1 for g in gathered) for i in range(len(flags))]
+
+    def gather_if_all_true(self, flag: bool, rows: list[Version]) -> list[list[Version]] | None:
+        """Every rank's ``rows`` when ``flag`` holds on every rank, else None: one all_gather
+        (a flag row ahead of the rows) where all_true and all_gather were two."""
+        gathered = self.all_gather([(1 if flag else 0, len(rows)), *rows])
+        if any(g[0][0] != 1 for g in gathered):
+            return None
+        return [g[1:1 + g[0][1]] for g in gathered]
 
 
-class Solo:
+class Solo(Collective):
     """One process, no process group."""
 
     def all_gather(self, rows: list[Version]) -> list[list[Version]]:
         return [list(rows)]
 
-    def all_true(self, flag: bool) -> bool:
-        return flag
 
-    def all_true_each(self, flags: Any) -> list[bool]:
-        return [bool(f) for f in flags]
-
-    def gather_if_all_true(self, flag: bool, rows: list[Version]) -> list[list[Version]] | None:
-        return [list(rows)] if flag else None
-
-
-class TorchCollective:
+class TorchCollective(Collective):
     """Over the default (already initialised) process group, with int64 tensors only."""
 
     def __init__(self, group: Any = None, max_rows: int = 64) -> None:
@@ -213,22 +215,11 @@ class TorchCollective:
         self.dist.all_gather(out, mine, group=self.group)
         return [[(int(g), int(s)) for g, s in o.cpu().tolist()] for o in out]
 
-    def all_true(self, flag: bool) -> bool:
-        return self.all_true_each([flag])[0]
-
     def all_true_each(self, flags: Any) -> list[bool]:
         """Each of ``flags`` ANDed across ranks, in one all_reduce."""
         t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int64, device=self.device)
         self.dist.all_reduce(t, op=self.dist.ReduceOp.MIN, group=self.group)
         return [bool(v) for v in t.cpu().tolist()]
-
-    def gather_if_all_true(self, flag: bool, rows: list[Version]) -> list[list[Version]] | None:
-        """Every rank's ``rows`` when ``flag`` holds on every rank, else None: one all_gather
-        (a flag row ahead of the rows) where all_true and all_gather were two."""
-        gathered = self.all_gather([(1 if flag else 0, len(rows)), *rows])
-        if any(g[0][0] != 1 for g in gathered):
-            return None
-        return [g[1:1 + g[0][1]] for g in gathered]
 
 
 # Rows every rank sends ahead of its versions: its progress, the committed version it was told
@@ -341,8 +332,8 @@ def restore(state: Any, sources: Sources, collective: Collective, clock: Any,
             got = sources.fetch_shards(got, version, result.refused, world, state)
         try:
             # One collective for both flags (each was an all_reduce of its own).
-            reachable, have = _all_true_each(collective, not sources.unreachable,
-                                             got is not None)
+            reachable, have = collective.all_true_each([not sources.unreachable,
+                                                        got is not None])
             if not reachable:
                 # A daemon that does not answer a fetch may still hold the step: trying older
                 # ones would end, in the worst case, in a fresh start while it is committed.

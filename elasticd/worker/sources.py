@@ -401,12 +401,15 @@ class Sources:
                 self._release(reply["pin"], mm)
 
     def _release(self, pin: int, mm: mmap.mmap | None = None) -> None:
-        """Unmaps a slot (once no view is left) and tells the daemon it may reuse it."""
+        """Unmaps a slot (once no view is left) and tells the daemon it may reuse it: one-way
+        (nothing reads the reply, and a call waited for a daemon busy with the recovery, in
+        the middle of a restore); as a call when the send was dropped."""
         if mm is not None:
             with contextlib.suppress(BufferError):  # a view still held: unmapped when dropped
                 mm.close()
         try:
-            self.transport.call("ckpt_release", pin=pin)
+            if not self.transport.send("ckpt_release", pin=pin):
+                self.transport.call("ckpt_release", pin=pin)
         except Exception as exc:  # noqa: BLE001 — the daemon drops stale pins itself
             log.debug("elasticd: ckpt_release failed: %s", exc)
 

@@ -9,9 +9,10 @@ job of 2 ranks per node submitted with ``--in-process`` (``examples/train_in_pro
   its agent at the deadline (its node's workers are new processes), the other node's stay, and
   the job finishes.
 * A frozen node (SIGSTOP of its daemon, agent and workers: no reset reaches anyone): the
-  survivors' pending collectives end at the collective timeout learned from their steps (the
-  floor, 5 s, not the decorator's 30 s), before their agents' fallback deadline, and they
-  re-form in-process.
+  survivors' pending collectives end when their agents learn that the node failed (the
+  agent's ``abort`` shuts the old group's connections down: elasticd/worker/group_sockets.py),
+  not at their collective timeout (learned from their steps, 5 s here: the backstop), and
+  they re-form in-process.
 * A worker killed alone (its node alive): its node restarts its workers, the other nodes' stay
   in-process (a mixed round at the same world size), every rank resumes from one step.
 """
@@ -43,7 +44,11 @@ def _rows(logdir: str) -> list[dict]:
     rows = []
     for path in glob.glob(os.path.join(logdir, "steps-*.jsonl")):
         with open(path) as fh:
-            rows += [json.loads(line) for line in fh if line.strip()]
+            for line in fh:
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:
+                    continue  # a line being written (read while the worker writes it)
     return rows
 
 
@@ -245,9 +250,10 @@ def test_a_survivor_stuck_in_its_re_formation_is_restarted_the_old_way(tmp_path)
           f"{min(resumed)}, the newest all held {held}, committed {committed}")
 
 
-def test_a_frozen_nodes_survivors_leave_at_the_learned_collective_timeout_in_process(tmp_path):
+def test_a_frozen_nodes_survivors_leave_when_their_agents_learn_it_failed_in_process(tmp_path):
     # Before the learned collective timeout the survivors' groups had the decorator's 30 s,
-    # their agents fell back at the 10 s reform deadline, and new processes trained at world 4.
+    # their agents fell back at the 10 s reform deadline, and new processes trained at world 4;
+    # then they left at the learned timeout (5 s), gloo's "Timed out waiting 5000ms".
     logdir, survivors, t_freeze, at4, workdir, committed = _run(tmp_path, steps=400,
                                                                 fault="freeze")
     assert set(at4) == survivors  # the same 4 processes train at world 4
@@ -255,11 +261,13 @@ def test_a_frozen_nodes_survivors_leave_at_the_learned_collective_timeout_in_pro
     logs = "".join(open(p).read() for p in glob.glob(os.path.join(
         workdir, "*", "jobs", "*", "agent.log")))
     assert "falling back" not in logs
-    # Nothing reset their connections: a survivor's pending collective ended at its group's
-    # timeout, the learned one (gloo names it), or when a survivor that timed out left.
-    waited = {int(m) for m in re.findall(r"left round \d+ \(RuntimeError: [^)]*Timed out "
-                                         r"waiting (\d+)ms", logs)}
-    assert waited == {5000}, waited
+    # Nothing reset their connections: the agents' abort shut them down (a survivor blocked
+    # in a collective on the frozen ranks raises "Connection closed"; one between two steps
+    # leaves at its next check), none waited for its collective timeout.
+    left = re.findall(r"left round \d+ \((\w+): ([^\n]*)\)", logs)
+    assert len(left) >= 4, logs[-3000:]
+    assert all(kind == "Reformation" or "Connection closed" in why for kind, why in left), left
+    assert not any("Timed out" in why for _, why in left), left
     # Every survivor resumed from one step, none from before the committed one.
     resumed = {r["step"] - 1 for r in at4.values()}
     assert len(resumed) == 1 and committed <= min(resumed), (resumed, committed)
@@ -267,8 +275,8 @@ def test_a_frozen_nodes_survivors_leave_at_the_learned_collective_timeout_in_pro
     assert survivors <= set(done) and set(done.values()) == {400}
     took = max(r["t"] for r in at4.values()) - t_freeze
     print(f"\nfreeze -> all 4 survivors training at world 4 in-process: {took:.2f} s; "
-          f"their collectives timed out at {sorted(waited)} ms; resumed from step "
-          f"{min(resumed)} (committed {committed})")
+          f"left: {sorted({kind if kind == 'Reformation' else why[:60] for kind, why in left})}; "
+          f"resumed from step {min(resumed)} (committed {committed})")
 
 
 def test_kill9_of_a_worker_alone_the_other_nodes_keep_their_processes(tmp_path):

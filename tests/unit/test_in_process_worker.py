@@ -309,3 +309,128 @@ def test_a_re_entered_worker_tells_its_daemon_its_moments_over_its_shared_connec
     assert msg["_peer"]["pid"] == proc.pid and msg["job"] == "j"
     assert sorted(msg["times"]) == ["assigned", "group_made", "left", "round_closed"]
     assert msg["times"]["round_closed"] == 2.0
+
+
+TWO_RANKS = textwrap.dedent("""
+    import os, sys, time
+    import torch, torch.distributed as dist
+    import elasticd
+    from elasticd.worker import in_process
+
+    rank, mode = int(os.environ["RANK"]), sys.argv[1]
+    if mode == "raise" and rank == 0:
+        def hang(self, fds):  # this rank's leave never ends: its peer must not wait for it
+            time.sleep(3600)
+        in_process._Worker._leave = hang
+
+    @elasticd.in_process(timeout=20)
+    def train(r):
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        print("ready", flush=True)
+        if mode == "raise" and rank == 0:
+            raise RuntimeError("gloo: a collective broke (simulated)")
+        if mode == "abort" and rank == 1:
+            time.sleep(3600)  # silent, its sockets open: a frozen peer
+        dist.all_reduce(t)  # rank 1 ("raise"), rank 0 ("abort"): its peer never joins
+
+    train()
+""")
+
+
+def test_a_broken_or_aborted_rank_ends_its_peers_pending_collective_at_once(tmp_path):
+    """The leave cascade and the silent peer (real 2-rank gloo groups, the group's timeout
+    20 s). ``raise``: rank 0's round raises and its leave never ends (it hangs before
+    ``destroy_process_group``); rank 1, waiting in a collective on it, still raises at once,
+    because rank 0 shut its group's connections down first (before, rank 1 waited for rank 0's
+    whole leave: here, its 20 s timeout). ``abort``: rank 1 is silent (sockets open, nothing
+    sent, as a frozen peer) while rank 0 waits on it in a collective; the agent asks rank 0 out
+    of its round and its collective ends at once, not at its timeout."""
+    script = tmp_path / "two.py"
+    script.write_text(TWO_RANKS)
+    procs, servers = [], {}
+    try:
+        for mode in ("raise", "abort"):
+            port = _free_port()
+            for rank in (0, 1):
+                servers[mode, rank] = server = LinkServer()
+                env = {**_worker_env(port, ELASTICD_LINK=server.name,
+                                     ELASTICD_LINK_PID=str(os.getpid()), ELASTICD_ROUND="3"),
+                       "RANK": str(rank), "WORLD_SIZE": "2"}
+                procs.append(subprocess.Popen([sys.executable, str(script), mode], env=env,
+                                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                              text=True))
+        ready = procs[2].stdout
+        assert ready is not None and ready.readline().strip() == "ready"  # abort's rank 0
+        servers["abort", 0].send(0, {"op": "abort", "round": 3})
+        # Both well before the groups' 20 s timeout; each left clean, on a closed connection.
+        _wait(lambda: 0 in servers["raise", 1].left_rounds()
+              and 0 in servers["abort", 0].left_rounds(), 15)
+        for key in (("raise", 1), ("abort", 0)):
+            round_, clean, why = servers[key].left_rounds()[0]
+            assert (round_, clean) == (3, True), key
+            assert "Connection closed" in why and "Timed out" not in why, (key, why)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_leave_walks_the_heap_only_when_a_socket_of_the_group_is_still_open(monkeypatch):
+    """A full collection walks the whole heap (~60 ms in a torch worker, every survivor at the
+    same moment, on the recovery's critical path): it runs only when the destroyed group's
+    sockets did not close (a reference cycle holds the group), not on every leave (before:
+    two per leave)."""
+    import gc
+    import threading
+
+    from elasticd.worker import in_process
+
+    server = LinkServer()
+    for key, value in _worker_env(_free_port(), ELASTICD_ROUND="7").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("ELASTICD_LINK_PID", str(os.getpid()))
+    worker = in_process._Worker(server.name, "gloo", 20)
+    collections: list[int] = []
+
+    def counted(phase, info):
+        if phase == "start":
+            collections.append(info["generation"])
+
+    def train(r):
+        first.append(len(collections))
+        if r.path == "first":
+            raise in_process.Reformation("asked")
+        if r.number == 8:
+            import torch.distributed as dist
+
+            cycle: list = [dist.distributed_c10d._get_default_group()]
+            cycle.append(cycle)  # unreachable once this frame is gone: a collection frees it
+            raise in_process.Reformation("asked again")
+        return "done"
+
+    def agent():
+        for round_ in (8, 9):
+            _wait(lambda: round_ - 1 in {v[0] for v in server.left_rounds().values()}, 30)
+            server.send(0, {"op": "assign", "env": {"MASTER_PORT": str(_free_port()),
+                                                    "ELASTICD_ROUND": str(round_)}})
+
+    first: list[int] = []
+    helper = threading.Thread(target=agent)
+    was = gc.isenabled()
+    gc.disable()  # no automatic collection in between: every one counted is the leave's
+    gc.callbacks.append(counted)
+    helper.start()
+    try:
+        assert worker.run(train) == "done"
+    finally:
+        gc.callbacks.remove(counted)
+        if was:
+            gc.enable()
+        helper.join(30)
+        worker.sock.close()
+    # Round 7's leave: its group freed by reference counting, no collection; round 8's: the
+    # group in a cycle, one full collection, and it closed.
+    assert first == [0, 0, 1], (first, collections)
+    assert collections == [2]
+    assert all(v[1] for v in server.left_rounds().values())

@@ -15,6 +15,7 @@ from elasticd.store.service import CheckpointService
 from elasticd.store.shm import SlotStore
 from elasticd.testing.clock import FakeClock
 from elasticd.testing.transport import InProcessTransport
+from elasticd.worker.transport import Transport
 from elasticd.metrics import UNPROTECTED_REASONS, CheckpointSink, Metrics
 from elasticd.store.api import Replication
 from tests.unit.test_store_service import write_snapshot
@@ -146,7 +147,7 @@ def test_each_reason_is_reported_everywhere_and_clears(setup):
                                        nbytes=4096, step=3, generation=0)
 
 
-class FakeTransport:
+class FakeTransport(Transport):
     def __init__(self, unprotected):
         self.unprotected = unprotected
         self.calls = []

@@ -4,7 +4,8 @@ After a re-formation every collective of the restore waits for the slowest rank:
 flags after the fetch (every daemon answered, every rank has its bytes) were two all_reduces,
 and "every rank loaded" plus the replicas' digests an all_reduce and an all_gather. Each pair
 is one collective now (:meth:`TorchCollective.all_true_each`,
-:meth:`TorchCollective.gather_if_all_true`), with the same answers on every rank.
+:meth:`TorchCollective.gather_if_all_true`), with the same answers on every rank; a
+:class:`Collective` that gives only ``all_gather`` (a test's simulated ranks) has both too.
 """
 
 from __future__ import annotations
@@ -51,6 +52,17 @@ def _rank(rank: int, port: int, out: str) -> None:
     seen["error"] = r._loaded_everywhere({"model": model}, ["model"], c,
                                          "bad shape" if rank == 1 else "")
     seen["load_calls"] = list(calls)
+    # A Collective that gives only all_gather has the rest from the base class, same answers.
+    calls.clear()
+
+    class Gathers(r.Collective):
+        def all_gather(self, rows):
+            return c.all_gather(rows)
+
+    g = Gathers()
+    seen["base"] = [g.all_true_each([True, rank == 0]), g.all_true(rank == 0),
+                    g.gather_if_all_true(True, [(rank, 7)]), g.gather_if_all_true(rank == 1, [])]
+    seen["base_calls"] = list(calls)
     with open(os.path.join(out, f"{rank}.json"), "w") as fh:
         json.dump(seen, fh)
     dist.destroy_process_group()
@@ -69,3 +81,5 @@ def test_two_flags_and_the_load_check_take_one_collective_each(tmp_path):
         assert got["differ"] == ["model"]
         assert got["error"] is None  # rank 1 could not load: None on both
         assert got["load_calls"] == ["all_gather", "all_gather"]
+        assert got["base"] == [[True, False], False, [[[0, 7]], [[1, 7]]], None]
+        assert got["base_calls"] == ["all_gather"] * 4  # one collective per question

@@ -17,6 +17,7 @@ import contextlib
 import elasticd.worker.sources as sources_module
 from elasticd.testing.transport import InProcessTransport
 from elasticd.worker.checkpointer import Checkpointer
+from elasticd.worker.transport import Transport
 from tests.unit.test_worker_checkpointer import (  # noqa: F401 — service: a fixture
     ThreadRanks, capture, make_state, run_ranks, service, train_step)
 
@@ -116,7 +117,7 @@ def test_the_same_place_restores_as_before(service):
         assert all(_same_model(states[r], refs[(r, 4)]) for r in range(3))
 
 
-class _Lost:
+class _Lost(Transport):
     """A daemon that holds no copy of anything: records which old ranks were asked for."""
 
     def __init__(self) -> None:

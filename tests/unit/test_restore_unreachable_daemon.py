@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import pytest
 
-from elasticd.worker.restore import DaemonUnreachable, restore
+from elasticd.worker.restore import Collective, DaemonUnreachable, restore
 from elasticd.worker.sources import Sources
 from elasticd.worker.client import DaemonTimeout
+from elasticd.worker.transport import Transport
 
 
-class SilentDaemon:
+class SilentDaemon(Transport):
     def call(self, op, **fields):
         raise DaemonTimeout(f"elasticd did not answer {op!r} within 10 s")
 
 
-class HealthyDaemon:
+class HealthyDaemon(Transport):
     """Holds step (0, 7) for this rank; step (0, 7) is committed at world size 2."""
 
     def call(self, op, **fields):
@@ -30,8 +31,9 @@ class HealthyDaemon:
         raise AssertionError(f"restore must not get as far as {op!r}")
 
 
-class TwoRanks:
-    """This rank's collective, with the other rank's rows given."""
+class TwoRanks(Collective):
+    """This rank's collective, with the other rank's rows given; the other rank's flags hold
+    (it reached and loaded what this one did)."""
 
     def __init__(self, other_rows):
         self.other = other_rows
@@ -39,8 +41,11 @@ class TwoRanks:
     def all_gather(self, rows):
         return [list(rows), list(self.other)]
 
-    def all_true(self, flag):
-        return flag
+    def all_true_each(self, flags):
+        return [bool(f) for f in flags]
+
+    def gather_if_all_true(self, flag, rows):
+        return [list(rows), list(rows)] if flag else None
 
 
 HEALTHY_ROWS = [(0, 7), (0, 7), (2, 1), (0, 0), (0, 7)]

@@ -20,6 +20,8 @@ import pytest
 import torch
 
 from elasticd.worker.checkpointer import Checkpointer
+from elasticd.worker.restore import Collective
+from elasticd.worker.transport import Transport
 from elasticd.worker.copier import CpuCopier, FutureHandle, copy_into
 from elasticd.worker.sampler import ElasticSampler
 from elasticd.store.service import CheckpointService
@@ -175,17 +177,13 @@ class ThreadRanks:
     def rank(self, r):
         outer = self
 
-        class One:
+        class One(Collective):  # all_true & co: Collective's, over all_gather
             def all_gather(self, rows):
                 outer.box[r] = list(rows)
                 outer.barrier.wait()
                 out = list(outer.box)
                 outer.barrier.wait()
                 return out
-
-            def all_true(self, flag):
-                return all(self.all_gather([(int(flag), 0)])[i][0][0] for i in range(
-                    len(outer.box)))
 
         return One()
 
@@ -298,7 +296,7 @@ def test_without_daemon_save_and_restore_are_noops(caplog, monkeypatch):
 
 
 def test_daemon_failures_and_skips_never_raise(root, caplog):
-    class Broken:
+    class Broken(Transport):
         def call(self, op, **fields):
             raise ConnectionError("daemon gone")
 
@@ -501,9 +499,10 @@ def test_one_checkpointer_follows_its_process_into_a_round_with_another_rank(ser
 
 
 def test_the_restore_report_is_one_way_and_a_dropped_one_is_sent_as_a_call(service):
-    """The restore's report (``ckpt_report``) has no reply anyone reads: a call waited for
-    the daemon, busy with the recovery then (10-40 ms of an in-process restore). It is sent
-    one-way; one that was dropped (nothing of it reached the daemon) goes as a call."""
+    """The restore's report (``ckpt_report``), the release of the slot it read and the
+    registration after it have no reply the restore needs: a call waited for the daemon,
+    busy with the recovery then (10-40 ms of an in-process restore). Each is sent one-way;
+    one that was dropped (nothing of it reached the daemon) goes as a call."""
     class OneWay(InProcessTransport):
         def __init__(self, handlers, deliver):
             super().__init__(handlers)
@@ -531,3 +530,32 @@ def test_the_restore_report_is_one_way_and_a_dropped_one_is_sent_as_a_call(servi
             assert ckpt.restore(state) == 1
         assert [o for o in t.ops if o[1] == "ckpt_report"] == expected
         assert service.history[-1]["step"] == 1  # the daemon heard it either way
+        # The slot's release and the registration after it: one-way too (dropped: a call).
+        # (The registration when the Checkpointer starts stays a call: its reply is read.)
+        restoring = t.ops[t.ops.index(("call", "ckpt_list")):]
+        for op in ("ckpt_release", "register"):
+            assert [o for o in restoring if o[1] == op] == [(k, op) for k, _ in expected], op
+
+
+def test_a_transport_that_gives_only_call_has_the_rest_from_transport(service):
+    """Every transport is a :class:`Transport`: one that gives only ``call`` saves and
+    restores, its slot request, report and close made from calls (the Checkpointer asks no
+    transport what it can do)."""
+    class CallOnly(Transport):
+        def __init__(self):
+            self.inner, self.ops = InProcessTransport(service.handlers()), []
+
+        def call(self, op, **fields):
+            self.ops.append(op)
+            return self.inner.call(op, **fields)
+
+    state = make_state()
+    t = CallOnly()
+    with Checkpointer(transport=t, job="j", rank=0, world_size=1) as ckpt:
+        assert ckpt.save(1, state) is True
+        ckpt.wait()
+    with Checkpointer(transport=t, job="j", rank=0, world_size=1) as again:
+        assert again.restore(state) == 1
+        assert again.stats["failed"] == 0
+    assert {"ckpt_reserve", "ckpt_complete", "ckpt_report"} <= set(t.ops)
+    t.close()  # Transport's: nothing to close
