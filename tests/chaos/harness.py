@@ -443,11 +443,19 @@ class ChaosCluster:
             self.injector.undo_all()
             finished_at = time.time()
             lingering = self._wait_agents_gone(30.0)
+            gone_at = time.time()
             history = self.commit_history()
             metrics = self.scrape("/metrics")
             statuses = self.scrape("/status")
             self.events = self.cluster.events()
+            self.at_end()
+            read_at = time.time()
             left = self.stop()
+            # Where a scenario's time goes after the job's end (the suite's time is watched).
+            print(f"chaos run: {finished_at - started:.1f} s to the job's end, then "
+                  f"{gone_at - finished_at:.1f} s until its processes were gone, "
+                  f"{read_at - gone_at:.1f} s reading etcd and the nodes, "
+                  f"{time.time() - read_at:.1f} s stopping", flush=True)
             return Outcome(self, plan, self.injector.records, history, lingering, left,
                            started, finished_at, metrics, statuses)
         except BaseException:
@@ -458,6 +466,10 @@ class ChaosCluster:
                 self.injector.undo_all()
             if not self._stopped:
                 self.stop()
+
+    def at_end(self) -> None:
+        """Called once the job has ended and its processes are gone, before the nodes stop: a
+        scenario's subclass reads here what it needs of the live cluster."""
 
     def _tick(self) -> bool:
         assert self.injector is not None
@@ -553,6 +565,43 @@ class ChaosCluster:
                 out.append(f"--- {path} (last {tail} lines)")
                 out += lines[-tail:]
         return "\n".join(out)
+
+
+def assert_samples_exactly_once(kept: list[dict[str, Any]], total_steps: int) -> None:
+    """``kept``: the sample records of the kept timeline (one per rank and step): every step
+    1..``total_steps`` kept from one whole worker group, every sample of each epoch trained
+    on exactly once (the last epoch may be cut short by the job's end: no sample twice,
+    none skipped before the point reached)."""
+    steps = sorted({r["step"] for r in kept})
+    assert steps == list(range(1, total_steps + 1)), (
+        f"kept steps are not 1..{total_steps}: {steps}")
+    for step in steps:
+        worlds = {r["world"] for r in kept if r["step"] == step}
+        ranks = sorted(r["rank"] for r in kept if r["step"] == step)
+        assert len(worlds) == 1 and ranks == list(range(worlds.pop())), (
+            f"step {step} kept from ranks {ranks}: not one whole worker group")
+    by_epoch: dict[int, list[int]] = collections.defaultdict(list)
+    for r in kept:
+        by_epoch[r["epoch"]] += r["indices"]
+    n = 4096  # examples/train.py make_data()
+    epochs = sorted(by_epoch)
+    assert epochs == list(range(len(epochs))), f"epochs {epochs}"
+    for e in epochs:
+        seen = collections.Counter(by_epoch[e])
+        twice = sorted(i for i, c in seen.items() if c > 1)
+        assert not twice, f"epoch {e}: {len(twice)} samples seen more than once: {twice[:10]}"
+        if e != epochs[-1]:
+            assert len(seen) == n, f"epoch {e}: {n - len(seen)} samples never seen"
+    # The cut-short epoch must be a prefix of the epoch's permutation: nothing skipped.
+    import torch
+
+    g = torch.Generator()
+    g.manual_seed(0 + epochs[-1])
+    order = torch.randperm(n, generator=g).tolist()
+    last = set(by_epoch[epochs[-1]])
+    assert last == set(order[: len(last)]), (
+        f"epoch {epochs[-1]}: the samples seen are not the start of its permutation "
+        "(some were skipped)")
 
 
 # -- the outcome --------------------------------------------------------------------------
@@ -809,37 +858,7 @@ class Outcome:
         """Every sample of each epoch trained on exactly once along the kept timeline (the
         last epoch may be cut short by the job's end: no sample twice, none skipped before
         the point reached)."""
-        kept = self.kept_records()
-        steps = sorted({r["step"] for r in kept})
-        assert steps == list(range(1, self.cc.shape.steps + 1)), (
-            f"kept steps are not 1..{self.cc.shape.steps}: {steps}")
-        for step in steps:
-            worlds = {r["world"] for r in kept if r["step"] == step}
-            ranks = sorted(r["rank"] for r in kept if r["step"] == step)
-            assert len(worlds) == 1 and ranks == list(range(worlds.pop())), (
-                f"step {step} kept from ranks {ranks}: not one whole worker group")
-        by_epoch: dict[int, list[int]] = collections.defaultdict(list)
-        for r in kept:
-            by_epoch[r["epoch"]] += r["indices"]
-        n = 4096  # examples/train.py make_data()
-        epochs = sorted(by_epoch)
-        assert epochs == list(range(len(epochs))), f"epochs {epochs}"
-        for e in epochs:
-            seen = collections.Counter(by_epoch[e])
-            twice = sorted(i for i, c in seen.items() if c > 1)
-            assert not twice, f"epoch {e}: {len(twice)} samples seen more than once: {twice[:10]}"
-            if e != epochs[-1]:
-                assert len(seen) == n, f"epoch {e}: {n - len(seen)} samples never seen"
-        # The cut-short epoch must be a prefix of the epoch's permutation: nothing skipped.
-        import torch
-
-        g = torch.Generator()
-        g.manual_seed(0 + epochs[-1])
-        order = torch.randperm(n, generator=g).tolist()
-        last = set(by_epoch[epochs[-1]])
-        assert last == set(order[: len(last)]), (
-            f"epoch {epochs[-1]}: the samples seen are not the start of its permutation "
-            "(some were skipped)")
+        assert_samples_exactly_once(self.kept_records(), self.cc.shape.steps)
 
     def assert_ran_as_job_user(self) -> None:
         want = pwd.getpwnam(JOB_USER).pw_uid
@@ -892,15 +911,58 @@ _REFERENCES: dict[Shape, str] = {}
 
 def reference_weights(shape: Shape, workdir: str) -> str:
     """The final weights of a failure-free run of ``shape.reference()``, computed once per
-    test session (cached by shape)."""
+    test session (cached by shape).
+
+    The run is the job's own script as plain gloo ranks (:func:`plain_reference`), not a
+    failure-free :class:`ChaosCluster`: the weights are the same bit for bit (measured for
+    every reference shape the suite uses: bench/results/chaos_reference.json, made by
+    bench/chaos_reference.py), at a fifth of the cost. What the cluster run checked beside
+    its weights stays checked on real clusters: samples exactly once by every scenario, no
+    recovery in a run without a failure by test_etcd_faults (``sources=[]``), whose weights
+    are compared with this reference.
+    """
     ref = shape.reference()
     if ref not in _REFERENCES:
-        out = ChaosCluster(workdir, ref).run(FaultPlan())
-        out.assert_finished()
-        out.assert_samples_exactly_once()
-        assert not out.recoveries, f"the failure-free run restarted: {out.summary()}"
-        _REFERENCES[ref] = out.final_weights
+        _REFERENCES[ref] = plain_reference(ref, workdir)
     return _REFERENCES[ref]
+
+
+def cluster_reference(shape: Shape, workdir: str) -> str:
+    """The final weights of a failure-free :class:`ChaosCluster` run of ``shape.reference()``
+    (what :func:`reference_weights` computed before; bench/chaos_reference.py compares the
+    two)."""
+    out = ChaosCluster(workdir, shape.reference()).run(FaultPlan())
+    out.assert_finished()
+    out.assert_samples_exactly_once()
+    assert not out.recoveries, f"the failure-free run restarted: {out.summary()}"
+    return out.final_weights
+
+
+def plain_reference(shape: Shape, workdir: str) -> str:
+    """``shape``'s job (examples/train.py) run to its end as
+    ``shape.max_world`` plain gloo ranks without elasticd (:func:`gloo_job`: no daemon, so
+    every save is a no-op and nothing is restored). Checks each rank started from nothing and
+    finished, and every sample was trained on exactly once. Returns the final weights' path.
+    """
+    samples = os.path.join(workdir, "samples")
+    out_dir = os.path.join(workdir, "out")
+    # The weights do not depend on the step time (a sleep after each step).
+    argv = [sys.executable, TRAIN, "--steps", str(shape.steps), "--step-time", "0",
+            "--sample-log", samples, "--out", out_dir] + (["--zero"] if shape.zero else [])
+    outputs = gloo_job(argv, shape.max_world, timeout=120.0)
+    for rank, text in enumerate(outputs):
+        start, done = START_RE.search(text), DONE_RE.search(text)
+        assert start and int(start.group(1)) == rank and start.group(6) == "none", text[-2000:]
+        assert done and int(done.group(3)) == shape.steps, text[-2000:]
+    kept = []
+    for path in sorted(glob.glob(os.path.join(samples, "samples-*.jsonl"))):
+        with open(path) as fh:
+            kept += [json.loads(line) for line in fh if line.endswith("\n")]
+    assert len({r["attempt"] for r in kept}) == 1, "the plain run had more than one attempt"
+    assert_samples_exactly_once(kept, shape.steps)
+    final = os.path.join(out_dir, "final.pt")
+    assert os.path.exists(final), "rank 0 wrote no final weights"
+    return final
 
 
 def gloo_job(argv: list[str], world: int, timeout: float = 90.0) -> list[str]:
