@@ -89,9 +89,9 @@ def keeper_main(endpoint: str, ttl: int, streams: int, client: str = "aio",
     it waits for its answer up to the client's ``timeout``; the next is sent TTL/3 after the
     last was (at once if the answer took longer). A refresh that is not a plain renewal is
     handed back (``step <id> <why>`` on stdout: ``gone``, etcd answered that the lease is
-    gone; ``timeout``, no answer within ``timeout``; ``broken``, its stream ended) and
-    refreshed no more until added again: elasticd's own ``LeaseKeeper.step`` then finds out
-    what happened and acts. Until 2026-11-30 a refresh was handed back after one second without
+    gone; ``timeout``, no answer within ``timeout``) and refreshed no more until added again:
+    elasticd's own ``LeaseKeeper.step`` then finds out what happened and acts. A refresh whose
+    stream broke is sent again on the next stream, as the keeper retries (:func:`broken`). Until 2026-11-30 a refresh was handed back after one second without
     an answer: at N = 1,000 a slow etcd (answers in 1-2 s) turned into leases handed to a
     simulator process too busy to refresh them in time, lost, re-granted, their records
     rewritten to every daemon's watch, which slowed etcd further.
@@ -126,11 +126,25 @@ def keeper_main(endpoint: str, ttl: int, streams: int, client: str = "aio",
             hand_back(lease, "gone")
 
     def broken(k: int | None) -> None:
-        """Stream ``k`` (None: the one raw stream) ended: its refreshes in flight failed."""
+        """Stream ``k`` (None: the one raw stream) ended: its refreshes in flight failed.
+
+        As elasticd's keeper after a failed refresh (no re-grant: etcd may just be slow), each
+        is sent again TTL/3 after it began, at once if that has passed, on the stream opened
+        next (``retried`` on stdout counts them). etcd ends a whole LeaseKeepAlive stream when
+        one renewal fails other than "not found" (e.g. "waiting for the applied index took too
+        long"): here a stream carries hundreds of nodes' leases, a real node's only its own, so
+        handing them all back to a simulator process busy with its nodes lost them (8,158
+        leases in the first N = 1,000 run of 2026-11-30)."""
+        now = time.monotonic()
+        retried = 0
         for lease in [x for x in waiting if k is None or x % streams == k]:
-            del waiting[lease]
+            at = waiting.pop(lease)
             if lease in live:
-                hand_back(lease, "broken")
+                heapq.heappush(heap, (max(at + period, now + 0.05), lease))
+                retried += 1
+        if retried:
+            sys.stdout.write(f"retried {retried} broken\n")
+            sys.stdout.flush()
 
     async def read(call: Any, k: int) -> None:
         try:
@@ -139,6 +153,7 @@ def keeper_main(endpoint: str, ttl: int, streams: int, client: str = "aio",
         except Exception as exc:  # noqa: BLE001 - any stream failure: open another
             print(f"keep-alive stream {k} failed ({type(exc).__name__}): reopened",
                   file=sys.stderr, flush=True)
+        queues[k] = None  # nothing sent until the next is open: it would be lost
         broken(k)
         await asyncio.sleep(0.1)
         open_stream(k)
@@ -189,9 +204,15 @@ def keeper_main(endpoint: str, ttl: int, streams: int, client: str = "aio",
             await asyncio.sleep(0.02)
             now = time.monotonic()
             due = []
+            down = raw.writer is None if raw is not None else None in queues
             while heap and heap[0][0] <= now:
                 _, lease = heapq.heappop(heap)
                 if lease in live and lease not in waiting:
+                    if down and (raw is not None or queues[lease % streams] is None):
+                        heapq.heappush(heap, (now + 0.05, lease))  # its stream is reopening:
+                        if raw is not None:                         # a send would be dropped
+                            break
+                        continue
                     waiting[lease] = now
                     sent.append((now, lease))
                     if raw is not None:
@@ -369,7 +390,9 @@ class KeeperProcess:
         self._lock = threading.Lock()
         self._keepers: dict[int, LeaseKeeper] = {}
         #: refreshes handed back to elasticd's step, by why (gone, timeout, broken)
-        self.handed_back: dict[str, int] = {"gone": 0, "timeout": 0, "broken": 0}
+        self.handed_back: dict[str, int] = {"gone": 0, "timeout": 0}
+        #: refreshes in flight on a stream that broke, sent again on the next (not handed back)
+        self.retried: dict[str, int] = {"broken": 0}
         self._cpu = 0.0
         self._pool = concurrent.futures.ThreadPoolExecutor(workers)
         ready = self._proc.stdout.readline()  # type: ignore[union-attr]
@@ -399,8 +422,12 @@ class KeeperProcess:
 
     def _read(self) -> None:
         for line in self._proc.stdout:  # type: ignore[union-attr]
-            _, lease_text, why = (line.split() + ["?"])[:3]
-            lease = int(lease_text)
+            what, number, why = (line.split() + ["?"])[:3]
+            if what == "retried":  # refreshes of a broken stream sent again, not handed back
+                with self._lock:
+                    self.retried[why] = self.retried.get(why, 0) + int(number)
+                continue
+            lease = int(number)
             with self._lock:
                 self.handed_back[why] = self.handed_back.get(why, 0) + 1
                 keeper = self._keepers.pop(lease, None)
@@ -806,7 +833,9 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
                 "leases_lost": (sum(x.leases_lost() for x in nodes.values())
                                 + lost_by_killed[0]),
                 "re_grants": sum(x.re_grants for x in nodes.values()) + lost_by_killed[1],
-                "handed_back": dict(getattr(keepers, "handed_back", {})),
+                "handed_back": {**getattr(keepers, "handed_back", {}),
+                                **{f"{k}_retried": v
+                                   for k, v in getattr(keepers, "retried", {}).items()}},
                 "threads": me.num_threads()}
 
     while True:
@@ -955,7 +984,7 @@ class RoundClock:
 def lease_counts(s0: dict[str, Any], s1: dict[str, Any]) -> dict[str, Any]:
     """Between two :meth:`Cluster.stats`: leases lost (found gone by elasticd's keepers),
     leases re-granted, and refreshes the keep-alive processes handed back to elasticd's step
-    (by why: gone, timeout, broken)."""
+    (by why: gone, timeout) or sent again after their stream broke (broken_retried)."""
     return {"leases_lost": s1["leases_lost"] - s0["leases_lost"],
             "re_grants": s1["re_grants"] - s0["re_grants"],
             "keepalive_handed_back": {k: v - s0["handed_back"].get(k, 0)
