@@ -82,8 +82,16 @@ def keeper_main(endpoint: str, ttl: int, streams: int, client: str = "aio",
 
     Refreshes every lease it was given (``add <id>`` on stdin) every TTL/3 on one asyncio loop,
     one LeaseKeepAlive message each on ``streams`` grpc.aio streams (``client`` "aio"), or on
-    one HTTP/2 stream written by hand (``client`` "raw": :mod:`h2_keepalive`, ~20x less CPU
-    per refresh); ``remove <id>`` stops one.
+    ``streams`` HTTP/2 streams written by hand, a connection each (``client`` "raw":
+    :mod:`h2_keepalive`, ~20x less CPU per refresh); a lease on stream ``lease % streams``;
+    ``remove <id>`` stops one.
+
+    etcd renews a stream's leases one after the other, and the renewal of a lease that has
+    just expired waits until its revocation is applied (seconds, when etcd is loaded): every
+    lease behind it on the stream waits too. A real node's stream carries its own one or two
+    leases; a stream carrying hundreds lost them in cascade (2026-11-30, N = 1,000, one
+    stream per process: 110 daemon leases at the cold start, thousands in the join). So
+    ``--keepalive-streams`` gives a process about one stream per node.
 
     As elasticd's :class:`LeaseKeeper` does, one refresh per lease is in flight at a time and
     it waits for its answer up to the client's ``timeout``; the next is sent TTL/3 after the
@@ -91,8 +99,8 @@ def keeper_main(endpoint: str, ttl: int, streams: int, client: str = "aio",
     handed back (``step <id> <why>`` on stdout: ``gone``, etcd answered that the lease is
     gone; ``timeout``, no answer within ``timeout``) and refreshed no more until added again:
     elasticd's own ``LeaseKeeper.step`` then finds out what happened and acts. A refresh whose
-    stream broke is sent again on the next stream, as the keeper retries (:func:`broken`). Until 2026-11-30 a refresh was handed back after one second without
-    an answer: at N = 1,000 a slow etcd (answers in 1-2 s) turned into leases handed to a
+    stream broke is sent again on the next stream, as the keeper retries (:func:`broken`).
+    Until 2026-11-30 a refresh was handed back after one second without an answer: at N = 1,000 a slow etcd (answers in 1-2 s) turned into leases handed to a
     simulator process too busy to refresh them in time, lost, re-granted, their records
     rewritten to every daemon's watch, which slowed etcd further.
     """
@@ -125,8 +133,8 @@ def keeper_main(endpoint: str, ttl: int, streams: int, client: str = "aio",
         else:
             hand_back(lease, "gone")
 
-    def broken(k: int | None) -> None:
-        """Stream ``k`` (None: the one raw stream) ended: its refreshes in flight failed.
+    def broken(k: int) -> None:
+        """Stream ``k`` ended: its refreshes in flight failed.
 
         As elasticd's keeper after a failed refresh (no re-grant: etcd may just be slow), each
         is sent again TTL/3 after it began, at once if that has passed, on the stream opened
@@ -137,7 +145,7 @@ def keeper_main(endpoint: str, ttl: int, streams: int, client: str = "aio",
         leases in the first N = 1,000 run of 2026-11-30)."""
         now = time.monotonic()
         retried = 0
-        for lease in [x for x in waiting if k is None or x % streams == k]:
+        for lease in [x for x in waiting if x % streams == k]:
             at = waiting.pop(lease)
             if lease in live:
                 heapq.heappush(heap, (max(at + period, now + 0.05), lease))
@@ -170,23 +178,24 @@ def keeper_main(endpoint: str, ttl: int, streams: int, client: str = "aio",
         queues[k] = queue
         asyncio.ensure_future(read(call, k))
 
-    raw: Any = None
+    raw: Any = None  # with client "raw": one RawKeepAlive (a connection) per stream
     if client == "raw":
         from h2_keepalive import RawKeepAlive, request
 
-        def raw_broken() -> None:
-            print("keep-alive stream failed: reopened", file=sys.stderr, flush=True)
-            broken(None)
-            loop.call_later(0.1, lambda: asyncio.ensure_future(reopen()))
+        def raw_broken(k: int) -> None:
+            print(f"keep-alive stream {k} failed: reopened", file=sys.stderr, flush=True)
+            broken(k)
+            loop.call_later(0.1, lambda: asyncio.ensure_future(reopen(k)))
 
-        async def reopen() -> None:
+        async def reopen(k: int) -> None:
             try:
-                await raw.open()
+                await raw[k].open()
             except OSError:
-                raw_broken()
+                raw_broken(k)
 
         host, _, port = endpoint.rpartition(":")
-        raw = RawKeepAlive(host, int(port), answered, raw_broken)
+        raw = [RawKeepAlive(host, int(port), answered, lambda k=k: raw_broken(k))
+               for k in range(streams)]
 
     def command(line: str) -> None:
         what, _, lease_text = line.partition(" ")
@@ -203,24 +212,25 @@ def keeper_main(endpoint: str, ttl: int, streams: int, client: str = "aio",
         while True:
             await asyncio.sleep(0.02)
             now = time.monotonic()
-            due = []
-            down = raw.writer is None if raw is not None else None in queues
+            due: dict[int, list[bytes]] = {}
+            later = []
             while heap and heap[0][0] <= now:
                 _, lease = heapq.heappop(heap)
                 if lease in live and lease not in waiting:
-                    if down and (raw is not None or queues[lease % streams] is None):
-                        heapq.heappush(heap, (now + 0.05, lease))  # its stream is reopening:
-                        if raw is not None:                         # a send would be dropped
-                            break
+                    k = lease % streams
+                    if (raw[k].writer if raw is not None else queues[k]) is None:
+                        later.append(lease)  # its stream is reopening: a send would be lost
                         continue
                     waiting[lease] = now
                     sent.append((now, lease))
                     if raw is not None:
-                        due.append(live[lease])
+                        due.setdefault(k, []).append(live[lease])
                     else:
-                        queues[lease % streams].put_nowait(live[lease])
-            if due:  # every refresh due now, in one frame on the one stream
-                raw.send(b"".join(due))
+                        queues[k].put_nowait(live[lease])
+            for lease in later:
+                heapq.heappush(heap, (now + 0.05, lease))
+            for k, messages in due.items():  # every refresh due now on a stream, in one frame
+                raw[k].send(b"".join(messages))
             while sent and now - sent[0][0] > timeout:
                 at, lease = sent.popleft()
                 if waiting.get(lease) == at:  # still this refresh in flight: no answer
@@ -235,7 +245,7 @@ def keeper_main(endpoint: str, ttl: int, streams: int, client: str = "aio",
 
     async def start() -> None:
         if raw is not None:
-            await raw.open()
+            await asyncio.gather(*(r.open() for r in raw))
         else:
             for k in range(streams):
                 open_stream(k)
@@ -779,6 +789,14 @@ class Ticker:
         self._stop.set()
 
 
+def keepalive_streams(a: argparse.Namespace) -> int:
+    """LeaseKeepAlive streams per keep-alive process: ``--keepalive-streams``, else (0) one
+    per etcd client with grpc.aio and one in all with the raw client (before 2026-11-30)."""
+    if getattr(a, "keepalive_streams", 0):
+        return a.keepalive_streams
+    return a.clients if a.keepalive_client == "aio" else 1
+
+
 def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int,
            a: argparse.Namespace) -> None:
     """A process of simulated nodes, driven by commands on ``conn`` (see :func:`run_size`)."""
@@ -793,7 +811,7 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
     endpoint = endpoints.split(",")[0].split("://")[-1]
     keepers: Any
     if a.keepalive_process:
-        keepers = KeeperProcess(endpoint, a.ttl, a.clients, a.keeper_threads,
+        keepers = KeeperProcess(endpoint, a.ttl, keepalive_streams(a), a.keeper_threads,
                                 a.keepalive_client)
         watches = (RawNodeWatchPool(LoopThread(), endpoint, a.clients)
                    if getattr(a, "node_watch_client", "aio") == "raw"
@@ -1038,16 +1056,18 @@ def measure_round(cluster: Cluster, etcd: Etcd, agents: int,
     }
 
 
-def run_size(n: int, server: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, Any]:
+def run_size(n: int, server: EmbeddedEtcd, a: argparse.Namespace,
+             result: dict[str, Any]) -> dict[str, Any]:
+    """Fills ``result`` as it goes (what a SIGTERM leaves in it is written, marked)."""
     etcd = Etcd(server)
     min_nodes = max(1, n - 2 * a.kills - 2)
     cluster = Cluster(n, server, min_nodes, a)
     clock: RoundClock | None = None
-    raw_keepalive = a.keepalive_process and a.keepalive_client == "raw"
-    result: dict[str, Any] = {"n": n, "ttl": a.ttl, "processes": a.procs,
+    keepalive = keepalive_streams(a) if a.keepalive_process else a.clients
+    result.update({"n": n, "ttl": a.ttl, "processes": a.procs,
                               "etcd_clients": a.procs * a.clients,
-                              "grpc_streams": a.procs * a.clients * 3 - (
-                                  a.procs * (a.clients - 1) if raw_keepalive else 0),
+                              "grpc_streams": a.procs * (a.clients * 2 + keepalive),
+                              "keepalive_streams": a.procs * keepalive,
                               "keepalive_client": a.keepalive_client,
                               "node_list_client": getattr(a, "node_list_client", "aio"),
                               "node_watch_client": (getattr(a, "node_watch_client", "aio")
@@ -1056,7 +1076,7 @@ def run_size(n: int, server: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, A
                                               "stream (the agents' watches), a keep-alive "
                                               "stream (KeeperPool; with --keepalive-client "
                                               "raw one per process) and a watch stream (the "
-                                              "daemons' node watches, NodeWatchPool)"}
+                                              "daemons' node watches, NodeWatchPool)"})
     try:
         s_start = cluster.stats()
         t0, e0, c0 = time.monotonic(), etcd.cpu(), s_start["cpu"]
@@ -1099,7 +1119,8 @@ def run_size(n: int, server: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, A
             **lease_counts(s0, s1),
             "threads": s1["threads"]}
         members = dict(m for part in cluster.ask(("members",)) for m in part)
-        rounds = []
+        rounds: list[dict[str, Any]] = []
+        result["kills"] = rounds
         for kind in ("member", "closer"):
             for _ in range(a.kills):
                 closer = [i for part in cluster.ask(("closer",)) for i in part]
@@ -1120,25 +1141,30 @@ def run_size(n: int, server: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, A
                       f"{r['requests_per_agent_round']} req, {r['events_per_agent_round']} "
                       f"events/agent, closer cpu {r['closer_cpu_seconds']} s", flush=True)
                 time.sleep(0.5)
-        result["kills"] = rounds
-        result["reform_seconds"] = [r["seconds"] for r in rounds if r["killed"] == "member"]
-        result["closer_reform_seconds"] = [r["seconds"] for r in rounds if r["killed"] == "closer"]
-        every = [join] + rounds
-        result["requests_per_agent_round"] = max(r["requests_per_agent_round"] for r in every)
-        result["events_per_agent_round"] = max(r["events_per_agent_round"] for r in every)
-        result["closer_cpu_seconds_per_round_max"] = max(r["closer_cpu_seconds"] for r in every)
-        result["simulator_cpu_seconds_per_agent_round_median"] = statistics.median(
-            r["simulator_cpu_seconds_per_agent"] for r in every)
-        phases = every + [result["steady"], result["daemons"]]
-        result["leases_lost"] = sum(r["leases_lost"] for r in phases)
-        result["re_grants"] = sum(r["re_grants"] for r in phases)
-        result["targets"] = targets(result)
+        summarize(result)
         result["commit"] = commit_phase(cluster, etcd, server, n, a) if a.commit_seconds else None
     finally:
         if clock is not None:
             clock.close()
         cluster.close()
     return result
+
+
+def summarize(result: dict[str, Any]) -> None:
+    """The entry's figures over its rounds so far (all of them, or a SIGTERM's part)."""
+    rounds = result.setdefault("kills", [])
+    result["reform_seconds"] = [r["seconds"] for r in rounds if r["killed"] == "member"]
+    result["closer_reform_seconds"] = [r["seconds"] for r in rounds if r["killed"] == "closer"]
+    every = [result["join"]] + rounds
+    result["requests_per_agent_round"] = max(r["requests_per_agent_round"] for r in every)
+    result["events_per_agent_round"] = max(r["events_per_agent_round"] for r in every)
+    result["closer_cpu_seconds_per_round_max"] = max(r["closer_cpu_seconds"] for r in every)
+    result["simulator_cpu_seconds_per_agent_round_median"] = statistics.median(
+        r["simulator_cpu_seconds_per_agent"] for r in every)
+    phases = every + [result[k] for k in ("steady", "daemons") if k in result]
+    result["leases_lost"] = sum(r["leases_lost"] for r in phases)
+    result["re_grants"] = sum(r["re_grants"] for r in phases)
+    result["targets"] = targets(result)
 
 
 def targets(r: dict[str, Any]) -> dict[str, Any]:
@@ -1148,7 +1174,8 @@ def targets(r: dict[str, Any]) -> dict[str, Any]:
     def within(times: list[Any], limit: float) -> str:
         return f"{sum(t is not None and t <= limit for t in times)} of {len(times)}"
 
-    phases = {"daemons' cold start": r["daemons"], "join": r["join"], "steady": r["steady"],
+    phases = {"daemons' cold start": r["daemons"], "join": r["join"],
+              **({"steady": r["steady"]} if "steady" in r else {}),
               **{f"kill {k + 1} ({x['killed']})": x for k, x in enumerate(r["kills"])}}
     lost = {k: v["leases_lost"] for k, v in phases.items() if v["leases_lost"]}
     return {
@@ -1219,6 +1246,11 @@ def main() -> int:
                    help="with --keepalive-process 1: aio, one grpc.aio stream per etcd client "
                         "(~0.4 ms of CPU per refresh); raw, one HTTP/2 stream written by hand "
                         "per keep-alive process (bench/h2_keepalive.py, ~20 us)")
+    p.add_argument("--keepalive-streams", type=int, default=0,
+                   help="LeaseKeepAlive streams per keep-alive process, lease on stream "
+                        "lease %% K (raw: a connection each); 0: one per etcd client with aio, "
+                        "one with raw (before 2026-11-30). etcd renews a stream's leases in "
+                        "turn: a stream of hundreds of leases waits behind one just expired")
     p.add_argument("--node-watch-client", choices=("aio", "raw"), default="raw",
                    help="with --keepalive-process 1: the daemons' node watches on grpc.aio "
                         "streams (aio, tens of us of CPU per response) or on streams written "
@@ -1277,7 +1309,18 @@ def main() -> int:
     try:
         for n in sizes:
             t0, load = time.monotonic(), os.getloadavg()  # others' work beside the lock
-            r = run_size(n, etcd, a)
+            r: dict[str, Any] = {}
+            try:
+                run_size(n, etcd, a, r)
+            except SystemExit:  # SIGTERM (a timeout): the rounds measured are written, marked
+                if "join" not in r or a.commit_only:
+                    raise
+                summarize(r)
+                r["incomplete"] = (f"stopped by SIGTERM after {len(r['kills'])} of "
+                                   f"{2 * a.kills} kills")
+                stopped = True
+            else:
+                stopped = False
             r["load_average_at_start"] = [round(x, 2) for x in load]
             r["etcd_members"] = a.members
             r["command"] = "python bench/scale_native.py " + " ".join(sys.argv[1:])
@@ -1302,6 +1345,8 @@ def main() -> int:
             with open(a.out, "w") as f:
                 json.dump(doc, f, indent=1)
                 f.write("\n")
+            if stopped:
+                raise SystemExit(143)
     finally:
         etcd.stop()
     return 0
