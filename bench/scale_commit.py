@@ -485,6 +485,9 @@ def _run_phase(cluster: Any, etcd: Any, server: Any, keys: Any, n: int,
         "db_growth_after_first_minute_pct": round((db1 - db_minute) / db_minute * 100, 2)
         if db_minute else None,
         "leases_lost": s1["leases_lost"] - s0["leases_lost"],
+        "re_grants": s1.get("re_grants", 0) - s0.get("re_grants", 0),
+        "keepalive_handed_back": {k: v - s0.get("handed_back", {}).get(k, 0)
+                                  for k, v in sorted(s1.get("handed_back", {}).items())},
         "leases_lost_without_commits": base_lost,
         "reports_relayed": dict(relayed),
         "simulation_behind_steps_max": max(p["behind_max"] for p in c1),

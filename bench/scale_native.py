@@ -71,17 +71,41 @@ from scale_sim import requests_by_method, scrape  # noqa: E402 - bench/, beside 
 PREFIX = "/sim"
 
 
-def keeper_main(endpoint: str, ttl: int, streams: int, client: str = "aio") -> None:
+#: The simulated nodes' etcd client timeout (their :class:`EtcdSettings`), seconds: how long
+#: elasticd's keeper waits for a refresh's answer before it calls etcd unreachable.
+CLIENT_TIMEOUT = 10.0
+
+
+def keeper_main(endpoint: str, ttl: int, streams: int, client: str = "aio",
+                timeout: float = CLIENT_TIMEOUT) -> None:
     """The keep-alive process of one simulator process (``scale_native.py --keeper ...``).
 
     Refreshes every lease it was given (``add <id>`` on stdin) every TTL/3 on one asyncio loop,
     one LeaseKeepAlive message each on ``streams`` grpc.aio streams (``client`` "aio"), or on
-    one HTTP/2 stream written by hand (``client`` "raw": :mod:`h2_keepalive`, ~20x less CPU
-    per refresh); ``remove <id>`` stops one.
-    A refresh that is not a plain renewal (the lease is gone, no answer within a second) is
-    handed back (``step <id>`` on stdout) and refreshed no more until added again.
+    ``streams`` HTTP/2 streams written by hand, a connection each (``client`` "raw":
+    :mod:`h2_keepalive`, ~20x less CPU per refresh); a lease on stream ``lease % streams``;
+    ``remove <id>`` stops one.
+
+    etcd renews a stream's leases one after the other, and the renewal of a lease that has
+    just expired waits until its revocation is applied (seconds, when etcd is loaded): every
+    lease behind it on the stream waits too. A real node's stream carries its own one or two
+    leases; a stream carrying hundreds lost them in cascade (2026-11-30, N = 1,000, one
+    stream per process: 110 daemon leases at the cold start, thousands in the join). So
+    ``--keepalive-streams`` gives a process about one stream per node.
+
+    As elasticd's :class:`LeaseKeeper` does, one refresh per lease is in flight at a time and
+    it waits for its answer up to the client's ``timeout``; the next is sent TTL/3 after the
+    last was (at once if the answer took longer). A refresh that is not a plain renewal is
+    handed back (``step <id> <why>`` on stdout: ``gone``, etcd answered that the lease is
+    gone; ``timeout``, no answer within ``timeout``) and refreshed no more until added again:
+    elasticd's own ``LeaseKeeper.step`` then finds out what happened and acts. A refresh whose
+    stream broke is sent again on the next stream, as the keeper retries (:func:`broken`).
+    Until 2026-11-30 a refresh was handed back after one second without an answer: at N = 1,000 a slow etcd (answers in 1-2 s) turned into leases handed to a
+    simulator process too busy to refresh them in time, lost, re-granted, their records
+    rewritten to every daemon's watch, which slowed etcd further.
     """
     import asyncio
+    import collections
     import heapq
 
     import grpc
@@ -90,26 +114,55 @@ def keeper_main(endpoint: str, ttl: int, streams: int, client: str = "aio") -> N
     period = ttl / 3.0
     heap: list[tuple[float, int]] = []
     live: dict[int, Any] = {}  # lease -> its LeaseKeepAliveRequest
-    waiting: dict[int, float] = {}
+    waiting: dict[int, float] = {}  # lease -> when its refresh in flight was sent
+    sent: Any = collections.deque()  # (sent at, lease) in sending order: the timeouts' queue
     queues: list[Any] = [None] * streams
     loop = asyncio.new_event_loop()
 
-    def hand_back(lease: int) -> None:
+    def hand_back(lease: int, why: str) -> None:
         live.pop(lease, None)
-        sys.stdout.write(f"step {lease}\n")
+        sys.stdout.write(f"step {lease} {why}\n")
         sys.stdout.flush()
+
+    def answered(lease: int, ttl_left: int) -> None:
+        at = waiting.pop(lease, None)
+        if at is None or lease not in live:
+            return
+        if ttl_left > 0:  # as LeaseKeeper._run: TTL/3 after the last refresh began
+            heapq.heappush(heap, (max(at + period, time.monotonic() + 0.05), lease))
+        else:
+            hand_back(lease, "gone")
+
+    def broken(k: int) -> None:
+        """Stream ``k`` ended: its refreshes in flight failed.
+
+        As elasticd's keeper after a failed refresh (no re-grant: etcd may just be slow), each
+        is sent again TTL/3 after it began, at once if that has passed, on the stream opened
+        next (``retried`` on stdout counts them). etcd ends a whole LeaseKeepAlive stream when
+        one renewal fails other than "not found" (e.g. "waiting for the applied index took too
+        long"): here a stream carries hundreds of nodes' leases, a real node's only its own, so
+        handing them all back to a simulator process busy with its nodes lost them (8,158
+        leases in the first N = 1,000 run of 2026-11-30)."""
+        now = time.monotonic()
+        retried = 0
+        for lease in [x for x in waiting if x % streams == k]:
+            at = waiting.pop(lease)
+            if lease in live:
+                heapq.heappush(heap, (max(at + period, now + 0.05), lease))
+                retried += 1
+        if retried:
+            sys.stdout.write(f"retried {retried} broken\n")
+            sys.stdout.flush()
 
     async def read(call: Any, k: int) -> None:
         try:
             async for resp in call:
-                if waiting.pop(resp.ID, None) is not None and resp.ID in live:
-                    if resp.TTL > 0:
-                        heapq.heappush(heap, (time.monotonic() + period, resp.ID))
-                    else:
-                        hand_back(resp.ID)
+                answered(resp.ID, resp.TTL)
         except Exception as exc:  # noqa: BLE001 - any stream failure: open another
             print(f"keep-alive stream {k} failed ({type(exc).__name__}): reopened",
                   file=sys.stderr, flush=True)
+        queues[k] = None  # nothing sent until the next is open: it would be lost
+        broken(k)
         await asyncio.sleep(0.1)
         open_stream(k)
 
@@ -125,29 +178,24 @@ def keeper_main(endpoint: str, ttl: int, streams: int, client: str = "aio") -> N
         queues[k] = queue
         asyncio.ensure_future(read(call, k))
 
-    raw: Any = None
+    raw: Any = None  # with client "raw": one RawKeepAlive (a connection) per stream
     if client == "raw":
         from h2_keepalive import RawKeepAlive, request
 
-        def answered(lease: int, ttl_left: int) -> None:
-            if waiting.pop(lease, None) is not None and lease in live:
-                if ttl_left > 0:
-                    heapq.heappush(heap, (time.monotonic() + period, lease))
-                else:
-                    hand_back(lease)
+        def raw_broken(k: int) -> None:
+            print(f"keep-alive stream {k} failed: reopened", file=sys.stderr, flush=True)
+            broken(k)
+            loop.call_later(0.1, lambda: asyncio.ensure_future(reopen(k)))
 
-        def broken() -> None:  # the refreshes it carried are handed back after their second
-            print("keep-alive stream failed: reopened", file=sys.stderr, flush=True)
-            loop.call_later(0.1, lambda: asyncio.ensure_future(reopen()))
-
-        async def reopen() -> None:
+        async def reopen(k: int) -> None:
             try:
-                await raw.open()
+                await raw[k].open()
             except OSError:
-                broken()
+                raw_broken(k)
 
         host, _, port = endpoint.rpartition(":")
-        raw = RawKeepAlive(host, int(port), answered, broken)
+        raw = [RawKeepAlive(host, int(port), answered, lambda k=k: raw_broken(k))
+               for k in range(streams)]
 
     def command(line: str) -> None:
         what, _, lease_text = line.partition(" ")
@@ -164,21 +212,31 @@ def keeper_main(endpoint: str, ttl: int, streams: int, client: str = "aio") -> N
         while True:
             await asyncio.sleep(0.02)
             now = time.monotonic()
-            due = []
+            due: dict[int, list[bytes]] = {}
+            later = []
             while heap and heap[0][0] <= now:
                 _, lease = heapq.heappop(heap)
                 if lease in live and lease not in waiting:
+                    k = lease % streams
+                    if (raw[k].writer if raw is not None else queues[k]) is None:
+                        later.append(lease)  # its stream is reopening: a send would be lost
+                        continue
                     waiting[lease] = now
+                    sent.append((now, lease))
                     if raw is not None:
-                        due.append(live[lease])
+                        due.setdefault(k, []).append(live[lease])
                     else:
-                        queues[lease % streams].put_nowait(live[lease])
-            if due:  # every refresh due now, in one frame on the one stream
-                raw.send(b"".join(due))
-            for lease in [x for x, at in waiting.items() if now - at > 1.0]:
-                del waiting[lease]  # no answer within a second
-                if lease in live:
-                    hand_back(lease)
+                        queues[k].put_nowait(live[lease])
+            for lease in later:
+                heapq.heappush(heap, (now + 0.05, lease))
+            for k, messages in due.items():  # every refresh due now on a stream, in one frame
+                raw[k].send(b"".join(messages))
+            while sent and now - sent[0][0] > timeout:
+                at, lease = sent.popleft()
+                if waiting.get(lease) == at:  # still this refresh in flight: no answer
+                    del waiting[lease]
+                    if lease in live:
+                        hand_back(lease, "timeout")
 
     def stdin() -> None:
         for line in sys.stdin:
@@ -187,7 +245,7 @@ def keeper_main(endpoint: str, ttl: int, streams: int, client: str = "aio") -> N
 
     async def start() -> None:
         if raw is not None:
-            await raw.open()
+            await asyncio.gather(*(r.open() for r in raw))
         else:
             for k in range(streams):
                 open_stream(k)
@@ -331,16 +389,20 @@ class KeeperProcess:
     """
 
     def __init__(self, endpoint: str, ttl: int, streams: int, workers: int,
-                 client: str = "aio") -> None:
+                 client: str = "aio", timeout: float = CLIENT_TIMEOUT) -> None:
         import concurrent.futures
         import subprocess
 
         self._proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--keeper", endpoint, str(ttl),
-             str(streams), client], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            bufsize=1)
+             str(streams), client, str(timeout)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True, bufsize=1)
         self._lock = threading.Lock()
         self._keepers: dict[int, LeaseKeeper] = {}
+        #: refreshes handed back to elasticd's step, by why (gone, timeout, broken)
+        self.handed_back: dict[str, int] = {"gone": 0, "timeout": 0}
+        #: refreshes in flight on a stream that broke, sent again on the next (not handed back)
+        self.retried: dict[str, int] = {"broken": 0}
         self._cpu = 0.0
         self._pool = concurrent.futures.ThreadPoolExecutor(workers)
         ready = self._proc.stdout.readline()  # type: ignore[union-attr]
@@ -370,8 +432,14 @@ class KeeperProcess:
 
     def _read(self) -> None:
         for line in self._proc.stdout:  # type: ignore[union-attr]
-            lease = int(line.split()[1])
+            what, number, why = (line.split() + ["?"])[:3]
+            if what == "retried":  # refreshes of a broken stream sent again, not handed back
+                with self._lock:
+                    self.retried[why] = self.retried.get(why, 0) + int(number)
+                continue
+            lease = int(number)
             with self._lock:
+                self.handed_back[why] = self.handed_back.get(why, 0) + 1
                 keeper = self._keepers.pop(lease, None)
             if keeper is not None:
                 self._pool.submit(self._step, keeper)
@@ -597,6 +665,7 @@ class SimNode:
         self.lister: RawLister | None = None
         self.daemon = LeaseKeeper(coord, a.ttl, EtcdHealth(describe="etcd (daemon)"))
         self.lost = 0
+        self.grants: list[int] = []  # leases granted, per keeper (daemon, agent)
         self._node_events: list[int] = [0]
         self._cancel_watch: Callable[[], None] | None = None
         self.agent = EtcdNativeRendezvousHandler(
@@ -605,6 +674,8 @@ class SimNode:
                             join_timeout=600, last_call=1.0),
             f"10.{index // 62500}.{index // 250 % 250}.{index % 250}", grace=OutageGrace(30.0))
         self.agent._keeper.start = lambda: keepers.add(self.agent._keeper)  # type: ignore
+        for keeper in (self.daemon, self.agent._keeper):
+            keeper.grant = self._counted(keeper.grant)  # type: ignore[method-assign]
         self.written_at = 0.0  # wall time this agent's last join record write returned
         write = self.agent._join.write
 
@@ -613,6 +684,22 @@ class SimNode:
             self.written_at = time.time()
 
         self.agent._join.write = timed_write  # type: ignore[method-assign]
+
+    def _counted(self, grant: Callable[[], int]) -> Callable[[], int]:
+        """A keeper's own grant, counted (its step and replace call it to re-grant)."""
+        slot = len(self.grants)
+        self.grants.append(0)
+
+        def counted() -> int:
+            lease = grant()
+            self.grants[slot] += 1
+            return lease
+        return counted
+
+    @property
+    def re_grants(self) -> int:
+        """Leases granted by this node's keepers beyond each one's first."""
+        return sum(max(0, g - 1) for g in self.grants)
 
     def register(self) -> None:
         """What the daemon does at start: lease, node record, list and watch ``nodes/``."""
@@ -702,6 +789,14 @@ class Ticker:
         self._stop.set()
 
 
+def keepalive_streams(a: argparse.Namespace) -> int:
+    """LeaseKeepAlive streams per keep-alive process: ``--keepalive-streams``, else (0) one
+    per etcd client with grpc.aio and one in all with the raw client (before 2026-11-30)."""
+    if getattr(a, "keepalive_streams", 0):
+        return a.keepalive_streams
+    return a.clients if a.keepalive_client == "aio" else 1
+
+
 def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int,
            a: argparse.Namespace) -> None:
     """A process of simulated nodes, driven by commands on ``conn`` (see :func:`run_size`)."""
@@ -711,12 +806,12 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
     # waits for the GIL behind the watch threads, up to one switch interval per turn (5 ms by
     # default), a queue a real node (one agent per machine) does not have.
     sys.setswitchinterval(a.switch_interval)
-    settings = EtcdSettings(parse_endpoints(endpoints), timeout=10.0)
+    settings = EtcdSettings(parse_endpoints(endpoints), timeout=CLIENT_TIMEOUT)
     coords = [EtcdCoordinator(settings) for _ in range(a.clients)]
     endpoint = endpoints.split(",")[0].split("://")[-1]
     keepers: Any
     if a.keepalive_process:
-        keepers = KeeperProcess(endpoint, a.ttl, a.clients, a.keeper_threads,
+        keepers = KeeperProcess(endpoint, a.ttl, keepalive_streams(a), a.keeper_threads,
                                 a.keepalive_client)
         watches = (RawNodeWatchPool(LoopThread(), endpoint, a.clients)
                    if getattr(a, "node_watch_client", "aio") == "raw"
@@ -734,7 +829,7 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
     phase_state: dict[str, Any] = {}
     pool = concurrent.futures.ThreadPoolExecutor(len(indices))
     me = psutil.Process()
-    lost_by_killed = [0]
+    lost_by_killed = [0, 0]  # leases lost, re-grants: of the nodes killed so far
     conn.send("ready")
 
     def join(node: SimNode) -> Any:
@@ -755,6 +850,10 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
                 "keepalive_cpu": keepers.cpu(),
                 "leases_lost": (sum(x.leases_lost() for x in nodes.values())
                                 + lost_by_killed[0]),
+                "re_grants": sum(x.re_grants for x in nodes.values()) + lost_by_killed[1],
+                "handed_back": {**getattr(keepers, "handed_back", {}),
+                                **{f"{k}_retried": v
+                                   for k, v in getattr(keepers, "retried", {}).items()}},
                 "threads": me.num_threads()}
 
     while True:
@@ -791,6 +890,7 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
             elif cmd[0] == "kill":
                 victim = nodes.pop(cmd[1])
                 lost_by_killed[0] += victim.leases_lost()  # totals never go back
+                lost_by_killed[1] += victim.re_grants
                 victim.kill()
                 conn.send(time.time())
             elif cmd[0] == "stop":
@@ -839,7 +939,9 @@ class Cluster:
         parts = self.ask(("stats",))
         out: dict[str, Any] = {k: sum(p[k] for p in parts) for k in
                                ("control_events", "node_events", "cpu", "keepalive_cpu",
-                                "leases_lost", "threads")}
+                                "leases_lost", "re_grants", "threads")}
+        out["handed_back"] = {k: sum(p["handed_back"].get(k, 0) for p in parts)
+                              for k in {k for p in parts for k in p["handed_back"]}}
         out["closers"] = {i: v for p in parts for i, v in p["closers"].items()}
         return out
 
@@ -897,6 +999,16 @@ class RoundClock:
         self.coord.close()
 
 
+def lease_counts(s0: dict[str, Any], s1: dict[str, Any]) -> dict[str, Any]:
+    """Between two :meth:`Cluster.stats`: leases lost (found gone by elasticd's keepers),
+    leases re-granted, and refreshes the keep-alive processes handed back to elasticd's step
+    (by why: gone, timeout) or sent again after their stream broke (broken_retried)."""
+    return {"leases_lost": s1["leases_lost"] - s0["leases_lost"],
+            "re_grants": s1["re_grants"] - s0["re_grants"],
+            "keepalive_handed_back": {k: v - s0["handed_back"].get(k, 0)
+                                      for k, v in sorted(s1["handed_back"].items())}}
+
+
 def measure_round(cluster: Cluster, etcd: Etcd, agents: int,
                   before_join: Callable[[], float | None],
                   clock: "RoundClock | None" = None) -> dict[str, Any]:
@@ -940,20 +1052,22 @@ def measure_round(cluster: Cluster, etcd: Etcd, agents: int,
         "etcd_cpu_seconds": round(e1 - e0, 3),
         "closer_cpu_seconds": round(closer_cpu, 4),
         "simulator_cpu_seconds_per_agent": round((s1["cpu"] - s0["cpu"]) / agents, 5),
-        "leases_lost": s1["leases_lost"] - s0["leases_lost"],
+        **lease_counts(s0, s1),
     }
 
 
-def run_size(n: int, server: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, Any]:
+def run_size(n: int, server: EmbeddedEtcd, a: argparse.Namespace,
+             result: dict[str, Any]) -> dict[str, Any]:
+    """Fills ``result`` as it goes (what a SIGTERM leaves in it is written, marked)."""
     etcd = Etcd(server)
     min_nodes = max(1, n - 2 * a.kills - 2)
     cluster = Cluster(n, server, min_nodes, a)
     clock: RoundClock | None = None
-    raw_keepalive = a.keepalive_process and a.keepalive_client == "raw"
-    result: dict[str, Any] = {"n": n, "ttl": a.ttl, "processes": a.procs,
+    keepalive = keepalive_streams(a) if a.keepalive_process else a.clients
+    result.update({"n": n, "ttl": a.ttl, "processes": a.procs,
                               "etcd_clients": a.procs * a.clients,
-                              "grpc_streams": a.procs * a.clients * 3 - (
-                                  a.procs * (a.clients - 1) if raw_keepalive else 0),
+                              "grpc_streams": a.procs * (a.clients * 2 + keepalive),
+                              "keepalive_streams": a.procs * keepalive,
                               "keepalive_client": a.keepalive_client,
                               "node_list_client": getattr(a, "node_list_client", "aio"),
                               "node_watch_client": (getattr(a, "node_watch_client", "aio")
@@ -962,9 +1076,10 @@ def run_size(n: int, server: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, A
                                               "stream (the agents' watches), a keep-alive "
                                               "stream (KeeperPool; with --keepalive-client "
                                               "raw one per process) and a watch stream (the "
-                                              "daemons' node watches, NodeWatchPool)"}
+                                              "daemons' node watches, NodeWatchPool)"})
     try:
-        t0, e0, c0 = time.monotonic(), etcd.cpu(), cluster.stats()["cpu"]
+        s_start = cluster.stats()
+        t0, e0, c0 = time.monotonic(), etcd.cpu(), s_start["cpu"]
         cluster.ask(("register",))
         registered = time.monotonic() - t0
         # Each daemon's node watch sees the registrations after its own listing: wait for
@@ -976,7 +1091,7 @@ def run_size(n: int, server: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, A
             still, events = (still + 1, events) if now_events == events else (0, now_events)
         at_start = cluster.stats()
         result["daemons"] = {"registered_seconds": round(registered, 2),
-                             "leases_lost": at_start["leases_lost"],
+                             **lease_counts(s_start, at_start),
                              "simulator_cpu_seconds_at_start": round(at_start["cpu"] - c0, 2),
                              "node_watch_events_at_start": events,
                              "etcd_cpu_seconds_at_start": round(etcd.cpu() - e0, 2)}
@@ -1001,10 +1116,11 @@ def run_size(n: int, server: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, A
                                              for k in m1 if m1.get(k, 0) - m0.get(k, 0)},
             "etcd_cpu_percent_of_core": round((e1 - e0) / secs * 100, 1),
             "simulator_cpu_percent_of_core": round((s1["cpu"] - s0["cpu"]) / secs * 100, 1),
-            "leases_lost": s1["leases_lost"] - s0["leases_lost"],
+            **lease_counts(s0, s1),
             "threads": s1["threads"]}
         members = dict(m for part in cluster.ask(("members",)) for m in part)
-        rounds = []
+        rounds: list[dict[str, Any]] = []
+        result["kills"] = rounds
         for kind in ("member", "closer"):
             for _ in range(a.kills):
                 closer = [i for part in cluster.ask(("closer",)) for i in part]
@@ -1025,24 +1141,52 @@ def run_size(n: int, server: EmbeddedEtcd, a: argparse.Namespace) -> dict[str, A
                       f"{r['requests_per_agent_round']} req, {r['events_per_agent_round']} "
                       f"events/agent, closer cpu {r['closer_cpu_seconds']} s", flush=True)
                 time.sleep(0.5)
-        result["kills"] = rounds
-        result["reform_seconds"] = [r["seconds"] for r in rounds if r["killed"] == "member"]
-        result["closer_reform_seconds"] = [r["seconds"] for r in rounds if r["killed"] == "closer"]
-        every = [join] + rounds
-        result["requests_per_agent_round"] = max(r["requests_per_agent_round"] for r in every)
-        result["events_per_agent_round"] = max(r["events_per_agent_round"] for r in every)
-        result["closer_cpu_seconds_per_round_max"] = max(r["closer_cpu_seconds"] for r in every)
-        result["simulator_cpu_seconds_per_agent_round_median"] = statistics.median(
-            r["simulator_cpu_seconds_per_agent"] for r in every)
-        result["leases_lost"] = (sum(r["leases_lost"] for r in every)
-                                 + result["steady"]["leases_lost"]
-                                 + result["daemons"]["leases_lost"])
+        summarize(result)
         result["commit"] = commit_phase(cluster, etcd, server, n, a) if a.commit_seconds else None
     finally:
         if clock is not None:
             clock.close()
         cluster.close()
     return result
+
+
+def summarize(result: dict[str, Any]) -> None:
+    """The entry's figures over its rounds so far (all of them, or a SIGTERM's part)."""
+    rounds = result.setdefault("kills", [])
+    result["reform_seconds"] = [r["seconds"] for r in rounds if r["killed"] == "member"]
+    result["closer_reform_seconds"] = [r["seconds"] for r in rounds if r["killed"] == "closer"]
+    every = [result["join"]] + rounds
+    result["requests_per_agent_round"] = max(r["requests_per_agent_round"] for r in every)
+    result["events_per_agent_round"] = max(r["events_per_agent_round"] for r in every)
+    result["closer_cpu_seconds_per_round_max"] = max(r["closer_cpu_seconds"] for r in every)
+    result["simulator_cpu_seconds_per_agent_round_median"] = statistics.median(
+        r["simulator_cpu_seconds_per_agent"] for r in every)
+    phases = every + [result[k] for k in ("steady", "daemons") if k in result]
+    result["leases_lost"] = sum(r["leases_lost"] for r in phases)
+    result["re_grants"] = sum(r["re_grants"] for r in phases)
+    result["targets"] = targets(result)
+
+
+def targets(r: dict[str, Any]) -> dict[str, Any]:
+    """The issue's targets for a round entry, each with what was measured: met or not."""
+    ttl = r["ttl"]
+
+    def within(times: list[Any], limit: float) -> str:
+        return f"{sum(t is not None and t <= limit for t in times)} of {len(times)}"
+
+    phases = {"daemons' cold start": r["daemons"], "join": r["join"],
+              **({"steady": r["steady"]} if "steady" in r else {}),
+              **{f"kill {k + 1} ({x['killed']})": x for k, x in enumerate(r["kills"])}}
+    lost = {k: v["leases_lost"] for k, v in phases.items() if v["leases_lost"]}
+    return {
+        "join_seconds_at_most_2": r["join_seconds"] is not None and r["join_seconds"] <= 2,
+        f"member_reform_at_most_{ttl + 1}s": within(r["reform_seconds"], ttl + 1),
+        f"closer_reform_at_most_{ttl + 1.5}s": within(r["closer_reform_seconds"], ttl + 1.5),
+        "no_lease_lost_in_any_phase": not lost, "phases_that_lost_leases": lost,
+        "requests_per_agent_round_at_most_6": r["requests_per_agent_round"] <= 6,
+        "events_per_agent_round_at_most_4": r["events_per_agent_round"] <= 4,
+        "closer_cpu_per_round_at_most_1s": r["closer_cpu_seconds_per_round_max"] <= 1,
+    }
 
 
 def commit_phase(cluster: Cluster, etcd: Etcd, server: EmbeddedEtcd, n: int,
@@ -1077,7 +1221,8 @@ def on_term(*_: Any) -> None:
 
 def main() -> int:
     if sys.argv[1:2] == ["--keeper"]:  # a simulator process's keep-alive process
-        keeper_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), (sys.argv[5:6] or ["aio"])[0])
+        keeper_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), (sys.argv[5:6] or ["aio"])[0],
+                    float((sys.argv[6:7] or [CLIENT_TIMEOUT])[0]))
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -1101,6 +1246,11 @@ def main() -> int:
                    help="with --keepalive-process 1: aio, one grpc.aio stream per etcd client "
                         "(~0.4 ms of CPU per refresh); raw, one HTTP/2 stream written by hand "
                         "per keep-alive process (bench/h2_keepalive.py, ~20 us)")
+    p.add_argument("--keepalive-streams", type=int, default=0,
+                   help="LeaseKeepAlive streams per keep-alive process, lease on stream "
+                        "lease %% K (raw: a connection each); 0: one per etcd client with aio, "
+                        "one with raw (before 2026-11-30). etcd renews a stream's leases in "
+                        "turn: a stream of hundreds of leases waits behind one just expired")
     p.add_argument("--node-watch-client", choices=("aio", "raw"), default="raw",
                    help="with --keepalive-process 1: the daemons' node watches on grpc.aio "
                         "streams (aio, tens of us of CPU per response) or on streams written "
@@ -1158,8 +1308,20 @@ def main() -> int:
     etcd = EmbeddedEtcd(a.members).start()
     try:
         for n in sizes:
-            t0 = time.monotonic()
-            r = run_size(n, etcd, a)
+            t0, load = time.monotonic(), os.getloadavg()  # others' work beside the lock
+            r: dict[str, Any] = {}
+            try:
+                run_size(n, etcd, a, r)
+            except SystemExit:  # SIGTERM (a timeout): the rounds measured are written, marked
+                if "join" not in r or a.commit_only:
+                    raise
+                summarize(r)
+                r["incomplete"] = (f"stopped by SIGTERM after {len(r['kills'])} of "
+                                   f"{2 * a.kills} kills")
+                stopped = True
+            else:
+                stopped = False
+            r["load_average_at_start"] = [round(x, 2) for x in load]
             r["etcd_members"] = a.members
             r["command"] = "python bench/scale_native.py " + " ".join(sys.argv[1:])
             r["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -1174,7 +1336,8 @@ def main() -> int:
             doc["results"] = [x for x in doc["results"] if x not in old]
             if a.commit_only and old:  # the other phases' figures stay as they were
                 r = {**old[0], "commit": {**r["commit"], "command": r["command"],
-                                          "date": r["date"]}}
+                                          "date": r["date"],
+                                          "load_average_at_start": r["load_average_at_start"]}}
             doc["results"].append(r)
             doc["results"].sort(key=lambda x: (x.get("etcd_members", 1), x["n"]))
             doc.update(benchmark="scale_native", machine={
@@ -1182,6 +1345,8 @@ def main() -> int:
             with open(a.out, "w") as f:
                 json.dump(doc, f, indent=1)
                 f.write("\n")
+            if stopped:
+                raise SystemExit(143)
     finally:
         etcd.stop()
     return 0

@@ -1,11 +1,16 @@
 """The scale simulator's keep-alive process (bench/scale_native.py ``KeeperProcess``) on real
 etcd: the leases handed to it live on for several TTLs from the moment it returns, a lease
 gone on the server is handed back to elasticd's own ``LeaseKeeper.step`` (which re-grants), and
-a removed lease (a killed node) is refreshed no more."""
+a removed lease (a killed node) is refreshed no more; a refresh etcd answers late is waited for
+up to the client's timeout, as elasticd's keeper waits, not handed back to a busy simulator
+process."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -14,6 +19,7 @@ import pytest
 from elasticd.coordination.api import LeaseLost
 from elasticd.coordination.health import EtcdHealth
 from elasticd.coordination.lease import LeaseKeeper
+from tests.conftest import connect
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
@@ -45,6 +51,52 @@ def test_the_keep_alive_process_keeps_hands_back_and_forgets_leases(etcd, etcd_c
         assert keepers.cpu() > 0
     finally:
         keepers.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_refresh_answered_late_is_waited_for_while_the_simulator_process_is_busy(
+        private_etcd):
+    """etcd paused for 2 s (TTL 3) answers a refresh 1.3 s after it was sent, while the
+    simulator process is too busy to run a keeper's step (its pool held 6 s, as hundreds of
+    joining agents held it at N = 1,000). The keep-alive process waits for the answer, as
+    elasticd's keeper waits up to its client timeout, and goes on refreshing: the lease lives.
+    Before, it handed the refresh back after 1 s and refreshed no more; the busy process
+    stepped it after the lease had expired: lost and re-granted (22,380 times in an N = 1,000
+    join). A second keep-alive process with a 1 s client timeout hands its lease back."""
+    import scale_native
+
+    endpoint = private_etcd.endpoints.split(",")[0].split("://")[-1]
+    coord = connect(private_etcd, timeout=10.0)
+    with concurrent.futures.ThreadPoolExecutor(2) as starting:  # ~3 s each: side by side
+        patient, hasty = starting.map(lambda timeout: scale_native.KeeperProcess(
+            endpoint, ttl=3, streams=1, workers=1, client="raw", timeout=timeout), (10.0, 1.0))
+    member = private_etcd.members[0]
+    busy = threading.Event()
+    try:
+        kept, other = (LeaseKeeper(coord, 3, EtcdHealth(describe="test")) for _ in range(2))
+        kept.grant()
+        other.grant()
+        patient.add(kept)  # its first refresh goes out 1 s (TTL/3) from now
+        hasty.add(other)
+        patient._pool.submit(busy.wait, 6.0)  # the simulator process busy until then
+        time.sleep(0.3)
+        member.signal(signal.SIGSTOP)
+        try:
+            time.sleep(2.0)  # the refreshes sent at 1 s wait 1.3 s for etcd's answer
+        finally:
+            member.signal(signal.SIGCONT)
+        time.sleep(4.0)  # past the busy 6 s and more than a TTL after the late answers
+        assert kept.take_lost() == [] and other.take_lost() == []
+        coord.keep_alive(kept.lease)  # raises LeaseLost if it expired
+        coord.keep_alive(other.lease)
+        assert patient.handed_back == {"gone": 0, "timeout": 0}
+        assert hasty.handed_back["timeout"] == 1, hasty.handed_back
+    finally:
+        busy.set()
+        member.signal(signal.SIGCONT)
+        patient.close()
+        hasty.close()
+        coord.close()
 
 
 @pytest.mark.timeout(60)
