@@ -235,3 +235,33 @@ def test_a_run_that_does_not_add_up_is_refused_and_counted(frames, needle):
         assert srv.snapshot_stats().pushes_committed == 0
     assert sink.get("job", 0) is None
     assert [e[0] for e in sink.events] == ["begin", "abort"]
+
+
+def test_at_the_default_limits_a_run_carries_seven_one_mib_blocks():
+    """Each DATA frame costs both ends Python (header, session tag, run prefix, the blocks'
+    checks set up) that runs cold right after the frame's multi-MiB socket call: at the
+    defaults a holder sends a fetch of the snapshot format's 1 MiB blocks to a peer with the
+    default limits (8 MiB frames) in runs of 7, not the 4 that 4 MiB chunks made."""
+    from elasticd.replication.channel import frame_chunk
+    from elasticd.replication.runs import send_runs
+    from elasticd.replication.seal import BlockTags
+    from elasticd.replication.server import DEFAULT_CHUNK
+    from elasticd.replication.wire import Limits
+    from elasticd.snapshot.format import DEFAULT_BLOCK_SIZE
+
+    mib = DEFAULT_BLOCK_SIZE
+    chunk, limit = frame_chunk(DEFAULT_CHUNK, Limits().max_frame), Limits().max_frame
+    tags = BlockTags(bytes(16), {i * mib: (mib, bytes(16)) for i in range(40)})
+    view = memoryview(bytearray(40 * mib))
+    runs: list[tuple[int, int]] = []
+
+    class Recorder:
+        def send_run(self, offset, blocks):
+            runs.append((offset, len(blocks)))
+
+        def send_data(self, offset, chunk):
+            raise AssertionError("every block here has its tag")
+
+    frames = send_runs(Recorder(), [(i * mib, view[i * mib : (i + 1) * mib]) for i in range(40)],
+                       tags, chunk, limit)
+    assert runs == [(i * mib, 7) for i in range(0, 35, 7)] + [(35 * mib, 5)] and frames == 6
