@@ -49,12 +49,19 @@ def test_a_follower_asks_once_shortly_before_the_next_snapshot_is_due():
             if step == 1:
                 time.sleep(0.5)
         time.sleep(1.3)  # past both deadlines (1.0 s after each landing): both followers idle
-        seen: set[tuple] = set()
+        seen: dict[tuple, float] = {}
         news, questions = [], []
         for t, versions in sent:
-            if versions:  # (the report before any version: the coordinator's first sight)
-                (questions if versions in seen else news).append(t)
-                seen.add(versions)
+            if not versions:  # the report before any version: the coordinator's first sight
+                continue
+            if versions not in seen:
+                news.append(t)
+                seen[versions] = t
+            elif t - seen[versions] > ASK_LEAD / 2:
+                questions.append(t)
+            # else: the same news sent twice within a few ms (the landing's and the ack's
+            # reports not coalesced on a loaded host: seen once in a unit-suite run), not a
+            # question; the old follower's first question came 0.1 s after the news.
         # The old follower asked at 0.1, 0.3 and 0.7 s after each landing: 4-6 questions here.
         assert len(news) == 2 and 1 <= len(questions) <= 2, sent
         # The first version's follower learned the cadence (0.5 s) after it went to sleep
