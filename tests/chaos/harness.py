@@ -448,7 +448,6 @@ class ChaosCluster:
             metrics = self.scrape("/metrics")
             statuses = self.scrape("/status")
             self.events = self.cluster.events()
-            self.at_end()
             read_at = time.time()
             left = self.stop()
             # Where a scenario's time goes after the job's end (the suite's time is watched).
@@ -466,10 +465,6 @@ class ChaosCluster:
                 self.injector.undo_all()
             if not self._stopped:
                 self.stop()
-
-    def at_end(self) -> None:
-        """Called once the job has ended and its processes are gone, before the nodes stop: a
-        scenario's subclass reads here what it needs of the live cluster."""
 
     def _tick(self) -> bool:
         assert self.injector is not None
