@@ -151,9 +151,10 @@ class Opener:
 
 
 class _FrameOpener:
-    """An opener (as :class:`Opener`: ``update``, then ``verify``) of one frame that keeps the bytes of a small frame and checks them in
-    one AEAD call, and streams a big one into Poly1305 from the first piece that makes it big
-    (the frame's nonce is fixed when it is made)."""
+    """An opener (as :class:`Opener`: ``update``, then ``verify``) of one frame that keeps the
+    bytes of a small frame and checks them in one AEAD call, and streams a big one into
+    Poly1305 from the first piece that makes it big (the frame's nonce is fixed when it is
+    made)."""
 
     def __init__(self, aead: ChaCha20Poly1305, key: bytes, nonce: int, tag: bytes) -> None:
         self._aead, self._key, self._nonce = aead, key, nonce

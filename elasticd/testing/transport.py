@@ -1,7 +1,7 @@
 """How the worker-side checkpointer reaches the checkpoint service: a
-:class:`~elasticd.worker.transport.Transport`, whose ``call(op, **fields)`` returns the reply's fields and raises (any exception) when the
-daemon refuses the request or cannot be reached; the checkpointer turns that into a skipped
-snapshot, never a training error.
+:class:`~elasticd.worker.transport.Transport`, whose ``call(op, **fields)`` returns the reply's
+fields and raises (any exception) when the daemon refuses the request or cannot be reached;
+the checkpointer turns that into a skipped snapshot, never a training error.
 
 In production that is :class:`elasticd.worker.client.DaemonClient` over the daemon's Unix
 socket. :class:`InProcessTransport` calls a service's handlers directly in the same process —

@@ -17,9 +17,9 @@ pending collective raises; or the agent says ``abort``) the wrapper first shuts 
 group's connections (:mod:`elasticd.worker.group_sockets`: every peer still waiting on it raises
 at once, and a collective this worker is blocked in ends when the agent asks), then leaves the
 group completely (the exception and its frames dropped, ``destroy_process_group``, a collection
-only if some of its sockets are still open), tells its agent over the worker link (:mod:`elasticd.local.worker_link`) that it left, waits
-for the new round's ranks and calls the function again: the process, its model, its compiled
-code and its data loader stay. Each round's group lives on the round's own TCPStore (hosted by
+only if some of its sockets are still open), tells its agent over the worker link
+(:mod:`elasticd.local.worker_link`) that it left, waits for the new round's ranks and calls the
+function again: the process, its model, its compiled code and its data loader stay. Each round's group lives on the round's own TCPStore (hosted by
 its rank 0) under a fresh prefix, so a rank of an old round can never touch a newer round's
 keys. Outside that mode (plain torchrun, or a job not in it) the function runs once with the
 usual ``init_process_group`` from torchrun's environment.
