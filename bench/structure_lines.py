@@ -42,6 +42,10 @@ UNITS = [
                          "restate the code"),
     ("4b26062", "merge", "branch struct26: counters only tests read, code written twice, "
                          "wrappers, docstrings that restate the code"),
+    ("68b5004", "commit", "the replication's optional members in its protocol, not probed "
+                          "with getattr"),
+    ("8f81020", "commit", "the worker's Collective and Transport as base classes, not probed "
+                          "with getattr"),
 ]
 
 
