@@ -66,6 +66,7 @@ from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endp
 from elasticd.coordination.health import EtcdHealth
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.lease import LeaseKeeper
+from scale_agents import AgentRuns  # noqa: E402 - bench/, beside this file
 from scale_sim import requests_by_method, scrape  # noqa: E402 - bench/, beside this file
 
 PREFIX = "/sim"
@@ -119,12 +120,21 @@ def keeper_main(endpoint: str, ttl: int, streams: int, client: str = "aio",
     queues: list[Any] = [None] * streams
     loop = asyncio.new_event_loop()
 
+    # Each lease's last refreshes, (sent or answered, wall time, TTL answered): printed for a
+    # lease handed back, to set its refreshes against etcd's and the simulator's CPU then.
+    history: dict[int, Any] = collections.defaultdict(lambda: collections.deque(maxlen=8))
+
     def hand_back(lease: int, why: str) -> None:
         live.pop(lease, None)
         sys.stdout.write(f"step {lease} {why}\n")
         sys.stdout.flush()
+        print(f"lease-history {lease} {why} at {time.time():.3f}: " + json.dumps(
+            [[k, round(t, 3), x] for k, t, x in history.pop(lease, ())]),
+            file=sys.stderr, flush=True)
 
     def answered(lease: int, ttl_left: int) -> None:
+        if lease in live:
+            history[lease].append(("a", time.time(), ttl_left))
         at = waiting.pop(lease, None)
         if at is None or lease not in live:
             return
@@ -207,21 +217,23 @@ def keeper_main(endpoint: str, ttl: int, streams: int, client: str = "aio",
             heapq.heappush(heap, (time.monotonic() + period, lease))
         else:
             live.pop(lease, None)
+            history.pop(lease, None)
 
     async def tick() -> None:
         while True:
             await asyncio.sleep(0.02)
-            now = time.monotonic()
+            now, wall = time.monotonic(), time.time()
             due: dict[int, list[bytes]] = {}
             later = []
             while heap and heap[0][0] <= now:
-                _, lease = heapq.heappop(heap)
+                due_at, lease = heapq.heappop(heap)
                 if lease in live and lease not in waiting:
                     k = lease % streams
                     if (raw[k].writer if raw is not None else queues[k]) is None:
                         later.append(lease)  # its stream is reopening: a send would be lost
                         continue
                     waiting[lease] = now
+                    history[lease].append(("s", wall, round(now - due_at, 3)))  # sent late by
                     sent.append((now, lease))
                     if raw is not None:
                         due.setdefault(k, []).append(live[lease])
@@ -866,17 +878,21 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
                 with concurrent.futures.ThreadPoolExecutor(a.register_threads) as few:
                     list(few.map(lambda x: x.register(), nodes.values()))
                 conn.send("ok")
-            elif cmd[0] == "join":
+            elif cmd[0] == "join":  # every agent joins, as torchrun's: see scale_agents.py
                 while time.time() < cmd[1]:  # every process starts at the same moment
                     time.sleep(0.001)
-                futures = [pool.submit(join, x) for x in nodes.values()]
-                out = []
-                for f in futures:
-                    try:
-                        out.append(f.result())
-                    except Exception as exc:  # noqa: BLE001 - reported, not fatal
-                        out.append(repr(exc))
-                conn.send(out)
+                runs = phase_state["agents"] = AgentRuns(
+                    join, lambda x: x.agent.num_nodes_waiting(),
+                    lambda x: (x.agent._control.round, x.agent._control.waiting), pool.submit)
+                runs.start(list(nodes.values()))
+                conn.send("started")
+            elif cmd[0] == "joined":  # the round each agent last returned into, None: in one
+                conn.send({i: (r[1] if isinstance(r, tuple) else r)
+                           for x, r in phase_state["agents"].latest().items()
+                           for i in (x.index,) if i in nodes})
+            elif cmd[0] == "settle":  # the round re-formed (or the driver gave up on it)
+                runs = phase_state.pop("agents")
+                conn.send((runs.settle(cmd[1]), runs.restarts()))
             elif cmd[0] == "stats":
                 conn.send(stats())
             elif cmd[0] == "closer":
@@ -1009,15 +1025,71 @@ def lease_counts(s0: dict[str, Any], s1: dict[str, Any]) -> dict[str, Any]:
                                       for k, v in sorted(s1["handed_back"].items())}}
 
 
+class CpuTimeline:
+    """etcd's and the simulator's (its processes and their keep-alive processes) CPU, in % of
+    a core, every ``period`` seconds of a round: to set each lost lease's refreshes (the
+    keep-alive processes' ``lease-history`` lines, wall times) against who had the CPU."""
+
+    def __init__(self, etcd: "Etcd", cluster: "Cluster", period: float = 0.2) -> None:
+        self._etcd, self._period = etcd, period
+        self._sim = [psutil.Process(p.pid) for p in cluster.procs]
+        self._sim += [c for p in self._sim for c in p.children(recursive=True)]
+        self.samples: list[list[float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _sim_cpu(self) -> float:
+        total = 0.0
+        for p in self._sim:
+            try:
+                t = p.cpu_times()
+            except psutil.Error:
+                continue
+            total += t.user + t.system
+        return total
+
+    def _run(self) -> None:
+        last = (time.time(), self._etcd.cpu(), self._sim_cpu())
+        while not self._stop.wait(self._period):
+            now = (time.time(), self._etcd.cpu(), self._sim_cpu())
+            dt = now[0] - last[0]
+            self.samples.append([round(now[0], 2), round((now[1] - last[1]) / dt * 100),
+                                 round((now[2] - last[2]) / dt * 100)])
+            last = now
+
+    def stop(self) -> list[list[float]]:
+        """[wall time, etcd %, simulator %] per period."""
+        self._stop.set()
+        self._thread.join()
+        return self.samples
+
+
 def measure_round(cluster: Cluster, etcd: Etcd, agents: int,
                   before_join: Callable[[], float | None],
-                  clock: "RoundClock | None" = None) -> dict[str, Any]:
-    """One round: ``before_join`` (a kill, or nothing) then every live agent joins at once."""
+                  clock: "RoundClock | None" = None, round_limit: float = 120.0
+                  ) -> dict[str, Any]:
+    """One round: ``before_join`` (a kill, or nothing) then every live agent joins at once;
+    given up after ``round_limit`` seconds (``seconds`` None, the run goes on)."""
     s0, m0, e0 = cluster.stats(), etcd.requests(), etcd.cpu()
     closes = len(clock.closed_at) if clock is not None else 0
+    cpu = CpuTimeline(etcd, cluster)
     killed_at = before_join()
     start = time.time() + 0.2
-    joined = [r for part in cluster.ask(("join", start)) for r in part]
+    cluster.ask(("join", start))
+    # Until every live agent returned into one round (one that raised counts as returned):
+    # an agent left outside a closed round is taken in by the next, which the members'
+    # num_nodes_waiting starts (scale_agents.py), as torchrun's agents do.
+    deadline = time.monotonic() + round_limit
+    while time.monotonic() < deadline:
+        time.sleep(0.1)  # the times are the agents' own: this only ends the wait
+        latest = [r for part in cluster.ask(("joined",)) for r in part.values()]
+        if None not in latest and len({r for r in latest if isinstance(r, int)}) <= 1:
+            break
+    settled = cluster.ask(("settle", 30.0))
+    joined = [r for part, _ in settled for r in part]
+    restarts = sum(k for _, k in settled)
+    timeline = cpu.stop()
     ok = [r for r in joined if isinstance(r, tuple)]
     s1, m1, e1 = cluster.stats(), etcd.requests(), etcd.cpu()
     requests = {k: m1.get(k, 0) - m0.get(k, 0) for k in m1 if m1.get(k, 0) - m0.get(k, 0)}
@@ -1031,7 +1103,8 @@ def measure_round(cluster: Cluster, etcd: Etcd, agents: int,
     written = sorted(r[4] - origin for r in ok if r[4])
     closed = [t - origin for t in clock.closed_at[closes:]] if clock is not None else []
     return {
-        "seconds": round(max(seen), 3) if len(ok) == agents and seen else None,
+        "seconds": (round(max(seen), 3) if len(ok) == agents and seen
+                    and len({r[1] for r in ok}) == 1 else None),
         # where the round's time went: the last join record written, the round record's
         # arrival at the driver, the agents' next_rendezvous returning (median, last)
         "timeline": {"last_record_written": round(written[-1], 3) if written else None,
@@ -1040,6 +1113,11 @@ def measure_round(cluster: Cluster, etcd: Etcd, agents: int,
                      "returned_last": round(seen[-1], 3) if seen else None},
         "agents_in_round": len(ok), "errors": [r for r in joined if not isinstance(r, tuple)][:3],
         "rounds": sorted({r[1] for r in ok}), "ranks_distinct": len({r[2] for r in ok}) == len(ok),
+        # agents that joined again because num_nodes_waiting said a node waited outside
+        "restarts": restarts,
+        # [seconds from the kill (or start), etcd %, simulator %] of a core, every 0.2 s
+        "cpu_timeline": [[round(t - origin, 2), e, c] for t, e, c in timeline],
+        "origin_wall_time": round(origin, 3),
         "requests_per_agent_round": round(sum(per_round.values()) / agents, 3),
         "requests_by_method": per_round,
         "keepalives": requests.get("LeaseKeepAlive", 0),
@@ -1097,7 +1175,10 @@ def run_size(n: int, server: EmbeddedEtcd, a: argparse.Namespace,
                              "etcd_cpu_seconds_at_start": round(etcd.cpu() - e0, 2)}
         alive = n
         clock = RoundClock(server.endpoints, n)
+        profiles = profile(cluster, a.profile_join, 15) if a.profile_join else []
         join = measure_round(cluster, etcd, alive, lambda: None, clock)
+        for proc in profiles:
+            proc.wait()
         result["join"] = join
         result["join_seconds"] = join["seconds"]
         print(f"  N={n} join {join['seconds']} s {join['timeline']}, sim cpu/agent {join['simulator_cpu_seconds_per_agent']}, etcd cpu {join['etcd_cpu_seconds']}, daemons {result['daemons']}", flush=True)
@@ -1148,6 +1229,23 @@ def run_size(n: int, server: EmbeddedEtcd, a: argparse.Namespace,
             clock.close()
         cluster.close()
     return result
+
+
+def profile(cluster: Cluster, out: str, seconds: int) -> list[Any]:
+    """py-spy (``PY_SPY``, else on the PATH) records the first simulator process and its
+    keep-alive process for ``seconds``, the thread holding the GIL only (what its CPU does),
+    as collapsed stacks in ``out``/sim.txt and keeper.txt: where a round's time goes."""
+    import subprocess
+
+    os.makedirs(out, exist_ok=True)
+    spy = os.environ.get("PY_SPY", "py-spy")
+    sim = psutil.Process(cluster.procs[0].pid)
+    targets = [("sim", sim.pid)] + [("keeper", c.pid) for c in sim.children()]
+    return [subprocess.Popen([spy, "record", "--nonblocking", "--gil", "--rate", "50",
+                              "--format", "raw", "-d", str(seconds), "-p", str(pid),
+                              "-o", os.path.join(out, f"{name}.txt")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for name, pid in targets]
 
 
 def summarize(result: dict[str, Any]) -> None:
@@ -1271,6 +1369,9 @@ def main() -> int:
                         "nodes (the simulator's bookkeeping once per pass, the lag sampled "
                         "every 0.5 s); 0: node by node, the lag every 0.1 s (before "
                         "2026-11-29 15:00)")
+    p.add_argument("--profile-join", default="",
+                   help="a directory: py-spy records the first simulator process and its "
+                        "keep-alive process through the join round (collapsed stacks)")
     p.add_argument("--ttl", type=int, default=2, help="lease TTL, seconds")
     p.add_argument("--confirm", type=float, default=1.0, help="rdzv liveness_confirm, seconds")
     p.add_argument("--window", type=float, default=5.0, help="steady window, seconds")
@@ -1348,6 +1449,10 @@ def main() -> int:
             if stopped:
                 raise SystemExit(143)
     finally:
+        if os.environ.get("SCALE_ETCD_LOGS"):  # etcd's own warnings, beside the lost leases
+            import shutil
+            for m in etcd.members:
+                shutil.copy(m.log_path, os.environ["SCALE_ETCD_LOGS"])
         etcd.stop()
     return 0
 
