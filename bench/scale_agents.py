@@ -130,14 +130,16 @@ class AgentRuns:
 
     def settle(self, timeout: float | None = None) -> list[Any]:
         """Stops the monitoring; returns each node's last result (a ``repr`` of what it
-        raised, for a node whose rendezvous failed or still runs after ``timeout``)."""
+        raised, for a node whose rendezvous failed or still runs ``timeout`` seconds from
+        now)."""
         self._settled.set()
         for event in self._wake.values():
             event.set()
         out = []
+        end = None if timeout is None else self._clock() + timeout  # for them all
         for _node, future in self._futures:
             try:
-                out.append(future.result(timeout))
+                out.append(future.result(None if end is None else max(0.0, end - self._clock())))
             except Exception as exc:  # noqa: BLE001 - reported, not fatal
                 out.append(repr(exc))
         if self._monitor is not None:
