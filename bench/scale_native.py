@@ -27,7 +27,10 @@ and written beside the figures.
 Phases per N (``--sizes``): all N join one round (min ``N - 2 * kills - 2``, max N); a steady
 window; ``--kills`` times a member other than the closer is killed (kill -9: keep-alives and
 watches stop, nothing revoked) and the survivors call ``next_rendezvous`` at once, as their
-agents do when the workers' collectives fail; then ``--kills`` times the closer itself. Per N:
+agents do when the workers' collectives fail; then ``--kills`` times the closer itself. Between
+rounds each agent asks ``num_nodes_waiting`` as torchrun's agent does and joins again when it
+says a node waits (:mod:`scale_agents`): a round is re-formed once every live agent returned
+into the same round (given up after 60 s: ``seconds`` None). Per N:
 join seconds, kill -> re-formed seconds, etcd requests (from etcd's own counters, keep-alives
 apart) and watch events per agent per round, etcd CPU, leases lost, the closer's own CPU per
 round beside the per-agent average. Results: ``--out`` (bench/results/scale_native.json), one
