@@ -1313,6 +1313,8 @@ def commit_phase(cluster: Cluster, etcd: Etcd, server: EmbeddedEtcd, n: int,
 TERM_GRACE = 15.0
 #: The data directories of the etcd this driver started (removed by :func:`exit_now`).
 ETCD_DIRS: list[str] = []
+#: What :func:`exit_now` writes first: the current N's rounds measured so far.
+ON_EXIT: list[Callable[[], Any]] = []
 
 
 def exit_now() -> None:
@@ -1320,6 +1322,12 @@ def exit_now() -> None:
     etcd) and exits: a SIGTERM's clean-up that outlived :data:`TERM_GRACE` left them running
     before (2026-11-30: 8 workers, 8 keep-alive processes and etcd, ~2 cores for a minute,
     into the next run of the same lock hold)."""
+    for write in list(ON_EXIT):  # the rounds measured, before everything goes
+        try:
+            ON_EXIT.clear()
+            write()
+        except Exception as exc:  # noqa: BLE001 - exiting regardless
+            print(f"could not write the partial entry: {exc!r}", file=sys.stderr, flush=True)
     for child in psutil.Process().children(recursive=True):
         try:
             child.kill()
@@ -1341,6 +1349,35 @@ def on_term(*_: Any) -> None:
     deadline.daemon = True  # a clean unwind exits at once; a stuck one at the deadline
     deadline.start()
     sys.exit(143)
+
+
+def record(doc: dict[str, Any], r: dict[str, Any], n: int, a: argparse.Namespace, t0: float,
+           load: tuple[float, ...]) -> None:
+    """Writes the entry ``r`` of size ``n`` into ``a.out`` (replacing the same N's)."""
+    r["load_average_at_start"] = [round(x, 2) for x in load]
+    r["etcd_members"] = a.members
+    r["command"] = "python bench/scale_native.py " + " ".join(sys.argv[1:])
+    r["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    r["simulation_seconds"] = round(time.monotonic() - t0, 1)
+    print(f"N={n}: joined {r['join_seconds']} s; member kill -> "
+          f"{r.get('reform_seconds')}; closer kill -> {r.get('closer_reform_seconds')}; "
+          f"{r.get('requests_per_agent_round')} req and "
+          f"{r.get('events_per_agent_round')} events per agent per round (max); leases "
+          f"lost {r.get('leases_lost')} [{r['simulation_seconds']} s]", flush=True)
+    old = [x for x in doc["results"]
+           if (x.get("n"), x.get("etcd_members", 1)) == (n, a.members)]
+    doc["results"] = [x for x in doc["results"] if x not in old]
+    if a.commit_only and old:  # the other phases' figures stay as they were
+        r = {**old[0], "commit": {**r["commit"], "command": r["command"],
+                                  "date": r["date"],
+                                  "load_average_at_start": r["load_average_at_start"]}}
+    doc["results"].append(r)
+    doc["results"].sort(key=lambda x: (x.get("etcd_members", 1), x["n"]))
+    doc.update(benchmark="scale_native", machine={
+        "cores": os.cpu_count(), "python": platform.python_version()})
+    with open(a.out, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
 
 
 def main() -> int:
@@ -1441,43 +1478,30 @@ def main() -> int:
         for n in sizes:
             t0, load = time.monotonic(), os.getloadavg()  # others' work beside the lock
             r: dict[str, Any] = {}
-            try:
-                run_size(n, etcd, a, r)
-            except SystemExit:  # SIGTERM (a timeout): the rounds measured are written, marked
+
+            def partial(r: dict[str, Any] = r, n: int = n, t0: float = t0,
+                        load: tuple[float, ...] = load) -> bool:
+                """A SIGTERM's: the rounds measured so far written, marked (not a commit
+                phase's alone, nor before the join)."""
                 if "join" not in r or a.commit_only:
-                    raise
+                    return False
                 summarize(r)
                 r["incomplete"] = (f"stopped by SIGTERM after {len(r['kills'])} of "
                                    f"{2 * a.kills} kills")
-                stopped = True
-            else:
-                stopped = False
-            r["load_average_at_start"] = [round(x, 2) for x in load]
-            r["etcd_members"] = a.members
-            r["command"] = "python bench/scale_native.py " + " ".join(sys.argv[1:])
-            r["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-            r["simulation_seconds"] = round(time.monotonic() - t0, 1)
-            print(f"N={n}: joined {r['join_seconds']} s; member kill -> "
-                  f"{r.get('reform_seconds')}; closer kill -> {r.get('closer_reform_seconds')}; "
-                  f"{r.get('requests_per_agent_round')} req and "
-                  f"{r.get('events_per_agent_round')} events per agent per round (max); leases "
-                  f"lost {r.get('leases_lost')} [{r['simulation_seconds']} s]", flush=True)
-            old = [x for x in doc["results"]
-                   if (x.get("n"), x.get("etcd_members", 1)) == (n, a.members)]
-            doc["results"] = [x for x in doc["results"] if x not in old]
-            if a.commit_only and old:  # the other phases' figures stay as they were
-                r = {**old[0], "commit": {**r["commit"], "command": r["command"],
-                                          "date": r["date"],
-                                          "load_average_at_start": r["load_average_at_start"]}}
-            doc["results"].append(r)
-            doc["results"].sort(key=lambda x: (x.get("etcd_members", 1), x["n"]))
-            doc.update(benchmark="scale_native", machine={
-                "cores": os.cpu_count(), "python": platform.python_version()})
-            with open(a.out, "w") as f:
-                json.dump(doc, f, indent=1)
-                f.write("\n")
-            if stopped:
-                raise SystemExit(143)
+                record(doc, r, n, a, t0, load)
+                return True
+
+            # exit_now writes them too: a clean-up past TERM_GRACE never reaches the except
+            ON_EXIT[:] = [partial]
+            try:
+                run_size(n, etcd, a, r)
+            except SystemExit:  # SIGTERM (a timeout): the rounds measured are written, marked
+                ON_EXIT.clear()
+                if not partial():
+                    raise
+                raise SystemExit(143) from None
+            ON_EXIT.clear()
+            record(doc, r, n, a, t0, load)
     finally:
         if os.environ.get("SCALE_ETCD_LOGS"):  # etcd's own warnings, beside the lost leases
             import shutil
