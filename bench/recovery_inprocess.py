@@ -75,8 +75,9 @@ TRAIN = os.path.join(REPO, "examples", "train_in_process.py")
 MODES = ("in-process", "restart", "fallback")
 #: The in-process path's moments, in order (:attr:`elasticd.Round.times`, then the example's
 #: ``restored`` and ``ddp_built``, then the first step's own time).
-MOMENTS = ("learned", "rendezvous_returned", "round_closed", "all_left", "assigned", "group_made", "restored",
-           "ddp_built", "first_step")
+MOMENTS = ("learned", "rendezvous_returned", "round_closed", "all_left", "assigned",
+           "group_made", "discovered", "agreed", "fetched", "loaded", "restored", "ddp_built",
+           "first_step")
 
 
 def phases(failed_at: float | None, first: dict[int, dict]) -> dict[str, float] | None:
@@ -95,6 +96,19 @@ def phases(failed_at: float | None, first: dict[int, dict]) -> dict[str, float] 
         at = max(values)
         out[f"to_{name}"] = round(at - before, 4)
         before = at
+    return out
+
+
+def rank_moments(failed_at: float | None, first: dict[int, dict]) -> dict[str, dict] | None:
+    """Each new rank's own moments (its agent's and its own, :data:`MOMENTS` and ``left``),
+    seconds after the ``failed`` event: where one rank waited on another."""
+    if failed_at is None:
+        return None
+    out = {}
+    for rank, row in sorted(first.items()):
+        times = {**(row.get("times") or {}), "first_step": row["t"]}
+        out[str(rank)] = {k: round(v - failed_at, 4) for k, v in
+                          sorted(times.items(), key=lambda kv: kv[1])}
     return out
 
 
@@ -187,6 +201,7 @@ def run(mode: str, victim: str, ttl: int, timeout: float, workdir: str,
         return {**out, "recovered": True, "seconds": round(back - t_kill, 3),
                 "detection_seconds": round(min(failed) - t_kill, 3) if failed else None,
                 "phases": phases(min(failed) if failed else None, at4),
+                "rank_moments": rank_moments(min(failed) if failed else None, at4),
                 "after_detection_seconds": round(back - min(failed), 3) if failed else None,
                 "killed_at_step": newest, "resumed_step": resumed,
                 "steps_lost": newest - resumed, "steps_lost_vs_all_held": held - resumed,

@@ -153,7 +153,8 @@ def main() -> None:
             first_rank.append(r.rank)
         state, net = make_round(args.model, kept, args.compile)
         step = ckpt.restore(state)  # every round, on every rank: the step they all resume at
-        times = dict(r.times, restored=time.time()) if r.times else {}
+        times = dict(r.times, **(ckpt.last_restore.times if ckpt.last_restore else {}),
+                     restored=time.time()) if r.times else {}
         net = DDP(kept["inner"]) if net is None else net
         opt = state["optim"]
         if times:
