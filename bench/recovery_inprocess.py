@@ -172,8 +172,7 @@ def run(mode: str, victim: str, ttl: int, timeout: float, workdir: str,
             victim = next(n for n in c.nodes if five in c.nodes[n].tagged())
             out["victim"] = victim
         victims = set(c.nodes[victim].tagged())
-        t_kill = time.time()
-        _strike(c, victim, fault, cuts)
+        t_kill = _strike(c, victim, fault, cuts)
         try:
             at4 = c.wait_for(lambda: (f := _first_at(_rows(logdir), 4, t_kill))
                              and len(f) == 4 and f, timeout, "world 4", interval=0.02)
@@ -234,17 +233,25 @@ def _cgroups(c: LocalCluster, fault: str) -> dict:
     return cuts
 
 
-def _strike(c: LocalCluster, victim: str, fault: str, cuts: dict) -> None:
+def _strike(c: LocalCluster, victim: str, fault: str, cuts: dict) -> float:
+    """Strikes; returns the fault's wall time: after the scan for the node's processes (75-160
+    ms here), which was counted in ``seconds`` when the clock was read before it."""
     node = c.nodes[victim]
     if fault == "freeze":  # the daemon's group, then its agent and workers (their sessions)
+        pids = node.tagged()
+        at = time.time()
         node.signal(signal.SIGSTOP, group=True)
-        for pid in node.tagged():
+        for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGSTOP)
-    elif fault == "partition":
+        return at
+    if fault == "partition":
+        at = time.time()
         cuts[victim].cut()
-    else:
-        node.kill()
+        return at
+    killed_at = node.kill()
+    assert killed_at is not None, "the victim was never started"
+    return killed_at
 
 
 #: A survivor's ``left`` line when gloo timed its collective out; an agent's fallback line.
