@@ -75,8 +75,9 @@ TRAIN = os.path.join(REPO, "examples", "train_in_process.py")
 MODES = ("in-process", "restart", "fallback")
 #: The in-process path's moments, in order (:attr:`elasticd.Round.times`, then the example's
 #: ``restored`` and ``ddp_built``, then the first step's own time).
-MOMENTS = ("learned", "rendezvous_returned", "round_closed", "all_left", "assigned", "group_made", "restored",
-           "ddp_built", "first_step")
+MOMENTS = ("learned", "rendezvous_returned", "round_closed", "all_left", "assigned",
+           "group_made", "discovered", "agreed", "fetched", "loaded", "restored", "ddp_built",
+           "first_step")
 
 
 def phases(failed_at: float | None, first: dict[int, dict]) -> dict[str, float] | None:
@@ -95,6 +96,19 @@ def phases(failed_at: float | None, first: dict[int, dict]) -> dict[str, float] 
         at = max(values)
         out[f"to_{name}"] = round(at - before, 4)
         before = at
+    return out
+
+
+def rank_moments(failed_at: float | None, first: dict[int, dict]) -> dict[str, dict] | None:
+    """Each new rank's own moments (its agent's and its own, :data:`MOMENTS` and ``left``),
+    seconds after the ``failed`` event: where one rank waited on another."""
+    if failed_at is None:
+        return None
+    out = {}
+    for rank, row in sorted(first.items()):
+        times = {**(row.get("times") or {}), "first_step": row["t"]}
+        out[str(rank)] = {k: round(v - failed_at, 4) for k, v in
+                          sorted(times.items(), key=lambda kv: kv[1])}
     return out
 
 
@@ -158,8 +172,7 @@ def run(mode: str, victim: str, ttl: int, timeout: float, workdir: str,
             victim = next(n for n in c.nodes if five in c.nodes[n].tagged())
             out["victim"] = victim
         victims = set(c.nodes[victim].tagged())
-        t_kill = time.time()
-        _strike(c, victim, fault, cuts)
+        t_kill = _strike(c, victim, fault, cuts)
         try:
             at4 = c.wait_for(lambda: (f := _first_at(_rows(logdir), 4, t_kill))
                              and len(f) == 4 and f, timeout, "world 4", interval=0.02)
@@ -187,6 +200,7 @@ def run(mode: str, victim: str, ttl: int, timeout: float, workdir: str,
         return {**out, "recovered": True, "seconds": round(back - t_kill, 3),
                 "detection_seconds": round(min(failed) - t_kill, 3) if failed else None,
                 "phases": phases(min(failed) if failed else None, at4),
+                "rank_moments": rank_moments(min(failed) if failed else None, at4),
                 "after_detection_seconds": round(back - min(failed), 3) if failed else None,
                 "killed_at_step": newest, "resumed_step": resumed,
                 "steps_lost": newest - resumed, "steps_lost_vs_all_held": held - resumed,
@@ -219,17 +233,25 @@ def _cgroups(c: LocalCluster, fault: str) -> dict:
     return cuts
 
 
-def _strike(c: LocalCluster, victim: str, fault: str, cuts: dict) -> None:
+def _strike(c: LocalCluster, victim: str, fault: str, cuts: dict) -> float:
+    """Strikes; returns the fault's wall time: after the scan for the node's processes (75-160
+    ms here), which was counted in ``seconds`` when the clock was read before it."""
     node = c.nodes[victim]
     if fault == "freeze":  # the daemon's group, then its agent and workers (their sessions)
+        pids = node.tagged()
+        at = time.time()
         node.signal(signal.SIGSTOP, group=True)
-        for pid in node.tagged():
+        for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGSTOP)
-    elif fault == "partition":
+        return at
+    if fault == "partition":
+        at = time.time()
         cuts[victim].cut()
-    else:
-        node.kill()
+        return at
+    killed_at = node.kill()
+    assert killed_at is not None, "the victim was never started"
+    return killed_at
 
 
 #: A survivor's ``left`` line when gloo timed its collective out; an agent's fallback line.

@@ -126,19 +126,26 @@ class NodeProcess:
 
         return tagged_pids(prefix=f"{self.prefix}:{self.node_id}:")
 
-    def kill(self) -> None:
+    def kill(self) -> float | None:
         """What a machine failure does: SIGKILL to the daemon's process group and to every
-        process of its jobs (agents and workers live in sessions of their own)."""
+        process of its jobs (agents and workers live in sessions of their own), all at once.
+        Returns the wall time of the first SIGKILL (None: not started): the fault's moment, taken
+        after the scan for the node's processes (75-160 ms on a loaded machine), which a
+        benchmark's clock must not count as recovery."""
         if self.proc is None:
-            return
+            return None
         victims = self.tagged()
+        killed_at = SYSTEM_CLOCK.wall()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+        for pid in victims:  # not after another scan: the machine's processes die together
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         # Again until none is left: a live node may be forking (an agent restarting its
         # workers, the warm-start zygote) while it is killed, and a child forked after a
         # listing would survive it (seen in the partition benchmark).
         deadline = SYSTEM_CLOCK.monotonic() + 5.0
-        pids = victims + self.tagged()
+        pids = self.tagged()
         while pids and SYSTEM_CLOCK.monotonic() < deadline:
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
@@ -149,6 +156,7 @@ class NodeProcess:
         if self.shm_dir:  # the machine's RAM is gone: its snapshots and its peers' replicas
             shutil.rmtree(self.shm_dir, ignore_errors=True)
             shutil.rmtree(self.shm_dir + "+replicas", ignore_errors=True)
+        return killed_at
 
     def sigterm(self, timeout: float) -> int | None:
         """Stops the daemon as an operator does (SIGCONT, SIGTERM) and waits up to ``timeout``;

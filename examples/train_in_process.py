@@ -153,8 +153,13 @@ def main() -> None:
             first_rank.append(r.rank)
         state, net = make_round(args.model, kept, args.compile)
         step = ckpt.restore(state)  # every round, on every rank: the step they all resume at
-        times = dict(r.times, restored=time.time()) if r.times else {}
-        net = DDP(kept["inner"]) if net is None else net
+        times = dict(r.times, **(ckpt.last_restore.times if ckpt.last_restore else {}),
+                     restored=time.time()) if r.times else {}
+        # A restore that loaded a step checked the replicas equal on every rank ("model" is
+        # replicated): DDP's broadcast of rank 0's parameters would copy the same bytes, one
+        # collective more on every re-formation. Nothing loaded (a fresh start): DDP syncs.
+        loaded = ckpt.last_restore is not None and ckpt.last_restore.source != "none"
+        net = DDP(kept["inner"], init_sync=not loaded) if net is None else net
         opt = state["optim"]
         if times:
             times["ddp_built"] = time.time()

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import WorkerState
@@ -59,6 +60,19 @@ class _Node:
         #: Wall time the hook last learned that a member is gone (a moment of the per-path
         #: timeline the workers report: :attr:`elasticd.worker.in_process.Round.times`).
         self.broken_at: float | None = None
+        #: Set when something the monitor reads may have changed (a worker's message or
+        #: hang-up, the rendezvous state): the monitor looks at once, not at its next poll.
+        self.news = threading.Event()
+        self.link.on_news = self.news.set
+        self.poll = 0.02  # the monitor's interval (the agent's spec says: InProcessAgent)
+
+    def pause(self) -> None:
+        """Between two looks of the agent's monitor: until news, or :attr:`poll` seconds (a
+        worker's exit, which nothing announces, is seen at the poll). torch's monitor slept
+        its whole interval: a failure learned just after a look waited up to 20 ms, on each
+        agent, and the new round closes only once the last agent joins it."""
+        self.news.wait(self.poll)
+        self.news.clear()  # what the news said is read right after, by the look itself
 
 
 _node: list[_Node] = []  # the one per agent process, once installed
@@ -107,6 +121,7 @@ def _hook(handler: Any) -> None:
 
     handler.on_round_broken = broken
     handler.num_nodes_waiting = num_nodes_waiting
+    handler.on_change(node.news.set)  # a member's death confirmed: the monitor looks at once
 
 
 def reform_deadline(environ: Any = None) -> float:
@@ -128,6 +143,17 @@ def tell_daemon(op: str, **fields: Any) -> None:
 
 class InProcessAgent(LocalElasticAgent):
     """torch's agent, with ``_restart_workers`` re-forming live workers in-process."""
+
+    def _invoke_run(self, role: str = "default") -> Any:
+        # torch's monitor loop sleeps ``monitor_interval`` before each look; here the look
+        # waits on the node's news instead (_monitor_workers), bounded by that interval.
+        spec = self._worker_group.spec
+        _node[0].poll, spec.monitor_interval = spec.monitor_interval, 0.0
+        return super()._invoke_run(role)
+
+    def _monitor_workers(self, wg: Any) -> Any:
+        _node[0].pause()
+        return super()._monitor_workers(wg)
 
     def _round(self, wg: Any) -> int:
         rounds = getattr(wg.spec.rdzv_handler, "rounds", None)

@@ -13,7 +13,7 @@ import os
 import secrets
 import socket
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from elasticd.errors import LocalProtocolError
 from elasticd.local import worker_link as link
@@ -31,6 +31,8 @@ class LinkServer:
         pids: local rank -> the pid its worker said (and the kernel confirmed).
         left: local rank -> its worker's last ``left`` message.
         timeouts: local rank -> the collective timeout its worker's group has now, seconds.
+        on_news: called after every message and hang-up (from the connection's thread; must
+            not block): the agent's monitor wakes on a worker's ``left`` instead of its poll.
     """
 
     def __init__(self) -> None:
@@ -43,6 +45,7 @@ class LinkServer:
         self.pids: dict[int, int] = {}
         self.left: dict[int, dict[str, Any]] = {}
         self.timeouts: dict[int, float] = {}
+        self.on_news: Callable[[], None] = lambda: None
         threading.Thread(target=self._accept, daemon=True, name="link-accept").start()
 
     def _accept(self) -> None:
@@ -79,6 +82,7 @@ class LinkServer:
                         del self.conns[local]
                     self.cond.notify_all()
                     conn.close()
+                    self.on_news()
                     return
                 op = msg.get("op")
                 if op == "hello" and isinstance(msg.get("local_rank"), int):
@@ -91,6 +95,7 @@ class LinkServer:
                         and isinstance(msg.get("seconds"), (int, float)):
                     self.timeouts[local] = float(msg["seconds"])
                 self.cond.notify_all()
+            self.on_news()
 
     def linked(self) -> set[int]:
         """The local ranks whose worker is connected now."""

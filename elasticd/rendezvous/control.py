@@ -47,6 +47,8 @@ class Control:
         closed: whether the rendezvous is closed.
         revision: the etcd revision this copy reflects.
         version: bumped by every change, so a waiter sleeps only if nothing changed.
+        listeners: called (under :attr:`cond`: they must not block) after every change; an
+            in-process agent wakes its monitor so (:mod:`elasticd.agent.in_process_agent`).
     """
 
     def __init__(self, native: bytes, clock: Clock) -> None:
@@ -58,6 +60,7 @@ class Control:
         self.closed_key = native + b"round.closed"
         self._clock = clock
         self.cond = threading.Condition()
+        self.listeners: list[Callable[[], None]] = []
         self.round: RoundRecord | None = None
         self.round_revision = 0
         self.round_error = ""
@@ -100,6 +103,8 @@ class Control:
     def _changed(self) -> None:
         self.version += 1
         self.cond.notify_all()
+        for fn in self.listeners:
+            fn()
 
     def _put(self, kv: KeyValue) -> None:
         if kv.key == self.round_key:

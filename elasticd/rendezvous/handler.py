@@ -264,6 +264,13 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
             return None
         return f"member(s) {', '.join(gone)} of round {current.round} left the rendezvous"
 
+    def on_change(self, fn: Callable[[], None]) -> None:
+        """Calls ``fn`` after every change of this node's copy of the rendezvous state (a
+        member's death confirmed, a round closed, a node waiting), from the watch's thread
+        and under its lock: ``fn`` must not block. What :meth:`num_nodes_waiting` answers
+        may have changed then: an in-process agent asks at once instead of at its next poll."""
+        self._control.listeners.append(fn)
+
     def gone_members(self) -> list[str]:
         """Members of the current round the closer counts as dead (empty while this node
         distrusts its own view)."""

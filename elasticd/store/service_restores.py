@@ -7,6 +7,10 @@ replies hold until ``ckpt_release`` or ``pin_ttl``), and nothing else of it.
   persisted_worlds [[gen, step, world size], ...] (any world size: a shrink reshards from it)
   [[gen, step], ...], persist_root, progress [gen, step] | null, replicas {rank: [[gen, step],
   ...]} (copies of other nodes' shards held here; empty without a replicator)
+  With [previous_rank, previous_world_size] (a survivor of an in-process re-formation) also
+  own [[gen, step], ...]: that rank's snapshots at that world size held here; with [committed]
+  true also committed_step (what ``ckpt_committed`` answers): a restore's discovery in one
+  call, not three to a daemon busy with the failure.
 * ``ckpt_open`` job, rank, generation, step → path, offset, size, pin, and the slot's
   descriptor (read-only)
 * ``ckpt_fetch`` job, rank, generation, step, [need] → path, offset, size, pin (as
@@ -87,15 +91,24 @@ class Restores:
             refused = set() if record is None else set(record.refused)
             progress = None if record is None else record.progress
 
-        def usable(r: int, version: tuple[int, int]) -> bool:
-            view = self.store.latest(job, r, version=version, newest=True)
-            return view is not None and (world is None or view.header.world_size == world)
+        def held(r: int, at: int | None) -> list[list[int]]:
+            # The newest pair too (an in-process job's: store/shm.py), which only this node's
+            # restores read: a survivor's own shard of the last step it completed.
+            out = []
+            for v in self.store.versions(job, r, newest=True):
+                view = None if (r, *v) in refused else self.store.latest(
+                    job, r, version=v, newest=True)
+                if view is not None and (at is None or view.header.world_size == at):
+                    out.append(list(v))
+            return out
 
-        # The newest pair too (an in-process job's: store/shm.py), which only this node's
-        # restores read: a survivor's own shard of the last step it completed.
-        ram = {str(r): [list(v) for v in self.store.versions(job, r, newest=True)
-                        if (r, *v) not in refused and usable(r, v)]
-               for r in (ranks if only is None else [only])}
+        ram = {str(r): held(r, world) for r in (ranks if only is None else [only])}
+        extra: dict[str, Any] = {}
+        was = param(msg, "previous_rank", int, None), param(msg, "previous_world_size", int, None)
+        if None not in was:
+            extra["own"] = held(*was)
+        if msg.get("committed") is True:
+            extra["committed_step"] = self.ckpt_committed({"job": job})
         persisted: list[list[int]] = []
         saved_by: list[list[int]] = []  # [generation, step, world size], every world size
         if self.persist is not None:
@@ -109,7 +122,7 @@ class Restores:
         return {"ram": ram, "persisted": persisted, "persisted_worlds": saved_by,
                 "progress": progress and list(progress),
                 "persist_root": self.persist.root if self.persist else None,
-                "replicas": self._replicas(job, only)}
+                "replicas": self._replicas(job, only), **extra}
 
     def _replicas(self, job: str, only: int | None) -> dict[str, list[list[int]]]:
         """Versions of other nodes' shards this node holds as replicas (informational)."""

@@ -153,7 +153,8 @@ class Checkpointer:
                           previous=was[:2] if active else None)
         try:
             result = _restore.restore(state, sources, collective, SYSTEM_CLOCK.perf_counter,
-                                      _restore.replicated_keys(state, self.replicated))
+                                      _restore.replicated_keys(state, self.replicated),
+                                      wall=SYSTEM_CLOCK.wall)
         except BaseException:
             # Nothing restored in the new place: the next restore still offers the old one's.
             self.rank, self.world_size, self.local_world_size = was

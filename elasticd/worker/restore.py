@@ -148,6 +148,10 @@ class RestoreResult:
         refused: snapshots refused (or lost) on the way, with the reason.
         saved_world_size: the world size the restored snapshot was taken at (differs from the
             current one after a shrink); 0 for a fresh start.
+        times: the restore's moments, wall time (``wall`` of :func:`restore`): ``discovered``
+            (this rank's sources listed), ``agreed`` (the ranks' all_gather returned),
+            ``fetched`` (this rank's shard in hand), ``loaded`` (every rank loaded): the
+            in-process benchmark's phases inside the restore.
     """
 
     step: int = 0
@@ -159,6 +163,7 @@ class RestoreResult:
     steps_lost: int = 0
     refused: list[str] = dataclasses.field(default_factory=list)
     saved_world_size: int = 0
+    times: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class Collective:
@@ -247,7 +252,8 @@ class Agreement:
     seen: Version | None
 
 
-def agree(sources: Sources, collective: Collective) -> Agreement:
+def agree(sources: Sources, collective: Collective,
+          mark: Any = lambda name: None) -> Agreement:
     """The versions to try on every rank (identical on all of them) and the newest seen.
 
     Besides the versions every rank holds at the current world size and the committed one,
@@ -262,11 +268,13 @@ def agree(sources: Sources, collective: Collective) -> Agreement:
     (:meth:`Sources.fetch`), so the ranks take the next candidate, the committed step.
     """
     mine = sources.discover()
+    mark("discovered")
     own = sorted(sources.own, reverse=True)[:_OWN_ROWS]
     head = [sources.progress or _NONE, sources.committed or _NONE,
             (sources.committed_world or -1, 1),
             (1 if sources.unreachable else 0, len(own))]
     gathered = [_split(rows) for rows in collective.all_gather(head + own + mine)]
+    mark("agreed")
     offers = [rows.pop() for rows in gathered]  # gathered: head + versions, as before
     silent = [rank for rank, rows in enumerate(gathered) if rows[3][0] == 1]
     if silent:
@@ -308,12 +316,13 @@ def _split(rows: list[Version]) -> list[Any]:
 
 
 def restore(state: Any, sources: Sources, collective: Collective, clock: Any,
-            replicated: list[str] = ()) -> RestoreResult:
+            replicated: list[str] = (), wall: Any = None) -> RestoreResult:
     """Runs the whole protocol on this rank; see the module docstring.
 
     Args:
         replicated: entries that must be identical on every rank; compared by checksum
             after a restore (:func:`check_replicas_agree`).
+        wall: the wall clock :attr:`RestoreResult.times` reads (None: no moments).
 
     Raises:
         RestoreError: on every rank, when the agreed snapshot does not fit some rank's state.
@@ -321,8 +330,13 @@ def restore(state: Any, sources: Sources, collective: Collective, clock: Any,
     """
     start = clock()
     result = RestoreResult()
+
+    def mark(name: str) -> None:
+        if wall is not None:
+            result.times[name] = wall()
+
     differ: list[str] | None = []
-    agreed = agree(sources, collective)
+    agreed = agree(sources, collective, mark)
     seen = agreed.seen
     for version, world in agreed.candidates:
         if world != sources.world:
@@ -330,6 +344,7 @@ def restore(state: Any, sources: Sources, collective: Collective, clock: Any,
         got = sources.fetch(version, result.refused, world)
         if got is not None:
             got = sources.fetch_shards(got, version, result.refused, world, state)
+        mark("fetched")
         try:
             # One collective for both flags (each was an all_reduce of its own).
             reachable, have = collective.all_true_each([not sources.unreachable,
@@ -359,6 +374,7 @@ def restore(state: Any, sources: Sources, collective: Collective, clock: Any,
             if differ is None:
                 raise RestoreError(f"snapshot {version} could not be loaded on every rank"
                                    f"{': ' + error if error else ''}")
+            mark("loaded")
             result.step, result.generation = version[1], version[0]
             result.source, result.nbytes = got.source, got.nbytes
             result.saved_world_size = world

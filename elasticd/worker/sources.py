@@ -102,9 +102,16 @@ class Sources:
     def discover(self) -> list[Version]:
         """Asks the daemon (and lists the tier); returns every version reachable, newest first."""
         if self.transport is not None:
+            # One call (the daemon is busy with the failure at this moment): this rank's
+            # listing, the previous rank's own snapshots and the committed step together;
+            # a daemon before those fields answers the listing alone, and is asked the rest
+            # as it was (three calls).
+            was = {} if self.previous is None else {
+                "previous_rank": self.previous[0], "previous_world_size": self.previous[1]}
+            info: Any = {}
             try:
                 info = self.transport.call("ckpt_list", job=self.job, rank=self.rank,
-                                           world_size=self.world)
+                                           world_size=self.world, committed=True, **was)
                 self.ram = {tuple(v) for v in info.get("ram", {}).get(str(self.rank), [])}
                 self.persisted = {tuple(v) for v in info.get("persisted", [])}
                 self._saved_by(info.get("persisted_worlds"))
@@ -116,8 +123,18 @@ class Sources:
                 return []
             except Exception as exc:  # noqa: BLE001 — it refused: the tier may still help
                 log.warning("elasticd: cannot list snapshots held by the daemon (%s)", exc)
-            self._discover_committed()
-            self._discover_own()
+            if "committed_step" in info:
+                self._committed_from(info["committed_step"])
+            else:
+                self._discover_committed()
+            if "own" in info and self.previous is not None:
+                try:
+                    self.own = {(int(g), int(s)) for g, s in info["own"]}
+                except (TypeError, ValueError) as exc:  # malformed: no own offer
+                    log.warning("elasticd: ignoring rank %d's own snapshots %r: %s",
+                                self.rank, info["own"], exc)
+            else:
+                self._discover_own()
         if self.persist_dir and not self.persisted:
             try:
                 self._saved_by([[*m.version(), m.world_size] for m in
@@ -163,6 +180,13 @@ class Sources:
             info = self.transport.call("ckpt_committed", job=self.job)
         except Exception as exc:  # noqa: BLE001 — an older daemon, or etcd trouble: local only
             log.info("elasticd: no committed step from the daemon (%s)", exc)
+            return
+        self._committed_from(info)
+
+    def _committed_from(self, info: Any) -> None:
+        """Takes in a ``ckpt_committed`` answer (its own, or ``ckpt_list``'s
+        ``committed_step``)."""
+        if not isinstance(info, dict):
             return
         ranks = info.get("ranks") if isinstance(info, dict) else None
         if info.get("committed", ...) is None or not isinstance(ranks, list) or not ranks:

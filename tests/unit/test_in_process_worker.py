@@ -434,3 +434,27 @@ def test_a_leave_walks_the_heap_only_when_a_socket_of_the_group_is_still_open(mo
     assert first == [0, 0, 1], (first, collections)
     assert collections == [2]
     assert all(v[1] for v in server.left_rounds().values())
+
+
+def test_a_workers_message_ends_the_agents_monitor_pause():
+    """The in-process agent's monitor waits for news between two looks, not its whole poll: a
+    worker's ``left`` (its group broke) is looked at at once. With an hour's poll, a pause
+    that ignored the news would hang this test."""
+    from elasticd.agent.in_process_agent import _Node
+    from elasticd.testing.clock import FakeClock
+
+    node = _Node(FakeClock())
+    node.poll = 3600.0
+    sock = link.connect(node.link.name, os.getpid())
+    try:
+        link.send(sock, {"op": "hello", "local_rank": 0, "pid": 1})
+        _wait(node.news.is_set, 5)
+        node.pause()  # the hello's news taken
+        link.send(sock, {"op": "left", "round": 0, "clean": True, "why": "reset"})
+        _wait(node.news.is_set, 5)
+        assert 0 in node.link.left_rounds()  # recorded before the news
+        node.pause()
+        assert not node.news.is_set()  # taken: the next pause waits for new news
+    finally:
+        sock.close()
+    _wait(node.news.is_set, 5)  # a worker's hang-up is news too

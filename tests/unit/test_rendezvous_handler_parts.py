@@ -77,3 +77,18 @@ def test_a_listing_the_watch_overtook_is_no_alarm_and_loses_no_event(caplog):
     assert "went back" not in caplog.text
     assert control.round == RoundRecord(1, ("a",))
     watch.stop()
+
+
+def test_a_members_death_is_told_to_whoever_listens_for_changes_at_once():
+    """An in-process agent's monitor wakes on the change (handler.on_change) instead of
+    learning it at its next poll (bench/results/recovery_inprocess.json: to_learned)."""
+    handler = EtcdNativeRendezvousHandler(MemoryCoordinator(), b"/r/",
+                                          HandlerSettings("job", 1, 2, liveness_ttl=3),
+                                          "10.0.0.1", clock=FakeClock())
+    told = []
+    handler.on_change(lambda: told.append(handler.gone_members()))
+    control = handler._control
+    control.set(KeyValue(control.round_key, RoundRecord(0, (handler.me, "b")).encode(), 1, 1))
+    control.set(KeyValue(control.waiting_key, Waiting(0, dead=("b",)).encode(), 2, 2))
+    assert told[-1] == ["b"]  # called after the change, which its caller then reads
+    handler.stop()

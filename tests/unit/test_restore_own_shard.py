@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
+
 import elasticd.worker.sources as sources_module
 from elasticd.testing.transport import InProcessTransport
 from elasticd.worker.checkpointer import Checkpointer
@@ -141,3 +143,31 @@ def test_a_survivor_reshards_the_committed_step_from_the_snapshot_it_wrote_first
     fresh.fetchable = {version}
     fresh.fetch(version, [], world=6)
     assert fresh.transport.asked[0] == 2
+
+
+
+@pytest.mark.parametrize("daemon", ["today", "older"])
+def test_a_survivors_discovery_is_one_call_to_its_daemon_and_an_older_daemon_still_works(
+        service, daemon):
+    """The daemon is busy with the failure when survivors restore: their listing, their
+    previous rank's own snapshots and the committed step come in one ``ckpt_list`` (it was
+    three calls in a row: ckpt_list, ckpt_committed, ckpt_list again). A daemon before those
+    fields ignores them, and the rank asks the rest as it did."""
+    with _world3(service, last=[5, 3, 5]) as (ckpts, states, _, t):
+        asked = []
+        call, listing = t.call, t.handlers["ckpt_list"]
+
+        def counted(op, **fields):
+            if op in ("ckpt_list", "ckpt_committed"):
+                asked.append(op)
+            return call(op, **fields)
+
+        t.call = counted
+        if daemon == "older":
+            t.handlers = {**t.handlers, "ckpt_list": lambda msg: listing(
+                {k: v for k, v in msg.items()
+                 if k not in ("previous_rank", "previous_world_size", "committed")})}
+        results = _reform([ckpts[0], ckpts[2]], [states[0], states[2]], world=2)
+        assert [step for step, _ in results] == [5, 5]
+        assert sorted(asked) == (["ckpt_list"] * 2 if daemon == "today" else
+                                 sorted(["ckpt_list", "ckpt_committed", "ckpt_list"] * 2))
