@@ -122,7 +122,13 @@ class Reporter:
                              f"commit-tick-{tracker.node_id}")
 
     def job(self, job: str) -> JobReports:
-        """The job's reporting state, created if new (call with the tracker's lock held)."""
+        """The job's reporting state, created if new (call with the tracker's lock held).
+
+        A job the tracker no longer follows gets a state that is not kept: news of it (the
+        deletion of the election key its own term just resigned) must not make this node
+        campaign for, and owe reports to, a job that ended here."""
+        if job not in self.t.jobs:
+            return self.jobs.get(job) or JobReports()
         return self.jobs.setdefault(job, JobReports())
 
     # -- what the tracker tells it --------------------------------------------------------------

@@ -464,11 +464,12 @@ class CommitTracker:
         log.warning("replicator %s: cannot %s: %s", self.node_id, what, exc)
 
     def forget(self, job: str) -> None:
-        """The job ended here: its state, watch and coordination go."""
-        self.reporter.forget(job)
+        """The job ended here: its state, watch and coordination go (the state first, so
+        that the watch event of the term's resignation finds no job to campaign for)."""
         with self.lock:
             self.jobs.pop(job, None)
         self.prefix.forget(job)
+        self.reporter.forget(job)
 
     def close(self, resign: bool = True) -> None:
         """Wakes every gate, ends this node's coordination (see :meth:`Reporter.close`) and

@@ -40,6 +40,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TRAIN = os.path.join(REPO, "examples", "train_in_process.py")
 
 
+#: The job's length: the fault comes ~15 steps in (once a step is committed at grid 1), and
+#: what follows it must fit (a fallback restart takes ~130 steps more: STEPS + 100 there).
+STEPS = 200
+
 def _rows(logdir: str) -> list[dict]:
     rows = []
     for path in glob.glob(os.path.join(logdir, "steps-*.jsonl")):
@@ -173,7 +177,7 @@ def _run(tmp_path, steps: int, hang_rank: int = -1, extra: tuple[str, ...] = (),
 
 
 def test_kill9_of_a_node_the_survivors_keep_their_processes(tmp_path):
-    logdir, survivors, t_kill, at4, workdir, committed = _run(tmp_path, steps=400)
+    logdir, survivors, t_kill, at4, workdir, committed = _run(tmp_path, steps=STEPS)
     rows = _rows(logdir)
     assert set(at4) == survivors  # the same 4 processes train at world 4
     assert {r["path"] for r in at4.values()} == {"in-process"}
@@ -199,7 +203,7 @@ def test_kill9_of_a_node_the_survivors_keep_their_processes(tmp_path):
         r"\(old rank (\d+)'s snapshot", logs)}
     assert loaded == was, (loaded, was)
     done = {r["pid"]: r["done"] for r in rows if "done" in r}
-    assert set(done) == survivors and set(done.values()) == {400}
+    assert set(done) == survivors and set(done.values()) == {STEPS}
     # The survivors' broken collectives had their daemons probe the victim's daemon, whose
     # port refused: its lease was revoked, not waited out (elasticd/daemon/peer_probe.py).
     daemons = "".join(open(p).read() for p in glob.glob(os.path.join(workdir, "n*.log")))
@@ -219,7 +223,7 @@ def test_kill9_of_a_node_the_survivors_keep_their_processes(tmp_path):
 def test_a_survivor_stuck_in_its_re_formation_is_restarted_the_old_way(tmp_path):
     # The deadline is the job's (a spec field): 4 s here, against the default 10 s.
     logdir, survivors, t_kill, at4, workdir, committed = _run(
-        tmp_path, steps=450, hang_rank=0, extra=("--reform-deadline", "4"))
+        tmp_path, steps=STEPS + 100, hang_rank=0, extra=("--reform-deadline", "4"))
     rows = _rows(logdir)
     hung = {r["pid"] for r in rows if r.get("rank") == 0 and r.get("round") is not None
             and r.get("world") == 6}
@@ -243,7 +247,7 @@ def test_a_survivor_stuck_in_its_re_formation_is_restarted_the_old_way(tmp_path)
     assert "falling back to a restart into round" in logs
     assert "(the job's reform deadline 4 s)" in logs  # the job's, not the 10 s default
     done = {r["pid"]: r["done"] for r in rows if "done" in r}
-    assert set(done) == set(at4) and set(done.values()) == {450}
+    assert set(done) == set(at4) and set(done.values()) == {STEPS + 100}
     assert all(r["failed"] == 0 for r in rows if "done" in r), [r for r in rows if "done" in r]
     print(f"\nfallback: kill -> world 4 training {took:.2f} s; kept {sorted(kept)}, "
           f"restarted {sorted(hung & survivors)} as {sorted(fresh)}; all resumed from step "
@@ -254,7 +258,7 @@ def test_a_frozen_nodes_survivors_leave_when_their_agents_learn_it_failed_in_pro
     # Before the learned collective timeout the survivors' groups had the decorator's 30 s,
     # their agents fell back at the 10 s reform deadline, and new processes trained at world 4;
     # then they left at the learned timeout (5 s), gloo's "Timed out waiting 5000ms".
-    logdir, survivors, t_freeze, at4, workdir, committed = _run(tmp_path, steps=400,
+    logdir, survivors, t_freeze, at4, workdir, committed = _run(tmp_path, steps=STEPS,
                                                                 fault="freeze")
     assert set(at4) == survivors  # the same 4 processes train at world 4
     assert {r["path"] for r in at4.values()} == {"in-process"}
@@ -272,7 +276,7 @@ def test_a_frozen_nodes_survivors_leave_when_their_agents_learn_it_failed_in_pro
     resumed = {r["step"] - 1 for r in at4.values()}
     assert len(resumed) == 1 and committed <= min(resumed), (resumed, committed)
     done = {r["pid"]: r["done"] for r in _rows(logdir) if "done" in r}
-    assert survivors <= set(done) and set(done.values()) == {400}
+    assert survivors <= set(done) and set(done.values()) == {STEPS}
     took = max(r["t"] for r in at4.values()) - t_freeze
     print(f"\nfreeze -> all 4 survivors training at world 4 in-process: {took:.2f} s; "
           f"left: {sorted({kind if kind == 'Reformation' else why[:60] for kind, why in left})}; "
@@ -290,7 +294,7 @@ def test_kill9_of_a_worker_alone_the_other_nodes_keep_their_processes(tmp_path):
                            replication=True)
     try:
         cluster.start()
-        _submit(cluster, logdir, steps=400)
+        _submit(cluster, logdir, steps=STEPS)
         coord = cluster.coordinator()
         rows = _rows(logdir)
         rounds = {r["pid"]: r["round"] for r in rows if "step" in r}
@@ -339,7 +343,7 @@ def test_kill9_of_a_worker_alone_the_other_nodes_keep_their_processes(tmp_path):
                                                                   "agent.log")))
     assert "re-formed in-process" in logs
     done = {r["pid"]: r["done"] for r in _rows(logdir) if "done" in r}
-    assert set(done) == {r["pid"] for r in at6.values()} and set(done.values()) == {400}
+    assert set(done) == {r["pid"] for r in at6.values()} and set(done.values()) == {STEPS}
     took = max(r["t"] for r in at6.values()) - t_kill
     print(f"\nkill -9 of worker pid {two} (rank 2, {victim}) -> 6 ranks in a new group: "
           f"{took:.2f} s; kept {sorted(kept)}, restarted as {sorted(fresh)}; all resumed from "

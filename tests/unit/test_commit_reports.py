@@ -199,3 +199,19 @@ def test_a_commit_a_reply_names_first_is_left_to_the_watch_for_its_grace():
     assert j.ahead is None and not j.watch_lagging(known, 200.0)  # once
     j.ahead, j.ahead_since = known, 100.0  # the watch brought it meanwhile: nothing to read
     assert not j.watch_lagging(known, 100.0 + WATCH_GRACE) and j.ahead is None
+
+
+def test_a_job_that_ended_here_is_not_coordinated_again_and_leaves_nothing_due(cluster):
+    """The job ended on its coordinator: the term ends and its election key is deleted. That
+    deletion's watch event, arriving while the job was being forgotten, made the node campaign
+    again and coordinate a job it no longer runs, with a report due that was never sent: a
+    SIGTERM then waited out ``wait_idle``'s 5 s (every node, every stop after a job)."""
+    cluster.set_membership(["n1", "n2", "n3"], THREE, round=1)
+    step(cluster, 1)
+    assert coordinator(cluster) == "n1"
+    n1 = cluster["n1"].replicator
+    n1.remove_job(JOB)
+    cluster.wait_idle()
+    assert n1.tracker.reporter.leading(JOB) is None and JOB not in n1.tracker.reporter.jobs
+    assert n1.tracker.reporter.settled()
+    assert n1.wait_idle(1.0)
