@@ -9,11 +9,14 @@ import resource
 import tempfile
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
 from elasticd.worker.shards import Resharder
 from elasticd.worker.slot_rows import SlotFiles, mapping_address
+from tests.unit.test_store_peer_restore import nodes  # noqa: F401 — the fixture
+from tests.unit.test_store_service import write_snapshot
 
 ROOT = "/dev/shm" if os.path.isdir("/dev/shm") else None  # a slot store's tmpfs
 
@@ -92,3 +95,28 @@ def test_one_dimensional_and_two_byte_rows_land_where_they_belong(slot):
     Resharder._assemble("h", ((2, 0), (3, 8192)), [(((0, 0), (8, 8192)), halves)],
                         torch.bfloat16, into=into, files=files)
     assert torch.equal(into.view(torch.uint8), halves[2:5].contiguous().view(torch.uint8))
+
+
+def test_a_piece_fetched_in_place_hands_its_slot_file_to_the_resharder_until_released(nodes):
+    """``Sources`` keeps a descriptor of each slot read in place (the file the daemon handed
+    over, never a path) for the resharder's reads, and closes it at the release."""
+    from elasticd.worker.sources import Sources
+
+    _, t, _, t2 = nodes
+    _, data = write_snapshot(t2, "job", 2, step=4, world=3)
+    sources = Sources(t, "job", 0, 2)
+    sources.boxes = [[[3000], ["S0"], [0], [1500]]]
+    got = sources._from_daemon("ckpt_fetch", (0, 4), 3, [], 2, in_place=True)
+    assert got is not None and got.slot_file is not None
+    address, fd = got.slot_file
+    files = got.slot_files()
+    w = got.tensors[got.names.index("w")]
+    assert w.untyped_storage().data_ptr() == address
+    out = torch.zeros(len(data) // 2, dtype=w.dtype)
+    assert files.read(out, (slice(0, len(out)),), w, (slice(0, len(out)),))
+    assert np.array_equal(out.numpy(), data[: len(out)]) and files.bytes_read == out.nbytes
+    os.fstat(fd)  # open until the release
+    got.close()
+    assert got.slot_file is None
+    with pytest.raises(OSError):
+        os.fstat(fd)
