@@ -6,7 +6,8 @@
 # 7a92980 (this branch). Blocks interleaved base, head, head, base; a step that would not end
 # within the hold's 15 minutes is skipped.
 P=/work/wt/restore28/.venv/bin/python; O=/work/wt/restore28/bench/results/restore28; L=/tmp/r28/h3
-START=$(date -u +%s); END=$((START + 880))
+START=$(date -u +%s); END=$((START + 880)); STOP=$(date -u -d "04:00" +%s)
+[ $STOP -lt $END ] && END=$STOP  # the session's deadline
 fits() { [ $(( $(date -u +%s) + $1 )) -le $END ]; }
 echo "start $(date -u +%T)"
 k=0
@@ -26,4 +27,9 @@ for tree in 3f48c4f 7a92980 7a92980 3f48c4f; do
     echo "  fsdp2 chaos rc=$? $(grep -E 'passed|failed' $L/fsdp_block${k}_$tree.log | tail -1) $(date -u +%T)"
   else echo "  fsdp2 chaos skipped $(date -u +%T)"; fi
 done
+if [ ! -s /tmp/r28/h2/unit.log ] && fits 300; then
+  cd /work/wt/restore28
+  timeout 420 $P -m pytest -q -x tests/unit -p no:randomly > /tmp/r28/h3/unit.log 2>&1
+  echo "unit rc=$? $(tail -1 /tmp/r28/h3/unit.log) $(date -u +%T)"
+fi
 echo "leftover shm: $(ls /dev/shm | grep -c elasticd) end $(date -u +%T)"
