@@ -46,7 +46,7 @@ def main(logdir: str) -> None:
                        "kill9_steps_lost": [d.get("steps_lost") for d in r["detail"]],
                        "kill9_median_seconds": r["median_seconds"],
                        "fsdp2_chaos": fsdp(fl) if os.path.exists(fl) else None})
-    out = {"what": "kill -9 recovery bench (restart path, elasticd, --runs 2 a block) and the "
+    out = {"what": "kill -9 recovery bench (restart path, elasticd, --runs 1 a block) and the "
                    "FSDP2 chaos test, base 3f48c4f (before issue 30) against head 7a92980, "
                    "blocks base, head, head, base in one hold (hold3.sh)",
            "blocks": blocks}
