@@ -366,7 +366,7 @@ def restore(state: Any, sources: Sources, collective: Collective, clock: Any,
                 if not error:
                     load_into(state, got.tensors, got.meta, names=got.names,
                               others=[(o.names, o.tensors, o.meta) for o in got.others],
-                              base_views=got.release is not None)
+                              base_views=got.release is not None, files=got.slot_files())
             except StateError as exc:
                 error = str(exc)
             # Whether every rank loaded, and the replicas' digests, in one all_gather.

@@ -29,6 +29,7 @@ import torch
 
 from elasticd.errors import CheckpointError
 from elasticd.snapshot.format import dtensor_nodes
+from elasticd.worker.slot_rows import SlotFiles
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape)
 
@@ -258,12 +259,15 @@ class Resharder:
         base_owned: the base piece's tensors are this rank's own copies, which a shard that
             needs nothing else may become as they are; False when they are views of a slot
             (a reshard reads every piece in place), which are copied.
+        files: the slot files the pieces read in place are mapped from: their rows are
+            copied from there with ``preadv``, not through the mappings (:mod:`.slot_rows`).
     """
 
     def __init__(self, state: Mapping[str, Any],
                  pieces: Sequence[tuple[Sequence[str], Sequence[torch.Tensor], Any]],
-                 base_owned: bool = True) -> None:
+                 base_owned: bool = True, files: SlotFiles | None = None) -> None:
         self.base_owned = base_owned
+        self.files = files
         self.meshes = live_meshes(state)
         self.base_names, self.base_tensors = pieces[0][:2]
         # name -> [(box, tensor)] over every old snapshot after the base one
@@ -301,9 +305,10 @@ class Resharder:
         chunks = [saved, *self.others.get(name, [])]
         into = _destination(live, shape, mesh, placements, target, mine)
         if into is not None:
-            self._assemble(name, target, chunks, mine.dtype, into=into)
+            self._assemble(name, target, chunks, mine.dtype, into=into, files=self.files)
             return live
-        local = self._assemble(name, target, chunks, mine.dtype, self.base_owned)
+        local = self._assemble(name, target, chunks, mine.dtype, self.base_owned,
+                               files=self.files)
         stride = torch.empty(shape, device="meta").stride()
         return DTensor.from_local(local, mesh, placements, run_check=False,
                                   shape=torch.Size(shape), stride=stride)
@@ -311,7 +316,8 @@ class Resharder:
     @staticmethod
     def _assemble(name: str, target: Box, chunks: list[tuple[Box, torch.Tensor]],
                   dtype: torch.dtype, base_owned: bool = True,
-                  into: torch.Tensor | None = None) -> torch.Tensor:
+                  into: torch.Tensor | None = None,
+                  files: SlotFiles | None = None) -> torch.Tensor:
         for box, t in chunks:
             if box == target and into is None:  # the same world: the saved copy as it is
                 # Only the base piece may be this rank's own copy; the others are views of a
@@ -328,7 +334,8 @@ class Resharder:
                 continue
             dst = tuple(slice(o - to, o - to + n) for o, n, to in zip(*part, target[0]))
             src = tuple(slice(o - bo, o - bo + n) for o, n, bo in zip(*part, box[0]))
-            out[dst] = t[src]
+            if files is None or not files.read(out, dst, t, src):
+                out[dst] = t[src]
             covered += math.prod(part[1])
         if covered != math.prod(target[1]):
             raise ShardMismatch(f"{name}: the shards fetched hold {covered} of the "

@@ -28,6 +28,7 @@ from elasticd.snapshot.segment import map_fd
 from elasticd.worker import shards
 from elasticd.worker.client import DaemonUnavailable
 from elasticd.worker.copier import read_tensors, tensor_views
+from elasticd.worker.slot_rows import SlotFiles, mapping_address
 
 log = logging.getLogger("elasticd.checkpoint")
 
@@ -57,12 +58,20 @@ class _Fetched:
     release: Callable[[], None] | None = None
     #: Which old rank's snapshot this is, when fetched for another world size.
     rank: int | None = None
+    #: (mapping address, descriptor) of the slot file a piece read in place maps, until its
+    #: ``release`` (which closes the descriptor): the resharder reads rows from the file.
+    slot_file: tuple[int, int] | None = None
+
+    def slot_files(self) -> SlotFiles:
+        """The slot files of this piece and the others read in place (for the resharder)."""
+        return SlotFiles(p.slot_file for p in (self, *self.others) if p.slot_file is not None)
 
     def close(self) -> None:
         """Releases the slots the pieces were read from in place."""
         for piece in (*self.others, self):
             if piece.release is not None:
                 release, piece.release, piece.tensors = piece.release, None, []
+                piece.slot_file = None
                 release()  # the views are gone first, so the slot unmaps now
 
 
@@ -401,11 +410,13 @@ class Sources:
                       version, reply.get("reason", ""))
             return None
         source = "peer" if reply.get("source") == "peer" else "local"
-        mm = None
+        mm, kept = None, None
         try:
             with handed_fd(reply) as fd:  # the file the daemon verified, not what a path names
                 mm = map_fd(fd, int(reply["offset"]) + int(reply["size"]), writable=False,
                             populate=False)
+                if in_place:  # the resharder reads rows from the file (slot_rows.py)
+                    kept = os.dup(fd)
             reader = SnapshotReader(memoryview(mm), job=self.job, rank=rank,
                                     world_size=world, verify=False, where=reply["path"])
             if reader.header.version() != version:  # the daemon verified this very slot
@@ -416,18 +427,25 @@ class Sources:
                            lay.total_size, [e.name for e in lay.entries])
             del reader
             if in_place:
-                # The piece's views need the mapping, and the slot its pin, until released.
-                out.release = functools.partial(self._release, reply["pin"], mm)
-                mm = None
+                # The piece's views need the mapping, its rows the descriptor, and the slot
+                # its pin, until released.
+                out.slot_file = (mapping_address(mm), kept)
+                out.release = functools.partial(self._release, reply["pin"], mm, kept)
+                mm = kept = None
             return out
         finally:
+            if kept is not None:
+                os.close(kept)
             if mm is not None or not in_place:
                 self._release(reply["pin"], mm)
 
-    def _release(self, pin: int, mm: mmap.mmap | None = None) -> None:
-        """Unmaps a slot (once no view is left) and tells the daemon it may reuse it: one-way
-        (nothing reads the reply, and a call waited for a daemon busy with the recovery, in
-        the middle of a restore); as a call when the send was dropped."""
+    def _release(self, pin: int, mm: mmap.mmap | None = None, fd: int | None = None) -> None:
+        """Unmaps a slot (once no view is left), closes the piece's descriptor of it, and
+        tells the daemon it may reuse it: one-way (nothing reads the reply, and a call waited
+        for a daemon busy with the recovery, in the middle of a restore); as a call when the
+        send was dropped."""
+        if fd is not None:
+            os.close(fd)
         if mm is not None:
             with contextlib.suppress(BufferError):  # a view still held: unmapped when dropped
                 mm.close()
@@ -447,7 +465,7 @@ def _own_unsharded(got: _Fetched) -> _Fetched:
     sharded = {n["i"] for n in dtensor_nodes(got.meta) if type(n.get("i")) is int}
     got.tensors = [t if i in sharded else t.clone() for i, t in enumerate(got.tensors)]
     if not sharded and got.release is not None:
-        release, got.release = got.release, None
+        release, got.release, got.slot_file = got.release, None, None
         release()
     return got
 

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from elasticd.worker import shards
+from elasticd.worker.slot_rows import SlotFiles
 from elasticd.worker.state_memo import DictMemo, depth, tensor_key
 from elasticd.worker.copier import dtype_name, spec_of
 from elasticd.snapshot.format import DEFAULT_BLOCK_SIZE, Layout, layout
@@ -462,7 +463,8 @@ def _objects(tensors: list[torch.Tensor], meta: Mapping[str, Any],
 def load_into(state: MutableMapping[str, Any], tensors: list[torch.Tensor],
               meta: Mapping[str, Any], *, strict: bool = True,
               others: Sequence[tuple[Sequence[str], list[torch.Tensor], Any]] = (),
-              names: Sequence[str] = (), base_views: bool = False) -> None:
+              names: Sequence[str] = (), base_views: bool = False,
+              files: SlotFiles | None = None) -> None:
     """Restores every entry of ``state`` in place from a flattened snapshot.
 
     Objects are loaded through their own ``load_state_dict``; plain values are replaced in the
@@ -482,6 +484,8 @@ def load_into(state: MutableMapping[str, Any], tensors: list[torch.Tensor],
             as ``others`` are, a reshard): a new shard is never one of them but a copy, made
             straight into the state's own tensor where it fits (``Resharder``). Every other
             entry of ``tensors`` must still be an owned copy.
+        files: the slot files the pieces read in place are mapped from (their rows are
+            copied from the files, not through the mappings: :mod:`.slot_rows`).
 
     Raises:
         StateMismatch: different keys, a different kind of object under a key, an object
@@ -494,7 +498,7 @@ def load_into(state: MutableMapping[str, Any], tensors: list[torch.Tensor],
         nonlocal resharder
         if resharder is None:
             resharder = shards.Resharder(state, [(names, tensors, meta), *others],
-                                         base_owned=not base_views)
+                                         base_owned=not base_views, files=files)
         return resharder(node, live)
 
     def live(key: str) -> Any:  # state[key]'s state dict: its very tensors
