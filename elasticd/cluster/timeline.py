@@ -90,27 +90,16 @@ EXPIRY_SLACK = 0.75
 
 @dataclasses.dataclass(frozen=True)
 class Timeline:
-    """One recovery (all times are wall-clock seconds; None: not seen).
+    """One recovery (all times are wall-clock seconds; None: not seen). The fields mean what
+    docs/elasticctl.md says of ``elasticctl history``'s ``timeline`` (a moment ``<mark>_at``
+    there is ``marks[<mark>]``); besides them:
 
     Attributes:
-        failed: the node(s) whose failure it recovered from, first the one it is keyed by.
-        failure_at, detected_at, aborted_at, round_closed_at, restore_started_at,
-            restore_finished_at, first_step_at: the moments (docs/recovery.md).
-        restore_source: the restores' sources joined with ``+`` (``local+peer``), or "".
-        restore_bytes: bytes restored by every rank together.
-        ranks_restored: ranks whose restore is counted.
-        step: the step restored (the newest, if ranks differ), or None.
-        overlapped: moments moved up to the one before them (module docstring).
-        failure_evidence: the sign of life the failure is placed at (:data:`EVIDENCE`), or ""
-            (a record written before signs were kept).
         failure_latest_at: the latest the failure can have come when only the lease placed it
             (the next keep-alive was due then), else None.
-        ranks: where each rank's state came from (:meth:`RankRestore.entry`), by rank.
-        path: the path the writer's workers took (:data:`PATHS`), or "" (a record written
-            before paths were kept).
         group_made_at: in-process: the moment its workers' new group was made, else None.
-        reform: in-process: the re-formation's moments as the agent and its workers reported
-            them (:data:`REFORM_MOMENTS`, wall time; the slowest worker's of each).
+        failure_evidence, path: "" in a record written before they were kept.
+        reform: of each moment, the slowest local worker's.
     """
 
     job: str
