@@ -140,7 +140,6 @@ class DaemonClient(Transport):
     """A connection to the node's daemon, shared by every thread of one worker process.
 
     Args:
-        path: the daemon's socket.
         identity: who this worker is (sent with progress reports).
         timeout: default seconds a :meth:`call` waits for its reply.
         max_message: the largest reply accepted, in bytes.
