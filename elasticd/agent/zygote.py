@@ -30,13 +30,11 @@ join of a round: a node that joined earlier stopped every other node's workers w
 imported torch (a rejoin's stop went from 3.0 s to 0.65 s with the wait, test_node_rejoins).
 
 Only the zygote's own user (or root) may connect (``SO_PEERCRED``): the socket runs code as that
-user. The other way round, a worker hands its argv, environment (the job's secrets) and stdio
-only to a server running as its own user (and with the pid in ``ELASTICD_ZYGOTE_PID``, when
-set): abstract socket names are host-wide, and any local user may bind a free one first. The
-name is random per agent start and travels in the environment (readable by the job's user and
-root only), never in argv (``ps`` shows argv to everyone), so nobody else can bind it first. If
-anything fails before the script starts (no zygote, a refused connection), warm_start falls back
-to exec-ing the script in a fresh interpreter, so the job runs either way, cold.
+user. Why a worker checks the server before it hands over its argv, environment and stdio, and
+why the name is random and travels in the environment only: docs/security.md ("The zygote's
+socket cannot be squatted"). If anything fails before the script starts (no zygote, a refused
+connection), warm_start falls back to exec-ing the script in a fresh interpreter, so the job
+runs either way, cold.
 
 What a forked worker shares with the zygote: the hash seed of ``str`` (``PYTHONHASHSEED`` is
 fixed per interpreter) and whatever the preloaded modules did at import. Agent side: the
