@@ -324,7 +324,7 @@ def _validate(s: Settings, sources: Mapping[str, str]) -> None:
                           ("log_level", ("DEBUG", "INFO", "WARNING", "ERROR"))):
         value = getattr(s, name)
         if (value.upper() if name == "log_level" else value) not in choices:
-            raise bad(name, f"{value!r}: use " + ", ".join(choices))
+            raise bad(name, f"{value!r}: use {', '.join(choices[:-1])} or {choices[-1]}")
     if bool(s.etcd_user) != bool(s.etcd_password):
         raise bad("etcd_user", "etcd_user and etcd_password must be given together")
     for cert, key in (("etcd_cert", "etcd_key"), ("agent_etcd_cert", "agent_etcd_key")):
