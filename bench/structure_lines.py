@@ -46,6 +46,9 @@ UNITS = [
                           "with getattr"),
     ("8f81020", "commit", "the worker's Collective and Transport as base classes, not probed "
                           "with getattr"),
+    ("efc60db..20a7176", "range", "branch struct28: code written twice (settings' ranges, "
+                                  "the zygote's checked connect), docstrings that restate "
+                                  "docs/ or the code"),
 ]
 
 

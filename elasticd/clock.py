@@ -34,7 +34,6 @@ class Clock(Protocol):
 
         Args:
             cond: the condition; called at once, then every ``interval`` seconds.
-            interval: seconds between polls.
             wake: an event that, when set, cuts the pause between two polls short (the real
                 clock waits on it instead of sleeping).
         """

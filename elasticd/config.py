@@ -250,6 +250,25 @@ class Settings:
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 
+#: Numeric settings' ranges: (lowest, highest or None for no bound, unit and what 0 means).
+_RANGES: dict[str, tuple[float, float | None, str]] = {
+    "lease_ttl": (2, 300, " seconds"),
+    "loop_interval": (0.05, 60, " seconds"),
+    "heartbeat_interval": (0, None, " (0: no timed rewrite, the lease carries liveness)"),
+    "outage_grace": (0, None, " seconds"),
+    "provisional_grace": (0, None, " seconds (0 means: 2 x lease_ttl + 2)"),
+    "events_retention": (10, 100_000, ""),
+    "agent_restarts": (0, 1000, ""),
+    "stop_grace": (0, 600, " seconds"),
+    "memory_cap_mib": (0, None, " (0: no cap)"),
+    "scratch_cap_mib": (0, None, " (0: half of this node's RAM)"),
+    "persist_every_steps": (0, None, ""),
+    "persist_every_seconds": (0, None, ""),
+    "persist_keep": (1, 1000, ""),
+    "replicas": (1, 8, " copies (2 is the usual)"),
+    "unprotected_lag_steps": (1, 10_000_000, " steps"),
+}
+
 
 def _coerce(name: str, value: Any, source: str) -> Any:
     ftype = _FIELDS[name].type
@@ -292,49 +311,34 @@ def _validate(s: Settings, sources: Mapping[str, str]) -> None:
     if s.etcd:
         parses("etcd", parse_endpoints, "; expected HOST:PORT[,HOST:PORT...]")
     parses("listen", _hostport)
-    if not 2 <= s.lease_ttl <= 300:
-        raise bad("lease_ttl", f"{s.lease_ttl} is out of range: use 2 to 300 seconds")
-    if not 0.05 <= s.loop_interval <= 60:
-        raise bad("loop_interval", f"{s.loop_interval} is out of range: use 0.05 to 60 seconds")
-    if s.heartbeat_interval < 0:
-        raise bad("heartbeat_interval", "must be >= 0 (0: no timed rewrite, the lease "
-                  "carries liveness)")
+    for name, (low, high, unit) in _RANGES.items():
+        value = getattr(s, name)
+        if value < low or (high is not None and value > high):
+            use = f"{low} to {high}" if high is not None else f">= {low}"
+            raise bad(name, f"{value} is out of range: use {use}{unit}")
     if not 0.1 <= s.etcd_timeout <= s.lease_ttl:
         raise bad("etcd_timeout", f"{s.etcd_timeout} must be between 0.1 s and lease_ttl "
                   f"({s.lease_ttl} s), or a slow request would cost the lease")
-    if s.outage_grace < 0:
-        raise bad("outage_grace", "must be >= 0 seconds")
-    if s.provisional_grace < 0:
-        raise bad("provisional_grace", "must be >= 0 seconds (0 means: 2 x lease_ttl + 2)")
-    if not 10 <= s.events_retention <= 100_000:
-        raise bad("events_retention", f"{s.events_retention} is out of range: use 10 to 100000")
+    for name, choices in (("worker_start", ("warm", "cold")),
+                          ("agent_etcd_users", ("auto", "on", "off")),
+                          ("log_level", ("DEBUG", "INFO", "WARNING", "ERROR"))):
+        value = getattr(s, name)
+        if (value.upper() if name == "log_level" else value) not in choices:
+            raise bad(name, f"{value!r}: use {', '.join(choices[:-1])} or {choices[-1]}")
     if bool(s.etcd_user) != bool(s.etcd_password):
         raise bad("etcd_user", "etcd_user and etcd_password must be given together")
-    if bool(s.etcd_cert) != bool(s.etcd_key):
-        raise bad("etcd_cert", "etcd_cert and etcd_key must be given together")
+    for cert, key in (("etcd_cert", "etcd_key"), ("agent_etcd_cert", "agent_etcd_key")):
+        if bool(getattr(s, cert)) != bool(getattr(s, key)):
+            raise bad(cert, f"{cert} and {key} must be given together")
     if s.etcd_cert and not s.etcd_ca_cert:
         raise bad("etcd_ca_cert", "a client certificate needs etcd_ca_cert too")
-    for name in ("etcd_ca_cert", "etcd_cert", "etcd_key"):
+    for name in ("etcd_ca_cert", "etcd_cert", "etcd_key", "agent_etcd_cert", "agent_etcd_key"):
         path = getattr(s, name)
         if path and not os.path.isfile(path):
             raise bad(name, f"file {path!r} does not exist")
-    if not 0 <= s.agent_restarts <= 1000:
-        raise bad("agent_restarts", f"{s.agent_restarts} is out of range: use 0 to 1000")
-    if not 0 <= s.stop_grace <= 600:
-        raise bad("stop_grace", f"{s.stop_grace} is out of range: use 0 to 600 seconds")
-    if s.worker_start not in ("warm", "cold"):
-        raise bad("worker_start", f"{s.worker_start!r}: use warm or cold")
     if not 0 < s.rdzv_last_call <= 600:
         raise bad("rdzv_last_call", f"{s.rdzv_last_call}: use more than 0 and at most 600 s")
     parses("rdzv_grow", check_grow)
-    if s.memory_cap_mib < 0:
-        raise bad("memory_cap_mib", "must be >= 0 (0: no cap)")
-    if s.scratch_cap_mib < 0:
-        raise bad("scratch_cap_mib", "must be >= 0 (0: half of this node's RAM)")
-    if s.persist_every_steps < 0 or s.persist_every_seconds < 0:
-        raise bad("persist_every_steps", "persist_every_steps/seconds must be >= 0")
-    if not 1 <= s.persist_keep <= 1000:
-        raise bad("persist_keep", f"{s.persist_keep}: use 1 to 1000")
     if s.persist_dir and not os.path.isdir(s.persist_dir):
         raise bad("persist_dir", f"{s.persist_dir!r} is not a directory: create it (on a "
                   "filesystem every node mounts) or leave persist_dir empty")
@@ -348,12 +352,6 @@ def _validate(s: Settings, sources: Mapping[str, str]) -> None:
     if weak:
         raise bad("cluster_secret" if s.cluster_secret else "cluster_secret_file", weak)
     parses("replication_listen", _hostport)
-    if not 1 <= s.replicas <= 8:
-        raise bad("replicas", f"{s.replicas}: use 1 to 8 copies (2 is the usual)")
-    if not 1 <= s.unprotected_lag_steps <= 10_000_000:
-        raise bad("unprotected_lag_steps", f"{s.unprotected_lag_steps}: use 1 to 10000000 steps")
-    if s.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-        raise bad("log_level", f"{s.log_level!r}: use DEBUG, INFO, WARNING or ERROR")
     _validate_job_policy(s, bad)
 
 
@@ -372,17 +370,9 @@ def _validate_job_policy(s: Settings, bad: Any) -> None:
     for pattern in split_list(s.job_env_allow):
         if not all(c.isalnum() or c in "_*?" for c in pattern):
             raise bad("job_env_allow", f"{pattern!r}: expected NAME or a pattern like LD_*")
-    if s.agent_etcd_users not in ("auto", "on", "off"):
-        raise bad("agent_etcd_users", f"{s.agent_etcd_users!r}: use auto, on or off")
     if s.agent_etcd_users == "on" and not s.etcd:
         raise bad("agent_etcd_users", "on needs an external etcd (--etcd) whose users the "
                   "daemon may manage")
-    if bool(s.agent_etcd_cert) != bool(s.agent_etcd_key):
-        raise bad("agent_etcd_cert", "agent_etcd_cert and agent_etcd_key must be given together")
-    for name in ("agent_etcd_cert", "agent_etcd_key"):
-        path = getattr(s, name)
-        if path and not os.path.isfile(path):
-            raise bad(name, f"file {path!r} does not exist")
 
 
 def load(

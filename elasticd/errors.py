@@ -2,21 +2,12 @@
 
 Every exception class elasticd defines derives from :class:`ElasticdError`, so a caller can catch
 anything the package raises on purpose in one clause (``tests/unit/test_exceptions.py`` checks
-it). Under the root sit a few families; each package's own base class joins one:
-
-- :class:`InputError`: bad configuration, job spec, stored record or command line.
-- :class:`NodeError`: this node's daemon, or a job it runs, cannot start or go on.
-- :class:`LocalProtocolError`: the local protocol between a worker or the CLI and its daemon.
-- :class:`CheckpointError`: snapshots, the slot store, restores and the persistent tier.
-- :class:`ReplicationError`: the replication layer (``elasticd.replication``); here rather
-  than in its package because the checkpoint store, below replication, catches
-  :class:`ShardLost` from the fetcher it is handed.
-- ``CoordinationError`` (``elasticd.coordination.api``) derives from the root directly: it is
-  its package's family.
-
-A class that callers catch as a builtin (``ValueError``, ``OSError``, ``RuntimeError``,
-``TypeError``) keeps that base beside its family. The families are new names nobody caught
-before, so adding them changed what no existing ``except`` clause catches.
+it). Under the root sit a few families (the classes below); each package's own base class joins
+one. :class:`ReplicationError` is here rather than in its package because the checkpoint store,
+below replication, catches :class:`ShardLost` from the fetcher it is handed;
+``CoordinationError`` (``elasticd.coordination.api``) derives from the root directly: it is its
+package's family. A class that callers catch as a builtin (``ValueError``, ``OSError``,
+``RuntimeError``, ``TypeError``) keeps that base beside its family.
 
 This module imports nothing from the package, so that every side (the worker, the rendezvous
 plugin, the CLI) may import it.

@@ -39,10 +39,10 @@ import tempfile
 import threading
 from typing import Any
 
-from elasticd.agent.zygote import peer_credentials
 from elasticd.clock import SYSTEM_CLOCK
 from elasticd.errors import InputError
 from elasticd.launcher import JOB_USER, LocalCluster
+from elasticd.local.worker_link import peer_credentials
 
 PROG = "python -m elasticd.onehost"
 STATE = "onehost.json"

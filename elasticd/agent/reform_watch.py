@@ -28,7 +28,6 @@ class ReformWatch:
         book: the node's job book (holds the deadline).
         group: the running job's worker group (restarts it at the deadline).
         metrics: ``elasticd_inprocess_recoveries_total`` and the worker restarts.
-        clock: monotonic time.
         note: adds a line to the cycle's notes.
     """
 

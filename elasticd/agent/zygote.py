@@ -30,13 +30,11 @@ join of a round: a node that joined earlier stopped every other node's workers w
 imported torch (a rejoin's stop went from 3.0 s to 0.65 s with the wait, test_node_rejoins).
 
 Only the zygote's own user (or root) may connect (``SO_PEERCRED``): the socket runs code as that
-user. The other way round, a worker hands its argv, environment (the job's secrets) and stdio
-only to a server running as its own user (and with the pid in ``ELASTICD_ZYGOTE_PID``, when
-set): abstract socket names are host-wide, and any local user may bind a free one first. The
-name is random per agent start and travels in the environment (readable by the job's user and
-root only), never in argv (``ps`` shows argv to everyone), so nobody else can bind it first. If
-anything fails before the script starts (no zygote, a refused connection), warm_start falls back
-to exec-ing the script in a fresh interpreter, so the job runs either way, cold.
+user. Why a worker checks the server before it hands over its argv, environment and stdio, and
+why the name is random and travels in the environment only: docs/security.md ("The zygote's
+socket cannot be squatted"). If anything fails before the script starts (no zygote, a refused
+connection), warm_start falls back to exec-ing the script in a fresh interpreter, so the job
+runs either way, cold.
 
 What a forked worker shares with the zygote: the hash seed of ``str`` (``PYTHONHASHSEED`` is
 fixed per interpreter) and whatever the preloaded modules did at import. Agent side: the
@@ -58,7 +56,7 @@ import threading
 import traceback
 from typing import Any
 
-from elasticd.errors import LocalProtocolError
+from elasticd.local.worker_link import Untrusted, connect_checked, peer_credentials
 
 #: Environment variable with the zygote's socket name, set for the agent and its workers.
 ZYGOTE_ENV = "ELASTICD_ZYGOTE"
@@ -119,50 +117,13 @@ def peer_allowed(peer_uid: int, my_uid: int) -> bool:
     return peer_uid in (my_uid, 0)
 
 
-def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
-    """(pid, uid, gid) of the other end, from the kernel (``SO_PEERCRED``)."""
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)
-
-
-def server_trusted(pid: int, uid: int, my_uid: int, expected_pid: int | None) -> str:
-    """Why a worker must not hand itself to the server ``pid``/``uid`` ("" when it may).
-
-    The zygote runs as the job's user, as the worker does: a server of any other uid (root
-    included: the daemon never runs a zygote as root for a non-root job) is someone who bound
-    the name first.
-    """
-    if uid != my_uid:
-        return f"its server runs as uid {uid}, not as this worker's uid {my_uid}"
-    if expected_pid is not None and pid != expected_pid:
-        return f"its server is pid {pid}, not the job's zygote (pid {expected_pid})"
-    return ""
-
-
-class Untrusted(LocalProtocolError):
-    """The server of a zygote's name is not the job's zygote (a squatter bound it first)."""
-
-
 def connect(name: str, expected_pid: int | None, timeout: float | None = None) -> socket.socket:
-    """A connection to the zygote ``name``, checked before a byte is sent: the kernel must say
-    its server runs as this process's user (and is ``expected_pid``, when given).
-
-    Raises:
-        Untrusted: someone else's server (why, in its message).
-        OSError: nobody bound the name yet, the zygote is gone, or ``timeout`` passed.
+    """A connection to the zygote ``name``, checked before a byte is sent
+    (:func:`elasticd.local.worker_link.connect_checked`): the zygote runs as the job's user, as
+    the worker does, so a server of any other uid (root included: the daemon never runs a
+    zygote as root for a non-root job) is someone who bound the name first.
     """
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.settimeout(timeout)
-        sock.connect(address(name))
-        pid, uid, _gid = peer_credentials(sock)
-        why = server_trusted(pid, uid, os.getuid(), expected_pid)
-        if why:
-            raise Untrusted(why)
-        return sock
-    except BaseException:
-        sock.close()
-        raise
+    return connect_checked(address(name), expected_pid, timeout, "its server", "the job's zygote")
 
 
 def wait_ready(name: str, expected_pid: int | None, timeout: float) -> str:

@@ -53,7 +53,6 @@ class DrainRecord:
     """A drain request and its progress, as stored in etcd.
 
     Attributes:
-        state: a :class:`DrainState`.
         requested_at: wall time of the request.
         by: who asked (``elasticctl@host``).
         timeout: seconds the daemon may spend handing off replicas.

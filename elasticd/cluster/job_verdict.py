@@ -32,7 +32,6 @@ class JobVerdict:
     """The job as a whole.
 
     Attributes:
-        state: one of the module's states.
         why: one line saying why, with what to do for a refusal.
         running: nodes whose agent is up.
         refused: node -> its reason (the node's own line, which names the fix).

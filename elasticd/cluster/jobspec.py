@@ -63,41 +63,19 @@ def parse_nnodes(text: str) -> tuple[int, int]:
 
 @dataclasses.dataclass(frozen=True)
 class JobSpec:
-    """A training job.
+    """A training job. Its fields are ``elasticctl submit``'s options, whose help says what
+    each means (:func:`elasticd.cli.jobs.add_parsers`); what the help does not say:
 
     Attributes:
         name: job name (also torchrun's rendezvous id).
-        nnodes_min, nnodes_max: elastic range of nodes.
-        max_restarts: torchrun's ``--max-restarts`` (worker group restarts per agent).
-        script: absolute path of the training script (the same path on every node).
         script_sha256: hash every node checks before it starts the job.
-        user: the user the agent and its workers run as.
-        env: extra environment variables of the workers.
-        python: interpreter that runs torchrun and the script (it must have torch).
-        hang_timeout: seconds without progress before the worker group is restarted (0: off;
-            None: learned from the job's step times, :mod:`elasticd.agent.hang_timeout`).
         created_at: wall time of submission.
-        crash_loop_restarts: worker group restarts in a row without a new committed step
-            after which the job is stopped as failed (0: never; :mod:`elasticd.agent.crashloop`).
-        hang_timeout_floor: the lowest learned hang timeout, seconds.
-        hang_first_step: the learned rule's allowance for a worker process's first steps
-            (compile, data loader warm-up), seconds.
-        straggler_factor: a node whose compute time per step stays above this times the
-            other nodes' median is named a straggler (0: off; :mod:`elasticd.agent.straggler`).
-        straggler_steps: steps in a row to name (and to clear) a straggler.
-        straggler_drain: drain a node named a straggler, so the job goes on without it
-            (only while the job keeps at least its minimum of nodes).
-        in_process: keep survivors' worker processes through a re-formation: a failed peer's
-            node leaves the group, the survivors re-form in-process
-            (:mod:`elasticd.agent.in_process_agent`; the script uses ``@elasticd.in_process``);
-            a node whose workers cannot re-form by the deadline restarts them as today.
-            Specs written before it decode as False.
-        reform_deadline: in-process mode: seconds a node's agent waits, after its new round
-            closed, for each local worker to leave the old group; a worker that has not (stuck
-            in a call, or it could not leave) makes its node restart its workers the old way
-            (:func:`elasticd.agent.job_rules.reform_step`). The daemon's own backstop is this
-            plus :data:`elasticd.agent.job_rules.REFORM_ROUND_ALLOWANCE`. Specs written before
-            it decode with the default (10 s, what their agents used).
+        hang_timeout: None: learned from the job's step times (:mod:`elasticd.agent.hang_timeout`).
+        in_process: :mod:`elasticd.agent.in_process_agent`; specs written before it decode as
+            False.
+        reform_deadline: :func:`elasticd.agent.job_rules.reform_step`; the daemon's own backstop
+            is this plus :data:`elasticd.agent.job_rules.REFORM_ROUND_ALLOWANCE`. Specs written
+            before it decode with the default (10 s, what their agents used).
     """
 
     name: str

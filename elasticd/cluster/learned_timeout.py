@@ -1,36 +1,16 @@
 """How long a worker may go without progress: a timeout set by hand, or learned from the job.
 
-A fixed ``--hang-timeout`` must be tuned per job by hand (too low restarts a healthy job at
-its first slow step, too high leaves a hung one idle for that long: users of other systems
-complain of 10-30-minute timeouts). Without it, the timeout is learned from the job's own
-step intervals — the time between a rank's consecutive progress reports, as the daemon
-receives them:
+Without ``--hang-timeout`` the timeout is learned from the job's own step intervals (the time
+between a rank's consecutive progress reports, as the daemon receives them)::
 
     timeout = max(floor, FACTOR x the longest of each rank's last WINDOW intervals) x 2**k
 
-* ``FACTOR`` = 5: NVIDIA's resiliency extension (NVRx) computes its heartbeat timeouts as the
-  longest interval seen times a ``safety_factor`` of 5. The longest, not a percentile: a
-  percentile of a window ignores the few long steps (an evaluation, a checkpoint to disk, a
-  recompile) that recur in it, and restarting a healthy job costs more than a slower
-  detection.
-* ``WINDOW`` = 1000 intervals per rank: long enough to hold the job's periodic long steps at
-  ordinary step rates, short enough that one anomalous pause (a peer frozen for a while) is
-  forgotten after 1000 steps.
-* ``floor`` (a job setting, 60 s by default): the timeout is never lower, whatever the steps
-  learned. It covers what a window may not have seen yet: an evaluation or a data loader
-  restart at an epoch's end, a recompile for the smaller last batch, a slow collective after
-  a peer's short stall. Detection stays 20-30x faster than the 10-30 minutes fixed timeouts
-  are set to; a lower floor is one ``elasticctl submit --hang-timeout-floor`` away.
-* ``first_step`` (a job setting, 600 s): each worker process's first steps (the first
-  :data:`WARMUP_STEPS` intervals after its first report) compile, warm the data loader up and
-  allocate optimizer state; they get ``max(first_step, timeout)`` and are not learned from.
-  So does every step while nothing is learned yet (a new job's third step must not meet a
-  bare floor). Before a group's first report nothing is decided: a restarted group may wait
-  in its rendezvous for nodes as long as it must, and restore from disk for minutes.
-* ``k``: each restart this rule caused doubles the timeout for that job (at most
-  ``MAX_DOUBLINGS`` times): a long step the window had not seen (the first evaluation) costs
-  one restart, not a loop of them. A job that truly hangs again and again is stopped by the
-  crash-loop rule (:mod:`elasticd.agent.crashloop`).
+Why the longest interval times 5, what the floor and the first steps' allowance cover, and why
+each restart this rule caused doubles it (``k``, at most ``MAX_DOUBLINGS`` times): docs/jobs.md
+("Hang detection"). ``WINDOW`` = 1000 intervals per rank is long enough to hold the job's
+periodic long steps at ordinary step rates, short enough that one anomalous pause (a peer
+frozen for a while) is forgotten after 1000 steps. The first :data:`WARMUP_STEPS` intervals of
+each worker process are not learned from.
 
 Everything here is a pure decision on numbers; the clock is the caller's
 (:class:`elasticd.agent.progress.ProgressTracker`).

@@ -1,48 +1,14 @@
 """A recovery's timeline: where the seconds from a node's failure to training again went.
 
-One record per failure (per job): the moments the recovery passed through, each measured where
-it happens, and the phases between them::
-
-    failure ─detect─▶ detected ─abort─▶ workers aborted ─rendezvous─▶ round closed
-        ─start─▶ restore started ─restore─▶ restore finished ─first_step─▶ first step
-
-* **failure**: not observable (a dead machine sends nothing), so it is placed at the dead node's
-  last sign of life a survivor saw (``failure_evidence``): the newer of ``frame``, the last
-  replication frame the writer's replica server received from it, and ``step``, the last
-  training step the writer's workers completed while it was in their group (a collective needs
-  every rank, so it was alive then). Failing those (or when they are older than its lease
-  allows), the lease places it: ``record``, its node record's last write when younger than the
-  TTL, else ``keepalive``, one TTL before the lease was seen expired. Then the failure came
-  before the next keep-alive was due (they come every TTL/3), ``failure_latest_at`` bounds it,
-  and the detect phase is shown as the range it can be (:meth:`Timeline.detect_range`).
-* **detected**: the ``failed`` event (its ``at``, written by the first observer), or the first
-  later moment when that came before it (the survivors were training again before the lease
-  expired; named in ``overlapped``).
-* **workers aborted**: the writer's workers were killed or died: its daemon's proactive abort,
-  its agent's (its rendezvous saw the dead member go), or a worker's exit (on one host, kill -9
-  resets the dead node's connections and gloo fails the survivors' workers at once).
-* **round closed**: the writer's daemon saw the rendezvous round record written (its watch).
-* **restore started / finished**: the first rank's restore start and the last rank's end (the
-  ``recovered`` events every node writes per restored rank), with their sources and bytes;
-  ``ranks`` says where each rank's state came from (its node, source, seconds, bytes, step and
-  steps lost: one entry per rank, to which a per-rank path of phases can be added).
-* **first step**: the writer's first worker of the new group reported a step past the restored
-  one.
-
-**The path** (``path``) the writer's workers took: ``restart`` (killed or dead, started again,
-restored: the phases above), or ``in_process`` (an in-process job whose agent kept them: they
-left the old group and re-entered the training function in the same process). An in-process
-recovery has phases of its own (:data:`IN_PROCESS_PHASES`, :meth:`Timeline.path_phases`):
-``detect``; ``round_closed`` (the new round closed, as the agent or the daemon saw it first);
-``group`` (every worker left the old group, got its new rank and made the new group:
-``group_made``, the slowest local worker's report); ``restore``; ``first_step``. The agent's and
-its workers' own moments are kept as reported (``reform``: ``learned``, ``round_closed``,
-``all_left``, ``group_made``, ...; :attr:`elasticd.worker.in_process.Round.times`).
+One record per failure (per job): the moments the recovery passed through (:data:`MARKS`; an
+in-process recovery's: :data:`IN_PROCESS_MARKS`), each measured where it happens, and the
+phases between them. What each moment is, where the unobservable failure is placed
+(:data:`EVIDENCE`) and how an in-process recovery's phases differ: docs/recovery.md.
 
 A moment that was not seen is missing (None), and so are the two phases beside it: nothing is
-invented. A moment that came before the one preceding it (the agents' rendezvous may notice a
-dead peer before the daemon's watch does) is moved up to it and named in ``overlapped``: its
-phase took no time of its own. So the phases, when none is missing, add up to ``total``.
+invented. A moment that came before the one preceding it is moved up to it and named in
+``overlapped``: its phase took no time of its own. So the phases, when none is missing, add up
+to ``total``.
 
 :func:`assemble` is the pure assembly, :func:`decode` reads a stored one back with type checks
 (a record anyone who may write to etcd could have forged). The daemon that writes it is
@@ -111,7 +77,7 @@ class RankRestore:
                 "steps_lost": self.steps_lost}
 
 
-#: The kinds of a failed node's last sign of life (module docstring).
+#: The kinds of a failed node's last sign of life (docs/recovery.md, where the failure is placed).
 EVIDENCE = ("frame", "step", "record", "keepalive")
 #: Of those, the ones a survivor saw itself: the newest places the failure, to about a step.
 MEASURED = ("frame", "step")
@@ -124,27 +90,16 @@ EXPIRY_SLACK = 0.75
 
 @dataclasses.dataclass(frozen=True)
 class Timeline:
-    """One recovery (all times are wall-clock seconds; None: not seen).
+    """One recovery (all times are wall-clock seconds; None: not seen). The fields mean what
+    docs/elasticctl.md says of ``elasticctl history``'s ``timeline`` (a moment ``<mark>_at``
+    there is ``marks[<mark>]``); besides them:
 
     Attributes:
-        failed: the node(s) whose failure it recovered from, first the one it is keyed by.
-        failure_at, detected_at, aborted_at, round_closed_at, restore_started_at,
-            restore_finished_at, first_step_at: the moments (module docstring).
-        restore_source: the restores' sources joined with ``+`` (``local+peer``), or "".
-        restore_bytes: bytes restored by every rank together.
-        ranks_restored: ranks whose restore is counted.
-        step: the step restored (the newest, if ranks differ), or None.
-        overlapped: moments moved up to the one before them (module docstring).
-        failure_evidence: the sign of life the failure is placed at (:data:`EVIDENCE`), or ""
-            (a record written before signs were kept).
         failure_latest_at: the latest the failure can have come when only the lease placed it
             (the next keep-alive was due then), else None.
-        ranks: where each rank's state came from (:meth:`RankRestore.entry`), by rank.
-        path: the path the writer's workers took (:data:`PATHS`), or "" (a record written
-            before paths were kept).
         group_made_at: in-process: the moment its workers' new group was made, else None.
-        reform: in-process: the re-formation's moments as the agent and its workers reported
-            them (:data:`REFORM_MOMENTS`, wall time; the slowest worker's of each).
+        failure_evidence, path: "" in a record written before they were kept.
+        reform: of each moment, the slowest local worker's.
     """
 
     job: str

@@ -55,6 +55,7 @@ from elasticd.local.wire import (
     decode,
     encode,
 )
+from elasticd.local.worker_link import peer_credentials
 
 __all__ = ["Handler", "LocalApiError", "LocalServer", "SocketInUse", "UnsafeSocketPath"]
 
@@ -66,7 +67,6 @@ log = logging.getLogger(__name__)
 #: its own worker's next call.
 Handler = Callable[[dict[str, Any]], "dict[str, Any] | None"]
 
-_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _MAX_UNIX_PATH = 107  # sun_path is 108 bytes including the terminating NUL
 _REJECT_LINGER = 1.0
 # A worker that does not read its replies for this long is disconnected, so it cannot pin a
@@ -273,8 +273,7 @@ class LocalServer:
         except OSError as exc:
             raise LocalApiError(f"cannot check the existing socket {self.path}: {exc}") from exc
         else:
-            pid, uid, _gid = _CRED.unpack(probe.getsockopt(socket.SOL_SOCKET,
-                                                           socket.SO_PEERCRED, _CRED.size))
+            pid, uid, _gid = peer_credentials(probe)
             raise SocketInUse(f"{self.path} is served by a live process (pid {pid}, uid "
                               f"{uid}): is another elasticd running for this node? Stop it, "
                               "or give this daemon another socket path")
@@ -315,8 +314,7 @@ class LocalServer:
 
     def _admit(self, conn: socket.socket) -> None:
         try:
-            pid, uid, gid = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                         _CRED.size))
+            pid, uid, gid = peer_credentials(conn)
         except OSError as exc:
             log.warning("local API: cannot read peer credentials (%s); closing", exc)
             conn.close()

@@ -97,11 +97,9 @@ class PeerProbe:
     """The daemon's probes of its job's peers after a worker's collective broke.
 
     Args:
-        me: this node.
         peers: the peers to probe now (called before each round of probes; from another thread
             than the daemon's loop: it returns copies).
         revoke: revokes a lease (a missing lease is no error).
-        clock: injected time.
         revoking: told the node's record and why before its lease is revoked (the daemon's
             failure record then says what happened: :meth:`Membership.revoked`), and told
             again with "" when the revocation failed (the lease then expires).

@@ -40,7 +40,8 @@ MAX_MESSAGE = 64 << 10
 
 
 class Untrusted(LocalProtocolError):
-    """The server of a link's name is not this worker's agent (someone bound it first)."""
+    """The server of a link's or a zygote's name is not the one expected (someone bound it
+    first)."""
 
 
 def address(name: str) -> str:
@@ -86,20 +87,31 @@ def _exactly(sock: socket.socket, n: int) -> bytes | None:
 
 
 def connect(name: str, expected_pid: int | None) -> socket.socket:
-    """The worker's connection to its agent's link ``name``, checked before a byte is sent.
+    """The worker's connection to its agent's link ``name``, checked before a byte is sent
+    (:func:`connect_checked`)."""
+    return connect_checked(address(name), expected_pid, None, "link server", "the agent")
+
+
+def connect_checked(addr: str, expected_pid: int | None, timeout: float | None, server: str,
+                    expected: str) -> socket.socket:
+    """A connection to the abstract socket ``addr``, checked before a byte is sent: the kernel
+    must say its ``server`` runs as this process's user (and is ``expected_pid``, when given):
+    abstract names are host-wide, and any local user may bind a free one first.
 
     Raises:
-        Untrusted: the server runs as another uid, or is not ``expected_pid``.
-        OSError: nobody listens on the name.
+        Untrusted: the server runs as another uid, or is not ``expected_pid`` (``expected``
+            names what that pid is).
+        OSError: nobody listens on the name, or ``timeout`` passed.
     """
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.connect(address(name))
+        sock.settimeout(timeout)
+        sock.connect(addr)
         pid, uid, _gid = peer_credentials(sock)
         if uid != os.getuid():
-            raise Untrusted(f"link server runs as uid {uid}, not as this worker's {os.getuid()}")
+            raise Untrusted(f"{server} runs as uid {uid}, not as this worker's uid {os.getuid()}")
         if expected_pid is not None and pid != expected_pid:
-            raise Untrusted(f"link server is pid {pid}, not the agent (pid {expected_pid})")
+            raise Untrusted(f"{server} is pid {pid}, not {expected} (pid {expected_pid})")
         return sock
     except BaseException:
         sock.close()

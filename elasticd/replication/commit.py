@@ -5,29 +5,13 @@ that is, is decided by the job's commit coordinator from the nodes' reports
 (:mod:`elasticd.replication.tally`, :mod:`elasticd.replication.coordinator`) and written here,
 by :func:`commit_write`: one transaction that compares the coordinator's election key (a
 deposed coordinator cannot write), the job's fence epoch (no withdrawal since the coordinator
-listed the fences) and the committed record (never backwards, no concurrent writer). Keys,
-under ``Keyspace.replication(job).ckpt``::
+listed the fences) and the committed record (never backwards, no concurrent writer).
 
-    committed              record "ckpt_committed" (schema 2): {generation, step, world |
-                           ranks, m, round, placement: digest of the placement the holders
-                           derive from, holders: only those that differ from it (after a
-                           re-replication or a drain), by, at}. A few hundred bytes whatever
-                           the job's size; written once per committed step.
-    committed.grid         record "ckpt_grid": {grid, since}: the snapshot grid (:class:`Grid`)
-    committed.coordinator  record "ckpt_coordinator": {node, term, at}, bound to the
-                           coordinator's lease (:mod:`elasticd.replication.election`)
-    committed.ahead        record "ckpt_ahead": {version, at}: the newest version some rank has
-                           with ``m`` copies, written when it passes the commit (at most once
-                           per commit): the agents' grow gate
-    placement              the placement the committed record's holders derive from (written
-                           with the first commit under a new placement)
-    fence/<node>           record "ckpt_fence": {node, withdrawn: newest first, at}
-    fence.epoch            record "ckpt_fence_epoch": {node, at}; only its revision matters
-
-Every node watches ``committed`` (the prefix: its four keys, of which only ``committed`` and
-``ahead`` change per step); ``placement`` and the fences are read on demand. Every key is
-overwritten in place, so etcd's footprint does not grow with the run's length. The job's
-current placement (``Keyspace.replication(job).placement``) is published here too
+The records under ``Keyspace.replication(job).ckpt`` (committed, committed.grid,
+committed.coordinator, committed.ahead, placement, the fences), their fields and who writes
+each: docs/replication.md ("etcd records"). Every node watches ``committed`` (a prefix: its four
+keys); ``placement`` and the fences are read on demand; every key is overwritten in place. The
+job's current placement (``Keyspace.replication(job).placement``) is published here too
 (:func:`publish_placement`). The fences are :mod:`elasticd.replication.fences`.
 """
 
@@ -351,17 +335,10 @@ class Grid:
     """The job's snapshot grid: local snapshots are taken only at steps that are multiples of
     ``grid`` (1: every step). ``since``: the version at which it last changed.
 
-    Why: when commits take longer than a step, a node whose two slots hold the committed copy
-    and an acknowledged one skips snapshots until it learns the commit or withdraws the
-    acknowledged copy, and the nodes get there at different steps; each then snapshots the
-    next step it reaches, their newest steps differ, nothing is common to commit, and each
-    withdraws and unblocks again at another step (bench, 20 ms steps: 13 withdrawals per 23
-    commits, 20-47 steps lost at a kill). Nodes a few steps apart take the same next grid step.
-    The grid is one record for the job, so every node uses the same one: a withdrawal of a
-    version newer than ``since`` doubles it (:func:`widen_grid`; once per divergence, since the
-    first widening moves ``since`` past the others' withdrawn versions), and
-    :data:`GRID_RELAX` grid periods of commits with no widening halve it (:func:`relax_grid`,
-    by the coordinator), so a job whose commits keep up snapshots every step.
+    Why one grid for the job, and how it widens and relaxes: docs/replication.md ("The
+    snapshot grid"). A withdrawal of a version newer than ``since`` doubles it
+    (:func:`widen_grid`), :data:`GRID_RELAX` grid periods of commits with no widening halve it
+    (:func:`relax_grid`, by the coordinator).
     """
 
     grid: int = 1

@@ -67,7 +67,6 @@ class Slot:
     another process), then hand it back to :meth:`SlotStore.complete`.
 
     Attributes:
-        job, rank: whose snapshot this slot is for.
         path: the file; it changes whenever the slot is re-allocated (grown), so a worker can
             cache its own mapping keyed on the path.
         capacity: the file's size in bytes (at least what was reserved).

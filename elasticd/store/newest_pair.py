@@ -1,6 +1,6 @@
 """The newest pair of a rank's slots: two more slots per local rank of a job that keeps it
-(in-process jobs), for this node's own restore only (:mod:`elasticd.store.shm`'s module doc says
-why and what it costs).
+(in-process jobs), for this node's own restore only (why and what it costs: docs/replication.md,
+"The newest pair").
 
 The store's part that picks, sizes and swaps those slots; every call runs under the store's
 lock. Its copies are never retained, replicated nor persisted. Two rules make a rank hold its

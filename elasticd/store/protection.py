@@ -93,7 +93,6 @@ def assess(view: JobView, lag_limit: int, grace: float) -> Unprotected | None:
     """Decides whether the job is unprotected (None: it is protected, or too young to say).
 
     Args:
-        view: the facts.
         lag_limit: the most steps the committed step may lag the newest snapshot.
         grace: seconds after the first snapshot during which a missing placement or commit is
             expected (the group's ranks are being published), not a fault.

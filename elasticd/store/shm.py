@@ -14,15 +14,10 @@ because first writes into fresh tmpfs pages run ten times slower than memcpy (do
 per-node cap bounds the bytes held; going over it raises :class:`OverBudget`, which the caller
 turns into a skipped snapshot, a warning and a metric. No torch here: this is daemon code.
 
-The newest pair (jobs that keep it, :attr:`SlotStore.keeps_newest`: in-process jobs). The
-commit protocol keeps the committed copy and an acknowledged one in the two slots above, and a
-snapshot that finds both taken is skipped (:class:`CommitPending`); nodes skip different steps,
-so after a failure the survivors' newest steps differ and often only the committed one is
-common. A job that keeps the newest pair has two more slots per local rank (files ``N.newest``,
-which a restarted daemon's scan removes), for this node's own restore only, so that a rank always
-holds its last two complete steps (:mod:`elasticd.store.newest_pair` says how). Cost: two more slots
-of the rank's snapshot size per local rank, counted against the node's cap like any slot (what
-does not fit is not taken: that snapshot is skipped as before).
+The newest pair (jobs that keep it, :attr:`SlotStore.keeps_newest`: in-process jobs): two
+more slots per local rank, files ``N.newest`` (which a restarted daemon's scan removes), for
+this node's own restore only (:mod:`elasticd.store.newest_pair`; why and what it costs:
+docs/replication.md, "The newest pair").
 """
 from __future__ import annotations
 

@@ -23,7 +23,6 @@ class SnapshotView:
     prevents that until :meth:`release` (a reserve then raises :class:`SlotBusy`).
 
     Args:
-        segment: the slot file holding the snapshot.
         unpin: what lets go of its pin (None: the view is not pinned).
         verify: check the payload against its checksums now (raises CorruptSnapshot).
     """

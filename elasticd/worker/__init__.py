@@ -14,15 +14,10 @@ Without elasticd (``ELASTICD_SOCKET`` unset: plain ``python train.py`` or plain 
 nothing, after one warning, so the same script runs anywhere. Importing this package loads
 neither torch nor anything heavy: it is loaded into every worker.
 
-The package is the worker side of elasticd, everything that runs in a training process: this
-client of the node's daemon (:mod:`~elasticd.worker.client`), and the checkpoint engine's worker
-half, which imports torch when it is itself imported: :class:`~elasticd.worker.checkpointer.
-Checkpointer` (``elasticd.Checkpointer``), :mod:`~elasticd.worker.state` (a training state
-flattened into named tensors plus JSON meta, and loaded back at any world size),
-:mod:`~elasticd.worker.restore`, the copiers (:mod:`~elasticd.worker.copier`,
-:mod:`~elasticd.worker.cuda_copier`) and :mod:`~elasticd.worker.sampler`. None of it imports the
-daemon side (:mod:`elasticd.store`, :mod:`elasticd.daemon`); the snapshot format both sides
-share is :mod:`elasticd.snapshot`.
+The package is the worker side of elasticd, everything that runs in a training process (its
+modules, one line each: docs/architecture.md); the checkpoint modules import torch when they
+are imported. None of it imports the daemon side (:mod:`elasticd.store`,
+:mod:`elasticd.daemon`); the snapshot format both sides share is :mod:`elasticd.snapshot`.
 """
 
 from __future__ import annotations

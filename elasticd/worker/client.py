@@ -86,7 +86,7 @@ class DaemonTimeout(DaemonUnavailable):
     """The daemon did not answer within the call's timeout."""
 
 
-#: The variables :meth:`WorkerIdentity.from_env` reads.
+#: The variables :meth:`WorkerIdentity.from_env` reads, in the order of its fields.
 _IDENTITY_VARS = (JOB_ENV, "RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK",
                   "TORCHELASTIC_RESTART_COUNT")
 
@@ -127,10 +127,7 @@ class WorkerIdentity:
             except ValueError as exc:
                 raise ValueError(f"{name}={raw!r} is not an integer") from exc
 
-        return cls(job=env.get(JOB_ENV) or None, rank=number("RANK"),
-                   local_rank=number("LOCAL_RANK"), world_size=number("WORLD_SIZE"),
-                   group_rank=number("GROUP_RANK"),
-                   restart_count=number("TORCHELASTIC_RESTART_COUNT"))
+        return cls(env.get(JOB_ENV) or None, *map(number, _IDENTITY_VARS[1:]))
 
 
 def _identity_raw(environ: Mapping[str, str] | None) -> tuple[str | None, ...] | None:
@@ -143,7 +140,6 @@ class DaemonClient(Transport):
     """A connection to the node's daemon, shared by every thread of one worker process.
 
     Args:
-        path: the daemon's socket.
         identity: who this worker is (sent with progress reports).
         timeout: default seconds a :meth:`call` waits for its reply.
         max_message: the largest reply accepted, in bytes.

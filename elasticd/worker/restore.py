@@ -139,7 +139,6 @@ class RestoreResult:
 
     Attributes:
         step: the step restored (0 for a fresh start).
-        generation: the restored snapshot's generation.
         next_generation: the generation new snapshots carry.
         source: "local" (this node's RAM), "peer" (bytes copied from another node's RAM, or a
             replica of another node's shard held here), "persistent", or "none".

@@ -39,6 +39,11 @@ def test_defaults_derive():
     ({"rdzv_grow": "interval:inf"}, {}, "rdzv_grow (from --rdzv-grow): grow policy "
                                         "'interval:inf': MIN in interval:MIN must be a finite"),
     ({}, {"ELASTICD_RDZV_GROW": "interval:-1"}, "'interval:-1': MIN in interval:MIN"),
+    ({"replicas": "9"}, {}, "replicas (from --replicas): 9 is out of range: use 1 to 8"),
+    ({"memory_cap_mib": "-1"}, {}, "memory_cap_mib (from --memory-cap-mib): -1 is out of range"),
+    ({"worker_start": "WARM"}, {}, "worker_start (from --worker-start): 'WARM': use warm or cold"),
+    ({"log_level": "loud"}, {}, "'loud': use DEBUG, INFO, WARNING or ERROR"),
+    ({"agent_etcd_key": "k.pem"}, {}, "agent_etcd_cert and agent_etcd_key must be given"),
 ])
 def test_bad_values_name_the_setting(cli, env, needle):
     with pytest.raises(ConfigError) as exc:

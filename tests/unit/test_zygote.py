@@ -13,7 +13,7 @@ import uuid
 import pytest
 
 from elasticd.agent.supervisor import safe_module
-from elasticd.agent.zygote import ZYGOTE_ENV, address, peer_allowed, send_msg
+from elasticd.agent.zygote import ZYGOTE_ENV, Untrusted, address, connect, peer_allowed, send_msg
 
 SCRIPT = """
 import os, random, sys, time
@@ -222,3 +222,15 @@ def test_wait_ready_answers_once_the_preload_is_done(zygote, tmp_path):
         proc.wait()
     started = time.monotonic()
     assert "is gone" in wait_ready(name, proc.pid, 30.0) and time.monotonic() - started < 1.0
+
+
+def test_a_worker_refuses_a_zygote_name_bound_by_another_process():
+    """The check before a byte of argv or environment goes out: the server of the name must be
+    the zygote's pid (and run as the worker's uid; another uid: test_job_user_isolation)."""
+    name = uuid.uuid4().hex
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as squatter:
+        squatter.bind(address(name))
+        squatter.listen(1)
+        with pytest.raises(Untrusted, match=r"its server is pid \d+, not the job's zygote"):
+            connect(name, os.getpid() + 1, timeout=5)
+        connect(name, os.getpid(), timeout=5).close()  # the expected pid: let through
