@@ -410,7 +410,7 @@ class Sources:
                       version, reply.get("reason", ""))
             return None
         source = "peer" if reply.get("source") == "peer" else "local"
-        mm, kept = None, None
+        mm, kept, handed = None, None, False
         try:
             with handed_fd(reply) as fd:  # the file the daemon verified, not what a path names
                 mm = map_fd(fd, int(reply["offset"]) + int(reply["size"]), writable=False,
@@ -431,12 +431,12 @@ class Sources:
                 # its pin, until released.
                 out.slot_file = (mapping_address(mm), kept)
                 out.release = functools.partial(self._release, reply["pin"], mm, kept)
-                mm = kept = None
+                mm, kept, handed = None, None, True
             return out
         finally:
             if kept is not None:
                 os.close(kept)
-            if mm is not None or not in_place:
+            if not handed:  # copied out, or failed before the piece took the slot: let it go
                 self._release(reply["pin"], mm)
 
     def _release(self, pin: int, mm: mmap.mmap | None = None, fd: int | None = None) -> None:
