@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import xxhash
@@ -252,7 +252,7 @@ class Agreement:
 
 
 def agree(sources: Sources, collective: Collective,
-          mark: Any = lambda name: None) -> Agreement:
+          mark: Callable[[str], None] = lambda name: None) -> Agreement:
     """The versions to try on every rank (identical on all of them) and the newest seen.
 
     Besides the versions every rank holds at the current world size and the committed one,

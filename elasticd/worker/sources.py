@@ -137,11 +137,7 @@ class Sources:
             else:
                 self._discover_committed()
             if "own" in info and self.previous is not None:
-                try:
-                    self.own = {(int(g), int(s)) for g, s in info["own"]}
-                except (TypeError, ValueError) as exc:  # malformed: no own offer
-                    log.warning("elasticd: ignoring rank %d's own snapshots %r: %s",
-                                self.rank, info["own"], exc)
+                self._own_from(info["own"])
             else:
                 self._discover_own()
         if self.persist_dir and not self.persisted:
@@ -172,13 +168,24 @@ class Sources:
         rank, world = self.previous
         try:
             info = self.transport.call("ckpt_list", job=self.job, rank=rank, world_size=world)
-            self.own = {(int(g), int(s)) for g, s in info.get("ram", {}).get(str(rank), [])}
         except DaemonUnavailable as exc:
             self.unreachable = str(exc)
             log.error("elasticd: rank %d cannot reach its daemon: %s", self.rank, exc)
-        except Exception as exc:  # noqa: BLE001 — refused or malformed: no own offer
+            return
+        except Exception as exc:  # noqa: BLE001 — refused: no own offer
             log.warning("elasticd: cannot list rank %d's own snapshots (was rank %d of %d): %s",
                         self.rank, rank, world, exc)
+            return
+        self._own_from(info.get("ram", {}).get(str(rank), []) if isinstance(info, dict) else None)
+
+    def _own_from(self, rows: Any) -> None:
+        """Takes in the previous rank's versions (``ckpt_list``'s ``own``, or its listing of
+        that rank); a malformed answer offers none."""
+        try:
+            self.own = {(int(g), int(s)) for g, s in rows}
+        except (TypeError, ValueError) as exc:
+            log.warning("elasticd: ignoring rank %d's own snapshots %.200r: %s", self.rank,
+                        rows, exc)
 
     def saved_world(self, version: Version) -> int:
         """The world size ``version`` was saved at, as far as this rank's sources say."""
@@ -197,7 +204,7 @@ class Sources:
         ``committed_step``)."""
         if not isinstance(info, dict):
             return
-        ranks = info.get("ranks") if isinstance(info, dict) else None
+        ranks = info.get("ranks")
         if info.get("committed", ...) is None or not isinstance(ranks, list) or not ranks:
             return
         try:
