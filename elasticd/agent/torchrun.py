@@ -25,10 +25,13 @@ plain torchrun runs it without any of this.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import os
 import runpy
+import sys
+import threading
 from typing import TYPE_CHECKING
 
 from elasticd.agent.commit_watch import CommitWatch
@@ -145,7 +148,40 @@ def main() -> None:
             LocalElasticAgent)
 
         report_failed_workers(LocalElasticAgent, os.environ["ELASTICD_SOCKET"])
-    runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
+    try:
+        runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        leave(exc.code)
+    leave(0)
+
+
+def leave(code: object) -> None:
+    """Exits as the interpreter would after ``sys.exit(code)``, without its finalization.
+
+    With torch loaded, tearing the interpreter down takes 0.7-1.5 s after the last ``atexit``
+    handler on these machines (module and C++ teardown, no Python frame), and a daemon waits
+    for its agent's exit at the end of every job and every stop. What the exit owes anyone is
+    done first, in the interpreter's order: non-daemon threads joined (with the executors'
+    exit hooks), ``atexit`` handlers (logging's flush among them), the standard streams
+    flushed. A failure other than ``SystemExit`` still takes the interpreter's own way out.
+    """
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code & 0xFF
+    else:  # as the interpreter does: the object printed, exit status 1
+        print(code, file=sys.stderr)
+        status = 1
+    shutdown = getattr(threading, "_shutdown", None)  # what Py_FinalizeEx calls first
+    if shutdown is not None:
+        shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken: nothing more to give it
+            pass
+    os._exit(status)
 
 
 if __name__ == "__main__":
