@@ -193,6 +193,7 @@ def event_rows(coord: EtcdCoordinator, keys: Keyspace, limit: int,
                "step": d.get("step"), "detection_seconds": d.get("detection_seconds"),
                "source": d.get("source"), "steps_lost": d.get("steps_lost"),
                "restore_seconds": d.get("seconds") if e.kind == "recovered" else None,
+               "path": d.get("path") if e.kind == "recovered" else None,
                "recovery_seconds": None, "timeline": None}
         if e.kind == timeline.KIND:
             _add_timeline(row, e.data, f"the timeline of {e.node}'s failure ({e.instance})")
@@ -310,9 +311,11 @@ def rank_sources(rows: Sequence[dict[str, Any]]) -> list[str]:
         out.append(path_phases(t))
         for e in t["ranks"]:
             lost = "" if e["steps_lost"] is None else f", {e['steps_lost']} steps lost"
+            how = {"in_process": "kept in-process", "restart": "started"}.get(e.get("path"))
             out.append(f"  rank {'?' if e['rank'] is None else e['rank']} on "
-                       f"{e['node'] or '?'}: step {e['step']} from "
-                       f"{words.get(e['source'], e['source'])} in {e['seconds']:.3f} s{lost}")
+                       f"{e['node'] or '?'}{f' ({how})' if how else ''}: step {e['step']} "
+                       f"from {words.get(e['source'], e['source'])} in {e['seconds']:.3f} s"
+                       f"{lost}")
     return out
 
 

@@ -58,6 +58,8 @@ class RankRestore:
         step: the step restored, if known.
         node: the node that restored it (the event's writer), if known.
         steps_lost: steps trained after ``step`` that were lost, if known.
+        path: ``in_process`` (a survivor kept through the re-formation) or ``restart`` (a
+            started worker); "" from a worker before ranks reported it.
     """
 
     job: str
@@ -69,6 +71,7 @@ class RankRestore:
     rank: int | None = None
     node: str = ""
     steps_lost: int | None = None
+    path: str = ""
 
     def entry(self) -> dict[str, Any]:
         """This rank's entry in a timeline's ``ranks`` (its stored and shown form)."""
@@ -100,6 +103,9 @@ class Timeline:
         group_made_at: in-process: the moment its workers' new group was made, else None.
         failure_evidence, path: "" in a record written before they were kept.
         reform: of each moment, the slowest local worker's.
+        rank_paths: the path each restored rank took (its rank, as text, to :data:`PATHS`):
+            in a mixed round survivors are kept and newcomers start. Beside ``ranks``, not in
+            its entries, so that a daemon of the release before still reads the record.
     """
 
     job: str
@@ -122,6 +128,7 @@ class Timeline:
     path: str = ""
     group_made_at: float | None = None
     reform: dict[str, float] = dataclasses.field(default_factory=dict)
+    rank_paths: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def marks(self) -> list[float | None]:
         return [getattr(self, f"{m}_at") for m in MARKS]
@@ -173,6 +180,9 @@ class Timeline:
                  for n, s in self.path_phases().items()]
         total = "unfinished" if self.total is None else f"{self.total:.2f} s"
         how = " in-process" if self.path == "in_process" else ""
+        kept = sum(p == "in_process" for p in self.rank_paths.values())
+        if kept and kept < len(self.rank_paths):  # a mixed round: say who took which path
+            how += f" ({kept} ranks kept, {len(self.rank_paths) - kept} started)"
         return (f"{self.job} recovered{how} from {', '.join(self.failed)}'s failure: {total} "
                 f"({', '.join(parts)}; failure placed at {self.evidence_words()})")
 
@@ -196,7 +206,9 @@ class Timeline:
                 "step": self.step, "overlapped": list(self.overlapped),
                 "failure_evidence": self.failure_evidence or None,
                 "detect_range": None if (r := self.detect_range()) is None else list(r),
-                "steps_lost": self.steps_lost, "ranks": [dict(e) for e in self.ranks],
+                "steps_lost": self.steps_lost,
+                "ranks": [dict(e, path=self.rank_paths.get(str(e["rank"])))
+                          for e in self.ranks],
                 "path": self.path or None, "path_phases": self.path_phases(),
                 "reform": dict(self.reform)}
 
@@ -286,7 +298,9 @@ def assemble(*, job: str, failed: Iterable[str], detected_at: float,
                     failure_evidence=evidence, failure_latest_at=latest, ranks=ranks,
                     path=path if path in PATHS else "restart", group_made_at=group_made,
                     reform={k: round(v, 3) for k, v in sorted(reform.items())}
-                    if path == "in_process" else {})
+                    if path == "in_process" else {},
+                    rank_paths={str(r.rank): r.path for r in mine
+                                if r.rank is not None and r.path})
 
 
 def _group_made(path: str, at: float | None, marks: Mapping[str, float | None]) -> float | None:
@@ -340,15 +354,15 @@ def restore_of(data: Mapping[str, Any], at: float, node: str = "") -> RankRestor
     such events are written by any node, and read with type checks). ``node``: the event's."""
     job, seconds, source = data.get("job"), data.get("seconds"), data.get("source")
     nbytes, step = data.get("bytes", 0), data.get("step")
-    rank, lost = data.get("rank"), data.get("steps_lost")
-    if (not isinstance(job, str) or not isinstance(source, str)
+    rank, lost, path = data.get("rank"), data.get("steps_lost"), data.get("path") or ""
+    if (not isinstance(job, str) or not isinstance(source, str) or path not in ("", *PATHS)
             or records.check_type(seconds, float) is not None or seconds < 0
             or records.check_type(nbytes, int) is not None
             or records.check_type(step, int | None) is not None
             or records.check_type(rank, int | None) is not None
             or records.check_type(lost, int | None) is not None):
         return None
-    return RankRestore(job, at, float(seconds), source, nbytes, step, rank, node, lost)
+    return RankRestore(job, at, float(seconds), source, nbytes, step, rank, node, lost, path)
 
 
 def decode(data: Any, where: str = "timeline") -> Timeline:
@@ -373,6 +387,8 @@ def decode(data: Any, where: str = "timeline") -> Timeline:
             or t.group_made_at < t.round_closed_at
             or t.group_made_at > (t.restore_started_at or t.first_step_at or math.inf)):
         raise records.CorruptRecord(f"{where}: its group moment is out of order")
+    if any(not k.isdigit() or v not in PATHS for k, v in t.rank_paths.items()):
+        raise records.CorruptRecord(f"{where}: an unreadable rank path")
     if any(k not in REFORM_MOMENTS or not math.isfinite(v) for k, v in t.reform.items()):
         raise records.CorruptRecord(f"{where}: an unknown or unreadable re-formation moment")
     if t.failure_evidence not in ("", *EVIDENCE):

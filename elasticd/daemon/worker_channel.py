@@ -76,9 +76,10 @@ class WorkerChannel:
         r = report
         self._record_event(
             "recovered", f"{r['job']} rank {r['rank']} restored step {r['step']} from "
-            f"{r['source']} in {r['seconds']:.3f} s, {r['steps_lost']} steps lost",
+            f"{r['source']} in {r['seconds']:.3f} s, {r['steps_lost']} steps lost"
+            f"{' (kept in-process)' if r.get('path') == 'in_process' else ''}",
             {k: r.get(k) for k in ("job", "rank", "source", "seconds", "steps_lost", "bytes",
-                                   "generation", "step")})
+                                   "generation", "step", "path")})
 
     def prepare_restore(self, job: str) -> str | None:
         """A node of ``job`` failed, so this node's workers of ``job`` restore once the new

@@ -29,7 +29,7 @@ replies hold until ``ckpt_release`` or ``pin_ttl``), and nothing else of it.
 * ``ckpt_committed`` job → generation, step, ranks | committed: null (no replicator, nothing
   committed yet, or etcd unreadable)
 * ``ckpt_report`` job, rank, source, seconds, steps_lost, bytes, generation, step, [refused],
-  [next_generation] → {}
+  [next_generation], [path] → {}
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from elasticd.store.scratch_pool import prefill
 from elasticd.snapshot.format import SnapshotError
 from elasticd.store.read_pins import ReadPins
 from elasticd.store.service_records import JobBook, ServiceDeps, call_hooks, emit, param
-from elasticd.store.telemetry import RESTORE_SOURCES
+from elasticd.store.telemetry import RESTORE_PATHS, RESTORE_SOURCES
 from elasticd.local.wire import RequestError
 from elasticd.errors import ShardLost
 
@@ -330,10 +330,14 @@ class Restores:
             raise RequestError(f"source must be one of {RESTORE_SOURCES}, got {source!r:.40}")
         seconds, lost = param(msg, "seconds", float), param(msg, "steps_lost", int)
         nbytes = param(msg, "bytes", int)
+        path = msg.get("path")  # absent from an older worker's report
+        if path not in (None, *RESTORE_PATHS):
+            raise RequestError(f"path must be one of {RESTORE_PATHS}, got {path!r:.40}")
         refused = [str(r)[:500] for r in msg.get("refused", []) if isinstance(r, str)][:16]
         entry = {"job": job, "rank": rank, "source": source, "seconds": seconds,
                  "steps_lost": lost, "bytes": nbytes, "generation": msg.get("generation"),
-                 "step": msg.get("step"), "refused": refused, "at": self.clock.wall()}
+                 "step": msg.get("step"), "refused": refused, "at": self.clock.wall(),
+                 "path": path}
         start_gen = param(msg, "next_generation", int, None)
         with self._book.lock:
             record = self._book.jobs[job]
@@ -350,8 +354,9 @@ class Restores:
             except Exception:  # noqa: BLE001 — a report must not fail over replication
                 log.exception("%s: starting generation %d in replication failed", job,
                               start_gen)
-        log.info("%s rank %d restored from %s: step %s, %.3f s, %d bytes, %d steps lost%s",
-                 job, rank, source, entry["step"], seconds, nbytes, lost,
+        log.info("%s rank %d%s restored from %s: step %s, %.3f s, %d bytes, %d steps lost%s",
+                 job, rank, " (kept in-process)" if path == "in_process" else "", source,
+                 entry["step"], seconds, nbytes, lost,
                  f"; refused: {'; '.join(refused)}" if refused else "")
         for reason in refused:
             if reason.startswith("persistent"):

@@ -16,6 +16,9 @@ from typing import Protocol
 
 #: Restore sources, the values of the ``source`` label.
 RESTORE_SOURCES = ("local", "peer", "persistent", "none")
+#: How the restoring worker came to be: kept through an in-process re-formation, or started
+#: (a restarted or new worker).
+RESTORE_PATHS = ("in_process", "restart")
 
 
 class CheckpointMetrics(Protocol):

@@ -48,6 +48,7 @@ from typing import Any, Callable, Mapping, MutableMapping
 import torch
 
 import elasticd.worker
+from elasticd.worker import in_process
 from elasticd.worker import restore as _restore
 from elasticd.worker.sources import Sources, close_fds
 from elasticd.worker.copier import Copier, CpuCopier, copy_into
@@ -163,7 +164,8 @@ class Checkpointer:
         self._tell("ckpt_report", job=self.job, rank=self.rank, source=result.source,
                    seconds=result.seconds, steps_lost=result.steps_lost, bytes=result.nbytes,
                    generation=result.generation, step=result.step, refused=result.refused,
-                   next_generation=result.next_generation)
+                   next_generation=result.next_generation,
+                   path="in_process" if in_process.kept() else "restart")
         self._register(result.step, one_way=True)
         return result.step
 

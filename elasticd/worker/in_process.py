@@ -49,6 +49,15 @@ from elasticd.worker.collective_timeout import FLOOR, CollectiveTimeout, worth_s
 
 log = logging.getLogger(__name__)
 
+#: Whether this process re-entered its training function after a re-formation (see kept()).
+_kept = False
+
+
+def kept() -> bool:
+    """Whether this process is a survivor kept in-process: it re-entered its training function
+    after a re-formation (the path its restores report, :meth:`Checkpointer.restore`)."""
+    return _kept
+
 T = TypeVar("T")
 
 #: The default collective timeout of a round's group until its steps are learned, seconds (then
@@ -214,6 +223,7 @@ class _Worker:
                 self.assignments.put(msg)
 
     def run(self, fn: Callable[[Round], T]) -> T:
+        global _kept
         import torch.distributed as dist
 
         path, previous = "first", None
@@ -270,6 +280,7 @@ class _Worker:
             times.update(left=left_at, assigned=SYSTEM_CLOCK.wall())
             os.environ.update({str(k): str(v) for k, v in msg["env"].items()})
             path = "in-process"
+            _kept = True
 
     def _make_group(self) -> set[int]:
         """The round's default group on its rank 0's TCPStore, under a fresh prefix; returns

@@ -208,6 +208,8 @@ def test_kill9_of_a_node_the_survivors_keep_their_processes(tmp_path):
     # port refused: its lease was revoked, not waited out (elasticd/daemon/peer_probe.py).
     daemons = "".join(open(p).read() for p in glob.glob(os.path.join(workdir, "n*.log")))
     assert "daemon refuses connections" in daemons
+    # Each survivor's restore said it was kept in-process (the timeline's per-rank path).
+    assert len(re.findall(r"job rank \d \(kept in-process\) restored from", daemons)) == 4
     # Every snapshot was taken, after the re-formation too (a new generation, accepted), also
     # by the survivors whose rank changed (a new connection for the new rank).
     moved = {pid for pid in survivors if at4[pid]["rank"] != _first_at(rows, 6, 0)[pid]["rank"]}

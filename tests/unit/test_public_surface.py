@@ -332,7 +332,7 @@ TIMELINE_KEYS = (
     "overlapped path path_phases.abort path_phases.detect path_phases.first_step "
     "path_phases.rendezvous path_phases.restore path_phases.start phases.abort "
     "phases.detect phases.first_step phases.rendezvous phases.restore phases.start "
-    "ranks[].bytes ranks[].node ranks[].rank ranks[].seconds ranks[].source ranks[].step "
+    "ranks[].bytes ranks[].node ranks[].path ranks[].rank ranks[].seconds ranks[].source ranks[].step "
     "ranks[].steps_lost ranks_restored reform restore_bytes restore_source step steps_lost "
     "total_seconds").split()
 
@@ -362,14 +362,15 @@ JSON_KEYS = {
         "nodes[].up_seconds nodes[].version nodes_alive prefix recent_events[].at "
         "recent_events[].at_iso recent_events[].by recent_events[].data "
         "recent_events[].detail recent_events[].detection_seconds recent_events[].job "
-        "recent_events[].kind recent_events[].lease recent_events[].node recent_events[].rank "
+        "recent_events[].kind recent_events[].lease recent_events[].node "
+        "recent_events[].path recent_events[].rank "
         "recent_events[].recovery_seconds recent_events[].restore_seconds "
         "recent_events[].source recent_events[].step recent_events[].steps_lost "
         "recent_events[].timeline"
         + "".join(f" recent_events[].timeline.{k}" for k in TIMELINE_KEYS)),
     "history": (
         "[].at [].at_iso [].by [].data [].detail [].detection_seconds [].job [].kind [].lease "
-        "[].node [].rank [].recovery_seconds [].restore_seconds [].source [].step "
+        "[].node [].path [].rank [].recovery_seconds [].restore_seconds [].source [].step "
         "[].steps_lost [].timeline" + "".join(f" [].timeline.{k}" for k in TIMELINE_KEYS)),
     "placement": (
         "committed coordinator.node coordinator.since coordinator.term describe job m nodes "

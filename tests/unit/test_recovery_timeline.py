@@ -522,6 +522,43 @@ def test_each_ranks_source_is_kept_by_rank():
     assert timeline.decode(json.loads(json.dumps(t.as_dict()))) == t
 
 
+def test_each_rank_says_whether_it_was_kept_in_process_or_started_in_a_mixed_round(env):
+    # Ranks 0 and 1 survived in-process; rank 2 is the replacement node's, started; an older
+    # worker (rank 3) did not say.
+    t = _full(path="in_process", reform={"group_made": T0 + 3.5}, restores=[
+        timeline.RankRestore("j", T0 + 3.9, 0.2, "local", 10, 40, 0, "n1", 0, "in_process"),
+        timeline.RankRestore("j", T0 + 3.9, 0.2, "local", 10, 40, 1, "n1", 0, "in_process"),
+        timeline.RankRestore("j", T0 + 3.95, 0.3, "peer", 20, 40, 2, "n4", 0, "restart"),
+        timeline.RankRestore("j", T0 + 3.95, 0.3, "peer", 20, 40, 3, "n4", 0)])
+    assert t.rank_paths == {"0": "in_process", "1": "in_process", "2": "restart"}
+    assert [e["path"] for e in t.summary()["ranks"]] == ["in_process", "in_process", "restart",
+                                                         None]
+    assert "(2 ranks kept, 1 started)" in t.describe()
+    back = timeline.decode(json.loads(json.dumps(t.as_dict())))
+    assert back == t
+    # Stored beside the rank entries, whose keys a daemon of the release before checks.
+    assert all(set(e) == set(timeline._RANK_KEYS) for e in t.as_dict()["ranks"])
+
+    # A recovered event says it; elasticctl history prints it on the rank's line.
+    data = {"job": "j", "rank": 2, "source": "peer", "seconds": 0.3, "step": 40,
+            "path": "restart"}
+    assert timeline.restore_of(data, T0, "n4").path == "restart"
+    assert timeline.restore_of({**data, "path": "teleport"}, T0, "n4") is None
+    lines = cli.rank_sources([{"timeline": t.summary()}])
+    assert any("rank 0 on n1 (kept in-process): step 40" in line for line in lines)
+    assert any("rank 2 on n4 (started): step 40" in line for line in lines)
+    assert any(line.startswith("  rank 3 on n4: step 40") for line in lines)
+
+
+@pytest.mark.parametrize("change", [
+    {"rank_paths": {"0": "teleport"}}, {"rank_paths": {"x": "restart"}},
+    {"rank_paths": {"0": 1}}, {"rank_paths": ["restart"]},
+])
+def test_a_forged_rank_path_is_refused(change):
+    with pytest.raises(records.CorruptRecord):
+        timeline.decode({**_full().as_dict(), **change})
+
+
 @pytest.mark.parametrize("change", [
     {"failure_evidence": "rumour"}, {"failure_latest_at": T0 + 9.0},
     {"failure_latest_at": T0 - 1.0}, {"ranks": [{"rank": 0}]}, {"ranks": ["x"]},

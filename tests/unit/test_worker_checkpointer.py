@@ -535,6 +535,7 @@ def test_the_restore_report_is_one_way_and_a_dropped_one_is_sent_as_a_call(servi
             assert ckpt.restore(state) == 1
         assert [o for o in t.ops if o[1] == "ckpt_report"] == expected
         assert service.history[-1]["step"] == 1  # the daemon heard it either way
+        assert service.history[-1]["path"] == "restart"  # a started worker's
         # The slot's release and the registration after it: one-way too (dropped: a call).
         # (The registration when the Checkpointer starts stays a call: its reply is read.)
         restoring = t.ops[t.ops.index(("call", "ckpt_list")):]
