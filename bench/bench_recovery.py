@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import os
 import platform
@@ -107,9 +108,11 @@ def _not_at_full_world(logs: dict[str, str], full: int) -> str:
         full, ", ".join(f"{n}={w}" for n, w in sorted(worlds.items())))
 
 
-def _last_step(paths) -> int:
-    """The highest step any of these logs reached so far."""
-    return max((int(m.group(1)) for p in paths for m in STEP_RE.finditer(_read(p))), default=0)
+def _last_step(paths, world: int | None = None) -> int:
+    """The highest step any of these logs reached so far (at ``world`` only, if given: read
+    after a fault, a survivor's steps at the smaller world are not the ones it lost)."""
+    return max((int(m.group(1)) for p in paths for m in STEP_RE.finditer(_read(p))
+                if world is None or int(m.group(2)) == world), default=0)
 
 
 def _kill_phase() -> float:
@@ -165,16 +168,57 @@ def _partitions(c: LocalCluster, fault: str) -> dict:
     return cuts
 
 
-def _strike(node, fault: str, cut=None) -> None:
-    """Applies ``fault`` to a LocalCluster node (see the module doc)."""
+def _strike(node, fault: str, cut=None) -> tuple[float, str]:
+    """Applies ``fault`` to a LocalCluster node (see the module doc); returns the fault's wall
+    time and what that moment is. A recovery's seconds count from it, not from the return of
+    this call: ``node.kill()`` scans for the node's processes before its first SIGKILL (75-160
+    ms here) and again after it until none is left, then waits for the daemon and deletes the
+    node's shared memory, all while the survivors already recover (the clock started at its
+    return left that tail out)."""
     if fault == "kill":
-        node.kill()
-    elif fault == "freeze":
-        signal_all([node.pid, *node.tagged()], signal.SIGSTOP)
-    elif fault == "partition":
+        before = time.time()
+        killed_at = node.kill()
+        if killed_at is not None:
+            return killed_at, "the first SIGKILL"
+        # An older launcher's kill returns no moment (a tree measured for an A/B): its scan
+        # before the first SIGKILL then counts as recovery, against that tree.
+        return before, "before kill() (this launcher returns no moment: its scan counts)"
+    if fault == "freeze":
+        pids = [node.pid, *node.tagged()]
+        at = time.time()
+        signal_all(pids, signal.SIGSTOP)
+        return at, "the first SIGSTOP"
+    if fault == "partition":
+        at = time.time()
         cut.cut()
-    else:
-        signal_all([node.pid], signal.SIGSTOP)
+        return at, "the cut"
+    at = time.time()
+    signal_all([node.pid], signal.SIGSTOP)
+    return at, "the daemon's SIGSTOP"
+
+
+#: A survivor's daemon revoking a dead peer's lease once its collective broke
+#: (elasticd/daemon/peer_probe.py); the line begins with the log's time.
+PROBE_RE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ (\S+) \S+: (\S+)'s daemon "
+                      r"refuses connections at \S+ after a collective broke .*revoking its "
+                      r"lease", re.M)
+
+
+def probe_revocation(logs: dict[str, str], victim: str) -> tuple[str, float] | None:
+    """The earliest revocation of ``victim``'s lease by a survivor's peer probe in the daemons'
+    logs (node name -> log text): (who, wall time), or None. A node killed whole resets its
+    connections: a survivor's broken collective has its daemon knock at the victim's port,
+    find it refused and revoke its lease at once, well before its TTL ran out."""
+    found = []
+    for text in logs.values():
+        for m in PROBE_RE.finditer(text):
+            if m.group(3) == victim:
+                at = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                found.append((at, m.group(2)))
+    if not found:
+        return None
+    at, who = min(found)
+    return who, at
 
 
 def _workdir(prefix: str, keep: str | None):
@@ -211,14 +255,22 @@ def run_elasticd(victim: str, ttl: int, timeout: float, replication: bool = True
             survivors = [n for n in c.nodes if n != victim]
             marks = {n: len(_read(logs[n])) for n in survivors}
             invalid = _not_at_full_world(logs, full)
-            _strike(c.nodes[victim], fault, cuts.get(victim))
-            at_step = _last_step(logs.values())
+            struck_at, moment = _strike(c.nodes[victim], fault, cuts.get(victim))
+            returned_at = time.time()
+            at_step = _last_step(logs.values(), full)
             t = _wait(lambda: all(_at_world(logs[n], full - 1, marks[n]) for n in survivors),
                       timeout)
+            seen_at = time.time()
             if fault != "kill":
                 c.nodes[victim].kill()  # SIGKILL ends stopped processes too
             leftovers = len(c.nodes[victim].tagged())
-            return {"victim": victim, "recovered": t is not None, "seconds": t,
+            probe = probe_revocation({n: c.nodes[n].log_text() for n in survivors}, victim)
+            return {"victim": victim, "recovered": t is not None,
+                    "seconds": seen_at - struck_at if t is not None else None,
+                    "struck_at": struck_at, "fault_moment": moment,
+                    "strike_returned_after": returned_at - struck_at,
+                    **({"revoked_by_probe": {"by": probe[0], "after": probe[1] - struck_at}}
+                       if probe else {}),
                     "killed_at_step": at_step,
                     **_resumed({n: logs[n] for n in survivors}, marks, at_step),
                     "leftover_processes": leftovers, **({"invalid": invalid} if invalid else {})}
@@ -234,13 +286,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _kill_tree(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+def _kill_tree(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> float:
     """Signals an agent's group and its workers' groups (they have sessions of their own);
-    with SIGKILL, waits for the agent."""
+    with SIGKILL, waits for the agent. Returns the wall time of the first signal."""
     try:
         kids = open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()
     except OSError:
         kids = []
+    at = time.time()
     for pid in [proc.pid, *map(int, kids)]:
         try:
             os.killpg(pid, sig)
@@ -248,6 +301,7 @@ def _kill_tree(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
             pass
     if sig == signal.SIGKILL:
         proc.wait()
+    return at
 
 
 def run_torchrun(victim: str, timeout: float, every: int = 10, nodes: int = 3,
@@ -282,7 +336,8 @@ def run_torchrun(victim: str, timeout: float, every: int = 10, nodes: int = 3,
             marks = {n: len(_read(logs[n])) for n in survivors}
             # No daemon here: "stop-daemon" has no plain-torchrun counterpart; "freeze" stops
             # the agent and its workers.
-            _kill_tree(procs[victim], signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+            struck_at = _kill_tree(procs[victim],
+                                   signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
             at_step = _last_step(logs.values())
 
             def trained() -> bool:
@@ -292,9 +347,11 @@ def run_torchrun(victim: str, timeout: float, every: int = 10, nodes: int = 3,
             # survivor has exited.
             t = _wait(lambda: trained() or all(procs[n].poll() is not None for n in survivors),
                       timeout)
+            seen_at = time.time()
             if t is not None and not trained():
                 t = None
-            return {"victim": victim, "recovered": t is not None, "seconds": t,
+            return {"victim": victim, "recovered": t is not None,
+                    "seconds": seen_at - struck_at if t is not None else None,
                     "survivors_exited": all(procs[n].poll() is not None for n in survivors),
                     "killed_at_step": at_step,
                     **_resumed({n: logs[n] for n in survivors}, marks, at_step)}
@@ -305,10 +362,11 @@ def run_torchrun(victim: str, timeout: float, every: int = 10, nodes: int = 3,
 
 
 def detection_floor(ttl: float) -> float:
-    """The soonest a node's failure can be detected after the fault: its lease expires TTL
-    after its last keep-alive, sent every TTL/3, so at least 2/3 TTL after the fault. No
-    elasticd survivor trains at the smaller world before that (the dead agent's rendezvous
-    record goes with a lease too)."""
+    """The soonest a node's failure can be found from its lease alone: it expires TTL after its
+    last keep-alive, sent every TTL/3, so at least 2/3 TTL after the fault. Sooner takes a
+    survivor's peer probe (elasticd/daemon/peer_probe.py): a node killed whole resets its
+    connections, a survivor's collective breaks at once, its daemon finds the dead daemon's
+    port refusing and revokes the lease; a frozen, stopped or cut-off node refuses nothing."""
     return ttl * 2 / 3
 
 
@@ -317,16 +375,21 @@ def impossible(run: dict, floor: float | None) -> str:
 
     Args:
         floor: :func:`detection_floor` for elasticd runs; None for the baseline (its c10d
-            keep-alives set no such bound here).
+            keep-alives set no such bound here). It does not bound a run whose victim's lease
+            a survivor's probe revoked (``revoked_by_probe``, read from the daemons' logs),
+            if that came before the recovery.
     """
     if not run.get("recovered"):
         return ""
     if run.get("resumed_step") is None:
         return ("counted as recovered with no restart seen (no survivor logged a restore): "
                 "the survivors were already at the smaller world, so nothing was measured")
-    if floor is not None and run["seconds"] < floor:
+    probe = run.get("revoked_by_probe")
+    probed = probe is not None and probe["after"] <= run["seconds"]
+    if floor is not None and not probed and run["seconds"] < floor:
         return (f"recovered {run['seconds']:.3g} s after the fault, sooner than the failure "
-                f"can be detected ({floor:.2f} s: the lease TTL less one keep-alive interval)")
+                f"can be detected ({floor:.2f} s: the lease TTL less one keep-alive interval) "
+                "and no survivor's probe revoked its lease before")
     return ""
 
 
@@ -342,7 +405,11 @@ def summarize(runs: list[dict], floor: float | None = None) -> dict:
     runs = [r for r in runs if not r.get("invalid")]
     ok = [r["seconds"] for r in runs if r["recovered"]]
     lost = [r["steps_lost"] for r in runs if r["recovered"] and r.get("steps_lost") is not None]
+    probed = [r["revoked_by_probe"]["after"] for r in runs
+              if r["recovered"] and r.get("revoked_by_probe")]
     return {"runs": len(runs), "invalid": len(invalid), "recovered": len(ok),
+            "revoked_by_probe": len(probed),
+            "median_probe_seconds": round(statistics.median(probed), 3) if probed else None,
             "median_steps_lost": statistics.median(lost) if lost else None,
             "max_steps_lost": max(lost) if lost else None,
             "median_seconds": round(statistics.median(ok), 2) if ok else None,
