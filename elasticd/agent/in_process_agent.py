@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from torch.distributed.elastic.agent.server.api import WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -65,6 +66,23 @@ class _Node:
         self.news = threading.Event()
         self.link.on_news = self.news.set
         self.poll = 0.02  # the monitor's interval (the agent's spec says: InProcessAgent)
+        #: Whether ``_restart_workers`` runs, and when it last ended (monotonic): a daemon's
+        #: word of a failure this re-formation already answers is not another failure.
+        self.reforming = False
+        self.reformed_at = float("-inf")
+
+    def peer_failed(self) -> None:
+        """The daemon recorded a peer of this job failed (:data:`job_rules.PEER_FAILED_SIGNAL`,
+        from :func:`_hear_daemon`'s thread). A member is gone: re-form now, unless this agent
+        is re-forming already or just did (its workers' group broke first, or the round
+        closed without the peer before the daemon's record: the daemon then says
+        LEFT_RUNNING, but its word may cross the round)."""
+        if self.reforming or self.clock.monotonic() - self.reformed_at < RECENT:
+            return
+        if not self.broken:
+            self.broken_at = self.clock.wall()
+            self.broken = True
+        self.news.set()
 
     def pause(self) -> None:
         """Between two looks of the agent's monitor: until news, or :attr:`poll` seconds (a
@@ -76,6 +94,9 @@ class _Node:
 
 
 _node: list[_Node] = []  # the one per agent process, once installed
+#: Seconds after a re-formation ended during which a daemon's word of a failure is taken as
+#: the one it answered (a failure that new is left to the rendezvous, as before the word).
+RECENT = 1.0
 
 
 def install(clock: Clock | None = None) -> None:
@@ -89,8 +110,38 @@ def install(clock: Clock | None = None) -> None:
     os.environ[LINK_ENV] = node.link.name  # torchrun and the zygote pass these to workers
     os.environ[LINK_PID_ENV] = str(os.getpid())
     rendezvous.on_handler_created.append(_hook)
+    _hear_daemon(node)
     launcher_api.LocalElasticAgent = InProcessAgent  # type: ignore[misc]
     log.info("in-process mode: the agent keeps its live workers through a round")
+
+
+def _hear_daemon(node: _Node) -> Callable[[], None]:
+    """Takes the daemon's signal (:data:`job_rules.PEER_FAILED_SIGNAL`) to
+    :meth:`_Node.peer_failed`. The handler runs in the main thread between two bytecodes,
+    possibly while the monitor holds the news event's lock, so it only writes a byte to a
+    pipe; a thread reading the pipe does the rest (the self-pipe pattern). Called from the
+    agent's main thread (``signal.signal`` must be). Returns what undoes it (tests)."""
+    read, write = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    os.set_blocking(read, True)
+
+    def handler(signum: int, frame: Any) -> None:
+        try:
+            os.write(write, b"!")
+        except OSError:
+            pass  # the pipe is full: a byte in it already wakes the thread
+
+    def listen() -> None:
+        while os.read(read, 64):
+            node.peer_failed()
+        os.close(read)
+
+    def undo() -> None:
+        signal.signal(job_rules.PEER_FAILED_SIGNAL, before)
+        os.close(write)  # the thread reads the end of the pipe and ends
+
+    threading.Thread(target=listen, name="daemon-word", daemon=True).start()
+    before = signal.signal(job_rules.PEER_FAILED_SIGNAL, handler)
+    return undo
 
 
 def _hook(handler: Any) -> None:
@@ -186,6 +237,13 @@ class InProcessAgent(LocalElasticAgent):
 
     def _restart_workers(self, wg: Any) -> None:
         node = _node[0]
+        node.reforming = True
+        try:
+            self._reform(wg, node)
+        finally:
+            node.reforming, node.reformed_at = False, node.clock.monotonic()
+
+    def _reform(self, wg: Any, node: _Node) -> None:
         n = wg.spec.local_world_size
         why = job_rules.can_reform(n, self._all_alive(), node.link.linked())
         if why:

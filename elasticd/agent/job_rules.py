@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import signal
 from typing import Callable, Iterable
 
 from elasticd.agent.job_holds import JobHolds
@@ -237,6 +238,13 @@ def peer_failed(running: bool, peer: str, members: Iterable[str],
         return PeerFailure.LEFT_RUNNING
     return PeerFailure.REFORM if in_process and peer != "*" else PeerFailure.RESTART
 
+
+#: What a daemon sends its in-process agent when it decided :attr:`PeerFailure.REFORM`: the
+#: agent re-forms at once (:func:`elasticd.agent.in_process_agent.install`) instead of when
+#: the rendezvous' summary of the death reaches it through etcd (20-60 ms later, measured).
+#: SIGWINCH: ignored by default, so an agent that never installed a handler (an older one,
+#: or one still starting) is not killed by it.
+PEER_FAILED_SIGNAL = signal.SIGWINCH
 
 #: Seconds a node's agent waits, after its rendezvous round, for each local worker to say it
 #: left the old group (:func:`reform_step`); a worker stuck longer is restarted as today. The

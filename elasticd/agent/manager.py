@@ -423,6 +423,7 @@ class JobManager:
             return None
         if decision is PeerFailure.REFORM:
             assert sup is not None
+            sup.tell_peer_failed()  # first: the agent's round waits for it, not for this
             self.reform.started(node, sup.spec.reform_deadline)
             return 0
         # Counted either way: a group that went on without the peer was restarted by its agent.

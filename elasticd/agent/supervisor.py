@@ -21,6 +21,7 @@ from typing import Sequence
 
 from elasticd.agent import safe_open
 from elasticd.agent.job_files import open_job_log
+from elasticd.agent.job_rules import PEER_FAILED_SIGNAL
 from elasticd.agent.zygote import ZYGOTE_ENV, ZYGOTE_PID_ENV, kill_group
 from elasticd.clock import Clock, SystemClock, format_local
 from elasticd.cluster.jobspec import JobSpec
@@ -276,6 +277,14 @@ class AgentSupervisor:
     def worker_pids(self) -> list[int]:
         """The agent's worker processes (its direct children)."""
         return children(self.pid) if self.poll() is None else []
+
+    def tell_peer_failed(self) -> None:
+        """Tells the agent of an in-process job that a peer of its round failed (a signal,
+        :data:`job_rules.PEER_FAILED_SIGNAL`): it re-forms now, not when the rendezvous'
+        summary reaches it through etcd."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, PEER_FAILED_SIGNAL)
 
     def restart_workers(self, reason: str) -> int:
         """Kills the current workers so that the agent restarts them in a new rendezvous

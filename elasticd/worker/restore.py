@@ -26,7 +26,9 @@ snapshot; ZeRO's own ``load_state_dict`` then keeps this rank's parameters' stat
 
 A survivor of an in-process re-formation (``@elasticd.in_process``) whose rank or world size
 moved also offers the snapshots of the rank it was, from its node's RAM: a step every rank
-offers is tried first when newest, each rank loading the shard it wrote (see :func:`agree`).
+offers is tried first when newest, each rank loading the shard it wrote (see :func:`agree`);
+a step some survivors completed one past the others is tried before it, handed by a holder
+to each rank that lacks it over the new group (:mod:`elasticd.worker.handover`).
 
 Whatever is restored, new snapshots start a new generation above every generation seen, so
 snapshots of an abandoned timeline (written after the restored step, before the failure) never
@@ -44,6 +46,8 @@ import torch
 import xxhash
 
 from elasticd.errors import CheckpointError
+from elasticd.worker import handover as _handover
+from elasticd.worker.handover import Handover
 from elasticd.worker.sources import Sources, Version
 from elasticd.worker.state import StateError, load_into
 
@@ -185,6 +189,14 @@ class Collective:
         gathered = self.all_gather([(int(f), 0) for f in flags])
         return [all(g[i][0] == 1 for g in gathered) for i in range(len(flags))]
 
+    def send(self, tensor: torch.Tensor, to: int) -> None:
+        """Sends a CPU ``tensor`` to rank ``to`` (point to point: a handover, :mod:`.handover`)."""
+        raise NotImplementedError
+
+    def recv(self, tensor: torch.Tensor, frm: int) -> None:
+        """Receives into the CPU ``tensor`` what rank ``frm`` sends."""
+        raise NotImplementedError
+
     def gather_if_all_true(self, flag: bool, rows: list[Version]) -> list[list[Version]] | None:
         """Every rank's ``rows`` when ``flag`` holds on every rank, else None: one all_gather
         (a flag row ahead of the rows) where all_true and all_gather were two."""
@@ -219,6 +231,19 @@ class TorchCollective(Collective):
         self.dist.all_gather(out, mine, group=self.group)
         return [[(int(g), int(s)) for g, s in o.cpu().tolist()] for o in out]
 
+    def send(self, tensor: torch.Tensor, to: int) -> None:
+        self.dist.send(tensor.to(self.device), self._global(to), group=self.group)
+
+    def recv(self, tensor: torch.Tensor, frm: int) -> None:
+        into = tensor if self.device.type == "cpu" else torch.empty_like(tensor, device=self.device)
+        self.dist.recv(into, self._global(frm), group=self.group)
+        if into is not tensor:
+            tensor.copy_(into.cpu())
+
+    def _global(self, rank: int) -> int:
+        """The default group's rank of this group's ``rank`` (send and recv take those)."""
+        return rank if self.group is None else self.dist.get_global_rank(self.group, rank)
+
     def all_true_each(self, flags: Any) -> list[bool]:
         """Each of ``flags`` ANDed across ranks, in one all_reduce."""
         t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int64, device=self.device)
@@ -245,10 +270,13 @@ class Agreement:
     Attributes:
         candidates: (version, world size it was saved at), newest first.
         seen: the newest version any rank knows of, or None.
+        handover: the step some survivors completed and others not, which the holders hand
+            to the others (:mod:`.handover`), or None.
     """
 
     candidates: list[tuple[Version, int]]
     seen: Version | None
+    handover: Handover | None = None
 
 
 def agree(sources: Sources, collective: Collective,
@@ -265,6 +293,11 @@ def agree(sources: Sources, collective: Collective,
     restart too each new rank loads one old rank's snapshot, and the replicas are checked
     equal after the load), and a sharded one is refused at the fetch
     (:meth:`Sources.fetch`), so the ranks take the next candidate, the committed step.
+
+    Newer still, the step some survivors completed and the others not (their collective of
+    it failed): the survivors that hold it hand it to the others (:func:`.handover.plan`);
+    fully available for replicated state, since any one survivor's snapshot of it is a whole
+    restore, and refused by the holders for sharded state, which then takes the step all hold.
     """
     mine = sources.discover()
     mark("discovered")
@@ -287,10 +320,18 @@ def agree(sources: Sources, collective: Collective,
             for v in rows[:2] + rows[_HEAD:] + own_rows if v != _NONE]
     common = set.intersection(*({v for v in rows[_HEAD:] if v != _NONE} for rows in gathered))
     candidates = {v: sources.saved_world(v) for v in common}
+    handover = None
     if sources.previous is not None and all(offers):
         # Every rank a survivor (else some offer is empty): the steps all of them hold.
         sources.own_agreed = set.intersection(*(set(o) for o in offers)) - {_NONE}
         candidates.update((v, sources.previous[1]) for v in sources.own_agreed)
+        # A step some of them completed one past the others: the holders hand it over.
+        handover = _handover.plan(offers, sources.own_agreed)
+        if handover is not None:
+            candidates[handover.version] = sources.previous[1]
+            if handover.holder_of(sources.rank) is None:
+                sources.own_agreed.add(handover.version)
+                sources.sending = handover.version if handover.sender_to(sources.rank) else None
     replicated = all(rows[2][1] == 1 for rows in gathered)
     committed = {(rows[1], rows[2][0]) for rows in gathered if rows[1] != _NONE}
     sources.fetchable = {v for v, _ in committed}
@@ -303,7 +344,7 @@ def agree(sources: Sources, collective: Collective,
             log.warning("elasticd: committed step %s was saved by %d ranks and %d run now, but "
                         "a rank's elasticd (older) cannot restore it at the new world size; "
                         "falling back", version, world, sources.world)
-    return Agreement(sorted(candidates.items(), reverse=True), max(seen, default=None))
+    return Agreement(sorted(candidates.items(), reverse=True), max(seen, default=None), handover)
 
 
 def _split(rows: list[Version]) -> list[Any]:
@@ -341,6 +382,8 @@ def restore(state: Any, sources: Sources, collective: Collective, clock: Any,
         if world != sources.world:
             sources.prepare(state)
         got = sources.fetch(version, result.refused, world)
+        if agreed.handover is not None and version == agreed.handover.version:
+            got = sources.handed(got, agreed.handover, collective, result.refused, world)
         if got is not None:
             got = sources.fetch_shards(got, version, result.refused, world, state)
         mark("fetched")

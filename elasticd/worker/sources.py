@@ -25,7 +25,7 @@ from elasticd.persistence.tier import Tier, TierError
 from elasticd.snapshot.format import SnapshotError, dtensor_nodes
 from elasticd.snapshot.reader import SnapshotReader
 from elasticd.snapshot.segment import map_fd
-from elasticd.worker import shards
+from elasticd.worker import handover, shards
 from elasticd.worker.client import DaemonUnavailable
 from elasticd.worker.copier import read_tensors, tensor_views
 from elasticd.worker.slot_rows import SlotFiles, mapping_address
@@ -61,6 +61,8 @@ class _Fetched:
     #: (mapping address, descriptor) of the slot file a piece read in place maps, until its
     #: ``release`` (which closes the descriptor): the resharder reads rows from the file.
     slot_file: tuple[int, int] | None = None
+    #: The snapshot's bytes as they lay in the slot (uint8), kept to hand over (handover.py).
+    raw: torch.Tensor | None = None
 
     def slot_files(self) -> SlotFiles:
         """The slot files of this piece and the others read in place (for the resharder)."""
@@ -90,7 +92,11 @@ class Sources:
         #: world size): what this survivor can load from its own slot. Offered to the
         #: agreement; the versions every rank offers are :attr:`own_agreed`.
         self.own: set[Version] = set()
+        #: Versions this rank loads from its own slot: those every rank offers, and one it
+        #: hands over to ranks that lack it (:mod:`.handover`).
         self.own_agreed: set[Version] = set()
+        #: The version whose own snapshot this rank sends to others: its bytes are kept.
+        self.sending: Version | None = None
         self.ram: set[Version] = set()
         #: Complete steps of the persistent tier, and the world size each was saved at (any:
         #: at another one, the state is resharded from them as from peers' RAM).
@@ -293,7 +299,8 @@ class Sources:
         assert self.previous is not None
         rank, world = self.previous
         try:
-            got = self._from_daemon("ckpt_open", version, world, refused, rank)
+            got = self._from_daemon("ckpt_open", version, world, refused, rank,
+                                    keep_bytes=version == self.sending)
         except DaemonUnavailable as exc:
             return self._silent(version, exc)
         except Exception as exc:  # noqa: BLE001 — refused or evicted: the next source
@@ -310,6 +317,38 @@ class Sources:
             return None
         got.rank = rank
         return got
+
+    def handed(self, got: _Fetched | None, plan: handover.Handover, collective: Any,
+               refused: list[str], world: int) -> _Fetched | None:
+        """``got`` on a holder of ``plan``'s version (after sending its bytes to the ranks
+        it hands them to); on a rank that lacks the version, its holder's snapshot, checked
+        block by block, or None (the holder had none, or the bytes fail the check)."""
+        version, holder = plan.version, plan.holder_of(self.rank)
+        data = handover.exchange(plan, self.rank, None if got is None else got.raw, collective)
+        if holder is None:
+            if got is not None:
+                got.raw = None  # sent: the copies in got.tensors are what loads
+            return got
+        if data is None:
+            refused.append(f"handed step {version}: rank {holder} had no copy to give")
+            return None
+        try:
+            reader = SnapshotReader(memoryview(data.numpy()), job=self.job, world_size=world,
+                                    where=f"step {version} handed over by rank {holder}")
+            if reader.header.version() != version:
+                raise SnapshotError(f"holds step {reader.header.version()}")
+            lay = reader.header.layout
+            out = _Fetched(read_tensors(data.numpy(), lay), reader.header.meta, "peer",
+                           lay.total_size, [e.name for e in lay.entries])
+            out.rank = reader.header.rank
+        except (SnapshotError, ValueError) as exc:
+            refused.append(f"handed step {version} from rank {holder}: {exc}")
+            log.error("elasticd: REFUSED step %s handed over by rank %d: %s", version, holder,
+                      exc)
+            return None
+        log.info("elasticd: rank %d takes step %s from rank %d (old rank %d's snapshot): it "
+                 "had not completed it", self.rank, version, holder, out.rank)
+        return out
 
     def prepare(self, state: Any) -> None:
         """Works out this rank's new local boxes once (:attr:`boxes`), before fetching a
@@ -396,7 +435,8 @@ class Sources:
                   self.rank, version, exc)
 
     def _from_daemon(self, op: str, version: Version, world: int, refused: list[str],
-                     rank: int | None = None, in_place: bool = False) -> _Fetched | None:
+                     rank: int | None = None, in_place: bool = False,
+                     keep_bytes: bool = False) -> _Fetched | None:
         """Maps the slot ``op`` (``ckpt_open`` or ``ckpt_fetch``) points at and copies it out;
         None when the daemon says every copy is lost. ``rank``: whose shard (default: this
         rank's; another one's after a grow). ``in_place``: the tensors are read-only views of
@@ -404,7 +444,8 @@ class Sources:
         ``release`` (a copy of a whole old snapshot cost as much as the reshard itself); a
         ``ckpt_fetch`` then sends the new local boxes (:attr:`boxes`), and a copy fetched from
         peers is partial: only the rows they overlap, and every entry that is not a DTensor,
-        are valid, which is all a reshard reads."""
+        are valid, which is all a reshard reads. ``keep_bytes``: the slot's bytes are copied
+        out whole first (:attr:`_Fetched.raw`, to hand over) and the tensors from that copy."""
         rank = self.rank if rank is None else rank
         wait: dict[str, Any] = {"timeout": FETCH_WAIT} if op == "ckpt_fetch" else {}
         if in_place and self.boxes and op == "ckpt_fetch":
@@ -429,9 +470,15 @@ class Sources:
             if reader.header.version() != version:  # the daemon verified this very slot
                 raise SnapshotError(f"slot holds step {reader.header.version()}")
             lay = reader.header.layout
-            tensors = tensor_views(mm, lay) if in_place else read_tensors(mm, lay)
+            raw = None
+            if keep_bytes:
+                raw = torch.empty(lay.total_size, dtype=torch.uint8)
+                with memoryview(mm) as whole:
+                    raw.numpy()[:] = whole[:lay.total_size]
+            tensors = (tensor_views(mm, lay) if in_place
+                       else read_tensors(mm if raw is None else raw.numpy(), lay))
             out = _Fetched(tensors, reader.header.meta, source,
-                           lay.total_size, [e.name for e in lay.entries])
+                           lay.total_size, [e.name for e in lay.entries], raw=raw)
             del reader
             if in_place:
                 # The piece's views need the mapping, its rows the descriptor, and the slot

@@ -458,3 +458,34 @@ def test_a_workers_message_ends_the_agents_monitor_pause():
     finally:
         sock.close()
     _wait(node.news.is_set, 5)  # a worker's hang-up is news too
+
+
+def test_the_daemons_word_of_a_failed_peer_makes_the_agent_re_form_at_once():
+    """A daemon that decided REFORM signals its agent (job_rules.PEER_FAILED_SIGNAL): the
+    agent's node is broken and its monitor woken at once, before the rendezvous' summary of
+    the death reaches it through etcd (20-60 ms later: the slowest agent's learning was most
+    of that phase). Not while it re-forms, nor just after: the word is of the failure it
+    answers. Before, the signal was ignored (SIGWINCH's default) and nothing was broken."""
+    import signal
+
+    from elasticd.agent import in_process_agent, job_rules
+    from elasticd.testing.clock import FakeClock
+
+    node = in_process_agent._Node(FakeClock())
+    node.reforming = True
+    node.peer_failed()
+    assert not node.broken  # the re-formation under way answers it
+    node.reforming, node.reformed_at = False, node.clock.monotonic()
+    node.peer_failed()
+    assert not node.broken  # within RECENT of the re-formation's end: the same failure
+    node.clock.advance(in_process_agent.RECENT)
+    node.news.clear()
+    undo = in_process_agent._hear_daemon(node)
+    try:
+        os.kill(os.getpid(), job_rules.PEER_FAILED_SIGNAL)  # what the daemon sends
+        _wait(node.news.is_set, 5)
+        assert node.broken and node.broken_at is not None
+    finally:
+        undo()
+    assert signal.getsignal(job_rules.PEER_FAILED_SIGNAL) in (signal.SIG_DFL, signal.SIG_IGN,
+                                                              None)

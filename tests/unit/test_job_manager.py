@@ -96,6 +96,9 @@ class StandInAgent:
         self.stopped = True
         return 0
 
+    def tell_peer_failed(self):
+        self.told = getattr(self, "told", 0) + 1
+
     def fail_attempt(self, n, line):
         with open(self.log_path, "a") as fh:
             fh.write(f"Traceback (most recent call last):\n  File \"t.py\"\n{line}\n")
@@ -340,6 +343,7 @@ def test_an_in_process_job_is_not_killed_for_a_failed_peer_but_restarted_past_th
     mgr.records.refresh()
     assert mgr.on_peer_failed("n2") == 0 and agent.restarts == []
     assert "re-forms the workers in-process" in mgr.notes[-1]
+    assert agent.told == 1  # the agent re-forms now, not when etcd's summary reaches it
     # The agent said it re-formed them: no restart later.
     mgr.reform.on_reformed({"job": "job", "path": "in_process"})
     mgr.clock.advance(job_rules.REFORM_DEADLINE + job_rules.REFORM_ROUND_ALLOWANCE + 1)

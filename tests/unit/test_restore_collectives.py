@@ -63,6 +63,14 @@ def _rank(rank: int, port: int, out: str) -> None:
     seen["base"] = [g.all_true_each([True, rank == 0]), g.all_true(rank == 0),
                     g.gather_if_all_true(True, [(rank, 7)]), g.gather_if_all_true(rank == 1, [])]
     seen["base_calls"] = list(calls)
+    # A handover over the real group: rank 0 sends its bytes point to point, then "nothing".
+    from elasticd.worker import handover
+
+    plan = handover.Handover((0, 5), ((0, 1),))
+    mine = torch.arange(300, dtype=torch.int64).to(torch.uint8) if rank == 0 else None
+    got = handover.exchange(plan, rank, mine, c)
+    seen["handed"] = None if got is None else got.tolist()[:4] + [got.numel()]
+    seen["handed_none"] = handover.exchange(plan, rank, None, c) is None
     with open(os.path.join(out, f"{rank}.json"), "w") as fh:
         json.dump(seen, fh)
     dist.destroy_process_group()
@@ -83,3 +91,5 @@ def test_two_flags_and_the_load_check_take_one_collective_each(tmp_path):
         assert got["load_calls"] == ["all_gather", "all_gather"]
         assert got["base"] == [[True, False], False, [[[0, 7]], [[1, 7]]], None]
         assert got["base_calls"] == ["all_gather"] * 4  # one collective per question
+        assert got["handed"] == [0, 1, 2, 3, 300]  # the holder's own, and what rank 1 got
+        assert got["handed_none"]  # a holder with nothing to give: the receiver gets None

@@ -16,6 +16,7 @@ import contextlib
 
 import pytest
 
+import elasticd.worker.handover as handover_module
 import elasticd.worker.sources as sources_module
 from elasticd.testing.transport import InProcessTransport
 from elasticd.worker.checkpointer import Checkpointer
@@ -80,15 +81,48 @@ def test_survivors_resume_from_the_newest_step_all_of_them_hold_in_their_own_slo
         assert {ckpt.generation for ckpt in survivors} == {1}
 
 
-def test_the_newest_step_every_survivor_holds_wins_not_one_only_some_hold(service):
-    # Rank 2 failed its collective of step 5 (partial completion): it holds 4 at most.
+def test_a_step_some_survivors_completed_is_handed_to_the_others(service):
+    # Rank 2 failed its collective of step 5 (it completed on rank 0: a ring all_reduce the
+    # dead rank broke): rank 2 holds 4 at most. Rank 0 hands its snapshot of 5 over; before,
+    # both resumed at 4 (one step lost).
+    with _world3(service, last=[5, 3, 4]) as (ckpts, states, refs, _):
+        results = _reform([ckpts[0], ckpts[2]], [states[0], states[2]], world=2)
+        assert [step for step, _ in results] == [5, 5]
+        assert [res.source for _, res in results] == ["local", "peer"]
+        assert all(res.steps_lost == 0 and res.saved_world_size == 3 for _, res in results)
+        # Both hold what rank 0 completed (replicated state: one survivor's step is whole).
+        assert _same_model(states[0], refs[(0, 5)]) and _same_model(states[2], refs[(0, 5)])
+
+
+def test_handed_bytes_that_fail_their_check_are_refused_for_the_step_all_hold(
+        service, monkeypatch):
+    exchange = handover_module.exchange
+
+    def flipped(plan, rank, payload, collective):
+        data = exchange(plan, rank, payload, collective)
+        if data is not None and plan.holder_of(rank) is not None:
+            data[-1] ^= 0xFF  # a payload byte: its block's checksum no longer matches
+        return data
+
+    monkeypatch.setattr(handover_module, "exchange", flipped)
     with _world3(service, last=[5, 3, 4]) as (ckpts, states, refs, _):
         results = _reform([ckpts[0], ckpts[2]], [states[0], states[2]], world=2)
         assert [step for step, _ in results] == [4, 4]
+        assert any("handed step (0, 5)" in why for why in results[1][1].refused)
         assert _same_model(states[0], refs[(0, 4)]) and _same_model(states[2], refs[(2, 4)])
-        assert results[0][1].steps_lost == 1  # rank 0 had reached 5
 
 
+@pytest.mark.parametrize("offers, common, expected", [
+    ([[(0, 5), (0, 4)], [(0, 4), (0, 3)], [(0, 5), (0, 4)]], {(0, 4)},
+     ((0, 5), ((0, 1),))),  # rank 1 takes 5 from rank 0
+    ([[(0, 5), (0, 4)], [(0, 4)], [(0, 4)]], {(0, 4)}, ((0, 5), ((0, 1), (0, 2)))),
+    ([[(0, 5), (0, 4)], [(0, 5), (0, 4)]], {(0, 5), (0, 4)}, None),  # all hold it
+    ([[(1, 2), (0, 4)], [(0, 4)]], {(0, 4)}, None),  # another generation: not this timeline
+    ([[(0, 5)], [(0, 4)]], set(), None),  # nothing in common: no timeline to follow
+])
+def test_the_handover_plan(offers, common, expected):
+    got = handover_module.plan(offers, common)
+    assert (None if got is None else (got.version, got.pairs)) == expected
 def test_a_fresh_rank_in_the_round_means_no_own_offer_is_taken(service):
     # A restarted or new worker has no slot of its own: a step nobody committed may be held
     # nowhere for its rank, so the round takes what it would take after a restart (here:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import queue
 import shutil
 import threading
 import time
@@ -173,6 +174,7 @@ class ThreadRanks:
     def __init__(self, world):
         self.barrier = threading.Barrier(world, timeout=30)
         self.box = [None] * world
+        self.lines = {(a, b): queue.Queue() for a in range(world) for b in range(world)}
 
     def rank(self, r):
         outer = self
@@ -184,6 +186,12 @@ class ThreadRanks:
                 out = list(outer.box)
                 outer.barrier.wait()
                 return out
+
+            def send(self, tensor, to):
+                outer.lines[(r, to)].put(tensor.clone())
+
+            def recv(self, tensor, frm):
+                tensor.copy_(outer.lines[(frm, r)].get(timeout=30))
 
         return One()
 
