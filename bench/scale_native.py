@@ -70,6 +70,7 @@ from elasticd.coordination.health import EtcdHealth
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.lease import LeaseKeeper
 from scale_agents import AgentRuns  # noqa: E402 - bench/, beside this file
+from scale_placement import own_thread_cpu, parse_cpus, place, prestart  # noqa: E402
 from scale_sim import requests_by_method, scrape  # noqa: E402 - bench/, beside this file
 
 PREFIX = "/sim"
@@ -848,6 +849,8 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
     ticker = Ticker(nodes)  # where a phase registers per-node periodic work
     phase_state: dict[str, Any] = {}
     pool = concurrent.futures.ThreadPoolExecutor(len(indices))
+    if getattr(a, "prestart", 1):  # not inside the join round (scale_placement.prestart)
+        prestart(pool, len(indices))
     me = psutil.Process()
     lost_by_killed = [0, 0]  # leases lost, re-grants: of the nodes killed so far
     conn.send("ready")
@@ -874,7 +877,7 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
                 "handed_back": {**getattr(keepers, "handed_back", {}),
                                 **{f"{k}_retried": v
                                    for k, v in getattr(keepers, "retried", {}).items()}},
-                "threads": me.num_threads()}
+                "threads": me.num_threads(), "thread_cpu": own_thread_cpu()}
 
     while True:
         cmd = conn.recv()
@@ -967,6 +970,10 @@ class Cluster:
         out["handed_back"] = {k: sum(p["handed_back"].get(k, 0) for p in parts)
                               for k in {k for p in parts for k in p["handed_back"]}}
         out["closers"] = {i: v for p in parts for i, v in p["closers"].items()}
+        out["thread_cpu"] = {}
+        for p in parts:
+            for k, v in p["thread_cpu"].items():
+                out["thread_cpu"][k] = out["thread_cpu"].get(k, 0.0) + v
         return out
 
     def close(self) -> None:
@@ -1138,8 +1145,23 @@ def measure_round(cluster: Cluster, etcd: Etcd, agents: int,
         "etcd_cpu_seconds": round(e1 - e0, 3),
         "closer_cpu_seconds": round(closer_cpu, 4),
         "simulator_cpu_seconds_per_agent": round((s1["cpu"] - s0["cpu"]) / agents, 5),
+        # the simulator processes' CPU by thread group (keep-alive processes apart): the
+        # cheap profile of where a round's simulator CPU goes
+        "simulator_thread_cpu_seconds": thread_cpu_delta(s0, s1),
         **lease_counts(s0, s1),
     }
+
+
+def thread_cpu_delta(s0: dict[str, Any], s1: dict[str, Any], top: int = 8) -> dict[str, float]:
+    """CPU seconds by thread group between two :meth:`Cluster.stats`, the ``top`` largest
+    (the keep-alive processes' CPU as ``(keep-alive processes)``; the rest summed)."""
+    d = {k: v - s0["thread_cpu"].get(k, 0.0) for k, v in s1["thread_cpu"].items()}
+    d["(keep-alive processes)"] = s1["keepalive_cpu"] - s0["keepalive_cpu"]
+    ranked = sorted(d.items(), key=lambda kv: -kv[1])
+    out = {k: round(v, 3) for k, v in ranked[:top]}
+    if len(ranked) > top:
+        out["(other)"] = round(sum(v for _, v in ranked[top:]), 3)
+    return out
 
 
 def run_size(n: int, server: EmbeddedEtcd, a: argparse.Namespace,
@@ -1315,6 +1337,8 @@ TERM_GRACE = 15.0
 ETCD_DIRS: list[str] = []
 #: What :func:`exit_now` writes first: the current N's rounds measured so far.
 ON_EXIT: list[Callable[[], Any]] = []
+#: Where etcd and the simulator ran (``--etcd-cpus`` ...), written beside each entry's figures.
+PLACEMENT: dict[str, Any] = {}
 
 
 def exit_now() -> None:
@@ -1356,6 +1380,7 @@ def record(doc: dict[str, Any], r: dict[str, Any], n: int, a: argparse.Namespace
     """Writes the entry ``r`` of size ``n`` into ``a.out`` (replacing the same N's)."""
     r["load_average_at_start"] = [round(x, 2) for x in load]
     r["etcd_members"] = a.members
+    r["cpu_placement"] = dict(PLACEMENT)
     r["command"] = "python bench/scale_native.py " + " ".join(sys.argv[1:])
     r["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     r["simulation_seconds"] = round(time.monotonic() - t0, 1)
@@ -1435,6 +1460,15 @@ def main() -> int:
     p.add_argument("--worker-nice", type=int, default=0,
                    help="niceness added to each simulator process after its keep-alive "
                         "process started (etcd and the keep-alives then take the CPU first)")
+    p.add_argument("--etcd-cpus", default="",
+                   help="CPUs etcd's threads are pinned to, e.g. 0 (default: any)")
+    p.add_argument("--sim-cpus", default="",
+                   help="CPUs the driver and the simulator processes are pinned to, e.g. 1")
+    p.add_argument("--etcd-nice", type=int, default=0,
+                   help="etcd's niceness (negative: it takes the CPU before the simulator)")
+    p.add_argument("--prestart", type=int, default=1,
+                   help="1: each simulator process starts its agents' pool threads before "
+                        "the rounds (0: inside the join round, before 2026-11-30 06:00)")
     p.add_argument("--profile-join", default="",
                    help="a directory: py-spy records the first simulator process and its "
                         "keep-alive process through the join round (collapsed stacks)")
@@ -1472,8 +1506,17 @@ def main() -> int:
     except (OSError, ValueError):
         doc = {}
     doc.setdefault("results", [])
+    etcd_cpus, sim_cpus = parse_cpus(a.etcd_cpus), parse_cpus(a.sim_cpus)
     etcd = EmbeddedEtcd(a.members).start()
     ETCD_DIRS.append(etcd.dir)
+    # etcd's core and priority (scale_placement): etcd's threads now, the simulator's by
+    # inheritance (the workers are spawned from this thread after it)
+    for m in etcd.members:
+        place(m.proc.pid, etcd_cpus or None, a.etcd_nice if a.etcd_nice else None)
+    if sim_cpus:
+        os.sched_setaffinity(0, sim_cpus)
+    PLACEMENT.update(etcd_cpus=etcd_cpus or "any", simulator_cpus=sim_cpus or "any",
+                     etcd_nice=a.etcd_nice, worker_nice=a.worker_nice)
     try:
         for n in sizes:
             t0, load = time.monotonic(), os.getloadavg()  # others' work beside the lock
