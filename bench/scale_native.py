@@ -71,7 +71,8 @@ from elasticd.coordination.health import EtcdHealth
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.lease import LeaseKeeper
 from scale_agents import AgentRuns  # noqa: E402 - bench/, beside this file
-from scale_placement import own_thread_cpu, parse_cpus, place, prestart  # noqa: E402
+from scale_placement import (  # noqa: E402 - bench/, beside this file
+    compact_timeline, own_thread_cpu, parse_cpus, place, prestart)
 from scale_sim import requests_by_method, scrape  # noqa: E402 - bench/, beside this file
 
 PREFIX = "/sim"
@@ -1131,8 +1132,10 @@ def measure_round(cluster: Cluster, etcd: Etcd, agents: int,
         "rounds": sorted({r[1] for r in ok}), "ranks_distinct": len({r[2] for r in ok}) == len(ok),
         # agents that joined again because num_nodes_waiting said a node waited outside
         "restarts": restarts,
-        # [seconds from the kill (or start), etcd %, simulator %] of a core, every 0.2 s
-        "cpu_timeline": [[round(t - origin, 2), e, c] for t, e, c in timeline],
+        # [seconds from the kill (or start), etcd %, simulator %] of a core, every 0.2 s (at
+        # most 40: longer rounds in runs of samples merged, scale_placement.compact_timeline)
+        "cpu_timeline": compact_timeline([[round(t - origin, 2), e, c]
+                                          for t, e, c in timeline]),
         "origin_wall_time": round(origin, 3),
         "requests_per_agent_round": round(sum(per_round.values()) / agents, 3),
         "requests_by_method": per_round,

@@ -91,3 +91,18 @@ def own_thread_cpu() -> dict[str, float]:
     names = {t.native_id: t.name for t in threading.enumerate() if t.native_id}
     return thread_cpu(((t.id, t.user_time + t.system_time) for t in psutil.Process().threads()),
                       names)
+
+
+def compact_timeline(samples: list[list[float]], most: int = 40) -> list[list[float]]:
+    """``[t, etcd %, simulator %]`` samples merged in runs of k (each run: its first time and
+    its mean percentages), k the smallest that leaves at most ``most``: a 60 s round sampled
+    every 0.2 s is 300 samples, which made the results file grow by tens of KB per entry."""
+    if len(samples) <= most:
+        return samples
+    k = -(-len(samples) // most)
+    out = []
+    for i in range(0, len(samples), k):
+        run = samples[i:i + k]
+        out.append([run[0][0]] + [round(sum(x[j] for x in run) / len(run))
+                                  for j in range(1, len(run[0]))])
+    return out

@@ -66,3 +66,14 @@ def test_thread_cpu_groups_each_nodes_thread_of_one_kind():
     got = sp.thread_cpu([(1, 1.0), (2, 2.0), (3, 0.5), (4, 0.25), (9, 0.125)], names)
     assert got == {"ThreadPoolExecutor-#_#": 3.0, "rendezvous-duty": 0.5, "watch#": 0.25,
                    "(not a Python thread)": 0.125}
+
+
+def test_compact_timeline_merges_runs_of_samples_into_at_most_most():
+    sp = _placement()
+    short = [[0.2 * i, 10, 20] for i in range(5)]
+    assert sp.compact_timeline(short, 40) is short
+    long = [[round(0.2 * i, 1), i, 100 - i] for i in range(300)]
+    got = sp.compact_timeline(long, 40)
+    assert len(got) <= 40
+    assert got[0] == [0.0, round(3.5), round(96.5)]  # the first 8: etcd 0..7, simulator 100..93
+    assert got[-1][0] == long[-(300 % 8 or 8)][0]
