@@ -1158,9 +1158,12 @@ def measure_round(cluster: Cluster, etcd: Etcd, agents: int,
 
 def thread_cpu_delta(s0: dict[str, Any], s1: dict[str, Any], top: int = 8) -> dict[str, float]:
     """CPU seconds by thread group between two :meth:`Cluster.stats`, the ``top`` largest
-    (the keep-alive processes' CPU as ``(keep-alive processes)``; the rest summed)."""
+    (the keep-alive processes' CPU as ``(keep-alive processes)``, what no live thread holds as
+    ``(threads ended meanwhile)``; the rest summed)."""
     d = {k: v - s0["thread_cpu"].get(k, 0.0) for k, v in s1["thread_cpu"].items()}
     d["(keep-alive processes)"] = s1["keepalive_cpu"] - s0["keepalive_cpu"]
+    # what no live thread holds: threads that ended meanwhile (a process's total counts them)
+    d["(threads ended meanwhile)"] = s1["cpu"] - s0["cpu"] - sum(d.values())
     ranked = sorted(d.items(), key=lambda kv: -kv[1])
     out = {k: round(v, 3) for k, v in ranked[:top]}
     if len(ranked) > top:
