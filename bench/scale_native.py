@@ -41,6 +41,10 @@ Per-node periodic work (the commit engineer's "steady training" phase) goes thro
 process at that period, on one thread per process, through each node's own Coordinator
 (``node.coord``) and keys (``node.keys``, ``node.name``).
 
+Where etcd and the simulator run (:mod:`scale_placement`): ``--etcd-nice`` (etcd's priority),
+``--etcd-cpus``/``--sim-cpus`` (a core each), ``--etcd-tmpfs`` (etcd's data in memory); each
+entry writes them as ``cpu_placement``, and each round its simulator CPU by thread group.
+
 Run under the CPU lock, one N at a time for the large ones (each < 20 minutes)::
 
     flock /tmp/elasticd-cpu.lock .venv/bin/python bench/scale_native.py --sizes 100,300
