@@ -41,6 +41,10 @@ Per-node periodic work (the commit engineer's "steady training" phase) goes thro
 process at that period, on one thread per process, through each node's own Coordinator
 (``node.coord``) and keys (``node.keys``, ``node.name``).
 
+Where etcd and the simulator run (:mod:`scale_placement`): ``--etcd-nice`` (etcd's priority),
+``--etcd-cpus``/``--sim-cpus`` (a core each), ``--etcd-tmpfs`` (etcd's data in memory); each
+entry writes them as ``cpu_placement``, and each round its simulator CPU by thread group.
+
 Run under the CPU lock, one N at a time for the large ones (each < 20 minutes)::
 
     flock /tmp/elasticd-cpu.lock .venv/bin/python bench/scale_native.py --sizes 100,300
@@ -57,6 +61,7 @@ import random
 import signal
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from typing import Any, Callable
@@ -70,6 +75,8 @@ from elasticd.coordination.health import EtcdHealth
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.lease import LeaseKeeper
 from scale_agents import AgentRuns  # noqa: E402 - bench/, beside this file
+from scale_placement import (  # noqa: E402 - bench/, beside this file
+    compact_timeline, own_thread_cpu, parse_cpus, place, prestart)
 from scale_sim import requests_by_method, scrape  # noqa: E402 - bench/, beside this file
 
 PREFIX = "/sim"
@@ -848,6 +855,8 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
     ticker = Ticker(nodes)  # where a phase registers per-node periodic work
     phase_state: dict[str, Any] = {}
     pool = concurrent.futures.ThreadPoolExecutor(len(indices))
+    if getattr(a, "prestart", 1):  # not inside the join round (scale_placement.prestart)
+        prestart(pool, len(indices))
     me = psutil.Process()
     lost_by_killed = [0, 0]  # leases lost, re-grants: of the nodes killed so far
     conn.send("ready")
@@ -874,7 +883,7 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
                 "handed_back": {**getattr(keepers, "handed_back", {}),
                                 **{f"{k}_retried": v
                                    for k, v in getattr(keepers, "retried", {}).items()}},
-                "threads": me.num_threads()}
+                "threads": me.num_threads(), "thread_cpu": own_thread_cpu()}
 
     while True:
         cmd = conn.recv()
@@ -967,6 +976,10 @@ class Cluster:
         out["handed_back"] = {k: sum(p["handed_back"].get(k, 0) for p in parts)
                               for k in {k for p in parts for k in p["handed_back"]}}
         out["closers"] = {i: v for p in parts for i, v in p["closers"].items()}
+        out["thread_cpu"] = {}
+        for p in parts:
+            for k, v in p["thread_cpu"].items():
+                out["thread_cpu"][k] = out["thread_cpu"].get(k, 0.0) + v
         return out
 
     def close(self) -> None:
@@ -1123,8 +1136,10 @@ def measure_round(cluster: Cluster, etcd: Etcd, agents: int,
         "rounds": sorted({r[1] for r in ok}), "ranks_distinct": len({r[2] for r in ok}) == len(ok),
         # agents that joined again because num_nodes_waiting said a node waited outside
         "restarts": restarts,
-        # [seconds from the kill (or start), etcd %, simulator %] of a core, every 0.2 s
-        "cpu_timeline": [[round(t - origin, 2), e, c] for t, e, c in timeline],
+        # [seconds from the kill (or start), etcd %, simulator %] of a core, every 0.2 s (at
+        # most 40: longer rounds in runs of samples merged, scale_placement.compact_timeline)
+        "cpu_timeline": compact_timeline([[round(t - origin, 2), e, c]
+                                          for t, e, c in timeline]),
         "origin_wall_time": round(origin, 3),
         "requests_per_agent_round": round(sum(per_round.values()) / agents, 3),
         "requests_by_method": per_round,
@@ -1138,8 +1153,26 @@ def measure_round(cluster: Cluster, etcd: Etcd, agents: int,
         "etcd_cpu_seconds": round(e1 - e0, 3),
         "closer_cpu_seconds": round(closer_cpu, 4),
         "simulator_cpu_seconds_per_agent": round((s1["cpu"] - s0["cpu"]) / agents, 5),
+        # the simulator processes' CPU by thread group (keep-alive processes apart): the
+        # cheap profile of where a round's simulator CPU goes
+        "simulator_thread_cpu_seconds": thread_cpu_delta(s0, s1),
         **lease_counts(s0, s1),
     }
+
+
+def thread_cpu_delta(s0: dict[str, Any], s1: dict[str, Any], top: int = 8) -> dict[str, float]:
+    """CPU seconds by thread group between two :meth:`Cluster.stats`, the ``top`` largest
+    (the keep-alive processes' CPU as ``(keep-alive processes)``, what no live thread holds as
+    ``(threads ended meanwhile)``; the rest summed)."""
+    d = {k: v - s0["thread_cpu"].get(k, 0.0) for k, v in s1["thread_cpu"].items()}
+    d["(keep-alive processes)"] = s1["keepalive_cpu"] - s0["keepalive_cpu"]
+    # what no live thread holds: threads that ended meanwhile (a process's total counts them)
+    d["(threads ended meanwhile)"] = s1["cpu"] - s0["cpu"] - sum(d.values())
+    ranked = sorted(d.items(), key=lambda kv: -kv[1])
+    out = {k: round(v, 3) for k, v in ranked[:top]}
+    if len(ranked) > top:
+        out["(other)"] = round(sum(v for _, v in ranked[top:]), 3)
+    return out
 
 
 def run_size(n: int, server: EmbeddedEtcd, a: argparse.Namespace,
@@ -1315,6 +1348,8 @@ TERM_GRACE = 15.0
 ETCD_DIRS: list[str] = []
 #: What :func:`exit_now` writes first: the current N's rounds measured so far.
 ON_EXIT: list[Callable[[], Any]] = []
+#: Where etcd and the simulator ran (``--etcd-cpus`` ...), written beside each entry's figures.
+PLACEMENT: dict[str, Any] = {}
 
 
 def exit_now() -> None:
@@ -1356,6 +1391,7 @@ def record(doc: dict[str, Any], r: dict[str, Any], n: int, a: argparse.Namespace
     """Writes the entry ``r`` of size ``n`` into ``a.out`` (replacing the same N's)."""
     r["load_average_at_start"] = [round(x, 2) for x in load]
     r["etcd_members"] = a.members
+    r["cpu_placement"] = dict(PLACEMENT)
     r["command"] = "python bench/scale_native.py " + " ".join(sys.argv[1:])
     r["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     r["simulation_seconds"] = round(time.monotonic() - t0, 1)
@@ -1435,6 +1471,17 @@ def main() -> int:
     p.add_argument("--worker-nice", type=int, default=0,
                    help="niceness added to each simulator process after its keep-alive "
                         "process started (etcd and the keep-alives then take the CPU first)")
+    p.add_argument("--etcd-cpus", default="",
+                   help="CPUs etcd's threads are pinned to, e.g. 0 (default: any)")
+    p.add_argument("--sim-cpus", default="",
+                   help="CPUs the driver and the simulator processes are pinned to, e.g. 1")
+    p.add_argument("--etcd-nice", type=int, default=0,
+                   help="etcd's niceness (negative: it takes the CPU before the simulator)")
+    p.add_argument("--etcd-tmpfs", action="store_true",
+                   help="etcd's data directory in /dev/shm (removed at the end): no fsync")
+    p.add_argument("--prestart", type=int, default=1,
+                   help="1: each simulator process starts its agents' pool threads before "
+                        "the rounds (0: inside the join round, before 2026-11-30 06:00)")
     p.add_argument("--profile-join", default="",
                    help="a directory: py-spy records the first simulator process and its "
                         "keep-alive process through the join round (collapsed stacks)")
@@ -1472,8 +1519,27 @@ def main() -> int:
     except (OSError, ValueError):
         doc = {}
     doc.setdefault("results", [])
-    etcd = EmbeddedEtcd(a.members).start()
+    etcd_cpus, sim_cpus = parse_cpus(a.etcd_cpus), parse_cpus(a.sim_cpus)
+    # --etcd-tmpfs: etcd's data (its WAL) in memory. At N = 1,000 etcd's CPU fell to 0 % of a
+    # core in 0.2 s slots of a kill round even at nice -10 while leases were lost: not
+    # runnable, blocked on its WAL's fsync on this VM's disk, which other sessions' checkpoint
+    # writes share (the lock covers the CPU, not the disk). etcd's own SSD is what a real
+    # cluster has; the fsync's cost is measured apart (--members 3).
+    data_dir = tempfile.mkdtemp(prefix="elasticd-etcd-", dir="/dev/shm") if a.etcd_tmpfs \
+        else None
+    if data_dir:
+        ETCD_DIRS.append(data_dir)
+    etcd = EmbeddedEtcd(a.members, data_dir=data_dir).start()
     ETCD_DIRS.append(etcd.dir)
+    # etcd's core and priority (scale_placement): etcd's threads now, the simulator's by
+    # inheritance (the workers are spawned from this thread after it)
+    for m in etcd.members:
+        place(m.proc.pid, etcd_cpus or None, a.etcd_nice if a.etcd_nice else None)
+    if sim_cpus:
+        os.sched_setaffinity(0, sim_cpus)
+    PLACEMENT.update(etcd_cpus=etcd_cpus or "any", simulator_cpus=sim_cpus or "any",
+                     etcd_nice=a.etcd_nice, worker_nice=a.worker_nice,
+                     etcd_data="tmpfs (no fsync cost)" if data_dir else "disk")
     try:
         for n in sizes:
             t0, load = time.monotonic(), os.getloadavg()  # others' work beside the lock
@@ -1508,6 +1574,9 @@ def main() -> int:
             for m in etcd.members:
                 shutil.copy(m.log_path, os.environ["SCALE_ETCD_LOGS"])
         etcd.stop()
+        if data_dir:
+            import shutil
+            shutil.rmtree(data_dir, ignore_errors=True)
     return 0
 
 
