@@ -279,7 +279,7 @@ class Node:
                                 daemon.channel.handlers(), binding=CallerBinding(job_scope))
             local.on_close.append(daemon.timeline.on_connection_closed)
             if daemon.checkpoints is not None:
-                local.on_undelivered.append(daemon.checkpoints.undelivered)
+                local.on_undelivered.append(daemon.checkpoints.restores.undelivered)
             self._teardown.append(local.stop)
             local.start()
         except (OSError, ValueError, LocalApiError) as exc:
