@@ -153,11 +153,6 @@ class Replicator:
             sink.never_committed = self.tracker.never_committed
         self.tracker.reporter.ticker.start()
 
-    def on_report(self, report: Report) -> Reply:
-        """Where the replica server hands the commit reports it receives (to this node's
-        coordinator of the report's job, through the reporter)."""
-        return self.tracker.reporter.on_report(report)
-
     def _send_report(self, node: str, report: Report) -> Reply:
         """Sends a commit report to ``node`` over the pooled report connection (a reused one
         the peer closed meanwhile is replaced once). Raises ReplicationError."""
