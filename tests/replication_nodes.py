@@ -111,7 +111,7 @@ class Cluster:
             self.coords.append(coord)
             rep = Replicator(name, coord, self.keys, local, SECRET, m,
                              peers_address=self.address_of, sink=sink, **replicator_kw)
-            server.on_report = rep.on_report
+            server.on_report = rep.tracker.reporter.on_report
             self.nodes[name] = Node(name, root, local, sink, server, rep)
 
     def address_of(self, node: str) -> tuple[str, int] | None:

@@ -5,7 +5,7 @@ local API). A worker group is hung when a rank that has reported before makes no
 its timeout — a collective waiting for a dead peer, a deadlock, a stuck data loader — or,
 optionally, when no rank reports at all within ``startup_timeout`` of a (re)start. The timeout
 is either set (``--hang-timeout``) or learned from the job's step intervals
-(:mod:`elasticd.agent.hang_timeout`: a multiple of the longest recent interval, with a floor,
+(:mod:`elasticd.cluster.learned_timeout`: a multiple of the longest recent interval, with a floor,
 and an allowance for each worker process's first steps).
 :meth:`ProgressTracker.check` only says so, as a :class:`Hang` value; killing and restarting the
 group, and recording the reason, is the daemon's job.
@@ -34,7 +34,7 @@ import statistics
 import threading
 from typing import Any, Callable
 
-from elasticd.agent.hang_timeout import WARMUP_STEPS, LearnedTimeout, StepHistory
+from elasticd.cluster.learned_timeout import WARMUP_STEPS, LearnedTimeout, StepHistory
 from elasticd.clock import Clock
 from elasticd.local.wire import RequestError
 

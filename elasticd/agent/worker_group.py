@@ -5,7 +5,7 @@ requests, forwarded by the checkpoint service) to :meth:`WorkerGroup.on_progress
 learns go into the node's job status, from which replica placement is computed
 (:func:`elasticd.agent.job_rules.round_ranks`); the steps feed hang detection
 (:mod:`elasticd.agent.progress`, with a timeout the job sets or one learned from its step times:
-:mod:`elasticd.agent.hang_timeout`) and the crash-loop count
+:mod:`elasticd.cluster.learned_timeout`) and the crash-loop count
 (:mod:`elasticd.agent.restart_watch`). The group is restarted at once when it hangs
 (:meth:`WorkerGroup.restart_if_hung`) or when the job manager decides so for a failed peer
 (:meth:`WorkerGroup.restart_workers`).
@@ -17,7 +17,7 @@ import logging
 import threading
 from typing import Any, Callable
 
-from elasticd.agent.hang_timeout import LearnedTimeout
+from elasticd.cluster.learned_timeout import LearnedTimeout
 from elasticd.agent.job_status import JobStatusBoard
 from elasticd.agent.progress import ProgressTracker, progress_handler
 from elasticd.agent.restart_watch import RestartWatch

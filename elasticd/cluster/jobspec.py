@@ -70,7 +70,8 @@ class JobSpec:
         name: job name (also torchrun's rendezvous id).
         script_sha256: hash every node checks before it starts the job.
         created_at: wall time of submission.
-        hang_timeout: None: learned from the job's step times (:mod:`elasticd.agent.hang_timeout`).
+        hang_timeout: None: learned from the job's step times
+            (:mod:`elasticd.cluster.learned_timeout`).
         in_process: :mod:`elasticd.agent.in_process_agent`; specs written before it decode as
             False.
         reform_deadline: :func:`elasticd.agent.job_rules.reform_step`; the daemon's own backstop
@@ -305,7 +306,7 @@ class NodeJobStatus:
     ranks: list[int] = dataclasses.field(default_factory=list)  # this node's global ranks
     unprotected: str = ""  # "UNPROTECTED: <why>" while a node failure would lose too much
     hang_timeout: float = 0.0  # the hang timeout in force (0: none: off, or no job running)
-    hang_timeout_source: str = ""  # set | learned | floor | first_step (agent/hang_timeout.py)
+    hang_timeout_source: str = ""  # set | learned | floor | first_step (cluster/learned_timeout.py)
     compute_seconds: float = 0.0  # compute time per step outside collectives (0: not measured)
     straggler: str = ""  # "STRAGGLER: <why>" while named a straggler (agent/straggler.py)
 

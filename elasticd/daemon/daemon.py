@@ -367,7 +367,7 @@ class Daemon:
             if self.state is NodeState.UP and self.registered_lease is not None:
                 self.loop.note(self.drainer.step() if self.health.up else None)
                 if self.checkpoints is not None:
-                    self.jobs.set_unprotected(self.checkpoints.unprotected(self.jobs.job))
+                    self.jobs.set_unprotected(self.checkpoints.book.unprotected(self.jobs.job))
                 self.jobs.step()
                 self.loop.notes += self.jobs.notes
                 self.loop.note(self.timeline.step())

@@ -38,11 +38,11 @@ class NodeDrainHost:
         return self._replicator is not None
 
     def quiesce(self, timeout: float) -> bool:
-        return self._checkpoints.quiesce(timeout) if self._checkpoints is not None else True
+        return self._checkpoints.snapshots.quiesce(timeout) if self._checkpoints is not None else True
 
     def resume(self) -> None:
         if self._checkpoints is not None:
-            self._checkpoints.resume()
+            self._checkpoints.snapshots.resume()
 
     def handoff(self, timeout: float, progress: Progress | None) -> dict[str, dict[str, Any]]:
         if self._replicator is None:

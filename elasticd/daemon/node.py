@@ -239,7 +239,7 @@ class Node:
                          m=settings.replicas,
                          peers_address=functools.partial(peer_address, membership),
                          sink=sink, commit_wait=COMMIT_WAIT, lease_ttl=settings.lease_ttl)
-        server.on_report = rep.on_report
+        server.on_report = rep.tracker.reporter.on_report  # to the job's coordinator here
         self._teardown.append(rep.close)
         # Local snapshots get their block tags as they are sealed, so a push only sends.
         store.tagger = BlockTagger(secret).tag
@@ -279,7 +279,7 @@ class Node:
                                 daemon.channel.handlers(), binding=CallerBinding(job_scope))
             local.on_close.append(daemon.timeline.on_connection_closed)
             if daemon.checkpoints is not None:
-                local.on_undelivered.append(daemon.checkpoints.undelivered)
+                local.on_undelivered.append(daemon.checkpoints.restores.undelivered)
             self._teardown.append(local.stop)
             local.start()
         except (OSError, ValueError, LocalApiError) as exc:

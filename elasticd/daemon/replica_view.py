@@ -45,10 +45,8 @@ class ReplicaView:
 
     def committed_step(self, job: str) -> tuple[int, int] | None:
         """The job's newest committed (generation, step) as replication last saw it."""
-        if self.replicator is None:
-            return None
-        c = (self.replicator.status()["jobs"].get(job) or {}).get("committed")
-        return (int(c[0]), int(c[1])) if c else None
+        c = self.replicator.tracker.view(job)[1] if self.replicator is not None else None
+        return c.version if c is not None else None
 
     def last_heard(self, node: str) -> float | None:
         """When this node's replica server last heard from ``node`` (a sign of life)."""

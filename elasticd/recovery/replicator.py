@@ -85,7 +85,8 @@ class ReplicationStats:
 
 
 class Replicator:
-    """Replicates this node's snapshots and serves recovery for one daemon.
+    """Replicates this node's snapshots and serves recovery for one daemon; the store's
+    :class:`~elasticd.store.api.Replication` (which says what those members promise).
 
     Args:
         coord, keys: etcd and its keyspace (placement and commit records).
@@ -152,11 +153,6 @@ class Replicator:
             sink.never_committed = self.tracker.never_committed
         self.tracker.reporter.ticker.start()
 
-    def on_report(self, report: Report) -> Reply:
-        """Where the replica server hands the commit reports it receives (to this node's
-        coordinator of the report's job, through the reporter)."""
-        return self.tracker.reporter.on_report(report)
-
     def _send_report(self, node: str, report: Report) -> Reply:
         """Sends a commit report to ``node`` over the pooled report connection (a reused one
         the peer closed meanwhile is replaced once). Raises ReplicationError."""
@@ -220,8 +216,7 @@ class Replicator:
             self.sink.set_floor(job, generation)
 
     def on_local_snapshot(self, job: str, rank: int, version: Version) -> None:
-        """A local snapshot of ``rank`` completed: queue its push to the rank's peers. Returns
-        at once; never raises for replication trouble."""
+        """Queues the push to the rank's peers; never raises for replication trouble."""
         version = (int(version[0]), int(version[1]))
         with self.tracker.lock:
             st = self.tracker.state(job)
@@ -241,18 +236,13 @@ class Replicator:
             self.background.submit(self.tracker.on_replicated, job, rank, version)
 
     def add_commit_listener(self, listener: Callable[[str, Version], None]) -> None:
-        """Calls ``listener(job, version)`` for each newer commit this node learns, in order
-        (the commit is retained in this node's slots until the next one)."""
         self.tracker.commits.add(listener)
 
     def follows_commits(self, job: str) -> bool:
-        """Whether this node's snapshots of ``job`` are committed (a placement holds it)."""
         placement = self.tracker.view(job)[0]
         return placement is not None and self.node_id in placement.holders
 
     def snapshot_grid(self, job: str) -> int:
-        """Local snapshots of ``job`` are taken only at multiples of this step count (see
-        :class:`~elasticd.replication.commit.Grid`)."""
         return self.tracker.prefix.grid(job)
 
     def on_commit_pending(self, job: str, version: Version,
@@ -436,11 +426,6 @@ class Replicator:
 
     def fetch_to_local(self, job: str, rank: int, version: Version | None,
                        need: Any = None) -> FetchResult:
-        """Fetches a shard into this node's local store (for a rank it now hosts), where the
-        worker's usual ``ckpt_list``/``ckpt_open`` find it; with ``need`` (a new rank's local
-        boxes) only the rows they overlap, into a scratch segment the result carries
-        (:func:`~elasticd.recovery.fetch.fetch_into_scratch`). Raises: ShardLost; OverBudget
-        or SlotBusy when the local store has no room; ValueError for a malformed ``need``."""
         if need is not None:
             return fetch_into_scratch(self, self.store, job, rank, version, need)
         return fetch_into_store(self, self.store, job, rank, version)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import functools
 import socket
 import ssl
 from typing import Any, Callable
@@ -47,7 +46,6 @@ from elasticd.replication.messages import (
     open_payload,
     run_prefix,
 )
-from elasticd.replication.overlap import Helper
 from elasticd.replication.runs import RunCheck, send_runs
 from elasticd.replication.seal import BlockTags, FrameKey
 from elasticd.replication.wire import (
@@ -237,16 +235,8 @@ class Channel:
             raise UnexpectedFrame(f"expected {names}, received {msg.TYPE.name}")
         return msg
 
-    def recv_data_into(self, header: FrameHeader, destination: Destination,
-                       helper: Helper | None = None) -> tuple[int, int]:
+    def recv_data_into(self, header: FrameHeader, destination: Destination) -> tuple[int, int]:
         """Reads a DATA payload into the memory ``destination`` names and verifies it there.
-
-        Args:
-            helper: when given and the frame is sealed, its check runs on the helper's thread
-                while this one goes on receiving: it is only queued here, and the caller must
-                :meth:`Helper.wait` before it trusts the bytes (:func:`receive_stream` does so
-                before it accepts PUT_END). A frame found forged before this one stops this
-                one before it is read.
 
         Returns:
             (offset, length) of the chunk.
@@ -256,8 +246,6 @@ class Channel:
         # Checked before a byte of it is stored: an unsealed DATA frame after the handshake is
         # refused here.
         opener = frame_opener(header, self.recv_key)
-        if helper is not None:
-            helper.raise_failure()
         if header.pretagged:
             return self._recv_pretagged(header, opener, destination)
         self._recv_exactly(self._offset, "a DATA offset")
@@ -271,11 +259,6 @@ class Channel:
         # committed.
         hasher: Any = opener if opener is not None else xxhash.xxh3_128(header.checked)
         hasher.update(self._offset)
-        if helper is not None and opener is not None:
-            self._recv_exactly(target, "a DATA chunk",
-                               feed=functools.partial(helper.submit, opener.update))
-            helper.submit(opener.check, header, f" at offset {offset}")
-            return offset, length
         self._recv_exactly(target, "a DATA chunk", feed=hasher.update)
         if opener is not None:
             opener.check(header, f" at offset {offset}")
@@ -400,18 +383,12 @@ def receive_stream(channel: Channel, total: int, target: memoryview, base: int =
                                  f"{base + total})")
         return target[at : at + length]
 
-    # Sealed frames are checked on a helper thread (overlap.py), each while the next one is
-    # received; all checks are done before PUT_END is accepted, and the helper is joined
-    # before this returns or raises, so it never touches ``target`` afterwards.
-    with _helper(channel.recv_key is not None, "elasticd-verify") as helper:
-        while True:
-            header = channel.recv_header()
-            if header.type is not FrameType.DATA:
-                break
-            received += channel.recv_data_into(header, destination, helper)[1]
-            frames += 1
-        if helper is not None:
-            helper.wait()
+    while True:
+        header = channel.recv_header()
+        if header.type is not FrameType.DATA:
+            break
+        received += channel.recv_data_into(header, destination)[1]
+        frames += 1
     end = channel.recv_message(header)
     if not isinstance(end, PutEnd):
         raise UnexpectedFrame(f"expected DATA or PUT_END, received {end.TYPE.name}")
@@ -462,25 +439,9 @@ def send_stream(channel: Channel, parts: tuple[memoryview, ...], chunk: int,
     if tags is not None and channel.send_key is not None:
         limit = chunk + MAX_RUN_PREFIX if max_frame is None else max_frame
         frames = send_runs(channel, pieces, tags, chunk, limit)
-    elif channel.send_key is None or len(pieces) < 2 or not OVERLAP:
+    else:
         for at, piece in pieces:
             channel.send_data(at, piece)
-    else:
-        # Frame n + 1 is sealed on a helper thread (overlap.py) while frame n is sent. A
-        # prefix takes the key's next sequence number: the helper seals the frames in order
-        # and is idle whenever this thread touches the key.
-        prefixes: list[bytes] = []
-
-        def seal(i: int) -> None:
-            prefixes.append(data_prefix(*pieces[i], channel.send_key))
-
-        with _helper(True, "elasticd-seal") as helper:
-            helper.submit(seal, 0)
-            for i, (_, piece) in enumerate(pieces):
-                helper.wait()
-                if i + 1 < len(pieces):
-                    helper.submit(seal, i + 1)
-                channel._send(prefixes[i], piece)
     channel.send(PutEnd(offset - base, frames))
     return frames
 
@@ -517,11 +478,3 @@ def tune(sock: socket.socket) -> None:
 #: Seconds between two re-armings of a socket's timeout under a deadline (Channel._arm):
 #: what a wait may overrun the deadline by.
 ARM_SLACK = 0.05
-
-#: Whether streams run the tag pass on a helper thread instead of inline. Off: measured slower
-#: for more CPU (overlap.py gives the figures and the reasons).
-OVERLAP = False
-
-
-def _helper(wanted: bool, name: str) -> contextlib.AbstractContextManager[Any]:
-    return Helper(name) if wanted and OVERLAP else contextlib.nullcontext()

@@ -25,8 +25,8 @@ Why this primitive: it is the fastest keyed authenticator a maintained binding o
 if not by much. One core, 4 MiB frames (``python bench/bench_replication.py --primitives`` and
 docs/replication.md): Poly1305 0.20 CPU s/GiB over a cached frame and 0.27-0.31 over frames
 read from memory, AES-GMAC (protocol v2) 0.20-0.22 and 0.29-0.35, HMAC-SHA256 0.7. Unlike
-AES-GCM it holds the GIL while it hashes (:mod:`elasticd.replication.overlap` says what that
-costs). It authenticates; it does not encrypt (see docs/replication.md for the
+AES-GCM it holds the GIL while it hashes (docs/replication.md, "Where the pass runs", says
+what that costs). It authenticates; it does not encrypt (see docs/replication.md for the
 confidentiality choice).
 """
 

@@ -254,12 +254,6 @@ class CommitTracker:
         except (CoordinationError, records.RecordError) as exc:
             self.etcd_error(what, exc)
 
-    def awaiting_commit(self, job: str) -> list[Version]:
-        """Acknowledged versions of local ranks followed until committed or withdrawn."""
-        with self.lock:
-            st = self.jobs.get(job)
-            return st.book.awaiting() if st else []
-
     def view(self, job: str) -> tuple[Placement | None, Committed | None]:
         """The job's placement and commit record in force (None, None for an unknown job)."""
         with self.lock:

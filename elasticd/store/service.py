@@ -107,23 +107,10 @@ class CheckpointService:
         """Op name → handler, for :class:`~elasticd.daemon.local_api.LocalServer`."""
         return {**self.snapshots.handlers(), **self.restores.handlers()}
 
-    def quiesce(self, timeout: float, why: str = "the node is draining") -> bool:
-        """Refuses new snapshots and waits for those in flight (:meth:`Snapshots.quiesce`)."""
-        return self.snapshots.quiesce(timeout, why)
-
-    def resume(self) -> None:
-        """Accepts snapshots again (after :meth:`quiesce`)."""
-        self.snapshots.resume()
-
     def membership_changed(self, job: str) -> int:
         """A node that runs ``job`` failed: scratch set aside for its restore
         (:meth:`Restores.membership_changed`); returns the bytes set aside."""
         return self.restores.membership_changed(job)
-
-    def undelivered(self, op: str, reply: dict[str, Any]) -> None:
-        """A reply the local API could not send: its read pin goes
-        (:meth:`Restores.undelivered`)."""
-        self.restores.undelivered(op, reply)
 
     # -- housekeeping and status ----------------------------------------------------------
 
@@ -133,10 +120,6 @@ class CheckpointService:
             self.book.jobs.pop(job, None)
         self.pins.sweep(job)
         self.store.remove_job(job)
-
-    def unprotected(self, job: str | None) -> str:
-        """``UNPROTECTED: <detail>`` while ``job`` is unprotected on this node, else ""."""
-        return self.book.unprotected(job)
 
     def assess(self) -> None:
         """Re-assesses every job's protection (once per daemon cycle); logs each change. Also

@@ -13,35 +13,10 @@ What counts as trained is what the training loop received: each iterator finds t
 loop (not the indices its workers prefetched), so ``num_workers > 0`` is exact. Iterated by
 hand, every index drawn counts.
 
-Every use pattern of ``DistributedSampler`` works; the differences:
-
-* Iterating again within an epoch starts from the epoch's start in this process (the restored
-  position after a restore), and the position is that of the iterator drawn from last: one
-  abandoned after a batch or a few (the pytorch/examples Trainer probes the loader with
-  ``len(next(iter(loader))[0])`` before ``set_epoch``) moves nothing once the training loop
-  draws; the loop gets the probed batches again.
-* Once an epoch's samples have all been trained, a new iterator without ``set_epoch`` serves
-  the same epoch again, as ``DistributedSampler`` does.
-* Restored exactly at the end of epoch E: iterators before ``set_epoch(E)`` serve epoch E again
-  (so the Trainer's probe gets a batch); ``set_epoch(E)`` then makes the next iterator serve
-  E's rest, which is empty. A script that never calls ``set_epoch`` trains E again there, with a
-  warning at its next checkpoint. A probe placed *after* ``set_epoch(E)`` meets that empty rest
-  (``StopIteration``): probe before ``set_epoch``, as the tutorial does, or not at all.
-* ``len()`` is what the next iterator serves: ``DistributedSampler``'s ``num_samples`` at an
-  epoch's start, the rest after a mid-epoch restore.
-* ``pad=False`` (not in ``DistributedSampler``): no sample repeated at an epoch's end; the last
-  round is short, so ranks may draw one sample fewer — their batch counts must still agree for
-  DDP (e.g. 4096 samples, 3 ranks, batches of 32: 43 batches each).
-* The loader must return batches in order (``in_order=True``, the default), and built by the
-  ``DataLoader`` from ``batch_size`` (a custom ``batch_sampler`` wrapping this sampler is counted
-  by the indices drawn, which prefetching runs ahead of).
-
-"Every sample once" needs the dataset to come out the same after a restart: the same samples
-in the same order (the position is an index into it). A split drawn at random without a seed
-(minGPT's ``random_split(dataset, ...)``) puts other samples in the training set on every start.
-The sampler checks what it cheaply can: given a split (a ``Subset``, which ``random_split``
-returns, possibly nested), it keeps a fingerprint of the indices it selects in its state, and a
-restore into a sampler over another split logs a warning naming the fix (a seeded generator).
+Where it differs from ``DistributedSampler`` (iterating again within an epoch, an epoch
+restored complete, ``len()``, ``pad=False``, batches in order), and why every sample once needs
+the same dataset after a restart (a split drawn without a seed; the fingerprint a ``Subset``
+is checked by): docs/worker-api.md, "ElasticSampler".
 
 Put the sampler in the checkpointed state; create it after ``init_process_group``. Worker side.
 """
@@ -68,7 +43,7 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
 
     Args:
         dataset: the dataset, as ``DistributedSampler`` takes it (anything with ``len()``; a
-            split such as ``random_split``'s is checked at restore: module docstring), or its
+            split such as ``random_split``'s is checked at restore: docs/worker-api.md), or its
             length when the dataset is not at hand.
         num_replicas: world size; defaults to torch.distributed's (1 without a group).
         rank: this rank; defaults to torch.distributed's (0 without a group).

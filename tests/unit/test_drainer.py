@@ -149,7 +149,7 @@ def test_quiesce_refuses_new_snapshots_and_waits_for_the_one_in_flight():
         reply = t.call("ckpt_reserve", job="j", rank=0, world_size=1, nbytes=4096)
         assert "ticket" in reply
         result = {}
-        th = threading.Thread(target=lambda: result.update(ok=service.quiesce(5.0)))
+        th = threading.Thread(target=lambda: result.update(ok=service.snapshots.quiesce(5.0)))
         th.start()
         time.sleep(0.2)
         assert th.is_alive(), "quiesce returned with a snapshot in flight"
@@ -159,8 +159,8 @@ def test_quiesce_refuses_new_snapshots_and_waits_for_the_one_in_flight():
             service.book.jobs["j"].slots.clear()
         th.join(5)
         assert result == {"ok": True}
-        assert service.quiesce(0.1) is True
-        service.resume()
+        assert service.snapshots.quiesce(0.1) is True
+        service.snapshots.resume()
         assert "ticket" in t.call("ckpt_reserve", job="j", rank=0, world_size=1, nbytes=4096)
     finally:
         store.close()
@@ -228,7 +228,7 @@ def test_on_a_fake_clock_quiesce_gives_up_by_its_timeout():
     try:
         assert "ticket" in t.call("ckpt_reserve", job="j", rank=0, world_size=1, nbytes=4096)
         start = clock.monotonic()
-        assert service.quiesce(60.0) is False  # the snapshot in flight never completes
+        assert service.snapshots.quiesce(60.0) is False  # the snapshot in flight never completes
         assert clock.monotonic() - start == pytest.approx(60.0)
     finally:
         store.close()

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from elasticd.agent.hang_timeout import LearnedTimeout, SlidingMax, StepHistory
+from elasticd.cluster.learned_timeout import LearnedTimeout, SlidingMax, StepHistory
 from elasticd.agent.progress import HangKind, ProgressTracker
 from elasticd.testing.clock import FakeClock
 

@@ -122,10 +122,10 @@ def test_each_reason_is_reported_everywhere_and_clears(setup):
     sink = CheckpointSink(metrics)
     write_snapshot(t, "j", 0, 1, world=1)
     sink.update(service.stats())
-    assert service.unprotected("j") == ""  # young: placement is being formed
+    assert service.book.unprotected("j") == ""  # young: placement is being formed
     clock.advance(6)
     sink.update(service.stats())
-    assert "no replica placement" in service.unprotected("j")
+    assert "no replica placement" in service.book.unprotected("j")
     assert gauge(metrics, "no_placement") == 1
     status = service.status()["j"]
     assert status["unprotected"] and status["unprotected_kind"] == "no_placement"
@@ -137,12 +137,12 @@ def test_each_reason_is_reported_everywhere_and_clears(setup):
 
     rep.jobs["j"] = {"placement": "n1 -> n2", "committed": [0, 1], "sync_lag": 30}
     sink.update(service.stats())
-    assert "30 steps behind" in service.unprotected("j")
+    assert "30 steps behind" in service.book.unprotected("j")
     assert gauge(metrics, "no_placement") == 0 and gauge(metrics, "commit_lag") == 1
 
     rep.jobs["j"]["sync_lag"] = 1
     sink.update(service.stats())
-    assert service.unprotected("j") == "" and gauge(metrics, "commit_lag") == 0
+    assert service.book.unprotected("j") == "" and gauge(metrics, "commit_lag") == 0
     assert "unprotected" not in t.call("ckpt_reserve", job="j", rank=0, world_size=1,
                                        nbytes=4096, step=3, generation=0)
 

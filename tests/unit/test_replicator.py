@@ -337,6 +337,11 @@ def book(node):
     return node.replicator.tracker.jobs[JOB].book
 
 
+def awaiting_commit(node) -> list[list[int]]:
+    """Acknowledged versions the node follows until committed or withdrawn (its status)."""
+    return node.replicator.status()["jobs"].get(JOB, {}).get("awaiting_commit", [])
+
+
 def wait_for(condition, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -391,7 +396,7 @@ def test_a_step_is_never_committed_naming_a_holder_that_overwrote_it(make_cluste
     assert not snapshot_as_service(n1, 0, 3), "both slots hold copies that must stay"
     assert n1.local.versions(JOB, 0) == [(0, 2), (0, 1)]
     # withdraw_after passes: step 2 is withdrawn from n1's record, its slot may be reused.
-    wait_for(lambda: not n1.replicator.tracker.awaiting_commit(JOB))
+    wait_for(lambda: not awaiting_commit(n1))
     assert n1.replicator.stats().withdrawals_total == 1
     assert snapshot_as_service(n1, 0, 3)
     cluster.wait_idle()
@@ -404,7 +409,7 @@ def test_a_step_is_never_committed_naming_a_holder_that_overwrote_it(make_cluste
     # n2's acknowledged step 2 can never commit either (n1's record lists step 3, not 2): n2
     # withdraws it at once, so its step 3 is not skipped. Nothing waits on that slot, so the
     # timeout cannot be what withdrew it (an unblocked version is never withdrawn on time).
-    wait_for(lambda: not n2.replicator.tracker.awaiting_commit(JOB))
+    wait_for(lambda: not awaiting_commit(n2))
     assert n2.replicator.stats().withdrawals_total == 1
     assert snapshot_as_service(n2, 1, 3)
     cluster.wait_idle()
@@ -418,7 +423,7 @@ def test_an_acknowledged_step_committed_while_its_owner_waits_is_kept(make_clust
     n2.snapshot(1, 2, world=2)
     cluster.wait_idle()
     assert committed(cluster).version == (0, 2)
-    wait_for(lambda: not n1.replicator.tracker.awaiting_commit(JOB))
+    wait_for(lambda: not awaiting_commit(n1))
     assert n1.replicator.stats().withdrawals_total == 0
     assert_every_named_holder_holds_the_commit(cluster)
     assert snapshot_as_service(n1, 0, 3)  # the slot of step 1, no longer committed, is reused
@@ -626,14 +631,14 @@ def test_followed_versions_are_forgotten_once_committed(make_cluster):
     n1, n2 = cluster["n1"], cluster["n2"]
     n1.snapshot(0, 1, world=2)
     cluster.wait_idle()
-    assert n1.replicator.tracker.awaiting_commit(JOB) == [(0, 1)]
-    wait_for(lambda: not n1.replicator.tracker.awaiting_commit(JOB))  # withdraw_after passes
+    assert awaiting_commit(n1) == [[0, 1]]
+    wait_for(lambda: not awaiting_commit(n1))  # withdraw_after passes
     assert book(n1).entries, "followed undecided: still remembered"
     n2.snapshot(1, 1, world=2)
     cluster.wait_idle()
     assert committed(cluster).version == (0, 1)
     for node in (n1, n2):
-        wait_for(lambda: not node.replicator.tracker.awaiting_commit(JOB))
+        wait_for(lambda: not awaiting_commit(node))
         assert not book(node).entries, "a committed version is still remembered"
         assert node.local.retained(JOB) == {None: {(0, 1)}}, "only the commit stays retained"
 

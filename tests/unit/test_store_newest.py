@@ -278,7 +278,7 @@ def test_the_service_takes_refused_and_off_grid_snapshots_into_the_newest_pair(r
         assert ram == [[0, 5], [0, 3], [0, 2], [0, 1]]
         opened = t.call("ckpt_open", job="inproc", rank=0, generation=0, step=5)
         t.call("ckpt_release", pin=opened["pin"])
-        assert not service.unprotected("inproc")
+        assert not service.book.unprotected("inproc")
     finally:
         store.close()
 

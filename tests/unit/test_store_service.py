@@ -139,11 +139,11 @@ def test_over_budget_skips_warns_once_and_marks_unprotected(root, caplog):
         assert service.counters["skipped_over_budget"] == 3
         assert service.stats().unprotected_jobs == {
             "snapshots_failing": 1, "no_placement": 0, "commit_lag": 0, "persist_stale": 0}
-        assert "over the memory cap" in service.unprotected("big")
+        assert "over the memory cap" in service.book.unprotected("big")
         assert sink.events.count(("snapshot_skipped", "big", "over_budget")) == 3
         write_snapshot(t, "big", 0, 4, world=1, n=1000)  # fits: protected again
         assert service.status()["big"]["unprotected"] is False
-        assert service.unprotected("big") == ""
+        assert service.book.unprotected("big") == ""
     finally:
         store.close()
 
@@ -337,7 +337,7 @@ def test_off_the_snapshot_grid_a_reservation_is_skipped_quietly(env, caplog):
         off = t.call("ckpt_reserve", step=6, **ask)
     assert off["skip"] and off["grid"] == 4 and "grid" in off["reason"]
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
-    assert service.counters["skipped_grid"] == 1 and not service.unprotected("job")
+    assert service.counters["skipped_grid"] == 1 and not service.book.unprotected("job")
     on = t.call("ckpt_reserve", step=8, **ask)
     assert not on.get("skip") and on["capacity"] >= 4096
     Grid.grid = 1
@@ -352,7 +352,7 @@ def test_a_reply_that_could_not_be_delivered_gives_its_read_pin_back(env):
     write_snapshot(t, "job", 0, 1, world=1)
     write_snapshot(t, "job", 0, 2, world=1)
     opened = t.call("ckpt_open", job="job", rank=0, generation=0, step=1)
-    service.undelivered("ckpt_open", opened)
+    service.restores.undelivered("ckpt_open", opened)
     done, _ = write_snapshot(t, "job", 0, 3, world=1)
     assert done["step"] == 3
     assert service.counters["skipped_busy"] == 0

@@ -337,7 +337,7 @@ def test_an_unsnapshottable_state_is_an_error_at_the_first_save_and_unprotects_t
         assert status["unprotected"] and status["unprotected_kind"] == "snapshots_failing"
         assert "UninitializedParameter" in status["unprotected_reason"]
         assert svc.stats().unprotected_jobs["snapshots_failing"] == 1
-        assert "cannot be snapshotted" in svc.unprotected("j")
+        assert "cannot be snapshotted" in svc.book.unprotected("j")
         assert store.versions("j", 0) == []
     finally:
         store.close()

@@ -1,29 +1,18 @@
-"""The tag pass on a helper thread beside the socket copy (elasticd/replication/overlap.py).
-
-Streams run the pass inline by default (``channel.OVERLAP``; measured faster on 2 cores) and
-on a helper when switched on. The helper moves where frames are sealed and checked, never
-whether: these tests, run both ways, hold the checks to what they are on the stream's thread
-(every frame checked in order, a forged or replayed frame refused, nothing accepted before
-every check has run), and check that no helper outlives its stream. (Since protocol v3 the
-pass is Poly1305, which ``cryptography`` runs holding the GIL, so the helper runs in turn with
-the copy rather than beside it; what it checks is unchanged, which is what is tested here.)
+"""A sealed stream (elasticd/replication/channel.py ``send_stream`` / ``receive_stream``):
+every frame checked in order under its sequence number, a forged or replayed frame anywhere in
+the stream refused.
 """
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
-from elasticd.replication import channel as channel_module
 from elasticd.replication.channel import Channel, receive_stream, send_stream
-from elasticd.replication.overlap import Helper
 from elasticd.replication.seal import FrameKey
 from elasticd.replication.wire import HEADER, HEADER_SIZE, OFFSET, ForgedFrame, FrameType
 
 KEY = bytes(range(32))
 CHUNK = 64 << 10
-HELPERS = ("elasticd-seal", "elasticd-verify")
 
 
 class Recorder:
@@ -74,39 +63,27 @@ def frame_starts(data: bytes) -> list[tuple[int, int]]:
     return out
 
 
-def helpers_alive() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name in HELPERS]
-
-
 PAYLOAD = bytes(i * 7 % 251 for i in range(20 * CHUNK + 123))
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_a_stream_sealed_and_checked_on_helpers_arrives_intact(overlap, monkeypatch):
-    monkeypatch.setattr(channel_module, "OVERLAP", overlap)  # False: inline, the default
+def test_a_sealed_stream_arrives_intact():
     data = sealed_stream(PAYLOAD)
     target = bytearray(len(PAYLOAD))
     assert receive_stream(receiver(data), len(PAYLOAD), memoryview(target)) == 21
     assert bytes(target) == PAYLOAD
-    assert helpers_alive() == []
 
 
-@pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("nth", [0, 9, 20])
-def test_a_forged_frame_anywhere_in_the_stream_is_refused(nth, overlap, monkeypatch):
-    monkeypatch.setattr(channel_module, "OVERLAP", overlap)
+def test_a_forged_frame_anywhere_in_the_stream_is_refused(nth):
     data = bytearray(sealed_stream(PAYLOAD))
     start = [pos for pos, ftype in frame_starts(data) if ftype == FrameType.DATA][nth]
     data[start + HEADER_SIZE + OFFSET.size + 5] ^= 0x01  # one data bit, tag left as it was
     with pytest.raises(ForgedFrame, match=f"at offset {nth * CHUNK} fails its authentication"):
         receive_stream(receiver(bytes(data)), len(PAYLOAD), memoryview(bytearray(len(PAYLOAD))))
-    assert helpers_alive() == []
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_a_frame_replayed_from_an_earlier_stream_is_refused(overlap, monkeypatch):
+def test_a_frame_replayed_from_an_earlier_stream_is_refused():
     """Same offset, same bytes, a valid tag: but made under another sequence number."""
-    monkeypatch.setattr(channel_module, "OVERLAP", overlap)
     sender = Channel(Recorder())
     sender.send_key = FrameKey(KEY)
     send_stream(sender, (memoryview(PAYLOAD),), CHUNK)
@@ -121,25 +98,4 @@ def test_a_frame_replayed_from_an_earlier_stream_is_refused(overlap, monkeypatch
     assert receive_stream(channel, len(PAYLOAD), target) == 21
     with pytest.raises(ForgedFrame, match=f"at offset {3 * CHUNK} fails"):
         receive_stream(channel, len(PAYLOAD), target)
-    assert helpers_alive() == []
 
-
-def test_the_helper_runs_calls_in_order_and_hands_back_the_first_failure():
-    ran: list[int] = []
-
-    def fail(n: int) -> None:
-        raise ValueError(f"call {n} failed")
-
-    with Helper("elasticd-verify") as helper:
-        for n in range(5):
-            helper.submit(ran.append, n)
-        helper.wait()
-        assert ran == [0, 1, 2, 3, 4]
-        helper.submit(fail, 5)
-        helper.submit(ran.append, 6)  # skipped: a stream stops at its first failure
-        with pytest.raises(ValueError, match="call 5 failed"):
-            helper.wait()
-        with pytest.raises(ValueError, match="call 5 failed"):
-            helper.raise_failure()
-    assert ran == [0, 1, 2, 3, 4]
-    assert helpers_alive() == []
