@@ -14,10 +14,9 @@ prints GB/s and the ratio to the raw socket:
   :class:`~elasticd.replication.server.ReplicaServer` (handshake, then every frame framed and
   authenticated with ChaCha20-Poly1305 under the session key, committed into a sink whose memory
   is the preallocated buffer), with the tag pass inline as the product runs it;
-* ``elasticd push, MAC helper``: the same with the pass on a helper thread beside the socket
-  copy (``channel.OVERLAP``, elasticd/replication/overlap.py), to show what overlapping buys
-  (nothing since protocol v3: cryptography's Poly1305 holds the GIL; on 2 busy cores it did
-  not pay with GMAC either).
+* (the tag pass on a helper thread beside the socket copy was measured here until it was
+  removed from the product: it bought nothing since protocol v3, cryptography's Poly1305
+  holding the GIL; docs/replication.md.)
 
 Where the time goes is printed too: CPU seconds per GiB on each side, and the tag pass alone
 on one core (a 4 MiB buffer tagged in a loop, in this process, in the same run).
@@ -181,8 +180,7 @@ def raw_receiver(conn, size: int, chunk: int, repeat: int, check: str) -> None:
                 conn.send((cpu, xxhash.xxh3_64_intdigest(buf)))
 
 
-def elasticd_receiver(conn, size: int, chunk: int, overlap: bool) -> None:
-    channel.OVERLAP = overlap
+def elasticd_receiver(conn, size: int, chunk: int) -> None:
     sink = PreallocatedSink(size + len(HEADER))
     server = ReplicaServer("127.0.0.1", 0, SECRET, "receiver", sink, max_frame=chunk + 64,
                            chunk_size=chunk).start()
@@ -236,19 +234,16 @@ class RawSender:
 
 
 class ElasticdSender:
-    """A ReplicaClient pushing successive steps to a ReplicaServer in the child; ``overlap``
-    says whether both ends run the tag pass on a helper beside the copy or inline (the
-    product's default, ``channel.OVERLAP``)."""
+    """A ReplicaClient pushing successive steps to a ReplicaServer in the child."""
 
-    def __init__(self, payload: memoryview, chunk: int, overlap: bool = channel.OVERLAP,
-                 pretag: bool = False) -> None:
-        self.payload, self.chunk, self.step, self.overlap = payload, chunk, 0, overlap
+    def __init__(self, payload: memoryview, chunk: int, pretag: bool = False) -> None:
+        self.payload, self.chunk, self.step = payload, chunk, 0
         self.pretag = pretag
         #: CPU seconds each transfer's block tags took to make (the seal's share, off the push).
         self.tag_cpu: list[float] = []
         self.pipe, child = mp.Pipe()
         self.proc = mp.get_context("fork").Process(
-            target=elasticd_receiver, args=(child, len(payload), chunk, overlap), daemon=True)
+            target=elasticd_receiver, args=(child, len(payload), chunk), daemon=True)
         self.proc.start()
         port = self.pipe.recv()
         self.client = ReplicaClient.connect("127.0.0.1", port, SECRET, "sender",
@@ -262,7 +257,6 @@ class ElasticdSender:
     def transfer(self) -> tuple[float, float, float, int]:
         self.step += 1
         d = Descriptor.for_snapshot("bench", 0, 0, self.step, len(HEADER), len(self.payload))
-        channel.OVERLAP = self.overlap
         tags = None
         if self.pretag:
             # What the daemon does once per snapshot when it seals it (SlotStore.tagger):
@@ -313,7 +307,6 @@ def main() -> None:
         "raw + xxh3 per chunk": RawSender(payload, chunk, args.repeat, check="xxh3"),
         "raw + Poly1305 per chunk": RawSender(payload, chunk, args.repeat, check="mac"),
         "raw + GMAC per chunk (v2)": RawSender(payload, chunk, args.repeat, check="gmac"),
-        "elasticd push, MAC helper": ElasticdSender(payload, chunk, overlap=True),
         "elasticd push, tagged inline": ElasticdSender(payload, chunk),
         "elasticd push": ElasticdSender(payload, chunk, pretag=True),
     }
