@@ -213,6 +213,10 @@ class Injector:
         self._armed: list[tuple[FaultRecord, Callable[[], None]]] = []
         self._last_fired = time.time()
         self._landings: dict[int, Callable[[], str]] = {}  # id(fault) -> what lands it
+        #: The ranks each killed node ran, read before the kill: its job status goes with its
+        #: lease, which a survivor's peer probe revokes ~0.2 s after a kill -9 (CI: a corrupt
+        #: fault after a kill found the dead node's ranks gone, and so no replica to corrupt).
+        self._ranks_before_kill: dict[str, list[int]] = {}
         self._disarmed = threading.Event()
 
     @property
@@ -294,6 +298,7 @@ class Injector:
         return [f.node], f"SIGKILL to worker pid {pids[0]}", None
 
     def _kill_node(self, f: Fault):
+        self._ranks_before_kill[f.node] = self.cluster.ranks_of(f.node)
         self.cluster.kill_node(f.node)
         return [f.node], "SIGKILL to daemon, agent and workers; RAM directory deleted", None
 
@@ -301,6 +306,7 @@ class Injector:
         placement = self.cluster.placement()
         group = next(g for g in placement.groups if len(g) == placement.m)
         for node in group:
+            self._ranks_before_kill[node] = self.cluster.ranks_of(node)
             self.cluster.kill_node(node)
         return list(group), f"killed replica group {list(group)} of {placement.groups}", None
 
@@ -423,7 +429,7 @@ class Injector:
         return [f.node], freeze(), thaw
 
     def _corrupt_replicas(self, f: Fault):
-        ranks = self.cluster.ranks_of(f.node)
+        ranks = self.cluster.ranks_of(f.node) or self._ranks_before_kill.get(f.node, [])
         flipped = []
         for holder in self.cluster.nodes:
             if holder == f.node:
