@@ -311,11 +311,14 @@ def rank_sources(rows: Sequence[dict[str, Any]]) -> list[str]:
         out.append(path_phases(t))
         for e in t["ranks"]:
             lost = "" if e["steps_lost"] is None else f", {e['steps_lost']} steps lost"
-            how = {"in_process": "kept in-process", "restart": "started"}.get(e.get("path"))
+            # Said for an in-process recovery only, where ranks may differ (on the restart path
+            # every rank's process was started), and last: the line's start is grepped.
+            how = {"in_process": "; its process kept in-process",
+                   "restart": "; its process started"}.get(e.get("path") or "", "")
             out.append(f"  rank {'?' if e['rank'] is None else e['rank']} on "
-                       f"{e['node'] or '?'}{f' ({how})' if how else ''}: step {e['step']} "
-                       f"from {words.get(e['source'], e['source'])} in {e['seconds']:.3f} s"
-                       f"{lost}")
+                       f"{e['node'] or '?'}: step {e['step']} from "
+                       f"{words.get(e['source'], e['source'])} in {e['seconds']:.3f} s{lost}"
+                       f"{how if t.get('path') == 'in_process' else ''}")
     return out
 
 

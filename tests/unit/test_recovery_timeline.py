@@ -545,9 +545,16 @@ def test_each_rank_says_whether_it_was_kept_in_process_or_started_in_a_mixed_rou
     assert timeline.restore_of(data, T0, "n4").path == "restart"
     assert timeline.restore_of({**data, "path": "teleport"}, T0, "n4") is None
     lines = cli.rank_sources([{"timeline": t.summary()}])
-    assert any("rank 0 on n1 (kept in-process): step 40" in line for line in lines)
-    assert any("rank 2 on n4 (started): step 40" in line for line in lines)
-    assert any(line.startswith("  rank 3 on n4: step 40") for line in lines)
+    ranks = [line for line in lines if line.startswith("  rank ")]
+    assert ranks[0].startswith("  rank 0 on n1: step 40 from local RAM")
+    assert ranks[0].endswith("0 steps lost; its process kept in-process")
+    assert ranks[2].startswith("  rank 2 on n4: step 40 from a peer's RAM")
+    assert ranks[2].endswith("; its process started")
+    assert ranks[3].endswith("0 steps lost")  # it did not say
+    # On the restart path every rank was started: not said on each line.
+    plain = _full(restores=[dataclasses.replace(r, path="restart") for r in (
+        timeline.RankRestore("j", T0 + 3.9, 0.2, "local", 10, 40, 0, "n1", 0),)])
+    assert cli.rank_sources([{"timeline": plain.summary()}])[-1].endswith("0 steps lost")
 
 
 @pytest.mark.parametrize("change", [
