@@ -75,6 +75,17 @@ def _reachable_basetemp(request, tmp_path_factory):
         os.chmod(tmp_path_factory.getbasetemp(), 0o711)
 
 
+@pytest.fixture(autouse=True)
+def _a_fresh_worker_process():
+    """Tests that run an in-process worker's rounds in the test process leave it "kept"
+    (:func:`elasticd.worker.in_process.kept`, a process-wide fact in a real worker): reset, so
+    that a later test's restore reports the path of the process it means to be."""
+    yield
+    in_process = sys.modules.get("elasticd.worker.in_process")
+    if in_process is not None:
+        in_process._kept = False
+
+
 def pytest_sessionfinish(session, exitstatus):
     """A session that passed removes the directory it made (its tests' ``tmp_path``: etcd data,
     logs, cluster work directories: gigabytes over the whole suite); one that failed keeps it

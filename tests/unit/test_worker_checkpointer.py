@@ -20,6 +20,7 @@ import time
 import pytest
 import torch
 
+from elasticd.worker import in_process
 from elasticd.worker.checkpointer import Checkpointer
 from elasticd.worker.restore import Collective
 from elasticd.worker.transport import Transport
@@ -549,6 +550,12 @@ def test_the_restore_report_is_one_way_and_a_dropped_one_is_sent_as_a_call(servi
         restoring = t.ops[t.ops.index(("call", "ckpt_list")):]
         for op in ("ckpt_release", "register"):
             assert [o for o in restoring if o[1] == op] == [(k, op) for k, _ in expected], op
+    # A survivor kept through an in-process re-formation says so.
+    in_process._kept = True
+    with Checkpointer(transport=InProcessTransport(service.handlers()), job="j", rank=0,
+                      world_size=1) as ckpt:
+        assert ckpt.restore(state) == 1
+    assert service.history[-1]["path"] == "in_process"
 
 
 def test_a_transport_that_gives_only_call_has_the_rest_from_transport(service):
