@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
+from tests.bench_modules import BENCH, load
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BENCH = os.path.join(REPO, "bench")
 
 
 def fake_tree(tmp_path) -> str:
@@ -43,11 +44,7 @@ def test_started_from_the_worktree_the_copy_on_pythonpath_is_the_one_imported(tm
 
 
 def test_a_process_that_imported_another_tree_stops(tmp_path):
-    sys.path.insert(0, BENCH)
-    try:
-        import code_tree
-    finally:
-        sys.path.remove(BENCH)
+    code_tree = load("code_tree")
     here = code_tree.package_dir()
     code_tree.check(here)
     with pytest.raises(RuntimeError, match="wrong tree"):

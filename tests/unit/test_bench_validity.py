@@ -3,12 +3,10 @@ table, and a comparison's words match its numbers (the benchmarks themselves run
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import logging
 import os
-import sys
 import time
 
 import pytest
@@ -18,19 +16,7 @@ from elasticd.daemon.peer_probe import Answer, PeerProbe
 from elasticd.printable import PrintableFormatter
 from elasticd.testing.clock import FakeClock
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BENCH = os.path.join(REPO, "bench")
-
-
-def load(name: str):
-    sys.path.insert(0, BENCH)  # as when a benchmark runs: its siblings import by name
-    try:
-        spec = importlib.util.spec_from_file_location(name, os.path.join(BENCH, name + ".py"))
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.path.remove(BENCH)
+from tests.bench_modules import BENCH, load
 
 
 recovery = load("bench_recovery")

@@ -10,21 +10,15 @@ with two of three nodes, the third joins late and waits; only the members' resta
 from __future__ import annotations
 
 import concurrent.futures
-import os
-import sys
 import threading
 import time
 
-BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
+from tests.bench_modules import load
+
 
 
 def _agent_runs():
-    sys.path.insert(0, BENCH)
-    try:
-        from scale_agents import AgentRuns
-    finally:
-        sys.path.remove(BENCH)
-    return AgentRuns
+    return load("scale_agents").AgentRuns
 
 
 class TwoThenAll:

@@ -10,16 +10,12 @@ import subprocess
 import sys
 import threading
 
-BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
+from tests.bench_modules import load
+
 
 
 def _placement():
-    sys.path.insert(0, BENCH)
-    try:
-        import scale_placement
-    finally:
-        sys.path.remove(BENCH)
-    return scale_placement
+    return load("scale_placement")
 
 
 def test_parse_cpus_reads_lists_and_ranges():
