@@ -31,8 +31,9 @@ AGENT = textwrap.dedent("""
     ThreadPoolExecutor(1).submit(lambda: None).result()
     from elasticd.agent import torchrun
     if how == "torchrun":
+        # torchrun's own log directory, else it leaves a torchelastic_* one in /tmp
         sys.argv = ["torchrun", "--standalone", "--nproc-per-node", "1",
-                    os.path.join(marks, "worker.py")]
+                    "--log-dir", os.path.join(marks, "logs"), os.path.join(marks, "worker.py")]
         torchrun.main()
     else:
         torchrun.leave(how)
@@ -46,7 +47,7 @@ def run_agent(tmp_path: Path, how: str) -> subprocess.CompletedProcess[str]:
 
 
 def marks(tmp_path: Path) -> set[str]:
-    return {p.name for p in tmp_path.iterdir() if p.suffix != ".py"}
+    return {p.name for p in tmp_path.iterdir() if p.is_file() and p.suffix != ".py"}
 
 
 def test_a_finished_agent_skips_finalization_but_owes_its_threads_and_atexit_handlers(tmp_path):
