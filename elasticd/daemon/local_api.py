@@ -45,6 +45,7 @@ from elasticd.admission import shut
 from elasticd.clock import Clock, SystemClock
 from elasticd.daemon.local_binding import Caller, CallerBinding, CallerRefused
 from elasticd.errors import NodeError
+from elasticd.hooks import call_hooks
 from elasticd.local.wire import (
     DEFAULT_MAX_MESSAGE,
     LENGTH,
@@ -383,11 +384,8 @@ class LocalServer:
             self._forget(conn)
             if caller is not None and self._binding is not None:
                 self._binding.closed(caller)
-            for hook in self.on_close:
-                try:
-                    hook({"pid": peer.get("pid"), "job": caller.job if caller else None})
-                except Exception:  # noqa: BLE001 — a hook must not take the server down
-                    log.exception("local API: a connection-close hook failed")
+            call_hooks(self.on_close, {"pid": peer.get("pid"), "job": caller and caller.job},
+                       log=log, failed="local API: a connection-close hook failed")
 
     def _forget(self, conn: socket.socket) -> None:
         with self._lock:
@@ -439,11 +437,8 @@ class LocalServer:
             reply["id"] = rid
             if self._send(conn, reply):
                 return True
-            for hook in self.on_undelivered:
-                try:
-                    hook(op, reply)
-                except Exception:  # noqa: BLE001 — a hook must not take the server down
-                    log.exception("local API: an undelivered-reply hook failed")
+            call_hooks(self.on_undelivered, op, reply, log=log,
+                       failed="local API: an undelivered-reply hook failed")
             return False
         return True
 

@@ -15,6 +15,7 @@ import logging
 import threading
 from typing import Callable
 
+from elasticd.hooks import call_hooks
 from elasticd.replication.api import Version
 
 log = logging.getLogger(__name__)
@@ -46,10 +47,7 @@ class CommitFeed:
         if not claimed:
             return
         try:
-            for listener in list(self.listeners):
-                try:
-                    listener(job, version)
-                except Exception:  # noqa: BLE001 — a listener must not stop commits' learning
-                    log.exception("%s: a listener of commit %s failed", job, version)
+            call_hooks(self.listeners, job, version, log=log,
+                       failed=f"{job}: a listener of commit {version} failed")
         finally:
             self._order.release()
