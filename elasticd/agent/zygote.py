@@ -27,7 +27,7 @@ pays that once per job and node, before it is needed:
 A node's agent asks the zygote whether it is ready (:func:`wait_ready`: a request with no
 script, answered once the zygote accepts, which is after its preload) before the node's first
 join of a round: a node that joined earlier stopped every other node's workers while it
-imported torch (a rejoin's stop went from 3.0 s to 0.65 s with the wait, test_node_rejoins).
+imported torch.
 
 Only the zygote's own user (or root) may connect (``SO_PEERCRED``): the socket runs code as that
 user. Why a worker checks the server before it hands over its argv, environment and stdio, and
