@@ -1,17 +1,16 @@
 """Who may use the daemon's local socket, and for what: each connection bound to its caller.
 
 The daemon runs as root; a job runs as its own (unprivileged) user. That user's workers must
-reach the daemon (progress reports, checkpoint slots), so the socket admits more than root —
-and each request must then be held to what its caller is. The rules are docs/security.md's
-("The daemon's local socket"): a connection is admitted for the
-daemon's own uid (then not bound), or for the running job's uid *and* a pid that descends from
-the job's agent or zygote, each known by pid and start time; it is bound to that job (refused
-once the job changes); its writing ops (``ckpt_reserve``, ``ckpt_complete``, ``ckpt_report``,
-``progress``, ``register``) to the first rank it used, within the spec's largest world
-(:mod:`.rank_claims`). Beyond the doc: only ``/proc/<pid>/stat`` is read, never the caller's
-memory (its environment can be made to read for minutes,
-:data:`~elasticd.agent.supervisor.ENV_READ_LIMIT`), as this runs on the accept thread; reads
-reach any rank of the job (after a resize a rank restores another's old shard);
+reach the daemon (progress reports, checkpoint slots), so the socket admits more than root — and
+each request must then be held to what its caller is. The rules are docs/security.md's ("The
+daemon's local socket"): a connection is admitted for the daemon's own uid (then not bound), or
+for the running job's uid *and* a pid that descends from the job's agent or zygote, each known
+by pid and start time; it is bound to that job (refused once the job changes); its writing ops
+(``ckpt_reserve``, ``ckpt_complete``, ``ckpt_report``, ``progress``, ``register``) to the first
+rank it used, within the spec's largest world (:mod:`.rank_claims`). Beyond the doc: only
+``/proc/<pid>/stat`` is read, never the caller's memory (its environment can be made to read for
+minutes, :data:`~elasticd.agent.supervisor.ENV_READ_LIMIT`), as this runs on the accept thread;
+reads reach any rank of the job (after a resize a rank restores another's old shard);
 ``ckpt_release`` releases only the pins this connection was given.
 
 The same uid is one principal to the kernel (ptrace, signals): the pid check keeps other

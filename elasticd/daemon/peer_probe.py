@@ -7,12 +7,12 @@ the HTTP port of each peer that ran workers of its job and revokes the lease of 
 **refuses** the connection (its kernel answered, nothing listens: a live daemon serves that port
 from before it registers until after it revoked its lease, ``daemon/node.py``); everything after
 is the lease-expiry path. A refusal counts only from a peer whose port answered this daemon
-before under the same lease (:meth:`PeerProbe.baseline`); a connection that opens, a timeout,
-an unreachable host, a peer not ``up`` or without an address is never taken for a death (a
-firewall rule added later that rejects is: the peer is fenced, a cost, never two owners of one
-lease). The rule, its cases and what it measured: docs/in-process-design.md, "A node killed
-whole is found before its lease expires". One series of probes at a time per daemon, at
-:data:`SCHEDULE` (the killed node's processes do not all die in the same millisecond).
+before under the same lease (:meth:`PeerProbe.baseline`); a connection that opens, a timeout, an
+unreachable host, a peer not ``up`` or without an address is never taken for a death (a firewall
+rule added later that rejects is: the peer is fenced, a cost, never two owners of one lease).
+The rule, its cases and what it measured: docs/in-process-design.md, "A node killed whole is
+found before its lease expires". One series of probes at a time per daemon, at :data:`SCHEDULE`
+(the killed node's processes do not all die in the same millisecond).
 """
 
 from __future__ import annotations
