@@ -19,12 +19,10 @@ background thread while the next forward and backward run; a step pre-hook on ev
 in the state waits for that copy before the optimizer mutates anything. The same thread then
 writes the header and asks the daemon to seal the snapshot (checksums are computed there).
 
-The Checkpointer makes the job protected by itself: it tells the daemon its job, rank, local
-rank, world size and torchrun's restart count when it starts and after every restore
-(``register``), and every ``save`` counts as a progress report (the daemon reads it from the
-slot request), so placement, replication and hang detection need nothing else from the script.
-While the daemon says the job is unprotected (no placement, the commit lagging, snapshots
-failing; in its replies), a warning is logged at most once a minute.
+The Checkpointer makes the job protected by itself (docs/worker-api.md, "The Checkpointer"):
+``register`` when it starts and after every restore, and each ``save``'s slot request counts
+as a progress report; while the daemon's replies say the job is unprotected, a warning is logged
+at most once a minute.
 
 Nothing here ever raises into the training loop because of the daemon: a refused, skipped or
 failed snapshot is logged (once per kind) and counted. A state that cannot be snapshotted at all
