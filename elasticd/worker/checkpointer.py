@@ -51,7 +51,6 @@ from elasticd.worker import restore as _restore
 from elasticd.worker.sources import Sources, close_fds
 from elasticd.worker.copier import Copier, CpuCopier, copy_into
 from elasticd.snapshot.format import PREAMBLE_SIZE
-from elasticd.worker.notices import Notices
 from elasticd.worker.optimizer_fence import OptimizerFence
 from elasticd.worker.slot_maps import SlotMaps
 from elasticd.worker.snapshot_plan import Plan, Planner, compact_json, meta_json
@@ -62,6 +61,45 @@ log = logging.getLogger("elasticd.checkpoint")
 
 __all__ = ["Checkpointer", "RestoreResult"]
 RestoreResult = _restore.RestoreResult
+UNPROTECTED_EVERY = 60.0  # seconds between two warnings that the job is still unprotected
+
+
+class Notices:
+    """What a worker's Checkpointer tells the training script's log about elasticd: each kind of
+    failure once (then counted), and the daemon's word that the job is unprotected at most once
+    a minute, and once more when it is protected again.
+
+    Args:
+        who: names the worker in the unprotected warnings (``job j rank 0``).
+    """
+
+    def __init__(self, who: str) -> None:
+        #: Names the worker in the warnings (its rank may change in in-process mode).
+        self.who = who
+        self._warned: set[str] = set()
+        self._said = ""  # what the daemon last said, "" while protected
+        #: When the unprotected warning was last logged (monotonic), None while protected.
+        self.warned_at: float | None = None
+
+    def once(self, key: str, message: str) -> None:
+        """Logs ``message`` the first time ``key`` comes."""
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("elasticd: %s", message)
+
+    def heard(self, reply: dict[str, Any] | None, now: float) -> None:
+        """Warns (at most once a minute) while the daemon says the job is unprotected."""
+        if reply is None:
+            return
+        said = reply.get("unprotected") or ""
+        if said and (said != self._said or self.warned_at is None
+                     or now - self.warned_at >= UNPROTECTED_EVERY):
+            log.warning("elasticd: %s: %s", self.who, said)
+            self.warned_at = now
+        elif not said and self._said:
+            log.warning("elasticd: %s is protected again", self.who)
+            self.warned_at = None
+        self._said = said
 
 
 class Checkpointer:
