@@ -1,9 +1,8 @@
 """Warm worker starts: a process that has imported torch already forks each new worker.
 
-After a failure, every surviving node restarts its workers, and on this machine a new Python
-worker spends 2-4 s importing torch before it runs a line of the script (measured: the largest
-part of a kill -9 recovery once the dead node is dropped and the round completes). The zygote
-pays that once per job and node, before it is needed:
+After a failure, every surviving node restarts its workers, and a new Python worker spends
+seconds importing torch before it runs a line of the script (docs/architecture.md: cold against
+warm). The zygote pays that once per job and node, before it is needed:
 
 * The supervisor starts ``elasticd.agent.zygote`` (as ``python -m`` would, without the working
   directory on ``sys.path``) beside the agent, with the agent's user, environment (the job's tag
