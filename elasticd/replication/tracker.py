@@ -5,11 +5,9 @@ A :class:`CommitTracker` turns peer acknowledgements into ``m``-copy versions, t
 commit coordinator about them (its :class:`~elasticd.replication.reporter.Reporter`: a report
 over the replication channel, no etcd write), and learns the commits through one watch on the
 committed record's prefix (its :class:`~elasticd.replication.committed_prefix.CommittedPrefix`).
-It also holds the retention gate: a rank's next push waits (up to ``commit_wait`` seconds, real
-time) until its previous fully replicated version is committed, because a holder keeps only a
-shard's two newest copies and a third push would evict the committed one; after the wait it
-goes ahead and the wait is counted, since nodes that replicated different steps would otherwise
-wait for each other forever.
+It also holds the retention gate: a rank's next push waits up to ``commit_wait`` seconds (real
+time) for its previous fully replicated version's commit (why, and why it then goes ahead:
+docs/replication.md, "Holders keep a shard's two newest copies").
 
 Which copies stay in their slots is decided per job by a
 :class:`~elasticd.replication.commit_state.CommitBook` (acked -> protected -> committed |
