@@ -17,14 +17,13 @@ record it does not hold (nothing to resume from but step 0: growing then would t
 away).
 
 :class:`CommitWatch` mirrors the committed record's prefix (``ckpt/committed``: the committed
-record, the ahead record, and two small keys that change rarely) through one etcd watch
-(listing first, again after a watch error), so the rendezvous handler's ``commit_gate``, asked
-from ``num_nodes_waiting`` every monitor interval while a newcomer waits, answers from memory
-with no etcd request. The watch exists only while the gate is asked: it starts at the first
-ask (which answers no: the newcomer waits for the next) and ends once the gate went unasked for
-:data:`IDLE` seconds. The daemon watches the same prefix for its own commit code; an agent
-watching it for the whole run doubled every node's watch events per committed step (two per
-watch) for a question asked only when a node waits to enter. The rendezvous plugin may import
+record, the ahead record, and two small keys that change rarely) through one etcd watch (listing
+first, again after a watch error), so the rendezvous handler's ``commit_gate``, asked from
+``num_nodes_waiting`` every monitor interval while a newcomer waits, answers from memory with no
+etcd request. The watch exists only while the gate is asked: it starts at the first ask (which
+answers no: the newcomer waits for the next) and ends once the gate went unasked for
+:data:`IDLE` seconds (held for the whole run, it would double every node's watch events per
+committed step, beside its daemon's watch of the same prefix). The rendezvous plugin may import
 only the coordination layer; :mod:`.torchrun` passes this gate in, as it does the join gate.
 """
 

@@ -4,24 +4,21 @@ A daemon that learns it was declared dead (its lease expired, so the peers have 
 workers without it) fences its node: it stops the agent and the workers before it rejoins. A
 daemon that is frozen (SIGSTOP, a debugger, a stuck page fault) or killed on its own cannot, and
 its agent and workers run on: the agent joins the survivors' next rendezvous round, and the
-restore of that round has a rank whose daemon does not answer (bench: SIGSTOP of one daemon,
-with ``--nnodes 2:3``, made every recovery start over from step 0 before the restore learned
-to refuse that; it now fails the attempt instead, see
-:class:`~elasticd.worker.restore.DaemonUnreachable`). So the agent fences for its daemon.
+restore of that round has a rank whose daemon does not answer
+(:class:`~elasticd.worker.restore.DaemonUnreachable`). So the agent fences for its daemon.
 
 Rule (:meth:`DaemonWatch.tick`, on the agent's monotonic clock): fence when the node's record
 (``<prefix>/nodes/<node>``, bound to the daemon's lease) is absent from etcd, as a watch on that
 one key shows it (checked every 0.25 s under a daemon; read anew every :data:`VERIFY_EVERY`
-seconds and after a watch error: a watch costs etcd nothing while nothing changes, where a
-read every 0.25 s cost 4 requests per node per second), *and* the daemon has not answered a ping on its local
-socket for ``silent_for`` seconds (1 s; it is pinged every 0.25 s by a thread of its own, and
-answers in about a millisecond when alive). Either alone is normal for a while: every record
-vanishes for a moment after an etcd outage longer than the lease TTL (each daemon re-grants and
-re-registers within a heartbeat), and a busy daemon can answer late. A failed etcd read forgets
-the absence (no judgement from a doubtful view). A wrong fence costs one agent restart: a live
-daemon sees its agent exit and starts it again. Because a frozen daemon has been silent since
-it froze, a lease TTL before its record goes, the fence follows the record's deletion by one
-read (the first version waited for the record to stay gone, then pinged: 1.5 s more).
+seconds and after a watch error: a watch costs etcd nothing while nothing changes), *and* the
+daemon has not answered a ping on its local socket for ``silent_for`` seconds (1 s; it is pinged
+every 0.25 s by a thread of its own, and answers in about a millisecond when alive). Either
+alone is normal for a while: every record vanishes for a moment after an etcd outage longer than
+the lease TTL (each daemon re-grants and re-registers within a heartbeat), and a busy daemon can
+answer late. A failed etcd read forgets the absence (no judgement from a doubtful view). A wrong
+fence costs one agent restart: a live daemon sees its agent exit and starts it again. Because a
+frozen daemon has been silent since it froze, a lease TTL before its record goes, the fence
+follows the record's deletion by one read.
 
 Fencing kills every process carrying this job's tag on this node (workers, the warm-start
 zygote) with SIGKILL, revokes the agent's rendezvous alive key (so the survivors drop this node

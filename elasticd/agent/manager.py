@@ -53,6 +53,7 @@ from elasticd.cluster.jobspec import JobControl, JobSpec, JobState
 from elasticd.coordination import records
 from elasticd.coordination.api import CoordinationError, Coordinator
 from elasticd.coordination.keys import Keyspace
+from elasticd.hooks import call_hooks
 from elasticd.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -198,7 +199,7 @@ class JobManager:
         self.book.finished.add(job)
         self.board.set(state, why, agent_starts=status.agent_starts, log=status.log)
         self.notes.append(note)
-        _job_ended(self.on_job_end, job)
+        call_hooks(self.on_job_end, job, log=log, failed=f"job-end hook failed for {job}")
 
     def _start(self, job: str) -> None:
         spec = self.records.specs.get(job)
@@ -387,7 +388,7 @@ class JobManager:
 
         def run() -> None:
             code = sup.stop(self.stop_grace)
-            _job_ended(hooks, job)
+            call_hooks(hooks, job, log=log, failed=f"job-end hook failed for {job}")
             board.set(final_state, f"{why} (agent exit {code})", agent_starts=sup.starts,
                       log=sup.log_path, straggler=straggler)
             with contextlib.suppress(CoordinationError):
@@ -478,12 +479,3 @@ class JobManager:
                 # every node's own verdict, as published (agent/straggler.py)
                 "stragglers": {n: st.straggler for n, st in sorted(sts.items()) if st.straggler},
                 "straggler_detection": self.group.straggler_detection()}
-
-
-def _job_ended(hooks: list[Callable[[str], None]], job: str) -> None:
-    """Runs the job-end hooks (shared memory and replicas of the job are freed)."""
-    for hook in hooks:
-        try:
-            hook(job)
-        except Exception:
-            log.exception("job-end hook failed for %s", job)

@@ -5,8 +5,7 @@ connect to it. A client that finds nothing listening yet sleeps torch's connect 
 it tries again: ``ExponentialBackoffWithJitter``, 500 ms ± 50 % at first
 (``torch/csrc/distributed/c10d/Backoff.hpp``). Workers forked by the zygote reach that call
 within milliseconds of each other, so whether rank 0 listens first is a coin toss, and the
-loser's 0.25-0.75 s lands on every recovery that loses it (measured: 0.45 s of a 2.7 s kill -9
-recovery, bench_recovery at TTL 2 s).
+loser's 0.25-0.75 s lands on every recovery that loses it.
 
 :func:`install`, called in each worker the zygote forks (:func:`elasticd.agent.zygote.run_script`),
 wraps ``torch.distributed.rendezvous._create_c10d_store``: a client first waits until the

@@ -1,9 +1,8 @@
 """Warm worker starts: a process that has imported torch already forks each new worker.
 
-After a failure, every surviving node restarts its workers, and on this machine a new Python
-worker spends 2-4 s importing torch before it runs a line of the script (measured: the largest
-part of a kill -9 recovery once the dead node is dropped and the round completes). The zygote
-pays that once per job and node, before it is needed:
+After a failure, every surviving node restarts its workers, and a new Python worker spends
+seconds importing torch before it runs a line of the script (docs/architecture.md: cold against
+warm). The zygote pays that once per job and node, before it is needed:
 
 * The supervisor starts ``elasticd.agent.zygote`` (as ``python -m`` would, without the working
   directory on ``sys.path``) beside the agent, with the agent's user, environment (the job's tag
@@ -27,7 +26,7 @@ pays that once per job and node, before it is needed:
 A node's agent asks the zygote whether it is ready (:func:`wait_ready`: a request with no
 script, answered once the zygote accepts, which is after its preload) before the node's first
 join of a round: a node that joined earlier stopped every other node's workers while it
-imported torch (a rejoin's stop went from 3.0 s to 0.65 s with the wait, test_node_rejoins).
+imported torch.
 
 Only the zygote's own user (or root) may connect (``SO_PEERCRED``): the socket runs code as that
 user. Why a worker checks the server before it hands over its argv, environment and stdio, and

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 
@@ -62,6 +63,11 @@ def check_prefix(prefix: str) -> str:
     return prefix
 
 
+def _key(*parts: str) -> Any:
+    """The key ``parts`` name under the object's directory (its ``_k``), as a property."""
+    return property(lambda self: self._k(*parts))
+
+
 @dataclass(frozen=True)
 class _JobDir:
     path: str  # <prefix>/jobs/<job>
@@ -73,17 +79,9 @@ class _JobDir:
 class JobKeys(_JobDir):
     """A job's own records: its spec, its desired state, each node's view of it."""
 
-    @property
-    def spec(self) -> bytes:
-        return self._k("spec")
-
-    @property
-    def control(self) -> bytes:
-        return self._k("control")
-
-    @property
-    def nodes(self) -> bytes:
-        return self._k("nodes", "")
+    spec = _key("spec")
+    control = _key("control")
+    nodes = _key("nodes", "")
 
     def node(self, node: str) -> bytes:
         return self._k("nodes", node)
@@ -92,69 +90,33 @@ class JobKeys(_JobDir):
 class RendezvousKeys(_JobDir):
     """The torchrun rendezvous of a job (its records: :mod:`elasticd.rendezvous.records`)."""
 
-    @property
-    def prefix(self) -> bytes:
-        return self._k("rdzv", "")
-
-    @property
-    def round(self) -> bytes:
-        """The record one compare-and-set writes to close a rendezvous round."""
-        return self._k("rdzv", "native", "round")
+    prefix = _key("rdzv", "")
+    #: The record one compare-and-set writes to close a rendezvous round.
+    round = _key("rdzv", "native", "round")
 
 
 class ReplicationKeys(_JobDir):
     """A job's replica placement, commit and fences (:mod:`elasticd.replication.commit`)."""
 
-    @property
-    def placement(self) -> bytes:
-        return self._k("placement")
-
-    @property
-    def ckpt(self) -> bytes:
-        return self._k("ckpt", "")
-
-    @property
-    def committed(self) -> bytes:
-        return self._k("ckpt", "committed")
-
-    @property
-    def commit_grid(self) -> bytes:
-        """Beside the committed record, so that one watch on its key (a prefix) sees both."""
-        return self._k("ckpt", "committed.grid")
-
-    @property
-    def coordinator(self) -> bytes:
-        """The commit coordinator's election key, under the committed record's prefix so that
-        the one watch every node holds sees it."""
-        return self._k("ckpt", "committed.coordinator")
-
-    @property
-    def commit_ahead(self) -> bytes:
-        return self._k("ckpt", "committed.ahead")
-
-    @property
-    def commit_placement(self) -> bytes:
-        return self._k("ckpt", "placement")
-
-    @property
-    def fences(self) -> bytes:
-        """The prefix of every fence key and the fence epoch (one range read sees both)."""
-        return self._k("ckpt", "fence")
-
-    @property
-    def fence_epoch(self) -> bytes:
-        return self._k("ckpt", "fence.epoch")
-
-    @property
-    def fence_prefix(self) -> bytes:
-        return self._k("ckpt", "fence", "")
+    placement = _key("placement")
+    ckpt = _key("ckpt", "")
+    committed = _key("ckpt", "committed")
+    #: Beside the committed record, so that one watch on its key (a prefix) sees both.
+    commit_grid = _key("ckpt", "committed.grid")
+    #: The commit coordinator's election key, under the committed record's prefix so that the one
+    #: watch every node holds sees it.
+    coordinator = _key("ckpt", "committed.coordinator")
+    commit_ahead = _key("ckpt", "committed.ahead")
+    commit_placement = _key("ckpt", "placement")
+    #: The prefix of every fence key and the fence epoch (one range read sees both).
+    fences = _key("ckpt", "fence")
+    fence_epoch = _key("ckpt", "fence.epoch")
+    fence_prefix = _key("ckpt", "fence", "")
 
     def fence(self, node: str) -> bytes:
         return self._k("ckpt", "fence", node)
 
-    @property
-    def replicated_prefix(self) -> bytes:
-        return self._k("ckpt", "replicated", "")
+    replicated_prefix = _key("ckpt", "replicated", "")
 
     def replicated(self, node: str) -> bytes:
         return self._k("ckpt", "replicated", node)
@@ -170,14 +132,10 @@ class Keyspace:
     def _k(self, *parts: str) -> bytes:
         return "/".join((self.prefix, *parts)).encode()
 
-    @property
-    def cluster(self) -> bytes:
-        return self._k("cluster")
+    cluster = _key("cluster")
 
     # nodes
-    @property
-    def nodes(self) -> bytes:
-        return self._k("nodes", "")
+    nodes = _key("nodes", "")
 
     def node(self, node: str) -> bytes:
         return self._k("nodes", node)
@@ -191,25 +149,19 @@ class Keyspace:
         return check_name("node id in key", key[len(self.nodes):].decode(errors="replace"))
 
     # events
-    @property
-    def events(self) -> bytes:
-        return self._k("events", "")
+    events = _key("events", "")
 
     def event(self, node: str, lease: int, kind: str) -> bytes:
         return self._k("events", node, f"{lease:016x}", kind)
 
     # drains
-    @property
-    def drains(self) -> bytes:
-        return self._k("drain", "")
+    drains = _key("drain", "")
 
     def drain(self, node: str) -> bytes:
         return self._k("drain", node)
 
     # jobs
-    @property
-    def jobs(self) -> bytes:
-        return self._k("jobs", "")
+    jobs = _key("jobs", "")
 
     def job(self, job: str) -> bytes:
         return self._k("jobs", job, "")

@@ -15,6 +15,7 @@ from elasticd.clock import Clock
 from elasticd.cluster.events import Event, EventLog
 from elasticd.coordination.api import CoordinationError
 from elasticd.daemon.node_rules import FenceBook, FenceOrder, describe_outage
+from elasticd.hooks import call_hooks
 from elasticd.metrics import Metrics
 
 log = logging.getLogger("elasticd.daemon.daemon")
@@ -83,11 +84,7 @@ class Fence:
             return None
         log.warning("fencing: %s; stopping workers", order.reason)
         self._metrics.etcd.fenced.inc()
-        for hook in self.hooks:
-            try:
-                hook(order.reason)
-            except Exception:
-                log.exception("fence hook failed")
+        call_hooks(self.hooks, order.reason, log=log, failed="fence hook failed")
         # The keeper thread may not have granted a new lease yet: the old one names this fence.
         lease = order.lease or self._lease()
         with contextlib.suppress(CoordinationError):  # etcd is gone; the fence is what matters

@@ -9,12 +9,10 @@ of workers, and a thread blocked in ``recv`` costs nothing while idle (the daemo
 worker one ``send`` and never waits for the daemon.
 
 Security: the socket file is created in a directory only the daemon can write, and every
-connection's peer credentials (``SO_PEERCRED``: pid, uid, gid, from the kernel, so unforgeable)
-are checked before a byte is read. Without a binding, against a fixed set of uids (the socket
-file is then 0o600). With a :class:`~elasticd.daemon.local_binding.CallerBinding` (the daemon's
-case), the socket file is 0o666 so the running job's user can connect, the binding admits only
-the daemon's uid and the processes of the running job, and every request is held to its
-connection's job and rank (:mod:`.local_binding`). Handlers receive the credentials as
+connection's peer credentials (``SO_PEERCRED``, from the kernel) are checked before a byte is
+read: against a fixed set of uids (the socket file then 0o600), or by a
+:class:`~elasticd.daemon.local_binding.CallerBinding` (the daemon's case: the file 0o666, whom
+it admits and how requests are held: :mod:`.local_binding`). Handlers receive the credentials as
 ``msg["_peer"]`` (with ``"job"``, the job a bound connection belongs to), overwriting anything a
 client put there. Linux only (``SO_PEERCRED``).
 
@@ -45,6 +43,7 @@ from elasticd.admission import shut
 from elasticd.clock import Clock, SystemClock
 from elasticd.daemon.local_binding import Caller, CallerBinding, CallerRefused
 from elasticd.errors import NodeError
+from elasticd.hooks import call_hooks
 from elasticd.local.wire import (
     DEFAULT_MAX_MESSAGE,
     LENGTH,
@@ -383,11 +382,8 @@ class LocalServer:
             self._forget(conn)
             if caller is not None and self._binding is not None:
                 self._binding.closed(caller)
-            for hook in self.on_close:
-                try:
-                    hook({"pid": peer.get("pid"), "job": caller.job if caller else None})
-                except Exception:  # noqa: BLE001 — a hook must not take the server down
-                    log.exception("local API: a connection-close hook failed")
+            call_hooks(self.on_close, {"pid": peer.get("pid"), "job": caller and caller.job},
+                       log=log, failed="local API: a connection-close hook failed")
 
     def _forget(self, conn: socket.socket) -> None:
         with self._lock:
@@ -439,11 +435,8 @@ class LocalServer:
             reply["id"] = rid
             if self._send(conn, reply):
                 return True
-            for hook in self.on_undelivered:
-                try:
-                    hook(op, reply)
-                except Exception:  # noqa: BLE001 — a hook must not take the server down
-                    log.exception("local API: an undelivered-reply hook failed")
+            call_hooks(self.on_undelivered, op, reply, log=log,
+                       failed="local API: an undelivered-reply hook failed")
             return False
         return True
 

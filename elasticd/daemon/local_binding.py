@@ -1,29 +1,17 @@
 """Who may use the daemon's local socket, and for what: each connection bound to its caller.
 
 The daemon runs as root; a job runs as its own (unprivileged) user. That user's workers must
-reach the daemon (progress reports, checkpoint slots), so the socket admits more than root —
-and each request must then be held to what its caller is:
-
-* a connection is admitted when the kernel's peer credentials (``SO_PEERCRED``) name the
-  daemon's own uid, or the uid of the job running on this node *and* a pid that is a process of
-  that job: it descends from the job's torchrun agent or zygote, each known by its pid and its
-  start time (parentage is the kernel's: a process of the same uid that is not part of the job
-  cannot claim it, and a pid the agent left and another process reused is not the agent).
-  Anyone else is refused before a byte is read. Only ``/proc/<pid>/stat`` is read, a few
-  hundred bytes the kernel fills from its own task fields: nothing of the caller's memory (its
-  environment can be made to read for minutes, see :data:`~elasticd.agent.supervisor.ENV_READ_LIMIT`),
-  as this runs on the accept thread, which every later connection waits for.
-* a connection from a process of the job is bound to that job: a request naming another job is
-  refused (one that names none is given the job's name), and when the running job changes, the
-  old job's connections are refused from then on.
-* the writing ops (``ckpt_reserve``, ``ckpt_complete``, ``ckpt_report``, ``progress``,
-  ``register``) are bound to the first rank the connection used: a worker writes its own rank's
-  slots and reports, not another's. Every connection of one process writes for the same rank,
-  and no rank or world size a request names lies beyond the spec's largest world
-  (:mod:`.rank_claims`). Reads (``ckpt_list``, ``ckpt_open``, ``ckpt_fetch``,
-  ``ckpt_committed``) reach any rank of the caller's job (after a resize a rank restores
-  another's old shard); ``ckpt_release`` releases only pins this connection was given.
-* a process of the daemon's own uid outside any job (an operator's tool, a test) is not bound.
+reach the daemon (progress reports, checkpoint slots), so the socket admits more than root — and
+each request must then be held to what its caller is. The rules are docs/security.md's ("The
+daemon's local socket"): a connection is admitted for the daemon's own uid (then not bound), or
+for the running job's uid *and* a pid that descends from the job's agent or zygote, each known
+by pid and start time; it is bound to that job (refused once the job changes); its writing ops
+(``ckpt_reserve``, ``ckpt_complete``, ``ckpt_report``, ``progress``, ``register``) to the first
+rank it used, within the spec's largest world (:mod:`.rank_claims`). Beyond the doc: only
+``/proc/<pid>/stat`` is read, never the caller's memory (its environment can be made to read for
+minutes, :data:`~elasticd.agent.supervisor.ENV_READ_LIMIT`), as this runs on the accept thread;
+reads reach any rank of the job (after a resize a rank restores another's old shard);
+``ckpt_release`` releases only the pins this connection was given.
 
 The same uid is one principal to the kernel (ptrace, signals): the pid check keeps other
 programs of the job's user and leftovers of an earlier job from acting for the job, it is not a

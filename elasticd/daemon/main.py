@@ -9,17 +9,19 @@ saying what to do, and exit status 2. Without ``--etcd`` the daemon starts a pri
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import faulthandler
 import logging
+import os
 import signal
+import socket
 import sys
 from typing import Any, Sequence
 
 from elasticd import config
 from elasticd.daemon.daemon import Daemon
 from elasticd.daemon.node import Fatal, Node
-from elasticd.daemon.notify import Notifier
 from elasticd.daemon.signals import SignalRelay
 from elasticd.printable import PrintableFormatter, printable
 
@@ -31,6 +33,47 @@ EXIT_USAGE = 2
 #: Settings with no flag, and why: a secret on the command line is readable by every local
 #: user (``ps``); it comes from ``--cluster-secret-file`` or ``ELASTICD_CLUSTER_SECRET``.
 NO_FLAG = ("cluster_secret",)
+
+
+class Notifier:
+    """systemd's notify protocol (sd_notify), without libsystemd: datagrams to
+    ``$NOTIFY_SOCKET`` if it is set.
+
+    With ``Type=notify`` systemd passes ``NOTIFY_SOCKET``; :func:`main` sends ``READY=1`` once the
+    node has joined, ``WATCHDOG=1`` after each completed main-loop cycle (so a stalled loop stops
+    the pings and systemd restarts the daemon), ``RELOADING=1`` on SIGHUP and ``STOPPING=1`` on
+    shutdown. Without ``NOTIFY_SOCKET`` (no systemd, e.g. inside a Slurm allocation) every call
+    is a no-op.
+    """
+
+    def __init__(self, path: str | None = None) -> None:
+        self.path = path if path is not None else os.environ.get("NOTIFY_SOCKET", "")
+        self._sock: socket.socket | None = None
+        if self.path:
+            # Non-blocking: a full queue at systemd drops one ping rather than stall the loop.
+            self._sock = socket.socket(
+                socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+
+    def notify(self, message: str) -> None:
+        if self._sock is None:
+            return
+        addr = self.path
+        if addr.startswith("@"):  # abstract namespace socket
+            addr = "\0" + addr[1:]
+        with contextlib.suppress(OSError):  # systemd went away; nothing useful to do about it
+            self._sock.sendto(message.encode(), addr)
+
+    def ready(self, status: str = "") -> None:
+        # One line: a newline in the status (it may name a job's script) would add fields.
+        self.notify("READY=1" + (f"\nSTATUS={printable(status)}" if status else ""))
+
+    def watchdog(self) -> None:
+        self.notify("WATCHDOG=1")
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
 
 
 def flag(setting: str) -> str:

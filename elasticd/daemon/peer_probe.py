@@ -1,37 +1,18 @@
 """A peer whose daemon's port refuses connections is dead: confirming a node's death before its
 lease expires, once a worker's collective broke (issue 31).
 
-A node killed whole (kill -9, OOM of the machine's processes, a crash) resets every connection
-its processes held: a survivor's pending collective raises at once. Its lease, though, lives
-until its TTL (2 s here), and every recovery waited for it. A worker whose collective broke
-with a distributed error tells its daemon (``group_broke``, over the local socket); the daemon
-then connects to the HTTP port of each peer that ran workers of its job, and revokes the lease
-of a peer whose port **refuses** the connection: the peer's host answered (a refusal is its
-kernel's reset) and nothing listens there, while a live daemon serves that port from before it
-registers until after it revoked its lease on leaving (``daemon/node.py``). The revocation
-deletes the peer's record as its expiry would, and everything after is the lease-expiry path:
-each daemon records the node ``failed`` and marks it in the job's rendezvous; if the node was
-in fact alive, its keep-alive finds the lease gone and it fences itself and comes back as a
-newcomer, under a new lease, as after an expiry it missed.
-
-What is never taken for a death:
-
-* a connection that opens (a frozen daemon's kernel still accepts on its listening socket; a
-  daemon restarted on the same port answers: its old lease is left to expire, or to this rule
-  once the new one registers);
-* a timeout, an unreachable host or network, any other error: a partitioned or powered-off
-  peer, or one whose packets are dropped, sends no refusal; its lease expires as before;
-* a peer that is not ``up`` (leaving: it revokes its own lease) or publishes no address.
-
-A refusal counts only from a peer whose port answered this daemon before, under the same
-lease (:meth:`PeerProbe.baseline`, knocked once each time the job's round closes): a port this
-node never reached (HTTP bound to loopback but advertised, a firewall that rejects with a TCP
-reset, as some sandboxes do for every address they do not route) proves nothing. A firewall
-rule added later that rejects would still read as a death: the peer is then fenced, as if its
-lease had expired (a cost, never two owners of one lease).
-
-Each survivor's workers report the same break: one series of probes at a time per daemon, at
-:data:`SCHEDULE` (the killed node's processes do not all die in the same millisecond).
+A node killed whole resets every connection its processes held, but its lease lives until its
+TTL. A worker whose collective broke tells its daemon (``group_broke``); the daemon knocks at
+the HTTP port of each peer that ran workers of its job and revokes the lease of one whose port
+**refuses** the connection (its kernel answered, nothing listens: a live daemon serves that port
+from before it registers until after it revoked its lease, ``daemon/node.py``); everything after
+is the lease-expiry path. A refusal counts only from a peer whose port answered this daemon
+before under the same lease (:meth:`PeerProbe.baseline`); a connection that opens, a timeout, an
+unreachable host, a peer not ``up`` or without an address is never taken for a death (a firewall
+rule added later that rejects is: the peer is fenced, a cost, never two owners of one lease).
+The rule, its cases and what it measured: docs/in-process-design.md, "A node killed whole is
+found before its lease expires". One series of probes at a time per daemon, at :data:`SCHEDULE`
+(the killed node's processes do not all die in the same millisecond).
 """
 
 from __future__ import annotations

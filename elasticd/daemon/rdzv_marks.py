@@ -6,16 +6,14 @@ the join records that name that lease are deleted (and the closer's key, when th
 one of them) (:mod:`elasticd.rendezvous.failures` says why and what the closer does with it).
 The mark is bound to its writer's lease: it goes when that daemon goes.
 
-Every survivor that runs the job sees the same failure, but only one does the work: each
-creates the mark only if it is absent, and the one whose create wins lists the rendezvous and
-deletes the records. Before, every survivor listed the whole ``native/`` directory (N join
-records) and rewrote the mark: N - 1 listings of N records and N - 1 writes per failure, each
-write an event to every daemon's ``jobs/`` watch (quadratic at N = 1,000). Now: one listing
-and one or two writes per failure, and one create (that writes nothing when it loses) per
-survivor. If the winner dies or meets an etcd error between its create and its deletes, nobody
-deletes them: the dead node's join records then go when its agent's lease expires (at about
-the time its daemon's did) and the closer ends the round as for a member merely silent, by
-the mark when it still exists, else after ``liveness_confirm`` (as an etcd error did before).
+Every survivor that runs the job sees the same failure, but only one does the work: each creates
+the mark only if it is absent, and the one whose create wins lists the rendezvous and deletes
+the records: one listing and one or two writes per failure, not N - 1 of each (every write an
+event to every daemon's ``jobs/`` watch). If the winner dies or meets an etcd error between its
+create and its deletes, nobody deletes them: the dead node's join records then go when its
+agent's lease expires (at about the time its daemon's did) and the closer ends the round as for
+a member merely silent, by the mark when it still exists, else after ``liveness_confirm`` (as an
+etcd error did before).
 """
 
 from __future__ import annotations

@@ -15,16 +15,10 @@ commit).
 
 Several nodes flush the same step into a shared directory; :mod:`~elasticd.persistence.tier`
 makes that race-free, and a step is complete only once every rank is written, so every node must
-pick the same steps. ``every_steps`` decided on each node's own completed snapshots did not: a
-snapshot skipped on one node (both slots waiting for a commit) moved its flush to another step
-than its peers', and CI saw a job's tier hold no complete step at all. Decided on the commits,
-which every node learns alike, it does. ``every_seconds`` is judged in periods of the wall clock
-(the first step offered in each period of T seconds since the epoch), not T after this node's
-last flush: nodes that flushed different steps once (one joined a commit later, or its writer
-was busy) would otherwise keep their deadlines a commit apart and never pick the same step again.
-With periods they meet again in the next period; only a commit learned within the nodes' clock
-skew of a period's start can land in different periods on two nodes, and that step stays
-incomplete and is pruned once a newer step is complete.
+pick the same steps: ``every_steps`` is decided on the commits, which every node learns alike
+(not on its own snapshots, which a skip moves), and ``every_seconds`` in periods of the wall
+clock since the epoch (not T after this node's last flush, which keeps two nodes a commit apart
+for good); docs/operations.md (``persist_every_steps``) says where nodes can still differ.
 
 A node that writes its ranks of a step before its peers do finds no manifest after its flush
 (the last writer completes the step), so it checks that step again at its next flush of the job;

@@ -11,19 +11,13 @@ their true dtype is recorded in elasticd's metadata. That metadata — one JSON 
 the tensors' order (the flatten meta refers to tensors by index) and the flatten meta itself.
 
 A step's directory is also a checkpoint ``torch.distributed.checkpoint.load`` reads at any
-world size, with torch's own ``HuggingFaceStorageReader`` (format v2): a tensor's key is its
-entry name with ``/`` read as ``.``, the name DCP gives the same value in a state dict such as
-``{"model": model.state_dict()}`` (``model.layers.0.weight``), and ``__metadata__`` carries
-DCP's ``DCP_SHARDING_INFO``: each key's offsets in its global tensor (a DTensor's local shard,
-from the snapshot's meta; zeros for a whole tensor). So standard tools reshard what elasticd
-persisted, with no pickle involved (DCP's own ``.metadata`` file is one); elasticd reads the
-files back itself and never unpickles. An optimizer's ``state_dict()`` keys its state by
-parameter index, where DCP's ``get_state_dict`` uses parameter names: its entries are keyed by
-the names the worker found for its parameters in a module of the same state
-(``optim.state.layers.0.weight.exp_avg``), so ``dcp.load`` of ``{"model": msd, "optim": osd}``
-from ``get_state_dict`` finds the model and the optimizer's state alike. Its ``param_groups``
-(hyper-parameters, no tensors) are not in these files: load with
-``DefaultLoadPlanner(allow_partial_load=True)``, which leaves them as the optimizer has them.
+world size with torch's own ``HuggingFaceStorageReader`` (format v2; how to load it:
+docs/worker-api.md, "Sharded training (FSDP2)"): a tensor's key is its entry name with ``/``
+read as ``.`` (an optimizer's state by the parameter names the worker found in a module of the
+same state, as DCP's ``get_state_dict`` keys it), and ``__metadata__`` carries DCP's
+``DCP_SHARDING_INFO``: each key's offsets in its global tensor (a DTensor's local shard, from
+the snapshot's meta; zeros for a whole tensor). No pickle (DCP's own ``.metadata`` file is one);
+elasticd reads the files back itself.
 
 Writing never copies a tensor in Python: each entry's bytes go from the slot's mapping into the
 file with one ``write``. The file is hashed with xxh3_64 as it is written; the tier records that

@@ -1,25 +1,11 @@
 """Mutual challenge–response authentication of replication peers, and the session keys.
 
-Both daemons prove they know the cluster secret without sending it; the client proves first,
-and the server says nothing derived from the secret until that proof has verified::
-
-    C → S  HELLO(client id, Nc, limit)       Nc, Ns: 32 fresh bytes from os.urandom
-    S → C  CHALLENGE(server id, Ns, limit)   independent of the secret
-    C → S  AUTH(Pc)                          Pc = HMAC(Kp, "client" | transcript)
-    S → C  ACK, sealed under K_sc            (or ERROR "auth", unsealed, then close)
-
-``K_cs, K_sc, Kp = HKDF-SHA256(secret, salt=Nc|Ns, info=SHA-256(transcript))`` where the
-transcript is the HELLO and CHALLENGE payloads (ids, nonces, limits) and the protocol version.
-The server's ACK is its proof: only a holder of the secret can seal a frame under ``K_sc``.
-From then on every frame each way is sealed (:mod:`elasticd.replication.seal`), so the
-authentication covers the whole connection, not only its start.
-
-Why this order: were the server to prove first (protocol v1), anyone who reaches the port gets,
-from one connection, a value to test secret guesses against offline. Now such a caller gets a
-CHALLENGE that any server would send and, for a wrong AUTH, a constant ERROR. A passive observer
-of a legitimate handshake still sees ``Pc``, a function of the secret and public values: that is
-inherent to any challenge–response without a PAKE, which is why the secret must be at least 128
-random bits (the daemon refuses a shorter one, :func:`check_secret`).
+Both daemons prove they know the cluster secret without sending it; the client proves first
+(``AUTH``), and the server says nothing derived from the secret until that proof has verified:
+its proof is its ACK, sealed under ``K_sc``. The handshake, its key derivation (the transcript
+is the HELLO and CHALLENGE payloads and the protocol version) and why the client proves first:
+docs/replication.md, "Transport". From then on every frame each way is sealed
+(:mod:`elasticd.replication.seal`); the secret must carry 128 bits (:func:`check_secret`).
 
 The role in the MAC stops a proof being reflected back; the server's fresh ``Ns`` makes a
 replayed client conversation fail; the client's fresh ``Nc`` does the same for a replayed

@@ -457,13 +457,11 @@ def frame_chunk(chunk_size: int, peer_max_frame: int) -> int:
 #: frame also checks its tag, a pass over the bytes the sender does not make (its blocks were
 #: tagged at seal time), so the two ends run at different paces within each frame; with a
 #: frame's worth of room fixed from the start, the sender keeps writing while the receiver
-#: checks, where the kernel's autotuned receive window (from about 128 KiB) lagged behind.
-#: Measured on loopback, 256 MiB in 4 MiB frames, 6 interleaved runs of
-#: bench/bench_replication.py each way on 2 cores: push / raw socket (both ends of both with
-#: the same options) median 0.785 with the kernel's defaults, 0.885 with 4 MiB. Setting the
-#: size turns off receive autotuning for the socket; 4 MiB (8 MiB granted) covers the
-#: bandwidth-delay product of a 100 Gbit/s link at 0.6 ms round trip, and the kernel commits
-#: buffer memory only as data waits in it. 0 leaves the kernel's.
+#: checks, where the kernel's autotuned receive window (from about 128 KiB) lagged behind
+#: (bench/bench_replication.py: pushes run nearer a raw socket's pace). Setting the size turns
+#: off receive autotuning for the socket; 4 MiB (8 MiB granted) covers the bandwidth-delay
+#: product of a 100 Gbit/s link at 0.6 ms round trip, and the kernel commits buffer memory only
+#: as data waits in it. 0 leaves the kernel's.
 SOCKET_BUFFER_BYTES = 4 << 20
 
 

@@ -31,22 +31,15 @@ Invariants (tested over every order of events in ``tests/unit/test_commit_state.
 * An owner sends no copy of a rank newer than an undecided version whose local copy of that rank
   it retains (:meth:`CommitBook.holding_back`): a holder whose slots hold the commit and an
   undecided copy lets the undecided one go when a newer copy arrives
-  (:class:`~elasticd.replication.shm_sink.ShmSink`), trusting that the owner decided it first.
-  The owner's own slots enforce that only while its other slot holds the commit; a rank's new
-  owner, whose committed copy is among its replicas, has a free slot and would snapshot and
-  send past its undecided version (a wrong commit, naming a holder that let it go). Before
-  the generation's first commit no holder pins a commit beside an undecided copy, so nothing
-  is held back then: held back, each owner waited on its first acknowledged version, and at a
-  job's start, where the nodes' first versions differ, they were withdrawn one by one and
-  nothing committed for seconds.
+  (:class:`~elasticd.replication.shm_sink.ShmSink`), trusting that the owner decided it first;
+  only once a commit of the live generation is known (before it no holder pins a commit beside
+  an undecided copy). Why, and what holding back everywhere cost: docs/replication.md, "The
+  commit invariant".
 
 Withdrawals on time wait for the coordinator's word (:meth:`CommitBook.verdict`): a version that
 blocks a snapshot is withdrawn ``withdraw_after`` after its landing only once a coordinator
 answered this node after that deadline (or ``patience`` later, when none does), and a new
-coordinator's term restarts the wait. While a dead coordinator's election key waits out its
-lease nothing can commit, so the versions there are not the nodes' divergence: withdrawing
-them one by one widened the job's snapshot grid each time (to 32 steps in a 2 s outage) and
-the first commit after the election then waited for the next step on that grid.
+coordinator's term restarts the wait (why: the same section of docs/replication.md).
 """
 
 from __future__ import annotations

@@ -4,11 +4,9 @@ A rank's two slots cannot hold the committed step, an acknowledged newer one and
 snapshot, so an owner whose acknowledged version waits too long for its commit (or can never
 commit) withdraws it before it reuses the slot (:mod:`elasticd.replication.tracker`). The
 withdrawal is one transaction that rewrites the node's fence record (``ckpt/fence/<node>``: the
-versions it withdrew, newest first) and bumps the job's fence epoch (``ckpt/fence.epoch``).
-Every commit compares the epoch as its coordinator listed it with the fences
-(:func:`read_fences`), and the coordinator counts a node's report only when it was made after
-that node's last fence (:mod:`elasticd.replication.tally`): a commit decided from a report that
-still listed the withdrawn version cannot land after the withdrawal. Fences are rare (the
+versions it withdrew, newest first) and bumps the job's fence epoch (``ckpt/fence.epoch``),
+which every commit compares as its coordinator listed it with the fences (:func:`read_fences`;
+why no commit then passes the fence: :mod:`elasticd.replication.tally`). Fences are rare (the
 snapshot grid keeps nodes on the same steps) and are not counted among the per-step writes.
 
 The fence record also tells a holder of two undecided copies of a rank which one the owner

@@ -8,12 +8,9 @@ whole, so a lost or repeated one does no harm, and it is sent over the authentic
 replication channel (:mod:`elasticd.replication.channel`), never written to etcd: the job's
 etcd writes per committed step do not grow with its node count.
 
-A report counts only for the coordinator term it names (``term``: a random number the
-coordinator drew when it was elected, in its election record), for the placement it names
-(``placement``: :func:`placement_digest`), and while its ``fence`` equals the node's fence
-revision the coordinator read: a report made before one of its node's withdrawals is ignored
-(see :mod:`elasticd.replication.tally`). A :class:`Reply` says whether the report counts and, of
-the versions the node waits on (``ask``), which can never commit (``hopeless``: the node then
+Which reports count (the ``term``, ``placement`` and ``fence`` they name):
+:mod:`elasticd.replication.tally`. A :class:`Reply` says whether the report counts and, of the
+versions the node waits on (``ask``), which can never commit (``hopeless``: the node then
 withdraws them at once instead of waiting out ``withdraw_after``).
 
 Both travel as small JSON objects, checked field by field here (a peer holds the cluster secret,

@@ -1,18 +1,9 @@
 """Per-frame authentication of a replication connection: session keys and frame tags.
 
 After the handshake (:mod:`elasticd.replication.auth`) every frame, control and DATA alike,
-carries a 16-byte ChaCha20-Poly1305 tag (RFC 8439) instead of a checksum: the AEAD with nothing
-to encrypt and the frame's 12 header bytes and its payload as associated data, i.e. Poly1305
-under a one-time key that ChaCha20 derives from the direction's key and the frame's nonce. The
-keys come from HKDF-SHA256 over the cluster secret, salted with both sides' fresh nonces and
-bound to the handshake transcript, one key per direction; the nonce of a frame is its sequence
-number in that direction. So:
-
-* a frame altered in flight (any header or payload bit) fails its tag;
-* a frame replayed, dropped, reordered or moved to the other direction or another connection
-  fails too, because its tag was made under another nonce or key;
-* nonces never repeat under a key (so no Poly1305 key is ever used twice): a counter per
-  direction, and the connection is refused before it could wrap (2**64 frames).
+carries a 16-byte ChaCha20-Poly1305 tag (RFC 8439) instead of a checksum, under its direction's
+key with the frame's sequence number as nonce (what that stops: docs/replication.md, "Every
+frame"); the connection is refused before a direction's counter could wrap (2**64 frames).
 
 The tag is exactly ``ChaCha20Poly1305(key).encrypt(nonce, b"", frame)`` (a test checks it
 against the library's AEAD); it is computed here from its two library parts, ChaCha20 for the
@@ -21,13 +12,9 @@ offset, the chunk where it lies) and arrive piece by piece: the one-shot AEAD wo
 joined, a copy of every chunk. So DATA is still received straight into its destination and
 checked there, uncopied.
 
-Why this primitive: it is the fastest keyed authenticator a maintained binding offers here,
-if not by much. One core, 4 MiB frames (``python bench/bench_replication.py --primitives`` and
-docs/replication.md): Poly1305 0.20 CPU s/GiB over a cached frame and 0.27-0.31 over frames
-read from memory, AES-GMAC (protocol v2) 0.20-0.22 and 0.29-0.35, HMAC-SHA256 0.7. Unlike
-AES-GCM it holds the GIL while it hashes (docs/replication.md, "Where the pass runs", says
-what that costs). It authenticates; it does not encrypt (see docs/replication.md for the
-confidentiality choice).
+Why this primitive: the fastest keyed authenticator a maintained binding offers here, if not
+by much (figures and what holding the GIL costs: docs/replication.md). It authenticates; it
+does not encrypt (docs/replication.md says why).
 """
 
 from __future__ import annotations

@@ -72,13 +72,9 @@ from elasticd.replication.wire import (
 log = logging.getLogger(__name__)
 
 #: The most snapshot bytes one DATA frame carries, as far as the peer's frame limit allows
-#: (8 MiB by default: runs of seven 1 MiB blocks). Each frame costs each end Python work
-#: (header, session tag, run prefix, the blocks' checks set up) that runs cold right after the
-#: frame's multi-MiB socket call has flushed the caches. A/B on one holder, 1 GiB fetched, same
-#: hold (bench/results/restore27/README.md): the holder's CPU over the verified floor's sender
-#: +0.10 and +0.115 s/GiB in 4 MiB runs (main), +0.03 and -0.015 in 7 MiB runs with
-#: seal.py's one-shot small-frame tags; 16 MiB runs (a 32 MiB frame limit) were no cheaper and
-#: 0.87x the floor's speed, where 7 MiB ran at 0.97x and 1.04x.
+#: (8 MiB by default: runs of seven 1 MiB blocks). Each frame costs each end Python work that
+#: runs cold after the frame's socket call flushed the caches: 7 MiB runs cost the holder less
+#: CPU than 4 MiB ones, 16 MiB no less and slower (bench/results/restore27/README.md).
 DEFAULT_CHUNK = 8 << 20
 
 

@@ -6,16 +6,11 @@ takes them, and the coordinator's view of etcd (the committed record, the fence 
 what to write: :meth:`Tally.next_write`. It does no I/O, takes no lock and reads no clock; the
 coordinator performs the writes and feeds back what etcd answered.
 
-Which reports count (*usable*): those of this term, from an owner of this placement, naming
-this placement, whose ``fence`` equals that node's fence revision in the fence listing the
-tally holds. That listing was read together with the job's fence epoch (``ckpt/fence.epoch``,
-bumped by every withdrawal), and every commit is one transaction that compares the election
-key (this term), the epoch (as listed) and the committed record (as known): so a commit lands
-only while no withdrawal happened since the listing, and every report it was decided from was
-made after its node's last withdrawal, by which time the node no longer lists what it withdrew.
-A report made before a withdrawal (its ``fence`` is older) never counts again: *reports from
-fenced nodes are ignored*. A report naming a fence newer than the listing makes the tally ask
-for the fences again (:class:`ReadFences`).
+Which reports count (*usable*): those of this term, from an owner of this placement, naming this
+placement, whose ``fence`` equals that node's fence revision in the fence listing the tally
+holds (read with the fence epoch every commit compares; why that keeps a commit from naming a
+holder that let its copy go: docs/replication.md, "Which reports count"). A report naming a
+fence newer than the listing makes the tally ask for the fences again (:class:`ReadFences`).
 
 The decision is counted, not searched: per version newer than the commit that some usable
 report names, how many ranks list it with ``m`` copies (``have``), and how many ranks cannot get

@@ -5,11 +5,9 @@ A :class:`CommitTracker` turns peer acknowledgements into ``m``-copy versions, t
 commit coordinator about them (its :class:`~elasticd.replication.reporter.Reporter`: a report
 over the replication channel, no etcd write), and learns the commits through one watch on the
 committed record's prefix (its :class:`~elasticd.replication.committed_prefix.CommittedPrefix`).
-It also holds the retention gate: a rank's next push waits (up to ``commit_wait`` seconds, real
-time) until its previous fully replicated version is committed, because a holder keeps only a
-shard's two newest copies and a third push would evict the committed one; after the wait it
-goes ahead and the wait is counted, since nodes that replicated different steps would otherwise
-wait for each other forever.
+It also holds the retention gate: a rank's next push waits up to ``commit_wait`` seconds (real
+time) for its previous fully replicated version's commit (why, and why it then goes ahead:
+docs/replication.md, "Holders keep a shard's two newest copies").
 
 Which copies stay in their slots is decided per job by a
 :class:`~elasticd.replication.commit_state.CommitBook` (acked -> protected -> committed |
@@ -40,10 +38,10 @@ from elasticd.clock import Clock
 from elasticd.coordination import records
 from elasticd.coordination.api import CoordinationError, Coordinator
 from elasticd.coordination.keys import Keyspace
+from elasticd.hooks import call_hooks
 from elasticd.replication.api import ReplicationError, Version
 from elasticd.replication.background import Background
 from elasticd.replication.commit_state import Actions, CommitBook, Holder
-from elasticd.replication.commit_feed import CommitFeed
 from elasticd.replication.committed_prefix import CommittedPrefix
 from elasticd.replication.commit import (
     KEEP_SKIPPED,
@@ -65,6 +63,49 @@ log = logging.getLogger(__name__)
 #: Lease TTLs a blocking version waits past its deadline for a coordinator's answer (see
 #: commit_state): a dead one is replaced within about one TTL; longer is a partition.
 OUTAGE_TTLS = 3
+
+#: Told of each newer commit of a live generation: (job, version).
+Listener = Callable[[str, Version], None]
+
+
+class CommitFeed:
+    """The listeners of one node's commits, and the order they are told in.
+
+    The persistent tier takes its flushes from the commits (every node learns the same ones, and
+    keeps its ranks' copies of the committed step until the next commit): the node's checkpoint
+    service listens here. Commits are learned on several threads (the watch, a re-read, this
+    node's own write as coordinator); the order the tracker learned them in is the order they
+    are told in, because :meth:`CommitFeed.claim` is called under the tracker's lock and the
+    listeners run under the feed's own lock, taken there and let go by :meth:`CommitFeed.tell`,
+    after the tracker's lock is released (a listener takes the service's and the slot store's
+    locks, never the tracker's).
+    """
+
+    def __init__(self) -> None:
+        self.listeners: list[Listener] = []
+        self._order = threading.Lock()
+
+    def add(self, listener: Listener) -> None:
+        """Calls ``listener(job, version)`` for each newer commit of a live generation."""
+        self.listeners.append(listener)
+
+    def claim(self, newer: bool) -> bool:
+        """Call under the tracker's lock, for a commit just learned (``newer``: newer than the
+        one before, of a generation not abandoned). True when :meth:`tell` must follow."""
+        if not newer or not self.listeners:
+            return False
+        self._order.acquire()
+        return True
+
+    def tell(self, job: str, version: Version, claimed: bool) -> None:
+        """Call after the tracker's lock is released, with :meth:`claim`'s answer."""
+        if not claimed:
+            return
+        try:
+            call_hooks(self.listeners, job, version, log=log,
+                       failed=f"{job}: a listener of commit {version} failed")
+        finally:
+            self._order.release()
 
 
 @dataclasses.dataclass

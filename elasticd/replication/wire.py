@@ -5,14 +5,10 @@ Every frame starts with a 28-byte header, network byte order::
     magic "EDRP" (4) | version u8 | type u8 | flags u16 | payload length u32 | check (16)
 
 The check covers the first 12 header bytes followed by the payload, so a flipped type or length
-is caught as surely as a flipped payload byte. What it is depends on the SEALED flag:
-
-* sealed (every frame after the handshake, both ways): a ChaCha20-Poly1305 tag (RFC 8439,
-  the frame as associated data) under the direction's session key and the frame's sequence
-  number (:mod:`elasticd.replication.seal`). It stops an attacker, not just corruption: a
-  relay that alters, replays, reorders or drops a frame and recomputes a checksum is refused.
-* unsealed (the handshake only, before any key exists): xxh3_128, which detects corruption.
-  The handshake's content is bound by the keys and proofs derived from it.
+is caught as surely as a flipped payload byte: SEALED (every frame after the handshake), the
+frame's session tag (:mod:`elasticd.replication.seal`); unsealed (the handshake only, before
+any key exists), xxh3_128, which detects corruption (the handshake's content is bound by the
+keys and proofs derived from it).
 
 A sealed DATA frame may also be PRETAGGED (v6): a run of consecutive blocks, each with the tag
 made when the snapshot was sealed (:class:`~elasticd.replication.seal.BlockTags`), the session

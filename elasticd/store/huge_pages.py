@@ -1,12 +1,10 @@
 """Whether a node's checkpoint slots get huge pages, read from the mount that holds them.
 
 A slot is reserved (``fallocate``) and mapped (a fault per page) whole before anything is copied
-into it. On 4 KiB pages that is 512 page operations per 2 MiB; measured here on a VM, 0.28 s
-per 385 MiB, eight times a memcpy of the same bytes. On a tmpfs mounted with
-``huge=within_size`` (or ``always``) the kernel backs the files with 2 MiB pages and the same
-work takes 0.04 s, or 0.2 s right after as much 4 KiB memory was freed
-(bench/results/slot_alloc.json). ``huge=advise`` does not do: ``fallocate`` reserves a slot's
-pages before any mapping could advise them.
+into it: on 4 KiB pages, 512 page operations per 2 MiB, eight times a memcpy of the same bytes;
+on a tmpfs mounted with ``huge=within_size`` (or ``always``), 2 MiB pages and a seventh of
+that (bench/results/slot_alloc.json). ``huge=advise`` does not do: ``fallocate`` reserves a
+slot's pages before any mapping could advise them.
 
 ``/dev/shm`` is mounted without huge pages on most distributions, and the system-wide
 ``shmem_enabled`` knob can force or deny them for every tmpfs. The daemon reports the outcome

@@ -13,18 +13,13 @@ warning is logged per job and a counter goes up. At restore, workers list what i
 When every local rank has completed a step, the step is offered to the :class:`Persister`;
 when the job's snapshots are committed (peer replication), each commit learned is offered
 instead, so that every node flushes the same steps and they complete on the shared tier.
-Slot files stay the daemon's (0600 in its 0700 shm dir): a worker never opens one by path, it
-maps the descriptor that comes with the reply (``_fds``, passed over the local socket with
-``SCM_RIGHTS``): read-write for ``ckpt_reserve``, read-only for ``ckpt_open`` and
-``ckpt_fetch`` — the very file the daemon verified, whatever the path names by then, and the
-same way whichever uid the job runs as. Daemon side: no torch.
+A worker never opens a slot file by path: it maps the descriptor that comes with the reply
+(``_fds``; why: docs/security.md, "Snapshots are reached through descriptors"), read-write for
+``ckpt_reserve``, read-only for ``ckpt_open`` and ``ckpt_fetch``. Daemon side: no torch.
 
-Ops, request fields → reply fields, errors :class:`RequestError` replies: the snapshot side's
-in :mod:`~elasticd.store.service_snapshots`, the restore side's in
-:mod:`~elasticd.store.service_restores` (a part the service owns, with the read pins of
-:mod:`~elasticd.store.read_pins`); both keep their per-job state in one
-:class:`~elasticd.store.service_records.JobRecord` of the service's
-:class:`~elasticd.store.service_records.JobBook`, under its lock.
+Ops, request fields → reply fields: :mod:`~elasticd.store.service_snapshots` and
+:mod:`~elasticd.store.service_restores`, parts the service owns that keep their per-job state
+in its :class:`~elasticd.store.service_records.JobBook`, under its lock.
 
 With a :class:`~elasticd.recovery.replicator.Replicator`, every completed snapshot is
 handed to it (``on_local_snapshot``) for replication to peers, and a restore that opens a new

@@ -8,7 +8,7 @@ import collections
 import dataclasses
 import logging
 import threading
-from typing import Any, Callable
+from typing import Any
 
 from elasticd.store.api import Slot
 from elasticd.store.protection import Unprotected
@@ -131,12 +131,3 @@ def param(msg: dict[str, Any], key: str, kind: type, default: Any = ...) -> Any:
                            f"{kind.__name__}, got {value!r:.60}")
     return value
 
-
-def call_hooks(hooks: list[Callable[[dict[str, Any]], None]], what: str,
-               msg: dict[str, Any]) -> None:
-    """Calls each hook with ``msg``; one that fails is logged: an op never fails over a hook."""
-    for hook in hooks:
-        try:
-            hook(msg)
-        except Exception:  # noqa: BLE001 — see above
-            log.exception("%s hook failed", what)

@@ -43,8 +43,9 @@ from typing import Any, Callable
 from elasticd.store.api import ScratchOverCap, SlotStoreError
 from elasticd.store.scratch_pool import prefill
 from elasticd.snapshot.format import SnapshotError
+from elasticd.hooks import call_hooks
 from elasticd.store.read_pins import ReadPins
-from elasticd.store.service_records import JobBook, ServiceDeps, call_hooks, emit, param
+from elasticd.store.service_records import JobBook, ServiceDeps, emit, param
 from elasticd.store.telemetry import RESTORE_PATHS, RESTORE_SOURCES
 from elasticd.local.wire import RequestError
 from elasticd.errors import ShardLost
@@ -362,5 +363,5 @@ class Restores:
             if reason.startswith("persistent"):
                 emit(self._sink, "snapshot_refused", job, "persistent")
         emit(self._sink, "restored", job, source, seconds, lost, nbytes)
-        call_hooks(self.on_restore, "restore", entry)
+        call_hooks(self.on_restore, entry, log=log, failed="restore hook failed")
         return {}

@@ -26,9 +26,9 @@ from typing import Any, Callable
 from elasticd.store.api import CommitPending, OverBudget, SlotBusy, StaleSlot
 from elasticd.snapshot.format import PREAMBLE_SIZE, SnapshotError
 from elasticd.snapshot.reader import _header_from_json
+from elasticd.hooks import call_hooks
 from elasticd.store.read_pins import ReadPins
-from elasticd.store.service_records import (JobBook, JobRecord, ServiceDeps, call_hooks, emit,
-                                             param)
+from elasticd.store.service_records import JobBook, JobRecord, ServiceDeps, emit, param
 from elasticd.local.wire import RequestError
 from elasticd.persistence.persister import Flushed
 
@@ -85,8 +85,9 @@ class Snapshots:
         uid = msg.get("_peer", {}).get("uid", msg.get("uid"))
         step, gen = param(msg, "step", int, None), param(msg, "generation", int, None)
         if step is not None:
-            call_hooks(self.on_progress, "progress", {"job": job, "rank": rank, "world_size": world,
-                                                      "step": step, "_peer": msg.get("_peer")})
+            call_hooks(self.on_progress, {"job": job, "rank": rank, "world_size": world,
+                                          "step": step, "_peer": msg.get("_peer")},
+                       log=log, failed="progress hook failed")
         self._pins.sweep()
         with self._book.lock:
             if step is not None and gen is not None:
@@ -117,7 +118,7 @@ class Snapshots:
         optional = {key: param(msg, key, int, None) for key in ("local_rank", "restart", "step")}
         report = {"job": job, "rank": rank, "world_size": world, "_peer": msg.get("_peer"),
                   **{key: value for key, value in optional.items() if value is not None}}
-        call_hooks(self.on_progress, "progress", report)
+        call_hooks(self.on_progress, report, log=log, failed="progress hook failed")
         why = param(msg, "unsnapshottable", str, None)
         if why:
             with self._book.lock:

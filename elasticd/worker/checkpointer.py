@@ -19,12 +19,10 @@ background thread while the next forward and backward run; a step pre-hook on ev
 in the state waits for that copy before the optimizer mutates anything. The same thread then
 writes the header and asks the daemon to seal the snapshot (checksums are computed there).
 
-The Checkpointer makes the job protected by itself: it tells the daemon its job, rank, local
-rank, world size and torchrun's restart count when it starts and after every restore
-(``register``), and every ``save`` counts as a progress report (the daemon reads it from the
-slot request), so placement, replication and hang detection need nothing else from the script.
-While the daemon says the job is unprotected (no placement, the commit lagging, snapshots
-failing; in its replies), a warning is logged at most once a minute.
+The Checkpointer makes the job protected by itself (docs/worker-api.md, "The Checkpointer"):
+``register`` when it starts and after every restore, and each ``save``'s slot request counts
+as a progress report; while the daemon's replies say the job is unprotected, a warning is logged
+at most once a minute.
 
 Nothing here ever raises into the training loop because of the daemon: a refused, skipped or
 failed snapshot is logged (once per kind) and counted. A state that cannot be snapshotted at all
@@ -53,7 +51,6 @@ from elasticd.worker import restore as _restore
 from elasticd.worker.sources import Sources, close_fds
 from elasticd.worker.copier import Copier, CpuCopier, copy_into
 from elasticd.snapshot.format import PREAMBLE_SIZE
-from elasticd.worker.notices import Notices
 from elasticd.worker.optimizer_fence import OptimizerFence
 from elasticd.worker.slot_maps import SlotMaps
 from elasticd.worker.snapshot_plan import Plan, Planner, compact_json, meta_json
@@ -64,6 +61,45 @@ log = logging.getLogger("elasticd.checkpoint")
 
 __all__ = ["Checkpointer", "RestoreResult"]
 RestoreResult = _restore.RestoreResult
+UNPROTECTED_EVERY = 60.0  # seconds between two warnings that the job is still unprotected
+
+
+class Notices:
+    """What a worker's Checkpointer tells the training script's log about elasticd: each kind of
+    failure once (then counted), and the daemon's word that the job is unprotected at most once
+    a minute, and once more when it is protected again.
+
+    Args:
+        who: names the worker in the unprotected warnings (``job j rank 0``).
+    """
+
+    def __init__(self, who: str) -> None:
+        #: Names the worker in the warnings (its rank may change in in-process mode).
+        self.who = who
+        self._warned: set[str] = set()
+        self._said = ""  # what the daemon last said, "" while protected
+        #: When the unprotected warning was last logged (monotonic), None while protected.
+        self.warned_at: float | None = None
+
+    def once(self, key: str, message: str) -> None:
+        """Logs ``message`` the first time ``key`` comes."""
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("elasticd: %s", message)
+
+    def heard(self, reply: dict[str, Any] | None, now: float) -> None:
+        """Warns (at most once a minute) while the daemon says the job is unprotected."""
+        if reply is None:
+            return
+        said = reply.get("unprotected") or ""
+        if said and (said != self._said or self.warned_at is None
+                     or now - self.warned_at >= UNPROTECTED_EVERY):
+            log.warning("elasticd: %s: %s", self.who, said)
+            self.warned_at = now
+        elif not said and self._said:
+            log.warning("elasticd: %s is protected again", self.who)
+            self.warned_at = None
+        self._said = said
 
 
 class Checkpointer:

@@ -19,7 +19,7 @@ from elasticd.clock import SystemClock
 from elasticd.config import Settings
 from elasticd.testing.coordination import MemoryCoordinator, MemoryStore
 from elasticd.daemon.daemon import Daemon
-from elasticd.daemon.notify import Notifier
+from elasticd.daemon.main import Notifier
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 UNIT = os.path.join(REPO, "systemd", "elasticd.service")

@@ -1,7 +1,7 @@
 """The parts the worker's Checkpointer owns, each alone: the slot mappings it keeps
 (:mod:`elasticd.worker.slot_maps`), the optimizer fence (:mod:`elasticd.worker.optimizer_fence`),
 the snapshot plan (:mod:`elasticd.worker.snapshot_plan`) and its log notices
-(:mod:`elasticd.worker.notices`). The Checkpointer itself: test_worker_checkpointer.py."""
+(:class:`elasticd.worker.checkpointer.Notices`). The Checkpointer itself: test_worker_checkpointer.py."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 from elasticd.snapshot.segment import PAGE
 from elasticd.worker.copier import CpuCopier
-from elasticd.worker.notices import Notices
+from elasticd.worker.checkpointer import Notices
 from elasticd.worker.optimizer_fence import OptimizerFence
 from elasticd.worker.slot_maps import SlotMaps
 from elasticd.worker.snapshot_plan import Planner, sync_mask

@@ -22,7 +22,7 @@ import pytest
 from elasticd.metrics import CheckpointSink, Metrics
 from elasticd.persistence.persister import Persister
 from elasticd.persistence.tier import Tier
-from elasticd.replication.commit_feed import CommitFeed
+from elasticd.replication.tracker import CommitFeed
 from elasticd.store.service import CheckpointService
 from elasticd.store.shm import SlotStore
 from elasticd.testing.transport import InProcessTransport

@@ -27,7 +27,7 @@ from elasticd.cluster.jobspec import JobControl, JobSpec, JobState
 from elasticd.testing.clock import FakeClock
 from elasticd.coordination.keys import Keyspace
 from elasticd.testing.coordination import MemoryCoordinator, MemoryStore
-from elasticd.daemon.notify import Notifier
+from elasticd.daemon.main import Notifier
 from elasticd.printable import PrintableFormatter, printable, printable_data
 
 #: What a hostile text carries: a window title with a BEL, a screen clear, a carriage return
