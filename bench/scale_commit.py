@@ -296,6 +296,12 @@ def handle(state: dict[str, Any], cmd: tuple, nodes: dict[int, Any], ticker: Any
         w.sample(cmd[1])
         return "ok"
     if cmd[0] == "commit_stats":
+        import scale_profile
+        if scale_profile.directory():  # the window's first call, then its last
+            which = "end" if state.get("profiled") else "start"
+            state["profiled"] = True
+            scale_profile.dump(os.path.join(scale_profile.directory(),
+                                            f"worker-{me}-{which}.json"))
         return w.stats()
     if cmd[0] == "commit_stop":
         w.stop()
