@@ -17,7 +17,9 @@ asyncio loop rather than by a thread per lease, in a keep-alive process of its o
 threads busy in one interpreter kept a loop sharing their GIL from refreshing in time; a real
 node's daemon and agent have a machine each), or on the simulator process's own loop
 (:class:`KeeperPool`, ``--keepalive-process 0``); whenever a refresh is not a plain renewal,
-elasticd's own :meth:`LeaseKeeper.step` runs in the simulator process. Within a process the nodes share ``--clients`` etcd
+elasticd's own :meth:`LeaseKeeper.step` runs in the simulator process (``--keepalive-by-node``, the
+default: a node's daemon and agent leases on one stream, refreshed in one frame,
+:mod:`refresh_plan`). Within a process the nodes share ``--clients`` etcd
 connections (:class:`~elasticd.coordination.etcd.EtcdCoordinator`, one gRPC channel each, which
 carries one watch stream and one keep-alive stream): every node still owns its leases, its
 requests and its own watch IDs, since etcd pays per watcher, not per stream. Fewer streams
@@ -1219,6 +1221,9 @@ def run_size(n: int, server: EmbeddedEtcd, a: argparse.Namespace,
                               "grpc_streams": a.procs * (a.clients * 2 + keepalive),
                               "keepalive_streams": a.procs * keepalive,
                               "keepalive_client": a.keepalive_client,
+                              # a node's two leases in one frame on its stream (refresh_plan)
+                              "keepalive_by_node": getattr(a, "keepalive_by_node", 0),
+                              "keepalive_read": getattr(a, "keepalive_read", "task"),
                               "node_list_client": getattr(a, "node_list_client", "aio"),
                               "node_watch_client": (getattr(a, "node_watch_client", "aio")
                                                     if a.keepalive_process else "aio"),
