@@ -296,6 +296,12 @@ def handle(state: dict[str, Any], cmd: tuple, nodes: dict[int, Any], ticker: Any
         w.sample(cmd[1])
         return "ok"
     if cmd[0] == "commit_stats":
+        import scale_profile
+        if scale_profile.directory():  # the window's first call, then its last
+            which = "end" if state.get("profiled") else "start"
+            state["profiled"] = True
+            scale_profile.dump(os.path.join(scale_profile.directory(),
+                                            f"worker-{me}-{which}.json"))
         return w.stats()
     if cmd[0] == "commit_stop":
         w.stop()
@@ -478,6 +484,8 @@ def _run_phase(cluster: Any, etcd: Any, server: Any, keys: Any, n: int,
                                             - s0.get("keepalive_cpu", 0.0)) / secs * 100, 1),
         "keepalive_process": getattr(a, "keepalive_process", 0),
         "keepalive_client": getattr(a, "keepalive_client", "aio"),
+        "keepalive_by_node": getattr(a, "keepalive_by_node", 0),
+        "keepalive_read": getattr(a, "keepalive_read", "task"),
         "tick_batch": getattr(a, "tick_batch", 0),
         "commit_ticker_cpu_pct": round((sum(p["tick_cpu"] for p in c1)
                                         - sum(p["tick_cpu"] for p in c0)) / secs * 100, 1),

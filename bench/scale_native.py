@@ -17,7 +17,9 @@ asyncio loop rather than by a thread per lease, in a keep-alive process of its o
 threads busy in one interpreter kept a loop sharing their GIL from refreshing in time; a real
 node's daemon and agent have a machine each), or on the simulator process's own loop
 (:class:`KeeperPool`, ``--keepalive-process 0``); whenever a refresh is not a plain renewal,
-elasticd's own :meth:`LeaseKeeper.step` runs in the simulator process. Within a process the nodes share ``--clients`` etcd
+elasticd's own :meth:`LeaseKeeper.step` runs in the simulator process (``--keepalive-by-node``, the
+default: a node's daemon and agent leases on one stream, refreshed in one frame,
+:mod:`refresh_plan`). Within a process the nodes share ``--clients`` etcd
 connections (:class:`~elasticd.coordination.etcd.EtcdCoordinator`, one gRPC channel each, which
 carries one watch stream and one keep-alive stream): every node still owns its leases, its
 requests and its own watch IDs, since etcd pays per watcher, not per stream. Fewer streams
@@ -74,6 +76,7 @@ from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endp
 from elasticd.coordination.health import EtcdHealth
 from elasticd.coordination.keys import Keyspace
 from elasticd.coordination.lease import LeaseKeeper
+from refresh_plan import RefreshPlan  # noqa: E402 - bench/, beside this file
 from scale_agents import AgentRuns  # noqa: E402 - bench/, beside this file
 from scale_placement import (  # noqa: E402 - bench/, beside this file
     compact_timeline, own_thread_cpu, parse_cpus, place, prestart)
@@ -88,7 +91,8 @@ CLIENT_TIMEOUT = 10.0
 
 
 def keeper_main(endpoint: str, ttl: int, streams: int, client: str = "aio",
-                timeout: float = CLIENT_TIMEOUT) -> None:
+                timeout: float = CLIENT_TIMEOUT, by_node: bool = False,
+                read_mode: str = "task") -> None:
     """The keep-alive process of one simulator process (``scale_native.py --keeper ...``).
 
     Refreshes every lease it was given (``add <id>`` on stdin) every TTL/3 on one asyncio loop,
@@ -114,21 +118,26 @@ def keeper_main(endpoint: str, ttl: int, streams: int, client: str = "aio",
     Until 2026-11-30 a refresh was handed back after one second without an answer: at N = 1,000 a slow etcd (answers in 1-2 s) turned into leases handed to a
     simulator process too busy to refresh them in time, lost, re-granted, their records
     rewritten to every daemon's watch, which slowed etcd further.
+
+    ``by_node`` (``--keepalive-by-node``): a lease added with its node's slot (``add <id>
+    <slot>``) goes on its node's stream, its refreshes with the node's other lease's
+    (:mod:`refresh_plan`). ``read_mode`` "callback": each raw connection read in the loop's own
+    callback (:class:`h2_keepalive._Protocol`), not by a reader task.
     """
     import asyncio
     import collections
-    import heapq
 
     import grpc
     from pyetcd import etcdrpc
 
     period = ttl / 3.0
-    heap: list[tuple[float, int]] = []
     live: dict[int, Any] = {}  # lease -> its LeaseKeepAliveRequest
     waiting: dict[int, float] = {}  # lease -> when its refresh in flight was sent
     sent: Any = collections.deque()  # (sent at, lease) in sending order: the timeouts' queue
     queues: list[Any] = [None] * streams
     loop = asyncio.new_event_loop()
+    plan = RefreshPlan(streams, by_node)  # each lease's next refresh and its stream
+    schedule, stream = plan.schedule, plan.stream
 
     # Each lease's last refreshes, (sent or answered, wall time, TTL answered): printed for a
     # lease handed back, to set its refreshes against etcd's and the simulator's CPU then.
@@ -149,7 +158,8 @@ def keeper_main(endpoint: str, ttl: int, streams: int, client: str = "aio",
         if at is None or lease not in live:
             return
         if ttl_left > 0:  # as LeaseKeeper._run: TTL/3 after the last refresh began
-            heapq.heappush(heap, (max(at + period, time.monotonic() + 0.05), lease))
+            now = time.monotonic()
+            schedule(lease, max(at + period, now + 0.05), now)
         else:
             hand_back(lease, "gone")
 
@@ -165,10 +175,10 @@ def keeper_main(endpoint: str, ttl: int, streams: int, client: str = "aio",
         leases in the first N = 1,000 run of 2026-11-30)."""
         now = time.monotonic()
         retried = 0
-        for lease in [x for x in waiting if x % streams == k]:
+        for lease in [x for x in waiting if stream(x) == k]:
             at = waiting.pop(lease)
             if lease in live:
-                heapq.heappush(heap, (max(at + period, now + 0.05), lease))
+                schedule(lease, max(at + period, now + 0.05), now)
                 retried += 1
         if retried:
             sys.stdout.write(f"retried {retried} broken\n")
@@ -214,20 +224,22 @@ def keeper_main(endpoint: str, ttl: int, streams: int, client: str = "aio",
                 raw_broken(k)
 
         host, _, port = endpoint.rpartition(":")
-        raw = [RawKeepAlive(host, int(port), answered, lambda k=k: raw_broken(k))
-               for k in range(streams)]
+        raw = [RawKeepAlive(host, int(port), answered, lambda k=k: raw_broken(k),
+                            protocol=read_mode == "callback") for k in range(streams)]
 
     def command(line: str) -> None:
-        what, _, lease_text = line.partition(" ")
+        what, lease_text, *slot = line.split(" ")
         lease = int(lease_text)
         if what == "add":  # the request message built once, sent every TTL/3
             live[lease] = (request(lease) if raw is not None
                            else etcdrpc.LeaseKeepAliveRequest(ID=lease))
             waiting.pop(lease, None)
-            heapq.heappush(heap, (time.monotonic() + period, lease))
+            now = time.monotonic()
+            plan.add(lease, int(slot[0]) if slot else None, now + period, now)
         else:
             live.pop(lease, None)
             history.pop(lease, None)
+            plan.remove(lease)
 
     async def tick() -> None:
         while True:
@@ -235,10 +247,9 @@ def keeper_main(endpoint: str, ttl: int, streams: int, client: str = "aio",
             now, wall = time.monotonic(), time.time()
             due: dict[int, list[bytes]] = {}
             later = []
-            while heap and heap[0][0] <= now:
-                due_at, lease = heapq.heappop(heap)
+            for due_at, lease in plan.due(now):
                 if lease in live and lease not in waiting:
-                    k = lease % streams
+                    k = stream(lease)
                     if (raw[k].writer if raw is not None else queues[k]) is None:
                         later.append(lease)  # its stream is reopening: a send would be lost
                         continue
@@ -250,7 +261,7 @@ def keeper_main(endpoint: str, ttl: int, streams: int, client: str = "aio",
                     else:
                         queues[k].put_nowait(live[lease])
             for lease in later:
-                heapq.heappush(heap, (now + 0.05, lease))
+                plan.retry(lease, now + 0.05)
             for k, messages in due.items():  # every refresh due now on a stream, in one frame
                 raw[k].send(b"".join(messages))
             while sent and now - sent[0][0] > timeout:
@@ -275,6 +286,15 @@ def keeper_main(endpoint: str, ttl: int, streams: int, client: str = "aio",
         sys.stdout.write("ready\n")  # its imports take seconds on a busy host: a lease
         sys.stdout.flush()            # handed over before this would expire unrefreshed
 
+    import scale_profile
+    if scale_profile.directory():  # the loop's CPU function by function, dumped every 5 s
+        scale_profile.install()
+
+        def dump_every() -> None:
+            scale_profile.dump(os.path.join(scale_profile.directory(),
+                                            f"keeper-{os.getpid()}-{int(time.time())}.json"))
+            loop.call_later(5.0, dump_every)
+        loop.call_later(5.0, dump_every)
     threading.Thread(target=stdin, daemon=True).start()
     loop.run_until_complete(start())
     loop.run_forever()
@@ -335,8 +355,8 @@ class KeeperPool:
         self._queues[k] = queue
         self._asyncio.ensure_future(self._read(call, k))
 
-    def add(self, keeper: LeaseKeeper) -> None:
-        """Takes the place of :meth:`LeaseKeeper.start` (any thread)."""
+    def add(self, keeper: LeaseKeeper, slot: int | None = None) -> None:
+        """Takes the place of :meth:`LeaseKeeper.start` (any thread); ``slot`` is ignored."""
         self.loop.call_soon_threadsafe(self._schedule, keeper, self._period)
 
     def _schedule(self, keeper: LeaseKeeper, after: float) -> None:
@@ -411,16 +431,19 @@ class KeeperProcess:
     """
 
     def __init__(self, endpoint: str, ttl: int, streams: int, workers: int,
-                 client: str = "aio", timeout: float = CLIENT_TIMEOUT) -> None:
+                 client: str = "aio", timeout: float = CLIENT_TIMEOUT, by_node: bool = False,
+                 read: str = "task") -> None:
         import concurrent.futures
         import subprocess
 
         self._proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--keeper", endpoint, str(ttl),
-             str(streams), client, str(timeout)], stdin=subprocess.PIPE,
+             str(streams), client, str(timeout), "1" if by_node else "0", read],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, text=True, bufsize=1)
         self._lock = threading.Lock()
         self._keepers: dict[int, LeaseKeeper] = {}
+        self._slots: dict[int, int] = {}  # id(keeper) -> its node's slot (a stream per node)
         #: refreshes handed back to elasticd's step, by why (gone, timeout, broken)
         self.handed_back: dict[str, int] = {"gone": 0, "timeout": 0}
         #: refreshes in flight on a stream that broke, sent again on the next (not handed back)
@@ -432,17 +455,22 @@ class KeeperProcess:
             raise RuntimeError(f"keep-alive process did not start: {ready!r}")
         threading.Thread(target=self._read, daemon=True).start()
 
-    def add(self, keeper: LeaseKeeper) -> None:
-        """Takes the place of :meth:`LeaseKeeper.start` (any thread)."""
+    def add(self, keeper: LeaseKeeper, slot: int | None = None) -> None:
+        """Takes the place of :meth:`LeaseKeeper.start` (any thread); ``slot``: the keeper's
+        node (its leases share a stream, with ``--keepalive-by-node``)."""
         lease = keeper.lease
         if keeper._stop.is_set():
             return
+        if slot is not None:
+            self._slots[id(keeper)] = slot
         if lease is None:
             self._pool.submit(self._step, keeper)
             return
+        slot = self._slots.get(id(keeper))
         with self._lock:
             self._keepers[lease] = keeper
-            self._proc.stdin.write(f"add {lease}\n")  # type: ignore[union-attr]
+            self._proc.stdin.write(f"add {lease}\n" if slot is None  # type: ignore[union-attr]
+                                   else f"add {lease} {slot}\n")
 
     def remove(self, keeper: LeaseKeeper) -> None:
         """No more refreshes of the keeper's lease (its node was killed)."""
@@ -695,7 +723,8 @@ class SimNode:
             HandlerSettings("job", min_nodes, n, liveness_ttl=a.ttl, liveness_confirm=a.confirm,
                             join_timeout=600, last_call=1.0),
             f"10.{index // 62500}.{index // 250 % 250}.{index % 250}", grace=OutageGrace(30.0))
-        self.agent._keeper.start = lambda: keepers.add(self.agent._keeper)  # type: ignore
+        self.agent._keeper.start = lambda: keepers.add(self.agent._keeper,  # type: ignore
+                                                       index)
         for keeper in (self.daemon, self.agent._keeper):
             keeper.grant = self._counted(keeper.grant)  # type: ignore[method-assign]
         self.written_at = 0.0  # wall time this agent's last join record write returned
@@ -726,7 +755,7 @@ class SimNode:
     def register(self) -> None:
         """What the daemon does at start: lease, node record, list and watch ``nodes/``."""
         lease = self.daemon.grant()
-        self.keepers.add(self.daemon)
+        self.keepers.add(self.daemon, self.index)
         record = json.dumps({"kind": "node", "v": 1, "node": self.name, "state": "up",
                              "host": f"{self.name}.cluster.example", "pid": 4242,
                              "api": "127.0.0.1:7777", "replication": "10.0.0.1:7788",
@@ -824,6 +853,9 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
     """A process of simulated nodes, driven by commands on ``conn`` (see :func:`run_size`)."""
     import concurrent.futures
 
+    import scale_profile
+    if scale_profile.directory():  # every thread of this process, function by function
+        scale_profile.install()
     # Hundreds of simulated agents share one interpreter: a thread woken by its round record
     # waits for the GIL behind the watch threads, up to one switch interval per turn (5 ms by
     # default), a queue a real node (one agent per machine) does not have.
@@ -834,7 +866,8 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
     keepers: Any
     if a.keepalive_process:
         keepers = KeeperProcess(endpoint, a.ttl, keepalive_streams(a), a.keeper_threads,
-                                a.keepalive_client)
+                                a.keepalive_client, by_node=bool(getattr(a, "keepalive_by_node", 0)),
+                                read=getattr(a, "keepalive_read", "task"))
         watches = (RawNodeWatchPool(LoopThread(), endpoint, a.clients)
                    if getattr(a, "node_watch_client", "aio") == "raw"
                    else NodeWatchPool(LoopThread(), endpoint, a.clients))
@@ -1188,6 +1221,9 @@ def run_size(n: int, server: EmbeddedEtcd, a: argparse.Namespace,
                               "grpc_streams": a.procs * (a.clients * 2 + keepalive),
                               "keepalive_streams": a.procs * keepalive,
                               "keepalive_client": a.keepalive_client,
+                              # a node's two leases in one frame on its stream (refresh_plan)
+                              "keepalive_by_node": getattr(a, "keepalive_by_node", 0),
+                              "keepalive_read": getattr(a, "keepalive_read", "task"),
                               "node_list_client": getattr(a, "node_list_client", "aio"),
                               "node_watch_client": (getattr(a, "node_watch_client", "aio")
                                                     if a.keepalive_process else "aio"),
@@ -1419,7 +1455,8 @@ def record(doc: dict[str, Any], r: dict[str, Any], n: int, a: argparse.Namespace
 def main() -> int:
     if sys.argv[1:2] == ["--keeper"]:  # a simulator process's keep-alive process
         keeper_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), (sys.argv[5:6] or ["aio"])[0],
-                    float((sys.argv[6:7] or [CLIENT_TIMEOUT])[0]))
+                    float((sys.argv[6:7] or [CLIENT_TIMEOUT])[0]),
+                    (sys.argv[7:8] or ["0"])[0] == "1", (sys.argv[8:9] or ["task"])[0])
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -1443,6 +1480,13 @@ def main() -> int:
                    help="with --keepalive-process 1: aio, one grpc.aio stream per etcd client "
                         "(~0.4 ms of CPU per refresh); raw, one HTTP/2 stream written by hand "
                         "per keep-alive process (bench/h2_keepalive.py, ~20 us)")
+    p.add_argument("--keepalive-by-node", type=int, default=1,
+                   help="1: a node's leases on one keep-alive stream (--keepalive-streams), "
+                        "refreshed in one frame once aligned (keeper_main); 0: a lease's stream "
+                        "is its ID modulo the streams, each refreshed on its own")
+    p.add_argument("--keepalive-read", choices=("callback", "task"), default="callback",
+                   help="raw keep-alive streams read in the loop's callback, or by a reader "
+                        "task per stream (before 2026-11-30)")
     p.add_argument("--keepalive-streams", type=int, default=0,
                    help="LeaseKeepAlive streams per keep-alive process, lease on stream "
                         "lease %% K (raw: a connection each); 0: one per etcd client with aio, "
