@@ -12,10 +12,11 @@ deletes the records. Before, every survivor listed the whole ``native/`` directo
 records) and rewrote the mark: N - 1 listings of N records and N - 1 writes per failure, each
 write an event to every daemon's ``jobs/`` watch (quadratic at N = 1,000). Now: one listing
 and one or two writes per failure, and one create (that writes nothing when it loses) per
-survivor. If the winner dies or meets an etcd error between its create and its deletes, nobody
-deletes them: the dead node's join records then go when its agent's lease expires (at about
-the time its daemon's did) and the closer ends the round as for a member merely silent, by
-the mark when it still exists, else after ``liveness_confirm`` (as an etcd error did before).
+survivor. The rendezvous' closer does not wait for the deletes: it follows the marks, and a
+mark counts the records it dooms as deleted from its creation on (:mod:`elasticd.rendezvous.failures`). If the
+winner dies or meets an etcd error between its create and its deletes, nobody deletes them:
+the closer has counted them gone at the mark all the same, and they go when their agent's
+lease expires; a dead closer's key, though, holds the round until its lease expires.
 """
 
 from __future__ import annotations
