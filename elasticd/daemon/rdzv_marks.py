@@ -70,17 +70,22 @@ def mark_failed(coord: Coordinator, keys: Keyspace, job: str, node: str, lease: 
             continue
         if rec.daemon == node and rec.daemon_lease == lease:
             doomed[kv.key] = rec.node
-    if doomed:  # the mark rewritten with the members, in the deletes' transaction
-        coord.transaction([], [Put(key, _mark(node, lease, by, at, sorted(doomed.values())),
-                                   own_lease or 0),
-                               *(Delete(k) for k in doomed)])
+    # The mark rewritten with the members, in the deletes' transaction.
+    ops = [Put(key, _mark(node, lease, by, at, sorted(doomed.values())), own_lease or 0),
+           *(Delete(k) for k in doomed)]
     closer_went = closer is not None and closer.value.decode(errors="replace") in doomed.values()
     if closer_went:
         # The closer was the failed node's agent: nobody closes a round until its key's lease
-        # expires (up to a TTL after the failure). Its key goes now, unless another closer
-        # took it meanwhile; the next one is elected at once (a dead closer cannot write: its
-        # writes compare the key's creation).
-        coord.transaction([Compare(closer.key, closer.mod_revision)], [Delete(closer.key)])
+        # expires (up to a TTL after the failure). Its key goes now, in the same transaction
+        # (the successor's election starts a write sooner), unless another closer took it
+        # meanwhile; the next one is elected at once (a dead closer cannot write: its writes
+        # compare the key's creation).
+        closer_went, _ = coord.transaction([Compare(closer.key, closer.mod_revision)],
+                                           [*ops, Delete(closer.key)])
+        if not closer_went:
+            coord.transaction([], ops)
+    elif doomed:
+        coord.transaction([], ops)
     log.info("told job %s's rendezvous that %s (lease %x) failed; %d join record(s) of it "
              "deleted%s", job, node, lease, len(doomed),
              ", and its closer's key" if closer_went else "")
