@@ -266,9 +266,18 @@ class InProcessAgent(LocalElasticAgent):
         self._rendezvous(wg)
         t_round = clock.monotonic()
         times["round_closed"] = clock.wall()  # and torch's rank assignment done
-        seen_at = getattr(wg.spec.rdzv_handler, "seen_at", None)  # next_rendezvous returned
+        handler = wg.spec.rdzv_handler
+        seen_at = getattr(handler, "seen_at", None)  # next_rendezvous returned
         if isinstance(seen_at, float) and seen_at:
             times["rendezvous_returned"] = times["round_closed"] - (t_round - seen_at)
+        # Its moments before that: called, the join gate passed, the join record written
+        # (where the round's time went; the daemon's timeline keeps none of them).
+        moments = getattr(handler, "moments", None)
+        for name, key in (("called", "rendezvous_called"), ("gated", "join_gate_passed"),
+                          ("joined", "join_written")):
+            at = moments.get(name) if isinstance(moments, dict) else None
+            if isinstance(at, float) and at:
+                times[key] = times["round_closed"] - (t_round - at)
         allowed, what = job_rules.reform_wait(reform_deadline(),
                                               node.link.collective_timeout(n))
         deadline = t_round + allowed

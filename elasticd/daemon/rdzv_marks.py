@@ -9,11 +9,12 @@ The mark is bound to its writer's lease: it goes when that daemon goes.
 Every survivor that runs the job sees the same failure, but only one does the work: each creates
 the mark only if it is absent, and the one whose create wins lists the rendezvous and deletes
 the records: one listing and one or two writes per failure, not N - 1 of each (every write an
-event to every daemon's ``jobs/`` watch). If the winner dies or meets an etcd error between its
-create and its deletes, nobody deletes them: the dead node's join records then go when its
-agent's lease expires (at about the time its daemon's did) and the closer ends the round as for
-a member merely silent, by the mark when it still exists, else after ``liveness_confirm`` (as an
-etcd error did before).
+event to every daemon's ``jobs/`` watch). The rendezvous' closer does not wait for the deletes:
+it follows the marks, and a mark counts the records it dooms as deleted from its creation on
+(:mod:`elasticd.rendezvous.failures`). If the winner dies or meets an etcd error between its
+create and its deletes, nobody deletes them: the closer has counted them gone at the mark all
+the same, and they go when their agent's lease expires; a dead closer's key, though, holds the
+round until its lease expires.
 """
 
 from __future__ import annotations
@@ -67,17 +68,22 @@ def mark_failed(coord: Coordinator, keys: Keyspace, job: str, node: str, lease: 
             continue
         if rec.daemon == node and rec.daemon_lease == lease:
             doomed[kv.key] = rec.node
-    if doomed:  # the mark rewritten with the members, in the deletes' transaction
-        coord.transaction([], [Put(key, _mark(node, lease, by, at, sorted(doomed.values())),
-                                   own_lease or 0),
-                               *(Delete(k) for k in doomed)])
+    # The mark rewritten with the members, in the deletes' transaction.
+    ops = [Put(key, _mark(node, lease, by, at, sorted(doomed.values())), own_lease or 0),
+           *(Delete(k) for k in doomed)]
     closer_went = closer is not None and closer.value.decode(errors="replace") in doomed.values()
     if closer_went:
         # The closer was the failed node's agent: nobody closes a round until its key's lease
-        # expires (up to a TTL after the failure). Its key goes now, unless another closer
-        # took it meanwhile; the next one is elected at once (a dead closer cannot write: its
-        # writes compare the key's creation).
-        coord.transaction([Compare(closer.key, closer.mod_revision)], [Delete(closer.key)])
+        # expires (up to a TTL after the failure). Its key goes now, in the same transaction
+        # (the successor's election starts a write sooner), unless another closer took it
+        # meanwhile; the next one is elected at once (a dead closer cannot write: its writes
+        # compare the key's creation).
+        closer_went, _ = coord.transaction([Compare(closer.key, closer.mod_revision)],
+                                           [*ops, Delete(closer.key)])
+        if not closer_went:
+            coord.transaction([], ops)
+    elif doomed:
+        coord.transaction([], ops)
     log.info("told job %s's rendezvous that %s (lease %x) failed; %d join record(s) of it "
              "deleted%s", job, node, lease, len(doomed),
              ", and its closer's key" if closer_went else "")

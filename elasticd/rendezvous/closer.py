@@ -2,8 +2,8 @@
 
 One agent of the run holds the closer's election key (``native/round.closer``, created only if
 absent and bound to its lease, as in etcd's election recipe). While it does, it follows the node
-records with a watch of its own (:mod:`.node_watch`, which keeps the counts of
-:class:`~.tally.Tally`, O(1) per event), and asks the round decision
+records and the daemons' failure marks with watches of its own (:mod:`.node_watch`, which keeps
+the counts of :class:`~.tally.Tally`, O(1) per node event; :mod:`.failures`), and asks the round decision
 (:func:`~.rounds.decide_close`) only when the counts say the round may close. It closes a round
 with one transaction that compares the round key's ``mod_revision`` *and* its own election key's
 ``create_revision``: a closer whose lease expired (and whose key someone else re-created) cannot
@@ -12,7 +12,7 @@ keys (:mod:`.control`).
 
 This object does the I/O; its decisions are :mod:`.rounds` and :mod:`.tally`. The handler's
 duty thread calls :meth:`Closer.step`; the node watch's thread calls
-:meth:`~.node_watch.NodeWatch.on_nodes`.
+:meth:`~.node_watch.NodeWatch.on_nodes` and :meth:`~.node_watch.NodeWatch.on_marks`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 
 from elasticd.coordination.api import Compare, CoordinationError, KeyValue, Put
 from elasticd.rendezvous.control import AgentContext
-from elasticd.rendezvous.failures import MARK_POLL, mark_key, mark_prefix, marked_members
 from elasticd.rendezvous.node_watch import NodeWatch
 from elasticd.rendezvous.records import NodeRecord, RoundRecord, Waiting
 from elasticd.rendezvous.rounds import SUMMARY_REFRESH, decide_close, grew_at, next_round, \
@@ -74,7 +73,6 @@ class Closer:
         """
         self.nodes.refresh()
         now = self._clock.monotonic()
-        marks_pending = self._look_for_marks(now, trusted)
         with self._control.cond:
             last, revision = self._control.round, self._control.round_revision
             halted = self._control.closed or bool(self._control.round_error)
@@ -101,17 +99,11 @@ class Closer:
                 self._min_since = None
             summary = tally.waiting(tally.dead(now, s.liveness_confirm, trusted))
             due = tally.next_confirm(now, s.liveness_confirm)
-            # A round just read (a closer newly elected) may have absent members to look for.
-            marks_pending = marks_pending or (trusted and bool(
-                tally.pending_marks(now, s.liveness_confirm)
-                or tally.unknown_absent(now, s.liveness_confirm)))
         if members is not None:
             self._close(last, revision, members, master)
             return now
         if due is not None:
             wakes.append(due)
-        if marks_pending:
-            wakes.append(now + MARK_POLL)
         # Before the first round nobody trains: no summary (a member that lost the round
         # record re-rendezvous without one, see rounds.num_waiting).
         refresh = summary.round >= 0 and summary != (self._written or Waiting(summary.round))
@@ -123,38 +115,6 @@ class Closer:
         elif refresh:
             wakes.append(self._written_at + SUMMARY_REFRESH)
         return min(wakes) if wakes else None
-
-    def _look_for_marks(self, now: float, trusted: bool) -> bool:
-        """Reads the failure marks of the absent members that may have one
-        (:mod:`.failures`); a member whose mark exists is dead from now on. Returns whether
-        some are still pending (look again in :data:`MARK_POLL` seconds)."""
-        if not trusted:
-            return False
-        confirm = self._settings.liveness_confirm
-        with self.nodes.counts() as tally:
-            pending = tally.pending_marks(now, confirm)
-            unknown = tally.unknown_absent(now, confirm)
-        if not pending and not unknown:
-            return False
-        # One listing of the marks, whatever the number of absent members: after an etcd
-        # pause past the TTL every member is absent at once, and a read per member every
-        # MARK_POLL seconds would be N reads per poll against the etcd just back.
-        try:
-            kvs, _ = self._coord.get_prefix(mark_prefix(self._control.native))
-        except CoordinationError as exc:  # the confirmation still comes
-            log.debug("could not list the failure marks: %s", exc)
-            return True
-        keys = {kv.key for kv in kvs}
-        found = [member for member, (daemon, lease) in pending.items()
-                 if mark_key(self._control.native, daemon, lease) in keys]
-        found.extend(sorted(unknown & marked_members([kv.value for kv in kvs])))
-        if found:
-            log.info("member(s) %s: their node was recorded failed; gone without waiting "
-                     "for liveness_confirm", ", ".join(found))
-            with self.nodes.counts() as tally:
-                for member in found:
-                    tally.mark_failed(member)
-        return len(found) < len(pending) + len(unknown)
 
     def _guarded(self, key: bytes, revision: int | None, value: bytes) -> tuple[bool, int]:
         """One write compared with this closer's election key (and ``key``'s revision)."""

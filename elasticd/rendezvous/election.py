@@ -3,7 +3,8 @@ it holds the key.
 
 The closer's key (``native/round.closer``) is taken only if absent, under the agent's lease, as
 in etcd's election recipe. When it goes, the others take turns in rank order
-(:func:`~.rounds.election_delay`): one takes over, nobody stampedes. While the key is this
+(:func:`~.rounds.election_delay`, the closer that went skipped): one takes over, nobody
+stampedes. While the key is this
 agent's (its value this node, its ``create_revision`` the one this agent wrote), a
 :class:`~.closer.Closer` does the duty; it is dropped as soon as the key is not.
 """
@@ -43,6 +44,7 @@ class Election:
         self.closer: Closer | None = None
         self._won: int | None = None  # create_revision of our election key
         self._turn_at: float | None = None
+        self._last_closer: str | None = None  # the node whose key this agent saw last
 
     def step(self, now: float, untrusted_until: float) -> float | None:
         """Drops the duty when the key is not ours, takes the key when it is free and our turn
@@ -60,9 +62,12 @@ class Election:
             self.closer = None
         if closed:
             return None
+        if held is not None:
+            self._last_closer = held.value.decode(errors="replace")
         if held is None:
             if self._turn_at is None:
-                self._turn_at = now + election_delay(self._me, last, random.random())
+                self._turn_at = now + election_delay(self._me, last, random.random(),
+                                                     self._last_closer)
             if now < self._turn_at:
                 return self._turn_at
             self._turn_at = None

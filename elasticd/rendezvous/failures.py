@@ -17,28 +17,37 @@ alive no longer matters); the survivor whose create of the mark wins deletes the
 that name the failed node and lease (:mod:`elasticd.daemon.rdzv_marks`; the rendezvous' side
 of the fence: the node, if it still runs, is fenced by its daemon, which
 finds the ``failed`` event against its lost lease, or by its agent's daemon watch; it can enter
-a later round only as a newcomer, with a new record). The closer then counts a member whose
-record is absent as dead as soon as the mark for the daemon and lease its last record named
-exists, without ``liveness_confirm``; a member merely silent (no mark, or a record with no
-daemon: plain torchrun) still waits for it. The marks are looked up with one listing of
-their directory, whatever the number of absent members (after an etcd pause past the TTL every
-member is absent at once), at most every :data:`MARK_POLL` seconds while a confirmation is
-pending (the mark may come after the record expired: the two leases are not kept alive in step).
+a later round only as a newcomer, with a new record).
+
+The closer follows the marks with a watch of its own (beside its node watch,
+:mod:`.node_watch`), and learns of a mark the moment it is created, without waiting for the
+deletes that follow it (a listing and a second write later: they were most of a round after a
+kill, 60 ms of the 0.19 s after detection). A mark does at once what those deletes will do:
+
+* a join record that names the marked daemon and lease and was last written before the mark
+  was created (:func:`doomed`) counts as deleted (its member absent, and dead: no
+  confirmation); a record written after the mark counts as any record (a node that came back
+  and wrote again, as after a delete);
+* an absent member whose last record named the marked daemon and lease is dead at once (the
+  other order: the mark may come after the record expired, the two leases are not kept alive
+  in step);
+* a member nobody saw a record of (a closer elected after it went: the dead member was the
+  closer, or the closer changed) is dead at once when a mark names it (a daemon names the join
+  records it deleted).
+
+A member merely silent (no mark, or a record with no daemon: plain torchrun) still waits
+``liveness_confirm``. No etcd read happens while a confirmation is pending: the marks are in
+the closer's memory, listed once when it is elected and followed after (before, a listing of
+the marks every 20 ms while a member was absent, and one before each close).
 
 Whoever may write the rendezvous prefix (the job's agents) could forge a mark; they can already
-delete any member's record, which the mark only makes count sooner.
-
-A closer elected after a member's record went (the dead member was the closer, or the closer
-changed) never saw that record, so it does not know its daemon: it reads the marks' member
-lists instead (a daemon names the join records it deleted), with one listing of the marks.
+delete any member's record, which is all a mark does (a mark drops the records last written
+before it; the member's next write counts again, as after a delete).
 """
 
 from __future__ import annotations
 
 import json
-
-#: Seconds between two reads of a pending member's failure mark.
-MARK_POLL = 0.02
 
 
 def mark_prefix(native: bytes) -> bytes:
@@ -51,10 +60,33 @@ def mark_key(native: bytes, daemon: str, lease: int) -> bytes:
     return mark_prefix(native) + f"{daemon}@{lease:x}".encode()
 
 
+def parse_mark_key(native: bytes, key: bytes) -> tuple[str, int] | None:
+    """The daemon and lease the mark at ``key`` is of (None: not a mark :func:`mark_key`
+    writes; anyone may write the prefix)."""
+    prefix = mark_prefix(native)
+    if not key.startswith(prefix):
+        return None
+    daemon, _, lease_hex = key[len(prefix):].decode(errors="replace").rpartition("@")
+    try:
+        lease = int(lease_hex, 16)
+    except ValueError:
+        return None
+    if not markable(daemon, lease) or mark_key(native, daemon, lease) != key:
+        return None
+    return daemon, lease
+
+
 def markable(daemon: str, lease: int) -> bool:
     """Whether a record naming ``daemon`` and ``lease`` can have a mark (it names both, and
     the node name is one key element)."""
     return bool(daemon) and lease > 0 and "/" not in daemon and "@" not in daemon
+
+
+def doomed(daemon: str, lease: int, written: int, marked_at: int | None) -> bool:
+    """Whether a join record naming ``daemon`` and ``lease``, last written at revision
+    ``written``, counts as deleted by the mark of that lease created at revision ``marked_at``
+    (None: no such mark): its survivor deletes it (or would have: it may die first)."""
+    return marked_at is not None and markable(daemon, lease) and written < marked_at
 
 
 def marked_members(values: list[bytes]) -> set[str]:

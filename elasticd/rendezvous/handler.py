@@ -127,10 +127,13 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         #: Whether the job is at a committed step now (``interval:MIN`` grow policy only);
         #: called from ``num_nodes_waiting``, so it must answer without blocking.
         self.commit_gate: Callable[[], bool] | None = None
-        #: Rounds this handler entered: (round number, seconds next_rendezvous took), and the
-        #: monotonic time it last returned. For benches.
+        #: Rounds this handler entered: (round number, seconds next_rendezvous took). For
+        #: benches.
         self.rounds: list[tuple[int, float]] = []
-        self.seen_at = 0.0
+        #: Monotonic moments of the last next_rendezvous: ``called``, ``gated`` (the join
+        #: gate let it through), ``joined`` (this node's record written), ``returned``. For
+        #: benches: where a round's time went (the in-process path's timeline).
+        self.moments: dict[str, float] = {}
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -185,15 +188,18 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
             RendezvousConnectionError: etcd unreachable for longer than the grace period.
         """
         started = self._clock.monotonic()
+        self.moments = {"called": started}
         self._start()
         control = self._control
         if self.join_gate is not None:  # may wait: the target is read after it
             self.join_gate()
+        self.moments["gated"] = self._clock.monotonic()
         with control.cond:
             if control.closed:
                 raise RendezvousClosedError(f"rendezvous {self.settings.run_id!r} is closed")
             target = next_round(control.round)
         self._join.write(target)
+        self.moments["joined"] = self._clock.monotonic()
         log.info("node %s joins round %d of rendezvous %r", self.me, target, self.settings.run_id)
         deadline = started + self.settings.join_timeout
         spare = False
@@ -226,8 +232,8 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
                 control.cond.wait(min(WAKE_INTERVAL, deadline - now) if not spare
                                   else WAKE_INTERVAL)
         self._join.port.release()
-        self.seen_at = self._clock.monotonic()
-        took = self.seen_at - started
+        self.moments["returned"] = self._clock.monotonic()
+        took = self.moments["returned"] - started
         self.rounds.append((last.round, took))
         log.info("node %s is rank %d of %d in round %d of rendezvous %r (%.2fs)", self.me, rank,
                  len(last.members), last.round, self.settings.run_id, took)
@@ -238,6 +244,11 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         else:  # rank 0 held no port: ask the store, as torch's handlers do
             info = RendezvousStoreInfo.build(rank, store, local_addr=self.addr)
         return RendezvousInfo(store, rank, len(last.members), info)
+
+    @property
+    def seen_at(self) -> float:
+        """The monotonic time :meth:`next_rendezvous` last returned (0: never)."""
+        return self.moments.get("returned", 0.0)
 
     @property
     def daemon_of(self) -> Callable[[], tuple[str, int] | None] | None:

@@ -59,6 +59,8 @@ class NodeRecord:
             daemon's lease when the record was written ("", 0: no daemon, plain torchrun).
             When the daemons record that lease ``failed``, the member is dead at once
             (:mod:`.failures`); absent from the JSON when unset.
+        written: the etcd revision that last wrote the key (0: not stored); not in the JSON.
+            A failure mark drops the records written before it.
     """
 
     node: str
@@ -68,6 +70,7 @@ class NodeRecord:
     revision: int = 0
     daemon: str = ""
     daemon_lease: int = 0
+    written: int = 0
 
     def encode(self) -> bytes:
         data = {"v": SCHEMA, "node": self.node, "target": self.target,
@@ -77,8 +80,10 @@ class NodeRecord:
         return _dump(data)
 
     @classmethod
-    def decode(cls, raw: bytes, revision: int = 0) -> "NodeRecord":
-        """Raises:
+    def decode(cls, raw: bytes, revision: int = 0, written: int = 0) -> "NodeRecord":
+        """Args ``revision`` and ``written``: the key's create and mod revisions.
+
+        Raises:
             RecordError: not a node record of this schema.
         """
         data = _load(raw, "node record")
@@ -86,7 +91,7 @@ class NodeRecord:
             return cls(node=str(data["node"]), target=int(data["target"]),
                        addr=str(data.get("addr", "")), port=int(data.get("port", 0)),
                        revision=revision, daemon=str(data.get("daemon", "")),
-                       daemon_lease=int(data.get("daemon_lease", 0)))
+                       daemon_lease=int(data.get("daemon_lease", 0)), written=written)
         except (KeyError, TypeError, ValueError) as exc:
             raise RecordError(f"node record {raw[:80]!r} lacks node/target: {exc}") from exc
 

@@ -6,7 +6,8 @@ Called on every event, that is O(N²) per round. :class:`Tally` keeps the counts
 :mod:`.rounds` depend on, updated per event in O(1), and says when the round *may* close
 (:meth:`Tally.may_close`): only then does the closer call the decision, once or twice a round.
 It also keeps when each member of the round was first seen absent, for the dead members of the
-waiting summary (:meth:`Tally.dead`).
+waiting summary (:meth:`Tally.dead`), and the daemons' failure marks (:mod:`.failures`): a
+record a mark dooms counts as deleted, and a member gone with a mark is dead at once.
 
 Pure: no I/O, no clock of its own (times are passed in), tested alone against the counts
 recomputed from scratch (``tests/unit/test_rendezvous_tally.py``).
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from elasticd.rendezvous.failures import markable
+from elasticd.rendezvous.failures import doomed, markable
 from elasticd.rendezvous.records import NodeRecord, RoundRecord, Waiting
 from elasticd.rendezvous.rounds import next_round
 
@@ -33,6 +34,8 @@ class Tally:
         gone_records: the last record seen of each absent member (what daemon it named).
         failed: absent members whose daemon the daemons recorded failed (:mod:`.failures`):
             dead at once, without the confirmation.
+        marks: the failure marks, by (daemon, lease): the revision that created each, and
+            the members it names.
     """
 
     def __init__(self, last: RoundRecord | None = None, now: float = 0.0) -> None:
@@ -45,6 +48,7 @@ class Tally:
         self.absent_since: dict[str, float] = {}
         self.gone_records: dict[str, NodeRecord] = {}
         self.failed: set[str] = set()
+        self.marks: dict[tuple[str, int], tuple[int, frozenset[str]]] = {}
         self.new_round(last, now)
 
     # -- events ---------------------------------------------------------------------------
@@ -61,14 +65,67 @@ class Tally:
                              for m in self._members if m not in self.nodes}
         self.gone_records = {m: r for m, r in self.gone_records.items() if m in self.absent_since}
         self.failed &= set(self.absent_since)
+        self._find_marked()
 
     def load(self, records: Iterable[NodeRecord], now: float) -> None:
-        """Replaces the records by a full listing."""
-        self.nodes = {rec.node: rec for rec in records}
+        """Replaces the records by a full listing (the marks first: :meth:`load_marks`)."""
+        records = list(records)
+        self.nodes = {rec.node: rec for rec in records if not self._doomed(rec)}
         self.new_round(self.last, now)
+        for rec in records:
+            if self._doomed(rec) and rec.node in self.absent_since:
+                self.gone_records[rec.node] = rec
+                self.failed.add(rec.node)
+
+    def load_marks(self, marks: Iterable[tuple[str, int, int, Iterable[str]]]) -> None:
+        """Replaces the failure marks by a full listing: (daemon, lease, the revision that
+        created the mark, the members it names) each; :meth:`load` applies them."""
+        self.marks = {(d, lease): (rev, frozenset(names)) for d, lease, rev, names in marks}
+
+    def mark(self, daemon: str, lease: int, revision: int, members: Iterable[str],
+             now: float) -> None:
+        """The daemons recorded ``daemon``'s lease ``lease`` failed (its mark, created at
+        ``revision``, was written or rewritten): the records it dooms are deleted from now
+        on, and the members gone with it dead (:mod:`.failures`). O(N) once a failure."""
+        self.marks[(daemon, lease)] = (revision, frozenset(members))
+        for rec in [r for r in self.nodes.values() if self._doomed(r)]:
+            self.delete(rec.node, now)
+        self._find_marked()
+
+    def unmark(self, daemon: str, lease: int) -> None:
+        """A mark went (its writer's lease did): what it did stays done."""
+        self.marks.pop((daemon, lease), None)
+
+    def _doomed(self, rec: NodeRecord) -> bool:
+        mark = self.marks.get((rec.daemon, rec.daemon_lease))
+        return doomed(rec.daemon, rec.daemon_lease, rec.written,
+                      mark[0] if mark is not None else None)
+
+    def _find_marked(self) -> None:
+        """Marks the absent members a failure mark is about (see :mod:`.failures`)."""
+        if not self.marks:
+            return
+        named: set[str] = set()
+        for _, members in self.marks.values():
+            named |= members
+        for m in self.absent_since:
+            rec = self.gone_records.get(m)
+            if rec is None:  # this closer never saw its record: the marks' member lists
+                if m in named:
+                    self.failed.add(m)
+            elif markable(rec.daemon, rec.daemon_lease) \
+                    and (rec.daemon, rec.daemon_lease) in self.marks:
+                self.failed.add(m)
 
     def put(self, rec: NodeRecord, now: float) -> None:
-        """A node record was written (a join, a rejoin, a re-registration)."""
+        """A node record was written (a join, a rejoin, a re-registration); one a failure
+        mark dooms (written before the mark) counts as deleted."""
+        if self._doomed(rec):
+            self.delete(rec.node, now)
+            if rec.node in self.absent_since:
+                self.gone_records[rec.node] = rec
+                self.failed.add(rec.node)
+            return
         old = self.nodes.get(rec.node)
         if old is not None:
             self._count(old, -1)
@@ -87,6 +144,8 @@ class Tally:
             self.absent_since.setdefault(node, now)
             if old is not None:
                 self.gone_records[node] = old
+                if (old.daemon, old.daemon_lease) in self.marks:  # the mark came first
+                    self.failed.add(node)
 
     def _count(self, rec: NodeRecord, sign: int) -> None:
         if rec.node in self._members:
@@ -130,30 +189,6 @@ class Tally:
         due = [t + confirm for m, t in self.absent_since.items()
                if t + confirm > now and m not in self.failed]
         return min(due) if due else None
-
-    def pending_marks(self, now: float, confirm: float) -> dict[str, tuple[str, int]]:
-        """Absent members not yet dead whose last record named a daemon and its lease:
-        member -> (daemon, lease), the failure marks worth a look (:mod:`.failures`)."""
-        out = {}
-        for m, since in self.absent_since.items():
-            rec = self.gone_records.get(m)
-            if m in self.failed or now - since >= confirm or rec is None:
-                continue
-            if markable(rec.daemon, rec.daemon_lease):
-                out[m] = (rec.daemon, rec.daemon_lease)
-        return out
-
-    def unknown_absent(self, now: float, confirm: float) -> set[str]:
-        """Absent members not yet dead whose last record this closer never saw (it was
-        elected after they went): their marks are found by the member lists."""
-        return {m for m, since in self.absent_since.items()
-                if m not in self.failed and now - since < confirm and m not in self.gone_records}
-
-    def mark_failed(self, member: str) -> None:
-        """The daemons recorded ``member``'s node failed (its mark exists): dead at once,
-        while its record stays absent."""
-        if member in self.absent_since:
-            self.failed.add(member)
 
     def waiting(self, dead: tuple[str, ...]) -> Waiting:
         """The summary of who waits for the next round."""

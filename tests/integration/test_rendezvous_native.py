@@ -234,6 +234,9 @@ def test_the_join_gate_runs_before_the_node_record_is_written(cluster):
     a.join_gate = lambda: seen.append(has_record(a, a))
     results(cluster.join(a))
     assert seen == [False]
+    # and the round's moments say so, in order (the in-process timeline reports them)
+    m = a.moments
+    assert m["called"] <= m["gated"] <= m["joined"] <= m["returned"] == a.seen_at
 
 
 def test_shutdown_removes_the_node_and_closes_unless_failing_and_restartable(cluster):
@@ -358,10 +361,11 @@ def test_a_member_recorded_failed_after_its_record_expired_is_gone_at_the_mark(e
         cluster.close()
 
 
-def test_the_closer_looks_for_every_absent_members_mark_with_one_listing(cluster):
+def test_the_closer_reads_no_mark_while_members_are_absent_it_follows_them(cluster):
     # After an etcd pause past the TTL every member's record is absent at once: a read of
-    # each member's mark every MARK_POLL seconds would be N reads per poll against the etcd
-    # just back. One listing of the marks per poll, whatever the number absent.
+    # each member's mark every 20 ms would be N reads per poll against the etcd just back
+    # (before issue 31's sixth pass, one listing of the marks per poll). The closer follows
+    # the marks by a watch instead (listed once, when it was elected): no read at all.
     nodes = [cluster.node(1, 5, liveness_confirm="60") for _ in range(5)]
     for i, h in enumerate(nodes):
         h.daemon_of = lambda i=i: (f"n{i}", 0xd0 + i)
@@ -386,8 +390,13 @@ def test_the_closer_looks_for_every_absent_members_mark_with_one_listing(cluster
             h._keeper.stop(revoke=True)
             h._control_watch.stop()
             h._duty.stop()
-    wait_until(lambda: reads["listing"] >= 5, "the closer looking for the marks")
-    assert reads["one"] == 0 and closer.gone_members() == []
+    def absent() -> int:
+        with closer._election.closer.nodes.counts() as tally:
+            return len(tally.absent_since)
+
+    wait_until(lambda: absent() == 4, "the closer sees the four absent")
+    time.sleep(0.3)  # fifteen polls of the old closer
+    assert reads == {"one": 0, "listing": 0} and closer.gone_members() == []
 
 
 class CountedCoordinator:
@@ -440,16 +449,56 @@ def test_one_failure_costs_one_listing_of_the_join_records_not_one_per_survivor(
         coord.close()
 
 
-def test_a_round_re_forms_when_the_survivor_that_won_the_mark_dies_before_its_deletes(
+def test_a_failed_closers_key_goes_in_the_deletes_transaction_unless_another_took_it(cluster):
+    # The successor's election waits for the dead closer's key to go: a write sooner than
+    # when it went in a transaction of its own (3 writes per such failure before, 2 now).
+    keys = Keyspace(cluster.prefix)
+    native = keys.rendezvous(cluster.run_id).prefix + b"native/"
+    coord = cluster.connect()
+    try:
+        for i in range(3):
+            rec = NodeRecord(f"agent{i}", 0, "127.0.0.1", 1, daemon=f"n{i}",
+                             daemon_lease=0xf00 + i)
+            coord.put(native + b"nodes/" + rec.node.encode(), rec.encode())
+        coord.put(native + b"round.closer", b"agent1")
+        before = coord.revision()
+        assert mark_failed(coord, keys, cluster.run_id, "n1", 0xf01, "n0", None, 0.0) == 1
+        assert coord.revision() - before == 2  # the mark, then one transaction
+        assert coord.get(native + b"round.closer") is None
+        assert coord.get(native + b"nodes/agent1") is None
+
+        class TakenMeanwhile(CountedCoordinator):
+            def get_prefix(self, prefix, *args, **kwargs):
+                out = super().get_prefix(prefix, *args, **kwargs)
+                self._coord.put(native + b"round.closer", b"agent2")  # a successor's key
+                return out
+
+        coord.put(native + b"round.closer", b"agent0")
+        assert mark_failed(TakenMeanwhile(coord, []), keys, cluster.run_id, "n0", 0xf00, "n2",
+                           None, 0.0) == 1
+        assert coord.get(native + b"round.closer").value == b"agent2"
+        assert coord.get(native + b"nodes/agent0") is None
+    finally:
+        coord.close()
+
+
+def test_the_round_re_forms_at_the_mark_alone_when_its_winner_dies_before_its_deletes(
         cluster):
     # The winner's create went through, then it died (its lease expires with its mark): no
-    # other survivor deletes the failed node's record. The round still ends: the record
-    # goes with its agent's lease, and the member is gone after liveness_confirm.
+    # other survivor deletes the failed node's record. The closer drops the record at the
+    # mark, as the deletes would have (before, the round waited for the record to go with
+    # its agent's lease: 30 s here, past this test's timeouts). b is not the closer: a dead
+    # closer's key, which the winner would have deleted too, holds every round until it
+    # expires (test_when_the_failed_member_was_the_closer_its_key_goes_with_its_record).
     keys = Keyspace(cluster.prefix)
-    a, b, c = (cluster.node(1, 3) for _ in range(3))
+    nodes = [cluster.node(1, 3, liveness_ttl="30") for _ in range(3)]
+    results(cluster.join(*nodes))
+    wait_until(lambda: closer_of(nodes) is not None, "a closer")
+    a = closer_of(nodes)
+    b, c = (h for h in nodes if h is not a)
     for h, name in ((a, "na"), (b, "nb"), (c, "nc")):
         h.daemon_of = lambda name=name: (name, 0xb0 + len(name))
-    results(cluster.join(a, b, c))
+    results(cluster.join(a, b, c))  # records naming the daemons
     b._keeper.stop(revoke=False)  # kill -9
     b._control_watch.stop()
     b._duty.stop()

@@ -11,7 +11,8 @@ from elasticd.coordination.api import Compacted, EventType, KeyValue, Unavailabl
 from elasticd.rendezvous.grace import OutageGrace
 from elasticd.rendezvous.control import AgentContext, Control
 from elasticd.rendezvous.node_watch import NodeWatch
-from elasticd.rendezvous.records import NodeRecord
+from elasticd.rendezvous.failures import mark_key, mark_prefix
+from elasticd.rendezvous.records import NodeRecord, RoundRecord
 from elasticd.testing.clock import FakeClock
 from elasticd.testing.coordination import MemoryCoordinator
 
@@ -113,3 +114,91 @@ def test_the_control_copy_warns_once_a_bad_summary_and_remembers_a_bounded_numbe
         control._complaints.warn(b"other", b"", "another")  # pushes the summary's key out
         control.set(KeyValue(control.waiting_key, b"{bad", 1, 1))
     assert len(caplog.records) == 3
+
+
+# -- the failure marks (elasticd/rendezvous/failures.py), followed beside the records -------
+
+def closer_on(coord, clock, woken):
+    """A closer of round 0 (members a, b, c) holding the election key, on ``coord``."""
+    from elasticd.rendezvous.closer import Closer
+    from elasticd.rendezvous.config import HandlerSettings
+
+    control = Control(NATIVE, clock)
+    coord.put(control.round_key, RoundRecord(0, ("a", "b", "c")).encode())
+    election = coord.put(control.closer_key, b"a")
+    for kv in coord.get_prefix(control.round_key)[0]:
+        control.set(kv)
+    agent = AgentContext(coord, control, OutageGrace(), clock, "a", lambda _: None,
+                         lambda: woken.append(1))
+    return Closer(agent, election, HandlerSettings("job", 2, 3, liveness_confirm=60.0)), control
+
+
+def record(coord, node, target, lease):
+    coord.put(PREFIX + node.encode(), NodeRecord(node, target, daemon="d" + node,
+                                                 daemon_lease=lease).encode())
+
+
+def test_the_round_closes_at_the_mark_before_its_writer_deletes_the_dead_members_record():
+    # Issue 31: the survivors rejoined at the failure; the dead member's record stays until
+    # the mark's writer lists the rendezvous and deletes it (a listing and a write after the
+    # mark; the old closer closed only then). The mark alone drops it now.
+    coord, clock, woken = MemoryCoordinator(), FakeClock(), []
+    closer, control = closer_on(coord, clock, woken)
+    record(coord, "a", 1, 0xa1)
+    record(coord, "b", 0, 0xb1)  # dead, its record still there
+    record(coord, "c", 1, 0xc1)
+    closer.step(trusted=True)
+    assert control.round.round == 0  # b still counts as training
+    coord.create(mark_key(NATIVE, "db", 0xb0), b"{}")  # another lease of b's node: no news
+    closer.step(trusted=True)
+    assert control.round.round == 0
+    woken.clear()
+    coord.create(mark_key(NATIVE, "db", 0xb1), b'{"v":2,"members":[]}')
+    assert woken  # the duty steps at the mark's event, not at a poll
+    closer.step(trusted=True)
+    assert control.round.round == 1 and control.round.members == ("a", "c")
+    assert coord.get(PREFIX + b"b") is not None  # closed before any delete
+    closer.stop()
+
+
+def test_a_mark_after_the_record_expired_ends_the_wait_at_once_and_nothing_is_polled():
+    # The other order (the record expired first). The old closer listed the marks at every
+    # step while a member was absent, and stepped every 20 ms for it (MARK_POLL).
+    coord, clock, woken = MemoryCoordinator(), FakeClock(), []
+    closer, control = closer_on(coord, clock, woken)
+    for node, target, lease in (("a", 0, 0xa1), ("b", 0, 0xb1), ("c", 0, 0xc1)):
+        record(coord, node, target, lease)
+    closer.step(trusted=True)
+    listings = []
+    get_prefix = coord.get_prefix
+    coord.get_prefix = lambda prefix: listings.append(prefix) or get_prefix(prefix)
+    coord.delete(PREFIX + b"b")
+    clock.advance(0.5)
+    due = closer.step(trusted=True)
+    assert due == clock.monotonic() - 0.5 + 60.0  # b's confirmation: no poll before it
+    assert listings == [] and control.waiting is None  # nobody dead: no summary
+    woken.clear()
+    coord.create(mark_key(NATIVE, "db", 0xb1), b'{"v":2,"members":[]}')
+    assert woken
+    closer.step(trusted=True)  # same moment: nothing waited out
+    assert control.waiting.dead == ("b",) and listings == []
+    closer.stop()
+
+
+def test_a_mark_that_does_not_read_is_nobodys_and_a_mark_gone_is_forgotten():
+    coord = MemoryCoordinator()
+    watch, _, woken = make(coord)
+    watch.refresh()
+    coord.put(PREFIX + b"b", NodeRecord("b", 0, daemon="db", daemon_lease=0xb1).encode())
+    coord.put(mark_prefix(NATIVE) + b"db@zz", b"{}")  # not a lease
+    coord.put(mark_prefix(NATIVE) + b"db@0b1", b"{}")  # not how a mark is spelled
+    assert live(watch) == ["b"]
+    coord.put(mark_key(NATIVE, "db", 0xb1), b"{}")
+    assert live(watch) == [] and watch.mark_events == 3
+    coord.delete(mark_key(NATIVE, "db", 0xb1))
+    with watch.counts() as tally:
+        assert tally.marks == {}
+    # b writes again (after the mark): counted again
+    coord.put(PREFIX + b"b", NodeRecord("b", 1, daemon="db", daemon_lease=0xb1).encode())
+    assert live(watch) == ["b"]
+    watch.stop()

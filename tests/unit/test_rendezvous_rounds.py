@@ -211,3 +211,16 @@ def test_the_closers_successors_take_turns_in_rank_order():
     assert min(delays[16:]) > delays[15]  # later ranks and spares after the turns
     assert election_delay("spare", last, 0.0) > delays[15]
     assert election_delay("any", None, 0.5) < 4 * ELECTION_STEP  # a first round: drawn
+
+
+def test_the_closer_that_went_has_no_turn_the_next_rank_takes_over_at_once():
+    # Issue 31: the daemons delete a failed node's closer key; its successor of rank 1 waited
+    # a step (50 ms) for the turn of the dead rank 0, in every such re-formation.
+    last = RoundRecord(4, ("n0", "n1", "n2", "n3"))
+    assert [election_delay(f"n{i}", last, 0.5, went="n0") for i in (1, 2, 3)] == [
+        0.0, ELECTION_STEP, 2 * ELECTION_STEP]
+    assert [election_delay(f"n{i}", last, 0.5, went="n2") for i in (0, 1, 3)] == [
+        0.0, ELECTION_STEP, 2 * ELECTION_STEP]
+    # a closer that went and is back (an etcd pause) has its own turn; a stranger moves nobody
+    assert election_delay("n0", last, 0.5, went="n0") == 0.0
+    assert election_delay("n2", last, 0.5, went="spare") == 2 * ELECTION_STEP
