@@ -6,7 +6,7 @@ when, the collective timeout its steps had learned, and the path each node took.
 
 Per run directory (``inproc-bench-<mode>-*``, in the order the runs started):
 
-* ``left``: each kept survivor's ``left`` line reason, counted (``timed out N ms``: gloo's
+* ``left``: per node, its workers' ``left`` lines of the old round, by reason, counted (``timed out N ms``: gloo's
   collective timeout fired; ``connection closed``: its connections were shut down, by its own
   agent's abort or a peer's); ``waited_seconds``: per kept survivor, its ``left`` moment minus
   its last step logged in the old round (the pending collective began ~20 ms after that step:
@@ -61,14 +61,15 @@ def learned(old: list[dict]) -> dict:
     return out
 
 
-def agent_lines(run: str) -> dict:
+def agent_lines(run: str, old_round: int) -> dict:
     text, left = "", {}
     for path in sorted(glob.glob(os.path.join(run, "cluster", "*", "jobs", "*", "agent.log"))):
         with open(path, errors="replace") as fh:
             mine = fh.read()
         text += mine
         reasons: dict[str, int] = {}
-        for why in re.findall(r"rank \d+ left round \d+ \((.*)\)", mine):
+        # The old round's only: the cluster's stop after the run breaks the new one too.
+        for why in re.findall(rf"rank \d+ left round {old_round} \((.*)\)", mine):
             if m := re.search(r"Timed out waiting (\d+)ms", why):
                 key = f"timed out {m.group(1)} ms"
             elif "Connection closed" in why or "Connection reset" in why:
@@ -105,7 +106,8 @@ def one(run: str, seconds: float | None = None) -> dict:
                 since_strike[str(pid)] = {k: round(times[k] - struck, 3) for k in (
                     "learned", "left", "round_closed") if k in times}
     rounds = sorted({(r["round"]) for r in new})
-    return {**agent_lines(run), "waited_seconds": waited,
+    return {**agent_lines(run, min((r["round"] for r in old), default=0)),
+            "waited_seconds": waited,
             "after_strike_seconds": since_strike or None,
             "kept": sum(p in old_pids for p in first_new), "restarted": sum(
                 p not in old_pids for p in first_new),
