@@ -34,9 +34,18 @@ node restarts its workers, and in in-process mode the other nodes' workers re-fo
 
 ``--fault freeze`` (SIGSTOP of every process of the node) and ``--fault partition`` (every
 packet of its processes dropped, both ways: tests/chaos/partition.py, root) send no reset:
-in-process, the survivors' pending collectives end at their learned collective timeout
-(elasticd/worker/collective_timeout.py); ``collective_timeout_seconds`` is the one gloo
-reported in the survivors' ``left`` lines. The struck node is SIGKILLed once measured.
+in-process, the survivors' pending collectives end at their agent's abort once the failure is
+recorded (the lease TTL), or at their learned collective timeout
+(elasticd/worker/collective_timeout.py) when that comes first; ``collective_timeout_seconds``
+is the one gloo reported in the survivors' ``left`` lines (None: none timed out). The struck
+node is SIGKILLed once measured. Results committed from::
+
+    .venv/bin/python bench/bench_recovery.py --mode in-process,restart --fault freeze --runs 3 \
+        --keep DIR --out bench/results/recovery_inprocess_freeze.json  # again with --append
+    .venv/bin/python bench/bench_recovery.py --mode in-process,restart --fault partition \
+        --runs 3 --keep DIR --out bench/results/recovery_inprocess_partition.json
+
+(each run's ``logs`` key: ``bench/results/recovery_inprocess_logs.py DIR --into FILE``).
 
 Mode ``fallback``: in-process, with the worker of first-round rank 0 made to hang instead of
 leaving its group (examples/train_in_process.py ``--hang-rank 0``, as the chaos test), and the

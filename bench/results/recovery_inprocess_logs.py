@@ -2,21 +2,25 @@
 (issue 31's partition, freeze and fallback points): how each survivor left the old group and
 when, the collective timeout its steps had learned, and the path each node took.
 
-    .venv/bin/python bench/results/recovery_inprocess_logs.py DIR [--into RESULT.json]
+    .venv/bin/python bench/results/recovery_inprocess_logs.py DIR [--into RESULT]
 
 Per run directory (``inproc-bench-<mode>-*``, in the order the runs started):
 
-* ``left``: per node, its workers' ``left`` lines of the old round, by reason, counted (``timed out N ms``: gloo's
-  collective timeout fired; ``connection closed``: its connections were shut down, by its own
-  agent's abort or a peer's); ``waited_seconds``: per kept survivor, its ``left`` moment minus
+* ``left``: per node, its workers' ``left`` lines of the old round, by reason, counted
+  (``timed out N ms``: gloo's collective timeout fired; ``connection closed``: its
+  connections were shut down, by its own agent's abort or a peer's); ``waited_seconds``: per kept survivor, its ``left`` moment minus
   its last step logged in the old round (the pending collective began ~20 ms after that step:
   the example's sleep);
+* ``after_strike_seconds``: per kept survivor, its agent's ``learned``, its own ``left`` and the
+  ``round_closed`` moments after the fault (the last new rank's first step minus the run's
+  ``seconds``);
 * ``learned_timeout``: per old-round worker, the collective timeout its own steps give by the
   rule of elasticd/worker/collective_timeout.py (``max(5 s floor, 5 x the longest interval
   between its step lines``, the first 2 intervals not learned), and its source (``floor`` or
-  ``learned``), over the steps before the strike;
-* ``agents``: the agents' ``re-formed in-process`` / ``falling back`` / ``not re-forming``
-  lines, counted, and the fallback's stated wait.
+  ``learned``) and its longest interval, over the steps before the strike;
+* ``reformed_in_process``, ``fell_back``, ``not_reforming``: the agents' ``re-formed
+  in-process`` lines counted, and the reasons of their ``falling back`` and ``not re-forming``
+  lines; ``kept`` / ``restarted``: the new world's ranks in old / new processes.
 
 ``--into``: the result file whose per-mode ``detail`` runs get a ``logs`` key each (matched in
 order, mode by mode).
