@@ -8,9 +8,9 @@ Per run directory (``inproc-bench-<mode>-*``, in the order the runs started):
 
 * ``left``: per node, its workers' ``left`` lines of the old round, by reason, counted
   (``timed out N ms``: gloo's collective timeout fired; ``connection closed``: its
-  connections were shut down, by its own agent's abort or a peer's); ``waited_seconds``: per kept survivor, its ``left`` moment minus
-  its last step logged in the old round (the pending collective began ~20 ms after that step:
-  the example's sleep);
+  connections were shut down, by its own agent's abort or a peer's);
+* ``waited_seconds``: per kept survivor, its ``left`` moment minus its last step logged in the
+  old round (the pending collective began ~20 ms after that step: the example's sleep);
 * ``after_strike_seconds``: per kept survivor, its agent's ``learned``, its own ``left`` and the
   ``round_closed`` moments after the fault (the last new rank's first step minus the run's
   ``seconds``);
