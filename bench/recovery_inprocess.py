@@ -34,9 +34,18 @@ node restarts its workers, and in in-process mode the other nodes' workers re-fo
 
 ``--fault freeze`` (SIGSTOP of every process of the node) and ``--fault partition`` (every
 packet of its processes dropped, both ways: tests/chaos/partition.py, root) send no reset:
-in-process, the survivors' pending collectives end at their learned collective timeout
-(elasticd/worker/collective_timeout.py); ``collective_timeout_seconds`` is the one gloo
-reported in the survivors' ``left`` lines. The struck node is SIGKILLed once measured.
+in-process, the survivors' pending collectives end at their agent's abort once the failure is
+recorded (the lease TTL), or at their learned collective timeout
+(elasticd/worker/collective_timeout.py) when that comes first; ``collective_timeout_seconds``
+is the one gloo reported in the survivors' ``left`` lines (None: none timed out). The struck
+node is SIGKILLed once measured. Results committed from::
+
+    .venv/bin/python bench/bench_recovery.py --mode in-process,restart --fault freeze --runs 3 \
+        --keep DIR --out bench/results/recovery_inprocess_freeze.json  # again with --append
+    .venv/bin/python bench/bench_recovery.py --mode in-process,restart --fault partition \
+        --runs 3 --keep DIR --out bench/results/recovery_inprocess_partition.json
+
+(each run's ``logs`` key: ``bench/results/recovery_inprocess_logs.py DIR --into FILE``).
 
 Mode ``fallback``: in-process, with the worker of first-round rank 0 made to hang instead of
 leaving its group (examples/train_in_process.py ``--hang-rank 0``, as the chaos test), and the
@@ -144,8 +153,13 @@ def run(mode: str, victim: str, ttl: int, timeout: float, workdir: str,
     out: dict = {"mode": mode, "victim": victim, "fault": fault, "recovered": False}
     cuts: dict = {}
     try:
-        c.start()
+        # Each daemon goes into its cgroup before it opens a socket (as the chaos harness and
+        # bench_recovery's own partition do): a socket keeps the cgroup it was made in, and a
+        # daemon enclosed once registered kept its etcd connection, and its lease, through the
+        # cut (the lease never expired; the failure was recorded by a peer's probe ~8 s later).
+        c.start(wait=False)
         cuts = _cgroups(c, fault)
+        c.wait_for(lambda: all(c.registered(n) for n in c.nodes), 30, "every node registered")
         env = {**os.environ, "ELASTICD_ETCD": c.etcd, "ELASTICD_PREFIX": c.prefix}
         subprocess.run(
             [sys.executable, "-m", "elasticd.cli.main", "submit", "job",
@@ -207,7 +221,7 @@ def run(mode: str, victim: str, ttl: int, timeout: float, workdir: str,
                 "newest_all_snapshotted": snapshotted, "steps_not_snapshotted": held - snapshotted,
                 "last_snapshot_per_survivor": last_saved,
                 "kept_pids": len({r["pid"] for r in at4.values()} & survivors),
-                "paths": sorted({r["path"] for r in at4.values()}), **_agent_logs(c)}
+                "paths": sorted({r["path"] for r in at4.values()}), **_agent_logs(c, victim)}
     finally:
         if fault in ("freeze", "partition"):
             c.nodes[victim].kill()  # the struck node's processes: never thawed or healed
@@ -217,8 +231,8 @@ def run(mode: str, victim: str, ttl: int, timeout: float, workdir: str,
 
 
 def _cgroups(c: LocalCluster, fault: str) -> dict:
-    """``--fault partition``: each node's cgroup (its daemon added at once; its agent and
-    workers inherit it)."""
+    """``--fault partition``: each node's cgroup (its daemon added as soon as started, before
+    it opens a socket; its agent and workers inherit it)."""
     if fault != "partition":
         return {}
     from tests.chaos.partition import Partition, available
@@ -260,11 +274,15 @@ FELL_BACK = re.compile(r"falling back to a restart into round \d+ \((?:the worke
                        r"timeout|the job's reform deadline) ([\d.]+) s\)")
 
 
-def _agent_logs(c: LocalCluster) -> dict:
-    """What the agents' logs say of the recovery: the collective timeout gloo reported in the
-    survivors' ``left`` lines, and the fallback's wait."""
+def _agent_logs(c: LocalCluster, victim: str) -> dict:
+    """What the surviving agents' logs say of the recovery: the collective timeout gloo
+    reported in the survivors' ``left`` lines, and the fallback's wait. The struck node's log
+    is left out: a partitioned node's own workers time out too, at the same value, and counted
+    they made a survivor ended by its agent's abort look timed out."""
     text = ""
     for path in glob.glob(os.path.join(c.workdir, "*", "jobs", "*", "agent.log")):
+        if os.path.relpath(path, c.workdir).split(os.sep)[0] == victim:
+            continue
         with open(path, errors="replace") as fh:
             text += fh.read()
     waited = sorted({int(m) / 1000 for m in TIMED_OUT.findall(text)})

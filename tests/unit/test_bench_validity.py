@@ -152,3 +152,20 @@ def test_peer_restore_words_its_comparison_with_the_shared_helper():
     with open(os.path.join(BENCH, "bench_peer_restore.py")) as fh:
         text = fh.read()
     assert "x faster than" not in text and "speed(peer_med, warm_med" in text
+
+
+def test_the_in_process_collective_timeout_is_read_from_the_survivors_logs_only(tmp_path):
+    """A partitioned node's own workers time out at the collective timeout too; counted, they
+    made survivors that their agents' abort freed look timed out (bench/recovery_inprocess.py
+    records the survivors')."""
+    inproc = load("recovery_inprocess")
+    lines = {"n1": "rank 0 left round 0 (RuntimeError: [/x/gloo/transport/tcp/unbound_buffer.cc"
+                   ":129] Timed out waiting 5000ms for send operation to complete)\n",
+             "n2": "rank 2 left round 0 (RuntimeError: [/x/gloo/transport/tcp/pair.cc:553] "
+                   "Connection closed by peer [127.0.0.1]:25325. This is typically caused )\n"}
+    for node, text in lines.items():
+        os.makedirs(tmp_path / node / "jobs" / "job")
+        (tmp_path / node / "jobs" / "job" / "agent.log").write_text(text)
+    cluster = type("Cluster", (), {"workdir": str(tmp_path)})()
+    assert inproc._agent_logs(cluster, "n1")["collective_timeout_seconds"] is None
+    assert inproc._agent_logs(cluster, "n3")["collective_timeout_seconds"] == [5.0]
