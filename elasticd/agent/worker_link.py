@@ -20,6 +20,9 @@ from elasticd.local import worker_link as link
 
 log = logging.getLogger(__name__)
 
+#: What set a worker's collective timeout (``CollectiveTimeout.source``, worker side).
+TIMEOUT_SOURCES = ("first_step", "learned", "floor")
+
 
 class LinkServer:
     """Listens on a fresh unguessable name; admits processes of the agent's uid (or root).
@@ -94,6 +97,12 @@ class LinkServer:
                 elif op == "timeout" and local is not None \
                         and isinstance(msg.get("seconds"), (int, float)):
                     self.timeouts[local] = float(msg["seconds"])
+                    # Said once per change (a worker sends only when its value moves): which
+                    # rule set it is what a partition's or a freeze's recovery time turns on.
+                    source = msg.get("source")
+                    log.info("local rank %d: collective timeout %g s (%s)", local,
+                             self.timeouts[local],
+                             source if source in TIMEOUT_SOURCES else "source not given")
                 self.cond.notify_all()
             self.on_news()
 

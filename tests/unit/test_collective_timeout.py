@@ -9,6 +9,7 @@ in the example), the link carried no timeout and the agent waited the job's refo
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -76,7 +77,8 @@ def test_the_agent_waits_the_collective_timeout_when_shorter_than_the_jobs_deadl
     assert book.reform_by == 10.0 + job_rules.REFORM_ROUND_ALLOWANCE
 
 
-def test_the_link_keeps_each_workers_collective_timeout_until_all_said():
+def test_the_link_keeps_each_workers_collective_timeout_until_all_said(caplog):
+    caplog.set_level(logging.INFO, logger="elasticd.agent.worker_link")
     server = LinkServer()
     socks = [link.connect(server.name, os.getpid()) for _ in range(2)]
     try:
@@ -89,6 +91,14 @@ def test_the_link_keeps_each_workers_collective_timeout_until_all_said():
         link.send(socks[1], {"op": "timeout", "seconds": 7.5, "source": "learned"})
         _wait(lambda: server.timeouts.get(1) == 7.5)
         assert server.collective_timeout(2) == 7.5
+        # Each value the agent takes is in its log with the rule that set it (a source the
+        # worker did not give, or not one of the rule's, is not repeated).
+        link.send(socks[1], {"op": "timeout", "seconds": 9.0, "source": "x\nforged line"})
+        _wait(lambda: server.timeouts.get(1) == 9.0)
+        said = [r.getMessage() for r in caplog.records]
+        assert "local rank 0: collective timeout 5 s (floor)" in said
+        assert "local rank 1: collective timeout 7.5 s (learned)" in said
+        assert "local rank 1: collective timeout 9 s (source not given)" in said
     finally:
         for sock in socks:
             sock.close()
