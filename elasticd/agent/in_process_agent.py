@@ -266,15 +266,11 @@ class InProcessAgent(LocalElasticAgent):
         self._rendezvous(wg)
         t_round = clock.monotonic()
         times["round_closed"] = clock.wall()  # and torch's rank assignment done
-        handler = wg.spec.rdzv_handler
-        seen_at = getattr(handler, "seen_at", None)  # next_rendezvous returned
-        if isinstance(seen_at, float) and seen_at:
-            times["rendezvous_returned"] = times["round_closed"] - (t_round - seen_at)
-        # Its moments before that: called, the join gate passed, the join record written
-        # (where the round's time went; the daemon's timeline keeps none of them).
-        moments = getattr(handler, "moments", None)
+        # next_rendezvous's moments: called, the join gate passed, the join record written,
+        # returned (where the round's time went; the daemon's timeline keeps none of them).
+        moments = getattr(wg.spec.rdzv_handler, "moments", None)
         for name, key in (("called", "rendezvous_called"), ("gated", "join_gate_passed"),
-                          ("joined", "join_written")):
+                          ("joined", "join_written"), ("returned", "rendezvous_returned")):
             at = moments.get(name) if isinstance(moments, dict) else None
             if isinstance(at, float) and at:
                 times[key] = times["round_closed"] - (t_round - at)

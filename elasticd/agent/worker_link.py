@@ -79,6 +79,7 @@ class LinkServer:
             except (OSError, LocalProtocolError) as exc:
                 log.warning("worker link: pid %d: %s", pid, exc)
                 msg = None
+            changed = False
             with self.cond:
                 if msg is None:
                     if local is not None and self.conns.get(local) is conn:
@@ -96,14 +97,15 @@ class LinkServer:
                     self.left[local] = msg
                 elif op == "timeout" and local is not None \
                         and isinstance(msg.get("seconds"), (int, float)):
+                    changed = self.timeouts.get(local) != float(msg["seconds"])
                     self.timeouts[local] = float(msg["seconds"])
-                    # Said once per change (a worker sends only when its value moves): which
-                    # rule set it is what a partition's or a freeze's recovery time turns on.
-                    source = msg.get("source")
-                    log.info("local rank %d: collective timeout %g s (%s)", local,
-                             self.timeouts[local],
-                             source if source in TIMEOUT_SOURCES else "source not given")
                 self.cond.notify_all()
+            if changed:  # logged out of the lock, once per value taken
+                # Which rule set it is what a partition's or a freeze's recovery turns on.
+                source = msg.get("source")
+                log.info("local rank %d: collective timeout %g s (%s)", local,
+                         float(msg["seconds"]),
+                         source if source in TIMEOUT_SOURCES else "source not given")
             self.on_news()
 
     def linked(self) -> set[int]:

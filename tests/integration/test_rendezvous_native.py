@@ -390,6 +390,7 @@ def test_the_closer_reads_no_mark_while_members_are_absent_it_follows_them(clust
             h._keeper.stop(revoke=True)
             h._control_watch.stop()
             h._duty.stop()
+
     def absent() -> int:
         with closer._election.closer.nodes.counts() as tally:
             return len(tally.absent_since)
