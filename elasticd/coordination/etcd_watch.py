@@ -122,9 +122,12 @@ class ResilientWatch(Watch):
             self._safe_callback(err)
             self._wake.set()
             return
-        events = [WatchEvent(EventType.PUT if isinstance(e, pyetcd.events.PutEvent)
-                             else EventType.DELETE, to_kv(e._event.kv),
-                             to_kv(e._event.prev_kv) if e._event.HasField("prev_kv") else None)
+        # A watch that did not ask for prev_kv gets none: not looked for, per event.
+        put, prev_kv = pyetcd.events.PutEvent, self._prev_kv
+        events = [WatchEvent(EventType.PUT if type(e) is put else EventType.DELETE,
+                             to_kv(e._event.kv),
+                             to_kv(e._event.prev_kv)
+                             if prev_kv and e._event.HasField("prev_kv") else None)
                   for e in resp.events]
         foreign = foreign_keys(self.prefix, self._exact, events)
         if foreign:

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Callable
+from typing import Callable, Sequence
 
 from elasticd.replication.api import Version
 
@@ -62,6 +62,10 @@ class Holder(enum.Enum):
     """Which of this node's slot stores a copy is in: its own ranks', or peers' replicas."""
 
     LOCAL, REPLICA = "local", "replica"
+
+    # Hashed by identity, in C (members are singletons; Enum's own __hash__ is Python code):
+    # every landing puts (holder, rank) pairs in a set, 8 ranks per node per step.
+    __hash__ = object.__hash__
 
 
 class Verdict(enum.Enum):
@@ -174,6 +178,23 @@ class CommitBook:
         follow = holder is Holder.LOCAL and not entry.following
         entry.following = entry.following or follow
         return Actions(retain=[Retention(holder, rank, version)],
+                       follow=version if follow else None)
+
+    def landed_ranks(self, holder: Holder, ranks: Sequence[int], version: Version,
+                     now: float) -> Actions:
+        """:meth:`landed` for the copies of several ``ranks`` of one ``version`` at once (a
+        push of a node's ranks acknowledged): the same state and the same actions, merged,
+        as one :meth:`landed` per rank, in one call (one per node per version, not per rank).
+        """
+        if not ranks or self._decided(version):
+            return Actions()
+        entry = self.entries.setdefault(version, _Entry(Phase.ACKED, now))
+        entry.copies.update([(holder, rank) for rank in ranks])
+        if holder is Holder.LOCAL:
+            self._cadence(version, now)
+        follow = holder is Holder.LOCAL and not entry.following
+        entry.following = entry.following or follow
+        return Actions(retain=[Retention(holder, rank, version) for rank in ranks],
                        follow=version if follow else None)
 
     def _cadence(self, version: Version, now: float) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from elasticd.coordination import records
 from elasticd.coordination.api import CoordinationError, Coordinator, EventType, Watch
@@ -24,7 +24,6 @@ from elasticd.replication.commit import (
     Grid,
     committed_from,
     complaints,
-    decode_ahead,
     decode_committed,
     decode_grid,
 )
@@ -35,6 +34,13 @@ if TYPE_CHECKING:
     from elasticd.replication.tracker import JobState
 
 log = logging.getLogger(__name__)
+
+
+class _PrefixKeys(NamedTuple):
+    commit_grid: bytes
+    coordinator: bytes
+    commit_ahead: bytes
+    committed: bytes
 
 
 class CommittedPrefix:
@@ -58,6 +64,7 @@ class CommittedPrefix:
         self.reporter, self.learn, self.submit, self.etcd_error = (reporter, learn, submit,
                                                                    etcd_error)
         self.watches: dict[str, Watch] = {}  # guarded by ``lock``
+        self._keys: dict[str, _PrefixKeys] = {}  # per job (a race builds the same twice)
         self.closed = False
 
     def grid(self, job: str) -> int:
@@ -111,6 +118,7 @@ class CommittedPrefix:
         """Stops following ``job`` (call once it left ``jobs``)."""
         with self.lock:
             watch = self.watches.pop(job, None)
+        self._keys.pop(job, None)
         if watch is not None:
             watch.cancel()
 
@@ -138,19 +146,22 @@ class CommittedPrefix:
 
     def _changed(self, job: str, key: bytes, kv: Any) -> None:
         """One key of the committed prefix as it now is (``kv`` None: absent)."""
-        k = self.keys.replication(job)  # once per watch event: every node, every commit
+        # Built once per job: this runs once per watch event, every node, every commit.
+        k = self._keys.get(job)
+        if k is None:
+            r = self.keys.replication(job)
+            k = self._keys[job] = _PrefixKeys(r.commit_grid, r.coordinator, r.commit_ahead,
+                                              r.committed)
         if key == k.commit_grid:
             self._learn_grid(job, kv)
         elif key == k.coordinator:
             self.reporter.coordinator_seen(job, decode_ship(kv) if kv is not None else None)
         elif key == k.commit_ahead:
-            try:
-                ahead = decode_ahead(kv.value, key) if kv is not None else None
-            except records.RecordError:
-                ahead = None
+            # Kept as written, decoded (checked) only when read: a new coordinator's campaign
+            # reads it, while every node's watch brings it at every commit.
             with self.lock:
                 if job in self.jobs:
-                    self.jobs[job].ahead = ahead
+                    self.jobs[job].ahead_record = kv.value if kv is not None else None
         elif key == k.committed:
             self._committed_changed(job, kv)
 

@@ -49,6 +49,7 @@ from elasticd.replication.commit import (
     KEEP_WITHDRAWN,
     Committed,
     Grid,
+    decode_ahead,
     relax_grid,
     widen_grid,
 )
@@ -117,7 +118,8 @@ class JobState:
         digest: the placement's digest (what reports name).
         committed: the commit record last seen (its holders resolved).
         committed_rev: the committed record's mod_revision as last seen (0: absent).
-        ahead: the ahead record's version as last seen.
+        ahead_record: the ahead record's value as last seen (None: absent); :attr:`ahead`
+            is its version.
         committed_at_change: the committed version when the placement last changed.
         acked: per local rank and version, the peers that acknowledged a verified copy.
         replicated: per local rank, versions with ``m`` copies, newest first.
@@ -136,7 +138,7 @@ class JobState:
     digest: str = ""
     committed: Committed | None = None
     committed_rev: int = 0
-    ahead: Version | None = None
+    ahead_record: bytes | None = None
     committed_at_change: Version | None = None
     acked: dict[int, dict[Version, set[str]]] = dataclasses.field(default_factory=dict)
     replicated: dict[int, list[Version]] = dataclasses.field(default_factory=dict)
@@ -146,6 +148,17 @@ class JobState:
     skipped: list[Version] = dataclasses.field(default_factory=list)
     withdrawn: list[Version] = dataclasses.field(default_factory=list)
     grid: Grid = dataclasses.field(default_factory=Grid)
+
+    @property
+    def ahead(self) -> Version | None:
+        """The ahead record's version as last seen (None: absent or unreadable), decoded and
+        checked here, when read (a new coordinator's tally), not at each watch event."""
+        if self.ahead_record is None:
+            return None
+        try:
+            return decode_ahead(self.ahead_record)
+        except records.RecordError:
+            return None
 
     def sync_lag(self) -> int:
         """Steps the newest local snapshot is ahead of the committed one."""
@@ -167,6 +180,20 @@ class JobState:
         acked = self.acked.setdefault(rank, {}).setdefault(version, set())
         acked.add(peer)
         return set(self.placement.peers_of(me)) <= acked
+
+    def count_acks(self, me: str, ranks: Sequence[int], version: Version,
+                   peer: str) -> list[int]:
+        """:meth:`count_ack` for several ranks of one version: those of ``ranks`` every
+        placement peer of node ``me`` now holds (the peers looked up once, not per rank)."""
+        if self.placement is None:
+            return []
+        peers, done = set(self.placement.peers_of(me)), []
+        for rank in ranks:
+            acked = self.acked.setdefault(rank, {}).setdefault(version, set())
+            acked.add(peer)
+            if peers <= acked:
+                done.append(rank)
+        return done
 
     def record_replicated(self, rank: int, version: Version) -> bool:
         """Records that local ``rank`` has ``m`` copies of ``version``; whether it was news."""
@@ -360,15 +387,16 @@ class CommitTracker:
         """``peer`` acknowledged its copies of local ``ranks`` at ``version``: each copy here
         is landed (:meth:`on_landed`, call it while the copies are sure to be held) and
         ``peer``'s counted (:meth:`on_ack`), under one hold of the lock for all of them (the
-        per-rank calls take it three times a rank), and the report is asked for once."""
+        per-rank calls take it three times a rank), and the report is asked for once. The
+        commit book hears of the landings in one event and its actions are performed once
+        (one call per node per version, not one per rank: every node, every step)."""
         v, now = (int(version[0]), int(version[1])), self.clock.monotonic()
         news = False
         with self.lock:
             st = self.state(job)
-            for rank in ranks:
-                self._perform(job, st.book.landed(Holder.LOCAL, rank, v, now))
-                if st.count_ack(self.node_id, rank, v, peer):
-                    news = st.record_replicated(rank, v) or news
+            self._perform(job, st.book.landed_ranks(Holder.LOCAL, ranks, v, now))
+            for rank in st.count_acks(self.node_id, ranks, v, peer):
+                news = st.record_replicated(rank, v) or news
             complete = news and st.all_replicated(self.node_id, v)
         if complete:
             self.reporter.changed(job)

@@ -4,6 +4,7 @@ transaction), who coordinates when, and what a report may say."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -184,6 +185,30 @@ def test_reports_and_replies_round_trip_and_malformed_ones_are_refused():
                 encode_report(r).replace(b'[[0,2],[0,1]]', b'[[0,2],[0,1],[0,0],[1,1],[2,2]]')):
         with pytest.raises(MalformedReport):
             decode_report(bad)
+
+
+def test_a_reports_bytes_are_unchanged_and_every_version_of_every_rank_is_checked():
+    # The coordinator decodes one report per node per step: its checks were made cheaper,
+    # not fewer; and the encoding, now of the tuples as they are, writes the same bytes.
+    r = Report("j", "n1", 7, "abc", 1, 2, 3, 0, {1: ((0, 2), (0, 1)), 0: ((0, 2),)},
+               ((0, 3),), ((0, 2),))
+    wire = (b'{"job":"j","node":"n1","term":7,"placement":"abc","boot":1,"seq":2,"fence":3,'
+            b'"floor":0,"ranks":{"0":[[0,2]],"1":[[0,2],[0,1]]},"dead":[[0,3]],"ask":[[0,2]]}')
+    assert encode_report(r) == wire and decode_report(wire) == r
+    for bad in ([0, 1.0], [0, True], [False, 1], [-1, 1], [0, -1], [0], [0, 1, 2], "0,1", {},
+                None, [0, None], [0, 1e3]):
+        for where in ("rank", "dead", "ask"):
+            body = json.loads(wire)
+            if where == "rank":  # a later rank than the first, a later version than the first
+                body["ranks"]["1"][1] = bad
+            else:
+                body[where].append(bad)
+            with pytest.raises(MalformedReport):
+                decode_report(json.dumps(body).encode())
+    body = json.loads(wire)
+    body["ranks"]["2"] = [[0, 2], [0, 1], [0, 0], [0, 3], [0, 4]]  # more than MAX_VERSIONS
+    with pytest.raises(MalformedReport):
+        decode_report(json.dumps(body).encode())
 
 
 def test_a_commit_a_reply_names_first_is_left_to_the_watch_for_its_grace():

@@ -31,7 +31,7 @@ a coordinator answered.
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -158,7 +158,8 @@ def push_copy(owner: Node, peer: Node, now: float, learn, published) -> tuple[in
             if replicas.write(owner.rank, version) is not None:
                 return None
         peer.perform(peer.book.landed(Holder.REPLICA, owner.rank, version, now))
-    owner.perform(owner.book.landed(Holder.LOCAL, owner.rank, version, now))
+    # The tracker's call for an acknowledged push (its ranks in one event, here the one rank)
+    owner.perform(owner.book.landed_ranks(Holder.LOCAL, [owner.rank], version, now))
     return version
 
 
@@ -545,3 +546,30 @@ def test_a_jobs_first_commit_lands_soon_after_every_node_sends(late, unsent, fir
         if m.committed is not None:
             break
     assert m.committed == (0, first), f"first commit {m.committed} by step {step}"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["landed", "commit", "withdraw", "abandon"]),
+                          st.lists(st.integers(0, 5), max_size=8),
+                          st.tuples(st.integers(0, 2), st.integers(0, 4))), max_size=12))
+def test_the_landing_of_several_ranks_at_once_is_each_ranks_landing_merged(events):
+    # One event per node per version (CommitTracker.on_pushed), where the per-rank calls made
+    # one per rank: the same entries, copies, cadence and followers, and the same actions.
+    one, each = CommitBook(WITHDRAW_AFTER), CommitBook(WITHDRAW_AFTER)
+    for now, (kind, ranks, version) in enumerate(events):
+        if kind == "landed":
+            merged = one.landed_ranks(Holder.LOCAL, ranks, version, float(now))
+            per = [each.landed(Holder.LOCAL, r, version, float(now)) for r in ranks]
+            assert merged.retain == [r for a in per for r in a.retain]
+            assert merged.follow == next((a.follow for a in per if a.follow), None)
+            assert merged.release == []
+        elif kind == "commit":
+            assert one.commit(version) == each.commit(version)
+        elif kind == "withdraw":
+            one.withdrawing(version), each.withdrawing(version)
+            assert one.withdrawn_landed(version) == each.withdrawn_landed(version)
+        else:
+            assert one.abandon_below(version[0]) == each.abandon_below(version[0])
+        assert {v: (e.phase, e.copies, e.since, e.following) for v, e in one.entries.items()} \
+            == {v: (e.phase, e.copies, e.since, e.following) for v, e in each.entries.items()}
+        assert (one.newest_local, one.cadence) == (each.newest_local, each.cadence)

@@ -90,3 +90,29 @@ def test_the_ticker_ticks_when_woken_and_stops():
     finally:
         ticker.stop()
     assert not ticker._thread.is_alive()
+
+
+def test_the_ahead_record_is_checked_when_read_not_at_each_watch_event(monkeypatch):
+    # Every node's watch brings the ahead record at every commit; only a new coordinator's
+    # tally reads it. It was decoded (JSON and checks) per event and dropped.
+    from elasticd.coordination import records
+    store, jobs = MemoryStore(), {"job": JobState()}
+    writer, k = MemoryCoordinator(store), KEYS.replication("job")
+    part, _, _, errors = prefix(store, jobs)
+    part.watch("job")
+    decoded: list[str] = []
+    real = records.decode
+    monkeypatch.setattr(records, "decode",
+                        lambda raw, kind, *a, **kw: (decoded.append(kind),
+                                                     real(raw, kind, *a, **kw))[1])
+    for step in (4, 5, 6):
+        writer.put(k.commit_ahead, encode_ahead((0, step)))
+    assert decoded == [] and not errors
+    assert jobs["job"].ahead == (0, 6) and len(decoded) == 1  # checked when read
+    from elasticd.replication.commit import AHEAD_KIND
+    writer.put(k.commit_ahead, records.encode(AHEAD_KIND, {"version": [0, -1], "at": 0.0}))
+    assert jobs["job"].ahead is None  # a malformed record is still refused before use
+    writer.put(k.commit_ahead, b"not json")
+    assert jobs["job"].ahead is None
+    writer.delete(k.commit_ahead)
+    assert jobs["job"].ahead is None and jobs["job"].ahead_record is None

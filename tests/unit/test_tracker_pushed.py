@@ -61,3 +61,25 @@ def test_a_push_acknowledged_by_a_peer_outside_the_placement_completes_nothing()
     finally:
         t.close()
         background.close()
+
+
+def test_a_push_of_every_rank_is_one_event_to_the_commit_book_and_one_set_of_actions(
+        monkeypatch):
+    # Every node, every step: the per-rank calls made 8 events and performed 8 sets of actions
+    # (each retention still reaches the store: one per rank).
+    from elasticd.replication import tracker as module
+    performed: list = []
+    real = module.apply_actions
+    monkeypatch.setattr(module, "apply_actions",
+                        lambda book, job, actions, stores: (performed.append(actions),
+                                                            real(book, job, actions, stores)))
+    background = Background("pushed-test", 2)
+    t, asked = tracker(background)
+    try:
+        t.on_pushed(JOB, (0, 1), RANKS, "n2")
+        assert len(performed) == 1
+        assert [r.rank for r in performed[0].retain] == list(RANKS)
+        assert performed[0].follow == (0, 1) and asked == [JOB]
+    finally:
+        t.close()
+        background.close()
