@@ -358,8 +358,11 @@ def say(line: str) -> None:
     print(time.strftime("%H:%M:%S ", time.gmtime()) + line, flush=True)
 
 
-def run_phase(cluster: Any, etcd: Any, server: Any, keys: Any, n: int, a: Any) -> dict[str, Any]:
-    """The commit phase for one N (see the module doc); returns the ``commit`` entry."""
+def run_phase(cluster: Any, etcd: Any, server: Any, keys: Any, n: int, a: Any,
+              progress: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The commit phase for one N (see the module doc); returns the ``commit`` entry.
+    ``progress`` is filled as it goes (what a SIGTERM leaves in it is written: see
+    ``scale_native.write_partial``)."""
     import faulthandler
     import signal
 
@@ -375,13 +378,27 @@ def run_phase(cluster: Any, etcd: Any, server: Any, keys: Any, n: int, a: Any) -
 
     threading.Thread(target=watchdog, daemon=True).start()
     try:
-        return _run_phase(cluster, etcd, server, keys, n, a)
+        return _run_phase(cluster, etcd, server, keys, n, a,
+                          progress if progress is not None else {})
     finally:
         done.set()
 
 
+def so_far(s0: dict[str, Any], s1: dict[str, Any], e0: float, e1: float, secs: float,
+           nodes: int, commits: int, last: Any) -> dict[str, Any]:
+    """The window's figures up to now, for an entry a SIGTERM cuts short."""
+    secs = max(secs, 1e-9)
+    return {"window_s": round(secs, 1), "committed_steps": commits,
+            "committed_step_last": last,
+            "etcd_cpu_pct": round((e1 - e0) / secs * 100, 1),
+            "simulator_cpu_pct": round((s1["cpu"] - s0["cpu"]) / secs * 100, 1),
+            "simulator_cpu_ms_per_node_second": round((s1["cpu"] - s0["cpu"]) / secs / nodes
+                                                      * 1000, 3),
+            "leases_lost": s1["leases_lost"] - s0["leases_lost"]}
+
+
 def _run_phase(cluster: Any, etcd: Any, server: Any, keys: Any, n: int,
-               a: Any) -> dict[str, Any]:
+               a: Any, progress: dict[str, Any]) -> dict[str, Any]:
     alive = sorted(i for part in cluster.ask(("members",)) for i, _ in part)
     # The same cluster's etcd CPU without commits (keep-alives and idle watches), just before.
     s0, e0, t0 = cluster.stats(), etcd.cpu(), time.monotonic()
@@ -389,6 +406,8 @@ def _run_phase(cluster: Any, etcd: Any, server: Any, keys: Any, n: int,
     base_cpu = (etcd.cpu() - e0) / (time.monotonic() - t0) * 100
     base_lost = cluster.stats()["leases_lost"] - s0["leases_lost"]
     say(f"commit phase: {len(alive)} nodes, baseline {base_cpu:.1f} % etcd CPU")
+    progress.update(nodes=len(alive), etcd_cpu_pct_without_commits=round(base_cpu, 1),
+                    leases_lost_without_commits=base_lost)
     peers = dict(cluster.ask(("commit_setup",)))
     observer = _Observer(server.endpoints, keys)
     built = time.monotonic()
@@ -401,6 +420,7 @@ def _run_phase(cluster: Any, etcd: Any, server: Any, keys: Any, n: int,
     wall0 = time.time() + 2.0
     cluster.ask(("commit_go", wall0))
     say(f"commit code built on every node in {built:.1f} s")
+    progress["build_seconds"] = round(built, 2)
     time.sleep(max(0.0, wall0 - time.time()) + a.commit_warmup)
     cluster.ask(("commit_sample", True))
     s0, m0, e0, ev0, db0 = cluster.stats(), etcd.requests(), etcd.cpu(), _events(etcd), _db(etcd)
@@ -415,6 +435,12 @@ def _run_phase(cluster: Any, etcd: Any, server: Any, keys: Any, n: int,
         with observer.lock:
             last = [e[4] for e in observer.events if e[4] is not None][-1:]
         say(f"  {time.monotonic() - t0:.0f} s: committed {last}")
+        if time.monotonic() - t0 < a.commit_seconds:  # a SIGTERM may come before the end
+            now = time.monotonic()
+            commits = len({e[3] for e in observer.between(t0, now)
+                           if e[1] == keys.replication(JOB).committed})
+            progress.update(so_far(s0, cluster.stats(), e0, etcd.cpu(), now - t0, len(alive),
+                                   commits, last[0] if last else None))
     s1, m1, e1, ev1, db1 = cluster.stats(), etcd.requests(), etcd.cpu(), _events(etcd), _db(etcd)
     t1 = time.monotonic()
     c1 = cluster.ask(("commit_stats",))

@@ -1260,7 +1260,8 @@ def run_size(n: int, server: EmbeddedEtcd, a: argparse.Namespace,
         result["join_seconds"] = join["seconds"]
         print(f"  N={n} join {join['seconds']} s {join['timeline']}, sim cpu/agent {join['simulator_cpu_seconds_per_agent']}, etcd cpu {join['etcd_cpu_seconds']}, daemons {result['daemons']}", flush=True)
         if a.commit_only:
-            result["commit"] = commit_phase(cluster, etcd, server, n, a)
+            result["commit"] = {}  # filled as the phase goes (write_partial)
+            result["commit"] = commit_phase(cluster, etcd, server, n, a, result["commit"])
             return result
         # steady: only keep-alives should reach etcd
         time.sleep(1.0)
@@ -1365,11 +1366,13 @@ def targets(r: dict[str, Any]) -> dict[str, Any]:
 
 
 def commit_phase(cluster: Cluster, etcd: Etcd, server: EmbeddedEtcd, n: int,
-                 a: argparse.Namespace) -> dict[str, Any]:
-    """Steady training at one snapshot per ``--period`` per node: bench/scale_commit.py."""
+                 a: argparse.Namespace, progress: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Steady training at one snapshot per ``--period`` per node: bench/scale_commit.py
+    (``progress``: filled with the figures so far as the phase goes)."""
     import scale_commit
 
-    r = scale_commit.run_phase(cluster, etcd, server, Keyspace(f"{PREFIX}{n}"), n, a)
+    r = scale_commit.run_phase(cluster, etcd, server, Keyspace(f"{PREFIX}{n}"), n, a,
+                               progress)
     print(f"  N={n} commit: {r['committed_steps']} commits in {r['window_s']} s, "
           f"{r['writes_per_step']} writes/step (max {r['write_bytes_max']} B), lag median "
           f"{r['lag_steps_median']} steps, etcd {r['etcd_cpu_pct']} % of a core "
@@ -1450,6 +1453,29 @@ def record(doc: dict[str, Any], r: dict[str, Any], n: int, a: argparse.Namespace
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
         f.write("\n")
+
+
+def write_partial(doc: dict[str, Any], r: dict[str, Any], n: int, a: argparse.Namespace,
+                  t0: float, load: tuple[float, ...]) -> bool:
+    """A SIGTERM's entry: the rounds measured so far, or a commit-only run's commit phase so
+    far (``r["commit"]``, which the phase fills as it goes: its baseline, its build, the
+    window's figures every 10 s), written and marked ``incomplete``. False when nothing was
+    measured yet (before the join). A commit-only run wrote nothing before (2026-11-30: the
+    N = 1,000 attempt stopped 202 s into its window left only its log)."""
+    if "join" not in r:
+        return False
+    if a.commit_only:
+        if not r.get("commit"):
+            return False
+        r["commit"]["incomplete"] = ("stopped by SIGTERM " + (
+            f"{r['commit']['window_s']} s into the {a.commit_seconds:.0f} s window"
+            if "window_s" in r["commit"] else "before the window"))
+        record(doc, r, n, a, t0, load)
+        return True
+    summarize(r)
+    r["incomplete"] = f"stopped by SIGTERM after {len(r['kills'])} of {2 * a.kills} kills"
+    record(doc, r, n, a, t0, load)
+    return True
 
 
 def main() -> int:
@@ -1591,15 +1617,8 @@ def main() -> int:
 
             def partial(r: dict[str, Any] = r, n: int = n, t0: float = t0,
                         load: tuple[float, ...] = load) -> bool:
-                """A SIGTERM's: the rounds measured so far written, marked (not a commit
-                phase's alone, nor before the join)."""
-                if "join" not in r or a.commit_only:
-                    return False
-                summarize(r)
-                r["incomplete"] = (f"stopped by SIGTERM after {len(r['kills'])} of "
-                                   f"{2 * a.kills} kills")
-                record(doc, r, n, a, t0, load)
-                return True
+                """A SIGTERM's: what was measured so far written, marked."""
+                return write_partial(doc, r, n, a, t0, load)
 
             # exit_now writes them too: a clean-up past TERM_GRACE never reaches the except
             ON_EXIT[:] = [partial]
