@@ -61,3 +61,35 @@ def test_an_idle_node_ticks_rarely_and_a_failed_report_is_retried_on_time():
     finally:
         tracker.close()
         background.close()
+
+
+def test_a_report_in_flight_and_a_known_coordinator_make_no_tick_due(monkeypatch):
+    # Every node's report is in flight for part of each step (its sender sends it again while
+    # due, a failure wakes the ticker): the tick scheduled a retry at TICK meanwhile (~4 ticks
+    # per node per second at N = 60), and searched the placement's node list for its campaign
+    # delay at every tick (O(N)) though a coordinator was known.
+    from elasticd.replication import reporter as module
+    background = Background("ticker-test", 2)
+    tracker = CommitTracker("n2", MemoryCoordinator(MemoryStore()), Keyspace("/t"),
+                            SystemClock(), background, lambda job: None, commit_wait=0.0,
+                            send=lambda node, report: Reply(True, "", (), None), lease_ttl=2.0)
+    reporter = tracker.reporter
+    try:
+        tracker.set_placement(JOB, compute_placement(["n1", "n2"], {"n1": [0], "n2": [1]}, 2,
+                                                     round=1))
+        reporter.coordinator_seen(JOB, Coordinatorship("n1", 7, 1))
+        assert background.wait_idle(5) and reporter.settled()
+        delays: list[str] = []
+        real = module._delay
+        monkeypatch.setattr(module, "_delay", lambda node, st: (delays.append(node),
+                                                                real(node, st))[1])
+        with tracker.lock:
+            j = reporter.jobs[JOB]
+            j.dirty, j.busy = True, True  # what changed while its last report is sent
+        assert reporter.tick() == module.IDLE_TICK and delays == []
+        with tracker.lock:  # not sent after all (a failure): its retry, after a backoff
+            j.busy, j.retry_at = False, time.monotonic() + 0.5
+        assert reporter.tick() < module.IDLE_TICK  # due at its retry, 0.5 s away or less
+    finally:
+        tracker.close()
+        background.close()
