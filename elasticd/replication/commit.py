@@ -98,10 +98,12 @@ _HOLDERS_CACHE: dict[str, Mapping[int, tuple[str, ...]]] = {}
 _HOLDERS_LOCK = threading.Lock()
 
 
-def placement_holders(placement: Placement) -> Mapping[int, tuple[str, ...]]:
+def placement_holders(placement: Placement,
+                      digest: str | None = None) -> Mapping[int, tuple[str, ...]]:
     """Every rank's holders under ``placement`` (one shared mapping per placement, so that a
-    job of thousands of ranks does not rebuild it per commit)."""
-    digest = placement_digest(placement)
+    job of thousands of ranks does not rebuild it per commit); ``digest``: its digest, when
+    the caller has it."""
+    digest = digest or placement_digest(placement)
     with _HOLDERS_LOCK:
         holders = _HOLDERS_CACHE.get(digest)
         if holders is None:
@@ -119,9 +121,12 @@ def resolve(c: Committed, placements: Iterable[Placement | None]) -> Committed:
         return c
     for placement in placements:
         if placement is not None and placement_digest(placement) == c.placement:
-            base = placement_holders(placement)
+            base = placement_holders(placement, c.placement)
             holders = {**base, **c.overrides} if c.overrides else base
-            return dataclasses.replace(c, holders=holders, resolved=True)
+            # Built field by field, not by dataclasses.replace (which looks the fields up at
+            # each call): every node resolves the committed record at every commit.
+            return Committed(c.generation, c.step, c.ranks, holders, c.m, c.round, c.at,
+                             c.placement, c.overrides, c.by, True)
     return c
 
 

@@ -53,6 +53,19 @@ def test_a_commit_record_derives_its_holders_from_the_placement():
     assert not decode_committed(raw, placements=[other]).resolved
 
 
+def test_a_resolved_record_keeps_every_field_of_the_record_read():
+    # resolve builds the resolved record field by field (every node, every commit): a field
+    # added to Committed and not passed on fails here.
+    c = dataclasses.replace(commit_of((2, 7), PLACEMENT, "b", 3.5), overrides={2: ("c", "a")})
+    bare = decode_committed(encode_committed(c))
+    resolved = decode_committed(encode_committed(c), placements=[PLACEMENT])
+    assert resolved == dataclasses.replace(bare, holders={**c.holders, 2: ("c", "a")},
+                                           resolved=True)
+    assert {f.name for f in dataclasses.fields(Committed)} == {
+        "generation", "step", "ranks", "holders", "m", "round", "at", "placement",
+        "overrides", "by", "resolved"}
+
+
 def test_the_committed_record_stays_small_whatever_the_job_size():
     nodes = [f"node-{i:04d}" for i in range(2000)]
     big = compute_placement(nodes, {n: range(8 * i, 8 * i + 8) for i, n in enumerate(nodes)}, 2)
