@@ -72,9 +72,8 @@ from elasticd.replication.wire import (
 log = logging.getLogger(__name__)
 
 #: The most snapshot bytes one DATA frame carries, as far as the peer's frame limit allows
-#: (8 MiB by default: runs of seven 1 MiB blocks, or fifteen of 512 KiB). Each frame costs each
-#: end Python work that runs cold after the frame's socket call flushed the caches: 7 MiB runs
-#: cost the holder less
+#: (8 MiB by default: runs of seven 1 MiB blocks). Each frame costs each end Python work that
+#: runs cold after the frame's socket call flushed the caches: 7 MiB runs cost the holder less
 #: CPU than 4 MiB ones, 16 MiB no less and slower (bench/results/restore27/README.md).
 DEFAULT_CHUNK = 8 << 20
 

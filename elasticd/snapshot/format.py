@@ -39,14 +39,11 @@ ALIGNMENT = 64
 #: The payload starts on a page boundary, so that pinning or registering it for DMA later works.
 DATA_ALIGNMENT = 4096
 #: Payload checksum granularity: the unit a reshard fetches (whole blocks around the rows a new
-#: rank needs) and a block tag checks. 512 KiB: a resharding restore fetched 727 MB per new rank
-#: for 577 MB of rows at 4 MiB, 616 MB at 1 MiB (bench/results/restore25/), ~600 at 512 KiB (the
-#: old rank both new ranks split: 1.09x the rows it holds for them, 1.18x at 1 MiB); consecutive
-#: blocks travel in runs of up to the replication chunk a frame, so smaller blocks cost no more
-#: frames, only a tag check (~7 us) and a checksum per block (bench/results/restore31/). Each
-#: snapshot records its own block size (the header's ``block_size``): snapshots, replicas and
-#: tags made at another size read, serve and check by theirs.
-DEFAULT_BLOCK_SIZE = 512 << 10
+#: rank needs) and a block tag checks. 1 MiB, not 4: a resharding restore fetched 727 MB per new
+#: rank for 577 MB of rows at 4 MiB, 616 MB at 1 MiB (bench/results/restore25/), and consecutive
+#: blocks travel in runs of up to the replication chunk (4 MiB) a frame, so smaller blocks cost
+#: no more frames, only a tag check per block.
+DEFAULT_BLOCK_SIZE = 1 << 20
 #: A larger header is taken for corruption rather than allocated.
 MAX_HEADER_SIZE = 64 << 20
 

@@ -240,16 +240,16 @@ def test_a_run_that_does_not_add_up_is_refused_and_counted(frames, needle):
 def test_at_the_default_limits_a_run_carries_seven_one_mib_blocks():
     """Each DATA frame costs both ends Python (header, session tag, run prefix, the blocks'
     checks set up) that runs cold right after the frame's multi-MiB socket call: at the
-    defaults a holder sends a fetch of 1 MiB blocks (the snapshot format's until 512 KiB; a
-    snapshot keeps the block size it was made with) to a peer with the default limits (8 MiB
-    frames) in runs of 7, not the 4 that 4 MiB chunks made."""
+    defaults a holder sends a fetch of the snapshot format's 1 MiB blocks to a peer with the
+    default limits (8 MiB frames) in runs of 7, not the 4 that 4 MiB chunks made."""
     from elasticd.replication.channel import frame_chunk
     from elasticd.replication.runs import send_runs
     from elasticd.replication.seal import BlockTags
     from elasticd.replication.server import DEFAULT_CHUNK
     from elasticd.replication.wire import Limits
+    from elasticd.snapshot.format import DEFAULT_BLOCK_SIZE
 
-    mib = 1 << 20
+    mib = DEFAULT_BLOCK_SIZE
     chunk, limit = frame_chunk(DEFAULT_CHUNK, Limits().max_frame), Limits().max_frame
     tags = BlockTags(bytes(16), {i * mib: (mib, bytes(16)) for i in range(40)})
     view = memoryview(bytearray(40 * mib))

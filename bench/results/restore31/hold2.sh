@@ -11,10 +11,12 @@ W=/work/wt/restore31; P=$W/.venv/bin/python; O=$W/bench/results/restore31; L=/tm
 [ -f /tmp/r31/ready ] || sleep 20
 [ -f /tmp/r31/ready ] || { echo "not ready $(date -u +%T)"; exit 3; }
 START=$(date -u +%s); END=$((START + 830))
+HARD=$(date -u -d "13:19" +%s); [ $END -gt $HARD ] && END=$HARD  # the session's deadline
 fits() { [ $(( $(date -u +%s) + $1 )) -le $END ]; }
 NEW=$(sed -n 1p /tmp/r31/ready); BASE=$(sed -n 2p /tmp/r31/ready)  # /tmp/r31/tree-<commit>
 echo "start $(date -u +%T) new=$NEW base=$BASE worktree=$(cd $W && git log --oneline -1 | cut -c1-8) dirty=$(cd $W && git status --short elasticd tests | wc -l)"
 cd $W
+fits 200 || { echo "no time for anything $(date -u +%T)"; exit 4; }
 timeout 200 $P -m pytest -q -p no:randomly tests/unit/test_fetch_ranges.py tests/unit/test_fetch_deadline.py \
   tests/unit/test_striped_fetch.py tests/unit/test_replicator.py tests/unit/test_replication_*.py \
   tests/unit/test_snapshot_format.py tests/unit/test_store_shm.py tests/unit/test_store_peer_restore.py \
@@ -23,8 +25,10 @@ echo "tests rc=$? $(tail -1 $L/tests.log) $(date -u +%T)"
 timeout 60 $P bench/results/restore31/block_cost.py > $O/block_cost.json 2> $L/block_cost.err
 echo "block_cost rc=$? $(date -u +%T)"
 cd $NEW
-PYTHONPATH=$NEW timeout 240 $P bench/bench_peer_restore.py --out $O/peer_new.json > $L/peer_new.log 2>&1
-echo "peer_new rc=$? $(date -u +%T)"
+if fits 150; then
+  PYTHONPATH=$NEW timeout 240 $P bench/bench_peer_restore.py --out $O/peer_new.json > $L/peer_new.log 2>&1
+  echo "peer_new rc=$? $(date -u +%T)"
+else echo "peer_new skipped $(date -u +%T)"; fi
 k=0
 for run in shm:new shm:base huge:new huge:base shm:new shm:base; do
   pages=${run%%:*}; tree=${run##*:}; k=$((k + 1))

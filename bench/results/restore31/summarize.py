@@ -1,7 +1,7 @@
 """Tables for README.md from this directory's sharded restore results (sharded_<pages>_<tree>_<k>
-.json): each run beside the verified floor of the same run, CPU by process, and per (pages,
-tree) the medians of the three ratios; then the peer restore bench's targets. Writes
-summary.json beside it.
+.json; every run of hold 2 measured the same code, 512 KiB blocks: see README.md): each run
+beside the verified floor of the same run, CPU by process, and per (pages, tree) the medians
+of the three ratios; then the peer restore bench's targets. Writes summary.json beside it.
 
     python bench/results/restore31/summarize.py
 """
@@ -54,7 +54,7 @@ def main():
               f"{' + '.join(str(round(v / 1e6)) for v in x['wire_bytes'])} |")
     summary = {}
     for pages in ("shm", "huge"):
-        for tree in ("new", "base"):
+        for tree in sorted({x["tree"] for x in rows}):
             mine = [x for x in rows if x["pages"] == pages and x["tree"] == tree]
             if not mine:
                 continue
@@ -70,13 +70,13 @@ def main():
                 x["cpu"] - x["cpu_floor"] for x in mine), 3)
             summary[f"{pages} {tree}"] = out
             print(f"{pages} {tree}: " + ", ".join(f"{k} {v}" for k, v in out.items()))
-    peer = os.path.join(HERE, "peer_new.json")
+    peer = os.path.join(HERE, "peer_512k.json")
     if os.path.exists(peer):
         d = json.load(open(peer))
-        summary["peer restore (new)"] = {
+        summary["peer restore (512 KiB)"] = {
             k: d.get(k) for k in ("elasticd_speed_over_verified_floor",
                                   "receiver_cpu_seconds_per_gib_over_verified_floor", "targets")}
-        print("peer:", summary["peer restore (new)"])
+        print("peer:", summary["peer restore (512 KiB)"])
     with open(os.path.join(HERE, "summary.json"), "w") as fh:
         json.dump(summary, fh, indent=1)
         fh.write("\n")
