@@ -20,10 +20,13 @@ from typing import Any
 def pin() -> None:
     """Drops ``''`` and the current directory from ``sys.path`` (call it before elasticd is
     imported), unless the current directory is bench/ itself (whose modules import each
-    other by name)."""
+    other by name) or a directory ``PYTHONPATH`` names: a copy run from inside itself with
+    ``PYTHONPATH`` set to it keeps it (dropping it too fell back to the worktree's editable
+    install, and both arms of an A/B measured one tree: bench/results/restore31/)."""
     here, cwd = os.path.dirname(os.path.abspath(__file__)), os.getcwd()
-    sys.path[:] = [p for p in sys.path
-                   if p != "" and (os.path.abspath(p) != cwd or cwd == here)]
+    named = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    sys.path[:] = [p for p in sys.path if p != "" and (
+        os.path.abspath(p) != cwd or cwd == here or os.path.abspath(p) in named)]
 
 
 def package_dir() -> str:

@@ -43,6 +43,18 @@ def test_started_from_the_worktree_the_copy_on_pythonpath_is_the_one_imported(tm
     assert '"commit": null' in pinned  # a copy outside git: its directory names it
 
 
+def test_run_from_inside_the_copy_on_pythonpath_the_copy_is_the_one_imported(tmp_path):
+    """restore31's A/B ran each arm from inside its copy with PYTHONPATH set to it: the pin
+    dropped the copy with the current directory, and elasticd came from the worktree's
+    editable install (both arms measured one tree)."""
+    copy = fake_tree(tmp_path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([BENCH, copy])}
+    out = subprocess.run([sys.executable, "-c", "import code_tree; code_tree.pin(); "
+                          "import elasticd; print(elasticd.__file__)"], cwd=copy, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == os.path.join(copy, "elasticd", "__init__.py"), out.stderr[-300:]
+
+
 def test_a_process_that_imported_another_tree_stops(tmp_path):
     code_tree = load("code_tree")
     here = code_tree.package_dir()

@@ -127,3 +127,24 @@ def test_at_the_default_block_size_a_reshard_fetches_little_more_than_its_rows()
     needed = sum(end - start for start, end in needed_bytes(h, boxes))
     fetched = sum(lay.block_range(b)[1] - lay.block_range(b)[0] for b in needed_blocks(h, boxes))
     assert needed <= fetched <= 1.25 * needed, fetched / needed
+
+
+def test_a_snapshot_keeps_the_block_size_it_was_made_with():
+    """A snapshot (or replica) made at another block size than today's default is read and
+    fetched by its own: the header says it, and the blocks a reshard asks for are that
+    header's (what a change of the default must keep: restore31 tried 512 KiB)."""
+    from elasticd.snapshot.format import DEFAULT_BLOCK_SIZE, encode_header
+    from elasticd.snapshot.reader import parse_header
+
+    specs = [TensorSpec("model/w", "float32", (300, 2048))]
+    node = {"@": "dtensor", "shape": [900, 2048], "offsets": [300, 0], "placements": ["S0"],
+            "mesh": [3], "dims": [], "i": 0}
+    meta = {"objects": [["model", "module", {"w": node}]]}
+    other = 512 << 10 if DEFAULT_BLOCK_SIZE != 512 << 10 else 1 << 20
+    old = layout(specs, job="j", meta=meta, block_size=other)
+    raw = encode_header(SnapshotHeader("j", 1, 0, 1, 3, old, meta, (0,) * old.num_blocks))
+    h = parse_header(raw + bytes(old.total_size - len(raw)))
+    assert h.layout.block_size == other and h.layout.num_blocks == old.num_blocks
+    # rows 300..449 of the 900: the payload's first 1.2 MB (150 rows of 8 KiB), whole blocks
+    need = parse_boxes([[[900, 2048], ["S0"], [0, 0], [450, 2048]]])
+    assert needed_blocks(h, need) == list(range(-(-150 * 8192 // other)))
