@@ -8,7 +8,6 @@ injection point (the CLI, code inside a worker or an agent) uses :data:`SYSTEM_C
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Callable, Protocol
 
@@ -28,27 +27,19 @@ class Clock(Protocol):
     def sleep(self, seconds: float) -> None:
         """Blocks for ``seconds``."""
 
-    def wait(self, cond: Callable[[], bool], timeout: float, interval: float = 0.05,
-             wake: threading.Event | None = None) -> bool:
-        """Polls ``cond`` until it holds or ``timeout`` seconds pass; returns its last answer.
-
-        Args:
-            cond: the condition; called at once, then every ``interval`` seconds.
-            wake: an event that, when set, cuts the pause between two polls short (the real
-                clock waits on it instead of sleeping).
-        """
+    def wait(self, cond: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
+        """Polls ``cond`` (at once, then every ``interval`` seconds) until it holds or
+        ``timeout`` seconds pass; returns its last answer."""
 
 
-def poll(clock: Clock, cond: Callable[[], bool], timeout: float, interval: float,
-         pause: Callable[[float], object]) -> bool:
-    """:meth:`Clock.wait` for any clock: polls ``cond`` on ``clock`` until it holds or
-    ``timeout`` passes, calling ``pause`` between two polls (a sleep, an event's wait)."""
+def poll(clock: Clock, cond: Callable[[], bool], timeout: float, interval: float) -> bool:
+    """:meth:`Clock.wait` for any clock, sleeping on ``clock`` between two polls."""
     deadline = clock.monotonic() + timeout
     while not cond():
         left = deadline - clock.monotonic()
         if left <= 0:
             return False
-        pause(min(interval, left))
+        clock.sleep(min(interval, left))
     return True
 
 
@@ -68,9 +59,8 @@ class SystemClock:
         if seconds > 0:
             time.sleep(seconds)
 
-    def wait(self, cond: Callable[[], bool], timeout: float, interval: float = 0.05,
-             wake: threading.Event | None = None) -> bool:
-        return poll(self, cond, timeout, interval, self.sleep if wake is None else wake.wait)
+    def wait(self, cond: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
+        return poll(self, cond, timeout, interval)
 
 
 #: The real clock, for code with no injection point.

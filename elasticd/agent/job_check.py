@@ -72,10 +72,6 @@ class Verdict:
     waiting: bool = False
     hung: bool = False
 
-    @property
-    def ok(self) -> bool:
-        return not self.problem
-
 
 def fingerprint(spec: JobSpec, control: JobControl | None) -> str:
     """What a refusal is tied to: the spec and the control as they are now (a new spec, or a

@@ -399,17 +399,14 @@ class JobManager:
         self._stopping.start()
 
     def on_peer_failed(self, node: str) -> int | None:
-        """A peer's lease expired: if it ran our job, restart our workers now
-        (:func:`job_rules.peer_failed`).
+        """A peer's lease expired: what it means for our workers (:func:`job_rules.peer_failed`).
 
         Returns:
             how many workers were killed; None when the peer did not run our job.
         """
         job, sup = self.job, self.supervisor
 
-        def reformed_without() -> bool:
-            """Whether the job's last closed rendezvous round has this node's agent in it
-            and not ``node``'s (:func:`job_rules.reformed_without`; read from etcd)."""
+        def reformed_without() -> bool:  # job_rules.reformed_without, read from etcd
             assert job is not None and sup is not None
             peer = self.records.statuses.get(job, {}).get(node)
             mine, theirs = sup.pid, peer.agent_pid if peer else None
@@ -447,8 +444,7 @@ class JobManager:
         self.board.edit(lambda st: {"unprotected": text} if text != st.unprotected else {})
 
     def round_ranks(self) -> dict[str, list[int]]:
-        """The current worker group's nodes and their global ranks, once every node of it
-        has published them (:func:`job_rules.round_ranks`); empty until then."""
+        """The current worker group's nodes and ranks (:func:`job_rules.round_ranks`)."""
         job, status = self.job, self.board.status
         if job is None:
             return {}
@@ -456,8 +452,7 @@ class JobManager:
         return job_rules.round_ranks(statuses, status.world_size)
 
     def recovery_writer(self, failed: str) -> str | None:
-        """The node that writes the timeline of the job's recovery from ``failed``'s failure
-        (:func:`job_rules.recovery_writer`), None without a job here."""
+        """:func:`job_rules.recovery_writer` for the job here (None without one)."""
         job, me = self.job, self.board.node_id
         if job is None:
             return None
@@ -466,8 +461,7 @@ class JobManager:
                                          {*self.records.members.get(job, set()), me}, failed)
 
     def ran_workers(self, node: str) -> bool:
-        """Whether ``node`` ran workers of our job (ranks, or a step, in its last published
-        status); a spare that waited never did."""
+        """Whether ``node`` ran workers of our job (:func:`job_rules.ran_workers`)."""
         st = self.records.statuses.get(self.job, {}).get(node) if self.job is not None else None
         return st is not None and job_rules.ran_workers(st)
 

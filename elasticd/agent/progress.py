@@ -2,9 +2,9 @@
 
 Every worker reports the step it reached (:func:`elasticd.worker.progress`, one-way over the
 local API). A worker group is hung when a rank that has reported before makes no progress for
-its timeout — a collective waiting for a dead peer, a deadlock, a stuck data loader — or,
-optionally, when no rank reports at all within ``startup_timeout`` of a (re)start. The timeout
-is either set (``--hang-timeout``) or learned from the job's step intervals
+its timeout — a collective waiting for a dead peer, a deadlock, a stuck data loader; nothing
+is decided before a group's first report (a restarted group may wait long in its rendezvous for
+nodes, and a job may take long to load its data). The timeout is either set (``--hang-timeout``) or learned from the job's step intervals
 (:mod:`elasticd.cluster.learned_timeout`: a multiple of the longest recent interval, with a floor,
 and an allowance for each worker process's first steps).
 :meth:`ProgressTracker.check` only says so, as a :class:`Hang` value; killing and restarting the
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 import math
 import statistics
 import threading
@@ -38,18 +37,11 @@ from elasticd.cluster.learned_timeout import WARMUP_STEPS, LearnedTimeout, StepH
 from elasticd.clock import Clock
 from elasticd.local.wire import RequestError
 
-__all__ = ["Hang", "HangKind", "ProgressTracker", "StalledRank", "progress_handler"]
+__all__ = ["Hang", "ProgressTracker", "StalledRank", "progress_handler"]
 
 _MAX_RETIRED_PIDS = 4096
 #: Compute times kept per rank: the median of 50 steps is steady against one slow step.
 COMPUTE_WINDOW = 50
-
-
-class HangKind(str, enum.Enum):
-    """Why a group counts as hung (a low-cardinality value for metrics labels)."""
-
-    STALLED = "stalled"  # a rank that reported before has not progressed for hang_timeout
-    STARTUP = "startup"  # no rank reported within startup_timeout of the (re)start
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,30 +62,26 @@ class StalledRank:
 
 @dataclasses.dataclass(frozen=True)
 class Hang:
-    """A hung worker group.
+    """A hung worker group: ranks that reported before and have not progressed since.
 
     Attributes:
-        kind: stalled ranks or no start.
-        reason: a short sentence, e.g. ``"no progress for 30 s"`` or
-            ``"no progress since start"``.
-        seconds: the longest stall (or the time since the start).
-        ranks: the stalled ranks, by rank (empty for :attr:`HangKind.STARTUP`).
+        reason: a short sentence, e.g. ``"no progress for 30 s"``.
+        seconds: the longest stall.
+        ranks: the stalled ranks, by rank.
         learned: the timeout was the learned one (a restart for it doubles it).
     """
 
     job: str
-    kind: HangKind
     reason: str
     seconds: float
-    ranks: tuple[StalledRank, ...] = ()
+    ranks: tuple[StalledRank, ...]
     learned: bool = False
 
     def __str__(self) -> str:
         stalled = ", ".join(f"rank {r.rank} at step {r.last_step} for {r.seconds:.1f} s"
                             for r in self.ranks[:8])
         more = f" and {len(self.ranks) - 8} more" if len(self.ranks) > 8 else ""
-        detail = f": {stalled}{more}" if stalled else f" ({self.seconds:.1f} s)"
-        return f"job {self.job}: {self.reason}{detail}"
+        return f"job {self.job}: {self.reason}: {stalled}{more}"
 
 
 @dataclasses.dataclass
@@ -128,9 +116,6 @@ class ProgressTracker:
         hang_timeout: seconds without progress of a rank that makes its group hung (set by
             hand), or a :class:`LearnedTimeout`: the timeout is learned from each job's step
             intervals.
-        startup_timeout: seconds after :meth:`reset` within which some rank must report;
-            None switches the rule off (a job may take long to load its data, and a
-            restarted group may wait long in its rendezvous for nodes).
         alive: says whether a reporting process still exists (None: assume so). A rank whose
             process is gone is not stalled but restarting: torchrun restarts a group whose
             worker died, or that a joining node re-forms, and the rendezvous and restore that
@@ -141,7 +126,6 @@ class ProgressTracker:
     """
 
     def __init__(self, hang_timeout: float | LearnedTimeout, clock: Clock,
-                 startup_timeout: float | None = None,
                  alive: Callable[[int], bool] | None = None) -> None:
         if isinstance(hang_timeout, LearnedTimeout):
             self.learned: LearnedTimeout | None = hang_timeout
@@ -150,10 +134,6 @@ class ProgressTracker:
             if not hang_timeout > 0:
                 raise ValueError(f"hang_timeout must be positive seconds, got {hang_timeout!r}")
             self.learned, self.hang_timeout = None, float(hang_timeout)
-        if startup_timeout is not None and not startup_timeout > 0:
-            raise ValueError("startup_timeout must be positive seconds or None, got "
-                             f"{startup_timeout!r}")
-        self.startup_timeout = None if startup_timeout is None else float(startup_timeout)
         self._clock = clock
         self._alive = alive
         self._lock = threading.Lock()
@@ -210,7 +190,7 @@ class ProgressTracker:
             return True
 
     def reset(self, job: str) -> None:
-        """Forgets ``job``'s ranks (its workers were restarted) and starts the start-up timer."""
+        """Forgets ``job``'s ranks (its workers were restarted) and its start's clock."""
         now = self._clock.monotonic()
         with self._lock:
             old = self._jobs.get(job)
@@ -259,9 +239,6 @@ class ProgressTracker:
                 return None
             learned = self.learned is not None
             if not state.ranks:
-                since = now - state.started_at
-                if self.startup_timeout is not None and since >= self.startup_timeout:
-                    return Hang(job, HangKind.STARTUP, "no progress since start", since)
                 return None
             found = []  # (stalled rank, its limit, whether in its first steps)
             for rank, r in sorted(state.ranks.items()):
@@ -280,7 +257,7 @@ class ProgressTracker:
         reason = (f"no progress for {_secs(limit)} s (learned hang timeout"
                   f"{', first steps' if warm else ''})" if learned
                   else f"no progress for {limit:g} s")
-        return Hang(job, HangKind.STALLED, reason, max(r.seconds for r in stalled), stalled,
+        return Hang(job, reason, max(r.seconds for r in stalled), stalled,
                     learned=learned)
 
     def compute_seconds(self, job: str) -> float | None:
@@ -329,7 +306,7 @@ class ProgressTracker:
             "seconds_since_start": started,
             "hang_timeout_seconds": round(timeout, 3),
             "hang_timeout_source": source,
-            "startup_timeout_seconds": self.startup_timeout,
+            "startup_timeout_seconds": None,  # a /status key; no start-up deadline
             "learned": learned,
             "compute_seconds": None if compute is None else round(compute, 4),
         }

@@ -113,15 +113,14 @@ def fs_magic(fd: int) -> int | None:
     return ctypes.c_ulong.from_buffer(buf).value & 0xFFFFFFFF
 
 
-def check_file(fd: int, what: str, max_bytes: int, owners: set[int] | None = None,
-               empty_ok: bool = False) -> os.stat_result:
+def check_file(fd: int, what: str, max_bytes: int,
+               owners: set[int] | None = None) -> os.stat_result:
     """Checks the file open at ``fd`` before anything is read from it (module docstring).
 
     Args:
         what: how the file is named in the refusal ("script '/opt/train.py'").
         max_bytes: a larger file is refused.
         owners: the uids that may own it (None: any).
-        empty_ok: a file of size 0 passes (a log just created).
 
     Returns:
         its ``fstat``.
@@ -142,7 +141,7 @@ def check_file(fd: int, what: str, max_bytes: int, owners: set[int] | None = Non
     if owners is not None and st.st_uid not in owners:
         raise UnsafeFile(f"{what} belongs to uid {st.st_uid}: only root or the job's user may "
                          "own it (another user could change what the job runs)")
-    if st.st_size == 0 and not empty_ok:
+    if st.st_size == 0:
         raise UnsafeFile(f"{what} is empty (size 0)")
     if st.st_size > max_bytes:
         raise UnsafeFile(f"{what} is {st.st_size} bytes, more than the {max_bytes} a daemon "

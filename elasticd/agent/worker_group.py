@@ -13,7 +13,6 @@ learns go into the node's job status, from which replica placement is computed
 
 from __future__ import annotations
 
-import logging
 import threading
 from typing import Any, Callable
 
@@ -26,8 +25,6 @@ from elasticd.agent.supervisor import AgentSupervisor, process_runs
 from elasticd.clock import Clock
 from elasticd.cluster.jobspec import JobSpec, NodeJobStatus
 from elasticd.metrics import Metrics
-
-log = logging.getLogger(__name__)
 
 
 class WorkerGroup:

@@ -306,8 +306,9 @@ def rank_sources(rows: Sequence[dict[str, Any]]) -> list[str]:
         t = r.get("timeline")
         if not t:
             continue
-        out.append(f"{t['job']} after {','.join(t['failed'])}'s failure (placed at "
-                   f"{_evidence(t)}):")
+        placed = timeline.EVIDENCE_WORDS.get(t.get("failure_evidence") or "",
+                                             timeline.NO_EVIDENCE)
+        out.append(f"{t['job']} after {','.join(t['failed'])}'s failure (placed at {placed}):")
         out.append(path_phases(t))
         for e in t["ranks"]:
             lost = "" if e["steps_lost"] is None else f", {e['steps_lost']} steps lost"
@@ -320,14 +321,6 @@ def rank_sources(rows: Sequence[dict[str, Any]]) -> list[str]:
                        f"{words.get(e['source'], e['source'])} in {e['seconds']:.3f} s{lost}"
                        f"{how if t.get('path') == 'in_process' else ''}")
     return out
-
-
-def _evidence(t: dict[str, Any]) -> str:
-    return {"frame": "its last replication frame received",
-            "step": "its last step trained with the others",
-            "record": "its node record's last write",
-            "keepalive": "its last keep-alive"}.get(t.get("failure_evidence") or "",
-                                                   "a lease TTL before its detection")
 
 
 def history_pretty(rows: Sequence[dict[str, Any]]) -> str:

@@ -82,6 +82,12 @@ class RankRestore:
 
 #: The kinds of a failed node's last sign of life (docs/recovery.md, where the failure is placed).
 EVIDENCE = ("frame", "step", "record", "keepalive")
+#: Each kind in words (where a recovery's failure is placed), and the words without a sign.
+EVIDENCE_WORDS = {"frame": "its last replication frame received",
+                  "step": "its last step trained with the others",
+                  "record": "its node record's last write",
+                  "keepalive": "its last keep-alive"}
+NO_EVIDENCE = "a lease TTL before its detection"
 #: Of those, the ones a survivor saw itself: the newest places the failure, to about a step.
 MEASURED = ("frame", "step")
 #: How much later than its last keep-alive plus the TTL a lease can be seen gone: etcd looks
@@ -188,11 +194,7 @@ class Timeline:
 
     def evidence_words(self) -> str:
         """Where the failure is placed, in words."""
-        words = {"frame": "its last replication frame received",
-                 "step": "its last training step completed with the survivors",
-                 "record": "its node record's last write",
-                 "keepalive": "its last keep-alive (a lease TTL before the lease expired)"}
-        text = words.get(self.failure_evidence, "a lease TTL before its detection")
+        text = EVIDENCE_WORDS.get(self.failure_evidence, NO_EVIDENCE)
         r = self.detect_range()
         return text + ("" if r is None else f"; detected {r[0]:.2f}-{r[1]:.2f} s after it")
 

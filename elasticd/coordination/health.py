@@ -42,7 +42,6 @@ class EtcdHealth:
         #: Every kind of failure the last ended outage had (what a caller must repair: a
         #: watch stream survives etcd refusing requests, not etcd going away).
         self.last_outage_kinds: frozenset[str] = frozenset()
-        self.reconnected = threading.Event()
 
     @property
     def up(self) -> bool:
@@ -87,7 +86,6 @@ class EtcdHealth:
             self.last_outage_end = now
             self.last_outage_kinds = frozenset(self._kinds)
         log.warning("%s reachable again after %.1f s", self._describe, length)
-        self.reconnected.set()
         self._on_end(length)
 
     def outage_seconds(self) -> float:

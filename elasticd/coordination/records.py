@@ -29,13 +29,9 @@ from elasticd.errors import InputError
 SCHEMA_VERSION = 1
 
 
-class ValueEnum(str, enum.Enum):
-    """A record field's closed set of values (job and drain states): each member is its string
-    in JSON, comparisons and formatting, so records read and print as they did when the
-    values were plain strings (``enum.StrEnum`` would do, from Python 3.11)."""
-
-    def __str__(self) -> str:
-        return self.value
+#: A record field's closed set of values (job and drain states): each member is its string in
+#: JSON, comparisons and formatting, so records read and print as when they were plain strings.
+ValueEnum = enum.StrEnum
 
 
 class RecordError(InputError, ValueError):

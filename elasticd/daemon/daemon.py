@@ -495,7 +495,7 @@ class Daemon:
             "etcd_outage_seconds": round(self.health.outage_seconds(), 3),
             "etcd_outage_kind": self.health.kind,
             "lease": f"{self.registered_lease:x}" if self.registered_lease else None,
-            "fenced_for": self.fence.fenced_for or None,
+            "fenced_for": self.fence.book.fenced_for or None,
             "cycles": self.loop.cycles,
             "version": elasticd.__version__,
             "prefix": self.settings.prefix,

@@ -42,10 +42,6 @@ class Fence:
         #: Called with the reason when the node fences (the job manager stops its jobs).
         self.hooks: list[FenceHook] = []
 
-    @property
-    def fenced_for(self) -> str:
-        return self.book.fenced_for
-
     def lease_lost(self, lease: int, provisional_seconds: float) -> str:
         """The keep-alive found ``lease`` gone; returns the cycle's note."""
         self._metrics.etcd.leases_lost.inc()

@@ -10,7 +10,7 @@ worker one ``send`` and never waits for the daemon.
 
 Security: the socket file is created in a directory only the daemon can write, and every
 connection's peer credentials (``SO_PEERCRED``, from the kernel) are checked before a byte is
-read: against a fixed set of uids (the socket file then 0o600), or by a
+read: the daemon's own uid only (the socket file then 0o600), or a
 :class:`~elasticd.daemon.local_binding.CallerBinding` (the daemon's case: the file 0o666, whom
 it admits and how requests are held: :mod:`.local_binding`). Handlers receive the credentials as
 ``msg["_peer"]`` (with ``"job"``, the job a bound connection belongs to), overwriting anything a
@@ -37,7 +37,7 @@ import socket
 import stat
 import struct
 import threading
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Mapping
 
 from elasticd.admission import shut
 from elasticd.clock import Clock, SystemClock
@@ -98,12 +98,8 @@ class LocalServer:
             the socket, not list or write it) when missing.
         handlers: op name → handler.
         max_message: the largest request body accepted, in bytes.
-        allowed_uids: uids whose processes may connect; default: the daemon's own uid only.
-            When given, exactly these (pass the daemon's own uid too if it should be allowed).
-            A daemon running as root that allows exactly one other uid (the job's user) gives
-            the socket file to that user, so mode 0o600 still lets its workers connect.
         max_connections: further connections are refused with an error reply.
-        binding: admits and binds callers instead of ``allowed_uids`` (which it overrides).
+        binding: admits and binds callers; without one only the daemon's own uid may connect.
         clock: injected time (how long a refused caller is given to read why).
 
     Raises:
@@ -112,7 +108,6 @@ class LocalServer:
 
     def __init__(self, path: str, handlers: Mapping[str, Handler],
                  max_message: int = DEFAULT_MAX_MESSAGE,
-                 allowed_uids: Iterable[int] | None = None,
                  max_connections: int = 256, binding: CallerBinding | None = None,
                  clock: Clock | None = None) -> None:
         path = os.path.abspath(path)
@@ -126,8 +121,6 @@ class LocalServer:
         self.path = path  # absolute: what workers get as ELASTICD_SOCKET
         self._handlers = dict(handlers)
         self._max_message = max_message
-        self._allowed = (frozenset({os.geteuid()}) if allowed_uids is None
-                         else frozenset(int(u) for u in allowed_uids))
         self._max_connections = max_connections
         self._binding = binding
         self._callers: dict[socket.socket, Caller] = {}
@@ -177,7 +170,6 @@ class LocalServer:
             os.fchmod(listener.fileno(), mode)
             listener.bind(self.path)
             os.chmod(self.path, mode)
-            self._give_to_job_user()
             listener.listen(64)
             st = os.stat(self.path)
         except OSError as exc:
@@ -188,9 +180,8 @@ class LocalServer:
         self._accept_thread = threading.Thread(target=self._accept_loop, name="local-api-accept",
                                                daemon=True)
         self._accept_thread.start()
-        log.info("local API listening on %s (%s)", self.path,
-                 "the daemon's uid and the running job's processes" if self._binding else
-                 "uids allowed: " + ", ".join(map(str, sorted(self._allowed))))
+        log.info("local API listening on %s (the daemon's uid%s)", self.path,
+                 " and the running job's processes" if self._binding else " only")
 
     def stop(self, timeout: float = 2.0) -> None:
         """Closes the listener and every connection, waits for their threads, unlinks the file.
@@ -241,11 +232,10 @@ class LocalServer:
                 f"the socket directory {directory} is writable by others (mode "
                 f"{stat.S_IMODE(st.st_mode):#o}): anyone could replace the socket; use a "
                 "directory only the daemon can write, e.g. /run/elasticd")
-        if (self._binding is not None or self._allowed - {me}) and not st.st_mode & 0o001:
-            log.warning("socket directory %s (mode %#o) cannot be traversed by uids %s; their "
-                        "workers will get 'permission denied'", directory,
-                        stat.S_IMODE(st.st_mode), "other than the daemon's"
-                        if self._binding else sorted(self._allowed - {me}))
+        if self._binding is not None and not st.st_mode & 0o001:
+            log.warning("socket directory %s (mode %#o) cannot be traversed by uids other than "
+                        "the daemon's; their workers will get 'permission denied'", directory,
+                        stat.S_IMODE(st.st_mode))
 
     def _remove_stale(self) -> None:
         try:
@@ -278,11 +268,6 @@ class LocalServer:
                               "or give this daemon another socket path")
         finally:
             probe.close()
-
-    def _give_to_job_user(self) -> None:
-        others = self._allowed - {os.geteuid(), 0}
-        if self._binding is None and os.geteuid() == 0 and len(others) == 1:
-            os.chown(self.path, next(iter(others)), -1)
 
     def _unlink_own_socket(self) -> None:
         # Only our own file: a successor daemon may already have replaced it.
@@ -325,9 +310,8 @@ class LocalServer:
                 caller = self._binding.admit(pid, uid)
             except CallerRefused as exc:
                 reason = str(exc)
-        elif uid not in self._allowed:
-            reason = (f"uid {uid} may not use this elasticd (allowed: "
-                      f"{', '.join(map(str, sorted(self._allowed)))})")
+        elif uid != os.geteuid():
+            reason = f"uid {uid} may not use this elasticd (only uid {os.geteuid()} may)"
         with self._lock:
             if self._stopping or (reason and self._rejecting >= _MAX_REJECTING):
                 conn.close()

@@ -10,7 +10,7 @@ went while its lease lives (write it again).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Callable
 
 from elasticd.clock import Clock
 from elasticd.cluster.membership import Membership, NodeRecord, Observation, decode_node
@@ -67,7 +67,7 @@ class PeerWatch:
     def list(self) -> tuple[list[NodeRecord], int]:
         """Every readable node record, and the listing's revision."""
         kvs, revision = self.coord.get_prefix(self.keys.nodes)
-        return self._decode_all(kvs), revision
+        return [rec for kv in kvs if (rec := self._decode(kv.key, kv.value)) is not None], revision
 
     def reset(self, recs: list[NodeRecord], now: float, cut_off: bool) -> list[Observation]:
         """Reconciles the view with a listing; the view is current again."""
@@ -102,9 +102,6 @@ class PeerWatch:
                 self.own_record_gone = True
             out += self.membership.on_delete(node, now, self.clock.wall(), cut_off)
         return out
-
-    def _decode_all(self, kvs: list[Any]) -> list[NodeRecord]:
-        return [rec for kv in kvs if (rec := self._decode(kv.key, kv.value)) is not None]
 
     def _decode(self, key: bytes, value: bytes) -> NodeRecord | None:
         """A peer's record, or None (a bad one is logged once and ignored)."""

@@ -293,9 +293,7 @@ def record_commit(coord: Coordinator, keys: Keyspace, job: str, new: Committed,
                 log.error("overwriting the unreadable committed record of %s: %s", job, exc)
         if current is not None and current.version >= new.version:
             return False, current
-        ok, _ = coord.transaction([Compare(key, kv.mod_revision if kv else 0)],
-                                  [Put(key, encode_committed(new))])
-        if ok:
+        if coord.compare_and_set(key, encode_committed(new), kv.mod_revision if kv else 0):
             return True, new
     raise CommitConflict(f"committed record of {job} changed under {attempts} attempts")
 
@@ -326,11 +324,8 @@ def update_holders(coord: Coordinator, keys: Keyspace, job: str, version: Versio
         else:
             new = dataclasses.replace(current, holders={**current.holders, **changed}, at=now)
             same = dict(new.holders) == dict(current.holders)
-        if not same:
-            ok, _ = coord.transaction([Compare(key, kv.mod_revision)],
-                                      [Put(key, encode_committed(new))])
-            if not ok:
-                continue
+        if not same and not coord.compare_and_set(key, encode_committed(new), kv.mod_revision):
+            continue
         return read_committed(coord, keys, job)
     raise CommitConflict(f"committed record of {job} changed under {attempts} attempts")
 
@@ -391,8 +386,7 @@ def _change_grid(coord: Coordinator, keys: Keyspace, job: str,
     new = change(current)
     if new is None or new == current:
         return None
-    ok, _ = coord.transaction([Compare(key, kv.mod_revision if kv is not None else 0)],
-                              [Put(key, encode_grid(new))])
+    ok = coord.compare_and_set(key, encode_grid(new), kv.mod_revision if kv is not None else 0)
     return new if ok else None
 
 

@@ -15,7 +15,6 @@ withdrew (:func:`withdrawn_versions`; the sink lets go of no other).
 
 from __future__ import annotations
 
-import logging
 from typing import Iterable
 
 from elasticd.coordination import records
@@ -24,8 +23,6 @@ from elasticd.coordination.keys import Keyspace, check_name
 from elasticd.replication.api import Version
 from elasticd.replication.commit import KEEP_WITHDRAWN, Committed, complaints, read_committed
 from elasticd.replication.placement import Placement
-
-log = logging.getLogger(__name__)
 
 FENCE_KIND = "ckpt_fence"
 EPOCH_KIND = "ckpt_fence_epoch"

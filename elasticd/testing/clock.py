@@ -35,9 +35,8 @@ class FakeClock:
     def sleep(self, seconds: float) -> None:
         self.advance(max(0.0, seconds))
 
-    def wait(self, cond: Callable[[], bool], timeout: float, interval: float = 0.05,
-             wake: threading.Event | None = None) -> bool:
-        return poll(self, cond, timeout, interval, self.sleep)
+    def wait(self, cond: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
+        return poll(self, cond, timeout, interval)
 
     def advance(self, seconds: float) -> None:
         with self._lock:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ast
 import pathlib
-import threading
 
 import pytest
 
@@ -102,16 +101,6 @@ def test_real_wait_polls_until_the_condition_holds():
     start = clock.monotonic()
     assert clock.wait(lambda: False, 0.05, interval=0.01) is False
     assert clock.monotonic() - start >= 0.05
-
-
-def test_real_wait_wakes_on_the_event():
-    """With ``wake``, a set event ends the pause at once instead of after ``interval``."""
-    wake = threading.Event()
-    flag = []
-    threading.Timer(0.05, lambda: (flag.append(1), wake.set())).start()
-    start = SYSTEM_CLOCK.monotonic()
-    assert SYSTEM_CLOCK.wait(lambda: bool(flag), 30.0, interval=20.0, wake=wake) is True
-    assert SYSTEM_CLOCK.monotonic() - start < 10.0  # not the 20 s interval
 
 
 def test_format_local():

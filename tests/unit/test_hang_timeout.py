@@ -8,7 +8,7 @@ import random
 import pytest
 
 from elasticd.cluster.learned_timeout import LearnedTimeout, SlidingMax, StepHistory
-from elasticd.agent.progress import HangKind, ProgressTracker
+from elasticd.agent.progress import ProgressTracker
 from elasticd.testing.clock import FakeClock
 
 JOB = "job-1"
@@ -106,7 +106,7 @@ def test_steady_but_uneven_steps_are_never_a_hang_and_a_stall_is_caught(clock):
     assert tracker.check(JOB) is None
     clock.advance(0.01)
     hang = tracker.check(JOB)
-    assert hang.kind is HangKind.STALLED and hang.learned
+    assert hang.learned
     assert [r.rank for r in hang.ranks] == [1]
     assert hang.reason == f"no progress for {timeout:.3g} s (learned hang timeout)"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elasticd.agent.progress import Hang, HangKind, ProgressTracker, StalledRank, progress_handler
+from elasticd.agent.progress import Hang, ProgressTracker, StalledRank, progress_handler
 from elasticd.testing.clock import FakeClock
 from elasticd.local.wire import RequestError
 
@@ -39,7 +39,7 @@ def test_a_rank_without_progress_for_the_timeout_is_a_hang(tracker, clock):
     assert tracker.check(JOB) is None
     clock.advance(0.1)
     hang = tracker.check(JOB)
-    assert hang == Hang(JOB, HangKind.STALLED, "no progress for 30 s", 30.0,
+    assert hang == Hang(JOB, "no progress for 30 s", 30.0,
                         (StalledRank(2, 5, 102, 30.0),))
     assert str(hang) == "job job-1: no progress for 30 s: rank 2 at step 5 for 30.0 s"
     assert tracker.check(JOB) == hang  # checking does not change anything
@@ -93,31 +93,7 @@ def test_reset_forgets_ranks_and_ignores_the_old_processes(tracker, clock):
     assert tracker.last_step(JOB) == 9
 
 
-def test_startup_timeout_without_any_report(clock):
-    tracker = ProgressTracker(hang_timeout=30.0, clock=clock, startup_timeout=60.0)
-    tracker.reset(JOB)
-    clock.advance(59.0)
-    assert tracker.check(JOB) is None
-    clock.advance(1.0)
-    hang = tracker.check(JOB)
-    assert (hang.kind, hang.reason, hang.seconds, hang.ranks) == \
-        (HangKind.STARTUP, "no progress since start", 60.0, ())
-    assert str(hang) == "job job-1: no progress since start (60.0 s)"
-
-
-def test_startup_timeout_is_met_by_one_report_and_restarts_with_reset(clock):
-    tracker = ProgressTracker(hang_timeout=30.0, clock=clock, startup_timeout=60.0)
-    tracker.reset(JOB)
-    clock.advance(50.0)
-    tracker.report(JOB, 0, 0, pid=1)
-    clock.advance(20.0)
-    assert tracker.check(JOB) is None
-    tracker.reset(JOB)
-    clock.advance(60.0)
-    assert tracker.check(JOB).kind is HangKind.STARTUP
-
-
-def test_without_startup_timeout_a_silent_start_is_not_a_hang(tracker, clock):
+def test_a_silent_start_is_not_a_hang(tracker, clock):
     tracker.reset(JOB)
     clock.advance(10_000.0)
     assert tracker.check(JOB) is None
@@ -163,8 +139,7 @@ def test_last_step_and_status(tracker, clock):
     }
 
 
-@pytest.mark.parametrize("kwargs", [{"hang_timeout": 0}, {"hang_timeout": -1},
-                                    {"hang_timeout": 5, "startup_timeout": 0}])
+@pytest.mark.parametrize("kwargs", [{"hang_timeout": 0}, {"hang_timeout": -1}])
 def test_timeouts_are_validated(clock, kwargs):
     with pytest.raises(ValueError, match="must be positive"):
         ProgressTracker(clock=clock, **kwargs)

@@ -298,14 +298,17 @@ WORKER = """
 
 def test_a_job_running_as_another_uid_snapshots_and_restores_through_descriptors(users):
     from elasticd.daemon.local_api import LocalServer
+    from elasticd.daemon.local_binding import CallerBinding, JobScope, start_time
 
     uid = users[0]
     root = f"/dev/shm/elasticd-test-e2e-{uuid.uuid4().hex[:12]}"
     sockdir = tempfile.mkdtemp(prefix="elasticd-test-sock-")
     os.chmod(sockdir, 0o711)
     store = SlotStore(root)
+    # The job's processes descend from this test's process, as a job's from its agent.
+    scope = JobScope("ja", uid, {os.getpid(): start_time(os.getpid())})
     server = LocalServer(os.path.join(sockdir, "d.sock"), CheckpointService(store, "n1")
-                         .handlers(), allowed_uids={os.geteuid(), uid})
+                         .handlers(), binding=CallerBinding(lambda: scope))
     server.start()
     try:
         out = run_as(uid, WORKER, server.path)
