@@ -20,7 +20,10 @@ Per run directory (``inproc-bench-<mode>-*``, in the order the runs started):
   ``learned``) and its longest interval, over the steps before the strike;
 * ``reformed_in_process``, ``fell_back``, ``not_reforming``: the agents' ``re-formed
   in-process`` lines counted, and the reasons of their ``falling back`` and ``not re-forming``
-  lines; ``kept`` / ``restarted``: the new world's ranks in old / new processes.
+  lines; ``kept`` / ``restarted``: the new world's ranks in old / new processes;
+* ``restored_from``: per new rank (world 4), the old rank whose snapshot of the step saved by 6
+  ranks it loaded, as its restore logged it (its own slot, the rank its process was or, in a
+  process its agent restarted, the rank it replaced; a handed-over step: the holder's).
 
 ``--into``: the result file whose per-mode ``detail`` runs get a ``logs`` key each (matched in
 order, mode by mode).
@@ -85,7 +88,11 @@ def agent_lines(run: str, old_round: int) -> dict:
     return {"left": left,
             "reformed_in_process": len(re.findall(r"re-formed in-process", text)),
             "fell_back": re.findall(r"falling back to a restart into round \d+ \(([^)]*)\)", text),
-            "not_reforming": re.findall(r"not re-forming in-process: ([^;]*)", text)}
+            "not_reforming": re.findall(r"not re-forming in-process: ([^;]*)", text),
+            "restored_from": {str(k): v for k, v in sorted(
+                (int(m[0]), int(m[1])) for m in re.findall(
+                    r"rank (\d+) restored step \(\d+, \d+\) saved by 6 ranks into a world of "
+                    r"4 \(old rank (\d+)'s snapshot", text))}}
 
 
 def one(run: str, seconds: float | None = None) -> dict:

@@ -25,7 +25,9 @@ A node whose workers are not all alive and linked takes today's path at once
 (:func:`job_rules.can_reform`). Either way the agent tells its daemon which path it took
 (``reformed``), which ends the daemon's own deadline (:meth:`job_rules.JobBook.reform_started`).
 Newcomers and replacement workers always start fresh, and get their round through the
-environment.
+environment; workers a node restarts into a round also learn where its old workers were
+(:data:`~elasticd.local.worker_link.PREVIOUS_ENV`): their snapshots are in its RAM, and each
+new worker's restore offers its predecessor's as a survivor offers its own.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ from elasticd.agent.supervisor import REFORM_DEADLINE_ENV
 from elasticd.cluster.jobspec import MAX_REFORM_DEADLINE
 from elasticd.agent.worker_link import LinkServer
 from elasticd.clock import Clock, SystemClock
-from elasticd.local.worker_link import LINK_ENV, LINK_PID_ENV, ROUND_ENV
+from elasticd.local.worker_link import (LINK_ENV, LINK_PID_ENV, PREVIOUS_ENV, ROUND_ENV,
+                                        places_env)
 
 log = logging.getLogger(__name__)
 
@@ -210,9 +213,24 @@ class InProcessAgent(LocalElasticAgent):
         rounds = getattr(wg.spec.rdzv_handler, "rounds", None)
         return rounds[-1][0] if rounds else 0
 
+    #: Where this node's workers were before the last rendezvous moved them
+    #: (:data:`PREVIOUS_ENV`'s value; None before their first round).
+    _was: str | None = None
+
+    def _rendezvous(self, wg: Any) -> None:
+        # The places the round is about to replace: workers restarted into it (a fallback)
+        # offer their old ranks' snapshots, which this node's RAM holds (_start_workers).
+        self._was = places_env(wg.workers)
+        super()._rendezvous(wg)
+
     def _start_workers(self, wg: Any) -> dict[int, Any]:
-        # Fresh workers learn their round from the environment torchrun copies from ours.
+        # Fresh workers learn their round from the environment torchrun copies from ours, and
+        # when they replace this node's workers of the round before, where those were.
         os.environ[ROUND_ENV] = str(self._round(wg))
+        if self._was is None:
+            os.environ.pop(PREVIOUS_ENV, None)
+        else:
+            os.environ[PREVIOUS_ENV] = self._was
         _node[0].local_world = wg.spec.local_world_size
         return super()._start_workers(wg)
 

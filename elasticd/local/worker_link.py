@@ -23,10 +23,11 @@ Both ends import this module, so it uses the standard library only.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import struct
-from typing import Any
+from typing import Any, Mapping
 
 from elasticd.errors import LocalProtocolError
 from elasticd.local import wire
@@ -35,6 +36,11 @@ LINK_ENV = "ELASTICD_LINK"
 LINK_PID_ENV = "ELASTICD_LINK_PID"
 #: The round number the agent gives its workers (fresh ones through the environment).
 ROUND_ENV = "ELASTICD_ROUND"
+#: Where the workers an agent restarts on its node (a fallback) were in the round before: JSON
+#: ``{"ranks": [rank of local rank 0, ...], "world_size": n}`` (:func:`places_env`). Each
+#: worker offers its old rank's snapshots, which its node's RAM still holds, to the restore's
+#: agreement as a survivor does (:func:`previous_place`); a new node's workers get none.
+PREVIOUS_ENV = "ELASTICD_PREVIOUS_PLACES"
 #: A link message is a few hundred bytes (an ``assign`` carries a dozen variables).
 MAX_MESSAGE = 64 << 10
 
@@ -47,6 +53,38 @@ class Untrusted(LocalProtocolError):
 def address(name: str) -> str:
     """The abstract socket address for the link ``name`` (no file to clean up or leak)."""
     return "\0elasticd-link-" + name
+
+
+def places_env(places: Any) -> str | None:
+    """:data:`PREVIOUS_ENV`'s value for workers of ``places`` (torch's ``Worker`` objects of
+    one round: ``local_rank``, ``global_rank``, ``world_size``), or None when they had no
+    round (a first start: torch's placeholders have rank -1)."""
+    ranks = {w.local_rank: w.global_rank for w in places}
+    worlds = {w.world_size for w in places}
+    if (not ranks or sorted(ranks) != list(range(len(ranks))) or len(worlds) != 1
+            or min(ranks.values()) < 0 or min(worlds) < 1):
+        return None
+    return json.dumps({"ranks": [ranks[i] for i in range(len(ranks))],
+                       "world_size": worlds.pop()})
+
+
+def previous_place(environ: Mapping[str, str]) -> tuple[int, int] | None:
+    """(rank, world size) this worker's local rank had in the round before its agent restarted
+    it (:data:`PREVIOUS_ENV`), or None: not restarted so, or a value that does not parse (then
+    the worker restores as a fresh one: nothing of its own offered is always safe)."""
+    text = environ.get(PREVIOUS_ENV, "")
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+        ranks, world = value["ranks"], value["world_size"]
+        local = int(environ.get("LOCAL_RANK", ""))
+        rank = ranks[local] if local >= 0 else None
+    except (ValueError, TypeError, KeyError, IndexError):
+        return None
+    if type(rank) is not int or type(world) is not int or not 0 <= rank < world:
+        return None
+    return rank, world
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:

@@ -180,14 +180,17 @@ class Checkpointer:
         self.wait()
         # The place this process restored or snapshotted in last (a survivor of a re-formed
         # round): its rank's slots hold what this process wrote, offered to the agreement.
+        # A fresh process its agent restarted on the same node (a fallback) offers the slots
+        # of the rank its worker was, as its agent says: its node's RAM still holds them.
         was = (self.rank, self.world_size, self.local_world_size)
         active = self.last_restore is not None or self._planner.current is not None
+        previous = was[:2] if active else in_process.restarted_from()
         self._follow()
         collective = self._given[3] or (
             _restore.TorchCollective() if torch.distributed.is_available()
             and torch.distributed.is_initialized() else _restore.Solo())
         sources = Sources(self.transport, self.job, self.rank, self.world_size, self.persist_dir,
-                          previous=was[:2] if active else None)
+                          previous=previous)
         try:
             result = _restore.restore(state, sources, collective, SYSTEM_CLOCK.perf_counter,
                                       _restore.replicated_keys(state, self.replicated),

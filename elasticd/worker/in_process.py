@@ -58,6 +58,16 @@ def kept() -> bool:
     after a re-formation (the path its restores report, :meth:`Checkpointer.restore`)."""
     return _kept
 
+
+def restarted_from() -> tuple[int, int] | None:
+    """(rank, world size) of the worker this fresh process replaces on its node, when its agent
+    restarted its node's workers into a new round (the fallback, or a local worker's death, in
+    an in-process job): that rank's slots in its node's RAM hold the steps it completed, which
+    the restore offers as a survivor's own (:meth:`Checkpointer.restore`). None otherwise: a
+    first start, a new node, a job not in in-process mode."""
+    return link.previous_place(os.environ)
+
+
 T = TypeVar("T")
 
 #: The default collective timeout of a round's group until its steps are learned, seconds (then

@@ -25,7 +25,8 @@ snapshots it needs): DTensors (FSDP2) by their saved boxes (:mod:`elasticd.worke
 snapshot; ZeRO's own ``load_state_dict`` then keeps this rank's parameters' state).
 
 A survivor of an in-process re-formation (``@elasticd.in_process``) whose rank or world size
-moved also offers the snapshots of the rank it was, from its node's RAM: a step every rank
+moved also offers the snapshots of the rank it was, from its node's RAM, and so does a worker
+its agent restarted on the same node (a fallback: told the rank it replaces): a step every rank
 offers is tried first when newest, each rank loading the shard it wrote (see :func:`agree`);
 a step some survivors completed one past the others is tried before it, handed by a holder
 to each rank that lacks it over the new group (:mod:`elasticd.worker.handover`).
@@ -286,8 +287,9 @@ def agree(sources: Sources, collective: Collective,
     Besides the versions every rank holds at the current world size and the committed one,
     a step every rank offers from its own slot (:attr:`Sources.own`: survivors of an
     in-process re-formation, each the snapshot of the rank it was) is a candidate, at the
-    previous world size: each rank then loads the shard it wrote itself. Only when *every*
-    rank offers it: a fresh rank (a restarted or new node) has no own slot, and a step not
+    previous world size: each rank then loads the shard it wrote itself (or, restarted on
+    its node, the rank it replaces wrote: :func:`elasticd.worker.in_process.restarted_from`).
+    Only when *every* rank offers it: a new node's rank has no own slot, and a step not
     committed may be held nowhere for its new rank. The dead ranks' shards of that step are
     not needed: a state that is not sharded is the same on every rank (data parallel; after a
     restart too each new rank loads one old rank's snapshot, and the replicas are checked

@@ -86,7 +86,8 @@ class Sources:
         self.transport, self.job, self.rank, self.world = transport, job, rank, world_size
         self.persist_dir = persist_dir
         #: (rank, world size) this process held in the round before, when it differs from
-        #: the current one: a survivor of an in-process re-formation (see :attr:`own`).
+        #: the current one: a survivor of an in-process re-formation (see :attr:`own`), or
+        #: the worker a fresh process replaces on its node (its agent restarted it there).
         self.previous = previous if previous != (rank, world_size) else None
         #: Versions of the previous rank's snapshots this node holds (saved at the previous
         #: world size): what this survivor can load from its own slot. Offered to the

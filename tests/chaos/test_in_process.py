@@ -6,8 +6,9 @@ job of 2 ranks per node submitted with ``--in-process`` (``examples/train_in_pro
   they re-entered the function (path ``in-process``), resumed from the last step every one of
   them completed (each from its own slot, the rank it was: 0 steps lost), and the job finishes.
 * The fallback: a survivor that hangs instead of leaving its group is restarted the old way by
-  its agent at the deadline (its node's workers are new processes), the other node's stay, and
-  the job finishes.
+  its agent at the deadline (its node's workers are new processes), the other node's stay; the
+  new processes offer their old ranks' slots (their node's RAM), so the round resumes at the
+  newest step any survivor completed (0 lost), and the job finishes.
 * A frozen node (SIGSTOP of its daemon, agent and workers: no reset reaches anyone): the
   survivors' pending collectives end when their agents learn that the node failed (the
   agent's ``abort`` shuts the old group's connections down: elasticd/worker/group_sockets.py),
@@ -132,8 +133,8 @@ def _submit(cluster: LocalCluster, logdir: str, steps: int, hang_rank: int = -1,
 def _run(tmp_path, steps: int, hang_rank: int = -1, extra: tuple[str, ...] = (),
          fault: str = "kill"):
     logdir = job_writable(str(tmp_path / "steps"))
-    # Peer replication on: a fallback node's fresh workers restore the committed step (they
-    # hold no slot of their own; the survivors offer theirs).
+    # Peer replication on, as in production (a fallback node's fresh workers restore from
+    # their old ranks' slots in their node's RAM: no peer copy is needed, nor used).
     cluster = LocalCluster(["n1", "n2", "n3"], workdir=str(tmp_path / "cluster"), lease_ttl=2,
                            replication=True)
     try:
@@ -236,12 +237,15 @@ def test_a_survivor_stuck_in_its_re_formation_is_restarted_the_old_way(tmp_path)
     kept = set(at4) & survivors
     assert len(kept) == 2 and {at4[p]["path"] for p in kept} == {"in-process"}
     assert {at4[p]["path"] for p in fresh} == {"first"}
-    # The fallback node's fresh workers restored from RAM (theirs or a peer's) the step the
-    # kept ones did, as after a restart: between the step committed before the kill and the
-    # newest every survivor held; never step 0.
+    # Nothing lost: the fallback node's fresh workers offered the snapshots of the ranks they
+    # were (their agent said which; their node's RAM holds them), so the mixed round resumed at
+    # the newest step any survivor completed, as a round of survivors only does (one step
+    # past what some held: handed over). Before, a round with a restarted rank took the
+    # committed step: 1-4 steps lost in 3 of 5 bench runs.
     held = _newest_all_held(rows, survivors)
+    newest = max(_last_steps(rows, survivors).values())
     resumed = {r["step"] - 1 for r in at4.values()}
-    assert len(resumed) == 1 and 0 < committed <= min(resumed) <= held, (resumed, committed, held)
+    assert resumed == {newest}, (resumed, newest, held, committed)
     took = max(r["t"] for r in at4.values()) - t_kill
     assert took >= 4  # the agent waited its deadline
     logs = "".join(open(p).read() for p in glob.glob(os.path.join(workdir, "*", "jobs", "*",
@@ -253,7 +257,8 @@ def test_a_survivor_stuck_in_its_re_formation_is_restarted_the_old_way(tmp_path)
     assert all(r["failed"] == 0 for r in rows if "done" in r), [r for r in rows if "done" in r]
     print(f"\nfallback: kill -> world 4 training {took:.2f} s; kept {sorted(kept)}, "
           f"restarted {sorted(hung & survivors)} as {sorted(fresh)}; all resumed from step "
-          f"{min(resumed)}, the newest all held {held}, committed {committed}")
+          f"{min(resumed)}, the newest any survivor held {newest}, all held {held}, "
+          f"committed {committed}")
 
 
 def test_a_frozen_nodes_survivors_leave_when_their_agents_learn_it_failed_in_process(tmp_path):

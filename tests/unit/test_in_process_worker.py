@@ -489,3 +489,43 @@ def test_the_daemons_word_of_a_failed_peer_makes_the_agent_re_form_at_once():
         undo()
     assert signal.getsignal(job_rules.PEER_FAILED_SIGNAL) in (signal.SIG_DFL, signal.SIG_IGN,
                                                               None)
+
+
+def test_workers_restarted_into_a_round_learn_where_they_were(monkeypatch):
+    """A node that falls back restarts its workers into the new round on the same node, whose
+    RAM holds the steps its old workers completed: each fresh worker learns the rank and world
+    size its local rank had (PREVIOUS_ENV), so its restore offers them as a survivor's. A
+    first start learns nothing (a new node has no slot of its own). Before, no worker learned
+    it, and a round with a restarted rank took the committed step."""
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.agent.server.api import Worker
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from elasticd.agent import in_process_agent
+
+    rounds = iter([[Worker(i, global_rank=2 + i, world_size=6) for i in range(2)],
+                   [Worker(i, global_rank=i, world_size=4) for i in range(2)]])
+    started: list[str | None] = []
+
+    def rendezvous(self, wg):
+        wg.workers = next(rounds)
+
+    def start(self, wg):
+        started.append(os.environ.get(link.PREVIOUS_ENV))
+        return {}
+
+    monkeypatch.setattr(LocalElasticAgent, "_rendezvous", rendezvous)
+    monkeypatch.setattr(LocalElasticAgent, "_start_workers", start)
+    monkeypatch.setattr(in_process_agent, "_node", [SimpleNamespace(local_world=0)])
+    monkeypatch.setenv(link.ROUND_ENV, "0")
+    monkeypatch.setenv(link.PREVIOUS_ENV, "left over")  # restored after the test
+    agent = object.__new__(in_process_agent.InProcessAgent)
+    wg = SimpleNamespace(workers=[Worker(i) for i in range(2)],  # torch's placeholders
+                         spec=SimpleNamespace(local_world_size=2, rdzv_handler=None))
+    for _ in range(2):  # the first start, then a fallback's restart into the next round
+        agent._rendezvous(wg)
+        agent._start_workers(wg)
+    assert started[0] is None
+    assert [link.previous_place({link.PREVIOUS_ENV: started[1], "LOCAL_RANK": str(i)})
+            for i in range(2)] == [(2, 6), (3, 6)]

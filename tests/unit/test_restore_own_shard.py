@@ -13,11 +13,13 @@ before own offers the survivors found no step loadable at world 2 and started ov
 from __future__ import annotations
 
 import contextlib
+import json
 
 import pytest
 
 import elasticd.worker.handover as handover_module
 import elasticd.worker.sources as sources_module
+from elasticd.local.worker_link import PREVIOUS_ENV
 from elasticd.testing.transport import InProcessTransport
 from elasticd.worker.checkpointer import Checkpointer
 from elasticd.worker.transport import Transport
@@ -124,14 +126,70 @@ def test_the_handover_plan(offers, common, expected):
     got = handover_module.plan(offers, common)
     assert (None if got is None else (got.version, got.pairs)) == expected
 def test_a_fresh_rank_in_the_round_means_no_own_offer_is_taken(service):
-    # A restarted or new worker has no slot of its own: a step nobody committed may be held
-    # nowhere for its rank, so the round takes what it would take after a restart (here:
-    # nothing committed, a fresh start), whatever the survivors hold.
+    # A new worker (a new node: its agent names no rank it replaces) has no slot of its own:
+    # a step nobody committed may be held nowhere for its rank, so the round takes what it
+    # would take after a restart (here: nothing committed, a fresh start), whatever the
+    # survivors hold.
     with _world3(service, last=[5, 3, 5]) as (ckpts, states, _, t):
         with Checkpointer(transport=t, job=JOB, rank=1, world_size=2) as fresh:
             results = _reform([ckpts[0], fresh],
                               [states[0], make_state(seed=7, world=2, rank=1)], world=2)
         assert [step for step, _ in results] == [0, 0]
+
+
+@pytest.mark.parametrize("last, was, expected", [
+    ([5, 3, 5], 2, 5),  # it completed what the survivor did: 0 steps lost (before: 0, fresh)
+    ([5, 5, 4], 2, 5),  # one step behind the survivor: handed over, as between survivors
+])
+def test_a_worker_restarted_on_its_node_offers_the_rank_it_was(service, monkeypatch, last,
+                                                                 was, expected):
+    # The fallback: a survivor stuck in its re-formation, so its agent restarted the node's
+    # workers into the round. The fresh process's agent says which rank its worker was
+    # (PREVIOUS_ENV), and that rank's slots in the node's RAM hold the steps it completed:
+    # the round resumes at the newest step every rank holds, as if all were survivors.
+    # Before, it offered nothing and the round took the committed step (none here: step 0).
+    with _world3(service, last) as (ckpts, states, refs, t):
+        monkeypatch.setenv(PREVIOUS_ENV, json.dumps({"ranks": [was], "world_size": 3}))
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        state = make_state(seed=7, world=2, rank=1)
+        with Checkpointer(transport=t, job=JOB, rank=1, world_size=2) as restarted:
+            results = _reform([ckpts[0], restarted], [states[0], state], world=2)
+        assert [step for step, _ in results] == [expected, expected]
+        assert all(res.saved_world_size == 3 and res.steps_lost == 0 for _, res in results)
+        holder = was if last[was] >= expected else 0  # handed over: the survivor's bytes
+        assert _same_model(state, refs[(holder, expected)])
+        assert _same_model(states[0], refs[(0, expected)])
+
+
+def test_a_restarted_workers_offer_follows_the_rules_of_a_survivors(service, monkeypatch):
+    # What it offers is its old rank's own slots at the old world size, under the same rules:
+    # sharded state is refused (a dead rank's part of an uncommitted step may be held
+    # nowhere), so the round takes the committed step (none here: a fresh start).
+    with _world3(service, last=[5, 3, 5]) as (ckpts, states, _, t):
+        monkeypatch.setenv(PREVIOUS_ENV, json.dumps({"ranks": [2], "world_size": 3}))
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        monkeypatch.setattr(sources_module, "dtensor_nodes", lambda meta: iter([{"i": 0}]))
+        with Checkpointer(transport=t, job=JOB, rank=1, world_size=2) as restarted:
+            results = _reform([ckpts[0], restarted],
+                              [states[0], make_state(seed=7, world=2, rank=1)], world=2)
+        assert [step for step, _ in results] == [0, 0]
+        assert any("sharded state needs every old rank's shard" in why
+                   for why in results[1][1].refused), results[1][1].refused
+
+
+@pytest.mark.parametrize("value, local, expected", [
+    ('{"ranks": [4, 5], "world_size": 6}', "1", (5, 6)),
+    ('{"ranks": [4, 5], "world_size": 6}', "2", None),  # no such local rank
+    ('{"ranks": [4, 5], "world_size": 6}', "-1", None),
+    ('{"ranks": [7], "world_size": 6}', "0", None),  # not a rank of that world
+    ('{"ranks": [1]}', "0", None),
+    ("not json", "0", None),
+    ("", "0", None),  # a first start, a new node: nothing of its own
+])
+def test_the_previous_place_a_worker_reads(value, local, expected):
+    from elasticd.local.worker_link import previous_place
+
+    assert previous_place({PREVIOUS_ENV: value, "LOCAL_RANK": local}) == expected
 
 
 def test_a_sharded_own_snapshot_is_refused_for_the_committed_step(service, monkeypatch):
