@@ -12,10 +12,10 @@ Rule (:meth:`DaemonWatch.tick`, on the agent's monotonic clock): fence when the 
 one key shows it (checked every 0.25 s under a daemon; read anew every :data:`VERIFY_EVERY`
 seconds and after a watch error: a watch costs etcd nothing while nothing changes), *and* the
 daemon has not answered a ping on its local socket for ``silent_for`` seconds (1 s; it is pinged
-every 0.25 s by a thread of its own, and answers in about a millisecond when alive). Either
-alone is normal for a while: every record vanishes for a moment after an etcd outage longer than
-the lease TTL (each daemon re-grants and re-registers within a heartbeat), and a busy daemon can
-answer late. A failed etcd read forgets the absence (no judgement from a doubtful view). A wrong
+every 0.25 s by a thread of its own, each ping waiting up to 0.5 s, and answers in about a
+millisecond when alive). Either alone is normal for a while: every record vanishes for a moment
+after an etcd outage longer than the lease TTL (each daemon re-grants and re-registers within a
+heartbeat), and a busy daemon can answer late. A failed etcd read forgets the absence (no judgement from a doubtful view). A wrong
 fence costs one agent restart: a live daemon sees its agent exit and starts it again. Because a
 frozen daemon has been silent since it froze, a lease TTL before its record goes, the fence
 follows the record's deletion by one read.
@@ -56,18 +56,21 @@ class DaemonWatch:
         interval: seconds between etcd reads.
         silent_for: seconds without an answer to a ping that make the daemon silent.
         ping_interval: seconds between pings (by the pinger thread, :meth:`probe`).
+        ping_timeout: the longest a ping takes, answered or not (None: unknown); below
+            ``silent_for``, :meth:`settle` skips a probe that could not change its answer.
     """
 
     def __init__(self, coordinator: Coordinator, node_key: bytes, ping: Callable[[], bool],
                  fence: Callable[[str], None], absent_for: float = 0.0,
                  interval: float = 0.25, silent_for: float = 1.0, ping_interval: float = 0.25,
-                 clock: Clock | None = None) -> None:
+                 clock: Clock | None = None, ping_timeout: float | None = None) -> None:
         self._coordinator = coordinator
         self.node_key = node_key
         self._ping = ping
         self._fence = fence
         self.absent_for, self.interval = absent_for, interval
         self.silent_for, self.ping_interval = silent_for, ping_interval
+        self.ping_timeout = ping_timeout
         self._clock = clock or SystemClock()
         self._absent_since: float | None = None
         # The daemon started this agent just now: it counts as having answered.
@@ -77,6 +80,7 @@ class DaemonWatch:
         # last read, and the watch events seen (a read raced by an event keeps the event's).
         self._lock = threading.Lock()
         self._present: bool | None = None
+        self._lease: int | None = None  # the record's lease as last seen (None: not known)
         self._read_at = float("-inf")
         self._events = 0
         self._watch: Watch | None = None
@@ -103,10 +107,18 @@ class DaemonWatch:
         with self._lock:
             self._events += 1
             if isinstance(batch, CoordinationError):
-                self._present = None  # in doubt: the next tick reads
+                self._present = self._lease = None  # in doubt: the next tick reads
                 return
             for e in batch:  # type: ignore[attr-defined]
                 self._present = e.type is EventType.PUT
+                self._lease = e.kv.lease if self._present else None
+
+    def lease_seen(self) -> int | None:
+        """The lease the record is bound to, as the watch (or the last read) saw it; None when
+        that is not known (no sight yet, in doubt, or the record absent). A view that may be
+        late: the join record's write compares it with the record's (:mod:`..rendezvous.join`)."""
+        with self._lock:
+            return self._lease or None
 
     def _is_present(self, now: float) -> bool:
         """The watch's view, or a read when there is no watch, it is in doubt, or the last
@@ -118,14 +130,17 @@ class DaemonWatch:
                     and now - self._read_at < VERIFY_EVERY:
                 return view
         try:
-            present = self._coordinator.get(self.node_key) is not None
+            kv = self._coordinator.get(self.node_key)
         except CoordinationError:
             with self._lock:
-                self._present = None
+                self._present = self._lease = None
             return True
+        present = kv is not None
         missed = False
         with self._lock:
             self._read_at = now
+            if self._events == events:
+                self._lease = kv.lease if kv is not None else None
             if self._watch is None:
                 return present
             if self._events == events:
@@ -171,6 +186,16 @@ class DaemonWatch:
         with a member that never starts: the survivors' agents wait on it in torch's rank
         assignment (CI: a SIGSTOP of one daemon re-formed the job only after 60 s).
 
+        No probe when the daemon answered less than ``silent_for - ping_timeout`` ago (the
+        pinger's last answer): it could not change the answer, "answering". A probe ends within
+        ``ping_timeout``, answered or not, and only an answer moves the silence's start (later);
+        so after it the silence is at most the silence now plus ``ping_timeout``, below
+        ``silent_for``: :meth:`tick` cannot fence (its rule needs ``silent_for`` of silence)
+        and the loop below returns "answering". That probe cost a new connection and a reply
+        from a daemon busy recording the very failure this join follows (~14 ms of the round
+        in the in-process bench); the tick skipped with it is the one :meth:`run` does every
+        ``interval`` anyway, and a rule that cannot hold now has nothing to fence.
+
         Returns:
             "answering"; "silent" when the daemon stayed silent for ``timeout`` with its record
             present (the join goes ahead: a wrong fence costs more than a late one); "fenced"
@@ -178,6 +203,9 @@ class DaemonWatch:
         """
         deadline = self._clock.monotonic() + timeout
         while True:
+            if self.ping_timeout is not None \
+                    and self.silence() + self.ping_timeout < self.silent_for:
+                return "answering"  # a probe could not change it: the docstring
             self.probe()
             reason = self.tick()
             if reason is not None:

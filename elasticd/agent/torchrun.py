@@ -48,6 +48,12 @@ log = logging.getLogger(__name__)
 
 #: How long a node's first join waits for its zygote's preload (seconds).
 ZYGOTE_WAIT = 60.0
+#: How long a ping of the daemon waits for its answer (seconds): a live daemon answers in about
+#: a millisecond, ~14 ms while it records a failure. Half the watch's ``silent_for`` (1 s), so
+#: that the join gate need not ping a daemon that answered the pinger within the last 0.5 s
+#: (:meth:`.DaemonWatch.settle`); a ping that times out is followed by the next within
+#: ``ping_interval``, and the daemon is silent only after ``silent_for`` without any answer.
+PING_TIMEOUT = 0.5
 
 
 def restart_own_workers(dead: list[str], sock: str = "") -> None:
@@ -83,7 +89,8 @@ def attach(handler: EtcdNativeRendezvousHandler) -> None:
     handler.on_round_broken = functools.partial(restart_own_workers, sock=sock)
     prefix = os.environ.get("ELASTICD_PREFIX", "/elasticd")
     watch = DaemonWatch(handler.coordinator, Keyspace(prefix).node(node),
-                        ping=ping_daemon(sock, timeout=1.0), fence=fence_agent(tag, handler.stop))
+                        ping=ping_daemon(sock, timeout=PING_TIMEOUT),
+                        fence=fence_agent(tag, handler.stop), ping_timeout=PING_TIMEOUT)
     zygote = os.environ.get(ZYGOTE_ENV, "")
     warm = [not zygote]
 
@@ -101,13 +108,19 @@ def attach(handler: EtcdNativeRendezvousHandler) -> None:
         return watch.settle(handler.settings.liveness_ttl + 1.0)
 
     def daemon_of() -> tuple[str, int] | None:
-        # The lease the daemon's record is bound to now: the one its peers record ``failed``
-        # when it expires (one read per join; this agent may read that key).
-        kv = handler.coordinator.get(watch.node_key)
-        return (node, kv.lease) if kv is not None and kv.lease else None
+        # The lease the daemon's record is bound to: the one its peers record ``failed`` when
+        # it expires. As the watch on that record last saw it: the join's write compares it
+        # with the record's own (daemon_key) and reads it only when they differ. Read here
+        # when the watch has not seen it (this agent may read that key).
+        lease = watch.lease_seen()
+        if lease is None:
+            kv = handler.coordinator.get(watch.node_key)
+            lease = kv.lease if kv is not None else 0
+        return (node, lease) if lease else None
 
     handler.join_gate = join_gate
     handler.daemon_of = daemon_of
+    handler.daemon_key = watch.node_key
     watch.start()
     if handler.settings.grow_interval is not None:  # interval:MIN
         # Lazy: it watches etcd only while the handler asks it (a newcomer waiting).

@@ -119,7 +119,11 @@ class Compare:
     Attributes:
         target: ``"mod"`` compares the key's mod_revision (compare-and-set), ``"create"`` its
             create_revision (etcd's election recipe: a key re-created under a new lease, or by
-            someone else, has another create_revision, so a deposed leader's write fails).
+            someone else, has another create_revision, so a deposed leader's write fails),
+            ``"lease"`` the id of the lease the key is bound to: ``mod_revision`` then holds a
+            lease id, and 0 means the key is absent or bound to no lease (etcd's LEASE target,
+            etcd >= 3.3: a record that names another key's lease is written only while that
+            key is bound to it).
     """
 
     key: bytes
@@ -127,8 +131,8 @@ class Compare:
     target: str = "mod"
 
     def __post_init__(self) -> None:
-        if self.target not in ("mod", "create"):
-            raise ValueError(f"compare target {self.target!r}: use 'mod' or 'create'")
+        if self.target not in ("mod", "create", "lease"):
+            raise ValueError(f"compare target {self.target!r}: use 'mod', 'create' or 'lease'")
 
 
 @dataclasses.dataclass(frozen=True)

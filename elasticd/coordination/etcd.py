@@ -135,7 +135,8 @@ class EtcdCoordinator(Coordinator):
     def transaction(self, compares: Sequence[Compare], ops: Sequence[Op]) -> tuple[bool, int]:
         def run(c: pyetcd.MultiEndpointEtcd3Client) -> tuple[bool, int]:
             t = c.transactions
-            cmp = [(t.create(x.key) if x.target == "create" else t.mod(x.key)) == x.mod_revision
+            cmp = [(_LeaseCompare(x.key) if x.target == "lease" else t.create(x.key)
+                    if x.target == "create" else t.mod(x.key)) == x.mod_revision
                    for x in compares]
             success = [t.put(op.key, op.value, lease=op.lease or None) if isinstance(op, Put)
                        else t.delete(op.key) for op in ops]
@@ -219,6 +220,14 @@ class EtcdCoordinator(Coordinator):
         for w in watches:
             w.cancel()
         self.connection.close()
+
+
+class _LeaseCompare(pyetcd.transactions.BaseCompare):  # type: ignore[misc]
+    """etcd's LEASE compare target (the client offers value, version, create and mod)."""
+
+    def build_compare(self, compare: Any) -> None:
+        compare.target = pyetcd.etcdrpc.Compare.LEASE
+        compare.lease = int(self.value)
 
 
 def _lease_error(exc: CoordinationError, lease: int) -> CoordinationError:

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from typing import Callable, Sequence
 
 from elasticd.clock import Clock, SystemClock
 from elasticd.coordination.api import (
     AuthError,
+    Compare,
     CoordinationError,
     Coordinator,
     LeaseLost,
+    Put,
     Unavailable,
 )
 from elasticd.coordination.health import EtcdHealth
@@ -108,6 +110,17 @@ class LeaseKeeper:
             return self._coord.put(key, value, lease=lease)
         except LeaseLost:
             return self._coord.put(key, value, lease=self.replace(lease))
+
+    def put_if(self, key: bytes, value: bytes, compares: Sequence[Compare]) -> bool:
+        """:meth:`put`, only if every compare holds (one transaction). Returns whether it
+        wrote."""
+        lease = self.lease
+        if lease is None:
+            lease = self.grant()
+        try:
+            return self._coord.transaction(compares, [Put(key, value, lease)])[0]
+        except LeaseLost:
+            return self._coord.transaction(compares, [Put(key, value, self.replace(lease))])[0]
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)

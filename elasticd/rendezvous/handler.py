@@ -261,6 +261,18 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
     def daemon_of(self, fn: Callable[[], tuple[str, int] | None] | None) -> None:
         self._join.daemon_of = fn
 
+    @property
+    def daemon_key(self) -> bytes | None:
+        """The daemon's node record: when set, the join record is written only while that
+        record is bound to the lease ``daemon_of`` names (else it is read, and the write goes
+        again): ``daemon_of`` may then answer from a view instead of a read
+        (:mod:`.join`)."""
+        return self._join.daemon_key
+
+    @daemon_key.setter
+    def daemon_key(self, key: bytes | None) -> None:
+        self._join.daemon_key = key
+
     def _round_left(self) -> str | None:
         """Why a blocking wait in the store can stop now: a member of the round this node is
         in is dead (confirmed), so what it was to write (torch's rank assignment, written by

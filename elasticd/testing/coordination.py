@@ -246,7 +246,8 @@ class MemoryCoordinator(Coordinator):
             for c in compares:
                 kv = self.store._kv.get(c.key)
                 have = 0 if kv is None else (
-                    kv.create_revision if c.target == "create" else kv.mod_revision)
+                    kv.create_revision if c.target == "create"
+                    else kv.lease if c.target == "lease" else kv.mod_revision)
                 if have != c.mod_revision:
                     return False, self.store._revision
             for op in ops:

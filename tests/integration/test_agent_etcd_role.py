@@ -15,7 +15,7 @@ import pytest
 
 from elasticd.cluster.jobspec import JobSpec
 from elasticd.coordination.agent_credentials import PASSWORD_ENV, AgentCredentials
-from elasticd.coordination.api import AuthError
+from elasticd.coordination.api import AuthError, Compare, Put
 from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endpoints
 from elasticd.coordination.keys import Keyspace
 from elasticd.launcher import JOB_USER, LocalCluster
@@ -125,6 +125,10 @@ def test_the_agents_role_can_write_nothing_outside_its_rendezvous_prefix(auth_et
         assert agent.create(rdzv + b"store/k", b"v") and not agent.create(rdzv + b"store/k", b"v")
         lease = agent.grant_lease(5)
         agent.put(rdzv + b"alive/n1", b"", lease)
+        # ... write its join record only while its node's record holds the lease it names
+        # (elasticd/rendezvous/join.py: a compare reads that record)
+        named = [Compare(keys.node("n1"), 0, "lease")]  # the record above has no lease
+        assert agent.transaction(named, [Put(rdzv + b"native/nodes/n1", b"j", lease)])[0]
         assert agent.get_prefix(rdzv)[0]
         assert agent.get(keys.node("n1")).value == b"node record"
         # ... and watch it (the daemon watch follows it rather than reading it every 0.25 s).

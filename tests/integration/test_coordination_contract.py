@@ -106,6 +106,27 @@ class CoordinatorContract:
         with pytest.raises(ValueError, match="target"):
             Compare(key, 1, "version")
 
+    def test_lease_compare_holds_only_while_the_key_is_bound_to_that_lease(self, coord, prefix):
+        # A join record names its daemon's lease: written only while the daemon's record is
+        # bound to it (elasticd/rendezvous/join.py). Absent key or no lease: compares as 0.
+        key, target = (prefix + "/daemon").encode(), (prefix + "/named").encode()
+        old, new = coord.grant_lease(30), coord.grant_lease(30)
+        try:
+            def write(lease: int, value: bytes) -> bool:
+                return coord.transaction([Compare(key, lease, "lease")], [Put(target, value)])[0]
+
+            assert not write(old, b"absent") and write(0, b"absent, as 0")
+            coord.put(key, b"d", lease=old)
+            assert write(old, b"1") and not write(new, b"x") and not write(0, b"x")
+            coord.put(key, b"d", lease=new)  # re-registered under a new lease
+            assert not write(old, b"x") and write(new, b"2")
+            coord.put(key, b"d")  # no lease
+            assert not write(new, b"x") and write(0, b"3")
+            assert coord.get(target).value == b"3"
+        finally:
+            coord.revoke_lease(old)
+            coord.revoke_lease(new)
+
     def test_lost_lease_deletes_keys_and_is_reported(self, coord, ctl, prefix):
         key = (prefix + "/leased").encode()
         lease = coord.grant_lease(2)

@@ -313,6 +313,34 @@ def test_a_member_whose_node_the_daemons_recorded_failed_is_gone_without_livenes
     assert a.gone_members() == []
 
 
+def test_a_join_record_names_the_lease_its_daemons_record_holds_when_written(cluster):
+    # Issue 31: the agent names its daemon's lease as its watch on the daemon's record last
+    # saw it (no read per join); the write compares that lease with the record's. A view gone
+    # stale (the daemon re-granted its lease) is read and replaced, so that the daemons' mark
+    # of the lease the daemon holds still dooms the record.
+    keys = Keyspace(cluster.prefix)
+    a, b = (cluster.node(1, 2, liveness_confirm="60") for _ in range(2))
+    old, new = a.coordinator.grant_lease(30), a.coordinator.grant_lease(30)
+    daemon = keys.node("nb")
+    a.coordinator.put(daemon, b"{}", lease=old)
+    b.daemon_of, b.daemon_key = (lambda: ("nb", old)), daemon
+    reads, get = [], b.coordinator.get
+    b.coordinator.get = lambda key, *args, **kw: reads.append(key) or get(key, *args, **kw)
+
+    def named() -> int:
+        return NodeRecord.decode(a.coordinator.get(b._join.key).value).daemon_lease
+
+    results(cluster.join(a, b))
+    assert named() == old and daemon not in reads  # the view holds: no read
+    a.coordinator.put(daemon, b"{}", lease=new)  # re-registered; b's view is stale
+    results(cluster.join(a, b))
+    assert named() == new and reads.count(daemon) == 1
+    assert mark_failed(a.coordinator, keys, cluster.run_id, "nb", new, "na", None, 0.0) == 1
+    assert not has_record(a, b)
+    a.coordinator.revoke_lease(old)
+    a.coordinator.revoke_lease(new)
+
+
 def test_when_the_failed_member_was_the_closer_its_key_goes_with_its_record(cluster):
     # The closer's key is bound to its agent's lease (30 s here): before, nobody closed the
     # survivors' round until that lease expired.

@@ -136,7 +136,11 @@ def test_the_creator_hands_every_handler_to_the_hooks_and_the_daemons_hook_needs
     class RecordingWatch:
         def __init__(self, coordinator, node_key, **kwargs):
             self.coordinator, self.node_key, self.settled = coordinator, node_key, []
+            self.kwargs, self.lease = kwargs, None
             watches.append(self)
+
+        def lease_seen(self):
+            return self.lease
 
         def start(self):
             self.started = True
@@ -169,6 +173,18 @@ def test_the_creator_hands_every_handler_to_the_hooks_and_the_daemons_hook_needs
     assert watch.coordinator is handler.coordinator
     handler.join_gate()  # settles for up to a lease TTL and a second
     assert watch.settled == [handler.settings.liveness_ttl + 1.0] == [4.0]
+    # The gate may skip its ping while the daemon answered within silent_for - ping_timeout:
+    # the watch is told the ping's timeout, below silent_for (its default, 1 s).
+    assert watch.kwargs["ping_timeout"] == torchrun.PING_TIMEOUT < 1.0
+    # The daemon's lease in each join record: the watch's view, no read (the write compares
+    # it with the daemon record's, daemon_key); read only when the watch has not seen it.
+    assert handler.daemon_key == b"/p/nodes/n1"
+    reads = []
+    handler.coordinator.get = lambda key: reads.append(key)  # the record is absent
+    watch.lease = 0xAB
+    assert handler.daemon_of() == ("n1", 0xAB) and reads == []
+    watch.lease = None
+    assert handler.daemon_of() is None and reads == [b"/p/nodes/n1"]
     assert handler.commit_gate is None and commit_watches == []  # grow=immediate: no gate
     handler.stop()
     # grow=interval:MIN: the handler asks the job's commit gate before a newcomer enters
