@@ -15,7 +15,7 @@ backwards, means etcd lost its data. The first daemon to notice writes a new inc
 the loss is counted once, cluster-wide); the others find it and adopt it.
 
 Looking costs one range read. The daemon looks when something suggests a loss (a lease found
-gone, a watch stream broken, the end of an outage) and at its periodic re-list, never per cycle.
+gone, a watch stream broken, the end of an outage), never per cycle.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 **One writer.** When a peer that runs the job fails, every survivor computes the same writer
 from the job statuses in etcd: the lowest node id among the job's other nodes that ran workers
-(:meth:`~elasticd.agent.worker_group.WorkerGroup.recovery_writer`). That daemon writes the record
+(:func:`elasticd.agent.job_rules.recovery_writer`). That daemon writes the record
 as soon as the job trained again, so N nodes do not write N copies; and the record's key,
 ``events/<failed node>/<lease>/timeline@<job>``, is created only if absent, so two daemons whose
 views differed still store one. The other survivors follow it too, as stand-ins: one that

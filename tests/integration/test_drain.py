@@ -2,7 +2,7 @@
 
 Three training nodes and a standby (``--nnodes 3:3``), m=2, snapshots every step: draining a
 training node hands its replicas off (the committed step keeps m copies without it), stops its
-workers, the standby takes its place and the job finishes; ``placement`` shows the new holders.
+workers, the standby takes its place, restoring from a peer; ``placement`` shows the new holders.
 Then every command runs with ``--format json`` against the same cluster and its output is
 checked against the keys documented in docs/elasticctl.md."""
 
@@ -123,8 +123,8 @@ def test_drain_hands_off_replicas_then_the_standby_takes_over(cluster):
     assert len({s for s, _ in got.values()}) == 1 and got[standby][0] >= doc_step(doc), got
     assert got[standby][1] == "peer", got
     assert not steps(agent_log(c, victim), 3, drained_at)
-    c.wait_for(lambda: all("done rank" in agent_log(c, n)[marks[n]:] for n in going_on), 150,
-               "the job finished")
+    # (That the job then finishes, every sample once, is tests/chaos/test_drain.py's: not
+    # waited for here, ~20 s of the suite.)
     events = [e for e in c.events() if e["kind"] == "drained"]
     assert [e["node"] for e in events] == [victim]
     res = ctl(c, "history", "--kind", "recovered", "--format", "json")
@@ -132,12 +132,17 @@ def test_drain_hands_off_replicas_then_the_standby_takes_over(cluster):
     rec = [e for e in json.loads(res.stdout) if e["node"] == standby]
     assert rec and rec[-1]["source"] == "peer" and rec[-1]["recovery_seconds"] is not None, rec
 
-    res = ctl(c, "placement", "--format", "json")
-    assert res.returncode == 0, res.stderr
-    pl = json.loads(res.stdout)
+    def placement():
+        res = ctl(c, "placement", "--format", "json")
+        assert res.returncode == 0, res.stderr
+        return json.loads(res.stdout)
+
+    # The job trains on: the standby's first copies may still be on their way.
+    c.wait_for(lambda: placement()["under_replicated_ranks"] == [], 60,
+               "every rank replicated again")
+    pl = placement()
     assert victim not in pl["nodes"] and standby in pl["nodes"], pl
     assert all(victim not in r["holders"] for r in pl["ranks"])
-    assert pl["under_replicated_ranks"] == [], pl
 
 
 def doc_step(doc):
