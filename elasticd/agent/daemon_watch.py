@@ -15,10 +15,10 @@ daemon has not answered a ping on its local socket for ``silent_for`` seconds (1
 every 0.25 s by a thread of its own, each ping waiting up to 0.5 s, and answers in about a
 millisecond when alive). Either alone is normal for a while: every record vanishes for a moment
 after an etcd outage longer than the lease TTL (each daemon re-grants and re-registers within a
-heartbeat), and a busy daemon can answer late. A failed etcd read forgets the absence (no judgement from a doubtful view). A wrong
-fence costs one agent restart: a live daemon sees its agent exit and starts it again. Because a
-frozen daemon has been silent since it froze, a lease TTL before its record goes, the fence
-follows the record's deletion by one read.
+heartbeat), and a busy daemon can answer late. A failed etcd read forgets the absence (no
+judgement from a doubtful view). A wrong fence costs one agent restart: a live daemon sees its
+agent exit and starts it again. Because a frozen daemon has been silent since it froze, a lease
+TTL before its record goes, the fence follows the record's deletion by one read.
 
 Fencing kills every process carrying this job's tag on this node (workers, the warm-start
 zygote) with SIGKILL, revokes the agent's rendezvous alive key (so the survivors drop this node

@@ -4,9 +4,10 @@ Every worker reports the step it reached (:func:`elasticd.worker.progress`, one-
 local API). A worker group is hung when a rank that has reported before makes no progress for
 its timeout — a collective waiting for a dead peer, a deadlock, a stuck data loader; nothing
 is decided before a group's first report (a restarted group may wait long in its rendezvous for
-nodes, and a job may take long to load its data). The timeout is either set (``--hang-timeout``) or learned from the job's step intervals
-(:mod:`elasticd.cluster.learned_timeout`: a multiple of the longest recent interval, with a floor,
-and an allowance for each worker process's first steps).
+nodes, and a job may take long to load its data). The timeout is either set (``--hang-timeout``)
+or learned from the job's step intervals (:mod:`elasticd.cluster.learned_timeout`: a multiple of
+the longest recent interval, with a floor, and an allowance for each worker process's first
+steps).
 :meth:`ProgressTracker.check` only says so, as a :class:`Hang` value; killing and restarting the
 group, and recording the reason, is the daemon's job.
 
