@@ -238,10 +238,17 @@ class Reporter:
         finally:
             with self.t.lock:
                 j = self.jobs.get(job)
+                again = j is not None and j.dirty
                 if j is not None:
                     j.busy = False
-                again = j is not None and j.dirty
-            if again:  # not sent (a failure's backoff, a refusal): the tick sees to its retry
+                if again:
+                    # Not sent (a failure's backoff, a refusal, no coordinator to send to):
+                    # the tick sees to its retry, a TICK from now at the soonest, as when the
+                    # ticker polled at TICK. Woken for a retry due now, the ticker kicked it
+                    # again at once: a loop with the pool at full speed while the reason
+                    # lasted (an unreadable coordinator record: ~18,000 tries a second).
+                    j.retry_at = max(j.retry_at, self.t.clock.monotonic() + TICK)
+            if again:
                 self.wake.set()
 
     def _send_once(self, job: str) -> bool:

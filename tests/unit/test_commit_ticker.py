@@ -7,6 +7,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from elasticd.clock import SystemClock
 from elasticd.coordination.keys import Keyspace
 from elasticd.replication.api import ReplicationError
@@ -90,6 +92,39 @@ def test_a_report_in_flight_and_a_known_coordinator_make_no_tick_due(monkeypatch
         with tracker.lock:  # not sent after all (a failure): its retry, after a backoff
             j.busy, j.retry_at = False, time.monotonic() + 0.5
         assert reporter.tick() < module.IDLE_TICK  # due at its retry, 0.5 s away or less
+    finally:
+        tracker.close()
+        background.close()
+
+
+@pytest.mark.parametrize("coordinator", ["", "n2"])
+def test_a_report_that_cannot_be_sent_is_tried_at_the_ticks_pace_not_in_a_loop(coordinator):
+    # The coordinator record unreadable (""), or naming this node's own earlier term ("n2"
+    # with no coordination here): the sender returns with the report still due and wakes the
+    # ticker, which kicked it again at once: a loop between the ticker and the pool at full
+    # speed on every node (the whole suite's etcd fuzz: etcd starved, its clients timed out).
+    background = Background("ticker-test", 2)
+    tracker = CommitTracker("n2", MemoryCoordinator(MemoryStore()), Keyspace("/t"),
+                            SystemClock(), background, lambda job: None, commit_wait=0.0,
+                            send=lambda node, report: Reply(True, "", (), None), lease_ttl=2.0)
+    reporter = tracker.reporter
+    tries: list[float] = []
+    real_send_once = reporter._send_once
+
+    def counted(job: str) -> bool:
+        tries.append(time.monotonic())
+        return real_send_once(job)
+
+    reporter._send_once = counted  # type: ignore[method-assign]
+    try:
+        tracker.set_placement(JOB, compute_placement(["n1", "n2"], {"n1": [0], "n2": [1]}, 2,
+                                                     round=1))
+        reporter.coordinator_seen(JOB, Coordinatorship(coordinator, 7, 1))
+        reporter.ticker.start()
+        reporter.changed(JOB)
+        time.sleep(1.0)
+        # At most one try a TICK (0.1 s), as when the ticker polled at TICK; thousands before.
+        assert 1 <= len(tries) <= 15, len(tries)
     finally:
         tracker.close()
         background.close()
