@@ -22,6 +22,15 @@ from elasticd.testing.coordination import MemoryCoordinator, MemoryStore
 JOB = "job"
 
 
+def _tracker(send=lambda node, report: Reply(True, "", (), None)):
+    """Node n2's commit tracker on an in-memory etcd, sending reports with ``send``; and the
+    pool it runs on (close both)."""
+    background = Background("ticker-test", 2)
+    return CommitTracker("n2", MemoryCoordinator(MemoryStore()), Keyspace("/t"), SystemClock(),
+                         background, lambda job: None, commit_wait=0.0, send=send,
+                         lease_ttl=2.0), background
+
+
 def test_an_idle_node_ticks_rarely_and_a_failed_report_is_retried_on_time():
     sent: list[float] = []
     fail = threading.Event()
@@ -33,10 +42,7 @@ def test_an_idle_node_ticks_rarely_and_a_failed_report_is_retried_on_time():
             raise ReplicationError("peer unreachable")
         return Reply(True, "", (), None)
 
-    background = Background("ticker-test", 2)
-    tracker = CommitTracker("n2", MemoryCoordinator(MemoryStore()), Keyspace("/t"),
-                            SystemClock(), background, lambda job: None, commit_wait=0.0,
-                            send=send, lease_ttl=2.0)
+    tracker, background = _tracker(send)
     reporter = tracker.reporter
     ticks: list[float] = []
     real_tick = reporter.tick
@@ -71,10 +77,7 @@ def test_a_report_in_flight_and_a_known_coordinator_make_no_tick_due(monkeypatch
     # per node per second at N = 60), and searched the placement's node list for its campaign
     # delay at every tick (O(N)) though a coordinator was known.
     from elasticd.replication import reporter as module
-    background = Background("ticker-test", 2)
-    tracker = CommitTracker("n2", MemoryCoordinator(MemoryStore()), Keyspace("/t"),
-                            SystemClock(), background, lambda job: None, commit_wait=0.0,
-                            send=lambda node, report: Reply(True, "", (), None), lease_ttl=2.0)
+    tracker, background = _tracker()
     reporter = tracker.reporter
     try:
         tracker.set_placement(JOB, compute_placement(["n1", "n2"], {"n1": [0], "n2": [1]}, 2,
@@ -103,10 +106,7 @@ def test_a_report_that_cannot_be_sent_is_tried_at_the_ticks_pace_not_in_a_loop(c
     # with no coordination here): the sender returns with the report still due and wakes the
     # ticker, which kicked it again at once: a loop between the ticker and the pool at full
     # speed on every node (the whole suite's etcd fuzz: etcd starved, its clients timed out).
-    background = Background("ticker-test", 2)
-    tracker = CommitTracker("n2", MemoryCoordinator(MemoryStore()), Keyspace("/t"),
-                            SystemClock(), background, lambda job: None, commit_wait=0.0,
-                            send=lambda node, report: Reply(True, "", (), None), lease_ttl=2.0)
+    tracker, background = _tracker()
     reporter = tracker.reporter
     tries: list[float] = []
     real_send_once = reporter._send_once
