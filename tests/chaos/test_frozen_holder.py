@@ -100,6 +100,15 @@ def check(out: Outcome, fault: FaultRecord, by_deadline: bool) -> None:
     """What both faults must show (see the module); ``by_deadline``: the fetch from the
     holder must end at its deadline (its lease is alive: nothing else can end it)."""
     out.assert_finished()
+    holder = fault.fault.node
+    logs = {n: daemon_log(out, n) for n in out.cc.nodes}
+    grids = sorted((_wall(m.group(1)), int(m.group(2))) for text in logs.values()
+                   for m in GRID_RE.finditer(text))
+
+    def grid_at(t: float) -> int:
+        """The snapshot grid in force at ``t`` (steps between snapshots; 1 until widened)."""
+        return max([g for at, g in grids if at <= t][-1:] or [1])
+
     # Steps lost against the committed step, for the restores from the fault's landing on. (The
     # shrink's restore before it, at step 19 after the kill at 20, is left out: the harness's
     # reconstruction of the step committed in force then says None in most runs of this shape
@@ -121,20 +130,21 @@ def check(out: Outcome, fault: FaultRecord, by_deadline: bool) -> None:
         # sync-lag bound holds again: checked below.)
         at_landing = max((rec["step"] for a in out.attempts for rec in a.records
                           if rec["t"] <= fault.landed), default=-1)
+        # The sync lag counts in the snapshot grid in force when the fault landed (below).
         assert at_landing >= ARM_AT, f"no step before the fault landed?\n{out.summary()}"
+        lag = MAX_LAG + grid_at(fault.landed) - 1
         for r in out.recoveries:
             reported = set(r.reported_lost.values())  # a step in flight may be unknown
             assert len(reported) == 1 and reported <= r.knowable_lost, f"{r}\n{out.summary()}"
-            assert r.step >= at_landing - MAX_LAG, (
-                f"a restore during the fault went back to step {r.step}, more than {MAX_LAG} "
-                f"steps before step {at_landing}, reached when the fault landed: {r}\n"
-                f"{out.summary()}")
+            assert r.step >= at_landing - lag, (
+                f"a restore during the fault went back to step {r.step}, more than {lag} "
+                f"steps (a sync lag of {MAX_LAG} on a snapshot grid of "
+                f"{grid_at(fault.landed)}) before step {at_landing}, reached when the fault "
+                f"landed: {r}\n{out.summary()}")
     finally:
         out.recoveries = everything
     out.assert_samples_exactly_once()
     out.assert_nothing_left()
-    holder = fault.fault.node
-    logs = {n: daemon_log(out, n) for n in out.cc.nodes}
 
     # The fetch from the faulted holder was abandoned, at its deadline or (frozen: its lease
     # expires) when it left the membership, within the deadline of the landing.
@@ -181,12 +191,10 @@ def check(out: Outcome, fault: FaultRecord, by_deadline: bool) -> None:
     # counts in the snapshot grid in force: while the frozen node held the commit election,
     # nothing was committed, each snapshot was withdrawn after its wait and the grid widened
     # (CI: 1 -> 8 steps in a second; the restore 3 s after the thaw lost 6 steps).
-    grids = sorted((_wall(m.group(1)), int(m.group(2))) for text in logs.values()
-                   for m in GRID_RE.finditer(text))
     for r in out.recoveries:
         began = min(s.seen for s in r.attempt.starts.values())
         if began > fault.undone_at:
-            grid = max([g for at, g in grids if at <= began][-1:] or [1])
+            grid = grid_at(began)
             assert r.true_lost <= MAX_LAG + grid - 1, (
                 f"a restore after the fault's end lost {r.true_lost} steps, more than a sync "
                 f"lag of {MAX_LAG} steps on a snapshot grid of {grid}: {r}\n{out.summary()}")
