@@ -80,6 +80,7 @@ from refresh_plan import RefreshPlan  # noqa: E402 - bench/, beside this file
 from scale_agents import AgentRuns  # noqa: E402 - bench/, beside this file
 from scale_placement import (  # noqa: E402 - bench/, beside this file
     compact_timeline, own_thread_cpu, parse_cpus, place, prestart)
+from scale_etcd_probe import EtcdProbe  # noqa: E402 - bench/, beside this file
 from scale_sim import requests_by_method, scrape  # noqa: E402 - bench/, beside this file
 
 PREFIX = "/sim"
@@ -1128,6 +1129,7 @@ def measure_round(cluster: Cluster, etcd: Etcd, agents: int,
     s0, m0, e0 = cluster.stats(), etcd.requests(), etcd.cpu()
     closes = len(clock.closed_at) if clock is not None else 0
     cpu = CpuTimeline(etcd, cluster)
+    probe = EtcdProbe(etcd.urls)  # etcd's apply backlog, slow watchers, disk (the cascade)
     killed_at = before_join()
     start = time.time() + 0.2
     cluster.ask(("join", start))
@@ -1153,6 +1155,7 @@ def measure_round(cluster: Cluster, etcd: Etcd, agents: int,
     closer_events = sum(ev - s0["closers"].get(i, (0.0, 0))[1]
                         for i, (_, ev) in s1["closers"].items())
     origin = killed_at if killed_at is not None else start
+    etcd_view = probe.stop(origin)
     seen = sorted(r[3] - origin for r in ok)
     written = sorted(r[4] - origin for r in ok if r[4])
     closed = [t - origin for t in clock.closed_at[closes:]] if clock is not None else []
@@ -1184,6 +1187,8 @@ def measure_round(cluster: Cluster, etcd: Etcd, agents: int,
                                          + closer_events) / agents, 3),
         "daemon_node_watch_events": s1["node_events"] - s0["node_events"],
         "etcd_cpu_seconds": round(e1 - e0, 3),
+        # etcd's own view (bench/scale_etcd_probe.py): apply backlog, slow watchers, disk
+        "etcd_internals": etcd_view,
         "closer_cpu_seconds": round(closer_cpu, 4),
         "simulator_cpu_seconds_per_agent": round((s1["cpu"] - s0["cpu"]) / agents, 5),
         # the simulator processes' CPU by thread group (keep-alive processes apart): the
