@@ -58,10 +58,15 @@ def pressure() -> dict[str, float]:
 
 
 def read(url: str) -> dict[str, float]:
-    """One scrape: the values of :data:`_SCALARS`, each histogram's count above
-    :data:`SLOW_BUCKET` and the failed gRPC calls by method and code (``failed:<m>:<code>``)."""
+    """One scrape of ``url``, parsed by :func:`parse`."""
     with urllib.request.urlopen(url, timeout=5) as r:
-        text = r.read().decode()
+        return parse(r.read().decode())
+
+
+def parse(text: str) -> dict[str, float]:
+    """etcd's /metrics text: the values of :data:`_SCALARS`, each histogram's count above
+    :data:`SLOW_BUCKET`, the apply backlog, and the failed gRPC calls by method and code
+    (``failed:<method>:<code>``)."""
     out: dict[str, float] = {}
     totals: dict[str, float] = {}
     for line in text.splitlines():
