@@ -80,6 +80,7 @@ from refresh_plan import RefreshPlan  # noqa: E402 - bench/, beside this file
 from scale_agents import AgentRuns  # noqa: E402 - bench/, beside this file
 from scale_placement import (  # noqa: E402 - bench/, beside this file
     compact_timeline, own_thread_cpu, parse_cpus, place, prestart)
+from scale_etcd_probe import EtcdProbe  # noqa: E402 - bench/, beside this file
 from scale_sim import requests_by_method, scrape  # noqa: E402 - bench/, beside this file
 
 PREFIX = "/sim"
@@ -723,8 +724,11 @@ class SimNode:
             HandlerSettings("job", min_nodes, n, liveness_ttl=a.ttl, liveness_confirm=a.confirm,
                             join_timeout=600, last_call=1.0),
             f"10.{index // 62500}.{index // 250 % 250}.{index % 250}", grace=OutageGrace(30.0))
+        #: the keep-alive slots of the daemon's and the agent's lease (one stream per slot with
+        #: --keepalive-by-node): the node's by default, one each with --keepalive-stream-per-lease
+        self.slots = (index, index)
         self.agent._keeper.start = lambda: keepers.add(self.agent._keeper,  # type: ignore
-                                                       index)
+                                                       self.slots[1])
         for keeper in (self.daemon, self.agent._keeper):
             keeper.grant = self._counted(keeper.grant)  # type: ignore[method-assign]
         self.written_at = 0.0  # wall time this agent's last join record write returned
@@ -755,7 +759,7 @@ class SimNode:
     def register(self) -> None:
         """What the daemon does at start: lease, node record, list and watch ``nodes/``."""
         lease = self.daemon.grant()
-        self.keepers.add(self.daemon, self.index)
+        self.keepers.add(self.daemon, self.slots[0])
         record = json.dumps({"kind": "node", "v": 1, "node": self.name, "state": "up",
                              "host": f"{self.name}.cluster.example", "pid": 4242,
                              "api": "127.0.0.1:7777", "replication": "10.0.0.1:7788",
@@ -840,6 +844,15 @@ class Ticker:
         self._stop.set()
 
 
+def keepalive_slots(position: int, index: int, per_lease: int) -> tuple[int, int]:
+    """The keep-alive slots (``slot % --keepalive-streams``: its stream) of the daemon's and
+    the agent's lease of the node ``index``, ``position``-th of its process: the node's own,
+    shared (``per_lease`` 0), or one each (1, as a real node's two processes hold two
+    connections: etcd renews a stream's leases one after the other, each waiting for its apply
+    loop, so the second lease of a shared stream waits twice)."""
+    return (2 * position, 2 * position + 1) if per_lease else (index, index)
+
+
 def keepalive_streams(a: argparse.Namespace) -> int:
     """LeaseKeepAlive streams per keep-alive process: ``--keepalive-streams``, else (0) one
     per etcd client with grpc.aio and one in all with the raw client (before 2026-11-30)."""
@@ -881,6 +894,8 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
         os.nice(a.worker_nice)
     nodes = {i: SimNode(i, coords[k % a.clients], n, min_nodes, keepers, watches, a)
              for k, i in enumerate(indices)}
+    for k, x in enumerate(nodes.values()):
+        x.slots = keepalive_slots(k, x.index, getattr(a, "keepalive_stream_per_lease", 0))
     if getattr(a, "node_list_client", "aio") == "raw":
         lister = RawLister(endpoint)
         for x in nodes.values():
@@ -1128,6 +1143,7 @@ def measure_round(cluster: Cluster, etcd: Etcd, agents: int,
     s0, m0, e0 = cluster.stats(), etcd.requests(), etcd.cpu()
     closes = len(clock.closed_at) if clock is not None else 0
     cpu = CpuTimeline(etcd, cluster)
+    probe = EtcdProbe(etcd.urls)  # etcd's apply backlog, slow watchers, disk (the cascade)
     killed_at = before_join()
     start = time.time() + 0.2
     cluster.ask(("join", start))
@@ -1153,6 +1169,7 @@ def measure_round(cluster: Cluster, etcd: Etcd, agents: int,
     closer_events = sum(ev - s0["closers"].get(i, (0.0, 0))[1]
                         for i, (_, ev) in s1["closers"].items())
     origin = killed_at if killed_at is not None else start
+    etcd_view = probe.stop(origin)
     seen = sorted(r[3] - origin for r in ok)
     written = sorted(r[4] - origin for r in ok if r[4])
     closed = [t - origin for t in clock.closed_at[closes:]] if clock is not None else []
@@ -1184,6 +1201,8 @@ def measure_round(cluster: Cluster, etcd: Etcd, agents: int,
                                          + closer_events) / agents, 3),
         "daemon_node_watch_events": s1["node_events"] - s0["node_events"],
         "etcd_cpu_seconds": round(e1 - e0, 3),
+        # etcd's own view (bench/scale_etcd_probe.py): apply backlog, slow watchers, disk
+        "etcd_internals": etcd_view,
         "closer_cpu_seconds": round(closer_cpu, 4),
         "simulator_cpu_seconds_per_agent": round((s1["cpu"] - s0["cpu"]) / agents, 5),
         # the simulator processes' CPU by thread group (keep-alive processes apart): the
@@ -1223,6 +1242,8 @@ def run_size(n: int, server: EmbeddedEtcd, a: argparse.Namespace,
                               "keepalive_client": a.keepalive_client,
                               # a node's two leases in one frame on its stream (refresh_plan)
                               "keepalive_by_node": getattr(a, "keepalive_by_node", 0),
+                              "keepalive_stream_per_lease": getattr(
+                                  a, "keepalive_stream_per_lease", 0),
                               "keepalive_read": getattr(a, "keepalive_read", "task"),
                               "node_list_client": getattr(a, "node_list_client", "aio"),
                               "node_watch_client": (getattr(a, "node_watch_client", "aio")
@@ -1510,6 +1531,12 @@ def main() -> int:
                    help="1: a node's leases on one keep-alive stream (--keepalive-streams), "
                         "refreshed in one frame once aligned (keeper_main); 0: a lease's stream "
                         "is its ID modulo the streams, each refreshed on its own")
+    p.add_argument("--keepalive-stream-per-lease", type=int, default=0,
+                   help="1 (with --keepalive-by-node 1): the daemon's and the agent's lease of "
+                        "a node each on a stream of its own, as on a real node (two processes, "
+                        "two connections); etcd renews a stream's leases one after the other, "
+                        "each waiting for its apply loop, so a node's second lease on a shared "
+                        "stream waits twice. Needs --keepalive-streams >= 2 x nodes per process")
     p.add_argument("--keepalive-read", choices=("callback", "task"), default="callback",
                    help="raw keep-alive streams read in the loop's callback, or by a reader "
                         "task per stream (before 2026-11-30)")
@@ -1577,6 +1604,12 @@ def main() -> int:
     p.add_argument("--ranks-per-node", type=int, default=8)
     p.add_argument("--replicas", type=int, default=2, help="m: copies of each snapshot")
     a = p.parse_args()
+    if a.keepalive_stream_per_lease:
+        most = -(-max(int(x) for x in a.sizes.split(",")) // a.procs)
+        if not a.keepalive_by_node or a.keepalive_streams < 2 * most:
+            p.error(f"--keepalive-stream-per-lease needs --keepalive-by-node 1 and "
+                    f"--keepalive-streams >= {2 * most} (two leases per node, {most} nodes "
+                    f"per process)")
     a.commit_authkey = os.urandom(16)
     sizes = [int(x) for x in a.sizes.split(",") if x]
     signal.signal(signal.SIGTERM, on_term)
