@@ -56,7 +56,7 @@ from elasticd.replication.commit import (
 from elasticd.replication.fences import read_fence, withdraw
 from elasticd.replication.placement import Placement
 from elasticd.replication.report import Reply, Report, placement_digest
-from elasticd.replication.follower import follow
+from elasticd.replication.follower import first_look, follow, followers_due
 from elasticd.replication.reporter import Reporter
 
 log = logging.getLogger(__name__)
@@ -126,6 +126,9 @@ class JobState:
         latest: per local rank, the newest local snapshot notified.
         gen_base: per generation, the step before its first local snapshot (for sync lag).
         book: which copies stay, and the versions followed until decided.
+        unstarted: followed versions whose follower has not started yet, each with its first
+            look (it starts when it may have to act:
+            :func:`~elasticd.replication.follower.followers_due`).
         skipped: versions a local rank skipped or this node withdrew (newest first), published
             in the record: they can never be committed.
         withdrawn: versions this node withdrew (newest first), published apart (see
@@ -145,6 +148,7 @@ class JobState:
     latest: dict[int, Version] = dataclasses.field(default_factory=dict)
     gen_base: dict[int, int] = dataclasses.field(default_factory=dict)
     book: CommitBook = dataclasses.field(default_factory=lambda: CommitBook(0.0))
+    unstarted: dict[Version, float] = dataclasses.field(default_factory=dict)
     skipped: list[Version] = dataclasses.field(default_factory=list)
     withdrawn: list[Version] = dataclasses.field(default_factory=list)
     grid: Grid = dataclasses.field(default_factory=Grid)
@@ -273,14 +277,51 @@ class CommitTracker:
                 self.withdraw_after, OUTAGE_TTLS * self.reporter.ttl))
         return st
 
-    def _perform(self, job: str, actions: Actions) -> None:
+    def _perform(self, job: str, actions: Actions, at_once: bool = False) -> None:
         """Performs the commit book's actions (call with :attr:`lock` held, so that two
-        events' actions never interleave), and starts a follower."""
-        apply_actions(self.state(job).book, job, actions, self.stores)
-        if actions.follow is not None:
-            # Not counted by wait_idle: a version waiting for a commit that may never come is
-            # not work in progress.
-            self._submit(follow, self, job, actions.follow, track=False)
+        events' actions never interleave); a version to follow is followed from when it may
+        have to act (``at_once``: a blocking one), see :mod:`~elasticd.replication.follower`.
+        """
+        st = self.state(job)
+        apply_actions(st.book, job, actions, self.stores)
+        if actions.follow is None:
+            return
+        if at_once:
+            self._follow(job, actions.follow)
+            return
+        # A tick by its first look starts it in time (it then waits for the look): the ticker
+        # is woken only when its next tick comes later, not at every acknowledgement.
+        st.unstarted[actions.follow] = look = first_look(st.book, actions.follow)
+        self.reporter.tick_by(look)
+
+    def _follow(self, job: str, version: Version, look: float = float("-inf"),
+                hopeless: bool = False) -> None:
+        # Not counted by wait_idle: a version waiting for a commit that may never come is
+        # not work in progress.
+        self._submit(follow, self, job, version, look, hopeless, track=False)
+
+    def start_followers(self, now: float) -> float:
+        """Starts the followers that may have to act before the next tick (the reporter's
+        tick calls it); returns when the next one is due (inf: none waits to start)."""
+        next_at = float("inf")
+        with self.lock:
+            for job, st in self.jobs.items():
+                if st.unstarted:
+                    due, at = followers_due(st.book, st.unstarted, now)
+                    next_at = min(next_at, at)
+                    for version, look in due:
+                        self._follow(job, version, look)
+        return next_at
+
+    def follow_hopeless(self, job: str, hopeless: frozenset[Version]) -> None:
+        """A coordinator's reply named ``hopeless`` versions (call with :attr:`lock` held):
+        those whose follower has not started start now, to withdraw them (the running ones
+        are woken by the caller)."""
+        st = self.jobs.get(job)
+        if st is None or not st.unstarted:
+            return
+        for version in [v for v in st.unstarted if v in hopeless]:
+            self._follow(job, version, st.unstarted.pop(version), hopeless=True)
 
     def on_landed(self, job: str, rank: int, version: Version,
                   holder: Holder = Holder.LOCAL) -> None:
@@ -307,14 +348,16 @@ class CommitTracker:
             older = st.book.holding_back(rank, v) if st is not None else None
             if older is None:
                 return False
-            self._perform(job, st.book.blocked(older, now))
+            # Followed at once when not followed (its deadline may be past); one whose follower
+            # waits to start keeps its first look, as a running follower would.
+            self._perform(job, st.book.blocked(older, now), at_once=True)
             return True
 
     def on_blocked(self, job: str, version: Version) -> None:
         """A local snapshot was skipped: ``version`` holds the slot it needs."""
         v, now = (int(version[0]), int(version[1])), self.clock.monotonic()
         with self.lock:
-            self._perform(job, self.state(job).book.blocked(v, now))
+            self._perform(job, self.state(job).book.blocked(v, now), at_once=True)
 
     def _grid_write(self, what: str, write: Callable[[], Any]) -> None:
         try:
