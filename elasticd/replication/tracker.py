@@ -121,6 +121,11 @@ class JobState:
         ahead_record: the ahead record's value as last seen (None: absent); :attr:`ahead`
             is its version.
         committed_at_change: the committed version when the placement last changed.
+        collected: what ``on_advance`` was last handed a commit for since then: its holders'
+            placement digest and overrides (None: nothing yet).
+        held_here: the ranks whose replicas the placement in force gives this node.
+        stray: a replica of a rank not in :attr:`held_here` landed since ``on_advance`` was
+            last handed a commit.
         acked: per local rank and version, the peers that acknowledged a verified copy.
         replicated: per local rank, versions with ``m`` copies, newest first.
         latest: per local rank, the newest local snapshot notified.
@@ -143,6 +148,9 @@ class JobState:
     committed_rev: int = 0
     ahead_record: bytes | None = None
     committed_at_change: Version | None = None
+    collected: tuple[str, Mapping[int, tuple[str, ...]]] | None = None
+    held_here: frozenset[int] = frozenset()
+    stray: bool = False
     acked: dict[int, dict[Version, set[str]]] = dataclasses.field(default_factory=dict)
     replicated: dict[int, list[Version]] = dataclasses.field(default_factory=dict)
     latest: dict[int, Version] = dataclasses.field(default_factory=dict)
@@ -238,7 +246,9 @@ class CommitTracker:
     Args:
         background: runs the tracker's work off the caller's thread (the replicator's pool).
         on_advance: called (in the background) with a job whose commit moved past the one in
-            force when its placement last changed.
+            force when its placement last changed: at the first such commit, then at a later
+            one only when its holders differ or a replica of a rank the placement does not
+            give this node landed since.
         withdraw_after: seconds an acknowledged version that blocks a local snapshot may wait
             for its commit before it is withdrawn (:mod:`~elasticd.replication.follower`).
         stores: the slot stores the commit book's retentions are placed in.
@@ -330,7 +340,10 @@ class CommitTracker:
         Call it before the copy is counted anywhere, while it is sure to be held."""
         v, now = (int(version[0]), int(version[1])), self.clock.monotonic()
         with self.lock:
-            self._perform(job, self.state(job).book.landed(holder, rank, v, now))
+            st = self.state(job)
+            if holder is Holder.REPLICA and rank not in st.held_here:
+                st.stray = True  # the next commit's on_advance may free it
+            self._perform(job, st.book.landed(holder, rank, v, now))
 
     def on_superseded(self, job: str, rank: int, version: Version) -> None:
         """A newer replica of ``rank`` arrived while ``version`` still held its slot."""
@@ -380,6 +393,9 @@ class CommitTracker:
             st.previous, st.placement = old, placement
             st.digest = placement_digest(placement)
             st.committed_at_change = st.committed.version if st.committed else None
+            st.collected = None
+            st.held_here = frozenset(r for o in placement.held_by(self.node_id)
+                                     for r in placement.ranks.get(o, ()))
             need_watch = job not in self.prefix.watches
         self.reporter.placement_changed(job)
         return old, need_watch
@@ -537,8 +553,16 @@ class CommitTracker:
                 self.counters["commits"] += 1
             newer = old is None or committed.version > old.version
             told = self.commits.claim(newer and committed.version[0] >= st.book.floor)
+            # What on_advance reads (the placement, the commit's holders, the replicas here)
+            # changed since it was last handed a commit: not at every commit, every node, when
+            # nothing did. A record listing every holder (schema 1) is handed every time.
+            holders = (committed.placement, committed.overrides) if committed.placement else None
+            collect = advanced and newer and (holders is None or holders != st.collected
+                                              or st.stray)
+            if collect:
+                st.collected, st.stray = holders, False
         self.commits.tell(job, committed.version, told)
-        if advanced and newer:
+        if collect:
             self._submit(self._advance, job)
         # Halved by the coordinator alone, when due: not read per commit, nor by every node.
         if newer and st.grid.relaxed(committed.version) is not None and (
