@@ -18,6 +18,13 @@ Each question is a report the coordinator decodes and weighs, so the follower as
   wakes its follower at once, whenever it comes;
 * past the deadline of a version that blocks a snapshot, at once (a withdrawal waits for an
   answer given after the deadline), then every :data:`ASK_AT_MOST` while none comes.
+
+A follower holds a thread of the tracker's pool while it runs, so it starts only when it may
+have to act: a version that blocks a snapshot at once, every other one (all of them, in steady
+training) :data:`START_AHEAD` before its question is due, by the reporter's tick
+(:func:`followers_due`), or at once when a reply names it hopeless. Most versions are committed
+before then and are never followed by a thread: none waits for the commit, holding a pool thread
+that the node's reports and pushes need (2 threads on a daemon), and none is woken by it.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from elasticd.replication.api import Version
 from elasticd.replication.commit_state import Verdict
 
 if TYPE_CHECKING:
+    from elasticd.replication.commit_state import CommitBook
     from elasticd.replication.tracker import CommitTracker
 
 #: Seconds before a version's next snapshot (or its deadline) at which its follower asks: the
@@ -37,11 +45,44 @@ ASK_LEAD = 0.1
 ASK_AT_MOST = 0.8
 #: Seconds between two looks past the deadline (cheap: the commit book, no question).
 LOOK_EVERY = 0.05
+#: Seconds before its first look at which a version's follower starts, by the reporter's tick:
+#: the shortest time between two ticks (reporter.TICK), so that the tick before the look starts
+#: it. A tick planned for later than the look is brought forward (``Reporter.tick_by``).
+START_AHEAD = 0.1
 
 
-def follow(t: "CommitTracker", job: str, version: Version) -> None:
-    """Follows ``version`` of ``job`` on ``t`` until decided; withdraws it when so decided."""
-    hopeless, asked = False, False
+def first_look(book: "CommitBook", version: Version) -> float:
+    """When the follower of ``version``, acknowledged now, first looks whether to ask: its
+    question's time as known now (a later landing may teach the book a shorter cadence: the
+    follower sees it at this look, not before)."""
+    return book.ask_at(version, ASK_LEAD)
+
+
+def followers_due(book: "CommitBook", waiting: dict[Version, float],
+                  now: float) -> tuple[list[tuple[Version, float]], float]:
+    """Of the versions whose follower has not started (``waiting``: each one's
+    :func:`first_look`; updated in place): those whose follower starts now, their first look
+    within :data:`START_AHEAD`; and when the next of the others is due (inf: none). A version
+    decided meanwhile (committed, most of them) leaves ``waiting`` unfollowed: its follower
+    would only have found it decided."""
+    due, next_at = [], float("inf")
+    for version, look in list(waiting.items()):
+        if book.ask_at(version, ASK_LEAD) == float("-inf"):  # no longer in the book: decided
+            del waiting[version]
+        elif look - START_AHEAD <= now:
+            del waiting[version]
+            due.append((version, look))
+        else:
+            next_at = min(next_at, look - START_AHEAD)
+    return due, next_at
+
+
+def follow(t: "CommitTracker", job: str, version: Version, look: float = float("-inf"),
+           hopeless: bool = False) -> None:
+    """Follows ``version`` of ``job`` on ``t`` until decided; withdraws it when so decided.
+    ``look``: its :func:`first_look`, for a follower started ahead of it (nothing is asked
+    before it, unless past the deadline); ``hopeless``: started by a reply naming it so."""
+    asked = False
     while True:
         with t.cond:
             st = t.jobs.get(job)
@@ -53,10 +94,11 @@ def follow(t: "CommitTracker", job: str, version: Version) -> None:
                 break
             deadline, ask_at = st.book.deadline(version), st.book.ask_at(version, ASK_LEAD)
             past = now >= deadline
-            question = past or (now >= ask_at and not asked)
+            question = past or (now >= ask_at and now >= look and not asked)
             if not question:
                 # Nothing to ask yet: a commit, or a reply naming it hopeless, wakes it.
-                t.cond.wait(min((ask_at if now < ask_at else deadline) - now, 3600.0))
+                until = look if now < look else ask_at if now < ask_at else deadline
+                t.cond.wait(min(until - now, 3600.0))
         if not question:
             hopeless = t.reporter.hopeless(job, version, ask=False)
         elif not past:

@@ -117,6 +117,8 @@ class Reporter:
         self.jobs: dict[str, JobReports] = {}
         #: Set when work may have become due before the next tick (:meth:`tick`'s answer).
         self.wake = threading.Event()
+        #: When the next tick is due, as the last one said (inf: not said, or one running).
+        self._next_tick = float("inf")
         #: Runs :meth:`tick` when it says, and when woken (started by the replicator).
         self.ticker = Ticker(lambda: self.tick(), self.wake, TICK,
                              f"commit-tick-{tracker.node_id}")
@@ -309,6 +311,7 @@ class Reporter:
                 j.hopeless, j.answered_at = frozenset(reply.hopeless), now
                 if j.hopeless:  # a follower waiting on one of them withdraws it now
                     self.t.cond.notify_all()
+                    self.t.follow_hopeless(job, j.hopeless)
                 j.failures, j.last_reason = 0, ""
                 known = st.committed.version if st is not None and st.committed else None
                 # The coordinator knows a newer commit than our watch brought: the watch
@@ -408,13 +411,21 @@ class Reporter:
 
     # -- periodic work --------------------------------------------------------------------------
 
+    def tick_by(self, at: float) -> None:
+        """Work comes due at ``at`` (monotonic): the ticker is woken unless its next tick
+        comes by then (call it after the work is where :meth:`tick` finds it)."""
+        if at < self._next_tick:
+            self.wake.set()
+
     def tick(self) -> float:
-        """One round of periodic work: the election lease, due retries and campaigns. Returns
-        the seconds until the next round is due (:data:`TICK` to :data:`IDLE_TICK`)."""
+        """One round of periodic work: the election lease, due retries and campaigns, the
+        followers due to start. Returns the seconds until the next round is due (:data:`TICK`
+        to :data:`IDLE_TICK`)."""
+        self._next_tick = float("inf")  # work made due meanwhile wakes the ticker again
         now = self.t.clock.monotonic()
         with self.t.lock:
             jobs = list(self.jobs.items())
-        due_in = IDLE_TICK
+        due_in = min(IDLE_TICK, self.t.start_followers(now) - now)
         for job, j in jobs:
             leading = j.leading
             if leading is not None:
@@ -444,7 +455,9 @@ class Reporter:
                          j.retry_at if j.dirty and j.ship is not None and not j.busy
                          else float("inf"))
             due_in = min(due_in, TICK if j.leading is not None else at - now)
-        return max(TICK, due_in)
+        due_in = max(TICK, due_in)
+        self._next_tick = now + due_in
+        return due_in
 
     def settled(self) -> bool:
         """No report being sent, and none waiting that its coordinator could take now."""

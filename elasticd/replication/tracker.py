@@ -56,7 +56,7 @@ from elasticd.replication.commit import (
 from elasticd.replication.fences import read_fence, withdraw
 from elasticd.replication.placement import Placement
 from elasticd.replication.report import Reply, Report, placement_digest
-from elasticd.replication.follower import follow
+from elasticd.replication.follower import first_look, follow, followers_due
 from elasticd.replication.reporter import Reporter
 
 log = logging.getLogger(__name__)
@@ -121,11 +121,19 @@ class JobState:
         ahead_record: the ahead record's value as last seen (None: absent); :attr:`ahead`
             is its version.
         committed_at_change: the committed version when the placement last changed.
+        collected: what ``on_advance`` was last handed a commit for since then: its holders'
+            placement digest and overrides (None: nothing yet).
+        held_here: the ranks whose replicas the placement in force gives this node.
+        stray: a replica of a rank not in :attr:`held_here` landed since ``on_advance`` was
+            last handed a commit.
         acked: per local rank and version, the peers that acknowledged a verified copy.
         replicated: per local rank, versions with ``m`` copies, newest first.
         latest: per local rank, the newest local snapshot notified.
         gen_base: per generation, the step before its first local snapshot (for sync lag).
         book: which copies stay, and the versions followed until decided.
+        unstarted: followed versions whose follower has not started yet, each with its first
+            look (it starts when it may have to act:
+            :func:`~elasticd.replication.follower.followers_due`).
         skipped: versions a local rank skipped or this node withdrew (newest first), published
             in the record: they can never be committed.
         withdrawn: versions this node withdrew (newest first), published apart (see
@@ -140,11 +148,15 @@ class JobState:
     committed_rev: int = 0
     ahead_record: bytes | None = None
     committed_at_change: Version | None = None
+    collected: tuple[str, Mapping[int, tuple[str, ...]]] | None = None
+    held_here: frozenset[int] = frozenset()
+    stray: bool = False
     acked: dict[int, dict[Version, set[str]]] = dataclasses.field(default_factory=dict)
     replicated: dict[int, list[Version]] = dataclasses.field(default_factory=dict)
     latest: dict[int, Version] = dataclasses.field(default_factory=dict)
     gen_base: dict[int, int] = dataclasses.field(default_factory=dict)
     book: CommitBook = dataclasses.field(default_factory=lambda: CommitBook(0.0))
+    unstarted: dict[Version, float] = dataclasses.field(default_factory=dict)
     skipped: list[Version] = dataclasses.field(default_factory=list)
     withdrawn: list[Version] = dataclasses.field(default_factory=list)
     grid: Grid = dataclasses.field(default_factory=Grid)
@@ -234,7 +246,9 @@ class CommitTracker:
     Args:
         background: runs the tracker's work off the caller's thread (the replicator's pool).
         on_advance: called (in the background) with a job whose commit moved past the one in
-            force when its placement last changed.
+            force when its placement last changed: at the first such commit, then at a later
+            one only when its holders differ or a replica of a rank the placement does not
+            give this node landed since.
         withdraw_after: seconds an acknowledged version that blocks a local snapshot may wait
             for its commit before it is withdrawn (:mod:`~elasticd.replication.follower`).
         stores: the slot stores the commit book's retentions are placed in.
@@ -273,14 +287,51 @@ class CommitTracker:
                 self.withdraw_after, OUTAGE_TTLS * self.reporter.ttl))
         return st
 
-    def _perform(self, job: str, actions: Actions) -> None:
+    def _perform(self, job: str, actions: Actions, at_once: bool = False) -> None:
         """Performs the commit book's actions (call with :attr:`lock` held, so that two
-        events' actions never interleave), and starts a follower."""
-        apply_actions(self.state(job).book, job, actions, self.stores)
-        if actions.follow is not None:
-            # Not counted by wait_idle: a version waiting for a commit that may never come is
-            # not work in progress.
-            self._submit(follow, self, job, actions.follow, track=False)
+        events' actions never interleave); a version to follow is followed from when it may
+        have to act (``at_once``: a blocking one), see :mod:`~elasticd.replication.follower`.
+        """
+        st = self.state(job)
+        apply_actions(st.book, job, actions, self.stores)
+        if actions.follow is None:
+            return
+        if at_once:
+            self._follow(job, actions.follow)
+            return
+        # A tick by its first look starts it in time (it then waits for the look): the ticker
+        # is woken only when its next tick comes later, not at every acknowledgement.
+        st.unstarted[actions.follow] = look = first_look(st.book, actions.follow)
+        self.reporter.tick_by(look)
+
+    def _follow(self, job: str, version: Version, look: float = float("-inf"),
+                hopeless: bool = False) -> None:
+        # Not counted by wait_idle: a version waiting for a commit that may never come is
+        # not work in progress.
+        self._submit(follow, self, job, version, look, hopeless, track=False)
+
+    def start_followers(self, now: float) -> float:
+        """Starts the followers that may have to act before the next tick (the reporter's
+        tick calls it); returns when the next one is due (inf: none waits to start)."""
+        next_at = float("inf")
+        with self.lock:
+            for job, st in self.jobs.items():
+                if st.unstarted:
+                    due, at = followers_due(st.book, st.unstarted, now)
+                    next_at = min(next_at, at)
+                    for version, look in due:
+                        self._follow(job, version, look)
+        return next_at
+
+    def follow_hopeless(self, job: str, hopeless: frozenset[Version]) -> None:
+        """A coordinator's reply named ``hopeless`` versions (call with :attr:`lock` held):
+        those whose follower has not started start now, to withdraw them (the running ones
+        are woken by the caller)."""
+        st = self.jobs.get(job)
+        if st is None or not st.unstarted:
+            return
+        for version in [v for v in st.unstarted if v in hopeless]:
+            self._follow(job, version, st.unstarted.pop(version), hopeless=True)
 
     def on_landed(self, job: str, rank: int, version: Version,
                   holder: Holder = Holder.LOCAL) -> None:
@@ -289,7 +340,10 @@ class CommitTracker:
         Call it before the copy is counted anywhere, while it is sure to be held."""
         v, now = (int(version[0]), int(version[1])), self.clock.monotonic()
         with self.lock:
-            self._perform(job, self.state(job).book.landed(holder, rank, v, now))
+            st = self.state(job)
+            if holder is Holder.REPLICA and rank not in st.held_here:
+                st.stray = True  # the next commit's on_advance may free it
+            self._perform(job, st.book.landed(holder, rank, v, now))
 
     def on_superseded(self, job: str, rank: int, version: Version) -> None:
         """A newer replica of ``rank`` arrived while ``version`` still held its slot."""
@@ -307,14 +361,16 @@ class CommitTracker:
             older = st.book.holding_back(rank, v) if st is not None else None
             if older is None:
                 return False
-            self._perform(job, st.book.blocked(older, now))
+            # Followed at once when not followed (its deadline may be past); one whose follower
+            # waits to start keeps its first look, as a running follower would.
+            self._perform(job, st.book.blocked(older, now), at_once=True)
             return True
 
     def on_blocked(self, job: str, version: Version) -> None:
         """A local snapshot was skipped: ``version`` holds the slot it needs."""
         v, now = (int(version[0]), int(version[1])), self.clock.monotonic()
         with self.lock:
-            self._perform(job, self.state(job).book.blocked(v, now))
+            self._perform(job, self.state(job).book.blocked(v, now), at_once=True)
 
     def _grid_write(self, what: str, write: Callable[[], Any]) -> None:
         try:
@@ -337,6 +393,9 @@ class CommitTracker:
             st.previous, st.placement = old, placement
             st.digest = placement_digest(placement)
             st.committed_at_change = st.committed.version if st.committed else None
+            st.collected = None
+            st.held_here = frozenset(r for o in placement.held_by(self.node_id)
+                                     for r in placement.ranks.get(o, ()))
             need_watch = job not in self.prefix.watches
         self.reporter.placement_changed(job)
         return old, need_watch
@@ -494,8 +553,16 @@ class CommitTracker:
                 self.counters["commits"] += 1
             newer = old is None or committed.version > old.version
             told = self.commits.claim(newer and committed.version[0] >= st.book.floor)
+            # What on_advance reads (the placement, the commit's holders, the replicas here)
+            # changed since it was last handed a commit: not at every commit, every node, when
+            # nothing did. A record listing every holder (schema 1) is handed every time.
+            holders = (committed.placement, committed.overrides) if committed.placement else None
+            collect = advanced and newer and (holders is None or holders != st.collected
+                                              or st.stray)
+            if collect:
+                st.collected, st.stray = holders, False
         self.commits.tell(job, committed.version, told)
-        if advanced and newer:
+        if collect:
             self._submit(self._advance, job)
         # Halved by the coordinator alone, when due: not read per commit, nor by every node.
         if newer and st.grid.relaxed(committed.version) is not None and (

@@ -11,11 +11,13 @@ import time
 from elasticd.clock import SystemClock
 from elasticd.coordination.keys import Keyspace
 from elasticd.replication.background import Background
+from elasticd.replication.commit import commit_of
 from elasticd.replication.commit_state import CommitBook, Holder, Verdict
 from elasticd.replication.election import Coordinatorship
 from elasticd.replication.placement import compute_placement
 from elasticd.replication.report import Reply
 from elasticd.replication.tracker import CommitTracker
+from elasticd.testing.clock import FakeClock
 from elasticd.testing.coordination import MemoryCoordinator, MemoryStore
 
 JOB, VERSION = "job", (0, 7)
@@ -42,6 +44,7 @@ def test_a_follower_asks_once_shortly_before_the_next_snapshot_is_due():
         tracker.set_placement(JOB, compute_placement(["n1", "n2"], {"n1": [0], "n2": [1]}, 2,
                                                      round=1))
         tracker.reporter.coordinator_seen(JOB, Coordinatorship("n2", 7, 1))
+        tracker.reporter.ticker.start()  # it starts each follower (as the replicator's does)
         t0[0] = time.monotonic()
         for step in (1, 2):
             tracker.on_landed(JOB, 0, (0, step))
@@ -136,3 +139,50 @@ def test_a_hopeless_answer_ends_the_wait_at_once():
     thread.join(2)
     assert f.withdrawn_at is not None and f.withdrawn_at < 0.7
     assert f.asked == []  # its question was not due: the answer came with another report
+
+
+def test_a_version_holds_no_pool_thread_while_it_waits_for_its_commit():
+    """A follower holds a thread of the tracker's pool while it runs (2 on a daemon, where
+    reports and pushes need them), so it starts only when it may have to act, by the reporter's
+    tick: a version committed before its question is due is never followed by a thread; one
+    that is not gets its follower from the tick before its question, and the question is asked.
+    The old followers waited for the commit on the pool's threads from the acknowledgement on:
+    two versions waiting took both."""
+    clock, sent = FakeClock(), []
+    background = Background("follow-test", 2)
+
+    def send(node, report):
+        sent.append(report)
+        return Reply(True, "", (), None)
+
+    tracker = CommitTracker("n1", MemoryCoordinator(MemoryStore()), Keyspace("/t"), clock,
+                            background, lambda job: None, commit_wait=0.0,
+                            withdraw_after=60.0, send=send, lease_ttl=2.0)
+    try:
+        placement = compute_placement(["n1", "n2"], {"n1": [0], "n2": [1]}, 2, round=1)
+        tracker.set_placement(JOB, placement)
+        tracker.reporter.coordinator_seen(JOB, Coordinatorship("n2", 7, 1))
+        for step in (1, 2):
+            tracker.on_pushed(JOB, (0, step), [0], "n2")
+            clock.advance(1.0)  # a snapshot a second
+        ran = threading.Event()
+        background.submit(ran.set)  # the pool's threads are free while both wait
+        assert ran.wait(10)
+        tracker.learn(JOB, commit_of((0, 2), placement, "n2", clock.wall()))
+        assert tracker.start_followers(clock.monotonic() + 60) == float("inf")
+        assert tracker.jobs[JOB].unstarted == {}  # committed: never followed by a thread
+
+        tracker.on_pushed(JOB, (0, 3), [0], "n2")
+        assert background.wait_idle(10)
+        look = tracker.jobs[JOB].unstarted[(0, 3)]
+        before = len(sent)
+        clock.advance(look - clock.monotonic())
+        tracker.reporter.tick()  # starts its follower, which asks whether (0, 3) is hopeless
+        assert tracker.jobs[JOB].unstarted == {}
+        until = time.monotonic() + 10
+        while len(sent) == before and time.monotonic() < until:
+            time.sleep(0.01)
+        assert len(sent) > before and (0, 3) in sent[-1].ask
+    finally:
+        tracker.close()
+        background.close()
