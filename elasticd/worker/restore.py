@@ -403,6 +403,11 @@ def restore(state: Any, sources: Sources, collective: Collective, clock: Any,
         result.step, result.generation = agreed.held[1], agreed.held[0]
         result.source, result.in_memory = "local", True
         result.saved_world_size = sources.previous[1] if sources.previous else sources.world
+        if result.saved_world_size != sources.world:
+            log.warning("elasticd: rank %d restored step %s saved by %d ranks into a world of "
+                        "%d (old rank %d's snapshot, in its own slot: already in memory, "
+                        "nothing loaded)", sources.rank, agreed.held, result.saved_world_size,
+                        sources.world, sources.previous[0] if sources.previous else sources.rank)
     for version, world in candidates:
         if world != sources.world:
             sources.prepare(state)

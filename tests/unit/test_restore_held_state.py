@@ -99,7 +99,7 @@ def test_survivors_whose_memory_is_the_agreed_step_load_nothing(service):  # noq
 def test_a_state_moved_since_its_snapshot_is_loaded_on_every_rank(service, after):  # noqa: F811
     results, opens, states, ref = _run(service, after)
     assert [step for step, _ in results] == [5, 5]
-    assert not any(res.in_memory for _, res in results)
+    assert not any(getattr(res, "in_memory", False) for _, res in results)
     assert sorted(opens) == [0, 2]  # each survivor's own slot, as before
     assert all(_same_model(state, ref) for state in states)  # step 5 again, bitwise
     assert states[1]["optim"].param_groups[0]["lr"] == ref["lr"]
@@ -108,4 +108,5 @@ def test_a_state_moved_since_its_snapshot_is_loaded_on_every_rank(service, after
 def test_a_state_with_buffers_is_always_loaded(service):  # noqa: F811
     results, opens, _, _ = _run(service, lambda state: None, norm=True)
     assert [step for step, _ in results] == [5, 5]
-    assert not any(res.in_memory for _, res in results) and sorted(opens) == [0, 2]
+    assert not any(getattr(res, "in_memory", False) for _, res in results)
+    assert sorted(opens) == [0, 2]
