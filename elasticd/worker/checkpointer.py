@@ -46,14 +46,14 @@ from typing import Any, Callable, Mapping, MutableMapping
 import torch
 
 import elasticd.worker
-from elasticd.worker import in_process
+from elasticd.worker import held_state, in_process
 from elasticd.worker import restore as _restore
 from elasticd.worker.sources import Sources, close_fds
 from elasticd.worker.copier import Copier, CpuCopier, copy_into
 from elasticd.snapshot.format import PREAMBLE_SIZE
 from elasticd.worker.optimizer_fence import OptimizerFence
 from elasticd.worker.slot_maps import SlotMaps
-from elasticd.worker.snapshot_plan import Plan, Planner, compact_json, meta_json
+from elasticd.worker.snapshot_plan import Plan, Planner, compact_json, meta_json, sync_mask
 from elasticd.worker.state import FlatState, UnsupportedValue
 from elasticd.clock import SYSTEM_CLOCK
 
@@ -144,6 +144,8 @@ class Checkpointer:
         self.copier = copier or CpuCopier(background=True)
         self.generation = 0
         self.last_restore: RestoreResult | None = None
+        #: The snapshot the live state still is while nothing changes it (held_state).
+        self._held: held_state.Held | None = None
         #: Totals: ``stall_seconds`` (in save), ``hook_wait_seconds`` (optimizer pre-hooks),
         #: ``copy_seconds`` (background copy after save returned), ``seal_seconds`` (header
         #: and the daemon's checksums, on the background thread).
@@ -191,6 +193,7 @@ class Checkpointer:
             and torch.distributed.is_initialized() else _restore.Solo())
         sources = Sources(self.transport, self.job, self.rank, self.world_size, self.persist_dir,
                           previous=previous)
+        sources.held = self._still_held(state)
         try:
             result = _restore.restore(state, sources, collective, SYSTEM_CLOCK.perf_counter,
                                       _restore.replicated_keys(state, self.replicated),
@@ -200,6 +203,8 @@ class Checkpointer:
             self.rank, self.world_size, self.local_world_size = was
             raise
         self.generation, self.last_restore = result.next_generation, result
+        if not result.in_memory:
+            self._held = None  # loaded (or nothing was): not the snapshot it was
         self._tell("ckpt_report", job=self.job, rank=self.rank, source=result.source,
                    seconds=result.seconds, steps_lost=result.steps_lost, bytes=result.nbytes,
                    generation=result.generation, step=result.step, refused=result.refused,
@@ -207,6 +212,18 @@ class Checkpointer:
                    path="in_process" if in_process.kept() else "restart")
         self._register(result.step, one_way=True)
         return result.step
+
+    def _still_held(self, state: Mapping[str, Any]) -> Any:
+        """The version of the last snapshot ``state`` was saved as, when nothing has changed
+        it since (:mod:`.held_state`), else None."""
+        if self._held is None:
+            return None
+        try:
+            flat = self._planner.flatten(state)
+        except Exception:  # noqa: BLE001 — the restore says what is wrong with the state
+            return None
+        return held_state.still(self._held, held_state.mark(
+            flat, self._fence.steps, sync_mask(state, flat.names)))
 
     def _identity(self) -> tuple[int, int, int]:
         """Rank, world size and local world size: as given, else from the initialised
@@ -351,6 +368,8 @@ class Checkpointer:
         self.stats["stall_seconds"] += stall
         self._done = self._pool.submit(self._seal, self._fence.copy, buf, plan, step, flat.meta,
                                        reply["ticket"], stall, copied_from)
+        now = held_state.mark(flat, self._fence.steps, plan.sync_mask)
+        self._held = None if now is None else held_state.Held((self.generation, step), now)
         return True
 
     def wait(self, timeout: float | None = None) -> None:

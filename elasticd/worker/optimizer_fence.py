@@ -36,6 +36,9 @@ class OptimizerFence:
         self._stall = 0.0
         #: The copy in flight (a CopyHandle), or None.
         self.copy: Any = None
+        #: Optimizer steps taken so far, by every hooked optimizer (held_state: whether the
+        #: live state is still the step last snapshotted).
+        self.steps = 0
 
     def watch(self, state: Mapping[str, Any]) -> None:
         """Hooks every optimizer in ``state`` not hooked yet.
@@ -67,6 +70,7 @@ class OptimizerFence:
         self._hooks.clear()
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.steps += 1
         copy = self.copy
         if copy is None or copy.done():
             return

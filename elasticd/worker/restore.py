@@ -30,6 +30,9 @@ its agent restarted on the same node (a fallback: told the rank it replaces): a 
 offers is tried first when newest, each rank loading the shard it wrote (see :func:`agree`);
 a step some survivors completed one past the others is tried before it, handed by a holder
 to each rank that lacks it over the new group (:mod:`elasticd.worker.handover`).
+When every rank's live state still is the step picked first (a survivor whose state nothing
+changed since it snapshotted that step, its own slot holding it: :mod:`elasticd.worker.held_state`),
+nothing is fetched or loaded.
 
 Whatever is restored, new snapshots start a new generation above every generation seen, so
 snapshots of an abandoned timeline (written after the restored step, before the failure) never
@@ -152,6 +155,8 @@ class RestoreResult:
         refused: snapshots refused (or lost) on the way, with the reason.
         saved_world_size: the world size the restored snapshot was taken at (differs from the
             current one after a shrink); 0 for a fresh start.
+        in_memory: every rank's live state already was the step (source "local": its own
+            slot holds it), so nothing was loaded (:mod:`.held_state`).
         times: the restore's moments, wall time (``wall`` of :func:`restore`): ``discovered``
             (this rank's sources listed), ``agreed`` (the ranks' all_gather returned),
             ``fetched`` (this rank's shard in hand), ``loaded`` (every rank loaded): the
@@ -168,6 +173,7 @@ class RestoreResult:
     refused: list[str] = dataclasses.field(default_factory=list)
     saved_world_size: int = 0
     times: dict[str, float] = dataclasses.field(default_factory=dict)
+    in_memory: bool = False
 
 
 class Collective:
@@ -258,8 +264,8 @@ class TorchCollective(Collective):
 # daemon did not answer, K). K: how many of the rows after the head are its own offers
 # (Sources.own, newest first), the versions follow them; 0 from a rank with no previous rank
 # (a fresh process) and from an elasticd older than own offers, whose rows are then read as
-# they always were.
-_HEAD = 4
+# they always were. Then the version its live state still is (Sources.held_offer), or _NONE.
+_HEAD = 5
 #: At most this many own offers per rank (a rank's slots hold two or three steps).
 _OWN_ROWS = 8
 
@@ -273,11 +279,14 @@ class Agreement:
         seen: the newest version any rank knows of, or None.
         handover: the step some survivors completed and others not, which the holders hand
             to the others (:mod:`.handover`), or None.
+        held: the version every rank's live state still is (:mod:`.held_state`), each rank's
+            own slot holding it, or None.
     """
 
     candidates: list[tuple[Version, int]]
     seen: Version | None
     handover: Handover | None = None
+    held: Version | None = None
 
 
 def agree(sources: Sources, collective: Collective,
@@ -306,7 +315,7 @@ def agree(sources: Sources, collective: Collective,
     own = sorted(sources.own, reverse=True)[:_OWN_ROWS]
     head = [sources.progress or _NONE, sources.committed or _NONE,
             (sources.committed_world or -1, 1),
-            (1 if sources.unreachable else 0, len(own))]
+            (1 if sources.unreachable else 0, len(own)), sources.held_offer() or _NONE]
     gathered = [_split(rows) for rows in collective.all_gather(head + own + mine)]
     mark("agreed")
     offers = [rows.pop() for rows in gathered]  # gathered: head + versions, as before
@@ -346,7 +355,9 @@ def agree(sources: Sources, collective: Collective,
             log.warning("elasticd: committed step %s was saved by %d ranks and %d run now, but "
                         "a rank's elasticd (older) cannot restore it at the new world size; "
                         "falling back", version, world, sources.world)
-    return Agreement(sorted(candidates.items(), reverse=True), max(seen, default=None), handover)
+    held = {rows[4] if len(rows) > 4 else _NONE for rows in gathered}
+    return Agreement(sorted(candidates.items(), reverse=True), max(seen, default=None), handover,
+                     held.pop() if len(held) == 1 and _NONE not in held else None)
 
 
 def _split(rows: list[Version]) -> list[Any]:
@@ -380,7 +391,24 @@ def restore(state: Any, sources: Sources, collective: Collective, clock: Any,
     differ: list[str] | None = []
     agreed = agree(sources, collective, mark)
     seen = agreed.seen
-    for version, world in agreed.candidates:
+    candidates = agreed.candidates
+    if candidates and candidates[0][0] == agreed.held:
+        # Every rank's memory already is the step the agreement picks first, and each rank's
+        # own slot holds it (its daemon listed it): nothing to fetch, load or compare (the
+        # replicas were equal at the step's start and took the same update). The same choice
+        # on every rank: it is made from the gathered rows.
+        candidates = []
+        mark("fetched")
+        mark("loaded")
+        result.step, result.generation = agreed.held[1], agreed.held[0]
+        result.source, result.in_memory = "local", True
+        result.saved_world_size = sources.previous[1] if sources.previous else sources.world
+        if result.saved_world_size != sources.world:
+            log.warning("elasticd: rank %d restored step %s saved by %d ranks into a world of "
+                        "%d (old rank %d's snapshot, in its own slot: already in memory, "
+                        "nothing loaded)", sources.rank, agreed.held, result.saved_world_size,
+                        sources.world, sources.previous[0] if sources.previous else sources.rank)
+    for version, world in candidates:
         if world != sources.world:
             sources.prepare(state)
         got = sources.fetch(version, result.refused, world)
@@ -440,6 +468,8 @@ def restore(state: Any, sources: Sources, collective: Collective, clock: Any,
     result.seconds = clock() - start
     log.info("elasticd: rank %d (pid %d) restored step %d (generation %d) from %s in %.3f s, "
              "%d bytes, %d steps lost; new snapshots use generation %d", sources.rank,
-             os.getpid(), result.step, result.generation, result.source, result.seconds,
+             os.getpid(), result.step, result.generation,
+             "memory (its own slot holds it)" if result.in_memory else result.source,
+             result.seconds,
              result.nbytes, result.steps_lost, result.next_generation)
     return result

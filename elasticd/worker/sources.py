@@ -93,6 +93,9 @@ class Sources:
         #: world size): what this survivor can load from its own slot. Offered to the
         #: agreement; the versions every rank offers are :attr:`own_agreed`.
         self.own: set[Version] = set()
+        #: The version this process's live state still is (:mod:`.held_state`), set by the
+        #: Checkpointer; offered to the agreement only when this rank's slots hold it.
+        self.held: Version | None = None
         #: Versions this rank loads from its own slot: those every rank offers, and one it
         #: hands over to ranks that lack it (:mod:`.handover`).
         self.own_agreed: set[Version] = set()
@@ -193,6 +196,12 @@ class Sources:
         except (TypeError, ValueError) as exc:
             log.warning("elasticd: ignoring rank %d's own snapshots %.200r: %s", self.rank,
                         rows, exc)
+
+    def held_offer(self) -> Version | None:
+        """:attr:`held` when the daemon listed it in this rank's own slot (the rank it was,
+        or, in the same place, its current rank's), else None (after :meth:`discover`)."""
+        slots = self.own if self.previous is not None else self.ram
+        return self.held if self.held in slots else None
 
     def saved_world(self, version: Version) -> int:
         """The world size ``version`` was saved at, as far as this rank's sources say."""
@@ -311,8 +320,7 @@ class Sources:
             return None
         if got is None:
             return None
-        if next(dtensor_nodes(got.meta), None) is not None or any(
-                kind == "zero" for _, kind, _ in got.meta.get("objects", ())):
+        if sharded(got.meta):
             got.close()
             refused.append(f"own step {version}: sharded state needs every old rank's shard")
             return None
@@ -509,6 +517,13 @@ class Sources:
                 self.transport.call("ckpt_release", pin=pin)
         except Exception as exc:  # noqa: BLE001 — the daemon drops stale pins itself
             log.debug("elasticd: ckpt_release failed: %s", exc)
+
+
+def sharded(meta: Any) -> bool:
+    """Whether a state's meta holds sharded entries (FSDP2's DTensors, a
+    ZeroRedundancyOptimizer): each rank's snapshot is only its part of the state."""
+    return next(dtensor_nodes(meta), None) is not None or any(
+        kind == "zero" for _, kind, _ in meta.get("objects", ()))
 
 
 def _own_unsharded(got: _Fetched) -> _Fetched:

@@ -195,7 +195,8 @@ def test_kill9_of_a_node_the_survivors_keep_their_processes(tmp_path):
     resumed = {r["step"] - 1 for r in at4.values()}
     assert resumed == {held}, (resumed, committed, last_saved, held)
     # ... each the shard of the rank it was (its own slot), not its new rank's: the restore
-    # says which old rank's snapshot it loaded, under its new rank.
+    # says which old rank's snapshot it loaded, under its new rank (or, its memory already
+    # that step, which old rank's snapshot in its own slot it is: elasticd/worker/held_state.py).
     was = {at4[pid]["rank"]: _first_at(rows, 6, 0)[pid]["rank"] for pid in survivors}
     logs = "".join(open(p).read() for p in glob.glob(os.path.join(
         workdir, "*", "jobs", "*", "agent.log")))
