@@ -275,11 +275,14 @@ class InProcessAgent(LocalElasticAgent):
         node.local_world = n
         os.environ.update({STAGED_ENV: "1", ROUND_ENV: "-1"})
         os.environ.pop(PREVIOUS_ENV, None)  # a newcomer's workers offer no old place
-        store, wg.store = wg.store, wg.store or _NO_STORE  # torch asserts one; none is used
+        # torch's start asserts a store (none is used) and puts the address in the
+        # environment as is: placeholders until the round gives both.
+        before = wg.store, wg.master_addr
+        wg.store, wg.master_addr = wg.store or _NO_STORE, wg.master_addr or ""
         try:
             LocalElasticAgent._start_workers(self, wg)
         finally:
-            wg.store = store
+            wg.store, wg.master_addr = before
             os.environ.pop(STAGED_ENV, None)  # later starts (a restart) are not staged
         t0 = node.clock.monotonic()
         why = self._wait_staged(node, n, t0 + STAGE_WAIT)
