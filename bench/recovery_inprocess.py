@@ -350,8 +350,9 @@ def _rejoin(c: LocalCluster, victim: str, logdir: str, timeout: float, t_kill: f
     * ``step_seconds``: the median time between two steps of a survivor at world 4 (what a
       step costs without a rejoin: the pause includes one);
     * ``return_seconds``: the node's start -> all 6 ranks training;
-    * ``ready_before_stop_seconds``: the first survivor's last step at world 4 minus the
-      newcomers' latest ready moment (positive: staged, ready before anyone stopped);
+    * ``ready_before_reform_seconds``: the first survivor agent's start of the re-formation
+      (``reform_started``, its abort) minus the newcomers' latest ready moment (positive:
+      staged, ready before any survivor was stopped for them);
     * ``newcomer_moments``: a newcomer's moments (``elasticd.Round.times``) after the node's
       start, the slowest newcomer's each.
     """
@@ -381,6 +382,8 @@ def _rejoin(c: LocalCluster, victim: str, logdir: str, timeout: float, t_kill: f
             row = json.load(fh)
             ready[row["pid"]] = row["t"]
     newest_ready = max((ready[p] for p in newcomers if p in ready), default=None)
+    began = min(((r.get("times") or {}).get("reform_started") or float("inf")
+                 for r in at6.values() if r["pid"] in kept), default=float("inf"))
     moments: dict[str, float] = {}
     for r in at6.values():
         if r["pid"] in newcomers and kept:
@@ -391,8 +394,9 @@ def _rejoin(c: LocalCluster, victim: str, logdir: str, timeout: float, t_kill: f
                                          if p in at4),
             "step_seconds": round(statistics.median(gaps), 4) if gaps else None,
             "return_seconds": round(max(first6.values()) - t_back, 3),
-            "ready_before_stop_seconds": (round(stopped - newest_ready, 3)
-                                          if newest_ready is not None and kept else None),
+            "ready_before_reform_seconds": (round(began - newest_ready, 3)
+                                            if newest_ready is not None and began < float("inf")
+                                            else None),
             "newcomer_moments": dict(sorted(moments.items(), key=lambda kv: kv[1])) or None,
             "kept_pids": len(kept), "paths": sorted({r["path"] for r in at6.values()})}
 
@@ -410,7 +414,7 @@ def summarize_rejoin(runs: list[dict]) -> dict:
                 r["step_seconds"] for r in ok if r.get("step_seconds")), 4) if ok else None,
             "median_return_seconds": round(statistics.median(
                 r["return_seconds"] for r in ok), 3) if ok else None,
-            "ready_before_stop_seconds": [r.get("ready_before_stop_seconds") for r in ok],
+            "ready_before_reform_seconds": [r.get("ready_before_reform_seconds") for r in ok],
             "kept_pids": [r.get("kept_pids") for r in ok]}
 
 

@@ -275,14 +275,17 @@ class InProcessAgent(LocalElasticAgent):
         node.local_world = n
         os.environ.update({STAGED_ENV: "1", ROUND_ENV: "-1"})
         os.environ.pop(PREVIOUS_ENV, None)  # a newcomer's workers offer no old place
-        # torch's start asserts a store (none is used) and puts the address in the
-        # environment as is: placeholders until the round gives both.
-        before = wg.store, wg.master_addr
+        # torch's start asserts a store (none is used) and puts the group's place in the
+        # environment as is (None before a round): placeholders until the round gives them,
+        # integers where the worker's daemon client parses them (-1, as torch's workers').
+        before = wg.store, wg.master_addr, wg.group_rank, wg.group_world_size
         wg.store, wg.master_addr = wg.store or _NO_STORE, wg.master_addr or ""
+        wg.group_rank = -1 if wg.group_rank is None else wg.group_rank
+        wg.group_world_size = -1 if wg.group_world_size is None else wg.group_world_size
         try:
             LocalElasticAgent._start_workers(self, wg)
         finally:
-            wg.store, wg.master_addr = before
+            wg.store, wg.master_addr, wg.group_rank, wg.group_world_size = before
             os.environ.pop(STAGED_ENV, None)  # later starts (a restart) are not staged
         t0 = node.clock.monotonic()
         why = self._wait_staged(node, n, t0 + STAGE_WAIT)

@@ -6,8 +6,9 @@ processes, and dynamo compiled nothing more in any of them (its own counter, log
 step by ``examples/train_in_process.py --compile``).
 
 The same rejoin shows the newcomer staged: its workers reached their training function (the
-script's ``ready-<pid>.json``) before the survivors' last step at world 4, so the survivors
-did not stand still while the newcomer started, imported and built its model.
+script's ``ready-<pid>.json``) before any survivor's agent began the re-formation that let it
+in (``reform_started``), so the survivors did not stand still while the newcomer started,
+imported and built its model.
 """
 
 from __future__ import annotations
@@ -112,17 +113,24 @@ def test_survivors_compile_nothing_more_across_a_shrink_and_a_rejoin(rejoin):
 
 def test_a_newcomers_workers_are_ready_before_the_survivors_stop_for_it(rejoin):
     seen = rejoin
-    # Each survivor's last step at world 4: it stopped for the rejoin right after it.
-    stopped = {p: max(r["t"] for r in rows if r["world"] == 4 and r["t"] < seen["back_at_6"][p])
-               for p, rows in seen["survivors"].items()}
+    # When each survivor's agent started re-forming for the newcomer (its abort: the survivor
+    # left at the step boundary after it), from the survivor's first step at world 6.
+    began = {}
+    for pid, rows in seen["survivors"].items():
+        first6 = next(r for r in rows if r["world"] == 6 and r["t"] >= seen["back_at_6"][pid])
+        began[pid] = (first6.get("times") or {}).get("reform_started")
+    assert None not in began.values(), began
     ready = {p: seen["ready"].get(p) for p in seen["newcomers"]}
     assert None not in ready.values(), ready
     # Staged: started, imported and built before the node joined the round, so before any
-    # survivor stopped (before: the node joined first and its workers started after the round).
-    assert max(ready.values()) < min(stopped.values()), (ready, stopped)
+    # survivor's agent stopped it (before: the node joined first and its workers started
+    # after the round, while the survivors waited).
+    assert max(ready.values()) < min(began.values()), (ready, began)
     for pid, rows in seen["newcomers"].items():
         times = rows[0].get("times") or {}
         assert times.get("ready", 0) <= times.get("assigned", -1), (pid, times)
-    print(f"\nnewcomers ready {min(stopped.values()) - max(ready.values()):.3f} s before the "
-          f"first survivor stopped; survivors stood "
+    stopped = {p: max(r["t"] for r in rows if r["world"] == 4 and r["t"] < seen["back_at_6"][p])
+               for p, rows in seen["survivors"].items()}
+    print(f"\nnewcomers ready {min(began.values()) - max(ready.values()):.3f} s before the "
+          f"first survivor's agent re-formed; survivors stood "
           f"{max(seen['back_at_6'][p] - stopped[p] for p in stopped):.3f} s at most")
