@@ -452,6 +452,9 @@ def main() -> int:
                    help="in-process,restart: issue 31's benchmark (bench/recovery_inprocess.py)"
                         " with --runs runs of each mode, interleaved; --ttl, --timeout, --keep "
                         "and --out apply")
+    p.add_argument("--setup-seconds", type=float, default=0.0,
+                   help="with --mode: the script's setup before its first round, seconds "
+                        "(examples/train_in_process.py --setup-seconds)")
     p.add_argument("--append", action="store_true",
                    help="with --mode: keep the runs already in --out and add --runs more of "
                         "each mode (a long benchmark in several sittings)")
@@ -471,7 +474,8 @@ def main() -> int:
         if args.fault == "stop-daemon":
             p.error("--mode takes --fault kill, kill-worker, rejoin, freeze or partition")
         return recovery_inprocess.main(modes, args.runs, args.ttl, args.timeout, args.out,
-                                       args.keep, args.append, args.fault)
+                                       args.keep, args.append, args.fault,
+                                       args.setup_seconds)
     if args.fault in ("kill-worker", "rejoin"):
         p.error(f"--fault {args.fault} is measured with --mode in-process,restart")
     if args.fault in ("stop-daemon", "partition") and args.baseline_runs:

@@ -34,7 +34,9 @@ node restarts its workers, and in in-process mode the other nodes' workers re-fo
 
 ``--fault rejoin`` kills a node as above and, once the survivors train, starts it again: the
 survivors' pause for its return (:func:`_rejoin`; issue 31's "each rejoin stops the survivors
-<= 0.3 s"; in-process, the newcomer is staged: elasticd/agent/in_process_agent.py)::
+<= 0.3 s"; in-process, the newcomer is staged: elasticd/agent/in_process_agent.py);
+``--setup-seconds S`` makes the script sleep S before it asks for its first round, as a real
+script builds its model and data loaders::
 
     .venv/bin/python bench/bench_recovery.py --mode in-process,restart --fault rejoin --runs 5 \
         --out bench/results/recovery_inprocess_rejoin.json
@@ -152,7 +154,7 @@ def _first_at(rows: list[dict], world: int, since: float) -> dict[int, dict]:
 
 
 def run(mode: str, victim: str, ttl: int, timeout: float, workdir: str,
-        fault: str = "kill") -> dict:
+        fault: str = "kill", setup: float = 0.0) -> dict:
     """One run of ``mode`` (see the module doc); the cluster is stopped before it returns."""
     logdir = job_writable(os.path.join(workdir, "steps"))
     c = LocalCluster(["n1", "n2", "n3"], workdir=os.path.join(workdir, "cluster"),
@@ -173,7 +175,8 @@ def run(mode: str, victim: str, ttl: int, timeout: float, workdir: str,
              *(["--in-process"] if mode != "restart" else []),
              "--nnodes", "2:3", "--nproc-per-node", "2", "--user", JOB_USER,
              "--max-restarts", "100", "--", TRAIN, "--log", logdir, "--steps", "1000000",
-             "--step-time", "0.02", *(["--hang-rank", "0"] if mode == "fallback" else [])],
+             "--step-time", "0.02", *(["--hang-rank", "0"] if mode == "fallback" else []),
+             *(["--setup-seconds", str(setup)] if setup else [])],
             env=env, check=True, capture_output=True, timeout=60)
         coord = c.coordinator()
         grid = c.keys.replication("job").commit_grid
@@ -483,7 +486,8 @@ def median_phases(ok: list[dict]) -> dict[str, float] | None:
 
 
 def main(modes: list[str], runs: int, ttl: int, timeout: float, out_path: str,
-         keep: str | None, append: bool = False, fault: str = "kill") -> int:
+         keep: str | None, append: bool = False, fault: str = "kill",
+         setup: float = 0.0) -> int:
     """``runs`` runs of each of ``modes``, interleaved (mode A, mode B, A, B, ...), victims
     rotating; writes ``out_path`` after each round of modes. ``append``: the runs already in
     ``out_path`` (same modes and TTL) are kept and these added after them, the victims'
@@ -506,20 +510,20 @@ def main(modes: list[str], runs: int, ttl: int, timeout: float, out_path: str,
         for mode in modes:
             d = tempfile.mkdtemp(prefix=f"inproc-bench-{mode}-", dir=keep)
             try:
-                r = run(mode, victim, ttl, timeout, d, fault)
+                r = run(mode, victim, ttl, timeout, d, fault, setup)
             finally:
                 if not keep:
                     shutil.rmtree(d, ignore_errors=True)
             results[mode].append(r)
             print(f"{mode} run {i + 1}: {fault} {victim}: {r}", flush=True)
-        _write(out_path, modes, results, ttl, commands, fault)
+        _write(out_path, modes, results, ttl, commands, fault, setup)
     print(json.dumps({**{m: summarize(results[m]) for m in modes},
                       "fallback_bar": fallback_bar(results)}, indent=2))
     return 0
 
 
 def _write(out_path: str, modes: list[str], results: dict[str, list[dict]], ttl: int,
-           commands: list[str], fault: str) -> None:
+           commands: list[str], fault: str, setup: float = 0.0) -> None:
     result = {
         "benchmark": "recovery_inprocess" + ("" if fault == "kill" else
                                              "_" + fault.replace("-", "_")),
@@ -527,7 +531,9 @@ def _write(out_path: str, modes: list[str], results: dict[str, list[dict]], ttl:
         "command": commands[0] if len(commands) == 1 else " && ".join(commands),
         "commands": commands,
         "job": "examples/train_in_process.py, 3 nodes x 2 ranks, --nnodes 2:3, gloo CPU, "
-               "20 ms sleep per step, a snapshot every step, replication on",
+               "20 ms sleep per step, a snapshot every step, replication on"
+               + (f", {setup:g} s of setup before the first round (--setup-seconds)"
+                  if setup else ""),
         "lease_ttl_seconds": ttl, "runs_per_mode": min(len(v) for v in results.values()),
         "interleaved": True, "machine": {"cpus": os.cpu_count()},
         **{m: {**summarize(results[m]), "detail": results[m]} for m in modes},

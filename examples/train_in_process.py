@@ -136,6 +136,9 @@ def main() -> None:
     ap.add_argument("--hang-rank", type=int, default=-1)
     ap.add_argument("--model", choices=("ddp", "fsdp", "zero"), default="ddp")
     ap.add_argument("--compile", default="", help="a torch.compile backend (e.g. aot_eager)")
+    ap.add_argument("--setup-seconds", type=float, default=0.0,
+                    help="sleep before asking for the first round: a real script's model "
+                         "build and data loaders (what staging keeps from the survivors)")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -188,6 +191,7 @@ def main() -> None:
                 time.sleep(3600)  # stuck: never leaves the group (the agent's deadline acts)
             raise
 
+    time.sleep(args.setup_seconds)
     # Ready: imports done, the model built; next the script asks for its round. (A newcomer's
     # staged workers get here before their node joins one: the chaos test reads this moment.)
     with open(os.path.join(args.log, f"ready-{os.getpid()}.json"), "w") as fh:
