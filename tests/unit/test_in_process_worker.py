@@ -199,7 +199,7 @@ def test_a_staged_worker_links_and_waits_for_its_round_before_any_group(tmp_path
     try:
         _wait(lambda: server.linked() == {0})
         time.sleep(0.5)  # time enough to make a group or enter the function, were it to
-        assert proc.poll() is None and not out.exists()
+        assert proc.poll() is None and not out.read_text()  # opened by the script: empty
         server.send(0, {"op": "abort", "round": -1})  # no round yet: nothing to leave
         server.send(0, {"op": "assign", "times": {},
                         "env": {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
