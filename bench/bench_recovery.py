@@ -46,6 +46,12 @@ daemon alive), the same modes interleaved::
 
     .venv/bin/python bench/bench_recovery.py --mode in-process,restart --fault kill-worker \\
         --runs 10 --out bench/results/recovery_inprocess_kill_worker.json
+
+With ``--fault rejoin`` the killed node is started again once the survivors train, and what is
+measured is how long the survivors stand still for its return (a staged newcomer's)::
+
+    .venv/bin/python bench/bench_recovery.py --mode in-process,restart --fault rejoin \\
+        --runs 5 --out bench/results/recovery_inprocess_rejoin.json
 """
 
 from __future__ import annotations
@@ -432,10 +438,11 @@ def main() -> int:
                    help="the baseline's torch.save checkpoint interval (steps)")
     p.add_argument("--no-replication", action="store_true",
                    help="elasticd without peer replication (local RAM only)")
-    p.add_argument("--fault", choices=(*FAULTS, "kill-worker"), default="kill",
+    p.add_argument("--fault", choices=(*FAULTS, "kill-worker", "rejoin"), default="kill",
                    help="kill: SIGKILL the node; freeze: SIGSTOP all its processes; "
                         "stop-daemon: SIGSTOP its daemon only; kill-worker (with --mode "
-                        "only): SIGKILL one worker of the node")
+                        "only): SIGKILL one worker of the node; rejoin (with --mode only): "
+                        "SIGKILL the node, then start it again: the survivors' pause")
     p.add_argument("--victims", metavar="N1,N2",
                    help="nodes to strike, in turn (default: every node, n1 first)")
     p.add_argument("--keep", metavar="DIR",
@@ -445,6 +452,9 @@ def main() -> int:
                    help="in-process,restart: issue 31's benchmark (bench/recovery_inprocess.py)"
                         " with --runs runs of each mode, interleaved; --ttl, --timeout, --keep "
                         "and --out apply")
+    p.add_argument("--setup-seconds", type=float, default=0.0,
+                   help="with --mode: the script's setup before its first round, seconds "
+                        "(examples/train_in_process.py --setup-seconds)")
     p.add_argument("--append", action="store_true",
                    help="with --mode: keep the runs already in --out and add --runs more of "
                         "each mode (a long benchmark in several sittings)")
@@ -462,11 +472,12 @@ def main() -> int:
         if not modes or not set(modes) <= set(recovery_inprocess.MODES):
             p.error(f"--mode {args.mode!r}: modes are {','.join(recovery_inprocess.MODES)}")
         if args.fault == "stop-daemon":
-            p.error("--mode takes --fault kill, kill-worker, freeze or partition")
+            p.error("--mode takes --fault kill, kill-worker, rejoin, freeze or partition")
         return recovery_inprocess.main(modes, args.runs, args.ttl, args.timeout, args.out,
-                                       args.keep, args.append, args.fault)
-    if args.fault == "kill-worker":
-        p.error("--fault kill-worker is measured with --mode in-process,restart")
+                                       args.keep, args.append, args.fault,
+                                       args.setup_seconds)
+    if args.fault in ("kill-worker", "rejoin"):
+        p.error(f"--fault {args.fault} is measured with --mode in-process,restart")
     if args.fault in ("stop-daemon", "partition") and args.baseline_runs:
         p.error(f"--fault {args.fault} has no plain torchrun baseline here: pass "
                 "--baseline-runs 0")

@@ -32,6 +32,15 @@ time):
 daemon alive; :func:`_kill_worker` says what it measures): the world stays 6, the victim's
 node restarts its workers, and in in-process mode the other nodes' workers re-form in-process.
 
+``--fault rejoin`` kills a node as above and, once the survivors train, starts it again: the
+survivors' pause for its return (:func:`_rejoin`; issue 31's "each rejoin stops the survivors
+<= 0.3 s"; in-process, the newcomer is staged: elasticd/agent/in_process_agent.py);
+``--setup-seconds S`` makes the script sleep S before it asks for its first round, as a real
+script builds its model and data loaders::
+
+    .venv/bin/python bench/bench_recovery.py --mode in-process,restart --fault rejoin --runs 5 \
+        --out bench/results/recovery_inprocess_rejoin.json
+
 ``--fault freeze`` (SIGSTOP of every process of the node) and ``--fault partition`` (every
 packet of its processes dropped, both ways: tests/chaos/partition.py, root) send no reset:
 in-process, the survivors' pending collectives end at their agent's abort once the failure is
@@ -145,7 +154,7 @@ def _first_at(rows: list[dict], world: int, since: float) -> dict[int, dict]:
 
 
 def run(mode: str, victim: str, ttl: int, timeout: float, workdir: str,
-        fault: str = "kill") -> dict:
+        fault: str = "kill", setup: float = 0.0) -> dict:
     """One run of ``mode`` (see the module doc); the cluster is stopped before it returns."""
     logdir = job_writable(os.path.join(workdir, "steps"))
     c = LocalCluster(["n1", "n2", "n3"], workdir=os.path.join(workdir, "cluster"),
@@ -166,7 +175,8 @@ def run(mode: str, victim: str, ttl: int, timeout: float, workdir: str,
              *(["--in-process"] if mode != "restart" else []),
              "--nnodes", "2:3", "--nproc-per-node", "2", "--user", JOB_USER,
              "--max-restarts", "100", "--", TRAIN, "--log", logdir, "--steps", "1000000",
-             "--step-time", "0.02", *(["--hang-rank", "0"] if mode == "fallback" else [])],
+             "--step-time", "0.02", *(["--hang-rank", "0"] if mode == "fallback" else []),
+             *(["--setup-seconds", str(setup)] if setup else [])],
             env=env, check=True, capture_output=True, timeout=60)
         coord = c.coordinator()
         grid = c.keys.replication("job").commit_grid
@@ -192,6 +202,8 @@ def run(mode: str, victim: str, ttl: int, timeout: float, workdir: str,
                              and len(f) == 4 and f, timeout, "world 4", interval=0.02)
         except TimeoutError:
             return out
+        if fault == "rejoin":
+            return {**out, **_rejoin(c, victim, logdir, timeout, t_kill, pids6 - victims)}
         back = max(r["t"] for r in at4.values())
         # The survivors may train again before any daemon recorded the failure (the agents'
         # round closed when the dead agent's lease expired, before its daemon's did): wait for
@@ -327,7 +339,91 @@ def _kill_worker(c: LocalCluster, victim: str, logdir: str, timeout: float) -> d
             "paths": sorted({r["path"] for r in at6.values()})}
 
 
+def _rejoin(c: LocalCluster, victim: str, logdir: str, timeout: float, t_kill: float,
+            survivors: set[int]) -> dict:
+    """``--fault rejoin``: once the 4 survivors train, ``victim`` (killed) is started again
+    1.0-2.0 s later; measured until all 6 ranks trained at world 6, from the step logs and the
+    example's ``ready-<pid>.json`` (its script reached the function, next it asks for its
+    round):
+
+    * ``pause_seconds``: the first survivor's last step at world 4 -> the last rank's first
+      step at world 6: how long the survivors stood still for the rejoin (the restart path's
+      survivors are new processes: their ranks' steps);
+    * ``pause_per_survivor``: each kept survivor's own last step at 4 -> first at 6;
+    * ``step_seconds``: the median time between two steps of a survivor at world 4 (what a
+      step costs without a rejoin: the pause includes one);
+    * ``return_seconds``: the node's start -> all 6 ranks training;
+    * ``ready_before_reform_seconds``: the first survivor agent's start of the re-formation
+      (``reform_started``, its abort) minus the newcomers' latest ready moment (positive:
+      staged, ready before any survivor was stopped for them);
+    * ``newcomer_moments``: a newcomer's moments (``elasticd.Round.times``) after the node's
+      start, the slowest newcomer's each.
+    """
+    time.sleep(random.uniform(1.0, 2.0))
+    t_back = time.time()
+    c.start_node(victim)
+    try:
+        at6 = c.wait_for(lambda: (f := _first_at(_rows(logdir), 6, t_back)) and len(f) == 6
+                         and f, timeout, "world 6 again", interval=0.02)
+    except TimeoutError:
+        return {"error": "not back at world 6"}
+    rows = _rows(logdir)
+    first6 = {r["pid"]: r["t"] for r in at6.values()}
+    at4: dict[int, list[float]] = {}
+    for r in sorted(rows, key=lambda r: r["t"]):
+        if r["world"] == 4 and t_kill < r["t"] < min(first6.values()):
+            at4.setdefault(r["pid"], []).append(r["t"])
+    if not at4:
+        return {"error": "no step at world 4 before world 6"}
+    stopped = min(ts[-1] for ts in at4.values())
+    gaps = [b - a for ts in at4.values() for a, b in zip(ts, ts[1:])]
+    kept = set(first6) & survivors
+    newcomers = set(first6) - set(at4)
+    ready = {}
+    for path in glob.glob(os.path.join(logdir, "ready-*.json")):
+        with contextlib.suppress(ValueError, OSError), open(path) as fh:
+            row = json.load(fh)
+            ready[row["pid"]] = row["t"]
+    newest_ready = max((ready[p] for p in newcomers if p in ready), default=None)
+    began = min(((r.get("times") or {}).get("reform_started") or float("inf")
+                 for r in at6.values() if r["pid"] in kept), default=float("inf"))
+    moments: dict[str, float] = {}
+    for r in at6.values():
+        if r["pid"] in newcomers and kept:
+            for name, at in {**(r.get("times") or {}), "first_step": r["t"]}.items():
+                moments[name] = max(moments.get(name, at - t_back), round(at - t_back, 4))
+    return {"recovered": True, "pause_seconds": round(max(first6.values()) - stopped, 3),
+            "pause_per_survivor": sorted(round(first6[p] - at4[p][-1], 3) for p in kept
+                                         if p in at4),
+            "step_seconds": round(statistics.median(gaps), 4) if gaps else None,
+            "return_seconds": round(max(first6.values()) - t_back, 3),
+            "ready_before_reform_seconds": (round(began - newest_ready, 3)
+                                            if newest_ready is not None and began < float("inf")
+                                            else None),
+            "newcomer_moments": dict(sorted(moments.items(), key=lambda kv: kv[1])) or None,
+            "kept_pids": len(kept), "paths": sorted({r["path"] for r in at6.values()})}
+
+
+def summarize_rejoin(runs: list[dict]) -> dict:
+    """``--fault rejoin``'s figures over ``runs`` (:func:`_rejoin`)."""
+    ok = [r for r in runs if r.get("recovered")]
+    pauses = [r["pause_seconds"] for r in ok]
+    return {"runs": len(runs), "recovered": len(ok),
+            "median_pause_seconds": round(statistics.median(pauses), 3) if ok else None,
+            "max_pause_seconds": max(pauses, default=None),
+            "runs_with_pause_at_most_0.3_s": sum(p <= 0.3 for p in pauses),
+            "pause_seconds": pauses,
+            "median_step_seconds": round(statistics.median(
+                r["step_seconds"] for r in ok if r.get("step_seconds")), 4) if ok else None,
+            "median_return_seconds": round(statistics.median(
+                r["return_seconds"] for r in ok), 3) if ok else None,
+            "ready_before_reform_seconds": [r.get("ready_before_reform_seconds") for r in ok],
+            "kept_pids": [r.get("kept_pids") for r in ok]}
+
+
 def summarize(runs: list[dict]) -> dict:
+    if any("pause_seconds" in r for r in runs):
+        return summarize_rejoin(runs)
     ok = [r for r in runs if r.get("recovered")]
 
     def med(key: str) -> float | None:
@@ -390,7 +486,8 @@ def median_phases(ok: list[dict]) -> dict[str, float] | None:
 
 
 def main(modes: list[str], runs: int, ttl: int, timeout: float, out_path: str,
-         keep: str | None, append: bool = False, fault: str = "kill") -> int:
+         keep: str | None, append: bool = False, fault: str = "kill",
+         setup: float = 0.0) -> int:
     """``runs`` runs of each of ``modes``, interleaved (mode A, mode B, A, B, ...), victims
     rotating; writes ``out_path`` after each round of modes. ``append``: the runs already in
     ``out_path`` (same modes and TTL) are kept and these added after them, the victims'
@@ -413,20 +510,20 @@ def main(modes: list[str], runs: int, ttl: int, timeout: float, out_path: str,
         for mode in modes:
             d = tempfile.mkdtemp(prefix=f"inproc-bench-{mode}-", dir=keep)
             try:
-                r = run(mode, victim, ttl, timeout, d, fault)
+                r = run(mode, victim, ttl, timeout, d, fault, setup)
             finally:
                 if not keep:
                     shutil.rmtree(d, ignore_errors=True)
             results[mode].append(r)
             print(f"{mode} run {i + 1}: {fault} {victim}: {r}", flush=True)
-        _write(out_path, modes, results, ttl, commands, fault)
+        _write(out_path, modes, results, ttl, commands, fault, setup)
     print(json.dumps({**{m: summarize(results[m]) for m in modes},
                       "fallback_bar": fallback_bar(results)}, indent=2))
     return 0
 
 
 def _write(out_path: str, modes: list[str], results: dict[str, list[dict]], ttl: int,
-           commands: list[str], fault: str) -> None:
+           commands: list[str], fault: str, setup: float = 0.0) -> None:
     result = {
         "benchmark": "recovery_inprocess" + ("" if fault == "kill" else
                                              "_" + fault.replace("-", "_")),
@@ -434,7 +531,9 @@ def _write(out_path: str, modes: list[str], results: dict[str, list[dict]], ttl:
         "command": commands[0] if len(commands) == 1 else " && ".join(commands),
         "commands": commands,
         "job": "examples/train_in_process.py, 3 nodes x 2 ranks, --nnodes 2:3, gloo CPU, "
-               "20 ms sleep per step, a snapshot every step, replication on",
+               "20 ms sleep per step, a snapshot every step, replication on"
+               + (f", {setup:g} s of setup before the first round (--setup-seconds)"
+                  if setup else ""),
         "lease_ttl_seconds": ttl, "runs_per_mode": min(len(v) for v in results.values()),
         "interleaved": True, "machine": {"cpus": os.cpu_count()},
         **{m: {**summarize(results[m]), "detail": results[m]} for m in modes},

@@ -34,7 +34,8 @@ step, path (``first``/``in-process``), saved (whether its snapshot was taken: th
 one while both of the rank's slots hold copies the commit needs), loss (a step trained again
 after a resume must repeat it bitwise), time, and on a re-entered
 round's first step the moments of its re-formation (``times``: :attr:`elasticd.Round.times`,
-then ``restored`` and ``ddp_built``). ``--hang-rank R`` makes the worker of first-round
+then ``restored`` and ``ddp_built``; a staged newcomer's first step too). Before it asks for
+its first round the script writes ``--log``/``ready-<pid>.json`` (pid, time). ``--hang-rank R`` makes the worker of first-round
 rank R hang instead of leaving its group on a failure (the fallback's test). ``--compile
 BACKEND`` compiles the inner module (DDP: ``torch.compile(model, backend=...)`` once, DDP
 around it; FSDP2: each block's inner layers, inside the block ``fully_shard`` wraps, made again
@@ -135,6 +136,9 @@ def main() -> None:
     ap.add_argument("--hang-rank", type=int, default=-1)
     ap.add_argument("--model", choices=("ddp", "fsdp", "zero"), default="ddp")
     ap.add_argument("--compile", default="", help="a torch.compile backend (e.g. aot_eager)")
+    ap.add_argument("--setup-seconds", type=float, default=0.0,
+                    help="sleep before asking for the first round: a real script's model "
+                         "build and data loaders (what staging keeps from the survivors)")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -187,6 +191,11 @@ def main() -> None:
                 time.sleep(3600)  # stuck: never leaves the group (the agent's deadline acts)
             raise
 
+    time.sleep(args.setup_seconds)
+    # Ready: imports done, the model built; next the script asks for its round. (A newcomer's
+    # staged workers get here before their node joins one: the chaos test reads this moment.)
+    with open(os.path.join(args.log, f"ready-{os.getpid()}.json"), "w") as fh:
+        json.dump({"pid": os.getpid(), "t": time.time()}, fh)
     train()
     ckpt.close()
     out.write(json.dumps({"pid": os.getpid(), "done": done[0], "saves": ckpt.stats["saves"],

@@ -24,10 +24,21 @@ record goes. ``_restart_workers`` here re-forms:
 A node whose workers are not all alive and linked takes today's path at once
 (:func:`job_rules.can_reform`). Either way the agent tells its daemon which path it took
 (``reformed``), which ends the daemon's own deadline (:meth:`job_rules.JobBook.reform_started`).
-Newcomers and replacement workers always start fresh, and get their round through the
-environment; workers a node restarts into a round also learn where its old workers were
-(:data:`~elasticd.local.worker_link.PREVIOUS_ENV`): their snapshots are in its RAM, and each
-new worker's restore offers its predecessor's as a survivor offers its own.
+Newcomers are **staged** (:meth:`InProcessAgent._initialize_workers`): a node's first workers
+start *before* its agent joins a round, with torch's placeholder place (rank -1) and
+:data:`~elasticd.local.worker_link.STAGED_ENV`; each runs its script (imports, model, data)
+up to the decorated function, links and waits there. Only once every one has linked does the
+agent join, so the survivors, who stop when the newcomer enters, wait for the group and the
+restore, not for a newcomer's start (the prototype's 2.57 s). The round's ranks reach them as
+a survivor's do (``assign``). A newcomer gets a place only through its round; staged workers
+the round does not take (one died, or not all linked within :data:`STAGE_WAIT`, or the script
+never reaches ``@elasticd.in_process``) are stopped and fresh ones started into the round, as
+before; if the join itself fails the agent ends and torch stops them. A staged worker makes no
+group before its ``assign``, so it never joins an old one. Replacement workers (a node's
+fallback) start fresh, and get their round through the environment; they also learn where the
+node's old workers were (:data:`~elasticd.local.worker_link.PREVIOUS_ENV`): their snapshots
+are in its RAM, and each new worker's restore offers its predecessor's as a survivor offers
+its own.
 """
 
 from __future__ import annotations
@@ -48,7 +59,7 @@ from elasticd.cluster.jobspec import MAX_REFORM_DEADLINE
 from elasticd.agent.worker_link import LinkServer
 from elasticd.clock import Clock, SystemClock
 from elasticd.local.worker_link import (LINK_ENV, LINK_PID_ENV, PREVIOUS_ENV, ROUND_ENV,
-                                        places_env)
+                                        STAGED_ENV, places_env)
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +108,10 @@ class _Node:
 
 
 _node: list[_Node] = []  # the one per agent process, once installed
+_NO_STORE = object()  # a staged start's store: torch's start asserts one, before the round
+#: Seconds a newcomer's staged workers have to reach their function, before the node joins its
+#: round (then it joins anyway) and again after it (then they are replaced by fresh ones).
+STAGE_WAIT = 120.0
 #: Seconds after a re-formation ended during which a daemon's word of a failure is taken as
 #: the one it answered (a failure that new is left to the rendezvous, as before the word).
 RECENT = 1.0
@@ -222,6 +237,71 @@ class InProcessAgent(LocalElasticAgent):
         # offer their old ranks' snapshots, which this node's RAM holds (_start_workers).
         self._was = places_env(wg.workers)
         super()._rendezvous(wg)
+
+    _staged_once = False  # the node's first workers were started (staged or not)
+
+    def _initialize_workers(self, wg: Any) -> None:
+        """The node's first workers are staged (the module doc): started before the round,
+        joined once ready, assigned their places after it. Later calls (torch's restart of
+        this node's workers) start fresh workers after the round, as torch does."""
+        if self._staged_once:
+            return super()._initialize_workers(wg)
+        self._staged_once = True
+        node, n = _node[0], wg.spec.local_world_size
+        t0 = node.clock.monotonic()
+        self._stage(wg, node, n)
+        self._rendezvous(wg)
+        why = self._wait_staged(node, n, node.clock.monotonic() + STAGE_WAIT)
+        if why:
+            log.warning("staged workers not taken into round %d (%s): starting fresh ones",
+                        self._round(wg), why)
+            self._stop_workers(wg)
+            wg.state = WorkerState.STOPPED
+            ids = self._start_workers(wg)
+        else:
+            ids = self._pcontext.pids()
+            for w in wg.workers:
+                node.link.send(w.local_rank, {"op": "assign", "env": self._env_for(wg, w),
+                                              "times": {}})
+            log.info("staged workers %s assigned round %d, %.3f s after they started",
+                     sorted(ids.values()), self._round(wg), node.clock.monotonic() - t0)
+        for local, wid in ids.items():
+            wg.workers[local].id = wid
+        wg.state = WorkerState.HEALTHY
+
+    def _stage(self, wg: Any, node: _Node, n: int) -> None:
+        """Starts the node's workers before its first round and waits up to
+        :data:`STAGE_WAIT` for each to link (its script reached the function)."""
+        node.local_world = n
+        os.environ.update({STAGED_ENV: "1", ROUND_ENV: "-1"})
+        os.environ.pop(PREVIOUS_ENV, None)  # a newcomer's workers offer no old place
+        # torch's start asserts a store (none is used) and puts the group's place in the
+        # environment as is (None before a round): placeholders until the round gives them,
+        # integers where the worker's daemon client parses them (-1, as torch's workers').
+        before = wg.store, wg.master_addr, wg.group_rank, wg.group_world_size
+        wg.store, wg.master_addr = wg.store or _NO_STORE, wg.master_addr or ""
+        wg.group_rank = -1 if wg.group_rank is None else wg.group_rank
+        wg.group_world_size = -1 if wg.group_world_size is None else wg.group_world_size
+        try:
+            LocalElasticAgent._start_workers(self, wg)
+        finally:
+            wg.store, wg.master_addr, wg.group_rank, wg.group_world_size = before
+            os.environ.pop(STAGED_ENV, None)  # later starts (a restart) are not staged
+        t0 = node.clock.monotonic()
+        why = self._wait_staged(node, n, t0 + STAGE_WAIT)
+        log.info("staged %d workers %s %s after %.3f s: joining the round", n,
+                 sorted(self._pcontext.pids().values()), why or "ready",
+                 node.clock.monotonic() - t0)
+
+    def _wait_staged(self, node: _Node, n: int, deadline: float) -> str:
+        """Waits until every staged worker linked; returns why not ("" when all did)."""
+        while len(node.link.linked() & set(range(n))) < n:
+            if not self._all_alive():
+                return "a staged worker exited before it reached @elasticd.in_process"
+            if node.clock.monotonic() >= deadline:
+                return f"not all reached @elasticd.in_process within {STAGE_WAIT:g} s"
+            node.link.wait(0.05)
+        return ""
 
     def _start_workers(self, wg: Any) -> dict[int, Any]:
         # Fresh workers learn their round from the environment torchrun copies from ours, and

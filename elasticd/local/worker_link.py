@@ -41,6 +41,11 @@ ROUND_ENV = "ELASTICD_ROUND"
 #: worker offers its old rank's snapshots, which its node's RAM still holds, to the restore's
 #: agreement as a survivor does (:func:`previous_place`); a new node's workers get none.
 PREVIOUS_ENV = "ELASTICD_PREVIOUS_PLACES"
+#: Set ("1") for a worker its agent started before the node's first round (a staged newcomer):
+#: it has no place yet (torch's placeholders, rank -1), waits at its training function's entry
+#: for its first ``assign`` and makes no group and writes nothing for a rank before it
+#: (:func:`staged`; the agent: :mod:`elasticd.agent.in_process_agent`).
+STAGED_ENV = "ELASTICD_STAGED"
 #: A link message is a few hundred bytes (an ``assign`` carries a dozen variables).
 MAX_MESSAGE = 64 << 10
 
@@ -48,6 +53,12 @@ MAX_MESSAGE = 64 << 10
 class Untrusted(LocalProtocolError):
     """The server of a link's or a zygote's name is not the one expected (someone bound it
     first)."""
+
+
+def staged(environ: Mapping[str, str]) -> bool:
+    """Whether this process is a staged worker still waiting for its first round
+    (:data:`STAGED_ENV`)."""
+    return environ.get(STAGED_ENV) == "1"
 
 
 def address(name: str) -> str:

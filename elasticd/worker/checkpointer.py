@@ -157,7 +157,8 @@ class Checkpointer:
         self._fence = OptimizerFence(timeout, self._waited)  # holds optimizers for the copy
         self._done: concurrent.futures.Future | None = None  # the copy in flight + its seal
         self._notices = Notices(f"job {self.job} rank {self.rank}")
-        self._register()
+        if not in_process.staged():  # no rank yet (torch's placeholder): its restore registers
+            self._register()
 
     # -- restore --------------------------------------------------------------------------
 

@@ -68,6 +68,13 @@ def restarted_from() -> tuple[int, int] | None:
     return link.previous_place(os.environ)
 
 
+def staged() -> bool:
+    """Whether this process is a staged newcomer still waiting for its first round: its agent
+    started it before joining (:data:`~elasticd.local.worker_link.STAGED_ENV`); its rank and
+    world size in the environment are torch's placeholders (-1) until the function's entry."""
+    return link.staged(os.environ)
+
+
 T = TypeVar("T")
 
 #: The default collective timeout of a round's group until its steps are learned, seconds (then
@@ -94,8 +101,11 @@ class Round:
             fresh process's first entry): the agent's ``learned`` (a member is gone),
             ``reform_started``, ``round_closed``, ``all_left`` (every local worker left the
             old group); this worker's ``left``, ``assigned`` (the assignment arrived) and
-            ``group_made``. The training function may add its own (``restored``, ...): the
-            per-path timeline the benchmark reads.
+            ``group_made``. A staged newcomer's first entry (its agent started it before
+            joining the round: :mod:`elasticd.agent.in_process_agent`) has ``ready`` (its
+            script reached the function), ``assigned`` and ``group_made``. The training
+            function may add its own (``restored``, ...): the per-path timeline the benchmark
+            reads.
         collective_timeout: the round's group's collective timeout in force, seconds (learned
             from the steps: :mod:`elasticd.worker.collective_timeout`).
     """
@@ -209,8 +219,11 @@ class _Worker:
         #: destroyed; under the lock: the link's thread shuts them down on an abort.
         self._conns: set[int] = set()
         self._conns_lock = threading.Lock()
+        #: A staged worker's moment of readiness (wall time; None: not staged): its script
+        #: reached the function, the point where it asks for its round.
+        self.ready_at = SYSTEM_CLOCK.wall() if link.staged(os.environ) else None
         link.send(self.sock, {"op": "hello", "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
-                              "pid": os.getpid()})
+                              "pid": os.getpid(), "staged": self.ready_at is not None})
         threading.Thread(target=self._read, daemon=True, name="elasticd-link").start()
 
     def _read(self) -> None:
@@ -238,6 +251,11 @@ class _Worker:
 
         path, previous = "first", None
         times: dict[str, float] = {}
+        if self.ready_at is not None:
+            # Staged: no group, no rank until the round its agent joined after this moment.
+            log.info("staged worker pid %d ready: waiting for its first round", os.getpid())
+            times = self._assigned("before its first round", ready=self.ready_at)
+            os.environ.pop(link.STAGED_ENV, None)
         while True:
             self.round = int(os.environ.get(link.ROUND_ENV, "0"))
             self.asked = ""
@@ -246,7 +264,8 @@ class _Worker:
             fds = self._make_group()
             if times:
                 times["group_made"] = SYSTEM_CLOCK.wall()
-                _report(times)
+                if path != "first":  # a re-formation's moments (a staged start's are the Round's)
+                    _report(times)
             info = Round(self.round, dist.get_rank(), dist.get_world_size(),
                          int(os.environ.get("LOCAL_RANK", "0")), previous, path,
                          SYSTEM_CLOCK.perf_counter() - t0, lambda: self.asked, times,
@@ -282,15 +301,21 @@ class _Worker:
                         "" if clean else "; some of its sockets are still open")
             link.send(self.sock, {"op": "left", "round": self.round, "clean": clean,
                                   "why": why})
-            msg = self.assignments.get()
-            if not msg:
-                raise SystemExit("elasticd: the agent is gone during a re-formation")
-            times = {str(k): float(v) for k, v in (msg.get("times") or {}).items()
-                     if isinstance(v, (int, float))}
-            times.update(left=left_at, assigned=SYSTEM_CLOCK.wall())
-            os.environ.update({str(k): str(v) for k, v in msg["env"].items()})
+            times = self._assigned("during a re-formation", left=left_at)
             path = "in-process"
             _kept = True
+
+    def _assigned(self, when: str, **moments: float) -> dict[str, float]:
+        """Waits for the agent's ``assign`` and takes its round's environment; returns the
+        re-formation's moments (the agent's, then ``moments`` and ``assigned``)."""
+        msg = self.assignments.get()
+        if not msg:
+            raise SystemExit(f"elasticd: the agent is gone {when}")
+        times = {str(k): float(v) for k, v in (msg.get("times") or {}).items()
+                 if isinstance(v, (int, float))}
+        times.update(moments, assigned=SYSTEM_CLOCK.wall())
+        os.environ.update({str(k): str(v) for k, v in msg["env"].items()})
+        return times
 
     def _make_group(self) -> set[int]:
         """The round's default group on its rank 0's TCPStore, under a fresh prefix; returns

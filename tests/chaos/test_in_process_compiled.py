@@ -4,10 +4,17 @@ node on 3 real daemons, its inner module compiled once per process (``torch.comp
 then the node back: the survivors train at world 4 and then at world 6 again in their own
 processes, and dynamo compiled nothing more in any of them (its own counter, logged with each
 step by ``examples/train_in_process.py --compile``).
+
+The same rejoin shows the newcomer staged: its workers reached their training function (the
+script's ``ready-<pid>.json``) before any survivor's agent began the re-formation that let it
+in (``reform_started``), so the survivors did not stand still while the newcomer started,
+imported and built its model.
 """
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 import subprocess
 import sys
@@ -74,13 +81,24 @@ def shrink_and_rejoin(workdir: str, backend: str) -> dict:
     assert len(fresh) == 2  # the node that came back: new processes
     by_pid = {p: sorted((r for r in rows if r["pid"] == p), key=lambda r: r["t"])
               for p in survivors | fresh}
+    ready = {}
+    for path in glob.glob(os.path.join(logdir, "ready-*.json")):
+        with open(path) as fh:
+            row = json.load(fh)
+        ready[row["pid"]] = row["t"]
     return {"survivors": {p: by_pid[p] for p in survivors},
             "newcomers": {p: by_pid[p] for p in fresh}, "t_kill": t_kill, "t_back": t_back,
-            "t_stop": t_stop}
+            "t_stop": t_stop, "ready": ready, "back_at_6": {p: again[p]["t"] for p in again}}
 
 
-def test_survivors_compile_nothing_more_across_a_shrink_and_a_rejoin(tmp_path):
-    seen = shrink_and_rejoin(str(tmp_path), "aot_eager")
+@pytest.fixture(scope="module")
+def rejoin(tmp_path_factory):
+    """One shrink and rejoin (aot_eager), read by both tests."""
+    return shrink_and_rejoin(str(tmp_path_factory.mktemp("rejoin")), "aot_eager")
+
+
+def test_survivors_compile_nothing_more_across_a_shrink_and_a_rejoin(rejoin):
+    seen = rejoin
     for pid, mine in seen["survivors"].items():
         counts = sorted({r["compiles"] for r in mine})
         worlds = [r["world"] for r in mine if r["t"] < seen["t_stop"]]
@@ -91,3 +109,28 @@ def test_survivors_compile_nothing_more_across_a_shrink_and_a_rejoin(tmp_path):
     fresh = {r["compiles"] for rows in seen["newcomers"].values() for r in rows}
     print(f"\nsurvivors {sorted(seen['survivors'])}: compiled graphs per process "
           f"{sorted(graphs)} through worlds 6 -> 4 -> 6 (newcomers: {sorted(fresh)})")
+
+
+def test_a_newcomers_workers_are_ready_before_the_survivors_stop_for_it(rejoin):
+    seen = rejoin
+    # When each survivor's agent started re-forming for the newcomer (its abort: the survivor
+    # left at the step boundary after it), from the survivor's first step at world 6.
+    began = {}
+    for pid, rows in seen["survivors"].items():
+        first6 = next(r for r in rows if r["world"] == 6 and r["t"] >= seen["back_at_6"][pid])
+        began[pid] = (first6.get("times") or {}).get("reform_started")
+    assert None not in began.values(), began
+    ready = {p: seen["ready"].get(p) for p in seen["newcomers"]}
+    assert None not in ready.values(), ready
+    # Staged: started, imported and built before the node joined the round, so before any
+    # survivor's agent stopped it (before: the node joined first and its workers started
+    # after the round, while the survivors waited).
+    assert max(ready.values()) < min(began.values()), (ready, began)
+    for pid, rows in seen["newcomers"].items():
+        times = rows[0].get("times") or {}
+        assert times.get("ready", 0) <= times.get("assigned", -1), (pid, times)
+    stopped = {p: max(r["t"] for r in rows if r["world"] == 4 and r["t"] < seen["back_at_6"][p])
+               for p, rows in seen["survivors"].items()}
+    print(f"\nnewcomers ready {min(began.values()) - max(ready.values()):.3f} s before the "
+          f"first survivor's agent re-formed; survivors stood "
+          f"{max(seen['back_at_6'][p] - stopped[p] for p in stopped):.3f} s at most")

@@ -182,6 +182,45 @@ def test_the_function_is_re_entered_in_the_same_process_after_an_abort(tmp_path)
         [], ["assigned", "group_made", "learned", "left", "round_closed"]]
 
 
+def test_a_staged_worker_links_and_waits_for_its_round_before_any_group(tmp_path):
+    """A newcomer's staged worker (its agent started it before joining a round, with torch's
+    placeholder place): it reaches the function, links, makes no group and runs nothing until
+    its ``assign``; then it enters the assigned round as a fresh worker, with its readiness
+    among the moments."""
+    out = tmp_path / "entries.jsonl"
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    server = LinkServer()
+    env = _worker_env(_free_port(), ELASTICD_LINK=server.name, RANK="-1", WORLD_SIZE="-1",
+                      MASTER_ADDR="", MASTER_PORT="None", ELASTICD_LINK_PID=str(os.getpid()),
+                      ELASTICD_ROUND="-1", ELASTICD_STAGED="1")
+    proc = subprocess.Popen([sys.executable, str(script), str(out)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait(lambda: server.linked() == {0})
+        time.sleep(0.5)  # time enough to make a group or enter the function, were it to
+        assert proc.poll() is None and not out.read_text()  # opened by the script: empty
+        server.send(0, {"op": "abort", "round": -1})  # no round yet: nothing to leave
+        server.send(0, {"op": "assign", "times": {},
+                        "env": {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+                                "RANK": "0", "WORLD_SIZE": "1", "ELASTICD_ROUND": "7"}})
+        _wait(lambda: out.exists() and out.read_text())
+        server.send(0, {"op": "abort", "round": 7})
+        _wait(lambda: 0 in server.left_rounds())
+        server.send(0, {"op": "assign", "env": {"MASTER_PORT": str(_free_port()),
+                                                "ELASTICD_ROUND": "8"}, "times": {}})
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, output
+    entries = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(e["round"], e["rank"], e["world"], e["path"]) for e in entries] == [
+        (7, 0, 1, "first"), (8, 0, 1, "in-process")]
+    assert entries[0]["times"] == ["assigned", "group_made", "ready"]
+
+
 @pytest.mark.slow
 def test_without_elasticd_the_function_runs_once_with_the_usual_group(tmp_path):
     out = tmp_path / "entries.jsonl"
@@ -529,3 +568,66 @@ def test_workers_restarted_into_a_round_learn_where_they_were(monkeypatch):
     assert started[0] is None
     assert [link.previous_place({link.PREVIOUS_ENV: started[1], "LOCAL_RANK": str(i)})
             for i in range(2)] == [(2, 6), (3, 6)]
+
+
+@pytest.mark.parametrize("exits", [False, True])
+def test_a_newcomers_staged_workers_get_places_only_through_its_round(monkeypatch, exits):
+    """The agent's side of staging (fakes for torch's start and round; the whole path runs in
+    tests/chaos/test_in_process_compiled.py): the node's first workers start staged before the
+    round and are assigned after it; staged workers the round cannot take (one exited) are
+    stopped and fresh ones started into the round. A later start is not staged."""
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.agent.server.api import Worker
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from elasticd.agent import in_process_agent
+
+    log: list = []
+    alive = [True, not exits]
+    handlers = {i: SimpleNamespace(proc=SimpleNamespace(poll=lambda i=i: None if alive[i]
+                                                        else 1)) for i in range(2)}
+
+    def start(self, wg):
+        log.append(("start", os.environ.get(link.STAGED_ENV), wg.master_addr, wg.group_rank))
+        self._pcontext = SimpleNamespace(pids=lambda: {0: 100, 1: 101},
+                                         subprocess_handlers=handlers)
+        return {0: 100, 1: 101}
+
+    def rendezvous(self, wg):
+        log.append(("round",))
+        wg.workers = [Worker(i, global_rank=4 + i, role_rank=4 + i, world_size=6,
+                             role_world_size=6) for i in range(2)]
+        wg.group_rank, wg.group_world_size = 2, 3
+        wg.master_addr, wg.master_port = "127.0.0.1", 29500
+
+    server = SimpleNamespace(linked=lambda: {0} if exits else {0, 1}, wait=lambda t: None,
+                             send=lambda local, msg: log.append(("send", local, msg["op"],
+                                                                 msg["env"]["RANK"])))
+    monkeypatch.setattr(LocalElasticAgent, "_start_workers", start)
+    monkeypatch.setattr(LocalElasticAgent, "_rendezvous", rendezvous)
+    monkeypatch.setattr(in_process_agent, "_node", [SimpleNamespace(
+        local_world=0, link=server, clock=in_process_agent.SystemClock())])
+    monkeypatch.setenv(link.ROUND_ENV, "0")
+    from torch.distributed.elastic.agent.server import api as torch_agent_api
+    monkeypatch.setattr(torch_agent_api, "record", lambda *a, **k: None)  # torch's events
+    agent = object.__new__(in_process_agent.InProcessAgent)
+    agent._construct_event = lambda *a, **k: None
+    agent._stop_workers = lambda wg: log.append(("stop",))
+    agent._remaining_restarts, agent._pcontext = 3, None
+    wg = SimpleNamespace(workers=[Worker(i) for i in range(2)], store=None, master_addr=None,
+                         master_port=None, group_rank=None, group_world_size=None,
+                         spec=SimpleNamespace(local_world_size=2, rdzv_handler=None,
+                                              max_restarts=3, role="default",
+                                              event_log_handler="null"))
+    agent._initialize_workers(wg)
+    staged = [("start", "1", "", -1), ("round",)]
+    if exits:  # never assigned: stopped, and fresh ones started after the round
+        assert log == [*staged, ("stop",), ("start", None, "127.0.0.1", 2)]
+    else:
+        assert log == [*staged, ("send", 0, "assign", "4"), ("send", 1, "assign", "5")]
+    assert link.STAGED_ENV not in os.environ and wg.store is None  # placeholders undone
+    assert [w.id for w in wg.workers] == [100, 101]
+    log.clear()
+    agent._initialize_workers(wg)  # torch's restart of this node's workers: after the round
+    assert log == [("round",), ("start", None, "127.0.0.1", 2)]
