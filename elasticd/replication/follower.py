@@ -22,7 +22,7 @@ Each question is a report the coordinator decodes and weighs, so the follower as
 A follower holds a thread of the tracker's pool while it runs, so it starts only when it may
 have to act: a version that blocks a snapshot at once, every other one (all of them, in steady
 training) :data:`START_AHEAD` before its question is due, by the reporter's tick
-(:func:`followers_due`), or at once when a reply names it hopeless. Most versions are committed
+(:func:`start_due`), or at once when a reply names it hopeless. Most versions are committed
 before then and are never followed by a thread: none waits for the commit, holding a pool thread
 that the node's reports and pushes need (2 threads on a daemon), and none is woken by it.
 """
@@ -75,6 +75,39 @@ def followers_due(book: "CommitBook", waiting: dict[Version, float],
         else:
             next_at = min(next_at, look - START_AHEAD)
     return due, next_at
+
+
+def start(t: "CommitTracker", job: str, version: Version, look: float = float("-inf"),
+          hopeless: bool = False) -> None:
+    """Starts the follower of ``version`` on the tracker's pool (see :func:`follow` for
+    ``look`` and ``hopeless``). Not counted by ``wait_idle``: a version waiting for a commit
+    that may never come is not work in progress."""
+    t.submit(follow, t, job, version, look, hopeless, track=False)
+
+
+def start_due(t: "CommitTracker", now: float) -> float:
+    """Starts the followers that may have to act before the next tick (the reporter's tick
+    calls it); returns when the next one is due (inf: none waits to start)."""
+    next_at = float("inf")
+    with t.lock:
+        for job, st in t.jobs.items():
+            if st.unstarted:
+                due, at = followers_due(st.book, st.unstarted, now)
+                next_at = min(next_at, at)
+                for version, look in due:
+                    start(t, job, version, look)
+    return next_at
+
+
+def start_hopeless(t: "CommitTracker", job: str, hopeless: frozenset[Version]) -> None:
+    """A coordinator's reply named ``hopeless`` versions (call with the tracker's lock held):
+    those whose follower has not started start now, to withdraw them (the running ones are
+    woken by the caller)."""
+    st = t.jobs.get(job)
+    if st is None or not st.unstarted:
+        return
+    for version in [v for v in st.unstarted if v in hopeless]:
+        start(t, job, version, st.unstarted.pop(version), hopeless=True)
 
 
 def follow(t: "CommitTracker", job: str, version: Version, look: float = float("-inf"),

@@ -36,6 +36,7 @@ from elasticd.replication.commit import KEEP_SKIPPED, KEEP_VERSIONS, KEEP_WITHDR
 from elasticd.replication.coordinator import JobCoordinator
 from elasticd.replication.election import Coordinatorship, campaign, campaign_delay
 from elasticd.replication.election import decode as decode_election
+from elasticd.replication import follower
 from elasticd.replication.fences import encode_fence, read_fence
 from elasticd.replication.report import MAX_ASK, MAX_DEAD, Reply, Report
 from elasticd.replication.tally import Tally
@@ -311,7 +312,7 @@ class Reporter:
                 j.hopeless, j.answered_at = frozenset(reply.hopeless), now
                 if j.hopeless:  # a follower waiting on one of them withdraws it now
                     self.t.cond.notify_all()
-                    self.t.follow_hopeless(job, j.hopeless)
+                    follower.start_hopeless(self.t, job, j.hopeless)
                 j.failures, j.last_reason = 0, ""
                 known = st.committed.version if st is not None and st.committed else None
                 # The coordinator knows a newer commit than our watch brought: the watch
@@ -425,7 +426,7 @@ class Reporter:
         now = self.t.clock.monotonic()
         with self.t.lock:
             jobs = list(self.jobs.items())
-        due_in = min(IDLE_TICK, self.t.start_followers(now) - now)
+        due_in = min(IDLE_TICK, follower.start_due(self.t, now) - now)
         for job, j in jobs:
             leading = j.leading
             if leading is not None:

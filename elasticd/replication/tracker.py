@@ -56,7 +56,7 @@ from elasticd.replication.commit import (
 from elasticd.replication.fences import read_fence, withdraw
 from elasticd.replication.placement import Placement
 from elasticd.replication.report import Reply, Report, placement_digest
-from elasticd.replication.follower import first_look, follow, followers_due
+from elasticd.replication import follower
 from elasticd.replication.reporter import Reporter
 
 log = logging.getLogger(__name__)
@@ -265,7 +265,7 @@ class CommitTracker:
                  lease_ttl: float = 2.0) -> None:
         self.node_id, self.coord, self.keys, self.clock = node_id, coord, keys, clock
         self.commit_wait, self.withdraw_after, self.stores = commit_wait, withdraw_after, stores
-        self._submit, self._advance = background.submit, on_advance
+        self.submit, self._advance = background.submit, on_advance
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
         self._record_lock = threading.Lock()
@@ -297,41 +297,12 @@ class CommitTracker:
         if actions.follow is None:
             return
         if at_once:
-            self._follow(job, actions.follow)
+            follower.start(self, job, actions.follow)
             return
         # A tick by its first look starts it in time (it then waits for the look): the ticker
         # is woken only when its next tick comes later, not at every acknowledgement.
-        st.unstarted[actions.follow] = look = first_look(st.book, actions.follow)
+        st.unstarted[actions.follow] = look = follower.first_look(st.book, actions.follow)
         self.reporter.tick_by(look)
-
-    def _follow(self, job: str, version: Version, look: float = float("-inf"),
-                hopeless: bool = False) -> None:
-        # Not counted by wait_idle: a version waiting for a commit that may never come is
-        # not work in progress.
-        self._submit(follow, self, job, version, look, hopeless, track=False)
-
-    def start_followers(self, now: float) -> float:
-        """Starts the followers that may have to act before the next tick (the reporter's
-        tick calls it); returns when the next one is due (inf: none waits to start)."""
-        next_at = float("inf")
-        with self.lock:
-            for job, st in self.jobs.items():
-                if st.unstarted:
-                    due, at = followers_due(st.book, st.unstarted, now)
-                    next_at = min(next_at, at)
-                    for version, look in due:
-                        self._follow(job, version, look)
-        return next_at
-
-    def follow_hopeless(self, job: str, hopeless: frozenset[Version]) -> None:
-        """A coordinator's reply named ``hopeless`` versions (call with :attr:`lock` held):
-        those whose follower has not started start now, to withdraw them (the running ones
-        are woken by the caller)."""
-        st = self.jobs.get(job)
-        if st is None or not st.unstarted:
-            return
-        for version in [v for v in st.unstarted if v in hopeless]:
-            self._follow(job, version, st.unstarted.pop(version), hopeless=True)
 
     def on_landed(self, job: str, rank: int, version: Version,
                   holder: Holder = Holder.LOCAL) -> None:
@@ -563,11 +534,11 @@ class CommitTracker:
                 st.collected, st.stray = holders, False
         self.commits.tell(job, committed.version, told)
         if collect:
-            self._submit(self._advance, job)
+            self.submit(self._advance, job)
         # Halved by the coordinator alone, when due: not read per commit, nor by every node.
         if newer and st.grid.relaxed(committed.version) is not None and (
                 by_me or self.reporter.leading(job)):
-            self._submit(self._grid_write, "relax the snapshot grid",
+            self.submit(self._grid_write, "relax the snapshot grid",
                          lambda: relax_grid(self.coord, self.keys, job, committed.version))
 
     def never_committed(self, job: str, rank: int, versions: list[Version]) -> set[Version]:

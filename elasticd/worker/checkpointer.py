@@ -142,7 +142,6 @@ class Checkpointer:
         self._given = (rank, world_size, local_world_size, collective)
         self.rank, self.world_size, self.local_world_size = self._identity()
         self.copier = copier or CpuCopier(background=True)
-        self.generation = 0
         self.last_restore: RestoreResult | None = None
         #: The snapshot the live state still is while nothing changes it (held_state).
         self._held: held_state.Held | None = None
@@ -203,7 +202,7 @@ class Checkpointer:
             # Nothing restored in the new place: the next restore still offers the old one's.
             self.rank, self.world_size, self.local_world_size = was
             raise
-        self.generation, self.last_restore = result.next_generation, result
+        self.last_restore = result
         if not result.in_memory:
             self._held = None  # loaded (or nothing was): not the snapshot it was
         self._tell("ckpt_report", job=self.job, rank=self.rank, source=result.source,
@@ -213,6 +212,12 @@ class Checkpointer:
                    path="in_process" if in_process.kept() else "restart")
         self._register(result.step, one_way=True)
         return result.step
+
+    @property
+    def generation(self) -> int:
+        """The generation new snapshots carry: the last restore's ``next_generation`` (0
+        before one)."""
+        return self.last_restore.next_generation if self.last_restore is not None else 0
 
     def _still_held(self, state: Mapping[str, Any]) -> Any:
         """The version of the last snapshot ``state`` was saved as, when nothing has changed

@@ -10,6 +10,7 @@ import time
 
 from elasticd.clock import SystemClock
 from elasticd.coordination.keys import Keyspace
+from elasticd.replication import follower
 from elasticd.replication.background import Background
 from elasticd.replication.commit import commit_of
 from elasticd.replication.commit_state import CommitBook, Holder, Verdict
@@ -126,8 +127,6 @@ class Follower:
 
 
 def test_a_hopeless_answer_ends_the_wait_at_once():
-    from elasticd.replication import follower
-
     assert follower.ASK_LEAD == ASK_LEAD
     f = Follower()
     thread = threading.Thread(target=follower.follow, args=(f, JOB, VERSION), daemon=True)
@@ -169,7 +168,7 @@ def test_a_version_holds_no_pool_thread_while_it_waits_for_its_commit():
         background.submit(ran.set)  # the pool's threads are free while both wait
         assert ran.wait(10)
         tracker.learn(JOB, commit_of((0, 2), placement, "n2", clock.wall()))
-        assert tracker.start_followers(clock.monotonic() + 60) == float("inf")
+        assert follower.start_due(tracker, clock.monotonic() + 60) == float("inf")
         assert tracker.jobs[JOB].unstarted == {}  # committed: never followed by a thread
 
         tracker.on_pushed(JOB, (0, 3), [0], "n2")

@@ -609,6 +609,8 @@ def test_a_newcomers_staged_workers_get_places_only_through_its_round(monkeypatc
     monkeypatch.setattr(in_process_agent, "_node", [SimpleNamespace(
         local_world=0, link=server, clock=in_process_agent.SystemClock())])
     monkeypatch.setenv(link.ROUND_ENV, "0")
+    # The agent sets its workers' old places here at a fresh start: gone after the test.
+    monkeypatch.setenv(link.PREVIOUS_ENV, "")
     from torch.distributed.elastic.agent.server import api as torch_agent_api
     monkeypatch.setattr(torch_agent_api, "record", lambda *a, **k: None)  # torch's events
     agent = object.__new__(in_process_agent.InProcessAgent)
