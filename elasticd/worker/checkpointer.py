@@ -374,7 +374,11 @@ class Checkpointer:
         self.stats["stall_seconds"] += stall
         self._done = self._pool.submit(self._seal, self._fence.copy, buf, plan, step, flat.meta,
                                        reply["ticket"], stall, copied_from)
-        now = held_state.mark(flat, self._fence.steps, plan.sync_mask)
+        # Marked only where a later restore can find the state kept (an in-process worker):
+        # elsewhere the mark would cost the training thread a pass over the tensors and the
+        # meta's encoding at every save for nothing.
+        now = (held_state.mark(flat, self._fence.steps, plan.sync_mask)
+               if in_process.linked() else None)
         self._held = None if now is None else held_state.Held((self.generation, step), now)
         return True
 

@@ -68,6 +68,12 @@ def restarted_from() -> tuple[int, int] | None:
     return link.previous_place(os.environ)
 
 
+def linked() -> bool:
+    """Whether this process's training function runs under an in-process agent (its link is
+    set): the only kind of process that restores again, its state kept, after a re-formation."""
+    return bool(os.environ.get(link.LINK_ENV))
+
+
 def staged() -> bool:
     """Whether this process is a staged newcomer still waiting for its first round: its agent
     started it before joining (:data:`~elasticd.local.worker_link.STAGED_ENV`); its rank and
@@ -160,10 +166,9 @@ def in_process(fn: Callable[[Round], T] | None = None, *, backend: str = "gloo",
     def wrap(f: Callable[[Round], T]) -> Callable[[], T]:
         @functools.wraps(f)
         def run() -> T:
-            name = os.environ.get(link.LINK_ENV, "")
-            if not name:
+            if not linked():
                 return _once(f, backend, timeout)
-            return _Worker(name, backend, timeout, floor).run(f)
+            return _Worker(os.environ[link.LINK_ENV], backend, timeout, floor).run(f)
         return run
     return wrap(fn) if fn is not None else wrap
 

@@ -60,6 +60,13 @@ def _worker_env(port: int, **extra: str) -> dict[str, str]:
             "PYTHONPATH": os.getcwd(), **extra}
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    """Kills a worker a test started, if it still runs, and reaps it."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 def _wait(cond, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -168,9 +175,7 @@ def test_the_function_is_re_entered_in_the_same_process_after_an_abort(tmp_path)
                         "times": {"learned": 1.0, "round_closed": 2.0, "bad": "x"}})
         output, _ = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _stop(proc)
     assert proc.returncode == 0, output
     assert "returned done" in output
     assert "group timeout 0:00:05" in output
@@ -211,9 +216,7 @@ def test_a_staged_worker_links_and_waits_for_its_round_before_any_group(tmp_path
                                                 "ELASTICD_ROUND": "8"}, "times": {}})
         output, _ = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _stop(proc)
     assert proc.returncode == 0, output
     entries = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(e["round"], e["rank"], e["world"], e["path"]) for e in entries] == [
@@ -339,9 +342,7 @@ def test_a_re_entered_worker_tells_its_daemon_its_moments_over_its_shared_connec
         assert closed == []  # its connection stays while it runs
         output, _ = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _stop(proc)
         daemon.stop()
     assert proc.returncode == 0, output
     [msg] = got

@@ -13,10 +13,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from elasticd.local import worker_link as link
 from elasticd.testing.transport import InProcessTransport
 from elasticd.worker.checkpointer import Checkpointer
 from tests.unit.test_restore_own_shard import _reform
 from tests.unit.test_worker_checkpointer import service  # noqa: F401 — a fixture
+
+
+@pytest.fixture(autouse=True)
+def _in_process(monkeypatch):
+    """Ranks as an in-process agent's workers (their link set): only those mark their saves."""
+    monkeypatch.setenv(link.LINK_ENV, "held-state-test")
 
 
 def _state(norm: bool = False) -> dict:
