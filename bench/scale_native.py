@@ -732,9 +732,11 @@ class SimNode:
         for keeper in (self.daemon, self.agent._keeper):
             keeper.grant = self._counted(keeper.grant)  # type: ignore[method-assign]
         self.written_at = 0.0  # wall time this agent's last join record write returned
+        self.write_started_at = 0.0  # wall time it was sent
         write = self.agent._join.write
 
         def timed_write(target: int) -> None:
+            self.write_started_at = time.time()
             write(target)
             self.written_at = time.time()
 
@@ -915,7 +917,7 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
         info = h.next_rendezvous()
         number, took = h.rounds[before]
         return (node.index, number, info.rank, time.time() - (time.monotonic() - h.seen_at),
-                node.written_at)
+                node.written_at, node.write_started_at)
 
     def stats() -> dict[str, Any]:
         closers = {i: (c.cpu + c.nodes.cpu, c.nodes.events) for i, x in nodes.items()
@@ -942,6 +944,18 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
                 # was lost at N = 1,000 with 250 at once); real daemons do not share one.
                 with concurrent.futures.ThreadPoolExecutor(a.register_threads) as few:
                     list(few.map(lambda x: x.register(), nodes.values()))
+                conn.send("ok")
+            elif cmd[0] == "start_agents":  # --agents-started: before the join's clock
+                # What an agent's first next_rendezvous does before its join record (its
+                # lease, the control keys' listing and watch, the duty thread): a real node
+                # pays it on its own machine, in parallel with every other; here 125 agents
+                # would pay it one after another on one interpreter inside the round's clock.
+                with concurrent.futures.ThreadPoolExecutor(a.register_threads) as few:
+                    list(few.map(lambda x: x.agent._start(), nodes.values()))
+                conn.send("ok")
+            elif cmd[0] == "profile":  # SCALE_PROFILE: the table so far (two make a window)
+                scale_profile.dump(os.path.join(scale_profile.directory(),
+                                                f"worker-{indices[0]}-{cmd[1]}.json"))
                 conn.send("ok")
             elif cmd[0] == "join":  # every agent joins, as torchrun's: see scale_agents.py
                 while time.time() < cmd[1]:  # every process starts at the same moment
@@ -1172,13 +1186,16 @@ def measure_round(cluster: Cluster, etcd: Etcd, agents: int,
     etcd_view = probe.stop(origin)
     seen = sorted(r[3] - origin for r in ok)
     written = sorted(r[4] - origin for r in ok if r[4])
+    first_write = min((r[5] for r in ok if r[5]), default=None)
     closed = [t - origin for t in clock.closed_at[closes:]] if clock is not None else []
     return {
         "seconds": (round(max(seen), 3) if len(ok) == agents and seen
                     and len({r[1] for r in ok}) == 1 else None),
         # where the round's time went: the last join record written, the round record's
         # arrival at the driver, the agents' next_rendezvous returning (median, last)
-        "timeline": {"last_record_written": round(written[-1], 3) if written else None,
+        "timeline": {"first_record_sent": (round(first_write - origin, 3)
+                                           if first_write is not None else None),
+                     "last_record_written": round(written[-1], 3) if written else None,
                      "round_closed": [round(t, 3) for t in closed],
                      "returned_median": round(seen[len(seen) // 2], 3) if seen else None,
                      "returned_last": round(seen[-1], 3) if seen else None},
@@ -1273,12 +1290,23 @@ def run_size(n: int, server: EmbeddedEtcd, a: argparse.Namespace,
                              "etcd_cpu_seconds_at_start": round(etcd.cpu() - e0, 2)}
         alive = n
         clock = RoundClock(server.endpoints, n)
+        if a.agents_started:
+            result["agents_started"] = start_agents(cluster, etcd)
         profiles = profile(cluster, a.profile_join, 15) if a.profile_join else []
+        import scale_profile
+        if scale_profile.directory():
+            cluster.ask(("profile", "join-start"))
         join = measure_round(cluster, etcd, alive, lambda: None, clock)
+        if scale_profile.directory():
+            cluster.ask(("profile", "join-end"))
         for proc in profiles:
             proc.wait()
         result["join"] = join
-        result["join_seconds"] = join["seconds"]
+        result["join_seconds"] = join_seconds(join, a.agents_started)
+        result["join_seconds_definition"] = (
+            "the first join record sent to the last agent returned into the round (agents "
+            "started before: result['agents_started'])" if a.agents_started else
+            "the agents' first next_rendezvous called to the last returned into the round")
         print(f"  N={n} join {join['seconds']} s {join['timeline']}, sim cpu/agent {join['simulator_cpu_seconds_per_agent']}, etcd cpu {join['etcd_cpu_seconds']}, daemons {result['daemons']}", flush=True)
         if a.commit_only:
             result["commit"] = {}  # filled as the phase goes (write_partial)
@@ -1328,6 +1356,34 @@ def run_size(n: int, server: EmbeddedEtcd, a: argparse.Namespace,
             clock.close()
         cluster.close()
     return result
+
+
+def start_agents(cluster: Cluster, etcd: Etcd) -> dict[str, Any]:
+    """``--agents-started``: every agent's start (its lease, the control keys' listing and
+    watch, its duty thread, the closer's election) before the join's clock, timed apart."""
+    import scale_profile
+    if scale_profile.directory():
+        cluster.ask(("profile", "start-start"))
+    s0, e0, t0 = cluster.stats(), etcd.cpu(), time.monotonic()
+    cluster.ask(("start_agents",))
+    took = time.monotonic() - t0
+    if scale_profile.directory():
+        cluster.ask(("profile", "start-end"))
+    time.sleep(1.0)  # the election's writes and their watch events land before the clock
+    s1 = cluster.stats()
+    agents = sum(len(p) for p in cluster.parts)
+    return {"seconds": round(took, 2),
+            "simulator_cpu_seconds_per_agent": round((s1["cpu"] - s0["cpu"]) / agents, 5),
+            "etcd_cpu_seconds": round(etcd.cpu() - e0, 2), **lease_counts(s0, s1)}
+
+
+def join_seconds(join: dict[str, Any], started: bool) -> float | None:
+    """The join's figure: with the agents started before, from the first join record sent
+    (the round's first write) to the last agent returned; else the driver's start to it."""
+    first = join["timeline"]["first_record_sent"]
+    if join["seconds"] is None or not started or first is None:
+        return join["seconds"]
+    return round(join["seconds"] - first, 3)
 
 
 def profile(cluster: Cluster, out: str, seconds: int) -> list[Any]:
@@ -1579,6 +1635,10 @@ def main() -> int:
     p.add_argument("--prestart", type=int, default=1,
                    help="1: each simulator process starts its agents' pool threads before "
                         "the rounds (0: inside the join round, before 2026-11-30 06:00)")
+    p.add_argument("--agents-started", type=int, default=0,
+                   help="1: start every agent (lease, control watch, duty thread, election) "
+                        "before the join's clock, and time the join from its first join "
+                        "record (a real agent's start runs on its own machine)")
     p.add_argument("--profile-join", default="",
                    help="a directory: py-spy records the first simulator process and its "
                         "keep-alive process through the join round (collapsed stacks)")

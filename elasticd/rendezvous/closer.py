@@ -72,6 +72,12 @@ class Closer:
             The monotonic time to step again at the latest (None: at the next event).
         """
         self.nodes.refresh()
+        try:
+            return self._duty(trusted)
+        finally:  # after the first close attempt (a takeover's), not before it
+            self.nodes.follow()
+
+    def _duty(self, trusted: bool) -> float | None:
         now = self._clock.monotonic()
         with self._control.cond:
             last, revision = self._control.round, self._control.round_revision

@@ -50,6 +50,7 @@ class NodeWatch:
         self._marks_revision = 0  # of the marks' listing and the events applied since
         self._marks_watch: Watch | None = None
         self._relist = True
+        self._unwatched = (0, 0)  # the revisions a listing asked the watches to start from
         self._complaints = Complaints(log)  # once a key, and bounded: keys are anyone's
         self.events = 0
         self.mark_events = 0
@@ -62,8 +63,10 @@ class NodeWatch:
             yield self._tally
 
     def refresh(self) -> None:
-        """Lists the records and the marks (and watches them) when asked: first, and after a
-        watch error."""
+        """Lists the records and the marks when asked: first, and after a watch error. The
+        watches follow in :meth:`follow`, after the closer's first look at the listing: a new
+        closer whose listing already holds a closable round (a closer's takeover, the victim's
+        record gone with its lease) closes it two watch creations sooner."""
         if not self._relist:
             return
         self._relist = False
@@ -78,17 +81,26 @@ class NodeWatch:
             self._tally.load_marks(m for kv in marks if (m := self._decode_mark(kv)) is not None)
             self._tally.load([r for kv in kvs if (r := self._decode(kv)) is not None], now)
             self._revision, self._marks_revision = revision, marks_revision
-        if self._watch is None or wiped:
+        # From the listing's revision on: nothing written after it is missed, however late
+        # the watches are created.
+        self._unwatched = (revision + 1 if self._watch is None or wiped else 0,
+                           marks_revision + 1 if self._marks_watch is None or wiped else 0)
+
+    def follow(self) -> None:
+        """Creates the watches a listing asked for (from the revision after it)."""
+        (nodes_from, marks_from), self._unwatched = self._unwatched, (0, 0)
+        if nodes_from:
             if self._watch is not None:
                 self._watch.cancel()
             self._watch = self._grace.call(
-                lambda: self._coord.watch_prefix(self._prefix, self.on_nodes, revision + 1),
+                lambda: self._coord.watch_prefix(self._prefix, self.on_nodes, nodes_from),
                 "watching the rendezvous nodes")
-        if self._marks_watch is None or wiped:
+        if marks_from:
+            prefix = mark_prefix(self._native)
             if self._marks_watch is not None:
                 self._marks_watch.cancel()
             self._marks_watch = self._grace.call(
-                lambda: self._coord.watch_prefix(prefix, self.on_marks, marks_revision + 1),
+                lambda: self._coord.watch_prefix(prefix, self.on_marks, marks_from),
                 "watching the rendezvous' failure marks")
 
     def _failed_watch(self, what: str, error: CoordinationError) -> None:

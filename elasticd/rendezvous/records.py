@@ -130,7 +130,8 @@ class RoundRecord:
         """
         data = _load(raw, "round record")
         try:
-            members = tuple(str(m) for m in data["members"])
+            # map, not a generator: ~1,000 members are read by every agent at each close
+            members = tuple(map(str, data["members"]))
             grew_at = float(data.get("grew_at", 0.0))
             if not math.isfinite(grew_at):
                 raise ValueError(f"grew_at {grew_at!r} is not finite")

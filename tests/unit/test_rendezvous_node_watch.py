@@ -44,6 +44,7 @@ def test_it_lists_once_then_counts_the_events_after_the_listing():
     watch, distrusted, woken = make(coord)
     assert live(watch) == []  # nothing before the first refresh
     watch.refresh()
+    watch.follow()
     assert live(watch) == ["a", "b"] and watch.events == 0
     put(coord, "c")
     coord.delete(PREFIX + b"a")
@@ -53,6 +54,7 @@ def test_it_lists_once_then_counts_the_events_after_the_listing():
     watch.on_nodes([WatchEvent(EventType.PUT, stale)])
     assert live(watch) == ["b", "c"] and watch.events == 2
     watch.refresh()  # not asked: no listing
+    watch.follow()  # nor watches
     assert distrusted == []
     watch.stop()
 
@@ -64,6 +66,7 @@ def test_a_bad_record_or_one_under_another_name_is_not_counted_and_logged_once(c
     watch, _, _ = make(coord)
     with caplog.at_level(logging.WARNING, logger="elasticd.rendezvous.handler"):
         watch.refresh()
+        watch.follow()
         coord.put(PREFIX + b"bad", b"{still not json")
     assert live(watch) == []
     assert sum("refusing rendezvous node" in r.getMessage() for r in caplog.records) == 1
@@ -74,12 +77,14 @@ def test_a_watch_error_asks_for_a_listing_and_only_a_broken_watch_is_distrusted(
     coord = MemoryCoordinator()
     watch, distrusted, woken = make(coord)
     watch.refresh()
+    watch.follow()
     watch.stop()  # events from here on are missed
     put(coord, "a")
     assert live(watch) == []
     watch.on_nodes(Compacted(5))
     assert distrusted == [] and len(woken) == 1
     watch.refresh()  # the events were lost: the listing brings them, and watches again
+    watch.follow()
     assert live(watch) == ["a"]
     put(coord, "b")
     assert live(watch) == ["a", "b"]
@@ -95,6 +100,7 @@ def test_what_it_remembers_of_bad_records_is_bounded(caplog):
     watch, _, _ = make(coord)
     watch._complaints.limit = 2
     watch.refresh()
+    watch.follow()
     with caplog.at_level(logging.WARNING, logger="elasticd.rendezvous.handler"):
         for name in (b"bad1", b"bad2", b"bad3", b"bad1"):
             coord.put(PREFIX + name, b"{not json")
@@ -189,6 +195,7 @@ def test_a_mark_that_does_not_read_is_nobodys_and_a_mark_gone_is_forgotten():
     coord = MemoryCoordinator()
     watch, _, woken = make(coord)
     watch.refresh()
+    watch.follow()
     coord.put(PREFIX + b"b", NodeRecord("b", 0, daemon="db", daemon_lease=0xb1).encode())
     coord.put(mark_prefix(NATIVE) + b"db@zz", b"{}")  # not a lease
     coord.put(mark_prefix(NATIVE) + b"db@0b1", b"{}")  # not how a mark is spelled
@@ -202,3 +209,34 @@ def test_a_mark_that_does_not_read_is_nobodys_and_a_mark_gone_is_forgotten():
     coord.put(PREFIX + b"b", NodeRecord("b", 1, daemon="db", daemon_lease=0xb1).encode())
     assert live(watch) == ["b"]
     watch.stop()
+
+
+def test_a_new_closer_closes_a_closable_round_before_it_creates_its_watches():
+    # A closer's takeover: the old closer's lease expired with its record, every survivor
+    # rejoined; the new closer's listing holds a round it may close. It used to create its
+    # two watches (two round trips each on etcd) before its first close attempt.
+    coord, clock, woken = MemoryCoordinator(), FakeClock(), []
+    closer, control = closer_on(coord, clock, woken)
+    for node, lease in (("a", 0xa1), ("b", 0xb1), ("c", 0xc1)):
+        record(coord, node, 1, lease)
+    calls = []
+    watch_prefix, transaction = coord.watch_prefix, coord.transaction
+
+    def txn(compares, ops):
+        calls.append("txn")
+        out = transaction(compares, ops)
+        if calls.count("txn") == 1:  # after the listing, before the watches: not missed
+            record(coord, "d", 2, 0xd1)
+        return out
+
+    coord.watch_prefix = lambda *args: calls.append("watch") or watch_prefix(*args)
+    coord.transaction = txn
+    closer.step(trusted=True)
+    assert control.round.round == 1 and control.round.members == ("a", "b", "c")
+    assert calls[0] == "txn" and calls.count("watch") == 2
+    with closer.nodes.counts() as tally:
+        assert tally.nodes["d"].target == 2
+    record(coord, "e", 2, 0xe1)  # and followed from then on
+    with closer.nodes.counts() as tally:
+        assert sorted(tally.nodes) == ["a", "b", "c", "d", "e"]
+    closer.stop()
