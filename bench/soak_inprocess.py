@@ -139,7 +139,7 @@ def analyse(rows: list[dict], kills: list[dict], restarts: list[FaultRecord],
     steps = sorted(last_run)
     keep_all = [r.get("kept_pids") == SHRUNK for r in shrinks + rejoins]
     return {
-        "wall_s": round(wall, 1), "kept_step_seconds": round(kept_seconds, 1),
+        "wall_s": round(wall, 3), "kept_step_seconds": round(kept_seconds, 3),
         "effective_ratio": round(kept_seconds / wall, 4),
         "steps_kept": len(steps), "kept_steps_per_s": round(len(steps) / wall, 3),
         "kept_samples": kept_samples, "kept_samples_per_s": round(kept_samples / wall, 2),

@@ -33,7 +33,7 @@ def test_the_soak_reports_kept_time_losses_downtime_and_each_rejoins_stop_from_t
     # Kept: steps 1-300 once each; step 100 on its second run. A step's time is since its
     # attempt's step before (an attempt's first step, after a restore, counts nothing).
     assert block["steps_kept"] == 300 and block["checks"]["kept_steps_contiguous"]
-    assert block["kept_step_seconds"] == round(297 * 0.1, 1)
+    assert block["kept_step_seconds"] == round(297 * 0.1, 3)
     assert block["effective_ratio"] == round(29.7 / (20.65 + 9.9 - 0.1), 4)
     assert block["kept_samples"] == 8 * (99 * 6 + 101 * 4 + 100 * 6)
     assert block["baseline_samples_per_s_failure_free"] == 480.0  # 6 ranks x 8 per 0.1 s
