@@ -346,12 +346,8 @@ def _rejoin(c: LocalCluster, victim: str, logdir: str, timeout: float, t_kill: f
     example's ``ready-<pid>.json`` (its script reached the function, next it asks for its
     round):
 
-    * ``pause_seconds``: the first survivor's last step at world 4 -> the last rank's first
-      step at world 6: how long the survivors stood still for the rejoin (the restart path's
-      survivors are new processes: their ranks' steps);
-    * ``pause_per_survivor``: each kept survivor's own last step at 4 -> first at 6;
-    * ``step_seconds``: the median time between two steps of a survivor at world 4 (what a
-      step costs without a rejoin: the pause includes one);
+    * ``pause_seconds``, ``pause_per_survivor``, ``step_seconds``, ``kept_pids``: how long the
+      survivors stood still for the rejoin, from world 4 to world 6 (:func:`rejoin_pause`);
     * ``return_seconds``: the node's start -> all 6 ranks training;
     * ``ready_before_reform_seconds``: the first survivor agent's start of the re-formation
       (``reform_started``, its abort) minus the newcomers' latest ready moment (positive:
@@ -367,18 +363,12 @@ def _rejoin(c: LocalCluster, victim: str, logdir: str, timeout: float, t_kill: f
                          and f, timeout, "world 6 again", interval=0.02)
     except TimeoutError:
         return {"error": "not back at world 6"}
-    rows = _rows(logdir)
-    first6 = {r["pid"]: r["t"] for r in at6.values()}
-    at4: dict[int, list[float]] = {}
-    for r in sorted(rows, key=lambda r: r["t"]):
-        if r["world"] == 4 and t_kill < r["t"] < min(first6.values()):
-            at4.setdefault(r["pid"], []).append(r["t"])
-    if not at4:
+    pause = rejoin_pause(_rows(logdir), at6, 4, t_kill, survivors)
+    if pause is None:
         return {"error": "no step at world 4 before world 6"}
-    stopped = min(ts[-1] for ts in at4.values())
-    gaps = [b - a for ts in at4.values() for a, b in zip(ts, ts[1:])]
+    first6 = {r["pid"]: r["t"] for r in at6.values()}
     kept = set(first6) & survivors
-    newcomers = set(first6) - set(at4)
+    newcomers = set(first6) - set(pause.pop("old_world_pids"))
     ready = {}
     for path in glob.glob(os.path.join(logdir, "ready-*.json")):
         with contextlib.suppress(ValueError, OSError), open(path) as fh:
@@ -392,16 +382,48 @@ def _rejoin(c: LocalCluster, victim: str, logdir: str, timeout: float, t_kill: f
         if r["pid"] in newcomers and kept:
             for name, at in {**(r.get("times") or {}), "first_step": r["t"]}.items():
                 moments[name] = max(moments.get(name, at - t_back), round(at - t_back, 4))
-    return {"recovered": True, "pause_seconds": round(max(first6.values()) - stopped, 3),
-            "pause_per_survivor": sorted(round(first6[p] - at4[p][-1], 3) for p in kept
-                                         if p in at4),
-            "step_seconds": round(statistics.median(gaps), 4) if gaps else None,
+    return {"recovered": True, **pause,
             "return_seconds": round(max(first6.values()) - t_back, 3),
             "ready_before_reform_seconds": (round(began - newest_ready, 3)
                                             if newest_ready is not None and began < float("inf")
                                             else None),
             "newcomer_moments": dict(sorted(moments.items(), key=lambda kv: kv[1])) or None,
-            "kept_pids": len(kept), "paths": sorted({r["path"] for r in at6.values()})}
+            "paths": sorted({r["path"] for r in at6.values()})}
+
+
+def rejoin_pause(rows: list[dict], first_new: dict[int, dict], old_world: int, since: float,
+                 survivors: set[int]) -> dict | None:
+    """How long a rejoin stopped the survivors, from the step rows (:func:`_rejoin`; the soak's
+    in-process mode measures each of its rejoins with it too): ``first_new`` is each rank's
+    first step row at the new world, ``since`` a moment before the world ``old_world`` began
+    (its shrink's kill), ``survivors`` the pids that trained before it. None when no rank
+    logged a step at ``old_world`` after ``since`` and before the new world's first step.
+
+    * ``pause_seconds``: the first survivor's last step at ``old_world`` -> the last rank's
+      first step at the new world (the restart path's survivors are new processes: their
+      ranks' steps);
+    * ``pause_per_survivor``: each kept survivor's own last step at the old world -> its first
+      at the new one;
+    * ``step_seconds``: the median time between two steps of a rank at ``old_world`` (what a
+      step costs without a rejoin: the pause includes one);
+    * ``kept_pids``: the survivors' processes among the new world's ranks;
+    * ``old_world_pids``: the processes that stepped at ``old_world`` then.
+    """
+    first = {r["pid"]: r["t"] for r in first_new.values()}
+    old: dict[int, list[float]] = {}
+    for r in sorted(rows, key=lambda r: r["t"]):
+        if r.get("world") == old_world and since < r["t"] < min(first.values()):
+            old.setdefault(r["pid"], []).append(r["t"])
+    if not old:
+        return None
+    stopped = min(ts[-1] for ts in old.values())
+    gaps = [b - a for ts in old.values() for a, b in zip(ts, ts[1:])]
+    kept = set(first) & survivors
+    return {"pause_seconds": round(max(first.values()) - stopped, 3),
+            "pause_per_survivor": sorted(round(first[p] - old[p][-1], 3) for p in kept
+                                         if p in old),
+            "step_seconds": round(statistics.median(gaps), 4) if gaps else None,
+            "kept_pids": len(kept), "old_world_pids": sorted(old)}
 
 
 def summarize_rejoin(runs: list[dict]) -> dict:

@@ -25,6 +25,14 @@ Not in CI (10 minutes). The committed result came from:
 
     flock /tmp/elasticd-cpu.lock .venv/bin/python bench/soak.py --minutes 10 --every 120 \\
         --down 20 --out bench/results/soak.json
+
+``--modes restart,in-process`` is issue 31's soak instead (bench/soak_inprocess.py): the same
+faults against examples/train_in_process.py (2 ranks per node) on the restart path and in
+in-process mode, ``--minutes`` of each in ``--blocks`` alternating blocks, each rejoin's stop
+of the survivors measured::
+
+    .venv/bin/python bench/soak.py --modes restart,in-process --minutes 10 --blocks 2 \\
+        --every 120 --down 20 --out bench/results/soak_inprocess.json
 """
 
 from __future__ import annotations
@@ -144,21 +152,60 @@ def analyse(out: Outcome, first_fault_at: float | None) -> dict[str, Any]:
     }
 
 
+def play(cc: ChaosCluster, plan: FaultPlan, minutes: float) -> tuple[Injector, float, float]:
+    """Starts ``cc`` (its job training) and plays ``plan`` against it for ``minutes``, saying
+    how far it got every 30 s; returns the injector and the wall times it began and ended. The
+    cluster is left running (the caller reads it, then stops it); on an error its logs' tails
+    are printed."""
+    try:
+        cc.start()
+        began = time.time()
+        injector = cc.injector = Injector(cc, plan)
+        next_report = began + 30
+        while time.time() < began + minutes * 60:
+            cc.poll()
+            injector.tick(cc.logs.max_step)
+            if time.time() >= next_report:
+                next_report += 30
+                print(f"  {time.time() - began:5.0f} s: step {cc.logs.max_step}, faults fired "
+                      f"{len(injector.records)}/{len(plan)}", flush=True)
+            time.sleep(0.1)
+        injector.undo_all()
+        return injector, began, time.time()
+    except BaseException:
+        print(cc.diagnostics(), flush=True)
+        raise
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--every", type=float, default=120.0, help="seconds between kills")
     p.add_argument("--down", type=float, default=20.0,
                    help="seconds a killed node stays down before its daemon restarts")
-    p.add_argument("--step-time", type=float, default=0.1, help="extra seconds per step")
+    p.add_argument("--step-time", type=float, default=None,
+                   help="extra seconds per step (default 0.1; with --modes 0.02, as "
+                        "bench_recovery.py --mode)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--grow", default="",
                    help="the daemons' --rdzv-grow (immediate, at-failure, interval:MIN); "
                         "default: the daemon's own default")
     p.add_argument("--out", default="", help="write the result as JSON here")
+    p.add_argument("--modes", metavar="MODES",
+                   help="restart,in-process: issue 31's soak (bench/soak_inprocess.py), "
+                        "examples/train_in_process.py in each mode, interleaved")
+    p.add_argument("--blocks", type=int, default=1,
+                   help="with --modes: each mode's --minutes in this many alternating blocks")
+    p.add_argument("--keep", action="store_true",
+                   help="with --modes: keep every block's work directory (logs), not only "
+                        "those whose checks failed")
     args = p.parse_args()
     if not 0 < args.down < args.every:
         p.error("need 0 < --down < --every")
+    if args.modes:
+        return soak_modes(p, args)
+    if args.step_time is None:
+        args.step_time = 0.1
 
     nodes = ["n1", "n2", "n3"]
     plan, victims = plan_faults(args.minutes, args.every, args.down, nodes,
@@ -171,26 +218,10 @@ def main() -> int:
     print(f"soak: {args.minutes:g} min, kills of {victims} every {args.every:g} s "
           f"(down {args.down:g} s); logs in {workdir}", flush=True)
     try:
-        cc.start()
-        began = time.time()
-        injector = cc.injector = Injector(cc, plan)
-        next_report = began + 30
-        while time.time() < began + args.minutes * 60:
-            cc.poll()
-            injector.tick(cc.logs.max_step)
-            if time.time() >= next_report:
-                next_report += 30
-                print(f"  {time.time() - began:5.0f} s: step {cc.logs.max_step}, faults fired "
-                      f"{len(injector.records)}/{len(plan)}", flush=True)
-            time.sleep(0.1)
-        injector.undo_all()
-        finished = time.time()
+        injector, began, finished = play(cc, plan, args.minutes)
         history = cc.commit_history()
         left = cc.stop()
         out = Outcome(cc, plan, injector.records, history, {}, left, began, finished)
-    except BaseException:
-        print(cc.diagnostics(), flush=True)
-        raise
     finally:
         if not cc._stopped:
             cc.stop()
@@ -214,6 +245,31 @@ def main() -> int:
           f"{result['steps_lost']} steps lost over {len(result['restarts'])} restarts; "
           f"checks {'passed' if ok else 'FAILED: ' + str(result['checks'])}")
     return 0 if ok else 1
+
+
+def soak_modes(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``--modes``: issue 31's soak (bench/soak_inprocess.py)."""
+    from bench import soak_inprocess
+
+    modes = args.modes.split(",")
+    if not modes or not set(modes) <= set(soak_inprocess.MODES) or len(set(modes)) < len(modes):
+        p.error(f"--modes {args.modes!r}: modes are {','.join(soak_inprocess.MODES)}")
+    if args.blocks < 1 or args.grow:
+        p.error("--modes takes --blocks >= 1 and no --grow")
+    if args.step_time is None:
+        args.step_time = 0.02
+    result = {"command": " ".join([os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]]),
+              "params": vars(args),
+              **soak_inprocess.main(modes, args.minutes, args.blocks, args.every, args.down,
+                                    args.seed, args.step_time, args.keep),
+              "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                          "platform": platform.platform()}}
+    text = json.dumps(result, indent=2)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(text + "\n")
+    print(json.dumps({"modes": result["modes"], "verdict": result["verdict"]}, indent=2))
+    return 0 if all(m["checks_passed"] for m in result["modes"].values()) else 1
 
 
 if __name__ == "__main__":

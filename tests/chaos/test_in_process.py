@@ -105,16 +105,19 @@ def _last_steps(rows: list[dict], survivors: set[int], saved: bool = False) -> d
 
 
 def _submit(cluster: LocalCluster, logdir: str, steps: int, hang_rank: int = -1,
-            extra: tuple[str, ...] = (), train_args: tuple[str, ...] = ()) -> None:
+            extra: tuple[str, ...] = (), train_args: tuple[str, ...] = (),
+            in_process: bool = True) -> None:
     """Submits the in-process job (``extra``: more submit options; ``train_args``: more of the
-    script's) and waits until its 6 ranks train, a step is committed and the snapshot grid
+    script's; ``in_process=False``: the same job on the restart path, as bench/soak.py's
+    baseline) and waits until its 6 ranks train, a step is committed and the snapshot grid
     is 1."""
     env = {**os.environ, "ELASTICD_ETCD": cluster.etcd, "ELASTICD_PREFIX": cluster.prefix}
     out = subprocess.run(
-        [sys.executable, "-m", "elasticd.cli.main", "submit", "job", "--in-process",
-         "--nnodes", "2:3", "--nproc-per-node", "2", "--user", JOB_USER,
-         "--max-restarts", "100", *extra, "--", TRAIN, "--log", logdir, "--steps", str(steps),
-         "--step-time", "0.05", "--hang-rank", str(hang_rank), *train_args],
+        [sys.executable, "-m", "elasticd.cli.main", "submit", "job",
+         *(["--in-process"] if in_process else []), "--nnodes", "2:3", "--nproc-per-node",
+         "2", "--user", JOB_USER, "--max-restarts", "100", *extra, "--", TRAIN, "--log",
+         logdir, "--steps", str(steps), "--step-time", "0.05", "--hang-rank", str(hang_rank),
+         *train_args],
         env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     _wait(lambda: len(_first_at(_rows(logdir), 6, 0)) == 6, 90, "6 ranks training",

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 
@@ -115,3 +118,65 @@ def _wait(cond, timeout: float = 5.0) -> None:
         if time.monotonic() > deadline:
             pytest.fail("timed out")
         time.sleep(0.01)
+
+
+SLOW_STEPS = """
+import os, time
+import torch, torch.distributed as dist
+import elasticd
+
+rank = int(os.environ["RANK"])
+
+
+@elasticd.in_process(timeout=20)
+def train(r):
+    t = torch.ones(1)
+    for _ in range(5):  # steps of ~1.2 s: 5 x that, the learned timeout, is above the floor
+        r.check()
+        dist.all_reduce(t)
+        time.sleep(1.2)
+    r.check()
+    print("learned", r.collective_timeout, flush=True)
+    if rank == 1:
+        time.sleep(3600)  # silent, its sockets open: a frozen or cut-off peer
+    dist.all_reduce(t)  # rank 0: its peer never joins
+
+
+train()
+"""
+
+
+def test_a_silent_peers_collective_ends_at_the_timeout_learned_from_real_steps(tmp_path):
+    """Two real linked gloo workers (world 2) learn their collective timeout from real steps of
+    ~1.2 s (5 x the longest: ~6 s, above the 5 s floor and below the decorator's 20 s), set it
+    on their group and tell their agent; then rank 1 goes silent (a frozen or partitioned
+    node's worker: no reset, nothing sent) and rank 0's pending all_reduce ends at that learned
+    timeout, which gloo's error names, and rank 0 leaves its round. With the timeout a constant
+    (the decorator's 20 s, or the floor) the value told and the one gloo names are that."""
+    from tests.unit.test_in_process_worker import _free_port, _worker_env
+
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_STEPS)
+    port = _free_port()
+    servers = [LinkServer(), LinkServer()]
+    procs = []
+    try:
+        for rank, server in enumerate(servers):
+            env = {**_worker_env(port, ELASTICD_LINK=server.name,
+                                 ELASTICD_LINK_PID=str(os.getpid()), ELASTICD_ROUND="3"),
+                   "RANK": str(rank), "WORLD_SIZE": "2"}
+            procs.append(subprocess.Popen([sys.executable, str(script)], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True))
+        _wait(lambda: 0 in servers[0].left_rounds(), 60)
+        told = servers[0].timeouts[0]
+        round_, _, why = servers[0].left_rounds()[0]
+        waited = re.search(r"Timed out waiting (\d+)ms", why)
+        assert round_ == 3 and waited, why
+        assert FLOOR < told < 20.0, told  # learned, above the floor: not a constant
+        assert abs(int(waited.group(1)) - told * 1000) <= 1, (why, told)  # told in ms, 3 places
+        assert 1 not in servers[1].left_rounds()  # the silent one had nothing pending
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()

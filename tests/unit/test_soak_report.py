@@ -1,0 +1,57 @@
+"""Issue 31's soak reports from what the workers wrote (bench/soak_inprocess.py): step rows of a
+kill and a rejoin, made here, give the kept time, the samples, the steps lost, each kill's
+downtime, each rejoin's stop of the survivors and whether their processes were kept (the
+soak itself runs by hand: 20 minutes and more)."""
+
+from __future__ import annotations
+
+from bench.soak_inprocess import analyse, summarize, verdict
+from tests.chaos.faults import Fault, FaultRecord
+
+
+def _rows(pids: list[int], world: int, steps: range, t0: float, round_: int) -> list[dict]:
+    """Every rank's row of each step, 0.1 s apart from ``t0``."""
+    return [{"pid": pid, "round": round_, "rank": rank, "world": world, "step": step,
+             "path": "first" if round_ == 0 else "in-process", "t": t0 + i * 0.1}
+            for i, step in enumerate(steps) for rank, pid in enumerate(pids)]
+
+
+def _soak(rejoined: list[int]) -> dict:
+    """Six ranks train steps 1-100; node n3 (pids 5, 6) is killed at 10.05 s; four ranks resume
+    from step 99 (step 100 is trained again: 1 lost); n3 starts again at 15 s and the six
+    ranks ``rejoined`` resume from step 200 at world 6."""
+    rows = (_rows([1, 2, 3, 4, 5, 6], 6, range(1, 101), 0.1, 0)
+            + _rows([1, 2, 3, 4], 4, range(100, 201), 10.5, 1)
+            + _rows(rejoined, 6, range(201, 301), 20.65, 2))
+    kills = [{"node": "n3", "pids": {5, 6, 50}, "at": 10.05}]
+    back = FaultRecord(Fault("restart_node", "n3"), 15.0, 0, None, ["n3"])
+    return analyse(rows, kills, [back], in_process=True)
+
+
+def test_the_soak_reports_kept_time_losses_downtime_and_each_rejoins_stop_from_the_rows():
+    block = _soak([1, 2, 3, 4, 7, 8])
+    # Kept: steps 1-300 once each; step 100 on its second run. A step's time is since its
+    # attempt's step before (an attempt's first step, after a restore, counts nothing).
+    assert block["steps_kept"] == 300 and block["checks"]["kept_steps_contiguous"]
+    assert block["kept_step_seconds"] == round(297 * 0.1, 3)
+    assert block["effective_ratio"] == round(29.7 / (20.65 + 9.9 - 0.1), 4)
+    assert block["kept_samples"] == 8 * (99 * 6 + 101 * 4 + 100 * 6)
+    assert block["baseline_samples_per_s_failure_free"] == 480.0  # 6 ranks x 8 per 0.1 s
+    kill, = block["kills"]
+    assert (kill["downtime_s"], kill["steps_lost"], kill["kept_pids"]) == (0.45, 1, 4)
+    rejoin, = block["rejoins"]
+    # The first survivor's last step at world 4 (20.5 s) -> every rank's first at 6 (20.65 s).
+    assert (rejoin["pause_seconds"], rejoin["steps_lost"], rejoin["kept_pids"]) == (0.15, 0, 4)
+    assert block["checks"]["survivor_pids_kept"] and block["steps_lost"] == 1
+    mode = summarize([block])
+    assert mode["rejoin_stop_s"] == [0.15] and mode["rejoins_at_most_0.3_s"] == 1
+    worse = {**mode, "effective_ratio": mode["effective_ratio"] + 0.01}
+    assert verdict({"in-process": mode, "restart": worse}) == {
+        "effective_ratio_above_restart": False, "goodput_samples_not_lower": True,
+        "every_rejoin_stop_at_most_0.3_s": True}
+
+
+def test_a_survivor_restarted_at_a_rejoin_fails_the_in_process_check():
+    block = _soak([9, 2, 3, 4, 7, 8])  # rank 0 of world 6 is a new process
+    assert block["rejoins"][0]["kept_pids"] == 3
+    assert not block["checks"]["survivor_pids_kept"]
