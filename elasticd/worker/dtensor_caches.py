@@ -3,15 +3,16 @@
 torch 2.13's DTensor caches sharding and redistribution decisions for the life of the process,
 keyed and valued by ``DTensorSpec``s that hold the round's ``DeviceMesh``, and a mesh holds its
 process group (the round's gloo pairs and its store's sockets). A mesh's equality ignores its
-group, so a later round of the same layout finds the first round's entries and caches nothing
-of its own: a process's first FSDP2 round stayed alive after its leave (its sockets open), the
+group, so a later round of the same layout finds the first round's entries and caches nothing of
+its own: a process's first FSDP2 round stayed alive after its leave (its sockets open), the
 worker reported an unclean leave and its node fell back to a restart, while later rounds were
-released (bench/spikes/inprocess/fsdp_first_round.py shows both, and this module's effect).
-Five caches hold such a mesh: the C++ fast path's sharding cache (the "closure cell nothing
-Python refers to": ``torch._C._clear_DTensor_sharding_propagator_cache``), the Python sharding
-cache (used when the fast path cannot make a key), the redistribute planners (weakly keyed by
-the mesh, but each planner holds it), ``_gen_transform_infos`` and ``MeshTopoInfo``'s
-``build_from_mesh``. Emptying them costs the next round a few recomputed plans; a cached entry
+released (bench/spikes/inprocess/fsdp_first_round.py shows both, and this module's effect). Four
+caches held the spike's first mesh, each enough alone: the C++ fast path's sharding cache (the
+reference no Python object shows; emptied by
+``torch._C._clear_DTensor_sharding_propagator_cache``), the redistribute planners (weakly keyed
+by the mesh, but each planner holds it), ``_gen_transform_infos``, and
+``MeshTopoInfo.build_from_mesh``; the Python sharding cache, used when the fast path cannot make
+a key, is emptied too. Emptying them costs the next round a few recomputed plans; a cached entry
 of a destroyed round is no use to it anyway.
 """
 
