@@ -27,8 +27,13 @@ log = logging.getLogger(__name__)
 
 def forget() -> int:
     """Empties DTensor's caches when DTensor is in use in this process (it is not imported
-    here otherwise); returns how many were emptied. A cache a torch version does not have is
-    skipped: the leave's socket check still tells if something else keeps the group."""
+    here otherwise), and elasticd's layout caches of DTensors (:mod:`elasticd.worker.shards`,
+    keyed the same way); returns how many of DTensor's were emptied. A cache a torch version
+    does not have is skipped: the leave's socket check still tells if something else keeps
+    the group."""
+    shards = sys.modules.get("elasticd.worker.shards")
+    if shards is not None:  # elasticd's own layout caches, keyed the same way
+        shards.forget_layouts()
     if "torch.distributed.tensor" not in sys.modules:
         return 0
     import torch
