@@ -1,7 +1,9 @@
 """DTensor's caches, emptied at a leave (elasticd/worker/dtensor_caches.py, issue 31): a
 process's first FSDP2 round's group is kept alive by them until they are, and released once
 they are (the gloo group and its store: the sockets the in-process leave checks). One process,
-world 1, gloo on a FileStore; bench/spikes/inprocess/fsdp_first_round.py shows the sockets."""
+world 1, gloo on a FileStore; bench/spikes/inprocess/fsdp_first_round.py shows the sockets.
+Before, the group stayed alive through either of elasticd's own holds: its layout caches
+(elasticd/worker/shards.py) and the flatten memo's strong reference to each DTensor's spec."""
 
 from __future__ import annotations
 
@@ -14,11 +16,13 @@ import torch
 import torch.distributed as dist
 
 from elasticd.worker import dtensor_caches
+from elasticd.worker.snapshot_plan import Planner
 
 
-def _fsdp_round(path: str) -> weakref.ref:
-    """One round: a group, a 2-layer model under ``fully_shard`` and an optimizer step, then
-    the group destroyed and every reference to them dropped; returns the group's weak ref."""
+def _fsdp_round(path: str, planner: Planner) -> weakref.ref:
+    """One round: a group, a 2-layer model under ``fully_shard``, an optimizer step and two
+    saves' flattens (``planner``: a Checkpointer's, kept across rounds: its memo), then the
+    group destroyed and every reference to them dropped; returns the group's weak ref."""
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo", store=dist.FileStore(path, 1), rank=0, world_size=1)
@@ -31,6 +35,8 @@ def _fsdp_round(path: str) -> weakref.ref:
         opt = torch.optim.Adam(model.parameters())
         model(torch.ones(2, 4)).sum().backward()
         opt.step()
+        for _ in range(2):  # the second one through the memo
+            planner.flatten({"model": model, "optim": opt})
         del model, opt, layer
     finally:
         dist.destroy_process_group()
@@ -46,14 +52,15 @@ def clean_caches():
 
 def test_a_first_fsdp2_rounds_group_is_kept_by_dtensors_caches_until_they_are_emptied(
         tmp_path, clean_caches):
-    group = _fsdp_round(str(tmp_path / "store"))
+    planner = Planner("job")
+    group = _fsdp_round(str(tmp_path / "store"), planner)
     gc.collect()
     # torch 2.13: alive, through cached specs of its mesh (a torch that stops it: this
     # module is no longer needed, and the assertion says so).
     assert group() is not None
-    assert dtensor_caches.forget() == 5
+    assert dtensor_caches.forget() == 5  # and elasticd's layout caches
     gc.collect()
-    assert group() is None
+    assert group() is None  # the planner's memo, kept, holds no spec of it either
 
 
 def test_nothing_is_imported_or_emptied_in_a_process_without_dtensor(monkeypatch):
