@@ -4,17 +4,19 @@ DTensor's caches key on specs holding the round's DeviceMesh, whose equality ign
 the fast-path sharding cache (C++), the redistribute planners, _gen_transform_infos and
 MeshTopoInfo.build_from_mesh. Round 0 fills them; a later round of the same layout hits round
 0's entries and caches nothing, so only round 0's mesh -> group -> store sockets stay. Prints,
-per round, whether each round's group is still alive and its sockets still open after the leave.
-`--clear` leaves as elasticd.worker.in_process does (dtensor_caches.forget): all are released.
-    .venv/bin/python bench/spikes/inprocess/fsdp_first_round.py [--clear]"""
+at each round's leave, how many of its sockets are still open and which rounds' groups live.
+`--save` flattens each round's state twice as a Checkpointer's saves do (elasticd's own holds:
+shards' layout caches, keyed the same way, and the flatten memo); `--clear` leaves as
+elasticd.worker.in_process does (dtensor_caches.forget): all are released.
+    .venv/bin/python bench/spikes/inprocess/fsdp_first_round.py [--save] [--clear]"""
 import datetime, gc, os, socket, sys, weakref
 import torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
-from elasticd.worker import dtensor_caches  # noqa: E402
+from elasticd.worker import dtensor_caches, snapshot_plan  # noqa: E402
 from elasticd.worker.in_process import _socket_fds as fds  # noqa: E402
-held = []
+held, planner = [], snapshot_plan.Planner("job")  # a Checkpointer's: its memo and shards' caches
 for rnd in range(3):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
@@ -28,11 +30,11 @@ for rnd in range(3):
     fully_shard(model)
     opt = torch.optim.Adam(model.parameters())
     model(torch.randn(4, 8)).sum().backward(); opt.step()
+    [planner.flatten({"model": model, "optim": opt}) for _ in range(2 * ("--save" in sys.argv))]
     held.append((weakref.ref(dist.group.WORLD), fds() - before))
     del model, opt, layer, store
     dist.destroy_process_group()
-    if "--clear" in sys.argv:
-        dtensor_caches.forget()
+    "--clear" in sys.argv and dtensor_caches.forget()
     gc.collect()
-    print(f"after round {rnd}: group alive, sockets open:",
-          [(g() is not None, len(s & fds())) for g, s in held])
+    print(f"round {rnd} left: its sockets still open {len(held[-1][1] & fds())}; groups of "
+          f"rounds 0..{rnd} alive {[g() is not None for g, _ in held]}")
