@@ -44,7 +44,7 @@ from typing import Any, Callable, TypeVar
 from elasticd.clock import SYSTEM_CLOCK
 from elasticd.errors import ElasticdError, LocalProtocolError
 from elasticd.local import worker_link as link
-from elasticd.worker import group_sockets
+from elasticd.worker import dtensor_caches, group_sockets
 from elasticd.worker.collective_timeout import FLOOR, CollectiveTimeout, worth_setting
 
 log = logging.getLogger(__name__)
@@ -392,6 +392,9 @@ class _Worker:
 
         self._forget_connections()
         dist.destroy_process_group()
+        # DTensor's caches hold a process's first FSDP2 round's mesh, and so its group, for
+        # good (dtensor_caches); emptied before the check, which still catches any other hold.
+        dtensor_caches.forget()
         if fds & _socket_fds():
             gc.collect()
         return not (fds & _socket_fds())

@@ -100,6 +100,15 @@ def local_box(shape: Sequence[int], mesh: Any, placements: Sequence[Any]) -> Box
 _node_cache: dict[Any, tuple[dict[str, Any], tuple[int, ...]]] = {}
 
 
+def forget_layouts() -> None:
+    """Empties the layout caches. Their keys hold device meshes, and so the meshes' process
+    groups; a mesh's equality ignores its group, so a later round's equal layout never
+    replaces the first round's key, which kept a process's first FSDP2 round's group alive
+    after an in-process leave (elasticd.worker.dtensor_caches empties them at each leave)."""
+    _box_cache.clear()
+    _node_cache.clear()
+
+
 def describe(path: str, dtensor: Any) -> tuple[torch.Tensor, dict[str, Any]]:
     """This rank's local tensor of ``dtensor`` (no copy) and the meta a later world needs
     (shared between calls for the same layout: do not modify it).

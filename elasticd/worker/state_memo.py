@@ -43,9 +43,11 @@ class DictMemo:
         for v in [v for d in dicts for v in d.values() if v is not None]:
             is_d = dtensor is not None and isinstance(v, dtensor)
             src = v._local_tensor if is_d else v
-            # The spec is held, not weakly: its node is what the memo gives back.
-            self.leaves.append((weakref.ref(v), weakref.ref(src), v._spec if is_d else None,
-                                src.shape, src.dtype))
+            # The spec identifies the node the memo gives back; held weakly all the same: it
+            # holds its mesh and so the round's process group, which an in-process survivor
+            # must be able to free once it leaves its round (a dead spec: not the live one).
+            self.leaves.append((weakref.ref(v), weakref.ref(src),
+                                weakref.ref(v._spec) if is_d else None, src.shape, src.dtype))
 
     def reuse(self, f: Any, value: dict) -> Any:
         """The recorded node, its names and live tensors added to the flattener ``f``; None
@@ -64,7 +66,7 @@ class DictMemo:
             # FSDP2 swaps a DTensor's local tensor on reset, and `.data =` a tensor's memory,
             # shape and dtype (same object): what is added is the live tensor, as _add would,
             # and its shape and dtype are what the recorded key says.
-            if (src is None or (spec is not None and (h._spec is not spec
+            if (src is None or (spec is not None and (h is None or h._spec is not spec()
                                                       or h._local_tensor is not src))
                     or src.shape != shape or src.dtype is not dtype):
                 return None

@@ -14,6 +14,8 @@ job of 2 ranks per node submitted with ``--in-process`` (``examples/train_in_pro
   agent's ``abort`` shuts the old group's connections down: elasticd/worker/group_sockets.py),
   not at their collective timeout (learned from their steps, 5 s here: the backstop), and
   they re-form in-process.
+* FSDP2 (``--model fsdp``): the survivors keep their processes as well (each leave empties
+  DTensor's caches, which kept a process's first FSDP2 round's group alive).
 * A worker killed alone (its node alive): its node restarts its workers, the other nodes' stay
   in-process (a mixed round at the same world size), every rank resumes from one step.
 """
@@ -134,7 +136,7 @@ def _submit(cluster: LocalCluster, logdir: str, steps: int, hang_rank: int = -1,
 
 
 def _run(tmp_path, steps: int, hang_rank: int = -1, extra: tuple[str, ...] = (),
-         fault: str = "kill"):
+         fault: str = "kill", train_args: tuple[str, ...] = ()):
     logdir = job_writable(str(tmp_path / "steps"))
     # Peer replication on, as in production (a fallback node's fresh workers restore from
     # their old ranks' slots in their node's RAM: no peer copy is needed, nor used).
@@ -142,7 +144,7 @@ def _run(tmp_path, steps: int, hang_rank: int = -1, extra: tuple[str, ...] = (),
                            replication=True)
     try:
         cluster.start()
-        _submit(cluster, logdir, steps, hang_rank, extra)
+        _submit(cluster, logdir, steps, hang_rank, extra, train_args)
         coord = cluster.coordinator()
         before = {n: set(cluster.nodes[n].tagged()) for n in ("n1", "n2", "n3")}
         first6 = _first_at(_rows(logdir), 6, 0)
@@ -225,6 +227,29 @@ def test_kill9_of_a_node_the_survivors_keep_their_processes(tmp_path):
           f"{sorted(survivors)} kept ({len(moved)} with a new rank); resumed from step "
           f"{min(resumed)}, the newest all snapshotted {snapshotted}, all held {held}, "
           f"committed {committed}")
+
+
+def test_kill9_of_a_node_fsdp2_survivors_keep_their_processes(tmp_path):
+    # Before the leave emptied DTensor's caches (elasticd/worker/dtensor_caches.py), they kept
+    # each survivor's first FSDP2 round's group alive, its sockets open: every survivor said
+    # it could not leave cleanly and its node fell back to a restart (paths "first").
+    logdir, survivors, t_kill, at4, workdir, committed = _run(
+        tmp_path, steps=STEPS, train_args=("--model", "fsdp"))
+    assert set(at4) == survivors, (at4, survivors)  # the same 4 processes train at world 4
+    assert {r["path"] for r in at4.values()} == {"in-process"}
+    logs = "".join(open(p).read() for p in glob.glob(os.path.join(
+        workdir, "*", "jobs", "*", "agent.log")))
+    assert "sockets are still open" not in logs and "falling back" not in logs
+    # A sharded state resumes from the committed step or newer (jobs.md, FSDP2), one for all.
+    resumed = {r["step"] - 1 for r in at4.values()}
+    assert len(resumed) == 1 and committed <= min(resumed), (resumed, committed)
+    done = {r["pid"]: r["done"] for r in _rows(logdir) if "done" in r}
+    assert set(done) == survivors and set(done.values()) == {STEPS}
+    assert all(r["failed"] == 0 for r in _rows(logdir) if "done" in r)
+    took = max(r["t"] for r in at4.values()) - t_kill
+    print(f"\nFSDP2: kill -> all 4 survivors training at world 4 in-process: {took:.2f} s; "
+          f"pids {sorted(survivors)} kept; resumed from step {min(resumed)} "
+          f"(committed {committed})")
 
 
 def test_a_survivor_stuck_in_its_re_formation_is_restarted_the_old_way(tmp_path):

@@ -28,10 +28,11 @@ from tests.chaos.test_in_process import TRAIN, _first_at, _rows, _wait
 pytestmark = [pytest.mark.etcd, pytest.mark.chaos, pytest.mark.timeout(180)]
 
 
-def shrink_and_rejoin(workdir: str, backend: str) -> dict:
-    """Runs the scenario (the job compiled with ``backend``), stops every process it started,
-    and returns what it saw: the survivors' and the newcomers' rows by pid, the kill and the
-    node's return (``t_kill``, ``t_back``)."""
+def shrink_and_rejoin(workdir: str, backend: str, model: str = "ddp") -> dict:
+    """Runs the scenario (the job compiled with ``backend``; ``model``: the example's
+    ``--model``: bench/spikes/inprocess/fsdp_recompiles.py runs FSDP2), stops every process
+    it started, and returns what it saw: the survivors' and the newcomers' rows by pid, the
+    kill and the node's return (``t_kill``, ``t_back``)."""
     logdir = job_writable(os.path.join(workdir, "steps"))
     cluster = LocalCluster(["n1", "n2", "n3"], workdir=os.path.join(workdir, "cluster"),
                            lease_ttl=2, replication=True)
@@ -42,7 +43,7 @@ def shrink_and_rejoin(workdir: str, backend: str) -> dict:
             [sys.executable, "-m", "elasticd.cli.main", "submit", "job", "--in-process",
              "--nnodes", "2:3", "--nproc-per-node", "2", "--user", JOB_USER,
              "--max-restarts", "100", "--", TRAIN, "--log", logdir, "--steps", "100000",
-             "--step-time", "0.05", "--compile", backend],
+             "--step-time", "0.05", "--compile", backend, "--model", model],
             env=env, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         first6 = _wait(lambda: (f := _first_at(_rows(logdir), 6, 0)) and len(f) == 6 and f,
