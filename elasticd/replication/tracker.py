@@ -539,7 +539,7 @@ class CommitTracker:
         if newer and st.grid.relaxed(committed.version) is not None and (
                 by_me or self.reporter.leading(job)):
             self.submit(self._grid_write, "relax the snapshot grid",
-                         lambda: relax_grid(self.coord, self.keys, job, committed.version))
+                        lambda: relax_grid(self.coord, self.keys, job, committed.version))
 
     def never_committed(self, job: str, rank: int, versions: list[Version]) -> set[Version]:
         """Those of ``versions`` the fence record of ``rank``'s owner (in the placement in

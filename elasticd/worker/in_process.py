@@ -226,7 +226,7 @@ class _Worker:
         self._conns_lock = threading.Lock()
         #: A staged worker's moment of readiness (wall time; None: not staged): its script
         #: reached the function, the point where it asks for its round.
-        self.ready_at = SYSTEM_CLOCK.wall() if link.staged(os.environ) else None
+        self.ready_at = SYSTEM_CLOCK.wall() if staged() else None
         link.send(self.sock, {"op": "hello", "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
                               "pid": os.getpid(), "staged": self.ready_at is not None})
         threading.Thread(target=self._read, daemon=True, name="elasticd-link").start()
