@@ -126,13 +126,15 @@ class Replicator:
         # Commit reports on connections of their own: one never waits behind a push.
         self._reports = Connections(node_id, secret, peers_address, timeout=timeout,
                                     ssl_context=ssl_context, clock=self.clock)
+        self._abandoned: collections.Counter[str] = collections.Counter()  # per node
         stores = {Holder.LOCAL: store}
         if sink is not None:
             stores[Holder.REPLICA] = sink.store
         self._own_stores = list(stores.values())  # what a fetch reads without the network
         self.tracker = CommitTracker(node_id, coord, keys, self.clock, self.background,
                                      self._collect, commit_wait, withdraw_after, stores,
-                                     send=self._send_report, lease_ttl=lease_ttl)
+                                     send=self._send_report, lease_ttl=lease_ttl,
+                                     abandon=self._abandon_reports)
         #: Measured link rates per peer, shared by pushes and fetches: every call's deadline.
         self.link_rates = LinkRates()
         # Fetches in progress (job, rank, version, holders, start), shown by status(): one
@@ -155,16 +157,24 @@ class Replicator:
 
     def _send_report(self, node: str, report: Report) -> Reply:
         """Sends a commit report to ``node`` over the pooled report connection (a reused one
-        the peer closed meanwhile is replaced once). Raises ReplicationError."""
+        the peer closed meanwhile is replaced once, unless :meth:`_abandon_reports` closed
+        it). Raises ReplicationError."""
+        abandoned = self._abandoned[node]
         for attempt in range(2):
             client, reused = self._reports.get(node, connect_timeout=2.0)
             try:
                 return client.report(report, deadline=5.0)
             except ReplicationError:
                 self._reports.discard(node, client)
-                if not reused or attempt:
+                if not reused or attempt or self._abandoned[node] != abandoned:
                     raise
         raise AssertionError("unreachable")
+
+    def _abandon_reports(self, node: str) -> None:
+        """Ends the reports in flight to ``node`` (no longer a coordinator) at once: they
+        fail, and are not sent again to it on a fresh connection."""
+        self._abandoned[node] += 1
+        self._reports.discard(node)
 
     # -- membership, generations, snapshots ------------------------------------------------
 

@@ -65,6 +65,9 @@ class CommittedPrefix:
                                                                    etcd_error)
         self.watches: dict[str, Watch] = {}  # guarded by ``lock``
         self._keys: dict[str, _PrefixKeys] = {}  # per job (a race builds the same twice)
+        #: (job, key) -> watch events taken for it so far (guarded by ``lock``): a listing
+        #: leaves alone a key the watch changed while the listing was being read.
+        self._events: dict[tuple[str, bytes], int] = {}
         self.closed = False
 
     def grid(self, job: str) -> int:
@@ -94,6 +97,8 @@ class CommittedPrefix:
     def reread(self, job: str) -> None:
         """Reads the committed prefix again (a watch error, a lagging watch)."""
         key = self.keys.replication(job).committed
+        with self.lock:
+            events = {k: n for k, n in self._events.items() if k[0] == job}
         try:
             kvs, _ = self.coord.get_prefix(key)
             with self.lock:
@@ -105,7 +110,7 @@ class CommittedPrefix:
         except CoordinationError as exc:
             self.etcd_error("read the committed record", exc)
             return
-        self._listed(job, [kv for kv in kvs if kv.key != key])
+        self._listed(job, [kv for kv in kvs if kv.key != key], events)
         revision = found.mod_revision if found is not None else 0
         with self.lock:
             if job in self.jobs:
@@ -118,6 +123,8 @@ class CommittedPrefix:
         """Stops following ``job`` (call once it left ``jobs``)."""
         with self.lock:
             watch = self.watches.pop(job, None)
+            for k in [k for k in self._events if k[0] == job]:
+                del self._events[k]
         self._keys.pop(job, None)
         if watch is not None:
             watch.cancel()
@@ -130,11 +137,23 @@ class CommittedPrefix:
         for watch in watches:
             watch.cancel()
 
-    def _listed(self, job: str, kvs: list[Any]) -> None:
-        """Takes a listing of the committed prefix (keys absent from it are absent)."""
+    def _listed(self, job: str, kvs: list[Any],
+                events: dict[tuple[str, bytes], int] | None = None) -> None:
+        """Takes a listing of the committed prefix (keys absent from it are absent).
+
+        ``events``: the watch's event counts when the listing was begun (None: no watch yet).
+        A key the watch changed since is left as the watch said: the listing is older news
+        (seen: the new coordinator's election key arrived by the watch, then a listing read
+        just before it said the key was absent, and the node waited for a coordinator while
+        the one in office waited for its report). Counts, not etcd revisions: those start
+        again from 1 after etcd lost its data."""
         found = {kv.key: kv for kv in kvs}
         k = self.keys.replication(job)
         for key in (k.committed, k.commit_grid, k.commit_ahead, k.coordinator):
+            if events is not None:
+                with self.lock:
+                    if self._events.get((job, key), 0) != events.get((job, key), 0):
+                        continue
             self._changed(job, key, found.get(key))
 
     def _on_watch(self, job: str, events: Any) -> None:
@@ -142,6 +161,9 @@ class CommittedPrefix:
             self.submit(self.reread, job)  # events may have been missed: read it again
             return
         for event in events:
+            with self.lock:
+                seen = (job, event.kv.key)
+                self._events[seen] = self._events.get(seen, 0) + 1
             self._changed(job, event.kv.key, event.kv if event.type is EventType.PUT else None)
 
     def _changed(self, job: str, key: bytes, kv: Any) -> None:

@@ -107,11 +107,15 @@ class Reporter:
         submit: runs work in the background.
         reread: reads the job's committed prefix again (a lagging watch, a stale election
             record).
+        abandon: ends a report in flight to a node at once (closes the connection it waits
+            on); called when that node stops being the job's coordinator.
     """
 
     def __init__(self, tracker: "CommitTracker", send: Callable[[str, Report], Reply],
-                 ttl: float, submit: Callable[..., None], reread: Callable[[str], None]) -> None:
+                 ttl: float, submit: Callable[..., None], reread: Callable[[str], None],
+                 abandon: Callable[[str], None] = lambda node: None) -> None:
         self.t, self._send, self.ttl, self.submit, self.reread = tracker, send, ttl, submit, reread
+        self.abandon = abandon
         self._rng = random.SystemRandom()
         self.boot = self._rng.getrandbits(62)
         self.seq = 0
@@ -156,6 +160,16 @@ class Reporter:
             if new:
                 j.dirty, j.failures, j.retry_at, j.hopeless = True, 0, 0.0, frozenset()
             first = ship is None and _delay(self.t.node_id, self.t.jobs.get(job)) == 0
+            # A report in flight to the coordinator whose term just ended waits on a node
+            # that may be frozen (a SIGSTOPped daemon's kernel still accepts): for the whole
+            # report deadline (5 s), while the new coordinator heard nothing from this node,
+            # withdrew its own versions in turn and widened the grid past the job's end
+            # (chaos: a world-2 phase committed nothing, the grow restored step 0).
+            stale = (old.node if new and j.busy and old is not None and old.node
+                     and old.node != self.t.node_id and (ship is None or ship.node != old.node)
+                     else None)
+        if stale is not None:
+            self.abandon(stale)
         if ship is None or new:
             self.wake.set()  # a campaign comes due, or a report
         if ended:

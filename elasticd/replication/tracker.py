@@ -255,6 +255,8 @@ class CommitTracker:
         send: delivers a commit report to a node (see
             :class:`~elasticd.replication.reporter.Reporter`).
         lease_ttl: the TTL of the election lease a coordinator holds.
+        abandon: ends a commit report in flight to a node at once (see
+            :class:`~elasticd.replication.reporter.Reporter`).
     """
 
     def __init__(self, node_id: str, coord: Coordinator, keys: Keyspace, clock: Clock,
@@ -262,7 +264,8 @@ class CommitTracker:
                  commit_wait: float = 2.0, withdraw_after: float = 1.0,
                  stores: Mapping[Holder, SlotStore] = {},
                  send: Callable[[str, Report], Reply] | None = None,
-                 lease_ttl: float = 2.0) -> None:
+                 lease_ttl: float = 2.0,
+                 abandon: Callable[[str], None] = lambda node: None) -> None:
         self.node_id, self.coord, self.keys, self.clock = node_id, coord, keys, clock
         self.commit_wait, self.withdraw_after, self.stores = commit_wait, withdraw_after, stores
         self.submit, self._advance = background.submit, on_advance
@@ -273,7 +276,7 @@ class CommitTracker:
         self.closing = False
         self.counters: collections.Counter[str] = collections.Counter()
         self.reporter = Reporter(self, send or _nowhere, lease_ttl, background.submit,
-                                 lambda job: self.prefix.reread(job))
+                                 lambda job: self.prefix.reread(job), abandon)
         self.commits = CommitFeed()
         #: The job's committed prefix in etcd, as this node follows it.
         self.prefix = CommittedPrefix(coord, keys, self.lock, self.jobs, self.reporter,

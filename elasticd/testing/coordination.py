@@ -9,6 +9,7 @@ report compaction. Several daemons in one test share one :class:`MemoryStore` th
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 from typing import Sequence
@@ -79,6 +80,14 @@ class MemoryStore:
         self._compacted = 0
         self._history: list[tuple[int, WatchEvent]] = []
         self._watches: list[_MemoryWatch] = []
+        # Events not yet delivered, in revision order, and the one delivering them: as an
+        # etcd watch stream does, every watch gets events in revision order. Each caller
+        # delivering its own events let two threads' events cross (a lease expiry's delete
+        # after the put of the key's next holder) -- a reorder etcd never makes.
+        # Items: (None, event) for every watch, or (watch, batch or error) for one watch (a
+        # new watch's replay).
+        self._outbox: collections.deque[tuple[_MemoryWatch | None, object]] = collections.deque()
+        self._delivering = threading.Lock()
         self.available = True
         self.refusing = False
 
@@ -111,6 +120,7 @@ class MemoryStore:
             self._kv.clear()
             self._leases.clear()
             self._history.clear()
+            self._outbox.clear()  # the old cluster's stream broke with them
             self._revision, self._compacted = 1, 0
             watches = list(self._watches)
             for w in watches:
@@ -167,6 +177,7 @@ class MemoryStore:
             self._leases[lease].keys.add(key)
         event = WatchEvent(EventType.PUT, kv, old)
         self._history.append((self._revision, event))
+        self._outbox.append((None, event))
         return event
 
     def _delete(self, key: bytes, same: bool = False) -> WatchEvent | None:
@@ -182,18 +193,52 @@ class MemoryStore:
             old,
         )
         self._history.append((self._revision, event))
+        self._outbox.append((None, event))
         return event
 
     def _dispatch(self, events: list[WatchEvent]) -> None:
-        if not events:
-            return
-        with self._lock:
-            watches = list(self._watches)
-        for w in watches:
-            mine = [e for e in events if e.kv.key.startswith(w.prefix)
-                    and e.kv.mod_revision >= w.resume_from]
-            if mine and not w.cancelled:
-                w.callback(mine)
+        """Delivers the events not yet delivered (``events`` among them), in revision order.
+
+        While another thread delivers, this returns at once: that thread delivers these too,
+        after the ones before them (so a watch callback that calls the store, or that waits
+        on a lock held by a thread calling the store, cannot deadlock here)."""
+        while self._delivering.acquire(blocking=False):
+            try:
+                while True:
+                    with self._lock:
+                        items = list(self._outbox)
+                        self._outbox.clear()
+                        watches = list(self._watches)
+                    if not items:
+                        break
+                    for target, batch in _runs(items):
+                        if target is not None:
+                            if not target.cancelled:
+                                target.callback(batch)
+                            continue
+                        for w in watches:
+                            mine = [e for e in batch if e.kv.key.startswith(w.prefix)
+                                    and e.kv.mod_revision >= w.resume_from]
+                            if mine and not w.cancelled:
+                                w.callback(mine)
+            finally:
+                self._delivering.release()
+            with self._lock:
+                if not self._outbox:  # none queued after this thread's last look
+                    return
+
+
+def _runs(items: list[tuple[_MemoryWatch | None, object]]) -> list[tuple[_MemoryWatch | None, object]]:
+    """The outbox's items with consecutive events for every watch joined into one batch."""
+    runs: list[tuple[_MemoryWatch | None, object]] = []
+    for target, payload in items:
+        if target is None and runs and runs[-1][0] is None:
+            runs[-1][1].append(payload)  # type: ignore[attr-defined]
+        elif target is None:
+            runs.append((None, [payload]))
+        else:
+            runs.append((target, payload))
+    return runs
 
 
 class MemoryCoordinator(Coordinator):
@@ -296,12 +341,15 @@ class MemoryCoordinator(Coordinator):
                 if r >= start_revision and e.kv.key.startswith(prefix)
             ]
             w = _MemoryWatch(self.store, prefix, callback, prev_kv)
+            # Events up to now come by the replay, in order before any later one.
+            w.resume_from = self.store._revision + 1
             self.store._watches.append(w)
             self._watches.append(w)
-        if compacted is not None:
-            w.callback(compacted)
-        if replay:
-            w.callback(replay)
+            if compacted is not None:
+                self.store._outbox.append((w, compacted))
+            if replay:
+                self.store._outbox.append((w, replay))
+        self.store._dispatch([])
         return w
 
     def watch_key(self, key: bytes, callback: WatchCallback, start_revision: int) -> Watch:

@@ -5,6 +5,7 @@ transaction), who coordinates when, and what a report may say."""
 from __future__ import annotations
 
 import json
+import threading
 import os
 import time
 
@@ -240,3 +241,45 @@ def test_a_job_that_ended_here_is_not_coordinated_again_and_leaves_nothing_due(c
     assert n1.tracker.reporter.leading(JOB) is None and JOB not in n1.tracker.reporter.jobs
     assert n1.tracker.reporter.settled()
     assert n1.wait_idle(1.0)
+
+
+def test_a_report_waiting_on_a_frozen_coordinator_ends_when_its_term_does(cluster):
+    """A SIGSTOPped coordinator's kernel still accepts: a report sent to it waited for the
+    whole report deadline (5 s), and then once more on a fresh connection, while the next
+    coordinator heard nothing from that node (chaos: a world-2 phase committed nothing). The
+    report in flight ends when the election key says the term ended, and goes to the new
+    coordinator."""
+    cluster.set_membership(["n1", "n2", "n3"], THREE, round=1)
+    step(cluster, 1)
+    assert coordinator(cluster) == "n1"
+    thaw, arrived = threading.Event(), []
+
+    def frozen(report):
+        arrived.append(report.node)
+        thaw.wait(30)
+        return Reply(False, "term")
+
+    frozen_node = cluster["n1"]
+    frozen_node.server.on_report = frozen  # its server still takes connections
+    frozen_node.replicator.close(resign=False)  # no more keep-alives: its election lease ends
+    try:
+        two = {"n2": [0, 1, 2], "n3": [3, 4, 5]}
+        for name in ("n2", "n3"):  # a new placement: each reports to n1, still in office
+            cluster[name].replicator.set_membership(JOB, ["n2", "n3"], two, 2)
+        wait_for(lambda: "n3" in arrived, 5)
+        store = cluster.coords[0].store
+
+        def elected():
+            store.expire_leases()
+            return coordinator(cluster) == "n2"
+
+        wait_for(elected, 5)
+        elected_at = time.monotonic()
+        step(cluster, 2, two)
+        wait_for(lambda: getattr(cluster["n3"].replicator.tracker.view(JOB)[1], "version",
+                                 None) == (0, 2), 10)
+        # Before: n3's report waited out the 5 s deadline on n1, then was sent to n1 again.
+        assert time.monotonic() - elected_at < 2.5
+        assert arrived.count("n3") == 1, arrived
+    finally:
+        thaw.set()

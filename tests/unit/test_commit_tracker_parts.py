@@ -11,6 +11,7 @@ from elasticd.coordination.keys import Keyspace
 from elasticd.replication.commit import Committed, Grid, encode_ahead, encode_committed, encode_grid
 from elasticd.replication.committed_prefix import CommittedPrefix
 from elasticd.replication.election import Coordinatorship
+from elasticd.replication.election import encode as encode_election
 from elasticd.replication.ticker import Ticker
 from elasticd.replication.tracker import JobState
 from elasticd.testing.coordination import MemoryCoordinator, MemoryStore
@@ -116,3 +117,29 @@ def test_the_ahead_record_is_checked_when_read_not_at_each_watch_event(monkeypat
     assert jobs["job"].ahead is None
     writer.delete(k.commit_ahead)
     assert jobs["job"].ahead is None and jobs["job"].ahead_record is None
+
+
+def test_a_listing_read_before_a_watch_event_does_not_undo_it():
+    """A reread lists the prefix; the watch may bring a newer event before the listing is
+    taken. Seen: the new coordinator's election key arrived by the watch, then the listing
+    read just before it said the key was absent, and the node waited on a coordinator that
+    never came (the one in office waited on its report)."""
+    store, jobs = MemoryStore(), {"job": JobState()}
+    writer, k = MemoryCoordinator(store), KEYS.replication("job")
+    part, reporter, _, _ = prefix(store, jobs)
+    part.watch("job")
+    assert reporter.ships == [None]
+    listed = part.coord.get_prefix
+
+    def get_prefix(key):  # the listing is read, then the election's put lands first
+        found = listed(key)
+        writer.put(k.coordinator, encode_election("n2", 7, 0.0))
+        return found
+
+    part.coord.get_prefix = get_prefix
+    part.reread("job")
+    assert [s.node if s else None for s in reporter.ships] == [None, "n2"]
+    part.coord.get_prefix = listed
+    part.reread("job")  # a listing begun after the event takes the key as listed
+    writer.delete(k.coordinator)
+    assert [s.node if s else None for s in reporter.ships] == [None, "n2", "n2", None]
