@@ -288,6 +288,8 @@ class Reporter:
                 with self.t.lock:
                     j.fence = fence
             with self.t.lock:
+                if j.ship is not ship:
+                    return True  # the term changed while the fence was read: the new one
                 report = self._report(job, st, ship, fence)
                 j.dirty = False
             reply = (leading.on_report(report) if leading is not None and ship.node == self.t.node_id
