@@ -5,9 +5,10 @@ aot_eager`` (each FSDP2 block's inner module compiled; the blocks are made again
 Reported per survivor: the graphs dynamo compiled in its process by the end of its first
 round at world 6, of its round at world 4 and of its round at world 6 again (the example's
 ``compiles`` column); the node's 2 new workers' count at world 6 beside them (a fresh
-process's, the baseline). Dynamo's own reasons for any recompile (``TORCH_LOGS=recompiles``,
-set for the daemons and so for the workers, whose stderr is their agent's log) are kept from
-the agents' logs, each with its node.
+process's, the baseline). Dynamo's own record of each recompile (``TORCH_LOGS=recompiles``,
+set for the daemons and so for the workers, whose stderr is their agent's log) is read from
+the agents' logs: per process, its frames, the guards that failed and how many came after
+the kill.
 
     /work/wt/cpulock .venv/bin/python bench/spikes/inprocess/fsdp_recompiles.py \\
         --out bench/results/inprocess_fsdp_recompiles.json
@@ -30,28 +31,41 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirna
 from tests.chaos.test_in_process_compiled import shrink_and_rejoin  # noqa: E402
 
 
-#: A line of dynamo's recompile record (torch/_dynamo/guards.py, TORCH_LOGS=recompiles: the
-#: function, then its guard failures, each "- ..."; the log's prefix may begin every line),
-#: or its warning that a function hit the recompile limit (then it runs uncompiled).
-RECORD = re.compile(r"Recompiling function|guard failure|^\S*.*?\s- |recompile_limit")
+#: The head of dynamo's recompile record (torch/_dynamo/guards.py, TORCH_LOGS=recompiles) as a
+#: worker logs it: its rank, the time of day, its pid, the frame and its new cache entry.
+HEAD = re.compile(r"\[rank(\d+)\]:\w(\d{4}) (\d\d):(\d\d):(\d\d\.\d+) (\d+) .*?\[(\d+/\d+)\] "
+                  r"\[__recompiles\] Recompiling function (\S+)")
+#: One of the record's guard failures ("- 0/3: <guard>"): the cache entry it was tested against.
+FAILURE = re.compile(r"\[__recompiles\]\s+- (\d+/\d+): (.*)")
 
 
-def recompile_reasons(workdir: str) -> dict[str, list[str]]:
-    """Each agent log's recompile records (node -> records, each its lines joined by |)."""
-    found = {}
+def recompile_records(workdir: str) -> list[dict]:
+    """Every recompile record in the agents' logs (the workers' stderr): node, rank, pid, time
+    of day (seconds, local), frame, and the guard that failed against the newest cache entry
+    (dynamo lists the entries newest first). A line saying a function hit the recompile limit
+    (it then runs uncompiled) is kept whole."""
+    found = []
     for path in sorted(glob.glob(os.path.join(workdir, "cluster", "*", "jobs", "*",
                                               "agent.log"))):
-        records: list[list[str]] = []
+        node = os.path.relpath(path, os.path.join(workdir, "cluster")).split(os.sep)[0]
         with open(path, errors="replace") as fh:
             for line in fh:
-                if "Recompiling function" in line or "recompile_limit" in line:
-                    records.append([line.strip()])
-                elif records and len(records[-1]) < 12 and RECORD.search(line):
-                    records[-1].append(line.strip())
-        if records:
-            node = os.path.relpath(path, os.path.join(workdir, "cluster")).split(os.sep)[0]
-            found[node] = [" | ".join(r) for r in records]
+                if (m := HEAD.search(line)):
+                    rank, _, hh, mm, ss, pid, frame, fn = m.groups()
+                    found.append({"node": node, "rank": int(rank), "pid": int(pid),
+                                  "at": int(hh) * 3600 + int(mm) * 60 + float(ss),
+                                  "frame": frame, "function": fn, "guard": None})
+                elif (f := FAILURE.search(line)) and found and found[-1]["guard"] is None:
+                    found[-1]["guard"] = f"{f.group(1)}: {f.group(2).split('. Guard')[0]}"
+                elif "recompile_limit" in line:
+                    found.append({"node": node, "limit": line.strip()})
     return found
+
+
+def time_of_day(t: float) -> float:
+    """``t`` (wall) as the seconds of the local day the workers' log lines give."""
+    lt = time.localtime(t)
+    return lt.tm_hour * 3600 + lt.tm_min * 60 + lt.tm_sec + t % 1
 
 
 def main() -> int:
@@ -70,10 +84,9 @@ def main() -> int:
             del os.environ["TORCH_LOGS"]
         else:
             os.environ["TORCH_LOGS"] = before
-        reasons = recompile_reasons(workdir)
-        if reasons:
-            print(json.dumps({"recompile_reasons": reasons}, indent=1), flush=True)
+        records = recompile_records(workdir)
         shutil.rmtree(workdir, ignore_errors=True)
+        print(json.dumps({"recompile_records": records}), flush=True)
     t_kill, t_back = seen["t_kill"], seen["t_back"]
 
     def last(rows: list[dict], world: int, after: float, before: float) -> int | None:
@@ -87,13 +100,27 @@ def main() -> int:
                  for p, rows in seen["survivors"].items()}
     newcomers = {str(p): last(rows, 6, t_back, seen["t_stop"])
                  for p, rows in seen["newcomers"].items()}
+    kill = time_of_day(t_kill)
+    by_pid = {str(p): {"records": len(mine),
+                       "after_the_kill": sum(r["at"] >= kill for r in mine),
+                       "frames": [r["frame"] for r in mine],
+                       "guards": sorted({r["guard"] for r in mine})}
+              for p in [*seen["survivors"], *seen["newcomers"]]
+              for mine in [[r for r in records if r.get("pid") == p]]}
     result = {"command": "bench/spikes/inprocess/fsdp_recompiles.py " + " ".join(sys.argv[1:]),
               "when": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started)) + " UTC",
               "scenario": "examples/train_in_process.py --model fsdp --compile "
                           f"{args.backend}, submit --in-process, 3 nodes x 2 ranks, kill -9 of "
                           "a node (not rank 0's), then its daemon back",
               "survivors_compiled_graphs": survivors, "newcomers_compiled_graphs": newcomers,
-              "recompile_reasons": reasons}
+              "survivors_recompiles_across_shrink_and_rejoin": {
+                  p: (c["world 6 again"] - c["world 6"]
+                      if None not in (c["world 6"], c["world 6 again"]) else None)
+                  for p, c in survivors.items()},
+              "recompile_records_per_process": by_pid,
+              "recompile_limit_hit": [r["limit"] for r in records if "limit" in r],
+              "kill_time_of_day": round(kill, 3),
+              "back_after_kill_seconds": round(t_back - t_kill, 3)}
     text = json.dumps(result, indent=1) + "\n"
     print(text, end="")
     if args.out:
