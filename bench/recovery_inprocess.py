@@ -62,10 +62,11 @@ node of rank 5 killed (rank 0's other ring neighbour: a live one would wait on t
 open sockets); rank 0's node falls back to a restart at its agent's deadline
 (``fallback_wait_seconds``: the collective timeout, or the job's reform deadline when shorter,
 from its log line). Issue 31's bar: each fallback run's ``seconds`` within the restart mode's
-p95 (``p95_seconds``, same run) plus the collective timeout::
+p95 (``p95_seconds``, same run) plus the collective timeout (20 + 20 runs fit one 15-minute
+hold of the CPU lock: a fallback run ~17 s, a restart run ~12 s, medians of ``wall_seconds``)::
 
-    .venv/bin/python bench/bench_recovery.py --mode fallback,restart --runs 5 \
-        --out bench/results/recovery_inprocess_fallback.json
+    .venv/bin/python bench/bench_recovery.py --mode fallback,restart --runs 20 \
+        --budget-minutes 14 --keep DIR --out bench/results/recovery_inprocess_fallback.json
 """
 
 from __future__ import annotations
