@@ -458,6 +458,9 @@ def main() -> int:
     p.add_argument("--append", action="store_true",
                    help="with --mode: keep the runs already in --out and add --runs more of "
                         "each mode (a long benchmark in several sittings)")
+    p.add_argument("--budget-minutes", type=float,
+                   help="with --mode: begin no round of modes that the slowest so far would "
+                        "carry past this (a CPU lock hold ends with whole runs)")
     p.add_argument("--resummarize", metavar="JSON",
                    help="recompute the figures of a result file from its runs with today's "
                         "validity rules (impossible samples out), and rewrite it")
@@ -475,7 +478,8 @@ def main() -> int:
             p.error("--mode takes --fault kill, kill-worker, rejoin, freeze or partition")
         return recovery_inprocess.main(modes, args.runs, args.ttl, args.timeout, args.out,
                                        args.keep, args.append, args.fault,
-                                       args.setup_seconds)
+                                       args.setup_seconds,
+                                       args.budget_minutes * 60 if args.budget_minutes else None)
     if args.fault in ("kill-worker", "rejoin"):
         p.error(f"--fault {args.fault} is measured with --mode in-process,restart")
     if args.fault in ("stop-daemon", "partition") and args.baseline_runs:

@@ -62,10 +62,11 @@ node of rank 5 killed (rank 0's other ring neighbour: a live one would wait on t
 open sockets); rank 0's node falls back to a restart at its agent's deadline
 (``fallback_wait_seconds``: the collective timeout, or the job's reform deadline when shorter,
 from its log line). Issue 31's bar: each fallback run's ``seconds`` within the restart mode's
-p95 (``p95_seconds``, same run) plus the collective timeout::
+p95 (``p95_seconds``, same run) plus the collective timeout (20 + 20 runs fit one 15-minute
+hold of the CPU lock: a fallback run ~17 s, a restart run ~12 s, medians of ``wall_seconds``)::
 
-    .venv/bin/python bench/bench_recovery.py --mode fallback,restart --runs 5 \
-        --out bench/results/recovery_inprocess_fallback.json
+    .venv/bin/python bench/bench_recovery.py --mode fallback,restart --runs 20 \
+        --budget-minutes 14 --keep DIR --out bench/results/recovery_inprocess_fallback.json
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable
 
 from elasticd.launcher import JOB_USER, LocalCluster, job_writable
 from elasticd.replication.commit import decode_grid
@@ -159,7 +161,15 @@ def run(mode: str, victim: str, ttl: int, timeout: float, workdir: str,
     logdir = job_writable(os.path.join(workdir, "steps"))
     c = LocalCluster(["n1", "n2", "n3"], workdir=os.path.join(workdir, "cluster"),
                      lease_ttl=ttl, replication=True)
-    out: dict = {"mode": mode, "victim": victim, "fault": fault, "recovered": False}
+    began = time.monotonic()
+    # Where the run's own wall time went (seconds from its start): what a hold pays per run.
+    wall: dict[str, float] = {}
+
+    def mark(name: str) -> None:
+        wall[name] = round(time.monotonic() - began, 3)
+
+    out: dict = {"mode": mode, "victim": victim, "fault": fault, "recovered": False,
+                 "wall_seconds": wall}
     cuts: dict = {}
     try:
         # Each daemon goes into its cgroup before it opens a socket (as the chaos harness and
@@ -169,6 +179,7 @@ def run(mode: str, victim: str, ttl: int, timeout: float, workdir: str,
         c.start(wait=False)
         cuts = _cgroups(c, fault)
         c.wait_for(lambda: all(c.registered(n) for n in c.nodes), 30, "every node registered")
+        mark("registered")
         env = {**os.environ, "ELASTICD_ETCD": c.etcd, "ELASTICD_PREFIX": c.prefix}
         subprocess.run(
             [sys.executable, "-m", "elasticd.cli.main", "submit", "job",
@@ -182,11 +193,13 @@ def run(mode: str, victim: str, ttl: int, timeout: float, workdir: str,
         grid = c.keys.replication("job").commit_grid
         try:
             c.wait_for(lambda: len(_first_at(_rows(logdir), 6, 0)) == 6, 120, "6 ranks")
+            mark("six_ranks")
             c.wait_for(lambda: coord.get(c.keys.replication("job").committed) is not None
                        and ((kv := coord.get(grid)) is None
                             or decode_grid(kv.value).grid == 1), 60, "grid 1")
         except TimeoutError as exc:
             return {**out, "error": str(exc)}
+        mark("grid_1")
         time.sleep(random.uniform(1.0, 2.5))
         if fault == "kill-worker":
             return {**out, **_kill_worker(c, victim, logdir, timeout)}
@@ -197,6 +210,7 @@ def run(mode: str, victim: str, ttl: int, timeout: float, workdir: str,
             out["victim"] = victim
         victims = set(c.nodes[victim].tagged())
         t_kill = _strike(c, victim, fault, cuts)
+        mark("struck")
         try:
             at4 = c.wait_for(lambda: (f := _first_at(_rows(logdir), 4, t_kill))
                              and len(f) == 4 and f, timeout, "world 4", interval=0.02)
@@ -213,6 +227,7 @@ def run(mode: str, victim: str, ttl: int, timeout: float, workdir: str,
             c.wait_for(lambda: failed.extend(
                 e["at"] for e in c.events() if e["kind"] == "failed" and e["node"] == victim)
                 or failed, ttl + 3, "the failed event", interval=0.1)
+        mark("measured")
         rows = _rows(logdir)
         old = [r for r in rows if r["world"] == 6]
         survivors = pids6 - victims
@@ -233,13 +248,18 @@ def run(mode: str, victim: str, ttl: int, timeout: float, workdir: str,
                 "newest_all_snapshotted": snapshotted, "steps_not_snapshotted": held - snapshotted,
                 "last_snapshot_per_survivor": last_saved,
                 "kept_pids": len({r["pid"] for r in at4.values()} & survivors),
-                "paths": sorted({r["path"] for r in at4.values()}), **_agent_logs(c, victim)}
+                "paths": sorted({r["path"] for r in at4.values()}),
+                # Which path each new rank took: "in-process" (its process kept) or "first"
+                # (a process its node restarted: the fallback, or the restart mode).
+                "rank_paths": {str(k): at4[k]["path"] for k in sorted(at4)},
+                **_agent_logs(c, victim)}
     finally:
         if fault in ("freeze", "partition"):
             c.nodes[victim].kill()  # the struck node's processes: never thawed or healed
         c.stop()
         for cut in cuts.values():
             cut.remove()
+        mark("stopped")
 
 
 def _cgroups(c: LocalCluster, fault: str) -> dict:
@@ -509,11 +529,15 @@ def median_phases(ok: list[dict]) -> dict[str, float] | None:
 
 def main(modes: list[str], runs: int, ttl: int, timeout: float, out_path: str,
          keep: str | None, append: bool = False, fault: str = "kill",
-         setup: float = 0.0) -> int:
+         setup: float = 0.0, budget: float | None = None,
+         clock: Callable[[], float] = time.monotonic) -> int:
     """``runs`` runs of each of ``modes``, interleaved (mode A, mode B, A, B, ...), victims
     rotating; writes ``out_path`` after each round of modes. ``append``: the runs already in
     ``out_path`` (same modes and TTL) are kept and these added after them, the victims'
-    rotation going on (a long benchmark split across several sittings)."""
+    rotation going on (a long benchmark split across several sittings). ``budget``: seconds;
+    no round of modes is begun that the slowest round so far would carry past it (a hold of
+    the CPU lock ends with whole rounds, every cluster stopped, instead of a kill mid-run),
+    and the file says how many rounds fitted."""
     results: dict[str, list[dict]] = {m: [] for m in modes}
     commands = []
     if append and os.path.exists(out_path):
@@ -527,7 +551,13 @@ def main(modes: list[str], runs: int, ttl: int, timeout: float, out_path: str,
     if keep:
         os.makedirs(keep, exist_ok=True)
     done = min(len(v) for v in results.values())
+    started, slowest = clock(), 0.0
     for i in range(done, done + runs):
+        elapsed = clock() - started
+        if budget is not None and elapsed + slowest > budget:
+            print(f"budget: {budget:g} s; {i - done} rounds of {runs} fitted "
+                  f"({elapsed:.0f} s, the slowest round {slowest:.0f} s)", flush=True)
+            break
         victim = f"n{i % 3 + 1}"
         for mode in modes:
             d = tempfile.mkdtemp(prefix=f"inproc-bench-{mode}-", dir=keep)
@@ -538,14 +568,18 @@ def main(modes: list[str], runs: int, ttl: int, timeout: float, out_path: str,
                     shutil.rmtree(d, ignore_errors=True)
             results[mode].append(r)
             print(f"{mode} run {i + 1}: {fault} {victim}: {r}", flush=True)
-        _write(out_path, modes, results, ttl, commands, fault, setup)
+        slowest = max(slowest, clock() - started - elapsed)
+        _write(out_path, modes, results, ttl, commands, fault, setup,
+               {"budget_seconds": budget, "rounds": i + 1 - done, "rounds_asked": runs,
+                "seconds": round(clock() - started)} if budget is not None else None)
     print(json.dumps({**{m: summarize(results[m]) for m in modes},
                       "fallback_bar": fallback_bar(results)}, indent=2))
     return 0
 
 
 def _write(out_path: str, modes: list[str], results: dict[str, list[dict]], ttl: int,
-           commands: list[str], fault: str, setup: float = 0.0) -> None:
+           commands: list[str], fault: str, setup: float = 0.0,
+           hold: dict | None = None) -> None:
     result = {
         "benchmark": "recovery_inprocess" + ("" if fault == "kill" else
                                              "_" + fault.replace("-", "_")),
@@ -560,6 +594,7 @@ def _write(out_path: str, modes: list[str], results: dict[str, list[dict]], ttl:
         "interleaved": True, "machine": {"cpus": os.cpu_count()},
         **{m: {**summarize(results[m]), "detail": results[m]} for m in modes},
         "fallback_bar": fallback_bar(results),
+        **({"hold": hold} if hold else {}),
     }
     os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
     with open(out_path + ".tmp", "w") as fh:

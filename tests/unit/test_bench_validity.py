@@ -169,3 +169,26 @@ def test_the_in_process_collective_timeout_is_read_from_the_survivors_logs_only(
     cluster = type("Cluster", (), {"workdir": str(tmp_path)})()
     assert inproc._agent_logs(cluster, "n1")["collective_timeout_seconds"] is None
     assert inproc._agent_logs(cluster, "n3")["collective_timeout_seconds"] == [5.0]
+
+
+def test_an_in_process_bench_with_a_budget_begins_no_round_that_would_overrun_it(
+        tmp_path, monkeypatch):
+    """``bench_recovery.py --mode ... --budget-minutes``: a CPU lock hold ends with whole runs
+    (every cluster stopped) instead of a kill mid-run, and the file says how many fitted."""
+    inproc = load("recovery_inprocess")
+    now = [0.0]
+
+    def run(mode, victim, *args):
+        now[0] += 10.0 if mode == "fallback" else 5.0  # each round of modes: 15 s
+        return {"mode": mode, "victim": victim, "recovered": True, "seconds": 1.0,
+                "steps_lost": 0}
+
+    monkeypatch.setattr(inproc, "run", run)
+    out = tmp_path / "r.json"
+    inproc.main(["fallback", "restart"], 5, 2, 60.0, str(out), None, budget=40.0,
+                clock=lambda: now[0])
+    result = json.loads(out.read_text())
+    # Rounds begin at 0, 15 and 30 s; the third would end at 45 s, past the budget.
+    assert result["runs_per_mode"] == 2 and now[0] == 30.0
+    assert result["hold"] == {"budget_seconds": 40.0, "rounds": 2, "rounds_asked": 5,
+                              "seconds": 30}
