@@ -40,6 +40,7 @@ Not in CI (20 minutes and more). The committed result came from::
 
 from __future__ import annotations
 
+import collections
 import os
 import random
 import statistics
@@ -47,6 +48,7 @@ import tempfile
 from typing import Any
 
 from bench.recovery_inprocess import _first_at, _rows, rejoin_pause
+from bench import soak_snapshots
 from bench.soak import plan_faults, play
 from elasticd.launcher import job_writable
 from tests.chaos.faults import FaultRecord
@@ -70,13 +72,24 @@ class ModeCluster(ChaosCluster):
         self.mode, self.step_time = mode, step_time
         self.steps_dir = job_writable(os.path.join(self.workdir, "steps"))
         self.kills: list[dict[str, Any]] = []
+        self.daemon_counts: collections.Counter = collections.Counter()
+        self.unread: list[str] = []  # daemons whose /metrics did not answer (counts missed)
 
     def start(self, timeout: float = 90.0) -> None:
         self.cluster.start()
         _submit(self.cluster, self.steps_dir, 10_000_000, in_process=self.mode == "in-process",
                 train_args=("--step-time", str(self.step_time)))
 
+    def count_snapshots(self, node: str) -> None:
+        """Adds ``node``'s daemon's snapshot counters (before its kill, at the block's end)."""
+        try:
+            self.daemon_counts.update(soak_snapshots.counts(self.cluster.nodes[node].http(
+                "/metrics")))
+        except OSError:
+            self.unread.append(node)
+
     def kill_node(self, node: str) -> None:
+        self.count_snapshots(node)
         self._scan()
         pids = set(self.cluster.nodes[node].tagged())
         self.kills.append({"node": node, "pids": pids, "at": self.cluster.nodes[node].kill()})
@@ -94,6 +107,9 @@ def run_block(mode: str, minutes: float, every: float, down: float, seed: int,
           f"(down {down:g} s); logs in {workdir}", flush=True)
     try:
         injector, _, _ = play(cc, plan, minutes)
+        for node, n in cc.cluster.nodes.items():
+            if n.running:
+                cc.count_snapshots(node)
         left = cc.stop()
     finally:
         if not cc._stopped:
@@ -103,6 +119,8 @@ def run_block(mode: str, minutes: float, every: float, down: float, seed: int,
     result = {"mode": mode, "seed": seed, "victims": victims,
               "faults_fired": len(injector.records), "faults_planned": len(plan),
               **analyse(rows, cc.kills, restarts, mode == "in-process")}
+    result["snapshots"] = {**soak_snapshots.block(rows, cc.daemon_counts),
+                           "metrics_unread": cc.unread}
     result["checks"]["all_faults_fired"] = len(injector.records) == len(plan)
     result["checks"]["nothing_left"] = not (left["processes"] or left["shm"] or left["etcd"])
     if not keep and all(result["checks"].values()):
@@ -232,6 +250,7 @@ def summarize(blocks: list[dict]) -> dict[str, Any]:
         "kept_pids_per_kill": [k.get("kept_pids") for k in kills],
         "kept_pids_per_rejoin": [r.get("kept_pids") for r in rejoins],
         "checks_passed": all(all(b["checks"].values()) for b in blocks),
+        "snapshots": soak_snapshots.mode(blocks),
     }
 
 
@@ -273,7 +292,10 @@ def main(modes: list[str], minutes: float, blocks: int, every: float, down: floa
                   f"samples/s {s['kept_samples_per_s']}, downtime per kill "
                   f"{s['downtime_per_kill_s']}, rejoin stops {s['rejoin_stop_s']}, kept pids "
                   f"{s['kept_pids_per_kill']} / {s['kept_pids_per_rejoin']}, steps lost "
-                  f"{s['steps_lost']}, checks {block['checks']}", flush=True)
+                  f"{s['steps_lost']}, checks {block['checks']}, snapshots per rank-step "
+                  f"{block['snapshots']['saved_per_step']} (skipped "
+                  f"{block['snapshots']['skipped_by_reason']}, newest pair only "
+                  f"{block['snapshots']['newest_only_by_reason']})", flush=True)
     per_mode = {m: summarize(done[m]) for m in modes}
     return {"job": "examples/train_in_process.py, 3 nodes x 2 ranks, --nnodes 2:3, gloo CPU, "
                    f"{step_time:g} s sleep per step, a snapshot every step, replication on, "
