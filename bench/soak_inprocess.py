@@ -28,6 +28,11 @@ process group, told apart by rank 0's (pid, round):
   (:func:`bench.recovery_inprocess.rejoin_pause`: the first survivor's last step at world 4 ->
   every rank's first step at world 6, one step included, as ``bench_recovery.py --fault
   rejoin`` measures it), the steps lost, the survivors' processes kept;
+* the snapshot rate (bench/soak_snapshots.py): snapshots per rank-step from the rows and the
+  daemons' counters, skipped and newest-pair-only by reason; the same script asks for one
+  every step in both modes, but the restart path skips those its commit slots refuse (off
+  the grid, commit pending) where an in-process job takes them into its newest pair, so its
+  goodput pays for more snapshots (read it beside ``median_step_s_saved`` / ``_not_saved``);
 * checks: every kill and rejoin recovered, the kept steps run 1..N, every fault fired, nothing
   left behind (process, /dev/shm file, etcd), and in in-process mode the survivors' pids kept
   (4 of 4) through every kill and rejoin.
@@ -45,6 +50,7 @@ import os
 import random
 import statistics
 import tempfile
+import time
 from typing import Any
 
 from bench.recovery_inprocess import _first_at, _rows, rejoin_pause
@@ -110,6 +116,7 @@ def run_block(mode: str, minutes: float, every: float, down: float, seed: int,
         for node, n in cc.cluster.nodes.items():
             if n.running:
                 cc.count_snapshots(node)
+        counted_at = time.time()
         left = cc.stop()
     finally:
         if not cc._stopped:
@@ -119,7 +126,7 @@ def run_block(mode: str, minutes: float, every: float, down: float, seed: int,
     result = {"mode": mode, "seed": seed, "victims": victims,
               "faults_fired": len(injector.records), "faults_planned": len(plan),
               **analyse(rows, cc.kills, restarts, mode == "in-process")}
-    result["snapshots"] = {**soak_snapshots.block(rows, cc.daemon_counts),
+    result["snapshots"] = {**soak_snapshots.block(rows, cc.daemon_counts, counted_at),
                            "metrics_unread": cc.unread}
     result["checks"]["all_faults_fired"] = len(injector.records) == len(plan)
     result["checks"]["nothing_left"] = not (left["processes"] or left["shm"] or left["etcd"])
