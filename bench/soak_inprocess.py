@@ -87,8 +87,12 @@ class ModeCluster(ChaosCluster):
                 train_args=("--step-time", str(self.step_time)))
 
     def count_snapshots(self, node: str) -> None:
-        """Adds ``node``'s daemon's snapshot counters (before its kill, at the block's end)."""
+        """Adds ``node``'s daemon's snapshot counters (before its kill, at the block's end).
+        A restarted daemon's address is learnt from its record first (the harness forgets it
+        at the restart: in the committed run every restarted daemon went unread)."""
         try:
+            if not self.cluster.nodes[node].address:
+                self.cluster.registered(node)
             self.daemon_counts.update(soak_snapshots.counts(self.cluster.nodes[node].http(
                 "/metrics")))
         except OSError:
