@@ -92,3 +92,11 @@ def test_the_soak_reads_each_modes_snapshot_rate_from_the_rows_and_the_daemons_m
                                 {"snapshots": soak_snapshots.block(rows, in_process)}])
     assert (both["rank_steps"], both["daemon_snapshots_per_step"],
             both["newest_only_per_step"], both["committable_per_step"]) == (8, 0.75, 0.25, 0.5)
+
+
+def test_a_step_only_a_later_rank_logged_at_the_end_is_not_a_gap():
+    # The cluster stops rank 0 before its row of step 301, which rank 1 logged.
+    rows = (_rows([1, 2, 3, 4, 5, 6], 6, range(1, 301), 0.1, 0)
+            + [{"pid": 2, "round": 0, "rank": 1, "world": 6, "step": 301, "path": "first",
+                "t": 30.15}])
+    assert analyse(rows, [], [], in_process=False)["checks"]["kept_steps_contiguous"]
