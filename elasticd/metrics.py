@@ -67,6 +67,9 @@ class CheckpointSink:
     def snapshot_skipped(self, job: str, reason: str) -> None:
         self.m.checkpoints.snapshots_skipped.labels(reason).inc()
 
+    def snapshot_newest_only(self, job: str, refused: str) -> None:
+        self.m.checkpoints.snapshots_newest_only.labels(refused).inc()
+
     def snapshot_refused(self, job: str, source: str) -> None:
         self.m.restore.snapshots_refused.labels(source).inc()
 
@@ -260,9 +263,17 @@ class CheckpointMetrics:
         self.snapshots_skipped = counter(
             "elasticd_snapshots_skipped_total",
             "Snapshots skipped, by reason (over_budget: the memory cap; busy: slot pinned; "
-            "commit_pending: both slots hold copies awaiting or holding the commit)", ["reason"])
-        for reason in ("over_budget", "busy", "commit_pending"):
+            "commit_pending: both slots hold copies awaiting or holding the commit; grid: "
+            "off the job's snapshot grid while commits lag)", ["reason"])
+        self.snapshots_newest_only = counter(
+            "elasticd_snapshots_newest_only_total",
+            "Snapshots of an in-process job the commit slots refused, taken into its newest "
+            "pair (this node's own restore only, never replicated), by why the commit slots "
+            "refused them (a reason of elasticd_snapshots_skipped_total)", ["reason"])
+        for reason in ("over_budget", "busy", "commit_pending", "grid"):
             self.snapshots_skipped.labels(reason)
+            if reason != "over_budget":  # a newest pair is refused over the cap too
+                self.snapshots_newest_only.labels(reason)
         self.jobs_unprotected = gauge(
             "elasticd_jobs_unprotected",
             "Jobs a node failure now would set back further than it should, by reason "

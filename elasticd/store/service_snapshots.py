@@ -144,11 +144,9 @@ class Snapshots:
         if grid > 1 and version is not None and version[1] % grid:
             # Off the job's snapshot grid: the nodes meet on common steps to commit
             # (replication/commit.py, Grid). Routine: no warning, not a failure.
-            with self._book.lock:
-                self._book.counters["skipped_grid"] += 1
-            return self._newest(job, rank, nbytes, mapped, record) or {
-                "skip": True, "grid": grid,
-                "reason": f"off the snapshot grid (every {grid} steps while commits lag)"}
+            return self._newest(job, rank, nbytes, mapped, record, "grid") or {
+                **self._skip(job, rank, "grid", f"off the snapshot grid (every {grid} steps "
+                             "while commits lag)"), "grid": grid}
         try:
             slot = self.store.reserve(job, rank, nbytes)
         except OverBudget as exc:
@@ -156,22 +154,25 @@ class Snapshots:
         except CommitPending as exc:
             if self.replicator is not None:
                 self.replicator.on_commit_pending(job, exc.version, skipped=version)
-            return (self._newest(job, rank, nbytes, mapped, record)
+            return (self._newest(job, rank, nbytes, mapped, record, "commit_pending")
                     or self._skip(job, rank, "commit_pending", str(exc)))
         except SlotBusy as exc:
-            return (self._newest(job, rank, nbytes, mapped, record)
+            return (self._newest(job, rank, nbytes, mapped, record, "busy")
                     or self._skip(job, rank, "busy", str(exc)))
         except (ValueError, OSError) as exc:
             raise RequestError(f"cannot reserve a slot: {exc}") from exc
         return self._hand_over(slot, mapped, record)
 
     def _newest(self, job: str, rank: int, nbytes: int, mapped: set[tuple[int, int]],
-                record: JobRecord) -> dict[str, Any] | None:
-        """A snapshot the commit slots refused (or off the grid), taken into the rank's
-        newest pair when the job keeps one (an in-process job: store/shm.py's module doc), so
-        that a survivor holds the last step it completed; None (skipped as before) otherwise
-        or when that pair cannot take it. Counted as ``newest_only``, not as a skip or a
-        failure: the commit slots are fine, and the commit protocol was told (the caller)."""
+                record: JobRecord, refused: str) -> dict[str, Any] | None:
+        """A snapshot the commit slots refused (``refused``: the skip reason it would have
+        had, ``grid`` when off the grid), taken into the rank's newest pair when the job keeps
+        one (an in-process job: store/shm.py's module doc), so that a survivor holds the last
+        step it completed; None (skipped as before) otherwise or when that pair cannot take
+        it. Counted as ``newest_only`` by that reason, not as a skip or a failure: the commit
+        slots are fine, and the commit protocol was told (the caller). Counted apart because
+        such a copy costs the training loop a snapshot that protects this node's own restore
+        only (docs/replication.md, "The newest pair")."""
         if not self.store.keeps_newest(job):
             return None
         try:
@@ -183,6 +184,7 @@ class Snapshots:
             raise RequestError(f"cannot reserve a slot: {exc}") from exc
         with self._book.lock:
             self._book.counters["newest_only"] += 1
+        emit(self._sink, "snapshot_newest_only", job, refused)
         return self._hand_over(slot, mapped, record)
 
     def _hand_over(self, slot: Any, mapped: set[tuple[int, int]],

@@ -121,6 +121,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "elasticd_snapshot_step": ("gauge", ()),
     "elasticd_snapshots_refused_total": ("counter", ("source",)),
     "elasticd_snapshots_skipped_total": ("counter", ("reason",)),
+    "elasticd_snapshots_newest_only_total": ("counter", ("reason",)),
     "elasticd_snapshots_total": ("counter", ()),
     "elasticd_sync_lag_steps": ("gauge", ()),
     "elasticd_worker_restarts_total": ("counter", ("reason",)),

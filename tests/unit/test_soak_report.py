@@ -55,3 +55,48 @@ def test_a_survivor_restarted_at_a_rejoin_fails_the_in_process_check():
     block = _soak([9, 2, 3, 4, 7, 8])  # rank 0 of world 6 is a new process
     assert block["rejoins"][0]["kept_pids"] == 3
     assert not block["checks"]["survivor_pids_kept"]
+
+
+def test_the_soak_reads_each_modes_snapshot_rate_from_the_rows_and_the_daemons_metrics():
+    from prometheus_client import generate_latest
+
+    from bench import soak_snapshots
+    from elasticd.metrics import CheckpointSink, Metrics
+
+    # Two daemon lives, read as the soak reads them (/metrics text): a restart job's daemon
+    # (2 taken, 1 skipped off the grid, 1 commit pending) and an in-process job's (4 taken,
+    # 2 of them into the newest pair only).
+    texts = []
+    for taken, skipped, newest in ((2, ["grid", "commit_pending"], []),
+                                   (4, [], ["grid", "commit_pending"])):
+        metrics = Metrics()
+        sink = CheckpointSink(metrics)
+        for _ in range(taken):
+            sink.snapshot_completed("job", 0, 1, 10, 0.001)
+        for reason in skipped:
+            sink.snapshot_skipped("job", reason)
+        for reason in newest:
+            sink.snapshot_newest_only("job", reason)
+        texts.append(generate_latest(metrics.registry).decode())
+    restart, in_process = (soak_snapshots.counts(t) for t in texts)
+    assert restart == {"snapshots": 2, "skipped:grid": 1, "skipped:commit_pending": 1}
+    assert in_process == {"snapshots": 4, "newest_only:grid": 1,
+                          "newest_only:commit_pending": 1}
+    rows = [{**r, "saved": r["step"] % 2 == 0} for r in _rows([1, 2], 2, range(1, 3), 0.0, 0)]
+    block = soak_snapshots.block(rows, restart)
+    assert (block["rank_steps"], block["saved_per_step"], block["skipped_per_step"]) == (4, 0.5,
+                                                                                         0.5)
+    assert block["skipped_by_reason"] == {"commit_pending": 1, "grid": 1}
+    assert block["median_step_s_saved"] == 0.1 and block["median_step_s_not_saved"] is None
+    both = soak_snapshots.mode([{"snapshots": block},
+                                {"snapshots": soak_snapshots.block(rows, in_process)}])
+    assert (both["rank_steps"], both["daemon_snapshots_per_step"],
+            both["newest_only_per_step"], both["committable_per_step"]) == (8, 0.75, 0.25, 0.5)
+
+
+def test_a_step_only_a_later_rank_logged_at_the_end_is_not_a_gap():
+    # The cluster stops rank 0 before its row of step 301, which rank 1 logged.
+    rows = (_rows([1, 2, 3, 4, 5, 6], 6, range(1, 301), 0.1, 0)
+            + [{"pid": 2, "round": 0, "rank": 1, "world": 6, "step": 301, "path": "first",
+                "t": 30.15}])
+    assert analyse(rows, [], [], in_process=False)["checks"]["kept_steps_contiguous"]

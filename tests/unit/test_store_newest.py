@@ -253,7 +253,12 @@ def _write(t, job, step, world=2):
 def test_the_service_takes_refused_and_off_grid_snapshots_into_the_newest_pair(root):
     store = _store(root)
     rep = _Replicator()
-    service = CheckpointService(store, "n1", None)
+    from types import SimpleNamespace
+
+    events = []
+    sink = SimpleNamespace(**{kind: (lambda *a, kind=kind: events.append((kind, *a)))
+                              for kind in ("snapshot_newest_only", "snapshot_skipped")})
+    service = CheckpointService(store, "n1", None, metrics_sink=sink)
     service.replicator = service.snapshots.replicator = rep
     t = InProcessTransport(service.handlers())
     try:
@@ -273,6 +278,13 @@ def test_the_service_takes_refused_and_off_grid_snapshots_into_the_newest_pair(r
         rep.grid = 4
         assert not _write(t, "inproc", 5).get("skip")
         assert _write(t, "other", 5)["skip"]
+        # The metrics tell the two apart, by why the commit slots refused the snapshot: the
+        # newest pair's copies cost the training loop a snapshot each, which the restart path
+        # skips (elasticd_snapshots_newest_only_total, elasticd_snapshots_skipped_total).
+        assert events == [("snapshot_newest_only", "inproc", "commit_pending"),
+                         ("snapshot_skipped", "other", "commit_pending"),
+                         ("snapshot_newest_only", "inproc", "grid"),
+                         ("snapshot_skipped", "other", "grid")]
         # Listed and opened for a restore on this node, checked like any other.
         ram = t.call("ckpt_list", job="inproc", rank=0, world_size=2)["ram"]["0"]
         assert ram == [[0, 5], [0, 3], [0, 2], [0, 1]]

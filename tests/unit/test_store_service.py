@@ -338,6 +338,10 @@ def test_off_the_snapshot_grid_a_reservation_is_skipped_quietly(env, caplog):
     assert off["skip"] and off["grid"] == 4 and "grid" in off["reason"]
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert service.counters["skipped_grid"] == 1 and not service.book.unprotected("job")
+    # Counted in the metrics too (elasticd_snapshots_skipped_total{reason="grid"}): a job the
+    # grid keeps at one snapshot in two showed none of its skips, so two jobs asking for the
+    # same cadence looked alike while one took half the snapshots of the other.
+    assert sink.events.count(("snapshot_skipped", "job", "grid")) == 1
     on = t.call("ckpt_reserve", step=8, **ask)
     assert not on.get("skip") and on["capacity"] >= 4096
     Grid.grid = 1
