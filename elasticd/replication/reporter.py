@@ -84,6 +84,8 @@ class JobReports:
     ahead: Version | None = None  # a commit a reply named that the watch had not brought yet
     ahead_since: float = 0.0
     ahead_known: Version | None = None  # what the watch had brought when ``ahead`` was set
+    stale_at: float | None = None  # when to read the prefix: the coordinator said its term ended
+    stale_ship: Coordinatorship | None = None  # the election record it said that of
 
     def failed(self, why: str, now: float) -> bool:
         """A report was not delivered: due again after a backoff. True when ``why`` is new."""
@@ -106,6 +108,14 @@ class JobReports:
             return False
         ahead, self.ahead = self.ahead, None
         return known is None or known < ahead
+
+    def term_stale(self, now: float) -> bool:
+        """True (once) when a coordinator said its term ended and, at ``stale_at``, the
+        election record is still the one it said that of (the watch brought no other)."""
+        if self.stale_at is None or now < self.stale_at:
+            return False
+        stale, self.stale_at, self.stale_ship = self.ship == self.stale_ship, None, None
+        return stale
 
 
 class Reporter:
@@ -348,7 +358,7 @@ class Reporter:
                 if (reply.committed is not None and (known is None or reply.committed > known)
                         and j.ahead is None):
                     j.ahead, j.ahead_since, j.ahead_known = reply.committed, now, known
-                behind, again = False, j.dirty
+                again = j.dirty
             else:
                 j.dirty, j.failures, j.last_reason = True, j.failures + 1, reply.reason
                 if reply.reason == "fenced":
@@ -356,14 +366,18 @@ class Reporter:
                 # It answered: what it waits for (its fences, its placement, our fence, the
                 # election record) comes soon; ask again shortly, without backing off.
                 j.retry_at = now + 0.1
-                behind, again = reply.reason in ("term", "term ended"), False
+                again = False
+                if reply.reason in ("term", "term ended") and j.stale_at is None:
+                    # Our election record is stale: the watch brings the new one in a moment;
+                    # :meth:`tick` reads the prefix at this node's share of the spread if it has
+                    # not. Read at once, every node read in the same moment, and again at each
+                    # retry (every TICK) while the read was slow: a term's end at N = 1,000.
+                    j.stale_at, j.stale_ship = now + self.grace - WATCH_GRACE, ship
         if not reply.accepted or j.ahead is not None:
             self.wake.set()  # a retry, or a look at the watch after WATCH_GRACE
         if not reply.accepted:
             log.debug("%s: coordinator %s did not count this report: %s", job, ship.node,
                       reply.reason)
-        if behind:  # a stale election record: read the committed prefix
-            self.submit(self.reread, job)
         return again
 
     # -- coordinating ----------------------------------------------------------------------
@@ -474,7 +488,10 @@ class Reporter:
                                           else None, now, self.grace)
                 if lagging:
                     self.t.counters["watch_lagging_rereads"] += 1
-            if lagging:
+                stale = j.term_stale(now)
+                if stale:
+                    self.t.counters["term_rereads"] += 1
+            if lagging or stale:
                 self.submit(self.reread, job)
             self._kick(job)
             with self.t.lock:
@@ -483,6 +500,7 @@ class Reporter:
                 # is in flight for part of each step; ticking at TICK through it cost ~4 ticks
                 # per node per second).
                 at = min(campaign_at, j.ahead_since + self.grace if j.ahead else float("inf"),
+                         j.stale_at if j.stale_at is not None else float("inf"),
                          j.retry_at if j.dirty and j.ship is not None and not j.busy
                          else float("inf"))
             due_in = min(due_in, TICK if j.leading is not None else at - now)

@@ -267,6 +267,41 @@ def test_the_nodes_reads_of_one_late_commit_spread_over_a_second():
     assert watch_grace("node-00007") == watch_grace("node-00007")  # a node's own, kept
 
 
+def test_a_term_ended_reply_reads_the_prefix_once_at_the_nodes_moment_unless_the_watch_moved():
+    """A coordinator whose term ended answers "term" to every node still reporting to it. Each
+    such reply read the committed prefix at once: every node in the same moment, and again at
+    each retry (every 0.1 s) while etcd was slow to answer. Now the reply only marks the
+    election record stale; the node's tick reads the prefix once, at its share of
+    WATCH_SPREAD, if the watch has brought no other record by then (one that did is not read
+    over; a stuck watch still is)."""
+    import collections
+    import types
+
+    from elasticd.replication.election import Coordinatorship
+    from elasticd.replication.reporter import WATCH_GRACE, JobReports, Reporter
+
+    clock, lock = FakeClock(100.0), threading.Lock()
+    tracker = types.SimpleNamespace(node_id="node-00003", clock=clock, lock=lock, jobs={},
+                                    counters=collections.Counter(), closing=False,
+                                    cond=threading.Condition(lock))
+    submitted = []
+    r = Reporter(tracker, lambda node, report: Reply(True), 2.0,
+                 lambda fn, *args: submitted.append(fn), lambda job: None)
+    old = Coordinatorship("n1", 1, 5)
+    j = r.jobs[JOB] = JobReports(ship=old)
+    for _ in range(3):  # the report and two retries, 0.1 s apart
+        r._answered(JOB, j, old, Reply(False, "term ended"))
+        clock.advance(0.1)
+    assert r.reread not in submitted  # old code: three reads at once
+    assert j.stale_at == pytest.approx(100.0 + r.grace - WATCH_GRACE)
+    assert not j.term_stale(j.stale_at - 0.01)
+    assert j.term_stale(j.stale_at) and j.stale_at is None  # still the old record: read
+    assert not j.term_stale(1e9)  # once
+    r._answered(JOB, j, old, Reply(False, "term"))
+    j.ship = Coordinatorship("n2", 2, 9)  # the watch brought the new coordinator meanwhile
+    assert not j.term_stale(1e9) and j.stale_at is None
+
+
 def test_a_job_that_ended_here_is_not_coordinated_again_and_leaves_nothing_due(cluster):
     """The job ended on its coordinator: the term ends and its election key is deleted. That
     deletion's watch event, arriving while the job was being forgotten, made the node campaign
