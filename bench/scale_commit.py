@@ -163,6 +163,10 @@ class WorkerCommit:
         self.last_step: dict[int, int] = {}
         self.tick_seconds = 0.0
         self.behind = 0  # the most steps a node's simulation fell behind the wall clock
+        #: Reads of the committed prefix after the nodes' first listing (every cause: a
+        #: lagging watch, a stale election record, a watch error, unresolved holders), by
+        #: 10-s slice of the wall clock (its start, in whole seconds).
+        self.rereads: collections.Counter[int] = collections.Counter()
         self._lock = threading.Lock()
         self._sampling = False
         self._passes = 0
@@ -182,6 +186,7 @@ class WorkerCommit:
                                         shared)
         for i, part in self.parts.items():
             part.join(self.placement)
+            self._count_rereads(part.tracker.prefix)
             # The agent's grow gate, as the agent builds it: it watches etcd only while its
             # handler asks it (a newcomer waiting: none here); an older elasticd's agent
             # started its watch at once and kept it.
@@ -194,6 +199,16 @@ class WorkerCommit:
         else:
             self.ticker.every(TICK, self._tick)
         return len(self.parts)
+
+    def _count_rereads(self, prefix: Any) -> None:
+        """Counts the node's rereads (its reporter and its watch call ``prefix.reread``)."""
+        read = prefix.reread
+
+        def counted(job: str) -> None:
+            with self._lock:
+                self.rereads[int(time.time()) // 10 * 10] += 1
+            read(job)
+        prefix.reread = counted
 
     def _tick_pass(self, nodes: list[Any]) -> None:
         """One round of every node's periodic work (:meth:`_tick`'s, node by node, in the same
@@ -265,6 +280,9 @@ class WorkerCommit:
                 "grid_max": max((p.tracker.prefix.grid(JOB) for p in self.parts.values()),
                                 default=1),
                 "withdrawals": withdrawals, "tick_cpu": self.tick_seconds,
+                "rereads": dict(self.rereads),
+                "watch_lagging_rereads": sum(p.tracker.counters.get("watch_lagging_rereads", 0)
+                                             for p in self.parts.values()),
                 "gates_lazy": sum(1 for g in self.gates.values() if getattr(g, "lazy", False)),
                 "thread_cpu": thread_cpu()}
 
@@ -349,6 +367,18 @@ def _db(etcd: Any) -> float:
     return sum(scrape(u).get(("etcd_mvcc_db_total_size_in_bytes", ""), 0.0) for u in etcd.urls)
 
 
+def _mvcc(etcd: Any) -> dict[str, float]:
+    """etcd's revision, compacted revision, keys and database bytes in use (one member)."""
+    from scale_sim import scrape
+    m = scrape(etcd.urls[0])
+    return {k: m.get((name, ""), -1.0) for k, name in (
+        ("revision", "etcd_debugging_mvcc_current_revision"),
+        ("compact_revision", "etcd_debugging_mvcc_compact_revision"),
+        ("keys", "etcd_debugging_mvcc_keys_total"),
+        ("db_bytes", "etcd_mvcc_db_total_size_in_bytes"),
+        ("db_bytes_in_use", "etcd_mvcc_db_total_size_in_use_in_bytes"))}
+
+
 def _events(etcd: Any) -> float:
     from scale_sim import scrape
     return sum(scrape(u).get(("etcd_debugging_mvcc_events_total", ""), 0.0) for u in etcd.urls)
@@ -425,23 +455,31 @@ def _run_phase(cluster: Any, etcd: Any, server: Any, keys: Any, n: int,
     cluster.ask(("commit_sample", True))
     s0, m0, e0, ev0, db0 = cluster.stats(), etcd.requests(), etcd.cpu(), _events(etcd), _db(etcd)
     c0 = [cluster_commit for cluster_commit in cluster.ask(("commit_stats",))]
-    t0 = time.monotonic()
+    t0, wall_start = time.monotonic(), time.time()
+    mvcc = {"after_warmup": _mvcc(etcd)}
     say(f"window of {a.commit_seconds:.0f} s starts")
     db_minute = None
+    timeline: list[list[Any]] = []  # [s into the window, newest committed step, leases lost]
     while time.monotonic() - t0 < a.commit_seconds:
         time.sleep(min(10.0, a.commit_seconds - (time.monotonic() - t0)))
         if db_minute is None and time.monotonic() - t0 >= 60:
             db_minute = _db(etcd)
+            mvcc["after_first_minute"] = _mvcc(etcd)
         with observer.lock:
             last = [e[4] for e in observer.events if e[4] is not None][-1:]
-        say(f"  {time.monotonic() - t0:.0f} s: committed {last}")
+        stats = cluster.stats()
+        timeline.append([round(time.monotonic() - t0), last[0][1] if last else None,
+                         stats["leases_lost"] - s0["leases_lost"]])
+        say(f"  {time.monotonic() - t0:.0f} s: committed {last}, leases lost {timeline[-1][2]}")
         if time.monotonic() - t0 < a.commit_seconds:  # a SIGTERM may come before the end
             now = time.monotonic()
             commits = len({e[3] for e in observer.between(t0, now)
                            if e[1] == keys.replication(JOB).committed})
-            progress.update(so_far(s0, cluster.stats(), e0, etcd.cpu(), now - t0, len(alive),
+            progress.update(so_far(s0, stats, e0, etcd.cpu(), now - t0, len(alive),
                                    commits, last[0] if last else None))
     s1, m1, e1, ev1, db1 = cluster.stats(), etcd.requests(), etcd.cpu(), _events(etcd), _db(etcd)
+    mvcc["end"] = _mvcc(etcd)
+    wall_end = time.time()
     t1 = time.monotonic()
     c1 = cluster.ask(("commit_stats",))
     cluster.ask(("commit_sample", False))
@@ -465,6 +503,10 @@ def _run_phase(cluster: Any, etcd: Any, server: Any, keys: Any, n: int,
     for part in c0:
         lags.subtract({int(k): v for k, v in part["lags"].items()})
     lag_list = sorted(lags.elements())
+    rereads: collections.Counter[int] = collections.Counter()
+    for part in c1:
+        rereads.update({int(k): v for k, v in part["rereads"].items()
+                        if wall_start - 10 < int(k) < wall_end})
     requests = {k: m1.get(k, 0) - m0.get(k, 0) for k in m1 if m1.get(k, 0) - m0.get(k, 0)}
     per_step_requests = sum(v for k, v in requests.items() if k != "LeaseKeepAlive")
     snapshot_steps = secs / a.period
@@ -523,6 +565,18 @@ def _run_phase(cluster: Any, etcd: Any, server: Any, keys: Any, n: int,
         "keepalive_handed_back": {k: v - s0.get("handed_back", {}).get(k, 0)
                                   for k, v in sorted(s1.get("handed_back", {}).items())},
         "leases_lost_without_commits": base_lost,
+        "progress_by_10s": {"what": "[s into the window, newest committed step seen by the "
+                                    "observer, leases lost since the window's start]",
+                            "points": timeline},
+        "rereads": sum(rereads.values()),
+        "watch_lagging_rereads": (sum(p["watch_lagging_rereads"] for p in c1)
+                                  - sum(p["watch_lagging_rereads"] for p in c0)),
+        "rereads_by_10s": {"what": "[s into the window of the 10-s slice's start (wall clock, "
+                                   "so the first may start before it), reads of the committed "
+                                   "prefix by every node, every cause]",
+                           "points": [[round(k - wall_start), v]
+                                      for k, v in sorted(rereads.items())]},
+        "etcd_mvcc": mvcc,
         "reports_relayed": dict(relayed),
         "simulation_behind_steps_max": max(p["behind_max"] for p in c1),
         "snapshot_grid_max": max(p["grid_max"] for p in c1),

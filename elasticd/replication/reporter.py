@@ -56,6 +56,11 @@ IDLE_TICK = 1.0
 #: reads the committed record itself. The reply usually beats the watch event by milliseconds:
 #: reading at once cost one range read per node per step (0.6 per node per step at N = 300).
 WATCH_GRACE = 1.0
+#: Each node waits its own share of this many seconds beyond :data:`WATCH_GRACE`
+#: (:func:`watch_grace`): when etcd's delivery to every watcher fell a second behind, every node
+#: of N = 1,000 read the prefix in the same tick, 1,000 linearizable reads at once, and
+#: keep-alives waited behind them (leases lost in the 10-minute commit window, session 33).
+WATCH_SPREAD = 1.0
 
 
 @dataclasses.dataclass
@@ -78,6 +83,9 @@ class JobReports:
     last_reason: str = ""
     ahead: Version | None = None  # a commit a reply named that the watch had not brought yet
     ahead_since: float = 0.0
+    ahead_known: Version | None = None  # what the watch had brought when ``ahead`` was set
+    stale_at: float | None = None  # when to read the prefix: the coordinator said its term ended
+    stale_ship: Coordinatorship | None = None  # the election record it said that of
 
     def failed(self, why: str, now: float) -> bool:
         """A report was not delivered: due again after a backoff. True when ``why`` is new."""
@@ -87,13 +95,27 @@ class JobReports:
         first, self.last_reason = self.last_reason != why, why
         return first
 
-    def watch_lagging(self, known: Version | None, now: float) -> bool:
-        """True (once) when a commit a reply named is still unseen after :data:`WATCH_GRACE`
-        (``known``: the newest commit the watch brought)."""
-        if self.ahead is None or now - self.ahead_since < WATCH_GRACE:
+    def watch_lagging(self, known: Version | None, now: float,
+                      grace: float = WATCH_GRACE) -> bool:
+        """True (once) when a commit a reply named is still unseen after ``grace`` seconds
+        and the watch brought no newer commit meanwhile (``known``: the newest commit the
+        watch brought). A watch that moved is late, not stuck: it is given another grace
+        from its new position rather than read over (a stuck one is read a grace later)."""
+        if self.ahead is None or now - self.ahead_since < grace:
+            return False
+        if known is not None and known < self.ahead and known != self.ahead_known:
+            self.ahead_since, self.ahead_known = now, known
             return False
         ahead, self.ahead = self.ahead, None
         return known is None or known < ahead
+
+    def term_stale(self, now: float) -> bool:
+        """True (once) when a coordinator said its term ended and, at ``stale_at``, the
+        election record is still the one it said that of (the watch brought no other)."""
+        if self.stale_at is None or now < self.stale_at:
+            return False
+        stale, self.stale_at, self.stale_ship = self.ship == self.stale_ship, None, None
+        return stale
 
 
 class Reporter:
@@ -116,6 +138,8 @@ class Reporter:
                  abandon: Callable[[str], None] = lambda node: None) -> None:
         self.t, self._send, self.ttl, self.submit, self.reread = tracker, send, ttl, submit, reread
         self.abandon = abandon
+        #: This node's grace for a lagging watch (:data:`WATCH_GRACE` plus its spread).
+        self.grace = watch_grace(tracker.node_id)
         self._rng = random.SystemRandom()
         self.boot = self._rng.getrandbits(62)
         self.seq = 0
@@ -335,8 +359,8 @@ class Reporter:
                 # brings it in a moment; :meth:`tick` reads it if it has not by WATCH_GRACE.
                 if (reply.committed is not None and (known is None or reply.committed > known)
                         and j.ahead is None):
-                    j.ahead, j.ahead_since = reply.committed, now
-                behind, again = False, j.dirty
+                    j.ahead, j.ahead_since, j.ahead_known = reply.committed, now, known
+                again = j.dirty
             else:
                 j.dirty, j.failures, j.last_reason = True, j.failures + 1, reply.reason
                 if reply.reason == "fenced":
@@ -344,14 +368,18 @@ class Reporter:
                 # It answered: what it waits for (its fences, its placement, our fence, the
                 # election record) comes soon; ask again shortly, without backing off.
                 j.retry_at = now + 0.1
-                behind, again = reply.reason in ("term", "term ended"), False
+                again = False
+                if reply.reason in ("term", "term ended") and j.stale_at is None:
+                    # Our election record is stale: the watch brings the new one in a moment;
+                    # :meth:`tick` reads the prefix at this node's share of the spread if it has
+                    # not. Read at once, every node read in the same moment, and again at each
+                    # retry (every TICK) while the read was slow: a term's end at N = 1,000.
+                    j.stale_at, j.stale_ship = now + self.grace - WATCH_GRACE, ship
         if not reply.accepted or j.ahead is not None:
             self.wake.set()  # a retry, or a look at the watch after WATCH_GRACE
         if not reply.accepted:
             log.debug("%s: coordinator %s did not count this report: %s", job, ship.node,
                       reply.reason)
-        if behind:  # a stale election record: read the committed prefix
-            self.submit(self.reread, job)
         return again
 
     # -- coordinating ----------------------------------------------------------------------
@@ -459,8 +487,13 @@ class Reporter:
             with self.t.lock:
                 st = self.t.jobs.get(job)
                 lagging = j.watch_lagging(st.committed.version if st is not None and st.committed
-                                          else None, now)
-            if lagging:
+                                          else None, now, self.grace)
+                if lagging:
+                    self.t.counters["watch_lagging_rereads"] += 1
+                stale = j.term_stale(now)
+                if stale:
+                    self.t.counters["term_rereads"] += 1
+            if lagging or stale:
                 self.submit(self.reread, job)
             self._kick(job)
             with self.t.lock:
@@ -468,7 +501,8 @@ class Reporter:
                 # failure wakes the ticker: no retry to tick for meanwhile (every node's report
                 # is in flight for part of each step; ticking at TICK through it cost ~4 ticks
                 # per node per second).
-                at = min(campaign_at, j.ahead_since + WATCH_GRACE if j.ahead else float("inf"),
+                at = min(campaign_at, j.ahead_since + self.grace if j.ahead else float("inf"),
+                         j.stale_at if j.stale_at is not None else float("inf"),
                          j.retry_at if j.dirty and j.ship is not None and not j.busy
                          else float("inf"))
             due_in = min(due_in, TICK if j.leading is not None else at - now)
@@ -526,6 +560,13 @@ class Reporter:
                                                           "term": f"{ship.term:x}"},
                 "coordinating": leading.status() if leading is not None else None,
                 "report_problem": reason or None}
+
+
+def watch_grace(node_id: str) -> float:
+    """Seconds ``node_id`` leaves a commit a reply named to its watch before reading the
+    committed prefix itself: :data:`WATCH_GRACE` plus a share of :data:`WATCH_SPREAD` fixed
+    by the node's name, so that the nodes' reads of one late commit spread evenly."""
+    return WATCH_GRACE + xxhash.xxh3_64_intdigest(node_id.encode()) / 2.0 ** 64 * WATCH_SPREAD
 
 
 def _delay(node_id: str, st: Any) -> float:
