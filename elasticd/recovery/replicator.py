@@ -224,15 +224,17 @@ class Replicator:
         new generation commits (see :meth:`CommitBook.abandon_below`). The committed record
         is read first, so that this node retains it even when its watch has not told it yet
         (the restore that opened the generation read it a moment ago)."""
-        committed = None
+        committed, unsure = None, False
         if self.tracker.view(job)[0] is not None:
             try:
                 committed = read_committed(self.coord, self.keys, job, self._placements(job))
             except (CoordinationError, records.RecordError) as exc:
                 self.tracker.etcd_error("read the committed record a new generation keeps", exc)
+                unsure = True
         if committed is not None and committed.resolved:
             self.tracker.learn(job, committed)
-        self.tracker.start_generation(job, generation)
+        self.tracker.start_generation(job, generation, unsure or (
+            committed is not None and not committed.resolved))
         if self.sink is not None:
             self.sink.set_floor(job, generation)
 

@@ -35,10 +35,10 @@ Invariants (tested over every order of events in ``tests/unit/test_commit_state.
   it retains (:meth:`CommitBook.holding_back`): a holder whose slots hold the commit and an
   undecided copy lets the undecided one go when a newer copy arrives
   (:class:`~elasticd.replication.shm_sink.ShmSink`), trusting that the owner decided it first;
-  only once a commit is known or a generation floor opened (before both no holder pins a commit
-  beside an undecided copy; after a floor a holder may pin the commit kept through it that
-  this owner never learned). Why, and what holding back everywhere cost: docs/replication.md,
-  "The commit invariant".
+  only once a commit is known, or a generation floor opened while the commit in force could
+  not be read (before that no holder pins a commit beside an undecided copy; then a holder may
+  pin the commit kept through the floor that this owner never learned). Why, and what holding
+  back everywhere cost: docs/replication.md, "The commit invariant".
 
 Withdrawals on time wait for the coordinator's word (:meth:`CommitBook.verdict`): a version that
 blocks a snapshot is withdrawn ``withdraw_after`` after its landing only once a coordinator
@@ -129,6 +129,8 @@ class CommitBook:
         self.heard_at = float("-inf")  # when a coordinator last answered this node
         self.committed: Version | None = None
         self.floor = 0
+        #: The last floor opened without knowing whether a commit is in force (its read failed).
+        self.unsure = False
         self.entries: dict[Version, _Entry] = {}
         self.withdrawn: set[Version] = set()
         #: The newest local version landed, when, and the seconds since the one before it
@@ -154,12 +156,12 @@ class CommitBook:
     def holding_back(self, rank: int, version: Version) -> Version | None:
         """The undecided version whose local copy of ``rank`` must be decided before
         ``version`` (a newer snapshot of it) goes to a peer, or None (see the module doc).
-        Only once a commit is known here or a generation floor opened, or a replica of
-        ``rank`` waits here (its owner's slots may then hold no commit the holder's pin):
-        before that a holder pins no commit beside the undecided copy, so it lets none go.
-        After a floor a holder may pin the commit kept through it (:meth:`abandon_below`)
-        even where this node never learned it."""
-        pinned = self.committed is not None or self.floor > 0
+        Only once a commit is known here, or a replica of ``rank`` waits here (its owner's
+        slots may then hold no commit the holder's pin), or the last floor opened
+        :attr:`unsure` (a holder may pin the commit kept through it, :meth:`abandon_below`,
+        that this node never learned): before that a holder pins no commit beside the
+        undecided copy, so it lets none go."""
+        pinned = self.committed is not None or self.unsure
         if not (pinned or any((Holder.REPLICA, rank) in e.copies for e in self.entries.values())):
             return None
         return min((v for v, e in self.entries.items()
@@ -242,21 +244,22 @@ class CommitBook:
         self.withdrawn = {v for v in self.withdrawn if v > version}
         return self._drop(lambda v: v <= version, actions)
 
-    def abandon_below(self, generation: int) -> Actions:
+    def abandon_below(self, generation: int, unsure: bool = False) -> Actions:
         """A restore opened ``generation``: undecided copies of older generations can never
         commit, and go. The committed copy stays, retained until a newer commit: until the new
         generation's first commit it is still the job's committed step, the one a second
         failure restores (letting it go here, a node that came back before a world-2 phase
         committed anything made the job restore step 0 instead of the committed step 15).
 
-        Holders and owners then count slots differently (a holder may pin a commit the owner
-        never learned, as the caller makes unlikely by learning the record first), so an owner
-        holds back its newer copies behind an undecided one from now on
-        (:meth:`holding_back`): a holder never lets go of an undecided copy for a newer one
-        before its owner decided it."""
+        Holders and owners count the kept commit alike because the caller learns the committed
+        record before it opens the floor; ``unsure``: it could not read it, so a holder may
+        pin a commit this node never learned (one slot fewer for this node's undecided
+        versions than it assumes): this node then holds its newer copies back behind an
+        undecided one (:meth:`holding_back`), so that no holder lets go of an undecided copy
+        for a newer one before its owner decided it."""
         if generation <= self.floor:
             return Actions()
-        self.floor = generation
+        self.floor, self.unsure = generation, unsure
         return self._drop(lambda v: v[0] < generation, Actions())
 
     def superseded(self, holder: Holder, rank: int, version: Version) -> Actions:

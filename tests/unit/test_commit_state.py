@@ -307,7 +307,7 @@ class CommitProtocol(RuleBasedStateMachine):
                 self.learn(node)
             self.known_at_floors &= node.book.committed == self.committed
             node.generation += 1
-            node.perform(node.book.abandon_below(node.generation))
+            node.perform(node.book.abandon_below(node.generation, unsure=node.rank == unread))
             node.acked = {v for v in node.acked if v[0] >= node.generation}
             node.record = {v for v in node.record if v[0] >= node.generation}
 
@@ -568,10 +568,15 @@ def test_a_push_is_held_back_only_where_a_holder_may_pin_a_commit_beside_the_cop
     book.abandon_below(1)
     book.landed(Holder.LOCAL, 0, (1, 1), now=0.0)
     assert book.holding_back(0, (1, 2)) == (1, 1)
+    # No commit in force when the floor opened (the read said so): none pinned anywhere.
     fresh = CommitBook(WITHDRAW_AFTER)
-    fresh.abandon_below(1)  # no commit learned here, but a holder may pin one
+    fresh.abandon_below(1)
     fresh.landed(Holder.LOCAL, 0, (1, 1), now=0.0)
-    assert fresh.holding_back(0, (1, 2)) == (1, 1)
+    assert fresh.holding_back(0, (1, 2)) is None
+    # The read failed: a holder may pin a commit this node never learned.
+    fresh.abandon_below(2, unsure=True)
+    fresh.landed(Holder.LOCAL, 0, (2, 1), now=0.0)
+    assert fresh.holding_back(0, (2, 2)) == (2, 1)
 
 
 def hopeless(m: CommitProtocol, node: Node, version) -> bool:
