@@ -5,9 +5,8 @@ the commit it restored is still the job's committed step, the one a second failu
 
 from __future__ import annotations
 
+import contextlib
 import os
-
-import pytest
 
 from elasticd.replication.commit import read_committed
 from elasticd.store.shm import CommitPending
@@ -17,16 +16,14 @@ from tests.replication_nodes import JOB, Cluster
 RANKS = {"n1": [0], "n2": [1]}
 
 
-@pytest.fixture
-def cluster():
+def test_a_generation_that_commits_nothing_keeps_every_copy_of_the_commit():
     store = MemoryStore()
-    c = Cluster(lambda: MemoryCoordinator(store), 2, 2)
-    yield c
-    c.close()
-    assert not os.path.exists(c.base)
+    with contextlib.closing(Cluster(lambda: MemoryCoordinator(store), 2, 2)) as cluster:
+        a_generation_that_commits_nothing(cluster)
+    assert not os.path.exists(cluster.base)
 
 
-def test_a_generation_that_commits_nothing_keeps_every_copy_of_the_commit(cluster):
+def a_generation_that_commits_nothing(cluster: Cluster) -> None:
     # The CI failure of test_sigstop_daemon_without_standby_restores_the_committed_step: (0, 2)
     # committed; a restore of it opened generation 1, whose nodes snapshotted different steps
     # (its coordinator frozen, there) so nothing of it committed; the floor had let (0, 2) go
