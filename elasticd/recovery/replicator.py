@@ -219,9 +219,22 @@ class Replicator:
             self.tracker.republish(job)
 
     def start_generation(self, job: str, generation: int) -> None:
-        """A fallback to an older persisted step opened ``generation``: copies and commits of
-        older generations never count again (this node's sink refuses them too)."""
-        self.tracker.start_generation(job, generation)
+        """A restore opened ``generation``: copies of older generations never count again
+        (this node's sink refuses them too), but the committed step stays retained until the
+        new generation commits (see :meth:`CommitBook.abandon_below`). The committed record
+        is read first, so that this node retains it even when its watch has not told it yet
+        (the restore that opened the generation read it a moment ago)."""
+        committed, unsure = None, False
+        if self.tracker.view(job)[0] is not None:
+            try:
+                committed = read_committed(self.coord, self.keys, job, self._placements(job))
+            except (CoordinationError, records.RecordError) as exc:
+                self.tracker.etcd_error("read the committed record a new generation keeps", exc)
+                unsure = True
+        if committed is not None and committed.resolved:
+            self.tracker.learn(job, committed)
+        self.tracker.start_generation(job, generation, unsure or (
+            committed is not None and not committed.resolved))
         if self.sink is not None:
             self.sink.set_floor(job, generation)
 

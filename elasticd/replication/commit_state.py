@@ -23,18 +23,22 @@ Invariants (tested over every order of events in ``tests/unit/test_commit_state.
   any record names it) until its version is committed (it is then retained, job-wide, as the
   committed copy until a newer commit), abandoned, or withdrawn, and a withdrawal is acted on
   only after it landed in etcd behind a fence no commit decided from the older record passes.
+* The committed version keeps its copies until a newer commit: a generation floor lets go of
+  every undecided version below it but not of the commit (until the new generation's first
+  commit it is the job's committed step, the one a second failure restores).
 * Nothing is retained for good: once a commit at or above a version is learned, or a floor above
-  its generation, or its withdrawal, neither a retention of it nor any bookkeeping about it is
-  left (undecided versions are the only entries, and the committed copy the only job-wide
-  retention).
+  its generation (the commit excepted), or its withdrawal, neither a retention of it nor any
+  bookkeeping about it is left (undecided versions are the only entries, and the committed
+  copy the only job-wide retention).
 * A version once withdrawn here is never recorded again (:meth:`CommitBook.recordable`).
 * An owner sends no copy of a rank newer than an undecided version whose local copy of that rank
   it retains (:meth:`CommitBook.holding_back`): a holder whose slots hold the commit and an
   undecided copy lets the undecided one go when a newer copy arrives
   (:class:`~elasticd.replication.shm_sink.ShmSink`), trusting that the owner decided it first;
-  only once a commit of the live generation is known (before it no holder pins a commit beside
-  an undecided copy). Why, and what holding back everywhere cost: docs/replication.md, "The
-  commit invariant".
+  only once a commit is known, or a generation floor opened while the commit in force could
+  not be read (before that no holder pins a commit beside an undecided copy; then a holder may
+  pin the commit kept through the floor that this owner never learned). Why, and what holding
+  back everywhere cost: docs/replication.md, "The commit invariant".
 
 Withdrawals on time wait for the coordinator's word (:meth:`CommitBook.verdict`): a version that
 blocks a snapshot is withdrawn ``withdraw_after`` after its landing only once a coordinator
@@ -125,6 +129,8 @@ class CommitBook:
         self.heard_at = float("-inf")  # when a coordinator last answered this node
         self.committed: Version | None = None
         self.floor = 0
+        #: The last floor opened without knowing whether a commit is in force (its read failed).
+        self.unsure = False
         self.entries: dict[Version, _Entry] = {}
         self.withdrawn: set[Version] = set()
         #: The newest local version landed, when, and the seconds since the one before it
@@ -150,11 +156,13 @@ class CommitBook:
     def holding_back(self, rank: int, version: Version) -> Version | None:
         """The undecided version whose local copy of ``rank`` must be decided before
         ``version`` (a newer snapshot of it) goes to a peer, or None (see the module doc).
-        Only once a commit of this generation is known here, or a replica of ``rank`` waits
-        here (its owner's slots may then hold no commit the holder's pin): before that a
-        holder pins no commit beside the undecided copy, so it lets none go."""
-        live = self.committed is not None and self.committed[0] >= self.floor
-        if not (live or any((Holder.REPLICA, rank) in e.copies for e in self.entries.values())):
+        Only once a commit is known here, or a replica of ``rank`` waits here (its owner's
+        slots may then hold no commit the holder's pin), or the last floor opened
+        :attr:`unsure` (a holder may pin the commit kept through it, :meth:`abandon_below`,
+        that this node never learned): before that a holder pins no commit beside the
+        undecided copy, so it lets none go."""
+        pinned = self.committed is not None or self.unsure
+        if not (pinned or any((Holder.REPLICA, rank) in e.copies for e in self.entries.values())):
             return None
         return min((v for v, e in self.entries.items()
                     if v < version and (Holder.LOCAL, rank) in e.copies), default=None)
@@ -227,27 +235,32 @@ class CommitBook:
         holder), the previous commit and every version at or below it let go."""
         if self.committed is not None and version <= self.committed:
             return Actions()
-        # A commit of an abandoned generation is retained nowhere (see abandon_below).
-        live = version[0] >= self.floor
-        actions = Actions(retain=[Retention(h, None, version) for h in Holder if live])
+        # Of an abandoned generation too (learned late): until a newer commit it is the job's
+        # committed step, the one a restore reads (see abandon_below).
+        actions = Actions(retain=[Retention(h, None, version) for h in Holder])
         if self.committed is not None:
             actions.release += [Retention(h, None, self.committed) for h in Holder]
         self.committed = version
         self.withdrawn = {v for v in self.withdrawn if v > version}
         return self._drop(lambda v: v <= version, actions)
 
-    def abandon_below(self, generation: int) -> Actions:
-        """A restore opened ``generation``: copies of older generations can never commit, and
-        the commit of one is restored no more. Its copies go too: a holder that retained it
-        while the owner (which had not learned it) did not would have one slot fewer for the
-        owner's undecided versions than the owner assumes, and let go of one that may commit."""
+    def abandon_below(self, generation: int, unsure: bool = False) -> Actions:
+        """A restore opened ``generation``: undecided copies of older generations can never
+        commit, and go. The committed copy stays, retained until a newer commit: until the new
+        generation's first commit it is still the job's committed step, the one a second
+        failure restores (letting it go here, a node that came back before a world-2 phase
+        committed anything made the job restore step 0 instead of the committed step 15).
+
+        Holders and owners count the kept commit alike because the caller learns the committed
+        record before it opens the floor; ``unsure``: it could not read it, so a holder may
+        pin a commit this node never learned (one slot fewer for this node's undecided
+        versions than it assumes): this node then holds its newer copies back behind an
+        undecided one (:meth:`holding_back`), so that no holder lets go of an undecided copy
+        for a newer one before its owner decided it."""
         if generation <= self.floor:
             return Actions()
-        self.floor = generation
-        actions = Actions()
-        if self.committed is not None and self.committed[0] < generation:
-            actions.release = [Retention(h, None, self.committed) for h in Holder]
-        return self._drop(lambda v: v[0] < generation, actions)
+        self.floor, self.unsure = generation, unsure
+        return self._drop(lambda v: v[0] < generation, Actions())
 
     def superseded(self, holder: Holder, rank: int, version: Version) -> Actions:
         """A newer copy of ``rank`` arrived while ``version`` still held a slot: its owner

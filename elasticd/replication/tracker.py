@@ -374,11 +374,13 @@ class CommitTracker:
         self.reporter.placement_changed(job)
         return old, need_watch
 
-    def start_generation(self, job: str, generation: int) -> None:
-        """Versions of generations below ``generation`` stop counting (and stop gating)."""
+    def start_generation(self, job: str, generation: int, unsure: bool = False) -> None:
+        """Versions of generations below ``generation`` stop counting (and stop gating); the
+        commit stays (``unsure``: the committed record could not be read first, see
+        :meth:`CommitBook.abandon_below`)."""
         with self.cond:
             st = self.state(job)
-            self._perform(job, st.book.abandon_below(generation))
+            self._perform(job, st.book.abandon_below(generation, unsure))
             for rank in list(st.replicated):
                 st.replicated[rank] = [v for v in st.replicated[rank] if v[0] >= st.book.floor]
             st.latest = {r: v for r, v in st.latest.items() if v[0] >= st.book.floor}

@@ -14,6 +14,11 @@ checks after each step:
 * every holder the committed version names holds it (the race: a commit decided in etcd after
   the fact, from records, while a holder reuses its slots), unless a restore abandoned its
   generation;
+* the committed version keeps its copies until a newer commit, through new generations too
+  (a second failure before the new generation's first commit restores it): every holder it
+  names holds it, once every node read it when the generation opened (as
+  :meth:`Replicator.start_generation` does; a node whose read failed may lose its copies, but
+  the first invariant still holds for the new generation's commits);
 * what the stores retain is exactly what the books say (the store only pins what it is told);
 * nothing decided is remembered or retained: no entry or withdrawn version at or below the
   commit a node learned, none below its generation floor (the leaks fixed before: followed
@@ -169,6 +174,8 @@ class CommitProtocol(RuleBasedStateMachine):
         self.nodes = [Node(0), Node(1)]
         self.now = 0.0
         self.committed: tuple[int, int] | None = None  # in etcd
+        # Every node knew the commit in etcd at each new generation since it was committed.
+        self.known_at_floors = True
         self.term, self.in_office = 1, True  # the coordinator's
 
     nodes_idx = st.integers(0, 1)
@@ -215,6 +222,7 @@ class CommitProtocol(RuleBasedStateMachine):
                   if v[0] >= self.nodes[i].book.floor}
         if common and (self.committed is None or max(common) > self.committed):
             self.committed = max(common)
+            self.known_at_floors = True
 
     @rule(i=nodes_idx)
     def learn_commit(self, i):
@@ -290,12 +298,16 @@ class CommitProtocol(RuleBasedStateMachine):
         if self.committed != version:  # else committed just before: it is the kept copy
             node.perform(node.book.withdrawn_landed(version))
 
-    @rule()
-    def new_generation(self):
-        """A restore opened the next generation on every node."""
+    @rule(unread=st.sampled_from([None, 0, 1]))
+    def new_generation(self, unread=None):
+        """A restore opened the next generation on every node, each reading the commit in
+        etcd first (``unread``: a node whose read failed)."""
         for node in self.nodes:
+            if node.rank != unread:
+                self.learn(node)
+            self.known_at_floors &= node.book.committed == self.committed
             node.generation += 1
-            node.perform(node.book.abandon_below(node.generation))
+            node.perform(node.book.abandon_below(node.generation, unsure=node.rank == unread))
             node.acked = {v for v in node.acked if v[0] >= node.generation}
             node.record = {v for v in node.record if v[0] >= node.generation}
 
@@ -313,6 +325,20 @@ class CommitProtocol(RuleBasedStateMachine):
             assert peer.holds(Holder.REPLICA, owner.rank, self.committed), \
                 f"holder of rank {owner.rank}'s replica lost committed {self.committed}"
 
+    @invariant()
+    def the_committed_version_keeps_its_copies_until_a_newer_commit(self):
+        if self.committed is None or not self.known_at_floors:
+            return
+        for owner in self.nodes:
+            peer = self.nodes[1 - owner.rank]
+            assert (owner.holds(Holder.LOCAL, owner.rank, self.committed)
+                    or owner.holds(Holder.REPLICA, owner.rank, self.committed)), \
+                f"owner of rank {owner.rank} lost committed {self.committed} " \
+                f"(generation {owner.generation})"
+            assert peer.holds(Holder.REPLICA, owner.rank, self.committed), \
+                f"holder of rank {owner.rank}'s replica lost committed {self.committed} " \
+                f"(generation {peer.generation})"
+
     def the_stores_retain_what_the_books_say(self):
         for node in self.nodes:
             for holder, store in node.stores.items():
@@ -323,7 +349,7 @@ class CommitProtocol(RuleBasedStateMachine):
                             want.setdefault(rank, set()).add(version)
                 assert store.retained() == want
                 c = node.book.committed
-                assert store.everywhere == ({c} if c and c[0] >= node.book.floor else set())
+                assert store.everywhere == ({c} if c else set())
 
     @invariant()
     def nothing_decided_is_remembered(self):
@@ -400,11 +426,13 @@ def test_a_withdrawn_version_is_never_recorded_again_until_a_commit_passes_it():
     assert book.withdrawn == set() and book.phase((0, 3)) is Phase.COMMITTED
 
 
-def test_a_new_generation_lets_go_of_the_old_commit_everywhere():
-    # Found by the test above: n2 learned commit (0, 1), n1 did not; a restore opened
-    # generation 1. n2 still retained (0, 1) for every rank, so one slot of rank 0's replicas
-    # was left; n1, retaining nothing old, took (1, 3) and (1, 4): n2 let (1, 3) go for (1, 4)
-    # (its owner "must have decided it"), and (1, 3) then committed naming n2 as its holder.
+def test_a_node_that_missed_the_kept_commit_holds_its_pushes_back():
+    # Found by the machine above (when a floor let the old commit go everywhere): n2 learned
+    # commit (0, 1), n1 did not (here: its read at the new generation failed); a restore opened
+    # generation 1. n2 retains (0, 1) for every rank, so one slot of rank 0's replicas is left;
+    # n1, retaining nothing old, took (1, 3) and sent (1, 4): n2 let (1, 3) go for (1, 4) (its
+    # owner "must have decided it"), and (1, 3) then committed naming n2 as its holder. After a
+    # floor n1 holds (1, 4) back behind (1, 3) instead.
     state = CommitProtocol()
     state.snapshot_and_push(0)
     state.snapshot_and_push(1)
@@ -412,11 +440,39 @@ def test_a_new_generation_lets_go_of_the_old_commit_everywhere():
     state.commit(0)
     state.learn_commit(1)
     state.snapshot_and_push(0)
-    state.new_generation()
+    state.new_generation(unread=0)
     for i in (0, 0, 1):
         state.snapshot_and_push(i)
     state.commit(0)
     assert state.committed == (1, 3)
+    state.every_named_holder_holds_the_commit()
+    state.the_stores_retain_what_the_books_say()
+
+
+def test_the_commit_stays_restorable_until_the_new_generation_commits():
+    # The CI failure of test_sigstop_daemon_without_standby_restores_the_committed_step: (0, 1)
+    # committed and learned everywhere; a restore opened generation 1, which snapshotted and
+    # sent but committed nothing (its coordinator frozen); the floor let (0, 1) go, the new
+    # snapshots took its slots, and the next restore found no copy of (0, 1): step 0.
+    state = CommitProtocol()
+    state.snapshot_and_push(0)
+    state.snapshot_and_push(1)
+    state.commit(0)
+    state.learn_commit(0)
+    state.learn_commit(1)
+    state.new_generation()
+    state.coordinator_dies()
+    for i in (0, 1, 0, 1, 0, 1):
+        state.snapshot_and_push(i)
+    assert state.committed == (0, 1)
+    state.the_committed_version_keeps_its_copies_until_a_newer_commit()
+    state.the_stores_retain_what_the_books_say()
+    # Its first commit lets (0, 1) go, and keeps the new one.
+    state.elect()
+    state.commit(0)
+    assert state.committed[0] == 1
+    for node in state.nodes:
+        state.learn(node)
     state.every_named_holder_holds_the_commit()
     state.the_stores_retain_what_the_books_say()
 
@@ -507,10 +563,20 @@ def test_a_push_is_held_back_only_where_a_holder_may_pin_a_commit_beside_the_cop
     assert book.holding_back(0, (0, 2)) == (0, 1)
     book.commit((0, 0))
     assert book.holding_back(0, (0, 2)) == (0, 1)
-    # A new generation: the old commit is pinned nowhere any more.
+    # A new generation: the old commit stays pinned until the new one commits, on holders
+    # too (some of which may have learned it where this owner did not): held back.
     book.abandon_below(1)
     book.landed(Holder.LOCAL, 0, (1, 1), now=0.0)
-    assert book.holding_back(0, (1, 2)) is None
+    assert book.holding_back(0, (1, 2)) == (1, 1)
+    # No commit in force when the floor opened (the read said so): none pinned anywhere.
+    fresh = CommitBook(WITHDRAW_AFTER)
+    fresh.abandon_below(1)
+    fresh.landed(Holder.LOCAL, 0, (1, 1), now=0.0)
+    assert fresh.holding_back(0, (1, 2)) is None
+    # The read failed: a holder may pin a commit this node never learned.
+    fresh.abandon_below(2, unsure=True)
+    fresh.landed(Holder.LOCAL, 0, (2, 1), now=0.0)
+    assert fresh.holding_back(0, (2, 2)) == (2, 1)
 
 
 def hopeless(m: CommitProtocol, node: Node, version) -> bool:
