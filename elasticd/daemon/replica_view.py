@@ -33,8 +33,16 @@ class ReplicaView:
         if self.replicator is None or job is None:
             return None
         ranks = self._jobs.round_ranks()
-        if not ranks or self._node not in ranks:
+        if not ranks:
             return None
+        if self._node not in ranks and not self._placed_here(job):
+            return None
+        # A round without this node, while the replicator still places it (declared dead
+        # and fenced, or shrunk out), is given too: a commit term this node won before it
+        # learned it was dead (a daemon woken from SIGSTOP campaigns at once as its
+        # placement's first node) stayed on a placement no owner reports on, and nothing
+        # committed again (CI: 15 s, the job's end, in the frozen-holder chaos test). Placed
+        # without it, the term resigns and this node campaigns no more.
         nodes = sorted(ranks, key=lambda n: min(ranks[n]))
         key = (job, tuple((n, tuple(ranks[n])) for n in nodes))
         if key == self._round:
@@ -42,6 +50,11 @@ class ReplicaView:
         self._round = key
         self.replicator.set_membership(job, nodes, {n: list(ranks[n]) for n in nodes})
         return f"replica placement for {len(nodes)} nodes"
+
+    def _placed_here(self, job: str) -> bool:
+        """True when the replicator's placement for ``job`` includes this node."""
+        placement = self.replicator.tracker.view(job)[0] if self.replicator else None
+        return placement is not None and self._node in placement.nodes
 
     def committed_step(self, job: str) -> tuple[int, int] | None:
         """The job's newest committed (generation, step) as replication last saw it."""
