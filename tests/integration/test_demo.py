@@ -58,8 +58,17 @@ def test_demo_restores_the_dead_nodes_rank_from_a_peer_and_its_numbers_agree():
     # One recovery, one set of numbers: the demo's own measures from its kill, elasticctl
     # history's and /status's from the failure placed at n2's last sign of life.
     recorded, trained = views(out, "failure recorded"), views(out, "training again")
-    assert abs(recorded["demo"] - recorded["history"]) <= 0.1, out
-    assert abs(trained["demo"] - trained["history"]) <= 0.1, out
+    # The demo counts from its kill, history from the failure placed at the victim's last sign
+    # of life, which the demo prints: compared from one origin. (A CI run on a loaded host: the
+    # victim's worker trained 0.13 s past the demo's kill mark; demo 0.24 / 0.56 s against
+    # history 0.11 / 0.41 s, the same recovery.)
+    placed = re.search(r"last sign of life \([^:)]*: (?:at the kill|([\d.]+) s (before|after) "
+                       r"the kill)\)", out)
+    assert placed, out
+    offset = 0.0 if placed.group(1) is None else (
+        float(placed.group(1)) * (1 if placed.group(2) == "after" else -1))
+    assert abs(recorded["demo"] - offset - recorded["history"]) <= 0.1, out
+    assert abs(trained["demo"] - offset - trained["history"]) <= 0.1, out
     assert trained["status"] == trained["history"], out
     if "overlapped" not in out:
         assert recorded["status"] == recorded["history"], out
