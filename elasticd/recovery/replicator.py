@@ -126,7 +126,9 @@ class Replicator:
         # Commit reports on connections of their own: one never waits behind a push.
         self._reports = Connections(node_id, secret, peers_address, timeout=timeout,
                                     ssl_context=ssl_context, clock=self.clock)
-        self._abandoned: collections.Counter[str] = collections.Counter()  # per node
+        # Bumped by each abandon (any node: names come from the election record, etcd's):
+        # a report that failed meanwhile is not sent again.
+        self._abandoned = 0
         stores = {Holder.LOCAL: store}
         if sink is not None:
             stores[Holder.REPLICA] = sink.store
@@ -159,21 +161,21 @@ class Replicator:
         """Sends a commit report to ``node`` over the pooled report connection (a reused one
         the peer closed meanwhile is replaced once, unless :meth:`_abandon_reports` closed
         it). Raises ReplicationError."""
-        abandoned = self._abandoned[node]
+        abandoned = self._abandoned
         for attempt in range(2):
             client, reused = self._reports.get(node, connect_timeout=2.0)
             try:
                 return client.report(report, deadline=5.0)
             except ReplicationError:
                 self._reports.discard(node, client)
-                if not reused or attempt or self._abandoned[node] != abandoned:
+                if not reused or attempt or self._abandoned != abandoned:
                     raise
         raise AssertionError("unreachable")
 
     def _abandon_reports(self, node: str) -> None:
         """Ends the reports in flight to ``node`` (no longer a coordinator) at once: they
         fail, and are not sent again to it on a fresh connection."""
-        self._abandoned[node] += 1
+        self._abandoned += 1
         self._reports.discard(node)
 
     # -- membership, generations, snapshots ------------------------------------------------

@@ -160,20 +160,26 @@ class CommittedPrefix:
         if isinstance(events, CoordinationError):
             self.submit(self.reread, job)  # events may have been missed: read it again
             return
+        k = self._prefix_keys(job)
         for event in events:
-            with self.lock:
-                seen = (job, event.kv.key)
-                self._events[seen] = self._events.get(seen, 0) + 1
+            if event.kv.key in k:  # only its four keys: anyone may write others under it
+                with self.lock:
+                    seen = (job, event.kv.key)
+                    self._events[seen] = self._events.get(seen, 0) + 1
             self._changed(job, event.kv.key, event.kv if event.type is EventType.PUT else None)
 
-    def _changed(self, job: str, key: bytes, kv: Any) -> None:
-        """One key of the committed prefix as it now is (``kv`` None: absent)."""
-        # Built once per job: this runs once per watch event, every node, every commit.
+    def _prefix_keys(self, job: str) -> _PrefixKeys:
+        # Built once per job: used once per watch event, every node, every commit.
         k = self._keys.get(job)
         if k is None:
             r = self.keys.replication(job)
             k = self._keys[job] = _PrefixKeys(r.commit_grid, r.coordinator, r.commit_ahead,
                                               r.committed)
+        return k
+
+    def _changed(self, job: str, key: bytes, kv: Any) -> None:
+        """One key of the committed prefix as it now is (``kv`` None: absent)."""
+        k = self._prefix_keys(job)
         if key == k.commit_grid:
             self._learn_grid(job, kv)
         elif key == k.coordinator:

@@ -138,8 +138,9 @@ class MemoryStore:
         now = self.clock.monotonic()
         with self._lock:
             due = [lid for lid, lease in self._leases.items() if lease.expires_at <= now]
-            events = [e for lid in due for e in self._drop_lease(lid)]
-        self._dispatch(events)
+            for lid in due:
+                self._drop_lease(lid)
+        self._deliver()
 
     # -- internals (call with the lock held) ----------------------------------------------
 
@@ -196,8 +197,8 @@ class MemoryStore:
         self._outbox.append((None, event))
         return event
 
-    def _dispatch(self, events: list[WatchEvent]) -> None:
-        """Delivers the events not yet delivered (``events`` among them), in revision order.
+    def _deliver(self) -> None:
+        """Delivers the events not yet delivered, in revision order.
 
         While another thread delivers, this returns at once: that thread delivers these too,
         after the ones before them (so a watch callback that calls the store, or that waits
@@ -269,20 +270,20 @@ class MemoryCoordinator(Coordinator):
     def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
         with self._enter():
             event = self.store._put(key, value, lease)
-        self.store._dispatch([event])
+        self.store._deliver()
         return event.kv.mod_revision
 
     def delete(self, key: bytes) -> bool:
         with self._enter():
             event = self.store._delete(key)
-        self.store._dispatch([event] if event else [])
+        self.store._deliver()
         return event is not None
 
     def delete_prefix(self, prefix: bytes) -> int:
         with self._enter():
             keys = [k for k in self.store._kv if k.startswith(prefix)]
             events = [e for k in keys if (e := self.store._delete(k)) is not None]
-        self.store._dispatch(events)
+        self.store._deliver()
         return len(events)
 
     def transaction(self, compares: Sequence[Compare], ops: Sequence[Op]) -> tuple[bool, int]:
@@ -305,7 +306,7 @@ class MemoryCoordinator(Coordinator):
                     if (e := self.store._delete(op.key, bool(events))) is not None:
                         events.append(e)
             revision = self.store._revision
-        self.store._dispatch(events)
+        self.store._deliver()
         return True, revision
 
     def grant_lease(self, ttl: int) -> int:
@@ -325,8 +326,8 @@ class MemoryCoordinator(Coordinator):
 
     def revoke_lease(self, lease: int) -> None:
         with self._enter():
-            events = self.store._drop_lease(lease)
-        self.store._dispatch(events)
+            self.store._drop_lease(lease)
+        self.store._deliver()
 
     def watch_prefix(self, prefix: bytes, callback: WatchCallback, start_revision: int,
                      prev_kv: bool = False) -> Watch:
@@ -349,7 +350,7 @@ class MemoryCoordinator(Coordinator):
                 self.store._outbox.append((w, compacted))
             if replay:
                 self.store._outbox.append((w, replay))
-        self.store._dispatch([])
+        self.store._deliver()
         return w
 
     def watch_key(self, key: bytes, callback: WatchCallback, start_revision: int) -> Watch:

@@ -143,3 +143,16 @@ def test_a_listing_read_before_a_watch_event_does_not_undo_it():
     part.reread("job")  # a listing begun after the event takes the key as listed
     writer.delete(k.coordinator)
     assert [s.node if s else None for s in reporter.ships] == [None, "n2", "n2", None]
+
+
+def test_keys_anyone_writes_under_the_prefix_are_not_counted():
+    """The watch counts its events per key for the listings; only the prefix's four keys are
+    counted, so keys a hostile etcd writer makes under it cannot grow that count's table."""
+    store, jobs = MemoryStore(), {"job": JobState()}
+    writer, k = MemoryCoordinator(store), KEYS.replication("job")
+    part, _, _, _ = prefix(store, jobs)
+    part.watch("job")
+    for i in range(50):
+        writer.put(k.committed + b"/junk-%d" % i, b"x")
+    writer.put(k.commit_grid, encode_grid(Grid(4, (0, 3))))
+    assert part._events == {("job", k.commit_grid): 1}
