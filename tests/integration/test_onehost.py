@@ -177,6 +177,10 @@ def test_the_readmes_own_script_commands_kill_and_rejoin_restoring_from_peers(tm
                          "training at world size 2")
                 # n2's shards exist only as the copies it had pushed to its peers.
                 assert any(e.data["source"] == "peer" for e in got), [e.data for e in got]
+                # The timeline is written a cycle after the first step past the restore (a
+                # quarter second on an idle host): a user reads history once it is there.
+                wait_for(lambda: [e for e in view.events(0) if e.kind == "timeline"], 60,
+                         "the recovery's timeline")
             elif " start n2" in line:
                 assert "started n2" in out, out
                 got = wait_for(lambda: restores(view, marks, {"n1", "n2", "n3"}), 180,
