@@ -155,6 +155,7 @@ class Replicator:
             sink.on_landed = functools.partial(self.tracker.on_landed, holder=Holder.REPLICA)
             sink.on_superseded = self.tracker.on_superseded
             sink.never_committed = self.tracker.never_committed
+            sink.kept_commit = self._kept_commit
         self.tracker.reporter.ticker.start()
 
     def _send_report(self, node: str, report: Report) -> Reply:
@@ -239,6 +240,10 @@ class Replicator:
             committed is not None and not committed.resolved))
         if self.sink is not None:
             self.sink.set_floor(job, generation)
+
+    def _kept_commit(self, job: str) -> Version | None:
+        committed = self.tracker.view(job)[1]
+        return tuple(committed.version) if committed is not None else None
 
     def on_local_snapshot(self, job: str, rank: int, version: Version) -> None:
         """Queues the push to the rank's peers; never raises for replication trouble."""
