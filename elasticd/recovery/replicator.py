@@ -84,6 +84,13 @@ class ReplicationStats:
     commit_coordinator: int = 0
 
 
+
+def _kept_commit(tracker: CommitTracker, job: str) -> Version | None:
+    """The committed version ``job``'s record in force names (a sink takes it below a
+    generation floor, :meth:`ShmSink.set_floor`)."""
+    committed = tracker.view(job)[1]
+    return tuple(committed.version) if committed is not None else None
+
 class Replicator:
     """Replicates this node's snapshots and serves recovery for one daemon; the store's
     :class:`~elasticd.store.api.Replication` (which says what those members promise).
@@ -155,6 +162,7 @@ class Replicator:
             sink.on_landed = functools.partial(self.tracker.on_landed, holder=Holder.REPLICA)
             sink.on_superseded = self.tracker.on_superseded
             sink.never_committed = self.tracker.never_committed
+            sink.kept_commit = functools.partial(_kept_commit, self.tracker)
         self.tracker.reporter.ticker.start()
 
     def _send_report(self, node: str, report: Report) -> Reply:

@@ -21,7 +21,8 @@ header is parsed and every payload block is checked against the header's xxh3 ch
 transport's per-frame checksums only prove that the wire did not alter the bytes, not that the
 sender's copy was intact). Fetches are served from the replicas and, for shards this node
 owns, from its local snapshots. The version rule of the base class refuses stale and duplicate
-copies; :meth:`ShmSink.set_floor` also refuses every copy of an abandoned generation. Daemon
+copies; :meth:`ShmSink.set_floor` also refuses every copy of an abandoned generation but the
+committed one the job keeps. Daemon
 side: no torch.
 """
 
@@ -109,6 +110,9 @@ class ShmSink(Sink):
         #: Called with (job, rank, versions): those of them the rank's owner's record says can
         #: never be committed (skipped or withdrawn); see :meth:`_resolved`.
         self.never_committed: Callable[[str, int, list[Version]], set[Version]] = lambda *_: set()
+        #: Called with a job: the committed version this node keeps of it (None: none known),
+        #: taken below the floor too (see :meth:`set_floor`).
+        self.kept_commit: Callable[[str], Version | None] = lambda _job: None
         for job, rank, _, _ in store.holdings():
             view = store.latest(job, rank)
             if view is not None:
@@ -118,17 +122,21 @@ class ShmSink(Sink):
     # -- generations ------------------------------------------------------------------------
 
     def set_floor(self, job: str, generation: int) -> None:
-        """Refuses, from now on, every copy of ``job`` older than ``generation`` (a fallback
-        to an older persisted step abandoned the timelines below it)."""
+        """Refuses, from now on, every copy of ``job`` older than ``generation`` (a restore
+        opened it: the versions below it can never commit), but the committed version
+        (:attr:`kept_commit`): until the new generation commits, it is the step a second
+        failure restores, so a holder that died is replaced and a drain hands it over as
+        before the floor."""
         with self._mem:
             self._floors[job] = max(self._floors.get(job, 0), generation)
 
     # -- storage primitives -----------------------------------------------------------------
 
     def allocate(self, d: Descriptor) -> memoryview:
+        kept = self.kept_commit(d.job)  # outside _mem: it takes the commit tracker's lock
         with self._mem:
             floor = self._floors.get(d.job, 0)
-            if d.generation < floor:
+            if d.generation < floor and d.version != kept:
                 raise Refused(STALE, f"generation {d.generation} of {d.job} was abandoned "
                                      f"(current generation {floor})")
             # A shard has two slots, one of which holds its newest copy: a second transfer of
@@ -239,7 +247,10 @@ class ShmSink(Sink):
             log.error("REFUSED corrupt %s: %s", where, exc)
             raise Refused(CORRUPT, str(exc)) from exc
         with self._mem:
-            self._held[d.shard] = d
+            # The newest copy stays the one held: the committed one handed over (an exact
+            # push) may land beside a newer one.
+            if (held := self._held.get(d.shard)) is None or held.version < d.version:
+                self._held[d.shard] = d
 
     def discard(self, d: Descriptor, reason: str) -> None:
         with self._mem:

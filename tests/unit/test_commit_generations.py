@@ -8,6 +8,9 @@ from __future__ import annotations
 import contextlib
 import os
 
+import pytest
+
+from elasticd.replication.api import STALE, Descriptor, Refused
 from elasticd.replication.commit import read_committed
 from elasticd.store.shm import CommitPending
 from elasticd.testing.coordination import MemoryCoordinator, MemoryStore
@@ -58,3 +61,41 @@ def a_generation_that_commits_nothing(cluster: Cluster) -> None:
         d = peer.replicator.fetch(JOB, rank, (0, 2), got).descriptor  # what a restore reads
         assert d.version == (0, 2)
         assert bytes(got[: d.total_bytes]) == data[rank]
+
+
+THREE = {"n1": [0, 1], "n2": [2, 3], "n3": [4, 5]}
+
+
+def test_the_kept_commit_is_handed_over_below_the_floor():
+    # Seen in a one-host run: a restore opened generation 1, and the kept commit's re-
+    # replication and drain were refused by every sink ("stale: generation 0 of fsdp was
+    # abandoned"), so a holder that died or left was not replaced until generation 1 committed.
+    store = MemoryStore()
+    with contextlib.closing(Cluster(lambda: MemoryCoordinator(store), 3, 2)) as cluster:
+        cluster.set_membership(["n1", "n2", "n3"], THREE, round=1)
+        data = {rank: cluster[name].snapshot(rank, 2, world=6)
+                for name, ranks in THREE.items() for rank in ranks}
+        cluster.wait_idle()
+        assert read_committed(cluster.coords[0], cluster.keys, JOB).version == (0, 2)
+        for node in cluster.live():
+            node.replicator.start_generation(JOB, 1)
+        newer = cluster["n2"].snapshot(2, 3, generation=1, world=6, notify=False)
+        report = cluster["n1"].replicator.drain(timeout=20)[JOB]
+        assert report["complete"] and report["version"] == [0, 2], report
+        assert sorted(report["pushed"]) == [(0, "n3"), (1, "n3"), (4, "n2"), (5, "n2")]
+        record = read_committed(cluster.coords[0], cluster.keys, JOB)
+        assert all("n1" not in hs and len(hs) == 2 for hs in record.holders.values()), record
+        assert cluster["n3"].sink.held(JOB, 0).version == (0, 2)
+        # Any other copy below the floor is still refused: it can never commit.
+        with pytest.raises(Refused) as refused:
+            cluster["n3"].sink.allocate(Descriptor(JOB, 2, 0, 1, 4096, 512))
+        assert refused.value.reason == STALE
+        cluster.kill("n1")
+        for rank in (0, 1, 4, 5):
+            got = bytearray(1 << 20)
+            holder = cluster["n2"] if rank in (0, 1) else cluster["n3"]
+            d = holder.replicator.fetch(JOB, rank, (0, 2), got).descriptor
+            assert bytes(got[: d.total_bytes]) == data[rank], rank
+        # n2's newer copy of generation 1 did not take the place of its kept commit.
+        assert newer != data[2] and (0, 2) in cluster["n2"].local.versions(JOB, 2)
+    assert not os.path.exists(cluster.base)
