@@ -460,6 +460,7 @@ def _run_phase(cluster: Any, etcd: Any, server: Any, keys: Any, n: int,
     say(f"window of {a.commit_seconds:.0f} s starts")
     db_minute = None
     timeline: list[list[Any]] = []  # [s into the window, newest committed step, leases lost]
+    history: list[list[Any]] = []  # etcd's compaction as it happens (docs/operations.md)
     while time.monotonic() - t0 < a.commit_seconds:
         time.sleep(min(10.0, a.commit_seconds - (time.monotonic() - t0)))
         if db_minute is None and time.monotonic() - t0 >= 60:
@@ -467,6 +468,9 @@ def _run_phase(cluster: Any, etcd: Any, server: Any, keys: Any, n: int,
             mvcc["after_first_minute"] = _mvcc(etcd)
         with observer.lock:
             last = [e[4] for e in observer.events if e[4] is not None][-1:]
+        now_mvcc = _mvcc(etcd)
+        history.append([round(time.monotonic() - t0)] + [int(now_mvcc[k]) for k in (
+            "revision", "compact_revision", "db_bytes", "db_bytes_in_use")])
         stats = cluster.stats()
         timeline.append([round(time.monotonic() - t0), last[0][1] if last else None,
                          stats["leases_lost"] - s0["leases_lost"]])
@@ -577,6 +581,9 @@ def _run_phase(cluster: Any, etcd: Any, server: Any, keys: Any, n: int,
                            "points": [[round(k - wall_start), v]
                                       for k, v in sorted(rereads.items())]},
         "etcd_mvcc": mvcc,
+        "etcd_mvcc_by_10s": {"what": "[s into the window, revision, compacted revision, "
+                                     "database bytes, bytes in use] (one member)",
+                             "points": history},
         "reports_relayed": dict(relayed),
         "simulation_behind_steps_max": max(p["behind_max"] for p in c1),
         "snapshot_grid_max": max(p["grid_max"] for p in c1),

@@ -71,7 +71,7 @@ from typing import Any, Callable
 import psutil
 
 from elasticd.coordination.api import CoordinationError
-from elasticd.coordination.embedded import EmbeddedEtcd
+from elasticd.coordination.embedded import COMPACTION, EmbeddedEtcd
 from elasticd.coordination.etcd import EtcdCoordinator, EtcdSettings, parse_endpoints
 from elasticd.coordination.health import EtcdHealth
 from elasticd.coordination.keys import Keyspace
@@ -1507,6 +1507,7 @@ def record(doc: dict[str, Any], r: dict[str, Any], n: int, a: argparse.Namespace
     """Writes the entry ``r`` of size ``n`` into ``a.out`` (replacing the same N's)."""
     r["load_average_at_start"] = [round(x, 2) for x in load]
     r["etcd_members"] = a.members
+    r["etcd_compaction"] = a.etcd_compaction
     r["cpu_placement"] = dict(PLACEMENT)
     r["command"] = "python bench/scale_native.py " + " ".join(sys.argv[1:])
     r["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -1521,7 +1522,7 @@ def record(doc: dict[str, Any], r: dict[str, Any], n: int, a: argparse.Namespace
     doc["results"] = [x for x in doc["results"] if x not in old]
     if a.commit_only and old:  # the other phases' figures stay as they were
         r = {**old[0], "commit": {**r["commit"], "command": r["command"],
-                                  "date": r["date"],
+                                  "date": r["date"], "etcd_compaction": a.etcd_compaction,
                                   "load_average_at_start": r["load_average_at_start"]}}
     doc["results"].append(r)
     doc["results"].sort(key=lambda x: (x.get("etcd_members", 1), x["n"]))
@@ -1647,6 +1648,9 @@ def main() -> int:
     p.add_argument("--window", type=float, default=5.0, help="steady window, seconds")
     p.add_argument("--kills", type=int, default=10, help="member kills, then closer kills")
     p.add_argument("--members", type=int, default=1, help="etcd members (3: a local cluster)")
+    p.add_argument("--etcd-compaction", default=":".join(COMPACTION), metavar="MODE:RETENTION",
+                   help="etcd's --auto-compaction-mode and --auto-compaction-retention, e.g. "
+                        "periodic:1m (default: the embedded etcd's, %(default)s)")
     p.add_argument("--out", default="bench/results/scale_native.json",
                    help="results file; an existing entry for the same N (and members) is "
                         "replaced, the others kept")
@@ -1692,7 +1696,8 @@ def main() -> int:
         else None
     if data_dir:
         ETCD_DIRS.append(data_dir)
-    etcd = EmbeddedEtcd(a.members, data_dir=data_dir).start()
+    mode, _, retention = a.etcd_compaction.partition(":")
+    etcd = EmbeddedEtcd(a.members, data_dir=data_dir, compaction=(mode, retention)).start()
     ETCD_DIRS.append(etcd.dir)
     # etcd's core and priority (scale_placement): etcd's threads now, the simulator's by
     # inheritance (the workers are spawned from this thread after it)

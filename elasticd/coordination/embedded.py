@@ -6,7 +6,9 @@ demo, the tests), the launcher owns it, never one of the daemons, so that killin
 leaves coordination up.
 
 The server binds to 127.0.0.1 only, on free ports, with a temporary data directory and
-revision-based auto-compaction so that a long run does not grow etcd's database without bound.
+auto-compaction so that a long run does not grow etcd's database without bound: by default
+revision-based, keeping 10,000 revisions (:data:`COMPACTION`). A production etcd at scale is
+better run by time (docs/operations.md, "Compaction and quota"); ``compaction`` sets it here.
 """
 
 from __future__ import annotations
@@ -43,12 +45,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+#: etcd's ``--auto-compaction-mode`` and ``--auto-compaction-retention`` by default. etcd 3.4's
+#: revision mode compacts every 5 minutes to the revision 10,000 back, so it keeps 10,000
+#: revisions and up to 5 minutes of writes besides. The demo's and one host's clusters write a
+#: few revisions a second (hours of history in a few MB), and the chaos harness replays a
+#: scenario's committed records from revision 1 (tests/chaos/harness.py, ``commit_history``).
+COMPACTION = ("revision", "10000")
+
+
 class EtcdMember:
     """One etcd process (a single-node cluster, or one member of a loopback cluster)."""
 
     def __init__(self, name: str, data_dir: str, client_port: int, peer_port: int,
                  initial_cluster: str, binary: str, log_path: str,
-                 tls: tuple[str, str, str] | None = None, cluster_token: str = "") -> None:
+                 tls: tuple[str, str, str] | None = None, cluster_token: str = "",
+                 compaction: tuple[str, str] = COMPACTION) -> None:
         self.name = name
         self.data_dir = data_dir
         self.client_port = client_port
@@ -60,6 +71,7 @@ class EtcdMember:
         # Every member of one cluster must share the token (it seeds the cluster ID): with a
         # token per member, three members formed three clusters that refused each other.
         self.cluster_token = cluster_token or f"elasticd-{os.getpid()}-{id(self)}"
+        self.compaction = compaction
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -80,10 +92,9 @@ class EtcdMember:
             "--initial-cluster", self.initial_cluster,
             "--initial-cluster-state", "new",
             "--initial-cluster-token", self.cluster_token,
-            # Keep etcd's history bounded however long the run: compact all but the last
-            # 10,000 revisions every 5 minutes (etcd 3.4 revision mode).
-            "--auto-compaction-mode", "revision",
-            "--auto-compaction-retention", "10000",
+            # Keep etcd's history bounded however long the run (COMPACTION).
+            "--auto-compaction-mode", self.compaction[0],
+            "--auto-compaction-retention", self.compaction[1],
             "--quota-backend-bytes", str(2 * 1024**3),
             "--heartbeat-interval", "100",
             "--election-timeout", "1000",
@@ -139,12 +150,14 @@ class EmbeddedEtcd:
         data_dir: parent directory for member data; a temporary one by default, removed on stop.
         binary: name or path of the etcd binary.
         clock: injected time (the wait for a healthy cluster).
+        compaction: etcd's auto-compaction (mode, retention), e.g. ``("periodic", "1m")``.
     """
 
     def __init__(self, members: int = 1, data_dir: str | None = None, binary: str = "etcd",
                  tls: tuple[str, str, str] | None = None,
                  client_tls: tuple[str, str, str] | None = None,
-                 clock: Clock | None = None) -> None:
+                 clock: Clock | None = None,
+                 compaction: tuple[str, str] = COMPACTION) -> None:
         self.binary = shutil.which(binary)
         if self.binary is None:
             raise EtcdNotFound(ETCD_INSTALL_HINT)
@@ -157,7 +170,7 @@ class EmbeddedEtcd:
         token = f"elasticd-{os.getpid()}-{id(self)}"
         self.members = [
             EtcdMember(n, os.path.join(self.dir, n), cp, pp, initial, self.binary,
-                       os.path.join(self.dir, f"{n}.log"), tls, token)
+                       os.path.join(self.dir, f"{n}.log"), tls, token, compaction)
             for n, (cp, pp) in zip(names, ports)
         ]
         self.client_tls = client_tls  # (ca, cert, key) the launcher's own health checks use
