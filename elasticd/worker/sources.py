@@ -58,9 +58,10 @@ class _Fetched:
     release: Callable[[], None] | None = None
     #: Which old rank's snapshot this is, when fetched for another world size.
     rank: int | None = None
-    #: (mapping address, descriptor) of the slot file a piece read in place maps, until its
-    #: ``release`` (which closes the descriptor): the resharder reads rows from the file.
-    slot_file: tuple[int, int] | None = None
+    #: (mapping address, descriptor, mapping length on huge pages or 0) of the slot file a
+    #: piece read in place maps, until its ``release`` (which closes the descriptor): the
+    #: resharder reads rows from the file, or out of the mapping on huge pages (slot_rows.py).
+    slot_file: tuple[int, int, int] | None = None
     #: The snapshot's bytes as they lay in the slot (uint8), kept to hand over (handover.py).
     raw: torch.Tensor | None = None
 
@@ -467,13 +468,14 @@ class Sources:
                       version, reply.get("reason", ""))
             return None
         source = "peer" if reply.get("source") == "peer" else "local"
-        mm, kept, handed = None, None, False
+        mm, kept, handed, huge = None, None, False, 0
         try:
             with handed_fd(reply) as fd:  # the file the daemon verified, not what a path names
                 mm = map_fd(fd, int(reply["offset"]) + int(reply["size"]), writable=False,
                             populate=False)
                 if in_place:  # the resharder reads rows from the file (slot_rows.py)
                     kept = os.dup(fd)
+                    huge = len(mm) if on_huge_pages(fd, reply) else 0
             reader = SnapshotReader(memoryview(mm), job=self.job, rank=rank,
                                     world_size=world, verify=False, where=reply["path"])
             if reader.header.version() != version:  # the daemon verified this very slot
@@ -492,7 +494,7 @@ class Sources:
             if in_place:
                 # The piece's views need the mapping, its rows the descriptor, and the slot
                 # its pin, until released.
-                out.slot_file = (mapping_address(mm), kept)
+                out.slot_file = (mapping_address(mm), kept, huge)
                 out.release = functools.partial(self._release, reply["pin"], mm, kept)
                 mm, kept, handed = None, None, True
             return out
@@ -538,6 +540,18 @@ def _own_unsharded(got: _Fetched) -> _Fetched:
         release, got.release, got.slot_file = got.release, None, None
         release()
     return got
+
+
+#: A tmpfs file's ``st_blksize`` where its mount gives it huge pages (2 MiB; 4 KiB otherwise).
+_HUGE_PAGE = 2 << 20
+
+
+def on_huge_pages(fd: int, reply: dict[str, Any]) -> bool:
+    """Whether the slot file ``fd`` a daemon ``reply`` handed over lies on huge pages: its mount
+    gives them (tmpfs reports a huge page as a file's block size there, after any system-wide
+    ``shmem_enabled`` override), and it is not restore scratch (a ``partial`` copy), which
+    takes small pages on every mount (``ScratchSpace.new``). A wrong guess costs CPU only."""
+    return os.fstat(fd).st_blksize >= _HUGE_PAGE and not reply.get("partial")
 
 
 def close_fds(reply: dict[str, Any]) -> None:
