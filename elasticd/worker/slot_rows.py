@@ -33,6 +33,17 @@ def mapping_address(buffer: Any) -> int:
     return int(np.frombuffer(buffer, dtype=np.uint8, count=1).ctypes.data)
 
 
+#: A tmpfs file's ``st_blksize`` where its mount gives it huge pages (4 KiB otherwise).
+_HUGE_PAGE = 2 << 20
+
+
+def huge_page_file(fd: int) -> bool:
+    """Whether the slot file ``fd`` is on a tmpfs that gives it huge pages: tmpfs reports a
+    huge page as the file's block size there (after any system-wide ``shmem_enabled``
+    override)."""
+    return os.fstat(fd).st_blksize >= _HUGE_PAGE
+
+
 class SlotFiles:
     """The slot files a restore's pieces are mapped from, each by the address its mapping starts
     at (the file's offset 0): its descriptor and, for a file on huge pages, the mapping's length

@@ -28,7 +28,7 @@ from elasticd.snapshot.segment import map_fd
 from elasticd.worker import handover, shards
 from elasticd.worker.client import DaemonUnavailable
 from elasticd.worker.copier import read_tensors, tensor_views
-from elasticd.worker.slot_rows import SlotFiles, mapping_address
+from elasticd.worker.slot_rows import SlotFiles, huge_page_file, mapping_address
 
 log = logging.getLogger("elasticd.checkpoint")
 
@@ -475,7 +475,9 @@ class Sources:
                             populate=False)
                 if in_place:  # the resharder reads rows from the file (slot_rows.py)
                     kept = os.dup(fd)
-                    huge = len(mm) if on_huge_pages(fd, reply) else 0
+                    # Restore scratch (a partial copy) takes small pages on every mount
+                    # (ScratchSpace.new); a wrong guess would cost CPU only.
+                    huge = len(mm) if not reply.get("partial") and huge_page_file(fd) else 0
             reader = SnapshotReader(memoryview(mm), job=self.job, rank=rank,
                                     world_size=world, verify=False, where=reply["path"])
             if reader.header.version() != version:  # the daemon verified this very slot
@@ -540,18 +542,6 @@ def _own_unsharded(got: _Fetched) -> _Fetched:
         release, got.release, got.slot_file = got.release, None, None
         release()
     return got
-
-
-#: A tmpfs file's ``st_blksize`` where its mount gives it huge pages (2 MiB; 4 KiB otherwise).
-_HUGE_PAGE = 2 << 20
-
-
-def on_huge_pages(fd: int, reply: dict[str, Any]) -> bool:
-    """Whether the slot file ``fd`` a daemon ``reply`` handed over lies on huge pages: its mount
-    gives them (tmpfs reports a huge page as a file's block size there, after any system-wide
-    ``shmem_enabled`` override), and it is not restore scratch (a ``partial`` copy), which
-    takes small pages on every mount (``ScratchSpace.new``). A wrong guess costs CPU only."""
-    return os.fstat(fd).st_blksize >= _HUGE_PAGE and not reply.get("partial")
 
 
 def close_fds(reply: dict[str, Any]) -> None:
