@@ -193,7 +193,7 @@ def test_a_slot_on_a_huge_page_tmpfs_read_in_place_is_copied_out_of_its_mapping(
         store = SlotStore(os.path.join(point, f"slots-{uuid.uuid4().hex[:8]}"))
         try:
             t = InProcessTransport(CheckpointService(store, "n1").handlers())
-            _, data = write_snapshot(t, "job", 2, step=4, world=3)
+            _, data = write_snapshot(t, "job", 2, step=4, world=3, n=1 << 20)  # 4 MiB: huge
             sources = Sources(t, "job", 0, 2)
             sources.fetchable = {(0, 4)}
             got = sources._from_daemon("ckpt_fetch", (0, 4), 3, [], 2, in_place=True)
