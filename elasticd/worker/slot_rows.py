@@ -1,5 +1,5 @@
 """Rows of a slot read in place, copied with ``pread`` from its file instead of through its
-mapping.
+mapping, or, on huge pages, with one ``memmove`` out of the mapping.
 
 A reshard reads the old ranks' snapshots in place: their tensors are views of the slot files
 the daemon handed over (verified, pinned, mapped read-only), and the resharder copies the rows
@@ -8,13 +8,18 @@ faulted in first and its page-table entry torn down again at the unmap: on ``/de
 pages that cost as much as the copy itself (576 MiB of rows, one rank of the sharded bench:
 0.23-0.25 CPU s from a mapping, 0.10-0.11 between two tensors in memory, same hold). ``preadv``
 from the same descriptor copies the file's pages into the destination without mapping them:
-whole rows, one call per piece of a shard. The bytes are the same ones (the descriptor the
-daemon handed over, never a path; the slot stays pinned until the piece is released), so
-nothing the daemon checked is read from anywhere else. Worker side: imports torch.
+whole rows, one call per piece of a shard. On huge pages the mapping costs next to nothing and
+the kernel's copy is the dearer one: one libc ``memmove`` per piece out of the mapping took
+0.086 CPU s per GiB against ``preadv``'s 0.179 (small pages: 0.253 against 0.245, so those keep
+``preadv``; ``bench/spikes/worker_copy.py``, bench/results/restore35/). The bytes are the same
+ones either way (the descriptor the daemon handed over and its mapping, never a path; the slot
+stays pinned until the piece is released), so nothing the daemon checked is read from anywhere
+else. Worker side: imports torch.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 from typing import Any, Iterable
@@ -28,43 +33,67 @@ def mapping_address(buffer: Any) -> int:
     return int(np.frombuffer(buffer, dtype=np.uint8, count=1).ctypes.data)
 
 
+#: A tmpfs file's ``st_blksize`` where its mount gives it huge pages (4 KiB otherwise).
+_HUGE_PAGE = 2 << 20
+
+
+def huge_page_file(fd: int) -> bool:
+    """Whether the slot file ``fd`` is on a tmpfs that gives it huge pages: tmpfs reports a
+    huge page as the file's block size there (after any system-wide ``shmem_enabled``
+    override)."""
+    return os.fstat(fd).st_blksize >= _HUGE_PAGE
+
+
 class SlotFiles:
-    """The descriptors of the slot files a restore's pieces are mapped from, each by the address
-    its mapping starts at (the file's offset 0). The pieces own the descriptors: they are valid
-    until the pieces are released, which is after the load.
+    """The slot files a restore's pieces are mapped from, each by the address its mapping starts
+    at (the file's offset 0): its descriptor and, for a file on huge pages, the mapping's length
+    (0 on small pages). The pieces own the descriptors and the mappings: they are valid until
+    the pieces are released, which is after the load.
 
     Args:
-        files: (mapping address, descriptor) of each piece read in place.
+        files: (mapping address, descriptor, huge-page mapping length or 0) of each piece read
+            in place.
     """
 
-    def __init__(self, files: Iterable[tuple[int, int]] = ()) -> None:
-        self._fds = dict(files)
-        #: Bytes copied with ``preadv`` (the rest went through the mappings).
+    def __init__(self, files: Iterable[tuple[int, int, int]] = ()) -> None:
+        self._files = {address: (fd, huge) for address, fd, huge in files}
+        #: Bytes copied with ``preadv`` or ``memmove`` (the rest went through torch's copy).
         self.bytes_read = 0
 
     def __bool__(self) -> bool:
-        return bool(self._fds)
+        return bool(self._files)
 
     def read(self, out: torch.Tensor, dst: tuple[slice, ...], t: torch.Tensor,
              src: tuple[slice, ...]) -> bool:
-        """Copies ``t[src]`` into ``out[dst]`` with ``preadv`` from the file ``t`` is a view of,
-        when both are one run of bytes (whole rows of contiguous tensors: only dimension 0 is
-        cut, as FSDP2's ``Shard(0)`` cuts); False, having copied nothing, when they are not or
-        ``t`` is not a view of a slot file given here."""
-        if not self._fds or t.dim() == 0 or t.dtype != out.dtype:
+        """Copies ``t[src]`` into ``out[dst]`` from the slot file ``t`` is a view of (``preadv``;
+        ``memmove`` out of its mapping on huge pages), when both are one run of bytes (whole
+        rows of contiguous tensors: only dimension 0 is cut, as FSDP2's ``Shard(0)`` cuts)
+        inside both tensors; False, having copied nothing, when they are not or ``t`` is not a
+        view of a slot file given here (torch's indexing then copies, or refuses the box)."""
+        if not self._files or t.dim() == 0 or t.dtype != out.dtype:
             return False
-        fd = self._fds.get(t.untyped_storage().data_ptr())
+        base = t.untyped_storage().data_ptr()
+        fd, huge = self._files.get(base, (None, 0))
         if fd is None or not (t.is_contiguous() and out.is_contiguous()):
             return False
         for d in range(1, t.dim()):
             if (src[d].start, src[d].stop, dst[d].start, dst[d].stop) != (0, t.shape[d], 0,
                                                                             out.shape[d]):
                 return False
-        row = math.prod(t.shape[1:]) * t.element_size()
         rows = src[0].stop - src[0].start
+        if not (0 <= src[0].start <= src[0].stop <= t.shape[0] and 0 <= dst[0].start
+                and dst[0].stop - dst[0].start == rows and dst[0].stop <= out.shape[0]):
+            return False
+        row = math.prod(t.shape[1:]) * t.element_size()
         if not rows or not row:
             return True
-        at = t.data_ptr() - t.untyped_storage().data_ptr() + src[0].start * row
+        at = t.data_ptr() - base + src[0].start * row
+        if huge:
+            if at + rows * row > huge:  # past the mapping: not this slot's bytes
+                return False
+            ctypes.memmove(out.data_ptr() + dst[0].start * row, base + at, rows * row)
+            self.bytes_read += rows * row
+            return True
         into = memoryview(out.detach().view(-1).view(torch.uint8).numpy())
         into = into[dst[0].start * row : (dst[0].start + rows) * row]
         got = 0

@@ -28,7 +28,7 @@ from elasticd.snapshot.segment import map_fd
 from elasticd.worker import handover, shards
 from elasticd.worker.client import DaemonUnavailable
 from elasticd.worker.copier import read_tensors, tensor_views
-from elasticd.worker.slot_rows import SlotFiles, mapping_address
+from elasticd.worker.slot_rows import SlotFiles, huge_page_file, mapping_address
 
 log = logging.getLogger("elasticd.checkpoint")
 
@@ -58,9 +58,10 @@ class _Fetched:
     release: Callable[[], None] | None = None
     #: Which old rank's snapshot this is, when fetched for another world size.
     rank: int | None = None
-    #: (mapping address, descriptor) of the slot file a piece read in place maps, until its
-    #: ``release`` (which closes the descriptor): the resharder reads rows from the file.
-    slot_file: tuple[int, int] | None = None
+    #: (mapping address, descriptor, mapping length on huge pages or 0) of the slot file a
+    #: piece read in place maps, until its ``release`` (which closes the descriptor): the
+    #: resharder reads rows from the file, or out of the mapping on huge pages (slot_rows.py).
+    slot_file: tuple[int, int, int] | None = None
     #: The snapshot's bytes as they lay in the slot (uint8), kept to hand over (handover.py).
     raw: torch.Tensor | None = None
 
@@ -467,13 +468,16 @@ class Sources:
                       version, reply.get("reason", ""))
             return None
         source = "peer" if reply.get("source") == "peer" else "local"
-        mm, kept, handed = None, None, False
+        mm, kept, handed, huge = None, None, False, 0
         try:
             with handed_fd(reply) as fd:  # the file the daemon verified, not what a path names
                 mm = map_fd(fd, int(reply["offset"]) + int(reply["size"]), writable=False,
                             populate=False)
                 if in_place:  # the resharder reads rows from the file (slot_rows.py)
                     kept = os.dup(fd)
+                    # Restore scratch (a partial copy) takes small pages on every mount
+                    # (ScratchSpace.new); a wrong guess would cost CPU only.
+                    huge = len(mm) if not reply.get("partial") and huge_page_file(fd) else 0
             reader = SnapshotReader(memoryview(mm), job=self.job, rank=rank,
                                     world_size=world, verify=False, where=reply["path"])
             if reader.header.version() != version:  # the daemon verified this very slot
@@ -492,7 +496,7 @@ class Sources:
             if in_place:
                 # The piece's views need the mapping, its rows the descriptor, and the slot
                 # its pin, until released.
-                out.slot_file = (mapping_address(mm), kept)
+                out.slot_file = (mapping_address(mm), kept, huge)
                 out.release = functools.partial(self._release, reply["pin"], mm, kept)
                 mm, kept, handed = None, None, True
             return out

@@ -1,18 +1,25 @@
 """A reshard's rows read from the slot file (``preadv``) instead of through its mapping
-(elasticd/worker/slot_rows.py): the same bytes, and the mapping's pages never faulted in."""
+(elasticd/worker/slot_rows.py): the same bytes, and the mapping's pages never faulted in; on
+huge pages copied out of the mapping with one ``memmove`` a piece instead."""
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import resource
+import shutil
+import subprocess
 import tempfile
+import uuid
 import warnings
 
 import numpy as np
 import pytest
 import torch
 
+from elasticd.store.shm import SlotStore
+from elasticd.testing.transport import InProcessTransport
 from elasticd.worker.shards import Resharder
 from elasticd.worker.slot_rows import SlotFiles, mapping_address
 from tests.unit.test_store_peer_restore import nodes  # noqa: F401 — the fixture
@@ -49,7 +56,7 @@ def _faults() -> int:
 
 def test_rows_of_a_mapped_slot_are_read_from_its_file_without_faulting_it_in(slot):
     mm, fd, view, values = slot
-    files = SlotFiles([(mapping_address(mm), fd)])
+    files = SlotFiles([(mapping_address(mm), fd, 0)])
     # New rank's box: rows 300..1000 of the tensor; the mapped piece holds rows 200..1224.
     target = ((300, 0), (700, 4096))
     into = torch.zeros(700, 4096)
@@ -66,7 +73,7 @@ def test_rows_of_a_mapped_slot_are_read_from_its_file_without_faulting_it_in(slo
 
 def test_pieces_that_are_not_whole_rows_of_a_file_go_through_the_mapping(slot):
     mm, fd, view, values = slot
-    files = SlotFiles([(mapping_address(mm), fd)])
+    files = SlotFiles([(mapping_address(mm), fd, 0)])
     # Columns (Shard(1)): not one run of bytes.
     cols = torch.zeros(1024, 100)
     Resharder._assemble("w", ((0, 50), (1024, 100)), [(((0, 0), (1024, 4096)), view)],
@@ -82,7 +89,7 @@ def test_pieces_that_are_not_whole_rows_of_a_file_go_through_the_mapping(slot):
 
 def test_one_dimensional_and_two_byte_rows_land_where_they_belong(slot):
     mm, fd, view, values = slot
-    files = SlotFiles([(mapping_address(mm), fd)])
+    files = SlotFiles([(mapping_address(mm), fd, 0)])
     flat = view.reshape(-1)[:1000]  # a bias-like 1-D entry at the piece's start
     out = torch.full((400,), -1.0)
     got = Resharder._assemble("b", ((250,), (400,)), [(((100,), (300,)), flat[:300]),
@@ -108,7 +115,8 @@ def test_a_piece_fetched_in_place_hands_its_slot_file_to_the_resharder_until_rel
     sources.boxes = [[[3000], ["S0"], [0], [1500]]]
     got = sources._from_daemon("ckpt_fetch", (0, 4), 3, [], 2, in_place=True)
     assert got is not None and got.slot_file is not None
-    address, fd = got.slot_file
+    address, fd, huge = got.slot_file
+    assert huge == 0  # restore scratch (a partial copy): small pages, read with preadv
     files = got.slot_files()
     w = got.tensors[got.names.index("w")]
     assert w.untyped_storage().data_ptr() == address
@@ -120,3 +128,86 @@ def test_a_piece_fetched_in_place_hands_its_slot_file_to_the_resharder_until_rel
     assert got.slot_file is None
     with pytest.raises(OSError):
         os.fstat(fd)
+
+
+@pytest.fixture
+def copies(monkeypatch):
+    """Counts the ``memmove`` calls (the bytes of each) and the ``preadv`` calls."""
+    seen = {"memmove": [], "preadv": 0}
+    memmove, preadv = ctypes.memmove, os.preadv
+
+    def counted_memmove(dst, src, n):
+        seen["memmove"].append(n)
+        return memmove(dst, src, n)
+
+    def counted_preadv(*args):
+        seen["preadv"] += 1
+        return preadv(*args)
+
+    monkeypatch.setattr(ctypes, "memmove", counted_memmove)
+    monkeypatch.setattr(os, "preadv", counted_preadv)
+    return seen
+
+
+def test_rows_of_a_slot_on_huge_pages_are_copied_out_of_its_mapping_in_one_memmove(slot, copies):
+    mm, fd, view, values = slot
+    files = SlotFiles([(mapping_address(mm), fd, len(mm))])  # as for a file on huge pages
+    into = torch.zeros(700, 4096)
+    got = Resharder._assemble("w", ((300, 0), (700, 4096)), [(((200, 0), (1024, 4096)), view)],
+                              torch.float32, into=into, files=files)
+    assert got is into and torch.equal(into, values[100:800])
+    assert copies == {"memmove": [700 * 4096 * 4], "preadv": 0}
+    assert files.bytes_read == 700 * 4096 * 4
+
+
+def test_a_box_outside_the_tensor_or_the_mapping_is_not_copied_by_address(slot, copies):
+    mm, fd, view, values = slot
+    out = torch.zeros(30, 4096)
+    rows = (slice(0, 30), slice(0, 4096))
+    for huge in (0, len(mm)):  # rows past the tensor's end: torch's indexing refuses them
+        assert not SlotFiles([(mapping_address(mm), fd, huge)]).read(
+            out, rows, view, (slice(1000, 1030), slice(0, 4096)))
+    # A mapping shorter than the rows asked for: not this slot's bytes.
+    short = SlotFiles([(mapping_address(mm), fd, 4096 + 10 * 4096 * 4)])
+    assert not short.read(out, rows, view, rows)
+    assert short.read(out[:10], (slice(0, 10), slice(0, 4096)), view,
+                      (slice(0, 10), slice(0, 4096)))
+    assert torch.equal(out[:10], values[:10]) and not out[10:].any()
+    assert copies == {"memmove": [10 * 4096 * 4], "preadv": 0}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root (CI runs as root)")
+def test_a_slot_on_a_huge_page_tmpfs_read_in_place_is_copied_out_of_its_mapping(tmp_path,
+                                                                                copies):
+    """A node's own slot on a huge-page mount, read in place for a reshard (``ckpt_fetch`` of
+    a rank it holds: no copy, the slot itself): the resharder copies its rows with
+    ``memmove``, not ``preadv`` (2.1x the CPU there, bench/results/restore35/)."""
+    from elasticd.store.service import CheckpointService
+    from elasticd.worker.sources import Sources
+
+    point = str(tmp_path / "huge")
+    os.mkdir(point, 0o700)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,huge=within_size,mode=0700",
+                    "tmpfs", point], check=True)
+    try:
+        store = SlotStore(os.path.join(point, f"slots-{uuid.uuid4().hex[:8]}"))
+        try:
+            t = InProcessTransport(CheckpointService(store, "n1").handlers())
+            _, data = write_snapshot(t, "job", 2, step=4, world=3, n=1 << 20)  # 4 MiB: huge
+            sources = Sources(t, "job", 0, 2)
+            sources.fetchable = {(0, 4)}
+            got = sources._from_daemon("ckpt_fetch", (0, 4), 3, [], 2, in_place=True)
+            assert got is not None and got.slot_file is not None
+            w = got.tensors[got.names.index("w")]
+            out = torch.zeros(len(data) // 2, dtype=w.dtype)
+            assert got.slot_files().read(out, (slice(0, len(out)),), w, (slice(0, len(out)),))
+            assert np.array_equal(out.numpy(), data[: len(out)])
+            assert copies == {"memmove": [out.nbytes], "preadv": 0}
+            del w  # the last view: the release unmaps the slot
+            got.close()
+        finally:
+            store.close()
+    finally:
+        # Lazily: the service may still hold the handed slot's descriptor under its pin.
+        subprocess.run(["umount", "--lazy", point], check=True)
+        shutil.rmtree(point, ignore_errors=True)
