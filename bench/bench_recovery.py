@@ -455,6 +455,12 @@ def main() -> int:
     p.add_argument("--setup-seconds", type=float, default=0.0,
                    help="with --mode: the script's setup before its first round, seconds "
                         "(examples/train_in_process.py --setup-seconds)")
+    p.add_argument("--compile", metavar="BACKEND", default="",
+                   help="with --mode: the job compiles its model (examples/train_in_process.py "
+                        "--compile BACKEND, e.g. aot_eager)")
+    p.add_argument("--loader-workers", type=int, default=0,
+                   help="with --mode: the job draws its input through a DataLoader with this "
+                        "many worker processes per rank (examples/train_in_process.py)")
     p.add_argument("--append", action="store_true",
                    help="with --mode: keep the runs already in --out and add --runs more of "
                         "each mode (a long benchmark in several sittings)")
@@ -476,10 +482,17 @@ def main() -> int:
             p.error(f"--mode {args.mode!r}: modes are {','.join(recovery_inprocess.MODES)}")
         if args.fault == "stop-daemon":
             p.error("--mode takes --fault kill, kill-worker, rejoin, freeze or partition")
+        if args.loader_workers < 0:
+            p.error(f"--loader-workers must be >= 0, got {args.loader_workers}")
+        job = ((("--compile", args.compile) if args.compile else ())
+               + (("--loader-workers", str(args.loader_workers)) if args.loader_workers else ()))
         return recovery_inprocess.main(modes, args.runs, args.ttl, args.timeout, args.out,
                                        args.keep, args.append, args.fault,
                                        args.setup_seconds,
-                                       args.budget_minutes * 60 if args.budget_minutes else None)
+                                       args.budget_minutes * 60 if args.budget_minutes else None,
+                                       job_args=job)
+    if args.compile or args.loader_workers:
+        p.error("--compile and --loader-workers shape the job of --mode")
     if args.fault in ("kill-worker", "rejoin"):
         p.error(f"--fault {args.fault} is measured with --mode in-process,restart")
     if args.fault in ("stop-daemon", "partition") and args.baseline_runs:

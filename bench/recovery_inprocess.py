@@ -56,6 +56,15 @@ node is SIGKILLed once measured. Results committed from::
 
 (each run's ``logs`` key: ``bench/results/recovery_inprocess_logs.py DIR --into FILE``).
 
+``--compile BACKEND`` and ``--loader-workers N`` run the job as a usual torch script (its model
+compiled, its input through a DataLoader with worker processes, both built before the first
+round: what a restarted worker pays again and an in-process survivor keeps); the result's
+``job`` says so (:func:`job_text`)::
+
+    .venv/bin/python bench/bench_recovery.py --mode in-process,restart --runs 20 \
+        --compile aot_eager --loader-workers 2 --budget-minutes 10 \
+        --out bench/results/recovery_inprocess_compiled.json  # then --append for the rest
+
 Mode ``fallback``: in-process, with the worker of first-round rank 0 made to hang instead of
 leaving its group (examples/train_in_process.py ``--hang-rank 0``, as the chaos test), and the
 node of rank 5 killed (rank 0's other ring neighbour: a live one would wait on the hung rank's
@@ -156,8 +165,9 @@ def _first_at(rows: list[dict], world: int, since: float) -> dict[int, dict]:
 
 
 def run(mode: str, victim: str, ttl: int, timeout: float, workdir: str,
-        fault: str = "kill", setup: float = 0.0) -> dict:
-    """One run of ``mode`` (see the module doc); the cluster is stopped before it returns."""
+        fault: str = "kill", setup: float = 0.0, job_args: tuple[str, ...] = ()) -> dict:
+    """One run of ``mode`` (see the module doc); the cluster is stopped before it returns.
+    ``job_args``: more of the script's arguments (:func:`job_text` says what they make)."""
     logdir = job_writable(os.path.join(workdir, "steps"))
     c = LocalCluster(["n1", "n2", "n3"], workdir=os.path.join(workdir, "cluster"),
                      lease_ttl=ttl, replication=True)
@@ -187,7 +197,7 @@ def run(mode: str, victim: str, ttl: int, timeout: float, workdir: str,
              "--nnodes", "2:3", "--nproc-per-node", "2", "--user", JOB_USER,
              "--max-restarts", "100", "--", TRAIN, "--log", logdir, "--steps", "1000000",
              "--step-time", "0.02", *(["--hang-rank", "0"] if mode == "fallback" else []),
-             *(["--setup-seconds", str(setup)] if setup else [])],
+             *(["--setup-seconds", str(setup)] if setup else []), *job_args],
             env=env, check=True, capture_output=True, timeout=60)
         coord = c.coordinator()
         grid = c.keys.replication("job").commit_grid
@@ -530,7 +540,7 @@ def median_phases(ok: list[dict]) -> dict[str, float] | None:
 def main(modes: list[str], runs: int, ttl: int, timeout: float, out_path: str,
          keep: str | None, append: bool = False, fault: str = "kill",
          setup: float = 0.0, budget: float | None = None,
-         clock: Callable[[], float] = time.monotonic) -> int:
+         clock: Callable[[], float] = time.monotonic, job_args: tuple[str, ...] = ()) -> int:
     """``runs`` runs of each of ``modes``, interleaved (mode A, mode B, A, B, ...), victims
     rotating; writes ``out_path`` after each round of modes. ``append``: the runs already in
     ``out_path`` (same modes and TTL) are kept and these added after them, the victims'
@@ -562,7 +572,7 @@ def main(modes: list[str], runs: int, ttl: int, timeout: float, out_path: str,
         for mode in modes:
             d = tempfile.mkdtemp(prefix=f"inproc-bench-{mode}-", dir=keep)
             try:
-                r = run(mode, victim, ttl, timeout, d, fault, setup)
+                r = run(mode, victim, ttl, timeout, d, fault, setup, job_args)
             finally:
                 if not keep:
                     shutil.rmtree(d, ignore_errors=True)
@@ -571,7 +581,8 @@ def main(modes: list[str], runs: int, ttl: int, timeout: float, out_path: str,
         slowest = max(slowest, clock() - started - elapsed)
         _write(out_path, modes, results, ttl, commands, fault, setup,
                {"budget_seconds": budget, "rounds": i + 1 - done, "rounds_asked": runs,
-                "seconds": round(clock() - started)} if budget is not None else None)
+                "seconds": round(clock() - started)} if budget is not None else None,
+               job_args)
     print(json.dumps({**{m: summarize(results[m]) for m in modes},
                       "fallback_bar": fallback_bar(results)}, indent=2))
     return 0
@@ -579,7 +590,7 @@ def main(modes: list[str], runs: int, ttl: int, timeout: float, out_path: str,
 
 def _write(out_path: str, modes: list[str], results: dict[str, list[dict]], ttl: int,
            commands: list[str], fault: str, setup: float = 0.0,
-           hold: dict | None = None) -> None:
+           hold: dict | None = None, job_args: tuple[str, ...] = ()) -> None:
     result = {
         "benchmark": "recovery_inprocess" + ("" if fault == "kill" else
                                              "_" + fault.replace("-", "_")),
@@ -589,7 +600,7 @@ def _write(out_path: str, modes: list[str], results: dict[str, list[dict]], ttl:
         "job": "examples/train_in_process.py, 3 nodes x 2 ranks, --nnodes 2:3, gloo CPU, "
                "20 ms sleep per step, a snapshot every step, replication on"
                + (f", {setup:g} s of setup before the first round (--setup-seconds)"
-                  if setup else ""),
+                  if setup else "") + job_text(job_args),
         "lease_ttl_seconds": ttl, "runs_per_mode": min(len(v) for v in results.values()),
         "interleaved": True, "machine": {"cpus": os.cpu_count()},
         **{m: {**summarize(results[m]), "detail": results[m]} for m in modes},
@@ -600,3 +611,18 @@ def _write(out_path: str, modes: list[str], results: dict[str, list[dict]], ttl:
     with open(out_path + ".tmp", "w") as fh:
         json.dump(result, fh, indent=2)
     os.replace(out_path + ".tmp", out_path)
+
+
+def job_text(job_args: tuple[str, ...]) -> str:
+    """What ``job_args`` add to the job, for the result's ``job``: "" for the bare job."""
+    opts = dict(zip(job_args[::2], job_args[1::2]))
+    parts = []
+    if "--compile" in opts:
+        parts.append(f"the model torch.compile'd with backend {opts['--compile']} before the "
+                     "first round (--compile; dynamo compiles at the first step of each new "
+                     "process, and in-process survivors keep the graph)")
+    if "--loader-workers" in opts:
+        parts.append(f"the input drawn through a DataLoader with {opts['--loader-workers']} "
+                     "persistent worker processes per rank, started before the first round "
+                     "(--loader-workers; in-process survivors keep them)")
+    return "".join(", " + p for p in parts)

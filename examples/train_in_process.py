@@ -42,6 +42,11 @@ around it; FSDP2: each block's inner layers, inside the block ``fully_shard`` wr
 with the model each round) and each row carries ``compiles``: the graphs dynamo compiled in
 this process so far (DDP: a re-formation leaves it unchanged; FSDP2: the new round's modules
 are new objects of the same code and shapes, and what dynamo does with them is measured).
+``--loader-workers N`` draws each step's input through a ``DataLoader`` with N worker processes
+(persistent, started before the first round, as a real script's loader is built before it
+trains; the same tensors as :func:`batch`): each round re-enters the loader at its step and
+rank, and the workers a survivor started stay; a restarted worker starts its own again.
+``bench/bench_recovery.py --mode ... --compile aot_eager --loader-workers 2`` runs the job so.
 ``bench/loss_curves.py --mode in-process`` imports :func:`make_round` and :func:`batch` for
 its failure-free reference.
 """
@@ -49,6 +54,7 @@ its failure-free reference.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import time
@@ -66,6 +72,32 @@ WIDTHS = (32, 37, 41, 29, 23, 13, 7, 1)
 def batch(step: int, rank: int) -> torch.Tensor:
     """Rank ``rank``'s input at ``step``: the same at any world size, after any restore."""
     return torch.randn(8, 32, generator=torch.Generator().manual_seed(step * 1000 + rank))
+
+
+class StepInputs(torch.utils.data.Dataset):
+    """``--loader-workers``: item ``(step, rank)`` is :func:`batch`'s, made in a loader worker."""
+
+    def __getitem__(self, key: tuple[int, int]) -> torch.Tensor:
+        return batch(*key)
+
+
+class FromStep(torch.utils.data.Sampler):
+    """The keys one rank draws from ``start`` on; set before each round's ``iter(loader)``."""
+
+    def __init__(self) -> None:
+        self.start, self.rank = 0, 0
+
+    def __iter__(self):
+        return ((step, self.rank) for step in itertools.count(self.start))
+
+
+def make_loader(workers: int) -> tuple[torch.utils.data.DataLoader, FromStep]:
+    """A loader whose ``workers`` processes start now and outlive every iterator of it."""
+    sampler = FromStep()
+    loader = torch.utils.data.DataLoader(StepInputs(), batch_size=None, sampler=sampler,
+                                         num_workers=workers, persistent_workers=True)
+    iter(loader)  # starts the workers (persistent: each later iter() reuses them)
+    return loader, sampler
 
 
 class Block(torch.nn.Module):
@@ -139,10 +171,15 @@ def main() -> None:
     ap.add_argument("--setup-seconds", type=float, default=0.0,
                     help="sleep before asking for the first round: a real script's model "
                          "build and data loaders (what staging keeps from the survivors)")
+    ap.add_argument("--loader-workers", type=int, default=0,
+                    help="draw the input through a DataLoader with this many worker processes")
     args = ap.parse_args()
+    if args.loader_workers < 0:
+        ap.error(f"--loader-workers must be >= 0, got {args.loader_workers}")
 
     torch.set_num_threads(1)
     kept = make_process(args.model, args.compile)
+    loader = make_loader(args.loader_workers) if args.loader_workers else None
     # One Checkpointer for every round: each restore takes the rank the round gave. A
     # data-parallel model is the same on every rank (checked after each restore); a sharded
     # one is not.
@@ -167,10 +204,15 @@ def main() -> None:
         opt = state["optim"]
         if times:
             times["ddp_built"] = time.time()
+        inputs = None
+        if loader is not None:  # the round's keys, from its step and rank; the same worker processes
+            loader[1].start, loader[1].rank = step, r.rank
+            inputs = iter(loader[0])
         try:
             while step < args.steps:
                 r.check()
-                loss = net(batch(step, r.rank)).pow(2).mean()
+                x = batch(step, r.rank) if inputs is None else next(inputs)
+                loss = net(x).pow(2).mean()
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
