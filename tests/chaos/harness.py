@@ -492,8 +492,8 @@ class ChaosCluster:
         return remaining()
 
     def commit_history(self, timeout: float = 10.0) -> list[dict[str, Any]]:
-        """Every committed record etcd stored for the job, oldest first, replayed from its
-        revisions (auto-compaction keeps far more than a scenario writes)."""
+        """Every commit etcd stored for the job, oldest first, replayed from its revisions
+        (auto-compaction keeps far more than a scenario writes)."""
         from elasticd.coordination.api import CoordinationError, EventType
         from elasticd.replication.commit import decode_committed
 
@@ -527,7 +527,14 @@ class ChaosCluster:
         finally:
             watch.cancel()
         got.sort(key=lambda c: c["revision"])
-        return [c for c in got if c["revision"] <= last.mod_revision]
+        # A version's first record is its commit: later ones only name new holders (a
+        # re-replication or a drain, which rewrites ``at``), of a kept commit even after a
+        # restore opened a newer generation.
+        first: dict[tuple[int, int], dict[str, Any]] = {}
+        for c in got:
+            if c["revision"] <= last.mod_revision:
+                first.setdefault((c["generation"], c["step"]), c)
+        return list(first.values())
 
     def stop(self) -> dict[str, Any]:
         """Stops every node the way an operator does (SIGTERM), then etcd. Returns what was
