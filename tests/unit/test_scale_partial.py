@@ -13,7 +13,8 @@ from tests.bench_modules import load
 
 def _args(tmp_path, commit_only: bool) -> argparse.Namespace:
     return argparse.Namespace(commit_only=commit_only, commit_seconds=420.0, kills=10,
-                              members=1, out=str(tmp_path / "scale.json"))
+                              members=1, etcd_compaction="periodic:1m",
+                              out=str(tmp_path / "scale.json"))
 
 
 def test_a_commit_only_run_stopped_in_its_window_writes_the_window_so_far(tmp_path):
