@@ -84,12 +84,12 @@ class ReplicationStats:
     commit_coordinator: int = 0
 
 
-
 def _kept_commit(tracker: CommitTracker, job: str) -> Version | None:
     """The committed version ``job``'s record in force names (a sink takes it below a
     generation floor, :meth:`ShmSink.set_floor`)."""
     committed = tracker.view(job)[1]
     return tuple(committed.version) if committed is not None else None
+
 
 class Replicator:
     """Replicates this node's snapshots and serves recovery for one daemon; the store's

@@ -133,12 +133,14 @@ class ShmSink(Sink):
     # -- storage primitives -----------------------------------------------------------------
 
     def allocate(self, d: Descriptor) -> memoryview:
-        kept = self.kept_commit(d.job)  # outside _mem: it takes the commit tracker's lock
         with self._mem:
             floor = self._floors.get(d.job, 0)
-            if d.generation < floor and d.version != kept:
-                raise Refused(STALE, f"generation {d.generation} of {d.job} was abandoned "
-                                     f"(current generation {floor})")
+        # Asked only below the floor, and outside _mem: it takes the commit tracker's lock,
+        # which every push received would otherwise wait for.
+        if d.generation < floor and d.version != self.kept_commit(d.job):
+            raise Refused(STALE, f"generation {d.generation} of {d.job} was abandoned "
+                                 f"(current generation {floor})")
+        with self._mem:
             # A shard has two slots, one of which holds its newest copy: a second transfer of
             # the same shard would be handed the same free slot and the two would tear it.
             if any(p.shard == d.shard for p in self._pending):
