@@ -270,15 +270,6 @@ class ProgressTracker:
                                                 for r in state.ranks.values() if r.compute]
         return statistics.median(medians) if medians else None
 
-    def last_step(self, job: str) -> int | None:
-        """The step every reporting rank of ``job`` has reached (the smallest last step), or
-        None before any report."""
-        with self._lock:
-            state = self._jobs.get(job)
-            if state is None or not state.ranks:
-                return None
-            return min(r.step for r in state.ranks.values())
-
     def status(self, job: str) -> dict[str, Any]:
         """A JSON-able summary for ``/status``: each rank's last step and how long ago it
         progressed and reported, the job's last step and its longest stall."""
