@@ -202,12 +202,6 @@ class ProgressTracker:
                     retired |= old.retired_pids
             self._jobs[job] = _Job(started_at=now, retired_pids=retired)
 
-    def remove(self, job: str) -> None:
-        """Forgets ``job`` entirely (it ended on this node)."""
-        with self._lock:
-            self._jobs.pop(job, None)
-            self._histories.pop(job, None)
-
     def restarted_for(self, hang: Hang) -> None:
         """The group was restarted for ``hang``: a learned timeout that fired is doubled
         for the job (a long step the window had not seen costs one restart, not a loop)."""

@@ -551,7 +551,7 @@ def test_progress_reaches_the_tracker(make_server, monkeypatch):
     try:
         for step in range(10):
             elasticd.worker.progress(step)
-        wait_for(lambda: tracker.last_step("j") == 9)
+        wait_for(lambda: tracker.status("j")["last_step"] == 9)
         assert tracker.status("j")["ranks"][0]["rank"] == 3
         assert tracker.status("j")["ranks"][0]["pid"] == os.getpid()
     finally:
