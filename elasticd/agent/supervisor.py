@@ -84,7 +84,6 @@ def tagged_pids(tag: str = "", prefix: str = "") -> list[int]:
 
 
 def process_runs(pid: int) -> bool:
-    """True while process ``pid`` exists and is not a zombie."""
     try:
         with open(f"/proc/{pid}/stat", "rb", buffering=0) as fh:
             state = fh.read(4096).rsplit(b")", 1)[1].split()[0]
@@ -94,7 +93,6 @@ def process_runs(pid: int) -> bool:
 
 
 def signal_all(pids: Sequence[int], sig: int) -> None:
-    """Sends ``sig`` to each of ``pids`` that still exists (and is ours to signal)."""
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, sig)
