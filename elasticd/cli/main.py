@@ -351,13 +351,18 @@ COMMANDS: dict[str, tuple[Command, Table | Callable[[Any], str]]] = {
 }
 
 
+def warnings_to(stream: Any) -> logging.Handler:
+    """Where elasticctl's warnings go: a record it skips is quoted, so escaped like the
+    output (:mod:`elasticd.printable`)."""
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(PrintableFormatter("%(message)s"))
+    return handler
+
+
 def run(argv: Sequence[str] | None = None, out: Any = None) -> int:
     """Runs one command; returns its exit status. Every error is one line on stderr."""
     out = out or sys.stdout
-    # A record elasticctl skips is quoted in its warning: escaped like the output.
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(PrintableFormatter("%(message)s"))
-    logging.basicConfig(level=logging.WARNING, handlers=[handler])
+    logging.basicConfig(level=logging.WARNING, handlers=[warnings_to(sys.stderr)])
     args = options.resolve(build_parser().parse_args(argv))
     if args.watch is not None and args.command in NOT_WATCHABLE:
         return _fail(EXIT_USAGE, f"--watch does not apply to {args.command} (it changes the "
