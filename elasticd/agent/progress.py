@@ -50,7 +50,6 @@ class StalledRank:
     """One rank that has not progressed.
 
     Attributes:
-        last_step: the last step it reported.
         pid: the process that reported it (None if not given).
         seconds: how long since it last progressed.
     """
