@@ -45,10 +45,6 @@ class Admission:
         self._lock = threading.Lock()
         self._held: dict[Hashable, tuple[float, str]] = {}  # key -> (due, source)
 
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._held)
-
     def admit(self, key: Hashable, source: str) -> Hashable | None:
         """Holds ``key`` (from ``source``); returns the key it displaced to make room, if any."""
         with self._lock:

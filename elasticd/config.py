@@ -233,7 +233,6 @@ class Settings:
         return EtcdSettings.of(parse_endpoints(self.etcd), self)
 
     def job_policy(self) -> "JobPolicy":
-        """The node's job policy from ``job_users``, ``job_python`` and ``job_env_allow``."""
         from elasticd.cluster.job_policy import JobPolicy, split_list
 
         return JobPolicy(users=split_list(self.job_users),
@@ -242,7 +241,6 @@ class Settings:
 
     @property
     def agent_users_on(self) -> bool:
-        """Whether agents get per-job etcd users (``agent_etcd_users``)."""
         if self.agent_etcd_users == "auto":
             return bool(self.etcd and (self.etcd_user or self.etcd_cert))
         return self.agent_etcd_users == "on"

@@ -22,6 +22,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Callable, Sequence
 
+from elasticd.agent.supervisor import signal_all, tagged_pids
 from elasticd.clock import SYSTEM_CLOCK
 from elasticd.cluster.membership import joined_sentence
 from elasticd.coordination import records
@@ -122,8 +123,6 @@ class NodeProcess:
 
     def tagged(self) -> list[int]:
         """Processes started for this node's jobs (agents, workers), found by their tag."""
-        from elasticd.agent.supervisor import tagged_pids
-
         return tagged_pids(prefix=f"{self.prefix}:{self.node_id}:")
 
     def kill(self) -> float | None:
@@ -138,18 +137,14 @@ class NodeProcess:
         killed_at = SYSTEM_CLOCK.wall()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        for pid in victims:  # not after another scan: the machine's processes die together
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        signal_all(victims, signal.SIGKILL)  # not after another scan: the processes die together
         # Again until none is left: a live node may be forking (an agent restarting its
         # workers, the warm-start zygote) while it is killed, and a child forked after a
         # listing would survive it (seen in the partition benchmark).
         deadline = SYSTEM_CLOCK.monotonic() + 5.0
         pids = self.tagged()
         while pids and SYSTEM_CLOCK.monotonic() < deadline:
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            signal_all(pids, signal.SIGKILL)
             SYSTEM_CLOCK.sleep(0.02)
             pids = self.tagged()
         self.proc.wait()
@@ -182,9 +177,7 @@ class NodeProcess:
         code = self.sigterm(timeout)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        for pid in self.tagged():  # whatever the daemon failed to stop
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        signal_all(self.tagged(), signal.SIGKILL)  # whatever the daemon failed to stop
         self.proc.wait()
         return code
 

@@ -39,6 +39,7 @@ import tempfile
 import threading
 from typing import Any
 
+from elasticd.agent.supervisor import process_runs
 from elasticd.clock import SYSTEM_CLOCK
 from elasticd.errors import InputError
 from elasticd.launcher import JOB_USER, LocalCluster
@@ -275,10 +276,8 @@ def cmd_down(args: argparse.Namespace) -> int:
     pid = read_state(args.dir)["pid"]
     ask(args.dir, {"op": "down"})
     deadline = SYSTEM_CLOCK.monotonic() + 120
-    while os.path.exists(f"/proc/{pid}") and SYSTEM_CLOCK.monotonic() < deadline:
-        with open(f"/proc/{pid}/stat") as fh:
-            if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
-                break  # exited; its parent (an earlier `up`) is gone and will not reap it
+    # A zombie has exited: its parent (an earlier `up`) is gone and will not reap it.
+    while process_runs(pid) and SYSTEM_CLOCK.monotonic() < deadline:
         SYSTEM_CLOCK.sleep(0.2)
     print(f"down: the cluster in {args.dir} is stopped (its logs stay there)")
     return 0

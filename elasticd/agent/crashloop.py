@@ -114,7 +114,6 @@ def failure_summary(text: str, limit: int = 300) -> str:
 
     Args:
         text: the tail of the agent's log (the workers' stderr goes there).
-        limit: at most this many characters are returned.
     """
     found = ""
     in_traceback = False

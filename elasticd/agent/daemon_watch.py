@@ -186,15 +186,10 @@ class DaemonWatch:
         with a member that never starts: the survivors' agents wait on it in torch's rank
         assignment (CI: a SIGSTOP of one daemon re-formed the job only after 60 s).
 
-        No probe when the daemon answered less than ``silent_for - ping_timeout`` ago (the
-        pinger's last answer): it could not change the answer, "answering". A probe ends within
-        ``ping_timeout``, answered or not, and only an answer moves the silence's start (later);
-        so after it the silence is at most the silence now plus ``ping_timeout``, below
-        ``silent_for``: :meth:`tick` cannot fence (its rule needs ``silent_for`` of silence)
-        and the loop below returns "answering". That probe cost a new connection and a reply
-        from a daemon busy recording the very failure this join follows (~14 ms of the round
-        in the in-process bench); the tick skipped with it is the one :meth:`run` does every
-        ``interval`` anyway, and a rule that cannot hold now has nothing to fence.
+        No probe when the daemon answered the pinger less than ``silent_for - ping_timeout``
+        ago: a probe ends within ``ping_timeout`` and only an answer moves the silence's start,
+        so the silence stays below ``silent_for``, :meth:`tick` cannot fence, and the answer is
+        "answering" either way (docs/in-process-design.md §7.6: the probe cost the round ~14 ms).
 
         Returns:
             "answering"; "silent" when the daemon stayed silent for ``timeout`` with its record

@@ -24,21 +24,15 @@ record goes. ``_restart_workers`` here re-forms:
 A node whose workers are not all alive and linked takes today's path at once
 (:func:`job_rules.can_reform`). Either way the agent tells its daemon which path it took
 (``reformed``), which ends the daemon's own deadline (:meth:`job_rules.JobBook.reform_started`).
-Newcomers are **staged** (:meth:`InProcessAgent._initialize_workers`): a node's first workers
-start *before* its agent joins a round, with torch's placeholder place (rank -1) and
-:data:`~elasticd.local.worker_link.STAGED_ENV`; each runs its script (imports, model, data)
-up to the decorated function, links and waits there. Only once every one has linked does the
-agent join, so the survivors, who stop when the newcomer enters, wait for the group and the
-restore, not for a newcomer's start (the prototype's 2.57 s). The round's ranks reach them as
-a survivor's do (``assign``). A newcomer gets a place only through its round; staged workers
-the round does not take (one died, or not all linked within :data:`STAGE_WAIT`, or the script
-never reaches ``@elasticd.in_process``) are stopped and fresh ones started into the round, as
-before; if the join itself fails the agent ends and torch stops them. A staged worker makes no
-group before its ``assign``, so it never joins an old one. Replacement workers (a node's
-fallback) start fresh, and get their round through the environment; they also learn where the
-node's old workers were (:data:`~elasticd.local.worker_link.PREVIOUS_ENV`): their snapshots
-are in its RAM, and each new worker's restore offers its predecessor's as a survivor offers
-its own.
+Newcomers are **staged** (:meth:`InProcessAgent._initialize_workers`; what and why:
+docs/jobs.md, "staged newcomers"): a node's first workers start before its agent joins a round,
+with torch's placeholder place (rank -1) and :data:`~elasticd.local.worker_link.STAGED_ENV`,
+and the agent joins once every one has linked. A staged worker makes no group before its
+``assign``, so it never joins an old one; if the join itself fails the agent ends and torch
+stops them. Replacement workers (a node's fallback) start fresh, and get their round through the
+environment; they also learn where the node's old workers were
+(:data:`~elasticd.local.worker_link.PREVIOUS_ENV`): their snapshots are in its RAM, and each new
+worker's restore offers its predecessor's as a survivor offers its own.
 """
 
 from __future__ import annotations

@@ -275,10 +275,6 @@ class JobChecks:
             self._remember(job, fp, verdict.problem)
         return verdict
 
-    def pending(self) -> list[str]:
-        """Jobs whose check runs now."""
-        return sorted(self._runs)
-
     def _start(self, spec: JobSpec, policy: JobPolicy, fp: str) -> _Run:
         run = _Run(fp, self._clock.monotonic(), threading.Event())
 

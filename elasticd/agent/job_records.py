@@ -106,7 +106,6 @@ class JobRecords:
                                           if self.succeeded_on(j, me)))
 
     def succeeded_on(self, job: str, me: str) -> list[str]:
-        """Nodes other than ``me`` whose agent finished ``job`` with success."""
         return sorted(n for n, st in self.statuses.get(job, {}).items()
                       if n != me and st.state == JobState.SUCCEEDED)
 
@@ -118,7 +117,6 @@ class JobRecords:
                 self.controls.get(job))
 
     def refused(self) -> dict[str, str]:
-        """Jobs whose spec does not read, with why (the newest 20)."""
         bad = sorted(self.bad_specs.items(), key=lambda kv: kv[1][0])[-20:]
         return {job: why for job, (_, why) in bad}
 

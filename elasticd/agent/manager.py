@@ -133,7 +133,6 @@ class JobManager:
 
     @property
     def supervisor(self) -> AgentSupervisor | None:
-        """That job's agent."""
         return self.group.supervisor
 
     # -- the cycle ------------------------------------------------------------------------

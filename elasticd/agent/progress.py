@@ -50,7 +50,6 @@ class StalledRank:
     """One rank that has not progressed.
 
     Attributes:
-        last_step: the last step it reported.
         pid: the process that reported it (None if not given).
         seconds: how long since it last progressed.
     """
@@ -202,12 +201,6 @@ class ProgressTracker:
                     retired |= old.retired_pids
             self._jobs[job] = _Job(started_at=now, retired_pids=retired)
 
-    def remove(self, job: str) -> None:
-        """Forgets ``job`` entirely (it ended on this node)."""
-        with self._lock:
-            self._jobs.pop(job, None)
-            self._histories.pop(job, None)
-
     def restarted_for(self, hang: Hang) -> None:
         """The group was restarted for ``hang``: a learned timeout that fired is doubled
         for the job (a long step the window had not seen costs one restart, not a loop)."""
@@ -269,15 +262,6 @@ class ProgressTracker:
             medians = [] if state is None else [statistics.median(r.compute)
                                                 for r in state.ranks.values() if r.compute]
         return statistics.median(medians) if medians else None
-
-    def last_step(self, job: str) -> int | None:
-        """The step every reporting rank of ``job`` has reached (the smallest last step), or
-        None before any report."""
-        with self._lock:
-            state = self._jobs.get(job)
-            if state is None or not state.ranks:
-                return None
-            return min(r.step for r in state.ranks.values())
 
     def status(self, job: str) -> dict[str, Any]:
         """A JSON-able summary for ``/status``: each rank's last step and how long ago it

@@ -14,8 +14,6 @@ from typing import Callable
 from elasticd.agent import crashloop
 from elasticd.clock import Clock
 
-Version = tuple[int, int]
-
 
 class RestartWatch:
     """Counts the restarts of the job this node runs (owned by the job manager).
@@ -61,7 +59,7 @@ class RestartWatch:
         return new
 
     def restarted(self, log_size: int, log_tail: Callable[[int], str],
-                  committed: Version | None, fallback: str = "", times: int = 1) -> None:
+                  committed: crashloop.Version | None, fallback: str = "", times: int = 1) -> None:
         """A worker group restart, or ``times`` of them seen at once: counts them. Restarts
         seen together share the failure the log shows since the last look: read for the first
         alone, the others counted as showing no traceback, and a job whose restarts came faster

@@ -25,7 +25,7 @@ from elasticd.agent.job_rules import PEER_FAILED_SIGNAL
 from elasticd.agent.zygote import ZYGOTE_ENV, ZYGOTE_PID_ENV, kill_group
 from elasticd.clock import Clock, SystemClock, format_local
 from elasticd.cluster.jobspec import JobSpec
-from elasticd.local.job_scope import TAG_ENV, JobScope, start_time
+from elasticd.local.job_scope import TAG_ENV, JobScope, start_time, stat_fields
 
 log = logging.getLogger(__name__)
 
@@ -71,11 +71,9 @@ def tagged_pids(tag: str = "", prefix: str = "") -> list[int]:
         try:
             with open(f"/proc/{name}/environ", "rb", buffering=0) as fh:
                 env = fh.read(ENV_READ_LIMIT)
-            with open(f"/proc/{name}/stat", "rb", buffering=0) as fh:
-                state = fh.read(4096).rsplit(b")", 1)[1].split()[0]
-        except (OSError, IndexError):
+        except OSError:
             continue  # gone, or not ours to read
-        if state == b"Z":
+        if not process_runs(int(name)):
             continue  # a zombie runs nothing; its parent reaps it
         entries = env.split(b"\0")[:-1] if len(env) == ENV_READ_LIMIT else env.split(b"\0")
         if (needle in entries) if tag else any(e.startswith(needle) for e in entries):
@@ -85,16 +83,11 @@ def tagged_pids(tag: str = "", prefix: str = "") -> list[int]:
 
 def process_runs(pid: int) -> bool:
     """True while process ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb", buffering=0) as fh:
-            state = fh.read(4096).rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in (b"Z", b"X")
+    state = stat_fields(pid)[:1]
+    return bool(state) and state[0] not in (b"Z", b"X")
 
 
 def signal_all(pids: Sequence[int], sig: int) -> None:
-    """Sends ``sig`` to each of ``pids`` that still exists (and is ours to signal)."""
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, sig)

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 from elasticd.agent.commit_watch import CommitWatch
 from elasticd.agent.daemon_watch import DaemonWatch, fence_agent, ping_daemon
 from elasticd.agent.supervisor import IN_PROCESS_ENV, TAG_ENV, children, kill_workers
-from elasticd.agent.zygote import ZYGOTE_ENV, ZYGOTE_PID_ENV, wait_ready
+from elasticd.agent.zygote import ZYGOTE_ENV, ZYGOTE_PID_ENV, exit_status, wait_ready
 from elasticd.coordination import rendezvous
 from elasticd.coordination.keys import Keyspace
 
@@ -178,13 +178,7 @@ def leave(code: object) -> None:
     exit hooks), ``atexit`` handlers (logging's flush among them), the standard streams
     flushed. A failure other than ``SystemExit`` still takes the interpreter's own way out.
     """
-    if code is None:
-        status = 0
-    elif isinstance(code, int):
-        status = code & 0xFF
-    else:  # as the interpreter does: the object printed, exit status 1
-        print(code, file=sys.stderr)
-        status = 1
+    status = exit_status(code)
     shutdown = getattr(threading, "_shutdown", None)  # what Py_FinalizeEx calls first
     if shutdown is not None:
         shutdown()

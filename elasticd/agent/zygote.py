@@ -313,16 +313,20 @@ def run_script(argv: list[str], env: dict[str, str], cwd: str) -> int:
     try:
         runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as exc:
-        if exc.code is None:
-            return 0
-        if isinstance(exc.code, int):
-            return exc.code & 0xFF
-        print(exc.code, file=sys.stderr)
-        return 1
+        return exit_status(exc.code)
     except BaseException:  # noqa: BLE001 — as the interpreter does: traceback, exit 1
         traceback.print_exc()
         return 1
     return 0
+
+
+def exit_status(code: object) -> int:
+    """The status the interpreter exits with after ``sys.exit(code)`` (another object than an
+    int or None is printed, status 1)."""
+    if code is None or isinstance(code, int):
+        return (code or 0) & 0xFF
+    print(code, file=sys.stderr)
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:

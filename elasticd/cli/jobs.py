@@ -177,7 +177,7 @@ def _await_verdict(coord: Coordinator, keys: Keyspace, spec: JobSpec) -> job_ver
         SYSTEM_CLOCK.sleep(0.2)
 
 
-def _jobs(coord: Coordinator, keys: Keyspace) -> list[dict[str, Any]]:
+def cmd_jobs(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> Any:
     kvs, _ = coord.get_prefix(keys.jobs)
     specs: dict[str, JobSpec] = {}
     controls: dict[str, JobControl] = {}
@@ -269,13 +269,13 @@ def _protection(nodes: dict[str, dict[str, Any]], control: JobControl | None) ->
     return "UNPROTECTED: " + "; ".join(bad) if bad else "ok"
 
 
-def cmd_jobs(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> Any:
-    return _jobs(coord, keys)
+def _must_exist(coord: Coordinator, keys: Keyspace, job: str) -> None:
+    if coord.get(keys.job_keys(job).spec) is None:
+        raise CommandFailed(f"no job named {job!r} (see: elasticctl jobs)")
 
 
 def cmd_stop(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> Any:
-    if coord.get(keys.job_keys(args.name).spec) is None:
-        raise CommandFailed(f"no job named {args.name!r} (see: elasticctl jobs)")
+    _must_exist(coord, keys, args.name)
     confirm(f"stop job {args.name} on every node?",
             f"stopping {args.name!r} ends its training everywhere", args.force)
     coord.put(keys.job_keys(args.name).control,
@@ -295,8 +295,7 @@ def cmd_stop(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> An
 
 
 def cmd_retry(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> Any:
-    if coord.get(keys.job_keys(args.name).spec) is None:
-        raise CommandFailed(f"no job named {args.name!r} (see: elasticctl jobs)")
+    _must_exist(coord, keys, args.name)
     kv = coord.get(keys.job_keys(args.name).control)
     try:
         control = JobControl.decode(kv.value, kv.key) if kv is not None else None
@@ -313,8 +312,7 @@ def cmd_retry(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> A
 
 
 def cmd_logs(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> Any:
-    if coord.get(keys.job_keys(args.name).spec) is None:
-        raise CommandFailed(f"no job named {args.name!r} (see: elasticctl jobs)")
+    _must_exist(coord, keys, args.name)
     nodes = live_nodes(coord, keys)
     return [{"node": s.node, "state": s.state,
              "hostname": nodes.get(s.node, {}).get("hostname", "?"), "log": s.log}

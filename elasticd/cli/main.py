@@ -166,21 +166,8 @@ _RECOVERY_WINDOW = 600.0
 
 def event_rows(coord: EtcdCoordinator, keys: Keyspace, limit: int,
             kinds: Sequence[str] = ()) -> list[dict[str, Any]]:
-    """Events, oldest first, each with the same keys. For ``failed``: detection_seconds; for
-    ``recovered`` (one per restored rank): source, steps_lost, restore_seconds, and
-    recovery_seconds, from the disruption before it (failure, departure, drain) to the
-    restore's end (null after a node joined: the job grew). For ``timeline`` (one per failure
-    and job, see :mod:`elasticd.cluster.timeline`): ``timeline`` (its phases, moments,
-    restore sources and bytes, each rank's source), with detection_seconds its detect phase,
-    recovery_seconds its total (failure to first step), restore_seconds its restore phase,
-    source its restores' sources, steps_lost the most any rank lost and step the step
-    restored.
-
-    One source of truth: a failure that has a timeline is measured from where the timeline
-    places it (its dead node's last sign of life), in its ``failed`` row (detection_seconds:
-    from there to the event; the timeline's detect phase unless training was back before the
-    event, see ``overlapped``) and the ``recovered`` rows of its restores (recovery_seconds,
-    also those recorded before the failed event) alike."""
+    """Events, oldest first, each with the same keys: docs/elasticctl.md (``history``) says
+    what each kind's keys hold, and how a failure that has a timeline is measured."""
     listed = EventLog(coord, keys).list()
     placed = _failures_placed(listed)
     out = []

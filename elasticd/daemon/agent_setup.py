@@ -23,11 +23,11 @@ def rdzv_conf(s: Settings) -> dict[str, str]:
         "join_timeout": "900",
         "grow": s.rdzv_grow,
         # A dead node leaves the round when its agent's etcd lease expires (the node's
-        # TTL): the join record is bound to that lease (rendezvous_handler.py).
+        # TTL): the join record is bound to that lease (rendezvous/handler.py).
         "liveness_ttl": str(max(2, s.lease_ttl)),
         "liveness_confirm": "0.5",
         # The daemon restarts an agent that died: its error must not close the
-        # rendezvous for every node (rendezvous.py, "Restartable agents").
+        # rendezvous for every node (rendezvous/plugin.py, "Restartable agents").
         "close_on_failure": "false",
     }
 

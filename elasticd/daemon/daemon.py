@@ -124,8 +124,7 @@ class Daemon:
         self.replicas = ReplicaView(settings.node_id, replicator, self.jobs)
         self.jobs.committed = self.replicas.committed_step  # crash-loop detection
         self.jobs.record_event = self.record_event
-        self.jobs.checks.wake = self.wake  # a job's file check ended: act on it now
-        # The cluster's incarnation in etcd: how a daemon recognises that etcd lost its data.
+        self.jobs.checks.wake = self.loop.wake  # a job's file check ended: act on it now
         self.data_loss = DataLossRecovery(
             Incarnation(coord, keys, settings.node_id, self.clock), self.metrics,
             republish_specs=self.jobs.republish,
@@ -140,7 +139,6 @@ class Daemon:
                                                 else lambda: None)},
             registered=lambda: self.registered_lease is not None,
             replicates=replicator is not None)
-        # Each recovery's timeline, written by one node (daemon/recovery_timeline.py).
         self.timeline = TimelineRecorder(settings.node_id, coord, keys, self.events,
                                          self.metrics, self.clock,
                                          lambda: float(self.settings.lease_ttl),
@@ -179,7 +177,7 @@ class Daemon:
             self.jobs.on_job_end.append(replicator.remove_job)
         self.drainer = Drainer(settings.node_id, coord, keys,
                                NodeDrainHost(settings.node_id, self.jobs, checkpoints,
-                                             replicator, self.wake, self.record_event),
+                                             replicator, self.loop.wake, self.record_event),
                                stop_wait=settings.stop_grace + 10, clock=self.clock)
 
     @property
@@ -220,7 +218,7 @@ class Daemon:
         log.info("%s", self.loop.sentence)
 
     def run(self, on_cycle: Callable[["Daemon"], None] = lambda _d: None) -> None:
-        """Cycles until :meth:`request_stop`; ``on_cycle`` runs after each completed cycle."""
+        """Cycles until ``loop.stop()``; ``on_cycle`` runs after each completed cycle."""
         while not self.loop.stopping:
             self.cycle()
             on_cycle(self)
@@ -244,12 +242,6 @@ class Daemon:
         self.jobs.rdzv_conf = rdzv_conf(self.settings)
         self.jobs.policy = self.settings.job_policy()  # for the next job start
         return restart
-
-    def wake(self) -> None:
-        self.loop.wake()
-
-    def request_stop(self) -> None:
-        self.loop.stop()
 
     def leave(self) -> None:
         """Leaves the cluster cleanly: record ``leaving``, a departure event, revoke the lease.

@@ -23,7 +23,6 @@ class DataLossRecovery:
     """Looks for an etcd data loss and recovers from it (owned by the daemon).
 
     Args:
-        incarnation: the cluster's incarnation in etcd.
         republish_specs: writes the job specs and controls again; returns how many specs.
         record_event: records the loss (with the number of specs written again).
         steps: what carries out each other step of the plan.

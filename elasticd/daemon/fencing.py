@@ -59,19 +59,6 @@ class Fence:
         grace."""
         return self._carry_out(self.book.outage(outage_seconds, grace, kind))
 
-    def fence(self, reason: str, lease: int | None = None) -> str | None:
-        """Stops everything this node runs for the cluster, before it rejoins.
-
-        Args:
-            reason: why, for the log, the event and /status.
-            lease: the lease the fencing is about (the one peers declared dead); the event is
-                recorded against it, else against the current lease if there is one.
-
-        Returns:
-            the cycle's note, or None when the node was fenced already.
-        """
-        return self._carry_out(self.book.fence(reason, lease))
-
     def describe_outage(self, gone: float, grace: float, kind: str | None = None) -> str:
         return describe_outage(gone, grace, self.book.fenced, kind or "unreachable")
 

@@ -141,12 +141,6 @@ class LocalServer:
         self._stopping = False
         self._failures_logged: set[str] = set()
 
-    @property
-    def connections(self) -> int:
-        """Connections currently open."""
-        with self._lock:
-            return len(self._conns)
-
     # -- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> None:

@@ -142,7 +142,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         nonlocal stop_requested
         stop_requested = True
         if daemon is not None:
-            daemon.request_stop()
+            daemon.loop.stop()
 
     reload_requested = False
 
@@ -150,7 +150,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         nonlocal reload_requested
         reload_requested = True
         if daemon is not None:
-            daemon.wake()
+            daemon.loop.wake()
 
     daemon: Daemon | None = None
     # Not signal.signal(..., on_term): see elasticd.daemon.signals for the deadlock that avoids.
@@ -166,7 +166,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         daemon = node.build()
         notifier.ready(daemon.loop.sentence)
         if stop_requested:
-            daemon.request_stop()
+            daemon.loop.stop()
 
         def on_cycle(d: Daemon) -> None:
             nonlocal reload_requested

@@ -70,8 +70,3 @@ class RankClaims:
                 held[1] -= 1
                 if held[1] <= 0:
                     del self._claims[(job, pid)]
-
-    def held(self) -> dict[tuple[str, int], int]:
-        """``{(job, pid): rank}`` of the claims held now."""
-        with self._lock:
-            return {key: rank for key, (rank, _) in self._claims.items()}

@@ -52,7 +52,6 @@ class ReplicaView:
         return f"replica placement for {len(nodes)} nodes"
 
     def _placed_here(self, job: str) -> bool:
-        """True when the replicator's placement for ``job`` includes this node."""
         placement = self.replicator.tracker.view(job)[0] if self.replicator else None
         return placement is not None and self._node in placement.nodes
 

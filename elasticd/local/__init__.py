@@ -1,4 +1,4 @@
 """The local protocol between a node's daemon and its workers: framing and the request error
-(:mod:`.wire`), a transport that calls the handlers in process (:mod:`.transport`), and which
-processes are a job's (:mod:`.job_scope`). Both sides import it; it imports nothing else of
-elasticd and no torch."""
+(:mod:`.wire`), an in-process job's link from its agent to its workers (:mod:`.worker_link`),
+and which processes are a job's (:mod:`.job_scope`). Both sides import it; it imports nothing
+of elasticd but the exception families (:mod:`elasticd.errors`), and no torch."""

@@ -185,7 +185,7 @@ def test_watchdog_pings_stop_when_the_loop_stalls(tmp_path):
     finally:
         coord.stall.clear()
         coord.release.set()
-        d.request_stop()
+        d.loop.stop()
         t.join(10)
         d.close()
         notifier.close()

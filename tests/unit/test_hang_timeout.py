@@ -120,7 +120,7 @@ def test_first_steps_of_each_process_get_the_allowance_and_are_not_learned(clock
     assert tracker.status(JOB)["ranks"][0]["timeout_seconds"] == 60.0
     step = steps(tracker, clock, [0], [59.0], start=step)
     assert tracker.timeout(JOB) == (295.0, "learned")  # a slow third step is learned
-    tracker.remove(JOB)
+    tracker = ProgressTracker(LearnedTimeout(floor=2.0, first_step=60.0), clock)
     step = steps(tracker, clock, [0], [0.0, 59.0, 59.0, 0.2])
     assert tracker.timeout(JOB) == (2.0, "floor")  # 5 x 0.2 s is under the floor
     steps(tracker, clock, [0], [1.0] * 10, start=step)
@@ -175,8 +175,6 @@ def test_status_says_what_is_in_force(clock):
     assert st["learned"] == {"floor_seconds": 1.0, "first_step_seconds": 30.0, "factor": 5.0,
                              "window": 1000, "longest_step_seconds": 0.5, "steps_learned": 2,
                              "doublings": 0}
-    tracker.remove(JOB)
-    assert tracker.timeout(JOB) == (30.0, "first_step")
 
 
 def test_the_elasticctl_jobs_cell():

@@ -312,7 +312,7 @@ def test_every_value_the_etcd_fuzz_writes_is_refused_by_its_decoder():
 
 
 def test_elasticctl_jobs_shows_a_refused_job_and_why(tmp_path):
-    from elasticd.cli.jobs import _jobs
+    from elasticd.cli.jobs import cmd_jobs
 
     coord = MemoryCoordinator()
     lease = coord.grant_lease(10)
@@ -322,7 +322,7 @@ def test_elasticctl_jobs_shows_a_refused_job_and_why(tmp_path):
     coord.put(KEYS.job_keys("root").spec, spec(tmp_path, name="root", user="root").encode())
     coord.put(KEYS.job_keys("root").node("n1"), NodeJobStatus("n1", "refused", JobPolicy().check(
         spec(tmp_path, user="root"))).encode(), lease)
-    rows = {r["job"]: r for r in _jobs(coord, KEYS)}
+    rows = {r["job"]: r for r in cmd_jobs(None, coord, KEYS)}
     assert rows["bad"]["running_on"].startswith("refused: unreadable job spec")
     assert "nnodes_min" in rows["bad"]["refused"]
     assert rows["root"]["running_on"].startswith("refused on n1: runs as root")

@@ -126,6 +126,11 @@ def client(server, clients):
     return c
 
 
+def open_connections(server: LocalServer) -> int:
+    with server._lock:
+        return len(server._conns)
+
+
 def raw(server: LocalServer) -> socket.socket:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(5.0)
@@ -342,7 +347,7 @@ def test_stop_unlinks_the_socket_and_closes_connections(server, client):
     server.stop()
     assert not os.path.exists(server.path)
     assert_closed(s)
-    assert server.connections == 0
+    assert open_connections(server) == 0
     with pytest.raises(DaemonUnavailable, match="the daemon is gone"):
         client.call("echo")
     server.stop()  # idempotent
@@ -406,7 +411,7 @@ def test_connection_cap(make_server, clients):
     with pytest.raises(DaemonError, match=r"too many connections to this elasticd \(2\)"):
         third.call("echo")
     first.close()
-    wait_for(lambda: server.connections == 1)
+    wait_for(lambda: open_connections(server) == 1)
     assert third.call("echo", fine=1)["fine"] == 1
 
 
@@ -546,7 +551,7 @@ def test_progress_reaches_the_tracker(make_server, monkeypatch):
     try:
         for step in range(10):
             elasticd.worker.progress(step)
-        wait_for(lambda: tracker.last_step("j") == 9)
+        wait_for(lambda: tracker.status("j")["last_step"] == 9)
         assert tracker.status("j")["ranks"][0]["rank"] == 3
         assert tracker.status("j")["ranks"][0]["pid"] == os.getpid()
     finally:
