@@ -87,7 +87,6 @@ class CommitFeed:
         self._order = threading.Lock()
 
     def add(self, listener: Listener) -> None:
-        """Calls ``listener(job, version)`` for each newer commit of a live generation."""
         self.listeners.append(listener)
 
     def claim(self, newer: bool) -> bool:
@@ -187,16 +186,12 @@ class JobState:
     def count_ack(self, me: str, rank: int, version: Version, peer: str) -> bool:
         """Counts ``peer``'s copy of local ``rank`` at ``version``; whether every placement
         peer of node ``me`` now holds one."""
-        if self.placement is None:
-            return False
-        acked = self.acked.setdefault(rank, {}).setdefault(version, set())
-        acked.add(peer)
-        return set(self.placement.peers_of(me)) <= acked
+        return bool(self.count_acks(me, (rank,), version, peer))
 
     def count_acks(self, me: str, ranks: Sequence[int], version: Version,
                    peer: str) -> list[int]:
         """:meth:`count_ack` for several ranks of one version: those of ``ranks`` every
-        placement peer of node ``me`` now holds (the peers looked up once, not per rank)."""
+        placement peer of node ``me`` now holds."""
         if self.placement is None:
             return []
         peers, done = set(self.placement.peers_of(me)), []
