@@ -131,8 +131,7 @@ class JobState:
         gen_base: per generation, the step before its first local snapshot (for sync lag).
         book: which copies stay, and the versions followed until decided.
         unstarted: followed versions whose follower has not started yet, each with its first
-            look (it starts when it may have to act:
-            :func:`~elasticd.replication.follower.followers_due`).
+            look (it starts when it may have to act: ``follower.followers_due``).
         skipped: versions a local rank skipped or this node withdrew (newest first), published
             in the record: they can never be committed.
         withdrawn: versions this node withdrew (newest first), published apart (see
@@ -299,7 +298,7 @@ class CommitTracker:
             return
         # A tick by its first look starts it in time (it then waits for the look): the ticker
         # is woken only when its next tick comes later, not at every acknowledgement.
-        st.unstarted[actions.follow] = look = follower.first_look(st.book, actions.follow)
+        st.unstarted[actions.follow] = look = st.book.ask_at(actions.follow, follower.ASK_LEAD)
         self.reporter.tick_by(look)
 
     def on_landed(self, job: str, rank: int, version: Version,

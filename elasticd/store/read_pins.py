@@ -37,7 +37,6 @@ class ReadPins:
         self._next = 0
 
     def __len__(self) -> int:
-        """How many pins are held."""
         with self._lock:
             return len(self._pins)
 
@@ -45,7 +44,7 @@ class ReadPins:
              what: str, caller: Caller | None = None) -> tuple[int, int]:
         """A new read-only descriptor for the worker, and the pin that holds ``release`` until
         :meth:`release` (or the ttl); ``release`` is called at once when the descriptor cannot
-        be made. ``caller``: whose partial copy this is (see :meth:`take_scratch`).
+        be made. ``caller``: whose partial copy this is (see :meth:`release_scratch`).
 
         Raises:
             RequestError: no descriptor (one line, for the worker).
