@@ -124,22 +124,9 @@ class Tagger:
         return self._mac.finalize()
 
 
-class Opener:
-    """Checks one incoming frame: ``update`` with its bytes in order, then ``verify``."""
-
-    def __init__(self, tagger: Tagger, tag: bytes) -> None:
-        self._tagger = tagger
-        self._expected = bytes(tag)
-        self.update = tagger.update
-
-    def verify(self) -> bool:
-        """True when the bytes fed are exactly the frame its sender sealed, at this position."""
-        return hmac.compare_digest(self._tagger.tag(), self._expected)
-
-
 class _FrameOpener:
-    """An opener (as :class:`Opener`: ``update``, then ``verify``) of one frame that keeps the
-    bytes of a small frame and checks them in one AEAD call, and streams a big one into
+    """An opener (``update`` with the frame's bytes in order, then ``verify``) of one frame that
+    keeps the bytes of a small frame and checks them in one AEAD call, and streams a big one into
     Poly1305 from the first piece that makes it big (the frame's nonce is fixed when it is
     made)."""
 
@@ -254,7 +241,3 @@ class BlockTagger:
             tagger.update(view[start - base : end - base])
             tags[start] = (end - start, tagger.tag())
         return BlockTags(salt, tags)
-
-    def opener(self, key: bytes, offset: int, tag: bytes) -> Opener:
-        """Starts checking the block at ``offset`` of the snapshot whose block key is ``key``."""
-        return Opener(one_time_tagger(key, offset), tag)
