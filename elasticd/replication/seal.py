@@ -64,11 +64,6 @@ class FrameKey:
         self._sequence = 0
         self._aead = ChaCha20Poly1305(self._key)
 
-    @property
-    def sequence(self) -> int:
-        """Frames sealed or opened so far."""
-        return self._sequence
-
     def _next(self) -> int:
         if self._sequence >= _MAX_FRAMES:
             raise OverflowError("frame sequence exhausted: reconnect for fresh keys")
