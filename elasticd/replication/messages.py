@@ -423,7 +423,6 @@ def run_prefix(offset: int, blocks: Sequence[tuple[int, bytes]], key: FrameKey) 
 
 
 def decode_payload(header: FrameHeader, payload: memoryview) -> Message:
-    """Decodes a verified payload into its message."""
     return MESSAGES[header.type].parse(payload)
 
 

@@ -214,7 +214,6 @@ class BlockTagger:
         self._secret = bytes(secret)
 
     def key(self, salt: bytes) -> bytes:
-        """The block key of the snapshot salted with ``salt``."""
         if len(salt) != SALT_BYTES:
             raise ValueError(f"block tag salt must be {SALT_BYTES} bytes, got {len(salt)}")
         return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=salt,
