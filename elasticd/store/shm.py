@@ -97,12 +97,6 @@ class SnapshotView:
             unpin, self._unpin = self._unpin, None
             unpin(self._segment)
 
-    def __enter__(self) -> "SnapshotView":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release()
-
 @dataclasses.dataclass
 class _Pair:
     segments: list[Segment | None] = dataclasses.field(default_factory=lambda: [None, None])

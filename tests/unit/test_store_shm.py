@@ -140,10 +140,11 @@ def test_a_copy_retained_for_every_rank_outlives_newer_ones(store):
     # A reader pinning the newer copy (a push to a peer that stopped answering): the snapshot
     # is refused rather than evict the retained copy, the only one this node has.
     snapshot(store, "job", 0, step=5)
-    with store.latest("job", 0, pin=True):
-        with pytest.raises(SlotBusy, match="must stay"):
-            store.reserve("job", 0, 100)
-        assert store.versions("job", 0) == [(0, 5), (0, 1)]
+    pinned = store.latest("job", 0, pin=True)
+    with pytest.raises(SlotBusy, match="must stay"):
+        store.reserve("job", 0, 100)
+    assert store.versions("job", 0) == [(0, 5), (0, 1)]
+    pinned.release()
     snapshot(store, "job", 0, step=6)  # released: the newer copy's slot is reused
     assert store.versions("job", 0) == [(0, 6), (0, 1)]
     # Another version retained, the first let go: plain alternation around the new one.
@@ -341,8 +342,9 @@ def test_pinned_view_blocks_reuse_until_released(store):
         store.reserve("job", 0, 100)
     assert view.array("step") == 1
     view.release()
-    with store.latest("job", 0, pin=True) as current:
-        assert current.header.step == 2
+    current = store.latest("job", 0, pin=True)
+    assert current.header.step == 2
+    current.release()
     store.reserve("job", 0, 100)
 
 
