@@ -36,10 +36,6 @@ class ReadPins:
         self._scratch: dict[Caller, int] = {}  # the caller's live partial copy -> its pin
         self._next = 0
 
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._pins)
-
     def hold(self, descriptor: Callable[[], int], release: Callable[[], None], job: str,
              what: str, caller: Caller | None = None) -> tuple[int, int]:
         """A new read-only descriptor for the worker, and the pin that holds ``release`` until
