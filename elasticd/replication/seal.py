@@ -50,11 +50,9 @@ class FrameKey:
 
     A frame of at most :data:`ONE_SHOT_BYTES` (every control frame, and the header and prefix
     of a pretagged DATA frame, whose blocks carry their own tags) is sealed and opened with the
-    library's one-shot AEAD, made once per key: the same tag (RFC 8439 with an empty
-    plaintext) for ~2 us, where a streamed one (a ChaCha20 cipher object for the one-time key,
-    then a Poly1305 object) cost ~21 us, and more after each frame's multi-MiB ``sendmsg`` or
-    ``recv_into`` has flushed the caches: most of the Python a holder ran per served byte.
-    Bigger frames (DATA tagged on the way) are streamed, read where they lie.
+    library's one-shot AEAD, made once per key (the same tag at a tenth of the CPU: the figures
+    are in docs/replication.md, "Transport"). Bigger frames (DATA tagged on the way) are
+    streamed, read where they lie.
     """
 
     def __init__(self, key: bytes) -> None:
