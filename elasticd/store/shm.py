@@ -231,11 +231,9 @@ class SlotStore:
 
         The slot holding the latest complete snapshot is not returned, except when the other
         slot holds a copy that must stay (:meth:`retain`) and the latest may go: then the latest
-        is overwritten (the other one becomes the latest until this snapshot completes). When
-        both must stay the snapshot is refused (:class:`CommitPending`); when the slot to reuse
-        is pinned by a reader, too (:class:`SlotBusy`). On first use both slots are allocated
-        (``both``), so the next snapshot's is ready; a slot too small for ``nbytes`` is
-        replaced by a bigger one (new path).
+        is overwritten (the other one becomes the latest until this snapshot completes). On
+        first use both slots are allocated (``both``), so the next snapshot's is ready; a slot
+        too small for ``nbytes`` is replaced by a bigger one (new path).
 
         Args:
             both: allocate the other slot too when it is missing. False for a one-off copy (a
