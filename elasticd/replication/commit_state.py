@@ -138,13 +138,6 @@ class CommitBook:
         self.newest_local: tuple[Version, float] | None = None
         self.cadence: float | None = None
 
-    def phase(self, version: Version) -> Phase:
-        """Where ``version`` stands (a version never seen counts as abandoned)."""
-        if (entry := self.entries.get(version)) is not None:
-            return entry.phase
-        return (Phase.COMMITTED if version == self.committed else
-                Phase.WITHDRAWN if version in self.withdrawn else Phase.ABANDONED)
-
     def _decided(self, version: Version) -> bool:
         return (version[0] < self.floor or version in self.withdrawn
                 or (self.committed is not None and version <= self.committed))
