@@ -3,7 +3,7 @@ the errors every part raises.
 
 A snapshot travels as a :class:`Descriptor` (whose shard, which version, how many bytes) plus
 its bytes: the snapshot header followed by the raw tensor bytes. On the receiving daemon the
-transport asks a :class:`Sink` where the bytes must land (later: daemon shared memory), writes
+transport asks a :class:`Sink` where the bytes must land (daemon shared memory), writes
 them there directly, and commits or aborts. The version rule that keeps a late or torn transfer
 from ever replacing a newer good copy lives here, in the :class:`Sink` base class, so every sink
 implementation shares it.
@@ -227,10 +227,6 @@ class Sink(abc.ABC):
         """The block tags kept with the copy a :meth:`read` of ``d`` returned (call before
         :meth:`release`), or None: a fetch of it then tags its blocks on the way."""
         return None
-
-    def in_flight(self) -> set[Descriptor]:
-        with self._lock:
-            return set(self._in_flight)
 
     # -- storage primitives ------------------------------------------------------------------
 

@@ -453,12 +453,9 @@ def frame_chunk(chunk_size: int, peer_max_frame: int) -> int:
 
 
 #: Bytes asked for each replication socket's send and receive buffers (the kernel doubles the
-#: figure and caps it at ``net.core.wmem_max`` / ``rmem_max``). Why: the receiver of a DATA
-#: frame also checks its tag, a pass over the bytes the sender does not make (its blocks were
-#: tagged at seal time), so the two ends run at different paces within each frame; with a
-#: frame's worth of room fixed from the start, the sender keeps writing while the receiver
-#: checks, where the kernel's autotuned receive window (from about 128 KiB) lagged behind
-#: (bench/bench_replication.py: pushes run nearer a raw socket's pace). Setting the size turns
+#: figure and caps it at ``net.core.wmem_max`` / ``rmem_max``): with a frame's worth of room
+#: fixed from the start the sender keeps writing while the receiver checks the tags (why, and
+#: the figures: docs/replication.md, "Authenticated throughput"). Setting the size turns
 #: off receive autotuning for the socket; 4 MiB (8 MiB granted) covers the bandwidth-delay
 #: product of a 100 Gbit/s link at 0.6 ms round trip, and the kernel commits buffer memory only
 #: as data waits in it. 0 leaves the kernel's.

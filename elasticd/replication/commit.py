@@ -3,7 +3,7 @@
 A step is *committed* when every rank of the job has ``m`` verified copies of it. Which step
 that is, is decided by the job's commit coordinator from the nodes' reports
 (:mod:`elasticd.replication.tally`, :mod:`elasticd.replication.coordinator`) and written here,
-by :func:`commit_write`: one transaction that compares the coordinator's election key (a
+by :func:`commit_txn`: one transaction that compares the coordinator's election key (a
 deposed coordinator cannot write), the job's fence epoch (no withdrawal since the coordinator
 listed the fences) and the committed record (never backwards, no concurrent writer).
 

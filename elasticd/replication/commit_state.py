@@ -138,13 +138,6 @@ class CommitBook:
         self.newest_local: tuple[Version, float] | None = None
         self.cadence: float | None = None
 
-    def phase(self, version: Version) -> Phase:
-        """Where ``version`` stands (a version never seen counts as abandoned)."""
-        if (entry := self.entries.get(version)) is not None:
-            return entry.phase
-        return (Phase.COMMITTED if version == self.committed else
-                Phase.WITHDRAWN if version in self.withdrawn else Phase.ABANDONED)
-
     def _decided(self, version: Version) -> bool:
         return (version[0] < self.floor or version in self.withdrawn
                 or (self.committed is not None and version <= self.committed))
@@ -177,25 +170,14 @@ class CommitBook:
         """A copy that may be committed is here: a local snapshot a peer acknowledged (or the
         owner's only copy, with ``m = 1``), or a peer's replica received. Retain it, and follow
         a local version."""
-        if self._decided(version):
-            return Actions()  # older than the commit or abandoned; the commit itself is retained
-        entry = self.entries.setdefault(version, _Entry(Phase.ACKED, now))
-        entry.copies.add((holder, rank))
-        if holder is Holder.LOCAL:
-            self._cadence(version, now)
-        follow = holder is Holder.LOCAL and not entry.following
-        entry.following = entry.following or follow
-        return Actions(retain=[Retention(holder, rank, version)],
-                       follow=version if follow else None)
+        return self.landed_ranks(holder, (rank,), version, now)
 
     def landed_ranks(self, holder: Holder, ranks: Sequence[int], version: Version,
                      now: float) -> Actions:
         """:meth:`landed` for the copies of several ``ranks`` of one ``version`` at once (a
-        push of a node's ranks acknowledged): the same state and the same actions, merged,
-        as one :meth:`landed` per rank, in one call (one per node per version, not per rank).
-        """
+        push of a node's ranks acknowledged: one call per node per version, not per rank)."""
         if not ranks or self._decided(version):
-            return Actions()
+            return Actions()  # older than the commit or abandoned; the commit itself is retained
         entry = self.entries.setdefault(version, _Entry(Phase.ACKED, now))
         entry.copies.update([(holder, rank) for rank in ranks])
         if holder is Holder.LOCAL:

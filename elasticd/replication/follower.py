@@ -51,17 +51,10 @@ LOOK_EVERY = 0.05
 START_AHEAD = 0.1
 
 
-def first_look(book: "CommitBook", version: Version) -> float:
-    """When the follower of ``version``, acknowledged now, first looks whether to ask: its
-    question's time as known now (a later landing may teach the book a shorter cadence: the
-    follower sees it at this look, not before)."""
-    return book.ask_at(version, ASK_LEAD)
-
-
 def followers_due(book: "CommitBook", waiting: dict[Version, float],
                   now: float) -> tuple[list[tuple[Version, float]], float]:
-    """Of the versions whose follower has not started (``waiting``: each one's
-    :func:`first_look`; updated in place): those whose follower starts now, their first look
+    """Of the versions whose follower has not started (``waiting``: each one's first look,
+    its question's time as known when acknowledged; updated in place): those whose follower starts now, their first look
     within :data:`START_AHEAD`; and when the next of the others is due (inf: none). A version
     decided meanwhile (committed, most of them) leaves ``waiting`` unfollowed: its follower
     would only have found it decided."""
@@ -113,7 +106,8 @@ def start_hopeless(t: "CommitTracker", job: str, hopeless: frozenset[Version]) -
 def follow(t: "CommitTracker", job: str, version: Version, look: float = float("-inf"),
            hopeless: bool = False) -> None:
     """Follows ``version`` of ``job`` on ``t`` until decided; withdraws it when so decided.
-    ``look``: its :func:`first_look`, for a follower started ahead of it (nothing is asked
+    ``look``: its first look (a later landing may teach the book a shorter cadence: the
+    follower sees it then, not before), for a follower started ahead of it (nothing is asked
     before it, unless past the deadline); ``hopeless``: started by a reply naming it so."""
     asked = False
     while True:

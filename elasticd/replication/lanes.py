@@ -42,7 +42,6 @@ class Task:
     Attributes:
         version: the version notified (newest-wins tasks push the newest held at start).
         exact: push exactly ``version`` (re-replication, drain) rather than the newest.
-        source: ``"local"`` (this node's own snapshot) or ``"replica"`` (a copy held for a peer).
         done: resolved with True/False when an exact push ends.
     """
 
@@ -50,7 +49,6 @@ class Task:
     rank: int
     version: Version
     exact: bool = False
-    source: str = "local"
     done: concurrent.futures.Future | None = None
 
     @property

@@ -277,7 +277,7 @@ class Fetch:
     ``offset``/``length`` (both or neither) ask for only the bytes ``[offset, offset +
     length)`` of the snapshot, sent as DATA at their snapshot offsets: a client striping one
     snapshot across several holders asks each for a range. A zero length asks for the
-    descriptor alone. Neither means the whole snapshot (older clients send neither).
+    descriptor alone. Neither means the whole snapshot.
     """
 
     TYPE: ClassVar[FrameType] = FrameType.FETCH
@@ -291,7 +291,7 @@ class Fetch:
     def payload(self) -> bytes:
         obj = dataclasses.asdict(self)
         if self.offset is None and self.length is None:
-            del obj["offset"], obj["length"]  # the whole snapshot: the frame older peers send
+            del obj["offset"], obj["length"]  # the whole snapshot: no range keys
         return _json(obj)
 
     @classmethod
@@ -423,7 +423,6 @@ def run_prefix(offset: int, blocks: Sequence[tuple[int, bytes]], key: FrameKey) 
 
 
 def decode_payload(header: FrameHeader, payload: memoryview) -> Message:
-    """Decodes a verified payload into its message."""
     return MESSAGES[header.type].parse(payload)
 
 

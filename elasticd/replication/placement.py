@@ -35,10 +35,6 @@ class PlacementError(InputError, ValueError):
     """A membership or replication factor from which no placement can be built."""
 
 
-Copy = tuple[str, str]
-"""One replica: (owner node, holder node)."""
-
-
 @dataclasses.dataclass(frozen=True)
 class Placement:
     """Who holds whose shards in one rendezvous round.
@@ -90,10 +86,6 @@ class Placement:
     def held_by(self, node: str) -> tuple[str, ...]:
         """The owners, other than ``node`` itself, whose shards ``node`` holds."""
         return tuple(o for o in self.nodes if o != node and node in self.holders[o])
-
-    def copies(self) -> frozenset[Copy]:
-        """Every (owner, holder) pair with holder != owner."""
-        return frozenset((o, h) for o, hs in self.holders.items() for h in hs if h != o)
 
     def describe(self) -> str:
         """One sentence for logs and ``elasticctl placement``."""

@@ -88,8 +88,6 @@ class Pusher:
 
     def _push_exact(self, peer: str, task: Task) -> bool:
         stores = [self.store] + ([self.sink.store] if self.sink is not None else [])
-        if task.source == "replica":
-            stores.reverse()
         for store in stores:
             view = pinned_view(store, task.job, task.rank, task.version)
             if view is not None:

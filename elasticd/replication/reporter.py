@@ -284,10 +284,8 @@ class Reporter:
                     j.busy = False
                 if again:
                     # Not sent (a failure's backoff, a refusal, no coordinator to send to):
-                    # the tick sees to its retry, a TICK from now at the soonest, as when the
-                    # ticker polled at TICK. Woken for a retry due now, the ticker kicked it
-                    # again at once: a loop with the pool at full speed while the reason
-                    # lasted (an unreadable coordinator record: ~18,000 tries a second).
+                    # the tick retries it, a TICK from now at the soonest; a retry due now spun
+                    # the pool while the reason lasted (~18,000 tries a second).
                     j.retry_at = max(j.retry_at, self.t.clock.monotonic() + TICK)
             if again:
                 self.wake.set()

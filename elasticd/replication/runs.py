@@ -64,11 +64,8 @@ class RunCheck:
 
     The check is the snapshot's AEAD over the whole block where it lies, in one library call
     (``ChaCha20Poly1305(block key).encrypt(nonce, b"", block)``: the tag of an empty plaintext
-    with the block as associated data, exactly what :func:`~elasticd.replication.seal.one_time_tagger` makes streamed).
-    Fed piece by piece as ``recv_into`` returns them, the same check cost a one-time key and a
-    Python ``Poly1305`` object per block and a call per piece: ~20 us a block, 0.02 CPU s per
-    GiB of 1 MiB blocks, and the pieces' Poly1305 more than the whole block's (measured in
-    bench/results/run_check/, same run).
+    with the block as associated data, exactly what :func:`~elasticd.replication.seal.one_time_tagger` makes streamed),
+    not fed piece by piece as ``recv_into`` returns them (slower: bench/results/run_check/).
 
     Args:
         aead: ``ChaCha20Poly1305`` under the snapshot's block key.

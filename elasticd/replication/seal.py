@@ -50,11 +50,9 @@ class FrameKey:
 
     A frame of at most :data:`ONE_SHOT_BYTES` (every control frame, and the header and prefix
     of a pretagged DATA frame, whose blocks carry their own tags) is sealed and opened with the
-    library's one-shot AEAD, made once per key: the same tag (RFC 8439 with an empty
-    plaintext) for ~2 us, where a streamed one (a ChaCha20 cipher object for the one-time key,
-    then a Poly1305 object) cost ~21 us, and more after each frame's multi-MiB ``sendmsg`` or
-    ``recv_into`` has flushed the caches: most of the Python a holder ran per served byte.
-    Bigger frames (DATA tagged on the way) are streamed, read where they lie.
+    library's one-shot AEAD, made once per key (the same tag at a tenth of the CPU: the figures
+    are in docs/replication.md, "Transport"). Bigger frames (DATA tagged on the way) are
+    streamed, read where they lie.
     """
 
     def __init__(self, key: bytes) -> None:
@@ -63,11 +61,6 @@ class FrameKey:
         self._key = bytes(key)
         self._sequence = 0
         self._aead = ChaCha20Poly1305(self._key)
-
-    @property
-    def sequence(self) -> int:
-        """Frames sealed or opened so far."""
-        return self._sequence
 
     def _next(self) -> int:
         if self._sequence >= _MAX_FRAMES:
@@ -124,22 +117,9 @@ class Tagger:
         return self._mac.finalize()
 
 
-class Opener:
-    """Checks one incoming frame: ``update`` with its bytes in order, then ``verify``."""
-
-    def __init__(self, tagger: Tagger, tag: bytes) -> None:
-        self._tagger = tagger
-        self._expected = bytes(tag)
-        self.update = tagger.update
-
-    def verify(self) -> bool:
-        """True when the bytes fed are exactly the frame its sender sealed, at this position."""
-        return hmac.compare_digest(self._tagger.tag(), self._expected)
-
-
 class _FrameOpener:
-    """An opener (as :class:`Opener`: ``update``, then ``verify``) of one frame that keeps the
-    bytes of a small frame and checks them in one AEAD call, and streams a big one into
+    """An opener (``update`` with the frame's bytes in order, then ``verify``) of one frame that
+    keeps the bytes of a small frame and checks them in one AEAD call, and streams a big one into
     Poly1305 from the first piece that makes it big (the frame's nonce is fixed when it is
     made)."""
 
@@ -232,7 +212,6 @@ class BlockTagger:
         self._secret = bytes(secret)
 
     def key(self, salt: bytes) -> bytes:
-        """The block key of the snapshot salted with ``salt``."""
         if len(salt) != SALT_BYTES:
             raise ValueError(f"block tag salt must be {SALT_BYTES} bytes, got {len(salt)}")
         return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=salt,
@@ -254,7 +233,3 @@ class BlockTagger:
             tagger.update(view[start - base : end - base])
             tags[start] = (end - start, tagger.tag())
         return BlockTags(salt, tags)
-
-    def opener(self, key: bytes, offset: int, tag: bytes) -> Opener:
-        """Starts checking the block at ``offset`` of the snapshot whose block key is ``key``."""
-        return Opener(one_time_tagger(key, offset), tag)

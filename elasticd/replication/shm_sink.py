@@ -22,8 +22,7 @@ transport's per-frame checksums only prove that the wire did not alter the bytes
 sender's copy was intact). Fetches are served from the replicas and, for shards this node
 owns, from its local snapshots. The version rule of the base class refuses stale and duplicate
 copies; :meth:`ShmSink.set_floor` also refuses every copy of an abandoned generation but the
-committed one the job keeps. Daemon
-side: no torch.
+committed one the job keeps. Daemon side: no torch.
 """
 
 from __future__ import annotations
@@ -72,7 +71,6 @@ def pinned_view(store: SlotStore, job: str, rank: int,
 
 
 def descriptor_of(view: SnapshotView) -> Descriptor:
-    """The transfer descriptor of a complete snapshot held in a slot."""
     h = view.header
     return Descriptor.for_snapshot(h.job, h.rank, h.generation, h.step, h.layout.data_offset,
                                    h.layout.total_size - h.layout.data_offset)

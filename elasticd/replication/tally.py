@@ -276,14 +276,11 @@ class Tally:
 
     # -- decisions --------------------------------------------------------------------------
 
-    def floor_in_force(self) -> int:
-        return max(self.floor, max(self.floors, default=0))
-
     def candidate(self) -> Version | None:
         """The newest version every rank lists with ``m`` copies, if newer than the commit."""
         if not self.total:
             return None
-        floor = self.floor_in_force()
+        floor = max(self.floor, max(self.floors, default=0))
         return max((v for v, n in self.have.items() if n == self.total and v[0] >= floor),
                    default=None)
 

@@ -87,7 +87,6 @@ class CommitFeed:
         self._order = threading.Lock()
 
     def add(self, listener: Listener) -> None:
-        """Calls ``listener(job, version)`` for each newer commit of a live generation."""
         self.listeners.append(listener)
 
     def claim(self, newer: bool) -> bool:
@@ -132,8 +131,7 @@ class JobState:
         gen_base: per generation, the step before its first local snapshot (for sync lag).
         book: which copies stay, and the versions followed until decided.
         unstarted: followed versions whose follower has not started yet, each with its first
-            look (it starts when it may have to act:
-            :func:`~elasticd.replication.follower.followers_due`).
+            look (it starts when it may have to act: ``follower.followers_due``).
         skipped: versions a local rank skipped or this node withdrew (newest first), published
             in the record: they can never be committed.
         withdrawn: versions this node withdrew (newest first), published apart (see
@@ -187,16 +185,12 @@ class JobState:
     def count_ack(self, me: str, rank: int, version: Version, peer: str) -> bool:
         """Counts ``peer``'s copy of local ``rank`` at ``version``; whether every placement
         peer of node ``me`` now holds one."""
-        if self.placement is None:
-            return False
-        acked = self.acked.setdefault(rank, {}).setdefault(version, set())
-        acked.add(peer)
-        return set(self.placement.peers_of(me)) <= acked
+        return bool(self.count_acks(me, (rank,), version, peer))
 
     def count_acks(self, me: str, ranks: Sequence[int], version: Version,
                    peer: str) -> list[int]:
         """:meth:`count_ack` for several ranks of one version: those of ``ranks`` every
-        placement peer of node ``me`` now holds (the peers looked up once, not per rank)."""
+        placement peer of node ``me`` now holds."""
         if self.placement is None:
             return []
         peers, done = set(self.placement.peers_of(me)), []
@@ -304,7 +298,7 @@ class CommitTracker:
             return
         # A tick by its first look starts it in time (it then waits for the look): the ticker
         # is woken only when its next tick comes later, not at every acknowledgement.
-        st.unstarted[actions.follow] = look = follower.first_look(st.book, actions.follow)
+        st.unstarted[actions.follow] = look = st.book.ask_at(actions.follow, follower.ASK_LEAD)
         self.reporter.tick_by(look)
 
     def on_landed(self, job: str, rank: int, version: Version,

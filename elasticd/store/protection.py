@@ -79,16 +79,6 @@ class JobView:
     grid: int = 0
 
 
-def _persist_limits(view: JobView, lag_limit: int, grace: float) -> tuple[int, float]:
-    """How far the persistent tier may fall behind before the job is ``persist_stale``: steps
-    (3 flush periods of K or of the snapshot grid, plus the commit lag allowed, as flushes
-    follow commits) and seconds (3 periods of T, plus the grace). 0 where not configured."""
-    steps = view.persist_every_steps
-    seconds = view.persist_every_seconds
-    return (3 * max(steps, view.grid) + lag_limit if steps else 0,
-            3 * seconds + grace if seconds else 0.0)
-
-
 def assess(view: JobView, lag_limit: int, grace: float) -> Unprotected | None:
     """Decides whether the job is unprotected (None: it is protected, or too young to say).
 
@@ -123,7 +113,11 @@ def _replication(view: JobView, lag_limit: int) -> Unprotected | None:
 
 
 def _persistence(view: JobView, lag_limit: int, grace: float) -> Unprotected | None:
-    steps, seconds = _persist_limits(view, lag_limit, grace)
+    # How far the tier may fall behind: 3 flush periods of K or of the snapshot grid, plus the
+    # commit lag allowed (flushes follow commits); 3 periods of T, plus the grace.
+    k, t = view.persist_every_steps, view.persist_every_seconds
+    steps = 3 * max(k, view.grid) + lag_limit if k else 0
+    seconds = 3 * t + grace if t else 0.0
     if not steps and not seconds:
         return None
     # With both K and T a step is flushed when either is due: stale only past both bounds.

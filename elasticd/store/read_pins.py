@@ -36,16 +36,11 @@ class ReadPins:
         self._scratch: dict[Caller, int] = {}  # the caller's live partial copy -> its pin
         self._next = 0
 
-    def __len__(self) -> int:
-        """How many pins are held."""
-        with self._lock:
-            return len(self._pins)
-
     def hold(self, descriptor: Callable[[], int], release: Callable[[], None], job: str,
              what: str, caller: Caller | None = None) -> tuple[int, int]:
         """A new read-only descriptor for the worker, and the pin that holds ``release`` until
         :meth:`release` (or the ttl); ``release`` is called at once when the descriptor cannot
-        be made. ``caller``: whose partial copy this is (see :meth:`take_scratch`).
+        be made. ``caller``: whose partial copy this is (see :meth:`release_scratch`).
 
         Raises:
             RequestError: no descriptor (one line, for the worker).

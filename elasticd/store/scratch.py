@@ -53,7 +53,6 @@ class ScratchReservation:
         self._release = release
 
     def release(self) -> None:
-        """Gives the booked bytes back."""
         self._release(self)
 
 

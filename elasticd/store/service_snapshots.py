@@ -291,14 +291,11 @@ class Snapshots:
         self._maybe_persist(job, record, version)
         return {"generation": sealed.generation, "step": sealed.step, "bytes": nbytes}
 
-    def _commits_decide(self, job: str) -> bool:
-        """Whether ``job``'s flushes follow its commits here (its snapshots are replicated and
-        committed), not this node's own completed snapshots."""
-        return self.replicator is not None and self.replicator.follows_commits(job)
-
     def _maybe_persist(self, job: str, record: JobRecord, version: tuple[int, int]) -> None:
-        """Offers a step every local rank completed to the persister (without commits)."""
-        if self.persist is None or self._commits_decide(job):
+        """Offers a step every local rank completed to the persister (without commits: with
+        them, the job's flushes follow its commits, :meth:`_persist_commit`)."""
+        if self.persist is None or (self.replicator is not None
+                                    and self.replicator.follows_commits(job)):
             return
         with self._book.lock:
             if version <= record.offered or not self._holding(job, version):

@@ -29,8 +29,6 @@ import shutil
 import threading
 from typing import Any, Callable
 
-import numpy as np
-
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.store.api import (
     CommitPending,
@@ -76,17 +74,12 @@ class SnapshotView:
         self.tags = segment.tags  # what the store's tagger made at seal time, or None
         self.path = segment.path
         self.buffer = segment.view[: self.header.layout.total_size].toreadonly()
-        # Parsed again from the bytes only when they are verified now or read by name: a
-        # push or a fetch serves the bytes by the header the store holds (parsing a header
-        # of a few hundred entries cost each fetch request ~2 ms).
-        self._reader = (SnapshotReader(self.buffer, verify=True, where=segment.path)
-                        if verify else None)
+        # Parsed again from the bytes only when they are verified now: a push or a fetch
+        # serves the bytes by the header the store holds (parsing a header of a few hundred
+        # entries cost each fetch request ~2 ms).
+        if verify:
+            SnapshotReader(self.buffer, verify=True, where=segment.path)
         self._segment, self._unpin = segment, unpin
-
-    def array(self, name: str) -> np.ndarray:
-        if self._reader is None:
-            self._reader = SnapshotReader(self.buffer, where=self.path)
-        return self._reader.array(name)
 
     def descriptor(self) -> int:
         """A new read-only descriptor of the slot file (for a worker; the caller closes it)."""
@@ -96,12 +89,6 @@ class SnapshotView:
         if self._unpin is not None:
             unpin, self._unpin = self._unpin, None
             unpin(self._segment)
-
-    def __enter__(self) -> "SnapshotView":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release()
 
 @dataclasses.dataclass
 class _Pair:
@@ -237,11 +224,9 @@ class SlotStore:
 
         The slot holding the latest complete snapshot is not returned, except when the other
         slot holds a copy that must stay (:meth:`retain`) and the latest may go: then the latest
-        is overwritten (the other one becomes the latest until this snapshot completes). When
-        both must stay the snapshot is refused (:class:`CommitPending`); when the slot to reuse
-        is pinned by a reader, too (:class:`SlotBusy`). On first use both slots are allocated
-        (``both``), so the next snapshot's is ready; a slot too small for ``nbytes`` is
-        replaced by a bigger one (new path).
+        is overwritten (the other one becomes the latest until this snapshot completes). On
+        first use both slots are allocated (``both``), so the next snapshot's is ready; a slot
+        too small for ``nbytes`` is replaced by a bigger one (new path).
 
         Args:
             both: allocate the other slot too when it is missing. False for a one-off copy (a

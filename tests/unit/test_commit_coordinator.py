@@ -28,7 +28,7 @@ from elasticd.replication.commit_state import Holder, Verdict
 from elasticd.replication.placement import compute_placement
 from elasticd.replication.report import Report, placement_digest
 from elasticd.replication.tally import AheadWrite, CommitWrite, ReadFences, Tally
-from tests.unit.test_commit_state import Node, push_copy
+from tests.unit.test_commit_state import Node, phase, push_copy
 from tests.unit.test_tally import recount
 
 NAMES = ["n0", "n1"]
@@ -365,7 +365,7 @@ def test_a_report_made_before_a_withdrawal_never_commits_the_withdrawn_version()
     m.nodes[0].hopeless = {(0, 1)}
     m.follow(0, _Draw((0, 1)))  # n0 withdraws (0, 1) before its report arrives
     m.withdrawal_ends(0, landed=True, known=True)
-    assert m.nodes[0].book.phase((0, 1)).name == "WITHDRAWN"
+    assert phase(m.nodes[0].book, (0, 1)).name == "WITHDRAWN"
     m.snapshot_and_push(0)  # n0 reuses the slot of (0, 1) for (0, 2)
     m.snapshot_and_push(0)
     m.deliver_at(0, keep=False)  # the old report arrives

@@ -31,7 +31,7 @@ def names(n: int) -> list[str]:
 def brute_lost(p: Placement, dead: set[str]) -> set[str]:
     """Owners with no surviving copy, from the list of copies."""
     surviving = {(o, o) for o in p.nodes if o not in dead}
-    surviving |= {(o, h) for o, h in p.copies() if h not in dead}
+    surviving |= {(o, h) for o, hs in p.holders.items() for h in hs if h not in dead}
     return {o for o in p.nodes if not any(c[0] == o for c in surviving)}
 
 

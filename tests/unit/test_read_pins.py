@@ -17,7 +17,7 @@ def test_a_pin_releases_once_by_the_worker_by_its_job_or_past_its_ttl():
     a, fd = pins.hold(lambda: 7, lambda: released.append("a"), "j", "a")
     b, _ = pins.hold(lambda: 8, lambda: released.append("b"), "j", "b")
     c, _ = pins.hold(lambda: 9, lambda: released.append("c"), "k", "c")
-    assert fd == 7 and len({a, b, c}) == 3 and len(pins) == 3
+    assert fd == 7 and len({a, b, c}) == 3 and len(pins._pins) == 3
     pins.release(a)
     pins.release(a)  # twice: nothing more
     assert released == ["a"]
@@ -28,7 +28,7 @@ def test_a_pin_releases_once_by_the_worker_by_its_job_or_past_its_ttl():
     assert released == ["a", "b"]
     clock.advance(2)
     pins.sweep()  # its worker died without a word
-    assert released == ["a", "b", "c"] and len(pins) == 0
+    assert released == ["a", "b", "c"] and len(pins._pins) == 0
     pins.release(c)
     assert released == ["a", "b", "c"]
 

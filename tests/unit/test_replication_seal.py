@@ -34,7 +34,7 @@ def test_the_tag_is_chacha20_poly1305_over_the_frame_as_associated_data(size):
         cut = size // 3
         tag = key.seal(frame[:cut], memoryview(frame)[cut:], b"")
         assert tag == aead_tag(KEY, sequence, frame)
-    assert key.sequence == 3
+    assert key._sequence == 3
 
 
 def test_the_same_frame_twice_gets_two_tags_and_each_opens_only_at_its_position():

@@ -43,7 +43,7 @@ def sealed_stream(payload: bytes) -> bytes:
     sender.send_key = FrameKey(KEY)
     frames = send_stream(sender, (memoryview(payload),), CHUNK)
     assert frames == -(-len(payload) // CHUNK)
-    assert sender.send_key.sequence == frames + 1  # every DATA frame and PUT_END, in order
+    assert sender.send_key._sequence == frames + 1  # every DATA frame and PUT_END, in order
     return bytes(sender.sock.data)
 
 

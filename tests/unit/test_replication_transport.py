@@ -189,7 +189,7 @@ def test_late_older_transfer_cannot_replace_a_newer_commit():
     with pytest.raises(Refused) as refused:
         sink.landed(older)
     assert refused.value.reason == STALE
-    assert sink.held(JOB, 0) == newer and not sink.in_flight()
+    assert sink.held(JOB, 0) == newer and not sink._in_flight
     assert ("abort", older, STALE) in sink.events
 
 
@@ -342,7 +342,7 @@ def test_truncated_stream_aborts_and_never_commits(make_server, cut):
     client.channel.sock.close()  # the connection drops mid-transfer
     wait_for(lambda: any(e[0] == "abort" for e in sink.events))
     assert [e[0] for e in sink.events] == ["begin", "abort"]
-    assert sink.get(JOB, 0) is None and not sink.in_flight()
+    assert sink.get(JOB, 0) is None and not sink._in_flight
     assert server.stats.pushes_aborted == 1
 
 

@@ -18,6 +18,7 @@ from elasticd.testing.clock import FakeClock
 
 from elasticd.snapshot import segment as segment_module
 from elasticd.snapshot.format import CorruptSnapshot, SnapshotHeader, TensorSpec, layout
+from elasticd.snapshot.reader import SnapshotReader
 from elasticd.store.shm import (
     PAGE,
     CommitPending,
@@ -65,8 +66,9 @@ def snapshot(store, job, rank, step, n=3000, generation=0):
 def assert_holds(store, job, rank, step, n=3000):
     view = store.latest(job, rank, verify=True)
     assert view is not None and view.header.step == step
+    reader = SnapshotReader(view.buffer)
     for name, arr in arrays_for(step, n).items():
-        assert view.array(name).tobytes() == arr.tobytes()
+        assert reader.array(name).tobytes() == arr.tobytes()
 
 
 def files(root):
@@ -140,10 +142,11 @@ def test_a_copy_retained_for_every_rank_outlives_newer_ones(store):
     # A reader pinning the newer copy (a push to a peer that stopped answering): the snapshot
     # is refused rather than evict the retained copy, the only one this node has.
     snapshot(store, "job", 0, step=5)
-    with store.latest("job", 0, pin=True):
-        with pytest.raises(SlotBusy, match="must stay"):
-            store.reserve("job", 0, 100)
-        assert store.versions("job", 0) == [(0, 5), (0, 1)]
+    pinned = store.latest("job", 0, pin=True)
+    with pytest.raises(SlotBusy, match="must stay"):
+        store.reserve("job", 0, 100)
+    assert store.versions("job", 0) == [(0, 5), (0, 1)]
+    pinned.release()
     snapshot(store, "job", 0, step=6)  # released: the newer copy's slot is reused
     assert store.versions("job", 0) == [(0, 6), (0, 1)]
     # Another version retained, the first let go: plain alternation around the new one.
@@ -339,10 +342,11 @@ def test_pinned_view_blocks_reuse_until_released(store):
     snapshot(store, "job", 0, step=2)  # goes to the other slot
     with pytest.raises(SlotBusy):
         store.reserve("job", 0, 100)
-    assert view.array("step") == 1
+    assert SnapshotReader(view.buffer).array("step") == 1
     view.release()
-    with store.latest("job", 0, pin=True) as current:
-        assert current.header.step == 2
+    current = store.latest("job", 0, pin=True)
+    assert current.header.step == 2
+    current.release()
     store.reserve("job", 0, 100)
 
 
@@ -471,7 +475,8 @@ def test_remove_and_remove_job_unlink_everything(store, root):
     assert store.latest("a", 1) is None and not os.path.exists(os.path.join(root, "a", "1"))
     store.remove_job("a")
     assert not os.path.exists(os.path.join(root, "a"))
-    assert view.array("step") == 1  # the mapping lingers until the reader lets go
+    # The mapping lingers until the reader lets go.
+    assert SnapshotReader(view.buffer).array("step") == 1
     assert files(root) == ["b/0/0.slot", "b/0/1.slot"]
     assert store.holdings() == [("b", 0, 0, 1)]
     store.remove_job("b")

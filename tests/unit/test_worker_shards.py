@@ -197,7 +197,7 @@ def test_fsdp2_state_restores_bitwise_and_reshards_3_to_2_to_3_like_dcp(daemons)
     # n2 died; the step saved by all 3 ranks was committed. Two ranks on n1 reshard it.
     services[0].replicator.record = commit(0, 3, 3)
     spawn(_rank_main, args=(2, free_port(), [n1, n1], out_dir, "shrink"), nprocs=2)
-    assert not len(services[0].pins)  # every slot a restore read was handed back
+    assert not services[0].pins._pins  # every slot a restore read was handed back
     # New rank 1 asked for old rank 2's rows with its new boxes: one per (global shape,
     # placements), its half of the rows of each FSDP2 parameter.
     (job, rank, need), = services[0].replicator.needs
@@ -215,7 +215,7 @@ def test_fsdp2_state_restores_bitwise_and_reshards_3_to_2_to_3_like_dcp(daemons)
     for s in services:
         s.replicator.record = commit(generation, 6, 2)
     spawn(_rank_main, args=(3, free_port(), [n1, n1, n2], out_dir, "grow"), nprocs=3)
-    assert not len(services[0].pins) and not len(services[1].pins)
+    assert not services[0].pins._pins and not services[1].pins._pins
     sources = [open(os.path.join(out_dir, f"grow-{r}.source")).read().split()[0]
                for r in range(3)]
     assert sources == ["local", "local", "peer"]

@@ -251,8 +251,9 @@ def test_state_through_the_slot_store_with_a_background_copy():
         copier.start(flat.tensors, slot.buffer, lay).wait(timeout=60)
         store.complete(slot, SnapshotHeader("job", 2, 0, 0, 1, lay, flat.meta))
         b = build(1, "adamw")
-        with store.latest("job", 0, pin=True, verify=True) as view:
-            load_snapshot(b, view.buffer, view.header)
+        view = store.latest("job", 0, pin=True, verify=True)
+        load_snapshot(b, view.buffer, view.header)
+        view.release()
         assert same(fingerprint(a), fingerprint(b))
     finally:
         copier.close()
