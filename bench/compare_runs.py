@@ -1,8 +1,10 @@
 """Compares run_all.py reports figure by figure: each run's value and its ratio to the
-baseline measured in the same run, and the change of the last report against the median of
-the others (a before/after of a change, with the before run on both sides of the after).
+baseline measured in the same run, and the change of the median of the "after" reports against
+the median of the others (a before/after of a change, with before runs on both sides of the
+after ones), and whether that change is within 5 % or better.
 
     python bench/compare_runs.py before1.json after.json before2.json --after after.json
+    python bench/compare_runs.py b1.json a1.json a2.json b2.json --after a1.json --after a2.json
 
 Writes a Markdown table to stdout.
 """
@@ -29,15 +31,17 @@ def _figures(path: str) -> tuple[str, dict[str, dict]]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("reports", nargs="+", help="run_all.py latest.json files, in run order")
-    p.add_argument("--after", required=True, help="which of them is the change")
+    p.add_argument("--after", required=True, action="append",
+                   help="which of them is the change (repeat for several runs of it)")
     a = p.parse_args()
     runs = [(path, *_figures(path)) for path in a.reports]
-    after = next(r for r in runs if os.path.samefile(r[0], a.after))
-    before = [r for r in runs if r is not after]
+    after = [r for r in runs if any(os.path.samefile(r[0], x) for x in a.after)]
+    before = [r for r in runs if r not in after]
     heads = [f"{os.path.basename(path)} ({commit})" for path, commit, _ in runs]
-    print("| figure | unit | better | " + " | ".join(heads) + " | after / median before |")
-    print("| --- | --- | --- | " + " | ".join("---:" for _ in runs) + " | ---: |")
-    for name, fig in after[2].items():
+    print("| figure | unit | better | " + " | ".join(heads)
+          + " | median after / median before | within 5 % or better |")
+    print("| --- | --- | --- | " + " | ".join("---:" for _ in runs) + " | ---: | --- |")
+    for name, fig in after[0][2].items():
         cells = []
         for _, _, figs in runs:
             f = figs.get(name)
@@ -45,10 +49,14 @@ def main() -> None:
             cells.append("—" if f is None else f"{f['value']:.3g}" + (
                 f" ({base['ratio']:.2f} x base)" if base and base.get("ratio") else ""))
         olds = [figs[name]["value"] for _, _, figs in before if name in figs]
-        change = (f"{fig['value'] / statistics.median(olds):.2f}"
-                  if olds and statistics.median(olds) else "—")
+        news = [figs[name]["value"] for _, _, figs in after if name in figs]
+        change, verdict = "—", "—"
+        if olds and statistics.median(olds):
+            ratio = statistics.median(news) / statistics.median(olds)
+            worse = ratio - 1 if fig["better"] == "lower" else 1 - ratio
+            change, verdict = f"{ratio:.3f}", "yes" if worse <= 0.05 else "**no**"
         print(f"| {name} | {fig['unit']} | {fig['better']} | " + " | ".join(cells)
-              + f" | {change} |")
+              + f" | {change} | {verdict} |")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ everything else, so nothing may leak. Nothing is followed through a symlink
 
 from __future__ import annotations
 
+import contextlib
 import os
+import stat
 from typing import Callable
 
 from elasticd.snapshot.segment import Segment
@@ -31,7 +33,11 @@ def scan_root(fd: int, root: str) -> tuple[Found, ScanResult]:
     removed: list[tuple[str, str]] = []
 
     def drop(name: str, why: str) -> None:
-        # Anything under the root that is not a verified slot goes: nothing may leak.
+        # Anything under the root that is not a verified slot goes: nothing may leak. Restore
+        # scratch is emptied first, as ScratchSpace.drop does: a worker keeps its mapping of
+        # one from restore to restore (worker/scratch_maps.py), which would hold the pages.
+        if name.startswith(".scratch-"):
+            _empty(fd, name)
         remove_at(fd, name)
         removed.append((os.path.join(root, name), why))
 
@@ -54,6 +60,16 @@ def scan_root(fd: int, root: str) -> tuple[Found, ScanResult]:
         if not listdir_at(fd, job):
             os.rmdir(job, dir_fd=fd)
     return found, ScanResult(kept, removed)
+
+
+def _empty(fd: int, name: str) -> None:
+    with contextlib.suppress(OSError):  # not a regular file, or gone: remove_at deals with it
+        f = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
+        try:
+            if stat.S_ISREG(os.fstat(f).st_mode):
+                os.ftruncate(f, 0)
+        finally:
+            os.close(f)
 
 
 def _adopt(fd: int, root: str, job: str, rank: int, rank_dir: str,

@@ -1,0 +1,25 @@
+#!/bin/bash
+# Issue 28's before/after bracket: bench/run_all.py on the issue's base and on the head, in one
+# CPU-lock hold, blocks alternated (base, head, head, base). Each tree is a detached git
+# worktree (so run_all records its commit), run with PYTHONPATH set to it; the daemons, agents
+# and workers it starts inherit that path. Usage (from the repository):
+#   /work/wt/cpulock bash bench/results/structure_bracket36/hold.sh BASE HEAD OUT_DIR [ROUNDS]
+set -u
+base=$1 head=$2 out=$(realpath -m "$3") rounds=${4:-8}
+repo=$(git rev-parse --show-toplevel)
+py=${PY:-$repo/.venv/bin/python}
+mkdir -p "$out"
+for t in base head; do
+    rev=${!t}; dir=/tmp/bracket36/$t
+    git -C "$repo" worktree remove --force "$dir" 2>/dev/null
+    git -C "$repo" worktree add -q --detach "$dir" "$rev" || exit 1
+done
+for spec in base-1:base head-1:head head-2:head base-2:base; do
+    label=${spec%%:*} t=${spec#*:} dir=/tmp/bracket36/${spec#*:}
+    echo "$(date -u +%T) start $label $t $(git -C "$dir" rev-parse --short HEAD)" | tee -a "$out/order.txt"
+    (cd "$dir" && PYTHONPATH=$dir "$py" -c 'import elasticd; print("code:", elasticd.__file__)' \
+        && PYTHONPATH=$dir "$py" bench/run_all.py --rounds "$rounds" --out-dir "$out/$label") \
+        > "$out/$label.log" 2>&1
+    echo "$(date -u +%T) end $label rc=$?" | tee -a "$out/order.txt"
+done
+for t in base head; do git -C "$repo" worktree remove --force /tmp/bracket36/$t; done
