@@ -26,20 +26,18 @@ import json
 import mmap
 import os
 import statistics
+import sys
 import time
 
 import numpy as np
+from worker_copy import make_file  # the spike beside this one
 
 
-def make_file(directory: str, nbytes: int, small: bool) -> tuple[str, int, mmap.mmap]:
-    path = os.path.join(directory, f"spike-kept-map-{os.getpid()}-{int(small)}")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    os.ftruncate(fd, nbytes)
-    writer = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
-    if small:
-        writer.madvise(mmap.MADV_NOHUGEPAGE)
-    np.frombuffer(writer, dtype=np.uint8)[:] = 1
-    return path, fd, writer
+def writable(directory: str, nbytes: int, small: bool) -> tuple[str, int, mmap.mmap]:
+    """A file of ``nbytes`` written in pages of the kind asked for (worker_copy's), its
+    descriptor and a mapping to write it through (the daemon's)."""
+    path, fd = make_file(directory, nbytes, small)
+    return path, fd, mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
 
 
 def copy_pieces(src: int, dst: int, nbytes: int, piece: int) -> None:
@@ -48,19 +46,17 @@ def copy_pieces(src: int, dst: int, nbytes: int, piece: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--mib", type=int, default=576)
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--piece", type=int, default=8 << 20)
-    parser.add_argument("--huge", default="")
-    parser.add_argument("--out", default="")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for flag, kind, default in (("--mib", int, 576), ("--reps", int, 7), ("--piece", int, 8 << 20),
+                                ("--huge", str, ""), ("--out", str, "")):
+        parser.add_argument(flag, type=kind, default=default)
     args = parser.parse_args()
     nbytes = args.mib << 20
     dst = np.zeros(nbytes, dtype=np.uint8)  # touched, like the live state's tensors
     d0 = dst.ctypes.data
-    files = {"small": make_file("/dev/shm", nbytes, True)}
+    files = {"small": writable("/dev/shm", nbytes, True)}
     if args.huge:
-        files["huge"] = make_file(args.huge, nbytes, False)
+        files["huge"] = writable(args.huge, nbytes, False)
     kept = {pages: mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
             for pages, (_, fd, _) in files.items()}
     samples: dict[str, list[float]] = {}
@@ -96,18 +92,16 @@ def main() -> None:
             writer.close()
             os.close(fd)
             os.unlink(path)
-    gib = nbytes / (1 << 30)
-    out = {"command": "python bench/spikes/kept_mapping.py " + " ".join(
-        f"--{k} {v}" for k, v in vars(args).items() if v not in ("", None)),
+    per_gib = {k: [round(x * (1 << 30) / nbytes, 4) for x in v] for k, v in samples.items()}
+    text = json.dumps({
+        "command": "python bench/spikes/kept_mapping.py " + " ".join(sys.argv[1:]),
         "bytes": nbytes, "cpu_seconds_per_gib": {
-            k: {"median": round(statistics.median(v) / gib, 4),
-                "median_after_first": round(statistics.median(v[1:]) / gib, 4),
-                "first": round(v[0] / gib, 4), "runs": [round(x / gib, 4) for x in v]}
-            for k, v in samples.items()}}
-    print(json.dumps(out, indent=1))
+            k: {"first": v[0], "median_after_first": statistics.median(v[1:]), "runs": v}
+            for k, v in per_gib.items()}}, indent=1)
+    print(text)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+            f.write(text)
 
 
 if __name__ == "__main__":
