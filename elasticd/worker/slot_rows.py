@@ -11,7 +11,10 @@ from the same descriptor copies the file's pages into the destination without ma
 whole rows, one call per piece of a shard. On huge pages the mapping costs next to nothing and
 the kernel's copy is the dearer one: one libc ``memmove`` per piece out of the mapping took
 0.086 CPU s per GiB against ``preadv``'s 0.179 (small pages: 0.253 against 0.245, so those keep
-``preadv``; ``bench/spikes/worker_copy.py``, bench/results/restore35/). The bytes are the same
+``preadv``; ``bench/spikes/worker_copy.py``, bench/results/restore35/). Restore scratch is
+copied out of its mapping too: one the worker keeps from restore to restore
+(:mod:`elasticd.worker.scratch_maps`), whose pages are mapped already (0.097 CPU s per GiB
+against ``preadv``'s 0.228 on small pages, bench/results/restore36/). The bytes are the same
 ones either way (the descriptor the daemon handed over and its mapping, never a path; the slot
 stays pinned until the piece is released), so nothing the daemon checked is read from anywhere
 else. Worker side: imports torch.
@@ -46,13 +49,14 @@ def huge_page_file(fd: int) -> bool:
 
 class SlotFiles:
     """The slot files a restore's pieces are mapped from, each by the address its mapping starts
-    at (the file's offset 0): its descriptor and, for a file on huge pages, the mapping's length
-    (0 on small pages). The pieces own the descriptors and the mappings: they are valid until
+    at (the file's offset 0): its descriptor and, for a file whose rows are copied out of the
+    mapping (on huge pages, or restore scratch in a kept mapping), the mapping's length (0:
+    ``preadv``). The pieces own the descriptors and the mappings: they are valid until
     the pieces are released, which is after the load.
 
     Args:
-        files: (mapping address, descriptor, huge-page mapping length or 0) of each piece read
-            in place.
+        files: (mapping address, descriptor, length of a mapping to copy out of, or 0) of each
+            piece read in place.
     """
 
     def __init__(self, files: Iterable[tuple[int, int, int]] = ()) -> None:
@@ -66,7 +70,7 @@ class SlotFiles:
     def read(self, out: torch.Tensor, dst: tuple[slice, ...], t: torch.Tensor,
              src: tuple[slice, ...]) -> bool:
         """Copies ``t[src]`` into ``out[dst]`` from the slot file ``t`` is a view of (``preadv``;
-        ``memmove`` out of its mapping on huge pages), when both are one run of bytes (whole
+        ``memmove`` out of its mapping where its length was given), when both are one run of bytes (whole
         rows of contiguous tensors: only dimension 0 is cut, as FSDP2's ``Shard(0)`` cuts)
         inside both tensors; False, having copied nothing, when they are not or ``t`` is not a
         view of a slot file given here (torch's indexing then copies, or refuses the box)."""

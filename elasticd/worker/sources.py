@@ -28,6 +28,7 @@ from elasticd.snapshot.segment import map_fd
 from elasticd.worker import handover, shards
 from elasticd.worker.client import DaemonUnavailable
 from elasticd.worker.copier import read_tensors, tensor_views
+from elasticd.worker.scratch_maps import SCRATCH_MAPS, ScratchMaps
 from elasticd.worker.slot_rows import SlotFiles, huge_page_file, mapping_address
 
 log = logging.getLogger("elasticd.checkpoint")
@@ -58,9 +59,9 @@ class _Fetched:
     release: Callable[[], None] | None = None
     #: Which old rank's snapshot this is, when fetched for another world size.
     rank: int | None = None
-    #: (mapping address, descriptor, mapping length on huge pages or 0) of the slot file a
-    #: piece read in place maps, until its ``release`` (which closes the descriptor): the
-    #: resharder reads rows from the file, or out of the mapping on huge pages (slot_rows.py).
+    #: (mapping address, descriptor, mapping length or 0) of the slot file a piece read in
+    #: place maps, until its ``release`` (which closes the descriptor): the resharder reads
+    #: rows from the file, or out of the mapping where its length is given (slot_rows.py).
     slot_file: tuple[int, int, int] | None = None
     #: The snapshot's bytes as they lay in the slot (uint8), kept to hand over (handover.py).
     raw: torch.Tensor | None = None
@@ -85,6 +86,8 @@ class Sources:
                  persist_dir: str | None = None, previous: tuple[int, int] | None = None
                  ) -> None:
         self.transport, self.job, self.rank, self.world = transport, job, rank, world_size
+        #: Where restore scratch read in place is mapped (kept for the next restore).
+        self.scratch_maps: ScratchMaps = SCRATCH_MAPS
         self.persist_dir = persist_dir
         #: (rank, world size) this process held in the round before, when it differs from
         #: the current one: a survivor of an in-process re-formation (see :attr:`own`), or
@@ -454,7 +457,8 @@ class Sources:
         ``release`` (a copy of a whole old snapshot cost as much as the reshard itself); a
         ``ckpt_fetch`` then sends the new local boxes (:attr:`boxes`), and a copy fetched from
         peers is partial: only the rows they overlap, and every entry that is not a DTensor,
-        are valid, which is all a reshard reads. ``keep_bytes``: the slot's bytes are copied
+        are valid, which is all a reshard reads. Such a copy (restore scratch) is mapped
+        through :attr:`scratch_maps`, which keeps the mapping past the release. ``keep_bytes``: the slot's bytes are copied
         out whole first (:attr:`_Fetched.raw`, to hand over) and the tensors from that copy."""
         rank = self.rank if rank is None else rank
         wait: dict[str, Any] = {"timeout": FETCH_WAIT} if op == "ckpt_fetch" else {}
@@ -468,16 +472,19 @@ class Sources:
                       version, reply.get("reason", ""))
             return None
         source = "peer" if reply.get("source") == "peer" else "local"
+        # Restore scratch (a partial copy) read in place: through the mapping kept from the
+        # last restore, whose pages the daemon's next copy lands in (scratch_maps.py).
+        scratch = in_place and bool(reply.get("partial"))
         mm, kept, handed, huge = None, None, False, 0
         try:
             with handed_fd(reply) as fd:  # the file the daemon verified, not what a path names
-                mm = map_fd(fd, int(reply["offset"]) + int(reply["size"]), writable=False,
-                            populate=False)
+                size = int(reply["offset"]) + int(reply["size"])
+                mm = (self.scratch_maps.map(fd, size) if scratch
+                      else map_fd(fd, size, writable=False, populate=False))
                 if in_place:  # the resharder reads rows from the file (slot_rows.py)
                     kept = os.dup(fd)
-                    # Restore scratch (a partial copy) takes small pages on every mount
-                    # (ScratchSpace.new); a wrong guess would cost CPU only.
-                    huge = len(mm) if not reply.get("partial") and huge_page_file(fd) else 0
+                    # Copied out of the mapping: a kept one, or a slot on huge pages.
+                    huge = len(mm) if scratch or huge_page_file(fd) else 0
             reader = SnapshotReader(memoryview(mm), job=self.job, rank=rank,
                                     world_size=world, verify=False, where=reply["path"])
             if reader.header.version() != version:  # the daemon verified this very slot
@@ -497,14 +504,15 @@ class Sources:
                 # The piece's views need the mapping, its rows the descriptor, and the slot
                 # its pin, until released.
                 out.slot_file = (mapping_address(mm), kept, huge)
-                out.release = functools.partial(self._release, reply["pin"], mm, kept)
+                out.release = functools.partial(self._release, reply["pin"],
+                                                None if scratch else mm, kept)
                 mm, kept, handed = None, None, True
             return out
         finally:
             if kept is not None:
                 os.close(kept)
             if not handed:  # copied out, or failed before the piece took the slot: let it go
-                self._release(reply["pin"], mm)
+                self._release(reply["pin"], None if scratch else mm)
 
     def _release(self, pin: int, mm: mmap.mmap | None = None, fd: int | None = None) -> None:
         """Unmaps a slot (once no view is left), closes the piece's descriptor of it, and

@@ -135,7 +135,12 @@ def _rank_main(rank, world, port, sockets, out_dir, phase):
             _assert_bitwise(_local(model, opt), _local(ref_model, ref_opt),
                             f"{phase} rank {rank} against dcp.load")
             # The other old ranks' pieces were read in place (views of the slots): none of
-            # the restored tensors may be one, or its slot would still be mapped here.
+            # the restored tensors may be one, or its slot would still be mapped here. The
+            # restore scratch kept mapped for the next restore is let go first (a view of it
+            # would keep it mapped).
+            from elasticd.worker.scratch_maps import SCRATCH_MAPS
+
+            SCRATCH_MAPS.close()
             mapped = [line for line in open("/proc/self/maps") if "/elasticd-test-" in line]
             assert not mapped, mapped
             with open(os.path.join(out_dir, f"{phase}-{rank}.source"), "w") as f:
