@@ -75,7 +75,6 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         prefix: the rendezvous' key directory, ``<prefix>/jobs/<run_id>/rdzv/``.
         settings: the run, its sizes and rules.
         addr: this node's address (``--local-addr`` or the host name).
-        grace: retry policy for etcd outages.
         clock: time source for the lease, trust and absences.
     """
 

@@ -51,7 +51,6 @@ class EtcdV3Store(dist.Store):
     """A ``torch.distributed.Store`` on etcd v3 keys under ``key_prefix``.
 
     Args:
-        coordinator: the etcd connection.
         key_prefix: the directory of store keys, ending in ``/``
             (``<prefix>/jobs/<run_id>/rdzv/store/``).
         timeout: how long ``get``/``wait`` block for missing keys; the c10d default if None.
