@@ -8,14 +8,11 @@ until the new cluster's revision passes that number, leases are "not found", and
 is gone. Left alone, daemons then see their peers vanish (failures), their job specs vanish
 (jobs stopped) and, once they re-list, fence one another.
 
-So the cluster writes one key of its own, ``<prefix>/cluster``, holding a random incarnation
-id, created once and never deleted. Each daemon remembers the id it saw and the highest etcd
-revision it read; a later look that finds the key gone or replaced, or the revision gone
-backwards, means etcd lost its data. The first daemon to notice writes a new incarnation (so
-the loss is counted once, cluster-wide); the others find it and adopt it.
-
-Looking costs one range read. The daemon looks when something suggests a loss (a lease found
-gone, a watch stream broken, the end of an outage), never per cycle.
+So the cluster writes one key of its own, ``<prefix>/cluster``, a random incarnation id; what
+a daemon that finds it gone or replaced (or the revision gone backwards) does, and when it
+looks (never per cycle: one range read when something suggests a loss): docs/operations.md §8a.
+The first daemon to notice writes a new incarnation, so the loss is counted once; the others
+adopt it.
 """
 
 from __future__ import annotations

@@ -94,14 +94,12 @@ class StepHistory:
 
 @dataclasses.dataclass(frozen=True)
 class LearnedTimeout:
-    """The learned rule's settings (see the module's docstring).
+    """The learned rule's settings (see the module's docstring; its :data:`FACTOR`,
+    :data:`WINDOW` and :data:`MAX_DOUBLINGS` are the rule's own).
 
     Args:
         floor: the lowest timeout, seconds.
         first_step: the allowance for a worker process's first steps, seconds.
-        factor: the multiple of the longest interval.
-        window: intervals kept per rank.
-        max_doublings: the most times restarts double the timeout.
 
     Raises:
         ValueError: a value out of range (quoted).
@@ -109,31 +107,23 @@ class LearnedTimeout:
 
     floor: float = 60.0
     first_step: float = 600.0
-    factor: float = FACTOR
-    window: int = WINDOW
-    max_doublings: int = MAX_DOUBLINGS
 
     def __post_init__(self) -> None:
-        for name in ("floor", "first_step", "factor"):
+        for name in ("floor", "first_step"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"learned hang timeout: {name} must be positive seconds, got "
                                  f"{value!r}")
-        if not (isinstance(self.window, int) and self.window >= 1):
-            raise ValueError(f"learned hang timeout: window must be >= 1, got {self.window!r}")
-        if not (isinstance(self.max_doublings, int) and 0 <= self.max_doublings <= 16):
-            raise ValueError("learned hang timeout: max_doublings must be 0 to 16, got "
-                             f"{self.max_doublings!r}")
 
     def history(self) -> StepHistory:
         """A new, empty history for a job."""
-        return StepHistory(window=self.window)
+        return StepHistory()
 
     def timeout(self, history: StepHistory) -> float:
         """The timeout in force for a rank past its first steps."""
         longest = history.longest()
-        base = max(self.floor, self.factor * longest) if longest is not None else self.floor
-        return base * 2 ** min(history.doublings, self.max_doublings)
+        base = max(self.floor, FACTOR * longest) if longest is not None else self.floor
+        return base * 2 ** min(history.doublings, MAX_DOUBLINGS)
 
     def warmup_timeout(self, history: StepHistory) -> float:
         """The timeout for a worker process's first steps (and any step while nothing is
@@ -145,17 +135,17 @@ class LearnedTimeout:
         does (steps shorter than floor / factor; or nothing learned yet, when the tracker
         applies the first-step allowance instead)."""
         longest = history.longest()
-        return "learned" if longest is not None and self.factor * longest > self.floor \
+        return "learned" if longest is not None and FACTOR * longest > self.floor \
             else "floor"
 
     def fired(self, history: StepHistory) -> None:
         """A restart this rule caused: the next timeout is doubled (up to the cap)."""
-        history.doublings = min(history.doublings + 1, self.max_doublings)
+        history.doublings = min(history.doublings + 1, MAX_DOUBLINGS)
 
     def status(self, history: StepHistory) -> dict[str, Any]:
         """A JSON-able summary for ``/status``."""
         longest = history.longest()
         return {"floor_seconds": self.floor, "first_step_seconds": self.first_step,
-                "factor": self.factor, "window": self.window,
+                "factor": FACTOR, "window": WINDOW,
                 "longest_step_seconds": None if longest is None else round(longest, 3),
                 "steps_learned": history.learned, "doublings": history.doublings}

@@ -5,26 +5,12 @@ handing it to an agent, which runs as the job's unprivileged user (and whose wor
 job's code), would give that user the cluster, and whoever may write a job's rendezvous prefix
 can disturb that job's rounds (no longer run code: the rendezvous reads JSON, not pickle). So
 each agent gets credentials of its own, limited to its job:
-
-* per (job, node), an etcd user ``elasticd-agent.<tag>.<job>@<node>`` with a random password
-  that never leaves this node (no secret is stored in etcd; a restarted daemon sets a new one).
-  ``@`` is in no job or node name, so no two (job, node) pairs share a user. (Until issue 26
-  the separator was ``.``, which names may contain: job ``a.b`` on node ``c`` and job ``a`` on
-  node ``b.c`` were one user, whose password each reset and whose roles held both jobs. A
-  daemon deletes the users under that old scheme that are its own, see
-  :func:`old_users_of`);
-* the role ``elasticd-rdzv.<tag>.<job>``: read and write ``<prefix>/jobs/<job>/rdzv/`` only;
-* the role ``elasticd-node.<tag>.<node>``: read ``<prefix>/nodes/<node>`` only (the agent's
-  daemon watch, :mod:`elasticd.agent.daemon_watch`, reads its node's record);
-
-``<tag>`` is a hash of the cluster prefix, so clusters sharing an etcd do not share roles. The
-daemon needs etcd's ``root`` role to manage users (docs/operations.md). The password reaches the
-agent in its environment (``ELASTICD_ETCD_PASSWORD``, read by
-:mod:`elasticd.rendezvous.config`; ``/proc/<pid>/environ`` is readable by the
-process' owner and root only), never in argv; the user name and TLS file paths travel in
-``--rdzv-conf``. TLS files the agent needs (the CA, and an agent client certificate when etcd
-asks for one) are copied into a root-owned directory, each readable by the job's user only.
-This node's user is deleted when the job ends here.
+per (job, node) the user ``elasticd-agent.<tag>.<job>@<node>`` (``@`` is in no name: the
+``.`` before issue 26 let two pairs share a user; a daemon deletes its own users of that scheme,
+:func:`old_users_of`), and the roles ``elasticd-rdzv.<tag>.<job>`` (read-write on the job's
+``rdzv/`` only) and ``elasticd-node.<tag>.<node>`` (read on the node's record only, for
+:mod:`elasticd.agent.daemon_watch`); ``<tag>`` hashes the cluster prefix. How the password and
+the TLS files reach the agent: docs/operations.md, "The agents' credentials".
 """
 
 from __future__ import annotations

@@ -105,7 +105,6 @@ class EtcdCoordinator(Coordinator):
         return self.connection
 
     def auth_call(self, method: str, request: Any) -> Any:
-        """See :meth:`EtcdConnection.auth_call` (etcd's users and roles)."""
         return self.connection.auth_call(method, request)
 
     # -- keys -----------------------------------------------------------------------------

@@ -4,10 +4,9 @@ through: failover, typed errors, repeats of refused requests, the lease keep-ali
 Every call of the coordinator and of its watches (:mod:`elasticd.coordination.etcd_watch`) goes
 through :meth:`EtcdConnection.call`. Traps of ``pyetcd`` avoided here (docs/facts.md):
 
-* The plain client marks an endpoint failed for 300 s after a single error and then refuses
-  every call ("Trying to use a failed node"). We always build a ``MultiEndpointEtcd3Client``
-  with ``failover=True`` and ``time_retry`` of half a second, and retry a call once per
-  endpoint before reporting :class:`Unavailable`.
+* The plain client's failed endpoint, refused for 300 s after one error: we always build a
+  ``MultiEndpointEtcd3Client`` with ``failover=True`` and ``time_retry`` of half a second, and
+  retry a call once per endpoint before reporting :class:`Unavailable`.
 * gRPC errors surface as the library's exceptions, or as raw ``grpc.RpcError`` for codes it
   does not map; both are turned into this package's typed errors here and nowhere else.
 """

@@ -1,13 +1,10 @@
 """One watch on etcd that survives its stream (see :mod:`elasticd.coordination.etcd`).
 
-Trap of ``pyetcd`` this module guards against (docs/facts.md): its watcher binds etcd's
-"created" answer to whichever watch is being created on the stream at that moment. When a
-creation times out on the client (a frozen or overloaded etcd), the late answer is bound to the
-next watch created on the same stream, which then receives the first watch's events instead of
-its own (seen at N = 1,000: the rendezvous node watch received a checkpoint key). So every
-event's key is checked against the watch's own range; one outside it means the stream cannot
-be trusted: the callback gets a :class:`CoordinationError` (as for a broken stream, so its owner
-re-lists) and the watch is re-created.
+Trap of ``pyetcd`` this module guards against (docs/facts.md): a watch creation answered late
+binds another watch's events to the next watch created on the stream. So every event's key is
+checked against the watch's own range; one outside it means the stream cannot be trusted: the
+callback gets a :class:`CoordinationError` (as for a broken stream, so its owner re-lists) and
+the watch is re-created.
 """
 
 from __future__ import annotations

@@ -37,7 +37,6 @@ class Closer:
     """The closer's duty while this agent holds the election key.
 
     Args:
-        agent: what the agent's parts share.
         election: the election key's ``create_revision`` (what every write compares).
         settings: the run's id, sizes, ``last_call`` and ``liveness_confirm``.
         store_prefix: the run's store directory; the closer deletes stores two rounds old.

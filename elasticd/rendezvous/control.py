@@ -151,11 +151,6 @@ class AgentContext:
     closer and its node watch.
 
     Attributes:
-        coord: the agent's etcd connection.
-        control: the agent's copy of the control keys.
-        grace: retry policy for etcd outages.
-        clock: time source.
-        me: this agent's node id.
         distrust: called with a reason when a watch failed (the view may be stale).
         wake: called when the duty thread must step (a watch event, a copy to re-list).
     """

@@ -29,7 +29,6 @@ class Election:
     """Takes the closer's key when it is free and this agent's turn has come; holds the duty.
 
     Args:
-        agent: what the agent's parts share.
         keeper: the agent's lease (the key is bound to it).
         closer: makes the closer's duty for the election key's ``create_revision``.
 

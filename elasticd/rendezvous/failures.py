@@ -9,40 +9,11 @@ against the node's lease. Waiting ``liveness_confirm`` again after it only delay
 recovery: an in-process one waits for it from detection on (0.5 s under a daemon, against a
 0.15 s budget for the whole re-formation).
 
-So a daemon's agent names its daemon and that daemon's lease in its join record
-(:attr:`~.records.NodeRecord.daemon`), and a daemon that records a peer ``failed`` also
-writes a **failure mark** into each rendezvous of a job it runs (``native/failed/<node>@<lease
-hex>``, bound to its own lease: it goes when that daemon goes, and a failure seen by nobody
-alive no longer matters); the survivor whose create of the mark wins deletes the join records
-that name the failed node and lease (:mod:`elasticd.daemon.rdzv_marks`; the rendezvous' side
-of the fence: the node, if it still runs, is fenced by its daemon, which
-finds the ``failed`` event against its lost lease, or by its agent's daemon watch; it can enter
-a later round only as a newcomer, with a new record).
-
-The closer follows the marks with a watch of its own (beside its node watch,
-:mod:`.node_watch`), and learns of a mark the moment it is created, without waiting for the
-deletes that follow it (a listing and a second write later: they were most of a round after a
-kill, 60 ms of the 0.19 s after detection). A mark does at once what those deletes will do:
-
-* a join record that names the marked daemon and lease and was last written before the mark
-  was created (:func:`doomed`) counts as deleted (its member absent, and dead: no
-  confirmation); a record written after the mark counts as any record (a node that came back
-  and wrote again, as after a delete);
-* an absent member whose last record named the marked daemon and lease is dead at once (the
-  other order: the mark may come after the record expired, the two leases are not kept alive
-  in step);
-* a member nobody saw a record of (a closer elected after it went: the dead member was the
-  closer, or the closer changed) is dead at once when a mark names it (a daemon names the join
-  records it deleted).
-
-A member merely silent (no mark, or a record with no daemon: plain torchrun) still waits
-``liveness_confirm``. No etcd read happens while a confirmation is pending: the marks are in
-the closer's memory, listed once when it is elected and followed after (before, a listing of
-the marks every 20 ms while a member was absent, and one before each close).
-
-Whoever may write the rendezvous prefix (the job's agents) could forge a mark; they can already
-delete any member's record, which is all a mark does (a mark drops the records last written
-before it; the member's next write counts again, as after a delete).
+The failure mark's protocol (the join record naming its daemon's lease, the mark
+``native/failed/<node>@<lease hex>`` a daemon creates only if absent and the winner's deletes,
+what the closer's watch of the marks counts dead at once, and why a forged mark is no worse
+than a deleted record): docs/in-process-design.md §4.2. A member merely silent (no mark, or a
+record with no daemon: plain torchrun) still waits ``liveness_confirm``.
 """
 
 from __future__ import annotations

@@ -30,6 +30,8 @@ T = TypeVar("T")
 
 #: Default outage grace, seconds (rdzv-conf ``etcd_grace_period``).
 DEFAULT_GRACE_PERIOD = 30.0
+#: First and longest pause between two attempts, seconds (doubled from one to the other).
+INITIAL_BACKOFF, MAX_BACKOFF = 0.05, 1.0
 
 
 class EtcdUnavailableError(RendezvousConnectionError, ElasticdError):
@@ -45,27 +47,18 @@ class OutageGrace:
             coordinator (the attempt in flight when the grace period ends).
         where: the etcd endpoints, quoted in errors.
         clock: time source (a :class:`~elasticd.testing.clock.FakeClock` in unit tests).
-        initial_backoff: first pause between attempts, seconds; doubled up to ``max_backoff``.
-        max_backoff: longest pause between attempts, seconds.
 
     Raises:
-        ValueError: a negative grace period or backoff.
+        ValueError: a negative grace period.
     """
 
     def __init__(self, grace_period: float = DEFAULT_GRACE_PERIOD, where: str = "etcd",
-                 clock: Clock | None = None, initial_backoff: float = 0.05,
-                 max_backoff: float = 1.0) -> None:
+                 clock: Clock | None = None) -> None:
         if grace_period < 0:
             raise ValueError(f"grace period {grace_period!r} must be >= 0 seconds")
-        if initial_backoff <= 0 or max_backoff < initial_backoff:
-            raise ValueError(
-                f"backoff ({initial_backoff!r}, {max_backoff!r}) must be positive and increasing"
-            )
         self.grace_period = float(grace_period)
         self.where = where
         self.clock = clock or SystemClock()
-        self.initial_backoff = initial_backoff
-        self.max_backoff = max_backoff
 
     def call(self, fn: Callable[[], T], what: str) -> T:
         """Runs ``fn`` until it does not raise :class:`Unavailable`, for up to the grace period.
@@ -79,7 +72,7 @@ class OutageGrace:
                 the call (bad credentials, an error that retrying does not fix).
         """
         start = self.clock.monotonic()
-        backoff = self.initial_backoff
+        backoff = INITIAL_BACKOFF
         attempts = 0
         while True:
             attempts += 1
@@ -98,7 +91,7 @@ class OutageGrace:
                     log.warning("etcd at %s unreachable while %s; retrying for up to %gs",
                                 self.where, what, self.grace_period)
                 self.clock.sleep(min(backoff, self.grace_period - waited))
-                backoff = min(backoff * 2, self.max_backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF)
                 continue
             except AuthError as exc:
                 raise EtcdUnavailableError(

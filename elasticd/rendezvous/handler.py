@@ -14,24 +14,16 @@ interface (``torch/distributed/elastic/rendezvous/api.py``) on its own keys (:mo
 * **Watching**, not polling, and O(1) events per agent per round: every agent watches only
   the control keys (:mod:`.control`); the closer alone watches the node records.
   ``num_nodes_waiting()``, which torch's agent calls every monitor interval, makes no request.
-* **Outage grace.** Every write retries for ``etcd_grace_period`` on an unreachable etcd
-  (:mod:`.grace`); the watches re-create themselves. ``num_nodes_waiting`` never fails.
-* **Provisional expiry.** A member whose record is absent counts as dead only after
-  ``liveness_confirm`` seconds, and not while this agent distrusts its view (:mod:`.trust`).
+* **Outage grace** (:mod:`.grace`, :mod:`.plugin`) and **provisional expiry** (:mod:`.trust`,
+  :mod:`.rounds`' Dead rule).
 * **Store.** ``next_rendezvous`` returns the etcd-backed store of :mod:`.store` under a
   per-round prefix (torch's ``torch.rendezvous.<run>.<round>``). ``use_agent_store`` is False:
-  workers host their own TCPStore at the rank-0 node's address and port, as with
-  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (docs/facts.md: sharing the agent's store across
-  restarts let workers read dead peers' addresses). A blocking wait in the store ends at once
-  when a member of the round is dead: torch's rank assignment waits for what the agent of rank
-  0 writes, and a member that left after the round closed never writes it.
+  workers host their own TCPStore at the rank-0 node's address and port (:mod:`.plugin`). A
+  blocking wait in the store ends at once when a member of the round is dead: torch's rank
+  assignment waits for what the agent of rank 0 writes, which a member that left never writes.
 * **Gates.** ``join_gate`` runs before this node writes its join record (under a daemon, it
   fences a node declared dead); ``commit_gate`` says whether the job is at a committed step,
   which the ``interval:MIN`` grow policy waits for (unset, the interval alone decides).
-
-Registered as torchrun's ``etcd-v3`` backend (:mod:`.plugin`). Its rdzv-conf keys are those of
-:mod:`.config`; the keys of torch's dynamic rendezvous (``keep_alive_*``, ...) are accepted and
-ignored. No pickle is read or written.
 """
 
 from __future__ import annotations
@@ -83,7 +75,6 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         prefix: the rendezvous' key directory, ``<prefix>/jobs/<run_id>/rdzv/``.
         settings: the run, its sizes and rules.
         addr: this node's address (``--local-addr`` or the host name).
-        grace: retry policy for etcd outages.
         clock: time source for the lease, trust and absences.
     """
 

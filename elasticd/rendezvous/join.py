@@ -30,16 +30,7 @@ log = logging.getLogger("elasticd.rendezvous.handler")
 
 
 class JoinRecord:
-    """This node's record at ``key``, and the port it names.
-
-    Args:
-        coord: the agent's etcd connection.
-        keeper: the agent's lease.
-        grace: retry policy for etcd outages.
-        key: the record's key.
-        me: this agent's node id.
-        addr: this node's address.
-    """
+    """This node's record at ``key``, and the port it names."""
 
     def __init__(self, coord: Coordinator, keeper: LeaseKeeper, grace: OutageGrace, key: bytes,
                  me: str, addr: str) -> None:

@@ -17,13 +17,8 @@ Decisions, and why (numbers from docs/facts.md and docs/scale.md):
   seconds (default 30) before raising ``RendezvousConnectionError``, because torch's agent ends
   the job on any rendezvous error; ``num_nodes_waiting()``, which it calls while workers train,
   reads the watch's mirror and cannot fail.
-* **Liveness by lease, outage-proof.** A node is gone once its record, bound to its agent's
-  lease (``liveness_ttl``), has been absent for ``liveness_confirm`` seconds, but never while
-  this agent distrusts its view (its own keep-alive failed, its lease was lost, its watch
-  broke): an etcd paused past the TTL expires every lease at once and must drop nobody.
 * **No shared agent TCPStore.** ``use_agent_store`` is False: restarted workers host their own
-  TCPStore at the rank-0 node. Sharing the agent's store across restarts let workers read the
-  gloo addresses of dead workers ("Gloo connectFullMesh failed": 5 of 9 recoveries failed).
+  TCPStore at the rank-0 node (docs/facts.md, "Shared TCPStore").
 * **A node's duties under a daemon** (fencing itself for a silent daemon, restarting its
   workers when a member of their round is gone) are added by :mod:`elasticd.agent.torchrun`,
   through which the daemons start torchrun, with :data:`on_handler_created`: this module

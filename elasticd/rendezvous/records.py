@@ -157,9 +157,7 @@ class Waiting:
         round: the round it describes (-1: before the job's first round).
         rejoining: live members asking for a later round.
         outsiders: live nodes that are not members (newcomers and spares).
-        dead: members whose records stayed absent for ``liveness_confirm`` seconds while the
-            closer trusted its view (provisional expiry: an etcd paused past the TTL expires
-            every lease at once and must count nobody as dead).
+        dead: members the closer counts as dead (:mod:`.rounds`' Dead rule).
     """
 
     round: int

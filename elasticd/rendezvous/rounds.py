@@ -108,7 +108,6 @@ def grow_interval(policy: str) -> float | None:
 
 
 def next_round(last: RoundRecord | None) -> int:
-    """The number of the round after ``last`` (0 when no round closed yet)."""
     return 0 if last is None else last.round + 1
 
 
@@ -121,14 +120,8 @@ def joined(nodes: Mapping[str, NodeRecord], last: RoundRecord | None) -> list[st
 
 def order(candidates: Iterable[str], nodes: Mapping[str, NodeRecord],
           last: RoundRecord | None, size: int | None = None) -> list[str]:
-    """Rank order of ``candidates``; the first ``size`` (all by default) form the round.
-
-    A survivor of ``last`` keeps its rank when that rank still exists (``< size``), so the
-    snapshot it holds for that rank stays local. The other places, lowest first, go to the
-    survivors whose rank no longer exists, in their old order, then to newcomers by arrival
-    (creation revision), ties by id; whoever is left over is a spare. Survivors keep their
-    relative order whenever the ranks lost are the highest ones.
-    """
+    """Rank order of ``candidates`` (the module docstring's **Ranks**); the first ``size``
+    (all by default) form the round, whoever is left over is a spare."""
     pool = set(candidates)
     size = len(pool) if size is None else min(size, len(pool))
     previous = last.members if last is not None else ()
@@ -214,9 +207,7 @@ def num_waiting(current: RoundRecord | None, waiting: Waiting | None, max_nodes:
         gone: members of ``current`` this agent counts as dead (the summary's, unless it
             distrusts its own view: then none). A member absent but not yet confirmed is
             counted as alive (provisional expiry).
-        grow: the grow policy: ``immediate``, ``at-failure`` (newcomers wait for a dead
-            member's place) or ``interval:MIN`` (as ``at-failure``, and any room once MIN
-            minutes passed since ``current.grew_at`` while ``at_commit``).
+        grow: the grow policy (:data:`GROW_POLICIES`; the module docstring's **Waiting**).
         now: wall-clock time (``interval:MIN`` only).
         at_commit: whether the job is at a committed step (``interval:MIN`` only).
     """
@@ -263,17 +254,11 @@ ELECTION_JITTER = 0.5
 
 def election_delay(me: str, last: RoundRecord | None, draw: float,
                    went: str | None = None) -> float:
-    """Seconds this node waits, once the closer's key is gone, before it tries to take it.
-
-    Members of the last round go in rank order, :data:`ELECTION_STEP` apart, so the lowest
-    live rank takes over and the others see its key before their turn; the closer whose key
-    went (``went``) has no turn, the ranks after it move up one. The rest (spares,
-    newcomers, ranks past :data:`ELECTION_RANKS`) draw a moment after them. Before the job's
-    first round every node draws within :data:`ELECTION_STEP` times four.
+    """Seconds this node waits, once the closer's key is gone, before it tries to take it
+    (the module docstring's **Election**; ranks past :data:`ELECTION_RANKS` draw after the
+    ranked turns, and before the job's first round every node draws within four steps).
 
     Args:
-        me: this node's id.
-        last: the last closed round, if any.
         draw: a number in [0, 1), drawn by the caller.
         went: the node whose closer's key went (None: not known).
     """

@@ -38,6 +38,8 @@ from elasticd.coordination.api import Compare, Coordinator, CoordinationError, P
 from elasticd.rendezvous.grace import OutageGrace
 
 log = logging.getLogger(__name__)
+#: First and longest pause between two polls for missing keys, seconds.
+MIN_POLL, MAX_POLL = 0.005, 0.1
 
 def _as_bytes(value: str | bytes | bytearray) -> bytes:
     if isinstance(value, str):
@@ -51,12 +53,10 @@ class EtcdV3Store(dist.Store):
     """A ``torch.distributed.Store`` on etcd v3 keys under ``key_prefix``.
 
     Args:
-        coordinator: the etcd connection.
         key_prefix: the directory of store keys, ending in ``/``
             (``<prefix>/jobs/<run_id>/rdzv/store/``).
         timeout: how long ``get``/``wait`` block for missing keys; the c10d default if None.
         grace: retry policy for etcd outages (its clock also times waits and polls).
-        min_poll, max_poll: first and longest pause, seconds, between polls for missing keys.
         abort: asked at every poll of a blocking wait; a reason (not None) ends the wait at
             once with ``DistStoreError`` (the handler's: a member of the round left, so the
             key it was to write will never come).
@@ -67,7 +67,6 @@ class EtcdV3Store(dist.Store):
 
     def __init__(self, coordinator: Coordinator, key_prefix: bytes,
                  timeout: datetime.timedelta | None = None, grace: OutageGrace | None = None,
-                 min_poll: float = 0.005, max_poll: float = 0.1,
                  abort: Callable[[], str | None] | None = None) -> None:
         super().__init__()  # required by the pybind trampoline
         if not key_prefix.endswith(b"/"):
@@ -78,8 +77,6 @@ class EtcdV3Store(dist.Store):
         self._marker_prefix = key_prefix[:-1] + b"-adds/"
         self._grace = grace or OutageGrace()
         self._clock = self._grace.clock
-        self._min_poll = min_poll
-        self._max_poll = max_poll
         self.abort = abort
         self._clones: list[EtcdV3Store] = []  # see clone()
         if timeout is not None:
@@ -107,7 +104,7 @@ class EtcdV3Store(dist.Store):
         seconds = timeout.total_seconds()
         deadline = self._clock.monotonic() + seconds if seconds > 0 else None
         found: dict[int, bytes] = {}
-        pause = self._min_poll
+        pause = MIN_POLL
         while True:
             for i, key in enumerate(keys):
                 if i not in found:
@@ -130,7 +127,7 @@ class EtcdV3Store(dist.Store):
                     f"store {self.prefix.decode(errors='replace')}"
                 )
             self._clock.sleep(pause if deadline is None else min(pause, deadline - now))
-            pause = min(pause * 2, self._max_poll)
+            pause = min(pause * 2, MAX_POLL)
 
     # -- the Store interface --------------------------------------------------------------
 
@@ -275,7 +272,7 @@ class EtcdV3Store(dist.Store):
         per thread that asks.
         """
         twin = EtcdV3Store(self._coordinator, self.prefix, self.timeout, self._grace,
-                           self._min_poll, self._max_poll, self.abort)
+                           abort=self.abort)
         self._clones.append(twin)
         return twin
 

@@ -23,7 +23,6 @@ class Trust:
 
     Args:
         ttl: the agent lease's TTL, seconds; a failure is distrusted for twice that.
-        clock: time source.
     """
 
     def __init__(self, ttl: int, clock: Clock) -> None:

@@ -1,15 +1,10 @@
-"""How the worker-side checkpointer reaches the checkpoint service: a
-:class:`~elasticd.worker.transport.Transport`, whose ``call(op, **fields)`` returns the reply's
-fields and raises (any exception) when the daemon refuses the request or cannot be reached;
-the checkpointer turns that into a skipped snapshot, never a training error.
-
-In production that is :class:`elasticd.worker.client.DaemonClient` over the daemon's Unix
-socket. :class:`InProcessTransport` calls a service's handlers directly in the same process —
-for unit tests and benchmarks that want the engine without a daemon — and pushes every
-request and reply through JSON exactly as the socket would, so a field that could not cross the
-real wire fails here too; descriptors a reply hands over (``"_fds"``) are duplicated for the
-caller and the handler's copies closed, as passing them over the socket does. Standard
-library only (no torch).
+"""The checkpoint service called in process: :class:`InProcessTransport`, the
+:class:`~elasticd.worker.transport.Transport` that calls a service's handlers directly (in
+production: :class:`~elasticd.worker.client.DaemonClient`), for unit tests and benchmarks that
+want the engine without a daemon. It pushes every request and reply through JSON exactly as
+the socket would, so a field that could not cross the real wire fails here too; descriptors a
+reply hands over (``"_fds"``) are duplicated for the caller and the handler's copies closed, as
+passing them over the socket does. Standard library only (no torch).
 """
 
 from __future__ import annotations

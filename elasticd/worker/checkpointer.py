@@ -415,8 +415,6 @@ class Checkpointer:
         fields = {"job": self.job, "rank": self.rank, "world_size": self.world_size,
                   "nbytes": nbytes, "local_world_size": self.local_world_size, "step": step,
                   "generation": self.generation, "mapped": mapped}
-        if self.transport is None:
-            return _Reservation(self._failed, self._heard)
         try:
             return _Reservation(self._failed, self._heard,
                                 call=self.transport.start("ckpt_reserve", **fields))
@@ -500,9 +498,9 @@ class _Reservation:
     """A slot request in flight: its reply is read once, by :meth:`result` or :meth:`drop`."""
 
     def __init__(self, failed: Callable[[str, BaseException], None],
-                 heard: Callable[[dict[str, Any] | None], None], call: Any = None,
-                 reply: dict[str, Any] | None = None) -> None:
-        self._failed, self._heard, self._call, self._reply = failed, heard, call, reply
+                 heard: Callable[[dict[str, Any] | None], None], call: Any = None) -> None:
+        self._failed, self._heard, self._call = failed, heard, call
+        self._reply: dict[str, Any] | None = None
 
     def result(self) -> dict[str, Any] | None:
         """The reply (None on a failure, counted and logged)."""

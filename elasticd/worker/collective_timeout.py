@@ -4,17 +4,11 @@ A frozen or partitioned peer sends nothing, not even a reset, and a gloo collect
 it cannot be interrupted in-process: ``abort()`` and ``shutdown()`` on torch 2.13's gloo
 backend return at once and the pending operation still ends at the group's timeout (pytorch
 #130345; measured: bench/results/spikes/inprocess/gloo_timeout.json). The timeout is thus
-what frees a survivor, and it is learned by the hang timeout's rule
-(:mod:`elasticd.cluster.learned_timeout`: ``max(floor, 5 x the longest of the last 1000 step
-intervals)``, a round's first steps not learned from and allowed ``first``, each timeout that
-ended a round with no member gone doubling it), over the intervals between this worker's
-:meth:`elasticd.Round.check` calls, with a floor of its own: :data:`FLOOR`, not the hang
-timeout's 60 s. A hang the daemon detects costs a restart of every worker, a collective timed
-out for nothing costs one in-process re-formation (~0.3 s here), and a survivor that waits
-longer than the job's reform deadline is restarted anyway (the agent's fallback). The value in
-force is set on the live group after each step (``_set_pg_timeout``: an operation started
-after it times out at it, measured in the same spike) and told to the agent, whose fallback
-deadline follows it (:mod:`elasticd.agent.in_process_agent`).
+what frees a survivor. It is learned by the hang timeout's rule
+(:mod:`elasticd.cluster.learned_timeout`) over the intervals between this worker's
+:meth:`elasticd.Round.check` calls, with a floor of its own (:data:`FLOOR`), set on the live
+group and told to the agent: the rule, why the floor is not the hang timeout's and what was
+measured are in docs/jobs.md, "A frozen or partitioned peer".
 
 Pure: the caller gives the times.
 """

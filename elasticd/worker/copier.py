@@ -107,7 +107,6 @@ def _checked_view(tensors: Sequence[torch.Tensor], buffer: Any, lay: Layout) -> 
 
 def _copy_checked(tensors: Sequence[torch.Tensor], buffer: Any, view: memoryview,
                   lay: Layout) -> None:
-    """copy_into once its inputs are checked."""
     srcs = [t for t, e in zip(tensors, lay.entries) if e.nbytes]
     if not srcs:
         return
@@ -207,7 +206,6 @@ class Copier(abc.ABC):
         :meth:`CopyHandle.wait` returns."""
 
     def copy(self, tensors: Sequence[torch.Tensor], buffer: Any, lay: Layout) -> None:
-        """Copies and waits."""
         self.start(tensors, buffer, lay).wait()
 
     def forget(self, buffer: Any) -> None:

@@ -18,9 +18,6 @@ device:
 * a background thread waits for the event on the host (and, on the fallback, copies the staged
   bytes into the slot); :meth:`CudaCopyHandle.wait` waits for that.
 
-Sharded state (FSDP2's DTensors) takes the same path: the checkpointer hands the copier each
-rank's local shards, which are ordinary device tensors.
-
 CUDA calls go through a small :class:`DeviceApi` so that tests on a CPU-only machine can check
 the ordering with fake streams and events. Worker side: imports torch.
 """

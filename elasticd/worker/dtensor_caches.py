@@ -1,19 +1,10 @@
 """DTensor's process-wide caches, emptied when an in-process worker leaves its round (issue 31).
 
-torch 2.13's DTensor caches sharding and redistribution decisions for the life of the process,
-keyed and valued by ``DTensorSpec``s that hold the round's ``DeviceMesh``, and a mesh holds its
-process group (the round's gloo pairs and its store's sockets). A mesh's equality ignores its
-group, so a later round of the same layout finds the first round's entries and caches nothing of
-its own: a process's first FSDP2 round stayed alive after its leave (its sockets open), the
-worker reported an unclean leave and its node fell back to a restart, while later rounds were
-released (bench/spikes/inprocess/fsdp_first_round.py shows both, and this module's effect). Four
-caches held the spike's first mesh, each enough alone: the C++ fast path's sharding cache (the
-reference no Python object shows; emptied by
-``torch._C._clear_DTensor_sharding_propagator_cache``), the redistribute planners (weakly keyed
-by the mesh, but each planner holds it), ``_gen_transform_infos``, and
-``MeshTopoInfo.build_from_mesh``; the Python sharding cache, used when the fast path cannot make
-a key, is emptied too. Emptying them costs the next round a few recomputed plans; a cached entry
-of a destroyed round is no use to it anyway.
+torch 2.13's DTensor caches plans keyed and valued by specs that hold the round's
+``DeviceMesh``, and so its group; a mesh's equality ignores its group, so a process's first
+FSDP2 round stayed alive after its leave. Which caches held it, and the spike that shows it:
+docs/jobs.md, "What kept a first FSDP2 round alive". Emptying them costs the next round a few
+recomputed plans; a cached entry of a destroyed round is no use to it anyway.
 """
 
 from __future__ import annotations

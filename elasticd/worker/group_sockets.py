@@ -1,26 +1,16 @@
 """A round's gloo connections, ended at once (issue 31: the leave cascade).
 
-When a peer dies, only the ranks whose pending operation waits on its connections raise at
-once (its kernel resets them); the others raise when a rank that raised closes its group,
-which it did at the end of its leave (collection, ``destroy_process_group``): each hop of that
-cascade cost one rank's whole leave, and ranks away from the dead one raised 50-100 ms after
-those beside it. And a rank waiting on a frozen or partitioned peer, which sends nothing, could
-only wait for its collective timeout: gloo's ``abort()`` and ``shutdown()`` do not end a pending
-operation on torch 2.13 (bench/results/spikes/inprocess/gloo_timeout.json).
-
-Shutting a connection down (``shutdown(2)``) does both: the pending operation on this side
-raises at once ("Connection closed by peer"), and the peer reads end-of-stream and raises as
-from a dead rank (bench/spikes/inprocess/gloo_shutdown.py). So a worker whose group broke
-shuts down every connection of its group first, and one the agent asks out of its round
-does it from the link's thread, while its main thread may be blocked in a collective.
+Shutting a connection down (``shutdown(2)``) ends the pending operation on both sides at once,
+where gloo's ``abort()`` and ``shutdown()`` do not: why a leave starts with it, what it saved
+and the spikes that show it are in docs/jobs.md, "Leaving the old group at once".
 
 The descriptors stay gloo's: each is shut down through a duplicate that is then closed, and
 ``destroy_process_group`` closes the originals, so no descriptor number can be reused under
 gloo while it still holds it. Only connected pairs: shutting gloo's listening socket down too
 makes its device thread throw ``gloo::EnforceNotMet`` outside any handler, and the process dies
-of SIGABRT (the same spike's ``all`` case; an earlier spike that shut every socket of the group
-lost every survivor so: in-process-design.md, section 1). The round's store (its port, either
-end) is not the group and is left alone as well.
+of SIGABRT (bench/spikes/inprocess/gloo_shutdown.py's ``all`` case; an earlier spike that shut
+every socket of the group lost every survivor so: in-process-design.md, section 1). The round's
+store (its port, either end) is not the group and is left alone as well.
 """
 
 from __future__ import annotations

@@ -8,16 +8,9 @@ optimizer (each took the same fully reduced gradient), which a failure-free run 
 so for replicated (not sharded) state one survivor's snapshot of S+1 is a whole restore for
 any rank, exactly as a restarted rank loads old rank ``r % old``'s after a shrink.
 
-So the agreement (:func:`elasticd.worker.restore.agree`) makes S+1 the first candidate when
-every rank is a survivor, one offers it and all offer S in its generation, and
-:func:`plan` pairs each rank lacking it with one holding it; the holder sends the snapshot's
-bytes as they lie in its slot over the round's new group (point to point: two sends of
-the pair, the size first, 0 when it has nothing to give), and the receiver checks the bytes
-like any slot (every block's checksum) before it loads them. No commit is involved: the
-step is the newest every survivor's timeline reached, held by a live survivor, never a copy
-from a fenced or withdrawn replica. Sharded state (DTensors, ZeRO) is not handed over: the
-holder's own snapshot is refused (:meth:`Sources._own_slot`), the receivers get nothing, and
-the ranks take the next candidate, S. Worker side: imports torch.
+How the agreement makes S+1 the first candidate, how :func:`plan` pairs each rank lacking it
+with a holder, what the receiver checks, why no commit rule is touched and why sharded state
+is not handed over: docs/in-process-design.md §4.5. Worker side: imports torch.
 """
 
 from __future__ import annotations

@@ -2,20 +2,11 @@
 (``@elasticd.in_process``) does not load from its node's RAM the bytes its memory already holds
 (issue 31: the load and its two collectives were ~25 ms of a ~140 ms re-formation).
 
-A save records a :func:`mark` of the state it snapshotted: how many optimizer steps had run
-(:class:`~elasticd.worker.optimizer_fence.OptimizerFence` counts every ``optimizer.step``,
-whatever it writes and how, ``.data`` included), each tensor's storage and autograd version
-counter (any in-place write through the tensor or a view of it bumps it), the layout, and the
-non-tensor meta. At the next restore the live state still is that step when its mark is
-unchanged. Only states whose every tensor nothing but ``optimizer.step`` changes (module
-parameters, optimizer per-parameter state: :func:`~elasticd.worker.snapshot_plan.sync_mask`;
-a BatchNorm buffer or an RNG state moves in a forward) and that are not sharded (a sharded
-survivor restores the committed step from every old rank's shard) get a mark.
-
-The restore still agrees on the step with every rank (:func:`elasticd.worker.restore.agree`):
-a rank offers its held step only when its daemon lists that step in the rank's own slot, and
-the fast path is taken only when every rank holds the very step the agreement picks first.
-Worker side: imports torch through its callers' objects only.
+What a :func:`mark` records (the optimizer steps the
+:class:`~elasticd.worker.optimizer_fence.OptimizerFence` counts, each tensor's storage and
+autograd version counter, the layout, the meta), which states get one and when the restore
+takes the fast path: docs/in-process-design.md §4.5, "A survivor whose memory already is the
+step loads nothing". Worker side: imports torch through its callers' objects only.
 """
 
 from __future__ import annotations

@@ -19,13 +19,10 @@ at once, and a collective this worker is blocked in ends when the agent asks), t
 group completely (the exception and its frames dropped, ``destroy_process_group``, a collection
 only if some of its sockets are still open), tells its agent over the worker link
 (:mod:`elasticd.local.worker_link`) that it left, waits for the new round's ranks and calls the
-function again: the process, its model, its compiled code and its data loader stay. Each round's group lives on the round's own TCPStore (hosted by
-its rank 0) under a fresh prefix, so a rank of an old round can never touch a newer round's
-keys. Outside that mode (plain torchrun, or a job not in it) the function runs once with the
-usual ``init_process_group`` from torchrun's environment.
-
-Only distributed errors are handled (:func:`distributed_error`): anything else ends the
-process as without the decorator, so a bug in the script is never retried in a loop.
+function again: the process, its model, its compiled code and its data loader stay. Each
+round's group lives on the round's own TCPStore (hosted by its rank 0) under a fresh prefix, so
+a rank of an old round can never touch a newer round's keys. Outside that mode, and which
+errors end a round rather than the process: docs/in-process-design.md §6.
 """
 
 from __future__ import annotations

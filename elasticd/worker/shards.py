@@ -101,10 +101,8 @@ _node_cache: dict[Any, tuple[dict[str, Any], tuple[int, ...]]] = {}
 
 
 def forget_layouts() -> None:
-    """Empties the layout caches. Their keys hold device meshes, and so the meshes' process
-    groups; a mesh's equality ignores its group, so a later round's equal layout never
-    replaces the first round's key, which kept a process's first FSDP2 round's group alive
-    after an in-process leave (elasticd.worker.dtensor_caches empties them at each leave)."""
+    """Empties the layout caches: their keys hold device meshes, and so the meshes' process
+    groups (:mod:`elasticd.worker.dtensor_caches` says why, and calls this at each leave)."""
     _box_cache.clear()
     _node_cache.clear()
 
