@@ -4,7 +4,7 @@ summarize.py pointed at this directory (each run beside the verified floor of th
 by process, medians per arm), then per arm the first round's CPU against the floor's first
 round and how many runs are at or under 1.5x; writes summary.json here.
 
-    python bench/results/restore36/summarize.py
+    python bench/results/restore36/summarize.py [DIR]   # DIR: another set of runs (rule/)
 """
 
 import glob
@@ -12,9 +12,11 @@ import json
 import os
 import runpy
 import statistics
+import sys
 
-here = os.path.dirname(os.path.abspath(__file__))
-tables = runpy.run_path(os.path.join(here, "..", "restore31", "summarize.py"))
+here = os.path.abspath(sys.argv[1]) if len(sys.argv) > 1 else os.path.dirname(os.path.abspath(__file__))
+tables = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "restore31",
+                                     "summarize.py"))
 tables["main"].__globals__["HERE"] = here
 tables["main"]()
 EL = tables["EL"]
