@@ -61,6 +61,16 @@ UNITS = [
                                   "Clock.wait's wake), a stand-in for enum.StrEnum, dead "
                                   "state, the failure evidence's words written twice, "
                                   "wrappers that restated their rule"),
+    ("136cdf1", "merge", "branch struct36a: agent/, daemon/, cli/, local/ and the top-level "
+                         "modules: test-only and dead code, code written twice (the "
+                         "launcher's kill loops, /proc/<pid>/stat parsing), forwarders, "
+                         "docstrings that restate docs/ or the code"),
+    ("4ac293b", "merge", "branch struct36b: replication/, recovery/, store/, persistence/: "
+                         "test-only and dead code (seal.Opener, Task.source), code written "
+                         "twice, one-use helpers, docstrings that restate the code"),
+    ("7bf7370", "merge", "branch struct36c: worker/, rendezvous/, coordination/, cluster/, "
+                         "snapshot/, testing/: docstrings that restate docs/, parameters no "
+                         "caller sets, fields only tests set"),
 ]
 
 
