@@ -44,6 +44,7 @@ import socket
 import statistics
 import struct
 import time
+from typing import Any
 
 import xxhash
 
@@ -123,7 +124,7 @@ class PreallocatedSink(Sink):
     def allocate(self, d: Descriptor) -> memoryview:
         return memoryview(self.buf)[: d.total_bytes]
 
-    def publish(self, d: Descriptor) -> None:
+    def publish(self, d: Descriptor, tags: Any = None) -> None:
         self._held = d
 
     def discard(self, d: Descriptor, reason: str) -> None:

@@ -7,6 +7,8 @@ import io
 import json
 import logging
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -192,3 +194,17 @@ def test_an_in_process_bench_with_a_budget_begins_no_round_that_would_overrun_it
     assert result["runs_per_mode"] == 2 and now[0] == 30.0
     assert result["hold"] == {"budget_seconds": 40.0, "rounds": 2, "rounds_asked": 5,
                               "seconds": 30}
+
+
+def test_the_replication_bench_runs_on_todays_sink_interface(tmp_path):
+    """bench_replication's receiver is its own Sink: when the interface grew block tags
+    (protocol v5) it went on failing every push, unseen until a run_all bracket. A small
+    transfer through every variant, each arriving intact, keeps it honest."""
+    out = tmp_path / "replication.json"
+    done = subprocess.run([sys.executable, os.path.join(BENCH, "bench_replication.py"),
+                           "--mib", "8", "--repeat", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    variants = json.loads(out.read_text())["variants"]
+    assert "elasticd push" in variants
+    assert all(v["intact"] for v in variants.values()), variants
