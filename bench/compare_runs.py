@@ -1,7 +1,9 @@
 """Compares run_all.py reports figure by figure: each run's value and its ratio to the
 baseline measured in the same run, and the change of the median of the "after" reports against
 the median of the others (a before/after of a change, with before runs on both sides of the
-after ones), and whether that change is within 5 % or better.
+after ones), and whether that change is within 5 % or better; the same for each figure's ratio
+to the first baseline measured in its own run (what a host whose speed drifts between blocks
+leaves comparable).
 
     python bench/compare_runs.py before1.json after.json before2.json --after after.json
     python bench/compare_runs.py b1.json a1.json a2.json b2.json --after a1.json --after a2.json
@@ -39,8 +41,9 @@ def main() -> None:
     before = [r for r in runs if r not in after]
     heads = [f"{os.path.basename(path)} ({commit})" for path, commit, _ in runs]
     print("| figure | unit | better | " + " | ".join(heads)
-          + " | median after / median before | within 5 % or better |")
-    print("| --- | --- | --- | " + " | ".join("---:" for _ in runs) + " | ---: | --- |")
+          + " | median after / median before | within 5 % or better"
+          + " | the same, of the ratios to the run's baseline | within 5 % or better |")
+    print("| --- | --- | --- | " + " | ".join("---:" for _ in runs) + " | ---: | --- | ---: | --- |")
     for name, fig in after[0][2].items():
         cells = []
         for _, _, figs in runs:
@@ -48,15 +51,21 @@ def main() -> None:
             base = f and f["baselines"] and f["baselines"][0]
             cells.append("—" if f is None else f"{f['value']:.3g}" + (
                 f" ({base['ratio']:.2f} x base)" if base and base.get("ratio") else ""))
-        olds = [figs[name]["value"] for _, _, figs in before if name in figs]
-        news = [figs[name]["value"] for _, _, figs in after if name in figs]
-        change, verdict = "—", "—"
-        if olds and statistics.median(olds):
+        def change(key) -> tuple[str, str]:
+            olds = [v for _, _, figs in before if (v := key(figs.get(name)))]
+            news = [v for _, _, figs in after if (v := key(figs.get(name)))]
+            if not olds or not news:
+                return "—", "—"
             ratio = statistics.median(news) / statistics.median(olds)
             worse = ratio - 1 if fig["better"] == "lower" else 1 - ratio
-            change, verdict = f"{ratio:.3f}", "yes" if worse <= 0.05 else "**no**"
+            return f"{ratio:.3f}", "yes" if worse <= 0.05 else "**no**"
+
+        def to_base(f):  # a host that drifts moves the figure and its same-run baseline alike
+            return f and f["baselines"] and f["baselines"][0].get("ratio")
+
         print(f"| {name} | {fig['unit']} | {fig['better']} | " + " | ".join(cells)
-              + f" | {change} | {verdict} |")
+              + " | %s | %s | %s | %s |" % (*change(lambda f: f and f["value"]),
+                                           *change(to_base)))
 
 
 if __name__ == "__main__":
