@@ -44,28 +44,37 @@ def main() -> None:
           + " | median after / median before | within 5 % or better"
           + " | the same, of the ratios to the run's baseline | within 5 % or better |")
     print("| --- | --- | --- | " + " | ".join("---:" for _ in runs) + " | ---: | --- | ---: | --- |")
-    for name, fig in after[0][2].items():
+    # Every figure some "after" run has (a run of --only has fewer), in order of first sight.
+    for name in dict.fromkeys(name for _, _, figs in after for name in figs):
+        fig = next(figs[name] for _, _, figs in after if name in figs)
         cells = []
         for _, _, figs in runs:
             f = figs.get(name)
             base = f and f["baselines"] and f["baselines"][0]
             cells.append("—" if f is None else f"{f['value']:.3g}" + (
                 f" ({base['ratio']:.2f} x base)" if base and base.get("ratio") else ""))
+
         def change(key) -> tuple[str, str]:
-            olds = [v for _, _, figs in before if (v := key(figs.get(name)))]
-            news = [v for _, _, figs in after if (v := key(figs.get(name)))]
+            olds = [v for _, _, figs in before if (v := key(figs.get(name))) is not None]
+            news = [v for _, _, figs in after if (v := key(figs.get(name))) is not None]
             if not olds or not news:
                 return "—", "—"
-            ratio = statistics.median(news) / statistics.median(olds)
+            old, new = statistics.median(olds), statistics.median(news)
+            if not old:  # nothing to divide by (0 steps lost): only the direction counts
+                better = new == 0 or fig["better"] == "higher"
+                return "—", "yes" if better else "**no**"
+            ratio = new / old
             worse = ratio - 1 if fig["better"] == "lower" else 1 - ratio
             return f"{ratio:.3f}", "yes" if worse <= 0.05 else "**no**"
 
+        def value(f):
+            return None if f is None else f["value"]
+
         def to_base(f):  # a host that drifts moves the figure and its same-run baseline alike
-            return f and f["baselines"] and f["baselines"][0].get("ratio")
+            return f["baselines"][0].get("ratio") if f and f["baselines"] else None
 
         print(f"| {name} | {fig['unit']} | {fig['better']} | " + " | ".join(cells)
-              + " | %s | %s | %s | %s |" % (*change(lambda f: f and f["value"]),
-                                           *change(to_base)))
+              + " | %s | %s | %s | %s |" % (*change(value), *change(to_base)))
 
 
 if __name__ == "__main__":
