@@ -66,7 +66,10 @@ def _empty(fd: int, name: str) -> None:
     with contextlib.suppress(OSError):  # not a regular file, or gone: remove_at deals with it
         f = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
         try:
-            if stat.S_ISREG(os.fstat(f).st_mode):
+            st = os.fstat(f)
+            # Only a file that is this daemon's alone: truncating one with another link would
+            # empty a file that lives elsewhere too.
+            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == os.geteuid():
                 os.ftruncate(f, 0)
         finally:
             os.close(f)

@@ -252,6 +252,21 @@ def test_a_scratch_copy_counts_against_the_cap_and_never_survives_a_restart(root
     finally:
         os.close(worker_fd)
         again.close()
+    # A scratch name that is a second link to a file living elsewhere is removed, not emptied.
+    elsewhere = f"{root}-elsewhere"  # same filesystem (a link), removed below
+    with open(elsewhere, "wb") as f:
+        f.write(b"y" * PAGE)
+    again = None
+    try:
+        again = SlotStore(root)
+        os.link(elsewhere, os.path.join(root, ".scratch-8"))
+        again.scan()
+        assert not os.path.exists(os.path.join(root, ".scratch-8"))
+        assert os.path.getsize(elsewhere) == PAGE
+    finally:
+        os.unlink(elsewhere)
+        if again is not None:
+            again.close()
 
 
 def test_released_scratch_is_kept_touched_for_its_jobs_next_restore(root):
