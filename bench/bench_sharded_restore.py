@@ -57,6 +57,14 @@ ranks on a two-core machine. The slot stores live in ``/dev/shm`` (4 KiB pages),
     flock /tmp/elasticd-cpu.lock python bench/bench_sharded_restore.py --mib 1100 \
         --repeat 3 --huge-tmpfs --out bench/results/sharded_restore_huge.json
 
+Each timed round runs elasticd and the floor back to back, so besides the ratio of the medians
+the result pairs them round by round (``cpu_per_restore_paired_by_round``: every process's CPU
+per restore over the floor's in the same round, their median, how many are <= 1.5x): more
+``--repeat`` rounds, more paired samples in one run. ``elasticd_fetch`` also says, over the
+timed rounds, where each daemon's partial copies landed (a kept segment of the same old rank,
+another kept one, a new file) and how often each worker mapped the scratch anew or reused the
+mapping it kept.
+
 ``--profile DIR`` writes cProfile stats (``pstats``) of every thread of each daemon and holder
 and of each worker's timed restores to ``DIR``: for finding costs, not for figures (the
 profiler slows the Python it watches). bench/results/sharded_restore_profile.txt is one.
