@@ -44,6 +44,13 @@ class ScratchSpace:
         self._accounts = ScratchAccounts(job_cap, keep)
         #: What each live segment's copy is of (``new``'s ``of``), for the pool when dropped.
         self._of: dict[Segment, object] = {}
+        #: The same for each kept segment: a segment set aside again (``new`` without ``of``,
+        #: :func:`~elasticd.store.scratch_pool.prefill` at a membership change) keeps it, so
+        #: the next copy of that rank still lands in the pages it touched.
+        self._kept_of: dict[Segment, object] = {}
+        #: What :meth:`new` handed out: a kept segment whose last copy was of the same rank
+        #: (``same``), another kept one (``other``), or a new file (``new``). A bench reads it.
+        self.handed = {"same": 0, "other": 0, "new": 0}
 
     @property
     def job_cap(self) -> int | None:
@@ -82,7 +89,11 @@ class ScratchSpace:
         with self._lock:
             self._expire()
             segment = self._accounts.kept.take(job, capacity, of)
-            if segment is None:
+            if segment is not None:
+                was = self._kept_of.pop(segment, None)
+                self.handed["same" if of is not None and was == of else "other"] += 1
+                of = was if of is None else of
+            else:
                 self._make_room(job, capacity, reservation)
                 self._accounts.check(job, capacity, self._node_held(), self._cap, reservation)
                 # Unique across daemons: a crashed one's leftover (removed by scan) never clashes.
@@ -93,6 +104,7 @@ class ScratchSpace:
                 except OSError as exc:
                     raise OverBudget(f"cannot allocate {capacity} bytes in {self._root}: {exc}",
                                      capacity, self._node_held(), self._cap) from exc
+                self.handed["new"] += 1
             self._accounts.booked.pop(reservation, None)  # type: ignore[arg-type]
             self._accounts.segments[segment] = job
             self._of[segment] = of
@@ -105,8 +117,10 @@ class ScratchSpace:
         with self._lock:
             job = self._accounts.segments.pop(segment, None)
             of = self._of.pop(segment, None)
-            if job is not None and not self._accounts.kept.put(job, segment,
-                                                               self._clock.monotonic(), of):
+            if job is not None and self._accounts.kept.put(job, segment,
+                                                           self._clock.monotonic(), of):
+                self._kept_of[segment] = of
+            elif job is not None:
                 self._destroy([segment])
             self._expire()
 
@@ -167,6 +181,7 @@ class ScratchSpace:
 
     def _destroy(self, segments: list[Segment]) -> None:
         for segment in segments:  # emptied first: see drop
+            self._kept_of.pop(segment, None)
             segment.destroy(self._fd, reclaim=True)
 
     def _unbook(self, booking: ScratchReservation) -> None:

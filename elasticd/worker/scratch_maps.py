@@ -45,6 +45,9 @@ class ScratchMaps:
         self.keep = keep
         #: (device, inode) -> (mapping, a descriptor of the file to see it unlinked)
         self._maps: OrderedDict[tuple[int, int], tuple[mmap.mmap, int]] = OrderedDict()
+        #: :meth:`map` calls answered by a new mapping, and by one kept from an earlier
+        #: restore (what the kept mapping saves shows only in the second: a bench reads them).
+        self.made = self.reused = 0
 
     def __len__(self) -> int:
         return len(self._maps)
@@ -67,6 +70,9 @@ class ScratchMaps:
         if entry is None:
             mm = map_fd(fd, max(size, st.st_size), writable=False, populate=False)
             entry = (mm, os.dup(fd))
+            self.made += 1
+        else:
+            self.reused += 1
         self._maps[key] = entry  # the most recent last
         while len(self._maps) > self.keep:
             self._close(self._maps.popitem(last=False)[1])

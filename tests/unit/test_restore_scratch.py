@@ -225,3 +225,32 @@ def test_a_membership_change_sets_scratch_aside_within_the_jobs_cap(roots):
             crowded.close()
     finally:
         store.close()
+
+
+def test_scratch_set_aside_again_still_goes_to_the_next_copy_of_its_rank(roots):
+    """A membership change sets scratch aside (``prefill``) by taking the segments the last
+    restore released, as they fit: each must still go to the next copy of the old rank it
+    last held, whose pages it touched and the worker keeps mapped (worker/scratch_maps.py).
+    Set aside as a copy of nothing, it went to whichever rank asked first."""
+    import threading
+
+    from elasticd.testing.transport import InProcessTransport as Local
+
+    store = SlotStore(roots[0], job_scratch_cap=64 * PAGE)
+    try:
+        svc = CheckpointService(store, "n1")
+        write_snapshot(Local(svc.handlers()), "job", 0, step=4, world=2, n=3000)
+        size = store.latest("job", 0).header.layout.total_size
+        one, two = (store.scratch.new(size, job="job", of=r) for r in (1, 2))
+        store.scratch.drop(one)  # the last restore's copies of old ranks 1 and 2, released
+        store.scratch.drop(two)
+        assert svc.membership_changed("job") > 0  # takes rank 1's (the first that fits) ...
+        for thread in threading.enumerate():
+            if thread.name == "elasticd-scratch-job":
+                thread.join(10)
+        assert store.scratch.new(size, job="job", of=1) is one  # ... and it is still rank 1's
+        assert store.scratch.new(size, job="job", of=2) is two
+        # Counted (a bench reads it): 2 files made, 1 set aside, 2 back to their own rank.
+        assert store.scratch.handed == {"same": 2, "other": 1, "new": 2}
+    finally:
+        store.close()

@@ -162,6 +162,7 @@ def test_restore_scratch_is_read_through_the_mapping_kept_from_the_last_restore(
             del w
             got.close()
         assert len(maps) == 1 and seen[0][0] == seen[1][0]  # the same file, the same mapping
+        assert (maps.made, maps.reused) == (1, 1)  # counted, for the bench
         assert seen[0][1] >= 32 and seen[1][1] < 8  # its pages mapped already the second time
         assert copies == {"memmove": [4 * n, 4 * n], "preadv": 0}
     finally:
