@@ -187,11 +187,11 @@ def _hook(handler: Any) -> None:
     handler.on_change(node.news.set)  # a member's death confirmed: the monitor looks at once
 
 
-def reform_deadline(environ: Any = None) -> float:
+def reform_deadline() -> float:
     """The job's ``reform_deadline`` (seconds after the round closes), from the environment
     its daemon gave this agent; the default when absent (a daemon before the field) or bad
     (the spec was checked where it was written and read: it cannot be, but never crash)."""
-    text = (os.environ if environ is None else environ).get(REFORM_DEADLINE_ENV, "")
+    text = os.environ.get(REFORM_DEADLINE_ENV, "")
     try:
         value = float(text)
     except ValueError:
@@ -249,17 +249,21 @@ class InProcessAgent(LocalElasticAgent):
         if why:
             log.warning("staged workers not taken into round %d (%s): starting fresh ones",
                         self._round(wg), why)
-            self._stop_workers(wg)
-            wg.state = WorkerState.STOPPED
-            ids = self._start_workers(wg)
-        else:
-            ids = self._pcontext.pids()
-            for w in wg.workers:
-                node.link.send(w.local_rank, {"op": "assign", "env": self._env_for(wg, w),
-                                              "times": {}})
-            log.info("staged workers %s assigned round %d, %.3f s after they started",
-                     sorted(ids.values()), self._round(wg), node.clock.monotonic() - t0)
-        for local, wid in ids.items():
+            self._start_fresh(wg)
+            return
+        ids = self._pcontext.pids()
+        for w in wg.workers:
+            w.id = ids[w.local_rank]
+            node.link.send(w.local_rank, {"op": "assign", "env": self._env_for(wg, w),
+                                          "times": {}})
+        log.info("staged workers %s assigned round %d, %.3f s after they started",
+                 sorted(ids.values()), self._round(wg), node.clock.monotonic() - t0)
+        wg.state = WorkerState.HEALTHY
+
+    def _start_fresh(self, wg: Any) -> None:
+        self._stop_workers(wg)
+        wg.state = WorkerState.STOPPED
+        for local, wid in self._start_workers(wg).items():
             wg.workers[local].id = wid
         wg.state = WorkerState.HEALTHY
 
@@ -379,12 +383,7 @@ class InProcessAgent(LocalElasticAgent):
         if verdict is Reform.RESTART:
             log.warning("falling back to a restart into round %d (%s): %s", self._round(wg),
                         what, why)
-            self._stop_workers(wg)
-            wg.state = WorkerState.STOPPED
-            ids = self._start_workers(wg)
-            for local, wid in ids.items():
-                wg.workers[local].id = wid
-            wg.state = WorkerState.HEALTHY
+            self._start_fresh(wg)
             tell_daemon("reformed", path="restart", why=why)
             return
         pids = self._pcontext.pids()
