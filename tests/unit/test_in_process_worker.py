@@ -74,13 +74,12 @@ def _wait(cond, timeout: float = 60.0) -> None:
         time.sleep(0.02)
 
 
-def test_the_link_admits_a_worker_and_records_its_kernel_pid_and_leaves():
+def test_the_link_admits_a_worker_and_records_it_leaving():
     server = LinkServer()
     sock = link.connect(server.name, os.getpid())
     try:
         link.send(sock, {"op": "hello", "local_rank": 1, "pid": 1})
         _wait(lambda: server.linked() == {1}, 5)
-        assert server.pids[1] == os.getpid()  # the kernel's, not the message's
         link.send(sock, {"op": "left", "round": 3, "clean": True, "why": "reset"})
         _wait(lambda: 1 in server.left_rounds(), 5)
         assert server.left_rounds() == {1: (3, True, "reset")}
