@@ -39,15 +39,15 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
-from typing import Any, Callable
+from typing import Any
 
 from torch.distributed.elastic.agent.server.api import WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from elasticd.agent import job_rules, torchrun
 from elasticd.agent.job_rules import Reform
+from elasticd.agent.signals import SignalRelay
 from elasticd.agent.supervisor import REFORM_DEADLINE_ENV
 from elasticd.cluster.jobspec import MAX_REFORM_DEADLINE
 from elasticd.agent.worker_link import LinkServer
@@ -127,33 +127,11 @@ def install(clock: Clock | None = None) -> None:
     log.info("in-process mode: the agent keeps its live workers through a round")
 
 
-def _hear_daemon(node: _Node) -> Callable[[], None]:
+def _hear_daemon(node: _Node) -> SignalRelay:
     """Takes the daemon's signal (:data:`job_rules.PEER_FAILED_SIGNAL`) to
-    :meth:`_Node.peer_failed`. The handler runs in the main thread between two bytecodes,
-    possibly while the monitor holds the news event's lock, so it only writes a byte to a
-    pipe; a thread reading the pipe does the rest (the self-pipe pattern). Called from the
-    agent's main thread (``signal.signal`` must be). Returns what undoes it (tests)."""
-    read, write = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-    os.set_blocking(read, True)
-
-    def handler(signum: int, frame: Any) -> None:
-        try:
-            os.write(write, b"!")
-        except OSError:
-            pass  # the pipe is full: a byte in it already wakes the thread
-
-    def listen() -> None:
-        while os.read(read, 64):
-            node.peer_failed()
-        os.close(read)
-
-    def undo() -> None:
-        signal.signal(job_rules.PEER_FAILED_SIGNAL, before)
-        os.close(write)  # the thread reads the end of the pipe and ends
-
-    threading.Thread(target=listen, name="daemon-word", daemon=True).start()
-    before = signal.signal(job_rules.PEER_FAILED_SIGNAL, handler)
-    return undo
+    :meth:`_Node.peer_failed` on a thread of its own: the handler may run while the monitor
+    holds the news event's lock (:mod:`elasticd.agent.signals`). From the main thread."""
+    return SignalRelay({job_rules.PEER_FAILED_SIGNAL: node.peer_failed})
 
 
 def _hook(handler: Any) -> None:

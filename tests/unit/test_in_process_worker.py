@@ -519,13 +519,13 @@ def test_the_daemons_word_of_a_failed_peer_makes_the_agent_re_form_at_once():
     assert not node.broken  # within RECENT of the re-formation's end: the same failure
     node.clock.advance(in_process_agent.RECENT)
     node.news.clear()
-    undo = in_process_agent._hear_daemon(node)
+    relay = in_process_agent._hear_daemon(node)
     try:
         os.kill(os.getpid(), job_rules.PEER_FAILED_SIGNAL)  # what the daemon sends
         _wait(node.news.is_set, 5)
         assert node.broken and node.broken_at is not None
     finally:
-        undo()
+        relay.close()
     assert signal.getsignal(job_rules.PEER_FAILED_SIGNAL) in (signal.SIG_DFL, signal.SIG_IGN,
                                                               None)
 
