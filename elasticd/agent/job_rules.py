@@ -48,7 +48,6 @@ def wanted(view: JobView, running: str | None, hold: str,
     """The job this node should run: the oldest wanted job it has not finished.
 
     Args:
-        running: the job this node runs now, if any.
         hold: why the node runs no job for now (a drain), or "".
         held: whether a job other than ``running`` is left aside (refused, or waiting for
             its files): :class:`elasticd.agent.job_holds.JobHolds`.

@@ -22,14 +22,7 @@ log = logging.getLogger(__name__)
 
 class ReformWatch:
     """Starts, ends and enforces the daemon's deadline of a re-formation (part of the job
-    manager: :class:`elasticd.agent.manager.JobManager`).
-
-    Args:
-        book: the node's job book (holds the deadline).
-        group: the running job's worker group (restarts it at the deadline).
-        metrics: ``elasticd_inprocess_recoveries_total`` and the worker restarts.
-        note: adds a line to the cycle's notes.
-    """
+    manager: :class:`elasticd.agent.manager.JobManager`)."""
 
     def __init__(self, book: JobBook, group: WorkerGroup, metrics: Metrics, clock: Clock,
                  note: Callable[[str], None]) -> None:

@@ -64,11 +64,8 @@ class Caller:
 
 
 class CallerBinding:
-    """Admits connections and checks every request against its connection's :class:`Caller`.
-
-    Args:
-        scope: returns the job running on this node now, or None.
-    """
+    """Admits connections and checks every request against its connection's :class:`Caller`
+    (``scope``: the job running on this node now)."""
 
     def __init__(self, scope: Callable[[], JobScope | None]) -> None:
         self._scope = scope
