@@ -102,10 +102,6 @@ class _Job:
     retired_pids: set[int] = dataclasses.field(default_factory=set)
 
 
-def _secs(x: float) -> str:
-    return f"{x:.0f}" if x >= 100 else f"{x:.3g}"
-
-
 class ProgressTracker:
     """The last step of every rank of every job on this node, and whether a group is hung.
 
@@ -248,7 +244,8 @@ class ProgressTracker:
         stalled = tuple(f[0] for f in found)
         limit = min(f[1] for f in found)
         warm = any(f[2] for f in found)
-        reason = (f"no progress for {_secs(limit)} s (learned hang timeout"
+        shown = f"{limit:.0f}" if limit >= 100 else f"{limit:.3g}"
+        reason = (f"no progress for {shown} s (learned hang timeout"
                   f"{', first steps' if warm else ''})" if learned
                   else f"no progress for {limit:g} s")
         return Hang(job, reason, max(r.seconds for r in stalled), stalled,
