@@ -66,14 +66,12 @@ class Hang:
 
     Attributes:
         reason: a short sentence, e.g. ``"no progress for 30 s"``.
-        seconds: the longest stall.
         ranks: the stalled ranks, by rank.
         learned: the timeout was the learned one (a restart for it doubles it).
     """
 
     job: str
     reason: str
-    seconds: float
     ranks: tuple[StalledRank, ...]
     learned: bool = False
 
@@ -248,8 +246,7 @@ class ProgressTracker:
         reason = (f"no progress for {shown} s (learned hang timeout"
                   f"{', first steps' if warm else ''})" if learned
                   else f"no progress for {limit:g} s")
-        return Hang(job, reason, max(r.seconds for r in stalled), stalled,
-                    learned=learned)
+        return Hang(job, reason, stalled, learned=learned)
 
     def compute_seconds(self, job: str) -> float | None:
         """This node's compute time per step for ``job``: the median over its ranks of each
