@@ -165,11 +165,11 @@ def _hook(handler: Any) -> None:
     handler.on_change(node.news.set)  # a member's death confirmed: the monitor looks at once
 
 
-def reform_deadline() -> float:
+def reform_deadline(environ: Any = None) -> float:
     """The job's ``reform_deadline`` (seconds after the round closes), from the environment
     its daemon gave this agent; the default when absent (a daemon before the field) or bad
     (the spec was checked where it was written and read: it cannot be, but never crash)."""
-    text = os.environ.get(REFORM_DEADLINE_ENV, "")
+    text = (os.environ if environ is None else environ).get(REFORM_DEADLINE_ENV, "")
     try:
         value = float(text)
     except ValueError:
