@@ -42,9 +42,8 @@ from elasticd.agent.job_check import JobChecks, WAIT_RETRY
 from elasticd.agent.job_records import JobRecords
 from elasticd.agent.job_rules import REFORM_DEADLINE, AgentExit, JobBook, PeerFailure, Start
 from elasticd.agent.job_status import JobStatusBoard
-from elasticd.agent.straggler_watch import StragglerWatch
 from elasticd.agent.supervisor import AgentSupervisor
-from elasticd.agent.worker_group import WorkerGroup
+from elasticd.agent.worker_group import StragglerWatch, WorkerGroup
 from elasticd.clock import Clock, SystemClock
 from elasticd.cluster import drain_record
 from elasticd.cluster.job_policy import JobPolicy
