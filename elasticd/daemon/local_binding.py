@@ -156,10 +156,7 @@ class CallerBinding:
                 break
             if current in scope.roots and fields[19] == str(scope.roots[current]).encode():
                 return ""
-            try:
-                current = int(fields[1])
-            except ValueError:
-                break
+            current = int(fields[1])  # the kernel's %d: the parent's pid
             if current <= 1:
                 break
         return "it does not descend from the job's agent or zygote"
