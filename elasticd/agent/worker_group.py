@@ -308,8 +308,6 @@ class StragglerWatch:
         board: the node's job status (its ``straggler`` field).
         drain: asks for this node's drain, as ``elasticctl drain`` would (raises
             CoordinationError when etcd does not take it).
-        record_event: records a cluster event (kind, detail, data).
-        note: adds a line to the cycle's notes.
     """
 
     def __init__(self, board: JobStatusBoard, metrics: Metrics, drain: Callable[[], Any],
