@@ -49,7 +49,7 @@ from elasticd.agent import job_rules, torchrun
 from elasticd.agent.job_rules import Reform
 from elasticd.agent.signals import SignalRelay
 from elasticd.agent.supervisor import REFORM_DEADLINE_ENV
-from elasticd.cluster.jobspec import MAX_REFORM_DEADLINE
+from elasticd.cluster.jobspec import DEFAULT_REFORM_DEADLINE, MAX_REFORM_DEADLINE
 from elasticd.agent.worker_link import LinkServer
 from elasticd.clock import Clock, SystemClock
 from elasticd.local.worker_link import (LINK_ENV, LINK_PID_ENV, PREVIOUS_ENV, ROUND_ENV,
@@ -173,8 +173,8 @@ def reform_deadline(environ: Any = None) -> float:
     try:
         value = float(text)
     except ValueError:
-        return job_rules.REFORM_DEADLINE
-    return value if 0 < value <= MAX_REFORM_DEADLINE else job_rules.REFORM_DEADLINE
+        return DEFAULT_REFORM_DEADLINE
+    return value if 0 < value <= MAX_REFORM_DEADLINE else DEFAULT_REFORM_DEADLINE
 
 
 def tell_daemon(op: str, **fields: Any) -> None:

@@ -40,7 +40,7 @@ from elasticd.agent import job_rules
 from elasticd.agent.agent_start import AgentStarter, Credentials
 from elasticd.agent.job_check import JobChecks, WAIT_RETRY
 from elasticd.agent.job_records import JobRecords
-from elasticd.agent.job_rules import REFORM_DEADLINE, AgentExit, JobBook, PeerFailure, Start
+from elasticd.agent.job_rules import AgentExit, JobBook, PeerFailure, Start
 from elasticd.agent.job_status import JobStatusBoard
 from elasticd.agent.supervisor import AgentSupervisor
 from elasticd.agent.worker_group import StragglerWatch, WorkerGroup
@@ -490,7 +490,7 @@ class ReformWatch:
         #: the local API's thread ends it (``reformed``).
         self._lock = threading.Lock()
 
-    def started(self, peer: str, deadline: float = REFORM_DEADLINE) -> None:
+    def started(self, peer: str, deadline: float) -> None:
         """``peer`` failed and the job's agent re-forms its workers in-process, within the
         job's ``deadline`` after its round (the daemon's backstop adds an allowance)."""
         with self._lock:
