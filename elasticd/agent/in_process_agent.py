@@ -37,6 +37,7 @@ worker's restore offers its predecessor's as a survivor offers its own.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -177,11 +178,6 @@ def reform_deadline(environ: Any = None) -> float:
     return value if 0 < value <= MAX_REFORM_DEADLINE else DEFAULT_REFORM_DEADLINE
 
 
-def tell_daemon(op: str, **fields: Any) -> None:
-    """A one-way note to the node's daemon (:func:`elasticd.agent.torchrun.tell_daemon`)."""
-    torchrun.tell_daemon(os.environ.get("ELASTICD_SOCKET", ""), op, **fields)
-
-
 class InProcessAgent(LocalElasticAgent):
     """torch's agent, with ``_restart_workers`` re-forming live workers in-process."""
 
@@ -318,6 +314,7 @@ class InProcessAgent(LocalElasticAgent):
             node.reforming, node.reformed_at = False, node.clock.monotonic()
 
     def _reform(self, wg: Any, node: _Node) -> None:
+        tell_daemon = functools.partial(torchrun.tell_daemon, os.environ.get("ELASTICD_SOCKET", ""))
         n = wg.spec.local_world_size
         why = job_rules.can_reform(n, self._all_alive(), node.link.linked())
         if why:
