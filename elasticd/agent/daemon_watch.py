@@ -52,22 +52,22 @@ class DaemonWatch:
         node_key: the node's record, bound to the daemon's lease.
         ping: True when the daemon answers on its local socket in time.
         fence: called once, with the reason, when the rule holds (normally does not return).
-        interval: seconds between etcd reads.
+        interval: seconds between etcd reads, and between pings (by the pinger thread,
+            :meth:`probe`).
         silent_for: seconds without an answer to a ping that make the daemon silent.
-        ping_interval: seconds between pings (by the pinger thread, :meth:`probe`).
         ping_timeout: the longest a ping takes, answered or not (None: unknown); below
             ``silent_for``, :meth:`settle` skips a probe that could not change its answer.
     """
 
     def __init__(self, coordinator: Coordinator, node_key: bytes, ping: Callable[[], bool],
-                 fence: Callable[[str], None], interval: float = 0.25, silent_for: float = 1.0, ping_interval: float = 0.25,
+                 fence: Callable[[str], None], interval: float = 0.25, silent_for: float = 1.0,
                  clock: Clock | None = None, ping_timeout: float | None = None) -> None:
         self._coordinator = coordinator
         self.node_key = node_key
         self._ping = ping
         self._fence = fence
         self.interval = interval
-        self.silent_for, self.ping_interval = silent_for, ping_interval
+        self.silent_for = silent_for
         self.ping_timeout = ping_timeout
         self._clock = clock or SystemClock()
         # The daemon started this agent just now: it counts as having answered.
@@ -212,7 +212,7 @@ class DaemonWatch:
                 return
 
     def _pinger(self) -> None:
-        while not self._stop.wait(self.ping_interval):
+        while not self._stop.wait(self.interval):
             self.probe()
 
     def start(self) -> None:
