@@ -24,7 +24,6 @@ class AgentStarter:
     """Makes and starts job agents (owned by the job manager).
 
     Args:
-        etcd: endpoints handed to the agent's rendezvous.
         state_dir: where per-job logs go (``<state_dir>/jobs/<job>/agent.log``).
         extra_env: returns more environment for agents (e.g. the daemon's local socket).
         warm: start workers from a zygote (:mod:`elasticd.agent.zygote`).

@@ -47,23 +47,13 @@ IDLE = 60.0
 
 
 def at_committed_step(committed: Version | None, newest: Iterable[Version]) -> bool:
-    """Whether the job is at a committed step (see the module docstring).
-
-    Args:
-        committed: the job's committed (generation, step), or None.
-        newest: the newest replicated versions known (the ahead record's).
-    """
+    """Whether the job is at a committed step (see the module docstring); ``newest``: the
+    ahead record's versions."""
     return committed is not None and all(v <= committed for v in newest)
 
 
 class CommitWatch:
-    """The job's committed version and the ahead record's version, kept by a watch.
-
-    Args:
-        coordinator: the agent's etcd connection (not owned).
-        job: the job's name (its rendezvous id).
-        clock: time source (the pause between re-list attempts).
-    """
+    """The job's committed version and the ahead record's version, kept by a watch."""
 
     def __init__(self, coordinator: Coordinator, keys: Keyspace, job: str,
                  clock: Clock | None = None) -> None:

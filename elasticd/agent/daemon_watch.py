@@ -15,8 +15,8 @@ daemon has not answered a ping on its local socket for ``silent_for`` seconds (1
 every 0.25 s by a thread of its own, each ping waiting up to 0.5 s, and answers in about a
 millisecond when alive). Either alone is normal for a while: every record vanishes for a moment
 after an etcd outage longer than the lease TTL (each daemon re-grants and re-registers within a
-heartbeat), and a busy daemon can answer late. A failed etcd read forgets the absence (no
-judgement from a doubtful view). A wrong fence costs one agent restart: a live daemon sees its
+heartbeat), and a busy daemon can answer late. A failed etcd read never fences (no judgement
+from a doubtful view). A wrong fence costs one agent restart: a live daemon sees its
 agent exit and starts it again. Because a frozen daemon has been silent since it froze, a lease
 TTL before its record goes, the fence follows the record's deletion by one read.
 
@@ -52,27 +52,24 @@ class DaemonWatch:
         node_key: the node's record, bound to the daemon's lease.
         ping: True when the daemon answers on its local socket in time.
         fence: called once, with the reason, when the rule holds (normally does not return).
-        absent_for: seconds the record must stay absent (0: one read showing it gone).
-        interval: seconds between etcd reads.
+        interval: seconds between etcd reads, and between pings (by the pinger thread,
+            :meth:`probe`).
         silent_for: seconds without an answer to a ping that make the daemon silent.
-        ping_interval: seconds between pings (by the pinger thread, :meth:`probe`).
         ping_timeout: the longest a ping takes, answered or not (None: unknown); below
             ``silent_for``, :meth:`settle` skips a probe that could not change its answer.
     """
 
     def __init__(self, coordinator: Coordinator, node_key: bytes, ping: Callable[[], bool],
-                 fence: Callable[[str], None], absent_for: float = 0.0,
-                 interval: float = 0.25, silent_for: float = 1.0, ping_interval: float = 0.25,
+                 fence: Callable[[str], None], interval: float = 0.25, silent_for: float = 1.0,
                  clock: Clock | None = None, ping_timeout: float | None = None) -> None:
         self._coordinator = coordinator
         self.node_key = node_key
         self._ping = ping
         self._fence = fence
-        self.absent_for, self.interval = absent_for, interval
-        self.silent_for, self.ping_interval = silent_for, ping_interval
+        self.interval = interval
+        self.silent_for = silent_for
         self.ping_timeout = ping_timeout
         self._clock = clock or SystemClock()
-        self._absent_since: float | None = None
         # The daemon started this agent just now: it counts as having answered.
         self._answered = self._clock.monotonic()
         self._stop = threading.Event()
@@ -123,7 +120,7 @@ class DaemonWatch:
     def _is_present(self, now: float) -> bool:
         """The watch's view, or a read when there is no watch, it is in doubt, or the last
         read is :data:`VERIFY_EVERY` old. A failed read answers True: no judgement from a
-        doubtful view (the absence is forgotten)."""
+        doubtful view."""
         with self._lock:
             view, events = self._present, self._events
             if view is not None and self._watch is not None \
@@ -165,15 +162,10 @@ class DaemonWatch:
 
     def tick(self) -> str | None:
         """One look at the record; returns why to fence, or None."""
-        now = self._clock.monotonic()
-        present = self._is_present(now)
-        if present:
-            self._absent_since = None
+        if self._is_present(self._clock.monotonic()):
             return None
-        if self._absent_since is None:
-            self._absent_since = now
-        absent, silent = now - self._absent_since, self.silence()
-        if absent < self.absent_for or silent < self.silent_for:
+        silent = self.silence()
+        if silent < self.silent_for:
             return None
         return (f"this node's record {self.node_key.decode(errors='replace')} is gone from "
                 f"etcd (its daemon was declared dead) and the daemon has not answered on its "
@@ -220,7 +212,7 @@ class DaemonWatch:
                 return
 
     def _pinger(self) -> None:
-        while not self._stop.wait(self.ping_interval):
+        while not self._stop.wait(self.interval):
             self.probe()
 
     def start(self) -> None:

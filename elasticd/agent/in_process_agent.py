@@ -37,19 +37,20 @@ worker's restore offers its predecessor's as a survivor offers its own.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-import signal
 import threading
-from typing import Any, Callable
+from typing import Any
 
 from torch.distributed.elastic.agent.server.api import WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from elasticd.agent import job_rules, torchrun
 from elasticd.agent.job_rules import Reform
+from elasticd.agent.signals import SignalRelay
 from elasticd.agent.supervisor import REFORM_DEADLINE_ENV
-from elasticd.cluster.jobspec import MAX_REFORM_DEADLINE
+from elasticd.cluster.jobspec import DEFAULT_REFORM_DEADLINE, MAX_REFORM_DEADLINE
 from elasticd.agent.worker_link import LinkServer
 from elasticd.clock import Clock, SystemClock
 from elasticd.local.worker_link import (LINK_ENV, LINK_PID_ENV, PREVIOUS_ENV, ROUND_ENV,
@@ -127,33 +128,11 @@ def install(clock: Clock | None = None) -> None:
     log.info("in-process mode: the agent keeps its live workers through a round")
 
 
-def _hear_daemon(node: _Node) -> Callable[[], None]:
+def _hear_daemon(node: _Node) -> SignalRelay:
     """Takes the daemon's signal (:data:`job_rules.PEER_FAILED_SIGNAL`) to
-    :meth:`_Node.peer_failed`. The handler runs in the main thread between two bytecodes,
-    possibly while the monitor holds the news event's lock, so it only writes a byte to a
-    pipe; a thread reading the pipe does the rest (the self-pipe pattern). Called from the
-    agent's main thread (``signal.signal`` must be). Returns what undoes it (tests)."""
-    read, write = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-    os.set_blocking(read, True)
-
-    def handler(signum: int, frame: Any) -> None:
-        try:
-            os.write(write, b"!")
-        except OSError:
-            pass  # the pipe is full: a byte in it already wakes the thread
-
-    def listen() -> None:
-        while os.read(read, 64):
-            node.peer_failed()
-        os.close(read)
-
-    def undo() -> None:
-        signal.signal(job_rules.PEER_FAILED_SIGNAL, before)
-        os.close(write)  # the thread reads the end of the pipe and ends
-
-    threading.Thread(target=listen, name="daemon-word", daemon=True).start()
-    before = signal.signal(job_rules.PEER_FAILED_SIGNAL, handler)
-    return undo
+    :meth:`_Node.peer_failed` on a thread of its own: the handler may run while the monitor
+    holds the news event's lock (:mod:`elasticd.agent.signals`). From the main thread."""
+    return SignalRelay({job_rules.PEER_FAILED_SIGNAL: node.peer_failed})
 
 
 def _hook(handler: Any) -> None:
@@ -195,13 +174,8 @@ def reform_deadline(environ: Any = None) -> float:
     try:
         value = float(text)
     except ValueError:
-        return job_rules.REFORM_DEADLINE
-    return value if 0 < value <= MAX_REFORM_DEADLINE else job_rules.REFORM_DEADLINE
-
-
-def tell_daemon(op: str, **fields: Any) -> None:
-    """A one-way note to the node's daemon (:func:`elasticd.agent.torchrun.tell_daemon`)."""
-    torchrun.tell_daemon(os.environ.get("ELASTICD_SOCKET", ""), op, **fields)
+        return DEFAULT_REFORM_DEADLINE
+    return value if 0 < value <= MAX_REFORM_DEADLINE else DEFAULT_REFORM_DEADLINE
 
 
 class InProcessAgent(LocalElasticAgent):
@@ -249,17 +223,21 @@ class InProcessAgent(LocalElasticAgent):
         if why:
             log.warning("staged workers not taken into round %d (%s): starting fresh ones",
                         self._round(wg), why)
-            self._stop_workers(wg)
-            wg.state = WorkerState.STOPPED
-            ids = self._start_workers(wg)
-        else:
-            ids = self._pcontext.pids()
-            for w in wg.workers:
-                node.link.send(w.local_rank, {"op": "assign", "env": self._env_for(wg, w),
-                                              "times": {}})
-            log.info("staged workers %s assigned round %d, %.3f s after they started",
-                     sorted(ids.values()), self._round(wg), node.clock.monotonic() - t0)
-        for local, wid in ids.items():
+            self._start_fresh(wg)
+            return
+        ids = self._pcontext.pids()
+        for w in wg.workers:
+            w.id = ids[w.local_rank]
+            node.link.send(w.local_rank, {"op": "assign", "env": self._env_for(wg, w),
+                                          "times": {}})
+        log.info("staged workers %s assigned round %d, %.3f s after they started",
+                 sorted(ids.values()), self._round(wg), node.clock.monotonic() - t0)
+        wg.state = WorkerState.HEALTHY
+
+    def _start_fresh(self, wg: Any) -> None:
+        self._stop_workers(wg)
+        wg.state = WorkerState.STOPPED
+        for local, wid in self._start_workers(wg).items():
             wg.workers[local].id = wid
         wg.state = WorkerState.HEALTHY
 
@@ -336,6 +314,7 @@ class InProcessAgent(LocalElasticAgent):
             node.reforming, node.reformed_at = False, node.clock.monotonic()
 
     def _reform(self, wg: Any, node: _Node) -> None:
+        tell_daemon = functools.partial(torchrun.tell_daemon, os.environ.get("ELASTICD_SOCKET", ""))
         n = wg.spec.local_world_size
         why = job_rules.can_reform(n, self._all_alive(), node.link.linked())
         if why:
@@ -379,12 +358,7 @@ class InProcessAgent(LocalElasticAgent):
         if verdict is Reform.RESTART:
             log.warning("falling back to a restart into round %d (%s): %s", self._round(wg),
                         what, why)
-            self._stop_workers(wg)
-            wg.state = WorkerState.STOPPED
-            ids = self._start_workers(wg)
-            for local, wid in ids.items():
-                wg.workers[local].id = wid
-            wg.state = WorkerState.HEALTHY
+            self._start_fresh(wg)
             tell_daemon("reformed", path="restart", why=why)
             return
         pids = self._pcontext.pids()

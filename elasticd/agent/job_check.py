@@ -224,14 +224,7 @@ class _Run:
 
 class JobChecks:
     """Runs :func:`check_job` off the main loop, one thread per check, and remembers the
-    checks that hung (module docstring).
-
-    Args:
-        state_dir: the daemon's state directory (:data:`HUNG_FILE` lives there).
-        clock: the daemon's clock (the deadline is measured on it).
-        check: the check (tests pass another).
-        deadline: seconds before a check counts as hung.
-    """
+    checks that hung (module docstring) in ``state_dir``'s :data:`HUNG_FILE`."""
 
     def __init__(self, state_dir: str, clock: Clock,
                  check: Callable[[JobSpec, JobPolicy, float], Verdict] = check_job,

@@ -41,11 +41,8 @@ def open_job_log(directory: str, name: str, uid: int | None, gid: int = -1) -> i
     ``O_NOFOLLOW`` (module docstring), may belong to the job's user.
 
     Args:
-        directory: the job's log directory.
-        name: the file's name in it (no slash).
-        uid: the job's user, who gets the directory; None when the job runs as the daemon's
-            own user (nothing is given away).
-        gid: that user's group.
+        uid: the job's user (``gid`` its group), who gets the directory; None when the job
+            runs as the daemon's own user (nothing is given away).
 
     Returns:
         a descriptor open for appending (the caller closes it); the file is a regular file with

@@ -48,7 +48,6 @@ def wanted(view: JobView, running: str | None, hold: str,
     """The job this node should run: the oldest wanted job it has not finished.
 
     Args:
-        running: the job this node runs now, if any.
         hold: why the node runs no job for now (a drain), or "".
         held: whether a job other than ``running`` is left aside (refused, or waiting for
             its files): :class:`elasticd.agent.job_holds.JobHolds`.
@@ -246,10 +245,6 @@ def peer_failed(running: bool, peer: str, members: Iterable[str],
 #: or one still starting) is not killed by it.
 PEER_FAILED_SIGNAL = signal.SIGWINCH
 
-#: Seconds a node's agent waits, after its rendezvous round, for each local worker to say it
-#: left the old group (:func:`reform_step`); a worker stuck longer is restarted as today. The
-#: default of a job's ``reform_deadline`` (:class:`elasticd.cluster.jobspec.JobSpec`).
-REFORM_DEADLINE = DEFAULT_REFORM_DEADLINE
 #: The daemon's backstop (:meth:`JobBook.reform_started`): the agent's deadline, plus this
 #: much for it to notice the failure and close its round. Past it, the daemon restarts the
 #: workers itself (the agent never re-formed nor fell back: it may be stuck).
@@ -312,8 +307,8 @@ def reform_step(local_world: int, old_round: int, left: dict[int, tuple[int, boo
         old_round: the round they are to leave.
         left: local rank -> (round it last left, whether cleanly, why) from its ``left``.
         alive: every local worker process still runs.
-        now, deadline: monotonic seconds; the deadline is the round's end plus
-            :data:`REFORM_DEADLINE`.
+        now, deadline: monotonic seconds; the deadline is the round's end plus the job's
+            ``reform_deadline``: a worker stuck longer is restarted as today.
     """
     if not alive:
         return Reform.RESTART, "a local worker died during the re-formation"

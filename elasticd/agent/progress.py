@@ -66,14 +66,12 @@ class Hang:
 
     Attributes:
         reason: a short sentence, e.g. ``"no progress for 30 s"``.
-        seconds: the longest stall.
         ranks: the stalled ranks, by rank.
         learned: the timeout was the learned one (a restart for it doubles it).
     """
 
     job: str
     reason: str
-    seconds: float
     ranks: tuple[StalledRank, ...]
     learned: bool = False
 
@@ -100,10 +98,6 @@ class _Job:
     started_at: float
     ranks: dict[int, _Rank] = dataclasses.field(default_factory=dict)
     retired_pids: set[int] = dataclasses.field(default_factory=set)
-
-
-def _secs(x: float) -> str:
-    return f"{x:.0f}" if x >= 100 else f"{x:.3g}"
 
 
 class ProgressTracker:
@@ -248,11 +242,11 @@ class ProgressTracker:
         stalled = tuple(f[0] for f in found)
         limit = min(f[1] for f in found)
         warm = any(f[2] for f in found)
-        reason = (f"no progress for {_secs(limit)} s (learned hang timeout"
+        shown = f"{limit:.0f}" if limit >= 100 else f"{limit:.3g}"
+        reason = (f"no progress for {shown} s (learned hang timeout"
                   f"{', first steps' if warm else ''})" if learned
                   else f"no progress for {limit:g} s")
-        return Hang(job, reason, max(r.seconds for r in stalled), stalled,
-                    learned=learned)
+        return Hang(job, reason, stalled, learned=learned)
 
     def compute_seconds(self, job: str) -> float | None:
         """This node's compute time per step for ``job``: the median over its ranks of each

@@ -119,11 +119,7 @@ def check_file(fd: int, what: str, max_bytes: int,
 
     Args:
         what: how the file is named in the refusal ("script '/opt/train.py'").
-        max_bytes: a larger file is refused.
         owners: the uids that may own it (None: any).
-
-    Returns:
-        its ``fstat``.
 
     Raises:
         UnsafeFile: refused, with the reason.

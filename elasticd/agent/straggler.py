@@ -67,9 +67,7 @@ class StragglerJudge:
         peers = {n: s for n, s in others.items() if s > 0}
         if self.factor <= 0 or step is None or mine is None or not peers:
             return self._keep(None)
-        median = statistics.median(peers.values())
-        if median <= 0:
-            return self._keep(None)
+        median = statistics.median(peers.values())  # > 0: every peer's is
         ratio = mine / median
         slower = ratio > self.factor and mine - median > self.min_gap
         if slower == self._named:
@@ -85,7 +83,3 @@ class StragglerJudge:
 
     def _keep(self, ratio: float | None) -> Verdict:
         return Verdict(self._named, ratio, self._text if self._named else "")
-
-    def reset(self) -> None:
-        """The node left the job or its worker group restarted on a new world: start over."""
-        self._named, self._since, self._text = False, None, ""

@@ -304,8 +304,7 @@ class AgentSupervisor:
             log.warning("SIGKILL to %d processes of %s still running after %.0f s",
                         len(left), self.spec.name, grace)
             if self.proc is not None and self.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
+                kill_group(self.proc.pid)
             signal_all(left, signal.SIGKILL)
         if self.proc is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):

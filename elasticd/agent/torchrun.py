@@ -52,7 +52,7 @@ ZYGOTE_WAIT = 60.0
 #: a millisecond, ~14 ms while it records a failure. Half the watch's ``silent_for`` (1 s), so
 #: that the join gate need not ping a daemon that answered the pinger within the last 0.5 s
 #: (:meth:`.DaemonWatch.settle`); a ping that times out is followed by the next within
-#: ``ping_interval``, and the daemon is silent only after ``silent_for`` without any answer.
+#: ``interval``, and the daemon is silent only after ``silent_for`` without any answer.
 PING_TIMEOUT = 0.5
 
 

@@ -6,25 +6,30 @@ learns go into the node's job status, from which replica placement is computed
 (:func:`elasticd.agent.job_rules.round_ranks`); the steps feed hang detection
 (:mod:`elasticd.agent.progress`, with a timeout the job sets or one learned from its step times:
 :mod:`elasticd.cluster.learned_timeout`) and the crash-loop count
-(:mod:`elasticd.agent.restart_watch`). The group is restarted at once when it hangs
+(:class:`RestartWatch`). The group is restarted at once when it hangs
 (:meth:`WorkerGroup.restart_if_hung`) or when the job manager decides so for a failed peer
-(:meth:`WorkerGroup.restart_workers`).
+(:meth:`WorkerGroup.restart_workers`). Its other parts: the straggler verdict
+(:class:`StragglerWatch`) and the restarts the crash-loop rule counts (:class:`RestartWatch`).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any, Callable
 
-from elasticd.cluster.learned_timeout import LearnedTimeout
+from elasticd.agent import crashloop, job_rules
 from elasticd.agent.job_status import JobStatusBoard
 from elasticd.agent.progress import ProgressTracker, progress_handler
-from elasticd.agent.restart_watch import RestartWatch
-from elasticd.agent.straggler_watch import StragglerWatch, show_seconds
+from elasticd.agent.straggler import StragglerJudge
 from elasticd.agent.supervisor import AgentSupervisor, process_runs
 from elasticd.clock import Clock
-from elasticd.cluster.jobspec import JobSpec, NodeJobStatus
+from elasticd.cluster.jobspec import JobSpec, JobState, NodeJobStatus
+from elasticd.cluster.learned_timeout import LearnedTimeout
+from elasticd.coordination.api import CoordinationError
 from elasticd.metrics import Metrics
+
+log = logging.getLogger(__name__)
 
 
 class WorkerGroup:
@@ -214,3 +219,149 @@ def _progressed(st: NodeJobStatus, world: Any, regrouped: bool, rank: Any,
     if isinstance(step, int) and step != st.last_step:
         fields["last_step"] = step
     return fields
+
+
+class RestartWatch:
+    """Counts the restarts of the job this node runs (owned by the worker group).
+
+    Two kinds are seen: torchrun's agent restarting its worker group (a new ``attempt_<n>`` in
+    its run directory) and the daemon restarting an agent that died. Each is counted with the
+    failure the agent's log shows since the last one (or the reason the daemon itself gave, a
+    hang), and the job's newest committed step at that moment: the pure rule in
+    :mod:`elasticd.agent.crashloop` decides from these whether the job crash-loops.
+
+    Attributes:
+        loop: the crash-loop rule's state for the job.
+        cause: why the daemon itself restarted the workers last, if it did (a hang), until
+            that restart is counted.
+        runs_known: torchrun run directories of the agents before the current one.
+    """
+
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
+        self.loop = crashloop.LoopState()
+        self._job: str | None = None
+        self._best_step = -1  # the newest step reported for the job (fallback watermark)
+        self.runs_known: set[str] = set()
+        self._attempt = 0  # the agent's worker group attempt (torchrun's restart count)
+        self._log_mark = 0  # agent log size at the last restart seen
+        self._attempt_at = 0.0  # when the current worker group attempt started (monotonic)
+        self.cause = ""
+
+    def agent_starting(self, job: str, run_dir: str) -> None:
+        """An agent of ``job`` is about to start, its torchrun runs under ``run_dir``: a new job
+        starts counting afresh; the same job keeps its count (an agent restarted after dying)."""
+        if self._job != job:
+            self.loop, self._job, self._best_step = crashloop.LoopState(), job, -1
+        self.runs_known = crashloop.runs(run_dir)
+        self._attempt = 0
+
+    def agent_started(self, log_size: int) -> None:
+        self._log_mark = log_size
+        self._attempt_at = self._clock.monotonic()
+
+    def progress(self, step: int) -> None:
+        """A worker reported ``step`` (the watermark when nothing is committed)."""
+        self._best_step = max(self._best_step, step)
+
+    def new_attempts(self, run_dir: str) -> int:
+        """How many worker group restarts torchrun made since the last look."""
+        attempt = crashloop.attempts(run_dir, self.runs_known)
+        new, self._attempt = max(0, attempt - self._attempt), max(attempt, self._attempt)
+        return new
+
+    def restarted(self, log_size: int, log_tail: Callable[[int], str],
+                  committed: crashloop.Version | None, fallback: str = "", times: int = 1) -> None:
+        """A worker group restart, or ``times`` of them seen at once: counts them. Restarts
+        seen together share the failure the log shows since the last look: read for the first
+        alone, the others counted as showing no traceback, and a job whose restarts came faster
+        than the daemon's cycle was failed with that reason instead of its exception (CI: the
+        crash-loop test, one run in two)."""
+        text = log_tail(self._log_mark) if log_size > self._log_mark else ""
+        self._log_mark = log_size
+        failure = (self.cause or crashloop.failure_summary(text) or fallback
+                   or crashloop.NO_TRACEBACK)
+        self.cause = ""
+        if committed is None and self._best_step >= 0:
+            committed = (0, self._best_step)
+        now = self._clock.monotonic()
+        for _ in range(times):
+            self.loop = crashloop.after_restart(self.loop, committed, failure,
+                                                now - self._attempt_at)
+        self._attempt_at = now
+
+    def verdict(self, limit: int) -> str | None:
+        """Why the job crash-loops (``limit`` restarts in a row without progress), or None."""
+        return crashloop.verdict(self.loop, limit)
+
+
+class StragglerWatch:
+    """Judges this node against its job's other nodes, once a cycle (owned by the worker group).
+
+    The verdict is :class:`elasticd.agent.straggler.StragglerJudge`'s (pure), from the compute
+    times per step the nodes publish; it goes into the node's job status and the
+    ``elasticd_straggler`` metric. A node newly named records a ``straggler`` event, and asks for
+    its own drain when the job wants that and would keep its minimum of nodes
+    (:func:`elasticd.agent.job_rules.drain_straggler`).
+
+    Args:
+        board: the node's job status (its ``straggler`` field).
+        drain: asks for this node's drain, as ``elasticctl drain`` would (raises
+            CoordinationError when etcd does not take it).
+    """
+
+    def __init__(self, board: JobStatusBoard, metrics: Metrics, drain: Callable[[], Any],
+                 record_event: Callable[[str, str, dict[str, Any]], None],
+                 note: Callable[[str], None]) -> None:
+        self._board = board
+        self._metrics = metrics
+        self._drain = drain
+        self._record_event = record_event
+        self._note = note
+        self._judge: tuple[str, StragglerJudge] | None = None  # (job, its judge here)
+
+    def observe(self, job: str | None, spec: JobSpec | None, compute: float | None,
+                peers: dict[str, NodeJobStatus]) -> None:
+        """This cycle's verdict on ``job`` (None: no agent runs here), given this node's
+        ``compute`` time per step and ``peers``' statuses (every node's: this one is left
+        out)."""
+        me = self._board.node_id
+        if job is None or spec is None:
+            self._judge = None
+            self._metrics.jobs.straggler.set(1 if self._board.status.straggler else 0)
+            return
+        if self._judge is None or self._judge[0] != job:
+            self._judge = (job, StragglerJudge(spec.straggler_factor, spec.straggler_steps))
+        running = {n: st for n, st in peers.items()
+                   if n != me and st.state == JobState.RUNNING}
+        step = self._board.status.last_step
+        verdict = self._judge[1].observe(step if step >= 0 else None, compute,
+                                         {n: st.compute_seconds for n, st in running.items()})
+        self._metrics.jobs.straggler.set(1 if verdict.named else 0)
+        before = self._board.edit(lambda st: {"straggler": verdict.text}
+                                  if verdict.text != st.straggler else {})
+        if not verdict.named or before.straggler:
+            return
+        log.warning("job %s: this node is a straggler: %s", job, verdict.text)
+        self._note(f"{job}: {verdict.text}")
+        drain = job_rules.drain_straggler(spec.straggler_drain, len(running), spec.nnodes_min)
+        if spec.straggler_drain and not drain:
+            log.warning("job %s: not draining straggler %s: %d other nodes run the job, its "
+                        "minimum is %d", job, me, len(running), spec.nnodes_min)
+        if drain:
+            try:
+                self._drain()
+            except CoordinationError as exc:
+                log.warning("job %s: could not ask for straggler %s's drain: %s", job, me, exc)
+                drain = False
+        self._record_event("straggler", f"{job}: {me} {verdict.text}"
+                           f"{'; draining it' if drain else ''}",
+                           {"job": job, "ratio": verdict.ratio, "compute_seconds": compute,
+                            "step": step, "drain": drain})
+
+
+def show_seconds(seconds: float) -> float:
+    """``seconds`` to two significant digits (what the node publishes: a learned timeout or a
+    compute time that drifts by a few percent is no etcd write; /status and the metrics carry
+    the exact value)."""
+    return float(f"{seconds:.2g}") if seconds > 0 else 0.0

@@ -29,9 +29,8 @@ class LinkServer:
 
     Attributes:
         name: the link's name (for :data:`elasticd.local.worker_link.LINK_ENV`).
-        cond: guards ``conns``, ``pids`` and ``left``; notified on every message and hang-up.
+        cond: guards ``conns`` and ``left``; notified on every message and hang-up.
         conns: local rank -> its worker's connection.
-        pids: local rank -> the pid its worker said (and the kernel confirmed).
         left: local rank -> its worker's last ``left`` message.
         timeouts: local rank -> the collective timeout its worker's group has now, seconds.
         on_news: called after every message and hang-up (from the connection's thread; must
@@ -45,7 +44,6 @@ class LinkServer:
         self._srv.listen(64)
         self.cond = threading.Condition()
         self.conns: dict[int, socket.socket] = {}
-        self.pids: dict[int, int] = {}
         self.left: dict[int, dict[str, Any]] = {}
         self.timeouts: dict[int, float] = {}
         self.on_news: Callable[[], None] = lambda: None
@@ -92,7 +90,6 @@ class LinkServer:
                 if op == "hello" and isinstance(msg.get("local_rank"), int):
                     local = msg["local_rank"]
                     self.conns[local] = conn
-                    self.pids[local] = pid  # the kernel's word, not the message's
                 elif op == "left" and local is not None and isinstance(msg.get("round"), int):
                     self.left[local] = msg
                 elif op == "timeout" and local is not None \

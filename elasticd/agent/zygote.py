@@ -49,12 +49,12 @@ import os
 import select
 import signal
 import socket
-import struct
 import sys
 import threading
 import traceback
 from typing import Any
 
+from elasticd.local import wire
 from elasticd.local.worker_link import Untrusted, connect_checked, peer_credentials
 
 #: Environment variable with the zygote's socket name, set for the agent and its workers.
@@ -69,7 +69,6 @@ PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel",
            "torch.utils.data", "torch.distributed.optim", "numpy", "elasticd.worker.checkpointer",
            "elasticd.worker.sampler", "elasticd.worker")
 MAX_REQUEST = 4 << 20  # argv + environment; a bigger request is refused
-_LEN = struct.Struct("!I")
 
 
 def address(name: str) -> str:
@@ -78,8 +77,10 @@ def address(name: str) -> str:
 
 
 def send_msg(sock: socket.socket, msg: dict[str, Any], fds: list[int] = ()) -> None:
+    # ASCII JSON, not wire.encode's UTF-8: an environment may hold undecodable bytes
+    # (surrogate escapes), which this escapes and the zygote's json.loads restores.
     body = json.dumps(msg, separators=(",", ":")).encode()
-    data = _LEN.pack(len(body)) + body
+    data = wire.LENGTH.pack(len(body)) + body
     if fds:
         socket.send_fds(sock, [data], list(fds))
     else:
@@ -87,28 +88,20 @@ def send_msg(sock: socket.socket, msg: dict[str, Any], fds: list[int] = ()) -> N
 
 
 def recv_msg(sock: socket.socket, max_fds: int = 0) -> tuple[dict[str, Any] | None, list[int]]:
-    """One length-prefixed JSON message (None at EOF) and the descriptors sent with it."""
-    fds: list[int] = []
-    buf = b""
-    while len(buf) < _LEN.size:
-        if max_fds and not fds:
-            chunk, got, _flags, _addr = socket.recv_fds(sock, _LEN.size - len(buf), max_fds)
-            fds += got
-        else:
-            chunk = sock.recv(_LEN.size - len(buf))
-        if not chunk:
+    """One frame of :mod:`elasticd.local.wire` (None at EOF) and the descriptors sent with its
+    first bytes."""
+    head, fds = b"", []
+    if max_fds:
+        head, fds, _flags, _addr = socket.recv_fds(sock, wire.LENGTH.size, max_fds)
+        if not head:
             return None, fds
-        buf += chunk
-    (size,) = _LEN.unpack(buf)
-    if size > MAX_REQUEST:
-        raise ValueError(f"message of {size} bytes is over the {MAX_REQUEST}-byte limit")
-    body = bytearray()
-    while len(body) < size:
-        chunk = sock.recv(min(1 << 20, size - len(body)))
-        if not chunk:
-            return None, fds
-        body += chunk
-    return json.loads(body), fds
+    rest = wire.recv_exactly(sock, wire.LENGTH.size - len(head))
+    if rest is None:
+        return None, fds
+    (size,) = wire.LENGTH.unpack(head + rest)
+    wire.check_length(size, MAX_REQUEST)
+    body = wire.recv_exactly(sock, size)
+    return (None if body is None else wire.decode(body)), fds
 
 
 def peer_allowed(peer_uid: int, my_uid: int) -> bool:

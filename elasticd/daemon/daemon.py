@@ -67,12 +67,10 @@ class Daemon:
     and rules decide.
 
     Args:
-        http_address: the address peers and tools reach this node's HTTP endpoint at.
         membership: the cluster view (a fresh one by default; the node builder shares it
             with the replicator, which finds peers' replica servers in it).
         replicator: peer replication, if on (its server and slots are the node builder's,
             :mod:`elasticd.daemon.node`).
-        replication_address: where peers reach this node's replica server.
     """
 
     def __init__(self, settings: Settings, coord: Coordinator, clock: Clock | None = None,

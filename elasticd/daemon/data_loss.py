@@ -26,8 +26,6 @@ class DataLossRecovery:
         republish_specs: writes the job specs and controls again; returns how many specs.
         record_event: records the loss (with the number of specs written again).
         steps: what carries out each other step of the plan.
-        registered: whether the node holds a registered lease now.
-        replicates: whether the node keeps replica records.
     """
 
     def __init__(self, incarnation: Incarnation, metrics: Metrics,

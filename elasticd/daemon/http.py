@@ -91,7 +91,6 @@ class StatusServer:
 
     Args:
         status: returns the JSON-able /status document (private fields are removed here).
-        healthy: True when the daemon's loop is cycling.
         max_connections: connections served at once (one thread each).
         timeout: seconds any single read or write may block.
         deadline: seconds a connection may stay open in total.

@@ -64,11 +64,8 @@ class Caller:
 
 
 class CallerBinding:
-    """Admits connections and checks every request against its connection's :class:`Caller`.
-
-    Args:
-        scope: returns the job running on this node now, or None.
-    """
+    """Admits connections and checks every request against its connection's :class:`Caller`
+    (``scope``: the job running on this node now)."""
 
     def __init__(self, scope: Callable[[], JobScope | None]) -> None:
         self._scope = scope
@@ -159,10 +156,7 @@ class CallerBinding:
                 break
             if current in scope.roots and fields[19] == str(scope.roots[current]).encode():
                 return ""
-            try:
-                current = int(fields[1])
-            except ValueError:
-                break
+            current = int(fields[1])  # the kernel's %d: the parent's pid
             if current <= 1:
                 break
         return "it does not descend from the job's agent or zygote"

@@ -20,9 +20,9 @@ import sys
 from typing import Any, Sequence
 
 from elasticd import config
+from elasticd.agent.signals import SignalRelay
 from elasticd.daemon.daemon import Daemon
 from elasticd.daemon.node import Fatal, Node
-from elasticd.daemon.signals import SignalRelay
 from elasticd.printable import PrintableFormatter, printable
 
 log = logging.getLogger("elasticd")
@@ -153,7 +153,7 @@ def run(argv: Sequence[str] | None = None) -> int:
             daemon.loop.wake()
 
     daemon: Daemon | None = None
-    # Not signal.signal(..., on_term): see elasticd.daemon.signals for the deadlock that avoids.
+    # Not signal.signal(..., on_term): see elasticd.agent.signals for the deadlock that avoids.
     relay = SignalRelay({signal.SIGTERM: on_term, signal.SIGINT: on_term,
                          signal.SIGHUP: on_hup})
     # `kill -USR1 <pid>` writes every thread's stack to stderr (the journal under systemd):

@@ -63,11 +63,7 @@ def peer_address(membership: Membership, node: str) -> tuple[str, int] | None:
 
 
 class Node:
-    """One node's parts, built by :meth:`build` and torn down by :meth:`close`.
-
-    Args:
-        settings: validated settings (``etcd`` empty: start a private etcd).
-    """
+    """One node's parts, built by :meth:`build` and torn down by :meth:`close`."""
 
     def __init__(self, settings: config.Settings) -> None:
         self.settings = settings

@@ -61,11 +61,8 @@ class FenceBook:
         self.suspects[lease] = now + provisional_seconds + SUSPECT_SLACK
 
     def judge(self, declared: Iterable[int], now: float) -> FenceOrder | None:
-        """Rules on the suspects, given those against which peers recorded a failure.
-
-        Args:
-            declared: suspect leases with a ``failed`` event in etcd.
-        """
+        """Rules on the suspects, given those against which peers recorded a failure
+        (``declared``: suspect leases with a ``failed`` event in etcd)."""
         declared = set(declared)
         order = None
         for lease, until in list(self.suspects.items()):

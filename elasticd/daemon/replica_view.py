@@ -16,7 +16,6 @@ class ReplicaView:
 
     Args:
         replicator: peer replication, or None when it is off (every answer is then empty).
-        jobs: the node's job manager (the round's nodes and ranks).
     """
 
     def __init__(self, node_id: str, replicator: Replicator | None, jobs: JobManager) -> None:

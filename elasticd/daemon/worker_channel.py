@@ -19,14 +19,7 @@ Handler = Callable[[dict[str, Any]], Any]
 
 
 class WorkerChannel:
-    """The daemon's side of its workers' channel (owned by the daemon).
-
-    Args:
-        prefix: the cluster's etcd prefix (given to agents).
-        jobs: the node's job manager (progress reports).
-        timeline: the recovery timeline (progress, aborts, restores are its moments).
-        checkpoints: the checkpoint service, if any (its handlers are served too).
-    """
+    """The daemon's side of its workers' channel (owned by the daemon)."""
 
     def __init__(self, node_id: str, prefix: str, jobs: JobManager, timeline: TimelineRecorder,
                  checkpoints: CheckpointService | None,

@@ -25,14 +25,14 @@ class JobScope:
         uid: the uid its processes run as.
         roots: the processes every process of the job descends from (the agent, the zygote):
             pid -> start time (:func:`start_time`).
-        world_max: no rank the job's processes name may reach it
-            (:mod:`elasticd.daemon.rank_claims`).
+        world_max: the job's largest world (its spec's nnodes max x nproc_per_node), which
+            no rank its processes name may reach (:mod:`elasticd.daemon.rank_claims`);
+            None: unbounded.
     """
 
     job: str
     uid: int
     roots: dict[int, int]
-    #: The job's largest world (its spec's nnodes max x nproc_per_node); None: unbounded.
     world_max: int | None = None
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import struct
 from typing import Any, Iterable
 
@@ -76,6 +77,17 @@ def decode(body: bytes) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise FrameError(f"frame holds a JSON {type(message).__name__}, expected an object")
     return message
+
+
+def recv_exactly(sock: socket.socket, n: int) -> bytes | None:
+    """``n`` bytes from ``sock``, or None when the stream ends first."""
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
 
 
 class RequestError(LocalProtocolError):

@@ -116,23 +116,13 @@ def recv(sock: socket.socket) -> dict[str, Any] | None:
         wire.FrameError: a frame over :data:`MAX_MESSAGE` or not a JSON object.
         OSError: the connection failed.
     """
-    head = _exactly(sock, wire.LENGTH.size)
+    head = wire.recv_exactly(sock, wire.LENGTH.size)
     if head is None:
         return None
     (length,) = wire.LENGTH.unpack(head)
     wire.check_length(length, MAX_MESSAGE)
-    body = _exactly(sock, length)
+    body = wire.recv_exactly(sock, length)
     return None if body is None else wire.decode(body)
-
-
-def _exactly(sock: socket.socket, n: int) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            return None
-        buf += chunk
-    return bytes(buf)
 
 
 def connect(name: str, expected_pid: int | None) -> socket.socket:

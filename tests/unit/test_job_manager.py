@@ -334,6 +334,7 @@ def test_status_says_when_straggler_detection_is_off_for_want_of_compute_times(e
 def test_an_in_process_job_is_not_killed_for_a_failed_peer_but_restarted_past_the_deadline(
         env, tmp_path):
     from elasticd.agent import job_rules
+    from elasticd.cluster.jobspec import DEFAULT_REFORM_DEADLINE
 
     coord, keys, mgr, lease = env
     coord.put(keys.job_keys("job").node("n2"),
@@ -346,13 +347,13 @@ def test_an_in_process_job_is_not_killed_for_a_failed_peer_but_restarted_past_th
     assert agent.told == 1  # the agent re-forms now, not when etcd's summary reaches it
     # The agent said it re-formed them: no restart later.
     mgr.reform.on_reformed({"job": "job", "path": "in_process"})
-    mgr.clock.advance(job_rules.REFORM_DEADLINE + job_rules.REFORM_ROUND_ALLOWANCE + 1)
+    mgr.clock.advance(DEFAULT_REFORM_DEADLINE + job_rules.REFORM_ROUND_ALLOWANCE + 1)
     mgr.step()
     assert agent.restarts == []
     assert mgr.metrics.rendezvous.recoveries.labels("in_process")._value.get() == 1
     # It never says so: the daemon restarts the workers at its deadline, as today.
     assert mgr.on_peer_failed("n2") == 0
-    mgr.clock.advance(job_rules.REFORM_DEADLINE + job_rules.REFORM_ROUND_ALLOWANCE - 1)
+    mgr.clock.advance(DEFAULT_REFORM_DEADLINE + job_rules.REFORM_ROUND_ALLOWANCE - 1)
     mgr.step()
     assert agent.restarts == []
     mgr.clock.advance(1)

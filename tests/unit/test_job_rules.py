@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from elasticd.agent import job_rules
 from elasticd.agent.job_rules import AgentExit, JobBook, JobView, PeerFailure, Start, Stop
-from elasticd.cluster.jobspec import JobState, NodeJobStatus
+from elasticd.cluster.jobspec import DEFAULT_REFORM_DEADLINE, JobState, NodeJobStatus
 
 
 def view(created=None, desired=None, reasons=None, unreadable=None, finished=(),
@@ -322,7 +322,7 @@ def test_the_daemons_deadline_holds_from_the_first_failure_and_ends_when_the_age
     book = JobBook()
     assert not book.reform_overdue(1e9)
     book.reform_started(100.0)
-    by = 100.0 + job_rules.REFORM_DEADLINE + job_rules.REFORM_ROUND_ALLOWANCE
+    by = 100.0 + DEFAULT_REFORM_DEADLINE + job_rules.REFORM_ROUND_ALLOWANCE
     book.reform_started(105.0)  # a second failure does not push it back
     assert not book.reform_overdue(by - 0.1)
     assert book.reform_overdue(by)

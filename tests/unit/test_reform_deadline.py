@@ -19,7 +19,7 @@ from elasticd.agent.job_rules import JobBook
 from elasticd.agent.supervisor import REFORM_DEADLINE_ENV, AgentSupervisor
 from elasticd.cli.jobs import SPEC_OPTIONS
 from elasticd.cli.main import build_parser
-from elasticd.cluster.jobspec import JobSpec, JobSpecError
+from elasticd.cluster.jobspec import DEFAULT_REFORM_DEADLINE, JobSpec, JobSpecError
 from elasticd.coordination import records
 
 
@@ -30,7 +30,7 @@ def _spec(**fields) -> JobSpec:
 
 
 def test_the_deadline_defaults_to_10_s_and_specs_written_before_it_decode_so():
-    assert _spec().reform_deadline == job_rules.REFORM_DEADLINE == 10.0
+    assert _spec().reform_deadline == DEFAULT_REFORM_DEADLINE == 10.0
     body = json.loads(_spec(reform_deadline=4.5).encode())
     assert body["reform_deadline"] == 4.5
     assert JobSpec.decode(json.dumps(body).encode(), job="j").reform_deadline == 4.5
@@ -78,7 +78,7 @@ def test_the_agent_of_an_in_process_job_gets_the_deadline_and_reads_it():
     plain = AgentSupervisor(_spec(), "n1", "tag", "127.0.0.1:2379", "/elasticd", "/tmp/logs")
     assert REFORM_DEADLINE_ENV not in plain.env()
     # A daemon before the field gives none: the agent keeps the old constant.
-    assert in_process_agent.reform_deadline({}) == job_rules.REFORM_DEADLINE
+    assert in_process_agent.reform_deadline({}) == DEFAULT_REFORM_DEADLINE
     assert in_process_agent.reform_deadline({REFORM_DEADLINE_ENV: "junk"}) == 10.0
 
 

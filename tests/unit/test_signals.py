@@ -17,11 +17,11 @@ import threading
 
 import pytest
 
-from elasticd.daemon.signals import SignalRelay
+from elasticd.agent.signals import SignalRelay
 
 SCRIPT = textwrap.dedent("""
     import os, signal, sys, threading
-    from elasticd.daemon.signals import SignalRelay
+    from elasticd.agent.signals import SignalRelay
     stop = threading.Event()
     if sys.argv[1] == "relay":
         relay = SignalRelay({signal.SIGTERM: stop.set})

@@ -1,5 +1,5 @@
 """The worker group alone (elasticd/agent/worker_group.py) and the straggler watch it asks
-(elasticd/agent/straggler_watch.py): no manager, no etcd; a stand-in agent, a fake clock."""
+(StragglerWatch, in the same module): no manager, no etcd; a stand-in agent, a fake clock."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import sys
 import pytest
 
 from elasticd.agent.job_status import JobStatusBoard
-from elasticd.agent.straggler_watch import StragglerWatch, show_seconds
-from elasticd.agent.worker_group import WorkerGroup
+from elasticd.agent.worker_group import StragglerWatch, WorkerGroup, show_seconds
 from elasticd.cluster.jobspec import JobSpec, JobState, NodeJobStatus
 from elasticd.coordination.api import CoordinationError
 from elasticd.coordination.keys import Keyspace

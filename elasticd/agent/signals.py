@@ -5,7 +5,9 @@ thread holds a lock: the one inside the ``threading.Event`` the main loop waits 
 (``Event.wait`` and ``Event.clear`` take it). A handler that takes the same lock
 (``Event.set``) then waits for itself forever, and the daemon ignores every later SIGTERM. So
 the handler here only writes the signal's number to a pipe (a system call, no lock), and a
-thread of the relay's own reads the pipe and makes the call.
+thread of the relay's own reads the pipe and makes the call. The daemon's SIGTERM and SIGHUP
+come this way (:mod:`elasticd.daemon.main`), and so does an in-process agent's word of a failed
+peer (:mod:`elasticd.agent.in_process_agent`: its monitor waits on an event too).
 """
 
 from __future__ import annotations
