@@ -182,15 +182,10 @@ class JobState:
             return 0
         return latest[1] - self.gen_base.get(latest[0], latest[1] - 1)
 
-    def count_ack(self, me: str, rank: int, version: Version, peer: str) -> bool:
-        """Counts ``peer``'s copy of local ``rank`` at ``version``; whether every placement
-        peer of node ``me`` now holds one."""
-        return bool(self.count_acks(me, (rank,), version, peer))
-
     def count_acks(self, me: str, ranks: Sequence[int], version: Version,
                    peer: str) -> list[int]:
-        """:meth:`count_ack` for several ranks of one version: those of ``ranks`` every
-        placement peer of node ``me`` now holds."""
+        """Counts ``peer``'s copies of local ``ranks`` at ``version``; returns those of
+        ``ranks`` every placement peer of node ``me`` now holds."""
         if self.placement is None:
             return []
         peers, done = set(self.placement.peers_of(me)), []
@@ -408,7 +403,7 @@ class CommitTracker:
     def on_ack(self, job: str, rank: int, version: Version, peer: str) -> None:
         with self.lock:
             st = self.jobs.get(job)
-            if st is None or not st.count_ack(self.node_id, rank, version, peer):
+            if st is None or not st.count_acks(self.node_id, (rank,), version, peer):
                 return
         self.on_replicated(job, rank, version)
 
