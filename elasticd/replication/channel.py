@@ -77,7 +77,6 @@ class Channel:
     Args:
         sock: a connected socket (plain or TLS); anything with ``recv_into`` and ``sendall``
             works, which tests use to feed the reader arbitrary bytes.
-        limits: the largest payloads this end accepts.
     """
 
     def __init__(self, sock: Any, limits: Limits = Limits()) -> None:

@@ -280,7 +280,6 @@ def record_commit(coord: Coordinator, keys: Keyspace, job: str, new: Committed,
 
     Raises:
         CommitConflict: the record changed under every one of ``attempts`` compare-and-sets.
-        coordination errors: etcd unreachable and such.
     """
     key = keys.replication(job).committed
     for _ in range(attempts):
@@ -418,9 +417,6 @@ def publish_placement(coord: Coordinator, keys: Keyspace, job: str, placement: P
 
     Returns:
         True when this call wrote the record.
-
-    Raises:
-        coordination errors: etcd unreachable and such.
     """
     key, raw = keys.replication(job).placement, encode_placement(placement)
     for _ in range(attempts):

@@ -126,7 +126,6 @@ class Reporter:
         send: delivers a report to a node (that node's coordination) and returns its reply;
             raises ReplicationError when it cannot.
         ttl: the election lease's TTL in seconds (a dead coordinator costs about this).
-        submit: runs work in the background.
         reread: reads the job's committed prefix again (a lagging watch, a stale election
             record).
         abandon: ends a report in flight to a node at once (closes the connection it waits

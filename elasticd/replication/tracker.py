@@ -241,11 +241,7 @@ class CommitTracker:
         withdraw_after: seconds an acknowledged version that blocks a local snapshot may wait
             for its commit before it is withdrawn (:mod:`~elasticd.replication.follower`).
         stores: the slot stores the commit book's retentions are placed in.
-        send: delivers a commit report to a node (see
-            :class:`~elasticd.replication.reporter.Reporter`).
-        lease_ttl: the TTL of the election lease a coordinator holds.
-        abandon: ends a commit report in flight to a node at once (see
-            :class:`~elasticd.replication.reporter.Reporter`).
+        send, lease_ttl, abandon: the :class:`~elasticd.replication.reporter.Reporter`'s.
     """
 
     def __init__(self, node_id: str, coord: Coordinator, keys: Keyspace, clock: Clock,
