@@ -128,7 +128,7 @@ def version_list(value: Any, limit: int, what: str) -> tuple[Version, ...]:
     return tuple(out)
 
 
-def _count(value: Any, what: str) -> int:
+def count_field(value: Any, what: str) -> int:
     if type(value) is not int or value < 0:
         raise ValueError(f"{what}: expected an integer >= 0, got {value!r:.40}")
     return value
@@ -161,10 +161,10 @@ def decode_report(raw: bytes | memoryview) -> Report:
         for name in ("job", "node", "placement"):
             if not isinstance(body[name], str) or len(body[name]) > 256:
                 raise ValueError(f"{name}: expected a string")
-        return Report(body["job"], body["node"], _count(body["term"], "term"),
-                      body["placement"], _count(body["boot"], "boot"),
-                      _count(body["seq"], "seq"), _count(body["fence"], "fence"),
-                      _count(body["floor"], "floor"), ranks,
+        return Report(body["job"], body["node"], count_field(body["term"], "term"),
+                      body["placement"], count_field(body["boot"], "boot"),
+                      count_field(body["seq"], "seq"), count_field(body["fence"], "fence"),
+                      count_field(body["floor"], "floor"), ranks,
                       version_list(body.get("dead", []), MAX_DEAD, "dead"),
                       version_list(body.get("ask", []), MAX_ASK, "ask"))
     except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
