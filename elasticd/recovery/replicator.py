@@ -264,7 +264,7 @@ class Replicator:
             self.background.submit(self.tracker.on_replicated, job, rank, version)
 
     def add_commit_listener(self, listener: Callable[[str, Version], None]) -> None:
-        self.tracker.commits.add(listener)
+        self.tracker.commits.listeners.append(listener)
 
     def follows_commits(self, job: str) -> bool:
         placement = self.tracker.view(job)[0]
@@ -425,9 +425,8 @@ class Replicator:
                                  reserve=reserve)
         except ShardLost as exc:
             with self.tracker.lock:
-                self.fetch_failures["lost"] += 1
-                for _, reason in exc.attempts:  # each holder that could not give it, too
-                    self.fetch_failures[reason.split(":")[0]] += 1
+                self.fetch_failures["lost"] += 1  # and each holder that could not give it:
+                self.fetch_failures.update(reason.split(":")[0] for _, reason in exc.attempts)
             log.error("%s", exc)
             raise
         finally:
@@ -437,8 +436,7 @@ class Replicator:
             self.counters["fetches"] += 1
             self.counters["fetch_bytes"] += result.wire_bytes
             self.counters["fetch_micros"] += int(result.seconds * 1e6)
-            for _, reason in result.attempts:
-                self.fetch_failures[reason.split(":")[0]] += 1
+            self.fetch_failures.update(reason.split(":")[0] for _, reason in result.attempts)
         return result
 
     def committed(self, job: str) -> Committed | None:

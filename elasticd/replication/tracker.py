@@ -86,9 +86,6 @@ class CommitFeed:
         self.listeners: list[Listener] = []
         self._order = threading.Lock()
 
-    def add(self, listener: Listener) -> None:
-        self.listeners.append(listener)
-
     def claim(self, newer: bool) -> bool:
         """Call under the tracker's lock, for a commit just learned (``newer``: newer than the
         one before, of a generation not abandoned). True when :meth:`tell` must follow."""
