@@ -393,18 +393,11 @@ class CommitTracker:
                     return
                 self.cond.wait(remaining)
 
-    def on_ack(self, job: str, rank: int, version: Version, peer: str) -> None:
-        with self.lock:
-            st = self.jobs.get(job)
-            if st is None or not st.count_acks(self.node_id, (rank,), version, peer):
-                return
-        self.on_replicated(job, rank, version)
-
     def on_pushed(self, job: str, version: Version, ranks: Sequence[int], peer: str) -> None:
         """``peer`` acknowledged its copies of local ``ranks`` at ``version``: each copy here
         is landed (:meth:`on_landed`, call it while the copies are sure to be held) and
-        ``peer``'s counted (:meth:`on_ack`), under one hold of the lock for all of them (the
-        per-rank calls take it three times a rank), and the report is asked for once. The
+        ``peer``'s counted, under one hold of the lock for all of them (per-rank calls took it
+        three times a rank), and the report is asked for once. The
         commit book hears of the landings in one event and its actions are performed once
         (one call per node per version, not one per rank: every node, every step)."""
         v, now = (int(version[0]), int(version[1])), self.clock.monotonic()
