@@ -6,8 +6,8 @@ Each simulated node is elasticd's own :class:`~elasticd.replication.tracker.Comm
 (:class:`~elasticd.coordination.etcd.EtcdCoordinator`: its own gRPC channel, leases, requests
 and watch), fed the events the replicator feeds it: every ``--period`` each node's ranks
 snapshot the next step (``latest``), a copy lands, and each placement peer acknowledges it
-(:meth:`CommitTracker.on_landed`, :meth:`CommitTracker.on_ack`), as the pusher does after a
-push. Reports travel in-process (:class:`LocalReports`: a direct call into the coordinator
+(:meth:`CommitTracker.on_pushed`; an older elasticd's ``on_landed`` and ``on_ack``), as the
+pusher does after a push. Reports travel in-process (:class:`LocalReports`: a direct call into the coordinator
 node's tracker, where the daemon uses the replication channel). No decision logic lives here.
 
 Run against whichever elasticd is first on ``sys.path``: this tree's (the commit coordinator)

@@ -247,15 +247,9 @@ class Persister:
             if isinstance(item, str):  # a listing (see listed)
                 self._list(item)
                 continue
-            try:
-                while item is not None:
-                    self._flush(*item)
-                    item = self._next_waiting()
-            except BaseException:
-                with self._idle:
-                    self._pending -= 1
-                    self._idle.notify_all()
-                raise
+            while item is not None:
+                self._flush(*item)
+                item = self._next_waiting()
 
     def _list(self, job: str) -> None:
         try:

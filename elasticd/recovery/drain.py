@@ -80,7 +80,6 @@ class Drainer:
     """Runs this node's drains (``elasticctl drain``) and the hand-off before a clean exit.
 
     Args:
-        host: the node's parts a drain acts on (:class:`DrainHost`).
         stop_wait: seconds to wait for the workers to stop once held.
         read_interval: seconds between reads of the drain record (a drain starts within
             this plus one loop cycle; kept apart from the loop's pace to spare etcd).

@@ -96,7 +96,6 @@ class Replicator:
     :class:`~elasticd.store.api.Replication` (which says what those members promise).
 
     Args:
-        coord, keys: etcd and its keyspace (placement and commit records).
         store: this node's local slot store (the checkpoint service's).
         m: replication factor, the owner's copy included.
         clock: times transfers, stamps records and bounds every wait.
@@ -104,14 +103,10 @@ class Replicator:
         sink: the sink this node's replica server stores into (sources for re-replication,
             drain and fetches of shards held here).
         workers: pool threads (lanes run one per thread while they have work).
-        commit_wait: seconds a push waits for the previous version's commit (see
-            :mod:`elasticd.replication.tracker`).
-        withdraw_after: seconds an acknowledged version that keeps a local snapshot from its
-            slot may wait for its commit before this node withdraws it (the snapshots skipped
-            meanwhile count as ``commit_pending``).
+        commit_wait, withdraw_after, lease_ttl: the
+            :class:`~elasticd.replication.tracker.CommitTracker`'s (the snapshots skipped
+            while a version waits for its commit count as ``commit_pending``).
         timeout: seconds any single network send or receive may block.
-        lease_ttl: seconds of the election lease this node holds while it coordinates a job's
-            commits (a coordinator's death costs about this much commit lag).
     """
 
     def __init__(self, node_id: str, coord: Coordinator, keys: Keyspace, store: SlotStore,
@@ -269,7 +264,7 @@ class Replicator:
             self.background.submit(self.tracker.on_replicated, job, rank, version)
 
     def add_commit_listener(self, listener: Callable[[str, Version], None]) -> None:
-        self.tracker.commits.add(listener)
+        self.tracker.commits.listeners.append(listener)
 
     def follows_commits(self, job: str) -> bool:
         placement = self.tracker.view(job)[0]
@@ -430,9 +425,8 @@ class Replicator:
                                  reserve=reserve)
         except ShardLost as exc:
             with self.tracker.lock:
-                self.fetch_failures["lost"] += 1
-                for _, reason in exc.attempts:  # each holder that could not give it, too
-                    self.fetch_failures[reason.split(":")[0]] += 1
+                self.fetch_failures["lost"] += 1  # and each holder that could not give it:
+                self.fetch_failures.update(reason.split(":")[0] for _, reason in exc.attempts)
             log.error("%s", exc)
             raise
         finally:
@@ -442,8 +436,7 @@ class Replicator:
             self.counters["fetches"] += 1
             self.counters["fetch_bytes"] += result.wire_bytes
             self.counters["fetch_micros"] += int(result.seconds * 1e6)
-            for _, reason in result.attempts:
-                self.fetch_failures[reason.split(":")[0]] += 1
+            self.fetch_failures.update(reason.split(":")[0] for _, reason in result.attempts)
         return result
 
     def committed(self, job: str) -> Committed | None:

@@ -83,7 +83,6 @@ class Descriptor:
     Attributes:
         owner_rank: global rank whose shard this is.
         generation: timeline (bumped on a fallback to an older persisted step).
-        step: training step the snapshot was taken at.
         total_bytes: snapshot header plus payload, the bytes the receiver must store.
         header_bytes: length of the snapshot header at the start of those bytes.
     """

@@ -18,7 +18,6 @@ import hashlib
 import hmac
 import os
 import struct
-import threading
 from typing import Callable
 
 from elasticd.replication.api import RemoteError
@@ -67,21 +66,13 @@ def proof(keys: SessionKeys, role: bytes, transcript_bytes: bytes) -> bytes:
 
 
 class AuthFailures:
-    """Counts rejected handshakes (thread-safe) and tells an optional callback about each.
-
-    Args:
-        on_failure: called with (peer address, reason) for every rejection, e.g. to bump a
-            Prometheus counter; exceptions it raises are not caught.
-    """
+    """Tells ``on_failure`` (peer address, reason) of every rejected handshake, e.g. to bump a
+    Prometheus counter; exceptions it raises are not caught."""
 
     def __init__(self, on_failure: Callable[[str, str], None] | None = None) -> None:
-        self._lock = threading.Lock()
-        self.count = 0
         self._on_failure = on_failure or (lambda *_: None)
 
     def record(self, peer: str, reason: str) -> None:
-        with self._lock:
-            self.count += 1
         self._on_failure(peer, reason)
 
 

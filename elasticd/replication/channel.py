@@ -77,7 +77,6 @@ class Channel:
     Args:
         sock: a connected socket (plain or TLS); anything with ``recv_into`` and ``sendall``
             works, which tests use to feed the reader arbitrary bytes.
-        limits: the largest payloads this end accepts.
     """
 
     def __init__(self, sock: Any, limits: Limits = Limits()) -> None:
@@ -458,16 +457,15 @@ def frame_chunk(chunk_size: int, peer_max_frame: int) -> int:
 #: the figures: docs/replication.md, "Authenticated throughput"). Setting the size turns
 #: off receive autotuning for the socket; 4 MiB (8 MiB granted) covers the bandwidth-delay
 #: product of a 100 Gbit/s link at 0.6 ms round trip, and the kernel commits buffer memory only
-#: as data waits in it. 0 leaves the kernel's.
+#: as data waits in it.
 SOCKET_BUFFER_BYTES = 4 << 20
 
 
 def tune(sock: socket.socket) -> None:
     """Sets a replication socket's options: no Nagle delay, and :data:`SOCKET_BUFFER_BYTES`."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    if SOCKET_BUFFER_BYTES:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
 
 
 #: Seconds between two re-armings of a socket's timeout under a deadline (Channel._arm):

@@ -47,13 +47,10 @@ class CommittedPrefix:
     """Lists and watches each job's committed prefix for one node.
 
     Args:
-        coord, keys: etcd and its key layout.
         lock, jobs: the tracker's job states and the lock that guards them; a job absent
             from ``jobs`` is not followed (or no longer).
         reporter: told of the election key and of each committed record seen.
         learn: takes a commit record whose holders are resolved (the tracker's).
-        submit: runs work in the background.
-        etcd_error: counts and logs an etcd failure.
     """
 
     def __init__(self, coord: Coordinator, keys: Keyspace, lock: threading.Lock,

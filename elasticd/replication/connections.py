@@ -21,7 +21,6 @@ class Listener:
 
     Args:
         host, port: where to listen (port 0: any free port; see :attr:`address`).
-        backlog: connections the kernel queues before they are accepted.
         accept: called on the accept thread with each new socket and its address.
         wait: called before each wait; returns seconds until it must be called again (None:
             at the next connection).

@@ -49,11 +49,7 @@ def call_deadline(nbytes: int, rate: float, policy: DeadlinePolicy = DeadlinePol
 
 class LinkRates:
     """Measured transfer rates, per peer; thread-safe (a striped fetch's threads share one).
-
-    Args:
-        policy: floor, slack and the rate assumed before a measurement.
-        alpha: weight of the newest measurement in the mean.
-    """
+    ``alpha``: the weight of the newest measurement in the mean."""
 
     def __init__(self, policy: DeadlinePolicy = DeadlinePolicy(),
                  alpha: float = 0.3) -> None:

@@ -10,7 +10,7 @@ why no commit then passes the fence: :mod:`elasticd.replication.tally`). Fences 
 snapshot grid keeps nodes on the same steps) and are not counted among the per-step writes.
 
 The fence record also tells a holder of two undecided copies of a rank which one the owner
-withdrew (:func:`withdrawn_versions`; the sink lets go of no other).
+withdrew (:func:`read_fence`; the sink lets go of no other).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from elasticd.coordination.keys import Keyspace, check_name
 from elasticd.replication.api import Version
 from elasticd.replication.commit import KEEP_WITHDRAWN, Committed, complaints, read_committed
 from elasticd.replication.placement import Placement
+from elasticd.replication.report import version_list
 
 FENCE_KIND = "ckpt_fence"
 EPOCH_KIND = "ckpt_fence_epoch"
@@ -42,14 +43,7 @@ def decode_fence(raw: bytes, key: bytes | str = b"?") -> tuple[str, tuple[Versio
         if not isinstance(node, str):
             raise ValueError("node is no string")
         records.finite(body.get("at", 0.0), "at")
-        if not isinstance(body.get("withdrawn", []), list):
-            raise ValueError("withdrawn is no list")
-        withdrawn = []
-        for gen, step in body.get("withdrawn", ()):
-            if type(gen) is not int or type(step) is not int or gen < 0 or step < 0:
-                raise ValueError(f"bad version {[gen, step]!r:.40}")
-            withdrawn.append((gen, step))
-        return node, tuple(withdrawn)
+        return node, version_list(body.get("withdrawn", []), KEEP_WITHDRAWN, "withdrawn")
     except (KeyError, TypeError, ValueError) as exc:
         raise records.CorruptRecord(f"{key!r}: invalid fence record ({exc})") from exc
 

@@ -212,9 +212,6 @@ class Data:
     offset: int
     chunk: memoryview
 
-    def payload(self) -> bytes:
-        return OFFSET.pack(self.offset) + bytes(self.chunk)
-
     @classmethod
     def parse(cls, p: memoryview) -> "Data":
         if len(p) <= OFFSET.size:

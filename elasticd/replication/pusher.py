@@ -39,7 +39,6 @@ class Pusher:
 
     Args:
         sink: its replica sink (a source for exact pushes), or None.
-        executor: the replicator's pool (lanes run on it).
         tracker: told of acknowledgements; holds the retention gate.
         rates: measured link rates: each push's whole-call deadline comes from them, and
             each acknowledged push is measured into them (None: a fresh one).

@@ -110,7 +110,7 @@ class Reply:
     committed: Version | None = None
 
 
-def _versions(value: Any, limit: int, what: str) -> tuple[Version, ...]:
+def version_list(value: Any, limit: int, what: str) -> tuple[Version, ...]:
     # A report names ~11 lists of versions (one per rank, dead, ask) and the coordinator
     # decodes one per node per step: each item is checked by its two ints unpacked, not by a
     # generator per item (half the cost; the same checks).
@@ -128,7 +128,7 @@ def _versions(value: Any, limit: int, what: str) -> tuple[Version, ...]:
     return tuple(out)
 
 
-def _count(value: Any, what: str) -> int:
+def count_field(value: Any, what: str) -> int:
     if type(value) is not int or value < 0:
         raise ValueError(f"{what}: expected an integer >= 0, got {value!r:.40}")
     return value
@@ -157,16 +157,16 @@ def decode_report(raw: bytes | memoryview) -> Report:
         for key, value in ranks_in.items():
             if not key.isdigit():
                 raise ValueError(f"ranks: {key!r:.20} is no rank")
-            ranks[int(key)] = _versions(value, MAX_VERSIONS, f"rank {key}")
+            ranks[int(key)] = version_list(value, MAX_VERSIONS, f"rank {key}")
         for name in ("job", "node", "placement"):
             if not isinstance(body[name], str) or len(body[name]) > 256:
                 raise ValueError(f"{name}: expected a string")
-        return Report(body["job"], body["node"], _count(body["term"], "term"),
-                      body["placement"], _count(body["boot"], "boot"),
-                      _count(body["seq"], "seq"), _count(body["fence"], "fence"),
-                      _count(body["floor"], "floor"), ranks,
-                      _versions(body.get("dead", []), MAX_DEAD, "dead"),
-                      _versions(body.get("ask", []), MAX_ASK, "ask"))
+        return Report(body["job"], body["node"], count_field(body["term"], "term"),
+                      body["placement"], count_field(body["boot"], "boot"),
+                      count_field(body["seq"], "seq"), count_field(body["fence"], "fence"),
+                      count_field(body["floor"], "floor"), ranks,
+                      version_list(body.get("dead", []), MAX_DEAD, "dead"),
+                      version_list(body.get("ask", []), MAX_ASK, "ask"))
     except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
         raise MalformedReport(f"malformed commit report: {exc}") from exc
 
@@ -186,7 +186,7 @@ def decode_reply(raw: bytes | memoryview) -> Reply:
             raise ValueError("not a reply")
         committed = body.get("committed")
         return Reply(body["accepted"], str(body.get("reason", ""))[:200],
-                     _versions(body.get("hopeless", []), MAX_ASK, "hopeless"),
-                     _versions([committed], 1, "committed")[0] if committed else None)
+                     version_list(body.get("hopeless", []), MAX_ASK, "hopeless"),
+                     version_list([committed], 1, "committed")[0] if committed else None)
     except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
         raise MalformedReport(f"malformed commit reply: {exc}") from exc

@@ -126,7 +126,6 @@ class Reporter:
         send: delivers a report to a node (that node's coordination) and returns its reply;
             raises ReplicationError when it cannot.
         ttl: the election lease's TTL in seconds (a dead coordinator costs about this).
-        submit: runs work in the background.
         reread: reads the job's committed prefix again (a lagging watch, a stale election
             record).
         abandon: ends a report in flight to a node at once (closes the connection it waits
@@ -206,8 +205,7 @@ class Reporter:
 
     def committed_seen(self, job: str, c: Committed | None, revision: int) -> None:
         """The committed record changed (the watch): tells this node's coordination."""
-        with self.t.lock:
-            leading = self.jobs[job].leading if job in self.jobs else None
+        leading = self.leading(job)
         if leading is not None:
             leading.learn_committed(c.version if c is not None else None, revision)
 
@@ -254,9 +252,7 @@ class Reporter:
     def on_report(self, report: Report) -> Reply:
         """A report from a node (the replica server's thread): for this node's coordination
         of its job, if it has one."""
-        with self.t.lock:
-            j = self.jobs.get(report.job)
-            leading = j.leading if j is not None else None
+        leading = self.leading(report.job)
         if leading is None:
             return Reply(False, "term")
         return leading.on_report(report)
@@ -435,9 +431,7 @@ class Reporter:
         self.submit(self._flush, job)
 
     def _flush(self, job: str) -> None:
-        with self.t.lock:
-            j = self.jobs.get(job)
-            leading = j.leading if j is not None else None
+        leading = self.leading(job)
         if leading is not None:
             leading.flush()
 

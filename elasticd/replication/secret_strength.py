@@ -32,11 +32,7 @@ _ALPHABETS = (
 
 
 def secret_bits(secret: bytes) -> tuple[float, str]:
-    """The bits ``secret`` carries and how they were counted (``"16 hex digits at 4 bits"``).
-
-    Args:
-        secret: the secret's bytes, as the daemon uses them (stripped of its line's end).
-    """
+    """The bits ``secret`` carries and how they were counted (``"16 hex digits at 4 bits"``)."""
     body = bytes(secret)
     base64 = body.rstrip(b"=")
     for name, bits, chars in _ALPHABETS:
@@ -47,8 +43,7 @@ def secret_bits(secret: bytes) -> tuple[float, str]:
 
 
 def weak_secret(secret: bytes) -> str:
-    """Why ``secret`` is too weak, in one line without quoting it; "" when it is strong enough.
-    """
+    """Why ``secret`` is too weak, in one line without quoting it; "" when it is strong enough."""
     bits, how = secret_bits(secret)
     if bits >= MIN_SECRET_BITS:
         return ""

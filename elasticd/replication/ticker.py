@@ -16,12 +16,8 @@ log = logging.getLogger(__name__)
 
 class Ticker:
     """Runs ``tick`` on a thread of its own, after the seconds its last call returned or when
-    ``wake`` is set, from :meth:`start` until :meth:`stop`.
-
-    Args:
-        tick: the periodic work; returns the seconds until it is due again.
-        wake: set by whoever makes work due before then.
-        first: seconds before the first call.
+    ``wake`` is set (by whoever makes work due before then), from :meth:`start` until
+    :meth:`stop`; ``first``: seconds before the first call (and after one that raised).
     """
 
     def __init__(self, tick: Callable[[], float], wake: threading.Event, first: float,

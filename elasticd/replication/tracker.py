@@ -86,9 +86,6 @@ class CommitFeed:
         self.listeners: list[Listener] = []
         self._order = threading.Lock()
 
-    def add(self, listener: Listener) -> None:
-        self.listeners.append(listener)
-
     def claim(self, newer: bool) -> bool:
         """Call under the tracker's lock, for a commit just learned (``newer``: newer than the
         one before, of a generation not abandoned). True when :meth:`tell` must follow."""
@@ -182,15 +179,10 @@ class JobState:
             return 0
         return latest[1] - self.gen_base.get(latest[0], latest[1] - 1)
 
-    def count_ack(self, me: str, rank: int, version: Version, peer: str) -> bool:
-        """Counts ``peer``'s copy of local ``rank`` at ``version``; whether every placement
-        peer of node ``me`` now holds one."""
-        return bool(self.count_acks(me, (rank,), version, peer))
-
     def count_acks(self, me: str, ranks: Sequence[int], version: Version,
                    peer: str) -> list[int]:
-        """:meth:`count_ack` for several ranks of one version: those of ``ranks`` every
-        placement peer of node ``me`` now holds."""
+        """Counts ``peer``'s copies of local ``ranks`` at ``version``; returns those of
+        ``ranks`` every placement peer of node ``me`` now holds."""
         if self.placement is None:
             return []
         peers, done = set(self.placement.peers_of(me)), []
@@ -246,11 +238,7 @@ class CommitTracker:
         withdraw_after: seconds an acknowledged version that blocks a local snapshot may wait
             for its commit before it is withdrawn (:mod:`~elasticd.replication.follower`).
         stores: the slot stores the commit book's retentions are placed in.
-        send: delivers a commit report to a node (see
-            :class:`~elasticd.replication.reporter.Reporter`).
-        lease_ttl: the TTL of the election lease a coordinator holds.
-        abandon: ends a commit report in flight to a node at once (see
-            :class:`~elasticd.replication.reporter.Reporter`).
+        send, lease_ttl, abandon: the :class:`~elasticd.replication.reporter.Reporter`'s.
     """
 
     def __init__(self, node_id: str, coord: Coordinator, keys: Keyspace, clock: Clock,
@@ -405,18 +393,11 @@ class CommitTracker:
                     return
                 self.cond.wait(remaining)
 
-    def on_ack(self, job: str, rank: int, version: Version, peer: str) -> None:
-        with self.lock:
-            st = self.jobs.get(job)
-            if st is None or not st.count_ack(self.node_id, rank, version, peer):
-                return
-        self.on_replicated(job, rank, version)
-
     def on_pushed(self, job: str, version: Version, ranks: Sequence[int], peer: str) -> None:
         """``peer`` acknowledged its copies of local ``ranks`` at ``version``: each copy here
         is landed (:meth:`on_landed`, call it while the copies are sure to be held) and
-        ``peer``'s counted (:meth:`on_ack`), under one hold of the lock for all of them (the
-        per-rank calls take it three times a rank), and the report is asked for once. The
+        ``peer``'s counted, under one hold of the lock for all of them (per-rank calls took it
+        three times a rank), and the report is asked for once. The
         commit book hears of the landings in one event and its actions are performed once
         (one call per node per version, not one per rank: every node, every step)."""
         v, now = (int(version[0]), int(version[1])), self.clock.monotonic()

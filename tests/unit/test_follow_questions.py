@@ -48,8 +48,7 @@ def test_a_follower_asks_once_shortly_before_the_next_snapshot_is_due():
         tracker.reporter.ticker.start()  # it starts each follower (as the replicator's does)
         t0[0] = time.monotonic()
         for step in (1, 2):
-            tracker.on_landed(JOB, 0, (0, step))
-            tracker.on_ack(JOB, 0, (0, step), "n2")
+            tracker.on_pushed(JOB, (0, step), (0,), "n2")
             if step == 1:
                 time.sleep(0.5)
         time.sleep(1.3)  # past both deadlines (1.0 s after each landing): both followers idle

@@ -40,7 +40,7 @@ class Commits(Replication):
         self.store, self.feed, self.committed = store, CommitFeed(), None
 
     def add_commit_listener(self, listener):
-        self.feed.add(listener)
+        self.feed.listeners.append(listener)
 
     def follows_commits(self, job):
         return True
@@ -166,8 +166,8 @@ def test_commits_are_told_in_the_order_learned_and_a_failing_listener_stops_noth
     def broken(job, version):
         raise RuntimeError("listener bug")
 
-    feed.add(broken)
-    feed.add(lambda job, version: told.append(version))
+    feed.listeners.append(broken)
+    feed.listeners.append(lambda job, version: told.append(version))
     assert feed.claim(False) is False
     feed.tell("job", (0, 1), False)  # not newer: nobody is told
     first = feed.claim(True)
@@ -192,7 +192,7 @@ def test_the_tracker_tells_each_newer_live_commit_it_learns():
     tracker = CommitTracker("n1", MemoryCoordinator(), Keyspace("/t"), SystemClock(), background,
                             on_advance=lambda job: None)
     told = []
-    tracker.commits.add(lambda job, version: told.append((job, version)))
+    tracker.commits.listeners.append(lambda job, version: told.append((job, version)))
     with tracker.lock:
         tracker.state("job")
 

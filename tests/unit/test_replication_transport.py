@@ -208,8 +208,8 @@ def test_wrong_secret_is_rejected_counted_and_stores_nothing(make_server, client
     server = make_server(sink, auth_failures=AuthFailures(lambda peer, why: seen.append(peer)))
     with pytest.raises(AuthenticationFailed):
         clients(server, secret=b"not-the-cluster-secret!!")
-    wait_for(lambda: server.auth_failures.count == 1)
-    assert seen and seen[0].startswith("127.0.0.1:")
+    wait_for(lambda: len(seen) == 1)
+    assert seen[0].startswith("127.0.0.1:")
     assert sink.events == []
     # The other direction: a server without the secret cannot pass itself off as a peer,
     # even one that accepts any proof (it cannot seal its ACK under the session key).
@@ -297,11 +297,11 @@ def replay(server: ReplicaServer, recorded: bytes) -> bytes:
 
 def test_replayed_handshake_is_rejected(make_server):
     recorded = record_a_push(make_server())
-    sink = MemorySink()
-    target = make_server(sink)  # same node id and secret, fresh memory
-    replies = replay(target, recorded)
+    sink, seen = MemorySink(), []
+    target = make_server(sink, auth_failures=AuthFailures(lambda *failure: seen.append(failure)))
+    replies = replay(target, recorded)  # same node id and secret, fresh memory
     assert b'"code":"auth"' in replies
-    wait_for(lambda: target.auth_failures.count == 1)
+    wait_for(lambda: len(seen) == 1)
     assert sink.events == [] and target.stats.pushes_committed == 0
 
 
@@ -424,8 +424,9 @@ def tls_contexts(tmp_path_factory):
 
 def test_push_and_fetch_over_tls(make_server, clients, tls_contexts):
     server_ctx, client_ctx = tls_contexts
-    sink = MemorySink()
-    server = make_server(sink, ssl_context=server_ctx)
+    sink, seen = MemorySink(), []
+    server = make_server(sink, ssl_context=server_ctx,
+                         auth_failures=AuthFailures(lambda *failure: seen.append(failure)))
     client = clients(server, ssl_context=client_ctx)
     d, header, payload = snapshot(step=4, size=MiB + 5)
     client.push(d, header, payload, chunk_size=256 << 10)
@@ -434,7 +435,7 @@ def test_push_and_fetch_over_tls(make_server, clients, tls_contexts):
     assert sink.get(JOB, 0) == bytes(into) == header + payload
     with pytest.raises((ConnectionLost, ProtocolError)):
         clients(server)  # plain TCP to a TLS server
-    wait_for(lambda: server.auth_failures.count == 1)
+    wait_for(lambda: len(seen) == 1)
 
 
 def test_replication_does_not_import_torch():

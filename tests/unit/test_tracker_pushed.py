@@ -1,7 +1,7 @@
 """One call for an acknowledged push of several ranks (:meth:`CommitTracker.on_pushed`): the
-same landings, acknowledgements and m-copy versions as the per-rank calls (``on_landed``, then
-``on_ack``), under one hold of the tracker's lock, and the report asked for once, when the
-node's last rank has its copies."""
+same landings, acknowledgements and m-copy versions as one call per rank, under one hold of
+the tracker's lock, and the report asked for once, when the node's last rank has its
+copies."""
 
 from __future__ import annotations
 
@@ -40,8 +40,7 @@ def test_one_call_for_a_push_of_every_rank_leaves_what_the_per_rank_calls_leave(
             one.on_pushed(JOB, (0, step), RANKS[:5], "n2")
             one.on_pushed(JOB, (0, step), RANKS[5:], "n2")
             for rank in RANKS:
-                each.on_landed(JOB, rank, (0, step))
-                each.on_ack(JOB, rank, (0, step), "n2")
+                each.on_pushed(JOB, (0, step), (rank,), "n2")
         assert state(one) == state(each)
         assert one.jobs[JOB].replicated[3] == [(0, 2), (0, 1)]
         assert asked_one == asked_each == [JOB, JOB]  # once per step: its last rank's copy
