@@ -62,16 +62,6 @@ def map_fd(fd: int, size: int, *, writable: bool = True, populate: bool = True) 
     return mmap.mmap(fd, size, flags=flags, prot=prot)
 
 
-def map_file(path: str, size: int, *, writable: bool = True, populate: bool = True) -> mmap.mmap:
-    """Maps a slot file by path (tools and tests run by the daemon's user; workers get a
-    descriptor and use :func:`map_fd`)."""
-    fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | _OPEN_FLAGS)
-    try:
-        return map_fd(fd, size, writable=writable, populate=populate)
-    finally:
-        os.close(fd)
-
-
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _LIBC.madvise.restype = ctypes.c_int

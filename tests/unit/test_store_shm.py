@@ -429,8 +429,8 @@ def test_a_worker_process_writes_through_its_own_mapping(store):
     header = plan("job", 3, arrays, 9)
     slot = store.reserve("job", 3, header.layout.total_size)
     code = (
-        "import sys, numpy as np; from elasticd.store.shm import map_file\n"
-        "mm = map_file(sys.argv[1], int(sys.argv[2]))\n"
+        "import os, sys, numpy as np; from elasticd.store.shm import map_fd\n"
+        "mm = map_fd(os.open(sys.argv[1], os.O_RDWR), int(sys.argv[2]))\n"
         "w = np.random.default_rng(9).standard_normal(3000).astype(np.float32)\n"
         "off = [int(x) for x in sys.argv[3:]]\n"
         "mm[off[0]:off[0] + w.nbytes] = w.tobytes()\n"
