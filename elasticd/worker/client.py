@@ -352,21 +352,16 @@ class DaemonClient(Transport):
         sock.settimeout(max(timeout, 1e-3))
         try:
             sock.connect(self.path)
-        except FileNotFoundError as exc:
-            sock.close()
-            raise DaemonUnavailable(f"no elasticd socket at {self.path} ({SOCKET_ENV}): the "
-                                    "daemon is gone or has not started") from exc
-        except ConnectionRefusedError as exc:
-            sock.close()
-            raise DaemonUnavailable(f"nobody listens on {self.path} ({SOCKET_ENV}): the "
-                                    "elasticd daemon is gone") from exc
-        except PermissionError as exc:
-            sock.close()
-            raise DaemonUnavailable(f"permission denied on {self.path}: uid {os.geteuid()} "
-                                    "may not use this elasticd's socket") from exc
         except OSError as exc:
             sock.close()
-            raise DaemonUnavailable(f"cannot reach elasticd at {self.path}: {exc}") from exc
+            why = {FileNotFoundError: f"no elasticd socket at {self.path} ({SOCKET_ENV}): the "
+                                      "daemon is gone or has not started",
+                   ConnectionRefusedError: f"nobody listens on {self.path} ({SOCKET_ENV}): the "
+                                           "elasticd daemon is gone",
+                   PermissionError: f"permission denied on {self.path}: uid {os.geteuid()} "
+                                    "may not use this elasticd's socket"}
+            raise DaemonUnavailable(why.get(type(exc), f"cannot reach elasticd at {self.path}: "
+                                            f"{exc}")) from exc
         # Blocking mode from here on: one-way sends pass MSG_DONTWAIT and cost one syscall;
         # calls wait in poll() with their own deadline.
         sock.settimeout(None)
