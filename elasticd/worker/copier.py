@@ -205,9 +205,6 @@ class Copier(abc.ABC):
         """Starts copying ``tensors`` into ``buffer``; the tensors must not change until
         :meth:`CopyHandle.wait` returns."""
 
-    def copy(self, tensors: Sequence[torch.Tensor], buffer: Any, lay: Layout) -> None:
-        self.start(tensors, buffer, lay).wait()
-
     def forget(self, buffer: Any) -> None:
         """``buffer`` is about to be unmapped: drop anything held on it (pinning)."""
 

@@ -18,7 +18,7 @@ from elasticd.testing.clock import FakeClock
 
 from elasticd.snapshot import segment as segment_module
 from elasticd.snapshot.format import CorruptSnapshot, SnapshotHeader, TensorSpec, layout
-from elasticd.snapshot.reader import SnapshotReader
+from tests.snapshot_entries import entry
 from elasticd.store.shm import (
     PAGE,
     CommitPending,
@@ -66,9 +66,8 @@ def snapshot(store, job, rank, step, n=3000, generation=0):
 def assert_holds(store, job, rank, step, n=3000):
     view = store.latest(job, rank, verify=True)
     assert view is not None and view.header.step == step
-    reader = SnapshotReader(view.buffer)
     for name, arr in arrays_for(step, n).items():
-        assert reader.array(name).tobytes() == arr.tobytes()
+        assert entry(view.buffer, name, arr.dtype).tobytes() == arr.tobytes()
 
 
 def files(root):
@@ -362,7 +361,7 @@ def test_pinned_view_blocks_reuse_until_released(store):
     snapshot(store, "job", 0, step=2)  # goes to the other slot
     with pytest.raises(SlotBusy):
         store.reserve("job", 0, 100)
-    assert SnapshotReader(view.buffer).array("step") == 1
+    assert entry(view.buffer, "step", np.int64) == 1
     view.release()
     current = store.latest("job", 0, pin=True)
     assert current.header.step == 2
@@ -496,7 +495,7 @@ def test_remove_and_remove_job_unlink_everything(store, root):
     store.remove_job("a")
     assert not os.path.exists(os.path.join(root, "a"))
     # The mapping lingers until the reader lets go.
-    assert SnapshotReader(view.buffer).array("step") == 1
+    assert entry(view.buffer, "step", np.int64) == 1
     assert files(root) == ["b/0/0.slot", "b/0/1.slot"]
     assert store.holdings() == [("b", 0, 0, 1)]
     store.remove_job("b")
