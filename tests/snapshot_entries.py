@@ -7,12 +7,18 @@ from typing import Any
 
 import numpy as np
 
+from elasticd.snapshot.format import Entry, Layout
 from elasticd.snapshot.reader import SnapshotReader
+
+
+def named(lay: Layout, name: str) -> Entry:
+    """The entry of ``lay`` named ``name``."""
+    return next(e for e in lay.entries if e.name == name)
 
 
 def entry(buf: Any, name: str, dtype: Any, **expect: Any) -> np.ndarray:
     """Entry ``name`` of the snapshot in ``buf`` (header checked against ``expect``, payload
     verified), viewed as ``dtype`` without a copy."""
-    e = SnapshotReader(buf, **expect).header.layout.entry(name)
+    e = named(SnapshotReader(buf, **expect).header.layout, name)
     count = e.nbytes // np.dtype(dtype).itemsize
     return np.frombuffer(buf, dtype=dtype, count=count, offset=e.offset).reshape(e.shape)

@@ -34,7 +34,7 @@ from elasticd.snapshot.format import (
     seal,
 )
 from elasticd.snapshot.reader import SnapshotReader, parse_header, verify_block, verify_payload
-from tests.snapshot_entries import entry
+from tests.snapshot_entries import entry, named
 
 RNG = np.random.default_rng(0)
 
@@ -139,7 +139,7 @@ def test_header_byte_flip_is_detected():
 
 def test_payload_byte_flip_is_detected_and_located():
     buf, header = build()
-    e = header.layout.entry("big")
+    e = named(header.layout, "big")
     buf[e.offset + 10_000] ^= 0x80
     parse_header(buf)  # the header alone is still fine
     with pytest.raises(CorruptSnapshot, match="payload block") as info:

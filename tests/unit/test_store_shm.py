@@ -18,7 +18,7 @@ from elasticd.testing.clock import FakeClock
 
 from elasticd.snapshot import segment as segment_module
 from elasticd.snapshot.format import CorruptSnapshot, SnapshotHeader, TensorSpec, layout
-from tests.snapshot_entries import entry
+from tests.snapshot_entries import entry, named
 from elasticd.store.shm import (
     PAGE,
     CommitPending,
@@ -436,7 +436,7 @@ def test_a_worker_process_writes_through_its_own_mapping(store):
         "mm[off[1]:off[1] + 8] = np.array(9, np.int64).tobytes()\n"
         "mm.close()\n"
     )
-    offsets = [str(header.layout.entry(n).offset) for n in ("w", "step")]
+    offsets = [str(named(header.layout, n).offset) for n in ("w", "step")]
     subprocess.run([sys.executable, "-c", code, slot.path, str(slot.capacity), *offsets],
                    check=True, timeout=60)
     store.complete(slot, header)
@@ -452,7 +452,7 @@ def test_restart_scan_keeps_verified_segments_and_removes_the_rest(root):
     half = first.reserve("job", 2, 100)  # crashed mid-snapshot: invalidated, never sealed
     first.close(unlink=False)
     with open(corrupt.path, "r+b") as f:  # bit rot in rank 1's payload
-        f.seek(rotten.layout.entry("w").offset + 10)
+        f.seek(named(rotten.layout, "w").offset + 10)
         f.write(b"\xff")
     good = os.path.join(root, "job", "0", "1.slot")
     with open(good, "rb") as f, open(os.path.join(root, "job", "0", "7.slot"), "wb") as g:
