@@ -212,14 +212,6 @@ class Copier(abc.ABC):
         """Releases threads or streams."""
 
 
-class _Done(CopyHandle):
-    def wait(self, timeout: float | None = None) -> None:
-        return None
-
-    def done(self) -> bool:
-        return True
-
-
 class FutureHandle(CopyHandle):
     """A copy running on an executor (shared by the CPU and CUDA copiers)."""
 
@@ -254,7 +246,9 @@ class CpuCopier(Copier):
         view = _checked_view(tensors, buffer, lay)
         if self._pool is None:
             _copy_checked(tensors, buffer, view, lay)
-            return _Done()
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(None)
+            return FutureHandle(done)
         return FutureHandle(self._pool.submit(_copy_checked, list(tensors), buffer, view, lay))
 
     def close(self) -> None:
