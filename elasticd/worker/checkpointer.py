@@ -67,14 +67,11 @@ UNPROTECTED_EVERY = 60.0  # seconds between two warnings that the job is still u
 class Notices:
     """What a worker's Checkpointer tells the training script's log about elasticd: each kind of
     failure once (then counted), and the daemon's word that the job is unprotected at most once
-    a minute, and once more when it is protected again.
-
-    Args:
-        who: names the worker in the unprotected warnings (``job j rank 0``).
-    """
+    a minute, and once more when it is protected again."""
 
     def __init__(self, who: str) -> None:
-        #: Names the worker in the warnings (its rank may change in in-process mode).
+        #: Names the worker in the warnings (``job j rank 0``; its rank may change in
+        #: in-process mode).
         self.who = who
         self._warned: set[str] = set()
         self._said = ""  # what the daemon last said, "" while protected

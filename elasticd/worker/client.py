@@ -223,8 +223,7 @@ class DaemonClient(Transport):
         thread does something else (the Checkpointer asks for its slot while it flattens).
 
         The connection takes one call at a time: until ``result()`` another thread's call
-        waits, so take the result on every path (``with client.start(...) as pending``
-        does on leaving).
+        waits, so take the result, or :meth:`PendingCall.close` it, on every path.
 
         Raises:
             DaemonUnavailable, DaemonTimeout: the request could not be sent.
@@ -542,9 +541,3 @@ class PendingCall:
         if not self._done:
             with contextlib.suppress(Exception):  # nobody wants this reply
                 close_fds(self.result().get("_fds", ()))
-
-    def __enter__(self) -> "PendingCall":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
