@@ -38,12 +38,8 @@ def _version_of(segment: Segment | None) -> tuple[int, int]:
 
 
 def room_for(store: SlotStore, more: int, what: str) -> None:
-    """Lets go of kept scratch for ``more`` bytes of slots and refuses them over the node's cap
-    (the store's lock held).
-
-    Raises:
-        OverBudget: they do not fit (nothing changed).
-    """
+    """Lets go of kept scratch for ``more`` bytes of slots, then refuses them over the node's
+    cap with :class:`OverBudget` (nothing changed). Called with the store's lock held."""
     store.scratch.make_room_locked(more)
     held = store._held()
     if store.cap_bytes is not None and held + more > store.cap_bytes:
