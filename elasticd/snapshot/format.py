@@ -20,7 +20,6 @@ describes snapshots; :mod:`elasticd.snapshot.reader` parses and verifies them.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import struct
@@ -154,16 +153,6 @@ class Layout:
             raise IndexError(f"block {index} out of range (snapshot has {self.num_blocks})")
         start = self.data_offset + index * self.block_size
         return start, min(start + self.block_size, self.total_size)
-
-    @functools.cached_property
-    def _by_name(self) -> dict[str, Entry]:
-        return {e.name: e for e in self.entries}
-
-    def entry(self, name: str) -> Entry:
-        try:
-            return self._by_name[name]
-        except KeyError:
-            raise KeyError(f"no entry named {name!r} in this snapshot") from None
 
 
 @dataclasses.dataclass(frozen=True)

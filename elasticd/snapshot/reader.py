@@ -1,4 +1,4 @@
-"""Reading snapshots: header parsing and validation, payload verification, zero-copy views.
+"""Reading snapshots: header parsing and validation, payload verification.
 
 Everything a snapshot's bytes claim is checked before it is used, because those bytes may come
 from a peer or from a segment a crashed process left half-written: :func:`parse_header` turns any
@@ -12,9 +12,8 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, Sequence
+from typing import Any
 
-import numpy as np
 import xxhash
 
 from elasticd.snapshot.format import (
@@ -214,11 +213,11 @@ def parse_header(
 
 
 class SnapshotReader:
-    """Zero-copy access to a snapshot in any buffer (bytes, mmap, memoryview).
+    """A checked snapshot in any buffer (bytes, mmap, memoryview): its :attr:`header`.
 
     Args:
         buf, job, rank, world_size, where: as for :func:`parse_header`.
-        verify: check every payload block now (otherwise call :meth:`verify` later).
+        verify: check every payload block now (:func:`verify_payload`).
 
     Raises:
         SnapshotError: see :func:`parse_header`, plus CorruptSnapshot for a payload mismatch.
@@ -234,36 +233,7 @@ class SnapshotReader:
         verify: bool = True,
         where: str = "snapshot",
     ) -> None:
-        self._view = byte_view(buf)
-        self.header = parse_header(self._view, job=job, rank=rank, world_size=world_size, where=where)
+        view = byte_view(buf)
+        self.header = parse_header(view, job=job, rank=rank, world_size=world_size, where=where)
         if verify:
-            verify_payload(self._view, self.header)
-
-    @property
-    def entries(self) -> Sequence[Entry]:
-        return self.header.layout.entries
-
-    def verify(self) -> None:
-        """Checks every payload block's checksum (raises CorruptSnapshot)."""
-        verify_payload(self._view, self.header)
-
-    def raw(self, name: str) -> memoryview:
-        """The entry's bytes, without a copy."""
-        e = self.header.layout.entry(name)
-        return self._view[e.offset : e.offset + e.nbytes]
-
-    def array(self, name: str) -> np.ndarray:
-        """A numpy view of the entry (no copy; read-only if the buffer is).
-
-        Dtypes numpy lacks (bfloat16, float8, complex32) come back as unsigned integers of the
-        same item size (complex32 as uint8 with a trailing axis of 4): reinterpret by dtype name.
-        """
-        e = self.header.layout.entry(name)
-        itemsize, np_name = DTYPES[e.dtype]
-        shape = e.shape
-        if np_name is None:
-            np_name = "uint16" if itemsize == 2 else "uint8"
-            if np_name == "uint8" and itemsize > 1:
-                shape = (*shape, itemsize)
-        return np.frombuffer(self._view, dtype=np_name, count=math.prod(shape),
-                             offset=e.offset).reshape(shape)
+            verify_payload(view, self.header)

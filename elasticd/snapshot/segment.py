@@ -62,16 +62,6 @@ def map_fd(fd: int, size: int, *, writable: bool = True, populate: bool = True) 
     return mmap.mmap(fd, size, flags=flags, prot=prot)
 
 
-def map_file(path: str, size: int, *, writable: bool = True, populate: bool = True) -> mmap.mmap:
-    """Maps a slot file by path (tools and tests run by the daemon's user; workers get a
-    descriptor and use :func:`map_fd`)."""
-    fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | _OPEN_FLAGS)
-    try:
-        return map_fd(fd, size, writable=writable, populate=populate)
-    finally:
-        os.close(fd)
-
-
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _LIBC.madvise.restype = ctypes.c_int
@@ -247,7 +237,7 @@ class Segment:
             return None, f"cannot open: {exc.strerror}"
         try:
             st = os.fstat(fd)
-            why = _foreign(st)
+            why = foreign(st)
             if why or st.st_size == 0:
                 os.close(fd)
                 return None, why or "empty file"
@@ -305,14 +295,14 @@ class Segment:
         self.unmap()
 
 
-def _foreign(st: os.stat_result) -> str:
-    """Why a file is not one the daemon made itself ("" when it is)."""
-    if not stat.S_ISREG(st.st_mode):
-        return "not a regular file"
+def foreign(st: os.stat_result, directory: bool = False) -> str:
+    """Why a file (or a ``directory``) is not one only the daemon controls ("" when it is)."""
+    if not (stat.S_ISDIR if directory else stat.S_ISREG)(st.st_mode):
+        return "not a directory" if directory else "not a regular file"
     if st.st_uid != os.geteuid():
-        return f"owned by uid {st.st_uid}, not the daemon's"
-    if st.st_nlink != 1:
+        return f"owned by uid {st.st_uid}, not by the daemon (uid {os.geteuid()})"
+    if not directory and st.st_nlink != 1:
         return f"has {st.st_nlink} links"
     if st.st_mode & 0o022:
-        return f"writable by others (mode {stat.S_IMODE(st.st_mode):#o})"
+        return f"writable by other users (mode {stat.S_IMODE(st.st_mode):#o})"
     return ""

@@ -28,13 +28,23 @@ from elasticd.store.api import OverBudget, Slot, SlotBusy
 if TYPE_CHECKING:
     from elasticd.store.shm import SlotStore, _Pair
 
-__all__ = ["NewestPairs", "spare"]
+__all__ = ["NewestPairs", "room_for", "spare"]
 
 log = logging.getLogger(__name__)
 
 
 def _version_of(segment: Segment | None) -> tuple[int, int]:
     return (-1, -1) if segment is None or segment.header is None else segment.header.version()
+
+
+def room_for(store: SlotStore, more: int, what: str) -> None:
+    """Lets go of kept scratch for ``more`` bytes of slots, then refuses them over the node's
+    cap with :class:`OverBudget` (nothing changed). Called with the store's lock held."""
+    store.scratch.make_room_locked(more)
+    held = store._held()
+    if store.cap_bytes is not None and held + more > store.cap_bytes:
+        raise OverBudget(f"{what} needs {more} more bytes of slots; {held} of the "
+                         f"{store.cap_bytes}-byte cap are held", more, held, store.cap_bytes)
 
 
 def spare(pair: _Pair) -> int | None:
@@ -107,13 +117,8 @@ class NewestPairs:
         if current is not None and current.capacity >= nbytes:
             return current
         freed = 0 if current is None else current.capacity
-        store.scratch.make_room_locked(capacity - freed)
-        held = store._held()
-        if store.cap_bytes is not None and held - freed + capacity > store.cap_bytes:
-            raise OverBudget(
-                f"{job} rank {rank}: the newest pair's slot of {nbytes} bytes needs "
-                f"{capacity - freed} more bytes; {held} of the {store.cap_bytes}-byte cap are "
-                "held", capacity - freed, held, store.cap_bytes)
+        room_for(store, capacity - freed,
+                 f"{job} rank {rank}: the newest pair's slot of {nbytes} bytes")
         if current is not None:
             current.destroy(store._fd)
             pair.newest[index] = None

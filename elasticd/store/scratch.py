@@ -42,10 +42,6 @@ class ScratchReservation:
 
     Pass it to ``ScratchSpace.new(..., reservation=)``, which turns the booking into the
     segment, or :meth:`release` it; releasing twice, or after it was used, does nothing.
-
-    Attributes:
-        job: whose cap it counts against.
-        nbytes: how many bytes it books.
     """
 
     def __init__(self, job: str, nbytes: int, release: Callable[["ScratchReservation"], None]):

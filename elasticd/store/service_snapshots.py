@@ -50,10 +50,7 @@ class Snapshots:
     pause (a drain, a clean exit).
 
     Args:
-        book: the service's job records and counters (its restore side shares them).
         pins: the service's read pins (a reservation drops those past their time).
-        deps: the service's store, persistent tier, replicator, node id, clock, metrics sink.
-        on_progress: hooks called with each progress-like message (the service's).
         assess: re-assesses every job's protection now (a rank's snapshots failing counts at
             once, not at the next daemon cycle).
     """

@@ -41,15 +41,15 @@ from elasticd.store.api import (
 )
 from elasticd.snapshot.format import SnapshotError, SnapshotHeader, invalidate, seal, write_header
 from elasticd.snapshot.reader import SnapshotReader, verify_payload
-from elasticd.snapshot.segment import PAGE, Segment, map_fd, map_file
+from elasticd.snapshot.segment import PAGE, Segment, map_fd
 from elasticd.store.scratch_pool import KEEP_SECONDS
-from elasticd.store.newest_pair import NewestPairs
+from elasticd.store.newest_pair import NewestPairs, room_for
 from elasticd.store.scratch_space import ScratchSpace
 from elasticd.store.shm_root import JOB_RE, SEGMENT_RE, claim_root, listdir_at, remove_at, same_file
 from elasticd.store.shm_scan import scan_root
 
 __all__ = ["PAGE", "CommitPending", "OverBudget", "ScanResult", "Slot", "SlotBusy", "SlotStore",
-           "SlotStoreError", "SnapshotView", "StaleSlot", "map_fd", "map_file"]
+           "SlotStoreError", "SnapshotView", "StaleSlot", "map_fd"]
 
 log = logging.getLogger(__name__)
 
@@ -282,14 +282,7 @@ class SlotStore:
             fill = both and pair.segments[other] is None
             needed = (capacity if grow else 0) + (capacity if fill else 0)
             freed = current.capacity if grow and current is not None else 0
-            self.scratch.make_room_locked(needed - freed)
-            held = self._held()
-            if self.cap_bytes is not None and held - freed + needed > self.cap_bytes:
-                raise OverBudget(
-                    f"{job} rank {rank}: snapshot of {nbytes} bytes needs {needed - freed} more "
-                    f"bytes of slots; {held} of the {self.cap_bytes}-byte cap are held",
-                    needed - freed, held, self.cap_bytes,
-                )
+            room_for(self, needed - freed, f"{job} rank {rank}: snapshot of {nbytes} bytes")
             if grow:
                 if current is not None:
                     current.destroy(self._fd)

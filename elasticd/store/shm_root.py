@@ -21,6 +21,7 @@ import shutil
 import stat
 import uuid
 
+from elasticd.snapshot.segment import foreign
 from elasticd.store.api import SlotStoreError
 
 log = logging.getLogger(__name__)
@@ -30,17 +31,6 @@ JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 SEGMENT_RE = re.compile(r"(\d+)\.slot")
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def _foreign_dir(st: os.stat_result) -> str:
-    """Why a directory is not one only the daemon controls ("" when it is)."""
-    if not stat.S_ISDIR(st.st_mode):
-        return "not a directory"
-    if st.st_uid != os.geteuid():
-        return f"owned by uid {st.st_uid}, not by the daemon (uid {os.geteuid()})"
-    if st.st_mode & 0o022:
-        return f"writable by other users (mode {stat.S_IMODE(st.st_mode):#o})"
-    return ""
 
 
 def claim_root(root: str, attempts: int = 3) -> int:
@@ -66,7 +56,7 @@ def claim_root(root: str, attempts: int = 3) -> int:
                 raise
             fd, why = -1, "a symlink or not a directory"
         if fd >= 0:
-            why = _foreign_dir(os.fstat(fd))
+            why = foreign(os.fstat(fd), directory=True)
             if not why:
                 os.fchmod(fd, 0o700)
                 return fd
@@ -102,7 +92,7 @@ def dir_problem(dir_fd: int, rel: str) -> str:
     except OSError as exc:
         return exc.strerror or "cannot open"
     try:
-        return _foreign_dir(os.fstat(fd))
+        return foreign(os.fstat(fd), directory=True)
     finally:
         os.close(fd)
 

@@ -67,14 +67,11 @@ UNPROTECTED_EVERY = 60.0  # seconds between two warnings that the job is still u
 class Notices:
     """What a worker's Checkpointer tells the training script's log about elasticd: each kind of
     failure once (then counted), and the daemon's word that the job is unprotected at most once
-    a minute, and once more when it is protected again.
-
-    Args:
-        who: names the worker in the unprotected warnings (``job j rank 0``).
-    """
+    a minute, and once more when it is protected again."""
 
     def __init__(self, who: str) -> None:
-        #: Names the worker in the warnings (its rank may change in in-process mode).
+        #: Names the worker in the warnings (``job j rank 0``; its rank may change in
+        #: in-process mode).
         self.who = who
         self._warned: set[str] = set()
         self._said = ""  # what the daemon last said, "" while protected
@@ -500,25 +497,20 @@ class _Reservation:
     def __init__(self, failed: Callable[[str, BaseException], None],
                  heard: Callable[[dict[str, Any] | None], None], call: Any = None) -> None:
         self._failed, self._heard, self._call = failed, heard, call
-        self._reply: dict[str, Any] | None = None
 
     def result(self) -> dict[str, Any] | None:
         """The reply (None on a failure, counted and logged)."""
-        call, self._call = self._call, None
+        call, self._call, reply = self._call, None, None
         if call is not None:
             try:
-                self._reply = call.result()
+                reply = call.result()
             except Exception as exc:  # noqa: BLE001 — never an error in the training loop
                 self._failed("ckpt_reserve", exc)
-                self._reply = None
-        self._heard(self._reply)
-        return self._reply
+        self._heard(reply)
+        return reply
 
     def drop(self) -> None:
         """The slot is not wanted after all: the reply is read, its descriptors closed."""
         call, self._call = self._call, None
         if call is not None:
             call.close()
-        elif self._reply is not None:
-            close_fds(self._reply)
-            self._reply = None

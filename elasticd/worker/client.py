@@ -223,8 +223,7 @@ class DaemonClient(Transport):
         thread does something else (the Checkpointer asks for its slot while it flattens).
 
         The connection takes one call at a time: until ``result()`` another thread's call
-        waits, so take the result on every path (``with client.start(...) as pending``
-        does on leaving).
+        waits, so take the result, or :meth:`PendingCall.close` it, on every path.
 
         Raises:
             DaemonUnavailable, DaemonTimeout: the request could not be sent.
@@ -352,21 +351,16 @@ class DaemonClient(Transport):
         sock.settimeout(max(timeout, 1e-3))
         try:
             sock.connect(self.path)
-        except FileNotFoundError as exc:
-            sock.close()
-            raise DaemonUnavailable(f"no elasticd socket at {self.path} ({SOCKET_ENV}): the "
-                                    "daemon is gone or has not started") from exc
-        except ConnectionRefusedError as exc:
-            sock.close()
-            raise DaemonUnavailable(f"nobody listens on {self.path} ({SOCKET_ENV}): the "
-                                    "elasticd daemon is gone") from exc
-        except PermissionError as exc:
-            sock.close()
-            raise DaemonUnavailable(f"permission denied on {self.path}: uid {os.geteuid()} "
-                                    "may not use this elasticd's socket") from exc
         except OSError as exc:
             sock.close()
-            raise DaemonUnavailable(f"cannot reach elasticd at {self.path}: {exc}") from exc
+            why = {FileNotFoundError: f"no elasticd socket at {self.path} ({SOCKET_ENV}): the "
+                                      "daemon is gone or has not started",
+                   ConnectionRefusedError: f"nobody listens on {self.path} ({SOCKET_ENV}): the "
+                                           "elasticd daemon is gone",
+                   PermissionError: f"permission denied on {self.path}: uid {os.geteuid()} "
+                                    "may not use this elasticd's socket"}
+            raise DaemonUnavailable(why.get(type(exc), f"cannot reach elasticd at {self.path}: "
+                                            f"{exc}")) from exc
         # Blocking mode from here on: one-way sends pass MSG_DONTWAIT and cost one syscall;
         # calls wait in poll() with their own deadline.
         sock.settimeout(None)
@@ -547,9 +541,3 @@ class PendingCall:
         if not self._done:
             with contextlib.suppress(Exception):  # nobody wants this reply
                 close_fds(self.result().get("_fds", ()))
-
-    def __enter__(self) -> "PendingCall":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -205,22 +205,11 @@ class Copier(abc.ABC):
         """Starts copying ``tensors`` into ``buffer``; the tensors must not change until
         :meth:`CopyHandle.wait` returns."""
 
-    def copy(self, tensors: Sequence[torch.Tensor], buffer: Any, lay: Layout) -> None:
-        self.start(tensors, buffer, lay).wait()
-
     def forget(self, buffer: Any) -> None:
         """``buffer`` is about to be unmapped: drop anything held on it (pinning)."""
 
     def close(self) -> None:
         """Releases threads or streams."""
-
-
-class _Done(CopyHandle):
-    def wait(self, timeout: float | None = None) -> None:
-        return None
-
-    def done(self) -> bool:
-        return True
 
 
 class FutureHandle(CopyHandle):
@@ -257,7 +246,9 @@ class CpuCopier(Copier):
         view = _checked_view(tensors, buffer, lay)
         if self._pool is None:
             _copy_checked(tensors, buffer, view, lay)
-            return _Done()
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(None)
+            return FutureHandle(done)
         return FutureHandle(self._pool.submit(_copy_checked, list(tensors), buffer, view, lay))
 
     def close(self) -> None:

@@ -9,11 +9,22 @@ recomputed plans; a cached entry of a destroyed round is no use to it anyway.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import logging
 import sys
-from typing import Any, Callable
 
 log = logging.getLogger(__name__)
+
+#: DTensor's caches that hold meshes: (module, the dotted path to the cache's clear function).
+_CACHES = (
+    ("torch._C", "_clear_DTensor_sharding_propagator_cache"),
+    ("torch.distributed.tensor",
+     "DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear"),
+    ("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache"),
+    ("torch.distributed.tensor._redistribute", "_gen_transform_infos.cache_clear"),
+    ("torch.distributed.tensor._collective_utils", "MeshTopoInfo.build_from_mesh.cache_clear"),
+)
 
 
 def forget() -> int:
@@ -23,44 +34,15 @@ def forget() -> int:
     does not have is skipped: the leave's socket check still tells if something else keeps
     the group."""
     shards = sys.modules.get("elasticd.worker.shards")
-    if shards is not None:  # elasticd's own layout caches, keyed the same way
+    if shards is not None:
         shards.forget_layouts()
     if "torch.distributed.tensor" not in sys.modules:
         return 0
-    import torch
-
     done = 0
-    for clear in _clears(torch):
+    for module, path in _CACHES:
         try:
-            clear()
+            functools.reduce(getattr, path.split("."), importlib.import_module(module))()
             done += 1
         except (AttributeError, ImportError) as exc:
             log.debug("a DTensor cache not emptied: %s", exc)
     return done
-
-
-def _clears(torch: Any) -> tuple[Callable[[], None], ...]:
-    def fast_path() -> None:
-        torch._C._clear_DTensor_sharding_propagator_cache()
-
-    def sharding() -> None:
-        from torch.distributed.tensor import DTensor
-
-        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-
-    def planners() -> None:
-        from torch.distributed.tensor import _redistribute
-
-        _redistribute.clear_redistribute_planner_cache()
-
-    def transforms() -> None:
-        from torch.distributed.tensor import _redistribute
-
-        _redistribute._gen_transform_infos.cache_clear()
-
-    def topology() -> None:
-        from torch.distributed.tensor import _collective_utils
-
-        _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
-
-    return fast_path, sharding, planners, transforms, topology

@@ -454,8 +454,6 @@ def _objects(tensors: list[torch.Tensor], meta: Mapping[str, Any],
     try:
         return [(str(key), str(kind), decoder.decode(node, live(str(key))))
                 for key, kind, node in meta["objects"]]
-    except StateError:
-        raise
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise StateError(f"snapshot state meta is malformed: {exc.__class__.__name__}: {exc}") from exc
 
@@ -528,8 +526,6 @@ def load_into(state: MutableMapping[str, Any], tensors: list[torch.Tensor],
                 _load_zero(target, value, lambda key=key: _others_of(key, others))
             else:
                 target.load_state_dict(value)
-        except StateError:
-            raise
         except (RuntimeError, ValueError, KeyError, IndexError, TypeError) as exc:
             raise StateMismatch(f"state[{key!r}] ({type(target).__qualname__}) refused the "
                                 f"snapshot: {exc}") from exc

@@ -35,7 +35,9 @@ class DictMemo:
         self.keys = list(value)
         self.metadata = getattr(value, "_metadata", None)
         dicts = list(value.values()) if levels == 2 else [value]
-        self.inner = [(list(d), [_ref(v) for v in d.values()]) for d in dicts]
+        # Weak references; an optimizer's absent buffer (None) stays None.
+        self.inner = [(list(d), [_none if v is None else weakref.ref(v) for v in d.values()])
+                      for d in dicts]
         self.names = f.names[base:]
         self.key = tensor_key(self.names, f.tensors[base:])
         dtensor = shards.dtensor_class()
@@ -77,11 +79,6 @@ class DictMemo:
 
 def tensor_key(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> tuple:
     return tuple((n, t.dtype, t.shape) for n, t in zip(names, tensors))
-
-
-def _ref(value: Any) -> Any:
-    """A weak reference to a tensor; None stays None (an optimizer's absent buffer)."""
-    return _none if value is None else weakref.ref(value)
 
 
 def _none() -> None:

@@ -490,8 +490,8 @@ def test_a_started_call_is_under_way_before_its_result_is_taken(make_server, cli
     assert pending.result()["n"] == 1
     thread.join(5)
     assert other[0]["n"] == 2
-    with client.start("refuse") as dropped:  # nobody takes it: read and dropped, not raised
-        pass
+    dropped = client.start("refuse")
+    dropped.close()  # nobody takes it: read and dropped, not raised
     assert dropped._done
     with pytest.raises(DaemonError, match="over the memory cap"):
         client.start("refuse").result()

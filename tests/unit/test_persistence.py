@@ -25,6 +25,7 @@ from elasticd.persistence import safetensors_file
 from elasticd.persistence.persister import Persister
 from elasticd.launcher import reachable
 from elasticd.persistence.tier import MANIFEST, Tier
+from tests.snapshot_entries import named
 from tests.users import temporary_user
 
 ARRAYS = {
@@ -69,7 +70,7 @@ def test_rank_file_roundtrip_and_standard_readers(tmp_path):
     assert [e.name for e in snap.layout.entries] == list(ARRAYS)
     for e in snap.layout.entries:
         assert bytes(snap.buffer[e.offset : e.offset + e.nbytes]) == ARRAYS[e.name].tobytes()
-    assert snap.layout.entry("odd").dtype == "complex32"
+    assert named(snap.layout, "odd").dtype == "complex32"
 
     import safetensors.torch
     import torch

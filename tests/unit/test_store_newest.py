@@ -17,7 +17,7 @@ import random
 import numpy as np
 import pytest
 
-from elasticd.snapshot.reader import SnapshotReader
+from tests.snapshot_entries import entry
 from elasticd.snapshot.format import PREAMBLE_SIZE, SnapshotHeader, TensorSpec, _header_json, layout
 from elasticd.store.service import CheckpointService
 from elasticd.store.shm import CommitPending, OverBudget, SlotStore
@@ -75,7 +75,7 @@ def holds(store, job, rank, step, n=3000) -> bool:
     if view is None:
         return False
     try:
-        return SnapshotReader(view.buffer).array("w").tobytes() == data(step, n)
+        return entry(view.buffer, "w", np.float32).tobytes() == data(step, n)
     finally:
         view.release()
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from elasticd.worker.checkpointer import Checkpointer
-from elasticd.snapshot.reader import SnapshotReader
+from tests.snapshot_entries import entry
 from elasticd.store.api import Replication
 from elasticd.store.service import CheckpointService
 from elasticd.store.shm import SlotStore
@@ -117,7 +117,7 @@ def nodes():
 def read_w(reply, job, rank):
     with open(reply["path"], "rb") as f:
         f.seek(reply["offset"])
-        return SnapshotReader(f.read(reply["size"]), job=job, rank=rank).array("w")
+        return entry(f.read(reply["size"]), "w", np.float32, job=job, rank=rank)
 
 
 # -- service ------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from elasticd.testing.clock import FakeClock
 
 from elasticd.snapshot import segment as segment_module
 from elasticd.snapshot.format import CorruptSnapshot, SnapshotHeader, TensorSpec, layout
-from elasticd.snapshot.reader import SnapshotReader
+from tests.snapshot_entries import entry, named
 from elasticd.store.shm import (
     PAGE,
     CommitPending,
@@ -66,9 +66,8 @@ def snapshot(store, job, rank, step, n=3000, generation=0):
 def assert_holds(store, job, rank, step, n=3000):
     view = store.latest(job, rank, verify=True)
     assert view is not None and view.header.step == step
-    reader = SnapshotReader(view.buffer)
     for name, arr in arrays_for(step, n).items():
-        assert reader.array(name).tobytes() == arr.tobytes()
+        assert entry(view.buffer, name, arr.dtype).tobytes() == arr.tobytes()
 
 
 def files(root):
@@ -362,7 +361,7 @@ def test_pinned_view_blocks_reuse_until_released(store):
     snapshot(store, "job", 0, step=2)  # goes to the other slot
     with pytest.raises(SlotBusy):
         store.reserve("job", 0, 100)
-    assert SnapshotReader(view.buffer).array("step") == 1
+    assert entry(view.buffer, "step", np.int64) == 1
     view.release()
     current = store.latest("job", 0, pin=True)
     assert current.header.step == 2
@@ -429,15 +428,15 @@ def test_a_worker_process_writes_through_its_own_mapping(store):
     header = plan("job", 3, arrays, 9)
     slot = store.reserve("job", 3, header.layout.total_size)
     code = (
-        "import sys, numpy as np; from elasticd.store.shm import map_file\n"
-        "mm = map_file(sys.argv[1], int(sys.argv[2]))\n"
+        "import os, sys, numpy as np; from elasticd.store.shm import map_fd\n"
+        "mm = map_fd(os.open(sys.argv[1], os.O_RDWR), int(sys.argv[2]))\n"
         "w = np.random.default_rng(9).standard_normal(3000).astype(np.float32)\n"
         "off = [int(x) for x in sys.argv[3:]]\n"
         "mm[off[0]:off[0] + w.nbytes] = w.tobytes()\n"
         "mm[off[1]:off[1] + 8] = np.array(9, np.int64).tobytes()\n"
         "mm.close()\n"
     )
-    offsets = [str(header.layout.entry(n).offset) for n in ("w", "step")]
+    offsets = [str(named(header.layout, n).offset) for n in ("w", "step")]
     subprocess.run([sys.executable, "-c", code, slot.path, str(slot.capacity), *offsets],
                    check=True, timeout=60)
     store.complete(slot, header)
@@ -453,7 +452,7 @@ def test_restart_scan_keeps_verified_segments_and_removes_the_rest(root):
     half = first.reserve("job", 2, 100)  # crashed mid-snapshot: invalidated, never sealed
     first.close(unlink=False)
     with open(corrupt.path, "r+b") as f:  # bit rot in rank 1's payload
-        f.seek(rotten.layout.entry("w").offset + 10)
+        f.seek(named(rotten.layout, "w").offset + 10)
         f.write(b"\xff")
     good = os.path.join(root, "job", "0", "1.slot")
     with open(good, "rb") as f, open(os.path.join(root, "job", "0", "7.slot"), "wb") as g:
@@ -496,7 +495,7 @@ def test_remove_and_remove_job_unlink_everything(store, root):
     store.remove_job("a")
     assert not os.path.exists(os.path.join(root, "a"))
     # The mapping lingers until the reader lets go.
-    assert SnapshotReader(view.buffer).array("step") == 1
+    assert entry(view.buffer, "step", np.int64) == 1
     assert files(root) == ["b/0/0.slot", "b/0/1.slot"]
     assert store.holdings() == [("b", 0, 0, 1)]
     store.remove_job("b")

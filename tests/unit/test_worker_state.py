@@ -48,7 +48,7 @@ def to_bytes(state, step=0) -> bytes:
     flat = flatten(state)
     lay = flat.layout("job", block_size=4096)
     buf = bytearray(lay.total_size)
-    CpuCopier().copy(flat.tensors, buf, lay)
+    CpuCopier().start(flat.tensors, buf, lay).wait()
     seal(buf, SnapshotHeader("job", step, 0, 0, 1, lay, flat.meta))
     return bytes(buf)
 
