@@ -45,12 +45,12 @@ import os
 
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
+from elasticd.coordination.agent_credentials import PASSWORD_ENV
 from elasticd.coordination.etcd import EtcdSettings, parse_endpoints
 from elasticd.coordination.keys import check_name, check_prefix
 from elasticd.rendezvous.grace import DEFAULT_GRACE_PERIOD
 from elasticd.rendezvous.rounds import check_grow, grow_interval
 
-PASSWORD_ENV = "ELASTICD_ETCD_PASSWORD"
 DEFAULT_ETCD_TIMEOUT = 2.0
 DEFAULT_READ_TIMEOUT = 60
 #: The agent lease's TTL (rdzv-conf ``liveness_ttl``), and etcd's minimum.
