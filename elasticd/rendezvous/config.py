@@ -90,14 +90,9 @@ class HandlerSettings:
         run_id: ``--rdzv-id``.
         min_nodes, max_nodes: ``--nnodes MIN:MAX``.
         backend: what ``get_backend`` returns (the entry point's name).
-        liveness_ttl: the agent lease's TTL, whole seconds.
-        liveness_confirm: seconds a member's record must be absent before it counts as dead.
-        join_timeout: seconds ``next_rendezvous`` waits for a round that includes this node
-            (not while it is the spare of a full, running round).
-        last_call: seconds a job's first round stays open after ``min`` nodes joined.
-        store_timeout: how long the store's ``get``/``wait`` block (None: the store's default).
-        grow: the grow policy for nodes beyond a running round (:mod:`.rounds`).
-        close_on_failure: whether ``shutdown`` during an exception closes the rendezvous.
+        liveness_ttl, liveness_confirm, join_timeout, grow, close_on_failure: the rdzv-conf
+            keys of those names (the module docstring's table); last_call and store_timeout:
+            its ``last_call_timeout`` and ``read_timeout`` (None: the store's default).
 
     Raises:
         ValueError: bad sizes or grow policy.
