@@ -163,7 +163,7 @@ class NodeWatch:
         of = parse_mark_key(self._native, kv.key)
         if of is None:
             return None
-        return of[0], of[1], kv.create_revision, marked_members([kv.value])
+        return of[0], of[1], kv.create_revision, marked_members(kv.value)
 
     def _decode(self, kv: KeyValue) -> NodeRecord | None:
         try:
