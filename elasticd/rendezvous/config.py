@@ -93,9 +93,6 @@ class HandlerSettings:
         liveness_ttl, liveness_confirm, join_timeout, grow, close_on_failure: the rdzv-conf
             keys of those names (the module docstring's table); last_call and store_timeout:
             its ``last_call_timeout`` and ``read_timeout`` (None: the store's default).
-
-    Raises:
-        ValueError: bad sizes or grow policy.
     """
 
     run_id: str
@@ -123,15 +120,8 @@ class HandlerSettings:
 
 @dataclasses.dataclass(frozen=True)
 class RendezvousConfig:
-    """Validated settings of one etcd-v3 rendezvous.
-
-    Attributes:
-        etcd: how to reach and authenticate to etcd.
-        key_prefix: cluster key prefix.
-        grace_period: seconds each call rides out an etcd outage.
-        handler: what the handler is told (its run, sizes and rules).
-        ignored: the :data:`IGNORED_KEYS` that were given.
-    """
+    """Validated settings of one etcd-v3 rendezvous (``ignored``: the :data:`IGNORED_KEYS`
+    that were given)."""
 
     etcd: EtcdSettings
     handler: HandlerSettings
