@@ -54,7 +54,6 @@ class RankRestore:
         at: wall time the restore ended (its node's clock).
         seconds: how long it took (the worker's own measure).
         source: local | peer | persistent.
-        nbytes: bytes restored.
         step: the step restored, if known.
         node: the node that restored it (the event's writer), if known.
         steps_lost: steps trained after ``step`` that were lost, if known.
