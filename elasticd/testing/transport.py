@@ -27,11 +27,14 @@ class InProcessTransport(Transport):
 
     Args:
         handlers: op name → handler, as served by the local socket.
+        uid: the peer uid the handlers see (default: this process's).
     """
 
-    def __init__(self, handlers: Mapping[str, Callable[[dict[str, Any]], Any]]) -> None:
+    def __init__(self, handlers: Mapping[str, Callable[[dict[str, Any]], Any]],
+                 uid: int | None = None) -> None:
         self.handlers = dict(handlers)
-        self.peer = {"pid": os.getpid(), "uid": os.geteuid(), "gid": os.getegid()}
+        self.peer = {"pid": os.getpid(), "uid": os.geteuid() if uid is None else uid,
+                     "gid": os.getegid()}
 
     def call(self, op: str, **fields: Any) -> dict[str, Any]:
         fields.pop("timeout", None)  # DaemonClient's keyword, not a field
