@@ -34,7 +34,6 @@ class Admission:
     Args:
         cap: connections held at once (>= 1).
         deadline: seconds each may take in total (> 0).
-        now: monotonic clock (tests may pass a fake).
     """
 
     def __init__(self, cap: int, deadline: float,

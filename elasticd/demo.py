@@ -46,14 +46,11 @@ class Demo:
         p = os.path.join(self.c.workdir, node, "jobs", JOB, "agent.log")
         return open(p, errors="replace").read() if os.path.exists(p) else ""
 
-    def steps(self, node: str, world: int | None = None, after: int = 0) -> list[int]:
-        return [int(m.group(1)) for m in STEP_RE.finditer(self.log(node), after)
-                if world is None or int(m.group(2)) == world]
-
-    def new_steps(self, node: str, mark: int) -> list[int]:
-        """Steps a worker started after ``mark`` (a log offset) trained at world size 3."""
+    def steps(self, node: str, mark: int | None = None) -> list[int]:
+        """Steps trained at world size 3; with ``mark`` (a log offset), by a worker started
+        after it."""
         text = self.log(node)
-        start = text.find("start rank", mark)
+        start = 0 if mark is None else text.find("start rank", mark)
         return [] if start < 0 else [int(m.group(1)) for m in STEP_RE.finditer(text, start)
                                      if int(m.group(2)) == WORLD]
 
@@ -117,20 +114,20 @@ def run(d: Demo, args: argparse.Namespace, workdir: str) -> int:
                    env=env, check=True, capture_output=True, timeout=60)
     d.say(f"submitted job '{JOB}' (examples/train.py: DDP over gloo, one worker per node, "
           f"--nnodes {WORLD}:{WORLD}, a snapshot every step)")
-    c.wait_for(lambda: all(d.steps(n, WORLD) for n in ("n1", "n2", "n3")), 180,
+    c.wait_for(lambda: all(d.steps(n) for n in ("n1", "n2", "n3")), 180,
                f"training at world size {WORLD}")
     d.say(f"training at world size {WORLD}; starting n4, which joins as a spare (the job "
           f"wants exactly {WORLD} nodes)")
     c.start_node("n4")
     c.wait_for(lambda: d.agents_joined() > WORLD, 60, "n4's agent waiting as a spare")
     print(NODE_TABLE.render(d.rows()), flush=True)
-    c.wait_for(lambda: max(d.steps("n1", WORLD) or [0]) >= args.kill_at_step, 300,
+    c.wait_for(lambda: max(d.steps("n1") or [0]) >= args.kill_at_step, 300,
                f"step {args.kill_at_step}")
     status = c.nodes[args.victim].http("/status")
     ranks = (status.get("job") or {}).get("ranks") or []
     survivors = [n for n in ("n1", "n2", "n3") if n != args.victim]
     marks = {n: len(d.log(n)) for n in [*survivors, "n4"]}
-    at_step = max(d.steps(args.victim, WORLD) or [0])
+    at_step = max(d.steps(args.victim) or [0])
     d.say(f"kill -9 {args.victim} (rank {','.join(map(str, ranks)) or '?'}): its daemon, "
           f"agent and worker, and its RAM with its snapshots and the copies it held for its "
           f"peers; it had trained step {at_step}")
@@ -167,7 +164,7 @@ def follow(d: Demo, victim: str, nodes: list[str], marks: dict[str, int], killed
                       f"{SOURCES.get(r['source'], r['source'])} in "
                       f"{r['restore_seconds'] * 1000:.0f} ms, {r['steps_lost']} steps lost")
         for n in nodes:
-            new = d.new_steps(n, marks[n])
+            new = d.steps(n, marks[n])
             if n not in seen["first_step"] and new:
                 seen["first_step"][n] = SYSTEM_CLOCK.monotonic()
                 d.say(f"{n}: training again at world size {WORLD}, "

@@ -44,8 +44,6 @@ def _escape(match: re.Match[str]) -> str:
 def printable(text: str) -> str:
     """``text`` with every character a terminal or a log reader would act on escaped
     (``"\\x1b[2J"`` becomes ``"\\\\x1b[2J"``); text without one is returned as it is."""
-    if _UNSAFE.search(text) is None:
-        return text
     return _UNSAFE.sub(_escape, text)
 
 

@@ -138,7 +138,7 @@ class ProgressTracker:
         history = self._histories.get(job)
         if history is None:
             assert self.learned is not None
-            history = self._histories[job] = self.learned.history()
+            history = self._histories[job] = StepHistory()
         return history
 
     def _limit(self, job: str, r: _Rank) -> float:

@@ -274,14 +274,6 @@ def _detect(t: dict[str, Any]) -> str | None:
 _PATH_WORDS = {"in_process": "in-process", "restart": "restart"}
 
 
-def path_phases(t: dict[str, Any]) -> str:
-    """The phases of the path a recovery took, in one line (an in-process recovery's differ
-    from the restart path's: :data:`elasticd.cluster.timeline.IN_PROCESS_PHASES`)."""
-    parts = ", ".join(f"{name.replace('_', ' ')} {'-' if v is None else f'{v:.3f}'}"
-                      for name, v in t["path_phases"].items())
-    return f"  path {_PATH_WORDS.get(t.get('path') or '', 'not recorded')} (seconds): {parts}"
-
-
 def rank_sources(rows: Sequence[dict[str, Any]]) -> list[str]:
     """Where each rank's state came from, for each ``timeline`` among ``rows``, and where its
     failure is placed, and the phases of the path its writer's workers took: one line each."""
@@ -296,7 +288,11 @@ def rank_sources(rows: Sequence[dict[str, Any]]) -> list[str]:
         placed = timeline.EVIDENCE_WORDS.get(t.get("failure_evidence") or "",
                                              timeline.NO_EVIDENCE)
         out.append(f"{t['job']} after {','.join(t['failed'])}'s failure (placed at {placed}):")
-        out.append(path_phases(t))
+        # The path's phases (an in-process recovery's: timeline.IN_PROCESS_PHASES).
+        parts = ", ".join(f"{name.replace('_', ' ')} {'-' if v is None else f'{v:.3f}'}"
+                          for name, v in t["path_phases"].items())
+        out.append(f"  path {_PATH_WORDS.get(t.get('path') or '', 'not recorded')} (seconds): "
+                   f"{parts}")
         for e in t["ranks"]:
             lost = "" if e["steps_lost"] is None else f", {e['steps_lost']} steps lost"
             # Said for an in-process recovery only, where ranks may differ (on the restart path

@@ -18,7 +18,7 @@ import concurrent.futures
 import contextlib
 import json
 import urllib.request
-from typing import Any
+from typing import Any, Iterator
 
 from elasticd.cli.errors import CommandFailed, UsageError
 from elasticd.cli.output import Table
@@ -135,28 +135,33 @@ def _ver(v: Any) -> list[int] | None:
     return [int(v[0]), int(v[1])] if v is not None else None
 
 
+def _ranks(placement: Placement | None, committed: Committed | None
+           ) -> Iterator[tuple[int, str | None, list[str] | None]]:
+    """Each rank committed or placed, its owner and holders (None: not placed)."""
+    ranks = set(committed.ranks if committed else ()) | {
+        r for rs in (placement.ranks.values() if placement else ()) for r in rs}
+    for rank in sorted(ranks):
+        owner = holders = None
+        with contextlib.suppress(KeyError):
+            owner = placement.owner_of(rank) if placement else None
+            holders = list(placement.holders_of_rank(rank)) if placement else None
+        yield rank, owner, holders
+
+
 def cmd_placement(args: argparse.Namespace, coord: Coordinator, keys: Keyspace) -> Any:
     job = pick_job(coord, keys, args.job)
     placement, committed, coordinator = _read(coord, keys, job)
     statuses = _statuses(coord, keys, min(2.0, args.etcd_timeout))
     alive = set(statuses)
     m = placement.m if placement else (committed.m if committed else 0)
-    ranks = sorted(set(committed.ranks if committed else ())
-                   | {r for rs in (placement.ranks.values() if placement else ()) for r in rs})
     rows = []
-    for rank in ranks:
-        owner, holders = None, []
-        if placement is not None:
-            with contextlib.suppress(KeyError):
-                owner = placement.owner_of(rank)
-                holders = list(placement.holders_of_rank(rank))
+    for rank, owner, holders in _ranks(placement, committed):
         committed_holders = list(committed.holders.get(rank, ())) if committed else []
         live_copies = [h for h in committed_holders if h in alive]
-        vs = _job_replication(statuses.get(owner or ""), job).get("replicated", {}).get(
-            str(rank))
+        vs = _job_replication(statuses.get(owner or ""), job).get("replicated", {}).get(str(rank))
         newest = _ver(vs[0]) if vs else None
         rows.append({
-            "rank": rank, "owner": owner, "holders": holders,
+            "rank": rank, "owner": owner, "holders": holders or [],
             "committed_holders": committed_holders, "live_copies": len(live_copies),
             "newest_replicated": newest,
             "under_replicated": committed is not None and len(live_copies) < m,
@@ -229,12 +234,7 @@ def cmd_checkpoints(args: argparse.Namespace, coord: Coordinator, keys: Keyspace
                       "sync_lag": _job_replication(st, job).get("sync_lag"),
                       "unprotected": ck.get("unprotected_reason") or None})
     ranks = []
-    for rank in sorted(set(committed.ranks if committed else ())
-                       | {r for rs in (placement.ranks.values() if placement else ()) for r in rs}):
-        owner = holders = None
-        with contextlib.suppress(KeyError):
-            owner = placement.owner_of(rank) if placement else None
-            holders = list(placement.holders_of_rank(rank)) if placement else None
+    for rank, owner, holders in _ranks(placement, committed):
         if holders is None and committed is not None:
             holders = list(committed.holders.get(rank, ()))
         # Versions with m copies: the owner says (its /status); null when it cannot be asked.

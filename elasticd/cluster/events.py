@@ -60,8 +60,11 @@ class EventLog:
         kind = f"{event.kind}@{event.instance}" if event.instance else event.kind
         key = self._keys.event(event.node, event.lease, kind)
         written = self._coord.create(key, records.encode_dataclass(KIND, event))
-        if written:
-            self.trim()
+        if written:  # past ``retention`` events, the oldest (by create revision) go
+            kvs, _ = self._coord.get_prefix(self._keys.events)
+            excess = max(0, len(kvs) - self.retention)
+            for kv in sorted(kvs, key=lambda kv: kv.create_revision)[:excess]:
+                self._coord.delete(kv.key)
         return written
 
     def exists(self, node: str, lease: int, kind: str) -> bool:
@@ -77,9 +80,3 @@ class EventLog:
             except records.RecordError as exc:
                 log.warning("skipping event: %s", exc)
         return out
-
-    def trim(self) -> None:
-        kvs, _ = self._coord.get_prefix(self._keys.events)
-        excess = max(0, len(kvs) - self.retention)
-        for kv in sorted(kvs, key=lambda kv: kv.create_revision)[:excess]:
-            self._coord.delete(kv.key)

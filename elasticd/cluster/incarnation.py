@@ -42,12 +42,7 @@ class DataLoss:
 
 
 class Incarnation:
-    """Follows the cluster's incarnation key and the etcd revisions this daemon reads.
-
-    Args:
-        node_id: this node (stamped on an incarnation it writes).
-        clock: for the record's time stamp.
-    """
+    """Follows the cluster's incarnation key and the etcd revisions this daemon reads."""
 
     def __init__(self, coord: Coordinator, keys: Keyspace, node_id: str,
                  clock: Clock | None = None) -> None:

@@ -36,6 +36,13 @@ DEFAULT_REFORM_DEADLINE = 10.0
 #: The largest reform deadline a spec takes, seconds: a survivor stuck longer than this holds
 #: its node's share of the job back for no good reason (the restart path is the fallback).
 MAX_REFORM_DEADLINE = 3600.0
+#: Fields with a range: (field, lowest, whether only above it, highest, unit in the message).
+_RANGES = (("nproc_per_node", 1, False, 1024, ""), ("max_restarts", 0, False, 100_000, ""),
+           ("crash_loop_restarts", 0, False, 100_000, ""),
+           ("hang_timeout_floor", 0, True, 86400, " seconds"),
+           ("hang_first_step", 0, True, 86400, " seconds"),
+           ("reform_deadline", 0, True, MAX_REFORM_DEADLINE, " seconds"),
+           ("straggler_steps", 1, False, 100_000, ""))
 
 
 class JobSpecError(InputError, ValueError):
@@ -126,29 +133,17 @@ class JobSpec:
             raise JobSpecError(str(exc)) from None
         if not 1 <= self.nnodes_min <= self.nnodes_max:
             raise JobSpecError(f"nnodes {self.nnodes_min}:{self.nnodes_max}: need 1 <= MIN <= MAX")
-        if not 1 <= self.nproc_per_node <= 1024:
-            raise JobSpecError(f"--nproc-per-node {self.nproc_per_node}: use 1 to 1024")
-        if not 0 <= self.max_restarts <= 100_000:
-            raise JobSpecError(f"--max-restarts {self.max_restarts}: use 0 to 100000")
-        if not 0 <= self.crash_loop_restarts <= 100_000:
-            raise JobSpecError(f"--crash-loop-restarts {self.crash_loop_restarts}: use 0 (off) "
-                               "to 100000")
+        for name, low, above, high, unit in _RANGES:
+            value = getattr(self, name)
+            if not ((low < value) if above else (low <= value)) or value > high:  # NaN too
+                off = " (off)" if name == "crash_loop_restarts" else ""
+                raise JobSpecError(f"--{name.replace('_', '-')} {value}: use "
+                                   f"{'more than ' if above else ''}{low}{off} to {high:g}{unit}")
         if self.hang_timeout is not None and self.hang_timeout < 0:
             raise JobSpecError(f"--hang-timeout {self.hang_timeout}: must be >= 0 (0 turns it off)")
-        if not 0 < self.hang_timeout_floor <= 86400:
-            raise JobSpecError(f"--hang-timeout-floor {self.hang_timeout_floor}: use more than 0 "
-                               "to 86400 seconds")
-        if not 0 < self.hang_first_step <= 86400:
-            raise JobSpecError(f"--hang-first-step {self.hang_first_step}: use more than 0 to "
-                               "86400 seconds")
         if self.straggler_factor != 0 and not 1 < self.straggler_factor <= 100:
             raise JobSpecError(f"--straggler-factor {self.straggler_factor}: use more than 1 "
                                "to 100 (0 turns it off)")
-        if not 0 < self.reform_deadline <= MAX_REFORM_DEADLINE:  # NaN fails this too
-            raise JobSpecError(f"--reform-deadline {self.reform_deadline}: use more than 0 to "
-                               f"{MAX_REFORM_DEADLINE:g} seconds")
-        if not 1 <= self.straggler_steps <= 100_000:
-            raise JobSpecError(f"--straggler-steps {self.straggler_steps}: use 1 to 100000")
         if not os.path.isabs(self.script):
             raise JobSpecError(f"script {self.script!r}: must be an absolute path")
         if not re.fullmatch(r"[0-9a-f]{64}", self.script_sha256):

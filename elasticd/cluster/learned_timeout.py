@@ -68,13 +68,11 @@ class StepHistory:
     its worker group: the job is the same).
 
     Attributes:
-        window: intervals kept per rank.
-        ranks: each rank's last intervals.
+        ranks: each rank's last :data:`WINDOW` intervals.
         doublings: restarts the learned timeout caused (each doubles it).
         learned: intervals learned in all.
     """
 
-    window: int = WINDOW
     ranks: dict[int, SlidingMax] = dataclasses.field(default_factory=dict)
     doublings: int = 0
     learned: int = 0
@@ -83,7 +81,7 @@ class StepHistory:
         """Learns one completed step interval of ``rank`` (not a warm-up step)."""
         if not math.isfinite(seconds) or seconds < 0:
             return
-        self.ranks.setdefault(rank, SlidingMax(self.window)).add(seconds)
+        self.ranks.setdefault(rank, SlidingMax(WINDOW)).add(seconds)
         self.learned += 1
 
     def longest(self) -> float | None:
@@ -98,7 +96,6 @@ class LearnedTimeout:
     :data:`WINDOW` and :data:`MAX_DOUBLINGS` are the rule's own).
 
     Args:
-        floor: the lowest timeout, seconds.
         first_step: the allowance for a worker process's first steps, seconds.
 
     Raises:
@@ -114,10 +111,6 @@ class LearnedTimeout:
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"learned hang timeout: {name} must be positive seconds, got "
                                  f"{value!r}")
-
-    def history(self) -> StepHistory:
-        """A new, empty history for a job."""
-        return StepHistory()
 
     def timeout(self, history: StepHistory) -> float:
         """The timeout in force for a rank past its first steps."""

@@ -68,7 +68,6 @@ class NodeRecord:
         """Reads a node record, checking its fields' types and values.
 
         Args:
-            raw, key: the stored value and its key (for messages).
             node: the node the key names; the record must name the same one (a record under
                 ``nodes/n1x`` claiming to be ``n1`` is refused).
 
@@ -91,18 +90,16 @@ class NodeRecord:
         return rec
 
 
-def decode_node(raw: bytes, key: bytes, keys: Keyspace | None = None) -> NodeRecord:
-    """A node record, which must name the node its key names when ``keys`` is given.
+def decode_node(raw: bytes, key: bytes, keys: Keyspace) -> NodeRecord:
+    """A node record, which must name the node its key names.
 
     Raises:
         records.RecordError: malformed, about another node, or under a key that names no node.
     """
-    node = None
-    if keys is not None:
-        try:
-            node = keys.node_of(key)
-        except ValueError as exc:
-            raise records.CorruptRecord(f"{records.where_of(key)}: {exc}") from None
+    try:
+        node = keys.node_of(key)
+    except ValueError as exc:
+        raise records.CorruptRecord(f"{records.where_of(key)}: {exc}") from None
     return NodeRecord.decode(raw, key, node)
 
 

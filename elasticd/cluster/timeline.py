@@ -54,7 +54,6 @@ class RankRestore:
         at: wall time the restore ended (its node's clock).
         seconds: how long it took (the worker's own measure).
         source: local | peer | persistent.
-        nbytes: bytes restored.
         step: the step restored, if known.
         node: the node that restored it (the event's writer), if known.
         steps_lost: steps trained after ``step`` that were lost, if known.
@@ -189,14 +188,11 @@ class Timeline:
         kept = sum(p == "in_process" for p in self.rank_paths.values())
         if kept and kept < len(self.rank_paths):  # a mixed round: say who took which path
             how += f" ({kept} ranks kept, {len(self.rank_paths) - kept} started)"
-        return (f"{self.job} recovered{how} from {', '.join(self.failed)}'s failure: {total} "
-                f"({', '.join(parts)}; failure placed at {self.evidence_words()})")
-
-    def evidence_words(self) -> str:
-        """Where the failure is placed, in words."""
-        text = EVIDENCE_WORDS.get(self.failure_evidence, NO_EVIDENCE)
         r = self.detect_range()
-        return text + ("" if r is None else f"; detected {r[0]:.2f}-{r[1]:.2f} s after it")
+        placed = EVIDENCE_WORDS.get(self.failure_evidence, NO_EVIDENCE) + (
+            "" if r is None else f"; detected {r[0]:.2f}-{r[1]:.2f} s after it")
+        return (f"{self.job} recovered{how} from {', '.join(self.failed)}'s failure: {total} "
+                f"({', '.join(parts)}; failure placed at {placed})")
 
     def summary(self) -> dict[str, Any]:
         """What ``elasticctl history`` shows of it (JSON)."""

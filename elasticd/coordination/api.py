@@ -279,12 +279,6 @@ class Coordinator(abc.ABC):
         """What only a real etcd offers beyond this interface (None: not an etcd)."""
         return None
 
-    def __enter__(self) -> "Coordinator":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 def prefix_range_end(prefix: bytes) -> bytes:
     """The etcd range end that selects every key starting with ``prefix``."""

@@ -148,8 +148,6 @@ class EmbeddedEtcd:
     Args:
         members: number of members (1, or 3 for tests that kill the leader).
         data_dir: parent directory for member data; a temporary one by default, removed on stop.
-        binary: name or path of the etcd binary.
-        clock: injected time (the wait for a healthy cluster).
         compaction: etcd's auto-compaction (mode, retention), e.g. ``("periodic", "1m")``.
     """
 

@@ -46,13 +46,6 @@ def to_kv(kv: Any) -> KeyValue:
     )
 
 
-def foreign_keys(watched: bytes, exact: bool, events: list[WatchEvent]) -> list[bytes]:
-    """The keys of ``events`` outside what was watched (``watched`` itself when ``exact``,
-    else every key starting with it)."""
-    return [e.kv.key for e in events
-            if (e.kv.key != watched if exact else not e.kv.key.startswith(watched))]
-
-
 class ResilientWatch(Watch):
     """A prefix (or one-key: ``exact``) watch that re-creates itself after the stream fails.
 
@@ -126,7 +119,9 @@ class ResilientWatch(Watch):
                              to_kv(e._event.prev_kv)
                              if prev_kv and e._event.HasField("prev_kv") else None)
                   for e in resp.events]
-        foreign = foreign_keys(self.prefix, self._exact, events)
+        # Keys outside what was watched: the key itself when exact, else its prefix.
+        foreign = [e.kv.key for e in events if (e.kv.key != self.prefix if self._exact
+                                                else not e.kv.key.startswith(self.prefix))]
         if foreign:
             self._refuse_stream(generation, foreign)
             return

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 from elasticd.clock import Clock, SystemClock
 from elasticd.coordination.api import (
@@ -26,6 +26,7 @@ from elasticd.coordination.api import (
 from elasticd.coordination.health import EtcdHealth
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class LeaseKeeper:
@@ -103,24 +104,22 @@ class LeaseKeeper:
         """Writes ``key`` bound to the kept lease (granted first if there is none); when etcd
         lost that lease before the keep-alive noticed (an etcd restarted empty loses every
         lease at once), replaces it and writes once more. Returns the write's revision."""
-        lease = self.lease
-        if lease is None:
-            lease = self.grant()
-        try:
-            return self._coord.put(key, value, lease=lease)
-        except LeaseLost:
-            return self._coord.put(key, value, lease=self.replace(lease))
+        return self._bound(lambda lease: self._coord.put(key, value, lease=lease))
 
     def put_if(self, key: bytes, value: bytes, compares: Sequence[Compare]) -> bool:
         """:meth:`put`, only if every compare holds (one transaction). Returns whether it
         wrote."""
+        return self._bound(lambda lease: self._coord.transaction(
+            compares, [Put(key, value, lease)])[0])
+
+    def _bound(self, write: Callable[[int], T]) -> T:
         lease = self.lease
         if lease is None:
             lease = self.grant()
         try:
-            return self._coord.transaction(compares, [Put(key, value, lease)])[0]
+            return write(lease)
         except LeaseLost:
-            return self._coord.transaction(compares, [Put(key, value, self.replace(lease))])[0]
+            return write(self.replace(lease))
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)

@@ -45,12 +45,12 @@ import os
 
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
+from elasticd.coordination.agent_credentials import PASSWORD_ENV
 from elasticd.coordination.etcd import EtcdSettings, parse_endpoints
 from elasticd.coordination.keys import check_name, check_prefix
 from elasticd.rendezvous.grace import DEFAULT_GRACE_PERIOD
 from elasticd.rendezvous.rounds import check_grow, grow_interval
 
-PASSWORD_ENV = "ELASTICD_ETCD_PASSWORD"
 DEFAULT_ETCD_TIMEOUT = 2.0
 DEFAULT_READ_TIMEOUT = 60
 #: The agent lease's TTL (rdzv-conf ``liveness_ttl``), and etcd's minimum.
@@ -90,17 +90,9 @@ class HandlerSettings:
         run_id: ``--rdzv-id``.
         min_nodes, max_nodes: ``--nnodes MIN:MAX``.
         backend: what ``get_backend`` returns (the entry point's name).
-        liveness_ttl: the agent lease's TTL, whole seconds.
-        liveness_confirm: seconds a member's record must be absent before it counts as dead.
-        join_timeout: seconds ``next_rendezvous`` waits for a round that includes this node
-            (not while it is the spare of a full, running round).
-        last_call: seconds a job's first round stays open after ``min`` nodes joined.
-        store_timeout: how long the store's ``get``/``wait`` block (None: the store's default).
-        grow: the grow policy for nodes beyond a running round (:mod:`.rounds`).
-        close_on_failure: whether ``shutdown`` during an exception closes the rendezvous.
-
-    Raises:
-        ValueError: bad sizes or grow policy.
+        liveness_ttl, liveness_confirm, join_timeout, grow, close_on_failure: the rdzv-conf
+            keys of those names (the module docstring's table); last_call and store_timeout:
+            its ``last_call_timeout`` and ``read_timeout`` (None: the store's default).
     """
 
     run_id: str
@@ -128,15 +120,8 @@ class HandlerSettings:
 
 @dataclasses.dataclass(frozen=True)
 class RendezvousConfig:
-    """Validated settings of one etcd-v3 rendezvous.
-
-    Attributes:
-        etcd: how to reach and authenticate to etcd.
-        key_prefix: cluster key prefix.
-        grace_period: seconds each call rides out an etcd outage.
-        handler: what the handler is told (its run, sizes and rules).
-        ignored: the :data:`IGNORED_KEYS` that were given.
-    """
+    """Validated settings of one etcd-v3 rendezvous (``ignored``: the :data:`IGNORED_KEYS`
+    that were given)."""
 
     etcd: EtcdSettings
     handler: HandlerSettings

@@ -44,7 +44,6 @@ class Control:
         round_error: why the stored round record was refused, if it was.
         waiting: the closer's summary, or None.
         closer: the closer's election key (value: its node id), or None.
-        closed: whether the rendezvous is closed.
         revision: the etcd revision this copy reflects.
         version: bumped by every change, so a waiter sleeps only if nothing changed.
         listeners: called (under :attr:`cond`: they must not block) after every change; an

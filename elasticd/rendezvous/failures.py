@@ -60,15 +60,11 @@ def doomed(daemon: str, lease: int, written: int, marked_at: int | None) -> bool
     return marked_at is not None and markable(daemon, lease) and written < marked_at
 
 
-def marked_members(values: list[bytes]) -> set[str]:
-    """The members the marks ``values`` name (a mark that does not read names none)."""
-    out: set[str] = set()
-    for raw in values:
-        try:
-            data = json.loads(raw)
-        except (UnicodeDecodeError, ValueError):
-            continue
-        members = data.get("members") if isinstance(data, dict) else None
-        if isinstance(members, list):
-            out.update(m for m in members if isinstance(m, str))
-    return out
+def marked_members(raw: bytes) -> set[str]:
+    """The members a mark's value names (a mark that does not read names none)."""
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, ValueError):
+        return set()
+    members = data.get("members") if isinstance(data, dict) else None
+    return {m for m in members if isinstance(m, str)} if isinstance(members, list) else set()

@@ -46,7 +46,6 @@ class OutageGrace:
             0 means no retry. A call may overrun it by up to one request timeout of the
             coordinator (the attempt in flight when the grace period ends).
         where: the etcd endpoints, quoted in errors.
-        clock: time source (a :class:`~elasticd.testing.clock.FakeClock` in unit tests).
 
     Raises:
         ValueError: a negative grace period.
@@ -64,7 +63,6 @@ class OutageGrace:
         """Runs ``fn`` until it does not raise :class:`Unavailable`, for up to the grace period.
 
         Args:
-            fn: the coordination call.
             what: what the call does, for logs and errors (e.g. "reading the rendezvous state").
 
         Raises:

@@ -73,7 +73,6 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
     daemon's agent adds, :mod:`elasticd.agent.torchrun`):
         coordinator: the etcd connection (owned: closed by :meth:`shutdown`).
         prefix: the rendezvous' key directory, ``<prefix>/jobs/<run_id>/rdzv/``.
-        settings: the run, its sizes and rules.
         addr: this node's address (``--local-addr`` or the host name).
         clock: time source for the lease, trust and absences.
     """

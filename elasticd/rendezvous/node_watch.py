@@ -34,7 +34,6 @@ class NodeWatch:
 
     Attributes:
         events: watch events of the node records handled.
-        mark_events: watch events of the failure marks handled (a few per failure).
         cpu: CPU seconds the watch callbacks took (by thread time): for benches.
     """
 
@@ -53,7 +52,6 @@ class NodeWatch:
         self._unwatched = (0, 0)  # the revisions a listing asked the watches to start from
         self._complaints = Complaints(log)  # once a key, and bounded: keys are anyone's
         self.events = 0
-        self.mark_events = 0
         self.cpu = 0.0
 
     @contextlib.contextmanager
@@ -144,7 +142,6 @@ class NodeWatch:
                 if e.kv.mod_revision <= self._marks_revision:
                     continue  # in the listing already
                 self._marks_revision = e.kv.mod_revision
-                self.mark_events += 1
                 if e.type is EventType.PUT:
                     mark = self._decode_mark(e.kv)
                     if mark is not None:
@@ -163,7 +160,7 @@ class NodeWatch:
         of = parse_mark_key(self._native, kv.key)
         if of is None:
             return None
-        return of[0], of[1], kv.create_revision, marked_members([kv.value])
+        return of[0], of[1], kv.create_revision, marked_members(kv.value)
 
     def _decode(self, kv: KeyValue) -> NodeRecord | None:
         try:

@@ -164,7 +164,6 @@ def decide_close(nodes: Mapping[str, NodeRecord], last: RoundRecord | None,
 
     Args:
         nodes: live node records (those whose key exists), by node id.
-        last: the last closed round, or None.
         min_nodes, max_nodes: torchrun's ``--nnodes MIN:MAX``.
         last_call_over: whether ``last_call`` seconds have passed since this node first saw
             ``min`` joined (only consulted when no member of ``last`` is alive).

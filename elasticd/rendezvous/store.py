@@ -34,7 +34,7 @@ from typing import Callable, Sequence
 
 import torch.distributed as dist
 
-from elasticd.coordination.api import Compare, Coordinator, CoordinationError, Put
+from elasticd.coordination.api import Compare, Coordinator, CoordinationError, KeyValue, Put
 from elasticd.rendezvous.grace import OutageGrace
 
 log = logging.getLogger(__name__)
@@ -60,9 +60,6 @@ class EtcdV3Store(dist.Store):
         abort: asked at every poll of a blocking wait; a reason (not None) ends the wait at
             once with ``DistStoreError`` (the handler's: a member of the round left, so the
             key it was to write will never come).
-
-    Raises:
-        ValueError: a key prefix that does not end in ``/``.
     """
 
     def __init__(self, coordinator: Coordinator, key_prefix: bytes,
@@ -87,10 +84,9 @@ class EtcdV3Store(dist.Store):
     def _key(self, key: str | bytes) -> bytes:
         return self.prefix + _as_bytes(key)
 
-    def _get(self, etcd_key: bytes) -> bytes | None:
-        kv = self._grace.call(lambda: self._coordinator.get(etcd_key),
-                              f"reading store key {etcd_key!r}")
-        return kv.value if kv is not None else None
+    def _get(self, etcd_key: bytes) -> KeyValue | None:
+        return self._grace.call(lambda: self._coordinator.get(etcd_key),
+                                f"reading store key {etcd_key!r}")
 
     def _wait_for(self, keys: Sequence[str | bytes],
                   timeout: datetime.timedelta | None) -> list[bytes]:
@@ -108,9 +104,9 @@ class EtcdV3Store(dist.Store):
         while True:
             for i, key in enumerate(keys):
                 if i not in found:
-                    value = self._get(self._key(key))
-                    if value is not None:
-                        found[i] = value
+                    kv = self._get(self._key(key))
+                    if kv is not None:
+                        found[i] = kv.value
             if len(found) == len(keys):
                 return [found[i] for i in range(len(keys))]
             missing_keys = [str(k) for i, k in enumerate(keys) if i not in found]
@@ -194,8 +190,7 @@ class EtcdV3Store(dist.Store):
         etcd_key = self._key(key)
         marker = self._marker_prefix + uuid.uuid4().hex.encode()
         while True:
-            kv = self._grace.call(lambda: self._coordinator.get(etcd_key),
-                                  f"reading store key {etcd_key!r}")
+            kv = self._get(etcd_key)
             new = change(None if kv is None else kv.value)
             revision = 0 if kv is None else kv.mod_revision
             ok, _ = self._grace.call(
@@ -234,8 +229,7 @@ class EtcdV3Store(dist.Store):
         expected = _as_bytes(expected_value)
         desired = _as_bytes(desired_value)
         while True:
-            kv = self._grace.call(lambda: self._coordinator.get(etcd_key),
-                                  f"reading store key {etcd_key!r}")
+            kv = self._get(etcd_key)
             if kv is None and expected:
                 return expected
             if kv is not None and kv.value != expected:

@@ -27,7 +27,6 @@ class Tally:
 
     Attributes:
         nodes: live node records by id (what :func:`~.rounds.decide_close` reads).
-        last: the last closed round.
         live_members: live members of ``last``.
         training: live members of ``last`` still asking for it (they block the close).
         absent_since: when each member of ``last`` was first seen absent (caller's clock).

@@ -9,7 +9,6 @@ from elasticd.worker.copier import read_tensors
 from elasticd.worker.state import load_into
 
 
-def load_snapshot(state: MutableMapping[str, Any], buffer: Any, header: SnapshotHeader,
-                  *, strict: bool = True) -> None:
+def load_snapshot(state: MutableMapping[str, Any], buffer: Any, header: SnapshotHeader) -> None:
     """Restores ``state`` from a snapshot in ``buffer`` (verified by the caller)."""
-    load_into(state, read_tensors(buffer, header.layout), header.meta, strict=strict)
+    load_into(state, read_tensors(buffer, header.layout), header.meta)

@@ -15,7 +15,7 @@ Pure: the caller gives the times.
 
 from __future__ import annotations
 
-from elasticd.cluster.learned_timeout import WARMUP_STEPS, LearnedTimeout
+from elasticd.cluster.learned_timeout import WARMUP_STEPS, LearnedTimeout, StepHistory
 
 #: The lowest collective timeout once steps are learned, seconds: above a slow collective after
 #: a peer's short stall (a commit, a snapshot under memory pressure: seconds at most here) and
@@ -35,7 +35,7 @@ class CollectiveTimeout:
 
     def __init__(self, floor: float = FLOOR, first: float = 60.0) -> None:
         self.rule = LearnedTimeout(floor=floor, first_step=first)
-        self.history = self.rule.history()
+        self.history = StepHistory()
         self._last: float | None = None  # the last step boundary of this round
         self._steps = 0  # step intervals ended in this round
 

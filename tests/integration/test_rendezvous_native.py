@@ -473,7 +473,7 @@ def test_one_failure_costs_one_listing_of_the_join_records_not_one_per_survivor(
         assert coord.get(native + b"nodes/agent7") is None
         assert len(coord.get_prefix(native + b"nodes/")[0]) == n - 1
         mark = coord.get(mark_key(native, "n7", 0xe07))
-        assert marked_members([mark.value]) == {"agent7"}
+        assert marked_members(mark.value) == {"agent7"}
     finally:
         coord.close()
 

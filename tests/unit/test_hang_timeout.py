@@ -41,7 +41,7 @@ def test_settings_are_validated(kwargs, match):
 
 def test_the_rule_floor_factor_window_and_doublings():
     rule = LearnedTimeout(floor=10.0, first_step=100.0)  # FACTOR 5, WINDOW 1000, MAX_DOUBLINGS 4
-    h = rule.history()
+    h = StepHistory()
     assert (rule.timeout(h), rule.source(h)) == (10.0, "floor")  # nothing learned yet
     assert rule.warmup_timeout(h) == 100.0
     h.observe(0, 1.0)
@@ -64,10 +64,6 @@ def test_the_rule_floor_factor_window_and_doublings():
     assert rule.status(h) == {"floor_seconds": 10.0, "first_step_seconds": 100.0,
                               "factor": 5.0, "window": 1000, "longest_step_seconds": 2.5,
                               "steps_learned": 1002, "doublings": 4}
-
-
-def test_history_defaults_to_the_module_window():
-    assert StepHistory().window == LearnedTimeout().history().window == 1000
 
 
 @pytest.fixture
