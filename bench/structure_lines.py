@@ -71,6 +71,19 @@ UNITS = [
     ("7bf7370", "merge", "branch struct36c: worker/, rendezvous/, coordination/, cluster/, "
                          "snapshot/, testing/: docstrings that restate docs/, parameters no "
                          "caller sets, fields only tests set"),
+    ("37b368d", "merge", "branch struct37a: agent/, daemon/, local/: code written twice (the "
+                         "zygote's framing, the in-process agent's signal relay), one-class "
+                         "modules back beside their only user, fields only tests read, "
+                         "docstrings that restate the signature"),
+    ("a866439", "merge", "branch struct37b: replication/, recovery/, persistence/: code only "
+                         "tests reached (AuthFailures.count, CommitTracker.on_ack), checks "
+                         "written twice, a branch on a constant, restating docstrings"),
+    ("ca631f3", "merge", "branch struct37c: worker/, store/, snapshot/: reader and layout "
+                         "methods only tests called, the cap and ownership checks written "
+                         "twice, per-case code as tables, re-raising try layers"),
+    ("b048589", "merge", "branch struct37d: rendezvous/, coordination/, cluster/, cli/, "
+                         "top-level: one-use helpers, code written twice, per-field checks as "
+                         "a table, dead parameters, restating docstrings"),
 ]
 
 
