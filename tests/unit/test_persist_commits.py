@@ -65,15 +65,17 @@ def busy(metrics: Metrics, outcome: str) -> float:
 def cluster(tmp_path):
     """Three nodes (one rank each of a world of 3) flushing into one tier every 10 steps."""
     roots = [f"/dev/shm/elasticd-test-{uuid.uuid4().hex[:12]}" for _ in range(3)]
-    stores = [SlotStore(root) for root in roots]
-    persisters = [Persister(str(tmp_path / "persist"), keep=5, every_steps=10, node_id=f"n{i}")
-                  for i in (1, 2, 3)]
-    reps, metrics = [Commits(store) for store in stores], [Metrics() for _ in range(3)]
-    services = [CheckpointService(store, f"n{i + 1}", persist, replicator=rep,
-                                  metrics_sink=CheckpointSink(m))
-                for i, (store, persist, rep, m) in enumerate(zip(stores, persisters, reps,
-                                                                  metrics))]
-    try:
+    stores: list[SlotStore] = []
+    persisters: list[Persister] = []
+    try:  # from the first store made: a set-up that fails must not leave it in /dev/shm
+        stores += [SlotStore(root) for root in roots]
+        persisters += [Persister(str(tmp_path / "persist"), keep=5, every_steps=10,
+                                 node_id=f"n{i}") for i in (1, 2, 3)]
+        reps, metrics = [Commits(store) for store in stores], [Metrics() for _ in range(3)]
+        services = [CheckpointService(store, f"n{i + 1}", persist, replicator=rep,
+                                      metrics_sink=CheckpointSink(m))
+                    for i, (store, persist, rep, m) in enumerate(zip(stores, persisters, reps,
+                                                                      metrics))]
         yield ([InProcessTransport(s.handlers()) for s in services], persisters, reps, stores,
                metrics)
     finally:
