@@ -72,8 +72,8 @@ def pinned_view(store: SlotStore, job: str, rank: int,
 
 def descriptor_of(view: SnapshotView) -> Descriptor:
     h = view.header
-    return Descriptor.for_snapshot(h.job, h.rank, h.generation, h.step, h.layout.data_offset,
-                                   h.layout.total_size - h.layout.data_offset)
+    return Descriptor(h.job, h.rank, h.generation, h.step, h.layout.total_size,
+                      h.layout.data_offset)
 
 
 class ShmSink(Sink):

@@ -51,7 +51,7 @@ def snapshot(step: int, size: int = 3 * MiB + 123, generation: int = 0, rank: in
     header = f'{{"step": {step}, "rank": {rank}}}'.encode().ljust(64, b" ")
     payload = bytes((i * 31 + step) % 251 for i in range(251)) * (size // 251 + 1)
     payload = payload[:size]
-    return Descriptor.for_snapshot(JOB, rank, generation, step, len(header), len(payload)), \
+    return Descriptor(JOB, rank, generation, step, len(header) + len(payload), len(header)), \
         header, payload
 
 
