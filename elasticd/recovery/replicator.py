@@ -257,7 +257,7 @@ class Replicator:
             return
         peers = placement.peers_of(self.node_id)
         for peer in peers:
-            self.pusher.submit(peer, Task(job, rank, version))
+            self.pusher.lanes.submit(peer, Task(job, rank, version))
         if not peers:
             # m = 1: the owner's copy is all there is, and it must stay until committed.
             self.tracker.on_landed(job, rank, version)
@@ -304,7 +304,8 @@ class Replicator:
             done: concurrent.futures.Future = concurrent.futures.Future()
             done.add_done_callback(functools.partial(
                 self._repaired, job, committed.version, rank, target))
-            self.pusher.submit(target, Task(job, rank, committed.version, exact=True, done=done))
+            self.pusher.lanes.submit(target, Task(job, rank, committed.version, exact=True,
+                                                  done=done))
 
     def _repaired(self, job: str, version: Version, rank: int, target: str,
                   done: concurrent.futures.Future) -> None:
@@ -355,8 +356,8 @@ class Replicator:
             futures = []
             for rank, target in plan:
                 done: concurrent.futures.Future = concurrent.futures.Future()
-                self.pusher.submit(target, Task(job, rank, committed.version, exact=True,
-                                                done=done))
+                self.pusher.lanes.submit(target, Task(job, rank, committed.version,
+                                                      exact=True, done=done))
                 futures.append((rank, target, done))
             planned_n += len(futures)
             progress(done_n, failed_n, planned_n)

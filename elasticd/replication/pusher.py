@@ -56,9 +56,6 @@ class Pusher:
         #: Called with (seconds, bytes) after each acknowledged push (the daemon's metrics).
         self.on_push: Callable[[float, int], None] = lambda *_: None
 
-    def submit(self, peer: str, task: Task) -> bool:
-        return self.lanes.submit(peer, task)
-
     def _run(self, peer: str, task: Task) -> None:
         if task.exact:
             resolve(task, self._push_exact(peer, task))
