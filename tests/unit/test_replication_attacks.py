@@ -19,7 +19,6 @@ import pytest
 
 from elasticd.replication import auth
 from elasticd.replication.api import Descriptor
-from elasticd.replication.auth import AuthFailures
 from elasticd.replication.channel import Channel
 from elasticd.testing.replication import MemorySink, decode_frame
 from elasticd.replication.messages import Auth, Challenge, Error, Hello
@@ -337,9 +336,9 @@ def attack(srv: ReplicaServer) -> socket.socket:
 
 def test_slowloris_of_unauthenticated_connections_does_not_keep_a_peer_out():
     failures: list[tuple[str, str]] = []
-    counted = AuthFailures(lambda *failure: failures.append(failure))
     # The defaults (64 peers, 32 pending handshakes), a short handshake deadline.
-    with server(handshake_timeout=1.5, auth_failures=counted) as srv:
+    with server(handshake_timeout=1.5,
+                auth_failures=lambda *failure: failures.append(failure)) as srv:
         stop = threading.Event()
         attackers: list[socket.socket] = []
 

@@ -25,7 +25,7 @@ from elasticd.replication.api import (
     Refused,
     RemoteError,
 )
-from elasticd.replication.auth import AuthenticationFailed, AuthFailures, client_handshake
+from elasticd.replication.auth import AuthenticationFailed, client_handshake
 from elasticd.replication.channel import Channel
 from elasticd.testing.replication import MemorySink
 from elasticd.replication.messages import (
@@ -204,7 +204,7 @@ def test_memory_budget_refuses_with_no_space(make_server, clients):
 def test_wrong_secret_is_rejected_counted_and_stores_nothing(make_server, clients):
     seen = []
     sink = MemorySink()
-    server = make_server(sink, auth_failures=AuthFailures(lambda peer, why: seen.append(peer)))
+    server = make_server(sink, auth_failures=lambda peer, why: seen.append(peer))
     with pytest.raises(AuthenticationFailed):
         clients(server, secret=b"not-the-cluster-secret!!")
     wait_for(lambda: len(seen) == 1)
@@ -297,7 +297,7 @@ def replay(server: ReplicaServer, recorded: bytes) -> bytes:
 def test_replayed_handshake_is_rejected(make_server):
     recorded = record_a_push(make_server())
     sink, seen = MemorySink(), []
-    target = make_server(sink, auth_failures=AuthFailures(lambda *failure: seen.append(failure)))
+    target = make_server(sink, auth_failures=lambda *failure: seen.append(failure))
     replies = replay(target, recorded)  # same node id and secret, fresh memory
     assert b'"code":"auth"' in replies
     wait_for(lambda: len(seen) == 1)
@@ -425,7 +425,7 @@ def test_push_and_fetch_over_tls(make_server, clients, tls_contexts):
     server_ctx, client_ctx = tls_contexts
     sink, seen = MemorySink(), []
     server = make_server(sink, ssl_context=server_ctx,
-                         auth_failures=AuthFailures(lambda *failure: seen.append(failure)))
+                         auth_failures=lambda *failure: seen.append(failure))
     client = clients(server, ssl_context=client_ctx)
     d, header, payload = snapshot(step=4, size=MiB + 5)
     client.push(d, header, payload, chunk_size=256 << 10)
