@@ -464,7 +464,7 @@ class Replicator:
         fetches in progress from peers (``fetching``) and served to peers (``serving``), each
         with its age: after a fault ends nothing must stay there."""
         backlog = self.pusher.lanes.backlog()
-        held = self.sink.bytes_held() if self.sink is not None else 0
+        held = self.sink.store.bytes_held() if self.sink is not None else 0
         with self.tracker.lock:
             out: dict[str, Any] = {}
             for job, st in sorted(self.tracker.jobs.items()):
@@ -511,7 +511,7 @@ class Replicator:
             committed_step=max(committed, default=-1),
             sync_lag_steps=max(lags, default=0),
             under_replicated_shards=under,
-            replica_bytes_held=self.sink.bytes_held() if self.sink is not None else 0,
+            replica_bytes_held=self.sink.store.bytes_held() if self.sink is not None else 0,
             rereplications_total=c.get("rereplications", 0),
             fetches_total=c.get("fetches", 0),
             fetch_bytes_total=c.get("fetch_bytes", 0),

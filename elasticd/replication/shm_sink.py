@@ -307,9 +307,6 @@ class ShmSink(Sink):
         with self._mem:
             return sorted(self._held.values(), key=lambda d: (d.job, d.owner_rank))
 
-    def bytes_held(self) -> int:
-        return self.store.bytes_held()
-
     def drop(self, job: str, owner_rank: int) -> None:
         """Frees a shard's replica (e.g. one the placement no longer asks this node to hold)."""
         with self._lock, self._mem:
