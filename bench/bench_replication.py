@@ -257,7 +257,8 @@ class ElasticdSender:
 
     def transfer(self) -> tuple[float, float, float, int]:
         self.step += 1
-        d = Descriptor.for_snapshot("bench", 0, 0, self.step, len(HEADER), len(self.payload))
+        d = Descriptor("bench", 0, 0, self.step, len(HEADER) + len(self.payload),
+                       len(HEADER))
         tags = None
         if self.pretag:
             # What the daemon does once per snapshot when it seals it (SlotStore.tagger):

@@ -115,8 +115,7 @@ def sealed_snapshot(nbytes: int) -> tuple[Descriptor, bytearray]:
     np.frombuffer(buf, np.float32, n, e.offset)[:] = np.random.default_rng(0).random(
         n, dtype=np.float32)
     seal(buf, SnapshotHeader(JOB, 7, 0, RANK, 3, lay, {"step": 7}))
-    d = Descriptor.for_snapshot(JOB, RANK, 0, 7, lay.data_offset,
-                                lay.total_size - lay.data_offset)
+    d = Descriptor(JOB, RANK, 0, 7, lay.total_size, lay.data_offset)
     return d, buf
 
 

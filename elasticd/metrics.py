@@ -380,7 +380,7 @@ class Metrics:
 
 class ReplicationSink:
     """Turns replication events into metrics: timed pushes (from the replicator's pusher) and
-    rejected connections (the replica server's ``AuthFailures`` callback)."""
+    rejected connections (the replica server's ``auth_failures`` callback)."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.m = metrics

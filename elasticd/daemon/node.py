@@ -208,7 +208,6 @@ class Node:
                      "no cluster secret" if not secret else "replicas=1")
             return None, ""
         from elasticd.store.shm import SlotStore, SlotStoreError
-        from elasticd.replication.auth import AuthFailures
         from elasticd.recovery.replicator import Replicator
         from elasticd.replication.seal import BlockTagger
         from elasticd.replication.server import ReplicaServer
@@ -225,7 +224,7 @@ class Node:
         host, port = settings.replication_addr
         try:
             server = ReplicaServer(host, port, secret, settings.node_id, sink,
-                                   auth_failures=AuthFailures(ReplicationSink(metrics).rejected))
+                                   auth_failures=ReplicationSink(metrics).rejected)
             server.start()
         except OSError as exc:
             raise Fatal(f"replication_listen: cannot listen on {settings.replication_listen}: "

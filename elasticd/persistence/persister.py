@@ -46,19 +46,13 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class Flushed:
-    """What one flush did: passed to the ``on_flushed`` callback.
-
-    Attributes:
-        complete: the step is complete on disk (this node or another wrote the manifest).
-        error: why the flush failed ("" when it did not).
-    """
+    """What one flush did, for the ``on_flushed`` callback; ``error``: why it failed ("" when
+    it did not)."""
 
     job: str
     version: tuple[int, int]
-    ranks: tuple[int, ...]
     nbytes: int
     seconds: float
-    complete: bool
     error: str = ""
 
 
@@ -287,7 +281,7 @@ class Persister:
 
     def _flush(self, job: str, views: list[Any], uid: int | None) -> None:
         start = self.clock.monotonic()
-        version, ranks, nbytes, error, complete = (-1, -1), [], 0, "", False
+        version, nbytes, error = (-1, -1), 0, ""
         try:
             # Copy out at memory speed and let the slots go at once: a pin held for the whole
             # disk write would make the worker's next-but-one snapshot find its slot busy.
@@ -300,9 +294,7 @@ class Persister:
                 view.release()
             for header, buf in copies:
                 version = header.version()
-                record = self.tier.write_rank(header, buf, uid)
-                ranks.append(header.rank)
-                nbytes += record["bytes"]
+                nbytes += self.tier.write_rank(header, buf, uid)["bytes"]
             self.tier.try_finish(job, version, uid)
             complete = self.tier.manifest(job, version) is not None
             # The previous step this node wrote first was completed by the last of its peers.
@@ -324,7 +316,6 @@ class Persister:
         seconds = self.clock.monotonic() - start
         if self.on_flushed is not None:
             try:
-                self.on_flushed(Flushed(job, version, tuple(ranks), nbytes, seconds, complete,
-                                        error))
+                self.on_flushed(Flushed(job, version, nbytes, seconds, error))
             except Exception:  # noqa: BLE001
                 log.exception("persist callback failed")

@@ -257,7 +257,7 @@ class Replicator:
             return
         peers = placement.peers_of(self.node_id)
         for peer in peers:
-            self.pusher.submit(peer, Task(job, rank, version))
+            self.pusher.lanes.submit(peer, Task(job, rank, version))
         if not peers:
             # m = 1: the owner's copy is all there is, and it must stay until committed.
             self.tracker.on_landed(job, rank, version)
@@ -304,7 +304,8 @@ class Replicator:
             done: concurrent.futures.Future = concurrent.futures.Future()
             done.add_done_callback(functools.partial(
                 self._repaired, job, committed.version, rank, target))
-            self.pusher.submit(target, Task(job, rank, committed.version, exact=True, done=done))
+            self.pusher.lanes.submit(target, Task(job, rank, committed.version, exact=True,
+                                                  done=done))
 
     def _repaired(self, job: str, version: Version, rank: int, target: str,
                   done: concurrent.futures.Future) -> None:
@@ -355,8 +356,8 @@ class Replicator:
             futures = []
             for rank, target in plan:
                 done: concurrent.futures.Future = concurrent.futures.Future()
-                self.pusher.submit(target, Task(job, rank, committed.version, exact=True,
-                                                done=done))
+                self.pusher.lanes.submit(target, Task(job, rank, committed.version,
+                                                      exact=True, done=done))
                 futures.append((rank, target, done))
             planned_n += len(futures)
             progress(done_n, failed_n, planned_n)
@@ -463,7 +464,7 @@ class Replicator:
         fetches in progress from peers (``fetching``) and served to peers (``serving``), each
         with its age: after a fault ends nothing must stay there."""
         backlog = self.pusher.lanes.backlog()
-        held = self.sink.bytes_held() if self.sink is not None else 0
+        held = self.sink.store.bytes_held() if self.sink is not None else 0
         with self.tracker.lock:
             out: dict[str, Any] = {}
             for job, st in sorted(self.tracker.jobs.items()):
@@ -510,7 +511,7 @@ class Replicator:
             committed_step=max(committed, default=-1),
             sync_lag_steps=max(lags, default=0),
             under_replicated_shards=under,
-            replica_bytes_held=self.sink.bytes_held() if self.sink is not None else 0,
+            replica_bytes_held=self.sink.store.bytes_held() if self.sink is not None else 0,
             rereplications_total=c.get("rereplications", 0),
             fetches_total=c.get("fetches", 0),
             fetch_bytes_total=c.get("fetch_bytes", 0),

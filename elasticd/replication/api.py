@@ -106,12 +106,6 @@ class Descriptor:
             raise ValueError(f"header_bytes {self.header_bytes} exceeds total_bytes "
                              f"{self.total_bytes}")
 
-    @classmethod
-    def for_snapshot(cls, job: str, owner_rank: int, generation: int, step: int,
-                     header_len: int, payload_len: int) -> "Descriptor":
-        """Builds the descriptor of a header of ``header_len`` plus ``payload_len`` bytes."""
-        return cls(job, owner_rank, generation, step, header_len + payload_len, header_len)
-
     @property
     def version(self) -> Version:
         return (self.generation, self.step)

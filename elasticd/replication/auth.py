@@ -65,17 +65,6 @@ def proof(keys: SessionKeys, role: bytes, transcript_bytes: bytes) -> bytes:
     return hmac.new(keys.proof_key, role + b"\0" + transcript_bytes, hashlib.sha256).digest()
 
 
-class AuthFailures:
-    """Tells ``on_failure`` (peer address, reason) of every rejected handshake, e.g. to bump a
-    Prometheus counter; exceptions it raises are not caught."""
-
-    def __init__(self, on_failure: Callable[[str, str], None] | None = None) -> None:
-        self._on_failure = on_failure or (lambda *_: None)
-
-    def record(self, peer: str, reason: str) -> None:
-        self._on_failure(peer, reason)
-
-
 def client_handshake(channel: Channel, secret: bytes, node_id: str,
                      expected_peer: str | None = None) -> Challenge:
     """Runs the client side; returns the server's CHALLENGE (its node id and frame limit).

@@ -120,7 +120,7 @@ class Channel:
         if seconds is None:
             yield
             return
-        self._idle, self._budget = self._timeout(), seconds
+        self._idle, self._budget = self.sock.gettimeout(), seconds
         self.deadline = SYSTEM_CLOCK.monotonic() + seconds
         self._rearm = 0.0
         try:
@@ -194,7 +194,7 @@ class Channel:
             if self._expired():
                 raise DeadlineExceeded(f"the call's deadline of {self._budget:.1f} s passed "
                                        "while sending") from exc
-            raise TransferTimeout(f"send blocked for {self._timeout()} s") from exc
+            raise TransferTimeout(f"send blocked for {self.sock.gettimeout()} s") from exc
         except OSError as exc:
             raise ConnectionLost(f"send failed: {exc}") from exc
 
@@ -313,7 +313,7 @@ class Channel:
                 if self._expired():
                     raise DeadlineExceeded(f"the call's deadline of {self._budget:.1f} s "
                                            f"passed while waiting for {what}") from exc
-                raise TransferTimeout(f"nothing received for {self._timeout()} s while "
+                raise TransferTimeout(f"nothing received for {self.sock.gettimeout()} s while "
                                       f"waiting for {what}") from exc
             except OSError as exc:
                 raise ConnectionLost(f"receive failed: {exc}") from exc
@@ -323,10 +323,6 @@ class Channel:
                 raise TruncatedFrame(f"connection closed after {got} of {need} bytes of {what}")
             got += n
         self.bytes_received += need
-
-    def _timeout(self) -> float | None:
-        gettimeout = getattr(self.sock, "gettimeout", None)
-        return gettimeout() if gettimeout else None
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

@@ -166,16 +166,12 @@ class CommitBook:
 
     # -- events ----------------------------------------------------------------------------
 
-    def landed(self, holder: Holder, rank: int, version: Version, now: float) -> Actions:
-        """A copy that may be committed is here: a local snapshot a peer acknowledged (or the
-        owner's only copy, with ``m = 1``), or a peer's replica received. Retain it, and follow
-        a local version."""
-        return self.landed_ranks(holder, (rank,), version, now)
-
     def landed_ranks(self, holder: Holder, ranks: Sequence[int], version: Version,
                      now: float) -> Actions:
-        """:meth:`landed` for the copies of several ``ranks`` of one ``version`` at once (a
-        push of a node's ranks acknowledged: one call per node per version, not per rank)."""
+        """Copies of ``ranks`` of one ``version`` that may be committed are here: local
+        snapshots a peer acknowledged (or the owner's only copy, with ``m = 1``; a push of a
+        node's ranks: one call per node per version, not per rank), or a peer's replica
+        received. Retain them, and follow a local version."""
         if not ranks or self._decided(version):
             return Actions()  # older than the commit or abandoned; the commit itself is retained
         entry = self.entries.setdefault(version, _Entry(Phase.ACKED, now))
@@ -195,8 +191,8 @@ class CommitBook:
             self.newest_local = (version, now)
 
     def retained(self, holder: Holder, rank: int, version: Version, held: bool) -> None:
-        """The store placed the retention asked by :meth:`landed` (``held``), or found the copy
-        gone already (it then does not count)."""
+        """The store placed the retention asked by :meth:`landed_ranks` (``held``), or found
+        the copy gone already (it then does not count)."""
         if (entry := self.entries.get(version)) is not None and held:
             entry.phase = Phase.PROTECTED
         elif entry is not None:

@@ -20,7 +20,7 @@ MIN_SAMPLE_BYTES = 1 << 20
 
 @dataclasses.dataclass(frozen=True)
 class DeadlinePolicy:
-    """The constants of :func:`call_deadline`.
+    """The constants of :meth:`LinkRates.deadline`.
 
     Attributes:
         floor: seconds any call may take regardless of its size (round trips, a busy peer's
@@ -38,13 +38,6 @@ class DeadlinePolicy:
         if self.floor <= 0 or self.slack < 1 or self.default_rate <= 0:
             raise ValueError(f"deadline policy needs floor > 0, slack >= 1, default_rate > 0; "
                              f"got {self}")
-
-
-def call_deadline(nbytes: int, rate: float, policy: DeadlinePolicy = DeadlinePolicy()) -> float:
-    """Seconds a call moving ``nbytes`` at ``rate`` bytes/s may take."""
-    if nbytes < 0 or rate <= 0:
-        raise ValueError(f"call_deadline needs nbytes >= 0 and rate > 0, got {nbytes}, {rate}")
-    return policy.floor + policy.slack * nbytes / rate
 
 
 class LinkRates:
@@ -76,4 +69,6 @@ class LinkRates:
 
     def deadline(self, peer: str, nbytes: int) -> float:
         """Seconds a call moving ``nbytes`` to or from ``peer`` may take."""
-        return call_deadline(nbytes, self.rate(peer), self.policy)
+        if nbytes < 0:
+            raise ValueError(f"a call moves nbytes >= 0, got {nbytes}")
+        return self.policy.floor + self.policy.slack * nbytes / self.rate(peer)

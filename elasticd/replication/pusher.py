@@ -56,9 +56,6 @@ class Pusher:
         #: Called with (seconds, bytes) after each acknowledged push (the daemon's metrics).
         self.on_push: Callable[[float, int], None] = lambda *_: None
 
-    def submit(self, peer: str, task: Task) -> bool:
-        return self.lanes.submit(peer, task)
-
     def _run(self, peer: str, task: Task) -> None:
         if task.exact:
             resolve(task, self._push_exact(peer, task))
@@ -111,9 +108,9 @@ class Pusher:
                 return False
             try:
                 # A frozen receiver keeps its socket open: bound the whole push, not each send.
-                result = client.push(d, buf[: d.header_bytes], buf[d.header_bytes : d.total_bytes],
-                                     tags=view.tags,
-                                     deadline=self.rates.deadline(peer, d.total_bytes))
+                seconds = client.push(d, buf[: d.header_bytes],
+                                      buf[d.header_bytes : d.total_bytes], tags=view.tags,
+                                      deadline=self.rates.deadline(peer, d.total_bytes))
             except Refused as exc:
                 if exc.reason == EXISTS:
                     return True  # the peer already holds this very version, verified
@@ -129,11 +126,11 @@ class Pusher:
                 log.warning("push of %s rank %d %s to %s failed: %s", d.job, d.owner_rank,
                             d.version, peer, exc)
                 return False
-            self.rates.record(peer, d.total_bytes, result.seconds)
+            self.rates.record(peer, d.total_bytes, seconds)
             with self._lock:
                 self.counters["pushes"] += 1
                 self.counters["push_bytes"] += d.total_bytes
-            self.on_push(result.seconds, d.total_bytes)
+            self.on_push(seconds, d.total_bytes)
             return True
         return False
 

@@ -12,12 +12,11 @@ module decides how pieces group into runs and checks a run's blocks.
 from __future__ import annotations
 
 import hmac
-import struct
 from typing import Protocol
 
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
-from elasticd.replication.seal import BlockTags
+from elasticd.replication.seal import NONCE, BlockTags
 from elasticd.replication.wire import MAX_RUN_BLOCKS, RUN, RUN_ENTRY, BlockTagMismatch
 
 
@@ -94,7 +93,7 @@ class RunCheck:
     def _finish(self) -> None:
         length, tag = self._blocks[self._index]
         block = self._target[self._start : self._start + length]
-        made = self._aead.encrypt(_NONCE.pack(0, self._at), b"", block)
+        made = self._aead.encrypt(NONCE.pack(0, self._at), b"", block)
         if not hmac.compare_digest(made, tag):
             raise BlockTagMismatch(f"block of {length} bytes at offset {self._at} fails its "
                                    "block tag (the check its owner sealed it with): corrupt "
@@ -104,7 +103,3 @@ class RunCheck:
         self._at += length
         self._start += length
         self._index += 1
-
-
-#: RFC 8439's 96-bit nonce of a block: 4 zero bytes, then its offset (as one_time_tagger).
-_NONCE = struct.Struct("<IQ")

@@ -73,7 +73,7 @@ class FrameKey:
         nonce = self._next()
         views = [memoryview(part).cast("B") for part in parts]
         if sum(len(v) for v in views) <= ONE_SHOT_BYTES:
-            return self._aead.encrypt(_NONCE.pack(0, nonce), b"", b"".join(views))
+            return self._aead.encrypt(NONCE.pack(0, nonce), b"", b"".join(views))
         tagger = one_time_tagger(self._key, nonce)
         for view in views:
             tagger.update(view)
@@ -87,8 +87,9 @@ class FrameKey:
 #: Frames up to this size are sealed and opened in one AEAD call over their joined bytes
 #: (joining them is a copy; above this, streaming them where they lie costs less).
 ONE_SHOT_BYTES = 64 << 10
-#: RFC 8439's 96-bit nonce: 4 zero bytes, then the 64-bit frame sequence number.
-_NONCE = struct.Struct("<IQ")
+#: RFC 8439's 96-bit nonce: 4 zero bytes, then the 64-bit frame sequence number (or, for a
+#: block tag, the block's snapshot offset).
+NONCE = struct.Struct("<IQ")
 
 
 def one_time_tagger(key: bytes, nonce: int) -> "Tagger":
@@ -150,7 +151,7 @@ class _FrameOpener:
         if self._tagger is not None:
             made = self._tagger.tag()
         else:
-            made = self._aead.encrypt(_NONCE.pack(0, self._nonce), b"", b"".join(self._parts))
+            made = self._aead.encrypt(NONCE.pack(0, self._nonce), b"", b"".join(self._parts))
         return hmac.compare_digest(made, self._expected)
 
 

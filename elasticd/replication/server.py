@@ -40,7 +40,7 @@ from elasticd.replication.api import (
     Sink,
     TransferTimeout,
 )
-from elasticd.replication.auth import AuthFailures, check_secret, server_handshake
+from elasticd.replication.auth import check_secret, server_handshake
 from elasticd.replication.seal import BlockTagger, BlockTags
 from elasticd.replication.channel import (
     Channel,
@@ -95,7 +95,8 @@ class ReplicaServer:
 
     Args:
         host, port: where to listen (port 0: any free port; see :attr:`address`).
-        auth_failures: counter of rejected handshakes (a new one when None).
+        auth_failures: told (peer address, reason) of every rejected handshake, e.g. to bump
+            a Prometheus counter; exceptions it raises are not caught.
     """
 
     def __init__(self, host: str, port: int, secret: bytes, node_id: str, sink: Sink,
@@ -103,8 +104,8 @@ class ReplicaServer:
                  handshake_timeout: float = 10.0, max_connections: int = 64,
                  max_pending: int = 32, max_control: int = DEFAULT_MAX_CONTROL,
                  ssl_context: ssl.SSLContext | None = None,
-                 auth_failures: AuthFailures | None = None, chunk_size: int = DEFAULT_CHUNK,
-                 clock: Clock | None = None) -> None:
+                 auth_failures: Callable[[str, str], None] | None = None,
+                 chunk_size: int = DEFAULT_CHUNK, clock: Clock | None = None) -> None:
         if idle_timeout <= 0 or handshake_timeout <= 0:
             raise ValueError(f"timeouts must be > 0, got idle_timeout={idle_timeout}, "
                              f"handshake_timeout={handshake_timeout}")
@@ -121,7 +122,7 @@ class ReplicaServer:
         self.max_connections = max_connections
         self.max_pending = max_pending
         self.ssl_context = ssl_context
-        self.auth_failures = AuthFailures() if auth_failures is None else auth_failures
+        self.auth_failures = auth_failures or (lambda peer, reason: None)
         self.chunk_size = chunk_size
         self.clock = clock or SystemClock()
         self.stats = ServerStats()
@@ -213,8 +214,8 @@ class ReplicaServer:
                 if stopping:
                     return
                 if cut:
-                    self.auth_failures.record(peer, f"HandshakeDeadline: not authenticated "
-                                                    f"within {self.handshake_timeout} s")
+                    self.auth_failures(peer, f"HandshakeDeadline: not authenticated "
+                                             f"within {self.handshake_timeout} s")
                     return
                 if isinstance(exc, OSError) and not isinstance(exc, ssl.SSLError):
                     return
@@ -223,7 +224,7 @@ class ReplicaServer:
                 # Anything else that does not end in a proven peer is a failed authentication,
                 # including a client that hangs up on our challenge (it holds another secret).
                 log.warning("replica server %s: rejected %s: %s", self.node_id, peer, exc)
-                self.auth_failures.record(peer, f"{type(exc).__name__}: {exc}")
+                self.auth_failures(peer, f"{type(exc).__name__}: {exc}")
                 if isinstance(exc, UnsupportedVersion):
                     # Says which version this end speaks, so the other side's log is clear too.
                     channel.send_error("version", str(exc))

@@ -72,8 +72,8 @@ def pinned_view(store: SlotStore, job: str, rank: int,
 
 def descriptor_of(view: SnapshotView) -> Descriptor:
     h = view.header
-    return Descriptor.for_snapshot(h.job, h.rank, h.generation, h.step, h.layout.data_offset,
-                                   h.layout.total_size - h.layout.data_offset)
+    return Descriptor(h.job, h.rank, h.generation, h.step, h.layout.total_size,
+                      h.layout.data_offset)
 
 
 class ShmSink(Sink):
@@ -306,9 +306,6 @@ class ShmSink(Sink):
         """The newest copy of every shard held."""
         with self._mem:
             return sorted(self._held.values(), key=lambda d: (d.job, d.owner_rank))
-
-    def bytes_held(self) -> int:
-        return self.store.bytes_held()
 
     def drop(self, job: str, owner_rank: int) -> None:
         """Frees a shard's replica (e.g. one the placement no longer asks this node to hold)."""

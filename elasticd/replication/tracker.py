@@ -299,7 +299,7 @@ class CommitTracker:
             st = self.state(job)
             if holder is Holder.REPLICA and rank not in st.held_here:
                 st.stray = True  # the next commit's on_advance may free it
-            self._perform(job, st.book.landed(holder, rank, v, now))
+            self._perform(job, st.book.landed_ranks(holder, (rank,), v, now))
 
     def on_superseded(self, job: str, rank: int, version: Version) -> None:
         """A newer replica of ``rank`` arrived while ``version`` still held its slot."""

@@ -12,7 +12,6 @@ The server lives in :mod:`elasticd.replication.server`; both are importable from
 
 from __future__ import annotations
 
-import dataclasses
 import socket
 import ssl
 import threading
@@ -56,14 +55,7 @@ from elasticd.replication.wire import (
     ProtocolError,
 )
 
-__all__ = ["DEFAULT_CHUNK", "PushResult", "ReplicaClient", "ReplicaServer", "ServerStats"]
-
-
-@dataclasses.dataclass(frozen=True)
-class PushResult:
-    descriptor: Descriptor
-    frames: int
-    seconds: float
+__all__ = ["DEFAULT_CHUNK", "ReplicaClient", "ReplicaServer", "ServerStats"]
 
 
 class ReplicaClient:
@@ -121,10 +113,10 @@ class ReplicaClient:
 
     def push(self, descriptor: Descriptor, header: Any, payload: Any,
              chunk_size: int = DEFAULT_CHUNK, tags: BlockTags | None = None,
-             deadline: float | None = None) -> PushResult:
+             deadline: float | None = None) -> float:
         """Sends one snapshot (``header`` then ``payload``, both bytes-like, sent uncopied).
 
-        Returns once the peer verified every chunk and committed the copy.
+        Returns the push's seconds, once the peer verified every chunk and committed the copy.
 
         Args:
             tags: the snapshot's block tags, made when it was sealed: the blocks they cover
@@ -147,14 +139,13 @@ class ReplicaClient:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         chunk = frame_chunk(chunk_size, self.peer_max_frame)
 
-        def run() -> PushResult:
+        def run() -> float:
             started = self.clock.monotonic()
             self.channel.send(PutBegin(descriptor, tags.salt if tags is not None else None))
             self._reply(Ack)
-            frames = send_stream(self.channel, (head, body), chunk, tags,
-                                 max_frame=self.peer_max_frame)
+            send_stream(self.channel, (head, body), chunk, tags, max_frame=self.peer_max_frame)
             self._reply(Ack)
-            return PushResult(descriptor, frames, self.clock.monotonic() - started)
+            return self.clock.monotonic() - started
 
         return self._call(run, deadline)
 

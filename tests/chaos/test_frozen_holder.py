@@ -31,7 +31,7 @@ import time
 
 import pytest
 
-from elasticd.replication.deadline import DeadlinePolicy, call_deadline
+from elasticd.replication.deadline import LinkRates
 from elasticd.recovery.fetch import STRIPE_BYTES
 from tests.chaos.faults import FaultPlan, FaultRecord
 from tests.chaos.harness import ChaosCluster, Outcome, Shape
@@ -73,7 +73,7 @@ ABANDONED_RE = re.compile(_STAMP + r" \w+ (\w+) \S+: (\S+) rank (\d+): (\w+) fai
 DEADLINE_RE = re.compile(r"the call's deadline of ([\d.]+) s passed")
 #: The deadline of a whole piece from a holder not measured yet (the restarted n1 has measured
 #: nothing): what a fetch abandoned for another reason is held to.
-PIECE_DEADLINE = call_deadline(STRIPE_BYTES, DeadlinePolicy().default_rate)
+PIECE_DEADLINE = LinkRates().deadline("n1", STRIPE_BYTES)
 GRID_RE = re.compile(_STAMP + r" \w+ \w+ \S+: \S+: snapshot grid \d+ -> (\d+) steps")
 FETCHED_RE = re.compile(_STAMP + r" \w+ (\w+) \S+: (\S+) rank (\d+) (?:step )?\((\d+), (\d+)\) "
                         r"fetched from ([\w, ]+?) (?:into node|after)")

@@ -10,20 +10,20 @@ from elasticd.replication.deadline import (
     DEFAULT_FLOOR,
     DeadlinePolicy,
     LinkRates,
-    call_deadline,
 )
 
 MB = 1_000_000
 
 
 def test_a_call_moving_nothing_gets_the_floor():
-    assert call_deadline(0, 1.0) == DEFAULT_FLOOR
+    assert LinkRates().deadline("b", 0) == DEFAULT_FLOOR
 
 
 def test_the_deadline_grows_with_the_bytes_and_shrinks_with_the_rate():
-    p = DeadlinePolicy(floor=2.0, slack=4.0, default_rate=50 * MB)
-    assert call_deadline(100 * MB, 50 * MB, p) == pytest.approx(2.0 + 8.0)
-    assert call_deadline(100 * MB, 200 * MB, p) == pytest.approx(2.0 + 2.0)
+    rates = LinkRates(DeadlinePolicy(floor=2.0, slack=4.0, default_rate=50 * MB), alpha=1.0)
+    assert rates.deadline("b", 100 * MB) == pytest.approx(2.0 + 8.0)
+    rates.record("b", 200 * MB, 1.0)
+    assert rates.deadline("b", 100 * MB) == pytest.approx(2.0 + 2.0)
 
 
 def test_an_unmeasured_peer_gets_the_conservative_default():
@@ -60,6 +60,6 @@ def test_a_bad_policy_is_refused(kw):
 
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError):
-        call_deadline(-1, 1.0)
+        LinkRates().deadline("b", -1)
     with pytest.raises(ValueError):
         LinkRates(alpha=0)

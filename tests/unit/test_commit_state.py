@@ -170,7 +170,7 @@ def push_copy(owner: Node, peer: Node, now: float, learn, published) -> tuple[in
             peer.perform(peer.book.superseded(Holder.REPLICA, owner.rank, pending))
             if replicas.write(owner.rank, version) is not None:
                 return None
-        peer.perform(peer.book.landed(Holder.REPLICA, owner.rank, version, now))
+        peer.perform(peer.book.landed_ranks(Holder.REPLICA, (owner.rank,), version, now))
     # The tracker's call for an acknowledged push (its ranks in one event, here the one rank)
     owner.perform(owner.book.landed_ranks(Holder.LOCAL, [owner.rank], version, now))
     return version
@@ -422,13 +422,13 @@ test_a_new_owner_protocol = NewOwnerProtocol.TestCase
 
 def test_a_withdrawn_version_is_never_recorded_again_until_a_commit_passes_it():
     book = CommitBook(WITHDRAW_AFTER)
-    assert book.landed(Holder.LOCAL, 0, (0, 2), now=0.0).follow == (0, 2)
+    assert book.landed_ranks(Holder.LOCAL, (0,), (0, 2), now=0.0).follow == (0, 2)
     book.withdrawing((0, 2))
     assert not book.recordable((0, 2))
     actions = book.withdrawn_landed((0, 2))
     assert [(r.rank, r.version) for r in actions.release] == [(0, (0, 2))]
     assert phase(book, (0, 2)) is Phase.WITHDRAWN
-    assert book.landed(Holder.REPLICA, 1, (0, 2), now=1.0).retain == [], \
+    assert book.landed_ranks(Holder.REPLICA, (1,), (0, 2), now=1.0).retain == [], \
         "a withdrawn version can never commit: nothing of it is retained"
     book.commit((0, 3))
     assert book.withdrawn == set() and phase(book, (0, 3)) is Phase.COMMITTED
@@ -531,7 +531,7 @@ def test_a_new_owner_sends_nothing_past_its_undecided_copy():
 def test_a_blocking_version_is_withdrawn_on_time_only_on_a_coordinators_word():
     book = CommitBook(WITHDRAW_AFTER, PATIENCE)
     book.heard(7, 0.0)
-    book.landed(Holder.LOCAL, 0, (0, 2), now=0.0)
+    book.landed_ranks(Holder.LOCAL, (0,), (0, 2), now=0.0)
     book.blocked((0, 2), now=0.1)
     assert book.verdict((0, 2), 0.5) is Verdict.WAIT
     # Past the deadline, the coordinator heard last before it: dead, or not asked yet.
@@ -551,8 +551,8 @@ def test_a_blocking_version_is_withdrawn_on_time_only_on_a_coordinators_word():
 def test_a_push_waits_for_an_older_undecided_local_copy_of_its_rank_only():
     book = CommitBook(WITHDRAW_AFTER)
     book.commit((0, 1))
-    book.landed(Holder.LOCAL, 0, (0, 2), now=0.0)
-    book.landed(Holder.REPLICA, 1, (0, 2), now=0.0)
+    book.landed_ranks(Holder.LOCAL, (0,), (0, 2), now=0.0)
+    book.landed_ranks(Holder.REPLICA, (1,), (0, 2), now=0.0)
     assert book.holding_back(0, (0, 3)) == (0, 2)
     assert book.holding_back(0, (0, 2)) is None  # itself, to the next peer
     assert book.holding_back(1, (0, 3)) is None  # another rank's, a replica
@@ -564,26 +564,26 @@ def test_a_push_is_held_back_only_where_a_holder_may_pin_a_commit_beside_the_cop
     # Before the generation's first commit no holder pins one, so none lets an undecided copy
     # go for a newer one (two undecided copies: only a withdrawn one goes): nothing to hold.
     book = CommitBook(WITHDRAW_AFTER)
-    book.landed(Holder.LOCAL, 0, (0, 1), now=0.0)
+    book.landed_ranks(Holder.LOCAL, (0,), (0, 1), now=0.0)
     assert book.holding_back(0, (0, 2)) is None
     # A rank's new owner that has not learned the commit its replica slots hold yet.
-    book.landed(Holder.REPLICA, 0, (0, 0), now=0.0)
+    book.landed_ranks(Holder.REPLICA, (0,), (0, 0), now=0.0)
     assert book.holding_back(0, (0, 2)) == (0, 1)
     book.commit((0, 0))
     assert book.holding_back(0, (0, 2)) == (0, 1)
     # A new generation: the old commit stays pinned until the new one commits, on holders
     # too (some of which may have learned it where this owner did not): held back.
     book.abandon_below(1)
-    book.landed(Holder.LOCAL, 0, (1, 1), now=0.0)
+    book.landed_ranks(Holder.LOCAL, (0,), (1, 1), now=0.0)
     assert book.holding_back(0, (1, 2)) == (1, 1)
     # No commit in force when the floor opened (the read said so): none pinned anywhere.
     fresh = CommitBook(WITHDRAW_AFTER)
     fresh.abandon_below(1)
-    fresh.landed(Holder.LOCAL, 0, (1, 1), now=0.0)
+    fresh.landed_ranks(Holder.LOCAL, (0,), (1, 1), now=0.0)
     assert fresh.holding_back(0, (1, 2)) is None
     # The read failed: a holder may pin a commit this node never learned.
     fresh.abandon_below(2, unsure=True)
-    fresh.landed(Holder.LOCAL, 0, (2, 1), now=0.0)
+    fresh.landed_ranks(Holder.LOCAL, (0,), (2, 1), now=0.0)
     assert fresh.holding_back(0, (2, 2)) == (2, 1)
 
 
@@ -633,7 +633,7 @@ def test_the_landing_of_several_ranks_at_once_is_each_ranks_landing_merged(event
     for now, (kind, ranks, version) in enumerate(events):
         if kind == "landed":
             merged = one.landed_ranks(Holder.LOCAL, ranks, version, float(now))
-            per = [each.landed(Holder.LOCAL, r, version, float(now)) for r in ranks]
+            per = [each.landed_ranks(Holder.LOCAL, (r,), version, float(now)) for r in ranks]
             assert merged.retain == [r for a in per for r in a.retain]
             assert merged.follow == next((a.follow for a in per if a.follow), None)
             assert merged.release == []

@@ -79,14 +79,14 @@ def test_a_follower_asks_once_shortly_before_the_next_snapshot_is_due():
 
 def test_the_book_asks_before_the_next_snapshot_or_the_deadline_whichever_is_first():
     book = CommitBook(withdraw_after=1.0)
-    book.landed(Holder.LOCAL, 0, (0, 1), 10.0)
+    book.landed_ranks(Holder.LOCAL, (0,), (0, 1), 10.0)
     assert book.ask_at((0, 1), 0.1) == 10.9  # no cadence known yet: before the deadline
-    book.landed(Holder.LOCAL, 0, (0, 2), 10.5)
+    book.landed_ranks(Holder.LOCAL, (0,), (0, 2), 10.5)
     assert book.cadence == 0.5
     assert book.ask_at((0, 2), 0.1) == 10.9  # the next snapshot, at 11.0, comes first
-    book.landed(Holder.LOCAL, 0, (0, 3), 13.5)  # a slower cadence: the deadline comes first
+    book.landed_ranks(Holder.LOCAL, (0,), (0, 3), 13.5)  # a slower cadence: the deadline first
     assert book.ask_at((0, 3), 0.1) == 14.4
-    book.landed(Holder.LOCAL, 0, (1, 3), 14.0)  # a new generation: no cadence across it
+    book.landed_ranks(Holder.LOCAL, (0,), (1, 3), 14.0)  # a new generation: no cadence across it
     assert book.cadence == 3.0
 
 

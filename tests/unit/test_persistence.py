@@ -326,7 +326,7 @@ def test_persister_flushes_in_background_and_skips_when_busy(tmp_path, monkeypat
         assert persister.flush(10)
         assert all(v.released for v in first)
         assert persister.persisted("job") == (0, 2)
-        assert flushed[0].complete and flushed[0].ranks == (0, 1) and not flushed[0].error
+        assert flushed[0].nbytes > 0 and not flushed[0].error
     finally:
         gate.set()
         persister.close()
@@ -395,7 +395,7 @@ def test_failed_flush_is_reported_not_raised(tmp_path, monkeypatch):
         views = [View(*snapshot(rank=0, step=1))]
         assert p.submit("job", views)
         p.flush(10)
-        assert "full" in flushed[0].error and not flushed[0].complete
+        assert "full" in flushed[0].error and p.persisted("job") is None
         assert views[0].released
     finally:
         p.close()

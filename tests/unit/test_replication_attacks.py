@@ -19,7 +19,6 @@ import pytest
 
 from elasticd.replication import auth
 from elasticd.replication.api import Descriptor
-from elasticd.replication.auth import AuthFailures
 from elasticd.replication.channel import Channel
 from elasticd.testing.replication import MemorySink, decode_frame
 from elasticd.replication.messages import Auth, Challenge, Error, Hello
@@ -163,7 +162,7 @@ def test_relay_rewriting_a_data_frame_is_refused_and_counted():
             client = ReplicaClient.connect(*relay.address, SECRET, "node-a", timeout=10.0)
             header = b"{}".ljust(64)
             payload = bytes(range(256)) * 4096  # 1 MiB
-            d = Descriptor.for_snapshot("job", 0, 0, 1, len(header), len(payload))
+            d = Descriptor("job", 0, 0, 1, len(header) + len(payload), len(header))
             with pytest.raises(Exception) as refused:
                 client.push(d, header, payload, chunk_size=256 << 10)
             client.close()
@@ -186,7 +185,7 @@ def tagged_push(address, nth: int, tagger: BlockTagger = BlockTagger(SECRET)):
     whole = header + payload
     blocks = [(a, min(a + (256 << 10), len(whole))) for a in range(64, len(whole), 256 << 10)]
     tags = tagger.tag(whole, blocks)
-    d = Descriptor.for_snapshot("job", 0, 0, 1, len(header), len(payload))
+    d = Descriptor("job", 0, 0, 1, len(header) + len(payload), len(header))
     error = None
     try:
         client = ReplicaClient.connect(*relay.address, SECRET, "node-a", timeout=10.0)
@@ -242,7 +241,7 @@ def sealed_push(address, step: int = 1, fill: int = 0) -> tuple[bytes, bytes]:
     payload = random.Random(fill).randbytes(1 << 20)  # no two blocks alike
     whole = header + payload
     blocks = [(a, min(a + BLOCK, len(whole))) for a in range(64, len(whole), BLOCK)]
-    d = Descriptor.for_snapshot("job", 0, 0, step, len(header), len(payload))
+    d = Descriptor("job", 0, 0, step, len(header) + len(payload), len(header))
     with ReplicaClient.connect(*address, SECRET, "node-a", timeout=10.0) as client:
         client.push(d, header, payload, chunk_size=BLOCK, tags=BlockTagger(SECRET).tag(
             whole, blocks))
@@ -337,9 +336,9 @@ def attack(srv: ReplicaServer) -> socket.socket:
 
 def test_slowloris_of_unauthenticated_connections_does_not_keep_a_peer_out():
     failures: list[tuple[str, str]] = []
-    counted = AuthFailures(lambda *failure: failures.append(failure))
     # The defaults (64 peers, 32 pending handshakes), a short handshake deadline.
-    with server(handshake_timeout=1.5, auth_failures=counted) as srv:
+    with server(handshake_timeout=1.5,
+                auth_failures=lambda *failure: failures.append(failure)) as srv:
         stop = threading.Event()
         attackers: list[socket.socket] = []
 
@@ -365,7 +364,7 @@ def test_slowloris_of_unauthenticated_connections_does_not_keep_a_peer_out():
             # The peer connects in the middle of the flood, more than once, and gets in.
             for step in range(3):
                 client = ReplicaClient.connect(*srv.address, SECRET, "node-a", timeout=10.0)
-                d = Descriptor.for_snapshot("job", 0, 0, step + 1, 2, 10)
+                d = Descriptor("job", 0, 0, step + 1, 12, 2)
                 client.push(d, b"{}", b"0123456789")
                 client.close()
         finally:

@@ -28,7 +28,7 @@ def snapshot(step: int = 5, size: int = 3 * MiB + 77):
     header = b'{"range": true}'.ljust(64, b" ")
     payload = bytes((i * 7 + 3) % 253 for i in range(253)) * (size // 253 + 1)
     payload = payload[:size]
-    return Descriptor.for_snapshot(JOB, 0, 0, step, len(header), len(payload)), header + payload
+    return Descriptor(JOB, 0, 0, step, len(header) + len(payload), len(header)), header + payload
 
 
 @contextlib.contextmanager

@@ -140,7 +140,7 @@ def push_runs(address, frames) -> Exception | None:
     """Pushes 1 MiB in 256 KiB tagged blocks, its header as plain DATA, then whatever
     ``frames(channel, whole, tags)`` sends, then PUT_END; returns what the push raised."""
     whole, tags = blocks_of(bytes(range(256)) * 4096)
-    d = Descriptor.for_snapshot("job", 0, 0, 1, HEADER_BYTES, len(whole) - HEADER_BYTES)
+    d = Descriptor("job", 0, 0, 1, len(whole), HEADER_BYTES)
     with ReplicaClient.connect(*address, SECRET, "node-a", timeout=10.0) as client:
         channel = client.channel
         channel.send(PutBegin(d, tags.salt))

@@ -107,8 +107,8 @@ def test_a_copy_failing_its_snapshot_checksums_is_refused_and_the_old_one_kept(n
 
 def test_one_transfer_per_shard_at_a_time(node):
     _, _, _, sink, _, _ = node
-    d1 = Descriptor.for_snapshot(JOB, 0, 0, 1, 4096, 4096)
-    d2 = Descriptor.for_snapshot(JOB, 0, 0, 2, 4096, 4096)
+    d1 = Descriptor(JOB, 0, 0, 1, 8192, 4096)
+    d2 = Descriptor(JOB, 0, 0, 2, 8192, 4096)
     sink.begin(d1)
     with pytest.raises(Refused) as info:
         sink.begin(d2)  # would be handed the same free slot

@@ -25,7 +25,7 @@ from elasticd.replication.api import (
     Refused,
     RemoteError,
 )
-from elasticd.replication.auth import AuthenticationFailed, AuthFailures, client_handshake
+from elasticd.replication.auth import AuthenticationFailed, client_handshake
 from elasticd.replication.channel import Channel
 from elasticd.testing.replication import MemorySink
 from elasticd.replication.messages import (
@@ -51,7 +51,7 @@ def snapshot(step: int, size: int = 3 * MiB + 123, generation: int = 0, rank: in
     header = f'{{"step": {step}, "rank": {rank}}}'.encode().ljust(64, b" ")
     payload = bytes((i * 31 + step) % 251 for i in range(251)) * (size // 251 + 1)
     payload = payload[:size]
-    return Descriptor.for_snapshot(JOB, rank, generation, step, len(header), len(payload)), \
+    return Descriptor(JOB, rank, generation, step, len(header) + len(payload), len(header)), \
         header, payload
 
 
@@ -99,8 +99,7 @@ def test_push_arrives_intact_and_is_committed(make_server, clients):
     server = make_server(sink)
     client = clients(server, expected_peer="node-b")
     d, header, payload = snapshot(step=7)
-    result = client.push(d, header, memoryview(payload), chunk_size=MiB)
-    assert result.frames == 1 + 4  # the header, then 3 MiB + 123 bytes in 1 MiB chunks
+    client.push(d, header, memoryview(payload), chunk_size=MiB)
     assert sink.get(JOB, 0) == header + payload
     assert [e[0] for e in sink.events] == ["begin", "landed"]
     assert server.stats.pushes_committed == 1 and client.peer_id == "node-b"
@@ -205,7 +204,7 @@ def test_memory_budget_refuses_with_no_space(make_server, clients):
 def test_wrong_secret_is_rejected_counted_and_stores_nothing(make_server, clients):
     seen = []
     sink = MemorySink()
-    server = make_server(sink, auth_failures=AuthFailures(lambda peer, why: seen.append(peer)))
+    server = make_server(sink, auth_failures=lambda peer, why: seen.append(peer))
     with pytest.raises(AuthenticationFailed):
         clients(server, secret=b"not-the-cluster-secret!!")
     wait_for(lambda: len(seen) == 1)
@@ -298,7 +297,7 @@ def replay(server: ReplicaServer, recorded: bytes) -> bytes:
 def test_replayed_handshake_is_rejected(make_server):
     recorded = record_a_push(make_server())
     sink, seen = MemorySink(), []
-    target = make_server(sink, auth_failures=AuthFailures(lambda *failure: seen.append(failure)))
+    target = make_server(sink, auth_failures=lambda *failure: seen.append(failure))
     replies = replay(target, recorded)  # same node id and secret, fresh memory
     assert b'"code":"auth"' in replies
     wait_for(lambda: len(seen) == 1)
@@ -426,7 +425,7 @@ def test_push_and_fetch_over_tls(make_server, clients, tls_contexts):
     server_ctx, client_ctx = tls_contexts
     sink, seen = MemorySink(), []
     server = make_server(sink, ssl_context=server_ctx,
-                         auth_failures=AuthFailures(lambda *failure: seen.append(failure)))
+                         auth_failures=lambda *failure: seen.append(failure))
     client = clients(server, ssl_context=client_ctx)
     d, header, payload = snapshot(step=4, size=MiB + 5)
     client.push(d, header, payload, chunk_size=256 << 10)

@@ -39,7 +39,7 @@ def sealed_snapshot(n_floats: int = 1_500_001, step: int = 9) -> tuple[Descripto
     buf[e.offset : e.offset + e.nbytes] = np.random.default_rng(step).random(
         n_floats, dtype=np.float32).tobytes()
     seal(buf, SnapshotHeader(JOB, step, 0, 1, 3, lay, {"step": step}))
-    d = Descriptor.for_snapshot(JOB, 1, 0, step, lay.data_offset, lay.total_size - lay.data_offset)
+    d = Descriptor(JOB, 1, 0, step, lay.total_size, lay.data_offset)
     return d, buf
 
 
