@@ -236,11 +236,6 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         return RendezvousInfo(store, rank, len(last.members), info)
 
     @property
-    def seen_at(self) -> float:
-        """The monotonic time :meth:`next_rendezvous` last returned (0: never)."""
-        return self.moments.get("returned", 0.0)
-
-    @property
     def daemon_of(self) -> Callable[[], tuple[str, int] | None] | None:
         """Names the elasticd node whose daemon runs this agent and that daemon's lease, in
         each join record, so that the daemons' ``failed`` record of it drops this member at
