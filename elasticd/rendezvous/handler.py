@@ -379,16 +379,8 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
 
 def create_handler(params: RendezvousParameters, backend_name: str,
                    coordinator: Coordinator | None = None) -> EtcdNativeRendezvousHandler:
-    """Builds the handler from torchrun's parameters.
-
-    Args:
-        params: ``--rdzv-endpoint``, ``--rdzv-id``, ``--nnodes`` and ``--rdzv-conf``.
-        backend_name: the entry point's name.
-        coordinator: an existing connection (tests); by default one to ``--rdzv-endpoint``.
-
-    Raises:
-        ValueError: a bad endpoint or rdzv-conf value (quoted).
-    """
+    """Builds the handler from torchrun's parameters (``backend_name``: the entry point's
+    name; ``coordinator``: an existing connection, for tests, else one to ``--rdzv-endpoint``)."""
     from elasticd.coordination.etcd import EtcdCoordinator
     from elasticd.coordination.keys import Keyspace
 
