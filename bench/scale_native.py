@@ -916,7 +916,7 @@ def worker(conn: Any, endpoints: str, indices: list[int], n: int, min_nodes: int
         before = len(h.rounds)
         info = h.next_rendezvous()
         number, took = h.rounds[before]
-        return (node.index, number, info.rank, time.time() - (time.monotonic() - h.seen_at),
+        return (node.index, number, info.rank, time.time() - (time.monotonic() - h.moments["returned"]),
                 node.written_at, node.write_started_at)
 
     def stats() -> dict[str, Any]:

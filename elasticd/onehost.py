@@ -61,11 +61,7 @@ def default_dir() -> str:
 
 
 def gpu_sets(spec: str, nodes: int) -> list[str]:
-    """``--gpus 0,1:2,3`` -> one ``CUDA_VISIBLE_DEVICES`` per node (``:`` between nodes).
-
-    Raises:
-        OneHostError: not one set per node, or not device numbers.
-    """
+    """``--gpus 0,1:2,3`` -> one ``CUDA_VISIBLE_DEVICES`` per node (``:`` between nodes)."""
     sets = spec.split(":")
     if len(sets) != nodes or not all(re.fullmatch(r"\d+(,\d+)*", s) for s in sets):
         raise OneHostError(f"--gpus {spec!r}: give one comma-separated set of GPU numbers per "
@@ -188,11 +184,7 @@ class Holder:
 # -- the commands -------------------------------------------------------------------------------
 
 def ask(directory: str, req: dict[str, Any], timeout: float = 90.0) -> str:
-    """Sends one request to the holder of the cluster in ``directory``; returns its answer.
-
-    Raises:
-        OneHostError: no cluster there, or the request failed.
-    """
+    """Sends one request to the holder of the cluster in ``directory``; returns its answer."""
     path = os.path.join(directory, SOCKET)
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:

@@ -257,17 +257,14 @@ def timeline_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"at_iso": r["at_iso"], "job": t["job"], "failed": ",".join(t["failed"]),
              "path": _PATH_WORDS.get(t.get("path") or "", "-"),
              **{p: _seconds(s) for p, s in t["phases"].items()},
-             "detect": _detect(t), "total": _seconds(t["total_seconds"]),
+             # The detect phase: a range when only the lease placed the failure.
+             "detect": (f"{d[0]:.2f}-{d[1]:.2f}" if (d := t.get("detect_range"))
+                        else _seconds(t["phases"]["detect"])),
+             "total": _seconds(t["total_seconds"]),
              "source": t["restore_source"],
              "bytes": _size(t["restore_bytes"]) if t["ranks_restored"] else None,
              "step": t["step"]}
             for r in rows if (t := r.get("timeline"))]
-
-
-def _detect(t: dict[str, Any]) -> str | None:
-    """The detect phase: a range when only the lease placed the failure."""
-    r = t.get("detect_range")
-    return f"{r[0]:.2f}-{r[1]:.2f}" if r else _seconds(t["phases"]["detect"])
 
 
 #: How a recovery's path reads (``-``: a record written before paths were kept).
@@ -389,16 +386,6 @@ def _fail(code: int, why: object) -> int:
     return code
 
 
-def _etcd_error(args: argparse.Namespace, exc: CoordinationError) -> tuple[int, str]:
-    """The exit status and the one line for an etcd error, with what to check."""
-    if not isinstance(exc, Unavailable):
-        return EXIT_FAILED, str(exc)
-    tls = (" and, with TLS, that etcd serves https with a certificate --etcd-ca-cert signed"
-           if args.etcd_ca_cert else "")
-    return EXIT_ETCD, (f"{exc}: check --etcd (now {args.etcd}) and that etcd is running "
-                       f"(etcdctl --endpoints {args.etcd} endpoint health){tls}")
-
-
 def _loop(args: argparse.Namespace, coord: EtcdCoordinator, keys: Keyspace, out: Any) -> int:
     compute, pretty = COMMANDS[args.command]
     while True:
@@ -410,7 +397,13 @@ def _loop(args: argparse.Namespace, coord: EtcdCoordinator, keys: Keyspace, out:
         except CommandFailed as exc:
             return _fail(EXIT_FAILED, exc)
         except CoordinationError as exc:
-            code, why = _etcd_error(args, exc)
+            code, why = EXIT_FAILED, str(exc)
+            if isinstance(exc, Unavailable):  # say what to check
+                tls = (" and, with TLS, that etcd serves https with a certificate "
+                       "--etcd-ca-cert signed" if args.etcd_ca_cert else "")
+                code, why = EXIT_ETCD, (f"{exc}: check --etcd (now {args.etcd}) and that etcd "
+                                        f"is running (etcdctl --endpoints {args.etcd} endpoint "
+                                        f"health){tls}")
             if not args.watch:
                 return _fail(code, why)
             _fail(code, why)  # --watch goes on: etcd may come back

@@ -163,11 +163,7 @@ def resolve(args: argparse.Namespace, environ: Any = None) -> argparse.Namespace
 
 
 def check_tls_files(args: argparse.Namespace) -> None:
-    """The TLS files exist, are readable, and come in a combination etcd can use.
-
-    Raises:
-        UsageError: one line naming the flag (or environment variable) and what to give.
-    """
+    """The TLS files exist, are readable, and come in a combination etcd can use."""
     where = args.sources.get
     if bool(args.etcd_cert) != bool(args.etcd_key):
         raise UsageError("--etcd-cert and --etcd-key go together: give both (a client "

@@ -56,12 +56,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def pick_job(coord: Coordinator, keys: Keyspace, job: str | None) -> str:
-    """The job named, or the only one there is.
-
-    Raises:
-        UsageError: a bad name, or several jobs and none named.
-        CommandFailed: no such job, or no job at all.
-    """
+    """The job named, or the only one there is."""
     kvs, _ = coord.get_prefix(keys.jobs)
     names = []
     for kv in kvs:  # one with no valid job name is skipped: no daemon takes it for a job either

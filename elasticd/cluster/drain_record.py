@@ -84,11 +84,7 @@ class DrainRecord:
 
     @staticmethod
     def decode(raw: bytes, key: bytes | str = b"?", node: str | None = None) -> "DrainRecord":
-        """Reads a drain record (about ``node``, the node its key names, when given).
-
-        Raises:
-            records.RecordError: malformed, a bad value, or about another node.
-        """
+        """Reads a drain record (about ``node``, the node its key names, when given)."""
         rec = records.decode_dataclass(DrainRecord, raw, KIND, key)
         where = records.where_of(key)
         if rec.state not in list(DrainState):

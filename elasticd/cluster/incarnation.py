@@ -52,11 +52,8 @@ class Incarnation:
         self.max_revision = 0
 
     def observe(self, revision: int) -> bool:
-        """Notes a revision this daemon read from etcd (a listing's header revision).
-
-        Returns:
-            True when it went backwards: etcd lost its data, :meth:`check` now.
-        """
+        """Notes a revision this daemon read from etcd (a listing's header revision); True
+        when it went backwards: etcd lost its data, :meth:`check` now."""
         back = revision < self.max_revision
         self.max_revision = revision if back else max(self.max_revision, revision)
         return back

@@ -314,11 +314,7 @@ class NodeJobStatus:
     def decode(cls, raw: bytes, key: bytes | str = b"?",
                node: str | None = None) -> "NodeJobStatus":
         """Reads a node's job status; with ``node`` (the node its key names), the status must
-        be about that node.
-
-        Raises:
-            records.RecordError: malformed, or about another node.
-        """
+        be about that node."""
         st = records.decode_dataclass(cls, raw, cls.KIND, key)
         if st.state not in list(JobState):
             raise records.CorruptRecord(f"{records.where_of(key)}: unknown job state "

@@ -97,9 +97,6 @@ class LearnedTimeout:
 
     Args:
         first_step: the allowance for a worker process's first steps, seconds.
-
-    Raises:
-        ValueError: a value out of range (quoted).
     """
 
     floor: float = 60.0

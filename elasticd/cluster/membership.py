@@ -91,11 +91,7 @@ class NodeRecord:
 
 
 def decode_node(raw: bytes, key: bytes, keys: Keyspace) -> NodeRecord:
-    """A node record, which must name the node its key names.
-
-    Raises:
-        records.RecordError: malformed, about another node, or under a key that names no node.
-    """
+    """A node record, which must name the node its key names."""
     try:
         node = keys.node_of(key)
     except ValueError as exc:

@@ -58,8 +58,8 @@ class EtcdMember:
 
     def __init__(self, name: str, data_dir: str, client_port: int, peer_port: int,
                  initial_cluster: str, binary: str, log_path: str,
-                 tls: tuple[str, str, str] | None = None, cluster_token: str = "",
-                 compaction: tuple[str, str] = COMPACTION) -> None:
+                 tls: tuple[str, str, str] | None, cluster_token: str,
+                 compaction: tuple[str, str]) -> None:
         self.name = name
         self.data_dir = data_dir
         self.client_port = client_port
@@ -68,9 +68,7 @@ class EtcdMember:
         self.binary = binary
         self.log_path = log_path
         self.tls = tls  # (ca, cert, key): clients must present a certificate signed by ca
-        # Every member of one cluster must share the token (it seeds the cluster ID): with a
-        # token per member, three members formed three clusters that refused each other.
-        self.cluster_token = cluster_token or f"elasticd-{os.getpid()}-{id(self)}"
+        self.cluster_token = cluster_token
         self.compaction = compaction
         self.proc: subprocess.Popen | None = None
 
@@ -165,6 +163,8 @@ class EmbeddedEtcd:
         names = [f"etcd{i}" for i in range(members)]
         ports = [(free_port(), free_port()) for _ in names]
         initial = ",".join(f"{n}=http://127.0.0.1:{pp}" for n, (_, pp) in zip(names, ports))
+        # Every member of one cluster must share the token (it seeds the cluster ID): with a
+        # token per member, three members formed three clusters that refused each other.
         token = f"elasticd-{os.getpid()}-{id(self)}"
         self.members = [
             EtcdMember(n, os.path.join(self.dir, n), cp, pp, initial, self.binary,

@@ -76,11 +76,7 @@ class EtcdSettings:
 
 
 def parse_endpoints(text: str) -> tuple[tuple[str, int], ...]:
-    """Parses ``HOST:PORT[,HOST:PORT...]`` (an ``http://`` prefix is allowed).
-
-    Raises:
-        ValueError: with the offending part quoted.
-    """
+    """Parses ``HOST:PORT[,HOST:PORT...]`` (an ``http://`` prefix is allowed)."""
     out = []
     for part in text.split(","):
         part = part.strip().removeprefix("http://").removeprefix("https://")

@@ -41,11 +41,7 @@ NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 
 
 def check_name(what: str, name: str) -> str:
-    """Validates a node or job name (it becomes part of etcd keys and file names).
-
-    Raises:
-        ValueError: quoting the bad name and saying what is allowed.
-    """
+    """Validates a node or job name (it becomes part of etcd keys and file names)."""
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise ValueError(
             f"{what} {name!r} is not valid: use 1-63 letters, digits, '.', '_' or '-', "
@@ -141,11 +137,7 @@ class Keyspace:
         return self._k("nodes", node)
 
     def node_of(self, key: bytes) -> str:
-        """The node a ``nodes/<node>`` key names.
-
-        Raises:
-            ValueError: not a valid node name (e.g. ``nodes/a/b``, a trailing newline).
-        """
+        """The node a ``nodes/<node>`` key names (``nodes/a/b`` names none: ValueError)."""
         return check_name("node id in key", key[len(self.nodes):].decode(errors="replace"))
 
     # events
@@ -176,11 +168,7 @@ class Keyspace:
         return ReplicationKeys(f"{self.prefix}/jobs/{job}")
 
     def job_key(self, key: bytes) -> tuple[str, str, str]:
-        """Splits ``<prefix>/jobs/<job>/<what>[/<rest>]`` into (job, what, rest).
-
-        Raises:
-            ValueError: not under ``jobs/``, or the job name is not valid.
-        """
+        """Splits ``<prefix>/jobs/<job>/<what>[/<rest>]`` into (job, what, rest)."""
         if not key.startswith(self.jobs):
             raise ValueError(f"{key!r} is not a job key")
         job, _, tail = key[len(self.jobs):].decode(errors="replace").partition("/")

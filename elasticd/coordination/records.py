@@ -61,11 +61,8 @@ class Complaints:
         self.limit = limit
 
     def warn(self, key: bytes | str, value: bytes, message: str, *args: Any) -> bool:
-        """Logs ``message % args`` at WARNING unless this (key, value) was already reported.
-
-        Returns:
-            True when it logged.
-        """
+        """Logs ``message % args`` at WARNING unless this (key, value) was already reported
+        (then returns False)."""
         ident = (key if isinstance(key, bytes) else key.encode(), hash(value))
         with self._lock:
             if ident in self._seen:
@@ -230,11 +227,7 @@ def _show(value: Any) -> str:
 
 
 def finite(value: Any, what: str) -> float:
-    """``value`` as a finite float (JSON int or float, not a boolean).
-
-    Raises:
-        ValueError: naming ``what``.
-    """
+    """``value`` as a finite float (JSON int or float, not a boolean)."""
     if type(value) not in (int, float) or not math.isfinite(value):
         raise ValueError(f"{what} must be a finite number, got {_show(value)}")
     return float(value)

@@ -116,7 +116,11 @@ class Closer:
             pass
         elif summary_news(self._written, summary) or (
                 refresh and now - self._written_at >= SUMMARY_REFRESH):
-            self._write_summary(summary, now)
+            ok, written = self._guarded(self._control.waiting_key, None, summary.encode())
+            if ok:
+                self._written, self._written_at = summary, now
+                self._control.set(KeyValue(self._control.waiting_key, summary.encode(),
+                                           create_revision=written, mod_revision=written))
         elif refresh:
             wakes.append(self._written_at + SUMMARY_REFRESH)
         return min(wakes) if wakes else None
@@ -153,10 +157,3 @@ class Closer:
                 self._coord.delete_prefix(old)
             except CoordinationError as exc:
                 log.debug("could not delete the store of round %d: %s", number - 2, exc)
-
-    def _write_summary(self, summary: Waiting, now: float) -> None:
-        ok, revision = self._guarded(self._control.waiting_key, None, summary.encode())
-        if ok:
-            self._written, self._written_at = summary, now
-            self._control.set(KeyValue(self._control.waiting_key, summary.encode(),
-                                       create_revision=revision, mod_revision=revision))

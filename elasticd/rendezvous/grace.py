@@ -46,9 +46,6 @@ class OutageGrace:
             0 means no retry. A call may overrun it by up to one request timeout of the
             coordinator (the attempt in flight when the grace period ends).
         where: the etcd endpoints, quoted in errors.
-
-    Raises:
-        ValueError: a negative grace period.
     """
 
     def __init__(self, grace_period: float = DEFAULT_GRACE_PERIOD, where: str = "etcd",

@@ -236,11 +236,6 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
         return RendezvousInfo(store, rank, len(last.members), info)
 
     @property
-    def seen_at(self) -> float:
-        """The monotonic time :meth:`next_rendezvous` last returned (0: never)."""
-        return self.moments.get("returned", 0.0)
-
-    @property
     def daemon_of(self) -> Callable[[], tuple[str, int] | None] | None:
         """Names the elasticd node whose daemon runs this agent and that daemon's lease, in
         each join record, so that the daemons' ``failed`` record of it drops this member at
@@ -384,16 +379,8 @@ class EtcdNativeRendezvousHandler(RendezvousHandler):
 
 def create_handler(params: RendezvousParameters, backend_name: str,
                    coordinator: Coordinator | None = None) -> EtcdNativeRendezvousHandler:
-    """Builds the handler from torchrun's parameters.
-
-    Args:
-        params: ``--rdzv-endpoint``, ``--rdzv-id``, ``--nnodes`` and ``--rdzv-conf``.
-        backend_name: the entry point's name.
-        coordinator: an existing connection (tests); by default one to ``--rdzv-endpoint``.
-
-    Raises:
-        ValueError: a bad endpoint or rdzv-conf value (quoted).
-    """
+    """Builds the handler from torchrun's parameters (``backend_name``: the entry point's
+    name; ``coordinator``: an existing connection, for tests, else one to ``--rdzv-endpoint``)."""
     from elasticd.coordination.etcd import EtcdCoordinator
     from elasticd.coordination.keys import Keyspace
 

@@ -81,11 +81,7 @@ class NodeRecord:
 
     @classmethod
     def decode(cls, raw: bytes, revision: int = 0, written: int = 0) -> "NodeRecord":
-        """Args ``revision`` and ``written``: the key's create and mod revisions.
-
-        Raises:
-            RecordError: not a node record of this schema.
-        """
+        """``revision`` and ``written``: the key's create and mod revisions."""
         data = _load(raw, "node record")
         try:
             return cls(node=str(data["node"]), target=int(data["target"]),
@@ -125,9 +121,6 @@ class RoundRecord:
 
     @classmethod
     def decode(cls, raw: bytes) -> "RoundRecord":
-        """Raises:
-            RecordError: not a round record of this schema.
-        """
         data = _load(raw, "round record")
         try:
             # map, not a generator: ~1,000 members are read by every agent at each close
@@ -171,9 +164,6 @@ class Waiting:
 
     @classmethod
     def decode(cls, raw: bytes) -> "Waiting":
-        """Raises:
-            RecordError: not a summary of this schema.
-        """
         data = _load(raw, "waiting summary")
         try:
             return cls(round=int(data["round"]), rejoining=max(0, int(data["rejoining"])),

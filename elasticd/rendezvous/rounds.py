@@ -75,11 +75,7 @@ _INTERVAL = "interval:"
 
 
 def check_grow(policy: str) -> str:
-    """Validates a grow policy and returns it normalized (``interval:MIN`` with MIN as given).
-
-    Raises:
-        ValueError: not a policy; one line that quotes it and names the choices.
-    """
+    """Validates a grow policy and returns it normalized (``interval:MIN`` with MIN as given)."""
     text = str(policy).strip()
     if text in ("immediate", "at-failure"):
         return text
@@ -98,11 +94,8 @@ def check_grow(policy: str) -> str:
 
 
 def grow_interval(policy: str) -> float | None:
-    """Seconds of an ``interval:MIN`` policy; None for the other policies.
-
-    Raises:
-        ValueError: not a valid policy (see :func:`check_grow`).
-    """
+    """Seconds of an ``interval:MIN`` policy; None for the other policies (:func:`check_grow`
+    refuses a policy that is not one)."""
     text = check_grow(policy)
     return float(text[len(_INTERVAL):]) * 60.0 if text.startswith(_INTERVAL) else None
 

@@ -90,12 +90,7 @@ class EtcdV3Store(dist.Store):
 
     def _wait_for(self, keys: Sequence[str | bytes],
                   timeout: datetime.timedelta | None) -> list[bytes]:
-        """Returns the keys' values once all exist.
-
-        Raises:
-            DistStoreError: some key was still missing after ``timeout`` (0: wait forever), or
-                :attr:`abort` gave a reason to stop waiting.
-        """
+        """Returns the keys' values once all exist (else ``DistStoreError``, as above)."""
         timeout = self.timeout if timeout is None else timeout
         seconds = timeout.total_seconds()
         deadline = self._clock.monotonic() + seconds if seconds > 0 else None
@@ -134,11 +129,7 @@ class EtcdV3Store(dist.Store):
                          f"writing store key {etcd_key!r}")
 
     def get(self, key: str) -> bytes:
-        """Returns the value, waiting up to the store's timeout for the key to appear.
-
-        Raises:
-            DistStoreError: the key did not appear in time.
-        """
+        """Returns the value, waiting up to the store's timeout for the key to appear."""
         return self._wait_for([key], None)[0]
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
@@ -152,11 +143,7 @@ class EtcdV3Store(dist.Store):
             self.set(key, value)
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
-        """Blocks until every key exists.
-
-        Raises:
-            DistStoreError: some key was still missing after ``timeout`` (default: the store's).
-        """
+        """Blocks until every key exists (``timeout`` by default: the store's)."""
         self._wait_for(keys, timeout)
 
     def check(self, keys: list[str]) -> bool:
@@ -164,11 +151,7 @@ class EtcdV3Store(dist.Store):
         return all(self._get(self._key(k)) is not None for k in keys)
 
     def add(self, key: str, amount: int) -> int:
-        """Adds ``amount`` to the decimal integer at ``key`` (0 when absent); returns the sum.
-
-        Raises:
-            DistStoreError: the key holds something that is not an integer.
-        """
+        """Adds ``amount`` to the decimal integer at ``key`` (0 when absent); returns the sum."""
         total = self._update(key, lambda v: str(
             (0 if v is None else self._as_int(v, key)) + amount).encode(), "adding to")
         return int(total)
@@ -219,12 +202,7 @@ class EtcdV3Store(dist.Store):
 
     def compare_set(self, key: str, expected_value: str | bytes,
                     desired_value: str | bytes) -> bytes:
-        """Sets ``desired_value`` if the key holds ``expected_value`` (TCPStore semantics).
-
-        Returns:
-            The value after the call: ``desired_value`` on success, else the current value,
-            or ``expected_value`` when the key is absent and ``expected_value`` is not empty.
-        """
+        """Sets ``desired_value`` if the key holds ``expected_value`` (TCPStore's, above)."""
         etcd_key = self._key(key)
         expected = _as_bytes(expected_value)
         desired = _as_bytes(desired_value)
