@@ -27,8 +27,6 @@ import dataclasses
 import statistics
 from typing import Mapping
 
-__all__ = ["StragglerJudge", "Verdict"]
-
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:

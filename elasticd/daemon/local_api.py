@@ -56,8 +56,6 @@ from elasticd.local.wire import (
 )
 from elasticd.local.worker_link import peer_credentials
 
-__all__ = ["Handler", "LocalApiError", "LocalServer", "SocketInUse", "UnsafeSocketPath"]
-
 log = logging.getLogger(__name__)
 
 #: Takes the request's fields (with ``_peer``) and returns the reply's (None for none; ``id``

@@ -26,11 +26,8 @@ import threading
 from typing import Any, Callable
 
 from elasticd.daemon.rank_claims import RankClaims, outside_world
-from elasticd.local.job_scope import TAG_ENV, JobScope, start_time, stat_fields
+from elasticd.local.job_scope import JobScope, stat_fields
 from elasticd.errors import LocalProtocolError
-
-__all__ = ["BOUND_WRITES", "CallerBinding", "Caller", "JobScope", "CallerRefused", "TAG_ENV",
-           "start_time"]
 
 #: Ops that write on behalf of one rank: bound to the first rank a connection uses.
 BOUND_WRITES = frozenset({"ckpt_reserve", "ckpt_complete", "ckpt_report", "progress",

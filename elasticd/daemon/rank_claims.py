@@ -23,8 +23,6 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-__all__ = ["RankClaims", "outside_world"]
-
 
 def outside_world(msg: dict[str, Any], world_max: int) -> str:
     """Why ``msg`` names a rank or world size beyond a world of ``world_max`` ranks ("" when

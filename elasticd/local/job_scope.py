@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["TAG_ENV", "JobScope", "start_time", "stat_fields"]
-
 #: What every process the daemon starts for a job carries in its environment (its tag).
 TAG_ENV = "ELASTICD_TAG"
 

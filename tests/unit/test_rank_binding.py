@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from elasticd.daemon.local_binding import JobScope, start_time
+from elasticd.local.job_scope import JobScope, start_time
 from elasticd.daemon.rank_claims import RankClaims, outside_world
 from tests.unit.test_local_binding import daemon, users  # noqa: F401 (fixtures)
 
