@@ -146,11 +146,9 @@ class PeerProbe:
             with self._lock:
                 self._running = False
 
-    def probe_series(self, why: str = "") -> list[str]:
-        """Probes the peers at each moment of the schedule; returns the nodes whose lease it
-        revoked."""
+    def probe_series(self, why: str = "") -> None:
+        """Probes the peers at each moment of the schedule."""
         start = self.clock.monotonic()
-        revoked: list[str] = []
         done: set[int] = set()
         for at in self.schedule:
             self.clock.sleep(max(0.0, start + at - self.clock.monotonic()))
@@ -171,6 +169,3 @@ class PeerProbe:
                 except CoordinationError as exc:  # its lease expires as before
                     self.revoking(rec, "")  # and its failure says so, not "revoked"
                     log.warning("could not revoke %s's lease %x: %s", rec.node, rec.lease, exc)
-                    continue
-                revoked.append(rec.node)
-        return revoked
