@@ -24,8 +24,8 @@ class JobScope:
         roots: the processes every process of the job descends from (the agent, the zygote):
             pid -> start time (:func:`start_time`).
         world_max: the job's largest world (its spec's nnodes max x nproc_per_node), which
-            no rank its processes name may reach (:mod:`elasticd.daemon.rank_claims`);
-            None: unbounded.
+            no rank its processes name may reach
+            (:class:`elasticd.daemon.local_binding.RankClaims`); None: unbounded.
     """
 
     job: str

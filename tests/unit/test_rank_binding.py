@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from elasticd.local.job_scope import JobScope, start_time
-from elasticd.daemon.rank_claims import RankClaims, outside_world
+from elasticd.daemon.local_binding import RankClaims, outside_world
 from tests.unit.test_local_binding import daemon, users  # noqa: F401 (fixtures)
 
 # Runs [connection, op, fields] requests, each on the connection of that index (opened at its
