@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import types
 
 from elasticd.cluster.membership import NodeRecord
 from elasticd.coordination.api import CoordinationError
@@ -100,7 +101,8 @@ def test_a_break_reported_on_the_local_socket_starts_one_series(tmp_path):
         return []
 
     probe = PeerProbe("me", slow_peers, lambda lease: None, FakeClock())
-    channel = WorkerChannel("me", "/p", Jobs(), None, None, lambda *a: None)  # type: ignore
+    timeline = types.SimpleNamespace(on_reform_moments=lambda msg: None)  # not reached here
+    channel = WorkerChannel("me", "/p", Jobs(), timeline, None, lambda *a: None)  # type: ignore
     channel.on_group_broke = lambda why: started.append(why) or probe.suspect(why)
     server = LocalServer(str(tmp_path / "d.sock"), channel.handlers())
     server.start()
