@@ -96,12 +96,11 @@ class LocalServer:
         path: where to create the socket. Its directory must be owned by the daemon's user and
             writable by nobody else; it is created (mode 0o711: others may traverse it to reach
             the socket, not list or write it) when missing.
-        handlers: op name → handler.
         binding: admits and binds callers; without one only the daemon's own uid may connect.
         clock: injected time (how long a refused caller is given to read why).
 
     Raises:
-        ValueError: an argument is out of range.
+        ValueError: ``path`` is longer than a Unix socket address holds.
     """
 
     def __init__(self, path: str, handlers: Mapping[str, Handler],
