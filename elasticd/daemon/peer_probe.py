@@ -84,7 +84,6 @@ class PeerProbe:
         revoking: told the node's record and why before its lease is revoked (the daemon's
             failure record then says what happened: :meth:`Membership.revoked`), and told
             again with "" when the revocation failed (the lease then expires).
-        schedule, timeout, knock: :data:`SCHEDULE`, :data:`TIMEOUT`, :func:`knock`.
     """
 
     def __init__(self, me: str, peers: Callable[[], list[NodeRecord]],
