@@ -189,9 +189,10 @@ class WorkerCommit:
             self._count_rereads(part.tracker.prefix)
             # The agent's grow gate, as the agent builds it: it watches etcd only while its
             # handler asks it (a newcomer waiting: none here); an older elasticd's agent
-            # started its watch at once and kept it.
+            # started its watch at once and kept it (it has start(); one with lazy=True, or
+            # none, starts at the first ask).
             gate = CommitWatch(self.nodes[i].coord, self.nodes[i].keys, JOB)
-            if not getattr(gate, "lazy", False):
+            if hasattr(gate, "start") and not getattr(gate, "lazy", False):
                 gate.start()
             self.gates[i] = gate
         if getattr(a, "tick_batch", 0):
@@ -283,7 +284,8 @@ class WorkerCommit:
                 "rereads": dict(self.rereads),
                 "watch_lagging_rereads": sum(p.tracker.counters.get("watch_lagging_rereads", 0)
                                              for p in self.parts.values()),
-                "gates_lazy": sum(1 for g in self.gates.values() if getattr(g, "lazy", False)),
+                "gates_lazy": sum(1 for g in self.gates.values()
+                                  if getattr(g, "lazy", not hasattr(g, "start"))),
                 "thread_cpu": thread_cpu()}
 
     def stop(self) -> None:

@@ -71,20 +71,7 @@ class CommitWatch:
         self._relisting = False
         self._watch = None
         self._stopped = False
-        #: Listing and watching start at the first ask, in a thread (see the module doc).
-        self.lazy = True
         self._asked_at = float("-inf")
-
-    def start(self) -> None:
-        """Lists the records and starts the watch for good (not only while the gate is
-        asked); on an unreachable etcd, keeps trying in a thread (the gate says no
-        meanwhile)."""
-        self.lazy = False
-        try:
-            self._relist()
-        except CoordinationError as exc:
-            log.info("commit watch of %s: etcd unreachable (%s); retrying", self._job, exc)
-            self._on_watch(exc)  # as after a watch error: re-list from a thread
 
     def stop(self) -> None:
         self._stopped = True
@@ -133,7 +120,7 @@ class CommitWatch:
                              daemon=True).start()
             return
         with self._lock:
-            idle = self.lazy and self._clock.monotonic() - self._asked_at > IDLE
+            idle = self._clock.monotonic() - self._asked_at > IDLE
             if idle:  # nobody asks: the watch ends (the next ask lists and watches again)
                 watch, self._watch, self._fresh = self._watch, None, False
         if idle:

@@ -17,8 +17,6 @@ import re
 
 from elasticd.agent import safe_open
 
-__all__ = ["LoopState", "after_restart", "attempts", "failure_summary", "verdict"]
-
 Version = tuple[int, int]  # (generation, step)
 
 #: A job that neither checkpoints nor reports progress gives no step to judge by: an attempt

@@ -43,9 +43,6 @@ from elasticd.cluster.jobspec import JobControl, JobSpec, JobSpecError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CHECK_DEADLINE", "HUNG_FILE", "JobChecks", "LOOP_WAIT", "Verdict", "WAIT_RETRY",
-           "check_job", "fingerprint"]
-
 #: Seconds a job's check may take before it counts as hung.
 CHECK_DEADLINE = 10.0
 #: Seconds the main loop waits for a check before it goes on with its cycle (a check answers in

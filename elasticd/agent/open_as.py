@@ -26,8 +26,6 @@ import subprocess
 from elasticd.clock import SYSTEM_CLOCK
 from elasticd.errors import NodeError
 
-__all__ = ["HelperFailed", "Opened", "open_as"]
-
 # Run as the job's user: argv[1] is the socket's descriptor, then "r:<path>" (open for reading)
 # or "x:<path>" (may the user execute / enter it?). One message per item, a descriptor with it
 # when one was opened. stdlib only (-S).

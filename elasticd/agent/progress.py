@@ -38,8 +38,6 @@ from elasticd.cluster.learned_timeout import WARMUP_STEPS, LearnedTimeout, StepH
 from elasticd.clock import Clock
 from elasticd.local.wire import RequestError
 
-__all__ = ["Hang", "ProgressTracker", "StalledRank", "progress_handler"]
-
 _MAX_RETIRED_PIDS = 4096
 #: Compute times kept per rank: the median of 50 steps is steady against one slow step.
 COMPUTE_WINDOW = 50

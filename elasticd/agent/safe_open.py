@@ -33,10 +33,6 @@ from typing import Iterator
 
 from elasticd.errors import NodeError
 
-__all__ = ["MAX_ENTRIES", "MAX_SCRIPT_BYTES", "REFUSED_FS_TYPES", "UnsafeFile", "check_file",
-           "fs_magic", "kind_of", "list_dir", "mount_fs_type", "mounts_under", "open_dir",
-           "read_bounded", "read_tail", "sha256_of"]
-
 #: The largest training script a daemon hashes (a script is source code: megabytes at most).
 MAX_SCRIPT_BYTES = 16 << 20
 

@@ -77,19 +77,13 @@ def _wrap(create: Callable, clock: Clock | None = None) -> Callable:
     return create_c10d_store
 
 
-def install(clock: Clock | None = None) -> bool:
-    """Wraps torch's store creation in this process (see the module docstring).
-
-    Returns:
-        Whether the wrapper is in place (False: this torch has no ``_create_c10d_store``).
-    """
+def install(clock: Clock | None = None) -> None:
+    """Wraps torch's store creation in this process, once (see the module docstring)."""
     # Not ``import torch.distributed.rendezvous as rdzv``: that name resolves to the function
     # torch.distributed re-exports, which shadows the module.
     rdzv = importlib.import_module("torch.distributed.rendezvous")
     create = getattr(rdzv, "_create_c10d_store", None)
     if create is None:
         log.debug("torch.distributed.rendezvous has no _create_c10d_store: not wrapped")
-        return False
-    if not getattr(create, "elasticd_wrapped", False):
+    elif not getattr(create, "elasticd_wrapped", False):
         rdzv._create_c10d_store = _wrap(create, clock)
-    return True

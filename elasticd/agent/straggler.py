@@ -27,8 +27,6 @@ import dataclasses
 import statistics
 from typing import Mapping
 
-__all__ = ["StragglerJudge", "Verdict"]
-
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
@@ -46,13 +44,8 @@ class Verdict:
 
 
 class StragglerJudge:
-    """This node's straggler verdict for one job, from observation to observation.
-
-    Args:
-        factor: slower means more than ``factor`` times the others' median (0: never judge).
-        steps: steps in a row to name (and to clear) a straggler.
-        min_gap: seconds per step above the others' median below which nobody is slower.
-    """
+    """This node's straggler verdict for one job, from observation to observation (``factor``,
+    ``steps`` and ``min_gap``: the module docstring's; a ``factor`` of 0 never judges)."""
 
     def __init__(self, factor: float = 1.5, steps: int = 20, min_gap: float = 0.005) -> None:
         self.factor, self.steps, self.min_gap = factor, steps, min_gap

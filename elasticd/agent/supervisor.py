@@ -48,9 +48,6 @@ def safe_module(python: str, module: str, *args: str) -> list[str]:
     sys.path."""
     return [python, "-c", _SAFE_MODULE, module, *args]
 
-__all__ = ["IN_PROCESS_ENV", "REFORM_DEADLINE_ENV", "TAG_ENV", "AgentSupervisor", "children", "kill_workers",
-           "safe_module", "signal_all", "tagged_pids"]
-
 
 #: Bytes of a process's environment read when looking for its tag. Any local user's process
 #: can point its environment at gigabytes of empty memory (``prctl(PR_SET_MM_MAP)``) and make a

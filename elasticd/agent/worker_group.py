@@ -44,8 +44,6 @@ class WorkerGroup:
         job: the job whose agent runs here (None: none).
         restarts: the group's restarts, counted for the crash-loop rule.
         tracker: the job's hang detection (None: off), kept through the agent's restarts.
-        pid_alive: whether a worker that reported still runs (a dead one is restarting, not
-            hung).
     """
 
     def __init__(self, board: JobStatusBoard, metrics: Metrics, clock: Clock,
@@ -59,7 +57,6 @@ class WorkerGroup:
         self.restarts = RestartWatch(clock)
         self.tracker: ProgressTracker | None = None
         self._tracker_job: str | None = None  # the job the tracker (and what it learned) is of
-        self.pid_alive: Callable[[int], bool] = process_runs
         self._report: Callable[[dict[str, Any]], None] | None = None
         self._restarted_at: float | None = None  # a worker group is (re)starting since then
         self._generations = 0
@@ -89,7 +86,7 @@ class WorkerGroup:
                 # A tracker per job, kept while the job runs here (through the agent's own
                 # restarts too): the learned step times and doublings are the job's.
                 self.tracker, self._report, self._tracker_job = None, None, self.job
-                alive = lambda pid: self.pid_alive(pid)  # noqa: E731 — tests swap pid_alive
+                alive = process_runs  # a worker that reported and died is restarting, not hung
                 if spec.hang_timeout is None:
                     self.tracker = ProgressTracker(
                         LearnedTimeout(floor=spec.hang_timeout_floor,

@@ -74,7 +74,7 @@ class Daemon:
     """
 
     def __init__(self, settings: Settings, coord: Coordinator, clock: Clock | None = None,
-                 metrics: Metrics | None = None, http_address: str = "", *,
+                 metrics: Metrics | None = None, *,
                  membership: Membership | None = None,
                  checkpoints: CheckpointService | None = None,
                  replicator: Replicator | None = None, replication_address: str = "") -> None:
@@ -104,7 +104,6 @@ class Daemon:
             settings.node_id, coord, keys, self.keeper, self.health, self.events,
             self.membership, self.clock, settings.lease_ttl,
             says=lambda: (self.state, self.loop.sentence), replication_address=replication_address)
-        self.registration.http_address = http_address  # set again once serving (node.py)
         self.fence = Fence(settings.node_id, self.events, self.metrics, self.clock,
                            lease=lambda: self.registered_lease or self.keeper.lease)
         credentials = agent_credentials(settings, coord, keys)

@@ -2,10 +2,10 @@
 
 A small threaded ``http.server``: a scrape every few seconds and an operator's ``curl`` do not
 need more, and it adds no dependency to the daemon. Anyone who reaches the port is untrusted,
-so it is bounded like the replica server's handshakes (:mod:`elasticd.admission`): at most
-``max_connections`` connections (one thread each) at once, each closed ``deadline`` seconds
-after it was accepted whatever it sends, every read and write bounded by ``timeout``, one
-request per connection, and a flood from one address displaces only its own connections.
+so it is bounded like the replica server's handshakes (:mod:`elasticd.admission`): at most 16
+connections (one thread each) at once, each closed 5 seconds after it was accepted whatever it
+sends, every read and write bounded by 2 seconds, one request per connection, and a flood from
+one address displaces only its own connections.
 
 ``/status`` over the network leaves out what only helps someone already attacking the node:
 the etcd lease id, the agent's pid and its log path. They stay in etcd (``elasticctl nodes``
@@ -91,14 +91,10 @@ class StatusServer:
 
     Args:
         status: returns the JSON-able /status document (private fields are removed here).
-        max_connections: connections served at once (one thread each).
-        timeout: seconds any single read or write may block.
-        deadline: seconds a connection may stay open in total.
     """
 
     def __init__(self, address: tuple[str, int], registry: CollectorRegistry,
-                 status: Callable[[], dict[str, Any]], healthy: Callable[[], bool], *,
-                 max_connections: int = 16, timeout: float = 2.0, deadline: float = 5.0) -> None:
+                 status: Callable[[], dict[str, Any]], healthy: Callable[[], bool]) -> None:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -108,11 +104,11 @@ class StatusServer:
             def log_message(self, fmt: str, *args: Any) -> None:
                 log.debug("http: " + fmt, *args)
 
-        Handler.timeout = timeout  # StreamRequestHandler sets it on the socket
+        Handler.timeout = 2.0  # StreamRequestHandler sets it on the socket (each read or write)
         self._registry = registry
         self._status = status
         self._healthy = healthy
-        self._server = _BoundedHTTPServer(address, Handler, Admission(max_connections, deadline))
+        self._server = _BoundedHTTPServer(address, Handler, Admission(16, 5.0))
         self._thread: threading.Thread | None = None
 
     @property

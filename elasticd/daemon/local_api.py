@@ -56,8 +56,6 @@ from elasticd.local.wire import (
 )
 from elasticd.local.worker_link import peer_credentials
 
-__all__ = ["Handler", "LocalApiError", "LocalServer", "SocketInUse", "UnsafeSocketPath"]
-
 log = logging.getLogger(__name__)
 
 #: Takes the request's fields (with ``_peer``) and returns the reply's (None for none; ``id``
@@ -75,6 +73,8 @@ _SEND_TIMEOUT = 10.0
 # refused connections are closed without a word, so that a local user who is refused cannot
 # fill the connection cap the job's workers need.
 _MAX_REJECTING = 8
+# Connections served at once; further ones are refused with an error reply.
+MAX_CONNECTIONS = 256
 
 
 class LocalApiError(NodeError):
@@ -96,32 +96,21 @@ class LocalServer:
         path: where to create the socket. Its directory must be owned by the daemon's user and
             writable by nobody else; it is created (mode 0o711: others may traverse it to reach
             the socket, not list or write it) when missing.
-        handlers: op name → handler.
-        max_message: the largest request body accepted, in bytes.
-        max_connections: further connections are refused with an error reply.
         binding: admits and binds callers; without one only the daemon's own uid may connect.
         clock: injected time (how long a refused caller is given to read why).
 
     Raises:
-        ValueError: an argument is out of range.
+        ValueError: ``path`` is longer than a Unix socket address holds.
     """
 
     def __init__(self, path: str, handlers: Mapping[str, Handler],
-                 max_message: int = DEFAULT_MAX_MESSAGE,
-                 max_connections: int = 256, binding: CallerBinding | None = None,
-                 clock: Clock | None = None) -> None:
+                 binding: CallerBinding | None = None, clock: Clock | None = None) -> None:
         path = os.path.abspath(path)
         if len(os.fsencode(path)) > _MAX_UNIX_PATH:
             raise ValueError(f"socket path {path!r} is longer than the {_MAX_UNIX_PATH} bytes "
                              "a Unix socket address holds; choose a shorter directory")
-        if max_message < 64:
-            raise ValueError(f"max_message must be at least 64 bytes, got {max_message!r}")
-        if max_connections < 1:
-            raise ValueError(f"max_connections must be at least 1, got {max_connections!r}")
         self.path = path  # absolute: what workers get as ELASTICD_SOCKET
         self._handlers = dict(handlers)
-        self._max_message = max_message
-        self._max_connections = max_connections
         self._binding = binding
         self._callers: dict[socket.socket, Caller] = {}
         self._rejecting = 0
@@ -310,8 +299,8 @@ class LocalServer:
             if self._stopping or (reason and self._rejecting >= _MAX_REJECTING):
                 conn.close()
                 return
-            if not reason and len(self._conns) >= self._max_connections:
-                reason = f"too many connections to this elasticd ({self._max_connections})"
+            if not reason and len(self._conns) >= MAX_CONNECTIONS:
+                reason = f"too many connections to this elasticd ({MAX_CONNECTIONS})"
             if reason:
                 self._rejecting += 1  # until _reject() is done with it
                 target, args, name = self._reject, (conn, peer, reason), f"local-api-reject-{pid}"
@@ -378,7 +367,7 @@ class LocalServer:
             return False
         (length,) = LENGTH.unpack(head)
         try:
-            check_length(length, self._max_message)  # before reading or allocating the body
+            check_length(length, DEFAULT_MAX_MESSAGE)  # before reading or allocating the body
         except FrameError as exc:
             return self._protocol_error(conn, peer, str(exc), True)
         body = rfile.read(length)

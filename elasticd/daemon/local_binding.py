@@ -7,7 +7,7 @@ daemon's local socket"): a connection is admitted for the daemon's own uid (then
 for the running job's uid *and* a pid that descends from the job's agent or zygote, each known
 by pid and start time; it is bound to that job (refused once the job changes); its writing ops
 (``ckpt_reserve``, ``ckpt_complete``, ``ckpt_report``, ``progress``, ``register``) to the first
-rank it used, within the spec's largest world (:mod:`.rank_claims`). Beyond the doc: only
+rank it used, within the spec's largest world (:class:`RankClaims`). Beyond the doc: only
 ``/proc/<pid>/stat`` is read, never the caller's memory (its environment can be made to read for
 minutes, :data:`~elasticd.agent.supervisor.ENV_READ_LIMIT`), as this runs on the accept thread;
 reads reach any rank of the job (after a resize a rank restores another's old shard);
@@ -25,12 +25,8 @@ import os
 import threading
 from typing import Any, Callable
 
-from elasticd.daemon.rank_claims import RankClaims, outside_world
-from elasticd.local.job_scope import TAG_ENV, JobScope, start_time, stat_fields
+from elasticd.local.job_scope import JobScope, stat_fields
 from elasticd.errors import LocalProtocolError
-
-__all__ = ["BOUND_WRITES", "CallerBinding", "Caller", "JobScope", "CallerRefused", "TAG_ENV",
-           "start_time"]
 
 #: Ops that write on behalf of one rank: bound to the first rank a connection uses.
 BOUND_WRITES = frozenset({"ckpt_reserve", "ckpt_complete", "ckpt_report", "progress",
@@ -61,6 +57,69 @@ class Caller:
     rank: int | None = None
     pins: set[int] = dataclasses.field(default_factory=set)
     refusals: int = 0
+
+
+def outside_world(msg: dict[str, Any], world_max: int) -> str:
+    """Why ``msg`` names a rank or world size beyond a world of ``world_max`` ranks ("" when
+    it does not)."""
+    rank, world = msg.get("rank"), msg.get("world_size")
+    if type(rank) is int and not 0 <= rank < world_max:
+        return (f"rank {rank} is outside the job's largest world ({world_max} ranks: its "
+                "spec's nnodes max x nproc_per_node)")
+    if type(world) is int and world > world_max:
+        return (f"world size {world} is larger than the job's largest world ({world_max} "
+                "ranks: its spec's nnodes max x nproc_per_node)")
+    return ""
+
+
+class RankClaims:
+    """The rank each process of a job writes for, held while it has a connection open.
+
+    Every rank a worker names costs the daemon state until the job ends: its progress and step
+    history, a slot pair in shared memory, a fetch lock, a "failing" reason. A connection's
+    writing ops are bound to the first rank it used (:class:`CallerBinding`), but each new
+    connection could claim a new rank, and a rank could be any integer, so one process of the
+    job could grow the daemon without bound. So:
+
+    * a rank (and a world size) a request names must lie within the job's largest world, its
+      spec's ``nnodes_max x nproc_per_node`` (reads too: a restore after a resize reads old
+      ranks, which were within the same spec's world; :func:`outside_world`);
+    * the writing ops of every connection of one process are bound to one rank: a process
+      claims a rank with its first write, and another connection of the same pid that writes
+      for another rank is refused while the claim holds. The claim ends with the process' last
+      connection (a pid the kernel reuses later starts afresh).
+
+    The daemon's own uid outside any job is not bound (it is the operator's or a test's tool).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # (job, pid) -> [rank, connections of that pid bound to it]
+        self._claims: dict[tuple[str, int], list[int]] = {}
+
+    def claim(self, job: str, pid: int, rank: int) -> str:
+        """A connection of ``pid`` binds its writes to ``rank``: "" when that is the pid's
+        rank (or it had none), else why not. Each successful claim is matched by one
+        :meth:`release` when that connection closes."""
+        with self._lock:
+            held = self._claims.get((job, pid))
+            if held is None:
+                self._claims[(job, pid)] = [rank, 1]
+                return ""
+            if held[0] != rank:
+                return (f"pid {pid} writes for rank {held[0]} of {job} (on another connection), "
+                        f"not rank {rank}: one rank per process")
+            held[1] += 1
+            return ""
+
+    def release(self, job: str, pid: int) -> None:
+        """A connection of ``pid`` that claimed its rank closed."""
+        with self._lock:
+            held = self._claims.get((job, pid))
+            if held is not None:
+                held[1] -= 1
+                if held[1] <= 0:
+                    del self._claims[(job, pid)]
 
 
 class CallerBinding:

@@ -84,7 +84,6 @@ class PeerProbe:
         revoking: told the node's record and why before its lease is revoked (the daemon's
             failure record then says what happened: :meth:`Membership.revoked`), and told
             again with "" when the revocation failed (the lease then expires).
-        schedule, timeout, knock: :data:`SCHEDULE`, :data:`TIMEOUT`, :func:`knock`.
     """
 
     def __init__(self, me: str, peers: Callable[[], list[NodeRecord]],
@@ -146,11 +145,9 @@ class PeerProbe:
             with self._lock:
                 self._running = False
 
-    def probe_series(self, why: str = "") -> list[str]:
-        """Probes the peers at each moment of the schedule; returns the nodes whose lease it
-        revoked."""
+    def probe_series(self, why: str = "") -> None:
+        """Probes the peers at each moment of the schedule."""
         start = self.clock.monotonic()
-        revoked: list[str] = []
         done: set[int] = set()
         for at in self.schedule:
             self.clock.sleep(max(0.0, start + at - self.clock.monotonic()))
@@ -171,6 +168,3 @@ class PeerProbe:
                 except CoordinationError as exc:  # its lease expires as before
                     self.revoking(rec, "")  # and its failure says so, not "revoked"
                     log.warning("could not revoke %s's lease %x: %s", rec.node, rec.lease, exc)
-                    continue
-                revoked.append(rec.node)
-        return revoked

@@ -54,7 +54,7 @@ class WorkerChannel:
             # The agent of an in-process job re-formed its workers (kept, or restarted).
             "reformed": self._reformed,
             # A worker of an in-process job made its new group: its re-formation's moments.
-            "reform_moments": self._reform_moments,
+            "reform_moments": self._timeline.on_reform_moments,
             # A worker's collective broke: a peer may be dead (daemon/peer_probe.py).
             "group_broke": self._group_broke,
         }
@@ -92,23 +92,16 @@ class WorkerChannel:
         self._jobs.group.on_progress(msg)
         self._timeline.on_progress(msg)
 
-    def _workers_aborted(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _workers_aborted(self, msg: dict[str, Any]) -> None:
         job = msg.get("job", self._jobs.job)
         if isinstance(job, str) and job == self._jobs.job:
             self._timeline.on_abort(job, "agent")
-        return {}
 
-    def _group_broke(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _group_broke(self, msg: dict[str, Any]) -> None:
         job, why = msg.get("job", self._jobs.job), msg.get("why")
         if self.on_group_broke is not None and isinstance(job, str) and job == self._jobs.job:
             self.on_group_broke(why if isinstance(why, str) else "")
-        return {}
 
-    def _reformed(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _reformed(self, msg: dict[str, Any]) -> None:
         self._jobs.reform.on_reformed(msg)
         self._timeline.on_reformed(msg)
-        return {}
-
-    def _reform_moments(self, msg: dict[str, Any]) -> dict[str, Any]:
-        self._timeline.on_reform_moments(msg)
-        return {}

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["TAG_ENV", "JobScope", "start_time", "stat_fields"]
-
 #: What every process the daemon starts for a job carries in its environment (its tag).
 TAG_ENV = "ELASTICD_TAG"
 
@@ -26,8 +24,8 @@ class JobScope:
         roots: the processes every process of the job descends from (the agent, the zygote):
             pid -> start time (:func:`start_time`).
         world_max: the job's largest world (its spec's nnodes max x nproc_per_node), which
-            no rank its processes name may reach (:mod:`elasticd.daemon.rank_claims`);
-            None: unbounded.
+            no rank its processes name may reach
+            (:class:`elasticd.daemon.local_binding.RankClaims`); None: unbounded.
     """
 
     job: str

@@ -257,7 +257,7 @@ class Checkpointer:
         self._notices.who = f"job {self.job} rank {self.rank}"
         if moved and self.transport is not None:
             # The daemon binds a process's writes to the rank its open connections first
-            # wrote for (daemon/rank_claims.py): a new rank needs a new connection, the old
+            # wrote for (daemon/local_binding.py): a new rank needs a new connection, the old
             # one closed. The restore's reads and collectives come before its first write.
             self.transport.close()
 

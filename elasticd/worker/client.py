@@ -308,7 +308,7 @@ class DaemonClient(Transport):
     def _current_identity(self) -> WorkerIdentity:
         """:attr:`identity`, read again from the environment when it changed there (a
         re-formed round). A new rank also gets a new connection: the daemon binds a
-        connection's writes to the first rank it wrote for (``daemon/rank_claims.py``), and
+        connection's writes to the first rank it wrote for (``daemon/local_binding.py``), and
         every connection of one process to one rank, so the old one is closed first."""
         raw = _identity_raw(self._environ)
         if raw == self._identity_raw:

@@ -75,7 +75,8 @@ def node(etcd, prefix, tmp_path):
                           healthy=lambda: True)
     settings = Settings(node_id="n1", etcd=etcd.endpoints, prefix=prefix, lease_ttl=5,
                         loop_interval=0.25, state_dir=str(tmp_path / "state"))
-    daemon = Daemon(settings, coord, http_address=server.address, checkpoints=service)
+    daemon = Daemon(settings, coord, checkpoints=service)
+    daemon.registration.http_address = server.address
     server._registry = daemon.metrics.registry
     server.start()
     daemon.join()

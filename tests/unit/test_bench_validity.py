@@ -92,11 +92,13 @@ def test_the_probes_revocation_is_read_from_the_daemons_log():
     peer_log.addHandler(handler)
     try:
         dead = NodeRecord("n1", "up", "127.0.0.1:9", "h", 1, "i", 0.0, 0.0, "v", 0x1F)
-        probe = PeerProbe("n2", lambda: [dead], lambda lease: None, FakeClock(),
+        revoked: list[int] = []
+        probe = PeerProbe("n2", lambda: [dead], revoked.append, FakeClock(),
                           schedule=(0.0,), knock=lambda address, timeout: Answer.REFUSED)
         probe.answered.add(("n1", 0x1F))
         before = time.time()
-        assert probe.probe_series("gloo: connection reset") == ["n1"]
+        probe.probe_series("gloo: connection reset")
+        assert revoked == [0x1F]
     finally:
         peer_log.removeHandler(handler)
     text = stream.getvalue()

@@ -33,8 +33,9 @@ def test_the_watch_follows_the_committed_and_ahead_records_only():
     store = MemoryStore()
     writer, reader = MemoryCoordinator(store), MemoryCoordinator(store)
     watch = CommitWatch(reader, KEYS, "job")
-    watch.start()
     try:
+        assert not watch()  # the first ask lists and watches, in a thread
+        wait_until(lambda: watch._fresh)
         assert not watch()  # no commit yet
         writer.put(KEYS.replication("job").commit_ahead, encode_ahead((0, 3)))
         writer.put(KEYS.replication("job").committed,
@@ -61,9 +62,9 @@ def test_after_a_watch_error_the_gate_says_no_until_the_records_are_listed_again
     writer.put(KEYS.replication("job").committed,
                encode_committed(Committed(0, 3, (0,), {0: ("n1",)})))
     watch = CommitWatch(reader, KEYS, "job")
-    watch.start()
     try:
-        assert watch()
+        watch()  # the first ask lists and watches, in a thread
+        wait_until(watch)
         listed, release = [], threading.Event()
         real = reader.get_prefix
 

@@ -25,7 +25,8 @@ def world():
     def start(node, **kw):
         s = Settings(node_id=node, etcd="mem:1", lease_ttl=TTL, loop_interval=0.25,
                      outage_grace=kw.pop("outage_grace", 30.0), **kw)
-        d = Daemon(s, MemoryCoordinator(store), clock=clock, http_address=f"{node}:1")
+        d = Daemon(s, MemoryCoordinator(store), clock=clock)
+        d.registration.http_address = f"{node}:1"  # as node.py sets it once serving
         d.join(keep_alive_thread=False)
         daemons[node] = d
         return d

@@ -40,7 +40,8 @@ def world(tmp_path):
     def start(node, **kw):
         s = Settings(node_id=node, etcd="mem:1", lease_ttl=2, loop_interval=0.25,
                      state_dir=str(tmp_path / node), **kw)
-        d = Daemon(s, MemoryCoordinator(store), clock=clock, http_address=f"{node}:1")
+        d = Daemon(s, MemoryCoordinator(store), clock=clock)
+        d.registration.http_address = f"{node}:1"  # as node.py sets it once serving
         d.join(keep_alive_thread=False)
         daemons[node] = d
         return d

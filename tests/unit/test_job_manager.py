@@ -196,11 +196,13 @@ def _running(mgr, tmp_path, **spec_changes):
     return agent
 
 
-def test_without_a_hang_timeout_the_learned_one_is_in_force_published_and_doubled(env,
-                                                                                   tmp_path):
+def test_without_a_hang_timeout_the_learned_one_is_in_force_published_and_doubled(
+        env, tmp_path, monkeypatch):
+    from elasticd.agent import worker_group
+
     coord, keys, mgr, lease = env
     alive = {7: True}
-    mgr.group.pid_alive = alive.__getitem__
+    monkeypatch.setattr(worker_group, "process_runs", alive.__getitem__)
     agent = _running(mgr, tmp_path, hang_timeout_floor=1.0, hang_first_step=30.0)
     clock = mgr.clock
     mgr.step()

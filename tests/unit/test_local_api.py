@@ -22,6 +22,7 @@ import pytest
 import elasticd.worker
 from elasticd.agent.progress import ProgressTracker, progress_handler
 from elasticd.testing.clock import FakeClock
+from elasticd.daemon import local_api
 from elasticd.daemon.local_api import LocalServer, SocketInUse, UnsafeSocketPath
 from elasticd.local.wire import RequestError
 from elasticd.worker import (
@@ -273,8 +274,9 @@ def test_oversized_length_is_refused_without_allocating_it(server, client):
     assert client.call("echo", alive=1)["alive"] == 1
 
 
-def test_max_message_is_exact(make_server):
-    server = make_server(max_message=100)
+def test_max_message_is_exact(make_server, monkeypatch):
+    monkeypatch.setattr(local_api, "DEFAULT_MAX_MESSAGE", 100)
+    server = make_server()
     s = raw(server)
     body = json.dumps({"op": "echo", "id": 1, "pad": ""}).encode()
     fits = body.replace(b'""', b'"' + b"x" * (100 - len(body)) + b'"')
@@ -402,8 +404,9 @@ def test_too_long_path_is_a_clear_error(rec):
         LocalServer("/tmp/" + "x" * 120, rec.handlers())
 
 
-def test_connection_cap(make_server, clients):
-    server = make_server(max_connections=2)
+def test_connection_cap(make_server, clients, monkeypatch):
+    monkeypatch.setattr(local_api, "MAX_CONNECTIONS", 2)
+    server = make_server()
     first, second, third = (DaemonClient(server.path) for _ in range(3))
     clients.extend([first, second, third])
     first.call("echo")

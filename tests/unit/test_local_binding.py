@@ -18,7 +18,8 @@ import threading
 import pytest
 
 from elasticd.daemon.local_api import LocalServer
-from elasticd.daemon.local_binding import CallerBinding, JobScope, start_time
+from elasticd.daemon.local_binding import CallerBinding
+from elasticd.local.job_scope import JobScope, start_time
 from tests.users import temporary_user
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="creates users: needs root (CI is)")

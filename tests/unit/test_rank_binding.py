@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from elasticd.daemon.local_binding import JobScope, start_time
-from elasticd.daemon.rank_claims import RankClaims, outside_world
+from elasticd.local.job_scope import JobScope, start_time
+from elasticd.daemon.local_binding import RankClaims, outside_world
 from tests.unit.test_local_binding import daemon, users  # noqa: F401 (fixtures)
 
 # Runs [connection, op, fields] requests, each on the connection of that index (opened at its

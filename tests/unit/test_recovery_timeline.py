@@ -420,8 +420,8 @@ def test_the_agents_report_of_its_abort_reaches_the_timeline():
     try:
         aborted = daemon.channel.handlers()["workers_aborted"]
         daemon.jobs.group.job = "j"
-        assert aborted({"job": "other", "workers": 1}) == {}  # not the job running here
-        assert aborted({"job": "j", "workers": 1}) == {}
+        assert aborted({"job": "other", "workers": 1}) is None  # not the job running here
+        assert aborted({"job": "j", "workers": 1}) is None  # the server replies {}
         assert list(daemon.timeline._jobs["j"].aborts) == [clock.wall()]
         assert "other" not in daemon.timeline._jobs
     finally:
@@ -791,8 +791,8 @@ def test_the_agents_and_workers_reports_reach_the_timeline_through_the_daemon():
         handlers = daemon.channel.handlers()
         daemon.jobs.group.job = "j"
         assert handlers["reformed"]({"job": "j", "path": "in_process",
-                                     "times": {"round_closed": 5.0}}) == {}
-        assert handlers["reform_moments"]({"job": "j", "times": {"group_made": 6.0}}) == {}
+                                     "times": {"round_closed": 5.0}}) is None
+        assert handlers["reform_moments"]({"job": "j", "times": {"group_made": 6.0}}) is None
         m = daemon.timeline._jobs["j"]
         assert [(p, t) for _, p, t in m.reforms] == [("in_process", {"round_closed": 5.0})]
         assert list(m.worker_moments) == [{"group_made": 6.0}]

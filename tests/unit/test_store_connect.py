@@ -69,8 +69,10 @@ def test_wait_listening_gives_up_after_the_timeout():
 def test_only_clients_wait_and_they_keep_the_time_left(restore_rdzv):
     calls = []
     RDZV._create_c10d_store = lambda *a: calls.append(a) or "store"
-    assert store_connect.install()
-    assert store_connect.install()  # idempotent: not wrapped twice
+    store_connect.install()
+    store_connect.install()  # idempotent: not wrapped twice
+    assert RDZV._create_c10d_store.elasticd_wrapped
+    assert not getattr(RDZV._create_c10d_store.__wrapped__, "elasticd_wrapped", False)
     port = _free_port()  # nothing listens
     start = time.monotonic()
     timeout = datetime.timedelta(seconds=0.3)

@@ -298,7 +298,8 @@ WORKER = """
 
 def test_a_job_running_as_another_uid_snapshots_and_restores_through_descriptors(users):
     from elasticd.daemon.local_api import LocalServer
-    from elasticd.daemon.local_binding import CallerBinding, JobScope, start_time
+    from elasticd.daemon.local_binding import CallerBinding
+    from elasticd.local.job_scope import JobScope, start_time
 
     uid = users[0]
     root = f"/dev/shm/elasticd-test-e2e-{uuid.uuid4().hex[:12]}"
