@@ -5,7 +5,6 @@ answers after a restart is never taken for a death; nor is an address that gives
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 import types
@@ -87,7 +86,7 @@ def test_a_daemon_back_on_the_same_port_is_not_declared_dead():
         server.close()
 
 
-def test_a_break_reported_on_the_local_socket_starts_one_series(tmp_path):
+def test_a_break_reported_on_the_local_socket_starts_one_series(tmp_path, monkeypatch):
     # The worker's note (elasticd.worker.in_process.group_broke) over a real local socket
     # reaches the probe; a second note while the series runs starts none.
     class Jobs:
@@ -107,7 +106,7 @@ def test_a_break_reported_on_the_local_socket_starts_one_series(tmp_path):
     server = LocalServer(str(tmp_path / "d.sock"), channel.handlers())
     server.start()
     try:
-        os.environ["ELASTICD_SOCKET"] = server.path
+        monkeypatch.setenv("ELASTICD_SOCKET", server.path)  # and back to what it was after
         assert in_process.group_broke(RuntimeError("Connection reset by peer"))
         assert not in_process.group_broke(in_process.Reformation("asked"))
         for _ in range(500):
@@ -118,7 +117,6 @@ def test_a_break_reported_on_the_local_socket_starts_one_series(tmp_path):
         assert not probe.suspect("again")  # the first series still runs
         gate.set()
     finally:
-        os.environ.pop("ELASTICD_SOCKET", None)
         server.stop()
 
 
