@@ -174,8 +174,7 @@ class SlotStore:
         try:
             return Segment.allocate(self._fd, name, os.path.join(self.root, name), capacity)
         except OSError as exc:
-            raise OverBudget(f"cannot allocate {capacity} bytes in {self.root}: {exc}",
-                             capacity, self._held(), None) from exc
+            raise OverBudget(f"cannot allocate {capacity} bytes in {self.root}: {exc}") from exc
 
     # -- the snapshot cycle ---------------------------------------------------------------
 
