@@ -208,15 +208,6 @@ class SlotStore:
             elif (pair := self._pairs.get((job, rank))) is not None:
                 pair.retained.discard(version)
 
-    def retained(self, job: str) -> dict[int | None, set[tuple[int, int]]]:
-        """The versions retained, per rank (None: for every rank of the job)."""
-        with self._lock:
-            out: dict[int | None, set[tuple[int, int]]] = {
-                r: set(p.retained) for (j, r), p in self._pairs.items() if j == job and p.retained}
-            if self._retained.get(job):
-                out[None] = set(self._retained[job])
-            return out
-
     def reserve(self, job: str, rank: int, nbytes: int, both: bool = True, *,
                 newest: bool = False) -> Slot:
         """Returns a free slot of at least ``nbytes`` for the next snapshot of (job, rank).
