@@ -58,8 +58,6 @@ class Restores:
 
     Args:
         book: the service's job records and counters (its snapshot side shares them).
-        pins: the service's read pins.
-        deps: the service's store, persistent tier, replicator, node id, clock, metrics sink.
         on_restore: hooks called with each restore report (after it is logged).
     """
 
@@ -211,11 +209,9 @@ class Restores:
                                                         need=msg.get("need"))
             except ShardLost as exc:
                 return {"lost": True, "reason": str(exc)[:500]}
-            except ScratchOverCap as exc:
-                self._scratch_refused(job, exc)
-                raise RequestError(f"cannot fetch {job} rank {rank} step {version} here: "
-                                   f"{exc}") from exc
             except (SlotStoreError, SnapshotError, ValueError, OSError) as exc:  # no room, or torn
+                if isinstance(exc, ScratchOverCap):
+                    self._scratch_refused(job, exc)
                 raise RequestError(f"cannot fetch {job} rank {rank} step {version} here: "
                                    f"{exc}") from exc
             scratch = result.scratch
