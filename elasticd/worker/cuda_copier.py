@@ -117,11 +117,7 @@ class CudaCopyHandle(FutureHandle):
 
 
 class CudaCopier(Copier):
-    """Copies (CUDA) tensors into a snapshot buffer through a side stream and pinned memory.
-
-    Args:
-        api: the CUDA operations (default: :class:`TorchCuda`).
-    """
+    """Copies (CUDA) tensors into a snapshot buffer through a side stream and pinned memory."""
 
     def __init__(self, api: DeviceApi | None = None) -> None:
         self.api = api or TorchCuda()
