@@ -24,7 +24,7 @@ from elasticd.worker import in_process
 from elasticd.worker.checkpointer import Checkpointer
 from elasticd.worker.restore import Collective
 from elasticd.worker.transport import Transport
-from elasticd.worker.copier import CpuCopier, FutureHandle, copy_into
+from elasticd.worker.copier import CopyHandle, CpuCopier, copy_into
 from elasticd.worker.sampler import ElasticSampler
 from elasticd.store.service import CheckpointService
 from elasticd.store.shm import SlotStore
@@ -143,7 +143,7 @@ class SlowCopier(CpuCopier):
             time.sleep(self.delay)
             copy_into(tensors, buffer, lay)
 
-        return FutureHandle(self._pool.submit(slow))
+        return CopyHandle(self._pool.submit(slow))
 
 
 def test_optimizer_waits_for_the_copy_and_buffers_are_copied_at_save(service):
