@@ -66,7 +66,7 @@ class CheckpointService:
         lag_limit: steps the committed step may lag the newest snapshot before the job counts
             as unprotected.
         grace: seconds after a job's first snapshot here before a missing placement or
-            commit counts as unprotected.
+            commit counts as unprotected (the group's ranks are being published meanwhile).
         persist_recheck: a job is called ``persist_stale`` only on a listing of the tier at
             most this many seconds old (asked of the persister's writer, not made here).
     """
