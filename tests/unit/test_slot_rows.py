@@ -161,7 +161,7 @@ def test_restore_scratch_is_read_through_the_mapping_kept_from_the_last_restore(
             assert np.array_equal(out.numpy(), data)  # this step's bytes
             del w
             got.close()
-        assert len(maps) == 1 and seen[0][0] == seen[1][0]  # the same file, the same mapping
+        assert len(maps._maps) == 1 and seen[0][0] == seen[1][0]  # the same file, the same mapping
         assert (maps.made, maps.reused) == (1, 1)  # counted, for the bench
         assert seen[0][1] >= 32 and seen[1][1] < 8  # its pages mapped already the second time
         assert copies == {"memmove": [4 * n, 4 * n], "preadv": 0}
@@ -170,7 +170,8 @@ def test_restore_scratch_is_read_through_the_mapping_kept_from_the_last_restore(
 
 
 def test_kept_scratch_mappings_are_bounded_and_a_file_unlinked_is_unmapped(tmp_path):
-    maps = ScratchMaps(keep=2)
+    maps = ScratchMaps()
+    maps.keep = 2  # (KEEP is 8)
     fds = []
     try:
         for i in range(3):
@@ -183,10 +184,10 @@ def test_kept_scratch_mappings_are_bounded_and_a_file_unlinked_is_unmapped(tmp_p
             maps.map(fds[1][0], 16384)  # more than the file holds
         maps.map(fds[1][0], 4096)
         maps.map(fds[2][0], 4096)
-        assert len(maps) == 2 and first.closed  # the least recent one went
+        assert len(maps._maps) == 2 and first.closed  # the least recent one went
         os.unlink(fds[1][1])
         maps.map(fds[2][0], 4096)
-        assert len(maps) == 1  # unlinked without being emptied: not kept
+        assert len(maps._maps) == 1  # unlinked without being emptied: not kept
     finally:
         maps.close()
         for fd, path in fds:
