@@ -285,7 +285,7 @@ def daemon(conn, control, name: str, root: str, sock: str, book: dict) -> None:
                 control.send({"counters": counters, "shm_bytes": store.bytes_held(),
                               "scratch_handed": dict(getattr(store.scratch, "handed", {}))})
             elif what == "membership":
-                changed = getattr(service, "membership_changed", None)
+                changed = getattr(getattr(service, "restores", None), "membership_changed", None)
                 if changed is not None:
                     changed(JOB)
                 control.send("ok")

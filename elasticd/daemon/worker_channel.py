@@ -82,7 +82,7 @@ class WorkerChannel:
         if self._checkpoints is None:
             return None
         try:
-            nbytes = self._checkpoints.membership_changed(job)
+            nbytes = self._checkpoints.restores.membership_changed(job)
         except Exception:  # noqa: BLE001 — an optimisation: the restore reserves what it needs
             log.exception("%s: setting restore scratch aside failed", job)
             return None

@@ -19,17 +19,7 @@ class SlotStoreError(CheckpointError):
 
 
 class OverBudget(SlotStoreError):
-    """A reservation would take the node over its memory cap (or the filesystem is full).
-
-    Attributes:
-        needed: extra bytes the reservation needed.
-        held: bytes held at the time.
-        cap: the cap (None when the filesystem itself was full).
-    """
-
-    def __init__(self, message: str, needed: int = 0, held: int = 0, cap: int | None = None):
-        super().__init__(message)
-        self.needed, self.held, self.cap = needed, held, cap
+    """A reservation would take the node over its memory cap (or the filesystem is full)."""
 
 
 class ScratchOverCap(OverBudget):

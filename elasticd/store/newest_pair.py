@@ -44,7 +44,7 @@ def room_for(store: SlotStore, more: int, what: str) -> None:
     held = store._held()
     if store.cap_bytes is not None and held + more > store.cap_bytes:
         raise OverBudget(f"{what} needs {more} more bytes of slots; {held} of the "
-                         f"{store.cap_bytes}-byte cap are held", more, held, store.cap_bytes)
+                         f"{store.cap_bytes}-byte cap are held")
 
 
 def spare(pair: _Pair) -> int | None:

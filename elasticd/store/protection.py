@@ -80,13 +80,8 @@ class JobView:
 
 
 def assess(view: JobView, lag_limit: int, grace: float) -> Unprotected | None:
-    """Decides whether the job is unprotected (None: it is protected, or too young to say).
-
-    Args:
-        lag_limit: the most steps the committed step may lag the newest snapshot.
-        grace: seconds after the first snapshot during which a missing placement or commit is
-            expected (the group's ranks are being published), not a fault.
-    """
+    """Decides whether the job is unprotected (None: it is protected, or too young to say);
+    ``lag_limit`` and ``grace`` as :class:`~elasticd.store.service.CheckpointService` takes them."""
     if view.failing:
         return Unprotected("snapshots_failing", f"snapshots failing: {view.failing}")
     if view.newest is None or view.seconds < grace:

@@ -111,11 +111,9 @@ class ScratchAccounts:
         held = node_held - booked
         if node_cap is not None and held + nbytes > node_cap:
             raise OverBudget(f"a partial copy (restore scratch) of {nbytes} bytes for {job} does "
-                             f"not fit: {held} of the node's {node_cap}-byte cap are held",
-                             nbytes, held, node_cap)
+                             f"not fit: {held} of the node's {node_cap}-byte cap are held")
         held = self.held(job) - booked
         if self.job_cap is not None and held + nbytes > self.job_cap:
             raise ScratchOverCap(
                 f"job {job}: {nbytes} more bytes of restore scratch would hold {held + nbytes}, "
-                f"over its cap of {self.job_cap} on this node (scratch_cap_mib)",
-                nbytes, held, self.job_cap)
+                f"over its cap of {self.job_cap} on this node (scratch_cap_mib)")

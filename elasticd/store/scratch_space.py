@@ -102,8 +102,8 @@ class ScratchSpace:
                     segment = Segment.allocate(self._fd, name, os.path.join(self._root, name),
                                                capacity, reserve=False, small_pages=True)
                 except OSError as exc:
-                    raise OverBudget(f"cannot allocate {capacity} bytes in {self._root}: {exc}",
-                                     capacity, self._node_held(), self._cap) from exc
+                    raise OverBudget(
+                        f"cannot allocate {capacity} bytes in {self._root}: {exc}") from exc
                 self.handed["new"] += 1
             self._accounts.booked.pop(reservation, None)  # type: ignore[arg-type]
             self._accounts.segments[segment] = job

@@ -34,7 +34,6 @@ assessed every daemon cycle (:mod:`elasticd.store.protection`); ``ckpt_reserve``
 
 from __future__ import annotations
 
-import collections
 import logging
 from typing import Any, Callable
 
@@ -67,7 +66,7 @@ class CheckpointService:
         lag_limit: steps the committed step may lag the newest snapshot before the job counts
             as unprotected.
         grace: seconds after a job's first snapshot here before a missing placement or
-            commit counts as unprotected.
+            commit counts as unprotected (the group's ranks are being published meanwhile).
         persist_recheck: a job is called ``persist_stale`` only on a listing of the tier at
             most this many seconds old (asked of the persister's writer, not made here).
     """
@@ -85,13 +84,12 @@ class CheckpointService:
         self.sink, self.clock = metrics_sink, clock or SystemClock()
         self.book = JobBook()
         self.counters = self.book.counters
-        self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=100)
         #: Called with each restore report (after it is logged), e.g. to record an event.
         self.on_restore: list[Callable[[dict[str, Any]], None]] = []
         self.pins = ReadPins(self.clock, pin_ttl)
         #: The restore side (``ckpt_list``, ``ckpt_open``, ``ckpt_fetch``, ...).
         deps = ServiceDeps(store, persist, replicator, node_id, self.clock, metrics_sink)
-        self.restores = Restores(self.book, self.pins, deps, self.history, self.on_restore)
+        self.restores = Restores(self.book, self.pins, deps, self.on_restore)
         #: The snapshot side (``ckpt_reserve``, ``ckpt_complete``, ``register``) and its pause.
         self.snapshots = Snapshots(self.book, self.pins, deps, self.on_progress, self.assess)
         for job, rank, gen, step in store.holdings():  # adopted after a daemon restart
@@ -101,11 +99,6 @@ class CheckpointService:
     def handlers(self) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
         """Op name → handler, for :class:`~elasticd.daemon.local_api.LocalServer`."""
         return {**self.snapshots.handlers(), **self.restores.handlers()}
-
-    def membership_changed(self, job: str) -> int:
-        """A node that runs ``job`` failed: scratch set aside for its restore
-        (:meth:`Restores.membership_changed`); returns the bytes set aside."""
-        return self.restores.membership_changed(job)
 
     # -- housekeeping and status ----------------------------------------------------------
 

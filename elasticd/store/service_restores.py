@@ -58,19 +58,15 @@ class Restores:
 
     Args:
         book: the service's job records and counters (its snapshot side shares them).
-        pins: the service's read pins.
-        deps: the service's store, persistent tier, replicator, node id, clock, metrics sink.
-        history: the restore reports, newest last, the service keeps for ``/status``.
         on_restore: hooks called with each restore report (after it is logged).
     """
 
     def __init__(self, book: JobBook, pins: ReadPins, deps: ServiceDeps,
-                 history: collections.deque[dict[str, Any]],
                  on_restore: list[Callable[[dict[str, Any]], None]]) -> None:
         self._book, self._pins, self._sink = book, pins, deps.sink
         self.store, self.persist, self.replicator = deps.store, deps.persist, deps.replicator
         self.node_id, self.clock = deps.node_id, deps.clock
-        self.history, self.on_restore = history, on_restore
+        self.on_restore = on_restore
         # One fetch per shard at a time: after a grow two local ranks may ask for the same old
         # rank's shard, and two transfers into one slot would tear it.
         self._fetching: collections.defaultdict[tuple[str, int], Any] = (
@@ -213,11 +209,9 @@ class Restores:
                                                         need=msg.get("need"))
             except ShardLost as exc:
                 return {"lost": True, "reason": str(exc)[:500]}
-            except ScratchOverCap as exc:
-                self._scratch_refused(job, exc)
-                raise RequestError(f"cannot fetch {job} rank {rank} step {version} here: "
-                                   f"{exc}") from exc
             except (SlotStoreError, SnapshotError, ValueError, OSError) as exc:  # no room, or torn
+                if isinstance(exc, ScratchOverCap):
+                    self._scratch_refused(job, exc)
                 raise RequestError(f"cannot fetch {job} rank {rank} step {version} here: "
                                    f"{exc}") from exc
             scratch = result.scratch
@@ -343,7 +337,6 @@ class Restores:
         with self._book.lock:
             record = self._book.jobs[job]
             record.last_restore = entry
-            self.history.append(entry)
             self._book.counters[f"restores_{source}"] += 1
             if start_gen is not None and start_gen > record.generation_started:
                 record.generation_started = start_gen

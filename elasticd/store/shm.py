@@ -174,8 +174,7 @@ class SlotStore:
         try:
             return Segment.allocate(self._fd, name, os.path.join(self.root, name), capacity)
         except OSError as exc:
-            raise OverBudget(f"cannot allocate {capacity} bytes in {self.root}: {exc}",
-                             capacity, self._held(), None) from exc
+            raise OverBudget(f"cannot allocate {capacity} bytes in {self.root}: {exc}") from exc
 
     # -- the snapshot cycle ---------------------------------------------------------------
 
@@ -208,15 +207,6 @@ class SlotStore:
                 self._retained.get(job, set()).discard(version)
             elif (pair := self._pairs.get((job, rank))) is not None:
                 pair.retained.discard(version)
-
-    def retained(self, job: str) -> dict[int | None, set[tuple[int, int]]]:
-        """The versions retained, per rank (None: for every rank of the job)."""
-        with self._lock:
-            out: dict[int | None, set[tuple[int, int]]] = {
-                r: set(p.retained) for (j, r), p in self._pairs.items() if j == job and p.retained}
-            if self._retained.get(job):
-                out[None] = set(self._retained[job])
-            return out
 
     def reserve(self, job: str, rank: int, nbytes: int, both: bool = True, *,
                 newest: bool = False) -> Slot:

@@ -185,16 +185,22 @@ def _typed(whole: torch.Tensor, e: Any) -> torch.Tensor:
     return whole[e.offset : e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape)
 
 
-class CopyHandle(abc.ABC):
-    """A copy in flight."""
+class CopyHandle:
+    """A copy in flight on an executor (the CPU and CUDA copiers')."""
 
-    @abc.abstractmethod
+    def __init__(self, future: concurrent.futures.Future) -> None:
+        self._future = future
+
     def wait(self, timeout: float | None = None) -> None:
         """Blocks until the copy is done; re-raises its error; TimeoutError after ``timeout``."""
+        try:
+            self._future.result(timeout)
+        except concurrent.futures.TimeoutError as exc:
+            raise TimeoutError(f"snapshot copy still running after {timeout} s") from exc
 
-    @abc.abstractmethod
     def done(self) -> bool:
         """True once the copy has finished (successfully or not)."""
+        return self._future.done()
 
 
 class Copier(abc.ABC):
@@ -210,22 +216,6 @@ class Copier(abc.ABC):
 
     def close(self) -> None:
         """Releases threads or streams."""
-
-
-class FutureHandle(CopyHandle):
-    """A copy running on an executor (shared by the CPU and CUDA copiers)."""
-
-    def __init__(self, future: concurrent.futures.Future) -> None:
-        self._future = future
-
-    def wait(self, timeout: float | None = None) -> None:
-        try:
-            self._future.result(timeout)
-        except concurrent.futures.TimeoutError as exc:
-            raise TimeoutError(f"snapshot copy still running after {timeout} s") from exc
-
-    def done(self) -> bool:
-        return self._future.done()
 
 
 class CpuCopier(Copier):
@@ -248,8 +238,8 @@ class CpuCopier(Copier):
             _copy_checked(tensors, buffer, view, lay)
             done: concurrent.futures.Future = concurrent.futures.Future()
             done.set_result(None)
-            return FutureHandle(done)
-        return FutureHandle(self._pool.submit(_copy_checked, list(tensors), buffer, view, lay))
+            return CopyHandle(done)
+        return CopyHandle(self._pool.submit(_copy_checked, list(tensors), buffer, view, lay))
 
     def close(self) -> None:
         if self._pool is not None:

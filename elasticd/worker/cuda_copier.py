@@ -32,7 +32,7 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 import torch
 
-from elasticd.worker.copier import Copier, CopyHandle, FutureHandle, _check
+from elasticd.worker.copier import Copier, CopyHandle, _check
 from elasticd.snapshot.format import ALIGNMENT, Layout, byte_view
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ def _runs(lay: Layout) -> list[tuple[int, int]]:
     return runs
 
 
-class CudaCopyHandle(FutureHandle):
+class CudaCopyHandle(CopyHandle):
     """A snapshot copy in flight on the side stream, then into the slot."""
 
     def __init__(self, api: DeviceApi, event: Any, future: concurrent.futures.Future) -> None:
@@ -117,11 +117,7 @@ class CudaCopyHandle(FutureHandle):
 
 
 class CudaCopier(Copier):
-    """Copies (CUDA) tensors into a snapshot buffer through a side stream and pinned memory.
-
-    Args:
-        api: the CUDA operations (default: :class:`TorchCuda`).
-    """
+    """Copies (CUDA) tensors into a snapshot buffer through a side stream and pinned memory."""
 
     def __init__(self, api: DeviceApi | None = None) -> None:
         self.api = api or TorchCuda()

@@ -221,11 +221,12 @@ class Solo(Collective):
 
 
 class TorchCollective(Collective):
-    """Over the default (already initialised) process group, with int64 tensors only."""
+    """Over the default (already initialised) process group, with int64 tensors only: a block
+    of ``max_rows`` rows per rank."""
 
-    def __init__(self, group: Any = None, max_rows: int = 64) -> None:
-        self.dist, self.group, self.max_rows = torch.distributed, group, max_rows
-        backend = self.dist.get_backend(group)
+    def __init__(self) -> None:
+        self.dist, self.max_rows = torch.distributed, 64
+        backend = self.dist.get_backend()
         self.device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
                        else torch.device("cpu"))
 
@@ -234,27 +235,23 @@ class TorchCollective(Collective):
         for i, row in enumerate(rows[: self.max_rows]):
             mine[i, 0], mine[i, 1] = row
         mine = mine.to(self.device)
-        out = [torch.empty_like(mine) for _ in range(self.dist.get_world_size(self.group))]
-        self.dist.all_gather(out, mine, group=self.group)
+        out = [torch.empty_like(mine) for _ in range(self.dist.get_world_size())]
+        self.dist.all_gather(out, mine)
         return [[(int(g), int(s)) for g, s in o.cpu().tolist()] for o in out]
 
     def send(self, tensor: torch.Tensor, to: int) -> None:
-        self.dist.send(tensor.to(self.device), self._global(to), group=self.group)
+        self.dist.send(tensor.to(self.device), to)
 
     def recv(self, tensor: torch.Tensor, frm: int) -> None:
         into = tensor if self.device.type == "cpu" else torch.empty_like(tensor, device=self.device)
-        self.dist.recv(into, self._global(frm), group=self.group)
+        self.dist.recv(into, frm)
         if into is not tensor:
             tensor.copy_(into.cpu())
-
-    def _global(self, rank: int) -> int:
-        """The default group's rank of this group's ``rank`` (send and recv take those)."""
-        return rank if self.group is None else self.dist.get_global_rank(self.group, rank)
 
     def all_true_each(self, flags: Any) -> list[bool]:
         """Each of ``flags`` ANDed across ranks, in one all_reduce."""
         t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int64, device=self.device)
-        self.dist.all_reduce(t, op=self.dist.ReduceOp.MIN, group=self.group)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MIN)
         return [bool(v) for v in t.cpu().tolist()]
 
 

@@ -34,23 +34,18 @@ KEEP = 8
 
 
 class ScratchMaps:
-    """Read-only mappings of scratch files by (device, inode), the most recent ``keep``.
+    """Read-only mappings of scratch files by (device, inode), the most recent :data:`KEEP`.
 
     One restore at a time uses it (the worker's main thread).
     """
 
-    def __init__(self, keep: int = KEEP) -> None:
-        if keep < 1:
-            raise ValueError(f"keep must be >= 1 mapping, got {keep}")
-        self.keep = keep
+    def __init__(self) -> None:
+        self.keep = KEEP
         #: (device, inode) -> (mapping, a descriptor of the file to see it unlinked)
         self._maps: OrderedDict[tuple[int, int], tuple[mmap.mmap, int]] = OrderedDict()
         #: :meth:`map` calls answered by a new mapping, and by one kept from an earlier
         #: restore (what the kept mapping saves shows only in the second: a bench reads them).
         self.made = self.reused = 0
-
-    def __len__(self) -> int:
-        return len(self._maps)
 
     def map(self, fd: int, size: int) -> mmap.mmap:
         """A read-only mapping of the whole scratch file ``fd``, at least ``size`` bytes: the

@@ -53,16 +53,10 @@ class SlotFiles:
     mapping (on huge pages, or restore scratch in a kept mapping), the mapping's length (0:
     ``preadv``). The pieces own the descriptors and the mappings: they are valid until
     the pieces are released, which is after the load.
-
-    Args:
-        files: (mapping address, descriptor, length of a mapping to copy out of, or 0) of each
-            piece read in place.
     """
 
     def __init__(self, files: Iterable[tuple[int, int, int]] = ()) -> None:
         self._files = {address: (fd, huge) for address, fd, huge in files}
-        #: Bytes copied with ``preadv`` or ``memmove`` (the rest went through torch's copy).
-        self.bytes_read = 0
 
     def __bool__(self) -> bool:
         return bool(self._files)
@@ -96,7 +90,6 @@ class SlotFiles:
             if at + rows * row > huge:  # past the mapping: not this slot's bytes
                 return False
             ctypes.memmove(out.data_ptr() + dst[0].start * row, base + at, rows * row)
-            self.bytes_read += rows * row
             return True
         into = memoryview(out.detach().view(-1).view(torch.uint8).numpy())
         into = into[dst[0].start * row : (dst[0].start + rows) * row]
@@ -106,5 +99,4 @@ class SlotFiles:
             if n <= 0:  # the slot is pinned at its size: a short file is not that slot
                 raise OSError(f"slot file ended {len(into) - got} bytes short of a shard's rows")
             got += n
-        self.bytes_read += got
         return True

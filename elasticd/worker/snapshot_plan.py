@@ -54,11 +54,8 @@ class Plan:
 
 
 class Planner:
-    """Flattens one worker's state and keeps its current :class:`Plan`.
-
-    Args:
-        job: written into every layout.
-    """
+    """Flattens one worker's state (for ``job``: written into every layout) and keeps its
+    current :class:`Plan`."""
 
     def __init__(self, job: str) -> None:
         self._job = job

@@ -36,8 +36,8 @@ class DictMemo:
         self.metadata = getattr(value, "_metadata", None)
         dicts = list(value.values()) if levels == 2 else [value]
         # Weak references; an optimizer's absent buffer (None) stays None.
-        self.inner = [(list(d), [_none if v is None else weakref.ref(v) for v in d.values()])
-                      for d in dicts]
+        self.inner = [(list(d), [(lambda: None) if v is None else weakref.ref(v)
+                                 for v in d.values()]) for d in dicts]
         self.names = f.names[base:]
         self.key = tensor_key(self.names, f.tensors[base:])
         dtensor = shards.dtensor_class()
@@ -79,10 +79,6 @@ class DictMemo:
 
 def tensor_key(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> tuple:
     return tuple((n, t.dtype, t.shape) for n, t in zip(names, tensors))
-
-
-def _none() -> None:
-    return None
 
 
 def depth(value: dict) -> int:

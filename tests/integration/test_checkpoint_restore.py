@@ -143,12 +143,14 @@ def assert_bitwise_equal(got, want):
 
 
 def test_kill9_restores_from_ram_with_no_step_lost(node, baseline, tmp_path):
+    reports = []
+    node.service.on_restore.append(reports.append)
     text = torchrun(str(tmp_path / "run"), str(tmp_path / "log.txt"), node=node, job="ram",
                     kill_at=KILL_AT)
     assert "KILLING rank=1 step=7" in text
     assert restored(text) == {0: (7, "local", 0, 0), 1: (7, "local", 0, 0)}, text[-4000:]
     assert_bitwise_equal(finals(str(tmp_path / "run")), baseline)
-    reports = [h for h in node.service.history if h["source"] != "none"]
+    reports = [h for h in reports if h["source"] != "none"]
     assert sorted((h["rank"], h["source"], h["step"], h["steps_lost"]) for h in reports) == \
         [(0, "local", 7, 0), (1, "local", 7, 0)]
     status = node.service.status()["ram"]

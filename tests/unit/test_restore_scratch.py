@@ -203,8 +203,8 @@ def test_a_membership_change_sets_scratch_aside_within_the_jobs_cap(roots):
         t = Local(svc.handlers())
         write_snapshot(t, "job", 0, step=4, world=2, n=3000)  # 4 pages with its header
         size = store.latest("job", 0).header.layout.total_size
-        assert svc.membership_changed("other-job") == 0  # holds nothing of that job
-        aside = svc.membership_changed("job")
+        assert svc.restores.membership_changed("other-job") == 0  # holds nothing of that job
+        aside = svc.restores.membership_changed("job")
         assert aside == -(-size // PAGE) * PAGE and store.scratch.held("job") == aside
         for thread in threading.enumerate():  # the pages are touched by a thread of its own
             if thread.name == "elasticd-scratch-job":
@@ -219,7 +219,7 @@ def test_a_membership_change_sets_scratch_aside_within_the_jobs_cap(roots):
         try:
             other = CheckpointService(crowded, "n2")
             write_snapshot(Local(other.handlers()), "job", 0, step=4, world=2, n=3000)
-            assert other.membership_changed("job") == 0 and crowded.scratch.held() == 0
+            assert other.restores.membership_changed("job") == 0 and crowded.scratch.held() == 0
             assert other.counters.get("scratch_refused", 0) == 0
         finally:
             crowded.close()
@@ -244,7 +244,7 @@ def test_scratch_set_aside_again_still_goes_to_the_next_copy_of_its_rank(roots):
         one, two = (store.scratch.new(size, job="job", of=r) for r in (1, 2))
         store.scratch.drop(one)  # the last restore's copies of old ranks 1 and 2, released
         store.scratch.drop(two)
-        assert svc.membership_changed("job") > 0  # takes rank 1's (the first that fits) ...
+        assert svc.restores.membership_changed("job") > 0  # takes rank 1's (the first that fits) ...
         for thread in threading.enumerate():
             if thread.name == "elasticd-scratch-job":
                 thread.join(10)

@@ -244,10 +244,10 @@ def test_report_reaches_history_metrics_and_status(env):
     service, t, sink = env
     t.call("ckpt_report", job="job", rank=1, source="persistent", seconds=0.5, steps_lost=2,
            bytes=1234, generation=0, step=5, refused=["persistent step (0, 7): bad"])
-    assert service.history[-1]["steps_lost"] == 2
+    assert service.status()["job"]["last_restore"]["steps_lost"] == 2
     assert service.status()["job"]["last_restore"]["source"] == "persistent"
     assert service.counters["restores_persistent"] == 1
-    assert service.history[-1]["path"] is None  # an older worker's report: no path
+    assert service.status()["job"]["last_restore"]["path"] is None  # an older worker's report: no path
     assert ("restored", "job", "persistent", 0.5, 2, 1234) in sink.events
     assert ("snapshot_refused", "job", "persistent") in sink.events
     with pytest.raises(TransportError, match="source"):
@@ -255,7 +255,7 @@ def test_report_reaches_history_metrics_and_status(env):
                bytes=0)
     t.call("ckpt_report", job="job", rank=1, source="local", seconds=0.5, steps_lost=0,
            bytes=0, path="in_process")
-    assert service.history[-1]["path"] == "in_process"
+    assert service.status()["job"]["last_restore"]["path"] == "in_process"
     with pytest.raises(TransportError, match="path"):
         t.call("ckpt_report", job="job", rank=1, source="local", seconds=0.5, steps_lost=0,
                bytes=0, path="teleport")

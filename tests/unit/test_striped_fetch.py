@@ -249,7 +249,7 @@ def test_a_scratch_copy_reserves_only_the_ranges_it_receives(holders, tmp_path):
 
         def refuse(start, end):
             if start >= lay_start:
-                raise OverBudget("no room for a piece", end - start, 0, None)
+                raise OverBudget("no room for a piece")
 
         with pytest.raises(OverBudget, match="no room for a piece"):
             fetch_shard(JOB, 1, d.version, into, me="me", holders=["me", "n0", "n1", "n2"],

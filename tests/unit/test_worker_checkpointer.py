@@ -24,7 +24,7 @@ from elasticd.worker import in_process
 from elasticd.worker.checkpointer import Checkpointer
 from elasticd.worker.restore import Collective
 from elasticd.worker.transport import Transport
-from elasticd.worker.copier import CpuCopier, FutureHandle, copy_into
+from elasticd.worker.copier import CopyHandle, CpuCopier, copy_into
 from elasticd.worker.sampler import ElasticSampler
 from elasticd.store.service import CheckpointService
 from elasticd.store.shm import SlotStore
@@ -105,7 +105,7 @@ def test_save_then_restore_is_bitwise(service):
         assert again.last_restore.source == "local" and again.last_restore.steps_lost == 0
         assert again.generation == 1
     assert_same(fresh, ref)
-    assert service.history[-1]["source"] == "local"
+    assert service.status()["j"]["last_restore"]["source"] == "local"
 
 
 def test_a_state_of_only_parameters_and_optimizer_state_saves_and_restores(service):
@@ -143,7 +143,7 @@ class SlowCopier(CpuCopier):
             time.sleep(self.delay)
             copy_into(tensors, buffer, lay)
 
-        return FutureHandle(self._pool.submit(slow))
+        return CopyHandle(self._pool.submit(slow))
 
 
 def test_optimizer_waits_for_the_copy_and_buffers_are_copied_at_save(service):
@@ -536,6 +536,8 @@ def test_the_restore_report_is_one_way_and_a_dropped_one_is_sent_as_a_call(servi
                 super().call(op, **fields)
             return self.deliver
 
+    reports = []
+    service.on_restore.append(reports.append)
     state = make_state()
     with Checkpointer(transport=InProcessTransport(service.handlers()), job="j", rank=0,
                       world_size=1) as ckpt:
@@ -547,8 +549,8 @@ def test_the_restore_report_is_one_way_and_a_dropped_one_is_sent_as_a_call(servi
         with Checkpointer(transport=t, job="j", rank=0, world_size=1) as ckpt:
             assert ckpt.restore(state) == 1
         assert [o for o in t.ops if o[1] == "ckpt_report"] == expected
-        assert service.history[-1]["step"] == 1  # the daemon heard it either way
-        assert service.history[-1]["path"] == "restart"  # a started worker's
+        assert reports[-1]["step"] == 1  # the daemon heard it either way
+        assert reports[-1]["path"] == "restart"  # a started worker's
         # The slot's release and the registration after it: one-way too (dropped: a call).
         # (The registration when the Checkpointer starts stays a call: its reply is read.)
         restoring = t.ops[t.ops.index(("call", "ckpt_list")):]
@@ -559,7 +561,7 @@ def test_the_restore_report_is_one_way_and_a_dropped_one_is_sent_as_a_call(servi
     with Checkpointer(transport=InProcessTransport(service.handlers()), job="j", rank=0,
                       world_size=1) as ckpt:
         assert ckpt.restore(state) == 1
-    assert service.history[-1]["path"] == "in_process"
+    assert reports[-1]["path"] == "in_process"
 
 
 def test_a_transport_that_gives_only_call_has_the_rest_from_transport(service):
