@@ -84,6 +84,19 @@ UNITS = [
     ("b048589", "merge", "branch struct37d: rendezvous/, coordination/, cluster/, cli/, "
                          "top-level: one-use helpers, code written twice, per-field checks as "
                          "a table, dead parameters, restating docstrings"),
+    ("b55fa88", "merge", "branch struct38a: replication/, recovery/, persistence/, second "
+                         "round: fields and methods only tests read (PushResult, "
+                         "CommitBook.landed, Flushed's ranks), forwarders, a class holding one "
+                         "callable, the nonce struct written twice"),
+    ("d891209", "merge", "branch struct38c: rendezvous/, coordination/, cluster/, cli/, "
+                         "top-level, second round: Raises/Returns sections that repeat the "
+                         "raise below or the module paragraph, one-use helpers, dead defaults"),
+    ("a87b0c0", "merge", "branch struct38d: agent/, daemon/, local/, second round: internal "
+                         "__all__ lists, options and returns only tests reached, a one-class "
+                         "module back beside its only user, a wrapper"),
+    ("a6028f8", "merge", "branch struct38b: worker/, store/, snapshot/, second round: fields "
+                         "and methods only tests read (OverBudget's, history, retained), an "
+                         "abstract class with one implementation, a forwarder"),
 ]
 
 
