@@ -4,10 +4,12 @@
 # per mode and run) on the base and the head, each a detached worktree with PYTHONPATH
 # set to it, in the order "base head head base base head head base".
 # Usage (from the repository):
-#   /work/wt/cpulock bash bench/results/structure_bracket37/stall/hold.sh BASE HEAD [ROUNDS]
+#   /work/wt/cpulock bash bench/results/structure_bracket37/stall/hold.sh BASE HEAD [ROUNDS] [OUT]
+# (OUT: where the results go, by default this directory)
 set -u
-repo=$(git rev-parse --show-toplevel); out=$repo/bench/results/structure_bracket37/stall
+repo=$(git rev-parse --show-toplevel); out=$(realpath -m "${4:-$repo/bench/results/structure_bracket37/stall}")
 py=$repo/.venv/bin/python rounds=${3:-6}
+mkdir -p "$out"
 declare -A rev=([base]=$1 [head]=$2) n=()
 for t in base head; do
     git -C "$repo" worktree remove --force /tmp/stall37/$t 2>/dev/null
