@@ -33,8 +33,8 @@ class SignalRelay:
         os.set_blocking(self._write, False)
         self._thread = threading.Thread(target=self._relay, name="signals", daemon=True)
         self._thread.start()
-        for signum in self._handlers:
-            signal.signal(signum, self._on_signal)
+        #: The dispositions replaced, put back by close (an embedding process's own).
+        self._before = {signum: signal.signal(signum, self._on_signal) for signum in self._handlers}
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         # The pipe is full (the calls are behind) or closed (shutting down).
@@ -56,9 +56,9 @@ class SignalRelay:
                     log.exception("handling signal %d failed", signum)
 
     def close(self) -> None:
-        """Restores the default dispositions and stops the relay thread."""
-        for signum in self._handlers:
-            signal.signal(signum, signal.SIG_DFL)
+        """Puts back the dispositions it replaced and stops the relay thread."""
+        for signum, before in self._before.items():
+            signal.signal(signum, signal.SIG_DFL if before is None else before)
         os.close(self._write)
         self._thread.join(5.0)
         os.close(self._read)

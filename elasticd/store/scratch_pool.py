@@ -52,8 +52,9 @@ class ScratchPool:
         self._kept.setdefault(job, []).append((segment, now, of))
         return True
 
-    def take(self, job: str, nbytes: int, of: Any = None) -> Any | None:
-        """A segment kept for ``job`` that holds ``nbytes`` and not more than twice that (a
+    def take(self, job: str, nbytes: int, of: Any = None) -> tuple[Any, Any] | None:
+        """A segment kept for ``job``, and what its last copy was of (for ``of`` None, a
+        segment set aside, which keeps it), that holds ``nbytes`` and not more than twice that (a
         bigger one would hold memory the copy does not need), taken out; or None. One whose
         last copy was ``of`` the same (not None) first: the next restore of the same old
         rank needs the same blocks, whose pages that one has touched already (another's
@@ -65,8 +66,8 @@ class ScratchPool:
                 if nbytes <= s.capacity <= 2 * nbytes]
         if not fits:
             return None
-        segment, _, _ = self._kept[job].pop(min(fits)[2])
-        return segment
+        segment, _, kept_of = self._kept[job].pop(min(fits)[2])
+        return segment, kept_of
 
     def expired(self, now: float) -> list[Any]:
         """The segments kept longer than ``keep``, taken out."""

@@ -44,10 +44,6 @@ class ScratchSpace:
         self._accounts = ScratchAccounts(job_cap, keep)
         #: What each live segment's copy is of (``new``'s ``of``), for the pool when dropped.
         self._of: dict[Segment, object] = {}
-        #: The same for each kept segment: a segment set aside again (``new`` without ``of``,
-        #: :func:`~elasticd.store.scratch_pool.prefill` at a membership change) keeps it, so
-        #: the next copy of that rank still lands in the pages it touched.
-        self._kept_of: dict[Segment, object] = {}
         #: What :meth:`new` handed out: a kept segment whose last copy was of the same rank
         #: (``same``), another kept one (``other``), or a new file (``new``). A bench reads it.
         self.handed = {"same": 0, "other": 0, "new": 0}
@@ -88,10 +84,13 @@ class ScratchSpace:
         capacity = -(-self._valid(job, nbytes) // PAGE) * PAGE
         with self._lock:
             self._expire()
-            segment = self._accounts.kept.take(job, capacity, of)
-            if segment is not None:
-                was = self._kept_of.pop(segment, None)
+            kept = self._accounts.kept.take(job, capacity, of)
+            if kept is not None:
+                segment, was = kept
                 self.handed["same" if of is not None and was == of else "other"] += 1
+                # Set aside again (``new`` without ``of``: scratch_pool.prefill at a membership
+                # change), it keeps what it held, so the next copy of that rank still lands in
+                # the pages it touched.
                 of = was if of is None else of
             else:
                 self._make_room(job, capacity, reservation)
@@ -117,10 +116,8 @@ class ScratchSpace:
         with self._lock:
             job = self._accounts.segments.pop(segment, None)
             of = self._of.pop(segment, None)
-            if job is not None and self._accounts.kept.put(job, segment,
-                                                           self._clock.monotonic(), of):
-                self._kept_of[segment] = of
-            elif job is not None:
+            if job is not None and not self._accounts.kept.put(job, segment,
+                                                               self._clock.monotonic(), of):
                 self._destroy([segment])
             self._expire()
 
@@ -181,7 +178,6 @@ class ScratchSpace:
 
     def _destroy(self, segments: list[Segment]) -> None:
         for segment in segments:  # emptied first: see drop
-            self._kept_of.pop(segment, None)
             segment.destroy(self._fd, reclaim=True)
 
     def _unbook(self, booking: ScratchReservation) -> None:

@@ -77,3 +77,19 @@ def test_the_relay_calls_each_handler_and_restores_defaults_on_close():
     assert calls == [signal.SIGUSR2, signal.SIGUSR2]
     assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL
     assert not relay._thread.is_alive()
+
+
+def test_close_puts_back_the_handler_the_relay_replaced():
+    """A process that had its own handler (the in-process agent's host, a test) gets it back,
+    not the default (SIGUSR2's default ends the process)."""
+    def own(signum, frame):
+        return None
+
+    before = signal.signal(signal.SIGUSR2, own)
+    try:
+        relay = SignalRelay({signal.SIGUSR2: lambda: None})
+        assert signal.getsignal(signal.SIGUSR2) is not own
+        relay.close()
+        assert signal.getsignal(signal.SIGUSR2) is own
+    finally:
+        signal.signal(signal.SIGUSR2, before)
