@@ -48,6 +48,7 @@ code_tree.pin()  # before elasticd is imported: the tree on PYTHONPATH, not the 
 
 import numpy as np  # noqa: E402
 import verified_floor  # noqa: E402
+from proc_cpu import cpu_seconds  # noqa: E402
 from verified_floor import recv_exactly
 
 from wording import speed
@@ -88,13 +89,6 @@ def touched(size: int) -> memoryview:
     buf = bytearray(size)
     buf[::PAGE] = b"\1" * len(range(0, size, PAGE))
     return memoryview(buf)
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds a process (all its threads) has used."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # -- the peer (child process) ------------------------------------------------------------------

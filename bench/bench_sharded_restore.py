@@ -97,6 +97,7 @@ import code_tree
 code_tree.pin()  # before elasticd is imported: the tree on PYTHONPATH, not the cwd's
 
 import verified_floor  # noqa: E402
+from proc_cpu import cpu_seconds  # noqa: E402
 from elasticd.store.service import CheckpointService
 from elasticd.store.huge_pages import probe
 from elasticd.store.shm import SlotStore
@@ -239,13 +240,6 @@ def holder(conn, name: str, root: str, raw: bool = False) -> None:
     server.stop()
     store.close()
     profiles.dump()
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds a process (all its threads) has used."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def daemon(conn, control, name: str, root: str, sock: str, book: dict) -> None:

@@ -35,6 +35,7 @@ from elasticd.replication.deadline import LinkRates
 from elasticd.replication.lanes import Connections, NoAddress
 from elasticd.replication.placement import Placement
 from elasticd.replication.shm_sink import descriptor_of, pinned_view
+from elasticd.replication.messages import MAX_FETCH_RANGES
 from elasticd.replication.wire import BlockTagMismatch
 
 log = logging.getLogger(__name__)
@@ -146,8 +147,8 @@ def fetch_shard(job: str, rank: int, version: Version | None, into: Any, *, me: 
     striped across every remote holder of one version at once.
 
     The first remote holder that answers describes the snapshot (its version is then asked of
-    every holder) and sends its header; the payload is split into contiguous pieces of whole
-    checksum blocks, and one thread per holder (the caller's own thread when there is one
+    every holder) and sends its header; the payload (or the blocks ``select`` wants) is split
+    into pieces of whole checksum blocks, each one request, and one thread per holder (the caller's own thread when there is one
     holder: the same code) fetches pieces from the shared queue over its connection and checks
     each piece's blocks as it lands. A holder that fails (missing, corrupt, unreachable) puts
     its piece back and stops; the others finish. Each block is verified once, when its piece
@@ -314,22 +315,17 @@ class _Stripe:
         self.connections = connections
         lay = header.layout
         per = max(1, -(-stripe_bytes // lay.block_size))  # blocks per piece, at most
-        #: (first block, end block) pieces still to fetch, first piece first: runs of
-        #: consecutive wanted blocks (every block by default), each cut into as few pieces
-        #: of at most ``per`` blocks as it takes, of equal length (not a short last one:
-        #: each piece costs a round trip).
-        runs: list[list[int]] = []
-        wanted = range(lay.num_blocks) if blocks is None else sorted(set(blocks))
-        for b in wanted:
-            if runs and runs[-1][1] == b:
-                runs[-1][1] = b + 1
-            else:
-                runs.append([b, b + 1])
-        self.pieces = []
-        for first, end in runs:
-            cuts = -(-(end - first) // per)
-            bounds = [first + (end - first) * i // cuts for i in range(cuts + 1)]
-            self.pieces += list(zip(bounds, bounds[1:]))
+        #: Pieces still to fetch, first piece first, each the runs ``(first block, end
+        #: block)`` of wanted blocks one request asks for: the wanted blocks (every block by
+        #: default) in order, cut into as few pieces of at most ``per`` blocks as it takes, of
+        #: equal length (not a short last one: each piece costs a round trip). A partial
+        #: copy wants scattered runs (a tensor's rows each): one request for several runs, not
+        #: one each (bench/results/restore38/).
+        wanted = list(range(lay.num_blocks) if blocks is None else sorted(set(blocks)))
+        cuts = -(-len(wanted) // per)
+        bounds = [len(wanted) * i // cuts for i in range(cuts + 1)] if cuts else []
+        self.pieces: list[list[tuple[int, int]]] = [
+            _runs(wanted[a:b], MAX_FETCH_RANGES) for a, b in zip(bounds, bounds[1:])]
         self.pieces.reverse()
         self.in_flight = 0
         self.wire = 0
@@ -355,15 +351,20 @@ class _Stripe:
         if self.fatal is not None:
             raise self.fatal
 
-    def _piece(self, start: int, end: int, limit: float, client: Any) -> int:
-        """Fetches the bytes ``[start, end)`` into the buffer; returns how many of them were
-        checked against their block tags as they landed."""
+    def _piece(self, ranges: list[tuple[int, int]], limit: float, client: Any) -> int:
+        """Fetches the bytes of ``ranges`` (``[start, end)`` each) into the buffer in one
+        request; returns how many of them were checked against their block tags as they
+        landed."""
         before = client.channel.tag_checked_bytes
-        client.fetch(self.job, self.rank, self.view, self.d.version,
-                     byte_range=(start, end - start), deadline=limit)
+        if len(ranges) == 1:
+            client.fetch(self.job, self.rank, self.view, self.d.version,
+                         byte_range=(ranges[0][0], ranges[0][1] - ranges[0][0]), deadline=limit)
+        else:
+            client.fetch(self.job, self.rank, self.view, self.d.version, deadline=limit,
+                         ranges=[(start, end - start) for start, end in ranges])
         return client.channel.tag_checked_bytes - before
 
-    def _take(self) -> tuple[int, int] | None:
+    def _take(self) -> list[tuple[int, int]] | None:
         with self.cond:
             # Wait while another holder still has a piece in flight: it may fail and put it
             # back, and then this holder must take it.
@@ -378,10 +379,12 @@ class _Stripe:
         lay, wire, served, tagged = self.header.layout, 0, 0, 0
         try:
             while (piece := self._take()) is not None:
-                start = lay.block_range(piece[0])[0]
-                end = lay.block_range(piece[1] - 1)[1]
+                ranges = [(lay.block_range(first)[0], lay.block_range(end - 1)[1])
+                          for first, end in piece]
+                size = sum(end - start for start, end in ranges)
                 try:
-                    self.reserve(start, end)
+                    for start, end in ranges:
+                        self.reserve(start, end)
                 except BaseException as exc:
                     # The buffer's fault, not the holder's (its connection stays): it ends the
                     # fetch.
@@ -394,22 +397,23 @@ class _Stripe:
                 try:
                     # A whole-call deadline: a frozen holder keeps its socket open and would
                     # otherwise cost the socket timeout per receive.
-                    limit = self.rates.deadline(holder, end - start)
+                    limit = self.rates.deadline(holder, size)
                     began = self.clock.monotonic()
                     checked, n = _request(self.connections, holder, functools.partial(
-                        self._piece, start, end, limit), self.rates.deadline(holder, 0))
+                        self._piece, ranges, limit), self.rates.deadline(holder, 0))
                     self.rates.record(holder, n, self.clock.monotonic() - began)
                     wire += n
-                    if checked == end - start:
+                    if checked == size:
                         tagged += checked
                     else:
                         # Not every block came with its owner's block tag (a holder that
                         # kept none: a copy adopted after a restart): check them against
                         # the header's checksums. A block that came with one was checked
                         # against it as it landed: that check is the one.
-                        for i in range(*piece):
-                            a, b = lay.block_range(i)
-                            verify_block(self.header, i, self.view[a:b])
+                        for first, end in piece:
+                            for i in range(first, end):
+                                a, b = lay.block_range(i)
+                                verify_block(self.header, i, self.view[a:b])
                 except BaseException as exc:
                     with self.cond:
                         self.pieces.append(piece)
@@ -432,7 +436,7 @@ class _Stripe:
                     with self.cond:
                         self.attempts.append((holder, reason))
                     return
-                served += end - start
+                served += size
                 with self.cond:
                     self.in_flight -= 1
                     self.cond.notify_all()
@@ -447,6 +451,21 @@ class _Stripe:
                 self.checked += tagged
                 if served:
                     self.served[holder] = self.served.get(holder, 0) + served
+
+
+def _runs(blocks: Sequence[int], most: int) -> list[tuple[int, int]]:
+    """``(first, end)`` runs of consecutive blocks in ``blocks`` (ascending), at most ``most``
+    of them: past that the rest go in one run from the last run's start (fetched whole, gaps
+    included: a request carries at most ``most`` ranges)."""
+    runs: list[list[int]] = []
+    for b in blocks:
+        if runs and runs[-1][1] == b:
+            runs[-1][1] = b + 1
+        elif len(runs) == most:
+            runs[-1][1] = b + 1
+        else:
+            runs.append([b, b + 1])
+    return [(first, end) for first, end in runs]
 
 
 def copy_own(stores: Sequence[SlotStore], job: str, rank: int, version: Version | None,

@@ -23,7 +23,7 @@ import bisect
 import contextlib
 import socket
 import ssl
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import xxhash
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
@@ -357,26 +357,36 @@ class Channel:
         self.close()
 
 
-def receive_stream(channel: Channel, total: int, target: memoryview, base: int = 0) -> int:
+def receive_stream(channel: Channel, total: int, target: memoryview, base: int = 0,
+                   ranges: Sequence[tuple[int, int]] | None = None) -> int:
     """Reads DATA frames into ``target[0:total]`` up to PUT_END; returns the frame count.
 
     Chunks must arrive in order and cover ``total`` bytes exactly, the first at offset
     ``base`` (a ranged fetch: ``target`` then holds the snapshot's bytes ``[base, base +
-    total)``).
+    total)``). With ``ranges`` (``[start, end)`` snapshot offsets, ascending, apart: a fetch
+    of several ranges) ``target`` holds the snapshot from ``base`` on and the chunks must
+    fill each range in turn, none across two, ``total`` being their sum.
 
     Raises:
         ProtocolError: out-of-order or out-of-range chunk, a count mismatch, a bad checksum.
         ConnectionLost: the connection dropped or went idle mid-stream.
     """
+    spans = list(ranges) if ranges is not None else [(base, base + total)]
     received = frames = 0
+    index, at = 0, spans[0][0] if spans else base  # the range being filled, its next offset
 
     def destination(offset: int, length: int) -> memoryview:
-        at = offset - base
-        if at != received or at + length > total:
+        nonlocal index, at
+        while index < len(spans) and at == spans[index][1]:  # this range is full: the next
+            index += 1
+            at = spans[index][0] if index < len(spans) else at
+        if index == len(spans) or offset != at or offset + length > spans[index][1]:
+            asked = ", ".join(f"[{s}, {e})" for s, e in spans[:4]) + (
+                ", ..." if len(spans) > 4 else "")
             raise MalformedFrame(f"DATA for bytes [{offset}, {offset + length}) does not "
-                                 f"continue at {base + received} within [{base}, "
-                                 f"{base + total})")
-        return target[at : at + length]
+                                 f"continue at {at} within the bytes asked for ({asked})")
+        at += length
+        return target[offset - base : offset - base + length]
 
     while True:
         header = channel.recv_header()
@@ -395,7 +405,8 @@ def receive_stream(channel: Channel, total: int, target: memoryview, base: int =
 
 def send_stream(channel: Channel, parts: tuple[memoryview, ...], chunk: int,
                 tags: BlockTags | None = None, base: int = 0,
-                max_frame: int | None = None) -> int:
+                max_frame: int | None = None,
+                spans: Sequence[tuple[int, memoryview]] | None = None) -> int:
     """Sends ``parts`` back to back as DATA frames of at most ``chunk`` bytes, then PUT_END.
 
     Args:
@@ -408,13 +419,20 @@ def send_stream(channel: Channel, parts: tuple[memoryview, ...], chunk: int,
             bytes sent.
         max_frame: the peer's largest DATA payload (a run's prefix counts; default: room for
             the longest run's prefix beside ``chunk``).
+        spans: instead of ``parts`` and ``base``: ``(snapshot offset, bytes)`` of each range
+            of a fetch of several, in order and apart; no frame or run spans two.
 
     Returns:
         The frame count.
     """
-    pieces, offset = [], base
+    if spans is None:
+        spans, offset = [], base
+        for part in parts:
+            spans.append((offset, part))
+            offset += len(part)
+    pieces, sent = [], 0
     starts = sorted(tags.tags) if tags is not None else []
-    for part in parts:
+    for offset, part in spans:
         i = 0
         while i < len(part):
             # A tagged block that fits a frame goes as one piece (pretagged); other bytes are
@@ -430,6 +448,7 @@ def send_stream(channel: Channel, parts: tuple[memoryview, ...], chunk: int,
             pieces.append((offset, part[i : i + n]))
             i += n
             offset += n
+            sent += n
     frames = len(pieces)
     if tags is not None and channel.send_key is not None:
         limit = chunk + MAX_RUN_PREFIX if max_frame is None else max_frame
@@ -437,7 +456,7 @@ def send_stream(channel: Channel, parts: tuple[memoryview, ...], chunk: int,
     else:
         for at, piece in pieces:
             channel.send_data(at, piece)
-    channel.send(PutEnd(offset - base, frames))
+    channel.send(PutEnd(sent, frames))
     return frames
 
 

@@ -40,7 +40,7 @@ def send_runs(channel: RunSender, pieces: list[tuple[int, memoryview]], tags: Bl
         tag = tags.tag_at(at, len(piece))
         grown = RUN.size + (len(run) + 1) * RUN_ENTRY.size + size + len(piece)
         if run and (tag is None or size + len(piece) > chunk or len(run) == MAX_RUN_BLOCKS
-                    or grown > max_frame):
+                    or grown > max_frame or at != start + size):  # a run is consecutive
             channel.send_run(start, run)
             frames, run = frames + 1, []
         if tag is None:

@@ -350,7 +350,7 @@ class ReplicaServer:
         d, view = found
         try:
             try:
-                start, end = req.byte_range(d.total_bytes)
+                ranges = req.byte_ranges(d.total_bytes)
             except ValueError as exc:  # the connection stays usable: the request was well formed
                 channel.send(Nack(BAD_RANGE, f"rank {req.owner_rank} {d.version} of job "
                                              f"{req.job!r}: {exc}"))
@@ -361,8 +361,9 @@ class ReplicaServer:
             # not read here, each with the tag its owner made when it sealed the snapshot.
             tags = self.sink.tags(d)
             channel.send(FetchReply(d, tags.salt if tags is not None else None))
-            send_stream(channel, (view[start:end],), frame_chunk(self.chunk_size, peer_max_frame),
-                        tags, base=start, max_frame=peer_max_frame)
+            send_stream(channel, (), frame_chunk(self.chunk_size, peer_max_frame), tags,
+                        max_frame=peer_max_frame,
+                        spans=[(start, view[start:end]) for start, end in ranges])
         finally:
             self._connections.fetched()
             self.sink.release(d)

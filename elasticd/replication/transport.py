@@ -15,7 +15,7 @@ from __future__ import annotations
 import socket
 import ssl
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from elasticd.clock import Clock, SystemClock
 from elasticd.replication.api import (
@@ -44,6 +44,7 @@ from elasticd.replication.messages import (
     FetchReply,
     Nack,
     PutBegin,
+    joined_ranges,
 )
 from elasticd.replication.report import Reply, Report, decode_reply, encode_report
 from elasticd.replication.seal import BlockTagger, BlockTags
@@ -152,7 +153,8 @@ class ReplicaClient:
     def fetch(self, job: str, owner_rank: int,
               into: memoryview | bytearray | Callable[[Descriptor], Any],
               version: Version | None = None, byte_range: tuple[int, int] | None = None,
-              deadline: float | None = None) -> Descriptor:
+              deadline: float | None = None,
+              ranges: Sequence[tuple[int, int]] | None = None) -> Descriptor:
         """Reads a committed copy, or a range of its bytes, from the peer into caller memory.
 
         Args:
@@ -165,6 +167,9 @@ class ReplicaClient:
                 snapshot.
             deadline: seconds the whole fetch may take (None: each receive is bounded by
                 the socket timeout alone).
+            ranges: instead of ``byte_range``, several ``(offset, length)`` ranges in one
+                request, each non-empty, ascending and apart (adjacent ones are joined
+                here), each received into its own slice of ``into``.
 
         Returns:
             The descriptor of the whole snapshot (whose bytes, or the range asked for, are now
@@ -181,10 +186,13 @@ class ReplicaClient:
         offset, length = byte_range if byte_range is not None else (None, None)
         if byte_range is not None and (offset < 0 or length < 0):
             raise ValueError(f"byte range (offset, length) must be >= 0, got {byte_range}")
+        asked = None if ranges is None else joined_ranges(ranges)
+        if asked is not None and byte_range is not None:
+            raise ValueError("fetch takes byte_range or ranges, not both")
 
         def run() -> Descriptor:
             gen, step = version if version is not None else (None, None)
-            self.channel.send(Fetch(job, owner_rank, gen, step, offset, length))
+            self.channel.send(Fetch(job, owner_rank, gen, step, offset, length, asked))
             reply = self._reply(FetchReply)
             d = reply.descriptor
             if d.shard != (job, owner_rank) or (version is not None
@@ -192,6 +200,8 @@ class ReplicaClient:
                 raise ProtocolError(f"asked for rank {owner_rank} {version} of {job!r}, "
                                     f"peer offers {d}")
             start, end = (0, d.total_bytes) if byte_range is None else (offset, offset + length)
+            if asked is not None:
+                start, end = asked[0][0], asked[-1][0] + asked[-1][1]
             if end > d.total_bytes:  # the server refuses such a range: one that serves it lies
                 raise ProtocolError(f"asked for bytes [{start}, {end}), peer offers a snapshot "
                                     f"of {d.total_bytes}")
@@ -204,7 +214,11 @@ class ReplicaClient:
             if reply.tag_salt is not None and self.blocks is not None:
                 self.channel.block_key = self.blocks.key(reply.tag_salt)
             try:
-                receive_stream(self.channel, end - start, target[start:end], base=start)
+                if asked is None:
+                    receive_stream(self.channel, end - start, target[start:end], base=start)
+                else:
+                    receive_stream(self.channel, sum(n for _, n in asked), target,
+                                   ranges=[(o, o + n) for o, n in asked])
             finally:
                 self.channel.block_key = None
             return d

@@ -44,15 +44,16 @@ import xxhash
 from elasticd.replication.api import ReplicationError
 
 MAGIC = b"EDRP"
-VERSION = 6  # 2: client proves first, frames sealed (AES-GMAC); 3: tags are ChaCha20-Poly1305;
+VERSION = 7  # 2: client proves first, frames sealed (AES-GMAC); 3: tags are ChaCha20-Poly1305;
 # 4: pretagged DATA (block tags made at seal time); 5: commit reports to the job's coordinator
 # (REPORT, REPORT_REPLY), which replaced the per-node replicated records in etcd; holders keep
 # the block tags a push brought and serve fetches pretagged (FETCH_REPLY carries the salt);
-# 6: a pretagged DATA frame carries a run of blocks (RUN, RUN_ENTRY), not one
+# 6: a pretagged DATA frame carries a run of blocks (RUN, RUN_ENTRY), not one; 7: a FETCH
+# may ask for several byte ranges in one request (``ranges``)
 #: What a peer speaking an older version is told to do (the log line on each side).
 UPGRADE = ("upgrade elasticd on every node of the cluster (docs/operations.md, section 8, "
-           "\"Upgrades\"): this release sends blocks in runs (replication protocol v6) and "
-           "cannot replicate with older nodes")
+           "\"Upgrades\"): this release asks for several ranges in one fetch (replication "
+           "protocol v7) and cannot replicate with older nodes")
 CHECK_BYTES = 16
 HEADER = struct.Struct(f"!4sBBHI{CHECK_BYTES}s")
 HEADER_SIZE = HEADER.size

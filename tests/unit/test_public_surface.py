@@ -231,8 +231,9 @@ def test_replication_wire_format():
     refused by older peers with one line (test_replication_wire.py)."""
     from elasticd.replication import wire
 
-    # v6: added on purpose (issue 30), a pretagged DATA frame carries a run of blocks.
-    assert wire.VERSION == 6
+    # v6: added on purpose (issue 30), a pretagged DATA frame carries a run of blocks; v7: a
+    # FETCH may ask for several ranges (issue 30).
+    assert wire.VERSION == 7
     assert (wire.MAGIC, wire.HEADER.format, wire.CHECKED.format) == (
         b"EDRP", "!4sBBHI16s", "!4sBBHI")
     assert (wire.OFFSET.format, wire.RUN.format, wire.RUN_ENTRY.format) == ("!Q", "!QI", "!I16s")

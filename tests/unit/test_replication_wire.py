@@ -154,13 +154,16 @@ def _header(frame: bytes, **fields) -> bytearray:
         (dict(magic=b"HTTP"), BadMagic, "not an elasticd replication peer"),
         (dict(version=1), UnsupportedVersion, "v1"),
         (dict(version=3), UnsupportedVersion, "peer speaks replication protocol v3, this "
-                                              "elasticd speaks v6"),  # v3 (no pretagged DATA)
+                                              "elasticd speaks v7"),  # v3 (no pretagged DATA)
         (dict(version=4), UnsupportedVersion, "peer speaks replication protocol v4, this "
-                                              "elasticd speaks v6: upgrade elasticd on every "
+                                              "elasticd speaks v7: upgrade elasticd on every "
                                               "node"),  # v4: the old commit protocol
         (dict(version=5), UnsupportedVersion, "peer speaks replication protocol v5, this "
-                                              "elasticd speaks v6: upgrade elasticd on every "
+                                              "elasticd speaks v7: upgrade elasticd on every "
                                               "node"),  # v5: one block per pretagged frame
+        (dict(version=6), UnsupportedVersion, "peer speaks replication protocol v6, this "
+                                              "elasticd speaks v7: upgrade elasticd on every "
+                                              "node"),  # v6: one range per fetch
         (dict(ftype=99), UnknownFrameType, "99"),
         (dict(flags=4), UnknownFlags, "0x0004"),
         (dict(flags=2), UnknownFlags, "only a sealed DATA frame"),
