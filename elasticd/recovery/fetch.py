@@ -33,9 +33,9 @@ from elasticd.replication.api import (
 from elasticd.replication.commit import Committed
 from elasticd.replication.deadline import LinkRates
 from elasticd.replication.lanes import Connections, NoAddress
+from elasticd.replication.messages import MAX_FETCH_RANGES
 from elasticd.replication.placement import Placement
 from elasticd.replication.shm_sink import descriptor_of, pinned_view
-from elasticd.replication.messages import MAX_FETCH_RANGES
 from elasticd.replication.wire import BlockTagMismatch
 
 log = logging.getLogger(__name__)
@@ -148,11 +148,12 @@ def fetch_shard(job: str, rank: int, version: Version | None, into: Any, *, me: 
 
     The first remote holder that answers describes the snapshot (its version is then asked of
     every holder) and sends its header; the payload (or the blocks ``select`` wants) is split
-    into pieces of whole checksum blocks, each one request, and one thread per holder (the caller's own thread when there is one
-    holder: the same code) fetches pieces from the shared queue over its connection and checks
-    each piece's blocks as it lands. A holder that fails (missing, corrupt, unreachable) puts
-    its piece back and stops; the others finish. Each block is verified once, when its piece
-    has landed; the header is checked against the descriptor at the end.
+    into pieces of whole checksum blocks, each one request, and one thread per holder (the
+    caller's own thread when there is one holder: the same code) fetches pieces from the
+    shared queue over its connection and checks each piece's blocks as it lands. A holder
+    that fails (missing, corrupt, unreachable) puts its piece back and stops; the others
+    finish. Each block is verified once, when its piece has landed; the header is checked
+    against the descriptor at the end.
 
     Every request to a holder (connect, describe, header, each piece) has a whole-call
     deadline from ``rates`` (floor + slack * bytes / the holder's measured rate): a holder
