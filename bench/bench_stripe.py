@@ -7,7 +7,7 @@ Three holder processes (as three daemons would be) each hold the same sealed sna
 (1e6 bytes) shared by all its connections, well below loopback (~4 GB/s for one fetch here):
 that is the only way to show on one host what striping buys across hosts, where each holder's
 link or memory bandwidth is the limit. The bucket is bench-only: in each holder process the
-server's ``send_stream`` is wrapped so that every DATA chunk waits for its tokens first.
+server's ``send_spans`` is wrapped so that every DATA chunk waits for its tokens first.
 
 This process restores with the product's recovery code, :func:`fetch_shard` (authenticated,
 every frame tagged, each piece's blocks checked as they land, the whole copy verified at the
@@ -94,12 +94,12 @@ class PacedChannel:
 def holder(conn, index: int, rate: float) -> None:
     """A holder process: a ReplicaServer whose fetches are paced to ``rate`` bytes/s."""
     bucket = TokenBucket(rate, CHUNK)
-    real = server_module.send_stream
+    real = server_module.send_spans
 
-    def paced_send_stream(channel, parts, chunk, tags=None, base=0, max_frame=None):
-        return real(PacedChannel(channel, bucket), parts, chunk, tags, base, max_frame)
+    def paced_send_spans(channel, spans, chunk, tags=None, max_frame=None):
+        return real(PacedChannel(channel, bucket), spans, chunk, tags, max_frame)
 
-    server_module.send_stream = paced_send_stream  # bench only: this process's server
+    server_module.send_spans = paced_send_spans  # bench only: this process's server
     srv = ReplicaServer("127.0.0.1", 0, SECRET, f"h{index}", MemorySink(), idle_timeout=600.0,
                         chunk_size=CHUNK).start()
     conn.send(srv.address)

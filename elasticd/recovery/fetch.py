@@ -357,12 +357,8 @@ class _Stripe:
         request; returns how many of them were checked against their block tags as they
         landed."""
         before = client.channel.tag_checked_bytes
-        if len(ranges) == 1:
-            client.fetch(self.job, self.rank, self.view, self.d.version,
-                         byte_range=(ranges[0][0], ranges[0][1] - ranges[0][0]), deadline=limit)
-        else:
-            client.fetch(self.job, self.rank, self.view, self.d.version, deadline=limit,
-                         ranges=[(start, end - start) for start, end in ranges])
+        client.fetch(self.job, self.rank, self.view, self.d.version, deadline=limit,
+                     ranges=[(start, end - start) for start, end in ranges])
         return client.channel.tag_checked_bytes - before
 
     def _take(self) -> list[tuple[int, int]] | None:

@@ -357,21 +357,27 @@ class Channel:
         self.close()
 
 
-def receive_stream(channel: Channel, total: int, target: memoryview, base: int = 0,
-                   ranges: Sequence[tuple[int, int]] | None = None) -> int:
+def receive_stream(channel: Channel, total: int, target: memoryview, base: int = 0) -> int:
     """Reads DATA frames into ``target[0:total]`` up to PUT_END; returns the frame count.
 
     Chunks must arrive in order and cover ``total`` bytes exactly, the first at offset
     ``base`` (a ranged fetch: ``target`` then holds the snapshot's bytes ``[base, base +
-    total)``). With ``ranges`` (``[start, end)`` snapshot offsets, ascending, apart: a fetch
-    of several ranges) ``target`` holds the snapshot from ``base`` on and the chunks must
-    fill each range in turn, none across two, ``total`` being their sum.
+    total)``).
 
     Raises:
         ProtocolError: out-of-order or out-of-range chunk, a count mismatch, a bad checksum.
         ConnectionLost: the connection dropped or went idle mid-stream.
     """
-    spans = list(ranges) if ranges is not None else [(base, base + total)]
+    return receive_spans(channel, target, [(base, base + total)], base)
+
+
+def receive_spans(channel: Channel, target: memoryview, ranges: Sequence[tuple[int, int]],
+                  base: int = 0) -> int:
+    """:func:`receive_stream` of the snapshot bytes ``ranges`` (``[start, end)`` each,
+    ascending, apart: a fetch of several ranges) into ``target``, which holds the snapshot
+    from offset ``base`` on: the chunks must fill each range in turn, none across two."""
+    spans = list(ranges)
+    total = sum(end - start for start, end in spans)
     received = frames = 0
     index, at = 0, spans[0][0] if spans else base  # the range being filled, its next offset
 
@@ -405,8 +411,7 @@ def receive_stream(channel: Channel, total: int, target: memoryview, base: int =
 
 def send_stream(channel: Channel, parts: tuple[memoryview, ...], chunk: int,
                 tags: BlockTags | None = None, base: int = 0,
-                max_frame: int | None = None,
-                spans: Sequence[tuple[int, memoryview]] | None = None) -> int:
+                max_frame: int | None = None) -> int:
     """Sends ``parts`` back to back as DATA frames of at most ``chunk`` bytes, then PUT_END.
 
     Args:
@@ -419,17 +424,21 @@ def send_stream(channel: Channel, parts: tuple[memoryview, ...], chunk: int,
             bytes sent.
         max_frame: the peer's largest DATA payload (a run's prefix counts; default: room for
             the longest run's prefix beside ``chunk``).
-        spans: instead of ``parts`` and ``base``: ``(snapshot offset, bytes)`` of each range
-            of a fetch of several, in order and apart; no frame or run spans two.
 
     Returns:
         The frame count.
     """
-    if spans is None:
-        spans, offset = [], base
-        for part in parts:
-            spans.append((offset, part))
-            offset += len(part)
+    spans, offset = [], base
+    for part in parts:
+        spans.append((offset, part))
+        offset += len(part)
+    return send_spans(channel, spans, chunk, tags, max_frame)
+
+
+def send_spans(channel: Channel, spans: Sequence[tuple[int, memoryview]], chunk: int,
+               tags: BlockTags | None = None, max_frame: int | None = None) -> int:
+    """:func:`send_stream` of ``spans``, ``(snapshot offset, bytes)`` each, in order and apart
+    (a fetch of several ranges): no frame or run spans two."""
     pieces, sent = [], 0
     starts = sorted(tags.tags) if tags is not None else []
     for offset, part in spans:

@@ -46,7 +46,7 @@ from elasticd.replication.channel import (
     Channel,
     frame_chunk,
     receive_stream,
-    send_stream,
+    send_spans,
     tune,
 )
 from elasticd.replication.connections import Connections, Listener
@@ -361,9 +361,8 @@ class ReplicaServer:
             # not read here, each with the tag its owner made when it sealed the snapshot.
             tags = self.sink.tags(d)
             channel.send(FetchReply(d, tags.salt if tags is not None else None))
-            send_stream(channel, (), frame_chunk(self.chunk_size, peer_max_frame), tags,
-                        max_frame=peer_max_frame,
-                        spans=[(start, view[start:end]) for start, end in ranges])
+            send_spans(channel, [(start, view[start:end]) for start, end in ranges],
+                       frame_chunk(self.chunk_size, peer_max_frame), tags, peer_max_frame)
         finally:
             self._connections.fetched()
             self.sink.release(d)

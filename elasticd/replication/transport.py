@@ -31,6 +31,7 @@ from elasticd.replication.auth import check_secret, client_handshake
 from elasticd.replication.channel import (
     Channel,
     frame_chunk,
+    receive_spans,
     receive_stream,
     send_stream,
     tune,
@@ -217,8 +218,7 @@ class ReplicaClient:
                 if asked is None:
                     receive_stream(self.channel, end - start, target[start:end], base=start)
                 else:
-                    receive_stream(self.channel, sum(n for _, n in asked), target,
-                                   ranges=[(o, o + n) for o, n in asked])
+                    receive_spans(self.channel, target, [(o, o + n) for o, n in asked])
             finally:
                 self.channel.block_key = None
             return d
