@@ -542,8 +542,7 @@ def fetch_into_scratch(fetcher: Fetcher, store: SlotStore, job: str, rank: int,
         try:
             segments[-1].reserve_range(start, end)
         except OSError as exc:
-            raise OverBudget(f"no room for a partial copy of {job} rank {rank}: {exc}",
-                             end - start, store.bytes_held(), store.cap_bytes) from exc
+            raise OverBudget(f"no room for a partial copy of {job} rank {rank}: {exc}") from exc
 
     try:
         result = fetcher.fetch(job, rank, version, into,

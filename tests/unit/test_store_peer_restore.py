@@ -223,6 +223,28 @@ def test_a_fetch_with_the_new_boxes_is_a_partial_copy_dropped_at_its_release(nod
         t.call("ckpt_fetch", job="job", rank=2, generation=0, step=4, need={"w": 1})
 
 
+def test_a_partial_copy_without_room_is_refused_in_one_readable_line(nodes, monkeypatch):
+    """A scratch segment that cannot reserve its pages (a full /dev/shm) ends the fetch with
+    the store's own error, its message as the worker reads it (not the repr of its args)."""
+    import errno
+
+    from elasticd.snapshot.segment import Segment
+
+    svc, t, _, t2 = nodes
+    write_snapshot(t2, "job", 2, step=4, world=3)
+
+    def full(self, start, end):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Segment, "reserve_range", full)
+    with pytest.raises(TransportError) as refused:
+        t.call("ckpt_fetch", job="job", rank=2, generation=0, step=4,
+               need=[[[3000], ["S0"], [0], [1500]]])
+    message = str(refused.value)
+    assert "no room for a partial copy of job rank 2: [Errno 28] No space left" in message
+    assert "None)" not in message and "', " not in message, message
+
+
 def test_the_next_partial_copy_of_a_rank_lands_in_the_scratch_its_last_one_did(nodes):
     """Two old ranks of the same size fetched for a reshard and released in the worker's
     order (the other rank's first): at the next restore each copy lands in the segment the
