@@ -8,8 +8,8 @@ learns go into the node's job status, from which replica placement is computed
 :mod:`elasticd.cluster.learned_timeout`) and the crash-loop count
 (:class:`RestartWatch`). The group is restarted at once when it hangs
 (:meth:`WorkerGroup.restart_if_hung`) or when the job manager decides so for a failed peer
-(:meth:`WorkerGroup.restart_workers`). Its other parts: the straggler verdict
-(:class:`StragglerWatch`) and the restarts the crash-loop rule counts (:class:`RestartWatch`).
+(:meth:`WorkerGroup.restart_workers`). Its other part: the straggler verdict
+(:class:`StragglerWatch`).
 """
 
 from __future__ import annotations

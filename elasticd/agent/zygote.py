@@ -95,13 +95,7 @@ def recv_msg(sock: socket.socket, max_fds: int = 0) -> tuple[dict[str, Any] | No
         head, fds, _flags, _addr = socket.recv_fds(sock, wire.LENGTH.size, max_fds)
         if not head:
             return None, fds
-    rest = wire.recv_exactly(sock, wire.LENGTH.size - len(head))
-    if rest is None:
-        return None, fds
-    (size,) = wire.LENGTH.unpack(head + rest)
-    wire.check_length(size, MAX_REQUEST)
-    body = wire.recv_exactly(sock, size)
-    return (None if body is None else wire.decode(body)), fds
+    return wire.recv_frame(sock, MAX_REQUEST, head), fds
 
 
 def peer_allowed(peer_uid: int, my_uid: int) -> bool:

@@ -90,6 +90,23 @@ def recv_exactly(sock: socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
+def recv_frame(sock: socket.socket, max_message: int, head: bytes = b"") -> dict[str, Any] | None:
+    """One frame from a blocking socket (its length checked before the body is read), or None
+    when the stream ends first; ``head``: the length's first bytes, already read.
+
+    Raises:
+        FrameError: a frame over ``max_message`` or not a JSON object.
+        OSError: the connection failed.
+    """
+    rest = recv_exactly(sock, LENGTH.size - len(head))
+    if rest is None:
+        return None
+    (length,) = LENGTH.unpack(head + rest)
+    check_length(length, max_message)
+    body = recv_exactly(sock, length)
+    return None if body is None else decode(body)
+
+
 class RequestError(LocalProtocolError):
     """Raised by a handler to refuse a request: the message goes to the worker as the error.
 

@@ -116,13 +116,7 @@ def recv(sock: socket.socket) -> dict[str, Any] | None:
         wire.FrameError: a frame over :data:`MAX_MESSAGE` or not a JSON object.
         OSError: the connection failed.
     """
-    head = wire.recv_exactly(sock, wire.LENGTH.size)
-    if head is None:
-        return None
-    (length,) = wire.LENGTH.unpack(head)
-    wire.check_length(length, MAX_MESSAGE)
-    body = wire.recv_exactly(sock, length)
-    return None if body is None else wire.decode(body)
+    return wire.recv_frame(sock, MAX_MESSAGE)
 
 
 def connect(name: str, expected_pid: int | None) -> socket.socket:

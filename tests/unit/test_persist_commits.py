@@ -68,9 +68,11 @@ def cluster(tmp_path):
     stores: list[SlotStore] = []
     persisters: list[Persister] = []
     try:  # from the first store made: a set-up that fails must not leave it in /dev/shm
-        stores += [SlotStore(root) for root in roots]
-        persisters += [Persister(str(tmp_path / "persist"), keep=5, every_steps=10,
-                                 node_id=f"n{i}") for i in (1, 2, 3)]
+        for root in roots:  # one at a time: each made is in the list the cleanup closes
+            stores.append(SlotStore(root))
+        for i in (1, 2, 3):
+            persisters.append(Persister(str(tmp_path / "persist"), keep=5, every_steps=10,
+                                        node_id=f"n{i}"))
         reps, metrics = [Commits(store) for store in stores], [Metrics() for _ in range(3)]
         services = [CheckpointService(store, f"n{i + 1}", persist, replicator=rep,
                                       metrics_sink=CheckpointSink(m))

@@ -58,7 +58,7 @@ def test_the_relay_delivers_the_signal_while_the_lock_is_held():
     assert _run("relay", timeout=20.0) == "stopped"
 
 
-def test_the_relay_calls_each_handler_and_restores_defaults_on_close():
+def test_the_relay_calls_each_handler_and_puts_back_the_handlers_on_close():
     calls: list[int] = []
     two = threading.Event()
 
@@ -88,8 +88,10 @@ def test_close_puts_back_the_handler_the_relay_replaced():
     before = signal.signal(signal.SIGUSR2, own)
     try:
         relay = SignalRelay({signal.SIGUSR2: lambda: None})
-        assert signal.getsignal(signal.SIGUSR2) is not own
-        relay.close()
+        try:
+            assert signal.getsignal(signal.SIGUSR2) is not own
+        finally:
+            relay.close()  # its thread and pipe, even when the assertion fails
         assert signal.getsignal(signal.SIGUSR2) is own
     finally:
         signal.signal(signal.SIGUSR2, before)
