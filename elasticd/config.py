@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 from elasticd.coordination.etcd import EtcdSettings, parse_endpoints
 from elasticd.coordination.keys import check_name, check_prefix
-from elasticd.rendezvous.rounds import GROW_POLICIES, check_grow
+from elasticd.rendezvous.rounds import check_grow
 from elasticd.errors import InputError
 from elasticd.replication.secret_strength import weak_secret
 

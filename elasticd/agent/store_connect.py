@@ -9,10 +9,9 @@ loser's 0.25-0.75 s lands on every recovery that loses it.
 
 :func:`install`, called in each worker the zygote forks (:func:`elasticd.agent.zygote.run_script`),
 wraps ``torch.distributed.rendezvous._create_c10d_store``: a client first waits until the
-store's port accepts a TCP connection, trying every :data:`POLL` seconds within the store's own
-timeout, then creates the store as before with the time left (at least a second). The probe
-connects and closes (TCPStore's server takes that silently); if the port never opens, the
-original call runs and fails as it would have. Rank 0's own call (it hosts the server) is
+store's port accepts a TCP connection (:func:`elasticd.listening.wait_listening`) within the
+store's own timeout, then creates the store as before with the time left (at least a second).
+If the port never opens, the original call runs and fails as it would have. Rank 0's own call (it hosts the server) is
 untouched. A torch without that private function keeps its behaviour: the wrapper is then not
 installed.
 
@@ -22,39 +21,18 @@ dwarfs the back-off.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import functools
 import importlib
 import logging
 import os
-import socket
 from typing import Callable
 
 from elasticd.clock import Clock, SystemClock
+from elasticd.listening import wait_listening
 
 log = logging.getLogger(__name__)
 
-#: Seconds between connection attempts while rank 0's store is not listening yet.
-POLL = 0.005
-
-
-def wait_listening(host: str, port: int, timeout: float, clock: Clock | None = None) -> bool:
-    """Waits until ``host:port`` accepts a TCP connection (then closes it).
-
-    Returns:
-        True once a connection was accepted, False if none was within ``timeout`` seconds.
-    """
-    clock = clock or SystemClock()
-    deadline = clock.monotonic() + timeout
-    while True:
-        left = deadline - clock.monotonic()
-        with contextlib.suppress(OSError):  # refused (not listening yet), unreachable, timed out
-            with socket.create_connection((host, port), timeout=max(0.05, min(1.0, left))):
-                return True
-        if clock.monotonic() + POLL >= deadline:
-            return False
-        clock.sleep(POLL)
 
 
 def _wrap(create: Callable, clock: Clock | None = None) -> Callable:

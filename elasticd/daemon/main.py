@@ -24,6 +24,7 @@ from elasticd.agent.signals import SignalRelay
 from elasticd.daemon.daemon import Daemon
 from elasticd.daemon.node import Fatal, Node
 from elasticd.printable import PrintableFormatter, printable
+from elasticd.rendezvous.rounds import GROW_POLICIES
 
 log = logging.getLogger("elasticd")
 
@@ -94,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Numbers and words stay text here: config.load checks them, so flags, environment and
     # file give one message.
     special: dict[str, dict[str, Any]] = {
-        "rdzv_grow": {"metavar": "|".join(config.GROW_POLICIES)},
+        "rdzv_grow": {"metavar": "|".join(GROW_POLICIES)},
         "worker_start": {"choices": ("warm", "cold")},
     }
     for field in dataclasses.fields(config.Settings):

@@ -45,7 +45,7 @@ import stat
 import uuid
 from typing import Any, Iterator
 
-from elasticd.snapshot.format import CorruptSnapshot, SnapshotHeader
+from elasticd.snapshot.format import JOB_RE, CorruptSnapshot, SnapshotHeader
 from elasticd.errors import CheckpointError
 from elasticd.persistence import safetensors_file
 from elasticd.persistence.safetensors_file import PersistedSnapshot
@@ -57,7 +57,6 @@ MANIFEST_FORMAT = "elasticd-checkpoint"
 MANIFEST_VERSION = 1
 _STEP_RE = re.compile(r"step-(\d+)-(\d+)")
 _MARKER_RE = re.compile(r"rank-(\d+)\.json")
-_JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _XXH3_RE = re.compile(r"[0-9a-f]{16}")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _DIR_MODE = 0o755
@@ -178,8 +177,8 @@ class Tier:
         os.makedirs(root, mode=0o755, exist_ok=True)
 
     def job_dir(self, job: str) -> str:
-        if not isinstance(job, str) or not _JOB_RE.fullmatch(job):
-            raise TierError(f"job name {job!r} must match {_JOB_RE.pattern}")
+        if not isinstance(job, str) or not JOB_RE.fullmatch(job):
+            raise TierError(f"job name {job!r} must match {JOB_RE.pattern}")
         return os.path.join(self.root, job)
 
     def step_dir(self, job: str, version: tuple[int, int]) -> str:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import struct
 from typing import Any, Iterable, Iterator
 
@@ -45,6 +46,9 @@ DATA_ALIGNMENT = 4096
 DEFAULT_BLOCK_SIZE = 1 << 20
 #: A larger header is taken for corruption rather than allocated.
 MAX_HEADER_SIZE = 64 << 20
+#: A snapshot's job name as the slot store and the persistence tier take it: it names a
+#: directory in each (no separator, no leading dot, at most 128 characters).
+JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 #: dtype name (torch's spelling) -> (item size, numpy dtype or None when numpy lacks it).
 DTYPES: dict[str, tuple[int, str | None]] = {

@@ -45,8 +45,11 @@ class ScratchSpace:
         #: What each live segment's copy is of (``new``'s ``of``), for the pool when dropped.
         self._of: dict[Segment, object] = {}
         #: What :meth:`new` handed out: a kept segment whose last copy was of the same rank
-        #: (``same``), another kept one (``other``), or a new file (``new``). A bench reads it.
-        self.handed = {"same": 0, "other": 0, "new": 0}
+        #: (``same``), another kept one (``other``: a copy that lands in pages another rank's
+        #: copy touched, the regression a bench reads this for), a kept one set aside again
+        #: for no copy yet (``aside``: ``scratch_pool.prefill`` at a membership change), or a
+        #: new file (``new``).
+        self.handed = {"same": 0, "other": 0, "aside": 0, "new": 0}
 
     @property
     def job_cap(self) -> int | None:
@@ -87,7 +90,7 @@ class ScratchSpace:
             kept = self._accounts.kept.take(job, capacity, of)
             if kept is not None:
                 segment, was = kept
-                self.handed["same" if of is not None and was == of else "other"] += 1
+                self.handed["aside" if of is None else "same" if was == of else "other"] += 1
                 # Set aside again (``new`` without ``of``: scratch_pool.prefill at a membership
                 # change), it keeps what it held, so the next copy of that rank still lands in
                 # the pages it touched.

@@ -39,13 +39,20 @@ from elasticd.store.api import (
     SlotStoreError,
     StaleSlot,
 )
-from elasticd.snapshot.format import SnapshotError, SnapshotHeader, invalidate, seal, write_header
+from elasticd.snapshot.format import (
+    JOB_RE,
+    SnapshotError,
+    SnapshotHeader,
+    invalidate,
+    seal,
+    write_header,
+)
 from elasticd.snapshot.reader import SnapshotReader, verify_payload
 from elasticd.snapshot.segment import PAGE, Segment, map_fd
 from elasticd.store.scratch_pool import KEEP_SECONDS
 from elasticd.store.newest_pair import NewestPairs, room_for
 from elasticd.store.scratch_space import ScratchSpace
-from elasticd.store.shm_root import JOB_RE, SEGMENT_RE, claim_root, listdir_at, remove_at, same_file
+from elasticd.store.shm_root import SEGMENT_RE, claim_root, listdir_at, remove_at, same_file
 from elasticd.store.shm_scan import scan_root
 
 __all__ = ["PAGE", "CommitPending", "OverBudget", "ScanResult", "Slot", "SlotBusy", "SlotStore",

@@ -26,8 +26,7 @@ from elasticd.store.api import SlotStoreError
 
 log = logging.getLogger(__name__)
 
-#: A job's directory under the root, and a slot file in its rank's directory.
-JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+#: A slot file in its rank's directory (a job's directory is named as snapshot.format.JOB_RE).
 SEGMENT_RE = re.compile(r"(\d+)\.slot")
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

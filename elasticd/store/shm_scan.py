@@ -15,9 +15,10 @@ import os
 import stat
 from typing import Callable
 
+from elasticd.snapshot.format import JOB_RE
 from elasticd.snapshot.segment import Segment
 from elasticd.store.api import ScanResult
-from elasticd.store.shm_root import JOB_RE, SEGMENT_RE, dir_problem, listdir_at, remove_at
+from elasticd.store.shm_root import SEGMENT_RE, dir_problem, listdir_at, remove_at
 
 __all__ = ["scan_root"]
 

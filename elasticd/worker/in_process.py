@@ -34,12 +34,12 @@ import gc
 import logging
 import os
 import queue
-import socket
 import threading
 from typing import Any, Callable, TypeVar
 
 from elasticd.clock import SYSTEM_CLOCK
 from elasticd.errors import ElasticdError, LocalProtocolError
+from elasticd.listening import wait_listening
 from elasticd.local import worker_link as link
 from elasticd.worker import dtensor_caches, group_sockets
 from elasticd.worker.collective_timeout import FLOOR, CollectiveTimeout, worth_setting
@@ -330,7 +330,7 @@ class _Worker:
         timeout = datetime.timedelta(seconds=self.timeout)
         collective = self.collective.seconds()  # the round's first steps: warm-up
         if rank != 0:
-            _wait_listening(env["MASTER_ADDR"], int(env["MASTER_PORT"]), self.timeout)
+            wait_listening(env["MASTER_ADDR"], int(env["MASTER_PORT"]), self.timeout)
         tcp = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size=world,
                             is_master=(rank == 0), timeout=timeout, use_libuv=True)
         job = env.get("TORCHELASTIC_RUN_ID", "job")
@@ -409,27 +409,6 @@ def _report(times: dict[str, float]) -> None:
         client.send("reform_moments", times=dict(times),
                     **({"job": os.environ["ELASTICD_JOB"]} if os.environ.get("ELASTICD_JOB")
                        else {}))
-
-
-#: Seconds between two connection attempts to the round's store before it listens.
-LISTEN_POLL = 0.005
-
-
-def _wait_listening(addr: str, port: int, timeout: float) -> None:
-    """Returns once ``addr:port`` accepts a connection (the round's rank 0 hosts its store
-    there), or after ``timeout`` seconds (the store's own connect then says why). A TCPStore
-    client that finds no listener backs off for up to a second before it tries again (seen:
-    0.7 s of a 0.86 s re-formation), and the survivors learn their round at the same moment as
-    rank 0, so they would often try before it listens."""
-    deadline = SYSTEM_CLOCK.monotonic() + timeout
-    while True:
-        try:
-            socket.create_connection((addr, port), timeout=1.0).close()
-            return
-        except OSError:
-            if SYSTEM_CLOCK.monotonic() >= deadline:
-                return
-            SYSTEM_CLOCK.sleep(LISTEN_POLL)
 
 
 def _socket_fds() -> set[int]:

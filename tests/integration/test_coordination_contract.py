@@ -154,7 +154,7 @@ class CoordinatorContract:
             coord.put(p + b"n", b"rec", lease)
             coord.revoke_lease(lease)
             got.wait(lambda c: len(c.events()) >= 2)
-            put, delete = c = got.events()[:2]
+            put, delete = got.events()[:2]
             assert put.type is EventType.PUT and put.kv.value == b"rec"
             assert delete.type is EventType.DELETE and delete.prev.value == b"rec"
             assert delete.prev.lease == lease

@@ -21,9 +21,10 @@ def test_a_call_moving_nothing_gets_the_floor():
 
 def test_the_deadline_grows_with_the_bytes_and_shrinks_with_the_rate():
     rates = LinkRates(DeadlinePolicy(floor=2.0, slack=4.0, default_rate=50 * MB), alpha=1.0)
-    assert rates.deadline("b", 100 * MB) == pytest.approx(2.0 + 8.0)
-    rates.record("b", 200 * MB, 1.0)
-    assert rates.deadline("b", 100 * MB) == pytest.approx(2.0 + 2.0)
+    over = {n: rates.deadline("b", n * MB) - 2.0 for n in (100, 200)}  # beyond the floor
+    assert over[100] > 0 and over[200] == pytest.approx(2 * over[100])  # in step with the bytes
+    rates.record("b", 200 * MB, 1.0)  # measured at 4x the default rate
+    assert rates.deadline("b", 100 * MB) - 2.0 == pytest.approx(over[100] / 4)
 
 
 def test_an_unmeasured_peer_gets_the_conservative_default():

@@ -31,6 +31,7 @@ from elasticd.replication.tally import CommitWrite, Tally
 from elasticd.recovery.replicator import ShardLost
 from elasticd.replication.shm_sink import ShmSink
 from tests.replication_nodes import JOB, Cluster
+from tests.store_retained import retained, retained_by_any_rank
 
 THREE = {"n1": [0, 1], "n2": [2, 3], "n3": [4, 5]}
 FOUR = {"n1": [0, 1], "n2": [2, 3], "n3": [4, 5], "n4": [6, 7]}
@@ -642,8 +643,8 @@ def test_followed_versions_are_forgotten_once_committed(make_cluster):
     for node in (n1, n2):
         wait_for(lambda: not awaiting_commit(node))
         assert not book(node).entries, "a committed version is still remembered"
-        assert node.local._retained[JOB] == {(0, 1)}, "only the commit stays retained"
-        assert not any(pair.retained for pair in node.local._pairs.values())
+        assert retained(node.local, JOB) == {(0, 1)}, "only the commit stays retained"
+        assert not retained_by_any_rank(node.local)
 
 
 def test_only_the_owners_fence_says_a_copy_can_never_be_committed(make_cluster):

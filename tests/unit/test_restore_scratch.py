@@ -250,7 +250,8 @@ def test_scratch_set_aside_again_still_goes_to_the_next_copy_of_its_rank(roots):
                 thread.join(10)
         assert store.scratch.new(size, job="job", of=1) is one  # ... and it is still rank 1's
         assert store.scratch.new(size, job="job", of=2) is two
-        # Counted (a bench reads it): 2 files made, 1 set aside, 2 back to their own rank.
-        assert store.scratch.handed == {"same": 2, "other": 1, "new": 2}
+        # Counted (a bench reads it): 2 files made, 1 set aside, 2 back to their own rank, none
+        # to another rank's (the set-aside one is not counted as that).
+        assert store.scratch.handed == {"same": 2, "other": 0, "aside": 1, "new": 2}
     finally:
         store.close()

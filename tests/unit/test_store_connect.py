@@ -15,6 +15,7 @@ import time
 import pytest
 import torch.distributed as dist
 
+from elasticd import listening
 from elasticd.agent import store_connect
 
 RDZV = importlib.import_module("torch.distributed.rendezvous")
@@ -48,11 +49,14 @@ def _listen_later(port: int, delay: float, box: list) -> threading.Thread:
 
 
 def test_wait_listening_returns_once_the_port_opens():
+    """Both paths to a round's store poll for its listener first (the warm workers' store
+    wrapper here, an in-process worker's re-formation), where torch's client would back off
+    for up to a second; and give up at their timeout."""
     port, box = _free_port(), []
     t = _listen_later(port, 0.1, box)
     try:
         start = time.monotonic()
-        assert store_connect.wait_listening("127.0.0.1", port, 5.0)
+        assert listening.wait_listening("127.0.0.1", port, 5.0)
         assert 0.09 <= time.monotonic() - start < 2.0
     finally:
         t.join()
@@ -62,7 +66,7 @@ def test_wait_listening_returns_once_the_port_opens():
 
 def test_wait_listening_gives_up_after_the_timeout():
     start = time.monotonic()
-    assert not store_connect.wait_listening("127.0.0.1", _free_port(), 0.2)
+    assert not listening.wait_listening("127.0.0.1", _free_port(), 0.2)
     assert 0.15 <= time.monotonic() - start < 1.5
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from tests.snapshot_entries import entry
+from tests.store_retained import retained
 from elasticd.snapshot.format import PREAMBLE_SIZE, SnapshotHeader, TensorSpec, _header_json, layout
 from elasticd.store.service import CheckpointService
 from elasticd.store.shm import CommitPending, OverBudget, SlotStore
@@ -96,8 +97,8 @@ def test_a_pending_commit_no_longer_makes_a_rank_miss_its_newest_step(store):
     assert store.versions("inproc", 0) == [(0, 2), (0, 1)]
     assert store.versions("inproc", 0, newest=True) == [(0, 5), (0, 4), (0, 2), (0, 1)]
     assert store.latest("inproc", 0).header.step == 2
-    assert store._pairs[("inproc", 0)].retained == {(0, 2)}  # retained for rank 0 ...
-    assert store._retained["inproc"] == {(0, 1)}  # ... and for every rank of the job
+    assert retained(store, "inproc", 0) == {(0, 2)}  # retained for rank 0 ...
+    assert retained(store, "inproc") == {(0, 1)}  # ... and for every rank of the job
     # A job that does not keep the newest pair is unchanged: the snapshot is refused.
     with pytest.raises(CommitPending):
         snapshot(store, "other", 0, 3)

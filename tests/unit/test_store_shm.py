@@ -19,6 +19,7 @@ from elasticd.testing.clock import FakeClock
 from elasticd.snapshot import segment as segment_module
 from elasticd.snapshot.format import CorruptSnapshot, SnapshotHeader, TensorSpec, layout
 from tests.snapshot_entries import entry, named
+from tests.store_retained import retained
 from elasticd.store.shm import (
     PAGE,
     CommitPending,
@@ -157,7 +158,7 @@ def test_a_copy_retained_for_every_rank_outlives_newer_ones(store):
     store.release_retained("job", None, (0, 6))
     snapshot(store, "job", 0, step=9)
     assert store.versions("job", 0) == [(0, 9), (0, 8)]
-    assert not store._retained.get("job") and not store._pairs[("job", 0)].retained
+    assert not retained(store, "job") and not retained(store, "job", 0)
 
 
 def test_two_retained_copies_refuse_the_next_snapshot_until_one_is_released(store):
@@ -167,7 +168,7 @@ def test_two_retained_copies_refuse_the_next_snapshot_until_one_is_released(stor
     store.retain("job", None, (0, 1))
     snapshot(store, "job", 0, step=2)
     assert store.retain("job", 0, (0, 2))
-    assert store._pairs[("job", 0)].retained == {(0, 2)} and store._retained["job"] == {(0, 1)}
+    assert retained(store, "job", 0) == {(0, 2)} and retained(store, "job") == {(0, 1)}
     with pytest.raises(CommitPending) as info:
         store.reserve("job", 0, 100)
     assert info.value.version == (0, 2)
