@@ -20,9 +20,14 @@ run:
 * ``torch.load (cold)``: the same after ``posix_fadvise(POSIX_FADV_DONTNEED)`` on the file, so
   its bytes come from the disk.
 
-Figures are medians of ``--repeat`` runs, interleaved; with each, the CPU seconds per restored
-GiB of both processes on the path (the fetching one, which runs the daemon's fetch, and the
-holder), read from ``/proc``. torch is imported for the baseline only, after the peer process
+Figures are medians of ``--repeat`` rounds; each round runs the three transfers once, in an
+order that turns by one every round (so no variant always follows the same one), and with each,
+the CPU seconds per restored GiB of both processes on the path (the fetching one, which runs the
+daemon's fetch, and the holder), read from their process clocks. The target is judged on the
+ratio of the medians; the median of each round's own ratio (the floor's time over elasticd's in
+the same round) is reported beside it. One 1 GiB loopback transfer on this 2-core host varies
+by up to 2x from round to round (the raw socket's took 0.29-0.70 s in one run of three,
+restore39): three rounds, the default before restore39, could not tell 0.9x from 1.1x. torch is imported for the baseline only, after the peer process
 was forked. Run with ``flock /tmp/elasticd-cpu.lock`` on shared machines::
 
     python bench/bench_peer_restore.py --out bench/results/peer_restore.json
@@ -162,7 +167,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=1024, help="MiB of state")
     parser.add_argument("--tensors", type=int, default=300, help="tensors in the state")
-    parser.add_argument("--repeat", type=int, default=3, help="runs per variant (median)")
+    parser.add_argument("--repeat", type=int, default=9, help="rounds (medians over them)")
     parser.add_argument("--out", default="", help="also write the results as JSON here")
     args = parser.parse_args()
     sizes = tensor_sizes(args.mib << 20, args.tensors)
@@ -207,10 +212,10 @@ def main() -> None:
             for off in range(0, total, CHUNK):
                 recv_exactly(raw, buf[off : min(off + CHUNK, total)])
 
-        for _ in range(args.repeat):
-            timed(peer_s, "peer", fetch)
-            timed(floor_s, "floor", floor)
-            timed(raw_s, "raw", plain)
+        variants = [(peer_s, "peer", fetch), (floor_s, "floor", floor), (raw_s, "raw", plain)]
+        for i in range(args.repeat):
+            for runs, name, transfer in variants[i % 3:] + variants[: i % 3]:
+                timed(runs, name, transfer)
         warm_s, cold_s = torch_baselines(sizes, path, args.repeat)
     finally:
         if raw is not None:
@@ -252,10 +257,12 @@ def main() -> None:
             line += f" {fetcher:13.3f} {holder:15.3f}"
         print(line)
     ratio = floor_med / peer_med
+    paired = statistics.median(f / p for f, p in zip(floor_s, peer_s))
     cpu_over = (results[names["peer"]]["cpu_seconds_per_gib"]["receiver (fetching daemon)"]
                 - results[names["floor"]]["cpu_seconds_per_gib"]["receiver (fetching daemon)"])
-    print(f"elasticd runs at {ratio:.2f}x the verified floor's speed (target >= 0.9); its "
-          f"receiver uses {cpu_over:+.3f} CPU s/GiB beside the floor's (target <= +0.1)")
+    print(f"elasticd runs at {ratio:.2f}x the verified floor's speed (target >= 0.9; "
+          f"{paired:.2f}x the median round); its receiver uses {cpu_over:+.3f} CPU s/GiB beside "
+          f"the floor's (target <= +0.1)")
     print(f"peer restore is {speed(peer_med, warm_med, 'torch.load (warm)')} and "
           f"{speed(peer_med, cold_med, 'torch.load (cold)')}")
     if args.out:
@@ -268,6 +275,7 @@ def main() -> None:
                        "mib": args.mib, "tensors": len(sizes), "repeat": args.repeat,
                        "results": results,
                        "elasticd_speed_over_verified_floor": round(ratio, 3),
+                       "elasticd_speed_over_verified_floor_paired_median": round(paired, 3),
                        "receiver_cpu_seconds_per_gib_over_verified_floor": round(cpu_over, 3),
                        "targets": {"speed >= 0.9x the verified floor": ratio >= 0.9,
                                    "receiver CPU <= the floor's + 0.1 s/GiB": cpu_over <= 0.1}},

@@ -265,3 +265,76 @@ def test_at_the_default_limits_a_run_carries_seven_one_mib_blocks():
     frames = send_runs(Recorder(), [(i * mib, view[i * mib : (i + 1) * mib]) for i in range(40)],
                        tags, chunk, limit)
     assert runs == [(i * mib, 7) for i in range(0, 35, 7)] + [(35 * mib, 5)] and frames == 6
+
+
+@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("session", [True, False])
+def test_pieces_cover_the_spans_in_order_runs_hold_whole_tagged_blocks_and_cross_no_gap(
+        seed, session):
+    """send_spans over random spans (adjacent or apart) of a copy whose blocks are partly
+    tagged: the frames carry exactly the spans' bytes, in order; with a session every whole
+    tagged block inside a span goes in a run (within the run limits, never across a gap),
+    without one each goes alone as DATA; no DATA frame crosses a tagged block's start (the
+    sender knows no other)."""
+    import random
+
+    from elasticd.replication.channel import send_spans
+    from elasticd.replication.seal import BlockTags
+
+    rng = random.Random(seed)
+    block, total = 100, 4000
+    tagged = {o: (min(block, total - o), bytes([o // block]) * 16)
+              for o in range(0, total, block) if rng.random() < 0.8}
+    buf = memoryview(bytes(rng.getrandbits(8) for _ in range(total)))
+    spans, at = [], rng.choice([0, rng.randrange(1, 150)])
+    while at < total:
+        n = rng.randrange(1, 900)
+        if rng.random() < 0.5:  # ending on a block's end, as a stripe's spans do
+            n = max(block, (at + n) // block * block - at)
+        n = min(n, total - at)
+        spans.append((at, buf[at : at + n]))
+        at, r = at + n, rng.random()
+        if 0.3 <= r < 0.7:  # apart, the next span starting on a block (as a stripe's do)
+            at = (at // block + rng.randrange(1, 3)) * block
+        elif r >= 0.7:  # apart, anywhere
+            at += rng.randrange(1, 300)
+    chunk, max_frame = 350, 350 + 12 + 3 * 20  # at most 3 blocks' entries beside 350 bytes
+    sent: list[tuple[str, int, bytes, int]] = []
+
+    class Recorder:
+        send_key = object() if session else None
+
+        def send_run(self, offset, blocks):
+            got, size = b"".join(bytes(c) for _, c in blocks), sum(len(c) for _, c in blocks)
+            assert len(blocks) * 20 + 12 + size <= max_frame and size <= chunk
+            assert [(len(c), t) for t, c in blocks] == [
+                tagged[o] for o in range(offset, offset + size, block)]
+            sent.append(("run", offset, got, len(blocks)))
+
+        def send_data(self, offset, piece):
+            sent.append(("data", offset, bytes(piece), 0))
+
+        def send(self, end):
+            sent.append(("end", end.total_bytes, b"", end.frames))
+
+    frames = send_spans(Recorder(), spans, chunk, BlockTags(bytes(16), tagged), max_frame)
+    assert sent.pop() == ("end", sum(len(p) for _, p in spans), b"", frames)
+    assert frames == len(sent)
+    assert b"".join(s[2] for s in sent) == b"".join(bytes(p) for _, p in spans)
+    starts = {o for o, _ in spans}
+    ends = {o + len(p) for o, p in spans}
+    for kind, offset, data, _ in sent:
+        assert data == bytes(buf[offset : offset + len(data)])
+        gaps = [e for e in ends if offset < e < offset + len(data) and e not in starts]
+        assert not gaps, f"a frame at {offset} crosses the gap at {gaps}"
+        if kind == "data":
+            assert not any(offset < b < offset + len(data) for b in tagged), \
+                f"a DATA frame at {offset} crosses a tagged block's start"
+            if not session and offset in tagged and len(data) == tagged[offset][0]:
+                continue  # a whole tagged block, sent alone without a session
+            assert not session or offset not in tagged or len(data) < tagged[offset][0]
+    whole = {o for o, (n, _) in tagged.items()
+             for so, p in spans if so <= o and o + n <= so + len(p)}
+    in_runs = {o for kind, offset, data, _ in sent if kind == "run"
+               for o in range(offset, offset + len(data), block)}
+    assert in_runs == (whole if session else set())

@@ -64,7 +64,7 @@ for x in sorted(rows, key=lambda x: x["run"]):
           f"{x['workers']:.3f} | {scratch} |")
 summary = {"dir": os.path.relpath(here), "codes": sorted({x["code"] for x in rows})}
 for pages in ("shm", "huge"):
-    for tree in ("new", "old"):
+    for tree in sorted({x["tree"] for x in rows}):  # new, old (or the one tree held)
         mine = [x for x in rows if (x["pages"], x["tree"]) == (pages, tree)]
         if not mine:
             continue
