@@ -11,9 +11,9 @@ loser's 0.25-0.75 s lands on every recovery that loses it.
 wraps ``torch.distributed.rendezvous._create_c10d_store``: a client first waits until the
 store's port accepts a TCP connection (:func:`elasticd.listening.wait_listening`) within the
 store's own timeout, then creates the store as before with the time left (at least a second).
-If the port never opens, the original call runs and fails as it would have. Rank 0's own call (it hosts the server) is
-untouched. A torch without that private function keeps its behaviour: the wrapper is then not
-installed.
+If the port never opens, the original call runs and fails as it would have. Rank 0's own call
+(it hosts the server) is untouched. A torch without that private function keeps its
+behaviour: the wrapper is then not installed.
 
 Cold workers (new interpreters) are not covered: they spend seconds importing torch, which
 dwarfs the back-off.
@@ -32,7 +32,6 @@ from elasticd.clock import Clock, SystemClock
 from elasticd.listening import wait_listening
 
 log = logging.getLogger(__name__)
-
 
 
 def _wrap(create: Callable, clock: Clock | None = None) -> Callable:
