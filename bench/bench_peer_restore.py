@@ -27,8 +27,9 @@ daemon's fetch, and the holder), read from their process clocks. The target is j
 ratio of the medians; the median of each round's own ratio (the floor's time over elasticd's in
 the same round) is reported beside it. One 1 GiB loopback transfer on this 2-core host varies
 by up to 2x from round to round (the raw socket's took 0.29-0.70 s in one run of three,
-restore39): three rounds, the default before restore39, could not tell 0.9x from 1.1x. torch is imported for the baseline only, after the peer process
-was forked. Run with ``flock /tmp/elasticd-cpu.lock`` on shared machines::
+restore39): three rounds, the default before restore39, could not tell 0.9x from 1.1x.
+torch is imported for the baseline only, after the peer process was forked. Run with
+``flock /tmp/elasticd-cpu.lock`` on shared machines::
 
     python bench/bench_peer_restore.py --out bench/results/peer_restore.json
 """

@@ -437,8 +437,10 @@ def send_stream(channel: Channel, parts: tuple[memoryview, ...], chunk: int,
 
 def send_spans(channel: Channel, spans: Sequence[tuple[int, memoryview]], chunk: int,
                tags: BlockTags | None = None, max_frame: int | None = None) -> int:
-    """:func:`send_stream` of ``spans``, ``(snapshot offset, bytes)`` each, in order and apart
-    (a fetch of several ranges): no frame or run spans two."""
+    """:func:`send_stream` of ``spans``, ``(snapshot offset, bytes)`` each, in order: apart
+    (a fetch of several ranges) or back to back (a push's header and payload). No frame spans
+    two; a run of blocks continues into the next span only where it starts where the last
+    ended (send_runs' consecutiveness check)."""
     pieces, sent = [], 0
     starts = sorted(tags.tags) if tags is not None else []
     for offset, part in spans:

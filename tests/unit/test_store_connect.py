@@ -49,9 +49,9 @@ def _listen_later(port: int, delay: float, box: list) -> threading.Thread:
 
 
 def test_wait_listening_returns_once_the_port_opens():
-    """Both paths to a round's store poll for its listener first (the warm workers' store
-    wrapper here, an in-process worker's re-formation), where torch's client would back off
-    for up to a second; and give up at their timeout."""
+    """The poll both paths to a round's store make before connecting (the warm workers' store
+    wrapper, an in-process worker's re-formation), where torch's client would back off for up
+    to a second: it returns once the port listens (the next test: gives up at its timeout)."""
     port, box = _free_port(), []
     t = _listen_later(port, 0.1, box)
     try:
