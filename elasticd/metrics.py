@@ -42,7 +42,8 @@ PUSH_FAILURE_REASONS = ("unreachable", "no_address", "connection", "remote", "so
 #: compares: metrics imports no domain module).
 RECOVERY_PHASES = ("detect", "abort", "rendezvous", "start", "restore", "first_step")
 #: Label values of elasticd_replica_fetch_failures_total (elasticd.recovery.fetch).
-FETCH_FAILURE_REASONS = ("missing", "corrupt", "unreachable", "no_address", "lost", "other")
+FETCH_FAILURE_REASONS = ("missing", "corrupt", "protocol", "unreachable", "no_address", "lost",
+                         "other")
 #: Label values of elasticd_jobs_unprotected (checkpoint.protection.REASONS; a test compares).
 UNPROTECTED_REASONS = ("snapshots_failing", "no_placement", "commit_lag", "persist_stale")
 #: Label values of elasticd_persist_writer_busy_total (elasticd.store.service_snapshots).
@@ -538,7 +539,8 @@ class ReplicationCollector:
                                   "and holder records)", st.etcd_errors_total)
         yield by_label("elasticd_replica_fetch_failures",
                        "Holders that could not give a shard at restore, by reason (lost: no "
-                       "holder had an intact copy)", "reason", FETCH_FAILURE_REASONS,
+                       "holder had an intact copy; protocol: a holder that answered outside "
+                       "the protocol or with an error)", "reason", FETCH_FAILURE_REASONS,
                        st.fetch_failures_total)
         yield by_label("elasticd_replica_pushes_received",
                        "Snapshot pushes this node's replica server received, by outcome "

@@ -26,6 +26,7 @@ from elasticd.replication.api import (
     DeadlineExceeded,
     Descriptor,
     Refused,
+    RemoteError,
     ReplicationError,
     ShardLost,
     Version,
@@ -36,7 +37,13 @@ from elasticd.replication.lanes import Connections, NoAddress
 from elasticd.replication.messages import MAX_FETCH_RANGES
 from elasticd.replication.placement import Placement
 from elasticd.replication.shm_sink import descriptor_of, pinned_view
-from elasticd.replication.wire import BlockTagMismatch
+from elasticd.replication.wire import (
+    BlockTagMismatch,
+    ChecksumMismatch,
+    ForgedFrame,
+    ProtocolError,
+    TruncatedFrame,
+)
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +136,18 @@ def _reason(holder: str, exc: BaseException, connections: Connections) -> str:
     if isinstance(exc, NoAddress):
         return "no address"
     connections.discard(holder)
+    if isinstance(exc, (ForgedFrame, ChecksumMismatch)):
+        # A frame that fails its session tag or checksum: altered on the way, or by the
+        # holder, as a block that fails its tag is.
+        log.error("REFUSED a copy served by %s: %s", holder, exc)
+        return f"corrupt: {exc}"
+    if isinstance(exc, RemoteError) or (isinstance(exc, ProtocolError)
+                                        and not isinstance(exc, TruncatedFrame)):
+        # The holder answered, but not as the protocol says (bytes it was not asked for, a
+        # miscounted end) or with an ERROR frame: a bug or a hostile holder, not the
+        # network; a connection cut mid-frame is the network's.
+        log.error("REFUSED %s's answer: %s", holder, exc)
+        return f"protocol: {exc}"
     return f"unreachable: {exc}"
 
 

@@ -25,7 +25,7 @@ STATS = dict(
     replication_failures_total={"unreachable": 2, "no_space": 1, "a peer's new code": 5},
     committed_step=41, sync_lag_steps=2, under_replicated_shards=1,
     replica_bytes_held=1 << 20, rereplications_total=4, fetches_total=2,
-    fetch_bytes_total=2048, fetch_failures_total={"no address": 1, "corrupt": 1},
+    fetch_bytes_total=2048, fetch_failures_total={"no address": 1, "corrupt": 1, "protocol": 4},
     replication_commit_wait_timeouts_total=6, etcd_errors_total=8, fetch_seconds_total=1.5,
 )
 
@@ -55,6 +55,7 @@ def test_attached_statistics_are_read_at_scrape_time():
     # A reason the exporter does not know is never a label of its own.
     assert got[("elasticd_replication_failures_total", (("reason", "other"),))] == 5
     assert got[("elasticd_replica_fetch_failures_total", (("reason", "no_address"),))] == 1
+    assert got[("elasticd_replica_fetch_failures_total", (("reason", "protocol"),))] == 4
     assert got[("elasticd_replica_pushes_received_total", (("outcome", "aborted"),))] == 2
     assert got[("elasticd_replica_bytes_received_total", ())] == 999
     assert got[("elasticd_replica_protocol_errors_total", ())] == 3

@@ -14,6 +14,7 @@ from elasticd.snapshot.format import SnapshotHeader, TensorSpec, layout, seal
 from elasticd.clock import SystemClock
 from elasticd.replication.api import Descriptor
 from elasticd.replication.lanes import Connections
+from elasticd.replication.messages import FetchReply, PutEnd
 from elasticd.testing.replication import MemorySink
 from elasticd.recovery.fetch import (
     MAX_STRIPE_BYTES,
@@ -186,6 +187,32 @@ def test_a_holder_whose_copy_rotted_is_refused_and_its_pieces_come_from_the_othe
     assert bytes(into[: d.total_bytes]) == bytes(buf)
     assert [h for h, _ in result.attempts] == ["n1"]
     assert result.attempts[0][1].startswith("corrupt"), result.attempts
+
+
+def test_a_holder_answering_outside_the_protocol_is_counted_as_protocol_not_unreachable(
+        holders):
+    """A holder (with the session keys) that ends each piece it is asked for with a PUT_END
+    and no bytes broke the protocol: its piece goes to the others, the copy is intact, and
+    the reason says ``protocol`` (the metric's label), not ``unreachable``: the network did
+    nothing wrong, the holder did."""
+    d, buf = sealed_snapshot()
+    servers, pool = holders([FailingSink(), FailingSink(), FailingSink()], d, buf)
+    liar = servers[1]  # not the describer: every request it gets is for a piece
+
+    def empty_piece(channel, req, peer_max_frame, peer_id=""):
+        held, _ = liar.sink.read(req.job, req.owner_rank, None)
+        liar.sink.release(held)
+        tags = liar.sink.tags(held)
+        channel.send(FetchReply(held, tags.salt if tags is not None else None))
+        channel.send(PutEnd(0, 0))
+
+    liar._serve_fetch = empty_piece
+    result, into = fetch(pool, ["n0", "n1", "n2"])
+    assert bytes(into[: d.total_bytes]) == bytes(buf)
+    assert [h for h, _ in result.attempts] == ["n1"]
+    reason = result.attempts[0][1]
+    assert reason.startswith("protocol: ") and "PUT_END says 0 bytes" in reason, reason
+    assert "n1" not in dict(result.served)
 
 
 def test_pieces_grow_with_the_measured_rate_within_each_holders_share():
