@@ -240,6 +240,9 @@ def fetch_shard(job: str, rank: int, version: Version | None, into: Any, *, me: 
         except BaseException:
             connections.discard(holder)  # ``into`` failed (e.g. no room) mid-request
             raise
+        # The header as it was checked (padding to the first block included): the pieces
+        # write payload blocks only, so at the end these bytes must still be these.
+        checked = bytes(memoryview(sized(d)).cast("B")[: header.layout.data_offset])
         blocks = None if select is None else select(header)
         wanted = (d.total_bytes - d.header_bytes if blocks is None else
                   sum(header.layout.block_range(b)[1] - header.layout.block_range(b)[0]
@@ -255,15 +258,15 @@ def fetch_shard(job: str, rank: int, version: Version | None, into: Any, *, me: 
         if stripe.pieces:
             attempts.extend(stripe.absent)
             break  # every holder failed with ranges left: no intact copy
-        try:
-            # Every payload block was checked once its piece landed, and no holder writes
-            # after its piece is done or given back: only the header is left to check (a
-            # second pass over the payload cost ~0.1 s per GiB).
-            check_header(memoryview(sized(d)).cast("B")[: d.total_bytes], d,
-                         f"copy of {job} rank {rank} striped from {', '.join(stripe.served)}")
-        except SnapshotError as exc:
-            log.error("REFUSED the striped copy of %s rank %d: %s", job, rank, exc)
-            attempts.append((",".join(stripe.served), f"corrupt: {exc}"))
+        # Every payload block was checked once its piece landed, and no holder writes after
+        # its piece is done or given back: only the header is left, checked when it came. Its
+        # bytes are compared, not parsed again (a second pass over the payload cost ~0.1 s
+        # per GiB; a second parse ~1 ms for 300 tensors in 1 GiB).
+        if bytes(memoryview(sized(d)).cast("B")[: len(checked)]) != checked:
+            reason = (f"copy of {job} rank {rank} striped from {', '.join(stripe.served)}: "
+                      "its header changed after it was checked")
+            log.error("REFUSED the striped %s", reason)
+            attempts.append((",".join(stripe.served), f"corrupt: {reason}"))
             break
         if attempts:
             log.warning("%s rank %d %s fetched from %s after: %s", job, rank, d.version,

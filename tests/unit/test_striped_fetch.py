@@ -215,6 +215,26 @@ def test_a_holder_answering_outside_the_protocol_is_counted_as_protocol_not_unre
     assert "n1" not in dict(result.served)
 
 
+def test_a_header_changed_after_its_check_refuses_the_striped_copy(holders):
+    """The header is checked when it comes, before the pieces; at the end its bytes must be
+    the ones checked (compared, not parsed again): a header byte changed meanwhile (here by
+    the buffer's own ``reserve`` of a piece) refuses the copy as corrupt."""
+    d, buf = sealed_snapshot()
+    _, pool = holders([FailingSink(), FailingSink()], d, buf)
+    into = bytearray(8 << 20)
+
+    def scribble(start: int, end: int) -> None:
+        if start >= d.header_bytes:  # a piece's range: the header came and was checked
+            into[100] = buf[100] ^ 0x01
+
+    with pytest.raises(ShardLost) as lost:
+        fetch_shard(JOB, 1, None, lambda _: into, me="me", holders=["me", "n0", "n1"],
+                    connections=pool, own=(), clock=SystemClock(), stripe_bytes=STRIPE,
+                    reserve=scribble)
+    assert [r for _, r in lost.value.attempts if "header changed" in r], lost.value.attempts
+    assert lost.value.attempts[-1][1].startswith("corrupt: ")
+
+
 def test_pieces_grow_with_the_measured_rate_within_each_holders_share():
     MiB = 1 << 20
     # Unmeasured links (the 50 MB/s default): the smallest pieces, a frozen holder's piece
