@@ -196,7 +196,7 @@ def main() -> None:
                 assert all(np.array_equal(a.view(np.uint8), e.view(np.uint8))
                            for a, e in zip(tensors, expect)), k
         sock.sendall(b"q")
-        del scratch, base
+        scratch.release()
         scratch_map.close()
     finally:
         sock.close()
