@@ -12,7 +12,7 @@ import pytest
 
 from elasticd.snapshot.format import SnapshotHeader, TensorSpec, layout, seal
 from elasticd.clock import SystemClock
-from elasticd.replication.api import Descriptor
+from elasticd.replication.api import ConnectionLost, Descriptor, RemoteError
 from elasticd.replication.lanes import Connections
 from elasticd.replication.messages import FetchReply, PutEnd
 from elasticd.testing.replication import MemorySink
@@ -20,8 +20,16 @@ from elasticd.recovery.fetch import (
     MAX_STRIPE_BYTES,
     STRIPE_BYTES,
     ShardLost,
+    _reason,
     fetch_shard,
     stripe_size,
+)
+from elasticd.replication.wire import (
+    ChecksumMismatch,
+    ForgedFrame,
+    MalformedFrame,
+    TruncatedFrame,
+    UnexpectedFrame,
 )
 from elasticd.replication.transport import ReplicaClient, ReplicaServer
 
@@ -233,6 +241,25 @@ def test_a_header_changed_after_its_check_refuses_the_striped_copy(holders):
                     reserve=scribble)
     assert [r for _, r in lost.value.attempts if "header changed" in r], lost.value.attempts
     assert lost.value.attempts[-1][1].startswith("corrupt: ")
+
+
+@pytest.mark.parametrize("exc, reason", [
+    (ForgedFrame("a frame fails its session tag"), "corrupt"),
+    (ChecksumMismatch("a frame fails its xxh3"), "corrupt"),
+    (MalformedFrame("PUT_END miscounts"), "protocol"),
+    (UnexpectedFrame("expected DATA, received ACK"), "protocol"),
+    (RemoteError("internal", "KeyError"), "protocol"),
+    (TruncatedFrame("connection closed after 3 of 8 bytes"), "unreachable"),
+    (ConnectionLost("reset"), "unreachable"),
+])
+def test_each_failure_of_a_holder_has_the_reason_its_cause_gives(exc, reason):
+    """The reason (the metric's label) says whose fault it was: the bytes (corrupt), the
+    holder's conversation (protocol) or the network (unreachable); each drops the holder's
+    connection."""
+    dropped = []
+    pool = type("Pool", (), {"discard": lambda self, holder, *a: dropped.append(holder)})()
+    assert _reason("h1", exc, pool).split(":")[0] == reason
+    assert dropped == ["h1"]
 
 
 def test_pieces_grow_with_the_measured_rate_within_each_holders_share():
