@@ -126,30 +126,26 @@ def main() -> None:
         scratch[::4096] = b"\1" * len(range(0, total, 4096))
         base = np.frombuffer(scratch_map, np.uint8, 1).ctypes.data
 
-        def scratch_then_copy() -> float:
+        def receive_checked(into: memoryview) -> None:
+            """Every block into ``into``, each checked against its tag as it lands."""
             dest.fill(0)
             sock.sendall(b"s")
             for b in range(total // BLOCK):
                 recv_exactly(sock, prefix)
                 _, tag = PREFIX.unpack(prefix)
                 mac = BlockMac(b)
-                recv_exactly(sock, scratch[b * BLOCK : (b + 1) * BLOCK], mac.update)
+                recv_exactly(sock, into[b * BLOCK : (b + 1) * BLOCK], mac.update)
                 if mac.tag() != tag:
                     raise ValueError(b)
+
+        def scratch_then_copy() -> float:
+            receive_checked(scratch)
             ctypes.memmove(dest.ctypes.data, base, total)
             assert np.array_equal(dest[: 1 << 16], expect)
             return 0.0
 
         def recv_in_worker() -> float:
-            dest.fill(0)
-            sock.sendall(b"s")
-            for b in range(total // BLOCK):
-                recv_exactly(sock, prefix)
-                _, tag = PREFIX.unpack(prefix)
-                mac = BlockMac(b)
-                recv_exactly(sock, dview[b * BLOCK : (b + 1) * BLOCK], mac.update)
-                if mac.tag() != tag:
-                    raise ValueError(b)
+            receive_checked(dview)
             assert np.array_equal(dest[: 1 << 16], expect)
             return 0.0
 
