@@ -66,17 +66,21 @@ def proof(keys: SessionKeys, role: bytes, transcript_bytes: bytes) -> bytes:
 
 
 def client_handshake(channel: Channel, secret: bytes, node_id: str,
-                     expected_peer: str | None = None) -> Challenge:
+                     expected_peer: str | None = None, scope: str | None = None) -> Challenge:
     """Runs the client side; returns the server's CHALLENGE (its node id and frame limit).
 
     On return the channel seals and opens every frame with the session keys.
 
+    Args:
+        scope: a job: the session may only fetch that job's copies (:class:`Hello`); the
+            server must say so in its sealed ACK.
+
     Raises:
-        AuthenticationFailed: the server rejected our proof, failed to prove itself, or is
-            not ``expected_peer``.
+        AuthenticationFailed: the server rejected our proof, failed to prove itself, is
+            not ``expected_peer``, or did not take the ``scope`` (an older version).
         ProtocolError, ConnectionLost: as the channel raises them.
     """
-    hello = Hello(node_id, new_nonce(), channel.limits.max_frame)
+    hello = Hello(node_id, new_nonce(), channel.limits.max_frame, scope)
     channel.send(hello)
     challenge = channel.recv(Challenge)
     assert isinstance(challenge, Challenge)
@@ -108,6 +112,9 @@ def client_handshake(channel: Channel, secret: bytes, node_id: str,
     if not isinstance(msg, Ack):
         raise AuthenticationFailed(f"server {challenge.node_id!r} answered our proof with "
                                    f"{msg.TYPE.name}")
+    if scope is not None and msg.info.get("scope") != scope:
+        raise AuthenticationFailed(f"server {challenge.node_id!r} did not confirm the session's "
+                                   f"scope {scope!r} (an elasticd too old to keep it)")
     return challenge
 
 
@@ -144,5 +151,9 @@ def server_handshake(channel: Channel, secret: bytes, node_id: str,
     if refused is not None:
         channel.send(Error("busy", refused))
         return None
-    channel.send(Ack({"node_id": node_id}))
+    # A scoped session is confirmed under the session key, so a client that asked for one
+    # knows this server keeps it. (An older server refuses the longer HELLO outright; the
+    # confirmation guards against one that would parse it and drop the scope.)
+    channel.send(Ack({"node_id": node_id} if hello.scope is None else
+                     {"node_id": node_id, "scope": hello.scope}))
     return hello

@@ -17,6 +17,7 @@ import struct
 from typing import Any, ClassVar, Sequence, Union, get_args
 
 from elasticd.replication.api import Descriptor
+from elasticd.snapshot.format import JOB_RE
 from elasticd.replication.seal import SALT_BYTES, TAG_BYTES, FrameKey
 from elasticd.replication.wire import (
     CHECKED,
@@ -143,11 +144,49 @@ class _Greeting:
         return cls(_node_id(bytes(p[_GREETING.size:])), nonce, max_frame)
 
 
+_SCOPE = struct.Struct("!H")
+
+
 @dataclasses.dataclass(frozen=True)
 class Hello(_Greeting):
-    """Client's opening."""
+    """Client's opening; ``scope``, when given, asks for a session scoped to that job: the
+    server answers FETCH of that job on it and nothing else (``REPORT``, ``PUT_BEGIN`` and
+    other jobs' fetches end the connection). A session a daemon can hand to its job's worker
+    (issue 30's design, bench/results/restore40/). The scope follows the node id, its length
+    first; a HELLO without one is the one every version sends, so unscoped sessions are
+    unchanged. The HELLO is part of the handshake's transcript: nobody on the path can drop
+    or change the scope."""
 
     TYPE: ClassVar[FrameType] = FrameType.HELLO
+    scope: str | None = None
+
+    def payload(self) -> bytes:
+        base = super().payload()
+        if self.scope is None:
+            return base
+        if not isinstance(self.scope, str) or not JOB_RE.fullmatch(self.scope):
+            raise ValueError(f"a session's scope must be a job name, got {self.scope!r:.80}")
+        raw = self.scope.encode()
+        return base + _SCOPE.pack(len(raw)) + raw
+
+    @classmethod
+    def parse(cls, p: memoryview) -> "Hello":
+        if len(p) < _GREETING.size:
+            raise MalformedFrame(f"HELLO payload of {len(p)} bytes is too short")
+        end = _GREETING.size + _GREETING.unpack_from(p)[2]
+        if len(p) <= end:
+            return super().parse(p)
+        greeting = super().parse(p[:end])
+        if len(p) < end + _SCOPE.size or len(p) != end + _SCOPE.size + _SCOPE.unpack_from(
+                p, end)[0]:
+            raise MalformedFrame("HELLO scope length does not match the payload")
+        try:
+            scope = bytes(p[end + _SCOPE.size :]).decode()
+        except UnicodeDecodeError as exc:
+            raise MalformedFrame("HELLO scope is not UTF-8") from exc
+        if not JOB_RE.fullmatch(scope):
+            raise MalformedFrame(f"HELLO scope {scope!r:.80} is not a job name")
+        return cls(greeting.node_id, greeting.nonce, greeting.max_frame, scope)
 
 
 @dataclasses.dataclass(frozen=True)

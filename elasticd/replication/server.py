@@ -65,6 +65,7 @@ from elasticd.replication.wire import (
     DEFAULT_MAX_FRAME,
     Limits,
     ProtocolError,
+    ScopeViolation,
     UnexpectedFrame,
     UnsupportedVersion,
 )
@@ -76,6 +77,11 @@ log = logging.getLogger(__name__)
 #: runs cold after the frame's socket call flushed the caches: 7 MiB runs cost the holder less
 #: CPU than 4 MiB ones, 16 MiB no less and slower (bench/results/restore27/README.md).
 DEFAULT_CHUNK = 8 << 20
+
+
+def _request(msg: Any) -> str:
+    """A request as a log line names it."""
+    return (f"FETCH of job {msg.job!r}" if isinstance(msg, Fetch) else msg.TYPE.name)
 
 
 @dataclasses.dataclass
@@ -248,8 +254,17 @@ class ReplicaServer:
                     return
                 except ConnectionLost:
                     return  # the peer hung up between requests: normal
-                self._connections.hear(hello.node_id)
                 msg = channel.recv_message(header)
+                if hello.scope is not None:
+                    # A session its node opened for one job's restore, maybe held by that
+                    # job's worker now: it fetches that job's copies and does nothing else,
+                    # and says nothing of its node's liveness (no hear).
+                    if not (isinstance(msg, Fetch) and msg.job == hello.scope):
+                        raise ScopeViolation(f"a session scoped to job {hello.scope!r} sent "
+                                             f"{_request(msg)}")
+                    self._serve_fetch(channel, msg, hello.max_frame, hello.node_id)
+                    continue
+                self._connections.hear(hello.node_id)
                 if isinstance(msg, PutBegin):
                     self._receive(channel, msg, hello.node_id)
                     # Received whole: its last frame just came.

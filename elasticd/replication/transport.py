@@ -83,13 +83,15 @@ class ReplicaClient:
                 expected_peer: str | None = None, timeout: float = 30.0,
                 max_frame: int = DEFAULT_MAX_FRAME, max_control: int = DEFAULT_MAX_CONTROL,
                 ssl_context: ssl.SSLContext | None = None, server_hostname: str | None = None,
-                clock: Clock | None = None) -> "ReplicaClient":
+                clock: Clock | None = None, scope: str | None = None) -> "ReplicaClient":
         """Connects and authenticates both ways.
 
         Args:
             timeout: seconds any single send or receive may block, here and later.
             expected_peer: refuse a server announcing another node id.
             ssl_context: client-side TLS context (``server_hostname`` defaults to ``host``).
+            scope: a job: the session may only fetch that job's copies; the server confirms
+                it or the connection is refused (:class:`~elasticd.replication.messages.Hello`).
 
         Raises:
             ConnectionLost: cannot connect.
@@ -106,7 +108,7 @@ class ReplicaClient:
             if ssl_context is not None:
                 sock = ssl_context.wrap_socket(sock, server_hostname=server_hostname or host)
             channel = Channel(sock, limits)
-            challenge = client_handshake(channel, secret, node_id, expected_peer)
+            challenge = client_handshake(channel, secret, node_id, expected_peer, scope)
         except BaseException:
             sock.close()
             raise

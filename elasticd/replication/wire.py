@@ -124,6 +124,11 @@ class MalformedFrame(ProtocolError):
     """The payload does not decode as the frame type says."""
 
 
+class ScopeViolation(ProtocolError):
+    """A session scoped to one job asked for something else (another job's copy, a push, a
+    report)."""
+
+
 class UnexpectedFrame(ProtocolError):
     """A valid frame that is not allowed at this point of the conversation."""
 
