@@ -17,7 +17,6 @@ import struct
 from typing import Any, ClassVar, Sequence, Union, get_args
 
 from elasticd.replication.api import Descriptor
-from elasticd.snapshot.format import JOB_RE
 from elasticd.replication.seal import SALT_BYTES, TAG_BYTES, FrameKey
 from elasticd.replication.wire import (
     CHECKED,
@@ -40,6 +39,7 @@ from elasticd.replication.wire import (
     checksum,
     verify,
 )
+from elasticd.snapshot.format import JOB_RE
 
 
 def _node_id(raw: bytes) -> str:

@@ -254,18 +254,18 @@ class ReplicaServer:
                     return
                 except ConnectionLost:
                     return  # the peer hung up between requests: normal
+                if hello.scope is None:
+                    self._connections.hear(hello.node_id)
                 msg = channel.recv_message(header)
                 if hello.scope is not None:
                     # A session its node opened for one job's restore, maybe held by that
                     # job's worker now: it fetches that job's copies and does nothing else,
-                    # and says nothing of its node's liveness (no hear).
+                    # and is no sign of its node's life (not heard).
                     if not (isinstance(msg, Fetch) and msg.job == hello.scope):
                         raise ScopeViolation(f"a session scoped to job {hello.scope!r} sent "
                                              f"{_request(msg)}")
                     self._serve_fetch(channel, msg, hello.max_frame, hello.node_id)
-                    continue
-                self._connections.hear(hello.node_id)
-                if isinstance(msg, PutBegin):
+                elif isinstance(msg, PutBegin):
                     self._receive(channel, msg, hello.node_id)
                     # Received whole: its last frame just came.
                     self._connections.hear(hello.node_id)
