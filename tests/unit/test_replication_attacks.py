@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from tests.waiting import wait_for
 from elasticd.replication import auth
 from elasticd.replication.api import Descriptor
 from elasticd.replication.channel import Channel
@@ -39,13 +40,6 @@ from elasticd.replication.wire import (
 SECRET = b"cluster-secret-0123456789abcdef"
 MiB = 1 << 20
 
-
-def wait_for(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.01)
 
 
 @contextlib.contextmanager

@@ -9,10 +9,11 @@ import contextlib
 import os
 import socket
 import threading
-import time
 
 import pytest
 
+from tests.unit.test_replication_attacks import RewritingRelay, read_exactly
+from tests.waiting import wait_for
 from elasticd.replication import auth
 from elasticd.replication.api import Descriptor, RemoteError
 from elasticd.replication.auth import AuthenticationFailed
@@ -40,13 +41,6 @@ def snapshot(job: str, step: int = 1, size: int = MiB + 7) -> tuple[Descriptor, 
     payload = bytes((i * 7 + step) % 251 for i in range(size))
     return Descriptor(job, 0, 0, step, len(header) + len(payload), len(header)), header, payload
 
-
-def wait_for(predicate, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.01)
 
 
 @pytest.fixture
@@ -113,11 +107,14 @@ def test_a_scope_changed_or_dropped_on_the_way_fails_the_handshake(holder):
     for to in ("job-b", None):
         failures = []
         holder.auth_failures = lambda peer, why: failures.append(why)
-        with HelloRewriter(holder.address, to) as relay:
+        relay = HelloRewriter(holder.address, to)
+        try:
             with pytest.raises(AuthenticationFailed):
                 ReplicaClient.connect(*relay.address, SECRET, "node-a", timeout=10.0,
                                       scope="job-a")
             assert relay.rewritten == 1
+        finally:
+            relay.close()
         wait_for(lambda: len(failures) == 1)
         assert "did not prove" in failures[0], failures
 
@@ -146,71 +143,26 @@ def test_a_scope_is_a_job_name():
 # -- the attackers ------------------------------------------------------------------------------
 
 
-class HelloRewriter:
+class HelloRewriter(RewritingRelay):
     """A relay that replaces the client's HELLO by one with scope ``to`` (None: none), with a
     correct checksum, and passes everything else."""
 
     def __init__(self, target: tuple[str, int], to: str | None) -> None:
-        self.target, self.to, self.rewritten = target, to, 0
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.address = self.listener.getsockname()[:2]
-        self.socks: list[socket.socket] = []
-        self.threads = [threading.Thread(target=self._accept, daemon=True)]
-        self.threads[0].start()
+        self.to = to  # before the relay starts accepting
+        super().__init__(target)
 
-    def _accept(self) -> None:
-        client, _ = self.listener.accept()
-        upstream = socket.create_connection(self.target)
-        self.socks += [client, upstream]
-        for fn, args in ((self._rewrite_hello, (client, upstream)),
-                         (self._pipe, (upstream, client))):
-            t = threading.Thread(target=fn, args=args, daemon=True)
-            t.start()
-            self.threads.append(t)
-
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while data := src.recv(1 << 16):
-                dst.sendall(data)
-        with contextlib.suppress(OSError):
-            dst.shutdown(socket.SHUT_WR)
-
-    def _rewrite_hello(self, src: socket.socket, dst: socket.socket) -> None:
+    def _client_to_server(self, src: socket.socket, dst: socket.socket) -> None:
         with contextlib.suppress(OSError, EOFError):
-            head = _read(src, HEADER_SIZE)
+            head = read_exactly(src, HEADER_SIZE)
             magic, version, ftype, flags, length, _ = HEADER.unpack(head)
             assert ftype == FrameType.HELLO
-            hello = Hello.parse(memoryview(_read(src, length)))
+            hello = Hello.parse(memoryview(read_exactly(src, length)))
             forged = Hello(hello.node_id, hello.nonce, hello.max_frame, self.to).payload()
             checked = CHECKED.pack(magic, version, ftype, flags, len(forged))
             dst.sendall(HEADER.pack(magic, version, ftype, flags, len(forged),
                                     checksum(checked, forged)) + forged)
             self.rewritten += 1
         self._pipe(src, dst)
-
-    def __enter__(self) -> "HelloRewriter":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sock in self.socks:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-        self.listener.close()
-        for t in self.threads:
-            t.join(10)
-        for sock in self.socks:
-            sock.close()
-
-
-def _read(sock: socket.socket, n: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        chunk = sock.recv(n - len(out))
-        if not chunk:
-            raise EOFError
-        out += chunk
-    return bytes(out)
 
 
 @contextlib.contextmanager

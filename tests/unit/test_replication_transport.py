@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from tests.waiting import wait_for
 from elasticd.replication import auth
 from elasticd.replication.api import (
     EXISTS,
@@ -54,13 +55,6 @@ def snapshot(step: int, size: int = 3 * MiB + 123, generation: int = 0, rank: in
     return Descriptor(JOB, rank, generation, step, len(header) + len(payload), len(header)), \
         header, payload
 
-
-def wait_for(predicate, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.01)
 
 
 @pytest.fixture
