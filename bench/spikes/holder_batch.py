@@ -10,65 +10,122 @@ a/b, ``N`` pairs, the holder's CPU read around each::
 
     cpulock python bench/spikes/holder_batch.py 40
 """
-import sys, os, time, statistics, shutil, uuid, socket
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from __future__ import annotations
+
 import multiprocessing as mp
-import bench_peer_restore as b
-from proc_cpu import cpu_seconds
-import elasticd.replication.channel as ch
-import elasticd.replication.runs as runs
-from elasticd.replication.messages import run_prefix, data_prefix
-from elasticd.replication.wire import MAX_RUN_BLOCKS, RUN, RUN_ENTRY
-from elasticd.recovery.replicator import Replicator
-from elasticd.store.shm import SlotStore
-from elasticd.coordination.keys import Keyspace
-from elasticd.testing.coordination import MemoryCoordinator
+import os
+import shutil
+import socket
+import statistics
+import sys
+import time
+import uuid
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import bench_peer_restore as b  # noqa: E402  (pins the code tree before elasticd)
+from proc_cpu import cpu_seconds  # noqa: E402
+
+import elasticd.replication.channel as channel_module  # noqa: E402
+import elasticd.replication.runs as runs  # noqa: E402
+from elasticd.coordination.keys import Keyspace  # noqa: E402
+from elasticd.recovery.replicator import Replicator  # noqa: E402
+from elasticd.replication.messages import data_prefix, run_prefix  # noqa: E402
+from elasticd.replication.wire import MAX_RUN_BLOCKS, RUN, RUN_ENTRY  # noqa: E402
+from elasticd.store.shm import SlotStore  # noqa: E402
+from elasticd.testing.coordination import MemoryCoordinator  # noqa: E402
+
+#: Which way the holder sends the next fetch: "a" (the product's) or "b" (prefixes first).
 FLAG = f"/tmp/elasticd-holder-batch-{os.getpid()}"
-real = runs.send_runs
-def batched(channel, pieces, tags, chunk, max_frame):
+PRODUCT = runs.send_runs
+
+
+def send_runs(channel, pieces, tags, chunk: int, max_frame: int) -> int:
+    """The product's grouping of pieces into runs (``runs.send_runs``), every frame's prefix
+    built before the first is sent when the flag says "b"."""
     with open(FLAG) as f:
         if f.read().strip() != "b":
-            return real(channel, pieces, tags, chunk, max_frame)
-    out = []
-    run = []; start = size = 0
-    def close():
-        out.append((run_prefix(start, [(len(c), t) for t, c in run], channel.send_key), *(c for _, c in run)))
+            return PRODUCT(channel, pieces, tags, chunk, max_frame)
+    frames: list[tuple] = []
+    run: list = []
+    start = size = 0
+
+    def close() -> None:
+        prefix = run_prefix(start, [(len(c), t) for t, c in run], channel.send_key)
+        frames.append((prefix, *(c for _, c in run)))
+
     for at, piece in pieces:
         tag = tags.tag_at(at, len(piece))
         grown = RUN.size + (len(run) + 1) * RUN_ENTRY.size + size + len(piece)
-        if run and (tag is None or size + len(piece) > chunk or len(run) == MAX_RUN_BLOCKS or grown > max_frame or at != start + size):
-            close(); run = []
-        if tag is None:
-            out.append((data_prefix(at, piece, channel.send_key), piece)); continue
-        if not run: start, size = at, 0
-        run.append((tag, piece)); size += len(piece)
-    if run: close()
-    for parts in out:
+        if run and (tag is None or size + len(piece) > chunk or len(run) == MAX_RUN_BLOCKS
+                    or grown > max_frame or at != start + size):
+            close()
+            run = []
+        if tag is None:  # the header: tagged on the way, as the product does
+            frames.append((data_prefix(at, piece, channel.send_key), piece))
+            continue
+        if not run:
+            start, size = at, 0
+        run.append((tag, piece))
+        size += len(piece)
+    if run:
+        close()
+    for parts in frames:
         channel._send(*parts)
-    return len(out)
-ch.send_runs = batched
-open(FLAG, "w").write("a")
-sizes = b.tensor_sizes(1024 << 20, 300)
-root = f"/dev/shm/elasticd-bab-{uuid.uuid4().hex[:8]}"
-pipe, child = mp.Pipe()
-proc = mp.get_context("fork").Process(target=b.peer, args=(child, root, sizes), daemon=True); proc.start()
-address, raw_port, total = pipe.recv()
-rep = Replicator("restorer", MemoryCoordinator(), Keyspace("/bench"), SlotStore(f"{root}-r"), b.SECRET, m=2,
-                 peers_address=lambda n: address if n == "peer" else None, timeout=60.0)
-rep.set_membership(b.JOB, ["peer", "restorer"], {"peer": [b.RANK]})
-buf = b.touched(total)
-rep.fetch(b.JOB, b.RANK, (0, 1), buf)
-res = {"a": [], "b": []}; wall = {"a": [], "b": []}
-N = int(sys.argv[1]) if len(sys.argv) > 1 else 20
-for i in range(N):
-    for m in (("a", "b") if i % 2 == 0 else ("b", "a")):
-        open(FLAG, "w").write(m)
-        c0 = cpu_seconds(proc.pid); t0 = time.perf_counter()
+    return len(frames)
+
+
+def main() -> None:
+    pairs = int(sys.argv[1]) if len(sys.argv) > 1 else 20
+    channel_module.send_runs = send_runs  # the holder, forked below, sends with it
+    with open(FLAG, "w") as f:
+        f.write("a")
+    sizes = b.tensor_sizes(1024 << 20, 300)
+    root = f"/dev/shm/elasticd-batch-{uuid.uuid4().hex[:8]}"
+    pipe, child = mp.Pipe()
+    proc = mp.get_context("fork").Process(target=b.peer, args=(child, root, sizes), daemon=True)
+    proc.start()
+    rep = None
+    cpu: dict[str, list[float]] = {"a": [], "b": []}
+    wall: dict[str, list[float]] = {"a": [], "b": []}
+    try:
+        address, raw_port, total = pipe.recv()
+        rep = Replicator("restorer", MemoryCoordinator(), Keyspace("/bench"),
+                         SlotStore(f"{root}-r"), b.SECRET, m=2,
+                         peers_address=lambda n: address if n == "peer" else None,
+                         timeout=60.0)
+        rep.set_membership(b.JOB, ["peer", "restorer"], {"peer": [b.RANK]})
+        buf = b.touched(total)
         rep.fetch(b.JOB, b.RANK, (0, 1), buf)
-        wall[m].append(time.perf_counter() - t0); res[m].append(cpu_seconds(proc.pid) - c0)
-for m in res: print(m, "holder cpu med", round(statistics.median(res[m]), 4), "wall med", round(statistics.median(wall[m]), 4))
-print("b lower cpu in", sum(y < x for x, y in zip(res["a"], res["b"])), "of", N, "; paired cpu ratio", round(statistics.median(y / x for x, y in zip(res["a"], res["b"])), 3), "wall ratio", round(statistics.median(y / x for x, y in zip(wall["a"], wall["b"])), 3))
-raw = socket.create_connection(("127.0.0.1", raw_port)); raw.sendall(b"q"); raw.close()
-rep.close(); rep.store.close(); proc.join(30)
-shutil.rmtree(root, ignore_errors=True); shutil.rmtree(f"{root}-r", ignore_errors=True)
-os.unlink(FLAG)
+        for i in range(pairs):
+            for way in (("a", "b") if i % 2 == 0 else ("b", "a")):
+                with open(FLAG, "w") as f:
+                    f.write(way)
+                before, start = cpu_seconds(proc.pid), time.perf_counter()
+                rep.fetch(b.JOB, b.RANK, (0, 1), buf)
+                wall[way].append(time.perf_counter() - start)
+                cpu[way].append(cpu_seconds(proc.pid) - before)
+        with socket.create_connection(("127.0.0.1", raw_port)) as raw:
+            raw.sendall(b"q")  # the holder's raw server ends, then the holder
+    finally:
+        if rep is not None:
+            rep.close()
+            rep.store.close()
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(f"{root}-r", ignore_errors=True)
+        os.unlink(FLAG)
+    for way in cpu:
+        print(way, "holder cpu med", round(statistics.median(cpu[way]), 4), "wall med",
+              round(statistics.median(wall[way]), 4))
+    print("b lower cpu in", sum(y < x for x, y in zip(cpu["a"], cpu["b"])), "of", pairs,
+          "; paired cpu ratio", round(statistics.median(y / x for x, y in zip(cpu["a"],
+                                                                              cpu["b"])), 3),
+          "wall ratio", round(statistics.median(y / x for x, y in zip(wall["a"], wall["b"])), 3))
+
+
+if __name__ == "__main__":
+    main()
