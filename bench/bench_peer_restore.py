@@ -138,6 +138,17 @@ def peer(conn, root: str, sizes: list[int]) -> None:
 # -- the measurements (this process) -----------------------------------------------------------
 
 
+def restorer(root: str, address: tuple[str, int]) -> Replicator:
+    """The fetching side: a Replicator whose only peer is the holder at ``address``, its own
+    slot store at ``root``-restorer (the caller closes both)."""
+    replicator = Replicator("restorer", MemoryCoordinator(), Keyspace("/bench"),
+                            SlotStore(f"{root}-restorer"), SECRET, m=2,
+                            peers_address=lambda n: address if n == "peer" else None,
+                            timeout=60.0)
+    replicator.set_membership(JOB, ["peer", "restorer"], {"peer": [RANK]})
+    return replicator
+
+
 def torch_baselines(sizes: list[int], path: str, repeat: int) -> tuple[list[float], list[float]]:
     import torch  # the baseline only; the daemon side never imports torch
 
@@ -180,11 +191,7 @@ def main() -> None:
     replicator = raw = None
     try:
         address, raw_port, total = pipe.recv()
-        replicator = Replicator("restorer", MemoryCoordinator(), Keyspace("/bench"),
-                                SlotStore(f"{root}-restorer"), SECRET, m=2,
-                                peers_address=lambda n: address if n == "peer" else None,
-                                timeout=60.0)
-        replicator.set_membership(JOB, ["peer", "restorer"], {"peer": [RANK]})
+        replicator = restorer(root, address)
         raw = socket.create_connection(("127.0.0.1", raw_port))
         verified_floor.tune(raw)
         buf = touched(total)

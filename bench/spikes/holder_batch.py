@@ -29,12 +29,8 @@ from proc_cpu import cpu_seconds  # noqa: E402
 
 import elasticd.replication.channel as channel_module  # noqa: E402
 import elasticd.replication.runs as runs  # noqa: E402
-from elasticd.coordination.keys import Keyspace  # noqa: E402
-from elasticd.recovery.replicator import Replicator  # noqa: E402
 from elasticd.replication.messages import data_prefix, run_prefix  # noqa: E402
 from elasticd.replication.wire import MAX_RUN_BLOCKS, RUN, RUN_ENTRY  # noqa: E402
-from elasticd.store.shm import SlotStore  # noqa: E402
-from elasticd.testing.coordination import MemoryCoordinator  # noqa: E402
 
 #: Which way the holder sends the next fetch: "a" (the product's) or "b" (prefixes first).
 FLAG = f"/tmp/elasticd-holder-batch-{os.getpid()}"
@@ -91,11 +87,7 @@ def main() -> None:
     wall: dict[str, list[float]] = {"a": [], "b": []}
     try:
         address, raw_port, total = pipe.recv()
-        rep = Replicator("restorer", MemoryCoordinator(), Keyspace("/bench"),
-                         SlotStore(f"{root}-r"), b.SECRET, m=2,
-                         peers_address=lambda n: address if n == "peer" else None,
-                         timeout=60.0)
-        rep.set_membership(b.JOB, ["peer", "restorer"], {"peer": [b.RANK]})
+        rep = b.restorer(root, address)
         buf = b.touched(total)
         rep.fetch(b.JOB, b.RANK, (0, 1), buf)
         for i in range(pairs):
@@ -116,7 +108,7 @@ def main() -> None:
         if proc.is_alive():
             proc.kill()
         shutil.rmtree(root, ignore_errors=True)
-        shutil.rmtree(f"{root}-r", ignore_errors=True)
+        shutil.rmtree(f"{root}-restorer", ignore_errors=True)
         os.unlink(FLAG)
     for way in cpu:
         print(way, "holder cpu med", round(statistics.median(cpu[way]), 4), "wall med",

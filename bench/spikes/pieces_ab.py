@@ -28,10 +28,6 @@ import bench_peer_restore as b  # noqa: E402  (pins the code tree before elastic
 import verified_floor  # noqa: E402
 
 import elasticd.recovery.fetch as fetch_module  # noqa: E402
-from elasticd.coordination.keys import Keyspace  # noqa: E402
-from elasticd.recovery.replicator import Replicator  # noqa: E402
-from elasticd.store.shm import SlotStore  # noqa: E402
-from elasticd.testing.coordination import MemoryCoordinator  # noqa: E402
 
 
 def main() -> None:
@@ -44,11 +40,7 @@ def main() -> None:
     rep = raw = None
     try:
         address, raw_port, total = pipe.recv()
-        rep = Replicator("restorer", MemoryCoordinator(), Keyspace("/bench"),
-                         SlotStore(f"{root}-r"), b.SECRET, m=2,
-                         peers_address=lambda n: address if n == "peer" else None,
-                         timeout=60.0)
-        rep.set_membership(b.JOB, ["peer", "restorer"], {"peer": [b.RANK]})
+        rep = b.restorer(root, address)
         raw = socket.create_connection(("127.0.0.1", raw_port))
         verified_floor.tune(raw)
         buf = b.touched(total)
@@ -88,7 +80,7 @@ def main() -> None:
             rep.store.close()
         proc.join(30)
         shutil.rmtree(root, ignore_errors=True)
-        shutil.rmtree(f"{root}-r", ignore_errors=True)
+        shutil.rmtree(f"{root}-restorer", ignore_errors=True)
     for name, v in runs.items():
         print(f"{name:10} median {statistics.median(v):.4f} s  runs "
               f"{[round(x, 3) for x in v]}")
