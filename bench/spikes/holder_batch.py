@@ -4,8 +4,9 @@ two multi-MiB ``sendmsg`` calls (where its Python may run with cold caches: rest
 ~35 ms/GiB of interpreter samples on the serving thread)?
 
 The holder process (``bench_peer_restore.py``'s, 1 GiB in 300 tensors) gets a ``send_runs``
-that reads a flag file on each call: ``a`` runs the product's ``send_runs``, ``b`` builds every
-run prefix (and the untagged header's DATA prefix) in one pass, then sends. Fetches alternate
+that reads a flag file on each call: ``a`` runs the product's ``send_runs``, ``b`` has the
+product's ``send_runs`` record its frames, builds every prefix (the runs', and the untagged
+header's DATA prefix) in one pass, then sends. Fetches alternate
 a/b, ``N`` pairs, the holder's CPU read around each::
 
     cpulock python bench/spikes/holder_batch.py 40
@@ -30,46 +31,43 @@ from proc_cpu import cpu_seconds  # noqa: E402
 import elasticd.replication.channel as channel_module  # noqa: E402
 import elasticd.replication.runs as runs  # noqa: E402
 from elasticd.replication.messages import data_prefix, run_prefix  # noqa: E402
-from elasticd.replication.wire import MAX_RUN_BLOCKS, RUN, RUN_ENTRY  # noqa: E402
 
 #: Which way the holder sends the next fetch: "a" (the product's) or "b" (prefixes first).
 FLAG = f"/tmp/elasticd-holder-batch-{os.getpid()}"
 PRODUCT = runs.send_runs
 
 
+class _Frames:
+    """A :class:`~elasticd.replication.runs.RunSender` that keeps the frames the product's
+    ``send_runs`` asks for instead of sending them."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def send_run(self, offset: int, blocks: list) -> None:
+        self.calls.append(("run", offset, blocks))
+
+    def send_data(self, offset: int, chunk) -> None:
+        self.calls.append(("data", offset, chunk))
+
+
 def send_runs(channel, pieces, tags, chunk: int, max_frame: int) -> int:
-    """The product's grouping of pieces into runs (``runs.send_runs``), every frame's prefix
-    built before the first is sent when the flag says "b"."""
+    """The product's ``send_runs`` when the flag says "a"; when it says "b", the same frames
+    (the product's grouping, recorded), every prefix built before the first is sent."""
     with open(FLAG) as f:
         if f.read().strip() != "b":
             return PRODUCT(channel, pieces, tags, chunk, max_frame)
-    frames: list[tuple] = []
-    run: list = []
-    start = size = 0
-
-    def close() -> None:
-        prefix = run_prefix(start, [(len(c), t) for t, c in run], channel.send_key)
-        frames.append((prefix, *(c for _, c in run)))
-
-    for at, piece in pieces:
-        tag = tags.tag_at(at, len(piece))
-        grown = RUN.size + (len(run) + 1) * RUN_ENTRY.size + size + len(piece)
-        if run and (tag is None or size + len(piece) > chunk or len(run) == MAX_RUN_BLOCKS
-                    or grown > max_frame or at != start + size):
-            close()
-            run = []
-        if tag is None:  # the header: tagged on the way, as the product does
-            frames.append((data_prefix(at, piece, channel.send_key), piece))
-            continue
-        if not run:
-            start, size = at, 0
-        run.append((tag, piece))
-        size += len(piece)
-    if run:
-        close()
+    kept = _Frames()
+    count = PRODUCT(kept, pieces, tags, chunk, max_frame)
+    # As Channel.send_run and Channel.send_data build them, in the same order (the session
+    # key's sequence numbers are taken in the order the frames go).
+    frames = [(run_prefix(at, [(len(c), t) for t, c in part], channel.send_key),
+               *(c for _, c in part)) if kind == "run"
+              else (data_prefix(at, part, channel.send_key), part)
+              for kind, at, part in kept.calls]
     for parts in frames:
         channel._send(*parts)
-    return len(frames)
+    return count
 
 
 def main() -> None:

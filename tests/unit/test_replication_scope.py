@@ -15,7 +15,7 @@ import pytest
 from tests.unit.test_replication_attacks import RewritingRelay, read_exactly
 from tests.waiting import wait_for
 from elasticd.replication import auth
-from elasticd.replication.api import Descriptor, RemoteError
+from elasticd.replication.api import ConnectionLost, Descriptor, RemoteError
 from elasticd.replication.auth import AuthenticationFailed
 from elasticd.replication.channel import Channel
 from elasticd.replication.messages import Ack, Auth, Challenge, Hello
@@ -95,7 +95,7 @@ def test_a_scoped_session_can_do_nothing_else_and_is_cut_off(holder, attempt):
                 client.report(Report("job-a", "node-a", 1, "p", 1, 1, 0, 0, {}))
         assert refused.value.code == "protocol"
         assert not any(into)
-        with pytest.raises(Exception):  # the connection is gone
+        with pytest.raises(ConnectionLost, match="unusable"):  # the connection is gone
             client.fetch("job-a", 0, into)
     wait_for(lambda: holder.snapshot_stats().protocol_errors == 1)
     assert sink.events == events  # nothing began, landed or was dropped

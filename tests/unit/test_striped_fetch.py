@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -257,7 +258,7 @@ def test_each_failure_of_a_holder_has_the_reason_its_cause_gives(exc, reason):
     holder's conversation (protocol) or the network (unreachable); each drops the holder's
     connection."""
     dropped = []
-    pool = type("Pool", (), {"discard": lambda self, holder, *a: dropped.append(holder)})()
+    pool = SimpleNamespace(discard=lambda holder, *a: dropped.append(holder))
     assert _reason("h1", exc, pool).split(":")[0] == reason
     assert dropped == ["h1"]
 
