@@ -115,12 +115,16 @@ JOB = "bench-shard"
 OLD, NEW = 3, 2
 STEP = 1
 VARIANTS = ("elasticd", "dcp_warm", "dcp_cold", "floor")
+#: ``--spike-worker-fetch``: the worker fetches its own rows (bench/spikes/worker_fetch.py).
+SPIKE = "worker_fetch"
 FLOOR = ("verified floor: each new rank's state bytes over raw TCP from the 3 holders at "
          "once, every 4 MiB block checked against its Poly1305 tag as it lands, nothing else")
 LABELS = {"elasticd": "elasticd restore from peers' RAM (Checkpointer.restore)",
           "dcp_warm": "dcp.load from local disk, page cache warm",
           "dcp_cold": "dcp.load from local disk, cold (fadvise DONTNEED)",
-          "floor": FLOOR}
+          "floor": FLOOR,
+          SPIKE: "spike, not the product's path: the worker fetches its own rows into its live "
+                 "tensors (bench/spikes/worker_fetch.py)"}
 #: What the raw senders send from (its content does not matter; the size keeps it out of cache).
 RAW_CHUNK = 64 << 20
 
@@ -515,7 +519,8 @@ class CpuMeter:
 
 
 def worker(rank: int, port: int, dims: list[int], sock: str, control, dcp_dir: str,
-           repeat: int, out_path: str, raw_book: list, pids: dict, idle: float) -> None:
+           repeat: int, out_path: str, raw_book: list, pids: dict, idle: float,
+           variants: tuple = VARIANTS, book: dict | None = None) -> None:
     """A new rank (world 2): runs every variant ``repeat + 1`` times (the first round is the
     first restore of these processes, after ``idle`` seconds) and writes its timings to
     ``out_path``."""
@@ -548,12 +553,19 @@ def worker(rank: int, port: int, dims: list[int], sock: str, control, dcp_dir: s
         # too, and into that same buffer, faulted in by then, in the timed rounds.
         floor_bytes = -(-local_bytes // verified_floor.BLOCK) * verified_floor.BLOCK
         floor_buf = None
+        spike = None
+        if SPIKE in variants:  # test-only: it is given the cluster secret
+            sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                            "spikes"))
+            from worker_fetch import WorkerFetch
+
+            spike = WorkerFetch(rank, JOB, OLD, (0, STEP), holders_of, book, SECRET)
         profiles = ThreadProfiles(f"worker-{rank}")
         prof = profiles.main() if profiles.dir else None
         rows = []
         for rnd in range(repeat + 1):
             digests = {}
-            for variant in VARIANTS:
+            for variant in variants:
                 fetched = None
                 if variant != "floor":
                     clear(model, opt)
@@ -563,7 +575,7 @@ def worker(rank: int, port: int, dims: list[int], sock: str, control, dcp_dir: s
                     fetched = control.recv()
                 elif variant.startswith("dcp") and rank == 0:
                     (warm_cache if variant == "dcp_warm" else drop_cache)(dcp_dir)
-                if rnd == 0 and variant in ("elasticd", "floor"):
+                if rnd == 0 and variant in ("elasticd", "floor", SPIKE):
                     # As after a failure: memory freed a while ago (the saver processes',
                     # the other variants') has gone back to the host (free page reporting).
                     time.sleep(idle)
@@ -575,6 +587,8 @@ def worker(rank: int, port: int, dims: list[int], sock: str, control, dcp_dir: s
                     if floor_buf is None:
                         floor_buf = mmap.mmap(-1, floor_bytes)  # fresh: faulted in as it lands
                     pull_verified(raw_book, memoryview(floor_buf))
+                elif variant == SPIKE:
+                    parts = spike.restore(state)
                 elif variant == "elasticd":
                     transport.seconds.clear()
                     loads.clear()
@@ -627,6 +641,8 @@ def worker(rank: int, port: int, dims: list[int], sock: str, control, dcp_dir: s
         rows.append({"round": repeat + 1, "variant": "final", "rank": rank,
                      "daemon_before": control.recv(), "local_state_bytes": local_bytes})
         ckpt.close()
+        if spike is not None:
+            spike.close()
         profiles.dump()
         with open(out_path, "w") as f:
             json.dump(rows, f)
@@ -678,7 +694,12 @@ def main() -> None:
                         help="write cProfile stats of every daemon and holder thread and of "
                              "the workers' timed restores to this directory (slows the "
                              "runs: for finding costs, not for figures)")
+    parser.add_argument("--spike-worker-fetch", action="store_true",
+                        help="also run, each round after the floor, the spike of a worker "
+                             "that fetches its own rows (bench/spikes/worker_fetch.py; "
+                             "test-only: its workers hold the cluster secret)")
     args = parser.parse_args()
+    variants = VARIANTS + ((SPIKE,) if args.spike_worker_fetch else ())
     # A run stopped by SIGTERM (a hold's `timeout`) still stops its processes and removes its
     # stores: killed outright, one left 4.3 GB in /dev/shm (bench/results/restore36/).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -738,7 +759,7 @@ def main() -> None:
         outs = [os.path.join(work, f"worker{r}.json") for r in range(NEW)]
         run_spawned(spawn, worker, lambda r: (r, port, dims, os.path.join(work, f"n{r}.sock"),
                                               controls[r], dcp_dir, args.repeat, outs[r],
-                                              raw_book, pids, args.idle),
+                                              raw_book, pids, args.idle, variants, book),
                     NEW, args.timeout)
         rows = [row for path in outs for row in json.load(open(path))]
     finally:
@@ -758,7 +779,7 @@ def main() -> None:
     left = [n for n in os.listdir("/dev/shm") if tag in n]
     assert not left, f"left in /dev/shm: {left}"
     summary = summarise(args, dims, total_state, dcp_bytes, save_seconds, rows,
-                        time.perf_counter() - started)
+                        time.perf_counter() - started, variants)
     summary["slot_pages"] = pages.describe()
     print(json.dumps(summary, indent=1))
     if args.out:
@@ -767,26 +788,48 @@ def main() -> None:
             f.write("\n")
 
 
-def paired_cpu(timed: list[dict]) -> dict:
-    """elasticd's CPU per restore over the floor's, every process, round by round: the two ran
-    back to back in each round, so each round is one paired sample of the ratio (the floor's
-    own CPU moves by ±15 % from run to run on this host); the median over the rounds, and how
-    many were <= 1.5x. ``--repeat`` sets how many."""
+def paired_cpu(timed: list[dict], variant: str = "elasticd", base: str = "floor") -> dict:
+    """elasticd's CPU per restore over the floor's (``variant``'s over ``base``'s), every
+    process, round by round: the two ran in each round, so each round is one paired sample of
+    the ratio (the floor's own CPU moves by ±15 % from run to run on this host); the median
+    over the rounds, and how many were <= 1.5x. ``--repeat`` sets how many."""
     total = {(r["variant"], r["round"]): sum(r["cpu"].values()) for r in timed
-             if r["rank"] == 0 and r["variant"] in ("elasticd", "floor")}
-    rounds = sorted(k for v, k in total if v == "elasticd" and ("floor", k) in total)
-    ratios = [total["elasticd", k] / total["floor", k] for k in rounds]
+             if r["rank"] == 0 and r["variant"] in (variant, base)}
+    rounds = sorted(k for v, k in total if v == variant and (base, k) in total)
+    ratios = [total[variant, k] / total[base, k] for k in rounds]
     return {"rounds": rounds,
-            "elasticd_cpu_seconds": [round(total["elasticd", k], 3) for k in rounds],
-            "floor_cpu_seconds": [round(total["floor", k], 3) for k in rounds],
+            f"{variant}_cpu_seconds": [round(total[variant, k], 3) for k in rounds],
+            f"{base}_cpu_seconds": [round(total[base, k], 3) for k in rounds],
             "ratios": [round(x, 3) for x in ratios],
             "median_ratio": round(statistics.median(ratios), 3),
             "rounds_at_most_1_5x": sum(x <= 1.5 for x in ratios)}
 
 
-def summarise(args, dims, total_state, dcp_bytes, save_seconds, rows, wall) -> dict:
-    timed = [r for r in rows if 1 <= r["round"] <= args.repeat and r["variant"] in VARIANTS]
-    first = [r for r in rows if r["round"] == 0 and r["variant"] in VARIANTS]
+def spike_summary(results: dict, timed: list[dict], runs) -> dict:
+    """``--spike-worker-fetch``: the spike beside the floor and beside elasticd's own path,
+    each paired round by round, and where its time went (rank 0, medians)."""
+    spike, floor, el = (results[LABELS[v]] for v in (SPIKE, "floor", "elasticd"))
+    parts = ("headers_seconds", "plan_seconds", "fetch_seconds", "load_seconds",
+             "wire_bytes", "routed_bytes")
+    return {"spike_worker_fetch": {
+        "over_verified_floor": {
+            "cpu_seconds_per_restore_timed_paired_median":
+                paired_cpu(timed, SPIKE)["median_ratio"],
+            "timed_rounds_seconds": round(spike["seconds"] / floor["seconds"], 3),
+            "first_round_seconds": round(spike["first_round_seconds"]
+                                         / floor["first_round_seconds"], 3)},
+        "over_elasticd": {
+            "cpu_seconds_per_restore_timed_paired_median":
+                paired_cpu(timed, SPIKE, "elasticd")["median_ratio"],
+            "timed_rounds_seconds": round(spike["seconds"] / el["seconds"], 3)},
+        "cpu_per_restore_paired_by_round": paired_cpu(timed, SPIKE),
+        "rank0_medians": {k: round(statistics.median(runs(SPIKE, k)), 4) for k in parts}}}
+
+
+def summarise(args, dims, total_state, dcp_bytes, save_seconds, rows, wall,
+              variants: tuple = VARIANTS) -> dict:
+    timed = [r for r in rows if 1 <= r["round"] <= args.repeat and r["variant"] in variants]
+    first = [r for r in rows if r["round"] == 0 and r["variant"] in variants]
 
     def runs(variant: str, key: str = "slowest_rank_seconds", rank: int = 0,
              among: list | None = None) -> list[float]:
@@ -808,7 +851,7 @@ def summarise(args, dims, total_state, dcp_bytes, save_seconds, rows, wall) -> d
                                      "total": round(total / gib, 3)}}
 
     results = {}
-    for v in VARIANTS:
+    for v in variants:
         s = runs(v)
         med = statistics.median(s)
         results[LABELS[v]] = {
@@ -911,6 +954,7 @@ def summarise(args, dims, total_state, dcp_bytes, save_seconds, rows, wall) -> d
                         over["first_round_seconds"] <= 1.5,
                     "CPU per restore, every process, <= 1.5x the floor's":
                         over["cpu_seconds_per_restore_timed"] <= 1.5},
+        **(spike_summary(results, timed, runs) if SPIKE in variants else {}),
         "elasticd_over_dcp_warm": round(el["seconds"] / warm, 3),
         "dcp_cold_over_elasticd": round(cold / el["seconds"], 2),
         "verified_floor_over_dcp_warm": round(floor["seconds"] / warm, 3),

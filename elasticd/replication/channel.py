@@ -47,6 +47,7 @@ from elasticd.replication.messages import (
     run_prefix,
 )
 from elasticd.replication.runs import RunCheck, send_runs
+from elasticd.replication.scatter import Spans
 from elasticd.replication.seal import BlockTags, FrameKey
 from elasticd.replication.wire import (
     HEADER_SIZE,
@@ -67,8 +68,10 @@ from elasticd.replication.wire import (
 )
 
 #: Given (offset, length) of an incoming DATA chunk, returns the writable view of exactly that
-#: length where it must land, or raises ProtocolError when the range is not acceptable.
-Destination = Callable[[int, int], memoryview]
+#: length where it must land (or the :class:`Spans` of several places, in order: a
+#: :class:`~elasticd.replication.scatter.Scatter`'s), or raises ProtocolError when the range is
+#: not acceptable.
+Destination = Callable[[int, int], "memoryview | Spans"]
 
 
 class Channel:
@@ -293,15 +296,19 @@ class Channel:
             raise ProtocolError(f"destination for {length} bytes has {len(target)}")
         if self._block_aead is None or self._block_aead[0] is not self.block_key:
             self._block_aead = (self.block_key, ChaCha20Poly1305(self.block_key))
-        run = RunCheck(self._block_aead[1], offset, blocks, target)
+        run = RunCheck(self._block_aead[1], offset, blocks, target, key=self.block_key)
         self._recv_exactly(target, "a run of blocks", feed=run.update)
         self.tag_checked_bytes += length
         if self.landed_tags is not None:
             self.landed_tags.update(run.landed)
         return offset, length
 
-    def _recv_exactly(self, view: memoryview, what: str, at_boundary: bool = False,
+    def _recv_exactly(self, view: "memoryview | Spans", what: str, at_boundary: bool = False,
                       feed: Callable[[memoryview], Any] | None = None) -> None:
+        if isinstance(view, Spans):  # bytes landing in several places: each part in turn
+            for part in view.parts:
+                self._recv_exactly(part, what, feed=feed)
+            return
         got, need = 0, len(view)
         while got < need:
             try:

@@ -68,9 +68,11 @@ class Connections:
 
     def __init__(self, node_id: str, secret: bytes, addresses: AddressBook, *,
                  timeout: float = 30.0, ssl_context: ssl.SSLContext | None = None,
-                 clock: Clock | None = None) -> None:
+                 clock: Clock | None = None, scope: str | None = None) -> None:
         self.node_id, self._secret, self.addresses = node_id, secret, addresses
         self.timeout, self.ssl_context, self.clock = timeout, ssl_context, clock
+        #: A job: every session of the pool may only fetch its copies (``Hello.scope``).
+        self.scope = scope
         self._lock = threading.Lock()
         self._clients: dict[str, ReplicaClient] = {}
 
@@ -101,7 +103,8 @@ class Connections:
         client = ReplicaClient.connect(address[0], address[1], self._secret, self.node_id,
                                        expected_peer=peer,
                                        timeout=connect_timeout or self.timeout,
-                                       ssl_context=self.ssl_context, clock=self.clock)
+                                       ssl_context=self.ssl_context, clock=self.clock,
+                                       scope=self.scope)
         if connect_timeout is not None:
             client.channel.sock.settimeout(self.timeout)
         with self._lock:

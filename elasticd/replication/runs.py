@@ -16,7 +16,8 @@ from typing import Protocol
 
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
-from elasticd.replication.seal import NONCE, BlockTags
+from elasticd.replication.scatter import Spans
+from elasticd.replication.seal import NONCE, BlockTags, one_time_tagger
 from elasticd.replication.wire import MAX_RUN_BLOCKS, RUN, RUN_ENTRY, BlockTagMismatch
 
 
@@ -71,12 +72,16 @@ class RunCheck:
         offset: the snapshot offset of the run's first block (each block's nonce is its offset).
         blocks: ``(length, tag)`` of each block, in order.
         target: where the run's bytes land (exactly their length); :meth:`update` is given
-            the pieces of it that have, in order.
+            the pieces of it that have, in order. Possibly :class:`Spans` (a reshard's rows
+            landing in the live tensors, the rest of their blocks in staging): a block lying
+            in several of its parts is checked by the same tag streamed over the parts
+            (:func:`~elasticd.replication.seal.one_time_tagger`), which needs ``key``.
+        key: the block key ``aead`` was made with.
     """
 
     def __init__(self, aead: ChaCha20Poly1305, offset: int, blocks: list[tuple[int, bytes]],
-                 target: memoryview) -> None:
-        self._aead, self._blocks, self._target = aead, blocks, target
+                 target: "memoryview | Spans", key: bytes | None = None) -> None:
+        self._aead, self._blocks, self._target, self._key = aead, blocks, target, key
         self._index = 0
         self._at = offset  # the snapshot offset of the block being received
         self._start = 0  # where it starts in target
@@ -93,7 +98,15 @@ class RunCheck:
     def _finish(self) -> None:
         length, tag = self._blocks[self._index]
         block = self._target[self._start : self._start + length]
-        made = self._aead.encrypt(NONCE.pack(0, self._at), b"", block)
+        if isinstance(block, Spans):
+            if self._key is None:
+                raise ValueError("a block landing in several places needs the block key")
+            tagger = one_time_tagger(self._key, self._at)
+            for part in block.parts:
+                tagger.update(part)
+            made = tagger.tag()
+        else:
+            made = self._aead.encrypt(NONCE.pack(0, self._at), b"", block)
         if not hmac.compare_digest(made, tag):
             raise BlockTagMismatch(f"block of {length} bytes at offset {self._at} fails its "
                                    "block tag (the check its owner sealed it with): corrupt "

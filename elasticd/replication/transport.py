@@ -48,6 +48,7 @@ from elasticd.replication.messages import (
     joined_ranges,
 )
 from elasticd.replication.report import Reply, Report, decode_reply, encode_report
+from elasticd.replication.scatter import landing
 from elasticd.replication.seal import BlockTagger, BlockTags
 from elasticd.replication.server import DEFAULT_CHUNK, ReplicaServer, ServerStats
 from elasticd.replication.wire import (
@@ -208,7 +209,7 @@ class ReplicaClient:
             if end > d.total_bytes:  # the server refuses such a range: one that serves it lies
                 raise ProtocolError(f"asked for bytes [{start}, {end}), peer offers a snapshot "
                                     f"of {d.total_bytes}")
-            target = memoryview(into(d) if callable(into) else into).cast("B")
+            target = landing(into(d) if callable(into) else into)
             if target.readonly or len(target) < d.total_bytes:
                 raise ReplicationError(f"fetch buffer of {len(target)} bytes (readonly="
                                        f"{target.readonly}) cannot take {d.total_bytes}")

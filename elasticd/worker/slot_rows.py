@@ -25,7 +25,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 import numpy as np
 import torch
@@ -47,6 +47,17 @@ def huge_page_file(fd: int) -> bool:
     return os.fstat(fd).st_blksize >= _HUGE_PAGE
 
 
+class RowCopy(NamedTuple):
+    """One copy of whole rows out of a slot file (:meth:`SlotFiles.locate`)."""
+
+    mapping: int  # the address the slot file's mapping starts at
+    fd: int
+    huge: int  # the mapping's length when the rows are copied out of it, else 0
+    at: int  # the rows' offset in the file
+    into: int  # the address they are copied to
+    nbytes: int
+
+
 class SlotFiles:
     """The slot files a restore's pieces are mapped from, each by the address its mapping starts
     at (the file's offset 0): its descriptor and, for a file whose rows are copied out of the
@@ -61,6 +72,30 @@ class SlotFiles:
     def __bool__(self) -> bool:
         return bool(self._files)
 
+    def locate(self, out: torch.Tensor, dst: tuple[slice, ...], t: torch.Tensor,
+               src: tuple[slice, ...]) -> RowCopy | None:
+        """The copy :meth:`read` makes of ``t[src]`` into ``out[dst]``: from which slot file,
+        where in it, to which address; None when :meth:`read` would copy nothing."""
+        if not self._files or t.dim() == 0 or t.dtype != out.dtype:
+            return None
+        base = t.untyped_storage().data_ptr()
+        fd, huge = self._files.get(base, (None, 0))
+        if fd is None or not (t.is_contiguous() and out.is_contiguous()):
+            return None
+        for d in range(1, t.dim()):
+            if (src[d].start, src[d].stop, dst[d].start, dst[d].stop) != (0, t.shape[d], 0,
+                                                                            out.shape[d]):
+                return None
+        rows = src[0].stop - src[0].start
+        if not (0 <= src[0].start <= src[0].stop <= t.shape[0] and 0 <= dst[0].start
+                and dst[0].stop - dst[0].start == rows and dst[0].stop <= out.shape[0]):
+            return None
+        row = math.prod(t.shape[1:]) * t.element_size()
+        at = t.data_ptr() - base + src[0].start * row
+        if huge and at + rows * row > huge:  # past the mapping: not this slot's bytes
+            return None
+        return RowCopy(base, fd, huge, at, out.data_ptr() + dst[0].start * row, rows * row)
+
     def read(self, out: torch.Tensor, dst: tuple[slice, ...], t: torch.Tensor,
              src: tuple[slice, ...]) -> bool:
         """Copies ``t[src]`` into ``out[dst]`` from the slot file ``t`` is a view of (``preadv``;
@@ -68,34 +103,20 @@ class SlotFiles:
         rows of contiguous tensors: only dimension 0 is cut, as FSDP2's ``Shard(0)`` cuts)
         inside both tensors; False, having copied nothing, when they are not or ``t`` is not a
         view of a slot file given here (torch's indexing then copies, or refuses the box)."""
-        if not self._files or t.dim() == 0 or t.dtype != out.dtype:
+        copy = self.locate(out, dst, t, src)
+        if copy is None:
             return False
-        base = t.untyped_storage().data_ptr()
-        fd, huge = self._files.get(base, (None, 0))
-        if fd is None or not (t.is_contiguous() and out.is_contiguous()):
-            return False
-        for d in range(1, t.dim()):
-            if (src[d].start, src[d].stop, dst[d].start, dst[d].stop) != (0, t.shape[d], 0,
-                                                                            out.shape[d]):
-                return False
-        rows = src[0].stop - src[0].start
-        if not (0 <= src[0].start <= src[0].stop <= t.shape[0] and 0 <= dst[0].start
-                and dst[0].stop - dst[0].start == rows and dst[0].stop <= out.shape[0]):
-            return False
-        row = math.prod(t.shape[1:]) * t.element_size()
-        if not rows or not row:
+        if not copy.nbytes:
             return True
-        at = t.data_ptr() - base + src[0].start * row
-        if huge:
-            if at + rows * row > huge:  # past the mapping: not this slot's bytes
-                return False
-            ctypes.memmove(out.data_ptr() + dst[0].start * row, base + at, rows * row)
+        if copy.huge:
+            ctypes.memmove(copy.into, copy.mapping + copy.at, copy.nbytes)
             return True
+        start = copy.into - out.data_ptr()
         into = memoryview(out.detach().view(-1).view(torch.uint8).numpy())
-        into = into[dst[0].start * row : (dst[0].start + rows) * row]
+        into = into[start : start + copy.nbytes]
         got = 0
         while got < len(into):
-            n = os.preadv(fd, [into[got:]], at + got)
+            n = os.preadv(copy.fd, [into[got:]], copy.at + got)
             if n <= 0:  # the slot is pinned at its size: a short file is not that slot
                 raise OSError(f"slot file ended {len(into) - got} bytes short of a shard's rows")
             got += n

@@ -242,11 +242,12 @@ def sealed_push(address, step: int = 1, fill: int = 0) -> tuple[bytes, bytes]:
     return header, payload
 
 
-def relayed_fetch(address, step: int = 1, **relay_kw):
-    """Fetches rank 0 of "job" at ``step`` through a relay rewriting what the holder sends.
+def relayed_fetch(address, step: int = 1, into=None, **relay_kw):
+    """Fetches rank 0 of "job" at ``step`` through a relay rewriting what the holder sends,
+    into ``into`` (default: a fresh 2 MiB buffer).
     Returns (relay, the buffer, the exception raised or None, the client's channel)."""
     relay = RewritingRelay(address, downstream=True, **relay_kw)
-    into, error = bytearray(2 << 20), None
+    into, error = (bytearray(2 << 20) if into is None else into), None
     try:
         client = ReplicaClient.connect(*relay.address, SECRET, "node-c", timeout=10.0)
         try:

@@ -73,6 +73,24 @@ def test_rows_of_a_mapped_slot_are_read_from_its_file_without_faulting_it_in(slo
     assert faults < 64, faults
 
 
+def test_a_row_copy_is_located_before_it_is_made_where_it_reads_and_writes(slot, copies):
+    """``locate`` names the copy ``read`` would make (a plan can record it instead: the
+    worker that fetches its own rows, bench/spikes/worker_fetch.py), and makes none."""
+    mm, fd, view, values = slot
+    files = SlotFiles([(mapping_address(mm), fd, 0)])
+    into = torch.zeros(700, 4096)
+    src = (slice(100, 800), slice(0, 4096))
+    dst = (slice(0, 700), slice(0, 4096))
+    copy = files.locate(into, dst, view, src)
+    assert copy is not None and copies == {"memmove": [], "preadv": 0}
+    row = 4096 * 4
+    assert (copy.mapping, copy.fd, copy.huge) == (mapping_address(mm), fd, 0)
+    assert (copy.at, copy.into, copy.nbytes) == (4096 + 100 * row, into.data_ptr(), 700 * row)
+    assert not into.any()  # nothing copied
+    assert files.locate(torch.zeros(1024, 100), (slice(0, 1024), slice(0, 100)), view,
+                        (slice(0, 1024), slice(0, 100))) is None  # columns: not one run
+
+
 def test_pieces_that_are_not_whole_rows_of_a_file_go_through_the_mapping(slot, copies):
     mm, fd, view, values = slot
     files = SlotFiles([(mapping_address(mm), fd, 0)])
