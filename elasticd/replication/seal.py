@@ -62,6 +62,20 @@ class FrameKey:
         self._sequence = 0
         self._aead = ChaCha20Poly1305(self._key)
 
+    @classmethod
+    def resume(cls, key: bytes, sequence: int) -> "FrameKey":
+        """The same direction carried on by another process from frame ``sequence`` (a
+        session handed over: :mod:`elasticd.replication.handed`)."""
+        if not 0 <= sequence < _MAX_FRAMES:
+            raise ValueError(f"frame sequence {sequence} is out of range")
+        out = cls(key)
+        out._sequence = sequence
+        return out
+
+    def state(self) -> tuple[bytes, int]:
+        """(key, the next frame's sequence number): what :meth:`resume` takes."""
+        return self._key, self._sequence
+
     def _next(self) -> int:
         if self._sequence >= _MAX_FRAMES:
             raise OverflowError("frame sequence exhausted: reconnect for fresh keys")

@@ -76,6 +76,11 @@ class ReplicaClient:
         self.clock = clock or SystemClock()
         #: Checks the block tags of a fetch served pretagged (None: such a fetch is refused).
         self.blocks = blocks
+        #: The job the session may fetch only (``Hello.scope``, confirmed by the server), or
+        #: None: an unscoped session.
+        self.scope: str | None = None
+        #: The block-tag salt of the copy the last fetch was served (None: served untagged).
+        self.tag_salt: bytes | None = None
         self._lock = threading.Lock()
         self._broken: BaseException | None = None
 
@@ -113,8 +118,10 @@ class ReplicaClient:
         except BaseException:
             sock.close()
             raise
-        return cls(channel, challenge.node_id, challenge.max_frame, clock or SystemClock(),
-                   BlockTagger(secret))
+        client = cls(channel, challenge.node_id, challenge.max_frame, clock or SystemClock(),
+                     BlockTagger(secret))
+        client.scope = scope
+        return client
 
     def push(self, descriptor: Descriptor, header: Any, payload: Any,
              chunk_size: int = DEFAULT_CHUNK, tags: BlockTags | None = None,
@@ -215,6 +222,7 @@ class ReplicaClient:
                                        f"{target.readonly}) cannot take {d.total_bytes}")
             # Pretagged blocks (the holder kept their tags) are checked against the tags
             # their owner sealed them with, as they land; anything else by its session tag.
+            self.tag_salt = reply.tag_salt
             if reply.tag_salt is not None and self.blocks is not None:
                 self.channel.block_key = self.blocks.key(reply.tag_salt)
             try:
