@@ -4,14 +4,18 @@ straight in the live tensors, the rest of their blocks in a staging buffer.
 Over real loopback sockets and a real holder: the routed bytes land in their destinations and
 nowhere else, every other byte in staging, every block checked against its owner's tag
 wherever its bytes landed; a relay that alters a byte of a block split across places fails
-that block's tag, whichever part the byte lies in. Beside them, how a Scatter cuts its
-slices and which routes it refuses.
+that block's tag, whichever part the byte lies in. A striped fetch from three holders that
+kept no block tags lands the same way, each block checked against the header's checksum
+(a corrupt byte in a split block's routed part is refused). Beside them, how a Scatter cuts
+its slices and which routes it refuses.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from elasticd.clock import SystemClock
+from elasticd.recovery.fetch import ShardLost, fetch_shard
 from elasticd.replication.scatter import Scatter, Spans, landing, staged
 from elasticd.replication.wire import BlockTagMismatch
 from elasticd.testing.replication import MemorySink
@@ -21,6 +25,14 @@ from tests.unit.test_replication_attacks import (
     relayed_fetch,
     sealed_push,
     server,
+)
+from tests.unit.test_striped_fetch import BLOCK as S_BLOCK
+from tests.unit.test_striped_fetch import JOB as S_JOB
+from tests.unit.test_striped_fetch import (  # noqa: F401 — holders: the fixture
+    STRIPE,
+    FailingSink,
+    holders,
+    sealed_snapshot,
 )
 
 HEAD = 64  # sealed_push's header: blocks start here
@@ -109,3 +121,46 @@ def test_slices_without_a_route_are_the_staging_buffers_own_views():
 def test_a_route_that_overlaps_passes_the_end_or_is_read_only_is_refused(routes, why):
     with pytest.raises(ValueError, match=why):
         Scatter(bytearray(HEAD + (1 << 20)), routes, header_end=HEAD)
+
+
+# -- a striped fetch (recovery/fetch.py) into a Scatter, from holders that kept no block tags:
+# each block is checked against the header's checksum, read back from wherever it landed.
+
+SPLIT = [(1000, 5000), (3 * S_BLOCK - 700, 2 * S_BLOCK + 1400), (10 * S_BLOCK, S_BLOCK)]
+
+
+def striped_into_scatter(pool, names, d):
+    staging = bytearray([FILL]) * d.total_bytes
+    dests = [bytearray(n) for _, n in SPLIT]
+    into = Scatter(staging, [(d.header_bytes + at, dest) for (at, _), dest in zip(SPLIT, dests)],
+                   header_end=d.header_bytes)
+    result = fetch_shard(S_JOB, 1, d.version, into, me="me", holders=names, connections=pool,
+                         own=(), clock=SystemClock(), stripe_bytes=STRIPE)
+    return result, staging, dests
+
+
+def test_a_striped_fetch_into_a_scatter_lands_routed_rows_in_place_every_block_checked(holders):
+    d, buf = sealed_snapshot()
+    _, pool = holders([FailingSink(), FailingSink(), FailingSink()], d, buf)
+    result, staging, dests = striped_into_scatter(pool, ["n0", "n1", "n2"], d)
+    assert result.attempts == () and sum(dict(result.served).values()) == d.total_bytes
+    assert result.tag_checked_bytes == 0  # untagged copies: checked against the checksums
+    for (at, n), dest in zip(SPLIT, dests):
+        assert bytes(dest) == bytes(buf[d.header_bytes + at : d.header_bytes + at + n])
+    expect = bytearray(buf)
+    for at, n in SPLIT:
+        expect[d.header_bytes + at : d.header_bytes + at + n] = bytes([FILL]) * n
+    assert staging == expect
+
+
+def test_a_corrupt_block_split_across_places_is_refused_by_its_checksum(holders):
+    d, buf = sealed_snapshot()
+    sink = FailingSink()
+    _, pool = holders([sink], d, buf)
+    held = sink._held[(S_JOB, 1)][1]
+    # Block 2 lands in staging up to 700 bytes before its end, the rest in the second route;
+    # the byte flipped lies in the routed part.
+    held[d.header_bytes + 3 * S_BLOCK - 100] ^= 0x01
+    with pytest.raises(ShardLost) as lost:
+        striped_into_scatter(pool, ["n0"], d)
+    assert "corrupt" in str(lost.value.attempts) and "block 2" in str(lost.value.attempts)
