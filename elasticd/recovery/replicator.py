@@ -39,6 +39,7 @@ from elasticd.replication.commit import (
 from elasticd.replication.report import Reply, Report
 from elasticd.replication.commit_state import Holder
 from elasticd.replication.deadline import LinkRates
+from elasticd.replication.handed import Ticket
 from elasticd.replication.lanes import AddressBook, Connections, Task
 from elasticd.replication.placement import Placement, compute_placement
 from elasticd.replication.pusher import Pusher
@@ -49,6 +50,7 @@ from elasticd.recovery.fetch import (
     fetch_shard,
     holder_order,
 )
+from elasticd.recovery.handing import hand_sessions
 from elasticd.recovery.plans import repair_plan, under_replicated, unwanted_replicas
 from elasticd.replication.shm_sink import ShmSink
 from elasticd.replication.tracker import CommitTracker, JobState
@@ -123,7 +125,7 @@ class Replicator:
         self.counters: collections.Counter[str] = collections.Counter()
         self.fetch_failures: collections.Counter[str] = collections.Counter()
         self.background = Background(f"replicator-{node_id}", workers)
-        self._connections = Connections(node_id, secret, peers_address, timeout=timeout,
+        self.connections = Connections(node_id, secret, peers_address, timeout=timeout,
                                         ssl_context=ssl_context, clock=self.clock)
         # Commit reports on connections of their own: one never waits behind a push.
         self._reports = Connections(node_id, secret, peers_address, timeout=timeout,
@@ -150,7 +152,7 @@ class Replicator:
         #: When this node's replica server last received a frame from a node
         #: (ReplicaServer.last_heard; wall time, None: never), a sign of life of a failed peer.
         self.last_heard: Callable[[str], float | None] = lambda node: None
-        self.pusher = Pusher(store, sink, self._connections, self.background.executor,
+        self.pusher = Pusher(store, sink, self.connections, self.background.executor,
                              self.tracker, self.link_rates)
         if sink is not None:
             sink.on_pending = self.tracker.prefix.reread
@@ -232,7 +234,7 @@ class Replicator:
         committed, unsure = None, False
         if self.tracker.view(job)[0] is not None:
             try:
-                committed = read_committed(self.coord, self.keys, job, self._placements(job))
+                committed = read_committed(self.coord, self.keys, job, _placements(self, job))
             except (CoordinationError, records.RecordError) as exc:
                 self.tracker.etcd_error("read the committed record a new generation keeps", exc)
                 unsure = True
@@ -285,14 +287,9 @@ class Replicator:
 
     # -- re-replication, drain, garbage ---------------------------------------------------
 
-    def _placements(self, job: str) -> tuple[Placement | None, ...]:
-        with self.tracker.lock:
-            st = self.tracker.jobs.get(job)
-            return (st.placement, st.previous) if st is not None else ()
-
     def _rereplicate(self, job: str) -> None:
         try:
-            committed = read_committed(self.coord, self.keys, job, self._placements(job))
+            committed = read_committed(self.coord, self.keys, job, _placements(self, job))
         except CoordinationError as exc:
             self.tracker.etcd_error("read the committed record", exc)
             return
@@ -404,24 +401,13 @@ class Replicator:
         Raises:
             ShardLost: no holder has an intact copy: use the persistent tier.
         """
-        with self.tracker.lock:
-            st = self.tracker.jobs.get(job) or JobState()
-            committed, placements = st.committed, (st.placement, st.previous)
-        if committed is None or (version is not None and committed.version != tuple(version)):
-            # A node new to the job (a standby taking a drained or dead node's slot) has no
-            # placement or commit of its own yet: the committed record names the holders.
-            try:
-                committed = read_committed(self.coord, self.keys, job,
-                                           placements) or committed
-            except (CoordinationError, records.RecordError) as exc:
-                log.warning("%s: cannot read the committed record for a fetch: %s", job, exc)
-        holders = holder_order(job, rank, version, self.node_id, committed, placements)
+        holders = _holders(self, job, rank, version)
         token = object()
         with self.tracker.lock:
             self._fetching[token] = (job, rank, version, holders, self.clock.monotonic())
         try:
             result = fetch_shard(job, rank, version, into, me=self.node_id, holders=holders,
-                                 connections=self._connections, own=self._own_stores,
+                                 connections=self.connections, own=self._own_stores,
                                  clock=self.clock, rates=self.link_rates, select=select,
                                  reserve=reserve)
         except ShardLost as exc:
@@ -440,6 +426,20 @@ class Replicator:
             self.fetch_failures.update(reason.split(":")[0] for _, reason in result.attempts)
         return result
 
+    def hand_sessions(self, job: str, rank: int, version: Version
+                      ) -> list[tuple[str, Any, int, Ticket]]:
+        """Sessions scoped to ``job`` to the remote holders of ``rank``'s ``version``, handed
+        over (:func:`elasticd.recovery.handing.hand_sessions`).
+
+        Raises:
+            ValueError: the transport runs over TLS, whose sessions cannot be handed over.
+        """
+        if self.connections.ssl_context is not None:
+            raise ValueError("replication runs over TLS here: its sessions cannot be handed "
+                             "to a worker")
+        return hand_sessions(self.connections, _holders(self, job, rank, version),
+                             self.node_id, job, rank, version, self.link_rates)
+
     def committed(self, job: str) -> Committed | None:
         """The job's committed record as etcd holds it now, or None (none yet, or unreadable).
 
@@ -449,7 +449,7 @@ class Replicator:
         Raises:
             CoordinationError: etcd could not be read.
         """
-        return read_committed(self.coord, self.keys, job, self._placements(job))
+        return read_committed(self.coord, self.keys, job, _placements(self, job))
 
     def fetch_to_local(self, job: str, rank: int, version: Version | None,
                        need: Any = None) -> FetchResult:
@@ -552,5 +552,29 @@ class Replicator:
         self.tracker.close(resign)
         self.pusher.lanes.close()
         self.background.close()
-        self._connections.close()
+        self.connections.close()
         self._reports.close()
+
+
+def _holders(replicator: Replicator, job: str, rank: int, version: Version | None) -> list[str]:
+    """The nodes to ask for ``rank``'s ``version``, in order (:func:`holder_order`): for a
+    fetch, and for sessions handed to a worker."""
+    with replicator.tracker.lock:
+        st = replicator.tracker.jobs.get(job) or JobState()
+        committed, placements = st.committed, (st.placement, st.previous)
+    if committed is None or (version is not None and committed.version != tuple(version)):
+        # A node new to the job (a standby taking a drained or dead node's slot) has no
+        # placement or commit of its own yet: the committed record names the holders.
+        try:
+            committed = read_committed(replicator.coord, replicator.keys, job,
+                                       placements) or committed
+        except (CoordinationError, records.RecordError) as exc:
+            log.warning("%s: cannot read the committed record for a fetch: %s", job, exc)
+    return holder_order(job, rank, version, replicator.node_id, committed, placements)
+
+
+def _placements(replicator: Replicator, job: str) -> tuple[Placement | None, ...]:
+    """The job's placement and the one before it (none for a job the node does not know)."""
+    with replicator.tracker.lock:
+        st = replicator.tracker.jobs.get(job)
+        return (st.placement, st.previous) if st is not None else ()

@@ -18,8 +18,9 @@ over and keeps its socket, to cut the session off (:func:`cut_off`) when the res
 passes. TLS sessions cannot be handed over (their state lives in the library): they keep the
 daemon's path.
 
-Layer 2 of the design in bench/results/restore40/README.md; the daemon's operation that opens
-and hands the sessions over, and the worker's restore over them, are not built yet.
+Layer 2 of the design in bench/results/restore40/README.md. The daemon's operation that opens
+and hands the sessions over is ``ckpt_sessions`` (:mod:`elasticd.recovery.handing`,
+:mod:`elasticd.store.handed_sessions`); the worker's restore over them is not built yet.
 """
 
 from __future__ import annotations

@@ -113,6 +113,19 @@ class Connections:
             old.close()
         return client, False
 
+    def open_scoped(self, peer: str, job: str) -> ReplicaClient:
+        """A new session to ``peer`` that may only fetch ``job``'s copies (``Hello.scope``),
+        outside the pool: the caller owns it (to hand it over, :mod:`.handed`).
+
+        Raises: NoAddress, ConnectionLost, AuthenticationFailed.
+        """
+        address = self.addresses(peer)
+        if address is None:
+            raise NoAddress(f"no replica server address known for node {peer!r}")
+        return ReplicaClient.connect(address[0], address[1], self._secret, self.node_id,
+                                     expected_peer=peer, timeout=self.timeout,
+                                     ssl_context=self.ssl_context, clock=self.clock, scope=job)
+
     def discard(self, peer: str, client: ReplicaClient | None = None) -> None:
         """Closes the connection to ``peer`` (only if it is still ``client``, when given)."""
         with self._lock:

@@ -217,9 +217,10 @@ class ReplicaClient:
                 raise ProtocolError(f"asked for bytes [{start}, {end}), peer offers a snapshot "
                                     f"of {d.total_bytes}")
             target = landing(into(d) if callable(into) else into)
-            if target.readonly or len(target) < d.total_bytes:
+            if target.readonly or len(target) < end:
                 raise ReplicationError(f"fetch buffer of {len(target)} bytes (readonly="
-                                       f"{target.readonly}) cannot take {d.total_bytes}")
+                                       f"{target.readonly}) cannot take bytes [{start}, {end}) "
+                                       f"of a snapshot of {d.total_bytes}")
             # Pretagged blocks (the holder kept their tags) are checked against the tags
             # their owner sealed them with, as they land; anything else by its session tag.
             self.tag_salt = reply.tag_salt
@@ -235,6 +236,16 @@ class ReplicaClient:
             return d
 
         return self._call(run, deadline)
+
+    def describe(self, job: str, owner_rank: int, version: Version | None = None,
+                 deadline: float | None = None) -> Descriptor:
+        """The descriptor of the peer's copy, no byte of it (:attr:`tag_salt` then says
+        under which salt its blocks are tagged).
+
+        Raises: as :meth:`fetch`.
+        """
+        return self.fetch(job, owner_rank, bytearray(0), version, byte_range=(0, 0),
+                          deadline=deadline)
 
     def report(self, report: Report, deadline: float | None = None) -> Reply:
         """Sends a commit report to the peer (its job's coordinator) and returns its reply.

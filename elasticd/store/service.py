@@ -107,6 +107,7 @@ class CheckpointService:
         with self.book.lock:
             self.book.jobs.pop(job, None)
         self.pins.sweep(job)
+        self.restores.handed.cut_off_job(job)
         self.store.remove_job(job)
 
     def assess(self) -> None:

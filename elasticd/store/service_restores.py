@@ -25,6 +25,13 @@ replies hold until ``ckpt_release`` or ``pin_ttl``), and nothing else of it.
   copy per (job, rank) and caller (asking again gives the earlier one back first), and a
   per-job byte cap, over which the fetch is refused with one line, counted
   (``elasticd_scratch_refused_total``) and shown in ``/status`` (``scratch``).
+* ``ckpt_sessions`` job, rank, old_rank, generation, step, [seconds] → sessions [{holder,
+  ticket}], and a descriptor each: replication sessions scoped to the job, to every remote
+  holder of old rank ``old_rank``'s snapshot at that step that describes it, handed to the
+  worker (:mod:`elasticd.replication.handed`: it fetches its own rows over them, never holding
+  the secret). One live set per (job, rank, old rank): asking again cuts the last set off, as
+  do its deadline (``seconds``, at most 1800), an undelivered reply and the job leaving
+  (:mod:`elasticd.store.handed_sessions`). Not called by the worker yet.
 * ``ckpt_release`` pin → {}
 * ``ckpt_committed`` job → generation, step, ranks | committed: null (no replicator, nothing
   committed yet, or etcd unreadable)
@@ -44,6 +51,7 @@ from elasticd.store.api import ScratchOverCap, SlotStoreError
 from elasticd.store.scratch_pool import prefill
 from elasticd.snapshot.format import SnapshotError
 from elasticd.hooks import call_hooks
+from elasticd.store.handed_sessions import MAX_SESSION_SECONDS, SESSION_SECONDS, HandedSessions
 from elasticd.store.read_pins import ReadPins
 from elasticd.store.service_records import JobBook, ServiceDeps, emit, param
 from elasticd.store.telemetry import RESTORE_PATHS, RESTORE_SOURCES
@@ -71,12 +79,15 @@ class Restores:
         # rank's shard, and two transfers into one slot would tear it.
         self._fetching: collections.defaultdict[tuple[str, int], Any] = (
             collections.defaultdict(threading.Lock))
+        #: Sessions handed to workers (``ckpt_sessions``), kept to be cut off.
+        self.handed = HandedSessions()
 
     def handlers(self) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
         """Op name -> handler, for the restore side's ops."""
         return {"ckpt_list": self.ckpt_list, "ckpt_open": self.ckpt_open,
                 "ckpt_release": self.ckpt_release, "ckpt_report": self.ckpt_report,
-                "ckpt_committed": self.ckpt_committed, "ckpt_fetch": self.ckpt_fetch}
+                "ckpt_committed": self.ckpt_committed, "ckpt_fetch": self.ckpt_fetch,
+                "ckpt_sessions": self.ckpt_sessions}
 
     def ckpt_list(self, msg: dict[str, Any]) -> dict[str, Any]:
         job = param(msg, "job", str)
@@ -237,6 +248,30 @@ class Restores:
                            verify=not just_fetched)
         return {**reply, "source": source, "wire_bytes": wire_bytes, "holder": holder}
 
+    def ckpt_sessions(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """``ckpt_sessions`` (see the module docstring)."""
+        job, rank = param(msg, "job", str), param(msg, "rank", int)
+        old, version = param(msg, "old_rank", int), (param(msg, "generation", int),
+                                                     param(msg, "step", int))
+        seconds = msg.get("seconds", SESSION_SECONDS)
+        if type(seconds) not in (int, float) or not 0 < seconds <= MAX_SESSION_SECONDS:
+            raise RequestError(f"seconds must be a number in (0, {MAX_SESSION_SECONDS:g}], "
+                               f"got {seconds!r:.40}")
+        if self.replicator is None:
+            return {"sessions": [], "reason": "no peer replication on this node"}
+        key = (job, rank, old)
+        self.handed.cut_off(key)  # the set asked for before ends first
+        try:
+            handed = self.replicator.hand_sessions(job, old, version)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from exc
+        self.handed.give(key, [client for _, client, _, _ in handed], float(seconds))
+        log.info("%s rank %d: %d session(s) to the holders of old rank %d step %s handed "
+                 "over", job, rank, len(handed), old, version)
+        return {"job": job, "rank": rank, "old_rank": old,
+                "sessions": [{"holder": h, "ticket": t.to_json()} for h, _, _, t in handed],
+                "_fds": [fd for _, _, fd, _ in handed]}
+
     def _open_replica(self, job: str, rank: int,
                       version: tuple[int, int]) -> dict[str, Any] | None:
         """The reply for a shard this node holds as a replica of another node's (the dead
@@ -297,6 +332,8 @@ class Restores:
         from being reused, so every other snapshot of that rank was skipped and commits
         stalled (the frozen-holder chaos test lost 29 steps at the next restore)."""
         pin = reply.get("pin")
+        if op == "ckpt_sessions":  # nobody took the sessions: they end now
+            self.handed.cut_off((reply.get("job"), reply.get("rank"), reply.get("old_rank")))
         if op in ("ckpt_open", "ckpt_fetch") and isinstance(pin, int):
             self._pins.release(pin)
             log.info("the reply to %s was not delivered (its caller is gone): read pin %d of %s "

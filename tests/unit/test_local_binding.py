@@ -63,7 +63,7 @@ class Handlers:
         return {op: self._note(op) for op in ("ckpt_reserve", "ckpt_complete", "ckpt_report",
                                               "ckpt_list", "ckpt_open", "ckpt_fetch",
                                               "ckpt_release", "ckpt_committed", "progress",
-                                              "ping")}
+                                              "ping", "ckpt_sessions")}
 
     def ops(self) -> list[tuple[str, object, object]]:
         with self.lock:
@@ -147,6 +147,22 @@ def test_a_job_process_writes_only_its_own_rank_and_reads_only_its_own_job(daemo
     assert handlers.ops() == [("ckpt_reserve", "a", 0), ("ckpt_list", "a", None),
                               ("ckpt_open", "a", 1), ("ckpt_release", "a", None),
                               ("progress", "a", 0)]
+
+
+def test_a_job_process_is_handed_sessions_to_its_own_jobs_holders_only(daemon, users):
+    """``ckpt_sessions`` (replication sessions handed to a worker) is held to the caller's job
+    like every read; another uid is not admitted at all (the test below)."""
+    server, scope, handlers = daemon
+    job_user, _ = users
+    proc = start_client(server, job_user, [
+        ["ckpt_sessions", {"job": "b", "rank": 0, "old_rank": 1, "generation": 0, "step": 1}],
+        ["ckpt_sessions", {"job": "a", "rank": 0, "old_rank": 1, "generation": 0, "step": 1}],
+    ], tag="/p:n1:a")
+    scope["now"] = scope_of("a", job_user, [proc.pid])
+    replies = finish(proc)
+    assert "belongs to job a" in replies[0].get("error", ""), replies[0]
+    assert replies[1] == {"ok": {"job": "a"}}
+    assert handlers.ops() == [("ckpt_sessions", "a", 0)]
 
 
 @pytest.mark.parametrize("who", ["other uid", "job uid, a recycled pid of the job's agent",
