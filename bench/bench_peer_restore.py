@@ -47,6 +47,7 @@ import statistics
 import sys
 import time
 import uuid
+from typing import Any
 
 import code_tree
 
@@ -100,8 +101,9 @@ def touched(size: int) -> memoryview:
 # -- the peer (child process) ------------------------------------------------------------------
 
 
-def peer(conn, root: str, sizes: list[int]) -> None:
-    """Holds the state as a replica and serves it, over elasticd and over a raw socket."""
+def held_state(root: str, sizes: list[int]) -> tuple[SlotStore, Any]:
+    """A slot store at ``root`` holding the state (``sizes``' tensors) as rank RANK's step 1,
+    its blocks tagged at the seal; returns the store and the layout."""
     arrays = make_arrays(sizes)
     specs = [TensorSpec(k, "float32", v.shape) for k, v in arrays.items()]
     lay = layout(specs, job=JOB)
@@ -113,7 +115,12 @@ def peer(conn, root: str, sizes: list[int]) -> None:
     for e in lay.entries:
         np.frombuffer(slot.buffer, np.uint8, e.nbytes, e.offset)[:] = arrays[e.name].view(np.uint8)
     store.complete(slot, SnapshotHeader(JOB, 1, 0, RANK, 1, lay, {}))
-    del arrays
+    return store, lay
+
+
+def peer(conn, root: str, sizes: list[int]) -> None:
+    """Holds the state as a replica and serves it, over elasticd and over a raw socket."""
+    store, lay = held_state(root, sizes)
     server = ReplicaServer("127.0.0.1", 0, SECRET, "peer", ShmSink(store), idle_timeout=600).start()
     payload = store.latest(JOB, RANK).buffer
     source = verified_floor.TaggedSource(payload)  # the floor's tags, made once, untimed

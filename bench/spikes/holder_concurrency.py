@@ -31,8 +31,6 @@ import uuid
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import numpy as np  # noqa: E402
-
 import bench_peer_restore as peer  # noqa: E402
 import verified_floor  # noqa: E402
 from proc_cpu import cpu_seconds  # noqa: E402
@@ -43,16 +41,7 @@ MODES = ("elasticd x1", "elasticd x2", "floor x1", "floor x2")
 def holder(conn, root: str, sizes: list[int]) -> None:
     """The state in a slot, served by a ReplicaServer and by a raw sender (a thread a
     connection, each request ``v`` one whole verified-floor transfer)."""
-    arrays = peer.make_arrays(sizes)
-    lay = peer.layout([peer.TensorSpec(k, "float32", v.shape) for k, v in arrays.items()],
-                      job=peer.JOB)
-    store = peer.SlotStore(root)
-    store.tagger = peer.BlockTagger(peer.SECRET).tag
-    slot = store.reserve(peer.JOB, peer.RANK, lay.total_size)
-    for e in lay.entries:
-        np.frombuffer(slot.buffer, np.uint8, e.nbytes, e.offset)[:] = arrays[e.name].view(np.uint8)
-    store.complete(slot, peer.SnapshotHeader(peer.JOB, 1, 0, peer.RANK, 1, lay, {}))
-    del arrays
+    store, lay = peer.held_state(root, sizes)
     server = peer.ReplicaServer("127.0.0.1", 0, peer.SECRET, "peer", peer.ShmSink(store),
                                 idle_timeout=600).start()
     payload = store.latest(peer.JOB, peer.RANK).buffer

@@ -24,8 +24,6 @@ import uuid
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import numpy as np  # noqa: E402
-
 import bench_peer_restore as peer  # noqa: E402
 from elasticd.replication import channel, server  # noqa: E402
 
@@ -80,16 +78,7 @@ def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 8
     server.ReplicaServer._serve_fetch = _metered
     root = f"/dev/shm/elasticd-bench-{uuid.uuid4().hex[:10]}"
-    arrays = peer.make_arrays(peer.tensor_sizes(1024 << 20, 300))
-    lay = peer.layout([peer.TensorSpec(k, "float32", v.shape) for k, v in arrays.items()],
-                      job=peer.JOB)
-    store = peer.SlotStore(root)
-    store.tagger = peer.BlockTagger(peer.SECRET).tag
-    slot = store.reserve(peer.JOB, peer.RANK, lay.total_size)
-    for e in lay.entries:
-        np.frombuffer(slot.buffer, np.uint8, e.nbytes, e.offset)[:] = arrays[e.name].view(np.uint8)
-    store.complete(slot, peer.SnapshotHeader(peer.JOB, 1, 0, peer.RANK, 1, lay, {}))
-    del arrays
+    store, lay = peer.held_state(root, peer.tensor_sizes(1024 << 20, 300))
     holder = peer.ReplicaServer("127.0.0.1", 0, peer.SECRET, "peer", peer.ShmSink(store),
                                 idle_timeout=600).start()
     go, done = mp.Queue(), mp.Queue()
