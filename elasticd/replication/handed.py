@@ -130,17 +130,22 @@ def hand_over(client: ReplicaClient, block_keys: Mapping[bytes, bytes]) -> tuple
     if isinstance(sock, ssl.SSLSocket) or not isinstance(sock, socket.socket):
         raise ValueError(f"the session to {client.peer_id} runs over TLS, whose state cannot "
                          "be handed over")
-    with client._lock:
-        channel = client.channel
-        if client._broken is not None or channel.send_key is None or channel.recv_key is None:
-            raise ValueError(f"the session to {client.peer_id} is not usable: "
-                             f"{client._broken or 'not authenticated'}")
-        fd = os.dup(sock.fileno())
-        ticket = Ticket(client.peer_id, client.scope, channel.send_key.state(),
+    scope = client.scope
+
+    def last(channel: Channel) -> tuple[int, Ticket]:
+        if channel.send_key is None or channel.recv_key is None:
+            raise ValueError(f"the session to {client.peer_id} is not usable: not "
+                             "authenticated")
+        ticket = Ticket(client.peer_id, scope, channel.send_key.state(),
                         channel.recv_key.state(), channel.limits, client.peer_max_frame,
                         dict(block_keys))
-        client._broken = HandedOver(f"the session to {client.peer_id} was handed over")
-    return fd, ticket
+        return os.dup(sock.fileno()), ticket
+
+    try:
+        return client.retire(HandedOver(f"the session to {client.peer_id} was handed over"),
+                             last)
+    except ConnectionLost as exc:
+        raise ValueError(f"the session to {client.peer_id} is not usable: {exc}") from exc
 
 
 def release(client: ReplicaClient) -> None:

@@ -237,6 +237,22 @@ class ReplicaClient:
 
         return self._call(run, deadline)
 
+    def retire(self, reason: BaseException, last: Callable[[Channel], Any]) -> Any:
+        """Runs ``last`` with the channel between calls, then makes this client unusable
+        (later calls raise ConnectionLost naming ``reason``); the socket stays open until
+        :meth:`close`. Returns what ``last`` returned.
+
+        Raises:
+            ConnectionLost: the client is unusable already.
+        """
+        with self._lock:
+            if self._broken is not None:
+                raise ConnectionLost(f"connection to {self.peer_id} is unusable after: "
+                                     f"{self._broken}")
+            out = last(self.channel)
+            self._broken = reason
+        return out
+
     def describe(self, job: str, owner_rank: int, version: Version | None = None,
                  deadline: float | None = None) -> Descriptor:
         """The descriptor of the peer's copy, no byte of it (:attr:`tag_salt` then says

@@ -157,11 +157,14 @@ def test_a_job_process_is_handed_sessions_to_its_own_jobs_holders_only(daemon, u
     proc = start_client(server, job_user, [
         ["ckpt_sessions", {"job": "b", "rank": 0, "old_rank": 1, "generation": 0, "step": 1}],
         ["ckpt_sessions", {"job": "a", "rank": 0, "old_rank": 1, "generation": 0, "step": 1}],
+        ["ckpt_sessions", {"job": "a", "rank": 1, "old_rank": 1, "generation": 0, "step": 1}],
     ], tag="/p:n1:a")
     scope["now"] = scope_of("a", job_user, [proc.pid])
     replies = finish(proc)
     assert "belongs to job a" in replies[0].get("error", ""), replies[0]
     assert replies[1] == {"ok": {"job": "a"}}
+    # Bound to the rank it first asked for: no sets for other ranks against the holders' caps.
+    assert "writes for rank 0" in replies[2].get("error", ""), replies[2]
     assert handlers.ops() == [("ckpt_sessions", "a", 0)]
 
 
