@@ -14,7 +14,7 @@ _LAZY = {
     "Checkpointer": "elasticd.worker.checkpointer",
     "ElasticdError": "elasticd.errors",
     "RestoreResult": "elasticd.worker.checkpointer",
-    "RNGState": "elasticd.worker.state",
+    "RNGState": "elasticd.worker.rng_state",
     "ElasticSampler": "elasticd.worker.sampler",
     "in_process": "elasticd.worker.in_process",
     "Reformation": "elasticd.worker.in_process",

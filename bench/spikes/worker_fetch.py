@@ -53,7 +53,7 @@ from elasticd.snapshot.reader import parse_header
 from elasticd.worker import shards
 from elasticd.worker.copier import tensor_views
 from elasticd.worker.slot_rows import SlotFiles, mapping_address
-from elasticd.worker.sources import _Fetched, _own_unsharded
+from elasticd.worker.fetched import Fetched as _Fetched, own_unsharded as _own_unsharded
 from elasticd.worker.state import load_into
 
 

@@ -31,7 +31,9 @@ replies hold until ``ckpt_release`` or ``pin_ttl``), and nothing else of it.
   worker (:mod:`elasticd.replication.handed`: it fetches its own rows over them, never holding
   the secret). One live set per (job, rank, old rank): asking again cuts the last set off, as
   do its deadline (``seconds``, at most 1800), an undelivered reply and the job leaving
-  (:mod:`elasticd.store.handed_sessions`). Not called by the worker yet.
+  (:mod:`elasticd.store.handed_sessions`). When this node holds that copy itself the
+  answer is local: true and no sessions (the worker reads it in place through
+  ``ckpt_fetch``). Called by a worker's direct fetch (:mod:`elasticd.worker.direct`).
 * ``ckpt_release`` pin → {}
 * ``ckpt_committed`` job → generation, step, ranks | committed: null (no replicator, nothing
   committed yet, or etcd unreadable)
@@ -261,6 +263,8 @@ class Restores:
             return {"sessions": [], "reason": "no peer replication on this node"}
         key = (job, rank, old)
         self.handed.cut_off(key)  # the set asked for before ends first
+        if self._held_here(job, old, version):  # read in place (ckpt_fetch): no wire at all
+            return {"job": job, "rank": rank, "old_rank": old, "sessions": [], "local": True}
         try:
             handed = self.replicator.hand_sessions(job, old, version)
         except ValueError as exc:
@@ -271,6 +275,21 @@ class Restores:
         return {"job": job, "rank": rank, "old_rank": old,
                 "sessions": [{"holder": h, "ticket": t.to_json()} for h, _, _, t in handed],
                 "_fds": [fd for _, _, fd, _ in handed]}
+
+    def _held_here(self, job: str, rank: int, version: tuple[int, int]) -> bool:
+        """Whether this node holds ``rank``'s ``version`` (its store or a replica), not
+        refused: a restore reads it in place through ``ckpt_fetch``."""
+        with self._book.lock:
+            record = self._book.jobs.get(job)
+            if record is not None and (rank, *version) in record.refused:
+                return False
+        try:
+            if version in self.store.versions(job, rank, newest=True):
+                return True
+        except ValueError as exc:  # a job name the store cannot hold
+            raise RequestError(str(exc)) from exc
+        replicas = getattr(self.replicator.sink if self.replicator else None, "store", None)
+        return replicas is not None and version in replicas.versions(job, rank)
 
     def _open_replica(self, job: str, rank: int,
                       version: tuple[int, int]) -> dict[str, Any] | None:

@@ -408,7 +408,8 @@ def restore(state: Any, sources: Sources, collective: Collective, clock: Any,
     for version, world in candidates:
         if world != sources.world:
             sources.prepare(state)
-        got = sources.fetch(version, result.refused, world)
+        got = sources.fetch(version, result.refused, world,
+                            state=state if world != sources.world else None)
         if agreed.handover is not None and version == agreed.handover.version:
             got = sources.handed(got, agreed.handover, collective, result.refused, world)
         if got is not None:
@@ -458,6 +459,12 @@ def restore(state: Any, sources: Sources, collective: Collective, clock: Any,
         finally:
             if got is not None:
                 got.close()  # the pieces read in place: their slots go back
+    if result.source == "none" and candidates and not collective.all_true(not sources.tainted):
+        # A direct fetch that failed landed some rows of a step in the live tensors before
+        # (worker/direct.py): this state is neither that step nor the script's own start.
+        raise RestoreError("no step could be loaded, and a failed fetch had written part of "
+                           "one into the live state: this attempt fails on every rank and "
+                           "the agent starts fresh processes")
     if result.source != "none" and differ:
         raise ReplicaMismatch(_MISMATCH.format(", ".join(differ)))
     result.next_generation = seen[0] + 1 if seen is not None else 0

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
 from elasticd.errors import CheckpointError
 from elasticd.snapshot.format import dtensor_nodes
-from elasticd.worker.slot_rows import SlotFiles
+from elasticd.worker.slot_rows import RowCopy, SlotFiles
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape)
 
@@ -299,6 +299,37 @@ class Resharder:
         """
         from torch.distributed.tensor import DTensor
 
+        name, shape, mine, placements, mesh, target, chunks = self._chunks(node)
+        into = _destination(live, shape, mesh, placements, target, mine)
+        if into is not None:
+            self._assemble(name, target, chunks, mine.dtype, into=into, files=self.files)
+            return live
+        local = self._assemble(name, target, chunks, mine.dtype, self.base_owned,
+                               files=self.files)
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(local, mesh, placements, run_check=False,
+                                  shape=torch.Size(shape), stride=stride)
+
+    def plan(self, node: Mapping[str, Any], live: Any = None) -> list[RowCopy]:
+        """The row copies :meth:`__call__` would make for ``node`` out of the slot files
+        straight into ``live``'s own local tensor (:meth:`SlotFiles.locate
+        <elasticd.worker.slot_rows.SlotFiles.locate>`), making none: empty when the new shard
+        would not be assembled in place (a GPU destination, another dtype) or no file holds
+        its rows. A direct fetch lands those rows there itself (:mod:`.direct`)."""
+        _, shape, mine, placements, mesh, target, chunks = self._chunks(node)
+        into = _destination(live, shape, mesh, placements, target, mine)
+        if into is None or self.files is None:
+            return []
+        out = []
+        for t, dst, src in _parts(target, chunks, mine.dtype):
+            copy = self.files.locate(into, dst, t, src)
+            if copy is not None:
+                out.append(copy)
+        return out
+
+    def _chunks(self, node: Mapping[str, Any]) -> tuple[Any, ...]:
+        """``node``'s name, global shape, saved local tensor, placements, live mesh, this
+        rank's new box, and the saved chunks that may cover it (the base piece's first)."""
         try:
             i, shape = node["i"], [int(s) for s in node["shape"]]
             mine = self.base_tensors[i]
@@ -309,16 +340,8 @@ class Resharder:
         mesh = mesh_for(node, self.meshes)
         target = local_box(shape, mesh, placements)
         name = self.base_names[i] if self.base_names else str(i)
-        chunks = [saved, *self.others.get(name, [])]
-        into = _destination(live, shape, mesh, placements, target, mine)
-        if into is not None:
-            self._assemble(name, target, chunks, mine.dtype, into=into, files=self.files)
-            return live
-        local = self._assemble(name, target, chunks, mine.dtype, self.base_owned,
-                               files=self.files)
-        stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(local, mesh, placements, run_check=False,
-                                  shape=torch.Size(shape), stride=stride)
+        return (name, shape, mine, placements, mesh, target,
+                [saved, *self.others.get(name, [])])
 
     @staticmethod
     def _assemble(name: str, target: Box, chunks: list[tuple[Box, torch.Tensor]],
@@ -331,23 +354,31 @@ class Resharder:
                 # slot that goes back to the daemon after the load.
                 return t if base_owned and t is chunks[0][1] else t.clone()
         out = torch.empty(target[1], dtype=dtype) if into is None else into
-        covered, seen = 0, set()
-        for box, t in chunks:
-            if box in seen or t.dtype != dtype:
-                continue
-            seen.add(box)
-            part = _overlap(box, target)
-            if part is None:
-                continue
-            dst = tuple(slice(o - to, o - to + n) for o, n, to in zip(*part, target[0]))
-            src = tuple(slice(o - bo, o - bo + n) for o, n, bo in zip(*part, box[0]))
+        covered = 0
+        for t, dst, src in _parts(target, chunks, dtype):
             if files is None or not files.read(out, dst, t, src):
                 out[dst] = t[src]
-            covered += math.prod(part[1])
+            covered += math.prod(d.stop - d.start for d in dst)
         if covered != math.prod(target[1]):
             raise ShardMismatch(f"{name}: the shards fetched hold {covered} of the "
                                 f"{math.prod(target[1])} elements this rank needs")
         return out
+
+
+def _parts(target: Box, chunks: list[tuple[Box, torch.Tensor]], dtype: torch.dtype
+           ) -> Iterator[tuple[torch.Tensor, tuple[slice, ...], tuple[slice, ...]]]:
+    """Each saved chunk's overlap with ``target``: (the chunk, where in the new shard, where
+    in the chunk), each distinct box once (a replicated one is held by several old ranks)."""
+    seen = set()
+    for box, t in chunks:
+        if box in seen or t.dtype != dtype:
+            continue
+        seen.add(box)
+        part = _overlap(box, target)
+        if part is None:
+            continue
+        yield (t, tuple(slice(o - to, o - to + n) for o, n, to in zip(*part, target[0])),
+               tuple(slice(o - bo, o - bo + n) for o, n, bo in zip(*part, box[0])))
 
 
 def _destination(live: Any, shape: Sequence[int], mesh: Any, placements: Sequence[Any],

@@ -121,3 +121,20 @@ class SlotFiles:
                 raise OSError(f"slot file ended {len(into) - got} bytes short of a shard's rows")
             got += n
         return True
+
+
+class Landed(SlotFiles):
+    """Slot files some of whose row copies were made before the load: a direct fetch
+    (:mod:`elasticd.worker.direct`) landed those rows in the live tensors straight from the
+    wire. :meth:`read` makes none of ``landed`` (they are in place) and every other copy as
+    :class:`SlotFiles` does."""
+
+    def __init__(self, files: Iterable[tuple[int, int, int]], landed: Iterable[RowCopy]) -> None:
+        super().__init__(files)
+        self._landed = set(landed)
+
+    def read(self, out: torch.Tensor, dst: tuple[slice, ...], t: torch.Tensor,
+             src: tuple[slice, ...]) -> bool:
+        if self.locate(out, dst, t, src) in self._landed:
+            return True
+        return super().read(out, dst, t, src)

@@ -12,12 +12,11 @@ copies the rows it needs). Worker side: imports torch.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import mmap
 import os
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -28,8 +27,9 @@ from elasticd.snapshot.segment import map_fd
 from elasticd.worker import handover, shards
 from elasticd.worker.client import DaemonUnavailable
 from elasticd.worker.copier import read_tensors, tensor_views
+from elasticd.worker.fetched import Fetched, own_unsharded
 from elasticd.worker.scratch_maps import SCRATCH_MAPS, ScratchMaps
-from elasticd.worker.slot_rows import SlotFiles, huge_page_file, mapping_address
+from elasticd.worker.slot_rows import huge_page_file, mapping_address
 
 log = logging.getLogger("elasticd.checkpoint")
 
@@ -42,41 +42,6 @@ Version = tuple[int, int]
 #: every attempt. A daemon that stops answering altogether is the agent's to notice
 #: (elasticd.agent.daemon_watch fences the node).
 FETCH_WAIT = 1800.0
-
-
-@dataclasses.dataclass
-class _Fetched:
-    tensors: list[torch.Tensor]
-    meta: dict[str, Any]
-    source: str
-    nbytes: int
-    names: list[str] = dataclasses.field(default_factory=list)
-    #: The other old ranks' snapshots this rank's new shards need (sharded state).
-    others: list["_Fetched"] = dataclasses.field(default_factory=list)
-    #: Why the sharded state cannot be placed into this state ("" when it can).
-    error: str = ""
-    #: Lets go of the slot a piece read in place maps (its tensors are views of it).
-    release: Callable[[], None] | None = None
-    #: Which old rank's snapshot this is, when fetched for another world size.
-    rank: int | None = None
-    #: (mapping address, descriptor, mapping length or 0) of the slot file a piece read in
-    #: place maps, until its ``release`` (which closes the descriptor): the resharder reads
-    #: rows from the file, or out of the mapping where its length is given (slot_rows.py).
-    slot_file: tuple[int, int, int] | None = None
-    #: The snapshot's bytes as they lay in the slot (uint8), kept to hand over (handover.py).
-    raw: torch.Tensor | None = None
-
-    def slot_files(self) -> SlotFiles:
-        """The slot files of this piece and the others read in place (for the resharder)."""
-        return SlotFiles(p.slot_file for p in (self, *self.others) if p.slot_file is not None)
-
-    def close(self) -> None:
-        """Releases the slots the pieces were read from in place."""
-        for piece in (*self.others, self):
-            if piece.release is not None:
-                release, piece.release, piece.tensors = piece.release, None, []
-                piece.slot_file = None
-                release()  # the views are gone first, so the slot unmaps now
 
 
 class Sources:
@@ -117,6 +82,11 @@ class Sources:
         self.fetchable: set[Version] = set()
         #: Why this rank's daemon could not be asked (it did not answer), or "".
         self.unreachable = ""
+        #: Whether a reshard's rows are fetched by this rank itself (:mod:`.direct`):
+        #: ``ELASTICD_DIRECT_FETCH=0`` keeps the daemon's path.
+        self.direct_fetch = os.environ.get("ELASTICD_DIRECT_FETCH", "1") != "0"
+        #: A direct fetch that failed had landed rows in the live state (:mod:`.direct`).
+        self.tainted = False
         #: This rank's new local boxes (shards.local_boxes, by :meth:`prepare`), sent with the
         #: fetches of a version saved at another world size so that only the rows it needs
         #: cross the network.
@@ -234,8 +204,8 @@ class Sources:
             log.warning("elasticd: ignoring a malformed committed step %r: %s", info, exc)
             self.committed, self.committed_world = None, 0
 
-    def fetch(self, version: Version, refused: list[str],
-              world: int | None = None) -> _Fetched | None:
+    def fetch(self, version: Version, refused: list[str], world: int | None = None,
+              state: Any = None) -> Fetched | None:
         """This rank's shard of ``version``, copied into new tensors, or None.
 
         Args:
@@ -248,6 +218,8 @@ class Sources:
                 step is not loadable on this rank, and the job restores an older step, or
                 step 0, while the committed step is in RAM on the survivors (a chaos run:
                 old rank 0's copies on a frozen node and on the killed one).
+            state: the live state, given for a reshard: the rows its new shards need are
+                fetched straight into its tensors where they can be (:mod:`.direct`).
         """
         world = self.world if world is None else world
         if version in self.own_agreed:
@@ -270,6 +242,10 @@ class Sources:
                 # A survivor of an in-process re-formation: the snapshot it wrote itself, in
                 # its own node's RAM; the resharder takes the rows it lacks from the others.
                 base = self.previous[0]
+            if reshard and state is not None and self.direct_fetch:
+                got = self._direct(version, world, base, state, refused)
+                if got is not None:
+                    return got
             for old in [(base + i) % world for i in range(world if reshard else 1)]:
                 try:
                     got = self._from_daemon("ckpt_fetch", version, world, refused, old,
@@ -290,13 +266,13 @@ class Sources:
                                 "snapshot: no copy of old rank %d's is left in RAM",
                                 self.rank, version, old, base)
                 got.rank = old
-                return _own_unsharded(got)
+                return own_unsharded(got)
         if version in self.persisted and self.persist_dir:
             try:
                 # At another world size, old rank ``rank % world``'s (fetch_shards adds the
                 # rest); Tier.read checks the file against the step's manifest.
                 snap = Tier(self.persist_dir).read(self.job, version, self.rank % world)
-                return _Fetched(read_tensors(snap.buffer, snap.layout), snap.meta, "persistent",
+                return Fetched(read_tensors(snap.buffer, snap.layout), snap.meta, "persistent",
                                 snap.layout.total_size, [e.name for e in snap.layout.entries])
             except (SnapshotError, TierError, OSError, ValueError) as exc:
                 refused.append(f"persistent step {version}: {exc}")
@@ -304,7 +280,21 @@ class Sources:
                           self.rank, version, exc)
         return None
 
-    def _own_slot(self, version: Version, refused: list[str]) -> _Fetched | None:
+    def _direct(self, version: Version, world: int, base: int, state: Any,
+                refused: list[str]) -> Fetched | None:
+        """Old rank ``base``'s snapshot with the others the new shards need, their rows
+        fetched by this rank itself into ``state`` (:mod:`.direct`); None: the daemon's path."""
+        from elasticd.worker.direct import DirectFetch
+
+        self.prepare(state)
+        direct = DirectFetch(self.transport, self.job, self.rank, lambda q: self._from_daemon(
+            "ckpt_fetch", version, world, refused, q, in_place=True))
+        try:
+            return direct.fetch(version, world, base, state, self.boxes or [], refused)
+        finally:
+            self.tainted = self.tainted or direct.tainted
+
+    def _own_slot(self, version: Version, refused: list[str]) -> Fetched | None:
         """The previous rank's snapshot of ``version`` from this node's RAM (verified by the
         daemon), or None: refused, gone, or sharded. A sharded snapshot (DTensors, a
         ZeroRedundancyOptimizer) holds only this rank's part of the state, and the dead
@@ -331,8 +321,8 @@ class Sources:
         got.rank = rank
         return got
 
-    def handed(self, got: _Fetched | None, plan: handover.Handover, collective: Any,
-               refused: list[str], world: int) -> _Fetched | None:
+    def handed(self, got: Fetched | None, plan: handover.Handover, collective: Any,
+               refused: list[str], world: int) -> Fetched | None:
         """``got`` on a holder of ``plan``'s version (after sending its bytes to the ranks
         it hands them to); on a rank that lacks the version, its holder's snapshot, checked
         block by block, or None (the holder had none, or the bytes fail the check)."""
@@ -351,7 +341,7 @@ class Sources:
             if reader.header.version() != version:
                 raise SnapshotError(f"holds step {reader.header.version()}")
             lay = reader.header.layout
-            out = _Fetched(read_tensors(data.numpy(), lay), reader.header.meta, "peer",
+            out = Fetched(read_tensors(data.numpy(), lay), reader.header.meta, "peer",
                            lay.total_size, [e.name for e in lay.entries])
             out.rank = reader.header.rank
         except (SnapshotError, ValueError) as exc:
@@ -375,7 +365,7 @@ class Sources:
             self.boxes = []
 
     def fetch_rank(self, version: Version, rank: int, refused: list[str],
-                   world: int, in_place: bool = False) -> _Fetched | None:
+                   world: int, in_place: bool = False) -> Fetched | None:
         """Old rank ``rank``'s snapshot of ``version`` (saved by ``world`` ranks), for the
         shards of this rank's new local tensors: from this node's RAM, else copied from a
         peer's (``ckpt_fetch`` does both), else the persistent tier; None when none has it.
@@ -395,18 +385,20 @@ class Sources:
             try:
                 snap = Tier(self.persist_dir).read(self.job, version, rank)
                 if snap.world_size == world:
-                    return _Fetched(read_tensors(snap.buffer, snap.layout), snap.meta,
+                    return Fetched(read_tensors(snap.buffer, snap.layout), snap.meta,
                                     "persistent", snap.layout.total_size,
                                     [e.name for e in snap.layout.entries])
             except (SnapshotError, TierError, OSError, ValueError) as exc:
                 refused.append(f"persistent rank {rank} step {version}: {exc}")
         return None
 
-    def fetch_shards(self, got: _Fetched, version: Version, refused: list[str], world: int,
-                     state: Any) -> _Fetched | None:
+    def fetch_shards(self, got: Fetched, version: Version, refused: list[str], world: int,
+                     state: Any) -> Fetched | None:
         """Adds to ``got`` (old rank ``rank % world``'s snapshot) the other old ranks'
         snapshots that this rank's new shards need; the same code at every world size (at
         the same one, and on the same mesh, none). None when one of them is not reachable."""
+        if got.figures is not None:  # fetched whole by this rank itself (:mod:`.direct`)
+            return got
         dtensors = next(dtensor_nodes(got.meta), None) is not None
         # A ZeroRedundancyOptimizer partitions whole parameters by size: at another world size
         # a rank's new partition draws on any old rank's, so it needs every old snapshot.
@@ -449,7 +441,7 @@ class Sources:
 
     def _from_daemon(self, op: str, version: Version, world: int, refused: list[str],
                      rank: int | None = None, in_place: bool = False,
-                     keep_bytes: bool = False) -> _Fetched | None:
+                     keep_bytes: bool = False) -> Fetched | None:
         """Maps the slot ``op`` (``ckpt_open`` or ``ckpt_fetch``) points at and copies it out;
         None when the daemon says every copy is lost. ``rank``: whose shard (default: this
         rank's; another one's after a grow). ``in_place``: the tensors are read-only views of
@@ -459,7 +451,7 @@ class Sources:
         peers is partial: only the rows they overlap, and every entry that is not a DTensor,
         are valid, which is all a reshard reads. Such a copy (restore scratch) is mapped
         through :attr:`scratch_maps`, which keeps the mapping past the release. ``keep_bytes``: the slot's bytes are copied
-        out whole first (:attr:`_Fetched.raw`, to hand over) and the tensors from that copy."""
+        out whole first (:attr:`Fetched.raw`, to hand over) and the tensors from that copy."""
         rank = self.rank if rank is None else rank
         wait: dict[str, Any] = {"timeout": FETCH_WAIT} if op == "ckpt_fetch" else {}
         if in_place and self.boxes and op == "ckpt_fetch":
@@ -497,7 +489,7 @@ class Sources:
                     raw.numpy()[:] = whole[:lay.total_size]
             tensors = (tensor_views(mm, lay) if in_place
                        else read_tensors(mm if raw is None else raw.numpy(), lay))
-            out = _Fetched(tensors, reader.header.meta, source,
+            out = Fetched(tensors, reader.header.meta, source,
                            lay.total_size, [e.name for e in lay.entries], raw=raw)
             del reader
             if in_place:
@@ -536,20 +528,6 @@ def sharded(meta: Any) -> bool:
     ZeroRedundancyOptimizer): each rank's snapshot is only its part of the state."""
     return next(dtensor_nodes(meta), None) is not None or any(
         kind == "zero" for _, kind, _ in meta.get("objects", ()))
-
-
-def _own_unsharded(got: _Fetched) -> _Fetched:
-    """This rank's old snapshot read in place for a reshard: its sharded entries stay views
-    (the resharder copies the rows it needs out of them, where copying the whole snapshot out
-    first cost a copy and the page faults of fresh memory, 385 MB a rank in the bench), every
-    other entry becomes an owned copy (loaded objects keep what they are given). A snapshot
-    with no sharded entry is copied whole and its slot let go at once."""
-    sharded = {n["i"] for n in dtensor_nodes(got.meta) if type(n.get("i")) is int}
-    got.tensors = [t if i in sharded else t.clone() for i, t in enumerate(got.tensors)]
-    if not sharded and got.release is not None:
-        release, got.release, got.slot_file = got.release, None, None
-        release()
-    return got
 
 
 def close_fds(reply: dict[str, Any]) -> None:

@@ -24,7 +24,6 @@ import contextlib
 import dataclasses
 import itertools
 import math
-import random
 import sys
 import weakref
 from typing import Any, Callable, Mapping, MutableMapping, Sequence
@@ -33,7 +32,7 @@ import numpy as np
 import torch
 
 from elasticd.worker import shards
-from elasticd.worker.slot_rows import SlotFiles
+from elasticd.worker.slot_rows import RowCopy, SlotFiles
 from elasticd.worker.state_memo import DictMemo, depth, tensor_key
 from elasticd.worker.copier import dtype_name, spec_of
 from elasticd.snapshot.format import DEFAULT_BLOCK_SIZE, Layout, layout
@@ -53,39 +52,6 @@ class UnsupportedValue(StateError, TypeError):
 
 class StateMismatch(StateError):
     """The snapshot does not fit the state it is loaded into (keys, kinds, shapes, version)."""
-
-
-class RNGState:
-    """The process's random generators as one stateful entry: put ``RNGState()`` in the state.
-
-    Covers torch's CPU generator, numpy's global (legacy) generator, python's ``random`` and,
-    when CUDA is initialised, every CUDA device's generator. Loaders with their own
-    ``torch.Generator`` must snapshot it themselves (docs/facts.md: exact resume needs it).
-    """
-
-    def state_dict(self) -> dict[str, Any]:
-        kind, key, pos, has_gauss, cached = np.random.get_state()
-        version, internal, gauss_next = random.getstate()
-        out: dict[str, Any] = {
-            "torch": torch.get_rng_state(),
-            "numpy": {"kind": kind, "key": key, "pos": int(pos), "has_gauss": int(has_gauss),
-                      "cached_gaussian": float(cached)},
-            # 625 words as one int64 tensor rather than 625 JSON numbers in the header.
-            "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64),
-                       "gauss_next": gauss_next},
-        }
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            out["cuda"] = torch.cuda.get_rng_state_all()
-        return out
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        torch.set_rng_state(state["torch"])
-        n = state["numpy"]
-        np.random.set_state((n["kind"], n["key"], n["pos"], n["has_gauss"], n["cached_gaussian"]))
-        p = state["python"]
-        random.setstate((p["version"], tuple(int(x) for x in p["state"].tolist()), p["gauss_next"]))
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _zero_class() -> type | None:
@@ -499,10 +465,8 @@ def load_into(state: MutableMapping[str, Any], tensors: list[torch.Tensor],
                                          base_owned=not base_views, files=files)
         return resharder(node, live)
 
-    def live(key: str) -> Any:  # state[key]'s state dict: its very tensors
-        target = state.get(key) if base_views else None
-        with contextlib.suppress(Exception):  # an optimisation: else new tensors are made
-            return target.state_dict() if _kind(target) in ("module", "optimizer") else None
+    def live(key: str) -> Any:
+        return _live_state(state, key) if base_views else None
 
     objects = _objects(tensors, meta, dtensor, live)
     saved = [key for key, _, _ in objects]
@@ -529,6 +493,34 @@ def load_into(state: MutableMapping[str, Any], tensors: list[torch.Tensor],
         except (RuntimeError, ValueError, KeyError, IndexError, TypeError) as exc:
             raise StateMismatch(f"state[{key!r}] ({type(target).__qualname__}) refused the "
                                 f"snapshot: {exc}") from exc
+
+
+def plan_rows(state: Mapping[str, Any], tensors: list[torch.Tensor], meta: Mapping[str, Any],
+              files: SlotFiles, *, others: Sequence[Any] = (), names: Sequence[str] = ()
+              ) -> list[RowCopy]:
+    """The row copies :func:`load_into` (a reshard: ``base_views``, ``files``) would make out
+    of ``files`` straight into the state's own tensors, worked out without copying or loading
+    anything: the state is left as it is (:mod:`.direct` lands those rows itself).
+
+    Raises:
+        StateMismatch, StateError: as :func:`load_into` would for the same snapshot.
+    """
+    resharder = shards.Resharder(state, [(names, tensors, meta), *others], base_owned=False,
+                                 files=files)
+    copies: list[RowCopy] = []
+
+    def dtensor(node: Mapping[str, Any], live: Any = None) -> None:
+        copies.extend(resharder.plan(node, live))
+
+    _objects(tensors, meta, dtensor, lambda key: _live_state(state, key))
+    return copies
+
+
+def _live_state(state: Mapping[str, Any], key: str) -> Any:
+    """``state[key]``'s state dict, its very tensors (a module's, an optimizer's), or None."""
+    target = state.get(key)
+    with contextlib.suppress(Exception):  # an optimisation: else new tensors are made
+        return target.state_dict() if _kind(target) in ("module", "optimizer") else None
 
 
 def _others_of(key: str, others: Sequence[tuple[Sequence[str], list[torch.Tensor], Any]]

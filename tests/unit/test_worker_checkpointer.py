@@ -28,7 +28,7 @@ from elasticd.worker.copier import CopyHandle, CpuCopier, copy_into
 from elasticd.worker.sampler import ElasticSampler
 from elasticd.store.service import CheckpointService
 from elasticd.store.shm import SlotStore
-from elasticd.worker.state import RNGState
+from elasticd.worker.rng_state import RNGState
 from elasticd.testing.transport import InProcessTransport
 from elasticd.persistence.persister import Persister
 

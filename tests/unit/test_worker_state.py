@@ -23,9 +23,9 @@ from elasticd.snapshot.format import SnapshotHeader, seal
 from elasticd.snapshot.reader import SnapshotReader
 from elasticd.store.shm import SlotStore
 from elasticd.testing.snapshot import load_snapshot
+from elasticd.worker.rng_state import RNGState
 from elasticd.worker.state import (
     META_VERSION,
-    RNGState,
     StateError,
     StateMismatch,
     UnsupportedValue,
