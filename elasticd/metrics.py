@@ -77,6 +77,13 @@ class CheckpointSink:
     def scratch_refused(self, job: str) -> None:
         self.m.restore.scratch_refused.inc()
 
+    def direct_fetched(self, job: str, wire_bytes: int, routed_bytes: int) -> None:
+        self.m.restore.direct_bytes.labels("in_place").inc(routed_bytes)
+        self.m.restore.direct_bytes.labels("staging").inc(max(0, wire_bytes - routed_bytes))
+
+    def direct_fell_back(self, job: str) -> None:
+        self.m.restore.direct_fell_back.inc()
+
     def restored(self, job: str, source: str, seconds: float, steps_lost: int,
                  nbytes: int) -> None:
         self.m.restore.restores.labels(source).inc()
@@ -302,6 +309,17 @@ class RestoreMetrics:
             "elasticd_scratch_refused_total",
             "Partial copies for a restore refused because they would take a job's scratch "
             "over its cap (scratch_cap_mib): that rank's restore failed")
+        self.direct_bytes = counter(
+            "elasticd_direct_fetch_bytes_total",
+            "Bytes workers fetched themselves for a reshard over sessions handed over "
+            "(elasticd/worker/direct.py), by where they landed: in_place (straight into the "
+            "live tensors) or staging", ["landed"])
+        for landed in ("in_place", "staging"):
+            self.direct_bytes.labels(landed)
+        self.direct_fell_back = counter(
+            "elasticd_direct_fetch_fallbacks_total",
+            "Reshards whose worker could not fetch its rows itself and took the daemon's "
+            "path (the reason is in the restore's refused list)")
         self.restores = counter("elasticd_restores_total", "Worker restores, by source", ["source"])
         self.seconds = histogram(
             "elasticd_restore_seconds", "Time one worker took to restore, by source", ["source"],

@@ -38,7 +38,8 @@ replies hold until ``ckpt_release`` or ``pin_ttl``), and nothing else of it.
 * ``ckpt_committed`` job → generation, step, ranks | committed: null (no replicator, nothing
   committed yet, or etcd unreadable)
 * ``ckpt_report`` job, rank, source, seconds, steps_lost, bytes, generation, step, [refused],
-  [next_generation], [path] → {}
+  [next_generation], [path], [direct {wire_bytes, routed_bytes, old_ranks, remote_ranks}:
+  the worker fetched a reshard's rows itself] → {}
 """
 
 from __future__ import annotations
@@ -385,10 +386,11 @@ class Restores:
         if path not in (None, *RESTORE_PATHS):
             raise RequestError(f"path must be one of {RESTORE_PATHS}, got {path!r:.40}")
         refused = [str(r)[:500] for r in msg.get("refused", []) if isinstance(r, str)][:16]
+        direct = _direct_figures(msg.get("direct"))
         entry = {"job": job, "rank": rank, "source": source, "seconds": seconds,
                  "steps_lost": lost, "bytes": nbytes, "generation": msg.get("generation"),
                  "step": msg.get("step"), "refused": refused, "at": self.clock.wall(),
-                 "path": path}
+                 "path": path, "direct": direct}
         start_gen = param(msg, "next_generation", int, None)
         with self._book.lock:
             record = self._book.jobs[job]
@@ -411,6 +413,23 @@ class Restores:
         for reason in refused:
             if reason.startswith("persistent"):
                 emit(self._sink, "snapshot_refused", job, "persistent")
+            if reason.startswith("direct fetch"):
+                emit(self._sink, "direct_fell_back", job)
+        if direct is not None:
+            log.info("%s rank %d fetched its rows itself from %d old ranks' holders: %d bytes "
+                     "on the wire, %d straight into its tensors", job, rank,
+                     direct["remote_ranks"], direct["wire_bytes"], direct["routed_bytes"])
+            emit(self._sink, "direct_fetched", job, direct["wire_bytes"], direct["routed_bytes"])
         emit(self._sink, "restored", job, source, seconds, lost, nbytes)
         call_hooks(self.on_restore, entry, log=log, failed="restore hook failed")
         return {}
+
+
+def _direct_figures(value: Any) -> dict[str, int] | None:
+    """A report's ``direct`` field (a worker's own fetch, :mod:`elasticd.worker.direct`):
+    its counts, each a non-negative int; None when absent or malformed."""
+    keys = ("wire_bytes", "routed_bytes", "old_ranks", "remote_ranks")
+    if not isinstance(value, dict) or not all(type(value.get(k)) is int and value[k] >= 0
+                                              for k in keys):
+        return None
+    return {k: value[k] for k in keys}

@@ -206,7 +206,8 @@ class Checkpointer:
                    seconds=result.seconds, steps_lost=result.steps_lost, bytes=result.nbytes,
                    generation=result.generation, step=result.step, refused=result.refused,
                    next_generation=result.next_generation,
-                   path="in_process" if in_process.kept() else "restart")
+                   path="in_process" if in_process.kept() else "restart",
+                   **({"direct": result.direct} if result.direct else {}))
         self._register(result.step, one_way=True)
         return result.step
 

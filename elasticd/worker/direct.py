@@ -190,6 +190,8 @@ class DirectFetch:
         got.nbytes = sum(p.nbytes for p in (got, *others))
         routed = [c for cs in routes.values() for c, _ in cs]
         got.files = Landed((p.slot_file for p in (got, *others) if p.slot_file), routed)
+        if not remotes:
+            return got  # every piece read in place from this node: nothing fetched
         got.figures = {"wire_bytes": wire, "routed_bytes": sum(c.nbytes for c in routed),
                        "old_ranks": len(need), "remote_ranks": len(remotes),
                        "seconds": round(time.perf_counter() - started, 6)}

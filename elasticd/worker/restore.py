@@ -155,6 +155,8 @@ class RestoreResult:
         refused: snapshots refused (or lost) on the way, with the reason.
         saved_world_size: the world size the restored snapshot was taken at (differs from the
             current one after a shrink); 0 for a fresh start.
+        direct: the figures of a reshard whose rows this rank fetched itself
+            (:mod:`.direct`), else None.
         in_memory: every rank's live state already was the step (source "local": its own
             slot holds it), so nothing was loaded (:mod:`.held_state`).
         times: the restore's moments, wall time (``wall`` of :func:`restore`): ``discovered``
@@ -174,6 +176,7 @@ class RestoreResult:
     saved_world_size: int = 0
     times: dict[str, float] = dataclasses.field(default_factory=dict)
     in_memory: bool = False
+    direct: dict[str, Any] | None = None
 
 
 class Collective:
@@ -447,6 +450,7 @@ def restore(state: Any, sources: Sources, collective: Collective, clock: Any,
             mark("loaded")
             result.step, result.generation = version[1], version[0]
             result.source, result.nbytes = got.source, got.nbytes
+            result.direct = got.figures
             result.saved_world_size = world
             if world != sources.world:
                 log.warning("elasticd: rank %d restored step %s saved by %d ranks into a world "

@@ -397,7 +397,7 @@ class Sources:
         """Adds to ``got`` (old rank ``rank % world``'s snapshot) the other old ranks'
         snapshots that this rank's new shards need; the same code at every world size (at
         the same one, and on the same mesh, none). None when one of them is not reachable."""
-        if got.figures is not None:  # fetched whole by this rank itself (:mod:`.direct`)
+        if got.files is not None:  # every piece in hand already (:mod:`.direct`)
             return got
         dtensors = next(dtensor_nodes(got.meta), None) is not None
         # A ZeroRedundancyOptimizer partitions whole parameters by size: at another world size

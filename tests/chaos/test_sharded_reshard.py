@@ -141,6 +141,15 @@ def test_fsdp2_kill9_node_reshards_from_peer_ram_bitwise_like_dcp_load(tmp_path)
 
     assert_restore_equals_dcp_load(out, shrink, dcp_dir, str(tmp_path))
     assert_restore_equals_dcp_load(out, grow, dcp_dir, str(tmp_path))
+    # Both reshards took the worker's own fetch (worker/direct.py), which the daemons
+    # counted from the reports; none fell back to the daemon's path.
+    direct = [line for log in glob.glob(os.path.join(str(tmp_path), "n*.log"))
+              for line in open(log) if "fetched its rows itself" in line]
+    assert len(direct) >= 2 and all(" 0 straight into" not in d for d in direct), direct
+    workers = [line for log in glob.glob(os.path.join(str(tmp_path), "n*", "jobs", "*",
+                                                      "agent.log"))
+               for line in open(log) if "through its daemon instead" in line]
+    assert not workers, workers
 
 
 def test_zero_kill9_node_reshards_from_peer_ram_bitwise_like_consolidated(tmp_path):

@@ -115,6 +115,8 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "elasticd_restores_total": ("counter", ("source",)),
     "elasticd_scratch_bytes": ("gauge", ()),
     "elasticd_scratch_refused_total": ("counter", ()),
+    "elasticd_direct_fetch_bytes_total": ("counter", ("landed",)),
+    "elasticd_direct_fetch_fallbacks_total": ("counter", ()),
     "elasticd_shards_unprotected": ("gauge", ()),
     "elasticd_snapshot_bytes": ("gauge", ()),
     "elasticd_snapshot_stall_seconds": ("histogram", ()),
