@@ -24,7 +24,14 @@ last layer has 5 rows), so the shards FSDP2 makes are uneven at world size 3 and
 Timed, for both new ranks at once (concurrently, from a barrier; the figure is the slower
 rank's time), interleaved over ``--repeat`` rounds after one untimed warm-up round:
 
-* ``elasticd``: ``Checkpointer.restore(state)`` — the product's whole restore: the ranks agree
+* ``elasticd``: ``Checkpointer.restore(state)`` — the product's whole restore. Since restore42
+  the worker fetches its rows itself (:mod:`elasticd.worker.direct`): it asks its daemon for
+  sessions to each needed old rank's holders (``ckpt_sessions``), fetches the headers into
+  staging, plans the row copies with the resharder's code, and fetches the needed blocks
+  striped across the holders with each planned row range landing straight in its live
+  tensor (``elasticd_fetch.direct_fetch`` gives its figures). With
+  ``ELASTICD_DIRECT_FETCH=0`` (or a daemon that cannot hand sessions over) it is the daemon's
+  path: the ranks agree
   on the committed step, each asks its daemon (``ckpt_fetch``) for the old ranks its new shards
   need (:func:`~elasticd.worker.shards.needed_ranks`: new rank 0 needs old 0 and 1, new 1
   needs old 1 and 2), and the daemon fetches from those snapshots only the checksum blocks
@@ -611,7 +618,9 @@ def worker(rank: int, port: int, dims: list[int], sock: str, control, dcp_dir: s
                              "load_into_seconds": sum(loads),
                              # Restore scratch mapped anew / through the mapping kept.
                              "scratch_maps": [getattr(SCRATCH_MAPS, "made", 0) - maps[0],
-                                              getattr(SCRATCH_MAPS, "reused", 0) - maps[1]]}
+                                              getattr(SCRATCH_MAPS, "reused", 0) - maps[1]],
+                             # The worker's own fetch (worker/direct.py), when it took it.
+                             "direct": getattr(res, "direct", None)}
                 else:
                     msd, osd = get_state_dict(model, opt)
                     t1 = time.perf_counter()
@@ -805,6 +814,17 @@ def paired_cpu(timed: list[dict], variant: str = "elasticd", base: str = "floor"
             "rounds_at_most_1_5x": sum(x <= 1.5 for x in ratios)}
 
 
+def direct_figures(rows: list) -> dict | None:
+    """The medians of the worker's own fetches' figures over ``rows`` (``RestoreResult.direct``
+    of each timed restore), with how many restores took that path."""
+    took = [r for r in rows if r]
+    if not took:
+        return None
+    return {"restores": len(took), "of": len(rows),
+            **{k: statistics.median(r[k] for r in took)
+               for k in ("wire_bytes", "routed_bytes", "remote_ranks", "seconds")}}
+
+
 def spike_summary(results: dict, timed: list[dict], runs) -> dict:
     """``--spike-worker-fetch``: the spike beside the floor and beside elasticd's own path,
     each paired round by round, and where its time went (rank 0, medians)."""
@@ -895,6 +915,9 @@ def summarise(args, dims, total_state, dcp_bytes, save_seconds, rows, wall,
                 statistics.median(runs("elasticd", "load_into_seconds", rank)), 4),
             "restored_bytes_per_restore": statistics.median(
                 runs("elasticd", "nbytes", rank)),
+            # The worker's own fetch (elasticd/worker/direct.py): how many timed restores
+            # took it, and its figures' medians (None: the daemon's path every time).
+            "direct_fetch": direct_figures(runs("elasticd", "direct", rank)),
             # Over the timed rounds: the scratch the daemon's partial copies landed in (a kept
             # segment of the same old rank, another kept one, a new file) and the worker's
             # mappings of it (made, or kept from the restore before).

@@ -20,7 +20,8 @@ daemon's path.
 
 Layer 2 of the design in bench/results/restore40/README.md. The daemon's operation that opens
 and hands the sessions over is ``ckpt_sessions`` (:mod:`elasticd.recovery.handing`,
-:mod:`elasticd.store.handed_sessions`); the worker's restore over them is not built yet.
+:mod:`elasticd.store.handed_sessions`); the worker's restore over them is
+:mod:`elasticd.worker.direct`.
 """
 
 from __future__ import annotations

@@ -286,6 +286,8 @@ class Sources:
         fetched by this rank itself into ``state`` (:mod:`.direct`); None: the daemon's path."""
         from elasticd.worker.direct import DirectFetch
 
+        if not shards.live_meshes(state):
+            return None  # no DTensor to land rows in: a replicated state is fetched whole
         self.prepare(state)
         direct = DirectFetch(self.transport, self.job, self.rank, lambda q: self._from_daemon(
             "ckpt_fetch", version, world, refused, q, in_place=True))
