@@ -47,12 +47,14 @@ FETCH_WAIT = 1800.0
 class Sources:
     """Where this rank can find its shards: the daemon (may be None) and the persistent tier."""
 
+    #: Where restore scratch read in place is mapped (kept for the next restore): the
+    #: process's, unless an instance is given its own.
+    scratch_maps: ScratchMaps = SCRATCH_MAPS
+
     def __init__(self, transport: Any, job: str, rank: int, world_size: int,
                  persist_dir: str | None = None, previous: tuple[int, int] | None = None
                  ) -> None:
         self.transport, self.job, self.rank, self.world = transport, job, rank, world_size
-        #: Where restore scratch read in place is mapped (kept for the next restore).
-        self.scratch_maps: ScratchMaps = SCRATCH_MAPS
         self.persist_dir = persist_dir
         #: (rank, world size) this process held in the round before, when it differs from
         #: the current one: a survivor of an in-process re-formation (see :attr:`own`), or
@@ -82,9 +84,6 @@ class Sources:
         self.fetchable: set[Version] = set()
         #: Why this rank's daemon could not be asked (it did not answer), or "".
         self.unreachable = ""
-        #: Whether a reshard's rows are fetched by this rank itself (:mod:`.direct`):
-        #: ``ELASTICD_DIRECT_FETCH=0`` keeps the daemon's path.
-        self.direct_fetch = os.environ.get("ELASTICD_DIRECT_FETCH", "1") != "0"
         #: A direct fetch that failed had landed rows in the live state (:mod:`.direct`).
         self.tainted = False
         #: This rank's new local boxes (shards.local_boxes, by :meth:`prepare`), sent with the
@@ -242,7 +241,7 @@ class Sources:
                 # A survivor of an in-process re-formation: the snapshot it wrote itself, in
                 # its own node's RAM; the resharder takes the rows it lacks from the others.
                 base = self.previous[0]
-            if reshard and state is not None and self.direct_fetch:
+            if reshard and state is not None and direct_fetch_on():
                 got = self._direct(version, world, base, state, refused)
                 if got is not None:
                     return got
@@ -523,6 +522,12 @@ class Sources:
                 self.transport.call("ckpt_release", pin=pin)
         except Exception as exc:  # noqa: BLE001 — the daemon drops stale pins itself
             log.debug("elasticd: ckpt_release failed: %s", exc)
+
+
+def direct_fetch_on() -> bool:
+    """Whether a reshard's rows are fetched by the rank itself (:mod:`.direct`):
+    ``ELASTICD_DIRECT_FETCH=0`` in the job's environment keeps the daemon's path."""
+    return os.environ.get("ELASTICD_DIRECT_FETCH", "1") != "0"
 
 
 def sharded(meta: Any) -> bool:
