@@ -44,10 +44,9 @@ import ctypes
 import logging
 import mmap
 import os
-import time
 from typing import Any, Callable, Sequence
 
-from elasticd.clock import SYSTEM_CLOCK
+from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.recovery.fetch import fetch_shard
 from elasticd.recovery.ranges import needed_blocks, parse_boxes
 from elasticd.replication.deadline import LinkRates
@@ -139,13 +138,15 @@ class DirectFetch:
         local: reads old rank ``q``'s copy (of the version being fetched) held on this node
             in place (``ckpt_fetch``), or None when it cannot.
         staging: where the staging buffers are kept (default: the process's).
+        clock: times the fetch and its requests' deadlines.
     """
 
     def __init__(self, transport: Any, job: str, rank: int,
                  local: Callable[[int], Fetched | None],
-                 staging: StagingMaps | None = None) -> None:
+                 staging: StagingMaps | None = None, clock: Clock = SYSTEM_CLOCK) -> None:
         self.transport, self.job, self.rank, self.local = transport, job, rank, local
         self.staging = staging if staging is not None else STAGING
+        self.clock = clock
         self.rates = LinkRates()
         #: A fetch that failed had landed rows in the live tensors already.
         self.tainted = False
@@ -158,7 +159,7 @@ class DirectFetch:
         ``refused`` when a copy failed its checks)."""
         if not boxes:
             return None  # no new local boxes to select blocks by (Sources.prepare failed)
-        started = time.perf_counter()
+        started = self.clock.perf_counter()
         remotes: list[_Remote] = []
         pieces: dict[int, Fetched] = {}
         try:
@@ -194,7 +195,7 @@ class DirectFetch:
             return got  # every piece read in place from this node: nothing fetched
         got.figures = {"wire_bytes": wire, "routed_bytes": sum(c.nbytes for c in routed),
                        "old_ranks": len(need), "remote_ranks": len(remotes),
-                       "seconds": round(time.perf_counter() - started, 6)}
+                       "seconds": round(self.clock.perf_counter() - started, 6)}
         log.info("elasticd: rank %d fetched step %s itself from %d old ranks' holders: %d "
                  "bytes on the wire, %d of them straight into its tensors", self.rank,
                  version, len(remotes), wire, got.figures["routed_bytes"])
@@ -275,7 +276,7 @@ class DirectFetch:
     def _fetch(self, version: Version, remote: _Remote, into: Any, select: Any) -> Any:
         return fetch_shard(self.job, remote.rank, version, into, me="",
                            holders=remote.holders, connections=remote.connections, own=(),
-                           clock=SYSTEM_CLOCK, rates=self.rates, select=select)
+                           clock=self.clock, rates=self.rates, select=select)
 
 
 def _plain_dtensors(meta: Any) -> bool:
