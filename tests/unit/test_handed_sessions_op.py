@@ -106,3 +106,30 @@ def test_a_bad_deadline_is_refused_with_the_reason(daemon, seconds):
     with pytest.raises(RequestError, match="seconds must be a number"):
         handler(dict(ASK, seconds=seconds))
     assert service.restores.handed.live() == 0
+
+
+def test_old_ranks_without_a_holder_keep_nothing_and_sets_share_one_deadline_thread(daemon):
+    """A job's process naming old ranks that have no holder piles up no state (once a timer
+    thread per set, for up to 1,800 s each); the live sets share one deadline thread."""
+    import threading
+
+    handler, service, _ = daemon
+
+    def deadline_threads() -> int:
+        return sum(t.name == "elasticd-handed-sessions" for t in threading.enumerate())
+
+    before, others = threading.active_count(), deadline_threads()  # other services' threads
+    for old in range(1, 200):  # the committed record names holders for old rank 0 only
+        assert handler(dict(ASK, old_rank=old, seconds=1800))["sessions"] == []
+    assert service.restores.handed.live() == service.restores.handed.sets() == 0
+    clients = [c for rank in (1, 2, 3) for c in take(handler(dict(ASK, rank=rank)))]
+    assert service.restores.handed.live() == 3
+    assert deadline_threads() <= others + 1
+    assert threading.active_count() <= before + 1 + 3  # the deadline thread, 3 serving
+    service.remove_job("job")
+    deadline = time.monotonic() + 10
+    while deadline_threads() > others and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert deadline_threads() <= others  # no set left: no thread waits for one
+    for client in clients:
+        client.close()

@@ -5,7 +5,7 @@
 #   DIRECT_TREE=/work/wt/r42 /work/wt/cpulock bash bench/results/restore42/direct.sh [RUNS] [FIRST]
 set -u
 T=${DIRECT_TREE:-/work/main}; RUNS=${1:-4}; FIRST=${2:-1}
-O=/work/main/bench/results/restore42/direct; P=/work/main/.venv/bin/python
+O=/work/main/bench/results/restore42/${DIRECT_OUT:-direct}; P=/work/main/.venv/bin/python
 L=/tmp/r42/logs; mkdir -p $O $L; cd $T; export PYTHONPATH=$T
 echo "start $(date -u +%T) load: $(cut -d' ' -f1-3 /proc/loadavg) tree: $(git rev-parse --short HEAD) ($T)"
 for k in $(seq $FIRST $((FIRST + RUNS - 1))); do
