@@ -68,10 +68,11 @@ class HandedSessions:
             self._wake.notify()  # the deadline thread leaves once no set is left
         return self._end(found) if found is not None else 0
 
-    def live(self) -> int:
-        """Sessions handed over and not cut off yet."""
+    def live(self, job: str | None = None) -> int:
+        """Sessions handed over (to ``job``'s processes, or any) and not cut off yet."""
         with self._lock:
-            return sum(len(clients) for clients, _ in self._sets.values())
+            return sum(len(clients) for key, (clients, _) in self._sets.items()
+                       if job is None or key[0] == job)
 
     def sets(self) -> int:
         """Live sets (each a (job, rank, old rank) with sessions not cut off yet)."""

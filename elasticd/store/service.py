@@ -197,6 +197,9 @@ class CheckpointService:
                     "scratch": {"bytes": self.store.scratch.held(job),
                                 "cap": self.store.scratch.job_cap,
                                 "refused": record.scratch_refused},
+                    # Replication sessions handed to the job's workers (a reshard's direct
+                    # fetch), live until the worker's fetch ends them or their deadline.
+                    "handed_sessions": self.restores.handed.live(job),
                 }
         return out
 

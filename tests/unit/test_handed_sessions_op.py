@@ -124,6 +124,7 @@ def test_old_ranks_without_a_holder_keep_nothing_and_sets_share_one_deadline_thr
     assert service.restores.handed.live() == service.restores.handed.sets() == 0
     clients = [c for rank in (1, 2, 3) for c in take(handler(dict(ASK, rank=rank)))]
     assert service.restores.handed.live() == 3
+    assert service.restores.handed.live("job") == 3 and service.restores.handed.live("x") == 0
     assert deadline_threads() <= others + 1
     assert threading.active_count() <= before + 1 + 3  # the deadline thread, 3 serving
     service.remove_job("job")
