@@ -117,6 +117,9 @@ class StagingMaps:
 #: The worker process's staging buffers (kept from one restore to the next, as restore
 #: scratch's mappings are: :mod:`.scratch_maps`).
 STAGING = StagingMaps()
+#: The link rates the worker process measured, kept from one restore to the next (as a
+#: daemon keeps its own): later fetches size their pieces and deadlines from them.
+RATES = LinkRates()
 
 
 class _Remote:
@@ -147,7 +150,7 @@ class DirectFetch:
         self.transport, self.job, self.rank, self.local = transport, job, rank, local
         self.staging = staging if staging is not None else STAGING
         self.clock = clock
-        self.rates = LinkRates()
+        self.rates = RATES
         #: A fetch that failed had landed rows in the live tensors already.
         self.tainted = False
 

@@ -389,6 +389,7 @@ def restore(state: Any, sources: Sources, collective: Collective, clock: Any,
             result.times[name] = wall()
 
     differ: list[str] | None = []
+    sources.preload(state)
     agreed = agree(sources, collective, mark)
     seen = agreed.seen
     candidates = agreed.candidates

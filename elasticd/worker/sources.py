@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import logging
 import mmap
 import os
+import sys
+import threading
 from typing import Any, Iterator
 
 import torch
@@ -279,14 +282,25 @@ class Sources:
                           self.rank, version, exc)
         return None
 
+    def preload(self, state: Any) -> None:
+        """Starts importing the direct fetch (:mod:`.direct`: the replication client, 0.1-0.2 s
+        of imports) in the background when ``state`` holds DTensors, so that a reshard after
+        the agreement finds it loaded (the agreement waits on the daemon and the other ranks
+        meanwhile); the import runs once per process."""
+        if (self.transport is not None and direct_fetch_on()
+                and "elasticd.worker.direct" not in sys.modules and shards.live_meshes(state)):
+            threading.Thread(target=importlib.import_module, args=("elasticd.worker.direct",),
+                             daemon=True, name="elasticd-preload").start()
+
     def _direct(self, version: Version, world: int, base: int, state: Any,
                 refused: list[str]) -> Fetched | None:
         """Old rank ``base``'s snapshot with the others the new shards need, their rows
         fetched by this rank itself into ``state`` (:mod:`.direct`); None: the daemon's path."""
-        from elasticd.worker.direct import DirectFetch
-
         if not shards.live_meshes(state):
             return None  # no DTensor to land rows in: a replicated state is fetched whole
+        # Imported here: the replication client is no cost to a job that never reshards.
+        from elasticd.worker.direct import DirectFetch
+
         self.prepare(state)
         direct = DirectFetch(self.transport, self.job, self.rank, lambda q: self._from_daemon(
             "ckpt_fetch", version, world, refused, q, in_place=True))
