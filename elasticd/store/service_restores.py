@@ -52,7 +52,7 @@ from typing import Any, Callable
 
 from elasticd.store.api import ScratchOverCap, SlotStoreError
 from elasticd.store.scratch_pool import prefill
-from elasticd.snapshot.format import SnapshotError
+from elasticd.snapshot.format import SnapshotError, dtensor_nodes
 from elasticd.hooks import call_hooks
 from elasticd.store.handed_sessions import MAX_SESSION_SECONDS, SESSION_SECONDS, HandedSessions
 from elasticd.store.read_pins import ReadPins
@@ -338,12 +338,25 @@ class Restores:
         counts against the job's scratch cap (``scratch_cap_mib``) and the node's like any
         scratch from now on (what does not fit is not set aside), and goes unused after
         ``scratch_pool.KEEP_SECONDS``. Returns the bytes set aside."""
-        sizes = []
+        sizes, direct = [], True
         for held_job, rank, _, _ in self.store.holdings():
             view = self.store.latest(held_job, rank) if held_job == job else None
             if view is not None:
                 sizes.append(view.header.layout.total_size)
+                direct = direct and _dtensors_only(view.header.meta)
+        if sizes and direct and self._hands_sessions():
+            # Its workers fetch a reshard's rows themselves (worker/direct.py) into their own
+            # tensors and staging: scratch set aside would only take RAM and CPU from the
+            # recovery. (A worker with ELASTICD_DIRECT_FETCH=0 lands in fresh scratch.)
+            log.info("%s: no restore scratch set aside: its workers fetch a reshard's rows "
+                     "themselves", job)
+            return 0
         return prefill(self.store, job, sizes) if sizes else 0
+
+    def _hands_sessions(self) -> bool:
+        """Whether ``ckpt_sessions`` can hand sessions over here (replication without TLS)."""
+        connections = getattr(self.replicator, "connections", None)
+        return connections is not None and connections.ssl_context is None
 
     def undelivered(self, op: str, reply: dict[str, Any]) -> None:
         """The local API could not send ``reply`` to ``op`` (its worker went away while the
@@ -433,3 +446,10 @@ def _direct_figures(value: Any) -> dict[str, int] | None:
                                               for k in keys):
         return None
     return {k: value[k] for k in keys}
+
+
+def _dtensors_only(meta: Any) -> bool:
+    """Whether a snapshot's sharded state is DTensors and nothing else (no
+    ZeroRedundancyOptimizer): a reshard of it is the worker's own fetch."""
+    return (next(dtensor_nodes(meta), None) is not None and not any(
+        isinstance(o, list) and len(o) > 1 and o[1] == "zero" for o in meta.get("objects", ())))

@@ -255,3 +255,37 @@ def test_scratch_set_aside_again_still_goes_to_the_next_copy_of_its_rank(roots):
         assert store.scratch.handed == {"same": 2, "other": 0, "aside": 1, "new": 2}
     finally:
         store.close()
+
+
+class _Sessions(FakeReplicator):
+    """A replicator whose transport can hand sessions over, or not (TLS)."""
+
+    def __init__(self, local, peer, tls: bool) -> None:
+        super().__init__(local, peer)
+        self.connections = type("Connections", (), {"ssl_context": object() if tls else None})()
+
+
+#: An FSDP2 state's meta, as far as the daemon reads it: one DTensor entry.
+DTENSOR_META = {"v": 1, "objects": [["model", "module", {"@": "odict", "k": ["w"], "v": [
+    {"@": "dtensor", "i": 0, "shape": [6000], "offsets": [0], "placements": ["S0"],
+     "mesh": [2]}]}]]}
+
+
+@pytest.mark.parametrize("meta,tls,aside", [(DTENSOR_META, False, False),
+                                            (DTENSOR_META, True, True),
+                                            (None, False, True)],
+                         ids=["fsdp2: its workers fetch", "fsdp2 over TLS", "replicated"])
+def test_scratch_is_set_aside_only_for_a_restore_that_uses_it(roots, meta, tls, aside):
+    """A job whose reshard is the workers' own fetch (DTensors, sessions that can be handed
+    over: worker/direct.py) never lands in restore scratch: none is set aside for it (it
+    would take RAM and CPU from the recovery). Over TLS, or for a replicated state, it is."""
+    store, peer = SlotStore(roots[0], job_scratch_cap=16 * PAGE), SlotStore(roots[1])
+    try:
+        svc = CheckpointService(store, "n1", replicator=_Sessions(store, peer, tls))
+        write_snapshot(InProcessTransport(svc.handlers()), "job", 0, step=4, world=2, n=3000,
+                       meta=meta)
+        got = svc.restores.membership_changed("job")
+        assert (got > 0) == aside and (store.scratch.held("job") > 0) == aside, got
+    finally:
+        store.close()
+        peer.close()

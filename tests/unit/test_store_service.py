@@ -57,7 +57,8 @@ def env(root, tmp_path):
     assert not os.path.exists(root)
 
 
-def write_snapshot(t, job, rank, step, *, world=2, generation=0, n=1000, local_world=None):
+def write_snapshot(t, job, rank, step, *, world=2, generation=0, n=1000, local_world=None,
+                   meta=None):
     """Reserves, fills and completes one snapshot like a worker; returns the reply and data."""
     data = (np.arange(n, dtype=np.float32) + step * 1000 + rank).astype(np.float32)
     lay = layout([TensorSpec("w", "float32", (n,))], job=job, meta={"pad": "x" * 200})
@@ -69,7 +70,8 @@ def write_snapshot(t, job, rank, step, *, world=2, generation=0, n=1000, local_w
         e = lay.entries[0]
         f.seek(e.offset)
         f.write(data.tobytes())
-        header = SnapshotHeader(job, step, generation, rank, world, lay, {"step": step},
+        header = SnapshotHeader(job, step, generation, rank, world, lay,
+                                {"step": step} if meta is None else meta,
                                 (0,) * lay.num_blocks)
         body = json.dumps(_header_json(header)).encode()
         f.seek(PREAMBLE_SIZE)
