@@ -13,24 +13,27 @@ every step that moves or checks a byte:
 2. It fetches each needed old rank's header (``fetch_shard`` with no block selected) into a
    private staging buffer laid out like the snapshot (a ``memfd`` mapping kept from restore to
    restore, as restore scratch is kept).
-3. **The plan**, from the product's resharder: ``load_into`` runs once over the staging
-   buffers with a :class:`Recorder` for its ``SlotFiles`` that records each row copy
-   (``SlotFiles.locate``: which old snapshot, which bytes, which address) and makes none.
+3. **The plan**, from the product's resharder: ``state.plan_rows`` over the staging buffers,
+   each row copy the load would make (``SlotFiles.locate``: which old snapshot, which bytes,
+   which address), none made. (restore41's runs used a dry run of ``load_into`` with a
+   recording ``SlotFiles`` instead; restore42 replaced it with the product's plan-only pass.)
 4. **The fetch**: ``fetch_shard`` for each needed old rank, the product's block selection
    (``ranges.needed_blocks`` of the worker's boxes, as the daemon selects), into a
    ``Scatter`` whose routes are the recorded copies: each row lands in its live tensor
    straight from the socket, every other byte of its block in staging, every block checked
    against its owner's tag as it lands (``RunCheck``; split blocks streamed).
-5. ``load_into`` again, for real, with a :class:`Skipper` that makes no recorded copy (the rows
-   are in place) and leaves the rest (the entries that are not sharded, from staging) to the
+5. ``load_into``, with the product's ``slot_rows.Landed``, which makes no planned copy (the
+   rows are in place) and leaves the rest (the entries that are not sharded, from staging) to the
    product's path.
 
 What it leaves out, and so how its figures lean: the restore's agreement (the ranks' rows
 gathered, a daemon call each: the elasticd variant pays it, this one does not); the daemon's
 bookkeeping of a fetch (counters, placement); the handover (layer 2: a local-socket call and
-``SCM_RIGHTS`` per holder, small). What it adds that a build would not: the plan's dry run
-(``load_into``'s non-copy work, timed apart here as ``plan_seconds``) and a second describe
-and header request per old rank.
+``SCM_RIGHTS`` per holder, small). What it adds: the plan (timed apart here as
+``plan_seconds``) and a second describe and header request per old rank, as the product's
+``elasticd/worker/direct.py`` does too. Since restore42 the product's path is this design
+with the sessions handed over by the daemon; the spike stays as its comparison with a worker
+that opens its own sessions.
 """
 
 from __future__ import annotations
@@ -52,9 +55,9 @@ from elasticd.replication.scatter import Scatter
 from elasticd.snapshot.reader import parse_header
 from elasticd.worker import shards
 from elasticd.worker.copier import tensor_views
-from elasticd.worker.slot_rows import SlotFiles, mapping_address
-from elasticd.worker.fetched import Fetched as _Fetched, own_unsharded as _own_unsharded
-from elasticd.worker.state import load_into
+from elasticd.worker.slot_rows import Landed, SlotFiles, mapping_address
+from elasticd.worker.fetched import Fetched, own_unsharded
+from elasticd.worker.state import load_into, plan_rows
 
 
 class Staging:
@@ -78,34 +81,6 @@ class Staging:
             self.mm.close()
             os.close(self.fd)
             self.mm, self.fd = None, -1
-
-
-class Recorder(SlotFiles):
-    """Records each row copy the resharder asks of the staging files, and makes none."""
-
-    def __init__(self, files) -> None:
-        super().__init__(files)
-        self.copies: list[Any] = []
-
-    def read(self, out, dst, t, src) -> bool:
-        copy = self.locate(out, dst, t, src)
-        if copy is None:
-            return False
-        self.copies.append(copy)
-        return True
-
-
-class Skipper(SlotFiles):
-    """Makes none of the recorded copies (their rows landed in place); any other copy is left
-    to the resharder's own path."""
-
-    def __init__(self, files, recorded) -> None:
-        super().__init__(files)
-        self.recorded = {(c.mapping, c.at, c.into, c.nbytes) for c in recorded}
-
-    def read(self, out, dst, t, src) -> bool:
-        copy = self.locate(out, dst, t, src)
-        return copy is not None and (copy.mapping, copy.at, copy.into, copy.nbytes) in self.recorded
 
 
 def live_ranges(state) -> list[tuple[int, int]]:
@@ -164,7 +139,7 @@ class WorkerFetch:
         pieces = {base: (header, mm)}
         for q in need[1:]:
             pieces[q] = self._header(q)
-        fetched = {q: _Fetched(tensor_views(m, h.layout), h.meta, "peer", h.layout.total_size,
+        fetched = {q: Fetched(tensor_views(m, h.layout), h.meta, "peer", h.layout.total_size,
                                [e.name for e in h.layout.entries], rank=q)
                    for q, (h, m) in pieces.items()}
         for q, f in fetched.items():
@@ -173,16 +148,15 @@ class WorkerFetch:
         got = fetched[base]
         got.others = [fetched[q] for q in need[1:]]
         t1 = time.perf_counter()
-        # The plan: the product's reshard, run once with its row copies recorded, not made.
-        recorder = Recorder(p.slot_file for p in (got, *got.others))
-        load_into(state, got.tensors, got.meta, names=got.names,
-                  others=[(o.names, o.tensors, o.meta) for o in got.others],
-                  base_views=True, files=recorder)
+        # The plan: the product's plan-only pass (the row copies its reshard would make).
+        files = [p.slot_file for p in (got, *got.others)]
+        copies = plan_rows(state, got.tensors, got.meta, SlotFiles(files), names=got.names,
+                           others=[(o.names, o.tensors, o.meta) for o in got.others])
         t2 = time.perf_counter()
         live = live_ranges(state)
         by_mapping = {mapping_address(m): q for q, (_, m) in pieces.items()}
         routes: dict[int, list] = {q: [] for q in pieces}
-        for c in recorder.copies:
+        for c in copies:
             # A route writes where the plan says: only ever inside a live tensor.
             assert any(a <= c.into and c.into + c.nbytes <= b for a, b in live), c
             dest = (ctypes.c_char * c.nbytes).from_address(c.into)
@@ -194,15 +168,14 @@ class WorkerFetch:
                                  lambda header: needed_blocks(header, boxes))
             wire += result.wire_bytes
         t3 = time.perf_counter()
-        got = _own_unsharded(got)
+        got = own_unsharded(got)
         load_into(state, got.tensors, got.meta, names=got.names,
                   others=[(o.names, o.tensors, o.meta) for o in got.others],
-                  base_views=True, files=Skipper((p.slot_file for p in (got, *got.others)),
-                                                 recorder.copies))
+                  base_views=True, files=Landed(files, copies))
         t4 = time.perf_counter()
         return {"headers_seconds": t1 - t0, "plan_seconds": t2 - t1, "fetch_seconds": t3 - t2,
                 "load_seconds": t4 - t3, "wire_bytes": wire,
-                "routed_bytes": sum(c.nbytes for c in recorder.copies),
+                "routed_bytes": sum(c.nbytes for c in copies),
                 "old_ranks": len(pieces)}
 
     def close(self) -> None:

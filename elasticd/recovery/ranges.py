@@ -19,7 +19,7 @@ or whose (global shape, placements) has no box, are needed whole.
 from __future__ import annotations
 
 import bisect
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from elasticd.snapshot.format import SnapshotHeader, dtensor_nodes
 
@@ -105,10 +105,16 @@ def _overlap_rows(offsets: Sequence[int], shape: Sequence[int], box: Box
 def needed_blocks(header: SnapshotHeader, boxes: Mapping[Key, Box]) -> list[int]:
     """The payload checksum blocks that hold every byte :func:`needed_bytes` names, in order
     (the unit a holder sends and the receiver checks)."""
+    return blocks_holding(header, needed_bytes(header, boxes))
+
+
+def blocks_holding(header: SnapshotHeader, ranges: Iterable[tuple[int, int]]) -> list[int]:
+    """The payload checksum blocks that hold every byte of ``ranges`` (``[start, end)`` each,
+    snapshot offsets; the header's bytes are no block's), in order."""
     lay = header.layout
     starts = [lay.block_range(i)[0] for i in range(lay.num_blocks)]
     blocks: set[int] = set()
-    for start, end in needed_bytes(header, boxes):
+    for start, end in ranges:
         if end <= lay.data_offset or start >= end:
             continue
         first = max(0, bisect.bisect_right(starts, start) - 1)

@@ -324,3 +324,15 @@ def dtensor_nodes(meta: Any) -> Iterator[dict[str, Any]]:
                 stack.extend(node.values())
         elif isinstance(node, list):
             stack.extend(node)
+
+
+def dtensors_only(meta: Any) -> bool:
+    """Whether a snapshot's sharded state is DTensors and nothing else (no
+    ZeroRedundancyOptimizer, whose reshard reads every old rank's whole snapshot): a reshard of
+    it needs only the rows its new shards overlap, which its worker fetches itself
+    (``elasticd/worker/direct.py``). ``meta`` is a job's own words: anything malformed is
+    simply not that."""
+    objects = meta.get("objects") if isinstance(meta, dict) else None
+    kinds = ([o[1] for o in objects if isinstance(o, list) and len(o) > 1]
+             if isinstance(objects, list) else [])
+    return "zero" not in kinds and next(dtensor_nodes(meta), None) is not None

@@ -52,7 +52,7 @@ from typing import Any, Callable
 
 from elasticd.store.api import ScratchOverCap, SlotStoreError
 from elasticd.store.scratch_pool import prefill
-from elasticd.snapshot.format import SnapshotError, dtensor_nodes
+from elasticd.snapshot.format import SnapshotError, dtensors_only
 from elasticd.hooks import call_hooks
 from elasticd.store.handed_sessions import MAX_SESSION_SECONDS, SESSION_SECONDS, HandedSessions
 from elasticd.store.read_pins import ReadPins
@@ -83,7 +83,7 @@ class Restores:
         self._fetching: collections.defaultdict[tuple[str, int], Any] = (
             collections.defaultdict(threading.Lock))
         #: Sessions handed to workers (``ckpt_sessions``), kept to be cut off.
-        self.handed = HandedSessions()
+        self.handed = HandedSessions(self.clock)
 
     def handlers(self) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
         """Op name -> handler, for the restore side's ops."""
@@ -343,7 +343,7 @@ class Restores:
             view = self.store.latest(held_job, rank) if held_job == job else None
             if view is not None:
                 sizes.append(view.header.layout.total_size)
-                direct = direct and _dtensors_only(view.header.meta)
+                direct = direct and dtensors_only(view.header.meta)
         if sizes and direct and self._hands_sessions():
             # Its workers fetch a reshard's rows themselves (worker/direct.py) into their own
             # tensors and staging: scratch set aside would only take RAM and CPU from the
@@ -446,10 +446,3 @@ def _direct_figures(value: Any) -> dict[str, int] | None:
                                               for k in keys):
         return None
     return {k: value[k] for k in keys}
-
-
-def _dtensors_only(meta: Any) -> bool:
-    """Whether a snapshot's sharded state is DTensors and nothing else (no
-    ZeroRedundancyOptimizer): a reshard of it is the worker's own fetch."""
-    return (next(dtensor_nodes(meta), None) is not None and not any(
-        isinstance(o, list) and len(o) > 1 and o[1] == "zero" for o in meta.get("objects", ())))

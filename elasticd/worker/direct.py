@@ -38,7 +38,6 @@ store or secret.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import ctypes
 import logging
@@ -48,11 +47,11 @@ from typing import Any, Callable, Sequence
 
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.recovery.fetch import fetch_shard
-from elasticd.recovery.ranges import needed_blocks, parse_boxes
+from elasticd.recovery.ranges import blocks_holding, needed_blocks, parse_boxes
 from elasticd.replication.deadline import LinkRates
 from elasticd.replication.handed import HandedConnections, Ticket, adopt
 from elasticd.replication.scatter import Scatter
-from elasticd.snapshot.format import SnapshotHeader, dtensor_nodes
+from elasticd.snapshot.format import SnapshotHeader, dtensors_only
 from elasticd.snapshot.reader import parse_header
 from elasticd.worker import shards
 from elasticd.worker.copier import tensor_views
@@ -167,7 +166,7 @@ class DirectFetch:
         pieces: dict[int, Fetched] = {}
         try:
             got = self._piece(version, world, base, remotes, pieces)
-            if not _plain_dtensors(got.meta):
+            if not dtensors_only(got.meta):
                 raise RuntimeError("its sharded state is not DTensors only")
             need = shards.needed_ranks(got.meta, world, base, shards.live_meshes(state))
             for q in need[1:]:
@@ -268,7 +267,10 @@ class DirectFetch:
             header, mm = remote.header, remote.mm
             assert header is not None and mm is not None
             mine = routes.get(mapping_address(mm), [])
-            blocks = set(needed_blocks(header, boxes)) | _blocks_of(header, mine)
+            # Every routed row must land (and be checked): its blocks too, whatever the
+            # boxes select.
+            blocks = set(needed_blocks(header, boxes)) | set(blocks_holding(
+                header, ((c.at, c.at + c.nbytes) for c, _ in mine)))
             scatter = Scatter(mm, [(c.at, to) for c, to in mine],
                               header_end=header.layout.data_offset)
             self.tainted = self.tainted or bool(mine)
@@ -280,13 +282,6 @@ class DirectFetch:
         return fetch_shard(self.job, remote.rank, version, into, me="",
                            holders=remote.holders, connections=remote.connections, own=(),
                            clock=self.clock, rates=self.rates, select=select)
-
-
-def _plain_dtensors(meta: Any) -> bool:
-    """Whether a snapshot's sharded state is DTensors only (a ZeroRedundancyOptimizer's
-    reshard needs every old rank's whole snapshot: the daemon's path)."""
-    return (next(dtensor_nodes(meta), None) is not None
-            and not any(kind == "zero" for _, kind, _ in meta.get("objects", ())))
 
 
 def _routes(copies: list[RowCopy], remotes: dict[int, _Remote]
@@ -313,18 +308,3 @@ def _routes(copies: list[RowCopy], remotes: dict[int, _Remote]
         out[mapping] = [(c, memoryview((ctypes.c_char * c.nbytes).from_address(c.into))
                          .cast("B")) for c in found if c not in clash]
     return out
-
-
-def _blocks_of(header: SnapshotHeader, routed: list[tuple[RowCopy, memoryview]]) -> set[int]:
-    """The payload blocks the routed ranges lie in (each must land, and be checked)."""
-    lay = header.layout
-    starts = [lay.block_range(i)[0] for i in range(lay.num_blocks)]
-    out: set[int] = set()
-    for copy, _ in routed:
-        first = _block_at(starts, copy.at)
-        out.update(range(first, _block_at(starts, copy.at + copy.nbytes - 1) + 1))
-    return out
-
-
-def _block_at(starts: list[int], offset: int) -> int:
-    return max(0, bisect.bisect_right(starts, offset) - 1)

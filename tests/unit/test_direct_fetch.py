@@ -363,14 +363,16 @@ def _rank(rank, port, tmp):
         with _holder("node-d") as c:
             _push(c.address, lay, buf, 1)
             relay = RewritingRelay(c.address, downstream=True, rewrite=flip)
-            with _daemon(tmp, {"node-d": relay.address}) as service:
-                ahead()
-                direct, got, refused = _direct(service, state, staging)
-                assert got is None and flips, (got, flips, refused)
-                assert len(refused) == 1 and refused[0].startswith("direct fetch of step"), \
-                    refused
-                assert BlockTagMismatch.__name__ in refused[0] or "tag" in refused[0], refused
-                assert direct.tainted  # rows may have landed: a restore must load a step
+            try:
+                with _daemon(tmp, {"node-d": relay.address}) as service:
+                    ahead()
+                    direct, got, refused = _direct(service, state, staging)
+            finally:
+                relay.close()
+            assert got is None and flips, (got, flips, refused)
+            assert len(refused) == 1 and refused[0].startswith("direct fetch of step"), refused
+            assert BlockTagMismatch.__name__ in refused[0] or "tag" in refused[0], refused
+            assert direct.tainted  # rows may have landed: a restore must load a step
     finally:
         staging.close()
         dist.destroy_process_group()
