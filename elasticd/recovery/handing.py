@@ -29,8 +29,11 @@ def hand_sessions(connections: Connections, holders: Sequence[str], me: str, job
             continue
         client = None
         try:
-            client = connections.open_scoped(holder, job)
-            client.describe(job, rank, version, deadline=rates.deadline(holder, 0))
+            # A holder frozen or black-holed costs its deadline floor here, as in a fetch,
+            # not the pool's timeout (the worker waits for this answer).
+            floor = rates.deadline(holder, 0)
+            client = connections.open_scoped(holder, job, connect_timeout=floor)
+            client.describe(job, rank, version, deadline=floor)
             salt = client.tag_salt
             keys = {} if salt is None or client.blocks is None else {
                 salt: client.blocks.key(salt)}

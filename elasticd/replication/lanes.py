@@ -100,31 +100,38 @@ class Connections:
             client = self._clients.get(peer)
         if client is not None:
             return client, True
-        client = ReplicaClient.connect(address[0], address[1], self._secret, self.node_id,
-                                       expected_peer=peer,
-                                       timeout=connect_timeout or self.timeout,
-                                       ssl_context=self.ssl_context, clock=self.clock,
-                                       scope=self.scope)
-        if connect_timeout is not None:
-            client.channel.sock.settimeout(self.timeout)
+        client = self._connect(peer, address, connect_timeout, self.scope)
         with self._lock:
             old, self._clients[peer] = self._clients.get(peer), client
         if old is not None:
             old.close()
         return client, False
 
-    def open_scoped(self, peer: str, job: str) -> ReplicaClient:
+    def open_scoped(self, peer: str, job: str,
+                    connect_timeout: float | None = None) -> ReplicaClient:
         """A new session to ``peer`` that may only fetch ``job``'s copies (``Hello.scope``),
         outside the pool: the caller owns it (to hand it over, :mod:`.handed`).
+        ``connect_timeout``: as for :meth:`get`.
 
         Raises: NoAddress, ConnectionLost, AuthenticationFailed.
         """
         address = self.addresses(peer)
         if address is None:
             raise NoAddress(f"no replica server address known for node {peer!r}")
-        return ReplicaClient.connect(address[0], address[1], self._secret, self.node_id,
-                                     expected_peer=peer, timeout=self.timeout,
-                                     ssl_context=self.ssl_context, clock=self.clock, scope=job)
+        return self._connect(peer, address, connect_timeout, job)
+
+    def _connect(self, peer: str, address: tuple[str, int], connect_timeout: float | None,
+                 scope: str | None) -> ReplicaClient:
+        """A new authenticated connection to ``peer``, its connect and handshake each within
+        ``connect_timeout`` (None: the pool's timeout), the pool's timeout afterwards."""
+        client = ReplicaClient.connect(address[0], address[1], self._secret, self.node_id,
+                                       expected_peer=peer,
+                                       timeout=connect_timeout or self.timeout,
+                                       ssl_context=self.ssl_context, clock=self.clock,
+                                       scope=scope)
+        if connect_timeout is not None:
+            client.channel.sock.settimeout(self.timeout)
+        return client
 
     def discard(self, peer: str, client: ReplicaClient | None = None) -> None:
         """Closes the connection to ``peer`` (only if it is still ``client``, when given)."""

@@ -134,3 +134,37 @@ def test_old_ranks_without_a_holder_keep_nothing_and_sets_share_one_deadline_thr
     assert deadline_threads() <= others  # no set left: no thread waits for one
     for client in clients:
         client.close()
+
+
+def test_a_silent_holder_costs_the_deadline_floor_not_the_pool_timeout(tmp_path):
+    """A holder whose port takes the connection and then says nothing (a frozen node's kernel
+    still accepts) is left out after its deadline floor, not the pool's 30 s: the worker is
+    waiting for this answer. The other holder's session is handed over."""
+    import socket
+
+    from elasticd.replication.deadline import DEFAULT_FLOOR
+
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (in the kernel), never answers
+    with server(MemorySink(), chunk_size=1 << 20) as srv:
+        sealed_push(srv.address)
+        coord, keys = MemoryCoordinator(), Keyspace("/t")
+        record_commit(coord, keys, "job", Committed(0, 1, (0,), {0: ("node-s", "node-b")}))
+        store = SlotStore(str(tmp_path / "store"))
+        book = {"node-s": silent.getsockname()[:2], "node-b": srv.address}
+        replicator = Replicator("node-c", coord, keys, store, SECRET, m=2, timeout=30.0,
+                                peers_address=book.get)
+        service = CheckpointService(store, "node-c", replicator=replicator)
+        try:
+            started = time.monotonic()
+            reply = service.handlers()["ckpt_sessions"](dict(ASK))
+            took = time.monotonic() - started
+            clients = take(reply)
+            assert [s["holder"] for s in reply["sessions"]] == ["node-b"]
+            assert took < 3 * DEFAULT_FLOOR, took
+            for client in clients:
+                client.close()
+        finally:
+            service.restores.handed.cut_off_job("job")
+            replicator.close()
+            store.close()
+            silent.close()
