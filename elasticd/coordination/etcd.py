@@ -16,6 +16,7 @@ import dataclasses
 import threading
 from typing import Any, Sequence
 
+import elasticd.coordination.grpc_fork  # noqa: F401  (before grpc: see it)
 import pyetcd
 
 from elasticd.clock import Clock, SystemClock

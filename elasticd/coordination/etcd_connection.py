@@ -19,6 +19,7 @@ import queue
 import threading
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
+import elasticd.coordination.grpc_fork  # noqa: F401  (before grpc: see it)
 import grpc
 import pyetcd
 from pyetcd import exceptions as etcd_exc

@@ -15,6 +15,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
+import elasticd.coordination.grpc_fork  # noqa: F401  (before grpc: see it)
 import pyetcd
 
 from elasticd.coordination.api import (
