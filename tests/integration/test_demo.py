@@ -74,7 +74,9 @@ def test_demo_restores_the_dead_nodes_rank_from_a_peer_and_its_numbers_agree():
         assert recorded["status"] == recorded["history"], out
     phases = re.search(r"^  phases \(history\): +(.*) = (\S+)$", out, re.M)
     total = sum(float(x) for x in re.findall(r"[a-z_]+ ([\d.]+)", phases.group(1)))
-    assert abs(total - float(phases.group(2))) <= 0.02, out
+    # Each of the six phases and the total are rounded to 0.01 on their own: up to 7 x 0.005
+    # apart (one run: phases summing 0.485 printed as 0.50 against a total of 0.48).
+    assert abs(total - float(phases.group(2))) <= 0.035 + 1e-9, out
     assert float(phases.group(2)) == trained["history"], out
     # The events table's columns are filled for the failure and the restores.
     failed_row = re.search(r"^\S+ +n2 +failed +([\d.]+) ", out, re.M)

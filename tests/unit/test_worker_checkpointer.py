@@ -484,7 +484,11 @@ def test_one_checkpointer_follows_its_process_into_a_round_with_another_rank(ser
             # The persister's writer pins the slot it writes; on a loaded machine the next
             # save found its rank's free slot still pinned and was skipped (seen once: step 3
             # then came from another slot, source "peer"). The rule is the daemon's, tested
-            # in test_persist_writer_busy.py; here every step must land.
+            # in test_persist_writer_busy.py; here every step must land. Both ranks' saves
+            # first: the step's persist (which pins both ranks' slots) is offered by the
+            # second rank's complete, and a flush before that missed it (seen again in a
+            # whole-suite run: a step-3 save skipped, then restored from "peer").
+            ranks.barrier.wait()
             assert service.persist.flush(10)
         refs[p] = capture(state)
         return state
