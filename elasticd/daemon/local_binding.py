@@ -7,10 +7,11 @@ daemon's local socket"): a connection is admitted for the daemon's own uid (then
 for the running job's uid *and* a pid that descends from the job's agent or zygote, each known
 by pid and start time; it is bound to that job (refused once the job changes); its writing ops
 (``ckpt_reserve``, ``ckpt_complete``, ``ckpt_report``, ``progress``, ``register``, and
-``ckpt_sessions``, which keeps sessions per rank) to the first rank it used, within the spec's
-largest world (:class:`RankClaims`). Beyond the doc: only ``/proc/<pid>/stat`` is read, never
-the caller's memory (its environment can be made to read for minutes,
-:data:`~elasticd.agent.supervisor.ENV_READ_LIMIT`), as this runs on the accept thread;
+``ckpt_sessions`` and ``ckpt_sessions_done``, which keep and end sessions per rank) to the
+first rank it used, within the spec's largest world (:class:`RankClaims`). Beyond the doc:
+only ``/proc/<pid>/stat`` is read, never the caller's memory (its environment can be made to
+read for minutes, :data:`~elasticd.agent.supervisor.ENV_READ_LIMIT`), as this runs on the
+accept thread;
 reads reach any rank of the job (after a resize a rank restores another's old shard);
 ``ckpt_release`` releases only the pins this connection was given.
 
@@ -33,7 +34,7 @@ from elasticd.errors import LocalProtocolError
 #: ``ckpt_sessions`` too: each (rank, old rank) it is asked for keeps a live set of sessions to
 #: holders, whose connection caps other jobs share, so one process asks for one rank's alone.
 BOUND_WRITES = frozenset({"ckpt_reserve", "ckpt_complete", "ckpt_report", "progress",
-                          "register", "ckpt_sessions"})
+                          "register", "ckpt_sessions", "ckpt_sessions_done"})
 _PINNING = frozenset({"ckpt_open", "ckpt_fetch"})
 _MAX_DEPTH = 64  # parent links followed from a caller up to the job's agent or zygote
 

@@ -161,7 +161,8 @@ def fetch_shard(job: str, rank: int, version: Version | None, into: Any, *, me: 
                 clock: Clock, stripe_bytes: int | None = None,
                 rates: LinkRates | None = None,
                 select: Callable[[SnapshotHeader], Sequence[int]] | None = None,
-                reserve: Callable[[int, int], None] | None = None
+                reserve: Callable[[int, int], None] | None = None,
+                described: tuple[Descriptor, SnapshotHeader] | None = None
                 ) -> FetchResult:
     """Fetches and verifies one shard: from this node's own memory when it holds it, else
     striped across every remote holder of one version at once.
@@ -197,6 +198,10 @@ def fetch_shard(job: str, rank: int, version: Version | None, into: Any, *, me: 
             before anything is written there (a scratch segment reserves its pages piece by
             piece, each holder's thread its own); its errors are not a holder's: they end
             the fetch.
+        described: the descriptor and checked header of the copy, its header bytes already
+            in ``into``'s buffer (an earlier call of this function with a ``select`` of no
+            block fetched them): no holder is asked to describe it again, and every remote
+            holder serves its pieces at once.
 
     Raises:
         ShardLost: no holder, or no set of holders, could provide an intact copy;
@@ -233,8 +238,8 @@ def fetch_shard(job: str, rank: int, version: Version | None, into: Any, *, me: 
         # Described by the first holder that answers; its bytes are then striped across it
         # and every holder after it.
         try:
-            d, header, wire = _describe(job, rank, version, holder, connections, sized, rates,
-                                        reserve)
+            d, header, wire = described + (0,) if described is not None else _describe(
+                job, rank, version, holder, connections, sized, rates, reserve)
         except _EXPECTED as exc:
             attempts.append((holder, _reason(holder, exc, connections)))
             continue
@@ -253,7 +258,8 @@ def fetch_shard(job: str, rank: int, version: Version | None, into: Any, *, me: 
         stripe = _Stripe(job, rank, d, header, sized(d), connections, size, rates, clock,
                          blocks, reserve)
         stripe.wire += wire
-        stripe.served[holder] = header.layout.data_offset
+        if described is None:
+            stripe.served[holder] = header.layout.data_offset
         stripe.run(remote[i:])
         attempts.extend(stripe.attempts)
         if stripe.pieces:
@@ -272,7 +278,7 @@ def fetch_shard(job: str, rank: int, version: Version | None, into: Any, *, me: 
         if attempts:
             log.warning("%s rank %d %s fetched from %s after: %s", job, rank, d.version,
                         ", ".join(stripe.served), "; ".join(f"{h}: {r}" for h, r in attempts))
-        most = max(stripe.served, key=stripe.served.__getitem__)
+        most = max(stripe.served, key=stripe.served.__getitem__, default=holder)
         return FetchResult(most, d, stripe.wire, clock.monotonic() - started,
                            tuple(attempts), tuple(stripe.served.items()),
                            tag_checked_bytes=stripe.checked)

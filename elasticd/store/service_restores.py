@@ -34,6 +34,9 @@ replies hold until ``ckpt_release`` or ``pin_ttl``), and nothing else of it.
   (:mod:`elasticd.store.handed_sessions`). When this node holds that copy itself the
   answer is local: true and no sessions (the worker reads it in place through
   ``ckpt_fetch``). Called by a worker's direct fetch (:mod:`elasticd.worker.direct`).
+* ``ckpt_sessions_done`` job, rank, old_ranks [int, ...] → ended: the number of sessions
+  cut off: the worker's fetch over them is over, so the live sets of (job, rank, each old
+  rank) end now rather than at their deadline.
 * ``ckpt_release`` pin → {}
 * ``ckpt_committed`` job → generation, step, ranks | committed: null (no replicator, nothing
   committed yet, or etcd unreadable)
@@ -63,6 +66,10 @@ from elasticd.errors import ShardLost
 
 log = logging.getLogger(__name__)
 
+#: Old ranks one ``ckpt_sessions_done`` may name: a reshard needs a few per new rank (a
+#: shrink from 1,000 ranks to 10: ~101), far from this.
+MAX_DONE_RANKS = 4096
+
 
 class Restores:
     """The restore-side ops of :class:`~elasticd.store.service.CheckpointService`.
@@ -90,7 +97,8 @@ class Restores:
         return {"ckpt_list": self.ckpt_list, "ckpt_open": self.ckpt_open,
                 "ckpt_release": self.ckpt_release, "ckpt_report": self.ckpt_report,
                 "ckpt_committed": self.ckpt_committed, "ckpt_fetch": self.ckpt_fetch,
-                "ckpt_sessions": self.ckpt_sessions}
+                "ckpt_sessions": self.ckpt_sessions,
+                "ckpt_sessions_done": self.ckpt_sessions_done}
 
     def ckpt_list(self, msg: dict[str, Any]) -> dict[str, Any]:
         job = param(msg, "job", str)
@@ -276,6 +284,20 @@ class Restores:
         return {"job": job, "rank": rank, "old_rank": old,
                 "sessions": [{"holder": h, "ticket": t.to_json()} for h, _, _, t in handed],
                 "_fds": [fd for _, _, fd, _ in handed]}
+
+    def ckpt_sessions_done(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """``ckpt_sessions_done`` (see the module docstring)."""
+        job, rank = param(msg, "job", str), param(msg, "rank", int)
+        old = msg.get("old_ranks")
+        if (not isinstance(old, list) or len(old) > MAX_DONE_RANKS
+                or not all(type(q) is int for q in old)):
+            raise RequestError(f"old_ranks must be a list of at most {MAX_DONE_RANKS} ranks, "
+                               f"got {old!r:.40}")
+        ended = sum(self.handed.cut_off((job, rank, q)) for q in set(old))
+        if ended:
+            log.info("%s rank %d: the sessions handed over for old ranks %s ended: its fetch "
+                     "is done (%d)", job, rank, sorted(set(old))[:8], ended)
+        return {"ended": ended}
 
     def _held_here(self, job: str, rank: int, version: tuple[int, int]) -> bool:
         """Whether this node holds ``rank``'s ``version`` (its store or a replica), not

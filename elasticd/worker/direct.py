@@ -130,6 +130,8 @@ class _Remote:
         self.staging = staging
         self.header: SnapshotHeader | None = None
         self.mm: mmap.mmap | None = None
+        #: The copy's descriptor, as its holder described it with the header.
+        self.descriptor: Any = None
 
 
 class DirectFetch:
@@ -187,6 +189,7 @@ class DirectFetch:
         finally:
             for remote in remotes:
                 remote.connections.close()
+            self._done(remotes)
         got = own_unsharded(got)
         got.others = others
         got.source = "peer" if remotes else got.source
@@ -202,6 +205,19 @@ class DirectFetch:
                  "bytes on the wire, %d of them straight into its tensors", self.rank,
                  version, len(remotes), wire, got.figures["routed_bytes"])
         return got
+
+    def _done(self, remotes: list[_Remote]) -> None:
+        """Tells the daemon the sessions it handed over for ``remotes`` can end now, rather
+        than at their deadline (each holds a descriptor in the daemon until then). Best
+        effort: a daemon that does not answer keeps them to the deadline, nothing worse."""
+        if not remotes:
+            return
+        try:
+            self.transport.call("ckpt_sessions_done", job=self.job, rank=self.rank,
+                                old_ranks=[remote.rank for remote in remotes])
+        except Exception as exc:  # noqa: BLE001 — the restore goes on either way
+            log.info("elasticd: rank %d could not end its handed sessions (they end at their "
+                     "deadline): %s", self.rank, exc)
 
     def _piece(self, version: Version, world: int, q: int, remotes: list[_Remote],
                pieces: dict[int, Fetched]) -> Fetched:
@@ -245,7 +261,7 @@ class DirectFetch:
             remote.mm = remote.staging.take(descriptor.total_bytes)
             return remote.mm
 
-        self._fetch(version, remote, into, lambda header: [])
+        remote.descriptor = self._fetch(version, remote, into, lambda header: []).descriptor
         assert remote.mm is not None
         header = parse_header(remote.mm, job=self.job, rank=q, world_size=world)
         if header.version() != version:
@@ -274,14 +290,18 @@ class DirectFetch:
             scatter = Scatter(mm, [(c.at, to) for c, to in mine],
                               header_end=header.layout.data_offset)
             self.tainted = self.tainted or bool(mine)
-            result = self._fetch(version, remote, scatter, lambda _h, b=sorted(blocks): b)
+            # Described with the header already: the holders serve the blocks at once.
+            result = self._fetch(version, remote, scatter, lambda _h, b=sorted(blocks): b,
+                                 described=(remote.descriptor, header))
             wire += int(result.wire_bytes)
         return wire
 
-    def _fetch(self, version: Version, remote: _Remote, into: Any, select: Any) -> Any:
+    def _fetch(self, version: Version, remote: _Remote, into: Any, select: Any,
+               described: Any = None) -> Any:
         return fetch_shard(self.job, remote.rank, version, into, me="",
                            holders=remote.holders, connections=remote.connections, own=(),
-                           clock=self.clock, rates=self.rates, select=select)
+                           clock=self.clock, rates=self.rates, select=select,
+                           described=described)
 
 
 def _routes(copies: list[RowCopy], remotes: dict[int, _Remote]

@@ -5,7 +5,8 @@ A real holder over loopback and the daemon's real service and replicator: the se
 over fetch the copy, every block checked against its owner's tag, in the caller's hands (the
 descriptor is what the local socket would pass); one live set per (job, rank, old rank), so
 asking again cuts the last set off; a set is cut off at its deadline and when the job leaves
-the node; a bad deadline is refused with the reason.
+the node, and when the worker says its fetch is done (``ckpt_sessions_done``, its own rank's
+sets only); a bad deadline is refused with the reason.
 """
 
 from __future__ import annotations
@@ -97,6 +98,28 @@ def test_a_set_is_cut_off_at_its_deadline_and_when_the_job_leaves(daemon):
     with pytest.raises(ConnectionLost):
         other.fetch("job", 0, bytearray(TOTAL), version=(0, 1))
     short.close()
+    other.close()
+
+
+def test_a_set_ends_when_the_worker_says_its_fetch_is_done(daemon):
+    handler, service, _ = daemon
+    done = service.handlers()["ckpt_sessions_done"]
+    (mine,) = take(handler(dict(ASK, seconds=600)))
+    (other,) = take(handler(dict(ASK, rank=0, seconds=600)))  # another rank's set
+    assert service.restores.handed.live() == 2
+    # Old ranks it was never handed sessions for, and another job's, end nothing.
+    assert done({"job": "job", "rank": 1, "old_ranks": [5, 6]}) == {"ended": 0}
+    assert done({"job": "x", "rank": 1, "old_ranks": [0]}) == {"ended": 0}
+    assert done({"job": "job", "rank": 1, "old_ranks": [0, 0]}) == {"ended": 1}
+    assert service.restores.handed.live() == 1
+    with pytest.raises(ConnectionLost):
+        mine.fetch("job", 0, bytearray(TOTAL), version=(0, 1))
+    other.fetch("job", 0, bytearray(TOTAL), version=(0, 1))  # rank 0's set lives on
+    for bad in (None, 0, "0", [0.5], [True], [[0]], list(range(5000))):
+        with pytest.raises(RequestError, match="old_ranks must be a list"):
+            done({"job": "job", "rank": 0, "old_ranks": bad})
+    assert service.restores.handed.live() == 1
+    mine.close()
     other.close()
 
 

@@ -63,7 +63,8 @@ class Handlers:
         return {op: self._note(op) for op in ("ckpt_reserve", "ckpt_complete", "ckpt_report",
                                               "ckpt_list", "ckpt_open", "ckpt_fetch",
                                               "ckpt_release", "ckpt_committed", "progress",
-                                              "ping", "ckpt_sessions")}
+                                              "ping", "ckpt_sessions",
+                                              "ckpt_sessions_done")}
 
     def ops(self) -> list[tuple[str, object, object]]:
         with self.lock:
@@ -158,6 +159,8 @@ def test_a_job_process_is_handed_sessions_to_its_own_jobs_holders_only(daemon, u
         ["ckpt_sessions", {"job": "b", "rank": 0, "old_rank": 1, "generation": 0, "step": 1}],
         ["ckpt_sessions", {"job": "a", "rank": 0, "old_rank": 1, "generation": 0, "step": 1}],
         ["ckpt_sessions", {"job": "a", "rank": 1, "old_rank": 1, "generation": 0, "step": 1}],
+        ["ckpt_sessions_done", {"job": "a", "rank": 1, "old_ranks": [1]}],
+        ["ckpt_sessions_done", {"job": "a", "rank": 0, "old_ranks": [1]}],
     ], tag="/p:n1:a")
     scope["now"] = scope_of("a", job_user, [proc.pid])
     replies = finish(proc)
@@ -165,7 +168,10 @@ def test_a_job_process_is_handed_sessions_to_its_own_jobs_holders_only(daemon, u
     assert replies[1] == {"ok": {"job": "a"}}
     # Bound to the rank it first asked for: no sets for other ranks against the holders' caps.
     assert "writes for rank 0" in replies[2].get("error", ""), replies[2]
-    assert handlers.ops() == [("ckpt_sessions", "a", 0)]
+    # Nor can it end another rank's sets.
+    assert "writes for rank 0" in replies[3].get("error", ""), replies[3]
+    assert replies[4] == {"ok": {"job": "a"}}
+    assert handlers.ops() == [("ckpt_sessions", "a", 0), ("ckpt_sessions_done", "a", 0)]
 
 
 @pytest.mark.parametrize("who", ["other uid", "job uid, a recycled pid of the job's agent",

@@ -335,3 +335,32 @@ def test_a_scratch_copy_reserves_only_the_ranges_it_receives(holders, tmp_path):
             store.scratch.drop(seg)
         store.close()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_copy_described_already_is_fetched_without_asking_again(holders):
+    """A second fetch of the same copy given its descriptor and checked header (the worker's
+    own fetch: the header first, for the plan, then the rows) sends the holders piece
+    requests only: no describe and no header again."""
+    from elasticd.snapshot.reader import parse_header
+
+    d, buf = sealed_snapshot()
+    servers, pool = holders([FailingSink(), FailingSink()], d, buf)
+    into = bytearray(8 << 20)
+    first = fetch_shard(JOB, 1, d.version, lambda _: into, me="me", holders=["n0", "n1"],
+                        connections=pool, own=(), clock=SystemClock(), stripe_bytes=STRIPE,
+                        select=lambda header: [])
+    header = parse_header(memoryview(into), job=JOB, rank=1)
+    asked = sum(s.sink.reads for s in servers)
+    assert asked >= 2 and not any(into[d.header_bytes:d.total_bytes])
+    wanted = [*range(3, 9), *range(40, 45)]
+    result = fetch_shard(JOB, 1, d.version, into, me="me", holders=["n0", "n1"],
+                         connections=pool, own=(), clock=SystemClock(), stripe_bytes=STRIPE,
+                         select=lambda _: wanted, described=(first.descriptor, header))
+    pieces = sum(-(-len(run) * BLOCK // STRIPE) for run in (range(3, 9), range(40, 45)))
+    assert sum(s.sink.reads for s in servers) - asked == pieces  # one request per piece
+    start = d.header_bytes
+    for b in wanted:
+        a, z = start + b * BLOCK, min(start + (b + 1) * BLOCK, d.total_bytes)
+        assert into[a:z] == buf[a:z], b
+    assert bytes(into[:start]) == bytes(buf[:start])
+    assert sum(dict(result.served).values()) == len(wanted) * BLOCK
