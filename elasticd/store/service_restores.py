@@ -33,7 +33,9 @@ replies hold until ``ckpt_release`` or ``pin_ttl``), and nothing else of it.
   do its deadline (``seconds``, at most 1800), an undelivered reply and the job leaving
   (:mod:`elasticd.store.handed_sessions`). When this node holds that copy itself the
   answer is local: true and no sessions (the worker reads it in place through
-  ``ckpt_fetch``). Called by a worker's direct fetch (:mod:`elasticd.worker.direct`).
+  ``ckpt_fetch``); when this node cannot hand sessions over at all (no peer replication, or
+  replication over TLS) it is unsupported: true, reason, and no sessions. Called by a
+  worker's direct fetch (:mod:`elasticd.worker.direct`).
 * ``ckpt_sessions_done`` job, rank, old_ranks [int, ...] → ended: the number of sessions
   cut off: the worker's fetch over them is over, so the live sets of (job, rank, each old
   rank) end now rather than at their deadline.
@@ -268,12 +270,15 @@ class Restores:
         if type(seconds) not in (int, float) or not 0 < seconds <= MAX_SESSION_SECONDS:
             raise RequestError(f"seconds must be a number in (0, {MAX_SESSION_SECONDS:g}], "
                                f"got {seconds!r:.40}")
-        if self.replicator is None:
-            return {"sessions": [], "reason": "no peer replication on this node"}
         key = (job, rank, old)
         self.handed.cut_off(key)  # the set asked for before ends first
         if self._held_here(job, old, version):  # read in place (ckpt_fetch): no wire at all
             return {"job": job, "rank": rank, "old_rank": old, "sessions": [], "local": True}
+        if not self._hands_sessions():  # how this node is set up, not a failure
+            return {"job": job, "rank": rank, "old_rank": old, "sessions": [],
+                    "unsupported": True,
+                    "reason": "no peer replication on this node" if self.replicator is None
+                    else "replication runs over TLS here: its sessions cannot be handed over"}
         try:
             handed = self.replicator.hand_sessions(job, old, version)
         except ValueError as exc:

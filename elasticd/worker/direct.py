@@ -121,6 +121,11 @@ STAGING = StagingMaps()
 RATES = LinkRates()
 
 
+class Unsupported(RuntimeError):
+    """The daemon hands no sessions over on this node (no peer replication, or replication
+    over TLS): the daemon's path serves every reshard here, and that is no fallback."""
+
+
 class _Remote:
     """One old rank's copy fetched over handed sessions: its holders, sessions and staging."""
 
@@ -179,6 +184,12 @@ class DirectFetch:
                                others=[(o.names, o.tensors, o.meta) for o in others])
             routes = _routes(copies, {mapping_address(r.mm): r for r in remotes})
             wire = self._land(version, remotes, routes, parse_boxes(list(boxes)))
+        except Unsupported as exc:  # the node's set-up, not a failure: nothing refused
+            log.info("elasticd: rank %d fetches step %s through its daemon: %s", self.rank,
+                     version, exc)
+            for piece in pieces.values():
+                piece.close()
+            return None
         except Exception as exc:  # noqa: BLE001 — any failure: the daemon's path instead
             refused.append(f"direct fetch of step {version}: {exc}")
             log.warning("elasticd: rank %d fetches step %s through its daemon instead: %s",
@@ -231,6 +242,8 @@ class DirectFetch:
                                     generation=version[0], step=version[1],
                                     seconds=SESSION_SECONDS)
         fds = list(reply.pop("_fds", None) or [])
+        if reply.get("unsupported") and not fds:
+            raise Unsupported(str(reply.get("reason", "its daemon hands no sessions over")))
         if reply.get("local"):
             for fd in fds:
                 os.close(fd)

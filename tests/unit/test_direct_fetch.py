@@ -19,6 +19,7 @@ import ctypes
 import os
 import time
 
+import pytest
 import torch
 
 from elasticd.coordination.embedded import free_port
@@ -406,3 +407,42 @@ def test_a_state_without_dtensors_never_asks_for_sessions():
     state = {"model": torch.nn.Linear(3, 2), "optim": None}
     assert sources._direct((0, 1), 3, 0, state, refused) is None
     assert transport.calls == [] and refused == [] and not sources.tainted
+
+
+class _Answering:
+    """A daemon transport whose ``ckpt_sessions`` gives ``reply``."""
+
+    def __init__(self, reply: dict) -> None:
+        self.reply, self.calls = reply, []
+
+    def call(self, op, **kw):
+        self.calls.append(op)
+        return dict(self.reply)
+
+
+@pytest.mark.parametrize("replication", ["tls", "none"])
+def test_a_node_that_hands_no_sessions_over_is_the_daemons_path_not_a_fallback(tmp_path,
+                                                                              replication):
+    """Over TLS, or without peer replication, the daemon says so (unsupported) and the worker
+    takes the daemon's path without a refusal: nothing is counted as a fallback. A reply with
+    no session for another reason still is one."""
+    from elasticd.worker.direct import DirectFetch
+
+    with _holder("node-a") as a, _daemon(str(tmp_path), {"node-a": a.address}) as service:
+        if replication == "tls":
+            service.restores.replicator.connections.ssl_context = object()
+        else:
+            service.restores.replicator = None
+        reply = service.handlers()["ckpt_sessions"](
+            {"job": "job", "rank": 0, "old_rank": 0, "generation": 0, "step": 1})
+        assert reply["unsupported"] is True and reply["sessions"] == [], reply
+        assert ("TLS" in reply["reason"]) == (replication == "tls"), reply
+        assert service.restores.handed.live() == 0
+    refused: list[str] = []
+    direct = DirectFetch(_Answering(reply), "job", 0, lambda q: None)
+    assert direct.fetch((0, 1), 2, 0, None, [["boxes"]], refused) is None
+    assert refused == [] and not direct.tainted
+    failing = DirectFetch(_Answering({"sessions": [], "reason": "no holder"}), "job", 0,
+                          lambda q: None)
+    assert failing.fetch((0, 1), 2, 0, None, [["boxes"]], refused) is None
+    assert len(refused) == 1 and refused[0].startswith("direct fetch of step"), refused
