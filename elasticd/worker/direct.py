@@ -46,6 +46,7 @@ import os
 from typing import Any, Callable, Sequence
 
 from elasticd.clock import SYSTEM_CLOCK, Clock
+from elasticd.errors import CheckpointError
 from elasticd.recovery.fetch import fetch_shard
 from elasticd.recovery.ranges import blocks_holding, needed_blocks, parse_boxes
 from elasticd.replication.deadline import LinkRates
@@ -121,7 +122,7 @@ STAGING = StagingMaps()
 RATES = LinkRates()
 
 
-class Unsupported(RuntimeError):
+class Unsupported(CheckpointError):
     """The daemon hands no sessions over on this node (no peer replication, or replication
     over TLS): the daemon's path serves every reshard here, and that is no fallback."""
 
