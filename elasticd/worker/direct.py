@@ -185,16 +185,14 @@ class DirectFetch:
                                others=[(o.names, o.tensors, o.meta) for o in others])
             routes = _routes(copies, {mapping_address(r.mm): r for r in remotes})
             wire = self._land(version, remotes, routes, parse_boxes(list(boxes)))
-        except Unsupported as exc:  # the node's set-up, not a failure: nothing refused
-            log.info("elasticd: rank %d fetches step %s through its daemon: %s", self.rank,
-                     version, exc)
-            for piece in pieces.values():
-                piece.close()
-            return None
         except Exception as exc:  # noqa: BLE001 — any failure: the daemon's path instead
-            refused.append(f"direct fetch of step {version}: {exc}")
-            log.warning("elasticd: rank %d fetches step %s through its daemon instead: %s",
-                        self.rank, version, exc)
+            if isinstance(exc, Unsupported):  # the node's set-up, not a failure: not refused
+                log.info("elasticd: rank %d fetches step %s through its daemon: %s",
+                         self.rank, version, exc)
+            else:
+                refused.append(f"direct fetch of step {version}: {exc}")
+                log.warning("elasticd: rank %d fetches step %s through its daemon instead: %s",
+                            self.rank, version, exc)
             for piece in pieces.values():
                 piece.close()
             return None
