@@ -49,6 +49,7 @@ from elasticd.replication.messages import (
 from elasticd.replication.runs import RunCheck, send_runs
 from elasticd.replication.scatter import Spans
 from elasticd.replication.seal import BlockTags, FrameKey
+from elasticd.replication.wakeups import ReceiveMark
 from elasticd.replication.wire import (
     HEADER_SIZE,
     MAX_RUN_BLOCKS,
@@ -113,6 +114,7 @@ class Channel:
         self._idle: float | None = None
         self._budget = 0.0
         self._rearm = 0.0  # when _arm next lowers the socket's timeout to the deadline
+        self._mark = ReceiveMark(sock)
 
     @contextlib.contextmanager
     def within(self, seconds: float | None) -> Any:
@@ -310,25 +312,33 @@ class Channel:
                 self._recv_exactly(part, what, feed=feed)
             return
         got, need = 0, len(view)
-        while got < need:
-            try:
-                self._arm()
-                n = self.sock.recv_into(view[got:])
-                if feed is not None:
-                    feed(view[got : got + n])
-            except socket.timeout as exc:
-                if self._expired():
-                    raise DeadlineExceeded(f"the call's deadline of {self._budget:.1f} s "
-                                           f"passed while waiting for {what}") from exc
-                raise TransferTimeout(f"nothing received for {self.sock.gettimeout()} s while "
-                                      f"waiting for {what}") from exc
-            except OSError as exc:
-                raise ConnectionLost(f"receive failed: {exc}") from exc
-            if not n:
-                if at_boundary and not got:
-                    raise ConnectionLost("peer closed the connection")
-                raise TruncatedFrame(f"connection closed after {got} of {need} bytes of {what}")
-            got += n
+        marked = self._mark.bulk(need)  # a bulk read: woken per mark, not per segment
+        try:
+            while got < need:
+                try:
+                    self._arm()
+                    if marked:
+                        self._mark.left(need - got)
+                    n = self.sock.recv_into(view[got:])
+                    if feed is not None:
+                        feed(view[got : got + n])
+                except socket.timeout as exc:
+                    if self._expired():
+                        raise DeadlineExceeded(f"the call's deadline of {self._budget:.1f} s "
+                                               f"passed while waiting for {what}") from exc
+                    raise TransferTimeout(f"nothing received for {self.sock.gettimeout()} s "
+                                          f"while waiting for {what}") from exc
+                except OSError as exc:
+                    raise ConnectionLost(f"receive failed: {exc}") from exc
+                if not n:
+                    if at_boundary and not got:
+                        raise ConnectionLost("peer closed the connection")
+                    raise TruncatedFrame(f"connection closed after {got} of {need} bytes of "
+                                         f"{what}")
+                got += n
+        finally:
+            if marked:
+                self._mark.reset()
         self.bytes_received += need
 
     def close(self) -> None:
