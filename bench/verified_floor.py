@@ -95,9 +95,16 @@ class TaggedSource:
             sock.sendall(self.buf[a:b])
 
 
-def receive(sock: socket.socket, buf: memoryview) -> None:
+def receive(sock: socket.socket, buf: memoryview, mark: int = 0) -> None:
     """Fills ``buf`` with blocks as :meth:`TaggedSource.send` sends them, checking each block
     against its tag as it lands.
+
+    Args:
+        mark: when not 0, each block is received under a receive low-water mark
+            (``SO_RCVLOWAT``) of ``mark`` bytes, lowered to what is left for the block's tail
+            and back to 1 for the next prefix: the kernel then wakes the receiver once per
+            ``mark`` bytes instead of per segment (what elasticd's channel does, written here
+            by hand; bench_peer_restore.py reports it as a second floor).
 
     Raises:
         ValueError: a block fails its tag.
@@ -107,6 +114,28 @@ def receive(sock: socket.socket, buf: memoryview) -> None:
         recv_exactly(sock, prefix)
         n, tag = PREFIX.unpack(prefix)
         mac = BlockMac(n)
-        recv_exactly(sock, buf[off : off + BLOCK], mac.update)
+        block = buf[off : off + BLOCK]
+        if mark:
+            _recv_marked(sock, block, mac.update, mark)
+        else:
+            recv_exactly(sock, block, mac.update)
         if mac.tag() != tag:
             raise ValueError(f"verified floor: the block at {off} fails its tag")
+
+
+def _recv_marked(sock: socket.socket, view: memoryview, feed: Callable[[memoryview], None],
+                 mark: int) -> None:
+    got, current = 0, 1
+    try:
+        while got < len(view):
+            want = min(mark, len(view) - got)
+            if want != current:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                current = want
+            n = sock.recv_into(view[got:])
+            if not n:
+                raise ConnectionError("peer closed early")
+            feed(view[got : got + n])
+            got += n
+    finally:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
