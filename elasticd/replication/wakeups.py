@@ -5,7 +5,7 @@ loopback, a GRO batch from a NIC), and each wake-up is a context switch, a ``pol
 ``recv_into`` that returns a small piece. Raising the socket's low-water mark for the bulk of a
 large read makes the kernel wake the reader only once :data:`RECV_MARK` bytes wait, so a 4 MiB
 DATA frame is a handful of large receives instead of dozens. On this 2-core host that alone
-made the verified floor's own receiver 1.2-1.3x faster (bench/results/restore44/).
+made the verified floor's own receiver 1.2-1.3x faster (bench/results/restore44/spike/lowat.txt).
 
 Two rules keep a raised mark from ever waiting on bytes that will not come:
 
@@ -29,7 +29,7 @@ import ssl
 from typing import Any
 
 #: The low-water mark of a bulk read (bytes). 512 KiB, 1 MiB and 2 MiB gave 1.2x, 1.29x and
-#: 1.3x the unmarked receive of the same bytes (bench/results/restore44/lowat.txt).
+#: 1.3x the unmarked receive of the same bytes (bench/results/restore44/spike/lowat.txt).
 RECV_MARK = 1 << 20
 
 
