@@ -104,7 +104,9 @@ def receive(sock: socket.socket, buf: memoryview, mark: int = 0) -> None:
             (``SO_RCVLOWAT``) of ``mark`` bytes, lowered to what is left for the block's tail
             and back to 1 for the next prefix: the kernel then wakes the receiver once per
             ``mark`` bytes instead of per segment (what elasticd's channel does, written here
-            by hand; bench_peer_restore.py reports it as a second floor).
+            by hand; bench_peer_restore.py reports it as a second floor). The socket is given
+            a timeout meanwhile, as elasticd's are: a blocking receive under a mark can sleep
+            on bytes that will never come (elasticd/replication/wakeups.py says why).
 
     Raises:
         ValueError: a block fails its tag.
@@ -125,7 +127,8 @@ def receive(sock: socket.socket, buf: memoryview, mark: int = 0) -> None:
 
 def _recv_marked(sock: socket.socket, view: memoryview, feed: Callable[[memoryview], None],
                  mark: int) -> None:
-    got, current = 0, 1
+    got, current, timeout = 0, 1, sock.gettimeout()
+    sock.settimeout(60.0)
     try:
         while got < len(view):
             want = min(mark, len(view) - got)
@@ -139,3 +142,4 @@ def _recv_marked(sock: socket.socket, view: memoryview, feed: Callable[[memoryvi
             got += n
     finally:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+        sock.settimeout(timeout)

@@ -311,12 +311,13 @@ class Channel:
             for part in view.parts:
                 self._recv_exactly(part, what, feed=feed)
             return
-        got, need = 0, len(view)
-        marked = self._mark.bulk(need)  # a bulk read: woken per mark, not per segment
+        got, need, marked = 0, len(view), False
         try:
             while got < need:
                 try:
                     self._arm()
+                    if not got:  # a bulk read is woken per mark: decided once _arm has run
+                        marked = self._mark.bulk(need)
                     if marked:
                         self._mark.left(need - got)
                     n = self.sock.recv_into(view[got:])

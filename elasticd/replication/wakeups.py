@@ -17,8 +17,14 @@ Two rules keep a raised mark from ever waiting on bytes that will not come:
   window slows a transfer, never stalls it. A peer that closes or stalls mid-read ends the
   wait as before (end of stream, or the socket's timeout).
 
-Only plain TCP sockets are marked: a TLS socket's reads are OpenSSL's records, not the frame's
-bytes, and the test doubles that feed a channel bytes by hand have no such option.
+Only plain TCP sockets with a timeout are marked. With a timeout, Python polls before each
+receive and then takes what is there without waiting, and the kernel judges each poll by the
+bytes waiting against the mark, which is never more than the read still needs. A blocking
+receive instead copies what is there and then sleeps until a whole mark of *new* bytes waits,
+however little it still needs: 700 KiB in, 800 KiB more to come, a 1 MiB mark, and it sleeps
+forever (it did, in the bench's first floor under a mark). Every replication socket has a
+timeout; one without is read as before. A TLS socket's reads are OpenSSL's records, not the
+frame's bytes, and the test doubles that feed a channel bytes by hand have no such option.
 """
 
 from __future__ import annotations
@@ -46,12 +52,13 @@ class ReceiveMark:
         self._current = 1
 
     def bulk(self, need: int) -> bool:
-        """Whether a read of ``need`` bytes is marked: at least two marks' worth."""
+        """Whether a read of ``need`` bytes is marked: at least two marks' worth, on a socket
+        with a timeout now (see the module's docstring for why not a blocking one)."""
         if need < 2 * RECV_MARK:
             return False
         if self._mark is None:
             self._mark = _mark_for(self._sock)
-        return self._mark > 0
+        return self._mark > 0 and self._sock.gettimeout() is not None
 
     def left(self, remaining: int) -> None:
         """Before each receive of a marked read: wake for the mark, or for the last

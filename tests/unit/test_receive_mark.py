@@ -4,6 +4,7 @@ never holds up what comes after (``elasticd/replication/wakeups.py``), over real
 from __future__ import annotations
 
 import os
+import struct
 import socket
 import threading
 import time
@@ -128,3 +129,48 @@ def test_only_plain_tcp_sockets_with_room_for_a_mark_are_marked(pair):
     finally:
         for sock in (left, right, tight):
             sock.close()
+
+
+def test_a_blocking_socket_is_not_marked(pair):
+    """Why (the kernel's behaviour the rule rests on, shown below): a blocking receive that
+    copied part of what it asked for sleeps until a whole mark of new bytes waits."""
+    _, receiver = pair
+    receiver.settimeout(None)
+    assert not ReceiveMark(receiver).bulk(8 << 20)
+    receiver.settimeout(5)
+    assert ReceiveMark(receiver).bulk(8 << 20)
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_under_a_mark_only_a_blocking_receive_waits_on_bytes_that_will_not_come(pair, blocking):
+    """Both receive as the channel does (the mark lowered to what is left before each
+    receive); 700 KiB wait before the first, 800 KiB more land 0.2 s later, then nothing."""
+    sender, receiver = pair
+    if blocking:  # bounded in the kernel (2 s), so that the wait the test expects ends
+        receiver.settimeout(None)
+        receiver.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("@ll", 2, 0))
+    else:
+        receiver.settimeout(5)
+    first, second = RECV_MARK * 7 // 10, RECV_MARK * 8 // 10  # less than a mark each
+    sender.sendall(b"a" * first)
+    time.sleep(0.2)  # all of it waits before the receive starts: copied, then the wait
+
+    def rest() -> None:
+        time.sleep(0.2)
+        sender.sendall(b"b" * second)
+
+    thread = threading.Thread(target=rest)
+    thread.start()
+    buf = memoryview(bytearray(first + second))
+    got, start = 0, time.monotonic()
+    while got < len(buf):
+        left = len(buf) - got
+        receiver.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, min(RECV_MARK, left))
+        got += receiver.recv_into(buf[got:])
+    took = time.monotonic() - start
+    thread.join()
+    assert bytes(buf) == b"a" * first + b"b" * second
+    if blocking:  # it had 700 KiB in hand and slept until a mark of new bytes, or the bound
+        assert took >= 1.8, took
+    else:  # each poll weighs every byte waiting against the mark
+        assert took < 1.5, took
