@@ -75,7 +75,6 @@ from elasticd.replication.transport import ReplicaServer
 from elasticd.replication.wakeups import RECV_MARK
 
 SECRET = b"bench-secret-0123456789abcdef"
-MARK = RECV_MARK
 JOB, RANK = "bench", 0
 CHUNK = 4 << 20
 PAGE = 4096
@@ -232,7 +231,7 @@ def main() -> None:
 
         def marked() -> None:  # the floor under elasticd's receive mark (wakeups.py)
             raw.sendall(b"v")
-            verified_floor.receive(raw, buf[:total], mark=MARK)
+            verified_floor.receive(raw, buf[:total], mark=RECV_MARK)
 
         def plain() -> None:
             raw.sendall(b"g")
@@ -267,7 +266,8 @@ def main() -> None:
             ("torch.load, cold (fadvise DONTNEED)", cold_s)]
     med = {name: statistics.median(s) for name, s in rows}
     peer_med, floor_med = med[names["peer"]], med[names["floor"]]
-    warm_med, cold_med = med["torch.load, page cache warm"], med[rows[5][0]]
+    warm_med = med["torch.load, page cache warm"]
+    cold_med = med["torch.load, cold (fadvise DONTNEED)"]
     gib = total / (1 << 30)
     print(f"restore of {args.mib} MiB in {len(sizes)} tensors ({total} bytes with header), "
           f"median of {args.repeat}")

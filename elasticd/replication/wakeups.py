@@ -7,7 +7,7 @@ large read makes the kernel wake the reader only once :data:`RECV_MARK` bytes wa
 DATA frame is a handful of large receives instead of dozens. On this 2-core host that alone
 made the verified floor's own receiver 1.2-1.3x faster (bench/results/restore44/spike/lowat.txt).
 
-Two rules keep a raised mark from ever waiting on bytes that will not come:
+Three rules keep a raised mark from ever waiting on bytes that will not come, the third below:
 
 * for the last part of a read the mark is lowered to exactly what is left of it, and after the
   read (however it ends) back to 1, so the next frame header, or a short final frame, is read
@@ -17,7 +17,7 @@ Two rules keep a raised mark from ever waiting on bytes that will not come:
   window slows a transfer, never stalls it. A peer that closes or stalls mid-read ends the
   wait as before (end of stream, or the socket's timeout).
 
-Only plain TCP sockets with a timeout are marked. With a timeout, Python polls before each
+Third: only plain TCP sockets with a timeout are marked. With a timeout, Python polls before each
 receive and then takes what is there without waiting, and the kernel judges each poll by the
 bytes waiting against the mark, which is never more than the read still needs. A blocking
 receive instead copies what is there and then sleeps until a whole mark of *new* bytes waits,

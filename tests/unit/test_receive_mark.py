@@ -3,8 +3,10 @@ never holds up what comes after (``elasticd/replication/wakeups.py``), over real
 
 from __future__ import annotations
 
+import fcntl
 import os
 import struct
+import termios
 import socket
 import threading
 import time
@@ -141,10 +143,23 @@ def test_a_blocking_socket_is_not_marked(pair):
     assert ReceiveMark(receiver).bulk(8 << 20)
 
 
+def queued(sock: socket.socket) -> int:
+    """Bytes waiting in ``sock``'s receive queue, not yet copied out."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))[0]
+
+
+def wait_until(condition, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.005)
+
+
 @pytest.mark.parametrize("blocking", [True, False])
 def test_under_a_mark_only_a_blocking_receive_waits_on_bytes_that_will_not_come(pair, blocking):
     """Both receive as the channel does (the mark lowered to what is left before each
-    receive); 700 KiB wait before the first, 800 KiB more land 0.2 s later, then nothing."""
+    receive): 700 KiB wait before the first receive, 800 KiB more come after it, then
+    nothing."""
     sender, receiver = pair
     if blocking:  # bounded in the kernel (2 s), so that the wait the test expects ends
         receiver.settimeout(None)
@@ -153,10 +168,13 @@ def test_under_a_mark_only_a_blocking_receive_waits_on_bytes_that_will_not_come(
         receiver.settimeout(5)
     first, second = RECV_MARK * 7 // 10, RECV_MARK * 8 // 10  # less than a mark each
     sender.sendall(b"a" * first)
-    time.sleep(0.2)  # all of it waits before the receive starts: copied, then the wait
+    wait_until(lambda: queued(receiver) == first, "the first part queued")
 
     def rest() -> None:
-        time.sleep(0.2)
+        if blocking:  # once the receive has copied the first part out, and sleeps
+            wait_until(lambda: queued(receiver) == 0, "the first part copied")
+        # Polled, the first part stays queued (under the mark) whether or not the receive has
+        # reached its poll yet: the outcome must be the same either way.
         sender.sendall(b"b" * second)
 
     thread = threading.Thread(target=rest)
